@@ -1,0 +1,10 @@
+# SHOAL_SANITIZE=address builds everything with ASan+UBSan; =thread with TSan.
+if(SHOAL_SANITIZE STREQUAL "address")
+  add_compile_options(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined)
+  add_link_options(-fsanitize=address,undefined)
+elseif(SHOAL_SANITIZE STREQUAL "thread")
+  add_compile_options(-fsanitize=thread -fno-omit-frame-pointer)
+  add_link_options(-fsanitize=thread)
+elseif(NOT SHOAL_SANITIZE STREQUAL "")
+  message(FATAL_ERROR "SHOAL_SANITIZE must be '', 'address' or 'thread', not '${SHOAL_SANITIZE}'")
+endif()

@@ -1,0 +1,126 @@
+// The device interface: everything the upper layers ask of a GPU.
+//
+// Two implementations: `cuda_device` (a CUDA GPU) and `host_device` (host
+// memory with executor threads as streams, which keeps GPU ordering exactly:
+// work enqueued on a stream runs after the enqueueing call returns).
+//
+// Thread-safety: every member function may be called from any thread at once.
+// Ordering semantics (the same on both backends):
+//   - work on one stream runs in the order it was enqueued;
+//   - record(e, s) marks the point in s after all work enqueued on s so far;
+//     e is complete once s has passed that point; re-recording moves it;
+//   - wait(s2, e) makes work enqueued on s2 afterwards start only after e is
+//     complete, without blocking the caller;
+//   - an event never recorded is complete.
+// Lifetimes: a stream or event is destroyed by its device's destroy_*; using
+// it afterwards gives shoal::invalid_argument. Pending work still completes.
+// Errors: bad arguments give shoal::invalid_argument, exhausted memory
+// shoal::out_of_memory, failing runtime calls shoal::backend_error.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "shoal/backend/shareable_handle.h"
+#include "shoal/backend/types.h"
+
+namespace shoal::backend {
+
+class device {
+ public:
+  device();
+  device(const device&) = delete;
+  device& operator=(const device&) = delete;
+  virtual ~device() = default;
+
+  [[nodiscard]] virtual device_kind kind() const noexcept = 0;
+  /// Index among devices of the same kind (CUDA device number; 0 for host).
+  [[nodiscard]] virtual int ordinal() const noexcept = 0;
+  /// Human-readable name, e.g. "NVIDIA H100 80GB HBM3" or "host".
+  [[nodiscard]] virtual std::string name() const = 0;
+  /// A number unique to this device object within the process, never reused.
+  [[nodiscard]] std::uint64_t serial() const noexcept { return serial_; }
+
+  // ---- plain segments --------------------------------------------------
+  /// Free and total memory as the device reports it.
+  [[nodiscard]] virtual memory_info memory() const = 0;
+  /// A new segment of at least `bytes` (> 0), aligned to 256 bytes or more.
+  virtual void* allocate_segment(std::size_t bytes) = 0;
+  /// Returns a segment to the device. `base` must be a pointer
+  /// allocate_segment returned and that was not freed since.
+  virtual void free_segment(void* base) = 0;
+
+  // ---- growable ranges: reserve addresses, map physical chunks ----------
+  /// Size and alignment unit of reservations, chunks and mappings.
+  [[nodiscard]] virtual std::size_t granularity() const noexcept = 0;
+  /// Reserves `bytes` (a multiple of granularity()) of address space with no
+  /// memory behind it.
+  virtual void* reserve_range(std::size_t bytes) = 0;
+  /// Gives a reservation back. Every mapping in it must be unmapped first.
+  virtual void release_range(void* base) = 0;
+  /// A physical chunk of `bytes` (a multiple of granularity()).
+  virtual physical_ref create_physical(std::size_t bytes) = 0;
+  /// Drops the chunk's handle. Mappings of it stay valid; its memory is
+  /// returned when the last mapping is unmapped.
+  virtual void release_physical(physical_ref chunk) = 0;
+  /// Maps the whole chunk at `address`, which must lie, with the chunk's
+  /// size, inside one reservation, granularity-aligned and not yet mapped.
+  virtual void map(void* address, physical_ref chunk) = 0;
+  /// Unmaps the chunk mapped at `address`.
+  virtual void unmap(void* address) = 0;
+
+  // ---- streams ----------------------------------------------------------
+  virtual stream_ref create_stream() = 0;
+  /// Destroys a stream created by create_stream; its pending work completes.
+  virtual void destroy_stream(stream_ref stream) = 0;
+  /// Blocks until all work enqueued on `stream` has run. Throws
+  /// shoal::stream_error if any of it failed.
+  virtual void synchronize(stream_ref stream) = 0;
+  /// True when all work enqueued on `stream` has run.
+  [[nodiscard]] virtual bool query(stream_ref stream) = 0;
+
+  // ---- events -----------------------------------------------------------
+  /// A new event (timing disabled).
+  virtual event_ref create_event() = 0;
+  virtual void destroy_event(event_ref event) = 0;
+  virtual void record(event_ref event, stream_ref stream) = 0;
+  /// True when `event` is complete.
+  [[nodiscard]] virtual bool query_event(event_ref event) = 0;
+  /// Blocks the calling thread until `event` is complete.
+  virtual void synchronize_event(event_ref event) = 0;
+  /// Work enqueued on `stream` from now on waits for `event` (GPU-side).
+  virtual void wait(stream_ref stream, event_ref event) = 0;
+
+  // ---- work on a stream -------------------------------------------------
+  /// Copies `bytes` from `src` to `dst` in stream order. Either may be
+  /// device memory of this device or ordinary host memory.
+  virtual void copy(stream_ref stream, void* dst, const void* src, std::size_t bytes) = 0;
+  /// Sets `bytes` bytes at `dst` (device memory) to `value` in stream order.
+  virtual void fill(stream_ref stream, void* dst, std::uint8_t value, std::size_t bytes) = 0;
+  /// Keeps the stream busy for `duration`: a spinning kernel on CUDA, a
+  /// sleeping executor on host. Stands in for a long-running kernel.
+  virtual void delay(stream_ref stream, std::chrono::microseconds duration) = 0;
+  /// Runs `task` on a host thread when the stream reaches it. The task must
+  /// not call into the device (CUDA forbids it in host functions). If it
+  /// throws, the next synchronize of the stream throws shoal::stream_error.
+  virtual void host_task(stream_ref stream, std::function<void()> task) = 0;
+
+  // ---- sharing with other processes --------------------------------------
+  /// Describes the segment or mapped chunk that contains `ptr` so another
+  /// process can map it; handle.offset locates `ptr` inside it.
+  [[nodiscard]] virtual shareable_handle export_memory(const void* ptr) = 0;
+  /// Maps memory exported by another process; returns the pointer that was
+  /// exported (base + offset). Each import is closed by close_import.
+  /// Importing in the exporting process itself is refused on CUDA.
+  virtual void* import_memory(const shareable_handle& handle) = 0;
+  /// Unmaps an import. `ptr` must be what import_memory returned.
+  virtual void close_import(void* ptr) = 0;
+
+ private:
+  std::uint64_t serial_;
+};
+
+}  // namespace shoal::backend

@@ -1,0 +1,78 @@
+// The host backend: the device contract implemented with host memory.
+//
+// Segments and physical chunks are memfd files mapped with mmap, so they can
+// be shared with other processes by fd; a reservation is a PROT_NONE range in
+// which chunks are mapped with MAP_FIXED. Each stream is an in-order executor
+// thread: work enqueued on it runs after the call returns, so the races a GPU
+// allows happen here too. Events mark a point in a stream's sequence of work;
+// a stream waiting on an event blocks its own executor until the other stream
+// has passed that point.
+//
+// Thread-safety: as for every device, all members may be called concurrently.
+// Invariant: used bytes (segments + live chunks) never exceed capacity_bytes;
+// a request that would pass it throws shoal::out_of_memory.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "shoal/backend/device.h"
+
+namespace shoal::backend {
+
+struct host_device_options {
+  /// Memory the device pretends to have. 0: half of the machine's memory.
+  std::size_t capacity_bytes = 0;
+};
+
+namespace detail {
+struct host_state;
+}
+
+class host_device final : public device {
+ public:
+  explicit host_device(host_device_options options = {});
+  ~host_device() override;
+
+  [[nodiscard]] device_kind kind() const noexcept override { return device_kind::host; }
+  [[nodiscard]] int ordinal() const noexcept override { return 0; }
+  [[nodiscard]] std::string name() const override { return "host"; }
+
+  [[nodiscard]] memory_info memory() const override;
+  void* allocate_segment(std::size_t bytes) override;
+  void free_segment(void* base) override;
+
+  [[nodiscard]] std::size_t granularity() const noexcept override;
+  void* reserve_range(std::size_t bytes) override;
+  void release_range(void* base) override;
+  physical_ref create_physical(std::size_t bytes) override;
+  void release_physical(physical_ref chunk) override;
+  void map(void* address, physical_ref chunk) override;
+  void unmap(void* address) override;
+
+  stream_ref create_stream() override;
+  void destroy_stream(stream_ref stream) override;
+  void synchronize(stream_ref stream) override;
+  [[nodiscard]] bool query(stream_ref stream) override;
+
+  event_ref create_event() override;
+  void destroy_event(event_ref event) override;
+  void record(event_ref event, stream_ref stream) override;
+  [[nodiscard]] bool query_event(event_ref event) override;
+  void synchronize_event(event_ref event) override;
+  void wait(stream_ref stream, event_ref event) override;
+
+  void copy(stream_ref stream, void* dst, const void* src, std::size_t bytes) override;
+  void fill(stream_ref stream, void* dst, std::uint8_t value, std::size_t bytes) override;
+  void delay(stream_ref stream, std::chrono::microseconds duration) override;
+  void host_task(stream_ref stream, std::function<void()> task) override;
+
+  [[nodiscard]] shareable_handle export_memory(const void* ptr) override;
+  void* import_memory(const shareable_handle& handle) override;
+  void close_import(void* ptr) override;
+
+ private:
+  std::unique_ptr<detail::host_state> state_;
+};
+
+}  // namespace shoal::backend

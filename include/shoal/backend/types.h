@@ -1,0 +1,50 @@
+// Small value types of the device interface: which backend, and the opaque
+// references to streams, events and physical memory chunks a device hands out.
+//
+// References are plain values, safe to copy between threads. They are only
+// meaningful to the device that created them; using one after it was
+// destroyed gives shoal::invalid_argument.
+#pragma once
+
+#include <compare>
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace shoal::backend {
+
+enum class device_kind : std::uint8_t { host = 1, cuda = 2 };
+
+[[nodiscard]] constexpr std::string_view to_string(device_kind kind) noexcept {
+  return kind == device_kind::host ? "host" : "cuda";
+}
+
+/// A stream: an in-order queue of device work. The null reference is the
+/// device's default stream.
+struct stream_ref {
+  void* native = nullptr;
+  [[nodiscard]] bool is_default() const noexcept { return native == nullptr; }
+  friend auto operator<=>(const stream_ref&, const stream_ref&) = default;
+};
+
+/// An event: a marker recorded into a stream, complete once the stream has
+/// passed it. An event never recorded counts as complete.
+struct event_ref {
+  void* native = nullptr;
+  friend auto operator<=>(const event_ref&, const event_ref&) = default;
+};
+
+/// A chunk of physical device memory that can be mapped into a reserved
+/// address range (and exported by fd).
+struct physical_ref {
+  std::uint64_t native = 0;
+  friend auto operator<=>(const physical_ref&, const physical_ref&) = default;
+};
+
+/// Device memory as the device itself reports it.
+struct memory_info {
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+};
+
+}  // namespace shoal::backend

@@ -1,0 +1,75 @@
+// Typed errors thrown by every shoal layer.
+//
+// Each message says what was asked, what was found, and what to do about it.
+// Library code never calls exit() or abort() on a recoverable error: it throws
+// one of these. All types are immutable after construction and safe to share
+// between threads.
+#pragma once
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+namespace shoal {
+
+/// Base of every error shoal throws.
+class error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// The caller passed something the operation cannot accept: a zero size, a
+/// pointer shoal did not hand out, a handle that was already closed, a
+/// malformed message. Nothing was changed.
+class invalid_argument : public error {
+ public:
+  using error::error;
+};
+
+/// The device (or the configured limit) cannot provide the memory asked for.
+class out_of_memory : public error {
+ public:
+  out_of_memory(const std::string& what, std::size_t requested_bytes)
+      : error(what), requested_bytes_(requested_bytes) {}
+  /// Bytes the failed request asked for.
+  [[nodiscard]] std::size_t requested_bytes() const noexcept { return requested_bytes_; }
+
+ private:
+  std::size_t requested_bytes_;
+};
+
+/// The requested backend or device does not exist here: no CUDA driver, no
+/// CUDA device, an ordinal past the device count, or a build without CUDA.
+class device_unavailable : public error {
+ public:
+  using error::error;
+};
+
+/// A call into the device runtime or the operating system failed. `call()`
+/// names the call, `detail()` holds its own error text (CUDA's error string,
+/// or strerror(errno)).
+class backend_error : public error {
+ public:
+  backend_error(std::string call, std::string detail);
+  [[nodiscard]] const std::string& call() const noexcept { return call_; }
+  [[nodiscard]] const std::string& detail() const noexcept { return detail_; }
+
+ private:
+  std::string call_;
+  std::string detail_;
+};
+
+/// Work enqueued on a stream failed after the call that enqueued it returned
+/// (a host task threw, a kernel faulted). Reported by the next synchronize.
+class stream_error : public error {
+ public:
+  using error::error;
+};
+
+/// The process at the other end of a connection closed it or died.
+class connection_closed : public error {
+ public:
+  using error::error;
+};
+
+}  // namespace shoal

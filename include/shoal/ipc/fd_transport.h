@@ -1,0 +1,31 @@
+// Messages with an optional file descriptor over a connected UNIX stream
+// socket: a 4-byte length, the payload, and the descriptor sent with the
+// first byte (SCM_RIGHTS).
+//
+// Thread-safety: one sender and one receiver per socket at a time.
+// A length above the receiver's limit, or more descriptors than one, is
+// malformed input: invalid_argument, with every received descriptor closed.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "shoal/unique_fd.h"
+
+namespace shoal::ipc {
+
+struct message {
+  std::vector<std::byte> payload;
+  unique_fd fd;  ///< the descriptor that came with the message, if any
+};
+
+/// Sends `payload` and, when `fd` >= 0, a copy of `fd`. Blocks until sent.
+/// Throws connection_closed if the peer is gone, backend_error otherwise.
+void send_message(int socket, std::span<const std::byte> payload, int fd = -1);
+
+/// Receives one message of at most `max_payload` bytes. Throws
+/// connection_closed on end of stream, invalid_argument on a malformed one.
+[[nodiscard]] message receive_message(int socket, std::size_t max_payload);
+
+}  // namespace shoal::ipc

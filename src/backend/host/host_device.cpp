@@ -1,0 +1,213 @@
+#include "shoal/backend/host_device.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+
+#include "backend/host/host_executor.h"
+#include "backend/host/host_memory.h"
+#include "shoal/error.h"
+
+namespace shoal::backend {
+
+namespace detail {
+
+// An event is a point (ticket) in one stream; unrecorded events point nowhere.
+struct host_event {
+  std::mutex mutex;
+  std::shared_ptr<host_executor> stream;  // guarded by mutex
+  std::uint64_t ticket = 0;               // guarded by mutex
+};
+
+struct event_point {
+  std::shared_ptr<host_executor> stream;
+  std::uint64_t ticket = 0;
+  [[nodiscard]] bool passed() const { return !stream || stream->completed() >= ticket; }
+};
+
+struct host_state {
+  explicit host_state(std::size_t capacity) : memory(capacity), default_stream(std::make_shared<host_executor>()) {}
+
+  host_memory memory;
+  std::shared_ptr<host_executor> default_stream;
+  // Streams and events are looked up here on every use, so a destroyed or
+  // foreign reference gives invalid_argument instead of a crash. Executors
+  // are shared with the events recorded on them, which may outlive them.
+  std::shared_mutex registry_mutex;
+  std::unordered_map<void*, std::shared_ptr<host_executor>> streams;
+  std::unordered_map<void*, std::unique_ptr<host_event>> events;
+
+  std::shared_ptr<host_executor> find(stream_ref s) {
+    if (s.is_default()) return default_stream;
+    std::shared_lock lock(registry_mutex);
+    const auto it = streams.find(s.native);
+    if (it == streams.end()) throw invalid_argument("stream " + describe(s.native) + " is not a live stream of this host device");
+    return it->second;
+  }
+
+  event_point point_of(event_ref e) {
+    std::shared_lock lock(registry_mutex);
+    host_event& ev = find_locked(e);
+    std::lock_guard event_lock(ev.mutex);
+    return {ev.stream, ev.ticket};
+  }
+
+  host_event& find_locked(event_ref e) {
+    const auto it = events.find(e.native);
+    if (it == events.end()) throw invalid_argument("event " + describe(e.native) + " is not a live event of this host device");
+    return *it->second;
+  }
+
+  static std::string describe(const void* p) {
+    std::ostringstream out;
+    out << p;
+    return out.str();
+  }
+};
+
+namespace {
+
+std::size_t default_capacity() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return std::size_t{4} << 30;
+  return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 2;
+}
+
+void require_pointers(const char* op, const void* a, const void* b, std::size_t bytes) {
+  if (bytes > 0 && (a == nullptr || b == nullptr)) {
+    throw invalid_argument(std::string(op) + ": null pointer with " + std::to_string(bytes) + " bytes to move");
+  }
+}
+
+}  // namespace
+}  // namespace detail
+
+host_device::host_device(host_device_options options)
+    : state_(std::make_unique<detail::host_state>(options.capacity_bytes != 0 ? options.capacity_bytes
+                                                                              : detail::default_capacity())) {}
+
+host_device::~host_device() = default;
+
+memory_info host_device::memory() const { return state_->memory.info(); }
+void* host_device::allocate_segment(std::size_t bytes) { return state_->memory.allocate_segment(bytes); }
+void host_device::free_segment(void* base) { state_->memory.free_segment(base); }
+
+std::size_t host_device::granularity() const noexcept { return detail::host_memory::chunk_granularity; }
+void* host_device::reserve_range(std::size_t bytes) { return state_->memory.reserve_range(bytes); }
+void host_device::release_range(void* base) { state_->memory.release_range(base); }
+physical_ref host_device::create_physical(std::size_t bytes) { return state_->memory.create_physical(bytes); }
+void host_device::release_physical(physical_ref chunk) { state_->memory.release_physical(chunk); }
+void host_device::map(void* address, physical_ref chunk) { state_->memory.map(address, chunk); }
+void host_device::unmap(void* address) { state_->memory.unmap(address); }
+
+stream_ref host_device::create_stream() {
+  auto executor = std::make_shared<detail::host_executor>();
+  void* key = executor.get();
+  std::unique_lock lock(state_->registry_mutex);
+  state_->streams.emplace(key, std::move(executor));
+  return stream_ref{key};
+}
+
+void host_device::destroy_stream(stream_ref s) {
+  if (s.is_default()) throw invalid_argument("destroy_stream: the default stream cannot be destroyed");
+  std::shared_ptr<detail::host_executor> executor;
+  {
+    std::unique_lock lock(state_->registry_mutex);
+    const auto it = state_->streams.find(s.native);
+    if (it == state_->streams.end()) {
+      throw invalid_argument("destroy_stream: " + detail::host_state::describe(s.native) +
+                             " is not a live stream of this host device (destroyed already?)");
+    }
+    executor = std::move(it->second);
+    state_->streams.erase(it);
+  }
+  // Dropped outside the lock: the last owner's destructor runs the remaining
+  // work, which may take a while.
+  executor.reset();
+}
+
+void host_device::synchronize(stream_ref s) {
+  const auto executor = state_->find(s);
+  executor->wait_for(executor->submitted());
+  if (std::string failure = executor->take_error(); !failure.empty()) {
+    throw stream_error("work on a host stream failed: " + failure);
+  }
+}
+
+bool host_device::query(stream_ref s) {
+  const auto executor = state_->find(s);
+  return executor->completed() >= executor->submitted();
+}
+
+event_ref host_device::create_event() {
+  auto ev = std::make_unique<detail::host_event>();
+  void* key = ev.get();
+  std::unique_lock lock(state_->registry_mutex);
+  state_->events.emplace(key, std::move(ev));
+  return event_ref{key};
+}
+
+void host_device::destroy_event(event_ref e) {
+  std::unique_lock lock(state_->registry_mutex);
+  if (state_->events.erase(e.native) == 0) {
+    throw invalid_argument("destroy_event: " + detail::host_state::describe(e.native) +
+                           " is not a live event of this host device (destroyed already?)");
+  }
+}
+
+void host_device::record(event_ref e, stream_ref s) {
+  auto executor = state_->find(s);
+  std::shared_lock lock(state_->registry_mutex);
+  detail::host_event& ev = state_->find_locked(e);
+  std::lock_guard event_lock(ev.mutex);
+  ev.ticket = executor->submitted();
+  ev.stream = std::move(executor);
+}
+
+bool host_device::query_event(event_ref e) { return state_->point_of(e).passed(); }
+
+void host_device::synchronize_event(event_ref e) {
+  const detail::event_point point = state_->point_of(e);
+  if (point.stream) point.stream->wait_for(point.ticket);
+}
+
+void host_device::wait(stream_ref s, event_ref e) {
+  const auto waiter = state_->find(s);
+  detail::event_point point = state_->point_of(e);
+  if (point.passed() || point.stream == waiter) return;  // nothing to wait for; same stream is already ordered
+  waiter->submit([point = std::move(point)] { point.stream->wait_for(point.ticket); });
+}
+
+void host_device::copy(stream_ref s, void* dst, const void* src, std::size_t bytes) {
+  detail::require_pointers("copy", dst, src, bytes);
+  if (bytes == 0) return;
+  state_->find(s)->submit([=] { std::memmove(dst, src, bytes); });
+}
+
+void host_device::fill(stream_ref s, void* dst, std::uint8_t value, std::size_t bytes) {
+  detail::require_pointers("fill", dst, dst, bytes);
+  if (bytes == 0) return;
+  state_->find(s)->submit([=] { std::memset(dst, value, bytes); });
+}
+
+void host_device::delay(stream_ref s, std::chrono::microseconds duration) {
+  state_->find(s)->submit([=] { std::this_thread::sleep_for(duration); });
+}
+
+void host_device::host_task(stream_ref s, std::function<void()> task) {
+  if (!task) throw invalid_argument("host_task: the task is empty");
+  state_->find(s)->submit(std::move(task));
+}
+
+shareable_handle host_device::export_memory(const void* ptr) { return state_->memory.export_memory(ptr); }
+void* host_device::import_memory(const shareable_handle& handle) { return state_->memory.import_memory(handle); }
+void host_device::close_import(void* ptr) { state_->memory.close_import(ptr); }
+
+}  // namespace shoal::backend

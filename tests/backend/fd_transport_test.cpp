@@ -1,0 +1,66 @@
+// Messages with descriptors over a UNIX socket pair.
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "shoal/error.h"
+#include "shoal/ipc/fd_transport.h"
+
+namespace shoal::testing {
+namespace {
+
+struct socket_pair {
+  socket_pair() {
+    int fds[2];
+    EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
+    a.reset(fds[0]);
+    b.reset(fds[1]);
+  }
+  unique_fd a, b;
+};
+
+std::vector<std::byte> bytes_of(const char* s) {
+  const auto* p = reinterpret_cast<const std::byte*>(s);
+  return {p, p + std::strlen(s)};
+}
+
+TEST(fd_transport, carries_payload_and_descriptor) {
+  socket_pair pair;
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
+  unique_fd read_end(pipe_fds[0]), write_end(pipe_fds[1]);
+  ipc::send_message(pair.a.get(), bytes_of("hello"), write_end.get());
+  ipc::send_message(pair.a.get(), bytes_of(""));
+  ipc::message first = ipc::receive_message(pair.b.get(), 64);
+  EXPECT_EQ(first.payload, bytes_of("hello"));
+  ASSERT_TRUE(first.fd.valid());
+  ASSERT_EQ(::write(first.fd.get(), "x", 1), 1) << "the received descriptor is the pipe's write end";
+  char c = 0;
+  ASSERT_EQ(::read(read_end.get(), &c, 1), 1);
+  EXPECT_EQ(c, 'x');
+  const ipc::message second = ipc::receive_message(pair.b.get(), 64);
+  EXPECT_TRUE(second.payload.empty());
+  EXPECT_FALSE(second.fd.valid());
+}
+
+TEST(fd_transport, an_oversized_message_is_refused) {
+  socket_pair pair;
+  ipc::send_message(pair.a.get(), std::vector<std::byte>(100));
+  EXPECT_THROW((void)ipc::receive_message(pair.b.get(), 99), invalid_argument);
+}
+
+TEST(fd_transport, a_closed_peer_is_reported) {
+  socket_pair pair;
+  const std::uint16_t half_header = 7;
+  ASSERT_EQ(::write(pair.a.get(), &half_header, sizeof half_header), 2);
+  pair.a.reset();
+  EXPECT_THROW((void)ipc::receive_message(pair.b.get(), 64), connection_closed);
+  EXPECT_THROW(ipc::send_message(pair.b.get(), bytes_of("late")), connection_closed);
+}
+
+}  // namespace
+}  // namespace shoal::testing

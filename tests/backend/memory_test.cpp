@@ -1,0 +1,141 @@
+// Segments, growable ranges and the typed errors for bad arguments.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <memory>
+
+#include "shoal/backend/host_device.h"
+#include "shoal/error.h"
+#include "support/backends.h"
+
+namespace shoal::testing {
+namespace {
+
+template <class Backend>
+using memory_test = backend_test<Backend>;
+TYPED_TEST_SUITE(memory_test, backend_types, backend_names);
+
+TYPED_TEST(memory_test, a_segment_holds_what_is_written_to_it) {
+  auto& dev = this->device();
+  constexpr std::size_t bytes = 3 * 4096 + 17;
+  void* p = dev.allocate_segment(bytes);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 256, 0u);
+  std::vector<std::uint8_t> pattern(bytes);
+  for (std::size_t i = 0; i < bytes; ++i) pattern[i] = static_cast<std::uint8_t>(i * 7);
+  dev.copy({}, p, pattern.data(), bytes);
+  EXPECT_EQ(this->read(p, bytes), pattern);
+  dev.free_segment(p);
+}
+
+TYPED_TEST(memory_test, memory_info_is_consistent) {
+  const auto info = this->device().memory();
+  EXPECT_GT(info.total_bytes, 0u);
+  EXPECT_LE(info.free_bytes, info.total_bytes);
+}
+
+TYPED_TEST(memory_test, bad_sizes_give_typed_errors) {
+  auto& dev = this->device();
+  EXPECT_THROW(dev.allocate_segment(0), invalid_argument);
+  EXPECT_THROW(dev.allocate_segment(std::size_t{1} << 50), out_of_memory);
+  EXPECT_THROW(dev.allocate_segment(~std::size_t{0}), out_of_memory);
+  EXPECT_THROW(dev.reserve_range(0), invalid_argument);
+  EXPECT_THROW(dev.reserve_range(dev.granularity() + 1), invalid_argument);
+  EXPECT_THROW(dev.create_physical(dev.granularity() / 2), invalid_argument);
+  // The device is still usable after each refusal.
+  void* p = dev.allocate_segment(64);
+  dev.free_segment(p);
+}
+
+TYPED_TEST(memory_test, foreign_and_freed_pointers_give_typed_errors) {
+  auto& dev = this->device();
+  int on_stack = 0;
+  auto on_heap = std::make_unique<char[]>(4096);
+  EXPECT_THROW(dev.free_segment(&on_stack), invalid_argument);
+  EXPECT_THROW(dev.free_segment(on_heap.get()), invalid_argument);
+  EXPECT_THROW((void)dev.export_memory(on_heap.get()), invalid_argument);
+  EXPECT_THROW(dev.close_import(on_heap.get()), invalid_argument);
+  EXPECT_THROW(dev.unmap(on_heap.get()), invalid_argument);
+  EXPECT_THROW(dev.release_range(on_heap.get()), invalid_argument);
+
+  void* p = dev.allocate_segment(4096);
+  EXPECT_THROW(dev.free_segment(static_cast<char*>(p) + 256), invalid_argument) << "an interior pointer is not a segment";
+  dev.free_segment(p);
+  EXPECT_THROW(dev.free_segment(p), invalid_argument) << "double free";
+  EXPECT_THROW(dev.release_physical(backend::physical_ref{0xdead}), invalid_argument);
+}
+
+TYPED_TEST(memory_test, chunks_mapped_into_a_reservation_grow_it) {
+  auto& dev = this->device();
+  const std::size_t g = dev.granularity();
+  auto* base = static_cast<std::uint8_t*>(dev.reserve_range(4 * g));
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(base) % g, 0u);
+  const auto first = dev.create_physical(g);
+  const auto second = dev.create_physical(2 * g);
+  dev.map(base, first);
+  dev.fill({}, base, 0x11, g);
+  dev.map(base + g, second);  // the range grows; the first chunk keeps its bytes
+  dev.fill({}, base + g, 0x22, 2 * g);
+  EXPECT_TRUE(all_equal(this->read(base, g), 0x11));
+  EXPECT_TRUE(all_equal(this->read(base + g, 2 * g), 0x22));
+
+  // Physical memory outlives its mapping: unmapped and mapped elsewhere, the
+  // chunk still holds its bytes.
+  dev.unmap(base);
+  dev.map(base + 3 * g, first);
+  EXPECT_TRUE(all_equal(this->read(base + 3 * g, g), 0x11));
+
+  // Releasing a chunk's handle keeps its mapping valid.
+  dev.release_physical(first);
+  EXPECT_TRUE(all_equal(this->read(base + 3 * g, g), 0x11));
+  EXPECT_THROW(dev.map(base, first), invalid_argument) << "a released chunk cannot be mapped again";
+
+  EXPECT_THROW(dev.release_range(base), invalid_argument) << "chunks are still mapped";
+  dev.unmap(base + 3 * g);
+  dev.unmap(base + g);
+  dev.release_physical(second);
+  dev.release_range(base);
+}
+
+TYPED_TEST(memory_test, mapping_outside_misaligned_or_overlapping_is_refused) {
+  auto& dev = this->device();
+  const std::size_t g = dev.granularity();
+  auto* base = static_cast<std::uint8_t*>(dev.reserve_range(2 * g));
+  const auto one = dev.create_physical(g);
+  const auto two = dev.create_physical(2 * g);
+  EXPECT_THROW(dev.map(base + 4096, one), invalid_argument) << "misaligned";
+  EXPECT_THROW(dev.map(base + g, two), invalid_argument) << "runs past the reservation";
+  EXPECT_THROW(dev.map(base + 2 * g, one), invalid_argument) << "outside the reservation";
+  dev.map(base + g, one);
+  EXPECT_THROW(dev.map(base, two), invalid_argument) << "overlaps the mapped chunk";
+  EXPECT_THROW(dev.unmap(base), invalid_argument) << "nothing mapped there";
+  dev.unmap(base + g);
+  dev.release_physical(one);
+  dev.release_physical(two);
+  dev.release_range(base);
+}
+
+TEST(host_device, capacity_is_enforced_and_given_back) {
+  backend::host_device dev({.capacity_bytes = 8 << 20});
+  void* a = dev.allocate_segment(6 << 20);
+  EXPECT_EQ(dev.memory().free_bytes, std::size_t{2} << 20);
+  try {
+    (void)dev.allocate_segment(4 << 20);
+    FAIL() << "expected out_of_memory";
+  } catch (const out_of_memory& e) {
+    EXPECT_EQ(e.requested_bytes(), std::size_t{4} << 20);
+  }
+  const auto chunk = dev.create_physical(2 << 20);
+  EXPECT_THROW((void)dev.create_physical(2 << 20), out_of_memory);
+  void* range = dev.reserve_range(2 << 20);
+  dev.map(range, chunk);
+  dev.release_physical(chunk);
+  EXPECT_EQ(dev.memory().free_bytes, 0u) << "a mapped chunk still holds its memory";
+  dev.unmap(range);
+  EXPECT_EQ(dev.memory().free_bytes, std::size_t{2} << 20) << "the last unmap returns it";
+  dev.release_range(range);
+  dev.free_segment(a);
+  EXPECT_EQ(dev.memory().free_bytes, std::size_t{8} << 20);
+}
+
+}  // namespace
+}  // namespace shoal::testing

@@ -1,0 +1,192 @@
+// Ordering contract of streams and events, on every backend.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "shoal/backend/stream.h"
+#include "shoal/error.h"
+#include "support/backends.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using backend::event;
+using backend::stream;
+
+template <class Backend>
+class stream_event : public backend_test<Backend> {
+ protected:
+  void SetUp() override {
+    backend_test<Backend>::SetUp();
+    if (this->IsSkipped()) return;
+    buffer_ = this->device().allocate_segment(bytes);
+  }
+  void TearDown() override {
+    if (buffer_ != nullptr) this->device().free_segment(buffer_);
+  }
+  static constexpr std::size_t bytes = 1 << 20;
+  void* buffer_ = nullptr;
+};
+TYPED_TEST_SUITE(stream_event, backend_types, backend_names);
+
+TYPED_TEST(stream_event, work_runs_after_the_call_returns_and_in_order) {
+  auto& dev = this->device();
+  stream s(dev);
+  dev.delay(s, 100ms);
+  dev.fill(s, this->buffer_, 0xAA, this->bytes);
+  EXPECT_FALSE(dev.query(s)) << "the delay must still be running when the call returns";
+  const auto first = this->read(this->buffer_, this->bytes, s);
+  dev.fill(s, this->buffer_, 0xBB, this->bytes);
+  const auto second = this->read(this->buffer_, this->bytes, s);
+  EXPECT_TRUE(all_equal(first, 0xAA));
+  EXPECT_TRUE(all_equal(second, 0xBB));
+  EXPECT_TRUE(dev.query(s));
+}
+
+TYPED_TEST(stream_event, a_stream_waiting_on_an_event_sees_the_other_streams_writes) {
+  auto& dev = this->device();
+  stream producer(dev);
+  stream consumer(dev);
+  event written(dev);
+  dev.fill(producer, this->buffer_, 0x00, this->bytes);
+  dev.synchronize(producer);
+  dev.delay(producer, 100ms);
+  dev.fill(producer, this->buffer_, 0x5A, this->bytes);
+  written.record(producer);
+  dev.wait(consumer, written);
+  EXPECT_TRUE(all_equal(this->read(this->buffer_, this->bytes, consumer), 0x5A));
+}
+
+TYPED_TEST(stream_event, without_a_wait_another_stream_runs_ahead) {
+  // The hazard the allocator must guard against is real on this backend.
+  auto& dev = this->device();
+  stream producer(dev);
+  stream consumer(dev);
+  dev.fill(producer, this->buffer_, 0x00, this->bytes);
+  dev.synchronize(producer);
+  dev.delay(producer, 1000ms);
+  dev.fill(producer, this->buffer_, 0x5A, this->bytes);
+  const auto seen = this->read(this->buffer_, this->bytes, consumer);
+  ASSERT_FALSE(dev.query(producer)) << "the consumer finished while the producer was still delayed";
+  EXPECT_TRUE(all_equal(seen, 0x00)) << "the consumer read the producer's later write";
+  dev.synchronize(producer);
+}
+
+TYPED_TEST(stream_event, event_query_and_synchronize) {
+  auto& dev = this->device();
+  stream s(dev);
+  event e(dev);
+  EXPECT_TRUE(e.query()) << "an event never recorded is complete";
+  dev.delay(s, 100ms);
+  e.record(s);
+  EXPECT_FALSE(e.query());
+  e.synchronize();
+  EXPECT_TRUE(e.query());
+}
+
+TYPED_TEST(stream_event, recording_again_moves_the_event) {
+  auto& dev = this->device();
+  stream s(dev);
+  event e(dev);
+  e.record(s);
+  e.synchronize();
+  dev.delay(s, 100ms);
+  EXPECT_TRUE(e.query()) << "work enqueued after the record is not part of it";
+  e.record(s);
+  EXPECT_FALSE(e.query());
+  dev.synchronize(s);
+  EXPECT_TRUE(e.query());
+}
+
+TYPED_TEST(stream_event, waiting_on_an_event_does_not_block_the_caller) {
+  auto& dev = this->device();
+  stream a(dev);
+  stream b(dev);
+  event e(dev);
+  dev.delay(a, 500ms);
+  e.record(a);
+  const auto start = std::chrono::steady_clock::now();
+  dev.wait(b, e);
+  dev.fill(b, this->buffer_, 1, this->bytes);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 250ms);
+  EXPECT_FALSE(dev.query(b)) << "b must be held behind a's delay";
+  dev.synchronize(b);
+  EXPECT_TRUE(e.query());
+}
+
+TYPED_TEST(stream_event, host_tasks_run_in_stream_order_and_report_failures) {
+  auto& dev = this->device();
+  stream s(dev);
+  std::atomic<int> step{0};
+  int order_seen = -1;
+  dev.delay(s, 50ms);
+  dev.host_task(s, [&] { order_seen = step.fetch_add(1); });
+  EXPECT_EQ(step.load(), 0);
+  dev.host_task(s, [] { throw std::runtime_error("kernel stand-in failed"); });
+  try {
+    dev.synchronize(s);
+    FAIL() << "synchronize must report the failed task";
+  } catch (const stream_error& e) {
+    EXPECT_NE(std::string(e.what()).find("kernel stand-in failed"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(order_seen, 0);
+  dev.host_task(s, [&] { step.fetch_add(1); });
+  EXPECT_NO_THROW(dev.synchronize(s)) << "a reported failure is not reported twice";
+  EXPECT_EQ(step.load(), 2);
+}
+
+TYPED_TEST(stream_event, destroyed_or_foreign_streams_and_events_are_refused) {
+  auto& dev = this->device();
+  const backend::stream_ref s = dev.create_stream();
+  dev.destroy_stream(s);
+  EXPECT_THROW(dev.destroy_stream(s), invalid_argument);
+  EXPECT_THROW(dev.fill(s, this->buffer_, 0, 16), invalid_argument);
+  EXPECT_THROW(dev.synchronize(s), invalid_argument);
+  EXPECT_THROW(dev.destroy_stream(backend::stream_ref{}), invalid_argument) << "the default stream is not destroyable";
+  int not_a_stream = 0;
+  EXPECT_THROW(dev.synchronize(backend::stream_ref{&not_a_stream}), invalid_argument);
+
+  const backend::event_ref e = dev.create_event();
+  dev.destroy_event(e);
+  EXPECT_THROW(dev.destroy_event(e), invalid_argument);
+  EXPECT_THROW(dev.record(e, {}), invalid_argument);
+  EXPECT_THROW((void)dev.query_event(e), invalid_argument);
+  EXPECT_THROW(dev.wait({}, e), invalid_argument);
+}
+
+TYPED_TEST(stream_event, many_threads_enqueue_and_wait_at_once) {
+  // Each thread owns a stream and hands its buffer region to the next
+  // thread's stream through an event; run under TSan in CI.
+  auto& dev = this->device();
+  constexpr int threads = 4;
+  constexpr int rounds = 50;
+  constexpr std::size_t slice = TestFixture::bytes / threads;
+  std::vector<std::thread> workers;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      stream mine(dev);
+      stream other(dev);
+      event done(dev);
+      auto* region = static_cast<std::uint8_t*>(this->buffer_) + t * slice;
+      std::vector<std::uint8_t> out(slice);
+      for (int r = 0; r < rounds; ++r) {
+        const auto value = static_cast<std::uint8_t>(r * threads + t);
+        dev.fill(mine, region, value, slice);
+        done.record(mine);
+        dev.wait(other, done);
+        dev.copy(other, out.data(), region, slice);
+        dev.synchronize(other);
+        if (!all_equal(out, value)) failures.fetch_add(1);
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+}  // namespace
+}  // namespace shoal::testing
