@@ -1,0 +1,101 @@
+#include "cuda_driver.h"
+
+#include <string>
+
+#include "shoal/error.h"
+
+namespace shoal::backend::detail {
+
+namespace {
+
+// The ABI version asked of the driver: the PFN_*_v* typedefs used in
+// cuda_driver are the ones current at CUDA 12.0.
+constexpr unsigned int driver_abi_version = 12000;
+
+template <class Function>
+void load(Function& function, const char* symbol) {
+  void* address = nullptr;
+  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+  const cudaError_t result =
+      cudaGetDriverEntryPointByVersion(symbol, &address, driver_abi_version, cudaEnableDefault, &status);
+  if (result != cudaSuccess || status != cudaDriverEntryPointSuccess || address == nullptr) {
+    std::string why = result != cudaSuccess ? describe(result)
+                      : status == cudaDriverEntryPointVersionNotSufficent
+                          ? "the driver is older than CUDA 12.0"
+                          : "the driver does not provide it";
+    cudaGetLastError();
+    throw device_unavailable("no CUDA device: cannot get driver function " + std::string(symbol) + ": " + why +
+                             "; install an NVIDIA driver that supports CUDA 13");
+  }
+  function = reinterpret_cast<Function>(address);
+}
+
+cuda_driver load_all() {
+  cuda_driver d;
+  load(d.mem_create, "cuMemCreate");
+  load(d.mem_release, "cuMemRelease");
+  load(d.mem_address_reserve, "cuMemAddressReserve");
+  load(d.mem_address_free, "cuMemAddressFree");
+  load(d.mem_map, "cuMemMap");
+  load(d.mem_unmap, "cuMemUnmap");
+  load(d.mem_set_access, "cuMemSetAccess");
+  load(d.mem_export_to_shareable_handle, "cuMemExportToShareableHandle");
+  load(d.mem_import_from_shareable_handle, "cuMemImportFromShareableHandle");
+  load(d.mem_get_allocation_granularity, "cuMemGetAllocationGranularity");
+  load(d.mem_retain_allocation_handle, "cuMemRetainAllocationHandle");
+  load(d.mem_get_address_range, "cuMemGetAddressRange");
+  load(d.get_error_string, "cuGetErrorString");
+  load(d.get_error_name, "cuGetErrorName");
+  return d;
+}
+
+[[noreturn]] void throw_out_of_memory(const std::string& what, const char* call, std::size_t requested_bytes) {
+  std::string message = std::string(call) + ": " + what;
+  if (requested_bytes != 0) message += ": requested " + std::to_string(requested_bytes) + " bytes";
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+    message += "; the device has " + std::to_string(free_bytes) + " of " + std::to_string(total_bytes) +
+               " bytes free";
+  } else {
+    cudaGetLastError();
+  }
+  throw out_of_memory(message + "; free cached or unused memory, or ask for less", requested_bytes);
+}
+
+}  // namespace
+
+const cuda_driver& driver() {
+  static const cuda_driver table = load_all();
+  return table;
+}
+
+std::string describe(cudaError_t result) {
+  return std::string(cudaGetErrorString(result)) + " (" + cudaGetErrorName(result) + ")";
+}
+
+std::string describe(CUresult result) {
+  const char* text = nullptr;
+  const char* name = nullptr;
+  const cuda_driver& d = driver();
+  if (d.get_error_string(result, &text) != CUDA_SUCCESS || text == nullptr) text = "unknown driver error";
+  if (d.get_error_name(result, &name) != CUDA_SUCCESS || name == nullptr) {
+    return std::string(text) + " (CUresult " + std::to_string(static_cast<int>(result)) + ")";
+  }
+  return std::string(text) + " (" + name + ")";
+}
+
+void check(cudaError_t result, const char* call, std::size_t requested_bytes) {
+  if (result == cudaSuccess) return;
+  cudaGetLastError();
+  if (result == cudaErrorMemoryAllocation) throw_out_of_memory(describe(result), call, requested_bytes);
+  throw backend_error(call, describe(result));
+}
+
+void check(CUresult result, const char* call, std::size_t requested_bytes) {
+  if (result == CUDA_SUCCESS) return;
+  if (result == CUDA_ERROR_OUT_OF_MEMORY) throw_out_of_memory(describe(result), call, requested_bytes);
+  throw backend_error(call, describe(result));
+}
+
+}  // namespace shoal::backend::detail
