@@ -66,6 +66,13 @@ class stream_error : public error {
   using error::error;
 };
 
+/// A stream-ordering rule was broken: memory was about to be handed out
+/// while a stream could still use it. Reported by the allocator's debug mode.
+class ordering_violation : public error {
+ public:
+  using error::error;
+};
+
 /// The process at the other end of a connection closed it or died.
 class connection_closed : public error {
  public:

@@ -44,6 +44,8 @@ class backend_test : public ::testing::Test {
     }
     device_ = &Backend::get();
   }
+
+ public:
   backend::device& device() { return *device_; }
 
   /// The bytes at device address `src`, copied out on `stream`.

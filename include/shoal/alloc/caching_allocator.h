@@ -1,0 +1,145 @@
+// The stream-ordered caching allocator.
+//
+// Memory comes from a backend::device in segments and is handed out in
+// blocks; freed blocks are cached and reused without going back to the
+// device. Every block belongs to the stream it was allocated on.
+//
+// Stream-ordered reuse (the invariant everything else serves): a block is
+// handed out again only when every stream that may touch it has passed its
+// last use.
+//   - deallocate(p, s) with s the block's own stream: reusable at once on s
+//     (later work on s is ordered after earlier work).
+//   - deallocate(p, s) with another stream s: an event is recorded on s and
+//     the block waits ("pending free") until it completes. With
+//     cross_stream_safety off, this hold is skipped (unsafe; for tests).
+//   - record_stream(p, s): s is added to the streams the free waits for.
+//   - Under memory pressure a pending block is made reusable early by making
+//     its own stream wait on the event (a GPU-side wait) instead of
+//     allocating more device memory.
+// deallocate without a stream frees on the calling thread's current stream
+// (backend::current_stream), which is what makes the safe thing the default.
+//
+// Streams: a stream must outlive every block allocated on it and every free
+// recorded on it (as on CUDA, where using a destroyed stream is undefined);
+// the allocator keeps a pool per stream for its own life.
+//
+// Thread-safety: every member may be called from any thread at once. Each
+// stream's blocks have their own lock, so threads on different streams
+// rarely contend.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shoal/alloc/config.h"
+#include "shoal/alloc/stats.h"
+#include "shoal/backend/device.h"
+
+namespace shoal::alloc {
+
+namespace detail {
+class allocator_core;
+}
+
+/// What an out-of-memory observer is told before out_of_memory is thrown.
+struct oom_report {
+  std::size_t requested_bytes = 0;
+  std::size_t device_free_bytes = 0;
+  std::size_t reserved_bytes = 0;
+  std::size_t allocated_bytes = 0;
+  std::size_t largest_free_block = 0;
+  backend::stream_ref stream;
+};
+
+/// A private pool: memory handed in from outside, split into named
+/// sub-pools. Identified by the id create_private_pool returns.
+struct private_pool_id {
+  std::uint64_t value = 0;
+  friend bool operator==(private_pool_id, private_pool_id) = default;
+};
+
+class caching_allocator {
+ public:
+  explicit caching_allocator(backend::device& device, allocator_config config = allocator_config::from_environment());
+  /// Returns every segment to the device. Blocks still allocated then are
+  /// the caller's leak; their memory is returned all the same.
+  ~caching_allocator();
+  caching_allocator(const caching_allocator&) = delete;
+  caching_allocator& operator=(const caching_allocator&) = delete;
+
+  [[nodiscard]] backend::device& device() const noexcept;
+  [[nodiscard]] const allocator_config& config() const noexcept;
+
+  /// A block of at least `bytes` (> 0) for use on `stream`, 512-byte aligned.
+  /// Inside a private_pool_scope, it comes from that pool. Throws
+  /// out_of_memory when neither the cache nor the device can provide it.
+  [[nodiscard]] void* allocate(std::size_t bytes, backend::stream_ref stream);
+  /// allocate on the calling thread's current stream.
+  [[nodiscard]] void* allocate(std::size_t bytes);
+  /// Frees `ptr` with its last use enqueued on `stream` (see the header
+  /// comment). A pointer this allocator did not hand out, or one already
+  /// freed, gives invalid_argument and changes nothing.
+  void deallocate(void* ptr, backend::stream_ref stream);
+  /// deallocate on the calling thread's current stream.
+  void deallocate(void* ptr);
+  /// The block of `ptr` is also used on `stream`: its free waits for the
+  /// work enqueued there until then.
+  void record_stream(void* ptr, backend::stream_ref stream);
+  /// Bytes of the block that holds `ptr` (the rounded size).
+  [[nodiscard]] std::size_t block_size(const void* ptr) const;
+
+  /// Makes every pending free whose streams have passed reusable. Called by
+  /// the allocator itself on a cache miss.
+  void process_pending_frees();
+  /// Waits for pending frees, then returns every cached segment (and every
+  /// unused chunk of growable segments) to the device.
+  void empty_cache();
+
+  [[nodiscard]] allocator_stats stats() const;
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  [[nodiscard]] snapshot take_snapshot() const;
+  /// The trace ring, oldest first (empty unless config().trace_entries > 0).
+  [[nodiscard]] std::vector<trace_entry> trace() const;
+
+  /// Called (on the allocating thread, with no allocator lock held) before
+  /// out_of_memory is thrown.
+  void add_oom_observer(std::function<void(const oom_report&)> observer);
+
+  // ---- private pools -----------------------------------------------------
+  /// Inserts [base, base + bytes) of this device's memory, owned by the
+  /// caller, as a private pool split into consecutive named sub-pools of the
+  /// given sizes (one sub-pool named "" spanning all when `parts` is empty).
+  /// The allocator never frees this memory.
+  private_pool_id create_private_pool(void* base, std::size_t bytes,
+                                      const std::vector<std::pair<std::string, std::size_t>>& parts = {});
+  /// Forgets every free block of the sub-pool (it becomes one free block
+  /// again), freeing no device memory. Throws invalid_argument naming the
+  /// live blocks when any block in it is allocated or pending.
+  void clear_private_pool(private_pool_id pool, const std::string& part = "");
+  /// Removes the pool; it must be clear of live blocks.
+  void destroy_private_pool(private_pool_id pool);
+
+ private:
+  friend class private_pool_scope;
+  std::unique_ptr<detail::allocator_core> core_;
+};
+
+/// Directs this thread's allocations from `allocator` to a sub-pool of a
+/// private pool while it lives. Scopes nest.
+class private_pool_scope {
+ public:
+  private_pool_scope(caching_allocator& allocator, private_pool_id pool, const std::string& part = "");
+  private_pool_scope(const private_pool_scope&) = delete;
+  private_pool_scope& operator=(const private_pool_scope&) = delete;
+  ~private_pool_scope();
+
+ private:
+  caching_allocator& allocator_;
+  void* previous_;
+};
+
+}  // namespace shoal::alloc

@@ -1,0 +1,59 @@
+// Settings of the caching allocator, in code or from SHOAL_ALLOC_CONF.
+//
+// SHOAL_ALLOC_CONF is a comma-separated list of key:value pairs, e.g.
+//   SHOAL_ALLOC_CONF="max_split_size_mb:256,expandable_segments:true,debug:false"
+// Keys (sizes in MiB unless the key says otherwise):
+//   max_split_size_mb          blocks at least this large are never split (default: none)
+//   max_non_split_rounding_mb  how much larger than asked an unsplittable block may be (default 20)
+//   roundup_power2_divisions   N, or [size_mb:N,size_mb:N,>:N]: round requests up to
+//                              one of N steps inside their power-of-two interval
+//   expandable_segments        true|false: one growable range per stream and pool
+//   debug                      true|false: poison reusable blocks, check hand-outs
+//   cross_stream_safety        true|false: false turns the free-stream hold off (unsafe)
+//   memory_limit_mb            fail allocations past this many reserved MiB
+//   memory_fraction            fail allocations past this fraction of the device (0..1]
+//   trace_entries              keep the last N trace records (0: no trace)
+// An unknown key or a bad value throws shoal::invalid_argument naming it.
+//
+// A value type: not synchronized; copy it freely.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace shoal::alloc {
+
+struct allocator_config {
+  static constexpr std::size_t no_limit = ~std::size_t{0};
+
+  /// Blocks of this size or more are never split (PyTorch: max_split_size).
+  std::size_t max_split_size = no_limit;
+  /// An unsplittable block is used for a request only if it is at most this
+  /// much larger than the request.
+  std::size_t max_non_split_rounding = std::size_t{20} << 20;
+  /// Divisions per power-of-two interval, indexed by log2 of the interval's
+  /// lower bound (0 or 1: plain 512-byte rounding).
+  std::array<std::uint32_t, 64> roundup_power2_divisions{};
+  bool expandable_segments = false;
+  bool debug = false;
+  bool cross_stream_safety = true;
+  /// Reserved bytes past which allocation fails (no_limit: none).
+  std::size_t memory_limit = no_limit;
+  /// Fraction of the device's total memory past which allocation fails
+  /// (0: none). The smaller of this and memory_limit applies.
+  double memory_fraction = 0.0;
+  /// Trace records kept in a ring (0: tracing off).
+  std::size_t trace_entries = 0;
+
+  /// Parses "key:value,key:value" on top of the defaults.
+  [[nodiscard]] static allocator_config parse(std::string_view text);
+  /// parse(getenv("SHOAL_ALLOC_CONF")), or the defaults when unset.
+  [[nodiscard]] static allocator_config from_environment();
+  /// The settings as SHOAL_ALLOC_CONF text that parse() reads back.
+  [[nodiscard]] std::string to_string() const;
+};
+
+}  // namespace shoal::alloc

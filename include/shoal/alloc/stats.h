@@ -1,0 +1,103 @@
+// What the caching allocator reports about itself: counters, a snapshot of
+// every segment and block, and the trace ring. All plain values, taken at
+// one moment; exporting them to JSON is for tools and humans.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shoal/backend/types.h"
+
+namespace shoal::alloc {
+
+/// One counter: its value now, its high-water mark, and how much was added
+/// and removed in total. Invariant: current = allocated - freed <= peak.
+struct stat {
+  std::int64_t current = 0;
+  std::int64_t peak = 0;
+  std::int64_t allocated = 0;
+  std::int64_t freed = 0;
+};
+
+enum class pool_kind : std::uint8_t { small = 0, large = 1 };
+inline constexpr std::size_t pool_kinds = 2;
+
+/// A stat per pool and in total ("aggregate").
+struct stat_by_pool {
+  stat aggregate;
+  std::array<stat, pool_kinds> pool;
+};
+
+struct allocator_stats {
+  stat_by_pool allocations;         ///< blocks handed out
+  stat_by_pool segments;            ///< device allocations held
+  stat_by_pool active;              ///< blocks allocated or waiting for a stream
+  stat_by_pool inactive_split;      ///< free blocks that are part of a split segment
+  stat_by_pool allocated_bytes;     ///< bytes of blocks handed out (rounded)
+  stat_by_pool reserved_bytes;      ///< bytes of device memory held
+  stat_by_pool active_bytes;        ///< bytes of active blocks
+  stat_by_pool inactive_split_bytes;
+  stat_by_pool requested_bytes;     ///< bytes the callers asked for (unrounded)
+  std::int64_t retries = 0;         ///< allocations that freed cache and tried again
+  std::int64_t ooms = 0;            ///< out_of_memory errors thrown
+  std::int64_t device_allocations = 0;  ///< segments (or chunks) taken from the device
+  std::int64_t device_frees = 0;        ///< segments (or chunks) returned to it
+
+  [[nodiscard]] std::string to_json() const;
+};
+
+enum class block_state : std::uint8_t {
+  allocated,       ///< handed out
+  pending_free,    ///< freed, waiting for another stream to pass it
+  free,            ///< reusable
+};
+
+struct block_snapshot {
+  std::uintptr_t address = 0;
+  std::size_t size = 0;
+  std::size_t requested = 0;  ///< 0 unless allocated
+  block_state state = block_state::free;
+};
+
+struct segment_snapshot {
+  std::uintptr_t address = 0;
+  std::size_t size = 0;           ///< reserved address range
+  std::size_t mapped_bytes = 0;   ///< backed by device memory (= size unless expandable)
+  pool_kind pool = pool_kind::small;
+  backend::stream_ref stream;
+  bool expandable = false;
+  bool external = false;          ///< memory handed in (a private pool), never freed by the allocator
+  std::string private_pool;       ///< its name, for external memory
+  std::vector<block_snapshot> blocks;
+};
+
+struct snapshot {
+  std::vector<segment_snapshot> segments;
+  [[nodiscard]] std::string to_json() const;
+};
+
+enum class trace_action : std::uint8_t {
+  alloc,
+  free_requested,
+  free_completed,
+  segment_alloc,
+  segment_free,
+  segment_map,
+  segment_unmap,
+  oom,
+};
+
+struct trace_entry {
+  trace_action action = trace_action::alloc;
+  std::uintptr_t address = 0;
+  std::size_t size = 0;
+  backend::stream_ref stream;
+  std::uint64_t time_ns = 0;  ///< steady clock
+};
+
+[[nodiscard]] std::string to_json(const std::vector<trace_entry>& trace);
+
+}  // namespace shoal::alloc

@@ -1,0 +1,152 @@
+// The caching allocator's machinery behind caching_allocator's interface.
+//
+// Pools: one pair (small, large) per stream, created on first use and kept
+// for the allocator's life, plus private pools. Lock order: directory, then
+// one pool, then the small utility locks (block index shards, events, trace).
+// Two pool locks are never held at once. Device calls may run under a pool
+// lock (like cudaMalloc under PyTorch's), never under the others.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "alloc/block_index.h"
+#include "alloc/block_pool.h"
+#include "alloc/spin_lock.h"
+#include "shoal/alloc/caching_allocator.h"
+
+namespace shoal::alloc::detail {
+
+struct stream_pools {
+  block_pool small;
+  block_pool large;
+  block_pool& of(pool_kind kind) { return kind == pool_kind::small ? small : large; }
+};
+
+struct private_pool {
+  std::vector<std::unique_ptr<block_pool>> parts;
+  block_pool* part(const std::string& name);
+};
+
+class allocator_core {
+ public:
+  allocator_core(backend::device& device, allocator_config config);
+  ~allocator_core();
+
+  backend::device& device;
+  const allocator_config config;
+
+  void* allocate(std::size_t bytes, backend::stream_ref stream);
+  void deallocate(void* ptr, backend::stream_ref stream);
+  void record_stream(void* ptr, backend::stream_ref stream);
+  [[nodiscard]] std::size_t block_size(const void* ptr) const;
+  void process_pending_frees();
+  void empty_cache();
+
+  [[nodiscard]] allocator_stats stats() const;
+  void reset_peak_stats();
+  void reset_accumulated_stats();
+  [[nodiscard]] snapshot take_snapshot() const;
+  [[nodiscard]] std::vector<trace_entry> trace() const;
+  void add_oom_observer(std::function<void(const oom_report&)> observer);
+
+  private_pool_id create_private_pool(void* base, std::size_t bytes,
+                                      const std::vector<std::pair<std::string, std::size_t>>& parts);
+  void clear_private_pool(private_pool_id id, const std::string& part);
+  void destroy_private_pool(private_pool_id id);
+  /// The sub-pool this thread's allocations are directed to (nullptr: none).
+  [[nodiscard]] block_pool* directed_pool() const noexcept;
+  /// Directs this thread's allocations to `part`; returns the previous one.
+  block_pool* direct_to(block_pool* part) noexcept;
+  [[nodiscard]] block_pool& private_part(private_pool_id id, const std::string& part);
+
+ private:
+  // ---- pools
+  block_pool& pool_for(backend::stream_ref stream, pool_kind kind);
+  template <class Fn>
+  void for_each_pool(Fn&& fn) const;
+
+  // ---- the allocation path (pool locked unless said otherwise)
+  block* try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream);
+  block* allocate_slow(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream);  // unlocked
+  block* take_free(block_pool& pool, std::size_t size) const;
+  void hand_out(block_pool& pool, block* b, std::size_t size, std::size_t requested, backend::stream_ref stream);
+  // A new free block (in the bins) of at least `size`, or nullptr when the
+  // device or the limit refuses.
+  block* grow(block_pool& pool, std::size_t size);
+  block* grow_expandable(block_pool& pool, std::size_t size);
+  [[noreturn]] void out_of_memory_error(block_pool& pool, std::size_t bytes, backend::stream_ref stream);
+
+  // ---- the free path (pool locked)
+  void make_reusable(block_pool& pool, block* b);
+  void collect_pending(block_pool& pool, bool wait_on_device);
+  void release_cached(block_pool& pool);
+  void release_segment(block_pool& pool, segment* s);
+  void unmap_free_chunks(block_pool& pool, segment* s);
+
+  // ---- block structure (pool locked)
+  // Cuts `b` to `size`; returns the new block after it (free, same mapping,
+  // not in the bins: the caller places it).
+  block* split(block_pool& pool, block* b, std::size_t size);
+  block* merge_into(block_pool& pool, block* into, block* gone);
+  void refresh_split_stat(block_pool& pool, block* b);
+  void recycle(block_pool& pool, block* b);
+
+  // ---- reserved-bytes accounting against the limit
+  bool reserve_bytes(std::size_t bytes);
+  void unreserve_bytes(std::size_t bytes) noexcept;
+
+  // ---- events
+  backend::event_ref take_event();
+  void return_event(backend::event_ref event) noexcept;
+
+  void note(trace_action action, std::uintptr_t address, std::size_t size, backend::stream_ref stream);
+
+  const std::uint64_t serial_;
+  const std::size_t limit_;
+  std::atomic<std::size_t> reserved_total_{0};
+  std::atomic<std::int64_t> retries_{0}, ooms_{0}, device_allocations_{0}, device_frees_{0};
+
+  block_index index_;
+
+  mutable std::shared_mutex directory_mutex_;
+  std::unordered_map<void*, std::unique_ptr<stream_pools>> stream_pools_;
+  std::map<std::uint64_t, std::unique_ptr<private_pool>> private_pools_;
+  std::uint64_t next_private_id_ = 1;
+
+  spin_lock events_lock_;
+  std::vector<backend::event_ref> spare_events_;
+
+  mutable std::mutex trace_mutex_;
+  std::vector<trace_entry> trace_;  // ring of config.trace_entries
+  std::size_t trace_next_ = 0;
+  bool trace_wrapped_ = false;
+
+  std::mutex observers_mutex_;
+  std::vector<std::function<void(const oom_report&)>> observers_;
+};
+
+template <class Fn>
+inline void allocator_core::for_each_pool(Fn&& fn) const {
+  std::vector<block_pool*> pools;
+  {
+    std::shared_lock lock(directory_mutex_);
+    for (auto& [stream, p] : stream_pools_) {
+      pools.push_back(&p->small);
+      pools.push_back(&p->large);
+    }
+    for (auto& [id, p] : private_pools_) {
+      for (auto& part : p->parts) pools.push_back(part.get());
+    }
+  }
+  for (block_pool* p : pools) fn(*p);
+}
+
+}  // namespace shoal::alloc::detail

@@ -1,0 +1,113 @@
+// The allocator's reports: statistics, snapshots, the trace, OOM observers.
+#include <mutex>
+
+#include "alloc/allocator_core.h"
+
+namespace shoal::alloc::detail {
+
+namespace {
+
+// Peaks of a sum over pools are reported as the sum of the pools' peaks:
+// exact with one stream per pool kind, an upper bound otherwise. Keeping
+// an exact total would make every allocation on every stream update one
+// shared counter, which is what stops other allocators from scaling.
+void accumulate(stat_by_pool& into, pool_kind kind, const stat& s) {
+  for (stat* t : {&into.aggregate, &into.pool[static_cast<std::size_t>(kind)]}) {
+    t->current += s.current;
+    t->peak += s.peak;
+    t->allocated += s.allocated;
+    t->freed += s.freed;
+  }
+}
+
+template <class Fn>
+void for_each_stat(pool_counters& c, Fn&& fn) {
+  for (stat* s : {&c.allocations, &c.segments, &c.active, &c.inactive_split, &c.allocated_bytes, &c.reserved_bytes,
+                  &c.active_bytes, &c.inactive_split_bytes, &c.requested_bytes}) {
+    fn(*s);
+  }
+}
+
+}  // namespace
+
+allocator_stats allocator_core::stats() const {
+  allocator_stats out;
+  for_each_pool([&](block_pool& p) {
+    std::lock_guard lock(p.lock);
+    const pool_counters& c = p.counters;
+    accumulate(out.allocations, p.kind, c.allocations);
+    accumulate(out.segments, p.kind, c.segments);
+    accumulate(out.active, p.kind, c.active);
+    accumulate(out.inactive_split, p.kind, c.inactive_split);
+    accumulate(out.allocated_bytes, p.kind, c.allocated_bytes);
+    accumulate(out.reserved_bytes, p.kind, c.reserved_bytes);
+    accumulate(out.active_bytes, p.kind, c.active_bytes);
+    accumulate(out.inactive_split_bytes, p.kind, c.inactive_split_bytes);
+    accumulate(out.requested_bytes, p.kind, c.requested_bytes);
+  });
+  out.retries = retries_.load();
+  out.ooms = ooms_.load();
+  out.device_allocations = device_allocations_.load();
+  out.device_frees = device_frees_.load();
+  return out;
+}
+
+void allocator_core::reset_peak_stats() {
+  for_each_pool([&](block_pool& p) {
+    std::lock_guard lock(p.lock);
+    for_each_stat(p.counters, [](stat& s) { s.peak = s.current; });
+  });
+}
+
+void allocator_core::reset_accumulated_stats() {
+  for_each_pool([&](block_pool& p) {
+    std::lock_guard lock(p.lock);
+    for_each_stat(p.counters, [](stat& s) {
+      s.allocated = s.current;  // keeps current = allocated - freed
+      s.freed = 0;
+    });
+  });
+  retries_ = 0;
+  ooms_ = 0;
+  device_allocations_ = 0;
+  device_frees_ = 0;
+}
+
+snapshot allocator_core::take_snapshot() const {
+  snapshot out;
+  for_each_pool([&](block_pool& p) {
+    std::lock_guard lock(p.lock);
+    for (const auto& s : p.segments) {
+      segment_snapshot seg;
+      seg.address = s->base;
+      seg.size = s->size;
+      seg.mapped_bytes = s->mapped_bytes;
+      seg.pool = p.kind;
+      seg.stream = p.stream;
+      seg.expandable = s->expandable;
+      seg.external = s->external;
+      seg.private_pool = s->part_name;
+      for (const block* b = s->first; b != nullptr; b = b->next) {
+        if (!b->mapped) continue;  // unbacked stretches of growable segments hold nothing
+        seg.blocks.push_back({b->address, b->size, b->requested, b->state});
+      }
+      out.segments.push_back(std::move(seg));
+    }
+  });
+  return out;
+}
+
+std::vector<trace_entry> allocator_core::trace() const {
+  std::lock_guard lock(trace_mutex_);
+  std::vector<trace_entry> out;
+  if (trace_wrapped_) out.insert(out.end(), trace_.begin() + static_cast<std::ptrdiff_t>(trace_next_), trace_.end());
+  out.insert(out.end(), trace_.begin(), trace_.begin() + static_cast<std::ptrdiff_t>(trace_next_));
+  return out;
+}
+
+void allocator_core::add_oom_observer(std::function<void(const oom_report&)> observer) {
+  std::lock_guard lock(observers_mutex_);
+  observers_.push_back(std::move(observer));
+}
+
+}  // namespace shoal::alloc::detail

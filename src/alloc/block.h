@@ -1,0 +1,67 @@
+// Blocks and segments, the allocator's bookkeeping of device memory.
+//
+// A segment is one range of device memory (a device segment, a growable
+// reserved range, or memory handed in for a private pool). Its blocks tile
+// it exactly, in address order, linked by prev/next:
+//   first->address = segment.base, b->next->address = b->address + b->size,
+//   sum of block sizes = segment.size.
+// Two neighbouring free blocks are never both mapped or both unmapped (they
+// are merged at once).
+// A block is in its pool's free bins iff its state is free and it is mapped.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shoal/alloc/stats.h"
+#include "shoal/backend/types.h"
+
+namespace shoal::alloc::detail {
+
+struct block_pool;
+struct segment;
+
+struct block {
+  std::uintptr_t address = 0;
+  std::size_t size = 0;
+  std::size_t requested = 0;  ///< bytes asked for; 0 unless allocated
+  segment* owner = nullptr;
+  block* prev = nullptr;  ///< address-order neighbours in the segment
+  block* next = nullptr;
+  block* bin_prev = nullptr;  ///< links in the free bins (free blocks only)
+  block* bin_next = nullptr;
+  block_state state = block_state::free;
+  /// False only for free, unbacked stretches of growable segments; those
+  /// are granularity-aligned and never in the free bins.
+  bool mapped = true;
+  bool counted_inactive_split = false;  ///< its share of the inactive_split stats
+  backend::stream_ref stream;  ///< the stream it was handed out on
+  /// Extra streams from record_stream; its free waits for them too.
+  std::vector<backend::stream_ref> used_on;
+  /// Events the free waits for (pending_free), or, in debug mode with
+  /// cross-stream safety off, the hazard a hand-out must be checked against.
+  std::vector<backend::event_ref> waits;
+  /// Streams that last used this free block, in private pools (shared by
+  /// all streams): a hand-out to another stream first waits for them.
+  std::vector<backend::stream_ref> last_streams;
+};
+
+struct segment {
+  std::uintptr_t base = 0;
+  std::size_t size = 0;
+  block_pool* pool = nullptr;
+  block* first = nullptr;
+  bool expandable = false;
+  bool external = false;
+  std::string part_name;  ///< private pools: the sub-pool's name
+
+  // Growable segments only: chunk i covers [base + i*g, base + (i+1)*g).
+  std::vector<backend::physical_ref> chunks;  ///< native 0: not mapped
+  std::size_t mapped_bytes = 0;
+
+  [[nodiscard]] bool unused() const noexcept { return first->next == nullptr && first->state == block_state::free; }
+};
+
+}  // namespace shoal::alloc::detail

@@ -1,0 +1,53 @@
+#include "shoal/alloc/caching_allocator.h"
+
+#include "alloc/allocator_core.h"
+#include "shoal/backend/stream.h"
+
+namespace shoal::alloc {
+
+caching_allocator::caching_allocator(backend::device& device, allocator_config config)
+    : core_(std::make_unique<detail::allocator_core>(device, std::move(config))) {}
+
+caching_allocator::~caching_allocator() = default;
+
+backend::device& caching_allocator::device() const noexcept { return core_->device; }
+const allocator_config& caching_allocator::config() const noexcept { return core_->config; }
+
+void* caching_allocator::allocate(std::size_t bytes, backend::stream_ref stream) { return core_->allocate(bytes, stream); }
+void* caching_allocator::allocate(std::size_t bytes) {
+  return core_->allocate(bytes, backend::current_stream(core_->device));
+}
+void caching_allocator::deallocate(void* ptr, backend::stream_ref stream) { core_->deallocate(ptr, stream); }
+void caching_allocator::deallocate(void* ptr) { core_->deallocate(ptr, backend::current_stream(core_->device)); }
+void caching_allocator::record_stream(void* ptr, backend::stream_ref stream) { core_->record_stream(ptr, stream); }
+std::size_t caching_allocator::block_size(const void* ptr) const { return core_->block_size(ptr); }
+
+void caching_allocator::process_pending_frees() { core_->process_pending_frees(); }
+void caching_allocator::empty_cache() { core_->empty_cache(); }
+
+allocator_stats caching_allocator::stats() const { return core_->stats(); }
+void caching_allocator::reset_peak_stats() { core_->reset_peak_stats(); }
+void caching_allocator::reset_accumulated_stats() { core_->reset_accumulated_stats(); }
+snapshot caching_allocator::take_snapshot() const { return core_->take_snapshot(); }
+std::vector<trace_entry> caching_allocator::trace() const { return core_->trace(); }
+void caching_allocator::add_oom_observer(std::function<void(const oom_report&)> observer) {
+  core_->add_oom_observer(std::move(observer));
+}
+
+private_pool_id caching_allocator::create_private_pool(void* base, std::size_t bytes,
+                                                       const std::vector<std::pair<std::string, std::size_t>>& parts) {
+  return core_->create_private_pool(base, bytes, parts);
+}
+void caching_allocator::clear_private_pool(private_pool_id pool, const std::string& part) {
+  core_->clear_private_pool(pool, part);
+}
+void caching_allocator::destroy_private_pool(private_pool_id pool) { core_->destroy_private_pool(pool); }
+
+private_pool_scope::private_pool_scope(caching_allocator& allocator, private_pool_id pool, const std::string& part)
+    : allocator_(allocator), previous_(allocator.core_->direct_to(&allocator.core_->private_part(pool, part))) {}
+
+private_pool_scope::~private_pool_scope() {
+  allocator_.core_->direct_to(static_cast<detail::block_pool*>(previous_));
+}
+
+}  // namespace shoal::alloc

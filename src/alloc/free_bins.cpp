@@ -1,0 +1,84 @@
+#include "alloc/free_bins.h"
+
+#include <bit>
+
+namespace shoal::alloc::detail {
+
+
+
+std::size_t free_bins::bin_of(std::size_t size) noexcept {
+  const std::size_t units = size >> 9;
+  if (units < exact_bins) return units;
+  const auto log = static_cast<std::size_t>(std::bit_width(units) - 1);  // >= 11
+  const std::size_t sub = (units >> (log - 3)) & (sub_bins - 1);
+  return exact_bins + (log - 11) * sub_bins + sub;
+}
+
+void free_bins::insert(block* b) noexcept {
+  const std::size_t bin = bin_of(b->size);
+  b->bin_prev = nullptr;
+  b->bin_next = heads_[bin];
+  if (b->bin_next != nullptr) b->bin_next->bin_prev = b;
+  heads_[bin] = b;
+  nonempty_[bin / 64] |= std::uint64_t{1} << (bin % 64);
+  nonempty_words_ |= std::uint64_t{1} << (bin / 64);
+}
+
+void free_bins::remove(block* b) noexcept {
+  const std::size_t bin = bin_of(b->size);
+  if (b->bin_prev != nullptr) {
+    b->bin_prev->bin_next = b->bin_next;
+  } else {
+    heads_[bin] = b->bin_next;
+  }
+  if (b->bin_next != nullptr) b->bin_next->bin_prev = b->bin_prev;
+  b->bin_prev = b->bin_next = nullptr;
+  if (heads_[bin] == nullptr) {
+    nonempty_[bin / 64] &= ~(std::uint64_t{1} << (bin % 64));
+    if (nonempty_[bin / 64] == 0) nonempty_words_ &= ~(std::uint64_t{1} << (bin / 64));
+  }
+}
+
+std::size_t free_bins::next_nonempty(std::size_t from) const noexcept {
+  if (from >= bins) return bins;
+  std::size_t word = from / 64;
+  const std::uint64_t here = nonempty_[word] & (~std::uint64_t{0} << (from % 64));
+  if (here != 0) return word * 64 + static_cast<std::size_t>(std::countr_zero(here));
+  if (word + 1 >= words) return bins;
+  const std::uint64_t later = nonempty_words_ & (~std::uint64_t{0} << (word + 1));
+  if (later == 0) return bins;
+  word = static_cast<std::size_t>(std::countr_zero(later));
+  return word * 64 + static_cast<std::size_t>(std::countr_zero(nonempty_[word]));
+}
+
+block* free_bins::best_fit(std::size_t bytes) const noexcept {
+  std::size_t bin = bin_of(bytes);
+  // The request's own bin may hold blocks smaller than it (above 2 MiB);
+  // any later bin holds only larger ones.
+  for (bin = next_nonempty(bin); bin < bins; bin = next_nonempty(bin + 1)) {
+    block* best = nullptr;
+    for (block* b = heads_[bin]; b != nullptr; b = b->bin_next) {
+      if (b->size >= bytes && (best == nullptr || b->size < best->size)) {
+        best = b;
+        if (bin < exact_bins) break;  // every block of an exact bin is the same size
+      }
+    }
+    if (best != nullptr) return best;
+  }
+  return nullptr;
+}
+
+std::size_t free_bins::largest() const noexcept {
+  for (std::size_t w = words; w-- > 0;) {
+    if (nonempty_[w] == 0) continue;
+    const std::size_t bin = w * 64 + 63 - static_cast<std::size_t>(std::countl_zero(nonempty_[w]));
+    std::size_t best = 0;
+    for (block* b = heads_[bin]; b != nullptr; b = b->bin_next) best = b->size > best ? b->size : best;
+    return best;
+  }
+  return 0;
+}
+
+bool free_bins::empty() const noexcept { return nonempty_words_ == 0; }
+
+}  // namespace shoal::alloc::detail

@@ -1,0 +1,44 @@
+// The free blocks of one pool, binned by size for best-fit search in O(1)
+// set/unset and a bitmap scan.
+//
+// Bins: below 1 MiB one bin per 512-byte size (exact, so any block of the
+// first non-empty bin at or above the request is a best fit); above, eight
+// bins per power of two, scanned for the smallest block that fits.
+// Not thread-safe: the owning pool's lock guards it.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+#include "alloc/block.h"
+
+namespace shoal::alloc::detail {
+
+class free_bins {
+ public:
+  void insert(block* b) noexcept;
+  void remove(block* b) noexcept;
+  /// The smallest free block of at least `bytes`, or nullptr.
+  [[nodiscard]] block* best_fit(std::size_t bytes) const noexcept;
+  /// The largest free block's size (for out-of-memory reports).
+  [[nodiscard]] std::size_t largest() const noexcept;
+  [[nodiscard]] bool empty() const noexcept;
+
+ private:
+  static constexpr std::size_t exact_bins = 2048;  // 512-byte steps below 1 MiB
+  static constexpr std::size_t sub_bins = 8;
+  // Sizes are below 2^64, so size / 512 has at most 55 bits: logs 11..54.
+  static constexpr std::size_t bins = exact_bins + (55 - 11) * sub_bins;
+  static constexpr std::size_t words = (bins + 63) / 64;
+
+  [[nodiscard]] static std::size_t bin_of(std::size_t size) noexcept;
+  [[nodiscard]] std::size_t next_nonempty(std::size_t from) const noexcept;  // bins if none
+
+  std::array<block*, bins> heads_{};
+  std::array<std::uint64_t, words> nonempty_{};
+  std::uint64_t nonempty_words_ = 0;  // bit w set iff nonempty_[w] != 0
+  static_assert(words <= 64, "one summary word covers the bitmap");
+};
+
+}  // namespace shoal::alloc::detail

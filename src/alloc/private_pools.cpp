@@ -1,0 +1,147 @@
+// Private pools: memory handed in from outside, split into named sub-pools.
+#include <mutex>
+#include <sstream>
+
+#include "alloc/allocator_core.h"
+#include "alloc/size_policy.h"
+#include "shoal/error.h"
+
+namespace shoal::alloc::detail {
+
+private_pool_id allocator_core::create_private_pool(void* base, std::size_t bytes,
+                                                    const std::vector<std::pair<std::string, std::size_t>>& parts) {
+  const auto start = reinterpret_cast<std::uintptr_t>(base);
+  if (base == nullptr || bytes == 0) throw invalid_argument("create_private_pool: the region is empty or null");
+  if (start % min_block != 0) throw invalid_argument("create_private_pool: the region must be 512-byte aligned");
+  std::vector<std::pair<std::string, std::size_t>> layout = parts;
+  if (layout.empty()) layout.emplace_back("", bytes);
+  std::size_t total = 0;
+  for (const auto& [name, size] : layout) {
+    if (size == 0 || size % min_block != 0) {
+      throw invalid_argument("create_private_pool: sub-pool '" + name + "' has " + std::to_string(size) +
+                             " bytes; give each a positive multiple of 512");
+    }
+    for (const auto& [other, ignored] : layout) {
+      if (&other != &name && other == name) throw invalid_argument("create_private_pool: two sub-pools are named '" + name + "'");
+    }
+    total += size;
+  }
+  if (total > bytes) {
+    throw invalid_argument("create_private_pool: the sub-pools need " + std::to_string(total) + " bytes but the region has " +
+                           std::to_string(bytes));
+  }
+  auto pool = std::make_unique<private_pool>();
+  std::uintptr_t at = start;
+  for (const auto& [name, size] : layout) {
+    auto part = std::make_unique<block_pool>();
+    part->kind = pool_kind::large;
+    part->is_private = true;
+    part->part_name = name;
+    auto s = std::make_unique<segment>();
+    s->base = at;
+    s->size = s->mapped_bytes = size;
+    s->pool = part.get();
+    s->external = true;
+    s->part_name = name;
+    block* b = part->new_block().release();
+    b->address = at;
+    b->size = size;
+    b->owner = s.get();
+    s->first = b;
+    part->bins.insert(b);
+    part->segments.push_back(std::move(s));
+    pool_counters::add(part->counters.segments, 1);
+    pool_counters::add(part->counters.reserved_bytes, static_cast<std::int64_t>(size));
+    pool->parts.push_back(std::move(part));
+    at += size;
+  }
+  std::unique_lock lock(directory_mutex_);
+  const std::uint64_t id = next_private_id_++;
+  private_pools_.emplace(id, std::move(pool));
+  return private_pool_id{id};
+}
+
+block_pool& allocator_core::private_part(private_pool_id id, const std::string& part) {
+  std::shared_lock lock(directory_mutex_);
+  const auto it = private_pools_.find(id.value);
+  if (it == private_pools_.end()) throw invalid_argument("private pool " + std::to_string(id.value) + " does not exist");
+  block_pool* p = it->second->part(part);
+  if (p == nullptr) {
+    std::ostringstream names;
+    for (auto& q : it->second->parts) names << " '" << q->part_name << "'";
+    throw invalid_argument("private pool " + std::to_string(id.value) + " has no sub-pool '" + part + "'; it has" + names.str());
+  }
+  return *p;
+}
+
+namespace {
+
+// Throws unless every block of the sub-pool is free.
+void require_no_live_blocks(block_pool& part, const char* op) {
+  std::size_t live = 0, live_bytes = 0;
+  for (auto& s : part.segments) {
+    for (const block* b = s->first; b != nullptr; b = b->next) {
+      if (b->state != block_state::free) {
+        ++live;
+        live_bytes += b->size;
+      }
+    }
+  }
+  if (live > 0) {
+    throw invalid_argument(std::string(op) + ": sub-pool '" + part.part_name + "' still has " + std::to_string(live) +
+                           " live block(s) (" + std::to_string(live_bytes) +
+                           " bytes, allocated or waiting for a stream); free them first");
+  }
+}
+
+}  // namespace
+
+void allocator_core::clear_private_pool(private_pool_id id, const std::string& part_name) {
+  block_pool& part = private_part(id, part_name);
+  std::lock_guard lock(part.lock);
+  require_no_live_blocks(part, "clear_private_pool");
+  for (auto& s : part.segments) {
+    block* first = s->first;
+    for (block* b = first; b != nullptr;) {
+      block* next = b->next;
+      part.bins.remove(b);
+      if (b->counted_inactive_split) {
+        pool_counters::sub(part.counters.inactive_split, 1);
+        pool_counters::sub(part.counters.inactive_split_bytes, static_cast<std::int64_t>(b->size));
+        b->counted_inactive_split = false;
+      }
+      if (b != first) recycle(part, b);
+      b = next;
+    }
+    first->size = s->size;
+    first->next = nullptr;
+    first->last_streams.clear();  // the memory is forgotten, not just its layout
+    part.bins.insert(first);
+  }
+}
+
+void allocator_core::destroy_private_pool(private_pool_id id) {
+  std::unique_ptr<private_pool> pool;
+  {
+    std::unique_lock lock(directory_mutex_);
+    const auto it = private_pools_.find(id.value);
+    if (it == private_pools_.end()) throw invalid_argument("private pool " + std::to_string(id.value) + " does not exist");
+    for (auto& part : it->second->parts) {
+      std::lock_guard part_lock(part->lock);
+      require_no_live_blocks(*part, "destroy_private_pool");
+    }
+    pool = std::move(it->second);
+    private_pools_.erase(it);
+  }
+  for (auto& part : pool->parts) {
+    for (auto& s : part->segments) {
+      for (block* b = s->first; b != nullptr;) {
+        block* next = b->next;
+        delete b;
+        b = next;
+      }
+    }
+  }
+}
+
+}  // namespace shoal::alloc::detail

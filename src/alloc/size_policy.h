@@ -1,0 +1,53 @@
+// How request sizes become block sizes, pools and segment sizes.
+//
+//   block size   = max(512, round up to 512), or to one of N divisions of
+//                  its power-of-two interval when roundup_power2_divisions
+//                  sets N > 1 there;
+//   pool         = small for blocks <= 1 MiB, else large;
+//   segment size = 2 MiB (small), 20 MiB (large blocks < 10 MiB), else the
+//                  block rounded up to 2 MiB; blocks of max_split_size or
+//                  more are never split, so they get a segment of their own
+//                  size (rounded up to 2 MiB) instead of wasting a 20 MiB one.
+#pragma once
+
+#include <bit>
+#include <cstddef>
+
+#include "shoal/alloc/config.h"
+#include "shoal/alloc/stats.h"
+
+namespace shoal::alloc::detail {
+
+inline constexpr std::size_t min_block = 512;
+inline constexpr std::size_t small_limit = std::size_t{1} << 20;
+inline constexpr std::size_t small_segment = std::size_t{2} << 20;
+inline constexpr std::size_t large_segment = std::size_t{20} << 20;
+inline constexpr std::size_t large_segment_limit = std::size_t{10} << 20;
+inline constexpr std::size_t large_rounding = std::size_t{2} << 20;
+/// Requests above this cannot be rounded without overflow: out of memory.
+inline constexpr std::size_t max_request = std::size_t{1} << 60;
+
+[[nodiscard]] constexpr std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+[[nodiscard]] inline std::size_t block_size_for(std::size_t bytes, const allocator_config& config) {
+  if (bytes <= min_block) return min_block;
+  const auto interval = static_cast<std::size_t>(std::bit_width(bytes - 1) - 1);  // bytes in (2^i, 2^(i+1)]
+  const std::size_t divisions = config.roundup_power2_divisions[interval];
+  if (divisions > 1) {
+    const std::size_t step = (std::size_t{1} << interval) / divisions;
+    if (step >= min_block) return round_up(bytes, step);
+  }
+  return round_up(bytes, min_block);
+}
+
+[[nodiscard]] constexpr pool_kind pool_kind_for(std::size_t block_size) {
+  return block_size <= small_limit ? pool_kind::small : pool_kind::large;
+}
+
+[[nodiscard]] constexpr std::size_t segment_size_for(std::size_t block_size, const allocator_config& config) {
+  if (block_size <= small_limit) return small_segment;
+  if (block_size < large_segment_limit && block_size < config.max_split_size) return large_segment;
+  return round_up(block_size, large_rounding);
+}
+
+}  // namespace shoal::alloc::detail

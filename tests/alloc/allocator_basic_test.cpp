@@ -1,0 +1,187 @@
+// Sizes, pools, reuse, splitting, statistics and bad input, on every backend.
+#include <gtest/gtest.h>
+
+#include "shoal/backend/stream.h"
+#include "shoal/error.h"
+#include "support/allocators.h"
+
+namespace shoal::testing {
+namespace {
+
+using alloc::block_state;
+using alloc::pool_kind;
+constexpr std::size_t kib = 1024, mib = kib * kib;
+
+template <class Backend>
+using allocator_basic = allocator_test<Backend>;
+TYPED_TEST_SUITE(allocator_basic, backend_types, backend_names);
+
+TYPED_TEST(allocator_basic, sizes_round_to_512_or_to_power_of_two_divisions) {
+  auto& a = this->make("roundup_power2_divisions:[1:1,>:4]");
+  void* p = a.allocate(1, {});
+  void* q = a.allocate(513, {});
+  void* r = a.allocate(1200 * kib, {});  // (1 MiB, 2 MiB] in 4 steps of 256 KiB
+  EXPECT_EQ(a.block_size(p), 512u);
+  EXPECT_EQ(a.block_size(q), 1024u);
+  EXPECT_EQ(a.block_size(r), 1280 * kib);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(q) % 512, 0u);
+  for (void* x : {p, q, r}) a.deallocate(x, {});
+}
+
+TYPED_TEST(allocator_basic, small_and_large_pools_take_their_segment_sizes) {
+  auto& a = this->make();
+  void* small = a.allocate(mib, {});
+  void* mid = a.allocate(mib + 1, {});
+  void* big = a.allocate(25 * mib, {});  // more than the 20 MiB segment has left
+  const auto snap = a.take_snapshot();
+  std::map<std::size_t, pool_kind> segments;
+  for (const auto& s : snap.segments) segments[s.size] = s.pool;
+  EXPECT_EQ(segments.size(), 3u);
+  EXPECT_EQ(segments.at(2 * mib), pool_kind::small);
+  EXPECT_EQ(segments.at(20 * mib), pool_kind::large);
+  EXPECT_EQ(segments.at(26 * mib), pool_kind::large) << "25 MiB rounds to a 26 MiB segment";
+  const auto st = a.stats();
+  EXPECT_EQ(st.segments.pool[0].current, 1);
+  EXPECT_EQ(st.segments.pool[1].current, 2);
+  EXPECT_EQ(st.reserved_bytes.aggregate.current, static_cast<std::int64_t>(48 * mib));
+  for (void* x : {small, mid, big}) a.deallocate(x, {});
+}
+
+TYPED_TEST(allocator_basic, a_freed_block_is_reused_on_its_stream_without_the_device) {
+  auto& a = this->make();
+  void* p = a.allocate(64 * kib, {});
+  a.deallocate(p, {});
+  void* q = a.allocate(64 * kib, {});
+  EXPECT_EQ(p, q);
+  EXPECT_EQ(a.stats().device_allocations, 1);
+  a.deallocate(q, {});
+}
+
+TYPED_TEST(allocator_basic, blocks_split_and_merge_with_free_neighbours) {
+  auto& a = this->make();
+  void* x = a.allocate(256 * kib, {});
+  void* y = a.allocate(256 * kib, {});
+  void* z = a.allocate(256 * kib, {});
+  EXPECT_EQ(static_cast<char*>(y), static_cast<char*>(x) + 256 * kib) << "carved from one segment in order";
+  a.deallocate(y, {});
+  auto st = a.stats();
+  EXPECT_EQ(st.inactive_split.aggregate.current, 2) << "the hole and the segment's tail";
+  EXPECT_EQ(st.inactive_split_bytes.aggregate.current, static_cast<std::int64_t>(2 * mib - 512 * kib));
+  a.deallocate(x, {});
+  a.deallocate(z, {});
+  const auto snap = a.take_snapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  ASSERT_EQ(snap.segments[0].blocks.size(), 1u) << "all merged back into one block";
+  EXPECT_EQ(snap.segments[0].blocks[0].size, 2 * mib);
+  EXPECT_EQ(a.stats().inactive_split.aggregate.current, 0);
+}
+
+TYPED_TEST(allocator_basic, the_best_fitting_free_block_is_chosen) {
+  auto& a = this->make();
+  std::vector<void*> keep, holes;
+  for (std::size_t size : {16 * kib, 8 * kib, 32 * kib}) {
+    holes.push_back(a.allocate(size, {}));
+    keep.push_back(a.allocate(512, {}));  // separates the holes
+  }
+  for (void* h : holes) a.deallocate(h, {});
+  void* p = a.allocate(6 * kib, {});
+  EXPECT_EQ(p, holes[1]) << "the 8 KiB hole is the best fit for 6 KiB";
+  void* q = a.allocate(12 * kib, {});
+  EXPECT_EQ(q, holes[0]);
+  for (void* v : keep) a.deallocate(v, {});
+  for (void* v : {p, q}) a.deallocate(v, {});
+}
+
+TYPED_TEST(allocator_basic, oversize_blocks_are_never_split_and_serve_only_near_sizes) {
+  auto& a = this->make("max_split_size_mb:4,max_non_split_rounding_mb:2");
+  void* big = a.allocate(8 * mib, {});
+  a.deallocate(big, {});
+  void* small = a.allocate(2 * mib, {});
+  EXPECT_NE(small, big) << "a request under max_split_size never takes an oversize block";
+  void* far = a.allocate(5 * mib, {});
+  EXPECT_NE(far, big) << "8 MiB is more than 2 MiB larger than 5 MiB";
+  void* near = a.allocate(7 * mib, {});
+  EXPECT_EQ(near, big);
+  EXPECT_EQ(a.block_size(near), 8 * mib) << "handed out whole, not split";
+  for (void* v : {small, far, near}) a.deallocate(v, {});
+  const auto snap = a.take_snapshot();
+  for (const auto& s : snap.segments) {
+    if (s.size == 8 * mib) EXPECT_EQ(s.blocks.size(), 1u) << "its own segment, exactly its size";
+  }
+}
+
+TYPED_TEST(allocator_basic, statistics_count_and_return_to_zero) {
+  auto& a = this->make();
+  void* p = a.allocate(1000, {});
+  void* q = a.allocate(3 * mib, {});
+  auto st = a.stats();
+  EXPECT_EQ(st.allocations.aggregate.current, 2);
+  EXPECT_EQ(st.allocations.pool[0].current, 1);
+  EXPECT_EQ(st.allocations.pool[1].current, 1);
+  EXPECT_EQ(st.allocated_bytes.aggregate.current, static_cast<std::int64_t>(1024 + 3 * mib));
+  EXPECT_EQ(st.requested_bytes.aggregate.current, static_cast<std::int64_t>(1000 + 3 * mib));
+  EXPECT_EQ(st.active.aggregate.current, 2);
+  a.deallocate(p, {});
+  a.deallocate(q, {});
+  st = a.stats();
+  EXPECT_TRUE(nothing_in_use(st));
+  EXPECT_EQ(st.allocations.aggregate.peak, 2);
+  EXPECT_EQ(st.allocations.aggregate.allocated, 2);
+  EXPECT_EQ(st.allocations.aggregate.freed, 2);
+  a.reset_peak_stats();
+  EXPECT_EQ(a.stats().allocations.aggregate.peak, 0);
+  a.reset_accumulated_stats();
+  st = a.stats();
+  EXPECT_EQ(st.allocations.aggregate.allocated, 0);
+  EXPECT_EQ(st.allocations.aggregate.freed, 0);
+  EXPECT_EQ(st.device_allocations, 0);
+  EXPECT_EQ(st.reserved_bytes.aggregate.current, static_cast<std::int64_t>(22 * mib)) << "the cache is kept";
+  a.empty_cache();
+  st = a.stats();
+  EXPECT_EQ(st.reserved_bytes.aggregate.current, 0);
+  EXPECT_EQ(st.segments.aggregate.current, 0);
+  EXPECT_EQ(st.device_frees, 2);
+}
+
+TYPED_TEST(allocator_basic, snapshot_and_trace_export) {
+  auto& a = this->make("trace_entries:4");
+  void* p = a.allocate(4096, {});
+  auto snap = a.take_snapshot();
+  EXPECT_EQ(count_blocks(snap, block_state::allocated), 1u);
+  EXPECT_EQ(count_blocks(snap, block_state::free), 1u);
+  EXPECT_NE(snap.to_json().find("\"state\":\"allocated\""), std::string::npos);
+  a.deallocate(p, {});
+  a.empty_cache();
+  const auto trace = a.trace();
+  ASSERT_EQ(trace.size(), 4u) << "the ring keeps the last 4 of 5 records";
+  EXPECT_EQ(trace[0].action, alloc::trace_action::alloc);
+  EXPECT_EQ(trace[1].action, alloc::trace_action::free_requested);
+  EXPECT_EQ(trace[2].action, alloc::trace_action::free_completed);
+  EXPECT_EQ(trace[3].action, alloc::trace_action::segment_free);
+  const std::string json = alloc::to_json(trace);
+  EXPECT_NE(json.find("\"action\":\"segment_free\""), std::string::npos);
+  EXPECT_NE(a.stats().to_json().find("\"reserved_bytes\""), std::string::npos);
+}
+
+TYPED_TEST(allocator_basic, bad_input_gives_typed_errors_and_loses_nothing) {
+  auto& a = this->make();
+  int on_stack = 0;
+  EXPECT_THROW((void)a.allocate(0, {}), invalid_argument);
+  EXPECT_THROW((void)a.allocate(std::size_t{1} << 62, {}), out_of_memory);
+  EXPECT_THROW(a.deallocate(&on_stack, {}), invalid_argument);
+  EXPECT_THROW((void)a.block_size(&on_stack), invalid_argument);
+  EXPECT_THROW(a.record_stream(&on_stack, {}), invalid_argument);
+  void* p = a.allocate(4096, {});
+  EXPECT_THROW(a.deallocate(static_cast<char*>(p) + 512, {}), invalid_argument) << "interior pointer";
+  a.deallocate(p, {});
+  EXPECT_THROW(a.deallocate(p, {}), invalid_argument) << "double free";
+  int not_a_stream = 0;
+  void* q = a.allocate(4096, {});
+  EXPECT_THROW(a.deallocate(q, backend::stream_ref{&not_a_stream}), invalid_argument);
+  EXPECT_EQ(a.block_size(q), 4096u) << "the refused free left the block allocated";
+  a.deallocate(q, {});
+  EXPECT_TRUE(nothing_in_use(a.stats()));
+}
+
+}  // namespace
+}  // namespace shoal::testing

@@ -1,0 +1,138 @@
+// Growable segments, out of memory, limits and private pools.
+#include <gtest/gtest.h>
+
+#include "shoal/backend/host_device.h"
+#include "shoal/backend/stream.h"
+#include "shoal/error.h"
+#include "support/allocators.h"
+
+namespace shoal::testing {
+namespace {
+
+constexpr std::size_t kib = 1024, mib = kib * kib;
+
+template <class Backend>
+using allocator_memory = allocator_test<Backend>;
+TYPED_TEST_SUITE(allocator_memory, backend_types, backend_names);
+
+TYPED_TEST(allocator_memory, expandable_segments_grow_in_place_and_give_back_holes) {
+  auto& a = this->make("expandable_segments:true");
+  const std::size_t g = this->device().granularity();
+  std::vector<void*> blocks;
+  for (int i = 0; i < 3; ++i) blocks.push_back(a.allocate(10 * mib, {}));
+  auto snap = a.take_snapshot();
+  ASSERT_EQ(snap.segments.size(), 1u) << "one growable range for the pool";
+  EXPECT_TRUE(snap.segments[0].expandable);
+  EXPECT_EQ(static_cast<char*>(blocks[1]), static_cast<char*>(blocks[0]) + 10 * mib) << "grown in place";
+  const auto reserved = a.stats().reserved_bytes.aggregate.current;
+  EXPECT_EQ(reserved, static_cast<std::int64_t>((30 * mib + g - 1) / g * g));
+
+  // Free the middle block: its whole chunks go back to the device though
+  // both neighbours are still live.
+  a.deallocate(blocks[1], {});
+  a.empty_cache();
+  const auto after = a.stats().reserved_bytes.aggregate.current;
+  EXPECT_LE(after, reserved - static_cast<std::int64_t>(10 * mib - 2 * g));
+  this->device().fill({}, blocks[0], 1, 10 * mib);
+  this->device().fill({}, blocks[2], 2, 10 * mib);
+  EXPECT_TRUE(all_equal(this->read(blocks[2], 10 * mib), 2)) << "the neighbours stay usable";
+
+  // The hole is mapped again for the next request.
+  blocks[1] = a.allocate(10 * mib, {});
+  this->device().fill({}, blocks[1], 3, 10 * mib);
+  EXPECT_TRUE(all_equal(this->read(blocks[1], 10 * mib), 3));
+  for (void* b : blocks) a.deallocate(b, {});
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0);
+  EXPECT_TRUE(nothing_in_use(a.stats()));
+}
+
+TYPED_TEST(allocator_memory, a_memory_limit_fails_cleanly_and_frees_cache_before_failing) {
+  auto& a = this->make("memory_limit_mb:40");
+  std::vector<alloc::oom_report> reports;
+  a.add_oom_observer([&](const alloc::oom_report& r) { reports.push_back(r); });
+  void* cached = a.allocate(12 * mib, {});
+  a.deallocate(cached, {});  // 12 MiB segment stays cached
+  void* big = a.allocate(36 * mib, {});  // only fits once the cache is given back
+  EXPECT_GE(a.stats().retries, 1);
+  try {
+    (void)a.allocate(8 * mib, {});
+    FAIL() << "expected out_of_memory";
+  } catch (const out_of_memory& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(e.requested_bytes(), 8 * mib);
+    EXPECT_NE(what.find(std::to_string(8 * mib) + " bytes"), std::string::npos) << what;
+    EXPECT_NE(what.find("largest free cached block"), std::string::npos) << what;
+    EXPECT_NE(what.find("limit"), std::string::npos) << what;
+  }
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_EQ(reports[0].requested_bytes, 8 * mib);
+  EXPECT_EQ(reports[0].reserved_bytes, 36 * mib);
+  EXPECT_EQ(reports[0].allocated_bytes, 36 * mib);
+  EXPECT_EQ(a.stats().ooms, 1);
+  a.deallocate(big, {});
+  void* after = a.allocate(8 * mib, {});  // the allocator is still fine
+  a.deallocate(after, {});
+}
+
+TYPED_TEST(allocator_memory, a_private_pool_serves_scoped_allocations_from_its_region) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  auto* region = static_cast<char*>(dev.allocate_segment(8 * mib));
+  const auto pool = a.create_private_pool(region, 8 * mib, {{"parameters", 6 * mib}, {"workspace", 2 * mib}});
+  void* outside = a.allocate(mib, {});
+  void *w1, *w2, *p1;
+  {
+    alloc::private_pool_scope scope(a, pool, "workspace");
+    w1 = a.allocate(mib, {});
+    w2 = a.allocate(mib, {});
+    EXPECT_THROW((void)a.allocate(512, {}), out_of_memory) << "a private pool never grows";
+    {
+      alloc::private_pool_scope inner(a, pool, "parameters");
+      p1 = a.allocate(5 * mib, {});
+    }
+  }
+  EXPECT_EQ(w1, region + 6 * mib);
+  EXPECT_EQ(w2, region + 7 * mib);
+  EXPECT_EQ(p1, region);
+  EXPECT_TRUE(outside < region || outside >= region + 8 * mib);
+  EXPECT_THROW(a.clear_private_pool(pool, "workspace"), invalid_argument) << "blocks are live";
+  a.deallocate(w1, {});
+  a.deallocate(w2, {});
+  a.clear_private_pool(pool, "workspace");
+  {
+    alloc::private_pool_scope scope(a, pool, "workspace");
+    void* again = a.allocate(2 * mib, {});
+    EXPECT_EQ(again, region + 6 * mib) << "cleared: one free block spanning the sub-pool";
+    a.deallocate(again, {});
+  }
+  EXPECT_THROW(alloc::private_pool_scope(a, pool, "nope"), invalid_argument);
+  EXPECT_THROW(a.destroy_private_pool(pool), invalid_argument) << "parameters still live";
+  a.deallocate(p1, {});
+  a.destroy_private_pool(pool);
+  a.deallocate(outside, {});
+  a.empty_cache();
+  dev.free_segment(region);  // the caller's memory all along
+  EXPECT_TRUE(nothing_in_use(a.stats()));
+}
+
+TEST(allocator_memory_host, out_of_device_memory_is_out_of_memory) {
+  backend::host_device dev({.capacity_bytes = 32 * mib});
+  alloc::caching_allocator a(dev, {});
+  void* p = a.allocate(20 * mib, {});
+  EXPECT_THROW((void)a.allocate(20 * mib, {}), out_of_memory);
+  a.deallocate(p, {});
+  void* q = a.allocate(20 * mib, {});
+  a.deallocate(q, {});
+}
+
+TEST(allocator_memory_host, memory_fraction_limits_reserved_bytes) {
+  backend::host_device dev({.capacity_bytes = 100 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("memory_fraction:0.25"));
+  void* p = a.allocate(20 * mib, {});
+  EXPECT_THROW((void)a.allocate(20 * mib, {}), out_of_memory) << "25 MiB of 100";
+  a.deallocate(p, {});
+}
+
+}  // namespace
+}  // namespace shoal::testing

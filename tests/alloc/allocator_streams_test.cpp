@@ -1,0 +1,180 @@
+// Stream-ordered reuse: cross-stream frees, record_stream, the background
+// transfer race, and debug mode, on every backend.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <thread>
+
+#include "shoal/backend/stream.h"
+#include "shoal/error.h"
+#include "support/allocators.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using backend::event;
+using backend::stream;
+constexpr std::size_t kib = 1024;
+
+template <class Backend>
+using allocator_streams = allocator_test<Backend>;
+TYPED_TEST_SUITE(allocator_streams, backend_types, backend_names);
+
+TYPED_TEST(allocator_streams, a_block_freed_on_its_own_stream_is_reusable_at_once) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  stream s(dev);
+  void* p = a.allocate(64 * kib, s);
+  dev.delay(s, 200ms);  // the stream is busy; its later work is ordered anyway
+  a.deallocate(p, s);
+  EXPECT_EQ(a.allocate(64 * kib, s), p);
+  a.deallocate(p, s);
+  dev.synchronize(s);
+}
+
+TYPED_TEST(allocator_streams, a_block_freed_on_another_stream_waits_for_that_stream) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  stream mine(dev), other(dev);
+  void* p = a.allocate(64 * kib, mine);
+  dev.delay(other, 300ms);  // `other` still uses the block for a while
+  a.deallocate(p, other);
+  EXPECT_EQ(alloc::block_state::pending_free, this->allocator_->take_snapshot().segments[0].blocks[0].state);
+  void* q = a.allocate(64 * kib, mine);
+  EXPECT_NE(q, p) << "handed out while the freeing stream had not passed the free";
+  dev.synchronize(other);
+  a.process_pending_frees();
+  void* r = a.allocate(64 * kib, mine);
+  EXPECT_EQ(r, p) << "reusable once the freeing stream passed the free";
+  a.deallocate(q, mine);
+  a.deallocate(r, mine);
+  EXPECT_TRUE(nothing_in_use(a.stats()));
+}
+
+TYPED_TEST(allocator_streams, free_defaults_to_the_threads_current_stream) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  stream mine(dev), other(dev);
+  void* p = a.allocate(64 * kib, mine);
+  dev.delay(other, 300ms);
+  {
+    backend::stream_guard on_other(dev, other);
+    a.deallocate(p);  // no stream named: the current one, `other`
+  }
+  EXPECT_NE(a.allocate(64 * kib, mine), p);
+  dev.synchronize(other);
+  a.empty_cache();
+}
+
+TYPED_TEST(allocator_streams, record_stream_holds_the_block_for_that_stream_too) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  stream mine(dev), reader(dev);
+  void* p = a.allocate(64 * kib, mine);
+  dev.delay(reader, 300ms);
+  a.record_stream(p, reader);
+  a.deallocate(p, mine);
+  void* q = a.allocate(64 * kib, mine);
+  EXPECT_NE(q, p);
+  dev.synchronize(reader);
+  a.process_pending_frees();
+  EXPECT_EQ(a.allocate(64 * kib, mine), p);
+  a.deallocate(p, mine);
+  a.deallocate(q, mine);
+}
+
+TYPED_TEST(allocator_streams, under_memory_pressure_a_pending_block_is_reused_through_a_device_wait) {
+  auto& dev = this->device();
+  auto& a = this->make("memory_limit_mb:2");  // one small segment, no more
+  constexpr std::size_t half = 1024 * kib;
+  stream mine(dev), other(dev);
+  void* p = a.allocate(half, mine);
+  void* filler = a.allocate(half, mine);  // the segment is full
+  dev.fill(mine, p, 0x11, half);
+  dev.delay(other, 300ms);
+  dev.fill(other, p, 0x22, half);  // `other`'s last use, after its delay
+  a.deallocate(p, other);
+  void* q = a.allocate(half, mine);  // no room for more: `mine` waits for `other` on the device
+  EXPECT_EQ(q, p);
+  EXPECT_GE(a.stats().retries, 1);
+  dev.fill(mine, q, 0x33, half);
+  EXPECT_TRUE(all_equal(this->read(q, half, mine), 0x33)) << "`other`'s late fill overtook the new owner's write";
+  a.deallocate(q, mine);
+  a.deallocate(filler, mine);
+}
+
+// The race users of other allocators hit: a background thread copies a batch
+// in on side stream S1; the model reads it on S0 and drops it while the read
+// is still queued; the background thread's next allocation on S1 must not
+// get the batch's memory before S0 has read it.
+template <class Backend>
+bool background_batch_survives(allocator_test<Backend>& t, const std::string& conf) {
+  auto& dev = t.device();
+  auto& a = t.make(conf);
+  stream s0(dev), s1(dev);
+  constexpr std::size_t bytes = 256 * kib;
+  void* seen = dev.allocate_segment(bytes);  // what the model read, checked at the end
+  event batch_ready(dev);
+  void* batch = nullptr;
+  std::thread([&] {
+    backend::stream_guard on_s1(dev, s1);
+    batch = a.allocate(bytes);
+    dev.fill(s1, batch, 0xB7, bytes);  // the transfer
+    batch_ready.record(s1);
+  }).join();
+  {
+    backend::stream_guard on_s0(dev, s0);
+    dev.wait(s0, batch_ready);
+    dev.delay(s0, 200ms);            // earlier model work
+    dev.copy(s0, seen, batch, bytes);  // the model reads the batch
+    a.deallocate(batch);             // and drops it, with the read still queued
+  }
+  std::thread([&] {
+    backend::stream_guard on_s1(dev, s1);
+    void* next = a.allocate(bytes);
+    dev.fill(s1, next, 0x00, bytes);  // the next transfer
+    dev.synchronize(s1);
+    a.deallocate(next);
+  }).join();
+  dev.synchronize(s0);
+  const bool intact = all_equal(t.read(seen, bytes), 0xB7);
+  dev.free_segment(seen);
+  return intact;
+}
+
+TYPED_TEST(allocator_streams, the_background_transfer_race_is_prevented_by_default) {
+  EXPECT_TRUE(background_batch_survives(*this, ""));
+}
+
+TYPED_TEST(allocator_streams, the_background_transfer_race_corrupts_with_the_safety_off) {
+  // Proves the test above can fail: without the hold the batch is overwritten.
+  EXPECT_FALSE(background_batch_survives(*this, "cross_stream_safety:false"));
+}
+
+TYPED_TEST(allocator_streams, debug_mode_poisons_reusable_blocks) {
+  auto& dev = this->device();
+  auto& a = this->make("debug:true");
+  stream s(dev);
+  void* p = a.allocate(64 * kib, s);
+  dev.fill(s, p, 0x11, 64 * kib);
+  a.deallocate(p, s);
+  EXPECT_TRUE(all_equal(this->read(p, 64 * kib, s), 0xDB)) << "a freed block holds the poison pattern";
+}
+
+TYPED_TEST(allocator_streams, debug_mode_reports_a_hand_out_before_the_freeing_stream_passed) {
+  auto& dev = this->device();
+  auto& a = this->make("debug:true,cross_stream_safety:false");
+  stream mine(dev), other(dev);
+  void* p = a.allocate(64 * kib, mine);
+  dev.delay(other, 300ms);
+  a.deallocate(p, other);
+  EXPECT_THROW((void)a.allocate(64 * kib, mine), ordering_violation);
+  dev.synchronize(other);
+  void* q = a.allocate(64 * kib, mine);
+  EXPECT_EQ(q, p) << "once the stream passed, the block is fine to hand out";
+  a.deallocate(q, mine);
+}
+
+}  // namespace
+}  // namespace shoal::testing

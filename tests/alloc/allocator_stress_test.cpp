@@ -1,0 +1,160 @@
+// Many threads allocating, writing, handing blocks to each other and freeing
+// on other streams, from deterministic random schedules. Every block's
+// contents are checked, and every statistic of blocks in use ends at zero.
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "shoal/backend/stream.h"
+#include "support/allocators.h"
+
+namespace shoal::testing {
+namespace {
+
+using backend::event;
+using backend::stream;
+
+// A block passed from one thread to another, with the value written into it
+// and an event after the write.
+struct handoff {
+  void* ptr;
+  std::size_t bytes;
+  std::uint8_t value;
+  backend::event_ref written;
+};
+
+class mailbox {
+ public:
+  void put(handoff h) {
+    std::lock_guard lock(mutex_);
+    items_.push_back(h);
+  }
+  bool take(handoff& out) {
+    std::lock_guard lock(mutex_);
+    if (items_.empty()) return false;
+    out = items_.front();
+    items_.pop_front();
+    return true;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::deque<handoff> items_;
+};
+
+template <class Backend>
+using allocator_stress = allocator_test<Backend>;
+TYPED_TEST_SUITE(allocator_stress, backend_types, backend_names);
+
+template <class Backend>
+void run_schedule(allocator_test<Backend>& t, const std::string& conf, unsigned seed, int operations) {
+  auto& dev = t.device();
+  auto& a = t.make(conf);
+  constexpr int threads = 4;
+  std::vector<mailbox> boxes(threads);
+  std::atomic<int> corrupt{0};
+  std::atomic<int> finished{0};
+  // Streams and events outlive the threads: blocks allocated on a stream,
+  // and events others wait on, are still in use after their thread is done.
+  std::vector<stream> streams;
+  std::vector<std::deque<event>> events(threads);
+  for (int id = 0; id < threads; ++id) streams.emplace_back(dev);
+  std::vector<std::thread> workers;
+  for (int id = 0; id < threads; ++id) {
+    workers.emplace_back([&, id] {
+      std::mt19937 random(seed * 97 + static_cast<unsigned>(id));
+      const backend::stream_ref mine = streams[static_cast<std::size_t>(id)];
+      backend::stream_guard guard(dev, mine);
+      std::vector<handoff> owned;
+      auto& my_events = events[static_cast<std::size_t>(id)];
+      std::vector<std::uint8_t> host;
+      auto check = [&](const handoff& h) {
+        host.resize(h.bytes);
+        dev.copy(mine, host.data(), h.ptr, h.bytes);
+        dev.synchronize(mine);
+        if (!all_equal(host, h.value)) corrupt.fetch_add(1);
+      };
+      for (int op = 0; op < operations; ++op) {
+        const unsigned choice = random() % 10;
+        if (choice < 5 || owned.empty()) {  // allocate and write
+          const std::size_t bytes = random() % 4 == 0 ? 1 + random() % (3 << 20) : 1 + random() % (64 << 10);
+          const auto value = static_cast<std::uint8_t>(random());
+          void* p = a.allocate(bytes);
+          dev.fill(mine, p, value, bytes);
+          owned.push_back({p, bytes, value, {}});
+        } else if (choice < 7) {  // check and free on this stream
+          const std::size_t i = random() % owned.size();
+          check(owned[i]);
+          a.deallocate(owned[i].ptr);
+          owned.erase(owned.begin() + static_cast<std::ptrdiff_t>(i));
+        } else if (choice < 9) {  // hand a block to another thread
+          const std::size_t i = random() % owned.size();
+          my_events.emplace_back(dev);
+          my_events.back().record(mine);
+          owned[i].written = my_events.back();
+          boxes[(id + 1 + random() % (threads - 1)) % threads].put(owned[i]);
+          owned.erase(owned.begin() + static_cast<std::ptrdiff_t>(i));
+        } else {  // take a block handed to us: read it on our stream, free it here
+          handoff h;
+          if (boxes[id].take(h)) {
+            dev.wait(mine, h.written);
+            check(h);
+            a.deallocate(h.ptr);  // a cross-stream free: the block was allocated elsewhere
+          }
+        }
+      }
+      finished.fetch_add(1);
+      // Drain: free what this thread owns, then whatever others send it.
+      for (auto& h : owned) {
+        check(h);
+        a.deallocate(h.ptr);
+      }
+      auto receive = [&](const handoff& h) {
+        dev.wait(mine, h.written);
+        check(h);
+        a.deallocate(h.ptr);
+      };
+      // Blocks are only sent before a thread counts itself finished, so
+      // once all have, one more pass empties the box for good.
+      handoff h;
+      for (;;) {
+        if (boxes[id].take(h)) {
+          receive(h);
+        } else if (finished.load() == threads) {
+          while (boxes[id].take(h)) receive(h);
+          break;
+        } else {
+          std::this_thread::yield();
+        }
+      }
+      dev.synchronize(mine);
+    });
+  }
+  for (auto& w : workers) w.join();
+  EXPECT_EQ(corrupt.load(), 0);
+  a.empty_cache();
+  const auto st = a.stats();
+  EXPECT_TRUE(nothing_in_use(st));
+  EXPECT_EQ(st.reserved_bytes.aggregate.current, 0);
+  EXPECT_EQ(st.allocations.aggregate.allocated, st.allocations.aggregate.freed);
+}
+
+TYPED_TEST(allocator_stress, random_schedules_keep_every_block_intact) {
+  const int operations = std::is_same_v<TypeParam, host_backend> ? 1500 : 600;
+  for (unsigned seed : {1u, 2u, 3u}) {
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    run_schedule(*this, "", seed, operations);
+  }
+}
+
+TYPED_TEST(allocator_stress, random_schedules_with_expandable_segments_and_debug) {
+  const int operations = std::is_same_v<TypeParam, host_backend> ? 800 : 300;
+  run_schedule(*this, "expandable_segments:true,debug:true", 7, operations);
+}
+
+}  // namespace
+}  // namespace shoal::testing
