@@ -1,6 +1,7 @@
 #include "alloc/allocator_core.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <sstream>
 
@@ -28,6 +29,18 @@ struct pools_cache {
   stream_pools* pools = nullptr;
 };
 thread_local pools_cache last_pools;
+
+// Segments whose pools this thread freed into lately: [low, high) -> pool.
+struct range_cache {
+  struct entry {
+    std::uint64_t core = 0;
+    std::uintptr_t low = 0, high = 0;
+    block_pool* pool = nullptr;
+  };
+  std::array<entry, 4> entries;
+  std::size_t next = 0;
+};
+thread_local range_cache recent_segments;
 
 std::string hex(std::uintptr_t v) {
   std::ostringstream out;
@@ -105,6 +118,9 @@ allocator_core::~allocator_core() {
   for (auto& [id, pool] : private_pools_) {
     for (auto& part : pool->parts) release_all(*part);
   }
+  for (auto& pool : destroyed_pools_) {
+    for (auto& part : pool->parts) release_all(*part);
+  }
   for (auto e : spare_events_) {
     try {
       device.destroy_event(e);
@@ -166,7 +182,6 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream) {
   }
   if (b == nullptr) b = allocate_slow(pool, size, bytes, stream);
   if (b == nullptr) out_of_memory_error(pool, bytes, stream);
-  index_.insert(b);
   if (!trace_.empty()) note(trace_action::alloc, b->address, b->size, stream);
   return reinterpret_cast<void*>(b->address);
 }
@@ -264,6 +279,7 @@ void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std:
   b->state = block_state::allocated;
   b->requested = requested;
   b->stream = stream;
+  pool.allocated.insert(b);
   refresh_split_stat(pool, b);
   auto& c = pool.counters;
   const auto bytes = static_cast<std::int64_t>(b->size);
@@ -291,11 +307,12 @@ block* allocator_core::grow(block_pool& pool, std::size_t size) {
   s->base = reinterpret_cast<std::uintptr_t>(base);
   s->size = s->mapped_bytes = bytes;
   s->pool = &pool;
-  block* b = pool.new_block().release();
+  block* b = pool.new_block();
   b->address = s->base;
   b->size = bytes;
   b->owner = s.get();
   s->first = b;
+  register_segment(*s);
   pool.segments.push_back(std::move(s));
   pool_counters::add(pool.counters.segments, 1);
   pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
@@ -321,12 +338,13 @@ block* allocator_core::grow_expandable(block_pool& pool, std::size_t size) {
     s->pool = &pool;
     s->expandable = true;
     s->chunks.resize(span / g);
-    block* b = pool.new_block().release();
+    block* b = pool.new_block();
     b->address = s->base;
     b->size = span;
     b->owner = s.get();
     b->mapped = false;
     s->first = b;
+    register_segment(*s);
     pool.growable = s.get();
     pool.segments.push_back(std::move(s));
     pool_counters::add(pool.counters.segments, 1);
@@ -424,45 +442,41 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
 
 void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
-  block* b = index_.take(address);
-  if (b == nullptr) {
-    throw invalid_argument("caching_allocator::deallocate(" + hex(address) +
-                           "): not a pointer this allocator handed out, or freed already");
-  }
-  block_pool& pool = *b->owner->pool;
-  std::lock_guard lock(pool.lock);
-  std::vector<backend::stream_ref> streams = b->used_on;
-  if (stream != b->stream) add_unique(streams, stream);
-  std::vector<backend::event_ref> events;
-  const bool hold = config.cross_stream_safety && !streams.empty();
-  const bool mark_hazard = !config.cross_stream_safety && config.debug && stream != b->stream;
-  try {
+  with_block(address, "deallocate", [&](block_pool& pool, block* b) {
+    const bool other_streams = stream != b->stream || !b->used_on.empty();
+    const bool hold = config.cross_stream_safety && other_streams;
+    const bool mark_hazard = !config.cross_stream_safety && config.debug && stream != b->stream;
     if (hold || mark_hazard) {
-      if (mark_hazard) streams = {stream};
-      for (auto s : streams) {
-        events.push_back(take_event());
-        device.record(events.back(), s);
+      std::vector<backend::stream_ref> streams;
+      if (hold) streams = b->used_on;
+      if (stream != b->stream) add_unique(streams, stream);
+      std::vector<backend::event_ref> events;
+      try {
+        for (auto s : streams) {
+          events.push_back(take_event());
+          device.record(events.back(), s);
+        }
+      } catch (...) {
+        for (auto e : events) return_event(e);
+        throw;  // nothing changed: the block is still allocated
       }
+      b->waits = std::move(events);
     }
-  } catch (...) {
-    for (auto e : events) return_event(e);
-    index_.insert(b);  // nothing changed: the block is still allocated
-    throw;
-  }
-  auto& c = pool.counters;
-  pool_counters::sub(c.allocations, 1);
-  pool_counters::sub(c.allocated_bytes, static_cast<std::int64_t>(b->size));
-  pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
-  b->requested = 0;
-  b->used_on.clear();
-  if (!trace_.empty()) note(trace_action::free_requested, address, b->size, stream);
-  b->waits = std::move(events);
-  if (hold) {
-    b->state = block_state::pending_free;
-    pool.pending.push_back(b);
-  } else {
-    make_reusable(pool, b);
-  }
+    (void)pool.allocated.take(address);
+    auto& c = pool.counters;
+    pool_counters::sub(c.allocations, 1);
+    pool_counters::sub(c.allocated_bytes, static_cast<std::int64_t>(b->size));
+    pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
+    b->requested = 0;
+    b->used_on.clear();
+    if (!trace_.empty()) note(trace_action::free_requested, address, b->size, stream);
+    if (hold) {
+      b->state = block_state::pending_free;
+      pool.pending.push_back(b);
+    } else {
+      make_reusable(pool, b);
+    }
+  });
 }
 
 void allocator_core::make_reusable(block_pool& pool, block* b) {
@@ -533,6 +547,7 @@ void allocator_core::release_segment(block_pool& pool, segment* s) {
   pool_counters::sub(pool.counters.segments, 1);
   pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(s->size));
   if (!trace_.empty()) note(trace_action::segment_free, s->base, s->size, pool.stream);
+  unregister_segment(*s);
   recycle(pool, s->first);
   std::erase_if(pool.segments, [&](const std::unique_ptr<segment>& p) { return p.get() == s; });
 }
@@ -591,22 +606,50 @@ void allocator_core::empty_cache() {
 }
 
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
-  block* b = index_.find(reinterpret_cast<std::uintptr_t>(ptr));
-  if (b == nullptr) {
-    throw invalid_argument("caching_allocator::record_stream(" + hex(reinterpret_cast<std::uintptr_t>(ptr)) +
-                           "): not a live pointer of this allocator");
-  }
-  std::lock_guard lock(b->owner->pool->lock);
-  if (stream != b->stream) add_unique(b->used_on, stream);
+  with_block(reinterpret_cast<std::uintptr_t>(ptr), "record_stream", [&](block_pool&, block* b) {
+    if (stream != b->stream) add_unique(b->used_on, stream);
+  });
 }
 
 std::size_t allocator_core::block_size(const void* ptr) const {
-  const block* b = index_.find(reinterpret_cast<std::uintptr_t>(ptr));
-  if (b == nullptr) {
-    throw invalid_argument("caching_allocator::block_size(" + hex(reinterpret_cast<std::uintptr_t>(ptr)) +
-                           "): not a live pointer of this allocator");
+  std::size_t size = 0;
+  with_block(reinterpret_cast<std::uintptr_t>(ptr), "block_size", [&](block_pool&, block* b) { size = b->size; });
+  return size;
+}
+
+// ---- finding a pointer's block -------------------------------------------------
+
+void throw_not_allocated(std::uintptr_t address, const char* op) {
+  throw invalid_argument(std::string("caching_allocator::") + op + "(" + hex(address) +
+                         "): not a live pointer this allocator handed out (foreign, interior, or freed already)");
+}
+
+block_pool* allocator_core::cached_pool(std::uintptr_t address) const noexcept {
+  for (const auto& e : recent_segments.entries) {
+    if (e.core == serial_ && address - e.low < e.high - e.low) return e.pool;
   }
-  return b->size;
+  return nullptr;
+}
+
+block_pool* allocator_core::directory_pool(std::uintptr_t address) const {
+  std::shared_lock lock(segments_mutex_);
+  auto it = segments_by_base_.upper_bound(address);
+  if (it == segments_by_base_.begin()) return nullptr;
+  --it;
+  if (address - it->first >= it->second.first) return nullptr;
+  auto& slot = recent_segments.entries[recent_segments.next++ % recent_segments.entries.size()];
+  slot = {serial_, it->first, it->first + it->second.first, it->second.second};
+  return it->second.second;
+}
+
+void allocator_core::register_segment(const segment& s) {
+  std::unique_lock lock(segments_mutex_);
+  segments_by_base_[s.base] = {s.size, s.pool};
+}
+
+void allocator_core::unregister_segment(const segment& s) {
+  std::unique_lock lock(segments_mutex_);
+  segments_by_base_.erase(s.base);
 }
 
 // ---- block structure -----------------------------------------------------------
@@ -617,7 +660,7 @@ block* allocator_core::split(block_pool& pool, block* b, std::size_t size) {
     pool_counters::sub(pool.counters.inactive_split_bytes, static_cast<std::int64_t>(b->size));
     b->counted_inactive_split = false;
   }
-  block* rest = pool.new_block().release();
+  block* rest = pool.new_block();
   rest->address = b->address + size;
   rest->size = b->size - size;
   rest->owner = b->owner;
@@ -677,18 +720,7 @@ void allocator_core::recycle(block_pool& pool, block* b) {
     pool_counters::sub(pool.counters.inactive_split, 1);
     pool_counters::sub(pool.counters.inactive_split_bytes, static_cast<std::int64_t>(b->size));
   }
-  // Reset every field but keep the vectors' capacity for the next use.
-  auto used_on = std::move(b->used_on);
-  auto waits = std::move(b->waits);
-  auto last_streams = std::move(b->last_streams);
-  *b = block{};
-  used_on.clear();
-  waits.clear();
-  last_streams.clear();
-  b->used_on = std::move(used_on);
-  b->waits = std::move(waits);
-  b->last_streams = std::move(last_streams);
-  pool.spare.emplace_back(b);
+  pool.recycle(b);
 }
 
 // ---- accounting ------------------------------------------------------------------

@@ -17,12 +17,13 @@
 #include <unordered_map>
 #include <vector>
 
-#include "alloc/block_index.h"
 #include "alloc/block_pool.h"
 #include "alloc/spin_lock.h"
 #include "shoal/alloc/caching_allocator.h"
 
 namespace shoal::alloc::detail {
+
+[[noreturn]] void throw_not_allocated(std::uintptr_t address, const char* op);
 
 struct stream_pools {
   block_pool small;
@@ -73,6 +74,16 @@ class allocator_core {
   template <class Fn>
   void for_each_pool(Fn&& fn) const;
 
+  // ---- finding a pointer's block
+  /// Runs fn(pool, block) with the pool locked, for the allocated block at
+  /// `address`; throws invalid_argument naming `op` when there is none.
+  template <class Fn>
+  void with_block(std::uintptr_t address, const char* op, Fn&& fn) const;
+  [[nodiscard]] block_pool* cached_pool(std::uintptr_t address) const noexcept;
+  [[nodiscard]] block_pool* directory_pool(std::uintptr_t address) const;
+  void register_segment(const segment& s);
+  void unregister_segment(const segment& s);
+
   // ---- the allocation path (pool locked unless said otherwise)
   block* try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream);
   block* allocate_slow(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream);  // unlocked
@@ -114,11 +125,17 @@ class allocator_core {
   std::atomic<std::size_t> reserved_total_{0};
   std::atomic<std::int64_t> retries_{0}, ooms_{0}, device_allocations_{0}, device_frees_{0};
 
-  block_index index_;
+  // Every segment's range and pool, for frees of pointers whose pool a
+  // thread has not seen lately.
+  mutable std::shared_mutex segments_mutex_;
+  std::map<std::uintptr_t, std::pair<std::size_t, block_pool*>> segments_by_base_;
 
   mutable std::shared_mutex directory_mutex_;
   std::unordered_map<void*, std::unique_ptr<stream_pools>> stream_pools_;
   std::map<std::uint64_t, std::unique_ptr<private_pool>> private_pools_;
+  // Destroyed private pools' objects: kept so a stale per-thread cache entry
+  // never points at freed memory (pools live as long as the allocator).
+  std::vector<std::unique_ptr<private_pool>> destroyed_pools_;
   std::uint64_t next_private_id_ = 1;
 
   spin_lock events_lock_;
@@ -147,6 +164,21 @@ inline void allocator_core::for_each_pool(Fn&& fn) const {
     }
   }
   for (block_pool* p : pools) fn(*p);
+}
+
+template <class Fn>
+void allocator_core::with_block(std::uintptr_t address, const char* op, Fn&& fn) const {
+  // A thread's cache may be stale (the segment was released and its range
+  // reused elsewhere): a pool that does not hold the block sends us on to
+  // the directory, which is always right.
+  auto found_in = [&](block_pool* pool) {
+    if (pool == nullptr) return false;
+    std::unique_lock lock(pool->lock);
+    block* b = pool->allocated.find(address);
+    if (b != nullptr) fn(*pool, b);
+    return b != nullptr;
+  };
+  if (!found_in(cached_pool(address)) && !found_in(directory_pool(address))) throw_not_allocated(address, op);
 }
 
 }  // namespace shoal::alloc::detail

@@ -30,8 +30,9 @@ struct block {
   segment* owner = nullptr;
   block* prev = nullptr;  ///< address-order neighbours in the segment
   block* next = nullptr;
-  block* bin_prev = nullptr;  ///< links in the free bins (free blocks only)
-  block* bin_next = nullptr;
+  block* bin_prev = nullptr;  ///< links in the free bins (free blocks only);
+  block* bin_next = nullptr;  ///< bin_next also links spare block objects
+  std::uint32_t bin = 0;      ///< the bin it is in, while in the bins
   block_state state = block_state::free;
   /// False only for free, unbacked stretches of growable segments; those
   /// are granularity-aligned and never in the free bins.

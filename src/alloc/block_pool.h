@@ -6,11 +6,13 @@
 #pragma once
 
 #include <deque>
+#include <utility>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "alloc/block.h"
+#include "alloc/block_index.h"
 #include "alloc/free_bins.h"
 #include "alloc/spin_lock.h"
 #include "shoal/alloc/stats.h"
@@ -40,17 +42,43 @@ struct block_pool {
   std::string part_name;  ///< private sub-pools
 
   free_bins bins;
+  block_index allocated;  ///< blocks in state allocated, by address
   std::vector<std::unique_ptr<segment>> segments;
   segment* growable = nullptr;  ///< expandable_segments: this pool's one growable segment
   std::deque<block*> pending;   ///< blocks in state pending_free
-  std::vector<std::unique_ptr<block>> spare;  ///< block objects to reuse
+  block* spare = nullptr;  ///< block objects to reuse, linked by bin_next
   pool_counters counters;
 
-  [[nodiscard]] std::unique_ptr<block> new_block() {
-    if (spare.empty()) return std::make_unique<block>();
-    auto b = std::move(spare.back());
-    spare.pop_back();
-    return b;
+  block_pool() = default;
+  block_pool(const block_pool&) = delete;
+  block_pool& operator=(const block_pool&) = delete;
+  ~block_pool() {
+    while (spare != nullptr) delete std::exchange(spare, spare->bin_next);
+  }
+
+  /// A block object with every field at its default.
+  [[nodiscard]] block* new_block() {
+    if (spare == nullptr) return new block();
+    return std::exchange(spare, spare->bin_next);
+  }
+  /// Takes back a block object no segment links to any more.
+  void recycle(block* b) noexcept {
+    // Reset field by field: the vectors keep their capacity for next time.
+    b->address = 0;
+    b->size = 0;
+    b->requested = 0;
+    b->owner = nullptr;
+    b->prev = b->next = b->bin_prev = nullptr;
+    b->bin = 0;
+    b->state = block_state::free;
+    b->mapped = true;
+    b->counted_inactive_split = false;
+    b->stream = {};
+    b->used_on.clear();
+    b->waits.clear();
+    b->last_streams.clear();
+    b->bin_next = spare;
+    spare = b;
   }
 };
 

@@ -16,6 +16,7 @@ std::size_t free_bins::bin_of(std::size_t size) noexcept {
 
 void free_bins::insert(block* b) noexcept {
   const std::size_t bin = bin_of(b->size);
+  b->bin = static_cast<std::uint32_t>(bin);
   b->bin_prev = nullptr;
   b->bin_next = heads_[bin];
   if (b->bin_next != nullptr) b->bin_next->bin_prev = b;
@@ -25,7 +26,7 @@ void free_bins::insert(block* b) noexcept {
 }
 
 void free_bins::remove(block* b) noexcept {
-  const std::size_t bin = bin_of(b->size);
+  const std::size_t bin = b->bin;
   if (b->bin_prev != nullptr) {
     b->bin_prev->bin_next = b->bin_next;
   } else {

@@ -43,12 +43,13 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
     s->pool = part.get();
     s->external = true;
     s->part_name = name;
-    block* b = part->new_block().release();
+    block* b = part->new_block();
     b->address = at;
     b->size = size;
     b->owner = s.get();
     s->first = b;
     part->bins.insert(b);
+    register_segment(*s);
     part->segments.push_back(std::move(s));
     pool_counters::add(part->counters.segments, 1);
     pool_counters::add(part->counters.reserved_bytes, static_cast<std::int64_t>(size));
@@ -134,14 +135,10 @@ void allocator_core::destroy_private_pool(private_pool_id id) {
     private_pools_.erase(it);
   }
   for (auto& part : pool->parts) {
-    for (auto& s : part->segments) {
-      for (block* b = s->first; b != nullptr;) {
-        block* next = b->next;
-        delete b;
-        b = next;
-      }
-    }
+    for (auto& s : part->segments) unregister_segment(*s);
   }
+  std::unique_lock lock(directory_mutex_);
+  destroyed_pools_.push_back(std::move(pool));
 }
 
 }  // namespace shoal::alloc::detail
