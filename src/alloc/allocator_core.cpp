@@ -235,10 +235,14 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
 block* allocator_core::take_free(block_pool& pool, std::size_t size) const {
   block* b = pool.bins.best_fit(size);
   if (b == nullptr) return nullptr;
-  // Oversize blocks (>= max_split_size) are never split, so they serve only
-  // large requests that waste at most max_non_split_rounding of them.
-  if (size < config.max_split_size && b->size >= config.max_split_size) return nullptr;
-  if (size >= config.max_split_size && b->size >= size + config.max_non_split_rounding) return nullptr;
+  // Oversize blocks (>= max_split_size) are never split, so one serves a
+  // request only if little of it goes unused: no more than a split would
+  // have left behind for requests under max_split_size, no more than
+  // max_non_split_rounding for larger ones.
+  if (b->size >= config.max_split_size) {
+    const std::size_t waste = b->size - size;
+    if (size < config.max_split_size ? waste > small_limit : waste >= config.max_non_split_rounding) return nullptr;
+  }
   return b;
 }
 

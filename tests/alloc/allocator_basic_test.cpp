@@ -110,6 +110,16 @@ TYPED_TEST(allocator_basic, oversize_blocks_are_never_split_and_serve_only_near_
   }
 }
 
+TYPED_TEST(allocator_basic, a_block_just_under_max_split_size_is_reused_for_its_own_size) {
+  auto& a = this->make("max_split_size_mb:64");
+  const std::size_t just_under = 64 * mib - 800 * kib;  // its segment, 64 MiB, is itself oversize
+  void* p = a.allocate(just_under, {});
+  a.deallocate(p, {});
+  EXPECT_EQ(a.allocate(just_under, {}), p);
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, static_cast<std::int64_t>(64 * mib));
+  a.deallocate(p, {});
+}
+
 TYPED_TEST(allocator_basic, statistics_count_and_return_to_zero) {
   auto& a = this->make();
   void* p = a.allocate(1000, {});

@@ -1,0 +1,169 @@
+#include "bench/replay/replay_cli.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstdio>
+#include <exception>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "bench/common/shoal_adapter.h"
+#include "bench/replay/random_mix.h"
+#include "bench/replay/replayer.h"
+#include "bench/replay/trace.h"
+#include "shoal/alloc/config.h"
+#include "shoal/backend/devices.h"
+#include "shoal/error.h"
+
+namespace shoal::bench {
+
+namespace {
+
+void usage(std::FILE* out, const char* program) {
+  std::fprintf(out,
+               "usage: %s [--conf TEXT]... <trace>...\n"
+               "       %s --generate-mix <events> <seed> [<streams>]  > file.trace\n"
+               "Replays allocation traces (docs/traces.md) and prints peak reserved / peak requested.\n"
+               "  --conf TEXT   a shoal configuration in SHOAL_ALLOC_CONF syntax; repeat to compare\n"
+               "                several (default: the SHOAL_ALLOC_CONF environment variable)\n"
+               "  --generate-mix  write a random-size-mix trace to standard output\n"
+               "Environment: SHOAL_BACKEND=host|cuda picks shoal's device.\n",
+               program, program);
+}
+
+template <class T>
+std::optional<T> parse_integer(std::string_view text) {
+  T value{};
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc{} || end != text.data() + text.size()) return std::nullopt;
+  return value;
+}
+
+int generate(const std::vector<std::string>& args, const char* program) {
+  // args: --generate-mix <events> <seed> [<streams>]
+  if (args.size() != 3 && args.size() != 4) {
+    usage(stderr, program);
+    return 2;
+  }
+  const auto events = parse_integer<std::size_t>(args[1]);
+  const auto seed = parse_integer<std::uint64_t>(args[2]);
+  const auto streams = args.size() == 4 ? parse_integer<std::uint32_t>(args[3]) : std::optional<std::uint32_t>(1);
+  if (!events || !seed || !streams) {
+    std::fprintf(stderr, "%s: --generate-mix takes non-negative integers: <events> <seed> [<streams>]\n", program);
+    return 2;
+  }
+  write_trace(std::cout, generate_mix({.events = *events, .seed = *seed, .streams = *streams}));
+  std::cout.flush();
+  if (!std::cout) {
+    std::fprintf(stderr, "%s: writing the trace to standard output failed\n", program);
+    return 1;
+  }
+  return 0;
+}
+
+double mib(std::size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+
+struct named_trace {
+  std::string name;
+  trace data;
+};
+
+int replay_all(const std::vector<named_trace>& traces, const std::vector<adapter_factory>& allocators) {
+  int status = 0;
+  std::printf(
+      "| trace | allocator | events | streams | peak requested MiB | peak reserved MiB | reserved / requested "
+      "| replay ms | ns / event |\n");
+  std::printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+  for (const auto& t : traces) {
+    for (const auto& allocator : allocators) {
+      try {
+        const auto adapter = allocator.make();
+        const replay_result r = replay(t.data, *adapter);
+        const double ns = static_cast<double>(r.elapsed.count());
+        std::printf("| %s | %s | %zu | %zu | %.1f | %.1f | %.3f | %.2f | %.1f |\n", t.name.c_str(),
+                    allocator.name.c_str(), r.events, r.streams, mib(r.peak_requested_bytes),
+                    mib(r.peak_reserved_bytes), r.fragmentation(), ns / 1e6,
+                    r.events == 0 ? 0.0 : ns / static_cast<double>(r.events));
+      } catch (const std::exception& e) {
+        // One allocator failing (out of memory, most likely) must not hide
+        // the others' rows.
+        std::printf("| %s | %s | failed: %s | | | | | | |\n", t.name.c_str(), allocator.name.c_str(), e.what());
+        status = 1;
+      }
+      std::fflush(stdout);
+    }
+  }
+  return status;
+}
+
+}  // namespace
+
+int replay_main(int argc, char** argv, const std::vector<adapter_factory>& others) {
+  const char* program = argc > 0 ? argv[0] : "shoal_replay";
+  const std::vector<std::string> args(argv + std::min(argc, 1), argv + argc);
+  if (args.empty()) {
+    usage(stderr, program);
+    return 2;
+  }
+  if (args[0] == "--help" || args[0] == "-h") {
+    usage(stdout, program);
+    return 0;
+  }
+  try {
+    if (args[0] == "--generate-mix") return generate(args, program);
+
+    std::vector<std::string> confs;
+    std::vector<std::filesystem::path> paths;
+    for (std::size_t i = 0; i < args.size(); ++i) {
+      if (args[i] == "--conf") {
+        if (i + 1 == args.size()) {
+          std::fprintf(stderr, "%s: --conf needs a value, e.g. --conf expandable_segments:true\n", program);
+          return 2;
+        }
+        confs.push_back(args[++i]);
+      } else if (args[i].starts_with("-")) {
+        std::fprintf(stderr, "%s: unknown option '%s'\n", program, args[i].c_str());
+        usage(stderr, program);
+        return 2;
+      } else {
+        paths.emplace_back(args[i]);
+      }
+    }
+    if (paths.empty()) {
+      usage(stderr, program);
+      return 2;
+    }
+
+    std::vector<named_trace> traces;
+    for (const auto& path : paths) traces.push_back({path.stem().string(), read_trace_file(path)});
+
+    backend::device& device = backend::default_device();
+    std::printf("device: %s:%d (%s)\n", std::string(backend::to_string(device.kind())).c_str(), device.ordinal(),
+                device.name().c_str());
+    std::vector<adapter_factory> allocators;
+    const auto add_shoal = [&](std::string name, const alloc::allocator_config& config) {
+      std::printf("%s: %s\n", name.c_str(), config.to_string().c_str());
+      allocators.push_back(
+          {std::move(name), [&device, config] { return std::make_unique<shoal_adapter>(device, config); }});
+    };
+    if (confs.empty()) {
+      add_shoal("shoal", alloc::allocator_config::from_environment());
+    } else {
+      for (const auto& conf : confs)
+        add_shoal("shoal " + (conf.empty() ? "(defaults)" : conf), alloc::allocator_config::parse(conf));
+    }
+    allocators.insert(allocators.end(), others.begin(), others.end());
+    std::printf("\n");
+    return replay_all(traces, allocators);
+  } catch (const shoal::error& e) {
+    std::fprintf(stderr, "%s: %s\n", program, e.what());
+    return 1;
+  }
+}
+
+}  // namespace shoal::bench

@@ -1,0 +1,381 @@
+#!/usr/bin/env python3
+"""Record allocation traces from PyTorch running real models on a GPU.
+
+Runs each workload under PyTorch's memory-history recording, converts the
+caching allocator's trace (every alloc and free with size and stream) into
+shoal's trace format (docs/traces.md), and writes one .trace file per
+workload for bench/replay (shoal_replay, shoal_replay_compare).
+
+Workloads (random weights and inputs, no network needed):
+  resnet50-train-b32, resnet50-train-b64
+      torchvision ResNet-50, fp32, 224x224, 4 training steps each
+      (forward, backward, SGD step with momentum).
+  transformer-infer-mixed
+      a 12-layer encoder (d_model 1024, 16 heads, fp16) under no_grad,
+      30 requests with batch in {1,4,8,16} and sequence in
+      {128,256,512,1024}, in a fixed random order.
+
+Usage, on the GPU machine (PyTorch with CUDA; well under 3 minutes on an H100):
+  python3 scripts/record-traces.py [OUT_DIR]   # default: $OUT, else ./traces
+  python3 scripts/record-traces.py --self-test # checks the conversion; needs no torch
+"""
+
+import argparse
+import datetime
+import gc
+import os
+import random
+import sys
+import tempfile
+import time
+
+HEADER = "shoal-trace v1"
+
+
+class Converted:
+    """A converted trace: events are ("a", id, bytes, stream) and ("f", id, stream)."""
+
+    def __init__(self):
+        self.events = []
+        self.streams = {}  # PyTorch stream handle -> trace stream id (order of first use)
+        self.peak_requested = 0
+        self.allocs = 0
+        self.skipped_frees = 0  # frees of blocks allocated before the recording began
+        self.skipped_zero = 0  # zero-byte allocs (the format has none)
+        self.lost_frees = 0  # an address allocated again while live: its free is missing
+        self.live_at_end = 0
+
+
+def convert(entries, free_action="free_requested"):
+    """Converts PyTorch's device trace entries (torch.cuda.memory._snapshot()
+    ["device_traces"][device]) into shoal trace events.
+
+    free_action picks which PyTorch event is the free: "free_requested" (the
+    program dropped the block; the allocator's own stream hold is what is
+    being compared) or "free_completed" (the block became reusable in
+    PyTorch). Every other action (segment_*, snapshot, oom, ...) is ignored.
+    Addresses become ids in order of allocation; stream handles become small
+    integers in order of first use.
+    """
+    if free_action not in ("free_requested", "free_completed"):
+        raise ValueError(f"free_action must be free_requested or free_completed, not {free_action!r}")
+    out = Converted()
+    live = {}  # address -> (id, bytes, stream)
+    live_bytes = 0
+
+    def stream_id(handle):
+        return out.streams.setdefault(handle, len(out.streams))
+
+    for entry in entries:
+        action = entry["action"]
+        if action == "alloc":
+            size = int(entry["size"])
+            if size <= 0:
+                out.skipped_zero += 1
+                continue
+            addr = entry["addr"]
+            stream = stream_id(entry["stream"])
+            if addr in live:
+                # Only possible when the history ring dropped the free; close
+                # the old block here so ids stay unique among live blocks.
+                old_id, old_size, old_stream = live.pop(addr)
+                out.events.append(("f", old_id, old_stream))
+                live_bytes -= old_size
+                out.lost_frees += 1
+            live[addr] = (out.allocs, size, stream)
+            out.events.append(("a", out.allocs, size, stream))
+            out.allocs += 1
+            live_bytes += size
+            out.peak_requested = max(out.peak_requested, live_bytes)
+        elif action == free_action:
+            block = live.pop(entry["addr"], None)
+            if block is None:
+                out.skipped_frees += 1
+                continue
+            block_id, size, _ = block
+            out.events.append(("f", block_id, stream_id(entry["stream"])))
+            live_bytes -= size
+    out.live_at_end = len(live)
+    return out
+
+
+def write_trace(path, converted, notes):
+    with open(path, "w", encoding="ascii") as f:
+        f.write(HEADER + "\n")
+        for note in notes:
+            f.write(f"# {note}\n")
+        for event in converted.events:
+            f.write(" ".join(str(field) for field in event) + "\n")
+
+
+# ---- workloads ---------------------------------------------------------------
+
+
+def resnet50(torch):
+    """ResNet-50 with random weights: torchvision's, or where torchvision
+    cannot be imported, the same architecture built here. Returns the model
+    and which one it is."""
+    try:
+        import torchvision
+
+        return torchvision.models.resnet50(weights=None), "torchvision resnet50(weights=None)"
+    except Exception as e:  # ImportError, or a torchvision built for another torch
+        reason = f"{type(e).__name__}: {e}".splitlines()[0]
+    nn = torch.nn
+
+    class Bottleneck(nn.Module):
+        def __init__(self, inplanes, planes, stride):
+            super().__init__()
+            width, out = planes, planes * 4
+            self.conv1, self.bn1 = nn.Conv2d(inplanes, width, 1, bias=False), nn.BatchNorm2d(width)
+            self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+            self.bn2 = nn.BatchNorm2d(width)
+            self.conv3, self.bn3 = nn.Conv2d(width, out, 1, bias=False), nn.BatchNorm2d(out)
+            self.relu = nn.ReLU(inplace=True)
+            self.downsample = None
+            if stride != 1 or inplanes != out:
+                self.downsample = nn.Sequential(nn.Conv2d(inplanes, out, 1, stride=stride, bias=False),
+                                                nn.BatchNorm2d(out))
+
+        def forward(self, x):
+            identity = x if self.downsample is None else self.downsample(x)
+            y = self.relu(self.bn1(self.conv1(x)))
+            y = self.relu(self.bn2(self.conv2(y)))
+            return self.relu(self.bn3(self.conv3(y)) + identity)
+
+    layers, inplanes = [], 64
+    for planes, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for i in range(blocks):
+            layers.append(Bottleneck(inplanes, planes, stride if i == 0 else 1))
+            inplanes = planes * 4
+    model = nn.Sequential(
+        nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, stride=2, padding=1), *layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, 1000),
+    )
+    return model, f"ResNet-50 built from torch.nn (torchvision unusable: {reason})"
+
+
+def resnet_training(batch, steps):
+    def run(torch):
+        torch.manual_seed(0)
+        model, which = resnet50(torch)
+        model = model.cuda()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        for _ in range(steps):
+            images = torch.randn(batch, 3, 224, 224, device="cuda")
+            labels = torch.randint(0, 1000, (batch,), device="cuda")
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(images), labels)
+            loss.backward()
+            optimizer.step()
+            loss.item()  # a training loop reads its loss; it also bounds the queue
+        return f"model: {which}"
+
+    return run, f"ResNet-50 training, fp32, batch {batch}, 224x224, {steps} steps of forward + backward + SGD(momentum 0.9)"
+
+
+TRANSFORMER_BATCHES = (1, 4, 8, 16)
+TRANSFORMER_SEQUENCES = (128, 256, 512, 1024)
+
+
+def transformer_inference(requests, seed):
+    shapes = [(b, s) for b in TRANSFORMER_BATCHES for s in TRANSFORMER_SEQUENCES]
+    order = [random.Random(seed).choice(shapes) for _ in range(requests)]
+
+    def run(torch):
+        torch.manual_seed(0)
+        layer = torch.nn.TransformerEncoderLayer(
+            d_model=1024, nhead=16, dim_feedforward=4096, dropout=0.0, batch_first=True
+        )
+        model = torch.nn.TransformerEncoder(layer, num_layers=12, enable_nested_tensor=False)
+        model = model.cuda().half().eval()
+        with torch.no_grad():
+            for batch, sequence in order:
+                x = torch.randn(batch, sequence, 1024, device="cuda", dtype=torch.half)
+                model(x).float().mean().item()  # a server copies its answer out
+
+    shapes_text = " ".join(f"{b}x{s}" for b, s in order)
+    return run, (
+        f"nn.TransformerEncoder 12 layers, d_model 1024, 16 heads, ffn 4096, fp16, no_grad, "
+        f"{requests} requests (batch x sequence): {shapes_text}"
+    )
+
+
+WORKLOADS = {
+    "resnet50-train-b32": lambda: resnet_training(32, 4),
+    "resnet50-train-b64": lambda: resnet_training(64, 4),
+    "transformer-infer-mixed": lambda: transformer_inference(30, seed=0),
+}
+
+
+# ---- recording ----------------------------------------------------------------
+
+
+def mib(n):
+    return n / (1 << 20)
+
+
+def record(torch, name, out_dir, max_entries, free_action):
+    run, description = WORKLOADS[name]()
+    gc.collect()
+    torch.cuda.synchronize()
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        # so that each trace starts from nothing and records its own workspaces
+        torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(
+        enabled="all", context=None, stacks="python", max_entries=max_entries, clear_history=True
+    )
+    start = time.perf_counter()
+    try:
+        model_note = run(torch)
+        gc.collect()  # the workload's tensors are freed inside the recording
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    seconds = time.perf_counter() - start
+    stats = torch.cuda.memory_stats()
+    entries = snapshot["device_traces"][torch.cuda.current_device()]
+    if len(entries) >= max_entries:
+        print(f"warning: {name}: {len(entries)} history entries reached max_entries; "
+              "the start of the workload was lost (raise --max-entries)", file=sys.stderr)
+    converted = convert(entries, free_action)
+    torch_peak = {
+        "reserved": stats["reserved_bytes.all.peak"],
+        "allocated": stats["allocated_bytes.all.peak"],
+        "requested": stats.get("requested_bytes.all.peak", 0),
+    }
+    notes = [note for note in [
+        f"{name}: recorded by scripts/record-traces.py, {datetime.date.today().isoformat()}, "
+        f"PyTorch {torch.__version__}, {torch.cuda.get_device_name()}",
+        f"workload: {description}",
+        model_note,
+        f"torch peaks over the recording: reserved {torch_peak['reserved']} allocated {torch_peak['allocated']} "
+        f"requested {torch_peak['requested']} bytes (allocated before it: {baseline})",
+        f"conversion: frees from '{free_action}'; {converted.skipped_frees} frees of earlier blocks skipped, "
+        f"{converted.skipped_zero} zero-byte allocs skipped, {converted.lost_frees} lost frees closed, "
+        f"{converted.live_at_end} blocks live at the end",
+    ] if note]
+    path = os.path.join(out_dir, name + ".trace")
+    write_trace(path, converted, notes)
+    return {
+        "name": name,
+        "path": path,
+        "converted": converted,
+        "torch": torch_peak,
+        "seconds": seconds,
+    }
+
+
+def print_table(results):
+    print("| trace | events | allocs | streams | peak requested MiB (trace) | torch peak requested MiB "
+          "| torch peak allocated MiB | torch peak reserved MiB | torch reserved / requested | seconds |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        c, t = r["converted"], r["torch"]
+        ratio = t["reserved"] / c.peak_requested if c.peak_requested else 0.0
+        print(f"| {r['name']} | {len(c.events)} | {c.allocs} | {len(c.streams)} | {mib(c.peak_requested):.1f} "
+              f"| {mib(t['requested']):.1f} | {mib(t['allocated']):.1f} | {mib(t['reserved']):.1f} | {ratio:.3f} "
+              f"| {r['seconds']:.1f} |")
+
+
+def main_record(args):
+    import torch
+
+    if not torch.cuda.is_available():
+        print("record-traces: PyTorch sees no CUDA device; run this on the GPU machine", file=sys.stderr)
+        return 1
+    os.makedirs(args.out, exist_ok=True)
+    names = args.only or list(WORKLOADS)
+    results = []
+    for name in names:
+        r = record(torch, name, args.out, args.max_entries, args.free_on)
+        print(f"wrote {r['path']} ({len(r['converted'].events)} events, {r['seconds']:.1f} s)", flush=True)
+        results.append(r)
+    print()
+    print_table(results)
+    return 0
+
+
+# ---- self-test ------------------------------------------------------------------
+
+
+def self_test():
+    side = 93824992236000  # a side stream's handle, as PyTorch reports it
+    entries = [
+        {"action": "segment_alloc", "addr": 0x100000, "size": 2 << 20, "stream": 0},
+        {"action": "free_requested", "addr": 0x7000, "size": 512, "stream": 0},  # allocated before recording
+        {"action": "free_completed", "addr": 0x7000, "size": 512, "stream": 0},
+        {"action": "alloc", "addr": 0x100000, "size": 1000, "stream": 0},
+        {"action": "alloc", "addr": 0x100400, "size": 3000, "stream": side},
+        {"action": "free_requested", "addr": 0x100000, "size": 1000, "stream": 0},
+        {"action": "alloc", "addr": 0x101000, "size": 200, "stream": 0},
+        {"action": "snapshot", "addr": 0, "size": 0, "stream": 0},
+        {"action": "free_completed", "addr": 0x100000, "size": 1000, "stream": 0},
+        {"action": "alloc", "addr": 0x102000, "size": 0, "stream": 0},
+        {"action": "alloc", "addr": 0x100000, "size": 512, "stream": 0},  # the address, reused: a new id
+        {"action": "alloc", "addr": 0x100400, "size": 64, "stream": side},  # live address: its free was lost
+        {"action": "oom", "device_free": 0, "size": 1 << 40, "stream": 0},
+        {"action": "free_requested", "addr": 0x101000, "size": 200, "stream": side},  # a cross-stream free
+        {"action": "free_completed", "addr": 0x101000, "size": 200, "stream": side},
+    ]
+    failures = []
+
+    def check(what, got, expected):
+        if got != expected:
+            failures.append(f"{what}: got {got!r}, expected {expected!r}")
+
+    c = convert(entries)
+    check("events (free_requested)", c.events, [
+        ("a", 0, 1000, 0), ("a", 1, 3000, 1), ("f", 0, 0), ("a", 2, 200, 0),
+        ("a", 3, 512, 0), ("f", 1, 1), ("a", 4, 64, 1), ("f", 2, 1),
+    ])
+    check("streams", c.streams, {0: 0, side: 1})
+    check("peak requested (free_requested)", c.peak_requested, 4000)
+    check("counts", (c.allocs, c.skipped_frees, c.skipped_zero, c.lost_frees, c.live_at_end), (5, 1, 1, 1, 2))
+
+    c = convert(entries, "free_completed")
+    check("events (free_completed)", c.events[:4], [("a", 0, 1000, 0), ("a", 1, 3000, 1), ("a", 2, 200, 0), ("f", 0, 0)])
+    check("peak requested (free_completed)", c.peak_requested, 4200)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "t.trace")
+        write_trace(path, convert(entries), ["a note"])
+        with open(path, encoding="ascii") as f:
+            text = f.read()
+    check("text", text, "shoal-trace v1\n# a note\na 0 1000 0\na 1 3000 1\nf 0 0\na 2 200 0\n"
+          "a 3 512 0\nf 1 1\na 4 64 1\nf 2 1\n")
+
+    try:
+        convert(entries, "free")
+        failures.append("an unknown free_action was accepted")
+    except ValueError:
+        pass
+
+    for failure in failures:
+        print("FAIL", failure)
+    print("record-traces self-test:", "failed" if failures else "passed")
+    return 1 if failures else 0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default=os.environ.get("OUT") or "traces",
+                        help="directory for the .trace files (default: $OUT, else ./traces)")
+    parser.add_argument("--only", nargs="+", choices=list(WORKLOADS), help="record only these workloads")
+    parser.add_argument("--max-entries", type=int, default=1_000_000, help="history ring size (default 1,000,000)")
+    parser.add_argument("--free-on", choices=("free_requested", "free_completed"), default="free_requested",
+                        help="which PyTorch event counts as the free (default free_requested)")
+    parser.add_argument("--self-test", action="store_true", help="check the conversion on a fabricated history")
+    args = parser.parse_args()
+    if args.self_test:
+        return self_test()
+    return main_record(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
