@@ -187,7 +187,14 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream) {
 }
 
 block* allocator_core::try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream) {
-  block* b = take_free(pool, size);
+  block* b = take_quick(pool, size);
+  if (b != nullptr) {
+    hand_out(pool, b, size, requested, stream);
+    return b;
+  }
+  // Best fit is chosen among all free blocks, so parked ones settle first.
+  if (pool.quick_count > 0) settle_quick(pool);
+  b = take_free(pool, size);
   if (b == nullptr && !pool.pending.empty()) {
     collect_pending(pool, false);
     b = take_free(pool, size);
@@ -263,7 +270,11 @@ void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std:
     for (auto e : b->waits) return_event(e);
     b->waits.clear();
   }
-  pool.bins.remove(b);
+  if (b->quick) {
+    b->quick = false;  // take_quick unlinked it; its size is exact, nothing to split
+  } else {
+    pool.bins.remove(b);
+  }
   const bool can_split = pool.kind == pool_kind::small || pool.is_private
                              ? b->size - size >= min_block
                              : size < config.max_split_size && b->size - size > small_limit;
@@ -358,7 +369,7 @@ block* allocator_core::grow_expandable(block_pool& pool, std::size_t size) {
   // it, can hold the request.
   for (block* u = s->first; u != nullptr; u = u->next) {
     if (u->mapped) continue;
-    const std::size_t before = u->prev != nullptr && u->prev->mapped && u->prev->state == block_state::free ? u->prev->size : 0;
+    const std::size_t before = settled_free(u->prev) ? u->prev->size : 0;
     const std::size_t need = size > before ? round_up(size - before, g) : g;
     if (u->size < need) continue;
     if (!reserve_bytes(need)) return nullptr;
@@ -393,11 +404,11 @@ block* allocator_core::grow_expandable(block_pool& pool, std::size_t size) {
     if (u->size > need) split(pool, u, need);  // the rest stays unbacked
     u->mapped = true;
     block* merged = u;
-    if (u->prev != nullptr && u->prev->mapped && u->prev->state == block_state::free) {
+    if (settled_free(u->prev)) {
       pool.bins.remove(u->prev);
       merged = merge_into(pool, u->prev, u);
     }
-    if (merged->next != nullptr && merged->next->mapped && merged->next->state == block_state::free) {
+    if (settled_free(merged->next)) {
       pool.bins.remove(merged->next);
       merged = merge_into(pool, merged, merged->next);
     }
@@ -495,16 +506,49 @@ void allocator_core::make_reusable(block_pool& pool, block* b) {
   if (pool.is_private) add_unique(b->last_streams, b->stream);
   b->state = block_state::free;
   if (!trace_.empty()) note(trace_action::free_completed, b->address, b->size, b->stream);
-  if (b->prev != nullptr && b->prev->state == block_state::free && b->prev->mapped) {
+  // Debug mode and private pools settle every block at once: poison and
+  // last-stream bookkeeping want every free block in the bins.
+  if (config.debug || pool.is_private || !b->mapped) {
+    settle(pool, b);
+    return;
+  }
+  b->quick = true;  // first, so the settling below does not merge it
+  if (pool.quick_count == block_pool::quick_capacity) settle_quick(pool);
+  pool.quick[pool.quick_count++] = b;
+  refresh_split_stat(pool, b);
+}
+
+void allocator_core::settle(block_pool& pool, block* b) {
+  b->quick = false;
+  if (settled_free(b->prev)) {
     pool.bins.remove(b->prev);
     b = merge_into(pool, b->prev, b);
   }
-  if (b->next != nullptr && b->next->state == block_state::free && b->next->mapped) {
+  if (settled_free(b->next)) {
     pool.bins.remove(b->next);
     b = merge_into(pool, b, b->next);
   }
   pool.bins.insert(b);
   refresh_split_stat(pool, b);
+}
+
+void allocator_core::settle_quick(block_pool& pool) {
+  // One at a time: a block still parked does not merge, so each one is
+  // merged only with blocks already settled, and never merged away before
+  // its own turn.
+  const std::size_t count = std::exchange(pool.quick_count, 0);
+  for (std::size_t i = 0; i < count; ++i) settle(pool, pool.quick[i]);
+}
+
+block* allocator_core::take_quick(block_pool& pool, std::size_t size) noexcept {
+  for (std::size_t i = pool.quick_count; i-- > 0;) {
+    block* b = pool.quick[i];
+    if (b->size == size) {
+      pool.quick[i] = pool.quick[--pool.quick_count];
+      return b;
+    }
+  }
+  return nullptr;
 }
 
 void allocator_core::collect_pending(block_pool& pool, bool wait_on_device) {
@@ -527,6 +571,7 @@ void allocator_core::process_pending_frees() {
 }
 
 void allocator_core::release_cached(block_pool& pool) {
+  settle_quick(pool);
   // Work already enqueued on the pool's stream may still touch free blocks
   // (the last uses before their frees, debug poison): let it finish first.
   if (!pool.is_private && pool.segments.size() > 0) device.synchronize(pool.stream);

@@ -51,10 +51,12 @@ class allocator_core {
   void process_pending_frees();
   void empty_cache();
 
-  [[nodiscard]] allocator_stats stats() const;
+  // Reports settle the quick lists first, so they see every free block
+  // merged as it would be without them.
+  [[nodiscard]] allocator_stats stats();
   void reset_peak_stats();
   void reset_accumulated_stats();
-  [[nodiscard]] snapshot take_snapshot() const;
+  [[nodiscard]] snapshot take_snapshot();
   [[nodiscard]] std::vector<trace_entry> trace() const;
   void add_oom_observer(std::function<void(const oom_report&)> observer);
 
@@ -97,6 +99,9 @@ class allocator_core {
 
   // ---- the free path (pool locked)
   void make_reusable(block_pool& pool, block* b);
+  void settle(block_pool& pool, block* b);  // merge with free neighbours, into the bins
+  void settle_quick(block_pool& pool);
+  [[nodiscard]] block* take_quick(block_pool& pool, std::size_t size) noexcept;
   void collect_pending(block_pool& pool, bool wait_on_device);
   void release_cached(block_pool& pool);
   void release_segment(block_pool& pool, segment* s);

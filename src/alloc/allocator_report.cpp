@@ -30,10 +30,11 @@ void for_each_stat(pool_counters& c, Fn&& fn) {
 
 }  // namespace
 
-allocator_stats allocator_core::stats() const {
+allocator_stats allocator_core::stats() {
   allocator_stats out;
   for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
+    settle_quick(p);
     const pool_counters& c = p.counters;
     accumulate(out.allocations, p.kind, c.allocations);
     accumulate(out.segments, p.kind, c.segments);
@@ -73,10 +74,11 @@ void allocator_core::reset_accumulated_stats() {
   device_frees_ = 0;
 }
 
-snapshot allocator_core::take_snapshot() const {
+snapshot allocator_core::take_snapshot() {
   snapshot out;
   for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
+    settle_quick(p);
     for (const auto& s : p.segments) {
       segment_snapshot seg;
       seg.address = s->base;

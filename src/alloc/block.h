@@ -7,7 +7,9 @@
 //   sum of block sizes = segment.size.
 // Two neighbouring free blocks are never both mapped or both unmapped (they
 // are merged at once).
-// A block is in its pool's free bins iff its state is free and it is mapped.
+// A block is in its pool's free bins iff its state is free, it is mapped and
+// it is not parked in the quick list. Free blocks in the bins are "settled";
+// only settled blocks merge.
 #pragma once
 
 #include <cstddef>
@@ -38,6 +40,8 @@ struct block {
   /// are granularity-aligned and never in the free bins.
   bool mapped = true;
   bool counted_inactive_split = false;  ///< its share of the inactive_split stats
+  /// Free, but parked unmerged in its pool's quick list (see block_pool).
+  bool quick = false;
   backend::stream_ref stream;  ///< the stream it was handed out on
   /// Extra streams from record_stream; its free waits for them too.
   std::vector<backend::stream_ref> used_on;
@@ -63,6 +67,11 @@ struct segment {
   std::size_t mapped_bytes = 0;
 
   [[nodiscard]] bool unused() const noexcept { return first->next == nullptr && first->state == block_state::free; }
+};
+
+/// A free block in the bins, which merges with free neighbours.
+[[nodiscard]] inline bool settled_free(const block* b) noexcept {
+  return b != nullptr && b->state == block_state::free && b->mapped && !b->quick;
 };
 
 }  // namespace shoal::alloc::detail

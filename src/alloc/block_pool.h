@@ -5,6 +5,7 @@
 // them when asked, so threads on different streams never share a counter.
 #pragma once
 
+#include <array>
 #include <deque>
 #include <utility>
 #include <memory>
@@ -47,6 +48,15 @@ struct block_pool {
   segment* growable = nullptr;  ///< expandable_segments: this pool's one growable segment
   std::deque<block*> pending;   ///< blocks in state pending_free
   block* spare = nullptr;  ///< block objects to reuse, linked by bin_next
+
+  // The quick list: the last few blocks freed on this pool's stream, parked
+  // unmerged so that the common "free, then allocate the same size again"
+  // costs no merge, no split and no bin update. Any miss of the quick list
+  // and the bins settles them all (merges them into the bins) before more
+  // device memory is taken, so they never cause growth.
+  static constexpr std::size_t quick_capacity = 16;
+  std::array<block*, quick_capacity> quick{};
+  std::size_t quick_count = 0;
   pool_counters counters;
 
   block_pool() = default;

@@ -76,6 +76,22 @@ TYPED_TEST(allocator_basic, blocks_split_and_merge_with_free_neighbours) {
   EXPECT_EQ(a.stats().inactive_split.aggregate.current, 0);
 }
 
+TYPED_TEST(allocator_basic, many_neighbours_freed_in_a_row_merge_back_into_one_block) {
+  // More frees than the quick list holds, each next to the one before: the
+  // list settles while a neighbour is being parked.
+  auto& a = this->make();
+  std::vector<void*> run;
+  for (int i = 0; i < 40; ++i) run.push_back(a.allocate(4 * kib, {}));
+  for (void* p : run) a.deallocate(p, {});
+  void* again = a.allocate(4 * kib, {});
+  EXPECT_EQ(again, run.back()) << "the last freed block is reused first";
+  a.deallocate(again, {});
+  const auto snap = a.take_snapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  EXPECT_EQ(snap.segments[0].blocks.size(), 1u);
+  EXPECT_EQ(a.stats().inactive_split.aggregate.current, 0);
+}
+
 TYPED_TEST(allocator_basic, the_best_fitting_free_block_is_chosen) {
   auto& a = this->make();
   std::vector<void*> keep, holes;
