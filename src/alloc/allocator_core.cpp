@@ -21,6 +21,9 @@ struct direction {
   block_pool* part;
 };
 thread_local std::vector<direction> directions;
+// How many entries `directions` has: a trivially constructed thread_local,
+// so the common "no scope" check costs no thread_local initialization.
+thread_local std::size_t direction_count = 0;
 
 // A one-entry cache of the last stream pools this thread used.
 struct pools_cache {
@@ -154,6 +157,7 @@ block_pool& allocator_core::pool_for(backend::stream_ref stream, pool_kind kind)
 }
 
 block_pool* allocator_core::directed_pool() const noexcept {
+  if (direction_count == 0) return nullptr;
   for (auto it = directions.rbegin(); it != directions.rend(); ++it) {
     if (it->core == serial_) return it->part;
   }
@@ -164,6 +168,7 @@ block_pool* allocator_core::direct_to(block_pool* part) noexcept {
   block_pool* previous = directed_pool();
   std::erase_if(directions, [&](const direction& d) { return d.core == serial_; });
   if (part != nullptr) directions.push_back({serial_, part});
+  direction_count = directions.size();
   return previous;
 }
 
@@ -187,14 +192,18 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream) {
 }
 
 block* allocator_core::try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream) {
-  block* b = take_quick(pool, size);
-  if (b != nullptr) {
-    hand_out(pool, b, size, requested, stream);
-    return b;
+  // The best fit among parked and settled blocks; parked ones are scanned
+  // as they are (a merge could only make them larger). Failing both, they
+  // settle and the bins are searched again before anything else.
+  block* b = take_quick(pool, size, size + 1);  // an exact fit: nothing can be better
+  if (b == nullptr) {
+    b = take_free(pool, size);
+    if (block* parked = take_quick(pool, size, b != nullptr ? b->size : ~std::size_t{0})) b = parked;
   }
-  // Best fit is chosen among all free blocks, so parked ones settle first.
-  if (pool.quick_count > 0) settle_quick(pool);
-  b = take_free(pool, size);
+  if (b == nullptr && pool.quick_count > 0) {
+    settle_quick(pool);
+    b = take_free(pool, size);
+  }
   if (b == nullptr && !pool.pending.empty()) {
     collect_pending(pool, false);
     b = take_free(pool, size);
@@ -241,16 +250,18 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
 
 block* allocator_core::take_free(block_pool& pool, std::size_t size) const {
   block* b = pool.bins.best_fit(size);
-  if (b == nullptr) return nullptr;
+  return b != nullptr && fits(b->size, size) ? b : nullptr;
+}
+
+bool allocator_core::fits(std::size_t block_size, std::size_t size) const noexcept {
   // Oversize blocks (>= max_split_size) are never split, so one serves a
   // request only if little of it goes unused: no more than a split would
   // have left behind for requests under max_split_size, no more than
   // max_non_split_rounding for larger ones.
-  if (b->size >= config.max_split_size) {
-    const std::size_t waste = b->size - size;
-    if (size < config.max_split_size ? waste > small_limit : waste >= config.max_non_split_rounding) return nullptr;
-  }
-  return b;
+  if (block_size < size) return false;
+  if (block_size < config.max_split_size) return true;
+  const std::size_t waste = block_size - size;
+  return size < config.max_split_size ? waste <= small_limit : waste < config.max_non_split_rounding;
 }
 
 void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std::size_t requested,
@@ -270,15 +281,21 @@ void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std:
     for (auto e : b->waits) return_event(e);
     b->waits.clear();
   }
-  if (b->quick) {
-    b->quick = false;  // take_quick unlinked it; its size is exact, nothing to split
-  } else {
-    pool.bins.remove(b);
-  }
+  const bool was_parked = std::exchange(b->quick, false);  // take_quick unlinked it
+  if (!was_parked) pool.bins.remove(b);
+  b->state = block_state::allocated;  // before the split: the rest must not merge back into it
   const bool can_split = pool.kind == pool_kind::small || pool.is_private
                              ? b->size - size >= min_block
                              : size < config.max_split_size && b->size - size > small_limit;
-  if (can_split) pool.bins.insert(split(pool, b, size));
+  if (can_split) {
+    block* rest = split(pool, b, size);
+    // A parked block may border a settled free one, which the rest joins.
+    if (was_parked) {
+      settle(pool, rest);
+    } else {
+      pool.bins.insert(rest);
+    }
+  }
   if (pool.is_private) {
     // A private pool is shared by all streams: the last users of this memory
     // must be passed on the device before the new stream touches it.
@@ -457,7 +474,7 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
 
 void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
-  with_block(address, "deallocate", [&](block_pool& pool, block* b) {
+  with_taken_block(address, "deallocate", [&](block_pool& pool, block* b) {
     const bool other_streams = stream != b->stream || !b->used_on.empty();
     const bool hold = config.cross_stream_safety && other_streams;
     const bool mark_hazard = !config.cross_stream_safety && config.debug && stream != b->stream;
@@ -473,11 +490,10 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
         }
       } catch (...) {
         for (auto e : events) return_event(e);
-        throw;  // nothing changed: the block is still allocated
+        throw;  // nothing changed: the block goes back to the index
       }
       b->waits = std::move(events);
     }
-    (void)pool.allocated.take(address);
     auto& c = pool.counters;
     pool_counters::sub(c.allocations, 1);
     pool_counters::sub(c.allocated_bytes, static_cast<std::int64_t>(b->size));
@@ -540,15 +556,19 @@ void allocator_core::settle_quick(block_pool& pool) {
   for (std::size_t i = 0; i < count; ++i) settle(pool, pool.quick[i]);
 }
 
-block* allocator_core::take_quick(block_pool& pool, std::size_t size) noexcept {
-  for (std::size_t i = pool.quick_count; i-- > 0;) {
-    block* b = pool.quick[i];
-    if (b->size == size) {
-      pool.quick[i] = pool.quick[--pool.quick_count];
-      return b;
+block* allocator_core::take_quick(block_pool& pool, std::size_t size, std::size_t better_than) noexcept {
+  std::size_t best = pool.quick_count;
+  for (std::size_t i = pool.quick_count; i-- > 0;) {  // newest first: an exact fit is usually on top
+    const std::size_t have = pool.quick[i]->size;
+    if (have < better_than && fits(have, size) && (best == pool.quick_count || have < pool.quick[best]->size)) {
+      best = i;
+      if (have == size) break;
     }
   }
-  return nullptr;
+  if (best == pool.quick_count) return nullptr;
+  block* b = pool.quick[best];
+  pool.quick[best] = pool.quick[--pool.quick_count];
+  return b;
 }
 
 void allocator_core::collect_pending(block_pool& pool, bool wait_on_device) {
@@ -747,21 +767,6 @@ block* allocator_core::merge_into(block_pool& pool, block* into, block* gone) {
   recycle(pool, gone);
   refresh_split_stat(pool, into);
   return into;
-}
-
-void allocator_core::refresh_split_stat(block_pool& pool, block* b) {
-  const bool wanted = b->state == block_state::free && b->mapped && (b->prev != nullptr || b->next != nullptr) &&
-                      !b->owner->expandable;
-  if (wanted == b->counted_inactive_split) return;
-  const auto bytes = static_cast<std::int64_t>(b->size);
-  if (wanted) {
-    pool_counters::add(pool.counters.inactive_split, 1);
-    pool_counters::add(pool.counters.inactive_split_bytes, bytes);
-  } else {
-    pool_counters::sub(pool.counters.inactive_split, 1);
-    pool_counters::sub(pool.counters.inactive_split_bytes, bytes);
-  }
-  b->counted_inactive_split = wanted;
 }
 
 void allocator_core::recycle(block_pool& pool, block* b) {

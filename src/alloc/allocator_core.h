@@ -81,6 +81,10 @@ class allocator_core {
   /// `address`; throws invalid_argument naming `op` when there is none.
   template <class Fn>
   void with_block(std::uintptr_t address, const char* op, Fn&& fn) const;
+  /// As with_block, with the block taken out of the pool's index first (it
+  /// goes back if fn throws).
+  template <class Fn>
+  void with_taken_block(std::uintptr_t address, const char* op, Fn&& fn) const;
   [[nodiscard]] block_pool* cached_pool(std::uintptr_t address) const noexcept;
   [[nodiscard]] block_pool* directory_pool(std::uintptr_t address) const;
   void register_segment(const segment& s);
@@ -89,7 +93,8 @@ class allocator_core {
   // ---- the allocation path (pool locked unless said otherwise)
   block* try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream);
   block* allocate_slow(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream);  // unlocked
-  block* take_free(block_pool& pool, std::size_t size) const;
+  block* take_free(block_pool& pool, std::size_t size) const;  // from the bins; not removed
+  [[nodiscard]] bool fits(std::size_t block_size, std::size_t size) const noexcept;
   void hand_out(block_pool& pool, block* b, std::size_t size, std::size_t requested, backend::stream_ref stream);
   // A new free block (in the bins) of at least `size`, or nullptr when the
   // device or the limit refuses.
@@ -101,7 +106,9 @@ class allocator_core {
   void make_reusable(block_pool& pool, block* b);
   void settle(block_pool& pool, block* b);  // merge with free neighbours, into the bins
   void settle_quick(block_pool& pool);
-  [[nodiscard]] block* take_quick(block_pool& pool, std::size_t size) noexcept;
+  // Unparks and returns the smallest parked block that fits `size` and is
+  // smaller than `better_than`, or nullptr.
+  [[nodiscard]] block* take_quick(block_pool& pool, std::size_t size, std::size_t better_than) noexcept;
   void collect_pending(block_pool& pool, bool wait_on_device);
   void release_cached(block_pool& pool);
   void release_segment(block_pool& pool, segment* s);
@@ -112,7 +119,21 @@ class allocator_core {
   // not in the bins: the caller places it).
   block* split(block_pool& pool, block* b, std::size_t size);
   block* merge_into(block_pool& pool, block* into, block* gone);
-  void refresh_split_stat(block_pool& pool, block* b);
+  // Brings b's share of the inactive_split stats in line with its state.
+  static void refresh_split_stat(block_pool& pool, block* b) noexcept {
+    const bool wanted = b->state == block_state::free && b->mapped && (b->prev != nullptr || b->next != nullptr) &&
+                        !b->owner->expandable;
+    if (wanted == b->counted_inactive_split) return;
+    const auto bytes = static_cast<std::int64_t>(b->size);
+    if (wanted) {
+      pool_counters::add(pool.counters.inactive_split, 1);
+      pool_counters::add(pool.counters.inactive_split_bytes, bytes);
+    } else {
+      pool_counters::sub(pool.counters.inactive_split, 1);
+      pool_counters::sub(pool.counters.inactive_split_bytes, bytes);
+    }
+    b->counted_inactive_split = wanted;
+  }
   void recycle(block_pool& pool, block* b);
 
   // ---- reserved-bytes accounting against the limit
@@ -182,6 +203,24 @@ void allocator_core::with_block(std::uintptr_t address, const char* op, Fn&& fn)
     block* b = pool->allocated.find(address);
     if (b != nullptr) fn(*pool, b);
     return b != nullptr;
+  };
+  if (!found_in(cached_pool(address)) && !found_in(directory_pool(address))) throw_not_allocated(address, op);
+}
+
+template <class Fn>
+void allocator_core::with_taken_block(std::uintptr_t address, const char* op, Fn&& fn) const {
+  auto found_in = [&](block_pool* pool) {
+    if (pool == nullptr) return false;
+    std::unique_lock lock(pool->lock);
+    block* b = pool->allocated.take(address);
+    if (b == nullptr) return false;
+    try {
+      fn(*pool, b);
+    } catch (...) {
+      pool->allocated.insert(b);
+      throw;
+    }
+    return true;
   };
   if (!found_in(cached_pool(address)) && !found_in(directory_pool(address))) throw_not_allocated(address, op);
 }

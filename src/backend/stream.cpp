@@ -56,6 +56,9 @@ struct current_slot {
   stream_ref stream;
 };
 thread_local std::vector<current_slot> current_slots;
+// How many slots there are: trivially constructed, so a thread that never
+// set a current stream answers "default" without touching the vector.
+thread_local std::size_t current_slot_count = 0;
 
 current_slot* find_slot(std::uint64_t serial) noexcept {
   for (auto& slot : current_slots) {
@@ -67,6 +70,7 @@ current_slot* find_slot(std::uint64_t serial) noexcept {
 }  // namespace
 
 stream_ref current_stream(const device& dev) noexcept {
+  if (current_slot_count == 0) return {};
   const current_slot* slot = find_slot(dev.serial());
   return slot != nullptr ? slot->stream : stream_ref{};
 }
@@ -77,6 +81,7 @@ stream_guard::stream_guard(const device& dev, stream_ref s) : device_(dev), prev
   } else {
     current_slots.push_back({dev.serial(), s});
   }
+  current_slot_count = current_slots.size();
 }
 
 stream_guard::~stream_guard() {
@@ -86,6 +91,7 @@ stream_guard::~stream_guard() {
   } else {
     slot->stream = previous_;
   }
+  current_slot_count = current_slots.size();
 }
 
 }  // namespace shoal::backend
