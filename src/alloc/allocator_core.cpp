@@ -192,16 +192,12 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream) {
 }
 
 block* allocator_core::try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream) {
-  // The best fit among parked and settled blocks; parked ones are scanned
-  // as they are (a merge could only make them larger). Failing both, they
-  // settle and the bins are searched again before anything else.
-  block* b = take_quick(pool, size, size + 1);  // an exact fit: nothing can be better
+  // A parked block of exactly the size is as good a fit as any. Otherwise
+  // the parked blocks settle first, so best fit sees every free block merged
+  // (choosing among unmerged parked blocks was measured to fragment more).
+  block* b = take_quick(pool, size);
   if (b == nullptr) {
-    b = take_free(pool, size);
-    if (block* parked = take_quick(pool, size, b != nullptr ? b->size : ~std::size_t{0})) b = parked;
-  }
-  if (b == nullptr && pool.quick_count > 0) {
-    settle_quick(pool);
+    if (pool.quick_count > 0) settle_quick(pool);
     b = take_free(pool, size);
   }
   if (b == nullptr && !pool.pending.empty()) {
@@ -556,19 +552,15 @@ void allocator_core::settle_quick(block_pool& pool) {
   for (std::size_t i = 0; i < count; ++i) settle(pool, pool.quick[i]);
 }
 
-block* allocator_core::take_quick(block_pool& pool, std::size_t size, std::size_t better_than) noexcept {
-  std::size_t best = pool.quick_count;
-  for (std::size_t i = pool.quick_count; i-- > 0;) {  // newest first: an exact fit is usually on top
-    const std::size_t have = pool.quick[i]->size;
-    if (have < better_than && fits(have, size) && (best == pool.quick_count || have < pool.quick[best]->size)) {
-      best = i;
-      if (have == size) break;
+block* allocator_core::take_quick(block_pool& pool, std::size_t size) noexcept {
+  for (std::size_t i = pool.quick_count; i-- > 0;) {  // newest first
+    block* b = pool.quick[i];
+    if (b->size == size) {
+      pool.quick[i] = pool.quick[--pool.quick_count];
+      return b;
     }
   }
-  if (best == pool.quick_count) return nullptr;
-  block* b = pool.quick[best];
-  pool.quick[best] = pool.quick[--pool.quick_count];
-  return b;
+  return nullptr;
 }
 
 void allocator_core::collect_pending(block_pool& pool, bool wait_on_device) {

@@ -106,9 +106,8 @@ class allocator_core {
   void make_reusable(block_pool& pool, block* b);
   void settle(block_pool& pool, block* b);  // merge with free neighbours, into the bins
   void settle_quick(block_pool& pool);
-  // Unparks and returns the smallest parked block that fits `size` and is
-  // smaller than `better_than`, or nullptr.
-  [[nodiscard]] block* take_quick(block_pool& pool, std::size_t size, std::size_t better_than) noexcept;
+  // Unparks and returns a parked block of exactly `size`, or nullptr.
+  [[nodiscard]] block* take_quick(block_pool& pool, std::size_t size) noexcept;
   void collect_pending(block_pool& pool, bool wait_on_device);
   void release_cached(block_pool& pool);
   void release_segment(block_pool& pool, segment* s);
