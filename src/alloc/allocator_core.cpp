@@ -416,18 +416,7 @@ block* allocator_core::grow_expandable(block_pool& pool, std::size_t size) {
     if (!trace_.empty()) note(trace_action::segment_map, u->address, need, pool.stream);
     if (u->size > need) split(pool, u, need);  // the rest stays unbacked
     u->mapped = true;
-    block* merged = u;
-    if (settled_free(u->prev)) {
-      pool.bins.remove(u->prev);
-      merged = merge_into(pool, u->prev, u);
-    }
-    if (settled_free(merged->next)) {
-      pool.bins.remove(merged->next);
-      merged = merge_into(pool, merged, merged->next);
-    }
-    pool.bins.insert(merged);
-    refresh_split_stat(pool, merged);
-    return merged;
+    return settle(pool, u);
   }
   return nullptr;
 }
@@ -530,7 +519,7 @@ void allocator_core::make_reusable(block_pool& pool, block* b) {
   refresh_split_stat(pool, b);
 }
 
-void allocator_core::settle(block_pool& pool, block* b) {
+block* allocator_core::settle(block_pool& pool, block* b) {
   b->quick = false;
   if (settled_free(b->prev)) {
     pool.bins.remove(b->prev);
@@ -542,6 +531,7 @@ void allocator_core::settle(block_pool& pool, block* b) {
   }
   pool.bins.insert(b);
   refresh_split_stat(pool, b);
+  return b;
 }
 
 void allocator_core::settle_quick(block_pool& pool) {

@@ -104,7 +104,9 @@ class allocator_core {
 
   // ---- the free path (pool locked)
   void make_reusable(block_pool& pool, block* b);
-  void settle(block_pool& pool, block* b);  // merge with free neighbours, into the bins
+  // Merges b with its settled free neighbours and puts the result in the
+  // bins; returns it.
+  block* settle(block_pool& pool, block* b);
   void settle_quick(block_pool& pool);
   // Unparks and returns a parked block of exactly `size`, or nullptr.
   [[nodiscard]] block* take_quick(block_pool& pool, std::size_t size) noexcept;
