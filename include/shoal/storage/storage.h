@@ -1,0 +1,88 @@
+// Reference-counted storages and copy-on-write lazy clones.
+//
+// A `storage` is a handle to one storage object: memory from a caching
+// allocator (size, device, owning allocator, data pointer). Copying the
+// handle aliases: two handles alias iff they name the same storage object
+// (`aliases`). `lazy_clone` makes a new storage object that shares the data
+// through a copy-on-write context, copying nothing.
+//
+// Copy-on-write rules:
+//   - read access (`data`) never copies;
+//   - the first mutable access (`mutable_data`) to a storage in a
+//     copy-on-write context materializes it: the last reference steals the
+//     data without a copy; any other copies it under the context's shared
+//     lock, and a stealer takes the exclusive lock, so it waits for copies
+//     in progress; the reference count and the steal decision are atomic;
+//   - while shared, the data is never written in place, so it stays as it
+//     was at clone time.
+// Stream order: the materializing copy is enqueued on the caller's stream
+// after an event on the stream the clone was made on (the data's writes
+// before the clone are passed first); the source block is held by the
+// allocator (record_stream) until that copy completes, and a stealer's
+// stream waits for every copy before writing in place.
+// Memory that has left the process (shared over IPC, exported through
+// DLPack) is never lazily shared: lazy_clone of such a storage makes an
+// eager copy at once.
+//
+// Thread-safety: different storage objects may be used from any threads at
+// once, including clones of one family. One storage object's mutable_data
+// may be called from several threads; they materialize it once.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/types.h"
+
+namespace shoal::storage {
+
+namespace detail {
+class storage_impl;
+}
+
+class storage {
+ public:
+  /// A storage of `bytes` bytes from `allocator`, for use on `stream`.
+  static storage allocate(alloc::caching_allocator& allocator, std::size_t bytes, backend::stream_ref stream);
+  /// A storage on the calling thread's current stream.
+  static storage allocate(alloc::caching_allocator& allocator, std::size_t bytes);
+
+  storage() = default;  ///< an empty handle: valid() is false
+
+  [[nodiscard]] bool valid() const noexcept { return impl_ != nullptr; }
+  [[nodiscard]] std::size_t size() const;
+  [[nodiscard]] backend::device& device() const;
+  [[nodiscard]] alloc::caching_allocator& allocator() const;
+
+  /// Read access: never copies.
+  [[nodiscard]] const void* data() const;
+  /// Write access on `stream`: materializes a lazily shared storage first.
+  [[nodiscard]] void* mutable_data(backend::stream_ref stream);
+  /// Write access on the calling thread's current stream.
+  [[nodiscard]] void* mutable_data();
+
+  /// True iff both handles name the same storage object.
+  [[nodiscard]] bool aliases(const storage& other) const noexcept { return impl_ == other.impl_; }
+  /// True while this storage shares its data with others through copy-on-write.
+  [[nodiscard]] bool is_lazy() const;
+  /// Marks the data as shared outside the process (IPC, DLPack): from now on
+  /// it is never lazily shared. Materializes it first if it is lazy.
+  void mark_shared_outside_process();
+  [[nodiscard]] bool shared_outside_process() const;
+
+ private:
+  friend storage lazy_clone(const storage& source, backend::stream_ref stream);
+  explicit storage(std::shared_ptr<detail::storage_impl> impl) : impl_(std::move(impl)) {}
+  [[nodiscard]] detail::storage_impl& impl() const;
+
+  std::shared_ptr<detail::storage_impl> impl_;
+};
+
+/// A new storage sharing `source`'s data copy-on-write, in O(1); cloning a
+/// clone joins its context. `stream` is where the source's data was last
+/// written (the calling thread's current stream by default).
+[[nodiscard]] storage lazy_clone(const storage& source, backend::stream_ref stream);
+[[nodiscard]] storage lazy_clone(const storage& source);
+
+}  // namespace shoal::storage

@@ -1,0 +1,78 @@
+#include "storage/cow_context.h"
+
+#include <algorithm>
+
+namespace shoal::storage::detail {
+
+cow_context::cow_context(alloc::caching_allocator& allocator, void* data, std::size_t size,
+                         backend::stream_ref written_on)
+    : allocator_(allocator), data_(data), size_(size), written_on_{written_on} {}
+
+cow_context::~cow_context() {
+  for (auto e : copies_done_) allocator_.device().destroy_event(e);
+}
+
+void cow_context::add_reference(backend::stream_ref written_on) {
+  refcount_.fetch_add(1, std::memory_order_relaxed);
+  std::lock_guard lock(streams_mutex_);
+  if (std::find(written_on_.begin(), written_on_.end(), written_on) == written_on_.end()) {
+    written_on_.push_back(written_on);
+  }
+}
+
+void cow_context::order_after_clone_writes(backend::stream_ref stream) {
+  // The shared data is never written in place, so an event recorded now on
+  // a clone-time stream covers every write the data had at clone time.
+  std::vector<backend::stream_ref> streams;
+  {
+    std::lock_guard lock(streams_mutex_);
+    streams = written_on_;
+  }
+  backend::device& device = allocator_.device();
+  for (auto s : streams) {
+    if (s == stream) continue;  // same stream: already in order
+    const backend::event_ref e = device.create_event();
+    device.record(e, s);
+    device.wait(stream, e);
+    device.destroy_event(e);
+  }
+}
+
+void* cow_context::release_for_write(backend::stream_ref stream) {
+  backend::device& device = allocator_.device();
+  std::shared_lock shared(mutex_);
+  auto steal = [&]() -> void* {
+    shared.unlock();
+    std::unique_lock exclusive(mutex_);  // copies in progress finish enqueueing first
+    order_after_clone_writes(stream);
+    std::lock_guard lock(streams_mutex_);
+    for (auto e : copies_done_) device.wait(stream, e);  // they read what the stealer will overwrite
+    return nullptr;
+  };
+  std::int64_t only_us = 1;
+  if (refcount_.compare_exchange_strong(only_us, 0, std::memory_order_acq_rel)) return steal();
+  // Allocate before giving up the reference: if allocation fails, nothing
+  // has changed. If the others went meanwhile, the copy is not needed.
+  void* destination = allocator_.allocate(size_, stream);
+  if (refcount_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    allocator_.deallocate(destination, stream);
+    return steal();
+  }
+  order_after_clone_writes(stream);
+  device.copy(stream, destination, data_, size_);
+  allocator_.record_stream(data_, stream);  // whoever frees the data waits for this copy
+  const backend::event_ref done = device.create_event();
+  device.record(done, stream);
+  std::lock_guard lock(streams_mutex_);
+  copies_done_.push_back(done);
+  return destination;
+}
+
+bool cow_context::release_for_drop() {
+  if (refcount_.fetch_sub(1, std::memory_order_acq_rel) != 1) return false;
+  std::unique_lock exclusive(mutex_);  // copies in progress finish enqueueing first
+  allocator_.deallocate(data_);
+  return true;
+}
+
+}  // namespace shoal::storage::detail

@@ -1,0 +1,235 @@
+// Storages and copy-on-write lazy clones, on every backend.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <random>
+#include <thread>
+
+#include "shoal/backend/stream.h"
+#include "shoal/error.h"
+#include "shoal/storage/storage.h"
+#include "support/allocators.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using backend::stream;
+using storage::lazy_clone;
+using storage_t = storage::storage;
+constexpr std::size_t bytes = 256 * 1024;
+
+template <class Backend>
+class storage_test : public allocator_test<Backend> {
+ public:
+  /// A storage filled with `value`, written and finished on `s`.
+  storage_t filled(std::uint8_t value, backend::stream_ref s = {}) {
+    auto st = storage_t::allocate(*this->allocator_, bytes, s);
+    this->device().fill(s, st.mutable_data(s), value, bytes);
+    this->device().synchronize(s);
+    return st;
+  }
+  bool holds(const storage_t& st, std::uint8_t value, backend::stream_ref s = {}) {
+    return all_equal(this->read(st.data(), st.size(), s), value);
+  }
+  std::int64_t allocations() { return this->allocator_->stats().allocations.aggregate.allocated; }
+};
+TYPED_TEST_SUITE(storage_test, backend_types, backend_names);
+
+TYPED_TEST(storage_test, handles_alias_iff_they_name_one_storage) {
+  this->make();
+  auto a = this->filled(1);
+  storage_t same = a;
+  auto other = this->filled(1);
+  EXPECT_TRUE(a.aliases(same));
+  EXPECT_FALSE(a.aliases(other));
+  EXPECT_EQ(a.size(), bytes);
+  EXPECT_EQ(&a.device(), &this->device());
+  auto clone = lazy_clone(a);
+  EXPECT_FALSE(clone.aliases(a)) << "a clone is a storage of its own";
+  EXPECT_THROW((void)storage_t{}.data(), invalid_argument);
+}
+
+TYPED_TEST(storage_test, a_lazy_clone_copies_nothing_and_reads_never_copy) {
+  this->make();
+  auto a = this->filled(7);
+  const auto before = this->allocations();
+  auto b = lazy_clone(a);
+  auto c = lazy_clone(b);  // cloning a clone joins the family
+  EXPECT_EQ(b.data(), a.data());
+  EXPECT_EQ(c.data(), a.data());
+  EXPECT_TRUE(a.is_lazy() && b.is_lazy() && c.is_lazy());
+  EXPECT_TRUE(this->holds(c, 7));
+  EXPECT_EQ(this->allocations(), before) << "neither cloning nor reading allocated";
+}
+
+TYPED_TEST(storage_test, the_first_write_copies_and_the_last_reference_steals) {
+  this->make();
+  auto a = this->filled(7);
+  auto b = lazy_clone(a);
+  const void* shared = a.data();
+  const auto before = this->allocations();
+  void* bw = b.mutable_data();
+  EXPECT_NE(bw, shared) << "b was not the last reference: it copied";
+  EXPECT_FALSE(b.is_lazy());
+  EXPECT_EQ(this->allocations(), before + 1);
+  EXPECT_TRUE(this->holds(b, 7)) << "the copy holds the data";
+  void* aw = a.mutable_data();
+  EXPECT_EQ(aw, shared) << "a is the last reference: it stole the data";
+  EXPECT_FALSE(a.is_lazy());
+  EXPECT_EQ(this->allocations(), before + 1) << "stealing copies nothing";
+}
+
+TYPED_TEST(storage_test, writes_after_the_clone_stay_private) {
+  auto& dev = this->device();
+  this->make();
+  auto a = this->filled(0xA1);
+  auto b = lazy_clone(a);
+  dev.fill({}, b.mutable_data(), 0xB2, bytes);
+  EXPECT_TRUE(this->holds(a, 0xA1));
+  EXPECT_TRUE(this->holds(b, 0xB2));
+  auto c = lazy_clone(a);
+  dev.fill({}, a.mutable_data(), 0xA3, bytes);
+  EXPECT_TRUE(this->holds(c, 0xA1)) << "c keeps the data as it was when it was cloned";
+  EXPECT_TRUE(this->holds(a, 0xA3));
+}
+
+TYPED_TEST(storage_test, data_is_released_exactly_once) {
+  this->make();
+  {
+    auto a = this->filled(3);
+    auto b = lazy_clone(a);
+    auto c = lazy_clone(b);
+    { auto drop = std::move(a); }  // the first owner goes; the data stays
+    EXPECT_TRUE(this->holds(c, 3));
+    (void)b.mutable_data();
+    EXPECT_TRUE(this->holds(c, 3));
+  }
+  this->allocator_->empty_cache();
+  const auto st = this->allocator_->stats();
+  EXPECT_TRUE(nothing_in_use(st));
+  EXPECT_EQ(st.allocations.aggregate.allocated, st.allocations.aggregate.freed);
+}
+
+TYPED_TEST(storage_test, the_materializing_copy_waits_for_writes_made_before_the_clone) {
+  auto& dev = this->device();
+  this->make();
+  stream writer(dev), reader(dev);
+  auto a = this->filled(0);
+  dev.delay(writer, 150ms);
+  dev.fill(writer, a.mutable_data(writer), 0x5A, bytes);  // still queued when the clone is made
+  auto b = lazy_clone(a, writer);
+  (void)b.mutable_data(reader);  // copies on `reader`, after `writer`'s fill
+  EXPECT_TRUE(this->holds(b, 0x5A, reader));
+}
+
+TYPED_TEST(storage_test, the_source_outlives_a_pending_copy) {
+  auto& dev = this->device();
+  auto& alloc = this->make();
+  stream owner(dev), copier(dev);
+  auto a = this->filled(0x11, owner);
+  auto b = lazy_clone(a, owner);
+  dev.delay(copier, 200ms);
+  (void)b.mutable_data(copier);  // the copy waits behind the delay
+  {
+    auto drop = std::move(a);  // the last other reference: the data goes back to the allocator
+    backend::stream_guard on_owner(dev, owner);
+  }
+  void* reused = alloc.allocate(bytes, owner);
+  dev.fill(owner, reused, 0xEE, bytes);  // would overwrite the source if it were handed out
+  EXPECT_TRUE(this->holds(b, 0x11, copier));
+  alloc.deallocate(reused, owner);
+}
+
+TYPED_TEST(storage_test, a_stealer_waits_for_copies_before_writing_in_place) {
+  auto& dev = this->device();
+  this->make();
+  stream owner(dev), copier(dev);
+  auto a = this->filled(0x22, owner);
+  auto b = lazy_clone(a, owner);
+  dev.delay(copier, 200ms);
+  (void)b.mutable_data(copier);  // b copies, later, on `copier`
+  dev.fill(owner, a.mutable_data(owner), 0x33, bytes);  // a steals and writes at once
+  EXPECT_TRUE(this->holds(b, 0x22, copier)) << "a's write overtook b's copy";
+  EXPECT_TRUE(this->holds(a, 0x33, owner));
+}
+
+TYPED_TEST(storage_test, memory_shared_outside_the_process_is_copied_eagerly) {
+  this->make();
+  auto a = this->filled(9);
+  auto lazy = lazy_clone(a);
+  a.mark_shared_outside_process();
+  EXPECT_FALSE(a.is_lazy()) << "marking materializes first";
+  EXPECT_TRUE(a.shared_outside_process());
+  const auto before = this->allocations();
+  auto b = lazy_clone(a);
+  EXPECT_FALSE(b.is_lazy());
+  EXPECT_NE(b.data(), a.data());
+  EXPECT_EQ(this->allocations(), before + 1);
+  EXPECT_TRUE(this->holds(b, 9));
+  EXPECT_TRUE(this->holds(lazy, 9));
+}
+
+TYPED_TEST(storage_test, many_threads_clone_and_materialize_one_family) {
+  auto& dev = this->device();
+  this->make();
+  constexpr int threads = 6;
+  std::vector<stream> streams;  // outlive every storage whose copies they made
+  for (int t = 0; t < threads; ++t) streams.emplace_back(dev);
+  auto root = this->filled(0x40);
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      const backend::stream_ref s = streams[static_cast<std::size_t>(t)];
+      for (int round = 0; round < 20; ++round) {
+        auto mine = lazy_clone(root, s);
+        auto grandchild = lazy_clone(mine, s);
+        const auto value = static_cast<std::uint8_t>(t * 20 + round);
+        dev.fill(s, mine.mutable_data(s), value, bytes);
+        if (!this->holds(mine, value, s) || !this->holds(grandchild, 0x40, s)) wrong.fetch_add(1);
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_TRUE(this->holds(root, 0x40));
+}
+
+TYPED_TEST(storage_test, random_schedules_keep_every_copy_and_release_everything_once) {
+  auto& dev = this->device();
+  this->make();
+  std::mt19937 random(42);
+  std::vector<std::pair<storage_t, std::uint8_t>> live;  // storage, the byte it must hold
+  const int operations = std::is_same_v<TypeParam, host_backend> ? 600 : 300;
+  for (int op = 0; op < operations; ++op) {
+    const unsigned choice = random() % 10;
+    if (live.empty() || choice < 2) {
+      const auto v = static_cast<std::uint8_t>(random());
+      live.emplace_back(this->filled(v), v);
+    } else if (choice < 5) {  // clone
+      auto& [s, v] = live[random() % live.size()];
+      live.emplace_back(lazy_clone(s), v);
+    } else if (choice < 7) {  // write
+      auto& [s, v] = live[random() % live.size()];
+      v = static_cast<std::uint8_t>(random());
+      dev.fill({}, s.mutable_data(), v, bytes);
+    } else if (choice < 9) {  // check
+      auto& [s, v] = live[random() % live.size()];
+      ASSERT_TRUE(this->holds(s, v)) << "operation " << op;
+    } else {  // drop
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(random() % live.size()));
+    }
+  }
+  for (auto& [s, v] : live) ASSERT_TRUE(this->holds(s, v));
+  live.clear();
+  dev.synchronize({});
+  this->allocator_->empty_cache();
+  const auto st = this->allocator_->stats();
+  EXPECT_TRUE(nothing_in_use(st));
+  EXPECT_EQ(st.reserved_bytes.aggregate.current, 0);
+}
+
+}  // namespace
+}  // namespace shoal::testing
