@@ -459,7 +459,7 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
 
 void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
-  with_taken_block(address, "deallocate", [&](block_pool& pool, block* b) {
+  with_block<true>(address, "deallocate", [&](block_pool& pool, block* b) {
     const bool other_streams = stream != b->stream || !b->used_on.empty();
     const bool hold = config.cross_stream_safety && other_streams;
     const bool mark_hazard = !config.cross_stream_safety && config.debug && stream != b->stream;
@@ -657,14 +657,14 @@ void allocator_core::empty_cache() {
 }
 
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
-  with_block(reinterpret_cast<std::uintptr_t>(ptr), "record_stream", [&](block_pool&, block* b) {
+  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "record_stream", [&](block_pool&, block* b) {
     if (stream != b->stream) add_unique(b->used_on, stream);
   });
 }
 
 std::size_t allocator_core::block_size(const void* ptr) const {
   std::size_t size = 0;
-  with_block(reinterpret_cast<std::uintptr_t>(ptr), "block_size", [&](block_pool&, block* b) { size = b->size; });
+  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "block_size", [&](block_pool&, block* b) { size = b->size; });
   return size;
 }
 

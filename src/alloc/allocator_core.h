@@ -79,12 +79,10 @@ class allocator_core {
   // ---- finding a pointer's block
   /// Runs fn(pool, block) with the pool locked, for the allocated block at
   /// `address`; throws invalid_argument naming `op` when there is none.
-  template <class Fn>
+  /// With Take, the block is taken out of the pool's index first (and goes
+  /// back if fn throws).
+  template <bool Take, class Fn>
   void with_block(std::uintptr_t address, const char* op, Fn&& fn) const;
-  /// As with_block, with the block taken out of the pool's index first (it
-  /// goes back if fn throws).
-  template <class Fn>
-  void with_taken_block(std::uintptr_t address, const char* op, Fn&& fn) const;
   [[nodiscard]] block_pool* cached_pool(std::uintptr_t address) const noexcept;
   [[nodiscard]] block_pool* directory_pool(std::uintptr_t address) const;
   void register_segment(const segment& s);
@@ -193,7 +191,7 @@ inline void allocator_core::for_each_pool(Fn&& fn) const {
   for (block_pool* p : pools) fn(*p);
 }
 
-template <class Fn>
+template <bool Take, class Fn>
 void allocator_core::with_block(std::uintptr_t address, const char* op, Fn&& fn) const {
   // A thread's cache may be stale (the segment was released and its range
   // reused elsewhere): a pool that does not hold the block sends us on to
@@ -201,24 +199,12 @@ void allocator_core::with_block(std::uintptr_t address, const char* op, Fn&& fn)
   auto found_in = [&](block_pool* pool) {
     if (pool == nullptr) return false;
     std::unique_lock lock(pool->lock);
-    block* b = pool->allocated.find(address);
-    if (b != nullptr) fn(*pool, b);
-    return b != nullptr;
-  };
-  if (!found_in(cached_pool(address)) && !found_in(directory_pool(address))) throw_not_allocated(address, op);
-}
-
-template <class Fn>
-void allocator_core::with_taken_block(std::uintptr_t address, const char* op, Fn&& fn) const {
-  auto found_in = [&](block_pool* pool) {
-    if (pool == nullptr) return false;
-    std::unique_lock lock(pool->lock);
-    block* b = pool->allocated.take(address);
+    block* b = Take ? pool->allocated.take(address) : pool->allocated.find(address);
     if (b == nullptr) return false;
     try {
       fn(*pool, b);
     } catch (...) {
-      pool->allocated.insert(b);
+      if (Take) pool->allocated.insert(b);  // nothing happened to it
       throw;
     }
     return true;
