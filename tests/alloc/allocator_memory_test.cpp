@@ -1,6 +1,8 @@
 // Growable segments, out of memory, limits and private pools.
 #include <gtest/gtest.h>
 
+#include <chrono>
+
 #include "shoal/backend/host_device.h"
 #include "shoal/backend/stream.h"
 #include "shoal/error.h"
@@ -114,6 +116,30 @@ TYPED_TEST(allocator_memory, a_private_pool_serves_scoped_allocations_from_its_r
   a.empty_cache();
   dev.free_segment(region);  // the caller's memory all along
   EXPECT_TRUE(nothing_in_use(a.stats()));
+}
+
+TYPED_TEST(allocator_memory, a_private_pool_block_moving_to_another_stream_waits_for_the_last_one) {
+  using namespace std::chrono_literals;
+  auto& dev = this->device();
+  auto& a = this->make();
+  backend::stream first(dev), second(dev);
+  void* region = dev.allocate_segment(2 * mib);
+  const auto pool = a.create_private_pool(region, 2 * mib);
+  {
+    alloc::private_pool_scope scope(a, pool);
+    void* p = a.allocate(mib, first);
+    dev.delay(first, 200ms);
+    dev.fill(first, p, 0x11, mib);  // the first stream's last use, still queued
+    a.deallocate(p, first);
+    void* q = a.allocate(mib, second);  // the same memory, now for `second`
+    EXPECT_EQ(q, p);
+    dev.fill(second, q, 0x22, mib);
+    dev.synchronize(first);
+    EXPECT_TRUE(all_equal(this->read(q, mib, second), 0x22)) << "`second` wrote before `first` was done";
+    a.deallocate(q, second);
+  }
+  a.destroy_private_pool(pool);
+  dev.free_segment(region);
 }
 
 TEST(allocator_memory_host, out_of_device_memory_is_out_of_memory) {
