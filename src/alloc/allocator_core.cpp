@@ -1,10 +1,9 @@
 #include "alloc/allocator_core.h"
 
 #include <algorithm>
-#include <array>
 #include <chrono>
-#include <sstream>
 
+#include "alloc/core_util.h"
 #include "alloc/size_policy.h"
 #include "shoal/error.h"
 
@@ -13,43 +12,6 @@ namespace shoal::alloc::detail {
 namespace {
 
 std::atomic<std::uint64_t> next_core_serial{1};
-
-// The pool this thread's allocations from one allocator go to, set by
-// private_pool_scope. Empty for almost every thread, so the lookup is free.
-struct direction {
-  std::uint64_t core;
-  block_pool* part;
-};
-thread_local std::vector<direction> directions;
-// How many entries `directions` has: a trivially constructed thread_local,
-// so the common "no scope" check costs no thread_local initialization.
-thread_local std::size_t direction_count = 0;
-
-// A one-entry cache of the last stream pools this thread used.
-struct pools_cache {
-  std::uint64_t core = 0;
-  void* stream = nullptr;
-  stream_pools* pools = nullptr;
-};
-thread_local pools_cache last_pools;
-
-// Segments whose pools this thread freed into lately: [low, high) -> pool.
-struct range_cache {
-  struct entry {
-    std::uint64_t core = 0;
-    std::uintptr_t low = 0, high = 0;
-    block_pool* pool = nullptr;
-  };
-  std::array<entry, 4> entries;
-  std::size_t next = 0;
-};
-thread_local range_cache recent_segments;
-
-std::string hex(std::uintptr_t v) {
-  std::ostringstream out;
-  out << "0x" << std::hex << v;
-  return out.str();
-}
 
 constexpr std::uint8_t poison_byte = 0xDB;
 
@@ -67,18 +29,7 @@ std::size_t limit_of(const allocator_config& config, backend::device& device) {
   return limit;
 }
 
-void add_unique(std::vector<backend::stream_ref>& streams, backend::stream_ref s) {
-  if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
-}
-
 }  // namespace
-
-block_pool* private_pool::part(const std::string& name) {
-  for (auto& p : parts) {
-    if (p->part_name == name) return p.get();
-  }
-  return nullptr;
-}
 
 allocator_core::allocator_core(backend::device& dev, allocator_config cfg)
     : device(dev), config(std::move(cfg)), serial_(next_core_serial.fetch_add(1)), limit_(limit_of(config, dev)) {
@@ -130,46 +81,6 @@ allocator_core::~allocator_core() {
     } catch (const error&) {  // NOLINT(bugprone-empty-catch): as above
     }
   }
-}
-
-// ---- pools -------------------------------------------------------------------
-
-block_pool& allocator_core::pool_for(backend::stream_ref stream, pool_kind kind) {
-  if (last_pools.core == serial_ && last_pools.stream == stream.native) return last_pools.pools->of(kind);
-  stream_pools* pools = nullptr;
-  {
-    std::shared_lock lock(directory_mutex_);
-    if (auto it = stream_pools_.find(stream.native); it != stream_pools_.end()) pools = it->second.get();
-  }
-  if (pools == nullptr) {
-    std::unique_lock lock(directory_mutex_);
-    auto& slot = stream_pools_[stream.native];
-    if (!slot) {
-      slot = std::make_unique<stream_pools>();
-      slot->small.kind = pool_kind::small;
-      slot->large.kind = pool_kind::large;
-      slot->small.stream = slot->large.stream = stream;
-    }
-    pools = slot.get();
-  }
-  last_pools = {serial_, stream.native, pools};
-  return pools->of(kind);
-}
-
-block_pool* allocator_core::directed_pool() const noexcept {
-  if (direction_count == 0) return nullptr;
-  for (auto it = directions.rbegin(); it != directions.rend(); ++it) {
-    if (it->core == serial_) return it->part;
-  }
-  return nullptr;
-}
-
-block_pool* allocator_core::direct_to(block_pool* part) noexcept {
-  block_pool* previous = directed_pool();
-  std::erase_if(directions, [&](const direction& d) { return d.core == serial_; });
-  if (part != nullptr) directions.push_back({serial_, part});
-  direction_count = directions.size();
-  return previous;
 }
 
 // ---- allocation --------------------------------------------------------------
@@ -318,109 +229,6 @@ void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std:
   pool_counters::add(c.requested_bytes, static_cast<std::int64_t>(requested));
 }
 
-block* allocator_core::grow(block_pool& pool, std::size_t size) {
-  if (pool.is_private) return nullptr;
-  if (config.expandable_segments) return grow_expandable(pool, size);
-  const std::size_t bytes = segment_size_for(size, config);
-  if (!reserve_bytes(bytes)) return nullptr;
-  void* base;
-  try {
-    base = device.allocate_segment(bytes);
-  } catch (const out_of_memory&) {
-    unreserve_bytes(bytes);
-    return nullptr;
-  }
-  device_allocations_.fetch_add(1, std::memory_order_relaxed);
-  auto s = std::make_unique<segment>();
-  s->base = reinterpret_cast<std::uintptr_t>(base);
-  s->size = s->mapped_bytes = bytes;
-  s->pool = &pool;
-  block* b = pool.new_block();
-  b->address = s->base;
-  b->size = bytes;
-  b->owner = s.get();
-  s->first = b;
-  register_segment(*s);
-  pool.segments.push_back(std::move(s));
-  pool_counters::add(pool.counters.segments, 1);
-  pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
-  pool.bins.insert(b);
-  if (!trace_.empty()) note(trace_action::segment_alloc, b->address, bytes, pool.stream);
-  return b;
-}
-
-block* allocator_core::grow_expandable(block_pool& pool, std::size_t size) {
-  const std::size_t g = device.granularity();
-  if (pool.growable == nullptr) {
-    // One range as large as the device, so this pool never needs a second.
-    const std::size_t span = round_up(std::max(device.memory().total_bytes, size), g);
-    void* base;
-    try {
-      base = device.reserve_range(span);
-    } catch (const out_of_memory&) {
-      return nullptr;
-    }
-    auto s = std::make_unique<segment>();
-    s->base = reinterpret_cast<std::uintptr_t>(base);
-    s->size = span;
-    s->pool = &pool;
-    s->expandable = true;
-    s->chunks.resize(span / g);
-    block* b = pool.new_block();
-    b->address = s->base;
-    b->size = span;
-    b->owner = s.get();
-    b->mapped = false;
-    s->first = b;
-    register_segment(*s);
-    pool.growable = s.get();
-    pool.segments.push_back(std::move(s));
-    pool_counters::add(pool.counters.segments, 1);
-  }
-  segment* s = pool.growable;
-  // The first unbacked stretch that, joined to a free mapped block before
-  // it, can hold the request.
-  for (block* u = s->first; u != nullptr; u = u->next) {
-    if (u->mapped) continue;
-    const std::size_t before = settled_free(u->prev) ? u->prev->size : 0;
-    const std::size_t need = size > before ? round_up(size - before, g) : g;
-    if (u->size < need) continue;
-    if (!reserve_bytes(need)) return nullptr;
-    const std::size_t first_chunk = (u->address - s->base) / g;
-    std::size_t mapped_chunks = 0;
-    try {
-      for (; mapped_chunks < need / g; ++mapped_chunks) {
-        const std::size_t i = first_chunk + mapped_chunks;
-        const backend::physical_ref chunk = device.create_physical(g);
-        try {
-          device.map(reinterpret_cast<void*>(s->base + i * g), chunk);
-        } catch (...) {
-          device.release_physical(chunk);
-          throw;
-        }
-        s->chunks[i] = chunk;
-      }
-    } catch (const out_of_memory&) {
-      for (std::size_t k = 0; k < mapped_chunks; ++k) {
-        const std::size_t i = first_chunk + k;
-        device.unmap(reinterpret_cast<void*>(s->base + i * g));
-        device.release_physical(s->chunks[i]);
-        s->chunks[i] = {};
-      }
-      unreserve_bytes(need);
-      return nullptr;
-    }
-    device_allocations_.fetch_add(static_cast<std::int64_t>(need / g), std::memory_order_relaxed);
-    s->mapped_bytes += need;
-    pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(need));
-    if (!trace_.empty()) note(trace_action::segment_map, u->address, need, pool.stream);
-    if (u->size > need) split(pool, u, need);  // the rest stays unbacked
-    u->mapped = true;
-    return settle(pool, u);
-  }
-  return nullptr;
-}
-
 void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, backend::stream_ref stream) {
   ooms_.fetch_add(1, std::memory_order_relaxed);
   oom_report report;
@@ -519,40 +327,6 @@ void allocator_core::make_reusable(block_pool& pool, block* b) {
   refresh_split_stat(pool, b);
 }
 
-block* allocator_core::settle(block_pool& pool, block* b) {
-  b->quick = false;
-  if (settled_free(b->prev)) {
-    pool.bins.remove(b->prev);
-    b = merge_into(pool, b->prev, b);
-  }
-  if (settled_free(b->next)) {
-    pool.bins.remove(b->next);
-    b = merge_into(pool, b, b->next);
-  }
-  pool.bins.insert(b);
-  refresh_split_stat(pool, b);
-  return b;
-}
-
-void allocator_core::settle_quick(block_pool& pool) {
-  // One at a time: a block still parked does not merge, so each one is
-  // merged only with blocks already settled, and never merged away before
-  // its own turn.
-  const std::size_t count = std::exchange(pool.quick_count, 0);
-  for (std::size_t i = 0; i < count; ++i) settle(pool, pool.quick[i]);
-}
-
-block* allocator_core::take_quick(block_pool& pool, std::size_t size) noexcept {
-  for (std::size_t i = pool.quick_count; i-- > 0;) {  // newest first
-    block* b = pool.quick[i];
-    if (b->size == size) {
-      pool.quick[i] = pool.quick[--pool.quick_count];
-      return b;
-    }
-  }
-  return nullptr;
-}
-
 void allocator_core::collect_pending(block_pool& pool, bool wait_on_device) {
   std::erase_if(pool.pending, [&](block* b) {
     const bool passed = std::all_of(b->waits.begin(), b->waits.end(), [&](auto e) { return device.query_event(e); });
@@ -572,90 +346,6 @@ void allocator_core::process_pending_frees() {
   });
 }
 
-void allocator_core::release_cached(block_pool& pool) {
-  settle_quick(pool);
-  // Work already enqueued on the pool's stream may still touch free blocks
-  // (the last uses before their frees, debug poison): let it finish first.
-  if (!pool.is_private && pool.segments.size() > 0) device.synchronize(pool.stream);
-  std::vector<segment*> unused;
-  for (auto& s : pool.segments) {
-    if (s->external) continue;
-    if (s->expandable) {
-      unmap_free_chunks(pool, s.get());
-    } else if (s->unused()) {
-      unused.push_back(s.get());
-    }
-  }
-  for (segment* s : unused) release_segment(pool, s);
-}
-
-void allocator_core::release_segment(block_pool& pool, segment* s) {
-  pool.bins.remove(s->first);
-  refresh_split_stat(pool, s->first);
-  device.free_segment(reinterpret_cast<void*>(s->base));
-  unreserve_bytes(s->size);
-  device_frees_.fetch_add(1, std::memory_order_relaxed);
-  pool_counters::sub(pool.counters.segments, 1);
-  pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(s->size));
-  if (!trace_.empty()) note(trace_action::segment_free, s->base, s->size, pool.stream);
-  unregister_segment(*s);
-  recycle(pool, s->first);
-  std::erase_if(pool.segments, [&](const std::unique_ptr<segment>& p) { return p.get() == s; });
-}
-
-void allocator_core::unmap_free_chunks(block_pool& pool, segment* s) {
-  const std::size_t g = device.granularity();
-  for (block* b = s->first; b != nullptr; b = b->next) {
-    if (b->state != block_state::free || !b->mapped) continue;
-    const std::uintptr_t lo = round_up(b->address, g);
-    const std::uintptr_t hi = (b->address + b->size) / g * g;
-    if (hi <= lo) continue;
-    pool.bins.remove(b);
-    for (std::uintptr_t a = lo; a < hi; a += g) {
-      const std::size_t i = (a - s->base) / g;
-      device.unmap(reinterpret_cast<void*>(a));
-      device.release_physical(s->chunks[i]);
-      s->chunks[i] = {};
-    }
-    const std::size_t bytes = hi - lo;
-    unreserve_bytes(bytes);
-    s->mapped_bytes -= bytes;
-    device_frees_.fetch_add(static_cast<std::int64_t>(bytes / g), std::memory_order_relaxed);
-    pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
-    if (!trace_.empty()) note(trace_action::segment_unmap, lo, bytes, pool.stream);
-    // [b: mapped head][hole][mapped tail], heads and tails possibly empty.
-    block* hole = lo > b->address ? split(pool, b, lo - b->address) : b;
-    if (hi < hole->address + hole->size) {
-      block* tail = split(pool, hole, hi - hole->address);
-      pool.bins.insert(tail);
-      refresh_split_stat(pool, tail);
-    }
-    if (hole != b) {
-      pool.bins.insert(b);
-      refresh_split_stat(pool, b);
-    }
-    hole->mapped = false;
-    refresh_split_stat(pool, hole);
-    if (hole->prev != nullptr && !hole->prev->mapped) hole = merge_into(pool, hole->prev, hole);
-    if (hole->next != nullptr && !hole->next->mapped) hole = merge_into(pool, hole, hole->next);
-    b = hole;
-  }
-}
-
-void allocator_core::empty_cache() {
-  for_each_pool([&](block_pool& p) {
-    std::vector<backend::event_ref> waits;
-    {
-      std::lock_guard lock(p.lock);
-      for (block* b : p.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
-    }
-    for (auto e : waits) device.synchronize_event(e);
-    std::lock_guard lock(p.lock);
-    collect_pending(p, false);
-    release_cached(p);
-  });
-}
-
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
   with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "record_stream", [&](block_pool&, block* b) {
     if (stream != b->stream) add_unique(b->used_on, stream);
@@ -666,111 +356,6 @@ std::size_t allocator_core::block_size(const void* ptr) const {
   std::size_t size = 0;
   with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "block_size", [&](block_pool&, block* b) { size = b->size; });
   return size;
-}
-
-// ---- finding a pointer's block -------------------------------------------------
-
-void throw_not_allocated(std::uintptr_t address, const char* op) {
-  throw invalid_argument(std::string("caching_allocator::") + op + "(" + hex(address) +
-                         "): not a live pointer this allocator handed out (foreign, interior, or freed already)");
-}
-
-block_pool* allocator_core::cached_pool(std::uintptr_t address) const noexcept {
-  for (const auto& e : recent_segments.entries) {
-    if (e.core == serial_ && address - e.low < e.high - e.low) return e.pool;
-  }
-  return nullptr;
-}
-
-block_pool* allocator_core::directory_pool(std::uintptr_t address) const {
-  std::shared_lock lock(segments_mutex_);
-  auto it = segments_by_base_.upper_bound(address);
-  if (it == segments_by_base_.begin()) return nullptr;
-  --it;
-  if (address - it->first >= it->second.first) return nullptr;
-  auto& slot = recent_segments.entries[recent_segments.next++ % recent_segments.entries.size()];
-  slot = {serial_, it->first, it->first + it->second.first, it->second.second};
-  return it->second.second;
-}
-
-void allocator_core::register_segment(const segment& s) {
-  std::unique_lock lock(segments_mutex_);
-  segments_by_base_[s.base] = {s.size, s.pool};
-}
-
-void allocator_core::unregister_segment(const segment& s) {
-  std::unique_lock lock(segments_mutex_);
-  segments_by_base_.erase(s.base);
-}
-
-// ---- block structure -----------------------------------------------------------
-
-block* allocator_core::split(block_pool& pool, block* b, std::size_t size) {
-  if (b->counted_inactive_split) {  // counted at its old size
-    pool_counters::sub(pool.counters.inactive_split, 1);
-    pool_counters::sub(pool.counters.inactive_split_bytes, static_cast<std::int64_t>(b->size));
-    b->counted_inactive_split = false;
-  }
-  block* rest = pool.new_block();
-  rest->address = b->address + size;
-  rest->size = b->size - size;
-  rest->owner = b->owner;
-  rest->state = block_state::free;
-  rest->mapped = b->mapped;
-  rest->last_streams = b->last_streams;
-  rest->prev = b;
-  rest->next = b->next;
-  if (b->next != nullptr) b->next->prev = rest;
-  b->next = rest;
-  b->size = size;
-  refresh_split_stat(pool, rest);
-  refresh_split_stat(pool, b);
-  return rest;
-}
-
-block* allocator_core::merge_into(block_pool& pool, block* into, block* gone) {
-  // Callers have taken both out of the bins; `gone` directly follows `into`.
-  if (gone->counted_inactive_split) {
-    pool_counters::sub(pool.counters.inactive_split, 1);
-    pool_counters::sub(pool.counters.inactive_split_bytes, static_cast<std::int64_t>(gone->size));
-    gone->counted_inactive_split = false;
-  }
-  if (into->counted_inactive_split) {
-    pool_counters::sub(pool.counters.inactive_split, 1);
-    pool_counters::sub(pool.counters.inactive_split_bytes, static_cast<std::int64_t>(into->size));
-    into->counted_inactive_split = false;
-  }
-  into->size += gone->size;
-  into->next = gone->next;
-  if (gone->next != nullptr) gone->next->prev = into;
-  for (auto s : gone->last_streams) add_unique(into->last_streams, s);
-  into->waits.insert(into->waits.end(), gone->waits.begin(), gone->waits.end());
-  gone->waits.clear();
-  recycle(pool, gone);
-  refresh_split_stat(pool, into);
-  return into;
-}
-
-void allocator_core::recycle(block_pool& pool, block* b) {
-  if (b->counted_inactive_split) {
-    pool_counters::sub(pool.counters.inactive_split, 1);
-    pool_counters::sub(pool.counters.inactive_split_bytes, static_cast<std::int64_t>(b->size));
-  }
-  pool.recycle(b);
-}
-
-// ---- accounting ------------------------------------------------------------------
-
-bool allocator_core::reserve_bytes(std::size_t bytes) {
-  std::size_t now = reserved_total_.load(std::memory_order_relaxed);
-  do {
-    if (bytes > limit_ || now > limit_ - bytes) return false;
-  } while (!reserved_total_.compare_exchange_weak(now, now + bytes, std::memory_order_relaxed));
-  return true;
-}
-
-void allocator_core::unreserve_bytes(std::size_t bytes) noexcept {
-  reserved_total_.fetch_sub(bytes, std::memory_order_relaxed);
 }
 
 backend::event_ref allocator_core::take_event() {

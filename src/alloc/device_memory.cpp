@@ -1,0 +1,211 @@
+// Taking memory from the device and giving it back: segments, growable
+// ranges, the limit.
+#include "alloc/allocator_core.h"
+
+#include <mutex>
+
+#include "alloc/size_policy.h"
+#include "shoal/error.h"
+
+namespace shoal::alloc::detail {
+
+block* allocator_core::grow(block_pool& pool, std::size_t size) {
+  if (pool.is_private) return nullptr;
+  if (config.expandable_segments) return grow_expandable(pool, size);
+  const std::size_t bytes = segment_size_for(size, config);
+  if (!reserve_bytes(bytes)) return nullptr;
+  void* base;
+  try {
+    base = device.allocate_segment(bytes);
+  } catch (const out_of_memory&) {
+    unreserve_bytes(bytes);
+    return nullptr;
+  }
+  device_allocations_.fetch_add(1, std::memory_order_relaxed);
+  auto s = std::make_unique<segment>();
+  s->base = reinterpret_cast<std::uintptr_t>(base);
+  s->size = s->mapped_bytes = bytes;
+  s->pool = &pool;
+  block* b = pool.new_block();
+  b->address = s->base;
+  b->size = bytes;
+  b->owner = s.get();
+  s->first = b;
+  register_segment(*s);
+  pool.segments.push_back(std::move(s));
+  pool_counters::add(pool.counters.segments, 1);
+  pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
+  pool.bins.insert(b);
+  if (!trace_.empty()) note(trace_action::segment_alloc, b->address, bytes, pool.stream);
+  return b;
+}
+
+block* allocator_core::grow_expandable(block_pool& pool, std::size_t size) {
+  const std::size_t g = device.granularity();
+  if (pool.growable == nullptr) {
+    // One range as large as the device, so this pool never needs a second.
+    const std::size_t span = round_up(std::max(device.memory().total_bytes, size), g);
+    void* base;
+    try {
+      base = device.reserve_range(span);
+    } catch (const out_of_memory&) {
+      return nullptr;
+    }
+    auto s = std::make_unique<segment>();
+    s->base = reinterpret_cast<std::uintptr_t>(base);
+    s->size = span;
+    s->pool = &pool;
+    s->expandable = true;
+    s->chunks.resize(span / g);
+    block* b = pool.new_block();
+    b->address = s->base;
+    b->size = span;
+    b->owner = s.get();
+    b->mapped = false;
+    s->first = b;
+    register_segment(*s);
+    pool.growable = s.get();
+    pool.segments.push_back(std::move(s));
+    pool_counters::add(pool.counters.segments, 1);
+  }
+  segment* s = pool.growable;
+  // The first unbacked stretch that, joined to a free mapped block before
+  // it, can hold the request.
+  for (block* u = s->first; u != nullptr; u = u->next) {
+    if (u->mapped) continue;
+    const std::size_t before = settled_free(u->prev) ? u->prev->size : 0;
+    const std::size_t need = size > before ? round_up(size - before, g) : g;
+    if (u->size < need) continue;
+    if (!reserve_bytes(need)) return nullptr;
+    const std::size_t first_chunk = (u->address - s->base) / g;
+    std::size_t mapped_chunks = 0;
+    try {
+      for (; mapped_chunks < need / g; ++mapped_chunks) {
+        const std::size_t i = first_chunk + mapped_chunks;
+        const backend::physical_ref chunk = device.create_physical(g);
+        try {
+          device.map(reinterpret_cast<void*>(s->base + i * g), chunk);
+        } catch (...) {
+          device.release_physical(chunk);
+          throw;
+        }
+        s->chunks[i] = chunk;
+      }
+    } catch (const out_of_memory&) {
+      for (std::size_t k = 0; k < mapped_chunks; ++k) {
+        const std::size_t i = first_chunk + k;
+        device.unmap(reinterpret_cast<void*>(s->base + i * g));
+        device.release_physical(s->chunks[i]);
+        s->chunks[i] = {};
+      }
+      unreserve_bytes(need);
+      return nullptr;
+    }
+    device_allocations_.fetch_add(static_cast<std::int64_t>(need / g), std::memory_order_relaxed);
+    s->mapped_bytes += need;
+    pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(need));
+    if (!trace_.empty()) note(trace_action::segment_map, u->address, need, pool.stream);
+    if (u->size > need) split(pool, u, need);  // the rest stays unbacked
+    u->mapped = true;
+    return settle(pool, u);
+  }
+  return nullptr;
+}
+
+void allocator_core::release_cached(block_pool& pool) {
+  settle_quick(pool);
+  // Work already enqueued on the pool's stream may still touch free blocks
+  // (the last uses before their frees, debug poison): let it finish first.
+  if (!pool.is_private && pool.segments.size() > 0) device.synchronize(pool.stream);
+  std::vector<segment*> unused;
+  for (auto& s : pool.segments) {
+    if (s->external) continue;
+    if (s->expandable) {
+      unmap_free_chunks(pool, s.get());
+    } else if (s->unused()) {
+      unused.push_back(s.get());
+    }
+  }
+  for (segment* s : unused) release_segment(pool, s);
+}
+
+void allocator_core::release_segment(block_pool& pool, segment* s) {
+  pool.bins.remove(s->first);
+  refresh_split_stat(pool, s->first);
+  device.free_segment(reinterpret_cast<void*>(s->base));
+  unreserve_bytes(s->size);
+  device_frees_.fetch_add(1, std::memory_order_relaxed);
+  pool_counters::sub(pool.counters.segments, 1);
+  pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(s->size));
+  if (!trace_.empty()) note(trace_action::segment_free, s->base, s->size, pool.stream);
+  unregister_segment(*s);
+  recycle(pool, s->first);
+  std::erase_if(pool.segments, [&](const std::unique_ptr<segment>& p) { return p.get() == s; });
+}
+
+void allocator_core::unmap_free_chunks(block_pool& pool, segment* s) {
+  const std::size_t g = device.granularity();
+  for (block* b = s->first; b != nullptr; b = b->next) {
+    if (b->state != block_state::free || !b->mapped) continue;
+    const std::uintptr_t lo = round_up(b->address, g);
+    const std::uintptr_t hi = (b->address + b->size) / g * g;
+    if (hi <= lo) continue;
+    pool.bins.remove(b);
+    for (std::uintptr_t a = lo; a < hi; a += g) {
+      const std::size_t i = (a - s->base) / g;
+      device.unmap(reinterpret_cast<void*>(a));
+      device.release_physical(s->chunks[i]);
+      s->chunks[i] = {};
+    }
+    const std::size_t bytes = hi - lo;
+    unreserve_bytes(bytes);
+    s->mapped_bytes -= bytes;
+    device_frees_.fetch_add(static_cast<std::int64_t>(bytes / g), std::memory_order_relaxed);
+    pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
+    if (!trace_.empty()) note(trace_action::segment_unmap, lo, bytes, pool.stream);
+    // [b: mapped head][hole][mapped tail], heads and tails possibly empty.
+    block* hole = lo > b->address ? split(pool, b, lo - b->address) : b;
+    if (hi < hole->address + hole->size) {
+      block* tail = split(pool, hole, hi - hole->address);
+      pool.bins.insert(tail);
+      refresh_split_stat(pool, tail);
+    }
+    if (hole != b) {
+      pool.bins.insert(b);
+      refresh_split_stat(pool, b);
+    }
+    hole->mapped = false;
+    refresh_split_stat(pool, hole);
+    if (hole->prev != nullptr && !hole->prev->mapped) hole = merge_into(pool, hole->prev, hole);
+    if (hole->next != nullptr && !hole->next->mapped) hole = merge_into(pool, hole, hole->next);
+    b = hole;
+  }
+}
+
+void allocator_core::empty_cache() {
+  for_each_pool([&](block_pool& p) {
+    std::vector<backend::event_ref> waits;
+    {
+      std::lock_guard lock(p.lock);
+      for (block* b : p.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
+    }
+    for (auto e : waits) device.synchronize_event(e);
+    std::lock_guard lock(p.lock);
+    collect_pending(p, false);
+    release_cached(p);
+  });
+}
+
+bool allocator_core::reserve_bytes(std::size_t bytes) {
+  std::size_t now = reserved_total_.load(std::memory_order_relaxed);
+  do {
+    if (bytes > limit_ || now > limit_ - bytes) return false;
+  } while (!reserved_total_.compare_exchange_weak(now, now + bytes, std::memory_order_relaxed));
+  return true;
+}
+
+void allocator_core::unreserve_bytes(std::size_t bytes) noexcept {
+  reserved_total_.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+}  // namespace shoal::alloc::detail
