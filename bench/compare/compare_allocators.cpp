@@ -75,7 +75,9 @@ constexpr batch_plan cached_plan{2, 101, 1000};
 constexpr batch_plan driver_plan{1, 21, 10};
 constexpr batch_plan live_plan{2, 51, 1000};
 constexpr int live_repetitions = 5;
-constexpr int thread_repetitions = 3;
+// Runs of every thread count, interleaved (1, 2, 4, 8, 16, 1, 2, ...), so a
+// slow spell of the machine does not land on one count only.
+constexpr int thread_repetitions = 5;
 constexpr auto thread_run_time = std::chrono::milliseconds(200);
 
 // Median over batches of one pair's time, in µs; pair i has size_of(i) bytes.
@@ -119,52 +121,48 @@ double pair_with_live_blocks_us(allocator_adapter& a, void* stream) {
 }
 
 // Aggregate pairs per second of `threads` threads, each on its own stream,
-// running together for thread_run_time; the median over repetitions.
+// running together for thread_run_time (one run).
 double threads_pairs_per_s(allocator_adapter& a, const std::vector<void*>& streams, int threads) {
-  std::vector<double> rates;
-  for (int r = 0; r < thread_repetitions; ++r) {
-    std::atomic<int> ready{0};
-    std::atomic<bool> go{false};
-    std::atomic<bool> stop{false};
-    std::atomic<std::uint64_t> pairs{0};
-    std::exception_ptr failure;  // the first thread's error, rethrown once all have stopped
-    std::mutex failure_mutex;
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([&, stream = streams[t]] {
-        bool counted_ready = false;
-        try {
-          int i = 0;
-          for (; i < 1000; ++i) a.deallocate(a.allocate(thread_size(i), stream), thread_size(i), stream);
-          ready.fetch_add(1);
-          counted_ready = true;
-          while (!go.load(std::memory_order_acquire)) {
-          }
-          std::uint64_t done = 0;
-          // The stop flag is read once per 64 pairs, so that reading it costs nothing.
-          while (!stop.load(std::memory_order_relaxed)) {
-            for (int k = 0; k < 64; ++k, ++i) a.deallocate(a.allocate(thread_size(i), stream), thread_size(i), stream);
-            done += 64;
-          }
-          pairs.fetch_add(done);
-        } catch (...) {
-          const std::lock_guard lock(failure_mutex);
-          if (!failure) failure = std::current_exception();
-          if (!counted_ready) ready.fetch_add(1);
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
+  std::atomic<bool> stop{false};
+  std::atomic<std::uint64_t> pairs{0};
+  std::exception_ptr failure;  // the first thread's error, rethrown once all have stopped
+  std::mutex failure_mutex;
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, stream = streams[t]] {
+      bool counted_ready = false;
+      try {
+        int i = 0;
+        for (; i < 1000; ++i) a.deallocate(a.allocate(thread_size(i), stream), thread_size(i), stream);
+        ready.fetch_add(1);
+        counted_ready = true;
+        while (!go.load(std::memory_order_acquire)) {
         }
-      });
-    }
-    while (ready.load() < threads) std::this_thread::yield();
-    const auto start = steady::now();
-    go.store(true, std::memory_order_release);
-    std::this_thread::sleep_for(thread_run_time);
-    stop.store(true, std::memory_order_relaxed);
-    for (std::thread& th : pool) th.join();
-    if (failure) std::rethrow_exception(failure);
-    const double seconds = std::chrono::duration<double>(steady::now() - start).count();
-    rates.push_back(static_cast<double>(pairs.load()) / seconds);
+        std::uint64_t done = 0;
+        // The stop flag is read once per 64 pairs, so that reading it costs nothing.
+        while (!stop.load(std::memory_order_relaxed)) {
+          for (int k = 0; k < 64; ++k, ++i) a.deallocate(a.allocate(thread_size(i), stream), thread_size(i), stream);
+          done += 64;
+        }
+        pairs.fetch_add(done);
+      } catch (...) {
+        const std::lock_guard lock(failure_mutex);
+        if (!failure) failure = std::current_exception();
+        if (!counted_ready) ready.fetch_add(1);
+      }
+    });
   }
-  return median(rates);
+  while (ready.load() < threads) std::this_thread::yield();
+  const auto start = steady::now();
+  go.store(true, std::memory_order_release);
+  std::this_thread::sleep_for(thread_run_time);
+  stop.store(true, std::memory_order_relaxed);
+  for (std::thread& th : pool) th.join();
+  if (failure) std::rethrow_exception(failure);
+  const double seconds = std::chrono::duration<double>(steady::now() - start).count();
+  return static_cast<double>(pairs.load()) / seconds;
 }
 
 // ---- the results table ------------------------------------------------------
@@ -330,9 +328,15 @@ int main() {
         std::vector<void*> streams;
         const int max_threads = thread_counts[std::size(thread_counts) - 1];
         for (int t = 0; t < max_threads; ++t) streams.push_back(a->create_stream());
+        std::vector<std::vector<double>> runs(std::size(thread_counts));
+        for (int r = 0; r < thread_repetitions; ++r) {
+          for (std::size_t k = 0; k < std::size(thread_counts); ++k) {
+            runs[k].push_back(threads_pairs_per_s(*a, streams, thread_counts[k]));
+          }
+        }
         double one_thread = 0;
         for (std::size_t k = 0; k < std::size(thread_counts); ++k) {
-          const double rate = threads_pairs_per_s(*a, streams, thread_counts[k]);
+          const double rate = median(runs[k]);
           if (k == 0) one_thread = rate;
           thread_rows[k]->value[c.name] = rate / 1e6;
           if (k > 0) {
