@@ -6,7 +6,7 @@ namespace shoal::storage::detail {
 
 cow_context::cow_context(alloc::caching_allocator& allocator, void* data, std::size_t size,
                          backend::stream_ref written_on)
-    : allocator_(allocator), data_(data), size_(size), written_on_{written_on} {}
+    : allocator_(allocator), data_(data), size_(size), created_on_(written_on), written_on_{written_on} {}
 
 cow_context::~cow_context() {
   for (auto e : copies_done_) allocator_.device().destroy_event(e);
@@ -14,6 +14,7 @@ cow_context::~cow_context() {
 
 void cow_context::add_reference(backend::stream_ref written_on) {
   refcount_.fetch_add(1, std::memory_order_relaxed);
+  if (written_on == created_on_) return;  // the common case: clones made on one stream
   std::lock_guard lock(streams_mutex_);
   if (std::find(written_on_.begin(), written_on_.end(), written_on) == written_on_.end()) {
     written_on_.push_back(written_on);

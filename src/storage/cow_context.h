@@ -53,6 +53,7 @@ class cow_context {
   alloc::caching_allocator& allocator_;
   void* const data_;
   const std::size_t size_;
+  const backend::stream_ref created_on_;  // also in written_on_; read without the lock
   std::atomic<std::int64_t> refcount_{1};
   std::shared_mutex mutex_;  // shared: a copy in progress; exclusive: the last reference
 
