@@ -1,6 +1,11 @@
 // Memory exported by one process and imported by another.
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+
 #include <string>
 
 #include "shoal/error.h"
@@ -79,6 +84,26 @@ TYPED_TEST(sharing, handles_that_cannot_be_imported_are_refused) {
     EXPECT_THROW(dev.import_memory(handle), invalid_argument);
   }
   dev.free_segment(base);
+}
+
+TEST(host_sharing, exported_memory_is_sealed_against_resizing) {
+  auto& dev = backend::host_device_instance();
+  void* base = dev.allocate_segment(8192);
+  const auto handle = dev.export_memory(base);
+  EXPECT_NE(::ftruncate(handle.fd.get(), 4096), 0) << "an importer's mapping could lose its pages";
+  EXPECT_NE(::ftruncate(handle.fd.get(), 1 << 20), 0);
+  dev.free_segment(base);
+}
+
+TEST(child_process, a_child_never_outlives_its_object_as_a_zombie) {
+  pid_t pid;
+  {
+    ipc::child_process sleeper("/bin/sleep", {"30"});
+    pid = sleeper.pid();
+    ASSERT_GT(pid, 0);
+  }  // destroyed while the child still runs: killed and reaped
+  EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), -1);
+  EXPECT_EQ(errno, ECHILD);
 }
 
 TEST(host_sharing, a_handle_larger_than_its_file_is_refused) {
