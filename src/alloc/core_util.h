@@ -3,20 +3,14 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <sstream>
-#include <string>
 #include <vector>
 
+#include "address_text.h"
 #include "shoal/backend/types.h"
 
 namespace shoal::alloc::detail {
 
-/// An address as "0x..." for error messages.
-inline std::string hex(std::uintptr_t v) {
-  std::ostringstream out;
-  out << "0x" << std::hex << v;
-  return out.str();
-}
+using shoal::detail::hex;
 
 inline void add_unique(std::vector<backend::stream_ref>& streams, backend::stream_ref s) {
   if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);

@@ -1,7 +1,6 @@
 #include "cuda_device.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cstring>
 #include <iterator>
 #include <optional>
@@ -9,6 +8,7 @@
 
 #include "cuda_driver.h"
 #include "cuda_kernels.h"
+#include "address_text.h"
 #include "shoal/error.h"
 
 namespace shoal::backend::detail {
@@ -26,13 +26,7 @@ namespace {
 
 using range_map = std::map<std::uintptr_t, std::size_t>;
 
-std::string hex(std::uintptr_t value) {
-  char digits[2 + 2 * sizeof value] = {'0', 'x'};
-  const auto end = std::to_chars(digits + 2, std::end(digits), value, 16).ptr;
-  return std::string(digits, end);
-}
-
-std::string hex(const void* pointer) { return hex(reinterpret_cast<std::uintptr_t>(pointer)); }
+using shoal::detail::hex;
 
 std::string label(int ordinal) { return "cuda device " + std::to_string(ordinal); }
 

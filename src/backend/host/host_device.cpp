@@ -6,12 +6,12 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
-#include <sstream>
 #include <thread>
 #include <unordered_map>
 
 #include "backend/host/host_executor.h"
 #include "backend/host/host_memory.h"
+#include "address_text.h"
 #include "shoal/error.h"
 
 namespace shoal::backend {
@@ -47,7 +47,7 @@ struct host_state {
     if (s.is_default()) return default_stream;
     std::shared_lock lock(registry_mutex);
     const auto it = streams.find(s.native);
-    if (it == streams.end()) throw invalid_argument("stream " + describe(s.native) + " is not a live stream of this host device");
+    if (it == streams.end()) throw invalid_argument("stream " + shoal::detail::hex(s.native) + " is not a live stream of this host device");
     return it->second;
   }
 
@@ -60,14 +60,8 @@ struct host_state {
 
   host_event& find_locked(event_ref e) {
     const auto it = events.find(e.native);
-    if (it == events.end()) throw invalid_argument("event " + describe(e.native) + " is not a live event of this host device");
+    if (it == events.end()) throw invalid_argument("event " + shoal::detail::hex(e.native) + " is not a live event of this host device");
     return *it->second;
-  }
-
-  static std::string describe(const void* p) {
-    std::ostringstream out;
-    out << p;
-    return out.str();
   }
 };
 
@@ -122,7 +116,7 @@ void host_device::destroy_stream(stream_ref s) {
     std::unique_lock lock(state_->registry_mutex);
     const auto it = state_->streams.find(s.native);
     if (it == state_->streams.end()) {
-      throw invalid_argument("destroy_stream: " + detail::host_state::describe(s.native) +
+      throw invalid_argument("destroy_stream: " + shoal::detail::hex(s.native) +
                              " is not a live stream of this host device (destroyed already?)");
     }
     executor = std::move(it->second);
@@ -157,7 +151,7 @@ event_ref host_device::create_event() {
 void host_device::destroy_event(event_ref e) {
   std::unique_lock lock(state_->registry_mutex);
   if (state_->events.erase(e.native) == 0) {
-    throw invalid_argument("destroy_event: " + detail::host_state::describe(e.native) +
+    throw invalid_argument("destroy_event: " + shoal::detail::hex(e.native) +
                            " is not a live event of this host device (destroyed already?)");
   }
 }

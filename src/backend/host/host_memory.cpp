@@ -8,9 +8,9 @@
 
 #include <cerrno>
 #include <cstring>
-#include <sstream>
 #include <string>
 
+#include "address_text.h"
 #include "shoal/error.h"
 
 namespace shoal::backend::detail {
@@ -18,12 +18,6 @@ namespace shoal::backend::detail {
 namespace {
 
 [[noreturn]] void throw_errno(const std::string& call) { throw backend_error(call, std::strerror(errno)); }
-
-std::string describe(const void* p) {
-  std::ostringstream out;
-  out << p;
-  return out.str();
-}
 
 std::size_t page_round(std::size_t bytes) {
   const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
@@ -125,7 +119,7 @@ void host_memory::free_segment(void* base) {
   std::lock_guard lock(mutex_);
   const auto it = segments_.find(reinterpret_cast<std::uintptr_t>(base));
   if (it == segments_.end()) {
-    throw invalid_argument("free_segment(" + describe(base) +
+    throw invalid_argument("free_segment(" + shoal::detail::hex(base) +
                            "): not the base of a live segment of this host device (foreign pointer, or freed already)");
   }
   ::munmap(base, it->second.size);
@@ -157,10 +151,10 @@ void host_memory::release_range(void* base) {
   std::lock_guard lock(mutex_);
   const auto it = reservations_.find(reinterpret_cast<std::uintptr_t>(base));
   if (it == reservations_.end()) {
-    throw invalid_argument("release_range(" + describe(base) + "): not the base of a live reservation of this host device");
+    throw invalid_argument("release_range(" + shoal::detail::hex(base) + "): not the base of a live reservation of this host device");
   }
   if (!it->second.mappings.empty()) {
-    throw invalid_argument("release_range(" + describe(base) + "): " + std::to_string(it->second.mappings.size()) +
+    throw invalid_argument("release_range(" + shoal::detail::hex(base) + "): " + std::to_string(it->second.mappings.size()) +
                            " chunk(s) are still mapped in it; unmap them first");
   }
   ::munmap(base, it->second.size);
@@ -209,17 +203,17 @@ void host_memory::map(void* address, physical_ref ref) {
   if (c == chunks_.end()) throw invalid_argument("map: chunk " + std::to_string(ref.native) + " is not a live chunk of this host device");
   const auto addr = reinterpret_cast<std::uintptr_t>(address);
   const std::size_t size = c->second->size;
-  if (addr % chunk_granularity != 0) throw invalid_argument("map: address " + describe(address) + " is not granularity-aligned");
+  if (addr % chunk_granularity != 0) throw invalid_argument("map: address " + shoal::detail::hex(address) + " is not granularity-aligned");
   reservation* r = reservation_holding(addr, size);
   if (r == nullptr) {
-    throw invalid_argument("map: [" + describe(address) + ", +" + std::to_string(size) +
+    throw invalid_argument("map: [" + shoal::detail::hex(address) + ", +" + std::to_string(size) +
                            ") does not lie inside one reservation of this host device");
   }
   // Overlap with the mapping at or before `addr`, or with the next one.
   auto next = r->mappings.lower_bound(addr);
   const bool hits_next = next != r->mappings.end() && next->first < addr + size;
   const bool hits_prev = next != r->mappings.begin() && std::prev(next)->first + std::prev(next)->second.size > addr;
-  if (hits_next || hits_prev) throw invalid_argument("map: [" + describe(address) + ", +" + std::to_string(size) + ") overlaps a mapped chunk");
+  if (hits_next || hits_prev) throw invalid_argument("map: [" + shoal::detail::hex(address) + ", +" + std::to_string(size) + ") overlaps a mapped chunk");
   map_shared(c->second->fd.get(), size, address);
   r->mappings.emplace(addr, mapping{size, c->second});
 }
@@ -234,7 +228,7 @@ void host_memory::unmap(void* address) {
       return;
     }
   }
-  throw invalid_argument("unmap(" + describe(address) + "): no chunk of this host device is mapped at that address");
+  throw invalid_argument("unmap(" + shoal::detail::hex(address) + "): no chunk of this host device is mapped at that address");
 }
 
 shareable_handle host_memory::export_memory(const void* ptr) const {
@@ -260,7 +254,7 @@ shareable_handle host_memory::export_memory(const void* ptr) const {
       return h;
     }
   }
-  throw invalid_argument("export_memory(" + describe(ptr) + "): not inside a segment or mapped chunk of this host device");
+  throw invalid_argument("export_memory(" + shoal::detail::hex(ptr) + "): not inside a segment or mapped chunk of this host device");
 }
 
 void* host_memory::import_memory(const shareable_handle& h) {
@@ -291,7 +285,7 @@ void host_memory::close_import(void* ptr) {
   std::lock_guard lock(mutex_);
   const auto it = imports_.find(ptr);
   if (it == imports_.end()) {
-    throw invalid_argument("close_import(" + describe(ptr) + "): not a pointer import_memory returned, or closed already");
+    throw invalid_argument("close_import(" + shoal::detail::hex(ptr) + "): not a pointer import_memory returned, or closed already");
   }
   ::munmap(it->second.base, it->second.size);
   imports_.erase(it);
