@@ -152,6 +152,36 @@ TEST(allocator_memory_host, out_of_device_memory_is_out_of_memory) {
   a.deallocate(q, {});
 }
 
+TEST(allocator_memory_host, destroying_the_allocator_returns_even_leaked_blocks) {
+  backend::host_device dev({.capacity_bytes = 64 * mib});
+  {
+    alloc::caching_allocator a(dev, alloc::allocator_config::parse("expandable_segments:false"));
+    (void)a.allocate(30 * mib, {});  // never freed
+    (void)a.allocate(4096, {});
+    EXPECT_LT(dev.memory().free_bytes, 64 * mib);
+  }
+  EXPECT_EQ(dev.memory().free_bytes, 64 * mib);
+  {
+    alloc::caching_allocator a(dev, alloc::allocator_config::parse("expandable_segments:true"));
+    (void)a.allocate(30 * mib, {});
+  }
+  EXPECT_EQ(dev.memory().free_bytes, 64 * mib);
+}
+
+TEST(allocator_memory_host, growth_that_fails_half_way_takes_back_what_it_mapped) {
+  // 16 MiB of device: growing by 10 MiB a second time maps 3 chunks, then
+  // the device refuses the fourth.
+  backend::host_device dev({.capacity_bytes = 16 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("expandable_segments:true"));
+  void* first = a.allocate(10 * mib, {});
+  EXPECT_THROW((void)a.allocate(10 * mib, {}), out_of_memory);
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, static_cast<std::int64_t>(10 * mib));
+  EXPECT_EQ(dev.memory().free_bytes, 6 * mib) << "the chunks of the failed growth were released";
+  a.deallocate(first, {});
+  void* bigger = a.allocate(14 * mib, {});  // the allocator is still whole
+  a.deallocate(bigger, {});
+}
+
 TEST(allocator_memory_host, memory_fraction_limits_reserved_bytes) {
   backend::host_device dev({.capacity_bytes = 100 * mib});
   alloc::caching_allocator a(dev, alloc::allocator_config::parse("memory_fraction:0.25"));

@@ -53,6 +53,35 @@ TEST(fd_transport, an_oversized_message_is_refused) {
   EXPECT_THROW((void)ipc::receive_message(pair.b.get(), 99), invalid_argument);
 }
 
+bool is_open(int fd) { return ::fcntl(fd, F_GETFD) != -1; }
+
+TEST(fd_transport, more_than_one_descriptor_is_refused_and_none_leaks) {
+  socket_pair pair;
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
+  unique_fd read_end(pipe_fds[0]), write_end(pipe_fds[1]);
+  // A hand-made message carrying two descriptors, as a misbehaving peer would send.
+  std::uint32_t length = 0;
+  iovec part{&length, sizeof length};
+  msghdr header{};
+  header.msg_iov = &part;
+  header.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))]{};
+  header.msg_control = control;
+  header.msg_controllen = sizeof control;
+  cmsghdr* c = CMSG_FIRSTHDR(&header);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(2 * sizeof(int));
+  std::memcpy(CMSG_DATA(c), pipe_fds, 2 * sizeof(int));
+  ASSERT_EQ(::sendmsg(pair.a.get(), &header, 0), static_cast<ssize_t>(sizeof length));
+  // The receiver gets its own two new descriptors: the lowest free numbers.
+  const int next_free = ::fcntl(0, F_DUPFD_CLOEXEC, 0);
+  ::close(next_free);
+  EXPECT_THROW((void)ipc::receive_message(pair.b.get(), 64), invalid_argument);
+  EXPECT_FALSE(is_open(next_free)) << "a received descriptor was left open";
+}
+
 TEST(fd_transport, a_closed_peer_is_reported) {
   socket_pair pair;
   const std::uint16_t half_header = 7;

@@ -69,6 +69,15 @@ TEST(shareable_handle, malformed_fields_are_refused) {
   expect_refused(h.serialize(), {}, "memfd handle without a descriptor");
 }
 
+TEST(shareable_handle, a_refused_handle_closes_the_descriptor_it_came_with) {
+  unique_fd fd = any_fd();
+  const int number = fd.get();
+  auto wire = sample().serialize();
+  wire[0] = std::byte{0};  // bad magic
+  EXPECT_THROW((void)shareable_handle::deserialize(wire, std::move(fd)), invalid_argument);
+  EXPECT_EQ(::fcntl(number, F_GETFD), -1) << "the descriptor leaked";
+}
+
 TEST(shareable_handle, random_bytes_never_crash) {
   std::mt19937_64 random(1234);
   const auto good = sample().serialize();

@@ -1,6 +1,7 @@
 // Memory exported by one process and imported by another.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -104,6 +105,17 @@ TEST(child_process, a_child_never_outlives_its_object_as_a_zombie) {
   }  // destroyed while the child still runs: killed and reaped
   EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), -1);
   EXPECT_EQ(errno, ECHILD);
+}
+
+TEST(host_sharing, a_descriptor_that_is_not_a_sealed_memfd_is_refused) {
+  auto& dev = backend::host_device_instance();
+  backend::shareable_handle handle;
+  handle.kind = backend::handle_kind::host_memfd;
+  handle.device = backend::device_kind::host;
+  handle.size = 4096;
+  handle.fd = unique_fd(::open("/dev/zero", O_RDWR | O_CLOEXEC));
+  ASSERT_TRUE(handle.fd.valid());
+  EXPECT_THROW(dev.import_memory(handle), invalid_argument);
 }
 
 TEST(host_sharing, a_handle_larger_than_its_file_is_refused) {

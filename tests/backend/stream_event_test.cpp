@@ -138,6 +138,19 @@ TYPED_TEST(stream_event, host_tasks_run_in_stream_order_and_report_failures) {
   EXPECT_EQ(step.load(), 2);
 }
 
+TYPED_TEST(stream_event, work_pending_on_a_destroyed_stream_still_completes) {
+  auto& dev = this->device();
+  event done(dev);
+  const backend::stream_ref s = dev.create_stream();
+  dev.fill(s, this->buffer_, 0x00, this->bytes);
+  dev.delay(s, 100ms);
+  dev.fill(s, this->buffer_, 0x7C, this->bytes);
+  done.record(s);
+  dev.destroy_stream(s);
+  done.synchronize();
+  EXPECT_TRUE(all_equal(this->read(this->buffer_, this->bytes), 0x7C));
+}
+
 TYPED_TEST(stream_event, destroyed_or_foreign_streams_and_events_are_refused) {
   auto& dev = this->device();
   const backend::stream_ref s = dev.create_stream();
