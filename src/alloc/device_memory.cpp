@@ -112,21 +112,39 @@ block* allocator_core::grow_expandable(block_pool& pool, std::size_t size) {
   return nullptr;
 }
 
+namespace {
+
+// True when a free mapped block of the growable segment covers a whole chunk.
+bool has_free_chunk(const segment& s, std::size_t granularity) {
+  for (const block* b = s.first; b != nullptr; b = b->next) {
+    if (settled_free(b) && round_up(b->address, granularity) + granularity <= b->address + b->size) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 void allocator_core::release_cached(block_pool& pool) {
+  if (pool.is_private) return;
   settle_quick(pool);
-  // Work already enqueued on the pool's stream may still touch free blocks
-  // (the last uses before their frees, debug poison): let it finish first.
-  if (!pool.is_private && pool.segments.size() > 0) device.synchronize(pool.stream);
   std::vector<segment*> unused;
+  bool unmappable = false;
   for (auto& s : pool.segments) {
-    if (s->external) continue;
     if (s->expandable) {
-      unmap_free_chunks(pool, s.get());
+      unmappable = unmappable || has_free_chunk(*s, device.granularity());
     } else if (s->unused()) {
       unused.push_back(s.get());
     }
   }
+  if (unused.empty() && !unmappable) return;
+  // Work already enqueued on the pool's stream may still touch free blocks
+  // (the last uses before their frees, debug poison): let it finish first.
+  // This waits under the pool's lock, so the stream's other threads wait
+  // too; it happens only when memory is given back (empty_cache, out of
+  // memory), and only for pools that have some to give.
+  device.synchronize(pool.stream);
   for (segment* s : unused) release_segment(pool, s);
+  if (unmappable) unmap_free_chunks(pool, pool.growable);
 }
 
 void allocator_core::release_segment(block_pool& pool, segment* s) {
