@@ -182,6 +182,20 @@ TEST(allocator_memory_host, growth_that_fails_half_way_takes_back_what_it_mapped
   a.deallocate(bigger, {});
 }
 
+TEST(allocator_memory_host, running_out_does_not_wait_for_streams_with_nothing_to_give_back) {
+  using namespace std::chrono_literals;
+  backend::host_device dev({.capacity_bytes = 32 * mib});
+  alloc::caching_allocator a(dev, {});
+  backend::stream busy(dev), mine(dev);
+  void* held = a.allocate(20 * mib, busy);  // busy's pool: in use, nothing cached
+  dev.delay(busy, 2000ms);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW((void)a.allocate(20 * mib, mine), out_of_memory);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1000ms) << "waited for a stream that had nothing to give back";
+  dev.synchronize(busy);
+  a.deallocate(held, busy);
+}
+
 TEST(allocator_memory_host, memory_fraction_limits_reserved_bytes) {
   backend::host_device dev({.capacity_bytes = 100 * mib});
   alloc::caching_allocator a(dev, alloc::allocator_config::parse("memory_fraction:0.25"));
