@@ -79,4 +79,19 @@ class connection_closed : public error {
   using error::error;
 };
 
+/// Another process sent something the protocol does not allow: a bad
+/// header, an unknown message, a field out of range. The connection it came
+/// on is closed; nothing else is affected.
+class protocol_error : public invalid_argument {
+ public:
+  using invalid_argument::invalid_argument;
+};
+
+/// A peer was refused: its credentials (uid) are neither the owner's nor on
+/// the allow-list, or it is not the process it claims to be.
+class peer_refused : public error {
+ public:
+  using error::error;
+};
+
 }  // namespace shoal

@@ -92,7 +92,15 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream) {
   const std::size_t size = block_size_for(bytes, config);
   block_pool& pool = directed ? *directed : pool_for(stream, pool_kind_for(size));
   block* b;
+  const bool hooks_first = hooks.has_miss_hooks();
   {
+    std::lock_guard lock(pool.lock);
+    b = try_allocate(pool, size, bytes, stream, !hooks_first);
+  }
+  if (b == nullptr && hooks_first) {
+    // A cache miss: hooks (e.g. limbo collection) may give blocks back
+    // before the device is asked. They run with no allocator lock held.
+    hooks.run_miss_hooks();
     std::lock_guard lock(pool.lock);
     b = try_allocate(pool, size, bytes, stream);
   }
@@ -102,7 +110,8 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream) {
   return reinterpret_cast<void*>(b->address);
 }
 
-block* allocator_core::try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream) {
+block* allocator_core::try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream,
+                                    bool may_grow) {
   // A parked block of exactly the size is as good a fit as any. Otherwise
   // the parked blocks settle first, so best fit sees every free block merged
   // (choosing among unmerged parked blocks was measured to fragment more).
@@ -115,7 +124,7 @@ block* allocator_core::try_allocate(block_pool& pool, std::size_t size, std::siz
     collect_pending(pool, false);
     b = take_free(pool, size);
   }
-  if (b == nullptr) b = grow(pool, size);
+  if (b == nullptr && may_grow) b = grow(pool, size);
   if (b != nullptr) hand_out(pool, b, size, requested, stream);
   return b;
 }

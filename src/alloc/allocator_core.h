@@ -17,6 +17,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "alloc/allocator_hooks.h"
 #include "alloc/block_pool.h"
 #include "alloc/spin_lock.h"
 #include "shoal/alloc/caching_allocator.h"
@@ -43,6 +44,7 @@ class allocator_core {
 
   backend::device& device;
   const allocator_config config;
+  allocator_hooks hooks;
 
   void* allocate(std::size_t bytes, backend::stream_ref stream);
   void deallocate(void* ptr, backend::stream_ref stream);
@@ -89,7 +91,9 @@ class allocator_core {
   void unregister_segment(const segment& s);
 
   // ---- the allocation path (pool locked unless said otherwise)
-  block* try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream);
+  // Without may_grow, a miss returns nullptr instead of asking the device.
+  block* try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream,
+                      bool may_grow = true);
   block* allocate_slow(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream);  // unlocked
   block* take_free(block_pool& pool, std::size_t size) const;  // from the bins; not removed
   [[nodiscard]] bool fits(std::size_t block_size, std::size_t size) const noexcept;

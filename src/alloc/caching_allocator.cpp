@@ -34,6 +34,15 @@ void caching_allocator::add_oom_observer(std::function<void(const oom_report&)> 
   core_->add_oom_observer(std::move(observer));
 }
 
+std::uint64_t caching_allocator::add_cache_miss_hook(std::function<void()> hook) {
+  return core_->hooks.add_miss_hook(std::move(hook));
+}
+std::uint64_t caching_allocator::add_release_observer(
+    std::function<void(std::uintptr_t base, std::size_t bytes)> observer) {
+  return core_->hooks.add_release_observer(std::move(observer));
+}
+void caching_allocator::remove_hook(std::uint64_t id) { core_->hooks.remove(id); }
+
 private_pool_id caching_allocator::create_private_pool(void* base, std::size_t bytes,
                                                        const std::vector<std::pair<std::string, std::size_t>>& parts) {
   return core_->create_private_pool(base, bytes, parts);

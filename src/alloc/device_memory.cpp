@@ -156,6 +156,7 @@ void allocator_core::release_segment(block_pool& pool, segment* s) {
   pool_counters::sub(pool.counters.segments, 1);
   pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(s->size));
   if (!trace_.empty()) note(trace_action::segment_free, s->base, s->size, pool.stream);
+  hooks.notify_release(s->base, s->size);
   unregister_segment(*s);
   recycle(pool, s->first);
   std::erase_if(pool.segments, [&](const std::unique_ptr<segment>& p) { return p.get() == s; });
@@ -181,6 +182,7 @@ void allocator_core::unmap_free_chunks(block_pool& pool, segment* s) {
     device_frees_.fetch_add(static_cast<std::int64_t>(bytes / g), std::memory_order_relaxed);
     pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
     if (!trace_.empty()) note(trace_action::segment_unmap, lo, bytes, pool.stream);
+    hooks.notify_release(lo, bytes);
     // [b: mapped head][hole][mapped tail], heads and tails possibly empty.
     block* hole = lo > b->address ? split(pool, b, lo - b->address) : b;
     if (hi < hole->address + hole->size) {

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <string>
 
+#include "backend/wire_fields.h"
 #include "shoal/error.h"
 
 namespace shoal::backend {
@@ -15,22 +16,11 @@ namespace {
 constexpr std::uint32_t wire_magic = 0x53484844;  // "SHHD"
 constexpr std::uint16_t wire_version = 1;
 
-template <class T>
-void put(std::vector<std::byte>& out, const T& value) {
-  const auto* p = reinterpret_cast<const std::byte*>(&value);
-  out.insert(out.end(), p, p + sizeof(T));
-}
-
-template <class T>
-T take(std::span<const std::byte>& in) {
-  T value;
-  std::memcpy(&value, in.data(), sizeof(T));
-  in = in.subspan(sizeof(T));
-  return value;
-}
+using detail::put_field;
+using detail::take_field;
 
 [[noreturn]] void malformed(const std::string& what) {
-  throw invalid_argument("malformed shareable handle: " + what + "; the sender is not a matching shoal version or sent garbage");
+  throw protocol_error("malformed shareable handle: " + what + "; the sender is not a matching shoal version or sent garbage");
 }
 
 }  // namespace
@@ -38,13 +28,13 @@ T take(std::span<const std::byte>& in) {
 std::vector<std::byte> shareable_handle::serialize() const {
   std::vector<std::byte> out;
   out.reserve(wire_bytes);
-  put(out, wire_magic);
-  put(out, wire_version);
-  put(out, static_cast<std::uint8_t>(kind));
-  put(out, static_cast<std::uint8_t>(device));
-  put(out, device_ordinal);
-  put(out, size);
-  put(out, offset);
+  put_field(out, wire_magic);
+  put_field(out, wire_version);
+  put_field(out, static_cast<std::uint8_t>(kind));
+  put_field(out, static_cast<std::uint8_t>(device));
+  put_field(out, device_ordinal);
+  put_field(out, size);
+  put_field(out, offset);
   out.insert(out.end(), opaque.begin(), opaque.end());
   return out;
 }
@@ -53,15 +43,15 @@ shareable_handle shareable_handle::deserialize(std::span<const std::byte> bytes,
   if (bytes.size() != wire_bytes) {
     malformed("expected " + std::to_string(wire_bytes) + " bytes, got " + std::to_string(bytes.size()));
   }
-  if (take<std::uint32_t>(bytes) != wire_magic) malformed("bad magic number");
-  if (const auto version = take<std::uint16_t>(bytes); version != wire_version) {
+  if (take_field<std::uint32_t>(bytes) != wire_magic) malformed("bad magic number");
+  if (const auto version = take_field<std::uint16_t>(bytes); version != wire_version) {
     malformed("wire version " + std::to_string(version) + ", this process speaks " + std::to_string(wire_version));
   }
   shareable_handle h;
-  const auto kind = take<std::uint8_t>(bytes);
+  const auto kind = take_field<std::uint8_t>(bytes);
   if (kind < 1 || kind > 3) malformed("unknown handle kind " + std::to_string(kind));
   h.kind = static_cast<handle_kind>(kind);
-  const auto dev = take<std::uint8_t>(bytes);
+  const auto dev = take_field<std::uint8_t>(bytes);
   if (dev != static_cast<std::uint8_t>(device_kind::host) && dev != static_cast<std::uint8_t>(device_kind::cuda)) {
     malformed("unknown device kind " + std::to_string(dev));
   }
@@ -69,10 +59,10 @@ shareable_handle shareable_handle::deserialize(std::span<const std::byte> bytes,
   if ((h.device == device_kind::host) != (h.kind == handle_kind::host_memfd)) {
     malformed("handle kind does not belong to device kind " + std::string(to_string(h.device)));
   }
-  h.device_ordinal = take<std::int32_t>(bytes);
+  h.device_ordinal = take_field<std::int32_t>(bytes);
   if (h.device_ordinal < 0) malformed("negative device ordinal");
-  h.size = take<std::uint64_t>(bytes);
-  h.offset = take<std::uint64_t>(bytes);
+  h.size = take_field<std::uint64_t>(bytes);
+  h.offset = take_field<std::uint64_t>(bytes);
   if (h.size == 0) malformed("zero size");
   if (h.offset >= h.size) {
     malformed("offset " + std::to_string(h.offset) + " is not inside the " + std::to_string(h.size) + "-byte segment");

@@ -11,8 +11,9 @@ namespace shoal::storage {
 
 namespace detail {
 
-// One storage object. It owns its data outright (cow_ == nullptr) or holds
-// one reference to a copy-on-write context whose data it reads.
+// One storage object. It owns its data outright (cow_ == nullptr and no
+// owner_), holds one reference to a copy-on-write context whose data it
+// reads, or leaves its data to an owner (owner_ set; never lazy then).
 class storage_impl {
  public:
   storage_impl(alloc::caching_allocator& allocator, std::size_t size, void* data, cow_context* cow)
@@ -21,6 +22,7 @@ class storage_impl {
   storage_impl& operator=(const storage_impl&) = delete;
 
   ~storage_impl() {
+    if (owner_) return;  // the owner gives the memory back when it goes
     try {
       if (cow_ == nullptr) {
         allocator_.deallocate(data_.load());
@@ -41,6 +43,7 @@ class storage_impl {
   std::mutex mutex_;               // guards cow_ and ownership changes
   cow_context* cow_;
   bool shared_outside_ = false;    // guarded by mutex_
+  std::shared_ptr<storage_owner> owner_;  // guarded by mutex_; set once
 
   // Gives this storage data of its own to write on `stream` (mutex_ held).
   void materialize(backend::stream_ref stream) {
@@ -69,6 +72,16 @@ storage storage::allocate(alloc::caching_allocator& allocator, std::size_t bytes
 
 storage storage::allocate(alloc::caching_allocator& allocator, std::size_t bytes) {
   return allocate(allocator, bytes, backend::current_stream(allocator.device()));
+}
+
+storage storage::adopt(alloc::caching_allocator& allocator, void* data, std::size_t bytes,
+                       std::shared_ptr<storage_owner> owner) {
+  if (!owner) throw invalid_argument("storage::adopt: no owner given; adopted memory needs one to give it back");
+  if (data == nullptr || bytes == 0) throw invalid_argument("storage::adopt: empty memory (null pointer or 0 bytes)");
+  auto impl = std::make_shared<detail::storage_impl>(allocator, bytes, data, nullptr);
+  impl->owner_ = std::move(owner);
+  impl->shared_outside_ = true;
+  return storage(std::move(impl));
 }
 
 detail::storage_impl& storage::impl() const {
@@ -103,6 +116,25 @@ bool storage::shared_outside_process() const {
   detail::storage_impl& s = impl();
   std::lock_guard lock(s.mutex_);
   return s.shared_outside_;
+}
+
+std::shared_ptr<storage_owner> storage::owner() const {
+  detail::storage_impl& s = impl();
+  std::lock_guard lock(s.mutex_);
+  return s.owner_;
+}
+
+std::shared_ptr<storage_owner> storage::hand_over(
+    const std::function<std::shared_ptr<storage_owner>(void* data, std::size_t bytes)>& make_owner,
+    backend::stream_ref stream) const {
+  detail::storage_impl& s = impl();
+  std::lock_guard lock(s.mutex_);
+  if (s.owner_) return s.owner_;
+  if (s.cow_ != nullptr) s.materialize(stream);
+  s.owner_ = make_owner(s.data_.load(), s.size_);
+  if (!s.owner_) throw invalid_argument("storage::hand_over: make_owner returned no owner");
+  s.shared_outside_ = true;
+  return s.owner_;
 }
 
 storage lazy_clone(const storage& source, backend::stream_ref stream) {

@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <utility>
+#include <vector>
 
 #include "shoal/backend/host_device.h"
 #include "shoal/backend/stream.h"
@@ -202,6 +204,49 @@ TEST(allocator_memory_host, memory_fraction_limits_reserved_bytes) {
   void* p = a.allocate(20 * mib, {});
   EXPECT_THROW((void)a.allocate(20 * mib, {}), out_of_memory) << "25 MiB of 100";
   a.deallocate(p, {});
+}
+
+TEST(allocator_memory_host, cache_miss_hooks_run_before_the_device_is_asked_and_may_free) {
+  backend::host_device dev({.capacity_bytes = 64 * mib});
+  alloc::caching_allocator a(dev, {});
+  void* kept = a.allocate(20 * mib, {});  // fills its segment: the next request misses
+  int calls = 0;
+  const auto id = a.add_cache_miss_hook([&] {
+    ++calls;
+    if (kept != nullptr) a.deallocate(std::exchange(kept, nullptr), {});  // frees, as limbo collection does
+  });
+  const auto segments = a.stats().segments.aggregate.current;
+  void* p = a.allocate(20 * mib, {});
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(a.stats().segments.aggregate.current, segments) << "served by the block the hook freed";
+  a.deallocate(p, {});
+  void* q = a.allocate(20 * mib, {});  // the cache serves this one: no miss
+  EXPECT_EQ(calls, 1);
+  a.remove_hook(id);
+  EXPECT_THROW(a.remove_hook(id), invalid_argument);
+  void* r = a.allocate(40 * mib, {});
+  EXPECT_EQ(calls, 1) << "a removed hook is not called";
+  for (void* x : {q, r}) a.deallocate(x, {});
+}
+
+TEST(allocator_memory_host, release_observers_see_every_range_given_back) {
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  for (const char* conf : {"", "expandable_segments:true"}) {
+    alloc::caching_allocator a(dev, alloc::allocator_config::parse(conf));
+    std::vector<std::pair<std::uintptr_t, std::size_t>> released;
+    const auto id = a.add_release_observer([&](std::uintptr_t base, std::size_t bytes) { released.emplace_back(base, bytes); });
+    void* p = a.allocate(30 * mib, {});
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    a.deallocate(p, {});
+    EXPECT_TRUE(released.empty()) << conf << ": a free keeps the memory cached";
+    a.empty_cache();
+    std::size_t covered = 0;
+    for (auto [base, bytes] : released) {
+      if (base <= at && at < base + bytes) covered = bytes;
+    }
+    EXPECT_GE(covered, 30 * mib) << conf << ": the block's range was reported given back";
+    a.remove_hook(id);
+  }
 }
 
 }  // namespace

@@ -171,6 +171,63 @@ TYPED_TEST(storage_test, memory_shared_outside_the_process_is_copied_eagerly) {
   EXPECT_TRUE(this->holds(lazy, 9));
 }
 
+// An owner that gives its block back to the allocator and counts that it did.
+class counting_owner final : public storage::storage_owner {
+ public:
+  counting_owner(alloc::caching_allocator& a, void* data, int& released) : a_(a), data_(data), released_(released) {}
+  ~counting_owner() override {
+    a_.deallocate(data_);
+    ++released_;
+  }
+
+ private:
+  alloc::caching_allocator& a_;
+  void* data_;
+  int& released_;
+};
+
+TYPED_TEST(storage_test, adopted_memory_is_given_back_by_its_owner_once_and_copied_eagerly) {
+  auto& a = this->make();
+  int released = 0;
+  void* p = a.allocate(bytes, {});
+  this->device().fill({}, p, 4, bytes);
+  {
+    auto st = storage_t::adopt(a, p, bytes, std::make_shared<counting_owner>(a, p, released));
+    EXPECT_TRUE(st.shared_outside_process());
+    EXPECT_NE(st.owner(), nullptr);
+    auto copy = lazy_clone(st, {});
+    EXPECT_FALSE(copy.is_lazy()) << "adopted memory is never lazily shared";
+    EXPECT_TRUE(this->holds(copy, 4));
+    auto alias = st;
+    st = storage_t();
+    EXPECT_EQ(released, 0) << "a handle is still alive";
+  }
+  EXPECT_EQ(released, 1);
+  EXPECT_THROW((void)storage_t::adopt(a, p, bytes, nullptr), invalid_argument);
+}
+
+TYPED_TEST(storage_test, a_storage_handed_over_is_freed_by_its_new_owner) {
+  auto& a = this->make();
+  int released = 0, made = 0;
+  auto st = this->filled(6);
+  auto lazy = lazy_clone(st);
+  auto make = [&](void* data, std::size_t size) {
+    ++made;
+    EXPECT_EQ(size, bytes);
+    return std::make_shared<counting_owner>(a, data, released);
+  };
+  auto owner = lazy.hand_over(make, {});
+  EXPECT_FALSE(lazy.is_lazy()) << "materialized before it leaves";
+  EXPECT_TRUE(lazy.shared_outside_process());
+  EXPECT_EQ(lazy.hand_over(make, {}), owner) << "an owner is made once";
+  EXPECT_EQ(made, 1);
+  EXPECT_TRUE(this->holds(lazy, 6));
+  owner.reset();
+  lazy = storage_t();
+  EXPECT_EQ(released, 1);
+  EXPECT_TRUE(this->holds(st, 6)) << "the source keeps its own data";
+}
+
 TYPED_TEST(storage_test, many_threads_clone_and_materialize_one_family) {
   auto& dev = this->device();
   this->make();

@@ -29,6 +29,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -108,6 +109,20 @@ class caching_allocator {
   /// Called (on the allocating thread, with no allocator lock held) before
   /// out_of_memory is thrown.
   void add_oom_observer(std::function<void(const oom_report&)> observer);
+
+  // ---- hooks for layers above (IPC) ----------------------------------------
+  /// `hook` runs when the cache cannot serve a request, before the device is
+  /// asked for more memory: on the allocating thread, with no allocator lock
+  /// held, so it may free blocks. Returns an id for remove_hook.
+  std::uint64_t add_cache_miss_hook(std::function<void()> hook);
+  /// `observer(base, bytes)` is told whenever device memory the allocator
+  /// held is given back (a segment freed, chunks of a growable segment
+  /// unmapped). It runs under a pool's lock: it must be quick and must not
+  /// call the allocator. Returns an id for remove_hook.
+  std::uint64_t add_release_observer(std::function<void(std::uintptr_t base, std::size_t bytes)> observer);
+  /// Removes a hook or observer; waits for calls of it in progress. An
+  /// unknown id gives invalid_argument.
+  void remove_hook(std::uint64_t id);
 
   // ---- private pools -----------------------------------------------------
   /// Inserts [base, base + bytes) of this device's memory, owned by the

@@ -22,8 +22,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
 
+#include "shoal/backend/shareable_event.h"
 #include "shoal/backend/shareable_handle.h"
 #include "shoal/backend/types.h"
 
@@ -115,9 +117,50 @@ class device {
   /// Maps memory exported by another process; returns the pointer that was
   /// exported (base + offset). Each import is closed by close_import.
   /// Importing in the exporting process itself is refused on CUDA.
-  virtual void* import_memory(const shareable_handle& handle) = 0;
-  /// Unmaps an import. `ptr` must be what import_memory returned.
+  void* import_memory(const shareable_handle& handle) { return import_memory(std::span(&handle, 1)); }
+  /// Maps several exported chunks back to back, in order and each whole, in
+  /// one contiguous range; returns its base + chunks[0].offset. The chunks
+  /// must be non-empty, of one kind and device; every chunk after the first
+  /// has offset 0, and when there are several every size is a multiple of
+  /// granularity(). CUDA legacy IPC handles (cuda_ipc) are imported only
+  /// singly. Anything else gives shoal::invalid_argument and maps nothing.
+  virtual void* import_memory(std::span<const shareable_handle> chunks) = 0;
+  /// Unmaps an import, all of its chunks. `ptr` must be what import_memory
+  /// returned.
   virtual void close_import(void* ptr) = 0;
+
+  // ---- ordering across processes ------------------------------------------
+  // A stream of this process exports points; another process opens their
+  // source once and makes its own streams wait for points, as wait() does
+  // for events. Sources stay valid until this device is destroyed, also for
+  // streams destroyed meanwhile. See shareable_event.h for the wire forms.
+
+  /// Records the point in `stream` after all work enqueued so far, in a form
+  /// another process can wait on. Throws shoal::backend_error when the stream
+  /// cannot be exported (host: see host_device.h).
+  [[nodiscard]] virtual event_point export_event(stream_ref stream) = 0;
+  /// Describes the source of points export_event returned (one per stream or
+  /// per page; `source_id` from event_point), with a fresh descriptor where
+  /// the kind carries one, for another process to open once. An id this
+  /// device never exported gives shoal::invalid_argument.
+  [[nodiscard]] virtual event_source describe_event_source(std::uint64_t source_id) = 0;
+  /// Opens a source exported by another process. Close with
+  /// close_event_source. A source of another backend, or one that does not
+  /// check out (a descriptor that is not a sealed shoal counter page), gives
+  /// shoal::invalid_argument. Opening in the exporting process itself may be
+  /// refused on CUDA.
+  virtual imported_event_ref open_event_source(const event_source& source) = 0;
+  /// Work enqueued on `stream` from now on waits until the exporting stream
+  /// has passed `point` (GPU-side on CUDA; on host, the stream's executor
+  /// waits). A point of another source, or of a slot the source does not
+  /// have, gives shoal::invalid_argument. On the host, if the exporting
+  /// process dies before passing the point, the wait ends and the next
+  /// synchronize of `stream` throws shoal::stream_error; on CUDA what a dead
+  /// exporter's event does is up to the driver.
+  virtual void wait_imported(stream_ref stream, imported_event_ref source, const event_point& point) = 0;
+  /// Closes a source open_event_source returned. Waits already enqueued on it
+  /// still complete.
+  virtual void close_event_source(imported_event_ref source) = 0;
 
  private:
   std::uint64_t serial_;

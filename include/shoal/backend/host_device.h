@@ -8,6 +8,14 @@
 // a stream waiting on an event blocks its own executor until the other stream
 // has passed that point.
 //
+// Across processes, each device has one event source: a shared page in which
+// every stream keeps its completed count (4096 slots; a stream created while
+// all are held by live streams cannot export_event, which then throws
+// shoal::backend_error). A stream waiting on an imported point polls the
+// exporter's count, napping at most half a millisecond between looks, and
+// checks every 10 ms that the exporter lives (by pid and start time, so both
+// processes must see one another's /proc).
+//
 // Thread-safety: as for every device, all members may be called concurrently.
 // Invariant: used bytes (segments + live chunks) never exceed capacity_bytes;
 // a request that would pass it throws shoal::out_of_memory.
@@ -68,8 +76,15 @@ class host_device final : public device {
   void host_task(stream_ref stream, std::function<void()> task) override;
 
   [[nodiscard]] shareable_handle export_memory(const void* ptr) override;
-  void* import_memory(const shareable_handle& handle) override;
+  using device::import_memory;
+  void* import_memory(std::span<const shareable_handle> chunks) override;
   void close_import(void* ptr) override;
+
+  [[nodiscard]] event_point export_event(stream_ref stream) override;
+  [[nodiscard]] event_source describe_event_source(std::uint64_t source_id) override;
+  imported_event_ref open_event_source(const event_source& source) override;
+  void wait_imported(stream_ref stream, imported_event_ref source, const event_point& point) override;
+  void close_event_source(imported_event_ref source) override;
 
  private:
   std::unique_ptr<detail::host_state> state_;

@@ -4,7 +4,8 @@
 // consumed by device::import_memory in another. It travels as two parts: the
 // bytes of serialize() and, for kinds that carry one, a file descriptor sent
 // alongside (SCM_RIGHTS). deserialize() validates every field, so a malformed
-// message from another process gives shoal::invalid_argument and nothing else.
+// message from another process gives shoal::protocol_error (an
+// invalid_argument) and nothing else.
 //
 // Not thread-safe (a value type); it owns its descriptor.
 #pragma once
@@ -47,7 +48,7 @@ struct shareable_handle {
   /// The fixed-size wire form of everything but the descriptor.
   [[nodiscard]] std::vector<std::byte> serialize() const;
   /// Rebuilds a handle from serialize()'s bytes and the descriptor received
-  /// with them (-1 when none came). Throws shoal::invalid_argument, saying
+  /// with them (-1 when none came). Throws shoal::protocol_error, saying
   /// which field is wrong, on any malformed input; `fd` is closed then.
   [[nodiscard]] static shareable_handle deserialize(std::span<const std::byte> bytes, unique_fd fd);
 };

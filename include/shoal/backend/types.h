@@ -1,5 +1,6 @@
 // Small value types of the device interface: which backend, and the opaque
-// references to streams, events and physical memory chunks a device hands out.
+// references to streams, events, imported event sources and physical memory
+// chunks a device hands out.
 //
 // References are plain values, safe to copy between threads. They are only
 // meaningful to the device that created them; using one after it was
@@ -32,6 +33,13 @@ struct stream_ref {
 struct event_ref {
   void* native = nullptr;
   friend auto operator<=>(const event_ref&, const event_ref&) = default;
+};
+
+/// An event source another process exported, opened by
+/// device::open_event_source; valid until close_event_source.
+struct imported_event_ref {
+  void* native = nullptr;
+  friend auto operator<=>(const imported_event_ref&, const imported_event_ref&) = default;
 };
 
 /// A chunk of physical device memory that can be mapped into a reserved

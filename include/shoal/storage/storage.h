@@ -30,6 +30,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 
 #include "shoal/alloc/caching_allocator.h"
@@ -41,12 +42,31 @@ namespace detail {
 class storage_impl;
 }
 
+/// Keeps memory alive that a storage did not take from its allocator (for
+/// example memory mapped from another process); its destructor gives the
+/// memory back, on the calling thread's current stream. Also what a storage
+/// shared with other processes hands its memory to (see shoal/ipc).
+class storage_owner {
+ public:
+  storage_owner() = default;
+  storage_owner(const storage_owner&) = delete;
+  storage_owner& operator=(const storage_owner&) = delete;
+  virtual ~storage_owner() = default;
+};
+
 class storage {
  public:
   /// A storage of `bytes` bytes from `allocator`, for use on `stream`.
   static storage allocate(alloc::caching_allocator& allocator, std::size_t bytes, backend::stream_ref stream);
   /// A storage on the calling thread's current stream.
   static storage allocate(alloc::caching_allocator& allocator, std::size_t bytes);
+
+  /// A storage over `bytes` bytes at `data`, memory that `owner` keeps
+  /// alive until the storage's last handle is gone; `allocator` (of the
+  /// memory's device) serves copies. Such memory counts as shared outside
+  /// the process, so it is never lazily shared.
+  static storage adopt(alloc::caching_allocator& allocator, void* data, std::size_t bytes,
+                       std::shared_ptr<storage_owner> owner);
 
   storage() = default;  ///< an empty handle: valid() is false
 
@@ -70,6 +90,17 @@ class storage {
   /// it is never lazily shared. Materializes it first if it is lazy.
   void mark_shared_outside_process();
   [[nodiscard]] bool shared_outside_process() const;
+  /// The owner of this storage's memory, or nullptr when its allocator
+  /// owns it.
+  [[nodiscard]] std::shared_ptr<storage_owner> owner() const;
+
+  /// Hands this storage's memory to the owner `make_owner(data, size)`
+  /// returns, unless it has an owner already, after marking it shared outside
+  /// the process (materializing a lazy storage first, on `stream`). Returns
+  /// the owner it has then. The owner frees the memory when it is destroyed.
+  std::shared_ptr<storage_owner> hand_over(
+      const std::function<std::shared_ptr<storage_owner>(void* data, std::size_t bytes)>& make_owner,
+      backend::stream_ref stream) const;
 
  private:
   friend storage lazy_clone(const storage& source, backend::stream_ref stream);

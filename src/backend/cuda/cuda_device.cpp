@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <cstring>
 #include <iterator>
+#include <limits>
 #include <optional>
 #include <utility>
 
 #include "cuda_driver.h"
 #include "cuda_kernels.h"
 #include "address_text.h"
+#include "backend/event_source_id.h"
 #include "shoal/error.h"
 
 namespace shoal::backend::detail {
@@ -54,6 +56,40 @@ CUmemAccessDesc read_write_access(int ordinal) {
   access.location.id = ordinal;
   access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   return access;
+}
+
+// Maps the chunk `handle` exports at `address` (reserved, not mapped) with
+// read-write access for device `ordinal`. On failure nothing stays mapped,
+// and `failed` names the call that failed.
+CUresult map_imported_chunk(const cuda_driver& d, const shareable_handle& handle, CUdeviceptr address, int ordinal,
+                            const char*& failed) {
+  CUmemGenericAllocationHandle chunk = 0;
+  failed = "cuMemImportFromShareableHandle";
+  // The fd is not consumed: the handle keeps owning it.
+  CUresult result = d.mem_import_from_shareable_handle(
+      &chunk, reinterpret_cast<void*>(static_cast<std::uintptr_t>(handle.fd.get())), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  if (result != CUDA_SUCCESS) return result;
+  failed = "cuMemMap";
+  result = d.mem_map(address, handle.size, 0, chunk, 0);
+  if (result == CUDA_SUCCESS) {
+    failed = "cuMemSetAccess";
+    const CUmemAccessDesc access = read_write_access(ordinal);
+    result = d.mem_set_access(address, handle.size, &access, 1);
+    if (result != CUDA_SUCCESS) d.mem_unmap(address, handle.size);
+  }
+  d.mem_release(chunk);  // the mapping, if made, keeps the memory
+  return result;
+}
+
+// Unmaps chunks mapped back to back from `base`; returns the first failure.
+CUresult unmap_chunks(const cuda_driver& d, CUdeviceptr base, const std::vector<std::size_t>& sizes) {
+  CUresult first = CUDA_SUCCESS;
+  for (const std::size_t size : sizes) {
+    const CUresult result = d.mem_unmap(base, size);
+    if (first == CUDA_SUCCESS) first = result;
+    base += size;
+  }
+  return first;
 }
 
 // Errors from device work enqueued earlier (a kernel fault) that surface at
@@ -187,12 +223,14 @@ cuda_device::~cuda_device() {
     if (import.kind == handle_kind::cuda_ipc) {
       cudaIpcCloseMemHandle(reinterpret_cast<void*>(import.base));
     } else {
-      d.mem_unmap(import.base, import.size);
+      unmap_chunks(d, import.base, import.chunk_sizes);
       d.mem_address_free(import.base, import.size);
     }
   }
   for (cudaStream_t stream : streams_) cudaStreamDestroy(stream);
   for (cudaEvent_t event : events_) cudaEventDestroy(event);
+  for (const auto& [id, exported] : exported_events_) cudaEventDestroy(exported.event);
+  for (const auto& [event, id] : imported_events_) cudaEventDestroy(event);
   for (const auto& [address, size] : mappings_) d.mem_unmap(address, size);
   for (const auto& [chunk, size] : chunks_) d.mem_release(chunk);
   for (const auto& [base, size] : reservations_) d.mem_address_free(base, size);
@@ -405,6 +443,10 @@ void cuda_device::destroy_stream(stream_ref stream) {
       throw invalid_argument("cuda_device::destroy_stream: stream " + hex(stream.native) + " is not a live stream of " +
                              label(ordinal_) + " (already destroyed, or made by another device)");
     }
+    // Its exported event stays (other processes may hold it) but is never
+    // recorded again: a later stream at this address gets a new one.
+    std::lock_guard exported_lock(exported_events_mutex_);
+    stream_sources_.erase(native);
   }
   task_failures_->forget(native);
   check(cudaStreamDestroy(native), "cudaStreamDestroy");
@@ -573,25 +615,40 @@ shareable_handle cuda_device::export_memory(const void* ptr) {
                          label(ordinal_) + " (no live segment or mapped chunk contains it)");
 }
 
-void* cuda_device::import_memory(const shareable_handle& handle) {
-  if (handle.device != device_kind::cuda) {
-    throw invalid_argument("cuda_device::import_memory: the handle describes memory of a " +
-                           std::string(to_string(handle.device)) + " device, not a cuda device");
+void* cuda_device::import_memory(std::span<const shareable_handle> chunks) {
+  if (chunks.empty()) throw invalid_argument("cuda_device::import_memory: no handles were given; pass at least one");
+  for (std::size_t i = 0; i < chunks.size(); ++i) {
+    const shareable_handle& handle = chunks[i];
+    const std::string which = "cuda_device::import_memory: " +
+                              (chunks.size() == 1 ? std::string("the handle") : "chunk " + std::to_string(i));
+    if (handle.device != device_kind::cuda) {
+      throw invalid_argument(which + " describes memory of a " + std::string(to_string(handle.device)) +
+                             " device, not a cuda device");
+    }
+    if (handle.kind != handle_kind::cuda_ipc && handle.kind != handle_kind::cuda_vmm_fd) {
+      throw invalid_argument(which + " has handle kind " + std::to_string(static_cast<int>(handle.kind)) +
+                             ", which is not a CUDA kind");
+    }
+    if (handle.kind != chunks.front().kind || handle.device_ordinal != chunks.front().device_ordinal) {
+      throw invalid_argument(which + " is of another kind or device than chunk 0; chunks imported together are "
+                             "mapped chunks of one device");
+    }
+    if (handle.size == 0 || handle.offset >= handle.size) {
+      throw invalid_argument(which + "'s offset (" + std::to_string(handle.offset) + ") must be less than its size (" +
+                             std::to_string(handle.size) + ")");
+    }
+    if (i > 0 && handle.offset != 0) {
+      throw invalid_argument(which + " has offset " + std::to_string(handle.offset) +
+                             "; only the first chunk may point inside itself, the others are mapped whole");
+    }
   }
-  if (handle.size == 0 || handle.offset >= handle.size) {
-    throw invalid_argument("cuda_device::import_memory: the handle's offset (" + std::to_string(handle.offset) +
-                           ") must be less than its size (" + std::to_string(handle.size) + ")");
+  if (chunks.front().kind == handle_kind::cuda_vmm_fd) return import_vmm(chunks);
+  if (chunks.size() > 1) {
+    throw invalid_argument("cuda_device::import_memory: " + std::to_string(chunks.size()) +
+                           " cuda_ipc handles were given; segments shared by legacy CUDA IPC are imported one at a "
+                           "time, only mapped chunks (cuda_vmm_fd) together");
   }
-  switch (handle.kind) {
-    case handle_kind::cuda_ipc:
-      return import_ipc(handle);
-    case handle_kind::cuda_vmm_fd:
-      return import_vmm(handle);
-    case handle_kind::host_memfd:
-      break;
-  }
-  throw invalid_argument("cuda_device::import_memory: handle kind " +
-                         std::to_string(static_cast<int>(handle.kind)) + " is not a CUDA kind");
+  return import_ipc(chunks.front());
 }
 
 void* cuda_device::import_ipc(const shareable_handle& handle) {
@@ -615,43 +672,46 @@ void* cuda_device::import_ipc(const shareable_handle& handle) {
   }
   const auto pointer = reinterpret_cast<std::uintptr_t>(base) + handle.offset;
   std::lock_guard lock(memory_mutex_);
-  imports_.emplace(pointer, import_record{handle_kind::cuda_ipc, reinterpret_cast<std::uintptr_t>(base), 0});
+  imports_.emplace(pointer, import_record{handle_kind::cuda_ipc, reinterpret_cast<std::uintptr_t>(base), 0, {}});
   return reinterpret_cast<void*>(pointer);
 }
 
-void* cuda_device::import_vmm(const shareable_handle& handle) {
-  if (!handle.fd.valid()) throw invalid_argument("cuda_device::import_memory: the cuda_vmm_fd handle carries no fd");
-  if (handle.size % granularity_ != 0) {
-    throw invalid_argument("cuda_device::import_memory: the handle's size (" + std::to_string(handle.size) +
-                           ") is not a multiple of granularity() (" + std::to_string(granularity_) + ")");
+void* cuda_device::import_vmm(std::span<const shareable_handle> chunks) {
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < chunks.size(); ++i) {
+    const shareable_handle& handle = chunks[i];
+    const std::string which = "cuda_device::import_memory: chunk " + std::to_string(i);
+    if (!handle.fd.valid()) throw invalid_argument(which + " (cuda_vmm_fd) carries no fd");
+    if (handle.size % granularity_ != 0) {
+      throw invalid_argument(which + "'s size (" + std::to_string(handle.size) +
+                             ") is not a multiple of granularity() (" + std::to_string(granularity_) + ")");
+    }
+    if (handle.size > std::numeric_limits<std::size_t>::max() - total) {
+      throw invalid_argument("cuda_device::import_memory: the chunks' sizes overflow");
+    }
+    total += handle.size;
   }
   make_current();
   const cuda_driver& d = driver();
-  const std::size_t size = handle.size;
-  CUmemGenericAllocationHandle chunk = 0;
-  // The fd is not consumed: the handle keeps owning it.
-  check(d.mem_import_from_shareable_handle(&chunk, reinterpret_cast<void*>(static_cast<std::uintptr_t>(handle.fd.get())),
-                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-        "cuMemImportFromShareableHandle");
-  const CUmemAccessDesc access = read_write_access(ordinal_);
   CUdeviceptr base = 0;
-  const char* failed = "cuMemAddressReserve";
-  CUresult result = d.mem_address_reserve(&base, size, granularity_, 0, 0);
-  if (result == CUDA_SUCCESS) {
-    failed = "cuMemMap";
-    result = d.mem_map(base, size, 0, chunk, 0);
-    if (result == CUDA_SUCCESS) {
-      failed = "cuMemSetAccess";
-      result = d.mem_set_access(base, size, &access, 1);
-      if (result != CUDA_SUCCESS) d.mem_unmap(base, size);
+  check(d.mem_address_reserve(&base, total, granularity_, 0, 0), "cuMemAddressReserve", total);
+  std::vector<std::size_t> mapped;  // sizes of the chunks mapped so far, back to back from base
+  mapped.reserve(chunks.size());
+  CUdeviceptr at = base;
+  for (const shareable_handle& handle : chunks) {
+    const char* failed = nullptr;
+    const CUresult result = map_imported_chunk(d, handle, at, ordinal_, failed);
+    if (result != CUDA_SUCCESS) {
+      unmap_chunks(d, base, mapped);
+      d.mem_address_free(base, total);
+      check(result, failed, handle.size);
     }
-    if (result != CUDA_SUCCESS) d.mem_address_free(base, size);
+    mapped.push_back(handle.size);
+    at += handle.size;
   }
-  d.mem_release(chunk);  // the mapping, if made, keeps the memory
-  check(result, failed, size);
-  const auto pointer = base + handle.offset;
+  const auto pointer = base + chunks.front().offset;
   std::lock_guard lock(memory_mutex_);
-  imports_.emplace(pointer, import_record{handle_kind::cuda_vmm_fd, base, size});
+  imports_.emplace(pointer, import_record{handle_kind::cuda_vmm_fd, base, total, std::move(mapped)});
   return reinterpret_cast<void*>(pointer);
 }
 
@@ -665,7 +725,7 @@ void cuda_device::close_import(void* ptr) {
       throw invalid_argument("cuda_device::close_import: " + hex(ptr) + " is not an open import of " +
                              label(ordinal_) + " (not returned by import_memory, or already closed)");
     }
-    import = it->second;
+    import = std::move(it->second);
     imports_.erase(it);
   }
   if (import.kind == handle_kind::cuda_ipc) {
@@ -673,8 +733,110 @@ void cuda_device::close_import(void* ptr) {
     return;
   }
   const cuda_driver& d = driver();
-  check(d.mem_unmap(import.base, import.size), "cuMemUnmap");
+  check(unmap_chunks(d, import.base, import.chunk_sizes), "cuMemUnmap");
   check(d.mem_address_free(import.base, import.size), "cuMemAddressFree");
+}
+
+// ---- ordering across processes ---------------------------------------------------------
+
+std::uint64_t cuda_device::create_exported_event() {
+  static_assert(sizeof(cudaIpcEventHandle_t) == event_source::opaque_bytes);
+  cudaEvent_t event = nullptr;
+  check(cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming),
+        "cudaEventCreateWithFlags(cudaEventInterprocess)");
+  cudaIpcEventHandle_t handle{};
+  const cudaError_t got = cudaIpcGetEventHandle(&handle, event);
+  if (got != cudaSuccess) cudaEventDestroy(event);
+  check(got, "cudaIpcGetEventHandle");
+  const std::uint64_t id = next_event_source_id();
+  try {
+    exported_events_.emplace(id, exported_event{event, handle});
+  } catch (...) {
+    cudaEventDestroy(event);
+    throw;
+  }
+  return id;
+}
+
+event_point cuda_device::export_event(stream_ref stream) {
+  make_current();
+  const auto s = lock_stream(stream, "export_event");
+  std::lock_guard lock(exported_events_mutex_);
+  auto source = stream_sources_.find(s.native);
+  if (source == stream_sources_.end()) source = stream_sources_.emplace(s.native, create_exported_event()).first;
+  check(cudaEventRecord(exported_events_.at(source->second).event, s.native), "cudaEventRecord(interprocess event)");
+  return event_point{source->second, 0, 0};
+}
+
+event_source cuda_device::describe_event_source(std::uint64_t source_id) {
+  std::lock_guard lock(exported_events_mutex_);
+  const auto it = exported_events_.find(source_id);
+  if (it == exported_events_.end()) {
+    throw invalid_argument("cuda_device::describe_event_source: " + std::to_string(source_id) +
+                           " is not an event source " + label(ordinal_) + " exported (ids come from export_event)");
+  }
+  event_source source;
+  source.kind = event_source_kind::cuda_ipc_event;
+  source.device = device_kind::cuda;
+  source.device_ordinal = ordinal_;
+  source.source_id = source_id;
+  std::memcpy(source.opaque.data(), &it->second.handle, sizeof it->second.handle);
+  return source;
+}
+
+imported_event_ref cuda_device::open_event_source(const event_source& source) {
+  if (source.kind != event_source_kind::cuda_ipc_event || source.device != device_kind::cuda) {
+    throw invalid_argument("cuda_device::open_event_source: the source comes from a " +
+                           std::string(to_string(source.device)) + " device; " + label(ordinal_) +
+                           " opens CUDA IPC events only");
+  }
+  make_current();
+  cudaIpcEventHandle_t handle{};
+  std::memcpy(&handle, source.opaque.data(), sizeof handle);
+  cudaEvent_t event = nullptr;
+  check(cudaIpcOpenEventHandle(&event, handle), "cudaIpcOpenEventHandle");
+  try {
+    std::unique_lock lock(imported_events_mutex_);
+    imported_events_.emplace(event, source.source_id);
+  } catch (...) {
+    cudaEventDestroy(event);
+    throw;
+  }
+  return imported_event_ref{event};
+}
+
+void cuda_device::wait_imported(stream_ref stream, imported_event_ref source, const event_point& point) {
+  make_current();
+  const auto s = lock_stream(stream, "wait_imported");
+  std::shared_lock lock(imported_events_mutex_);  // held so the event is not closed under the wait
+  const auto it = imported_events_.find(static_cast<cudaEvent_t>(source.native));
+  if (it == imported_events_.end()) {
+    throw invalid_argument("cuda_device::wait_imported: " + hex(source.native) + " is not an event source open on " +
+                           label(ordinal_) + " (closed already, or opened by another device)");
+  }
+  if (point.source_id != it->second) {
+    throw invalid_argument("cuda_device::wait_imported: the point belongs to event source " +
+                           std::to_string(point.source_id) + ", but the source given is " + std::to_string(it->second) +
+                           "; open the point's own source and wait on that");
+  }
+  if (point.stream_slot != 0 || point.ticket != 0) {
+    throw invalid_argument("cuda_device::wait_imported: the point has a stream slot or ticket, which only host "
+                           "points have");
+  }
+  check(cudaStreamWaitEvent(s.native, it->first, 0), "cudaStreamWaitEvent(imported event)");
+}
+
+void cuda_device::close_event_source(imported_event_ref source) {
+  make_current();
+  const auto event = static_cast<cudaEvent_t>(source.native);
+  {
+    std::unique_lock lock(imported_events_mutex_);
+    if (imported_events_.erase(event) == 0) {
+      throw invalid_argument("cuda_device::close_event_source: " + hex(source.native) +
+                             " is not an event source open on " + label(ordinal_) + " (closed already?)");
+    }
+  }
+  check(cudaEventDestroy(event), "cudaEventDestroy(imported event)");
 }
 
 // ---- finding devices ------------------------------------------------------------------

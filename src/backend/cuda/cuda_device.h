@@ -4,7 +4,9 @@
 // growable ranges use the driver's virtual memory management (cuMemCreate
 // chunks exportable as POSIX fds, mapped into cuMemAddressReserve ranges).
 // Streams are non-blocking CUDA streams; the default stream is the legacy
-// default stream. Events have timing disabled.
+// default stream. Events have timing disabled. Each stream that exports a
+// point gets one interprocess event, created on its first export_event and
+// re-recorded by every later one.
 //
 // Thread-safety: every member may be called from any thread at once; each
 // call makes the device current on the calling thread first. Destroying a
@@ -19,7 +21,13 @@
 //     exactly one reservation and disjoint from the others;
 //   chunks_ = live chunk handles, handle -> bytes;
 //   imports_ = open imports, returned pointer -> what to close;
-//   streams_, events_ = live objects made by this device.
+//   streams_, events_ = live objects made by this device;
+//   exported_events_ = every interprocess event this device exported,
+//     source id -> event, kept until the device is destroyed (other
+//     processes may hold them); stream_sources_ = live streams that
+//     exported, stream -> source id, so a stream's event is never reused by
+//     a later stream at the same address;
+//   imported_events_ = open imported sources, event -> source id.
 // A record is removed before its resource is released, so two threads never
 // release one thing; if the release then fails, the error is thrown and the
 // record stays removed.
@@ -34,9 +42,11 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <vector>
 
 #include "shoal/backend/device.h"
 
@@ -86,14 +96,26 @@ class cuda_device final : public device {
   void host_task(stream_ref stream, std::function<void()> task) override;
 
   [[nodiscard]] shareable_handle export_memory(const void* ptr) override;
-  void* import_memory(const shareable_handle& handle) override;
+  using device::import_memory;
+  void* import_memory(std::span<const shareable_handle> chunks) override;
   void close_import(void* ptr) override;
+
+  [[nodiscard]] event_point export_event(stream_ref stream) override;
+  [[nodiscard]] event_source describe_event_source(std::uint64_t source_id) override;
+  imported_event_ref open_event_source(const event_source& source) override;
+  void wait_imported(stream_ref stream, imported_event_ref source, const event_point& point) override;
+  void close_event_source(imported_event_ref source) override;
 
  private:
   struct import_record {
     handle_kind kind;
     std::uintptr_t base;  ///< what cudaIpcOpenMemHandle or cuMemAddressReserve returned
     std::size_t size;     ///< reserved bytes (cuda_vmm_fd only)
+    std::vector<std::size_t> chunk_sizes;  ///< cuda_vmm_fd: chunks mapped back to back from base
+  };
+  struct exported_event {
+    cudaEvent_t event;             ///< interprocess, timing disabled; re-recorded by each export
+    cudaIpcEventHandle_t handle;   ///< fetched once, at creation
   };
   /// A live stream or event, kept from being destroyed while `lock` is held.
   template <class Native>
@@ -106,7 +128,10 @@ class cuda_device final : public device {
   [[nodiscard]] locked<cudaStream_t> lock_stream(stream_ref stream, const char* op) const;
   [[nodiscard]] locked<cudaEvent_t> lock_event(event_ref event, const char* op) const;
   [[nodiscard]] void* import_ipc(const shareable_handle& handle);
-  [[nodiscard]] void* import_vmm(const shareable_handle& handle);
+  [[nodiscard]] void* import_vmm(std::span<const shareable_handle> chunks);
+  /// A new exported event, registered under a new source id (returned).
+  /// Requires exported_events_mutex_.
+  [[nodiscard]] std::uint64_t create_exported_event();
 
   const int ordinal_;
   std::string name_;
@@ -119,11 +144,17 @@ class cuda_device final : public device {
   std::unordered_map<CUmemGenericAllocationHandle, std::size_t> chunks_;
   std::multimap<std::uintptr_t, import_record> imports_;
 
-  // Lock order: streams_mutex_ before events_mutex_.
+  // Lock order: streams_mutex_ before events_mutex_, and streams_mutex_
+  // before exported_events_mutex_.
   mutable std::shared_mutex streams_mutex_;
   std::unordered_set<cudaStream_t> streams_;
   mutable std::shared_mutex events_mutex_;
   std::unordered_set<cudaEvent_t> events_;
+  std::mutex exported_events_mutex_;
+  std::unordered_map<std::uint64_t, exported_event> exported_events_;
+  std::unordered_map<cudaStream_t, std::uint64_t> stream_sources_;
+  std::shared_mutex imported_events_mutex_;
+  std::unordered_map<cudaEvent_t, std::uint64_t> imported_events_;
 
   // Shared with pending host-task callbacks, which may run after the device
   // is gone.

@@ -9,6 +9,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "backend/host/host_event_page.h"
 #include "backend/host/host_executor.h"
 #include "backend/host/host_memory.h"
 #include "address_text.h"
@@ -25,23 +26,32 @@ struct host_event {
   std::uint64_t ticket = 0;               // guarded by mutex
 };
 
-struct event_point {
+// Where an event was last recorded, copied out of it.
+struct recorded_point {
   std::shared_ptr<host_executor> stream;
   std::uint64_t ticket = 0;
   [[nodiscard]] bool passed() const { return !stream || stream->completed() >= ticket; }
 };
 
 struct host_state {
-  explicit host_state(std::size_t capacity) : memory(capacity), default_stream(std::make_shared<host_executor>()) {}
+  explicit host_state(std::size_t capacity)
+      : memory(capacity),
+        event_page(host_event_page::create()),
+        default_stream(std::make_shared<host_executor>(event_page->lease())) {}
 
   host_memory memory;
+  // Where every stream publishes its progress for other processes; streams
+  // created when all its slots are taken keep theirs private.
+  std::shared_ptr<host_event_page> event_page;
   std::shared_ptr<host_executor> default_stream;
-  // Streams and events are looked up here on every use, so a destroyed or
-  // foreign reference gives invalid_argument instead of a crash. Executors
-  // are shared with the events recorded on them, which may outlive them.
+  // Streams, events and imported sources are looked up here on every use,
+  // so a destroyed or foreign reference gives invalid_argument instead of a
+  // crash. Executors are shared with the events recorded on them, which may
+  // outlive them; imported pages with the waits enqueued on them.
   std::shared_mutex registry_mutex;
   std::unordered_map<void*, std::shared_ptr<host_executor>> streams;
   std::unordered_map<void*, std::unique_ptr<host_event>> events;
+  std::unordered_map<void*, std::shared_ptr<host_imported_page>> imported_sources;
 
   std::shared_ptr<host_executor> find(stream_ref s) {
     if (s.is_default()) return default_stream;
@@ -51,11 +61,21 @@ struct host_state {
     return it->second;
   }
 
-  event_point point_of(event_ref e) {
+  recorded_point point_of(event_ref e) {
     std::shared_lock lock(registry_mutex);
     host_event& ev = find_locked(e);
     std::lock_guard event_lock(ev.mutex);
     return {ev.stream, ev.ticket};
+  }
+
+  std::shared_ptr<host_imported_page> find(imported_event_ref source) {
+    std::shared_lock lock(registry_mutex);
+    const auto it = imported_sources.find(source.native);
+    if (it == imported_sources.end()) {
+      throw invalid_argument("imported event source " + shoal::detail::hex(source.native) +
+                             " is not open on this host device (closed already, or opened by another device)");
+    }
+    return it->second;
   }
 
   host_event& find_locked(event_ref e) {
@@ -102,7 +122,7 @@ void host_device::map(void* address, physical_ref chunk) { state_->memory.map(ad
 void host_device::unmap(void* address) { state_->memory.unmap(address); }
 
 stream_ref host_device::create_stream() {
-  auto executor = std::make_shared<detail::host_executor>();
+  auto executor = std::make_shared<detail::host_executor>(state_->event_page->lease());
   void* key = executor.get();
   std::unique_lock lock(state_->registry_mutex);
   state_->streams.emplace(key, std::move(executor));
@@ -168,13 +188,13 @@ void host_device::record(event_ref e, stream_ref s) {
 bool host_device::query_event(event_ref e) { return state_->point_of(e).passed(); }
 
 void host_device::synchronize_event(event_ref e) {
-  const detail::event_point point = state_->point_of(e);
+  const detail::recorded_point point = state_->point_of(e);
   if (point.stream) point.stream->wait_for(point.ticket);
 }
 
 void host_device::wait(stream_ref s, event_ref e) {
   const auto waiter = state_->find(s);
-  detail::event_point point = state_->point_of(e);
+  detail::recorded_point point = state_->point_of(e);
   if (point.passed() || point.stream == waiter) return;  // nothing to wait for; same stream is already ordered
   waiter->submit([point = std::move(point)] { point.stream->wait_for(point.ticket); });
 }
@@ -201,7 +221,58 @@ void host_device::host_task(stream_ref s, std::function<void()> task) {
 }
 
 shareable_handle host_device::export_memory(const void* ptr) { return state_->memory.export_memory(ptr); }
-void* host_device::import_memory(const shareable_handle& handle) { return state_->memory.import_memory(handle); }
+void* host_device::import_memory(std::span<const shareable_handle> chunks) { return state_->memory.import_memory(chunks); }
 void host_device::close_import(void* ptr) { state_->memory.close_import(ptr); }
+
+event_point host_device::export_event(stream_ref s) {
+  const auto executor = state_->find(s);
+  const detail::host_stream_slot* slot = executor->slot();
+  if (slot == nullptr) {
+    throw backend_error("export_event", "this host stream has no slot in the device's event page: all " +
+                                            std::to_string(detail::host_event_page::slot_count) +
+                                            " were held by live streams when it was created; export from a stream "
+                                            "created after some of those are destroyed");
+  }
+  return event_point{slot->source_id(), slot->index(), executor->submitted()};
+}
+
+event_source host_device::describe_event_source(std::uint64_t source_id) {
+  if (source_id != state_->event_page->source_id()) {
+    throw invalid_argument("describe_event_source: " + std::to_string(source_id) +
+                           " is not an event source of this host device (its one source is " +
+                           std::to_string(state_->event_page->source_id()) + ")");
+  }
+  event_source source;
+  source.kind = event_source_kind::host_page;
+  source.device = device_kind::host;
+  source.source_id = source_id;
+  source.fd = state_->event_page->share();
+  return source;
+}
+
+imported_event_ref host_device::open_event_source(const event_source& source) {
+  auto page = std::make_shared<detail::host_imported_page>(source);
+  void* key = page.get();
+  std::unique_lock lock(state_->registry_mutex);
+  state_->imported_sources.emplace(key, std::move(page));
+  return imported_event_ref{key};
+}
+
+void host_device::wait_imported(stream_ref s, imported_event_ref source, const event_point& point) {
+  const auto waiter = state_->find(s);
+  auto page = state_->find(source);
+  page->check(point);
+  if (page->passed(point)) return;
+  // The wait holds the page: closing the source does not unmap it under the wait.
+  waiter->submit([page = std::move(page), point] { page->wait_until_passed(point); });
+}
+
+void host_device::close_event_source(imported_event_ref source) {
+  std::unique_lock lock(state_->registry_mutex);
+  if (state_->imported_sources.erase(source.native) == 0) {
+    throw invalid_argument("close_event_source: " + shoal::detail::hex(source.native) +
+                           " is not an event source open on this host device (closed already?)");
+  }
+}
 
 }  // namespace shoal::backend

@@ -5,7 +5,11 @@
 
 namespace shoal::backend::detail {
 
-host_executor::host_executor() : thread_([this] { run(); }) {}
+host_executor::host_executor(std::optional<host_stream_slot> slot)
+    : slot_(std::move(slot)),
+      completed_(slot_ ? slot_->counter() : private_completed_),
+      submitted_(completed_.load(std::memory_order_acquire)),
+      thread_([this] { run(); }) {}
 
 host_executor::~host_executor() {
   {

@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "address_text.h"
@@ -47,6 +48,47 @@ void* map_hole(void* address, std::size_t bytes) {
   void* p = ::mmap(address, bytes, PROT_NONE, flags, -1, 0);
   if (p == MAP_FAILED) throw_errno("mmap(PROT_NONE, " + std::to_string(bytes) + " bytes)");
   return p;
+}
+
+// Checks the chunks one import maps (see device::import_memory); returns
+// their total size.
+std::size_t importable_bytes(std::span<const shareable_handle> chunks) {
+  if (chunks.empty()) throw invalid_argument("import_memory: no handles were given; pass at least one");
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < chunks.size(); ++i) {
+    const shareable_handle& h = chunks[i];
+    const std::string which = "import_memory: " + (chunks.size() == 1 ? std::string("the handle") : "chunk " + std::to_string(i));
+    if (h.kind != handle_kind::host_memfd || h.device != device_kind::host) {
+      throw invalid_argument(which + " comes from a " + std::string(to_string(h.device)) +
+                             " device; the host device imports host_memfd handles only");
+    }
+    if (!h.fd) throw invalid_argument(which + " has no file descriptor (closed, or moved from)");
+    if (h.size == 0 || h.offset >= h.size) {
+      throw invalid_argument(which + ": offset " + std::to_string(h.offset) + " is not inside size " + std::to_string(h.size));
+    }
+    if (i > 0 && h.offset != 0) {
+      throw invalid_argument(which + " has offset " + std::to_string(h.offset) +
+                             "; only the first chunk may point inside itself, the others are mapped whole");
+    }
+    if (chunks.size() > 1 && h.size % host_memory::chunk_granularity != 0) {
+      throw invalid_argument(which + " has " + std::to_string(h.size) + " bytes, not a multiple of the " +
+                             std::to_string(host_memory::chunk_granularity) +
+                             "-byte granularity; only chunks of growable ranges are imported together");
+    }
+    struct stat st {};
+    if (::fstat(h.fd.get(), &st) != 0) throw invalid_argument(which + ": the descriptor is not open: " + std::strerror(errno));
+    const int seals = ::fcntl(h.fd.get(), F_GET_SEALS);
+    if (!S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+      throw invalid_argument(which + ": the descriptor is not a sealed shoal memfd");
+    }
+    if (static_cast<std::uint64_t>(st.st_size) < h.size) {
+      throw invalid_argument(which + " claims " + std::to_string(h.size) + " bytes but the file holds " +
+                             std::to_string(st.st_size));
+    }
+    if (h.size > std::numeric_limits<std::size_t>::max() - total) throw invalid_argument("import_memory: the chunks' sizes overflow");
+    total += h.size;
+  }
+  return total;
 }
 
 }  // namespace
@@ -257,27 +299,23 @@ shareable_handle host_memory::export_memory(const void* ptr) const {
   throw invalid_argument("export_memory(" + shoal::detail::hex(ptr) + "): not inside a segment or mapped chunk of this host device");
 }
 
-void* host_memory::import_memory(const shareable_handle& h) {
-  if (h.kind != handle_kind::host_memfd || h.device != device_kind::host) {
-    throw invalid_argument("import_memory: the host device imports host_memfd handles only; this one comes from a " +
-                           std::string(to_string(h.device)) + " device");
+void* host_memory::import_memory(std::span<const shareable_handle> chunks) {
+  const std::size_t total = importable_bytes(chunks);
+  // Reserved first, so the chunks land back to back with nothing between.
+  void* base = map_hole(nullptr, total);
+  try {
+    std::size_t at = 0;
+    for (const shareable_handle& h : chunks) {
+      map_shared(h.fd.get(), h.size, static_cast<char*>(base) + at);
+      at += h.size;
+    }
+  } catch (...) {
+    ::munmap(base, total);
+    throw;
   }
-  if (!h.fd) throw invalid_argument("import_memory: the handle has no file descriptor (closed, or moved from)");
-  if (h.size == 0 || h.offset >= h.size) throw invalid_argument("import_memory: offset " + std::to_string(h.offset) + " is not inside size " + std::to_string(h.size));
-  struct stat st {};
-  if (::fstat(h.fd.get(), &st) != 0) throw invalid_argument(std::string("import_memory: the descriptor is not open: ") + std::strerror(errno));
-  const int seals = ::fcntl(h.fd.get(), F_GET_SEALS);
-  if (!S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-    throw invalid_argument("import_memory: the descriptor is not a sealed shoal memfd");
-  }
-  if (static_cast<std::uint64_t>(st.st_size) < h.size) {
-    throw invalid_argument("import_memory: the handle claims " + std::to_string(h.size) + " bytes but the file holds " +
-                           std::to_string(st.st_size));
-  }
-  void* base = map_shared(h.fd.get(), h.size, nullptr);
-  void* ptr = static_cast<char*>(base) + h.offset;
+  void* ptr = static_cast<char*>(base) + chunks.front().offset;
   std::lock_guard lock(mutex_);
-  imports_.emplace(ptr, import{base, h.size});
+  imports_.emplace(ptr, import{base, total});
   return ptr;
 }
 

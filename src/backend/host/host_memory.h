@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <unordered_map>
 
 #include "shoal/backend/shareable_handle.h"
@@ -45,7 +46,8 @@ class host_memory {
   void unmap(void* address);
 
   [[nodiscard]] shareable_handle export_memory(const void* ptr) const;
-  void* import_memory(const shareable_handle& handle);
+  /// Maps the chunks back to back in one range (see device::import_memory).
+  void* import_memory(std::span<const shareable_handle> chunks);
   void close_import(void* ptr);
 
  private:
@@ -63,8 +65,8 @@ class host_memory {
     std::map<std::uintptr_t, mapping> mappings;  // by address
   };
   struct import {
-    void* base;
-    std::size_t size;
+    void* base;        ///< of the whole range, all chunks
+    std::size_t size;  ///< of the whole range
   };
 
   // Takes `bytes` from the capacity or throws out_of_memory naming `what`.

@@ -1,0 +1,204 @@
+// Sharing storages between two processes, timed: the round trip (send,
+// receive, touch, drop, acknowledgement) with the segment already open in
+// the consumer; the first share of a new segment; and a long run of
+// storages shared and released, watching memory stay flat.
+//
+//   shoal_bench_ipc [--backend host|cuda] [--iterations N] [--million N]
+// Prints one table; the consumer is this program started again.
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/devices.h"
+#include "shoal/backend/stream.h"
+#include "shoal/error.h"
+#include "shoal/ipc/child_process.h"
+#include "shoal/ipc/sharing.h"
+
+namespace {
+
+using namespace shoal;
+using clock_type = std::chrono::steady_clock;
+
+struct options {
+  std::string backend = "cuda";
+  int iterations = 2000;
+  long million = 1000000;
+};
+
+std::size_t resident_kib() {
+  std::ifstream statm("/proc/self/statm");
+  std::size_t pages = 0, resident = 0;
+  statm >> pages >> resident;
+  return resident * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)) / 1024;
+}
+
+backend::device& device_named(const std::string& name) {
+  return name == "host" ? backend::host_device_instance() : backend::cuda_device_instance(0);
+}
+
+ipc::connection adopt(int fd) { return ipc::connection::adopt_pair_end(unique_fd(fd), {}, 1 << 20); }
+
+// The consumer: receive, touch one byte (a copy to the host and a wait),
+// drop, acknowledge. A note "rss" answers with its resident KiB.
+int consume(const std::string& backend_name) {
+  backend::device& dev = device_named(backend_name);
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context context(allocator);
+  ipc::peer producer(context, adopt(ipc::child_process::child_socket_fd));
+  backend::stream s(dev);
+  backend::stream_guard on_s(dev, s);
+  std::uint8_t seen = 0;
+  const std::byte ack[1] = {std::byte{1}};
+  for (;;) {
+    ipc::received r = producer.receive(s);
+    if (!r.storage.valid()) {
+      if (r.metadata.empty()) return 0;
+      const std::string rss = std::to_string(resident_kib());
+      producer.send_note(std::as_bytes(std::span(rss)));
+      continue;
+    }
+    dev.copy(s, &seen, r.storage.data(), 1);
+    dev.synchronize(s);
+    r.storage = {};
+    producer.send_note(ack);
+  }
+}
+
+struct percentiles {
+  double median, p90;
+};
+percentiles summarize(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return {v[v.size() / 2], v[v.size() * 9 / 10]};
+}
+
+class producer_side {
+ public:
+  producer_side(backend::device& dev, const std::string& program, const std::string& backend_name)
+      : dev_(dev),
+        allocator_(dev, {}),
+        context_(allocator_),
+        child_(program, {"--consume", backend_name}),
+        peer_(context_, adopt(::dup(child_.socket()))),
+        stream_(dev),
+        on_stream_(dev, stream_) {}
+  ~producer_side() {
+    peer_.send_note({});
+    child_.wait();
+  }
+
+  double round_trip_us(const storage::storage& st) {
+    const auto t0 = clock_type::now();
+    peer_.send(st, {}, stream_);
+    (void)peer_.receive(stream_);
+    return std::chrono::duration<double, std::micro>(clock_type::now() - t0).count();
+  }
+  storage::storage make(std::size_t bytes) {
+    auto st = storage::storage::allocate(allocator_, bytes, stream_);
+    dev_.fill(stream_, st.mutable_data(stream_), 7, bytes);
+    dev_.synchronize(stream_);
+    return st;
+  }
+  std::size_t consumer_rss_kib() {
+    const std::byte ask[1] = {std::byte{'?'}};
+    peer_.send_note(ask);
+    const auto answer = peer_.receive(stream_).metadata;
+    return std::stoul(std::string(reinterpret_cast<const char*>(answer.data()), answer.size()));
+  }
+
+  backend::device& dev_;
+  alloc::caching_allocator allocator_;
+  ipc::sharing_context context_;
+  ipc::child_process child_;
+  ipc::peer peer_;
+  backend::stream stream_;
+  backend::stream_guard on_stream_;
+};
+
+void round_trips(producer_side& p, const options& o) {
+  for (std::size_t bytes : {std::size_t{4} << 10, std::size_t{64} << 20}) {
+    std::vector<storage::storage> keep;  // as the anchor does: the last 8 stay alive
+    std::vector<double> times;
+    for (int i = 0; i < o.iterations + 20; ++i) {
+      auto st = p.make(bytes);
+      const double us = p.round_trip_us(st);
+      if (i >= 20) times.push_back(us);
+      keep.push_back(std::move(st));
+      if (keep.size() > 8) keep.erase(keep.begin());
+    }
+    const auto [median, p90] = summarize(times);
+    std::printf("| round trip, segment open, %s | %.1f | %.1f |\n",
+                bytes < (1 << 20) ? "4 KiB" : "64 MiB", median, p90);
+  }
+}
+
+void first_shares(producer_side& p, const options& o) {
+  // Each storage gets a segment of its own (64 MiB: one per request); the
+  // cache is emptied between shares so the next one is a new segment.
+  std::vector<double> times;
+  const int n = std::max(20, o.iterations / 20);
+  for (int i = 0; i < n; ++i) {
+    {
+      auto st = p.make(64 << 20);
+      times.push_back(p.round_trip_us(st));
+    }
+    p.context_.collect();
+    p.allocator_.empty_cache();
+  }
+  const auto [median, p90] = summarize(times);
+  std::printf("| first share of a new segment (64 MiB) | %.1f | %.1f |\n", median, p90);
+}
+
+void flat_memory(producer_side& p, const options& o) {
+  std::printf("\n| storages shared and released | producer RSS KiB | consumer RSS KiB | reserved bytes | held slots | counter files | limbo |\n|---|---|---|---|---|---|---|\n");
+  const auto start = clock_type::now();
+  for (long i = 0; i <= o.million; ++i) {
+    if (i % (o.million / 4) == 0) {
+      const auto s = p.context_.stats();
+      std::printf("| %ld | %zu | %zu | %lld | %zu | %zu | %zu |\n", i, resident_kib(), p.consumer_rss_kib(),
+                  static_cast<long long>(p.allocator_.stats().reserved_bytes.aggregate.current), s.held_slots,
+                  s.counter_files, s.limbo_blocks);
+    }
+    if (i == o.million) break;
+    auto st = p.make(4 << 10);
+    (void)p.round_trip_us(st);
+  }
+  const double seconds = std::chrono::duration<double>(clock_type::now() - start).count();
+  std::printf("\n%ld storages in %.1f s: %.1f us each, all steps included\n", o.million, seconds, seconds * 1e6 / o.million);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (argc == 3 && std::string(argv[1]) == "--consume") return consume(argv[2]);
+    options o;
+    for (int i = 1; i + 1 < argc; i += 2) {
+      const std::string flag = argv[i];
+      if (flag == "--backend") o.backend = argv[i + 1];
+      else if (flag == "--iterations") o.iterations = std::atoi(argv[i + 1]);
+      else if (flag == "--million") o.million = std::atol(argv[i + 1]);
+      else throw invalid_argument("unknown flag " + flag);
+    }
+    backend::device& dev = device_named(o.backend);
+    std::printf("shoal IPC benchmark: backend %s (%s)\n\n| what | median us | p90 us |\n|---|---|---|\n",
+                o.backend.c_str(), dev.name().c_str());
+    producer_side p(dev, "/proc/self/exe", o.backend);
+    round_trips(p, o);
+    first_shares(p, o);
+    flat_memory(p, o);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shoal_bench_ipc: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,243 @@
+// The channel: UNIX stream sockets between processes of one machine, with
+// each peer's credentials checked and every message validated.
+//
+// A listener binds a filesystem path, inside a directory that only its owner
+// may enter, or an abstract name, which has no file and no permission bits:
+// there the credential check is the only guard. Each connection reads its
+// peer's pid, uid and gid (SO_PEERCRED) when it is made, on both sides, and
+// refuses a uid that the access policy does not allow. Only AF_UNIX stream
+// sockets are ever created or adopted: nothing here speaks TCP.
+//
+// Wire form of a frame, on top of fd_transport's length-prefixed message:
+//   magic "SHOL" (4 bytes) | version u16 (frame_version) | type u16 | payload
+// in host byte order (both ends share one machine), with at most one file
+// descriptor (SCM_RIGHTS). receive() checks all of it; a malformed frame gives
+// protocol_error and closes that connection, and nothing else.
+#pragma once
+
+#include <sys/socket.h>
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shoal/ipc/process_identity.h"
+#include "shoal/unique_fd.h"
+
+namespace shoal::ipc {
+
+/// The frame layout version this build speaks.
+inline constexpr std::uint16_t frame_version = 1;
+/// Bytes before a frame's payload: magic, version, type.
+inline constexpr std::size_t frame_header_bytes = 8;
+
+/// Where a listener listens: a socket file or an abstract name.
+///
+/// A value type (not thread-safe to modify). Invariant: the name is not
+/// empty, has no NUL byte and fits in sockaddr_un; a path is absolute and
+/// names a file, not a directory.
+class channel_address {
+ public:
+  /// A socket file at `path` (absolute, at most 107 bytes). The listener
+  /// creates its directory with mode 0700, or checks that it is one.
+  /// Throws invalid_argument when `path` cannot be a socket file's path.
+  [[nodiscard]] static channel_address at_path(std::string path);
+  /// A name in the abstract socket namespace of this network namespace (at
+  /// most 107 bytes): no file to clean up and no permission bits, so any
+  /// process on the machine may connect and the access policy alone decides.
+  /// Throws invalid_argument when `name` is empty, too long or holds a NUL.
+  [[nodiscard]] static channel_address abstract(std::string name);
+
+  [[nodiscard]] bool is_abstract() const noexcept { return abstract_; }
+  /// The path, or the abstract name without the NUL the kernel puts first.
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  /// For messages: the path, or "@name" for an abstract name.
+  [[nodiscard]] std::string to_string() const;
+
+  friend bool operator==(const channel_address&, const channel_address&) = default;
+
+ private:
+  channel_address(std::string name, bool abstract) : name_(std::move(name)), abstract_(abstract) {}
+
+  std::string name_;
+  bool abstract_ = false;
+};
+
+/// Which users may be at the other end of a connection. The process's own
+/// effective uid is always allowed; `allowed_uids` adds others.
+struct access_policy {
+  std::vector<uid_t> allowed_uids;
+
+  /// Whether a peer running as `uid` is allowed.
+  [[nodiscard]] bool allows(uid_t uid) const noexcept;
+};
+
+/// Who is at the other end, as the kernel recorded it when the connection was
+/// made (the process that called connect, listen or socketpair).
+struct peer_credentials {
+  process_identity process;
+  uid_t uid = 0;
+  gid_t gid = 0;
+};
+
+/// One received frame.
+struct frame {
+  std::uint16_t type = 0;
+  std::vector<std::byte> payload;
+  unique_fd fd;  ///< the descriptor sent with the frame, if any
+};
+
+class listener;
+
+/// One end of a connected channel.
+///
+/// Thread-safety: send() may be called from several threads at once (each
+/// frame goes out whole, never interleaved), and so may receive() (each frame
+/// goes to one caller); sends and receives run in parallel. peer(),
+/// max_payload() and native_handle() never change. Moving or destroying a
+/// connection must not overlap any other call on it.
+/// Invariants: the peer's uid was allowed by the access policy when the
+/// connection was made. Once a send or receive fails (protocol_error,
+/// connection_closed, or any other error, since the stream may then be out of
+/// step) the connection is broken: the socket is shut down both ways, so the
+/// peer sees end of stream and a blocked receive() returns, and every later
+/// send or receive throws connection_closed. The descriptor itself is closed
+/// only by the destructor, so native_handle() never names a reused descriptor.
+/// A moved-from connection may only be destroyed or assigned to.
+class connection {
+ public:
+  static constexpr std::size_t default_max_payload = 64 * 1024;
+
+  /// Connects to the listener at `address` and checks the server's uid
+  /// against `policy`. Frames received carry at most `max_payload` bytes.
+  /// Throws connection_closed when no one listens there (or the server exited
+  /// at once), peer_refused when the server's uid is not allowed,
+  /// backend_error when the system refuses.
+  [[nodiscard]] static connection connect(const channel_address& address, const access_policy& policy,
+                                          std::size_t max_payload = default_max_payload);
+
+  /// Takes a connected AF_UNIX stream socket (say, a socketpair end a child
+  /// process inherited) and checks its peer's uid against `policy`. For a
+  /// socketpair the kernel records the creator as the peer of both ends, so
+  /// the end the creator keeps names the creator itself. Throws
+  /// invalid_argument when `connected_socket` is not a connected AF_UNIX
+  /// stream socket, peer_refused or connection_closed as connect() does; the
+  /// socket is closed whenever it throws.
+  [[nodiscard]] static connection adopt(unique_fd connected_socket, const access_policy& policy,
+                                        std::size_t max_payload = default_max_payload);
+
+  /// adopt() for one end of a socketpair shared with another process (say,
+  /// a child started with it): SO_PEERCRED would name the pair's creator on
+  /// both ends, so instead each end sends its credentials, which the kernel
+  /// checks (SCM_CREDENTIALS), and reads the other's. Both ends must call
+  /// this; it blocks until the other end has. Throws as adopt() does, and
+  /// protocol_error when the other end sends anything else first.
+  [[nodiscard]] static connection adopt_pair_end(unique_fd socket_pair_end, const access_policy& policy,
+                                                 std::size_t max_payload = default_max_payload);
+
+  connection(connection&& other) noexcept;
+  connection& operator=(connection&& other) noexcept;
+  ~connection();
+
+  /// Sends one frame of `type` with `payload` and, when `fd` >= 0, a copy of
+  /// `fd` (the caller keeps its own). Blocks until all of it is sent. Throws
+  /// connection_closed when the peer is gone or the connection is broken;
+  /// invalid_argument when the payload is over 4 GiB or `fd` is not an open
+  /// descriptor (nothing is sent and the connection stays usable);
+  /// backend_error when the system refuses.
+  void send(std::uint16_t type, std::span<const std::byte> payload, int fd = -1);
+
+  /// Receives one frame, blocking until it arrives. Throws protocol_error
+  /// when the peer sent something malformed (a wrong magic or version, a
+  /// frame shorter than its header, a payload over max_payload(), more than
+  /// one descriptor), saying what was wrong and what was expected;
+  /// connection_closed when the peer closed the connection or it is broken;
+  /// backend_error when the system refuses. Any descriptor that came with a
+  /// refused frame is closed.
+  [[nodiscard]] frame receive();
+
+  [[nodiscard]] const peer_credentials& peer() const noexcept;
+  /// The largest payload receive() accepts.
+  [[nodiscard]] std::size_t max_payload() const noexcept;
+  /// The socket, for poll(): readable when a frame or end of stream waits.
+  /// Reading or writing it directly would put the stream out of step.
+  [[nodiscard]] int native_handle() const noexcept;
+  /// Whether an earlier failure closed this connection.
+  [[nodiscard]] bool broken() const;
+
+ private:
+  friend class listener;
+  struct state;
+
+  explicit connection(std::unique_ptr<state> s) noexcept;
+  /// Reads the peer's credentials from `socket` and checks them; `side` names
+  /// the caller in error messages.
+  static connection identify_peer(unique_fd socket, const access_policy& policy, std::size_t max_payload,
+                                  const std::string& side);
+  /// Checks `credentials` against `policy` and identifies the process.
+  static connection checked_peer(unique_fd socket, const ucred& credentials, const access_policy& policy,
+                                 std::size_t max_payload, const std::string& side);
+  state& usable(const char* operation) const;
+
+  std::unique_ptr<state> state_;
+};
+
+/// A listening socket that hands out checked connections.
+///
+/// Thread-safety: accept() and accept_for() may be called from several
+/// threads at once; each pending connection goes to one of them.
+/// Construction and destruction must not overlap other calls.
+/// Invariants: a path's directory belongs to this process's uid and has no
+/// group or other permission bits; the socket file is removed by the
+/// destructor unless another file has taken its place.
+class listener {
+ public:
+  /// Listens at `address`; accepted connections follow `policy` and receive
+  /// payloads of at most `max_payload` bytes. For a path, the directory is
+  /// created with mode 0700 when missing (its parent must exist), and a
+  /// leftover socket file that no one listens on is replaced. To tell whether
+  /// a listener is there, it connects once: a live listener sees that probe
+  /// as a connection that closes at once. Throws invalid_argument when the
+  /// directory is not this uid's own 0700 directory, when the address is in
+  /// use, or when a file that is not a socket is in the way; backend_error
+  /// when the system refuses.
+  listener(const channel_address& address, access_policy policy,
+           std::size_t max_payload = connection::default_max_payload);
+  listener(const listener&) = delete;
+  listener& operator=(const listener&) = delete;
+  ~listener();
+
+  /// Waits for the next connection and checks its peer. Throws peer_refused
+  /// when the peer's uid is not allowed (its socket is closed), or
+  /// connection_closed when the peer exited before it could be identified;
+  /// either way the listener keeps working. backend_error when the system
+  /// refuses (out of descriptors, say).
+  [[nodiscard]] connection accept();
+  /// As accept(), but gives up after `timeout` and returns nullopt.
+  [[nodiscard]] std::optional<connection> accept_for(std::chrono::milliseconds timeout);
+
+  [[nodiscard]] const channel_address& address() const noexcept { return address_; }
+  /// The listening socket, for poll(): readable when a connection waits.
+  [[nodiscard]] int native_handle() const noexcept { return socket_.get(); }
+
+ private:
+  using deadline = std::optional<std::chrono::steady_clock::time_point>;
+  std::optional<connection> accept_until(deadline until);
+
+  channel_address address_;
+  access_policy policy_;
+  std::size_t max_payload_;
+  unique_fd socket_;
+  // The socket file's identity, so the destructor removes only its own file.
+  dev_t file_device_ = 0;
+  ino_t file_inode_ = 0;
+};
+
+}  // namespace shoal::ipc

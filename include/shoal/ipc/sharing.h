@@ -1,0 +1,143 @@
+// Sharing storages between processes, with crash-safe reference counting.
+//
+// A `sharing_context` belongs to one allocator and holds what the producer
+// side needs: counter files, the limbo, exported segments, and a background
+// collector. A `peer` is one connection to another process; both processes
+// may send and receive on it.
+//
+// Sending a storage hands its memory to a sent-data owner (the storage stays
+// usable; see storage::hand_over) and takes one reference-counter slot held
+// by the receiving process. The receiver's storage is a view of the
+// producer's memory, mapped once per segment and cached; dropping it
+// releases the slot once the receiver's stream has passed its uses. When the
+// producer drops its last handle while slots are still held, the block waits
+// in the limbo; it is freed, on the stream the producer dropped it on, when
+// every slot is released: checked when a shared block is released, when the
+// allocator misses its cache, on collect(), and every collect_interval.
+//
+// Crash safety: every slot records its holder (pid and process start time).
+// When a holder dies, SIGKILL included, the collector reclaims its slots
+// within collect_interval. When the producer dies first, consumers keep the
+// memory until they drop it on the host backend and for growable (VMM)
+// segments on CUDA; see docs/architecture.md for plain CUDA segments. Counter
+// files have no name after creation, so no file outlives its processes.
+//
+// Ordering: the producer's writes enqueued before send() on the send stream
+// are passed before any work the receiver enqueues on its receive stream.
+//
+// Forwarding: a received storage cannot be sent on (invalid_argument):
+// copy it into a storage of this process and send the copy.
+//
+// Thread-safety: sharing_context's members may be called from any thread.
+// A peer's send may be called from several threads at once; receive from
+// one thread at a time. Storages sent or received follow storage's rules.
+// The allocator must outlive the context, and the context every peer.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/ipc/channel.h"
+#include "shoal/storage/storage.h"
+
+namespace shoal::ipc {
+
+namespace detail {
+class sharing_state;
+class peer_link;
+}  // namespace detail
+
+struct sharing_options {
+  /// How often the background collector frees limbo blocks and reclaims the
+  /// slots of dead holders; zero: no background thread (collect() only).
+  std::chrono::milliseconds collect_interval{100};
+  /// Reference-counter slots per counter file.
+  std::uint32_t slots_per_file = 4096;
+  /// Largest metadata a message may carry (both directions).
+  std::size_t max_metadata_bytes = 64 * 1024;
+};
+
+struct sharing_stats {
+  std::size_t limbo_blocks = 0;    ///< dropped by this process, still held elsewhere
+  std::size_t limbo_bytes = 0;
+  std::size_t held_slots = 0;      ///< references other processes hold on this one's memory
+  std::size_t counter_files = 0;
+  std::size_t exported_segments = 0;
+  std::uint64_t storages_sent = 0;
+  std::uint64_t limbo_freed = 0;        ///< limbo blocks freed so far
+  std::uint64_t slots_reclaimed = 0;    ///< references of dead holders taken back
+};
+
+class sharing_context {
+ public:
+  explicit sharing_context(alloc::caching_allocator& allocator, sharing_options options = {});
+  /// Stops the collector and collects once more. Blocks still in the limbo
+  /// then stay allocated (other processes hold them) until the allocator goes.
+  ~sharing_context();
+  sharing_context(const sharing_context&) = delete;
+  sharing_context& operator=(const sharing_context&) = delete;
+
+  [[nodiscard]] alloc::caching_allocator& allocator() const noexcept;
+  /// Reclaims dead holders' slots and frees every limbo block with no slot
+  /// held; returns how many blocks it freed.
+  std::size_t collect();
+  [[nodiscard]] sharing_stats stats() const;
+
+ private:
+  friend class peer;
+  std::shared_ptr<detail::sharing_state> state_;
+  class collector;
+  std::unique_ptr<collector> collector_;
+};
+
+/// What receive() returns: a storage (valid() is false for a note) and the
+/// metadata the sender attached.
+struct received {
+  storage::storage storage;
+  std::vector<std::byte> metadata;
+};
+
+struct peer_stats {
+  std::size_t open_mappings = 0;   ///< producer segments mapped here (cached)
+  std::size_t counter_files = 0;   ///< the producer's counter files mapped here
+  std::size_t event_sources = 0;
+  std::size_t held_storages = 0;   ///< received storages not yet released
+};
+
+class peer {
+ public:
+  /// Shares over `link`, an authenticated connection (see channel.h).
+  peer(sharing_context& context, connection link);
+  /// Closes the connection and every cached mapping no storage uses; the
+  /// others close when their last storage is dropped.
+  ~peer();
+  peer(const peer&) = delete;
+  peer& operator=(const peer&) = delete;
+
+  /// Shares `storage` (memory of the context's allocator, not itself
+  /// received from another process) with `metadata` attached; the receiver
+  /// waits for what was enqueued on `stream` so far.
+  void send(const storage::storage& storage, std::span<const std::byte> metadata, backend::stream_ref stream);
+  /// send on the calling thread's current stream.
+  void send(const storage::storage& storage, std::span<const std::byte> metadata = {});
+  /// Sends metadata alone.
+  void send_note(std::span<const std::byte> metadata);
+  /// Blocks for the next storage or note. The storage is ready for work
+  /// enqueued on `stream`. Throws connection_closed when the peer has gone,
+  /// protocol_error on a malformed message (the connection is closed then).
+  received receive(backend::stream_ref stream);
+  received receive();
+
+  [[nodiscard]] const peer_credentials& credentials() const noexcept;
+  [[nodiscard]] peer_stats stats() const;
+
+ private:
+  std::shared_ptr<detail::peer_link> link_;
+};
+
+}  // namespace shoal::ipc

@@ -1,0 +1,47 @@
+#include "alloc/allocator_hooks.h"
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+
+#include "shoal/error.h"
+
+namespace shoal::alloc::detail {
+
+std::uint64_t allocator_hooks::add_miss_hook(miss_hook hook) {
+  std::unique_lock lock(mutex_);
+  const std::uint64_t id = next_id_++;
+  miss_hooks_.emplace_back(id, std::move(hook));
+  miss_count_.store(miss_hooks_.size(), std::memory_order_relaxed);
+  return id;
+}
+
+std::uint64_t allocator_hooks::add_release_observer(release_observer observer) {
+  std::unique_lock lock(mutex_);
+  const std::uint64_t id = next_id_++;
+  release_observers_.emplace_back(id, std::move(observer));
+  return id;
+}
+
+void allocator_hooks::remove(std::uint64_t id) {
+  std::unique_lock lock(mutex_);
+  auto has_id = [id](const auto& entry) { return entry.first == id; };
+  const std::size_t erased = std::erase_if(miss_hooks_, has_id) + std::erase_if(release_observers_, has_id);
+  miss_count_.store(miss_hooks_.size(), std::memory_order_relaxed);
+  if (erased == 0) {
+    throw invalid_argument("caching_allocator::remove_hook: no hook or observer has id " + std::to_string(id) +
+                           " (already removed, or from another allocator)");
+  }
+}
+
+void allocator_hooks::run_miss_hooks() const {
+  std::shared_lock lock(mutex_);
+  for (const auto& [id, hook] : miss_hooks_) hook();
+}
+
+void allocator_hooks::notify_release(std::uintptr_t base, std::size_t bytes) const {
+  std::shared_lock lock(mutex_);
+  for (const auto& [id, observer] : release_observers_) observer(base, bytes);
+}
+
+}  // namespace shoal::alloc::detail

@@ -1,0 +1,451 @@
+#include "shoal/ipc/channel.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <climits>
+#include <cstddef>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+
+#include "ipc/credentials_exchange.h"
+#include "shoal/error.h"
+#include "shoal/ipc/fd_transport.h"
+
+namespace shoal::ipc {
+
+namespace {
+
+constexpr std::array<std::byte, 4> frame_magic{std::byte{'S'}, std::byte{'H'}, std::byte{'O'}, std::byte{'L'}};
+// sun_path holds the name and its terminating NUL (paths) or leading NUL (abstract names).
+constexpr std::size_t max_name_bytes = sizeof(sockaddr_un::sun_path) - 1;
+
+std::string errno_text() { return std::strerror(errno); }
+
+struct socket_address {
+  sockaddr_un address{};
+  socklen_t length = 0;
+};
+
+socket_address to_socket_address(const channel_address& where) {
+  socket_address out;
+  out.address.sun_family = AF_UNIX;
+  const std::string& name = where.name();
+  char* path = out.address.sun_path;
+  if (where.is_abstract()) ++path;  // abstract names start with a NUL
+  std::memcpy(path, name.data(), name.size());
+  out.length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+  return out;
+}
+
+unique_fd new_unix_socket(int flags) {
+  unique_fd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | flags, 0));
+  if (!s) throw backend_error("socket(AF_UNIX)", errno_text());
+  return s;
+}
+
+void check_name(const std::string& name, const char* kind) {
+  if (name.empty()) throw invalid_argument(std::string("channel_address: an empty ") + kind);
+  if (name.size() > max_name_bytes) {
+    throw invalid_argument(std::string("channel_address: the ") + kind + " \"" + name + "\" has " +
+                           std::to_string(name.size()) + " bytes; a UNIX socket address holds at most " +
+                           std::to_string(max_name_bytes));
+  }
+  if (name.find('\0') != std::string::npos) {
+    throw invalid_argument(std::string("channel_address: the ") + kind + " holds a NUL byte");
+  }
+}
+
+std::string parent_directory(const std::string& path) {
+  const std::size_t slash = path.rfind('/');
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+std::string octal_mode(mode_t mode) {
+  char text[8];
+  std::snprintf(text, sizeof text, "0%03o", static_cast<unsigned>(mode & 07777));
+  return text;
+}
+
+// A socket file must lie in a directory that only its owner can enter, so no
+// other user can reach it, replace it or race its creation.
+void prepare_private_directory(const std::string& directory) {
+  if (::mkdir(directory.c_str(), 0700) == 0) {
+    // The umask may have taken bits away; the owner needs all three.
+    if (::chmod(directory.c_str(), 0700) != 0) throw backend_error("chmod(" + directory + ")", errno_text());
+  } else if (errno == ENOENT) {
+    throw invalid_argument("listener: cannot create the directory " + directory +
+                           " because its parent does not exist; create the parent first or choose another path");
+  } else if (errno != EEXIST) {
+    throw backend_error("mkdir(" + directory + ")", errno_text());
+  }
+  struct stat st{};
+  if (::lstat(directory.c_str(), &st) != 0) throw backend_error("lstat(" + directory + ")", errno_text());
+  if (!S_ISDIR(st.st_mode)) {
+    throw invalid_argument("listener: " + directory +
+                           " is not a directory (a symbolic link is refused too); a channel's socket must lie in a "
+                           "real directory of its own user with mode 0700");
+  }
+  if (st.st_uid != ::geteuid()) {
+    throw invalid_argument("listener: the directory " + directory + " belongs to uid " + std::to_string(st.st_uid) +
+                           ", not to this process's uid " + std::to_string(::geteuid()) +
+                           "; a channel's socket must lie in a directory of its own user: choose another path");
+  }
+  if ((st.st_mode & 077) != 0) {
+    throw invalid_argument("listener: the directory " + directory + " has mode " + octal_mode(st.st_mode) +
+                           ", which lets its group or others in; a channel's directory must have mode 0700: run "
+                           "chmod 700 " + directory + " or choose another path");
+  }
+}
+
+// Whether a process listens on the socket file at `where` (which exists).
+bool someone_listens(const channel_address& where) {
+  struct stat st{};
+  if (::lstat(where.name().c_str(), &st) != 0) {
+    if (errno == ENOENT) return false;
+    throw backend_error("lstat(" + where.name() + ")", errno_text());
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    throw invalid_argument("listener: " + where.name() +
+                           " exists and is not a socket; remove it or choose another path");
+  }
+  const unique_fd probe = new_unix_socket(SOCK_NONBLOCK);
+  const socket_address target = to_socket_address(where);
+  if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length) == 0) return true;
+  if (errno == EAGAIN) return true;  // a listener whose backlog is full
+  if (errno == ECONNREFUSED) return false;
+  throw backend_error("connect(" + where.name() + ")", errno_text());
+}
+
+std::string hex_bytes(std::span<const std::byte> bytes) {
+  std::string out;
+  char text[4];
+  for (std::byte b : bytes) {
+    std::snprintf(text, sizeof text, "%02x", static_cast<unsigned>(b));
+    out += out.empty() ? "" : " ";
+    out += text;
+  }
+  return out;
+}
+
+// Checks the header of a received message and strips it; throws
+// protocol_error saying what was wrong.
+template <typename Describe>
+frame to_frame(message received, const Describe& from) {
+  std::vector<std::byte>& bytes = received.payload;
+  if (bytes.size() < frame_header_bytes) {
+    throw protocol_error(from() + ": a message of " + std::to_string(bytes.size()) + " bytes is shorter than the " +
+                         std::to_string(frame_header_bytes) + "-byte frame header");
+  }
+  if (!std::equal(frame_magic.begin(), frame_magic.end(), bytes.begin())) {
+    throw protocol_error(from() + ": the frame starts with bytes " + hex_bytes(std::span(bytes).first(4)) +
+                         ", not the magic \"SHOL\" (53 48 4f 4c): the peer does not speak shoal's channel protocol");
+  }
+  std::uint16_t version, type;
+  std::memcpy(&version, bytes.data() + 4, sizeof version);
+  std::memcpy(&type, bytes.data() + 6, sizeof type);
+  if (version != frame_version) {
+    throw protocol_error(from() + ": the peer speaks frame version " + std::to_string(version) +
+                         "; this build speaks version " + std::to_string(frame_version) +
+                         ": run the same shoal version at both ends");
+  }
+  bytes.erase(bytes.begin(), bytes.begin() + frame_header_bytes);
+  return frame{type, std::move(bytes), std::move(received.fd)};
+}
+
+[[noreturn]] void throw_in_use(const channel_address& where) {
+  throw invalid_argument("listener: " + where.to_string() +
+                         " is already in use by a listening process; stop that process or choose another address");
+}
+
+}  // namespace
+
+// channel_address ------------------------------------------------------------
+
+channel_address channel_address::at_path(std::string path) {
+  check_name(path, "path");
+  if (path.front() != '/') {
+    throw invalid_argument("channel_address: the path \"" + path +
+                           "\" is relative; give an absolute path so that both ends name the same file");
+  }
+  if (path.back() == '/') {
+    throw invalid_argument("channel_address: the path \"" + path + "\" names a directory; add the socket file's name");
+  }
+  return {std::move(path), false};
+}
+
+channel_address channel_address::abstract(std::string name) {
+  check_name(name, "abstract name");
+  return {std::move(name), true};
+}
+
+std::string channel_address::to_string() const { return abstract_ ? "@" + name_ : name_; }
+
+bool access_policy::allows(uid_t uid) const noexcept {
+  return uid == ::geteuid() || std::find(allowed_uids.begin(), allowed_uids.end(), uid) != allowed_uids.end();
+}
+
+// connection -----------------------------------------------------------------
+
+struct connection::state {
+  unique_fd socket;
+  peer_credentials peer;
+  std::size_t max_payload = 0;
+  std::mutex send_mutex;
+  std::mutex receive_mutex;
+  mutable std::mutex broken_mutex;
+  std::string broken_reason;  // empty while usable; guarded by broken_mutex
+
+  void break_with(const std::string& reason) {
+    const std::lock_guard lock(broken_mutex);
+    if (!broken_reason.empty()) return;
+    broken_reason = reason;
+    ::shutdown(socket.get(), SHUT_RDWR);
+  }
+
+  void throw_if_broken(const char* operation) const {
+    const std::lock_guard lock(broken_mutex);
+    if (broken_reason.empty()) return;
+    throw connection_closed(std::string("connection::") + operation + ": the connection with pid " +
+                            std::to_string(peer.process.pid) + " was closed after an earlier failure: " +
+                            broken_reason);
+  }
+};
+
+connection::connection(std::unique_ptr<state> s) noexcept : state_(std::move(s)) {}
+connection::connection(connection&& other) noexcept = default;
+connection& connection::operator=(connection&& other) noexcept = default;
+connection::~connection() = default;
+
+connection connection::identify_peer(unique_fd socket, const access_policy& policy, std::size_t max_payload,
+                                     const std::string& side) {
+  ucred credentials{};
+  socklen_t length = sizeof credentials;
+  if (::getsockopt(socket.get(), SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0) {
+    throw backend_error("getsockopt(SO_PEERCRED)", errno_text());
+  }
+  return checked_peer(std::move(socket), credentials, policy, max_payload, side);
+}
+
+connection connection::checked_peer(unique_fd socket, const ucred& credentials, const access_policy& policy,
+                                    std::size_t max_payload, const std::string& side) {
+  const std::string who = "pid " + std::to_string(credentials.pid) + " (uid " + std::to_string(credentials.uid) + ")";
+  if (!policy.allows(credentials.uid)) {
+    throw peer_refused(side + ": refused " + who + ": uid " + std::to_string(credentials.uid) +
+                       " is neither this process's uid " + std::to_string(::geteuid()) +
+                       " nor on the access policy's allow-list; add it to access_policy::allowed_uids to admit it");
+  }
+  // Looked up at once, while the peer most likely still runs: the kernel
+  // reuses a pid only after handing out the others up to pid_max.
+  const std::optional<process_identity> process = identify_process(credentials.pid);
+  if (!process) throw connection_closed(side + ": the peer " + who + " exited before it could be identified");
+  auto s = std::make_unique<state>();
+  s->socket = std::move(socket);
+  s->peer = {*process, credentials.uid, credentials.gid};
+  s->max_payload = max_payload;
+  return connection(std::move(s));
+}
+
+connection connection::connect(const channel_address& address, const access_policy& policy, std::size_t max_payload) {
+  unique_fd s = new_unix_socket(0);
+  const socket_address target = to_socket_address(address);
+  int rc;
+  do {  // an interrupted UNIX connect left nothing behind; try again
+    rc = ::connect(s.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length);
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0) {
+    if (errno == ECONNREFUSED || errno == ENOENT) {
+      throw connection_closed("connection::connect: no one listens at " + address.to_string() +
+                              "; start the server first");
+    }
+    throw backend_error("connect(" + address.to_string() + ")", errno_text());
+  }
+  return identify_peer(std::move(s), policy, max_payload, "connection::connect to " + address.to_string());
+}
+
+connection connection::adopt(unique_fd connected_socket, const access_policy& policy, std::size_t max_payload) {
+  if (!connected_socket) throw invalid_argument("connection::adopt: no socket was given");
+  int domain = 0, type = 0;
+  socklen_t length = sizeof domain;
+  if (::getsockopt(connected_socket.get(), SOL_SOCKET, SO_DOMAIN, &domain, &length) != 0) {
+    throw invalid_argument("connection::adopt: descriptor " + std::to_string(connected_socket.get()) +
+                           " is not a socket (" + errno_text() + ")");
+  }
+  length = sizeof type;
+  if (::getsockopt(connected_socket.get(), SOL_SOCKET, SO_TYPE, &type, &length) != 0) {
+    throw backend_error("getsockopt(SO_TYPE)", errno_text());
+  }
+  if (domain != AF_UNIX || type != SOCK_STREAM) {
+    throw invalid_argument("connection::adopt: the socket is of domain " + std::to_string(domain) + " and type " +
+                           std::to_string(type) + "; a channel is an AF_UNIX stream socket and nothing else");
+  }
+  sockaddr_un peer_address{};
+  length = sizeof peer_address;
+  if (::getpeername(connected_socket.get(), reinterpret_cast<sockaddr*>(&peer_address), &length) != 0) {
+    if (errno == ENOTCONN) throw invalid_argument("connection::adopt: the socket is not connected");
+    throw backend_error("getpeername", errno_text());
+  }
+  return identify_peer(std::move(connected_socket), policy, max_payload, "connection::adopt");
+}
+
+connection connection::adopt_pair_end(unique_fd socket_pair_end, const access_policy& policy, std::size_t max_payload) {
+  // adopt() checks the socket's kind; its SO_PEERCRED answer is replaced.
+  connection checked = adopt(std::move(socket_pair_end), policy, max_payload);
+  unique_fd socket = std::move(checked.state_->socket);
+  const ucred theirs = detail::exchange_credentials(socket.get());
+  return checked_peer(std::move(socket), theirs, policy, max_payload, "connection::adopt_pair_end");
+}
+
+connection::state& connection::usable(const char* operation) const {
+  if (!state_) throw invalid_argument(std::string("connection::") + operation + ": the connection was moved from");
+  return *state_;
+}
+
+void connection::send(std::uint16_t type, std::span<const std::byte> payload, int fd) {
+  state& s = usable("send");
+  if (payload.size() > UINT32_MAX - frame_header_bytes) {
+    throw invalid_argument("connection::send: a payload of " + std::to_string(payload.size()) +
+                           " bytes does not fit in one frame (4 GiB less the header)");
+  }
+  if (fd >= 0 && ::fcntl(fd, F_GETFD) == -1) {
+    throw invalid_argument("connection::send: descriptor " + std::to_string(fd) + " is not open");
+  }
+  std::vector<std::byte> bytes(frame_header_bytes + payload.size());
+  std::memcpy(bytes.data(), frame_magic.data(), frame_magic.size());
+  std::memcpy(bytes.data() + 4, &frame_version, sizeof frame_version);
+  std::memcpy(bytes.data() + 6, &type, sizeof type);
+  if (!payload.empty()) std::memcpy(bytes.data() + frame_header_bytes, payload.data(), payload.size());
+
+  const std::lock_guard lock(s.send_mutex);
+  s.throw_if_broken("send");
+  try {
+    send_message(s.socket.get(), bytes, fd);
+  } catch (const connection_closed& e) {
+    const connection_closed closed("connection::send to pid " + std::to_string(s.peer.process.pid) + ": " + e.what());
+    s.break_with(closed.what());
+    throw closed;
+  } catch (const std::exception& e) {  // part of a frame may have gone: the stream is out of step
+    s.break_with(e.what());
+    throw;
+  }
+}
+
+frame connection::receive() {
+  state& s = usable("receive");
+  const std::lock_guard lock(s.receive_mutex);
+  s.throw_if_broken("receive");
+  // The limit covers header and payload; frames above 4 GiB cannot be sent anyway.
+  const std::size_t limit = std::min<std::size_t>(s.max_payload, UINT32_MAX - frame_header_bytes) + frame_header_bytes;
+  const auto from = [&] { return "connection::receive from pid " + std::to_string(s.peer.process.pid); };
+  try {
+    return to_frame(receive_message(s.socket.get(), limit), from);
+  } catch (const protocol_error& e) {
+    s.break_with(e.what());
+    throw;
+  } catch (const invalid_argument& e) {  // fd_transport's word for a malformed message
+    const protocol_error refused(from() + ": " + e.what() + " (a frame here is an " +
+                                 std::to_string(frame_header_bytes) + "-byte header, at most " +
+                                 std::to_string(s.max_payload) + " payload bytes and at most one descriptor)");
+    s.break_with(refused.what());
+    throw refused;
+  } catch (const connection_closed& e) {
+    const connection_closed closed(from() + ": " + e.what());
+    s.break_with(closed.what());
+    throw closed;
+  } catch (const std::exception& e) {
+    s.break_with(e.what());
+    throw;
+  }
+}
+
+const peer_credentials& connection::peer() const noexcept { return state_->peer; }
+std::size_t connection::max_payload() const noexcept { return state_->max_payload; }
+int connection::native_handle() const noexcept { return state_->socket.get(); }
+
+bool connection::broken() const {
+  const std::lock_guard lock(state_->broken_mutex);
+  return !state_->broken_reason.empty();
+}
+
+// listener -------------------------------------------------------------------
+
+listener::listener(const channel_address& address, access_policy policy, std::size_t max_payload)
+    : address_(address), policy_(std::move(policy)), max_payload_(max_payload) {
+  if (!address_.is_abstract()) prepare_private_directory(parent_directory(address_.name()));
+  // Non-blocking, so that a connection another thread took first cannot
+  // leave accept() blocked after poll() said one was waiting.
+  socket_ = new_unix_socket(SOCK_NONBLOCK);
+  const socket_address local = to_socket_address(address_);
+  const auto bind_here = [&] {
+    return ::bind(socket_.get(), reinterpret_cast<const sockaddr*>(&local.address), local.length);
+  };
+  if (bind_here() != 0) {
+    if (errno != EADDRINUSE) throw backend_error("bind(" + address_.to_string() + ")", errno_text());
+    if (address_.is_abstract() || someone_listens(address_)) throw_in_use(address_);
+    // A socket file no one listens on is left from a process that died.
+    if (::unlink(address_.name().c_str()) != 0 && errno != ENOENT) {
+      throw backend_error("unlink(" + address_.name() + ")", errno_text());
+    }
+    if (bind_here() != 0) {
+      if (errno == EADDRINUSE) throw_in_use(address_);
+      throw backend_error("bind(" + address_.to_string() + ")", errno_text());
+    }
+  }
+  if (!address_.is_abstract()) {
+    struct stat st{};
+    if (::lstat(address_.name().c_str(), &st) != 0) throw backend_error("lstat(" + address_.name() + ")", errno_text());
+    file_device_ = st.st_dev;
+    file_inode_ = st.st_ino;
+  }
+  if (::listen(socket_.get(), SOMAXCONN) != 0) {
+    throw backend_error("listen(" + address_.to_string() + ")", errno_text());
+  }
+}
+
+listener::~listener() {
+  if (address_.is_abstract()) return;
+  struct stat st{};
+  if (::lstat(address_.name().c_str(), &st) == 0 && st.st_dev == file_device_ && st.st_ino == file_inode_) {
+    ::unlink(address_.name().c_str());
+  }
+}
+
+connection listener::accept() { return *accept_until(std::nullopt); }
+
+std::optional<connection> listener::accept_for(std::chrono::milliseconds timeout) {
+  return accept_until(std::chrono::steady_clock::now() + std::max(timeout, std::chrono::milliseconds(0)));
+}
+
+std::optional<connection> listener::accept_until(deadline until) {
+  for (;;) {
+    int timeout_ms = -1;
+    if (until) {
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(*until - std::chrono::steady_clock::now());
+      timeout_ms = static_cast<int>(std::clamp<std::chrono::milliseconds::rep>(left.count(), 0, INT_MAX));
+    }
+    pollfd waiting{socket_.get(), POLLIN, 0};
+    const int ready = ::poll(&waiting, 1, timeout_ms);
+    if (ready < 0) {
+      if (errno == EINTR) continue;
+      throw backend_error("poll", errno_text());
+    }
+    if (ready == 0) return std::nullopt;
+    unique_fd accepted(::accept4(socket_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!accepted) {
+      // Another thread took it, a signal came, or the peer gave up: wait again.
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) continue;
+      throw backend_error("accept4(" + address_.to_string() + ")", errno_text());
+    }
+    return connection::identify_peer(std::move(accepted), policy_, max_payload_, "listener at " + address_.to_string());
+  }
+}
+
+}  // namespace shoal::ipc

@@ -1,0 +1,97 @@
+#include "ipc/credentials_exchange.h"
+
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+#include "shoal/error.h"
+
+namespace shoal::ipc::detail {
+
+namespace {
+
+constexpr std::array<char, 8> greeting{'S', 'H', 'O', 'L', 'C', 'R', 'E', 'D'};
+
+[[noreturn]] void fail(const char* call) {
+  if (errno == EPIPE || errno == ECONNRESET) {
+    throw connection_closed(std::string(call) + ": the other end closed the socket before it introduced itself");
+  }
+  throw backend_error(call, std::strerror(errno));
+}
+
+void set_passcred(int socket, int on) {
+  if (::setsockopt(socket, SOL_SOCKET, SO_PASSCRED, &on, sizeof on) != 0) fail("setsockopt(SO_PASSCRED)");
+}
+
+void send_greeting(int socket) {
+  const ucred mine{::getpid(), ::geteuid(), ::getegid()};
+  alignas(cmsghdr) std::array<char, CMSG_SPACE(sizeof(ucred))> control{};
+  iovec part{const_cast<char*>(greeting.data()), greeting.size()};
+  msghdr m{};
+  m.msg_iov = &part;
+  m.msg_iovlen = 1;
+  m.msg_control = control.data();
+  m.msg_controllen = control.size();
+  cmsghdr* c = CMSG_FIRSTHDR(&m);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_CREDENTIALS;
+  c->cmsg_len = CMSG_LEN(sizeof(ucred));
+  std::memcpy(CMSG_DATA(c), &mine, sizeof mine);
+  ssize_t sent;
+  do {
+    sent = ::sendmsg(socket, &m, MSG_NOSIGNAL);
+  } while (sent < 0 && errno == EINTR);
+  if (sent < 0) fail("sendmsg");
+  if (static_cast<std::size_t>(sent) != greeting.size()) throw backend_error("sendmsg", "the greeting went out in part");
+}
+
+ucred receive_greeting(int socket) {
+  std::array<char, greeting.size()> got{};
+  std::size_t have = 0;
+  bool found = false;
+  ucred theirs{};
+  while (have < got.size()) {
+    alignas(cmsghdr) std::array<char, CMSG_SPACE(sizeof(ucred)) + CMSG_SPACE(sizeof(int))> control{};
+    iovec part{got.data() + have, got.size() - have};
+    msghdr m{};
+    m.msg_iov = &part;
+    m.msg_iovlen = 1;
+    m.msg_control = control.data();
+    m.msg_controllen = control.size();
+    const ssize_t n = ::recvmsg(socket, &m, MSG_CMSG_CLOEXEC);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) fail("recvmsg");
+    if (n == 0) throw connection_closed("recvmsg: the other end closed the socket before it introduced itself");
+    for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {  // never part of a greeting: close it
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
+        ::close(fd);
+      } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS && have == 0) {
+        std::memcpy(&theirs, CMSG_DATA(c), sizeof theirs);
+        found = true;
+      }
+    }
+    have += static_cast<std::size_t>(n);
+  }
+  if (got != greeting || !found) {
+    throw protocol_error("socketpair greeting: the other end did not introduce itself (expected \"SHOLCRED\" with its "
+                         "credentials); both ends must be adopted with connection::adopt_pair_end");
+  }
+  return theirs;
+}
+
+}  // namespace
+
+ucred exchange_credentials(int socket) {
+  set_passcred(socket, 1);
+  send_greeting(socket);
+  const ucred theirs = receive_greeting(socket);
+  set_passcred(socket, 0);
+  return theirs;
+}
+
+}  // namespace shoal::ipc::detail

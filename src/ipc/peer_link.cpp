@@ -1,0 +1,144 @@
+#include "ipc/peer_link.h"
+
+#include <sys/socket.h>
+
+#include <string>
+
+#include "ipc/messages.h"
+#include "shoal/error.h"
+
+namespace shoal::ipc::detail {
+
+peer_link::peer_link(std::shared_ptr<sharing_state> state, connection link)
+    : state_(std::move(state)),
+      link_(std::move(link)),
+      receiver_(std::make_shared<receiver_state>(state_->allocator, state_->options)) {
+  limits_.max_metadata = state_->options.max_metadata_bytes;
+  // A storage message must fit a frame: 8 bytes per segment id.
+  limits_.max_segments_per_storage = link_.max_payload() / sizeof(std::uint64_t);
+  state_->add_outbox(outbox_);
+}
+
+void peer_link::send_frame(message_type type, std::span<const std::byte> payload, int fd) {
+  link_.send(static_cast<std::uint16_t>(type), payload, fd);
+}
+
+void peer_link::send_retirements() {
+  std::vector<std::uint64_t> segments, files;
+  {
+    std::lock_guard lock(outbox_->mutex);
+    segments.swap(outbox_->segments);
+    files.swap(outbox_->files);
+  }
+  // Only what this peer was told about; erase so an id is retired once.
+  std::erase_if(segments, [&](std::uint64_t id) { return segments_sent_.erase(id) == 0; });
+  std::erase_if(files, [&](std::uint64_t id) { return files_sent_.erase(id) == 0; });
+  if (!segments.empty()) send_frame(message_type::retire_segments, encode_ids(segments));
+  if (!files.empty()) send_frame(message_type::retire_files, encode_ids(files));
+}
+
+void peer_link::send(const storage::storage& st, std::span<const std::byte> metadata, backend::stream_ref stream) {
+  if (metadata.size() > limits_.max_metadata) {
+    throw invalid_argument("peer::send: " + std::to_string(metadata.size()) + " bytes of metadata is over the limit of " +
+                           std::to_string(limits_.max_metadata) + " (sharing_options::max_metadata_bytes)");
+  }
+  std::lock_guard lock(send_mutex_);
+  send_retirements();
+  auto share = state_->share_storage(st, link_.peer().process, stream);
+  try {
+    if (!files_sent_.contains(share.slot.file_id)) {
+      send_frame(message_type::counter_file, encode(counter_file_message{share.slot.file_id, state_->options.slots_per_file}),
+                 share.file_fd);
+      files_sent_.insert(share.slot.file_id);
+    }
+    storage_message m;
+    for (const auto& seg : share.segments) {
+      if (!segments_sent_.contains(seg->id)) {
+        send_frame(message_type::segment, encode_segment(seg->id, seg->handle), seg->handle.fd.get());
+        segments_sent_.insert(seg->id);
+      }
+      m.segment_ids.push_back(seg->id);
+    }
+    backend::device& dev = state_->allocator.device();
+    m.ready = dev.export_event(stream);
+    if (!sources_sent_.contains(m.ready.source_id)) {
+      const backend::event_source source = dev.describe_event_source(m.ready.source_id);
+      send_frame(message_type::event_source, source.serialize(), source.fd.get());
+      sources_sent_.insert(m.ready.source_id);
+    }
+    m.offset = share.offset;
+    m.size = share.size;
+    m.file_id = share.slot.file_id;
+    m.slot = share.slot.ticket;
+    m.metadata = metadata;
+    send_frame(message_type::storage, encode(m));
+  } catch (...) {
+    state_->abandon(share.slot);
+    throw;
+  }
+}
+
+void peer_link::send_note(std::span<const std::byte> metadata) {
+  if (metadata.size() > limits_.max_metadata) {
+    throw invalid_argument("peer::send_note: " + std::to_string(metadata.size()) +
+                           " bytes of metadata is over the limit of " + std::to_string(limits_.max_metadata));
+  }
+  std::lock_guard lock(send_mutex_);
+  send_retirements();
+  send_frame(message_type::note, encode_note(metadata));
+}
+
+void peer_link::fail(const protocol_error& e) {
+  broken_ = true;
+  ::shutdown(link_.native_handle(), SHUT_RDWR);
+  throw e;
+}
+
+received peer_link::receive(backend::stream_ref stream) {
+  if (broken_) throw connection_closed("peer::receive: the connection was closed after a malformed message");
+  for (;;) {
+    receiver_->close_finished();
+    frame f = link_.receive();
+    try {
+      switch (static_cast<message_type>(f.type)) {
+        case message_type::counter_file:
+          receiver_->add_counter_file(decode_counter_file(f.payload, 1u << 24), std::move(f.fd));
+          break;
+        case message_type::segment:
+          receiver_->add_segment(decode_segment(f.payload, std::move(f.fd)));
+          break;
+        case message_type::event_source:
+          receiver_->add_event_source(backend::event_source::deserialize(f.payload, std::move(f.fd)));
+          break;
+        case message_type::storage: {
+          if (f.fd) throw protocol_error("storage message: came with a descriptor; it carries none");
+          const storage_message m = decode_storage(f.payload, limits_);
+          received r;
+          r.metadata.assign(m.metadata.begin(), m.metadata.end());
+          r.storage = receiver_->make_storage(m, stream);
+          return r;
+        }
+        case message_type::retire_segments:
+          receiver_->retire_segments(decode_ids(f.payload, "retire_segments"));
+          break;
+        case message_type::retire_files:
+          receiver_->retire_files(decode_ids(f.payload, "retire_files"));
+          break;
+        case message_type::note: {
+          if (f.fd) throw protocol_error("note message: came with a descriptor; it carries none");
+          received r;
+          const auto metadata = decode_note(f.payload, limits_);
+          r.metadata.assign(metadata.begin(), metadata.end());
+          return r;
+        }
+        default:
+          throw protocol_error("unknown message type " + std::to_string(f.type) +
+                               "; the sender is not a matching shoal version or sent garbage");
+      }
+    } catch (const protocol_error& e) {
+      fail(e);
+    }
+  }
+}
+
+}  // namespace shoal::ipc::detail

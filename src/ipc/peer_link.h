@@ -1,0 +1,50 @@
+// One connection's sharing protocol, both directions: the producer's
+// announcements and storage messages going out, the consumer's tables
+// coming in (receiver_state).
+//
+// Thread-safety: sends are serialized by send_mutex_ (an announcement and
+// the storage message that needs it go out together); receive is for one
+// thread at a time.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <unordered_set>
+
+#include "ipc/receiver_state.h"
+#include "ipc/sharing_state.h"
+#include "shoal/error.h"
+#include "shoal/ipc/channel.h"
+
+namespace shoal::ipc::detail {
+
+class peer_link {
+ public:
+  peer_link(std::shared_ptr<sharing_state> state, connection link);
+
+  void send(const storage::storage& st, std::span<const std::byte> metadata, backend::stream_ref stream);
+  void send_note(std::span<const std::byte> metadata);
+  received receive(backend::stream_ref stream);
+
+  [[nodiscard]] const peer_credentials& credentials() const noexcept { return link_.peer(); }
+  [[nodiscard]] peer_stats stats() const { return receiver_->stats(); }
+  [[nodiscard]] alloc::caching_allocator& allocator() const noexcept { return state_->allocator; }
+
+ private:
+  void send_frame(message_type type, std::span<const std::byte> payload, int fd = -1);
+  void send_retirements();  // send_mutex_ held
+  // Closes the connection after a protocol error, so nothing more is read.
+  [[noreturn]] void fail(const protocol_error& e);
+
+  std::shared_ptr<sharing_state> state_;
+  connection link_;
+  std::shared_ptr<receiver_state> receiver_;
+  std::shared_ptr<outbox> outbox_ = std::make_shared<outbox>();
+
+  std::mutex send_mutex_;
+  std::unordered_set<std::uint64_t> files_sent_, segments_sent_, sources_sent_;  // guarded by send_mutex_
+  bool broken_ = false;  // a protocol error closed it; receive side only
+  limits limits_;
+};
+
+}  // namespace shoal::ipc::detail

@@ -1,0 +1,244 @@
+#include "ipc/receiver_state.h"
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "shoal/backend/stream.h"
+#include "shoal/error.h"
+
+namespace shoal::ipc::detail {
+
+namespace {
+
+constexpr std::uint64_t one_view = 2, retired_bit = 1;
+
+// Owns a received storage's view: when the storage goes, a host task on the
+// stream it was dropped on releases the producer's slot once the stream has
+// passed every use, then counts the mapping's view down.
+class received_data final : public storage::storage_owner {
+ public:
+  received_data(std::shared_ptr<receiver_state> receiver, std::shared_ptr<release_sink> sink,
+                std::shared_ptr<mapping> m, std::shared_ptr<counter_file> file, slot_ticket slot)
+      : receiver_(std::move(receiver)), sink_(std::move(sink)), mapping_(std::move(m)), file_(std::move(file)), slot_(slot) {}
+
+  ~received_data() override {
+    auto release = [sink = sink_, m = mapping_, file = file_, slot = slot_] {
+      file->release(slot);
+      sink->held.fetch_sub(1, std::memory_order_relaxed);
+      if (m->state.fetch_sub(one_view, std::memory_order_acq_rel) == one_view + retired_bit) {
+        std::lock_guard lock(sink->mutex);
+        sink->finished.push_back(m);
+      }
+    };
+    backend::device& dev = receiver_->allocator.device();
+    try {
+      dev.host_task(backend::current_stream(dev), release);
+    } catch (const error&) {
+      release();  // the stream is gone; its work completes regardless (device.h)
+    }
+  }
+
+ private:
+  std::shared_ptr<receiver_state> receiver_;  // keeps the mappings open while the view lives
+  std::shared_ptr<release_sink> sink_;
+  std::shared_ptr<mapping> mapping_;
+  std::shared_ptr<counter_file> file_;
+  slot_ticket slot_;
+};
+
+}  // namespace
+
+receiver_state::receiver_state(alloc::caching_allocator& a, const sharing_options& o) : allocator(a), options(o) {}
+
+receiver_state::~receiver_state() {
+  // Every received storage is gone; their releases may still wait on streams.
+  for (;;) {
+    bool busy = false;
+    for (auto& [ids, m] : mappings_) busy = busy || m->state.load() >= one_view;
+    for (auto& m : retired_) busy = busy || m->state.load() >= one_view;
+    if (!busy) break;
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  for (auto& [ids, m] : mappings_) close(*m);
+  for (auto& m : retired_) close(*m);
+  for (auto& [id, source] : sources_) {
+    try {
+      allocator.device().close_event_source(source);
+    } catch (const error&) {  // NOLINT(bugprone-empty-catch): teardown goes on
+    }
+  }
+}
+
+void receiver_state::add_counter_file(const counter_file_message& m, unique_fd fd) {
+  auto file = std::make_shared<counter_file>(counter_file::open(std::move(fd), m.slots));
+  std::lock_guard lock(mutex_);
+  if (!files_.emplace(m.file_id, std::move(file)).second) {
+    throw protocol_error("counter_file message: file " + std::to_string(m.file_id) + " was announced twice");
+  }
+}
+
+void receiver_state::add_segment(segment_message m) {
+  if (m.handle.device != allocator.device().kind()) {
+    throw protocol_error("segment message: the producer shares " + std::string(backend::to_string(m.handle.device)) +
+                         " memory; this process's allocator is on a " +
+                         std::string(backend::to_string(allocator.device().kind())) + " device");
+  }
+  std::lock_guard lock(mutex_);
+  if (!segments_.emplace(m.segment_id, std::move(m.handle)).second) {
+    throw protocol_error("segment message: segment " + std::to_string(m.segment_id) + " was announced twice");
+  }
+}
+
+void receiver_state::add_event_source(backend::event_source source) {
+  std::lock_guard lock(mutex_);
+  if (sources_.contains(source.source_id)) {
+    throw protocol_error("event_source message: source " + std::to_string(source.source_id) + " was announced twice");
+  }
+  backend::imported_event_ref opened;
+  try {
+    opened = allocator.device().open_event_source(source);
+  } catch (const protocol_error&) {
+    throw;
+  } catch (const invalid_argument& e) {
+    throw protocol_error(std::string("event_source message: ") + e.what());
+  }
+  sources_.emplace(source.source_id, opened);
+}
+
+void receiver_state::retire_segments(const std::vector<std::uint64_t>& ids) {
+  std::lock_guard lock(mutex_);
+  for (auto id : ids) {
+    segments_.erase(id);
+    for (auto it = mappings_.begin(); it != mappings_.end();) {
+      if (std::ranges::find(it->first, id) == it->first.end()) {
+        ++it;
+        continue;
+      }
+      retire(it->second);
+      it = mappings_.erase(it);
+    }
+  }
+}
+
+void receiver_state::retire(const std::shared_ptr<mapping>& m) {
+  if (m->state.fetch_or(retired_bit, std::memory_order_acq_rel) == 0) {
+    close(*m);  // nothing uses it
+  } else {
+    retired_.push_back(m);
+  }
+}
+
+void receiver_state::retire_files(const std::vector<std::uint64_t>& ids) {
+  std::lock_guard lock(mutex_);
+  for (auto id : ids) files_.erase(id);  // storages still holding slots keep their mapping of it
+}
+
+std::shared_ptr<mapping> receiver_state::map_segments(const std::vector<std::uint64_t>& ids) {
+  if (auto it = mappings_.find(ids); it != mappings_.end()) return it->second;
+  std::vector<backend::shareable_handle> chunks;
+  for (auto id : ids) {
+    auto it = segments_.find(id);
+    if (it == segments_.end()) throw protocol_error("storage message: segment " + std::to_string(id) + " was never announced");
+    const backend::shareable_handle& h = it->second;
+    backend::shareable_handle copy;
+    copy.kind = h.kind;
+    copy.device = h.device;
+    copy.device_ordinal = h.device_ordinal;
+    copy.size = h.size;
+    copy.offset = h.offset;
+    copy.opaque = h.opaque;
+    if (h.fd) copy.fd = h.fd.duplicate();
+    chunks.push_back(std::move(copy));
+  }
+  auto m = std::make_shared<mapping>();
+  try {
+    m->base = allocator.device().import_memory(chunks);
+  } catch (const protocol_error&) {
+    throw;
+  } catch (const invalid_argument& e) {
+    throw protocol_error(std::string("storage message: its segments cannot be mapped: ") + e.what());
+  }
+  for (const auto& c : chunks) m->bytes += c.size;
+  m->segment_ids = ids;
+  mappings_.emplace(ids, m);
+  return m;
+}
+
+storage::storage receiver_state::make_storage(const storage_message& msg, backend::stream_ref stream) {
+  std::shared_ptr<counter_file> file;
+  std::shared_ptr<mapping> m;
+  backend::imported_event_ref source;
+  {
+    std::lock_guard lock(mutex_);
+    auto f = files_.find(msg.file_id);
+    if (f == files_.end()) throw protocol_error("storage message: counter file " + std::to_string(msg.file_id) + " was never announced");
+    if (!f->second->holds(msg.slot)) {
+      throw protocol_error("storage message: slot " + std::to_string(msg.slot.index) + " of counter file " +
+                           std::to_string(msg.file_id) + " is not held under generation " +
+                           std::to_string(msg.slot.generation));
+    }
+    file = f->second;
+    try {
+      auto s = sources_.find(msg.ready.source_id);
+      if (s == sources_.end()) {
+        throw protocol_error("storage message: event source " + std::to_string(msg.ready.source_id) + " was never announced");
+      }
+      source = s->second;
+      m = map_segments(msg.segment_ids);
+      if (msg.offset > m->bytes || msg.size > m->bytes - msg.offset) {
+        throw protocol_error("storage message: " + std::to_string(msg.size) + " bytes at offset " +
+                             std::to_string(msg.offset) + " do not fit the " + std::to_string(m->bytes) +
+                             " bytes of its segments");
+      }
+      m->state.fetch_add(one_view, std::memory_order_acq_rel);  // under the lock: no retire in between
+    } catch (...) {
+      file->release(msg.slot);  // the producer must not wait for a reference never taken
+      throw;
+    }
+  }
+  sink_->held.fetch_add(1, std::memory_order_relaxed);
+  auto owner = std::make_shared<received_data>(shared_from_this(), sink_, m, file, msg.slot);
+  try {
+    allocator.device().wait_imported(stream, source, msg.ready);
+  } catch (const invalid_argument& e) {
+    throw protocol_error(std::string("storage message: bad ready point: ") + e.what());  // owner releases the slot
+  }
+  return storage::storage::adopt(allocator, static_cast<std::byte*>(m->base) + msg.offset, msg.size, std::move(owner));
+}
+
+void receiver_state::close_finished() {
+  std::vector<std::shared_ptr<mapping>> finished;
+  {
+    std::lock_guard lock(sink_->mutex);
+    finished.swap(sink_->finished);
+  }
+  if (finished.empty()) return;
+  std::lock_guard lock(mutex_);
+  for (auto& m : finished) {
+    close(*m);
+    std::erase(retired_, m);
+  }
+}
+
+void receiver_state::close(mapping& m) noexcept {
+  if (m.base == nullptr) return;
+  try {
+    allocator.device().close_import(m.base);
+  } catch (const error&) {  // NOLINT(bugprone-empty-catch): the mapping is gone either way
+  }
+  m.base = nullptr;
+}
+
+peer_stats receiver_state::stats() const {
+  std::lock_guard lock(mutex_);
+  peer_stats s;
+  s.open_mappings = mappings_.size() + retired_.size();
+  s.counter_files = files_.size();
+  s.event_sources = sources_.size();
+  s.held_storages = sink_->held.load(std::memory_order_relaxed);
+  return s;
+}
+
+}  // namespace shoal::ipc::detail

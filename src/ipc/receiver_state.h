@@ -1,0 +1,85 @@
+// The consumer side of sharing over one connection: the producer's counter
+// files, segments and event sources as announced, the mappings made of them
+// (cached until the producer retires a segment), and the received storages'
+// owner.
+//
+// A mapping is closed once it is retired and no received storage uses it;
+// a storage's use ends when its stream has passed the work enqueued before
+// it was dropped (a host task releases the slot then). Host tasks may not
+// call the device, so they only count down; closing happens on a user
+// thread: in receive(), retire handling, or the destructor.
+//
+// Thread-safety: every member may be called from any thread (one mutex).
+// Storages made here keep this object alive.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "ipc/counter_file.h"
+#include "ipc/messages.h"
+#include "shoal/ipc/sharing.h"
+
+namespace shoal::ipc::detail {
+
+/// One import of one or more producer segments, mapped back to back.
+struct mapping {
+  void* base = nullptr;           // what import_memory returned, less the first chunk's offset (0)
+  std::size_t bytes = 0;
+  std::vector<std::uint64_t> segment_ids;
+  // views << 1 | retired: the storages using it (counted down after their
+  // streams pass) and whether the producer retired a segment of it. The one
+  // transition to "0 views, retired" closes it.
+  std::atomic<std::uint64_t> state{0};
+};
+
+/// Where received storages' host tasks report: holds nothing that needs the
+/// device to go, so it may be released on any thread.
+struct release_sink {
+  std::mutex mutex;
+  std::vector<std::shared_ptr<mapping>> finished;  // retired and unused: to close; guarded
+  std::atomic<std::size_t> held{0};                // received storages not yet released
+};
+
+class receiver_state : public std::enable_shared_from_this<receiver_state> {
+ public:
+  receiver_state(alloc::caching_allocator& allocator, const sharing_options& options);
+  /// Waits for received storages' pending releases, then closes every
+  /// mapping and event source.
+  ~receiver_state();
+  receiver_state(const receiver_state&) = delete;
+  receiver_state& operator=(const receiver_state&) = delete;
+
+  void add_counter_file(const counter_file_message& m, unique_fd fd);
+  void add_segment(segment_message m);
+  void add_event_source(backend::event_source source);
+  void retire_segments(const std::vector<std::uint64_t>& ids);
+  void retire_files(const std::vector<std::uint64_t>& ids);
+  /// The storage a storage message describes, ready on `stream`.
+  storage::storage make_storage(const storage_message& m, backend::stream_ref stream);
+  /// Closes mappings whose last use has passed since.
+  void close_finished();
+  [[nodiscard]] peer_stats stats() const;
+
+  alloc::caching_allocator& allocator;
+  const sharing_options options;
+
+ private:
+  std::shared_ptr<mapping> map_segments(const std::vector<std::uint64_t>& ids);  // mutex_ held
+  void retire(const std::shared_ptr<mapping>& m);                                  // mutex_ held
+  void close(mapping& m) noexcept;                                                 // mutex_ held
+
+  mutable std::mutex mutex_;
+  std::map<std::uint64_t, std::shared_ptr<counter_file>> files_;
+  std::map<std::uint64_t, backend::shareable_handle> segments_;
+  std::map<std::vector<std::uint64_t>, std::shared_ptr<mapping>> mappings_;  // cached, not yet retired
+  std::vector<std::shared_ptr<mapping>> retired_;                             // retired, still in use
+  std::map<std::uint64_t, backend::imported_event_ref> sources_;
+  const std::shared_ptr<release_sink> sink_ = std::make_shared<release_sink>();
+};
+
+}  // namespace shoal::ipc::detail

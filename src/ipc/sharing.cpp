@@ -1,0 +1,85 @@
+#include "shoal/ipc/sharing.h"
+
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "ipc/peer_link.h"
+#include "ipc/sharing_state.h"
+#include "shoal/backend/stream.h"
+#include "shoal/error.h"
+
+namespace shoal::ipc {
+
+// The background collector: collect(reclaim) every interval until stopped.
+class sharing_context::collector {
+ public:
+  collector(std::shared_ptr<detail::sharing_state> state, std::chrono::milliseconds interval)
+      : thread_([this, state = std::move(state), interval] { run(*state, interval); }) {}
+  ~collector() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_one();
+    thread_.join();
+  }
+
+ private:
+  void run(detail::sharing_state& state, std::chrono::milliseconds interval) {
+    std::unique_lock lock(mutex_);
+    while (!wake_.wait_for(lock, interval, [this] { return stopping_; })) {
+      lock.unlock();
+      try {
+        state.collect(true);
+      } catch (const error&) {  // NOLINT(bugprone-empty-catch): tried again next time; collect() reports to callers
+      }
+      lock.lock();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool stopping_ = false;  // guarded by mutex_
+  std::thread thread_;     // last: starts after the members it uses
+};
+
+sharing_context::sharing_context(alloc::caching_allocator& allocator, sharing_options options)
+    : state_(std::make_shared<detail::sharing_state>(allocator, options)) {
+  state_->attach();
+  if (options.collect_interval.count() > 0) {
+    collector_ = std::make_unique<collector>(state_, options.collect_interval);
+  }
+}
+
+sharing_context::~sharing_context() {
+  collector_.reset();
+  try {
+    state_->collect(true);
+  } catch (const error&) {  // NOLINT(bugprone-empty-catch): a destructor cannot report
+  }
+}
+
+alloc::caching_allocator& sharing_context::allocator() const noexcept { return state_->allocator; }
+std::size_t sharing_context::collect() { return state_->collect(true); }
+sharing_stats sharing_context::stats() const { return state_->stats(); }
+
+peer::peer(sharing_context& context, connection link)
+    : link_(std::make_shared<detail::peer_link>(context.state_, std::move(link))) {}
+peer::~peer() = default;
+
+void peer::send(const storage::storage& st, std::span<const std::byte> metadata, backend::stream_ref stream) {
+  link_->send(st, metadata, stream);
+}
+void peer::send(const storage::storage& st, std::span<const std::byte> metadata) {
+  link_->send(st, metadata, backend::current_stream(st.device()));
+}
+void peer::send_note(std::span<const std::byte> metadata) { link_->send_note(metadata); }
+received peer::receive(backend::stream_ref stream) { return link_->receive(stream); }
+received peer::receive() {
+  return link_->receive(backend::current_stream(link_->allocator().device()));
+}
+const peer_credentials& peer::credentials() const noexcept { return link_->credentials(); }
+peer_stats peer::stats() const { return link_->stats(); }
+
+}  // namespace shoal::ipc

@@ -1,0 +1,232 @@
+#include "ipc/sharing_state.h"
+
+#include <algorithm>
+#include <string>
+
+#include "shoal/backend/stream.h"
+#include "shoal/error.h"
+
+namespace shoal::ipc::detail {
+
+namespace {
+
+// Owns the memory of a storage that was sent to other processes. Its
+// destructor runs when the producer's last handle is gone: the block is
+// freed at once if no slot is held, else it waits in the limbo.
+class sent_data final : public storage::storage_owner {
+ public:
+  sent_data(std::shared_ptr<sharing_state> state, void* data, std::size_t size)
+      : state_(std::move(state)), data_(data), size_(size) {}
+  ~sent_data() override {
+    backend::stream_ref stream;
+    try {
+      stream = backend::current_stream(state_->allocator.device());
+    } catch (const error&) {  // NOLINT(bugprone-empty-catch): the default stream then
+    }
+    state_->retire(data_, size_, stream, std::move(slots));
+  }
+
+  const sharing_state* state() const noexcept { return state_.get(); }
+
+  std::vector<slot_ref> slots;  // guarded by the state's mutex
+
+ private:
+  std::shared_ptr<sharing_state> state_;
+  void* data_;
+  std::size_t size_;
+};
+
+}  // namespace
+
+sharing_state::sharing_state(alloc::caching_allocator& a, const sharing_options& o)
+    : allocator(a), options(o), slots_(o.slots_per_file) {}
+
+void sharing_state::attach() {
+  std::weak_ptr<sharing_state> weak = weak_from_this();
+  miss_hook_ = allocator.add_cache_miss_hook([weak] {
+    if (auto self = weak.lock()) self->collect(false);
+  });
+  release_observer_ = allocator.add_release_observer([this](std::uintptr_t base, std::size_t bytes) {
+    on_release(base, bytes);  // the state outlives the observer: removed in the destructor
+  });
+}
+
+sharing_state::~sharing_state() {
+  // Blocks still in the limbo stay allocated: another process holds them.
+  try {
+    if (miss_hook_ != 0) allocator.remove_hook(miss_hook_);
+    if (release_observer_ != 0) allocator.remove_hook(release_observer_);
+  } catch (const error&) {  // NOLINT(bugprone-empty-catch): ids we registered; cannot fail
+  }
+}
+
+sharing_state::share sharing_state::share_storage(const storage::storage& st, const process_identity& holder,
+                                                  backend::stream_ref stream) {
+  if (&st.allocator() != &allocator) {
+    throw invalid_argument("peer::send: the storage comes from another allocator than the sharing context's");
+  }
+  auto owner = st.hand_over(
+      [this](void* data, std::size_t size) { return std::make_shared<sent_data>(shared_from_this(), data, size); },
+      stream);
+  auto* sent = dynamic_cast<sent_data*>(owner.get());
+  if (sent == nullptr || sent->state() != this) {
+    throw invalid_argument(
+        "peer::send: this storage's memory belongs to another owner (it was received from another process, or "
+        "adopted); a received storage cannot be sent on: copy it into a storage of this process and send the copy");
+  }
+  share s;
+  const auto data = reinterpret_cast<std::uintptr_t>(st.data());
+  s.segments = exports_for(data, st.size());
+  s.offset = data - s.segments.front()->base;
+  s.size = st.size();
+  std::lock_guard lock(mutex_);
+  prune(sent->slots);
+  s.slot = slots_.claim(holder);
+  sent->slots.push_back(s.slot);
+  s.file_fd = slots_.file(s.slot.file_id).fd();
+  ++sent_;
+  return s;
+}
+
+void sharing_state::abandon(const slot_ref& slot) {
+  std::lock_guard lock(mutex_);
+  // Released as its holder would; the owner's next prune or the limbo frees it.
+  slots_.release(slot);
+}
+
+std::vector<std::shared_ptr<const exported_segment>> sharing_state::exports_for(std::uintptr_t data, std::size_t size) {
+  std::vector<std::shared_ptr<const exported_segment>> out;
+  std::lock_guard lock(exports_mutex_);
+  for (std::uintptr_t p = data; p < data + size;) {
+    auto it = exports_.upper_bound(p);
+    std::shared_ptr<exported_segment> seg;
+    if (it != exports_.begin() && p < std::prev(it)->first + std::prev(it)->second->handle.size) {
+      seg = std::prev(it)->second;
+    } else {
+      seg = std::make_shared<exported_segment>();
+      seg->handle = allocator.device().export_memory(reinterpret_cast<void*>(p));
+      seg->base = p - seg->handle.offset;
+      seg->handle.offset = 0;
+      seg->id = next_segment_id_++;
+      exports_.emplace(seg->base, seg);
+    }
+    out.push_back(seg);
+    p = seg->base + seg->handle.size;
+  }
+  return out;
+}
+
+void sharing_state::on_release(std::uintptr_t base, std::size_t bytes) {
+  std::vector<std::uint64_t> gone;
+  {
+    std::lock_guard lock(exports_mutex_);
+    for (auto it = exports_.lower_bound(base); it != exports_.end() && it->first < base + bytes;) {
+      gone.push_back(it->second->id);
+      it = exports_.erase(it);
+    }
+  }
+  if (!gone.empty()) post(gone, {});
+}
+
+void sharing_state::post(const std::vector<std::uint64_t>& segments, const std::vector<std::uint64_t>& files) {
+  std::lock_guard lock(exports_mutex_);
+  std::erase_if(outboxes_, [](const std::weak_ptr<outbox>& w) { return w.expired(); });
+  for (auto& w : outboxes_) {
+    if (auto box = w.lock()) {
+      std::lock_guard box_lock(box->mutex);
+      box->segments.insert(box->segments.end(), segments.begin(), segments.end());
+      box->files.insert(box->files.end(), files.begin(), files.end());
+    }
+  }
+}
+
+void sharing_state::add_outbox(const std::shared_ptr<outbox>& box) {
+  std::lock_guard lock(exports_mutex_);
+  outboxes_.push_back(box);
+}
+
+bool sharing_state::prune(std::vector<slot_ref>& slots) {
+  std::erase_if(slots, [&](const slot_ref& s) {
+    if (!slots_.released(s)) return false;
+    slots_.recycle(s);
+    return true;
+  });
+  return slots.empty();
+}
+
+void sharing_state::retire(void* data, std::size_t size, backend::stream_ref stream, std::vector<slot_ref> slots) noexcept {
+  std::vector<ready_block> ready;
+  {
+    std::lock_guard lock(mutex_);
+    if (prune(slots)) {
+      ready.push_back({data, stream});
+    } else {
+      limbo_.push_back({data, size, stream, std::move(slots)});
+      limbo_bytes_ += size;
+    }
+    // A shared block's release is one of the moments the limbo is looked at.
+    auto more = take_ready();
+    ready.insert(ready.end(), more.begin(), more.end());
+  }
+  free_blocks(ready);
+}
+
+std::vector<sharing_state::ready_block> sharing_state::take_ready() {
+  std::vector<ready_block> ready;
+  std::erase_if(limbo_, [&](limbo_entry& e) {
+    if (!prune(e.slots)) return false;
+    ready.push_back({e.data, e.stream});
+    limbo_bytes_ -= e.size;
+    ++limbo_freed_;
+    return true;
+  });
+  return ready;
+}
+
+std::size_t sharing_state::collect(bool reclaim) {
+  std::vector<ready_block> ready;
+  std::vector<std::uint64_t> closed;
+  {
+    std::lock_guard lock(mutex_);
+    if (reclaim) reclaimed_ += slots_.reclaim_dead_holders();
+    ready = take_ready();
+    closed = slots_.take_closed_files();
+  }
+  if (!closed.empty()) post({}, closed);
+  free_blocks(ready);
+  return ready.size();
+}
+
+void sharing_state::free_blocks(const std::vector<ready_block>& blocks) noexcept {
+  for (const auto& b : blocks) {
+    try {
+      allocator.deallocate(b.data, b.stream);
+    } catch (const error&) {
+      // The stream it was dropped on is gone: every slot is released, so
+      // only this process's own finished work could still touch it.
+      try {
+        allocator.deallocate(b.data, backend::stream_ref{});
+      } catch (const error&) {  // NOLINT(bugprone-empty-catch): stays allocated, visible in the stats
+      }
+    }
+  }
+}
+
+sharing_stats sharing_state::stats() const {
+  sharing_stats s;
+  {
+    std::lock_guard lock(mutex_);
+    s.limbo_blocks = limbo_.size();
+    s.limbo_bytes = limbo_bytes_;
+    s.held_slots = slots_.slots_in_use();
+    s.counter_files = slots_.file_count();
+    s.storages_sent = sent_;
+    s.limbo_freed = limbo_freed_;
+    s.slots_reclaimed = reclaimed_;
+  }
+  std::lock_guard lock(exports_mutex_);
+  s.exported_segments = exports_.size();
+  return s;
+}
+
+}  // namespace shoal::ipc::detail

@@ -1,0 +1,105 @@
+// The producer side of sharing: counter slots, exported segments, the limbo.
+//
+// Lock order: a storage's own lock (hand_over) -> mutex_ -> the allocator's
+// pool locks; a pool lock -> exports_mutex_ -> an outbox's mutex (the release
+// observer runs under a pool lock). Nothing takes mutex_ under exports_mutex_
+// or the other way round, and no allocator call is made under either, so
+// the allocator may call back (cache-miss hook, release observer) at any time.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "ipc/counter_slots.h"
+#include "shoal/ipc/sharing.h"
+
+namespace shoal::ipc::detail {
+
+/// One exported segment (or growable segment's chunk); handle.offset is 0.
+struct exported_segment {
+  std::uint64_t id = 0;
+  std::uintptr_t base = 0;
+  backend::shareable_handle handle;
+};
+
+/// Retire notices for one peer, filled by the state, sent by the peer.
+struct outbox {
+  std::mutex mutex;
+  std::vector<std::uint64_t> segments;  // guarded by mutex
+  std::vector<std::uint64_t> files;     // guarded by mutex
+};
+
+class sharing_state : public std::enable_shared_from_this<sharing_state> {
+ public:
+  sharing_state(alloc::caching_allocator& allocator, const sharing_options& options);
+  ~sharing_state();
+  sharing_state(const sharing_state&) = delete;
+  sharing_state& operator=(const sharing_state&) = delete;
+
+  /// Registers the allocator hooks; called once, right after construction
+  /// (they need shared_from_this).
+  void attach();
+
+  struct share {
+    std::vector<std::shared_ptr<const exported_segment>> segments;  // address order
+    std::uint64_t offset = 0;  // of the data in segments[0]
+    std::uint64_t size = 0;
+    slot_ref slot;
+    int file_fd = -1;          // the slot's counter file, for a peer that lacks it
+  };
+  /// Hands `st` over to a sent-data owner (once) and claims a slot held by
+  /// `holder`. invalid_argument for a storage received from another process
+  /// or from another allocator.
+  share share_storage(const storage::storage& st, const process_identity& holder, backend::stream_ref stream);
+  /// A share that never reached its holder: its slot is released.
+  void abandon(const slot_ref& slot);
+
+  /// The sent-data owner's last handle is gone (see sent_data).
+  void retire(void* data, std::size_t size, backend::stream_ref stream, std::vector<slot_ref> slots) noexcept;
+  /// Frees limbo blocks with no slot held; with `reclaim`, first takes back
+  /// the slots of dead holders. Returns how many blocks it freed.
+  std::size_t collect(bool reclaim);
+
+  void add_outbox(const std::shared_ptr<outbox>& box);
+  [[nodiscard]] sharing_stats stats() const;
+
+  alloc::caching_allocator& allocator;
+  const sharing_options options;
+
+ private:
+  struct limbo_entry {
+    void* data;
+    std::size_t size;
+    backend::stream_ref stream;
+    std::vector<slot_ref> slots;
+  };
+  struct ready_block {
+    void* data;
+    backend::stream_ref stream;
+  };
+  std::vector<std::shared_ptr<const exported_segment>> exports_for(std::uintptr_t data, std::size_t size);
+  void on_release(std::uintptr_t base, std::size_t bytes);
+  // Recycles the released ones among `slots` (mutex_ held); true when none is left.
+  bool prune(std::vector<slot_ref>& slots);
+  std::vector<ready_block> take_ready();  // mutex_ held
+  void free_blocks(const std::vector<ready_block>& blocks) noexcept;
+  void post(const std::vector<std::uint64_t>& segments, const std::vector<std::uint64_t>& files);
+
+  mutable std::mutex mutex_;
+  counter_slots slots_;              // guarded by mutex_
+  std::vector<limbo_entry> limbo_;   // guarded by mutex_
+  std::size_t limbo_bytes_ = 0;      // guarded by mutex_
+  std::uint64_t sent_ = 0, limbo_freed_ = 0, reclaimed_ = 0;  // guarded by mutex_
+
+  mutable std::mutex exports_mutex_;
+  std::map<std::uintptr_t, std::shared_ptr<exported_segment>> exports_;  // by base; guarded
+  std::uint64_t next_segment_id_ = 1;                                      // guarded
+  std::vector<std::weak_ptr<outbox>> outboxes_;                            // guarded
+
+  std::uint64_t miss_hook_ = 0, release_observer_ = 0;
+};
+
+}  // namespace shoal::ipc::detail

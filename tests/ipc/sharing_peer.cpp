@@ -1,0 +1,144 @@
+// The other processes of the sharing tests. Talks on its socket (fd 3).
+//
+//   shoal_test_sharing_peer consume <host|cuda>
+//       Receives storages; metadata = {expected byte, keep (0/1)}. Checks every
+//       byte, keeps or drops the storage, answers a note: "ok" or what was
+//       wrong. A note "release" drops every kept storage and answers
+//       "released"; a note "bye" ends it.
+//   shoal_test_sharing_peer produce <host|cuda> <bytes> <byte>
+//       Sends one storage of <bytes> filled with <byte>, waits for a note,
+//       then exits at once, dropping its handle as it goes.
+//   shoal_test_sharing_peer relay <host|cuda> <program>
+//       Starts <program> consume as the next process; copies each storage it
+//       receives into one of its own and sends the copy on; passes the next
+//       process's answers back. Ends with "bye".
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <string>
+#include <vector>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/devices.h"
+#include "shoal/backend/stream.h"
+#include "shoal/error.h"
+#include "shoal/ipc/channel.h"
+#include "shoal/ipc/child_process.h"
+#include "shoal/ipc/sharing.h"
+
+namespace {
+
+using namespace shoal;
+
+std::span<const std::byte> text(const std::string& s) { return std::as_bytes(std::span(s)); }
+std::string text_of(const std::vector<std::byte>& bytes) {
+  return {reinterpret_cast<const char*>(bytes.data()), bytes.size()};
+}
+
+ipc::connection parent_link() {
+  return ipc::connection::adopt_pair_end(unique_fd(ipc::child_process::child_socket_fd), {}, 1 << 20);
+}
+
+std::string check(backend::device& dev, const storage::storage& st, std::uint8_t expected) {
+  std::vector<std::uint8_t> seen(st.size());
+  dev.copy({}, seen.data(), st.data(), st.size());
+  dev.synchronize({});
+  for (std::size_t i = 0; i < seen.size(); ++i) {
+    if (seen[i] != expected) {
+      return "byte " + std::to_string(i) + " is " + std::to_string(seen[i]) + ", expected " + std::to_string(expected);
+    }
+  }
+  return "ok";
+}
+
+int consume(backend::device& dev) {
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context context(allocator);
+  ipc::peer parent(context, parent_link());
+  std::vector<storage::storage> kept;
+  for (;;) {
+    ipc::received r = parent.receive(backend::stream_ref{});
+    if (!r.storage.valid()) {
+      const std::string command = text_of(r.metadata);
+      if (command == "bye") return 0;
+      if (command == "release") {
+        kept.clear();
+        dev.synchronize({});
+        parent.send_note(text("released"));
+      }
+      continue;
+    }
+    if (r.metadata.size() != 2) {
+      parent.send_note(text("metadata of " + std::to_string(r.metadata.size()) + " bytes, expected 2"));
+      continue;
+    }
+    const std::string answer = check(dev, r.storage, static_cast<std::uint8_t>(r.metadata[0]));
+    if (r.metadata[1] != std::byte{0}) kept.push_back(std::move(r.storage));
+    r.storage = {};
+    parent.send_note(text(answer));
+  }
+}
+
+int produce(backend::device& dev, std::size_t bytes, std::uint8_t value) {
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context context(allocator);
+  ipc::peer parent(context, parent_link());
+  auto st = storage::storage::allocate(allocator, bytes, {});
+  dev.fill({}, st.mutable_data({}), value, bytes);
+  parent.send(st, {}, {});
+  (void)parent.receive({});  // the parent has it
+  dev.synchronize({});       // the fill has run (else the parent's wait reports this process died first)
+  std::fflush(nullptr);
+  std::_Exit(0);  // no clean-up: the memory's owner is simply gone
+}
+
+int relay(backend::device& dev, const std::string& program, const std::string& backend_name) {
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context context(allocator);
+  ipc::peer parent(context, parent_link());
+  ipc::child_process next_process(program, {"consume", backend_name});
+  ipc::peer next(context, ipc::connection::adopt_pair_end(unique_fd(::dup(next_process.socket())), {}, 1 << 20));
+  backend::stream s(dev);
+  backend::stream_guard on_s(dev, s);  // drops happen on s too
+  for (;;) {
+    ipc::received r = parent.receive(s);
+    if (!r.storage.valid()) {
+      next.send_note(r.metadata);
+      if (text_of(r.metadata) == "bye") break;
+      parent.send_note(next.receive(s).metadata);
+      continue;
+    }
+    auto copy = storage::storage::allocate(allocator, r.storage.size(), s);
+    dev.copy(s, copy.mutable_data(s), r.storage.data(), r.storage.size());
+    r.storage = {};  // released once s has passed the copy
+    next.send(copy, r.metadata, s);
+    copy = {};       // in the limbo until the next process drops it
+    parent.send_note(next.receive(s).metadata);
+  }
+  return next_process.wait();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: %s consume|produce|relay <host|cuda> ...\n", argv[0]);
+    return 2;
+  }
+  try {
+    const std::string mode = argv[1], backend_name = argv[2];
+    backend::device& dev = backend_name == "cuda" ? backend::cuda_device_instance(0) : backend::host_device_instance();
+    if (mode == "consume") return consume(dev);
+    if (mode == "produce" && argc == 5) {
+      return produce(dev, std::strtoull(argv[3], nullptr, 10), static_cast<std::uint8_t>(std::atoi(argv[4])));
+    }
+    if (mode == "relay" && argc == 4) return relay(dev, argv[3], backend_name);
+    std::fprintf(stderr, "bad arguments for mode %s\n", mode.c_str());
+    return 2;
+  } catch (const connection_closed&) {
+    return 0;  // the parent went away: nothing left to do
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "sharing peer failed: %s\n", e.what());
+    return 1;
+  }
+}

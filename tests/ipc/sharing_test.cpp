@@ -1,0 +1,393 @@
+// Sharing storages between processes: contents, ordering, the limbo,
+// crash safety, refusals. Every test runs on both backends; the other
+// process is tests/ipc/sharing_peer.cpp.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "shoal/backend/devices.h"
+#include "shoal/backend/stream.h"
+#include "shoal/error.h"
+#include "shoal/ipc/channel.h"
+#include "shoal/ipc/child_process.h"
+#include "shoal/ipc/sharing.h"
+#include "support/allocators.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using storage_t = storage::storage;
+constexpr std::size_t kib = 1024;
+
+std::span<const std::byte> text(const std::string& s) { return std::as_bytes(std::span(s)); }
+std::string text_of(const std::vector<std::byte>& b) { return {reinterpret_cast<const char*>(b.data()), b.size()}; }
+
+std::size_t shm_entries() {
+  std::size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm")) {
+    if (e.path().filename().string().starts_with("shoal-")) ++n;
+  }
+  return n;
+}
+
+template <class Backend>
+class sharing_test : public allocator_test<Backend> {
+ public:
+  /// A sharing context over a fresh allocator, collecting every 20 ms.
+  ipc::sharing_context& context(const char* conf = "") {
+    auto& a = this->make(conf);
+    context_ = std::make_unique<ipc::sharing_context>(a, ipc::sharing_options{.collect_interval = 20ms});
+    return *context_;
+  }
+  /// Starts the peer program in `mode` and connects a peer to it.
+  ipc::peer& start(const std::vector<std::string>& arguments) {
+    std::vector<std::string> args = arguments;
+    args.insert(args.begin() + 1, Backend::name);
+    child_ = std::make_unique<ipc::child_process>(SHOAL_TEST_SHARING_PEER, args);
+    peer_ = std::make_unique<ipc::peer>(*context_, ipc::connection::adopt_pair_end(unique_fd(::dup(child_->socket())), {}, 1 << 20));
+    return *peer_;
+  }
+  storage_t filled(std::size_t bytes, std::uint8_t value, backend::stream_ref s = {}) {
+    auto st = storage_t::allocate(context_->allocator(), bytes, s);
+    this->device().fill(s, st.mutable_data(s), value, bytes);
+    return st;
+  }
+  /// Sends `st` expecting its bytes to be `value`; returns the answer.
+  std::string send(const storage_t& st, std::uint8_t value, bool keep, backend::stream_ref s = {}) {
+    const std::byte metadata[2] = {std::byte{value}, std::byte{keep ? std::uint8_t{1} : std::uint8_t{0}}};
+    peer_->send(st, metadata, s);
+    return text_of(peer_->receive(s).metadata);
+  }
+  std::string command(const std::string& c) {
+    peer_->send_note(text(c));
+    return c == "bye" ? "" : text_of(peer_->receive({}).metadata);
+  }
+  /// Waits up to `limit` for the context's limbo and slots to drain.
+  bool drains(std::chrono::milliseconds limit = 3000ms) {
+    const auto until = std::chrono::steady_clock::now() + limit;
+    while (std::chrono::steady_clock::now() < until) {
+      context_->collect();
+      const auto s = context_->stats();
+      if (s.limbo_blocks == 0 && s.held_slots == 0) return true;
+      std::this_thread::sleep_for(5ms);
+    }
+    return false;
+  }
+  void finish() {
+    if (peer_ && child_) command("bye");
+    peer_.reset();
+    if (child_) EXPECT_EQ(child_->wait(), 0);
+    child_.reset();
+  }
+  void TearDown() override {
+    peer_.reset();
+    child_.reset();
+    context_.reset();
+    allocator_test<Backend>::TearDown();
+  }
+
+  std::unique_ptr<ipc::sharing_context> context_;
+  std::unique_ptr<ipc::child_process> child_;
+  std::unique_ptr<ipc::peer> peer_;
+};
+TYPED_TEST_SUITE(sharing_test, backend_types, backend_names);
+
+TYPED_TEST(sharing_test, a_consumer_sees_what_the_producer_wrote) {
+  this->context();
+  this->start({"consume"});
+  for (std::size_t bytes : {std::size_t{512}, 100 * kib, std::size_t{3} << 20}) {
+    auto st = this->filled(bytes, static_cast<std::uint8_t>(bytes % 251));
+    EXPECT_EQ(this->send(st, static_cast<std::uint8_t>(bytes % 251), false), "ok") << bytes << " bytes";
+  }
+  this->finish();
+  EXPECT_TRUE(this->drains());
+  EXPECT_EQ(this->context_->stats().storages_sent, 3u);
+}
+
+TYPED_TEST(sharing_test, the_consumer_waits_for_writes_still_queued_when_sent) {
+  this->context();
+  this->start({"consume"});
+  backend::stream s(this->device());
+  auto st = this->filled(64 * kib, 1, s);
+  this->device().synchronize(s);
+  this->device().delay(s, 300ms);  // the producer's stream is still busy at send time
+  this->device().fill(s, st.mutable_data(s), 2, 64 * kib);
+  EXPECT_EQ(this->send(st, 2, false, s), "ok") << "the consumer read before the producer's write";
+  this->finish();
+}
+
+TYPED_TEST(sharing_test, a_block_dropped_while_a_consumer_holds_it_waits_in_the_limbo) {
+  auto& ctx = this->context();
+  this->start({"consume"});
+  const auto before = ctx.allocator().stats().allocated_bytes.aggregate.current;
+  {
+    auto st = this->filled(256 * kib, 7);
+    ASSERT_EQ(this->send(st, 7, true), "ok");
+  }
+  ctx.collect();
+  EXPECT_EQ(ctx.stats().limbo_blocks, 1u) << "the consumer still holds it";
+  EXPECT_GT(ctx.allocator().stats().allocated_bytes.aggregate.current, before) << "never freed while held";
+  EXPECT_EQ(this->command("release"), "released");
+  EXPECT_TRUE(this->drains());
+  EXPECT_EQ(ctx.allocator().stats().allocated_bytes.aggregate.current, before);
+  EXPECT_EQ(ctx.stats().limbo_freed, 1u);
+  this->finish();
+}
+
+TYPED_TEST(sharing_test, many_storages_at_once_share_segments_and_slots) {
+  auto& ctx = this->context();
+  this->start({"consume"});
+  const std::size_t shm_before = shm_entries();
+  std::vector<storage_t> sent;
+  for (int i = 0; i < 300; ++i) {
+    sent.push_back(this->filled(4 * kib, static_cast<std::uint8_t>(i)));
+    ASSERT_EQ(this->send(sent.back(), static_cast<std::uint8_t>(i), true), "ok") << i;
+  }
+  const auto stats = ctx.stats();
+  EXPECT_EQ(stats.held_slots, 300u);
+  EXPECT_LE(stats.exported_segments, 2u) << "small blocks share their segment's export";
+  EXPECT_EQ(this->peer_->stats().held_storages, 0u) << "this side received nothing";
+  sent.clear();
+  EXPECT_EQ(ctx.stats().limbo_blocks, 300u);
+  EXPECT_EQ(this->command("release"), "released");
+  EXPECT_TRUE(this->drains());
+  EXPECT_EQ(shm_entries(), shm_before) << "counter files have no names";
+  this->finish();
+}
+
+TYPED_TEST(sharing_test, a_consumer_killed_while_holding_references_gives_them_back) {
+  auto& ctx = this->context();
+  this->start({"consume"});
+  {
+    auto a = this->filled(64 * kib, 3), b = this->filled(2 << 20, 4);
+    ASSERT_EQ(this->send(a, 3, true), "ok");
+    ASSERT_EQ(this->send(b, 4, true), "ok");
+  }
+  ctx.collect();
+  ASSERT_EQ(ctx.stats().limbo_blocks, 2u);
+  ::kill(this->child_->pid(), SIGKILL);
+  EXPECT_EQ(this->child_->wait(), 128 + SIGKILL);
+  // The background collector alone (every 20 ms) must take them back.
+  const auto until = std::chrono::steady_clock::now() + 2s;
+  while (ctx.stats().limbo_blocks != 0 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(ctx.stats().limbo_blocks, 0u);
+  EXPECT_EQ(ctx.stats().slots_reclaimed, 2u);
+  EXPECT_EQ(ctx.allocator().stats().allocated_bytes.aggregate.current, 0);
+  this->peer_.reset();
+  this->child_.reset();
+}
+
+TYPED_TEST(sharing_test, memory_stays_valid_after_its_producer_exits) {
+  this->context();
+  auto& p = this->start({"produce", std::to_string(1 << 20), "9"});
+  ipc::received r = p.receive({});
+  ASSERT_TRUE(r.storage.valid());
+  p.send_note(text("got it"));
+  EXPECT_EQ(this->child_->wait(), 0);
+  EXPECT_TRUE(all_equal(this->read(r.storage.data(), r.storage.size()), 9)) << "the producer is gone";
+  this->device().fill({}, const_cast<void*>(r.storage.data()), 5, r.storage.size());
+  EXPECT_TRUE(all_equal(this->read(r.storage.data(), r.storage.size()), 5));
+  r.storage = {};
+  this->device().synchronize({});
+}
+
+TYPED_TEST(sharing_test, a_received_storage_cannot_be_sent_on) {
+  this->context();
+  auto& p = this->start({"produce", "4096", "1"});
+  ipc::received r = p.receive({});
+  ASSERT_TRUE(r.storage.valid());
+  EXPECT_TRUE(r.storage.shared_outside_process());
+  try {
+    p.send(r.storage, {}, {});
+    ADD_FAILURE() << "a received storage was sent on";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("copy it"), std::string::npos) << e.what();
+  }
+  auto copy = storage::lazy_clone(r.storage, {});
+  EXPECT_FALSE(copy.is_lazy()) << "memory from another process is copied eagerly";
+  p.send_note(text("done"));
+  EXPECT_EQ(this->child_->wait(), 0);
+}
+
+TYPED_TEST(sharing_test, storages_of_growable_segments_span_several_chunks) {
+  auto& ctx = this->context("expandable_segments:true");
+  this->start({"consume"});
+  const std::size_t g = this->device().granularity();
+  std::vector<storage_t> kept;
+  for (std::size_t bytes : {3 * g + 512, std::size_t{4096}, 5 * g}) {
+    kept.push_back(this->filled(bytes, static_cast<std::uint8_t>(bytes % 13)));
+    EXPECT_EQ(this->send(kept.back(), static_cast<std::uint8_t>(bytes % 13), false), "ok") << bytes << " bytes";
+  }
+  EXPECT_GE(ctx.stats().exported_segments, 4u) << "one export per physical chunk";
+  kept.clear();
+  this->finish();
+  EXPECT_TRUE(this->drains());
+}
+
+TYPED_TEST(sharing_test, segments_given_back_by_the_producer_are_retired_by_the_consumer) {
+  auto& ctx = this->context();
+  this->start({"consume"});
+  {
+    auto st = this->filled(12 << 20, 1);  // its own large segment
+    ASSERT_EQ(this->send(st, 1, false), "ok");
+  }
+  ASSERT_TRUE(this->drains());
+  EXPECT_EQ(ctx.stats().exported_segments, 1u);
+  ctx.allocator().empty_cache();
+  EXPECT_EQ(ctx.stats().exported_segments, 0u) << "the release observer forgot the export";
+  // The retire notice travels with the next message; the new segment is
+  // exported afresh and the consumer still reads the right bytes.
+  auto st = this->filled(12 << 20, 2);
+  EXPECT_EQ(this->send(st, 2, false), "ok");
+  EXPECT_EQ(ctx.stats().exported_segments, 1u);
+  this->finish();
+}
+
+TYPED_TEST(sharing_test, a_chain_of_three_processes_ends_where_it_started) {
+  auto& ctx = this->context();
+  const std::size_t shm_before = shm_entries();
+  const auto reserved_before = ctx.allocator().stats().reserved_bytes.aggregate.current;
+  this->start({"relay", SHOAL_TEST_SHARING_PEER});
+  const char* env = std::getenv("SHOAL_TEST_CHAIN_STORAGES");
+  const int count = env != nullptr ? std::atoi(env) : 100000;
+  for (int i = 0; i < count; ++i) {
+    auto st = this->filled(4 * kib, static_cast<std::uint8_t>(i));
+    const std::string answer = this->send(st, static_cast<std::uint8_t>(i), false);
+    if (answer != "ok") {
+      ADD_FAILURE() << "storage " << i << ": " << answer;
+      break;
+    }
+  }
+  this->finish();
+  EXPECT_TRUE(this->drains());
+  ctx.allocator().empty_cache();
+  EXPECT_EQ(ctx.allocator().stats().reserved_bytes.aggregate.current, reserved_before);
+  EXPECT_EQ(ctx.stats().limbo_blocks, 0u);
+  EXPECT_EQ(shm_entries(), shm_before);
+}
+
+
+// ---- malformed input -------------------------------------------------------
+
+struct raw_frame {
+  std::uint16_t type;
+  std::vector<std::byte> payload;
+  int fd;  // borrowed from `keep`
+};
+
+std::size_t open_fds() {
+  std::size_t n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  return n;
+}
+
+std::pair<ipc::connection, ipc::connection> connected_pair() {
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) throw std::runtime_error("socketpair");
+  return {ipc::connection::adopt(unique_fd(fds[0]), {}, 1 << 20), ipc::connection::adopt(unique_fd(fds[1]), {}, 1 << 20)};
+}
+
+TEST(sharing_malformed, random_and_mutated_messages_never_crash_the_receiver_or_leak) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context producer(allocator, {.collect_interval = 0ms});
+  ipc::sharing_context consumer(allocator, {.collect_interval = 0ms});
+
+  auto st = storage_t::allocate(allocator, 8 * kib, {});
+  // A real exchange, captured frame by frame: the seeds of one round's
+  // mutation. Each round takes a fresh slot, so only the mutation can fail it.
+  auto capture_exchange = [&](std::vector<raw_frame>& seeds, std::vector<unique_fd>& keep) {
+    auto [to_capture, capture] = connected_pair();
+    ipc::peer sender(producer, std::move(to_capture));
+    const std::byte metadata[3] = {std::byte{1}, std::byte{2}, std::byte{3}};
+    sender.send(st, metadata, {});
+    sender.send_note(metadata);
+    for (int i = 0; i < 5; ++i) {  // counter file, segment, event source, storage, note
+      ipc::frame f = capture.receive();
+      seeds.push_back({f.type, f.payload, f.fd.get()});
+      keep.push_back(std::move(f.fd));
+    }
+  };
+
+  std::mt19937_64 rng(20261122);
+  {  // the producer's own descriptors (its counter file, the exported segment) open once
+    std::vector<raw_frame> warm;
+    std::vector<unique_fd> keep;
+    capture_exchange(warm, keep);
+  }
+  const std::size_t fds_before = open_fds();
+  int refused = 0, accepted = 0;
+  for (int round = 0; round < 1500; ++round) {
+    std::vector<raw_frame> seeds;
+    std::vector<unique_fd> keep;
+    capture_exchange(seeds, keep);
+    ASSERT_EQ(seeds[3].type, 4) << "the fourth frame is the storage message";
+    auto [from, to] = connected_pair();
+    {
+      ipc::peer receiver(consumer, std::move(to));
+      // Replays the seeds, one of them changed; then a "bye" note.
+      const std::size_t victim = rng() % seeds.size();
+      for (std::size_t i = 0; i < seeds.size(); ++i) {
+        raw_frame f = seeds[i];
+        int fd = f.fd;
+        if (i == victim) {
+          switch (rng() % 5) {
+            case 0:  // flip bytes
+              for (int k = 0; k < 3 && !f.payload.empty(); ++k) f.payload[rng() % f.payload.size()] ^= std::byte(1 + rng() % 255);
+              break;
+            case 1:  // truncate or extend
+              f.payload.resize(rng() % (f.payload.size() + 16));
+              break;
+            case 2:  // another type
+              f.type = static_cast<std::uint16_t>(rng() % 10);
+              break;
+            case 3:  // drop or add a descriptor
+              fd = fd >= 0 ? -1 : keep[0].get();
+              break;
+            default:  // pure noise
+              f.payload.resize(rng() % 200);
+              for (auto& b : f.payload) b = std::byte(rng());
+          }
+        }
+        from.send(f.type, f.payload, fd);
+      }
+      from.send(7, std::vector<std::byte>{std::byte{0}, std::byte{0}, std::byte{0}, std::byte{0}});
+      try {
+        for (;;) {
+          ipc::received r = receiver.receive({});
+          if (r.storage.valid()) ++accepted;
+          if (!r.storage.valid() && r.metadata.empty()) break;  // the closing note
+        }
+      } catch (const protocol_error&) {
+        ++refused;
+      } catch (const connection_closed&) {
+        ++refused;
+      }
+      { auto gone = std::move(from); }  // the sender hangs up
+      EXPECT_THROW((void)receiver.receive({}), connection_closed) << "round " << round;
+    }
+  }
+  dev.synchronize({});
+  producer.collect();
+  // A refused round leaves its slot held only when the refusal came before
+  // the storage message was read (the consumer never saw the reference);
+  // it is reclaimed when the consumer exits.
+  EXPECT_LE(producer.stats().held_slots, static_cast<std::size_t>(refused) + 1);
+  EXPECT_EQ(consumer.stats().held_slots, 0u);
+  std::printf("%d rounds refused, %d storages delivered\n", refused, accepted);
+  EXPECT_GT(refused, 700) << "mutations must mostly be refused";
+  EXPECT_GT(accepted, 0) << "harmless mutations (e.g. of the metadata) still deliver";
+  dev.synchronize({});
+  EXPECT_EQ(open_fds(), fds_before) << "no descriptor leaked";
+}
+}  // namespace
+}  // namespace shoal::testing
