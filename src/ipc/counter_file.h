@@ -29,7 +29,7 @@
 #include <optional>
 #include <string>
 
-#include "shoal/ipc/process_identity.h"
+#include "shoal/process_identity.h"
 #include "shoal/unique_fd.h"
 
 namespace shoal::ipc::detail {

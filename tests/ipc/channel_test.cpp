@@ -28,7 +28,7 @@
 
 #include "shoal/error.h"
 #include "shoal/ipc/channel.h"
-#include "shoal/ipc/process_identity.h"
+#include "shoal/process_identity.h"
 
 namespace shoal::testing {
 namespace {
@@ -38,7 +38,7 @@ using ipc::access_policy;
 using ipc::channel_address;
 using ipc::connection;
 using ipc::listener;
-using ipc::process_identity;
+using shoal::process_identity;
 
 constexpr uid_t nobody = 65534;
 
@@ -236,8 +236,8 @@ struct pipe_ends {
 TEST(process_identity, self_is_this_process) {
   const process_identity me = process_identity::self();
   EXPECT_EQ(me.pid, ::getpid());
-  EXPECT_EQ(ipc::identify_process(::getpid()), me);
-  EXPECT_TRUE(ipc::is_alive(me));
+  EXPECT_EQ(shoal::identify_process(::getpid()), me);
+  EXPECT_TRUE(shoal::is_alive(me));
   double uptime_seconds = 0;
   std::ifstream("/proc/uptime") >> uptime_seconds;
   const auto ticks_now = static_cast<std::uint64_t>(uptime_seconds * static_cast<double>(::sysconf(_SC_CLK_TCK)));
@@ -246,15 +246,15 @@ TEST(process_identity, self_is_this_process) {
 
 TEST(process_identity, a_wrong_start_time_reads_as_dead_as_a_reused_pid_would) {
   const process_identity me = process_identity::self();
-  EXPECT_FALSE(ipc::is_alive({me.pid, me.start_time + 1}));
-  EXPECT_FALSE(ipc::is_alive({me.pid, me.start_time - 1}));
+  EXPECT_FALSE(shoal::is_alive({me.pid, me.start_time + 1}));
+  EXPECT_FALSE(shoal::is_alive({me.pid, me.start_time - 1}));
 }
 
 TEST(process_identity, unused_pids_name_no_process) {
-  EXPECT_EQ(ipc::identify_process(0), std::nullopt);
-  EXPECT_EQ(ipc::identify_process(-1), std::nullopt);
-  EXPECT_EQ(ipc::identify_process(INT_MAX), std::nullopt) << "beyond any pid_max";
-  EXPECT_FALSE(ipc::is_alive({INT_MAX, 1}));
+  EXPECT_EQ(shoal::identify_process(0), std::nullopt);
+  EXPECT_EQ(shoal::identify_process(-1), std::nullopt);
+  EXPECT_EQ(shoal::identify_process(INT_MAX), std::nullopt) << "beyond any pid_max";
+  EXPECT_FALSE(shoal::is_alive({INT_MAX, 1}));
 }
 
 TEST(process_identity, a_child_reads_as_dead_once_it_exits_whether_reaped_or_not) {
@@ -265,19 +265,19 @@ TEST(process_identity, a_child_reads_as_dead_once_it_exits_whether_reaped_or_not
     return ::read(go.read.get(), &c, 1) == 0 ? 0 : 1;  // exits when the parent closes `go`
   });
   go.read.reset();
-  const std::optional<process_identity> running = ipc::identify_process(child.pid());
+  const std::optional<process_identity> running = shoal::identify_process(child.pid());
   ASSERT_TRUE(running.has_value());
-  EXPECT_TRUE(ipc::is_alive(*running));
+  EXPECT_TRUE(shoal::is_alive(*running));
 
   go.write.reset();
   siginfo_t info{};
   ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(child.pid()), &info, WEXITED | WNOWAIT), 0) << "a zombie now";
-  EXPECT_EQ(ipc::identify_process(child.pid()), std::nullopt) << "a zombie is not a running process";
-  EXPECT_FALSE(ipc::is_alive(*running));
+  EXPECT_EQ(shoal::identify_process(child.pid()), std::nullopt) << "a zombie is not a running process";
+  EXPECT_FALSE(shoal::is_alive(*running));
 
   EXPECT_EQ(child.wait(), 0);
-  EXPECT_EQ(ipc::identify_process(running->pid), std::nullopt);
-  EXPECT_FALSE(ipc::is_alive(*running));
+  EXPECT_EQ(shoal::identify_process(running->pid), std::nullopt);
+  EXPECT_FALSE(shoal::is_alive(*running));
 }
 
 TEST(process_identity, a_command_name_with_spaces_and_parentheses_is_parsed) {
@@ -298,7 +298,7 @@ TEST(process_identity, a_command_name_with_spaces_and_parentheses_is_parsed) {
     return 127;
   });
   exec_done.write.reset();
-  const std::optional<process_identity> before_exec = ipc::identify_process(child.pid());
+  const std::optional<process_identity> before_exec = shoal::identify_process(child.pid());
   ASSERT_TRUE(before_exec.has_value());
   ASSERT_EQ(::write(go.write.get(), "g", 1), 1);
   char c;
@@ -307,8 +307,8 @@ TEST(process_identity, a_command_name_with_spaces_and_parentheses_is_parsed) {
   std::string comm;
   std::getline(std::ifstream("/proc/" + std::to_string(child.pid()) + "/comm"), comm);
   ASSERT_EQ(comm, strange_name) << "the kernel names the process after the link";
-  EXPECT_EQ(ipc::identify_process(child.pid()), before_exec) << "exec keeps the start time";
-  EXPECT_TRUE(ipc::is_alive(*before_exec));
+  EXPECT_EQ(shoal::identify_process(child.pid()), before_exec) << "exec keeps the start time";
+  EXPECT_TRUE(shoal::is_alive(*before_exec));
 }
 
 // channel_address ---------------------------------------------------------------
@@ -364,7 +364,7 @@ TEST(channel, the_server_sees_a_client_in_another_process) {
   forked_child client([&] { return connect_and_hold(target); });
   {
     const connection accepted = server.accept();
-    const std::optional<process_identity> expected = ipc::identify_process(client.pid());
+    const std::optional<process_identity> expected = shoal::identify_process(client.pid());
     ASSERT_TRUE(expected.has_value());
     EXPECT_EQ(accepted.peer().process, *expected);
     EXPECT_NE(accepted.peer().process, process_identity::self());
@@ -382,7 +382,7 @@ TEST(channel, the_client_sees_a_server_in_another_process) {
   ASSERT_EQ(::read(ready.read.get(), &c, 1), 1) << "the child listens";
   {
     const connection client = connection::connect(address, {});
-    const std::optional<process_identity> expected = ipc::identify_process(server.pid());
+    const std::optional<process_identity> expected = shoal::identify_process(server.pid());
     ASSERT_TRUE(expected.has_value());
     EXPECT_EQ(client.peer().process, *expected);
     EXPECT_EQ(client.peer().uid, ::geteuid());

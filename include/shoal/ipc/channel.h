@@ -28,7 +28,7 @@
 #include <utility>
 #include <vector>
 
-#include "shoal/ipc/process_identity.h"
+#include "shoal/process_identity.h"
 #include "shoal/unique_fd.h"
 
 namespace shoal::ipc {

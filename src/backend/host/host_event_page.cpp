@@ -15,7 +15,7 @@
 #include <thread>
 
 #include "backend/event_source_id.h"
-#include "backend/host/process_start_time.h"
+#include "shoal/process_identity.h"
 #include "shoal/error.h"
 
 namespace shoal::backend::detail {
@@ -81,18 +81,15 @@ std::atomic<std::uint64_t>& host_stream_slot::counter() const noexcept { return 
 // ---- the exporting side ------------------------------------------------------------
 
 std::shared_ptr<host_event_page> host_event_page::create() {
-  const std::optional<std::uint64_t> start_time = process_start_time(::getpid());
-  if (!start_time) {
-    throw backend_error("read /proc/self/stat",
-                        "cannot learn this process's start time, which importers of its stream progress need; mount /proc");
-  }
+  // Importers tell this process from a later one with its pid by this.
+  const process_identity self = process_identity::self();
   unique_fd fd(::memfd_create("shoal-event-page", MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd) throw_errno("memfd_create");
   if (::ftruncate(fd.get(), static_cast<off_t>(page_bytes)) != 0) throw_errno("ftruncate(event page)");
   void* mapping = ::mmap(nullptr, page_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (mapping == MAP_FAILED) throw_errno("mmap(event page)");
   const std::uint64_t id = next_event_source_id();
-  new (mapping) page_header{page_magic, page_version, slot_count, id, ::getpid(), *start_time};
+  new (mapping) page_header{page_magic, page_version, slot_count, id, self.pid, self.start_time};
   std::atomic<std::uint64_t>* counters = counters_in(mapping);
   for (std::uint32_t i = 0; i < slot_count; ++i) new (counters + i) std::atomic<std::uint64_t>(0);
   // Sealed after mapping: this mapping stays writable, every later one
@@ -191,7 +188,7 @@ bool host_imported_page::passed(const event_point& point) const noexcept {
 }
 
 bool host_imported_page::exporter_alive() const {
-  return process_start_time(exporter_pid_) == exporter_start_time_;
+  return is_alive({exporter_pid_, exporter_start_time_});
 }
 
 void host_imported_page::wait_until_passed(const event_point& point) const {

@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <optional>
 
-namespace shoal::ipc {
+namespace shoal {
 
 struct process_identity {
   pid_t pid = 0;
@@ -37,4 +37,4 @@ struct process_identity {
 /// does a zombie.
 [[nodiscard]] bool is_alive(const process_identity& process);
 
-}  // namespace shoal::ipc
+}  // namespace shoal

@@ -1,4 +1,4 @@
-#include "shoal/ipc/process_identity.h"
+#include "shoal/process_identity.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -12,7 +12,7 @@
 #include "shoal/error.h"
 #include "shoal/unique_fd.h"
 
-namespace shoal::ipc {
+namespace shoal {
 
 namespace {
 
@@ -89,4 +89,4 @@ bool is_alive(const process_identity& process) {
   return now && now->start_time == process.start_time;
 }
 
-}  // namespace shoal::ipc
+}  // namespace shoal
