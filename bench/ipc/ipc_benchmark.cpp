@@ -5,7 +5,7 @@
 //
 //   shoal_bench_ipc [--backend host|cuda] [--iterations N] [--million N]
 // Prints one table; the consumer is this program started again.
-#include <sys/resource.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -47,8 +47,28 @@ backend::device& device_named(const std::string& name) {
 
 ipc::connection adopt(int fd) { return ipc::connection::adopt_pair_end(unique_fd(fd), {}, 1 << 20); }
 
+double micros_since(clock_type::time_point t0) {
+  return std::chrono::duration<double, std::micro>(clock_type::now() - t0).count();
+}
+
+// Where a consumer's time goes, per storage: receive, touch, drop.
+struct consumer_steps {
+  std::vector<double> receive, touch, drop;
+  std::string medians() const {
+    auto med = [](std::vector<double> v) {
+      if (v.empty()) return 0.0;
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    char text[160];
+    std::snprintf(text, sizeof text, "%.1f %.1f %.1f", med(receive), med(touch), med(drop));
+    return text;
+  }
+};
+
 // The consumer: receive, touch one byte (a copy to the host and a wait),
-// drop, acknowledge. A note "rss" answers with its resident KiB.
+// drop, acknowledge. A note "?" answers with its resident KiB; a note "s"
+// with the median microseconds of its steps since the last "s".
 int consume(const std::string& backend_name) {
   backend::device& dev = device_named(backend_name);
   alloc::caching_allocator allocator(dev, {});
@@ -58,17 +78,32 @@ int consume(const std::string& backend_name) {
   backend::stream_guard on_s(dev, s);
   std::uint8_t seen = 0;
   const std::byte ack[1] = {std::byte{1}};
+  consumer_steps steps;
   for (;;) {
+    pollfd readable{producer.native_handle(), POLLIN, 0};
+    ::poll(&readable, 1, -1);  // the clock starts when a message is there
+    auto t0 = clock_type::now();
     ipc::received r = producer.receive(s);
     if (!r.storage.valid()) {
       if (r.metadata.empty()) return 0;
-      const std::string rss = std::to_string(resident_kib());
-      producer.send_note(std::as_bytes(std::span(rss)));
+      std::string answer;
+      if (r.metadata[0] == std::byte{'s'}) {
+        answer = steps.medians();
+        steps = {};
+      } else {
+        answer = std::to_string(resident_kib());
+      }
+      producer.send_note(std::as_bytes(std::span(answer)));
       continue;
     }
+    steps.receive.push_back(micros_since(t0));
+    t0 = clock_type::now();
     dev.copy(s, &seen, r.storage.data(), 1);
     dev.synchronize(s);
+    steps.touch.push_back(micros_since(t0));
+    t0 = clock_type::now();
     r.storage = {};
+    steps.drop.push_back(micros_since(t0));
     producer.send_note(ack);
   }
 }
@@ -99,9 +134,23 @@ class producer_side {
   double round_trip_us(const storage::storage& st) {
     const auto t0 = clock_type::now();
     peer_.send(st, {}, stream_);
+    sends_.push_back(micros_since(t0));
     (void)peer_.receive(stream_);
-    return std::chrono::duration<double, std::micro>(clock_type::now() - t0).count();
+    return micros_since(t0);
   }
+  /// "send a b c d": medians of this side's send and the consumer's steps,
+  /// since the last call.
+  std::string steps() {
+    const std::byte ask[1] = {std::byte{'s'}};
+    peer_.send_note(ask);
+    const auto answer = peer_.receive(stream_).metadata;
+    std::sort(sends_.begin(), sends_.end());
+    char text[64];
+    std::snprintf(text, sizeof text, "%.1f ", sends_.empty() ? 0.0 : sends_[sends_.size() / 2]);
+    sends_.clear();
+    return text + std::string(reinterpret_cast<const char*>(answer.data()), answer.size());
+  }
+  std::vector<double> sends_;
   storage::storage make(std::size_t bytes) {
     auto st = storage::storage::allocate(allocator_, bytes, stream_);
     dev_.fill(stream_, st.mutable_data(stream_), 7, bytes);
@@ -136,8 +185,8 @@ void round_trips(producer_side& p, const options& o) {
       if (keep.size() > 8) keep.erase(keep.begin());
     }
     const auto [median, p90] = summarize(times);
-    std::printf("| round trip, segment open, %s | %.1f | %.1f |\n",
-                bytes < (1 << 20) ? "4 KiB" : "64 MiB", median, p90);
+    std::printf("| round trip, segment open, %s | %.1f | %.1f | %s |\n",
+                bytes < (1 << 20) ? "4 KiB" : "64 MiB", median, p90, p.steps().c_str());
   }
 }
 
@@ -155,7 +204,7 @@ void first_shares(producer_side& p, const options& o) {
     p.allocator_.empty_cache();
   }
   const auto [median, p90] = summarize(times);
-  std::printf("| first share of a new segment (64 MiB) | %.1f | %.1f |\n", median, p90);
+  std::printf("| first share of a new segment (64 MiB) | %.1f | %.1f | %s |\n", median, p90, p.steps().c_str());
 }
 
 void flat_memory(producer_side& p, const options& o) {
@@ -163,6 +212,7 @@ void flat_memory(producer_side& p, const options& o) {
   const auto start = clock_type::now();
   for (long i = 0; i <= o.million; ++i) {
     if (i % (o.million / 4) == 0) {
+      (void)p.steps();  // and forget the step timings, so they do not count as memory
       const auto s = p.context_.stats();
       std::printf("| %ld | %zu | %zu | %lld | %zu | %zu | %zu |\n", i, resident_kib(), p.consumer_rss_kib(),
                   static_cast<long long>(p.allocator_.stats().reserved_bytes.aggregate.current), s.held_slots,
@@ -190,7 +240,7 @@ int main(int argc, char** argv) {
       else throw invalid_argument("unknown flag " + flag);
     }
     backend::device& dev = device_named(o.backend);
-    std::printf("shoal IPC benchmark: backend %s (%s)\n\n| what | median us | p90 us |\n|---|---|---|\n",
+    std::printf("shoal IPC benchmark: backend %s (%s)\n\n| what | median us | p90 us | medians: send, then consumer receive, touch, drop (us) |\n|---|---|---|---|\n",
                 o.backend.c_str(), dev.name().c_str());
     producer_side p(dev, "/proc/self/exe", o.backend);
     round_trips(p, o);

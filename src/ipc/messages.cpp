@@ -36,7 +36,8 @@ std::vector<std::byte> encode(const storage_message& m) {
   w.put(static_cast<std::uint32_t>(m.segment_ids.size()));
   for (auto id : m.segment_ids) w.put(id);
   w.put(m.offset).put(m.size).put(m.file_id).put(m.slot.index).put(m.slot.generation);
-  w.put_bytes(m.ready.serialize());
+  w.put(static_cast<std::uint8_t>(m.ready ? 1 : 0));
+  if (m.ready) w.put_bytes(m.ready->serialize());
   w.put_bytes(m.metadata);
   return to_vector(w.bytes());
 }
@@ -91,7 +92,9 @@ storage_message decode_storage(std::span<const std::byte> payload, const limits&
   m.file_id = get_id(r, "file_id");
   m.slot.index = r.get<std::uint32_t>("slot_index");
   m.slot.generation = r.get<std::uint32_t>("slot_generation");
-  m.ready = backend::event_point::deserialize(r.get_bytes("ready", backend::event_point::wire_bytes));
+  const auto has_ready = r.get<std::uint8_t>("has_ready");
+  if (has_ready > 1) r.fail("has_ready", std::to_string(has_ready) + " is neither 0 nor 1");
+  if (has_ready == 1) m.ready = backend::event_point::deserialize(r.get_bytes("ready", backend::event_point::wire_bytes));
   m.metadata = r.get_bytes("metadata", lim.max_metadata);
   r.finish();
   return m;

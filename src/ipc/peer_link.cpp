@@ -60,11 +60,13 @@ void peer_link::send(const storage::storage& st, std::span<const std::byte> meta
       m.segment_ids.push_back(seg->id);
     }
     backend::device& dev = state_->allocator.device();
-    m.ready = dev.export_event(stream);
-    if (!sources_sent_.contains(m.ready.source_id)) {
-      const backend::event_source source = dev.describe_event_source(m.ready.source_id);
-      send_frame(message_type::event_source, source.serialize(), source.fd.get());
-      sources_sent_.insert(m.ready.source_id);
+    if (!dev.query(stream)) {  // writes still queued: the consumer must wait for them
+      m.ready = dev.export_event(stream);
+      if (!sources_sent_.contains(m.ready->source_id)) {
+        const backend::event_source source = dev.describe_event_source(m.ready->source_id);
+        send_frame(message_type::event_source, source.serialize(), source.fd.get());
+        sources_sent_.insert(m.ready->source_id);
+      }
     }
     m.offset = share.offset;
     m.size = share.size;

@@ -29,6 +29,7 @@ class peer_link {
   [[nodiscard]] const peer_credentials& credentials() const noexcept { return link_.peer(); }
   [[nodiscard]] peer_stats stats() const { return receiver_->stats(); }
   [[nodiscard]] alloc::caching_allocator& allocator() const noexcept { return state_->allocator; }
+  [[nodiscard]] int native_handle() const noexcept { return link_.native_handle(); }
 
  private:
   void send_frame(message_type type, std::span<const std::byte> payload, int fd = -1);

@@ -34,7 +34,12 @@ class received_data final : public storage::storage_owner {
     };
     backend::device& dev = receiver_->allocator.device();
     try {
-      dev.host_task(backend::current_stream(dev), release);
+      const backend::stream_ref stream = backend::current_stream(dev);
+      if (dev.query(stream)) {
+        release();  // every use has run already: no host task needed
+      } else {
+        dev.host_task(stream, release);
+      }
     } catch (const error&) {
       release();  // the stream is gone; its work completes regardless (device.h)
     }
@@ -181,11 +186,14 @@ storage::storage receiver_state::make_storage(const storage_message& msg, backen
     }
     file = f->second;
     try {
-      auto s = sources_.find(msg.ready.source_id);
-      if (s == sources_.end()) {
-        throw protocol_error("storage message: event source " + std::to_string(msg.ready.source_id) + " was never announced");
+      if (msg.ready) {
+        auto s = sources_.find(msg.ready->source_id);
+        if (s == sources_.end()) {
+          throw protocol_error("storage message: event source " + std::to_string(msg.ready->source_id) +
+                               " was never announced");
+        }
+        source = s->second;
       }
-      source = s->second;
       m = map_segments(msg.segment_ids);
       if (msg.offset > m->bytes || msg.size > m->bytes - msg.offset) {
         throw protocol_error("storage message: " + std::to_string(msg.size) + " bytes at offset " +
@@ -201,7 +209,7 @@ storage::storage receiver_state::make_storage(const storage_message& msg, backen
   sink_->held.fetch_add(1, std::memory_order_relaxed);
   auto owner = std::make_shared<received_data>(shared_from_this(), sink_, m, file, msg.slot);
   try {
-    allocator.device().wait_imported(stream, source, msg.ready);
+    if (msg.ready) allocator.device().wait_imported(stream, source, *msg.ready);
   } catch (const invalid_argument& e) {
     throw protocol_error(std::string("storage message: bad ready point: ") + e.what());  // owner releases the slot
   }

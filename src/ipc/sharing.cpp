@@ -81,5 +81,6 @@ received peer::receive() {
 }
 const peer_credentials& peer::credentials() const noexcept { return link_->credentials(); }
 peer_stats peer::stats() const { return link_->stats(); }
+int peer::native_handle() const noexcept { return link_->native_handle(); }
 
 }  // namespace shoal::ipc

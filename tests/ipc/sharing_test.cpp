@@ -309,6 +309,7 @@ TEST(sharing_malformed, random_and_mutated_messages_never_crash_the_receiver_or_
     auto [to_capture, capture] = connected_pair();
     ipc::peer sender(producer, std::move(to_capture));
     const std::byte metadata[3] = {std::byte{1}, std::byte{2}, std::byte{3}};
+    dev.delay({}, std::chrono::microseconds(200));  // queued work: the storage message carries a point to wait for
     sender.send(st, metadata, {});
     sender.send_note(metadata);
     for (int i = 0; i < 5; ++i) {  // counter file, segment, event source, storage, note

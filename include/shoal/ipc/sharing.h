@@ -135,6 +135,8 @@ class peer {
 
   [[nodiscard]] const peer_credentials& credentials() const noexcept;
   [[nodiscard]] peer_stats stats() const;
+  /// The connection's socket, for poll(): readable when a message waits.
+  [[nodiscard]] int native_handle() const noexcept;
 
  private:
   std::shared_ptr<detail::peer_link> link_;
