@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <array>
 #include <cerrno>
 #include <climits>
@@ -29,6 +31,16 @@ constexpr std::array<std::byte, 4> frame_magic{std::byte{'S'}, std::byte{'H'}, s
 constexpr std::size_t max_name_bytes = sizeof(sockaddr_un::sun_path) - 1;
 
 std::string errno_text() { return std::strerror(errno); }
+
+// Polls `socket` without sleeping for up to `spin_ns`: a message that comes
+// meanwhile is read without the wake-up of a blocked thread (several
+// microseconds each way). Then the caller blocks as usual.
+void wait_readable_spinning(int socket, std::int64_t spin_ns) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns);
+  pollfd p{socket, POLLIN, 0};
+  while (::poll(&p, 1, 0) == 0 && std::chrono::steady_clock::now() < until) {
+  }
+}
 
 struct socket_address {
   sockaddr_un address{};
@@ -199,6 +211,7 @@ struct connection::state {
   unique_fd socket;
   peer_credentials peer;
   std::size_t max_payload = 0;
+  std::atomic<std::int64_t> spin_ns{0};  // how long receive polls before it blocks
   std::mutex send_mutex;
   std::mutex receive_mutex;
   mutable std::mutex broken_mutex;
@@ -338,6 +351,10 @@ void connection::send(std::uint16_t type, std::span<const std::byte> payload, in
   }
 }
 
+void connection::set_receive_spin(std::chrono::nanoseconds spin) {
+  usable("set_receive_spin").spin_ns.store(std::max<std::int64_t>(0, spin.count()), std::memory_order_relaxed);
+}
+
 frame connection::receive() {
   state& s = usable("receive");
   const std::lock_guard lock(s.receive_mutex);
@@ -345,6 +362,7 @@ frame connection::receive() {
   // The limit covers header and payload; frames above 4 GiB cannot be sent anyway.
   const std::size_t limit = std::min<std::size_t>(s.max_payload, UINT32_MAX - frame_header_bytes) + frame_header_bytes;
   const auto from = [&] { return "connection::receive from pid " + std::to_string(s.peer.process.pid); };
+  if (const auto spin = s.spin_ns.load(std::memory_order_relaxed); spin > 0) wait_readable_spinning(s.socket.get(), spin);
   try {
     return to_frame(receive_message(s.socket.get(), limit), from);
   } catch (const protocol_error& e) {

@@ -17,6 +17,8 @@ peer_link::peer_link(std::shared_ptr<sharing_state> state, connection link)
   // A storage message must fit a frame: 8 bytes per segment id.
   limits_.max_segments_per_storage = link_.max_payload() / sizeof(std::uint64_t);
   state_->add_outbox(outbox_);
+  state_->add_receiver(receiver_);
+  link_.set_receive_spin(state_->options.receive_spin);
 }
 
 void peer_link::send_frame(message_type type, std::span<const std::byte> payload, int fd) {
@@ -99,7 +101,6 @@ void peer_link::fail(const protocol_error& e) {
 received peer_link::receive(backend::stream_ref stream) {
   if (broken_) throw connection_closed("peer::receive: the connection was closed after a malformed message");
   for (;;) {
-    receiver_->close_finished();
     frame f = link_.receive();
     try {
       switch (static_cast<message_type>(f.type)) {

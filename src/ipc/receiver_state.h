@@ -7,7 +7,7 @@
 // a storage's use ends when its stream has passed the work enqueued before
 // it was dropped (a host task releases the slot then). Host tasks may not
 // call the device, so they only count down; closing happens on a user
-// thread: in receive(), retire handling, or the destructor.
+// thread: the sharing context's collector, collect(), or the destructor.
 //
 // Thread-safety: every member may be called from any thread (one mutex).
 // Storages made here keep this object alive.

@@ -1,5 +1,7 @@
 #include "ipc/sharing_state.h"
 
+#include "ipc/receiver_state.h"
+
 #include <algorithm>
 #include <string>
 
@@ -140,6 +142,11 @@ void sharing_state::post(const std::vector<std::uint64_t>& segments, const std::
   }
 }
 
+void sharing_state::add_receiver(const std::shared_ptr<receiver_state>& receiver) {
+  std::lock_guard lock(exports_mutex_);
+  receivers_.push_back(receiver);
+}
+
 void sharing_state::add_outbox(const std::shared_ptr<outbox>& box) {
   std::lock_guard lock(exports_mutex_);
   outboxes_.push_back(box);
@@ -194,6 +201,17 @@ std::size_t sharing_state::collect(bool reclaim) {
   }
   if (!closed.empty()) post({}, closed);
   free_blocks(ready);
+  if (reclaim) {
+    std::vector<std::shared_ptr<receiver_state>> receivers;
+    {
+      std::lock_guard lock(exports_mutex_);
+      std::erase_if(receivers_, [](const std::weak_ptr<receiver_state>& w) { return w.expired(); });
+      for (auto& w : receivers_) {
+        if (auto r = w.lock()) receivers.push_back(std::move(r));
+      }
+    }
+    for (auto& r : receivers) r->close_finished();
+  }
   return ready.size();
 }
 

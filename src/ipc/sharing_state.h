@@ -18,6 +18,8 @@
 
 namespace shoal::ipc::detail {
 
+class receiver_state;
+
 /// One exported segment (or growable segment's chunk); handle.offset is 0.
 struct exported_segment {
   std::uint64_t id = 0;
@@ -64,6 +66,8 @@ class sharing_state : public std::enable_shared_from_this<sharing_state> {
   std::size_t collect(bool reclaim);
 
   void add_outbox(const std::shared_ptr<outbox>& box);
+  /// collect(true) also closes the receiver's finished mappings.
+  void add_receiver(const std::shared_ptr<receiver_state>& receiver);
   [[nodiscard]] sharing_stats stats() const;
 
   alloc::caching_allocator& allocator;
@@ -98,6 +102,7 @@ class sharing_state : public std::enable_shared_from_this<sharing_state> {
   std::map<std::uintptr_t, std::shared_ptr<exported_segment>> exports_;  // by base; guarded
   std::uint64_t next_segment_id_ = 1;                                      // guarded
   std::vector<std::weak_ptr<outbox>> outboxes_;                            // guarded
+  std::vector<std::weak_ptr<receiver_state>> receivers_;                   // guarded
 
   std::uint64_t miss_hook_ = 0, release_observer_ = 0;
 };

@@ -163,6 +163,11 @@ class connection {
   /// refused frame is closed.
   [[nodiscard]] frame receive();
 
+  /// receive() first polls for up to `spin` without sleeping before it
+  /// blocks: lower latency for a busy CPU core. Zero (the default) never
+  /// spins.
+  void set_receive_spin(std::chrono::nanoseconds spin);
+
   [[nodiscard]] const peer_credentials& peer() const noexcept;
   /// The largest payload receive() accepts.
   [[nodiscard]] std::size_t max_payload() const noexcept;
