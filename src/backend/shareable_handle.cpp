@@ -25,6 +25,18 @@ using detail::take_field;
 
 }  // namespace
 
+shareable_handle shareable_handle::duplicate() const {
+  shareable_handle copy;
+  copy.kind = kind;
+  copy.device = device;
+  copy.device_ordinal = device_ordinal;
+  copy.size = size;
+  copy.offset = offset;
+  copy.opaque = opaque;
+  if (fd) copy.fd = fd.duplicate();
+  return copy;
+}
+
 std::vector<std::byte> shareable_handle::serialize() const {
   std::vector<std::byte> out;
   out.reserve(wire_bytes);

@@ -148,16 +148,7 @@ std::shared_ptr<mapping> receiver_state::map_segments(const std::vector<std::uin
   for (auto id : ids) {
     auto it = segments_.find(id);
     if (it == segments_.end()) throw protocol_error("storage message: segment " + std::to_string(id) + " was never announced");
-    const backend::shareable_handle& h = it->second;
-    backend::shareable_handle copy;
-    copy.kind = h.kind;
-    copy.device = h.device;
-    copy.device_ordinal = h.device_ordinal;
-    copy.size = h.size;
-    copy.offset = h.offset;
-    copy.opaque = h.opaque;
-    if (h.fd) copy.fd = h.fd.duplicate();
-    chunks.push_back(std::move(copy));
+    chunks.push_back(it->second.duplicate());  // import_memory takes them side by side
   }
   auto m = std::make_shared<mapping>();
   try {

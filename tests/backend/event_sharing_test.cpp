@@ -78,22 +78,10 @@ bool descriptor_open(int fd) { return ::fcntl(fd, F_GETFD) != -1; }
 
 unique_fd any_fd() { return unique_fd(::open("/dev/null", O_RDONLY | O_CLOEXEC)); }
 
-shareable_handle copy_of(const shareable_handle& h) {
-  shareable_handle c;
-  c.kind = h.kind;
-  c.device = h.device;
-  c.device_ordinal = h.device_ordinal;
-  c.size = h.size;
-  c.offset = h.offset;
-  c.opaque = h.opaque;
-  if (h.fd) c.fd = h.fd.duplicate();
-  return c;
-}
-
 std::vector<shareable_handle> both(const shareable_handle& a, const shareable_handle& b) {
   std::vector<shareable_handle> chunks;
-  chunks.push_back(copy_of(a));
-  chunks.push_back(copy_of(b));
+  chunks.push_back(a.duplicate());
+  chunks.push_back(b.duplicate());
   return chunks;
 }
 

@@ -45,6 +45,8 @@ struct shareable_handle {
   std::array<std::byte, opaque_bytes> opaque{};  ///< cuda_ipc only; zero otherwise
   unique_fd fd;  ///< valid iff carries_fd(kind)
 
+  /// The same handle with a new descriptor for the same memory (dup).
+  [[nodiscard]] shareable_handle duplicate() const;
   /// The fixed-size wire form of everything but the descriptor.
   [[nodiscard]] std::vector<std::byte> serialize() const;
   /// Rebuilds a handle from serialize()'s bytes and the descriptor received
