@@ -32,15 +32,6 @@ constexpr std::size_t max_name_bytes = sizeof(sockaddr_un::sun_path) - 1;
 
 std::string errno_text() { return std::strerror(errno); }
 
-// Polls `socket` without sleeping for up to `spin_ns`: a message that comes
-// meanwhile is read without the wake-up of a blocked thread (several
-// microseconds each way). Then the caller blocks as usual.
-void wait_readable_spinning(int socket, std::int64_t spin_ns) {
-  const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(spin_ns);
-  pollfd p{socket, POLLIN, 0};
-  while (::poll(&p, 1, 0) == 0 && std::chrono::steady_clock::now() < until) {
-  }
-}
 
 struct socket_address {
   sockaddr_un address{};
@@ -362,9 +353,9 @@ frame connection::receive() {
   // The limit covers header and payload; frames above 4 GiB cannot be sent anyway.
   const std::size_t limit = std::min<std::size_t>(s.max_payload, UINT32_MAX - frame_header_bytes) + frame_header_bytes;
   const auto from = [&] { return "connection::receive from pid " + std::to_string(s.peer.process.pid); };
-  if (const auto spin = s.spin_ns.load(std::memory_order_relaxed); spin > 0) wait_readable_spinning(s.socket.get(), spin);
   try {
-    return to_frame(receive_message(s.socket.get(), limit), from);
+    return to_frame(receive_message(s.socket.get(), limit, std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed))),
+                    from);
   } catch (const protocol_error& e) {
     s.break_with(e.what());
     throw;

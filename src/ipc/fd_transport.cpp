@@ -78,7 +78,7 @@ void send_message(int socket, std::span<const std::byte> payload, int fd) {
   send_all(socket, payload.data() + (done - sizeof length), total - done);
 }
 
-message receive_message(int socket, std::size_t max_payload) {
+message receive_message(int socket, std::size_t max_payload, std::chrono::nanoseconds spin) {
   message out;
   std::uint32_t length = 0;
   iovec part{&length, sizeof length};
@@ -89,9 +89,17 @@ message receive_message(int socket, std::size_t max_payload) {
   header.msg_control = control;
   header.msg_controllen = sizeof control;
   ssize_t got;
-  do {
-    got = ::recvmsg(socket, &header, MSG_CMSG_CLOEXEC);
-  } while (got < 0 && errno == EINTR);
+  // Spinning reads without waiting (no extra poll call); then a blocking read.
+  const auto spin_until = std::chrono::steady_clock::now() + spin;
+  int flags = spin.count() > 0 ? MSG_CMSG_CLOEXEC | MSG_DONTWAIT : MSG_CMSG_CLOEXEC;
+  for (;;) {
+    got = ::recvmsg(socket, &header, flags);
+    if (got >= 0) break;
+    if (errno == EINTR) continue;
+    const bool would_block = errno == EAGAIN || errno == EWOULDBLOCK;
+    if (!would_block || (flags & MSG_DONTWAIT) == 0) break;
+    if (std::chrono::steady_clock::now() >= spin_until) flags &= ~MSG_DONTWAIT;  // spun enough: block
+  }
   if (got == 0) throw connection_closed("recvmsg: the peer closed the connection");
   if (got < 0) fail("recvmsg");
 
