@@ -118,6 +118,8 @@ allocator_config allocator_config::parse(std::string_view text) {
       c.debug = parse_bool(key, value);
     } else if (key == "cross_stream_safety") {
       c.cross_stream_safety = parse_bool(key, value);
+    } else if (key == "release_idle_before_grow") {
+      c.release_idle_before_grow = parse_bool(key, value);
     } else if (key == "memory_limit_mb") {
       c.memory_limit = parse_mib(key, value);
     } else if (key == "memory_fraction") {
@@ -131,7 +133,8 @@ allocator_config allocator_config::parse(std::string_view text) {
     } else {
       throw invalid_argument("SHOAL_ALLOC_CONF: unknown key '" + std::string(key) +
                              "'; known keys: max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions, "
-                             "expandable_segments, debug, cross_stream_safety, memory_limit_mb, memory_fraction, "
+                             "expandable_segments, debug, cross_stream_safety, release_idle_before_grow, memory_limit_mb, "
+                             "memory_fraction, "
                              "trace_entries");
     }
   }
@@ -147,6 +150,7 @@ std::string allocator_config::to_string() const {
   std::ostringstream out;
   out << "expandable_segments:" << (expandable_segments ? "true" : "false") << ",debug:" << (debug ? "true" : "false")
       << ",cross_stream_safety:" << (cross_stream_safety ? "true" : "false")
+      << ",release_idle_before_grow:" << (release_idle_before_grow ? "true" : "false")
       << ",max_non_split_rounding_mb:" << (max_non_split_rounding >> 20) << ",trace_entries:" << trace_entries;
   if (max_split_size != no_limit) out << ",max_split_size_mb:" << (max_split_size >> 20);
   if (memory_limit != no_limit) out << ",memory_limit_mb:" << (memory_limit >> 20);

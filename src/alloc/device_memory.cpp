@@ -12,6 +12,10 @@ namespace shoal::alloc::detail {
 block* allocator_core::grow(block_pool& pool, std::size_t size) {
   if (pool.is_private) return nullptr;
   if (config.expandable_segments) return grow_expandable(pool, size);
+  // The cached segments did not fit: wholly free ones go back first, so they
+  // do not sit in reserved memory beside the new one (measured on replayed
+  // traces: docs/benchmarks.md).
+  if (config.release_idle_before_grow) release_cached(pool);
   const std::size_t bytes = segment_size_for(size, config);
   if (!reserve_bytes(bytes)) return nullptr;
   void* base;

@@ -109,7 +109,7 @@ TYPED_TEST(allocator_basic, the_best_fitting_free_block_is_chosen) {
 }
 
 TYPED_TEST(allocator_basic, oversize_blocks_are_never_split_and_serve_only_near_sizes) {
-  auto& a = this->make("max_split_size_mb:4,max_non_split_rounding_mb:2");
+  auto& a = this->make("max_split_size_mb:4,max_non_split_rounding_mb:2,release_idle_before_grow:false");
   void* big = a.allocate(8 * mib, {});
   a.deallocate(big, {});
   void* small = a.allocate(2 * mib, {});

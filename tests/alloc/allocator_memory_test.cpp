@@ -51,8 +51,20 @@ TYPED_TEST(allocator_memory, expandable_segments_grow_in_place_and_give_back_hol
   EXPECT_TRUE(nothing_in_use(a.stats()));
 }
 
+TYPED_TEST(allocator_memory, a_pool_gives_its_idle_segments_back_before_it_grows) {
+  for (const bool release : {true, false}) {
+    auto& a = this->make(release ? "" : "release_idle_before_grow:false");
+    a.deallocate(a.allocate(30 * mib, {}), {});  // a 30 MiB segment, cached and wholly free
+    void* kept = a.allocate(40 * mib, {});       // does not fit in it: the pool grows
+    const auto reserved = a.stats().reserved_bytes.aggregate.current;
+    EXPECT_EQ(reserved, static_cast<std::int64_t>((release ? 40 : 70) * mib)) << "release_idle_before_grow " << release;
+    EXPECT_EQ(a.stats().reserved_bytes.aggregate.peak, static_cast<std::int64_t>((release ? 40 : 70) * mib));
+    a.deallocate(kept, {});
+  }
+}
+
 TYPED_TEST(allocator_memory, a_memory_limit_fails_cleanly_and_frees_cache_before_failing) {
-  auto& a = this->make("memory_limit_mb:40");
+  auto& a = this->make("memory_limit_mb:40,release_idle_before_grow:false");  // the cache survives growth until memory runs out
   std::vector<alloc::oom_report> reports;
   a.add_oom_observer([&](const alloc::oom_report& r) { reports.push_back(r); });
   void* cached = a.allocate(12 * mib, {});

@@ -17,6 +17,7 @@ TEST(allocator_config, defaults) {
   EXPECT_EQ(c.max_split_size, allocator_config::no_limit);
   EXPECT_EQ(c.max_non_split_rounding, 20 * mib);
   EXPECT_TRUE(c.cross_stream_safety);
+  EXPECT_TRUE(c.release_idle_before_grow);
   EXPECT_FALSE(c.expandable_segments);
   EXPECT_FALSE(c.debug);
 }
@@ -24,12 +25,14 @@ TEST(allocator_config, defaults) {
 TEST(allocator_config, parses_every_key) {
   const auto c = allocator_config::parse(
       " max_split_size_mb:256, max_non_split_rounding_mb:4,expandable_segments:true,debug:True,"
-      "cross_stream_safety:false,memory_limit_mb:1024,memory_fraction:0.5,trace_entries:100");
+      "cross_stream_safety:false,memory_limit_mb:1024,memory_fraction:0.5,trace_entries:100,"
+      "release_idle_before_grow:false");
   EXPECT_EQ(c.max_split_size, 256 * mib);
   EXPECT_EQ(c.max_non_split_rounding, 4 * mib);
   EXPECT_TRUE(c.expandable_segments);
   EXPECT_TRUE(c.debug);
   EXPECT_FALSE(c.cross_stream_safety);
+  EXPECT_FALSE(c.release_idle_before_grow);
   EXPECT_EQ(c.memory_limit, 1024 * mib);
   EXPECT_DOUBLE_EQ(c.memory_fraction, 0.5);
   EXPECT_EQ(c.trace_entries, 100u);

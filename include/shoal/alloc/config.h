@@ -10,6 +10,8 @@
 //   expandable_segments        true|false: one growable range per stream and pool
 //   debug                      true|false: poison reusable blocks, check hand-outs
 //   cross_stream_safety        true|false: false turns the free-stream hold off (unsafe)
+//   release_idle_before_grow   true|false: before a pool takes a new segment, it gives
+//                              its wholly free segments back (default true)
 //   memory_limit_mb            fail allocations past this many reserved MiB
 //   memory_fraction            fail allocations past this fraction of the device (0..1]
 //   trace_entries              keep the last N trace records (0: no trace)
@@ -40,6 +42,11 @@ struct allocator_config {
   bool expandable_segments = false;
   bool debug = false;
   bool cross_stream_safety = true;
+  /// Before a pool takes a new segment from the device, it gives back its
+  /// segments that are wholly free: growth means the cached ones did not
+  /// fit, and keeping them would count them in reserved memory twice over.
+  /// Costs a wait for the pool's stream and a device free, at growth only.
+  bool release_idle_before_grow = true;
   /// Reserved bytes past which allocation fails (no_limit: none).
   std::size_t memory_limit = no_limit;
   /// Fraction of the device's total memory past which allocation fails
