@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "bench/common/shoal_adapter.h"
+#include "bench/common/private_work_adapter.h"
 #include "bench/compare/adapters.h"
 #include "shoal/backend/devices.h"
 
@@ -254,6 +255,8 @@ std::vector<contender> contenders() {
   list.push_back({"rmm pool", [] { return std::make_unique<shoal::bench::rmm_pool_adapter>(); }, false});
   list.push_back({"rmm arena", [] { return std::make_unique<shoal::bench::rmm_arena_adapter>(); }, false});
 #endif
+  // Not an allocator: the machine's ceiling for the thread rows.
+  list.push_back({"private work", [] { return std::make_unique<shoal::bench::private_work_adapter>(); }, false});
   return list;
 }
 
@@ -274,7 +277,8 @@ std::string header() {
   text += ", rmm " RMM_VERSION;
 #endif
   text += "\npair: µs (median over batches); threads: M pairs/s aggregate (× one thread); "
-          "shoal vs torch: how many times better shoal is\n";
+          "shoal vs torch: how many times better shoal is; private work: not an allocator but 32 xorshift rounds per "
+          "pair on thread-private state, the machine's ceiling for the thread rows\n";
   return text;
 }
 
