@@ -25,7 +25,9 @@ namespace shoal::alloc::detail {
 struct block_pool;
 struct segment;
 
-struct block {
+// Cache-line aligned: blocks of different streams' pools are written by
+// different threads, and must never share a line (false sharing).
+struct alignas(64) block {
   std::uintptr_t address = 0;
   std::size_t size = 0;
   std::size_t requested = 0;  ///< bytes asked for; 0 unless allocated

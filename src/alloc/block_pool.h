@@ -35,7 +35,9 @@ struct pool_counters {
   }
 };
 
-struct block_pool {
+// Cache-line aligned (size included): each stream's pools are written by
+// its own threads on every allocation, and two pools must never share a line.
+struct alignas(64) block_pool {
   spin_lock lock;
   pool_kind kind = pool_kind::small;
   backend::stream_ref stream;  ///< stream pools: the stream every block is handed out on
