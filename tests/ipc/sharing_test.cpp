@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -309,14 +310,22 @@ TEST(sharing_malformed, random_and_mutated_messages_never_crash_the_receiver_or_
     auto [to_capture, capture] = connected_pair();
     ipc::peer sender(producer, std::move(to_capture));
     const std::byte metadata[3] = {std::byte{1}, std::byte{2}, std::byte{3}};
-    dev.delay({}, std::chrono::microseconds(200));  // queued work: the storage message carries a point to wait for
+    // The stream is busy until after the send, so the storage message
+    // carries a point to wait for (and its event source is announced).
+    std::atomic<bool> sent{false};
+    dev.host_task({}, [&sent] {
+      while (!sent.load()) std::this_thread::yield();
+    });
     sender.send(st, metadata, {});
+    sent.store(true);
     sender.send_note(metadata);
-    for (int i = 0; i < 5; ++i) {  // counter file, segment, event source, storage, note
+    for (;;) {  // counter file, segment, event source, storage, note
       ipc::frame f = capture.receive();
       seeds.push_back({f.type, f.payload, f.fd.get()});
       keep.push_back(std::move(f.fd));
+      if (f.type == 7) break;
     }
+    dev.synchronize({});
   };
 
   std::mt19937_64 rng(20261122);
@@ -331,6 +340,7 @@ TEST(sharing_malformed, random_and_mutated_messages_never_crash_the_receiver_or_
     std::vector<raw_frame> seeds;
     std::vector<unique_fd> keep;
     capture_exchange(seeds, keep);
+    ASSERT_EQ(seeds.size(), 5u) << "counter file, segment, event source, storage, note";
     ASSERT_EQ(seeds[3].type, 4) << "the fourth frame is the storage message";
     auto [from, to] = connected_pair();
     {
