@@ -253,6 +253,29 @@ TYPED_TEST(sharing_test, segments_given_back_by_the_producer_are_retired_by_the_
   this->finish();
 }
 
+TYPED_TEST(sharing_test, counter_files_come_and_go_with_their_slots) {
+  auto& a = this->make();
+  this->context_ = std::make_unique<ipc::sharing_context>(
+      a, ipc::sharing_options{.collect_interval = 20ms, .slots_per_file = 4});
+  this->start({"consume"});
+  const std::size_t shm_before = shm_entries();
+  {
+    std::vector<storage_t> sent;
+    for (int i = 0; i < 10; ++i) {
+      sent.push_back(this->filled(4 * kib, static_cast<std::uint8_t>(i)));
+      ASSERT_EQ(this->send(sent.back(), static_cast<std::uint8_t>(i), true), "ok");
+    }
+    EXPECT_EQ(this->context_->stats().counter_files, 3u) << "10 references in files of 4 slots";
+  }
+  EXPECT_EQ(this->command("release"), "released");
+  EXPECT_TRUE(this->drains());
+  EXPECT_EQ(this->context_->stats().counter_files, 1u) << "emptied files are closed, all but the newest";
+  EXPECT_EQ(shm_entries(), shm_before);
+  auto again = this->filled(4 * kib, 42);
+  EXPECT_EQ(this->send(again, 42, false), "ok") << "slots are reused after the files went";
+  this->finish();
+}
+
 TYPED_TEST(sharing_test, a_chain_of_three_processes_ends_where_it_started) {
   auto& ctx = this->context();
   const std::size_t shm_before = shm_entries();
@@ -295,6 +318,22 @@ std::pair<ipc::connection, ipc::connection> connected_pair() {
   int fds[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) throw std::runtime_error("socketpair");
   return {ipc::connection::adopt(unique_fd(fds[0]), {}, 1 << 20), ipc::connection::adopt(unique_fd(fds[1]), {}, 1 << 20)};
+}
+
+TEST(sharing_failures, a_send_that_fails_gives_its_slot_back) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context producer(allocator, {.collect_interval = 0ms});
+  auto [to_consumer, consumer_end] = connected_pair();
+  ipc::peer sender(producer, std::move(to_consumer));
+  auto st = storage_t::allocate(allocator, 8 * kib, {});
+  { auto gone = std::move(consumer_end); }  // the consumer hangs up before anything is sent
+  EXPECT_THROW(sender.send(st, {}, {}), connection_closed);
+  st = storage_t();
+  producer.collect();
+  EXPECT_EQ(producer.stats().held_slots, 0u) << "the slot of a share that never arrived is free again";
+  EXPECT_EQ(producer.stats().limbo_blocks, 0u);
+  EXPECT_EQ(allocator.stats().allocated_bytes.aggregate.current, 0) << "the block went back at once";
 }
 
 TEST(sharing_malformed, random_and_mutated_messages_never_crash_the_receiver_or_leak) {
