@@ -32,7 +32,6 @@ constexpr std::size_t max_name_bytes = sizeof(sockaddr_un::sun_path) - 1;
 
 std::string errno_text() { return std::strerror(errno); }
 
-
 struct socket_address {
   sockaddr_un address{};
   socklen_t length = 0;

@@ -7,21 +7,12 @@
 
 #include <cstring>
 
+#include "support/descriptors.h"
 #include "shoal/error.h"
 #include "shoal/ipc/fd_transport.h"
 
 namespace shoal::testing {
 namespace {
-
-struct socket_pair {
-  socket_pair() {
-    int fds[2];
-    EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
-    a.reset(fds[0]);
-    b.reset(fds[1]);
-  }
-  unique_fd a, b;
-};
 
 std::vector<std::byte> bytes_of(const char* s) {
   const auto* p = reinterpret_cast<const std::byte*>(s);

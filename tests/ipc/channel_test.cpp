@@ -26,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "support/descriptors.h"
 #include "shoal/error.h"
 #include "shoal/ipc/channel.h"
 #include "shoal/process_identity.h"
@@ -138,22 +139,6 @@ bool reads_end_of_stream(int socket) {
   char c;
   return ::recv(socket, &c, 1, 0) == 0;
 }
-
-std::size_t open_descriptor_count() {
-  std::size_t n = 0;
-  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
-  return n;
-}
-
-struct socket_pair {
-  socket_pair() {
-    int ends[2];
-    EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends), 0);
-    a.reset(ends[0]);
-    b.reset(ends[1]);
-  }
-  unique_fd a, b;
-};
 
 // A forked child running `body`, whose result becomes the exit status.
 // `body` must call only async-signal-safe functions.

@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 
+#include "support/descriptors.h"
 #include "shoal/backend/devices.h"
 #include "shoal/backend/stream.h"
 #include "shoal/error.h"
@@ -308,12 +309,6 @@ struct raw_frame {
   int fd;  // borrowed from `keep`
 };
 
-std::size_t open_fds() {
-  std::size_t n = 0;
-  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
-  return n;
-}
-
 std::pair<ipc::connection, ipc::connection> connected_pair() {
   int fds[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) throw std::runtime_error("socketpair");
@@ -373,7 +368,7 @@ TEST(sharing_malformed, random_and_mutated_messages_never_crash_the_receiver_or_
     std::vector<unique_fd> keep;
     capture_exchange(warm, keep);
   }
-  const std::size_t fds_before = open_fds();
+  const std::size_t fds_before = open_descriptor_count();
   int refused = 0, accepted = 0;
   for (int round = 0; round < 1500; ++round) {
     std::vector<raw_frame> seeds;
@@ -437,7 +432,7 @@ TEST(sharing_malformed, random_and_mutated_messages_never_crash_the_receiver_or_
   EXPECT_GT(refused, 700) << "mutations must mostly be refused";
   EXPECT_GT(accepted, 0) << "harmless mutations (e.g. of the metadata) still deliver";
   dev.synchronize({});
-  EXPECT_EQ(open_fds(), fds_before) << "no descriptor leaked";
+  EXPECT_EQ(open_descriptor_count(), fds_before) << "no descriptor leaked";
 }
 }  // namespace
 }  // namespace shoal::testing
