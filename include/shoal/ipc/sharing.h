@@ -18,9 +18,9 @@
 // Crash safety: every slot records its holder (pid and process start time).
 // When a holder dies, SIGKILL included, the collector reclaims its slots
 // within collect_interval. When the producer dies first, consumers keep the
-// memory until they drop it on the host backend and for growable (VMM)
-// segments on CUDA; see docs/architecture.md for plain CUDA segments. Counter
-// files have no name after creation, so no file outlives its processes.
+// memory until they drop it (tested on the host backend, and for plain
+// segments on CUDA with driver 580; see docs/architecture.md). Counter files
+// have no name after creation, so no file outlives its processes.
 //
 // Ordering: the producer's writes enqueued before send() on the send stream
 // are passed before any work the receiver enqueues on its receive stream.
