@@ -52,7 +52,6 @@ class counter_slots {
 
   const std::uint32_t slots_per_file_;
   std::map<std::uint64_t, std::unique_ptr<file_entry>> files_;
-  std::uint64_t next_file_id_ = 1;
   std::size_t in_use_ = 0;
   std::vector<std::uint64_t> closed_;
 };

@@ -12,7 +12,7 @@ namespace shoal::ipc::detail {
 peer_link::peer_link(std::shared_ptr<sharing_state> state, connection link)
     : state_(std::move(state)),
       link_(std::move(link)),
-      receiver_(std::make_shared<receiver_state>(state_->allocator, state_->options)) {
+      receiver_(receiver_state::for_producer(link_.peer().process, state_.get(), state_->allocator, state_->options)) {
   limits_.max_metadata = state_->options.max_metadata_bytes;
   // A storage message must fit a frame: 8 bytes per segment id.
   limits_.max_segments_per_storage = link_.max_payload() / sizeof(std::uint64_t);

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include "shoal/backend/stream.h"
 #include "shoal/error.h"
@@ -57,6 +58,23 @@ class received_data final : public storage::storage_owner {
 
 receiver_state::receiver_state(alloc::caching_allocator& a, const sharing_options& o) : allocator(a), options(o) {}
 
+std::shared_ptr<receiver_state> receiver_state::for_producer(const process_identity& producer, const void* context,
+                                                             alloc::caching_allocator& allocator,
+                                                             const sharing_options& options) {
+  using key = std::tuple<pid_t, std::uint64_t, const void*>;
+  static std::mutex mutex;
+  static std::map<key, std::weak_ptr<receiver_state>> tables;
+  std::lock_guard lock(mutex);
+  std::erase_if(tables, [](const auto& entry) { return entry.second.expired(); });
+  auto& slot = tables[key{producer.pid, producer.start_time, context}];
+  auto table = slot.lock();
+  if (!table) {
+    table = std::make_shared<receiver_state>(allocator, options);
+    slot = table;
+  }
+  return table;
+}
+
 receiver_state::~receiver_state() {
   // Every received storage is gone; their releases may still wait on streams.
   for (;;) {
@@ -79,9 +97,7 @@ receiver_state::~receiver_state() {
 void receiver_state::add_counter_file(const counter_file_message& m, unique_fd fd) {
   auto file = std::make_shared<counter_file>(counter_file::open(std::move(fd), m.slots));
   std::lock_guard lock(mutex_);
-  if (!files_.emplace(m.file_id, std::move(file)).second) {
-    throw protocol_error("counter_file message: file " + std::to_string(m.file_id) + " was announced twice");
-  }
+  files_.emplace(m.file_id, std::move(file));  // another connection may have announced it first
 }
 
 void receiver_state::add_segment(segment_message m) {
@@ -91,16 +107,12 @@ void receiver_state::add_segment(segment_message m) {
                          std::string(backend::to_string(allocator.device().kind())) + " device");
   }
   std::lock_guard lock(mutex_);
-  if (!segments_.emplace(m.segment_id, std::move(m.handle)).second) {
-    throw protocol_error("segment message: segment " + std::to_string(m.segment_id) + " was announced twice");
-  }
+  segments_.emplace(m.segment_id, std::move(m.handle));  // as for files
 }
 
 void receiver_state::add_event_source(backend::event_source source) {
   std::lock_guard lock(mutex_);
-  if (sources_.contains(source.source_id)) {
-    throw protocol_error("event_source message: source " + std::to_string(source.source_id) + " was announced twice");
-  }
+  if (sources_.contains(source.source_id)) return;  // as for files
   backend::imported_event_ref opened;
   try {
     opened = allocator.device().open_event_source(source);

@@ -1,4 +1,4 @@
-// The consumer side of sharing over one connection: the producer's counter
+// The consumer side of sharing with one producer process: the producer's counter
 // files, segments and event sources as announced, the mappings made of them
 // (cached until the producer retires a segment), and the received storages'
 // owner.
@@ -23,6 +23,7 @@
 #include "ipc/counter_file.h"
 #include "ipc/messages.h"
 #include "shoal/ipc/sharing.h"
+#include "shoal/process_identity.h"
 
 namespace shoal::ipc::detail {
 
@@ -48,12 +49,20 @@ struct release_sink {
 class receiver_state : public std::enable_shared_from_this<receiver_state> {
  public:
   receiver_state(alloc::caching_allocator& allocator, const sharing_options& options);
+  /// The table of `producer`'s resources for the sharing context `context`
+  /// of this process, shared by every connection to that producer: each of
+  /// its segments is mapped once in this process.
+  static std::shared_ptr<receiver_state> for_producer(const process_identity& producer, const void* context,
+                                                      alloc::caching_allocator& allocator,
+                                                      const sharing_options& options);
   /// Waits for received storages' pending releases, then closes every
   /// mapping and event source.
   ~receiver_state();
   receiver_state(const receiver_state&) = delete;
   receiver_state& operator=(const receiver_state&) = delete;
 
+  // Each connection announces what it refers to; the first announcement of
+  // an id is kept (later ones describe the same resource of the same producer).
   void add_counter_file(const counter_file_message& m, unique_fd fd);
   void add_segment(segment_message m);
   void add_event_source(backend::event_source source);

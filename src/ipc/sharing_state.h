@@ -100,7 +100,6 @@ class sharing_state : public std::enable_shared_from_this<sharing_state> {
 
   mutable std::mutex exports_mutex_;
   std::map<std::uintptr_t, std::shared_ptr<exported_segment>> exports_;  // by base; guarded
-  std::uint64_t next_segment_id_ = 1;                                      // guarded
   std::vector<std::weak_ptr<outbox>> outboxes_;                            // guarded
   std::vector<std::weak_ptr<receiver_state>> receivers_;                   // guarded
 

@@ -8,6 +8,10 @@
 //   shoal_test_sharing_peer produce <host|cuda> <bytes> <byte>
 //       Sends one storage of <bytes> filled with <byte>, waits for a note,
 //       then exits at once, dropping its handle as it goes.
+//   shoal_test_sharing_peer produce-twice <host|cuda> <socket path> <bytes> <byte>
+//       Connects twice to the listener at <socket path> and sends the same
+//       storage of <bytes> filled with <byte> on both connections; waits for a
+//       note on each, then ends.
 //   shoal_test_sharing_peer relay <host|cuda> <program>
 //       Starts <program> consume as the next process; copies each storage it
 //       receives into one of its own and sends the copy on; passes the next
@@ -92,6 +96,22 @@ int produce(backend::device& dev, std::size_t bytes, std::uint8_t value) {
   std::_Exit(0);  // no clean-up: the memory's owner is simply gone
 }
 
+int produce_twice(backend::device& dev, const std::string& path, std::size_t bytes, std::uint8_t value) {
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context context(allocator);
+  const auto address = ipc::channel_address::at_path(path);
+  ipc::peer first(context, ipc::connection::connect(address, {}));
+  ipc::peer second(context, ipc::connection::connect(address, {}));
+  auto st = storage::storage::allocate(allocator, bytes, {});
+  dev.fill({}, st.mutable_data({}), value, bytes);
+  dev.synchronize({});
+  first.send(st, {}, {});
+  second.send(st, {}, {});
+  (void)first.receive({});
+  (void)second.receive({});
+  return 0;
+}
+
 int relay(backend::device& dev, const std::string& program, const std::string& backend_name) {
   alloc::caching_allocator allocator(dev, {});
   ipc::sharing_context context(allocator);
@@ -133,6 +153,9 @@ int main(int argc, char** argv) {
       return produce(dev, std::strtoull(argv[3], nullptr, 10), static_cast<std::uint8_t>(std::atoi(argv[4])));
     }
     if (mode == "relay" && argc == 4) return relay(dev, argv[3], backend_name);
+    if (mode == "produce-twice" && argc == 6) {
+      return produce_twice(dev, argv[3], std::strtoull(argv[4], nullptr, 10), static_cast<std::uint8_t>(std::atoi(argv[5])));
+    }
     std::fprintf(stderr, "bad arguments for mode %s\n", mode.c_str());
     return 2;
   } catch (const connection_closed&) {

@@ -202,6 +202,29 @@ TYPED_TEST(sharing_test, memory_stays_valid_after_its_producer_exits) {
   this->device().synchronize({});
 }
 
+TYPED_TEST(sharing_test, a_segment_is_mapped_once_per_process_whichever_connection_brings_it) {
+  auto& ctx = this->context();
+  const auto dir = std::filesystem::temp_directory_path() / ("shoal-test-" + std::to_string(::getpid()));
+  ipc::listener server(ipc::channel_address::at_path((dir / "twice.sock").string()), {});
+  ipc::child_process producer(SHOAL_TEST_SHARING_PEER,
+                              {"produce-twice", TypeParam::name, (dir / "twice.sock").string(), "65536", "8"});
+  ipc::peer first(ctx, server.accept());
+  ipc::peer second(ctx, server.accept());
+  ipc::received a = first.receive({});
+  ipc::received b = second.receive({});
+  ASSERT_TRUE(a.storage.valid() && b.storage.valid());
+  EXPECT_EQ(a.storage.data(), b.storage.data()) << "one mapping of the producer's segment serves both connections";
+  EXPECT_EQ(first.stats().open_mappings, 1u);
+  EXPECT_TRUE(all_equal(this->read(b.storage.data(), b.storage.size()), 8));
+  a.storage = {};
+  b.storage = {};
+  this->device().synchronize({});
+  first.send_note(text("done"));
+  second.send_note(text("done"));
+  EXPECT_EQ(producer.wait(), 0);
+  std::filesystem::remove_all(dir);
+}
+
 TYPED_TEST(sharing_test, a_received_storage_cannot_be_sent_on) {
   this->context();
   auto& p = this->start({"produce", "4096", "1"});
