@@ -1,5 +1,6 @@
 #include "ipc/peer_link.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <string>
@@ -92,7 +93,27 @@ void peer_link::send_note(std::span<const std::byte> metadata) {
   send_frame(message_type::note, encode_note(metadata));
 }
 
+peer_link::~peer_link() {
+  if (!broken_) release_unread();
+}
+
+void peer_link::release_unread() noexcept {
+  try {
+    pollfd waiting{link_.native_handle(), POLLIN, 0};
+    while (!link_.broken() && ::poll(&waiting, 1, 0) > 0 && (waiting.revents & POLLIN) != 0) {
+      frame f = link_.receive();
+      if (f.type == static_cast<std::uint16_t>(message_type::counter_file)) {
+        receiver_->add_counter_file(decode_counter_file(f.payload, 1u << 24), std::move(f.fd));
+      } else if (f.type == static_cast<std::uint16_t>(message_type::storage)) {
+        receiver_->release_unclaimed(decode_storage(f.payload, limits_));
+      }
+    }
+  } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): best effort, as documented
+  }
+}
+
 void peer_link::fail(const protocol_error& e) {
+  release_unread();
   broken_ = true;
   ::shutdown(link_.native_handle(), SHUT_RDWR);
   throw e;
@@ -114,8 +135,11 @@ received peer_link::receive(backend::stream_ref stream) {
           receiver_->add_event_source(backend::event_source::deserialize(f.payload, std::move(f.fd)));
           break;
         case message_type::storage: {
-          if (f.fd) throw protocol_error("storage message: came with a descriptor; it carries none");
           const storage_message m = decode_storage(f.payload, limits_);
+          if (f.fd) {
+            receiver_->release_unclaimed(m);
+            throw protocol_error("storage message: came with a descriptor; it carries none");
+          }
           received r;
           r.metadata.assign(m.metadata.begin(), m.metadata.end());
           r.storage = receiver_->make_storage(m, stream);

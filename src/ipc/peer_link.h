@@ -21,6 +21,10 @@ namespace shoal::ipc::detail {
 class peer_link {
  public:
   peer_link(std::shared_ptr<sharing_state> state, connection link);
+  /// Releases the references of storage messages still unread.
+  ~peer_link();
+  peer_link(const peer_link&) = delete;
+  peer_link& operator=(const peer_link&) = delete;
 
   void send(const storage::storage& st, std::span<const std::byte> metadata, backend::stream_ref stream);
   void send_note(std::span<const std::byte> metadata);
@@ -36,6 +40,10 @@ class peer_link {
   void send_retirements();  // send_mutex_ held
   // Closes the connection after a protocol error, so nothing more is read.
   [[noreturn]] void fail(const protocol_error& e);
+  // Reads what has already arrived and releases the references its storage
+  // messages name: the producer would otherwise wait for them until this
+  // process exits. Best effort: anything malformed ends it.
+  void release_unread() noexcept;
 
   std::shared_ptr<sharing_state> state_;
   connection link_;

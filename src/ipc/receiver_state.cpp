@@ -176,6 +176,11 @@ std::shared_ptr<mapping> receiver_state::map_segments(const std::vector<std::uin
   return m;
 }
 
+void receiver_state::release_unclaimed(const storage_message& m) {
+  std::lock_guard lock(mutex_);
+  if (auto f = files_.find(m.file_id); f != files_.end()) f->second->release(m.slot);
+}
+
 storage::storage receiver_state::make_storage(const storage_message& msg, backend::stream_ref stream) {
   std::shared_ptr<counter_file> file;
   std::shared_ptr<mapping> m;

@@ -68,6 +68,9 @@ class receiver_state : public std::enable_shared_from_this<receiver_state> {
   void add_event_source(backend::event_source source);
   void retire_segments(const std::vector<std::uint64_t>& ids);
   void retire_files(const std::vector<std::uint64_t>& ids);
+  /// Releases the slot a storage message names, when this process holds it
+  /// (a message that will never become a storage).
+  void release_unclaimed(const storage_message& m);
   /// The storage a storage message describes, ready on `stream`.
   storage::storage make_storage(const storage_message& m, backend::stream_ref stream);
   /// Closes mappings whose last use has passed since.

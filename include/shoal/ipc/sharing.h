@@ -117,8 +117,9 @@ class peer {
  public:
   /// Shares over `link`, an authenticated connection (see channel.h).
   peer(sharing_context& context, connection link);
-  /// Closes the connection. Cached mappings close once no received storage
-  /// uses them.
+  /// Releases the references of storage messages that arrived but were
+  /// never received, then closes the connection. Cached mappings close once
+  /// no received storage uses them.
   ~peer();
   peer(const peer&) = delete;
   peer& operator=(const peer&) = delete;
