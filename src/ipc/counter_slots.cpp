@@ -1,6 +1,6 @@
 #include "ipc/counter_slots.h"
 
-#include "ipc/process_wide_id.h"
+#include "process_wide_id.h"
 
 #include <string>
 #include <utility>
@@ -25,7 +25,7 @@ slot_ref counter_slots::claim(const process_identity& holder) {
     }
   }
   if (target == nullptr) {
-    target_id = next_process_wide_id();
+    target_id = shoal::detail::next_process_wide_id();
     auto e = std::make_unique<file_entry>(file_entry{counter_file::create(slots_per_file_), {}, 0});
     e->free_slots.reserve(slots_per_file_);
     for (std::uint32_t i = slots_per_file_; i > 0; --i) e->free_slots.push_back(i - 1);

@@ -1,6 +1,6 @@
 #include "ipc/sharing_state.h"
 
-#include "ipc/process_wide_id.h"
+#include "process_wide_id.h"
 #include "ipc/receiver_state.h"
 
 #include <algorithm>
@@ -110,7 +110,7 @@ std::vector<std::shared_ptr<const exported_segment>> sharing_state::exports_for(
       seg->handle = allocator.device().export_memory(reinterpret_cast<void*>(p));
       seg->base = p - seg->handle.offset;
       seg->handle.offset = 0;
-      seg->id = next_process_wide_id();
+      seg->id = shoal::detail::next_process_wide_id();
       exports_.emplace(seg->base, seg);
     }
     out.push_back(seg);

@@ -10,7 +10,7 @@
 #include "cuda_driver.h"
 #include "cuda_kernels.h"
 #include "address_text.h"
-#include "backend/event_source_id.h"
+#include "process_wide_id.h"
 #include "shoal/error.h"
 
 namespace shoal::backend::detail {
@@ -748,7 +748,7 @@ std::uint64_t cuda_device::create_exported_event() {
   const cudaError_t got = cudaIpcGetEventHandle(&handle, event);
   if (got != cudaSuccess) cudaEventDestroy(event);
   check(got, "cudaIpcGetEventHandle");
-  const std::uint64_t id = next_event_source_id();
+  const std::uint64_t id = shoal::detail::next_process_wide_id();
   try {
     exported_events_.emplace(id, exported_event{event, handle});
   } catch (...) {

@@ -14,7 +14,7 @@
 #include <string>
 #include <thread>
 
-#include "backend/event_source_id.h"
+#include "process_wide_id.h"
 #include "shoal/process_identity.h"
 #include "shoal/error.h"
 
@@ -88,7 +88,7 @@ std::shared_ptr<host_event_page> host_event_page::create() {
   if (::ftruncate(fd.get(), static_cast<off_t>(page_bytes)) != 0) throw_errno("ftruncate(event page)");
   void* mapping = ::mmap(nullptr, page_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (mapping == MAP_FAILED) throw_errno("mmap(event page)");
-  const std::uint64_t id = next_event_source_id();
+  const std::uint64_t id = shoal::detail::next_process_wide_id();
   new (mapping) page_header{page_magic, page_version, slot_count, id, self.pid, self.start_time};
   std::atomic<std::uint64_t>* counters = counters_in(mapping);
   for (std::uint32_t i = 0; i < slot_count; ++i) new (counters + i) std::atomic<std::uint64_t>(0);
