@@ -83,7 +83,7 @@ class receiver_state : public std::enable_shared_from_this<receiver_state> {
  private:
   std::shared_ptr<mapping> map_segments(const std::vector<std::uint64_t>& ids);  // mutex_ held
   void retire(const std::shared_ptr<mapping>& m);                                  // mutex_ held
-  void close(mapping& m) noexcept;                                                 // mutex_ held
+  void close(mapping& m) noexcept;  // a mapping no one else refers to; mutex_ not needed
 
   mutable std::mutex mutex_;
   std::map<std::uint64_t, std::shared_ptr<counter_file>> files_;
