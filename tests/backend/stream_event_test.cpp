@@ -201,5 +201,36 @@ TYPED_TEST(stream_event, many_threads_enqueue_and_wait_at_once) {
   EXPECT_EQ(failures.load(), 0);
 }
 
+TYPED_TEST(stream_event, small_reads_into_host_memory_wait_for_queued_writes) {
+  // Reads of a few bytes into ordinary (pageable) host memory take their own
+  // path on CUDA (a pinned staging buffer); from several threads at once,
+  // each read must still see the fill queued before it behind a delay.
+  auto& dev = this->device();
+  constexpr int threads = 4;
+  constexpr std::size_t sizes[] = {1, 100, 4096, 64 << 10, (64 << 10) + 1};
+  constexpr std::size_t slice = TestFixture::bytes / threads;
+  static_assert(slice >= (64 << 10) + 1);
+  std::vector<std::thread> workers;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      stream mine(dev);
+      auto* region = static_cast<std::uint8_t*>(this->buffer_) + t * slice;
+      int round = 0;
+      for (std::size_t n : sizes) {
+        const auto value = static_cast<std::uint8_t>(1 + t * 16 + round++);
+        std::vector<std::uint8_t> out(n, 0);
+        dev.delay(mine, 2ms);
+        dev.fill(mine, region, value, n);
+        dev.copy(mine, out.data(), region, n);
+        dev.synchronize(mine);
+        if (!all_equal(out, value)) failures.fetch_add(1);
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
 }  // namespace
 }  // namespace shoal::testing
