@@ -78,7 +78,7 @@ constexpr batch_plan live_plan{2, 51, 1000};
 constexpr int live_repetitions = 5;
 // Runs of every thread count, interleaved (1, 2, 4, 8, 16, 1, 2, ...), so a
 // slow spell of the machine does not land on one count only.
-constexpr int thread_repetitions = 5;
+constexpr int thread_repetitions = 9;
 constexpr auto thread_run_time = std::chrono::milliseconds(200);
 
 // Median over batches of one pair's time, in µs; pair i has size_of(i) bytes.
