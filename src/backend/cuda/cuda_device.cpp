@@ -32,23 +32,6 @@ using shoal::detail::hex;
 
 std::string label(int ordinal) { return "cuda device " + std::to_string(ordinal); }
 
-// Copies from the device into pageable host memory up to this size go
-// through a pinned buffer: the driver's pageable path is synchronous anyway,
-// and a few microseconds slower for a scalar read (the consumer's first
-// touch of a shared storage, a loss value read back).
-constexpr std::size_t staged_copy_bytes = 64 << 10;
-
-// What kind of memory `ptr` is: device, managed, pinned host, or
-// unregistered (pageable) host memory. Never fails: unknown is unregistered.
-cudaMemoryType memory_type(const void* ptr) {
-  cudaPointerAttributes attributes{};
-  if (cudaPointerGetAttributes(&attributes, ptr) != cudaSuccess) {
-    cudaGetLastError();
-    return cudaMemoryTypeUnregistered;
-  }
-  return attributes.type;
-}
-
 // The range of `ranges` (start -> bytes) that contains `address`, if any.
 std::optional<std::pair<std::uintptr_t, std::size_t>> containing(const range_map& ranges, std::uintptr_t address) {
   auto it = ranges.upper_bound(address);
@@ -252,7 +235,6 @@ cuda_device::~cuda_device() {
   for (const auto& [chunk, size] : chunks_) d.mem_release(chunk);
   for (const auto& [base, size] : reservations_) d.mem_address_free(base, size);
   for (const auto& [base, size] : segments_) cudaFree(reinterpret_cast<void*>(base));
-  for (void* buffer : staging_) cudaFreeHost(buffer);
   cudaGetLastError();
 }
 
@@ -561,32 +543,7 @@ void cuda_device::copy(stream_ref stream, void* dst, const void* src, std::size_
   }
   make_current();
   const auto s = lock_stream(stream, "copy");
-  if (bytes <= staged_copy_bytes && memory_type(dst) == cudaMemoryTypeUnregistered &&
-      memory_type(src) == cudaMemoryTypeDevice) {
-    copy_staged(s.native, dst, src, bytes);
-    return;
-  }
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s.native), "cudaMemcpyAsync");
-}
-
-void cuda_device::copy_staged(cudaStream_t stream, void* dst, const void* src, std::size_t bytes) {
-  void* buffer = nullptr;
-  {
-    std::lock_guard lock(staging_mutex_);
-    if (!staging_.empty()) {
-      buffer = staging_.back();
-      staging_.pop_back();
-    }
-  }
-  if (buffer == nullptr) check(cudaHostAlloc(&buffer, staged_copy_bytes, cudaHostAllocDefault), "cudaHostAlloc", staged_copy_bytes);
-  cudaError_t result = cudaMemcpyAsync(buffer, src, bytes, cudaMemcpyDeviceToHost, stream);
-  if (result == cudaSuccess) result = cudaStreamSynchronize(stream);
-  if (result == cudaSuccess) std::memcpy(dst, buffer, bytes);
-  {
-    std::lock_guard lock(staging_mutex_);
-    staging_.push_back(buffer);
-  }
-  check(result, "cudaMemcpyAsync (staged)");
 }
 
 void cuda_device::fill(stream_ref stream, void* dst, std::uint8_t value, std::size_t bytes) {

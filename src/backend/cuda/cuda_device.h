@@ -127,9 +127,6 @@ class cuda_device final : public device {
   void make_current() const;
   [[nodiscard]] locked<cudaStream_t> lock_stream(stream_ref stream, const char* op) const;
   [[nodiscard]] locked<cudaEvent_t> lock_event(event_ref event, const char* op) const;
-  /// copy() from device memory into pageable host memory, through a pinned
-  /// buffer; returns once the data is in `dst`.
-  void copy_staged(cudaStream_t stream, void* dst, const void* src, std::size_t bytes);
   [[nodiscard]] void* import_ipc(const shareable_handle& handle);
   [[nodiscard]] void* import_vmm(std::span<const shareable_handle> chunks);
   /// A new exported event, registered under a new source id (returned).
@@ -159,10 +156,6 @@ class cuda_device final : public device {
   std::shared_mutex imported_events_mutex_;
   std::unordered_map<cudaEvent_t, std::uint64_t> imported_events_;
 
-  // Pinned buffers of staged_copy_bytes for small copies into pageable host
-  // memory (see copy), free for the next such copy.
-  std::mutex staging_mutex_;
-  std::vector<void*> staging_;
   // Shared with pending host-task callbacks, which may run after the device
   // is gone.
   std::shared_ptr<cuda_task_failures> task_failures_;
