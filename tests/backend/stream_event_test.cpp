@@ -204,7 +204,7 @@ TYPED_TEST(stream_event, many_threads_enqueue_and_wait_at_once) {
 TYPED_TEST(stream_event, small_reads_into_host_memory_wait_for_queued_writes) {
   // Reads of a few bytes into ordinary (pageable) host memory, as a consumer
   // reads a scalar back: from several threads at once, each read must see
-  // the fill queued before it behind a delay, on either side of 64 KiB.
+  // the fill queued before it behind a delay, from one byte to past 64 KiB.
   auto& dev = this->device();
   constexpr int threads = 4;
   constexpr std::size_t sizes[] = {1, 100, 4096, 64 << 10, (64 << 10) + 1};
