@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <array>
 #include <cerrno>
 #include <climits>
 #include <cstddef>
@@ -19,14 +18,13 @@
 #include <mutex>
 
 #include "ipc/credentials_exchange.h"
+#include "ipc/frame_batch.h"
 #include "shoal/error.h"
-#include "shoal/ipc/fd_transport.h"
 
 namespace shoal::ipc {
 
 namespace {
 
-constexpr std::array<std::byte, 4> frame_magic{std::byte{'S'}, std::byte{'H'}, std::byte{'O'}, std::byte{'L'}};
 // sun_path holds the name and its terminating NUL (paths) or leading NUL (abstract names).
 constexpr std::size_t max_name_bytes = sizeof(sockaddr_un::sun_path) - 1;
 
@@ -127,42 +125,6 @@ bool someone_listens(const channel_address& where) {
   throw backend_error("connect(" + where.name() + ")", errno_text());
 }
 
-std::string hex_bytes(std::span<const std::byte> bytes) {
-  std::string out;
-  char text[4];
-  for (std::byte b : bytes) {
-    std::snprintf(text, sizeof text, "%02x", static_cast<unsigned>(b));
-    out += out.empty() ? "" : " ";
-    out += text;
-  }
-  return out;
-}
-
-// Checks the header of a received message and strips it; throws
-// protocol_error saying what was wrong.
-template <typename Describe>
-frame to_frame(message received, const Describe& from) {
-  std::vector<std::byte>& bytes = received.payload;
-  if (bytes.size() < frame_header_bytes) {
-    throw protocol_error(from() + ": a message of " + std::to_string(bytes.size()) + " bytes is shorter than the " +
-                         std::to_string(frame_header_bytes) + "-byte frame header");
-  }
-  if (!std::equal(frame_magic.begin(), frame_magic.end(), bytes.begin())) {
-    throw protocol_error(from() + ": the frame starts with bytes " + hex_bytes(std::span(bytes).first(4)) +
-                         ", not the magic \"SHOL\" (53 48 4f 4c): the peer does not speak shoal's channel protocol");
-  }
-  std::uint16_t version, type;
-  std::memcpy(&version, bytes.data() + 4, sizeof version);
-  std::memcpy(&type, bytes.data() + 6, sizeof type);
-  if (version != frame_version) {
-    throw protocol_error(from() + ": the peer speaks frame version " + std::to_string(version) +
-                         "; this build speaks version " + std::to_string(frame_version) +
-                         ": run the same shoal version at both ends");
-  }
-  bytes.erase(bytes.begin(), bytes.begin() + frame_header_bytes);
-  return frame{type, std::move(bytes), std::move(received.fd)};
-}
-
 [[noreturn]] void throw_in_use(const channel_address& where) {
   throw invalid_argument("listener: " + where.to_string() +
                          " is already in use by a listening process; stop that process or choose another address");
@@ -203,7 +165,12 @@ struct connection::state {
   std::size_t max_payload = 0;
   std::atomic<std::int64_t> spin_ns{0};  // how long receive polls before it blocks
   std::mutex send_mutex;
+  std::vector<std::byte> send_buffer;  // guarded by send_mutex
   std::mutex receive_mutex;
+  // Guarded by receive_mutex: the last batch read, its frames not yet returned from `next_unread` on.
+  std::vector<std::byte> receive_buffer;
+  std::vector<frame> unread;
+  std::size_t next_unread = 0;
   mutable std::mutex broken_mutex;
   std::string broken_reason;  // empty while usable; guarded by broken_mutex
 
@@ -313,29 +280,34 @@ connection::state& connection::usable(const char* operation) const {
 }
 
 void connection::send(std::uint16_t type, std::span<const std::byte> payload, int fd) {
-  state& s = usable("send");
-  if (payload.size() > UINT32_MAX - frame_header_bytes) {
-    throw invalid_argument("connection::send: a payload of " + std::to_string(payload.size()) +
-                           " bytes does not fit in one frame (4 GiB less the header)");
-  }
-  if (fd >= 0 && ::fcntl(fd, F_GETFD) == -1) {
-    throw invalid_argument("connection::send: descriptor " + std::to_string(fd) + " is not open");
-  }
-  std::vector<std::byte> bytes(frame_header_bytes + payload.size());
-  std::memcpy(bytes.data(), frame_magic.data(), frame_magic.size());
-  std::memcpy(bytes.data() + 4, &frame_version, sizeof frame_version);
-  std::memcpy(bytes.data() + 6, &type, sizeof type);
-  if (!payload.empty()) std::memcpy(bytes.data() + frame_header_bytes, payload.data(), payload.size());
+  const outgoing_frame one{type, payload, fd};
+  send(std::span(&one, 1));
+}
 
+void connection::send(std::span<const outgoing_frame> frames) {
+  state& s = usable("send");
+  for (const outgoing_frame& f : frames) {
+    if (f.payload.size() > UINT32_MAX - batch_header_bytes - frame_header_bytes) {
+      throw invalid_argument("connection::send: a payload of " + std::to_string(f.payload.size()) +
+                             " bytes does not fit in one frame (4 GiB less the headers)");
+    }
+    if (f.fd >= 0 && ::fcntl(f.fd, F_GETFD) == -1) {
+      throw invalid_argument("connection::send: descriptor " + std::to_string(f.fd) + " is not open");
+    }
+  }
   const std::lock_guard lock(s.send_mutex);
   s.throw_if_broken("send");
   try {
-    send_message(s.socket.get(), bytes, fd);
+    while (!frames.empty()) {
+      const std::size_t count = detail::frames_in_next_batch(frames);
+      detail::send_batch(s.socket.get(), frames.first(count), s.send_buffer);
+      frames = frames.subspan(count);
+    }
   } catch (const connection_closed& e) {
     const connection_closed closed("connection::send to pid " + std::to_string(s.peer.process.pid) + ": " + e.what());
     s.break_with(closed.what());
     throw closed;
-  } catch (const std::exception& e) {  // part of a frame may have gone: the stream is out of step
+  } catch (const std::exception& e) {  // part of a batch may have gone: the stream is out of step
     s.break_with(e.what());
     throw;
   }
@@ -349,29 +321,32 @@ frame connection::receive() {
   state& s = usable("receive");
   const std::lock_guard lock(s.receive_mutex);
   s.throw_if_broken("receive");
-  // The limit covers header and payload; frames above 4 GiB cannot be sent anyway.
-  const std::size_t limit = std::min<std::size_t>(s.max_payload, UINT32_MAX - frame_header_bytes) + frame_header_bytes;
-  const auto from = [&] { return "connection::receive from pid " + std::to_string(s.peer.process.pid); };
-  try {
-    return to_frame(receive_message(s.socket.get(), limit, std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed))),
-                    from);
-  } catch (const protocol_error& e) {
-    s.break_with(e.what());
-    throw;
-  } catch (const invalid_argument& e) {  // fd_transport's word for a malformed message
-    const protocol_error refused(from() + ": " + e.what() + " (a frame here is an " +
-                                 std::to_string(frame_header_bytes) + "-byte header, at most " +
-                                 std::to_string(s.max_payload) + " payload bytes and at most one descriptor)");
-    s.break_with(refused.what());
-    throw refused;
-  } catch (const connection_closed& e) {
-    const connection_closed closed(from() + ": " + e.what());
-    s.break_with(closed.what());
-    throw closed;
-  } catch (const std::exception& e) {
-    s.break_with(e.what());
-    throw;
+  if (s.next_unread == s.unread.size()) {
+    const auto from = [&] { return "connection::receive from pid " + std::to_string(s.peer.process.pid); };
+    try {
+      s.unread = detail::read_batch(s.socket.get(), s.max_payload,
+                                    std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed)), s.receive_buffer);
+      s.next_unread = 0;
+    } catch (const protocol_error& e) {
+      const protocol_error refused(from() + ": " + e.what());
+      s.break_with(refused.what());
+      throw refused;
+    } catch (const connection_closed& e) {
+      const connection_closed closed(from() + ": " + e.what());
+      s.break_with(closed.what());
+      throw closed;
+    } catch (const std::exception& e) {
+      s.break_with(e.what());
+      throw;
+    }
   }
+  return std::move(s.unread[s.next_unread++]);
+}
+
+std::size_t connection::pending() const {
+  state& s = usable("pending");
+  const std::lock_guard lock(s.receive_mutex);
+  return s.unread.size() - s.next_unread;
 }
 
 const peer_credentials& connection::peer() const noexcept { return state_->peer; }

@@ -3,6 +3,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <optional>
 #include <string>
 
 #include "ipc/messages.h"
@@ -22,11 +23,12 @@ peer_link::peer_link(std::shared_ptr<sharing_state> state, connection link)
   link_.set_receive_spin(state_->options.receive_spin);
 }
 
-void peer_link::send_frame(message_type type, std::span<const std::byte> payload, int fd) {
-  link_.send(static_cast<std::uint16_t>(type), payload, fd);
+void peer_link::outgoing::add(message_type type, std::vector<std::byte> payload, int fd) {
+  payloads.push_back(std::move(payload));
+  frames.push_back({static_cast<std::uint16_t>(type), payloads.back(), fd});
 }
 
-void peer_link::send_retirements() {
+void peer_link::add_retirements(outgoing& out) {
   std::vector<std::uint64_t> segments, files;
   {
     std::lock_guard lock(outbox_->mutex);
@@ -36,8 +38,8 @@ void peer_link::send_retirements() {
   // Only what this peer was told about; erase so an id is retired once.
   std::erase_if(segments, [&](std::uint64_t id) { return segments_sent_.erase(id) == 0; });
   std::erase_if(files, [&](std::uint64_t id) { return files_sent_.erase(id) == 0; });
-  if (!segments.empty()) send_frame(message_type::retire_segments, encode_ids(segments));
-  if (!files.empty()) send_frame(message_type::retire_files, encode_ids(files));
+  if (!segments.empty()) out.add(message_type::retire_segments, encode_ids(segments));
+  if (!files.empty()) out.add(message_type::retire_files, encode_ids(files));
 }
 
 void peer_link::send(const storage::storage& st, std::span<const std::byte> metadata, backend::stream_ref stream) {
@@ -46,29 +48,32 @@ void peer_link::send(const storage::storage& st, std::span<const std::byte> meta
                            std::to_string(limits_.max_metadata) + " (sharing_options::max_metadata_bytes)");
   }
   std::lock_guard lock(send_mutex_);
-  send_retirements();
+  outgoing out;
+  add_retirements(out);
   auto share = state_->share_storage(st, link_.peer().process, stream);
   try {
-    if (!files_sent_.contains(share.slot.file_id)) {
-      send_frame(message_type::counter_file, encode(counter_file_message{share.slot.file_id, state_->options.slots_per_file}),
-                 share.file_fd);
-      files_sent_.insert(share.slot.file_id);
+    // Marked as sent only once the batch has gone.
+    const bool new_file = !files_sent_.contains(share.slot.file_id);
+    if (new_file) {
+      out.add(message_type::counter_file, encode(counter_file_message{share.slot.file_id, state_->options.slots_per_file}),
+              share.file_fd);
     }
     storage_message m;
+    std::vector<std::uint64_t> new_segments;
     for (const auto& seg : share.segments) {
       if (!segments_sent_.contains(seg->id)) {
-        send_frame(message_type::segment, encode_segment(seg->id, seg->handle), seg->handle.fd.get());
-        segments_sent_.insert(seg->id);
+        out.add(message_type::segment, encode_segment(seg->id, seg->handle), seg->handle.fd.get());
+        new_segments.push_back(seg->id);
       }
       m.segment_ids.push_back(seg->id);
     }
     backend::device& dev = state_->allocator.device();
+    std::optional<backend::event_source> new_source;  // its descriptor must stay open until sent
     if (!dev.query(stream)) {  // writes still queued: the consumer must wait for them
       m.ready = dev.export_event(stream);
       if (!sources_sent_.contains(m.ready->source_id)) {
-        const backend::event_source source = dev.describe_event_source(m.ready->source_id);
-        send_frame(message_type::event_source, source.serialize(), source.fd.get());
-        sources_sent_.insert(m.ready->source_id);
+        new_source = dev.describe_event_source(m.ready->source_id);
+        out.add(message_type::event_source, new_source->serialize(), new_source->fd.get());
       }
     }
     m.offset = share.offset;
@@ -76,7 +81,11 @@ void peer_link::send(const storage::storage& st, std::span<const std::byte> meta
     m.file_id = share.slot.file_id;
     m.slot = share.slot.ticket;
     m.metadata = metadata;
-    send_frame(message_type::storage, encode(m));
+    out.add(message_type::storage, encode(m));
+    link_.send(out.frames);
+    if (new_file) files_sent_.insert(share.slot.file_id);
+    segments_sent_.insert(new_segments.begin(), new_segments.end());
+    if (new_source) sources_sent_.insert(new_source->source_id);
   } catch (...) {
     state_->abandon(share.slot);
     throw;
@@ -89,8 +98,10 @@ void peer_link::send_note(std::span<const std::byte> metadata) {
                            " bytes of metadata is over the limit of " + std::to_string(limits_.max_metadata));
   }
   std::lock_guard lock(send_mutex_);
-  send_retirements();
-  send_frame(message_type::note, encode_note(metadata));
+  outgoing out;
+  add_retirements(out);
+  out.add(message_type::note, encode_note(metadata));
+  link_.send(out.frames);
 }
 
 peer_link::~peer_link() {
@@ -100,7 +111,10 @@ peer_link::~peer_link() {
 void peer_link::release_unread() noexcept {
   try {
     pollfd waiting{link_.native_handle(), POLLIN, 0};
-    while (!link_.broken() && ::poll(&waiting, 1, 0) > 0 && (waiting.revents & POLLIN) != 0) {
+    const auto more_waits = [&] {
+      return link_.pending() > 0 || (::poll(&waiting, 1, 0) > 0 && (waiting.revents & POLLIN) != 0);
+    };
+    while (!link_.broken() && more_waits()) {
       frame f = link_.receive();
       if (f.type == static_cast<std::uint16_t>(message_type::counter_file)) {
         receiver_->add_counter_file(decode_counter_file(f.payload, 1u << 24), std::move(f.fd));

@@ -3,10 +3,11 @@
 // coming in (receiver_state).
 //
 // Thread-safety: sends are serialized by send_mutex_ (an announcement and
-// the storage message that needs it go out together); receive is for one
-// thread at a time.
+// the storage message that needs it go out together, in one batch when the
+// limits allow); receive is for one thread at a time.
 #pragma once
 
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <unordered_set>
@@ -36,8 +37,14 @@ class peer_link {
   [[nodiscard]] int native_handle() const noexcept { return link_.native_handle(); }
 
  private:
-  void send_frame(message_type type, std::span<const std::byte> payload, int fd = -1);
-  void send_retirements();  // send_mutex_ held
+  // The frames of one send, going out together (connection::send packs them
+  // into as few system calls as it can); owns their payloads.
+  struct outgoing {
+    std::deque<std::vector<std::byte>> payloads;  // a deque: frames point into it
+    std::vector<outgoing_frame> frames;
+    void add(message_type type, std::vector<std::byte> payload, int fd = -1);
+  };
+  void add_retirements(outgoing& out);  // send_mutex_ held
   // Closes the connection after a protocol error, so nothing more is read.
   [[noreturn]] void fail(const protocol_error& e);
   // Reads what has already arrived and releases the references its storage

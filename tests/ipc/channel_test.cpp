@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -120,17 +121,33 @@ void write_raw(int socket, const std::vector<std::byte>& bytes, const std::vecto
   ASSERT_EQ(::sendmsg(socket, &header, MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size())) << std::strerror(errno);
 }
 
-// fd_transport's length prefix, then the frame header and payload.
-std::vector<std::byte> raw_frame(std::string_view magic, std::uint16_t version, std::uint16_t type,
-                                 const std::vector<std::byte>& payload) {
-  const auto length = static_cast<std::uint32_t>(magic.size() + 4 + payload.size());
-  std::vector<std::byte> out(4 + length);
-  std::byte* p = out.data();
-  std::memcpy(p, &length, 4);
-  std::memcpy(p + 4, magic.data(), magic.size());
-  std::memcpy(p + 4 + magic.size(), &version, 2);
-  std::memcpy(p + 6 + magic.size(), &type, 2);
-  if (!payload.empty()) std::memcpy(p + 8 + magic.size(), payload.data(), payload.size());
+struct raw_frame {
+  std::uint16_t type = 0;
+  std::vector<std::byte> payload;
+  std::uint16_t descriptors = 0;  // what the frame says it carries
+};
+
+// A batch as the wire layout documents it, built without the library: the
+// header, the frames, then zero bytes up to `padded_to`.
+std::vector<std::byte> raw_batch(std::string_view magic, std::uint16_t version, const std::vector<raw_frame>& frames,
+                                 std::size_t padded_to = 256) {
+  std::vector<std::byte> out(12);
+  std::memcpy(out.data(), magic.data(), 4);
+  const auto count = static_cast<std::uint16_t>(frames.size());
+  std::memcpy(out.data() + 4, &version, 2);
+  std::memcpy(out.data() + 6, &count, 2);
+  for (const raw_frame& f : frames) {
+    const auto length = static_cast<std::uint32_t>(f.payload.size());
+    std::byte header[8];
+    std::memcpy(header, &f.type, 2);
+    std::memcpy(header + 2, &f.descriptors, 2);
+    std::memcpy(header + 4, &length, 4);
+    out.insert(out.end(), header, header + 8);
+    out.insert(out.end(), f.payload.begin(), f.payload.end());
+  }
+  if (out.size() < padded_to) out.resize(padded_to);
+  const auto body = static_cast<std::uint32_t>(out.size() - 12);
+  std::memcpy(out.data() + 8, &body, 4);
   return out;
 }
 
@@ -432,9 +449,66 @@ TEST(channel, a_frame_is_laid_out_as_documented) {
   socket_pair pair;
   connection sender = connection::adopt(std::move(pair.a), {});
   sender.send(0x1234, bytes_of("ab"));
-  std::vector<std::byte> wire(4 + 8 + 2);
+  const auto xyz = bytes_of("xyz");
+  const std::vector<ipc::outgoing_frame> two = {{7, xyz}, {8, {}}};
+  sender.send(two);
+  std::vector<std::byte> wire(2 * 256);
   ASSERT_EQ(::recv(pair.b.get(), wire.data(), wire.size(), MSG_WAITALL), static_cast<ssize_t>(wire.size()));
-  EXPECT_EQ(wire, raw_frame("SHOL", 1, 0x1234, bytes_of("ab")));
+  EXPECT_EQ(std::vector(wire.begin(), wire.begin() + 256), raw_batch("SHOL", 2, {{0x1234, bytes_of("ab")}}));
+  EXPECT_EQ(std::vector(wire.begin() + 256, wire.end()), raw_batch("SHOL", 2, {{7, bytes_of("xyz")}, {8, {}}}))
+      << "frames sent together share one padded batch";
+  EXPECT_EQ(::recv(pair.b.get(), wire.data(), 1, MSG_DONTWAIT), -1) << "nothing else was sent";
+}
+
+TEST(channel, frames_sent_together_arrive_in_order_with_their_descriptors) {
+  socket_pair pair;
+  connection a = connection::adopt(std::move(pair.a), {});
+  connection b = connection::adopt(std::move(pair.b), {});
+  // 100 frames, 20 of them with a descriptor: more than one batch may hold.
+  std::vector<pipe_ends> pipes(20);
+  std::vector<std::vector<std::byte>> payloads;
+  for (int i = 0; i < 100; ++i) payloads.push_back(bytes_of("frame " + std::to_string(i)));
+  std::vector<ipc::outgoing_frame> frames;
+  for (int i = 0; i < 100; ++i) {
+    frames.push_back({static_cast<std::uint16_t>(i), payloads[i], i % 5 == 0 ? pipes[i / 5].write.get() : -1});
+  }
+  a.send(frames);
+  for (int i = 0; i < 100; ++i) {
+    SCOPED_TRACE(i);
+    const ipc::frame f = b.receive();
+    ASSERT_EQ(f.type, i);
+    EXPECT_EQ(text_of(f.payload), "frame " + std::to_string(i));
+    ASSERT_EQ(f.fd.valid(), i % 5 == 0);
+    if (f.fd.valid()) {
+      ASSERT_EQ(::write(f.fd.get(), "x", 1), 1);
+      char c = 0;
+      EXPECT_EQ(::read(pipes[i / 5].read.get(), &c, 1), 1) << "the descriptor is its own frame's pipe";
+    }
+  }
+  EXPECT_EQ(b.pending(), 0U);
+}
+
+TEST(channel, a_batch_is_read_whole_and_never_past_its_end) {
+  socket_pair pair;
+  connection a = connection::adopt(std::move(pair.a), {});
+  connection b = connection::adopt(std::move(pair.b), {});
+  const auto abc = bytes_of("abc");
+  const std::vector<ipc::outgoing_frame> three = {{1, std::span(abc).first(1)}, {2, std::span(abc).subspan(1, 1)},
+                                                  {3, std::span(abc).subspan(2)}};
+  a.send(three);
+  a.send(4, bytes_of("next batch"));
+  const auto readable = [&] {
+    pollfd waiting{b.native_handle(), POLLIN, 0};
+    return ::poll(&waiting, 1, 0) == 1;
+  };
+  EXPECT_EQ(b.receive().type, 1);
+  EXPECT_EQ(b.pending(), 2U) << "the batch's other frames came with it";
+  EXPECT_TRUE(readable()) << "the next batch is still in the socket";
+  EXPECT_EQ(b.receive().type, 2);
+  EXPECT_EQ(b.receive().type, 3);
+  EXPECT_EQ(b.pending(), 0U);
+  EXPECT_EQ(text_of(b.receive().payload), "next batch");
+  EXPECT_FALSE(readable()) << "nothing is left once every batch is read";
 }
 
 TEST(channel, a_peer_that_is_gone_gives_connection_closed_not_sigpipe) {
@@ -637,18 +711,29 @@ struct malformed_case {
 
 TEST(channel_protocol, malformed_frames_close_only_their_connection) {
   constexpr std::size_t max_payload = 64;
-  std::vector<std::byte> short_message(4 + 3);
-  const std::uint32_t three = 3;
-  std::memcpy(short_message.data(), &three, 4);
-  std::vector<std::byte> oversize(4);
-  const auto too_long = static_cast<std::uint32_t>(ipc::frame_header_bytes + max_payload + 1);
-  std::memcpy(oversize.data(), &too_long, 4);
+  std::vector<std::byte> over_body = raw_batch("SHOL", 2, {{1, {}}});
+  const std::uint32_t huge_body = 1u << 30;
+  std::memcpy(over_body.data() + 8, &huge_body, 4);
+  const raw_frame full{1, std::vector<std::byte>(max_payload)};
+  std::vector<std::byte> runs_past = raw_batch("SHOL", 2, {full, full, full, full});
+  const std::uint16_t one_more_than_sent = 5;
+  std::memcpy(runs_past.data() + 6, &one_more_than_sent, 2);
+  std::vector<std::byte> dirty_padding = raw_batch("SHOL", 2, {{1, bytes_of("x")}});
+  dirty_padding.back() = std::byte{1};
   const std::vector<malformed_case> cases = {
-      {"wrong magic", raw_frame("SHOX", 1, 1, bytes_of("x")), 0, "not the magic \"SHOL\""},
-      {"wrong version", raw_frame("SHOL", 2, 1, bytes_of("x")), 0, "frame version 2; this build speaks version 1"},
-      {"shorter than the header", short_message, 0, "shorter than the 8-byte frame header"},
-      {"over the payload limit", oversize, 0, "over the"},
-      {"two descriptors", raw_frame("SHOL", 1, 1, {}), 2, "more than one file descriptor"},
+      {"wrong magic", raw_batch("SHOX", 2, {{1, bytes_of("x")}}), 0, "not the magic \"SHOL\""},
+      {"wrong version", raw_batch("SHOL", 1, {{1, bytes_of("x")}}), 0, "frame version 1; this build speaks version 2"},
+      {"shorter than the minimum", raw_batch("SHOL", 2, {{1, bytes_of("x")}}, 0), 0, "shorter than the 256-byte minimum"},
+      {"no frames", raw_batch("SHOL", 2, {}), 0, "a batch of 0 frames"},
+      {"a body over the limit", over_body, 0, "over the"},
+      {"a frame over the payload limit", raw_batch("SHOL", 2, {{1, std::vector<std::byte>(max_payload + 1)}}), 0,
+       "over the 64-byte limit"},
+      {"a frame past the batch's end", runs_past, 0, "runs past the end of its batch"},
+      {"padding that is not zero", dirty_padding, 0, "not all zero bytes"},
+      {"a frame that claims two descriptors", raw_batch("SHOL", 2, {{1, {}, 2}}), 2, "a frame carries at most one"},
+      {"more descriptors than claimed", raw_batch("SHOL", 2, {{1, {}, 1}}), 2, "came with 2 descriptors and its frames claim 1"},
+      {"fewer descriptors than claimed", raw_batch("SHOL", 2, {{1, {}, 1}, {2, {}, 1}}), 1, "claim more descriptors than"},
+      {"more descriptors than a batch holds", raw_batch("SHOL", 2, {{1, {}}}), 17, "more than 16 descriptors"},
   };
 
   const auto address = fresh_abstract_name();
@@ -707,8 +792,12 @@ TEST(channel_protocol, fuzzed_input_is_refused_cleanly) {
       input = random_bytes(below(80));
     } else {
       for (std::size_t n = 1 + below(3); n > 0; --n) {
-        const auto f = raw_frame("SHOL", 1, static_cast<std::uint16_t>(below(65536)), random_bytes(below(80)));
-        input.insert(input.end(), f.begin(), f.end());
+        std::vector<raw_frame> frames(1 + below(3));
+        for (raw_frame& f : frames) {
+          f = {static_cast<std::uint16_t>(below(65536)), random_bytes(below(80)), static_cast<std::uint16_t>(below(3) == 0)};
+        }
+        const auto batch = raw_batch("SHOL", 2, frames);
+        input.insert(input.end(), batch.begin(), batch.end());
       }
       for (std::size_t flips = below(4); flips > 0; --flips) {
         input[below(input.size())] = static_cast<std::byte>(below(256));

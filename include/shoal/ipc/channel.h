@@ -8,11 +8,16 @@
 // refuses a uid that the access policy does not allow. Only AF_UNIX stream
 // sockets are ever created or adopted: nothing here speaks TCP.
 //
-// Wire form of a frame, on top of fd_transport's length-prefixed message:
-//   magic "SHOL" (4 bytes) | version u16 (frame_version) | type u16 | payload
-// in host byte order (both ends share one machine), with at most one file
-// descriptor (SCM_RIGHTS). receive() checks all of it; a malformed frame gives
-// protocol_error and closes that connection, and nothing else.
+// Wire form, in host byte order (both ends share one machine). Frames travel
+// in batches; a batch goes out in one system call with the descriptors of its
+// frames (SCM_RIGHTS) and is padded with zero bytes to min_batch_bytes:
+//   batch: magic "SHOL" (4 bytes) | version u16 (frame_version) | frame count u16
+//          | body bytes u32 | the frames | zero padding            (body: all after the header)
+//   frame: type u16 | descriptors u16 (0 or 1) | payload bytes u32 | payload
+// The descriptors that came with a batch go, in order, to its frames that
+// say they carry one. The padding lets a receiver read a small batch whole in
+// one call without reading past it. receive() checks all of it; a malformed
+// batch gives protocol_error and closes that connection, and nothing else.
 #pragma once
 
 #include <sys/socket.h>
@@ -33,10 +38,20 @@
 
 namespace shoal::ipc {
 
-/// The frame layout version this build speaks.
-inline constexpr std::uint16_t frame_version = 1;
-/// Bytes before a frame's payload: magic, version, type.
+/// The wire layout version this build speaks.
+inline constexpr std::uint16_t frame_version = 2;
+/// Bytes before a batch's frames: magic, version, frame count, body bytes.
+inline constexpr std::size_t batch_header_bytes = 12;
+/// Bytes before a frame's payload: type, descriptor count, payload bytes.
 inline constexpr std::size_t frame_header_bytes = 8;
+/// Every batch is padded to at least this many bytes.
+inline constexpr std::size_t min_batch_bytes = 256;
+/// The most frames, and descriptors, one batch may carry.
+inline constexpr std::size_t max_batch_frames = 64;
+inline constexpr std::size_t max_batch_descriptors = 16;
+/// A sender packs frames into one batch while their payloads add up to at
+/// most this (a larger frame goes alone).
+inline constexpr std::size_t batch_packing_bytes = 16 * 1024;
 
 /// Where a listener listens: a socket file or an abstract name.
 ///
@@ -87,6 +102,14 @@ struct peer_credentials {
   gid_t gid = 0;
 };
 
+/// One frame to send: `fd` >= 0 passes a copy of that descriptor (the
+/// caller keeps its own).
+struct outgoing_frame {
+  std::uint16_t type = 0;
+  std::span<const std::byte> payload;
+  int fd = -1;
+};
+
 /// One received frame.
 struct frame {
   std::uint16_t type = 0;
@@ -99,8 +122,9 @@ class listener;
 /// One end of a connected channel.
 ///
 /// Thread-safety: send() may be called from several threads at once (each
-/// frame goes out whole, never interleaved), and so may receive() (each frame
-/// goes to one caller); sends and receives run in parallel. peer(),
+/// call's frames go out whole and in order, never interleaved with another
+/// call's), and so may receive() (each frame goes to one caller); sends and
+/// receives run in parallel. peer(),
 /// max_payload() and native_handle() never change. Moving or destroying a
 /// connection must not overlap any other call on it.
 /// Invariants: the peer's uid was allowed by the access policy when the
@@ -154,6 +178,13 @@ class connection {
   /// backend_error when the system refuses.
   void send(std::uint16_t type, std::span<const std::byte> payload, int fd = -1);
 
+  /// Sends `frames` in order, packed into as few batches as the limits allow
+  /// (max_batch_frames, max_batch_descriptors, batch_packing_bytes), each
+  /// batch one system call: a receiver reads a small batch with one call
+  /// too. Throws as send() does; when a descriptor is not open or a payload
+  /// is too large, nothing is sent.
+  void send(std::span<const outgoing_frame> frames);
+
   /// Receives one frame, blocking until it arrives. Throws protocol_error
   /// when the peer sent something malformed (a wrong magic or version, a
   /// frame shorter than its header, a payload over max_payload(), more than
@@ -163,6 +194,11 @@ class connection {
   /// refused frame is closed.
   [[nodiscard]] frame receive();
 
+  /// Frames that came in a batch already read and that receive() has not
+  /// returned yet: while there are any, receive() returns at once, and
+  /// native_handle() need not poll readable.
+  [[nodiscard]] std::size_t pending() const;
+
   /// receive() first polls for up to `spin` without sleeping before it
   /// blocks: lower latency for a busy CPU core. Zero (the default) never
   /// spins.
@@ -171,8 +207,9 @@ class connection {
   [[nodiscard]] const peer_credentials& peer() const noexcept;
   /// The largest payload receive() accepts.
   [[nodiscard]] std::size_t max_payload() const noexcept;
-  /// The socket, for poll(): readable when a frame or end of stream waits.
-  /// Reading or writing it directly would put the stream out of step.
+  /// The socket, for poll(): when pending() is zero, readable exactly when
+  /// a frame or end of stream waits. Reading or writing it directly would put
+  /// the stream out of step.
   [[nodiscard]] int native_handle() const noexcept;
   /// Whether an earlier failure closed this connection.
   [[nodiscard]] bool broken() const;

@@ -1,0 +1,259 @@
+#include "ipc/frame_batch.h"
+
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "shoal/error.h"
+
+namespace shoal::ipc::detail {
+
+namespace {
+
+constexpr std::array<std::byte, 4> batch_magic{std::byte{'S'}, std::byte{'H'}, std::byte{'O'}, std::byte{'L'}};
+
+template <class T>
+void put(std::vector<std::byte>& out, std::size_t at, T value) {
+  std::memcpy(out.data() + at, &value, sizeof value);  // host byte order: both ends share one machine
+}
+
+template <class T>
+T get(const std::vector<std::byte>& in, std::size_t at) {
+  T value;
+  std::memcpy(&value, in.data() + at, sizeof value);
+  return value;
+}
+
+[[noreturn]] void throw_socket_error(const char* call) {
+  const int error = errno;
+  if (error == EPIPE || error == ECONNRESET) throw connection_closed(std::string(call) + ": the peer closed the connection");
+  throw backend_error(call, std::strerror(error));
+}
+
+std::string hex_bytes(std::span<const std::byte> bytes) {
+  std::string out;
+  char text[4];
+  for (std::byte b : bytes) {
+    std::snprintf(text, sizeof text, "%02x", static_cast<unsigned>(b));
+    out += out.empty() ? "" : " ";
+    out += text;
+  }
+  return out;
+}
+
+// One recvmsg of at most `bytes`, keeping every descriptor that came with it.
+// `spin` > 0: try without sleeping until it has passed, then block.
+std::size_t read_some(int socket, std::byte* into, std::size_t bytes, std::chrono::nanoseconds spin,
+                      std::vector<unique_fd>& descriptors, bool batch_started) {
+  iovec part{into, bytes};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * max_batch_descriptors)];
+  msghdr header{};
+  header.msg_iov = &part;
+  header.msg_iovlen = 1;
+  header.msg_control = control;
+  header.msg_controllen = sizeof control;
+  const auto spin_until = std::chrono::steady_clock::now() + spin;
+  int flags = spin.count() > 0 ? MSG_CMSG_CLOEXEC | MSG_DONTWAIT : MSG_CMSG_CLOEXEC;
+  ssize_t got;
+  for (;;) {
+    got = ::recvmsg(socket, &header, flags);
+    if (got >= 0) break;
+    if (errno == EINTR) continue;
+    const bool would_block = errno == EAGAIN || errno == EWOULDBLOCK;
+    if (!would_block || (flags & MSG_DONTWAIT) == 0) throw_socket_error("recvmsg");
+    if (std::chrono::steady_clock::now() >= spin_until) flags &= ~MSG_DONTWAIT;  // spun enough: block
+  }
+  for (cmsghdr* c = CMSG_FIRSTHDR(&header); c != nullptr; c = CMSG_NXTHDR(&header, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (std::size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+      descriptors.emplace_back(fd);
+    }
+  }
+  if ((header.msg_flags & MSG_CTRUNC) != 0) {
+    throw protocol_error("a batch came with more than " + std::to_string(max_batch_descriptors) +
+                         " descriptors (the kernel closed the ones that did not fit)");
+  }
+  if (got == 0) {
+    throw connection_closed(batch_started ? "recvmsg: the peer closed the connection in the middle of a batch"
+                                          : "recvmsg: the peer closed the connection");
+  }
+  return static_cast<std::size_t>(got);
+}
+
+// Checks the batch header at the start of `buffer` and returns the batch's
+// whole size (header, frames, padding).
+std::size_t checked_batch_size(const std::vector<std::byte>& buffer, std::size_t max_payload) {
+  if (!std::equal(batch_magic.begin(), batch_magic.end(), buffer.begin())) {
+    throw protocol_error("the batch starts with bytes " + hex_bytes(std::span(buffer).first(4)) +
+                         ", not the magic \"SHOL\" (53 48 4f 4c): the peer does not speak shoal's channel protocol");
+  }
+  const auto version = get<std::uint16_t>(buffer, 4);
+  if (version != frame_version) {
+    throw protocol_error("the peer speaks frame version " + std::to_string(version) + "; this build speaks version " +
+                         std::to_string(frame_version) + ": run the same shoal version at both ends");
+  }
+  const auto frames = get<std::uint16_t>(buffer, 6);
+  if (frames == 0 || frames > max_batch_frames) {
+    throw protocol_error("a batch of " + std::to_string(frames) + " frames; a batch holds 1 to " +
+                         std::to_string(max_batch_frames));
+  }
+  const auto body = get<std::uint32_t>(buffer, 8);
+  if (body > max_batch_body(max_payload)) {
+    throw protocol_error("a batch of " + std::to_string(body) + " bytes after its header is over the " +
+                         std::to_string(max_batch_body(max_payload)) + "-byte limit (frames of at most " +
+                         std::to_string(max_payload) + " payload bytes)");
+  }
+  const std::size_t size = batch_header_bytes + body;
+  if (size < min_batch_bytes) {
+    throw protocol_error("a batch of " + std::to_string(size) + " bytes is shorter than the " +
+                         std::to_string(min_batch_bytes) + "-byte minimum that every batch is padded to");
+  }
+  return size;
+}
+
+// Splits a whole, header-checked batch into frames and hands them the
+// descriptors in order.
+std::vector<frame> split_frames(const std::vector<std::byte>& batch, std::size_t max_payload,
+                                std::vector<unique_fd>& descriptors) {
+  const auto count = get<std::uint16_t>(batch, 6);
+  std::vector<frame> frames(count);
+  std::size_t at = batch_header_bytes, claimed = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (batch.size() - at < frame_header_bytes) {
+      throw protocol_error("frame " + std::to_string(i) + " of " + std::to_string(count) +
+                           " runs past the end of its batch");
+    }
+    frames[i].type = get<std::uint16_t>(batch, at);
+    const auto carries = get<std::uint16_t>(batch, at + 2);
+    const auto length = get<std::uint32_t>(batch, at + 4);
+    at += frame_header_bytes;
+    if (carries > 1) {
+      throw protocol_error("frame " + std::to_string(i) + " says it carries " + std::to_string(carries) +
+                           " descriptors; a frame carries at most one");
+    }
+    if (length > max_payload) {
+      throw protocol_error("frame " + std::to_string(i) + " has " + std::to_string(length) +
+                           " payload bytes, over the " + std::to_string(max_payload) + "-byte limit");
+    }
+    if (batch.size() - at < length) {
+      throw protocol_error("frame " + std::to_string(i) + " of " + std::to_string(count) +
+                           " runs past the end of its batch");
+    }
+    frames[i].payload.assign(batch.begin() + static_cast<std::ptrdiff_t>(at),
+                             batch.begin() + static_cast<std::ptrdiff_t>(at + length));
+    at += length;
+    if (carries == 1) {
+      if (claimed == descriptors.size()) {
+        throw protocol_error("the batch's frames claim more descriptors than the " +
+                             std::to_string(descriptors.size()) + " that came with it");
+      }
+      frames[i].fd = std::move(descriptors[claimed++]);
+    }
+  }
+  if (claimed != descriptors.size()) {
+    throw protocol_error("the batch came with " + std::to_string(descriptors.size()) + " descriptors and its frames claim " +
+                         std::to_string(claimed));
+  }
+  if (std::any_of(batch.begin() + static_cast<std::ptrdiff_t>(at), batch.end(), [](std::byte b) { return b != std::byte{0}; })) {
+    throw protocol_error("the padding after the batch's last frame is not all zero bytes");
+  }
+  return frames;
+}
+
+}  // namespace
+
+std::size_t max_batch_body(std::size_t max_payload) noexcept {
+  // One frame of max_payload, or a packed batch, with every frame header and the padding.
+  return std::max(max_payload, batch_packing_bytes) + max_batch_frames * frame_header_bytes + min_batch_bytes;
+}
+
+std::size_t frames_in_next_batch(std::span<const outgoing_frame> frames) noexcept {
+  std::size_t count = 0, descriptors = 0, payload = 0;
+  for (const outgoing_frame& f : frames) {
+    const std::size_t more_descriptors = descriptors + (f.fd >= 0 ? 1 : 0);
+    const bool fits = count < max_batch_frames && more_descriptors <= max_batch_descriptors &&
+                      payload + f.payload.size() <= batch_packing_bytes;
+    if (count > 0 && !fits) break;
+    ++count;
+    descriptors = more_descriptors;
+    payload += f.payload.size();
+  }
+  return count;
+}
+
+void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<std::byte>& out) {
+  std::size_t body = 0;
+  for (const outgoing_frame& f : frames) body += frame_header_bytes + f.payload.size();
+  const std::size_t size = std::max(batch_header_bytes + body, min_batch_bytes);
+  out.assign(size, std::byte{0});  // zero: the padding
+  std::memcpy(out.data(), batch_magic.data(), batch_magic.size());
+  put(out, 4, frame_version);
+  put(out, 6, static_cast<std::uint16_t>(frames.size()));
+  put(out, 8, static_cast<std::uint32_t>(size - batch_header_bytes));
+  std::vector<int> descriptors;
+  std::size_t at = batch_header_bytes;
+  for (const outgoing_frame& f : frames) {
+    put(out, at, f.type);
+    put(out, at + 2, static_cast<std::uint16_t>(f.fd >= 0 ? 1 : 0));
+    put(out, at + 4, static_cast<std::uint32_t>(f.payload.size()));
+    if (!f.payload.empty()) std::memcpy(out.data() + at + frame_header_bytes, f.payload.data(), f.payload.size());
+    at += frame_header_bytes + f.payload.size();
+    if (f.fd >= 0) descriptors.push_back(f.fd);
+  }
+
+  iovec part{out.data(), out.size()};
+  msghdr header{};
+  header.msg_iov = &part;
+  header.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * max_batch_descriptors)]{};
+  if (!descriptors.empty()) {
+    header.msg_control = control;
+    header.msg_controllen = CMSG_SPACE(sizeof(int) * descriptors.size());
+    cmsghdr* c = CMSG_FIRSTHDR(&header);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * descriptors.size());
+    std::memcpy(CMSG_DATA(c), descriptors.data(), sizeof(int) * descriptors.size());
+  }
+  ssize_t sent;
+  do {
+    sent = ::sendmsg(socket, &header, MSG_NOSIGNAL);
+  } while (sent < 0 && errno == EINTR);
+  if (sent < 0) throw_socket_error("sendmsg");
+  // A stream socket may take part of it; the descriptors went with the first byte.
+  for (auto done = static_cast<std::size_t>(sent); done < out.size();) {
+    const ssize_t more = ::send(socket, out.data() + done, out.size() - done, MSG_NOSIGNAL);
+    if (more < 0) {
+      if (errno == EINTR) continue;
+      throw_socket_error("send");
+    }
+    done += static_cast<std::size_t>(more);
+  }
+}
+
+std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::nanoseconds spin,
+                              std::vector<std::byte>& buffer) {
+  std::vector<unique_fd> descriptors;  // owned at once, so none leaks on error
+  buffer.resize(min_batch_bytes);
+  // Never more than min_batch_bytes before the header is known: every batch
+  // is at least that long, so no read reaches into the next one.
+  std::size_t got = read_some(socket, buffer.data(), min_batch_bytes, spin, descriptors, false);
+  while (got < batch_header_bytes) {
+    got += read_some(socket, buffer.data() + got, min_batch_bytes - got, {}, descriptors, true);
+  }
+  const std::size_t size = checked_batch_size(buffer, max_payload);
+  buffer.resize(size);
+  while (got < size) got += read_some(socket, buffer.data() + got, size - got, {}, descriptors, true);
+  return split_frames(buffer, max_payload, descriptors);
+}
+
+}  // namespace shoal::ipc::detail

@@ -1,0 +1,46 @@
+// Batches of frames on a connected UNIX stream socket: the wire form under
+// connection (include/shoal/ipc/channel.h documents the layout).
+//
+// A batch goes out in one sendmsg with the descriptors of its frames, and is
+// padded to min_batch_bytes so that the receiver reads it whole with one
+// recvmsg of that size when it is that small, and never past its end: after a
+// batch is read, the socket is readable exactly when another one waits, and
+// the descriptors of one read belong to one batch.
+//
+// Not thread-safe: the caller serializes sends, and reads, per socket.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "shoal/ipc/channel.h"
+
+namespace shoal::ipc::detail {
+
+/// How many of `frames`, from the first, the next batch holds: at least one,
+/// and as many more as fit max_batch_frames, max_batch_descriptors and
+/// batch_packing_bytes of payload.
+[[nodiscard]] std::size_t frames_in_next_batch(std::span<const outgoing_frame> frames) noexcept;
+
+/// Writes the wire form of `frames` as one batch into `out` (replacing what
+/// it held) and sends it with their descriptors. Throws connection_closed
+/// when the peer is gone, backend_error otherwise; part of the batch may
+/// have gone then.
+void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<std::byte>& out);
+
+/// The largest batch body (what follows the batch header) a receiver whose
+/// frames carry at most `max_payload` bytes accepts.
+[[nodiscard]] std::size_t max_batch_body(std::size_t max_payload) noexcept;
+
+/// Reads the next batch and splits it into its frames, in order. Before
+/// anything has come it first tries without sleeping for up to `spin`, then
+/// blocks. `buffer` is scratch space kept between calls. Throws
+/// protocol_error (without naming the peer) when the batch is malformed,
+/// connection_closed at end of stream, backend_error when the system
+/// refuses; every descriptor read is closed then.
+[[nodiscard]] std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::nanoseconds spin,
+                                            std::vector<std::byte>& buffer);
+
+}  // namespace shoal::ipc::detail
