@@ -8,6 +8,7 @@
 #include <cstring>
 #include <string>
 
+#include "ipc/scm_rights.h"
 #include "shoal/error.h"
 
 namespace shoal::ipc {
@@ -53,16 +54,8 @@ void send_message(int socket, std::span<const std::byte> payload, int fd) {
   msghdr header{};
   header.msg_iov = parts;
   header.msg_iovlen = payload.empty() ? 1 : 2;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))]{};
-  if (fd >= 0) {
-    header.msg_control = control;
-    header.msg_controllen = sizeof control;
-    cmsghdr* c = CMSG_FIRSTHDR(&header);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
-  }
+  detail::descriptor_space<1> control;
+  if (fd >= 0) detail::attach_descriptors(header, std::span(&fd, 1), control.bytes);
   ssize_t sent;
   do {
     sent = ::sendmsg(socket, &header, MSG_NOSIGNAL);
@@ -78,42 +71,26 @@ void send_message(int socket, std::span<const std::byte> payload, int fd) {
   send_all(socket, payload.data() + (done - sizeof length), total - done);
 }
 
-message receive_message(int socket, std::size_t max_payload, std::chrono::nanoseconds spin) {
+message receive_message(int socket, std::size_t max_payload) {
   message out;
   std::uint32_t length = 0;
   iovec part{&length, sizeof length};
   msghdr header{};
   header.msg_iov = &part;
   header.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)]{};
-  header.msg_control = control;
-  header.msg_controllen = sizeof control;
+  detail::descriptor_space<4> control;
+  header.msg_control = control.bytes;
+  header.msg_controllen = sizeof control.bytes;
   ssize_t got;
-  // Spinning reads without waiting (no extra poll call); then a blocking read.
-  const auto spin_until = std::chrono::steady_clock::now() + spin;
-  int flags = spin.count() > 0 ? MSG_CMSG_CLOEXEC | MSG_DONTWAIT : MSG_CMSG_CLOEXEC;
-  for (;;) {
-    got = ::recvmsg(socket, &header, flags);
-    if (got >= 0) break;
-    if (errno == EINTR) continue;
-    const bool would_block = errno == EAGAIN || errno == EWOULDBLOCK;
-    if (!would_block || (flags & MSG_DONTWAIT) == 0) break;
-    if (std::chrono::steady_clock::now() >= spin_until) flags &= ~MSG_DONTWAIT;  // spun enough: block
-  }
+  do {
+    got = ::recvmsg(socket, &header, MSG_CMSG_CLOEXEC);
+  } while (got < 0 && errno == EINTR);
   if (got == 0) throw connection_closed("recvmsg: the peer closed the connection");
   if (got < 0) fail("recvmsg");
 
   // Take ownership of every descriptor that came, so none leaks on error.
   std::vector<unique_fd> received;
-  for (cmsghdr* c = CMSG_FIRSTHDR(&header); c != nullptr; c = CMSG_NXTHDR(&header, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (std::size_t i = 0; i < count; ++i) {
-      int fd;
-      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-      received.emplace_back(fd);
-    }
-  }
+  detail::take_descriptors(header, received);
   if ((header.msg_flags & MSG_CTRUNC) != 0 || received.size() > 1) {
     throw invalid_argument("receive_message: more than one file descriptor came with a message");
   }

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <string>
 
+#include "ipc/scm_rights.h"
 #include "shoal/error.h"
 
 namespace shoal::ipc::detail {
@@ -52,12 +53,12 @@ std::string hex_bytes(std::span<const std::byte> bytes) {
 std::size_t read_some(int socket, std::byte* into, std::size_t bytes, std::chrono::nanoseconds spin,
                       std::vector<unique_fd>& descriptors, bool batch_started) {
   iovec part{into, bytes};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * max_batch_descriptors)];
+  descriptor_space<max_batch_descriptors> control;
   msghdr header{};
   header.msg_iov = &part;
   header.msg_iovlen = 1;
-  header.msg_control = control;
-  header.msg_controllen = sizeof control;
+  header.msg_control = control.bytes;
+  header.msg_controllen = sizeof control.bytes;
   const auto spin_until = std::chrono::steady_clock::now() + spin;
   int flags = spin.count() > 0 ? MSG_CMSG_CLOEXEC | MSG_DONTWAIT : MSG_CMSG_CLOEXEC;
   ssize_t got;
@@ -69,15 +70,7 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, std::chron
     if (!would_block || (flags & MSG_DONTWAIT) == 0) throw_socket_error("recvmsg");
     if (std::chrono::steady_clock::now() >= spin_until) flags &= ~MSG_DONTWAIT;  // spun enough: block
   }
-  for (cmsghdr* c = CMSG_FIRSTHDR(&header); c != nullptr; c = CMSG_NXTHDR(&header, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (std::size_t i = 0; i < count; ++i) {
-      int fd;
-      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-      descriptors.emplace_back(fd);
-    }
-  }
+  take_descriptors(header, descriptors);
   if ((header.msg_flags & MSG_CTRUNC) != 0) {
     throw protocol_error("a batch came with more than " + std::to_string(max_batch_descriptors) +
                          " descriptors (the kernel closed the ones that did not fit)");
@@ -214,16 +207,8 @@ void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<
   msghdr header{};
   header.msg_iov = &part;
   header.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * max_batch_descriptors)]{};
-  if (!descriptors.empty()) {
-    header.msg_control = control;
-    header.msg_controllen = CMSG_SPACE(sizeof(int) * descriptors.size());
-    cmsghdr* c = CMSG_FIRSTHDR(&header);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int) * descriptors.size());
-    std::memcpy(CMSG_DATA(c), descriptors.data(), sizeof(int) * descriptors.size());
-  }
+  descriptor_space<max_batch_descriptors> control;
+  attach_descriptors(header, descriptors, control.bytes);
   ssize_t sent;
   do {
     sent = ::sendmsg(socket, &header, MSG_NOSIGNAL);

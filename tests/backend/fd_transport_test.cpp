@@ -5,9 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <cstring>
-#include <thread>
 
 #include "support/descriptors.h"
 #include "shoal/error.h"
@@ -82,33 +80,6 @@ TEST(fd_transport, a_closed_peer_is_reported) {
   pair.a.reset();
   EXPECT_THROW((void)ipc::receive_message(pair.b.get(), 64), connection_closed);
   EXPECT_THROW(ipc::send_message(pair.b.get(), bytes_of("late")), connection_closed);
-}
-
-TEST(fd_transport, a_spinning_receive_takes_what_comes_during_the_spin_and_blocks_after_it) {
-  using namespace std::chrono_literals;
-  socket_pair pair;
-  // Arrives while the receiver still spins (a 2 s spin; sent after 20 ms).
-  std::thread early([&] {
-    std::this_thread::sleep_for(20ms);
-    ipc::send_message(pair.a.get(), bytes_of("early"));
-  });
-  EXPECT_EQ(ipc::receive_message(pair.b.get(), 64, 2s).payload, bytes_of("early"));
-  early.join();
-  // Arrives long after a 1 ms spin: the receive blocks and still gets it, with
-  // its descriptor, and the socket stays a blocking one.
-  const int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-  std::thread late([&] {
-    std::this_thread::sleep_for(200ms);
-    ipc::send_message(pair.a.get(), bytes_of("late"), fd);
-  });
-  const auto start = std::chrono::steady_clock::now();
-  ipc::message m = ipc::receive_message(pair.b.get(), 64, 1ms);
-  EXPECT_GE(std::chrono::steady_clock::now() - start, 150ms) << "returned before the message was sent";
-  EXPECT_EQ(m.payload, bytes_of("late"));
-  EXPECT_TRUE(m.fd.valid());
-  late.join();
-  ::close(fd);
-  EXPECT_EQ(::fcntl(pair.b.get(), F_GETFL) & O_NONBLOCK, 0);
 }
 
 }  // namespace

@@ -511,6 +511,35 @@ TEST(channel, a_batch_is_read_whole_and_never_past_its_end) {
   EXPECT_FALSE(readable()) << "nothing is left once every batch is read";
 }
 
+TEST(channel, a_spinning_receive_takes_what_comes_during_the_spin_and_blocks_after_it) {
+  socket_pair pair;
+  connection a = connection::adopt(std::move(pair.a), {});
+  connection b = connection::adopt(std::move(pair.b), {});
+  // Arrives while the receiver still spins (a 2 s spin; sent after 20 ms).
+  b.set_receive_spin(2s);
+  std::thread early([&] {
+    std::this_thread::sleep_for(20ms);
+    a.send(1, bytes_of("early"));
+  });
+  EXPECT_EQ(text_of(b.receive().payload), "early");
+  early.join();
+  // Arrives long after a 1 ms spin: the receive blocks and still gets it, with
+  // its descriptor, and the socket stays a blocking one.
+  b.set_receive_spin(1ms);
+  pipe_ends pipe;
+  std::thread late([&] {
+    std::this_thread::sleep_for(200ms);
+    a.send(2, bytes_of("late"), pipe.write.get());
+  });
+  const auto start = std::chrono::steady_clock::now();
+  const ipc::frame f = b.receive();
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 150ms) << "returned before the frame was sent";
+  EXPECT_EQ(text_of(f.payload), "late");
+  EXPECT_TRUE(f.fd.valid());
+  late.join();
+  EXPECT_EQ(::fcntl(b.native_handle(), F_GETFL) & O_NONBLOCK, 0);
+}
+
 TEST(channel, a_peer_that_is_gone_gives_connection_closed_not_sigpipe) {
   socket_pair pair;
   connection a = connection::adopt(std::move(pair.a), {});

@@ -7,7 +7,6 @@
 // malformed input: invalid_argument, with every received descriptor closed.
 #pragma once
 
-#include <chrono>
 #include <cstddef>
 #include <span>
 #include <vector>
@@ -25,11 +24,9 @@ struct message {
 /// Throws connection_closed if the peer is gone, backend_error otherwise.
 void send_message(int socket, std::span<const std::byte> payload, int fd = -1);
 
-/// Receives one message of at most `max_payload` bytes. When nothing has
-/// come yet it first keeps trying without sleeping for up to `spin` (a
-/// message arriving meanwhile costs no thread wake-up), then blocks. Throws
-/// connection_closed on end of stream, invalid_argument on a malformed one.
-[[nodiscard]] message receive_message(int socket, std::size_t max_payload,
-                                      std::chrono::nanoseconds spin = std::chrono::nanoseconds(0));
+/// Receives one message of at most `max_payload` bytes, blocking until it
+/// comes. Throws connection_closed on end of stream, invalid_argument on a
+/// malformed one.
+[[nodiscard]] message receive_message(int socket, std::size_t max_payload);
 
 }  // namespace shoal::ipc

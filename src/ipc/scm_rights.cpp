@@ -1,0 +1,30 @@
+#include "ipc/scm_rights.h"
+
+#include <cstring>
+
+namespace shoal::ipc::detail {
+
+void attach_descriptors(msghdr& header, std::span<const int> fds, std::span<char> space) noexcept {
+  if (fds.empty()) return;
+  header.msg_control = space.data();
+  header.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
+  cmsghdr* c = CMSG_FIRSTHDR(&header);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+  std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+}
+
+void take_descriptors(msghdr& header, std::vector<unique_fd>& into) {
+  for (cmsghdr* c = CMSG_FIRSTHDR(&header); c != nullptr; c = CMSG_NXTHDR(&header, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (std::size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+      into.emplace_back(fd);
+    }
+  }
+}
+
+}  // namespace shoal::ipc::detail

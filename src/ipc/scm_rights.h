@@ -1,0 +1,28 @@
+// Descriptors passed with a socket message (SCM_RIGHTS): attaching them to an
+// outgoing msghdr, taking ownership of those that came with a received one.
+#pragma once
+
+#include <sys/socket.h>
+
+#include <span>
+#include <vector>
+
+#include "shoal/unique_fd.h"
+
+namespace shoal::ipc::detail {
+
+/// Control space for up to N descriptors, aligned for cmsghdr.
+template <std::size_t N>
+struct descriptor_space {
+  alignas(cmsghdr) char bytes[CMSG_SPACE(sizeof(int) * N)]{};
+};
+
+/// Points `header`'s control data at `space` and puts `fds` there (nothing
+/// when `fds` is empty). `fds` must fit `space`.
+void attach_descriptors(msghdr& header, std::span<const int> fds, std::span<char> space) noexcept;
+
+/// Appends every descriptor that came with `header` to `into`, owned, so
+/// none leaks whatever is done with the message.
+void take_descriptors(msghdr& header, std::vector<unique_fd>& into);
+
+}  // namespace shoal::ipc::detail
