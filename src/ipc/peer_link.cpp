@@ -81,7 +81,7 @@ void peer_link::send(const storage::storage& st, std::span<const std::byte> meta
     m.file_id = share.slot.file_id;
     m.slot = share.slot.ticket;
     m.metadata = metadata;
-    out.add(message_type::storage, encode(m));
+    out.add(message_type::storage, encode(m));  // last: a message ends its batch (peer::native_handle)
     link_.send(out.frames);
     if (new_file) files_sent_.insert(share.slot.file_id);
     segments_sent_.insert(new_segments.begin(), new_segments.end());

@@ -2,6 +2,7 @@
 // crash safety, refusals. Every test runs on both backends; the other
 // process is tests/ipc/sharing_peer.cpp.
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -258,6 +259,20 @@ TYPED_TEST(sharing_test, storages_of_growable_segments_span_several_chunks) {
   EXPECT_TRUE(this->drains());
 }
 
+TYPED_TEST(sharing_test, a_storage_on_more_chunks_than_one_batch_carries_arrives_whole) {
+  // 20 chunks, each announced with its descriptor: more than a batch holds
+  // (max_batch_descriptors), so the announcements span several batches.
+  auto& ctx = this->context("expandable_segments:true");
+  this->start({"consume"});
+  const std::size_t chunks = ipc::max_batch_descriptors + 4;
+  storage_t st = this->filled(chunks * this->device().granularity(), 29);
+  EXPECT_EQ(this->send(st, 29, false), "ok");
+  EXPECT_GE(ctx.stats().exported_segments, chunks) << "one export per physical chunk";
+  st = storage_t();
+  this->finish();
+  EXPECT_TRUE(this->drains());
+}
+
 TYPED_TEST(sharing_test, segments_given_back_by_the_producer_are_retired_by_the_consumer) {
   auto& ctx = this->context();
   this->start({"consume"});
@@ -370,6 +385,29 @@ TEST(sharing_failures, storages_a_consumer_never_read_are_given_back_when_it_clo
   EXPECT_EQ(producer.stats().held_slots, 0u);
   EXPECT_EQ(producer.stats().limbo_blocks, 0u);
   EXPECT_EQ(allocator.stats().allocated_bytes.aggregate.current, 0);
+}
+
+TEST(sharing_poll, a_peer_is_readable_exactly_while_a_message_waits) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context producer(allocator, {.collect_interval = 0ms});
+  ipc::sharing_context consumer(allocator, {.collect_interval = 0ms});
+  auto [to_consumer, consumer_end] = connected_pair();
+  ipc::peer sender(producer, std::move(to_consumer));
+  ipc::peer receiver(consumer, std::move(consumer_end));
+  const auto readable = [&] {
+    pollfd waiting{receiver.native_handle(), POLLIN, 0};
+    return ::poll(&waiting, 1, 0) == 1;
+  };
+  EXPECT_FALSE(readable());
+  // A first share (counter file, segment, storage) and a note, back to back.
+  sender.send(storage_t::allocate(allocator, 8 * kib, {}), {}, {});
+  sender.send_note(text("after"));
+  EXPECT_TRUE(readable());
+  EXPECT_TRUE(receiver.receive({}).storage.valid());
+  EXPECT_TRUE(readable()) << "the note still waits in the socket: nothing of it was read with the storage";
+  EXPECT_EQ(text_of(receiver.receive({}).metadata), "after");
+  EXPECT_FALSE(readable()) << "every message ends its batch: nothing is left half read";
 }
 
 TEST(sharing_malformed, random_and_mutated_messages_never_crash_the_receiver_or_leak) {

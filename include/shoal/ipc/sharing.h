@@ -140,7 +140,9 @@ class peer {
 
   [[nodiscard]] const peer_credentials& credentials() const noexcept;
   [[nodiscard]] peer_stats stats() const;
-  /// The connection's socket, for poll(): readable when a message waits.
+  /// The connection's socket, for poll(): readable exactly when a message
+  /// waits (a message always ends the batch it travels in, so receive()
+  /// never leaves part of the next one read).
   [[nodiscard]] int native_handle() const noexcept;
 
  private:
