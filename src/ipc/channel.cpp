@@ -171,6 +171,7 @@ struct connection::state {
   std::vector<std::byte> receive_buffer;
   std::vector<frame> unread;
   std::size_t next_unread = 0;
+  std::atomic<std::size_t> pending{0};  // unread.size() - next_unread, readable without the lock
   mutable std::mutex broken_mutex;
   std::string broken_reason;  // empty while usable; guarded by broken_mutex
 
@@ -340,14 +341,12 @@ frame connection::receive() {
       throw;
     }
   }
-  return std::move(s.unread[s.next_unread++]);
+  frame next = std::move(s.unread[s.next_unread++]);
+  s.pending.store(s.unread.size() - s.next_unread, std::memory_order_release);
+  return next;
 }
 
-std::size_t connection::pending() const {
-  state& s = usable("pending");
-  const std::lock_guard lock(s.receive_mutex);
-  return s.unread.size() - s.next_unread;
-}
+std::size_t connection::pending() const { return usable("pending").pending.load(std::memory_order_acquire); }
 
 const peer_credentials& connection::peer() const noexcept { return state_->peer; }
 std::size_t connection::max_payload() const noexcept { return state_->max_payload; }

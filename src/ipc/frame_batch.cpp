@@ -53,12 +53,16 @@ std::string hex_bytes(std::span<const std::byte> bytes) {
 std::size_t read_some(int socket, std::byte* into, std::size_t bytes, std::chrono::nanoseconds spin,
                       std::vector<unique_fd>& descriptors, bool batch_started) {
   iovec part{into, bytes};
-  descriptor_space<max_batch_descriptors> control;
+  // Room for the descriptors the batch may still bring, and for credentials
+  // in case the socket has SO_PASSCRED on: more than a batch may carry, over
+  // however many reads, and the kernel closes the rest (MSG_CTRUNC).
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * max_batch_descriptors) + CMSG_SPACE(sizeof(ucred))];
+  const std::size_t room = max_batch_descriptors - std::min(descriptors.size(), max_batch_descriptors);
   msghdr header{};
   header.msg_iov = &part;
   header.msg_iovlen = 1;
-  header.msg_control = control.bytes;
-  header.msg_controllen = sizeof control.bytes;
+  header.msg_control = control;
+  header.msg_controllen = (room > 0 ? CMSG_SPACE(sizeof(int) * room) : 0) + CMSG_SPACE(sizeof(ucred));
   const auto spin_until = std::chrono::steady_clock::now() + spin;
   int flags = spin.count() > 0 ? MSG_CMSG_CLOEXEC | MSG_DONTWAIT : MSG_CMSG_CLOEXEC;
   ssize_t got;
@@ -71,9 +75,10 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, std::chron
     if (std::chrono::steady_clock::now() >= spin_until) flags &= ~MSG_DONTWAIT;  // spun enough: block
   }
   take_descriptors(header, descriptors);
-  if ((header.msg_flags & MSG_CTRUNC) != 0) {
+  if ((header.msg_flags & MSG_CTRUNC) != 0 || descriptors.size() > max_batch_descriptors) {
     throw protocol_error("a batch came with more than " + std::to_string(max_batch_descriptors) +
-                         " descriptors (the kernel closed the ones that did not fit)");
+                         " descriptors, or this process has no descriptor free to take one (the kernel closed "
+                         "the ones that did not fit)");
   }
   if (got == 0) {
     throw connection_closed(batch_started ? "recvmsg: the peer closed the connection in the middle of a batch"
@@ -86,6 +91,10 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, std::chron
 // whole size (header, frames, padding).
 std::size_t checked_batch_size(const std::vector<std::byte>& buffer, std::size_t max_payload) {
   if (!std::equal(batch_magic.begin(), batch_magic.end(), buffer.begin())) {
+    if (std::equal(batch_magic.begin(), batch_magic.end(), buffer.begin() + 4)) {  // version 1: a length, then the magic
+      throw protocol_error("the peer speaks frame version 1; this build speaks version " + std::to_string(frame_version) +
+                           ": run the same shoal version at both ends");
+    }
     throw protocol_error("the batch starts with bytes " + hex_bytes(std::span(buffer).first(4)) +
                          ", not the magic \"SHOL\" (53 48 4f 4c): the peer does not speak shoal's channel protocol");
   }
@@ -166,7 +175,8 @@ std::vector<frame> split_frames(const std::vector<std::byte>& batch, std::size_t
 
 std::size_t max_batch_body(std::size_t max_payload) noexcept {
   // One frame of max_payload, or a packed batch, with every frame header and the padding.
-  return std::max(max_payload, batch_packing_bytes) + max_batch_frames * frame_header_bytes + min_batch_bytes;
+  const std::size_t largest_frame = std::min<std::size_t>(std::max(max_payload, batch_packing_bytes), UINT32_MAX);
+  return largest_frame + max_batch_frames * frame_header_bytes + min_batch_bytes;
 }
 
 std::size_t frames_in_next_batch(std::span<const outgoing_frame> frames) noexcept {
@@ -184,6 +194,12 @@ std::size_t frames_in_next_batch(std::span<const outgoing_frame> frames) noexcep
 }
 
 void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<std::byte>& out) {
+  const auto carrying = std::count_if(frames.begin(), frames.end(), [](const outgoing_frame& f) { return f.fd >= 0; });
+  if (frames.empty() || frames.size() > max_batch_frames || static_cast<std::size_t>(carrying) > max_batch_descriptors) {
+    throw invalid_argument("send_batch: " + std::to_string(frames.size()) + " frames with " + std::to_string(carrying) +
+                           " descriptors; a batch holds 1 to " + std::to_string(max_batch_frames) + " frames and at most " +
+                           std::to_string(max_batch_descriptors) + " descriptors (frames_in_next_batch says how many)");
+  }
   std::size_t body = 0;
   for (const outgoing_frame& f : frames) body += frame_header_bytes + f.payload.size();
   const std::size_t size = std::max(batch_header_bytes + body, min_batch_bytes);

@@ -28,18 +28,39 @@ void peer_link::outgoing::add(message_type type, std::vector<std::byte> payload,
   frames.push_back({static_cast<std::uint16_t>(type), payloads.back(), fd});
 }
 
-void peer_link::add_retirements(outgoing& out) {
-  std::vector<std::uint64_t> segments, files;
+peer_link::retirements peer_link::take_retirements() {
+  retirements r;
   {
     std::lock_guard lock(outbox_->mutex);
-    segments.swap(outbox_->segments);
-    files.swap(outbox_->files);
+    r.segments.swap(outbox_->segments);
+    r.files.swap(outbox_->files);
   }
-  // Only what this peer was told about; erase so an id is retired once.
-  std::erase_if(segments, [&](std::uint64_t id) { return segments_sent_.erase(id) == 0; });
-  std::erase_if(files, [&](std::uint64_t id) { return files_sent_.erase(id) == 0; });
-  if (!segments.empty()) out.add(message_type::retire_segments, encode_ids(segments));
-  if (!files.empty()) out.add(message_type::retire_files, encode_ids(files));
+  // Only what this peer was told about.
+  std::erase_if(r.segments, [&](std::uint64_t id) { return !segments_sent_.contains(id); });
+  std::erase_if(r.files, [&](std::uint64_t id) { return !files_sent_.contains(id); });
+  return r;
+}
+
+void peer_link::outgoing::add(const retirements& r) {
+  if (!r.segments.empty()) add(message_type::retire_segments, encode_ids(r.segments));
+  if (!r.files.empty()) add(message_type::retire_files, encode_ids(r.files));
+}
+
+template <class Send>
+void peer_link::send_with_retirements(const Send& send) {
+  retirements retired = take_retirements();
+  try {
+    send(retired);
+  } catch (...) {
+    // Not sent: the next send carries them. (Sent twice at worst, which the
+    // receiver takes as a no-op.)
+    std::lock_guard lock(outbox_->mutex);
+    outbox_->segments.insert(outbox_->segments.end(), retired.segments.begin(), retired.segments.end());
+    outbox_->files.insert(outbox_->files.end(), retired.files.begin(), retired.files.end());
+    throw;
+  }
+  for (auto id : retired.segments) segments_sent_.erase(id);  // so an id is retired once
+  for (auto id : retired.files) files_sent_.erase(id);
 }
 
 void peer_link::send(const storage::storage& st, std::span<const std::byte> metadata, backend::stream_ref stream) {
@@ -48,10 +69,16 @@ void peer_link::send(const storage::storage& st, std::span<const std::byte> meta
                            std::to_string(limits_.max_metadata) + " (sharing_options::max_metadata_bytes)");
   }
   std::lock_guard lock(send_mutex_);
-  outgoing out;
-  add_retirements(out);
+  send_with_retirements([&](const retirements& retired) { send_storage(st, metadata, stream, retired); });
+}
+
+void peer_link::send_storage(const storage::storage& st, std::span<const std::byte> metadata, backend::stream_ref stream,
+                             const retirements& retired) {
   auto share = state_->share_storage(st, link_.peer().process, stream);
+  bool sent = false;
   try {
+    outgoing out;
+    out.add(retired);
     // Marked as sent only once the batch has gone.
     const bool new_file = !files_sent_.contains(share.slot.file_id);
     if (new_file) {
@@ -83,11 +110,12 @@ void peer_link::send(const storage::storage& st, std::span<const std::byte> meta
     m.metadata = metadata;
     out.add(message_type::storage, encode(m));  // last: a message ends its batch (peer::native_handle)
     link_.send(out.frames);
+    sent = true;
     if (new_file) files_sent_.insert(share.slot.file_id);
     segments_sent_.insert(new_segments.begin(), new_segments.end());
     if (new_source) sources_sent_.insert(new_source->source_id);
   } catch (...) {
-    state_->abandon(share.slot);
+    if (!sent) state_->abandon(share.slot);  // once sent, the consumer holds it
     throw;
   }
 }
@@ -98,10 +126,12 @@ void peer_link::send_note(std::span<const std::byte> metadata) {
                            " bytes of metadata is over the limit of " + std::to_string(limits_.max_metadata));
   }
   std::lock_guard lock(send_mutex_);
-  outgoing out;
-  add_retirements(out);
-  out.add(message_type::note, encode_note(metadata));
-  link_.send(out.frames);
+  send_with_retirements([&](const retirements& retired) {
+    outgoing out;
+    out.add(retired);
+    out.add(message_type::note, encode_note(metadata));
+    link_.send(out.frames);
+  });
 }
 
 peer_link::~peer_link() {

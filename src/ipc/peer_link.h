@@ -37,14 +37,26 @@ class peer_link {
   [[nodiscard]] int native_handle() const noexcept { return link_.native_handle(); }
 
  private:
+  // Ids this peer was told about whose resources the producer has let go.
+  struct retirements {
+    std::vector<std::uint64_t> segments, files;
+  };
   // The frames of one send, going out together (connection::send packs them
   // into as few system calls as it can); owns their payloads.
   struct outgoing {
     std::deque<std::vector<std::byte>> payloads;  // a deque: frames point into it
     std::vector<outgoing_frame> frames;
     void add(message_type type, std::vector<std::byte> payload, int fd = -1);
+    void add(const retirements& r);
   };
-  void add_retirements(outgoing& out);  // send_mutex_ held
+  // All with send_mutex_ held. The retirements waiting in the outbox go
+  // first in whatever `send` sends, and are forgotten only once it returns;
+  // when it throws, they wait for the next send.
+  retirements take_retirements();
+  template <class Send>
+  void send_with_retirements(const Send& send);
+  void send_storage(const storage::storage& st, std::span<const std::byte> metadata, backend::stream_ref stream,
+                    const retirements& retired);
   // Closes the connection after a protocol error, so nothing more is read.
   [[noreturn]] void fail(const protocol_error& e);
   // Reads what has already arrived and releases the references its storage

@@ -1,11 +1,18 @@
 #include "ipc/scm_rights.h"
 
 #include <cstring>
+#include <string>
+
+#include "shoal/error.h"
 
 namespace shoal::ipc::detail {
 
-void attach_descriptors(msghdr& header, std::span<const int> fds, std::span<char> space) noexcept {
+void attach_descriptors(msghdr& header, std::span<const int> fds, std::span<char> space) {
   if (fds.empty()) return;
+  if (CMSG_SPACE(sizeof(int) * fds.size()) > space.size()) {
+    throw invalid_argument("attach_descriptors: " + std::to_string(fds.size()) + " descriptors do not fit " +
+                           std::to_string(space.size()) + " bytes of control space");
+  }
   header.msg_control = space.data();
   header.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
   cmsghdr* c = CMSG_FIRSTHDR(&header);
@@ -16,6 +23,11 @@ void attach_descriptors(msghdr& header, std::span<const int> fds, std::span<char
 }
 
 void take_descriptors(msghdr& header, std::vector<unique_fd>& into) {
+  std::size_t total = into.size();
+  for (cmsghdr* c = CMSG_FIRSTHDR(&header); c != nullptr; c = CMSG_NXTHDR(&header, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) total += (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+  }
+  into.reserve(total);  // so no emplace_back below throws and leaves a descriptor unowned
   for (cmsghdr* c = CMSG_FIRSTHDR(&header); c != nullptr; c = CMSG_NXTHDR(&header, c)) {
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
     const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);

@@ -18,8 +18,8 @@ struct descriptor_space {
 };
 
 /// Points `header`'s control data at `space` and puts `fds` there (nothing
-/// when `fds` is empty). `fds` must fit `space`.
-void attach_descriptors(msghdr& header, std::span<const int> fds, std::span<char> space) noexcept;
+/// when `fds` is empty). Throws invalid_argument when they do not fit.
+void attach_descriptors(msghdr& header, std::span<const int> fds, std::span<char> space);
 
 /// Appends every descriptor that came with `header` to `into`, owned, so
 /// none leaks whatever is done with the message.

@@ -19,6 +19,7 @@
 #include <climits>
 #include <cstddef>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -149,6 +150,12 @@ std::vector<std::byte> raw_batch(std::string_view magic, std::uint16_t version, 
   const auto body = static_cast<std::uint32_t>(out.size() - 12);
   std::memcpy(out.data() + 8, &body, 4);
   return out;
+}
+
+std::chrono::nanoseconds thread_cpu_time() {
+  timespec t{};
+  EXPECT_EQ(::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t), 0);
+  return std::chrono::seconds(t.tv_sec) + std::chrono::nanoseconds(t.tv_nsec);
 }
 
 // True when the other end has closed: a read gives end of stream.
@@ -532,12 +539,35 @@ TEST(channel, a_spinning_receive_takes_what_comes_during_the_spin_and_blocks_aft
     a.send(2, bytes_of("late"), pipe.write.get());
   });
   const auto start = std::chrono::steady_clock::now();
+  const std::chrono::nanoseconds cpu_before = thread_cpu_time();
   const ipc::frame f = b.receive();
   EXPECT_GE(std::chrono::steady_clock::now() - start, 150ms) << "returned before the frame was sent";
+  EXPECT_LT(thread_cpu_time() - cpu_before, 50ms) << "it kept spinning instead of blocking";
   EXPECT_EQ(text_of(f.payload), "late");
   EXPECT_TRUE(f.fd.valid());
   late.join();
   EXPECT_EQ(::fcntl(b.native_handle(), F_GETFL) & O_NONBLOCK, 0);
+}
+
+TEST(channel, pending_answers_while_another_thread_waits_in_receive) {
+  socket_pair pair;
+  connection a = connection::adopt(std::move(pair.a), {});
+  connection b = connection::adopt(std::move(pair.b), {});
+  std::thread waiting([&] { EXPECT_EQ(b.receive().type, 5); });
+  std::this_thread::sleep_for(50ms);  // the receive is blocked by now
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(b.pending(), 0U);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 20ms) << "pending() waited for the blocked receive";
+  a.send(5, {});
+  waiting.join();
+}
+
+TEST(channel, the_largest_max_payload_still_takes_ordinary_frames) {
+  socket_pair pair;
+  connection a = connection::adopt(std::move(pair.a), {}, SIZE_MAX);
+  connection b = connection::adopt(std::move(pair.b), {}, SIZE_MAX);
+  a.send(1, std::vector<std::byte>(100000, std::byte{3}));
+  EXPECT_EQ(b.receive().payload.size(), 100000U);
 }
 
 TEST(channel, a_peer_that_is_gone_gives_connection_closed_not_sigpipe) {
@@ -795,6 +825,26 @@ TEST(channel_protocol, malformed_frames_close_only_their_connection) {
   EXPECT_EQ(open_descriptor_count(), descriptors_before) << "received descriptors were closed";
   const connection later = connection::connect(address, {});
   EXPECT_TRUE(server.accept_for(1s).has_value()) << "the listener still accepts";
+}
+
+TEST(channel_protocol, more_descriptors_than_a_batch_carries_are_refused_over_several_writes) {
+  socket_pair pair;
+  connection victim = connection::adopt(std::move(pair.b), {});
+  pipe_ends pipe;
+  const std::size_t descriptors_before = open_descriptor_count();
+  // A batch that says it is 4 KiB long, written in pieces of one byte each
+  // with 16 descriptors: together more than one batch may carry.
+  const auto batch = raw_batch("SHOL", 2, {{1, std::vector<std::byte>(4000)}});
+  for (std::size_t i = 0; i < 12; ++i) write_raw(pair.a.get(), {batch[i]}, std::vector<int>(16, pipe.write.get()));
+  pair.a.reset();  // end of stream after that: a receiver that took them all would find the batch cut short
+  try {
+    (void)victim.receive();
+    ADD_FAILURE() << "the batch was accepted";
+  } catch (const protocol_error& e) {
+    EXPECT_NE(std::string(e.what()).find("more than 16 descriptors"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(victim.broken());
+  EXPECT_EQ(open_descriptor_count(), descriptors_before - 1) << "every descriptor that came was closed (and the writer's end)";
 }
 
 // Random and mutated byte strings, written raw with stray descriptors, give

@@ -369,6 +369,31 @@ TEST(sharing_failures, a_send_that_fails_gives_its_slot_back) {
   EXPECT_EQ(allocator.stats().allocated_bytes.aggregate.current, 0) << "the block went back at once";
 }
 
+TEST(sharing_failures, retirements_survive_a_refused_send) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator producer_allocator(dev, {});
+  alloc::caching_allocator consumer_allocator(dev, {});
+  alloc::caching_allocator other_allocator(dev, {});
+  ipc::sharing_context producer(producer_allocator, {.collect_interval = 0ms});
+  ipc::sharing_context consumer(consumer_allocator, {.collect_interval = 0ms});
+  auto [to_consumer, consumer_end] = connected_pair();
+  ipc::peer sender(producer, std::move(to_consumer));
+  ipc::peer receiver(consumer, std::move(consumer_end));
+  // A's segment is given back by the producer: its retirement waits for the next send.
+  sender.send(storage_t::allocate(producer_allocator, 4 * kib, {}), {}, {});
+  ASSERT_TRUE(receiver.receive({}).storage.valid());
+  dev.synchronize({});
+  producer.collect();
+  producer_allocator.empty_cache();
+  ASSERT_EQ(producer.stats().exported_segments, 0u);
+  // That send is refused (memory of another allocator) before anything goes out.
+  EXPECT_THROW(sender.send(storage_t::allocate(other_allocator, 4 * kib, {}), {}, {}), invalid_argument);
+  sender.send(storage_t::allocate(producer_allocator, 4 * kib, {}), {}, {});
+  ASSERT_TRUE(receiver.receive({}).storage.valid());
+  consumer.collect();
+  EXPECT_EQ(receiver.stats().open_mappings, 1u) << "the retirement came with the next send: A's mapping is closed";
+}
+
 TEST(sharing_failures, storages_a_consumer_never_read_are_given_back_when_it_closes) {
   backend::device& dev = backend::host_device_instance();
   alloc::caching_allocator allocator(dev, {});

@@ -173,15 +173,15 @@ class connection {
   /// Sends one frame of `type` with `payload` and, when `fd` >= 0, a copy of
   /// `fd` (the caller keeps its own). Blocks until all of it is sent. Throws
   /// connection_closed when the peer is gone or the connection is broken;
-  /// invalid_argument when the payload is over 4 GiB or `fd` is not an open
-  /// descriptor (nothing is sent and the connection stays usable);
-  /// backend_error when the system refuses.
+  /// invalid_argument when the payload does not fit a frame (4 GiB less the
+  /// headers) or `fd` is not an open descriptor (nothing is sent and the
+  /// connection stays usable); backend_error when the system refuses.
   void send(std::uint16_t type, std::span<const std::byte> payload, int fd = -1);
 
   /// Sends `frames` in order, packed into as few batches as the limits allow
   /// (max_batch_frames, max_batch_descriptors, batch_packing_bytes), each
-  /// batch one system call: a receiver reads a small batch with one call
-  /// too. Throws as send() does; when a descriptor is not open or a payload
+  /// batch one sendmsg (more only when the socket takes part of it): a
+  /// receiver reads a batch of at most min_batch_bytes with one call too. Throws as send() does; when a descriptor is not open or a payload
   /// is too large, nothing is sent.
   void send(std::span<const outgoing_frame> frames);
 

@@ -140,9 +140,10 @@ class peer {
 
   [[nodiscard]] const peer_credentials& credentials() const noexcept;
   [[nodiscard]] peer_stats stats() const;
-  /// The connection's socket, for poll(): readable exactly when a message
-  /// waits (a message always ends the batch it travels in, so receive()
-  /// never leaves part of the next one read).
+  /// The connection's socket, for poll(): readable exactly when a message,
+  /// or its start, waits (a message always ends the batch it travels in, so
+  /// receive() never leaves part of the next one read). A message whose
+  /// announcements span several batches may still be arriving then.
   [[nodiscard]] int native_handle() const noexcept;
 
  private:
