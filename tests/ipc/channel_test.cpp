@@ -777,11 +777,19 @@ TEST(channel_protocol, malformed_frames_close_only_their_connection) {
   std::vector<std::byte> runs_past = raw_batch("SHOL", 2, {full, full, full, full});
   const std::uint16_t one_more_than_sent = 5;
   std::memcpy(runs_past.data() + 6, &one_more_than_sent, 2);
+  // Version 1 sent each frame alone: length u32, "SHOL", version u16, type u16, payload.
+  std::vector<std::byte> version_1_frame = bytes_of("....SHOL....x");
+  const std::uint32_t v1_length = 9;
+  const std::uint16_t v1_version = 1, v1_type = 3;
+  std::memcpy(version_1_frame.data(), &v1_length, 4);
+  std::memcpy(version_1_frame.data() + 8, &v1_version, 2);
+  std::memcpy(version_1_frame.data() + 10, &v1_type, 2);
   std::vector<std::byte> dirty_padding = raw_batch("SHOL", 2, {{1, bytes_of("x")}});
   dirty_padding.back() = std::byte{1};
   const std::vector<malformed_case> cases = {
       {"wrong magic", raw_batch("SHOX", 2, {{1, bytes_of("x")}}), 0, "not the magic \"SHOL\""},
       {"wrong version", raw_batch("SHOL", 1, {{1, bytes_of("x")}}), 0, "frame version 1; this build speaks version 2"},
+      {"a version-1 frame", version_1_frame, 0, "frame version 1; this build speaks version 2"},
       {"shorter than the minimum", raw_batch("SHOL", 2, {{1, bytes_of("x")}}, 0), 0, "shorter than the 256-byte minimum"},
       {"no frames", raw_batch("SHOL", 2, {}), 0, "a batch of 0 frames"},
       {"a body over the limit", over_body, 0, "over the"},

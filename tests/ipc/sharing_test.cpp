@@ -353,6 +353,19 @@ std::pair<ipc::connection, ipc::connection> connected_pair() {
   return {ipc::connection::adopt(unique_fd(fds[0]), {}, 1 << 20), ipc::connection::adopt(unique_fd(fds[1]), {}, 1 << 20)};
 }
 
+/// A producer and a consumer in this process, on the host backend, each with
+/// its own allocator and no background collector, joined by a socketpair.
+struct in_process_sharing {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator producer_allocator{dev, {}};
+  alloc::caching_allocator consumer_allocator{dev, {}};
+  ipc::sharing_context producer{producer_allocator, {.collect_interval = 0ms}};
+  ipc::sharing_context consumer{consumer_allocator, {.collect_interval = 0ms}};
+  std::pair<ipc::connection, ipc::connection> ends = connected_pair();
+  ipc::peer sender{producer, std::move(ends.first)};
+  ipc::peer receiver{consumer, std::move(ends.second)};
+};
+
 TEST(sharing_failures, a_send_that_fails_gives_its_slot_back) {
   backend::device& dev = backend::host_device_instance();
   alloc::caching_allocator allocator(dev, {});
@@ -370,15 +383,9 @@ TEST(sharing_failures, a_send_that_fails_gives_its_slot_back) {
 }
 
 TEST(sharing_failures, retirements_survive_a_refused_send) {
-  backend::device& dev = backend::host_device_instance();
-  alloc::caching_allocator producer_allocator(dev, {});
-  alloc::caching_allocator consumer_allocator(dev, {});
+  in_process_sharing p;
+  auto& [dev, producer_allocator, consumer_allocator, producer, consumer, ends, sender, receiver] = p;
   alloc::caching_allocator other_allocator(dev, {});
-  ipc::sharing_context producer(producer_allocator, {.collect_interval = 0ms});
-  ipc::sharing_context consumer(consumer_allocator, {.collect_interval = 0ms});
-  auto [to_consumer, consumer_end] = connected_pair();
-  ipc::peer sender(producer, std::move(to_consumer));
-  ipc::peer receiver(consumer, std::move(consumer_end));
   // A's segment is given back by the producer: its retirement waits for the next send.
   sender.send(storage_t::allocate(producer_allocator, 4 * kib, {}), {}, {});
   ASSERT_TRUE(receiver.receive({}).storage.valid());
@@ -413,13 +420,8 @@ TEST(sharing_failures, storages_a_consumer_never_read_are_given_back_when_it_clo
 }
 
 TEST(sharing_poll, a_peer_is_readable_exactly_while_a_message_waits) {
-  backend::device& dev = backend::host_device_instance();
-  alloc::caching_allocator allocator(dev, {});
-  ipc::sharing_context producer(allocator, {.collect_interval = 0ms});
-  ipc::sharing_context consumer(allocator, {.collect_interval = 0ms});
-  auto [to_consumer, consumer_end] = connected_pair();
-  ipc::peer sender(producer, std::move(to_consumer));
-  ipc::peer receiver(consumer, std::move(consumer_end));
+  in_process_sharing p;
+  auto& [dev, allocator, consumer_allocator, producer, consumer, ends, sender, receiver] = p;
   const auto readable = [&] {
     pollfd waiting{receiver.native_handle(), POLLIN, 0};
     return ::poll(&waiting, 1, 0) == 1;
