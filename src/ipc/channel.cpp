@@ -15,6 +15,8 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <deque>
+#include <iterator>
 #include <mutex>
 
 #include "ipc/credentials_exchange.h"
@@ -167,11 +169,10 @@ struct connection::state {
   std::mutex send_mutex;
   std::vector<std::byte> send_buffer;  // guarded by send_mutex
   std::mutex receive_mutex;
-  // Guarded by receive_mutex: the last batch read, its frames not yet returned from `next_unread` on.
+  // Guarded by receive_mutex: the bytes of the last batch read, and its frames not yet returned.
   std::vector<std::byte> receive_buffer;
-  std::vector<frame> unread;
-  std::size_t next_unread = 0;
-  std::atomic<std::size_t> pending{0};  // unread.size() - next_unread, readable without the lock
+  std::deque<frame> unread;
+  std::atomic<std::size_t> pending{0};  // unread.size(), readable without the lock
   mutable std::mutex broken_mutex;
   std::string broken_reason;  // empty while usable; guarded by broken_mutex
 
@@ -322,12 +323,12 @@ frame connection::receive() {
   state& s = usable("receive");
   const std::lock_guard lock(s.receive_mutex);
   s.throw_if_broken("receive");
-  if (s.next_unread == s.unread.size()) {
+  if (s.unread.empty()) {
     const auto from = [&] { return "connection::receive from pid " + std::to_string(s.peer.process.pid); };
     try {
-      s.unread = detail::read_batch(s.socket.get(), s.max_payload,
-                                    std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed)), s.receive_buffer);
-      s.next_unread = 0;
+      std::vector<frame> batch = detail::read_batch(
+          s.socket.get(), s.max_payload, std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed)), s.receive_buffer);
+      s.unread.assign(std::make_move_iterator(batch.begin()), std::make_move_iterator(batch.end()));
     } catch (const protocol_error& e) {
       const protocol_error refused(from() + ": " + e.what());
       s.break_with(refused.what());
@@ -341,8 +342,9 @@ frame connection::receive() {
       throw;
     }
   }
-  frame next = std::move(s.unread[s.next_unread++]);
-  s.pending.store(s.unread.size() - s.next_unread, std::memory_order_release);
+  frame next = std::move(s.unread.front());
+  s.unread.pop_front();
+  s.pending.store(s.unread.size(), std::memory_order_release);
   return next;
 }
 

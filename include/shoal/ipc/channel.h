@@ -181,8 +181,9 @@ class connection {
   /// Sends `frames` in order, packed into as few batches as the limits allow
   /// (max_batch_frames, max_batch_descriptors, batch_packing_bytes), each
   /// batch one sendmsg (more only when the socket takes part of it): a
-  /// receiver reads a batch of at most min_batch_bytes with one call too. Throws as send() does; when a descriptor is not open or a payload
-  /// is too large, nothing is sent.
+  /// receiver reads a batch of at most min_batch_bytes with one call too.
+  /// Throws as send() does; when a descriptor is not open or a payload is
+  /// too large, nothing is sent.
   void send(std::span<const outgoing_frame> frames);
 
   /// Receives one frame, blocking until it arrives. Throws protocol_error
