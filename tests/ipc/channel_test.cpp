@@ -495,6 +495,43 @@ TEST(channel, frames_sent_together_arrive_in_order_with_their_descriptors) {
   EXPECT_EQ(b.pending(), 0U);
 }
 
+TEST(channel, frames_past_the_packing_limit_go_in_separate_batches) {
+  socket_pair pair;
+  connection sender = connection::adopt(std::move(pair.a), {});
+  const std::vector<std::byte> big(ipc::batch_packing_bytes / 2 + 1, std::byte{7});
+  const std::vector<ipc::outgoing_frame> two = {{1, big}, {2, big}};
+  sender.send(two);
+  // Read raw: a batch header, then its frames; each batch here holds one.
+  for (std::uint16_t type = 1; type <= 2; ++type) {
+    std::vector<std::byte> header(12 + 8);
+    ASSERT_EQ(::recv(pair.b.get(), header.data(), header.size(), MSG_WAITALL), static_cast<ssize_t>(header.size()));
+    std::uint16_t frames = 0, first_type = 0;
+    std::memcpy(&frames, header.data() + 6, 2);
+    std::memcpy(&first_type, header.data() + 12, 2);
+    EXPECT_EQ(frames, 1) << "two payloads over the packing limit together do not share a batch";
+    EXPECT_EQ(first_type, type);
+    std::vector<std::byte> rest(big.size());
+    ASSERT_EQ(::recv(pair.b.get(), rest.data(), rest.size(), MSG_WAITALL), static_cast<ssize_t>(rest.size()));
+  }
+}
+
+TEST(channel, frames_with_a_closed_descriptor_are_not_sent_at_all) {
+  socket_pair pair;
+  connection a = connection::adopt(std::move(pair.a), {});
+  connection b = connection::adopt(std::move(pair.b), {});
+  pipe_ends pipe;
+  int closed_fd = ::dup(pipe.write.get());
+  ::close(closed_fd);
+  const auto payload = bytes_of("x");
+  const std::vector<ipc::outgoing_frame> three = {{1, payload}, {2, payload, pipe.write.get()}, {3, payload, closed_fd}};
+  EXPECT_THROW(a.send(three), invalid_argument);
+  EXPECT_FALSE(a.broken()) << "nothing was sent, so the stream is still in step";
+  pollfd waiting{b.native_handle(), POLLIN, 0};
+  EXPECT_EQ(::poll(&waiting, 1, 0), 0) << "not even the frames before the bad one went out";
+  a.send(4, payload);
+  EXPECT_EQ(b.receive().type, 4);
+}
+
 TEST(channel, a_batch_is_read_whole_and_never_past_its_end) {
   socket_pair pair;
   connection a = connection::adopt(std::move(pair.a), {});
