@@ -19,8 +19,8 @@
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/backend/devices.h"
 #include "shoal/backend/stream.h"
-#include "shoal/error.h"
-#include "shoal/ipc/child_process.h"
+#include "shoal/core/error.h"
+#include "shoal/core/child_process.h"
 #include "shoal/ipc/sharing.h"
 
 namespace {
@@ -45,7 +45,7 @@ backend::device& device_named(const std::string& name) {
   return name == "host" ? backend::host_device_instance() : backend::cuda_device_instance(0);
 }
 
-ipc::connection adopt(int fd) { return ipc::connection::adopt_pair_end(unique_fd(fd), {}, 1 << 20); }
+channel::connection adopt(int fd) { return channel::connection::adopt_pair_end(unique_fd(fd), {}, 1 << 20); }
 
 double micros_since(clock_type::time_point t0) {
   return std::chrono::duration<double, std::micro>(clock_type::now() - t0).count();
@@ -73,7 +73,7 @@ int consume(const std::string& backend_name) {
   backend::device& dev = device_named(backend_name);
   alloc::caching_allocator allocator(dev, {});
   ipc::sharing_context context(allocator);
-  ipc::peer producer(context, adopt(ipc::child_process::child_socket_fd));
+  ipc::peer producer(context, adopt(child_process::child_socket_fd));
   backend::stream s(dev);
   backend::stream_guard on_s(dev, s);
   std::uint8_t seen = 0;
@@ -174,7 +174,7 @@ class producer_side {
   backend::device& dev_;
   alloc::caching_allocator allocator_;
   ipc::sharing_context context_;
-  ipc::child_process child_;
+  child_process child_;
   ipc::peer peer_;
   backend::stream stream_;
   backend::stream_guard on_stream_;

@@ -4,7 +4,7 @@
 #include <utility>
 #include <vector>
 
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::bench {
 

@@ -7,7 +7,7 @@
 #include <ostream>
 #include <set>
 
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::bench {
 

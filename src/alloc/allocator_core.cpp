@@ -5,7 +5,7 @@
 
 #include "alloc/core_util.h"
 #include "alloc/size_policy.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::alloc::detail {
 

@@ -20,7 +20,10 @@
 #include "alloc/allocator_hooks.h"
 #include "alloc/block_pool.h"
 #include "alloc/spin_lock.h"
-#include "shoal/alloc/caching_allocator.h"
+#include "shoal/alloc/allocator_types.h"
+#include "shoal/alloc/config.h"
+#include "shoal/alloc/stats.h"
+#include "shoal/backend/device.h"
 
 namespace shoal::alloc::detail {
 

@@ -4,7 +4,7 @@
 #include <mutex>
 #include <string>
 
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::alloc::detail {
 

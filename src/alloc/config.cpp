@@ -6,7 +6,7 @@
 #include <sstream>
 #include <vector>
 
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::alloc {
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "address_text.h"
+#include "core/address_text.h"
 #include "shoal/backend/types.h"
 
 namespace shoal::alloc::detail {

@@ -5,7 +5,7 @@
 #include <mutex>
 
 #include "alloc/size_policy.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::alloc::detail {
 

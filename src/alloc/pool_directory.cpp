@@ -6,7 +6,7 @@
 #include <mutex>
 
 #include "alloc/core_util.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::alloc::detail {
 

@@ -4,7 +4,7 @@
 
 #include "alloc/allocator_core.h"
 #include "alloc/size_policy.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::alloc::detail {
 

@@ -7,7 +7,7 @@
 #include <string_view>
 
 #include "shoal/backend/host_device.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 #ifdef SHOAL_HAS_CUDA
 #include "backend/cuda/cuda_device.h"

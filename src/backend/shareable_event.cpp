@@ -3,15 +3,15 @@
 #include <algorithm>
 #include <string>
 
-#include "backend/wire_fields.h"
-#include "shoal/error.h"
+#include "core/wire.h"
+#include "shoal/core/error.h"
 
 namespace shoal::backend {
 
 namespace {
 
-using detail::put_field;
-using detail::take_field;
+using shoal::detail::wire_reader;
+using shoal::detail::wire_writer;
 
 // Wire layouts:
 //   point:  u32 magic | u16 version | u32 stream_slot | u64 source_id | u64 ticket
@@ -26,36 +26,35 @@ constexpr std::uint16_t wire_version = 1;
                        "; the sender is not a matching shoal version or sent garbage");
 }
 
-void expect_header(std::span<const std::byte>& bytes, std::size_t wire_bytes, std::uint32_t magic, const char* what) {
+/// Checks the record's length, magic and version; returns a reader past them.
+wire_reader expect_header(std::span<const std::byte> bytes, std::size_t wire_bytes, std::uint32_t magic, const char* what) {
   if (bytes.size() != wire_bytes) {
     malformed(what, "expected " + std::to_string(wire_bytes) + " bytes, got " + std::to_string(bytes.size()));
   }
-  if (take_field<std::uint32_t>(bytes) != magic) malformed(what, "bad magic number");
-  if (const auto version = take_field<std::uint16_t>(bytes); version != wire_version) {
+  wire_reader r(bytes, what);
+  if (r.get<std::uint32_t>("magic") != magic) malformed(what, "bad magic number");
+  if (const auto version = r.get<std::uint16_t>("version"); version != wire_version) {
     malformed(what, "wire version " + std::to_string(version) + ", this process speaks " + std::to_string(wire_version));
   }
+  return r;
 }
 
 }  // namespace
 
 std::vector<std::byte> event_point::serialize() const {
-  std::vector<std::byte> out;
-  out.reserve(wire_bytes);
-  put_field(out, point_magic);
-  put_field(out, wire_version);
-  put_field(out, stream_slot);
-  put_field(out, source_id);
-  put_field(out, ticket);
-  return out;
+  wire_writer w(wire_bytes);
+  w.put(point_magic).put(wire_version).put(stream_slot).put(source_id).put(ticket);
+  return w.take();
 }
 
 event_point event_point::deserialize(std::span<const std::byte> bytes) {
   constexpr const char* what = "event point";
-  expect_header(bytes, wire_bytes, point_magic, what);
+  auto r = expect_header(bytes, wire_bytes, point_magic, what);
   event_point p;
-  p.stream_slot = take_field<std::uint32_t>(bytes);
-  p.source_id = take_field<std::uint64_t>(bytes);
-  p.ticket = take_field<std::uint64_t>(bytes);
+  p.stream_slot = r.get<std::uint32_t>("stream_slot");
+  p.source_id = r.get<std::uint64_t>("source_id");
+  p.ticket = r.get<std::uint64_t>("ticket");
+  r.finish();
   if (p.source_id == 0) malformed(what, "source id 0");
   // Whether the slot exists and the ticket fits its kind is up to the
   // source the point is waited on: device::wait_imported checks them.
@@ -63,29 +62,23 @@ event_point event_point::deserialize(std::span<const std::byte> bytes) {
 }
 
 std::vector<std::byte> event_source::serialize() const {
-  std::vector<std::byte> out;
-  out.reserve(wire_bytes);
-  put_field(out, source_magic);
-  put_field(out, wire_version);
-  put_field(out, static_cast<std::uint8_t>(kind));
-  put_field(out, static_cast<std::uint8_t>(device));
-  put_field(out, device_ordinal);
-  put_field(out, source_id);
-  out.insert(out.end(), opaque.begin(), opaque.end());
-  return out;
+  wire_writer w(wire_bytes);
+  w.put(source_magic).put(wire_version).put(static_cast<std::uint8_t>(kind)).put(static_cast<std::uint8_t>(device));
+  w.put(device_ordinal).put(source_id).put_fixed(opaque);
+  return w.take();
 }
 
 event_source event_source::deserialize(std::span<const std::byte> bytes, unique_fd fd) {
   constexpr const char* what = "event source";
-  expect_header(bytes, wire_bytes, source_magic, what);
+  auto r = expect_header(bytes, wire_bytes, source_magic, what);
   event_source s;
-  const auto kind = take_field<std::uint8_t>(bytes);
+  const auto kind = r.get<std::uint8_t>("kind");
   if (kind != static_cast<std::uint8_t>(event_source_kind::host_page) &&
       kind != static_cast<std::uint8_t>(event_source_kind::cuda_ipc_event)) {
     malformed(what, "unknown source kind " + std::to_string(kind));
   }
   s.kind = static_cast<event_source_kind>(kind);
-  const auto dev = take_field<std::uint8_t>(bytes);
+  const auto dev = r.get<std::uint8_t>("device");
   if (dev != static_cast<std::uint8_t>(device_kind::host) && dev != static_cast<std::uint8_t>(device_kind::cuda)) {
     malformed(what, "unknown device kind " + std::to_string(dev));
   }
@@ -94,14 +87,16 @@ event_source event_source::deserialize(std::span<const std::byte> bytes, unique_
     malformed(what, "source kind " + std::to_string(kind) + " does not belong to device kind " +
                         std::string(to_string(s.device)));
   }
-  s.device_ordinal = take_field<std::int32_t>(bytes);
+  s.device_ordinal = r.get<std::int32_t>("ordinal");
   if (s.device_ordinal < 0) malformed(what, "negative device ordinal");
   if (s.device == device_kind::host && s.device_ordinal != 0) {
     malformed(what, "host device ordinal " + std::to_string(s.device_ordinal) + "; the host device is always 0");
   }
-  s.source_id = take_field<std::uint64_t>(bytes);
+  s.source_id = r.get<std::uint64_t>("source_id");
   if (s.source_id == 0) malformed(what, "source id 0");
-  std::copy(bytes.begin(), bytes.end(), s.opaque.begin());  // a CUDA handle is the driver's to check
+  const auto opaque = r.get_fixed("opaque", opaque_bytes);
+  r.finish();
+  std::copy(opaque.begin(), opaque.end(), s.opaque.begin());  // a CUDA handle is the driver's to check
   if (carries_fd(s.kind) && std::any_of(s.opaque.begin(), s.opaque.end(), [](std::byte b) { return b != std::byte{0}; })) {
     malformed(what, "opaque bytes in a kind of source that has none");
   }

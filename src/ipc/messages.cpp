@@ -2,9 +2,12 @@
 
 #include <string>
 
-#include "ipc/wire.h"
+#include "core/wire.h"
 
 namespace shoal::ipc::detail {
+
+using shoal::detail::wire_reader;
+using shoal::detail::wire_writer;
 
 namespace {
 

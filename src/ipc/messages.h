@@ -15,7 +15,8 @@
 #include <span>
 #include <vector>
 
-#include "ipc/counter_file.h"
+#include "ipc/counters/counter_file.h"
+#include "shoal/ipc/sharing_types.h"
 #include "shoal/backend/shareable_event.h"
 #include "shoal/backend/shareable_handle.h"
 

@@ -7,14 +7,15 @@
 #include <string>
 
 #include "ipc/messages.h"
-#include "shoal/error.h"
+#include "shoal/channel/protocol.h"
+#include "shoal/core/error.h"
 
 namespace shoal::ipc::detail {
 
-peer_link::peer_link(std::shared_ptr<sharing_state> state, connection link)
+peer_link::peer_link(std::shared_ptr<producer_state> state, channel::connection link)
     : state_(std::move(state)),
       link_(std::move(link)),
-      receiver_(receiver_state::for_producer(link_.peer().process, state_.get(), state_->allocator, state_->options)) {
+      receiver_(consumer_state::for_producer(link_.peer().process, state_.get(), state_->allocator, state_->options)) {
   limits_.max_metadata = state_->options.max_metadata_bytes;
   // A storage message must fit a frame: 8 bytes per segment id.
   limits_.max_segments_per_storage = link_.max_payload() / sizeof(std::uint64_t);
@@ -24,8 +25,12 @@ peer_link::peer_link(std::shared_ptr<sharing_state> state, connection link)
 }
 
 void peer_link::outgoing::add(message_type type, std::vector<std::byte> payload, int fd) {
+  add_frame(static_cast<std::uint16_t>(type), std::move(payload), fd);
+}
+
+void peer_link::outgoing::add_frame(std::uint16_t type, std::vector<std::byte> payload, int fd) {
   payloads.push_back(std::move(payload));
-  frames.push_back({static_cast<std::uint16_t>(type), payloads.back(), fd});
+  frames.push_back({type, payloads.back(), fd});
 }
 
 peer_link::retirements peer_link::take_retirements() {
@@ -50,7 +55,11 @@ template <class Send>
 void peer_link::send_with_retirements(const Send& send) {
   retirements retired = take_retirements();
   try {
-    send(retired);
+    outgoing out;
+    if (!hello_sent_) out.add_frame(channel::hello_frame_type, channel::encode_hello(sharing_protocol));
+    out.add(retired);
+    send(out);
+    hello_sent_ = true;
   } catch (...) {
     // Not sent: the next send carries them. (Sent twice at worst, which the
     // receiver takes as a no-op.)
@@ -69,16 +78,14 @@ void peer_link::send(const storage::storage& st, std::span<const std::byte> meta
                            std::to_string(limits_.max_metadata) + " (sharing_options::max_metadata_bytes)");
   }
   std::lock_guard lock(send_mutex_);
-  send_with_retirements([&](const retirements& retired) { send_storage(st, metadata, stream, retired); });
+  send_with_retirements([&](outgoing& out) { send_storage(st, metadata, stream, out); });
 }
 
 void peer_link::send_storage(const storage::storage& st, std::span<const std::byte> metadata, backend::stream_ref stream,
-                             const retirements& retired) {
+                             outgoing& out) {
   auto share = state_->share_storage(st, link_.peer().process, stream);
   bool sent = false;
   try {
-    outgoing out;
-    out.add(retired);
     // Marked as sent only once the batch has gone.
     const bool new_file = !files_sent_.contains(share.slot.file_id);
     if (new_file) {
@@ -126,9 +133,7 @@ void peer_link::send_note(std::span<const std::byte> metadata) {
                            " bytes of metadata is over the limit of " + std::to_string(limits_.max_metadata));
   }
   std::lock_guard lock(send_mutex_);
-  send_with_retirements([&](const retirements& retired) {
-    outgoing out;
-    out.add(retired);
+  send_with_retirements([&](outgoing& out) {
     out.add(message_type::note, encode_note(metadata));
     link_.send(out.frames);
   });
@@ -145,8 +150,11 @@ void peer_link::release_unread() noexcept {
       return link_.pending() > 0 || (::poll(&waiting, 1, 0) > 0 && (waiting.revents & POLLIN) != 0);
     };
     while (!link_.broken() && more_waits()) {
-      frame f = link_.receive();
-      if (f.type == static_cast<std::uint16_t>(message_type::counter_file)) {
+      channel::frame f = link_.receive();
+      if (!hello_checked_) {
+        channel::check_hello(f, sharing_protocol);
+        hello_checked_ = true;
+      } else if (f.type == static_cast<std::uint16_t>(message_type::counter_file)) {
         receiver_->add_counter_file(decode_counter_file(f.payload, 1u << 24), std::move(f.fd));
       } else if (f.type == static_cast<std::uint16_t>(message_type::storage)) {
         receiver_->release_unclaimed(decode_storage(f.payload, limits_));
@@ -166,8 +174,13 @@ void peer_link::fail(const protocol_error& e) {
 received peer_link::receive(backend::stream_ref stream) {
   if (broken_) throw connection_closed("peer::receive: the connection was closed after a malformed message");
   for (;;) {
-    frame f = link_.receive();
+    channel::frame f = link_.receive();
     try {
+      if (!hello_checked_) {
+        channel::check_hello(f, sharing_protocol);
+        hello_checked_ = true;
+        continue;
+      }
       switch (static_cast<message_type>(f.type)) {
         case message_type::counter_file:
           receiver_->add_counter_file(decode_counter_file(f.payload, 1u << 24), std::move(f.fd));

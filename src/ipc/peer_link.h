@@ -1,6 +1,6 @@
 // One connection's sharing protocol, both directions: the producer's
 // announcements and storage messages going out, the consumer's tables
-// coming in (receiver_state).
+// coming in (consumer_state).
 //
 // Thread-safety: sends are serialized by send_mutex_ (an announcement and
 // the storage message that needs it go out together, in one batch when the
@@ -12,16 +12,16 @@
 #include <mutex>
 #include <unordered_set>
 
-#include "ipc/receiver_state.h"
-#include "ipc/sharing_state.h"
-#include "shoal/error.h"
-#include "shoal/ipc/channel.h"
+#include "ipc/consumer_state.h"
+#include "ipc/producer_state.h"
+#include "shoal/core/error.h"
+#include "shoal/channel/channel.h"
 
 namespace shoal::ipc::detail {
 
 class peer_link {
  public:
-  peer_link(std::shared_ptr<sharing_state> state, connection link);
+  peer_link(std::shared_ptr<producer_state> state, channel::connection link);
   /// Releases the references of storage messages still unread.
   ~peer_link();
   peer_link(const peer_link&) = delete;
@@ -31,7 +31,7 @@ class peer_link {
   void send_note(std::span<const std::byte> metadata);
   received receive(backend::stream_ref stream);
 
-  [[nodiscard]] const peer_credentials& credentials() const noexcept { return link_.peer(); }
+  [[nodiscard]] const channel::peer_credentials& credentials() const noexcept { return link_.peer(); }
   [[nodiscard]] peer_stats stats() const { return receiver_->stats(); }
   [[nodiscard]] alloc::caching_allocator& allocator() const noexcept { return state_->allocator; }
   [[nodiscard]] int native_handle() const noexcept { return link_.native_handle(); }
@@ -45,18 +45,20 @@ class peer_link {
   // into as few system calls as it can); owns their payloads.
   struct outgoing {
     std::deque<std::vector<std::byte>> payloads;  // a deque: frames point into it
-    std::vector<outgoing_frame> frames;
+    std::vector<channel::outgoing_frame> frames;
     void add(message_type type, std::vector<std::byte> payload, int fd = -1);
+    void add_frame(std::uint16_t type, std::vector<std::byte> payload, int fd = -1);
     void add(const retirements& r);
   };
-  // All with send_mutex_ held. The retirements waiting in the outbox go
-  // first in whatever `send` sends, and are forgotten only once it returns;
-  // when it throws, they wait for the next send.
+  // All with send_mutex_ held. `send` gets the frames that go first: the
+  // protocol hello on a connection's first send (channel/protocol.h), then
+  // the retirements waiting in the outbox, which are forgotten only once it
+  // returns; when it throws, they wait for the next send.
   retirements take_retirements();
   template <class Send>
   void send_with_retirements(const Send& send);
   void send_storage(const storage::storage& st, std::span<const std::byte> metadata, backend::stream_ref stream,
-                    const retirements& retired);
+                    outgoing& out);
   // Closes the connection after a protocol error, so nothing more is read.
   [[noreturn]] void fail(const protocol_error& e);
   // Reads what has already arrived and releases the references its storage
@@ -64,14 +66,16 @@ class peer_link {
   // process exits. Best effort: anything malformed ends it.
   void release_unread() noexcept;
 
-  std::shared_ptr<sharing_state> state_;
-  connection link_;
-  std::shared_ptr<receiver_state> receiver_;
+  std::shared_ptr<producer_state> state_;
+  channel::connection link_;
+  std::shared_ptr<consumer_state> receiver_;
   std::shared_ptr<outbox> outbox_ = std::make_shared<outbox>();
 
   std::mutex send_mutex_;
   std::unordered_set<std::uint64_t> files_sent_, segments_sent_, sources_sent_;  // guarded by send_mutex_
-  bool broken_ = false;  // a protocol error closed it; receive side only
+  bool hello_sent_ = false;                                                       // guarded by send_mutex_
+  bool broken_ = false;         // a protocol error closed it; receive side only
+  bool hello_checked_ = false;  // the peer's first frame named the sharing protocol; receive side only
   limits limits_;
 };
 

@@ -5,16 +5,16 @@
 #include <thread>
 
 #include "ipc/peer_link.h"
-#include "ipc/sharing_state.h"
+#include "ipc/producer_state.h"
 #include "shoal/backend/stream.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::ipc {
 
 // The background collector: collect(reclaim) every interval until stopped.
 class sharing_context::collector {
  public:
-  collector(std::shared_ptr<detail::sharing_state> state, std::chrono::milliseconds interval)
+  collector(std::shared_ptr<detail::producer_state> state, std::chrono::milliseconds interval)
       : thread_([this, state = std::move(state), interval] { run(*state, interval); }) {}
   ~collector() {
     {
@@ -26,7 +26,7 @@ class sharing_context::collector {
   }
 
  private:
-  void run(detail::sharing_state& state, std::chrono::milliseconds interval) {
+  void run(detail::producer_state& state, std::chrono::milliseconds interval) {
     std::unique_lock lock(mutex_);
     while (!wake_.wait_for(lock, interval, [this] { return stopping_; })) {
       lock.unlock();
@@ -45,7 +45,7 @@ class sharing_context::collector {
 };
 
 sharing_context::sharing_context(alloc::caching_allocator& allocator, sharing_options options)
-    : state_(std::make_shared<detail::sharing_state>(allocator, options)) {
+    : state_(std::make_shared<detail::producer_state>(allocator, options)) {
   state_->attach();
   if (options.collect_interval.count() > 0) {
     collector_ = std::make_unique<collector>(state_, options.collect_interval);
@@ -64,7 +64,7 @@ alloc::caching_allocator& sharing_context::allocator() const noexcept { return s
 std::size_t sharing_context::collect() { return state_->collect(true); }
 sharing_stats sharing_context::stats() const { return state_->stats(); }
 
-peer::peer(sharing_context& context, connection link)
+peer::peer(sharing_context& context, channel::connection link)
     : link_(std::make_shared<detail::peer_link>(context.state_, std::move(link))) {}
 peer::~peer() = default;
 
@@ -79,7 +79,7 @@ received peer::receive(backend::stream_ref stream) { return link_->receive(strea
 received peer::receive() {
   return link_->receive(backend::current_stream(link_->allocator().device()));
 }
-const peer_credentials& peer::credentials() const noexcept { return link_->credentials(); }
+const channel::peer_credentials& peer::credentials() const noexcept { return link_->credentials(); }
 peer_stats peer::stats() const { return link_->stats(); }
 int peer::native_handle() const noexcept { return link_->native_handle(); }
 

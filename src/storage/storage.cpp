@@ -4,7 +4,7 @@
 #include <mutex>
 
 #include "shoal/backend/stream.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 #include "storage/cow_context.h"
 
 namespace shoal::storage {

@@ -2,7 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "shoal/backend/stream.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 #include "support/allocators.h"
 
 namespace shoal::testing {

@@ -7,7 +7,7 @@
 
 #include "shoal/backend/host_device.h"
 #include "shoal/backend/stream.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 #include "support/allocators.h"
 
 namespace shoal::testing {

@@ -6,7 +6,7 @@
 #include <thread>
 
 #include "shoal/backend/stream.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 #include "support/allocators.h"
 
 namespace shoal::testing {

@@ -4,7 +4,7 @@
 #include <cstdlib>
 
 #include "shoal/alloc/config.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::testing {
 namespace {

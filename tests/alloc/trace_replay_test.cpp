@@ -18,7 +18,7 @@
 #include "bench/replay/trace.h"
 #include "shoal/alloc/config.h"
 #include "shoal/backend/devices.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::testing {
 namespace {

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "shoal/backend/devices.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::testing {
 namespace {

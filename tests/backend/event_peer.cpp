@@ -26,36 +26,36 @@
 #include <vector>
 
 #include "shoal/backend/devices.h"
-#include "shoal/error.h"
-#include "shoal/ipc/child_process.h"
-#include "shoal/ipc/fd_transport.h"
+#include "shoal/core/error.h"
+#include "shoal/core/child_process.h"
+#include "support/fd_transport.h"
 
 namespace {
 
 using namespace shoal;
 
-constexpr int socket_fd = ipc::child_process::child_socket_fd;
+constexpr int socket_fd = child_process::child_socket_fd;
 constexpr std::size_t max_message = 4096;
 
-void say(const std::string& text) { ipc::send_message(socket_fd, std::as_bytes(std::span(text))); }
+void say(const std::string& text) { testing::send_message(socket_fd, std::as_bytes(std::span(text))); }
 
 backend::shareable_handle receive_handle() {
-  ipc::message m = ipc::receive_message(socket_fd, max_message);
+  testing::message m = testing::receive_message(socket_fd, max_message);
   return backend::shareable_handle::deserialize(m.payload, std::move(m.fd));
 }
 
 backend::event_source receive_source() {
-  ipc::message m = ipc::receive_message(socket_fd, max_message);
+  testing::message m = testing::receive_message(socket_fd, max_message);
   return backend::event_source::deserialize(m.payload, std::move(m.fd));
 }
 
 backend::event_point receive_point() {
-  return backend::event_point::deserialize(ipc::receive_message(socket_fd, max_message).payload);
+  return backend::event_point::deserialize(testing::receive_message(socket_fd, max_message).payload);
 }
 
-void send_handle(const backend::shareable_handle& h) { ipc::send_message(socket_fd, h.serialize(), h.fd.get()); }
-void send_source(const backend::event_source& s) { ipc::send_message(socket_fd, s.serialize(), s.fd.get()); }
-void send_point(const backend::event_point& p) { ipc::send_message(socket_fd, p.serialize()); }
+void send_handle(const backend::shareable_handle& h) { testing::send_message(socket_fd, h.serialize(), h.fd.get()); }
+void send_source(const backend::event_source& s) { testing::send_message(socket_fd, s.serialize(), s.fd.get()); }
+void send_point(const backend::event_point& p) { testing::send_message(socket_fd, p.serialize()); }
 
 // The first byte of `seen` that is not `expected`, as text, or "".
 std::string mismatch(const std::vector<std::uint8_t>& seen, std::size_t from, std::size_t to, std::uint8_t expected) {
@@ -101,7 +101,7 @@ std::string wait_and_read(backend::device& dev, std::size_t bytes, std::uint8_t 
   send_point(passed_soon);
   send_point(never_passed);
   try {
-    (void)ipc::receive_message(socket_fd, max_message);
+    (void)testing::receive_message(socket_fd, max_message);
   } catch (const connection_closed&) {
   }
   std::_Exit(0);  // not waiting for the delayed stream

@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "shoal/backend/shareable_event.h"
-#include "shoal/error.h"
-#include "shoal/ipc/child_process.h"
-#include "shoal/ipc/fd_transport.h"
+#include "shoal/core/error.h"
+#include "shoal/core/child_process.h"
+#include "support/fd_transport.h"
 #include "support/backends.h"
 
 namespace shoal::testing {
@@ -36,24 +36,24 @@ constexpr std::size_t max_message = 4096;
 
 // ---- talking to the peer -------------------------------------------------------
 
-void send(const ipc::child_process& peer, const shareable_handle& h) {
-  ipc::send_message(peer.socket(), h.serialize(), h.fd.get());
+void send(const child_process& peer, const shareable_handle& h) {
+  testing::send_message(peer.socket(), h.serialize(), h.fd.get());
 }
-void send(const ipc::child_process& peer, const event_source& s) {
-  ipc::send_message(peer.socket(), s.serialize(), s.fd.get());
+void send(const child_process& peer, const event_source& s) {
+  testing::send_message(peer.socket(), s.serialize(), s.fd.get());
 }
-void send(const ipc::child_process& peer, const event_point& p) { ipc::send_message(peer.socket(), p.serialize()); }
+void send(const child_process& peer, const event_point& p) { testing::send_message(peer.socket(), p.serialize()); }
 
-std::string text_of(const ipc::message& m) {
+std::string text_of(const testing::message& m) {
   return {reinterpret_cast<const char*>(m.payload.data()), m.payload.size()};
 }
 
-std::string receive_text(const ipc::child_process& peer) { return text_of(ipc::receive_message(peer.socket(), max_message)); }
+std::string receive_text(const child_process& peer) { return text_of(testing::receive_message(peer.socket(), max_message)); }
 
 // A value the peer sends; when it sent its failure instead, that is the error.
 template <class Value, class Decode>
-Value receive_value(const ipc::child_process& peer, Decode decode) {
-  ipc::message m = ipc::receive_message(peer.socket(), max_message);
+Value receive_value(const child_process& peer, Decode decode) {
+  testing::message m = testing::receive_message(peer.socket(), max_message);
   const std::string text = text_of(m);
   try {
     return decode(m);
@@ -62,14 +62,14 @@ Value receive_value(const ipc::child_process& peer, Decode decode) {
   }
 }
 
-shareable_handle receive_handle(const ipc::child_process& peer) {
-  return receive_value<shareable_handle>(peer, [](ipc::message& m) { return shareable_handle::deserialize(m.payload, std::move(m.fd)); });
+shareable_handle receive_handle(const child_process& peer) {
+  return receive_value<shareable_handle>(peer, [](testing::message& m) { return shareable_handle::deserialize(m.payload, std::move(m.fd)); });
 }
-event_source receive_source(const ipc::child_process& peer) {
-  return receive_value<event_source>(peer, [](ipc::message& m) { return event_source::deserialize(m.payload, std::move(m.fd)); });
+event_source receive_source(const child_process& peer) {
+  return receive_value<event_source>(peer, [](testing::message& m) { return event_source::deserialize(m.payload, std::move(m.fd)); });
 }
-event_point receive_point(const ipc::child_process& peer) {
-  return receive_value<event_point>(peer, [](ipc::message& m) { return event_point::deserialize(m.payload); });
+event_point receive_point(const child_process& peer) {
+  return receive_value<event_point>(peer, [](testing::message& m) { return event_point::deserialize(m.payload); });
 }
 
 // ---- helpers ------------------------------------------------------------------------
@@ -100,7 +100,7 @@ TYPED_TEST(event_sharing, a_stream_waiting_on_an_exported_point_runs_after_it) {
   const event_point first = dev.export_event(stream);  // brings the stream's source into being
   dev.synchronize(stream);
 
-  ipc::child_process peer(SHOAL_TEST_EVENT_PEER, {"wait-and-read", TypeParam::name, std::to_string(bytes), "34"});
+  child_process peer(SHOAL_TEST_EVENT_PEER, {"wait-and-read", TypeParam::name, std::to_string(bytes), "34"});
   send(peer, dev.export_memory(segment));
   send(peer, dev.describe_event_source(first.source_id));
   ASSERT_EQ(receive_text(peer), "ready");
@@ -129,7 +129,7 @@ TYPED_TEST(event_sharing, a_passed_point_does_not_wait_for_work_enqueued_after_i
   const event_point point = dev.export_event(stream);
   dev.synchronize(stream);
 
-  ipc::child_process peer(SHOAL_TEST_EVENT_PEER, {"wait-and-read", TypeParam::name, std::to_string(bytes), "51"});
+  child_process peer(SHOAL_TEST_EVENT_PEER, {"wait-and-read", TypeParam::name, std::to_string(bytes), "51"});
   send(peer, dev.export_memory(segment));
   send(peer, dev.describe_event_source(point.source_id));
   ASSERT_EQ(receive_text(peer), "ready");
@@ -186,7 +186,7 @@ TYPED_TEST(event_sharing, two_chunks_of_a_growable_range_are_imported_as_one_ran
   EXPECT_EQ(h0.offset, 512u);
   EXPECT_EQ(h1.offset, 0u);
 
-  ipc::child_process peer(SHOAL_TEST_EVENT_PEER, {"import-chunks", TypeParam::name, "10", "11", "12"});
+  child_process peer(SHOAL_TEST_EVENT_PEER, {"import-chunks", TypeParam::name, "10", "11", "12"});
   send(peer, h0);
   send(peer, h1);
   EXPECT_EQ(receive_text(peer), "ok");
@@ -244,7 +244,7 @@ TYPED_TEST(event_sharing, chunks_that_cannot_be_imported_together_are_refused) {
 TEST(host_event_sharing, a_wait_on_a_point_of_a_process_that_died_fails_instead_of_hanging) {
   auto& dev = backend::host_device_instance();
   constexpr std::size_t bytes = 4096;
-  ipc::child_process peer(SHOAL_TEST_EVENT_PEER, {"export-and-hang", "host", std::to_string(bytes)});
+  child_process peer(SHOAL_TEST_EVENT_PEER, {"export-and-hang", "host", std::to_string(bytes)});
   const shareable_handle handle = receive_handle(peer);
   const event_source source = receive_source(peer);
   const event_point passed_soon = receive_point(peer);

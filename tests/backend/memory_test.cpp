@@ -5,7 +5,7 @@
 #include <memory>
 
 #include "shoal/backend/host_device.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 #include "support/backends.h"
 
 namespace shoal::testing {

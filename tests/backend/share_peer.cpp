@@ -10,17 +10,17 @@
 #include <vector>
 
 #include "shoal/backend/devices.h"
-#include "shoal/error.h"
-#include "shoal/ipc/child_process.h"
-#include "shoal/ipc/fd_transport.h"
+#include "shoal/core/error.h"
+#include "shoal/core/child_process.h"
+#include "support/fd_transport.h"
 
 namespace {
 
 using namespace shoal;
 
 std::string check_and_overwrite(backend::device& dev, std::size_t bytes, std::uint8_t expected, std::uint8_t write) {
-  const int socket = ipc::child_process::child_socket_fd;
-  ipc::message m = ipc::receive_message(socket, 4096);
+  const int socket = child_process::child_socket_fd;
+  testing::message m = testing::receive_message(socket, 4096);
   const auto handle = backend::shareable_handle::deserialize(m.payload, std::move(m.fd));
   void* p = dev.import_memory(handle);
   std::vector<std::uint8_t> seen(bytes);
@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
     answer = std::string("peer failed: ") + e.what();
   }
   try {
-    ipc::send_message(ipc::child_process::child_socket_fd, std::as_bytes(std::span(answer)));
+    testing::send_message(child_process::child_socket_fd, std::as_bytes(std::span(answer)));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "peer could not answer: %s\n", e.what());
     return 1;

@@ -7,7 +7,7 @@
 #include <random>
 
 #include "shoal/backend/shareable_handle.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::testing {
 namespace {

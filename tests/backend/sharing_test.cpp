@@ -9,9 +9,9 @@
 
 #include <string>
 
-#include "shoal/error.h"
-#include "shoal/ipc/child_process.h"
-#include "shoal/ipc/fd_transport.h"
+#include "shoal/core/error.h"
+#include "shoal/core/child_process.h"
+#include "support/fd_transport.h"
 #include "support/backends.h"
 
 namespace shoal::testing {
@@ -24,11 +24,11 @@ class sharing : public backend_test<Backend> {
   // `expected` at the handle's pointer and overwrite them with `written`.
   void share_with_peer(const backend::shareable_handle& handle, std::size_t bytes, std::uint8_t expected,
                        std::uint8_t written) {
-    ipc::child_process peer(SHOAL_TEST_SHARE_PEER,
+    child_process peer(SHOAL_TEST_SHARE_PEER,
                             {Backend::name, std::to_string(bytes), std::to_string(expected), std::to_string(written)});
     const auto wire = handle.serialize();
-    ipc::send_message(peer.socket(), wire, handle.fd.get());
-    const ipc::message answer = ipc::receive_message(peer.socket(), 4096);
+    testing::send_message(peer.socket(), wire, handle.fd.get());
+    const testing::message answer = testing::receive_message(peer.socket(), 4096);
     const std::string text(reinterpret_cast<const char*>(answer.payload.data()), answer.payload.size());
     EXPECT_EQ(text, "ok");
     EXPECT_EQ(peer.wait(), 0);
@@ -99,7 +99,7 @@ TEST(host_sharing, exported_memory_is_sealed_against_resizing) {
 TEST(child_process, a_child_never_outlives_its_object_as_a_zombie) {
   pid_t pid;
   {
-    ipc::child_process sleeper("/bin/sleep", {"30"});
+    child_process sleeper("/bin/sleep", {"30"});
     pid = sleeper.pid();
     ASSERT_GT(pid, 0);
   }  // destroyed while the child still runs: killed and reaped

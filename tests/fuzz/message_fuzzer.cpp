@@ -17,8 +17,8 @@
 
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/backend/devices.h"
-#include "shoal/error.h"
-#include "shoal/ipc/channel.h"
+#include "shoal/core/error.h"
+#include "shoal/channel/channel.h"
 #include "shoal/ipc/sharing.h"
 
 namespace {
@@ -46,9 +46,11 @@ unique_fd some_memfd() {
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   int fds[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) return 0;
-  ipc::connection writer = ipc::connection::adopt(unique_fd(fds[0]), {});
+  channel::connection writer = channel::connection::adopt(unique_fd(fds[0]), {});
   const unique_fd memfd = some_memfd();
-  // Frames go out first (a socket buffer holds far more than 64 KiB of input).
+  // Frames go out first (a socket buffer holds far more than 64 KiB of input),
+  // after the protocol hello, so the input reaches the sharing messages.
+  writer.send(channel::hello_frame_type, channel::encode_hello(ipc::sharing_protocol));
   std::size_t at = 0;
   while (at + 4 <= size && at < 60000) {
     const std::uint8_t type = data[at] % 10;
@@ -61,7 +63,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   { auto closing = std::move(writer); }
   {
-    ipc::peer receiver(world().context, ipc::connection::adopt(unique_fd(fds[1]), {}));
+    ipc::peer receiver(world().context, channel::connection::adopt(unique_fd(fds[1]), {}));
     try {
       for (;;) (void)receiver.receive(backend::stream_ref{});
     } catch (const protocol_error&) {

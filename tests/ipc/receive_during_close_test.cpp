@@ -75,8 +75,8 @@ TEST(receive_during_close, a_receive_completes_while_the_collector_closes_a_reti
   ipc::sharing_context producer(producer_allocator, {.collect_interval = 0ms});
   ipc::sharing_context consumer(consumer_allocator, {.collect_interval = 0ms});
   socket_pair ends;
-  ipc::peer to_consumer(producer, ipc::connection::adopt(std::move(ends.a), {}));
-  ipc::peer from_producer(consumer, ipc::connection::adopt(std::move(ends.b), {}));
+  ipc::peer to_consumer(producer, channel::connection::adopt(std::move(ends.a), {}));
+  ipc::peer from_producer(consumer, channel::connection::adopt(std::move(ends.b), {}));
 
   // Storage A: received and dropped, its block freed and its segment given
   // back to the device, so the producer retires the segment.

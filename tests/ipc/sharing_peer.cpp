@@ -25,9 +25,9 @@
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/backend/devices.h"
 #include "shoal/backend/stream.h"
-#include "shoal/error.h"
-#include "shoal/ipc/channel.h"
-#include "shoal/ipc/child_process.h"
+#include "shoal/core/error.h"
+#include "shoal/channel/channel.h"
+#include "shoal/core/child_process.h"
 #include "shoal/ipc/sharing.h"
 
 namespace {
@@ -39,8 +39,8 @@ std::string text_of(const std::vector<std::byte>& bytes) {
   return {reinterpret_cast<const char*>(bytes.data()), bytes.size()};
 }
 
-ipc::connection parent_link() {
-  return ipc::connection::adopt_pair_end(unique_fd(ipc::child_process::child_socket_fd), {}, 1 << 20);
+channel::connection parent_link() {
+  return channel::connection::adopt_pair_end(unique_fd(child_process::child_socket_fd), {}, 1 << 20);
 }
 
 std::string check(backend::device& dev, const storage::storage& st, std::uint8_t expected) {
@@ -99,9 +99,9 @@ int produce(backend::device& dev, std::size_t bytes, std::uint8_t value) {
 int produce_twice(backend::device& dev, const std::string& path, std::size_t bytes, std::uint8_t value) {
   alloc::caching_allocator allocator(dev, {});
   ipc::sharing_context context(allocator);
-  const auto address = ipc::channel_address::at_path(path);
-  ipc::peer first(context, ipc::connection::connect(address, {}));
-  ipc::peer second(context, ipc::connection::connect(address, {}));
+  const auto address = channel::channel_address::at_path(path);
+  ipc::peer first(context, channel::connection::connect(address, {}));
+  ipc::peer second(context, channel::connection::connect(address, {}));
   auto st = storage::storage::allocate(allocator, bytes, {});
   dev.fill({}, st.mutable_data({}), value, bytes);
   dev.synchronize({});
@@ -116,8 +116,8 @@ int relay(backend::device& dev, const std::string& program, const std::string& b
   alloc::caching_allocator allocator(dev, {});
   ipc::sharing_context context(allocator);
   ipc::peer parent(context, parent_link());
-  ipc::child_process next_process(program, {"consume", backend_name});
-  ipc::peer next(context, ipc::connection::adopt_pair_end(unique_fd(::dup(next_process.socket())), {}, 1 << 20));
+  child_process next_process(program, {"consume", backend_name});
+  ipc::peer next(context, channel::connection::adopt_pair_end(unique_fd(::dup(next_process.socket())), {}, 1 << 20));
   backend::stream s(dev);
   backend::stream_guard on_s(dev, s);  // drops happen on s too
   for (;;) {

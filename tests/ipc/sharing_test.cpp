@@ -18,9 +18,9 @@
 #include "support/descriptors.h"
 #include "shoal/backend/devices.h"
 #include "shoal/backend/stream.h"
-#include "shoal/error.h"
-#include "shoal/ipc/channel.h"
-#include "shoal/ipc/child_process.h"
+#include "shoal/core/error.h"
+#include "shoal/channel/channel.h"
+#include "shoal/core/child_process.h"
 #include "shoal/ipc/sharing.h"
 #include "support/allocators.h"
 
@@ -55,8 +55,8 @@ class sharing_test : public allocator_test<Backend> {
   ipc::peer& start(const std::vector<std::string>& arguments) {
     std::vector<std::string> args = arguments;
     args.insert(args.begin() + 1, Backend::name);
-    child_ = std::make_unique<ipc::child_process>(SHOAL_TEST_SHARING_PEER, args);
-    peer_ = std::make_unique<ipc::peer>(*context_, ipc::connection::adopt_pair_end(unique_fd(::dup(child_->socket())), {}, 1 << 20));
+    child_ = std::make_unique<child_process>(SHOAL_TEST_SHARING_PEER, args);
+    peer_ = std::make_unique<ipc::peer>(*context_, channel::connection::adopt_pair_end(unique_fd(::dup(child_->socket())), {}, 1 << 20));
     return *peer_;
   }
   storage_t filled(std::size_t bytes, std::uint8_t value, backend::stream_ref s = {}) {
@@ -99,7 +99,7 @@ class sharing_test : public allocator_test<Backend> {
   }
 
   std::unique_ptr<ipc::sharing_context> context_;
-  std::unique_ptr<ipc::child_process> child_;
+  std::unique_ptr<child_process> child_;
   std::unique_ptr<ipc::peer> peer_;
 };
 TYPED_TEST_SUITE(sharing_test, backend_types, backend_names);
@@ -206,8 +206,8 @@ TYPED_TEST(sharing_test, memory_stays_valid_after_its_producer_exits) {
 TYPED_TEST(sharing_test, a_segment_is_mapped_once_per_process_whichever_connection_brings_it) {
   auto& ctx = this->context();
   const auto dir = std::filesystem::temp_directory_path() / ("shoal-test-" + std::to_string(::getpid()));
-  ipc::listener server(ipc::channel_address::at_path((dir / "twice.sock").string()), {});
-  ipc::child_process producer(SHOAL_TEST_SHARING_PEER,
+  channel::listener server(channel::channel_address::at_path((dir / "twice.sock").string()), {});
+  child_process producer(SHOAL_TEST_SHARING_PEER,
                               {"produce-twice", TypeParam::name, (dir / "twice.sock").string(), "65536", "8"});
   ipc::peer first(ctx, server.accept());
   ipc::peer second(ctx, server.accept());
@@ -264,7 +264,7 @@ TYPED_TEST(sharing_test, a_storage_on_more_chunks_than_one_batch_carries_arrives
   // (max_batch_descriptors), so the announcements span several batches.
   auto& ctx = this->context("expandable_segments:true");
   this->start({"consume"});
-  const std::size_t chunks = ipc::max_batch_descriptors + 4;
+  const std::size_t chunks = channel::max_batch_descriptors + 4;
   storage_t st = this->filled(chunks * this->device().granularity(), 29);
   EXPECT_EQ(this->send(st, 29, false), "ok");
   EXPECT_GE(ctx.stats().exported_segments, chunks) << "one export per physical chunk";
@@ -347,10 +347,10 @@ struct raw_frame {
   int fd;  // borrowed from `keep`
 };
 
-std::pair<ipc::connection, ipc::connection> connected_pair() {
+std::pair<channel::connection, channel::connection> connected_pair() {
   int fds[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) throw std::runtime_error("socketpair");
-  return {ipc::connection::adopt(unique_fd(fds[0]), {}, 1 << 20), ipc::connection::adopt(unique_fd(fds[1]), {}, 1 << 20)};
+  return {channel::connection::adopt(unique_fd(fds[0]), {}, 1 << 20), channel::connection::adopt(unique_fd(fds[1]), {}, 1 << 20)};
 }
 
 /// A producer and a consumer in this process, on the host backend, each with
@@ -361,7 +361,7 @@ struct in_process_sharing {
   alloc::caching_allocator consumer_allocator{dev, {}};
   ipc::sharing_context producer{producer_allocator, {.collect_interval = 0ms}};
   ipc::sharing_context consumer{consumer_allocator, {.collect_interval = 0ms}};
-  std::pair<ipc::connection, ipc::connection> ends = connected_pair();
+  std::pair<channel::connection, channel::connection> ends = connected_pair();
   ipc::peer sender{producer, std::move(ends.first)};
   ipc::peer receiver{consumer, std::move(ends.second)};
 };
@@ -459,8 +459,8 @@ TEST(sharing_malformed, random_and_mutated_messages_never_crash_the_receiver_or_
     sender.send(st, metadata, {});
     sent.store(true);
     sender.send_note(metadata);
-    for (;;) {  // counter file, segment, event source, storage, note
-      ipc::frame f = capture.receive();
+    for (;;) {  // hello, counter file, segment, event source, storage, note
+      channel::frame f = capture.receive();
       seeds.push_back({f.type, f.payload, f.fd.get()});
       keep.push_back(std::move(f.fd));
       if (f.type == 7) break;
@@ -480,14 +480,16 @@ TEST(sharing_malformed, random_and_mutated_messages_never_crash_the_receiver_or_
     std::vector<raw_frame> seeds;
     std::vector<unique_fd> keep;
     capture_exchange(seeds, keep);
-    ASSERT_EQ(seeds.size(), 5u) << "counter file, segment, event source, storage, note";
-    ASSERT_EQ(seeds[3].type, 4) << "the fourth frame is the storage message";
+    ASSERT_EQ(seeds.size(), 6u) << "hello, counter file, segment, event source, storage, note";
+    ASSERT_EQ(seeds[0].type, channel::hello_frame_type) << "the first frame is the protocol hello";
+    ASSERT_EQ(seeds[4].type, 4) << "the fifth frame is the storage message";
     auto [from, to] = connected_pair();
     {
       ipc::peer receiver(consumer, std::move(to));
-      // Replays the seeds, one of them changed; then a "bye" note.
-      const std::size_t victim = rng() % seeds.size();
-      if (victim == 0 || victim == 3) ++unreachable;  // the counter file's or the storage's own message
+      // Replays the seeds, one message changed (the hello stays: a bad hello
+      // has its own test); then a "bye" note.
+      const std::size_t victim = 1 + rng() % (seeds.size() - 1);
+      if (victim == 1 || victim == 4) ++unreachable;  // the counter file's or the storage's own message
       for (std::size_t i = 0; i < seeds.size(); ++i) {
         raw_frame f = seeds[i];
         int fd = f.fd;

@@ -7,7 +7,7 @@
 #include <thread>
 
 #include "shoal/backend/stream.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 #include "shoal/storage/storage.h"
 #include "support/allocators.h"
 

@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <filesystem>
 
-#include "shoal/unique_fd.h"
+#include "shoal/core/unique_fd.h"
 
 namespace shoal::testing {
 

@@ -10,9 +10,9 @@
 
 #include "shoal/backend/devices.h"
 #include "shoal/backend/stream.h"
-#include "shoal/error.h"
-#include "shoal/ipc/child_process.h"
-#include "shoal/ipc/fd_transport.h"
+#include "shoal/channel/channel.h"
+#include "shoal/core/error.h"
+#include "shoal/core/child_process.h"
 
 namespace shoal::tools {
 
@@ -90,9 +90,10 @@ void growable_range(device& dev) {
 
 void share_with_child(device& dev, void* buffer) {
   const auto handle = dev.export_memory(buffer);
-  ipc::child_process child(self_path(), {"demo-child", std::string(to_string(dev.kind()))});
-  ipc::send_message(child.socket(), handle.serialize(), handle.fd.get());
-  const ipc::message answer = ipc::receive_message(child.socket(), 4096);
+  child_process child(self_path(), {"demo-child", std::string(to_string(dev.kind()))});
+  auto link = channel::connection::adopt_pair_end(unique_fd(::dup(child.socket())), {});
+  link.send(1, handle.serialize(), handle.fd.get());
+  const channel::frame answer = link.receive();
   const std::string said(reinterpret_cast<const char*>(answer.payload.data()), answer.payload.size());
   const pid_t pid = child.pid();
   const int status = child.wait();
@@ -125,10 +126,10 @@ int run_demo() {
 
 int run_demo_child(const std::string& backend_name) {
   device& dev = backend_name == "cuda" ? backend::cuda_device_instance(0) : backend::host_device_instance();
-  const int socket = ipc::child_process::child_socket_fd;
+  auto link = channel::connection::adopt_pair_end(unique_fd(child_process::child_socket_fd), {});
   std::string answer;
   try {
-    ipc::message m = ipc::receive_message(socket, 4096);
+    channel::frame m = link.receive();
     const auto handle = backend::shareable_handle::deserialize(m.payload, std::move(m.fd));
     void* p = dev.import_memory(handle);
     const bool saw_parent = all_are(read_back(dev, p, demo_bytes, {}), parent_byte);
@@ -141,7 +142,7 @@ int run_demo_child(const std::string& backend_name) {
   } catch (const std::exception& e) {
     answer = std::string("FAILED: ") + e.what();
   }
-  ipc::send_message(socket, std::as_bytes(std::span(answer)));
+  link.send(1, std::as_bytes(std::span(answer)));
   return answer.starts_with("FAILED") ? 1 : 0;
 }
 

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "shoal/backend/devices.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 #include "tools/shoal/demo.h"
 
 namespace {

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "shoal/backend/types.h"
-#include "shoal/unique_fd.h"
+#include "shoal/core/unique_fd.h"
 
 namespace shoal::backend {
 

@@ -42,40 +42,16 @@
 #include <vector>
 
 #include "shoal/alloc/caching_allocator.h"
-#include "shoal/ipc/channel.h"
+#include "shoal/channel/channel.h"
+#include "shoal/ipc/sharing_types.h"
 #include "shoal/storage/storage.h"
 
 namespace shoal::ipc {
 
 namespace detail {
-class sharing_state;
+class producer_state;
 class peer_link;
 }  // namespace detail
-
-struct sharing_options {
-  /// How often the background collector frees limbo blocks and reclaims the
-  /// slots of dead holders; zero: no background thread (collect() only).
-  std::chrono::milliseconds collect_interval{100};
-  /// Reference-counter slots per counter file.
-  std::uint32_t slots_per_file = 4096;
-  /// Largest metadata a message may carry (both directions).
-  std::size_t max_metadata_bytes = 64 * 1024;
-  /// How long a peer's receive polls before it sleeps: a message arriving
-  /// meanwhile saves the wake-up of a blocked thread (~5 us each way) at the
-  /// cost of a busy core for that long. Zero: never spin.
-  std::chrono::microseconds receive_spin{50};
-};
-
-struct sharing_stats {
-  std::size_t limbo_blocks = 0;    ///< dropped by this process, still held elsewhere
-  std::size_t limbo_bytes = 0;
-  std::size_t held_slots = 0;      ///< references other processes hold on this one's memory
-  std::size_t counter_files = 0;
-  std::size_t exported_segments = 0;
-  std::uint64_t storages_sent = 0;
-  std::uint64_t limbo_freed = 0;        ///< limbo blocks freed so far
-  std::uint64_t slots_reclaimed = 0;    ///< references of dead holders taken back
-};
 
 class sharing_context {
  public:
@@ -94,29 +70,15 @@ class sharing_context {
 
  private:
   friend class peer;
-  std::shared_ptr<detail::sharing_state> state_;
+  std::shared_ptr<detail::producer_state> state_;
   class collector;
   std::unique_ptr<collector> collector_;
-};
-
-/// What receive() returns: a storage (valid() is false for a note) and the
-/// metadata the sender attached.
-struct received {
-  storage::storage storage;
-  std::vector<std::byte> metadata;
-};
-
-struct peer_stats {
-  std::size_t open_mappings = 0;   ///< producer segments mapped here (cached)
-  std::size_t counter_files = 0;   ///< the producer's counter files mapped here
-  std::size_t event_sources = 0;
-  std::size_t held_storages = 0;   ///< received storages not yet released
 };
 
 class peer {
  public:
   /// Shares over `link`, an authenticated connection (see channel.h).
-  peer(sharing_context& context, connection link);
+  peer(sharing_context& context, channel::connection link);
   /// Releases the references of storage messages that arrived but were
   /// never received, then closes the connection. Cached mappings close once
   /// no received storage uses them.
@@ -138,7 +100,7 @@ class peer {
   received receive(backend::stream_ref stream);
   received receive();
 
-  [[nodiscard]] const peer_credentials& credentials() const noexcept;
+  [[nodiscard]] const channel::peer_credentials& credentials() const noexcept;
   [[nodiscard]] peer_stats stats() const;
   /// The connection's socket, for poll(): readable exactly when a message,
   /// or its start, waits (a message always ends the batch it travels in, so

@@ -9,9 +9,9 @@
 
 #include "cuda_driver.h"
 #include "cuda_kernels.h"
-#include "address_text.h"
-#include "process_wide_id.h"
-#include "shoal/error.h"
+#include "core/address_text.h"
+#include "core/process_wide_id.h"
+#include "shoal/core/error.h"
 
 namespace shoal::backend::detail {
 

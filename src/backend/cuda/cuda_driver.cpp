@@ -2,7 +2,7 @@
 
 #include <string>
 
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::backend::detail {
 

@@ -12,8 +12,8 @@
 #include "backend/host/host_event_page.h"
 #include "backend/host/host_executor.h"
 #include "backend/host/host_memory.h"
-#include "address_text.h"
-#include "shoal/error.h"
+#include "core/address_text.h"
+#include "shoal/core/error.h"
 
 namespace shoal::backend {
 

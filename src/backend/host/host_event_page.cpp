@@ -14,9 +14,9 @@
 #include <string>
 #include <thread>
 
-#include "process_wide_id.h"
-#include "shoal/process_identity.h"
-#include "shoal/error.h"
+#include "core/process_wide_id.h"
+#include "shoal/core/process_identity.h"
+#include "shoal/core/error.h"
 
 namespace shoal::backend::detail {
 

@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "shoal/backend/shareable_event.h"
-#include "shoal/unique_fd.h"
+#include "shoal/core/unique_fd.h"
 
 namespace shoal::backend::detail {
 

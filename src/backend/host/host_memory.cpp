@@ -11,8 +11,8 @@
 #include <limits>
 #include <string>
 
-#include "address_text.h"
-#include "shoal/error.h"
+#include "core/address_text.h"
+#include "shoal/core/error.h"
 
 namespace shoal::backend::detail {
 

@@ -20,7 +20,7 @@
 
 #include "shoal/backend/shareable_handle.h"
 #include "shoal/backend/types.h"
-#include "shoal/unique_fd.h"
+#include "shoal/core/unique_fd.h"
 
 namespace shoal::backend::detail {
 

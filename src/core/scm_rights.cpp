@@ -1,11 +1,11 @@
-#include "ipc/scm_rights.h"
+#include "core/scm_rights.h"
 
 #include <cstring>
 #include <string>
 
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
-namespace shoal::ipc::detail {
+namespace shoal::detail {
 
 void attach_descriptors(msghdr& header, std::span<const int> fds, std::span<char> space) {
   if (fds.empty()) return;
@@ -39,4 +39,4 @@ void take_descriptors(msghdr& header, std::vector<unique_fd>& into) {
   }
 }
 
-}  // namespace shoal::ipc::detail
+}  // namespace shoal::detail

@@ -1,4 +1,4 @@
-#include "shoal/ipc/channel.h"
+#include "shoal/channel/channel.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -19,11 +19,11 @@
 #include <iterator>
 #include <mutex>
 
-#include "ipc/credentials_exchange.h"
-#include "ipc/frame_batch.h"
-#include "shoal/error.h"
+#include "channel/credentials_exchange.h"
+#include "channel/frame_batch.h"
+#include "shoal/core/error.h"
 
-namespace shoal::ipc {
+namespace shoal::channel {
 
 namespace {
 
@@ -432,4 +432,4 @@ std::optional<connection> listener::accept_until(deadline until) {
   }
 }
 
-}  // namespace shoal::ipc
+}  // namespace shoal::channel

@@ -1,5 +1,5 @@
 // Batches of frames on a connected UNIX stream socket: the wire form under
-// connection (include/shoal/ipc/channel.h documents the layout).
+// connection (include/shoal/channel/channel.h documents the layout).
 //
 // A batch goes out in one sendmsg with the descriptors of its frames, and is
 // padded to min_batch_bytes so that the receiver reads it whole with one
@@ -15,9 +15,9 @@
 #include <span>
 #include <vector>
 
-#include "shoal/ipc/channel.h"
+#include "shoal/channel/channel.h"
 
-namespace shoal::ipc::detail {
+namespace shoal::channel::detail {
 
 /// How many of `frames`, from the first, the next batch holds: at least one,
 /// and as many more as fit max_batch_frames, max_batch_descriptors and
@@ -43,4 +43,4 @@ void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<
 [[nodiscard]] std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::nanoseconds spin,
                                             std::vector<std::byte>& buffer);
 
-}  // namespace shoal::ipc::detail
+}  // namespace shoal::channel::detail

@@ -12,7 +12,7 @@
 #include <memory>
 #include <vector>
 
-#include "ipc/counter_file.h"
+#include "ipc/counters/counter_file.h"
 
 namespace shoal::ipc::detail {
 

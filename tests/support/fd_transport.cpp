@@ -1,4 +1,4 @@
-#include "shoal/ipc/fd_transport.h"
+#include "support/fd_transport.h"
 
 #include <sys/socket.h>
 #include <unistd.h>
@@ -8,10 +8,10 @@
 #include <cstring>
 #include <string>
 
-#include "ipc/scm_rights.h"
-#include "shoal/error.h"
+#include "core/scm_rights.h"
+#include "shoal/core/error.h"
 
-namespace shoal::ipc {
+namespace shoal::testing {
 
 namespace {
 
@@ -54,8 +54,8 @@ void send_message(int socket, std::span<const std::byte> payload, int fd) {
   msghdr header{};
   header.msg_iov = parts;
   header.msg_iovlen = payload.empty() ? 1 : 2;
-  detail::descriptor_space<1> control;
-  if (fd >= 0) detail::attach_descriptors(header, std::span(&fd, 1), control.bytes);
+  shoal::detail::descriptor_space<1> control;
+  if (fd >= 0) shoal::detail::attach_descriptors(header, std::span(&fd, 1), control.bytes);
   ssize_t sent;
   do {
     sent = ::sendmsg(socket, &header, MSG_NOSIGNAL);
@@ -78,7 +78,7 @@ message receive_message(int socket, std::size_t max_payload) {
   msghdr header{};
   header.msg_iov = &part;
   header.msg_iovlen = 1;
-  detail::descriptor_space<4> control;
+  shoal::detail::descriptor_space<4> control;
   header.msg_control = control.bytes;
   header.msg_controllen = sizeof control.bytes;
   ssize_t got;
@@ -90,7 +90,7 @@ message receive_message(int socket, std::size_t max_payload) {
 
   // Take ownership of every descriptor that came, so none leaks on error.
   std::vector<unique_fd> received;
-  detail::take_descriptors(header, received);
+  shoal::detail::take_descriptors(header, received);
   if ((header.msg_flags & MSG_CTRUNC) != 0 || received.size() > 1) {
     throw invalid_argument("receive_message: more than one file descriptor came with a message");
   }
@@ -107,4 +107,4 @@ message receive_message(int socket, std::size_t max_payload) {
   return out;
 }
 
-}  // namespace shoal::ipc
+}  // namespace shoal::testing

@@ -1,5 +1,7 @@
 // Descriptors passed with a socket message (SCM_RIGHTS): attaching them to an
 // outgoing msghdr, taking ownership of those that came with a received one.
+// The one place that handles SCM_RIGHTS (the channel, and the tests' bare
+// transport, use it). Internal (not installed).
 #pragma once
 
 #include <sys/socket.h>
@@ -7,9 +9,9 @@
 #include <span>
 #include <vector>
 
-#include "shoal/unique_fd.h"
+#include "shoal/core/unique_fd.h"
 
-namespace shoal::ipc::detail {
+namespace shoal::detail {
 
 /// Control space for up to N descriptors, aligned for cmsghdr.
 template <std::size_t N>
@@ -25,4 +27,4 @@ void attach_descriptors(msghdr& header, std::span<const int> fds, std::span<char
 /// none leaks whatever is done with the message.
 void take_descriptors(msghdr& header, std::vector<unique_fd>& into);
 
-}  // namespace shoal::ipc::detail
+}  // namespace shoal::detail

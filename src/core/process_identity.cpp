@@ -1,4 +1,4 @@
-#include "shoal/process_identity.h"
+#include "shoal/core/process_identity.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -9,8 +9,8 @@
 #include <string>
 #include <string_view>
 
-#include "shoal/error.h"
-#include "shoal/unique_fd.h"
+#include "shoal/core/error.h"
+#include "shoal/core/unique_fd.h"
 
 namespace shoal {
 

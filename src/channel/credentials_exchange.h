@@ -9,7 +9,7 @@
 
 #include <sys/socket.h>
 
-namespace shoal::ipc::detail {
+namespace shoal::channel::detail {
 
 /// Sends this process's credentials on `socket` and returns the other
 /// end's. Both ends must call it. Throws protocol_error when the greeting is
@@ -17,4 +17,4 @@ namespace shoal::ipc::detail {
 /// the system refuses.
 ucred exchange_credentials(int socket);
 
-}  // namespace shoal::ipc::detail
+}  // namespace shoal::channel::detail

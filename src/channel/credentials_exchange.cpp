@@ -1,4 +1,4 @@
-#include "ipc/credentials_exchange.h"
+#include "channel/credentials_exchange.h"
 
 #include <unistd.h>
 
@@ -7,9 +7,9 @@
 #include <cstring>
 #include <string>
 
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
-namespace shoal::ipc::detail {
+namespace shoal::channel::detail {
 
 namespace {
 
@@ -94,4 +94,4 @@ ucred exchange_credentials(int socket) {
   return theirs;
 }
 
-}  // namespace shoal::ipc::detail
+}  // namespace shoal::channel::detail

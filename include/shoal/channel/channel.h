@@ -33,10 +33,10 @@
 #include <utility>
 #include <vector>
 
-#include "shoal/process_identity.h"
-#include "shoal/unique_fd.h"
+#include "shoal/core/process_identity.h"
+#include "shoal/core/unique_fd.h"
 
-namespace shoal::ipc {
+namespace shoal::channel {
 
 /// The wire layout version this build speaks.
 inline constexpr std::uint16_t frame_version = 2;
@@ -283,4 +283,4 @@ class listener {
   ino_t file_inode_ = 0;
 };
 
-}  // namespace shoal::ipc
+}  // namespace shoal::channel

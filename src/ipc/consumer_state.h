@@ -20,10 +20,12 @@
 #include <mutex>
 #include <vector>
 
-#include "ipc/counter_file.h"
+#include "ipc/counters/counter_file.h"
 #include "ipc/messages.h"
-#include "shoal/ipc/sharing.h"
-#include "shoal/process_identity.h"
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/ipc/sharing_types.h"
+#include "shoal/storage/storage.h"
+#include "shoal/core/process_identity.h"
 
 namespace shoal::ipc::detail {
 
@@ -46,20 +48,20 @@ struct release_sink {
   std::atomic<std::size_t> held{0};                // received storages not yet released
 };
 
-class receiver_state : public std::enable_shared_from_this<receiver_state> {
+class consumer_state : public std::enable_shared_from_this<consumer_state> {
  public:
-  receiver_state(alloc::caching_allocator& allocator, const sharing_options& options);
+  consumer_state(alloc::caching_allocator& allocator, const sharing_options& options);
   /// The table of `producer`'s resources for the sharing context `context`
   /// of this process, shared by every connection to that producer: each of
   /// its segments is mapped once in this process.
-  static std::shared_ptr<receiver_state> for_producer(const process_identity& producer, const void* context,
+  static std::shared_ptr<consumer_state> for_producer(const process_identity& producer, const void* context,
                                                       alloc::caching_allocator& allocator,
                                                       const sharing_options& options);
   /// Waits for received storages' pending releases, then closes every
   /// mapping and event source.
-  ~receiver_state();
-  receiver_state(const receiver_state&) = delete;
-  receiver_state& operator=(const receiver_state&) = delete;
+  ~consumer_state();
+  consumer_state(const consumer_state&) = delete;
+  consumer_state& operator=(const consumer_state&) = delete;
 
   // Each connection announces what it refers to; the first announcement of
   // an id is kept (later ones describe the same resource of the same producer).

@@ -1,4 +1,4 @@
-#include "shoal/ipc/child_process.h"
+#include "shoal/core/child_process.h"
 
 #include <spawn.h>
 #include <sys/socket.h>
@@ -9,11 +9,11 @@
 #include <csignal>
 #include <cstring>
 
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 extern char** environ;  // NOLINT: POSIX declares it nowhere else
 
-namespace shoal::ipc {
+namespace shoal {
 
 child_process::child_process(const std::string& program, const std::vector<std::string>& arguments) {
   int ends[2];
@@ -62,4 +62,4 @@ int child_process::wait() {
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-}  // namespace shoal::ipc
+}  // namespace shoal

@@ -1,4 +1,4 @@
-#include "ipc/receiver_state.h"
+#include "ipc/consumer_state.h"
 
 #include <algorithm>
 #include <chrono>
@@ -7,7 +7,7 @@
 #include <tuple>
 
 #include "shoal/backend/stream.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::ipc::detail {
 
@@ -20,7 +20,7 @@ constexpr std::uint64_t one_view = 2, retired_bit = 1;
 // passed every use, then counts the mapping's view down.
 class received_data final : public storage::storage_owner {
  public:
-  received_data(std::shared_ptr<receiver_state> receiver, std::shared_ptr<release_sink> sink,
+  received_data(std::shared_ptr<consumer_state> receiver, std::shared_ptr<release_sink> sink,
                 std::shared_ptr<mapping> m, std::shared_ptr<counter_file> file, slot_ticket slot)
       : receiver_(std::move(receiver)), sink_(std::move(sink)), mapping_(std::move(m)), file_(std::move(file)), slot_(slot) {}
 
@@ -47,7 +47,7 @@ class received_data final : public storage::storage_owner {
   }
 
  private:
-  std::shared_ptr<receiver_state> receiver_;  // keeps the mappings open while the view lives
+  std::shared_ptr<consumer_state> receiver_;  // keeps the mappings open while the view lives
   std::shared_ptr<release_sink> sink_;
   std::shared_ptr<mapping> mapping_;
   std::shared_ptr<counter_file> file_;
@@ -56,26 +56,26 @@ class received_data final : public storage::storage_owner {
 
 }  // namespace
 
-receiver_state::receiver_state(alloc::caching_allocator& a, const sharing_options& o) : allocator(a), options(o) {}
+consumer_state::consumer_state(alloc::caching_allocator& a, const sharing_options& o) : allocator(a), options(o) {}
 
-std::shared_ptr<receiver_state> receiver_state::for_producer(const process_identity& producer, const void* context,
+std::shared_ptr<consumer_state> consumer_state::for_producer(const process_identity& producer, const void* context,
                                                              alloc::caching_allocator& allocator,
                                                              const sharing_options& options) {
   using key = std::tuple<pid_t, std::uint64_t, const void*>;
   static std::mutex mutex;
-  static std::map<key, std::weak_ptr<receiver_state>> tables;
+  static std::map<key, std::weak_ptr<consumer_state>> tables;
   std::lock_guard lock(mutex);
   std::erase_if(tables, [](const auto& entry) { return entry.second.expired(); });
   auto& slot = tables[key{producer.pid, producer.start_time, context}];
   auto table = slot.lock();
   if (!table) {
-    table = std::make_shared<receiver_state>(allocator, options);
+    table = std::make_shared<consumer_state>(allocator, options);
     slot = table;
   }
   return table;
 }
 
-receiver_state::~receiver_state() {
+consumer_state::~consumer_state() {
   // Every received storage is gone; their releases may still wait on streams.
   for (;;) {
     bool busy = false;
@@ -94,13 +94,13 @@ receiver_state::~receiver_state() {
   }
 }
 
-void receiver_state::add_counter_file(const counter_file_message& m, unique_fd fd) {
+void consumer_state::add_counter_file(const counter_file_message& m, unique_fd fd) {
   auto file = std::make_shared<counter_file>(counter_file::open(std::move(fd), m.slots));
   std::lock_guard lock(mutex_);
   files_.emplace(m.file_id, std::move(file));  // another connection may have announced it first
 }
 
-void receiver_state::add_segment(segment_message m) {
+void consumer_state::add_segment(segment_message m) {
   if (m.handle.device != allocator.device().kind()) {
     throw protocol_error("segment message: the producer shares " + std::string(backend::to_string(m.handle.device)) +
                          " memory; this process's allocator is on a " +
@@ -110,7 +110,7 @@ void receiver_state::add_segment(segment_message m) {
   segments_.emplace(m.segment_id, std::move(m.handle));  // as for files
 }
 
-void receiver_state::add_event_source(backend::event_source source) {
+void consumer_state::add_event_source(backend::event_source source) {
   std::lock_guard lock(mutex_);
   if (sources_.contains(source.source_id)) return;  // as for files
   backend::imported_event_ref opened;
@@ -124,7 +124,7 @@ void receiver_state::add_event_source(backend::event_source source) {
   sources_.emplace(source.source_id, opened);
 }
 
-void receiver_state::retire_segments(const std::vector<std::uint64_t>& ids) {
+void consumer_state::retire_segments(const std::vector<std::uint64_t>& ids) {
   std::lock_guard lock(mutex_);
   for (auto id : ids) {
     segments_.erase(id);
@@ -139,7 +139,7 @@ void receiver_state::retire_segments(const std::vector<std::uint64_t>& ids) {
   }
 }
 
-void receiver_state::retire(const std::shared_ptr<mapping>& m) {
+void consumer_state::retire(const std::shared_ptr<mapping>& m) {
   retired_.push_back(m);
   if (m->state.fetch_or(retired_bit, std::memory_order_acq_rel) == 0) {
     // Nothing uses it. Closed by the collector, not here: a close costs
@@ -149,12 +149,12 @@ void receiver_state::retire(const std::shared_ptr<mapping>& m) {
   }
 }
 
-void receiver_state::retire_files(const std::vector<std::uint64_t>& ids) {
+void consumer_state::retire_files(const std::vector<std::uint64_t>& ids) {
   std::lock_guard lock(mutex_);
   for (auto id : ids) files_.erase(id);  // storages still holding slots keep their mapping of it
 }
 
-std::shared_ptr<mapping> receiver_state::map_segments(const std::vector<std::uint64_t>& ids) {
+std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uint64_t>& ids) {
   if (auto it = mappings_.find(ids); it != mappings_.end()) return it->second;
   std::vector<backend::shareable_handle> chunks;
   for (auto id : ids) {
@@ -176,12 +176,12 @@ std::shared_ptr<mapping> receiver_state::map_segments(const std::vector<std::uin
   return m;
 }
 
-void receiver_state::release_unclaimed(const storage_message& m) {
+void consumer_state::release_unclaimed(const storage_message& m) {
   std::lock_guard lock(mutex_);
   if (auto f = files_.find(m.file_id); f != files_.end()) f->second->release(m.slot);
 }
 
-storage::storage receiver_state::make_storage(const storage_message& msg, backend::stream_ref stream) {
+storage::storage consumer_state::make_storage(const storage_message& msg, backend::stream_ref stream) {
   std::shared_ptr<counter_file> file;
   std::shared_ptr<mapping> m;
   backend::imported_event_ref source;
@@ -226,7 +226,7 @@ storage::storage receiver_state::make_storage(const storage_message& msg, backen
   return storage::storage::adopt(allocator, static_cast<std::byte*>(m->base) + msg.offset, msg.size, std::move(owner));
 }
 
-void receiver_state::close_finished() {
+void consumer_state::close_finished() {
   std::vector<std::shared_ptr<mapping>> finished;
   {
     std::lock_guard lock(sink_->mutex);
@@ -242,7 +242,7 @@ void receiver_state::close_finished() {
   for (auto& m : finished) close(*m);
 }
 
-void receiver_state::close(mapping& m) noexcept {
+void consumer_state::close(mapping& m) noexcept {
   if (m.base == nullptr) return;
   try {
     allocator.device().close_import(m.base);
@@ -251,7 +251,7 @@ void receiver_state::close(mapping& m) noexcept {
   m.base = nullptr;
 }
 
-peer_stats receiver_state::stats() const {
+peer_stats consumer_state::stats() const {
   std::lock_guard lock(mutex_);
   peer_stats s;
   s.open_mappings = mappings_.size() + retired_.size();

@@ -1,6 +1,9 @@
-// Messages with an optional file descriptor over a connected UNIX stream
-// socket: a 4-byte length, the payload, and the descriptor sent with the
-// first byte (SCM_RIGHTS).
+// A bare transport for tests that must not rest on the channel layer
+// (backend tests hand handles to a child process with it): messages with an
+// optional file descriptor over a connected UNIX stream socket, a 4-byte
+// length, the payload, and the descriptor sent with the first byte
+// (SCM_RIGHTS). No credentials and no version: never for library code, where
+// nothing crosses a process boundary except a checked channel.
 //
 // Thread-safety: one sender and one receiver per socket at a time.
 // A length above the receiver's limit, or more descriptors than one, is
@@ -11,9 +14,9 @@
 #include <span>
 #include <vector>
 
-#include "shoal/unique_fd.h"
+#include "shoal/core/unique_fd.h"
 
-namespace shoal::ipc {
+namespace shoal::testing {
 
 struct message {
   std::vector<std::byte> payload;
@@ -29,4 +32,4 @@ void send_message(int socket, std::span<const std::byte> payload, int fd = -1);
 /// malformed one.
 [[nodiscard]] message receive_message(int socket, std::size_t max_payload);
 
-}  // namespace shoal::ipc
+}  // namespace shoal::testing

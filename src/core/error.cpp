@@ -1,4 +1,4 @@
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal {
 

@@ -1,4 +1,4 @@
-#include "ipc/counter_file.h"
+#include "ipc/counters/counter_file.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -10,7 +10,7 @@
 #include <cstring>
 #include <new>
 
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::ipc::detail {
 

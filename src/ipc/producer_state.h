@@ -13,12 +13,14 @@
 #include <mutex>
 #include <vector>
 
-#include "ipc/counter_slots.h"
-#include "shoal/ipc/sharing.h"
+#include "ipc/counters/counter_slots.h"
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/ipc/sharing_types.h"
+#include "shoal/storage/storage.h"
 
 namespace shoal::ipc::detail {
 
-class receiver_state;
+class consumer_state;
 
 /// One exported segment (or growable segment's chunk); handle.offset is 0.
 struct exported_segment {
@@ -34,12 +36,12 @@ struct outbox {
   std::vector<std::uint64_t> files;     // guarded by mutex
 };
 
-class sharing_state : public std::enable_shared_from_this<sharing_state> {
+class producer_state : public std::enable_shared_from_this<producer_state> {
  public:
-  sharing_state(alloc::caching_allocator& allocator, const sharing_options& options);
-  ~sharing_state();
-  sharing_state(const sharing_state&) = delete;
-  sharing_state& operator=(const sharing_state&) = delete;
+  producer_state(alloc::caching_allocator& allocator, const sharing_options& options);
+  ~producer_state();
+  producer_state(const producer_state&) = delete;
+  producer_state& operator=(const producer_state&) = delete;
 
   /// Registers the allocator hooks; called once, right after construction
   /// (they need shared_from_this).
@@ -67,7 +69,7 @@ class sharing_state : public std::enable_shared_from_this<sharing_state> {
 
   void add_outbox(const std::shared_ptr<outbox>& box);
   /// collect(true) also closes the receiver's finished mappings.
-  void add_receiver(const std::shared_ptr<receiver_state>& receiver);
+  void add_receiver(const std::shared_ptr<consumer_state>& receiver);
   [[nodiscard]] sharing_stats stats() const;
 
   alloc::caching_allocator& allocator;
@@ -101,7 +103,7 @@ class sharing_state : public std::enable_shared_from_this<sharing_state> {
   mutable std::mutex exports_mutex_;
   std::map<std::uintptr_t, std::shared_ptr<exported_segment>> exports_;  // by base; guarded
   std::vector<std::weak_ptr<outbox>> outboxes_;                            // guarded
-  std::vector<std::weak_ptr<receiver_state>> receivers_;                   // guarded
+  std::vector<std::weak_ptr<consumer_state>> receivers_;                   // guarded
 
   std::uint64_t miss_hook_ = 0, release_observer_ = 0;
 };

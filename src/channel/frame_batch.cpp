@@ -1,4 +1,4 @@
-#include "ipc/frame_batch.h"
+#include "channel/frame_batch.h"
 
 #include <sys/socket.h>
 
@@ -10,10 +10,14 @@
 #include <cstring>
 #include <string>
 
-#include "ipc/scm_rights.h"
-#include "shoal/error.h"
+#include "core/scm_rights.h"
+#include "shoal/core/error.h"
 
-namespace shoal::ipc::detail {
+namespace shoal::channel::detail {
+
+using shoal::detail::attach_descriptors;
+using shoal::detail::descriptor_space;
+using shoal::detail::take_descriptors;
 
 namespace {
 
@@ -257,4 +261,4 @@ std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::
   return split_frames(buffer, max_payload, descriptors);
 }
 
-}  // namespace shoal::ipc::detail
+}  // namespace shoal::channel::detail

@@ -29,18 +29,18 @@
 #include <vector>
 
 #include "support/descriptors.h"
-#include "shoal/error.h"
-#include "shoal/ipc/channel.h"
-#include "shoal/process_identity.h"
+#include "shoal/core/error.h"
+#include "shoal/channel/channel.h"
+#include "shoal/core/process_identity.h"
 
 namespace shoal::testing {
 namespace {
 
 using namespace std::chrono_literals;
-using ipc::access_policy;
-using ipc::channel_address;
-using ipc::connection;
-using ipc::listener;
+using channel::access_policy;
+using channel::channel_address;
+using channel::connection;
+using channel::listener;
 using shoal::process_identity;
 
 constexpr uid_t nobody = 65534;
@@ -349,7 +349,7 @@ void expect_both_sides_see_this_process(const channel_address& address) {
     EXPECT_EQ(side->peer().gid, ::getegid());
   }
   client.send(1, bytes_of("ping"));
-  const ipc::frame ping = accepted.receive();
+  const channel::frame ping = accepted.receive();
   EXPECT_EQ(ping.type, 1);
   EXPECT_EQ(text_of(ping.payload), "ping");
   accepted.send(2, bytes_of("pong"));
@@ -433,7 +433,7 @@ TEST(channel, a_frame_carries_its_type_payload_and_descriptor) {
   a.send(0xffff, {});
   a.send(3, std::vector<std::byte>(16, std::byte{0x5a}));
 
-  ipc::frame first = b.receive();
+  channel::frame first = b.receive();
   EXPECT_EQ(first.type, 7);
   EXPECT_EQ(text_of(first.payload), "hello");
   ASSERT_TRUE(first.fd.valid());
@@ -441,7 +441,7 @@ TEST(channel, a_frame_carries_its_type_payload_and_descriptor) {
   char c = 0;
   ASSERT_EQ(::read(pipe.read.get(), &c, 1), 1);
   EXPECT_EQ(c, 'x');
-  const ipc::frame empty = b.receive();
+  const channel::frame empty = b.receive();
   EXPECT_EQ(empty.type, 0xffff);
   EXPECT_TRUE(empty.payload.empty());
   EXPECT_FALSE(empty.fd.valid());
@@ -457,7 +457,7 @@ TEST(channel, a_frame_is_laid_out_as_documented) {
   connection sender = connection::adopt(std::move(pair.a), {});
   sender.send(0x1234, bytes_of("ab"));
   const auto xyz = bytes_of("xyz");
-  const std::vector<ipc::outgoing_frame> two = {{7, xyz}, {8, {}}};
+  const std::vector<channel::outgoing_frame> two = {{7, xyz}, {8, {}}};
   sender.send(two);
   std::vector<std::byte> wire(2 * 256);
   ASSERT_EQ(::recv(pair.b.get(), wire.data(), wire.size(), MSG_WAITALL), static_cast<ssize_t>(wire.size()));
@@ -475,14 +475,14 @@ TEST(channel, frames_sent_together_arrive_in_order_with_their_descriptors) {
   std::vector<pipe_ends> pipes(20);
   std::vector<std::vector<std::byte>> payloads;
   for (int i = 0; i < 100; ++i) payloads.push_back(bytes_of("frame " + std::to_string(i)));
-  std::vector<ipc::outgoing_frame> frames;
+  std::vector<channel::outgoing_frame> frames;
   for (int i = 0; i < 100; ++i) {
     frames.push_back({static_cast<std::uint16_t>(i), payloads[i], i % 5 == 0 ? pipes[i / 5].write.get() : -1});
   }
   a.send(frames);
   for (int i = 0; i < 100; ++i) {
     SCOPED_TRACE(i);
-    const ipc::frame f = b.receive();
+    const channel::frame f = b.receive();
     ASSERT_EQ(f.type, i);
     EXPECT_EQ(text_of(f.payload), "frame " + std::to_string(i));
     ASSERT_EQ(f.fd.valid(), i % 5 == 0);
@@ -498,8 +498,8 @@ TEST(channel, frames_sent_together_arrive_in_order_with_their_descriptors) {
 TEST(channel, frames_past_the_packing_limit_go_in_separate_batches) {
   socket_pair pair;
   connection sender = connection::adopt(std::move(pair.a), {});
-  const std::vector<std::byte> big(ipc::batch_packing_bytes / 2 + 1, std::byte{7});
-  const std::vector<ipc::outgoing_frame> two = {{1, big}, {2, big}};
+  const std::vector<std::byte> big(channel::batch_packing_bytes / 2 + 1, std::byte{7});
+  const std::vector<channel::outgoing_frame> two = {{1, big}, {2, big}};
   sender.send(two);
   // Read raw: a batch header, then its frames; each batch here holds one.
   for (std::uint16_t type = 1; type <= 2; ++type) {
@@ -523,7 +523,7 @@ TEST(channel, frames_with_a_closed_descriptor_are_not_sent_at_all) {
   int closed_fd = ::dup(pipe.write.get());
   ::close(closed_fd);
   const auto payload = bytes_of("x");
-  const std::vector<ipc::outgoing_frame> three = {{1, payload}, {2, payload, pipe.write.get()}, {3, payload, closed_fd}};
+  const std::vector<channel::outgoing_frame> three = {{1, payload}, {2, payload, pipe.write.get()}, {3, payload, closed_fd}};
   EXPECT_THROW(a.send(three), invalid_argument);
   EXPECT_FALSE(a.broken()) << "nothing was sent, so the stream is still in step";
   pollfd waiting{b.native_handle(), POLLIN, 0};
@@ -537,7 +537,7 @@ TEST(channel, a_batch_is_read_whole_and_never_past_its_end) {
   connection a = connection::adopt(std::move(pair.a), {});
   connection b = connection::adopt(std::move(pair.b), {});
   const auto abc = bytes_of("abc");
-  const std::vector<ipc::outgoing_frame> three = {{1, std::span(abc).first(1)}, {2, std::span(abc).subspan(1, 1)},
+  const std::vector<channel::outgoing_frame> three = {{1, std::span(abc).first(1)}, {2, std::span(abc).subspan(1, 1)},
                                                   {3, std::span(abc).subspan(2)}};
   a.send(three);
   a.send(4, bytes_of("next batch"));
@@ -577,7 +577,7 @@ TEST(channel, a_spinning_receive_takes_what_comes_during_the_spin_and_blocks_aft
   });
   const auto start = std::chrono::steady_clock::now();
   const std::chrono::nanoseconds cpu_before = thread_cpu_time();
-  const ipc::frame f = b.receive();
+  const channel::frame f = b.receive();
   EXPECT_GE(std::chrono::steady_clock::now() - start, 150ms) << "returned before the frame was sent";
   EXPECT_LT(thread_cpu_time() - cpu_before, 50ms) << "it kept spinning instead of blocking";
   EXPECT_EQ(text_of(f.payload), "late");
@@ -661,7 +661,7 @@ TEST(channel, frames_sent_from_many_threads_arrive_whole) {
   const auto receive_all = [&]() -> ::testing::AssertionResult {
     std::vector<std::uint32_t> next(threads, 0);
     for (std::uint32_t n = 0; n < threads * frames_each; ++n) {
-      const ipc::frame f = receiver.receive();
+      const channel::frame f = receiver.receive();
       if (f.type >= threads || f.payload.size() < 4) return ::testing::AssertionFailure() << "a foreign frame";
       std::uint32_t i;
       std::memcpy(&i, f.payload.data(), 4);

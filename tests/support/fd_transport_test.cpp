@@ -8,8 +8,8 @@
 #include <cstring>
 
 #include "support/descriptors.h"
-#include "shoal/error.h"
-#include "shoal/ipc/fd_transport.h"
+#include "shoal/core/error.h"
+#include "support/fd_transport.h"
 
 namespace shoal::testing {
 namespace {
@@ -24,24 +24,24 @@ TEST(fd_transport, carries_payload_and_descriptor) {
   int pipe_fds[2];
   ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
   unique_fd read_end(pipe_fds[0]), write_end(pipe_fds[1]);
-  ipc::send_message(pair.a.get(), bytes_of("hello"), write_end.get());
-  ipc::send_message(pair.a.get(), bytes_of(""));
-  ipc::message first = ipc::receive_message(pair.b.get(), 64);
+  testing::send_message(pair.a.get(), bytes_of("hello"), write_end.get());
+  testing::send_message(pair.a.get(), bytes_of(""));
+  testing::message first = testing::receive_message(pair.b.get(), 64);
   EXPECT_EQ(first.payload, bytes_of("hello"));
   ASSERT_TRUE(first.fd.valid());
   ASSERT_EQ(::write(first.fd.get(), "x", 1), 1) << "the received descriptor is the pipe's write end";
   char c = 0;
   ASSERT_EQ(::read(read_end.get(), &c, 1), 1);
   EXPECT_EQ(c, 'x');
-  const ipc::message second = ipc::receive_message(pair.b.get(), 64);
+  const testing::message second = testing::receive_message(pair.b.get(), 64);
   EXPECT_TRUE(second.payload.empty());
   EXPECT_FALSE(second.fd.valid());
 }
 
 TEST(fd_transport, an_oversized_message_is_refused) {
   socket_pair pair;
-  ipc::send_message(pair.a.get(), std::vector<std::byte>(100));
-  EXPECT_THROW((void)ipc::receive_message(pair.b.get(), 99), invalid_argument);
+  testing::send_message(pair.a.get(), std::vector<std::byte>(100));
+  EXPECT_THROW((void)testing::receive_message(pair.b.get(), 99), invalid_argument);
 }
 
 bool is_open(int fd) { return ::fcntl(fd, F_GETFD) != -1; }
@@ -69,7 +69,7 @@ TEST(fd_transport, more_than_one_descriptor_is_refused_and_none_leaks) {
   // The receiver gets its own two new descriptors: the lowest free numbers.
   const int next_free = ::fcntl(0, F_DUPFD_CLOEXEC, 0);
   ::close(next_free);
-  EXPECT_THROW((void)ipc::receive_message(pair.b.get(), 64), invalid_argument);
+  EXPECT_THROW((void)testing::receive_message(pair.b.get(), 64), invalid_argument);
   EXPECT_FALSE(is_open(next_free)) << "a received descriptor was left open";
 }
 
@@ -78,8 +78,8 @@ TEST(fd_transport, a_closed_peer_is_reported) {
   const std::uint16_t half_header = 7;
   ASSERT_EQ(::write(pair.a.get(), &half_header, sizeof half_header), 2);
   pair.a.reset();
-  EXPECT_THROW((void)ipc::receive_message(pair.b.get(), 64), connection_closed);
-  EXPECT_THROW(ipc::send_message(pair.b.get(), bytes_of("late")), connection_closed);
+  EXPECT_THROW((void)testing::receive_message(pair.b.get(), 64), connection_closed);
+  EXPECT_THROW(testing::send_message(pair.b.get(), bytes_of("late")), connection_closed);
 }
 
 }  // namespace

@@ -1,10 +1,14 @@
-// Little-endian field writing and bounds-checked reading for messages.
+// The one wire codec: little-endian fields written in order, and a reader
+// that checks every read against the bytes it was given. Used by every
+// layer that puts values on a socket (backend handles and event points, the
+// sharing protocol's messages, protocol hellos).
 //
 // wire_reader throws protocol_error naming the message and field when the
 // bytes run out or a field is out of range, so decoding code states each
-// field once and never reads past the payload.
+// field once and never reads past the payload. Internal (not installed).
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -13,26 +17,40 @@
 #include <type_traits>
 #include <vector>
 
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
-namespace shoal::ipc::detail {
+namespace shoal::detail {
+
+// Fields are copied as they are in memory, which is little-endian order on
+// every host shoal builds for.
+static_assert(std::endian::native == std::endian::little, "the wire codec assumes a little-endian host");
 
 class wire_writer {
  public:
+  wire_writer() = default;
+  /// Reserves `bytes` up front when the message's size is known.
+  explicit wire_writer(std::size_t bytes) { bytes_.reserve(bytes); }
+
   template <class T>
     requires std::is_integral_v<T>
   wire_writer& put(T value) {
     const auto at = bytes_.size();
     bytes_.resize(at + sizeof(T));
-    std::memcpy(bytes_.data() + at, &value, sizeof(T));  // hosts are little-endian (x86-64, aarch64)
+    std::memcpy(bytes_.data() + at, &value, sizeof(T));
     return *this;
   }
+  /// A length-prefixed (u32) byte string.
   wire_writer& put_bytes(std::span<const std::byte> bytes) {
     put(static_cast<std::uint32_t>(bytes.size()));
+    return put_fixed(bytes);
+  }
+  /// Bytes whose count both ends know (no length on the wire).
+  wire_writer& put_fixed(std::span<const std::byte> bytes) {
     bytes_.insert(bytes_.end(), bytes.begin(), bytes.end());
     return *this;
   }
   [[nodiscard]] std::span<const std::byte> bytes() const noexcept { return bytes_; }
+  [[nodiscard]] std::vector<std::byte> take() noexcept { return std::move(bytes_); }
 
  private:
   std::vector<std::byte> bytes_;
@@ -40,6 +58,7 @@ class wire_writer {
 
 class wire_reader {
  public:
+  /// `message` names what is being read in errors ("storage").
   wire_reader(std::span<const std::byte> bytes, const char* message) : bytes_(bytes), message_(message) {}
 
   template <class T>
@@ -57,9 +76,13 @@ class wire_reader {
     if (length > limit) {
       fail(field, std::to_string(length) + " bytes is over the limit of " + std::to_string(limit));
     }
-    need(length, field);
-    auto out = bytes_.subspan(at_, length);
-    at_ += length;
+    return get_fixed(field, length);
+  }
+  /// Exactly `count` bytes with no length on the wire.
+  std::span<const std::byte> get_fixed(const char* field, std::size_t count) {
+    need(count, field);
+    auto out = bytes_.subspan(at_, count);
+    at_ += count;
     return out;
   }
   /// Every byte must have been read: trailing bytes are malformed too.
@@ -79,4 +102,4 @@ class wire_reader {
   const char* message_;
 };
 
-}  // namespace shoal::ipc::detail
+}  // namespace shoal::detail

@@ -15,9 +15,9 @@
 #include <string>
 #include <vector>
 
-#include "shoal/unique_fd.h"
+#include "shoal/core/unique_fd.h"
 
-namespace shoal::ipc {
+namespace shoal {
 
 class child_process {
  public:
@@ -42,4 +42,4 @@ class child_process {
   pid_t pid_ = -1;
 };
 
-}  // namespace shoal::ipc
+}  // namespace shoal

@@ -1,11 +1,11 @@
-#include "ipc/counter_slots.h"
+#include "ipc/counters/counter_slots.h"
 
-#include "process_wide_id.h"
+#include "core/process_wide_id.h"
 
 #include <string>
 #include <utility>
 
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::ipc::detail {
 

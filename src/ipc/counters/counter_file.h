@@ -29,8 +29,8 @@
 #include <optional>
 #include <string>
 
-#include "shoal/process_identity.h"
-#include "shoal/unique_fd.h"
+#include "shoal/core/process_identity.h"
+#include "shoal/core/unique_fd.h"
 
 namespace shoal::ipc::detail {
 

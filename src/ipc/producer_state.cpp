@@ -1,13 +1,13 @@
-#include "ipc/sharing_state.h"
+#include "ipc/producer_state.h"
 
-#include "process_wide_id.h"
-#include "ipc/receiver_state.h"
+#include "core/process_wide_id.h"
+#include "ipc/consumer_state.h"
 
 #include <algorithm>
 #include <string>
 
 #include "shoal/backend/stream.h"
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal::ipc::detail {
 
@@ -18,7 +18,7 @@ namespace {
 // freed at once if no slot is held, else it waits in the limbo.
 class sent_data final : public storage::storage_owner {
  public:
-  sent_data(std::shared_ptr<sharing_state> state, void* data, std::size_t size)
+  sent_data(std::shared_ptr<producer_state> state, void* data, std::size_t size)
       : state_(std::move(state)), data_(data), size_(size) {}
   ~sent_data() override {
     backend::stream_ref stream;
@@ -29,23 +29,23 @@ class sent_data final : public storage::storage_owner {
     state_->retire(data_, size_, stream, std::move(slots));
   }
 
-  const sharing_state* state() const noexcept { return state_.get(); }
+  const producer_state* state() const noexcept { return state_.get(); }
 
   std::vector<slot_ref> slots;  // guarded by the state's mutex
 
  private:
-  std::shared_ptr<sharing_state> state_;
+  std::shared_ptr<producer_state> state_;
   void* data_;
   std::size_t size_;
 };
 
 }  // namespace
 
-sharing_state::sharing_state(alloc::caching_allocator& a, const sharing_options& o)
+producer_state::producer_state(alloc::caching_allocator& a, const sharing_options& o)
     : allocator(a), options(o), slots_(o.slots_per_file) {}
 
-void sharing_state::attach() {
-  std::weak_ptr<sharing_state> weak = weak_from_this();
+void producer_state::attach() {
+  std::weak_ptr<producer_state> weak = weak_from_this();
   miss_hook_ = allocator.add_cache_miss_hook([weak] {
     if (auto self = weak.lock()) self->collect(false);
   });
@@ -54,7 +54,7 @@ void sharing_state::attach() {
   });
 }
 
-sharing_state::~sharing_state() {
+producer_state::~producer_state() {
   // Blocks still in the limbo stay allocated: another process holds them.
   try {
     if (miss_hook_ != 0) allocator.remove_hook(miss_hook_);
@@ -63,7 +63,7 @@ sharing_state::~sharing_state() {
   }
 }
 
-sharing_state::share sharing_state::share_storage(const storage::storage& st, const process_identity& holder,
+producer_state::share producer_state::share_storage(const storage::storage& st, const process_identity& holder,
                                                   backend::stream_ref stream) {
   if (&st.allocator() != &allocator) {
     throw invalid_argument("peer::send: the storage comes from another allocator than the sharing context's");
@@ -91,13 +91,13 @@ sharing_state::share sharing_state::share_storage(const storage::storage& st, co
   return s;
 }
 
-void sharing_state::abandon(const slot_ref& slot) {
+void producer_state::abandon(const slot_ref& slot) {
   std::lock_guard lock(mutex_);
   // Released as its holder would; the owner's next prune or the limbo frees it.
   slots_.release(slot);
 }
 
-std::vector<std::shared_ptr<const exported_segment>> sharing_state::exports_for(std::uintptr_t data, std::size_t size) {
+std::vector<std::shared_ptr<const exported_segment>> producer_state::exports_for(std::uintptr_t data, std::size_t size) {
   std::vector<std::shared_ptr<const exported_segment>> out;
   std::lock_guard lock(exports_mutex_);
   for (std::uintptr_t p = data; p < data + size;) {
@@ -119,7 +119,7 @@ std::vector<std::shared_ptr<const exported_segment>> sharing_state::exports_for(
   return out;
 }
 
-void sharing_state::on_release(std::uintptr_t base, std::size_t bytes) {
+void producer_state::on_release(std::uintptr_t base, std::size_t bytes) {
   std::vector<std::uint64_t> gone;
   {
     std::lock_guard lock(exports_mutex_);
@@ -131,7 +131,7 @@ void sharing_state::on_release(std::uintptr_t base, std::size_t bytes) {
   if (!gone.empty()) post(gone, {});
 }
 
-void sharing_state::post(const std::vector<std::uint64_t>& segments, const std::vector<std::uint64_t>& files) {
+void producer_state::post(const std::vector<std::uint64_t>& segments, const std::vector<std::uint64_t>& files) {
   std::lock_guard lock(exports_mutex_);
   std::erase_if(outboxes_, [](const std::weak_ptr<outbox>& w) { return w.expired(); });
   for (auto& w : outboxes_) {
@@ -143,17 +143,17 @@ void sharing_state::post(const std::vector<std::uint64_t>& segments, const std::
   }
 }
 
-void sharing_state::add_receiver(const std::shared_ptr<receiver_state>& receiver) {
+void producer_state::add_receiver(const std::shared_ptr<consumer_state>& receiver) {
   std::lock_guard lock(exports_mutex_);
   receivers_.push_back(receiver);
 }
 
-void sharing_state::add_outbox(const std::shared_ptr<outbox>& box) {
+void producer_state::add_outbox(const std::shared_ptr<outbox>& box) {
   std::lock_guard lock(exports_mutex_);
   outboxes_.push_back(box);
 }
 
-bool sharing_state::prune(std::vector<slot_ref>& slots) {
+bool producer_state::prune(std::vector<slot_ref>& slots) {
   std::erase_if(slots, [&](const slot_ref& s) {
     if (!slots_.released(s)) return false;
     slots_.recycle(s);
@@ -162,7 +162,7 @@ bool sharing_state::prune(std::vector<slot_ref>& slots) {
   return slots.empty();
 }
 
-void sharing_state::retire(void* data, std::size_t size, backend::stream_ref stream, std::vector<slot_ref> slots) noexcept {
+void producer_state::retire(void* data, std::size_t size, backend::stream_ref stream, std::vector<slot_ref> slots) noexcept {
   std::vector<ready_block> ready;
   {
     std::lock_guard lock(mutex_);
@@ -179,7 +179,7 @@ void sharing_state::retire(void* data, std::size_t size, backend::stream_ref str
   free_blocks(ready);
 }
 
-std::vector<sharing_state::ready_block> sharing_state::take_ready() {
+std::vector<producer_state::ready_block> producer_state::take_ready() {
   std::vector<ready_block> ready;
   std::erase_if(limbo_, [&](limbo_entry& e) {
     if (!prune(e.slots)) return false;
@@ -191,7 +191,7 @@ std::vector<sharing_state::ready_block> sharing_state::take_ready() {
   return ready;
 }
 
-std::size_t sharing_state::collect(bool reclaim) {
+std::size_t producer_state::collect(bool reclaim) {
   std::vector<ready_block> ready;
   std::vector<std::uint64_t> closed;
   {
@@ -203,10 +203,10 @@ std::size_t sharing_state::collect(bool reclaim) {
   if (!closed.empty()) post({}, closed);
   free_blocks(ready);
   if (reclaim) {
-    std::vector<std::shared_ptr<receiver_state>> receivers;
+    std::vector<std::shared_ptr<consumer_state>> receivers;
     {
       std::lock_guard lock(exports_mutex_);
-      std::erase_if(receivers_, [](const std::weak_ptr<receiver_state>& w) { return w.expired(); });
+      std::erase_if(receivers_, [](const std::weak_ptr<consumer_state>& w) { return w.expired(); });
       for (auto& w : receivers_) {
         if (auto r = w.lock()) receivers.push_back(std::move(r));
       }
@@ -216,7 +216,7 @@ std::size_t sharing_state::collect(bool reclaim) {
   return ready.size();
 }
 
-void sharing_state::free_blocks(const std::vector<ready_block>& blocks) noexcept {
+void producer_state::free_blocks(const std::vector<ready_block>& blocks) noexcept {
   for (const auto& b : blocks) {
     try {
       allocator.deallocate(b.data, b.stream);
@@ -231,7 +231,7 @@ void sharing_state::free_blocks(const std::vector<ready_block>& blocks) noexcept
   }
 }
 
-sharing_stats sharing_state::stats() const {
+sharing_stats producer_state::stats() const {
   sharing_stats s;
   {
     std::lock_guard lock(mutex_);

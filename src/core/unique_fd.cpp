@@ -1,4 +1,4 @@
-#include "shoal/unique_fd.h"
+#include "shoal/core/unique_fd.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -6,7 +6,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "shoal/error.h"
+#include "shoal/core/error.h"
 
 namespace shoal {
 

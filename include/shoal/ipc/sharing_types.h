@@ -1,0 +1,59 @@
+// Value types of storage sharing (sharing.h): the protocol's name, options,
+// statistics and what a receive returns. Plain values, not thread-safe to modify while shared.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "shoal/channel/protocol.h"
+#include "shoal/storage/storage.h"
+
+namespace shoal::ipc {
+
+/// What a peer sends before its first message (channel/protocol.h). The
+/// version changes with any change to the sharing messages.
+inline constexpr channel::protocol_id sharing_protocol{"shoal.sharing", 1};
+
+struct sharing_options {
+  /// How often the background collector frees limbo blocks and reclaims the
+  /// slots of dead holders; zero: no background thread (collect() only).
+  std::chrono::milliseconds collect_interval{100};
+  /// Reference-counter slots per counter file.
+  std::uint32_t slots_per_file = 4096;
+  /// Largest metadata a message may carry (both directions).
+  std::size_t max_metadata_bytes = 64 * 1024;
+  /// How long a peer's receive polls before it sleeps: a message arriving
+  /// meanwhile saves the wake-up of a blocked thread (~5 us each way) at the
+  /// cost of a busy core for that long. Zero: never spin.
+  std::chrono::microseconds receive_spin{50};
+};
+
+struct sharing_stats {
+  std::size_t limbo_blocks = 0;    ///< dropped by this process, still held elsewhere
+  std::size_t limbo_bytes = 0;
+  std::size_t held_slots = 0;      ///< references other processes hold on this one's memory
+  std::size_t counter_files = 0;
+  std::size_t exported_segments = 0;
+  std::uint64_t storages_sent = 0;
+  std::uint64_t limbo_freed = 0;        ///< limbo blocks freed so far
+  std::uint64_t slots_reclaimed = 0;    ///< references of dead holders taken back
+};
+
+struct peer_stats {
+  std::size_t open_mappings = 0;   ///< producer segments mapped here (cached)
+  std::size_t counter_files = 0;   ///< the producer's counter files mapped here
+  std::size_t event_sources = 0;
+  std::size_t held_storages = 0;   ///< received storages not yet released
+};
+
+
+/// What receive() returns: a storage (valid() is false for a note) and the
+/// metadata the sender attached.
+struct received {
+  storage::storage storage;
+  std::vector<std::byte> metadata;
+};
+
+}  // namespace shoal::ipc

@@ -1,0 +1,43 @@
+#include "core/wire.h"
+#include "shoal/channel/protocol.h"
+#include "shoal/core/error.h"
+
+namespace shoal::channel {
+
+std::string protocol_id::to_string() const {
+  return "'" + std::string(name) + "' version " + std::to_string(version);
+}
+
+std::vector<std::byte> encode_hello(const protocol_id& ours) {
+  if (ours.name.empty() || ours.name.size() > max_protocol_name_bytes) {
+    throw invalid_argument("protocol name '" + std::string(ours.name) + "' must have 1 to " +
+                           std::to_string(max_protocol_name_bytes) + " bytes");
+  }
+  shoal::detail::wire_writer w;
+  w.put_bytes(std::as_bytes(std::span(ours.name))).put(ours.version);
+  return w.take();
+}
+
+void send_hello(connection& link, const protocol_id& ours) { link.send(hello_frame_type, encode_hello(ours)); }
+
+void check_hello(const frame& first, const protocol_id& expected) {
+  const std::string here = "this side speaks " + expected.to_string();
+  if (first.type != hello_frame_type) {
+    throw protocol_error("the peer's first frame (type " + std::to_string(first.type) +
+                         ") is not a protocol hello; " + here + ": the peer is not a shoal " +
+                         std::string(expected.name) + " endpoint, or is older than protocol hellos");
+  }
+  if (first.fd) throw protocol_error("the peer's protocol hello came with a descriptor; it carries none");
+  shoal::detail::wire_reader r(first.payload, "protocol hello");
+  const auto name_bytes = r.get_bytes("name", max_protocol_name_bytes);
+  const protocol_id theirs{std::string_view(reinterpret_cast<const char*>(name_bytes.data()), name_bytes.size()),
+                           r.get<std::uint16_t>("version")};
+  r.finish();
+  if (theirs.name != expected.name || theirs.version != expected.version) {
+    throw protocol_error("the peer speaks " + theirs.to_string() + "; " + here +
+                         (theirs.name == expected.name ? ": run matching shoal versions on both ends"
+                                                       : ": it connected to the wrong socket"));
+  }
+}
+
+}  // namespace shoal::channel
