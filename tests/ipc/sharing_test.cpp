@@ -20,6 +20,7 @@
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 #include "shoal/channel/channel.h"
+#include "shoal/channel/protocol.h"
 #include "shoal/core/child_process.h"
 #include "shoal/ipc/sharing.h"
 #include "support/allocators.h"
@@ -365,6 +366,53 @@ struct in_process_sharing {
   ipc::peer sender{producer, std::move(ends.first)};
   ipc::peer receiver{consumer, std::move(ends.second)};
 };
+
+TEST(sharing_protocol, a_peer_of_another_protocol_is_refused_with_both_names_and_closed) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context consumer(allocator, {.collect_interval = 0ms});
+  auto [raw, to_consumer] = connected_pair();
+  ipc::peer receiver(consumer, std::move(to_consumer));
+  // A client of another protocol: its hello, then a frame that would read
+  // as a sharing note if the hello were not checked.
+  channel::send_hello(raw, {"shoal.lending", 1});
+  raw.send(7, std::vector<std::byte>{std::byte{0}, std::byte{0}, std::byte{0}, std::byte{0}});
+  try {
+    (void)receiver.receive({});
+    ADD_FAILURE() << "a peer of another protocol was read as a sharing peer";
+  } catch (const protocol_error& e) {
+    const std::string why = e.what();
+    EXPECT_NE(why.find("'shoal.lending' version 1"), std::string::npos) << why;
+    EXPECT_NE(why.find("'shoal.sharing' version 1"), std::string::npos) << why;
+  }
+  EXPECT_THROW((void)receiver.receive({}), connection_closed) << "the refused connection is closed";
+}
+
+TEST(sharing_protocol, a_peer_that_sends_a_message_before_its_hello_is_refused) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context consumer(allocator, {.collect_interval = 0ms});
+  auto [raw, to_consumer] = connected_pair();
+  ipc::peer receiver(consumer, std::move(to_consumer));
+  raw.send(7, std::vector<std::byte>{std::byte{0}, std::byte{0}, std::byte{0}, std::byte{0}});  // a well-formed note
+  EXPECT_THROW((void)receiver.receive({}), protocol_error);
+}
+
+TEST(sharing_protocol, the_first_frame_a_peer_sends_is_its_hello_and_only_the_first) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context producer(allocator, {.collect_interval = 0ms});
+  auto [to_capture, capture] = connected_pair();
+  ipc::peer sender(producer, std::move(to_capture));
+  sender.send_note(text("one"));
+  sender.send_note(text("two"));
+  const channel::frame first = capture.receive();
+  EXPECT_NO_THROW(channel::check_hello(first, ipc::sharing_protocol));
+  EXPECT_THROW(channel::check_hello(first, {"shoal.lending", 1}), protocol_error)
+      << "a lending client told it reached a sharing peer";
+  EXPECT_EQ(capture.receive().type, 7) << "then the first note";
+  EXPECT_EQ(capture.receive().type, 7) << "and the second, with no second hello";
+}
 
 TEST(sharing_failures, a_send_that_fails_gives_its_slot_back) {
   backend::device& dev = backend::host_device_instance();
