@@ -1,9 +1,11 @@
 #include "alloc/allocator_core.h"
 
 #include <algorithm>
-#include <chrono>
+#include <sstream>
 
+#include "alloc/block_structure.h"
 #include "alloc/core_util.h"
+#include "alloc/invariant_checker.h"
 #include "alloc/size_policy.h"
 #include "shoal/core/error.h"
 
@@ -11,76 +13,28 @@ namespace shoal::alloc::detail {
 
 namespace {
 
-std::atomic<std::uint64_t> next_core_serial{1};
-
 constexpr std::uint8_t poison_byte = 0xDB;
-
-std::uint64_t now_ns() {
-  return static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
-}
-
-std::size_t limit_of(const allocator_config& config, backend::device& device) {
-  std::size_t limit = config.memory_limit;
-  if (config.memory_fraction > 0) {
-    const auto total = static_cast<double>(device.memory().total_bytes);
-    limit = std::min(limit, static_cast<std::size_t>(total * config.memory_fraction));
-  }
-  return limit;
-}
 
 }  // namespace
 
 allocator_core::allocator_core(backend::device& dev, allocator_config cfg)
-    : device(dev), config(std::move(cfg)), serial_(next_core_serial.fetch_add(1)), limit_(limit_of(config, dev)) {
-  if (config.trace_entries > 0) trace_.resize(config.trace_entries);
-}
+    : device(dev),
+      config(std::move(cfg)),
+      trace_(config.trace_entries),
+      events_(dev),
+      source_(dev, config, directory_, trace_, hooks) {}
 
 allocator_core::~allocator_core() {
-  auto release_all = [&](block_pool& pool) {
-    for (block* b : pool.pending) {
-      for (auto e : b->waits) return_event(e);
-      b->waits.clear();
-    }
-    for (auto& s : pool.segments) {
-      for (block* b = s->first; b != nullptr;) {
-        block* next = b->next;
-        for (auto e : b->waits) return_event(e);
-        delete b;
-        b = next;
-      }
-      try {
-        if (s->expandable) {
-          const std::size_t g = device.granularity();
-          for (std::size_t i = 0; i < s->chunks.size(); ++i) {
-            if (s->chunks[i].native == 0) continue;
-            device.unmap(reinterpret_cast<void*>(s->base + i * g));
-            device.release_physical(s->chunks[i]);
-          }
-          device.release_range(reinterpret_cast<void*>(s->base));
-        } else if (!s->external) {
-          device.free_segment(reinterpret_cast<void*>(s->base));
-        }
-      } catch (const error&) {  // NOLINT(bugprone-empty-catch): teardown goes on; the device may be gone
-      }
-    }
-  };
-  for (auto& [stream, pools] : stream_pools_) {
-    release_all(pools->small);
-    release_all(pools->large);
-  }
-  for (auto& [id, pool] : private_pools_) {
-    for (auto& part : pool->parts) release_all(*part);
-  }
-  for (auto& pool : destroyed_pools_) {
-    for (auto& part : pool->parts) release_all(*part);
-  }
-  for (auto e : spare_events_) {
-    try {
-      device.destroy_event(e);
-    } catch (const error&) {  // NOLINT(bugprone-empty-catch): as above
-    }
-  }
+  directory_.for_each_pool_ever([&](block_pool& pool) { source_.release_at_teardown(pool, events_); });
+}
+
+void allocator_core::check_invariants() const {
+  check_allocator_invariants(directory_, source_, config.expandable_segments ? device.granularity() : 0);
+}
+
+void throw_not_allocated(std::uintptr_t address, const char* op) {
+  throw invalid_argument(std::string("caching_allocator::") + op + "(" + hex(address) +
+                         "): not a live pointer this allocator handed out (foreign, interior, or freed already)");
 }
 
 // ---- allocation --------------------------------------------------------------
@@ -88,9 +42,9 @@ allocator_core::~allocator_core() {
 void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream) {
   if (bytes == 0) throw invalid_argument("caching_allocator::allocate: size is 0; ask for at least one byte");
   block_pool* directed = directed_pool();
-  if (bytes > max_request) out_of_memory_error(directed ? *directed : pool_for(stream, pool_kind::large), bytes, stream);
+  if (bytes > max_request) out_of_memory_error(directed ? *directed : directory_.pool_for(stream, pool_kind::large), bytes, stream);
   const std::size_t size = block_size_for(bytes, config);
-  block_pool& pool = directed ? *directed : pool_for(stream, pool_kind_for(size));
+  block_pool& pool = directed ? *directed : directory_.pool_for(stream, pool_kind_for(size));
   block* b;
   const bool hooks_first = hooks.has_miss_hooks();
   {
@@ -106,7 +60,8 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream) {
   }
   if (b == nullptr) b = allocate_slow(pool, size, bytes, stream);
   if (b == nullptr) out_of_memory_error(pool, bytes, stream);
-  if (!trace_.empty()) note(trace_action::alloc, b->address, b->size, stream);
+  if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, stream);
+  if constexpr (check_every_step) check_invariants();
   return reinterpret_cast<void*>(b->address);
 }
 
@@ -124,7 +79,7 @@ block* allocator_core::try_allocate(block_pool& pool, std::size_t size, std::siz
     collect_pending(pool, false);
     b = take_free(pool, size);
   }
-  if (b == nullptr && may_grow) b = grow(pool, size);
+  if (b == nullptr && may_grow) b = source_.grow(pool, size);
   if (b != nullptr) hand_out(pool, b, size, requested, stream);
   return b;
 }
@@ -147,7 +102,7 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
   // 2. Give every pool's unused cached memory back to the device, retry;
   // 3. then wait on the host for every pending free, give back, retry.
   for (const bool wait_for_pending : {false, true}) {
-    for_each_pool([&](block_pool& p) {
+    directory_.for_each_pool([&](block_pool& p) {
       std::vector<backend::event_ref> waits;
       if (wait_for_pending) {
         std::lock_guard lock(p.lock);
@@ -156,7 +111,7 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
       for (auto e : waits) device.synchronize_event(e);  // without the lock: this may take long
       std::lock_guard lock(p.lock);
       if (wait_for_pending) collect_pending(p, false);
-      release_cached(p);
+      source_.release_cached(p);
     });
     std::lock_guard lock(pool.lock);
     if (block* b = try_allocate(pool, size, requested, stream)) return b;
@@ -166,18 +121,7 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
 
 block* allocator_core::take_free(block_pool& pool, std::size_t size) const {
   block* b = pool.bins.best_fit(size);
-  return b != nullptr && fits(b->size, size) ? b : nullptr;
-}
-
-bool allocator_core::fits(std::size_t block_size, std::size_t size) const noexcept {
-  // Oversize blocks (>= max_split_size) are never split, so one serves a
-  // request only if little of it goes unused: no more than a split would
-  // have left behind for requests under max_split_size, no more than
-  // max_non_split_rounding for larger ones.
-  if (block_size < size) return false;
-  if (block_size < config.max_split_size) return true;
-  const std::size_t waste = block_size - size;
-  return size < config.max_split_size ? waste <= small_limit : waste < config.max_non_split_rounding;
+  return b != nullptr && fits(b->size, size, config) ? b : nullptr;
 }
 
 void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std::size_t requested,
@@ -194,16 +138,13 @@ void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std:
                                  "free; turn cross_stream_safety back on");
       }
     }
-    for (auto e : b->waits) return_event(e);
+    for (auto e : b->waits) events_.give_back(e);
     b->waits.clear();
   }
   const bool was_parked = std::exchange(b->quick, false);  // take_quick unlinked it
   if (!was_parked) pool.bins.remove(b);
   b->state = block_state::allocated;  // before the split: the rest must not merge back into it
-  const bool can_split = pool.kind == pool_kind::small || pool.is_private
-                             ? b->size - size >= min_block
-                             : size < config.max_split_size && b->size - size > small_limit;
-  if (can_split) {
+  if (can_split(b->size, size, pool.kind, pool.is_private, config)) {
     block* rest = split(pool, b, size);
     // A parked block may border a settled free one, which the rest joins.
     if (was_parked) {
@@ -217,10 +158,10 @@ void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std:
     // must be passed on the device before the new stream touches it.
     for (auto s : b->last_streams) {
       if (s == stream) continue;
-      const backend::event_ref e = take_event();
+      const backend::event_ref e = events_.take();
       device.record(e, s);
       device.wait(stream, e);
-      return_event(e);
+      events_.give_back(e);
     }
     b->last_streams.clear();
   }
@@ -247,13 +188,13 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
     report.device_free_bytes = device.memory().free_bytes;
   } catch (const error&) {  // NOLINT(bugprone-empty-catch): the report goes out without it
   }
-  for_each_pool([&](block_pool& p) {
+  directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
     report.reserved_bytes += static_cast<std::size_t>(p.counters.reserved_bytes.current);
     report.allocated_bytes += static_cast<std::size_t>(p.counters.allocated_bytes.current);
     report.largest_free_block = std::max(report.largest_free_block, p.bins.largest());
   });
-  if (!trace_.empty()) note(trace_action::oom, 0, bytes, stream);
+  if (trace_.enabled()) trace_.note(trace_action::oom, 0, bytes, stream);
   std::vector<std::function<void(const oom_report&)>> observers;
   {
     std::lock_guard lock(observers_mutex_);
@@ -267,7 +208,7 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
     << " bytes free; this allocator holds " << report.reserved_bytes << " bytes reserved, of which "
     << report.allocated_bytes << " are allocated; the largest free cached block is " << report.largest_free_block
     << " bytes";
-  if (limit_ != allocator_config::no_limit) m << "; the configured limit is " << limit_ << " bytes";
+  if (source_.limit() != allocator_config::no_limit) m << "; the configured limit is " << source_.limit() << " bytes";
   m << ". Free memory you hold, lower the request, or raise the limit; expandable_segments:true reduces fragmentation";
   throw out_of_memory(m.str(), bytes);
 }
@@ -287,11 +228,11 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
       std::vector<backend::event_ref> events;
       try {
         for (auto s : streams) {
-          events.push_back(take_event());
+          events.push_back(events_.take());
           device.record(events.back(), s);
         }
       } catch (...) {
-        for (auto e : events) return_event(e);
+        for (auto e : events) events_.give_back(e);
         throw;  // nothing changed: the block goes back to the index
       }
       b->waits = std::move(events);
@@ -302,7 +243,7 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
     pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
     b->requested = 0;
     b->used_on.clear();
-    if (!trace_.empty()) note(trace_action::free_requested, address, b->size, stream);
+    if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
     if (hold) {
       b->state = block_state::pending_free;
       pool.pending.push_back(b);
@@ -310,11 +251,12 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
       make_reusable(pool, b);
     }
   });
+  if constexpr (check_every_step) check_invariants();
 }
 
 void allocator_core::make_reusable(block_pool& pool, block* b) {
   if (b->state == block_state::pending_free) {
-    for (auto e : b->waits) return_event(e);
+    for (auto e : b->waits) events_.give_back(e);
     b->waits.clear();
   }
   auto& c = pool.counters;
@@ -323,7 +265,7 @@ void allocator_core::make_reusable(block_pool& pool, block* b) {
   if (config.debug) device.fill(b->stream, reinterpret_cast<void*>(b->address), poison_byte, b->size);
   if (pool.is_private) add_unique(b->last_streams, b->stream);
   b->state = block_state::free;
-  if (!trace_.empty()) note(trace_action::free_completed, b->address, b->size, b->stream);
+  if (trace_.enabled()) trace_.note(trace_action::free_completed, b->address, b->size, b->stream);
   // Debug mode and private pools settle every block at once: poison and
   // last-stream bookkeeping want every free block in the bins.
   if (config.debug || pool.is_private || !b->mapped) {
@@ -349,10 +291,26 @@ void allocator_core::collect_pending(block_pool& pool, bool wait_on_device) {
 }
 
 void allocator_core::process_pending_frees() {
-  for_each_pool([&](block_pool& p) {
+  directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
     collect_pending(p, false);
   });
+  if constexpr (check_every_step) check_invariants();
+}
+
+void allocator_core::empty_cache() {
+  directory_.for_each_pool([&](block_pool& p) {
+    std::vector<backend::event_ref> waits;
+    {
+      std::lock_guard lock(p.lock);
+      for (block* b : p.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
+    }
+    for (auto e : waits) device.synchronize_event(e);
+    std::lock_guard lock(p.lock);
+    collect_pending(p, false);
+    source_.release_cached(p);
+  });
+  if constexpr (check_every_step) check_invariants();
 }
 
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
@@ -365,32 +323,6 @@ std::size_t allocator_core::block_size(const void* ptr) const {
   std::size_t size = 0;
   with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "block_size", [&](block_pool&, block* b) { size = b->size; });
   return size;
-}
-
-backend::event_ref allocator_core::take_event() {
-  {
-    std::lock_guard lock(events_lock_);
-    if (!spare_events_.empty()) {
-      const auto e = spare_events_.back();
-      spare_events_.pop_back();
-      return e;
-    }
-  }
-  return device.create_event();
-}
-
-void allocator_core::return_event(backend::event_ref event) noexcept {
-  std::lock_guard lock(events_lock_);
-  spare_events_.push_back(event);
-}
-
-void allocator_core::note(trace_action action, std::uintptr_t address, std::size_t size, backend::stream_ref stream) {
-  std::lock_guard lock(trace_mutex_);
-  trace_[trace_next_] = trace_entry{action, address, size, stream, now_ns()};
-  if (++trace_next_ == trace_.size()) {
-    trace_next_ = 0;
-    trace_wrapped_ = true;
-  }
 }
 
 }  // namespace shoal::alloc::detail

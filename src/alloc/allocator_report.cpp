@@ -2,6 +2,7 @@
 #include <mutex>
 
 #include "alloc/allocator_core.h"
+#include "alloc/block_structure.h"
 
 namespace shoal::alloc::detail {
 
@@ -32,7 +33,7 @@ void for_each_stat(pool_counters& c, Fn&& fn) {
 
 allocator_stats allocator_core::stats() {
   allocator_stats out;
-  for_each_pool([&](block_pool& p) {
+  directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
     settle_quick(p);
     const pool_counters& c = p.counters;
@@ -48,20 +49,20 @@ allocator_stats allocator_core::stats() {
   });
   out.retries = retries_.load();
   out.ooms = ooms_.load();
-  out.device_allocations = device_allocations_.load();
-  out.device_frees = device_frees_.load();
+  out.device_allocations = source_.device_allocations();
+  out.device_frees = source_.device_frees();
   return out;
 }
 
 void allocator_core::reset_peak_stats() {
-  for_each_pool([&](block_pool& p) {
+  directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
     for_each_stat(p.counters, [](stat& s) { s.peak = s.current; });
   });
 }
 
 void allocator_core::reset_accumulated_stats() {
-  for_each_pool([&](block_pool& p) {
+  directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
     for_each_stat(p.counters, [](stat& s) {
       s.allocated = s.current;  // keeps current = allocated - freed
@@ -70,13 +71,12 @@ void allocator_core::reset_accumulated_stats() {
   });
   retries_ = 0;
   ooms_ = 0;
-  device_allocations_ = 0;
-  device_frees_ = 0;
+  source_.reset_device_counters();
 }
 
 snapshot allocator_core::take_snapshot() {
   snapshot out;
-  for_each_pool([&](block_pool& p) {
+  directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
     settle_quick(p);
     for (const auto& s : p.segments) {
@@ -99,13 +99,7 @@ snapshot allocator_core::take_snapshot() {
   return out;
 }
 
-std::vector<trace_entry> allocator_core::trace() const {
-  std::lock_guard lock(trace_mutex_);
-  std::vector<trace_entry> out;
-  if (trace_wrapped_) out.insert(out.end(), trace_.begin() + static_cast<std::ptrdiff_t>(trace_next_), trace_.end());
-  out.insert(out.end(), trace_.begin(), trace_.begin() + static_cast<std::ptrdiff_t>(trace_next_));
-  return out;
-}
+std::vector<trace_entry> allocator_core::trace() const { return trace_.entries(); }
 
 void allocator_core::add_oom_observer(std::function<void(const oom_report&)> observer) {
   std::lock_guard lock(observers_mutex_);

@@ -1,5 +1,4 @@
-// The block structure of segments: split, merge, park and settle.
-#include "alloc/allocator_core.h"
+#include "alloc/block_structure.h"
 
 #include <utility>
 
@@ -7,7 +6,7 @@
 
 namespace shoal::alloc::detail {
 
-block* allocator_core::split(block_pool& pool, block* b, std::size_t size) {
+block* split(block_pool& pool, block* b, std::size_t size) {
   if (b->counted_inactive_split) {  // counted at its old size
     pool_counters::sub(pool.counters.inactive_split, 1);
     pool_counters::sub(pool.counters.inactive_split_bytes, static_cast<std::int64_t>(b->size));
@@ -30,7 +29,7 @@ block* allocator_core::split(block_pool& pool, block* b, std::size_t size) {
   return rest;
 }
 
-block* allocator_core::merge_into(block_pool& pool, block* into, block* gone) {
+block* merge_into(block_pool& pool, block* into, block* gone) {
   // Callers have taken both out of the bins; `gone` directly follows `into`.
   if (gone->counted_inactive_split) {
     pool_counters::sub(pool.counters.inactive_split, 1);
@@ -53,7 +52,7 @@ block* allocator_core::merge_into(block_pool& pool, block* into, block* gone) {
   return into;
 }
 
-void allocator_core::recycle(block_pool& pool, block* b) {
+void recycle(block_pool& pool, block* b) {
   if (b->counted_inactive_split) {
     pool_counters::sub(pool.counters.inactive_split, 1);
     pool_counters::sub(pool.counters.inactive_split_bytes, static_cast<std::int64_t>(b->size));
@@ -61,7 +60,7 @@ void allocator_core::recycle(block_pool& pool, block* b) {
   pool.recycle(b);
 }
 
-block* allocator_core::settle(block_pool& pool, block* b) {
+block* settle(block_pool& pool, block* b) {
   b->quick = false;
   if (settled_free(b->prev)) {
     pool.bins.remove(b->prev);
@@ -76,7 +75,7 @@ block* allocator_core::settle(block_pool& pool, block* b) {
   return b;
 }
 
-void allocator_core::settle_quick(block_pool& pool) {
+void settle_quick(block_pool& pool) {
   // One at a time: a block still parked does not merge, so each one is
   // merged only with blocks already settled, and never merged away before
   // its own turn.
@@ -84,7 +83,7 @@ void allocator_core::settle_quick(block_pool& pool) {
   for (std::size_t i = 0; i < count; ++i) settle(pool, pool.quick[i]);
 }
 
-block* allocator_core::take_quick(block_pool& pool, std::size_t size) noexcept {
+block* take_quick(block_pool& pool, std::size_t size) noexcept {
   for (std::size_t i = pool.quick_count; i-- > 0;) {  // newest first
     block* b = pool.quick[i];
     if (b->size == size) {

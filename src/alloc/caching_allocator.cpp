@@ -30,6 +30,7 @@ void caching_allocator::reset_peak_stats() { core_->reset_peak_stats(); }
 void caching_allocator::reset_accumulated_stats() { core_->reset_accumulated_stats(); }
 snapshot caching_allocator::take_snapshot() const { return core_->take_snapshot(); }
 std::vector<trace_entry> caching_allocator::trace() const { return core_->trace(); }
+void caching_allocator::check_invariants() const { core_->check_invariants(); }
 void caching_allocator::add_oom_observer(std::function<void(const oom_report&)> observer) {
   core_->add_oom_observer(std::move(observer));
 }

@@ -2,9 +2,9 @@
 
 #include <bit>
 
+#include "alloc/core_util.h"
+
 namespace shoal::alloc::detail {
-
-
 
 std::size_t free_bins::bin_of(std::size_t size) noexcept {
   const std::size_t units = size >> 9;
@@ -81,5 +81,28 @@ std::size_t free_bins::largest() const noexcept {
 }
 
 bool free_bins::empty() const noexcept { return nonempty_words_ == 0; }
+
+std::string free_bins::inconsistency() const {
+  for (std::size_t bin = 0; bin < bins; ++bin) {
+    const bool marked = ((nonempty_[bin / 64] >> (bin % 64)) & 1) != 0;
+    if (marked != (heads_[bin] != nullptr)) {
+      return "free bin " + std::to_string(bin) + (marked ? " is marked non-empty but holds no block" : " holds blocks but is marked empty");
+    }
+    const block* prev = nullptr;
+    for (const block* b = heads_[bin]; b != nullptr; prev = b, b = b->bin_next) {
+      if (b->bin_prev != prev) return "block " + hex(b->address) + " in free bin " + std::to_string(bin) + " has a broken back link";
+      if (b->bin != bin || bin_of(b->size) != bin) {
+        return "block " + hex(b->address) + " of " + std::to_string(b->size) + " bytes is in free bin " + std::to_string(bin) +
+               " (it records bin " + std::to_string(b->bin) + "; its size belongs in bin " + std::to_string(bin_of(b->size)) + ")";
+      }
+    }
+  }
+  for (std::size_t w = 0; w < words; ++w) {
+    if (((nonempty_words_ >> w) & 1) != (nonempty_[w] != 0 ? 1u : 0u)) {
+      return "the summary bit of free-bin word " + std::to_string(w) + " disagrees with the word";
+    }
+  }
+  return {};
+}
 
 }  // namespace shoal::alloc::detail

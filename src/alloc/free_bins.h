@@ -10,6 +10,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "alloc/block.h"
 
@@ -24,6 +25,19 @@ class free_bins {
   /// The largest free block's size (for out-of-memory reports).
   [[nodiscard]] std::size_t largest() const noexcept;
   [[nodiscard]] bool empty() const noexcept;
+
+  // ---- for the invariant checker
+  /// Calls fn(b) for every block in the bins.
+  template <class Fn>
+  void for_each(Fn&& fn) const {
+    for (const block* head : heads_) {
+      for (const block* b = head; b != nullptr; b = b->bin_next) fn(b);
+    }
+  }
+  /// What is wrong with the bins' own structure (a block in the wrong bin,
+  /// a broken back link, a bitmap bit that disagrees with its bin), or ""
+  /// when nothing is.
+  [[nodiscard]] std::string inconsistency() const;
 
  private:
   static constexpr std::size_t exact_bins = 2048;  // 512-byte steps below 1 MiB

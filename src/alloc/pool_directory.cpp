@@ -1,9 +1,8 @@
-// Finding pools: a stream's pools, a private scope's pool, the pool that
-// holds a pointer.
-#include "alloc/allocator_core.h"
+#include "alloc/pool_directory.h"
 
 #include <array>
-#include <mutex>
+#include <atomic>
+#include <sstream>
 
 #include "alloc/core_util.h"
 #include "shoal/core/error.h"
@@ -12,10 +11,12 @@ namespace shoal::alloc::detail {
 
 namespace {
 
+std::atomic<std::uint64_t> next_directory_serial{1};
+
 // The pool this thread's allocations from one allocator go to, set by
 // private_pool_scope. Empty for almost every thread, so the lookup is free.
 struct direction {
-  std::uint64_t core;
+  std::uint64_t directory;
   block_pool* part;
 };
 thread_local std::vector<direction> directions;
@@ -25,7 +26,7 @@ thread_local std::size_t direction_count = 0;
 
 // A one-entry cache of the last stream pools this thread used.
 struct pools_cache {
-  std::uint64_t core = 0;
+  std::uint64_t directory = 0;
   void* stream = nullptr;
   stream_pools* pools = nullptr;
 };
@@ -34,7 +35,7 @@ thread_local pools_cache last_pools;
 // Segments whose pools this thread freed into lately: [low, high) -> pool.
 struct range_cache {
   struct entry {
-    std::uint64_t core = 0;
+    std::uint64_t directory = 0;
     std::uintptr_t low = 0, high = 0;
     block_pool* pool = nullptr;
   };
@@ -52,8 +53,10 @@ block_pool* private_pool::part(const std::string& name) {
   return nullptr;
 }
 
-block_pool& allocator_core::pool_for(backend::stream_ref stream, pool_kind kind) {
-  if (last_pools.core == serial_ && last_pools.stream == stream.native) return last_pools.pools->of(kind);
+pool_directory::pool_directory() : serial_(next_directory_serial.fetch_add(1)) {}
+
+block_pool& pool_directory::pool_for(backend::stream_ref stream, pool_kind kind) {
+  if (last_pools.directory == serial_ && last_pools.stream == stream.native) return last_pools.pools->of(kind);
   stream_pools* pools = nullptr;
   {
     std::shared_lock lock(directory_mutex_);
@@ -74,35 +77,30 @@ block_pool& allocator_core::pool_for(backend::stream_ref stream, pool_kind kind)
   return pools->of(kind);
 }
 
-block_pool* allocator_core::directed_pool() const noexcept {
+block_pool* pool_directory::directed_pool() const noexcept {
   if (direction_count == 0) return nullptr;
   for (auto it = directions.rbegin(); it != directions.rend(); ++it) {
-    if (it->core == serial_) return it->part;
+    if (it->directory == serial_) return it->part;
   }
   return nullptr;
 }
 
-block_pool* allocator_core::direct_to(block_pool* part) noexcept {
+block_pool* pool_directory::direct_to(block_pool* part) noexcept {
   block_pool* previous = directed_pool();
-  std::erase_if(directions, [&](const direction& d) { return d.core == serial_; });
+  std::erase_if(directions, [&](const direction& d) { return d.directory == serial_; });
   if (part != nullptr) directions.push_back({serial_, part});
   direction_count = directions.size();
   return previous;
 }
 
-void throw_not_allocated(std::uintptr_t address, const char* op) {
-  throw invalid_argument(std::string("caching_allocator::") + op + "(" + hex(address) +
-                         "): not a live pointer this allocator handed out (foreign, interior, or freed already)");
-}
-
-block_pool* allocator_core::cached_pool(std::uintptr_t address) const noexcept {
+block_pool* pool_directory::cached_pool(std::uintptr_t address) const noexcept {
   for (const auto& e : recent_segments.entries) {
-    if (e.core == serial_ && address - e.low < e.high - e.low) return e.pool;
+    if (e.directory == serial_ && address - e.low < e.high - e.low) return e.pool;
   }
   return nullptr;
 }
 
-block_pool* allocator_core::directory_pool(std::uintptr_t address) const {
+block_pool* pool_directory::directory_pool(std::uintptr_t address) const {
   std::shared_lock lock(segments_mutex_);
   auto it = segments_by_base_.upper_bound(address);
   if (it == segments_by_base_.begin()) return nullptr;
@@ -113,14 +111,54 @@ block_pool* allocator_core::directory_pool(std::uintptr_t address) const {
   return it->second.second;
 }
 
-void allocator_core::register_segment(const segment& s) {
+void pool_directory::register_segment(const segment& s) {
   std::unique_lock lock(segments_mutex_);
   segments_by_base_[s.base] = {s.size, s.pool};
 }
 
-void allocator_core::unregister_segment(const segment& s) {
+void pool_directory::unregister_segment(const segment& s) {
   std::unique_lock lock(segments_mutex_);
   segments_by_base_.erase(s.base);
+}
+
+private_pool_id pool_directory::add_private_pool(std::unique_ptr<private_pool> pool) {
+  std::unique_lock lock(directory_mutex_);
+  const std::uint64_t id = next_private_id_++;
+  private_pools_.emplace(id, std::move(pool));
+  return private_pool_id{id};
+}
+
+block_pool& pool_directory::private_part(private_pool_id id, const std::string& part) const {
+  std::shared_lock lock(directory_mutex_);
+  const auto it = private_pools_.find(id.value);
+  if (it == private_pools_.end()) throw invalid_argument("private pool " + std::to_string(id.value) + " does not exist");
+  block_pool* p = it->second->part(part);
+  if (p == nullptr) {
+    std::ostringstream names;
+    for (auto& q : it->second->parts) names << " '" << q->part_name << "'";
+    throw invalid_argument("private pool " + std::to_string(id.value) + " has no sub-pool '" + part + "'; it has" + names.str());
+  }
+  return *p;
+}
+
+void pool_directory::remove_private_pool(private_pool_id id, const std::function<void(block_pool&)>& check) {
+  std::unique_ptr<private_pool> pool;
+  {
+    std::unique_lock lock(directory_mutex_);
+    const auto it = private_pools_.find(id.value);
+    if (it == private_pools_.end()) throw invalid_argument("private pool " + std::to_string(id.value) + " does not exist");
+    for (auto& part : it->second->parts) {
+      std::lock_guard part_lock(part->lock);
+      check(*part);
+    }
+    pool = std::move(it->second);
+    private_pools_.erase(it);
+  }
+  for (auto& part : pool->parts) {
+    for (auto& s : part->segments) unregister_segment(*s);
+  }
+  std::unique_lock lock(directory_mutex_);
+  destroyed_pools_.push_back(std::move(pool));
 }
 
 }  // namespace shoal::alloc::detail

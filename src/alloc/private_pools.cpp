@@ -1,8 +1,8 @@
 // Private pools: memory handed in from outside, split into named sub-pools.
 #include <mutex>
-#include <sstream>
 
 #include "alloc/allocator_core.h"
+#include "alloc/block_structure.h"
 #include "alloc/size_policy.h"
 #include "shoal/core/error.h"
 
@@ -49,30 +49,16 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
     b->owner = s.get();
     s->first = b;
     part->bins.insert(b);
-    register_segment(*s);
+    directory_.register_segment(*s);
     part->segments.push_back(std::move(s));
     pool_counters::add(part->counters.segments, 1);
     pool_counters::add(part->counters.reserved_bytes, static_cast<std::int64_t>(size));
     pool->parts.push_back(std::move(part));
     at += size;
   }
-  std::unique_lock lock(directory_mutex_);
-  const std::uint64_t id = next_private_id_++;
-  private_pools_.emplace(id, std::move(pool));
-  return private_pool_id{id};
-}
-
-block_pool& allocator_core::private_part(private_pool_id id, const std::string& part) {
-  std::shared_lock lock(directory_mutex_);
-  const auto it = private_pools_.find(id.value);
-  if (it == private_pools_.end()) throw invalid_argument("private pool " + std::to_string(id.value) + " does not exist");
-  block_pool* p = it->second->part(part);
-  if (p == nullptr) {
-    std::ostringstream names;
-    for (auto& q : it->second->parts) names << " '" << q->part_name << "'";
-    throw invalid_argument("private pool " + std::to_string(id.value) + " has no sub-pool '" + part + "'; it has" + names.str());
-  }
-  return *p;
+  const private_pool_id id = directory_.add_private_pool(std::move(pool));
+  if constexpr (check_every_step) check_invariants();
+  return id;
 }
 
 namespace {
@@ -99,46 +85,34 @@ void require_no_live_blocks(block_pool& part, const char* op) {
 
 void allocator_core::clear_private_pool(private_pool_id id, const std::string& part_name) {
   block_pool& part = private_part(id, part_name);
-  std::lock_guard lock(part.lock);
-  require_no_live_blocks(part, "clear_private_pool");
-  for (auto& s : part.segments) {
-    block* first = s->first;
-    for (block* b = first; b != nullptr;) {
-      block* next = b->next;
-      part.bins.remove(b);
-      if (b->counted_inactive_split) {
-        pool_counters::sub(part.counters.inactive_split, 1);
-        pool_counters::sub(part.counters.inactive_split_bytes, static_cast<std::int64_t>(b->size));
-        b->counted_inactive_split = false;
+  {
+    std::lock_guard lock(part.lock);
+    require_no_live_blocks(part, "clear_private_pool");
+    for (auto& s : part.segments) {
+      block* first = s->first;
+      for (block* b = first; b != nullptr;) {
+        block* next = b->next;
+        part.bins.remove(b);
+        if (b->counted_inactive_split) {
+          pool_counters::sub(part.counters.inactive_split, 1);
+          pool_counters::sub(part.counters.inactive_split_bytes, static_cast<std::int64_t>(b->size));
+          b->counted_inactive_split = false;
+        }
+        if (b != first) recycle(part, b);
+        b = next;
       }
-      if (b != first) recycle(part, b);
-      b = next;
+      first->size = s->size;
+      first->next = nullptr;
+      first->last_streams.clear();  // the memory is forgotten, not just its layout
+      part.bins.insert(first);
     }
-    first->size = s->size;
-    first->next = nullptr;
-    first->last_streams.clear();  // the memory is forgotten, not just its layout
-    part.bins.insert(first);
   }
+  if constexpr (check_every_step) check_invariants();
 }
 
 void allocator_core::destroy_private_pool(private_pool_id id) {
-  std::unique_ptr<private_pool> pool;
-  {
-    std::unique_lock lock(directory_mutex_);
-    const auto it = private_pools_.find(id.value);
-    if (it == private_pools_.end()) throw invalid_argument("private pool " + std::to_string(id.value) + " does not exist");
-    for (auto& part : it->second->parts) {
-      std::lock_guard part_lock(part->lock);
-      require_no_live_blocks(*part, "destroy_private_pool");
-    }
-    pool = std::move(it->second);
-    private_pools_.erase(it);
-  }
-  for (auto& part : pool->parts) {
-    for (auto& s : part->segments) unregister_segment(*s);
-  }
-  std::unique_lock lock(directory_mutex_);
-  destroyed_pools_.push_back(std::move(pool));
+  directory_.remove_private_pool(id, [](block_pool& part) { require_no_live_blocks(part, "destroy_private_pool"); });
+  if constexpr (check_every_step) check_invariants();
 }
 
 }  // namespace shoal::alloc::detail

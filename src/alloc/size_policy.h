@@ -8,6 +8,11 @@
 //                  block rounded up to 2 MiB; blocks of max_split_size or
 //                  more are never split, so they get a segment of their own
 //                  size (rounded up to 2 MiB) instead of wasting a 20 MiB one.
+//   fits         = block >= request, and, for blocks of max_split_size or
+//                  more (never split), waste <= 1 MiB for requests below
+//                  max_split_size, waste < max_non_split_rounding above;
+//   can split    = rest >= 512 in small and private pools, else request <
+//                  max_split_size and rest > 1 MiB.
 #pragma once
 
 #include <bit>
@@ -48,6 +53,26 @@ inline constexpr std::size_t max_request = std::size_t{1} << 60;
   if (block_size <= small_limit) return small_segment;
   if (block_size < large_segment_limit && block_size < config.max_split_size) return large_segment;
   return round_up(block_size, large_rounding);
+}
+
+/// Whether a free block of `block_size` may serve a request of `size`.
+/// Oversize blocks (>= max_split_size) are never split, so one serves a
+/// request only if little of it goes unused: no more than a split would
+/// have left behind for requests under max_split_size, no more than
+/// max_non_split_rounding for larger ones.
+[[nodiscard]] inline bool fits(std::size_t block_size, std::size_t size, const allocator_config& config) noexcept {
+  if (block_size < size) return false;
+  if (block_size < config.max_split_size) return true;
+  const std::size_t waste = block_size - size;
+  return size < config.max_split_size ? waste <= small_limit : waste < config.max_non_split_rounding;
+}
+
+/// Whether handing `size` bytes out of a block of `block_size` (>= size)
+/// splits the rest off as a free block of its own.
+[[nodiscard]] inline bool can_split(std::size_t block_size, std::size_t size, pool_kind kind, bool is_private,
+                                    const allocator_config& config) noexcept {
+  return kind == pool_kind::small || is_private ? block_size - size >= min_block
+                                                : size < config.max_split_size && block_size - size > small_limit;
 }
 
 }  // namespace shoal::alloc::detail

@@ -7,9 +7,11 @@
 #include <deque>
 #include <mutex>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "shoal/backend/stream.h"
+#include "shoal/core/error.h"
 #include "support/allocators.h"
 
 namespace shoal::testing {
@@ -58,6 +60,17 @@ void run_schedule(allocator_test<Backend>& t, const std::string& conf, unsigned 
   std::vector<mailbox> boxes(threads);
   std::atomic<int> corrupt{0};
   std::atomic<int> finished{0};
+  std::mutex violation_mutex;
+  std::string violation;  // the first invariant_violation seen, if any
+  // Run after every step: the allocator's invariants hold between steps.
+  auto invariants_hold = [&] {
+    try {
+      a.check_invariants();
+    } catch (const invariant_violation& e) {
+      std::lock_guard lock(violation_mutex);
+      if (violation.empty()) violation = e.what();
+    }
+  };
   // Streams and events outlive the threads: blocks allocated on a stream,
   // and events others wait on, are still in use after their thread is done.
   std::vector<stream> streams;
@@ -106,17 +119,20 @@ void run_schedule(allocator_test<Backend>& t, const std::string& conf, unsigned 
             a.deallocate(h.ptr);  // a cross-stream free: the block was allocated elsewhere
           }
         }
+        invariants_hold();
       }
       finished.fetch_add(1);
       // Drain: free what this thread owns, then whatever others send it.
       for (auto& h : owned) {
         check(h);
         a.deallocate(h.ptr);
+        invariants_hold();
       }
       auto receive = [&](const handoff& h) {
         dev.wait(mine, h.written);
         check(h);
         a.deallocate(h.ptr);
+        invariants_hold();
       };
       // Blocks are only sent before a thread counts itself finished, so
       // once all have, one more pass empties the box for good.
@@ -136,7 +152,9 @@ void run_schedule(allocator_test<Backend>& t, const std::string& conf, unsigned 
   }
   for (auto& w : workers) w.join();
   EXPECT_EQ(corrupt.load(), 0);
+  EXPECT_EQ(violation, "");
   a.empty_cache();
+  EXPECT_NO_THROW(a.check_invariants());
   const auto st = a.stats();
   EXPECT_TRUE(nothing_in_use(st));
   EXPECT_EQ(st.reserved_bytes.aggregate.current, 0);

@@ -238,15 +238,48 @@ TEST(replayer, cleans_up_when_an_allocation_fails) {
   EXPECT_TRUE(adapter.live_streams_.empty());
 }
 
+// shoal's adapter, checking the allocator's invariants after every
+// allocate and deallocate the replayer makes (a broken one throws
+// invariant_violation out of the replay).
+class checking_adapter final : public bench::allocator_adapter {
+ public:
+  checking_adapter(backend::device& device, alloc::allocator_config config) : inner_(device, std::move(config)) {}
+  [[nodiscard]] std::string name() const override { return inner_.name(); }
+  [[nodiscard]] void* create_stream() override { return inner_.create_stream(); }
+  void destroy_stream(void* stream) override { inner_.destroy_stream(stream); }
+  [[nodiscard]] void* allocate(std::size_t bytes, void* stream) override {
+    void* p = inner_.allocate(bytes, stream);
+    checked();
+    return p;
+  }
+  void deallocate(void* ptr, std::size_t bytes, void* stream) override {
+    inner_.deallocate(ptr, bytes, stream);
+    checked();
+  }
+  [[nodiscard]] std::size_t reserved_bytes() const override { return inner_.reserved_bytes(); }
+  [[nodiscard]] std::size_t peak_reserved_bytes() const override { return inner_.peak_reserved_bytes(); }
+  void synchronize() override { inner_.synchronize(); }
+
+  std::size_t checks = 0;  ///< steps after which the invariants were checked
+
+ private:
+  void checked() {
+    inner_.allocator().check_invariants();
+    ++checks;
+  }
+  bench::shoal_adapter inner_;
+};
+
 class replay_through_shoal : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(replay_through_shoal, sample_trace_on_the_host_backend) {
   const trace t = bench::read_trace_file(SHOAL_REPLAY_SAMPLE_TRACE);
   ASSERT_GT(t.events().size(), 100u);
   ASSERT_GT(t.streams().size(), 1u);
-  bench::shoal_adapter adapter(backend::host_device_instance(), alloc::allocator_config::parse(GetParam()));
+  checking_adapter adapter(backend::host_device_instance(), alloc::allocator_config::parse(GetParam()));
   const auto r = bench::replay(t, adapter);
   EXPECT_EQ(r.events, t.events().size());
+  EXPECT_EQ(adapter.checks, t.events().size() + t.live_at_end()) << "every step was checked";
   EXPECT_EQ(r.peak_requested_bytes, implied_peak(t));
   EXPECT_GE(r.peak_reserved_bytes, r.peak_requested_bytes);
   EXPECT_GE(r.fragmentation(), 1.0);

@@ -45,6 +45,11 @@ namespace shoal::alloc {
 namespace detail {
 class allocator_core;
 }
+class caching_allocator;
+namespace test_hook {
+enum class invariant_breakage : std::uint8_t;
+void unsafe_break_invariant(caching_allocator& allocator, void* ptr, invariant_breakage what);
+}  // namespace test_hook
 
 class caching_allocator {
  public:
@@ -94,6 +99,18 @@ class caching_allocator {
   /// out_of_memory is thrown.
   void add_oom_observer(std::function<void(const oom_report&)> observer);
 
+  /// Recomputes the allocator's bookkeeping from its blocks and throws
+  /// shoal::invariant_violation (naming the invariant, the segment and the
+  /// block) unless: blocks tile each segment with no gap or overlap; a
+  /// block is in the free bins iff it is free, mapped and not parked; no two
+  /// neighbouring free blocks are both settled; every counter of stats()
+  /// equals the sum recomputed from the blocks; the segment directory holds
+  /// exactly the live segments. Takes every pool's lock at once (all other
+  /// calls wait), and costs time linear in the blocks held: for tests and
+  /// debugging. Builds with SHOAL_CHECK_INVARIANTS=ON call it after every
+  /// allocate, deallocate and release step. Changes nothing.
+  void check_invariants() const;
+
   // ---- hooks for layers above (IPC) ----------------------------------------
   /// `hook` runs when the cache cannot serve a request, before the device is
   /// asked for more memory: on the allocating thread, with no allocator lock
@@ -124,6 +141,7 @@ class caching_allocator {
 
  private:
   friend class private_pool_scope;
+  friend void test_hook::unsafe_break_invariant(caching_allocator&, void*, test_hook::invariant_breakage);
   std::unique_ptr<detail::allocator_core> core_;
 };
 

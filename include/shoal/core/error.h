@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace shoal {
 
@@ -71,6 +72,20 @@ class stream_error : public error {
 class ordering_violation : public error {
  public:
   using error::error;
+};
+
+/// An internal invariant of shoal's own state does not hold: a bug in shoal
+/// (or memory corrupted from outside). `invariant()` names the one broken;
+/// the message says where (segment, block) and what was found. Reported by
+/// caching_allocator::check_invariants.
+class invariant_violation : public error {
+ public:
+  invariant_violation(std::string invariant, const std::string& what)
+      : error(what), invariant_(std::move(invariant)) {}
+  [[nodiscard]] const std::string& invariant() const noexcept { return invariant_; }
+
+ private:
+  std::string invariant_;
 };
 
 /// The process at the other end of a connection closed it or died.

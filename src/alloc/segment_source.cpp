@@ -1,26 +1,48 @@
-// Taking memory from the device and giving it back: segments, growable
-// ranges, the limit.
-#include "alloc/allocator_core.h"
+#include "alloc/segment_source.h"
 
-#include <mutex>
+#include <algorithm>
+#include <memory>
 
+#include "alloc/block_structure.h"
 #include "alloc/size_policy.h"
 #include "shoal/core/error.h"
 
 namespace shoal::alloc::detail {
 
-block* allocator_core::grow(block_pool& pool, std::size_t size) {
+namespace {
+
+std::size_t limit_of(const allocator_config& config, backend::device& device) {
+  std::size_t limit = config.memory_limit;
+  if (config.memory_fraction > 0) {
+    const auto total = static_cast<double>(device.memory().total_bytes);
+    limit = std::min(limit, static_cast<std::size_t>(total * config.memory_fraction));
+  }
+  return limit;
+}
+
+}  // namespace
+
+segment_source::segment_source(backend::device& device, const allocator_config& config, pool_directory& directory,
+                               trace_ring& trace, const allocator_hooks& hooks)
+    : device_(device),
+      config_(config),
+      directory_(directory),
+      trace_(trace),
+      hooks_(hooks),
+      limit_(limit_of(config, device)) {}
+
+block* segment_source::grow(block_pool& pool, std::size_t size) {
   if (pool.is_private) return nullptr;
-  if (config.expandable_segments) return grow_expandable(pool, size);
+  if (config_.expandable_segments) return grow_expandable(pool, size);
   // The cached segments did not fit: wholly free ones go back first, so they
   // do not sit in reserved memory beside the new one (measured on replayed
   // traces: docs/benchmarks.md).
-  if (config.release_idle_before_grow) release_cached(pool);
-  const std::size_t bytes = segment_size_for(size, config);
+  if (config_.release_idle_before_grow) release_cached(pool);
+  const std::size_t bytes = segment_size_for(size, config_);
   if (!reserve_bytes(bytes)) return nullptr;
   void* base;
   try {
-    base = device.allocate_segment(bytes);
+    base = device_.allocate_segment(bytes);
   } catch (const out_of_memory&) {
     unreserve_bytes(bytes);
     return nullptr;
@@ -35,23 +57,23 @@ block* allocator_core::grow(block_pool& pool, std::size_t size) {
   b->size = bytes;
   b->owner = s.get();
   s->first = b;
-  register_segment(*s);
+  directory_.register_segment(*s);
   pool.segments.push_back(std::move(s));
   pool_counters::add(pool.counters.segments, 1);
   pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
   pool.bins.insert(b);
-  if (!trace_.empty()) note(trace_action::segment_alloc, b->address, bytes, pool.stream);
+  if (trace_.enabled()) trace_.note(trace_action::segment_alloc, b->address, bytes, pool.stream);
   return b;
 }
 
-block* allocator_core::grow_expandable(block_pool& pool, std::size_t size) {
-  const std::size_t g = device.granularity();
+block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
+  const std::size_t g = device_.granularity();
   if (pool.growable == nullptr) {
     // One range as large as the device, so this pool never needs a second.
-    const std::size_t span = round_up(std::max(device.memory().total_bytes, size), g);
+    const std::size_t span = round_up(std::max(device_.memory().total_bytes, size), g);
     void* base;
     try {
-      base = device.reserve_range(span);
+      base = device_.reserve_range(span);
     } catch (const out_of_memory&) {
       return nullptr;
     }
@@ -67,7 +89,7 @@ block* allocator_core::grow_expandable(block_pool& pool, std::size_t size) {
     b->owner = s.get();
     b->mapped = false;
     s->first = b;
-    register_segment(*s);
+    directory_.register_segment(*s);
     pool.growable = s.get();
     pool.segments.push_back(std::move(s));
     pool_counters::add(pool.counters.segments, 1);
@@ -86,11 +108,11 @@ block* allocator_core::grow_expandable(block_pool& pool, std::size_t size) {
     try {
       for (; mapped_chunks < need / g; ++mapped_chunks) {
         const std::size_t i = first_chunk + mapped_chunks;
-        const backend::physical_ref chunk = device.create_physical(g);
+        const backend::physical_ref chunk = device_.create_physical(g);
         try {
-          device.map(reinterpret_cast<void*>(s->base + i * g), chunk);
+          device_.map(reinterpret_cast<void*>(s->base + i * g), chunk);
         } catch (...) {
-          device.release_physical(chunk);
+          device_.release_physical(chunk);
           throw;
         }
         s->chunks[i] = chunk;
@@ -98,8 +120,8 @@ block* allocator_core::grow_expandable(block_pool& pool, std::size_t size) {
     } catch (const out_of_memory&) {
       for (std::size_t k = 0; k < mapped_chunks; ++k) {
         const std::size_t i = first_chunk + k;
-        device.unmap(reinterpret_cast<void*>(s->base + i * g));
-        device.release_physical(s->chunks[i]);
+        device_.unmap(reinterpret_cast<void*>(s->base + i * g));
+        device_.release_physical(s->chunks[i]);
         s->chunks[i] = {};
       }
       unreserve_bytes(need);
@@ -108,7 +130,7 @@ block* allocator_core::grow_expandable(block_pool& pool, std::size_t size) {
     device_allocations_.fetch_add(static_cast<std::int64_t>(need / g), std::memory_order_relaxed);
     s->mapped_bytes += need;
     pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(need));
-    if (!trace_.empty()) note(trace_action::segment_map, u->address, need, pool.stream);
+    if (trace_.enabled()) trace_.note(trace_action::segment_map, u->address, need, pool.stream);
     if (u->size > need) split(pool, u, need);  // the rest stays unbacked
     u->mapped = true;
     return settle(pool, u);
@@ -128,14 +150,14 @@ bool has_free_chunk(const segment& s, std::size_t granularity) {
 
 }  // namespace
 
-void allocator_core::release_cached(block_pool& pool) {
+void segment_source::release_cached(block_pool& pool) {
   if (pool.is_private) return;
   settle_quick(pool);
   std::vector<segment*> unused;
   bool unmappable = false;
   for (auto& s : pool.segments) {
     if (s->expandable) {
-      unmappable = unmappable || has_free_chunk(*s, device.granularity());
+      unmappable = unmappable || has_free_chunk(*s, device_.granularity());
     } else if (s->unused()) {
       unused.push_back(s.get());
     }
@@ -146,28 +168,28 @@ void allocator_core::release_cached(block_pool& pool) {
   // This waits under the pool's lock, so the stream's other threads wait
   // too; it happens only when memory is given back (empty_cache, out of
   // memory), and only for pools that have some to give.
-  device.synchronize(pool.stream);
+  device_.synchronize(pool.stream);
   for (segment* s : unused) release_segment(pool, s);
   if (unmappable) unmap_free_chunks(pool, pool.growable);
 }
 
-void allocator_core::release_segment(block_pool& pool, segment* s) {
+void segment_source::release_segment(block_pool& pool, segment* s) {
   pool.bins.remove(s->first);
   refresh_split_stat(pool, s->first);
-  device.free_segment(reinterpret_cast<void*>(s->base));
+  device_.free_segment(reinterpret_cast<void*>(s->base));
   unreserve_bytes(s->size);
   device_frees_.fetch_add(1, std::memory_order_relaxed);
   pool_counters::sub(pool.counters.segments, 1);
   pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(s->size));
-  if (!trace_.empty()) note(trace_action::segment_free, s->base, s->size, pool.stream);
-  hooks.notify_release(s->base, s->size);
-  unregister_segment(*s);
+  if (trace_.enabled()) trace_.note(trace_action::segment_free, s->base, s->size, pool.stream);
+  hooks_.notify_release(s->base, s->size);
+  directory_.unregister_segment(*s);
   recycle(pool, s->first);
   std::erase_if(pool.segments, [&](const std::unique_ptr<segment>& p) { return p.get() == s; });
 }
 
-void allocator_core::unmap_free_chunks(block_pool& pool, segment* s) {
-  const std::size_t g = device.granularity();
+void segment_source::unmap_free_chunks(block_pool& pool, segment* s) {
+  const std::size_t g = device_.granularity();
   for (block* b = s->first; b != nullptr; b = b->next) {
     if (b->state != block_state::free || !b->mapped) continue;
     const std::uintptr_t lo = round_up(b->address, g);
@@ -176,8 +198,8 @@ void allocator_core::unmap_free_chunks(block_pool& pool, segment* s) {
     pool.bins.remove(b);
     for (std::uintptr_t a = lo; a < hi; a += g) {
       const std::size_t i = (a - s->base) / g;
-      device.unmap(reinterpret_cast<void*>(a));
-      device.release_physical(s->chunks[i]);
+      device_.unmap(reinterpret_cast<void*>(a));
+      device_.release_physical(s->chunks[i]);
       s->chunks[i] = {};
     }
     const std::size_t bytes = hi - lo;
@@ -185,8 +207,8 @@ void allocator_core::unmap_free_chunks(block_pool& pool, segment* s) {
     s->mapped_bytes -= bytes;
     device_frees_.fetch_add(static_cast<std::int64_t>(bytes / g), std::memory_order_relaxed);
     pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
-    if (!trace_.empty()) note(trace_action::segment_unmap, lo, bytes, pool.stream);
-    hooks.notify_release(lo, bytes);
+    if (trace_.enabled()) trace_.note(trace_action::segment_unmap, lo, bytes, pool.stream);
+    hooks_.notify_release(lo, bytes);
     // [b: mapped head][hole][mapped tail], heads and tails possibly empty.
     block* hole = lo > b->address ? split(pool, b, lo - b->address) : b;
     if (hi < hole->address + hole->size) {
@@ -206,21 +228,7 @@ void allocator_core::unmap_free_chunks(block_pool& pool, segment* s) {
   }
 }
 
-void allocator_core::empty_cache() {
-  for_each_pool([&](block_pool& p) {
-    std::vector<backend::event_ref> waits;
-    {
-      std::lock_guard lock(p.lock);
-      for (block* b : p.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
-    }
-    for (auto e : waits) device.synchronize_event(e);
-    std::lock_guard lock(p.lock);
-    collect_pending(p, false);
-    release_cached(p);
-  });
-}
-
-bool allocator_core::reserve_bytes(std::size_t bytes) {
+bool segment_source::reserve_bytes(std::size_t bytes) {
   std::size_t now = reserved_total_.load(std::memory_order_relaxed);
   do {
     if (bytes > limit_ || now > limit_ - bytes) return false;
@@ -228,8 +236,42 @@ bool allocator_core::reserve_bytes(std::size_t bytes) {
   return true;
 }
 
-void allocator_core::unreserve_bytes(std::size_t bytes) noexcept {
+void segment_source::unreserve_bytes(std::size_t bytes) noexcept {
   reserved_total_.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+void segment_source::reset_device_counters() noexcept {
+  device_allocations_ = 0;
+  device_frees_ = 0;
+}
+
+void segment_source::release_at_teardown(block_pool& pool, event_pool& events) noexcept {
+  for (block* b : pool.pending) {
+    for (auto e : b->waits) events.give_back(e);
+    b->waits.clear();
+  }
+  for (auto& s : pool.segments) {
+    for (block* b = s->first; b != nullptr;) {
+      block* next = b->next;
+      for (auto e : b->waits) events.give_back(e);
+      delete b;
+      b = next;
+    }
+    try {
+      if (s->expandable) {
+        const std::size_t g = device_.granularity();
+        for (std::size_t i = 0; i < s->chunks.size(); ++i) {
+          if (s->chunks[i].native == 0) continue;
+          device_.unmap(reinterpret_cast<void*>(s->base + i * g));
+          device_.release_physical(s->chunks[i]);
+        }
+        device_.release_range(reinterpret_cast<void*>(s->base));
+      } else if (!s->external) {
+        device_.free_segment(reinterpret_cast<void*>(s->base));
+      }
+    } catch (const error&) {  // NOLINT(bugprone-empty-catch): teardown goes on; the device may be gone
+    }
+  }
 }
 
 }  // namespace shoal::alloc::detail

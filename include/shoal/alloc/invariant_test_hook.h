@@ -1,0 +1,33 @@
+// For tests of caching_allocator::check_invariants only: breaks one of the
+// allocator's invariants on purpose, so that a test can show the checker
+// catches it. Never use it elsewhere: the allocator is corrupt afterwards;
+// check_invariants, stats() and destroying it are all it may still be used for.
+//
+// Thread-safety: none; call it while no other thread uses the allocator.
+#pragma once
+
+#include <cstdint>
+
+namespace shoal::alloc {
+
+class caching_allocator;
+
+namespace test_hook {
+
+/// What unsafe_break_invariant breaks, around the allocated block at `ptr`
+/// (allocated in a segment of its own stream pool, and not the last block of its segment).
+enum class invariant_breakage : std::uint8_t {
+  block_overlap,        ///< the block grows 512 bytes into the block after it
+  settled_not_in_bins,  ///< the settled free block after it leaves the free bins
+  free_neighbours,      ///< the settled free block after it is cut in two settled halves
+  counter,              ///< its pool's allocated_bytes counter is 512 too high
+  unregistered,         ///< its segment leaves the segment directory
+};
+
+/// Breaks `what` around the allocated block at `ptr`. Throws
+/// invalid_argument when `ptr` is not a live block of `allocator`, or when
+/// the block after it is not what `what` needs (a settled free block).
+void unsafe_break_invariant(caching_allocator& allocator, void* ptr, invariant_breakage what);
+
+}  // namespace test_hook
+}  // namespace shoal::alloc

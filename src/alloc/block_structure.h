@@ -1,0 +1,57 @@
+// The block structure of a pool's segments: split, merge, park and settle.
+//
+// These keep block.h's invariants (blocks tile their segment; no two
+// settled free neighbours; a block is in the bins iff it is settled free)
+// and the pool's inactive_split counters:
+//   counted_inactive_split(b) = b is free, mapped, shares its segment with
+//                               another block, and the segment is not growable;
+//   counters.inactive_split       = #{b : counted_inactive_split(b)},
+//   counters.inactive_split_bytes = sum of their sizes.
+// They own no state of their own. Thread-safety: every function runs with
+// the pool's lock held.
+#pragma once
+
+#include <cstddef>
+
+#include "alloc/block_pool.h"
+
+namespace shoal::alloc::detail {
+
+/// Whether b's bytes belong in the inactive_split counters now.
+[[nodiscard]] inline bool counts_as_inactive_split(const block* b) noexcept {
+  return b->state == block_state::free && b->mapped && (b->prev != nullptr || b->next != nullptr) &&
+         !b->owner->expandable;
+}
+
+/// Brings b's share of the inactive_split counters in line with its state.
+inline void refresh_split_stat(block_pool& pool, block* b) noexcept {
+  const bool wanted = counts_as_inactive_split(b);
+  if (wanted == b->counted_inactive_split) return;
+  const auto bytes = static_cast<std::int64_t>(b->size);
+  if (wanted) {
+    pool_counters::add(pool.counters.inactive_split, 1);
+    pool_counters::add(pool.counters.inactive_split_bytes, bytes);
+  } else {
+    pool_counters::sub(pool.counters.inactive_split, 1);
+    pool_counters::sub(pool.counters.inactive_split_bytes, bytes);
+  }
+  b->counted_inactive_split = wanted;
+}
+
+/// Cuts `b` to `size`; returns the new block after it (free, same mapping,
+/// not in the bins: the caller places it).
+block* split(block_pool& pool, block* b, std::size_t size);
+/// Joins `gone`, which directly follows `into`, into it; both are out of
+/// the bins. Returns `into`.
+block* merge_into(block_pool& pool, block* into, block* gone);
+/// Takes back a block object no segment links to any more.
+void recycle(block_pool& pool, block* b);
+/// Merges b with its settled free neighbours and puts the result in the
+/// bins; returns it.
+block* settle(block_pool& pool, block* b);
+/// Settles every parked block.
+void settle_quick(block_pool& pool);
+/// Unparks and returns a parked block of exactly `size`, or nullptr.
+[[nodiscard]] block* take_quick(block_pool& pool, std::size_t size) noexcept;
+
+}  // namespace shoal::alloc::detail

@@ -1,0 +1,56 @@
+// The test hook that breaks an invariant on purpose
+// (shoal/alloc/invariant_test_hook.h), so tests can see the checker catch it.
+#include "shoal/alloc/invariant_test_hook.h"
+
+#include <mutex>
+
+#include "alloc/allocator_core.h"
+#include "alloc/block_structure.h"
+#include "alloc/core_util.h"
+#include "alloc/size_policy.h"
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/core/error.h"
+
+namespace shoal::alloc {
+
+namespace detail {
+
+void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_breakage what) {
+  using test_hook::invariant_breakage;
+  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "unsafe_break_invariant", [&](block_pool& pool, block* b) {
+    block* next = b->next;
+    const bool next_settled = settled_free(next) && next->size >= 2 * min_block;
+    switch (what) {
+      case invariant_breakage::block_overlap:
+        if (next == nullptr) break;
+        b->size += min_block;
+        return;
+      case invariant_breakage::settled_not_in_bins:
+        if (!next_settled) break;
+        pool.bins.remove(next);
+        return;
+      case invariant_breakage::free_neighbours:
+        if (!next_settled) break;
+        pool.bins.remove(next);
+        pool.bins.insert(split(pool, next, min_block));
+        pool.bins.insert(next);
+        return;
+      case invariant_breakage::counter:
+        pool_counters::add(pool.counters.allocated_bytes, static_cast<std::int64_t>(min_block));
+        return;
+      case invariant_breakage::unregistered:
+        directory_.unregister_segment(*b->owner);
+        return;
+    }
+    throw invalid_argument("unsafe_break_invariant: the block at " + hex(b->address) +
+                           " has no block after it, or not the settled free block of at least 1024 bytes this needs");
+  });
+}
+
+}  // namespace detail
+
+void test_hook::unsafe_break_invariant(caching_allocator& allocator, void* ptr, invariant_breakage what) {
+  allocator.core_->unsafe_break_invariant(ptr, what);
+}
+
+}  // namespace shoal::alloc

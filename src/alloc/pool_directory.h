@@ -1,0 +1,161 @@
+// The pool directory: which pool serves a stream, a private-pool scope or a
+// pointer. It owns every pool, and the segment directory that maps each
+// segment's range to its pool.
+//
+// Invariants:
+//   a pool, once made, lives as long as the directory (destroyed private
+//     pools are kept aside), so a stale per-thread cache entry never
+//     points at freed memory;
+//   segments_by_base_ = { s.base -> (s.size, s.pool) : s a segment of a
+//     live pool }, so a pointer inside a live segment finds its pool.
+//
+// Lock order of the whole allocator, stated here once:
+//   directory_mutex_ -> one pool's lock -> the leaf locks: segments_mutex_,
+//   the event pool's, the trace ring's, the hooks' (release observers).
+// Two pool locks are never held at once, except by with_every_pool_locked
+// (the invariant checker), which takes them all in one fixed order while
+// it holds directory_mutex_ shared; as nobody else waits for a pool lock
+// while holding another, this cannot deadlock. Cache-miss hooks run with no
+// allocator lock held. Device calls may run under a pool lock (like
+// cudaMalloc under PyTorch's), never under the others.
+//
+// Thread-safety: every member may be called from any thread at once, except
+// for_each_pool_ever (teardown only).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "alloc/block_pool.h"
+#include "shoal/alloc/allocator_types.h"
+
+namespace shoal::alloc::detail {
+
+struct stream_pools {
+  block_pool small;
+  block_pool large;
+  block_pool& of(pool_kind kind) { return kind == pool_kind::small ? small : large; }
+};
+
+struct private_pool {
+  std::vector<std::unique_ptr<block_pool>> parts;
+  block_pool* part(const std::string& name);
+};
+
+/// The segment directory's entries: base -> (size, pool).
+using segment_map = std::map<std::uintptr_t, std::pair<std::size_t, block_pool*>>;
+
+class pool_directory {
+ public:
+  pool_directory();
+  pool_directory(const pool_directory&) = delete;
+  pool_directory& operator=(const pool_directory&) = delete;
+
+  // ---- pools
+  /// The stream's pool of `kind`, made on first use.
+  [[nodiscard]] block_pool& pool_for(backend::stream_ref stream, pool_kind kind);
+  /// Runs fn(pool) for every live pool, one at a time, with no lock held.
+  template <class Fn>
+  void for_each_pool(Fn&& fn) const;
+  /// Runs fn(pool) for every pool ever made, destroyed private pools too.
+  /// Teardown only: no other call may run.
+  template <class Fn>
+  void for_each_pool_ever(Fn&& fn);
+  /// Runs fn(pools, segments) with every live pool's lock held, and the
+  /// segment directory's, so that nothing in the allocator changes.
+  template <class Fn>
+  void with_every_pool_locked(Fn&& fn) const;
+
+  // ---- private pools
+  /// Adds a private pool (its segments registered already); returns its id.
+  private_pool_id add_private_pool(std::unique_ptr<private_pool> pool);
+  /// The named sub-pool; throws invalid_argument when there is none.
+  [[nodiscard]] block_pool& private_part(private_pool_id id, const std::string& part) const;
+  /// Removes a private pool once check(part) (run with each part's lock
+  /// held) has passed for every part, and unregisters its segments.
+  void remove_private_pool(private_pool_id id, const std::function<void(block_pool&)>& check);
+  /// The sub-pool this thread's allocations are directed to (nullptr: none).
+  [[nodiscard]] block_pool* directed_pool() const noexcept;
+  /// Directs this thread's allocations to `part`; returns the previous one.
+  block_pool* direct_to(block_pool* part) noexcept;
+
+  // ---- finding a pointer's pool
+  /// The pool of a segment this thread freed into lately that covers
+  /// `address`, or nullptr. May be stale: the caller checks the pool.
+  [[nodiscard]] block_pool* cached_pool(std::uintptr_t address) const noexcept;
+  /// The pool whose segment covers `address`, or nullptr (and remembers it
+  /// for this thread).
+  [[nodiscard]] block_pool* directory_pool(std::uintptr_t address) const;
+  void register_segment(const segment& s);
+  void unregister_segment(const segment& s);
+
+ private:
+  const std::uint64_t serial_;  // tells this directory's thread-local cache entries apart
+
+  mutable std::shared_mutex segments_mutex_;
+  segment_map segments_by_base_;  // guarded by segments_mutex_
+
+  mutable std::shared_mutex directory_mutex_;
+  std::unordered_map<void*, std::unique_ptr<stream_pools>> stream_pools_;  // guarded by directory_mutex_
+  std::map<std::uint64_t, std::unique_ptr<private_pool>> private_pools_;   // guarded by directory_mutex_
+  std::vector<std::unique_ptr<private_pool>> destroyed_pools_;             // guarded by directory_mutex_
+  std::uint64_t next_private_id_ = 1;                                     // guarded by directory_mutex_
+};
+
+template <class Fn>
+void pool_directory::for_each_pool(Fn&& fn) const {
+  std::vector<block_pool*> pools;
+  {
+    std::shared_lock lock(directory_mutex_);
+    for (auto& [stream, p] : stream_pools_) {
+      pools.push_back(&p->small);
+      pools.push_back(&p->large);
+    }
+    for (auto& [id, p] : private_pools_) {
+      for (auto& part : p->parts) pools.push_back(part.get());
+    }
+  }
+  for (block_pool* p : pools) fn(*p);
+}
+
+template <class Fn>
+void pool_directory::for_each_pool_ever(Fn&& fn) {
+  for (auto& [stream, p] : stream_pools_) {
+    fn(p->small);
+    fn(p->large);
+  }
+  for (auto& [id, p] : private_pools_) {
+    for (auto& part : p->parts) fn(*part);
+  }
+  for (auto& p : destroyed_pools_) {
+    for (auto& part : p->parts) fn(*part);
+  }
+}
+
+template <class Fn>
+void pool_directory::with_every_pool_locked(Fn&& fn) const {
+  std::shared_lock directory_lock(directory_mutex_);
+  std::vector<block_pool*> pools;
+  for (auto& [stream, p] : stream_pools_) {
+    pools.push_back(&p->small);
+    pools.push_back(&p->large);
+  }
+  for (auto& [id, p] : private_pools_) {
+    for (auto& part : p->parts) pools.push_back(part.get());
+  }
+  std::vector<std::unique_lock<spin_lock>> locks;
+  locks.reserve(pools.size());
+  for (block_pool* p : pools) locks.emplace_back(p->lock);
+  std::shared_lock segments_lock(segments_mutex_);
+  fn(static_cast<const std::vector<block_pool*>&>(pools), static_cast<const segment_map&>(segments_by_base_));
+}
+
+}  // namespace shoal::alloc::detail

@@ -1,0 +1,71 @@
+// The segment source: the device-memory side of the allocator. It takes a
+// segment (or, for growable ranges, chunks) from the device when a pool
+// must grow, gives wholly free memory back, and keeps the memory reserved
+// from the device under the limit.
+//
+// Invariant:
+//   reserved_total() = sum of reserved_bytes.current over the stream pools
+//                      (private pools' memory is the caller's: not counted)
+//                    <= limit().
+// Thread-safety: grow, release_cached and release_at_teardown run with the
+// pool's lock held and touch only that pool (and the leaf locks: segment
+// directory, trace, hooks); the reserved total is one atomic shared by all
+// pools, bumped by compare-and-swap against the limit; the device counters
+// are relaxed atomics.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "alloc/allocator_hooks.h"
+#include "alloc/block_pool.h"
+#include "alloc/event_pool.h"
+#include "alloc/pool_directory.h"
+#include "alloc/trace_ring.h"
+#include "shoal/alloc/config.h"
+#include "shoal/backend/device.h"
+
+namespace shoal::alloc::detail {
+
+class segment_source {
+ public:
+  segment_source(backend::device& device, const allocator_config& config, pool_directory& directory,
+                 trace_ring& trace, const allocator_hooks& hooks);
+  segment_source(const segment_source&) = delete;
+  segment_source& operator=(const segment_source&) = delete;
+
+  /// A new free block (in the bins) of at least `size`, or nullptr when the
+  /// pool may not grow or the device or the limit refuses.
+  block* grow(block_pool& pool, std::size_t size);
+  /// Gives the pool's wholly free segments, and the whole free chunks of its
+  /// growable segment, back to the device (after its stream has passed them).
+  void release_cached(block_pool& pool);
+  /// Allocator teardown: gives every event back to `events`, deletes every
+  /// block and returns the pool's device memory, ignoring device errors.
+  void release_at_teardown(block_pool& pool, event_pool& events) noexcept;
+
+  [[nodiscard]] std::size_t limit() const noexcept { return limit_; }
+  [[nodiscard]] std::size_t reserved_total() const noexcept { return reserved_total_.load(std::memory_order_relaxed); }
+  [[nodiscard]] std::int64_t device_allocations() const noexcept { return device_allocations_.load(); }
+  [[nodiscard]] std::int64_t device_frees() const noexcept { return device_frees_.load(); }
+  void reset_device_counters() noexcept;
+
+ private:
+  block* grow_expandable(block_pool& pool, std::size_t size);
+  void release_segment(block_pool& pool, segment* s);
+  void unmap_free_chunks(block_pool& pool, segment* s);
+  bool reserve_bytes(std::size_t bytes);
+  void unreserve_bytes(std::size_t bytes) noexcept;
+
+  backend::device& device_;
+  const allocator_config& config_;
+  pool_directory& directory_;
+  trace_ring& trace_;
+  const allocator_hooks& hooks_;
+  const std::size_t limit_;
+  std::atomic<std::size_t> reserved_total_{0};
+  std::atomic<std::int64_t> device_allocations_{0}, device_frees_{0};
+};
+
+}  // namespace shoal::alloc::detail
