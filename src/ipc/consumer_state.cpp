@@ -170,7 +170,10 @@ std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uin
   } catch (const invalid_argument& e) {
     throw protocol_error(std::string("storage message: its segments cannot be mapped: ") + e.what());
   }
+  // What was mapped from the returned pointer on: the chunks side by side,
+  // less the first one's offset (a hostile producer may announce one).
   for (const auto& c : chunks) m->bytes += c.size;
+  m->bytes -= chunks.front().offset;
   m->segment_ids = ids;
   mappings_.emplace(ids, m);
   return m;
@@ -208,7 +211,7 @@ storage::storage consumer_state::make_storage(const storage_message& msg, backen
       if (msg.offset > m->bytes || msg.size > m->bytes - msg.offset) {
         throw protocol_error("storage message: " + std::to_string(msg.size) + " bytes at offset " +
                              std::to_string(msg.offset) + " do not fit the " + std::to_string(m->bytes) +
-                             " bytes of its segments");
+                             " bytes mapped from its segments");
       }
       m->state.fetch_add(one_view, std::memory_order_acq_rel);  // under the lock: no retire in between
     } catch (...) {

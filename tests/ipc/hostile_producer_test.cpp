@@ -1,0 +1,113 @@
+// A hostile producer gets nowhere: what a consumer maps, waits for and
+// builds is checked against exactly what was mapped or promised. Each test
+// captures a real exchange, alters one field as a hostile producer would,
+// and replays it to a consumer.
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/devices.h"
+#include "shoal/channel/channel.h"
+#include "shoal/channel/protocol.h"
+#include "shoal/core/error.h"
+#include "shoal/ipc/sharing.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+constexpr std::size_t kib = 1024;
+
+// Message types of the sharing protocol (src/ipc/messages.h).
+constexpr std::uint16_t segment_type = 2, storage_type = 4;
+
+std::pair<channel::connection, channel::connection> connected_pair() {
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) throw std::runtime_error("socketpair");
+  return {channel::connection::adopt(unique_fd(fds[0]), {}, 1 << 20), channel::connection::adopt(unique_fd(fds[1]), {}, 1 << 20)};
+}
+
+template <class T>
+void write_at(std::vector<std::byte>& payload, std::size_t at, T value) {
+  ASSERT_LE(at + sizeof(T), payload.size());
+  std::memcpy(payload.data() + at, &value, sizeof(T));
+}
+
+// A producer and a consumer in this process on the host backend; the
+// producer's frames are captured so a test can alter them before the
+// consumer reads them.
+struct hostile_exchange {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator producer_allocator{dev, {}};
+  alloc::caching_allocator consumer_allocator{dev, {}};
+  ipc::sharing_context producer{producer_allocator, {.collect_interval = 0ms}};
+  ipc::sharing_context consumer{consumer_allocator, {.collect_interval = 0ms}};
+
+  /// The frames of one real share of `bytes` (hello, counter file, segment,
+  /// storage), with their descriptors.
+  std::vector<channel::frame> capture_share(std::size_t bytes) {
+    auto [to_capture, capture] = connected_pair();
+    ipc::peer sender(producer, std::move(to_capture));
+    sender.send(storage::storage::allocate(producer_allocator, bytes, {}), {}, {});
+    std::vector<channel::frame> frames;
+    do {
+      frames.push_back(capture.receive());
+    } while (frames.back().type != storage_type);
+    return frames;
+  }
+
+  /// Replays `frames` to a fresh consumer peer and receives once.
+  ipc::received replay(const std::vector<channel::frame>& frames) {
+    auto [from, to] = connected_pair();
+    ipc::peer receiver(consumer, std::move(to));
+    for (const auto& f : frames) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
+    return receiver.receive({});
+  }
+};
+
+channel::frame& frame_of_type(std::vector<channel::frame>& frames, std::uint16_t type) {
+  for (auto& f : frames) {
+    if (f.type == type) return f;
+  }
+  throw std::runtime_error("no frame of type " + std::to_string(type));
+}
+
+// Segment message: segment id u64 | handle length u32 | handle, whose offset
+// field is at byte 20 of the handle (shareable_handle.cpp's layout).
+constexpr std::size_t segment_handle_offset_at = 8 + 4 + 20;
+// Storage message with one segment: count u32 | id u64 | offset u64 | size u64 | ...
+constexpr std::size_t storage_offset_at = 4 + 8;
+
+TEST(hostile_producer, a_storage_cannot_reach_past_what_was_mapped_from_an_offset_handle) {
+  hostile_exchange x;
+  auto frames = x.capture_share(8 * kib);
+  ASSERT_EQ(x.replay(frames).storage.size(), 8 * kib) << "the unaltered share is accepted";
+
+  // The segment is announced at 1 MiB into itself, and the storage names
+  // its last 8 KiB as if the mapping began at the segment's base.
+  const std::size_t segment_bytes = 2 << 20;
+  auto altered = x.capture_share(8 * kib);
+  write_at<std::uint64_t>(frame_of_type(altered, segment_type).payload, segment_handle_offset_at, 1 << 20);
+  write_at<std::uint64_t>(frame_of_type(altered, storage_type).payload, storage_offset_at, segment_bytes - 8 * kib);
+  try {
+    (void)x.replay(altered);
+    ADD_FAILURE() << "a storage past the end of its mapping was built";
+  } catch (const protocol_error& e) {
+    EXPECT_NE(std::string(e.what()).find("do not fit"), std::string::npos) << e.what();
+  }
+
+  // Within what was mapped from the offset, the same announcement is fine.
+  auto inside = x.capture_share(8 * kib);
+  write_at<std::uint64_t>(frame_of_type(inside, segment_type).payload, segment_handle_offset_at, 1 << 20);
+  write_at<std::uint64_t>(frame_of_type(inside, storage_type).payload, storage_offset_at, (1 << 20) - 8 * kib);
+  EXPECT_EQ(x.replay(inside).storage.size(), 8 * kib);
+}
+
+}  // namespace
+}  // namespace shoal::testing
