@@ -15,12 +15,18 @@
 // every slot is released: checked when a shared block is released, when the
 // allocator misses its cache, on collect(), and every collect_interval.
 //
-// Crash safety: every slot records its holder (pid and process start time).
-// When a holder dies, SIGKILL included, the collector reclaims its slots
-// within collect_interval. When the producer dies first, consumers keep the
-// memory until they drop it (tested on the host backend, and for plain
-// segments on CUDA with driver 580; see docs/architecture.md). Counter files
-// have no name after creation, so no file outlives its processes.
+// Crash safety: the producer records each reference's holder (pid and
+// process start time). When a holder dies, SIGKILL included, the collector
+// reclaims its slots within collect_interval. When the producer dies first,
+// consumers keep the memory until they drop it (tested on the host backend,
+// and for plain segments on CUDA with driver 580; see docs/architecture.md).
+// Counter memory is an anonymous memfd sealed against resizing, so no file
+// outlives its processes and no process can truncate it under another.
+//
+// Consumers cannot reach each other: each holder process's references are
+// counted in counter memory of its own, and the producer trusts nothing a
+// holder writes there beyond "this reference is released". A consumer can
+// give up its own references and nothing else.
 //
 // Ordering: the producer's writes enqueued before send() on the send stream
 // are passed before any work the receiver enqueues on its receive stream.
