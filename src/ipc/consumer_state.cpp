@@ -169,6 +169,8 @@ std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uin
     throw;
   } catch (const invalid_argument& e) {
     throw protocol_error(std::string("storage message: its segments cannot be mapped: ") + e.what());
+  } catch (const backend_error& e) {  // the driver refused the peer's handle
+    throw protocol_error(std::string("storage message: its segments cannot be mapped: ") + e.what());
   }
   // What was mapped from the returned pointer on: the chunks side by side,
   // less the first one's offset (a hostile producer may announce one).

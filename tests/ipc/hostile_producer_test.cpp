@@ -3,7 +3,11 @@
 // captures a real exchange, alters one field as a hostile producer would,
 // and replays it to a consumer.
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
@@ -107,6 +111,40 @@ TEST(hostile_producer, a_storage_cannot_reach_past_what_was_mapped_from_an_offse
   write_at<std::uint64_t>(frame_of_type(inside, segment_type).payload, segment_handle_offset_at, 1 << 20);
   write_at<std::uint64_t>(frame_of_type(inside, storage_type).payload, storage_offset_at, (1 << 20) - 8 * kib);
   EXPECT_EQ(x.replay(inside).storage.size(), 8 * kib);
+}
+
+std::string refusal_of(hostile_exchange& x, const std::vector<channel::frame>& frames) {
+  try {
+    (void)x.replay(frames);
+  } catch (const protocol_error& e) {
+    return e.what();
+  }
+  return "accepted";
+}
+
+TEST(hostile_producer, a_read_only_segment_descriptor_is_a_protocol_error) {
+  hostile_exchange x;
+  auto frames = x.capture_share(8 * kib);
+  channel::frame& segment = frame_of_type(frames, segment_type);
+  const std::string path = "/proc/self/fd/" + std::to_string(segment.fd.get());
+  segment.fd = unique_fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(segment.fd);
+  const std::string why = refusal_of(x, frames);
+  EXPECT_NE(why.find("cannot be mapped for writing"), std::string::npos) << why;
+}
+
+TEST(hostile_producer, a_segment_sealed_against_writes_is_a_protocol_error) {
+  hostile_exchange x;
+  auto frames = x.capture_share(8 * kib);
+  channel::frame& segment = frame_of_type(frames, segment_type);
+  struct stat st {};
+  ASSERT_EQ(::fstat(segment.fd.get(), &st), 0);
+  unique_fd sealed(::memfd_create("write-sealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_EQ(::ftruncate(sealed.get(), st.st_size), 0);
+  ASSERT_EQ(::fcntl(sealed.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE), 0);
+  segment.fd = std::move(sealed);
+  const std::string why = refusal_of(x, frames);
+  EXPECT_NE(why.find("cannot be mapped for writing"), std::string::npos) << why;
 }
 
 }  // namespace
