@@ -94,10 +94,27 @@ consumer_state::~consumer_state() {
   }
 }
 
+namespace {
+
+// A peer past one of sharing_options' announcement limits.
+void check_room(std::size_t announced, std::size_t limit, const char* what, const char* option) {
+  if (announced >= limit) {
+    throw protocol_error(std::string("the producer announced more than ") + std::to_string(limit) + " " + what +
+                         " at once (sharing_options::" + option + ")");
+  }
+}
+
+}  // namespace
+
 void consumer_state::add_counter_file(const counter_file_message& m, unique_fd fd) {
+  {
+    std::lock_guard lock(mutex_);
+    if (files_.contains(m.file_id)) return;  // another connection announced it first
+    check_room(files_.size(), options.max_peer_counter_files, "counter files", "max_peer_counter_files");
+  }
   auto file = std::make_shared<counter_file>(counter_file::open(std::move(fd), m.slots));
   std::lock_guard lock(mutex_);
-  files_.emplace(m.file_id, std::move(file));  // another connection may have announced it first
+  files_.emplace(m.file_id, std::move(file));
 }
 
 void consumer_state::add_segment(segment_message m) {
@@ -107,12 +124,15 @@ void consumer_state::add_segment(segment_message m) {
                          std::string(backend::to_string(allocator.device().kind())) + " device");
   }
   std::lock_guard lock(mutex_);
-  segments_.emplace(m.segment_id, std::move(m.handle));  // as for files
+  if (segments_.contains(m.segment_id)) return;  // as for files
+  check_room(segments_.size(), options.max_peer_segments, "segments", "max_peer_segments");
+  segments_.emplace(m.segment_id, std::move(m.handle));
 }
 
 void consumer_state::add_event_source(backend::event_source source) {
   std::lock_guard lock(mutex_);
   if (sources_.contains(source.source_id)) return;  // as for files
+  check_room(sources_.size(), options.max_peer_event_sources, "event sources", "max_peer_event_sources");
   backend::imported_event_ref opened;
   try {
     opened = allocator.device().open_event_source(source);

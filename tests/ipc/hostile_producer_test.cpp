@@ -29,7 +29,7 @@ using namespace std::chrono_literals;
 constexpr std::size_t kib = 1024;
 
 // Message types of the sharing protocol (src/ipc/messages.h).
-constexpr std::uint16_t segment_type = 2, storage_type = 4;
+constexpr std::uint16_t counter_file_type = 1, segment_type = 2, storage_type = 4;
 
 std::pair<channel::connection, channel::connection> connected_pair() {
   int fds[2];
@@ -47,11 +47,14 @@ void write_at(std::vector<std::byte>& payload, std::size_t at, T value) {
 // producer's frames are captured so a test can alter them before the
 // consumer reads them.
 struct hostile_exchange {
+  explicit hostile_exchange(ipc::sharing_options consumer_options = {.collect_interval = 0ms})
+      : consumer(consumer_allocator, consumer_options) {}
+
   backend::device& dev = backend::host_device_instance();
   alloc::caching_allocator producer_allocator{dev, {}};
   alloc::caching_allocator consumer_allocator{dev, {}};
   ipc::sharing_context producer{producer_allocator, {.collect_interval = 0ms}};
-  ipc::sharing_context consumer{consumer_allocator, {.collect_interval = 0ms}};
+  ipc::sharing_context consumer;
 
   /// The frames of one real share of `bytes` (hello, counter file, segment,
   /// storage), with their descriptors.
@@ -145,6 +148,49 @@ TEST(hostile_producer, a_segment_sealed_against_writes_is_a_protocol_error) {
   segment.fd = std::move(sealed);
   const std::string why = refusal_of(x, frames);
   EXPECT_NE(why.find("cannot be mapped for writing"), std::string::npos) << why;
+}
+
+/// `frames` with the frame of `type` announced `copies` times more, each
+/// copy under a new id (its first 8 bytes).
+std::vector<channel::frame> with_more_announcements(std::vector<channel::frame> frames, std::uint16_t type, int copies) {
+  std::vector<channel::frame> out;
+  for (auto& f : frames) {
+    if (f.type == type) {
+      for (int i = 1; i <= copies; ++i) {
+        channel::frame copy{f.type, f.payload, f.fd.duplicate()};
+        std::uint64_t id;
+        std::memcpy(&id, copy.payload.data(), sizeof id);
+        id += 1000 * static_cast<std::uint64_t>(i);
+        std::memcpy(copy.payload.data(), &id, sizeof id);
+        out.push_back(std::move(copy));
+      }
+    }
+    out.push_back(std::move(f));
+  }
+  return out;
+}
+
+TEST(hostile_producer, announcements_past_the_limits_are_refused) {
+  {
+    hostile_exchange x({.collect_interval = 0ms, .max_peer_segments = 3});
+    EXPECT_EQ(x.replay(with_more_announcements(x.capture_share(8 * kib), segment_type, 2)).storage.size(), 8 * kib)
+        << "three segments are within the limit";
+  }
+  {
+    hostile_exchange x({.collect_interval = 0ms, .max_peer_segments = 3});
+    const std::string why = refusal_of(x, with_more_announcements(x.capture_share(8 * kib), segment_type, 3));
+    EXPECT_NE(why.find("max_peer_segments"), std::string::npos) << why;
+  }
+  {
+    hostile_exchange x({.collect_interval = 0ms, .max_peer_counter_files = 2});
+    const std::string why = refusal_of(x, with_more_announcements(x.capture_share(8 * kib), counter_file_type, 2));
+    EXPECT_NE(why.find("max_peer_counter_files"), std::string::npos) << why;
+  }
+  {
+    hostile_exchange x({.collect_interval = 0ms, .max_peer_slots_per_file = 1024});  // the producer's files have 4096
+    const std::string why = refusal_of(x, x.capture_share(8 * kib));
+    EXPECT_NE(why.find("slots"), std::string::npos) << why;
+  }
 }
 
 }  // namespace
