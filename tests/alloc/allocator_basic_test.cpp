@@ -1,4 +1,6 @@
-// Sizes, pools, reuse, splitting, statistics and bad input, on every backend.
+// Sizes, pools, reuse, splitting, statistics and bad input, on every backend
+// under every allocator configuration (default, expandable_segments, debug).
+// Tests about the layout of fixed segments skip under expandable_segments.
 #include <gtest/gtest.h>
 
 #include "shoal/backend/stream.h"
@@ -14,7 +16,7 @@ constexpr std::size_t kib = 1024, mib = kib * kib;
 
 template <class Backend>
 using allocator_basic = allocator_test<Backend>;
-TYPED_TEST_SUITE(allocator_basic, backend_types, backend_names);
+TYPED_TEST_SUITE(allocator_basic, backend_config_types, backend_config_names);
 
 TYPED_TEST(allocator_basic, sizes_round_to_512_or_to_power_of_two_divisions) {
   auto& a = this->make("roundup_power2_divisions:[1:1,>:4]");
@@ -23,12 +25,17 @@ TYPED_TEST(allocator_basic, sizes_round_to_512_or_to_power_of_two_divisions) {
   void* r = a.allocate(1200 * kib, {});  // (1 MiB, 2 MiB] in 4 steps of 256 KiB
   EXPECT_EQ(a.block_size(p), 512u);
   EXPECT_EQ(a.block_size(q), 1024u);
-  EXPECT_EQ(a.block_size(r), 1280 * kib);
+  // A growable range maps 2 MiB chunks: the 768 KiB left of r's chunk is
+  // too small to split off a large block, so r's block is the whole chunk.
+  if (!this->expandable_segments) EXPECT_EQ(a.block_size(r), 1280 * kib);
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(q) % 512, 0u);
   for (void* x : {p, q, r}) a.deallocate(x, {});
 }
 
 TYPED_TEST(allocator_basic, small_and_large_pools_take_their_segment_sizes) {
+  if (this->expandable_segments) {
+    GTEST_SKIP() << "expandable_segments: each pool grows one reserved range, not 2, 20 and 26 MiB segments";
+  }
   auto& a = this->make();
   void* small = a.allocate(mib, {});
   void* mid = a.allocate(mib + 1, {});
@@ -58,6 +65,10 @@ TYPED_TEST(allocator_basic, a_freed_block_is_reused_on_its_stream_without_the_de
 }
 
 TYPED_TEST(allocator_basic, blocks_split_and_merge_with_free_neighbours) {
+  if (this->expandable_segments) {
+    GTEST_SKIP() << "expandable_segments: the counts are a 2 MiB segment's hole and free tail; a growable range maps "
+                    "only the chunks in use";
+  }
   auto& a = this->make();
   void* x = a.allocate(256 * kib, {});
   void* y = a.allocate(256 * kib, {});
@@ -84,7 +95,9 @@ TYPED_TEST(allocator_basic, many_neighbours_freed_in_a_row_merge_back_into_one_b
   for (int i = 0; i < 40; ++i) run.push_back(a.allocate(4 * kib, {}));
   for (void* p : run) a.deallocate(p, {});
   void* again = a.allocate(4 * kib, {});
-  EXPECT_EQ(again, run.back()) << "the last freed block is reused first";
+  // Debug mode settles every free at once (no quick list): the run has
+  // merged already, and the block comes from its start.
+  if (!this->debug) EXPECT_EQ(again, run.back()) << "the last freed block is reused first";
   a.deallocate(again, {});
   const auto snap = a.take_snapshot();
   ASSERT_EQ(snap.segments.size(), 1u);
@@ -109,6 +122,10 @@ TYPED_TEST(allocator_basic, the_best_fitting_free_block_is_chosen) {
 }
 
 TYPED_TEST(allocator_basic, oversize_blocks_are_never_split_and_serve_only_near_sizes) {
+  if (this->expandable_segments) {
+    GTEST_SKIP() << "expandable_segments: max_split_size applies to blocks of fixed segments only; a growable range "
+                    "splits any free stretch";
+  }
   auto& a = this->make("max_split_size_mb:4,max_non_split_rounding_mb:2,release_idle_before_grow:false");
   void* big = a.allocate(8 * mib, {});
   a.deallocate(big, {});
@@ -137,6 +154,10 @@ TYPED_TEST(allocator_basic, a_block_just_under_max_split_size_is_reused_for_its_
 }
 
 TYPED_TEST(allocator_basic, statistics_count_and_return_to_zero) {
+  if (this->expandable_segments) {
+    GTEST_SKIP() << "expandable_segments: the figures are those of 2 and 20 MiB segments; a growable range maps 2 MiB "
+                    "chunks and keeps its reservation after empty_cache";
+  }
   auto& a = this->make();
   void* p = a.allocate(1000, {});
   void* q = a.allocate(3 * mib, {});
@@ -170,6 +191,10 @@ TYPED_TEST(allocator_basic, statistics_count_and_return_to_zero) {
 }
 
 TYPED_TEST(allocator_basic, snapshot_and_trace_export) {
+  if (this->expandable_segments) {
+    GTEST_SKIP() << "expandable_segments: the trace records chunk maps and unmaps, not the segment alloc and free "
+                    "this test counts on";
+  }
   auto& a = this->make("trace_entries:4");
   void* p = a.allocate(4096, {});
   auto snap = a.take_snapshot();

@@ -1,5 +1,6 @@
 // Stream-ordered reuse: cross-stream frees, record_stream, the background
-// transfer race, and debug mode, on every backend.
+// transfer race, and debug mode, on every backend under every allocator
+// configuration (default, expandable_segments, debug).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -19,7 +20,7 @@ constexpr std::size_t kib = 1024;
 
 template <class Backend>
 using allocator_streams = allocator_test<Backend>;
-TYPED_TEST_SUITE(allocator_streams, backend_types, backend_names);
+TYPED_TEST_SUITE(allocator_streams, backend_config_types, backend_config_names);
 
 TYPED_TEST(allocator_streams, a_block_freed_on_its_own_stream_is_reusable_at_once) {
   auto& dev = this->device();
@@ -148,6 +149,10 @@ TYPED_TEST(allocator_streams, the_background_transfer_race_is_prevented_by_defau
 }
 
 TYPED_TEST(allocator_streams, the_background_transfer_race_corrupts_with_the_safety_off) {
+  if (this->debug) {
+    GTEST_SKIP() << "debug: the early hand-out throws ordering_violation instead of corrupting "
+                    "(debug_mode_reports_a_hand_out_before_the_freeing_stream_passed)";
+  }
   // Proves the test above can fail: without the hold the batch is overwritten.
   EXPECT_FALSE(background_batch_survives(*this, "cross_stream_safety:false"));
 }

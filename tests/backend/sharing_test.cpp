@@ -2,10 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
-#include <sys/wait.h>
 #include <unistd.h>
-
-#include <cerrno>
 
 #include <string>
 
@@ -94,17 +91,6 @@ TEST(host_sharing, exported_memory_is_sealed_against_resizing) {
   EXPECT_NE(::ftruncate(handle.fd.get(), 4096), 0) << "an importer's mapping could lose its pages";
   EXPECT_NE(::ftruncate(handle.fd.get(), 1 << 20), 0);
   dev.free_segment(base);
-}
-
-TEST(child_process, a_child_never_outlives_its_object_as_a_zombie) {
-  pid_t pid;
-  {
-    child_process sleeper("/bin/sleep", {"30"});
-    pid = sleeper.pid();
-    ASSERT_GT(pid, 0);
-  }  // destroyed while the child still runs: killed and reaped
-  EXPECT_EQ(::waitpid(pid, nullptr, WNOHANG), -1);
-  EXPECT_EQ(errno, ECHILD);
 }
 
 TEST(host_sharing, a_descriptor_that_is_not_a_sealed_memfd_is_refused) {

@@ -1,4 +1,5 @@
-// Storages and copy-on-write lazy clones, on every backend.
+// Storages and copy-on-write lazy clones, on every backend under every
+// allocator configuration (default, expandable_segments, debug).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -35,7 +36,7 @@ class storage_test : public allocator_test<Backend> {
   }
   std::int64_t allocations() { return this->allocator_->stats().allocations.aggregate.allocated; }
 };
-TYPED_TEST_SUITE(storage_test, backend_types, backend_names);
+TYPED_TEST_SUITE(storage_test, backend_config_types, backend_config_names);
 
 TYPED_TEST(storage_test, handles_alias_iff_they_name_one_storage) {
   this->make();
@@ -273,7 +274,7 @@ TYPED_TEST(storage_test, random_schedules_keep_every_copy_and_release_everything
   this->make();
   std::mt19937 random(42);
   std::vector<std::pair<storage_t, std::uint8_t>> live;  // storage, the byte it must hold
-  const int operations = std::is_same_v<TypeParam, host_backend> ? 600 : 300;
+  const int operations = this->on_host ? 600 : 300;
   for (int op = 0; op < operations; ++op) {
     const unsigned choice = random() % 10;
     if (live.empty() || choice < 2) {

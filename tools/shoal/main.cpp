@@ -13,8 +13,8 @@ void usage(std::FILE* out) {
   std::fputs(
       "usage: shoal <command>\n"
       "  info   the devices shoal can use, and which one is the default\n"
-      "  demo   exercise the default device: streams, events, a growable range,\n"
-      "         and a segment shared with a child process\n"
+      "  demo   walk through shoal on the default device: a stream-aware free,\n"
+      "         a lazy clone, a storage shared with a child process, allocator stats\n"
       "Environment: SHOAL_BACKEND=host|cuda forces the default device.\n",
       out);
 }
@@ -50,6 +50,9 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const shoal::error& e) {
     std::fprintf(stderr, "shoal %s: %s\n", command.c_str(), e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shoal %s: unexpected error: %s\n", command.c_str(), e.what());
     return 1;
   }
 }

@@ -8,51 +8,40 @@
 // point gets one interprocess event, created on its first export_event and
 // re-recorded by every later one.
 //
+// The device is three parts, each with its own header and locks, and the
+// device's lifetime around them:
+//   memory_  (cuda_memory.h): segments, reservations, chunks, mappings,
+//            export_memory / import_memory / close_import;
+//   streams_ (cuda_streams.h): streams, events, work on a stream, host tasks;
+//   sharing_ (cuda_event_sharing.h): interprocess events, exported and
+//            imported.
+// cuda_device.cpp: construction, teardown, device discovery;
+// cuda_device_calls.cpp: each device call handed to the part that owns it.
+//
 // Thread-safety: every member may be called from any thread at once; each
 // call makes the device current on the calling thread first. Destroying a
 // stream or event while another thread still uses it is the caller's race,
 // as on CUDA itself; using one after destroy_* returned gives
 // shoal::invalid_argument.
 //
-// Invariants (each record guarded by its mutex):
-//   segments_ = live cudaMalloc segments, base -> bytes;
-//   reservations_ = live address ranges, base -> bytes;
-//   mappings_ = chunks mapped in reservations, address -> bytes, each inside
-//     exactly one reservation and disjoint from the others;
-//   chunks_ = live chunk handles, handle -> bytes;
-//   imports_ = open imports, returned pointer -> what to close;
-//   streams_, events_ = live objects made by this device;
-//   exported_events_ = every interprocess event this device exported,
-//     source id -> event, kept until the device is destroyed (other
-//     processes may hold them); stream_sources_ = live streams that
-//     exported, stream -> source id, so a stream's event is never reused by
-//     a later stream at the same address;
-//   imported_events_ = open imported sources, event -> source id.
-// A record is removed before its resource is released, so two threads never
-// release one thing; if the release then fails, the error is thrown and the
-// record stays removed.
+// Invariants: each part keeps its records, each guarded by its mutex (see
+// the part's header). A record is removed before its resource is released,
+// so two threads never release one thing; if the release then fails, the
+// error is thrown and the record stays removed.
 #pragma once
-
-#include <cuda.h>
-#include <cuda_runtime_api.h>
 
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
-#include <shared_mutex>
 #include <span>
 #include <string>
-#include <unordered_map>
-#include <unordered_set>
-#include <vector>
 
+#include "backend/cuda/cuda_event_sharing.h"
+#include "backend/cuda/cuda_memory.h"
+#include "backend/cuda/cuda_streams.h"
 #include "shoal/backend/device.h"
 
 namespace shoal::backend::detail {
-
-struct cuda_task_failures;
 
 class cuda_device final : public device {
  public:
@@ -70,7 +59,7 @@ class cuda_device final : public device {
   void* allocate_segment(std::size_t bytes) override;
   void free_segment(void* base) override;
 
-  [[nodiscard]] std::size_t granularity() const noexcept override { return granularity_; }
+  [[nodiscard]] std::size_t granularity() const noexcept override { return memory_.granularity(); }
   void* reserve_range(std::size_t bytes) override;
   void release_range(void* base) override;
   physical_ref create_physical(std::size_t bytes) override;
@@ -107,58 +96,20 @@ class cuda_device final : public device {
   void close_event_source(imported_event_ref source) override;
 
  private:
-  struct import_record {
-    handle_kind kind;
-    std::uintptr_t base;  ///< what cudaIpcOpenMemHandle or cuMemAddressReserve returned
-    std::size_t size;     ///< reserved bytes (cuda_vmm_fd only)
-    std::vector<std::size_t> chunk_sizes;  ///< cuda_vmm_fd: chunks mapped back to back from base
-  };
-  struct exported_event {
-    cudaEvent_t event;             ///< interprocess, timing disabled; re-recorded by each export
-    cudaIpcEventHandle_t handle;   ///< fetched once, at creation
-  };
-  /// A live stream or event, kept from being destroyed while `lock` is held.
-  template <class Native>
-  struct locked {
-    std::shared_lock<std::shared_mutex> lock;
-    Native native;
-  };
-
-  void make_current() const;
-  [[nodiscard]] locked<cudaStream_t> lock_stream(stream_ref stream, const char* op) const;
-  [[nodiscard]] locked<cudaEvent_t> lock_event(event_ref event, const char* op) const;
-  [[nodiscard]] void* import_ipc(const shareable_handle& handle);
-  [[nodiscard]] void* import_vmm(std::span<const shareable_handle> chunks);
-  /// A new exported event, registered under a new source id (returned).
-  /// Requires exported_events_mutex_.
-  [[nodiscard]] std::uint64_t create_exported_event();
-
+  // Declared in construction order: the streams' failure record is made
+  // first, then the device is made current and named, then the memory asks
+  // for its granularity.
   const int ordinal_;
+  cuda_streams streams_;
   std::string name_;
-  std::size_t granularity_ = 0;
+  cuda_memory memory_;
+  cuda_event_sharing sharing_;
 
-  mutable std::mutex memory_mutex_;
-  std::map<std::uintptr_t, std::size_t> segments_;
-  std::map<std::uintptr_t, std::size_t> reservations_;
-  std::map<std::uintptr_t, std::size_t> mappings_;
-  std::unordered_map<CUmemGenericAllocationHandle, std::size_t> chunks_;
-  std::multimap<std::uintptr_t, import_record> imports_;
-
-  // Lock order: streams_mutex_ before events_mutex_, and streams_mutex_
-  // before exported_events_mutex_.
-  mutable std::shared_mutex streams_mutex_;
-  std::unordered_set<cudaStream_t> streams_;
-  mutable std::shared_mutex events_mutex_;
-  std::unordered_set<cudaEvent_t> events_;
-  std::mutex exported_events_mutex_;
-  std::unordered_map<std::uint64_t, exported_event> exported_events_;
-  std::unordered_map<cudaStream_t, std::uint64_t> stream_sources_;
-  std::shared_mutex imported_events_mutex_;
-  std::unordered_map<cudaEvent_t, std::uint64_t> imported_events_;
-
-  // Shared with pending host-task callbacks, which may run after the device
-  // is gone.
-  std::shared_ptr<cuda_task_failures> task_failures_;
+  // Lock order, for every lock of the parts: streams_'s stream registry lock
+  // comes before streams_'s event registry lock (record, wait) and before
+  // both of sharing_'s locks (destroy_stream, export_event, wait_imported).
+  // Every other lock (memory_'s, sharing_'s two, the host-task failure
+  // record's) is taken alone: nothing else is locked while it is held.
 };
 
 /// Number of CUDA devices; 0 when there is no driver or no GPU.

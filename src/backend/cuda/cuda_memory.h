@@ -1,0 +1,96 @@
+// The memory of one CUDA device as the CUDA backend hands it out: plain
+// segments (cudaMalloc, shared by legacy CUDA IPC), growable ranges (VMM:
+// cuMemAddressReserve ranges with cuMemCreate chunks mapped into them,
+// chunks exportable as POSIX fds), and imports of memory other processes
+// exported.
+//
+// Thread-safety: every member may be called from any thread at once (one
+// mutex, taken alone: no other lock is taken while it is held). Each call
+// that reaches CUDA makes the device current first. The teardown_* members
+// are the exception: they are for ~cuda_device only, when no call can run.
+//
+// Invariants (guarded by mutex_):
+//   segments_ = live cudaMalloc segments, base -> bytes;
+//   reservations_ = live address ranges, base -> bytes;
+//   mappings_ = chunks mapped in reservations, address -> bytes, each inside
+//     exactly one reservation and disjoint from the others;
+//   chunks_ = live chunk handles, handle -> bytes;
+//   imports_ = open imports, returned pointer -> what to close.
+// A record is removed before its resource is released, so two threads never
+// release one thing; if the release then fails, the error is thrown and the
+// record stays removed.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "shoal/backend/shareable_handle.h"
+#include "shoal/backend/types.h"
+
+namespace shoal::backend::detail {
+
+struct cuda_driver;
+
+class cuda_memory {
+ public:
+  /// Asks the driver for the chunk granularity of device `ordinal`, which the
+  /// calling thread has made current.
+  explicit cuda_memory(int ordinal);
+  cuda_memory(const cuda_memory&) = delete;
+  cuda_memory& operator=(const cuda_memory&) = delete;
+
+  [[nodiscard]] std::size_t granularity() const noexcept { return granularity_; }
+  [[nodiscard]] memory_info info() const;
+
+  void* allocate_segment(std::size_t bytes);
+  void free_segment(void* base);
+
+  void* reserve_range(std::size_t bytes);
+  void release_range(void* base);
+  physical_ref create_physical(std::size_t bytes);
+  void release_physical(physical_ref chunk);
+  void map(void* address, physical_ref chunk);
+  void unmap(void* address);
+
+  [[nodiscard]] shareable_handle export_memory(const void* ptr) const;
+  /// Checks the handles, then imports one segment (cuda_ipc) or maps several
+  /// chunks back to back in one range (cuda_vmm_fd).
+  void* import_memory(std::span<const shareable_handle> chunks);
+  void close_import(void* ptr);
+
+  /// Teardown, errors ignored, in the order ~cuda_device gives: first every
+  /// open import is closed, later everything else is released (mappings,
+  /// chunks, reservations, segments). The records are left as they are.
+  void teardown_imports(const cuda_driver& d) noexcept;
+  void teardown_rest(const cuda_driver& d) noexcept;
+
+ private:
+  struct import_record {
+    handle_kind kind;
+    std::uintptr_t base;  ///< what cudaIpcOpenMemHandle or cuMemAddressReserve returned
+    std::size_t size;     ///< reserved bytes (cuda_vmm_fd only)
+    std::vector<std::size_t> chunk_sizes;  ///< cuda_vmm_fd: chunks mapped back to back from base
+  };
+
+  [[nodiscard]] void* import_ipc(const shareable_handle& handle);
+  [[nodiscard]] void* import_vmm(std::span<const shareable_handle> chunks);
+
+  const int ordinal_;
+  std::size_t granularity_ = 0;
+
+  mutable std::mutex mutex_;
+  std::map<std::uintptr_t, std::size_t> segments_;
+  std::map<std::uintptr_t, std::size_t> reservations_;
+  std::map<std::uintptr_t, std::size_t> mappings_;
+  std::unordered_map<CUmemGenericAllocationHandle, std::size_t> chunks_;
+  std::multimap<std::uintptr_t, import_record> imports_;
+};
+
+}  // namespace shoal::backend::detail

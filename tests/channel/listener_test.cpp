@@ -1,0 +1,142 @@
+// The listener's private directory and its socket file: created 0700,
+// refused when open to others or not ours, a stale file replaced, an address
+// in use refused, and only its own file removed.
+#include <gtest/gtest.h>
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <string>
+
+#include "channel/channel_fixtures.h"
+#include "shoal/channel/channel.h"
+#include "shoal/core/error.h"
+#include "shoal/core/process_identity.h"
+
+namespace shoal::testing {
+namespace {
+
+using channel::channel_address;
+using channel::connection;
+using channel::listener;
+using shoal::process_identity;
+
+TEST(listener_directory, a_missing_directory_is_created_with_mode_0700) {
+  temp_dir dir;
+  const mode_t old_umask = ::umask(0);  // the mode must not depend on the umask
+  {
+    const listener server(channel_address::at_path(dir / "private/sock"), {});
+    struct stat st{};
+    ASSERT_EQ(::stat((dir / "private").c_str(), &st), 0);
+    EXPECT_TRUE(S_ISDIR(st.st_mode));
+    EXPECT_EQ(st.st_mode & 07777, 0700u);
+    EXPECT_EQ(st.st_uid, ::geteuid());
+  }
+  ::umask(old_umask);
+}
+
+TEST(listener_directory, a_directory_open_to_its_group_is_refused) {
+  temp_dir dir;
+  const std::string shared = dir / "shared";
+  ASSERT_EQ(::mkdir(shared.c_str(), 0700), 0);
+  ASSERT_EQ(::chmod(shared.c_str(), 0770), 0);
+  try {
+    const listener server(channel_address::at_path(shared + "/sock"), {});
+    ADD_FAILURE() << "a group-writable directory was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("chmod 700 " + shared), std::string::npos) << e.what();
+  }
+  EXPECT_NE(::access((shared + "/sock").c_str(), F_OK), 0) << "no socket file was made";
+}
+
+TEST(listener_directory, a_directory_of_another_user_is_refused) {
+  if (::geteuid() != 0) GTEST_SKIP() << "making a directory owned by another user needs root";
+  temp_dir dir;
+  const std::string theirs = dir / "theirs";
+  ASSERT_EQ(::mkdir(theirs.c_str(), 0700), 0);
+  ASSERT_EQ(::chown(theirs.c_str(), nobody, nobody), 0);
+  try {
+    const listener server(channel_address::at_path(theirs + "/sock"), {});
+    ADD_FAILURE() << "a directory of uid 65534 was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("belongs to uid 65534"), std::string::npos) << e.what();
+  }
+}
+
+TEST(listener_directory, a_symbolic_link_or_a_missing_parent_is_refused) {
+  temp_dir dir;
+  ASSERT_EQ(::mkdir((dir / "real").c_str(), 0700), 0);
+  ASSERT_EQ(::symlink((dir / "real").c_str(), (dir / "link").c_str()), 0);
+  EXPECT_THROW((void)listener(channel_address::at_path(dir / "link/sock"), {}), invalid_argument);
+  EXPECT_THROW((void)listener(channel_address::at_path(dir / "missing/deeper/sock"), {}), invalid_argument);
+}
+
+TEST(listener_file, a_stale_socket_file_is_replaced) {
+  temp_dir dir;
+  const auto address = channel_address::at_path(dir / "sock");
+  {  // a listener that died without removing its file
+    const unique_fd dead(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    const raw_address local = raw_address_of(address);
+    ASSERT_EQ(::bind(dead.get(), reinterpret_cast<const sockaddr*>(&local.address), local.length), 0);
+    ASSERT_EQ(::listen(dead.get(), 1), 0);
+  }
+  ASSERT_EQ(::access((dir / "sock").c_str(), F_OK), 0) << "the stale file is there";
+  listener server(address, {});
+  const connection client = connection::connect(address, {});
+  EXPECT_EQ(server.accept().peer().process, process_identity::self());
+}
+
+TEST(listener_file, an_address_in_use_is_refused_and_its_listener_keeps_working) {
+  temp_dir dir;
+  for (const auto& address : {channel_address::at_path(dir / "sock"), fresh_abstract_name()}) {
+    SCOPED_TRACE(address.to_string());
+    listener first(address, {});
+    try {
+      const listener second(address, {});
+      ADD_FAILURE() << "a second listener took the address";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("already in use"), std::string::npos) << e.what();
+    }
+    if (!address.is_abstract()) {
+      // The path's check connected once: the first listener sees that probe close at once.
+      connection probe = first.accept();
+      EXPECT_THROW((void)probe.receive(), connection_closed);
+    }
+    connection client = connection::connect(address, {});
+    connection accepted = first.accept();
+    client.send(1, bytes_of("still here"));
+    EXPECT_EQ(text_of(accepted.receive().payload), "still here");
+  }
+}
+
+TEST(listener_file, a_file_that_is_not_a_socket_is_refused_and_kept) {
+  temp_dir dir;
+  std::ofstream(dir / "sock") << "precious";
+  EXPECT_THROW((void)listener(channel_address::at_path(dir / "sock"), {}), invalid_argument);
+  std::string kept;
+  std::getline(std::ifstream(dir / "sock"), kept);
+  EXPECT_EQ(kept, "precious");
+}
+
+TEST(listener_file, the_destructor_removes_its_socket_file_and_no_other) {
+  temp_dir dir;
+  const std::string path = dir / "sock";
+  {
+    const listener server(channel_address::at_path(path), {});
+    struct stat st{};
+    ASSERT_EQ(::lstat(path.c_str(), &st), 0);
+    EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  }
+  EXPECT_NE(::access(path.c_str(), F_OK), 0) << "the socket file was removed";
+  {
+    const listener server(channel_address::at_path(path), {});
+    ASSERT_EQ(::unlink(path.c_str()), 0);
+    std::ofstream(path) << "someone else's";
+  }
+  EXPECT_EQ(::access(path.c_str(), F_OK), 0) << "a file that took the socket's place is left alone";
+}
+
+}  // namespace
+}  // namespace shoal::testing

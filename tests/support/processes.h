@@ -1,0 +1,94 @@
+// Process helpers shared by the tests: a temporary directory, a pipe, and a
+// forked child that is always reaped.
+//
+// A forked child runs only async-signal-safe calls (socket, connect, read,
+// write, setresuid, execv, _exit), since the test binary may have other
+// threads.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+#include "shoal/core/unique_fd.h"
+
+namespace shoal::testing {
+
+/// A fresh directory under /tmp, removed with everything in it.
+class temp_dir {
+ public:
+  temp_dir() {
+    char name[] = "/tmp/shoal-test-XXXXXX";
+    EXPECT_NE(::mkdtemp(name), nullptr) << std::strerror(errno);
+    path_ = name;
+  }
+  temp_dir(const temp_dir&) = delete;
+  temp_dir& operator=(const temp_dir&) = delete;
+  ~temp_dir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  [[nodiscard]] const std::string& path() const { return path_; }
+  [[nodiscard]] std::string operator/(std::string_view name) const { return path_ + "/" + std::string(name); }
+
+ private:
+  std::string path_;
+};
+
+/// A pipe whose ends are close-on-exec.
+struct pipe_ends {
+  pipe_ends() {
+    int ends[2];
+    EXPECT_EQ(::pipe2(ends, O_CLOEXEC), 0);
+    read.reset(ends[0]);
+    write.reset(ends[1]);
+  }
+  unique_fd read, write;
+};
+
+/// A forked child running `body`, whose result becomes the exit status.
+/// `body` must call only async-signal-safe functions. The destructor kills
+/// and reaps a child not yet waited for.
+class forked_child {
+ public:
+  template <typename Body>
+  explicit forked_child(Body body) {
+    pid_ = ::fork();
+    if (pid_ == 0) ::_exit(body());
+    EXPECT_GT(pid_, 0) << std::strerror(errno);
+  }
+  forked_child(const forked_child&) = delete;
+  forked_child& operator=(const forked_child&) = delete;
+  ~forked_child() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+  }
+  [[nodiscard]] pid_t pid() const { return pid_; }
+  /// Waits for the child; its exit status, or 128 + the signal that ended it.
+  int wait() {
+    int status = 0;
+    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+
+ private:
+  pid_t pid_ = -1;
+};
+
+}  // namespace shoal::testing
