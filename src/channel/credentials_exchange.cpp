@@ -6,7 +6,9 @@
 #include <cerrno>
 #include <cstring>
 #include <string>
+#include <vector>
 
+#include "core/scm_rights.h"
 #include "shoal/core/error.h"
 
 namespace shoal::channel::detail {
@@ -51,10 +53,11 @@ void send_greeting(int socket) {
 ucred receive_greeting(int socket) {
   std::array<char, greeting.size()> got{};
   std::size_t have = 0;
-  bool found = false;
+  bool found = false, truncated = false;
+  std::vector<unique_fd> descriptors;  // never part of a greeting: owned here so each is closed
   ucred theirs{};
   while (have < got.size()) {
-    alignas(cmsghdr) std::array<char, CMSG_SPACE(sizeof(ucred)) + CMSG_SPACE(sizeof(int))> control{};
+    alignas(cmsghdr) std::array<char, CMSG_SPACE(sizeof(ucred)) + CMSG_SPACE(sizeof(int) * 4)> control{};
     iovec part{got.data() + have, got.size() - have};
     msghdr m{};
     m.msg_iov = &part;
@@ -64,18 +67,19 @@ ucred receive_greeting(int socket) {
     const ssize_t n = ::recvmsg(socket, &m, MSG_CMSG_CLOEXEC);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) fail("recvmsg");
+    shoal::detail::take_descriptors(m, descriptors);
+    truncated = truncated || (m.msg_flags & MSG_CTRUNC) != 0;
     if (n == 0) throw connection_closed("recvmsg: the other end closed the socket before it introduced itself");
     for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {  // never part of a greeting: close it
-        int fd;
-        std::memcpy(&fd, CMSG_DATA(c), sizeof fd);
-        ::close(fd);
-      } else if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS && have == 0) {
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS && have == 0) {
         std::memcpy(&theirs, CMSG_DATA(c), sizeof theirs);
         found = true;
       }
     }
     have += static_cast<std::size_t>(n);
+  }
+  if (!descriptors.empty() || truncated) {
+    throw protocol_error("socketpair greeting: descriptors came with it; a greeting carries credentials only");
   }
   if (got != greeting || !found) {
     throw protocol_error("socketpair greeting: the other end did not introduce itself (expected \"SHOLCRED\" with its "

@@ -94,10 +94,27 @@ consumer_state::~consumer_state() {
   }
 }
 
+namespace {
+
+// A peer past one of sharing_options' announcement limits.
+void check_room(std::size_t announced, std::size_t limit, const char* what, const char* option) {
+  if (announced >= limit) {
+    throw protocol_error(std::string("the producer announced more than ") + std::to_string(limit) + " " + what +
+                         " at once (sharing_options::" + option + ")");
+  }
+}
+
+}  // namespace
+
 void consumer_state::add_counter_file(const counter_file_message& m, unique_fd fd) {
+  {
+    std::lock_guard lock(mutex_);
+    if (files_.contains(m.file_id)) return;  // another connection announced it first
+    check_room(files_.size(), options.max_peer_counter_files, "counter files", "max_peer_counter_files");
+  }
   auto file = std::make_shared<counter_file>(counter_file::open(std::move(fd), m.slots));
   std::lock_guard lock(mutex_);
-  files_.emplace(m.file_id, std::move(file));  // another connection may have announced it first
+  files_.emplace(m.file_id, std::move(file));
 }
 
 void consumer_state::add_segment(segment_message m) {
@@ -107,12 +124,15 @@ void consumer_state::add_segment(segment_message m) {
                          std::string(backend::to_string(allocator.device().kind())) + " device");
   }
   std::lock_guard lock(mutex_);
-  segments_.emplace(m.segment_id, std::move(m.handle));  // as for files
+  if (segments_.contains(m.segment_id)) return;  // as for files
+  check_room(segments_.size(), options.max_peer_segments, "segments", "max_peer_segments");
+  segments_.emplace(m.segment_id, std::move(m.handle));
 }
 
 void consumer_state::add_event_source(backend::event_source source) {
   std::lock_guard lock(mutex_);
   if (sources_.contains(source.source_id)) return;  // as for files
+  check_room(sources_.size(), options.max_peer_event_sources, "event sources", "max_peer_event_sources");
   backend::imported_event_ref opened;
   try {
     opened = allocator.device().open_event_source(source);
@@ -169,8 +189,13 @@ std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uin
     throw;
   } catch (const invalid_argument& e) {
     throw protocol_error(std::string("storage message: its segments cannot be mapped: ") + e.what());
+  } catch (const backend_error& e) {  // the driver refused the peer's handle
+    throw protocol_error(std::string("storage message: its segments cannot be mapped: ") + e.what());
   }
+  // What was mapped from the returned pointer on: the chunks side by side,
+  // less the first one's offset (a hostile producer may announce one).
   for (const auto& c : chunks) m->bytes += c.size;
+  m->bytes -= chunks.front().offset;
   m->segment_ids = ids;
   mappings_.emplace(ids, m);
   return m;
@@ -208,7 +233,7 @@ storage::storage consumer_state::make_storage(const storage_message& msg, backen
       if (msg.offset > m->bytes || msg.size > m->bytes - msg.offset) {
         throw protocol_error("storage message: " + std::to_string(msg.size) + " bytes at offset " +
                              std::to_string(msg.offset) + " do not fit the " + std::to_string(m->bytes) +
-                             " bytes of its segments");
+                             " bytes mapped from its segments");
       }
       m->state.fetch_add(one_view, std::memory_order_acq_rel);  // under the lock: no retire in between
     } catch (...) {

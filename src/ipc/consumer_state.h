@@ -31,8 +31,8 @@ namespace shoal::ipc::detail {
 
 /// One import of one or more producer segments, mapped back to back.
 struct mapping {
-  void* base = nullptr;           // what import_memory returned, less the first chunk's offset (0)
-  std::size_t bytes = 0;
+  void* base = nullptr;    // what import_memory returned: the first chunk's base + its offset
+  std::size_t bytes = 0;   // mapped from base on: the chunks' sizes less the first one's offset
   std::vector<std::uint64_t> segment_ids;
   // views << 1 | retired: the storages using it (counted down after their
   // streams pass) and whether the producer retired a segment of it. The one

@@ -155,7 +155,7 @@ void peer_link::release_unread() noexcept {
         channel::check_hello(f, sharing_protocol);
         hello_checked_ = true;
       } else if (f.type == static_cast<std::uint16_t>(message_type::counter_file)) {
-        receiver_->add_counter_file(decode_counter_file(f.payload, 1u << 24), std::move(f.fd));
+        receiver_->add_counter_file(decode_counter_file(f.payload, state_->options.max_peer_slots_per_file), std::move(f.fd));
       } else if (f.type == static_cast<std::uint16_t>(message_type::storage)) {
         receiver_->release_unclaimed(decode_storage(f.payload, limits_));
       }
@@ -183,7 +183,7 @@ received peer_link::receive(backend::stream_ref stream) {
       }
       switch (static_cast<message_type>(f.type)) {
         case message_type::counter_file:
-          receiver_->add_counter_file(decode_counter_file(f.payload, 1u << 24), std::move(f.fd));
+          receiver_->add_counter_file(decode_counter_file(f.payload, state_->options.max_peer_slots_per_file), std::move(f.fd));
           break;
         case message_type::segment:
           receiver_->add_segment(decode_segment(f.payload, std::move(f.fd)));

@@ -133,24 +133,21 @@ void producer_state::on_release(std::uintptr_t base, std::size_t bytes) {
 
 void producer_state::post(const std::vector<std::uint64_t>& segments, const std::vector<std::uint64_t>& files) {
   std::lock_guard lock(exports_mutex_);
-  std::erase_if(outboxes_, [](const std::weak_ptr<outbox>& w) { return w.expired(); });
-  for (auto& w : outboxes_) {
-    if (auto box = w.lock()) {
-      std::lock_guard box_lock(box->mutex);
-      box->segments.insert(box->segments.end(), segments.begin(), segments.end());
-      box->files.insert(box->files.end(), files.begin(), files.end());
-    }
+  for (auto& box : outboxes_.live()) {
+    std::lock_guard box_lock(box->mutex);
+    box->segments.insert(box->segments.end(), segments.begin(), segments.end());
+    box->files.insert(box->files.end(), files.begin(), files.end());
   }
 }
 
 void producer_state::add_receiver(const std::shared_ptr<consumer_state>& receiver) {
   std::lock_guard lock(exports_mutex_);
-  receivers_.push_back(receiver);
+  receivers_.add_unique(receiver);  // connections to one producer share a table
 }
 
 void producer_state::add_outbox(const std::shared_ptr<outbox>& box) {
   std::lock_guard lock(exports_mutex_);
-  outboxes_.push_back(box);
+  outboxes_.add(box);
 }
 
 bool producer_state::prune(std::vector<slot_ref>& slots) {
@@ -206,10 +203,7 @@ std::size_t producer_state::collect(bool reclaim) {
     std::vector<std::shared_ptr<consumer_state>> receivers;
     {
       std::lock_guard lock(exports_mutex_);
-      std::erase_if(receivers_, [](const std::weak_ptr<consumer_state>& w) { return w.expired(); });
-      for (auto& w : receivers_) {
-        if (auto r = w.lock()) receivers.push_back(std::move(r));
-      }
+      receivers = receivers_.live();
     }
     for (auto& r : receivers) r->close_finished();
   }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ipc/counters/counter_slots.h"
+#include "ipc/weak_list.h"
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/ipc/sharing_types.h"
 #include "shoal/storage/storage.h"
@@ -102,8 +103,12 @@ class producer_state : public std::enable_shared_from_this<producer_state> {
 
   mutable std::mutex exports_mutex_;
   std::map<std::uintptr_t, std::shared_ptr<exported_segment>> exports_;  // by base; guarded
-  std::vector<std::weak_ptr<outbox>> outboxes_;                            // guarded
-  std::vector<std::weak_ptr<consumer_state>> receivers_;                   // guarded
+  // One entry per live connection (receivers: per consumer table, which
+  // connections share). Connections come and go, so expired entries are
+  // swept whenever a list has doubled since its last sweep:
+  //   entries <= 2 * max(live entries at the last sweep, 16).
+  weak_list<outbox> outboxes_;           // guarded
+  weak_list<consumer_state> receivers_;  // guarded
 
   std::uint64_t miss_hook_ = 0, release_observer_ = 0;
 };

@@ -15,12 +15,43 @@
 // every slot is released: checked when a shared block is released, when the
 // allocator misses its cache, on collect(), and every collect_interval.
 //
-// Crash safety: every slot records its holder (pid and process start time).
-// When a holder dies, SIGKILL included, the collector reclaims its slots
-// within collect_interval. When the producer dies first, consumers keep the
-// memory until they drop it (tested on the host backend, and for plain
-// segments on CUDA with driver 580; see docs/architecture.md). Counter files
-// have no name after creation, so no file outlives its processes.
+// Crash safety: the producer records each reference's holder (pid and
+// process start time). When a holder dies, SIGKILL included, the collector
+// reclaims its slots within collect_interval. When the producer dies first,
+// consumers keep the memory until they drop it (tested on the host backend,
+// and for plain segments on CUDA with driver 580; see docs/architecture.md).
+// Counter memory is an anonymous memfd sealed against resizing, so no file
+// outlives its processes and no process can truncate it under another.
+//
+// Trust model. A peer is admitted by the channel (its uid allowed by the
+// access policy; a socket path in a 0700 directory) and is still untrusted:
+//   - A consumer can hold the references it was sent (pinning that memory
+//     until it releases them or dies) and give them up; nothing else. Each
+//     holder process's references are counted in counter memory of its own,
+//     and the producer trusts nothing a holder writes there beyond "this
+//     reference is released", so a consumer cannot release another's
+//     references, truncate counter memory, or stop the producer serving
+//     others. Malformed frames, messages or descriptors close that
+//     connection only (protocol_error).
+//   - Sharing exports whole segments: a consumer sent a storage can map,
+//     read and write the whole segment the storage lies in — a 2 MiB segment
+//     of the small pool, a 20 MiB or larger one of the large pool, the 2 MiB
+//     chunks of a growable segment, a whole cudaMalloc allocation on CUDA —
+//     including other blocks the allocator carved from it. Share only with
+//     processes trusted with that memory, or allocate shared storages from an
+//     allocator (or private pool) of their own.
+//   - A producer can write the memory it shared at any time (by design) and
+//     can make a consumer's receive stream wait for a point it never passes:
+//     on the host backend the wait ends with stream_error when the exporter
+//     dies; on CUDA a live producer can stall it. It cannot make a consumer
+//     map or touch memory beyond what it sent (every range is checked
+//     against what was mapped), truncate what it sent (segments and counter
+//     memory are sealed memfds on the host backend), or exhaust the
+//     consumer's descriptors past sharing_options::max_peer_*.
+//   - Waits on a peer: receive() blocks until a message or the peer's end.
+//   - References belong to the process that connected: one that forks after
+//     receiving does not make its child a holder, and once it exits its
+//     references are reclaimed even if the child still maps the memory.
 //
 // Ordering: the producer's writes enqueued before send() on the send stream
 // are passed before any work the receiver enqueues on its receive stream.

@@ -28,6 +28,19 @@ struct sharing_options {
   /// meanwhile saves the wake-up of a blocked thread (~5 us each way) at the
   /// cost of a busy core for that long. Zero: never spin.
   std::chrono::microseconds receive_spin{50};
+
+  // What one producer process may have announced to this process at once
+  // (its connections together; retired resources no longer count). Each
+  // announcement holds a descriptor or a mapping here, so a peer past a
+  // limit is refused with protocol_error and its connection closed.
+  /// Producer segments (or growable-segment chunks) announced.
+  std::size_t max_peer_segments = 65536;
+  /// Counter files announced.
+  std::size_t max_peer_counter_files = 1024;
+  /// Event sources announced (one per producer stream that sent).
+  std::size_t max_peer_event_sources = 1024;
+  /// Slots in one announced counter file (32 bytes each).
+  std::uint32_t max_peer_slots_per_file = 1u << 16;
 };
 
 struct sharing_stats {

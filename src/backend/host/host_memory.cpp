@@ -81,6 +81,12 @@ std::size_t importable_bytes(std::span<const shareable_handle> chunks) {
     if (!S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
       throw invalid_argument(which + ": the descriptor is not a sealed shoal memfd");
     }
+    // Mapped read-write below: a read-only descriptor or a write seal is the
+    // sender's error, told as such rather than as a failing mmap.
+    const int access = ::fcntl(h.fd.get(), F_GETFL);
+    if (access < 0 || (access & O_ACCMODE) != O_RDWR || (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) {
+      throw invalid_argument(which + ": the descriptor cannot be mapped for writing (read-only, or sealed against writes)");
+    }
     if (static_cast<std::uint64_t>(st.st_size) < h.size) {
       throw invalid_argument(which + " claims " + std::to_string(h.size) + " bytes but the file holds " +
                              std::to_string(st.st_size));

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <new>
+#include <string>
 
 #include "shoal/core/error.h"
 
@@ -17,7 +18,10 @@ namespace shoal::ipc::detail {
 namespace {
 
 constexpr std::uint64_t file_magic = 0x31435248414f4853ULL;  // "SHOAHRC1"
-constexpr std::uint32_t file_version = 1;
+constexpr std::uint32_t file_version = 2;  // 2: a sealed memfd, one holder per file
+// What counter memory must carry, and must not.
+constexpr int required_seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+constexpr int write_seals = F_SEAL_WRITE | F_SEAL_FUTURE_WRITE;
 
 constexpr std::uint64_t pack(std::uint32_t generation, slot_state state) noexcept {
   return (static_cast<std::uint64_t>(generation) << 2) | static_cast<std::uint64_t>(state);
@@ -47,15 +51,14 @@ struct counter_file::slot {
 static_assert(sizeof(counter_file::slot) == 32);
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free, "slots are shared between processes");
 
-counter_file::counter_file(unique_fd fd, void* mapping, std::size_t bytes, std::uint32_t slots, std::string name)
-    : fd_(std::move(fd)), mapping_(mapping), bytes_(bytes), slots_(slots), name_(std::move(name)) {}
+counter_file::counter_file(unique_fd fd, void* mapping, std::size_t bytes, std::uint32_t slots)
+    : fd_(std::move(fd)), mapping_(mapping), bytes_(bytes), slots_(slots) {}
 
 counter_file::counter_file(counter_file&& other) noexcept
     : fd_(std::move(other.fd_)),
       mapping_(std::exchange(other.mapping_, nullptr)),
       bytes_(other.bytes_),
-      slots_(other.slots_),
-      name_(std::move(other.name_)) {}
+      slots_(other.slots_) {}
 
 counter_file::~counter_file() {
   if (mapping_ != nullptr) ::munmap(mapping_, bytes_);
@@ -63,17 +66,12 @@ counter_file::~counter_file() {
 
 counter_file counter_file::create(std::uint32_t slots) {
   if (slots == 0) throw invalid_argument("counter_file::create: a counter file needs at least one slot");
-  static std::atomic<std::uint64_t> next{0};
   const process_identity self = process_identity::self();
-  const std::string name = "/shoal-" + std::to_string(::getuid()) + "-rc-" + std::to_string(self.pid) + "-" +
-                           std::to_string(next.fetch_add(1));
-  unique_fd fd(::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600));
-  if (!fd) fail("shm_open");
-  // No name outlives this call: the file travels by descriptor from now on.
-  ::shm_unlink(name.c_str());
-  if (::fchmod(fd.get(), 0600) != 0) fail("fchmod");  // whatever the umask did
+  unique_fd fd(::memfd_create("shoal-counters", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd) fail("memfd_create");
   const std::size_t bytes = sizeof(header) + std::size_t{slots} * sizeof(slot);
   if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) fail("ftruncate");
+  if (::fcntl(fd.get(), F_ADD_SEALS, required_seals) != 0) fail("fcntl(F_ADD_SEALS)");
   void* mapping = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (mapping == MAP_FAILED) fail("mmap");
   // ftruncate gave zeroes: every slot is free at generation 0.
@@ -83,12 +81,21 @@ counter_file counter_file::create(std::uint32_t slots) {
   h->creator_pid = self.pid;
   h->creator_start_time = self.start_time;
   std::atomic_ref<std::uint64_t>(h->magic).store(file_magic, std::memory_order_release);
-  return counter_file(std::move(fd), mapping, bytes, slots, name);
+  return counter_file(std::move(fd), mapping, bytes, slots);
 }
 
 counter_file counter_file::open(unique_fd fd, std::uint32_t slots) {
   if (!fd) throw protocol_error("counter file: no descriptor came with the message");
   if (slots == 0) throw protocol_error("counter file: a slot count of 0 was announced");
+  const int access = ::fcntl(fd.get(), F_GETFL);
+  if (access < 0 || (access & O_ACCMODE) != O_RDWR) {
+    throw protocol_error("counter file: the descriptor is not open for reading and writing");
+  }
+  const int seals = ::fcntl(fd.get(), F_GET_SEALS);
+  if (seals < 0 || (seals & required_seals) != required_seals || (seals & write_seals) != 0) {
+    throw protocol_error("counter file: the descriptor is not a memfd sealed against shrinking, growing and new "
+                         "seals, and open for writes (anyone could truncate it under this process)");
+  }
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) fail("fstat");
   const std::size_t bytes = sizeof(header) + std::size_t{slots} * sizeof(slot);
@@ -98,14 +105,16 @@ counter_file counter_file::open(unique_fd fd, std::uint32_t slots) {
                          std::to_string(st.st_size) + ")");
   }
   void* mapping = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
-  if (mapping == MAP_FAILED) fail("mmap");
+  if (mapping == MAP_FAILED) {
+    throw protocol_error(std::string("counter file: the descriptor cannot be mapped read-write: ") + std::strerror(errno));
+  }
   const auto* h = static_cast<const header*>(mapping);
   if (std::atomic_ref<const std::uint64_t>(h->magic).load(std::memory_order_acquire) != file_magic ||
       h->version != file_version || h->slots != slots) {
     ::munmap(mapping, bytes);
     throw protocol_error("counter file: bad header (magic, version or slot count do not match)");
   }
-  return counter_file(std::move(fd), mapping, bytes, slots, "");
+  return counter_file(std::move(fd), mapping, bytes, slots);
 }
 
 counter_file::slot& counter_file::at(std::uint32_t index) const noexcept {
@@ -113,17 +122,11 @@ counter_file::slot& counter_file::at(std::uint32_t index) const noexcept {
   return first[index];
 }
 
-slot_ticket counter_file::claim(std::uint32_t index, const process_identity& holder) {
-  slot& s = at(index);
-  const std::uint64_t word = s.word.load(std::memory_order_relaxed);
-  if ((word & 3) != static_cast<std::uint64_t>(slot_state::free)) {
-    throw invalid_argument("counter_file::claim: slot " + std::to_string(index) + " is not free");
-  }
-  const auto generation = static_cast<std::uint32_t>((word >> 2) + 1);
+void counter_file::claim(slot_ticket t, const process_identity& holder) noexcept {
+  slot& s = at(t.index);
   s.holder_pid = holder.pid;
   s.holder_start_time = holder.start_time;
-  s.word.store(pack(generation, slot_state::held), std::memory_order_release);
-  return {index, generation};
+  s.word.store(pack(t.generation, slot_state::held), std::memory_order_release);
 }
 
 bool counter_file::released(slot_ticket t) const noexcept {
@@ -134,18 +137,10 @@ void counter_file::recycle(slot_ticket t) noexcept {
   at(t.index).word.store(pack(t.generation, slot_state::free), std::memory_order_relaxed);
 }
 
-std::optional<slot_ticket> counter_file::held_ticket(std::uint32_t index) const noexcept {
-  const std::uint64_t word = at(index).word.load(std::memory_order_acquire);
-  if ((word & 3) != static_cast<std::uint64_t>(slot_state::held)) return std::nullopt;
-  return slot_ticket{index, static_cast<std::uint32_t>(word >> 2)};
+bool counter_file::take_back(slot_ticket t) noexcept {
+  return at(t.index).word.exchange(pack(t.generation, slot_state::released), std::memory_order_acq_rel) !=
+         pack(t.generation, slot_state::released);
 }
-
-process_identity counter_file::holder(std::uint32_t index) const noexcept {
-  const slot& s = at(index);
-  return {static_cast<pid_t>(s.holder_pid), s.holder_start_time};
-}
-
-bool counter_file::reclaim(slot_ticket t) noexcept { return release(t); }
 
 bool counter_file::holds(slot_ticket t) const noexcept {
   return t.index < slots_ && at(t.index).word.load(std::memory_order_acquire) == pack(t.generation, slot_state::held);

@@ -1,21 +1,33 @@
-// A reference-counter file: POSIX shared memory holding many slots, each the
-// count of one reference a holder process has on shared memory.
+// A reference-counter file: sealed shared memory holding many slots, each
+// the count of one reference a holder process has on shared memory.
 //
-// The producer creates the file (mode 0600, name "/shoal-<uid>-rc-<pid>-<n>")
-// and unlinks the name at once: the memory lives while some process maps it
-// and travels by descriptor (SCM_RIGHTS), so no name can outlive the
-// processes, whatever way they end.
+// The producer creates it as a memfd sealed against shrinking and growing
+// (and against further seals), so no process that maps it — a consumer
+// included — can truncate it under the others (SIGBUS); it has no name, so
+// nothing is left in /dev/shm whatever way a process ends, and no other user
+// can squat on a name. It travels by descriptor (SCM_RIGHTS). A consumer
+// refuses counter memory that is not such a memfd, read-write and unsealed
+// for writes (protocol_error).
+//
+// One file counts the references of one holder process (counter_slots.h):
+// every writer of a file is its producer or its one holder, so a holder can
+// only ever move its own slots. The producer keeps the truth of its own
+// side (which slots it handed out, under which generation) privately, and
+// reads only one thing back: whether a slot's word is exactly "released
+// under the generation it was handed out with".
 //
 // A slot is one 64-bit word, generation << 2 | state:
-//   free -> held       the producer claims it for a holder (pid + start time
-//                      written first, then the word, with release order);
+//   free -> held       the producer claims it for the file's holder (holder
+//                      pid + start time written first, for diagnosis, then
+//                      the word, with release order);
 //   held -> released   the holder drops its reference (one compare-exchange
 //                      on the exact word, so a stale release of an earlier
 //                      generation can never hit a reused slot), or the
-//                      producer reclaims it for a holder that died;
-//   released -> free   the producer recycles it, bumping the generation.
-// Only the producer moves slots out of free or released; so a holder and the
-// producer never race except on held -> released, which is one CAS.
+//                      producer takes it back from a holder that died;
+//   released -> free   the producer recycles it.
+// The producer stores its words outright rather than trusting what it finds,
+// so whatever a holder writes into a free slot is overwritten at the next
+// claim.
 //
 // Thread-safety: the word operations are atomic across processes; mapping
 // and unmapping belong to one owner.
@@ -26,8 +38,6 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <optional>
-#include <string>
 
 #include "shoal/core/process_identity.h"
 #include "shoal/core/unique_fd.h"
@@ -48,8 +58,9 @@ class counter_file {
 
   /// Creates a new file of `slots` free slots, owned by this process.
   static counter_file create(std::uint32_t slots);
-  /// Maps a file another process created, received as `fd`; validates its
-  /// header (protocol_error when it is not a counter file of `slots` slots).
+  /// Maps a file another process created, received as `fd`. protocol_error
+  /// when it is not a sealed memfd (shrink, grow and seal seals; no write
+  /// seal) opened read-write, of exactly `slots` slots, with a valid header.
   static counter_file open(unique_fd fd, std::uint32_t slots);
 
   counter_file(counter_file&& other) noexcept;
@@ -59,22 +70,18 @@ class counter_file {
 
   [[nodiscard]] std::uint32_t slot_count() const noexcept { return slots_; }
   [[nodiscard]] int fd() const noexcept { return fd_.get(); }
-  /// The name it had for the moment it was created (for messages).
-  [[nodiscard]] const std::string& name() const noexcept { return name_; }
 
   // ---- producer side
-  /// Marks free slot `index` held by `holder`; returns its ticket.
-  slot_ticket claim(std::uint32_t index, const process_identity& holder);
-  /// True when the reference of `ticket` was released (or reclaimed).
+  /// Marks slot `ticket.index` held by `holder` under `ticket.generation`,
+  /// whatever the slot held before.
+  void claim(slot_ticket ticket, const process_identity& holder) noexcept;
+  /// True when the reference of `ticket` was released (or taken back).
   [[nodiscard]] bool released(slot_ticket ticket) const noexcept;
-  /// Makes a released slot free again (the next claim bumps the generation).
+  /// Makes a released slot free again.
   void recycle(slot_ticket ticket) noexcept;
-  /// The ticket of slot `index` when it is held, else nothing.
-  [[nodiscard]] std::optional<slot_ticket> held_ticket(std::uint32_t index) const noexcept;
-  /// The holder a held slot records.
-  [[nodiscard]] process_identity holder(std::uint32_t index) const noexcept;
-  /// held -> released for a holder that died; false if it was released first.
-  bool reclaim(slot_ticket ticket) noexcept;
+  /// Marks `ticket` released whatever its word says: its holder died.
+  /// False when it was released already.
+  bool take_back(slot_ticket ticket) noexcept;
 
   // ---- holder side
   /// True when `ticket` names a slot held right now under that generation.
@@ -84,14 +91,13 @@ class counter_file {
   bool release(slot_ticket ticket) noexcept;
 
  private:
-  counter_file(unique_fd fd, void* mapping, std::size_t bytes, std::uint32_t slots, std::string name);
+  counter_file(unique_fd fd, void* mapping, std::size_t bytes, std::uint32_t slots);
   [[nodiscard]] slot& at(std::uint32_t index) const noexcept;
 
   unique_fd fd_;
   void* mapping_ = nullptr;
   std::size_t bytes_ = 0;
   std::uint32_t slots_ = 0;
-  std::string name_;
 };
 
 }  // namespace shoal::ipc::detail

@@ -1,42 +1,46 @@
 #include "ipc/counters/counter_slots.h"
 
-#include "core/process_wide_id.h"
-
 #include <string>
 #include <utility>
 
+#include "core/process_wide_id.h"
 #include "shoal/core/error.h"
 
 namespace shoal::ipc::detail {
+
+namespace {
+
+bool same_process(const process_identity& a, const process_identity& b) {
+  return a.pid == b.pid && a.start_time == b.start_time;
+}
+
+}  // namespace
 
 counter_slots::counter_slots(std::uint32_t slots_per_file) : slots_per_file_(slots_per_file) {
   if (slots_per_file == 0) throw invalid_argument("sharing: slots_per_file is 0; a counter file needs at least one slot");
 }
 
-slot_ref counter_slots::claim(const process_identity& holder) {
-  // Lowest file id with a free slot: keeps references packed into few files.
-  file_entry* target = nullptr;
-  std::uint64_t target_id = 0;
+std::pair<std::uint64_t, counter_slots::file_entry*> counter_slots::file_for(const process_identity& holder) {
   for (auto& [id, e] : files_) {
-    if (!e->free_slots.empty()) {
-      target = e.get();
-      target_id = id;
-      break;
-    }
+    if (same_process(e->holder, holder) && !e->holder_dead && !e->free_slots.empty()) return {id, e.get()};
   }
-  if (target == nullptr) {
-    target_id = shoal::detail::next_process_wide_id();
-    auto e = std::make_unique<file_entry>(file_entry{counter_file::create(slots_per_file_), {}, 0});
-    e->free_slots.reserve(slots_per_file_);
-    for (std::uint32_t i = slots_per_file_; i > 0; --i) e->free_slots.push_back(i - 1);
-    target = files_.emplace(target_id, std::move(e)).first->second.get();
-  }
-  const std::uint32_t index = target->free_slots.back();
-  const slot_ticket ticket = target->file.claim(index, holder);
-  target->free_slots.pop_back();
-  ++target->in_use;
+  const std::uint64_t id = shoal::detail::next_process_wide_id();
+  auto e = std::make_unique<file_entry>(file_entry{counter_file::create(slots_per_file_), holder, false, {}, {}, {}});
+  e->free_slots.reserve(slots_per_file_);
+  for (std::uint32_t i = slots_per_file_; i > 0; --i) e->free_slots.push_back(i - 1);
+  e->generations.assign(slots_per_file_, 0);
+  return {id, files_.emplace(id, std::move(e)).first->second.get()};
+}
+
+slot_ref counter_slots::claim(const process_identity& holder) {
+  auto [file_id, e] = file_for(holder);
+  const std::uint32_t index = e->free_slots.back();
+  const slot_ticket ticket{index, ++e->generations[index]};
+  e->file.claim(ticket, holder);
+  e->free_slots.pop_back();
+  e->handed_out.emplace(index, ticket.generation);
   ++in_use_;
-  return {target_id, ticket};
+  return {file_id, ticket};
 }
 
 bool counter_slots::released(const slot_ref& slot) const {
@@ -49,29 +53,42 @@ void counter_slots::release(const slot_ref& slot) { entry(slot.file_id).file.rel
 void counter_slots::recycle(const slot_ref& slot) {
   file_entry& e = entry(slot.file_id);
   e.file.recycle(slot.ticket);
+  e.handed_out.erase(slot.ticket.index);
   e.free_slots.push_back(slot.ticket.index);
-  --e.in_use;
   --in_use_;
-  if (e.in_use == 0 && slot.file_id != files_.rbegin()->first) {
-    files_.erase(slot.file_id);
-    closed_.push_back(slot.file_id);
+  close_if_unused(slot.file_id, e);
+}
+
+void counter_slots::close_if_unused(std::uint64_t file_id, const file_entry& e) {
+  if (!e.handed_out.empty()) return;
+  if (!e.holder_dead) {
+    for (auto it = files_.rbegin(); it != files_.rend(); ++it) {
+      if (same_process(it->second->holder, e.holder)) {
+        if (it->first == file_id) return;  // the living holder's newest stays for its next claims
+        break;
+      }
+    }
   }
+  files_.erase(file_id);
+  closed_.push_back(file_id);
 }
 
 std::size_t counter_slots::reclaim_dead_holders() {
   std::size_t reclaimed = 0;
+  std::vector<std::uint64_t> unused;
   std::map<std::pair<pid_t, std::uint64_t>, bool> alive;  // one /proc read per holder
   for (auto& [id, e] : files_) {
-    if (e->in_use == 0) continue;
-    for (std::uint32_t i = 0; i < slots_per_file_; ++i) {
-      const auto held = e->file.held_ticket(i);
-      if (!held) continue;
-      const process_identity holder = e->file.holder(i);
-      auto [it, fresh] = alive.try_emplace({holder.pid, holder.start_time}, false);
-      if (fresh) it->second = is_alive(holder);
-      if (!it->second && e->file.reclaim(*held)) ++reclaimed;
+    if (e->holder_dead) continue;
+    auto [it, fresh] = alive.try_emplace({e->holder.pid, e->holder.start_time}, false);
+    if (fresh) it->second = is_alive(e->holder);
+    if (it->second) continue;
+    e->holder_dead = true;
+    for (const auto& [index, generation] : e->handed_out) {
+      if (e->file.take_back({index, generation})) ++reclaimed;
     }
+    if (e->handed_out.empty()) unused.push_back(id);
   }
+  for (auto id : unused) close_if_unused(id, *files_.at(id));
   return reclaimed;
 }
 

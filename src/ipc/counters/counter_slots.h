@@ -1,10 +1,19 @@
-// The producer's reference-counter slots over any number of counter files.
+// The producer's reference-counter slots over any number of counter files,
+// one holder process per file.
 //
-// A new file is created when every slot is taken; a file whose last slot is
-// freed is closed (its memory goes once consumers close it too), except the
-// newest, which stays for the next claims. Freed slots are reused first.
+// Each file counts the references of one holder (counter_file.h), so what a
+// holder writes into its file can only ever concern its own references, and
+// nothing it writes can stop the producer serving other holders. Which slots
+// are handed out, to whom and under which generation is kept here, in the
+// producer's own memory: decisions never rest on what a holder can write
+// (a dead holder is recognised by this record, not by the slot's fields).
 //
-// Thread-safety: none; the sharing state's mutex guards it.
+// A holder's new file is created when its files are full; a file whose last
+// slot is freed is closed (its memory goes once its holder closes it too),
+// except the holder's newest while the holder lives. Freed slots are reused
+// first.
+//
+// Thread-safety: none; the producer state's mutex guards it.
 #pragma once
 
 #include <cstdint>
@@ -25,14 +34,15 @@ class counter_slots {
  public:
   explicit counter_slots(std::uint32_t slots_per_file);
 
-  /// A slot held by `holder`.
+  /// A slot held by `holder`, in one of that holder's files.
   slot_ref claim(const process_identity& holder);
   [[nodiscard]] bool released(const slot_ref& slot) const;
   /// Releases a held slot as its holder would (a share that never arrived).
   void release(const slot_ref& slot);
-  /// Frees a released slot; may close its file (see file_closed).
+  /// Frees a released slot; may close its file (see take_closed_files).
   void recycle(const slot_ref& slot);
-  /// Marks released every held slot whose holder has died; returns how many.
+  /// Marks released every slot handed out to a holder that has died;
+  /// returns how many.
   std::size_t reclaim_dead_holders();
 
   [[nodiscard]] const counter_file& file(std::uint64_t file_id) const;
@@ -45,10 +55,18 @@ class counter_slots {
  private:
   struct file_entry {
     counter_file file;
-    std::vector<std::uint32_t> free_slots;  // indices never handed out are in here too
-    std::uint32_t in_use = 0;
+    process_identity holder;
+    bool holder_dead = false;
+    std::vector<std::uint32_t> free_slots;   // indices never handed out are in here too
+    std::vector<std::uint32_t> generations;  // per slot, the last generation handed out
+    std::map<std::uint32_t, std::uint32_t> handed_out;  // index -> generation, until recycled
   };
   file_entry& entry(std::uint64_t file_id);
+  /// The holder's file with a free slot (lowest id), or a new one.
+  std::pair<std::uint64_t, file_entry*> file_for(const process_identity& holder);
+  /// Closes the file when nothing of it is handed out and it is not its
+  /// living holder's newest.
+  void close_if_unused(std::uint64_t file_id, const file_entry& e);
 
   const std::uint32_t slots_per_file_;
   std::map<std::uint64_t, std::unique_ptr<file_entry>> files_;

@@ -1,0 +1,66 @@
+// The socketpair greeting (connection::adopt_pair_end) carries credentials
+// only: descriptors sent with it are closed and the greeting refused.
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <fcntl.h>
+
+#include <array>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "shoal/channel/channel.h"
+#include "shoal/core/error.h"
+#include "support/descriptors.h"
+
+namespace shoal::testing {
+namespace {
+
+// The other end's greeting, by hand: "SHOLCRED" with its credentials and,
+// unasked for, `extra` descriptors.
+void send_greeting_with_descriptors(int socket, const std::vector<int>& extra) {
+  const int on = 1;
+  ASSERT_EQ(::setsockopt(socket, SOL_SOCKET, SO_PASSCRED, &on, sizeof on), 0);
+  const ucred mine{::getpid(), ::geteuid(), ::getegid()};
+  alignas(cmsghdr) std::array<char, CMSG_SPACE(sizeof(ucred)) + CMSG_SPACE(sizeof(int) * 8)> control{};
+  char text[] = "SHOLCRED";
+  iovec part{text, 8};
+  msghdr m{};
+  m.msg_iov = &part;
+  m.msg_iovlen = 1;
+  m.msg_control = control.data();
+  m.msg_controllen = CMSG_SPACE(sizeof(ucred)) + CMSG_SPACE(sizeof(int) * extra.size());
+  cmsghdr* c = CMSG_FIRSTHDR(&m);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_CREDENTIALS;
+  c->cmsg_len = CMSG_LEN(sizeof(ucred));
+  std::memcpy(CMSG_DATA(c), &mine, sizeof mine);
+  c = CMSG_NXTHDR(&m, c);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int) * extra.size());
+  std::memcpy(CMSG_DATA(c), extra.data(), sizeof(int) * extra.size());
+  ASSERT_EQ(::sendmsg(socket, &m, MSG_NOSIGNAL), 8);
+}
+
+TEST(greeting, descriptors_sent_with_a_greeting_are_closed_and_the_greeting_refused) {
+  for (std::size_t count : {1u, 3u, 8u}) {
+    int fds[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
+    unique_fd theirs(fds[1]);
+    int pipe_fds[2];
+    ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
+    unique_fd read_end(pipe_fds[0]), write_end(pipe_fds[1]);
+    const std::size_t before = open_descriptor_count();
+    std::thread other([&] { send_greeting_with_descriptors(theirs.get(), std::vector<int>(count, read_end.get())); });
+    EXPECT_THROW((void)channel::connection::adopt_pair_end(unique_fd(fds[0]), {}), protocol_error) << count << " descriptors";
+    other.join();
+    theirs.reset();
+    EXPECT_EQ(open_descriptor_count(), before - 2) << "every descriptor that came was closed (and both ends of the pair)";
+  }
+}
+
+}  // namespace
+}  // namespace shoal::testing

@@ -1,0 +1,236 @@
+// A hostile consumer gets nowhere: it can give up its own references and
+// nothing else. It cannot truncate counter memory under the producer, touch
+// another consumer's references, or stop the producer serving others; and a
+// producer's counter memory that could be truncated, or not written, is
+// refused with a protocol error that closes that connection.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/devices.h"
+#include "shoal/channel/channel.h"
+#include "shoal/channel/protocol.h"
+#include "shoal/core/error.h"
+#include "shoal/ipc/sharing.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+constexpr std::size_t kib = 1024;
+constexpr std::uint16_t counter_file_type = 1, storage_type = 4;  // src/ipc/messages.h
+
+std::pair<channel::connection, channel::connection> connected_pair() {
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) throw std::runtime_error("socketpair");
+  return {channel::connection::adopt(unique_fd(fds[0]), {}, 1 << 20), channel::connection::adopt(unique_fd(fds[1]), {}, 1 << 20)};
+}
+
+struct in_process_producer {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator producer_allocator{dev, {}};
+  alloc::caching_allocator consumer_allocator{dev, {}};
+  ipc::sharing_context producer{producer_allocator, {.collect_interval = 0ms}};
+  ipc::sharing_context consumer{consumer_allocator, {.collect_interval = 0ms}};
+
+  /// The frames of one real share (hello, counter file, segment, storage).
+  std::vector<channel::frame> capture_share() {
+    auto [to_capture, capture] = connected_pair();
+    ipc::peer sender(producer, std::move(to_capture));
+    sender.send(storage::storage::allocate(producer_allocator, 8 * kib, {}), {}, {});
+    std::vector<channel::frame> frames;
+    do {
+      frames.push_back(capture.receive());
+    } while (frames.back().type != storage_type);
+    return frames;
+  }
+
+  /// Replays `frames` to a fresh consumer peer and receives once.
+  ipc::received replay(const std::vector<channel::frame>& frames) {
+    auto [from, to] = connected_pair();
+    ipc::peer receiver(consumer, std::move(to));
+    for (const auto& f : frames) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
+    return receiver.receive({});
+  }
+};
+
+channel::frame& counter_frame(std::vector<channel::frame>& frames) {
+  for (auto& f : frames) {
+    if (f.type == counter_file_type) return f;
+  }
+  throw std::runtime_error("no counter file announced");
+}
+
+/// A memfd with the same bytes as `original`, sealed with `seals` (none: unsealed).
+unique_fd copy_of(int original, int seals) {
+  struct stat st {};
+  if (::fstat(original, &st) != 0) throw std::runtime_error("fstat");
+  unique_fd copy(::memfd_create("copy", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  std::vector<char> bytes(static_cast<std::size_t>(st.st_size));
+  if (::pread(original, bytes.data(), bytes.size(), 0) != st.st_size) throw std::runtime_error("pread");
+  if (::write(copy.get(), bytes.data(), bytes.size()) != st.st_size) throw std::runtime_error("write");
+  if (seals != 0 && ::fcntl(copy.get(), F_ADD_SEALS, seals) != 0) throw std::runtime_error("F_ADD_SEALS");
+  return copy;
+}
+
+std::string refusal_of(in_process_producer& p, std::vector<channel::frame>& frames) {
+  try {
+    (void)p.replay(frames);
+  } catch (const protocol_error& e) {
+    return e.what();
+  }
+  return "accepted";
+}
+
+TEST(hostile_consumer, counter_memory_cannot_be_truncated_by_a_consumer) {
+  in_process_producer p;
+  auto frames = p.capture_share();
+  const int fd = counter_frame(frames).fd.get();
+  EXPECT_EQ(::ftruncate(fd, 0), -1) << "a consumer shrank the producer's counters (the producer would die of SIGBUS)";
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(::ftruncate(fd, 1 << 30), -1) << "a consumer grew the producer's counters";
+  EXPECT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE), -1) << "a consumer sealed the producer's counters against writes";
+  EXPECT_EQ(p.replay(frames).storage.size(), 8 * kib) << "the real counter memory is accepted";
+}
+
+TEST(hostile_consumer, counter_memory_is_named_nowhere) {
+  in_process_producer p;
+  auto frames = p.capture_share();
+  char link[64];
+  const std::string path = "/proc/self/fd/" + std::to_string(counter_frame(frames).fd.get());
+  const ssize_t n = ::readlink(path.c_str(), link, sizeof link - 1);
+  ASSERT_GT(n, 0);
+  EXPECT_TRUE(std::string(link, static_cast<std::size_t>(n)).starts_with("/memfd:"))
+      << "counter memory is an anonymous memfd, not a name in /dev/shm: " << std::string(link, static_cast<std::size_t>(n));
+}
+
+TEST(hostile_producer, counter_memory_that_could_be_truncated_is_refused) {
+  in_process_producer p;
+  auto frames = p.capture_share();
+  channel::frame& counters = counter_frame(frames);
+  counters.fd = copy_of(counters.fd.get(), 0);  // the same bytes, unsealed
+  const std::string why = refusal_of(p, frames);
+  EXPECT_NE(why.find("sealed"), std::string::npos) << why;
+}
+
+TEST(hostile_producer, counter_memory_sealed_against_writes_is_a_protocol_error) {
+  in_process_producer p;
+  auto frames = p.capture_share();
+  channel::frame& counters = counter_frame(frames);
+  counters.fd = copy_of(counters.fd.get(), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+  EXPECT_NE(refusal_of(p, frames), "accepted");
+}
+
+TEST(hostile_producer, read_only_counter_memory_is_a_protocol_error) {
+  in_process_producer p;
+  auto frames = p.capture_share();
+  channel::frame& counters = counter_frame(frames);
+  const std::string path = "/proc/self/fd/" + std::to_string(counters.fd.get());
+  counters.fd = unique_fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(counters.fd);
+  const std::string why = refusal_of(p, frames);
+  EXPECT_NE(why.find("reading and writing"), std::string::npos) << why;
+}
+
+// Consumer B, another process, receives a share and then writes into every
+// slot of the counter memory it was given: held slots marked released
+// (another consumer's references, if they were there) and free slots marked
+// held (so a later claim would find them taken).
+[[noreturn]] void run_scribbling_consumer(int socket_end, int done_pipe) {
+  int status = 1;
+  try {
+    auto link = channel::connection::adopt_pair_end(unique_fd(socket_end), {}, 1 << 20);
+    unique_fd counters;
+    std::uint32_t slots = 0;
+    for (;;) {
+      channel::frame f = link.receive();
+      if (f.type == counter_file_type) {
+        std::memcpy(&slots, f.payload.data() + 8, sizeof slots);
+        counters = std::move(f.fd);
+      }
+      if (f.type == storage_type) break;
+    }
+    const std::size_t bytes = 64 + std::size_t{slots} * 32;
+    void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, counters.get(), 0);
+    if (m == MAP_FAILED) throw std::runtime_error("mmap");
+    for (std::uint32_t i = 0; i < slots; ++i) {
+      auto* word = reinterpret_cast<std::atomic<std::uint64_t>*>(static_cast<char*>(m) + 64 + std::size_t{i} * 32);
+      const std::uint64_t w = word->load();
+      word->store((w & 3) == 1 ? (w & ~std::uint64_t{3}) | 2 : (std::uint64_t{7} << 2) | 1);
+    }
+    status = 0;
+    const char done = 0;
+    (void)::write(done_pipe, &done, 1);
+    char wait_for_parent;
+    (void)::read(done_pipe, &wait_for_parent, 1);  // alive and connected until told (a dead holder's slots are reclaimed)
+  } catch (...) {
+    const char failed = 1;
+    (void)::write(done_pipe, &failed, 1);
+  }
+  ::_exit(status);
+}
+
+TEST(hostile_consumer, a_consumer_cannot_release_another_consumers_references_or_stop_the_producer) {
+  in_process_producer p;
+  int pair[2], pipe_ends[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pipe_ends), 0);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(pair[0]);
+    ::close(pipe_ends[0]);
+    run_scribbling_consumer(pair[1], pipe_ends[1]);
+  }
+  ::close(pair[1]);
+  ::close(pipe_ends[1]);
+  unique_fd to_child_done(pipe_ends[0]);
+
+  // Consumer A, this process, holds storage X.
+  auto [to_a, a_end] = connected_pair();
+  ipc::peer producer_to_a(p.producer, std::move(to_a));
+  ipc::peer consumer_a(p.consumer, std::move(a_end));
+  auto x = storage::storage::allocate(p.producer_allocator, 8 * kib, {});
+  producer_to_a.send(x, {}, {});
+  ipc::received held_by_a = consumer_a.receive({});
+  ASSERT_TRUE(held_by_a.storage.valid());
+
+  // Consumer B, the child, gets storage Y and scribbles over its counters.
+  ipc::peer producer_to_b(p.producer, channel::connection::adopt_pair_end(unique_fd(pair[0]), {}, 1 << 20));
+  producer_to_b.send(storage::storage::allocate(p.producer_allocator, 8 * kib, {}), {}, {});
+  char done = 1;
+  ASSERT_EQ(::read(to_child_done.get(), &done, 1), 1);
+  ASSERT_EQ(done, 0) << "the hostile consumer could not run";
+
+  x = storage::storage();  // the producer's last handle: X now waits for A alone
+  p.producer.collect();
+  EXPECT_GE(p.producer.stats().limbo_blocks, 1u) << "X was freed while consumer A still holds it";
+  EXPECT_NO_THROW(producer_to_a.send(storage::storage::allocate(p.producer_allocator, 4 * kib, {}), {}, {}))
+      << "what B wrote stopped the producer serving A";
+  EXPECT_TRUE(consumer_a.receive({}).storage.valid());
+  EXPECT_NO_THROW(producer_to_b.send(storage::storage::allocate(p.producer_allocator, 4 * kib, {}), {}, {}))
+      << "the producer still serves B over what B wrote into its free slots";
+
+  held_by_a = ipc::received();
+  p.dev.synchronize({});
+  (void)::write(to_child_done.get(), "x", 1);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  p.producer.collect();
+  EXPECT_EQ(p.producer.stats().limbo_blocks, 0u) << "X is freed once A lets go (and B's slots are reclaimed)";
+}
+
+}  // namespace
+}  // namespace shoal::testing

@@ -1,0 +1,197 @@
+// A hostile producer gets nowhere: what a consumer maps, waits for and
+// builds is checked against exactly what was mapped or promised. Each test
+// captures a real exchange, alters one field as a hostile producer would,
+// and replays it to a consumer.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/devices.h"
+#include "shoal/channel/channel.h"
+#include "shoal/channel/protocol.h"
+#include "shoal/core/error.h"
+#include "shoal/ipc/sharing.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+constexpr std::size_t kib = 1024;
+
+// Message types of the sharing protocol (src/ipc/messages.h).
+constexpr std::uint16_t counter_file_type = 1, segment_type = 2, storage_type = 4;
+
+std::pair<channel::connection, channel::connection> connected_pair() {
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) throw std::runtime_error("socketpair");
+  return {channel::connection::adopt(unique_fd(fds[0]), {}, 1 << 20), channel::connection::adopt(unique_fd(fds[1]), {}, 1 << 20)};
+}
+
+template <class T>
+void write_at(std::vector<std::byte>& payload, std::size_t at, T value) {
+  ASSERT_LE(at + sizeof(T), payload.size());
+  std::memcpy(payload.data() + at, &value, sizeof(T));
+}
+
+// A producer and a consumer in this process on the host backend; the
+// producer's frames are captured so a test can alter them before the
+// consumer reads them.
+struct hostile_exchange {
+  explicit hostile_exchange(ipc::sharing_options consumer_options = {.collect_interval = 0ms})
+      : consumer(consumer_allocator, consumer_options) {}
+
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator producer_allocator{dev, {}};
+  alloc::caching_allocator consumer_allocator{dev, {}};
+  ipc::sharing_context producer{producer_allocator, {.collect_interval = 0ms}};
+  ipc::sharing_context consumer;
+
+  /// The frames of one real share of `bytes` (hello, counter file, segment,
+  /// storage), with their descriptors.
+  std::vector<channel::frame> capture_share(std::size_t bytes) {
+    auto [to_capture, capture] = connected_pair();
+    ipc::peer sender(producer, std::move(to_capture));
+    sender.send(storage::storage::allocate(producer_allocator, bytes, {}), {}, {});
+    std::vector<channel::frame> frames;
+    do {
+      frames.push_back(capture.receive());
+    } while (frames.back().type != storage_type);
+    return frames;
+  }
+
+  /// Replays `frames` to a fresh consumer peer and receives once.
+  ipc::received replay(const std::vector<channel::frame>& frames) {
+    auto [from, to] = connected_pair();
+    ipc::peer receiver(consumer, std::move(to));
+    for (const auto& f : frames) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
+    return receiver.receive({});
+  }
+};
+
+channel::frame& frame_of_type(std::vector<channel::frame>& frames, std::uint16_t type) {
+  for (auto& f : frames) {
+    if (f.type == type) return f;
+  }
+  throw std::runtime_error("no frame of type " + std::to_string(type));
+}
+
+// Segment message: segment id u64 | handle length u32 | handle, whose offset
+// field is at byte 20 of the handle (shareable_handle.cpp's layout).
+constexpr std::size_t segment_handle_offset_at = 8 + 4 + 20;
+// Storage message with one segment: count u32 | id u64 | offset u64 | size u64 | ...
+constexpr std::size_t storage_offset_at = 4 + 8;
+
+TEST(hostile_producer, a_storage_cannot_reach_past_what_was_mapped_from_an_offset_handle) {
+  hostile_exchange x;
+  auto frames = x.capture_share(8 * kib);
+  ASSERT_EQ(x.replay(frames).storage.size(), 8 * kib) << "the unaltered share is accepted";
+
+  // The segment is announced at 1 MiB into itself, and the storage names
+  // its last 8 KiB as if the mapping began at the segment's base.
+  const std::size_t segment_bytes = 2 << 20;
+  auto altered = x.capture_share(8 * kib);
+  write_at<std::uint64_t>(frame_of_type(altered, segment_type).payload, segment_handle_offset_at, 1 << 20);
+  write_at<std::uint64_t>(frame_of_type(altered, storage_type).payload, storage_offset_at, segment_bytes - 8 * kib);
+  try {
+    (void)x.replay(altered);
+    ADD_FAILURE() << "a storage past the end of its mapping was built";
+  } catch (const protocol_error& e) {
+    EXPECT_NE(std::string(e.what()).find("do not fit"), std::string::npos) << e.what();
+  }
+
+  // Within what was mapped from the offset, the same announcement is fine.
+  auto inside = x.capture_share(8 * kib);
+  write_at<std::uint64_t>(frame_of_type(inside, segment_type).payload, segment_handle_offset_at, 1 << 20);
+  write_at<std::uint64_t>(frame_of_type(inside, storage_type).payload, storage_offset_at, (1 << 20) - 8 * kib);
+  EXPECT_EQ(x.replay(inside).storage.size(), 8 * kib);
+}
+
+std::string refusal_of(hostile_exchange& x, const std::vector<channel::frame>& frames) {
+  try {
+    (void)x.replay(frames);
+  } catch (const protocol_error& e) {
+    return e.what();
+  }
+  return "accepted";
+}
+
+TEST(hostile_producer, a_read_only_segment_descriptor_is_a_protocol_error) {
+  hostile_exchange x;
+  auto frames = x.capture_share(8 * kib);
+  channel::frame& segment = frame_of_type(frames, segment_type);
+  const std::string path = "/proc/self/fd/" + std::to_string(segment.fd.get());
+  segment.fd = unique_fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(segment.fd);
+  const std::string why = refusal_of(x, frames);
+  EXPECT_NE(why.find("cannot be mapped for writing"), std::string::npos) << why;
+}
+
+TEST(hostile_producer, a_segment_sealed_against_writes_is_a_protocol_error) {
+  hostile_exchange x;
+  auto frames = x.capture_share(8 * kib);
+  channel::frame& segment = frame_of_type(frames, segment_type);
+  struct stat st {};
+  ASSERT_EQ(::fstat(segment.fd.get(), &st), 0);
+  unique_fd sealed(::memfd_create("write-sealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_EQ(::ftruncate(sealed.get(), st.st_size), 0);
+  ASSERT_EQ(::fcntl(sealed.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE), 0);
+  segment.fd = std::move(sealed);
+  const std::string why = refusal_of(x, frames);
+  EXPECT_NE(why.find("cannot be mapped for writing"), std::string::npos) << why;
+}
+
+/// `frames` with the frame of `type` announced `copies` times more, each
+/// copy under a new id (its first 8 bytes).
+std::vector<channel::frame> with_more_announcements(std::vector<channel::frame> frames, std::uint16_t type, int copies) {
+  std::vector<channel::frame> out;
+  for (auto& f : frames) {
+    if (f.type == type) {
+      for (int i = 1; i <= copies; ++i) {
+        channel::frame copy{f.type, f.payload, f.fd.duplicate()};
+        std::uint64_t id;
+        std::memcpy(&id, copy.payload.data(), sizeof id);
+        id += 1000 * static_cast<std::uint64_t>(i);
+        std::memcpy(copy.payload.data(), &id, sizeof id);
+        out.push_back(std::move(copy));
+      }
+    }
+    out.push_back(std::move(f));
+  }
+  return out;
+}
+
+TEST(hostile_producer, announcements_past_the_limits_are_refused) {
+  {
+    hostile_exchange x({.collect_interval = 0ms, .max_peer_segments = 3});
+    EXPECT_EQ(x.replay(with_more_announcements(x.capture_share(8 * kib), segment_type, 2)).storage.size(), 8 * kib)
+        << "three segments are within the limit";
+  }
+  {
+    hostile_exchange x({.collect_interval = 0ms, .max_peer_segments = 3});
+    const std::string why = refusal_of(x, with_more_announcements(x.capture_share(8 * kib), segment_type, 3));
+    EXPECT_NE(why.find("max_peer_segments"), std::string::npos) << why;
+  }
+  {
+    hostile_exchange x({.collect_interval = 0ms, .max_peer_counter_files = 2});
+    const std::string why = refusal_of(x, with_more_announcements(x.capture_share(8 * kib), counter_file_type, 2));
+    EXPECT_NE(why.find("max_peer_counter_files"), std::string::npos) << why;
+  }
+  {
+    hostile_exchange x({.collect_interval = 0ms, .max_peer_slots_per_file = 1024});  // the producer's files have 4096
+    const std::string why = refusal_of(x, x.capture_share(8 * kib));
+    EXPECT_NE(why.find("slots"), std::string::npos) << why;
+  }
+}
+
+}  // namespace
+}  // namespace shoal::testing
