@@ -182,7 +182,11 @@ TYPED_TEST(sharing_test, a_consumer_killed_while_holding_references_gives_them_b
   EXPECT_EQ(this->child_->wait(), 128 + SIGKILL);
   // The background collector alone (every 20 ms) must take them back.
   const auto until = std::chrono::steady_clock::now() + 2s;
-  while (ctx.stats().limbo_blocks != 0 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(5ms);
+  // (A block leaves the limbo's count just before the collector frees it.)
+  const auto settled = [&] {
+    return ctx.stats().limbo_blocks == 0 && ctx.allocator().stats().allocated_bytes.aggregate.current == 0;
+  };
+  while (!settled() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(5ms);
   EXPECT_EQ(ctx.stats().limbo_blocks, 0u);
   EXPECT_EQ(ctx.stats().slots_reclaimed, 2u);
   EXPECT_EQ(ctx.allocator().stats().allocated_bytes.aggregate.current, 0);
