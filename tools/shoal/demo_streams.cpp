@@ -29,18 +29,37 @@ void* load_batch(backend::device& dev, alloc::caching_allocator& allocator, demo
   return batch;
 }
 
+/// Where the model's read of a batch lands: device memory, so the read is
+/// stream-ordered on every backend (a copy into pageable host memory blocks
+/// the calling thread until it has run, on CUDA).
+class model_read {
+ public:
+  explicit model_read(backend::device& dev) : dev_(dev), buffer_(dev.allocate_segment(batch_bytes)) {}
+  ~model_read() { dev_.free_segment(buffer_); }
+  model_read(const model_read&) = delete;
+  model_read& operator=(const model_read&) = delete;
+
+  [[nodiscard]] void* target() const noexcept { return buffer_; }
+  /// What the read saw, once the model stream has passed it.
+  [[nodiscard]] std::vector<std::uint8_t> bytes() const { return read_back(dev_, buffer_, batch_bytes, {}); }
+
+ private:
+  backend::device& dev_;
+  void* buffer_;
+};
+
 /// The model's thread, whose current stream is the model stream: waits for
 /// the load, reads the batch into `seen` after a long kernel, and drops it
 /// without naming a stream. Returns once all of that is enqueued.
 void read_and_drop(backend::device& dev, alloc::caching_allocator& allocator, demo_streams& s, backend::event& written,
-                   void* batch, std::vector<std::uint8_t>& seen) {
+                   void* batch, const model_read& seen) {
   std::exception_ptr failure;
   std::thread model_thread([&] {
     try {
       backend::stream_guard on_model(dev, s.model);
       dev.wait(s.model, written);
       dev.delay(s.model, read_time);
-      dev.copy(s.model, seen.data(), batch, batch_bytes);
+      dev.copy(s.model, seen.target(), batch, batch_bytes);
       allocator.deallocate(batch);  // frees on this thread's current stream: the model's
     } catch (...) {
       failure = std::current_exception();
@@ -52,14 +71,14 @@ void read_and_drop(backend::device& dev, alloc::caching_allocator& allocator, de
 
 void safe_by_default(backend::device& dev, alloc::caching_allocator& allocator, demo_streams& s) {
   backend::event written(dev);
-  std::vector<std::uint8_t> seen(batch_bytes);
+  const model_read seen(dev);
   void* batch = load_batch(dev, allocator, s, written);
   read_and_drop(dev, allocator, s, written, batch, seen);
   void* next = allocator.allocate(batch_bytes, s.loader);
   const bool read_queued = !dev.query(s.model);
   dev.fill(s.loader, next, second_batch, batch_bytes);
   s.model.synchronize();
-  const bool read_intact = all_are(seen, first_batch);
+  const bool read_intact = all_are(seen.bytes(), first_batch);
   allocator.process_pending_frees();
   void* after = allocator.allocate(batch_bytes, s.loader);
   std::printf("[streams] safe (default): batch %s freed on the model stream while its %lld ms read was %s; the loader's "
@@ -80,16 +99,16 @@ void unsafe_mode(backend::device& dev, demo_streams& s) {
   alloc::allocator_config unsafe;
   unsafe.cross_stream_safety = false;
   alloc::caching_allocator allocator(dev, unsafe);
+  const model_read seen(dev);  // outlives `settle`: the streams pass the read before it goes
   settle_streams settle{s};
   backend::event written(dev);
-  std::vector<std::uint8_t> seen(batch_bytes);
   void* batch = load_batch(dev, allocator, s, written);
   read_and_drop(dev, allocator, s, written, batch, seen);
   void* next = allocator.allocate(batch_bytes, s.loader);
   const bool read_queued = !dev.query(s.model);
   dev.fill(s.loader, next, second_batch, batch_bytes);
   s.model.synchronize();
-  const std::size_t overwritten = count_of(seen, second_batch);
+  const std::size_t overwritten = count_of(seen.bytes(), second_batch);
   allocator.deallocate(next, s.loader);
   std::printf("[streams] unsafe (cross_stream_safety:false): the loader's next batch got %s, the same block, while the "
               "read was %s; the read saw %s of the next batch's bytes\n",
@@ -103,9 +122,9 @@ void debug_mode(backend::device& dev, demo_streams& s) {
   checked.cross_stream_safety = false;
   checked.debug = true;
   alloc::caching_allocator allocator(dev, checked);
+  const model_read seen(dev);  // outlives `settle`: the streams pass the read before it goes
   settle_streams settle{s};
   backend::event written(dev);
-  std::vector<std::uint8_t> seen(batch_bytes);
   void* batch = load_batch(dev, allocator, s, written);
   read_and_drop(dev, allocator, s, written, batch, seen);
   std::string caught;
