@@ -52,6 +52,11 @@ template <class Backend>
 using allocator_stress = allocator_test<Backend>;
 TYPED_TEST_SUITE(allocator_stress, backend_config_types, backend_config_names);
 
+// Tests that choose their configuration themselves: once per backend.
+template <class Backend>
+using allocator_stress_own_config = allocator_stress<Backend>;
+TYPED_TEST_SUITE(allocator_stress_own_config, backend_types, backend_names);
+
 template <class Backend>
 void run_schedule(allocator_test<Backend>& t, const std::string& conf, unsigned seed, int operations) {
   auto& dev = t.device();
@@ -173,11 +178,7 @@ TYPED_TEST(allocator_stress, random_schedules_keep_every_block_intact) {
   }
 }
 
-TYPED_TEST(allocator_stress, random_schedules_with_expandable_segments_and_debug) {
-  if (this->expandable_segments || this->debug) {
-    GTEST_SKIP() << "this test turns on expandable_segments and debug itself; under the " << TestFixture::config_type::name
-                 << " configuration it would repeat its default instance";
-  }
+TYPED_TEST(allocator_stress_own_config, random_schedules_with_expandable_segments_and_debug) {
   const int operations = this->on_host ? 800 : 300;
   run_schedule(*this, "expandable_segments:true,debug:true", 7, operations);
 }

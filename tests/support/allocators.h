@@ -50,6 +50,13 @@ struct cuda_debug : configured<cuda_backend, debug_config> {};
 using backend_config_types = ::testing::Types<host_default, host_expandable_segments, host_debug, cuda_default,
                                               cuda_expandable_segments, cuda_debug>;
 
+/// The configurations with fixed segments (for tests of their layout).
+using fixed_segment_config_types = ::testing::Types<host_default, host_debug, cuda_default, cuda_debug>;
+/// The configurations without debug's checks (for tests of what happens
+/// when nothing catches a mistake).
+using unchecked_config_types = ::testing::Types<host_default, host_expandable_segments, cuda_default,
+                                                cuda_expandable_segments>;
+
 /// GoogleTest names: suite/host_default.test, suite/host_debug.test, ...
 struct backend_config_names {
   template <class T>
