@@ -246,9 +246,24 @@ void segment_source::reset_device_counters() noexcept {
 }
 
 void segment_source::release_at_teardown(block_pool& pool, event_pool& events) noexcept {
+  // Work still queued may touch the pool's memory: what other streams do
+  // before their frees (the pending frees' events) and what the pool's own
+  // stream does (last uses, debug poison). Let it finish before the memory
+  // goes. A stream already destroyed has nothing queued that the allocator
+  // can wait for (its contract asks streams to outlive their blocks).
   for (block* b : pool.pending) {
-    for (auto e : b->waits) events.give_back(e);
+    for (auto e : b->waits) {
+      try {
+        device_.synchronize_event(e);
+      } catch (const error&) {  // NOLINT(bugprone-empty-catch): teardown goes on; the device may be gone
+      }
+      events.give_back(e);
+    }
     b->waits.clear();
+  }
+  try {
+    device_.synchronize(pool.stream);
+  } catch (const error&) {  // NOLINT(bugprone-empty-catch): as above
   }
   for (auto& s : pool.segments) {
     for (block* b = s->first; b != nullptr;) {

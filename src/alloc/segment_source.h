@@ -41,8 +41,10 @@ class segment_source {
   /// Gives the pool's wholly free segments, and the whole free chunks of its
   /// growable segment, back to the device (after its stream has passed them).
   void release_cached(block_pool& pool);
-  /// Allocator teardown: gives every event back to `events`, deletes every
-  /// block and returns the pool's device memory, ignoring device errors.
+  /// Allocator teardown: waits for the work queued on the pool's memory
+  /// (pending frees' events, the pool's stream), gives every event back to
+  /// `events`, deletes every block and returns the pool's device memory,
+  /// ignoring device errors.
   void release_at_teardown(block_pool& pool, event_pool& events) noexcept;
 
   [[nodiscard]] std::size_t limit() const noexcept { return limit_; }

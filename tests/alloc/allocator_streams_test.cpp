@@ -154,6 +154,25 @@ TYPED_TEST(allocator_streams, the_background_transfer_race_is_prevented_by_defau
   EXPECT_TRUE(background_batch_survives(*this, ""));
 }
 
+TYPED_TEST(allocator_streams, an_allocator_destroyed_while_its_streams_still_work_on_its_blocks_waits_for_them) {
+  auto& dev = this->device();
+  backend::stream side(dev);
+  {
+    auto& a = this->make();
+    void* p = a.allocate(1 << 20, side);
+    dev.delay(side, std::chrono::milliseconds(30));
+    dev.fill(side, p, 0x11, 1 << 20);  // the block's last use, still queued
+    a.deallocate(p, side);             // (debug: the poison fill queues behind it)
+    void* q = a.allocate(1 << 20, {});
+    dev.delay({}, std::chrono::milliseconds(30));
+    dev.fill({}, q, 0x22, 1 << 20);
+    a.deallocate(q, side);  // a pending free: the default stream still writes it
+    this->allocator_.reset();  // the memory goes only after both streams passed their uses
+  }
+  EXPECT_NO_THROW(side.synchronize());
+  EXPECT_NO_THROW(dev.synchronize({}));
+}
+
 TYPED_TEST(allocator_streams_unchecked, the_background_transfer_race_corrupts_with_the_safety_off) {
   // Proves the test above can fail: without the hold the batch is overwritten.
   EXPECT_FALSE(background_batch_survives(*this, "cross_stream_safety:false"));

@@ -106,16 +106,6 @@ class allocator_test : public backend_test<typename detail::param_parts<Param>::
                                                             alloc::allocator_config::parse(configured_text(conf)));
     return *allocator_;
   }
-  void TearDown() override {
-    // Debug mode poisons each freed block with a fill queued on its stream,
-    // and ~caching_allocator gives segments back without waiting for that
-    // fill (on the host backend the executor then writes to unmapped
-    // memory). Until the destructor waits, the tests wait for the default
-    // stream, where most of them free; their own streams are drained when
-    // destroyed.
-    if (allocator_ && debug) this->device().synchronize({});
-    allocator_.reset();
-  }
 
  protected:
   std::unique_ptr<alloc::caching_allocator> allocator_;

@@ -54,8 +54,10 @@ void unsafe_break_invariant(caching_allocator& allocator, void* ptr, invariant_b
 class caching_allocator {
  public:
   explicit caching_allocator(backend::device& device, allocator_config config = allocator_config::from_environment());
-  /// Returns every segment to the device. Blocks still allocated then are
-  /// the caller's leak; their memory is returned all the same.
+  /// Returns every segment to the device, once the work queued on them has
+  /// run (the streams of its pools and of pending frees, debug poison
+  /// included). Blocks still allocated then are the caller's leak; their
+  /// memory is returned all the same.
   ~caching_allocator();
   caching_allocator(const caching_allocator&) = delete;
   caching_allocator& operator=(const caching_allocator&) = delete;
