@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <condition_variable>
+#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <random>
@@ -169,9 +170,14 @@ void run_schedule(allocator_test<Backend>& t, const std::string& conf, unsigned 
 TYPED_TEST(allocator_stress, random_schedules_keep_every_block_intact) {
   // The same schedules, shorter under expandable_segments and debug: the
   // default configuration keeps the full count, and the three CI builds
-  // (normal, ASan, TSan) run every configuration on 2 cores.
+  // (normal, ASan, TSan) run every configuration on 2 cores. Instrumented
+  // builds, which also check the invariants inside every operation, set
+  // SHOAL_TEST_STRESS_OPERATIONS (scripts/test) to a count for every
+  // configuration on the host.
   const bool full = !this->expandable_segments && !this->debug;
-  const int operations = this->on_host ? (full ? 1500 : 500) : (full ? 600 : 300);
+  const char* instrumented = std::getenv("SHOAL_TEST_STRESS_OPERATIONS");
+  const int host_operations = instrumented != nullptr ? std::atoi(instrumented) : (full ? 1500 : 500);
+  const int operations = this->on_host ? host_operations : (full ? 600 : 300);
   for (unsigned seed : {1u, 2u, 3u}) {
     SCOPED_TRACE("seed " + std::to_string(seed));
     run_schedule(*this, "", seed, operations);
