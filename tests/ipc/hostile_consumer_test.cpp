@@ -25,54 +25,14 @@
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
 #include "shoal/ipc/sharing.h"
+#include "ipc/captured_exchange.h"
 
 namespace shoal::testing {
 namespace {
 
 using namespace std::chrono_literals;
 constexpr std::size_t kib = 1024;
-constexpr std::uint16_t counter_file_type = 1, storage_type = 4;  // src/ipc/messages.h
-
-std::pair<channel::connection, channel::connection> connected_pair() {
-  int fds[2];
-  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) throw std::runtime_error("socketpair");
-  return {channel::connection::adopt(unique_fd(fds[0]), {}, 1 << 20), channel::connection::adopt(unique_fd(fds[1]), {}, 1 << 20)};
-}
-
-struct in_process_producer {
-  backend::device& dev = backend::host_device_instance();
-  alloc::caching_allocator producer_allocator{dev, {}};
-  alloc::caching_allocator consumer_allocator{dev, {}};
-  ipc::sharing_context producer{producer_allocator, {.collect_interval = 0ms}};
-  ipc::sharing_context consumer{consumer_allocator, {.collect_interval = 0ms}};
-
-  /// The frames of one real share (hello, counter file, segment, storage).
-  std::vector<channel::frame> capture_share() {
-    auto [to_capture, capture] = connected_pair();
-    ipc::peer sender(producer, std::move(to_capture));
-    sender.send(storage::storage::allocate(producer_allocator, 8 * kib, {}), {}, {});
-    std::vector<channel::frame> frames;
-    do {
-      frames.push_back(capture.receive());
-    } while (frames.back().type != storage_type);
-    return frames;
-  }
-
-  /// Replays `frames` to a fresh consumer peer and receives once.
-  ipc::received replay(const std::vector<channel::frame>& frames) {
-    auto [from, to] = connected_pair();
-    ipc::peer receiver(consumer, std::move(to));
-    for (const auto& f : frames) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
-    return receiver.receive({});
-  }
-};
-
-channel::frame& counter_frame(std::vector<channel::frame>& frames) {
-  for (auto& f : frames) {
-    if (f.type == counter_file_type) return f;
-  }
-  throw std::runtime_error("no counter file announced");
-}
+channel::frame& counter_frame(std::vector<channel::frame>& frames) { return frame_of_type(frames, counter_file_type); }
 
 /// A memfd with the same bytes as `original`, sealed with `seals` (none: unsealed).
 unique_fd copy_of(int original, int seals) {
@@ -86,18 +46,9 @@ unique_fd copy_of(int original, int seals) {
   return copy;
 }
 
-std::string refusal_of(in_process_producer& p, std::vector<channel::frame>& frames) {
-  try {
-    (void)p.replay(frames);
-  } catch (const protocol_error& e) {
-    return e.what();
-  }
-  return "accepted";
-}
-
 TEST(hostile_consumer, counter_memory_cannot_be_truncated_by_a_consumer) {
-  in_process_producer p;
-  auto frames = p.capture_share();
+  captured_exchange p;
+  auto frames = p.capture_share(8 * kib);
   const int fd = counter_frame(frames).fd.get();
   EXPECT_EQ(::ftruncate(fd, 0), -1) << "a consumer shrank the producer's counters (the producer would die of SIGBUS)";
   EXPECT_EQ(errno, EPERM);
@@ -107,8 +58,8 @@ TEST(hostile_consumer, counter_memory_cannot_be_truncated_by_a_consumer) {
 }
 
 TEST(hostile_consumer, counter_memory_is_named_nowhere) {
-  in_process_producer p;
-  auto frames = p.capture_share();
+  captured_exchange p;
+  auto frames = p.capture_share(8 * kib);
   char link[64];
   const std::string path = "/proc/self/fd/" + std::to_string(counter_frame(frames).fd.get());
   const ssize_t n = ::readlink(path.c_str(), link, sizeof link - 1);
@@ -118,30 +69,30 @@ TEST(hostile_consumer, counter_memory_is_named_nowhere) {
 }
 
 TEST(hostile_producer, counter_memory_that_could_be_truncated_is_refused) {
-  in_process_producer p;
-  auto frames = p.capture_share();
+  captured_exchange p;
+  auto frames = p.capture_share(8 * kib);
   channel::frame& counters = counter_frame(frames);
   counters.fd = copy_of(counters.fd.get(), 0);  // the same bytes, unsealed
-  const std::string why = refusal_of(p, frames);
+  const std::string why = p.refusal_of(frames);
   EXPECT_NE(why.find("sealed"), std::string::npos) << why;
 }
 
 TEST(hostile_producer, counter_memory_sealed_against_writes_is_a_protocol_error) {
-  in_process_producer p;
-  auto frames = p.capture_share();
+  captured_exchange p;
+  auto frames = p.capture_share(8 * kib);
   channel::frame& counters = counter_frame(frames);
   counters.fd = copy_of(counters.fd.get(), F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
-  EXPECT_NE(refusal_of(p, frames), "accepted");
+  EXPECT_NE(p.refusal_of(frames), "accepted");
 }
 
 TEST(hostile_producer, read_only_counter_memory_is_a_protocol_error) {
-  in_process_producer p;
-  auto frames = p.capture_share();
+  captured_exchange p;
+  auto frames = p.capture_share(8 * kib);
   channel::frame& counters = counter_frame(frames);
   const std::string path = "/proc/self/fd/" + std::to_string(counters.fd.get());
   counters.fd = unique_fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   ASSERT_TRUE(counters.fd);
-  const std::string why = refusal_of(p, frames);
+  const std::string why = p.refusal_of(frames);
   EXPECT_NE(why.find("reading and writing"), std::string::npos) << why;
 }
 
@@ -184,7 +135,7 @@ TEST(hostile_producer, read_only_counter_memory_is_a_protocol_error) {
 }
 
 TEST(hostile_consumer, a_consumer_cannot_release_another_consumers_references_or_stop_the_producer) {
-  in_process_producer p;
+  captured_exchange p;
   int pair[2], pipe_ends[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pipe_ends), 0);

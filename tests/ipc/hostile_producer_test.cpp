@@ -21,6 +21,7 @@
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
 #include "shoal/ipc/sharing.h"
+#include "ipc/captured_exchange.h"
 
 namespace shoal::testing {
 namespace {
@@ -28,61 +29,10 @@ namespace {
 using namespace std::chrono_literals;
 constexpr std::size_t kib = 1024;
 
-// Message types of the sharing protocol (src/ipc/messages.h).
-constexpr std::uint16_t counter_file_type = 1, segment_type = 2, storage_type = 4;
-
-std::pair<channel::connection, channel::connection> connected_pair() {
-  int fds[2];
-  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) throw std::runtime_error("socketpair");
-  return {channel::connection::adopt(unique_fd(fds[0]), {}, 1 << 20), channel::connection::adopt(unique_fd(fds[1]), {}, 1 << 20)};
-}
-
 template <class T>
 void write_at(std::vector<std::byte>& payload, std::size_t at, T value) {
   ASSERT_LE(at + sizeof(T), payload.size());
   std::memcpy(payload.data() + at, &value, sizeof(T));
-}
-
-// A producer and a consumer in this process on the host backend; the
-// producer's frames are captured so a test can alter them before the
-// consumer reads them.
-struct hostile_exchange {
-  explicit hostile_exchange(ipc::sharing_options consumer_options = {.collect_interval = 0ms})
-      : consumer(consumer_allocator, consumer_options) {}
-
-  backend::device& dev = backend::host_device_instance();
-  alloc::caching_allocator producer_allocator{dev, {}};
-  alloc::caching_allocator consumer_allocator{dev, {}};
-  ipc::sharing_context producer{producer_allocator, {.collect_interval = 0ms}};
-  ipc::sharing_context consumer;
-
-  /// The frames of one real share of `bytes` (hello, counter file, segment,
-  /// storage), with their descriptors.
-  std::vector<channel::frame> capture_share(std::size_t bytes) {
-    auto [to_capture, capture] = connected_pair();
-    ipc::peer sender(producer, std::move(to_capture));
-    sender.send(storage::storage::allocate(producer_allocator, bytes, {}), {}, {});
-    std::vector<channel::frame> frames;
-    do {
-      frames.push_back(capture.receive());
-    } while (frames.back().type != storage_type);
-    return frames;
-  }
-
-  /// Replays `frames` to a fresh consumer peer and receives once.
-  ipc::received replay(const std::vector<channel::frame>& frames) {
-    auto [from, to] = connected_pair();
-    ipc::peer receiver(consumer, std::move(to));
-    for (const auto& f : frames) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
-    return receiver.receive({});
-  }
-};
-
-channel::frame& frame_of_type(std::vector<channel::frame>& frames, std::uint16_t type) {
-  for (auto& f : frames) {
-    if (f.type == type) return f;
-  }
-  throw std::runtime_error("no frame of type " + std::to_string(type));
 }
 
 // Segment message: segment id u64 | handle length u32 | handle, whose offset
@@ -92,7 +42,7 @@ constexpr std::size_t segment_handle_offset_at = 8 + 4 + 20;
 constexpr std::size_t storage_offset_at = 4 + 8;
 
 TEST(hostile_producer, a_storage_cannot_reach_past_what_was_mapped_from_an_offset_handle) {
-  hostile_exchange x;
+  captured_exchange x;
   auto frames = x.capture_share(8 * kib);
   ASSERT_EQ(x.replay(frames).storage.size(), 8 * kib) << "the unaltered share is accepted";
 
@@ -116,28 +66,19 @@ TEST(hostile_producer, a_storage_cannot_reach_past_what_was_mapped_from_an_offse
   EXPECT_EQ(x.replay(inside).storage.size(), 8 * kib);
 }
 
-std::string refusal_of(hostile_exchange& x, const std::vector<channel::frame>& frames) {
-  try {
-    (void)x.replay(frames);
-  } catch (const protocol_error& e) {
-    return e.what();
-  }
-  return "accepted";
-}
-
 TEST(hostile_producer, a_read_only_segment_descriptor_is_a_protocol_error) {
-  hostile_exchange x;
+  captured_exchange x;
   auto frames = x.capture_share(8 * kib);
   channel::frame& segment = frame_of_type(frames, segment_type);
   const std::string path = "/proc/self/fd/" + std::to_string(segment.fd.get());
   segment.fd = unique_fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   ASSERT_TRUE(segment.fd);
-  const std::string why = refusal_of(x, frames);
+  const std::string why = x.refusal_of(frames);
   EXPECT_NE(why.find("cannot be mapped for writing"), std::string::npos) << why;
 }
 
 TEST(hostile_producer, a_segment_sealed_against_writes_is_a_protocol_error) {
-  hostile_exchange x;
+  captured_exchange x;
   auto frames = x.capture_share(8 * kib);
   channel::frame& segment = frame_of_type(frames, segment_type);
   struct stat st {};
@@ -146,7 +87,7 @@ TEST(hostile_producer, a_segment_sealed_against_writes_is_a_protocol_error) {
   ASSERT_EQ(::ftruncate(sealed.get(), st.st_size), 0);
   ASSERT_EQ(::fcntl(sealed.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE), 0);
   segment.fd = std::move(sealed);
-  const std::string why = refusal_of(x, frames);
+  const std::string why = x.refusal_of(frames);
   EXPECT_NE(why.find("cannot be mapped for writing"), std::string::npos) << why;
 }
 
@@ -172,23 +113,23 @@ std::vector<channel::frame> with_more_announcements(std::vector<channel::frame> 
 
 TEST(hostile_producer, announcements_past_the_limits_are_refused) {
   {
-    hostile_exchange x({.collect_interval = 0ms, .max_peer_segments = 3});
+    captured_exchange x({.collect_interval = 0ms, .max_peer_segments = 3});
     EXPECT_EQ(x.replay(with_more_announcements(x.capture_share(8 * kib), segment_type, 2)).storage.size(), 8 * kib)
         << "three segments are within the limit";
   }
   {
-    hostile_exchange x({.collect_interval = 0ms, .max_peer_segments = 3});
-    const std::string why = refusal_of(x, with_more_announcements(x.capture_share(8 * kib), segment_type, 3));
+    captured_exchange x({.collect_interval = 0ms, .max_peer_segments = 3});
+    const std::string why = x.refusal_of(with_more_announcements(x.capture_share(8 * kib), segment_type, 3));
     EXPECT_NE(why.find("max_peer_segments"), std::string::npos) << why;
   }
   {
-    hostile_exchange x({.collect_interval = 0ms, .max_peer_counter_files = 2});
-    const std::string why = refusal_of(x, with_more_announcements(x.capture_share(8 * kib), counter_file_type, 2));
+    captured_exchange x({.collect_interval = 0ms, .max_peer_counter_files = 2});
+    const std::string why = x.refusal_of(with_more_announcements(x.capture_share(8 * kib), counter_file_type, 2));
     EXPECT_NE(why.find("max_peer_counter_files"), std::string::npos) << why;
   }
   {
-    hostile_exchange x({.collect_interval = 0ms, .max_peer_slots_per_file = 1024});  // the producer's files have 4096
-    const std::string why = refusal_of(x, x.capture_share(8 * kib));
+    captured_exchange x({.collect_interval = 0ms, .max_peer_slots_per_file = 1024});  // the producer's files have 4096
+    const std::string why = x.refusal_of(x.capture_share(8 * kib));
     EXPECT_NE(why.find("slots"), std::string::npos) << why;
   }
 }

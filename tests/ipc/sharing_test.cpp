@@ -23,6 +23,7 @@
 #include "shoal/channel/protocol.h"
 #include "shoal/core/child_process.h"
 #include "shoal/ipc/sharing.h"
+#include "ipc/captured_exchange.h"
 #include "support/allocators.h"
 
 namespace shoal::testing {
@@ -351,12 +352,6 @@ struct raw_frame {
   std::vector<std::byte> payload;
   int fd;  // borrowed from `keep`
 };
-
-std::pair<channel::connection, channel::connection> connected_pair() {
-  int fds[2];
-  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) throw std::runtime_error("socketpair");
-  return {channel::connection::adopt(unique_fd(fds[0]), {}, 1 << 20), channel::connection::adopt(unique_fd(fds[1]), {}, 1 << 20)};
-}
 
 /// A producer and a consumer in this process, on the host backend, each with
 /// its own allocator and no background collector, joined by a socketpair.

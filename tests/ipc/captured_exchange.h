@@ -1,0 +1,87 @@
+// What the sharing tests that play a hostile peer share: a connected pair of
+// channels in this process, and a producer and a consumer (host backend, no
+// background collector) whose frames can be captured, altered and replayed.
+#pragma once
+
+#include <sys/socket.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/devices.h"
+#include "shoal/channel/channel.h"
+#include "shoal/core/error.h"
+#include "shoal/ipc/sharing.h"
+
+namespace shoal::testing {
+
+// Message types of the sharing protocol (src/ipc/messages.h).
+inline constexpr std::uint16_t counter_file_type = 1, segment_type = 2, storage_type = 4;
+
+/// Two connected channel ends in this process.
+inline std::pair<channel::connection, channel::connection> connected_pair() {
+  int fds[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) throw std::runtime_error("socketpair");
+  return {channel::connection::adopt(unique_fd(fds[0]), {}, 1 << 20),
+          channel::connection::adopt(unique_fd(fds[1]), {}, 1 << 20)};
+}
+
+/// A producer and a consumer in this process; the producer's frames are
+/// captured so a test can alter them before the consumer reads them.
+struct captured_exchange {
+  explicit captured_exchange(ipc::sharing_options consumer_options = {.collect_interval = std::chrono::milliseconds(0)})
+      : consumer(consumer_allocator, consumer_options) {}
+
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator producer_allocator{dev, {}};
+  alloc::caching_allocator consumer_allocator{dev, {}};
+  ipc::sharing_context producer{producer_allocator, {.collect_interval = std::chrono::milliseconds(0)}};
+  ipc::sharing_context consumer;
+
+  /// The frames of one real share of `bytes` (hello, counter file, segment,
+  /// storage), with their descriptors.
+  std::vector<channel::frame> capture_share(std::size_t bytes) {
+    auto [to_capture, capture] = connected_pair();
+    ipc::peer sender(producer, std::move(to_capture));
+    sender.send(storage::storage::allocate(producer_allocator, bytes, {}), {}, {});
+    std::vector<channel::frame> frames;
+    do {
+      frames.push_back(capture.receive());
+    } while (frames.back().type != storage_type);
+    return frames;
+  }
+
+  /// Replays `frames` to a fresh consumer peer and receives once.
+  ipc::received replay(const std::vector<channel::frame>& frames) {
+    auto [from, to] = connected_pair();
+    ipc::peer receiver(consumer, std::move(to));
+    for (const auto& f : frames) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
+    return receiver.receive({});
+  }
+
+  /// The protocol error a replay of `frames` ends in, or "accepted".
+  std::string refusal_of(const std::vector<channel::frame>& frames) {
+    try {
+      (void)replay(frames);
+    } catch (const protocol_error& e) {
+      return e.what();
+    }
+    return "accepted";
+  }
+};
+
+/// The first frame of `type` in `frames`.
+inline channel::frame& frame_of_type(std::vector<channel::frame>& frames, std::uint16_t type) {
+  for (auto& f : frames) {
+    if (f.type == type) return f;
+  }
+  throw std::runtime_error("no frame of type " + std::to_string(type));
+}
+
+}  // namespace shoal::testing
