@@ -56,7 +56,8 @@ class received_data final : public storage::storage_owner {
 
 }  // namespace
 
-consumer_state::consumer_state(alloc::caching_allocator& a, const sharing_options& o) : allocator(a), options(o) {}
+consumer_state::consumer_state(const process_identity& p, alloc::caching_allocator& a, const sharing_options& o)
+    : producer(p), allocator(a), options(o) {}
 
 std::shared_ptr<consumer_state> consumer_state::for_producer(const process_identity& producer, const void* context,
                                                              alloc::caching_allocator& allocator,
@@ -69,7 +70,7 @@ std::shared_ptr<consumer_state> consumer_state::for_producer(const process_ident
   auto& slot = tables[key{producer.pid, producer.start_time, context}];
   auto table = slot.lock();
   if (!table) {
-    table = std::make_shared<consumer_state>(allocator, options);
+    table = std::make_shared<consumer_state>(producer, allocator, options);
     slot = table;
   }
   return table;
@@ -140,6 +141,13 @@ void consumer_state::add_event_source(backend::event_source source) {
     throw;
   } catch (const invalid_argument& e) {
     throw protocol_error(std::string("event_source message: ") + e.what());
+  }
+  // A page naming another process could tie this process's waits to that
+  // process's life (device::event_source_exporter).
+  if (const auto exporter = allocator.device().event_source_exporter(opened); exporter && *exporter != producer) {
+    allocator.device().close_event_source(opened);
+    throw protocol_error("event_source message: the source names process " + std::to_string(exporter->pid) +
+                         " as its exporter, but it came from process " + std::to_string(producer.pid));
   }
   sources_.emplace(source.source_id, opened);
 }

@@ -50,7 +50,7 @@ struct release_sink {
 
 class consumer_state : public std::enable_shared_from_this<consumer_state> {
  public:
-  consumer_state(alloc::caching_allocator& allocator, const sharing_options& options);
+  consumer_state(const process_identity& producer, alloc::caching_allocator& allocator, const sharing_options& options);
   /// The table of `producer`'s resources for the sharing context `context`
   /// of this process, shared by every connection to that producer: each of
   /// its segments is mapped once in this process.
@@ -79,6 +79,7 @@ class consumer_state : public std::enable_shared_from_this<consumer_state> {
   void close_finished();
   [[nodiscard]] peer_stats stats() const;
 
+  const process_identity producer;  // the peer process whose resources these are
   alloc::caching_allocator& allocator;
   const sharing_options options;
 

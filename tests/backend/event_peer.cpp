@@ -5,7 +5,8 @@
 //
 //   shoal_test_event_peer wait-and-read <host|cuda> <bytes> <expected byte>
 //     Receives a memory handle and an event source, imports and opens them,
-//     answers "ready"; then receives a point, makes a new stream wait for it,
+//     answers "ready <pid the source names as its exporter, or unnamed>"; then
+//     receives a point, makes a new stream wait for it,
 //     copies `bytes` bytes from the memory on that stream and checks that
 //     each is `expected`. Answers "ok <milliseconds from the wait to the end
 //     of the copy>".
@@ -73,7 +74,8 @@ std::string wait_and_read(backend::device& dev, std::size_t bytes, std::uint8_t 
   void* memory = dev.import_memory(handle);
   const backend::imported_event_ref opened = dev.open_event_source(source);
   const backend::stream_ref stream = dev.create_stream();
-  say("ready");
+  const auto exporter = dev.event_source_exporter(opened);  // as the page names it, if the kind does
+  say("ready " + (exporter ? std::to_string(exporter->pid) : std::string("unnamed")));
   const backend::event_point point = receive_point();
   const auto start = std::chrono::steady_clock::now();
   dev.wait_imported(stream, opened, point);

@@ -103,7 +103,9 @@ TYPED_TEST(event_sharing, a_stream_waiting_on_an_exported_point_runs_after_it) {
   child_process peer(SHOAL_TEST_EVENT_PEER, {"wait-and-read", TypeParam::name, std::to_string(bytes), "34"});
   send(peer, dev.export_memory(segment));
   send(peer, dev.describe_event_source(first.source_id));
-  ASSERT_EQ(receive_text(peer), "ready");
+  // A host page names its exporter, this process; a CUDA event names none.
+  const std::string exporter = dev.kind() == backend::device_kind::host ? std::to_string(::getpid()) : "unnamed";
+  ASSERT_EQ(receive_text(peer), "ready " + exporter);
   // Enqueued only now that the peer is ready, so its wait and copy surely
   // come while this stream is still delayed; without the wait it would copy
   // the old 0x11.
@@ -132,7 +134,7 @@ TYPED_TEST(event_sharing, a_passed_point_does_not_wait_for_work_enqueued_after_i
   child_process peer(SHOAL_TEST_EVENT_PEER, {"wait-and-read", TypeParam::name, std::to_string(bytes), "51"});
   send(peer, dev.export_memory(segment));
   send(peer, dev.describe_event_source(point.source_id));
-  ASSERT_EQ(receive_text(peer), "ready");
+  ASSERT_TRUE(receive_text(peer).starts_with("ready"));
   dev.delay(stream, 1s);  // the exporting stream is busy, but past the point
   send(peer, point);
   const std::string answer = receive_text(peer);
@@ -251,6 +253,8 @@ TEST(host_event_sharing, a_wait_on_a_point_of_a_process_that_died_fails_instead_
   const event_point never_passed = receive_point(peer);
   void* memory = dev.import_memory(handle);
   const auto opened = dev.open_event_source(source);
+  ASSERT_TRUE(dev.event_source_exporter(opened).has_value());
+  EXPECT_EQ(dev.event_source_exporter(opened)->pid, peer.pid()) << "the page names the process that exported it";
   const auto waiting = dev.create_stream();
   const auto other = dev.create_stream();
   dev.wait_imported(other, opened, passed_soon);

@@ -5,11 +5,13 @@
 
 #include <sys/socket.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -22,7 +24,7 @@
 namespace shoal::testing {
 
 // Message types of the sharing protocol (src/ipc/messages.h).
-inline constexpr std::uint16_t counter_file_type = 1, segment_type = 2, storage_type = 4;
+inline constexpr std::uint16_t counter_file_type = 1, segment_type = 2, event_source_type = 3, storage_type = 4;
 
 /// Two connected channel ends in this process.
 inline std::pair<channel::connection, channel::connection> connected_pair() {
@@ -45,11 +47,21 @@ struct captured_exchange {
   ipc::sharing_context consumer;
 
   /// The frames of one real share of `bytes` (hello, counter file, segment,
-  /// storage), with their descriptors.
-  std::vector<channel::frame> capture_share(std::size_t bytes) {
+  /// storage), with their descriptors. With `busy_stream`, the send stream
+  /// still has work queued when the storage goes, so the storage message
+  /// carries a point to wait for and its event source is announced first.
+  std::vector<channel::frame> capture_share(std::size_t bytes, bool busy_stream = false) {
     auto [to_capture, capture] = connected_pair();
     ipc::peer sender(producer, std::move(to_capture));
+    std::atomic<bool> sent{false};
+    if (busy_stream) {
+      dev.host_task({}, [&sent] {
+        while (!sent.load()) std::this_thread::yield();
+      });
+    }
     sender.send(storage::storage::allocate(producer_allocator, bytes, {}), {}, {});
+    sent.store(true);
+    dev.synchronize({});
     std::vector<channel::frame> frames;
     do {
       frames.push_back(capture.receive());

@@ -134,5 +134,29 @@ TEST(hostile_producer, announcements_past_the_limits_are_refused) {
   }
 }
 
+TEST(hostile_producer, an_event_page_naming_another_process_is_refused) {
+  captured_exchange x;
+  auto honest = x.capture_share(8 * kib, true);
+  frame_of_type(honest, event_source_type);  // the share announces the send stream's page
+  EXPECT_EQ(x.replay(honest).storage.size(), 8 * kib) << "a page naming its real exporter is accepted";
+
+  // The same page, but naming this process's parent: alive, unrelated, and
+  // never going to pass the point, which would tie the consumer's waits to it.
+  auto forged = x.capture_share(8 * kib, true);
+  channel::frame& source = frame_of_type(forged, event_source_type);
+  struct stat st {};
+  ASSERT_EQ(::fstat(source.fd.get(), &st), 0);
+  std::vector<std::byte> page(static_cast<std::size_t>(st.st_size));
+  ASSERT_EQ(::pread(source.fd.get(), page.data(), page.size(), 0), st.st_size);
+  constexpr std::size_t exporter_pid_at = 24;  // host_event_page.cpp's header: magic, version, slots, id, pid
+  write_at<std::int64_t>(page, exporter_pid_at, ::getppid());
+  unique_fd copy(::memfd_create("forged-page", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  ASSERT_EQ(::write(copy.get(), page.data(), page.size()), st.st_size);
+  ASSERT_EQ(::fcntl(copy.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL), 0);
+  source.fd = std::move(copy);
+  const std::string why = x.refusal_of(forged);
+  EXPECT_NE(why.find("names process " + std::to_string(::getppid())), std::string::npos) << why;
+}
+
 }  // namespace
 }  // namespace shoal::testing

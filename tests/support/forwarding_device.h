@@ -67,6 +67,9 @@ class forwarding_device : public backend::device {
   backend::imported_event_ref open_event_source(const backend::event_source& source) override {
     return target_.open_event_source(source);
   }
+  [[nodiscard]] std::optional<process_identity> event_source_exporter(backend::imported_event_ref source) override {
+    return target_.event_source_exporter(source);
+  }
   void wait_imported(backend::stream_ref stream, backend::imported_event_ref source,
                      const backend::event_point& point) override {
     target_.wait_imported(stream, source, point);

@@ -22,12 +22,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 
 #include "shoal/backend/shareable_event.h"
 #include "shoal/backend/shareable_handle.h"
 #include "shoal/backend/types.h"
+#include "shoal/core/process_identity.h"
 
 namespace shoal::backend {
 
@@ -150,6 +152,13 @@ class device {
   /// shoal::invalid_argument. Opening in the exporting process itself may be
   /// refused on CUDA.
   virtual imported_event_ref open_event_source(const event_source& source) = 0;
+  /// The process an opened source says exported it, where its kind records
+  /// one: a host page's header names its exporter (pid and start time); a
+  /// CUDA interprocess event names no process (nothing). A receiver checks it
+  /// against the peer the source came from: a page naming another live
+  /// process could make its waits last as long as that process. A source
+  /// this device did not open gives shoal::invalid_argument.
+  [[nodiscard]] virtual std::optional<process_identity> event_source_exporter(imported_event_ref source) = 0;
   /// Work enqueued on `stream` from now on waits until the exporting stream
   /// has passed `point` (GPU-side on CUDA; on host, the stream's executor
   /// waits). A point of another source, or of a slot the source does not

@@ -83,6 +83,7 @@ class host_device final : public device {
   [[nodiscard]] event_point export_event(stream_ref stream) override;
   [[nodiscard]] event_source describe_event_source(std::uint64_t source_id) override;
   imported_event_ref open_event_source(const event_source& source) override;
+  [[nodiscard]] std::optional<process_identity> event_source_exporter(imported_event_ref source) override;
   void wait_imported(stream_ref stream, imported_event_ref source, const event_point& point) override;
   void close_event_source(imported_event_ref source) override;
 

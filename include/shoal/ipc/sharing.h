@@ -43,7 +43,8 @@
 //   - A producer can write the memory it shared at any time (by design) and
 //     can make a consumer's receive stream wait for a point it never passes:
 //     on the host backend the wait ends with stream_error when the exporter
-//     dies; on CUDA a live producer can stall it. It cannot make a consumer
+//     dies (an event page must name the connection's peer as its exporter,
+//     or it is refused); on CUDA a live producer can stall it. It cannot make a consumer
 //     map or touch memory beyond what it sent (every range is checked
 //     against what was mapped), truncate what it sent (segments and counter
 //     memory are sealed memfds on the host backend), or exhaust the

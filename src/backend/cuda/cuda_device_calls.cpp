@@ -72,6 +72,11 @@ imported_event_ref cuda_device::open_event_source(const event_source& source) {
   return sharing_.open_event_source(source);
 }
 
+std::optional<process_identity> cuda_device::event_source_exporter(imported_event_ref source) {
+  sharing_.check_imported(source);
+  return std::nullopt;  // an interprocess event handle names no process
+}
+
 void cuda_device::wait_imported(stream_ref stream, imported_event_ref source, const event_point& point) {
   make_current(ordinal_);
   const auto s = streams_.lock_stream(stream, "wait_imported");  // held: the stream lives through the wait

@@ -99,6 +99,15 @@ void cuda_event_sharing::wait_imported(cudaStream_t stream, imported_event_ref s
   check(cudaStreamWaitEvent(stream, it->first, 0), "cudaStreamWaitEvent(imported event)");
 }
 
+void cuda_event_sharing::check_imported(imported_event_ref source) {
+  std::shared_lock lock(imported_events_mutex_);
+  if (!imported_events_.contains(static_cast<cudaEvent_t>(source.native))) {
+    throw invalid_argument("cuda_device::event_source_exporter: " + hex(source.native) +
+                           " is not an event source open on " + cuda_label(ordinal_) +
+                           " (closed already, or opened by another device)");
+  }
+}
+
 void cuda_event_sharing::close_event_source(imported_event_ref source) {
   make_current(ordinal_);
   const auto event = static_cast<cudaEvent_t>(source.native);

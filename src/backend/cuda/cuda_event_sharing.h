@@ -55,6 +55,8 @@ class cuda_event_sharing {
   /// held live by the caller, who has made the device current.
   void wait_imported(cudaStream_t stream, imported_event_ref source, const event_point& point);
   void close_event_source(imported_event_ref source);
+  /// Throws invalid_argument unless `source` is open here.
+  void check_imported(imported_event_ref source);
 
   /// Called while `stream` is being destroyed (with the stream registry's
   /// lock held): its exported event stays, but is never recorded again.

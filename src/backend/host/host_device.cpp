@@ -258,6 +258,10 @@ imported_event_ref host_device::open_event_source(const event_source& source) {
   return imported_event_ref{key};
 }
 
+std::optional<process_identity> host_device::event_source_exporter(imported_event_ref source) {
+  return state_->find(source)->exporter();
+}
+
 void host_device::wait_imported(stream_ref s, imported_event_ref source, const event_point& point) {
   const auto waiter = state_->find(s);
   auto page = state_->find(source);

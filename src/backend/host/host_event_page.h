@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "shoal/backend/shareable_event.h"
+#include "shoal/core/process_identity.h"
 #include "shoal/core/unique_fd.h"
 
 namespace shoal::backend::detail {
@@ -98,6 +99,8 @@ class host_imported_page {
   host_imported_page& operator=(const host_imported_page&) = delete;
 
   [[nodiscard]] std::uint64_t source_id() const noexcept { return source_id_; }
+  /// The exporter the page's header names (as read once, when opened).
+  [[nodiscard]] process_identity exporter() const noexcept { return {exporter_pid_, exporter_start_time_}; }
   /// Throws invalid_argument unless `point` is of this page and one of its slots.
   void check(const event_point& point) const;
   /// True once the exporting stream has passed `point` (checked already).
