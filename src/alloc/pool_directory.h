@@ -9,6 +9,12 @@
 //   segments_by_base_ = { s.base -> (s.size, s.pool) : s a segment of a
 //     live pool }, so a pointer inside a live segment finds its pool.
 //
+// Ordering rule: a segment leaves the directory before its memory goes back
+// to the device, and enters it after the device gave it out. The device may
+// hand the same address to another pool as soon as it is freed; a removal
+// after that would delete the new segment's entry, and its live blocks would
+// be lost (segment_source::release_segment keeps the rule).
+//
 // Lock order of the whole allocator, stated here once:
 //   directory_mutex_ -> one pool's lock -> the leaf locks: segments_mutex_,
 //   the event pool's, the trace ring's, the hooks' (release observers).

@@ -176,14 +176,17 @@ void segment_source::release_cached(block_pool& pool) {
 void segment_source::release_segment(block_pool& pool, segment* s) {
   pool.bins.remove(s->first);
   refresh_split_stat(pool, s->first);
+  // The ordering rule (pool_directory.h): out of the directory, then the
+  // observers (the memory is still there for them to act on), then back to
+  // the device — only then can another pool be given the same address.
+  directory_.unregister_segment(*s);
+  hooks_.notify_release(s->base, s->size);
   device_.free_segment(reinterpret_cast<void*>(s->base));
   unreserve_bytes(s->size);
   device_frees_.fetch_add(1, std::memory_order_relaxed);
   pool_counters::sub(pool.counters.segments, 1);
   pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(s->size));
   if (trace_.enabled()) trace_.note(trace_action::segment_free, s->base, s->size, pool.stream);
-  hooks_.notify_release(s->base, s->size);
-  directory_.unregister_segment(*s);
   recycle(pool, s->first);
   std::erase_if(pool.segments, [&](const std::unique_ptr<segment>& p) { return p.get() == s; });
 }
@@ -196,6 +199,7 @@ void segment_source::unmap_free_chunks(block_pool& pool, segment* s) {
     const std::uintptr_t hi = (b->address + b->size) / g * g;
     if (hi <= lo) continue;
     pool.bins.remove(b);
+    hooks_.notify_release(lo, hi - lo);  // while the chunks are still mapped
     for (std::uintptr_t a = lo; a < hi; a += g) {
       const std::size_t i = (a - s->base) / g;
       device_.unmap(reinterpret_cast<void*>(a));
@@ -208,7 +212,6 @@ void segment_source::unmap_free_chunks(block_pool& pool, segment* s) {
     device_frees_.fetch_add(static_cast<std::int64_t>(bytes / g), std::memory_order_relaxed);
     pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
     if (trace_.enabled()) trace_.note(trace_action::segment_unmap, lo, bytes, pool.stream);
-    hooks_.notify_release(lo, bytes);
     // [b: mapped head][hole][mapped tail], heads and tails possibly empty.
     block* hole = lo > b->address ? split(pool, b, lo - b->address) : b;
     if (hi < hole->address + hole->size) {

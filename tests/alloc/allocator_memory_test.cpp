@@ -1,7 +1,12 @@
-// Growable segments, out of memory, limits and private pools.
+// Growable segments, out of memory, limits, private pools, and giving memory
+// back while other streams grow.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <random>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -259,6 +264,61 @@ TEST(allocator_memory_host, release_observers_see_every_range_given_back) {
     EXPECT_GE(covered, 30 * mib) << conf << ": the block's range was reported given back";
     a.remove_hook(id);
   }
+}
+
+TEST(allocator_memory_host, a_release_observer_runs_while_the_range_is_still_mapped) {
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  for (const char* conf : {"", "expandable_segments:true"}) {
+    alloc::caching_allocator a(dev, alloc::allocator_config::parse(conf));
+    std::size_t readable = 0, seen = 0;
+    const auto id = a.add_release_observer([&](std::uintptr_t base, std::size_t bytes) {
+      ++seen;
+      // Reading the range faults if it was given back already.
+      if (*reinterpret_cast<volatile const std::uint8_t*>(base + bytes - 1) == 0x5A) ++readable;
+    });
+    void* p = a.allocate(30 * mib, {});
+    dev.fill({}, p, 0x5A, 30 * mib);
+    dev.synchronize({});
+    a.deallocate(p, {});
+    a.empty_cache();
+    EXPECT_GT(seen, 0u) << conf;
+    EXPECT_EQ(readable, seen) << conf << ": every range the observer was told of was still there";
+    a.remove_hook(id);
+  }
+}
+
+// A release and a growth on two streams at once: the released segment's
+// address may be the very one the device hands the other stream next. The
+// observer sleeps inside the release, so the growth surely falls within it.
+TEST(allocator_memory_host, a_segment_released_while_another_stream_grows_loses_no_live_block) {
+  auto& dev = backend::host_device_instance();
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse(""));
+  backend::stream releasing(dev), growing(dev);
+  std::atomic<bool> in_release{false};
+  const auto id = a.add_release_observer([&](std::uintptr_t, std::size_t) {
+    in_release = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  });
+  for (int round = 0; round < 3; ++round) {
+    in_release = false;
+    void* cached = a.allocate(mib, releasing);  // a 2 MiB small-pool segment on `releasing`
+    const auto released_base = reinterpret_cast<std::uintptr_t>(cached);
+    a.deallocate(cached, releasing);
+    std::thread releaser([&] { a.empty_cache(); });
+    while (!in_release) std::this_thread::yield();
+    void* live = a.allocate(mib, growing);  // a new segment for `growing`, during the release
+    releaser.join();
+    EXPECT_NE(reinterpret_cast<std::uintptr_t>(live), released_base)
+        << "round " << round << ": the device gave the released segment out again before its release finished";
+    EXPECT_NO_THROW(EXPECT_EQ(a.block_size(live), mib)) << "round " << round << ": the live block was lost";
+    EXPECT_NO_THROW(a.record_stream(live, releasing)) << "round " << round;
+    EXPECT_NO_THROW(a.deallocate(live, growing)) << "round " << round;
+    dev.synchronize(releasing);
+    a.process_pending_frees();
+    a.empty_cache();
+  }
+  a.remove_hook(id);
+  a.check_invariants();
 }
 
 }  // namespace

@@ -119,9 +119,13 @@ class caching_allocator {
   /// held, so it may free blocks. Returns an id for remove_hook.
   std::uint64_t add_cache_miss_hook(std::function<void()> hook);
   /// `observer(base, bytes)` is told whenever device memory the allocator
-  /// held is given back (a segment freed, chunks of a growable segment
-  /// unmapped). It runs under a pool's lock: it must be quick and must not
-  /// call the allocator. Returns an id for remove_hook.
+  /// held is about to be given back (a segment freed, chunks of a growable
+  /// segment unmapped): the range is no longer the allocator's (no pointer
+  /// into it is live, and it is out of the segment directory) but still
+  /// mapped, so the observer can still act on it (say, forget an export of
+  /// it); the device gets it back right after. It runs under a pool's lock:
+  /// it must be quick and must not call the allocator. Returns an id for
+  /// remove_hook.
   std::uint64_t add_release_observer(std::function<void(std::uintptr_t base, std::size_t bytes)> observer);
   /// Removes a hook or observer; waits for calls of it in progress. An
   /// unknown id gives invalid_argument.
