@@ -8,10 +8,8 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +22,7 @@
 #include "shoal/channel/channel.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
+#include "shoal/core/child_process.h"
 #include "shoal/ipc/sharing.h"
 #include "ipc/captured_exchange.h"
 
@@ -96,58 +95,13 @@ TEST(hostile_producer, read_only_counter_memory_is_a_protocol_error) {
   EXPECT_NE(why.find("reading and writing"), std::string::npos) << why;
 }
 
-// Consumer B, another process, receives a share and then writes into every
-// slot of the counter memory it was given: held slots marked released
-// (another consumer's references, if they were there) and free slots marked
-// held (so a later claim would find them taken).
-[[noreturn]] void run_scribbling_consumer(int socket_end, int done_pipe) {
-  int status = 1;
-  try {
-    auto link = channel::connection::adopt_pair_end(unique_fd(socket_end), {}, 1 << 20);
-    unique_fd counters;
-    std::uint32_t slots = 0;
-    for (;;) {
-      channel::frame f = link.receive();
-      if (f.type == counter_file_type) {
-        std::memcpy(&slots, f.payload.data() + 8, sizeof slots);
-        counters = std::move(f.fd);
-      }
-      if (f.type == storage_type) break;
-    }
-    const std::size_t bytes = 64 + std::size_t{slots} * 32;
-    void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, counters.get(), 0);
-    if (m == MAP_FAILED) throw std::runtime_error("mmap");
-    for (std::uint32_t i = 0; i < slots; ++i) {
-      auto* word = reinterpret_cast<std::atomic<std::uint64_t>*>(static_cast<char*>(m) + 64 + std::size_t{i} * 32);
-      const std::uint64_t w = word->load();
-      word->store((w & 3) == 1 ? (w & ~std::uint64_t{3}) | 2 : (std::uint64_t{7} << 2) | 1);
-    }
-    status = 0;
-    const char done = 0;
-    (void)::write(done_pipe, &done, 1);
-    char wait_for_parent;
-    (void)::read(done_pipe, &wait_for_parent, 1);  // alive and connected until told (a dead holder's slots are reclaimed)
-  } catch (...) {
-    const char failed = 1;
-    (void)::write(done_pipe, &failed, 1);
-  }
-  ::_exit(status);
-}
-
+// Consumer B, another process (shoal_test_sharing_peer scribble), receives a
+// share and then writes into every slot of the counter memory it was given:
+// held slots marked released (another consumer's references, were they
+// there) and free slots marked held (so a later claim would find them taken).
 TEST(hostile_consumer, a_consumer_cannot_release_another_consumers_references_or_stop_the_producer) {
   captured_exchange p;
-  int pair[2], pipe_ends[2];
-  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
-  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pipe_ends), 0);
-  const pid_t child = ::fork();
-  if (child == 0) {
-    ::close(pair[0]);
-    ::close(pipe_ends[0]);
-    run_scribbling_consumer(pair[1], pipe_ends[1]);
-  }
-  ::close(pair[1]);
-  ::close(pipe_ends[1]);
-  unique_fd to_child_done(pipe_ends[0]);
+  child_process child(SHOAL_TEST_SHARING_PEER, {"scribble", "host"});
 
   // Consumer A, this process, holds storage X.
   auto [to_a, a_end] = connected_pair();
@@ -158,27 +112,26 @@ TEST(hostile_consumer, a_consumer_cannot_release_another_consumers_references_or
   ipc::received held_by_a = consumer_a.receive({});
   ASSERT_TRUE(held_by_a.storage.valid());
 
-  // Consumer B, the child, gets storage Y and scribbles over its counters.
-  ipc::peer producer_to_b(p.producer, channel::connection::adopt_pair_end(unique_fd(pair[0]), {}, 1 << 20));
-  producer_to_b.send(storage::storage::allocate(p.producer_allocator, 8 * kib, {}), {}, {});
-  char done = 1;
-  ASSERT_EQ(::read(to_child_done.get(), &done, 1), 1);
-  ASSERT_EQ(done, 0) << "the hostile consumer could not run";
+  {
+    // Consumer B gets storage Y and scribbles over its counters.
+    ipc::peer producer_to_b(p.producer,
+                            channel::connection::adopt_pair_end(unique_fd(::dup(child.socket())), {}, 1 << 20));
+    producer_to_b.send(storage::storage::allocate(p.producer_allocator, 8 * kib, {}), {}, {});
+    const ipc::received said = producer_to_b.receive({});
+    ASSERT_EQ(std::string(reinterpret_cast<const char*>(said.metadata.data()), said.metadata.size()), "scribbled");
 
-  x = storage::storage();  // the producer's last handle: X now waits for A alone
-  p.producer.collect();
-  EXPECT_GE(p.producer.stats().limbo_blocks, 1u) << "X was freed while consumer A still holds it";
-  EXPECT_NO_THROW(producer_to_a.send(storage::storage::allocate(p.producer_allocator, 4 * kib, {}), {}, {}))
-      << "what B wrote stopped the producer serving A";
-  EXPECT_TRUE(consumer_a.receive({}).storage.valid());
-  EXPECT_NO_THROW(producer_to_b.send(storage::storage::allocate(p.producer_allocator, 4 * kib, {}), {}, {}))
-      << "the producer still serves B over what B wrote into its free slots";
-
+    x = storage::storage();  // the producer's last handle: X now waits for A alone
+    p.producer.collect();
+    EXPECT_GE(p.producer.stats().limbo_blocks, 1u) << "X was freed while consumer A still holds it";
+    EXPECT_NO_THROW(producer_to_a.send(storage::storage::allocate(p.producer_allocator, 4 * kib, {}), {}, {}))
+        << "what B wrote stopped the producer serving A";
+    EXPECT_TRUE(consumer_a.receive({}).storage.valid());
+    EXPECT_NO_THROW(producer_to_b.send(storage::storage::allocate(p.producer_allocator, 4 * kib, {}), {}, {}))
+        << "the producer still serves B over what B wrote into its free slots";
+  }  // hangs up on B
+  EXPECT_EQ(child.wait(), 0);
   held_by_a = ipc::received();
   p.dev.synchronize({});
-  (void)::write(to_child_done.get(), "x", 1);
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
   p.producer.collect();
   EXPECT_EQ(p.producer.stats().limbo_blocks, 0u) << "X is freed once A lets go (and B's slots are reclaimed)";
 }

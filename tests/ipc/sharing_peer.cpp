@@ -12,12 +12,22 @@
 //       Connects twice to the listener at <socket path> and sends the same
 //       storage of <bytes> filled with <byte> on both connections; waits for a
 //       note on each, then ends.
+//   shoal_test_sharing_peer scribble <host|cuda>
+//       A hostile consumer: reads frames raw until a storage message, then
+//       writes into every slot of the counter memory it was given (held
+//       slots marked released, free ones marked held), says so in a note
+//       "scribbled" (after the protocol's hello), and stays connected until
+//       the parent hangs up.
 //   shoal_test_sharing_peer relay <host|cuda> <program>
 //       Starts <program> consume as the next process; copies each storage it
 //       receives into one of its own and sends the copy on; passes the next
 //       process's answers back. Ends with "bye".
+#include <sys/mman.h>
+
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <vector>
@@ -27,6 +37,7 @@
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 #include "shoal/channel/channel.h"
+#include "shoal/channel/protocol.h"
 #include "shoal/core/child_process.h"
 #include "shoal/ipc/sharing.h"
 
@@ -53,6 +64,39 @@ std::string check(backend::device& dev, const storage::storage& st, std::uint8_t
     }
   }
   return "ok";
+}
+
+// Message types of the sharing protocol (src/ipc/messages.h).
+constexpr std::uint16_t counter_file_type = 1, storage_type = 4, note_type = 7;
+
+int scribble() {
+  auto link = parent_link();
+  unique_fd counters;
+  std::uint32_t slots = 0;
+  for (;;) {
+    channel::frame f = link.receive();
+    if (f.type == counter_file_type) {
+      std::memcpy(&slots, f.payload.data() + 8, sizeof slots);  // file id u64, slots u32
+      counters = std::move(f.fd);
+    }
+    if (f.type == storage_type) break;
+  }
+  const std::size_t bytes = 64 + std::size_t{slots} * 32;  // counter_file.cpp: header, then 32-byte slots
+  void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, counters.get(), 0);
+  if (m == MAP_FAILED) throw backend_error("mmap(counters)", "the counter memory cannot be mapped");
+  for (std::uint32_t i = 0; i < slots; ++i) {
+    auto* word = reinterpret_cast<std::atomic<std::uint64_t>*>(static_cast<char*>(m) + 64 + std::size_t{i} * 32);
+    const std::uint64_t w = word->load();
+    word->store((w & 3) == 1 ? (w & ~std::uint64_t{3}) | 2 : (std::uint64_t{7} << 2) | 1);
+  }
+  channel::send_hello(link, ipc::sharing_protocol);
+  const std::string said = "scribbled";
+  std::vector<std::byte> note(4 + said.size());
+  const auto length = static_cast<std::uint32_t>(said.size());
+  std::memcpy(note.data(), &length, 4);
+  std::memcpy(note.data() + 4, said.data(), said.size());
+  link.send(note_type, note);
+  for (;;) (void)link.receive();  // until the parent hangs up (connection_closed)
 }
 
 int consume(backend::device& dev) {
@@ -153,6 +197,7 @@ int main(int argc, char** argv) {
       return produce(dev, std::strtoull(argv[3], nullptr, 10), static_cast<std::uint8_t>(std::atoi(argv[4])));
     }
     if (mode == "relay" && argc == 4) return relay(dev, argv[3], backend_name);
+    if (mode == "scribble") return scribble();
     if (mode == "produce-twice" && argc == 6) {
       return produce_twice(dev, argv[3], std::strtoull(argv[4], nullptr, 10), static_cast<std::uint8_t>(std::atoi(argv[5])));
     }
