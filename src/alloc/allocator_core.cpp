@@ -218,13 +218,15 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
 void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
   with_block<true>(address, "deallocate", [&](block_pool& pool, block* b) {
-    const bool other_streams = stream != b->stream || !b->used_on.empty();
-    const bool hold = config.cross_stream_safety && other_streams;
-    const bool mark_hazard = !config.cross_stream_safety && config.debug && stream != b->stream;
+    // record_stream's streams are waited for in every mode; the freeing
+    // stream only with cross-stream safety on (off is PyTorch's rule, where
+    // record_stream is the one protection), or to catch a hazard in debug.
+    const bool freed_elsewhere = stream != b->stream;
+    const bool hold = !b->used_on.empty() || (config.cross_stream_safety && freed_elsewhere);
+    const bool mark_hazard = !config.cross_stream_safety && config.debug && freed_elsewhere;
     if (hold || mark_hazard) {
-      std::vector<backend::stream_ref> streams;
-      if (hold) streams = b->used_on;
-      if (stream != b->stream) add_unique(streams, stream);
+      std::vector<backend::stream_ref> streams = b->used_on;
+      if (freed_elsewhere && (config.cross_stream_safety || mark_hazard)) add_unique(streams, stream);
       std::vector<backend::event_ref> events;
       try {
         for (auto s : streams) {

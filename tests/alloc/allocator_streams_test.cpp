@@ -16,7 +16,7 @@ namespace {
 using namespace std::chrono_literals;
 using backend::event;
 using backend::stream;
-constexpr std::size_t kib = 1024;
+constexpr std::size_t kib = 1024, mib = kib * kib;
 
 template <class Backend>
 using allocator_streams = allocator_test<Backend>;
@@ -152,6 +152,24 @@ bool background_batch_survives(allocator_test<Backend>& t, const std::string& co
 
 TYPED_TEST(allocator_streams, the_background_transfer_race_is_prevented_by_default) {
   EXPECT_TRUE(background_batch_survives(*this, ""));
+}
+
+TYPED_TEST(allocator_streams, record_stream_holds_the_free_with_cross_stream_safety_off_too) {
+  auto& dev = this->device();
+  auto& a = this->make("cross_stream_safety:false");
+  backend::stream own(dev), other(dev);
+  void* p = a.allocate(mib, own);
+  dev.delay(other, std::chrono::milliseconds(100));
+  dev.fill(other, p, 0x33, mib);  // a use on another stream, still queued
+  a.record_stream(p, other);      // PyTorch's idiom: safety off, record_stream on
+  a.deallocate(p, own);
+  void* q = a.allocate(mib, own);
+  EXPECT_FALSE(dev.query(other)) << "the other stream finished too soon for the test to mean anything";
+  EXPECT_NE(q, p) << "the block was handed out again while a recorded stream still used it";
+  a.deallocate(q, own);
+  other.synchronize();
+  a.process_pending_frees();
+  EXPECT_EQ(a.allocate(mib, own), p) << "once the recorded stream passed its use, the block is reusable";
 }
 
 TYPED_TEST(allocator_streams, an_allocator_destroyed_while_its_streams_still_work_on_its_blocks_waits_for_them) {
