@@ -90,7 +90,7 @@ void peer_link::send_storage(const storage::storage& st, std::span<const std::by
     const bool new_file = !files_sent_.contains(share.slot.file_id);
     if (new_file) {
       out.add(message_type::counter_file, encode(counter_file_message{share.slot.file_id, state_->options.slots_per_file}),
-              share.file_fd);
+              share.file->fd());
     }
     storage_message m;
     std::vector<std::uint64_t> new_segments;

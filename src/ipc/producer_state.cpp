@@ -86,7 +86,7 @@ producer_state::share producer_state::share_storage(const storage::storage& st, 
   prune(sent->slots);
   s.slot = slots_.claim(holder);
   sent->slots.push_back(s.slot);
-  s.file_fd = slots_.file(s.slot.file_id).fd();
+  s.file = slots_.file(s.slot.file_id);
   ++sent_;
   return s;
 }

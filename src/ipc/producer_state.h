@@ -53,7 +53,7 @@ class producer_state : public std::enable_shared_from_this<producer_state> {
     std::uint64_t offset = 0;  // of the data in segments[0]
     std::uint64_t size = 0;
     slot_ref slot;
-    int file_fd = -1;          // the slot's counter file, for a peer that lacks it
+    std::shared_ptr<const counter_file> file;  // the slot's, for a peer that lacks it (open while held)
   };
   /// Hands `st` over to a sent-data owner (once) and claims a slot held by
   /// `holder`. invalid_argument for a storage received from another process

@@ -24,7 +24,10 @@
 // outlives its processes and no process can truncate it under another.
 //
 // Trust model. A peer is admitted by the channel (its uid allowed by the
-// access policy; a socket path in a 0700 directory) and is still untrusted:
+// access policy; a socket path in a 0700 directory) and is still untrusted.
+// What follows holds between processes of different uids; a peer of the
+// same uid can reach a producer's descriptors and memory through /proc or
+// ptrace, which no protocol can stop:
 //   - A consumer can hold the references it was sent (pinning that memory
 //     until it releases them or dies) and give them up; nothing else. Each
 //     holder process's references are counted in counter memory of its own,

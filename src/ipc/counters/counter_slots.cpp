@@ -25,7 +25,7 @@ std::pair<std::uint64_t, counter_slots::file_entry*> counter_slots::file_for(con
     if (same_process(e->holder, holder) && !e->holder_dead && !e->free_slots.empty()) return {id, e.get()};
   }
   const std::uint64_t id = shoal::detail::next_process_wide_id();
-  auto e = std::make_unique<file_entry>(file_entry{counter_file::create(slots_per_file_), holder, false, {}, {}, {}});
+  auto e = std::make_unique<file_entry>(file_entry{std::make_shared<counter_file>(counter_file::create(slots_per_file_)), holder, false, {}, {}, {}});
   e->free_slots.reserve(slots_per_file_);
   for (std::uint32_t i = slots_per_file_; i > 0; --i) e->free_slots.push_back(i - 1);
   e->generations.assign(slots_per_file_, 0);
@@ -36,7 +36,7 @@ slot_ref counter_slots::claim(const process_identity& holder) {
   auto [file_id, e] = file_for(holder);
   const std::uint32_t index = e->free_slots.back();
   const slot_ticket ticket{index, ++e->generations[index]};
-  e->file.claim(ticket, holder);
+  e->file->claim(ticket, holder);
   e->free_slots.pop_back();
   e->handed_out.emplace(index, ticket.generation);
   ++in_use_;
@@ -45,14 +45,16 @@ slot_ref counter_slots::claim(const process_identity& holder) {
 
 bool counter_slots::released(const slot_ref& slot) const {
   auto it = files_.find(slot.file_id);
-  return it != files_.end() && it->second->file.released(slot.ticket);
+  return it != files_.end() && it->second->file->released(slot.ticket);
 }
 
-void counter_slots::release(const slot_ref& slot) { entry(slot.file_id).file.release(slot.ticket); }
+void counter_slots::release(const slot_ref& slot) {
+  if (auto it = files_.find(slot.file_id); it != files_.end()) it->second->file->release(slot.ticket);
+}
 
 void counter_slots::recycle(const slot_ref& slot) {
   file_entry& e = entry(slot.file_id);
-  e.file.recycle(slot.ticket);
+  e.file->recycle(slot.ticket);
   e.handed_out.erase(slot.ticket.index);
   e.free_slots.push_back(slot.ticket.index);
   --in_use_;
@@ -78,21 +80,27 @@ std::size_t counter_slots::reclaim_dead_holders() {
   std::vector<std::uint64_t> unused;
   std::map<std::pair<pid_t, std::uint64_t>, bool> alive;  // one /proc read per holder
   for (auto& [id, e] : files_) {
-    if (e->holder_dead) continue;
-    auto [it, fresh] = alive.try_emplace({e->holder.pid, e->holder.start_time}, false);
-    if (fresh) it->second = is_alive(e->holder);
-    if (it->second) continue;
-    e->holder_dead = true;
-    for (const auto& [index, generation] : e->handed_out) {
-      if (e->file.take_back({index, generation})) ++reclaimed;
+    if (!e->holder_dead) {
+      auto [it, fresh] = alive.try_emplace({e->holder.pid, e->holder.start_time}, true);
+      if (fresh) {
+        try {
+          it->second = is_alive(e->holder);
+        } catch (const error&) {  // NOLINT(bugprone-empty-catch): a failed /proc read tells nothing; the next pass looks again
+        }
+      }
+      if (it->second) continue;
+      e->holder_dead = true;
+      for (const auto& [index, generation] : e->handed_out) {
+        if (e->file->take_back({index, generation})) ++reclaimed;
+      }
     }
-    if (e->handed_out.empty()) unused.push_back(id);
+    if (e->handed_out.empty()) unused.push_back(id);  // a dead holder's file with nothing out
   }
   for (auto id : unused) close_if_unused(id, *files_.at(id));
   return reclaimed;
 }
 
-const counter_file& counter_slots::file(std::uint64_t file_id) const {
+std::shared_ptr<const counter_file> counter_slots::file(std::uint64_t file_id) const {
   auto it = files_.find(file_id);
   if (it == files_.end()) throw invalid_argument("sharing: no counter file has id " + std::to_string(file_id));
   return it->second->file;

@@ -37,7 +37,8 @@ class counter_slots {
   /// A slot held by `holder`, in one of that holder's files.
   slot_ref claim(const process_identity& holder);
   [[nodiscard]] bool released(const slot_ref& slot) const;
-  /// Releases a held slot as its holder would (a share that never arrived).
+  /// Releases a held slot as its holder would (a share that never arrived);
+  /// nothing when its file is gone already (its slots were taken back).
   void release(const slot_ref& slot);
   /// Frees a released slot; may close its file (see take_closed_files).
   void recycle(const slot_ref& slot);
@@ -45,7 +46,9 @@ class counter_slots {
   /// returns how many.
   std::size_t reclaim_dead_holders();
 
-  [[nodiscard]] const counter_file& file(std::uint64_t file_id) const;
+  /// The file, kept open for as long as the caller holds it (a send that
+  /// passes its descriptor on must not find it closed, or reused, meanwhile).
+  [[nodiscard]] std::shared_ptr<const counter_file> file(std::uint64_t file_id) const;
   [[nodiscard]] std::uint32_t slots_per_file() const noexcept { return slots_per_file_; }
   [[nodiscard]] std::size_t file_count() const noexcept { return files_.size(); }
   [[nodiscard]] std::size_t slots_in_use() const noexcept { return in_use_; }
@@ -54,7 +57,7 @@ class counter_slots {
 
  private:
   struct file_entry {
-    counter_file file;
+    std::shared_ptr<counter_file> file;
     process_identity holder;
     bool holder_dead = false;
     std::vector<std::uint32_t> free_slots;   // indices never handed out are in here too
