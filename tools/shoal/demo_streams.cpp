@@ -95,15 +95,34 @@ void safe_by_default(backend::device& dev, alloc::caching_allocator& allocator, 
   expect(after == batch, "the freed batch did not come back once the model stream had passed it");
 }
 
+/// The unsafe modes' common start: an allocator with cross-stream safety off
+/// (and `debug` as asked), a batch loaded on the loader stream, read and
+/// dropped by the model's thread, its read still queued.
+struct dropped_batch {
+  dropped_batch(backend::device& dev, demo_streams& s, bool debug)
+      : allocator(dev, unsafe_config(debug)), seen(dev), settle{s}, written(dev) {
+    batch = load_batch(dev, allocator, s, written);
+    read_and_drop(dev, allocator, s, written, batch, seen);
+  }
+  static alloc::allocator_config unsafe_config(bool debug) {
+    alloc::allocator_config c;
+    c.cross_stream_safety = false;
+    c.debug = debug;
+    return c;
+  }
+
+  alloc::caching_allocator allocator;
+  const model_read seen;   // outlives `settle`: the streams pass the read before it goes
+  settle_streams settle;
+  backend::event written;
+  void* batch = nullptr;
+};
+
 void unsafe_mode(backend::device& dev, demo_streams& s) {
-  alloc::allocator_config unsafe;
-  unsafe.cross_stream_safety = false;
-  alloc::caching_allocator allocator(dev, unsafe);
-  const model_read seen(dev);  // outlives `settle`: the streams pass the read before it goes
-  settle_streams settle{s};
-  backend::event written(dev);
-  void* batch = load_batch(dev, allocator, s, written);
-  read_and_drop(dev, allocator, s, written, batch, seen);
+  dropped_batch dropped(dev, s, false);
+  auto& allocator = dropped.allocator;
+  const auto& seen = dropped.seen;
+  void* const batch = dropped.batch;
   void* next = allocator.allocate(batch_bytes, s.loader);
   const bool read_queued = !dev.query(s.model);
   dev.fill(s.loader, next, second_batch, batch_bytes);
@@ -118,15 +137,8 @@ void unsafe_mode(backend::device& dev, demo_streams& s) {
 }
 
 void debug_mode(backend::device& dev, demo_streams& s) {
-  alloc::allocator_config checked;
-  checked.cross_stream_safety = false;
-  checked.debug = true;
-  alloc::caching_allocator allocator(dev, checked);
-  const model_read seen(dev);  // outlives `settle`: the streams pass the read before it goes
-  settle_streams settle{s};
-  backend::event written(dev);
-  void* batch = load_batch(dev, allocator, s, written);
-  read_and_drop(dev, allocator, s, written, batch, seen);
+  dropped_batch dropped(dev, s, true);
+  auto& allocator = dropped.allocator;
   std::string caught;
   try {
     void* next = allocator.allocate(batch_bytes, s.loader);
