@@ -1,0 +1,142 @@
+// What the binding files share: the C++ state behind the Python objects.
+//
+// Python objects hold these states through shared_ptr, and so do DLPack
+// capsules and arrays handed to other libraries, whose deleters may run on
+// any thread without the GIL: nothing here holds a Python object.
+//
+// Lifetimes: an allocator keeps every stream it was used with alive for its
+// own life (the caching allocator keeps a pool per stream and requires its
+// streams to outlive it); a storage keeps its allocator alive.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/device.h"
+#include "shoal/backend/stream.h"
+#include "shoal/storage/storage.h"
+
+namespace shoal::python {
+
+namespace nb = nanobind;
+
+/// A stream of a device: one this package created (and owns), or the
+/// device's default stream.
+class stream_state {
+public:
+  static std::shared_ptr<stream_state> create(backend::device &device);
+  static std::shared_ptr<stream_state> default_of(backend::device &device);
+  [[nodiscard]] backend::device &device() const noexcept { return *device_; }
+  [[nodiscard]] backend::stream_ref ref() const noexcept { return ref_; }
+
+private:
+  stream_state(backend::device &device, std::unique_ptr<backend::stream> owned);
+  backend::device *device_;
+  std::unique_ptr<backend::stream> owned_;
+  backend::stream_ref ref_;
+};
+
+/// The calling thread's current stream on `device`: the innermost
+/// `with shoal.stream(s)` scope of this thread for that device, else its
+/// default stream.
+std::shared_ptr<stream_state> current_stream_state(backend::device &device);
+
+/// A caching allocator and the streams it must outlive. Thread-safe.
+class allocator_state {
+public:
+  allocator_state(backend::device &device,
+                  const alloc::allocator_config &config);
+  /// Destroys the allocator first, then the streams it used.
+  ~allocator_state();
+  [[nodiscard]] alloc::caching_allocator &allocator() noexcept {
+    return *allocator_;
+  }
+  /// Keeps `stream` alive as long as the allocator.
+  void keep(const std::shared_ptr<stream_state> &stream);
+
+private:
+  std::mutex mutex_;
+  std::set<std::shared_ptr<stream_state>> streams_;
+  std::unique_ptr<alloc::caching_allocator> allocator_;
+};
+
+/// One handle to a storage and the allocator it came from. Dropping it
+/// frees on the calling thread's current stream, which is kept alive by the
+/// allocator from then on.
+class storage_handle {
+public:
+  storage_handle(storage::storage storage,
+                 std::shared_ptr<allocator_state> allocator)
+      : allocator_(std::move(allocator)), storage_(std::move(storage)) {}
+  storage_handle(const storage_handle &) = default;
+  storage_handle &operator=(const storage_handle &) = default;
+  ~storage_handle();
+  /// The storage (its handle operations, mutable_data included, are
+  /// thread-safe and change no handle, hence usable through a const handle).
+  [[nodiscard]] storage::storage &get() const noexcept { return storage_; }
+  [[nodiscard]] const std::shared_ptr<allocator_state> &
+  allocator() const noexcept {
+    return allocator_;
+  }
+
+private:
+  // Declared first so that it is destroyed last: the storage frees into it.
+  std::shared_ptr<allocator_state> allocator_;
+  mutable storage::storage storage_;
+};
+
+/// Python `Stream`; `stream` may be None for the current stream of `device`.
+struct py_stream {
+  std::shared_ptr<stream_state> state;
+};
+struct py_allocator {
+  std::shared_ptr<allocator_state> state;
+};
+struct py_storage {
+  storage_handle handle;
+};
+
+/// A typed view of a storage: what DLPack exports. Strides in elements,
+/// offset in bytes; checked to lie inside the storage when made.
+struct py_array_view {
+  storage_handle handle;
+  std::string dtype;
+  std::uint8_t code;
+  std::uint8_t bits;
+  std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> strides;
+  std::int64_t offset;
+  bool readonly;
+};
+
+/// Storage.view(dtype, shape=None, strides=None, offset=0, readonly=False).
+py_array_view make_view(const py_storage &storage, nb::handle dtype,
+                        std::optional<std::vector<std::int64_t>> shape,
+                        std::optional<std::vector<std::int64_t>> strides,
+                        std::int64_t offset, bool readonly);
+
+/// The stream a Python `stream=` argument names: the given Stream, or the
+/// current stream of `device` when None.
+std::shared_ptr<stream_state> stream_or_current(const py_stream *stream,
+                                                backend::device &device);
+
+/// Allocator.allocate: a storage of `nbytes` for use on `stream` (default:
+/// the current stream).
+py_storage allocate_storage(const py_allocator &allocator, std::int64_t nbytes,
+                            const py_stream *stream);
+
+void register_errors(nb::module_ &m);
+void register_streams(nb::module_ &m);
+void register_allocator(nb::module_ &m);
+void register_storages(nb::module_ &m);
+void register_dlpack(nb::module_ &m);
+
+} // namespace shoal::python

@@ -1,0 +1,12 @@
+// The extension module shoal._shoal; python/shoal/__init__.py re-exports it.
+#include "bindings.h"
+
+NB_MODULE(_shoal, m) {
+  m.doc() = "shoal's C++ runtime: devices, streams, the caching allocator, "
+            "storages, DLPack export.";
+  shoal::python::register_errors(m);
+  shoal::python::register_streams(m);
+  shoal::python::register_allocator(m);
+  shoal::python::register_storages(m);
+  shoal::python::register_dlpack(m);
+}

@@ -1,0 +1,113 @@
+"""The caching allocator: settings, stats, snapshot, trace, empty_cache, out-of-memory observers."""
+
+import gc
+import sys
+
+import pytest
+
+import shoal
+
+
+def test_keyword_settings_reach_the_allocator():
+    a = shoal.Allocator(use_environment=False, max_split_size_mb=256, expandable_segments=True, trace_entries=8)
+    assert "max_split_size_mb:256" in a.config
+    assert "expandable_segments:true" in a.config
+    assert "trace_entries:8" in a.config
+
+
+def test_shoal_alloc_conf_is_read_and_keywords_override_it(monkeypatch):
+    monkeypatch.setenv("SHOAL_ALLOC_CONF", "max_split_size_mb:64,trace_entries:5")
+    a = shoal.Allocator(trace_entries=9)
+    assert "max_split_size_mb:64" in a.config
+    assert "trace_entries:9" in a.config
+    assert "max_split_size_mb:64" not in shoal.Allocator(use_environment=False).config
+
+
+def test_a_bad_setting_is_refused_with_its_name():
+    with pytest.raises(shoal.InvalidArgumentError, match="expandable_segments"):
+        shoal.Allocator(use_environment=False, expandable_segments="maybe")
+    with pytest.raises(shoal.InvalidArgumentError, match="bogus"):
+        shoal.Allocator(use_environment=False, conf="bogus:1")
+    with pytest.raises(shoal.InvalidArgumentError):
+        shoal.Allocator(use_environment=False, max_split_size_mb=[1, 2])
+
+
+def test_stats_count_allocations_and_frees(allocator):
+    before = allocator.stats()
+    s = allocator.allocate(1000)
+    during = allocator.stats()
+    assert during["allocations"]["all"]["current"] == before["allocations"]["all"]["current"] + 1
+    assert during["allocated_bytes"]["all"]["current"] >= 1000
+    assert during["requested_bytes"]["all"]["current"] == 1000
+    del s
+    gc.collect()
+    after = allocator.stats()
+    assert after["allocations"]["all"]["current"] == 0
+    assert after["allocations"]["all"]["freed"] == 1
+    assert after["reserved_bytes"]["all"]["current"] > 0  # cached, not returned
+    allocator.empty_cache()
+    assert allocator.stats()["reserved_bytes"]["all"]["current"] == 0
+
+
+def test_snapshot_shows_each_block_and_its_state(allocator):
+    s = allocator.allocate(4096)
+    blocks = [b for seg in allocator.snapshot()["segments"] for b in seg["blocks"]]
+    mine = [b for b in blocks if b["address"] == s.ptr]
+    assert len(mine) == 1 and mine[0]["state"] == "allocated" and mine[0]["requested_size"] == 4096
+    del s
+
+
+def test_trace_records_alloc_and_free(allocator):
+    s = allocator.allocate(512)
+    ptr = s.ptr
+    del s
+    actions = [(e["action"], e["addr"]) for e in allocator.trace()]
+    assert ("alloc", ptr) in actions
+    assert ("free_requested", ptr) in actions or ("free_completed", ptr) in actions
+
+
+def test_a_free_on_another_stream_is_held_until_that_stream_passes(allocator):
+    user = shoal.Stream()
+    s = allocator.allocate(4096)
+    ptr = s.ptr
+    user.delay(0.5)
+    with shoal.stream(user):
+        del s  # freed on `user`, which is still busy
+        gc.collect()
+    states = [b["state"] for seg in allocator.snapshot()["segments"] for b in seg["blocks"] if b["address"] == ptr]
+    assert states == ["pending_free"]
+    other = allocator.allocate(4096)
+    assert other.ptr != ptr
+    del other
+    user.synchronize()
+
+
+def test_out_of_memory_observers_are_called_with_a_report():
+    a = shoal.Allocator(use_environment=False, memory_limit_mb=1)
+    reports = []
+    a.add_oom_observer(reports.append)
+    with pytest.raises(shoal.OutOfMemoryError):
+        a.allocate(2 << 20)
+    assert len(reports) == 1
+    assert reports[0]["requested_bytes"] == 2 << 20
+    assert a.stats()["num_ooms"] == 1
+
+
+def test_an_observer_that_raises_does_not_replace_the_out_of_memory_error(monkeypatch):
+    a = shoal.Allocator(use_environment=False, memory_limit_mb=1)
+    unraisable = []  # messages only: the exceptions' frames would hold `a` in a cycle
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(str(u.exc_value)))
+
+    def broken(report):
+        raise RuntimeError("observer failed")
+
+    a.add_oom_observer(broken)
+    with pytest.raises(shoal.OutOfMemoryError):
+        a.allocate(2 << 20)
+    assert unraisable == ["observer failed"]
+
+
+def test_the_default_allocator_is_one_per_process():
+    assert shoal.default_allocator() is shoal.default_allocator()
+    s = shoal.allocate(256)
+    assert s.device == shoal.default_device()

@@ -1,0 +1,218 @@
+"""Typed views of storages and their zero-copy DLPack export, consumed by numpy (host backend)."""
+
+import gc
+
+import numpy
+import pytest
+
+import shoal
+
+pytestmark = pytest.mark.skipif(shoal.default_device().kind != "host", reason="numpy consumes host memory only")
+
+
+def test_numpy_sees_shoal_memory_without_a_copy_both_ways(allocator):
+    s = allocator.allocate(4 * 12)
+    s.write(numpy.arange(12, dtype=numpy.float32).tobytes())
+    a = numpy.from_dlpack(s.view("float32", (3, 4)))
+    assert a.shape == (3, 4) and a.dtype == numpy.float32
+    assert a.ctypes.data == s.ptr
+    assert a[2, 3] == 11
+    a[0, 0] = 42.0  # numpy writes, shoal reads
+    assert numpy.frombuffer(s.read(0, 4), numpy.float32)[0] == 42.0
+    s.write(numpy.float32(-1).tobytes(), offset=4)  # shoal writes, numpy reads
+    assert a[0, 1] == -1.0
+    del a, s
+
+
+def test_shape_strides_and_offset_reach_numpy(allocator):
+    s = allocator.allocate(8 * 20)
+    s.write(numpy.arange(20, dtype=numpy.int64).tobytes())
+    v = s.view(numpy.int64, shape=(3, 2), strides=(4, 2), offset=8)
+    assert (v.shape, v.strides, v.offset, v.dtype, v.itemsize) == ((3, 2), (4, 2), 8, "int64", 8)
+    a = numpy.from_dlpack(v)
+    assert a.tolist() == [[1, 3], [5, 7], [9, 11]]
+    assert a.strides == (32, 16)
+    reversed_view = numpy.from_dlpack(s.view("int64", shape=(5,), strides=(-1,), offset=8 * 4))
+    assert reversed_view.tolist() == [4, 3, 2, 1, 0]
+    del a, reversed_view, v, s
+
+
+def test_the_default_view_is_bytes_to_the_end(allocator):
+    s = allocator.allocate(10)
+    s.fill(7)
+    a = numpy.from_dlpack(s.view(offset=3))
+    assert a.dtype == numpy.uint8 and a.shape == (7,) and (a == 7).all()
+    del a, s
+
+
+def test_versioned_capsules_when_the_consumer_asks():
+    s = shoal.allocate(64)
+    v = s.view("float64")
+    assert "dltensor_versioned" in repr(v.__dlpack__(max_version=(1, 0)))
+    assert '"dltensor"' in repr(v.__dlpack__())
+    assert '"dltensor"' in repr(v.__dlpack__(max_version=(0, 8)))
+    assert v.__dlpack_device__() == (1, 0)
+
+
+@pytest.mark.parametrize("dtype", ["float8", "object", 3.5])
+def test_an_unknown_dtype_is_refused(allocator, dtype):
+    s = allocator.allocate(16)
+    with pytest.raises(TypeError, match="dtype"):
+        s.view(dtype)
+    del s
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"shape": (5,), "dtype": "float32"}, "reaches outside"),
+        ({"shape": (2,), "dtype": "float32", "offset": 12}, "reaches outside"),
+        ({"shape": (2,), "dtype": "float32", "offset": 2}, "not a multiple"),
+        ({"shape": (-1,)}, "negative extent"),
+        ({"shape": (2, 2), "strides": (1,)}, "strides for 2 dimensions"),
+        ({"shape": (2,), "strides": (-1,)}, "reaches outside"),
+        ({"offset": 17}, "outside"),
+    ],
+)
+def test_a_view_outside_the_storage_is_refused(allocator, kwargs, message):
+    s = allocator.allocate(16)
+    with pytest.raises(ValueError, match=message):
+        s.view(**kwargs)
+    del s
+
+
+def test_stream_zero_and_bad_stream_values_are_refused():
+    s = shoal.allocate(16)
+    v = s.view()
+    with pytest.raises(ValueError, match="stream=0"):
+        v.__dlpack__(stream=0)
+    with pytest.raises(ValueError):
+        v.__dlpack__(stream=-5)
+    with pytest.raises(TypeError):
+        v.__dlpack__(stream="default")
+    with pytest.raises(ValueError, match="not a live stream"):
+        v.__dlpack__(stream=0x1234560)  # no stream of this device
+    assert not s.shared_outside_process  # refused before anything was exported
+    with pytest.raises(BufferError):
+        v.__dlpack__(copy=True)
+    with pytest.raises(BufferError):
+        v.__dlpack__(dl_device=(2, 0))
+
+
+def delayed_write(s, value, stream, seconds=0.3):
+    """Enqueues a write of `value` on `stream` that runs only after `seconds`."""
+    stream.delay(seconds)
+    s.fill(value, stream=stream)
+    s.record_stream(stream)  # its free waits for the write, whatever the test finds
+
+
+def test_stream_none_makes_the_host_wait_for_the_producer(allocator):
+    s = allocator.allocate(64)
+    s.fill(0)
+    producer = shoal.Stream()
+    delayed_write(s, 9, producer)
+    with shoal.stream(producer):
+        a = numpy.from_dlpack(s.view())
+    assert (a == 9).all()
+    del a, s
+
+
+def test_a_consumer_stream_waits_for_the_producer_stream(allocator):
+    s = allocator.allocate(64)
+    s.fill(0)
+    producer, consumer = shoal.Stream(), shoal.Stream()
+    delayed_write(s, 5, producer)
+    with shoal.stream(producer):
+        capsule = s.view().__dlpack__(stream=consumer.handle)
+    # Work on the consumer stream runs after the producer's write.
+    assert s.read(stream=consumer) == b"\x05" * 64
+    del capsule, s
+
+
+@pytest.mark.parametrize("legacy_value", [1, 2])
+def test_stream_one_and_two_name_the_default_stream(allocator, legacy_value):
+    s = allocator.allocate(64)
+    s.fill(0)
+    producer = shoal.Stream()
+    delayed_write(s, 3, producer)
+    with shoal.stream(producer):
+        capsule = s.view().__dlpack__(stream=legacy_value)
+    assert s.read(stream=shoal.Stream.default()) == b"\x03" * 64
+    del capsule, s
+
+
+def test_stream_minus_one_does_not_synchronize(allocator):
+    s = allocator.allocate(64)
+    s.fill(0)
+    producer = shoal.Stream()
+    delayed_write(s, 4, producer, seconds=1.0)
+    with shoal.stream(producer):
+        capsule = s.view().__dlpack__(stream=-1)
+    assert not producer.query()
+    producer.synchronize()
+    del capsule, s
+
+
+def test_the_consumer_stream_holds_the_free(allocator):
+    consumer = shoal.Stream()
+    s = allocator.allocate(4096)
+    ptr = s.ptr
+    capsule = s.view().__dlpack__(stream=consumer.handle)
+    consumer.delay(0.5)  # the consumer still uses the memory
+    del capsule, s
+    gc.collect()
+    states = [b["state"] for seg in allocator.snapshot()["segments"] for b in seg["blocks"] if b["address"] == ptr]
+    assert states == ["pending_free"]
+    consumer.synchronize()
+
+
+def test_an_exported_storage_is_never_lazily_shared_again(allocator):
+    s = allocator.allocate(16)
+    s.fill(1)
+    a = numpy.from_dlpack(s.view())
+    assert s.shared_outside_process
+    clone = s.lazy_clone()
+    assert not clone.is_lazy  # an eager copy: numpy may write `s` at any time
+    a[:] = 2
+    assert clone.read() == b"\x01" * 16
+    del a, s, clone
+
+
+def test_a_writable_export_of_a_lazy_clone_materializes_it(allocator):
+    source = allocator.allocate(16)
+    source.fill(1)
+    clone = source.lazy_clone()
+    a = numpy.from_dlpack(clone.view())
+    assert not clone.is_lazy
+    a[:] = 8
+    assert source.read() == b"\x01" * 16
+    assert clone.read() == b"\x08" * 16
+    del a, source, clone
+
+
+def test_a_readonly_export_of_a_lazy_clone_does_not_materialize_it(allocator):
+    source = allocator.allocate(16)
+    source.fill(1)
+    clone = source.lazy_clone()
+    a = numpy.from_dlpack(clone.view(readonly=True))
+    assert clone.is_lazy
+    assert not a.flags.writeable
+    assert (a == 1).all()
+    source.fill(6)  # the source materializes; the clone's data stays
+    source_now = source.read()
+    assert source_now == b"\x06" * 16
+    assert (a == 1).all()
+    with pytest.raises(BufferError, match="read-only"):
+        clone.view(readonly=True).__dlpack__()  # a legacy capsule cannot say read-only
+    del a, source, clone
+
+
+def test_a_capsule_never_consumed_gives_its_storage_back(allocator):
+    s = allocator.allocate(128)
+    capsules = [s.view().__dlpack__(), s.view().__dlpack__(max_version=(1, 0))]
+    del s
+    gc.collect()
+    assert allocator.stats()["allocations"]["all"]["current"] == 1
+    del capsules
+    gc.collect()
+    assert allocator.stats()["allocations"]["all"]["current"] == 0

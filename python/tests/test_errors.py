@@ -1,0 +1,58 @@
+"""Every C++ error type arrives as its Python exception class, with the same message."""
+
+import pytest
+
+import shoal
+
+MAPPING = [
+    ("error", shoal.ShoalError, RuntimeError),
+    ("invalid_argument", shoal.InvalidArgumentError, ValueError),
+    ("protocol_error", shoal.ProtocolError, ValueError),
+    ("out_of_memory", shoal.OutOfMemoryError, MemoryError),
+    ("device_unavailable", shoal.DeviceUnavailableError, RuntimeError),
+    ("backend_error", shoal.BackendError, RuntimeError),
+    ("stream_error", shoal.StreamError, RuntimeError),
+    ("ordering_violation", shoal.OrderingViolationError, RuntimeError),
+    ("invariant_violation", shoal.InvariantViolationError, RuntimeError),
+    ("connection_closed", shoal.ConnectionClosedError, ConnectionError),
+    ("peer_refused", shoal.PeerRefusedError, ConnectionRefusedError),
+]
+
+
+@pytest.mark.parametrize("kind, python_type, builtin", MAPPING)
+def test_each_cpp_error_maps_to_its_class_with_the_same_message(kind, python_type, builtin):
+    with pytest.raises(python_type) as raised:
+        shoal._shoal._throw_cpp_error(kind, f"what {kind} says")
+    assert type(raised.value) is python_type
+    assert isinstance(raised.value, shoal.ShoalError)
+    assert isinstance(raised.value, builtin)
+    assert str(raised.value).endswith(f"what {kind} says")  # backend_error's prefixes the call
+
+
+def test_errors_carry_their_fields():
+    with pytest.raises(shoal.BackendError) as backend:
+        shoal._shoal._throw_cpp_error("backend_error", "boom")
+    assert (backend.value.call, backend.value.detail) == ("a_call", "boom")
+    with pytest.raises(shoal.InvariantViolationError) as invariant:
+        shoal._shoal._throw_cpp_error("invariant_violation", "broken")
+    assert invariant.value.invariant == "an_invariant"
+
+
+def test_a_real_invalid_argument_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown_key"):
+        shoal.Allocator(use_environment=False, unknown_key=1)
+
+
+def test_a_real_out_of_memory_is_a_memory_error_with_the_size_asked():
+    allocator = shoal.Allocator(use_environment=False, memory_limit_mb=1)
+    with pytest.raises(MemoryError) as raised:
+        allocator.allocate(4 << 20)
+    assert isinstance(raised.value, shoal.OutOfMemoryError)
+    assert raised.value.requested_bytes == 4 << 20
+
+
+def test_a_missing_cuda_device_is_device_unavailable():
+    if shoal.cuda_device_count() > 0:
+        pytest.skip("a CUDA device exists here")
+    with pytest.raises(shoal.DeviceUnavailableError):
+        shoal.cuda_device(0)

@@ -1,0 +1,109 @@
+"""Storages: allocation, reads and writes in stream order, lazy clones, record_stream."""
+
+import gc
+
+import pytest
+
+import shoal
+
+
+def test_allocate_gives_a_storage_of_the_size_asked(allocator):
+    s = allocator.allocate(3000)
+    assert s.nbytes == 3000 and len(s) == 3000
+    assert s.ptr % 512 == 0
+    assert s.device == allocator.device
+    del s
+
+
+def test_a_storage_keeps_its_allocator_alive():
+    allocator = shoal.Allocator(use_environment=False)
+    s = allocator.allocate(100)
+    s.write(b"x" * 100)
+    del allocator
+    gc.collect()
+    assert s.read() == b"x" * 100
+    del s  # frees into the allocator, which goes with it
+
+
+@pytest.mark.parametrize("nbytes", [0, -1, -(1 << 40)])
+def test_a_size_that_is_not_positive_is_refused(allocator, nbytes):
+    with pytest.raises(ValueError, match="nbytes must be positive"):
+        allocator.allocate(nbytes)
+
+
+def test_write_then_read_round_trips(allocator):
+    s = allocator.allocate(64)
+    s.write(b"shoal" * 4, offset=8)
+    assert s.read(8, 20) == b"shoal" * 4
+    s.fill(0xAB)
+    assert s.read() == b"\xab" * 64
+    del s
+
+
+def test_reads_and_writes_outside_the_storage_are_refused(allocator):
+    s = allocator.allocate(16)
+    with pytest.raises(ValueError, match="do not fit"):
+        s.write(b"x" * 17)
+    with pytest.raises(ValueError, match="do not fit"):
+        s.read(10, 7)
+    with pytest.raises(ValueError):
+        s.read(-1, 1)
+    with pytest.raises(ValueError):
+        s.fill(256)
+    del s
+
+
+def test_a_write_is_ordered_after_earlier_work_on_its_stream(allocator):
+    s = allocator.allocate(8)
+    st = shoal.Stream()
+    st.delay(0.2)
+    s.fill(1, stream=st)
+    s.write(b"\x02" * 4, stream=st)
+    assert s.read(stream=st) == b"\x02" * 4 + b"\x01" * 4
+    del s
+
+
+def test_a_lazy_clone_keeps_its_data_when_the_source_is_written(allocator):
+    source = allocator.allocate(32)
+    source.write(b"a" * 32)
+    clone = source.lazy_clone()
+    assert clone.is_lazy and source.is_lazy
+    assert not clone.aliases(source)
+    source.write(b"b" * 32)
+    assert clone.read() == b"a" * 32
+    assert source.read() == b"b" * 32
+    del source, clone
+
+
+def test_writing_a_lazy_clone_materializes_it_and_leaves_the_source(allocator):
+    source = allocator.allocate(32)
+    source.write(b"a" * 32)
+    clone = source.lazy_clone()
+    shared_ptr = clone.ptr
+    clone.write(b"c" * 4)
+    assert not clone.is_lazy
+    assert clone.ptr != shared_ptr or not source.is_lazy
+    assert clone.read() == b"c" * 4 + b"a" * 28
+    assert source.read() == b"a" * 32
+    del source, clone
+
+
+def test_record_stream_holds_the_free_for_that_stream(allocator):
+    user = shoal.Stream()
+    s = allocator.allocate(4096)
+    ptr = s.ptr
+    user.delay(0.5)
+    s.record_stream(user)
+    del s
+    gc.collect()
+    states = [b["state"] for seg in allocator.snapshot()["segments"] for b in seg["blocks"] if b["address"] == ptr]
+    assert states == ["pending_free"]
+    user.synchronize()
+
+
+def test_a_stream_of_another_device_is_refused(allocator):
+    if shoal.cuda_device_count() == 0:
+        pytest.skip("needs a second device")
+    other = shoal.Stream(shoal.cuda_device(0) if allocator.device.kind == "host" else shoal.host_device())
+    with pytest.raises(ValueError, match="use a stream of the memory's device"):
+        allocator.allocate(16, other)

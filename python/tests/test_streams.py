@@ -1,0 +1,94 @@
+"""Devices, streams, events and the `with shoal.stream(s)` scope."""
+
+import threading
+import time
+
+import pytest
+
+import shoal
+
+
+def test_the_default_device_follows_shoal_backend():
+    expected = "cuda" if shoal.cuda_device_count() > 0 else "host"
+    assert shoal.default_device().kind == expected
+    assert shoal.host_device().kind == "host"
+
+
+def test_current_stream_is_the_default_stream_outside_any_scope():
+    assert shoal.current_stream() == shoal.Stream.default()
+    assert shoal.current_stream().handle == 0
+
+
+def test_stream_scopes_nest_and_restore():
+    outer, inner = shoal.Stream(), shoal.Stream()
+    assert outer != inner
+    with shoal.stream(outer):
+        assert shoal.current_stream() == outer
+        with shoal.stream(inner):
+            assert shoal.current_stream() == inner
+        assert shoal.current_stream() == outer
+    assert shoal.current_stream() == shoal.Stream.default()
+
+
+def test_a_scope_is_left_when_its_block_raises():
+    s = shoal.Stream()
+    with pytest.raises(KeyError):
+        with shoal.stream(s):
+            raise KeyError("x")
+    assert shoal.current_stream() == shoal.Stream.default()
+
+
+def test_scopes_are_per_thread():
+    s = shoal.Stream()
+    seen = []
+    with shoal.stream(s):
+        worker = threading.Thread(target=lambda: seen.append(shoal.current_stream()))
+        worker.start()
+        worker.join(timeout=10)
+    assert seen == [shoal.Stream.default()]
+
+
+def test_an_event_completes_when_its_stream_passes_it():
+    s = shoal.Stream()
+    s.delay(0.2)
+    e = shoal.Event()
+    e.record(s)
+    assert not e.query()
+    e.synchronize()
+    assert e.query()
+    assert s.query()
+
+
+def test_a_stream_waits_for_an_event_of_another():
+    producer, consumer = shoal.Stream(), shoal.Stream()
+    producer.delay(0.3)
+    e = shoal.Event()
+    e.record(producer)
+    consumer.wait_event(e)
+    assert not consumer.query()
+    consumer.synchronize()
+    assert e.query()
+
+
+def test_synchronize_releases_the_gil():
+    # While a thread blocks in synchronize on a stream kept busy for 1 s, this
+    # thread wakes from a 0.1 s sleep on time: it could take the GIL.
+    s = shoal.Stream()
+    s.delay(1.0)
+    entered, done = threading.Event(), threading.Event()
+
+    def wait():
+        entered.set()
+        shoal.synchronize(s)
+        done.set()
+
+    worker = threading.Thread(target=wait)
+    worker.start()
+    assert entered.wait(timeout=10)
+    start = time.monotonic()
+    time.sleep(0.1)
+    woke_after = time.monotonic() - start
+    still_blocked = not done.is_set()
+    worker.join(timeout=10)
+    assert still_blocked
+    assert woke_after < 0.6, f"the main thread waited {woke_after:.2f} s for the GIL"
