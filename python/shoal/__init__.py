@@ -15,7 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import threading
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from ._shoal import (
     Allocator,
@@ -68,6 +68,7 @@ __all__ = [
     "current_stream",
     "default_allocator",
     "default_device",
+    "from_dlpack",
     "host_device",
     "stream",
     "synchronize",
@@ -96,6 +97,18 @@ def _drop_default_allocator() -> None:
 def allocate(nbytes: int, stream: Optional[Stream] = None) -> Storage:
     """A Storage of ``nbytes`` from the default allocator, for use on ``stream`` (default: the current stream)."""
     return default_allocator().allocate(nbytes, stream)
+
+
+def from_dlpack(source: Any, allocator: Optional[Allocator] = None) -> ArrayView:
+    """An ArrayView over another library's array, without copying.
+
+    ``source`` is anything with ``__dlpack__`` (numpy, torch, CuPy, JAX arrays) or a DLPack
+    capsule, which is consumed (a capsule consumed already raises BufferError). The memory
+    stays the producer's: it is handed back when the view's storage is gone and the current
+    stream has passed shoal's work on it. Imported memory is never lazily shared. The array
+    must live on ``allocator``'s device (default: default_allocator()).
+    """
+    return _shoal._from_dlpack(allocator if allocator is not None else default_allocator(), source)
 
 
 @contextlib.contextmanager

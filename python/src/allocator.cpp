@@ -1,11 +1,11 @@
 // The caching allocator: construction from keyword settings and
 // SHOAL_ALLOC_CONF, reports as Python dicts (through the C++ JSON export and
 // Python's json module), empty_cache, out-of-memory observers.
-#include <cstdlib>
-#include <string>
-
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+
+#include <cstdlib>
+#include <string>
 
 #include "bindings.h"
 #include "shoal/backend/devices.h"
@@ -16,32 +16,25 @@ namespace shoal::python {
 namespace {
 
 /// "key:value" for one keyword setting, as SHOAL_ALLOC_CONF writes it.
-std::string setting_text(const std::string &key, nb::handle value) {
+std::string setting_text(const std::string& key, nb::handle value) {
   std::string text;
   if (PyBool_Check(value.ptr())) {
     text = value.ptr() == Py_True ? "true" : "false";
-  } else if (nb::isinstance<nb::int_>(value) ||
-             nb::isinstance<nb::float_>(value) ||
-             nb::isinstance<nb::str>(value)) {
+  } else if (nb::isinstance<nb::int_>(value) || nb::isinstance<nb::float_>(value) || nb::isinstance<nb::str>(value)) {
     text = nb::cast<std::string>(nb::str(value));
   } else {
-    throw invalid_argument(
-        "Allocator: setting " + key +
-        " must be a bool, a number or a string, not " +
-        nb::cast<std::string>(nb::str(value.type().attr("__name__"))));
+    throw invalid_argument("Allocator: setting " + key + " must be a bool, a number or a string, not " +
+                           nb::cast<std::string>(nb::str(value.type().attr("__name__"))));
   }
   if (text.find(',') != std::string::npos && text.front() != '[') {
-    throw invalid_argument("Allocator: setting " + key + "=" + text +
-                           " holds a ','");
+    throw invalid_argument("Allocator: setting " + key + "=" + text + " holds a ','");
   }
   return key + ":" + text;
 }
 
-nb::object parse_json(const std::string &json) {
-  return nb::module_::import_("json").attr("loads")(json);
-}
+nb::object parse_json(const std::string& json) { return nb::module_::import_("json").attr("loads")(json); }
 
-nb::dict oom_report_dict(const alloc::oom_report &r) {
+nb::dict oom_report_dict(const alloc::oom_report& r) {
   nb::dict d;
   d["requested_bytes"] = r.requested_bytes;
   d["device_free_bytes"] = r.device_free_bytes;
@@ -52,22 +45,20 @@ nb::dict oom_report_dict(const alloc::oom_report &r) {
   return d;
 }
 
-} // namespace
+}  // namespace
 
-allocator_state::allocator_state(backend::device &device,
-                                 const alloc::allocator_config &config)
+allocator_state::allocator_state(backend::device& device, const alloc::allocator_config& config)
     : allocator_(std::make_unique<alloc::caching_allocator>(device, config)) {}
 
 allocator_state::~allocator_state() { allocator_.reset(); }
 
-void allocator_state::keep(const std::shared_ptr<stream_state> &stream) {
-  if (stream->ref().is_default())
-    return; // default streams live as long as their device
+void allocator_state::keep(const std::shared_ptr<stream_state>& stream) {
+  if (stream->ref().is_default()) return;  // default streams live as long as their device
   std::lock_guard lock(mutex_);
   streams_.insert(stream);
 }
 
-void register_allocator(nb::module_ &m) {
+void register_allocator(nb::module_& m) {
   nb::class_<py_allocator>(m, "Allocator",
                            "The stream-ordered caching allocator of one "
                            "device. A freed block is handed out again "
@@ -75,25 +66,18 @@ void register_allocator(nb::module_ &m) {
                            "passed its last use. Thread-safe.")
       .def(
           "__init__",
-          [](py_allocator *self, backend::device *device,
-             const std::optional<std::string> &conf, bool use_environment,
-             const nb::kwargs &settings) {
+          [](py_allocator* self, backend::device* device, const std::optional<std::string>& conf, bool use_environment,
+             const nb::kwargs& settings) {
             std::string text;
-            const char *env = std::getenv("SHOAL_ALLOC_CONF");
-            if (use_environment && env != nullptr)
-              text = env;
-            if (conf)
-              text += "," + *conf;
-            for (auto [key, value] : settings)
-              text += "," + setting_text(nb::cast<std::string>(key), value);
+            const char* env = std::getenv("SHOAL_ALLOC_CONF");
+            if (use_environment && env != nullptr) text = env;
+            if (conf) text += "," + *conf;
+            for (auto [key, value] : settings) text += "," + setting_text(nb::cast<std::string>(key), value);
             const auto config = alloc::allocator_config::parse(text);
-            backend::device &d =
-                device != nullptr ? *device : backend::default_device();
-            new (self)
-                py_allocator{std::make_shared<allocator_state>(d, config)};
+            backend::device& d = device != nullptr ? *device : backend::default_device();
+            new (self) py_allocator{std::make_shared<allocator_state>(d, config)};
           },
-          nb::arg("device").none() = nb::none(), nb::kw_only(),
-          nb::arg("conf").none() = nb::none(),
+          nb::arg("device").none() = nb::none(), nb::kw_only(), nb::arg("conf").none() = nb::none(),
           nb::arg("use_environment") = true, nb::arg("settings"),
           "An allocator on `device` (default: default_device()). Settings come "
           "from SHOAL_ALLOC_CONF (unless "
@@ -102,78 +86,55 @@ void register_allocator(nb::module_ &m) {
           "the same keys, e.g. Allocator(max_split_size_mb=256, "
           "expandable_segments=True, trace_entries=1000). "
           "An unknown key or a bad value raises InvalidArgumentError.")
-      .def("allocate", &allocate_storage, nb::arg("nbytes"),
-           nb::arg("stream").none() = nb::none(),
+      .def("allocate", &allocate_storage, nb::arg("nbytes"), nb::arg("stream").none() = nb::none(),
            "A Storage of `nbytes` (> 0) for use on `stream` (default: the "
            "current stream). Raises "
            "OutOfMemoryError when neither the cache nor the device can provide "
            "it. The GIL is released meanwhile.")
       .def_prop_ro(
-          "device",
-          [](const py_allocator &a) -> backend::device & {
-            return a.state->allocator().device();
-          },
+          "device", [](const py_allocator& a) -> backend::device& { return a.state->allocator().device(); },
           nb::rv_policy::reference)
       .def_prop_ro(
-          "config",
-          [](const py_allocator &a) {
-            return a.state->allocator().config().to_string();
-          },
+          "config", [](const py_allocator& a) { return a.state->allocator().config().to_string(); },
           "The settings in force, as SHOAL_ALLOC_CONF text.")
       .def(
-          "stats",
-          [](const py_allocator &a) {
-            return parse_json(a.state->allocator().stats().to_json());
-          },
+          "stats", [](const py_allocator& a) { return parse_json(a.state->allocator().stats().to_json()); },
           "Counters as a dict: allocations, segments, active, allocated_bytes, "
           "reserved_bytes, ... each with "
           "current/peak/allocated/freed per pool, plus retries, ooms, "
           "device_allocations, device_frees.")
       .def(
-          "snapshot",
-          [](const py_allocator &a) {
-            return parse_json(a.state->allocator().take_snapshot().to_json());
-          },
+          "snapshot", [](const py_allocator& a) { return parse_json(a.state->allocator().take_snapshot().to_json()); },
           "Every segment and block as a dict.")
       .def(
-          "trace",
-          [](const py_allocator &a) {
-            return parse_json(alloc::to_json(a.state->allocator().trace()));
-          },
+          "trace", [](const py_allocator& a) { return parse_json(alloc::to_json(a.state->allocator().trace())); },
           "The trace ring, oldest first (empty unless trace_entries > 0).")
       .def(
-          "empty_cache",
-          [](const py_allocator &a) { a.state->allocator().empty_cache(); },
+          "empty_cache", [](const py_allocator& a) { a.state->allocator().empty_cache(); },
           nb::call_guard<nb::gil_scoped_release>(),
           "Waits for pending frees, then returns every cached segment to the "
           "device (GIL released).")
       .def(
-          "reset_peak_stats",
-          [](const py_allocator &a) {
-            a.state->allocator().reset_peak_stats();
-          },
+          "reset_peak_stats", [](const py_allocator& a) { a.state->allocator().reset_peak_stats(); },
           "Sets every peak to its current value.")
       .def(
           "add_oom_observer",
-          [](const py_allocator &a, nb::callable observer) {
+          [](const py_allocator& a, nb::callable observer) {
             // Dropped with the allocator, possibly on a thread without the
             // GIL (a DLPack consumer's deleter): take it for the decref.
-            std::shared_ptr<nb::object> held(
-                new nb::object(std::move(observer)), [](nb::object *o) {
-                  if (!Py_IsInitialized())
-                    return; // the interpreter is gone: nothing left to release
-                  nb::gil_scoped_acquire gil;
-                  delete o;
-                });
-            a.state->allocator().add_oom_observer(
-                [held](const alloc::oom_report &report) {
-                  nb::gil_scoped_acquire gil;
-                  try {
-                    (*held)(oom_report_dict(report));
-                  } catch (nb::python_error &e) {
-                    e.discard_as_unraisable("shoal out-of-memory observer");
-                  }
-                });
+            std::shared_ptr<nb::object> held(new nb::object(std::move(observer)), [](nb::object* o) {
+              if (!Py_IsInitialized()) return;  // the interpreter is gone: nothing left to release
+              nb::gil_scoped_acquire gil;
+              delete o;
+            });
+            a.state->allocator().add_oom_observer([held](const alloc::oom_report& report) {
+              nb::gil_scoped_acquire gil;
+              try {
+                (*held)(oom_report_dict(report));
+              } catch (nb::python_error& e) {
+                e.discard_as_unraisable("shoal out-of-memory observer");
+              }
+            });
           },
           nb::arg("observer"),
           "Calls observer(report: dict) before OutOfMemoryError is raised (on "
@@ -182,4 +143,4 @@ void register_allocator(nb::module_ &m) {
           "the OutOfMemoryError.");
 }
 
-} // namespace shoal::python
+}  // namespace shoal::python

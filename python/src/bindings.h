@@ -31,15 +31,15 @@ namespace nb = nanobind;
 /// A stream of a device: one this package created (and owns), or the
 /// device's default stream.
 class stream_state {
-public:
-  static std::shared_ptr<stream_state> create(backend::device &device);
-  static std::shared_ptr<stream_state> default_of(backend::device &device);
-  [[nodiscard]] backend::device &device() const noexcept { return *device_; }
+ public:
+  static std::shared_ptr<stream_state> create(backend::device& device);
+  static std::shared_ptr<stream_state> default_of(backend::device& device);
+  [[nodiscard]] backend::device& device() const noexcept { return *device_; }
   [[nodiscard]] backend::stream_ref ref() const noexcept { return ref_; }
 
-private:
-  stream_state(backend::device &device, std::unique_ptr<backend::stream> owned);
-  backend::device *device_;
+ private:
+  stream_state(backend::device& device, std::unique_ptr<backend::stream> owned);
+  backend::device* device_;
   std::unique_ptr<backend::stream> owned_;
   backend::stream_ref ref_;
 };
@@ -47,22 +47,19 @@ private:
 /// The calling thread's current stream on `device`: the innermost
 /// `with shoal.stream(s)` scope of this thread for that device, else its
 /// default stream.
-std::shared_ptr<stream_state> current_stream_state(backend::device &device);
+std::shared_ptr<stream_state> current_stream_state(backend::device& device);
 
 /// A caching allocator and the streams it must outlive. Thread-safe.
 class allocator_state {
-public:
-  allocator_state(backend::device &device,
-                  const alloc::allocator_config &config);
+ public:
+  allocator_state(backend::device& device, const alloc::allocator_config& config);
   /// Destroys the allocator first, then the streams it used.
   ~allocator_state();
-  [[nodiscard]] alloc::caching_allocator &allocator() noexcept {
-    return *allocator_;
-  }
+  [[nodiscard]] alloc::caching_allocator& allocator() noexcept { return *allocator_; }
   /// Keeps `stream` alive as long as the allocator.
-  void keep(const std::shared_ptr<stream_state> &stream);
+  void keep(const std::shared_ptr<stream_state>& stream);
 
-private:
+ private:
   std::mutex mutex_;
   std::set<std::shared_ptr<stream_state>> streams_;
   std::unique_ptr<alloc::caching_allocator> allocator_;
@@ -72,22 +69,18 @@ private:
 /// frees on the calling thread's current stream, which is kept alive by the
 /// allocator from then on.
 class storage_handle {
-public:
-  storage_handle(storage::storage storage,
-                 std::shared_ptr<allocator_state> allocator)
+ public:
+  storage_handle(storage::storage storage, std::shared_ptr<allocator_state> allocator)
       : allocator_(std::move(allocator)), storage_(std::move(storage)) {}
-  storage_handle(const storage_handle &) = default;
-  storage_handle &operator=(const storage_handle &) = default;
+  storage_handle(const storage_handle&) = default;
+  storage_handle& operator=(const storage_handle&) = default;
   ~storage_handle();
   /// The storage (its handle operations, mutable_data included, are
   /// thread-safe and change no handle, hence usable through a const handle).
-  [[nodiscard]] storage::storage &get() const noexcept { return storage_; }
-  [[nodiscard]] const std::shared_ptr<allocator_state> &
-  allocator() const noexcept {
-    return allocator_;
-  }
+  [[nodiscard]] storage::storage& get() const noexcept { return storage_; }
+  [[nodiscard]] const std::shared_ptr<allocator_state>& allocator() const noexcept { return allocator_; }
 
-private:
+ private:
   // Declared first so that it is destroyed last: the storage frees into it.
   std::shared_ptr<allocator_state> allocator_;
   mutable storage::storage storage_;
@@ -118,25 +111,22 @@ struct py_array_view {
 };
 
 /// Storage.view(dtype, shape=None, strides=None, offset=0, readonly=False).
-py_array_view make_view(const py_storage &storage, nb::handle dtype,
-                        std::optional<std::vector<std::int64_t>> shape,
-                        std::optional<std::vector<std::int64_t>> strides,
-                        std::int64_t offset, bool readonly);
+py_array_view make_view(const py_storage& storage, nb::handle dtype, std::optional<std::vector<std::int64_t>> shape,
+                        std::optional<std::vector<std::int64_t>> strides, std::int64_t offset, bool readonly);
 
 /// The stream a Python `stream=` argument names: the given Stream, or the
 /// current stream of `device` when None.
-std::shared_ptr<stream_state> stream_or_current(const py_stream *stream,
-                                                backend::device &device);
+std::shared_ptr<stream_state> stream_or_current(const py_stream* stream, backend::device& device);
 
 /// Allocator.allocate: a storage of `nbytes` for use on `stream` (default:
 /// the current stream).
-py_storage allocate_storage(const py_allocator &allocator, std::int64_t nbytes,
-                            const py_stream *stream);
+py_storage allocate_storage(const py_allocator& allocator, std::int64_t nbytes, const py_stream* stream);
 
-void register_errors(nb::module_ &m);
-void register_streams(nb::module_ &m);
-void register_allocator(nb::module_ &m);
-void register_storages(nb::module_ &m);
-void register_dlpack(nb::module_ &m);
+void register_errors(nb::module_& m);
+void register_streams(nb::module_& m);
+void register_allocator(nb::module_& m);
+void register_storages(nb::module_& m);
+void register_dlpack(nb::module_& m);
+void register_dlpack_import(nb::module_& m);
 
-} // namespace shoal::python
+}  // namespace shoal::python

@@ -11,15 +11,15 @@
 // so the allocator's free waits for it too. A writable export materializes
 // a lazy clone and marks the data shared outside the process (never lazily
 // shared again); a read-only one (DLPack 1.x, flagged read-only) does neither.
-#include <array>
-#include <cstdint>
-#include <string>
-#include <string_view>
-
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
 
 #include "bindings.h"
 #include "dlpack_abi.h"
@@ -54,35 +54,27 @@ constexpr std::array<dtype_entry, 14> dtypes = {{
 /// The dtype's name: a string, or an object with a string `name` (numpy
 /// dtypes) or `__name__` (numpy scalar types such as numpy.float32).
 std::string dtype_name(nb::handle dtype) {
-  if (nb::isinstance<nb::str>(dtype))
-    return nb::cast<std::string>(dtype);
-  for (const char *attribute : {"name", "__name__"}) {
+  if (nb::isinstance<nb::str>(dtype)) return nb::cast<std::string>(dtype);
+  for (const char* attribute : {"name", "__name__"}) {
     if (nb::hasattr(dtype, attribute)) {
       nb::object name = dtype.attr(attribute);
-      if (nb::isinstance<nb::str>(name))
-        return nb::cast<std::string>(name);
+      if (nb::isinstance<nb::str>(name)) return nb::cast<std::string>(name);
     }
   }
-  throw nb::type_error(
-      "dtype must be a name such as 'float32' or a numpy dtype");
+  throw nb::type_error("dtype must be a name such as 'float32' or a numpy dtype");
 }
 
-const dtype_entry &find_dtype(const std::string &name) {
-  for (const auto &entry : dtypes) {
-    if (entry.name == name)
-      return entry;
+const dtype_entry& find_dtype(const std::string& name) {
+  for (const auto& entry : dtypes) {
+    if (entry.name == name) return entry;
   }
   std::string known;
-  for (const auto &entry : dtypes)
-    known += (known.empty() ? "" : ", ") + std::string(entry.name);
-  throw nb::type_error(
-      ("dtype '" + name + "' is not supported; use one of " + known).c_str());
+  for (const auto& entry : dtypes) known += (known.empty() ? "" : ", ") + std::string(entry.name);
+  throw nb::type_error(("dtype '" + name + "' is not supported; use one of " + known).c_str());
 }
 
-dlpack::DLDevice dl_device_of(const backend::device &device) {
-  return {device.kind() == backend::device_kind::host ? dlpack::kDLCPU
-                                                      : dlpack::kDLCUDA,
-          device.ordinal()};
+dlpack::DLDevice dl_device_of(const backend::device& device) {
+  return {device.kind() == backend::device_kind::host ? dlpack::kDLCPU : dlpack::kDLCUDA, device.ordinal()};
 }
 
 /// What a capsule owns until its consumer's deleter (or the capsule's own
@@ -92,41 +84,32 @@ struct export_context {
   storage_handle handle;
   std::vector<std::int64_t> shape;
   std::vector<std::int64_t> strides;
-  std::unique_ptr<backend::event>
-      ready; // the producer point the consumer waits for
+  std::unique_ptr<backend::event> ready;  // the producer point the consumer waits for
   dlpack::DLManagedTensor legacy{};
   dlpack::DLManagedTensorVersioned versioned{};
 };
 
-void delete_legacy(dlpack::DLManagedTensor *self) {
-  delete static_cast<export_context *>(self->manager_ctx);
-}
-void delete_versioned(dlpack::DLManagedTensorVersioned *self) {
-  delete static_cast<export_context *>(self->manager_ctx);
+void delete_legacy(dlpack::DLManagedTensor* self) { delete static_cast<export_context*>(self->manager_ctx); }
+void delete_versioned(dlpack::DLManagedTensorVersioned* self) {
+  delete static_cast<export_context*>(self->manager_ctx);
 }
 
 /// Capsule destructors: a capsule still under its unused name was never
 /// consumed, so shoal deletes the tensor itself.
-void capsule_destructor_legacy(PyObject *capsule) {
-  if (!PyCapsule_IsValid(capsule, "dltensor"))
-    return;
+void capsule_destructor_legacy(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, "dltensor")) return;
   PyObject *type, *value, *traceback;
   PyErr_Fetch(&type, &value, &traceback);
-  auto *tensor = static_cast<dlpack::DLManagedTensor *>(
-      PyCapsule_GetPointer(capsule, "dltensor"));
-  if (tensor != nullptr)
-    tensor->deleter(tensor);
+  auto* tensor = static_cast<dlpack::DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+  if (tensor != nullptr) tensor->deleter(tensor);
   PyErr_Restore(type, value, traceback);
 }
-void capsule_destructor_versioned(PyObject *capsule) {
-  if (!PyCapsule_IsValid(capsule, "dltensor_versioned"))
-    return;
+void capsule_destructor_versioned(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, "dltensor_versioned")) return;
   PyObject *type, *value, *traceback;
   PyErr_Fetch(&type, &value, &traceback);
-  auto *tensor = static_cast<dlpack::DLManagedTensorVersioned *>(
-      PyCapsule_GetPointer(capsule, "dltensor_versioned"));
-  if (tensor != nullptr)
-    tensor->deleter(tensor);
+  auto* tensor = static_cast<dlpack::DLManagedTensorVersioned*>(PyCapsule_GetPointer(capsule, "dltensor_versioned"));
+  if (tensor != nullptr) tensor->deleter(tensor);
   PyErr_Restore(type, value, traceback);
 }
 
@@ -137,74 +120,66 @@ struct consumer {
   std::optional<backend::stream_ref> stream;
 };
 
-consumer consumer_of(nb::handle stream, const backend::device &device) {
+consumer consumer_of(nb::handle stream, const backend::device& device) {
   const bool host = device.kind() == backend::device_kind::host;
   if (stream.is_none()) {
-    if (host)
-      return {true, std::nullopt};
+    if (host) return {true, std::nullopt};
     return {false, backend::stream_ref{}};
   }
   if (!nb::isinstance<nb::int_>(stream) || PyBool_Check(stream.ptr())) {
-    throw nb::type_error("__dlpack__: stream must be None or an int (1, 2, a "
-                         "stream handle, or -1)");
+    throw nb::type_error(
+        "__dlpack__: stream must be None or an int (1, 2, a "
+        "stream handle, or -1)");
   }
   const auto value = nb::cast<std::int64_t>(stream);
   if (value == 0) {
-    throw nb::value_error("__dlpack__: stream=0 is ambiguous and not allowed; "
-                          "pass 1 (legacy default stream), "
-                          "2 (per-thread default stream), a stream handle, or "
-                          "-1 (no synchronization)");
-  }
-  if (value == -1)
-    return {};
-  if (value < -1)
     throw nb::value_error(
-        ("__dlpack__: stream=" + std::to_string(value) + " is not a stream")
-            .c_str());
-  if (value == 1 || (value == 2 && host))
-    return {false, backend::stream_ref{}};
-  return {false, backend::stream_ref{reinterpret_cast<void *>(
-                     static_cast<std::uintptr_t>(value))}};
+        "__dlpack__: stream=0 is ambiguous and not allowed; "
+        "pass 1 (legacy default stream), "
+        "2 (per-thread default stream), a stream handle, or "
+        "-1 (no synchronization)");
+  }
+  if (value == -1) return {};
+  if (value < -1) throw nb::value_error(("__dlpack__: stream=" + std::to_string(value) + " is not a stream").c_str());
+  if (value == 1 || (value == 2 && host)) return {false, backend::stream_ref{}};
+  return {false, backend::stream_ref{reinterpret_cast<void*>(static_cast<std::uintptr_t>(value))}};
 }
 
-void check_dl_device(nb::handle dl_device, const backend::device &device) {
-  if (dl_device.is_none())
-    return;
+void check_dl_device(nb::handle dl_device, const backend::device& device) {
+  if (dl_device.is_none()) return;
   const auto [type, id] = nb::cast<std::tuple<int, int>>(dl_device);
   const auto ours = dl_device_of(device);
   if (type != ours.device_type || id != ours.device_id) {
-    throw nb::buffer_error(
-        ("__dlpack__: dl_device=(" + std::to_string(type) + ", " +
-         std::to_string(id) + ") asks for another device; the data is on (" +
-         std::to_string(ours.device_type) + ", " +
-         std::to_string(ours.device_id) + ") and shoal exports without copying")
-            .c_str());
+    throw nb::buffer_error(("__dlpack__: dl_device=(" + std::to_string(type) + ", " + std::to_string(id) +
+                            ") asks for another device; the data is on (" + std::to_string(ours.device_type) + ", " +
+                            std::to_string(ours.device_id) + ") and shoal exports without copying")
+                               .c_str());
   }
 }
 
 bool wants_versioned(nb::handle max_version) {
-  if (max_version.is_none())
-    return false;
+  if (max_version.is_none()) return false;
   const auto [major, minor] = nb::cast<std::tuple<int, int>>(max_version);
   (void)minor;
   return major >= 1;
 }
 
-nb::object export_view(const py_array_view &view, nb::handle stream,
-                       nb::handle max_version, nb::handle dl_device,
+nb::object export_view(const py_array_view& view, nb::handle stream, nb::handle max_version, nb::handle dl_device,
                        nb::handle copy) {
-  storage::storage &st = view.handle.get();
-  backend::device &device = st.device();
+  storage::storage& st = view.handle.get();
+  backend::device& device = st.device();
   check_dl_device(dl_device, device);
   if (!copy.is_none() && nb::cast<bool>(copy)) {
-    throw nb::buffer_error("__dlpack__: copy=True is not supported; shoal "
-                           "exports its memory without copying");
+    throw nb::buffer_error(
+        "__dlpack__: copy=True is not supported; shoal "
+        "exports its memory without copying");
   }
   const bool versioned = wants_versioned(max_version);
   if (view.readonly && !versioned) {
-    throw nb::buffer_error("__dlpack__: a read-only view needs a DLPack 1.x "
-                           "consumer (max_version >= (1, 0)), "
-                           "which is told it is read-only");
+    throw nb::buffer_error(
+        "__dlpack__: a read-only view needs a DLPack 1.x "
+        "consumer (max_version >= (1, 0)), "
+        "which is told it is read-only");
   }
   const consumer to = consumer_of(stream, device);
   // A handle that names no live stream of this device is refused here,
@@ -213,13 +188,12 @@ nb::object export_view(const py_array_view &view, nb::handle stream,
   const auto producer = current_stream_state(device);
   view.handle.allocator()->keep(producer);
 
-  auto context = std::make_unique<export_context>(
-      export_context{view.handle, view.shape, view.strides, nullptr});
-  void *data = nullptr;
+  auto context = std::make_unique<export_context>(export_context{view.handle, view.shape, view.strides, nullptr});
+  void* data = nullptr;
   {
     nb::gil_scoped_release release;
     if (view.readonly) {
-      data = const_cast<void *>(st.data());
+      data = const_cast<void*>(st.data());
     } else {
       data = st.mutable_data(producer->ref());
       st.mark_shared_outside_process();
@@ -245,66 +219,54 @@ nb::object export_view(const py_array_view &view, nb::handle stream,
   tensor.strides = context->strides.data();
   tensor.byte_offset = static_cast<std::uint64_t>(view.offset);
 
-  export_context *raw = context.get();
-  PyObject *capsule = nullptr;
+  export_context* raw = context.get();
+  PyObject* capsule = nullptr;
   if (versioned) {
     raw->versioned = {{dlpack::major_version, dlpack::minor_version},
                       raw,
                       &delete_versioned,
                       view.readonly ? dlpack::flag_read_only : 0,
                       tensor};
-    capsule = PyCapsule_New(&raw->versioned, "dltensor_versioned",
-                            &capsule_destructor_versioned);
+    capsule = PyCapsule_New(&raw->versioned, "dltensor_versioned", &capsule_destructor_versioned);
   } else {
     raw->legacy = {tensor, raw, &delete_legacy};
-    capsule =
-        PyCapsule_New(&raw->legacy, "dltensor", &capsule_destructor_legacy);
+    capsule = PyCapsule_New(&raw->legacy, "dltensor", &capsule_destructor_legacy);
   }
-  if (capsule == nullptr)
-    throw nb::python_error();
-  context.release(); // the capsule owns it now
+  if (capsule == nullptr) throw nb::python_error();
+  context.release();  // the capsule owns it now
   return nb::steal(capsule);
 }
 
-std::int64_t element_count(const std::vector<std::int64_t> &shape) {
+std::int64_t element_count(const std::vector<std::int64_t>& shape) {
   __int128 n = 1;
   for (const auto extent : shape) {
     n *= extent;
-    if (n > INT64_MAX)
-      throw invalid_argument("Storage.view: the shape has too many elements");
+    if (n > INT64_MAX) throw invalid_argument("Storage.view: the shape has too many elements");
   }
   return static_cast<std::int64_t>(n);
 }
 
-} // namespace
+}  // namespace
 
-py_array_view make_view(const py_storage &s, nb::handle dtype,
-                        std::optional<std::vector<std::int64_t>> shape,
-                        std::optional<std::vector<std::int64_t>> strides,
-                        std::int64_t offset, bool readonly) {
+py_array_view make_view(const py_storage& s, nb::handle dtype, std::optional<std::vector<std::int64_t>> shape,
+                        std::optional<std::vector<std::int64_t>> strides, std::int64_t offset, bool readonly) {
   const std::string name = dtype_name(dtype);
-  const dtype_entry &entry = find_dtype(name);
+  const dtype_entry& entry = find_dtype(name);
   const std::int64_t itemsize = entry.bits / 8;
   const auto size = static_cast<std::int64_t>(s.handle.get().size());
   if (offset < 0 || offset > size) {
-    throw invalid_argument("Storage.view: offset " + std::to_string(offset) +
-                           " lies outside the storage's " +
+    throw invalid_argument("Storage.view: offset " + std::to_string(offset) + " lies outside the storage's " +
                            std::to_string(size) + " bytes");
   }
   if (offset % itemsize != 0) {
-    throw invalid_argument("Storage.view: offset " + std::to_string(offset) +
-                           " is not a multiple of the " + name +
+    throw invalid_argument("Storage.view: offset " + std::to_string(offset) + " is not a multiple of the " + name +
                            " item size (" + std::to_string(itemsize) + ")");
   }
-  if (!shape)
-    shape = std::vector<std::int64_t>{(size - offset) / itemsize};
+  if (!shape) shape = std::vector<std::int64_t>{(size - offset) / itemsize};
   for (const auto extent : *shape) {
-    if (extent < 0)
-      throw invalid_argument("Storage.view: shape has a negative extent " +
-                             std::to_string(extent));
+    if (extent < 0) throw invalid_argument("Storage.view: shape has a negative extent " + std::to_string(extent));
   }
-  if (shape->size() > 64)
-    throw invalid_argument("Storage.view: more than 64 dimensions");
+  if (shape->size() > 64) throw invalid_argument("Storage.view: more than 64 dimensions");
   if (!strides) {
     strides = std::vector<std::int64_t>(shape->size());
     std::int64_t step = 1;
@@ -314,62 +276,43 @@ py_array_view make_view(const py_storage &s, nb::handle dtype,
     }
   }
   if (strides->size() != shape->size()) {
-    throw invalid_argument("Storage.view: " + std::to_string(strides->size()) +
-                           " strides for " + std::to_string(shape->size()) +
-                           " dimensions");
+    throw invalid_argument("Storage.view: " + std::to_string(strides->size()) + " strides for " +
+                           std::to_string(shape->size()) + " dimensions");
   }
   // The elements reached span [lowest, highest] in items from the offset.
   __int128 lowest = 0;
   __int128 highest = 0;
   for (std::size_t i = 0; i < shape->size(); ++i) {
-    const __int128 reach =
-        static_cast<__int128>((*shape)[i] == 0 ? 0 : (*shape)[i] - 1) *
-        (*strides)[i];
+    const __int128 reach = static_cast<__int128>((*shape)[i] == 0 ? 0 : (*shape)[i] - 1) * (*strides)[i];
     (reach < 0 ? lowest : highest) += reach;
   }
   if (element_count(*shape) > 0 &&
-      (offset + lowest * itemsize < 0 ||
-       offset + (highest + 1) * itemsize > static_cast<__int128>(size))) {
-    throw invalid_argument(
-        "Storage.view: a " + name +
-        " view of that shape and strides at offset " + std::to_string(offset) +
-        " reaches outside the storage's " + std::to_string(size) + " bytes");
+      (offset + lowest * itemsize < 0 || offset + (highest + 1) * itemsize > static_cast<__int128>(size))) {
+    throw invalid_argument("Storage.view: a " + name + " view of that shape and strides at offset " +
+                           std::to_string(offset) + " reaches outside the storage's " + std::to_string(size) +
+                           " bytes");
   }
-  return py_array_view{s.handle, name,     entry.code, entry.bits,
-                       *shape,   *strides, offset,     readonly};
+  return py_array_view{s.handle, name, entry.code, entry.bits, *shape, *strides, offset, readonly};
 }
 
-void register_dlpack(nb::module_ &m) {
-  nb::class_<py_array_view>(
-      m, "ArrayView",
-      "A typed view (shape, dtype, strides, offset) of a Storage, made by "
-      "Storage.view(); "
-      "exported zero-copy through DLPack, e.g. numpy.from_dlpack(view).")
+void register_dlpack(nb::module_& m) {
+  nb::class_<py_array_view>(m, "ArrayView",
+                            "A typed view (shape, dtype, strides, offset) of a Storage, made by "
+                            "Storage.view(); "
+                            "exported zero-copy through DLPack, e.g. numpy.from_dlpack(view).")
       .def_prop_ro(
-          "dtype", [](const py_array_view &v) { return v.dtype; },
-          "The element type's name.")
+          "dtype", [](const py_array_view& v) { return v.dtype; }, "The element type's name.")
+      .def_prop_ro("shape", [](const py_array_view& v) { return nb::tuple(nb::cast(v.shape)); })
       .def_prop_ro(
-          "shape",
-          [](const py_array_view &v) { return nb::tuple(nb::cast(v.shape)); })
+          "strides", [](const py_array_view& v) { return nb::tuple(nb::cast(v.strides)); }, "Strides in elements.")
       .def_prop_ro(
-          "strides",
-          [](const py_array_view &v) { return nb::tuple(nb::cast(v.strides)); },
-          "Strides in elements.")
+          "offset", [](const py_array_view& v) { return v.offset; }, "Offset in bytes into the storage.")
+      .def_prop_ro("readonly", [](const py_array_view& v) { return v.readonly; })
+      .def_prop_ro("itemsize", [](const py_array_view& v) { return v.bits / 8; })
       .def_prop_ro(
-          "offset", [](const py_array_view &v) { return v.offset; },
-          "Offset in bytes into the storage.")
-      .def_prop_ro("readonly",
-                   [](const py_array_view &v) { return v.readonly; })
-      .def_prop_ro("itemsize",
-                   [](const py_array_view &v) { return v.bits / 8; })
-      .def_prop_ro(
-          "storage",
-          [](const py_array_view &v) { return py_storage{v.handle}; },
-          "The storage viewed (aliases it).")
-      .def("__dlpack__", &export_view, nb::kw_only(),
-           nb::arg("stream").none() = nb::none(),
-           nb::arg("max_version").none() = nb::none(),
-           nb::arg("dl_device").none() = nb::none(),
+          "storage", [](const py_array_view& v) { return py_storage{v.handle}; }, "The storage viewed (aliases it).")
+      .def("__dlpack__", &export_view, nb::kw_only(), nb::arg("stream").none() = nb::none(),
+           nb::arg("max_version").none() = nb::none(), nb::arg("dl_device").none() = nb::none(),
            nb::arg("copy").none() = nb::none(),
            "A DLPack capsule of this view (array API). `stream`: the "
            "consumer's stream (None: the host reads it "
@@ -381,20 +324,18 @@ void register_dlpack(nb::module_ &m) {
            "are always set.")
       .def(
           "__dlpack_device__",
-          [](const py_array_view &v) {
+          [](const py_array_view& v) {
             const auto d = dl_device_of(v.handle.get().device());
             return std::make_tuple(d.device_type, d.device_id);
           },
           "(device type, device id): (1, 0) for the host backend (kDLCPU), (2, "
           "ordinal) for CUDA.")
-      .def("__repr__", [](const py_array_view &v) {
+      .def("__repr__", [](const py_array_view& v) {
         std::string shape;
-        for (const auto e : v.shape)
-          shape += (shape.empty() ? "" : ", ") + std::to_string(e);
-        return "shoal.ArrayView(dtype=" + v.dtype + ", shape=(" + shape +
-               "), offset=" + std::to_string(v.offset) +
+        for (const auto e : v.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(e);
+        return "shoal.ArrayView(dtype=" + v.dtype + ", shape=(" + shape + "), offset=" + std::to_string(v.offset) +
                (v.readonly ? ", readonly" : "") + ")";
       });
 }
 
-} // namespace shoal::python
+}  // namespace shoal::python

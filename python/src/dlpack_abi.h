@@ -13,14 +13,7 @@ inline constexpr std::uint32_t major_version = 1;
 inline constexpr std::uint32_t minor_version = 0;
 
 enum device_type : std::int32_t { kDLCPU = 1, kDLCUDA = 2 };
-enum type_code : std::uint8_t {
-  kDLInt = 0,
-  kDLUInt = 1,
-  kDLFloat = 2,
-  kDLBfloat = 4,
-  kDLComplex = 5,
-  kDLBool = 6
-};
+enum type_code : std::uint8_t { kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLComplex = 5, kDLBool = 6 };
 inline constexpr std::uint64_t flag_read_only = std::uint64_t{1} << 0;
 
 struct DLDevice {
@@ -35,19 +28,19 @@ struct DLDataType {
 };
 
 struct DLTensor {
-  void *data;
+  void* data;
   DLDevice device;
   std::int32_t ndim;
   DLDataType dtype;
-  std::int64_t *shape;
-  std::int64_t *strides; // in elements; always set by shoal
+  std::int64_t* shape;
+  std::int64_t* strides;  // in elements; always set by shoal
   std::uint64_t byte_offset;
 };
 
 struct DLManagedTensor {
   DLTensor dl_tensor;
-  void *manager_ctx;
-  void (*deleter)(DLManagedTensor *self);
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor* self);
 };
 
 struct DLPackVersion {
@@ -57,10 +50,10 @@ struct DLPackVersion {
 
 struct DLManagedTensorVersioned {
   DLPackVersion version;
-  void *manager_ctx;
-  void (*deleter)(DLManagedTensorVersioned *self);
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensorVersioned* self);
   std::uint64_t flags;
   DLTensor dl_tensor;
 };
 
-} // namespace shoal::python::dlpack
+}  // namespace shoal::python::dlpack

@@ -12,12 +12,12 @@
 //   (.invariant) ConnectionClosedError(ShoalError, ConnectionError)
 //   connection_closed PeerRefusedError(ShoalError, ConnectionRefusedError)
 //   peer_refused
+#include <nanobind/stl/string.h>
+
 #include <functional>
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <nanobind/stl/string.h>
 
 #include "bindings.h"
 #include "shoal/core/error.h"
@@ -27,84 +27,72 @@ namespace shoal::python {
 namespace {
 
 struct exception_types {
-  PyObject *error = nullptr;
-  PyObject *invalid_argument = nullptr;
-  PyObject *protocol_error = nullptr;
-  PyObject *out_of_memory = nullptr;
-  PyObject *device_unavailable = nullptr;
-  PyObject *backend_error = nullptr;
-  PyObject *stream_error = nullptr;
-  PyObject *ordering_violation = nullptr;
-  PyObject *invariant_violation = nullptr;
-  PyObject *connection_closed = nullptr;
-  PyObject *peer_refused = nullptr;
+  PyObject* error = nullptr;
+  PyObject* invalid_argument = nullptr;
+  PyObject* protocol_error = nullptr;
+  PyObject* out_of_memory = nullptr;
+  PyObject* device_unavailable = nullptr;
+  PyObject* backend_error = nullptr;
+  PyObject* stream_error = nullptr;
+  PyObject* ordering_violation = nullptr;
+  PyObject* invariant_violation = nullptr;
+  PyObject* connection_closed = nullptr;
+  PyObject* peer_refused = nullptr;
 };
-exception_types types; // set once at import; the module keeps them alive
+exception_types types;  // set once at import; the module keeps them alive
 
-PyObject *new_type(nb::module_ &m, const char *name, const char *doc,
-                   std::vector<PyObject *> bases) {
-  nb::tuple base_tuple =
-      nb::steal<nb::tuple>(PyTuple_New(static_cast<Py_ssize_t>(bases.size())));
+PyObject* new_type(nb::module_& m, const char* name, const char* doc, std::vector<PyObject*> bases) {
+  nb::tuple base_tuple = nb::steal<nb::tuple>(PyTuple_New(static_cast<Py_ssize_t>(bases.size())));
   for (std::size_t i = 0; i < bases.size(); ++i) {
-    PyTuple_SET_ITEM(base_tuple.ptr(), static_cast<Py_ssize_t>(i),
-                     nb::borrow(bases[i]).release().ptr());
+    PyTuple_SET_ITEM(base_tuple.ptr(), static_cast<Py_ssize_t>(i), nb::borrow(bases[i]).release().ptr());
   }
   const std::string qualified = std::string("shoal.") + name;
-  PyObject *type = PyErr_NewExceptionWithDoc(qualified.c_str(), doc,
-                                             base_tuple.ptr(), nullptr);
-  if (type == nullptr)
-    throw nb::python_error();
+  PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, base_tuple.ptr(), nullptr);
+  if (type == nullptr) throw nb::python_error();
   m.attr(name) = nb::steal(type);
   return type;
 }
 
 /// Raises `type(message)` with the given attributes set on the instance.
-void raise(PyObject *type, const char *message,
-           std::vector<std::pair<const char *, nb::object>> attributes = {}) {
-  nb::object instance =
-      nb::steal(PyObject_CallOneArg(type, nb::str(message).ptr()));
-  if (!instance.is_valid())
-    return; // the call itself raised; that error stands
-  for (auto &[name, value] : attributes)
-    nb::setattr(instance, name, value);
+void raise(PyObject* type, const char* message, std::vector<std::pair<const char*, nb::object>> attributes = {}) {
+  nb::object instance = nb::steal(PyObject_CallOneArg(type, nb::str(message).ptr()));
+  if (!instance.is_valid()) return;  // the call itself raised; that error stands
+  for (auto& [name, value] : attributes) nb::setattr(instance, name, value);
   PyErr_SetObject(type, instance.ptr());
 }
 
-void translate(const std::exception_ptr &p, void *) {
+void translate(const std::exception_ptr& p, void*) {
   try {
     std::rethrow_exception(p);
-  } catch (const protocol_error &e) {
+  } catch (const protocol_error& e) {
     raise(types.protocol_error, e.what());
-  } catch (const invalid_argument &e) {
+  } catch (const invalid_argument& e) {
     raise(types.invalid_argument, e.what());
-  } catch (const out_of_memory &e) {
-    raise(types.out_of_memory, e.what(),
-          {{"requested_bytes", nb::int_(e.requested_bytes())}});
-  } catch (const device_unavailable &e) {
+  } catch (const out_of_memory& e) {
+    raise(types.out_of_memory, e.what(), {{"requested_bytes", nb::int_(e.requested_bytes())}});
+  } catch (const device_unavailable& e) {
     raise(types.device_unavailable, e.what());
-  } catch (const backend_error &e) {
+  } catch (const backend_error& e) {
     raise(types.backend_error, e.what(),
-          {{"call", nb::str(e.call().c_str())},
-           {"detail", nb::str(e.detail().c_str())}});
-  } catch (const stream_error &e) {
+          {{"call", nb::str(e.call().c_str())}, {"detail", nb::str(e.detail().c_str())}});
+  } catch (const stream_error& e) {
     raise(types.stream_error, e.what());
-  } catch (const ordering_violation &e) {
+  } catch (const ordering_violation& e) {
     raise(types.ordering_violation, e.what());
-  } catch (const invariant_violation &e) {
-    raise(types.invariant_violation, e.what(),
-          {{"invariant", nb::str(e.invariant().c_str())}});
-  } catch (const connection_closed &e) {
+  } catch (const invariant_violation& e) {
+    raise(types.invariant_violation, e.what(), {{"invariant", nb::str(e.invariant().c_str())}});
+  } catch (const connection_closed& e) {
     raise(types.connection_closed, e.what());
-  } catch (const peer_refused &e) {
+  } catch (const peer_refused& e) {
     raise(types.peer_refused, e.what());
-  } catch (const error &e) {
+  } catch (const error& e) {
     raise(types.error, e.what());
   }
 }
 
 /// Throws the C++ error named `kind` with `message`: lets the tests check the
 /// translation of errors no Python call can provoke yet (peer errors).
-void throw_cpp_error(const std::string &kind, const std::string &message) {
+void throw_cpp_error(const std::string& kind, const std::string& message) {
   const std::vector<std::pair<std::string, std::function<void()>>> throwers = {
       {"error", [&] { throw error(message); }},
       {"invalid_argument", [&] { throw invalid_argument(message); }},
@@ -114,73 +102,56 @@ void throw_cpp_error(const std::string &kind, const std::string &message) {
       {"backend_error", [&] { throw backend_error("a_call", message); }},
       {"stream_error", [&] { throw stream_error(message); }},
       {"ordering_violation", [&] { throw ordering_violation(message); }},
-      {"invariant_violation",
-       [&] { throw invariant_violation("an_invariant", message); }},
+      {"invariant_violation", [&] { throw invariant_violation("an_invariant", message); }},
       {"connection_closed", [&] { throw connection_closed(message); }},
       {"peer_refused", [&] { throw peer_refused(message); }},
   };
-  for (const auto &[name, thrower] : throwers) {
-    if (name == kind)
-      thrower();
+  for (const auto& [name, thrower] : throwers) {
+    if (name == kind) thrower();
   }
-  throw nb::value_error(
-      ("_throw_cpp_error: unknown kind '" + kind + "'").c_str());
+  throw nb::value_error(("_throw_cpp_error: unknown kind '" + kind + "'").c_str());
 }
 
-} // namespace
+}  // namespace
 
-void register_errors(nb::module_ &m) {
-  types.error = new_type(m, "ShoalError", "Base of every error shoal raises.",
-                         {PyExc_RuntimeError});
+void register_errors(nb::module_& m) {
+  types.error = new_type(m, "ShoalError", "Base of every error shoal raises.", {PyExc_RuntimeError});
   types.invalid_argument =
-      new_type(m, "InvalidArgumentError",
-               "The call got something it cannot accept; nothing was changed.",
+      new_type(m, "InvalidArgumentError", "The call got something it cannot accept; nothing was changed.",
                {types.error, PyExc_ValueError});
-  types.protocol_error =
-      new_type(m, "ProtocolError",
-               "Another process sent something the protocol does not allow.",
-               {types.invalid_argument});
-  types.out_of_memory =
-      new_type(m, "OutOfMemoryError",
-               "The device (or the configured limit) cannot provide the memory "
-               "asked for; "
-               "`requested_bytes` says how much the request was.",
-               {types.error, PyExc_MemoryError});
-  types.device_unavailable = new_type(
-      m, "DeviceUnavailableError",
-      "The requested backend or device does not exist here.", {types.error});
+  types.protocol_error = new_type(m, "ProtocolError", "Another process sent something the protocol does not allow.",
+                                  {types.invalid_argument});
+  types.out_of_memory = new_type(m, "OutOfMemoryError",
+                                 "The device (or the configured limit) cannot provide the memory "
+                                 "asked for; "
+                                 "`requested_bytes` says how much the request was.",
+                                 {types.error, PyExc_MemoryError});
+  types.device_unavailable =
+      new_type(m, "DeviceUnavailableError", "The requested backend or device does not exist here.", {types.error});
   types.backend_error = new_type(m, "BackendError",
                                  "A device runtime or operating-system call "
                                  "failed; `call` names it, `detail` "
                                  "holds its own error text.",
                                  {types.error});
   types.stream_error =
-      new_type(m, "StreamError",
-               "Work enqueued on a stream failed after the call returned.",
-               {types.error});
-  types.ordering_violation = new_type(
-      m, "OrderingViolationError",
-      "Memory was about to be handed out while a stream could still use it "
-      "(the allocator's debug mode).",
-      {types.error});
-  types.invariant_violation = new_type(
-      m, "InvariantViolationError",
-      "An invariant of shoal's own state does not hold (a bug in shoal); "
-      "`invariant` names it.",
-      {types.error});
-  types.connection_closed = new_type(
-      m, "ConnectionClosedError",
-      "The process at the other end of a connection closed it or died.",
-      {types.error, PyExc_ConnectionError});
-  types.peer_refused =
-      new_type(m, "PeerRefusedError",
-               "A peer process was refused (credentials not allowed).",
-               {types.error, PyExc_ConnectionRefusedError});
+      new_type(m, "StreamError", "Work enqueued on a stream failed after the call returned.", {types.error});
+  types.ordering_violation = new_type(m, "OrderingViolationError",
+                                      "Memory was about to be handed out while a stream could still use it "
+                                      "(the allocator's debug mode).",
+                                      {types.error});
+  types.invariant_violation = new_type(m, "InvariantViolationError",
+                                       "An invariant of shoal's own state does not hold (a bug in shoal); "
+                                       "`invariant` names it.",
+                                       {types.error});
+  types.connection_closed =
+      new_type(m, "ConnectionClosedError", "The process at the other end of a connection closed it or died.",
+               {types.error, PyExc_ConnectionError});
+  types.peer_refused = new_type(m, "PeerRefusedError", "A peer process was refused (credentials not allowed).",
+                                {types.error, PyExc_ConnectionRefusedError});
   nb::register_exception_translator(translate);
-  m.def("_throw_cpp_error", &throw_cpp_error, nb::arg("kind"),
-        nb::arg("message"),
+  m.def("_throw_cpp_error", &throw_cpp_error, nb::arg("kind"), nb::arg("message"),
         "Test hook: throws the C++ error type `kind` (e.g. 'out_of_memory') "
         "with `message`.");
 }
 
-} // namespace shoal::python
+}  // namespace shoal::python

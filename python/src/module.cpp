@@ -2,11 +2,13 @@
 #include "bindings.h"
 
 NB_MODULE(_shoal, m) {
-  m.doc() = "shoal's C++ runtime: devices, streams, the caching allocator, "
-            "storages, DLPack export.";
+  m.doc() =
+      "shoal's C++ runtime: devices, streams, the caching allocator, "
+      "storages, DLPack export.";
   shoal::python::register_errors(m);
   shoal::python::register_streams(m);
   shoal::python::register_allocator(m);
   shoal::python::register_storages(m);
   shoal::python::register_dlpack(m);
+  shoal::python::register_dlpack_import(m);
 }

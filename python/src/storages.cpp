@@ -1,13 +1,13 @@
 // Storages: allocation, lazy clones, record_stream, and reads and writes in
 // stream order (a write materializes a lazily shared storage first).
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <string>
-
-#include <nanobind/stl/optional.h>
-#include <nanobind/stl/string.h>
-#include <nanobind/stl/vector.h>
 
 #include "bindings.h"
 #include "shoal/core/error.h"
@@ -17,8 +17,7 @@ namespace shoal::python {
 storage_handle::~storage_handle() {
   // The storage's last handle frees on this thread's current stream; the
   // allocator must outlive that stream's use, so it keeps the stream.
-  if (storage_.valid() && allocator_)
-    allocator_->keep(current_stream_state(storage_.device()));
+  if (storage_.valid() && allocator_) allocator_->keep(current_stream_state(storage_.device()));
 }
 
 namespace {
@@ -26,112 +25,89 @@ namespace {
 /// A contiguous, readable buffer of a Python object (bytes, bytearray,
 /// memoryview, a C-contiguous numpy array, ...).
 class buffer_view {
-public:
+ public:
   explicit buffer_view(nb::handle object) {
-    if (PyObject_GetBuffer(object.ptr(), &buffer_, PyBUF_C_CONTIGUOUS) != 0)
-      throw nb::python_error();
+    if (PyObject_GetBuffer(object.ptr(), &buffer_, PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
   }
-  buffer_view(const buffer_view &) = delete;
-  buffer_view &operator=(const buffer_view &) = delete;
+  buffer_view(const buffer_view&) = delete;
+  buffer_view& operator=(const buffer_view&) = delete;
   ~buffer_view() { PyBuffer_Release(&buffer_); }
-  [[nodiscard]] const void *data() const noexcept { return buffer_.buf; }
-  [[nodiscard]] std::size_t size() const noexcept {
-    return static_cast<std::size_t>(buffer_.len);
-  }
+  [[nodiscard]] const void* data() const noexcept { return buffer_.buf; }
+  [[nodiscard]] std::size_t size() const noexcept { return static_cast<std::size_t>(buffer_.len); }
 
-private:
+ private:
   Py_buffer buffer_{};
 };
 
 std::size_t checked_size(std::int64_t nbytes) {
   if (nbytes <= 0) {
-    throw invalid_argument("allocate: nbytes must be positive, got " +
-                           std::to_string(nbytes));
+    throw invalid_argument("allocate: nbytes must be positive, got " + std::to_string(nbytes));
   }
   return static_cast<std::size_t>(nbytes);
 }
 
-void check_range(const py_storage &s, std::int64_t offset, std::size_t bytes,
-                 const char *what) {
+void check_range(const py_storage& s, std::int64_t offset, std::size_t bytes, const char* what) {
   const std::size_t size = s.handle.get().size();
-  if (offset < 0 || static_cast<std::size_t>(offset) > size ||
-      bytes > size - static_cast<std::size_t>(offset)) {
-    throw invalid_argument(std::string(what) + ": " + std::to_string(bytes) +
-                           " bytes at offset " + std::to_string(offset) +
-                           " do not fit the storage's " + std::to_string(size) +
-                           " bytes");
+  if (offset < 0 || static_cast<std::size_t>(offset) > size || bytes > size - static_cast<std::size_t>(offset)) {
+    throw invalid_argument(std::string(what) + ": " + std::to_string(bytes) + " bytes at offset " +
+                           std::to_string(offset) + " do not fit the storage's " + std::to_string(size) + " bytes");
   }
 }
 
-} // namespace
+}  // namespace
 
-py_storage allocate_storage(const py_allocator &a, std::int64_t nbytes,
-                            const py_stream *stream) {
+py_storage allocate_storage(const py_allocator& a, std::int64_t nbytes, const py_stream* stream) {
   const std::size_t bytes = checked_size(nbytes);
   auto s = stream_or_current(stream, a.state->allocator().device());
   a.state->keep(s);
   storage::storage st;
   {
-    nb::gil_scoped_release release; // may wait for pending frees
+    nb::gil_scoped_release release;  // may wait for pending frees
     st = storage::storage::allocate(a.state->allocator(), bytes, s->ref());
   }
   return py_storage{storage_handle(std::move(st), a.state)};
 }
 
-void register_storages(nb::module_ &m) {
+void register_storages(nb::module_& m) {
   nb::class_<py_storage>(m, "Storage",
                          "A reference-counted block of device memory from an "
                          "Allocator. Copies of this object "
                          "alias; lazy_clone() makes a copy-on-write clone that "
                          "copies nothing until written.")
       .def_prop_ro(
-          "nbytes", [](const py_storage &s) { return s.handle.get().size(); },
-          "Size in bytes.")
-      .def("__len__", [](const py_storage &s) { return s.handle.get().size(); })
+          "nbytes", [](const py_storage& s) { return s.handle.get().size(); }, "Size in bytes.")
+      .def("__len__", [](const py_storage& s) { return s.handle.get().size(); })
       .def_prop_ro(
-          "device",
-          [](const py_storage &s) -> backend::device & {
-            return s.handle.get().device();
-          },
+          "device", [](const py_storage& s) -> backend::device& { return s.handle.get().device(); },
           nb::rv_policy::reference)
       .def_prop_ro(
-          "ptr",
-          [](const py_storage &s) {
-            return reinterpret_cast<std::uintptr_t>(s.handle.get().data());
-          },
+          "ptr", [](const py_storage& s) { return reinterpret_cast<std::uintptr_t>(s.handle.get().data()); },
           "Address of the data for reading (never copies; a lazy clone shows "
           "the shared data).")
       .def_prop_ro(
-          "is_lazy",
-          [](const py_storage &s) { return s.handle.get().is_lazy(); },
+          "is_lazy", [](const py_storage& s) { return s.handle.get().is_lazy(); },
           "True while the data is shared copy-on-write with other storages.")
       .def_prop_ro(
-          "shared_outside_process",
-          [](const py_storage &s) {
-            return s.handle.get().shared_outside_process();
-          },
+          "shared_outside_process", [](const py_storage& s) { return s.handle.get().shared_outside_process(); },
           "True once the data was exported (DLPack, IPC): it is never lazily "
           "shared from then on.")
       .def(
           "mutable_ptr",
-          [](const py_storage &s, const py_stream *stream) {
+          [](const py_storage& s, const py_stream* stream) {
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
             nb::gil_scoped_release release;
-            return reinterpret_cast<std::uintptr_t>(
-                s.handle.get().mutable_data(st->ref()));
+            return reinterpret_cast<std::uintptr_t>(s.handle.get().mutable_data(st->ref()));
           },
           nb::arg("stream").none() = nb::none(),
           "Address of the data for writing on `stream`: materializes a lazy "
           "clone first (in stream order).")
       .def(
           "lazy_clone",
-          [](const py_storage &s, const py_stream *stream) {
+          [](const py_storage& s, const py_stream* stream) {
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
-            return py_storage{
-                storage_handle(storage::lazy_clone(s.handle.get(), st->ref()),
-                               s.handle.allocator())};
+            return py_storage{storage_handle(storage::lazy_clone(s.handle.get(), st->ref()), s.handle.allocator())};
           },
           nb::arg("stream").none() = nb::none(),
           "A new storage sharing this one's data copy-on-write, in O(1). "
@@ -140,101 +116,75 @@ void register_storages(nb::module_ &m) {
           "is copied at once instead.")
       .def(
           "record_stream",
-          [](const py_storage &s, const py_stream &stream) {
+          [](const py_storage& s, const py_stream& stream) {
             auto st = stream_or_current(&stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
-            s.handle.get().allocator().record_stream(
-                const_cast<void *>(s.handle.get().data()), st->ref());
+            s.handle.get().allocator().record_stream(const_cast<void*>(s.handle.get().data()), st->ref());
           },
           nb::arg("stream"),
           "The memory is also used on `stream`: its free waits for the work "
           "enqueued there until now.")
       .def(
-          "aliases",
-          [](const py_storage &a, const py_storage &b) {
-            return a.handle.get().aliases(b.handle.get());
-          },
+          "aliases", [](const py_storage& a, const py_storage& b) { return a.handle.get().aliases(b.handle.get()); },
           nb::arg("other"), "True iff both name the same storage object.")
       .def(
           "write",
-          [](const py_storage &s, nb::handle data, std::int64_t offset,
-             const py_stream *stream) {
+          [](const py_storage& s, nb::handle data, std::int64_t offset, const py_stream* stream) {
             buffer_view buffer(data);
             check_range(s, offset, buffer.size(), "Storage.write");
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
             nb::gil_scoped_release release;
-            auto *dst = static_cast<std::byte *>(
-                            s.handle.get().mutable_data(st->ref())) +
-                        offset;
+            auto* dst = static_cast<std::byte*>(s.handle.get().mutable_data(st->ref())) + offset;
             st->device().copy(st->ref(), dst, buffer.data(), buffer.size());
-            st->device().synchronize(
-                st->ref()); // the source buffer is the caller's
+            st->device().synchronize(st->ref());  // the source buffer is the caller's
           },
-          nb::arg("data"), nb::arg("offset") = 0,
-          nb::arg("stream").none() = nb::none(),
+          nb::arg("data"), nb::arg("offset") = 0, nb::arg("stream").none() = nb::none(),
           "Copies a bytes-like object into the storage at `offset`, on "
           "`stream` (default: the current stream), "
           "materializing a lazy clone first; returns once the copy has run "
           "(GIL released meanwhile).")
       .def(
           "read",
-          [](const py_storage &s, std::int64_t offset,
-             std::optional<std::int64_t> nbytes, const py_stream *stream) {
-            const std::int64_t size =
-                static_cast<std::int64_t>(s.handle.get().size());
-            const std::int64_t count =
-                nbytes.value_or(size - std::max<std::int64_t>(offset, 0));
-            if (count < 0)
-              throw invalid_argument("Storage.read: nbytes must be >= 0, got " +
-                                     std::to_string(count));
-            check_range(s, offset, static_cast<std::size_t>(count),
-                        "Storage.read");
+          [](const py_storage& s, std::int64_t offset, std::optional<std::int64_t> nbytes, const py_stream* stream) {
+            const std::int64_t size = static_cast<std::int64_t>(s.handle.get().size());
+            const std::int64_t count = nbytes.value_or(size - std::max<std::int64_t>(offset, 0));
+            if (count < 0) throw invalid_argument("Storage.read: nbytes must be >= 0, got " + std::to_string(count));
+            check_range(s, offset, static_cast<std::size_t>(count), "Storage.read");
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
-            nb::bytes out =
-                nb::steal<nb::bytes>(PyBytes_FromStringAndSize(nullptr, count));
-            if (!out.is_valid())
-              throw nb::python_error();
-            char *dst = PyBytes_AsString(out.ptr());
+            nb::bytes out = nb::steal<nb::bytes>(PyBytes_FromStringAndSize(nullptr, count));
+            if (!out.is_valid()) throw nb::python_error();
+            char* dst = PyBytes_AsString(out.ptr());
             {
               nb::gil_scoped_release release;
               if (count > 0) {
-                const auto *src =
-                    static_cast<const std::byte *>(s.handle.get().data()) +
-                    offset;
-                st->device().copy(st->ref(), dst, src,
-                                  static_cast<std::size_t>(count));
+                const auto* src = static_cast<const std::byte*>(s.handle.get().data()) + offset;
+                st->device().copy(st->ref(), dst, src, static_cast<std::size_t>(count));
               }
               st->device().synchronize(st->ref());
             }
             return out;
           },
-          nb::arg("offset") = 0, nb::arg("nbytes").none() = nb::none(),
-          nb::arg("stream").none() = nb::none(),
+          nb::arg("offset") = 0, nb::arg("nbytes").none() = nb::none(), nb::arg("stream").none() = nb::none(),
           "The bytes at [offset, offset + nbytes) (default: to the end), "
           "copied on `stream` after the work "
           "enqueued there; never materializes a lazy clone.")
       .def(
           "fill",
-          [](const py_storage &s, int value, const py_stream *stream) {
-            if (value < 0 || value > 255)
-              throw invalid_argument(
-                  "Storage.fill: value must be a byte (0..255)");
+          [](const py_storage& s, int value, const py_stream* stream) {
+            if (value < 0 || value > 255) throw invalid_argument("Storage.fill: value must be a byte (0..255)");
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
             nb::gil_scoped_release release;
-            void *dst = s.handle.get().mutable_data(st->ref());
-            st->device().fill(st->ref(), dst, static_cast<std::uint8_t>(value),
-                              s.handle.get().size());
+            void* dst = s.handle.get().mutable_data(st->ref());
+            st->device().fill(st->ref(), dst, static_cast<std::uint8_t>(value), s.handle.get().size());
           },
           nb::arg("value"), nb::arg("stream").none() = nb::none(),
           "Sets every byte to `value` in stream order (enqueued; does not "
           "wait), materializing a lazy clone first.")
-      .def("view", &make_view, nb::arg("dtype") = "uint8",
-           nb::arg("shape").none() = nb::none(),
-           nb::arg("strides").none() = nb::none(), nb::arg("offset") = 0,
-           nb::arg("readonly") = false,
+      .def("view", &make_view, nb::arg("dtype") = "uint8", nb::arg("shape").none() = nb::none(),
+           nb::arg("strides").none() = nb::none(), nb::arg("offset") = 0, nb::arg("readonly") = false,
            "A typed ArrayView of the storage without copying: `dtype` a name "
            "('float32', 'int64', 'bool', ...) "
            "or a numpy dtype; `shape` (default: as many elements as fit after "
@@ -243,11 +193,10 @@ void register_storages(nb::module_ &m) {
            "the storage. A readonly view is "
            "exported without materializing a lazy clone (to DLPack 1.x "
            "consumers only).")
-      .def("__repr__", [](const py_storage &s) {
+      .def("__repr__", [](const py_storage& s) {
         return "shoal.Storage(nbytes=" + std::to_string(s.handle.get().size()) +
-               ", device=" + s.handle.get().device().name() +
-               (s.handle.get().is_lazy() ? ", lazy" : "") + ")";
+               ", device=" + s.handle.get().device().name() + (s.handle.get().is_lazy() ? ", lazy" : "") + ")";
       });
 }
 
-} // namespace shoal::python
+}  // namespace shoal::python

@@ -4,12 +4,12 @@
 // current stream (backend::stream_guard) of its device, so the allocator's
 // free without a stream, and every `stream=None` argument, use it. Scopes
 // nest and are left in reverse order (the context manager guarantees it).
-#include <cstdint>
-#include <vector>
-
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+
+#include <cstdint>
+#include <vector>
 
 #include "bindings.h"
 #include "shoal/backend/devices.h"
@@ -25,91 +25,72 @@ struct scope_entry {
 };
 thread_local std::vector<scope_entry> scopes;
 
-backend::device &device_or_default(backend::device *device) {
+backend::device& device_or_default(backend::device* device) {
   return device != nullptr ? *device : backend::default_device();
 }
 
-void push_stream(const py_stream &s) {
-  scopes.push_back({s.state, std::make_unique<backend::stream_guard>(
-                                 s.state->device(), s.state->ref())});
+void push_stream(const py_stream& s) {
+  scopes.push_back({s.state, std::make_unique<backend::stream_guard>(s.state->device(), s.state->ref())});
 }
 
 void pop_stream() {
-  if (scopes.empty())
-    throw invalid_argument("shoal: no stream scope is open on this thread");
+  if (scopes.empty()) throw invalid_argument("shoal: no stream scope is open on this thread");
   scopes.pop_back();
 }
 
-} // namespace
+}  // namespace
 
-stream_state::stream_state(backend::device &device,
-                           std::unique_ptr<backend::stream> owned)
-    : device_(&device), owned_(std::move(owned)),
-      ref_(owned_ ? owned_->ref() : backend::stream_ref{}) {}
+stream_state::stream_state(backend::device& device, std::unique_ptr<backend::stream> owned)
+    : device_(&device), owned_(std::move(owned)), ref_(owned_ ? owned_->ref() : backend::stream_ref{}) {}
 
-std::shared_ptr<stream_state> stream_state::create(backend::device &device) {
-  return std::shared_ptr<stream_state>(
-      new stream_state(device, std::make_unique<backend::stream>(device)));
+std::shared_ptr<stream_state> stream_state::create(backend::device& device) {
+  return std::shared_ptr<stream_state>(new stream_state(device, std::make_unique<backend::stream>(device)));
 }
 
-std::shared_ptr<stream_state>
-stream_state::default_of(backend::device &device) {
+std::shared_ptr<stream_state> stream_state::default_of(backend::device& device) {
   return std::shared_ptr<stream_state>(new stream_state(device, nullptr));
 }
 
-std::shared_ptr<stream_state> current_stream_state(backend::device &device) {
+std::shared_ptr<stream_state> current_stream_state(backend::device& device) {
   const backend::stream_ref current = backend::current_stream(device);
   for (auto it = scopes.rbegin(); it != scopes.rend(); ++it) {
-    if (&it->stream->device() == &device && it->stream->ref() == current)
-      return it->stream;
+    if (&it->stream->device() == &device && it->stream->ref() == current) return it->stream;
   }
   return stream_state::default_of(device);
 }
 
-std::shared_ptr<stream_state> stream_or_current(const py_stream *stream,
-                                                backend::device &device) {
-  if (stream == nullptr)
-    return current_stream_state(device);
+std::shared_ptr<stream_state> stream_or_current(const py_stream* stream, backend::device& device) {
+  if (stream == nullptr) return current_stream_state(device);
   if (&stream->state->device() != &device) {
-    throw invalid_argument("shoal: the stream belongs to device '" +
-                           stream->state->device().name() +
-                           "', the memory to device '" + device.name() +
-                           "'; use a stream of the memory's device");
+    throw invalid_argument("shoal: the stream belongs to device '" + stream->state->device().name() +
+                           "', the memory to device '" + device.name() + "'; use a stream of the memory's device");
   }
   return stream->state;
 }
 
 struct py_event {
-  backend::device *device;
+  backend::device* device;
   std::shared_ptr<backend::event> event;
 };
 
-void register_streams(nb::module_ &m) {
-  nb::class_<backend::device>(
-      m, "Device",
-      "A device: the host backend or a CUDA GPU. Lives for the whole process.")
+void register_streams(nb::module_& m) {
+  nb::class_<backend::device>(m, "Device", "A device: the host backend or a CUDA GPU. Lives for the whole process.")
       .def_prop_ro(
-          "kind",
-          [](const backend::device &d) {
-            return std::string(backend::to_string(d.kind()));
-          },
+          "kind", [](const backend::device& d) { return std::string(backend::to_string(d.kind())); },
           "'host' or 'cuda'.")
-      .def_prop_ro("ordinal", &backend::device::ordinal,
-                   "Index among devices of its kind (0 for host).")
+      .def_prop_ro("ordinal", &backend::device::ordinal, "Index among devices of its kind (0 for host).")
       .def_prop_ro("name", &backend::device::name, "Human-readable name.")
       .def(
           "memory",
-          [](const backend::device &d) {
+          [](const backend::device& d) {
             const auto info = d.memory();
             return std::make_tuple(info.free_bytes, info.total_bytes);
           },
           "(free_bytes, total_bytes) as the device reports them.")
-      .def("__eq__", [](const backend::device &a,
-                        const backend::device &b) { return &a == &b; })
-      .def("__hash__", [](const backend::device &d) { return d.serial(); })
-      .def("__repr__", [](const backend::device &d) {
-        return "shoal.Device(" + std::string(backend::to_string(d.kind())) +
-               ":" + std::to_string(d.ordinal()) + ")";
+      .def("__eq__", [](const backend::device& a, const backend::device& b) { return &a == &b; })
+      .def("__hash__", [](const backend::device& d) { return d.serial(); })
+      .def("__repr__", [](const backend::device& d) {
+        return "shoal.Device(" + std::string(backend::to_string(d.kind())) + ":" + std::to_string(d.ordinal()) + ")";
       });
 
   m.def("default_device", &backend::default_device, nb::rv_policy::reference,
@@ -118,93 +99,59 @@ void register_streams(nb::module_ &m) {
         "('cuda' raises DeviceUnavailableError where there is none).");
   m.def("host_device", &backend::host_device_instance, nb::rv_policy::reference,
         "The host device: host memory, executor threads as streams.");
-  m.def("cuda_device", &backend::cuda_device_instance, nb::arg("ordinal") = 0,
-        nb::rv_policy::reference,
+  m.def("cuda_device", &backend::cuda_device_instance, nb::arg("ordinal") = 0, nb::rv_policy::reference,
         "CUDA device `ordinal`; raises DeviceUnavailableError when there is "
         "none.");
-  m.def("cuda_device_count", &backend::cuda_device_count,
-        "Number of usable CUDA devices (0 without driver or GPU).");
+  m.def("cuda_device_count", &backend::cuda_device_count, "Number of usable CUDA devices (0 without driver or GPU).");
 
-  nb::class_<py_stream>(
-      m, "Stream",
-      "An in-order queue of device work. Stream(device) creates a new stream; "
-      "Stream.default(device) names the device's default stream.")
+  nb::class_<py_stream>(m, "Stream",
+                        "An in-order queue of device work. Stream(device) creates a new stream; "
+                        "Stream.default(device) names the device's default stream.")
       .def(
           "__init__",
-          [](py_stream *self, backend::device *device) {
-            new (self)
-                py_stream{stream_state::create(device_or_default(device))};
+          [](py_stream* self, backend::device* device) {
+            new (self) py_stream{stream_state::create(device_or_default(device))};
           },
-          nb::arg("device").none() = nb::none(),
-          "A new stream on `device` (default: default_device()).")
+          nb::arg("device").none() = nb::none(), "A new stream on `device` (default: default_device()).")
       .def_static(
           "default",
-          [](backend::device *device) {
-            return py_stream{
-                stream_state::default_of(device_or_default(device))};
-          },
-          nb::arg("device").none() = nb::none(),
-          "The default stream of `device`.")
+          [](backend::device* device) { return py_stream{stream_state::default_of(device_or_default(device))}; },
+          nb::arg("device").none() = nb::none(), "The default stream of `device`.")
       .def_prop_ro(
-          "device",
-          [](const py_stream &s) -> backend::device & {
-            return s.state->device();
-          },
-          nb::rv_policy::reference)
+          "device", [](const py_stream& s) -> backend::device& { return s.state->device(); }, nb::rv_policy::reference)
       .def_prop_ro(
-          "handle",
-          [](const py_stream &s) {
-            return reinterpret_cast<std::uintptr_t>(s.state->ref().native);
-          },
+          "handle", [](const py_stream& s) { return reinterpret_cast<std::uintptr_t>(s.state->ref().native); },
           "The native stream handle as an integer (0 for the default stream): "
           "what a DLPack producer is "
           "passed as `stream=`.")
       .def(
-          "synchronize",
-          [](const py_stream &s) {
-            s.state->device().synchronize(s.state->ref());
-          },
-          nb::call_guard<nb::gil_scoped_release>(),
-          "Blocks until all work enqueued so far has run (GIL released).")
+          "synchronize", [](const py_stream& s) { s.state->device().synchronize(s.state->ref()); },
+          nb::call_guard<nb::gil_scoped_release>(), "Blocks until all work enqueued so far has run (GIL released).")
       .def(
-          "query",
-          [](const py_stream &s) {
-            return s.state->device().query(s.state->ref());
-          },
+          "query", [](const py_stream& s) { return s.state->device().query(s.state->ref()); },
           "True when all work enqueued so far has run.")
       .def(
           "wait_event",
-          [](const py_stream &s, const py_event &e) {
-            s.state->device().wait(s.state->ref(), e.event->ref());
-          },
+          [](const py_stream& s, const py_event& e) { s.state->device().wait(s.state->ref(), e.event->ref()); },
           nb::arg("event"),
           "Work enqueued from now on waits for `event` (device-side; the "
           "caller does not block).")
       .def(
           "delay",
-          [](const py_stream &s, double seconds) {
-            if (seconds < 0)
-              throw invalid_argument("Stream.delay: seconds must be >= 0");
-            s.state->device().delay(
-                s.state->ref(), std::chrono::microseconds(
-                                    static_cast<std::int64_t>(seconds * 1e6)));
+          [](const py_stream& s, double seconds) {
+            if (seconds < 0) throw invalid_argument("Stream.delay: seconds must be >= 0");
+            s.state->device().delay(s.state->ref(),
+                                    std::chrono::microseconds(static_cast<std::int64_t>(seconds * 1e6)));
           },
-          nb::arg("seconds"),
-          "Keeps the stream busy for `seconds` (stands in for a long kernel).")
+          nb::arg("seconds"), "Keeps the stream busy for `seconds` (stands in for a long kernel).")
       .def("__eq__",
-           [](const py_stream &a, const py_stream &b) {
-             return &a.state->device() == &b.state->device() &&
-                    a.state->ref() == b.state->ref();
+           [](const py_stream& a, const py_stream& b) {
+             return &a.state->device() == &b.state->device() && a.state->ref() == b.state->ref();
            })
-      .def("__hash__",
-           [](const py_stream &s) {
-             return reinterpret_cast<std::uintptr_t>(s.state->ref().native);
-           })
-      .def("__repr__", [](const py_stream &s) {
-        return "shoal.Stream(" + s.state->device().name() + ", handle=" +
-               std::to_string(
-                   reinterpret_cast<std::uintptr_t>(s.state->ref().native)) +
-               ")";
+      .def("__hash__", [](const py_stream& s) { return reinterpret_cast<std::uintptr_t>(s.state->ref().native); })
+      .def("__repr__", [](const py_stream& s) {
+        return "shoal.Stream(" + s.state->device().name() +
+               ", handle=" + std::to_string(reinterpret_cast<std::uintptr_t>(s.state->ref().native)) + ")";
       });
 
   nb::class_<py_event>(m, "Event",
@@ -212,43 +159,35 @@ void register_streams(nb::module_ &m) {
                        "stream has passed it.")
       .def(
           "__init__",
-          [](py_event *self, backend::device *device) {
-            backend::device &d = device_or_default(device);
+          [](py_event* self, backend::device* device) {
+            backend::device& d = device_or_default(device);
             new (self) py_event{&d, std::make_shared<backend::event>(d)};
           },
           nb::arg("device").none() = nb::none())
       .def(
           "record",
-          [](const py_event &e, const py_stream *s) {
-            e.event->record(stream_or_current(s, *e.device)->ref());
-          },
+          [](const py_event& e, const py_stream* s) { e.event->record(stream_or_current(s, *e.device)->ref()); },
           nb::arg("stream").none() = nb::none(),
           "Marks the point after all work enqueued so far on `stream` "
           "(default: the current stream).")
       .def(
-          "query", [](const py_event &e) { return e.event->query(); },
-          "True when the event is complete.")
+          "query", [](const py_event& e) { return e.event->query(); }, "True when the event is complete.")
       .def(
-          "synchronize", [](const py_event &e) { e.event->synchronize(); },
-          nb::call_guard<nb::gil_scoped_release>(),
+          "synchronize", [](const py_event& e) { e.event->synchronize(); }, nb::call_guard<nb::gil_scoped_release>(),
           "Blocks until the event is complete (GIL released).");
 
   m.def(
       "current_stream",
-      [](backend::device *device) {
-        return py_stream{current_stream_state(device_or_default(device))};
-      },
+      [](backend::device* device) { return py_stream{current_stream_state(device_or_default(device))}; },
       nb::arg("device").none() = nb::none(),
       "This thread's current stream on `device`: the innermost `with "
       "shoal.stream(s)` scope, else the default stream.");
-  m.def("_push_stream", &push_stream, nb::arg("stream"),
-        "Enters a stream scope (use `with shoal.stream(s)`).");
+  m.def("_push_stream", &push_stream, nb::arg("stream"), "Enters a stream scope (use `with shoal.stream(s)`).");
   m.def("_pop_stream", &pop_stream, "Leaves the innermost stream scope.");
   m.def(
       "synchronize",
-      [](const py_stream *s) {
-        auto state = stream_or_current(
-            s, s != nullptr ? s->state->device() : backend::default_device());
+      [](const py_stream* s) {
+        auto state = stream_or_current(s, s != nullptr ? s->state->device() : backend::default_device());
         nb::gil_scoped_release release;
         state->device().synchronize(state->ref());
       },
@@ -258,4 +197,4 @@ void register_streams(nb::module_ &m) {
       "The GIL is released meanwhile.");
 }
 
-} // namespace shoal::python
+}  // namespace shoal::python

@@ -1,6 +1,7 @@
 """Typed views of storages and their zero-copy DLPack export, consumed by numpy (host backend)."""
 
 import gc
+import weakref
 
 import numpy
 import pytest
@@ -173,6 +174,7 @@ def test_an_exported_storage_is_never_lazily_shared_again(allocator):
     assert s.shared_outside_process
     clone = s.lazy_clone()
     assert not clone.is_lazy  # an eager copy: numpy may write `s` at any time
+    shoal.synchronize()  # the copy runs in stream order; the host writes after it
     a[:] = 2
     assert clone.read() == b"\x01" * 16
     del a, s, clone
@@ -216,3 +218,78 @@ def test_a_capsule_never_consumed_gives_its_storage_back(allocator):
     del capsules
     gc.collect()
     assert allocator.stats()["allocations"]["all"]["current"] == 0
+
+
+def test_from_dlpack_sees_numpy_memory_without_a_copy_both_ways(allocator):
+    a = numpy.arange(12, dtype=numpy.float32).reshape(3, 4)
+    view = shoal.from_dlpack(a, allocator)
+    assert (view.shape, view.strides, view.dtype, view.offset) == ((3, 4), (4, 1), "float32", 0)
+    assert view.storage.ptr == a.ctypes.data
+    assert not view.storage.is_lazy and view.storage.shared_outside_process
+    view.storage.write(numpy.float32(-2).tobytes(), offset=4)  # shoal writes, numpy reads
+    assert a[0, 1] == -2
+    a[2, 3] = 99  # numpy writes, shoal reads
+    assert numpy.frombuffer(view.storage.read(44, 4), numpy.float32)[0] == 99
+    back = numpy.from_dlpack(view)  # and out again: the same memory
+    assert back.ctypes.data == a.ctypes.data
+    del view, back
+
+
+def test_from_dlpack_keeps_strides_offsets_and_negative_steps(allocator):
+    base = numpy.arange(20, dtype=numpy.int64)
+    picked = base[17:2:-3]  # [17, 14, 11, 8, 5]
+    view = shoal.from_dlpack(picked, allocator)
+    assert view.strides == (-3,)
+    assert numpy.from_dlpack(view).tolist() == [17, 14, 11, 8, 5]
+    assert view.storage.nbytes == (17 - 5 + 1) * 8
+    del view
+
+
+def test_from_dlpack_releases_the_array_after_the_last_use(allocator):
+    a = numpy.ones(1000, dtype=numpy.uint8)
+    alive = weakref.ref(a)
+    view = shoal.from_dlpack(a, allocator)
+    del a
+    gc.collect()
+    assert alive() is not None  # shoal still uses it
+    del view
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_read_only_array_is_imported_read_only(allocator):
+    a = numpy.arange(4, dtype=numpy.int32)
+    a.flags.writeable = False
+    view = shoal.from_dlpack(a, allocator)
+    assert view.readonly
+    assert not numpy.from_dlpack(view).flags.writeable
+    del view
+
+
+class CapsuleOnce:
+    """Hands out one capsule, the same one each time asked."""
+
+    def __init__(self, array):
+        self.capsule = array.__dlpack__()
+
+    def __dlpack__(self, stream=None):
+        return self.capsule
+
+
+def test_a_capsule_consumed_twice_is_refused(allocator):
+    source = CapsuleOnce(numpy.zeros(8))
+    first = shoal.from_dlpack(source, allocator)
+    with pytest.raises(BufferError, match="consumed already"):
+        shoal.from_dlpack(source, allocator)
+    with pytest.raises(BufferError, match="consumed already"):
+        shoal.from_dlpack(source.capsule, allocator)
+    del first
+
+
+def test_from_dlpack_refuses_what_it_cannot_import(allocator):
+    with pytest.raises(TypeError, match="no __dlpack__"):
+        shoal.from_dlpack([1, 2, 3], allocator)
+    with pytest.raises(BufferError, match="not supported"):
+        shoal.from_dlpack(numpy.zeros(4, dtype=numpy.complex128), allocator)
+    with pytest.raises(BufferError, match="without elements"):
+        shoal.from_dlpack(numpy.zeros((0, 3)), allocator)

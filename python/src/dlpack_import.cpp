@@ -1,0 +1,177 @@
+// shoal.from_dlpack: another library's array (or a DLPack capsule) as a
+// shoal storage and view, zero-copy.
+//
+// The capsule is consumed (renamed "used_..."), so it cannot be consumed
+// twice. The producer's memory is adopted by a storage whose owner calls the
+// producer's deleter when the storage's last handle is gone, after the
+// calling thread's current stream has passed its work (an event waited for
+// on the host: the release never runs ahead of shoal's last use there).
+// Imported memory counts as shared outside the process: never lazily shared.
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <string>
+
+#include "bindings.h"
+#include "dlpack_abi.h"
+#include "shoal/core/error.h"
+
+namespace shoal::python {
+
+namespace {
+
+/// Holds a consumed DLPack tensor; its destructor hands it back to its
+/// producer (no Python objects: it may run on any thread).
+class imported_tensor final : public storage::storage_owner {
+ public:
+  imported_tensor(backend::device& device, dlpack::DLManagedTensorVersioned* versioned, dlpack::DLManagedTensor* legacy)
+      : device_(device), versioned_(versioned), legacy_(legacy) {}
+  imported_tensor(const imported_tensor&) = delete;
+  imported_tensor& operator=(const imported_tensor&) = delete;
+  ~imported_tensor() override {
+    try {
+      backend::event passed(device_);
+      passed.record(backend::current_stream(device_));
+      passed.synchronize();
+    } catch (const std::exception&) {
+      // A failed stream cannot be waited for further; the memory goes back now.
+    }
+    if (versioned_ != nullptr && versioned_->deleter != nullptr) versioned_->deleter(versioned_);
+    if (legacy_ != nullptr && legacy_->deleter != nullptr) legacy_->deleter(legacy_);
+  }
+
+ private:
+  backend::device& device_;
+  dlpack::DLManagedTensorVersioned* versioned_;
+  dlpack::DLManagedTensor* legacy_;
+};
+
+/// The capsule an object hands out: the object itself when it is one, else
+/// its __dlpack__ (a versioned capsule asked for first).
+nb::object capsule_of(nb::handle source, nb::handle stream) {
+  if (PyCapsule_CheckExact(source.ptr())) return nb::borrow(source);
+  if (!nb::hasattr(source, "__dlpack__")) {
+    throw nb::type_error(
+        "from_dlpack: the object has no __dlpack__ and is not "
+        "a DLPack capsule");
+  }
+  try {
+    return source.attr("__dlpack__")(nb::arg("stream") = stream, nb::arg("max_version") = nb::make_tuple(1, 0));
+  } catch (nb::python_error& e) {
+    if (!e.matches(PyExc_TypeError)) throw;  // an old producer without max_version
+  }
+  return source.attr("__dlpack__")(nb::arg("stream") = stream);
+}
+
+struct dtype_name_entry {
+  std::uint8_t code;
+  std::uint8_t bits;
+  const char* name;
+};
+constexpr dtype_name_entry dtype_names[] = {
+    {dlpack::kDLBool, 8, "bool"},      {dlpack::kDLInt, 8, "int8"},           {dlpack::kDLInt, 16, "int16"},
+    {dlpack::kDLInt, 32, "int32"},     {dlpack::kDLInt, 64, "int64"},         {dlpack::kDLUInt, 8, "uint8"},
+    {dlpack::kDLUInt, 16, "uint16"},   {dlpack::kDLUInt, 32, "uint32"},       {dlpack::kDLUInt, 64, "uint64"},
+    {dlpack::kDLFloat, 16, "float16"}, {dlpack::kDLBfloat, 16, "bfloat16"},   {dlpack::kDLFloat, 32, "float32"},
+    {dlpack::kDLFloat, 64, "float64"}, {dlpack::kDLComplex, 64, "complex64"},
+};
+
+const char* dtype_name_of(const dlpack::DLDataType& t) {
+  if (t.lanes != 1) throw nb::buffer_error("from_dlpack: vector dtypes (lanes != 1) are not supported");
+  for (const auto& e : dtype_names) {
+    if (e.code == t.code && e.bits == t.bits) return e.name;
+  }
+  throw nb::buffer_error(("from_dlpack: dtype code " + std::to_string(t.code) + " with " + std::to_string(t.bits) +
+                          " bits is not supported")
+                             .c_str());
+}
+
+}  // namespace
+
+py_array_view import_dlpack(const py_allocator& allocator, nb::handle source) {
+  backend::device& device = allocator.state->allocator().device();
+  const bool host = device.kind() == backend::device_kind::host;
+  // The consumer is the host on the host backend, else the current stream.
+  nb::object stream =
+      host ? nb::none() : nb::int_(reinterpret_cast<std::uintptr_t>(current_stream_state(device)->ref().native));
+  nb::object capsule = capsule_of(source, stream);
+  if (!PyCapsule_CheckExact(capsule.ptr())) throw nb::type_error("from_dlpack: __dlpack__ did not return a capsule");
+  const char* name = PyCapsule_GetName(capsule.ptr());
+  if (name == nullptr) throw nb::python_error();
+  const std::string capsule_name = name;
+  if (capsule_name == "used_dltensor" || capsule_name == "used_dltensor_versioned") {
+    throw nb::buffer_error(
+        "from_dlpack: this DLPack capsule was consumed "
+        "already; ask its producer for a new one");
+  }
+  const bool versioned = capsule_name == "dltensor_versioned";
+  if (!versioned && capsule_name != "dltensor") {
+    throw nb::type_error(("from_dlpack: a capsule named '" + capsule_name + "' is not a DLPack tensor").c_str());
+  }
+  void* pointer = PyCapsule_GetPointer(capsule.ptr(), name);
+  if (pointer == nullptr) throw nb::python_error();
+  auto* managed_versioned = versioned ? static_cast<dlpack::DLManagedTensorVersioned*>(pointer) : nullptr;
+  auto* managed_legacy = versioned ? nullptr : static_cast<dlpack::DLManagedTensor*>(pointer);
+  if (versioned && managed_versioned->version.major != dlpack::major_version) {
+    throw nb::buffer_error(("from_dlpack: DLPack version " + std::to_string(managed_versioned->version.major) +
+                            " is not supported (shoal reads version 1)")
+                               .c_str());
+  }
+  const dlpack::DLTensor& t = versioned ? managed_versioned->dl_tensor : managed_legacy->dl_tensor;
+  const bool readonly = versioned && (managed_versioned->flags & dlpack::flag_read_only) != 0;
+
+  // Checked before the capsule is consumed: a refused capsule stays its
+  // producer's (its destructor releases it).
+  const std::int32_t wanted_type = host ? dlpack::kDLCPU : dlpack::kDLCUDA;
+  if (t.device.device_type != wanted_type || (!host && t.device.device_id != device.ordinal())) {
+    throw nb::buffer_error(("from_dlpack: the array lives on DLPack device (" + std::to_string(t.device.device_type) +
+                            ", " + std::to_string(t.device.device_id) + "), not on the allocator's device " +
+                            device.name())
+                               .c_str());
+  }
+  const char* dtype = dtype_name_of(t.dtype);
+  if (t.ndim < 0 || t.ndim > 64 || (t.ndim > 0 && t.shape == nullptr)) {
+    throw nb::buffer_error("from_dlpack: the tensor's ndim or shape is malformed");
+  }
+  std::vector<std::int64_t> shape(t.shape, t.shape + t.ndim);
+  std::vector<std::int64_t> strides(shape.size());
+  std::int64_t step = 1;
+  for (std::size_t i = shape.size(); i-- > 0;) {
+    if (shape[i] < 0) throw nb::buffer_error("from_dlpack: the tensor has a negative extent");
+    strides[i] = t.strides != nullptr ? t.strides[i] : step;
+    step *= std::max<std::int64_t>(shape[i], 1);
+  }
+  // The bytes the elements reach, from the lowest to past the highest.
+  const std::int64_t itemsize = t.dtype.bits / 8;
+  __int128 lowest = 0;
+  __int128 highest = 0;
+  bool empty = false;
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == 0) empty = true;
+    const __int128 reach = static_cast<__int128>(shape[i] == 0 ? 0 : shape[i] - 1) * strides[i];
+    (reach < 0 ? lowest : highest) += reach;
+  }
+  if (empty) throw nb::buffer_error("from_dlpack: arrays without elements are not imported");
+  const __int128 span = (highest - lowest + 1) * itemsize;
+  if (span > INT64_MAX) throw nb::buffer_error("from_dlpack: the tensor spans too many bytes");
+  auto* first = static_cast<std::byte*>(t.data) + t.byte_offset + static_cast<std::int64_t>(lowest * itemsize);
+  const auto offset = static_cast<std::int64_t>(-lowest * itemsize);
+
+  // Consumed from here on: the storage's owner releases it.
+  if (PyCapsule_SetName(capsule.ptr(), versioned ? "used_dltensor_versioned" : "used_dltensor") != 0) {
+    throw nb::python_error();
+  }
+  auto owner = std::make_shared<imported_tensor>(device, managed_versioned, managed_legacy);
+  storage::storage adopted =
+      storage::storage::adopt(allocator.state->allocator(), first, static_cast<std::size_t>(span), std::move(owner));
+  return make_view(py_storage{storage_handle(std::move(adopted), allocator.state)}, nb::str(dtype), shape, strides,
+                   offset, readonly);
+}
+
+void register_dlpack_import(nb::module_& m) {
+  m.def("_from_dlpack", &import_dlpack, nb::arg("allocator"), nb::arg("source"),
+        "An ArrayView over another library's array (anything with __dlpack__, "
+        "or a DLPack capsule), zero-copy.");
+}
+
+}  // namespace shoal::python
