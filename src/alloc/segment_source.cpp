@@ -38,15 +38,16 @@ block* segment_source::grow(block_pool& pool, std::size_t size) {
   // do not sit in reserved memory beside the new one (measured on replayed
   // traces: docs/benchmarks.md).
   if (config_.release_idle_before_grow) release_cached(pool);
-  const std::size_t bytes = segment_size_for(size, config_);
-  if (!reserve_bytes(bytes)) return nullptr;
-  void* base;
-  try {
-    base = device_.allocate_segment(bytes);
-  } catch (const out_of_memory&) {
-    unreserve_bytes(bytes);
-    return nullptr;
+  // Under a limit or device pressure the standard segment may not fit where
+  // the request itself does: a segment of the block's own size is tried
+  // before the caller gives up (and releases other pools' caches).
+  std::size_t bytes = segment_size_for(size, config_);
+  void* base = take_segment(bytes);
+  if (base == nullptr && fallback_segment_size_for(size) < bytes) {
+    bytes = fallback_segment_size_for(size);
+    base = take_segment(bytes);
   }
+  if (base == nullptr) return nullptr;
   device_allocations_.fetch_add(1, std::memory_order_relaxed);
   auto s = std::make_unique<segment>();
   s->base = reinterpret_cast<std::uintptr_t>(base);
@@ -64,6 +65,16 @@ block* segment_source::grow(block_pool& pool, std::size_t size) {
   pool.bins.insert(b);
   if (trace_.enabled()) trace_.note(trace_action::segment_alloc, b->address, bytes, pool.stream);
   return b;
+}
+
+void* segment_source::take_segment(std::size_t bytes) {
+  if (!reserve_bytes(bytes)) return nullptr;
+  try {
+    return device_.allocate_segment(bytes);
+  } catch (const out_of_memory&) {
+    unreserve_bytes(bytes);
+    return nullptr;
+  }
 }
 
 block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {

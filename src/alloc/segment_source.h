@@ -55,6 +55,9 @@ class segment_source {
 
  private:
   block* grow_expandable(block_pool& pool, std::size_t size);
+  /// A segment of `bytes` from the device, counted against the limit, or
+  /// nullptr when the limit or the device refuses.
+  void* take_segment(std::size_t bytes);
   void release_segment(block_pool& pool, segment* s);
   void unmap_free_chunks(block_pool& pool, segment* s);
   bool reserve_bytes(std::size_t bytes);

@@ -7,7 +7,10 @@
 //   segment size = 2 MiB (small), 20 MiB (large blocks < 10 MiB), else the
 //                  block rounded up to 2 MiB; blocks of max_split_size or
 //                  more are never split, so they get a segment of their own
-//                  size (rounded up to 2 MiB) instead of wasting a 20 MiB one.
+//                  size (rounded up to 2 MiB) instead of wasting a 20 MiB one;
+//   fallback       = the block rounded up to 2 MiB: the segment taken when
+//                  the limit or the device refuses the one above (a 6 MiB
+//                  block fits in 8 MiB where 20 MiB would pass the limit).
 //   fits         = block >= request, and, for blocks of max_split_size or
 //                  more (never split), waste <= 1 MiB for requests below
 //                  max_split_size, waste < max_non_split_rounding above;
@@ -52,6 +55,13 @@ inline constexpr std::size_t max_request = std::size_t{1} << 60;
 [[nodiscard]] constexpr std::size_t segment_size_for(std::size_t block_size, const allocator_config& config) {
   if (block_size <= small_limit) return small_segment;
   if (block_size < large_segment_limit && block_size < config.max_split_size) return large_segment;
+  return round_up(block_size, large_rounding);
+}
+
+/// The smallest segment that holds the block: asked for when the limit or
+/// the device refuses segment_size_for's. Equal to it for small blocks and
+/// blocks that get a segment of their own size.
+[[nodiscard]] constexpr std::size_t fallback_segment_size_for(std::size_t block_size) {
   return round_up(block_size, large_rounding);
 }
 

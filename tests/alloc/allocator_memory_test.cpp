@@ -96,6 +96,82 @@ TYPED_TEST(allocator_memory, a_memory_limit_fails_cleanly_and_frees_cache_before
   a.deallocate(after, {});
 }
 
+// Under every allocator configuration.
+template <class Param>
+using allocator_memory_configured = allocator_test<Param>;
+TYPED_TEST_SUITE(allocator_memory_configured, backend_config_types, backend_config_names);
+
+// The host device under every configuration: its capacity can be set.
+template <class Param>
+using allocator_memory_host_pressure = allocator_test<Param>;
+using host_config_types = ::testing::Types<host_default, host_expandable_segments, host_debug>;
+TYPED_TEST_SUITE(allocator_memory_host_pressure, host_config_types, backend_config_names);
+
+constexpr std::size_t six_point_four_mib = 6710886;  // takes a 20 MiB segment unless refused
+
+// After the request that needed a right-sized segment: the memory is whole,
+// usable and counted, and goes back when freed.
+template <class Test>
+void expect_served_in_reserved(Test& t, alloc::caching_allocator& a, void* held, void* p, std::size_t reserved) {
+  t.device().fill({}, p, 0x64, six_point_four_mib);
+  EXPECT_TRUE(all_equal(t.read(p, six_point_four_mib), 0x64));
+  EXPECT_NO_THROW(a.check_invariants());
+  const auto st = a.stats();
+  EXPECT_EQ(st.reserved_bytes.aggregate.current, static_cast<std::int64_t>(reserved)) << st.to_json();
+  EXPECT_EQ(st.allocations.pool[static_cast<std::size_t>(alloc::pool_kind::large)].current, 2);
+  a.deallocate(p, {});
+  a.deallocate(held, {});
+  EXPECT_NO_THROW(a.check_invariants());
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0);
+  EXPECT_NO_THROW(a.check_invariants());
+}
+
+TYPED_TEST(allocator_memory_configured, a_memory_limit_serves_a_request_it_has_room_for) {
+  auto& a = this->make("memory_limit_mb:40");
+  void* held = a.allocate(22 * mib, {});  // 22 of the 40 MiB reserved
+  ASSERT_EQ(a.stats().reserved_bytes.aggregate.current, static_cast<std::int64_t>(22 * mib));
+  void* p = nullptr;
+  ASSERT_NO_THROW(p = a.allocate(six_point_four_mib, {})) << "18 MiB of the limit are left for a 6.4 MiB request";
+  // A segment of the request's size rounded to 2 MiB (or, growable, the
+  // chunks it needs): 22 + 8 MiB.
+  expect_served_in_reserved(*this, a, held, p, 30 * mib);
+  EXPECT_EQ(a.stats().ooms, 0);
+}
+
+TYPED_TEST(allocator_memory_host_pressure, a_device_that_refuses_the_standard_segment_still_serves_the_request) {
+  backend::host_device dev({.capacity_bytes = 32 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse(this->configured_text("")));
+  void* held = a.allocate(22 * mib, {});  // 10 MiB of the device left: a 20 MiB segment is refused
+  void* p = nullptr;
+  ASSERT_NO_THROW(p = a.allocate(six_point_four_mib, {}));
+  EXPECT_EQ(dev.memory().free_bytes, 2 * mib) << "an 8 MiB segment";
+  dev.fill({}, p, 0x64, six_point_four_mib);
+  EXPECT_NO_THROW(a.check_invariants());
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, static_cast<std::int64_t>(30 * mib));
+  EXPECT_THROW((void)a.allocate(6 * mib, {}), out_of_memory) << "2 MiB of the device are left";
+  a.deallocate(p, {});
+  a.deallocate(held, {});
+  a.empty_cache();
+  EXPECT_EQ(dev.memory().free_bytes, 32 * mib);
+  EXPECT_NO_THROW(a.check_invariants());
+}
+
+TYPED_TEST(allocator_memory_configured, a_right_sized_segment_does_not_bypass_giving_the_cache_back) {
+  // 30 MiB cached in an idle segment of another stream's pool and 8 MiB in
+  // use: only giving the cache back leaves room, even for a right-sized segment.
+  auto& a = this->make("memory_limit_mb:40");
+  backend::stream other(this->device());
+  a.deallocate(a.allocate(30 * mib, other), other);
+  void* held = a.allocate(8 * mib, {});
+  void* p = nullptr;
+  ASSERT_NO_THROW(p = a.allocate(six_point_four_mib, {}));
+  EXPECT_GE(a.stats().retries, 1);
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(p, {});
+  a.deallocate(held, {});
+}
+
 TYPED_TEST(allocator_memory, a_private_pool_serves_scoped_allocations_from_its_region) {
   auto& dev = this->device();
   auto& a = this->make();

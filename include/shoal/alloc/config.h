@@ -47,7 +47,10 @@ struct allocator_config {
   /// fit, and keeping them would count them in reserved memory twice over.
   /// Costs a wait for the pool's stream and a device free, at growth only.
   bool release_idle_before_grow = true;
-  /// Reserved bytes past which allocation fails (no_limit: none).
+  /// Reserved bytes past which allocation fails (no_limit: none). A request
+  /// that fits under it is served even where its pool's standard segment
+  /// (20 MiB for blocks under 10 MiB) would pass it: it then gets a segment
+  /// of its own size, rounded to 2 MiB (as when the device refuses one).
   std::size_t memory_limit = no_limit;
   /// Fraction of the device's total memory past which allocation fails
   /// (0: none). The smaller of this and memory_limit applies.
