@@ -122,6 +122,10 @@ std::shared_ptr<stream_state> stream_or_current(const py_stream* stream, backend
 /// the current stream).
 py_storage allocate_storage(const py_allocator& allocator, std::int64_t nbytes, const py_stream* stream);
 
+/// Storage.record_stream for memory imported through from_dlpack: its
+/// release to the producer also waits for `stream`. False for other memory.
+bool record_stream_on_import(const storage::storage& storage, const std::shared_ptr<stream_state>& stream);
+
 void register_errors(nb::module_& m);
 void register_streams(nb::module_& m);
 void register_allocator(nb::module_& m);

@@ -10,7 +10,9 @@
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "bindings.h"
 #include "dlpack_abi.h"
@@ -28,22 +30,36 @@ class imported_tensor final : public storage::storage_owner {
       : device_(device), versioned_(versioned), legacy_(legacy) {}
   imported_tensor(const imported_tensor&) = delete;
   imported_tensor& operator=(const imported_tensor&) = delete;
+  /// Waits for the current stream and every recorded stream to pass the
+  /// work enqueued on them so far, then hands the tensor back.
   ~imported_tensor() override {
-    try {
-      backend::event passed(device_);
-      passed.record(backend::current_stream(device_));
-      passed.synchronize();
-    } catch (const std::exception&) {
-      // A failed stream cannot be waited for further; the memory goes back now.
-    }
+    wait_for(backend::current_stream(device_));
+    for (const auto& s : streams_) wait_for(s->ref());
     if (versioned_ != nullptr && versioned_->deleter != nullptr) versioned_->deleter(versioned_);
     if (legacy_ != nullptr && legacy_->deleter != nullptr) legacy_->deleter(legacy_);
   }
+  /// `stream` uses the memory too (Storage.record_stream).
+  void add_stream(std::shared_ptr<stream_state> stream) {
+    std::lock_guard lock(mutex_);
+    streams_.push_back(std::move(stream));
+  }
 
  private:
+  void wait_for(backend::stream_ref stream) noexcept {
+    try {
+      backend::event passed(device_);
+      passed.record(stream);
+      passed.synchronize();
+    } catch (const std::exception&) {
+      // A failed stream cannot be waited for further; the memory goes back.
+    }
+  }
+
   backend::device& device_;
   dlpack::DLManagedTensorVersioned* versioned_;
   dlpack::DLManagedTensor* legacy_;
+  std::mutex mutex_;
+  std::vector<std::shared_ptr<stream_state>> streams_;
 };
 
 /// The capsule an object hands out: the object itself when it is one, else
@@ -166,6 +182,13 @@ py_array_view import_dlpack(const py_allocator& allocator, nb::handle source) {
       storage::storage::adopt(allocator.state->allocator(), first, static_cast<std::size_t>(span), std::move(owner));
   return make_view(py_storage{storage_handle(std::move(adopted), allocator.state)}, nb::str(dtype), shape, strides,
                    offset, readonly);
+}
+
+bool record_stream_on_import(const storage::storage& storage, const std::shared_ptr<stream_state>& stream) {
+  auto* imported = dynamic_cast<imported_tensor*>(storage.owner().get());
+  if (imported == nullptr) return false;
+  imported->add_stream(stream);
+  return true;
 }
 
 void register_dlpack_import(nb::module_& m) {

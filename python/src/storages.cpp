@@ -119,11 +119,12 @@ void register_storages(nb::module_& m) {
           [](const py_storage& s, const py_stream& stream) {
             auto st = stream_or_current(&stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
+            if (record_stream_on_import(s.handle.get(), st)) return;
             s.handle.get().allocator().record_stream(const_cast<void*>(s.handle.get().data()), st->ref());
           },
           nb::arg("stream"),
-          "The memory is also used on `stream`: its free waits for the work "
-          "enqueued there until now.")
+          "The memory is also used on `stream`: its free (for imported memory, its release to the producer) "
+          "waits for the work enqueued there until then.")
       .def(
           "aliases", [](const py_storage& a, const py_storage& b) { return a.handle.get().aliases(b.handle.get()); },
           nb::arg("other"), "True iff both name the same storage object.")

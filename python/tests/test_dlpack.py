@@ -293,3 +293,16 @@ def test_from_dlpack_refuses_what_it_cannot_import(allocator):
         shoal.from_dlpack(numpy.zeros(4, dtype=numpy.complex128), allocator)
     with pytest.raises(BufferError, match="without elements"):
         shoal.from_dlpack(numpy.zeros((0, 3)), allocator)
+
+
+def test_an_imported_array_goes_back_only_after_every_recorded_stream_passed(allocator):
+    a = numpy.zeros(64, dtype=numpy.uint8)
+    view = shoal.from_dlpack(a, allocator)
+    user = shoal.Stream()
+    user.delay(0.3)
+    view.storage.fill(5, stream=user)
+    view.storage.record_stream(user)
+    del view
+    gc.collect()
+    assert user.query()  # the release waited for `user`
+    assert (a == 5).all()

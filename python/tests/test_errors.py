@@ -56,3 +56,17 @@ def test_a_missing_cuda_device_is_device_unavailable():
         pytest.skip("a CUDA device exists here")
     with pytest.raises(shoal.DeviceUnavailableError):
         shoal.cuda_device(0)
+
+
+def test_a_real_ordering_violation_is_reported_in_debug_mode():
+    # Safety off, debug on: a block freed on a busy stream and asked for again
+    # on its own stream is reported instead of handed out.
+    allocator = shoal.Allocator(use_environment=False, debug=True, cross_stream_safety=False)
+    side, model = shoal.Stream(), shoal.Stream()
+    batch = allocator.allocate(4096, side)
+    model.delay(1.0)  # the model still reads the batch
+    with shoal.stream(model):
+        del batch
+    with pytest.raises(shoal.OrderingViolationError, match="cross_stream_safety"):
+        allocator.allocate(4096, side)
+    model.synchronize()
