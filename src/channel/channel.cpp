@@ -165,10 +165,11 @@ struct connection::state {
   unique_fd socket;
   peer_credentials peer;
   std::size_t max_payload = 0;
-  std::atomic<std::int64_t> spin_ns{0};  // how long receive polls before it blocks
-  std::mutex send_mutex;
+  std::atomic<std::int64_t> spin_ns{0};          // how long receive polls before it blocks
+  std::atomic<std::int64_t> send_timeout_ns{0};  // zero: sends wait without a deadline
+  std::timed_mutex send_mutex;
   std::vector<std::byte> send_buffer;  // guarded by send_mutex
-  std::mutex receive_mutex;
+  std::timed_mutex receive_mutex;
   // Guarded by receive_mutex: the bytes of the last batch read, and its frames not yet returned.
   std::vector<std::byte> receive_buffer;
   std::deque<frame> unread;
@@ -181,6 +182,18 @@ struct connection::state {
     if (!broken_reason.empty()) return;
     broken_reason = reason;
     ::shutdown(socket.get(), SHUT_RDWR);
+  }
+
+  // Locks `m` by `until`, or throws timeout_error naming `operation`.
+  std::unique_lock<std::timed_mutex> lock_by(std::timed_mutex& m, detail::deadline until, const char* operation) const {
+    std::unique_lock lock(m, std::defer_lock);
+    if (!until) {
+      lock.lock();
+    } else if (!lock.try_lock_until(*until)) {
+      throw timeout_error(std::string("connection::") + operation + " with pid " + std::to_string(peer.process.pid) +
+                          ": the deadline passed while another thread's " + operation + " held the connection");
+    }
+    return lock;
   }
 
   void throw_if_broken(const char* operation) const {
@@ -297,16 +310,32 @@ void connection::send(std::span<const outgoing_frame> frames) {
       throw invalid_argument("connection::send: descriptor " + std::to_string(f.fd) + " is not open");
     }
   }
-  const std::lock_guard lock(s.send_mutex);
+  detail::deadline until;
+  const auto timeout = std::chrono::nanoseconds(s.send_timeout_ns.load(std::memory_order_relaxed));
+  if (timeout.count() > 0) until = std::chrono::steady_clock::now() + timeout;
+  const auto lock = s.lock_by(s.send_mutex, until, "send");
   s.throw_if_broken("send");
+  const auto to = [&] { return "connection::send to pid " + std::to_string(s.peer.process.pid) + ": "; };
+  bool started = false;  // a batch of this call has gone
   try {
     while (!frames.empty()) {
       const std::size_t count = detail::frames_in_next_batch(frames);
-      detail::send_batch(s.socket.get(), frames.first(count), s.send_buffer);
+      detail::send_batch(s.socket.get(), frames.first(count), s.send_buffer, until);
+      started = true;
       frames = frames.subspan(count);
     }
+  } catch (const detail::timeout_mid_batch& e) {
+    const timeout_error late(to() + e.what() + "; the connection is closed");
+    s.break_with(late.what());
+    throw late;
+  } catch (const timeout_error& e) {
+    if (!started) throw timeout_error(to() + e.what() + "; nothing was sent and the connection stays usable");
+    // Some of this call's frames went and the rest never will: the receiver would see half of it.
+    const timeout_error late(to() + e.what() + " after part of this call's frames went; the connection is closed");
+    s.break_with(late.what());
+    throw late;
   } catch (const connection_closed& e) {
-    const connection_closed closed("connection::send to pid " + std::to_string(s.peer.process.pid) + ": " + e.what());
+    const connection_closed closed(to() + e.what());
     s.break_with(closed.what());
     throw closed;
   } catch (const std::exception& e) {  // part of a batch may have gone: the stream is out of step
@@ -319,16 +348,34 @@ void connection::set_receive_spin(std::chrono::nanoseconds spin) {
   usable("set_receive_spin").spin_ns.store(std::max<std::int64_t>(0, spin.count()), std::memory_order_relaxed);
 }
 
-frame connection::receive() {
+void connection::set_send_timeout(std::chrono::milliseconds timeout) {
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::max(timeout, std::chrono::milliseconds(0)));
+  usable("set_send_timeout").send_timeout_ns.store(ns.count(), std::memory_order_relaxed);
+}
+
+frame connection::receive() { return receive_until(std::nullopt); }
+
+frame connection::receive_for(std::chrono::milliseconds timeout) {
+  return receive_until(std::chrono::steady_clock::now() + std::max(timeout, std::chrono::milliseconds(0)));
+}
+
+frame connection::receive_until(std::optional<std::chrono::steady_clock::time_point> until) {
   state& s = usable("receive");
-  const std::lock_guard lock(s.receive_mutex);
+  const auto lock = s.lock_by(s.receive_mutex, until, "receive");
   s.throw_if_broken("receive");
   if (s.unread.empty()) {
     const auto from = [&] { return "connection::receive from pid " + std::to_string(s.peer.process.pid); };
     try {
-      std::vector<frame> batch = detail::read_batch(
-          s.socket.get(), s.max_payload, std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed)), s.receive_buffer);
+      std::vector<frame> batch = detail::read_batch(s.socket.get(), s.max_payload,
+                                                    std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed)),
+                                                    until, s.receive_buffer);
       s.unread.assign(std::make_move_iterator(batch.begin()), std::make_move_iterator(batch.end()));
+    } catch (const detail::timeout_mid_batch& e) {
+      const timeout_error late(from() + ": " + e.what() + "; the connection is closed");
+      s.break_with(late.what());
+      throw late;
+    } catch (const timeout_error& e) {
+      throw timeout_error(from() + ": " + e.what() + "; nothing was read and the connection stays usable");
     } catch (const protocol_error& e) {
       const protocol_error refused(from() + ": " + e.what());
       s.break_with(refused.what());

@@ -1,10 +1,12 @@
 #include "channel/frame_batch.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <climits>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -52,9 +54,30 @@ std::string hex_bytes(std::span<const std::byte> bytes) {
   return out;
 }
 
+// Waits until `socket` has `events` (or an error or hang-up, which the next
+// call reports) or `until` passes; then throws the timeout `started` calls for.
+void wait_for_socket(int socket, short events, std::chrono::steady_clock::time_point until, bool started,
+                     const char* waiting_for) {
+  for (;;) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+    if (left.count() <= 0) break;
+    pollfd waiting{socket, events, 0};
+    const int ready =
+        ::poll(&waiting, 1, static_cast<int>(std::min<std::chrono::milliseconds::rep>(left.count(), INT_MAX)));
+    if (ready > 0) return;
+    if (ready < 0 && errno != EINTR) throw backend_error("poll", std::strerror(errno));
+  }
+  if (started) {
+    throw timeout_mid_batch(std::string("the deadline passed in the middle of a batch, waiting for the peer to ") +
+                            waiting_for + ": the stream is out of step");
+  }
+  throw timeout_error(std::string("the deadline passed waiting for the peer to ") + waiting_for);
+}
+
 // One recvmsg of at most `bytes`, keeping every descriptor that came with it.
-// `spin` > 0: try without sleeping until it has passed, then block.
-std::size_t read_some(int socket, std::byte* into, std::size_t bytes, std::chrono::nanoseconds spin,
+// `spin` > 0: try without sleeping until it has passed, then block (until
+// `until`, when there is one).
+std::size_t read_some(int socket, std::byte* into, std::size_t bytes, std::chrono::nanoseconds spin, deadline until,
                       std::vector<unique_fd>& descriptors, bool batch_started) {
   iovec part{into, bytes};
   // Room for the descriptors the batch may still bring, and for credentials
@@ -68,7 +91,9 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, std::chron
   header.msg_control = control;
   header.msg_controllen = (room > 0 ? CMSG_SPACE(sizeof(int) * room) : 0) + CMSG_SPACE(sizeof(ucred));
   const auto spin_until = std::chrono::steady_clock::now() + spin;
-  int flags = spin.count() > 0 ? MSG_CMSG_CLOEXEC | MSG_DONTWAIT : MSG_CMSG_CLOEXEC;
+  // Without a deadline, a blocking recvmsg once spinning is over; with one,
+  // non-blocking calls between polls.
+  int flags = spin.count() > 0 || until ? MSG_CMSG_CLOEXEC | MSG_DONTWAIT : MSG_CMSG_CLOEXEC;
   ssize_t got;
   for (;;) {
     got = ::recvmsg(socket, &header, flags);
@@ -76,7 +101,13 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, std::chron
     if (errno == EINTR) continue;
     const bool would_block = errno == EAGAIN || errno == EWOULDBLOCK;
     if (!would_block || (flags & MSG_DONTWAIT) == 0) throw_socket_error("recvmsg");
-    if (std::chrono::steady_clock::now() >= spin_until) flags &= ~MSG_DONTWAIT;  // spun enough: block
+    const auto now = std::chrono::steady_clock::now();
+    if (now < spin_until && (!until || now < *until)) continue;  // still spinning
+    if (until) {
+      wait_for_socket(socket, POLLIN, *until, batch_started, batch_started ? "send the rest of it" : "send a batch");
+    } else {
+      flags &= ~MSG_DONTWAIT;  // spun enough: block
+    }
   }
   take_descriptors(header, descriptors);
   if ((header.msg_flags & MSG_CTRUNC) != 0 || descriptors.size() > max_batch_descriptors) {
@@ -197,7 +228,7 @@ std::size_t frames_in_next_batch(std::span<const outgoing_frame> frames) noexcep
   return count;
 }
 
-void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<std::byte>& out) {
+void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<std::byte>& out, deadline until) {
   const auto carrying = std::count_if(frames.begin(), frames.end(), [](const outgoing_frame& f) { return f.fd >= 0; });
   if (frames.empty() || frames.size() > max_batch_frames || static_cast<std::size_t>(carrying) > max_batch_descriptors) {
     throw invalid_argument("send_batch: " + std::to_string(frames.size()) + " frames with " + std::to_string(carrying) +
@@ -229,35 +260,37 @@ void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<
   header.msg_iovlen = 1;
   descriptor_space<max_batch_descriptors> control;
   attach_descriptors(header, descriptors, control.bytes);
-  ssize_t sent;
-  do {
-    sent = ::sendmsg(socket, &header, MSG_NOSIGNAL);
-  } while (sent < 0 && errno == EINTR);
-  if (sent < 0) throw_socket_error("sendmsg");
-  // A stream socket may take part of it; the descriptors went with the first byte.
-  for (auto done = static_cast<std::size_t>(sent); done < out.size();) {
-    const ssize_t more = ::send(socket, out.data() + done, out.size() - done, MSG_NOSIGNAL);
-    if (more < 0) {
-      if (errno == EINTR) continue;
-      throw_socket_error("send");
+  // A stream socket may take part of it; the descriptors go with the first byte.
+  const int flags = until ? MSG_NOSIGNAL | MSG_DONTWAIT : MSG_NOSIGNAL;
+  for (std::size_t done = 0; done < out.size();) {
+    const ssize_t sent = done == 0 ? ::sendmsg(socket, &header, flags)
+                                   : ::send(socket, out.data() + done, out.size() - done, flags);
+    if (sent >= 0) {
+      done += static_cast<std::size_t>(sent);
+      continue;
     }
-    done += static_cast<std::size_t>(more);
+    if (errno == EINTR) continue;
+    if (until && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      wait_for_socket(socket, POLLOUT, *until, done > 0, "read what was sent to it");
+      continue;
+    }
+    throw_socket_error(done == 0 ? "sendmsg" : "send");
   }
 }
 
-std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::nanoseconds spin,
+std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::nanoseconds spin, deadline until,
                               std::vector<std::byte>& buffer) {
   std::vector<unique_fd> descriptors;  // owned at once, so none leaks on error
   buffer.resize(min_batch_bytes);
   // Never more than min_batch_bytes before the header is known: every batch
   // is at least that long, so no read reaches into the next one.
-  std::size_t got = read_some(socket, buffer.data(), min_batch_bytes, spin, descriptors, false);
+  std::size_t got = read_some(socket, buffer.data(), min_batch_bytes, spin, until, descriptors, false);
   while (got < batch_header_bytes) {
-    got += read_some(socket, buffer.data() + got, min_batch_bytes - got, {}, descriptors, true);
+    got += read_some(socket, buffer.data() + got, min_batch_bytes - got, {}, until, descriptors, true);
   }
   const std::size_t size = checked_batch_size(buffer, max_payload);
   buffer.resize(size);
-  while (got < size) got += read_some(socket, buffer.data() + got, size - got, {}, descriptors, true);
+  while (got < size) got += read_some(socket, buffer.data() + got, size - got, {}, until, descriptors, true);
   return split_frames(buffer, max_payload, descriptors);
 }
 

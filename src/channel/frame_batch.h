@@ -12,12 +12,24 @@
 
 #include <chrono>
 #include <cstddef>
+#include <optional>
 #include <span>
 #include <vector>
 
 #include "shoal/channel/channel.h"
+#include "shoal/core/error.h"
 
 namespace shoal::channel::detail {
+
+/// When a wait on the socket gives up; nullopt: never.
+using deadline = std::optional<std::chrono::steady_clock::time_point>;
+
+/// The deadline passed after part of a batch had been read or sent: the
+/// stream is out of step. (A plain timeout_error: nothing of it had moved.)
+class timeout_mid_batch : public timeout_error {
+ public:
+  using timeout_error::timeout_error;
+};
 
 /// How many of `frames`, from the first, the next batch holds: at least one,
 /// and as many more as fit max_batch_frames, max_batch_descriptors and
@@ -25,10 +37,12 @@ namespace shoal::channel::detail {
 [[nodiscard]] std::size_t frames_in_next_batch(std::span<const outgoing_frame> frames) noexcept;
 
 /// Writes the wire form of `frames` as one batch into `out` (replacing what
-/// it held) and sends it with their descriptors. Throws connection_closed
-/// when the peer is gone, backend_error otherwise; part of the batch may
-/// have gone then.
-void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<std::byte>& out);
+/// it held) and sends it with their descriptors, waiting for room in the
+/// socket until `until`. Throws connection_closed when the peer is gone,
+/// backend_error otherwise (part of the batch may have gone then);
+/// timeout_error when `until` passed before any byte went, timeout_mid_batch
+/// when it passed after some did.
+void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<std::byte>& out, deadline until);
 
 /// The largest batch body (what follows the batch header) a receiver whose
 /// frames carry at most `max_payload` bytes accepts.
@@ -36,11 +50,13 @@ void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<
 
 /// Reads the next batch and splits it into its frames, in order. Before
 /// anything has come it first tries without sleeping for up to `spin`, then
-/// blocks. `buffer` is scratch space kept between calls. Throws
-/// protocol_error (without naming the peer) when the batch is malformed,
-/// connection_closed at end of stream, backend_error when the system
-/// refuses; every descriptor read is closed then.
+/// blocks until `until`. `buffer` is scratch space kept between calls.
+/// Throws protocol_error (without naming the peer) when the batch is
+/// malformed, connection_closed at end of stream, backend_error when the
+/// system refuses, timeout_error when `until` passed before any byte came,
+/// timeout_mid_batch when it passed in the middle of the batch (a peer that
+/// sent part of one and stalls); every descriptor read is closed then.
 [[nodiscard]] std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::nanoseconds spin,
-                                            std::vector<std::byte>& buffer);
+                                            deadline until, std::vector<std::byte>& buffer);
 
 }  // namespace shoal::channel::detail

@@ -132,7 +132,12 @@ class listener;
 /// connection_closed, or any other error, since the stream may then be out of
 /// step) the connection is broken: the socket is shut down both ways, so the
 /// peer sees end of stream and a blocked receive() returns, and every later
-/// send or receive throws connection_closed. The descriptor itself is closed
+/// send or receive throws connection_closed. The one exception is a
+/// timeout_error before any byte moved (nothing arrived within
+/// receive_for's deadline; a send found no room at all before its own): the
+/// stream is still in step and the connection stays usable. A timeout in the
+/// middle of a batch, a peer that sent part of one and stalls or stopped
+/// reading part-way, breaks it. The descriptor itself is closed
 /// only by the destructor, so native_handle() never names a reused descriptor.
 /// A moved-from connection may only be destroyed or assigned to.
 class connection {
@@ -171,8 +176,10 @@ class connection {
   ~connection();
 
   /// Sends one frame of `type` with `payload` and, when `fd` >= 0, a copy of
-  /// `fd` (the caller keeps its own). Blocks until all of it is sent. Throws
-  /// connection_closed when the peer is gone or the connection is broken;
+  /// `fd` (the caller keeps its own). Blocks until all of it is sent, or
+  /// until the send timeout (set_send_timeout) passes: then timeout_error,
+  /// and the connection is broken unless nothing of this call had gone.
+  /// Throws connection_closed when the peer is gone or the connection is broken;
   /// invalid_argument when the payload does not fit a frame (4 GiB less the
   /// headers) or `fd` is not an open descriptor (nothing is sent and the
   /// connection stays usable); backend_error when the system refuses.
@@ -194,6 +201,13 @@ class connection {
   /// backend_error when the system refuses. Any descriptor that came with a
   /// refused frame is closed.
   [[nodiscard]] frame receive();
+  /// receive(), but gives up after `timeout` (zero: only what has already
+  /// arrived): timeout_error. When no byte of the next batch had come, the
+  /// connection stays usable and the next receive picks the batch up; when
+  /// part of one had (a peer that stalls mid-batch), the stream is out of
+  /// step and the connection is broken. Waiting for another thread's receive
+  /// counts against the timeout.
+  [[nodiscard]] frame receive_for(std::chrono::milliseconds timeout);
 
   /// Frames that came in a batch already read and that receive() has not
   /// returned yet: while there are any, receive() returns at once, and
@@ -204,6 +218,12 @@ class connection {
   /// blocks: lower latency for a busy CPU core. Zero (the default) never
   /// spins.
   void set_receive_spin(std::chrono::nanoseconds spin);
+
+  /// Every later send() gives up when it has not gone out whole within
+  /// `timeout` of its call (waiting for another thread's send included),
+  /// throwing timeout_error: a peer that stops reading cannot hold a sender
+  /// forever. Zero (the default) waits without a deadline.
+  void set_send_timeout(std::chrono::milliseconds timeout);
 
   [[nodiscard]] const peer_credentials& peer() const noexcept;
   /// The largest payload receive() accepts.
@@ -228,6 +248,7 @@ class connection {
   static connection checked_peer(unique_fd socket, const ucred& credentials, const access_policy& policy,
                                  std::size_t max_payload, const std::string& side);
   state& usable(const char* operation) const;
+  frame receive_until(std::optional<std::chrono::steady_clock::time_point> until);
 
   std::unique_ptr<state> state_;
 };

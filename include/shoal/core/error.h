@@ -94,6 +94,14 @@ class connection_closed : public error {
   using error::error;
 };
 
+/// A wait on another process ran past its deadline: no message came in
+/// time, or the peer stopped reading what was sent to it. The operation that
+/// throws it says whether the connection is still usable.
+class timeout_error : public error {
+ public:
+  using error::error;
+};
+
 /// Another process sent something the protocol does not allow: a bad
 /// header, an unknown message, a field out of range. The connection it came
 /// on is closed; nothing else is affected.
