@@ -14,6 +14,7 @@
 #include <climits>
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <iterator>
@@ -21,9 +22,12 @@
 
 #include "channel/credentials_exchange.h"
 #include "channel/frame_batch.h"
+#include "channel/private_directory.h"
 #include "shoal/core/error.h"
 
 namespace shoal::channel {
+
+using detail::socket_address;
 
 namespace {
 
@@ -31,11 +35,6 @@ namespace {
 constexpr std::size_t max_name_bytes = sizeof(sockaddr_un::sun_path) - 1;
 
 std::string errno_text() { return std::strerror(errno); }
-
-struct socket_address {
-  sockaddr_un address{};
-  socklen_t length = 0;
-};
 
 socket_address to_socket_address(const channel_address& where) {
   socket_address out;
@@ -66,65 +65,20 @@ void check_name(const std::string& name, const char* kind) {
   }
 }
 
-std::string parent_directory(const std::string& path) {
-  const std::size_t slash = path.rfind('/');
-  return slash == 0 ? "/" : path.substr(0, slash);
-}
-
-std::string octal_mode(mode_t mode) {
-  char text[8];
-  std::snprintf(text, sizeof text, "0%03o", static_cast<unsigned>(mode & 07777));
-  return text;
-}
-
-// A socket file must lie in a directory that only its owner can enter, so no
-// other user can reach it, replace it or race its creation.
-void prepare_private_directory(const std::string& directory) {
-  if (::mkdir(directory.c_str(), 0700) == 0) {
-    // The umask may have taken bits away; the owner needs all three.
-    if (::chmod(directory.c_str(), 0700) != 0) throw backend_error("chmod(" + directory + ")", errno_text());
-  } else if (errno == ENOENT) {
-    throw invalid_argument("listener: cannot create the directory " + directory +
-                           " because its parent does not exist; create the parent first or choose another path");
-  } else if (errno != EEXIST) {
-    throw backend_error("mkdir(" + directory + ")", errno_text());
-  }
-  struct stat st{};
-  if (::lstat(directory.c_str(), &st) != 0) throw backend_error("lstat(" + directory + ")", errno_text());
-  if (!S_ISDIR(st.st_mode)) {
-    throw invalid_argument("listener: " + directory +
-                           " is not a directory (a symbolic link is refused too); a channel's socket must lie in a "
-                           "real directory of its own user with mode 0700");
-  }
-  if (st.st_uid != ::geteuid()) {
-    throw invalid_argument("listener: the directory " + directory + " belongs to uid " + std::to_string(st.st_uid) +
-                           ", not to this process's uid " + std::to_string(::geteuid()) +
-                           "; a channel's socket must lie in a directory of its own user: choose another path");
-  }
-  if ((st.st_mode & 077) != 0) {
-    throw invalid_argument("listener: the directory " + directory + " has mode " + octal_mode(st.st_mode) +
-                           ", which lets its group or others in; a channel's directory must have mode 0700: run "
-                           "chmod 700 " + directory + " or choose another path");
-  }
-}
-
-// Whether a process listens on the socket file at `where` (which exists).
-bool someone_listens(const channel_address& where) {
-  struct stat st{};
-  if (::lstat(where.name().c_str(), &st) != 0) {
-    if (errno == ENOENT) return false;
-    throw backend_error("lstat(" + where.name() + ")", errno_text());
-  }
-  if (!S_ISSOCK(st.st_mode)) {
-    throw invalid_argument("listener: " + where.name() +
-                           " exists and is not a socket; remove it or choose another path");
+// Whether a process listens on the socket file `name` in `directory`.
+bool someone_listens(const detail::private_directory& directory, const std::string& name) {
+  const std::optional<struct stat> st = directory.entry(name);
+  if (!st) return false;
+  const std::string path = directory.path() + "/" + name;
+  if (!S_ISSOCK(st->st_mode)) {
+    throw invalid_argument("listener: " + path + " exists and is not a socket; remove it or choose another path");
   }
   const unique_fd probe = new_unix_socket(SOCK_NONBLOCK);
-  const socket_address target = to_socket_address(where);
+  const socket_address target = directory.address_of(name);
   if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length) == 0) return true;
   if (errno == EAGAIN) return true;  // a listener whose backlog is full
   if (errno == ECONNREFUSED) return false;
-  throw backend_error("connect(" + where.name() + ")", errno_text());
+  throw backend_error("connect(" + path + ")", errno_text());
 }
 
 [[noreturn]] void throw_in_use(const channel_address& where) {
@@ -146,6 +100,17 @@ channel_address channel_address::at_path(std::string path) {
     throw invalid_argument("channel_address: the path \"" + path + "\" names a directory; add the socket file's name");
   }
   return {std::move(path), false};
+}
+
+channel_address channel_address::in_runtime_dir(const std::string& name) {
+  if (name.empty() || name.find('/') != std::string::npos) {
+    throw invalid_argument("channel_address::in_runtime_dir: \"" + name +
+                           "\" is not a file name (empty, or holds a '/')");
+  }
+  const char* runtime = std::getenv("XDG_RUNTIME_DIR");
+  const std::string directory =
+      runtime != nullptr && runtime[0] == '/' ? runtime : "/tmp/shoal-" + std::to_string(::geteuid());
+  return at_path(directory + "/" + name);
 }
 
 channel_address channel_address::abstract(std::string name) {
@@ -410,31 +375,35 @@ bool connection::broken() const {
 
 listener::listener(const channel_address& address, access_policy policy, std::size_t max_payload)
     : address_(address), policy_(std::move(policy)), max_payload_(max_payload) {
-  if (!address_.is_abstract()) prepare_private_directory(parent_directory(address_.name()));
+  if (!address_.is_abstract()) {
+    const std::string& path = address_.name();
+    const std::size_t slash = path.rfind('/');
+    directory_ = std::make_unique<detail::private_directory>(slash == 0 ? "/" : path.substr(0, slash));
+    file_name_ = path.substr(slash + 1);
+  }
   // Non-blocking, so that a connection another thread took first cannot
   // leave accept() blocked after poll() said one was waiting.
   socket_ = new_unix_socket(SOCK_NONBLOCK);
-  const socket_address local = to_socket_address(address_);
+  // A path is bound through the directory's descriptor: the one checked.
+  const socket_address local = directory_ ? directory_->address_of(file_name_) : to_socket_address(address_);
   const auto bind_here = [&] {
     return ::bind(socket_.get(), reinterpret_cast<const sockaddr*>(&local.address), local.length);
   };
   if (bind_here() != 0) {
     if (errno != EADDRINUSE) throw backend_error("bind(" + address_.to_string() + ")", errno_text());
-    if (address_.is_abstract() || someone_listens(address_)) throw_in_use(address_);
+    if (!directory_ || someone_listens(*directory_, file_name_)) throw_in_use(address_);
     // A socket file no one listens on is left from a process that died.
-    if (::unlink(address_.name().c_str()) != 0 && errno != ENOENT) {
-      throw backend_error("unlink(" + address_.name() + ")", errno_text());
-    }
+    directory_->remove(file_name_);
     if (bind_here() != 0) {
       if (errno == EADDRINUSE) throw_in_use(address_);
       throw backend_error("bind(" + address_.to_string() + ")", errno_text());
     }
   }
-  if (!address_.is_abstract()) {
-    struct stat st{};
-    if (::lstat(address_.name().c_str(), &st) != 0) throw backend_error("lstat(" + address_.name() + ")", errno_text());
-    file_device_ = st.st_dev;
-    file_inode_ = st.st_ino;
+  if (directory_) {
+    const std::optional<struct stat> st = directory_->entry(file_name_);
+    if (!st) throw backend_error("fstatat(" + address_.name() + ")", "the socket file was removed as it was made");
+    file_device_ = st->st_dev;
+    file_inode_ = st->st_ino;
   }
   if (::listen(socket_.get(), SOMAXCONN) != 0) {
     throw backend_error("listen(" + address_.to_string() + ")", errno_text());
@@ -442,10 +411,11 @@ listener::listener(const channel_address& address, access_policy policy, std::si
 }
 
 listener::~listener() {
-  if (address_.is_abstract()) return;
-  struct stat st{};
-  if (::lstat(address_.name().c_str(), &st) == 0 && st.st_dev == file_device_ && st.st_ino == file_inode_) {
-    ::unlink(address_.name().c_str());
+  if (!directory_) return;
+  try {
+    const std::optional<struct stat> st = directory_->entry(file_name_);
+    if (st && st->st_dev == file_device_ && st->st_ino == file_inode_) directory_->remove(file_name_);
+  } catch (const error&) {  // NOLINT(bugprone-empty-catch): a destructor cannot report; the file stays
   }
 }
 

@@ -1,17 +1,22 @@
 // The listener's private directory and its socket file: created 0700,
-// refused when open to others or not ours, a stale file replaced, an address
-// in use refused, and only its own file removed.
+// refused when open to others or not ours, bound in the directory checked
+// even when another takes its name, removed when the listener made it; a
+// stale file replaced, an address in use refused, and only its own file
+// removed.
 #include <gtest/gtest.h>
 
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
 #include "channel/channel_fixtures.h"
 #include "shoal/channel/channel.h"
+#include "shoal/channel/listener_test_hook.h"
 #include "shoal/core/error.h"
 #include "shoal/core/process_identity.h"
 
@@ -22,6 +27,14 @@ using channel::channel_address;
 using channel::connection;
 using channel::listener;
 using shoal::process_identity;
+using namespace std::chrono_literals;
+
+bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
+
+// Clears the listener's test hook when it goes, whatever the test did.
+struct hook_cleared_after {
+  ~hook_cleared_after() { channel::test_hook::set_after_directory_check({}); }
+};
 
 TEST(listener_directory, a_missing_directory_is_created_with_mode_0700) {
   temp_dir dir;
@@ -71,6 +84,88 @@ TEST(listener_directory, a_symbolic_link_or_a_missing_parent_is_refused) {
   ASSERT_EQ(::symlink((dir / "real").c_str(), (dir / "link").c_str()), 0);
   EXPECT_THROW((void)listener(channel_address::at_path(dir / "link/sock"), {}), invalid_argument);
   EXPECT_THROW((void)listener(channel_address::at_path(dir / "missing/deeper/sock"), {}), invalid_argument);
+}
+
+TEST(listener_directory, the_socket_lands_in_the_directory_that_was_checked_when_another_takes_its_name) {
+  temp_dir dir;
+  const std::string home = dir / "home", checked = dir / "checked";
+  ASSERT_EQ(::mkdir(home.c_str(), 0700), 0);
+  const hook_cleared_after cleared;
+  channel::test_hook::set_after_directory_check([&](const std::string& directory) {
+    EXPECT_EQ(directory, home);
+    // Someone who may rename in the parent moves the checked directory away
+    // and puts one open to everyone in its place, between check and bind.
+    ASSERT_EQ(::rename(home.c_str(), checked.c_str()), 0);
+    ASSERT_EQ(::mkdir(home.c_str(), 0700), 0);
+    ASSERT_EQ(::chmod(home.c_str(), 0777), 0);
+  });
+  {
+    listener server(channel_address::at_path(home + "/sock"), {});
+    channel::test_hook::set_after_directory_check({});
+    EXPECT_FALSE(exists(home + "/sock")) << "the socket is not in the directory that was never checked";
+    struct stat st{};
+    ASSERT_EQ(::lstat((checked + "/sock").c_str(), &st), 0) << "the socket is in the directory that was checked";
+    EXPECT_TRUE(S_ISSOCK(st.st_mode));
+    const connection client = connection::connect(channel_address::at_path(checked + "/sock"), {});
+    EXPECT_TRUE(server.accept_for(10s).has_value()) << "and it is the listener's";
+  }
+  EXPECT_FALSE(exists(checked + "/sock")) << "the destructor removed its file where it made it";
+  EXPECT_TRUE(exists(home)) << "a directory the listener did not make is left";
+}
+
+TEST(listener_directory, a_directory_the_listener_made_is_removed_with_it_and_one_it_found_is_left) {
+  temp_dir dir;
+  {
+    const listener server(channel_address::at_path(dir / "made/sock"), {});
+    EXPECT_TRUE(exists(dir / "made"));
+  }
+  EXPECT_FALSE(exists(dir / "made")) << "the listener made it, so it removed it";
+
+  ASSERT_EQ(::mkdir((dir / "found").c_str(), 0700), 0);
+  { const listener server(channel_address::at_path(dir / "found/sock"), {}); }
+  EXPECT_TRUE(exists(dir / "found")) << "the listener found it there, so it stays";
+  EXPECT_FALSE(exists(dir / "found/sock"));
+
+  {
+    const listener server(channel_address::at_path(dir / "shared/sock"), {});
+    std::ofstream(dir / "shared/other") << "someone else's";
+  }
+  EXPECT_TRUE(exists(dir / "shared/other")) << "a directory it made is removed only when empty";
+}
+
+TEST(listener_directory, the_runtime_dir_is_the_recommended_home) {
+  const char* saved = std::getenv("XDG_RUNTIME_DIR");
+  const std::string saved_value = saved != nullptr ? saved : "";
+  temp_dir dir;
+  ASSERT_EQ(::setenv("XDG_RUNTIME_DIR", dir.path().c_str(), 1), 0);
+  EXPECT_EQ(channel_address::in_runtime_dir("feed.sock"), channel_address::at_path(dir / "feed.sock"));
+  {
+    listener server(channel_address::in_runtime_dir("feed.sock"), {});
+    const connection client = connection::connect(channel_address::in_runtime_dir("feed.sock"), {});
+    EXPECT_TRUE(server.accept_for(10s).has_value());
+  }
+  ASSERT_EQ(::unsetenv("XDG_RUNTIME_DIR"), 0);
+  EXPECT_EQ(channel_address::in_runtime_dir("feed.sock"),
+            channel_address::at_path("/tmp/shoal-" + std::to_string(::geteuid()) + "/feed.sock"));
+  if (saved != nullptr) ::setenv("XDG_RUNTIME_DIR", saved_value.c_str(), 1);
+  EXPECT_THROW((void)channel_address::in_runtime_dir("a/b"), invalid_argument);
+  EXPECT_THROW((void)channel_address::in_runtime_dir(""), invalid_argument);
+}
+
+TEST(listener_directory, a_name_too_long_to_bind_through_the_directory_is_refused) {
+  char short_name[] = "/tmp/sXXXXXX";
+  ASSERT_NE(::mkdtemp(short_name), nullptr);
+  const std::string dir = short_name;
+  // The longest name the path allows; "/proc/self/fd/<n>/" is longer than the directory.
+  const std::string name(107 - dir.size() - 1, 'n');
+  try {
+    const listener server(channel_address::at_path(dir + "/" + name), {});
+    ADD_FAILURE() << "a socket name of " << name.size() << " bytes was bound";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("choose a shorter name"), std::string::npos) << e.what();
+  }
+  ::unlink((dir + "/" + name).c_str());
+  EXPECT_EQ(::rmdir(dir.c_str()), 0);
 }
 
 TEST(listener_file, a_stale_socket_file_is_replaced) {

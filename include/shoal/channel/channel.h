@@ -2,7 +2,8 @@
 // each peer's credentials checked and every message validated.
 //
 // A listener binds a filesystem path, inside a directory that only its owner
-// may enter, or an abstract name, which has no file and no permission bits:
+// may enter ($XDG_RUNTIME_DIR is the recommended one: channel_address::
+// in_runtime_dir), or an abstract name, which has no file and no permission bits:
 // there the credential check is the only guard. Each connection reads its
 // peer's pid, uid and gid (SO_PEERCRED) when it is made, on both sides, and
 // refuses a uid that the access policy does not allow. Only AF_UNIX stream
@@ -61,9 +62,20 @@ inline constexpr std::size_t batch_packing_bytes = 16 * 1024;
 class channel_address {
  public:
   /// A socket file at `path` (absolute, at most 107 bytes). The listener
-  /// creates its directory with mode 0700, or checks that it is one.
+  /// creates its directory with mode 0700, or checks that it is one;
+  /// in_runtime_dir() gives the recommended place.
   /// Throws invalid_argument when `path` cannot be a socket file's path.
   [[nodiscard]] static channel_address at_path(std::string path);
+  /// `name` (a file name, no '/') in $XDG_RUNTIME_DIR, the recommended
+  /// home of a channel's socket: a directory of this user's own, mode 0700,
+  /// that the system removes at logout. Without $XDG_RUNTIME_DIR (or when it
+  /// is not absolute), in /tmp/shoal-<euid>, which the listener creates with
+  /// mode 0700 and removes when it goes (another user who made that
+  /// directory first gets the listener refused, never connected to). Both
+  /// ends must see the same environment. Reads the environment: not safe
+  /// against a concurrent setenv. Throws invalid_argument when `name` is
+  /// empty or holds a '/', or the path is too long.
+  [[nodiscard]] static channel_address in_runtime_dir(const std::string& name);
   /// A name in the abstract socket namespace of this network namespace (at
   /// most 107 bytes): no file to clean up and no permission bits, so any
   /// process on the machine may connect and the access policy alone decides.
@@ -118,6 +130,9 @@ struct frame {
 };
 
 class listener;
+namespace detail {
+class private_directory;
+}  // namespace detail
 
 /// One end of a connected channel.
 ///
@@ -259,13 +274,19 @@ class connection {
 /// threads at once; each pending connection goes to one of them.
 /// Construction and destruction must not overlap other calls.
 /// Invariants: a path's directory belongs to this process's uid and has no
-/// group or other permission bits; the socket file is removed by the
-/// destructor unless another file has taken its place.
+/// group or other permission bits, and is the directory the socket was
+/// bound in: it is opened once, checked through that descriptor and bound
+/// through it (/proc/self/fd/<n>/<name>, so /proc must be mounted), so that
+/// renaming directories in its parent cannot move the socket elsewhere. The
+/// destructor removes the socket file unless another file has taken its
+/// place, then the directory if this listener created it and it is empty.
 class listener {
  public:
   /// Listens at `address`; accepted connections follow `policy` and receive
   /// payloads of at most `max_payload` bytes. For a path, the directory is
-  /// created with mode 0700 when missing (its parent must exist), and a
+  /// created with mode 0700 when missing (its parent must exist; the
+  /// directory and the socket file's name, as /proc/self/fd/<n>/<name>, must
+  /// fit sockaddr_un), and a
   /// leftover socket file that no one listens on is replaced. To tell whether
   /// a listener is there, it connects once: a live listener sees that probe
   /// as a connection that closes at once. Throws invalid_argument when the
@@ -298,6 +319,8 @@ class listener {
   channel_address address_;
   access_policy policy_;
   std::size_t max_payload_;
+  std::unique_ptr<detail::private_directory> directory_;  // a path's directory, opened once; null for an abstract name
+  std::string file_name_;                                 // the socket file's name in it
   unique_fd socket_;
   // The socket file's identity, so the destructor removes only its own file.
   dev_t file_device_ = 0;

@@ -1,0 +1,18 @@
+// For tests of the listener only: a hook that runs after a listener has
+// checked its directory and before it binds there, so that a test can swap
+// directories in between and show that the socket still lands in the one
+// that was checked. Never use it elsewhere.
+//
+// Thread-safety: none; set it while no listener is being made.
+#pragma once
+
+#include <functional>
+#include <string>
+
+namespace shoal::channel::test_hook {
+
+/// Runs `hook` with the directory's path in every later listener made on a
+/// path, between its directory check and its bind; an empty function clears it.
+void set_after_directory_check(std::function<void(const std::string& directory)> hook);
+
+}  // namespace shoal::channel::test_hook

@@ -1,0 +1,120 @@
+#include "channel/private_directory.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <utility>
+
+#include "shoal/channel/listener_test_hook.h"
+#include "shoal/core/error.h"
+
+namespace shoal::channel {
+
+namespace {
+
+std::function<void(const std::string&)>& after_directory_check() {
+  static std::function<void(const std::string&)> hook;
+  return hook;
+}
+
+std::string errno_text() { return std::strerror(errno); }
+
+std::string octal_mode(mode_t mode) {
+  char text[8];
+  std::snprintf(text, sizeof text, "0%03o", static_cast<unsigned>(mode & 07777));
+  return text;
+}
+
+}  // namespace
+
+void test_hook::set_after_directory_check(std::function<void(const std::string& directory)> hook) {
+  after_directory_check() = std::move(hook);
+}
+
+namespace detail {
+
+// A socket file must lie in a directory that only its owner can enter, so no
+// other user can reach it, replace it or race its creation.
+private_directory::private_directory(std::string path) : path_(std::move(path)) {
+  if (::mkdir(path_.c_str(), 0700) == 0) {
+    created_ = true;
+  } else if (errno == ENOENT) {
+    throw invalid_argument("listener: cannot create the directory " + path_ +
+                           " because its parent does not exist; create the parent first or choose another path");
+  } else if (errno != EEXIST) {
+    throw backend_error("mkdir(" + path_ + ")", errno_text());
+  }
+  // From here on only the descriptor: whatever the path names later, the
+  // directory checked is the one bound in.
+  fd_.reset(::open(path_.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd_) {
+    if (errno == ELOOP || errno == ENOTDIR) {
+      throw invalid_argument("listener: " + path_ +
+                             " is not a directory (a symbolic link is refused too); a channel's socket must lie in a "
+                             "real directory of its own user with mode 0700");
+    }
+    throw backend_error("open(" + path_ + ")", errno_text());
+  }
+  struct stat st{};
+  if (::fstat(fd_.get(), &st) != 0) throw backend_error("fstat(" + path_ + ")", errno_text());
+  if (st.st_uid != ::geteuid()) {
+    throw invalid_argument("listener: the directory " + path_ + " belongs to uid " + std::to_string(st.st_uid) +
+                           ", not to this process's uid " + std::to_string(::geteuid()) +
+                           "; a channel's socket must lie in a directory of its own user: choose another path");
+  }
+  if (created_ && (st.st_mode & 07777) != 0700) {
+    // The umask may have taken bits away; the owner needs all three.
+    if (::fchmod(fd_.get(), 0700) != 0) throw backend_error("fchmod(" + path_ + ")", errno_text());
+    st.st_mode = (st.st_mode & ~07777) | 0700;
+  }
+  if ((st.st_mode & 077) != 0) {
+    throw invalid_argument("listener: the directory " + path_ + " has mode " + octal_mode(st.st_mode) +
+                           ", which lets its group or others in; a channel's directory must have mode 0700: run "
+                           "chmod 700 " + path_ + " or choose another path");
+  }
+  if (after_directory_check()) after_directory_check()(path_);
+}
+
+private_directory::~private_directory() {
+  if (!created_) return;
+  struct stat here{}, opened{};
+  if (::lstat(path_.c_str(), &here) == 0 && ::fstat(fd_.get(), &opened) == 0 && here.st_dev == opened.st_dev &&
+      here.st_ino == opened.st_ino) {
+    ::rmdir(path_.c_str());  // fails, and keeps it, when something else was put there
+  }
+}
+
+socket_address private_directory::address_of(const std::string& name) const {
+  const std::string through = "/proc/self/fd/" + std::to_string(fd_.get()) + "/" + name;
+  socket_address out;
+  out.address.sun_family = AF_UNIX;
+  if (through.size() >= sizeof out.address.sun_path) {
+    throw invalid_argument("listener: the socket file's name \"" + name + "\" is too long to bind through its "
+                           "directory's descriptor (" + through + " has " + std::to_string(through.size()) +
+                           " bytes; a UNIX socket address holds at most " +
+                           std::to_string(sizeof out.address.sun_path - 1) + "): choose a shorter name");
+  }
+  std::memcpy(out.address.sun_path, through.data(), through.size());
+  out.length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + through.size());
+  return out;
+}
+
+std::optional<struct stat> private_directory::entry(const std::string& name) const {
+  struct stat st{};
+  if (::fstatat(fd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) return st;
+  if (errno == ENOENT) return std::nullopt;
+  throw backend_error("fstatat(" + path_ + "/" + name + ")", errno_text());
+}
+
+void private_directory::remove(const std::string& name) const {
+  if (::unlinkat(fd_.get(), name.c_str(), 0) != 0 && errno != ENOENT) {
+    throw backend_error("unlinkat(" + path_ + "/" + name + ")", errno_text());
+  }
+}
+
+}  // namespace detail
+}  // namespace shoal::channel

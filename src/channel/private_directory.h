@@ -1,0 +1,56 @@
+// The directory a listener's socket file lies in, opened once and then used
+// only through that descriptor: checked (a real directory of this uid, mode
+// 0700), bound in (through /proc/self/fd/<descriptor>/<name>), and cleaned
+// up. Renaming directories in its parent, between the check and the bind or
+// later, cannot move the socket into another directory.
+//
+// Not thread-safe; the listener makes and drops it.
+#pragma once
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+
+#include <optional>
+#include <string>
+
+#include "shoal/core/unique_fd.h"
+
+namespace shoal::channel::detail {
+
+/// A sockaddr_un and the length bind or connect takes with it.
+struct socket_address {
+  sockaddr_un address{};
+  socklen_t length = 0;
+};
+
+class private_directory {
+ public:
+  /// Opens `path`, creating it with mode 0700 when missing (its parent must
+  /// exist), and checks the directory it opened. Throws invalid_argument when
+  /// it is not a directory (a symbolic link included), not this uid's, or open
+  /// to its group or others; backend_error when the system refuses.
+  explicit private_directory(std::string path);
+  /// Removes the directory when this object created it, is still at its path
+  /// and is empty.
+  ~private_directory();
+  private_directory(const private_directory&) = delete;
+  private_directory& operator=(const private_directory&) = delete;
+
+  /// `name` in this directory, as an address that reaches it through the
+  /// descriptor. Throws invalid_argument when that does not fit sockaddr_un.
+  [[nodiscard]] socket_address address_of(const std::string& name) const;
+  /// What `name` in this directory is (not following a link), or nullopt
+  /// when there is none.
+  [[nodiscard]] std::optional<struct stat> entry(const std::string& name) const;
+  /// Removes `name` from this directory (none there is no error).
+  void remove(const std::string& name) const;
+  [[nodiscard]] const std::string& path() const noexcept { return path_; }
+
+ private:
+  std::string path_;
+  unique_fd fd_;
+  bool created_ = false;
+};
+
+}  // namespace shoal::channel::detail
