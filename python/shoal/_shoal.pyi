@@ -44,6 +44,9 @@ class ConnectionClosedError(ShoalError, ConnectionError):
 class PeerRefusedError(ShoalError, ConnectionRefusedError):
     """A peer process was refused (credentials not allowed)."""
 
+class PeerTimeoutError(ShoalError, TimeoutError):
+    """A wait on another process ran past its deadline."""
+
 
 
 class Device:

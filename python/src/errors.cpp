@@ -38,6 +38,7 @@ struct exception_types {
   PyObject* invariant_violation = nullptr;
   PyObject* connection_closed = nullptr;
   PyObject* peer_refused = nullptr;
+  PyObject* timeout = nullptr;
 };
 exception_types types;  // set once at import; the module keeps them alive
 
@@ -85,6 +86,8 @@ void translate(const std::exception_ptr& p, void*) {
     raise(types.connection_closed, e.what());
   } catch (const peer_refused& e) {
     raise(types.peer_refused, e.what());
+  } catch (const timeout_error& e) {
+    raise(types.timeout, e.what());
   } catch (const error& e) {
     raise(types.error, e.what());
   }
@@ -105,6 +108,7 @@ void throw_cpp_error(const std::string& kind, const std::string& message) {
       {"invariant_violation", [&] { throw invariant_violation("an_invariant", message); }},
       {"connection_closed", [&] { throw connection_closed(message); }},
       {"peer_refused", [&] { throw peer_refused(message); }},
+      {"timeout_error", [&] { throw timeout_error(message); }},
   };
   for (const auto& [name, thrower] : throwers) {
     if (name == kind) thrower();
@@ -148,6 +152,10 @@ void register_errors(nb::module_& m) {
                {types.error, PyExc_ConnectionError});
   types.peer_refused = new_type(m, "PeerRefusedError", "A peer process was refused (credentials not allowed).",
                                 {types.error, PyExc_ConnectionRefusedError});
+  types.timeout = new_type(m, "PeerTimeoutError",
+                           "A wait on another process ran past its deadline; the operation says whether the "
+                           "connection is still usable.",
+                           {types.error, PyExc_TimeoutError});
   nb::register_exception_translator(translate);
   m.def("_throw_cpp_error", &throw_cpp_error, nb::arg("kind"), nb::arg("message"),
         "Test hook: throws the C++ error type `kind` (e.g. 'out_of_memory') "

@@ -16,6 +16,7 @@ MAPPING = [
     ("invariant_violation", shoal.InvariantViolationError, RuntimeError),
     ("connection_closed", shoal.ConnectionClosedError, ConnectionError),
     ("peer_refused", shoal.PeerRefusedError, ConnectionRefusedError),
+    ("timeout_error", shoal.PeerTimeoutError, TimeoutError),
 ]
 
 
