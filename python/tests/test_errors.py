@@ -1,5 +1,8 @@
 """Every C++ error type arrives as its Python exception class, with the same message."""
 
+import pathlib
+import re
+
 import pytest
 
 import shoal
@@ -71,3 +74,13 @@ def test_a_real_ordering_violation_is_reported_in_debug_mode():
     with pytest.raises(shoal.OrderingViolationError, match="cross_stream_safety"):
         allocator.allocate(4096, side)
     model.synchronize()
+
+
+def test_every_error_type_of_the_cpp_header_is_mapped():
+    header = pathlib.Path(__file__).parents[2] / "include" / "shoal" / "core" / "error.h"
+    if not header.exists():
+        pytest.skip("run from the source tree")
+    cpp_types = re.findall(r"^class (\w+) : public", header.read_text(), re.MULTILINE)
+    assert "out_of_memory" in cpp_types
+    mapped = {kind for kind, _, _ in MAPPING}
+    assert set(cpp_types) == mapped
