@@ -1,47 +1,120 @@
-// Runs the message fuzz target on seeded random inputs, built from valid
-// frame headers with random payloads, and checks no descriptor leaks.
-// Prints a GoogleTest-style summary so a run that did nothing shows.
-//   shoal_message_fuzz_driver [inputs]
+// Runs the message fuzz target without libFuzzer, in every build: the seed
+// programs (each must end as it says), every file of the corpus folders
+// given, and seeded random inputs (seeds with bytes changed, and random
+// bytes); then checks that no descriptor leaked. Prints a GoogleTest-style
+// summary so a run that did nothing shows.
+//   shoal_message_fuzz_driver [random inputs] [corpus folder or file]...
+//   shoal_message_fuzz_driver --write-corpus FOLDER   (writes the seeds)
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <random>
+#include <string>
 #include <vector>
 
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size);
+#include "fuzz/receive_program.h"
+#include "fuzz/seed_programs.h"
 
 namespace {
 
+namespace fs = std::filesystem;
+using shoal::fuzz::seed_program;
+
 std::size_t open_fds() {
   std::size_t n = 0;
-  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
+  for ([[maybe_unused]] const auto &e : fs::directory_iterator("/proc/self/fd")) ++n;
   return n;
+}
+
+std::vector<std::uint8_t> read_file(const fs::path &path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+int write_corpus(const fs::path &folder) {
+  fs::create_directories(folder);
+  for (const seed_program &s : shoal::fuzz::seed_programs()) {
+    std::ofstream out(folder / s.name, std::ios::binary);
+    out.write(reinterpret_cast<const char *>(s.bytes.data()), static_cast<std::streamsize>(s.bytes.size()));
+  }
+  std::printf("wrote %zu seed programs to %s\n", shoal::fuzz::seed_programs().size(), folder.c_str());
+  return 0;
+}
+
+// A seed with a few bytes changed, cut or extended, or random bytes.
+std::vector<std::uint8_t> random_input(std::mt19937 &rng, const std::vector<seed_program> &seeds) {
+  std::vector<std::uint8_t> input;
+  if (rng() % 2 == 0) {
+    input = seeds[rng() % seeds.size()].bytes;
+    if (input.size() > 4096) input.resize(4096);
+    const int changes = 1 + static_cast<int>(rng() % 4);
+    for (int c = 0; c < changes && !input.empty(); ++c)
+      input[rng() % input.size()] = static_cast<std::uint8_t>(rng() % 8 == 0 ? rng() : rng() % 6);
+    if (rng() % 4 == 0) input.resize(rng() % (input.size() + 1));
+    if (rng() % 4 == 0) input.push_back(static_cast<std::uint8_t>(rng()));
+  } else {
+    input.resize(rng() % 400);
+    for (auto &b : input) b = static_cast<std::uint8_t>(rng() % 3 == 0 ? rng() : rng() % 12);
+  }
+  return input;
 }
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  const int inputs = argc > 1 ? std::atoi(argv[1]) : 3000;
-  std::mt19937 rng(20261122);
-  LLVMFuzzerTestOneInput(nullptr, 0);  // the receiver's world opens its own descriptors once
+int main(int argc, char **argv) {
+  if (argc == 3 && std::strcmp(argv[1], "--write-corpus") == 0) return write_corpus(argv[2]);
+  const int random_inputs = argc > 1 ? std::atoi(argv[1]) : 2000;
+  const std::vector<seed_program> seeds = shoal::fuzz::seed_programs();
+  (void)shoal::fuzz::receive_program({});  // the receiver's world opens its own descriptors once
   const std::size_t before = open_fds();
-  for (int i = 0; i < inputs; ++i) {
-    std::vector<std::uint8_t> input;
-    const int frames = 1 + static_cast<int>(rng() % 6);
-    for (int f = 0; f < frames; ++f) {
-      const std::size_t length = rng() % 160;
-      input.push_back(static_cast<std::uint8_t>(rng() % 10));
-      input.push_back(static_cast<std::uint8_t>(rng() % 2));
-      input.push_back(static_cast<std::uint8_t>(length));
-      input.push_back(0);
-      // Mostly small numbers: ids, counts and flags that pass the first checks.
-      for (std::size_t b = 0; b < length; ++b) input.push_back(static_cast<std::uint8_t>(rng() % 4 == 0 ? rng() : rng() % 3));
+
+  int failed = 0;
+  std::size_t storages = 0, runs = 0;
+  for (const seed_program &s : seeds) {
+    const auto got = shoal::fuzz::receive_program(s.bytes);
+    const bool ok = got.storages == s.storages && got.notes == s.notes && got.end.find(s.end) != std::string::npos;
+    if (!ok) {
+      std::printf(
+          "[  FAILED  ] seed %s: %zu storages, %zu notes, ended "
+          "\"%s\"; expected %zu, %zu, \"%s\"\n",
+          s.name.c_str(), got.storages, got.notes, got.end.c_str(), s.storages, s.notes, s.end.c_str());
+      ++failed;
     }
-    LLVMFuzzerTestOneInput(input.data(), input.size());
+    storages += got.storages;
+    ++runs;
   }
+  std::size_t corpus_files = 0;
+  for (int i = 2; i < argc; ++i) {
+    std::vector<fs::path> files;
+    if (fs::is_directory(argv[i])) {
+      for (const auto &e : fs::directory_iterator(argv[i])) files.push_back(e.path());
+    } else {
+      files.emplace_back(argv[i]);
+    }
+    for (const auto &f : files) {
+      storages += shoal::fuzz::receive_program(read_file(f)).storages;
+      ++corpus_files;
+      ++runs;
+    }
+  }
+  std::mt19937 rng(20261123);
+  for (int i = 0; i < random_inputs; ++i) {
+    storages += shoal::fuzz::receive_program(random_input(rng, seeds)).storages;
+    ++runs;
+  }
+
   const std::size_t after = open_fds();
-  const bool ok = after == before;
-  std::printf("[==========] %d fuzz inputs ran.\n[  %s  ] descriptors before %zu, after %zu\n", inputs,
-              ok ? "PASSED" : "FAILED", before, after);
-  return ok ? 0 : 1;
+  if (after != before) {
+    std::printf("[  FAILED  ] descriptors before %zu, after %zu\n", before, after);
+    ++failed;
+  }
+  std::printf(
+      "[==========] %zu fuzz inputs ran (%zu seeds, %zu corpus files, "
+      "%d random); %zu storages built and touched.\n",
+      runs, seeds.size(), corpus_files, random_inputs, storages);
+  std::printf("[  %s  ]\n", failed == 0 ? "PASSED" : "FAILED");
+  return failed == 0 ? 0 : 1;
 }
