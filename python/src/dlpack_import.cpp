@@ -108,8 +108,8 @@ py_array_view import_dlpack(const py_allocator& allocator, nb::handle source) {
   backend::device& device = allocator.state->allocator().device();
   const bool host = device.kind() == backend::device_kind::host;
   // The consumer is the host on the host backend, else the current stream.
-  nb::object stream =
-      host ? nb::none() : nb::int_(reinterpret_cast<std::uintptr_t>(current_stream_state(device)->ref().native));
+  nb::object stream = nb::none();
+  if (!host) stream = nb::int_(reinterpret_cast<std::uintptr_t>(current_stream_state(device)->ref().native));
   nb::object capsule = capsule_of(source, stream);
   if (!PyCapsule_CheckExact(capsule.ptr())) throw nb::type_error("from_dlpack: __dlpack__ did not return a capsule");
   const char* name = PyCapsule_GetName(capsule.ptr());
