@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cerrno>
 #include <climits>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
@@ -81,6 +82,36 @@ bool someone_listens(const detail::private_directory& directory, const std::stri
   throw backend_error("connect(" + path + ")", errno_text());
 }
 
+// A mutex whose lock can give up at a deadline. Built on a condition
+// variable, not std::timed_mutex, whose timed lock (pthread_mutex_clocklock)
+// ThreadSanitizer does not see.
+class deadline_mutex {
+ public:
+  void lock() {
+    std::unique_lock lock(mutex_);
+    freed_.wait(lock, [this] { return !held_; });
+    held_ = true;
+  }
+  bool try_lock_until(std::chrono::steady_clock::time_point until) {
+    std::unique_lock lock(mutex_);
+    if (!freed_.wait_until(lock, until, [this] { return !held_; })) return false;
+    held_ = true;
+    return true;
+  }
+  void unlock() {
+    {
+      const std::lock_guard lock(mutex_);
+      held_ = false;
+    }
+    freed_.notify_one();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable freed_;
+  bool held_ = false;  // guarded by mutex_
+};
+
 [[noreturn]] void throw_in_use(const channel_address& where) {
   throw invalid_argument("listener: " + where.to_string() +
                          " is already in use by a listening process; stop that process or choose another address");
@@ -132,9 +163,9 @@ struct connection::state {
   std::size_t max_payload = 0;
   std::atomic<std::int64_t> spin_ns{0};          // how long receive polls before it blocks
   std::atomic<std::int64_t> send_timeout_ns{0};  // zero: sends wait without a deadline
-  std::timed_mutex send_mutex;
+  deadline_mutex send_mutex;
   std::vector<std::byte> send_buffer;  // guarded by send_mutex
-  std::timed_mutex receive_mutex;
+  deadline_mutex receive_mutex;
   // Guarded by receive_mutex: the bytes of the last batch read, and its frames not yet returned.
   std::vector<std::byte> receive_buffer;
   std::deque<frame> unread;
@@ -150,7 +181,7 @@ struct connection::state {
   }
 
   // Locks `m` by `until`, or throws timeout_error naming `operation`.
-  std::unique_lock<std::timed_mutex> lock_by(std::timed_mutex& m, detail::deadline until, const char* operation) const {
+  std::unique_lock<deadline_mutex> lock_by(deadline_mutex& m, detail::deadline until, const char* operation) const {
     std::unique_lock lock(m, std::defer_lock);
     if (!until) {
       lock.lock();

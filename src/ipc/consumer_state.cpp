@@ -77,12 +77,27 @@ std::shared_ptr<consumer_state> consumer_state::for_producer(const process_ident
 }
 
 consumer_state::~consumer_state() {
-  // Every received storage is gone; their releases may still wait on streams.
+  // Every received storage is gone; their releases may still wait on streams,
+  // and a stream may wait for a ready point of the producer. The producer is
+  // not trusted to pass it: past the deadline, the mappings still in use stay
+  // open, and so do the event sources those waits may use (host tasks cannot
+  // close them; the slots are still released when the streams move on).
+  const auto until = std::chrono::steady_clock::now() + options.teardown_timeout;
+  const auto in_use = [](const std::shared_ptr<mapping>& m) { return m->state.load() >= one_view; };
   for (;;) {
     bool busy = false;
-    for (auto& [ids, m] : mappings_) busy = busy || m->state.load() >= one_view;
-    for (auto& m : retired_) busy = busy || m->state.load() >= one_view;
+    for (auto& [ids, m] : mappings_) busy = busy || in_use(m);
+    for (auto& m : retired_) busy = busy || in_use(m);
     if (!busy) break;
+    if (std::chrono::steady_clock::now() >= until) {
+      for (auto& [ids, m] : mappings_) {
+        if (!in_use(m)) close(*m);
+      }
+      for (auto& m : retired_) {
+        if (!in_use(m)) close(*m);
+      }
+      return;
+    }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   for (auto& [ids, m] : mappings_) close(*m);

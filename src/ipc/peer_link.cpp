@@ -3,6 +3,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 
@@ -22,6 +23,7 @@ peer_link::peer_link(std::shared_ptr<producer_state> state, channel::connection 
   state_->add_outbox(outbox_);
   state_->add_receiver(receiver_);
   link_.set_receive_spin(state_->options.receive_spin);
+  link_.set_send_timeout(state_->options.send_timeout);
 }
 
 void peer_link::outgoing::add(message_type type, std::vector<std::byte> payload, int fd) {
@@ -145,12 +147,15 @@ peer_link::~peer_link() {
 
 void peer_link::release_unread() noexcept {
   try {
+    // Never waits for more than has arrived, and a batch that arrived only
+    // in part is given up on by the deadline (which shuts the socket down).
+    const auto until = std::chrono::steady_clock::now() + state_->options.teardown_timeout;
     pollfd waiting{link_.native_handle(), POLLIN, 0};
     const auto more_waits = [&] {
       return link_.pending() > 0 || (::poll(&waiting, 1, 0) > 0 && (waiting.revents & POLLIN) != 0);
     };
     while (!link_.broken() && more_waits()) {
-      channel::frame f = link_.receive();
+      channel::frame f = next_frame(until);
       if (!hello_checked_) {
         channel::check_hello(f, sharing_protocol);
         hello_checked_ = true;
@@ -171,10 +176,16 @@ void peer_link::fail(const protocol_error& e) {
   throw e;
 }
 
-received peer_link::receive(backend::stream_ref stream) {
+channel::frame peer_link::next_frame(const std::optional<std::chrono::steady_clock::time_point>& until) {
+  if (!until) return link_.receive();
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(*until - std::chrono::steady_clock::now());
+  return link_.receive_for(std::max(left, std::chrono::milliseconds(0)));
+}
+
+received peer_link::receive(backend::stream_ref stream, std::optional<std::chrono::steady_clock::time_point> until) {
   if (broken_) throw connection_closed("peer::receive: the connection was closed after a malformed message");
   for (;;) {
-    channel::frame f = link_.receive();
+    channel::frame f = next_frame(until);
     try {
       if (!hello_checked_) {
         channel::check_hello(f, sharing_protocol);

@@ -7,8 +7,10 @@
 // limits allow); receive is for one thread at a time.
 #pragma once
 
+#include <chrono>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <unordered_set>
 
@@ -29,7 +31,8 @@ class peer_link {
 
   void send(const storage::storage& st, std::span<const std::byte> metadata, backend::stream_ref stream);
   void send_note(std::span<const std::byte> metadata);
-  received receive(backend::stream_ref stream);
+  /// Receives by `until` (nullopt: no deadline); throws timeout_error after.
+  received receive(backend::stream_ref stream, std::optional<std::chrono::steady_clock::time_point> until);
 
   [[nodiscard]] const channel::peer_credentials& credentials() const noexcept { return link_.peer(); }
   [[nodiscard]] peer_stats stats() const { return receiver_->stats(); }
@@ -63,8 +66,11 @@ class peer_link {
   [[noreturn]] void fail(const protocol_error& e);
   // Reads what has already arrived and releases the references its storage
   // messages name: the producer would otherwise wait for them until this
-  // process exits. Best effort: anything malformed ends it.
+  // process exits. Best effort: anything malformed ends it, and so does
+  // options.teardown_timeout (a peer that stalls in the middle of a batch).
   void release_unread() noexcept;
+  // The next frame: by `until` when there is one.
+  channel::frame next_frame(const std::optional<std::chrono::steady_clock::time_point>& until);
 
   std::shared_ptr<producer_state> state_;
   channel::connection link_;

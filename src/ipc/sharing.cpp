@@ -1,5 +1,6 @@
 #include "shoal/ipc/sharing.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -75,9 +76,15 @@ void peer::send(const storage::storage& st, std::span<const std::byte> metadata)
   link_->send(st, metadata, backend::current_stream(st.device()));
 }
 void peer::send_note(std::span<const std::byte> metadata) { link_->send_note(metadata); }
-received peer::receive(backend::stream_ref stream) { return link_->receive(stream); }
+received peer::receive(backend::stream_ref stream) { return link_->receive(stream, std::nullopt); }
 received peer::receive() {
-  return link_->receive(backend::current_stream(link_->allocator().device()));
+  return link_->receive(backend::current_stream(link_->allocator().device()), std::nullopt);
+}
+received peer::receive_for(std::chrono::milliseconds timeout, backend::stream_ref stream) {
+  return link_->receive(stream, std::chrono::steady_clock::now() + std::max(timeout, std::chrono::milliseconds(0)));
+}
+received peer::receive_for(std::chrono::milliseconds timeout) {
+  return receive_for(timeout, backend::current_stream(link_->allocator().device()));
 }
 const channel::peer_credentials& peer::credentials() const noexcept { return link_->credentials(); }
 peer_stats peer::stats() const { return link_->stats(); }

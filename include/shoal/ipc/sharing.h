@@ -52,7 +52,10 @@
 //     against what was mapped), truncate what it sent (segments and counter
 //     memory are sealed memfds on the host backend), or exhaust the
 //     consumer's descriptors past sharing_options::max_peer_*.
-//   - Waits on a peer: receive() blocks until a message or the peer's end.
+//   - Waits on a peer: receive() blocks until a message or the peer's end;
+//     receive_for() has a deadline, sends have sharing_options::send_timeout,
+//     and tearing a peer down waits at most sharing_options::teardown_timeout
+//     (a peer that stalls in the middle of a message is cut off).
 //   - References belong to the process that connected: one that forks after
 //     receiving does not make its child a holder, and once it exits its
 //     references are reclaimed even if the child still maps the memory.
@@ -116,7 +119,12 @@ class peer {
   peer(sharing_context& context, channel::connection link);
   /// Releases the references of storage messages that arrived but were
   /// never received, then closes the connection. Cached mappings close once
-  /// no received storage uses them.
+  /// no received storage uses them. Waits on the other process for at most
+  /// sharing_options::teardown_timeout (twice, when this was the last peer
+  /// of that producer): a peer that stalls mid-message is cut off, and a
+  /// mapping whose release still waits for a ready point the producer has
+  /// not passed stays open, with that producer's event sources, for the
+  /// life of the process.
   ~peer();
   peer(const peer&) = delete;
   peer& operator=(const peer&) = delete;
@@ -129,11 +137,20 @@ class peer {
   void send(const storage::storage& storage, std::span<const std::byte> metadata = {});
   /// Sends metadata alone.
   void send_note(std::span<const std::byte> metadata);
+  // Sends wait at most sharing_options::send_timeout for a peer that does not
+  // read, then throw timeout_error; the connection is closed unless nothing
+  // of that send had gone.
   /// Blocks for the next storage or note. The storage is ready for work
   /// enqueued on `stream`. Throws connection_closed when the peer has gone,
   /// protocol_error on a malformed message (the connection is closed then).
   received receive(backend::stream_ref stream);
   received receive();
+  /// receive(), but gives up after `timeout` with timeout_error. The
+  /// connection stays usable when the next batch had not begun to arrive
+  /// (announcements read before it are kept); a peer that stalls in the
+  /// middle of one has the connection closed (connection::receive_for).
+  received receive_for(std::chrono::milliseconds timeout, backend::stream_ref stream);
+  received receive_for(std::chrono::milliseconds timeout);
 
   [[nodiscard]] const channel::peer_credentials& credentials() const noexcept;
   [[nodiscard]] peer_stats stats() const;

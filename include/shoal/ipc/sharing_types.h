@@ -28,6 +28,17 @@ struct sharing_options {
   /// meanwhile saves the wake-up of a blocked thread (~5 us each way) at the
   /// cost of a busy core for that long. Zero: never spin.
   std::chrono::microseconds receive_spin{50};
+  /// How long a send may wait for a peer that does not read what was sent
+  /// to it: then timeout_error (connection::set_send_timeout). Zero: no
+  /// deadline.
+  std::chrono::milliseconds send_timeout{10'000};
+  /// The most that tearing a peer down waits on the other process: ~peer
+  /// (and a receive that closes the connection on a malformed message) reads
+  /// what has already arrived for this long to release the references it
+  /// names, and cuts off a peer that stalls in the middle of a message; the
+  /// last peer of a producer waits this long for received storages' releases
+  /// that still wait on that producer's ready points.
+  std::chrono::milliseconds teardown_timeout{100};
 
   // What one producer process may have announced to this process at once
   // (its connections together; retired resources no longer count). Each

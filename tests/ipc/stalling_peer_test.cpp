@@ -1,0 +1,167 @@
+// Peers that stall: one that sends part of a batch and stops, one that
+// stops reading, one that never passes a ready point it sent. Receives and
+// sends give up at their deadlines with timeout_error, and tearing a peer
+// down waits on the other process for at most sharing_options::teardown_timeout.
+#include <gtest/gtest.h>
+
+#include <sys/socket.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "ipc/captured_exchange.h"
+#include "shoal/channel/protocol.h"
+#include "shoal/ipc/sharing.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using clock = std::chrono::steady_clock;
+
+// How late past its deadline a call may return on a loaded machine.
+constexpr auto slack = 2s;
+// sharing_options::teardown_timeout's default.
+constexpr auto teardown = 100ms;
+
+// Runs `call` on another thread. When it has not returned within `limit`,
+// `unblock()` makes it return and the test fails: a hang becomes a failure.
+template <class Call, class Unblock>
+void returns_within(std::chrono::milliseconds limit, Call call, Unblock unblock) {
+  auto done = std::async(std::launch::async, call);
+  if (done.wait_for(limit) != std::future_status::ready) {
+    ADD_FAILURE() << "the call did not return within " << limit.count() << " ms";
+    unblock();
+  }
+  done.get();
+}
+
+// The first 300 bytes of a batch whose header promises 1024.
+std::vector<std::byte> part_of_a_batch() {
+  std::vector<std::byte> bytes(300);
+  const std::uint16_t version = channel::frame_version, frames = 1;
+  const std::uint32_t body = 1024 - channel::batch_header_bytes;
+  std::memcpy(bytes.data(), "SHOL", 4);
+  std::memcpy(bytes.data() + 4, &version, 2);
+  std::memcpy(bytes.data() + 6, &frames, 2);
+  std::memcpy(bytes.data() + 8, &body, 4);
+  return bytes;
+}
+
+void send_raw(const channel::connection& to, const std::vector<std::byte>& bytes) {
+  ASSERT_EQ(::send(to.native_handle(), bytes.data(), bytes.size(), MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size()));
+}
+
+// A producer end that said hello and then sent part of a batch, and the consumer's peer.
+struct stalled_producer {
+  captured_exchange ex;
+  std::pair<channel::connection, channel::connection> ends = connected_pair();
+  channel::connection& from = ends.first;
+  std::unique_ptr<ipc::peer> receiver = std::make_unique<ipc::peer>(ex.consumer, std::move(ends.second));
+
+  explicit stalled_producer(bool malformed_message_first = false) {
+    channel::send_hello(from, ipc::sharing_protocol);
+    if (malformed_message_first) from.send(999, {});  // no sharing message has that type
+    send_raw(from, part_of_a_batch());
+  }
+  void unblock() { ::shutdown(from.native_handle(), SHUT_RDWR); }
+};
+
+TEST(stalling_peer, receive_for_gives_up_on_a_producer_that_stalls_mid_batch) {
+  stalled_producer p;
+  const auto start = clock::now();
+  returns_within(
+      100ms + 2 * slack, [&] { EXPECT_THROW((void)p.receiver->receive_for(100ms, {}), timeout_error); },
+      [&] { p.unblock(); });
+  EXPECT_GE(clock::now() - start, 100ms);
+  EXPECT_THROW((void)p.receiver->receive_for(0ms, {}), connection_closed) << "the stream is out of step";
+  returns_within(teardown + 2 * slack, [&] { p.receiver.reset(); }, [&] { p.unblock(); });
+}
+
+TEST(stalling_peer, receive_for_with_nothing_sent_times_out_and_the_peer_stays_usable) {
+  captured_exchange ex;
+  auto [from, to] = connected_pair();
+  ipc::peer sender(ex.producer, std::move(from));
+  ipc::peer receiver(ex.consumer, std::move(to));
+  EXPECT_THROW((void)receiver.receive_for(50ms, {}), timeout_error);
+  const std::vector<std::byte> note{std::byte{7}};
+  sender.send_note(note);
+  EXPECT_EQ(receiver.receive_for(10s, {}).metadata, note);
+}
+
+TEST(stalling_peer, the_destructor_cuts_off_a_producer_that_stalls_mid_batch) {
+  stalled_producer p;  // the consumer never called receive: the part waits unread
+  const auto start = clock::now();
+  returns_within(teardown + 2 * slack, [&] { p.receiver.reset(); }, [&] { p.unblock(); });
+  EXPECT_LT(clock::now() - start, teardown + slack);
+}
+
+TEST(stalling_peer, a_protocol_error_followed_by_a_stalled_batch_returns_at_once_and_so_does_the_next_receive) {
+  stalled_producer p(true);
+  returns_within(
+      teardown + 2 * slack, [&] { EXPECT_THROW((void)p.receiver->receive_for(10s, {}), protocol_error); },
+      [&] { p.unblock(); });
+  const auto start = clock::now();
+  EXPECT_THROW((void)p.receiver->receive_for(10s, {}), connection_closed);
+  EXPECT_LT(clock::now() - start, slack);
+}
+
+TEST(stalling_peer, a_send_to_a_consumer_that_stops_reading_times_out) {
+  captured_exchange ex;
+  ipc::sharing_context producer(ex.producer_allocator, {.collect_interval = 0ms, .send_timeout = 100ms});
+  auto [from, to] = connected_pair();  // `to` is never read
+  ipc::peer sender(producer, std::move(from));
+  const std::vector<std::byte> note(16 * 1024);
+  returns_within(
+      20s,
+      [&] {
+        for (int i = 0; i < 100'000; ++i) {
+          const auto start = clock::now();
+          try {
+            sender.send_note(note);
+          } catch (const timeout_error&) {
+            EXPECT_GE(clock::now() - start, 100ms);
+            EXPECT_LT(clock::now() - start, 100ms + slack);
+            return;
+          }
+        }
+        ADD_FAILURE() << "every send went out, though the consumer reads nothing";
+      },
+      [&] { ::shutdown(to.native_handle(), SHUT_RDWR); });
+}
+
+TEST(stalling_peer, the_destructor_does_not_wait_for_a_ready_point_the_producer_never_passes) {
+  captured_exchange ex;
+  backend::device& dev = ex.dev;
+  const backend::stream_ref producer_stream = dev.create_stream();
+  std::atomic<bool> passes{false};
+  dev.host_task(producer_stream, [&passes] {
+    while (!passes.load()) std::this_thread::yield();
+  });
+  auto [from, to] = connected_pair();
+  ipc::peer sender(ex.producer, std::move(from));
+  auto receiver = std::make_unique<ipc::peer>(ex.consumer, std::move(to));
+  sender.send(storage::storage::allocate(ex.producer_allocator, 4096, {}), {}, producer_stream);
+  {
+    // This thread's stream waits for the producer's point; dropping the
+    // storage leaves its release queued behind that wait.
+    const ipc::received r = receiver->receive_for(10s, {});
+    ASSERT_TRUE(r.storage.valid());
+  }
+  const auto start = clock::now();
+  returns_within(2 * teardown + 2 * slack, [&] { receiver.reset(); }, [&] { passes.store(true); });
+  EXPECT_LT(clock::now() - start, 2 * teardown + slack);
+  passes.store(true);
+  dev.synchronize(producer_stream);
+  dev.synchronize({});
+  dev.destroy_stream(producer_stream);
+}
+
+}  // namespace
+}  // namespace shoal::testing
