@@ -22,6 +22,7 @@ peer_link::peer_link(std::shared_ptr<producer_state> state, channel::connection 
   limits_.max_segments_per_storage = link_.max_payload() / sizeof(std::uint64_t);
   state_->add_outbox(outbox_);
   state_->add_receiver(receiver_);
+  state_->connect(link_.peer().process);
   link_.set_receive_spin(state_->options.receive_spin);
   link_.set_send_timeout(state_->options.send_timeout);
 }
@@ -79,6 +80,7 @@ void peer_link::send(const storage::storage& st, std::span<const std::byte> meta
     throw invalid_argument("peer::send: " + std::to_string(metadata.size()) + " bytes of metadata is over the limit of " +
                            std::to_string(limits_.max_metadata) + " (sharing_options::max_metadata_bytes)");
   }
+  check_not_revoked();
   std::lock_guard lock(send_mutex_);
   send_with_retirements([&](outgoing& out) { send_storage(st, metadata, stream, out); });
 }
@@ -134,6 +136,7 @@ void peer_link::send_note(std::span<const std::byte> metadata) {
     throw invalid_argument("peer::send_note: " + std::to_string(metadata.size()) +
                            " bytes of metadata is over the limit of " + std::to_string(limits_.max_metadata));
   }
+  check_not_revoked();
   std::lock_guard lock(send_mutex_);
   send_with_retirements([&](outgoing& out) {
     out.add(message_type::note, encode_note(metadata));
@@ -143,6 +146,20 @@ void peer_link::send_note(std::span<const std::byte> metadata) {
 
 peer_link::~peer_link() {
   if (!broken_) release_unread();
+  try {
+    state_->disconnect(link_.peer().process);
+  } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): its files then close when the peer dies
+  }
+}
+
+void peer_link::revoke() {
+  revoked_.store(true);
+  state_->revoke(link_.peer().process);
+  ::shutdown(link_.native_handle(), SHUT_RDWR);
+}
+
+void peer_link::check_not_revoked() const {
+  if (revoked_.load()) throw connection_closed("this connection was revoked (peer::revoke)");
 }
 
 void peer_link::release_unread() noexcept {
@@ -183,6 +200,7 @@ channel::frame peer_link::next_frame(const std::optional<std::chrono::steady_clo
 }
 
 received peer_link::receive(backend::stream_ref stream, std::optional<std::chrono::steady_clock::time_point> until) {
+  check_not_revoked();
   if (broken_) throw connection_closed("peer::receive: the connection was closed after a malformed message");
   for (;;) {
     channel::frame f = next_frame(until);

@@ -7,6 +7,7 @@
 // limits allow); receive is for one thread at a time.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <memory>
@@ -33,6 +34,8 @@ class peer_link {
   void send_note(std::span<const std::byte> metadata);
   /// Receives by `until` (nullopt: no deadline); throws timeout_error after.
   received receive(backend::stream_ref stream, std::optional<std::chrono::steady_clock::time_point> until);
+  /// Closes the connection and revokes the peer process (peer::revoke).
+  void revoke();
 
   [[nodiscard]] const channel::peer_credentials& credentials() const noexcept { return link_.peer(); }
   [[nodiscard]] peer_stats stats() const { return receiver_->stats(); }
@@ -62,6 +65,7 @@ class peer_link {
   void send_with_retirements(const Send& send);
   void send_storage(const storage::storage& st, std::span<const std::byte> metadata, backend::stream_ref stream,
                     outgoing& out);
+  void check_not_revoked() const;  // connection_closed once revoked
   // Closes the connection after a protocol error, so nothing more is read.
   [[noreturn]] void fail(const protocol_error& e);
   // Reads what has already arrived and releases the references its storage
@@ -80,6 +84,7 @@ class peer_link {
   std::mutex send_mutex_;
   std::unordered_set<std::uint64_t> files_sent_, segments_sent_, sources_sent_;  // guarded by send_mutex_
   bool hello_sent_ = false;                                                       // guarded by send_mutex_
+  std::atomic<bool> revoked_{false};
   bool broken_ = false;         // a protocol error closed it; receive side only
   bool hello_checked_ = false;  // the peer's first frame named the sharing protocol; receive side only
   limits limits_;

@@ -4,6 +4,7 @@
 #include "ipc/consumer_state.h"
 
 #include <algorithm>
+#include <set>
 #include <string>
 
 #include "shoal/backend/stream.h"
@@ -30,6 +31,8 @@ class sent_data final : public storage::storage_owner {
   }
 
   const producer_state* state() const noexcept { return state_.get(); }
+  std::uintptr_t block() const noexcept { return reinterpret_cast<std::uintptr_t>(data_); }
+  std::size_t bytes() const noexcept { return size_; }
 
   std::vector<slot_ref> slots;  // guarded by the state's mutex
 
@@ -83,8 +86,12 @@ producer_state::share producer_state::share_storage(const storage::storage& st, 
   s.offset = data - s.segments.front()->base;
   s.size = st.size();
   std::lock_guard lock(mutex_);
+  if (slots_.revoked(holder)) {
+    throw peer_refused("peer::send: process " + std::to_string(holder.pid) +
+                       " was revoked (peer::revoke); this context sends it nothing more");
+  }
   prune(sent->slots);
-  s.slot = slots_.claim(holder);
+  s.slot = slots_.claim(holder, sent->block(), sent->bytes());
   sent->slots.push_back(s.slot);
   s.file = slots_.file(s.slot.file_id);
   ++sent_;
@@ -223,6 +230,49 @@ void producer_state::free_blocks(const std::vector<ready_block>& blocks) noexcep
       }
     }
   }
+}
+
+void producer_state::connect(const process_identity& peer) {
+  std::lock_guard lock(mutex_);
+  slots_.connect(peer);
+}
+
+void producer_state::disconnect(const process_identity& peer) {
+  std::lock_guard lock(mutex_);
+  slots_.disconnect(peer);
+}
+
+void producer_state::revoke(const process_identity& peer) {
+  std::lock_guard lock(mutex_);
+  slots_.revoke(peer);
+}
+
+std::vector<holder_stats> producer_state::holders() const {
+  using key = std::pair<pid_t, std::uint64_t>;
+  const auto key_of = [](const process_identity& p) { return key{p.pid, p.start_time}; };
+  std::map<key, holder_stats> by_holder;
+  std::map<key, std::set<std::uintptr_t>> blocks_of;
+  std::map<std::uintptr_t, std::set<key>> holders_of;
+  std::lock_guard lock(mutex_);
+  for (const auto& h : slots_.holders()) {
+    by_holder[key_of(h.holder)] = {.process = h.holder, .connections = h.connections, .revoked = h.revoked};
+  }
+  for (const auto& r : slots_.held()) {
+    holder_stats& s = by_holder[key_of(r.holder)];
+    ++s.references;
+    if (blocks_of[key_of(r.holder)].insert(r.block).second) s.pinned_bytes += r.bytes;
+    holders_of[r.block].insert(key_of(r.holder));
+  }
+  for (const auto& e : limbo_) {
+    const auto it = holders_of.find(reinterpret_cast<std::uintptr_t>(e.data));
+    if (it == holders_of.end() || it->second.size() != 1) continue;
+    holder_stats& s = by_holder[*it->second.begin()];
+    ++s.limbo_blocks;
+    s.limbo_bytes += e.size;
+  }
+  std::vector<holder_stats> out;
+  for (auto& [k, s] : by_holder) out.push_back(s);
+  return out;
 }
 
 sharing_stats producer_state::stats() const {

@@ -57,7 +57,7 @@ class producer_state : public std::enable_shared_from_this<producer_state> {
   };
   /// Hands `st` over to a sent-data owner (once) and claims a slot held by
   /// `holder`. invalid_argument for a storage received from another process
-  /// or from another allocator.
+  /// or from another allocator; peer_refused when `holder` was revoked.
   share share_storage(const storage::storage& st, const process_identity& holder, backend::stream_ref stream);
   /// A share that never reached its holder: its slot is released.
   void abandon(const slot_ref& slot);
@@ -67,6 +67,14 @@ class producer_state : public std::enable_shared_from_this<producer_state> {
   /// Frees limbo blocks with no slot held; with `reclaim`, first takes back
   /// the slots of dead holders. Returns how many blocks it freed.
   std::size_t collect(bool reclaim);
+
+  /// A connection to `peer` opened / closed (counter_slots::connect).
+  void connect(const process_identity& peer);
+  void disconnect(const process_identity& peer);
+  /// `peer` is sent nothing more (share_storage throws peer_refused); the
+  /// references it holds stay held until it releases them or dies.
+  void revoke(const process_identity& peer);
+  [[nodiscard]] std::vector<holder_stats> holders() const;
 
   void add_outbox(const std::shared_ptr<outbox>& box);
   /// collect(true) also closes the receiver's finished mappings.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "ipc/peer_link.h"
@@ -64,28 +65,53 @@ sharing_context::~sharing_context() {
 alloc::caching_allocator& sharing_context::allocator() const noexcept { return state_->allocator; }
 std::size_t sharing_context::collect() { return state_->collect(true); }
 sharing_stats sharing_context::stats() const { return state_->stats(); }
+std::vector<holder_stats> sharing_context::holders() const { return state_->holders(); }
 
 peer::peer(sharing_context& context, channel::connection link)
     : link_(std::make_shared<detail::peer_link>(context.state_, std::move(link))) {}
 peer::~peer() = default;
 
+namespace {
+
+// Runs `call`; an error the peer caused names the peer.
+template <class Call>
+auto naming_peer(const detail::peer_link& link, const Call& call) {
+  const auto who = [&] {
+    const channel::peer_credentials& c = link.credentials();
+    return "peer pid " + std::to_string(c.process.pid) + " (uid " + std::to_string(c.uid) + "): ";
+  };
+  try {
+    return call();
+  } catch (const protocol_error& e) {
+    throw protocol_error(who() + e.what());
+  } catch (const connection_closed& e) {
+    throw connection_closed(who() + e.what());
+  }
+}
+
+}  // namespace
+
 void peer::send(const storage::storage& st, std::span<const std::byte> metadata, backend::stream_ref stream) {
-  link_->send(st, metadata, stream);
+  naming_peer(*link_, [&] { link_->send(st, metadata, stream); });
 }
 void peer::send(const storage::storage& st, std::span<const std::byte> metadata) {
-  link_->send(st, metadata, backend::current_stream(st.device()));
+  send(st, metadata, backend::current_stream(st.device()));
 }
-void peer::send_note(std::span<const std::byte> metadata) { link_->send_note(metadata); }
-received peer::receive(backend::stream_ref stream) { return link_->receive(stream, std::nullopt); }
-received peer::receive() {
-  return link_->receive(backend::current_stream(link_->allocator().device()), std::nullopt);
+void peer::send_note(std::span<const std::byte> metadata) {
+  naming_peer(*link_, [&] { link_->send_note(metadata); });
 }
+received peer::receive(backend::stream_ref stream) {
+  return naming_peer(*link_, [&] { return link_->receive(stream, std::nullopt); });
+}
+received peer::receive() { return receive(backend::current_stream(link_->allocator().device())); }
 received peer::receive_for(std::chrono::milliseconds timeout, backend::stream_ref stream) {
-  return link_->receive(stream, std::chrono::steady_clock::now() + std::max(timeout, std::chrono::milliseconds(0)));
+  const auto until = std::chrono::steady_clock::now() + std::max(timeout, std::chrono::milliseconds(0));
+  return naming_peer(*link_, [&] { return link_->receive(stream, until); });
 }
 received peer::receive_for(std::chrono::milliseconds timeout) {
   return receive_for(timeout, backend::current_stream(link_->allocator().device()));
 }
+void peer::revoke() { link_->revoke(); }
 const channel::peer_credentials& peer::credentials() const noexcept { return link_->credentials(); }
 peer_stats peer::stats() const { return link_->stats(); }
 int peer::native_handle() const noexcept { return link_->native_handle(); }

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <future>
 #include <string>
 #include <utility>
 #include <vector>
@@ -134,6 +135,50 @@ TEST(hostile_consumer, a_consumer_cannot_release_another_consumers_references_or
   p.dev.synchronize({});
   p.producer.collect();
   EXPECT_EQ(p.producer.stats().limbo_blocks, 0u) << "X is freed once A lets go (and B's slots are reclaimed)";
+}
+
+TEST(hostile_peer, errors_a_peer_causes_name_its_pid_and_uid) {
+  captured_exchange p;
+  const std::string named = "peer pid " + std::to_string(::getpid()) + " (uid " + std::to_string(::getuid()) + "): ";
+  auto frames = p.capture_share(8 * kib);
+  counter_frame(frames).fd = copy_of(counter_frame(frames).fd.get(), 0);  // unsealed: refused
+  const std::string refused = p.refusal_of(frames);
+  EXPECT_TRUE(refused.starts_with(named)) << refused;
+
+  auto [from, to] = connected_pair();
+  ipc::peer receiver(p.consumer, std::move(to));
+  { auto gone = std::move(from); }  // the peer hangs up
+  try {
+    (void)receiver.receive({});
+    ADD_FAILURE() << "a closed connection delivered something";
+  } catch (const connection_closed& e) {
+    EXPECT_TRUE(std::string(e.what()).starts_with(named)) << e.what();
+  }
+}
+
+// Revoking stops serving the process on every connection and wakes a
+// receive blocked on the revoked one; what it holds stays held.
+TEST(hostile_peer, a_revoked_process_is_refused_on_every_connection) {
+  captured_exchange p;
+  auto [to_a, a_end] = connected_pair();
+  auto [to_b, b_end] = connected_pair();
+  ipc::peer producer_to_a(p.producer, std::move(to_a)), producer_to_b(p.producer, std::move(to_b));
+  ipc::peer consumer_a(p.consumer, std::move(a_end)), consumer_b(p.consumer, std::move(b_end));
+  producer_to_a.send(storage::storage::allocate(p.producer_allocator, 4 * kib, {}), {}, {});
+  ipc::received held = consumer_a.receive({});
+  ASSERT_TRUE(held.storage.valid());
+
+  auto blocked = std::async(std::launch::async, [&] { (void)producer_to_a.receive({}); });
+  producer_to_a.revoke();
+  ASSERT_EQ(blocked.wait_for(5s), std::future_status::ready) << "a receive blocked on the revoked connection still waits";
+  EXPECT_THROW(blocked.get(), connection_closed);
+  EXPECT_THROW((void)consumer_a.receive({}), connection_closed) << "the consumer's end is closed";
+  EXPECT_THROW(producer_to_b.send(storage::storage::allocate(p.producer_allocator, 4 * kib, {}), {}, {}), peer_refused);
+  const auto holders = p.producer.holders();
+  ASSERT_EQ(holders.size(), 1u);
+  EXPECT_TRUE(holders[0].revoked);
+  EXPECT_EQ(holders[0].references, 1u) << "what it holds stays held";
+  EXPECT_EQ(holders[0].pinned_bytes, 4 * kib);
 }
 
 }  // namespace

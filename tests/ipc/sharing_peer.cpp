@@ -18,11 +18,16 @@
 //       slots marked released, free ones marked held), says so in a note
 //       "scribbled" (after the protocol's hello), and stays connected until
 //       the parent hangs up.
+//   shoal_test_sharing_peer hold-until-closed <host|cuda>
+//       Like consume, keeping every storage, until the connection closes:
+//       then checks that every kept storage still reads its byte and exits
+//       at once, still holding them, with 3 (1 when a byte changed).
 //   shoal_test_sharing_peer relay <host|cuda> <program>
 //       Starts <program> consume as the next process; copies each storage it
 //       receives into one of its own and sends the copy on; passes the next
 //       process's answers back. Ends with "bye".
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdio>
@@ -30,6 +35,7 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "shoal/alloc/caching_allocator.h"
@@ -127,6 +133,30 @@ int consume(backend::device& dev) {
   }
 }
 
+int hold_until_closed(backend::device& dev) {
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context context(allocator);
+  ipc::peer parent(context, parent_link());
+  std::vector<std::pair<storage::storage, std::uint8_t>> kept;
+  try {
+    for (;;) {
+      ipc::received r = parent.receive(backend::stream_ref{});
+      if (!r.storage.valid() || r.metadata.size() != 2) continue;
+      const auto expected = static_cast<std::uint8_t>(r.metadata[0]);
+      const std::string answer = check(dev, r.storage, expected);
+      kept.emplace_back(std::move(r.storage), expected);
+      parent.send_note(text(answer));
+    }
+  } catch (const connection_closed&) {
+    int verdict = 3;
+    for (const auto& [st, expected] : kept) {
+      if (check(dev, st, expected) != "ok") verdict = 1;
+    }
+    std::fflush(nullptr);
+    std::_Exit(verdict);
+  }
+}
+
 int produce(backend::device& dev, std::size_t bytes, std::uint8_t value) {
   alloc::caching_allocator allocator(dev, {});
   ipc::sharing_context context(allocator);
@@ -193,6 +223,7 @@ int main(int argc, char** argv) {
     const std::string mode = argv[1], backend_name = argv[2];
     backend::device& dev = backend_name == "cuda" ? backend::cuda_device_instance(0) : backend::host_device_instance();
     if (mode == "consume") return consume(dev);
+    if (mode == "hold-until-closed") return hold_until_closed(dev);
     if (mode == "produce" && argc == 5) {
       return produce(dev, std::strtoull(argv[3], nullptr, 10), static_cast<std::uint8_t>(std::atoi(argv[4])));
     }

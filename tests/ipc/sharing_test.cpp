@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -345,6 +346,105 @@ TYPED_TEST(sharing_test, a_chain_of_three_processes_ends_where_it_started) {
 }
 
 
+// ---- holders, revocation, forks ---------------------------------------------
+
+std::optional<ipc::holder_stats> holder(const std::vector<ipc::holder_stats>& all, pid_t pid) {
+  for (const auto& h : all) {
+    if (h.process.pid == pid) return h;
+  }
+  return std::nullopt;
+}
+
+TYPED_TEST(sharing_test, holders_say_which_consumer_pins_how_much) {
+  auto& ctx = this->context();
+  this->start({"consume"});
+  child_process other_process(SHOAL_TEST_SHARING_PEER, {"consume", TypeParam::name});
+  ipc::peer other(ctx, channel::connection::adopt_pair_end(unique_fd(::dup(other_process.socket())), {}, 1 << 20));
+  const std::byte keep[2] = {std::byte{6}, std::byte{1}};
+  auto shared = this->filled(8 * kib, 6);  // held by both, still the producer's: in no limbo
+  {
+    auto a = this->filled(64 * kib, 3), b = this->filled(32 * kib, 4);
+    ASSERT_EQ(this->send(a, 3, true), "ok");
+    ASSERT_EQ(this->send(b, 4, true), "ok");
+    ASSERT_EQ(this->send(shared, 6, true), "ok");
+    other.send(shared, keep, {});
+    ASSERT_EQ(text_of(other.receive({}).metadata), "ok");
+  }
+  const pid_t first_pid = this->child_->pid(), second_pid = other_process.pid();
+  auto all = ctx.holders();
+  const auto first = holder(all, first_pid), second = holder(all, second_pid);
+  ASSERT_TRUE(first && second);
+  EXPECT_EQ(first->references, 3u);
+  EXPECT_EQ(first->pinned_bytes, 104 * kib);
+  EXPECT_EQ(first->limbo_blocks, 2u) << "a and b wait for the first consumer alone";
+  EXPECT_EQ(first->limbo_bytes, 96 * kib);
+  EXPECT_EQ(first->connections, 1u);
+  EXPECT_EQ(second->references, 1u);
+  EXPECT_EQ(second->pinned_bytes, 8 * kib);
+  EXPECT_EQ(second->limbo_blocks, 0u);
+  EXPECT_FALSE(first->revoked || second->revoked);
+
+  shared = storage_t();  // now in the limbo, held by both: only-because-of neither
+  EXPECT_EQ(holder(ctx.holders(), second_pid)->limbo_blocks, 0u);
+
+  EXPECT_EQ(this->command("release"), "released");
+  ctx.collect();
+  all = ctx.holders();
+  EXPECT_EQ(holder(all, first_pid)->references, 0u) << "the first consumer released";
+  EXPECT_EQ(holder(all, first_pid)->pinned_bytes, 0u);
+  EXPECT_EQ(holder(all, second_pid)->limbo_blocks, 1u) << "the shared block now waits for the second alone";
+  EXPECT_EQ(holder(all, second_pid)->limbo_bytes, 8 * kib);
+
+  ::kill(second_pid, SIGKILL);
+  EXPECT_EQ(other_process.wait(), 128 + SIGKILL);
+  EXPECT_TRUE(this->drains()) << "the dead consumer's reference is reclaimed";
+  const auto dead = holder(ctx.holders(), second_pid);
+  ASSERT_TRUE(dead) << "still connected: its peer object lives";
+  EXPECT_EQ(dead->references, 0u);
+  EXPECT_EQ(dead->limbo_blocks, 0u);
+  this->finish();
+}
+
+TYPED_TEST(sharing_test, a_revoked_consumer_is_cut_off_and_its_memory_stays_pinned_until_it_dies) {
+  // No background collector: what a revoked holder pins is looked at before
+  // collect() notices it has died.
+  this->context_ = std::make_unique<ipc::sharing_context>(this->make(), ipc::sharing_options{.collect_interval = 0ms});
+  auto& ctx = *this->context_;
+  auto& revoked = this->start({"hold-until-closed"});
+  const pid_t revoked_pid = this->child_->pid();
+  child_process other_process(SHOAL_TEST_SHARING_PEER, {"consume", TypeParam::name});
+  ipc::peer other(ctx, channel::connection::adopt_pair_end(unique_fd(::dup(other_process.socket())), {}, 1 << 20));
+  const std::byte keep[2] = {std::byte{5}, std::byte{0}};
+  {
+    auto st = this->filled(64 * kib, 3);
+    ASSERT_EQ(this->send(st, 3, true), "ok");
+  }
+  revoked.revoke();
+  EXPECT_THROW(revoked.send_note(text("more")), connection_closed);
+  EXPECT_THROW((void)revoked.receive({}), connection_closed);
+  EXPECT_EQ(this->child_->wait(), 3) << "the consumer saw connection_closed, and its storage still read right";
+  auto h = holder(ctx.holders(), revoked_pid);
+  ASSERT_TRUE(h);
+  EXPECT_TRUE(h->revoked);
+  EXPECT_EQ(h->references, 1u) << "still held (until a collect finds the process dead)";
+  EXPECT_EQ(h->limbo_blocks, 1u);
+
+  {
+    auto st = this->filled(4 * kib, 5);
+    other.send(st, keep, {});
+    EXPECT_EQ(text_of(other.receive({}).metadata), "ok") << "the producer still serves the others";
+  }
+
+  EXPECT_TRUE(this->drains()) << "the revoked consumer's reference is reclaimed once it has died";
+  EXPECT_EQ(ctx.stats().slots_reclaimed, 1u);
+  h = holder(ctx.holders(), revoked_pid);
+  ASSERT_TRUE(h) << "its peer object lives";
+  EXPECT_EQ(h->references, 0u);
+  EXPECT_EQ(h->limbo_blocks, 0u);
+  other.send_note(text("bye"));
+  EXPECT_EQ(other_process.wait(), 0);
+}
+
 // ---- malformed input -------------------------------------------------------
 
 struct raw_frame {
@@ -464,6 +564,24 @@ TEST(sharing_failures, storages_a_consumer_never_read_are_given_back_when_it_clo
   EXPECT_EQ(producer.stats().held_slots, 0u);
   EXPECT_EQ(producer.stats().limbo_blocks, 0u);
   EXPECT_EQ(allocator.stats().allocated_bytes.aggregate.current, 0);
+}
+
+TEST(sharing_counters, a_holders_last_connection_closing_closes_its_empty_counter_files) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context producer(allocator, {.collect_interval = 0ms});
+  ipc::sharing_context consumer(allocator, {.collect_interval = 0ms});
+  auto [to_consumer, consumer_end] = connected_pair();
+  auto sender = std::make_unique<ipc::peer>(producer, std::move(to_consumer));
+  ipc::peer receiver(consumer, std::move(consumer_end));
+  sender->send(storage_t::allocate(allocator, 4 * kib, {}), {}, {});
+  { auto r = receiver.receive({}); }
+  dev.synchronize({});
+  producer.collect();
+  ASSERT_EQ(producer.stats().held_slots, 0u);
+  EXPECT_EQ(producer.stats().counter_files, 1u) << "the connected holder's newest file stays for its next shares";
+  sender.reset();
+  EXPECT_EQ(producer.stats().counter_files, 0u) << "closed with the holder's last connection, though the holder lives";
 }
 
 TEST(sharing_poll, a_peer_is_readable_exactly_while_a_message_waits) {

@@ -56,6 +56,12 @@
 //     receive_for() has a deadline, sends have sharing_options::send_timeout,
 //     and tearing a peer down waits at most sharing_options::teardown_timeout
 //     (a peer that stalls in the middle of a message is cut off).
+//   - A producer can stop serving a misbehaving consumer (peer::revoke) but
+//     not take back what it holds: that memory stays pinned, never reused,
+//     until the consumer releases it or dies. sharing_context::holders()
+//     says which process pins how much.
+//   - Errors a peer causes (protocol_error, connection_closed) name it:
+//     their message starts with "peer pid <pid> (uid <uid>): ".
 //   - References belong to the process that connected: one that forks after
 //     receiving does not make its child a holder, and once it exits its
 //     references are reclaimed even if the child still maps the memory.
@@ -105,6 +111,10 @@ class sharing_context {
   /// held; returns how many blocks it freed.
   std::size_t collect();
   [[nodiscard]] sharing_stats stats() const;
+  /// Per process: the references it holds on this context's memory, the
+  /// bytes they pin and the limbo blocks only it keeps; every process this
+  /// context is connected to, holds memory of, or revoked, in pid order.
+  [[nodiscard]] std::vector<holder_stats> holders() const;
 
  private:
   friend class peer;
@@ -151,6 +161,16 @@ class peer {
   /// middle of one has the connection closed (connection::receive_for).
   received receive_for(std::chrono::milliseconds timeout, backend::stream_ref stream);
   received receive_for(std::chrono::milliseconds timeout);
+
+  /// Stops trusting the peer process: closes this connection (a receive or
+  /// send blocked on it, here or in the peer, ends with connection_closed;
+  /// later ones throw it) and the context sends that process nothing more,
+  /// on any connection (peer_refused). The references it holds stay held:
+  /// it still maps that memory, and no process can unmap another's, so the
+  /// memory is not reused until it releases them or dies (then the
+  /// collector reclaims them as for any holder). May be called from any
+  /// thread, more than once.
+  void revoke();
 
   [[nodiscard]] const channel::peer_credentials& credentials() const noexcept;
   [[nodiscard]] peer_stats stats() const;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "shoal/channel/protocol.h"
+#include "shoal/core/process_identity.h"
 #include "shoal/storage/storage.h"
 
 namespace shoal::ipc {
@@ -63,6 +64,18 @@ struct sharing_stats {
   std::uint64_t storages_sent = 0;
   std::uint64_t limbo_freed = 0;        ///< limbo blocks freed so far
   std::uint64_t slots_reclaimed = 0;    ///< references of dead holders taken back
+};
+
+/// One process holding references to this context's memory, or connected to
+/// it (sharing_context::holders()).
+struct holder_stats {
+  process_identity process;
+  std::size_t references = 0;    ///< references it holds (slots not released)
+  std::size_t pinned_bytes = 0;  ///< the blocks those references are on, each counted once
+  std::size_t limbo_blocks = 0;  ///< blocks in the limbo that only this process still holds
+  std::size_t limbo_bytes = 0;
+  std::size_t connections = 0;   ///< connections of this context to it still open
+  bool revoked = false;          ///< peer::revoke(); remembered until the process dies
 };
 
 struct peer_stats {

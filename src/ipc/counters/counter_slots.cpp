@@ -14,6 +14,18 @@ bool same_process(const process_identity& a, const process_identity& b) {
   return a.pid == b.pid && a.start_time == b.start_time;
 }
 
+std::pair<pid_t, std::uint64_t> key_of(const process_identity& p) { return {p.pid, p.start_time}; }
+
+// A failed /proc read tells nothing: the process counts as alive, and the
+// next pass looks again.
+bool is_alive_or_unknown(const process_identity& p) {
+  try {
+    return is_alive(p);
+  } catch (const error&) {
+    return true;
+  }
+}
+
 }  // namespace
 
 counter_slots::counter_slots(std::uint32_t slots_per_file) : slots_per_file_(slots_per_file) {
@@ -32,13 +44,13 @@ std::pair<std::uint64_t, counter_slots::file_entry*> counter_slots::file_for(con
   return {id, files_.emplace(id, std::move(e)).first->second.get()};
 }
 
-slot_ref counter_slots::claim(const process_identity& holder) {
+slot_ref counter_slots::claim(const process_identity& holder, std::uintptr_t block, std::size_t bytes) {
   auto [file_id, e] = file_for(holder);
   const std::uint32_t index = e->free_slots.back();
   const slot_ticket ticket{index, ++e->generations[index]};
   e->file->claim(ticket, holder);
   e->free_slots.pop_back();
-  e->handed_out.emplace(index, ticket.generation);
+  e->handed_out.emplace(index, handed_slot{ticket.generation, block, bytes});
   ++in_use_;
   return {file_id, ticket};
 }
@@ -63,7 +75,8 @@ void counter_slots::recycle(const slot_ref& slot) {
 
 void counter_slots::close_if_unused(std::uint64_t file_id, const file_entry& e) {
   if (!e.handed_out.empty()) return;
-  if (!e.holder_dead) {
+  const auto record = holders_.find(key_of(e.holder));
+  if (!e.holder_dead && record != holders_.end() && record->second.connections > 0) {
     for (auto it = files_.rbegin(); it != files_.rend(); ++it) {
       if (same_process(it->second->holder, e.holder)) {
         if (it->first == file_id) return;  // the living holder's newest stays for its next claims
@@ -81,23 +94,64 @@ std::size_t counter_slots::reclaim_dead_holders() {
   std::map<std::pair<pid_t, std::uint64_t>, bool> alive;  // one /proc read per holder
   for (auto& [id, e] : files_) {
     if (!e->holder_dead) {
-      auto [it, fresh] = alive.try_emplace({e->holder.pid, e->holder.start_time}, true);
-      if (fresh) {
-        try {
-          it->second = is_alive(e->holder);
-        } catch (const error&) {  // NOLINT(bugprone-empty-catch): a failed /proc read tells nothing; the next pass looks again
-        }
-      }
+      auto [it, fresh] = alive.try_emplace(key_of(e->holder), true);
+      if (fresh) it->second = is_alive_or_unknown(e->holder);
       if (it->second) continue;
       e->holder_dead = true;
-      for (const auto& [index, generation] : e->handed_out) {
-        if (e->file->take_back({index, generation})) ++reclaimed;
+      for (const auto& [index, handed] : e->handed_out) {
+        if (e->file->take_back({index, handed.generation})) ++reclaimed;
       }
     }
     if (e->handed_out.empty()) unused.push_back(id);  // a dead holder's file with nothing out
   }
   for (auto id : unused) close_if_unused(id, *files_.at(id));
+  // A revoked holder no longer connected is remembered until it dies.
+  std::erase_if(holders_, [&](const auto& h) {
+    if (h.second.connections > 0) return false;
+    const auto known = alive.find(h.first);
+    return known != alive.end() ? !known->second : !is_alive_or_unknown({h.first.first, h.first.second});
+  });
   return reclaimed;
+}
+
+void counter_slots::connect(const process_identity& holder) { ++holders_[key_of(holder)].connections; }
+
+void counter_slots::disconnect(const process_identity& holder) {
+  const auto it = holders_.find(key_of(holder));
+  if (it == holders_.end() || it->second.connections == 0) return;
+  if (--it->second.connections > 0) return;
+  if (!it->second.revoked) holders_.erase(it);
+  std::vector<std::uint64_t> unused;
+  for (const auto& [id, e] : files_) {
+    if (same_process(e->holder, holder) && e->handed_out.empty()) unused.push_back(id);
+  }
+  for (auto id : unused) close_if_unused(id, *files_.at(id));
+}
+
+void counter_slots::revoke(const process_identity& holder) { holders_[key_of(holder)].revoked = true; }
+
+bool counter_slots::revoked(const process_identity& holder) const {
+  const auto it = holders_.find(key_of(holder));
+  return it != holders_.end() && it->second.revoked;
+}
+
+std::vector<held_reference> counter_slots::held() const {
+  std::vector<held_reference> out;
+  for (const auto& [id, e] : files_) {
+    for (const auto& [index, handed] : e->handed_out) {
+      if (!e->file->released({index, handed.generation})) out.push_back({e->holder, handed.block, handed.bytes});
+    }
+  }
+  return out;
+}
+
+std::vector<holder_info> counter_slots::holders() const {
+  std::map<holder_key, holder_info> out;
+  for (const auto& [key, record] : holders_) out[key] = {{key.first, key.second}, record.connections, record.revoked};
+  for (const auto& [id, e] : files_) out.try_emplace(key_of(e->holder), holder_info{e->holder, 0, false});
+  std::vector<holder_info> list;
+  for (auto& [key, info] : out) list.push_back(info);
+  return list;
 }
 
 std::shared_ptr<const counter_file> counter_slots::file(std::uint64_t file_id) const {
