@@ -22,14 +22,21 @@
 //       Like consume, keeping every storage, until the connection closes:
 //       then checks that every kept storage still reads its byte and exits
 //       at once, still holding them, with 3 (1 when a byte changed).
+//   shoal_test_sharing_peer fork-holder host
+//       Receives one storage, then forks a child that drops its copy of it
+//       and exits, and says "child dropped". On a note, forks a second child
+//       that keeps the memory mapped until the socket closes, says
+//       "keeper <pid>", and exits at once, still holding the reference.
 //   shoal_test_sharing_peer relay <host|cuda> <program>
 //       Starts <program> consume as the next process; copies each storage it
 //       receives into one of its own and sends the copy on; passes the next
 //       process's answers back. Ends with "bye".
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -157,6 +164,34 @@ int hold_until_closed(backend::device& dev) {
   }
 }
 
+int fork_holder(backend::device& dev) {
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context context(allocator, {.collect_interval = std::chrono::milliseconds(0)});
+  ipc::peer parent(context, parent_link());
+  ipc::received r = parent.receive(backend::stream_ref{});
+  dev.synchronize({});
+  const pid_t dropper = ::fork();
+  if (dropper == 0) {
+    r.storage = {};  // in the child: must leave the parent's reference alone
+    std::_Exit(0);
+  }
+  int status = 0;
+  if (dropper < 0 || ::waitpid(dropper, &status, 0) != dropper || !WIFEXITED(status)) return 1;
+  parent.send_note(text("child dropped"));
+  (void)parent.receive(backend::stream_ref{});
+  const pid_t keeper = ::fork();
+  if (keeper == 0) {
+    char byte = 0;
+    while (::read(child_process::child_socket_fd, &byte, 1) > 0) {
+    }
+    std::_Exit(0);  // the test hung up
+  }
+  if (keeper < 0) return 1;
+  parent.send_note(text("keeper " + std::to_string(keeper)));
+  std::fflush(nullptr);
+  std::_Exit(0);  // still holding the reference
+}
+
 int produce(backend::device& dev, std::size_t bytes, std::uint8_t value) {
   alloc::caching_allocator allocator(dev, {});
   ipc::sharing_context context(allocator);
@@ -224,6 +259,7 @@ int main(int argc, char** argv) {
     backend::device& dev = backend_name == "cuda" ? backend::cuda_device_instance(0) : backend::host_device_instance();
     if (mode == "consume") return consume(dev);
     if (mode == "hold-until-closed") return hold_until_closed(dev);
+    if (mode == "fork-holder") return fork_holder(dev);
     if (mode == "produce" && argc == 5) {
       return produce(dev, std::strtoull(argv[3], nullptr, 10), static_cast<std::uint8_t>(std::atoi(argv[4])));
     }

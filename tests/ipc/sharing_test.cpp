@@ -445,6 +445,43 @@ TYPED_TEST(sharing_test, a_revoked_consumer_is_cut_off_and_its_memory_stays_pinn
   EXPECT_EQ(other_process.wait(), 0);
 }
 
+// References belong to the process that connected (sharing.h): a forked
+// child is no holder. Its drop of a received storage leaves the parent's
+// reference alone; and once the parent exits, its reference is reclaimed
+// even though the child still maps the memory. Host backend: a CUDA context
+// is not usable in a forked child.
+TEST(sharing_fork, a_forked_child_is_not_a_holder) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context ctx(allocator, {.collect_interval = 0ms});
+  child_process holder_process(SHOAL_TEST_SHARING_PEER, {"fork-holder", "host"});
+  ipc::peer to_holder(ctx, channel::connection::adopt_pair_end(unique_fd(::dup(holder_process.socket())), {}, 1 << 20));
+  {
+    auto st = storage_t::allocate(allocator, 64 * kib, {});
+    dev.fill({}, st.mutable_data({}), 7, 64 * kib);
+    to_holder.send(st, {}, {});
+  }
+  ASSERT_EQ(text_of(to_holder.receive({}).metadata), "child dropped");
+  ctx.collect();
+  EXPECT_EQ(ctx.stats().held_slots, 1u) << "a forked child's drop released its parent's reference";
+  EXPECT_EQ(ctx.stats().limbo_blocks, 1u);
+
+  to_holder.send_note(text("go on"));
+  const std::string said = text_of(to_holder.receive({}).metadata);
+  ASSERT_TRUE(said.starts_with("keeper ")) << said;
+  const pid_t keeper = std::stoi(said.substr(7));
+  EXPECT_EQ(holder_process.wait(), 0);
+  const auto until = std::chrono::steady_clock::now() + 3s;
+  while (ctx.stats().limbo_blocks != 0 && std::chrono::steady_clock::now() < until) {
+    ctx.collect();
+    std::this_thread::sleep_for(5ms);
+  }
+  EXPECT_EQ(ctx.stats().limbo_blocks, 0u) << "the parent's reference is reclaimed when it exits";
+  EXPECT_EQ(ctx.stats().slots_reclaimed, 1u);
+  EXPECT_EQ(::kill(keeper, 0), 0) << "while its forked child still runs, mapping the memory";
+  EXPECT_EQ(allocator.stats().allocated_bytes.aggregate.current, 0);
+}  // hangs up: the keeper ends
+
 // ---- malformed input -------------------------------------------------------
 
 struct raw_frame {

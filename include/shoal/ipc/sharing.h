@@ -64,7 +64,12 @@
 //     their message starts with "peer pid <pid> (uid <uid>): ".
 //   - References belong to the process that connected: one that forks after
 //     receiving does not make its child a holder, and once it exits its
-//     references are reclaimed even if the child still maps the memory.
+//     references are reclaimed even if the child still maps the memory (the
+//     child must not use received memory past its parent's life). Nothing a
+//     forked child does moves counter memory: its drops of inherited
+//     storages release nothing, so they cannot free what its parent still
+//     uses. A context, its peers and received storages are for the process
+//     that made them.
 //
 // Ordering: the producer's writes enqueued before send() on the send stream
 // are passed before any work the receiver enqueues on its receive stream.

@@ -52,13 +52,14 @@ static_assert(sizeof(counter_file::slot) == 32);
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free, "slots are shared between processes");
 
 counter_file::counter_file(unique_fd fd, void* mapping, std::size_t bytes, std::uint32_t slots)
-    : fd_(std::move(fd)), mapping_(mapping), bytes_(bytes), slots_(slots) {}
+    : fd_(std::move(fd)), mapping_(mapping), bytes_(bytes), slots_(slots), owner_(::getpid()) {}
 
 counter_file::counter_file(counter_file&& other) noexcept
     : fd_(std::move(other.fd_)),
       mapping_(std::exchange(other.mapping_, nullptr)),
       bytes_(other.bytes_),
-      slots_(other.slots_) {}
+      slots_(other.slots_),
+      owner_(other.owner_) {}
 
 counter_file::~counter_file() {
   if (mapping_ != nullptr) ::munmap(mapping_, bytes_);
@@ -122,7 +123,10 @@ counter_file::slot& counter_file::at(std::uint32_t index) const noexcept {
   return first[index];
 }
 
+bool counter_file::owned_here() const noexcept { return ::getpid() == owner_; }
+
 void counter_file::claim(slot_ticket t, const process_identity& holder) noexcept {
+  if (!owned_here()) return;
   slot& s = at(t.index);
   s.holder_pid = holder.pid;
   s.holder_start_time = holder.start_time;
@@ -134,10 +138,12 @@ bool counter_file::released(slot_ticket t) const noexcept {
 }
 
 void counter_file::recycle(slot_ticket t) noexcept {
+  if (!owned_here()) return;
   at(t.index).word.store(pack(t.generation, slot_state::free), std::memory_order_relaxed);
 }
 
 bool counter_file::take_back(slot_ticket t) noexcept {
+  if (!owned_here()) return false;
   return at(t.index).word.exchange(pack(t.generation, slot_state::released), std::memory_order_acq_rel) !=
          pack(t.generation, slot_state::released);
 }
@@ -147,7 +153,7 @@ bool counter_file::holds(slot_ticket t) const noexcept {
 }
 
 bool counter_file::release(slot_ticket t) noexcept {
-  if (t.index >= slots_) return false;
+  if (t.index >= slots_ || !owned_here()) return false;
   std::uint64_t expected = pack(t.generation, slot_state::held);
   return at(t.index).word.compare_exchange_strong(expected, pack(t.generation, slot_state::released),
                                                    std::memory_order_acq_rel);

@@ -29,6 +29,11 @@
 // so whatever a holder writes into a free slot is overwritten at the next
 // claim.
 //
+// The words belong to the process that created or opened the file: in a
+// child it forks, the operations that write a word do nothing (a child
+// dropping a storage it inherited must not release its parent's reference,
+// and a forked producer must not hand out its parent's slots).
+//
 // Thread-safety: the word operations are atomic across processes; mapping
 // and unmapping belong to one owner.
 #pragma once
@@ -87,17 +92,19 @@ class counter_file {
   /// True when `ticket` names a slot held right now under that generation.
   [[nodiscard]] bool holds(slot_ticket ticket) const noexcept;
   /// Drops the reference of `ticket`; false when it was not held (already
-  /// released, or reclaimed).
+  /// released, or reclaimed), or when called in a forked child.
   bool release(slot_ticket ticket) noexcept;
 
  private:
   counter_file(unique_fd fd, void* mapping, std::size_t bytes, std::uint32_t slots);
   [[nodiscard]] slot& at(std::uint32_t index) const noexcept;
+  [[nodiscard]] bool owned_here() const noexcept;  // not in a forked child
 
   unique_fd fd_;
   void* mapping_ = nullptr;
   std::size_t bytes_ = 0;
   std::uint32_t slots_ = 0;
+  pid_t owner_ = 0;  // the process that created or opened it
 };
 
 }  // namespace shoal::ipc::detail
