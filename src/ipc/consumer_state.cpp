@@ -123,14 +123,12 @@ void check_room(std::size_t announced, std::size_t limit, const char* what, cons
 }  // namespace
 
 void consumer_state::add_counter_file(const counter_file_message& m, unique_fd fd) {
-  {
-    std::lock_guard lock(mutex_);
-    if (files_.contains(m.file_id)) return;  // another connection announced it first
-    check_room(files_.size(), options.max_peer_counter_files, "counter files", "max_peer_counter_files");
-  }
-  auto file = std::make_shared<counter_file>(counter_file::open(std::move(fd), m.slots));
+  // Checked and added under one lock: connections announcing at once cannot
+  // pass the limit between the check and the add.
   std::lock_guard lock(mutex_);
-  files_.emplace(m.file_id, std::move(file));
+  if (files_.contains(m.file_id)) return;  // another connection announced it first
+  check_room(files_.size(), options.max_peer_counter_files, "counter files", "max_peer_counter_files");
+  files_.emplace(m.file_id, std::make_shared<counter_file>(counter_file::open(std::move(fd), m.slots)));
 }
 
 void consumer_state::add_segment(segment_message m) {

@@ -24,7 +24,8 @@
 namespace shoal::testing {
 
 // Message types of the sharing protocol (src/ipc/messages.h).
-inline constexpr std::uint16_t counter_file_type = 1, segment_type = 2, event_source_type = 3, storage_type = 4;
+inline constexpr std::uint16_t counter_file_type = 1, segment_type = 2, event_source_type = 3, storage_type = 4,
+                                note_type = 7;
 
 /// Two connected channel ends in this process.
 inline std::pair<channel::connection, channel::connection> connected_pair() {

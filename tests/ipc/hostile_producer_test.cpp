@@ -12,6 +12,9 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <latch>
+#include <memory>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -131,6 +134,42 @@ TEST(hostile_producer, announcements_past_the_limits_are_refused) {
     captured_exchange x({.collect_interval = 0ms, .max_peer_slots_per_file = 1024});  // the producer's files have 4096
     const std::string why = x.refusal_of(x.capture_share(8 * kib));
     EXPECT_NE(why.find("slots"), std::string::npos) << why;
+  }
+}
+
+// Connections to one producer announce into one table: announcements that
+// arrive at once on several connections still stop exactly at the limit.
+TEST(hostile_producer, announcements_at_once_on_several_connections_stop_exactly_at_the_limit) {
+  constexpr int connections = 8;
+  for (int round = 0; round < 100; ++round) {
+    captured_exchange x({.collect_interval = 0ms, .max_peer_counter_files = 1});
+    auto frames = x.capture_share(8 * kib);
+    const channel::frame& counters = frame_of_type(frames, counter_file_type);
+    std::vector<std::unique_ptr<ipc::peer>> receivers;
+    std::vector<channel::connection> senders;
+    for (int i = 0; i < connections; ++i) {
+      auto [from, to] = connected_pair();
+      receivers.push_back(std::make_unique<ipc::peer>(x.consumer, std::move(to)));
+      std::vector<std::byte> payload = counters.payload;
+      write_at(payload, 0, std::uint64_t{5000} + static_cast<std::uint64_t>(i));  // its own file id
+      from.send(frames[0].type, frames[0].payload);  // the hello
+      from.send(counters.type, payload, counters.fd.get());
+      from.send(note_type, std::vector<std::byte>(4));  // an empty note: receive returns
+      senders.push_back(std::move(from));
+    }
+    std::latch start(connections);
+    std::vector<std::thread> threads;
+    for (auto& r : receivers) {
+      threads.emplace_back([&start, &r] {
+        start.arrive_and_wait();
+        try {
+          (void)r->receive({});
+        } catch (const protocol_error&) {  // NOLINT(bugprone-empty-catch): past the limit
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    ASSERT_EQ(receivers[0]->stats().counter_files, 1u) << "round " << round << ": the limit of 1 was passed";
   }
 }
 
