@@ -16,7 +16,8 @@ namespace shoal::ipc::detail {
 peer_link::peer_link(std::shared_ptr<producer_state> state, channel::connection link)
     : state_(std::move(state)),
       link_(std::move(link)),
-      receiver_(consumer_state::for_producer(link_.peer().process, state_.get(), state_->allocator, state_->options)) {
+      receiver_(consumer_state::for_producer(link_.peer().process, state_.get(), state_->allocator, state_->options)),
+      outbox_(std::make_shared<outbox>(link_.peer().process)) {
   limits_.max_metadata = state_->options.max_metadata_bytes;
   // A storage message must fit a frame: 8 bytes per segment id.
   limits_.max_segments_per_storage = link_.max_payload() / sizeof(std::uint64_t);
@@ -43,9 +44,9 @@ peer_link::retirements peer_link::take_retirements() {
     r.segments.swap(outbox_->segments);
     r.files.swap(outbox_->files);
   }
-  // Only what this peer was told about.
+  // Segments: only what this peer was told about. Files: all its holder's,
+  // since another connection may have announced them to the same table.
   std::erase_if(r.segments, [&](std::uint64_t id) { return !segments_sent_.contains(id); });
-  std::erase_if(r.files, [&](std::uint64_t id) { return !files_sent_.contains(id); });
   return r;
 }
 

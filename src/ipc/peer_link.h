@@ -79,7 +79,7 @@ class peer_link {
   std::shared_ptr<producer_state> state_;
   channel::connection link_;
   std::shared_ptr<consumer_state> receiver_;
-  std::shared_ptr<outbox> outbox_ = std::make_shared<outbox>();
+  std::shared_ptr<outbox> outbox_;
 
   std::mutex send_mutex_;
   std::unordered_set<std::uint64_t> files_sent_, segments_sent_, sources_sent_;  // guarded by send_mutex_

@@ -85,16 +85,21 @@ producer_state::share producer_state::share_storage(const storage::storage& st, 
   s.segments = exports_for(data, st.size());
   s.offset = data - s.segments.front()->base;
   s.size = st.size();
-  std::lock_guard lock(mutex_);
-  if (slots_.revoked(holder)) {
-    throw peer_refused("peer::send: process " + std::to_string(holder.pid) +
-                       " was revoked (peer::revoke); this context sends it nothing more");
+  std::vector<closed_file> closed;
+  {
+    std::lock_guard lock(mutex_);
+    if (slots_.revoked(holder)) {
+      throw peer_refused("peer::send: process " + std::to_string(holder.pid) +
+                         " was revoked (peer::revoke); this context sends it nothing more");
+    }
+    prune(sent->slots);
+    s.slot = slots_.claim(holder, sent->block(), sent->bytes());
+    sent->slots.push_back(s.slot);
+    s.file = slots_.file(s.slot.file_id);
+    ++sent_;
+    closed = slots_.take_closed_files();
   }
-  prune(sent->slots);
-  s.slot = slots_.claim(holder, sent->block(), sent->bytes());
-  sent->slots.push_back(s.slot);
-  s.file = slots_.file(s.slot.file_id);
-  ++sent_;
+  post_files(closed);
   return s;
 }
 
@@ -135,15 +140,28 @@ void producer_state::on_release(std::uintptr_t base, std::size_t bytes) {
       it = exports_.erase(it);
     }
   }
-  if (!gone.empty()) post(gone, {});
+  if (!gone.empty()) post_segments(gone);
 }
 
-void producer_state::post(const std::vector<std::uint64_t>& segments, const std::vector<std::uint64_t>& files) {
+void producer_state::post_segments(const std::vector<std::uint64_t>& segments) {
   std::lock_guard lock(exports_mutex_);
   for (auto& box : outboxes_.live()) {
     std::lock_guard box_lock(box->mutex);
     box->segments.insert(box->segments.end(), segments.begin(), segments.end());
-    box->files.insert(box->files.end(), files.begin(), files.end());
+  }
+}
+
+void producer_state::post_files(const std::vector<closed_file>& files) noexcept {
+  if (files.empty()) return;
+  try {
+    std::lock_guard lock(exports_mutex_);
+    for (auto& box : outboxes_.live()) {
+      std::lock_guard box_lock(box->mutex);
+      for (const auto& f : files) {
+        if (f.holder == box->peer) box->files.push_back(f.id);
+      }
+    }
+  } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): out of memory: the holder keeps its mapping longer
   }
 }
 
@@ -168,6 +186,7 @@ bool producer_state::prune(std::vector<slot_ref>& slots) {
 
 void producer_state::retire(void* data, std::size_t size, backend::stream_ref stream, std::vector<slot_ref> slots) noexcept {
   std::vector<ready_block> ready;
+  std::vector<closed_file> closed;
   {
     std::lock_guard lock(mutex_);
     if (prune(slots)) {
@@ -179,7 +198,9 @@ void producer_state::retire(void* data, std::size_t size, backend::stream_ref st
     // A shared block's release is one of the moments the limbo is looked at.
     auto more = take_ready();
     ready.insert(ready.end(), more.begin(), more.end());
+    closed = slots_.take_closed_files();
   }
+  post_files(closed);
   free_blocks(ready);
 }
 
@@ -197,14 +218,14 @@ std::vector<producer_state::ready_block> producer_state::take_ready() {
 
 std::size_t producer_state::collect(bool reclaim) {
   std::vector<ready_block> ready;
-  std::vector<std::uint64_t> closed;
+  std::vector<closed_file> closed;
   {
     std::lock_guard lock(mutex_);
     if (reclaim) reclaimed_ += slots_.reclaim_dead_holders();
     ready = take_ready();
     closed = slots_.take_closed_files();
   }
-  if (!closed.empty()) post({}, closed);
+  post_files(closed);
   free_blocks(ready);
   if (reclaim) {
     std::vector<std::shared_ptr<consumer_state>> receivers;
@@ -238,8 +259,13 @@ void producer_state::connect(const process_identity& peer) {
 }
 
 void producer_state::disconnect(const process_identity& peer) {
-  std::lock_guard lock(mutex_);
-  slots_.disconnect(peer);
+  std::vector<closed_file> closed;
+  {
+    std::lock_guard lock(mutex_);
+    slots_.disconnect(peer);
+    closed = slots_.take_closed_files();
+  }
+  post_files(closed);
 }
 
 void producer_state::revoke(const process_identity& peer) {

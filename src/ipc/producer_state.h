@@ -32,6 +32,8 @@ struct exported_segment {
 
 /// Retire notices for one peer, filled by the state, sent by the peer.
 struct outbox {
+  explicit outbox(const process_identity& p) : peer(p) {}
+  const process_identity peer;  // counter files are retired to their holder's connections
   std::mutex mutex;
   std::vector<std::uint64_t> segments;  // guarded by mutex
   std::vector<std::uint64_t> files;     // guarded by mutex
@@ -101,7 +103,13 @@ class producer_state : public std::enable_shared_from_this<producer_state> {
   bool prune(std::vector<slot_ref>& slots);
   std::vector<ready_block> take_ready();  // mutex_ held
   void free_blocks(const std::vector<ready_block>& blocks) noexcept;
-  void post(const std::vector<std::uint64_t>& segments, const std::vector<std::uint64_t>& files);
+  // Retire notices: segments to every connection; a closed counter file to
+  // every connection to its holder (connections to one process may share
+  // one table there, whichever of them announced the file). Called without
+  // mutex_, as soon as files close: a consumer's table of them must not
+  // grow until a collect.
+  void post_segments(const std::vector<std::uint64_t>& segments);
+  void post_files(const std::vector<closed_file>& files) noexcept;
 
   mutable std::mutex mutex_;
   counter_slots slots_;              // guarded by mutex_

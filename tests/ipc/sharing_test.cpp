@@ -621,6 +621,60 @@ TEST(sharing_counters, a_holders_last_connection_closing_closes_its_empty_counte
   EXPECT_EQ(producer.stats().counter_files, 0u) << "closed with the holder's last connection, though the holder lives";
 }
 
+// A closed counter file is retired at the consumer by the next send, with or
+// without a collect: a consumer's table of files stays as small as the
+// producer's, never reaching its limit.
+TEST(sharing_counters, closed_counter_files_are_retired_without_a_collect) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context producer(allocator, {.collect_interval = 0ms, .slots_per_file = 1});
+  ipc::sharing_context consumer(allocator, {.collect_interval = 0ms, .max_peer_counter_files = 4});
+  auto [to_consumer, consumer_end] = connected_pair();
+  ipc::peer sender(producer, std::move(to_consumer));
+  ipc::peer receiver(consumer, std::move(consumer_end));
+  for (int round = 0; round < 12; ++round) {
+    // Two held at once, one slot per file: a new file each round, the older one closed.
+    auto a = storage_t::allocate(allocator, 4 * kib, {}), b = storage_t::allocate(allocator, 4 * kib, {});
+    sender.send(a, {}, {});
+    sender.send(b, {}, {});
+    ASSERT_NO_THROW({
+      (void)receiver.receive({});
+      (void)receiver.receive({});
+    }) << "round " << round;
+    dev.synchronize({});
+  }
+  EXPECT_LE(receiver.stats().counter_files, 3u);
+  EXPECT_LE(producer.stats().counter_files, 2u);
+}
+
+// Connections to one producer share one table in the consumer: a file
+// announced on a connection that has closed is retired through another.
+TEST(sharing_counters, a_file_is_retired_through_another_connection_of_its_holder) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context producer(allocator, {.collect_interval = 0ms, .slots_per_file = 1});
+  ipc::sharing_context consumer(allocator, {.collect_interval = 0ms});
+  auto [to_b, b_end] = connected_pair();
+  ipc::peer sender_b(producer, std::move(to_b));
+  ipc::peer receiver_b(consumer, std::move(b_end));
+  {
+    auto [to_a, a_end] = connected_pair();
+    ipc::peer sender_a(producer, std::move(to_a));
+    ipc::peer receiver_a(consumer, std::move(a_end));
+    auto a = storage_t::allocate(allocator, 4 * kib, {}), b = storage_t::allocate(allocator, 4 * kib, {});
+    sender_a.send(a, {}, {});  // file 1
+    sender_a.send(b, {}, {});  // file 2
+    (void)receiver_a.receive({});
+    (void)receiver_a.receive({});
+    dev.synchronize({});
+  }  // connection A closes; both references were released
+  producer.collect();
+  ASSERT_EQ(producer.stats().counter_files, 1u) << "file 1 closed; file 2 stays, its holder still connected";
+  sender_b.send(storage_t::allocate(allocator, 4 * kib, {}), {}, {});
+  ASSERT_TRUE(receiver_b.receive({}).storage.valid());
+  EXPECT_EQ(receiver_b.stats().counter_files, 1u) << "file 1, announced on A only, is still mapped here";
+}
+
 TEST(sharing_poll, a_peer_is_readable_exactly_while_a_message_waits) {
   in_process_sharing p;
   auto& [dev, allocator, consumer_allocator, producer, consumer, ends, sender, receiver] = p;

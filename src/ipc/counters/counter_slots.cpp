@@ -84,8 +84,8 @@ void counter_slots::close_if_unused(std::uint64_t file_id, const file_entry& e) 
       }
     }
   }
-  files_.erase(file_id);
-  closed_.push_back(file_id);
+  closed_.push_back({file_id, e.holder});
+  files_.erase(file_id);  // `e` goes with it
 }
 
 std::size_t counter_slots::reclaim_dead_holders() {
@@ -166,6 +166,6 @@ counter_slots::file_entry& counter_slots::entry(std::uint64_t file_id) {
   return *it->second;
 }
 
-std::vector<std::uint64_t> counter_slots::take_closed_files() { return std::exchange(closed_, {}); }
+std::vector<closed_file> counter_slots::take_closed_files() { return std::exchange(closed_, {}); }
 
 }  // namespace shoal::ipc::detail

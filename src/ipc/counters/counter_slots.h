@@ -43,6 +43,12 @@ struct held_reference {
   std::size_t bytes = 0;
 };
 
+/// A counter file closed, and the holder it counted for.
+struct closed_file {
+  std::uint64_t id = 0;
+  process_identity holder;
+};
+
 struct holder_info {
   process_identity holder;
   std::size_t connections = 0;
@@ -84,8 +90,8 @@ class counter_slots {
   [[nodiscard]] std::uint32_t slots_per_file() const noexcept { return slots_per_file_; }
   [[nodiscard]] std::size_t file_count() const noexcept { return files_.size(); }
   [[nodiscard]] std::size_t slots_in_use() const noexcept { return in_use_; }
-  /// Ids of files closed since the last call (consumers may close theirs).
-  std::vector<std::uint64_t> take_closed_files();
+  /// Files closed since the last call (their holders may close theirs).
+  std::vector<closed_file> take_closed_files();
 
  private:
   struct handed_slot {
@@ -117,7 +123,7 @@ class counter_slots {
   std::map<std::uint64_t, std::unique_ptr<file_entry>> files_;
   std::map<holder_key, holder_record> holders_;  // connected or revoked ones
   std::size_t in_use_ = 0;
-  std::vector<std::uint64_t> closed_;
+  std::vector<closed_file> closed_;
 };
 
 }  // namespace shoal::ipc::detail
