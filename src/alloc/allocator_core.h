@@ -64,8 +64,8 @@ class allocator_core {
   void process_pending_frees();
   void empty_cache();
 
-  // Reports settle the quick lists first, so they see every free block
-  // merged as it would be without them.
+  // Reports show every free block merged as settling the quick lists would
+  // leave it, without settling them: reading them changes nothing.
   [[nodiscard]] allocator_stats stats();
   void reset_peak_stats();
   void reset_accumulated_stats();

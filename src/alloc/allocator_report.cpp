@@ -35,16 +35,16 @@ allocator_stats allocator_core::stats() {
   allocator_stats out;
   directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
-    settle_quick(p);
     const pool_counters& c = p.counters;
+    const auto [inactive_split, inactive_split_bytes] = settled_split_stats(p);
     accumulate(out.allocations, p.kind, c.allocations);
     accumulate(out.segments, p.kind, c.segments);
     accumulate(out.active, p.kind, c.active);
-    accumulate(out.inactive_split, p.kind, c.inactive_split);
+    accumulate(out.inactive_split, p.kind, inactive_split);
     accumulate(out.allocated_bytes, p.kind, c.allocated_bytes);
     accumulate(out.reserved_bytes, p.kind, c.reserved_bytes);
     accumulate(out.active_bytes, p.kind, c.active_bytes);
-    accumulate(out.inactive_split_bytes, p.kind, c.inactive_split_bytes);
+    accumulate(out.inactive_split_bytes, p.kind, inactive_split_bytes);
     accumulate(out.requested_bytes, p.kind, c.requested_bytes);
   });
   out.retries = retries_.load();
@@ -78,7 +78,6 @@ snapshot allocator_core::take_snapshot() {
   snapshot out;
   directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
-    settle_quick(p);
     for (const auto& s : p.segments) {
       segment_snapshot seg;
       seg.address = s->base;
@@ -91,6 +90,10 @@ snapshot allocator_core::take_snapshot() {
       seg.private_pool = s->part_name;
       for (const block* b = s->first; b != nullptr; b = b->next) {
         if (!b->mapped) continue;  // unbacked stretches of growable segments hold nothing
+        if (merges_with_prev_when_settled(b)) {  // shown as settling would leave it
+          seg.blocks.back().size += b->size;
+          continue;
+        }
         seg.blocks.push_back({b->address, b->size, b->requested, b->state});
       }
       out.segments.push_back(std::move(seg));

@@ -1,5 +1,7 @@
 #include "alloc/block_structure.h"
 
+#include <algorithm>
+#include <array>
 #include <utility>
 
 #include "alloc/core_util.h"
@@ -92,6 +94,39 @@ block* take_quick(block_pool& pool, std::size_t size) noexcept {
     }
   }
   return nullptr;
+}
+
+std::pair<stat, stat> settled_split_stats(const block_pool& pool) noexcept {
+  stat blocks = pool.counters.inactive_split, bytes = pool.counters.inactive_split_bytes;
+  // Settling merges each run of free mapped blocks that holds a parked one
+  // into one block: the run's blocks leave the counters, and the merged one
+  // joins them if it still shares its segment. Merging only subtracts, so
+  // the peaks stay.
+  std::array<const block*, block_pool::quick_capacity> runs{};
+  std::size_t run_count = 0;
+  for (std::size_t i = 0; i < pool.quick_count; ++i) {
+    const block* first = pool.quick[i];
+    while (merges_with_prev_when_settled(first)) first = first->prev;
+    if (std::find(runs.begin(), runs.begin() + static_cast<std::ptrdiff_t>(run_count), first) !=
+        runs.begin() + static_cast<std::ptrdiff_t>(run_count)) {
+      continue;  // counted from another parked block of the same run
+    }
+    runs[run_count++] = first;
+    const block* last = first;
+    std::int64_t run_bytes = static_cast<std::int64_t>(first->size), counted = 0, counted_bytes = 0;
+    for (const block* b = first; b != nullptr && (b == first || merges_with_prev_when_settled(b)); b = b->next) {
+      last = b;
+      if (b != first) run_bytes += static_cast<std::int64_t>(b->size);
+      if (b->counted_inactive_split) {
+        ++counted;
+        counted_bytes += static_cast<std::int64_t>(b->size);
+      }
+    }
+    const bool merged_counts = (first->prev != nullptr || last->next != nullptr) && !first->owner->expandable;
+    pool_counters::sub(blocks, counted - (merged_counts ? 1 : 0));
+    pool_counters::sub(bytes, counted_bytes - (merged_counts ? run_bytes : 0));
+  }
+  return {blocks, bytes};
 }
 
 }  // namespace shoal::alloc::detail

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstddef>
+#include <utility>
 
 #include "alloc/block_pool.h"
 
@@ -53,5 +54,16 @@ block* settle(block_pool& pool, block* b);
 void settle_quick(block_pool& pool);
 /// Unparks and returns a parked block of exactly `size`, or nullptr.
 [[nodiscard]] block* take_quick(block_pool& pool, std::size_t size) noexcept;
+
+/// The inactive_split counters (blocks, bytes) as settle_quick would leave
+/// them, computed without settling: reports show every free block merged
+/// and change nothing (settling moves later allocations).
+[[nodiscard]] std::pair<stat, stat> settled_split_stats(const block_pool& pool) noexcept;
+/// Whether `b` would have merged into the block before it had every parked
+/// block been settled (both free and mapped).
+[[nodiscard]] inline bool merges_with_prev_when_settled(const block* b) noexcept {
+  const auto free_and_mapped = [](const block* x) { return x->state == block_state::free && x->mapped; };
+  return b->prev != nullptr && free_and_mapped(b) && free_and_mapped(b->prev);
+}
 
 }  // namespace shoal::alloc::detail

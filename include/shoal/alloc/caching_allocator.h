@@ -90,6 +90,10 @@ class caching_allocator {
   /// unused chunk of growable segments) to the device.
   void empty_cache();
 
+  /// The counters, and a snapshot of every segment and block. Both show
+  /// free blocks merged with their free neighbours (as they are merged
+  /// before a request searches them) and change nothing: reading them never
+  /// changes what the allocator does next.
   [[nodiscard]] allocator_stats stats() const;
   void reset_peak_stats();
   void reset_accumulated_stats();
@@ -105,7 +109,7 @@ class caching_allocator {
   /// shoal::invariant_violation (naming the invariant, the segment and the
   /// block) unless: blocks tile each segment with no gap or overlap; a
   /// block is in the free bins iff it is free, mapped and not parked; no two
-  /// neighbouring free blocks are both settled; every counter of stats()
+  /// neighbouring free blocks are both settled; every counter behind stats()
   /// equals the sum recomputed from the blocks; the segment directory holds
   /// exactly the live segments. Takes every pool's lock at once (all other
   /// calls wait), and costs time linear in the blocks held: for tests and

@@ -35,7 +35,7 @@ struct allocator_stats {
   stat_by_pool allocations;         ///< blocks handed out
   stat_by_pool segments;            ///< device allocations held
   stat_by_pool active;              ///< blocks allocated or waiting for a stream
-  stat_by_pool inactive_split;      ///< free blocks that are part of a split segment
+  stat_by_pool inactive_split;      ///< free blocks that are part of a split segment (free neighbours counted merged)
   stat_by_pool allocated_bytes;     ///< bytes of blocks handed out (rounded)
   stat_by_pool reserved_bytes;      ///< bytes of device memory held
   stat_by_pool active_bytes;        ///< bytes of active blocks

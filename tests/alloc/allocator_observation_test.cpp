@@ -1,0 +1,103 @@
+// Reading the allocator's reports (stats, snapshots) changes nothing: the
+// same operations hand out the same blocks and reserve the same memory
+// whether or not something polls the allocator in between.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "support/allocators.h"
+
+namespace shoal::testing {
+namespace {
+
+constexpr std::size_t kib = 1024, mib = kib * kib;
+
+template <class Param>
+using allocator_observation = allocator_test<Param>;
+TYPED_TEST_SUITE(allocator_observation, backend_config_types, backend_config_names);
+
+enum class poll : std::uint8_t { never, stats, snapshot };
+
+void observe(const alloc::caching_allocator& a, poll how) {
+  if (how == poll::stats) (void)a.stats();
+  if (how == poll::snapshot) (void)a.take_snapshot();
+}
+
+// Two freed blocks of one size, parked: `x` alone between live blocks, `y`
+// beside the segment's free tail. Returns the offset from x of the block a
+// third request of that size gets.
+std::ptrdiff_t reuse_after_two_frees(alloc::caching_allocator& a, poll how) {
+  void* x = a.allocate(8 * kib, {});
+  void* wall = a.allocate(512, {});
+  void* y = a.allocate(8 * kib, {});
+  a.deallocate(x, {});
+  a.deallocate(y, {});
+  observe(a, how);
+  observe(a, how);
+  void* again = a.allocate(8 * kib, {});
+  const auto offset = static_cast<char*>(again) - static_cast<char*>(x);
+  a.deallocate(again, {});
+  a.deallocate(wall, {});
+  return offset;
+}
+
+TYPED_TEST(allocator_observation, polling_between_frees_and_a_request_leaves_the_block_it_gets) {
+  const auto unobserved = reuse_after_two_frees(this->make(), poll::never);
+  EXPECT_EQ(reuse_after_two_frees(this->make(), poll::stats), unobserved) << "stats() in between";
+  EXPECT_EQ(reuse_after_two_frees(this->make(), poll::snapshot), unobserved) << "take_snapshot() in between";
+}
+
+// What a run leaves behind, in terms that do not depend on where the device
+// put the segments: every statistic, and each segment's blocks in order.
+struct outcome {
+  std::int64_t peak_reserved = 0;
+  std::string stats;
+  std::vector<std::vector<std::pair<std::size_t, alloc::block_state>>> segments;
+};
+
+// A deterministic churn on one stream, with sizes that repeat (so freed
+// blocks park and are taken back by exact size) and some that do not.
+outcome churn(alloc::caching_allocator& a, poll how, int operations) {
+  std::mt19937 random(12);
+  std::vector<void*> live;
+  for (int op = 0; op < operations; ++op) {
+    if (live.empty() || random() % 100 < 55) {
+      const std::size_t bytes = random() % 3 == 0 ? 1 + random() % (3 * mib) : 4 * kib * (1 + random() % 16);
+      live.push_back(a.allocate(bytes, {}));
+    } else {
+      const std::size_t i = random() % live.size();
+      a.deallocate(live[i], {});
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+    if (op % 3 == 0) observe(a, how);
+  }
+  outcome out;
+  const auto st = a.stats();
+  out.peak_reserved = st.reserved_bytes.aggregate.peak;
+  out.stats = st.to_json();
+  for (const auto& s : a.take_snapshot().segments) {
+    auto& blocks = out.segments.emplace_back();
+    for (const auto& b : s.blocks) blocks.emplace_back(b.size, b.state);
+  }
+  for (void* p : live) a.deallocate(p, {});
+  return out;
+}
+
+TYPED_TEST(allocator_observation, polling_during_a_churn_changes_neither_its_statistics_nor_its_blocks) {
+  // Debug poisons every freed block (and parks none): a shorter churn.
+  const int operations = this->debug ? 600 : 3000;
+  const outcome unobserved = churn(this->make(), poll::never, operations);
+  for (const poll how : {poll::stats, poll::snapshot}) {
+    const char* what = how == poll::stats ? "stats() every third operation" : "take_snapshot() every third operation";
+    const outcome observed = churn(this->make(), how, operations);
+    EXPECT_EQ(observed.peak_reserved, unobserved.peak_reserved) << what;
+    EXPECT_EQ(observed.stats, unobserved.stats) << what;
+    EXPECT_TRUE(observed.segments == unobserved.segments) << what << ": the blocks differ";
+  }
+}
+
+}  // namespace
+}  // namespace shoal::testing
