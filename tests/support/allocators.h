@@ -50,6 +50,8 @@ struct cuda_debug : configured<cuda_backend, debug_config> {};
 using backend_config_types = ::testing::Types<host_default, host_expandable_segments, host_debug, cuda_default,
                                               cuda_expandable_segments, cuda_debug>;
 
+/// The default configuration on every backend.
+using default_config_types = ::testing::Types<host_default, cuda_default>;
 /// The configurations with fixed segments (for tests of their layout).
 using fixed_segment_config_types = ::testing::Types<host_default, host_debug, cuda_default, cuda_debug>;
 /// The configurations without debug's checks (for tests of what happens
