@@ -1,6 +1,8 @@
 // Stream-ordered reuse: cross-stream frees, record_stream, the background
 // transfer race, and debug mode, on every backend under every allocator
-// configuration (default, expandable_segments, debug).
+// configuration (default, expandable_segments, debug), each with
+// cross-stream safety on and off. A test that holds in one mode only runs
+// in that mode's configurations.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -18,15 +20,27 @@ using backend::event;
 using backend::stream;
 constexpr std::size_t kib = 1024, mib = kib * kib;
 
+// What holds with cross-stream safety on and off.
 template <class Backend>
 using allocator_streams = allocator_test<Backend>;
-TYPED_TEST_SUITE(allocator_streams, backend_config_types, backend_config_names);
+TYPED_TEST_SUITE(allocator_streams, both_safety_config_types, backend_config_names);
 
-// What happens when nothing catches a mistake: without debug, whose check
-// throws ordering_violation instead (debug_mode_reports_a_hand_out_before_the_freeing_stream_passed).
+// What the free-stream hold does: safety on.
+template <class Backend>
+using allocator_streams_safe = allocator_test<Backend>;
+TYPED_TEST_SUITE(allocator_streams_safe, backend_config_types, backend_config_names);
+
+// What happens without it: safety off.
+template <class Backend>
+using allocator_streams_unsafe = allocator_test<Backend>;
+TYPED_TEST_SUITE(allocator_streams_unsafe, unsafe_config_types, backend_config_names);
+
+// What happens when nothing catches the mistake: safety off and no debug,
+// whose check throws ordering_violation instead
+// (debug_mode_reports_a_hand_out_before_the_freeing_stream_passed).
 template <class Backend>
 using allocator_streams_unchecked = allocator_test<Backend>;
-TYPED_TEST_SUITE(allocator_streams_unchecked, unchecked_config_types, backend_config_names);
+TYPED_TEST_SUITE(allocator_streams_unchecked, unsafe_unchecked_config_types, backend_config_names);
 
 TYPED_TEST(allocator_streams, a_block_freed_on_its_own_stream_is_reusable_at_once) {
   auto& dev = this->device();
@@ -40,7 +54,7 @@ TYPED_TEST(allocator_streams, a_block_freed_on_its_own_stream_is_reusable_at_onc
   dev.synchronize(s);
 }
 
-TYPED_TEST(allocator_streams, a_block_freed_on_another_stream_waits_for_that_stream) {
+TYPED_TEST(allocator_streams_safe, a_block_freed_on_another_stream_waits_for_that_stream) {
   auto& dev = this->device();
   auto& a = this->make();
   stream mine(dev), other(dev);
@@ -59,7 +73,7 @@ TYPED_TEST(allocator_streams, a_block_freed_on_another_stream_waits_for_that_str
   EXPECT_TRUE(nothing_in_use(a.stats()));
 }
 
-TYPED_TEST(allocator_streams, free_defaults_to_the_threads_current_stream) {
+TYPED_TEST(allocator_streams_safe, free_defaults_to_the_threads_current_stream) {
   auto& dev = this->device();
   auto& a = this->make();
   stream mine(dev), other(dev);
@@ -74,24 +88,7 @@ TYPED_TEST(allocator_streams, free_defaults_to_the_threads_current_stream) {
   a.empty_cache();
 }
 
-TYPED_TEST(allocator_streams, record_stream_holds_the_block_for_that_stream_too) {
-  auto& dev = this->device();
-  auto& a = this->make();
-  stream mine(dev), reader(dev);
-  void* p = a.allocate(64 * kib, mine);
-  dev.delay(reader, 300ms);
-  a.record_stream(p, reader);
-  a.deallocate(p, mine);
-  void* q = a.allocate(64 * kib, mine);
-  EXPECT_NE(q, p);
-  dev.synchronize(reader);
-  a.process_pending_frees();
-  EXPECT_EQ(a.allocate(64 * kib, mine), p);
-  a.deallocate(p, mine);
-  a.deallocate(q, mine);
-}
-
-TYPED_TEST(allocator_streams, under_memory_pressure_a_pending_block_is_reused_through_a_device_wait) {
+TYPED_TEST(allocator_streams_safe, under_memory_pressure_a_pending_block_is_reused_through_a_device_wait) {
   auto& dev = this->device();
   auto& a = this->make("memory_limit_mb:2");  // one small segment, no more
   constexpr std::size_t half = 1024 * kib;
@@ -116,9 +113,9 @@ TYPED_TEST(allocator_streams, under_memory_pressure_a_pending_block_is_reused_th
 // is still queued; the background thread's next allocation on S1 must not
 // get the batch's memory before S0 has read it.
 template <class Backend>
-bool background_batch_survives(allocator_test<Backend>& t, const std::string& conf) {
+bool background_batch_survives(allocator_test<Backend>& t) {
   auto& dev = t.device();
-  auto& a = t.make(conf);
+  auto& a = t.make();
   stream s0(dev), s1(dev);
   constexpr std::size_t bytes = 256 * kib;
   void* seen = dev.allocate_segment(bytes);  // what the model read, checked at the end
@@ -150,18 +147,19 @@ bool background_batch_survives(allocator_test<Backend>& t, const std::string& co
   return intact;
 }
 
-TYPED_TEST(allocator_streams, the_background_transfer_race_is_prevented_by_default) {
-  EXPECT_TRUE(background_batch_survives(*this, ""));
+TYPED_TEST(allocator_streams_safe, the_background_transfer_race_is_prevented_by_default) {
+  EXPECT_TRUE(background_batch_survives(*this));
 }
 
-TYPED_TEST(allocator_streams, record_stream_holds_the_free_with_cross_stream_safety_off_too) {
+// With safety off too: PyTorch's idiom (safety off, record_stream on).
+TYPED_TEST(allocator_streams, record_stream_holds_the_free_for_that_stream_too) {
   auto& dev = this->device();
-  auto& a = this->make("cross_stream_safety:false");
+  auto& a = this->make();
   backend::stream own(dev), other(dev);
   void* p = a.allocate(mib, own);
   dev.delay(other, std::chrono::milliseconds(100));
   dev.fill(other, p, 0x33, mib);  // a use on another stream, still queued
-  a.record_stream(p, other);      // PyTorch's idiom: safety off, record_stream on
+  a.record_stream(p, other);
   a.deallocate(p, own);
   void* q = a.allocate(mib, own);
   EXPECT_FALSE(dev.query(other)) << "the other stream finished too soon for the test to mean anything";
@@ -193,7 +191,7 @@ TYPED_TEST(allocator_streams, an_allocator_destroyed_while_its_streams_still_wor
 
 TYPED_TEST(allocator_streams_unchecked, the_background_transfer_race_corrupts_with_the_safety_off) {
   // Proves the test above can fail: without the hold the batch is overwritten.
-  EXPECT_FALSE(background_batch_survives(*this, "cross_stream_safety:false"));
+  EXPECT_FALSE(background_batch_survives(*this));
 }
 
 TYPED_TEST(allocator_streams, debug_mode_poisons_reusable_blocks) {
@@ -206,9 +204,9 @@ TYPED_TEST(allocator_streams, debug_mode_poisons_reusable_blocks) {
   EXPECT_TRUE(all_equal(this->read(p, 64 * kib, s), 0xDB)) << "a freed block holds the poison pattern";
 }
 
-TYPED_TEST(allocator_streams, debug_mode_reports_a_hand_out_before_the_freeing_stream_passed) {
+TYPED_TEST(allocator_streams_unsafe, debug_mode_reports_a_hand_out_before_the_freeing_stream_passed) {
   auto& dev = this->device();
-  auto& a = this->make("debug:true,cross_stream_safety:false");
+  auto& a = this->make("debug:true");
   stream mine(dev), other(dev);
   void* p = a.allocate(64 * kib, mine);
   dev.delay(other, 300ms);

@@ -30,6 +30,22 @@ struct debug_config {
   static constexpr const char* conf = "debug:true";
   static constexpr bool expandable_segments = false, debug = true;
 };
+// The same with cross-stream safety off (the stream suite's second axis).
+struct default_unsafe_config {
+  static constexpr const char* name = "default_unsafe";
+  static constexpr const char* conf = "cross_stream_safety:false";
+  static constexpr bool expandable_segments = false, debug = false;
+};
+struct expandable_unsafe_config {
+  static constexpr const char* name = "expandable_segments_unsafe";
+  static constexpr const char* conf = "expandable_segments:true,cross_stream_safety:false";
+  static constexpr bool expandable_segments = true, debug = false;
+};
+struct debug_unsafe_config {
+  static constexpr const char* name = "debug_unsafe";
+  static constexpr const char* conf = "debug:true,cross_stream_safety:false";
+  static constexpr bool expandable_segments = false, debug = true;
+};
 
 /// A typed-test parameter: a backend under an allocator configuration.
 template <class Backend, class Config>
@@ -45,6 +61,12 @@ struct host_debug : configured<host_backend, debug_config> {};
 struct cuda_default : configured<cuda_backend, default_config> {};
 struct cuda_expandable_segments : configured<cuda_backend, expandable_config> {};
 struct cuda_debug : configured<cuda_backend, debug_config> {};
+struct host_default_unsafe : configured<host_backend, default_unsafe_config> {};
+struct host_expandable_segments_unsafe : configured<host_backend, expandable_unsafe_config> {};
+struct host_debug_unsafe : configured<host_backend, debug_unsafe_config> {};
+struct cuda_default_unsafe : configured<cuda_backend, default_unsafe_config> {};
+struct cuda_expandable_segments_unsafe : configured<cuda_backend, expandable_unsafe_config> {};
+struct cuda_debug_unsafe : configured<cuda_backend, debug_unsafe_config> {};
 
 /// Every backend under every configuration.
 using backend_config_types = ::testing::Types<host_default, host_expandable_segments, host_debug, cuda_default,
@@ -54,10 +76,18 @@ using backend_config_types = ::testing::Types<host_default, host_expandable_segm
 using default_config_types = ::testing::Types<host_default, cuda_default>;
 /// The configurations with fixed segments (for tests of their layout).
 using fixed_segment_config_types = ::testing::Types<host_default, host_debug, cuda_default, cuda_debug>;
-/// The configurations without debug's checks (for tests of what happens
-/// when nothing catches a mistake).
-using unchecked_config_types = ::testing::Types<host_default, host_expandable_segments, cuda_default,
-                                                cuda_expandable_segments>;
+/// Every backend under every configuration with cross-stream safety off.
+using unsafe_config_types = ::testing::Types<host_default_unsafe, host_expandable_segments_unsafe, host_debug_unsafe,
+                                             cuda_default_unsafe, cuda_expandable_segments_unsafe, cuda_debug_unsafe>;
+/// Those without debug's checks (for tests of what happens when nothing
+/// catches a mistake).
+using unsafe_unchecked_config_types = ::testing::Types<host_default_unsafe, host_expandable_segments_unsafe,
+                                                       cuda_default_unsafe, cuda_expandable_segments_unsafe>;
+/// Every backend under every configuration, cross-stream safety on and off.
+using both_safety_config_types =
+    ::testing::Types<host_default, host_expandable_segments, host_debug, cuda_default, cuda_expandable_segments,
+                     cuda_debug, host_default_unsafe, host_expandable_segments_unsafe, host_debug_unsafe,
+                     cuda_default_unsafe, cuda_expandable_segments_unsafe, cuda_debug_unsafe>;
 
 /// GoogleTest names: suite/host_default.test, suite/host_debug.test, ...
 struct backend_config_names {
