@@ -15,14 +15,28 @@ namespace {
 
 constexpr std::uint64_t one_view = 2, retired_bit = 1;
 
-// Owns a received storage's view: when the storage goes, a host task on the
-// stream it was dropped on releases the producer's slot once the stream has
-// passed every use, then counts the mapping's view down.
+// Owns a received storage's view: when the storage goes, it releases the
+// producer's slot once the receive stream and every stream the storage was
+// used on have passed their uses (a host task on each stream still busy; the
+// last to run releases), then counts the mapping's view down.
 class received_data final : public storage::storage_owner {
  public:
   received_data(std::shared_ptr<consumer_state> receiver, std::shared_ptr<release_sink> sink,
-                std::shared_ptr<mapping> m, std::shared_ptr<counter_file> file, slot_ticket slot)
-      : receiver_(std::move(receiver)), sink_(std::move(sink)), mapping_(std::move(m)), file_(std::move(file)), slot_(slot) {}
+                std::shared_ptr<mapping> m, std::shared_ptr<counter_file> file, slot_ticket slot,
+                backend::stream_ref received_on)
+      : receiver_(std::move(receiver)),
+        sink_(std::move(sink)),
+        mapping_(std::move(m)),
+        file_(std::move(file)),
+        slot_(slot),
+        received_on_(received_on) {}
+
+  void storage_released(std::span<const backend::stream_ref> used_on) noexcept override {
+    std::lock_guard lock(used_on_mutex_);
+    for (auto s : used_on) {
+      if (s != received_on_ && std::ranges::find(also_used_on_, s) == also_used_on_.end()) also_used_on_.push_back(s);
+    }
+  }
 
   ~received_data() override {
     auto release = [sink = sink_, m = mapping_, file = file_, slot = slot_] {
@@ -34,16 +48,29 @@ class received_data final : public storage::storage_owner {
       }
     };
     backend::device& dev = receiver_->allocator.device();
-    try {
-      const backend::stream_ref stream = backend::current_stream(dev);
-      if (dev.query(stream)) {
-        release();  // every use has run already: no host task needed
-      } else {
-        dev.host_task(stream, release);
+    // One count per host task and one for this destructor: the last to count
+    // down releases. A stream that is gone counts as passed: its work
+    // completes regardless (device.h).
+    std::shared_ptr<std::atomic<std::size_t>> pending;
+    auto wait_for = [&](backend::stream_ref stream) {
+      try {
+        if (dev.query(stream)) return;  // every use there has run: no host task needed
+      } catch (const error&) {
+        return;
       }
-    } catch (const error&) {
-      release();  // the stream is gone; its work completes regardless (device.h)
-    }
+      if (!pending) pending = std::make_shared<std::atomic<std::size_t>>(1);
+      pending->fetch_add(1, std::memory_order_relaxed);
+      try {
+        dev.host_task(stream, [pending, release] {
+          if (pending->fetch_sub(1, std::memory_order_acq_rel) == 1) release();
+        });
+      } catch (const error&) {
+        pending->fetch_sub(1, std::memory_order_relaxed);  // gone meanwhile
+      }
+    };
+    wait_for(received_on_);
+    for (auto s : also_used_on_) wait_for(s);
+    if (!pending || pending->fetch_sub(1, std::memory_order_acq_rel) == 1) release();
   }
 
  private:
@@ -52,6 +79,9 @@ class received_data final : public storage::storage_owner {
   std::shared_ptr<mapping> mapping_;
   std::shared_ptr<counter_file> file_;
   slot_ticket slot_;
+  const backend::stream_ref received_on_;
+  std::mutex used_on_mutex_;
+  std::vector<backend::stream_ref> also_used_on_;  // guarded by used_on_mutex_ until the destructor
 };
 
 }  // namespace
@@ -263,13 +293,14 @@ storage::storage consumer_state::make_storage(const storage_message& msg, backen
     }
   }
   sink_->held.fetch_add(1, std::memory_order_relaxed);
-  auto owner = std::make_shared<received_data>(shared_from_this(), sink_, m, file, msg.slot);
+  auto owner = std::make_shared<received_data>(shared_from_this(), sink_, m, file, msg.slot, stream);
   try {
     if (msg.ready) allocator.device().wait_imported(stream, source, *msg.ready);
   } catch (const invalid_argument& e) {
     throw protocol_error(std::string("storage message: bad ready point: ") + e.what());  // owner releases the slot
   }
-  return storage::storage::adopt(allocator, static_cast<std::byte*>(m->base) + msg.offset, msg.size, std::move(owner));
+  return storage::storage::adopt(allocator, static_cast<std::byte*>(m->base) + msg.offset, msg.size, std::move(owner),
+                                 stream);
 }
 
 void consumer_state::close_finished() {

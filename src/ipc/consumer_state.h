@@ -4,8 +4,9 @@
 // owner.
 //
 // A mapping is closed once it is retired and no received storage uses it;
-// a storage's use ends when its stream has passed the work enqueued before
-// it was dropped (a host task releases the slot then). Host tasks may not
+// a storage's use ends when each stream it was used on (the receive stream
+// and those its storage recorded) has passed the work enqueued before it was
+// dropped (host tasks count down; the last releases the slot). Host tasks may not
 // call the device, so they only count down; closing happens on a user
 // thread: the sharing context's collector, collect(), or the destructor.
 //

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "storage/stream_set.h"
+
 namespace shoal::storage::detail {
 
 cow_context::cow_context(alloc::caching_allocator& allocator, void* data, std::size_t size,
@@ -12,12 +14,21 @@ cow_context::~cow_context() {
   for (auto e : copies_done_) allocator_.device().destroy_event(e);
 }
 
-void cow_context::add_reference(backend::stream_ref written_on) {
+void cow_context::add_reference(backend::stream_ref cloned_on, std::span<const backend::stream_ref> source_used_on) {
+  note_written_on(cloned_on);
+  for (auto s : source_used_on) note_written_on(s);
   refcount_.fetch_add(1, std::memory_order_relaxed);
-  if (written_on == created_on_) return;  // the common case: clones made on one stream
+}
+
+void cow_context::note_written_on(backend::stream_ref stream) {
+  if (stream == created_on_) return;  // the common case: clones made on one stream
   std::lock_guard lock(streams_mutex_);
-  if (std::find(written_on_.begin(), written_on_.end(), written_on) == written_on_.end()) {
-    written_on_.push_back(written_on);
+  if (std::find(written_on_.begin(), written_on_.end(), stream) == written_on_.end()) written_on_.push_back(stream);
+}
+
+void cow_context::record_uses(std::span<const backend::stream_ref> used_on) {
+  for (auto s : used_on) {
+    if (s != created_on_) allocator_.record_stream(data_, s);
   }
 }
 
@@ -29,17 +40,10 @@ void cow_context::order_after_clone_writes(backend::stream_ref stream) {
     std::lock_guard lock(streams_mutex_);
     streams = written_on_;
   }
-  backend::device& device = allocator_.device();
-  for (auto s : streams) {
-    if (s == stream) continue;  // same stream: already in order
-    const backend::event_ref e = device.create_event();
-    device.record(e, s);
-    device.wait(stream, e);
-    device.destroy_event(e);
-  }
+  order_after(allocator_.device(), stream, streams);
 }
 
-void* cow_context::release_for_write(backend::stream_ref stream) {
+void* cow_context::release_for_write(backend::stream_ref stream, std::span<const backend::stream_ref> used_on) {
   backend::device& device = allocator_.device();
   std::shared_lock shared(mutex_);
   auto steal = [&]() -> void* {
@@ -55,6 +59,12 @@ void* cow_context::release_for_write(backend::stream_ref stream) {
   // Allocate before giving up the reference: if allocation fails, nothing
   // has changed. If the others went meanwhile, the copy is not needed.
   void* destination = allocator_.allocate(size_, stream);
+  try {
+    record_uses(used_on);
+  } catch (...) {
+    allocator_.deallocate(destination, stream);
+    throw;
+  }
   if (refcount_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
     allocator_.deallocate(destination, stream);
     return steal();
@@ -69,10 +79,11 @@ void* cow_context::release_for_write(backend::stream_ref stream) {
   return destination;
 }
 
-bool cow_context::release_for_drop() {
+bool cow_context::release_for_drop(std::span<const backend::stream_ref> used_on) {
+  record_uses(used_on);  // while this reference keeps the data allocated
   if (refcount_.fetch_sub(1, std::memory_order_acq_rel) != 1) return false;
   std::unique_lock exclusive(mutex_);  // copies in progress finish enqueueing first
-  allocator_.deallocate(data_);
+  allocator_.deallocate(data_, created_on_);
   return true;
 }
 

@@ -6,27 +6,39 @@
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 #include "storage/cow_context.h"
+#include "storage/stream_set.h"
 
 namespace shoal::storage {
 
 namespace detail {
+
+static_assert(std::atomic<backend::stream_ref>::is_always_lock_free, "mutable_data's fast path is one atomic load");
 
 // One storage object. It owns its data outright (cow_ == nullptr and no
 // owner_), holds one reference to a copy-on-write context whose data it
 // reads, or leaves its data to an owner (owner_ set; never lazy then).
 class storage_impl {
  public:
-  storage_impl(alloc::caching_allocator& allocator, std::size_t size, void* data, cow_context* cow)
-      : allocator_(allocator), size_(size), data_(data), cow_(cow) {}
+  storage_impl(alloc::caching_allocator& allocator, std::size_t size, void* data, cow_context* cow,
+               backend::stream_ref own_stream)
+      : allocator_(allocator), size_(size), data_(data), last_used_(own_stream), cow_(cow), streams_(own_stream) {}
   storage_impl(const storage_impl&) = delete;
   storage_impl& operator=(const storage_impl&) = delete;
 
+  // The last handle is gone: no other thread uses this object any more.
   ~storage_impl() {
-    if (owner_) return;  // the owner gives the memory back when it goes
     try {
-      if (cow_ == nullptr) {
-        allocator_.deallocate(data_.load());
-      } else if (cow_->release_for_drop()) {
+      void* data = data_.load();
+      if (owner_) {
+        // A block handed over stays the allocator's until its owner frees it.
+        if (handed_over_) {
+          for (auto s : streams_.view()) allocator_.record_stream(data, s);
+        }
+        owner_->storage_released(streams_.view());
+      } else if (cow_ == nullptr) {
+        for (auto s : streams_.others()) allocator_.record_stream(data, s);
+        allocator_.deallocate(data, streams_.own());
+      } else if (cow_->release_for_drop(streams_.view())) {
         delete cow_;
       }
     } catch (const error&) {  // NOLINT(bugprone-empty-catch)
@@ -36,26 +48,47 @@ class storage_impl {
     }
   }
 
-  alloc::caching_allocator& allocator_;
-  const std::size_t size_;
-  std::atomic<void*> data_;
-  std::atomic<bool> lazy_{false};  // cow_ != nullptr, readable without the mutex
-  std::mutex mutex_;               // guards cow_ and ownership changes
-  cow_context* cow_;
-  bool shared_outside_ = false;    // guarded by mutex_
-  std::shared_ptr<storage_owner> owner_;  // guarded by mutex_; set once
+  // Records a use on `stream`; lock-free when it is the last one recorded.
+  void record_use(backend::stream_ref stream) {
+    if (last_used_.load(std::memory_order_acquire) == stream) return;
+    std::lock_guard lock(mutex_);
+    record_use_locked(stream);
+  }
+  void record_use_locked(backend::stream_ref stream) {  // mutex_ held
+    streams_.add(stream);
+    last_used_.store(stream, std::memory_order_release);
+  }
 
   // Gives this storage data of its own to write on `stream` (mutex_ held).
   void materialize(backend::stream_ref stream) {
-    if (void* copy = cow_->release_for_write(stream)) {
-      data_.store(copy);
+    streams_.make_room_for({cow_->created_on(), stream});  // nothing below throws once the data is ours
+    void* data = cow_->release_for_write(stream, streams_.view());
+    if (data != nullptr) {
+      streams_.reset(stream);  // a new block of `stream`; the old uses went with the shared data
     } else {
-      data_.store(cow_->data());
+      data = cow_->data();
+      streams_.add(cow_->created_on());  // the family's uses there were left to the final free
       delete cow_;
     }
     cow_ = nullptr;
+    // Streams first: a thread that sees the new data sees last_used_ == stream,
+    // so its record_use of another stream takes the lock and is not lost.
+    record_use_locked(stream);
+    data_.store(data, std::memory_order_release);
     lazy_.store(false, std::memory_order_release);
   }
+
+  alloc::caching_allocator& allocator_;
+  const std::size_t size_;
+  std::atomic<void*> data_;
+  std::atomic<bool> lazy_{false};               // cow_ != nullptr, readable without the mutex
+  std::atomic<backend::stream_ref> last_used_;  // the newest stream in streams_
+  std::mutex mutex_;                            // guards cow_, streams_ and ownership changes
+  cow_context* cow_;
+  stream_set streams_;                    // guarded by mutex_
+  bool shared_outside_ = false;           // guarded by mutex_
+  bool handed_over_ = false;              // guarded by mutex_: owner_ frees a block of allocator_
+  std::shared_ptr<storage_owner> owner_;  // guarded by mutex_; set once
 };
 
 }  // namespace detail
@@ -63,7 +96,7 @@ class storage_impl {
 storage storage::allocate(alloc::caching_allocator& allocator, std::size_t bytes, backend::stream_ref stream) {
   void* data = allocator.allocate(bytes, stream);
   try {
-    return storage(std::make_shared<detail::storage_impl>(allocator, bytes, data, nullptr));
+    return storage(std::make_shared<detail::storage_impl>(allocator, bytes, data, nullptr, stream));
   } catch (...) {
     allocator.deallocate(data, stream);
     throw;
@@ -75,13 +108,18 @@ storage storage::allocate(alloc::caching_allocator& allocator, std::size_t bytes
 }
 
 storage storage::adopt(alloc::caching_allocator& allocator, void* data, std::size_t bytes,
-                       std::shared_ptr<storage_owner> owner) {
+                       std::shared_ptr<storage_owner> owner, backend::stream_ref stream) {
   if (!owner) throw invalid_argument("storage::adopt: no owner given; adopted memory needs one to give it back");
   if (data == nullptr || bytes == 0) throw invalid_argument("storage::adopt: empty memory (null pointer or 0 bytes)");
-  auto impl = std::make_shared<detail::storage_impl>(allocator, bytes, data, nullptr);
+  auto impl = std::make_shared<detail::storage_impl>(allocator, bytes, data, nullptr, stream);
   impl->owner_ = std::move(owner);
   impl->shared_outside_ = true;
   return storage(std::move(impl));
+}
+
+storage storage::adopt(alloc::caching_allocator& allocator, void* data, std::size_t bytes,
+                       std::shared_ptr<storage_owner> owner) {
+  return adopt(allocator, data, bytes, std::move(owner), backend::current_stream(allocator.device()));
 }
 
 detail::storage_impl& storage::impl() const {
@@ -97,18 +135,29 @@ bool storage::is_lazy() const { return impl().lazy_.load(std::memory_order_acqui
 
 void* storage::mutable_data(backend::stream_ref stream) {
   detail::storage_impl& s = impl();
-  if (!s.lazy_.load(std::memory_order_acquire)) return s.data_.load(std::memory_order_relaxed);
+  if (!s.lazy_.load(std::memory_order_acquire)) {
+    s.record_use(stream);
+    return s.data_.load(std::memory_order_relaxed);
+  }
   std::lock_guard lock(s.mutex_);
-  if (s.cow_ != nullptr) s.materialize(stream);
+  if (s.cow_ != nullptr) {
+    s.materialize(stream);
+  } else {
+    s.record_use_locked(stream);  // another thread materialized it meanwhile
+  }
   return s.data_.load(std::memory_order_relaxed);
 }
 
 void* storage::mutable_data() { return mutable_data(backend::current_stream(device())); }
 
+void storage::record_stream(backend::stream_ref stream) const { impl().record_use(stream); }
+
+backend::stream_ref storage::last_used_on() const { return impl().last_used_.load(std::memory_order_acquire); }
+
 void storage::mark_shared_outside_process() {
   detail::storage_impl& s = impl();
   std::lock_guard lock(s.mutex_);
-  if (s.cow_ != nullptr) s.materialize(backend::current_stream(s.allocator_.device()));
+  if (s.cow_ != nullptr) s.materialize(s.last_used_.load(std::memory_order_relaxed));
   s.shared_outside_ = true;
 }
 
@@ -133,6 +182,7 @@ std::shared_ptr<storage_owner> storage::hand_over(
   if (s.cow_ != nullptr) s.materialize(stream);
   s.owner_ = make_owner(s.data_.load(), s.size_);
   if (!s.owner_) throw invalid_argument("storage::hand_over: make_owner returned no owner");
+  s.handed_over_ = true;
   s.shared_outside_ = true;
   return s.owner_;
 }
@@ -144,21 +194,21 @@ storage lazy_clone(const storage& source, backend::stream_ref stream) {
     // Memory another process or framework may write: a lazy clone could not
     // see those writes coming, so the clone is an eager copy, made now.
     storage copy = storage::allocate(s.allocator_, s.size_, stream);
+    detail::order_after(s.allocator_.device(), stream, s.streams_.view());
     s.allocator_.device().copy(stream, copy.impl().data_.load(), s.data_.load(), s.size_);
+    s.record_use_locked(stream);  // the source's release waits for the copy's read
     return copy;
   }
   if (s.cow_ == nullptr) {
     s.cow_ = new detail::cow_context(s.allocator_, s.data_.load(), s.size_, stream);
     s.lazy_.store(true, std::memory_order_release);
   }
-  s.cow_->add_reference(stream);
-  auto clone = std::make_shared<detail::storage_impl>(s.allocator_, s.size_, s.data_.load(), s.cow_);
+  s.cow_->add_reference(stream, s.streams_.view());
+  auto clone = std::make_shared<detail::storage_impl>(s.allocator_, s.size_, s.data_.load(), s.cow_, stream);
   clone->lazy_.store(true, std::memory_order_relaxed);
   return storage(std::move(clone));
 }
 
-storage lazy_clone(const storage& source) {
-  return lazy_clone(source, backend::current_stream(source.device()));
-}
+storage lazy_clone(const storage& source) { return lazy_clone(source, source.last_used_on()); }
 
 }  // namespace shoal::storage

@@ -550,6 +550,63 @@ TEST(sharing_protocol, the_first_frame_a_peer_sends_is_its_hello_and_only_the_fi
   EXPECT_EQ(capture.receive().type, 7) << "and the second, with no second hello";
 }
 
+/// Holds `s` until `open` is set, or for at most 10 s (which only keeps a
+/// failing test from hanging the stream).
+void hold(backend::device& dev, backend::stream_ref s, std::atomic<bool>& open) {
+  dev.host_task(s, [&open] {
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    while (!open.load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  });
+}
+
+TEST(sharing_streams, a_received_storage_is_released_after_its_receive_stream_wherever_it_is_dropped) {
+  in_process_sharing p;
+  auto& [dev, producer_allocator, consumer_allocator, producer, consumer, ends, sender, receiver] = p;
+  backend::stream received_on(dev), elsewhere(dev);
+  sender.send(storage_t::allocate(producer_allocator, 8 * kib, {}), {}, {});
+  storage_t st = receiver.receive(received_on).storage;
+  ASSERT_TRUE(st.valid());
+  EXPECT_EQ(st.last_used_on(), received_on.ref());
+  std::atomic<bool> open{false};
+  hold(dev, received_on, open);  // work on the receive stream that still reads the storage
+  {
+    backend::stream_guard on_elsewhere(dev, elsewhere);
+    st = storage_t();  // dropped with no guard for the receive stream
+  }
+  producer.collect();
+  EXPECT_EQ(receiver.stats().held_storages, 1u) << "released before the receive stream passed its work";
+  EXPECT_EQ(producer.stats().held_slots, 1u);
+  open.store(true);
+  dev.synchronize(received_on);
+  producer.collect();
+  EXPECT_EQ(receiver.stats().held_storages, 0u);
+  EXPECT_EQ(producer.stats().held_slots, 0u);
+}
+
+TEST(sharing_streams, a_received_storage_is_released_after_every_stream_it_was_used_on) {
+  in_process_sharing p;
+  auto& [dev, producer_allocator, consumer_allocator, producer, consumer, ends, sender, receiver] = p;
+  backend::stream received_on(dev), reader(dev), writer(dev);
+  sender.send(storage_t::allocate(producer_allocator, 8 * kib, {}), {}, {});
+  storage_t st = receiver.receive(received_on).storage;
+  ASSERT_TRUE(st.valid());
+  std::atomic<bool> reader_open{false}, writer_open{false};
+  hold(dev, reader, reader_open);
+  st.record_stream(reader);
+  hold(dev, writer, writer_open);
+  (void)st.mutable_data(writer);
+  st = storage_t();
+  EXPECT_EQ(receiver.stats().held_storages, 1u) << "the receive stream has passed, the reader and writer have not";
+  reader_open.store(true);
+  dev.synchronize(reader);
+  EXPECT_EQ(receiver.stats().held_storages, 1u) << "the writer still has its work queued";
+  writer_open.store(true);
+  dev.synchronize(writer);
+  EXPECT_EQ(receiver.stats().held_storages, 0u) << "released once the last stream passed";
+  producer.collect();
+  EXPECT_EQ(producer.stats().held_slots, 0u);
+}
+
 TEST(sharing_failures, a_send_that_fails_gives_its_slot_back) {
   backend::device& dev = backend::host_device_instance();
   alloc::caching_allocator allocator(dev, {});

@@ -2,10 +2,15 @@
 // allocator configuration (default, expandable_segments, debug).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <deque>
 #include <map>
 #include <random>
+#include <span>
 #include <thread>
+#include <vector>
 
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
@@ -21,6 +26,20 @@ using storage::lazy_clone;
 using storage_t = storage::storage;
 constexpr std::size_t bytes = 256 * 1024;
 
+/// Holds `s` until `open` is set, or for at most `limit` (which only keeps a
+/// failing test from hanging the stream).
+void hold(backend::device& dev, backend::stream_ref s, std::atomic<bool>& open, std::chrono::milliseconds limit) {
+  dev.host_task(s, [&open, limit] {
+    const auto until = std::chrono::steady_clock::now() + limit;
+    while (!open.load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  });
+}
+
+std::size_t pending_frees(alloc::caching_allocator& a) {
+  a.process_pending_frees();
+  return count_blocks(a.take_snapshot(), alloc::block_state::pending_free);
+}
+
 template <class Backend>
 class storage_test : public allocator_test<Backend> {
  public:
@@ -35,6 +54,13 @@ class storage_test : public allocator_test<Backend> {
     return all_equal(this->read(st.data(), st.size(), s), value);
   }
   std::int64_t allocations() { return this->allocator_->stats().allocations.aggregate.allocated; }
+  /// A new stream that outlives the test's allocator, as the allocator
+  /// requires: its pools and debug poison fills use the stream until it goes.
+  backend::stream_ref new_stream() { return streams_.emplace_back(this->device()); }
+  void TearDown() override { this->allocator_.reset(); }  // before streams_
+
+ private:
+  std::deque<stream> streams_;
 };
 TYPED_TEST_SUITE(storage_test, backend_config_types, backend_config_names);
 
@@ -116,7 +142,7 @@ TYPED_TEST(storage_test, data_is_released_exactly_once) {
 TYPED_TEST(storage_test, the_materializing_copy_waits_for_writes_made_before_the_clone) {
   auto& dev = this->device();
   this->make();
-  stream writer(dev), reader(dev);
+  const backend::stream_ref writer = this->new_stream(), reader = this->new_stream();
   auto a = this->filled(0);
   dev.delay(writer, 150ms);
   dev.fill(writer, a.mutable_data(writer), 0x5A, bytes);  // still queued when the clone is made
@@ -125,10 +151,100 @@ TYPED_TEST(storage_test, the_materializing_copy_waits_for_writes_made_before_the
   EXPECT_TRUE(this->holds(b, 0x5A, reader));
 }
 
+TYPED_TEST(storage_test, a_clone_made_without_a_stream_waits_for_the_source_s_last_write) {
+  auto& dev = this->device();
+  this->make();
+  const backend::stream_ref writer = this->new_stream(), reader = this->new_stream();
+  auto a = this->filled(0);
+  // The write waits until the reader has run past the clone's copy (or
+  // 200 ms): a copy not ordered after the write reads the old bytes, always.
+  std::atomic<bool> copied{false};
+  hold(dev, writer, copied, 200ms);
+  dev.fill(writer, a.mutable_data(writer), 0x5A, bytes);
+  EXPECT_EQ(a.last_used_on(), writer);
+  auto b = lazy_clone(a);  // this thread's current stream is the idle default stream
+  EXPECT_EQ(b.last_used_on(), writer) << "a clone is for use where its source was last used";
+  (void)b.mutable_data(reader);
+  dev.host_task(reader, [&copied] { copied.store(true); });
+  EXPECT_TRUE(this->holds(b, 0x5A, reader)) << "the copy overtook the source's last write";
+  dev.synchronize(writer);
+}
+
+TYPED_TEST(storage_test, a_storage_is_freed_after_every_stream_it_was_used_on_wherever_it_is_dropped) {
+  auto& dev = this->device();
+  auto& alloc = this->make();
+  const backend::stream_ref own = this->new_stream(), reader = this->new_stream(), elsewhere = this->new_stream();
+  auto st = this->filled(0x11, own);
+  std::atomic<bool> open{false};
+  hold(dev, reader, open, 10s);
+  std::vector<std::uint8_t> seen(bytes);
+  dev.copy(reader, seen.data(), st.data(), bytes);  // queued behind the hold
+  st.record_stream(reader);
+  {
+    backend::stream_guard on_elsewhere(dev, elsewhere);
+    st = storage_t();  // dropped where the current stream is neither of its streams
+  }
+  EXPECT_EQ(pending_frees(alloc), 1u) << "freed while a stream it was used on still had its read queued";
+  open.store(true);
+  dev.synchronize(reader);
+  EXPECT_EQ(pending_frees(alloc), 0u);
+  EXPECT_TRUE(all_equal(seen, 0x11));
+}
+
+TYPED_TEST(storage_test, shared_data_is_freed_after_the_streams_of_every_clone) {
+  auto& dev = this->device();
+  auto& alloc = this->make();
+  const backend::stream_ref reader = this->new_stream(), elsewhere = this->new_stream();
+  auto a = this->filled(0x22);
+  auto b = lazy_clone(a);
+  std::atomic<bool> open{false};
+  hold(dev, reader, open, 10s);
+  std::vector<std::uint8_t> seen(bytes);
+  dev.copy(reader, seen.data(), b.data(), bytes);
+  b.record_stream(reader);
+  {
+    backend::stream_guard on_elsewhere(dev, elsewhere);
+    b = storage_t();  // b goes first: its use is left to whoever frees the data
+    a = storage_t();
+  }
+  EXPECT_EQ(pending_frees(alloc), 1u) << "the shared data was freed while a clone's read was queued";
+  open.store(true);
+  dev.synchronize(reader);
+  EXPECT_EQ(pending_frees(alloc), 0u);
+  EXPECT_TRUE(all_equal(seen, 0x22));
+}
+
+TYPED_TEST(storage_test, a_stealer_keeps_the_streams_it_was_used_on) {
+  auto& dev = this->device();
+  auto& alloc = this->make();
+  const backend::stream_ref cloned_on = this->new_stream(), reader = this->new_stream(), writer = this->new_stream(),
+                            elsewhere = this->new_stream();
+  auto a = this->filled(0x44);
+  auto b = lazy_clone(a, cloned_on);
+  std::atomic<bool> open{false};
+  hold(dev, reader, open, 10s);
+  std::vector<std::uint8_t> seen(bytes);
+  dev.copy(reader, seen.data(), b.data(), bytes);
+  b.record_stream(reader);
+  a = storage_t();
+  const void* shared = b.data();
+  EXPECT_EQ(b.mutable_data(writer), shared) << "the last reference steals";
+  {
+    backend::stream_guard on_elsewhere(dev, elsewhere);
+    b = storage_t();
+  }
+  EXPECT_EQ(pending_frees(alloc), 1u) << "freed while the stealer's read was queued";
+  open.store(true);
+  dev.synchronize(reader);
+  dev.synchronize(writer);
+  EXPECT_EQ(pending_frees(alloc), 0u);
+  EXPECT_TRUE(all_equal(seen, 0x44));
+}
+
 TYPED_TEST(storage_test, the_source_outlives_a_pending_copy) {
   auto& dev = this->device();
   auto& alloc = this->make();
-  stream owner(dev), copier(dev);
+  const backend::stream_ref owner = this->new_stream(), copier = this->new_stream();
   auto a = this->filled(0x11, owner);
   auto b = lazy_clone(a, owner);
   dev.delay(copier, 200ms);
@@ -146,7 +262,7 @@ TYPED_TEST(storage_test, the_source_outlives_a_pending_copy) {
 TYPED_TEST(storage_test, a_stealer_waits_for_copies_before_writing_in_place) {
   auto& dev = this->device();
   this->make();
-  stream owner(dev), copier(dev);
+  const backend::stream_ref owner = this->new_stream(), copier = this->new_stream();
   auto a = this->filled(0x22, owner);
   auto b = lazy_clone(a, owner);
   dev.delay(copier, 200ms);
@@ -207,6 +323,72 @@ TYPED_TEST(storage_test, adopted_memory_is_given_back_by_its_owner_once_and_copi
   EXPECT_THROW((void)storage_t::adopt(a, p, bytes, nullptr), invalid_argument);
 }
 
+// An owner that notes what its storages tell it.
+class listening_owner final : public storage::storage_owner {
+ public:
+  explicit listening_owner(std::vector<backend::stream_ref>& told) : told_(told) {}
+  void storage_released(std::span<const backend::stream_ref> used_on) noexcept override {
+    told_.assign(used_on.begin(), used_on.end());
+  }
+
+ private:
+  std::vector<backend::stream_ref>& told_;
+};
+
+TYPED_TEST(storage_test, an_owner_is_told_every_stream_its_storage_was_used_on) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  const backend::stream_ref received_on = this->new_stream(), writer = this->new_stream(), reader = this->new_stream();
+  void* p = a.allocate(bytes, {});
+  std::vector<backend::stream_ref> told;
+  {
+    auto st = storage_t::adopt(a, p, bytes, std::make_shared<listening_owner>(told), received_on);
+    EXPECT_EQ(st.last_used_on(), received_on);
+    (void)st.mutable_data(writer);
+    st.record_stream(reader);
+    st.record_stream(writer);
+    EXPECT_EQ(st.last_used_on(), writer);
+    EXPECT_TRUE(told.empty()) << "told only when the storage goes";
+  }
+  const std::vector<backend::stream_ref> each_once = {received_on, writer, reader};
+  EXPECT_EQ(told, each_once) << "its own stream first, then each other stream once";
+  a.deallocate(p, {});
+}
+
+TYPED_TEST(storage_test, threads_recording_uses_at_once_lose_none) {
+  auto& a = this->make();
+  constexpr int threads = 4, streams_each = 4;
+  std::vector<backend::stream_ref> streams;
+  for (int i = 0; i < threads * streams_each; ++i) streams.push_back(this->new_stream());
+  void* p = a.allocate(bytes, {});
+  std::vector<backend::stream_ref> told;
+  {
+    auto st = storage_t::adopt(a, p, bytes, std::make_shared<listening_owner>(told), {});
+    std::vector<std::thread> users;
+    for (int t = 0; t < threads; ++t) {
+      users.emplace_back([&, t] {
+        for (int i = 0; i < streams_each; ++i) {
+          const backend::stream_ref s = streams[static_cast<std::size_t>(t * streams_each + i)];
+          if (i % 2 == 0) {
+            (void)st.mutable_data(s);
+          } else {
+            st.record_stream(s);
+          }
+        }
+      });
+    }
+    for (auto& u : users) u.join();
+  }
+  ASSERT_FALSE(told.empty());
+  EXPECT_EQ(told.front(), backend::stream_ref{}) << "its own stream first";
+  std::vector<backend::stream_ref> expected = streams;
+  expected.push_back({});
+  std::ranges::sort(expected);
+  std::ranges::sort(told);
+  EXPECT_EQ(told, expected) << "every stream once";
+  a.deallocate(p, {});
+}
+
 TYPED_TEST(storage_test, a_storage_handed_over_is_freed_by_its_new_owner) {
   auto& a = this->make();
   int released = 0, made = 0;
@@ -229,12 +411,36 @@ TYPED_TEST(storage_test, a_storage_handed_over_is_freed_by_its_new_owner) {
   EXPECT_TRUE(this->holds(st, 6)) << "the source keeps its own data";
 }
 
+TYPED_TEST(storage_test, a_block_handed_over_is_freed_after_every_stream_it_was_used_on) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  const backend::stream_ref reader = this->new_stream(), elsewhere = this->new_stream();
+  int released = 0;
+  auto st = this->filled(0x33);
+  std::atomic<bool> open{false};
+  hold(dev, reader, open, 10s);
+  std::vector<std::uint8_t> seen(bytes);
+  dev.copy(reader, seen.data(), st.data(), bytes);
+  st.record_stream(reader);
+  (void)st.hand_over([&](void* data, std::size_t) { return std::make_shared<counting_owner>(a, data, released); }, {});
+  {
+    backend::stream_guard on_elsewhere(dev, elsewhere);
+    st = storage_t();  // the owner frees the block on `elsewhere`, the stream current here
+  }
+  EXPECT_EQ(released, 1);
+  EXPECT_EQ(pending_frees(a), 1u) << "the block's free does not wait for the stream the storage was used on";
+  open.store(true);
+  dev.synchronize(reader);
+  EXPECT_EQ(pending_frees(a), 0u);
+  EXPECT_TRUE(all_equal(seen, 0x33));
+}
+
 TYPED_TEST(storage_test, many_threads_clone_and_materialize_one_family) {
   auto& dev = this->device();
   this->make();
   constexpr int threads = 6;
-  std::vector<stream> streams;  // outlive every storage whose copies they made
-  for (int t = 0; t < threads; ++t) streams.emplace_back(dev);
+  std::vector<backend::stream_ref> streams;
+  for (int t = 0; t < threads; ++t) streams.push_back(this->new_stream());
   auto root = this->filled(0x40);
   std::atomic<int> wrong{0};
   std::vector<std::thread> workers;

@@ -9,7 +9,8 @@
 // usable; see storage::hand_over) and takes one reference-counter slot held
 // by the receiving process. The receiver's storage is a view of the
 // producer's memory, mapped once per segment and cached; dropping it
-// releases the slot once the receiver's stream has passed its uses. When the
+// releases the slot once the stream it was received on, and every stream it
+// was used on since (see storage.h), have passed their uses. When the
 // producer drops its last handle while slots are still held, the block waits
 // in the limbo; it is freed, on the stream the producer dropped it on, when
 // every slot is released: checked when a shared block is released, when the

@@ -15,23 +15,42 @@
 //     in progress; the reference count and the steal decision are atomic;
 //   - while shared, the data is never written in place, so it stays as it
 //     was at clone time.
-// Stream order: the materializing copy is enqueued on the caller's stream
-// after an event on the stream the clone was made on (the data's writes
-// before the clone are passed first); the source block is held by the
-// allocator (record_stream) until that copy completes, and a stealer's
-// stream waits for every copy before writing in place.
+// Streams a storage was used on (one rule for every kind of storage):
+//   - a storage remembers the streams its data was used on: its own stream
+//     (the one it was allocated, adopted or received on, or its clone's or
+//     copy's stream), every stream given to mutable_data, and every stream
+//     given to record_stream; the newest of them is `last_used_on()`;
+//   - its memory is released only once each of those streams has passed the
+//     work enqueued on it until the last handle went, on whichever thread
+//     that happens (the dropping thread's current stream is not one of them
+//     unless recorded). Memory from the allocator is freed the allocator's
+//     way (deallocate on its own stream, record_stream for the others);
+//     memory with an owner is handed back with the streams (storage_owner);
+//   - reads through data() on a stream other than these are not seen:
+//     tell the storage with record_stream, as for the allocator's blocks;
+//   - up to two streams cost no heap memory; a use on the last recorded
+//     stream costs one atomic load.
+// Stream order of lazy clones: the materializing copy is enqueued on the
+// caller's stream after an event on the clone's stream and on every stream
+// the source was used on when the clone was made (the data's writes before
+// the clone are passed first);
+// the shared block is held by the allocator until that copy and every use of
+// the family's storages complete, and a stealer's stream waits for every
+// copy before writing in place.
 // Memory that has left the process (shared over IPC, exported through
 // DLPack) is never lazily shared: lazy_clone of such a storage makes an
-// eager copy at once.
+// eager copy at once, ordered after the source's streams.
 //
 // Thread-safety: different storage objects may be used from any threads at
 // once, including clones of one family. One storage object's mutable_data
-// may be called from several threads; they materialize it once.
+// and record_stream may be called from several threads at once; they
+// materialize it once and record every stream.
 #pragma once
 
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <span>
 
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/backend/types.h"
@@ -44,14 +63,24 @@ class storage_impl;
 
 /// Keeps memory alive that a storage did not take from its allocator (for
 /// example memory mapped from another process); its destructor gives the
-/// memory back, on the calling thread's current stream. Also what a storage
-/// shared with other processes hands its memory to (see shoal/ipc).
+/// memory back. Also what a storage shared with other processes hands its
+/// memory to (see shoal/ipc).
 class storage_owner {
  public:
   storage_owner() = default;
   storage_owner(const storage_owner&) = delete;
   storage_owner& operator=(const storage_owner&) = delete;
   virtual ~storage_owner() = default;
+
+  /// A storage over this owner's memory is gone: `used_on` are the streams
+  /// it was used on, its own stream first. The owner gives the memory back
+  /// only after each of them has passed the work enqueued on it until now.
+  /// Called once per storage, before it lets go of the owner, on the thread
+  /// that dropped its last handle; storages sharing an owner may call it from
+  /// several threads at once. The default does nothing, which suits a block
+  /// taken over with hand_over and freed through its allocator: the storage
+  /// records these streams on the block itself (record_stream).
+  virtual void storage_released(std::span<const backend::stream_ref> used_on) noexcept { (void)used_on; }
 };
 
 class storage {
@@ -61,10 +90,14 @@ class storage {
   /// A storage on the calling thread's current stream.
   static storage allocate(alloc::caching_allocator& allocator, std::size_t bytes);
 
-  /// A storage over `bytes` bytes at `data`, memory that `owner` keeps
-  /// alive until the storage's last handle is gone; `allocator` (of the
+  /// A storage over `bytes` bytes at `data`, for use on `stream`, memory
+  /// that `owner` keeps alive until the storage's last handle is gone (and
+  /// gives back after the streams it is told of); `allocator` (of the
   /// memory's device) serves copies. Such memory counts as shared outside
   /// the process, so it is never lazily shared.
+  static storage adopt(alloc::caching_allocator& allocator, void* data, std::size_t bytes,
+                       std::shared_ptr<storage_owner> owner, backend::stream_ref stream);
+  /// adopt for use on the calling thread's current stream.
   static storage adopt(alloc::caching_allocator& allocator, void* data, std::size_t bytes,
                        std::shared_ptr<storage_owner> owner);
 
@@ -77,17 +110,27 @@ class storage {
 
   /// Read access: never copies.
   [[nodiscard]] const void* data() const;
-  /// Write access on `stream`: materializes a lazily shared storage first.
+  /// Write access on `stream`: materializes a lazily shared storage first,
+  /// and records a use on `stream`.
   [[nodiscard]] void* mutable_data(backend::stream_ref stream);
   /// Write access on the calling thread's current stream.
   [[nodiscard]] void* mutable_data();
+  /// Records a use of the data on `stream` (a read, or a write through a
+  /// pointer taken earlier): the memory's release waits for the work
+  /// enqueued there until then, lazy clones made afterwards are ordered
+  /// after it, and it becomes last_used_on(). Like the allocator's
+  /// record_stream; a stream recorded must outlive the storage's release.
+  void record_stream(backend::stream_ref stream) const;
+  /// The stream of the last use recorded (see the header comment).
+  [[nodiscard]] backend::stream_ref last_used_on() const;
 
   /// True iff both handles name the same storage object.
   [[nodiscard]] bool aliases(const storage& other) const noexcept { return impl_ == other.impl_; }
   /// True while this storage shares its data with others through copy-on-write.
   [[nodiscard]] bool is_lazy() const;
   /// Marks the data as shared outside the process (IPC, DLPack): from now on
-  /// it is never lazily shared. Materializes it first if it is lazy.
+  /// it is never lazily shared. Materializes it first if it is lazy, on
+  /// last_used_on().
   void mark_shared_outside_process();
   [[nodiscard]] bool shared_outside_process() const;
   /// The owner of this storage's memory, or nullptr when its allocator
@@ -111,9 +154,11 @@ class storage {
 };
 
 /// A new storage sharing `source`'s data copy-on-write, in O(1); cloning a
-/// clone joins its context. `stream` is where the source's data was last
-/// written (the calling thread's current stream by default).
+/// clone joins its context. The clone is for use on `stream`; its data is
+/// what the source holds once `stream` and every stream the source was used
+/// on have passed the work enqueued so far.
 [[nodiscard]] storage lazy_clone(const storage& source, backend::stream_ref stream);
+/// lazy_clone on the stream the source was last used on (last_used_on()).
 [[nodiscard]] storage lazy_clone(const storage& source);
 
 }  // namespace shoal::storage

@@ -1,0 +1,78 @@
+// The streams one storage's data was used on, its own stream first (the one
+// its memory was allocated, adopted, received or copied on), each once.
+// Up to two streams need no heap memory: the common single-stream storage,
+// and the producer/consumer pair, cost no allocation.
+//
+// Not thread-safe: the owning storage guards it.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <initializer_list>
+#include <span>
+#include <vector>
+
+#include "shoal/backend/device.h"
+
+namespace shoal::storage::detail {
+
+class stream_set {
+ public:
+  explicit stream_set(backend::stream_ref own) : size_(1) { inline_[0] = own; }
+
+  [[nodiscard]] backend::stream_ref own() const noexcept { return view().front(); }
+  [[nodiscard]] std::span<const backend::stream_ref> view() const noexcept {
+    return spilled_.empty() ? std::span<const backend::stream_ref>(inline_.data(), size_)
+                            : std::span<const backend::stream_ref>(spilled_);
+  }
+  /// The streams other than own().
+  [[nodiscard]] std::span<const backend::stream_ref> others() const noexcept { return view().subspan(1); }
+
+  void add(backend::stream_ref s) {
+    const auto all = view();
+    if (std::ranges::find(all, s) != all.end()) return;
+    if (spilled_.empty() && size_ < inline_.size()) {
+      inline_[size_++] = s;
+      return;
+    }
+    if (spilled_.empty()) spilled_.assign(inline_.begin(), inline_.end());
+    spilled_.push_back(s);
+  }
+  /// Makes room for `streams`, so that adding them afterwards cannot throw.
+  void make_room_for(std::initializer_list<backend::stream_ref> streams) {
+    const auto all = view();
+    const auto absent = std::ranges::count_if(streams, [&](auto s) { return std::ranges::find(all, s) == all.end(); });
+    const std::size_t needed = all.size() + static_cast<std::size_t>(absent);
+    if (needed <= inline_.size()) return;
+    const bool inline_now = spilled_.empty();
+    spilled_.reserve(needed);  // `all` still views inline_ when inline_now
+    if (inline_now) spilled_.assign(all.begin(), all.end());
+  }
+  /// Only `own` remains (the storage's memory is now a block of `own`).
+  void reset(backend::stream_ref own) noexcept {
+    spilled_.clear();
+    inline_[0] = own;
+    size_ = 1;
+  }
+
+ private:
+  std::array<backend::stream_ref, 2> inline_{};
+  std::size_t size_;
+  std::vector<backend::stream_ref> spilled_;  // every stream, once inline_ is full
+};
+
+/// Makes work enqueued on `waiter` from now on wait for the work enqueued so
+/// far on each of `streams` (GPU-side: an event per stream other than `waiter`).
+inline void order_after(backend::device& device, backend::stream_ref waiter,
+                        std::span<const backend::stream_ref> streams) {
+  for (auto s : streams) {
+    if (s == waiter) continue;  // same stream: already in order
+    const backend::event_ref e = device.create_event();
+    device.record(e, s);
+    device.wait(waiter, e);
+    device.destroy_event(e);
+  }
+}
+
+}  // namespace shoal::storage::detail
