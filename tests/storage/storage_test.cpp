@@ -53,6 +53,14 @@ class storage_test : public allocator_test<Backend> {
   bool holds(const storage_t& st, std::uint8_t value, backend::stream_ref s = {}) {
     return all_equal(this->read(st.data(), st.size(), s), value);
   }
+  /// A copy of `source` enqueued on `s` into device memory: a copy to
+  /// pageable host memory would run synchronously on CUDA, so it could not
+  /// stay queued behind a held stream.
+  storage_t queued_copy(const storage_t& source, backend::stream_ref s) {
+    auto copy = storage_t::allocate(*this->allocator_, source.size(), s);
+    this->device().copy(s, copy.mutable_data(s), source.data(), source.size());
+    return copy;
+  }
   std::int64_t allocations() { return this->allocator_->stats().allocations.aggregate.allocated; }
   /// A new stream that outlives the test's allocator, as the allocator
   /// requires: its pools and debug poison fills use the stream until it goes.
@@ -177,8 +185,7 @@ TYPED_TEST(storage_test, a_storage_is_freed_after_every_stream_it_was_used_on_wh
   auto st = this->filled(0x11, own);
   std::atomic<bool> open{false};
   hold(dev, reader, open, 10s);
-  std::vector<std::uint8_t> seen(bytes);
-  dev.copy(reader, seen.data(), st.data(), bytes);  // queued behind the hold
+  auto seen = this->queued_copy(st, reader);  // queued behind the hold
   st.record_stream(reader);
   {
     backend::stream_guard on_elsewhere(dev, elsewhere);
@@ -188,7 +195,7 @@ TYPED_TEST(storage_test, a_storage_is_freed_after_every_stream_it_was_used_on_wh
   open.store(true);
   dev.synchronize(reader);
   EXPECT_EQ(pending_frees(alloc), 0u);
-  EXPECT_TRUE(all_equal(seen, 0x11));
+  EXPECT_TRUE(this->holds(seen, 0x11, reader));
 }
 
 TYPED_TEST(storage_test, shared_data_is_freed_after_the_streams_of_every_clone) {
@@ -199,8 +206,7 @@ TYPED_TEST(storage_test, shared_data_is_freed_after_the_streams_of_every_clone) 
   auto b = lazy_clone(a);
   std::atomic<bool> open{false};
   hold(dev, reader, open, 10s);
-  std::vector<std::uint8_t> seen(bytes);
-  dev.copy(reader, seen.data(), b.data(), bytes);
+  auto seen = this->queued_copy(b, reader);
   b.record_stream(reader);
   {
     backend::stream_guard on_elsewhere(dev, elsewhere);
@@ -211,7 +217,7 @@ TYPED_TEST(storage_test, shared_data_is_freed_after_the_streams_of_every_clone) 
   open.store(true);
   dev.synchronize(reader);
   EXPECT_EQ(pending_frees(alloc), 0u);
-  EXPECT_TRUE(all_equal(seen, 0x22));
+  EXPECT_TRUE(this->holds(seen, 0x22, reader));
 }
 
 TYPED_TEST(storage_test, a_stealer_keeps_the_streams_it_was_used_on) {
@@ -223,8 +229,7 @@ TYPED_TEST(storage_test, a_stealer_keeps_the_streams_it_was_used_on) {
   auto b = lazy_clone(a, cloned_on);
   std::atomic<bool> open{false};
   hold(dev, reader, open, 10s);
-  std::vector<std::uint8_t> seen(bytes);
-  dev.copy(reader, seen.data(), b.data(), bytes);
+  auto seen = this->queued_copy(b, reader);
   b.record_stream(reader);
   a = storage_t();
   const void* shared = b.data();
@@ -238,7 +243,7 @@ TYPED_TEST(storage_test, a_stealer_keeps_the_streams_it_was_used_on) {
   dev.synchronize(reader);
   dev.synchronize(writer);
   EXPECT_EQ(pending_frees(alloc), 0u);
-  EXPECT_TRUE(all_equal(seen, 0x44));
+  EXPECT_TRUE(this->holds(seen, 0x44, reader));
 }
 
 TYPED_TEST(storage_test, the_source_outlives_a_pending_copy) {
@@ -419,8 +424,7 @@ TYPED_TEST(storage_test, a_block_handed_over_is_freed_after_every_stream_it_was_
   auto st = this->filled(0x33);
   std::atomic<bool> open{false};
   hold(dev, reader, open, 10s);
-  std::vector<std::uint8_t> seen(bytes);
-  dev.copy(reader, seen.data(), st.data(), bytes);
+  auto seen = this->queued_copy(st, reader);
   st.record_stream(reader);
   (void)st.hand_over([&](void* data, std::size_t) { return std::make_shared<counting_owner>(a, data, released); }, {});
   {
@@ -432,7 +436,7 @@ TYPED_TEST(storage_test, a_block_handed_over_is_freed_after_every_stream_it_was_
   open.store(true);
   dev.synchronize(reader);
   EXPECT_EQ(pending_frees(a), 0u);
-  EXPECT_TRUE(all_equal(seen, 0x33));
+  EXPECT_TRUE(this->holds(seen, 0x33, reader));
 }
 
 TYPED_TEST(storage_test, many_threads_clone_and_materialize_one_family) {
