@@ -120,7 +120,7 @@ void register_storages(nb::module_& m) {
             auto st = stream_or_current(&stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
             if (record_stream_on_import(s.handle.get(), st)) return;
-            s.handle.get().allocator().record_stream(const_cast<void*>(s.handle.get().data()), st->ref());
+            s.handle.get().record_stream(st->ref());
           },
           nb::arg("stream"),
           "The memory is also used on `stream`: its free (for imported memory, its release to the producer) "

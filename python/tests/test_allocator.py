@@ -66,13 +66,14 @@ def test_trace_records_alloc_and_free(allocator):
     assert ("free_requested", ptr) in actions or ("free_completed", ptr) in actions
 
 
-def test_a_free_on_another_stream_is_held_until_that_stream_passes(allocator):
-    user = shoal.Stream()
+def test_a_free_is_held_until_every_stream_the_storage_was_used_on_passes(allocator):
+    user, elsewhere = shoal.Stream(), shoal.Stream()
     s = allocator.allocate(4096)
     ptr = s.ptr
     user.delay(0.5)
-    with shoal.stream(user):
-        del s  # freed on `user`, which is still busy
+    s.record_stream(user)  # used on `user`, which is still busy
+    with shoal.stream(elsewhere):
+        del s  # where it is dropped does not matter
         gc.collect()
     states = [b["state"] for seg in allocator.snapshot()["segments"] for b in seg["blocks"] if b["address"] == ptr]
     assert states == ["pending_free"]
