@@ -138,6 +138,10 @@ void peer_link::send_note(std::span<const std::byte> metadata) {
                            " bytes of metadata is over the limit of " + std::to_string(limits_.max_metadata));
   }
   check_not_revoked();
+  if (state_->revoked(link_.peer().process)) {
+    throw peer_refused("peer::send_note: process " + std::to_string(link_.peer().process.pid) +
+                       " was revoked (peer::revoke); this context sends it nothing more");
+  }
   std::lock_guard lock(send_mutex_);
   send_with_retirements([&](outgoing& out) {
     out.add(message_type::note, encode_note(metadata));
@@ -166,13 +170,14 @@ void peer_link::check_not_revoked() const {
 void peer_link::release_unread() noexcept {
   try {
     // Never waits for more than has arrived, and a batch that arrived only
-    // in part is given up on by the deadline (which shuts the socket down).
+    // in part is given up on by the deadline (which shuts the socket down);
+    // a peer that keeps sending is cut off by the same deadline.
     const auto until = std::chrono::steady_clock::now() + state_->options.teardown_timeout;
     pollfd waiting{link_.native_handle(), POLLIN, 0};
     const auto more_waits = [&] {
       return link_.pending() > 0 || (::poll(&waiting, 1, 0) > 0 && (waiting.revents & POLLIN) != 0);
     };
-    while (!link_.broken() && more_waits()) {
+    while (!link_.broken() && std::chrono::steady_clock::now() < until && more_waits()) {
       channel::frame f = next_frame(until);
       if (!hello_checked_) {
         channel::check_hello(f, sharing_protocol);
@@ -203,7 +208,13 @@ channel::frame peer_link::next_frame(const std::optional<std::chrono::steady_clo
 received peer_link::receive(backend::stream_ref stream, std::optional<std::chrono::steady_clock::time_point> until) {
   check_not_revoked();
   if (broken_) throw connection_closed("peer::receive: the connection was closed after a malformed message");
-  for (;;) {
+  for (bool first = true;; first = false) {
+    // Frames that arrive in time but end no message (announcements,
+    // retirements) do not stretch the deadline: a peer that keeps sending
+    // them is timed out at a frame boundary, the stream still in step.
+    if (until && !first && std::chrono::steady_clock::now() >= *until) {
+      throw timeout_error("peer::receive_for: the deadline passed while the peer sent no whole message");
+    }
     channel::frame f = next_frame(until);
     try {
       if (!hello_checked_) {

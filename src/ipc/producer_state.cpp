@@ -273,6 +273,11 @@ void producer_state::revoke(const process_identity& peer) {
   slots_.revoke(peer);
 }
 
+bool producer_state::revoked(const process_identity& peer) const {
+  std::lock_guard lock(mutex_);
+  return slots_.revoked(peer);
+}
+
 std::vector<holder_stats> producer_state::holders() const {
   using key = std::pair<pid_t, std::uint64_t>;
   const auto key_of = [](const process_identity& p) { return key{p.pid, p.start_time}; };

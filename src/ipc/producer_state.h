@@ -72,6 +72,8 @@ class producer_state : public std::enable_shared_from_this<producer_state> {
 
   /// A connection to `peer` opened / closed (counter_slots::connect).
   void connect(const process_identity& peer);
+  /// Whether `peer` was revoked (peer::revoke) through any connection.
+  [[nodiscard]] bool revoked(const process_identity& peer) const;
   void disconnect(const process_identity& peer);
   /// `peer` is sent nothing more (share_storage throws peer_refused); the
   /// references it holds stay held until it releases them or dies.

@@ -174,6 +174,8 @@ TEST(hostile_peer, a_revoked_process_is_refused_on_every_connection) {
   EXPECT_THROW(blocked.get(), connection_closed);
   EXPECT_THROW((void)consumer_a.receive({}), connection_closed) << "the consumer's end is closed";
   EXPECT_THROW(producer_to_b.send(storage::storage::allocate(p.producer_allocator, 4 * kib, {}), {}, {}), peer_refused);
+  const std::vector<std::byte> note{std::byte{1}};
+  EXPECT_THROW(producer_to_b.send_note(note), peer_refused) << "a note is sent to a revoked process too";
   const auto holders = p.producer.holders();
   ASSERT_EQ(holders.size(), 1u);
   EXPECT_TRUE(holders[0].revoked);

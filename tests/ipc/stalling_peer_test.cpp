@@ -112,6 +112,62 @@ TEST(stalling_peer, a_protocol_error_followed_by_a_stalled_batch_returns_at_once
   EXPECT_LT(clock::now() - start, slack);
 }
 
+// A producer end that said hello and then sends retirements of segments
+// that do not exist, batch after batch, until stopped: frames that arrive in
+// time but never end a message, faster than they can be read.
+struct streaming_producer {
+  captured_exchange ex;
+  std::pair<channel::connection, channel::connection> ends = connected_pair();
+  channel::connection& from = ends.first;
+  std::unique_ptr<ipc::peer> receiver = std::make_unique<ipc::peer>(ex.consumer, std::move(ends.second));
+  std::atomic<bool> stop{false};
+  std::thread writer;
+
+  explicit streaming_producer(bool malformed_message_first = false) {
+    channel::send_hello(from, ipc::sharing_protocol);
+    if (malformed_message_first) from.send(999, {});
+    writer = std::thread([this] {
+      // A retire_segments message (type 5): one id, u32 count then u64 ids.
+      constexpr std::uint16_t retire_segments = 5;
+      const std::uint32_t count = 1;
+      const std::uint64_t unknown_id = 1'000'000;
+      std::vector<std::byte> payload(sizeof count + sizeof unknown_id);
+      std::memcpy(payload.data(), &count, sizeof count);
+      std::memcpy(payload.data() + sizeof count, &unknown_id, sizeof unknown_id);
+      // Whole batches of them, so the socket stays full: the writer outruns
+      // a reader that handles one frame at a time.
+      const std::vector<channel::outgoing_frame> batch(channel::max_batch_frames, {retire_segments, payload});
+      try {
+        while (!stop.load()) from.send(batch);
+      } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): the consumer closed its end
+      }
+    });
+  }
+  ~streaming_producer() {
+    stop.store(true);
+    unblock();
+    writer.join();
+  }
+  void unblock() { ::shutdown(from.native_handle(), SHUT_RDWR); }
+};
+
+TEST(stalling_peer, receive_for_gives_up_on_a_producer_that_streams_frames_but_no_message) {
+  streaming_producer p;
+  const auto start = clock::now();
+  returns_within(
+      100ms + 2 * slack, [&] { EXPECT_THROW((void)p.receiver->receive_for(100ms, {}), timeout_error); },
+      [&] { p.unblock(); });
+  EXPECT_GE(clock::now() - start, 100ms);
+  returns_within(teardown + 2 * slack, [&] { p.receiver.reset(); }, [&] { p.unblock(); });
+}
+
+TEST(stalling_peer, a_protocol_error_returns_at_once_though_the_producer_keeps_streaming) {
+  streaming_producer p(true);
+  returns_within(
+      teardown + 2 * slack, [&] { EXPECT_THROW((void)p.receiver->receive_for(10s, {}), protocol_error); },
+      [&] { p.unblock(); });
+}
+
 TEST(stalling_peer, a_send_to_a_consumer_that_stops_reading_times_out) {
   captured_exchange ex;
   ipc::sharing_context producer(ex.producer_allocator, {.collect_interval = 0ms, .send_timeout = 100ms});
