@@ -27,9 +27,9 @@ void cow_context::note_written_on(backend::stream_ref stream) {
 }
 
 void cow_context::record_uses(std::span<const backend::stream_ref> used_on) {
-  for (auto s : used_on) {
-    if (s != created_on_) allocator_.record_stream(data_, s);
-  }
+  // created_on_ too: it need not be the block's stream, and with
+  // cross_stream_safety off the final free on it waits for nothing unrecorded.
+  for (auto s : used_on) allocator_.record_stream(data_, s);
 }
 
 void cow_context::order_after_clone_writes(backend::stream_ref stream) {

@@ -36,7 +36,10 @@ class storage_impl {
         }
         owner_->storage_released(streams_.view());
       } else if (cow_ == nullptr) {
-        for (auto s : streams_.others()) allocator_.record_stream(data, s);
+        // Every stream, its own included: after a steal the own stream is
+        // not the block's, and with cross_stream_safety off a free waits for
+        // no stream but those recorded (the allocator skips the block's own).
+        for (auto s : streams_.view()) allocator_.record_stream(data, s);
         allocator_.deallocate(data, streams_.own());
       } else if (cow_->release_for_drop(streams_.view())) {
         delete cow_;

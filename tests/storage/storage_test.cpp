@@ -72,6 +72,12 @@ class storage_test : public allocator_test<Backend> {
 };
 TYPED_TEST_SUITE(storage_test, backend_config_types, backend_config_names);
 
+// The same storages with cross_stream_safety off: the allocator then waits
+// for no stream a block was freed on, only for those recorded.
+template <class Backend>
+class storage_unsafe_test : public storage_test<Backend> {};
+TYPED_TEST_SUITE(storage_unsafe_test, unsafe_config_types, backend_config_names);
+
 TYPED_TEST(storage_test, handles_alias_iff_they_name_one_storage) {
   this->make();
   auto a = this->filled(1);
@@ -511,6 +517,43 @@ TYPED_TEST(storage_test, random_schedules_keep_every_copy_and_release_everything
   const auto st = this->allocator_->stats();
   EXPECT_TRUE(nothing_in_use(st));
   EXPECT_EQ(st.reserved_bytes.aggregate.current, 0);
+}
+
+TYPED_TEST(storage_unsafe_test, a_clone_is_freed_after_the_stream_it_was_made_for_with_safety_off) {
+  auto& dev = this->device();
+  auto& alloc = this->make();
+  const backend::stream_ref own = this->new_stream(), clone_on = this->new_stream();
+  auto src = this->filled(0x21, own);
+  const void* shared = src.data();
+  auto c = lazy_clone(src, clone_on);
+  std::atomic<bool> open{false};
+  hold(dev, clone_on, open, 10s);
+  src = storage_t();
+  c = storage_t();  // the family's last handle: the data is freed while clone_on still runs
+  EXPECT_EQ(pending_frees(alloc), 1u) << "the shared data was freed before the clone's stream passed";
+  auto next = storage_t::allocate(alloc, bytes, own);
+  EXPECT_NE(next.data(), shared);
+  open.store(true);
+  dev.synchronize(clone_on);
+}
+
+TYPED_TEST(storage_unsafe_test, a_stealer_is_freed_after_its_own_stream_with_safety_off) {
+  auto& dev = this->device();
+  auto& alloc = this->make();
+  const backend::stream_ref own = this->new_stream(), writer = this->new_stream();
+  auto src = this->filled(0x31, own);
+  const void* shared = src.data();
+  auto c = lazy_clone(src, writer);
+  src = storage_t();
+  EXPECT_EQ(c.mutable_data(writer), shared) << "the last reference steals";
+  std::atomic<bool> open{false};
+  hold(dev, writer, open, 10s);
+  c = storage_t();
+  EXPECT_EQ(pending_frees(alloc), 1u) << "the stolen block was freed before the stealer's stream passed";
+  auto next = storage_t::allocate(alloc, bytes, own);
+  EXPECT_NE(next.data(), shared);
+  open.store(true);
+  dev.synchronize(writer);
 }
 
 }  // namespace
