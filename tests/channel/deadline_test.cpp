@@ -12,6 +12,7 @@
 #include "channel/channel_fixtures.h"
 #include "shoal/channel/channel.h"
 #include "shoal/core/error.h"
+#include "support/deadlines.h"
 
 namespace shoal::testing {
 namespace {
@@ -22,18 +23,6 @@ using clock = std::chrono::steady_clock;
 
 // How late past its deadline a call may return on a loaded machine.
 constexpr auto slack = 2s;
-
-// Runs `call` on another thread. When it has not returned within `limit`,
-// `unblock()` makes it return and the test fails: a hang becomes a failure.
-template <class Call, class Unblock>
-void returns_within(std::chrono::milliseconds limit, Call call, Unblock unblock) {
-  auto done = std::async(std::launch::async, call);
-  if (done.wait_for(limit) != std::future_status::ready) {
-    ADD_FAILURE() << "the call did not return within " << limit.count() << " ms";
-    unblock();
-  }
-  done.get();
-}
 
 TEST(channel_deadline, receive_for_with_nothing_sent_times_out_and_the_connection_stays_usable) {
   socket_pair pair;

@@ -18,6 +18,7 @@
 #include "ipc/captured_exchange.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/ipc/sharing.h"
+#include "support/deadlines.h"
 
 namespace shoal::testing {
 namespace {
@@ -29,18 +30,6 @@ using clock = std::chrono::steady_clock;
 constexpr auto slack = 2s;
 // sharing_options::teardown_timeout's default.
 constexpr auto teardown = 100ms;
-
-// Runs `call` on another thread. When it has not returned within `limit`,
-// `unblock()` makes it return and the test fails: a hang becomes a failure.
-template <class Call, class Unblock>
-void returns_within(std::chrono::milliseconds limit, Call call, Unblock unblock) {
-  auto done = std::async(std::launch::async, call);
-  if (done.wait_for(limit) != std::future_status::ready) {
-    ADD_FAILURE() << "the call did not return within " << limit.count() << " ms";
-    unblock();
-  }
-  done.get();
-}
 
 // The first 300 bytes of a batch whose header promises 1024.
 std::vector<std::byte> part_of_a_batch() {
