@@ -44,10 +44,11 @@ class storage_impl {
       } else if (cow_->release_for_drop(streams_.view())) {
         delete cow_;
       }
-    } catch (const error&) {  // NOLINT(bugprone-empty-catch)
+    } catch (...) {  // NOLINT(bugprone-empty-catch)
       // A destructor cannot report: the free was refused (a stream it had
-      // to wait for was destroyed first), and the block stays allocated,
-      // visible in the allocator's statistics, rather than reused unsafely.
+      // to wait for was destroyed first, or recording one ran out of host
+      // memory), and the block stays allocated, visible in the allocator's
+      // statistics, rather than reused unsafely or the process terminated.
     }
   }
 
