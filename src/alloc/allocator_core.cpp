@@ -300,6 +300,13 @@ void allocator_core::process_pending_frees() {
   if constexpr (check_every_step) check_invariants();
 }
 
+void allocator_core::set_memory_fraction(double fraction) {
+  if (!(fraction >= 0.0 && fraction <= 1.0)) {
+    throw invalid_argument("set_memory_fraction: " + std::to_string(fraction) + " is not in [0, 1]");
+  }
+  source_.set_limit(limit_of(config, fraction, device));
+}
+
 void allocator_core::empty_cache() {
   directory_.for_each_pool([&](block_pool& p) {
     std::vector<backend::event_ref> waits;

@@ -63,6 +63,8 @@ class allocator_core {
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
   void process_pending_frees();
   void empty_cache();
+  void set_memory_fraction(double fraction);
+  [[nodiscard]] std::size_t memory_limit() const noexcept { return source_.limit(); }
 
   // Reports show every free block merged as settling the quick lists would
   // leave it, without settling them: reading them changes nothing.

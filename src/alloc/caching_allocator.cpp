@@ -23,6 +23,8 @@ void caching_allocator::record_stream(void* ptr, backend::stream_ref stream) { c
 std::size_t caching_allocator::block_size(const void* ptr) const { return core_->block_size(ptr); }
 
 void caching_allocator::process_pending_frees() { core_->process_pending_frees(); }
+void caching_allocator::set_memory_fraction(double fraction) { core_->set_memory_fraction(fraction); }
+std::size_t caching_allocator::memory_limit() const noexcept { return core_->memory_limit(); }
 void caching_allocator::empty_cache() { core_->empty_cache(); }
 
 allocator_stats caching_allocator::stats() const { return core_->stats(); }

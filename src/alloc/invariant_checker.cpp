@@ -238,10 +238,10 @@ void check_allocator_invariants(const pool_directory& directory, const segment_s
       fail("directory", "the segment directory holds " + std::to_string(segments.size()) +
                             " segments but the pools have " + std::to_string(segment_count));
     }
-    if (reserved != source.reserved_total() || reserved > source.limit()) {
+    if (reserved != source.reserved_total() || reserved > source.ceiling()) {
       fail("counters", "the stream pools reserve " + std::to_string(reserved) + " bytes but the segment source counts " +
                            std::to_string(source.reserved_total()) + " against a limit of " +
-                           std::to_string(source.limit()));
+                           std::to_string(source.ceiling()));
     }
   });
 }

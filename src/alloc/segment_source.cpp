@@ -11,16 +11,16 @@ namespace shoal::alloc::detail {
 
 namespace {
 
-std::size_t limit_of(const allocator_config& config, backend::device& device) {
+}  // namespace
+
+std::size_t limit_of(const allocator_config& config, double memory_fraction, backend::device& device) {
   std::size_t limit = config.memory_limit;
-  if (config.memory_fraction > 0) {
+  if (memory_fraction > 0) {
     const auto total = static_cast<double>(device.memory().total_bytes);
-    limit = std::min(limit, static_cast<std::size_t>(total * config.memory_fraction));
+    limit = std::min(limit, static_cast<std::size_t>(total * memory_fraction));
   }
   return limit;
 }
-
-}  // namespace
 
 segment_source::segment_source(backend::device& device, const allocator_config& config, pool_directory& directory,
                                trace_ring& trace, const allocator_hooks& hooks)
@@ -29,7 +29,7 @@ segment_source::segment_source(backend::device& device, const allocator_config& 
       directory_(directory),
       trace_(trace),
       hooks_(hooks),
-      limit_(limit_of(config, device)) {}
+      limit_(limit_of(config, config.memory_fraction, device)) {}
 
 block* segment_source::grow(block_pool& pool, std::size_t size) {
   if (pool.is_private) return nullptr;
@@ -242,10 +242,23 @@ void segment_source::unmap_free_chunks(block_pool& pool, segment* s) {
   }
 }
 
+void segment_source::set_limit(std::size_t limit) noexcept {
+  // Growth racing with this call was admitted under the old limit.
+  const std::size_t old = limit_.exchange(limit, std::memory_order_relaxed);
+  std::size_t highest = highest_earlier_limit_.load(std::memory_order_relaxed);
+  while (old > highest && !highest_earlier_limit_.compare_exchange_weak(highest, old, std::memory_order_relaxed)) {
+  }
+}
+
+std::size_t segment_source::ceiling() const noexcept {
+  return std::max(limit(), highest_earlier_limit_.load(std::memory_order_relaxed));
+}
+
 bool segment_source::reserve_bytes(std::size_t bytes) {
   std::size_t now = reserved_total_.load(std::memory_order_relaxed);
   do {
-    if (bytes > limit_ || now > limit_ - bytes) return false;
+    const std::size_t limit = this->limit();
+    if (bytes > limit || now > limit - bytes) return false;
   } while (!reserved_total_.compare_exchange_weak(now, now + bytes, std::memory_order_relaxed));
   return true;
 }

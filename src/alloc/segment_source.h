@@ -6,7 +6,9 @@
 // Invariant:
 //   reserved_total() = sum of reserved_bytes.current over the stream pools
 //                      (private pools' memory is the caller's: not counted)
-//                    <= limit().
+//                    <= ceiling() (the limit, or the highest limit set
+//                       before it when set_limit has lowered it: memory
+//                       reserved under an earlier limit stays reserved).
 // Thread-safety: grow, release_cached and release_at_teardown run with the
 // pool's lock held and touch only that pool (and the leaf locks: segment
 // directory, trace, hooks); the reserved total is one atomic shared by all
@@ -28,6 +30,10 @@
 
 namespace shoal::alloc::detail {
 
+/// The reserved-bytes limit of `config` with `memory_fraction` of the
+/// device (0: none) in place of the configured fraction.
+[[nodiscard]] std::size_t limit_of(const allocator_config& config, double memory_fraction, backend::device& device);
+
 class segment_source {
  public:
   segment_source(backend::device& device, const allocator_config& config, pool_directory& directory,
@@ -47,7 +53,13 @@ class segment_source {
   /// ignoring device errors.
   void release_at_teardown(block_pool& pool, event_pool& events) noexcept;
 
-  [[nodiscard]] std::size_t limit() const noexcept { return limit_; }
+  [[nodiscard]] std::size_t limit() const noexcept { return limit_.load(std::memory_order_relaxed); }
+  /// A new limit from now on (set_memory_fraction). Memory reserved past a
+  /// lowered limit stays until it is released; no growth happens until the
+  /// reserved total is below the new limit.
+  void set_limit(std::size_t limit) noexcept;
+  /// What the reserved total never exceeds (checked by the invariant checker).
+  [[nodiscard]] std::size_t ceiling() const noexcept;
   [[nodiscard]] std::size_t reserved_total() const noexcept { return reserved_total_.load(std::memory_order_relaxed); }
   [[nodiscard]] std::int64_t device_allocations() const noexcept { return device_allocations_.load(); }
   [[nodiscard]] std::int64_t device_frees() const noexcept { return device_frees_.load(); }
@@ -68,7 +80,9 @@ class segment_source {
   pool_directory& directory_;
   trace_ring& trace_;
   const allocator_hooks& hooks_;
-  const std::size_t limit_;
+  std::atomic<std::size_t> limit_;
+  // The highest limit set_limit has replaced (0 while none was lowered).
+  std::atomic<std::size_t> highest_earlier_limit_{0};
   std::atomic<std::size_t> reserved_total_{0};
   std::atomic<std::int64_t> device_allocations_{0}, device_frees_{0};
 };

@@ -299,6 +299,30 @@ TEST(allocator_memory_host, memory_fraction_limits_reserved_bytes) {
   a.deallocate(p, {});
 }
 
+TEST(allocator_memory_host, set_memory_fraction_moves_the_limit_at_run_time) {
+  backend::host_device dev({.capacity_bytes = 100 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("memory_fraction:0.5,debug:true"));
+  EXPECT_EQ(a.memory_limit(), 50 * mib);
+  void* p = a.allocate(20 * mib, {});
+  a.set_memory_fraction(0.25);
+  EXPECT_EQ(a.memory_limit(), 25 * mib);
+  EXPECT_THROW((void)a.allocate(20 * mib, {}), out_of_memory) << "the lowered limit holds";
+  a.set_memory_fraction(0.1);  // below what is reserved: that memory stays, nothing more is taken
+  EXPECT_THROW((void)a.allocate(2 * mib, {}), out_of_memory);
+  a.check_invariants();
+  a.deallocate(p, {});
+  a.empty_cache();
+  void* small = a.allocate(2 * mib, {});  // under the limit again
+  a.set_memory_fraction(0);  // no share limit
+  EXPECT_EQ(a.memory_limit(), alloc::allocator_config::no_limit);
+  void* big = a.allocate(60 * mib, {});
+  a.check_invariants();
+  a.deallocate(big, {});
+  a.deallocate(small, {});
+  EXPECT_THROW(a.set_memory_fraction(1.5), invalid_argument);
+  EXPECT_THROW(a.set_memory_fraction(-0.1), invalid_argument);
+}
+
 TEST(allocator_memory_host, cache_miss_hooks_run_before_the_device_is_asked_and_may_free) {
   backend::host_device dev({.capacity_bytes = 64 * mib});
   alloc::caching_allocator a(dev, {});

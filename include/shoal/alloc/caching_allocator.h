@@ -90,6 +90,16 @@ class caching_allocator {
   /// unused chunk of growable segments) to the device.
   void empty_cache();
 
+  /// From now on, the allocator reserves at most `fraction` (0 < fraction
+  /// <= 1) of the device's memory, in place of config().memory_fraction;
+  /// 0 lifts that share (config().memory_limit still applies). Memory
+  /// reserved past a lowered limit stays reserved until it is released
+  /// (empty_cache, or a later growth's release of idle segments); until
+  /// then no new segment is taken. Another value gives invalid_argument.
+  void set_memory_fraction(double fraction);
+  /// The reserved-bytes limit in force (allocator_config::no_limit: none).
+  [[nodiscard]] std::size_t memory_limit() const noexcept;
+
   /// The counters, and a snapshot of every segment and block. Both show
   /// free blocks merged with their free neighbours (as they are merged
   /// before a request searches them) and change nothing: reading them never
