@@ -47,6 +47,16 @@ nb::dict oom_report_dict(const alloc::oom_report& r) {
 
 }  // namespace
 
+alloc::allocator_config config_from_python(const std::optional<std::string>& conf, bool use_environment,
+                                           const nb::kwargs& settings) {
+  std::string text;
+  const char* env = std::getenv("SHOAL_ALLOC_CONF");
+  if (use_environment && env != nullptr) text = env;
+  if (conf) text += "," + *conf;
+  for (auto [key, value] : settings) text += "," + setting_text(nb::cast<std::string>(key), value);
+  return alloc::allocator_config::parse(text);
+}
+
 allocator_state::allocator_state(backend::device& device, const alloc::allocator_config& config)
     : allocator_(std::make_unique<alloc::caching_allocator>(device, config)) {}
 
@@ -68,12 +78,7 @@ void register_allocator(nb::module_& m) {
           "__init__",
           [](py_allocator* self, backend::device* device, const std::optional<std::string>& conf, bool use_environment,
              const nb::kwargs& settings) {
-            std::string text;
-            const char* env = std::getenv("SHOAL_ALLOC_CONF");
-            if (use_environment && env != nullptr) text = env;
-            if (conf) text += "," + *conf;
-            for (auto [key, value] : settings) text += "," + setting_text(nb::cast<std::string>(key), value);
-            const auto config = alloc::allocator_config::parse(text);
+            const auto config = config_from_python(conf, use_environment, settings);
             backend::device& d = device != nullptr ? *device : backend::default_device();
             new (self) py_allocator{std::make_shared<allocator_state>(d, config)};
           },

@@ -118,6 +118,12 @@ py_array_view make_view(const py_storage& storage, nb::handle dtype, std::option
 /// current stream of `device` when None.
 std::shared_ptr<stream_state> stream_or_current(const py_stream* stream, backend::device& device);
 
+/// The settings of an allocator made from Python: SHOAL_ALLOC_CONF (when
+/// `use_environment`), then `conf`, then keyword `settings`; each keyword is
+/// a key of SHOAL_ALLOC_CONF with a bool, number or string value.
+alloc::allocator_config config_from_python(const std::optional<std::string>& conf, bool use_environment,
+                                           const nb::kwargs& settings);
+
 /// Allocator.allocate: a storage of `nbytes` for use on `stream` (default:
 /// the current stream).
 py_storage allocate_storage(const py_allocator& allocator, std::int64_t nbytes, const py_stream* stream);
@@ -132,5 +138,6 @@ void register_allocator(nb::module_& m);
 void register_storages(nb::module_& m);
 void register_dlpack(nb::module_& m);
 void register_dlpack_import(nb::module_& m);
+void register_torch_api(nb::module_& m);
 
 }  // namespace shoal::python

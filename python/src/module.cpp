@@ -11,4 +11,5 @@ NB_MODULE(_shoal, m) {
   shoal::python::register_storages(m);
   shoal::python::register_dlpack(m);
   shoal::python::register_dlpack_import(m);
+  shoal::python::register_torch_api(m);
 }

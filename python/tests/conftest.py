@@ -20,3 +20,7 @@ def allocator():
     assert live_allocations(a) == 0, "the test leaked storages"
     a.empty_cache()
     assert a.stats()["reserved_bytes"]["all"]["current"] == 0
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "torch: needs PyTorch with CUDA and a GPU (shoal.torch)")

@@ -1,0 +1,133 @@
+"""PyTorch on shoal against PyTorch's own allocator, side by side in one run
+(each allocator in its own process, since shoal.torch.enable() must precede
+CUDA initialisation):
+
+  1. torch.empty + del in a loop from Python, 512 B to 64 MiB;
+  2. raw_alloc + raw_delete from C++ through PyTorch's allocator interface,
+     and shoal's own table alone, which shows the pluggable wrapper's share;
+  3. real models (python/tests/torch_programs/models.py): step time and peak
+     reserved memory.
+
+Prints a markdown table of medians with the spread (min-max) over rounds.
+  python bench/python/torch_alloc.py [--rounds 3] [--models resnet,bert,gpt2]
+"""
+
+import argparse
+import ctypes
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+SIZES = [512, 4096, 65536, 1 << 20, 16 << 20, 64 << 20]
+MODELS_PROGRAM = pathlib.Path(__file__).resolve().parents[2] / "python" / "tests" / "torch_programs" / "models.py"
+
+
+def measure_in_this_process(allocator: str, iterations: int) -> dict:
+    """Runs in a child: per-op figures for one allocator."""
+    import shoal.torch
+
+    if allocator == "shoal":
+        shoal.torch.enable(use_environment=False)
+    import torch
+
+    plugin = ctypes.CDLL(str(shoal.torch._plugin_path()))
+    plugin.shoal_torch_bench_raw_pairs.restype = ctypes.c_double
+    plugin.shoal_torch_bench_raw_pairs.argtypes = [ctypes.c_size_t, ctypes.c_int]
+    plugin.shoal_torch_bench_table_pairs.restype = ctypes.c_double
+    plugin.shoal_torch_bench_table_pairs.argtypes = [ctypes.c_size_t, ctypes.c_int]
+    torch.empty(1, device="cuda")
+    out = {}
+    for n in SIZES:
+        for _ in range(100):
+            x = torch.empty(n, dtype=torch.uint8, device="cuda")
+            del x
+        start = time.perf_counter_ns()
+        for _ in range(iterations):
+            x = torch.empty(n, dtype=torch.uint8, device="cuda")
+            del x
+        out[f"empty_del_{n}"] = (time.perf_counter_ns() - start) / iterations / 1e3
+        out[f"raw_{n}"] = plugin.shoal_torch_bench_raw_pairs(n, iterations) / 1e3
+        if allocator == "shoal":
+            out[f"table_{n}"] = plugin.shoal_torch_bench_table_pairs(n, iterations) / 1e3
+    return out
+
+
+def child(allocator: str, iterations: int) -> dict:
+    r = subprocess.run(
+        [sys.executable, __file__, "--child", allocator, "--iterations", str(iterations)],
+        capture_output=True, text=True, timeout=600,
+    )
+    if r.returncode != 0:
+        raise SystemExit(f"{allocator} child failed:\n{r.stdout}\n{r.stderr}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def model_run(allocator: str, model: str, steps: int) -> dict:
+    r = subprocess.run(
+        [sys.executable, str(MODELS_PROGRAM), "--allocator", allocator, "--model", model, "--steps", str(steps),
+         "--warmup", "2"],
+        capture_output=True, text=True, timeout=600,
+    )
+    if r.returncode != 0:
+        raise SystemExit(f"{model} on {allocator} failed:\n{r.stdout}\n{r.stderr}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}–{max(values):.3f})"
+
+
+def size_name(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else (f"{n >> 10} KiB" if n >= 1024 else f"{n} B")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child", choices=["torch", "shoal"])
+    parser.add_argument("--iterations", type=int, default=20000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", default="resnet,bert,gpt2")
+    parser.add_argument("--model-steps", type=int, default=10)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure_in_this_process(args.child, args.iterations)))
+        return
+    runs = {"torch": [], "shoal": []}
+    for _ in range(args.rounds):
+        for allocator in runs:
+            runs[allocator].append(child(allocator, args.iterations))
+    print("| size | torch.empty+del, PyTorch (µs) | torch.empty+del, shoal (µs) | ratio | raw pair, PyTorch (µs) | "
+          "raw pair, shoal via wrapper (µs) | shoal table alone (µs) | wrapper share |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for n in SIZES:
+        t = [r[f"empty_del_{n}"] for r in runs["torch"]]
+        s = [r[f"empty_del_{n}"] for r in runs["shoal"]]
+        rt = [r[f"raw_{n}"] for r in runs["torch"]]
+        rs = [r[f"raw_{n}"] for r in runs["shoal"]]
+        tb = [r[f"table_{n}"] for r in runs["shoal"]]
+        share = 1 - statistics.median(tb) / statistics.median(rs)
+        print(f"| {size_name(n)} | {spread(t)} | {spread(s)} | {statistics.median(t) / statistics.median(s):.2f}× | "
+              f"{spread(rt)} | {spread(rs)} | {spread(tb)} | {share:.0%} |")
+    models = [m for m in args.models.split(",") if m]
+    if not models:
+        return
+    print()
+    print("| model | step, PyTorch (ms) | step, shoal (ms) | shoal/PyTorch | peak reserved, PyTorch (MiB) | "
+          "peak reserved, shoal (MiB) | shoal/PyTorch | same outputs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for model in models:
+        res = {a: [model_run(a, model, args.model_steps) for _ in range(args.rounds)] for a in ("torch", "shoal")}
+        step = {a: [r["step_ms_median"] for r in res[a]] for a in res}
+        peak = {a: [r["peak_reserved"] / 2**20 for r in res[a]] for a in res}
+        same = len({r["digest"] for a in res for r in res[a]}) == 1
+        print(f"| {model} | {spread(step['torch'])} | {spread(step['shoal'])} | "
+              f"{statistics.median(step['shoal']) / statistics.median(step['torch']):.3f} | {spread(peak['torch'])} | "
+              f"{spread(peak['shoal'])} | {statistics.median(peak['shoal']) / statistics.median(peak['torch']):.3f} | "
+              f"{'yes' if same else 'NO'} |")
+
+
+if __name__ == "__main__":
+    main()

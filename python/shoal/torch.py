@@ -1,0 +1,250 @@
+"""PyTorch on shoal's allocator.
+
+    import shoal.torch
+    shoal.torch.enable()            # before PyTorch touches CUDA
+    import torch
+    x = torch.empty(1 << 20, device="cuda")   # from shoal's caching allocator
+
+Every PyTorch CUDA allocation then comes from shoal's stream-ordered caching
+allocator, and a tensor's memory is freed on the *freeing thread's current
+stream*: a batch made on a loader thread's stream and dropped by the model
+thread is reused only after the model's stream has passed its last use, with
+no ``record_stream`` call and no batches held back.
+
+``Tensor.record_stream``, ``torch.cuda.empty_cache()``,
+``torch.cuda.set_per_process_memory_fraction()``, ``torch.cuda.memory_stats()``
+(and the functions built on it) reach shoal; so do the functions of this
+module, in PyTorch's names. Out of memory raises ``torch.cuda.OutOfMemoryError``
+with shoal's message.
+
+Not supported while enabled: CUDA graph capture (``torch.cuda.graph``,
+``torch.compile(mode="reduce-overhead")``) and ``torch.cuda.MemPool``; they
+raise an error naming the limitation.
+
+The plugin is built when the package is installed where PyTorch with CUDA is
+importable (``pip install --no-build-isolation .``); elsewhere ``enable()``
+says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+import threading
+from typing import Any
+
+from . import _shoal
+
+__all__ = [
+    "enable",
+    "is_enabled",
+    "allocator",
+    "memory_stats",
+    "memory_allocated",
+    "max_memory_allocated",
+    "memory_reserved",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+    "memory_snapshot",
+    "empty_cache",
+]
+
+_lock = threading.Lock()
+_enabled = False
+_plugin: ctypes.CDLL | None = None
+
+
+def _plugin_path() -> pathlib.Path | None:
+    found = sorted(pathlib.Path(__file__).parent.glob("_shoal_torch*.so"))
+    return found[0] if found else None
+
+
+def enable(*, conf: str | None = None, use_environment: bool = True, **settings: Any) -> None:
+    """Make shoal's caching allocator PyTorch's CUDA allocator, in this process.
+
+    Settings are those of :class:`shoal.Allocator` (``SHOAL_ALLOC_CONF`` unless
+    ``use_environment`` is False, then ``conf``, then keyword arguments), and
+    apply to the allocator of every CUDA device.
+
+    Call it before PyTorch initializes CUDA (before the first CUDA tensor,
+    stream or ``torch.cuda`` query that creates a context). Calling it again
+    with the same settings does nothing; with other settings, or after CUDA
+    was initialized, it raises RuntimeError. Raises RuntimeError too when
+    PyTorch has no CUDA or the plugin was not built.
+    """
+    global _enabled, _plugin
+    import torch
+
+    with _lock:
+        if not torch.cuda.is_available():
+            raise RuntimeError("shoal.torch.enable(): PyTorch sees no CUDA device")
+        if _enabled:
+            wanted = _shoal._torch_config_text(conf=conf, use_environment=use_environment, **settings)
+            if wanted != _shoal._torch_settings():
+                raise RuntimeError(
+                    f"shoal.torch.enable(): already enabled with '{_shoal._torch_settings()}', "
+                    f"not '{wanted}'"
+                )
+            return
+        if torch.cuda.is_initialized():
+            raise RuntimeError(
+                "shoal.torch.enable() must run before PyTorch initializes CUDA: call it before the first "
+                "CUDA tensor, stream or torch.cuda query of this process"
+            )
+        path = _plugin_path()
+        if path is None:
+            raise RuntimeError(
+                "shoal.torch.enable(): this shoal was built without its PyTorch plugin (PyTorch with CUDA was "
+                "not importable when it was built); reinstall it where PyTorch is, with "
+                "'pip install --no-build-isolation .'"
+            )
+        plugin = ctypes.CDLL(str(path))
+        plugin.shoal_torch_built_for.restype = ctypes.c_char_p
+        built_for = plugin.shoal_torch_built_for().decode()
+        if built_for != torch.__version__:
+            raise RuntimeError(
+                f"shoal.torch.enable(): the plugin was built for PyTorch {built_for}, this is "
+                f"{torch.__version__}; reinstall shoal"
+            )
+        _shoal._torch_configure(conf=conf, use_environment=use_environment, **settings)
+        plugin.shoal_torch_install.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        error = ctypes.create_string_buffer(4096)
+        if plugin.shoal_torch_install(_shoal._torch_api(), error, len(error)) != 0:
+            raise RuntimeError(f"shoal.torch.enable(): {error.value.decode(errors='replace')}")
+        _plugin = plugin
+        _enabled = True
+
+
+def is_enabled() -> bool:
+    """Whether enable() has made shoal PyTorch's CUDA allocator."""
+    return _enabled
+
+
+def _device_index(device: Any) -> int:
+    import torch
+
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    d = torch.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"shoal.torch: {device!r} is not a CUDA device")
+    return d.index if d.index is not None else torch.cuda.current_device()
+
+
+def _require_enabled() -> None:
+    if not _enabled:
+        raise RuntimeError("shoal.torch: enable() has not run in this process")
+
+
+def allocator(device: Any = None) -> _shoal.Allocator:
+    """The :class:`shoal.Allocator` PyTorch allocates from on ``device``
+    (default: the current CUDA device): its ``stats()``, ``snapshot()`` and
+    ``trace()`` in shoal's own layout."""
+    _require_enabled()
+    return _shoal._torch_allocator(_device_index(device))
+
+
+_STAT_NAMES = {
+    "allocations": "allocation",
+    "segments": "segment",
+    "active": "active",
+    "inactive_split": "inactive_split",
+    "allocated_bytes": "allocated_bytes",
+    "reserved_bytes": "reserved_bytes",
+    "active_bytes": "active_bytes",
+    "inactive_split_bytes": "inactive_split_bytes",
+    "requested_bytes": "requested_bytes",
+}
+
+
+def memory_stats(device: Any = None) -> dict[str, int]:
+    """The counters in ``torch.cuda.memory_stats()``'s flat layout
+    (``"allocated_bytes.all.current"``, ..., ``"num_ooms"``), sorted by key."""
+    stats = allocator(device).stats()
+    flat: dict[str, int] = {}
+    for ours, theirs in _STAT_NAMES.items():
+        for pool, counters in stats[ours].items():
+            for name, value in counters.items():
+                flat[f"{theirs}.{pool}.{name}"] = value
+    for key in ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free"):
+        flat[key] = stats[key]
+    return dict(sorted(flat.items()))
+
+
+def memory_allocated(device: Any = None) -> int:
+    """Bytes of tensors currently allocated (rounded block sizes)."""
+    return memory_stats(device)["allocated_bytes.all.current"]
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    """Peak of memory_allocated() since the start or reset_peak_memory_stats()."""
+    return memory_stats(device)["allocated_bytes.all.peak"]
+
+
+def memory_reserved(device: Any = None) -> int:
+    """Bytes of device memory shoal holds for PyTorch (allocated and cached)."""
+    return memory_stats(device)["reserved_bytes.all.current"]
+
+
+def max_memory_reserved(device: Any = None) -> int:
+    """Peak of memory_reserved() since the start or reset_peak_memory_stats()."""
+    return memory_stats(device)["reserved_bytes.all.peak"]
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    """Sets every peak to its current value."""
+    allocator(device).reset_peak_stats()
+
+
+def empty_cache() -> None:
+    """Returns every cached segment of every device to the driver (as
+    ``torch.cuda.empty_cache()`` does while enabled)."""
+    _require_enabled()
+    import torch
+
+    torch.cuda.empty_cache()
+
+
+_BLOCK_STATES = {"allocated": "active_allocated", "pending_free": "active_pending_free", "free": "inactive"}
+
+
+def memory_snapshot(device: Any = None) -> dict[str, Any]:
+    """Every segment and block in the layout of ``torch.cuda.memory._snapshot()``
+    (``{"segments": [...], "device_traces": [...]}``), which PyTorch's memory
+    viewer (``torch.cuda._memory_viz``, pytorch.org/memory_viz) reads. Blocks
+    carry no stack frames."""
+    index = _device_index(device)
+    snap = allocator(index).snapshot()
+    segments = []
+    for s in snap["segments"]:
+        blocks = []
+        for b in s["blocks"]:
+            blocks.append(
+                {
+                    "address": b["address"],
+                    "size": b["size"],
+                    "requested_size": b["requested_size"],
+                    "state": _BLOCK_STATES.get(b["state"], b["state"]),
+                    "frames": [],
+                }
+            )
+        in_use = [b for b in blocks if b["state"] != "inactive"]
+        segments.append(
+            {
+                "device": index,
+                "address": s["address"],
+                "total_size": s["total_size"],
+                "allocated_size": sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
+                "active_size": sum(b["size"] for b in in_use),
+                "requested_size": sum(b["requested_size"] for b in in_use),
+                "stream": s["stream"],
+                "segment_type": s["pool"],
+                "segment_pool_id": (0, 0),
+                "is_expandable": s["expandable"],
+                "frames": [],
+                "blocks": blocks,
+            }
+        )
+    return {"segments": segments, "device_traces": [[] for _ in range(max(index + 1, 1))]}

@@ -1,0 +1,209 @@
+// The allocators PyTorch allocates from when shoal.torch.enable() has run:
+// one caching allocator per CUDA device, made on first use with the
+// settings enable() gave, and the C table (torch_api.h) the plugin calls.
+//
+// They live for the rest of the process and are never destroyed: PyTorch
+// frees tensors during interpreter shutdown and after it, from its own
+// static destructors, so the allocators must outlive every module.
+// Python reaches them through shoal.torch (stats, snapshot, trace), as
+// Allocator objects sharing the same state.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "bindings.h"
+#include "shoal/backend/devices.h"
+#include "shoal/core/error.h"
+#include "torch_api.h"
+
+namespace shoal::python {
+
+namespace {
+
+constexpr int max_devices = 64;
+
+class torch_allocators {
+ public:
+  /// Settings for the allocators made from now on; refused once one exists
+  /// with other settings.
+  void configure(const alloc::allocator_config& config) {
+    std::lock_guard lock(mutex_);
+    if (made_ && config_ && config_->to_string() != config.to_string()) {
+      throw invalid_argument("shoal.torch: PyTorch's allocators already run with '" + config_->to_string() +
+                             "'; they cannot change to '" + config.to_string() + "'");
+    }
+    config_ = config;
+  }
+
+  [[nodiscard]] std::optional<std::string> settings() const {
+    std::lock_guard lock(mutex_);
+    if (!config_) return std::nullopt;
+    return config_->to_string();
+  }
+
+  /// The allocator of CUDA device `ordinal`, made on first use.
+  allocator_state& of(int ordinal) {
+    if (ordinal < 0 || ordinal >= max_devices) {
+      throw invalid_argument("shoal.torch: CUDA device " + std::to_string(ordinal) + " is out of range");
+    }
+    if (allocator_state* s = slots_[ordinal].load(std::memory_order_acquire)) return *s;
+    std::lock_guard lock(mutex_);
+    if (allocator_state* s = slots_[ordinal].load(std::memory_order_acquire)) return *s;
+    if (!config_) throw invalid_argument("shoal.torch: enable() has not configured PyTorch's allocators");
+    // Never destroyed (see the file comment): held by a shared_ptr that is
+    // itself never released, so Python Allocator objects can share it.
+    auto* held = new std::shared_ptr<allocator_state>(
+        std::make_shared<allocator_state>(backend::cuda_device_instance(ordinal), *config_));
+    made_ = true;
+    slots_[ordinal].store(held->get(), std::memory_order_release);
+    shared_[ordinal] = held;
+    return **held;
+  }
+
+  std::shared_ptr<allocator_state> shared(int ordinal) {
+    (void)of(ordinal);
+    std::lock_guard lock(mutex_);
+    return *shared_[ordinal];
+  }
+
+  template <class Fn>
+  void for_each_made(Fn&& fn) {
+    for (auto& slot : slots_) {
+      if (allocator_state* s = slot.load(std::memory_order_acquire)) fn(*s);
+    }
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::optional<alloc::allocator_config> config_;  // guarded by mutex_
+  bool made_ = false;                              // guarded by mutex_
+  std::array<std::atomic<allocator_state*>, max_devices> slots_{};
+  std::array<std::shared_ptr<allocator_state>*, max_devices> shared_{};  // guarded by mutex_
+};
+
+torch_allocators& allocators() {
+  static auto* instance = new torch_allocators();  // never destroyed: see the file comment
+  return *instance;
+}
+
+thread_local std::string last_error_text;
+
+/// Runs `fn`, turning what it throws into a status and last_error's text.
+template <class Fn>
+int guarded(Fn&& fn) noexcept {
+  try {
+    fn();
+    return SHOAL_TORCH_OK;
+  } catch (const out_of_memory& e) {
+    last_error_text = e.what();
+    return SHOAL_TORCH_OUT_OF_MEMORY;
+  } catch (const invalid_argument& e) {
+    last_error_text = e.what();
+    return SHOAL_TORCH_INVALID_ARGUMENT;
+  } catch (const std::exception& e) {
+    last_error_text = e.what();
+    return SHOAL_TORCH_ERROR;
+  } catch (...) {
+    last_error_text = "shoal.torch: unknown error";
+    return SHOAL_TORCH_ERROR;
+  }
+}
+
+backend::stream_ref stream_of(void* stream) { return backend::stream_ref{stream}; }
+
+int api_allocate(size_t bytes, int device, void* stream, void** out) {
+  return guarded([&] { *out = allocators().of(device).allocator().allocate(bytes, stream_of(stream)); });
+}
+
+int api_deallocate(void* ptr, int device, void* stream) {
+  return guarded([&] { allocators().of(device).allocator().deallocate(ptr, stream_of(stream)); });
+}
+
+int api_record_stream(void* ptr, int device, void* stream) {
+  return guarded([&] { allocators().of(device).allocator().record_stream(ptr, stream_of(stream)); });
+}
+
+int api_empty_cache() {
+  return guarded([] { allocators().for_each_made([](allocator_state& s) { s.allocator().empty_cache(); }); });
+}
+
+int api_set_memory_fraction(double fraction, int device) {
+  return guarded([&] { allocators().of(device).allocator().set_memory_fraction(fraction); });
+}
+
+void copy_stats(const alloc::stat_by_pool& from, shoal_torch_stat (&to)[3]) {
+  const alloc::stat* sources[3] = {&from.aggregate, &from.pool[0], &from.pool[1]};
+  for (int i = 0; i < 3; ++i) to[i] = {sources[i]->current, sources[i]->peak, sources[i]->allocated, sources[i]->freed};
+}
+
+int api_get_stats(int device, shoal_torch_stats* out) {
+  return guarded([&] {
+    const alloc::allocator_stats s = allocators().of(device).allocator().stats();
+    *out = {};
+    copy_stats(s.allocations, out->allocation);
+    copy_stats(s.segments, out->segment);
+    copy_stats(s.active, out->active);
+    copy_stats(s.inactive_split, out->inactive_split);
+    copy_stats(s.allocated_bytes, out->allocated_bytes);
+    copy_stats(s.reserved_bytes, out->reserved_bytes);
+    copy_stats(s.active_bytes, out->active_bytes);
+    copy_stats(s.inactive_split_bytes, out->inactive_split_bytes);
+    copy_stats(s.requested_bytes, out->requested_bytes);
+    out->num_alloc_retries = s.retries;
+    out->num_ooms = s.ooms;
+    out->num_device_alloc = s.device_allocations;
+    out->num_device_free = s.device_frees;
+  });
+}
+
+int api_reset_peak_stats(int device) {
+  return guarded([&] { allocators().of(device).allocator().reset_peak_stats(); });
+}
+
+int api_reset_accumulated_stats(int device) {
+  return guarded([&] { allocators().of(device).allocator().reset_accumulated_stats(); });
+}
+
+const char* api_last_error() { return last_error_text.c_str(); }
+
+const shoal_torch_api api_table = {
+    SHOAL_TORCH_API_VERSION, sizeof(shoal_torch_api), api_allocate,       api_deallocate,
+    api_record_stream,       api_empty_cache,         api_set_memory_fraction, api_get_stats,
+    api_reset_peak_stats,    api_reset_accumulated_stats, api_last_error,
+};
+
+}  // namespace
+
+void register_torch_api(nb::module_& m) {
+  m.def(
+      "_torch_configure",
+      [](const std::optional<std::string>& conf, bool use_environment, const nb::kwargs& settings) {
+        allocators().configure(config_from_python(conf, use_environment, settings));
+      },
+      nb::arg("conf").none() = nb::none(), nb::arg("use_environment") = true, nb::arg("settings"),
+      "Settings of the allocators PyTorch will allocate from (shoal.torch.enable).");
+  m.def(
+      "_torch_config_text",
+      [](const std::optional<std::string>& conf, bool use_environment, const nb::kwargs& settings) {
+        return config_from_python(conf, use_environment, settings).to_string();
+      },
+      nb::arg("conf").none() = nb::none(), nb::arg("use_environment") = true, nb::arg("settings"),
+      "The SHOAL_ALLOC_CONF text of these settings (what _torch_settings reports once configured).");
+  m.def(
+      "_torch_settings", [] { return allocators().settings(); },
+      "The settings given to _torch_configure, as SHOAL_ALLOC_CONF text, or None.");
+  m.def(
+      "_torch_api", [] { return reinterpret_cast<std::uintptr_t>(&api_table); },
+      "The address of the C table (python/src/torch_api.h) the PyTorch plugin calls.");
+  m.def(
+      "_torch_allocator", [](int device) { return py_allocator{allocators().shared(device)}; }, nb::arg("device"),
+      "The Allocator PyTorch allocates from on CUDA device `device` (made on first use).");
+}
+
+}  // namespace shoal::python

@@ -1,0 +1,68 @@
+// The C interface between the shoal extension (_shoal), which owns the
+// caching allocators PyTorch allocates from, and the PyTorch plugin
+// (_shoal_torch), which is built against the installed PyTorch and installs
+// them as PyTorch's CUDA allocator.
+//
+// Plain C across the boundary: the two libraries may be linked with
+// different C++ runtimes (the extension hides its own), so no exception or
+// standard-library object crosses it. Every function returns a status;
+// on failure, last_error() holds the message for the calling thread until
+// its next call that fails.
+//
+// Thread-safety: every function may be called from any thread, without the
+// GIL; none touches Python.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SHOAL_TORCH_API_VERSION 1
+
+enum shoal_torch_status {
+  SHOAL_TORCH_OK = 0,
+  SHOAL_TORCH_OUT_OF_MEMORY = 1,
+  SHOAL_TORCH_INVALID_ARGUMENT = 2,
+  SHOAL_TORCH_ERROR = 3,
+};
+
+struct shoal_torch_stat {
+  int64_t current, peak, allocated, freed;
+};
+
+/// One device's counters, laid out as PyTorch's DeviceStats: each array is
+/// {all, small pool, large pool}.
+struct shoal_torch_stats {
+  struct shoal_torch_stat allocation[3], segment[3], active[3], inactive_split[3];
+  struct shoal_torch_stat allocated_bytes[3], reserved_bytes[3], active_bytes[3], inactive_split_bytes[3];
+  struct shoal_torch_stat requested_bytes[3];
+  int64_t num_alloc_retries, num_ooms, num_device_alloc, num_device_free;
+};
+
+struct shoal_torch_api {
+  uint32_t version;     ///< SHOAL_TORCH_API_VERSION
+  uint32_t struct_size; ///< sizeof(struct shoal_torch_api)
+  /// *out = a block of `bytes` (> 0) of CUDA device `device` for use on
+  /// `stream` (a cudaStream_t; NULL: the legacy default stream).
+  int (*allocate)(size_t bytes, int device, void* stream, void** out);
+  /// Frees `ptr` with its last use enqueued on `stream` (the freeing
+  /// thread's current stream): reused only after that stream passes it.
+  int (*deallocate)(void* ptr, int device, void* stream);
+  /// `ptr` is used on `stream` too: its free waits for that stream as well.
+  int (*record_stream)(void* ptr, int device, void* stream);
+  /// Returns every cached segment of every device to the driver.
+  int (*empty_cache)(void);
+  /// The share of `device`'s memory its allocator may reserve (0: no share limit).
+  int (*set_memory_fraction)(double fraction, int device);
+  int (*get_stats)(int device, struct shoal_torch_stats* out);
+  int (*reset_peak_stats)(int device);
+  int (*reset_accumulated_stats)(int device);
+  const char* (*last_error)(void);
+};
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,238 @@
+"""shoal as PyTorch's CUDA allocator (shoal.torch). Needs PyTorch with CUDA
+and a GPU: skipped elsewhere (CI). Each case runs in a fresh interpreter,
+since enable() must come before PyTorch initializes CUDA."""
+
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.torch
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+if not torch.cuda.is_available():
+    pytest.skip("PyTorch sees no CUDA device", allow_module_level=True)
+
+import shoal.torch as shoal_torch  # noqa: E402
+
+if shoal_torch._plugin_path() is None:
+    pytest.skip("shoal was built without its PyTorch plugin", allow_module_level=True)
+
+PROGRAMS = pathlib.Path(__file__).parent / "torch_programs"
+
+
+def run(code: str, timeout: float = 300) -> dict:
+    """Runs `code` in a fresh interpreter; returns the JSON object it prints last."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_program(name: str, *args: str, timeout: float = 600) -> dict:
+    result = subprocess.run(
+        [sys.executable, str(PROGRAMS / name), *args], capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_tensors_come_from_shoal_and_torch_reads_its_stats():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        x = torch.empty(1 << 20, device="cuda")
+        during = shoal.torch.memory_stats()
+        theirs = torch.cuda.memory_stats()
+        ptr = x.data_ptr()
+        del x
+        after = shoal.torch.memory_allocated()
+        reserved = shoal.torch.memory_reserved()
+        torch.cuda.empty_cache()
+        print(json.dumps({"allocated": during["allocated_bytes.all.current"],
+                          "theirs": theirs["allocated_bytes.all.current"],
+                          "torch_reserved": torch.cuda.memory_reserved(),
+                          "name": torch.cuda.get_allocator_backend(),
+                          "after": after, "reserved": reserved,
+                          "emptied": shoal.torch.memory_reserved(),
+                          "segments": len(shoal.torch.memory_snapshot()["segments"])}))
+        """
+    )
+    assert out["allocated"] >= 4 << 20
+    assert out["theirs"] == out["allocated"], "torch.cuda.memory_stats reads shoal's counters"
+    assert out["after"] == 0
+    assert out["reserved"] > 0, "the freed block stays cached"
+    assert out["emptied"] == 0 and out["segments"] == 0, "torch.cuda.empty_cache reaches shoal"
+
+
+def test_enabling_after_cuda_init_is_refused_and_enabling_twice_checks_the_settings():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        torch.empty(1, device="cuda")
+        try:
+            shoal.torch.enable()
+            late = "enabled"
+        except RuntimeError as e:
+            late = str(e)
+        print(json.dumps({"late": late, "enabled": shoal.torch.is_enabled()}))
+        """
+    )
+    assert "before PyTorch initializes CUDA" in out["late"]
+    assert out["enabled"] is False
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False, max_split_size_mb=64)
+        shoal.torch.enable(use_environment=False, max_split_size_mb=64)
+        try:
+            shoal.torch.enable(use_environment=False, max_split_size_mb=128)
+            other = "accepted"
+        except RuntimeError as e:
+            other = str(e)
+        print(json.dumps({"other": other, "config": shoal.torch.allocator().config}))
+        """
+    )
+    assert "already enabled" in out["other"]
+    assert "max_split_size_mb:64" in out["config"]
+
+
+def test_out_of_memory_is_torchs_error_with_shoals_message_and_the_process_goes_on():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        try:
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+            caught = None
+        except torch.cuda.OutOfMemoryError as e:
+            caught = str(e)
+        y = torch.ones(1000, device="cuda")
+        torch.cuda.set_per_process_memory_fraction(0.01)
+        try:
+            torch.empty(torch.cuda.get_device_properties(0).total_memory // 50, dtype=torch.uint8, device="cuda")
+            capped = None
+        except torch.cuda.OutOfMemoryError as e:
+            capped = str(e)
+        print(json.dumps({"caught": caught, "capped": capped, "sum": y.sum().item(),
+                          "ooms": shoal.torch.memory_stats()["num_ooms"]}))
+        """
+    )
+    assert out["caught"] is not None and "shoal" in out["caught"]
+    assert out["capped"] is not None, "set_per_process_memory_fraction reaches shoal"
+    assert out["sum"] == 1000.0
+    assert out["ooms"] == 2
+
+
+def test_record_stream_holds_the_block_until_that_stream_passes():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        s = torch.cuda.Stream()
+        def active_after_drop(record):
+            x = torch.empty(1 << 20, device="cuda")
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(200_000_000)  # keeps s busy for a while
+            if record:
+                x.record_stream(s)
+            del x
+            active = shoal.torch.memory_stats()["active.all.current"]
+            torch.cuda.synchronize()
+            return active
+        print(json.dumps({"recorded": active_after_drop(True), "plain": active_after_drop(False)}))
+        """
+    )
+    assert out["recorded"] == 1, "the free waits for the recorded stream"
+    assert out["plain"] == 0
+
+
+def test_a_tensor_dropped_on_another_threads_stream_waits_for_that_stream():
+    out = run(
+        """
+        import json, threading, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        made_on, model = torch.cuda.Stream(), torch.cuda.Stream()
+        with torch.cuda.stream(made_on):
+            held = [torch.empty(1 << 20, device="cuda")]
+        result = {}
+        def drop():
+            torch.cuda.set_stream(model)
+            torch.cuda._sleep(200_000_000)  # the model stream is busy when the tensor goes
+            held.clear()
+            result["active"] = shoal.torch.memory_stats()["active.all.current"]
+        t = threading.Thread(target=drop)
+        t.start(); t.join(60)
+        torch.cuda.synchronize()
+        print(json.dumps({"active_while_model_busy": result["active"],
+                          "active_after": shoal.torch.memory_stats()["active.all.current"]}))
+        """
+    )
+    assert out["active_while_model_busy"] == 1, "freed on the dropping thread's stream, which has not passed it"
+
+
+def test_the_loader_race_corrupts_batches_under_pytorchs_allocator_and_none_under_shoal():
+    theirs = run_program("seed_race.py", "--allocator", "torch", "--iterations", "200")
+    assert theirs["corrupted"] > theirs["iterations"] // 2, f"the race did not show under PyTorch's allocator: {theirs}"
+    ours = run_program("seed_race.py", "--allocator", "shoal", "--iterations", "10000")
+    assert ours["corrupted"] == 0, ours
+
+
+def test_threads_on_their_own_streams_allocate_and_free_correctly():
+    out = run(
+        """
+        import json, threading, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        bad = []
+        def work(k):
+            s = torch.cuda.Stream()
+            torch.cuda.set_stream(s)
+            for i in range(300):
+                a = torch.full((1000 + 37 * k + i,), float(k), device="cuda")
+                b = a * 2
+                if b.sum().item() != 2.0 * k * a.numel():
+                    bad.append((k, i))
+                del a, b
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+        for t in threads: t.start()
+        for t in threads: t.join(120)
+        torch.cuda.synchronize()
+        print(json.dumps({"bad": len(bad), "allocated": shoal.torch.memory_allocated()}))
+        """
+    )
+    assert out["bad"] == 0
+    assert out["allocated"] == 0
+
+
+def test_cuda_graph_capture_is_refused_with_a_message_naming_the_limitation():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        x = torch.ones(16, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                y = x * 2
+            msg = None
+        except Exception as e:
+            msg = str(e)
+        z = (x + 1).sum().item()
+        print(json.dumps({"msg": msg, "z": z}))
+        """
+    )
+    assert out["msg"] is not None and "CUDA graph" in out["msg"]
+    assert out["z"] == 32.0
+
+
+@pytest.mark.parametrize("model", ["resnet", "bert", "gpt2"])
+def test_real_models_give_identical_outputs_on_both_allocators(model):
+    theirs = run_program("models.py", "--allocator", "torch", "--model", model, "--steps", "3")
+    ours = run_program("models.py", "--allocator", "shoal", "--model", model, "--steps", "3")
+    assert ours["digest"] == theirs["digest"], (ours, theirs)
+    assert ours["peak_reserved"] > 0 and ours["allocated_at_end"] <= theirs["allocated_at_end"] + (1 << 20)

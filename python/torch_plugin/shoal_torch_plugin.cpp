@@ -1,0 +1,201 @@
+// The PyTorch plugin: built against the installed PyTorch, it makes shoal's
+// caching allocators (owned by the _shoal extension, reached through the C
+// table of torch_api.h) PyTorch's CUDA allocator.
+//
+// It is PyTorch's pluggable allocator with what that one lacks:
+//   - The free frees on the freeing thread's current stream, not on the
+//     allocation stream the pluggable interface passes: a tensor made on a
+//     loader's stream and dropped by the model thread is reused only after
+//     the model's stream has passed its last use. This is shoal's allocator
+//     invariant applied to PyTorch tensors; no record_stream is needed.
+//   - Tensor.record_stream, torch.cuda.empty_cache,
+//     set_per_process_memory_fraction and torch.cuda.memory_stats reach shoal.
+//   - Out of memory is torch.cuda.OutOfMemoryError with shoal's message.
+//   - CUDA graph capture is refused with a message naming the limitation:
+//     allocations made during capture would need private pools that grow,
+//     and shoal's private pools are fixed regions.
+// Loaded with ctypes by shoal.torch.enable(); its one entry point is
+// shoal_torch_install (shoal_torch_built_for says which PyTorch it was built for).
+#include <c10/core/Allocator.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "torch_api.h"
+
+namespace {
+
+namespace pluggable = torch::cuda::CUDAPluggableAllocator;
+using c10::CachingDeviceAllocator::DeviceStats;
+
+const shoal_torch_api* api = nullptr;
+
+[[noreturn]] void raise(int status, const char* what) {
+  const std::string message = std::string("shoal (") + what + "): " + api->last_error();
+  if (status == SHOAL_TORCH_OUT_OF_MEMORY) TORCH_CHECK_WITH(OutOfMemoryError, false, message);
+  TORCH_CHECK(false, message);
+}
+
+void check(int status, const char* what) {
+  if (status != SHOAL_TORCH_OK) raise(status, what);
+}
+
+void* allocate_block(size_t bytes, int device, cudaStream_t stream) {
+  if (bytes == 0) return nullptr;
+  void* ptr = nullptr;
+  check(api->allocate(bytes, device, stream, &ptr), "allocate");
+  return ptr;
+}
+
+// Runs in tensors' deleters, which must not throw: a failure is reported on
+// stderr and the block stays allocated.
+void free_block(void* ptr, size_t /*bytes*/, int device, cudaStream_t /*allocation_stream*/) noexcept {
+  if (ptr == nullptr) return;
+  try {
+    const cudaStream_t current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+    if (api->deallocate(ptr, device, current) != SHOAL_TORCH_OK) {
+      std::fprintf(stderr, "shoal: freeing a PyTorch block failed: %s\n", api->last_error());
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shoal: freeing a PyTorch block failed: %s\n", e.what());
+  }
+}
+
+void copy(const shoal_torch_stat (&from)[3], c10::CachingAllocator::StatArray& to) {
+  for (int i = 0; i < 3; ++i) {
+    to[i].current = from[i].current;
+    to[i].peak = from[i].peak;
+    to[i].allocated = from[i].allocated;
+    to[i].freed = from[i].freed;
+  }
+}
+
+class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
+ public:
+  shoal_allocator() : CUDAPluggableAllocator(allocate_block, free_block) {}
+
+  std::string name() override { return "shoal"; }
+
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    if (ptr.get() == nullptr) return;
+    check(api->record_stream(ptr.get(), ptr.device().index(), stream.stream()), "record_stream");
+  }
+
+  void emptyCache(c10::cuda::MempoolId_t /*pool*/) override { check(api->empty_cache(), "empty_cache"); }
+
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    check(api->set_memory_fraction(fraction, device), "set_per_process_memory_fraction");
+    std::lock_guard lock(fractions_mutex_);
+    fractions_[device] = fraction;
+  }
+
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    std::lock_guard lock(fractions_mutex_);
+    const auto found = fractions_.find(device);
+    return found == fractions_.end() ? 1.0 : found->second;
+  }
+
+  DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    shoal_torch_stats s{};
+    check(api->get_stats(device, &s), "memory_stats");
+    DeviceStats out;
+    copy(s.allocation, out.allocation);
+    copy(s.segment, out.segment);
+    copy(s.active, out.active);
+    copy(s.inactive_split, out.inactive_split);
+    copy(s.allocated_bytes, out.allocated_bytes);
+    copy(s.reserved_bytes, out.reserved_bytes);
+    copy(s.active_bytes, out.active_bytes);
+    copy(s.inactive_split_bytes, out.inactive_split_bytes);
+    copy(s.requested_bytes, out.requested_bytes);
+    out.num_alloc_retries = s.num_alloc_retries;
+    out.num_ooms = s.num_ooms;
+    out.num_device_alloc = s.num_device_alloc;
+    out.num_device_free = s.num_device_free;
+    return out;
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override { check(api->reset_peak_stats(device), "reset_peak_memory_stats"); }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    check(api->reset_accumulated_stats(device), "reset_accumulated_memory_stats");
+  }
+
+  void beginAllocateToPool(c10::DeviceIndex, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>) override {
+    TORCH_CHECK(false,
+                "shoal: CUDA graph capture (torch.cuda.graph, torch.compile(mode='reduce-overhead')) and "
+                "torch.cuda.MemPool are not supported while shoal is PyTorch's allocator: memory allocated "
+                "during capture must come from a private pool that grows, and shoal's private pools are fixed "
+                "regions. Run graphed code in a process without shoal.torch.enable().");
+  }
+
+ private:
+  std::mutex fractions_mutex_;
+  std::unordered_map<c10::DeviceIndex, double> fractions_;  // guarded by fractions_mutex_
+};
+
+}  // namespace
+
+/// The PyTorch version the plugin was built against (torch.__version__).
+extern "C" __attribute__((visibility("default"))) const char* shoal_torch_built_for() { return SHOAL_TORCH_BUILT_FOR; }
+
+extern "C" __attribute__((visibility("default"))) int shoal_torch_install(const shoal_torch_api* table, char* error,
+                                                                          size_t error_size) {
+  auto fail = [&](const std::string& message) {
+    std::snprintf(error, error_size, "%s", message.c_str());
+    return 1;
+  };
+  if (table == nullptr || table->version != SHOAL_TORCH_API_VERSION || table->struct_size != sizeof(shoal_torch_api)) {
+    return fail("the shoal extension and its PyTorch plugin come from different builds; reinstall shoal");
+  }
+  try {
+    api = table;
+    pluggable::changeCurrentAllocator(std::make_shared<shoal_allocator>());
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  }
+}
+
+// Measurement entry points for bench/python/torch_alloc.py: the cost of an
+// allocate + free pair, in nanoseconds, on the calling thread's current
+// stream of device 0, (a) through PyTorch's allocator interface
+// (raw_alloc/raw_delete: PyTorch's own allocator, or shoal behind the
+// pluggable wrapper, whichever is installed) and (b) through shoal's table
+// alone (installed only), which shows the wrapper's share.
+namespace {
+
+template <class Pair>
+double nanoseconds_per_pair(int iterations, Pair&& pair) {
+  for (int i = 0; i < 100; ++i) pair();  // warm the cache
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < iterations; ++i) pair();
+  const std::chrono::duration<double, std::nano> spent = std::chrono::steady_clock::now() - start;
+  return spent.count() / iterations;
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) double shoal_torch_bench_raw_pairs(size_t bytes, int iterations) {
+  return nanoseconds_per_pair(iterations, [bytes] {
+    void* p = c10::cuda::CUDACachingAllocator::raw_alloc(bytes);
+    c10::cuda::CUDACachingAllocator::raw_delete(p);
+  });
+}
+
+extern "C" __attribute__((visibility("default"))) double shoal_torch_bench_table_pairs(size_t bytes, int iterations) {
+  if (api == nullptr) return -1;
+  void* stream = c10::cuda::getCurrentCUDAStream(0).stream();
+  return nanoseconds_per_pair(iterations, [bytes, stream] {
+    void* p = nullptr;
+    if (api->allocate(bytes, 0, stream, &p) == SHOAL_TORCH_OK) api->deallocate(p, 0, stream);
+  });
+}
