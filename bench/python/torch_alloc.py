@@ -52,6 +52,10 @@ def measure_in_this_process(allocator: str, iterations: int) -> dict:
         out[f"raw_{n}"] = plugin.shoal_torch_bench_raw_pairs(n, iterations) / 1e3
         if allocator == "shoal":
             out[f"table_{n}"] = plugin.shoal_torch_bench_table_pairs(n, iterations) / 1e3
+    if allocator == "shoal":  # a cached pair should never reach the device or retry
+        stats = shoal.torch.memory_stats()
+        out["device_allocs"] = stats["num_device_alloc"]
+        out["retries"] = stats["num_alloc_retries"]
     return out
 
 
@@ -111,6 +115,8 @@ def main() -> None:
         share = 1 - statistics.median(tb) / statistics.median(rs)
         print(f"| {size_name(n)} | {spread(t)} | {spread(s)} | {statistics.median(t) / statistics.median(s):.2f}× | "
               f"{spread(rt)} | {spread(rs)} | {spread(tb)} | {share:.0%} |")
+    print(f"shoal device allocations / retries per round: "
+          f"{[(r['device_allocs'], r['retries']) for r in runs['shoal']]}")
     models = [m for m in args.models.split(",") if m]
     if not models:
         return

@@ -53,8 +53,13 @@ def test_tensors_come_from_shoal_and_torch_reads_its_stats():
         del x
         after = shoal.torch.memory_allocated()
         reserved = shoal.torch.memory_reserved()
+        import torch.cuda._memory_viz as viz
+        snapshot = shoal.torch.memory_snapshot()
+        plot = viz.segment_plot(snapshot)
         torch.cuda.empty_cache()
         print(json.dumps({"allocated": during["allocated_bytes.all.current"],
+                          "snapshot_blocks": [b["state"] for s in snapshot["segments"] for b in s["blocks"]],
+                          "plot": len(plot),
                           "theirs": theirs["allocated_bytes.all.current"],
                           "torch_reserved": torch.cuda.memory_reserved(),
                           "name": torch.cuda.get_allocator_backend(),
@@ -68,6 +73,8 @@ def test_tensors_come_from_shoal_and_torch_reads_its_stats():
     assert out["after"] == 0
     assert out["reserved"] > 0, "the freed block stays cached"
     assert out["emptied"] == 0 and out["segments"] == 0, "torch.cuda.empty_cache reaches shoal"
+    assert "inactive" in out["snapshot_blocks"], "the freed block shows in the snapshot"
+    assert out["plot"] > 0, "PyTorch's memory viewer reads the snapshot"
 
 
 def test_enabling_after_cuda_init_is_refused_and_enabling_twice_checks_the_settings():
@@ -135,21 +142,22 @@ def test_record_stream_holds_the_block_until_that_stream_passes():
         import json, shoal.torch, torch
         shoal.torch.enable(use_environment=False)
         s = torch.cuda.Stream()
-        def active_after_drop(record):
+        def active_added_by_a_drop(record):
             x = torch.empty(1 << 20, device="cuda")
             with torch.cuda.stream(s):
                 torch.cuda._sleep(200_000_000)  # keeps s busy for a while
             if record:
                 x.record_stream(s)
+            before = shoal.torch.memory_stats()["active.all.current"]
             del x
-            active = shoal.torch.memory_stats()["active.all.current"]
+            added = shoal.torch.memory_stats()["active.all.current"] - (before - 1)
             torch.cuda.synchronize()
-            return active
-        print(json.dumps({"recorded": active_after_drop(True), "plain": active_after_drop(False)}))
+            return added
+        print(json.dumps({"plain": active_added_by_a_drop(False), "recorded": active_added_by_a_drop(True)}))
         """
     )
+    assert out["plain"] == 0, "freed on its own stream: reusable at once"
     assert out["recorded"] == 1, "the free waits for the recorded stream"
-    assert out["plain"] == 0
 
 
 def test_a_tensor_dropped_on_another_threads_stream_waits_for_that_stream():
@@ -235,4 +243,7 @@ def test_real_models_give_identical_outputs_on_both_allocators(model):
     theirs = run_program("models.py", "--allocator", "torch", "--model", model, "--steps", "3")
     ours = run_program("models.py", "--allocator", "shoal", "--model", model, "--steps", "3")
     assert ours["digest"] == theirs["digest"], (ours, theirs)
-    assert ours["peak_reserved"] > 0 and ours["allocated_at_end"] <= theirs["allocated_at_end"] + (1 << 20)
+    # Sane stats: what is allocated at the end (the model) lies under the
+    # peaks, within 1% of PyTorch's count (block rounding differs).
+    assert 0 < ours["allocated_at_end"] <= ours["peak_allocated"] <= ours["peak_reserved"]
+    assert abs(ours["allocated_at_end"] - theirs["allocated_at_end"]) <= theirs["allocated_at_end"] // 100
