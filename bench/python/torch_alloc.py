@@ -3,8 +3,9 @@
 CUDA initialisation):
 
   1. torch.empty + del in a loop from Python, 512 B to 64 MiB;
-  2. raw_alloc + raw_delete from C++ through PyTorch's allocator interface,
-     and shoal's own table alone, which shows the pluggable wrapper's share;
+  2. from C++ through PyTorch's allocator interface: allocate() and the
+     DataPtr's deleter (the tensor path), raw_alloc + raw_delete (through the
+     pluggable wrapper's pointer map), and shoal's own table alone;
   3. real models (python/tests/torch_programs/models.py): step time and peak
      reserved memory.
 
@@ -36,6 +37,8 @@ def measure_in_this_process(allocator: str, iterations: int) -> dict:
     plugin = ctypes.CDLL(str(shoal.torch._plugin_path()))
     plugin.shoal_torch_bench_raw_pairs.restype = ctypes.c_double
     plugin.shoal_torch_bench_raw_pairs.argtypes = [ctypes.c_size_t, ctypes.c_int]
+    plugin.shoal_torch_bench_dataptr_pairs.restype = ctypes.c_double
+    plugin.shoal_torch_bench_dataptr_pairs.argtypes = [ctypes.c_size_t, ctypes.c_int]
     plugin.shoal_torch_bench_table_pairs.restype = ctypes.c_double
     plugin.shoal_torch_bench_table_pairs.argtypes = [ctypes.c_size_t, ctypes.c_int]
     torch.empty(1, device="cuda")
@@ -49,6 +52,7 @@ def measure_in_this_process(allocator: str, iterations: int) -> dict:
             x = torch.empty(n, dtype=torch.uint8, device="cuda")
             del x
         out[f"empty_del_{n}"] = (time.perf_counter_ns() - start) / iterations / 1e3
+        out[f"dataptr_{n}"] = plugin.shoal_torch_bench_dataptr_pairs(n, iterations) / 1e3
         out[f"raw_{n}"] = plugin.shoal_torch_bench_raw_pairs(n, iterations) / 1e3
         if allocator == "shoal":
             out[f"table_{n}"] = plugin.shoal_torch_bench_table_pairs(n, iterations) / 1e3
@@ -103,18 +107,22 @@ def main() -> None:
     for _ in range(args.rounds):
         for allocator in runs:
             runs[allocator].append(child(allocator, args.iterations))
-    print("| size | torch.empty+del, PyTorch (µs) | torch.empty+del, shoal (µs) | ratio | raw pair, PyTorch (µs) | "
-          "raw pair, shoal via wrapper (µs) | shoal table alone (µs) | wrapper share |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| size | torch.empty+del, PyTorch (µs) | torch.empty+del, shoal (µs) | PyTorch/shoal | "
+          "allocate+DataPtr free, PyTorch (µs) | same, shoal (µs) | PyTorch/shoal | "
+          "raw_alloc+raw_delete, PyTorch (µs) | same, shoal through the pluggable map (µs) | "
+          "shoal table alone (µs) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n in SIZES:
         t = [r[f"empty_del_{n}"] for r in runs["torch"]]
         s = [r[f"empty_del_{n}"] for r in runs["shoal"]]
+        dt = [r[f"dataptr_{n}"] for r in runs["torch"]]
+        ds = [r[f"dataptr_{n}"] for r in runs["shoal"]]
         rt = [r[f"raw_{n}"] for r in runs["torch"]]
         rs = [r[f"raw_{n}"] for r in runs["shoal"]]
         tb = [r[f"table_{n}"] for r in runs["shoal"]]
-        share = 1 - statistics.median(tb) / statistics.median(rs)
-        print(f"| {size_name(n)} | {spread(t)} | {spread(s)} | {statistics.median(t) / statistics.median(s):.2f}× | "
-              f"{spread(rt)} | {spread(rs)} | {spread(tb)} | {share:.0%} |")
+        ratio = lambda a, b: f"{statistics.median(a) / statistics.median(b):.2f}×"  # noqa: E731
+        print(f"| {size_name(n)} | {spread(t)} | {spread(s)} | {ratio(t, s)} | {spread(dt)} | {spread(ds)} | "
+              f"{ratio(dt, ds)} | {spread(rt)} | {spread(rs)} | {spread(tb)} |")
     print(f"shoal device allocations / retries per round: "
           f"{[(r['device_allocs'], r['retries']) for r in runs['shoal']]}")
     models = [m for m in args.models.split(",") if m]

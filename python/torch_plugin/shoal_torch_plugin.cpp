@@ -22,6 +22,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -69,6 +70,18 @@ void free_block(void* ptr, size_t /*bytes*/, int device, cudaStream_t /*allocati
   }
 }
 
+// A tensor's DataPtr carries its device in the low bits of its context
+// (blocks are 512-byte aligned and devices number fewer than 64), so its
+// free needs no lookup; PyTorch's pluggable wrapper would keep every pointer
+// in a map under a lock instead (raw_alloc and raw_delete still do).
+constexpr std::uintptr_t block_alignment = 512;
+constexpr std::uintptr_t device_mask = 63;
+
+void free_tensor_block(void* context) noexcept {
+  const auto bits = reinterpret_cast<std::uintptr_t>(context);
+  free_block(reinterpret_cast<void*>(bits & ~(block_alignment - 1)), 0, static_cast<int>(bits & device_mask), nullptr);
+}
+
 void copy(const shoal_torch_stat (&from)[3], c10::CachingAllocator::StatArray& to) {
   for (int i = 0; i < 3; ++i) {
     to[i].current = from[i].current;
@@ -83,6 +96,16 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
   shoal_allocator() : CUDAPluggableAllocator(allocate_block, free_block) {}
 
   std::string name() override { return "shoal"; }
+
+  c10::DataPtr allocate(size_t bytes) override {
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    void* ptr = allocate_block(bytes, device, c10::cuda::getCurrentCUDAStream(device).stream());
+    const c10::Device where(c10::DeviceType::CUDA, device);
+    if (ptr == nullptr) return {nullptr, nullptr, nullptr, where};
+    const auto bits = reinterpret_cast<std::uintptr_t>(ptr);
+    TORCH_INTERNAL_ASSERT((bits & (block_alignment - 1)) == 0 && static_cast<std::uintptr_t>(device) <= device_mask);
+    return {ptr, reinterpret_cast<void*>(bits | static_cast<std::uintptr_t>(device)), &free_tensor_block, where};
+  }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     if (ptr.get() == nullptr) return;
@@ -167,10 +190,11 @@ extern "C" __attribute__((visibility("default"))) int shoal_torch_install(const 
 
 // Measurement entry points for bench/python/torch_alloc.py: the cost of an
 // allocate + free pair, in nanoseconds, on the calling thread's current
-// stream of device 0, (a) through PyTorch's allocator interface
-// (raw_alloc/raw_delete: PyTorch's own allocator, or shoal behind the
-// pluggable wrapper, whichever is installed) and (b) through shoal's table
-// alone (installed only), which shows the wrapper's share.
+// stream of device 0, through PyTorch's allocator interface — (a) the
+// tensor path, allocate() and the DataPtr's deleter, and (b) raw_alloc and
+// raw_delete, which keep the pluggable wrapper's pointer map — for PyTorch's
+// own allocator or shoal, whichever is installed; and (c) through shoal's
+// table alone (installed only), which shows the interface's share.
 namespace {
 
 template <class Pair>
@@ -189,6 +213,11 @@ extern "C" __attribute__((visibility("default"))) double shoal_torch_bench_raw_p
     void* p = c10::cuda::CUDACachingAllocator::raw_alloc(bytes);
     c10::cuda::CUDACachingAllocator::raw_delete(p);
   });
+}
+
+extern "C" __attribute__((visibility("default"))) double shoal_torch_bench_dataptr_pairs(size_t bytes, int iterations) {
+  c10::Allocator* allocator = c10::cuda::CUDACachingAllocator::get();
+  return nanoseconds_per_pair(iterations, [allocator, bytes] { c10::DataPtr p = allocator->allocate(bytes); });
 }
 
 extern "C" __attribute__((visibility("default"))) double shoal_torch_bench_table_pairs(size_t bytes, int iterations) {
