@@ -133,7 +133,10 @@ def main() -> None:
           "peak reserved, shoal (MiB) | shoal/PyTorch | same outputs |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for model in models:
-        res = {a: [model_run(a, model, args.model_steps) for _ in range(args.rounds)] for a in ("torch", "shoal")}
+        res = {"torch": [], "shoal": []}
+        for _ in range(args.rounds):  # interleaved, so drift over the run touches both alike
+            for allocator in res:
+                res[allocator].append(model_run(allocator, model, args.model_steps))
         step = {a: [r["step_ms_median"] for r in res[a]] for a in res}
         peak = {a: [r["peak_reserved"] / 2**20 for r in res[a]] for a in res}
         same = len({r["digest"] for a in res for r in res[a]}) == 1
@@ -141,6 +144,9 @@ def main() -> None:
               f"{statistics.median(step['shoal']) / statistics.median(step['torch']):.3f} | {spread(peak['torch'])} | "
               f"{spread(peak['shoal'])} | {statistics.median(peak['shoal']) / statistics.median(peak['torch']):.3f} | "
               f"{'yes' if same else 'NO'} |")
+        per_step = {a: res[a][0]["allocations_per_step"] for a in res}
+        print(f"  {model}: allocations per step {per_step}, shoal device allocations "
+              f"{[r['device_allocations'] for r in res['shoal']]}")
 
 
 if __name__ == "__main__":
