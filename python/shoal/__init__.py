@@ -8,6 +8,9 @@ threads as streams); ``SHOAL_BACKEND=host`` or ``cuda`` forces the choice.
     import numpy, shoal
     storage = shoal.allocate(4096)
     array = numpy.from_dlpack(storage.view("float32", (32, 32)))
+
+Between processes: ``shoal.sharing`` (Producer / Consumer of batches) on top of
+Listener, connect, SharingContext and Peer.
 """
 
 from __future__ import annotations
@@ -21,26 +24,32 @@ from ._shoal import (
     Allocator,
     ArrayView,
     BackendError,
+    Connection,
     ConnectionClosedError,
     Device,
     DeviceUnavailableError,
     Event,
     InvalidArgumentError,
     InvariantViolationError,
+    Listener,
     OrderingViolationError,
     OutOfMemoryError,
+    Peer,
     PeerRefusedError,
     PeerTimeoutError,
     ProtocolError,
+    SharingContext,
     ShoalError,
     Storage,
     Stream,
     StreamError,
+    connect,
     cuda_device,
     cuda_device_count,
     current_stream,
     default_device,
     host_device,
+    runtime_dir_address,
     synchronize,
 )
 from . import _shoal
@@ -49,22 +58,27 @@ __all__ = [
     "Allocator",
     "ArrayView",
     "BackendError",
+    "Connection",
     "ConnectionClosedError",
     "Device",
     "DeviceUnavailableError",
     "Event",
     "InvalidArgumentError",
     "InvariantViolationError",
+    "Listener",
     "OrderingViolationError",
     "OutOfMemoryError",
+    "Peer",
     "PeerRefusedError",
     "PeerTimeoutError",
     "ProtocolError",
+    "SharingContext",
     "ShoalError",
     "Storage",
     "Stream",
     "StreamError",
     "allocate",
+    "connect",
     "cuda_device",
     "cuda_device_count",
     "current_stream",
@@ -72,6 +86,7 @@ __all__ = [
     "default_device",
     "from_dlpack",
     "host_device",
+    "runtime_dir_address",
     "stream",
     "synchronize",
 ]

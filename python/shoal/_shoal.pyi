@@ -315,3 +315,125 @@ class ArrayView:
         """
 
     def __repr__(self) -> str: ...
+
+def runtime_dir_address(name: str) -> str:
+    """
+    The recommended socket path for a channel named `name`: in $XDG_RUNTIME_DIR (this user's 0700 directory), else /tmp/shoal-<uid>. An address is that path, any absolute socket path, or '@name' for an abstract socket name (no file; the access policy alone decides who connects).
+    """
+
+class Connection:
+    """
+    A checked connection to another process (from Listener.accept or connect); give it to Peer to share storages over it.
+    """
+
+    @property
+    def peer_pid(self) -> int: ...
+
+class Listener:
+    """
+    Listens for connections at an address (see runtime_dir_address). A socket path's directory is created with mode 0700 or must be one. Only processes of this user, and of `allowed_uids`, are admitted. Closes (and removes its socket file) on close() or when collected; a context manager.
+    """
+
+    def __init__(self, address: str, allowed_uids: Sequence[int] = []) -> None: ...
+
+    def accept(self, timeout: float | None = None) -> Connection | None:
+        """
+        The next connection, its peer's uid checked; None when `timeout` seconds pass first. Raises PeerRefusedError for a peer of another user (the listener keeps working).
+        """
+
+    @property
+    def address(self) -> str: ...
+
+    def fileno(self) -> int:
+        """The listening socket, for selectors: readable when a connection waits."""
+
+    def close(self) -> None:
+        """Stops listening and removes the socket file."""
+
+    def __enter__(self) -> object: ...
+
+    def __exit__(self, *args) -> None: ...
+
+def connect(address: str, allowed_uids: Sequence[int] = []) -> Connection:
+    """
+    Connects to the Listener at `address`; the listening process must run as this user or one of `allowed_uids` (PeerRefusedError otherwise). ConnectionClosedError when no one listens there.
+    """
+
+class SharingContext:
+    """
+    What sharing storages with other processes needs, for one Allocator: reference counters, the limbo of blocks other processes still hold, and a collector that frees them and reclaims the references of processes that died. Belongs to the process that made it. Thread-safe.
+    """
+
+    def __init__(self, allocator: Allocator, **options) -> None:
+        """
+        Options (keywords): collect_interval_ms (100), send_timeout_ms (10000), teardown_timeout_ms (100), receive_spin_us (50), max_metadata_bytes (65536), slots_per_file (4096).
+        """
+
+    @property
+    def allocator(self) -> Allocator: ...
+
+    def collect(self) -> int:
+        """
+        Reclaims dead holders' references and frees every limbo block no one holds; returns how many.
+        """
+
+    def stats(self) -> dict:
+        """
+        Counters as a dict: limbo_blocks/bytes, held_slots, counter_files, exported_segments, storages_sent, limbo_freed, slots_reclaimed.
+        """
+
+    def holders(self) -> list:
+        """
+        Per process holding references to this context's memory or connected to it: pid, references, pinned_bytes, limbo_blocks, limbo_bytes, connections, revoked.
+        """
+
+class Peer:
+    """
+    One connection to another process, for sharing storages both ways. send() may be called from several threads; receive() from one at a time. A context manager; close() tears the connection down (waiting at most the context's teardown timeout).
+    """
+
+    def __init__(self, context: SharingContext, connection: Connection) -> None: ...
+
+    def send(self, data: object, metadata: bytes = ..., stream: Stream | None = None) -> None:
+        """
+        Shares a Storage (or an ArrayView's storage) of this context's allocator with the other process, with `metadata` attached; it waits for the work enqueued on `stream` (default: the current stream) before using it. The memory is freed only when every process has dropped it.
+        """
+
+    def send_note(self, metadata: bytes) -> None:
+        """Sends metadata alone."""
+
+    def receive(self, timeout: float | None = None, stream: Stream | None = None) -> tuple:
+        """
+        The next (storage, metadata) from the other process — storage None for a note — ready for work enqueued on `stream` (default: the current stream). Raises PeerTimeoutError after `timeout` seconds, ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.
+        """
+
+    def revoke(self) -> None:
+        """
+        Stops trusting the other process: the connection closes and the context sends it nothing more; what it holds stays pinned until it releases it or dies.
+        """
+
+    @property
+    def peer_pid(self) -> int: ...
+
+    @property
+    def peer_uid(self) -> int: ...
+
+    def stats(self) -> dict:
+        """
+        This side's view of the other process: open_mappings, counter_files, event_sources, held_storages.
+        """
+
+    def fileno(self) -> int:
+        """
+        The connection's socket, for selectors: readable when a message (or its start) waits.
+        """
+
+    def close(self) -> None:
+        """Tears the connection down; received storages stay usable."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def __enter__(self) -> object: ...
+
+    def __exit__(self, *args) -> None: ...

@@ -67,11 +67,13 @@ class allocator_state {
 
 /// One handle to a storage and the allocator it came from. Dropping it
 /// frees on the calling thread's current stream, which is kept alive by the
-/// allocator from then on.
+/// allocator from then on. `keep_alive` (say, the sharing context a storage
+/// was received through) outlives the storage too.
 class storage_handle {
  public:
-  storage_handle(storage::storage storage, std::shared_ptr<allocator_state> allocator)
-      : allocator_(std::move(allocator)), storage_(std::move(storage)) {}
+  storage_handle(storage::storage storage, std::shared_ptr<allocator_state> allocator,
+                 std::shared_ptr<const void> keep_alive = nullptr)
+      : allocator_(std::move(allocator)), keep_alive_(std::move(keep_alive)), storage_(std::move(storage)) {}
   storage_handle(const storage_handle&) = default;
   storage_handle& operator=(const storage_handle&) = default;
   ~storage_handle();
@@ -83,6 +85,7 @@ class storage_handle {
  private:
   // Declared first so that it is destroyed last: the storage frees into it.
   std::shared_ptr<allocator_state> allocator_;
+  std::shared_ptr<const void> keep_alive_;
   mutable storage::storage storage_;
 };
 
@@ -138,6 +141,7 @@ void register_allocator(nb::module_& m);
 void register_storages(nb::module_& m);
 void register_dlpack(nb::module_& m);
 void register_dlpack_import(nb::module_& m);
+void register_sharing(nb::module_& m);
 void register_torch_api(nb::module_& m);
 
 }  // namespace shoal::python

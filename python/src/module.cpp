@@ -11,5 +11,6 @@ NB_MODULE(_shoal, m) {
   shoal::python::register_storages(m);
   shoal::python::register_dlpack(m);
   shoal::python::register_dlpack_import(m);
+  shoal::python::register_sharing(m);
   shoal::python::register_torch_api(m);
 }

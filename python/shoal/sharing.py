@@ -1,0 +1,319 @@
+"""Batches of arrays shared between processes, zero-copy.
+
+    # consumer process
+    with shoal.sharing.Consumer() as consumer:        # listens at consumer.address
+        start_producers(consumer.address)              # a str: pass it to the producer processes
+        batch = consumer.get(timeout=10)               # {"x": ArrayView, "y": [ArrayView, ...]}
+        images = torch.from_dlpack(batch["x"])         # or numpy / CuPy / JAX: no copy
+
+    # producer process (spawn / forkserver)
+    with shoal.sharing.Producer(address) as producer:
+        view = shoal.allocate(nbytes).view("float32", (64, 3, 224, 224))
+        ... fill it (DLPack, Storage.write) ...
+        producer.put({"x": view, "y": [labels]})
+
+A batch is an ArrayView (or a Storage, sent as bytes) or a list, tuple or dict
+(str keys) nesting them. Each array's memory stays where the producer
+allocated it; the consumer maps it once per segment and gets ArrayViews with
+the producer's dtype, shape, strides and offset. The consumer's stream waits
+for the work the producer enqueued before put(); the memory is freed only
+when every process has dropped it, and the references of a process that dies
+(SIGKILL included) are reclaimed. Arrays to send must be shoal memory of the
+producer's allocator: copy others in first (e.g. ``shoal.from_dlpack`` then a
+copy, or ``Storage.write``).
+
+Trust: a producer is admitted by its uid (this user, or ``allowed_uids``)
+and is still untrusted. Everything it sends — the layout of every array, the
+nesting, the number of arrays — is validated; a malformed batch raises
+ProtocolError and that producer is disconnected, others go on.
+
+Objects belong to the process that made them: make a Producer in the
+producer process after it started (the address is a plain string, fine to
+pickle); with ``multiprocessing`` use the spawn or forkserver start methods.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import selectors
+import time
+from typing import Any, Union
+
+from . import _shoal
+
+__all__ = ["Producer", "Consumer", "Batch", "MAX_ARRAYS_PER_BATCH", "MAX_NESTING"]
+
+Batch = Union[_shoal.ArrayView, list, tuple, dict]
+
+MAX_ARRAYS_PER_BATCH = 4096
+MAX_NESTING = 32
+_MAX_DIMS = 32
+_MAX_EXTENT = 1 << 48  # elements or bytes: past any device
+_VERSION = 1
+
+
+def _default_allocator() -> _shoal.Allocator:
+    from . import default_allocator  # the package imports this module lazily: no cycle
+
+    return default_allocator()
+
+
+def _leaf_header(view: _shoal.ArrayView) -> bytes:
+    return json.dumps(
+        {
+            "v": _VERSION,
+            "dtype": view.dtype,
+            "shape": list(view.shape),
+            "strides": list(view.strides),
+            "offset": view.offset,
+            "readonly": view.readonly,
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+def _flatten(batch: Any, leaves: list, depth: int) -> Any:
+    """The batch's structure with leaves replaced by their index in `leaves`."""
+    if depth > MAX_NESTING:
+        raise ValueError(f"shoal.sharing: a batch nests deeper than {MAX_NESTING} levels")
+    if isinstance(batch, _shoal.Storage):
+        batch = batch.view("uint8")
+    if isinstance(batch, _shoal.ArrayView):
+        if len(leaves) >= MAX_ARRAYS_PER_BATCH:
+            raise ValueError(f"shoal.sharing: a batch holds more than {MAX_ARRAYS_PER_BATCH} arrays")
+        leaves.append(batch)
+        return {"a": len(leaves) - 1}
+    if isinstance(batch, (list, tuple)):
+        return {"l" if isinstance(batch, list) else "t": [_flatten(x, leaves, depth + 1) for x in batch]}
+    if isinstance(batch, dict):
+        for key in batch:
+            if not isinstance(key, str):
+                raise TypeError(f"shoal.sharing: dict keys must be str, not {type(key).__name__}")
+        return {"d": [[key, _flatten(value, leaves, depth + 1)] for key, value in batch.items()]}
+    raise TypeError(
+        f"shoal.sharing: cannot send a {type(batch).__name__}: a batch holds shoal ArrayViews or Storages "
+        "(copy other arrays into shoal memory first), in lists, tuples and dicts"
+    )
+
+
+def _protocol_error(message: str) -> _shoal.ProtocolError:
+    return _shoal.ProtocolError(f"shoal.sharing: {message}")
+
+
+def _int_in(value: Any, low: int, high: int, what: str) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise _protocol_error(f"{what} {value!r} is not an integer in [{low}, {high}]")
+    return value
+
+
+def _view_of(storage: _shoal.Storage, header: bytes) -> _shoal.ArrayView:
+    """The ArrayView a producer's header describes, checked to lie inside `storage`."""
+    try:
+        h = json.loads(header)
+    except (ValueError, RecursionError) as e:
+        raise _protocol_error(f"an array header is not JSON ({e})") from None
+    if not isinstance(h, dict) or h.get("v") != _VERSION:
+        raise _protocol_error("an array header of another version or form")
+    dtype, shape, strides = h.get("dtype"), h.get("shape"), h.get("strides")
+    if not isinstance(dtype, str) or not isinstance(shape, list) or not isinstance(strides, list):
+        raise _protocol_error("an array header without dtype, shape and strides")
+    if len(shape) > _MAX_DIMS or len(strides) != len(shape):
+        raise _protocol_error(f"an array of {len(shape)} dimensions with {len(strides)} strides")
+    shape = [_int_in(d, 0, _MAX_EXTENT, "a dimension") for d in shape]
+    strides = [_int_in(s, -_MAX_EXTENT, _MAX_EXTENT, "a stride") for s in strides]
+    offset = _int_in(h.get("offset"), 0, _MAX_EXTENT, "an offset")
+    readonly = h.get("readonly")
+    if type(readonly) is not bool:
+        raise _protocol_error("an array header without a readonly flag")
+    try:
+        return storage.view(dtype, shape, strides, offset, readonly)
+    except (ValueError, TypeError) as e:  # bounds, dtype: checked by Storage.view
+        raise _protocol_error(f"an array that does not fit what was sent ({e})") from None
+
+
+def _rebuild(node: Any, arrays: list, depth: int, used: set) -> Any:
+    if depth > MAX_NESTING or not isinstance(node, dict) or len(node) != 1:
+        raise _protocol_error("a malformed batch structure")
+    (kind, value), = node.items()
+    if kind == "a":
+        index = _int_in(value, 0, len(arrays) - 1, "an array index") if arrays else None
+        if index is None or index in used:
+            raise _protocol_error("a batch structure that names an array twice or one not sent")
+        used.add(index)
+        return arrays[index]
+    if kind in ("l", "t") and isinstance(value, list):
+        items = [_rebuild(x, arrays, depth + 1, used) for x in value]
+        return items if kind == "l" else tuple(items)
+    if kind == "d" and isinstance(value, list):
+        out = {}
+        for pair in value:
+            if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], str):
+                raise _protocol_error("a malformed dict entry in a batch")
+            out[pair[0]] = _rebuild(pair[1], arrays, depth + 1, used)
+        return out
+    raise _protocol_error("a malformed batch structure")
+
+
+class Producer:
+    """Sends batches to a Consumer's address. One connection; not for use
+    from several threads at once."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        allocator: _shoal.Allocator | None = None,
+        allowed_uids: tuple[int, ...] = (),
+        **options: int,
+    ) -> None:
+        self.allocator = allocator if allocator is not None else _default_allocator()
+        self.context = _shoal.SharingContext(self.allocator, **options)
+        self._peer = _shoal.Peer(self.context, _shoal.connect(address, list(allowed_uids)))
+
+    def put(self, batch: Batch, stream: _shoal.Stream | None = None) -> None:
+        """Sends `batch`; the consumer's stream waits for the work enqueued on
+        `stream` (default: the current stream) before it uses the arrays."""
+        leaves: list = []
+        structure = _flatten(batch, leaves, 0)
+        for view in leaves:
+            self._peer.send(view, _leaf_header(view), stream)
+        note = json.dumps({"v": _VERSION, "arrays": len(leaves), "batch": structure}, separators=(",", ":"))
+        self._peer.send_note(note.encode())
+
+    @property
+    def peer(self) -> _shoal.Peer:
+        """The connection (for stats, or notes both ways)."""
+        return self._peer
+
+    def close(self) -> None:
+        """Closes the connection; what was sent stays valid in the consumer."""
+        self._peer.close()
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Incoming:
+    """One producer's connection and the arrays of its batch in progress."""
+
+    def __init__(self, peer: _shoal.Peer) -> None:
+        self.peer = peer
+        self.arrays: list = []
+
+
+class Consumer:
+    """Receives batches from any number of Producers. Listens at `address`
+    (default: a fresh name in the runtime directory, see
+    shoal.runtime_dir_address). Not for use from several threads at once."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        allocator: _shoal.Allocator | None = None,
+        allowed_uids: tuple[int, ...] = (),
+        **options: int,
+    ) -> None:
+        self.allocator = allocator if allocator is not None else _default_allocator()
+        self.context = _shoal.SharingContext(self.allocator, **options)
+        if address is None:
+            address = _shoal.runtime_dir_address(f"shoal-{os.getpid()}-{secrets.token_hex(6)}.sock")
+        self._listener = _shoal.Listener(address, list(allowed_uids))
+        self.address: str = self._listener.address
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener.fileno(), selectors.EVENT_READ, None)
+        self._incoming: dict[int, _Incoming] = {}
+        self.errors: list[Exception] = []  # producers disconnected for a protocol error, oldest first
+
+    @property
+    def producers(self) -> int:
+        """Producers connected now."""
+        return len(self._incoming)
+
+    def get(self, timeout: float | None = None, stream: _shoal.Stream | None = None) -> Batch:
+        """The next whole batch from any producer, its arrays ready for work
+        enqueued on `stream` (default: the current stream). Accepts producers
+        as they connect. Raises PeerTimeoutError when `timeout` seconds pass
+        first. A producer that sends a malformed batch is disconnected and
+        its error kept in `errors`; one that goes away is forgotten (what it
+        sent stays valid)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = self._selector.select(left)
+            if not ready and deadline is not None and time.monotonic() >= deadline:
+                raise _shoal.PeerTimeoutError(f"shoal.sharing: no batch within {timeout} s")
+            for key, _ in ready:
+                if key.data is None:
+                    self._accept()
+                    continue
+                batch = self._receive_from(key.data, stream)
+                if batch is not None:
+                    return batch
+
+    def _accept(self) -> None:
+        try:
+            connection = self._listener.accept(timeout=0)
+        except (_shoal.PeerRefusedError, _shoal.ConnectionClosedError) as e:
+            self.errors.append(e)
+            return
+        if connection is None:
+            return
+        peer = _shoal.Peer(self.context, connection)
+        incoming = _Incoming(peer)
+        self._incoming[peer.fileno()] = incoming
+        self._selector.register(peer.fileno(), selectors.EVENT_READ, incoming)
+
+    def _drop(self, incoming: _Incoming) -> None:
+        fd = incoming.peer.fileno()
+        self._selector.unregister(fd)
+        del self._incoming[fd]
+        incoming.arrays.clear()
+        incoming.peer.close()
+
+    def _receive_from(self, incoming: _Incoming, stream: _shoal.Stream | None) -> Batch | None:
+        """Reads one message of `incoming`; returns its batch once whole."""
+        try:
+            storage, metadata = incoming.peer.receive(timeout=10.0, stream=stream)
+            if storage is not None:
+                if len(incoming.arrays) >= MAX_ARRAYS_PER_BATCH:
+                    raise _protocol_error(f"more than {MAX_ARRAYS_PER_BATCH} arrays in one batch")
+                incoming.arrays.append(_view_of(storage, metadata))
+                return None
+            try:
+                note = json.loads(metadata)
+            except (ValueError, RecursionError) as e:
+                raise _protocol_error(f"a batch note that is not JSON ({e})") from None
+            if not isinstance(note, dict) or note.get("v") != _VERSION or note.get("arrays") != len(incoming.arrays):
+                raise _protocol_error("a batch note that does not match the arrays sent")
+            used: set = set()
+            batch = _rebuild(note.get("batch"), incoming.arrays, 0, used)
+            if len(used) != len(incoming.arrays):
+                raise _protocol_error("a batch structure that leaves arrays out")
+            incoming.arrays = []
+            return batch
+        except _shoal.ConnectionClosedError:
+            self._drop(incoming)
+        except (_shoal.ProtocolError, _shoal.PeerTimeoutError) as e:
+            self.errors.append(e)
+            self._drop(incoming)
+        return None
+
+    def close(self) -> None:
+        """Disconnects every producer and stops listening; batches received
+        stay valid."""
+        for incoming in list(self._incoming.values()):
+            self._drop(incoming)
+        self._selector.close()
+        self._listener.close()
+
+    def __enter__(self) -> "Consumer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,360 @@
+// Sharing between processes: the checked channel (Listener, connect,
+// Connection) and the C++ sharing layer (SharingContext, Peer). The queue
+// API for batches (python/shoal/sharing.py) is written on top of these.
+//
+// Lifetimes follow sharing.h: a context keeps its allocator, a peer keeps
+// its context, and a storage received on a peer keeps that context (and so
+// its allocator) alive. Every call that may wait on another process runs
+// with the GIL released.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "shoal/channel/channel.h"
+#include "shoal/core/error.h"
+#include "shoal/ipc/sharing.h"
+
+namespace shoal::python {
+
+namespace {
+
+channel::channel_address address_of(const std::string& text) {
+  if (!text.empty() && text.front() == '@') return channel::channel_address::abstract(text.substr(1));
+  return channel::channel_address::at_path(text);
+}
+
+std::string text_of(const channel::channel_address& address) {
+  return address.is_abstract() ? "@" + address.name() : address.name();
+}
+
+channel::access_policy policy_of(const std::vector<std::uint32_t>& allowed_uids) {
+  channel::access_policy policy;
+  for (auto uid : allowed_uids) policy.allowed_uids.push_back(static_cast<uid_t>(uid));
+  return policy;
+}
+
+/// A timeout in seconds as milliseconds, rounded up; None is no deadline.
+std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> seconds, const char* who) {
+  if (!seconds) return std::nullopt;
+  if (!(*seconds >= 0) || !std::isfinite(*seconds)) {
+    throw invalid_argument(std::string(who) + ": timeout must be a finite number of seconds >= 0");
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(*seconds * 1000.0)));
+}
+
+struct py_listener {
+  std::unique_ptr<channel::listener> listener;
+  channel::listener& get() const {
+    if (!listener) throw invalid_argument("Listener: closed");
+    return *listener;
+  }
+};
+
+struct py_connection {
+  std::optional<channel::connection> connection;
+};
+
+/// A sharing context and the allocator it belongs to.
+class sharing_state {
+ public:
+  sharing_state(std::shared_ptr<allocator_state> allocator, const ipc::sharing_options& options)
+      : allocator_(std::move(allocator)),
+        context_(std::make_unique<ipc::sharing_context>(allocator_->allocator(), options)) {}
+  ~sharing_state() { context_.reset(); }  // before the allocator
+  [[nodiscard]] ipc::sharing_context& context() const noexcept { return *context_; }
+  [[nodiscard]] const std::shared_ptr<allocator_state>& allocator() const noexcept { return allocator_; }
+
+ private:
+  std::shared_ptr<allocator_state> allocator_;
+  std::unique_ptr<ipc::sharing_context> context_;
+};
+
+struct py_sharing_context {
+  std::shared_ptr<sharing_state> state;
+};
+
+struct py_peer {
+  std::shared_ptr<sharing_state> context;
+  std::unique_ptr<ipc::peer> peer;
+  ipc::peer& get() const {
+    if (!peer) throw connection_closed("Peer: closed");
+    return *peer;
+  }
+};
+
+ipc::sharing_options options_of(const nb::kwargs& settings) {
+  ipc::sharing_options o;
+  for (auto [key_object, value] : settings) {
+    const auto key = nb::cast<std::string>(key_object);
+    auto ms = [&] { return std::chrono::milliseconds(nb::cast<std::int64_t>(value)); };
+    if (key == "collect_interval_ms") {
+      o.collect_interval = ms();
+    } else if (key == "send_timeout_ms") {
+      o.send_timeout = ms();
+    } else if (key == "teardown_timeout_ms") {
+      o.teardown_timeout = ms();
+    } else if (key == "receive_spin_us") {
+      o.receive_spin = std::chrono::microseconds(nb::cast<std::int64_t>(value));
+    } else if (key == "max_metadata_bytes") {
+      o.max_metadata_bytes = nb::cast<std::size_t>(value);
+    } else if (key == "slots_per_file") {
+      o.slots_per_file = nb::cast<std::uint32_t>(value);
+    } else {
+      throw invalid_argument("SharingContext: unknown option " + key +
+                             " (collect_interval_ms, send_timeout_ms, teardown_timeout_ms, receive_spin_us, "
+                             "max_metadata_bytes, slots_per_file)");
+    }
+  }
+  return o;
+}
+
+std::span<const std::byte> bytes_of(const nb::bytes& data) {
+  return {reinterpret_cast<const std::byte*>(data.c_str()), data.size()};
+}
+
+nb::tuple received_tuple(const py_peer& p, ipc::received r) {
+  nb::bytes metadata(reinterpret_cast<const char*>(r.metadata.data()), r.metadata.size());
+  if (!r.storage.valid()) return nb::make_tuple(nb::none(), metadata);
+  storage_handle handle(std::move(r.storage), p.context->allocator(), p.context);
+  return nb::make_tuple(py_storage{std::move(handle)}, metadata);
+}
+
+nb::dict holder_dict(const ipc::holder_stats& h) {
+  nb::dict d;
+  d["pid"] = h.process.pid;
+  d["references"] = h.references;
+  d["pinned_bytes"] = h.pinned_bytes;
+  d["limbo_blocks"] = h.limbo_blocks;
+  d["limbo_bytes"] = h.limbo_bytes;
+  d["connections"] = h.connections;
+  d["revoked"] = h.revoked;
+  return d;
+}
+
+}  // namespace
+
+void register_sharing(nb::module_& m) {
+  m.def(
+      "runtime_dir_address", [](const std::string& name) { return text_of(channel::channel_address::in_runtime_dir(name)); },
+      nb::arg("name"),
+      "The recommended socket path for a channel named `name`: in $XDG_RUNTIME_DIR (this user's 0700 "
+      "directory), else /tmp/shoal-<uid>. An address is that path, any absolute socket path, or '@name' for "
+      "an abstract socket name (no file; the access policy alone decides who connects).");
+
+  nb::class_<py_connection>(m, "Connection",
+                            "A checked connection to another process (from Listener.accept or connect); "
+                            "give it to Peer to share storages over it.")
+      .def_prop_ro("peer_pid", [](const py_connection& c) {
+        if (!c.connection) throw invalid_argument("Connection: already given to a Peer");
+        return c.connection->peer().process.pid;
+      });
+
+  nb::class_<py_listener>(m, "Listener",
+                          "Listens for connections at an address (see runtime_dir_address). A socket path's "
+                          "directory is created with mode 0700 or must be one. Only processes of this user, and "
+                          "of `allowed_uids`, are admitted. Closes (and removes its socket file) on close() or "
+                          "when collected; a context manager.")
+      .def(
+          "__init__",
+          [](py_listener* self, const std::string& address, const std::vector<std::uint32_t>& allowed_uids) {
+            new (self) py_listener{std::make_unique<channel::listener>(address_of(address), policy_of(allowed_uids))};
+          },
+          nb::arg("address"), nb::arg("allowed_uids") = std::vector<std::uint32_t>{})
+      .def(
+          "accept",
+          [](const py_listener& l, std::optional<double> timeout) -> std::optional<py_connection> {
+            const auto limit = deadline_of(timeout, "Listener.accept");
+            auto& listener = l.get();
+            nb::gil_scoped_release release;
+            if (!limit) return py_connection{listener.accept()};
+            auto c = listener.accept_for(*limit);
+            if (!c) return std::nullopt;
+            return py_connection{std::move(*c)};
+          },
+          nb::arg("timeout").none() = nb::none(),
+          "The next connection, its peer's uid checked; None when `timeout` seconds pass first. Raises "
+          "PeerRefusedError for a peer of another user (the listener keeps working).")
+      .def_prop_ro("address", [](const py_listener& l) { return text_of(l.get().address()); })
+      .def("fileno", [](const py_listener& l) { return l.get().native_handle(); },
+           "The listening socket, for selectors: readable when a connection waits.")
+      .def(
+          "close", [](py_listener& l) { l.listener.reset(); }, "Stops listening and removes the socket file.")
+      .def("__enter__", [](nb::handle self) { return self; })
+      .def(
+          "__exit__", [](py_listener& l, nb::args) { l.listener.reset(); }, nb::arg("args"));
+
+  m.def(
+      "connect",
+      [](const std::string& address, const std::vector<std::uint32_t>& allowed_uids) {
+        const auto a = address_of(address);
+        const auto policy = policy_of(allowed_uids);
+        nb::gil_scoped_release release;
+        return py_connection{channel::connection::connect(a, policy)};
+      },
+      nb::arg("address"), nb::arg("allowed_uids") = std::vector<std::uint32_t>{},
+      "Connects to the Listener at `address`; the listening process must run as this user or one of "
+      "`allowed_uids` (PeerRefusedError otherwise). ConnectionClosedError when no one listens there.");
+
+  nb::class_<py_sharing_context>(m, "SharingContext",
+                                 "What sharing storages with other processes needs, for one Allocator: "
+                                 "reference counters, the limbo of blocks other processes still hold, and a "
+                                 "collector that frees them and reclaims the references of processes that "
+                                 "died. Belongs to the process that made it. Thread-safe.")
+      .def(
+          "__init__",
+          [](py_sharing_context* self, const py_allocator& allocator, const nb::kwargs& options) {
+            new (self) py_sharing_context{std::make_shared<sharing_state>(allocator.state, options_of(options))};
+          },
+          nb::arg("allocator"), nb::arg("options"),
+          "Options (keywords): collect_interval_ms (100), send_timeout_ms (10000), teardown_timeout_ms (100), "
+          "receive_spin_us (50), max_metadata_bytes (65536), slots_per_file (4096).")
+      .def_prop_ro("allocator", [](const py_sharing_context& c) { return py_allocator{c.state->allocator()}; })
+      .def(
+          "collect", [](const py_sharing_context& c) { return c.state->context().collect(); },
+          nb::call_guard<nb::gil_scoped_release>(),
+          "Reclaims dead holders' references and frees every limbo block no one holds; returns how many.")
+      .def(
+          "stats",
+          [](const py_sharing_context& c) {
+            const auto s = c.state->context().stats();
+            nb::dict d;
+            d["limbo_blocks"] = s.limbo_blocks;
+            d["limbo_bytes"] = s.limbo_bytes;
+            d["held_slots"] = s.held_slots;
+            d["counter_files"] = s.counter_files;
+            d["exported_segments"] = s.exported_segments;
+            d["storages_sent"] = s.storages_sent;
+            d["limbo_freed"] = s.limbo_freed;
+            d["slots_reclaimed"] = s.slots_reclaimed;
+            return d;
+          },
+          "Counters as a dict: limbo_blocks/bytes, held_slots, counter_files, exported_segments, "
+          "storages_sent, limbo_freed, slots_reclaimed.")
+      .def(
+          "holders",
+          [](const py_sharing_context& c) {
+            nb::list out;
+            for (const auto& h : c.state->context().holders()) out.append(holder_dict(h));
+            return out;
+          },
+          "Per process holding references to this context's memory or connected to it: pid, references, "
+          "pinned_bytes, limbo_blocks, limbo_bytes, connections, revoked.");
+
+  nb::class_<py_peer>(m, "Peer",
+                      "One connection to another process, for sharing storages both ways. send() may be called "
+                      "from several threads; receive() from one at a time. A context manager; close() tears "
+                      "the connection down (waiting at most the context's teardown timeout).")
+      .def(
+          "__init__",
+          [](py_peer* self, const py_sharing_context& context, py_connection& connection) {
+            if (!connection.connection) throw invalid_argument("Peer: this Connection was given to a Peer already");
+            channel::connection c = std::move(*connection.connection);
+            connection.connection.reset();
+            std::unique_ptr<ipc::peer> p;
+            {
+              nb::gil_scoped_release release;
+              p = std::make_unique<ipc::peer>(context.state->context(), std::move(c));
+            }
+            new (self) py_peer{context.state, std::move(p)};
+          },
+          nb::arg("context"), nb::arg("connection"))
+      .def(
+          "send",
+          [](const py_peer& p, nb::handle data, const nb::bytes& metadata, const py_stream* stream) {
+            const storage_handle* handle = nullptr;
+            if (nb::isinstance<py_storage>(data)) {
+              handle = &nb::cast<const py_storage&>(data).handle;
+            } else if (nb::isinstance<py_array_view>(data)) {
+              handle = &nb::cast<const py_array_view&>(data).handle;
+            } else {
+              throw invalid_argument("Peer.send: expected a Storage or an ArrayView, not " +
+                                     nb::cast<std::string>(nb::str(data.type().attr("__name__"))));
+            }
+            auto st = stream_or_current(stream, handle->get().device());
+            handle->allocator()->keep(st);
+            auto& peer = p.get();
+            const auto bytes = bytes_of(metadata);
+            nb::gil_scoped_release release;
+            peer.send(handle->get(), bytes, st->ref());
+          },
+          nb::arg("data"), nb::arg("metadata") = nb::bytes(""), nb::arg("stream").none() = nb::none(),
+          "Shares a Storage (or an ArrayView's storage) of this context's allocator with the other process, "
+          "with `metadata` attached; it waits for the work enqueued on `stream` (default: the current stream) "
+          "before using it. The memory is freed only when every process has dropped it.")
+      .def(
+          "send_note",
+          [](const py_peer& p, const nb::bytes& metadata) {
+            auto& peer = p.get();
+            const auto bytes = bytes_of(metadata);
+            nb::gil_scoped_release release;
+            peer.send_note(bytes);
+          },
+          nb::arg("metadata"), "Sends metadata alone.")
+      .def(
+          "receive",
+          [](const py_peer& p, std::optional<double> timeout, const py_stream* stream) {
+            const auto limit = deadline_of(timeout, "Peer.receive");
+            auto& peer = p.get();
+            auto st = stream_or_current(stream, p.context->allocator()->allocator().device());
+            p.context->allocator()->keep(st);
+            ipc::received r;
+            {
+              nb::gil_scoped_release release;
+              r = limit ? peer.receive_for(*limit, st->ref()) : peer.receive(st->ref());
+            }
+            return received_tuple(p, std::move(r));
+          },
+          nb::arg("timeout").none() = nb::none(), nb::arg("stream").none() = nb::none(),
+          "The next (storage, metadata) from the other process — storage None for a note — ready for work "
+          "enqueued on `stream` (default: the current stream). Raises PeerTimeoutError after `timeout` "
+          "seconds, ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.")
+      .def(
+          "revoke", [](const py_peer& p) { p.get().revoke(); }, nb::call_guard<nb::gil_scoped_release>(),
+          "Stops trusting the other process: the connection closes and the context sends it nothing more; "
+          "what it holds stays pinned until it releases it or dies.")
+      .def_prop_ro("peer_pid", [](const py_peer& p) { return p.get().credentials().process.pid; })
+      .def_prop_ro("peer_uid", [](const py_peer& p) { return static_cast<std::uint32_t>(p.get().credentials().uid); })
+      .def(
+          "stats",
+          [](const py_peer& p) {
+            const auto s = p.get().stats();
+            nb::dict d;
+            d["open_mappings"] = s.open_mappings;
+            d["counter_files"] = s.counter_files;
+            d["event_sources"] = s.event_sources;
+            d["held_storages"] = s.held_storages;
+            return d;
+          },
+          "This side's view of the other process: open_mappings, counter_files, event_sources, held_storages.")
+      .def("fileno", [](const py_peer& p) { return p.get().native_handle(); },
+           "The connection's socket, for selectors: readable when a message (or its start) waits.")
+      .def(
+          "close",
+          [](py_peer& p) {
+            std::unique_ptr<ipc::peer> gone = std::move(p.peer);
+            nb::gil_scoped_release release;
+            gone.reset();
+          },
+          "Tears the connection down; received storages stay usable.")
+      .def_prop_ro("closed", [](const py_peer& p) { return p.peer == nullptr; })
+      .def("__enter__", [](nb::handle self) { return self; })
+      .def(
+          "__exit__",
+          [](py_peer& p, nb::args) {
+            std::unique_ptr<ipc::peer> gone = std::move(p.peer);
+            nb::gil_scoped_release release;
+            gone.reset();
+          },
+          nb::arg("args"));
+}
+
+}  // namespace shoal::python

@@ -1,0 +1,231 @@
+"""Sharing between processes: shoal.sharing's Producer and Consumer over the
+checked channel, with multiprocessing spawn and forkserver children, crash
+reclaim, hostile producers and deadlines. Every wait has a deadline."""
+
+import gc
+import json
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+import shoal
+import shoal.sharing as sharing
+
+WAIT = 30  # seconds: no wait in these tests may take longer
+
+
+def pattern(tag: int, nbytes: int) -> bytes:
+    return bytes((tag * 31 + i) % 251 for i in range(nbytes))
+
+
+def make_batch(tag: int) -> dict:
+    """A nested batch whose bytes depend on `tag`: a C-order float32 array,
+    a strided int64 view at an offset, and a whole storage."""
+    a = shoal.allocate(4 * 5 * 4)
+    a.write(pattern(tag, 80))
+    b = shoal.allocate(256)
+    b.write(pattern(tag + 1, 256))
+    c = shoal.allocate(33)
+    c.fill(tag)  # enqueued: the consumer's stream must wait for it
+    return {
+        "x": a.view("float32", (4, 5)),
+        "y": [b.view("int64", (3, 2), (4, 1), 64), (c,)],
+    }
+
+
+def producer_main(address: str, tag: int, batches: int, linger: float = 0.0) -> None:
+    with sharing.Producer(address) as producer:
+        for i in range(batches):
+            producer.put(make_batch(tag + i))
+        time.sleep(linger)
+
+
+def check_batch(batch: dict, tag: int) -> None:
+    x = batch["x"]
+    assert (x.dtype, x.shape, x.strides, x.offset) == ("float32", (4, 5), (5, 1), 0)
+    assert x.storage.read() == pattern(tag, 80)
+    y, (c,) = batch["y"]
+    assert (y.dtype, y.shape, y.strides, y.offset) == ("int64", (3, 2), (4, 1), 64)
+    assert y.storage.read() == pattern(tag + 1, 256)
+    assert (c.dtype, c.shape) == ("uint8", (33,))
+    assert c.storage.read() == bytes([tag % 256]) * 33
+
+
+def shm_entries() -> set:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+@pytest.fixture
+def clean_process():
+    """Allocator stats back to zero and no /dev/shm entry left behind."""
+    shm_before = shm_entries()
+    yield
+    gc.collect()
+    allocator = shoal.default_allocator()
+    assert allocator.stats()["allocations"]["all"]["current"] == 0, "storages leaked"
+    assert shm_entries() <= shm_before, f"left in /dev/shm: {shm_entries() - shm_before}"
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_producers_started_by_multiprocessing_send_whole_batches(method, clean_process):
+    ctx = multiprocessing.get_context(method)
+    with sharing.Consumer() as consumer:
+        producers = [ctx.Process(target=producer_main, args=(consumer.address, tag, 3)) for tag in (10, 50)]
+        for p in producers:
+            p.start()
+        seen = []
+        for _ in range(6):
+            batch = consumer.get(timeout=WAIT)
+            tag = batch["y"][1][0].storage.read(0, 1)[0]  # each batch's third array is filled with its tag
+            check_batch(batch, tag)
+            seen.append(tag)
+        for p in producers:
+            p.join(WAIT)
+            assert p.exitcode == 0
+        assert sorted(seen) == [10, 11, 12, 50, 51, 52]
+        assert consumer.errors == []
+        del batch
+
+
+def test_a_producers_data_outlives_the_producer(clean_process):
+    ctx = multiprocessing.get_context("spawn")
+    with sharing.Consumer() as consumer:
+        p = ctx.Process(target=producer_main, args=(consumer.address, 7, 1))
+        p.start()
+        batch = consumer.get(timeout=WAIT)
+        p.join(WAIT)
+        assert p.exitcode == 0
+        check_batch(batch, 7)  # read after the producer has exited
+        del batch
+
+
+def consumer_main(address_queue, held) -> None:
+    with sharing.Consumer() as consumer:
+        address_queue.put(consumer.address)
+        batch = consumer.get(timeout=WAIT)
+        held.set()
+        time.sleep(WAIT)  # holds the batch until killed
+        del batch
+
+
+def test_a_consumer_killed_while_holding_batches_gives_the_memory_back(clean_process):
+    ctx = multiprocessing.get_context("spawn")
+    addresses, held = ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=consumer_main, args=(addresses, held))
+    child.start()
+    allocator = shoal.default_allocator()
+    before = allocator.stats()["allocations"]["all"]["current"]
+    with sharing.Producer(addresses.get(timeout=WAIT), collect_interval_ms=20) as producer:
+        producer.put(make_batch(3))
+        assert held.wait(WAIT)
+        gc.collect()
+        # The producer dropped its handles: the three blocks wait in the limbo for the consumer.
+        assert producer.context.stats()["limbo_blocks"] == 3
+        holders = {h["pid"]: h for h in producer.context.holders()}
+        assert holders[child.pid]["references"] == 3
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(WAIT)
+        deadline = time.monotonic() + WAIT
+        while producer.context.stats()["limbo_blocks"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = producer.context.stats()
+        assert stats["limbo_blocks"] == 0 and stats["slots_reclaimed"] == 3
+    assert allocator.stats()["allocations"]["all"]["current"] == before
+
+
+def hostile_main(address: str, case: str) -> None:
+    """Sends one malformed batch (through the raw Peer), then waits to be cut off."""
+    context = shoal.SharingContext(shoal.default_allocator())
+    with shoal.Peer(context, shoal.connect(address)) as peer:
+        s = shoal.allocate(64)
+        header = {"v": 1, "dtype": "float32", "shape": [4], "strides": [1], "offset": 0, "readonly": False}
+        note = {"v": 1, "arrays": 1, "batch": {"a": 0}}
+        if case == "out_of_bounds":
+            header["shape"] = [1000]
+        elif case == "negative_dimension":
+            header["shape"] = [-4]
+        elif case == "unknown_dtype":
+            header["dtype"] = "float128x"
+        elif case == "deep_nesting":
+            deep = {"a": 0}
+            for _ in range(200):
+                deep = {"l": [deep]}
+            note["batch"] = deep
+        elif case == "array_twice":
+            note["batch"] = {"t": [{"a": 0}, {"a": 0}]}
+        elif case == "count_mismatch":
+            note["arrays"] = 2
+        elif case == "huge_stride":
+            header["strides"] = [1 << 62]
+        encoded = b"\xff{" if case == "not_json" else json.dumps(header).encode()
+        try:
+            peer.send(s, encoded, None)
+            peer.send_note(json.dumps(note).encode())
+            peer.receive(timeout=WAIT)  # returns when the consumer cuts the connection
+        except shoal.ConnectionClosedError:
+            pass
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["out_of_bounds", "negative_dimension", "unknown_dtype", "not_json", "deep_nesting", "array_twice",
+     "count_mismatch", "huge_stride"],
+)
+def test_a_malformed_batch_disconnects_its_producer_and_others_go_on(case, clean_process):
+    ctx = multiprocessing.get_context("forkserver")
+    with sharing.Consumer() as consumer:
+        bad = ctx.Process(target=hostile_main, args=(consumer.address, case))
+        bad.start()
+        with pytest.raises(shoal.PeerTimeoutError):
+            consumer.get(timeout=3)
+        assert len(consumer.errors) == 1 and isinstance(consumer.errors[0], shoal.ProtocolError)
+        assert consumer.producers == 0
+        bad.join(WAIT)
+        assert bad.exitcode == 0
+        good = ctx.Process(target=producer_main, args=(consumer.address, 90, 1))
+        good.start()
+        check_batch(consumer.get(timeout=WAIT), 90)
+        good.join(WAIT)
+
+
+def test_a_batch_holds_only_shoal_memory():
+    with sharing.Consumer() as consumer, sharing.Producer(consumer.address) as producer:
+        with pytest.raises(TypeError, match="ArrayViews or Storages"):
+            producer.put({"x": b"bytes are not shoal memory"})
+        with pytest.raises(TypeError, match="keys must be str"):
+            producer.put({1: shoal.allocate(8).view()})
+
+
+def test_get_gives_up_at_its_deadline():
+    with sharing.Consumer() as consumer:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            consumer.get(timeout=0.2)
+        assert time.monotonic() - start < 5
+
+
+def test_a_closed_peer_raises_connection_closed():
+    context = shoal.SharingContext(shoal.default_allocator())
+    with shoal.Listener(shoal.runtime_dir_address(f"closed-{os.getpid()}.sock")) as listener:
+        ctx = multiprocessing.get_context("spawn")
+        child = ctx.Process(target=producer_main, args=(listener.address, 1, 0))
+        child.start()
+        connection = listener.accept(timeout=WAIT)
+        assert connection is not None
+        with shoal.Peer(context, connection) as peer:
+            child.join(WAIT)
+            with pytest.raises(shoal.ConnectionClosedError):
+                peer.receive(timeout=WAIT)
+        with pytest.raises(ValueError, match="given to a Peer"):
+            shoal.Peer(context, connection)
+
+
+def test_the_socket_file_goes_with_the_consumer():
+    consumer = sharing.Consumer()
+    path = consumer.address
+    assert os.path.exists(path)
+    consumer.close()
+    assert not os.path.exists(path)
