@@ -24,3 +24,4 @@ def allocator():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "torch: needs PyTorch with CUDA and a GPU (shoal.torch)")
+    config.addinivalue_line("markers", "cuda: needs a CUDA device as shoal's default device")
