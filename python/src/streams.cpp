@@ -48,7 +48,16 @@ std::shared_ptr<stream_state> stream_state::create(backend::device& device) {
 }
 
 std::shared_ptr<stream_state> stream_state::default_of(backend::device& device) {
-  return std::shared_ptr<stream_state>(new stream_state(device, nullptr));
+  // Asked for on every allocation and free without a stream scope: each
+  // thread keeps the last one it made (a device lives for the process, and
+  // a default stream's state owns nothing).
+  thread_local backend::device* cached_device = nullptr;
+  thread_local std::shared_ptr<stream_state> cached;
+  if (cached_device != &device) {
+    cached = std::shared_ptr<stream_state>(new stream_state(device, nullptr));
+    cached_device = &device;
+  }
+  return cached;
 }
 
 std::shared_ptr<stream_state> current_stream_state(backend::device& device) {
