@@ -181,10 +181,11 @@ nb::object export_view(const py_array_view& view, nb::handle stream, nb::handle 
         "consumer (max_version >= (1, 0)), "
         "which is told it is read-only");
   }
-  const consumer to = consumer_of(stream, device);
-  // A handle that names no live stream of this device is refused here,
-  // before anything is materialized or marked (query validates it).
-  if (to.stream) (void)device.query(*to.stream);
+  consumer to = consumer_of(stream, device);
+  // The consumer's stream is usually another library's: adopted here, and a
+  // handle that names no live stream of this device refused, before anything
+  // is materialized or marked.
+  if (to.stream) to.stream = device.adopt_external_stream(to.stream->native);
   const auto producer = current_stream_state(device);
   view.handle.allocator()->keep(producer);
 

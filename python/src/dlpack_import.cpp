@@ -109,7 +109,11 @@ py_array_view import_dlpack(const py_allocator& allocator, nb::handle source) {
   const bool host = device.kind() == backend::device_kind::host;
   // The consumer is the host on the host backend, else the current stream.
   nb::object stream = nb::none();
-  if (!host) stream = nb::int_(reinterpret_cast<std::uintptr_t>(current_stream_state(device)->ref().native));
+  if (!host) {
+    // The array API names the legacy default stream 1 (0 is ambiguous).
+    const auto native = reinterpret_cast<std::uintptr_t>(current_stream_state(device)->ref().native);
+    stream = nb::int_(native == 0 ? 1 : native);
+  }
   nb::object capsule = capsule_of(source, stream);
   if (!PyCapsule_CheckExact(capsule.ptr())) throw nb::type_error("from_dlpack: __dlpack__ did not return a capsule");
   const char* name = PyCapsule_GetName(capsule.ptr());

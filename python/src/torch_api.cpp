@@ -115,18 +115,39 @@ int guarded(Fn&& fn) noexcept {
   }
 }
 
-backend::stream_ref stream_of(void* stream) { return backend::stream_ref{stream}; }
+/// PyTorch's stream `stream` as a stream of `state`'s device: adopted once
+/// (device::adopt_external_stream), remembered per thread after that.
+backend::stream_ref stream_of(allocator_state& state, void* stream) {
+  if (stream == nullptr) return {};
+  thread_local void* last_stream = nullptr;
+  thread_local backend::device* last_device = nullptr;
+  backend::device& device = state.allocator().device();
+  if (stream == last_stream && &device == last_device) return backend::stream_ref{stream};
+  const backend::stream_ref adopted = device.adopt_external_stream(stream);
+  last_stream = stream;
+  last_device = &device;
+  return adopted;
+}
 
 int api_allocate(size_t bytes, int device, void* stream, void** out) {
-  return guarded([&] { *out = allocators().of(device).allocator().allocate(bytes, stream_of(stream)); });
+  return guarded([&] {
+    auto& state = allocators().of(device);
+    *out = state.allocator().allocate(bytes, stream_of(state, stream));
+  });
 }
 
 int api_deallocate(void* ptr, int device, void* stream) {
-  return guarded([&] { allocators().of(device).allocator().deallocate(ptr, stream_of(stream)); });
+  return guarded([&] {
+    auto& state = allocators().of(device);
+    state.allocator().deallocate(ptr, stream_of(state, stream));
+  });
 }
 
 int api_record_stream(void* ptr, int device, void* stream) {
-  return guarded([&] { allocators().of(device).allocator().record_stream(ptr, stream_of(stream)); });
+  return guarded([&] {
+    auto& state = allocators().of(device);
+    state.allocator().record_stream(ptr, stream_of(state, stream));
+  });
 }
 
 int api_empty_cache() {

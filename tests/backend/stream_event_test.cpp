@@ -5,6 +5,7 @@
 #include <chrono>
 #include <thread>
 
+#include "shoal/backend/host_device.h"
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 #include "support/backends.h"
@@ -31,6 +32,23 @@ class stream_event : public backend_test<Backend> {
   void* buffer_ = nullptr;
 };
 TYPED_TEST_SUITE(stream_event, backend_types, backend_names);
+
+TYPED_TEST(stream_event, adopting_the_default_or_an_own_stream_gives_it_back_as_it_is) {
+  auto& dev = this->device();
+  stream s(dev);
+  EXPECT_TRUE(dev.adopt_external_stream(nullptr).is_default());
+  EXPECT_EQ(dev.adopt_external_stream(s.ref().native), s.ref());
+  EXPECT_EQ(dev.adopt_external_stream(s.ref().native), s.ref()) << "idempotent";
+  dev.fill(s, this->buffer_, 1, this->bytes);
+  dev.synchronize(s);
+}
+
+TEST(stream_event_host, a_pointer_that_is_no_stream_is_not_adopted) {
+  backend::host_device dev;
+  int not_a_stream = 0;
+  EXPECT_THROW((void)dev.adopt_external_stream(&not_a_stream), invalid_argument);
+  EXPECT_THROW(dev.synchronize(backend::stream_ref{&not_a_stream}), invalid_argument) << "nor usable after";
+}
 
 TYPED_TEST(stream_event, work_runs_after_the_call_returns_and_in_order) {
   auto& dev = this->device();

@@ -29,6 +29,7 @@ class forwarding_device : public backend::device {
   void unmap(void* address) override { target_.unmap(address); }
 
   backend::stream_ref create_stream() override { return target_.create_stream(); }
+  backend::stream_ref adopt_external_stream(void* native) override { return target_.adopt_external_stream(native); }
   void destroy_stream(backend::stream_ref stream) override { target_.destroy_stream(stream); }
   void synchronize(backend::stream_ref stream) override { target_.synchronize(stream); }
   [[nodiscard]] bool query(backend::stream_ref stream) override { return target_.query(stream); }

@@ -80,6 +80,15 @@ class device {
   virtual stream_ref create_stream() = 0;
   /// Destroys a stream created by create_stream; its pending work completes.
   virtual void destroy_stream(stream_ref stream) = 0;
+  /// A stream this device did not create — another library's, such as
+  /// PyTorch's, CuPy's or JAX's — usable wherever a stream is from now on
+  /// (idempotent; the default stream and this device's own streams come back
+  /// as they are). shoal never destroys it: the caller guarantees it stays a
+  /// live stream of this device while shoal may use it (work enqueued on it,
+  /// frees recorded on it). CUDA checks the handle as far as the runtime
+  /// allows (it answers a query and belongs to this device); the host
+  /// backend has no foreign streams. invalid_argument otherwise.
+  virtual stream_ref adopt_external_stream(void* native) = 0;
   /// Blocks until all work enqueued on `stream` has run. Throws
   /// shoal::stream_error if any of it failed.
   virtual void synchronize(stream_ref stream) = 0;

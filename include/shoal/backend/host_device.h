@@ -60,6 +60,7 @@ class host_device final : public device {
 
   stream_ref create_stream() override;
   void destroy_stream(stream_ref stream) override;
+  stream_ref adopt_external_stream(void* native) override;
   void synchronize(stream_ref stream) override;
   [[nodiscard]] bool query(stream_ref stream) override;
 

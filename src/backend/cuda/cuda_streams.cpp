@@ -65,7 +65,7 @@ void cuda_streams::teardown() noexcept {
 cuda_streams::locked<cudaStream_t> cuda_streams::lock_stream(stream_ref stream, const char* op) const {
   std::shared_lock lock(streams_mutex_);
   const auto native = static_cast<cudaStream_t>(stream.native);
-  if (!stream.is_default() && !streams_.contains(native)) {
+  if (!stream.is_default() && !streams_.contains(native) && !external_.contains(native)) {
     throw invalid_argument(std::string("cuda_device::") + op + ": stream " + hex(stream.native) +
                            " is not a live stream of " + cuda_label(ordinal_) +
                            " (destroyed, or made by another device)");
@@ -83,6 +83,31 @@ stream_ref cuda_streams::create_stream() {
   std::unique_lock lock(streams_mutex_);
   streams_.insert(stream);
   return stream_ref{stream};
+}
+
+stream_ref cuda_streams::adopt_external_stream(void* native) {
+  if (native == nullptr) return stream_ref{};
+  const auto s = static_cast<cudaStream_t>(native);
+  {
+    std::shared_lock lock(streams_mutex_);
+    if (streams_.contains(s) || external_.contains(s)) return stream_ref{native};
+  }
+  make_current(ordinal_);
+  const cudaError_t queried = cudaStreamQuery(s);
+  if (queried != cudaSuccess && queried != cudaErrorNotReady) {
+    (void)cudaGetLastError();  // not sticky: clear it
+    throw invalid_argument("cuda_device::adopt_external_stream: " + hex(native) + " is not a live CUDA stream (" +
+                           cudaGetErrorString(queried) + ")");
+  }
+  int device = -1;
+  if (cudaStreamGetDevice(s, &device) == cudaSuccess && device != ordinal_) {
+    throw invalid_argument("cuda_device::adopt_external_stream: stream " + hex(native) + " belongs to CUDA device " +
+                           std::to_string(device) + ", not " + cuda_label(ordinal_));
+  }
+  (void)cudaGetLastError();
+  std::unique_lock lock(streams_mutex_);
+  external_.insert(s);
+  return stream_ref{native};
 }
 
 void cuda_streams::destroy_stream(stream_ref stream,

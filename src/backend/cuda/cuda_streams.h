@@ -11,7 +11,8 @@
 // another thread still uses it is the caller's race, as on CUDA itself.
 // teardown() is for ~cuda_device only, when no call can run.
 //
-// Invariants: streams_ = live streams made by this device (guarded by
+// Invariants: external_ = streams of other libraries adopted for use (never
+// destroyed here); streams_ = live streams made by this device (guarded by
 // streams_mutex_); events_ = live events made by this device (guarded by
 // events_mutex_). A record is removed before its stream or event is
 // destroyed, so two threads never destroy one; if the destroy then fails,
@@ -54,6 +55,7 @@ class cuda_streams {
   [[nodiscard]] locked<cudaStream_t> lock_stream(stream_ref stream, const char* op) const;
 
   stream_ref create_stream();
+  stream_ref adopt_external_stream(void* native);
   /// `while_unregistering` runs while streams_mutex_ is held exclusively,
   /// after the stream left the registry and before it is destroyed.
   void destroy_stream(stream_ref stream, const std::function<void(cudaStream_t)>& while_unregistering);
@@ -82,6 +84,7 @@ class cuda_streams {
   const int ordinal_;
   mutable std::shared_mutex streams_mutex_;
   std::unordered_set<cudaStream_t> streams_;
+  std::unordered_set<cudaStream_t> external_;  // adopted, never destroyed here; guarded by streams_mutex_
   mutable std::shared_mutex events_mutex_;
   std::unordered_set<cudaEvent_t> events_;
   // Shared with pending host-task callbacks, which may run after the device

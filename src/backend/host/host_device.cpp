@@ -147,6 +147,16 @@ void host_device::destroy_stream(stream_ref s) {
   executor.reset();
 }
 
+stream_ref host_device::adopt_external_stream(void* native) {
+  if (native == nullptr) return stream_ref{};
+  std::shared_lock lock(state_->registry_mutex);
+  if (!state_->streams.contains(native)) {
+    throw invalid_argument("adopt_external_stream: " + shoal::detail::hex(native) +
+                           " is not a stream of this host device (the host backend has no foreign streams)");
+  }
+  return stream_ref{native};
+}
+
 void host_device::synchronize(stream_ref s) {
   const auto executor = state_->find(s);
   executor->wait_for(executor->submitted());
