@@ -37,13 +37,16 @@ def expected_float(value: int) -> float:
     return struct.unpack("f", bytes([value]) * 4)[0]
 
 
-def test_torch_waits_for_shoals_pending_writes():
+@pytest.mark.parametrize("torch_stream", ["default", "side"])
+def test_torch_waits_for_shoals_pending_writes(torch_stream):
     torch = pytest.importorskip("torch")
     view, s = delayed_fill(0x3F)
-    with shoal.stream(s):
-        x = torch.from_dlpack(view)  # torch's current stream waits on shoal's
+    consumer = torch.cuda.Stream() if torch_stream == "side" else torch.cuda.current_stream()
+    with shoal.stream(s), torch.cuda.stream(consumer):
+        x = torch.from_dlpack(view)  # torch's stream (a foreign one for shoal) waits on shoal's
+        ok = torch.all(x == expected_float(0x3F))
     assert x.data_ptr() == view.storage.ptr, "zero-copy"
-    assert torch.all(x == expected_float(0x3F)).item()
+    assert ok.item()
 
 
 def test_without_the_stream_wait_torch_reads_stale_data():

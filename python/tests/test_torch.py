@@ -30,6 +30,7 @@ def run(code: str, timeout: float = 300) -> dict:
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
     )
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    assert "shoal: freeing" not in result.stderr, result.stderr  # a failed free leaves its block allocated
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -38,6 +39,7 @@ def run_program(name: str, *args: str, timeout: float = 600) -> dict:
         [sys.executable, str(PROGRAMS / name), *args], capture_output=True, text=True, timeout=timeout
     )
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    assert "shoal: freeing" not in result.stderr, result.stderr  # a failed free leaves its block allocated
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -189,6 +191,7 @@ def test_the_loader_race_corrupts_batches_under_pytorchs_allocator_and_none_unde
     assert theirs["corrupted"] > theirs["iterations"] // 2, f"the race did not show under PyTorch's allocator: {theirs}"
     ours = run_program("seed_race.py", "--allocator", "shoal", "--iterations", "10000")
     assert ours["corrupted"] == 0, ours
+    assert ours["allocated_at_end"] == theirs["allocated_at_end"], "every batch was freed: none leaked"
 
 
 def test_threads_on_their_own_streams_allocate_and_free_correctly():
