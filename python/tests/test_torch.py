@@ -191,7 +191,7 @@ def test_the_loader_race_corrupts_batches_under_pytorchs_allocator_and_none_unde
     assert theirs["corrupted"] > theirs["iterations"] // 2, f"the race did not show under PyTorch's allocator: {theirs}"
     ours = run_program("seed_race.py", "--allocator", "shoal", "--iterations", "10000")
     assert ours["corrupted"] == 0, ours
-    assert ours["allocated_at_end"] == theirs["allocated_at_end"], "every batch was freed: none leaked"
+    assert ours["allocated_at_end"] == 0, "every batch was freed: none leaked"
 
 
 def test_threads_on_their_own_streams_allocate_and_free_correctly():

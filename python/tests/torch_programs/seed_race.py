@@ -79,7 +79,7 @@ if errors:
 torch.cuda.synchronize()
 expected = torch.arange(args.iterations, device=device, dtype=seen.dtype)
 corrupted = int((seen != expected).sum().item())
-del expected
+del expected, seen
 torch.cuda.synchronize()
 print(json.dumps({"allocator": args.allocator, "iterations": args.iterations, "corrupted": corrupted,
                   "allocated_at_end": torch.cuda.memory_allocated()}))
