@@ -91,7 +91,7 @@ def test_stream_zero_and_bad_stream_values_are_refused():
         v.__dlpack__(stream=-5)
     with pytest.raises(TypeError):
         v.__dlpack__(stream="default")
-    with pytest.raises(ValueError, match="not a live stream"):
+    with pytest.raises(ValueError, match="not a (live )?stream"):
         v.__dlpack__(stream=0x1234560)  # no stream of this device
     assert not s.shared_outside_process  # refused before anything was exported
     with pytest.raises(BufferError):
