@@ -49,14 +49,14 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream) {
   const bool hooks_first = hooks.has_miss_hooks();
   {
     std::lock_guard lock(pool.lock);
-    b = try_allocate(pool, size, bytes, stream, !hooks_first);
+    b = try_allocate(pool, size, bytes, stream, hooks_first ? growth::none : growth::standard_segment);
   }
   if (b == nullptr && hooks_first) {
     // A cache miss: hooks (e.g. limbo collection) may give blocks back
     // before the device is asked. They run with no allocator lock held.
     hooks.run_miss_hooks();
     std::lock_guard lock(pool.lock);
-    b = try_allocate(pool, size, bytes, stream);
+    b = try_allocate(pool, size, bytes, stream, growth::standard_segment);
   }
   if (b == nullptr) b = allocate_slow(pool, size, bytes, stream);
   if (b == nullptr) out_of_memory_error(pool, bytes, stream);
@@ -66,7 +66,7 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream) {
 }
 
 block* allocator_core::try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream,
-                                    bool may_grow) {
+                                    growth may_grow) {
   // A parked block of exactly the size is as good a fit as any. Otherwise
   // the parked blocks settle first, so best fit sees every free block merged
   // (choosing among unmerged parked blocks was measured to fragment more).
@@ -79,7 +79,9 @@ block* allocator_core::try_allocate(block_pool& pool, std::size_t size, std::siz
     collect_pending(pool, false);
     b = take_free(pool, size);
   }
-  if (b == nullptr && may_grow) b = source_.grow(pool, size);
+  if (b == nullptr && may_grow != growth::none) {
+    b = source_.grow(pool, size, may_grow == growth::right_sized_allowed);
+  }
   if (b != nullptr) hand_out(pool, b, size, requested, stream);
   return b;
 }
@@ -101,6 +103,9 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
   }
   // 2. Give every pool's unused cached memory back to the device, retry;
   // 3. then wait on the host for every pending free, give back, retry.
+  // A right-sized segment (smaller than the standard one) is allowed from
+  // step 2 on: made earlier, it would take memory that giving the cache back
+  // provides for the standard segment.
   for (const bool wait_for_pending : {false, true}) {
     directory_.for_each_pool([&](block_pool& p) {
       std::vector<backend::event_ref> waits;
@@ -114,7 +119,7 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
       source_.release_cached(p);
     });
     std::lock_guard lock(pool.lock);
-    if (block* b = try_allocate(pool, size, requested, stream)) return b;
+    if (block* b = try_allocate(pool, size, requested, stream, growth::right_sized_allowed)) return b;
   }
   return nullptr;
 }

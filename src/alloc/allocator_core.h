@@ -102,9 +102,11 @@ class allocator_core {
   void with_block(std::uintptr_t address, const char* op, Fn&& fn) const;
 
   // ---- the allocation path (pool locked unless said otherwise)
-  // Without may_grow, a miss returns nullptr instead of asking the device.
+  // How a miss may ask the device: not at all, for the standard segment
+  // only, or also for a right-sized one (allocate_slow, after its cheaper steps).
+  enum class growth { none, standard_segment, right_sized_allowed };
   block* try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream,
-                      bool may_grow = true);
+                      growth may_grow);
   block* allocate_slow(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream);  // unlocked
   block* take_free(block_pool& pool, std::size_t size) const;  // from the bins; not removed
   void hand_out(block_pool& pool, block* b, std::size_t size, std::size_t requested, backend::stream_ref stream);

@@ -31,7 +31,7 @@ segment_source::segment_source(backend::device& device, const allocator_config& 
       hooks_(hooks),
       limit_(limit_of(config, config.memory_fraction, device)) {}
 
-block* segment_source::grow(block_pool& pool, std::size_t size) {
+block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized_allowed) {
   if (pool.is_private) return nullptr;
   if (config_.expandable_segments) return grow_expandable(pool, size);
   // The cached segments did not fit: wholly free ones go back first, so they
@@ -40,10 +40,10 @@ block* segment_source::grow(block_pool& pool, std::size_t size) {
   if (config_.release_idle_before_grow) release_cached(pool);
   // Under a limit or device pressure the standard segment may not fit where
   // the request itself does: a segment of the block's own size is tried
-  // before the caller gives up (and releases other pools' caches).
+  // when the caller allows it (after giving other pools' caches back).
   std::size_t bytes = segment_size_for(size, config_);
   void* base = take_segment(bytes);
-  if (base == nullptr && fallback_segment_size_for(size) < bytes) {
+  if (base == nullptr && right_sized_allowed && fallback_segment_size_for(size) < bytes) {
     bytes = fallback_segment_size_for(size);
     base = take_segment(bytes);
   }

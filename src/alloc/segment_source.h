@@ -42,8 +42,12 @@ class segment_source {
   segment_source& operator=(const segment_source&) = delete;
 
   /// A new free block (in the bins) of at least `size`, or nullptr when the
-  /// pool may not grow or the device or the limit refuses.
-  block* grow(block_pool& pool, std::size_t size);
+  /// pool may not grow or the device or the limit refuses. The standard
+  /// segment is asked for first; with `right_sized_allowed`, a refused one is
+  /// followed by a segment of the block's own size (the allocator allows it
+  /// only once the cheaper ways, reusing pending frees and giving cached
+  /// memory back, have failed).
+  block* grow(block_pool& pool, std::size_t size, bool right_sized_allowed);
   /// Gives the pool's wholly free segments, and the whole free chunks of its
   /// growable segment, back to the device (after its stream has passed them).
   void release_cached(block_pool& pool);

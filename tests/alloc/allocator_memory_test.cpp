@@ -172,6 +172,27 @@ TYPED_TEST(allocator_memory_configured, a_right_sized_segment_does_not_bypass_gi
   a.deallocate(held, {});
 }
 
+TYPED_TEST(allocator_memory, a_right_sized_segment_is_made_only_after_the_cache_is_given_back) {
+  // 20 of the 30 MiB limit are cached idle in another stream's pool: a
+  // right-sized 8 MiB segment would fit beside them, but giving them back
+  // first leaves room for the standard 20 MiB segment, and nothing is kept
+  // that no pool uses.
+  auto& a = this->make("memory_limit_mb:30");
+  backend::stream other(this->device());
+  a.deallocate(a.allocate(six_point_four_mib, other), other);
+  ASSERT_EQ(a.stats().reserved_bytes.aggregate.current, static_cast<std::int64_t>(20 * mib));
+  void* p = a.allocate(six_point_four_mib, {});
+  const auto st = a.stats();
+  EXPECT_GE(st.retries, 1);
+  EXPECT_EQ(st.reserved_bytes.aggregate.current, static_cast<std::int64_t>(20 * mib)) << st.to_json();
+  EXPECT_EQ(st.segments.aggregate.current, 1) << st.to_json();
+  const auto snap = a.take_snapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  EXPECT_EQ(snap.segments[0].size, 20 * mib) << "the standard segment, not a right-sized one";
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(p, {});
+}
+
 TYPED_TEST(allocator_memory, a_private_pool_serves_scoped_allocations_from_its_region) {
   auto& dev = this->device();
   auto& a = this->make();

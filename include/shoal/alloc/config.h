@@ -50,7 +50,9 @@ struct allocator_config {
   /// Reserved bytes past which allocation fails (no_limit: none). A request
   /// that fits under it is served even where its pool's standard segment
   /// (20 MiB for blocks under 10 MiB) would pass it: it then gets a segment
-  /// of its own size, rounded to 2 MiB (as when the device refuses one).
+  /// of its own size, rounded to 2 MiB (as when the device refuses one) —
+  /// only after reusing pending frees and giving every pool's cached
+  /// memory back left no room for the standard segment.
   std::size_t memory_limit = no_limit;
   /// Fraction of the device's total memory past which allocation fails
   /// (0: none). The smaller of this and memory_limit applies.
