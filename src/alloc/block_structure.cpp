@@ -96,35 +96,90 @@ block* take_quick(block_pool& pool, std::size_t size) noexcept {
   return nullptr;
 }
 
+namespace {
+
+// One run of free mapped blocks that holds a parked one, as sizes in
+// address order: settle_quick merges it into one block.
+struct run_model {
+  static constexpr std::size_t capacity = 2 * block_pool::quick_capacity + 1;  // settled ones never touch
+  std::array<const block*, capacity> blocks{};
+  std::array<std::int64_t, capacity> sizes{};
+  std::array<bool, capacity> parked{}, alive{};
+  std::size_t count = 0;
+  bool has_outer_neighbour = false;  // the merged block still shares its segment
+
+  [[nodiscard]] std::size_t index_of(const block* b) const noexcept {
+    return static_cast<std::size_t>(std::find(blocks.begin(), blocks.begin() + static_cast<std::ptrdiff_t>(count), b) -
+                                    blocks.begin());
+  }
+  [[nodiscard]] std::size_t neighbour(std::size_t i, int direction) const noexcept {
+    for (auto k = static_cast<std::ptrdiff_t>(i) + direction; k >= 0 && static_cast<std::size_t>(k) < count;
+         k += direction) {
+      if (alive[static_cast<std::size_t>(k)]) return static_cast<std::size_t>(k);
+    }
+    return count;
+  }
+  [[nodiscard]] std::size_t alive_count() const noexcept {
+    return static_cast<std::size_t>(std::count(alive.begin(), alive.begin() + static_cast<std::ptrdiff_t>(count), true));
+  }
+};
+
+// What merge_into does to the counters, on the model.
+void model_merge(run_model& run, std::size_t into, std::size_t gone, stat& blocks, stat& bytes) noexcept {
+  pool_counters::sub(blocks, 1);
+  pool_counters::sub(bytes, run.sizes[gone]);
+  pool_counters::sub(blocks, 1);
+  pool_counters::sub(bytes, run.sizes[into]);
+  run.sizes[into] += run.sizes[gone];
+  run.alive[gone] = false;
+  if (run.alive_count() > 1 || run.has_outer_neighbour) {
+    pool_counters::add(blocks, 1);
+    pool_counters::add(bytes, run.sizes[into]);
+  }
+}
+
+}  // namespace
+
 std::pair<stat, stat> settled_split_stats(const block_pool& pool) noexcept {
   stat blocks = pool.counters.inactive_split, bytes = pool.counters.inactive_split_bytes;
-  // Settling merges each run of free mapped blocks that holds a parked one
-  // into one block: the run's blocks leave the counters, and the merged one
-  // joins them if it still shares its segment. Merging only subtracts, so
-  // the peaks stay.
-  std::array<const block*, block_pool::quick_capacity> runs{};
+  // Each run of free mapped blocks that holds a parked one is replayed on a
+  // model, merge by merge in settle_quick's order (parked blocks in turn,
+  // each with its settled neighbours, as settle does), so every counter —
+  // allocated and freed too, not only current — reads as settling leaves it.
+  std::array<const block*, block_pool::quick_capacity> firsts{};
   std::size_t run_count = 0;
   for (std::size_t i = 0; i < pool.quick_count; ++i) {
     const block* first = pool.quick[i];
     while (merges_with_prev_when_settled(first)) first = first->prev;
-    if (std::find(runs.begin(), runs.begin() + static_cast<std::ptrdiff_t>(run_count), first) !=
-        runs.begin() + static_cast<std::ptrdiff_t>(run_count)) {
-      continue;  // counted from another parked block of the same run
-    }
-    runs[run_count++] = first;
+    const auto seen = firsts.begin() + static_cast<std::ptrdiff_t>(run_count);
+    if (std::find(firsts.begin(), seen, first) != seen) continue;  // replayed from another parked block of the run
+    firsts[run_count++] = first;
+    if (first->owner->expandable) continue;  // nothing in a growable segment is counted
+    run_model run;
     const block* last = first;
-    std::int64_t run_bytes = static_cast<std::int64_t>(first->size), counted = 0, counted_bytes = 0;
-    for (const block* b = first; b != nullptr && (b == first || merges_with_prev_when_settled(b)); b = b->next) {
+    for (const block* b = first; b != nullptr && (b == first || merges_with_prev_when_settled(b)) &&
+                                 run.count < run_model::capacity;
+         b = b->next) {
       last = b;
-      if (b != first) run_bytes += static_cast<std::int64_t>(b->size);
-      if (b->counted_inactive_split) {
-        ++counted;
-        counted_bytes += static_cast<std::int64_t>(b->size);
-      }
+      run.blocks[run.count] = b;
+      run.sizes[run.count] = static_cast<std::int64_t>(b->size);
+      run.parked[run.count] = b->quick;
+      run.alive[run.count] = true;
+      ++run.count;
     }
-    const bool merged_counts = (first->prev != nullptr || last->next != nullptr) && !first->owner->expandable;
-    pool_counters::sub(blocks, counted - (merged_counts ? 1 : 0));
-    pool_counters::sub(bytes, counted_bytes - (merged_counts ? run_bytes : 0));
+    run.has_outer_neighbour = first->prev != nullptr || last->next != nullptr;
+    for (std::size_t q = 0; q < pool.quick_count; ++q) {
+      std::size_t k = run.index_of(pool.quick[q]);
+      if (k == run.count) continue;  // parked in another run
+      run.parked[k] = false;
+      const std::size_t prev = run.neighbour(k, -1);
+      if (prev != run.count && !run.parked[prev]) {
+        model_merge(run, prev, k, blocks, bytes);
+        k = prev;
+      }
+      const std::size_t next = run.neighbour(k, +1);
+      if (next != run.count && !run.parked[next]) model_merge(run, k, next, blocks, bytes);
+    }
   }
   return {blocks, bytes};
 }

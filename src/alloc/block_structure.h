@@ -56,8 +56,9 @@ void settle_quick(block_pool& pool);
 [[nodiscard]] block* take_quick(block_pool& pool, std::size_t size) noexcept;
 
 /// The inactive_split counters (blocks, bytes) as settle_quick would leave
-/// them, computed without settling: reports show every free block merged
-/// and change nothing (settling moves later allocations).
+/// them — current, peak, allocated and freed — computed without settling:
+/// reports show every free block merged and change nothing (settling moves
+/// later allocations).
 [[nodiscard]] std::pair<stat, stat> settled_split_stats(const block_pool& pool) noexcept;
 /// Whether `b` would have merged into the block before it had every parked
 /// block been settled (both free and mapped).

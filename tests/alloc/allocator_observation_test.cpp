@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "support/allocators.h"
@@ -60,7 +61,8 @@ struct outcome {
 
 // A deterministic churn on one stream, with sizes that repeat (so freed
 // blocks park and are taken back by exact size) and some that do not.
-outcome churn(alloc::caching_allocator& a, poll how, int operations) {
+// Returns the blocks still live.
+std::vector<void*> churn_steps(alloc::caching_allocator& a, poll how, int operations) {
   std::mt19937 random(12);
   std::vector<void*> live;
   for (int op = 0; op < operations; ++op) {
@@ -74,6 +76,11 @@ outcome churn(alloc::caching_allocator& a, poll how, int operations) {
     }
     if (op % 3 == 0) observe(a, how);
   }
+  return live;
+}
+
+outcome churn(alloc::caching_allocator& a, poll how, int operations) {
+  const std::vector<void*> live = churn_steps(a, how, operations);
   outcome out;
   const auto st = a.stats();
   out.peak_reserved = st.reserved_bytes.aggregate.peak;
@@ -96,6 +103,59 @@ TYPED_TEST(allocator_observation, polling_during_a_churn_changes_neither_its_sta
     EXPECT_EQ(observed.peak_reserved, unobserved.peak_reserved) << what;
     EXPECT_EQ(observed.stats, unobserved.stats) << what;
     EXPECT_TRUE(observed.segments == unobserved.segments) << what << ": the blocks differ";
+  }
+}
+
+// stats() shows parked blocks merged without merging them; empty_cache()
+// settles them (and gives back only wholly free segments, which are never
+// inactive splits). Every inactive split counter, allocated and freed
+// included, must read the same before and after, and the current ones must
+// match the snapshot's free blocks that share their segment.
+void expect_inactive_split_read_as_settling_leaves_it(alloc::caching_allocator& a) {
+  const alloc::allocator_stats view = a.stats();
+  std::int64_t split_blocks = 0, split_bytes = 0;
+  for (const auto& s : a.take_snapshot().segments) {
+    if (s.expandable || s.blocks.size() < 2) continue;
+    for (const auto& b : s.blocks) {
+      if (b.state != alloc::block_state::free) continue;
+      ++split_blocks;
+      split_bytes += static_cast<std::int64_t>(b.size);
+    }
+  }
+  EXPECT_EQ(view.inactive_split.aggregate.current, split_blocks);
+  EXPECT_EQ(view.inactive_split_bytes.aggregate.current, split_bytes);
+  a.empty_cache();
+  const alloc::allocator_stats settled = a.stats();
+  for (const auto& [name, before, after] :
+       {std::tuple{"inactive_split", view.inactive_split, settled.inactive_split},
+        std::tuple{"inactive_split_bytes", view.inactive_split_bytes, settled.inactive_split_bytes}}) {
+    EXPECT_EQ(after.aggregate.current, before.aggregate.current) << name;
+    EXPECT_EQ(after.aggregate.peak, before.aggregate.peak) << name;
+    EXPECT_EQ(after.aggregate.allocated, before.aggregate.allocated) << name;
+    EXPECT_EQ(after.aggregate.freed, before.aggregate.freed) << name;
+  }
+  EXPECT_NO_THROW(a.check_invariants());
+}
+
+TYPED_TEST(allocator_observation, the_inactive_split_counters_read_are_those_settling_leaves) {
+  {
+    // A run of parked blocks: x and y side by side, each parked as it is
+    // freed, between a live block and the segment's free tail.
+    auto& a = this->make();
+    void* x = a.allocate(8 * kib, {});
+    void* y = a.allocate(8 * kib, {});
+    void* wall = a.allocate(8 * kib, {});
+    a.deallocate(y, {});
+    a.deallocate(x, {});
+    expect_inactive_split_read_as_settling_leaves_it(a);
+    a.deallocate(wall, {});
+  }
+  {
+    // Whatever a churn leaves parked.
+    auto& a = this->make();
+    const std::vector<void*> live = churn_steps(a, poll::never, this->debug ? 600 : 3000);
+    expect_inactive_split_read_as_settling_leaves_it(a);
+    for (void* p : live) a.deallocate(p, {});
   }
 }
 
