@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <new>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -18,7 +19,9 @@ constexpr std::uint64_t one_view = 2, retired_bit = 1;
 // Owns a received storage's view: when the storage goes, it releases the
 // producer's slot once the receive stream and every stream the storage was
 // used on have passed their uses (a host task on each stream still busy; the
-// last to run releases), then counts the mapping's view down.
+// last to run releases), then counts the mapping's view down. Out of host
+// memory, a stream that cannot be remembered or given a host task is waited
+// for on the host instead: a release path never throws.
 class received_data final : public storage::storage_owner {
  public:
   received_data(std::shared_ptr<consumer_state> receiver, std::shared_ptr<release_sink> sink,
@@ -34,7 +37,12 @@ class received_data final : public storage::storage_owner {
   void storage_released(std::span<const backend::stream_ref> used_on) noexcept override {
     std::lock_guard lock(used_on_mutex_);
     for (auto s : used_on) {
-      if (s != received_on_ && std::ranges::find(also_used_on_, s) == also_used_on_.end()) also_used_on_.push_back(s);
+      if (s == received_on_ || std::ranges::find(also_used_on_, s) != also_used_on_.end()) continue;
+      try {
+        also_used_on_.push_back(s);
+      } catch (const std::bad_alloc&) {
+        wait_on_host(s);
+      }
     }
   }
 
@@ -58,7 +66,12 @@ class received_data final : public storage::storage_owner {
       } catch (const error&) {
         return;
       }
-      if (!pending) pending = std::make_shared<std::atomic<std::size_t>>(1);
+      try {
+        if (!pending) pending = std::make_shared<std::atomic<std::size_t>>(1);
+      } catch (const std::bad_alloc&) {
+        wait_on_host(stream);
+        return;
+      }
       pending->fetch_add(1, std::memory_order_relaxed);
       try {
         dev.host_task(stream, [pending, release] {
@@ -66,6 +79,9 @@ class received_data final : public storage::storage_owner {
         });
       } catch (const error&) {
         pending->fetch_sub(1, std::memory_order_relaxed);  // gone meanwhile
+      } catch (const std::bad_alloc&) {
+        pending->fetch_sub(1, std::memory_order_relaxed);
+        wait_on_host(stream);
       }
     };
     wait_for(received_on_);
@@ -74,6 +90,14 @@ class received_data final : public storage::storage_owner {
   }
 
  private:
+  // A stream that is gone counts as passed: its work completes regardless.
+  void wait_on_host(backend::stream_ref stream) noexcept {
+    try {
+      receiver_->allocator.device().synchronize(stream);
+    } catch (...) {  // NOLINT(bugprone-empty-catch)
+    }
+  }
+
   std::shared_ptr<consumer_state> receiver_;  // keeps the mappings open while the view lives
   std::shared_ptr<release_sink> sink_;
   std::shared_ptr<mapping> mapping_;

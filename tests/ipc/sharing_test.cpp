@@ -26,6 +26,7 @@
 #include "shoal/ipc/sharing.h"
 #include "ipc/captured_exchange.h"
 #include "support/allocators.h"
+#include "support/refused_allocations.h"
 
 namespace shoal::testing {
 namespace {
@@ -603,6 +604,34 @@ TEST(sharing_streams, a_received_storage_is_released_after_every_stream_it_was_u
   writer_open.store(true);
   dev.synchronize(writer);
   EXPECT_EQ(receiver.stats().held_storages, 0u) << "released once the last stream passed";
+  producer.collect();
+  EXPECT_EQ(producer.stats().held_slots, 0u);
+}
+
+TEST(sharing_streams, a_received_storage_dropped_while_the_heap_refuses_waits_for_its_streams_on_the_host) {
+  // The streams it was used on cannot be remembered for host tasks: the
+  // drop waits for them itself, then releases, instead of terminating.
+  in_process_sharing p;
+  auto& [dev, producer_allocator, consumer_allocator, producer, consumer, ends, sender, receiver] = p;
+  backend::stream received_on(dev), reader(dev), writer(dev);
+  sender.send(storage_t::allocate(producer_allocator, 8 * kib, {}), {}, {});
+  storage_t st = receiver.receive(received_on).storage;
+  ASSERT_TRUE(st.valid());
+  std::atomic<bool> reader_open{false};
+  hold(dev, reader, reader_open);
+  st.record_stream(reader);
+  (void)st.mutable_data(writer);
+  std::thread opener([&] { reader_open.store(true); });
+  int refused = 0;
+  {
+    refusing_allocations no_heap;
+    st = storage_t();
+    refused = refusing_allocations::refused();
+  }
+  opener.join();
+  EXPECT_GE(refused, 1) << "the drop asked the heap for memory";
+  EXPECT_TRUE(dev.query(reader)) << "the drop returned only once the reader had passed";
+  EXPECT_EQ(receiver.stats().held_storages, 0u) << "released once every stream passed";
   producer.collect();
   EXPECT_EQ(producer.stats().held_slots, 0u);
 }

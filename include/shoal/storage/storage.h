@@ -79,7 +79,10 @@ class storage_owner {
   /// that dropped its last handle; storages sharing an owner may call it from
   /// several threads at once. The default does nothing, which suits a block
   /// taken over with hand_over and freed through its allocator: the storage
-  /// records these streams on the block itself (record_stream).
+  /// records these streams on the block itself (record_stream). It runs in
+  /// the storage's destructor and must not throw: an owner that needs memory
+  /// to remember the streams falls back to what cannot fail when the heap
+  /// refuses (ipc's received storages then wait for such a stream on the host).
   virtual void storage_released(std::span<const backend::stream_ref> used_on) noexcept { (void)used_on; }
 };
 
