@@ -17,7 +17,12 @@
 //     its own stream wait on the event (a GPU-side wait) instead of
 //     allocating more device memory.
 // deallocate without a stream frees on the calling thread's current stream
-// (backend::current_stream), which is what makes the safe thing the default.
+// (backend::current_stream): right for a caller that used the block there
+// and nowhere else; any other stream the block was used on must be given to
+// record_stream, or the free passed that stream. It is no safety net:
+// storages do not use it (a dropped storage frees on its own stream after
+// every stream it was used on, not on the dropping thread's current stream;
+// storage.h).
 //
 // Streams: a stream must outlive every block allocated on it and every free
 // recorded on it (as on CUDA, where using a destroyed stream is undefined);

@@ -29,7 +29,11 @@
 //   - reads through data() on a stream other than these are not seen:
 //     tell the storage with record_stream, as for the allocator's blocks;
 //   - up to two streams cost no heap memory; a use on the last recorded
-//     stream costs one atomic load.
+//     stream costs one atomic load;
+//   - every stream a storage was used on must outlive that release: for a
+//     clone family, until the family's final free (the last member gone),
+//     since the shared block's free waits for the streams of every member
+//     (the allocator's rule: a stream outlives every free recorded on it).
 // Stream order of lazy clones: the materializing copy is enqueued on the
 // caller's stream after an event on the clone's stream and on every stream
 // the source was used on when the clone was made (the data's writes before
