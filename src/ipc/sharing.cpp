@@ -6,6 +6,7 @@
 #include <string>
 #include <thread>
 
+#include "ipc/deadline.h"
 #include "ipc/peer_link.h"
 #include "ipc/producer_state.h"
 #include "shoal/backend/stream.h"
@@ -105,7 +106,7 @@ received peer::receive(backend::stream_ref stream) {
 }
 received peer::receive() { return receive(backend::current_stream(link_->allocator().device())); }
 received peer::receive_for(std::chrono::milliseconds timeout, backend::stream_ref stream) {
-  const auto until = std::chrono::steady_clock::now() + std::max(timeout, std::chrono::milliseconds(0));
+  const auto until = detail::deadline_after(timeout);
   return naming_peer(*link_, [&] { return link_->receive(stream, until); });
 }
 received peer::receive_for(std::chrono::milliseconds timeout) {

@@ -208,5 +208,31 @@ TEST(stalling_peer, the_destructor_does_not_wait_for_a_ready_point_the_producer_
   dev.destroy_stream(producer_stream);
 }
 
+TEST(huge_timeouts, saturate_instead_of_expiring_at_once) {
+  // milliseconds::max() converted to the clock's nanoseconds overflowed
+  // into a deadline in the past: the receive gave up after the hello.
+  captured_exchange ex;
+  const ipc::sharing_options forever{.collect_interval = 0ms,
+                                     .send_timeout = std::chrono::milliseconds::max(),
+                                     .teardown_timeout = std::chrono::milliseconds::max()};
+  ipc::sharing_context producer(ex.producer_allocator, forever), consumer(ex.consumer_allocator, forever);
+  auto [to_consumer, to_producer] = connected_pair();
+  ipc::peer sender(producer, std::move(to_consumer));
+  auto receiver = std::make_unique<ipc::peer>(consumer, std::move(to_producer));
+  const std::vector<std::byte> note{std::byte{42}};
+  sender.send_note(note);
+  returns_within(slack, [&] {
+    ipc::received r;
+    ASSERT_NO_THROW(r = receiver->receive_for(std::chrono::milliseconds::max(), {}));
+    EXPECT_EQ(r.metadata, note);
+  }, [&] { sender.send_note(note); });
+  // Teardown reads what has arrived (the unread storage's reference goes
+  // back) and returns once nothing more has.
+  sender.send(storage::storage::allocate(ex.producer_allocator, 4096, {}), {}, {});
+  returns_within(slack, [&] { receiver.reset(); }, [&] { sender.revoke(); });
+  producer.collect();
+  EXPECT_EQ(producer.stats().held_slots, 0u) << "the storage nobody received was released at teardown";
+}
+
 }  // namespace
 }  // namespace shoal::testing

@@ -31,7 +31,9 @@ struct sharing_options {
   std::chrono::microseconds receive_spin{50};
   /// How long a send may wait for a peer that does not read what was sent
   /// to it: then timeout_error (connection::set_send_timeout). Zero: no
-  /// deadline.
+  /// deadline. Durations here and in peer::receive_for saturate: a huge one
+  /// (milliseconds::max()) never overflows into a deadline in the past; a
+  /// send's is cut to a year.
   std::chrono::milliseconds send_timeout{10'000};
   /// The most that tearing a peer down waits on the other process: ~peer
   /// (and a receive that closes the connection on a malformed message) reads
