@@ -1,7 +1,10 @@
 // For tests of the listener only: a hook that runs after a listener has
 // checked its directory and before it binds there, so that a test can swap
 // directories in between and show that the socket still lands in the one
-// that was checked. Never use it elsewhere.
+// that was checked. Never use it elsewhere. It is a public header, as
+// alloc/invariant_test_hook.h is, because the test programs build against
+// the public headers only (src/ is not on their include path, and the
+// layering check keeps it so); the test_hook namespace marks it.
 //
 // Thread-safety: none; set it while no listener is being made.
 #pragma once

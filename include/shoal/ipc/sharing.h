@@ -60,7 +60,9 @@
 //   - A producer can stop serving a misbehaving consumer (peer::revoke) but
 //     not take back what it holds: that memory stays pinned, never reused,
 //     until the consumer releases it or dies. sharing_context::holders()
-//     says which process pins how much.
+//     says which process pins how much. Revocation refuses that process
+//     only: a new or forked process of the same uid may connect again;
+//     only the access policy (allowed uids) keeps a user out.
 //   - Errors a peer causes (protocol_error, connection_closed) name it:
 //     their message starts with "peer pid <pid> (uid <uid>): ".
 //   - References belong to the process that connected: one that forks after
@@ -174,8 +176,11 @@ class peer {
   /// on any connection (peer_refused). The references it holds stay held:
   /// it still maps that memory, and no process can unmap another's, so the
   /// memory is not reused until it releases them or dies (then the
-  /// collector reclaims them as for any holder). May be called from any
-  /// thread, more than once.
+  /// collector reclaims them as for any holder). Revocation is by process
+  /// (pid and start time), not by user: the same user can start or fork a
+  /// new process and connect again. To keep a user out, leave its uid out of
+  /// the listener's channel::access_policy (and the socket's directory).
+  /// May be called from any thread, more than once.
   void revoke();
 
   [[nodiscard]] const channel::peer_credentials& credentials() const noexcept;
