@@ -241,7 +241,7 @@ class Storage:
 
     def lazy_clone(self, stream: Stream | None = None) -> Storage:
         """
-        A new storage sharing this one's data copy-on-write, in O(1). `stream` is where the data was last written (default: the current stream). Data exported through DLPack is copied at once instead.
+        A new storage sharing this one's data copy-on-write, in O(1), for use on `stream` (default: the current stream); its data is what this storage holds once `stream` and every stream it was used on have passed the work enqueued so far. Data exported through DLPack is copied at once instead.
         """
 
     def record_stream(self, stream: Stream) -> None:

@@ -65,10 +65,10 @@ class allocator_state {
   std::unique_ptr<alloc::caching_allocator> allocator_;
 };
 
-/// One handle to a storage and the allocator it came from. Dropping it
-/// frees on the calling thread's current stream, which is kept alive by the
-/// allocator from then on. `keep_alive` (say, the sharing context a storage
-/// was received through) outlives the storage too.
+/// One handle to a storage and the allocator it came from. The storage's
+/// release waits for the streams it was used on (storage.h), each kept
+/// alive by the allocator when it was used. `keep_alive` (say, the sharing
+/// context a storage was received through) outlives the storage too.
 class storage_handle {
  public:
   storage_handle(storage::storage storage, std::shared_ptr<allocator_state> allocator,
@@ -76,7 +76,6 @@ class storage_handle {
       : allocator_(std::move(allocator)), keep_alive_(std::move(keep_alive)), storage_(std::move(storage)) {}
   storage_handle(const storage_handle&) = default;
   storage_handle& operator=(const storage_handle&) = default;
-  ~storage_handle();
   /// The storage (its handle operations, mutable_data included, are
   /// thread-safe and change no handle, hence usable through a const handle).
   [[nodiscard]] storage::storage& get() const noexcept { return storage_; }

@@ -206,7 +206,7 @@ nb::object export_view(const py_array_view& view, nb::handle stream, nb::handle 
         context->ready->synchronize();
       } else {
         device.wait(*to.stream, context->ready->ref());
-        st.allocator().record_stream(data, *to.stream);
+        st.record_stream(*to.stream);  // memory of the allocator or imported: the release waits for it
       }
     }
   }

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,7 @@ class imported_tensor final : public storage::storage_owner {
   ~imported_tensor() override {
     wait_for(backend::current_stream(device_));
     for (const auto& s : streams_) wait_for(s->ref());
+    for (const auto s : used_on_) wait_for(s);
     if (versioned_ != nullptr && versioned_->deleter != nullptr) versioned_->deleter(versioned_);
     if (legacy_ != nullptr && legacy_->deleter != nullptr) legacy_->deleter(legacy_);
   }
@@ -42,6 +44,18 @@ class imported_tensor final : public storage::storage_owner {
   void add_stream(std::shared_ptr<stream_state> stream) {
     std::lock_guard lock(mutex_);
     streams_.push_back(std::move(stream));
+  }
+
+  /// A storage over the tensor is gone: the tensor goes back only after the
+  /// streams it was used on (a DLPack consumer's among them) have passed.
+  /// Where recording them fails for want of memory, waits for them now.
+  void storage_released(std::span<const backend::stream_ref> used_on) noexcept override {
+    try {
+      std::lock_guard lock(mutex_);
+      used_on_.insert(used_on_.end(), used_on.begin(), used_on.end());
+    } catch (...) {
+      for (const auto s : used_on) wait_for(s);
+    }
   }
 
  private:
@@ -60,6 +74,7 @@ class imported_tensor final : public storage::storage_owner {
   dlpack::DLManagedTensor* legacy_;
   std::mutex mutex_;
   std::vector<std::shared_ptr<stream_state>> streams_;
+  std::vector<backend::stream_ref> used_on_;  // from released storages
 };
 
 /// The capsule an object hands out: the object itself when it is one, else

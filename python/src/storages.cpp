@@ -14,12 +14,6 @@
 
 namespace shoal::python {
 
-storage_handle::~storage_handle() {
-  // The storage's last handle frees on this thread's current stream; the
-  // allocator must outlive that stream's use, so it keeps the stream.
-  if (storage_.valid() && allocator_) allocator_->keep(current_stream_state(storage_.device()));
-}
-
 namespace {
 
 /// A contiguous, readable buffer of a Python object (bytes, bytearray,
@@ -110,9 +104,10 @@ void register_storages(nb::module_& m) {
             return py_storage{storage_handle(storage::lazy_clone(s.handle.get(), st->ref()), s.handle.allocator())};
           },
           nb::arg("stream").none() = nb::none(),
-          "A new storage sharing this one's data copy-on-write, in O(1). "
-          "`stream` is where the data was last "
-          "written (default: the current stream). Data exported through DLPack "
+          "A new storage sharing this one's data copy-on-write, in O(1), for use "
+          "on `stream` (default: the current stream); its data is what this "
+          "storage holds once `stream` and every stream it was used on have "
+          "passed the work enqueued so far. Data exported through DLPack "
           "is copied at once instead.")
       .def(
           "record_stream",

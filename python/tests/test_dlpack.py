@@ -306,3 +306,23 @@ def test_an_imported_array_goes_back_only_after_every_recorded_stream_passed(all
     gc.collect()
     assert user.query()  # the release waited for `user`
     assert (a == 5).all()
+
+
+def test_an_imported_array_can_be_exported_again_to_a_consumer_stream():
+    a = numpy.arange(16, dtype=numpy.float32)
+    v = shoal.from_dlpack(a)
+    s = shoal.Stream()
+    capsule = v.__dlpack__(stream=s.handle, max_version=(1, 0))  # the consumer's stream is recorded on the storage
+
+    class Exported:
+        def __dlpack__(self, **_):
+            return capsule
+
+        def __dlpack_device__(self):
+            return v.__dlpack_device__()
+
+    b = numpy.from_dlpack(Exported())
+    b[3] = 42.0
+    assert a[3] == 42.0, "the same memory all the way"
+    del b, capsule, v
+    gc.collect()
