@@ -23,5 +23,11 @@ def allocator():
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "python: the Python package's suite (every test here)")
     config.addinivalue_line("markers", "torch: needs PyTorch with CUDA and a GPU (shoal.torch)")
     config.addinivalue_line("markers", "cuda: needs a CUDA device as shoal's default device")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.python)

@@ -160,6 +160,8 @@ def hostile_main(address: str, case: str) -> None:
             note["arrays"] = 2
         elif case == "huge_stride":
             header["strides"] = [1 << 62]
+        elif case == "huge_extent":  # within each bound, far past the storage once multiplied
+            header["shape"], header["strides"] = [1 << 48, 1 << 48], [1 << 48, 1 << 48]
         encoded = b"\xff{" if case == "not_json" else json.dumps(header).encode()
         try:
             peer.send(s, encoded, None)
@@ -172,7 +174,7 @@ def hostile_main(address: str, case: str) -> None:
 @pytest.mark.parametrize(
     "case",
     ["out_of_bounds", "negative_dimension", "unknown_dtype", "not_json", "deep_nesting", "array_twice",
-     "count_mismatch", "huge_stride"],
+     "count_mismatch", "huge_stride", "huge_extent"],
 )
 def test_a_malformed_batch_disconnects_its_producer_and_others_go_on(case, clean_process):
     ctx = multiprocessing.get_context("forkserver")
