@@ -20,6 +20,18 @@ import statistics
 import time
 
 SIZES = [4 << 10, 64 << 20]
+WARMUP = 100
+
+
+def timed_round_trips(round_trip, iterations: int) -> list:
+    """Microseconds of each of `iterations` calls of round_trip(), after WARMUP untimed ones."""
+    times = []
+    for i in range(iterations + WARMUP):
+        start = time.perf_counter_ns()
+        round_trip()
+        if i >= WARMUP:
+            times.append((time.perf_counter_ns() - start) / 1e3)
+    return times
 
 
 def shoal_consumer(address_queue, sizes_count: int, iterations: int) -> None:
@@ -30,7 +42,7 @@ def shoal_consumer(address_queue, sizes_count: int, iterations: int) -> None:
         address_queue.put(listener.address)
         connection = listener.accept(timeout=60)
         with shoal.Peer(context, connection) as peer:
-            for _ in range(sizes_count * (iterations + 100)):
+            for _ in range(sizes_count * (iterations + WARMUP)):
                 storage, _ = peer.receive(timeout=60)
                 storage.read(0, 4)  # one element to the host
                 del storage  # the release goes back to the producer
@@ -45,18 +57,16 @@ def shoal_producer(address: str, iterations: int, results) -> None:
         for size in SIZES:
             storage = shoal.allocate(size)
             storage.fill(1)
-            times = []
-            for i in range(iterations + 100):
-                start = time.perf_counter_ns()
+
+            def round_trip() -> None:
                 peer.send(storage)
                 peer.receive(timeout=60)  # the acknowledgement
-                if i >= 100:
-                    times.append((time.perf_counter_ns() - start) / 1e3)
-            results.put((size, times))
+
+            results.put((size, timed_round_trips(round_trip, iterations)))
 
 
 def torch_consumer(tensors, acks, sizes_count: int, iterations: int) -> None:
-    for _ in range(sizes_count * (iterations + 100)):
+    for _ in range(sizes_count * (iterations + WARMUP)):
         x = tensors.get(timeout=60)
         x[0].item()
         del x
@@ -68,14 +78,12 @@ def torch_producer(tensors, acks, iterations: int, results) -> None:
 
     for size in SIZES:
         x = torch.ones(size // 4, device="cuda")
-        times = []
-        for i in range(iterations + 100):
-            start = time.perf_counter_ns()
+
+        def round_trip() -> None:
             tensors.put(x)
             acks.get(timeout=60)
-            if i >= 100:
-                times.append((time.perf_counter_ns() - start) / 1e3)
-        results.put((size, times))
+
+        results.put((size, timed_round_trips(round_trip, iterations)))
 
 
 def run_shoal(iterations: int) -> dict:
