@@ -207,9 +207,12 @@ class _Incoming:
 
 
 class Consumer:
-    """Receives batches from any number of Producers. Listens at `address`
-    (default: a fresh name in the runtime directory, see
-    shoal.runtime_dir_address). Not for use from several threads at once."""
+    """Receives batches from Producers — at most `max_producers` connected at
+    once; one more is disconnected at once (its error kept in `errors`), so a
+    process that connects over and over cannot exhaust this one's
+    descriptors. Listens at `address` (default: a fresh name in the runtime
+    directory, see shoal.runtime_dir_address). Not for use from several
+    threads at once."""
 
     def __init__(
         self,
@@ -217,8 +220,12 @@ class Consumer:
         *,
         allocator: _shoal.Allocator | None = None,
         allowed_uids: tuple[int, ...] = (),
+        max_producers: int = 256,
         **options: int,
     ) -> None:
+        if max_producers < 1:
+            raise ValueError("shoal.sharing.Consumer: max_producers must be at least 1")
+        self.max_producers = max_producers
         self.allocator = allocator if allocator is not None else _default_allocator()
         self.context = _shoal.SharingContext(self.allocator, **options)
         if address is None:
@@ -263,6 +270,14 @@ class Consumer:
             self.errors.append(e)
             return
         if connection is None:
+            return
+        if len(self._incoming) >= self.max_producers:
+            self.errors.append(
+                _shoal.PeerRefusedError(
+                    f"shoal.sharing: pid {connection.peer_pid} refused: {self.max_producers} producers are connected"
+                )
+            )
+            del connection  # closes it: that producer's next put raises ConnectionClosedError
             return
         peer = _shoal.Peer(self.context, connection)
         incoming = _Incoming(peer)

@@ -231,3 +231,19 @@ def test_the_socket_file_goes_with_the_consumer():
     assert os.path.exists(path)
     consumer.close()
     assert not os.path.exists(path)
+
+
+def test_a_producer_past_the_limit_is_refused_and_the_others_go_on(clean_process):
+    ctx = multiprocessing.get_context("forkserver")
+    with sharing.Consumer(max_producers=1) as consumer:
+        first = ctx.Process(target=producer_main, args=(consumer.address, 20, 1, 2.0))  # stays connected
+        first.start()
+        check_batch(consumer.get(timeout=WAIT), 20)
+        second = ctx.Process(target=producer_main, args=(consumer.address, 30, 1))
+        second.start()
+        with pytest.raises(shoal.PeerTimeoutError):
+            consumer.get(timeout=1.5)
+        second.join(WAIT)  # its batch may have gone out before the refusal: it is never delivered
+        assert any(isinstance(e, shoal.PeerRefusedError) for e in consumer.errors)
+        first.join(WAIT)
+        assert first.exitcode == 0
