@@ -86,17 +86,22 @@ def torch_producer(tensors, acks, iterations: int, results) -> None:
         results.put((size, timed_round_trips(round_trip, iterations)))
 
 
+def results_of(producer, consumer, results) -> dict:
+    """Starts `producer` (the consumer runs already) and gathers its times per size."""
+    producer.start()
+    out = dict(results.get(timeout=600) for _ in SIZES)
+    producer.join(60)
+    consumer.join(60)
+    return out
+
+
 def run_shoal(iterations: int) -> dict:
     ctx = mp.get_context("spawn")
     addresses, results = ctx.Queue(), ctx.Queue()
     consumer = ctx.Process(target=shoal_consumer, args=(addresses, len(SIZES), iterations))
     consumer.start()
     producer = ctx.Process(target=shoal_producer, args=(addresses.get(timeout=60), iterations, results))
-    producer.start()
-    out = dict(results.get(timeout=600) for _ in SIZES)
-    producer.join(60)
-    consumer.join(60)
-    return out
+    return results_of(producer, consumer, results)
 
 
 def run_torch(iterations: int) -> dict:
@@ -105,13 +110,9 @@ def run_torch(iterations: int) -> dict:
     ctx = tmp.get_context("spawn")
     tensors, acks, results = ctx.Queue(), ctx.Queue(), ctx.Queue()
     consumer = ctx.Process(target=torch_consumer, args=(tensors, acks, len(SIZES), iterations))
-    producer = ctx.Process(target=torch_producer, args=(tensors, acks, iterations, results))
     consumer.start()
-    producer.start()
-    out = dict(results.get(timeout=600) for _ in SIZES)
-    producer.join(60)
-    consumer.join(60)
-    return out
+    producer = ctx.Process(target=torch_producer, args=(tensors, acks, iterations, results))
+    return results_of(producer, consumer, results)
 
 
 def p90(values: list) -> float:

@@ -24,23 +24,20 @@ if shoal_torch._plugin_path() is None:
 PROGRAMS = pathlib.Path(__file__).parent / "torch_programs"
 
 
-def run(code: str, timeout: float = 300) -> dict:
-    """Runs `code` in a fresh interpreter; returns the JSON object it prints last."""
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
-    )
+def json_of(argv: list, timeout: float) -> dict:
+    """Runs `argv` (a fresh interpreter); returns the JSON object it prints last."""
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     assert "shoal: freeing" not in result.stderr, result.stderr  # a failed free leaves its block allocated
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run(code: str, timeout: float = 300) -> dict:
+    return json_of([sys.executable, "-c", textwrap.dedent(code)], timeout)
 
 
 def run_program(name: str, *args: str, timeout: float = 600) -> dict:
-    result = subprocess.run(
-        [sys.executable, str(PROGRAMS / name), *args], capture_output=True, text=True, timeout=timeout
-    )
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
-    assert "shoal: freeing" not in result.stderr, result.stderr  # a failed free leaves its block allocated
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return json_of([sys.executable, str(PROGRAMS / name), *args], timeout)
 
 
 def test_tensors_come_from_shoal_and_torch_reads_its_stats():
