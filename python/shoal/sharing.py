@@ -49,6 +49,7 @@ Batch = Union[_shoal.ArrayView, list, tuple, dict]
 
 MAX_ARRAYS_PER_BATCH = 4096
 MAX_NESTING = 32
+MAX_ERRORS = 64
 _MAX_DIMS = 32
 _MAX_EXTENT = 1 << 48  # elements or bytes: past any device
 _VERSION = 1
@@ -235,7 +236,8 @@ class Consumer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener.fileno(), selectors.EVENT_READ, None)
         self._incoming: dict[int, _Incoming] = {}
-        self.errors: list[Exception] = []  # producers disconnected for a protocol error, oldest first
+        # Producers disconnected or refused, oldest first; the last MAX_ERRORS kept.
+        self.errors: list[Exception] = []
 
     @property
     def producers(self) -> int:
@@ -263,16 +265,20 @@ class Consumer:
                 if batch is not None:
                     return batch
 
+    def _note_error(self, error: Exception) -> None:
+        self.errors.append(error)
+        del self.errors[:-MAX_ERRORS]  # a peer reconnecting in a loop cannot grow it without bound
+
     def _accept(self) -> None:
         try:
             connection = self._listener.accept(timeout=0)
         except (_shoal.PeerRefusedError, _shoal.ConnectionClosedError) as e:
-            self.errors.append(e)
+            self._note_error(e)
             return
         if connection is None:
             return
         if len(self._incoming) >= self.max_producers:
-            self.errors.append(
+            self._note_error(
                 _shoal.PeerRefusedError(
                     f"shoal.sharing: pid {connection.peer_pid} refused: {self.max_producers} producers are connected"
                 )
@@ -315,7 +321,7 @@ class Consumer:
         except _shoal.ConnectionClosedError:
             self._drop(incoming)
         except (_shoal.ProtocolError, _shoal.PeerTimeoutError) as e:
-            self.errors.append(e)
+            self._note_error(e)
             self._drop(incoming)
         return None
 

@@ -247,3 +247,17 @@ def test_a_producer_past_the_limit_is_refused_and_the_others_go_on(clean_process
         assert any(isinstance(e, shoal.PeerRefusedError) for e in consumer.errors)
         first.join(WAIT)
         assert first.exitcode == 0
+
+
+def test_a_batch_outlives_its_consumer(clean_process):
+    ctx = multiprocessing.get_context("spawn")
+    consumer = sharing.Consumer()
+    p = ctx.Process(target=producer_main, args=(consumer.address, 60, 1, 1.0))
+    p.start()
+    batch = consumer.get(timeout=WAIT)
+    consumer.close()
+    del consumer  # the received storages keep its context and allocator alive
+    gc.collect()
+    check_batch(batch, 60)
+    p.join(WAIT)
+    del batch
