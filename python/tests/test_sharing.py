@@ -55,7 +55,14 @@ def check_batch(batch: dict, tag: int) -> None:
 
 
 def shm_entries() -> set:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    """/dev/shm entries, less the CUDA driver's own per-process files.
+
+    The driver names them cuda.shm.<device>.<pid>; a multiprocessing child ends with
+    os._exit, and the driver may remove its file after join returns. shoal itself
+    uses memfd only, so any other new entry is a leak."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("cuda.shm.")}
 
 
 @pytest.fixture
