@@ -17,9 +17,29 @@ constexpr std::uint8_t poison_byte = 0xDB;
 
 }  // namespace
 
+namespace {
+
+// The settings that do not apply to pinned host memory, refused before
+// anything is built.
+allocator_config checked(allocator_config config) {
+  if (config.memory == allocator_memory::pinned_host) {
+    if (config.expandable_segments) {
+      throw invalid_argument("caching_allocator: memory:pinned_host has no growable segments; leave "
+                             "expandable_segments off");
+    }
+    if (config.memory_fraction > 0) {
+      throw invalid_argument("caching_allocator: memory:pinned_host is host memory, not a share of the device; "
+                             "bound it with memory_limit_mb instead of memory_fraction");
+    }
+  }
+  return config;
+}
+
+}  // namespace
+
 allocator_core::allocator_core(backend::device& dev, allocator_config cfg)
     : device(dev),
-      config(std::move(cfg)),
+      config(checked(std::move(cfg))),
       trace_(config.trace_entries),
       events_(dev),
       source_(dev, config, directory_, trace_, hooks) {}
@@ -93,7 +113,8 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
   //    them on the device, instead of taking more device memory.
   {
     std::lock_guard lock(pool.lock);
-    if (!pool.pending.empty() && !pool.is_private) {
+    // Not for pinned host memory: a GPU-side wait does not hold back the CPU.
+    if (!pool.pending.empty() && !pool.is_private && config.memory == allocator_memory::device) {
       collect_pending(pool, true);
       if (block* b = take_free(pool, size)) {
         hand_out(pool, b, size, requested, stream);
@@ -226,12 +247,15 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
     // record_stream's streams are waited for in every mode; the freeing
     // stream only with cross-stream safety on (off is PyTorch's rule, where
     // record_stream is the one protection), or to catch a hazard in debug.
+    // Pinned host memory is held after every free, on its own stream too:
+    // the next user writes it from the CPU, outside stream order.
+    const bool host_written = config.memory == allocator_memory::pinned_host;
     const bool freed_elsewhere = stream != b->stream;
-    const bool hold = !b->used_on.empty() || (config.cross_stream_safety && freed_elsewhere);
+    const bool hold = !b->used_on.empty() || (config.cross_stream_safety && freed_elsewhere) || host_written;
     const bool mark_hazard = !config.cross_stream_safety && config.debug && freed_elsewhere;
     if (hold || mark_hazard) {
       std::vector<backend::stream_ref> streams = b->used_on;
-      if (freed_elsewhere && (config.cross_stream_safety || mark_hazard)) add_unique(streams, stream);
+      if ((freed_elsewhere && (config.cross_stream_safety || mark_hazard)) || host_written) add_unique(streams, stream);
       std::vector<backend::event_ref> events;
       try {
         for (auto s : streams) {
@@ -308,6 +332,9 @@ void allocator_core::process_pending_frees() {
 void allocator_core::set_memory_fraction(double fraction) {
   if (!(fraction >= 0.0 && fraction <= 1.0)) {
     throw invalid_argument("set_memory_fraction: " + std::to_string(fraction) + " is not in [0, 1]");
+  }
+  if (fraction > 0 && config.memory == allocator_memory::pinned_host) {
+    throw invalid_argument("set_memory_fraction: a pinned host allocator's memory is not a share of the device");
   }
   source_.set_limit(limit_of(config, fraction, device));
 }

@@ -130,12 +130,19 @@ allocator_config allocator_config::parse(std::string_view text) {
       c.memory_fraction = f;
     } else if (key == "trace_entries") {
       c.trace_entries = static_cast<std::size_t>(parse_unsigned(key, value));
+    } else if (key == "memory") {
+      if (value == "device") {
+        c.memory = allocator_memory::device;
+      } else if (value == "pinned_host") {
+        c.memory = allocator_memory::pinned_host;
+      } else {
+        bad_value(key, value, "device or pinned_host");
+      }
     } else {
       throw invalid_argument("SHOAL_ALLOC_CONF: unknown key '" + std::string(key) +
                              "'; known keys: max_split_size_mb, max_non_split_rounding_mb, roundup_power2_divisions, "
                              "expandable_segments, debug, cross_stream_safety, release_idle_before_grow, memory_limit_mb, "
-                             "memory_fraction, "
-                             "trace_entries");
+                             "memory_fraction, trace_entries, memory");
     }
   }
   return c;
@@ -155,6 +162,7 @@ std::string allocator_config::to_string() const {
   if (max_split_size != no_limit) out << ",max_split_size_mb:" << (max_split_size >> 20);
   if (memory_limit != no_limit) out << ",memory_limit_mb:" << (memory_limit >> 20);
   if (memory_fraction > 0) out << ",memory_fraction:" << memory_fraction;
+  if (memory == allocator_memory::pinned_host) out << ",memory:pinned_host";
   // Divisions as a list over the intervals where they change.
   std::vector<std::string> parts;
   for (std::size_t i = 20; i < 64; ++i) {

@@ -70,10 +70,19 @@ block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized
 void* segment_source::take_segment(std::size_t bytes) {
   if (!reserve_bytes(bytes)) return nullptr;
   try {
-    return device_.allocate_segment(bytes);
+    return config_.memory == allocator_memory::pinned_host ? device_.allocate_pinned_host(bytes)
+                                                           : device_.allocate_segment(bytes);
   } catch (const out_of_memory&) {
     unreserve_bytes(bytes);
     return nullptr;
+  }
+}
+
+void segment_source::free_plain_segment(std::uintptr_t base) {
+  if (config_.memory == allocator_memory::pinned_host) {
+    device_.free_pinned_host(reinterpret_cast<void*>(base));
+  } else {
+    device_.free_segment(reinterpret_cast<void*>(base));
   }
 }
 
@@ -192,7 +201,7 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
   // the device — only then can another pool be given the same address.
   directory_.unregister_segment(*s);
   hooks_.notify_release(s->base, s->size);
-  device_.free_segment(reinterpret_cast<void*>(s->base));
+  free_plain_segment(s->base);
   unreserve_bytes(s->size);
   device_frees_.fetch_add(1, std::memory_order_relaxed);
   pool_counters::sub(pool.counters.segments, 1);
@@ -309,7 +318,7 @@ void segment_source::release_at_teardown(block_pool& pool, event_pool& events) n
         }
         device_.release_range(reinterpret_cast<void*>(s->base));
       } else if (!s->external) {
-        device_.free_segment(reinterpret_cast<void*>(s->base));
+        free_plain_segment(s->base);
       }
     } catch (const error&) {  // NOLINT(bugprone-empty-catch): teardown goes on; the device may be gone
     }

@@ -74,6 +74,8 @@ class segment_source {
   /// A segment of `bytes` from the device, counted against the limit, or
   /// nullptr when the limit or the device refuses.
   void* take_segment(std::size_t bytes);
+  /// Gives a plain (not growable) segment back, pinned or device memory.
+  void free_plain_segment(std::uintptr_t base);
   void release_segment(block_pool& pool, segment* s);
   void unmap_free_chunks(block_pool& pool, segment* s);
   bool reserve_bytes(std::size_t bytes);

@@ -19,6 +19,8 @@ class forwarding_device : public backend::device {
   [[nodiscard]] backend::memory_info memory() const override { return target_.memory(); }
   void* allocate_segment(std::size_t bytes) override { return target_.allocate_segment(bytes); }
   void free_segment(void* base) override { target_.free_segment(base); }
+  void* allocate_pinned_host(std::size_t bytes) override { return target_.allocate_pinned_host(bytes); }
+  void free_pinned_host(void* base) override { target_.free_pinned_host(base); }
 
   [[nodiscard]] std::size_t granularity() const noexcept override { return target_.granularity(); }
   void* reserve_range(std::size_t bytes) override { return target_.reserve_range(bytes); }

@@ -24,6 +24,15 @@
 // every stream it was used on, not on the dropping thread's current stream;
 // storage.h).
 //
+// Pinned host memory (config().memory == allocator_memory::pinned_host):
+// the same allocator over device::allocate_pinned_host, for staging copies
+// between the host and the device. Blocks are written and read by the CPU
+// outside stream order, so every free holds its block until the freeing
+// stream (and every record_stream stream) has passed the free, as seen from
+// the host — also on the block's own stream, and with no GPU-side early
+// reuse under pressure. memory_limit bounds the pinned footprint; when it is
+// reached, allocation waits for pending frees before it gives up.
+//
 // Streams: a stream must outlive every block allocated on it and every free
 // recorded on it (as on CUDA, where using a destroyed stream is undefined);
 // the allocator keeps a pool per stream for its own life.

@@ -15,6 +15,8 @@
 //   memory_limit_mb            fail allocations past this many reserved MiB
 //   memory_fraction            fail allocations past this fraction of the device (0..1]
 //   trace_entries              keep the last N trace records (0: no trace)
+//   memory                     device|pinned_host: where segments come from (default device;
+//                              see allocator_memory)
 // An unknown key or a bad value throws shoal::invalid_argument naming it.
 //
 // A value type: not synchronized; copy it freely.
@@ -27,6 +29,21 @@
 #include <string_view>
 
 namespace shoal::alloc {
+
+/// Where an allocator's segments come from.
+enum class allocator_memory : std::uint8_t {
+  /// The device's own memory (allocate_segment, or growable ranges).
+  device,
+  /// Pinned host memory (device::allocate_pinned_host): a pinned host
+  /// caching allocator for staging copies. The CPU reads and writes these
+  /// blocks outside stream order, so every free — on the block's own stream
+  /// too — waits on the host for the events of the streams it names (and
+  /// record_stream's) before the block is handed out again; there is no
+  /// GPU-side early reuse. Growable segments and memory_fraction (a share of
+  /// the device) do not apply: either gives invalid_argument; memory_limit
+  /// bounds the pinned footprint.
+  pinned_host,
+};
 
 struct allocator_config {
   static constexpr std::size_t no_limit = ~std::size_t{0};
@@ -59,6 +76,7 @@ struct allocator_config {
   double memory_fraction = 0.0;
   /// Trace records kept in a ring (0: tracing off).
   std::size_t trace_entries = 0;
+  allocator_memory memory = allocator_memory::device;
 
   /// Parses "key:value,key:value" on top of the defaults.
   [[nodiscard]] static allocator_config parse(std::string_view text);

@@ -57,6 +57,19 @@ class device {
   /// allocate_segment returned and that was not freed since.
   virtual void free_segment(void* base) = 0;
 
+  // ---- pinned host memory -------------------------------------------------
+  /// A page-locked host segment of at least `bytes` (> 0), aligned to 256
+  /// bytes or more: memory the calling process's threads read and write
+  /// directly and copy() moves to and from this device at the link's full
+  /// speed, asynchronously (CUDA: cudaHostAlloc, portable; host backend:
+  /// ordinary memory with the same contract). Not counted in memory(), not
+  /// shareable with other processes. out_of_memory when the system refuses.
+  virtual void* allocate_pinned_host(std::size_t bytes) = 0;
+  /// Returns a pinned segment. `base` must be a pointer allocate_pinned_host
+  /// returned and that was not freed since; work still queued on it must
+  /// have run (the caller waits: CUDA may not).
+  virtual void free_pinned_host(void* base) = 0;
+
   // ---- growable ranges: reserve addresses, map physical chunks ----------
   /// Size and alignment unit of reservations, chunks and mappings.
   [[nodiscard]] virtual std::size_t granularity() const noexcept = 0;

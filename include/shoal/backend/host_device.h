@@ -49,6 +49,8 @@ class host_device final : public device {
   [[nodiscard]] memory_info memory() const override;
   void* allocate_segment(std::size_t bytes) override;
   void free_segment(void* base) override;
+  void* allocate_pinned_host(std::size_t bytes) override;
+  void free_pinned_host(void* base) override;
 
   [[nodiscard]] std::size_t granularity() const noexcept override;
   void* reserve_range(std::size_t bytes) override;

@@ -15,6 +15,8 @@ namespace shoal::backend::detail {
 memory_info cuda_device::memory() const { return memory_.info(); }
 void* cuda_device::allocate_segment(std::size_t bytes) { return memory_.allocate_segment(bytes); }
 void cuda_device::free_segment(void* base) { memory_.free_segment(base); }
+void* cuda_device::allocate_pinned_host(std::size_t bytes) { return memory_.allocate_pinned_host(bytes); }
+void cuda_device::free_pinned_host(void* base) { memory_.free_pinned_host(base); }
 
 void* cuda_device::reserve_range(std::size_t bytes) { return memory_.reserve_range(bytes); }
 void cuda_device::release_range(void* base) { memory_.release_range(base); }

@@ -113,6 +113,7 @@ void cuda_memory::teardown_rest(const cuda_driver& d) noexcept {
   for (const auto& [chunk, size] : chunks_) d.mem_release(chunk);
   for (const auto& [base, size] : reservations_) d.mem_address_free(base, size);
   for (const auto& [base, size] : segments_) cudaFree(reinterpret_cast<void*>(base));
+  for (const auto& [base, size] : pinned_) cudaFreeHost(reinterpret_cast<void*>(base));
 }
 
 // ---- plain segments ------------------------------------------------------------
@@ -144,6 +145,32 @@ void cuda_memory::free_segment(void* base) {
     }
   }
   check(cudaFree(base), "cudaFree");
+}
+
+// ---- pinned host memory ----------------------------------------------------------
+
+void* cuda_memory::allocate_pinned_host(std::size_t bytes) {
+  if (bytes == 0) throw invalid_argument("cuda_device::allocate_pinned_host: bytes must be > 0");
+  make_current(ordinal_);
+  void* base = nullptr;
+  // Portable: pinned for every CUDA context of the process, not only this
+  // device's, so a copy to another device runs at full speed too.
+  check(cudaHostAlloc(&base, bytes, cudaHostAllocPortable), "cudaHostAlloc", bytes);
+  std::lock_guard lock(mutex_);
+  pinned_.emplace(reinterpret_cast<std::uintptr_t>(base), bytes);
+  return base;
+}
+
+void cuda_memory::free_pinned_host(void* base) {
+  make_current(ordinal_);
+  {
+    std::lock_guard lock(mutex_);
+    if (pinned_.erase(reinterpret_cast<std::uintptr_t>(base)) == 0) {
+      throw invalid_argument("cuda_device::free_pinned_host: pointer " + hex(base) + " was not allocated by " +
+                             cuda_label(ordinal_) + "'s allocate_pinned_host or was already freed");
+    }
+  }
+  check(cudaFreeHost(base), "cudaFreeHost");
 }
 
 // ---- growable ranges -------------------------------------------------------------

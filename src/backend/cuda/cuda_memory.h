@@ -11,6 +11,7 @@
 //
 // Invariants (guarded by mutex_):
 //   segments_ = live cudaMalloc segments, base -> bytes;
+//   pinned_ = live cudaHostAlloc segments, base -> bytes;
 //   reservations_ = live address ranges, base -> bytes;
 //   mappings_ = chunks mapped in reservations, address -> bytes, each inside
 //     exactly one reservation and disjoint from the others;
@@ -52,6 +53,10 @@ class cuda_memory {
   void* allocate_segment(std::size_t bytes);
   void free_segment(void* base);
 
+  /// Pinned host segments (see device::allocate_pinned_host).
+  void* allocate_pinned_host(std::size_t bytes);
+  void free_pinned_host(void* base);
+
   void* reserve_range(std::size_t bytes);
   void release_range(void* base);
   physical_ref create_physical(std::size_t bytes);
@@ -87,6 +92,7 @@ class cuda_memory {
 
   mutable std::mutex mutex_;
   std::map<std::uintptr_t, std::size_t> segments_;
+  std::map<std::uintptr_t, std::size_t> pinned_;
   std::map<std::uintptr_t, std::size_t> reservations_;
   std::map<std::uintptr_t, std::size_t> mappings_;
   std::unordered_map<CUmemGenericAllocationHandle, std::size_t> chunks_;

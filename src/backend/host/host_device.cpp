@@ -112,6 +112,8 @@ host_device::~host_device() = default;
 memory_info host_device::memory() const { return state_->memory.info(); }
 void* host_device::allocate_segment(std::size_t bytes) { return state_->memory.allocate_segment(bytes); }
 void host_device::free_segment(void* base) { state_->memory.free_segment(base); }
+void* host_device::allocate_pinned_host(std::size_t bytes) { return state_->memory.allocate_pinned_host(bytes); }
+void host_device::free_pinned_host(void* base) { state_->memory.free_pinned_host(base); }
 
 std::size_t host_device::granularity() const noexcept { return detail::host_memory::chunk_granularity; }
 void* host_device::reserve_range(std::size_t bytes) { return state_->memory.reserve_range(bytes); }

@@ -125,6 +125,7 @@ host_memory::host_memory(std::size_t capacity_bytes)
 host_memory::~host_memory() {
   std::lock_guard lock(mutex_);
   for (auto& [base, s] : segments_) ::munmap(reinterpret_cast<void*>(base), s.size);
+  for (auto& [base, size] : pinned_) ::munmap(reinterpret_cast<void*>(base), size);
   for (auto& [base, r] : reservations_) ::munmap(reinterpret_cast<void*>(base), r.size);
   for (auto& [ptr, i] : imports_) ::munmap(i.base, i.size);
 }
@@ -173,6 +174,34 @@ void host_memory::free_segment(void* base) {
   ::munmap(base, it->second.size);
   used_->fetch_sub(it->second.size);
   segments_.erase(it);
+}
+
+// The host backend has no page-locking to do: "pinned" memory is ordinary
+// anonymous memory, private to the process, outside the device's capacity.
+void* host_memory::allocate_pinned_host(std::size_t bytes) {
+  if (bytes == 0) throw invalid_argument("allocate_pinned_host: size is 0; ask for at least one byte");
+  const std::size_t size = page_round(bytes);
+  if (size < bytes) throw out_of_memory("allocate_pinned_host: " + std::to_string(bytes) + " bytes is past the address space", bytes);
+  void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) {
+    throw out_of_memory("allocate_pinned_host: the system refused " + std::to_string(size) + " bytes of host memory",
+                        bytes);
+  }
+  std::lock_guard lock(mutex_);
+  pinned_.emplace(reinterpret_cast<std::uintptr_t>(base), size);
+  return base;
+}
+
+void host_memory::free_pinned_host(void* base) {
+  std::lock_guard lock(mutex_);
+  const auto it = pinned_.find(reinterpret_cast<std::uintptr_t>(base));
+  if (it == pinned_.end()) {
+    throw invalid_argument("free_pinned_host(" + shoal::detail::hex(base) +
+                           "): not the base of a live pinned segment of this host device (foreign pointer, or freed "
+                           "already)");
+  }
+  ::munmap(base, it->second);
+  pinned_.erase(it);
 }
 
 void* host_memory::reserve_range(std::size_t bytes) {

@@ -38,6 +38,10 @@ class host_memory {
   void* allocate_segment(std::size_t bytes);
   void free_segment(void* base);
 
+  /// Pinned host segments (see device::allocate_pinned_host).
+  void* allocate_pinned_host(std::size_t bytes);
+  void free_pinned_host(void* base);
+
   void* reserve_range(std::size_t bytes);
   void release_range(void* base);
   physical_ref create_physical(std::size_t bytes);
@@ -80,6 +84,7 @@ class host_memory {
   // destructor, which may run while mutex_ is held.
   std::shared_ptr<std::atomic<std::size_t>> used_;
   std::map<std::uintptr_t, segment> segments_;          // by base
+  std::map<std::uintptr_t, std::size_t> pinned_;        // pinned host segments: base -> mapped bytes
   std::map<std::uintptr_t, reservation> reservations_;  // by base
   std::unordered_map<std::uint64_t, std::shared_ptr<chunk>> chunks_;  // live handles
   std::uint64_t next_chunk_id_ = 1;
