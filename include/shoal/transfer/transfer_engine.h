@@ -1,0 +1,172 @@
+// Background batch transfer: host buffers in, device storages out, with no
+// host synchronization per batch and no batch cache.
+//
+// A producer submits batches of host buffers; the engine's own thread
+// allocates a device storage per buffer (from the device allocator, on the
+// engine's stream), copies each buffer into it on that stream — straight
+// from memory that is page-locked already, through pinned staging blocks
+// otherwise — and records a ready event. A consumer takes batches in
+// submission order with next() and makes its stream wait for the copies with
+// transferred_batch::wait_on: a GPU-side wait, and a use of every storage on
+// that stream, so when the consumer drops the batch its memory is reused
+// only after that stream has passed its last use (shoal's stream-aware
+// free). That is what protects batches: events and the free, not holding the
+// last few batches alive.
+//
+// Backpressure: at most config.max_batches_in_flight batches are submitted
+// and not yet taken by next(); submit blocks (until its deadline) past that.
+// Pinned staging memory never exceeds config.max_pinned_bytes: a staging
+// block is handed out again only after the copy reading it has run, and when
+// the bound is reached the engine waits for earlier copies. So a fast
+// producer and a slow consumer cannot exhaust memory.
+//
+// Errors: a batch that cannot be transferred (device out of memory, a
+// buffer larger than the staging bound allows) fails alone: next() throws its
+// typed error for it, what it allocated is freed, and later batches go on.
+//
+// Thread-safety: submit, next, try_next and stats may be called from any
+// threads at once. Batches come out of next() in submission order (one
+// sequence across all producers). transferred_batch is a value shared by its
+// copies; wait_on and synchronize may be called from any thread.
+//
+// Lifetimes: the device allocator must outlive the engine and every
+// storage it handed out. The destructor finishes the batches already
+// submitted, waits for their copies and stops the thread; batches not taken
+// are dropped (their memory is freed after their copies).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/stream.h"
+#include "shoal/storage/storage.h"
+
+namespace shoal::transfer {
+
+struct transfer_config {
+  /// Batches submitted and not yet taken by next() (>= 1).
+  std::size_t max_batches_in_flight = 4;
+  /// Bytes of pinned staging memory the engine may hold (>= staging_chunk_bytes).
+  std::size_t max_pinned_bytes = std::size_t{256} << 20;
+  /// Pageable buffers are staged in pieces of at most this many bytes (> 0),
+  /// so copying one piece to the device overlaps staging the next.
+  std::size_t staging_chunk_bytes = std::size_t{8} << 20;
+};
+
+/// One host buffer of a batch.
+struct host_buffer {
+  const void* data = nullptr;
+  std::size_t bytes = 0;  ///< > 0
+  /// The memory is page-locked already (a pinned allocator's block, a
+  /// registered buffer): the device copy reads it directly and `keep_alive`
+  /// is held until that copy has run. Otherwise the engine stages the bytes
+  /// through its pinned blocks and lets go of `keep_alive` once they are
+  /// staged.
+  bool pinned = false;
+  /// Keeps the memory valid while the engine needs it. May be null when the
+  /// caller keeps the memory valid until the batch is ready.
+  std::shared_ptr<const void> keep_alive;
+};
+
+/// A batch whose copies are enqueued: one device storage per buffer.
+class transferred_batch {
+ public:
+  struct state;
+  explicit transferred_batch(std::shared_ptr<const state> s) : state_(std::move(s)) {}
+
+  /// The batch's place in submission order, from 0.
+  [[nodiscard]] std::uint64_t sequence() const noexcept;
+  /// The device storages, in the order of the buffers submitted.
+  [[nodiscard]] const std::vector<storage::storage>& storages() const noexcept;
+  /// Complete once every copy of the batch has run.
+  [[nodiscard]] backend::event_ref ready() const noexcept;
+  /// Work enqueued on `stream` from now on sees the batch's bytes (a
+  /// GPU-side wait, no host synchronization), and every storage records a
+  /// use on `stream`: its memory is reused only after `stream` passes the
+  /// work enqueued there before the storage's last handle is dropped.
+  void wait_on(backend::stream_ref stream) const;
+  /// Blocks the calling thread until the copies have run.
+  void synchronize() const;
+  /// True once the copies have run.
+  [[nodiscard]] bool is_ready() const;
+
+ private:
+  std::shared_ptr<const state> state_;
+};
+
+struct transfer_stats {
+  std::uint64_t batches_submitted = 0;
+  std::uint64_t batches_transferred = 0;  ///< copies enqueued, ready event recorded
+  std::uint64_t batches_failed = 0;
+  std::uint64_t batches_taken = 0;        ///< returned (or thrown) by next/try_next
+  std::uint64_t bytes_copied = 0;         ///< bytes moved to the device
+  std::uint64_t bytes_staged = 0;         ///< of those, bytes staged through pinned blocks
+  std::size_t in_flight = 0;              ///< submitted and not yet taken
+  std::size_t peak_in_flight = 0;
+  alloc::allocator_stats pinned;          ///< the staging allocator's stats
+};
+
+class transfer_engine {
+ public:
+  static constexpr std::chrono::milliseconds forever = std::chrono::milliseconds::max();
+
+  /// Copies into storages from `device_allocator`, on a stream of its device
+  /// the engine creates. invalid_argument for a config out of range.
+  explicit transfer_engine(alloc::caching_allocator& device_allocator, transfer_config config = {});
+  ~transfer_engine();
+  transfer_engine(const transfer_engine&) = delete;
+  transfer_engine& operator=(const transfer_engine&) = delete;
+
+  /// Queues a batch (at least one buffer, each non-null with bytes > 0, else
+  /// invalid_argument and nothing queued) and returns its sequence number.
+  /// Blocks while max_batches_in_flight batches are in flight; timeout_error
+  /// when `timeout` passes first (nothing queued).
+  std::uint64_t submit(std::vector<host_buffer> batch, std::chrono::milliseconds timeout = forever);
+  /// The next batch in submission order, once its copies are enqueued (wait
+  /// for them with wait_on or synchronize). Throws the batch's own error
+  /// when it failed (the batch is taken all the same); timeout_error when
+  /// none is done within `timeout`.
+  [[nodiscard]] transferred_batch next(std::chrono::milliseconds timeout = forever);
+  /// next() without waiting: nothing when the next batch is not done yet.
+  [[nodiscard]] std::optional<transferred_batch> try_next();
+
+  [[nodiscard]] transfer_stats stats() const;
+  /// The stream the copies run on.
+  [[nodiscard]] backend::stream_ref stream() const noexcept { return stream_.ref(); }
+  [[nodiscard]] const transfer_config& config() const noexcept { return config_; }
+
+ private:
+  struct job;
+  struct outcome;
+  class batch_copier;
+
+  void run() noexcept;
+  transferred_batch take_locked(std::unique_lock<std::mutex>& lock);
+
+  alloc::caching_allocator& device_allocator_;
+  const transfer_config config_;
+  backend::stream stream_;
+  std::unique_ptr<batch_copier> copier_;
+
+  // Lock order: mutex_ alone; the worker copies without it.
+  mutable std::mutex mutex_;
+  std::condition_variable work_ready_, outcome_ready_, room_ready_;
+  std::deque<job> jobs_;          // submitted, not yet picked up by the worker
+  std::deque<outcome> outcomes_;  // done (transferred or failed), not yet taken, in sequence order
+  std::uint64_t next_sequence_ = 0;
+  bool stopping_ = false;
+  transfer_stats counters_;       // every field but `pinned`
+  std::thread worker_;            // last: started once everything above exists
+};
+
+}  // namespace shoal::transfer

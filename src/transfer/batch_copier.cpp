@@ -1,0 +1,112 @@
+#include "transfer/batch_copier.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "shoal/core/error.h"
+
+namespace shoal::transfer {
+
+namespace {
+
+alloc::allocator_config staging_config(const transfer_config& config) {
+  alloc::allocator_config c;
+  c.memory = alloc::allocator_memory::pinned_host;
+  c.memory_limit = config.max_pinned_bytes;
+  return c;
+}
+
+}  // namespace
+
+transfer_engine::batch_copier::batch_copier(alloc::caching_allocator& device_allocator, backend::stream_ref stream,
+                                            const transfer_config& config)
+    : device_allocator_(device_allocator),
+      device_(device_allocator.device()),
+      stream_(stream),
+      chunk_bytes_(config.staging_chunk_bytes),
+      pinned_(device_allocator.device(), staging_config(config)) {}
+
+transfer_engine::batch_copier::~batch_copier() { release_all(); }
+
+std::shared_ptr<const transferred_batch::state> transfer_engine::batch_copier::copy(job& j) {
+  auto batch = std::make_shared<transferred_batch::state>();
+  batch->sequence = j.sequence;
+  batch->device = &device_;
+  batch->storages.reserve(j.buffers.size());
+  std::vector<std::shared_ptr<const void>> read_directly;
+  try {
+    for (host_buffer& source : j.buffers) {
+      auto target = storage::storage::allocate(device_allocator_, source.bytes, stream_);
+      void* dst = target.mutable_data(stream_);
+      if (source.pinned) {
+        device_.copy(stream_, dst, source.data, source.bytes);
+        if (source.keep_alive) read_directly.push_back(std::move(source.keep_alive));
+      } else {
+        stage(dst, source);
+        source.keep_alive.reset();  // staged: the engine needs the source no longer
+      }
+      bytes_copied_.fetch_add(source.bytes, std::memory_order_relaxed);
+      batch->storages.push_back(std::move(target));
+    }
+    batch->ready = std::make_shared<backend::event>(device_);
+    batch->ready->record(stream_);
+  } catch (...) {
+    // The storages taken so far are freed on the engine's stream, after
+    // their copies; the sources read directly wait for those copies too.
+    batch->storages.clear();
+    hold_until_now(std::move(read_directly));
+    throw;
+  }
+  if (!read_directly.empty()) held_.push_back({batch->ready, std::move(read_directly)});
+  return batch;
+}
+
+void transfer_engine::batch_copier::stage(void* dst, const host_buffer& source) {
+  const auto* from = static_cast<const std::byte*>(source.data);
+  auto* to = static_cast<std::byte*>(dst);
+  for (std::size_t offset = 0; offset < source.bytes; offset += chunk_bytes_) {
+    const std::size_t n = std::min(chunk_bytes_, source.bytes - offset);
+    // Handed out only once the copy that last read it has run (the pinned
+    // allocator's rule); past max_pinned_bytes it waits for such a copy.
+    void* staging = pinned_.allocate(n, stream_);
+    std::memcpy(staging, from + offset, n);
+    try {
+      device_.copy(stream_, to + offset, staging, n);
+    } catch (...) {
+      pinned_.deallocate(staging, stream_);
+      throw;
+    }
+    pinned_.deallocate(staging, stream_);
+    bytes_staged_.fetch_add(n, std::memory_order_relaxed);
+  }
+}
+
+void transfer_engine::batch_copier::hold_until_now(std::vector<std::shared_ptr<const void>> sources) noexcept {
+  if (sources.empty()) return;
+  try {
+    auto done = std::make_shared<backend::event>(device_);
+    done->record(stream_);
+    held_.push_back({std::move(done), std::move(sources)});
+  } catch (...) {
+    // No event to be had: wait on the host instead, then let go.
+    try {
+      device_.synchronize(stream_);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): the stream failed; its copies will never read again
+    }
+  }
+}
+
+bool transfer_engine::batch_copier::release_finished() {
+  while (!held_.empty() && held_.front().done->query()) held_.pop_front();
+  return !held_.empty();
+}
+
+void transfer_engine::batch_copier::release_all() noexcept {
+  try {
+    device_.synchronize(stream_);
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a failed stream reads nothing more
+  }
+  held_.clear();
+}
+
+}  // namespace shoal::transfer

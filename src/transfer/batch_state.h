@@ -1,0 +1,36 @@
+// What the engine's pieces share about one batch: its job as submitted, the
+// transferred batch handed to the consumer, and a finished batch waiting to
+// be taken.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <vector>
+
+#include "shoal/transfer/transfer_engine.h"
+
+namespace shoal::transfer {
+
+struct transferred_batch::state {
+  std::uint64_t sequence = 0;
+  std::vector<storage::storage> storages;
+  backend::device* device = nullptr;
+  /// Recorded on the engine's stream after the batch's last copy; shared
+  /// with the sources held until the copies have run.
+  std::shared_ptr<backend::event> ready;
+};
+
+struct transfer_engine::job {
+  std::uint64_t sequence = 0;
+  std::vector<host_buffer> buffers;
+};
+
+/// Exactly one of `batch` and `error` is set.
+struct transfer_engine::outcome {
+  std::uint64_t sequence = 0;
+  std::shared_ptr<const transferred_batch::state> batch;
+  std::exception_ptr error;
+};
+
+}  // namespace shoal::transfer

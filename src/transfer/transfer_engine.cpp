@@ -1,0 +1,178 @@
+#include "shoal/transfer/transfer_engine.h"
+
+#include <string>
+
+#include "shoal/core/error.h"
+#include "transfer/batch_copier.h"
+#include "transfer/batch_state.h"
+
+namespace shoal::transfer {
+
+namespace {
+
+const transfer_config& checked(const transfer_config& c) {
+  if (c.max_batches_in_flight == 0) {
+    throw invalid_argument("transfer_engine: max_batches_in_flight is 0; allow at least one batch in flight");
+  }
+  if (c.staging_chunk_bytes == 0) throw invalid_argument("transfer_engine: staging_chunk_bytes is 0");
+  if (c.max_pinned_bytes < c.staging_chunk_bytes) {
+    throw invalid_argument("transfer_engine: max_pinned_bytes (" + std::to_string(c.max_pinned_bytes) +
+                           ") is smaller than one staging chunk (" + std::to_string(c.staging_chunk_bytes) +
+                           "); raise it or lower staging_chunk_bytes");
+  }
+  return c;
+}
+
+void check_batch(const std::vector<host_buffer>& batch) {
+  if (batch.empty()) throw invalid_argument("transfer_engine::submit: the batch has no buffers");
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    if (batch[i].bytes == 0 || batch[i].data == nullptr) {
+      throw invalid_argument("transfer_engine::submit: buffer " + std::to_string(i) + " is " +
+                             (batch[i].data == nullptr ? "null" : "empty") +
+                             "; every buffer needs data and at least one byte");
+    }
+  }
+}
+
+template <class Predicate>
+bool wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout,
+                Predicate ready) {
+  if (timeout == transfer_engine::forever) {
+    cv.wait(lock, ready);
+    return true;
+  }
+  return cv.wait_for(lock, timeout, ready);
+}
+
+}  // namespace
+
+// ---- transferred_batch ------------------------------------------------------------
+
+std::uint64_t transferred_batch::sequence() const noexcept { return state_->sequence; }
+const std::vector<storage::storage>& transferred_batch::storages() const noexcept { return state_->storages; }
+backend::event_ref transferred_batch::ready() const noexcept { return state_->ready->ref(); }
+
+void transferred_batch::wait_on(backend::stream_ref stream) const {
+  state_->device->wait(stream, state_->ready->ref());
+  for (const auto& s : state_->storages) s.record_stream(stream);
+}
+
+void transferred_batch::synchronize() const { state_->ready->synchronize(); }
+bool transferred_batch::is_ready() const { return state_->ready->query(); }
+
+// ---- transfer_engine ----------------------------------------------------------------
+
+transfer_engine::transfer_engine(alloc::caching_allocator& device_allocator, transfer_config config)
+    : device_allocator_(device_allocator),
+      config_(checked(config)),
+      stream_(device_allocator.device()),
+      copier_(std::make_unique<batch_copier>(device_allocator, stream_.ref(), config_)),
+      worker_([this] { run(); }) {}
+
+transfer_engine::~transfer_engine() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  work_ready_.notify_all();
+  worker_.join();
+  outcomes_.clear();  // batches not taken: freed on the engine's stream, after their copies
+  copier_.reset();    // waits for every copy, then lets go of the sources
+}
+
+std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chrono::milliseconds timeout) {
+  check_batch(batch);
+  std::unique_lock lock(mutex_);
+  const bool room = wait_until(room_ready_, lock, timeout, [&] {
+    return stopping_ || counters_.in_flight < config_.max_batches_in_flight;
+  });
+  if (stopping_) throw invalid_argument("transfer_engine::submit: the engine is shutting down");
+  if (!room) {
+    throw timeout_error("transfer_engine::submit: " + std::to_string(config_.max_batches_in_flight) +
+                        " batches are still in flight after " + std::to_string(timeout.count()) +
+                        " ms; take batches with next() or raise max_batches_in_flight");
+  }
+  const std::uint64_t sequence = next_sequence_++;
+  jobs_.push_back({sequence, std::move(batch)});
+  ++counters_.batches_submitted;
+  counters_.peak_in_flight = std::max(counters_.peak_in_flight, ++counters_.in_flight);
+  lock.unlock();
+  work_ready_.notify_one();
+  return sequence;
+}
+
+transferred_batch transfer_engine::next(std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mutex_);
+  if (!wait_until(outcome_ready_, lock, timeout, [&] { return !outcomes_.empty(); })) {
+    throw timeout_error("transfer_engine::next: no batch was transferred within " + std::to_string(timeout.count()) +
+                        " ms (" + std::to_string(counters_.in_flight) + " in flight)");
+  }
+  return take_locked(lock);
+}
+
+std::optional<transferred_batch> transfer_engine::try_next() {
+  std::unique_lock lock(mutex_);
+  if (outcomes_.empty()) return std::nullopt;
+  return take_locked(lock);
+}
+
+transferred_batch transfer_engine::take_locked(std::unique_lock<std::mutex>& lock) {
+  outcome o = std::move(outcomes_.front());
+  outcomes_.pop_front();
+  ++counters_.batches_taken;
+  --counters_.in_flight;
+  lock.unlock();
+  room_ready_.notify_one();
+  if (o.error) std::rethrow_exception(o.error);
+  return transferred_batch(std::move(o.batch));
+}
+
+transfer_stats transfer_engine::stats() const {
+  transfer_stats s;
+  {
+    std::lock_guard lock(mutex_);
+    s = counters_;
+  }
+  s.bytes_copied = copier_->bytes_copied();
+  s.bytes_staged = copier_->bytes_staged();
+  s.pinned = copier_->pinned_stats();
+  return s;
+}
+
+void transfer_engine::run() noexcept {
+  for (;;) {
+    job j;
+    {
+      std::unique_lock lock(mutex_);
+      // With sources still held, look at their copies every millisecond;
+      // otherwise sleep until there is work.
+      const auto has_work = [&] { return stopping_ || !jobs_.empty(); };
+      if (copier_->release_finished()) {
+        work_ready_.wait_for(lock, std::chrono::milliseconds(1), has_work);
+      } else {
+        work_ready_.wait(lock, has_work);
+      }
+      if (jobs_.empty()) {
+        if (stopping_) return;
+        continue;
+      }
+      j = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    outcome o{j.sequence, nullptr, nullptr};
+    try {
+      o.batch = copier_->copy(j);
+    } catch (...) {
+      o.error = std::current_exception();
+    }
+    j.buffers.clear();  // sources staged or held by the copier: let go of the rest outside the lock
+    {
+      std::lock_guard lock(mutex_);
+      ++(o.error ? counters_.batches_failed : counters_.batches_transferred);
+      outcomes_.push_back(std::move(o));
+    }
+    outcome_ready_.notify_all();
+  }
+}
+
+}  // namespace shoal::transfer
