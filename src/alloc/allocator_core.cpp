@@ -90,14 +90,13 @@ block* allocator_core::try_allocate(block_pool& pool, std::size_t size, std::siz
   // A parked block of exactly the size is as good a fit as any. Otherwise
   // the parked blocks settle first, so best fit sees every free block merged
   // (choosing among unmerged parked blocks was measured to fragment more).
-  block* b = take_quick(pool, size);
-  if (b == nullptr) {
-    if (pool.quick_count > 0) settle_quick(pool);
-    b = take_free(pool, size);
-  }
+  block* b = take_cached(pool, size);
   if (b == nullptr && !pool.pending.empty()) {
+    // Blocks whose frees completed are parked as they become reusable:
+    // looking only in the bins here would miss them, and growth would then
+    // give their segment back just to take a new one.
     collect_pending(pool, false);
-    b = take_free(pool, size);
+    b = take_cached(pool, size);
   }
   if (b == nullptr && may_grow != growth::none) {
     b = source_.grow(pool, size, may_grow == growth::right_sized_allowed);
@@ -116,7 +115,7 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
     // Not for pinned host memory: a GPU-side wait does not hold back the CPU.
     if (!pool.pending.empty() && !pool.is_private && config.memory == allocator_memory::device) {
       collect_pending(pool, true);
-      if (block* b = take_free(pool, size)) {
+      if (block* b = take_cached(pool, size)) {
         hand_out(pool, b, size, requested, stream);
         return b;
       }
@@ -128,21 +127,37 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
   // step 2 on: made earlier, it would take memory that giving the cache back
   // provides for the standard segment.
   for (const bool wait_for_pending : {false, true}) {
-    directory_.for_each_pool([&](block_pool& p) {
-      std::vector<backend::event_ref> waits;
-      if (wait_for_pending) {
+    if (wait_for_pending) {
+      directory_.for_each_pool([&](block_pool& p) {
+        std::vector<backend::event_ref> waits;
+        {
+          std::lock_guard lock(p.lock);
+          for (block* b : p.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
+        }
+        for (auto e : waits) device.synchronize_event(e);  // without the lock: this may take long
         std::lock_guard lock(p.lock);
-        for (block* b : p.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
-      }
-      for (auto e : waits) device.synchronize_event(e);  // without the lock: this may take long
+        collect_pending(p, false);
+      });
+      // What the wait freed is tried before any cache is given back: at a
+      // limit, giving it back only to take it again would cost two device
+      // calls per allocation (pinned staging blocks hit this in a loop).
+      std::lock_guard lock(pool.lock);
+      if (block* b = try_allocate(pool, size, requested, stream, growth::none)) return b;
+    }
+    directory_.for_each_pool([&](block_pool& p) {
       std::lock_guard lock(p.lock);
-      if (wait_for_pending) collect_pending(p, false);
       source_.release_cached(p);
     });
     std::lock_guard lock(pool.lock);
     if (block* b = try_allocate(pool, size, requested, stream, growth::right_sized_allowed)) return b;
   }
   return nullptr;
+}
+
+block* allocator_core::take_cached(block_pool& pool, std::size_t size) {
+  if (block* b = take_quick(pool, size)) return b;
+  if (pool.quick_count > 0) settle_quick(pool);
+  return take_free(pool, size);
 }
 
 block* allocator_core::take_free(block_pool& pool, std::size_t size) const {

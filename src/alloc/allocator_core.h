@@ -108,6 +108,9 @@ class allocator_core {
   block* try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream,
                       growth may_grow);
   block* allocate_slow(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream);  // unlocked
+  /// A parked block of exactly `size`, else (parked blocks settled first)
+  /// the best fit from the bins; not removed.
+  block* take_cached(block_pool& pool, std::size_t size);
   block* take_free(block_pool& pool, std::size_t size) const;  // from the bins; not removed
   void hand_out(block_pool& pool, block* b, std::size_t size, std::size_t requested, backend::stream_ref stream);
   [[noreturn]] void out_of_memory_error(block_pool& pool, std::size_t bytes, backend::stream_ref stream);

@@ -194,6 +194,25 @@ TYPED_TEST(allocator_streams_unchecked, the_background_transfer_race_corrupts_wi
   EXPECT_FALSE(background_batch_survives(*this));
 }
 
+TYPED_TEST(allocator_streams_safe, blocks_whose_cross_stream_frees_completed_are_reused_without_the_device) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  stream mine(dev), other(dev);
+  // Two blocks that fill a small-pool segment, both freed on another stream.
+  void* p = a.allocate(1 * mib, mine);
+  void* q = a.allocate(1 * mib, mine);
+  a.deallocate(p, other);
+  a.deallocate(q, other);
+  dev.synchronize(other);
+  const auto before = a.stats();
+  void* r = a.allocate(1 * mib, mine);  // the frees completed: both blocks are reusable now
+  const auto after = a.stats();
+  EXPECT_TRUE(r == p || r == q);
+  EXPECT_EQ(after.device_allocations, before.device_allocations) << "took new memory while the cache could serve";
+  EXPECT_EQ(after.device_frees, before.device_frees) << "gave a segment back only to take another";
+  a.deallocate(r, mine);
+}
+
 TYPED_TEST(allocator_streams, debug_mode_poisons_reusable_blocks) {
   auto& dev = this->device();
   auto& a = this->make("debug:true");

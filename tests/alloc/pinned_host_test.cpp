@@ -95,6 +95,8 @@ TYPED_TEST(pinned_host_allocator, the_limit_bounds_the_footprint_and_allocation_
   const auto waited = std::chrono::steady_clock::now() - start;
   EXPECT_EQ(q, p) << "the only block under the limit comes back once its copy has run";
   EXPECT_GE(waited, 100ms) << "handed out before the pending copy could have run";
+  EXPECT_EQ(a.stats().device_frees, 0) << "gave the block's segment back only to take a new one";
+  EXPECT_EQ(a.stats().device_allocations, 1);
   EXPECT_TRUE(all_equal(this->read(dst.ptr, 3 * mib, s), 0x55));
   EXPECT_LE(a.stats().reserved_bytes.aggregate.peak, std::int64_t{4 * mib});
   EXPECT_THROW((void)a.allocate(5 * mib, s), out_of_memory) << "one block past the limit fails";
