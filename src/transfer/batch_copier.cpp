@@ -24,11 +24,20 @@ transfer_engine::batch_copier::batch_copier(alloc::caching_allocator& device_all
       device_(device_allocator.device()),
       stream_(stream),
       chunk_bytes_(config.staging_chunk_bytes),
-      pinned_(device_allocator.device(), staging_config(config)) {}
+      pinned_(device_allocator.device(), staging_config(config)),
+      queue_depth_(config.max_batches_in_flight) {}
 
 transfer_engine::batch_copier::~batch_copier() { release_all(); }
 
 std::shared_ptr<const transferred_batch::state> transfer_engine::batch_copier::copy(job& j) {
+  // The engine thread runs ahead of its stream no further than
+  // queue_depth_ batches: otherwise a consumer that takes and drops batches
+  // at once (its stream lagging behind) would let copies, and the device
+  // memory they fill, pile up without bound.
+  while (queued_.size() >= queue_depth_) {
+    queued_.front()->synchronize();
+    queued_.pop_front();
+  }
   auto batch = std::make_shared<transferred_batch::state>();
   batch->sequence = j.sequence;
   batch->device = &device_;
@@ -58,6 +67,7 @@ std::shared_ptr<const transferred_batch::state> transfer_engine::batch_copier::c
     throw;
   }
   if (!read_directly.empty()) held_.push_back({batch->ready, std::move(read_directly)});
+  queued_.push_back(batch->ready);
   return batch;
 }
 
@@ -107,6 +117,7 @@ void transfer_engine::batch_copier::release_all() noexcept {
   } catch (...) {  // NOLINT(bugprone-empty-catch): a failed stream reads nothing more
   }
   held_.clear();
+  queued_.clear();
 }
 
 }  // namespace shoal::transfer

@@ -55,6 +55,10 @@ class transfer_engine::batch_copier {
   const std::size_t chunk_bytes_;
   alloc::caching_allocator pinned_;
   std::deque<held_sources> held_;  // oldest first
+  // The ready events of the last batches copied, oldest first: at most
+  // queue_depth_ batches' copies are queued on the stream at once.
+  std::deque<std::shared_ptr<backend::event>> queued_;
+  const std::size_t queue_depth_;
   std::atomic<std::uint64_t> bytes_copied_{0}, bytes_staged_{0};
 };
 

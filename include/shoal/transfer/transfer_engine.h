@@ -15,6 +15,10 @@
 //
 // Backpressure: at most config.max_batches_in_flight batches are submitted
 // and not yet taken by next(); submit blocks (until its deadline) past that.
+// The engine's thread keeps at most as many batches' copies queued on its
+// stream (it waits for the oldest to run before it starts another), so a
+// consumer that takes batches faster than the copies run does not pile up
+// device memory either.
 // Pinned staging memory never exceeds config.max_pinned_bytes: a staging
 // block is handed out again only after the copy reading it has run, and when
 // the bound is reached the engine waits for earlier copies. So a fast
@@ -54,7 +58,8 @@
 namespace shoal::transfer {
 
 struct transfer_config {
-  /// Batches submitted and not yet taken by next() (>= 1).
+  /// Batches submitted and not yet taken by next(), and batches whose copies
+  /// are queued and not yet run (>= 1).
   std::size_t max_batches_in_flight = 4;
   /// Bytes of pinned staging memory the engine may hold (>= staging_chunk_bytes).
   std::size_t max_pinned_bytes = std::size_t{256} << 20;

@@ -1,0 +1,200 @@
+// Host -> device transfer, timed: the anchors (one copy call from pinned
+// memory, and from pageable memory, into device memory, back to back), the
+// pinned host allocator feeding the same copies, and the transfer engine
+// moving batches from pageable and from pinned sources to a consumer that
+// drops each batch once its stream waits on it. Also the pinned allocator's
+// allocate + free pair and one thread's memcpy bandwidth (the staging
+// ceiling).
+//
+//   shoal_bench_transfer [--backend host|cuda] [--rounds N] [--mib-per-row N]
+// Prints one table: GB/s medians with (min-max) over the rounds, and each
+// row's ratio to the pinned anchor of its size.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/devices.h"
+#include "shoal/backend/stream.h"
+#include "shoal/transfer/transfer_engine.h"
+
+namespace {
+
+using namespace shoal;
+using clock_type = std::chrono::steady_clock;
+constexpr std::size_t kib = 1024, mib = kib * kib;
+
+struct options {
+  std::string backend = "cuda";
+  int rounds = 3;
+  std::size_t bytes_per_row = 2048 * mib;  // moved per measurement, whatever the size
+};
+
+double seconds_since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }
+
+struct spread {
+  double median, low, high;
+};
+spread spread_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return {v[v.size() / 2], v.front(), v.back()};
+}
+
+class bench {
+ public:
+  bench(backend::device& dev, const options& o)
+      : dev_(dev), opts_(o), device_alloc_(dev, alloc::allocator_config{}), stream_(dev), engine_(device_alloc_) {}
+
+  // GB/s of `count` copies of `size` bytes from `src` into one device buffer.
+  double plain_copies(const void* src, std::size_t size, std::size_t count) {
+    void* dst = device_alloc_.allocate(size, stream_);
+    dev_.copy(stream_, dst, src, size);  // warm
+    dev_.synchronize(stream_);
+    const auto t0 = clock_type::now();
+    for (std::size_t i = 0; i < count; ++i) dev_.copy(stream_, dst, src, size);
+    dev_.synchronize(stream_);
+    const double s = seconds_since(t0);
+    device_alloc_.deallocate(dst, stream_);
+    return static_cast<double>(size * count) / s / 1e9;
+  }
+
+  // The same copies, each from a block the pinned allocator hands out and
+  // takes back (it reuses a block once the copy reading it has run).
+  double pinned_allocator_copies(alloc::caching_allocator& pinned, std::size_t size, std::size_t count) {
+    void* dst = device_alloc_.allocate(size, stream_);
+    const auto t0 = clock_type::now();
+    for (std::size_t i = 0; i < count; ++i) {
+      void* block = pinned.allocate(size, stream_);
+      dev_.copy(stream_, dst, block, size);
+      pinned.deallocate(block, stream_);
+    }
+    dev_.synchronize(stream_);
+    const double s = seconds_since(t0);
+    device_alloc_.deallocate(dst, stream_);
+    return static_cast<double>(size * count) / s / 1e9;
+  }
+
+  // Batches of one buffer through the engine to a consumer stream; GB/s from
+  // the first submit to the last batch ready on the consumer's stream.
+  double engine_batches(const void* src, bool pinned_source, std::size_t size, std::size_t count) {
+    auto& engine = engine_;
+    backend::stream& consumer = consumer_;
+    auto submit = [&] { engine.submit({transfer::host_buffer{src, size, pinned_source, nullptr}}); };
+    submit();  // warm: staging blocks and device blocks exist
+    engine.next().wait_on(consumer);
+    dev_.synchronize(consumer);
+    const auto t0 = clock_type::now();
+    std::thread producer([&] {
+      for (std::size_t i = 0; i < count; ++i) submit();
+    });
+    for (std::size_t i = 0; i < count; ++i) engine.next().wait_on(consumer);  // dropped at once
+    producer.join();
+    dev_.synchronize(consumer);
+    return static_cast<double>(size * count) / seconds_since(t0) / 1e9;
+  }
+
+  void run() {
+    std::printf("| size | row | GB/s median (min-max over %d rounds) | / pinned anchor |\n", opts_.rounds);
+    std::printf("| --- | --- | --- | --- |\n");
+    alloc::caching_allocator pinned(dev_, alloc::allocator_config::parse("memory:pinned_host"));
+    for (std::size_t size : {64 * kib, 1 * mib, 16 * mib, 256 * mib}) {
+      // Four blocks in flight at most: past that, allocation waits for a copy.
+      auto limited = alloc::allocator_config::parse("memory:pinned_host");
+      limited.memory_limit = std::max(8 * mib, 4 * size);
+      alloc::caching_allocator staging(dev_, limited);
+      const std::size_t count = std::max<std::size_t>(4, opts_.bytes_per_row / size);
+      void* pinned_src = dev_.allocate_pinned_host(size);
+      std::vector<std::uint8_t> pageable_src(size, 0x5A);
+      std::memset(pinned_src, 0x5A, size);
+      std::vector<double> anchor, pageable, via_allocator, engine_pageable, engine_pinned;
+      for (int r = 0; r < opts_.rounds; ++r) {
+        anchor.push_back(plain_copies(pinned_src, size, count));
+        pageable.push_back(plain_copies(pageable_src.data(), size, count));
+        via_allocator.push_back(pinned_allocator_copies(staging, size, count));
+        engine_pageable.push_back(engine_batches(pageable_src.data(), false, size, count));
+        engine_pinned.push_back(engine_batches(pinned_src, true, size, count));
+      }
+      const double base = spread_of(anchor).median;
+      auto row = [&](const char* name, const std::vector<double>& v) {
+        const spread s = spread_of(v);
+        std::printf("| %zu KiB | %s | %.1f (%.1f-%.1f) | %.2f |\n", size / kib, name, s.median, s.low, s.high,
+                    s.median / base);
+      };
+      row("anchor: copy from pinned memory", anchor);
+      row("anchor: copy from pageable memory", pageable);
+      row("pinned allocator block per copy (<= 4 in flight)", via_allocator);
+      row("engine, pageable source (staged)", engine_pageable);
+      row("engine, pinned source", engine_pinned);
+      dev_.free_pinned_host(pinned_src);
+    }
+    pair_and_memcpy(pinned);
+    const auto d = device_alloc_.stats();
+    const auto p = pinned.stats();
+    std::printf("device allocator over the run: %lld segments taken, %lld given back; pinned allocator: %lld, %lld\n",
+                static_cast<long long>(d.device_allocations), static_cast<long long>(d.device_frees),
+                static_cast<long long>(p.device_allocations), static_cast<long long>(p.device_frees));
+  }
+
+  void pair_and_memcpy(alloc::caching_allocator& pinned) {
+    std::vector<double> pair_us;
+    for (int r = 0; r < opts_.rounds; ++r) {
+      constexpr int n = 20000;
+      const auto t0 = clock_type::now();
+      for (int i = 0; i < n; ++i) pinned.deallocate(pinned.allocate(64 * kib, stream_), stream_);
+      pair_us.push_back(seconds_since(t0) / n * 1e6);
+      dev_.synchronize(stream_);
+    }
+    const spread p = spread_of(pair_us);
+    std::printf("\npinned allocator allocate + free, 64 KiB: %.3f us (%.3f-%.3f)\n", p.median, p.low, p.high);
+    std::vector<std::uint8_t> a(256 * mib, 1), b(256 * mib, 2);
+    std::vector<double> gbs;
+    for (int r = 0; r < opts_.rounds; ++r) {
+      const auto t0 = clock_type::now();
+      std::memcpy(b.data(), a.data(), a.size());
+      gbs.push_back(static_cast<double>(a.size()) / seconds_since(t0) / 1e9);
+    }
+    const spread m = spread_of(gbs);
+    std::printf("one thread's memcpy, 256 MiB: %.1f GB/s (%.1f-%.1f)\n", m.median, m.low, m.high);
+  }
+
+ private:
+  backend::device& dev_;
+  const options& opts_;
+  alloc::caching_allocator device_alloc_;
+  backend::stream stream_;
+  backend::stream consumer_{dev_};
+  transfer::transfer_engine engine_;  // last: stopped before the streams and the allocator go
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  options o;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string key = argv[i], value = argv[i + 1];
+    if (key == "--backend") {
+      o.backend = value;
+    } else if (key == "--rounds") {
+      o.rounds = std::max(1, std::atoi(value.c_str()));
+    } else if (key == "--mib-per-row") {
+      o.bytes_per_row = static_cast<std::size_t>(std::max(1, std::atoi(value.c_str()))) * mib;
+    } else {
+      std::fprintf(stderr, "usage: %s [--backend host|cuda] [--rounds N] [--mib-per-row N]\n", argv[0]);
+      return 2;
+    }
+  }
+  try {
+    auto& dev = o.backend == "host" ? backend::host_device_instance() : backend::cuda_device_instance(0);
+    std::printf("device: %s\n\n", dev.name().c_str());
+    bench(dev, o).run();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shoal_bench_transfer: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
