@@ -25,7 +25,8 @@ transfer_engine::batch_copier::batch_copier(alloc::caching_allocator& device_all
       stream_(stream),
       chunk_bytes_(config.staging_chunk_bytes),
       pinned_(device_allocator.device(), staging_config(config)),
-      queue_depth_(config.max_batches_in_flight) {}
+      queue_depth_(config.max_batches_in_flight),
+      memcpy_(config.staging_helpers) {}
 
 transfer_engine::batch_copier::~batch_copier() { release_all(); }
 
@@ -79,7 +80,7 @@ void transfer_engine::batch_copier::stage(void* dst, const host_buffer& source) 
     // Handed out only once the copy that last read it has run (the pinned
     // allocator's rule); past max_pinned_bytes it waits for such a copy.
     void* staging = pinned_.allocate(n, stream_);
-    std::memcpy(staging, from + offset, n);
+    memcpy_.copy(staging, from + offset, n);
     try {
       device_.copy(stream_, to + offset, staging, n);
     } catch (...) {

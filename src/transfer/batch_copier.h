@@ -15,6 +15,7 @@
 
 #include "shoal/alloc/caching_allocator.h"
 #include "transfer/batch_state.h"
+#include "transfer/parallel_memcpy.h"
 
 namespace shoal::transfer {
 
@@ -59,6 +60,7 @@ class transfer_engine::batch_copier {
   // queue_depth_ batches' copies are queued on the stream at once.
   std::deque<std::shared_ptr<backend::event>> queued_;
   const std::size_t queue_depth_;
+  parallel_memcpy memcpy_;
   std::atomic<std::uint64_t> bytes_copied_{0}, bytes_staged_{0};
 };
 

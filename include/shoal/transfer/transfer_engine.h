@@ -66,6 +66,9 @@ struct transfer_config {
   /// Pageable buffers are staged in pieces of at most this many bytes (> 0),
   /// so copying one piece to the device overlaps staging the next.
   std::size_t staging_chunk_bytes = std::size_t{8} << 20;
+  /// Threads that help the engine's thread copy pageable bytes into staging
+  /// blocks (0: it copies alone; one thread moves about 10 GB/s).
+  std::size_t staging_helpers = 3;
 };
 
 /// One host buffer of a batch.
