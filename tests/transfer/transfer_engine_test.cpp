@@ -94,7 +94,10 @@ int corrupted_batches(Test& test, bool record_use) {
   std::thread producer([&] {
     for (std::uint64_t i = 0; i < batches; ++i) engine.submit({pageable(bytes, pattern(i))});
   });
-  std::vector<std::vector<std::uint8_t>> seen(batches, std::vector<std::uint8_t>(bytes));
+  // Pinned, so that the reads are asynchronous on CUDA too (a copy into
+  // pageable memory returns only once it has run, which would serialize the
+  // consumer with its stream and hide the race).
+  auto* seen = static_cast<std::uint8_t*>(dev.allocate_pinned_host(batches * bytes));
   for (std::uint64_t i = 0; i < batches; ++i) {
     auto batch = engine.next(10s);
     if (record_use) {
@@ -103,12 +106,15 @@ int corrupted_batches(Test& test, bool record_use) {
       dev.wait(model, batch.ready());
     }
     dev.delay(model, 20ms);  // the model is busy before it reads the batch
-    dev.copy(model, seen[i].data(), batch.storages()[0].data(), bytes);
+    dev.copy(model, seen + i * bytes, batch.storages()[0].data(), bytes);
   }  // each batch dropped right after its read was enqueued
   producer.join();
   dev.synchronize(model);
   int corrupted = 0;
-  for (std::uint64_t i = 0; i < batches; ++i) corrupted += all_equal(seen[i], pattern(i)) ? 0 : 1;
+  for (std::uint64_t i = 0; i < batches; ++i) {
+    corrupted += all_equal(std::vector<std::uint8_t>(seen + i * bytes, seen + (i + 1) * bytes), pattern(i)) ? 0 : 1;
+  }
+  dev.free_pinned_host(seen);
   return corrupted;
 }
 
