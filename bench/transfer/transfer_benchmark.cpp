@@ -48,7 +48,14 @@ spread spread_of(std::vector<double> v) {
 class bench {
  public:
   bench(backend::device& dev, const options& o)
-      : dev_(dev), opts_(o), device_alloc_(dev, alloc::allocator_config{}), stream_(dev), engine_(device_alloc_) {}
+      : dev_(dev),
+        opts_(o),
+        copy_stream_(dev),
+        wide_copy_stream_(dev),
+        device_alloc_(dev, alloc::allocator_config{}),
+        stream_(dev),
+        engine_(device_alloc_, copy_stream_),
+        wide_engine_(device_alloc_, wide_copy_stream_, {.staging_helpers = 7}) {}
 
   // GB/s of `count` copies of `size` bytes from `src` into one device buffer.
   double plain_copies(const void* src, std::size_t size, std::size_t count) {
@@ -167,12 +174,13 @@ class bench {
  private:
   backend::device& dev_;
   const options& opts_;
+  backend::stream copy_stream_, wide_copy_stream_;  // outlive the allocator
   alloc::caching_allocator device_alloc_;
   backend::stream stream_;
   backend::stream consumer_{dev_};
   // Last: stopped before the streams and the allocator go.
   transfer::transfer_engine engine_;
-  transfer::transfer_engine wide_engine_{device_alloc_, {.staging_helpers = 7}};
+  transfer::transfer_engine wide_engine_;
 };
 
 }  // namespace

@@ -66,11 +66,12 @@ bool transferred_batch::is_ready() const { return state_->ready->query(); }
 
 // ---- transfer_engine ----------------------------------------------------------------
 
-transfer_engine::transfer_engine(alloc::caching_allocator& device_allocator, transfer_config config)
+transfer_engine::transfer_engine(alloc::caching_allocator& device_allocator, backend::stream_ref copy_stream,
+                                 transfer_config config)
     : device_allocator_(device_allocator),
       config_(checked(config)),
-      stream_(device_allocator.device()),
-      copier_(std::make_unique<batch_copier>(device_allocator, stream_.ref(), config_)),
+      stream_(copy_stream),
+      copier_(std::make_unique<batch_copier>(device_allocator, stream_, config_)),
       worker_([this] { run(); }) {}
 
 transfer_engine::~transfer_engine() {

@@ -36,9 +36,12 @@ template <class Backend>
 class transfer_engine_test : public backend_test<Backend> {
  public:
   alloc::caching_allocator& make_allocator(std::string_view conf = "") {
+    copy_stream_ = std::make_unique<stream>(this->device());
     allocator_ = std::make_unique<alloc::caching_allocator>(this->device(), alloc::allocator_config::parse(conf));
     return *allocator_;
   }
+  /// The engine's copy stream: made before the allocator, gone after it.
+  backend::stream_ref copy_stream() const { return copy_stream_->ref(); }
 
  protected:
   void TearDown() override {
@@ -46,6 +49,7 @@ class transfer_engine_test : public backend_test<Backend> {
     EXPECT_EQ(allocator_->stats().allocations.aggregate.current, 0) << "device storages left allocated";
     allocator_.reset();
   }
+  std::unique_ptr<stream> copy_stream_;
   std::unique_ptr<alloc::caching_allocator> allocator_;
 };
 TYPED_TEST_SUITE(transfer_engine_test, backend_types, backend_names);
@@ -53,7 +57,8 @@ TYPED_TEST_SUITE(transfer_engine_test, backend_types, backend_names);
 TYPED_TEST(transfer_engine_test, batches_arrive_in_submission_order_with_every_byte) {
   auto& dev = this->device();
   auto& a = this->make_allocator();
-  transfer_engine engine(a, {.max_batches_in_flight = 3, .max_pinned_bytes = 2 * mib, .staging_chunk_bytes = 256 * kib});
+  transfer_engine engine(a, this->copy_stream(),
+                         {.max_batches_in_flight = 3, .max_pinned_bytes = 2 * mib, .staging_chunk_bytes = 256 * kib});
   stream consumer(dev);
   std::thread producer([&] {
     for (std::uint64_t i = 0; i < 12; ++i) {
@@ -87,7 +92,7 @@ template <class Test>
 int corrupted_batches(Test& test, bool record_use) {
   auto& dev = test.device();
   auto& a = test.make_allocator();
-  transfer_engine engine(a, {.max_batches_in_flight = 4});
+  transfer_engine engine(a, test.copy_stream(), {.max_batches_in_flight = 4});
   constexpr std::uint64_t batches = 16;
   constexpr std::size_t bytes = 256 * kib;
   stream model(dev);
@@ -133,7 +138,7 @@ TYPED_TEST(transfer_engine_test, a_pinned_source_is_held_until_the_copy_reading_
   auto& dev = this->device();
   auto& a = this->make_allocator();
   alloc::caching_allocator pinned_memory(dev, alloc::allocator_config::parse("memory:pinned_host"));
-  transfer_engine engine(a);
+  transfer_engine engine(a, this->copy_stream());
   stream s(dev);
   void* block = pinned_memory.allocate(64 * kib, s);
   std::memset(block, 0x5A, 64 * kib);
@@ -158,7 +163,7 @@ TYPED_TEST(transfer_engine_test, a_fast_producer_stays_within_the_batch_and_pinn
   auto& dev = this->device();
   auto& a = this->make_allocator();
   const transfer_config config{.max_batches_in_flight = 2, .max_pinned_bytes = 4 * mib, .staging_chunk_bytes = mib};
-  transfer_engine engine(a, config);
+  transfer_engine engine(a, this->copy_stream(), config);
   dev.delay(engine.stream(), 100ms);
   engine.submit({pageable(3 * mib, 1)});
   engine.submit({pageable(3 * mib, 2)});
@@ -186,7 +191,7 @@ TYPED_TEST(transfer_engine_test, a_batch_that_cannot_be_transferred_fails_alone)
   auto& dev = this->device();
   auto& a = this->make_allocator("memory_limit_mb:8");
   stream s(dev);  // before the batch: a stream must outlive the storages used on it
-  transfer_engine engine(a);
+  transfer_engine engine(a, this->copy_stream());
   engine.submit({pageable(64 * kib, 1), pageable(16 * mib, 2)});  // past the device allocator's limit
   engine.submit({pageable(64 * kib, 3)});
   EXPECT_THROW((void)engine.next(10s), out_of_memory);
@@ -202,9 +207,9 @@ TYPED_TEST(transfer_engine_test, a_batch_that_cannot_be_transferred_fails_alone)
 
 TYPED_TEST(transfer_engine_test, bad_batches_and_settings_are_refused_before_anything_is_queued) {
   auto& a = this->make_allocator();
-  EXPECT_THROW(transfer_engine(a, {.max_batches_in_flight = 0}), invalid_argument);
-  EXPECT_THROW(transfer_engine(a, {.max_pinned_bytes = mib, .staging_chunk_bytes = 2 * mib}), invalid_argument);
-  transfer_engine engine(a);
+  EXPECT_THROW(transfer_engine(a, this->copy_stream(), {.max_batches_in_flight = 0}), invalid_argument);
+  EXPECT_THROW(transfer_engine(a, this->copy_stream(), {.max_pinned_bytes = mib, .staging_chunk_bytes = 2 * mib}), invalid_argument);
+  transfer_engine engine(a, this->copy_stream());
   EXPECT_THROW(engine.submit({}), invalid_argument);
   EXPECT_THROW(engine.submit({host_buffer{nullptr, 16}}), invalid_argument);
   std::uint8_t byte = 0;
@@ -217,7 +222,7 @@ TYPED_TEST(transfer_engine_test, bad_batches_and_settings_are_refused_before_any
 TYPED_TEST(transfer_engine_test, batches_never_taken_are_freed_when_the_engine_stops) {
   auto& a = this->make_allocator();
   {
-    transfer_engine engine(a);
+    transfer_engine engine(a, this->copy_stream());
     for (int i = 0; i < 3; ++i) engine.submit({pageable(mib, 7)});
     auto first = engine.next(10s);  // taken and dropped; the other two never are
   }

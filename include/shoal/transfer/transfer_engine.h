@@ -34,7 +34,8 @@
 // copies; wait_on and synchronize may be called from any thread.
 //
 // Lifetimes: the device allocator must outlive the engine and every
-// storage it handed out. The destructor finishes the batches already
+// storage it handed out; the copy stream, like every stream an allocator is
+// used with, must outlive the allocator (its storages are freed on it). The destructor finishes the batches already
 // submitted, waits for their copies and stops the thread; batches not taken
 // are dropped (their memory is freed after their copies).
 #pragma once
@@ -128,9 +129,11 @@ class transfer_engine {
  public:
   static constexpr std::chrono::milliseconds forever = std::chrono::milliseconds::max();
 
-  /// Copies into storages from `device_allocator`, on a stream of its device
-  /// the engine creates. invalid_argument for a config out of range.
-  explicit transfer_engine(alloc::caching_allocator& device_allocator, transfer_config config = {});
+  /// Copies into storages from `device_allocator`, on `copy_stream` (a
+  /// stream of its device that nothing else enqueues work on, kept by the
+  /// caller: see Lifetimes). invalid_argument for a config out of range.
+  transfer_engine(alloc::caching_allocator& device_allocator, backend::stream_ref copy_stream,
+                  transfer_config config = {});
   ~transfer_engine();
   transfer_engine(const transfer_engine&) = delete;
   transfer_engine& operator=(const transfer_engine&) = delete;
@@ -150,7 +153,7 @@ class transfer_engine {
 
   [[nodiscard]] transfer_stats stats() const;
   /// The stream the copies run on.
-  [[nodiscard]] backend::stream_ref stream() const noexcept { return stream_.ref(); }
+  [[nodiscard]] backend::stream_ref stream() const noexcept { return stream_; }
   [[nodiscard]] const transfer_config& config() const noexcept { return config_; }
 
  private:
@@ -163,7 +166,7 @@ class transfer_engine {
 
   alloc::caching_allocator& device_allocator_;
   const transfer_config config_;
-  backend::stream stream_;
+  const backend::stream_ref stream_;
   std::unique_ptr<batch_copier> copier_;
 
   // Lock order: mutex_ alone; the worker copies without it.
