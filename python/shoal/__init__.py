@@ -10,7 +10,8 @@ threads as streams); ``SHOAL_BACKEND=host`` or ``cuda`` forces the choice.
     array = numpy.from_dlpack(storage.view("float32", (32, 32)))
 
 Between processes: ``shoal.sharing`` (Producer / Consumer of batches) on top of
-Listener, connect, SharingContext and Peer.
+Listener, connect, SharingContext and Peer. From host to device in the background:
+``shoal.transfer.Engine`` (batches of numpy arrays or torch CPU tensors in, ArrayViews out).
 """
 
 from __future__ import annotations

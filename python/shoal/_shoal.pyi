@@ -437,3 +437,57 @@ class Peer:
     def __enter__(self) -> object: ...
 
     def __exit__(self, *args) -> None: ...
+
+class TransferredBatch:
+    """
+    One batch whose host-to-device copies are enqueued: a Storage per buffer submitted. wait() before using them on a stream.
+    """
+
+    @property
+    def sequence(self) -> int:
+        """The batch's place in submission order, from 0."""
+
+    @property
+    def storages(self) -> list[Storage]:
+        """The device storages, in the order of the buffers submitted."""
+
+    def wait(self, stream: Stream | None = None) -> None:
+        """
+        Work enqueued on ``stream`` (default: the current stream) from now on sees the batch's bytes (a GPU-side wait), and the storages' memory is reused only after that stream passes what was enqueued on it before they are dropped.
+        """
+
+    def synchronize(self) -> None:
+        """Blocks until the batch's copies have run."""
+
+    def ready(self) -> bool:
+        """True once the batch's copies have run."""
+
+class TransferEngine:
+    """
+    Background host-to-device transfer: a thread and a stream of its own copy submitted host buffers into device storages (shoal.transfer.Engine is the batch API).
+    """
+
+    def __init__(self, allocator: Allocator, max_batches_in_flight: int = 4, max_pinned_bytes: int = 268435456, staging_chunk_bytes: int = 8388608, staging_helpers: int = 3) -> None: ...
+
+    def submit(self, buffers: Sequence[tuple[int, int, bool, object]], timeout: float | None = None) -> int:
+        """
+        Queues a batch of (address, nbytes, pinned, owner) host buffers; ``owner`` is kept alive while the engine reads the memory. Returns the batch's sequence number. Blocks while max_batches_in_flight batches are in flight; PeerTimeoutError after ``timeout`` seconds.
+        """
+
+    def next(self, timeout: float | None = None) -> TransferredBatch:
+        """
+        The next batch in submission order once its copies are enqueued; raises the batch's own error when it failed, PeerTimeoutError after ``timeout`` seconds.
+        """
+
+    def stats(self) -> dict:
+        """
+        Counters as a dict: batches submitted, transferred, failed and taken, bytes copied and staged, batches in flight (now and at the peak), pinned staging memory (now and at the peak).
+        """
+
+    def close(self) -> None:
+        """
+        Finishes the batches submitted, waits for their copies and stops the thread. Idempotent.
+        """
+
+    @property
+    def closed(self) -> bool: ...

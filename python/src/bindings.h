@@ -11,6 +11,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -134,6 +135,10 @@ py_storage allocate_storage(const py_allocator& allocator, std::int64_t nbytes, 
 /// release to the producer also waits for `stream`. False for other memory.
 bool record_stream_on_import(const storage::storage& storage, const std::shared_ptr<stream_state>& stream);
 
+/// A timeout in seconds as milliseconds, rounded up; None is no deadline.
+/// invalid_argument (naming `who`) for a negative or non-finite value.
+std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> seconds, const char* who);
+
 void register_errors(nb::module_& m);
 void register_streams(nb::module_& m);
 void register_allocator(nb::module_& m);
@@ -142,5 +147,6 @@ void register_dlpack(nb::module_& m);
 void register_dlpack_import(nb::module_& m);
 void register_sharing(nb::module_& m);
 void register_torch_api(nb::module_& m);
+void register_transfer(nb::module_& m);
 
 }  // namespace shoal::python

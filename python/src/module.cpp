@@ -13,4 +13,5 @@ NB_MODULE(_shoal, m) {
   shoal::python::register_dlpack_import(m);
   shoal::python::register_sharing(m);
   shoal::python::register_torch_api(m);
+  shoal::python::register_transfer(m);
 }

@@ -42,15 +42,6 @@ channel::access_policy policy_of(const std::vector<std::uint32_t>& allowed_uids)
   return policy;
 }
 
-/// A timeout in seconds as milliseconds, rounded up; None is no deadline.
-std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> seconds, const char* who) {
-  if (!seconds) return std::nullopt;
-  if (!(*seconds >= 0) || !std::isfinite(*seconds)) {
-    throw invalid_argument(std::string(who) + ": timeout must be a finite number of seconds >= 0");
-  }
-  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(*seconds * 1000.0)));
-}
-
 struct py_listener {
   std::unique_ptr<channel::listener> listener;
   channel::listener& get() const {
@@ -355,6 +346,14 @@ void register_sharing(nb::module_& m) {
             gone.reset();
           },
           nb::arg("args"));
+}
+
+std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> seconds, const char* who) {
+  if (!seconds) return std::nullopt;
+  if (!(*seconds >= 0) || !std::isfinite(*seconds)) {
+    throw invalid_argument(std::string(who) + ": timeout must be a finite number of seconds >= 0");
+  }
+  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(*seconds * 1000.0)));
 }
 
 }  // namespace shoal::python

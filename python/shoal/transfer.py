@@ -1,0 +1,206 @@
+"""Background host-to-device transfer of batches, with no batch cache.
+
+A data loader submits batches of host arrays (numpy arrays, torch CPU tensors) in a list,
+tuple or dict, nested; the engine's own thread copies each array into device memory on its
+own stream — directly from pinned memory (a torch tensor with ``pin_memory()``), through
+pinned staging blocks otherwise — and the model takes the batches in order as ArrayViews
+it hands to torch, CuPy or JAX through DLPack::
+
+    import numpy, shoal.transfer, torch
+
+    with shoal.transfer.Engine() as engine:
+        engine.submit({"x": numpy.ones((64, 3, 224, 224), "float32"), "y": labels})
+        batch = engine.get()                    # {"x": ArrayView, "y": ArrayView}
+        x = torch.from_dlpack(batch["x"])       # on the current stream, after the copy
+
+``get()`` makes the current stream (or the one given) wait for the batch's copies on the
+GPU — no host synchronization — and records that stream as a user of the batch's memory,
+so the model may drop the batch the moment its kernels are enqueued: the memory is reused
+only after that stream has passed them. No need to keep the last few batches alive.
+
+Backpressure: ``submit`` blocks while ``max_batches_in_flight`` batches are submitted and
+not yet taken; pinned staging memory never exceeds ``max_pinned_bytes``. A batch that
+cannot be transferred (out of memory) raises its error from ``get`` alone; later batches
+are unaffected.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional, Union
+
+from . import _shoal, default_allocator
+
+__all__ = ["Engine", "MAX_ARRAYS_PER_BATCH", "MAX_NESTING"]
+
+MAX_NESTING = 32
+MAX_ARRAYS_PER_BATCH = 4096
+
+Batch = Union[_shoal.ArrayView, list, tuple, dict]
+
+
+def _host_buffer(leaf: Any) -> tuple[tuple[int, int, bool, Any], str, tuple[int, ...]]:
+    """(address, nbytes, pinned, owner), dtype name and shape of one host array."""
+    module = type(leaf).__module__.split(".")[0]
+    if module == "torch":
+        if leaf.device.type != "cpu":
+            raise ValueError(f"shoal.transfer: a tensor on {leaf.device} is not host memory; submit CPU tensors")
+        tensor = leaf.contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return (tensor.data_ptr(), nbytes, bool(tensor.is_pinned()), tensor), dtype, tuple(tensor.shape)
+    import numpy
+
+    if not isinstance(leaf, numpy.ndarray):
+        raise TypeError(
+            f"shoal.transfer: cannot transfer a {type(leaf).__name__}: a batch holds numpy arrays or torch "
+            "CPU tensors, in lists, tuples and dicts"
+        )
+    array = numpy.ascontiguousarray(leaf)
+    return (array.ctypes.data, array.nbytes, False, array), array.dtype.name, tuple(array.shape)
+
+
+def _flatten(batch: Any, leaves: list, depth: int) -> Any:
+    """The batch's structure with each array replaced by its index in ``leaves``."""
+    if depth > MAX_NESTING:
+        raise ValueError(f"shoal.transfer: a batch nests deeper than {MAX_NESTING} levels")
+    if isinstance(batch, (list, tuple)):
+        items = [_flatten(x, leaves, depth + 1) for x in batch]
+        return items if isinstance(batch, list) else tuple(items)
+    if isinstance(batch, dict):
+        return {key: _flatten(value, leaves, depth + 1) for key, value in batch.items()}
+    if len(leaves) >= MAX_ARRAYS_PER_BATCH:
+        raise ValueError(f"shoal.transfer: a batch holds more than {MAX_ARRAYS_PER_BATCH} arrays")
+    buffer, dtype, shape = _host_buffer(batch)
+    if buffer[1] == 0:
+        raise ValueError("shoal.transfer: an empty array has nothing to transfer; leave it out of the batch")
+    leaves.append((buffer, dtype, shape))
+    return _Leaf(len(leaves) - 1)
+
+
+class _Leaf(int):
+    """An array's index in a flattened batch (an int, told apart from the batch's own ints)."""
+
+
+def _rebuild(node: Any, views: list) -> Any:
+    if isinstance(node, _Leaf):
+        return views[node]
+    if isinstance(node, list):
+        return [_rebuild(x, views) for x in node]
+    if isinstance(node, tuple):
+        return tuple(_rebuild(x, views) for x in node)
+    return {key: _rebuild(value, views) for key, value in node.items()}
+
+
+class Engine:
+    """A thread and a stream that copy submitted host batches to the device.
+
+    ``allocator``: where device memory comes from (default: ``shoal.default_allocator()``).
+    ``max_batches_in_flight``: batches submitted and not yet taken (``submit`` blocks past it).
+    ``max_pinned_bytes``: the pinned staging memory the engine may hold.
+    ``staging_chunk_bytes``: pageable arrays are staged in pieces this large.
+    ``staging_helpers``: threads that help copy pageable bytes into staging memory.
+
+    Thread-safe: several producers may submit, and batches come out of ``get`` in
+    submission order. Close it (or use it as a context manager) to stop the thread;
+    batches already taken stay valid.
+    """
+
+    def __init__(
+        self,
+        allocator: Optional[_shoal.Allocator] = None,
+        *,
+        max_batches_in_flight: int = 4,
+        max_pinned_bytes: int = 256 << 20,
+        staging_chunk_bytes: int = 8 << 20,
+        staging_helpers: int = 3,
+    ) -> None:
+        self._engine = _shoal.TransferEngine(
+            allocator if allocator is not None else default_allocator(),
+            max_batches_in_flight,
+            max_pinned_bytes,
+            staging_chunk_bytes,
+            staging_helpers,
+        )
+        # Each batch's structure and leaf types, by sequence number, until taken. Submits
+        # are serialized so that the number is known before the engine can hand the
+        # batch out (a producer blocked by backpressure holds the others back, as the
+        # engine would).
+        self._layouts: dict[int, tuple[Any, list[tuple[str, tuple[int, ...]]]]] = {}
+        self._submit_lock = threading.Lock()
+        self._layouts_lock = threading.Lock()
+        self._next_sequence = 0
+
+    def submit(self, batch: Any, timeout: Optional[float] = None) -> int:
+        """Queues a batch (an array, or a list/tuple/dict of them, nested) and returns its sequence number.
+
+        Pageable arrays are copied into staging memory by the engine's threads; pinned torch
+        tensors are read directly and kept alive until their copy has run. Blocks while
+        ``max_batches_in_flight`` batches are in flight; PeerTimeoutError after ``timeout``
+        seconds (nothing queued then).
+        """
+        leaves: list = []
+        structure = _flatten(batch, leaves, 0)
+        if not leaves:
+            raise ValueError("shoal.transfer: the batch holds no arrays")
+        buffers = [buffer for buffer, _, _ in leaves]
+        types = [(dtype, shape) for _, dtype, shape in leaves]
+        with self._submit_lock:
+            sequence = self._next_sequence
+            with self._layouts_lock:
+                self._layouts[sequence] = (structure, types)
+            try:
+                submitted = self._engine.submit(buffers, timeout)
+            except BaseException:
+                with self._layouts_lock:
+                    self._layouts.pop(sequence, None)
+                raise
+            assert submitted == sequence, "shoal.transfer: the engine numbered a batch out of order"
+            self._next_sequence += 1
+        return submitted
+
+    def next(self, timeout: Optional[float] = None) -> _shoal.TransferredBatch:
+        """The next batch as the engine hands it out (storages and ready state), without waiting on a stream."""
+        return self._engine.next(timeout)
+
+    def get(self, timeout: Optional[float] = None, stream: Optional[_shoal.Stream] = None) -> Batch:
+        """The next batch in submission order, as ArrayViews in the structure submitted.
+
+        ``stream`` (default: the current stream) waits for the batch's copies on the GPU and
+        is recorded as a user of its memory. Raises the batch's own error when it failed;
+        PeerTimeoutError after ``timeout`` seconds.
+        """
+        try:
+            transferred = self._engine.next(timeout)
+        except _shoal.ShoalError as error:
+            if not isinstance(error, _shoal.PeerTimeoutError):
+                # The batch that failed was the oldest not yet taken.
+                with self._layouts_lock:
+                    if self._layouts:
+                        self._layouts.pop(min(self._layouts))
+            raise
+        with self._layouts_lock:
+            structure, types = self._layouts.pop(transferred.sequence)
+        transferred.wait(stream)
+        views = [storage.view(dtype, shape) for storage, (dtype, shape) in zip(transferred.storages, types)]
+        return _rebuild(structure, views)
+
+    def stats(self) -> dict:
+        """Counters: batches submitted, transferred, failed and taken; bytes copied and staged;
+        batches in flight now and at the peak; pinned staging memory now and at the peak."""
+        return self._engine.stats()
+
+    def close(self) -> None:
+        """Finishes the batches submitted, waits for their copies and stops the thread."""
+        self._engine.close()
+        self._layouts.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._engine.closed
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

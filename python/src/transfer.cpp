@@ -1,0 +1,172 @@
+// Python bindings of the transfer engine: TransferEngine (submit raw host
+// buffers, take TransferredBatch) — shoal.transfer builds the nested-batch
+// API on top.
+//
+// GIL: every call that may wait (submit under backpressure, next, close,
+// synchronize) releases it; the engine's thread lets go of source objects by
+// taking the GIL for the decref, so nothing that holds the GIL ever waits
+// for that thread.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "bindings.h"
+#include "shoal/core/error.h"
+#include "shoal/transfer/transfer_engine.h"
+
+namespace shoal::python {
+
+namespace {
+
+using transfer::transfer_engine;
+
+/// Keeps a Python object alive from C++; the last owner may be any thread.
+std::shared_ptr<const void> hold(nb::handle object) {
+  object.inc_ref();
+  return std::shared_ptr<const void>(object.ptr(), [](const void* p) {
+    if (!Py_IsInitialized()) return;  // the interpreter is gone: nothing left to release
+    nb::gil_scoped_acquire gil;
+    Py_DECREF(static_cast<PyObject*>(const_cast<void*>(p)));
+  });
+}
+
+struct py_transfer_engine {
+  std::shared_ptr<allocator_state> allocator;
+  std::unique_ptr<transfer_engine> engine;
+
+  transfer_engine& get() const {
+    if (!engine) throw invalid_argument("TransferEngine: closed");
+    return *engine;
+  }
+  // Waits for the engine's thread, which may need the GIL to let go of
+  // sources: never with the GIL held.
+  void close() {
+    nb::gil_scoped_release release;
+    engine.reset();
+  }
+  ~py_transfer_engine() {
+    if (engine) close();
+  }
+};
+
+struct py_transferred_batch {
+  transfer::transferred_batch batch;
+  std::shared_ptr<allocator_state> allocator;
+};
+
+}  // namespace
+
+void register_transfer(nb::module_& m) {
+  nb::class_<py_transferred_batch>(m, "TransferredBatch",
+                                   "One batch whose host-to-device copies are enqueued: a Storage per buffer "
+                                   "submitted. wait() before using them on a stream.")
+      .def_prop_ro("sequence", [](const py_transferred_batch& b) { return b.batch.sequence(); },
+                   "The batch's place in submission order, from 0.")
+      .def_prop_ro(
+          "storages",
+          [](const py_transferred_batch& b) {
+            std::vector<py_storage> out;
+            for (const auto& s : b.batch.storages()) out.push_back(py_storage{storage_handle(s, b.allocator)});
+            return out;
+          },
+          "The device storages, in the order of the buffers submitted.")
+      .def(
+          "wait",
+          [](const py_transferred_batch& b, const py_stream* stream) {
+            auto s = stream_or_current(stream, b.allocator->allocator().device());
+            b.allocator->keep(s);  // the storages' release may wait for it
+            b.batch.wait_on(s->ref());
+          },
+          nb::arg("stream").none() = nb::none(),
+          "Work enqueued on ``stream`` (default: the current stream) from now on sees the batch's bytes "
+          "(a GPU-side wait), and the storages' memory is reused only after that stream passes what "
+          "was enqueued on it before they are dropped.")
+      .def(
+          "synchronize", [](const py_transferred_batch& b) { b.batch.synchronize(); },
+          nb::call_guard<nb::gil_scoped_release>(), "Blocks until the batch's copies have run.")
+      .def("ready", [](const py_transferred_batch& b) { return b.batch.is_ready(); },
+           "True once the batch's copies have run.");
+
+  nb::class_<py_transfer_engine>(m, "TransferEngine",
+                                 "Background host-to-device transfer: a thread and a stream of its own copy "
+                                 "submitted host buffers into device storages (shoal.transfer.Engine is the "
+                                 "batch API).")
+      .def(
+          "__init__",
+          [](py_transfer_engine* self, const py_allocator& allocator, std::size_t max_batches_in_flight,
+             std::size_t max_pinned_bytes, std::size_t staging_chunk_bytes, std::size_t staging_helpers) {
+            auto& device = allocator.state->allocator().device();
+            // A stream of its own, kept as long as the allocator (its
+            // storages are freed on it).
+            auto copy_stream = stream_state::create(device);
+            allocator.state->keep(copy_stream);
+            new (self) py_transfer_engine{
+                allocator.state,
+                std::make_unique<transfer_engine>(
+                    allocator.state->allocator(), copy_stream->ref(),
+                    transfer::transfer_config{max_batches_in_flight, max_pinned_bytes, staging_chunk_bytes,
+                                              staging_helpers})};
+          },
+          nb::arg("allocator"), nb::arg("max_batches_in_flight") = 4, nb::arg("max_pinned_bytes") = 256u << 20,
+          nb::arg("staging_chunk_bytes") = 8u << 20, nb::arg("staging_helpers") = 3)
+      .def(
+          "submit",
+          [](const py_transfer_engine& e, const std::vector<std::tuple<std::uintptr_t, std::size_t, bool, nb::object>>&
+                                              buffers,
+             std::optional<double> timeout) {
+            std::vector<transfer::host_buffer> batch;
+            batch.reserve(buffers.size());
+            for (const auto& [address, nbytes, pinned, owner] : buffers) {
+              batch.push_back({reinterpret_cast<const void*>(address), nbytes, pinned, hold(owner)});
+            }
+            const auto deadline = deadline_of(timeout, "TransferEngine.submit");
+            nb::gil_scoped_release release;
+            return e.get().submit(std::move(batch), deadline.value_or(transfer_engine::forever));
+          },
+          nb::arg("buffers"), nb::arg("timeout").none() = nb::none(),
+          "Queues a batch of (address, nbytes, pinned, owner) host buffers; ``owner`` is kept alive while "
+          "the engine reads the memory. Returns the batch's sequence number. Blocks while "
+          "max_batches_in_flight batches are in flight; PeerTimeoutError after ``timeout`` seconds.")
+      .def(
+          "next",
+          [](const py_transfer_engine& e, std::optional<double> timeout) {
+            const auto deadline = deadline_of(timeout, "TransferEngine.next");
+            std::optional<transfer::transferred_batch> batch;
+            {
+              nb::gil_scoped_release release;
+              batch.emplace(e.get().next(deadline.value_or(transfer_engine::forever)));
+            }
+            return py_transferred_batch{std::move(*batch), e.allocator};
+          },
+          nb::arg("timeout").none() = nb::none(),
+          "The next batch in submission order once its copies are enqueued; raises the batch's own error "
+          "when it failed, PeerTimeoutError after ``timeout`` seconds.")
+      .def(
+          "stats",
+          [](const py_transfer_engine& e) {
+            const auto s = e.get().stats();
+            nb::dict d;
+            d["batches_submitted"] = s.batches_submitted;
+            d["batches_transferred"] = s.batches_transferred;
+            d["batches_failed"] = s.batches_failed;
+            d["batches_taken"] = s.batches_taken;
+            d["bytes_copied"] = s.bytes_copied;
+            d["bytes_staged"] = s.bytes_staged;
+            d["in_flight"] = s.in_flight;
+            d["peak_in_flight"] = s.peak_in_flight;
+            d["pinned_reserved_bytes"] = s.pinned.reserved_bytes.aggregate.current;
+            d["pinned_peak_reserved_bytes"] = s.pinned.reserved_bytes.aggregate.peak;
+            return d;
+          },
+          "Counters as a dict: batches submitted, transferred, failed and taken, bytes copied and staged, "
+          "batches in flight (now and at the peak), pinned staging memory (now and at the peak).")
+      .def("close", [](py_transfer_engine& e) { e.close(); },
+           "Finishes the batches submitted, waits for their copies and stops the thread. Idempotent.")
+      .def_prop_ro("closed", [](const py_transfer_engine& e) { return e.engine == nullptr; });
+}
+
+}  // namespace shoal::python

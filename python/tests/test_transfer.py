@@ -1,0 +1,157 @@
+"""shoal.transfer: batches of host arrays copied to the device in the background.
+
+On the host backend numpy reads the results back; the same tests run on CUDA on the GPU
+machine, where torch reads them (and supplies pinned CPU tensors).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+import numpy
+import pytest
+
+import shoal
+import shoal.transfer
+
+pytestmark = pytest.mark.python
+
+
+def host_copy(view: shoal.ArrayView) -> numpy.ndarray:
+    """The bytes of ``view`` on the host, whatever the backend."""
+    if shoal.default_device().kind == "host":
+        shoal.synchronize()
+        return numpy.from_dlpack(view).copy()
+    torch = pytest.importorskip("torch")
+    return torch.from_dlpack(view).cpu().numpy()
+
+
+@pytest.fixture
+def engine():
+    with shoal.transfer.Engine(max_batches_in_flight=3, staging_chunk_bytes=1 << 20) as e:
+        yield e
+    gc.collect()
+    assert shoal.default_allocator().stats()["allocations"]["all"]["current"] == 0, "device storages leaked"
+
+
+def test_a_nested_batch_comes_back_in_its_structure_with_every_value(engine):
+    x = numpy.arange(3 * 1024 * 1024, dtype="float32").reshape(3, 1024, 1024)  # staged in several pieces
+    batch = {"x": x, "pair": (numpy.array([1, 2, 3], "int64"), [numpy.full((5,), 7, "uint8")])}
+    assert engine.submit(batch) == 0
+    out = engine.get(timeout=10)
+    assert set(out) == {"x", "pair"} and isinstance(out["pair"], tuple) and isinstance(out["pair"][1], list)
+    assert out["x"].dtype == "float32" and tuple(out["x"].shape) == (3, 1024, 1024)
+    numpy.testing.assert_array_equal(host_copy(out["x"]), x)
+    numpy.testing.assert_array_equal(host_copy(out["pair"][0]), [1, 2, 3])
+    numpy.testing.assert_array_equal(host_copy(out["pair"][1][0]), numpy.full((5,), 7, "uint8"))
+
+
+def test_a_non_contiguous_array_is_transferred_as_its_values(engine):
+    a = numpy.arange(64, dtype="int32").reshape(8, 8)[:, ::2]
+    engine.submit(a)
+    numpy.testing.assert_array_equal(host_copy(engine.get(timeout=10)), a)
+
+
+def test_batches_from_several_producer_threads_come_out_in_submission_order(engine):
+    def produce(base: int) -> None:
+        for i in range(10):
+            engine.submit([numpy.full((1000,), base + i, "int32")])
+
+    threads = [threading.Thread(target=produce, args=(100 * t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    seen = []
+    for _ in range(30):
+        seen.append(int(host_copy(engine.get(timeout=10)[0])[0]))
+    for t in threads:
+        t.join()
+    for t in range(3):
+        mine = [v for v in seen if 100 * t <= v < 100 * t + 10]
+        assert mine == sorted(mine) and len(mine) == 10, "each producer's batches keep their order"
+    assert engine.stats()["batches_taken"] == 30
+
+
+def test_a_full_engine_makes_submit_wait_and_time_out(engine):
+    for i in range(3):
+        engine.submit([numpy.zeros(16, "uint8")])
+    started = time.monotonic()
+    with pytest.raises(shoal.PeerTimeoutError):
+        engine.submit([numpy.zeros(16, "uint8")], timeout=0.1)
+    assert time.monotonic() - started >= 0.09
+    assert engine.stats()["peak_in_flight"] == 3
+    for _ in range(3):
+        engine.get(timeout=10)
+    with pytest.raises(shoal.PeerTimeoutError):
+        engine.get(timeout=0.05)
+
+
+def test_a_batch_that_fails_raises_alone_and_the_next_arrives():
+    allocator = shoal.Allocator(memory_limit_mb=4)
+    with shoal.transfer.Engine(allocator) as engine:
+        engine.submit([numpy.zeros(8 << 20, "uint8")])  # past the allocator's limit
+        engine.submit([numpy.full((16,), 5, "uint8")])
+        with pytest.raises(shoal.OutOfMemoryError):
+            engine.get(timeout=10)
+        numpy.testing.assert_array_equal(host_copy(engine.get(timeout=10)[0]), numpy.full((16,), 5, "uint8"))
+        assert engine.stats()["batches_failed"] == 1
+
+
+def test_bad_batches_are_refused_before_anything_is_queued(engine):
+    with pytest.raises(TypeError):
+        engine.submit(["not an array"])
+    with pytest.raises(ValueError):
+        engine.submit([])
+    with pytest.raises(ValueError):
+        engine.submit([numpy.zeros(0, "float32")])
+    nested = [numpy.zeros(1)]
+    for _ in range(40):
+        nested = [nested]
+    with pytest.raises(ValueError):
+        engine.submit(nested)
+    assert engine.stats()["batches_submitted"] == 0
+
+
+def test_a_closed_engine_refuses_work_and_taken_batches_stay_valid():
+    engine = shoal.transfer.Engine()
+    engine.submit([numpy.full((256,), 4, "uint8")])
+    out = engine.get(timeout=10)[0]
+    engine.submit([numpy.zeros(16, "uint8")])  # never taken
+    engine.close()
+    engine.close()
+    assert engine.closed
+    with pytest.raises(shoal.InvalidArgumentError):
+        engine.submit([numpy.zeros(16, "uint8")])
+    numpy.testing.assert_array_equal(host_copy(out), numpy.full((256,), 4, "uint8"))
+    del out
+    gc.collect()
+    assert shoal.default_allocator().stats()["allocations"]["all"]["current"] == 0
+
+
+def test_the_engine_lets_go_of_its_sources(engine):
+    import sys
+
+    source = numpy.ones(1 << 16, "uint8")
+    before = sys.getrefcount(source)
+    for _ in range(5):
+        engine.submit([source])
+        engine.get(timeout=10)
+    engine.close()
+    assert sys.getrefcount(source) == before, "the engine still holds a reference to a source"
+
+
+@pytest.mark.torch
+def test_torch_cpu_tensors_pinned_ones_read_directly_and_pageable_ones_staged(engine):
+    torch = pytest.importorskip("torch")
+    if shoal.default_device().kind != "cuda" or not torch.cuda.is_available():
+        pytest.skip("pinned torch tensors need CUDA")
+    pinned = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
+    pageable = torch.full((1000,), 2.5, dtype=torch.bfloat16)
+    engine.submit({"pinned": pinned, "pageable": pageable})
+    out = engine.get(timeout=10)
+    assert torch.equal(torch.from_dlpack(out["pinned"]).cpu(), pinned)
+    assert torch.equal(torch.from_dlpack(out["pageable"]).cpu(), pageable)
+    stats = engine.stats()
+    assert stats["bytes_copied"] == (1 << 22) + 2000
+    assert stats["bytes_staged"] == 2000, "the pinned tensor is copied without staging"
