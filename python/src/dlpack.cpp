@@ -168,6 +168,11 @@ nb::object export_view(const py_array_view& view, nb::handle stream, nb::handle 
                        nb::handle copy) {
   storage::storage& st = view.handle.get();
   backend::device& device = st.device();
+  if (st.allocator().config().memory == alloc::allocator_memory::pinned_host) {
+    throw nb::buffer_error(
+        "__dlpack__: this storage is pinned host staging memory (an Allocator with memory='pinned_host'), "
+        "not device memory; DLPack export of it is not supported");
+  }
   check_dl_device(dl_device, device);
   if (!copy.is_none() && nb::cast<bool>(copy)) {
     throw nb::buffer_error(

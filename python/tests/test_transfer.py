@@ -155,3 +155,14 @@ def test_torch_cpu_tensors_pinned_ones_read_directly_and_pageable_ones_staged(en
     stats = engine.stats()
     assert stats["bytes_copied"] == (1 << 22) + 2000
     assert stats["bytes_staged"] == 2000, "the pinned tensor is copied without staging"
+
+
+def test_a_pinned_host_allocator_serves_staging_storages_that_are_not_exported_as_device_memory():
+    pinned = shoal.Allocator(memory="pinned_host", memory_limit_mb=64)
+    storage = pinned.allocate(1 << 20)
+    assert pinned.stats()["reserved_bytes"]["all"]["current"] >= 1 << 20
+    with pytest.raises(BufferError):
+        storage.view("uint8").__dlpack__()
+    del storage
+    with pytest.raises(shoal.InvalidArgumentError):
+        shoal.Allocator(memory="pinned_host", expandable_segments=True)
