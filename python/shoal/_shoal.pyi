@@ -101,6 +101,12 @@ class Stream:
     def default(device: Device | None = None) -> Stream:
         """The default stream of `device`."""
 
+    @staticmethod
+    def from_handle(handle: int, device: Device | None = None) -> Stream:
+        """
+        A stream another library made, by its native handle (e.g. ``torch.cuda.current_stream().cuda_stream``): usable wherever a shoal stream is. shoal never destroys it; the library that made it keeps it alive while shoal may use it. InvalidArgumentError when the handle is not a stream of `device` (the host backend has none).
+        """
+
     @property
     def device(self) -> Device: ...
 
@@ -491,3 +497,26 @@ class TransferEngine:
 
     @property
     def closed(self) -> bool: ...
+
+class GroupedLoad:
+    """
+    Groups of host-to-device copies enqueued on a copy stream, an event after each group. A stream waits for group k (and so for every group before it) with wait(k, stream).
+    """
+
+    @property
+    def groups(self) -> int:
+        """Number of groups."""
+
+    def wait(self, group: int, stream: Stream | None = None) -> None:
+        """
+        Work enqueued on ``stream`` (default: the current stream) from now on sees groups 0..group: a GPU-side wait, the caller does not block.
+        """
+
+    def is_ready(self, group: int) -> bool:
+        """True once groups 0..group have been copied."""
+
+    def synchronize_group(self, group: int) -> None:
+        """Blocks until groups 0..group have been copied (GIL released)."""
+
+    def synchronize(self) -> None:
+        """Blocks until every group has been copied (GIL released)."""

@@ -29,17 +29,20 @@ namespace shoal::python {
 
 namespace nb = nanobind;
 
-/// A stream of a device: one this package created (and owns), or the
-/// device's default stream.
+/// A stream of a device: one this package created (and owns), the device's
+/// default stream, or one another library made and keeps alive.
 class stream_state {
  public:
   static std::shared_ptr<stream_state> create(backend::device& device);
   static std::shared_ptr<stream_state> default_of(backend::device& device);
+  /// A stream another library made (a native handle), which it keeps alive.
+  static std::shared_ptr<stream_state> adopt(backend::device& device, void* native);
   [[nodiscard]] backend::device& device() const noexcept { return *device_; }
   [[nodiscard]] backend::stream_ref ref() const noexcept { return ref_; }
 
  private:
   stream_state(backend::device& device, std::unique_ptr<backend::stream> owned);
+  stream_state(backend::device& device, backend::stream_ref adopted);
   backend::device* device_;
   std::unique_ptr<backend::stream> owned_;
   backend::stream_ref ref_;
@@ -139,6 +142,10 @@ bool record_stream_on_import(const storage::storage& storage, const std::shared_
 /// invalid_argument (naming `who`) for a negative or non-finite value.
 std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> seconds, const char* who);
 
+/// Keeps a Python object alive from C++; the last owner may be any thread
+/// (it takes the GIL to let go).
+std::shared_ptr<const void> hold(nb::handle object);
+
 void register_errors(nb::module_& m);
 void register_streams(nb::module_& m);
 void register_allocator(nb::module_& m);
@@ -148,5 +155,6 @@ void register_dlpack_import(nb::module_& m);
 void register_sharing(nb::module_& m);
 void register_torch_api(nb::module_& m);
 void register_transfer(nb::module_& m);
+void register_grouped_load(nb::module_& m);
 
 }  // namespace shoal::python

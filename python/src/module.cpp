@@ -14,4 +14,5 @@ NB_MODULE(_shoal, m) {
   shoal::python::register_sharing(m);
   shoal::python::register_torch_api(m);
   shoal::python::register_transfer(m);
+  shoal::python::register_grouped_load(m);
 }

@@ -43,6 +43,12 @@ void pop_stream() {
 stream_state::stream_state(backend::device& device, std::unique_ptr<backend::stream> owned)
     : device_(&device), owned_(std::move(owned)), ref_(owned_ ? owned_->ref() : backend::stream_ref{}) {}
 
+stream_state::stream_state(backend::device& device, backend::stream_ref adopted) : device_(&device), ref_(adopted) {}
+
+std::shared_ptr<stream_state> stream_state::adopt(backend::device& device, void* native) {
+  return std::shared_ptr<stream_state>(new stream_state(device, device.adopt_external_stream(native)));
+}
+
 std::shared_ptr<stream_state> stream_state::create(backend::device& device) {
   return std::shared_ptr<stream_state>(new stream_state(device, std::make_unique<backend::stream>(device)));
 }
@@ -126,6 +132,17 @@ void register_streams(nb::module_& m) {
           "default",
           [](backend::device* device) { return py_stream{stream_state::default_of(device_or_default(device))}; },
           nb::arg("device").none() = nb::none(), "The default stream of `device`.")
+      .def_static(
+          "from_handle",
+          [](std::uintptr_t handle, backend::device* device) {
+            return py_stream{stream_state::adopt(device_or_default(device), reinterpret_cast<void*>(handle))};
+          },
+          nb::arg("handle"), nb::arg("device").none() = nb::none(),
+          "A stream another library made, by its native handle (e.g. "
+          "``torch.cuda.current_stream().cuda_stream``): usable wherever a "
+          "shoal stream is. shoal never destroys it; the library that made it "
+          "keeps it alive while shoal may use it. InvalidArgumentError when "
+          "the handle is not a stream of `device` (the host backend has none).")
       .def_prop_ro(
           "device", [](const py_stream& s) -> backend::device& { return s.state->device(); }, nb::rv_policy::reference)
       .def_prop_ro(

@@ -20,11 +20,6 @@
 
 namespace shoal::python {
 
-namespace {
-
-using transfer::transfer_engine;
-
-/// Keeps a Python object alive from C++; the last owner may be any thread.
 std::shared_ptr<const void> hold(nb::handle object) {
   object.inc_ref();
   return std::shared_ptr<const void>(object.ptr(), [](const void* p) {
@@ -33,6 +28,10 @@ std::shared_ptr<const void> hold(nb::handle object) {
     Py_DECREF(static_cast<PyObject*>(const_cast<void*>(p)));
   });
 }
+
+namespace {
+
+using transfer::transfer_engine;
 
 struct py_transfer_engine {
   std::shared_ptr<allocator_state> allocator;

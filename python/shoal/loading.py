@@ -1,0 +1,449 @@
+"""Grouped loading: a model's parameters copied to the GPU group by group while its first
+layers already run.
+
+The copies run on a copy stream, one event after each group; the compute stream waits for
+group k on the GPU only before the first layer that needs group k — no host
+synchronization, no message per group. The grouping comes from a per-layer profile (bytes
+to copy, compute time) and the measured cost of a group: ``plan_groups`` finds the grouping
+with the earliest completion of the last layer (docs/architecture.md, "Grouped loading").
+
+For a PyTorch module (its parameters on the CPU)::
+
+    import shoal.loading
+
+    loader = shoal.loading.ModuleLoader(model)        # pins a host copy of every tensor once
+    profile = loader.profile(example_input)           # execution order and per-layer time
+    plan = loader.plan(profile)                       # the best grouping for this GPU
+    loading = loader.load(plan)                       # copies enqueued; returns at once
+    output = model(batch)                             # layer by layer, each after its group
+    loader.unload()                                   # tensors back on the host
+
+Below that, ``load_groups`` copies groups of host arrays into shoal storages or torch
+tensors and hands back a ``GroupedLoad`` whose ``wait(k, stream)`` is the GPU-side wait.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+
+from . import _shoal
+
+__all__ = [
+    "CopyCost",
+    "GroupPlan",
+    "GroupedLoad",
+    "GROUPINGS",
+    "LayerProfile",
+    "Loading",
+    "ModuleLoader",
+    "evaluate_grouping",
+    "load_groups",
+    "measure_copy_cost",
+    "plan_groups",
+]
+
+GroupedLoad = _shoal.GroupedLoad
+GROUPINGS = ("optimal", "per_layer", "whole")
+
+
+class CopyCost(NamedTuple):
+    """What a group costs: a fixed part and the link's bandwidth."""
+
+    per_group_seconds: float
+    bytes_per_second: float
+
+
+class LayerProfile(NamedTuple):
+    """One layer of a profile, in execution order."""
+
+    name: str
+    bytes: int
+    compute_seconds: float
+
+
+class GroupPlan(NamedTuple):
+    """Groups as exclusive end indices into the layers, and the predicted timeline (seconds
+    from the start of loading)."""
+
+    group_ends: tuple[int, ...]
+    first_layer_start: float
+    last_layer_end: float
+
+    @property
+    def groups(self) -> int:
+        return len(self.group_ends)
+
+
+def _layer_tuples(layers: Sequence[Any]) -> list[tuple[int, float]]:
+    out = []
+    for layer in layers:
+        nbytes, seconds = (layer.bytes, layer.compute_seconds) if isinstance(layer, LayerProfile) else layer
+        out.append((int(nbytes), float(seconds)))
+    return out
+
+
+def measure_copy_cost(stream: Optional[_shoal.Stream] = None) -> CopyCost:
+    """Measures the per-group cost and the host-to-device bandwidth on ``stream``'s device
+    (default: a new stream of the default device), from page-locked memory."""
+    return CopyCost(*_shoal._measure_copy_cost(stream if stream is not None else _shoal.Stream()))
+
+
+def plan_groups(layers: Sequence[Any], cost: CopyCost, grouping: str = "optimal") -> GroupPlan:
+    """Groups for ``layers`` (LayerProfile or (bytes, compute_seconds), in execution order):
+    ``"optimal"`` (earliest completion of the last layer), ``"per_layer"`` or ``"whole"``."""
+    ends, first, last = _shoal._plan_groups(_layer_tuples(layers), cost.per_group_seconds, cost.bytes_per_second, grouping)
+    return GroupPlan(tuple(ends), first, last)
+
+
+def evaluate_grouping(layers: Sequence[Any], cost: CopyCost, group_ends: Sequence[int]) -> GroupPlan:
+    """The predicted timeline of a given grouping."""
+    ends, first, last = _shoal._evaluate_grouping(
+        _layer_tuples(layers), cost.per_group_seconds, cost.bytes_per_second, list(group_ends)
+    )
+    return GroupPlan(tuple(ends), first, last)
+
+
+def _host_address(source: Any) -> tuple[int, int]:
+    """(address, nbytes) of a contiguous host array: a numpy array or a torch CPU tensor."""
+    if type(source).__module__.split(".")[0] == "torch":
+        if source.device.type != "cpu" or not source.is_contiguous():
+            raise ValueError("shoal.loading: a source tensor must be a contiguous CPU tensor")
+        return source.data_ptr(), source.numel() * source.element_size()
+    import numpy
+
+    if not isinstance(source, numpy.ndarray) or not source.flags.c_contiguous:
+        raise TypeError("shoal.loading: a source is a C-contiguous numpy array or a contiguous torch CPU tensor")
+    return source.ctypes.data, source.nbytes
+
+
+def _device_address(destination: Any, stream: _shoal.Stream) -> tuple[int, int]:
+    """(address, nbytes) of a destination: a shoal Storage or contiguous ArrayView, or a
+    contiguous torch CUDA tensor. A shoal destination records ``stream`` as a user."""
+    if isinstance(destination, _shoal.Storage):
+        destination.record_stream(stream)
+        return destination.mutable_ptr(stream), destination.nbytes
+    if isinstance(destination, _shoal.ArrayView):
+        count = 1
+        for extent in destination.shape:
+            count *= extent
+        expected, step = [], destination.itemsize
+        for extent in reversed(destination.shape):
+            expected.insert(0, step // destination.itemsize)
+            step *= extent
+        if destination.readonly or list(destination.strides) != expected:
+            raise ValueError("shoal.loading: a destination view must be writable and C-contiguous")
+        storage = destination.storage
+        storage.record_stream(stream)
+        return storage.mutable_ptr(stream) + destination.offset, count * destination.itemsize
+    if type(destination).__module__.split(".")[0] == "torch":
+        if destination.device.type != "cuda" or not destination.is_contiguous():
+            raise ValueError("shoal.loading: a destination tensor must be a contiguous CUDA tensor")
+        return destination.data_ptr(), destination.numel() * destination.element_size()
+    raise TypeError("shoal.loading: a destination is a shoal Storage, an ArrayView or a torch CUDA tensor")
+
+
+def load_groups(groups: Sequence[Sequence[tuple[Any, Any]]], stream: Optional[_shoal.Stream] = None) -> GroupedLoad:
+    """Enqueues groups of ``(destination, source)`` copies on ``stream`` (default: a new
+    stream of the default device), an event after each group, and returns at once.
+
+    A source is a host array (page-locked — a pinned torch tensor — for copies at the link's
+    speed; pageable memory is copied correctly but more slowly); a destination is a Storage,
+    an ArrayView or a torch CUDA tensor of the same size. Sources and destinations are kept
+    alive until the load is gone, which waits for its copies; nothing else may write a
+    destination before its group is ready.
+    """
+    copy_stream = stream if stream is not None else _shoal.Stream()
+    native = []
+    for g, group in enumerate(groups):
+        copies, owners = [], []
+        for destination, source in group:
+            dst, dst_bytes = _device_address(destination, copy_stream)
+            src, src_bytes = _host_address(source)
+            if dst_bytes != src_bytes:
+                raise ValueError(
+                    f"shoal.loading: group {g}: a {src_bytes}-byte source does not fill a {dst_bytes}-byte destination"
+                )
+            if src_bytes == 0:
+                raise ValueError(f"shoal.loading: group {g} has an empty copy; leave it out")
+            copies.append((dst, src, src_bytes))
+            owners.append((destination, source))
+        native.append((copies, tuple(owners)))
+    return _shoal._load_groups(native, copy_stream)
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _own_tensors(module: Any) -> list[tuple[str, str, Any]]:
+    """(kind, name, tensor) of the parameters and buffers a module holds directly."""
+    out = [("parameter", name, p) for name, p in module._parameters.items() if p is not None]
+    out += [("buffer", name, b) for name, b in module._buffers.items() if b is not None]
+    return out
+
+
+class Loading:
+    """A module's tensors on their way to the GPU. The module's forward waits per group
+    (pre-forward hooks) until every group is copied; then the hooks take themselves off."""
+
+    def __init__(self, load: GroupedLoad, plan: GroupPlan, last_group: int) -> None:
+        self.load = load
+        self.plan = plan
+        self._last_group = last_group
+        self._hooks: list[Any] = []
+        self._lock = threading.Lock()
+
+    @property
+    def groups(self) -> int:
+        return self.load.groups
+
+    def done(self) -> bool:
+        """True once every group has been copied."""
+        return self.load.is_ready(self._last_group)
+
+    def wait(self, stream: Optional[_shoal.Stream] = None) -> None:
+        """Work enqueued on ``stream`` from now on sees every group (GPU-side wait)."""
+        self.load.wait(self._last_group, stream)
+
+    def synchronize(self) -> None:
+        """Blocks until every group has been copied."""
+        self.load.synchronize()
+
+    def remove_hooks(self) -> None:
+        with self._lock:
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook.remove()
+
+
+class ModuleLoader:
+    """Loads a torch module's parameters and buffers onto a CUDA device in groups, while the
+    module runs.
+
+    The module starts on the CPU. The loader keeps a pinned host copy of each of its tensors
+    (made once; tied parameters once) and a copy stream of its own. ``load(plan)`` allocates
+    the device tensors on the current stream, enqueues the group copies, points the module's
+    parameters and buffers at the device tensors (the Parameter objects stay the same, so an
+    optimizer holding them still works) and installs pre-forward hooks: before a layer runs,
+    the current stream waits for the group that holds the layer's tensors. ``unload()`` points
+    them back at the host copies.
+
+    Not thread-safe: one thread loads and unloads; forwards may run on any thread and stream.
+    """
+
+    def __init__(self, module: Any, device: Any = None) -> None:
+        torch = _torch()
+        self.module = module
+        self.device = torch.device(device if device is not None else "cuda")
+        if self.device.type != "cuda":
+            raise ValueError(f"shoal.loading.ModuleLoader: loads onto a CUDA device, not {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._shoal_device = _shoal.cuda_device(self.device.index)
+        # Layers: modules holding tensors directly; registration order until profiled.
+        self._layers = [(name, m) for name, m in module.named_modules() if _own_tensors(m)]
+        self._host: dict[int, Any] = {}  # id(original tensor) -> pinned host copy
+        self._entries: list[list[tuple[str, str, Any]]] = []  # per layer: (kind, name, original) it owns
+        seen: set[int] = set()
+        for _, layer in self._layers:
+            own = []
+            for kind, name, tensor in _own_tensors(layer):
+                if tensor.device.type != "cpu":
+                    raise ValueError("shoal.loading.ModuleLoader: the module's tensors must start on the CPU")
+                own.append((kind, name, tensor))
+                if id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    host = tensor.detach().contiguous()
+                    self._host[id(tensor)] = host if host.is_pinned() else host.pin_memory()
+            self._entries.append(own)
+        self._order = list(range(len(self._layers)))
+        self._copy_stream = torch.cuda.Stream(self.device)
+        self._shoal_copy_stream = _shoal.Stream.from_handle(self._copy_stream.cuda_stream, self._shoal_device)
+        self._streams: dict[int, _shoal.Stream] = {}
+        self._cost: Optional[CopyCost] = None  # measured on first need
+        self._profile: Optional[list[LayerProfile]] = None
+        self._loading: Optional[Loading] = None
+        self._device_tensors: dict[int, Any] = {}
+
+    @property
+    def copy_stream(self) -> Any:
+        """The torch stream the copies run on."""
+        return self._copy_stream
+
+    @property
+    def loading(self) -> Optional[Loading]:
+        return self._loading
+
+    def layer_bytes(self) -> list[tuple[str, int]]:
+        """(name, bytes) of each layer in the current order (a tied tensor counts for its first layer)."""
+        counted: set[int] = set()
+        out = []
+        for i in self._order:
+            nbytes = 0
+            for _, _, tensor in self._entries[i]:
+                if id(tensor) not in counted:
+                    counted.add(id(tensor))
+                    nbytes += self._host[id(tensor)].numel() * self._host[id(tensor)].element_size()
+            out.append((self._layers[i][0], nbytes))
+        return out
+
+    def profile(self, *args: Any, rounds: int = 3, **kwargs: Any) -> list[LayerProfile]:
+        """Runs the module on the device (loaded whole, under no_grad) ``rounds`` times after a
+        warm-up, and returns each layer's bytes and compute time in execution order (the time
+        from a layer's start to the next layer's start, so everything the forward runs is
+        counted). The loader plans in that order from now on; the module ends unloaded."""
+        torch = _torch()
+        if rounds < 1:
+            raise ValueError("shoal.loading: rounds must be >= 1")
+        self.load("whole").synchronize()
+        marks: list[tuple[int, Any]] = []
+        handles = []
+        try:
+            for i, (_, layer) in enumerate(self._layers):
+                handles.append(layer.register_forward_pre_hook(self._marker(i, marks)))
+            timings: list[list[tuple[int, Any]]] = []
+            with torch.no_grad():
+                for round_index in range(rounds + 1):
+                    marks.clear()
+                    self.module(*args, **kwargs)
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    if round_index > 0:
+                        timings.append(list(marks) + [(-1, end)])
+            torch.cuda.synchronize(self.device)
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.unload()
+        order: list[int] = []
+        for layer_index, _ in timings[0][:-1]:
+            if layer_index not in order:
+                order.append(layer_index)
+        order += [i for i in range(len(self._layers)) if i not in order]  # never called: loaded last
+        seconds = [0.0] * len(self._layers)
+        for marks_of_round in timings:
+            for (layer_index, start), (_, following) in zip(marks_of_round, marks_of_round[1:]):
+                seconds[layer_index] += start.elapsed_time(following) / 1000.0 / len(timings)
+        self._order = order
+        self._profile = [
+            LayerProfile(name, nbytes, seconds[i]) for i, (name, nbytes) in zip(order, self.layer_bytes())
+        ]
+        return list(self._profile)
+
+    @staticmethod
+    def _marker(index: int, marks: list) -> Callable[..., None]:
+        torch = _torch()
+
+        def mark(module: Any, inputs: Any) -> None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append((index, event))
+
+        return mark
+
+    def plan(
+        self, profile: Optional[Sequence[LayerProfile]] = None, grouping: str = "optimal", cost: Optional[CopyCost] = None
+    ) -> GroupPlan:
+        """The grouping of this module's layers (``profile`` defaults to the last
+        ``profile()``; without any, the layers' bytes with no compute time). ``cost`` defaults to one measured once on the
+        loader's copy stream."""
+        profile = profile if profile is not None else self._profile
+        layers = list(profile) if profile is not None else [(b, 0.0) for _, b in self.layer_bytes()]
+        if len(layers) != len(self._layers):
+            raise ValueError(f"shoal.loading: the profile has {len(layers)} layers, the module {len(self._layers)}")
+        if cost is None:
+            if self._cost is None:
+                self._cost = measure_copy_cost(self._shoal_copy_stream)
+            cost = self._cost
+        return plan_groups(layers, cost, grouping)
+
+    def load(self, plan: Union[GroupPlan, str] = "optimal", *, wait: bool = True) -> Loading:
+        """Enqueues the copies of every group and moves the module's tensors to the device;
+        returns at once. ``plan`` is a GroupPlan or a grouping name (planned from the last
+        profile, or from the layers' bytes alone). With ``wait`` (the default) the module's forward waits per group through
+        pre-forward hooks; without, the caller makes its stream wait (``Loading.wait``)."""
+        torch = _torch()
+        if self._loading is not None:
+            raise RuntimeError("shoal.loading: the module is loaded already; unload() first")
+        if isinstance(plan, str):
+            plan = self.plan(grouping=plan)
+        ends = list(plan.group_ends)
+        if not ends or ends[-1] != len(self._layers) or any(b <= a for a, b in zip([0] + ends, ends)):
+            raise ValueError(f"shoal.loading: a plan for {len(self._layers)} layers must end there, increasing")
+        current = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(current)  # the device tensors were allocated on the current stream
+        group_of_tensor: dict[int, int] = {}
+        groups: list[list[tuple[Any, Any]]] = []
+        begin = 0
+        for g, end in enumerate(ends):
+            group = []
+            for position in range(begin, end):
+                for _, _, tensor in self._entries[self._order[position]]:
+                    if id(tensor) in group_of_tensor:
+                        continue
+                    group_of_tensor[id(tensor)] = g
+                    host = self._host[id(tensor)]
+                    target = torch.empty_like(host, device=self.device)
+                    target.record_stream(self._copy_stream)
+                    self._device_tensors[id(tensor)] = target
+                    group.append((target, host))
+            groups.append(group)
+            begin = end
+        nonempty = [g for g in groups if g]
+        if len(nonempty) != len(groups):
+            # A group whose layers hold only tied tensors loaded earlier: merge it away.
+            remap, kept = {}, -1
+            for g, group in enumerate(groups):
+                kept += 1 if group else 0
+                remap[g] = max(kept, 0)
+            group_of_tensor = {t: remap[g] for t, g in group_of_tensor.items()}
+        load = load_groups(nonempty, self._shoal_copy_stream)
+        loading = Loading(load, plan, len(nonempty) - 1)
+        self._swap(lambda tensor: self._device_tensors[id(tensor)])
+        self._loading = loading
+        if wait:
+            for i, (_, layer) in enumerate(self._layers):
+                needed = max(group_of_tensor[id(t)] for _, _, t in self._entries[i])
+                loading._hooks.append(layer.register_forward_pre_hook(self._waiter(loading, needed)))
+        return loading
+
+    def _waiter(self, loading: Loading, group: int) -> Callable[..., None]:
+        torch = _torch()
+        waited: dict[int, int] = {}  # stream handle -> highest group waited for on it
+
+        def wait_for_group(module: Any, inputs: Any) -> None:
+            handle = torch.cuda.current_stream(self.device).cuda_stream
+            if waited.get(handle, -1) >= group:
+                return
+            if loading.done():  # every copy has run: no stream needs to wait any more
+                loading.remove_hooks()
+                return
+            stream = self._streams.get(handle)
+            if stream is None:
+                stream = self._streams[handle] = _shoal.Stream.from_handle(handle, self._shoal_device)
+            loading.load.wait(group, stream)
+            waited[handle] = group
+
+        return wait_for_group
+
+    def _swap(self, replacement: Callable[[Any], Any]) -> None:
+        for i, (_, layer) in enumerate(self._layers):
+            for kind, name, tensor in self._entries[i]:
+                if kind == "parameter":
+                    tensor.data = replacement(tensor)
+                else:
+                    layer._buffers[name] = replacement(tensor)
+
+    def unload(self) -> None:
+        """Waits for the copies, takes the hooks off and points the module's tensors back at
+        the host copies; the device tensors are freed (after the work enqueued on them)."""
+        if self._loading is None:
+            return
+        loading, self._loading = self._loading, None
+        loading.remove_hooks()
+        loading.synchronize()
+        self._swap(lambda tensor: self._host[id(tensor)])
+        self._device_tensors.clear()

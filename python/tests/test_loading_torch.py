@@ -1,0 +1,116 @@
+"""shoal.loading.ModuleLoader on the GPU machine: a torch module loaded group by group
+while it runs gives the outputs of the module loaded whole, even with the copies held back;
+without the waits it does not (the control)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+import shoal
+import shoal.loading
+
+pytestmark = [pytest.mark.python, pytest.mark.torch]
+
+
+@pytest.fixture
+def torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or shoal.default_device().kind != "cuda":
+        pytest.skip("ModuleLoader loads onto a CUDA device")
+    return torch
+
+
+def make_model(torch):
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(1024, 16)).eval()
+    return model
+
+
+def run_after_held_copies(torch, loader, plan, wait=True):
+    with torch.cuda.stream(loader.copy_stream):
+        torch.cuda._sleep(50_000_000)  # holds the copy stream back: about 30 ms
+    loading = loader.load(plan, wait=wait)
+    x = torch.ones(4, 1024, device="cuda")
+    with torch.no_grad():
+        out = loader.module(x)
+    torch.cuda.synchronize()
+    return out, loading
+
+
+@pytest.mark.parametrize("grouping", ["per_layer", "optimal", "whole"])
+def test_a_module_loaded_in_groups_computes_what_the_whole_module_computes(torch, grouping):
+    model = make_model(torch)
+    reference = copy.deepcopy(model).cuda()
+    with torch.no_grad():
+        expected = reference(torch.ones(4, 1024, device="cuda"))
+    loader = shoal.loading.ModuleLoader(model)
+    out, loading = run_after_held_copies(torch, loader, grouping)
+    assert torch.equal(out, expected)
+    assert loading.done()
+    assert all(p.is_cuda for p in model.parameters()) and all(b.is_cuda for b in model.buffers())
+    loader.unload()
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in model.parameters())
+
+
+def test_control_without_the_waits_the_module_reads_parameters_not_yet_copied(torch):
+    model = make_model(torch)
+    reference = copy.deepcopy(model).cuda()
+    with torch.no_grad():
+        expected = reference(torch.ones(4, 1024, device="cuda"))
+    loader = shoal.loading.ModuleLoader(model)
+    out, _ = run_after_held_copies(torch, loader, "per_layer", wait=False)
+    loader.unload()
+    assert not torch.equal(out, expected), "the race did not show: the safe test would prove nothing"
+
+
+def test_the_profile_orders_layers_as_they_run_and_the_plan_beats_neither_extreme_less(torch):
+    model = make_model(torch)
+    loader = shoal.loading.ModuleLoader(model)
+    profile = loader.profile(torch.ones(4, 1024, device="cuda"), rounds=2)
+    assert [layer.name for layer in profile] == [name for name, _ in loader.layer_bytes()]
+    assert len(profile) == 17  # 8 Linear + 8 BatchNorm + the head; ReLU holds no tensors
+    assert all(layer.compute_seconds > 0 for layer in profile)
+    assert sum(layer.bytes for layer in profile) == sum(
+        t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
+    )
+    best = loader.plan()
+    for other in ("per_layer", "whole"):
+        assert best.last_layer_end <= loader.plan(grouping=other).last_layer_end + 1e-12
+    assert all(p.device.type == "cpu" for p in model.parameters()), "profile() leaves the module unloaded"
+
+
+def test_tied_parameters_load_once_and_optimizers_keep_their_parameters(torch):
+    torch.manual_seed(1)
+    embed = torch.nn.Embedding(100, 64)
+    head = torch.nn.Linear(64, 100, bias=False)
+    head.weight = embed.weight
+    model = torch.nn.Sequential(embed, torch.nn.Linear(64, 64), head)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference = copy.deepcopy(model).cuda()
+    tokens = torch.arange(10, device="cuda")
+    loader = shoal.loading.ModuleLoader(model)
+    assert sum(b for _, b in loader.layer_bytes()) == (100 * 64 + 64 * 64 + 64) * 4
+    out, _ = run_after_held_copies(torch, loader, "per_layer")
+    with torch.no_grad():
+        assert torch.equal(model(tokens), reference(tokens))
+    assert model[0].weight is model[2].weight and model[0].weight.is_cuda
+    assert optimizer.param_groups[0]["params"][0] is model[0].weight
+    loader.unload()
+
+
+def test_loading_twice_is_refused_and_a_cpu_module_is_required(torch):
+    model = make_model(torch)
+    loader = shoal.loading.ModuleLoader(model)
+    loader.load("whole")
+    with pytest.raises(RuntimeError, match="loaded already"):
+        loader.load("whole")
+    loader.unload()
+    with pytest.raises(ValueError, match="CUDA device"):
+        shoal.loading.ModuleLoader(make_model(torch), device="cpu")
+    with pytest.raises(ValueError, match="start on the CPU"):
+        shoal.loading.ModuleLoader(make_model(torch).cuda())
