@@ -195,6 +195,7 @@ class Loading:
         self._last_group = last_group
         self._hooks: list[Any] = []
         self._lock = threading.Lock()
+        self._waited: dict[int, int] = {}  # stream handle -> highest group that stream waited for
 
     @property
     def groups(self) -> int:
@@ -412,7 +413,7 @@ class ModuleLoader:
 
     def _waiter(self, loading: Loading, group: int) -> Callable[..., None]:
         torch = _torch()
-        waited: dict[int, int] = {}  # stream handle -> highest group waited for on it
+        waited = loading._waited
 
         def wait_for_group(module: Any, inputs: Any) -> None:
             handle = torch.cuda.current_stream(self.device).cuda_stream
