@@ -182,6 +182,22 @@ class bench {
     }
     const spread m = spread_of(gbs);
     std::printf("one thread's memcpy, 256 MiB: %.1f GB/s (%.1f-%.1f)\n", m.median, m.low, m.high);
+    // What staging can reach at most: host memory copying with every thread.
+    for (std::size_t threads : {4, 8, 16}) {
+      std::vector<double> wide;
+      for (int r = 0; r < opts_.rounds; ++r) {
+        const std::size_t slice = a.size() / threads;
+        const auto t0 = clock_type::now();
+        std::vector<std::thread> workers;
+        for (std::size_t t = 0; t < threads; ++t) {
+          workers.emplace_back([&, t] { std::memcpy(b.data() + t * slice, a.data() + t * slice, slice); });
+        }
+        for (auto& w : workers) w.join();
+        wide.push_back(static_cast<double>(slice * threads) / seconds_since(t0) / 1e9);
+      }
+      const spread w = spread_of(wide);
+      std::printf("%zu threads' memcpy, 256 MiB: %.1f GB/s (%.1f-%.1f)\n", threads, w.median, w.low, w.high);
+    }
   }
 
  private:

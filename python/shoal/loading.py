@@ -224,16 +224,21 @@ class ModuleLoader:
     """Loads a torch module's parameters and buffers onto a CUDA device in groups, while the
     module runs.
 
-    The module starts on the CPU. The loader keeps a pinned host copy of each of its tensors
-    (made once; tied parameters once) and a copy stream of its own. ``load(plan)`` allocates
-    the device tensors on the current stream, enqueues the group copies, points the module's
-    parameters and buffers at the device tensors (the Parameter objects stay the same, so an
-    optimizer holding them still works) and installs pre-forward hooks: before a layer runs,
-    the current stream waits for the group that holds the layer's tensors. ``unload()`` points
-    them back at the host copies.
+    The module starts on the CPU. The loader packs its tensors (tied parameters once) into
+    one pinned host buffer, layer after layer in execution order once profiled, and points
+    the module at views of it; so a group of consecutive layers is one contiguous copy.
+    ``load(plan)`` takes one device buffer of the same size on the current stream, enqueues
+    one copy per group on the loader's copy stream (an event after each), points the
+    module's parameters and buffers at views of the device buffer (the Parameter objects stay
+    the same, so an optimizer holding them still works) and installs pre-forward hooks:
+    before a layer runs, the current stream waits for the group that holds the layer's
+    tensors. ``unload()`` points them back at the host views; values computed on the device
+    are not copied back.
 
     Not thread-safe: one thread loads and unloads; forwards may run on any thread and stream.
     """
+
+    ALIGNMENT = 256  # bytes between packed tensors: every dtype's alignment and then some
 
     def __init__(self, module: Any, device: Any = None) -> None:
         torch = _torch()
@@ -246,28 +251,61 @@ class ModuleLoader:
         self._shoal_device = _shoal.cuda_device(self.device.index)
         # Layers: modules holding tensors directly; registration order until profiled.
         self._layers = [(name, m) for name, m in module.named_modules() if _own_tensors(m)]
-        self._host: dict[int, Any] = {}  # id(original tensor) -> pinned host copy
-        self._entries: list[list[tuple[str, str, Any]]] = []  # per layer: (kind, name, original) it owns
-        seen: set[int] = set()
+        if not self._layers:
+            raise ValueError("shoal.loading.ModuleLoader: the module holds no parameters or buffers")
+        self._entries: list[list[tuple[str, str, int]]] = []  # per layer: (kind, name, tensor index)
+        self._originals: list[Any] = []  # distinct tensors (Parameter objects or buffers), by index
+        index_of: dict[int, int] = {}
         for _, layer in self._layers:
             own = []
             for kind, name, tensor in _own_tensors(layer):
                 if tensor.device.type != "cpu":
                     raise ValueError("shoal.loading.ModuleLoader: the module's tensors must start on the CPU")
-                own.append((kind, name, tensor))
-                if id(tensor) not in seen:
-                    seen.add(id(tensor))
-                    host = tensor.detach().contiguous()
-                    self._host[id(tensor)] = host if host.is_pinned() else host.pin_memory()
+                if id(tensor) not in index_of:
+                    index_of[id(tensor)] = len(self._originals)
+                    self._originals.append(tensor)
+                own.append((kind, name, index_of[id(tensor)]))
             self._entries.append(own)
-        self._order = list(range(len(self._layers)))
         self._copy_stream = torch.cuda.Stream(self.device)
         self._shoal_copy_stream = _shoal.Stream.from_handle(self._copy_stream.cuda_stream, self._shoal_device)
         self._streams: dict[int, _shoal.Stream] = {}
         self._cost: Optional[CopyCost] = None  # measured on first need
         self._profile: Optional[list[LayerProfile]] = None
         self._loading: Optional[Loading] = None
-        self._device_tensors: dict[int, Any] = {}
+        self._device_buffer: Any = None
+        self._pack(list(range(len(self._layers))), [t.detach() for t in self._originals])
+
+    def _pack(self, order: list[int], sources: list[Any]) -> None:
+        """Lays the tensors out in one pinned buffer, layer by layer in ``order``, copies
+        ``sources`` (by tensor index) in, and points the module at the host views."""
+        torch = _torch()
+        slots: list[Optional[tuple[int, int, Any, tuple]]] = [None] * len(self._originals)
+        ranges = []  # per position in order: the layer's byte range
+        offset = 0
+        for layer in order:
+            start = None
+            for _, _, index in self._entries[layer]:
+                if slots[index] is not None:
+                    continue  # tied: packed with an earlier layer
+                offset = -(-offset // self.ALIGNMENT) * self.ALIGNMENT
+                start = offset if start is None else start
+                source = sources[index]
+                nbytes = source.numel() * source.element_size()
+                slots[index] = (offset, nbytes, source.dtype, tuple(source.shape))
+                offset += nbytes
+            ranges.append((offset if start is None else start, offset))
+        host = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=True)
+        views = [self._view(host, slot) for slot in slots]
+        for view, source in zip(views, sources):
+            view.copy_(source)
+        self._order, self._slots, self._ranges = order, slots, ranges
+        self._host_buffer, self._host_views = host, views
+        self._swap(views)
+
+    @staticmethod
+    def _view(buffer: Any, slot: tuple[int, int, Any, tuple]) -> Any:
+        offset, nbytes, dtype, shape = slot
+        return buffer[offset : offset + nbytes].view(dtype).view(shape)
 
     @property
     def copy_stream(self) -> Any:
@@ -282,20 +320,21 @@ class ModuleLoader:
         """(name, bytes) of each layer in the current order (a tied tensor counts for its first layer)."""
         counted: set[int] = set()
         out = []
-        for i in self._order:
+        for layer in self._order:
             nbytes = 0
-            for _, _, tensor in self._entries[i]:
-                if id(tensor) not in counted:
-                    counted.add(id(tensor))
-                    nbytes += self._host[id(tensor)].numel() * self._host[id(tensor)].element_size()
-            out.append((self._layers[i][0], nbytes))
+            for _, _, index in self._entries[layer]:
+                if index not in counted:
+                    counted.add(index)
+                    nbytes += self._slots[index][1]
+            out.append((self._layers[layer][0], nbytes))
         return out
 
     def profile(self, *args: Any, rounds: int = 3, **kwargs: Any) -> list[LayerProfile]:
         """Runs the module on the device (loaded whole, under no_grad) ``rounds`` times after a
         warm-up, and returns each layer's bytes and compute time in execution order (the time
         from a layer's start to the next layer's start, so everything the forward runs is
-        counted). The loader plans in that order from now on; the module ends unloaded."""
+        counted). The loader packs and plans in that order from now on; the module ends
+        unloaded."""
         torch = _torch()
         if rounds < 1:
             raise ValueError("shoal.loading: rounds must be >= 1")
@@ -328,9 +367,10 @@ class ModuleLoader:
         for marks_of_round in timings:
             for (layer_index, start), (_, following) in zip(marks_of_round, marks_of_round[1:]):
                 seconds[layer_index] += start.elapsed_time(following) / 1000.0 / len(timings)
-        self._order = order
+        if order != self._order:
+            self._pack(order, list(self._host_views))
         self._profile = [
-            LayerProfile(name, nbytes, seconds[i]) for i, (name, nbytes) in zip(order, self.layer_bytes())
+            LayerProfile(name, nbytes, seconds[layer]) for layer, (name, nbytes) in zip(order, self.layer_bytes())
         ]
         return list(self._profile)
 
@@ -349,8 +389,8 @@ class ModuleLoader:
         self, profile: Optional[Sequence[LayerProfile]] = None, grouping: str = "optimal", cost: Optional[CopyCost] = None
     ) -> GroupPlan:
         """The grouping of this module's layers (``profile`` defaults to the last
-        ``profile()``; without any, the layers' bytes with no compute time). ``cost`` defaults to one measured once on the
-        loader's copy stream."""
+        ``profile()``; without any, the layers' bytes with no compute time). ``cost`` defaults
+        to one measured once on the loader's copy stream."""
         profile = profile if profile is not None else self._profile
         layers = list(profile) if profile is not None else [(b, 0.0) for _, b in self.layer_bytes()]
         if len(layers) != len(self._layers):
@@ -362,10 +402,11 @@ class ModuleLoader:
         return plan_groups(layers, cost, grouping)
 
     def load(self, plan: Union[GroupPlan, str] = "optimal", *, wait: bool = True) -> Loading:
-        """Enqueues the copies of every group and moves the module's tensors to the device;
-        returns at once. ``plan`` is a GroupPlan or a grouping name (planned from the last
-        profile, or from the layers' bytes alone). With ``wait`` (the default) the module's forward waits per group through
-        pre-forward hooks; without, the caller makes its stream wait (``Loading.wait``)."""
+        """Enqueues one copy per group and moves the module's tensors to the device; returns at
+        once. ``plan`` is a GroupPlan or a grouping name (planned from the last profile, or
+        from the layers' bytes alone). With ``wait`` (the default) the module's forward waits
+        per group through pre-forward hooks; without, the caller makes its stream wait
+        (``Loading.wait``)."""
         torch = _torch()
         if self._loading is not None:
             raise RuntimeError("shoal.loading: the module is loaded already; unload() first")
@@ -374,41 +415,31 @@ class ModuleLoader:
         ends = list(plan.group_ends)
         if not ends or ends[-1] != len(self._layers) or any(b <= a for a, b in zip([0] + ends, ends)):
             raise ValueError(f"shoal.loading: a plan for {len(self._layers)} layers must end there, increasing")
-        current = torch.cuda.current_stream(self.device)
-        self._copy_stream.wait_stream(current)  # the device tensors were allocated on the current stream
-        group_of_tensor: dict[int, int] = {}
-        groups: list[list[tuple[Any, Any]]] = []
-        begin = 0
-        for g, end in enumerate(ends):
-            group = []
-            for position in range(begin, end):
-                for _, _, tensor in self._entries[self._order[position]]:
-                    if id(tensor) in group_of_tensor:
-                        continue
-                    group_of_tensor[id(tensor)] = g
-                    host = self._host[id(tensor)]
-                    target = torch.empty_like(host, device=self.device)
-                    target.record_stream(self._copy_stream)
-                    self._device_tensors[id(tensor)] = target
-                    group.append((target, host))
-            groups.append(group)
+        target = torch.empty(self._host_buffer.numel(), dtype=torch.uint8, device=self.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # target was allocated there
+        target.record_stream(self._copy_stream)
+        device_base, host_base = target.data_ptr(), self._host_buffer.data_ptr()
+        copies, group_of_position, begin = [], [], 0
+        for end in ends:
+            low, high = self._ranges[begin][0], self._ranges[end - 1][1]
+            if high > low:  # a group of layers holding only tied tensors loaded earlier joins the one before
+                copies.append(([(device_base + low, host_base + low, high - low)], None))
+            group_of_position += [max(len(copies) - 1, 0)] * (end - begin)
             begin = end
-        nonempty = [g for g in groups if g]
-        if len(nonempty) != len(groups):
-            # A group whose layers hold only tied tensors loaded earlier: merge it away.
-            remap, kept = {}, -1
-            for g, group in enumerate(groups):
-                kept += 1 if group else 0
-                remap[g] = max(kept, 0)
-            group_of_tensor = {t: remap[g] for t, g in group_of_tensor.items()}
-        load = load_groups(nonempty, self._shoal_copy_stream)
-        loading = Loading(load, plan, len(nonempty) - 1)
-        self._swap(lambda tensor: self._device_tensors[id(tensor)])
+        copies[0] = (copies[0][0], (target, self._host_buffer))  # kept alive until the load is gone
+        load = _shoal._load_groups(copies, self._shoal_copy_stream)
+        loading = Loading(load, plan, len(copies) - 1)
+        self._device_buffer = target
+        self._swap([self._view(target, slot) for slot in self._slots])
         self._loading = loading
         if wait:
-            for i, (_, layer) in enumerate(self._layers):
-                needed = max(group_of_tensor[id(t)] for _, _, t in self._entries[i])
-                loading._hooks.append(layer.register_forward_pre_hook(self._waiter(loading, needed)))
+            group_of_tensor: dict[int, int] = {}
+            for position, layer in enumerate(self._order):
+                for _, _, index in self._entries[layer]:
+                    group_of_tensor.setdefault(index, group_of_position[position])
+            for layer, (_, module) in enumerate(self._layers):
+                needed = max(group_of_tensor[index] for _, _, index in self._entries[layer])
+                loading._hooks.append(module.register_forward_pre_hook(self._waiter(loading, needed)))
         return loading
 
     def _waiter(self, loading: Loading, group: int) -> Callable[..., None]:
@@ -430,21 +461,23 @@ class ModuleLoader:
 
         return wait_for_group
 
-    def _swap(self, replacement: Callable[[Any], Any]) -> None:
-        for i, (_, layer) in enumerate(self._layers):
-            for kind, name, tensor in self._entries[i]:
+    def _swap(self, tensors: list[Any]) -> None:
+        """Points the module's parameters and buffers at ``tensors`` (by tensor index)."""
+        for layer, (_, module) in enumerate(self._layers):
+            for kind, name, index in self._entries[layer]:
                 if kind == "parameter":
-                    tensor.data = replacement(tensor)
+                    self._originals[index].data = tensors[index]
                 else:
-                    layer._buffers[name] = replacement(tensor)
+                    module._buffers[name] = tensors[index]
 
     def unload(self) -> None:
         """Waits for the copies, takes the hooks off and points the module's tensors back at
-        the host copies; the device tensors are freed (after the work enqueued on them)."""
+        the host views; the device buffer is freed (after the work enqueued on it). Values
+        computed on the device are not copied back."""
         if self._loading is None:
             return
         loading, self._loading = self._loading, None
         loading.remove_hooks()
         loading.synchronize()
-        self._swap(lambda tensor: self._host[id(tensor)])
-        self._device_tensors.clear()
+        self._swap(self._host_views)
+        self._device_buffer = None

@@ -4,6 +4,8 @@
 //
 // GIL: enqueueing the copies, synchronizing and measuring release it; a load
 // lets go of its sources (held Python objects) by taking the GIL.
+#include "shoal/transfer/grouped_load.h"
+
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
@@ -18,7 +20,6 @@
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 #include "shoal/transfer/group_planner.h"
-#include "shoal/transfer/grouped_load.h"
 
 namespace shoal::python {
 
@@ -51,7 +52,8 @@ void register_grouped_load(nb::module_& m) {
                               "Groups of host-to-device copies enqueued on a copy stream, an event after "
                               "each group. A stream waits for group k (and so for every group before it) "
                               "with wait(k, stream).")
-      .def_prop_ro("groups", [](const py_grouped_load& l) { return l.load.groups(); }, "Number of groups.")
+      .def_prop_ro(
+          "groups", [](const py_grouped_load& l) { return l.load.groups(); }, "Number of groups.")
       .def(
           "wait",
           [](const py_grouped_load& l, std::size_t k, const py_stream* stream) {
@@ -85,8 +87,7 @@ void register_grouped_load(nb::module_& m) {
           transfer::load_group g;
           g.copies.reserve(copies.size());
           for (const auto& [destination, source, bytes] : copies) {
-            g.copies.push_back(
-                {reinterpret_cast<void*>(destination), reinterpret_cast<const void*>(source), bytes});
+            g.copies.push_back({reinterpret_cast<void*>(destination), reinterpret_cast<const void*>(source), bytes});
           }
           if (!owner.is_none()) g.keep_alive = hold(owner);
           native.push_back(std::move(g));

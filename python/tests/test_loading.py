@@ -19,6 +19,16 @@ GROUPS = 5
 MIB = 1 << 20
 
 
+def host_array(nbytes: int, value: int):
+    """A host array of ``nbytes`` bytes, each ``value``: page-locked on CUDA (a pinned torch
+    tensor: from pageable memory CUDA copies synchronously, so nothing would race), numpy on
+    the host backend."""
+    if shoal.default_device().kind == "cuda":
+        torch = pytest.importorskip("torch")
+        return torch.full((nbytes,), value, dtype=torch.uint8).pin_memory()
+    return numpy.full(nbytes, value, dtype="uint8")
+
+
 def model_memory(groups: int = GROUPS, nbytes: int = 4 * MIB) -> tuple[list, list]:
     """Zeroed device storages and host sources of value g + 1 for each group g (two per group)."""
     targets = [[shoal.allocate(nbytes), shoal.allocate(nbytes)] for _ in range(groups)]
@@ -26,7 +36,7 @@ def model_memory(groups: int = GROUPS, nbytes: int = 4 * MIB) -> tuple[list, lis
         for storage in pair:
             storage.fill(0)
     shoal.synchronize()
-    sources = [[numpy.full(nbytes, g + 1, dtype="uint8") for _ in range(2)] for g in range(groups)]
+    sources = [[host_array(nbytes, g + 1) for _ in range(2)] for g in range(groups)]
     return targets, sources
 
 

@@ -22,8 +22,8 @@ def torch():
     return torch
 
 
-def make_model(torch):
-    torch.manual_seed(0)
+def make_model(torch, seed=0):
+    torch.manual_seed(seed)
     layers = []
     for _ in range(8):
         layers += [torch.nn.Linear(1024, 1024), torch.nn.BatchNorm1d(1024), torch.nn.ReLU()]
@@ -31,11 +31,11 @@ def make_model(torch):
     return model
 
 
-def run_after_held_copies(torch, loader, plan, wait=True):
+def run_after_held_copies(torch, loader, plan, wait=True, x=None):
     with torch.cuda.stream(loader.copy_stream):
         torch.cuda._sleep(50_000_000)  # holds the copy stream back: about 30 ms
     loading = loader.load(plan, wait=wait)
-    x = torch.ones(4, 1024, device="cuda")
+    x = torch.ones(4, 1024, device="cuda") if x is None else x
     with torch.no_grad():
         out = loader.module(x)
     torch.cuda.synchronize()
@@ -58,7 +58,9 @@ def test_a_module_loaded_in_groups_computes_what_the_whole_module_computes(torch
 
 
 def test_control_without_the_waits_the_module_reads_parameters_not_yet_copied(torch):
-    model = make_model(torch)
+    # A seed of its own: memory that other tests' loads left in torch's cache holds their
+    # weights, which must not be these.
+    model = make_model(torch, seed=123)
     reference = copy.deepcopy(model).cuda()
     with torch.no_grad():
         expected = reference(torch.ones(4, 1024, device="cuda"))
@@ -95,9 +97,9 @@ def test_tied_parameters_load_once_and_optimizers_keep_their_parameters(torch):
     tokens = torch.arange(10, device="cuda")
     loader = shoal.loading.ModuleLoader(model)
     assert sum(b for _, b in loader.layer_bytes()) == (100 * 64 + 64 * 64 + 64) * 4
-    out, _ = run_after_held_copies(torch, loader, "per_layer")
+    out, _ = run_after_held_copies(torch, loader, "per_layer", x=tokens)
     with torch.no_grad():
-        assert torch.equal(model(tokens), reference(tokens))
+        assert torch.equal(out, reference(tokens))
     assert model[0].weight is model[2].weight and model[0].weight.is_cuda
     assert optimizer.param_groups[0]["params"][0] is model[0].weight
     loader.unload()
@@ -114,3 +116,32 @@ def test_loading_twice_is_refused_and_a_cpu_module_is_required(torch):
         shoal.loading.ModuleLoader(make_model(torch), device="cpu")
     with pytest.raises(ValueError, match="start on the CPU"):
         shoal.loading.ModuleLoader(make_model(torch).cuda())
+
+
+def test_the_profile_reorders_layers_registered_out_of_execution_order(torch):
+    class Backwards(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.last = torch.nn.Linear(256, 8)
+            self.first = torch.nn.Linear(256, 256)
+
+        def forward(self, x):
+            return self.last(torch.relu(self.first(x)))
+
+    torch.manual_seed(2)
+    model = Backwards()
+    reference = copy.deepcopy(model).cuda()
+    x = torch.randn(3, 256, device="cuda")
+    loader = shoal.loading.ModuleLoader(model)
+    assert [name for name, _ in loader.layer_bytes()] == ["last", "first"]
+    assert [layer.name for layer in loader.profile(x, rounds=1)] == ["first", "last"]
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in model.parameters())
+    out, _ = run_after_held_copies(torch, loader, "per_layer", x=x)
+    with torch.no_grad():
+        assert torch.equal(out, reference(x))
+    loader.unload()
+
+
+def test_a_module_without_tensors_is_refused(torch):
+    with pytest.raises(ValueError, match="no parameters or buffers"):
+        shoal.loading.ModuleLoader(torch.nn.ReLU())

@@ -12,26 +12,23 @@ namespace shoal::transfer {
 namespace {
 
 void validate(std::span<const layer_cost> layers, copy_cost cost) {
-  if (layers.empty())
-    throw invalid_argument("plan_groups: no layers");
-  if (!(cost.bytes_per_second > 0) || !std::isfinite(cost.bytes_per_second) ||
-      !(cost.per_group_seconds >= 0) ||
+  if (layers.empty()) throw invalid_argument("plan_groups: no layers");
+  if (!(cost.bytes_per_second > 0) || !std::isfinite(cost.bytes_per_second) || !(cost.per_group_seconds >= 0) ||
       !std::isfinite(cost.per_group_seconds)) {
-    throw invalid_argument("plan_groups: the copy cost needs bytes_per_second "
-                           "> 0 and per_group_seconds >= 0");
+    throw invalid_argument(
+        "plan_groups: the copy cost needs bytes_per_second "
+        "> 0 and per_group_seconds >= 0");
   }
-  for (const layer_cost &l : layers) {
+  for (const layer_cost& l : layers) {
     if (!(l.compute_seconds >= 0) || !std::isfinite(l.compute_seconds)) {
-      throw invalid_argument(
-          "plan_groups: a layer's compute_seconds must be finite and >= 0");
+      throw invalid_argument("plan_groups: a layer's compute_seconds must be finite and >= 0");
     }
   }
 }
 
 /// Runs of `unit` consecutive layers merged into one, so that at most
 /// max_planned_layers remain.
-std::vector<layer_cost> coarsen(std::span<const layer_cost> layers,
-                                std::size_t unit) {
+std::vector<layer_cost> coarsen(std::span<const layer_cost> layers, std::size_t unit) {
   std::vector<layer_cost> out;
   out.reserve((layers.size() + unit - 1) / unit);
   for (std::size_t i = 0; i < layers.size(); i += unit) {
@@ -46,10 +43,9 @@ std::vector<layer_cost> coarsen(std::span<const layer_cost> layers,
 }
 
 /// The exact optimum over groupings of `layers` (at most max_planned_layers).
-std::vector<std::size_t> optimal_ends(std::span<const layer_cost> layers,
-                                      copy_cost cost) {
+std::vector<std::size_t> optimal_ends(std::span<const layer_cost> layers, copy_cost cost) {
   const std::size_t n = layers.size();
-  std::vector<double> bytes(n + 1, 0), compute(n + 1, 0); // prefix sums
+  std::vector<double> bytes(n + 1, 0), compute(n + 1, 0);  // prefix sums
   for (std::size_t i = 0; i < n; ++i) {
     bytes[i + 1] = bytes[i] + static_cast<double>(layers[i].bytes);
     compute[i + 1] = compute[i] + layers[i].compute_seconds;
@@ -57,26 +53,20 @@ std::vector<std::size_t> optimal_ends(std::span<const layer_cost> layers,
   constexpr double never = std::numeric_limits<double>::infinity();
   // end[k][i]: the earliest completion of layer i-1 when layers 0..i-1 form
   // k groups; from[k][i]: where the last of those groups starts.
-  std::vector<std::vector<double>> end(n + 1,
-                                       std::vector<double>(n + 1, never));
-  std::vector<std::vector<std::size_t>> from(
-      n + 1, std::vector<std::size_t>(n + 1, 0));
+  std::vector<std::vector<double>> end(n + 1, std::vector<double>(n + 1, never));
+  std::vector<std::vector<std::size_t>> from(n + 1, std::vector<std::size_t>(n + 1, 0));
   end[0][0] = 0;
   std::size_t best_k = 0;
   double best = never;
   for (std::size_t k = 1; k <= n; ++k) {
     const double overhead = static_cast<double>(k) * cost.per_group_seconds;
     for (std::size_t i = k; i <= n; ++i) {
-      const double group_ready =
-          overhead +
-          bytes[i] / cost.bytes_per_second; // F: depends on i and k only
+      const double group_ready = overhead + bytes[i] / cost.bytes_per_second;  // F: depends on i and k only
       double e = never;
       std::size_t arg = 0;
       for (std::size_t j = k - 1; j < i; ++j) {
-        if (end[k - 1][j] == never)
-          continue;
-        const double candidate =
-            std::max(end[k - 1][j], group_ready) + (compute[i] - compute[j]);
+        if (end[k - 1][j] == never) continue;
+        const double candidate = std::max(end[k - 1][j], group_ready) + (compute[i] - compute[j]);
         if (candidate < e) {
           e = candidate;
           arg = j;
@@ -85,7 +75,7 @@ std::vector<std::size_t> optimal_ends(std::span<const layer_cost> layers,
       end[k][i] = e;
       from[k][i] = arg;
     }
-    if (end[k][n] < best) { // strictly better: fewer groups win ties
+    if (end[k][n] < best) {  // strictly better: fewer groups win ties
       best = end[k][n];
       best_k = k;
     }
@@ -99,30 +89,26 @@ std::vector<std::size_t> optimal_ends(std::span<const layer_cost> layers,
   return ends;
 }
 
-} // namespace
+}  // namespace
 
-group_plan evaluate_grouping(std::span<const layer_cost> layers, copy_cost cost,
-                             std::vector<std::size_t> group_ends) {
+group_plan evaluate_grouping(std::span<const layer_cost> layers, copy_cost cost, std::vector<std::size_t> group_ends) {
   validate(layers, cost);
   if (group_ends.empty() || group_ends.back() != layers.size()) {
-    throw invalid_argument(
-        "evaluate_grouping: the groups must end at the layer count (" +
-        std::to_string(layers.size()) + ")");
+    throw invalid_argument("evaluate_grouping: the groups must end at the layer count (" +
+                           std::to_string(layers.size()) + ")");
   }
   group_plan plan;
   double ready = 0, done = 0;
   std::size_t begin = 0;
   for (std::size_t g = 0; g < group_ends.size(); ++g) {
-    if (group_ends[g] <= begin)
-      throw invalid_argument("evaluate_grouping: group ends must increase");
+    if (group_ends[g] <= begin) throw invalid_argument("evaluate_grouping: group ends must increase");
     double bytes = 0, compute = 0;
     for (std::size_t i = begin; i < group_ends[g]; ++i) {
       bytes += static_cast<double>(layers[i].bytes);
       compute += layers[i].compute_seconds;
     }
     ready += cost.per_group_seconds + bytes / cost.bytes_per_second;
-    if (g == 0)
-      plan.first_layer_start = ready;
+    if (g == 0) plan.first_layer_start = ready;
     done = std::max(done, ready) + compute;
     begin = group_ends[g];
   }
@@ -133,35 +119,27 @@ group_plan evaluate_grouping(std::span<const layer_cost> layers, copy_cost cost,
 
 group_plan plan_groups(std::span<const layer_cost> layers, copy_cost cost) {
   validate(layers, cost);
-  const std::size_t unit =
-      (layers.size() + max_planned_layers - 1) / max_planned_layers;
-  if (unit == 1)
-    return evaluate_grouping(layers, cost, optimal_ends(layers, cost));
+  const std::size_t unit = (layers.size() + max_planned_layers - 1) / max_planned_layers;
+  if (unit == 1) return evaluate_grouping(layers, cost, optimal_ends(layers, cost));
   std::vector<std::size_t> ends;
-  for (std::size_t e : optimal_ends(coarsen(layers, unit), cost))
-    ends.push_back(std::min(e * unit, layers.size()));
+  for (std::size_t e : optimal_ends(coarsen(layers, unit), cost)) ends.push_back(std::min(e * unit, layers.size()));
   // Optimal at the coarse granularity only: it must not lose to the groupings
   // it is compared against.
   group_plan best = evaluate_grouping(layers, cost, std::move(ends));
-  for (group_plan other :
-       {one_group_per_layer(layers, cost), one_group_for_all(layers, cost)}) {
-    if (other.last_layer_end < best.last_layer_end)
-      best = std::move(other);
+  for (group_plan other : {one_group_per_layer(layers, cost), one_group_for_all(layers, cost)}) {
+    if (other.last_layer_end < best.last_layer_end) best = std::move(other);
   }
   return best;
 }
 
-group_plan one_group_per_layer(std::span<const layer_cost> layers,
-                               copy_cost cost) {
+group_plan one_group_per_layer(std::span<const layer_cost> layers, copy_cost cost) {
   std::vector<std::size_t> ends(layers.size());
-  for (std::size_t i = 0; i < ends.size(); ++i)
-    ends[i] = i + 1;
+  for (std::size_t i = 0; i < ends.size(); ++i) ends[i] = i + 1;
   return evaluate_grouping(layers, cost, std::move(ends));
 }
 
-group_plan one_group_for_all(std::span<const layer_cost> layers,
-                             copy_cost cost) {
+group_plan one_group_for_all(std::span<const layer_cost> layers, copy_cost cost) {
   return evaluate_grouping(layers, cost, {layers.size()});
 }
 
-} // namespace shoal::transfer
+}  // namespace shoal::transfer

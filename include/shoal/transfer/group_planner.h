@@ -33,23 +33,20 @@
 namespace shoal::transfer {
 
 struct layer_cost {
-  std::size_t bytes = 0; ///< parameters (and buffers) to copy for the layer
-  double compute_seconds =
-      0; ///< the layer's run time on the compute stream (>= 0)
+  std::size_t bytes = 0;       ///< parameters (and buffers) to copy for the layer
+  double compute_seconds = 0;  ///< the layer's run time on the compute stream (>= 0)
 };
 
 struct copy_cost {
-  double per_group_seconds =
-      0; ///< fixed cost of one group: enqueueing, the event, the wait (>= 0)
-  double bytes_per_second = 0; ///< host→device bandwidth (> 0)
+  double per_group_seconds = 0;  ///< fixed cost of one group: enqueueing, the event, the wait (>= 0)
+  double bytes_per_second = 0;   ///< host→device bandwidth (> 0)
 };
 
 struct group_plan {
   /// Exclusive end (a layer index) of each group, increasing; the last is the
   /// layer count.
   std::vector<std::size_t> group_ends;
-  double first_layer_start =
-      0; ///< seconds from the start of loading, as the model predicts
+  double first_layer_start = 0;  ///< seconds from the start of loading, as the model predicts
   double last_layer_end = 0;
 };
 
@@ -57,28 +54,23 @@ inline constexpr std::size_t max_planned_layers = 1024;
 
 /// The grouping with the earliest completion of the last layer (fewest groups
 /// on a tie). invalid_argument for no layers or a cost out of range.
-[[nodiscard]] group_plan plan_groups(std::span<const layer_cost> layers,
-                                     copy_cost cost);
+[[nodiscard]] group_plan plan_groups(std::span<const layer_cost> layers, copy_cost cost);
 
 /// The model's prediction for a given grouping (group_ends as in group_plan).
 /// invalid_argument when group_ends is not increasing or does not end at the
 /// layer count.
-[[nodiscard]] group_plan evaluate_grouping(std::span<const layer_cost> layers,
-                                           copy_cost cost,
+[[nodiscard]] group_plan evaluate_grouping(std::span<const layer_cost> layers, copy_cost cost,
                                            std::vector<std::size_t> group_ends);
 
 /// One group per layer, and one group for the whole model: the two
 /// groupings the optimum is compared against.
-[[nodiscard]] group_plan one_group_per_layer(std::span<const layer_cost> layers,
-                                             copy_cost cost);
-[[nodiscard]] group_plan one_group_for_all(std::span<const layer_cost> layers,
-                                           copy_cost cost);
+[[nodiscard]] group_plan one_group_per_layer(std::span<const layer_cost> layers, copy_cost cost);
+[[nodiscard]] group_plan one_group_for_all(std::span<const layer_cost> layers, copy_cost cost);
 
 /// Measures the copy cost on `device`: groups of one small copy each, back to
 /// back with an event after each, for the per-group cost; large copies from
 /// page-locked memory for the bandwidth. Uses `stream` (idle, nobody else's)
 /// and memory of its own, freed before it returns.
-[[nodiscard]] copy_cost measure_copy_cost(backend::device &device,
-                                          backend::stream_ref stream);
+[[nodiscard]] copy_cost measure_copy_cost(backend::device& device, backend::stream_ref stream);
 
-} // namespace shoal::transfer
+}  // namespace shoal::transfer

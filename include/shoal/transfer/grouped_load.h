@@ -33,22 +33,21 @@ namespace shoal::transfer {
 
 /// One copy of a group: `bytes` bytes from host memory to device memory.
 struct group_copy {
-  void *device_destination = nullptr;
-  const void *host_source = nullptr;
-  std::size_t bytes = 0; ///< > 0
+  void* device_destination = nullptr;
+  const void* host_source = nullptr;
+  std::size_t bytes = 0;  ///< > 0
 };
 
 /// The copies that make one group ready, and what keeps their memory valid.
 struct load_group {
-  std::vector<group_copy> copies;         ///< at least one
-  std::shared_ptr<const void> keep_alive; ///< may be null
+  std::vector<group_copy> copies;          ///< at least one
+  std::shared_ptr<const void> keep_alive;  ///< may be null
 };
 
 class grouped_load {
-public:
+ public:
   struct state;
-  explicit grouped_load(std::shared_ptr<const state> s)
-      : state_(std::move(s)) {}
+  explicit grouped_load(std::shared_ptr<const state> s) : state_(std::move(s)) {}
 
   [[nodiscard]] std::size_t groups() const noexcept;
   /// Complete once groups 0..k have been copied. invalid_argument past the last
@@ -61,7 +60,7 @@ public:
   /// Blocks the calling thread until every group has been copied.
   void synchronize() const;
 
-private:
+ private:
   std::shared_ptr<const state> state_;
 };
 
@@ -70,8 +69,7 @@ private:
 /// enqueued) for no groups, an empty group, or a copy with a null pointer or
 /// zero bytes. Throws the device's error when a copy cannot be enqueued; the
 /// copies enqueued before it are waited for before the error leaves.
-[[nodiscard]] grouped_load load_groups(backend::device &device,
-                                       backend::stream_ref copy_stream,
+[[nodiscard]] grouped_load load_groups(backend::device& device, backend::stream_ref copy_stream,
                                        std::vector<load_group> groups);
 
-} // namespace shoal::transfer
+}  // namespace shoal::transfer
