@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -59,8 +60,9 @@ def mark_first_layer(model: torch.nn.Module, first_name: str, marks: dict):
     return layer.register_forward_pre_hook(mark)
 
 
-def timed(run) -> tuple[float, float]:
-    """(first layer start, last layer end) in seconds of one call of run(marks)."""
+def timed(run) -> tuple[float, float, float]:
+    """(first layer start, last layer end, host time of the load call) in seconds of one
+    call of run(marks)."""
     torch.cuda.synchronize()
     marks: dict = {"start": torch.cuda.Event(enable_timing=True), "end": torch.cuda.Event(enable_timing=True)}
     marks["start"].record()
@@ -68,7 +70,7 @@ def timed(run) -> tuple[float, float]:
     marks["end"].record()
     torch.cuda.synchronize()
     first = marks["start"].elapsed_time(marks["first"]) / 1e3 if "first" in marks else 0.0
-    return first, marks["start"].elapsed_time(marks["end"]) / 1e3
+    return first, marks["start"].elapsed_time(marks["end"]) / 1e3, marks.get("load_host", 0.0)
 
 
 def bench_model(name: str, make, rounds: int) -> None:
@@ -82,7 +84,9 @@ def bench_model(name: str, make, rounds: int) -> None:
 
     def with_loader(plan):
         def run(marks):
+            begin = time.perf_counter()
             loader.load(plan)
+            marks["load_host"] = time.perf_counter() - begin
             hook = mark_first_layer(model, first_name, marks)
             with torch.no_grad():
                 model(*inputs)
@@ -112,18 +116,18 @@ def bench_model(name: str, make, rounds: int) -> None:
             p.data = h
         for (m, n, _), h in zip(buffers, host_buffers):
             m._buffers[n] = h
-        rows.setdefault("anchor: copy all, then run", ([], []))
-        rows["anchor: copy all, then run"][0].append(result[0])
-        rows["anchor: copy all, then run"][1].append(result[1])
+        rows.setdefault("anchor: copy all, then run", ([], [], []))
+        for column, value in zip(rows["anchor: copy all, then run"], result):
+            column.append(value)
         for grouping, plan in plans.items():
             result = timed(with_loader(plan))
             loader.unload()
             label = f"shoal.loading, {grouping} ({plan.groups} groups)"
-            rows.setdefault(label, ([], []))
-            rows[label][0].append(result[0])
-            rows[label][1].append(result[1])
+            rows.setdefault(label, ([], [], []))
+            for column, value in zip(rows[label], result):
+                column.append(value)
     for label in rows:  # drop the warm-up round
-        rows[label] = (rows[label][0][1:], rows[label][1][1:])
+        rows[label] = tuple(column[1:] for column in rows[label])
     loader.load("whole").synchronize()
     def forward_only(marks):
         with torch.no_grad():
@@ -135,17 +139,25 @@ def bench_model(name: str, make, rounds: int) -> None:
     anchor_end = statistics.median(rows["anchor: copy all, then run"][1])
     print(f"\n### {name}: {len(profile)} layers, {total_bytes / 2**20:.1f} MiB of parameters and buffers")
     print(f"copy cost measured: {cost.per_group_seconds * 1e6:.2f} us per group, {cost.bytes_per_second / 1e9:.1f} GB/s")
-    print("| row | first layer starts, ms | last layer done, ms | predicted (first, last), ms | last vs anchor |")
-    print("| --- | --- | --- | --- | --- |")
-    for label, (first, last) in rows.items():
+    print("| row | first layer starts, ms | last layer done, ms | predicted (first, last), ms | last vs anchor | load() host ms |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for label, (first, last, host) in rows.items():
         grouping = label.split(", ")[-1].split(" ")[0] if label.startswith("shoal") else None
         predicted = (
             f"{plans[grouping].first_layer_start * 1e3:.2f}, {plans[grouping].last_layer_end * 1e3:.2f}"
             if grouping
             else "-"
         )
-        print(f"| {label} | {spread(first)} | {spread(last)} | {predicted} | {statistics.median(last) / anchor_end:.2f} |")
-    print(f"| forward alone, model resident | - | {spread(resident)} | {sum(l.compute_seconds for l in profile) * 1e3:.2f} (profile) | {statistics.median(resident) / anchor_end:.2f} |")
+        host_ms = spread(host) if label.startswith("shoal") else "-"
+        print(
+            f"| {label} | {spread(first)} | {spread(last)} | {predicted} | "
+            f"{statistics.median(last) / anchor_end:.2f} | {host_ms} |"
+        )
+    compute = sum(layer.compute_seconds for layer in profile) * 1e3
+    print(
+        f"| forward alone, model resident | - | {spread(resident)} | {compute:.2f} (profile) | "
+        f"{statistics.median(resident) / anchor_end:.2f} | - |"
+    )
 
 
 def main() -> None:

@@ -178,6 +178,17 @@ def _torch() -> Any:
     return torch
 
 
+def _current_stream_getter(device: Any) -> Callable[[], int]:
+    """A function returning the native handle of the current stream on ``device``: runs
+    before every layer while a load is under way, so the cheapest call torch offers."""
+    torch = _torch()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        index = device.index
+        return lambda: raw(index)
+    return lambda: torch.cuda.current_stream(device).cuda_stream
+
+
 def _own_tensors(module: Any) -> list[tuple[str, str, Any]]:
     """(kind, name, tensor) of the parameters and buffers a module holds directly."""
     out = [("parameter", name, p) for name, p in module._parameters.items() if p is not None]
@@ -294,8 +305,9 @@ class ModuleLoader:
                 slots[index] = (offset, nbytes, source.dtype, tuple(source.shape))
                 offset += nbytes
             ranges.append((offset if start is None else start, offset))
-        host = torch.empty(max(offset, 1), dtype=torch.uint8, pin_memory=True)
-        views = [self._view(host, slot) for slot in slots]
+        size = max(-(-offset // self.ALIGNMENT) * self.ALIGNMENT, self.ALIGNMENT)
+        host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        views = self._views(host, slots)
         for view, source in zip(views, sources):
             view.copy_(source)
         self._order, self._slots, self._ranges = order, slots, ranges
@@ -303,9 +315,24 @@ class ModuleLoader:
         self._swap(views)
 
     @staticmethod
-    def _view(buffer: Any, slot: tuple[int, int, Any, tuple]) -> Any:
-        offset, nbytes, dtype, shape = slot
-        return buffer[offset : offset + nbytes].view(dtype).view(shape)
+    def _views(buffer: Any, slots: list) -> list[Any]:
+        """Each slot's tensor as a view of ``buffer``: one as_strided per tensor on a typed
+        view of the whole buffer (the buffer's size and every offset are multiples of the
+        alignment, hence of every element size). Made on every load: the host work before
+        the first layer can start."""
+        typed: dict[Any, Any] = {}
+        out = []
+        for offset, _, dtype, shape in slots:
+            whole = typed.get(dtype)
+            if whole is None:
+                whole = typed[dtype] = buffer.view(dtype)
+            itemsize = whole.element_size()
+            stride, step = [], 1
+            for extent in reversed(shape):
+                stride.insert(0, step)
+                step *= extent
+            out.append(whole.as_strided(shape, stride, offset // itemsize))
+        return out
 
     @property
     def copy_stream(self) -> Any:
@@ -430,7 +457,7 @@ class ModuleLoader:
         load = _shoal._load_groups(copies, self._shoal_copy_stream)
         loading = Loading(load, plan, len(copies) - 1)
         self._device_buffer = target
-        self._swap([self._view(target, slot) for slot in self._slots])
+        self._swap(self._views(target, self._slots))
         self._loading = loading
         if wait:
             group_of_tensor: dict[int, int] = {}
@@ -443,11 +470,11 @@ class ModuleLoader:
         return loading
 
     def _waiter(self, loading: Loading, group: int) -> Callable[..., None]:
-        torch = _torch()
         waited = loading._waited
+        current_stream = _current_stream_getter(self.device)
 
         def wait_for_group(module: Any, inputs: Any) -> None:
-            handle = torch.cuda.current_stream(self.device).cuda_stream
+            handle = current_stream()
             if waited.get(handle, -1) >= group:
                 return
             if loading.done():  # every copy has run: no stream needs to wait any more

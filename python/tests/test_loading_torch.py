@@ -32,13 +32,14 @@ def make_model(torch, seed=0):
 
 
 def run_after_held_copies(torch, loader, plan, wait=True, x=None):
+    if isinstance(plan, str):
+        plan = loader.plan(grouping=plan)  # before holding the stream: planning measures the link on it
     with torch.cuda.stream(loader.copy_stream):
         torch.cuda._sleep(50_000_000)  # holds the copy stream back: about 30 ms
     loading = loader.load(plan, wait=wait)
     x = torch.ones(4, 1024, device="cuda") if x is None else x
     with torch.no_grad():
         out = loader.module(x)
-    torch.cuda.synchronize()
     return out, loading
 
 
@@ -50,6 +51,8 @@ def test_a_module_loaded_in_groups_computes_what_the_whole_module_computes(torch
         expected = reference(torch.ones(4, 1024, device="cuda"))
     loader = shoal.loading.ModuleLoader(model)
     out, loading = run_after_held_copies(torch, loader, grouping)
+    assert not loading.done(), "the copies ran before the forward was enqueued: nothing was overlapped"
+    torch.cuda.synchronize()
     assert torch.equal(out, expected)
     assert loading.done()
     assert all(p.is_cuda for p in model.parameters()) and all(b.is_cuda for b in model.buffers())
