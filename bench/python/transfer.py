@@ -11,8 +11,10 @@ own stream, a stream synchronization, the last 4 batches held) against shoal
 (shoal.transfer.Engine: the producer submits, the engine stages and copies, the consumer's
 stream waits on the GPU). Reported per round: batches per second end to end, process CPU
 time per batch (every thread), and peak device memory reserved by the transfer's allocator.
-Medians with (min-max) over the rounds. Needs torch with CUDA; SPDL rows are skipped when
-spdl.io is not importable.
+A second shoal row gives the engine an allocator with a memory limit of 8 batches: the
+engine's thread then waits for the consumer's stream instead of growing. Medians with
+(min-max) over the rounds. Needs torch with CUDA; SPDL rows are skipped when spdl.io is not
+importable.
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ def run_spdl(batches: list[dict], spin_cycles: int) -> tuple[float, float, int]:
     return len(batches) / wall, cpu / len(batches) * 1e6, torch.cuda.max_memory_reserved()
 
 
-def run_shoal(batches: list[dict], spin_cycles: int, engine: shoal.transfer.Engine) -> tuple[float, float, int]:
-    allocator = shoal.default_allocator()
+def run_shoal(
+    batches: list[dict], spin_cycles: int, engine: shoal.transfer.Engine, allocator: shoal.Allocator
+) -> tuple[float, float, int]:
     torch.cuda.synchronize()
     allocator.reset_peak_stats()
     results = []
@@ -123,17 +126,21 @@ def main() -> None:
     except Exception as error:  # noqa: BLE001 - any import failure means no SPDL rows
         print(f"SPDL not importable ({error}); its rows are left out")
         have_spdl = False
-    figures: dict[str, list[tuple[float, float, int]]] = {"shoal": [], "spdl": []}
-    with shoal.transfer.Engine() as engine:
+    bounded_mb = int(mib * 8) + 1  # 4 batches in flight, 1 held, 3 the consumer's stream still reads
+    bounded_name = f"shoal, allocator memory_limit_mb={bounded_mb}"
+    figures: dict[str, list[tuple[float, float, int]]] = {"shoal": [], bounded_name: [], "spdl": []}
+    bounded = shoal.Allocator(memory_limit_mb=bounded_mb)
+    with shoal.transfer.Engine() as engine, shoal.transfer.Engine(bounded) as bounded_engine:
         for _ in range(args.rounds):
-            figures["shoal"].append(run_shoal(batches, args.spin_cycles, engine))
+            figures["shoal"].append(run_shoal(batches, args.spin_cycles, engine, shoal.default_allocator()))
+            figures[bounded_name].append(run_shoal(batches, args.spin_cycles, bounded_engine, bounded))
             if have_spdl:
                 figures["spdl"].append(run_spdl(batches, args.spin_cycles))
     print(f"\n{args.batches} batches of {mib:.1f} MiB (pageable), model spin {args.spin_cycles} cycles, "
           f"{args.rounds} rounds; medians (min-max)\n")
     print("| transfer | batches/s | CPU µs per batch (all threads) | peak reserved MiB |")
     print("| --- | --- | --- | --- |")
-    for name in ("shoal", "spdl"):
+    for name in figures:
         rows = figures[name]
         if not rows:
             continue

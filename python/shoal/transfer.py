@@ -92,10 +92,30 @@ def _rebuild(node: Any, views: list) -> Any:
     return {key: _rebuild(value, views) for key, value in node.items()}
 
 
+def _default_engine_allocator() -> _shoal.Allocator:
+    """PyTorch's allocator when shoal backs it (so batches count in torch.cuda's stats),
+    else the package's default one."""
+    from . import torch as shoal_torch
+
+    if shoal_torch.is_enabled() and default_allocator().device.kind == "cuda":
+        return shoal_torch.allocator(default_allocator().device.ordinal)
+    return default_allocator()
+
+
+def _as_torch(view: _shoal.ArrayView) -> Any:
+    import torch
+
+    return torch.from_dlpack(view)
+
+
 class Engine:
     """A thread and a stream that copy submitted host batches to the device.
 
-    ``allocator``: where device memory comes from (default: ``shoal.default_allocator()``).
+    ``allocator``: where device memory comes from (default: the allocator PyTorch uses when
+    ``shoal.torch`` is enabled, else ``shoal.default_allocator()``). Give it a memory limit
+    (``shoal.Allocator(memory_limit_mb=...)``) to bound the device memory batches take: a
+    consumer whose stream lags keeps dropped batches' memory until the stream passes their
+    reads, and at the limit the engine's thread waits for that instead of growing.
     ``max_batches_in_flight``: batches submitted and not yet taken (``submit`` blocks past it).
     ``max_pinned_bytes``: the pinned staging memory the engine may hold.
     ``staging_chunk_bytes``: pageable arrays are staged in pieces this large.
@@ -116,7 +136,7 @@ class Engine:
         staging_helpers: int = 3,
     ) -> None:
         self._engine = _shoal.TransferEngine(
-            allocator if allocator is not None else default_allocator(),
+            allocator if allocator is not None else _default_engine_allocator(),
             max_batches_in_flight,
             max_pinned_bytes,
             staging_chunk_bytes,
@@ -163,8 +183,11 @@ class Engine:
         """The next batch as the engine hands it out (storages and ready state), without waiting on a stream."""
         return self._engine.next(timeout)
 
-    def get(self, timeout: Optional[float] = None, stream: Optional[_shoal.Stream] = None) -> Batch:
-        """The next batch in submission order, as ArrayViews in the structure submitted.
+    def get(
+        self, timeout: Optional[float] = None, stream: Optional[_shoal.Stream] = None, *, as_torch: bool = False
+    ) -> Batch:
+        """The next batch in submission order, as ArrayViews in the structure submitted (torch
+        tensors with ``as_torch``, on the same memory).
 
         ``stream`` (default: the current stream) waits for the batch's copies on the GPU and
         is recorded as a user of its memory. Raises the batch's own error when it failed;
@@ -183,6 +206,8 @@ class Engine:
             structure, types = self._layouts.pop(transferred.sequence)
         transferred.wait(stream)
         views = [storage.view(dtype, shape) for storage, (dtype, shape) in zip(transferred.storages, types)]
+        if as_torch:
+            views = [_as_torch(view) for view in views]
         return _rebuild(structure, views)
 
     def stats(self) -> dict:

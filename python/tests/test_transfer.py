@@ -166,3 +166,45 @@ def test_a_pinned_host_allocator_serves_staging_storages_that_are_not_exported_a
     del storage
     with pytest.raises(shoal.InvalidArgumentError):
         shoal.Allocator(memory="pinned_host", expandable_segments=True)
+
+
+def lagging_consumer_peak(allocator: shoal.Allocator) -> int:
+    """Peak reserved bytes of ``allocator`` while a consumer drops each batch at once but its
+    stream lags behind: the memory of dropped batches returns only as the stream passes their
+    reads."""
+    consumer = shoal.Stream(allocator.device)
+    with shoal.transfer.Engine(allocator, max_batches_in_flight=2) as engine:
+        producer = threading.Thread(
+            target=lambda: [engine.submit([numpy.full(256 << 10, i % 200, "uint8")]) for i in range(40)]
+        )
+        producer.start()
+        for i in range(40):
+            (view,) = engine.get(timeout=30, stream=consumer)
+            consumer.delay(0.002)  # a slow read of the batch, enqueued; the batch dropped at once
+            del view
+        producer.join()
+        consumer.synchronize()
+        assert engine.stats()["batches_failed"] == 0
+    stats = allocator.stats()
+    assert stats["allocations"]["all"]["current"] == 0
+    return stats["reserved_bytes"]["all"]["peak"]
+
+
+def test_a_memory_limited_allocator_bounds_what_a_lagging_consumer_keeps():
+    # At the allocator's limit the engine's thread waits for the consumer's stream instead
+    # of growing; without a limit (the control) the dropped batches pile up past it.
+    limit_mb = 4
+    assert lagging_consumer_peak(shoal.Allocator(memory_limit_mb=limit_mb)) <= limit_mb << 20
+    assert lagging_consumer_peak(shoal.Allocator()) > limit_mb << 20, "no pile-up: the bound proves nothing"
+
+
+@pytest.mark.torch
+def test_batches_come_out_as_torch_tensors_on_the_same_memory(engine):
+    torch = pytest.importorskip("torch")
+    if shoal.default_device().kind != "cuda" or not torch.cuda.is_available():
+        pytest.skip("torch CUDA tensors need CUDA")
+    engine.submit({"x": numpy.arange(1000, dtype="float32"), "y": [torch.ones(3, dtype=torch.int64)]})
+    out = engine.get(timeout=10, as_torch=True)
+    assert isinstance(out["x"], torch.Tensor) and out["x"].is_cuda
+    assert torch.equal(out["x"].cpu(), torch.arange(1000, dtype=torch.float32))
+    assert torch.equal(out["y"][0].cpu(), torch.ones(3, dtype=torch.int64))
