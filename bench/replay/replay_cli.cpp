@@ -24,6 +24,15 @@ namespace shoal::bench {
 
 namespace {
 
+/// A trace's name in the table: its file name without ".gz" and ".trace".
+std::string trace_name(const std::filesystem::path& path) {
+  std::filesystem::path name = path.filename();
+  if (name.extension() == ".gz") name = name.stem();
+  if (name.extension() == ".trace") name = name.stem();
+  return name.string();
+}
+
+
 void usage(std::FILE* out, const char* program) {
   std::fprintf(out,
                "usage: %s [--conf TEXT]... <trace>...\n"
@@ -140,7 +149,7 @@ int replay_main(int argc, char** argv, const std::vector<adapter_factory>& other
     }
 
     std::vector<named_trace> traces;
-    for (const auto& path : paths) traces.push_back({path.stem().string(), read_trace_file(path)});
+    for (const auto& path : paths) traces.push_back({trace_name(path), read_trace_file(path)});
 
     backend::device& device = backend::default_device();
     std::printf("device: %s:%d (%s)\n", std::string(backend::to_string(device.kind())).c_str(), device.ordinal(),

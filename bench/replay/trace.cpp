@@ -6,6 +6,12 @@
 #include <istream>
 #include <ostream>
 #include <set>
+#include <sstream>
+#include <vector>
+
+#if defined(SHOAL_REPLAY_HAVE_ZLIB)
+#include <zlib.h>
+#endif
 
 #include "shoal/core/error.h"
 
@@ -20,6 +26,41 @@ void check_stream(std::uint64_t stream) {
     throw invalid_argument("stream " + std::to_string(stream) + " is out of range; stream ids are 0.." +
                            std::to_string(max_trace_streams - 1) + " (renumber the trace's streams densely)");
   }
+}
+
+bool starts_with_gzip_magic(std::istream& in) {
+  const int first = in.get();
+  const int second = in.get();
+  in.clear();
+  in.seekg(0);
+  return first == 0x1f && second == 0x8b;
+}
+
+/// The decompressed bytes of a gzip file (several concatenated members included).
+std::string gunzip_file(const std::filesystem::path& path) {
+#if defined(SHOAL_REPLAY_HAVE_ZLIB)
+  gzFile file = gzopen(path.c_str(), "rb");
+  if (file == nullptr) throw invalid_argument("cannot open trace file '" + path.string() + "'");
+  std::string out;
+  std::vector<char> chunk(std::size_t{1} << 20);
+  for (;;) {
+    const int n = gzread(file, chunk.data(), static_cast<unsigned>(chunk.size()));
+    if (n < 0) {
+      int code = 0;
+      const std::string why = gzerror(file, &code);
+      gzclose(file);
+      throw invalid_argument(path.string() + ": not a readable gzip file (" + why + ")");
+    }
+    if (n == 0) break;
+    out.append(chunk.data(), static_cast<std::size_t>(n));
+  }
+  gzclose(file);
+  return out;
+#else
+  throw invalid_argument(path.string() +
+                         " is gzip-compressed, and this build has no zlib: decompress it (gunzip) or rebuild "
+                         "with zlib's headers installed (zlib1g-dev)");
+#endif
 }
 
 std::string_view trim(std::string_view s) {
@@ -155,9 +196,12 @@ trace read_trace(std::istream& in, std::string_view source) {
 }
 
 trace read_trace_file(const std::filesystem::path& path) {
-  std::ifstream in(path);
+  std::ifstream in(path, std::ios::binary);
   if (!in) throw invalid_argument("cannot open trace file '" + path.string() + "'");
-  return read_trace(in, path.string());
+  if (!starts_with_gzip_magic(in)) return read_trace(in, path.string());
+  in.close();
+  std::istringstream text(gunzip_file(path));
+  return read_trace(text, path.string());
 }
 
 void write_trace(std::ostream& out, const trace& t) {

@@ -3,7 +3,11 @@
 // shoal's caching allocator on the host backend.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <set>
@@ -19,6 +23,10 @@
 #include "shoal/alloc/config.h"
 #include "shoal/backend/devices.h"
 #include "shoal/core/error.h"
+
+#if defined(SHOAL_REPLAY_HAVE_ZLIB)
+#include <zlib.h>
+#endif
 
 namespace shoal::testing {
 namespace {
@@ -269,6 +277,53 @@ class checking_adapter final : public bench::allocator_adapter {
   }
   bench::shoal_adapter inner_;
 };
+
+/// A file in the test's temporary directory, removed at the end.
+class temporary_file {
+ public:
+  explicit temporary_file(const std::string& name) : path_(std::filesystem::temp_directory_path() / name) {}
+  ~temporary_file() { std::filesystem::remove(path_); }
+  temporary_file(const temporary_file&) = delete;
+  temporary_file& operator=(const temporary_file&) = delete;
+  [[nodiscard]] const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+TEST(trace_format, a_gzip_compressed_trace_reads_as_the_same_trace) {
+  const trace plain = bench::read_trace_file(SHOAL_REPLAY_SAMPLE_TRACE);
+  std::ostringstream text;
+  bench::write_trace(text, plain);
+  temporary_file compressed("shoal_trace_" + std::to_string(::getpid()) + ".trace.gz");
+#if defined(SHOAL_REPLAY_HAVE_ZLIB)
+  gzFile out = gzopen(compressed.path().c_str(), "wb");
+  ASSERT_NE(out, nullptr);
+  const std::string bytes = text.str();
+  ASSERT_EQ(gzwrite(out, bytes.data(), static_cast<unsigned>(bytes.size())), static_cast<int>(bytes.size()));
+  ASSERT_EQ(gzclose(out), Z_OK);
+  const trace read = bench::read_trace_file(compressed.path());
+  std::ostringstream again;
+  bench::write_trace(again, read);
+  EXPECT_EQ(again.str(), bytes);
+  // A file that starts like gzip but is not: refused, naming the file.
+  std::ofstream(compressed.path(), std::ios::binary) << "\x1f\x8bnot really gzip";
+  try {
+    (void)bench::read_trace_file(compressed.path());
+    ADD_FAILURE() << "a corrupt gzip file was read";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(compressed.path().string()), std::string::npos) << e.what();
+  }
+#else
+  std::ofstream(compressed.path(), std::ios::binary) << "\x1f\x8b\x08";
+  try {
+    (void)bench::read_trace_file(compressed.path());
+    ADD_FAILURE() << "a compressed trace was read without zlib";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("no zlib"), std::string::npos) << e.what();
+  }
+#endif
+}
 
 class replay_through_shoal : public ::testing::TestWithParam<const char*> {};
 
