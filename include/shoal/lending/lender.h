@@ -1,0 +1,79 @@
+// The lender: one process owns a device's memory and lends it, region by
+// region, to borrower processes over a checked channel (the memory daemon's
+// core; runnable in-process for tests).
+//
+// A borrower connects (its uid checked against the access policy), says the
+// protocol's hello, and asks for regions of N bytes with a purpose. The
+// lender makes each region of fresh device memory that can be exported (a
+// physical chunk: CUDA VMM with a POSIX fd, a memfd on the host backend),
+// sends its handle, and counts it against the capacity and the borrower's
+// quota; the borrower maps it at its own address. A refusal says why
+// (capacity, quota, a bad request, a device failure) and the connection
+// stays open.
+//
+// Reclaim: when a borrower's connection closes — it gave up, crashed or was
+// SIGKILLed — its regions are released at once if its process is gone
+// (pid and start time: a reused pid is not mistaken for it); if it still
+// runs, it may still map them, so they stay counted as orphaned until it
+// exits. A region's memory is never lent to anyone else while its borrower
+// might map it: every region is fresh memory, and the lender's own handle is
+// dropped only at reclaim.
+//
+// Trust: a borrower is untrusted. Every frame is checked (the codec names the
+// field at fault); a malformed frame, a frame a borrower may not send, or a
+// batch it stalls in the middle of closes that borrower's connection (and
+// reclaims its regions as above) and harms no one else. Every wait on a
+// borrower has a deadline (config.peer_timeout); the lender never exits or
+// aborts on a borrower's or the device's error.
+//
+// Thread-safety: the lender serves on its own thread; status() and
+// address() may be called from any thread. Destruction stops the thread,
+// closes every connection and releases every region.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <memory>
+
+#include "shoal/backend/device.h"
+#include "shoal/channel/channel.h"
+#include "shoal/lending/lending_types.h"
+
+namespace shoal::lending {
+
+struct lender_config {
+  /// Bytes the lender may lend at once, over all borrowers (> 0).
+  std::size_t capacity_bytes = std::size_t{1} << 30;
+  /// Bytes one borrower (one connection) may hold at once (> 0).
+  std::size_t quota_bytes = std::size_t{1} << 30;
+  /// Borrowers connected at once; one more is refused at once.
+  std::size_t max_borrowers = 64;
+  /// Regions one borrower may hold at once.
+  std::size_t max_regions_per_borrower = 1024;
+  /// Deadline of every wait on a borrower: a batch it started sending, a
+  /// reply it does not read.
+  std::chrono::milliseconds peer_timeout{1000};
+  /// Uids allowed besides the lender's own.
+  channel::access_policy policy;
+};
+
+class lender {
+ public:
+  /// Listens at `address` and starts serving; regions come from `device`.
+  /// invalid_argument for a config out of range; the listener's errors
+  /// (channel.h) when the address cannot be used.
+  lender(backend::device& device, const channel::channel_address& address, lender_config config = {});
+  ~lender();
+  lender(const lender&) = delete;
+  lender& operator=(const lender&) = delete;
+
+  [[nodiscard]] lender_status status() const;
+  [[nodiscard]] const channel::channel_address& address() const noexcept;
+
+  class state;
+
+ private:
+  std::unique_ptr<state> state_;
+};
+
+}  // namespace shoal::lending

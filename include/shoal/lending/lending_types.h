@@ -1,0 +1,59 @@
+// Values shared by the lender (the memory daemon) and its borrowers: how a
+// region is asked for, and what the lender reports about the regions it
+// lends. Value types, not thread-safe to modify.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shoal/core/process_identity.h"
+
+namespace shoal::lending {
+
+/// The protocol's name and version in its hello (channel/protocol.h).
+inline constexpr const char* protocol_name = "shoal.lending";
+inline constexpr std::uint16_t protocol_version = 1;
+/// A region's purpose ("parameters", "computation", a model's name): at most
+/// this many bytes, printable ASCII.
+inline constexpr std::size_t max_purpose_bytes = 64;
+
+enum class region_mode : std::uint8_t {
+  exclusive = 1,  ///< one borrower, who reads and writes it
+};
+
+/// What a borrower holds, as the lender sees it.
+enum class region_state : std::uint8_t {
+  lent = 1,      ///< its borrower is connected
+  orphaned = 2,  ///< its borrower hung up but still runs (and may still map it): kept until it exits
+};
+
+struct region_info {
+  std::uint64_t id = 0;
+  std::size_t bytes = 0;
+  std::string purpose;
+  region_mode mode = region_mode::exclusive;
+  region_state state = region_state::lent;
+  process_identity borrower;
+  uid_t uid = 0;
+  std::chrono::steady_clock::duration age{};
+};
+
+struct lender_status {
+  std::size_t capacity_bytes = 0;
+  std::size_t lent_bytes = 0;  ///< regions lent or orphaned
+  std::size_t borrowers = 0;   ///< connected now
+  std::vector<region_info> regions;
+  // Counters since the lender started.
+  std::uint64_t requests = 0;
+  std::uint64_t refusals = 0;
+  std::uint64_t given_back = 0;
+  std::uint64_t reclaimed = 0;                      ///< regions of borrowers that died or hung up
+  std::uint64_t connections_closed_for_errors = 0;  ///< malformed or stalled peers
+};
+
+}  // namespace shoal::lending

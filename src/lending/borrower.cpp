@@ -1,0 +1,211 @@
+#include "shoal/lending/borrower.h"
+
+#include <mutex>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "lending/messages.h"
+#include "shoal/channel/protocol.h"
+#include "shoal/core/error.h"
+
+namespace shoal::lending {
+
+namespace {
+
+using detail::message_type;
+using detail::refusal;
+using clock_type = std::chrono::steady_clock;
+
+constexpr channel::protocol_id lending_protocol{protocol_name, protocol_version};
+// A region dropped without give_back waits this long for the lender's answer.
+constexpr std::chrono::milliseconds drop_timeout{1000};
+
+std::chrono::milliseconds left_until(clock_type::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock_type::now());
+  return std::max(left, std::chrono::milliseconds(0));
+}
+
+}  // namespace
+
+// The connection and what requests share. Requests go one at a time.
+struct borrowed_region::link {
+  link(backend::device& d, channel::connection c) : device(d), conn(std::move(c)) {}
+
+  backend::device& device;
+  std::mutex mutex;
+  channel::connection conn;
+  std::uint64_t next_request = 1;
+  // A request that timed out may still be answered: the stream of answers is
+  // out of step from then on, so nothing more is asked.
+  bool out_of_step = false;
+
+  void usable(const char* operation) const {
+    if (out_of_step) {
+      throw connection_closed(std::string("borrower::") + operation + ": an earlier request timed out; connect again");
+    }
+  }
+
+  // The next frame, within the deadline; a timeout leaves the link out of step.
+  channel::frame next(clock_type::time_point deadline, const char* operation) {
+    try {
+      return conn.receive_for(left_until(deadline));
+    } catch (const timeout_error&) {
+      out_of_step = true;
+      throw timeout_error(std::string("borrower::") + operation + ": the lender did not answer in time");
+    }
+  }
+
+  [[noreturn]] static void throw_refusal(const detail::refused_message& m, std::size_t bytes) {
+    const std::string why = "the lender refused: " + m.why;
+    switch (m.reason) {
+      case refusal::capacity:
+        throw out_of_memory(why, bytes);
+      case refusal::quota:
+        throw peer_refused(why);
+      case refusal::device_error:
+        throw backend_error("the lender's device", m.why);
+      case refusal::bad_request:
+        break;
+    }
+    throw invalid_argument(why);
+  }
+
+  // Tells the lender `id` is unmapped and waits for its answer.
+  void give_back(std::uint64_t id, clock_type::time_point deadline) {
+    std::lock_guard lock(mutex);
+    usable("give_back");
+    conn.send(static_cast<std::uint16_t>(message_type::give_back), detail::encode_region(id));
+    channel::frame f = next(deadline, "give_back");
+    if (f.type == static_cast<std::uint16_t>(message_type::refused))
+      throw_refusal(detail::decode_refused(f.payload), 0);
+    if (f.type != static_cast<std::uint16_t>(message_type::given_back) ||
+        detail::decode_region(f.payload, "given_back") != id) {
+      out_of_step = true;
+      throw protocol_error("borrower::give_back: the lender answered with frame type " + std::to_string(f.type) +
+                           ", not given_back for region " + std::to_string(id));
+    }
+  }
+};
+
+borrowed_region::borrowed_region(borrowed_region&& other) noexcept
+    : link_(std::move(other.link_)),
+      id_(std::exchange(other.id_, 0)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)) {}
+
+borrowed_region& borrowed_region::operator=(borrowed_region&& other) noexcept {
+  if (this != &other) {
+    release();
+    link_ = std::move(other.link_);
+    id_ = std::exchange(other.id_, 0);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+borrowed_region::~borrowed_region() { release(); }
+
+void borrowed_region::release() noexcept {
+  if (data_ == nullptr) return;
+  try {
+    link_->device.close_import(data_);
+    data_ = nullptr;
+    link_->give_back(id_, clock_type::now() + drop_timeout);
+  } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims what it is not told of when we hang up
+  }
+  data_ = nullptr;
+  link_.reset();
+}
+
+borrower::borrower(backend::device& device, const channel::channel_address& address,
+                   const channel::access_policy& policy, std::chrono::milliseconds timeout) {
+  const auto deadline = clock_type::now() + timeout;
+  auto conn = channel::connection::connect(address, policy);
+  conn.set_send_timeout(timeout);
+  channel::send_hello(conn, lending_protocol);
+  channel::check_hello(conn.receive_for(left_until(deadline)), lending_protocol);
+  link_ = std::make_shared<borrowed_region::link>(device, std::move(conn));
+}
+
+borrower::~borrower() = default;
+
+borrowed_region borrower::borrow(std::size_t bytes, std::string_view purpose, region_mode mode,
+                                 std::chrono::milliseconds timeout) {
+  if (bytes == 0) throw invalid_argument("borrower::borrow: a region of 0 bytes");
+  if (!detail::valid_purpose(purpose)) {
+    throw invalid_argument("borrower::borrow: the purpose must be 1 to 64 bytes of printable ASCII");
+  }
+  const auto deadline = clock_type::now() + timeout;
+  auto& l = *link_;
+  std::lock_guard lock(l.mutex);
+  l.usable("borrow");
+  const std::uint64_t request = l.next_request++;
+  l.conn.send(static_cast<std::uint16_t>(message_type::borrow),
+              detail::encode(detail::borrow_message{request, bytes, mode, std::string(purpose)}));
+  channel::frame f = l.next(deadline, "borrow");
+  if (f.type == static_cast<std::uint16_t>(message_type::refused)) {
+    const auto refused = detail::decode_refused(f.payload);
+    if (refused.request != request) {
+      l.out_of_step = true;
+      throw protocol_error("borrower::borrow: a refusal of request " + std::to_string(refused.request) + ", not " +
+                           std::to_string(request));
+    }
+    borrowed_region::link::throw_refusal(refused, bytes);
+  }
+  if (f.type != static_cast<std::uint16_t>(message_type::lent)) {
+    l.out_of_step = true;
+    throw protocol_error("borrower::borrow: the lender answered with frame type " + std::to_string(f.type));
+  }
+  const auto lent = detail::decode_lent(f.payload);
+  if (lent.request != request || lent.bytes < bytes) {
+    l.out_of_step = true;
+    throw protocol_error("borrower::borrow: the lender lent " + std::to_string(lent.bytes) + " bytes for request " +
+                         std::to_string(lent.request) + "; asked " + std::to_string(bytes) + " for request " +
+                         std::to_string(request));
+  }
+  std::vector<backend::shareable_handle> chunks;
+  std::uint64_t total = 0;
+  for (std::uint32_t i = 0; i < lent.chunks; ++i) {
+    channel::frame c = l.next(deadline, "borrow");
+    if (c.type != static_cast<std::uint16_t>(message_type::chunk)) {
+      l.out_of_step = true;
+      throw protocol_error("borrower::borrow: expected chunk " + std::to_string(i) + " of region " +
+                           std::to_string(lent.region) + ", got frame type " + std::to_string(c.type));
+    }
+    chunks.push_back(backend::shareable_handle::deserialize(c.payload, std::move(c.fd)));
+    total += chunks.back().size;
+  }
+  if (chunks.front().offset != 0 || total != lent.bytes) {
+    l.out_of_step = true;
+    throw protocol_error("borrower::borrow: region " + std::to_string(lent.region) + "'s chunks hold " +
+                         std::to_string(total) + " bytes from offset " + std::to_string(chunks.front().offset) +
+                         "; the lender said " + std::to_string(lent.bytes) + " from 0");
+  }
+  void* data = nullptr;
+  try {
+    data = l.device.import_memory(chunks);
+  } catch (...) {
+    // Not mapped: give it back at once (the lender answers before any later request).
+    try {
+      l.conn.send(static_cast<std::uint16_t>(message_type::give_back), detail::encode_region(lent.region));
+      (void)l.next(deadline, "borrow");
+    } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on hang-up
+    }
+    throw;
+  }
+  return borrowed_region(link_, lent.region, data, static_cast<std::size_t>(lent.bytes));
+}
+
+void borrower::give_back(borrowed_region region, std::chrono::milliseconds timeout) {
+  if (!region.valid()) throw invalid_argument("borrower::give_back: the region is empty (moved from or given back)");
+  if (region.link_ != link_)
+    throw invalid_argument("borrower::give_back: the region was borrowed through another borrower");
+  const auto deadline = clock_type::now() + timeout;
+  link_->device.close_import(region.data_);
+  region.data_ = nullptr;
+  link_->give_back(region.id_, deadline);
+}
+
+}  // namespace shoal::lending

@@ -1,0 +1,365 @@
+#include "shoal/lending/lender.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <list>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "lending/lendable_memory.h"
+#include "lending/messages.h"
+#include "shoal/channel/protocol.h"
+#include "shoal/core/error.h"
+
+namespace shoal::lending {
+
+namespace {
+
+using detail::message_type;
+using detail::refusal;
+using clock_type = std::chrono::steady_clock;
+
+constexpr channel::protocol_id lending_protocol{protocol_name, protocol_version};
+// How often orphaned regions are checked for a borrower that has exited.
+constexpr std::chrono::milliseconds orphan_check_interval{50};
+
+std::span<const std::byte> view(const std::vector<std::byte>& bytes) { return bytes; }
+
+struct region_entry {
+  std::unique_ptr<detail::lendable_memory> memory;
+  region_info info;
+  clock_type::time_point since;
+  std::uint64_t borrower = 0;  // the connection's serial; 0 once orphaned
+};
+
+struct borrower_entry {
+  std::uint64_t serial = 0;
+  channel::connection link;
+  bool greeted = false;  // its hello arrived
+  bool failed = false;   // broke the protocol: hung up on by the loop
+  std::size_t held_bytes = 0;
+  std::size_t held_regions = 0;
+};
+
+/// A refusal to send: the borrower's request is answered, its connection stays.
+struct refused_request {
+  refusal reason;
+  std::string why;
+};
+
+}  // namespace
+
+class lender::state {
+ public:
+  state(backend::device& device, const channel::channel_address& address, lender_config config)
+      : device_(device), config_(std::move(config)), listener_(address, config_.policy) {
+    wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!wake_) throw backend_error("eventfd", std::strerror(errno));
+    thread_ = std::thread([this] { serve(); });
+  }
+
+  ~state() {
+    stopping_.store(true);
+    const std::uint64_t one = 1;
+    (void)!::write(wake_.get(), &one, sizeof one);
+    thread_.join();
+    // Connections close with their entries; the regions' memory returns as
+    // each borrower unmaps it.
+  }
+
+  lender_status status() const {
+    std::lock_guard lock(mutex_);
+    lender_status s = counters_;
+    s.capacity_bytes = config_.capacity_bytes;
+    s.lent_bytes = lent_bytes_;
+    s.borrowers = borrower_count_.load();
+    const auto now = clock_type::now();
+    for (const auto& [id, region] : regions_) {
+      s.regions.push_back(region.info);
+      s.regions.back().age = now - region.since;
+    }
+    return s;
+  }
+
+  const channel::channel_address& address() const noexcept { return listener_.address(); }
+
+ private:
+  void serve() noexcept {
+    auto next_orphan_check = clock_type::now();
+    while (!stopping_.load()) {
+      std::vector<pollfd> fds{{listener_.native_handle(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
+      std::vector<borrower_entry*> polled;
+      bool pending = false;
+      for (auto& b : borrowers_) {
+        pending = pending || b.link.pending() > 0;
+        fds.push_back({b.link.native_handle(), POLLIN, 0});
+        polled.push_back(&b);
+      }
+      const int ready = ::poll(fds.data(), fds.size(), pending ? 0 : static_cast<int>(orphan_check_interval.count()));
+      if (ready < 0 && errno != EINTR) break;  // nothing sensible left to wait on
+      if (stopping_.load()) break;
+      if (ready > 0 && (fds[0].revents & POLLIN) != 0) accept_one();
+      for (std::size_t i = 0; i < polled.size(); ++i) {
+        if (fds[i + 2].revents != 0 || polled[i]->link.pending() > 0) serve_one(*polled[i]);
+      }
+      std::erase_if(borrowers_, [&](borrower_entry& b) {
+        if (!b.failed && !b.link.broken()) return false;
+        hang_up(b);
+        return true;
+      });
+      borrower_count_.store(borrowers_.size());
+      if (clock_type::now() >= next_orphan_check) {
+        reclaim_orphans();
+        next_orphan_check = clock_type::now() + orphan_check_interval;
+      }
+    }
+    std::lock_guard lock(mutex_);
+    for (auto& b : borrowers_) hang_up_locked(b);
+    borrowers_.clear();
+    borrower_count_.store(0);
+    regions_.clear();
+    lent_bytes_ = 0;
+  }
+
+  void accept_one() {
+    std::optional<channel::connection> accepted;
+    try {
+      accepted = listener_.accept_for(std::chrono::milliseconds(0));
+    } catch (const error&) {
+      count_refusal();  // a uid not allowed, or a peer gone before it was identified
+      return;
+    }
+    if (!accepted) return;
+    if (borrowers_.size() >= config_.max_borrowers) {
+      count_refusal();
+      return;  // closed at once: the client sees end of stream instead of a hello
+    }
+    accepted->set_send_timeout(config_.peer_timeout);
+    try {
+      channel::send_hello(*accepted, lending_protocol);
+    } catch (const error&) {
+      return;
+    }
+    borrowers_.push_back({++last_serial_, std::move(*accepted)});
+    borrower_count_.store(borrowers_.size());
+  }
+
+  // One frame from `b`; a borrower that breaks the protocol, stalls mid-batch
+  // or hangs up ends up failed or broken, and the loop hangs up on it.
+  void serve_one(borrower_entry& b) {
+    try {
+      channel::frame f = b.link.receive_for(config_.peer_timeout);
+      if (!b.greeted) {
+        channel::check_hello(f, lending_protocol);
+        b.greeted = true;
+        return;
+      }
+      switch (static_cast<message_type>(f.type)) {
+        case message_type::borrow:
+          lend(b, detail::decode_borrow(f.payload));
+          return;
+        case message_type::give_back:
+          take_back(b, detail::decode_region(f.payload, "give_back"));
+          return;
+        default:
+          throw protocol_error("lender: a borrower may send borrow and give_back only, not frame type " +
+                               std::to_string(f.type));
+      }
+    } catch (const timeout_error&) {
+      // Nothing came after all (a spurious wake-up): the connection is still
+      // in step unless the peer stalled mid-batch, which broke it.
+    } catch (const connection_closed&) {
+      // It hung up: the loop reclaims.
+    } catch (...) {
+      // Malformed, not allowed, or a send that failed: this borrower only.
+      count_error();
+      b.failed = true;
+    }
+  }
+
+  void lend(borrower_entry& b, const detail::borrow_message& m) {
+    {
+      std::lock_guard lock(mutex_);
+      ++counters_.requests;
+    }
+    const std::size_t granularity = device_.granularity();
+    const std::size_t bytes = detail::round_up(static_cast<std::size_t>(m.bytes), granularity);
+    auto refuse = [&](refusal reason, std::string why) { send_refusal(b, m.request, reason, why); };
+    if (bytes == 0 || m.bytes > config_.capacity_bytes) {
+      return refuse(refusal::capacity, std::to_string(m.bytes) + " bytes is more than the lender's capacity of " +
+                                           std::to_string(config_.capacity_bytes));
+    }
+    if (b.held_regions >= config_.max_regions_per_borrower) {
+      return refuse(refusal::quota,
+                    "this borrower holds " + std::to_string(b.held_regions) + " regions, the most it may");
+    }
+    if (b.held_bytes + bytes > config_.quota_bytes) {
+      return refuse(refusal::quota, "this borrower holds " + std::to_string(b.held_bytes) + " bytes; " +
+                                        std::to_string(bytes) + " more would pass its quota of " +
+                                        std::to_string(config_.quota_bytes));
+    }
+    std::size_t left = 0;
+    {
+      std::lock_guard lock(mutex_);
+      left = config_.capacity_bytes - lent_bytes_;
+    }
+    if (bytes > left) {
+      return refuse(refusal::capacity, std::to_string(bytes) + " bytes asked, " + std::to_string(left) +
+                                           " left of the lender's capacity of " +
+                                           std::to_string(config_.capacity_bytes));
+    }
+    std::unique_ptr<detail::lendable_memory> memory;
+    std::vector<backend::shareable_handle> handles;
+    try {
+      memory = std::make_unique<detail::lendable_memory>(device_, bytes);
+      handles.push_back(memory->export_handle());
+    } catch (const out_of_memory& e) {
+      return refuse(refusal::capacity, std::string("the device has not that much: ") + e.what());
+    } catch (const error& e) {
+      return refuse(refusal::device_error, e.what());
+    }
+    const std::uint64_t id = next_region_++;
+    const auto lent =
+        detail::encode(detail::lent_message{m.request, id, bytes, static_cast<std::uint32_t>(handles.size())});
+    std::vector<std::vector<std::byte>> chunks;
+    std::vector<channel::outgoing_frame> frames{{static_cast<std::uint16_t>(message_type::lent), view(lent)}};
+    for (const auto& h : handles) {
+      chunks.push_back(h.serialize());
+      frames.push_back({static_cast<std::uint16_t>(message_type::chunk), view(chunks.back()),
+                        backend::carries_fd(h.kind) ? h.fd.get() : -1});
+    }
+    {
+      std::lock_guard lock(mutex_);
+      region_entry r;
+      r.memory = std::move(memory);
+      r.info = {id, bytes, m.purpose, m.mode, region_state::lent, b.link.peer().process, b.link.peer().uid, {}};
+      r.since = clock_type::now();
+      r.borrower = b.serial;
+      regions_.emplace(id, std::move(r));
+      lent_bytes_ += bytes;
+    }
+    b.held_bytes += bytes;
+    ++b.held_regions;
+    b.link.send(frames);  // counted before it goes: a borrower that hangs up now is reclaimed like any other
+  }
+
+  void take_back(borrower_entry& b, std::uint64_t id) {
+    bool held = false;
+    {
+      std::lock_guard lock(mutex_);
+      const auto it = regions_.find(id);
+      held = it != regions_.end() && it->second.borrower == b.serial;
+      if (held) {
+        b.held_bytes -= it->second.info.bytes;
+        --b.held_regions;
+        lent_bytes_ -= it->second.info.bytes;
+        regions_.erase(it);
+        ++counters_.given_back;
+      }
+    }
+    if (!held) {
+      return send_refusal(b, id, refusal::bad_request,
+                          "region " + std::to_string(id) + " is not one this borrower holds");
+    }
+    b.link.send(static_cast<std::uint16_t>(message_type::given_back), detail::encode_region(id));
+  }
+
+  void send_refusal(borrower_entry& b, std::uint64_t request, refusal reason, const std::string& why) {
+    {
+      std::lock_guard lock(mutex_);
+      ++counters_.refusals;
+    }
+    b.link.send(static_cast<std::uint16_t>(message_type::refused),
+                detail::encode(detail::refused_message{request, reason, why}));
+  }
+
+  // The loop removes `b` after this; its regions are reclaimed or orphaned.
+  void hang_up(borrower_entry& b) {
+    std::lock_guard lock(mutex_);
+    hang_up_locked(b);
+  }
+
+  void hang_up_locked(borrower_entry& b) {
+    const bool alive = is_alive(b.link.peer().process);
+    for (auto it = regions_.begin(); it != regions_.end();) {
+      region_entry& r = it->second;
+      if (r.borrower != b.serial) {
+        ++it;
+        continue;
+      }
+      if (alive) {
+        r.borrower = 0;
+        r.info.state = region_state::orphaned;
+        ++it;
+      } else {
+        lent_bytes_ -= r.info.bytes;
+        ++counters_.reclaimed;
+        it = regions_.erase(it);
+      }
+    }
+  }
+
+  void reclaim_orphans() {
+    std::lock_guard lock(mutex_);
+    for (auto it = regions_.begin(); it != regions_.end();) {
+      if (it->second.borrower == 0 && !is_alive(it->second.info.borrower)) {
+        lent_bytes_ -= it->second.info.bytes;
+        ++counters_.reclaimed;
+        it = regions_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  void count_refusal() {
+    std::lock_guard lock(mutex_);
+    ++counters_.refusals;
+  }
+  void count_error() {
+    std::lock_guard lock(mutex_);
+    ++counters_.connections_closed_for_errors;
+  }
+
+  backend::device& device_;
+  const lender_config config_;
+  channel::listener listener_;
+  unique_fd wake_;
+  std::atomic<bool> stopping_{false};
+
+  // The serving thread's own; status() reads the count.
+  std::list<borrower_entry> borrowers_;
+  std::atomic<std::size_t> borrower_count_{0};
+  std::uint64_t last_serial_ = 0;
+  std::uint64_t next_region_ = 1;
+
+  mutable std::mutex mutex_;  // guards what status() reads
+  std::map<std::uint64_t, region_entry> regions_;
+  std::size_t lent_bytes_ = 0;
+  lender_status counters_;
+
+  std::thread thread_;  // last: started once everything above exists
+};
+
+lender::lender(backend::device& device, const channel::channel_address& address, lender_config config) {
+  if (config.capacity_bytes == 0 || config.quota_bytes == 0 || config.max_borrowers == 0 ||
+      config.max_regions_per_borrower == 0 || config.peer_timeout <= std::chrono::milliseconds(0)) {
+    throw invalid_argument(
+        "lender: capacity_bytes, quota_bytes, max_borrowers, max_regions_per_borrower and peer_timeout must be > 0");
+  }
+  state_ = std::make_unique<state>(device, address, std::move(config));
+}
+
+lender::~lender() = default;
+
+lender_status lender::status() const { return state_->status(); }
+
+const channel::channel_address& lender::address() const noexcept { return state_->address(); }
+
+}  // namespace shoal::lending

@@ -1,0 +1,262 @@
+// The lender and its borrowers on both backends: regions lent, mapped,
+// written and given back; refusals typed (capacity, quota, bad requests)
+// with the connection still usable; hostile and broken peers closed alone;
+// a borrower SIGKILLed or hung up reclaimed (at once when it is gone, on its
+// exit when it still runs); a lender that stops answering or goes away.
+//
+// In-process borrowers run on the host backend only (CUDA refuses to import
+// memory in the process that exported it); borrower processes run on both.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "lending/messages.h"
+#include "shoal/channel/protocol.h"
+#include "shoal/core/child_process.h"
+#include "shoal/core/error.h"
+#include "shoal/lending/borrower.h"
+#include "shoal/lending/lender.h"
+#include "support/backends.h"
+#include "support/processes.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using lending::borrower;
+using lending::lender;
+using lending::lender_config;
+
+constexpr std::size_t mib = std::size_t{1} << 20;
+
+/// Polls `done` until it holds or `limit` passes.
+template <class Done>
+bool eventually(Done done, std::chrono::milliseconds limit = 5000ms) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(5ms);
+  }
+  return true;
+}
+
+/// A line the child process wrote on its socket.
+std::string line_from(const child_process& child) {
+  std::string line;
+  char c;
+  while (::read(child.socket(), &c, 1) == 1 && c != '\n') line += c;
+  return line;
+}
+
+template <class Backend>
+class lending_test : public backend_test<Backend> {
+ protected:
+  lender& start(lender_config config = {}) {
+    lender_ = std::make_unique<lender>(this->device(), channel::channel_address::at_path(dir_ / "lender.sock"), config);
+    return *lender_;
+  }
+  std::string socket_path() const { return dir_ / "lender.sock"; }
+  std::unique_ptr<child_process> borrower_process(const std::vector<std::string>& args) {
+    std::vector<std::string> all{args.front(), Backend::name, socket_path()};
+    all.insert(all.end(), args.begin() + 1, args.end());
+    return std::make_unique<child_process>(SHOAL_TEST_BORROWER, all);
+  }
+  void in_process_only() {
+    if (std::string(Backend::name) == "cuda")
+      GTEST_SKIP() << "CUDA refuses to import memory in the process that exported it";
+  }
+  std::size_t unit() { return this->device().granularity(); }
+
+  temp_dir dir_;
+  std::unique_ptr<lender> lender_;
+};
+TYPED_TEST_SUITE(lending_test, backend_types, backend_names);
+
+TYPED_TEST(lending_test, regions_are_lent_mapped_written_and_given_back) {
+  this->in_process_only();
+  auto& dev = this->device();
+  auto& l = this->start();
+  borrower b(dev, l.address());
+  auto first = b.borrow(3 * mib, "parameters");
+  auto second = b.borrow(1, "computation");
+  EXPECT_GE(first.size(), 3 * mib);
+  EXPECT_EQ(second.size(), this->unit()) << "rounded up to the device's granularity";
+  dev.fill({}, first.data(), 0xA1, first.size());
+  dev.fill({}, second.data(), 0xB2, second.size());
+  EXPECT_TRUE(all_equal(this->read(first.data(), first.size()), 0xA1));
+  EXPECT_TRUE(all_equal(this->read(second.data(), second.size()), 0xB2)) << "regions are distinct memory";
+  auto s = l.status();
+  ASSERT_EQ(s.regions.size(), 2u);
+  EXPECT_EQ(s.lent_bytes, first.size() + second.size());
+  EXPECT_EQ(s.borrowers, 1u);
+  EXPECT_EQ(s.regions[0].purpose, "parameters");
+  EXPECT_EQ(s.regions[0].borrower, process_identity::self());
+  EXPECT_EQ(s.regions[0].state, lending::region_state::lent);
+  b.give_back(std::move(first));
+  EXPECT_EQ(l.status().lent_bytes, second.size());
+  { auto dropped = std::move(second); }  // its destructor gives it back
+  s = l.status();
+  EXPECT_EQ(s.lent_bytes, 0u);
+  EXPECT_EQ(s.given_back, 2u);
+  EXPECT_TRUE(s.regions.empty());
+}
+
+TYPED_TEST(lending_test, refusals_are_typed_and_leave_the_connection_usable) {
+  this->in_process_only();
+  auto& dev = this->device();
+  auto& l =
+      this->start({.capacity_bytes = 7 * this->unit(), .quota_bytes = 4 * this->unit(), .max_regions_per_borrower = 3});
+  borrower b(dev, l.address()), other(dev, l.address());
+  EXPECT_THROW((void)b.borrow(9 * this->unit(), "too big"), out_of_memory);
+  EXPECT_THROW((void)b.borrow(5 * this->unit(), "over the quota"), peer_refused);
+  auto r1 = b.borrow(this->unit(), "a");
+  auto r2 = b.borrow(this->unit(), "b");
+  auto r3 = b.borrow(this->unit(), "c");
+  EXPECT_THROW((void)b.borrow(this->unit(), "a fourth region"), peer_refused);
+  auto o1 = other.borrow(4 * this->unit(), "the other's");
+  EXPECT_THROW((void)other.borrow(this->unit(), "past the capacity"), peer_refused) << "its quota is full first";
+  b.give_back(std::move(r3));
+  EXPECT_THROW((void)b.borrow(2 * this->unit(), "past the capacity"), out_of_memory);
+  EXPECT_THROW((void)b.borrow(0, "nothing"), invalid_argument);
+  EXPECT_THROW((void)b.borrow(1, ""), invalid_argument);
+  EXPECT_THROW((void)b.borrow(1, std::string(65, 'x')), invalid_argument);
+  EXPECT_THROW((void)b.borrow(1, "bad\ncharacter"), invalid_argument);
+  auto r4 = b.borrow(this->unit(), "after the refusals");
+  EXPECT_TRUE(r4.valid());
+  const auto s = l.status();
+  EXPECT_EQ(s.lent_bytes, 7 * this->unit());
+  EXPECT_EQ(s.refusals, 5u);
+}
+
+TYPED_TEST(lending_test, a_hostile_peer_is_closed_alone) {
+  this->in_process_only();
+  auto& dev = this->device();
+  auto& l = this->start();
+  borrower good(dev, l.address());
+  auto kept = good.borrow(this->unit(), "kept");
+  const channel::protocol_id protocol{lending::protocol_name, lending::protocol_version};
+  using lending::detail::message_type;
+  const std::vector<std::pair<std::uint16_t, std::vector<std::byte>>> attacks{
+      {static_cast<std::uint16_t>(message_type::borrow), std::vector<std::byte>(3)},        // short
+      {static_cast<std::uint16_t>(message_type::lent), lending::detail::encode_region(1)},  // not a borrower's message
+      {static_cast<std::uint16_t>(message_type::borrow),
+       lending::detail::encode(lending::detail::borrow_message{1, 4096, static_cast<lending::region_mode>(9), "x"})},
+      {static_cast<std::uint16_t>(message_type::borrow),
+       lending::detail::encode(lending::detail::borrow_message{1, 0, lending::region_mode::exclusive, "x"})},
+  };
+  for (const auto& [type, payload] : attacks) {
+    auto raw = channel::connection::connect(l.address(), {});
+    channel::send_hello(raw, protocol);
+    channel::check_hello(raw.receive_for(2000ms), protocol);
+    raw.send(type, payload);
+    EXPECT_THROW((void)raw.receive_for(2000ms), connection_closed) << "frame type " << type << " was not refused";
+  }
+  // Another protocol's hello.
+  auto stranger = channel::connection::connect(l.address(), {});
+  channel::send_hello(stranger, channel::protocol_id{"shoal.sharing", 1});
+  (void)stranger.receive_for(2000ms);  // the lender's hello
+  EXPECT_THROW((void)stranger.receive_for(2000ms), connection_closed);
+  // Giving back a region it does not hold: refused, connection kept.
+  auto raw = channel::connection::connect(l.address(), {});
+  channel::send_hello(raw, protocol);
+  (void)raw.receive_for(2000ms);
+  raw.send(static_cast<std::uint16_t>(message_type::give_back), lending::detail::encode_region(kept.id()));
+  EXPECT_EQ(raw.receive_for(2000ms).type, static_cast<std::uint16_t>(message_type::refused));
+  EXPECT_TRUE(eventually([&] { return l.status().connections_closed_for_errors == 5; }));
+  EXPECT_EQ(l.status().regions.size(), 1u) << "the good borrower's region stays";
+  auto more = good.borrow(this->unit(), "still served");
+  EXPECT_TRUE(more.valid());
+}
+
+TYPED_TEST(lending_test, a_killed_borrowers_regions_are_reclaimed_and_lent_again) {
+  auto& l = this->start({.capacity_bytes = 4 * mib});
+  auto holder = this->borrower_process({"hold", std::to_string(4 * mib), "90"});
+  ASSERT_EQ(line_from(*holder).rfind("held ", 0), 0u);
+  ASSERT_EQ(l.status().lent_bytes, 4 * mib);
+  auto refused = this->borrower_process({"hold", std::to_string(mib), "91"});
+  EXPECT_EQ(line_from(*refused).rfind("error ", 0), 0u) << "the capacity is lent out";
+  EXPECT_EQ(refused->wait(), 1);
+  ASSERT_EQ(::kill(holder->pid(), SIGKILL), 0);
+  EXPECT_EQ(holder->wait(), 128 + SIGKILL);
+  const auto killed = std::chrono::steady_clock::now();
+  EXPECT_TRUE(eventually([&] { return l.status().lent_bytes == 0; }, 2000ms)) << "not reclaimed";
+  const auto reclaim_time = std::chrono::steady_clock::now() - killed;
+  EXPECT_LT(reclaim_time, 500ms);
+  EXPECT_EQ(l.status().reclaimed, 1u);
+  auto next = this->borrower_process({"hold", std::to_string(4 * mib), "92"});
+  EXPECT_EQ(line_from(*next).rfind("held ", 0), 0u) << "the next borrower is served";
+}
+
+TYPED_TEST(lending_test, a_borrower_that_hangs_up_alive_keeps_its_region_counted_until_it_exits) {
+  auto& l = this->start();
+  auto child = this->borrower_process({"hang-up", std::to_string(2 * mib)});
+  ASSERT_EQ(line_from(*child), "hung up");
+  ASSERT_TRUE(eventually([&] {
+    const auto s = l.status();
+    return s.borrowers == 0 && s.regions.size() == 1 && s.regions[0].state == lending::region_state::orphaned;
+  })) << "the region was not kept as orphaned";
+  std::this_thread::sleep_for(200ms);
+  EXPECT_EQ(l.status().lent_bytes, 2 * mib) << "released while its borrower may still map it";
+  ::shutdown(child->socket(), SHUT_RDWR);  // the child unmaps and exits
+  EXPECT_EQ(child->wait(), 0);
+  EXPECT_TRUE(eventually([&] { return l.status().lent_bytes == 0; }, 2000ms));
+}
+
+TYPED_TEST(lending_test, a_lender_that_stops_answering_gives_timeouts_and_one_that_goes_gives_closed) {
+  this->in_process_only();
+  auto& dev = this->device();
+  const auto address = channel::channel_address::at_path(this->dir_ / "mute.sock");
+  channel::listener mute(address, {});
+  std::thread server([&] {
+    auto link = mute.accept();
+    const channel::protocol_id protocol{lending::protocol_name, lending::protocol_version};
+    channel::send_hello(link, protocol);
+    try {
+      for (;;) (void)link.receive();  // never answers
+    } catch (const error&) {          // NOLINT(bugprone-empty-catch): the borrower hung up
+    }
+  });
+  {
+    borrower b(dev, address);
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_THROW((void)b.borrow(4096, "unanswered", lending::region_mode::exclusive, 200ms), timeout_error);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
+    EXPECT_THROW((void)b.borrow(4096, "after a timeout"), connection_closed);
+  }
+  server.join();
+
+  auto& l = this->start();
+  auto b = std::make_unique<borrower>(dev, l.address());
+  auto region = b->borrow(this->unit(), "outlives its lender");
+  dev.fill({}, region.data(), 0x3C, region.size());
+  this->lender_.reset();
+  EXPECT_TRUE(all_equal(this->read(region.data(), region.size()), 0x3C)) << "the mapping stays valid";
+  EXPECT_THROW((void)b->borrow(this->unit(), "no lender"), connection_closed);
+}
+
+TYPED_TEST(lending_test, borrowers_past_the_limit_are_turned_away) {
+  this->in_process_only();
+  auto& dev = this->device();
+  auto& l = this->start({.max_borrowers = 2});
+  borrower a(dev, l.address()), b(dev, l.address());
+  ASSERT_TRUE(eventually([&] { return l.status().borrowers == 2; }));
+  EXPECT_THROW(borrower(dev, l.address(), {}, 2000ms), connection_closed);
+  EXPECT_TRUE(a.borrow(1, "a").valid());
+}
+
+TEST(lender_config, out_of_range_settings_are_refused) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  const auto address = channel::channel_address::at_path(dir / "l.sock");
+  EXPECT_THROW(lender(dev, address, {.capacity_bytes = 0}), invalid_argument);
+  EXPECT_THROW(lender(dev, address, {.quota_bytes = 0}), invalid_argument);
+  EXPECT_THROW(lender(dev, address, {.max_borrowers = 0}), invalid_argument);
+  EXPECT_THROW(lender(dev, address, {.peer_timeout = 0ms}), invalid_argument);
+}
+
+}  // namespace
+}  // namespace shoal::testing
