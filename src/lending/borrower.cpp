@@ -208,4 +208,19 @@ void borrower::give_back(borrowed_region region, std::chrono::milliseconds timeo
   link_->give_back(region.id_, deadline);
 }
 
+std::string borrower::metrics(std::chrono::milliseconds timeout) {
+  const auto deadline = clock_type::now() + timeout;
+  auto& l = *link_;
+  std::lock_guard lock(l.mutex);
+  l.usable("metrics");
+  l.conn.send(static_cast<std::uint16_t>(message_type::query_metrics), {});
+  channel::frame f = l.next(deadline, "metrics");
+  if (f.type != static_cast<std::uint16_t>(message_type::metrics) || f.payload.size() > detail::max_metrics_text) {
+    l.out_of_step = true;
+    throw protocol_error("borrower::metrics: the lender answered with frame type " + std::to_string(f.type) + " of " +
+                         std::to_string(f.payload.size()) + " bytes");
+  }
+  return std::string(reinterpret_cast<const char*>(f.payload.data()), f.payload.size());
+}
+
 }  // namespace shoal::lending

@@ -14,6 +14,7 @@
 
 #include "lending/lendable_memory.h"
 #include "lending/messages.h"
+#include "lending/metrics.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
 
@@ -167,8 +168,14 @@ class lender::state {
         case message_type::give_back:
           take_back(b, detail::decode_region(f.payload, "give_back"));
           return;
+        case message_type::query_metrics: {
+          if (!f.payload.empty()) throw protocol_error("lender: query_metrics carries no payload");
+          const std::string text = detail::prometheus_text(status());
+          b.link.send(static_cast<std::uint16_t>(message_type::metrics), std::as_bytes(std::span(text)));
+          return;
+        }
         default:
-          throw protocol_error("lender: a borrower may send borrow and give_back only, not frame type " +
+          throw protocol_error("lender: a borrower may send borrow, give_back and query_metrics only, not frame type " +
                                std::to_string(f.type));
       }
     } catch (const timeout_error&) {
@@ -359,6 +366,8 @@ lender::lender(backend::device& device, const channel::channel_address& address,
 lender::~lender() = default;
 
 lender_status lender::status() const { return state_->status(); }
+
+std::string lender::metrics_text() const { return detail::prometheus_text(state_->status()); }
 
 const channel::channel_address& lender::address() const noexcept { return state_->address(); }
 

@@ -1,9 +1,10 @@
 // The lending protocol's messages, with their wire forms (core's codec).
 //
-// After the hellos ("shoal.lending" version 1), a borrower sends borrow and
-// give_back; the lender answers each borrow with lent (followed by one
-// chunk frame per chunk, each with its descriptor where the handle kind has
-// one) or refused, and each give_back with given_back.
+// After the hellos ("shoal.lending" version 1), a borrower sends borrow,
+// give_back and query_metrics; the lender answers each borrow with lent
+// (followed by one chunk frame per chunk, each with its descriptor where the
+// handle kind has one) or refused, each give_back with given_back or
+// refused, and each query_metrics with metrics.
 //
 // decode_* check every field (sizes, counts, modes, the purpose's bytes) and
 // throw protocol_error naming the message and field; they never trust a
@@ -21,12 +22,14 @@
 namespace shoal::lending::detail {
 
 enum class message_type : std::uint16_t {
-  borrow = 1,      // borrower -> lender
-  lent = 2,        // lender -> borrower, then `chunks` chunk frames
-  chunk = 3,       // lender -> borrower: a serialized handle (+ its descriptor)
-  refused = 4,     // lender -> borrower
-  give_back = 5,   // borrower -> lender
-  given_back = 6,  // lender -> borrower
+  borrow = 1,         // borrower -> lender
+  lent = 2,           // lender -> borrower, then `chunks` chunk frames
+  chunk = 3,          // lender -> borrower: a serialized handle (+ its descriptor)
+  refused = 4,        // lender -> borrower
+  give_back = 5,      // borrower -> lender
+  given_back = 6,     // lender -> borrower
+  query_metrics = 7,  // borrower -> lender, no payload
+  metrics = 8,        // lender -> borrower: the Prometheus text
 };
 
 enum class refusal : std::uint8_t {
@@ -58,6 +61,7 @@ struct refused_message {
 
 inline constexpr std::size_t max_refusal_text = 512;
 inline constexpr std::uint32_t max_chunks_per_region = 4096;
+inline constexpr std::size_t max_metrics_text = 1 << 20;
 
 [[nodiscard]] std::vector<std::byte> encode(const borrow_message& m);
 [[nodiscard]] std::vector<std::byte> encode(const lent_message& m);

@@ -248,6 +248,24 @@ TYPED_TEST(lending_test, borrowers_past_the_limit_are_turned_away) {
   EXPECT_TRUE(a.borrow(1, "a").valid());
 }
 
+TYPED_TEST(lending_test, metrics_are_prometheus_text_in_process_and_over_the_socket) {
+  this->in_process_only();
+  auto& dev = this->device();
+  auto& l = this->start({.capacity_bytes = 16 * this->unit()});
+  borrower b(dev, l.address());
+  auto r = b.borrow(3 * this->unit(), "measured");
+  EXPECT_THROW((void)b.borrow(64 * this->unit(), "refused"), out_of_memory);
+  const std::string text = b.metrics();
+  EXPECT_EQ(text, l.metrics_text());
+  for (const std::string& line : std::vector<std::string>{
+           "# TYPE shoal_lending_lent_bytes gauge", "shoal_lending_lent_bytes " + std::to_string(3 * this->unit()),
+           "shoal_lending_free_bytes " + std::to_string(13 * this->unit()), "shoal_lending_regions 1",
+           "shoal_lending_borrowers 1", "shoal_lending_requests_total 2", "shoal_lending_refusals_total 1",
+           "# TYPE shoal_lending_reclaimed_total counter"}) {
+    EXPECT_NE(text.find(line + "\n"), std::string::npos) << line << " missing from:\n" << text;
+  }
+}
+
 TEST(lender_config, out_of_range_settings_are_refused) {
   temp_dir dir;
   auto& dev = backend::host_device_instance();

@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 
 #include "shoal/backend/device.h"
@@ -84,6 +85,8 @@ class borrower {
                                        std::chrono::milliseconds timeout = default_timeout);
   /// Unmaps `region` and gives it back; returns once the lender confirmed.
   void give_back(borrowed_region region, std::chrono::milliseconds timeout = default_timeout);
+  /// The lender's status in the Prometheus text format.
+  [[nodiscard]] std::string metrics(std::chrono::milliseconds timeout = default_timeout);
 
  private:
   std::shared_ptr<borrowed_region::link> link_;

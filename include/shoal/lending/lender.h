@@ -34,6 +34,7 @@
 #include <chrono>
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "shoal/backend/device.h"
 #include "shoal/channel/channel.h"
@@ -68,6 +69,9 @@ class lender {
   lender& operator=(const lender&) = delete;
 
   [[nodiscard]] lender_status status() const;
+  /// status() in the Prometheus text format (also what a borrower's
+  /// metrics() reads over the socket).
+  [[nodiscard]] std::string metrics_text() const;
   [[nodiscard]] const channel::channel_address& address() const noexcept;
 
   class state;
