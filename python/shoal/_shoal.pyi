@@ -520,3 +520,43 @@ class GroupedLoad:
 
     def synchronize(self) -> None:
         """Blocks until every group has been copied (GIL released)."""
+
+class Lender:
+    """
+    Lends regions of this process's device memory to borrower processes over a UNIX socket (the memory daemon's core, serving on its own thread).
+    """
+
+    def __init__(self, address: str, device: Device | None = None, capacity_bytes: int = 1073741824, quota_bytes: int = 1073741824, max_borrowers: int = 64, max_regions_per_borrower: int = 1024, peer_timeout: float = 1.0, allowed_uids: Sequence[int] = []) -> None:
+        """
+        Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` in all and ``quota_bytes`` per borrower.
+        """
+
+    def status(self) -> dict:
+        """
+        Regions lent (id, bytes, purpose, state, pid, uid, age) and counters, as a dict.
+        """
+
+    def metrics(self) -> str:
+        """The status in the Prometheus text format."""
+
+    def close(self) -> None:
+        """Stops serving and closes every connection. Idempotent."""
+
+    @property
+    def closed(self) -> bool: ...
+
+class Borrower:
+    """A connection to a lender, through which regions are borrowed."""
+
+    def __init__(self, address: str, device: Device | None = None, allowed_uids: Sequence[int] = [], timeout: float = 5.0) -> None: ...
+
+    def metrics(self, timeout: float = 5.0) -> str:
+        """The lender's status in the Prometheus text format."""
+
+    def close(self) -> None:
+        """
+        Closes the connection; regions already borrowed stay mapped until their storages are gone.
+        """
+
+    @property
+    def closed(self) -> bool: ...

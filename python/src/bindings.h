@@ -23,6 +23,7 @@
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/backend/device.h"
 #include "shoal/backend/stream.h"
+#include "shoal/channel/channel.h"
 #include "shoal/storage/storage.h"
 
 namespace shoal::python {
@@ -142,6 +143,12 @@ bool record_stream_on_import(const storage::storage& storage, const std::shared_
 /// invalid_argument (naming `who`) for a negative or non-finite value.
 std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> seconds, const char* who);
 
+/// A channel address from its text: a path, or "@name" for an abstract name.
+channel::channel_address address_of(const std::string& text);
+std::string text_of(const channel::channel_address& address);
+/// The calling user plus `allowed_uids`.
+channel::access_policy policy_of(const std::vector<std::uint32_t>& allowed_uids);
+
 /// Keeps a Python object alive from C++; the last owner may be any thread
 /// (it takes the GIL to let go).
 std::shared_ptr<const void> hold(nb::handle object);
@@ -156,5 +163,6 @@ void register_sharing(nb::module_& m);
 void register_torch_api(nb::module_& m);
 void register_transfer(nb::module_& m);
 void register_grouped_load(nb::module_& m);
+void register_lending(nb::module_& m);
 
 }  // namespace shoal::python

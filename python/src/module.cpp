@@ -15,4 +15,5 @@ NB_MODULE(_shoal, m) {
   shoal::python::register_torch_api(m);
   shoal::python::register_transfer(m);
   shoal::python::register_grouped_load(m);
+  shoal::python::register_lending(m);
 }

@@ -25,8 +25,6 @@
 
 namespace shoal::python {
 
-namespace {
-
 channel::channel_address address_of(const std::string& text) {
   if (!text.empty() && text.front() == '@') return channel::channel_address::abstract(text.substr(1));
   return channel::channel_address::at_path(text);
@@ -41,6 +39,8 @@ channel::access_policy policy_of(const std::vector<std::uint32_t>& allowed_uids)
   for (auto uid : allowed_uids) policy.allowed_uids.push_back(static_cast<uid_t>(uid));
   return policy;
 }
+
+namespace {
 
 struct py_listener {
   std::unique_ptr<channel::listener> listener;

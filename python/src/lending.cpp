@@ -1,0 +1,187 @@
+// Python bindings of the lending layer: Lender (the memory daemon's core,
+// in-process) and Borrower, whose regions come back as Storages (adopted
+// memory: views, DLPack and copies work as for any storage; the region is
+// given back once the storage and every view of it are gone).
+//
+// GIL: every call that waits on the other side releases it.
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "shoal/backend/devices.h"
+#include "shoal/core/error.h"
+#include "shoal/lending/borrower.h"
+#include "shoal/lending/lender.h"
+
+namespace shoal::python {
+
+namespace {
+
+std::chrono::milliseconds timeout_of(double seconds, const char* who) {
+  if (!(seconds > 0)) throw invalid_argument(std::string(who) + ": timeout must be > 0 seconds");
+  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+}
+
+/// A borrowed region behind a storage: given back (unmapped, then the lender
+/// told) once the storage's last handle is gone and the streams it was used
+/// on have passed their work.
+class region_owner final : public storage::storage_owner {
+ public:
+  region_owner(backend::device& device, lending::borrowed_region region)
+      : device_(device), region_(std::move(region)) {}
+  void storage_released(std::span<const backend::stream_ref> used_on) noexcept override {
+    for (auto stream : used_on) {
+      try {
+        device_.synchronize(stream);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): a failed stream runs nothing more on the region
+      }
+    }
+  }
+
+ private:
+  backend::device& device_;
+  lending::borrowed_region region_;  // its destructor gives the region back
+};
+
+struct py_borrower {
+  std::unique_ptr<lending::borrower> borrower;
+  lending::borrower& get() const {
+    if (!borrower) throw invalid_argument("Borrower: closed");
+    return *borrower;
+  }
+};
+
+struct py_lender {
+  std::unique_ptr<lending::lender> lender;
+  lending::lender& get() const {
+    if (!lender) throw invalid_argument("Lender: closed");
+    return *lender;
+  }
+};
+
+nb::dict status_dict(const lending::lender_status& s) {
+  nb::dict d;
+  d["capacity_bytes"] = s.capacity_bytes;
+  d["lent_bytes"] = s.lent_bytes;
+  d["borrowers"] = s.borrowers;
+  d["requests"] = s.requests;
+  d["refusals"] = s.refusals;
+  d["given_back"] = s.given_back;
+  d["reclaimed"] = s.reclaimed;
+  d["closed_for_errors"] = s.connections_closed_for_errors;
+  nb::list regions;
+  for (const auto& r : s.regions) {
+    nb::dict region;
+    region["id"] = r.id;
+    region["bytes"] = r.bytes;
+    region["purpose"] = r.purpose;
+    region["state"] = r.state == lending::region_state::lent ? "lent" : "orphaned";
+    region["pid"] = r.borrower.pid;
+    region["uid"] = r.uid;
+    region["age_seconds"] = std::chrono::duration<double>(r.age).count();
+    regions.append(region);
+  }
+  d["regions"] = regions;
+  return d;
+}
+
+}  // namespace
+
+void register_lending(nb::module_& m) {
+  nb::class_<py_lender>(m, "Lender",
+                        "Lends regions of this process's device memory to borrower processes over a UNIX socket "
+                        "(the memory daemon's core, serving on its own thread).")
+      .def(
+          "__init__",
+          [](py_lender* self, const std::string& address, backend::device* device, std::size_t capacity_bytes,
+             std::size_t quota_bytes, std::size_t max_borrowers, std::size_t max_regions_per_borrower,
+             double peer_timeout, const std::vector<std::uint32_t>& allowed_uids) {
+            lending::lender_config config;
+            config.capacity_bytes = capacity_bytes;
+            config.quota_bytes = quota_bytes;
+            config.max_borrowers = max_borrowers;
+            config.max_regions_per_borrower = max_regions_per_borrower;
+            config.peer_timeout = timeout_of(peer_timeout, "Lender");
+            config.policy = policy_of(allowed_uids);
+            auto& d = device != nullptr ? *device : backend::default_device();
+            new (self) py_lender{std::make_unique<lending::lender>(d, address_of(address), config)};
+          },
+          nb::arg("address"), nb::arg("device").none() = nb::none(), nb::arg("capacity_bytes") = std::size_t{1} << 30,
+          nb::arg("quota_bytes") = std::size_t{1} << 30, nb::arg("max_borrowers") = 64,
+          nb::arg("max_regions_per_borrower") = 1024, nb::arg("peer_timeout") = 1.0,
+          nb::arg("allowed_uids") = std::vector<std::uint32_t>{},
+          "Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` "
+          "in all and ``quota_bytes`` per borrower.")
+      .def("status", [](const py_lender& l) { return status_dict(l.get().status()); },
+           "Regions lent (id, bytes, purpose, state, pid, uid, age) and counters, as a dict.")
+      .def("metrics", [](const py_lender& l) { return l.get().metrics_text(); },
+           "The status in the Prometheus text format.")
+      .def(
+          "close",
+          [](py_lender& l) {
+            nb::gil_scoped_release release;
+            l.lender.reset();
+          },
+          "Stops serving and closes every connection. Idempotent.")
+      .def_prop_ro("closed", [](const py_lender& l) { return l.lender == nullptr; });
+
+  nb::class_<py_borrower>(m, "Borrower", "A connection to a lender, through which regions are borrowed.")
+      .def(
+          "__init__",
+          [](py_borrower* self, const std::string& address, backend::device* device,
+             const std::vector<std::uint32_t>& allowed_uids, double timeout) {
+            auto& d = device != nullptr ? *device : backend::default_device();
+            const auto a = address_of(address);
+            const auto policy = policy_of(allowed_uids);
+            const auto t = timeout_of(timeout, "Borrower");
+            std::unique_ptr<lending::borrower> b;
+            {
+              nb::gil_scoped_release release;
+              b = std::make_unique<lending::borrower>(d, a, policy, t);
+            }
+            new (self) py_borrower{std::move(b)};
+          },
+          nb::arg("address"), nb::arg("device").none() = nb::none(),
+          nb::arg("allowed_uids") = std::vector<std::uint32_t>{}, nb::arg("timeout") = 5.0)
+      .def(
+          "_borrow",
+          [](const py_borrower& b, const py_allocator& allocator, std::size_t nbytes, const std::string& purpose,
+             double timeout) {
+            auto& device = allocator.state->allocator().device();
+            const auto t = timeout_of(timeout, "Borrower.borrow");
+            std::optional<lending::borrowed_region> region;
+            {
+              nb::gil_scoped_release release;
+              region.emplace(b.get().borrow(nbytes, purpose, lending::region_mode::exclusive, t));
+            }
+            void* data = region->data();
+            const std::size_t size = region->size();
+            auto owner = std::make_shared<region_owner>(device, std::move(*region));
+            return py_storage{storage_handle(
+                storage::storage::adopt(allocator.state->allocator(), data, size, std::move(owner)), allocator.state)};
+          },
+          nb::arg("allocator"), nb::arg("nbytes"), nb::arg("purpose"), nb::arg("timeout"))
+      .def(
+          "metrics",
+          [](const py_borrower& b, double timeout) {
+            const auto t = timeout_of(timeout, "Borrower.metrics");
+            nb::gil_scoped_release release;
+            return b.get().metrics(t);
+          },
+          nb::arg("timeout") = 5.0, "The lender's status in the Prometheus text format.")
+      .def(
+          "close",
+          [](py_borrower& b) {
+            nb::gil_scoped_release release;
+            b.borrower.reset();
+          },
+          "Closes the connection; regions already borrowed stay mapped until their storages are gone.")
+      .def_prop_ro("closed", [](const py_borrower& b) { return b.borrower == nullptr; });
+}
+
+}  // namespace shoal::python
