@@ -56,6 +56,28 @@ struct refused_request {
 
 }  // namespace
 
+const char* to_string(lender_event::kind what) noexcept {
+  switch (what) {
+    case lender_event::kind::connected:
+      return "connected";
+    case lender_event::kind::disconnected:
+      return "disconnected";
+    case lender_event::kind::lent:
+      return "lent";
+    case lender_event::kind::given_back:
+      return "given_back";
+    case lender_event::kind::refused:
+      return "refused";
+    case lender_event::kind::orphaned:
+      return "orphaned";
+    case lender_event::kind::reclaimed:
+      return "reclaimed";
+    case lender_event::kind::closed_for_error:
+      return "closed_for_error";
+  }
+  return "unknown";
+}
+
 class lender::state {
  public:
   state(backend::device& device, const channel::channel_address& address, lender_config config)
@@ -121,7 +143,8 @@ class lender::state {
       }
     }
     std::lock_guard lock(mutex_);
-    for (auto& b : borrowers_) hang_up_locked(b);
+    std::vector<lender_event> ignored;  // the lender is going: no more events
+    for (auto& b : borrowers_) hang_up_locked(b, ignored);
     borrowers_.clear();
     borrower_count_.store(0);
     regions_.clear();
@@ -139,6 +162,8 @@ class lender::state {
     if (!accepted) return;
     if (borrowers_.size() >= config_.max_borrowers) {
       count_refusal();
+      emit(lender_event::kind::refused, accepted->peer(), 0, 0,
+           "already " + std::to_string(borrowers_.size()) + " borrowers, the most allowed");
       return;  // closed at once: the client sees end of stream instead of a hello
     }
     accepted->set_send_timeout(config_.peer_timeout);
@@ -149,6 +174,7 @@ class lender::state {
     }
     borrowers_.push_back({++last_serial_, std::move(*accepted)});
     borrower_count_.store(borrowers_.size());
+    emit(lender_event::kind::connected, borrowers_.back().link.peer());
   }
 
   // One frame from `b`; a borrower that breaks the protocol, stalls mid-batch
@@ -183,10 +209,11 @@ class lender::state {
       // in step unless the peer stalled mid-batch, which broke it.
     } catch (const connection_closed&) {
       // It hung up: the loop reclaims.
-    } catch (...) {
+    } catch (const std::exception& e) {
       // Malformed, not allowed, or a send that failed: this borrower only.
       count_error();
       b.failed = true;
+      emit(lender_event::kind::closed_for_error, b.link.peer(), 0, 0, e.what());
     }
   }
 
@@ -253,16 +280,19 @@ class lender::state {
     }
     b.held_bytes += bytes;
     ++b.held_regions;
+    emit(lender_event::kind::lent, b.link.peer(), id, bytes, m.purpose);
     b.link.send(frames);  // counted before it goes: a borrower that hangs up now is reclaimed like any other
   }
 
   void take_back(borrower_entry& b, std::uint64_t id) {
     bool held = false;
+    std::size_t bytes = 0;
     {
       std::lock_guard lock(mutex_);
       const auto it = regions_.find(id);
       held = it != regions_.end() && it->second.borrower == b.serial;
       if (held) {
+        bytes = it->second.info.bytes;
         b.held_bytes -= it->second.info.bytes;
         --b.held_regions;
         lent_bytes_ -= it->second.info.bytes;
@@ -274,6 +304,7 @@ class lender::state {
       return send_refusal(b, id, refusal::bad_request,
                           "region " + std::to_string(id) + " is not one this borrower holds");
     }
+    emit(lender_event::kind::given_back, b.link.peer(), id, bytes);
     b.link.send(static_cast<std::uint16_t>(message_type::given_back), detail::encode_region(id));
   }
 
@@ -282,17 +313,23 @@ class lender::state {
       std::lock_guard lock(mutex_);
       ++counters_.refusals;
     }
+    emit(lender_event::kind::refused, b.link.peer(), 0, 0, why);
     b.link.send(static_cast<std::uint16_t>(message_type::refused),
                 detail::encode(detail::refused_message{request, reason, why}));
   }
 
   // The loop removes `b` after this; its regions are reclaimed or orphaned.
   void hang_up(borrower_entry& b) {
-    std::lock_guard lock(mutex_);
-    hang_up_locked(b);
+    std::vector<lender_event> events;
+    {
+      std::lock_guard lock(mutex_);
+      hang_up_locked(b, events);
+    }
+    emit(lender_event::kind::disconnected, b.link.peer());
+    for (const auto& e : events) emit(e);
   }
 
-  void hang_up_locked(borrower_entry& b) {
+  void hang_up_locked(borrower_entry& b, std::vector<lender_event>& events) {
     const bool alive = is_alive(b.link.peer().process);
     for (auto it = regions_.begin(); it != regions_.end();) {
       region_entry& r = it->second;
@@ -300,6 +337,8 @@ class lender::state {
         ++it;
         continue;
       }
+      events.push_back({alive ? lender_event::kind::orphaned : lender_event::kind::reclaimed, r.info.borrower,
+                        r.info.uid, r.info.id, r.info.bytes, r.info.purpose});
       if (alive) {
         r.borrower = 0;
         r.info.state = region_state::orphaned;
@@ -313,15 +352,38 @@ class lender::state {
   }
 
   void reclaim_orphans() {
-    std::lock_guard lock(mutex_);
-    for (auto it = regions_.begin(); it != regions_.end();) {
-      if (it->second.borrower == 0 && !is_alive(it->second.info.borrower)) {
-        lent_bytes_ -= it->second.info.bytes;
-        ++counters_.reclaimed;
-        it = regions_.erase(it);
-      } else {
-        ++it;
+    std::vector<lender_event> events;
+    {
+      std::lock_guard lock(mutex_);
+      for (auto it = regions_.begin(); it != regions_.end();) {
+        const region_info& info = it->second.info;
+        if (it->second.borrower == 0 && !is_alive(info.borrower)) {
+          events.push_back({lender_event::kind::reclaimed, info.borrower, info.uid, info.id, info.bytes, info.purpose});
+          lent_bytes_ -= info.bytes;
+          ++counters_.reclaimed;
+          it = regions_.erase(it);
+        } else {
+          ++it;
+        }
       }
+    }
+    for (const auto& e : events) emit(e);
+  }
+
+  void emit(const lender_event& event) noexcept {
+    if (!config_.on_event) return;
+    try {
+      config_.on_event(event);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): a log that fails must not stop the lender
+    }
+  }
+
+  void emit(lender_event::kind what, const channel::peer_credentials& who, std::uint64_t region = 0,
+            std::size_t bytes = 0, std::string detail = {}) noexcept {
+    if (!config_.on_event) return;
+    try {
+      config_.on_event(lender_event{what, who.process, who.uid, region, bytes, std::move(detail)});  // NOLINT
+    } catch (...) {  // NOLINT(bugprone-empty-catch): a log that fails must not stop the lender
     }
   }
 

@@ -10,7 +10,9 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -264,6 +266,45 @@ TYPED_TEST(lending_test, metrics_are_prometheus_text_in_process_and_over_the_soc
            "# TYPE shoal_lending_reclaimed_total counter"}) {
     EXPECT_NE(text.find(line + "\n"), std::string::npos) << line << " missing from:\n" << text;
   }
+}
+
+TYPED_TEST(lending_test, every_event_reaches_the_log_with_who_and_what) {
+  auto events = std::make_shared<std::vector<lending::lender_event>>();
+  auto guard = std::make_shared<std::mutex>();
+  lender_config config;
+  config.capacity_bytes = 4 * mib;
+  config.on_event = [events, guard](const lending::lender_event& e) {
+    std::lock_guard lock(*guard);
+    events->push_back(e);
+  };
+  auto& l = this->start(config);
+  auto holder = this->borrower_process({"hold", std::to_string(4 * mib), "5"});
+  ASSERT_EQ(line_from(*holder).rfind("held ", 0), 0u);
+  auto refused = this->borrower_process({"hold", std::to_string(mib), "6"});
+  (void)line_from(*refused);
+  const pid_t holder_pid = holder->pid(), refused_pid = refused->pid();
+  ASSERT_EQ(::kill(holder_pid, SIGKILL), 0);
+  (void)holder->wait();
+  ASSERT_TRUE(eventually([&] { return l.status().reclaimed == 1; }));
+  std::vector<std::string> seen;
+  {
+    std::lock_guard lock(*guard);
+    for (const auto& e : *events) {
+      if (e.borrower.pid == holder_pid) seen.push_back(lending::to_string(e.what));
+      if (e.what == lending::lender_event::kind::lent) {
+        EXPECT_EQ(e.bytes, 4 * mib);
+        EXPECT_EQ(e.detail, "held by a test");
+      }
+    }
+    EXPECT_TRUE(std::any_of(events->begin(), events->end(), [&](const auto& e) {
+      return e.what == lending::lender_event::kind::refused && e.borrower.pid == refused_pid &&
+             e.detail.find("capacity") != std::string::npos;
+    })) << "the refusal was not logged with its reason";
+  }
+  // An exiting process can close its socket a moment before it reads as gone: then its
+  // region is orphaned first, and reclaimed at the next check.
+  std::erase(seen, "orphaned");
+  EXPECT_EQ(seen, (std::vector<std::string>{"connected", "lent", "disconnected", "reclaimed"}));
 }
 
 TEST(lender_config, out_of_range_settings_are_refused) {

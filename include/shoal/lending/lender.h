@@ -33,6 +33,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -56,6 +57,9 @@ struct lender_config {
   std::chrono::milliseconds peer_timeout{1000};
   /// Uids allowed besides the lender's own.
   channel::access_policy policy;
+  /// Called on the serving thread for each event, outside the lender's
+  /// locks (may be empty). What it throws is ignored.
+  std::function<void(const lender_event&)> on_event;
 };
 
 class lender {

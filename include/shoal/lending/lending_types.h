@@ -43,6 +43,28 @@ struct region_info {
   std::chrono::steady_clock::duration age{};
 };
 
+/// Something the lender did, for its log (lender_config::on_event).
+struct lender_event {
+  enum class kind : std::uint8_t {
+    connected,         ///< a borrower connected
+    disconnected,      ///< a borrower's connection closed
+    lent,              ///< a region was lent
+    given_back,        ///< a borrower gave a region back
+    refused,           ///< a request or a connection was refused (`detail` says why)
+    orphaned,          ///< a borrower hung up alive: its region is kept until it exits
+    reclaimed,         ///< a region of a borrower that died was released
+    closed_for_error,  ///< a borrower's connection was closed for what it sent (`detail`)
+  };
+  kind what = kind::connected;
+  process_identity borrower;
+  uid_t uid = 0;
+  std::uint64_t region = 0;  ///< 0 when the event concerns no region
+  std::size_t bytes = 0;
+  std::string detail;  ///< the purpose of a region, or why
+};
+
+[[nodiscard]] const char* to_string(lender_event::kind what) noexcept;
+
 struct lender_status {
   std::size_t capacity_bytes = 0;
   std::size_t lent_bytes = 0;  ///< regions lent or orphaned
