@@ -6,6 +6,9 @@
 #include "shoal/backend/devices.h"
 #include "shoal/core/error.h"
 #include "tools/shoal/demo.h"
+#if defined(SHOAL_HAVE_DAEMON)
+#include "tools/shoal/daemon.h"
+#endif
 
 namespace {
 
@@ -15,6 +18,8 @@ void usage(std::FILE* out) {
       "  info   the devices shoal can use, and which one is the default\n"
       "  demo   walk through shoal on the default device: a stream-aware free,\n"
       "         a lazy clone, a storage shared with a child process, allocator stats\n"
+      "  daemon the memory daemon: lends device memory to borrower processes\n"
+      "         (shoal daemon --help; shoal daemon status prints its metrics)\n"
       "Environment: SHOAL_BACKEND=host|cuda forces the default device.\n",
       out);
 }
@@ -42,6 +47,16 @@ int main(int argc, char** argv) {
     if (command == "info") return info();
     if (command == "demo") return shoal::tools::run_demo();
     if (command == "demo-child" && argc == 3) return shoal::tools::run_demo_child(argv[2]);
+    if (command == "daemon") {
+#if defined(SHOAL_HAVE_DAEMON)
+      return shoal::tools::run_daemon(argc - 1, argv + 1);
+#else
+      std::fputs("shoal daemon: this build has no daemon: CLI11, toml++ and spdlog were not found when it was "
+                 "configured (scripts/ensure-deps installs them)\n",
+                 stderr);
+      return 1;
+#endif
+    }
     if (command == "help" || command == "--help" || command == "-h") {
       usage(stdout);
       return 0;

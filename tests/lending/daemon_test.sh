@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# `shoal daemon` as a user runs it: flags, a config file (flags win), bad
+# settings refused with a message naming them, `shoal daemon status`, JSON
+# logs, and a clean exit on SIGTERM that leaves no socket file behind.
+#   daemon_test.sh <path of the shoal program>
+set -uo pipefail
+shoal=$1
+dir=$(mktemp -d /tmp/shoal-daemon-test-XXXXXX)
+chmod 700 "$dir"
+pid=
+cleanup() {
+  [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null
+  rm -rf "$dir"
+}
+trap cleanup EXIT
+fail() {
+  echo "FAILED: $1"
+  [ -f "$dir/log" ] && sed 's/^/  log: /' "$dir/log"
+  exit 1
+}
+answers() {  # waits up to 5 s for the daemon at $1 to answer `status`
+  for _ in $(seq 100); do
+    "$shoal" daemon status --socket "$1" --device host > "$dir/status" 2>/dev/null && return 0
+    sleep 0.05
+  done
+  return 1
+}
+stop() {  # SIGTERM, then the exit status must be 0 within 5 s
+  kill -TERM "$pid"
+  for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
+  wait "$pid" || fail "exit status $? after SIGTERM"
+  pid=
+}
+
+# Flags alone, JSON logs.
+"$shoal" daemon --socket "$dir/a.sock" --device host --capacity 64MiB --log-format json 2> "$dir/log" &
+pid=$!
+answers "$dir/a.sock" || fail "the daemon did not answer status"
+grep -qx 'shoal_lending_capacity_bytes 67108864' "$dir/status" || fail "--capacity 64MiB is not the capacity"
+stop
+[ ! -e "$dir/a.sock" ] || fail "the socket file was left behind"
+python3 - "$dir/log" <<'EOF' || fail "the JSON log does not read as one object per line"
+import json, sys
+events = [json.loads(line)["event"] for line in open(sys.argv[1])]
+assert events[0] == "started" and events[-1] == "stopping" and "connected" in events, events
+EOF
+
+# A config file, and a flag that wins over it.
+cat > "$dir/conf.toml" <<EOF
+socket = "$dir/b.sock"
+device = "host"
+capacity = "32MiB"
+quota = "8MiB"
+EOF
+"$shoal" daemon --config "$dir/conf.toml" --quota 16MiB 2> "$dir/log" &
+pid=$!
+answers "$dir/b.sock" || fail "the daemon of the config file did not answer"
+grep -qx 'shoal_lending_capacity_bytes 33554432' "$dir/status" || fail "capacity from the file"
+grep -q 'quota_bytes=16777216' "$dir/log" || fail "the --quota flag did not win over the file"
+stop
+
+# Bad settings: exit 2, the setting named.
+refused() {  # refused <text the message must hold> <daemon arguments...>
+  local expected=$1
+  shift
+  "$shoal" daemon --socket "$dir/c.sock" --device host "$@" > /dev/null 2> "$dir/log"
+  local status=$?
+  [ "$status" -eq 2 ] || fail "'$*' exited $status, not 2"
+  grep -q -- "$expected" "$dir/log" || fail "'$*' did not say '$expected'"
+}
+echo 'capacity = "lots"' > "$dir/bad.toml"
+refused "capacity" --config "$dir/bad.toml"
+echo 'colour = "blue"' > "$dir/bad.toml"
+refused "'colour' is not a setting" --config "$dir/bad.toml"
+echo 'capacity = ' > "$dir/bad.toml"
+refused "config file" --config "$dir/bad.toml"
+refused "fraction" --capacity 2.5
+refused "not in {text,json}" --log-format xml
+
+# Status with no daemon there: exit 1.
+"$shoal" daemon status --socket "$dir/none.sock" --device host --timeout 1 > /dev/null 2>&1
+[ $? -eq 1 ] || fail "status with no daemon did not exit 1"
+echo "daemon: 1 passed, 0 failed"

@@ -1,0 +1,177 @@
+#include "tools/shoal/daemon.h"
+
+#include <signal.h>
+#include <spdlog/sinks/stdout_sinks.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "shoal/core/error.h"
+#include "shoal/lending/borrower.h"
+#include "shoal/lending/lender.h"
+#include "tools/shoal/daemon_settings.h"
+
+namespace shoal::tools {
+
+namespace {
+
+/// `text` as the body of a JSON string.
+std::string json_escaped(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char escaped[8];
+          std::snprintf(escaped, sizeof escaped, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+          out += escaped;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out;
+}
+
+/// Logs to standard error, one line per record: `time level key=value ...`
+/// (text) or one JSON object per line (json).
+class daemon_log {
+ public:
+  explicit daemon_log(bool json) : json_(json), logger_(spdlog::stderr_logger_st("shoal-daemon")) {
+    logger_->set_pattern(json ? R"({"time":"%Y-%m-%dT%H:%M:%S.%e%z","level":"%l",%v})"
+                              : "%Y-%m-%dT%H:%M:%S.%e%z %l %v");
+    logger_->flush_on(spdlog::level::info);
+  }
+
+  /// A record of `fields` (key, value), values quoted in JSON.
+  void info(std::initializer_list<std::pair<const char*, std::string>> fields) { write(spdlog::level::info, fields); }
+  void warn(std::initializer_list<std::pair<const char*, std::string>> fields) { write(spdlog::level::warn, fields); }
+
+ private:
+  void write(spdlog::level::level_enum level, std::initializer_list<std::pair<const char*, std::string>> fields) {
+    std::string line;
+    for (const auto& [key, value] : fields) {
+      if (!line.empty()) line += json_ ? "," : " ";
+      line += json_ ? "\"" + std::string(key) + "\":\"" + json_escaped(value) + "\""
+                    : std::string(key) + "=" + quoted(value);
+    }
+    logger_->log(level, "{}", line);
+  }
+  static std::string quoted(const std::string& value) {
+    return value.find_first_of(" \"=") == std::string::npos && !value.empty() ? value
+                                                                              : "\"" + json_escaped(value) + "\"";
+  }
+
+  bool json_;
+  std::shared_ptr<spdlog::logger> logger_;
+};
+
+void log_event(daemon_log& log, const lending::lender_event& e) {
+  const bool warning =
+      e.what == lending::lender_event::kind::closed_for_error || e.what == lending::lender_event::kind::orphaned;
+  std::initializer_list<std::pair<const char*, std::string>> fields{
+      {"event", lending::to_string(e.what)}, {"pid", std::to_string(e.borrower.pid)}, {"uid", std::to_string(e.uid)},
+      {"region", std::to_string(e.region)},  {"bytes", std::to_string(e.bytes)},      {"detail", e.detail}};
+  warning ? log.warn(fields) : log.info(fields);
+}
+
+int serve(const daemon_settings& settings) {
+  backend::device& device = settings.resolve_device();
+  const auto address = settings.resolve_address();
+  lending::lender_config config = settings.lender_config(device);
+  daemon_log log(settings.log_format == "json");
+  config.on_event = [&log](const lending::lender_event& e) { log_event(log, e); };
+  // The lender's thread inherits this mask: the signals reach sigwait alone.
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  const lending::lender lender(device, address, config);
+  log.info({{"event", "started"},
+            {"socket", address.is_abstract() ? "@" + address.name() : address.name()},
+            {"device", device.name()},
+            {"capacity_bytes", std::to_string(config.capacity_bytes)},
+            {"quota_bytes", std::to_string(config.quota_bytes)},
+            {"max_borrowers", std::to_string(config.max_borrowers)}});
+  int signal = 0;
+  sigwait(&stop, &signal);
+  const auto s = lender.status();
+  log.info({{"event", "stopping"},
+            {"signal", std::to_string(signal)},
+            {"regions", std::to_string(s.regions.size())},
+            {"lent_bytes", std::to_string(s.lent_bytes)}});
+  return 0;
+}
+
+int status(const daemon_settings& settings, double timeout_seconds) {
+  lending::borrower b(settings.resolve_device(), settings.resolve_address(), {},
+                      std::chrono::milliseconds(static_cast<std::int64_t>(timeout_seconds * 1000)));
+  std::fputs(b.metrics().c_str(), stdout);
+  return 0;
+}
+
+}  // namespace
+
+int run_daemon(int argc, char** argv) {
+  CLI::App app("The shoal memory daemon: lends this machine's device memory to borrower processes.", "shoal daemon");
+  daemon_settings settings;
+  std::string config_file;
+  app.add_option("--config", config_file, "a TOML file of settings (flags given too win)")->check(CLI::ExistingFile);
+  auto* socket = app.add_option("--socket", settings.socket, "socket path (in a 0700 directory) or @abstract-name");
+  auto* device = app.add_option("--device", settings.device, "default, host, cuda or cuda:N");
+  auto* capacity =
+      app.add_option("--capacity", settings.capacity.text, "bytes to lend in all: 12GiB, or a fraction like 0.8");
+  auto* quota = app.add_option("--quota", settings.quota.text, "bytes one borrower may hold");
+  auto* borrowers = app.add_option("--max-borrowers", settings.max_borrowers, "borrowers connected at once");
+  auto* regions = app.add_option("--max-regions", settings.max_regions_per_borrower, "regions one borrower may hold");
+  auto* timeout = app.add_option("--peer-timeout-ms", settings.peer_timeout_ms, "deadline of every wait on a borrower");
+  auto* uids = app.add_option("--allow-uid", settings.allowed_uids, "a uid allowed besides the daemon's own (repeat)");
+  auto* format =
+      app.add_option("--log-format", settings.log_format, "text or json")->check(CLI::IsMember({"text", "json"}));
+  auto* status_command = app.add_subcommand("status", "print a running daemon's metrics (Prometheus text)");
+  status_command->fallthrough();  // --socket and --device after "status" too
+  double status_timeout = 5.0;
+  status_command->add_option("--timeout", status_timeout, "seconds to wait for the daemon")->check(CLI::PositiveNumber);
+  try {
+    app.parse(argc, argv);
+    if (!config_file.empty()) {
+      // The file first, then the flags given again on top of it.
+      daemon_settings from_file;
+      from_file.read_file(config_file);
+      const daemon_settings flags = settings;
+      settings = from_file;
+      if (socket->count() > 0) settings.socket = flags.socket;
+      if (device->count() > 0) settings.device = flags.device;
+      if (capacity->count() > 0) settings.capacity = flags.capacity;
+      if (quota->count() > 0) settings.quota = flags.quota;
+      if (borrowers->count() > 0) settings.max_borrowers = flags.max_borrowers;
+      if (regions->count() > 0) settings.max_regions_per_borrower = flags.max_regions_per_borrower;
+      if (timeout->count() > 0) settings.peer_timeout_ms = flags.peer_timeout_ms;
+      if (uids->count() > 0) settings.allowed_uids = flags.allowed_uids;
+      if (format->count() > 0) settings.log_format = flags.log_format;
+    }
+    if (status_command->parsed()) return status(settings, status_timeout);
+    return serve(settings);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  } catch (const invalid_argument& e) {
+    std::fprintf(stderr, "shoal daemon: %s\n", e.what());
+    return 2;
+  }
+}
+
+}  // namespace shoal::tools

@@ -1,0 +1,149 @@
+#include "tools/shoal/daemon_settings.h"
+
+#include <toml++/toml.h>
+
+#include <charconv>
+#include <cmath>
+#include <limits>
+
+#include "shoal/backend/devices.h"
+#include "shoal/core/error.h"
+
+namespace shoal::tools {
+
+namespace {
+
+struct unit {
+  const char* suffix;
+  std::size_t bytes;
+};
+constexpr unit units[] = {{"KiB", std::size_t{1} << 10},
+                          {"MiB", std::size_t{1} << 20},
+                          {"GiB", std::size_t{1} << 30},
+                          {"TiB", std::size_t{1} << 40}};
+
+[[noreturn]] void bad(const char* what, const std::string& text, const char* expected) {
+  throw invalid_argument(std::string(what) + ": '" + text + "' is not " + expected);
+}
+
+}  // namespace
+
+std::size_t size_setting::bytes(backend::device& device, const char* what) const {
+  constexpr const char* forms = "a size: bytes, a number with KiB, MiB, GiB or TiB, or a fraction like 0.8";
+  if (text.find('.') != std::string::npos) {
+    double fraction = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), fraction);
+    if (ec != std::errc() || end != text.data() + text.size() || !(fraction > 0) || fraction > 1) {
+      bad(what, text, "a fraction in (0, 1] of the device's memory");
+    }
+    return static_cast<std::size_t>(std::floor(fraction * static_cast<double>(device.memory().total_bytes)));
+  }
+  std::uint64_t number = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), number);
+  if (ec != std::errc() || end == text.data() || number == 0) bad(what, text, forms);
+  const std::string_view rest(end, static_cast<std::size_t>(text.data() + text.size() - end));
+  std::size_t scale = 1;
+  if (!rest.empty()) {
+    scale = 0;
+    for (const auto& u : units) {
+      if (rest == u.suffix) scale = u.bytes;
+    }
+    if (scale == 0) bad(what, text, forms);
+  }
+  if (number > std::numeric_limits<std::size_t>::max() / scale) bad(what, text, "a size that fits in 64 bits");
+  return static_cast<std::size_t>(number) * scale;
+}
+
+void daemon_settings::read_file(const std::string& path) {
+  toml::table table;
+  try {
+    table = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    throw invalid_argument("config file " + path + ": " + std::string(e.description()) + " (line " +
+                           std::to_string(e.source().begin.line) + ")");
+  }
+  const auto where = [&](std::string_view key) { return "config file " + path + ": key '" + std::string(key) + "'"; };
+  for (const auto& [key, node] : table) {
+    const std::string name(key.str());
+    const auto text = [&]() {
+      if (const auto* s = node.as_string()) return s->get();
+      if (const auto* i = node.as_integer()) return std::to_string(i->get());
+      if (const auto* f = node.as_floating_point()) return std::to_string(f->get());
+      throw invalid_argument(where(name) + " must be a string or a number");
+    };
+    const auto count = [&]() -> std::uint64_t {
+      const auto* i = node.as_integer();
+      if (i == nullptr || i->get() <= 0) throw invalid_argument(where(name) + " must be a positive integer");
+      return static_cast<std::uint64_t>(i->get());
+    };
+    if (name == "socket") {
+      socket = text();
+    } else if (name == "device") {
+      device = text();
+    } else if (name == "capacity") {
+      capacity.text = text();
+    } else if (name == "quota") {
+      quota.text = text();
+    } else if (name == "max_borrowers") {
+      max_borrowers = count();
+    } else if (name == "max_regions_per_borrower") {
+      max_regions_per_borrower = count();
+    } else if (name == "peer_timeout_ms") {
+      peer_timeout_ms = count();
+    } else if (name == "log_format") {
+      log_format = text();
+    } else if (name == "allowed_uids") {
+      const auto* list = node.as_array();
+      if (list == nullptr) throw invalid_argument(where(name) + " must be a list of uids");
+      allowed_uids.clear();
+      for (const auto& item : *list) {
+        const auto* uid = item.as_integer();
+        if (uid == nullptr || uid->get() < 0 || uid->get() > std::numeric_limits<std::uint32_t>::max()) {
+          throw invalid_argument(where(name) + " must hold uids (integers 0 to 4294967295)");
+        }
+        allowed_uids.push_back(static_cast<std::uint32_t>(uid->get()));
+      }
+    } else {
+      throw invalid_argument(where(name) +
+                             " is not a setting (socket, device, capacity, quota, max_borrowers, "
+                             "max_regions_per_borrower, peer_timeout_ms, allowed_uids, log_format)");
+    }
+  }
+}
+
+backend::device& daemon_settings::resolve_device() const {
+  if (device == "default") return backend::default_device();
+  if (device == "host") return backend::host_device_instance();
+  if (device == "cuda") return backend::cuda_device_instance(0);
+  if (device.rfind("cuda:", 0) == 0) {
+    int ordinal = -1;
+    const auto* first = device.data() + 5;
+    const auto [end, ec] = std::from_chars(first, device.data() + device.size(), ordinal);
+    if (ec == std::errc() && end == device.data() + device.size() && ordinal >= 0) {
+      return backend::cuda_device_instance(ordinal);
+    }
+  }
+  throw invalid_argument("device: '" + device + "' is not default, host, cuda or cuda:N");
+}
+
+channel::channel_address daemon_settings::resolve_address() const {
+  if (socket.empty()) return channel::channel_address::in_runtime_dir("lender.sock");
+  if (socket.front() == '@') return channel::channel_address::abstract(socket.substr(1));
+  return channel::channel_address::at_path(socket);
+}
+
+lending::lender_config daemon_settings::lender_config(backend::device& d) const {
+  if (log_format != "text" && log_format != "json") {
+    throw invalid_argument("log_format: '" + log_format + "' is not text or json");
+  }
+  lending::lender_config c;
+  c.capacity_bytes = capacity.bytes(d, "capacity");
+  c.quota_bytes = quota.bytes(d, "quota");
+  c.max_borrowers = static_cast<std::size_t>(max_borrowers);
+  c.max_regions_per_borrower = static_cast<std::size_t>(max_regions_per_borrower);
+  c.peer_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(peer_timeout_ms));
+  for (auto uid : allowed_uids) c.policy.allowed_uids.push_back(static_cast<uid_t>(uid));
+  return c;
+}
+
+}  // namespace shoal::tools

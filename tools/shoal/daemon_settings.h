@@ -1,0 +1,50 @@
+// The memory daemon's settings: a TOML file and command-line flags (flags
+// win), turned into what the lender needs. Parsing is separate from running
+// so that a bad setting is reported before anything starts.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "shoal/backend/device.h"
+#include "shoal/channel/channel.h"
+#include "shoal/lending/lender.h"
+
+namespace shoal::tools {
+
+/// A size as written by a person: bytes ("1048576"), with a unit ("512MiB",
+/// "12GiB", "2TiB", "64KiB"), or a fraction of the device's memory ("0.8").
+struct size_setting {
+  std::string text;
+  /// The bytes it stands for on `device`. Throws invalid_argument naming
+  /// `what` when the text is none of the forms above.
+  [[nodiscard]] std::size_t bytes(backend::device& device, const char* what) const;
+};
+
+struct daemon_settings {
+  std::string socket;              ///< a path, or "@name"; empty: lender.sock in $XDG_RUNTIME_DIR
+  std::string device = "default";  ///< "default", "host", "cuda" or "cuda:N"
+  size_setting capacity{"0.9"};
+  size_setting quota{"1.0"};
+  std::uint64_t max_borrowers = 64;
+  std::uint64_t max_regions_per_borrower = 1024;
+  std::uint64_t peer_timeout_ms = 1000;
+  std::vector<std::uint32_t> allowed_uids;
+  std::string log_format = "text";  ///< "text" or "json"
+
+  /// Reads a TOML file's keys (socket, device, capacity, quota,
+  /// max_borrowers, max_regions_per_borrower, peer_timeout_ms,
+  /// allowed_uids, log_format) into these settings. Throws
+  /// invalid_argument naming the file, the key and what was wrong.
+  void read_file(const std::string& path);
+
+  [[nodiscard]] backend::device& resolve_device() const;
+  [[nodiscard]] channel::channel_address resolve_address() const;
+  /// The lender's config (without on_event). Throws invalid_argument for a
+  /// value out of range.
+  [[nodiscard]] lending::lender_config lender_config(backend::device& device) const;
+};
+
+}  // namespace shoal::tools
