@@ -84,6 +84,7 @@ class allocator_core {
   private_pool_id create_private_pool(void* base, std::size_t bytes,
                                       const std::vector<std::pair<std::string, std::size_t>>& parts);
   void clear_private_pool(private_pool_id id, const std::string& part);
+  void drain_private_pool(private_pool_id id, const std::string& part);
   void destroy_private_pool(private_pool_id id);
   /// The sub-pool this thread's allocations are directed to (nullptr: none).
   [[nodiscard]] block_pool* directed_pool() const noexcept { return directory_.directed_pool(); }

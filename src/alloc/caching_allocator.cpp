@@ -50,6 +50,10 @@ private_pool_id caching_allocator::create_private_pool(void* base, std::size_t b
                                                        const std::vector<std::pair<std::string, std::size_t>>& parts) {
   return core_->create_private_pool(base, bytes, parts);
 }
+void caching_allocator::drain_private_pool(private_pool_id pool, const std::string& part) {
+  core_->drain_private_pool(pool, part);
+}
+
 void caching_allocator::clear_private_pool(private_pool_id pool, const std::string& part) {
   core_->clear_private_pool(pool, part);
 }

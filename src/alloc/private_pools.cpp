@@ -3,6 +3,7 @@
 
 #include "alloc/allocator_core.h"
 #include "alloc/block_structure.h"
+#include "alloc/core_util.h"
 #include "alloc/size_policy.h"
 #include "shoal/core/error.h"
 
@@ -22,13 +23,14 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
                              " bytes; give each a positive multiple of 512");
     }
     for (const auto& [other, ignored] : layout) {
-      if (&other != &name && other == name) throw invalid_argument("create_private_pool: two sub-pools are named '" + name + "'");
+      if (&other != &name && other == name)
+        throw invalid_argument("create_private_pool: two sub-pools are named '" + name + "'");
     }
     total += size;
   }
   if (total > bytes) {
-    throw invalid_argument("create_private_pool: the sub-pools need " + std::to_string(total) + " bytes but the region has " +
-                           std::to_string(bytes));
+    throw invalid_argument("create_private_pool: the sub-pools need " + std::to_string(total) +
+                           " bytes but the region has " + std::to_string(bytes));
   }
   auto pool = std::make_unique<private_pool>();
   std::uintptr_t at = start;
@@ -108,6 +110,30 @@ void allocator_core::clear_private_pool(private_pool_id id, const std::string& p
     }
   }
   if constexpr (check_every_step) check_invariants();
+}
+
+void allocator_core::drain_private_pool(private_pool_id id, const std::string& part_name) {
+  block_pool& part = private_part(id, part_name);
+  // Waited for without the lock: this may take long.
+  std::vector<backend::event_ref> waits;
+  {
+    std::lock_guard lock(part.lock);
+    for (block* b : part.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
+  }
+  for (auto e : waits) device.synchronize_event(e);
+  std::vector<backend::stream_ref> streams;
+  {
+    std::lock_guard lock(part.lock);
+    collect_pending(part, false);
+    for (auto& s : part.segments) {
+      for (const block* b = s->first; b != nullptr; b = b->next) {
+        if (b->state == block_state::free) {
+          for (auto stream : b->last_streams) add_unique(streams, stream);
+        }
+      }
+    }
+  }
+  for (auto stream : streams) device.synchronize(stream);
 }
 
 void allocator_core::destroy_private_pool(private_pool_id id) {

@@ -17,9 +17,12 @@
 #include <thread>
 
 #include "lending/messages.h"
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/stream.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/child_process.h"
 #include "shoal/core/error.h"
+#include "shoal/lending/adopted_region.h"
 #include "shoal/lending/borrower.h"
 #include "shoal/lending/lender.h"
 #include "support/backends.h"
@@ -305,6 +308,89 @@ TYPED_TEST(lending_test, every_event_reaches_the_log_with_who_and_what) {
   // region is orphaned first, and reclaimed at the next check.
   std::erase(seen, "orphaned");
   EXPECT_EQ(seen, (std::vector<std::string>{"connected", "lent", "disconnected", "reclaimed"}));
+}
+
+TYPED_TEST(lending_test, an_adopted_region_serves_allocations_in_its_sub_pools_and_clears_in_stream_order) {
+  this->in_process_only();
+  auto& dev = this->device();
+  auto& l = this->start();
+  borrower b(dev, l.address());
+  alloc::caching_allocator allocator(dev, {});
+  backend::stream s(dev);
+  const std::size_t part = 2 * mib;
+  lending::adopted_region region(allocator, b.borrow(2 * part, "model A"),
+                                 {{"parameters", part}, {"computation", part}});
+  const auto base = reinterpret_cast<std::uintptr_t>(region.region().data());
+  void* weights = nullptr;
+  void* scratch = nullptr;
+  {
+    alloc::private_pool_scope scope(allocator, region.pool(), "parameters");
+    weights = allocator.allocate(mib, s);
+  }
+  {
+    alloc::private_pool_scope scope(allocator, region.pool(), "computation");
+    scratch = allocator.allocate(mib, s);
+  }
+  EXPECT_GE(reinterpret_cast<std::uintptr_t>(weights), base);
+  EXPECT_LT(reinterpret_cast<std::uintptr_t>(weights), base + part);
+  EXPECT_GE(reinterpret_cast<std::uintptr_t>(scratch), base + part);
+  try {
+    region.clear("computation");
+    ADD_FAILURE() << "a sub-pool with a live block was cleared";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("'computation' still has 1 live block"), std::string::npos) << e.what();
+  }
+  // A slow write on s, then the free on the same stream: the block is free at
+  // once, but the stream still writes it. clear() returns only once s passed.
+  dev.delay(s, 50ms);
+  dev.fill(s, scratch, 0x77, mib);
+  allocator.deallocate(scratch, s);
+  region.clear("computation");
+  EXPECT_TRUE(dev.query(s)) << "cleared while a stream still wrote the memory";
+  EXPECT_THROW((void)region.release(), invalid_argument) << "the parameters are still allocated";
+  EXPECT_TRUE(region.adopted());
+  allocator.deallocate(weights, s);
+  b.give_back(region.release());
+  EXPECT_FALSE(region.adopted());
+  EXPECT_EQ(l.status().lent_bytes, 0u);
+}
+
+TYPED_TEST(lending_test, control_clearing_without_the_drain_forgets_memory_a_stream_still_writes) {
+  this->in_process_only();
+  auto& dev = this->device();
+  auto& l = this->start();
+  borrower b(dev, l.address());
+  alloc::caching_allocator allocator(dev, {});
+  backend::stream s(dev);
+  lending::adopted_region region(allocator, b.borrow(2 * mib, "model A"));
+  void* block = nullptr;
+  {
+    alloc::private_pool_scope scope(allocator, region.pool());
+    block = allocator.allocate(mib, s);
+  }
+  dev.delay(s, 50ms);
+  dev.fill(s, block, 0x77, mib);
+  allocator.deallocate(block, s);
+  allocator.clear_private_pool(region.pool());  // no drain: the protection off
+  EXPECT_FALSE(dev.query(s)) << "the stream had finished anyway: the drained test would prove nothing";
+  dev.synchronize(s);
+}
+
+TYPED_TEST(lending_test, an_adopted_region_destroyed_with_live_blocks_stays_mapped_under_them) {
+  this->in_process_only();
+  auto& dev = this->device();
+  auto& l = this->start();
+  borrower b(dev, l.address());
+  alloc::caching_allocator allocator(dev, {});
+  void* block = nullptr;
+  {
+    lending::adopted_region region(allocator, b.borrow(mib, "leaked on purpose"));
+    alloc::private_pool_scope scope(allocator, region.pool());
+    block = allocator.allocate(4096, {});
+  }
+  dev.fill({}, block, 0x42, 4096);
+  EXPECT_TRUE(all_equal(this->read(block, 4096), 0x42)) << "the memory vanished under a live block";
+  EXPECT_EQ(l.status().regions.size(), 1u) << "given back while a block lives in it";
 }
 
 TEST(lender_config, out_of_range_settings_are_refused) {

@@ -172,6 +172,13 @@ class caching_allocator {
   void clear_private_pool(private_pool_id pool, const std::string& part = "");
   /// Removes the pool; it must be clear of live blocks.
   void destroy_private_pool(private_pool_id pool);
+  /// Waits on the host until the sub-pool's pending frees have completed and
+  /// every stream that last used one of its free blocks has passed the work
+  /// enqueued on it: after this, clearing the sub-pool or giving its memory
+  /// back forgets nothing a stream still reads or writes. Blocks still
+  /// allocated stay so (clear_private_pool then names them). Nobody should
+  /// allocate from the sub-pool meanwhile.
+  void drain_private_pool(private_pool_id pool, const std::string& part = "");
 
  private:
   friend class private_pool_scope;
