@@ -74,13 +74,17 @@ nb::dict status_dict(const lending::lender_status& s) {
   d["given_back"] = s.given_back;
   d["reclaimed"] = s.reclaimed;
   d["closed_for_errors"] = s.connections_closed_for_errors;
+  d["revocations"] = s.revocations;
+  d["revocations_missed"] = s.revocations_missed;
   nb::list regions;
   for (const auto& r : s.regions) {
     nb::dict region;
     region["id"] = r.id;
     region["bytes"] = r.bytes;
     region["purpose"] = r.purpose;
-    region["state"] = r.state == lending::region_state::lent ? "lent" : "orphaned";
+    region["state"] = r.state == lending::region_state::lent       ? "lent"
+                      : r.state == lending::region_state::orphaned ? "orphaned"
+                                                                   : "revoking";
     region["pid"] = r.borrower.pid;
     region["uid"] = r.uid;
     region["age_seconds"] = std::chrono::duration<double>(r.age).count();
@@ -117,10 +121,12 @@ void register_lending(nb::module_& m) {
           nb::arg("allowed_uids") = std::vector<std::uint32_t>{},
           "Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` "
           "in all and ``quota_bytes`` per borrower.")
-      .def("status", [](const py_lender& l) { return status_dict(l.get().status()); },
-           "Regions lent (id, bytes, purpose, state, pid, uid, age) and counters, as a dict.")
-      .def("metrics", [](const py_lender& l) { return l.get().metrics_text(); },
-           "The status in the Prometheus text format.")
+      .def(
+          "status", [](const py_lender& l) { return status_dict(l.get().status()); },
+          "Regions lent (id, bytes, purpose, state, pid, uid, age) and counters, as a dict.")
+      .def(
+          "metrics", [](const py_lender& l) { return l.get().metrics_text(); },
+          "The status in the Prometheus text format.")
       .def(
           "close",
           [](py_lender& l) {

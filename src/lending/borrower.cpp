@@ -46,13 +46,28 @@ struct borrowed_region::link {
     }
   }
 
-  // The next frame, within the deadline; a timeout leaves the link out of step.
+  // Revocations that arrived while a call waited for its answer.
+  std::vector<borrower::revocation> stashed;
+
+  // Keeps a revoke frame for revocations().
+  void stash(const channel::frame& f) {
+    const auto m = detail::decode_revoke(f.payload);
+    stashed.push_back({m.region, clock_type::now() + std::chrono::milliseconds(m.deadline_ms)});
+  }
+
+  // The next answer, within the deadline (revocations that come first are
+  // stashed); a timeout leaves the link out of step.
   channel::frame next(clock_type::time_point deadline, const char* operation) {
-    try {
-      return conn.receive_for(left_until(deadline));
-    } catch (const timeout_error&) {
-      out_of_step = true;
-      throw timeout_error(std::string("borrower::") + operation + ": the lender did not answer in time");
+    for (;;) {
+      channel::frame f;
+      try {
+        f = conn.receive_for(left_until(deadline));
+      } catch (const timeout_error&) {
+        out_of_step = true;
+        throw timeout_error(std::string("borrower::") + operation + ": the lender did not answer in time");
+      }
+      if (f.type != static_cast<std::uint16_t>(message_type::revoke)) return f;
+      stash(f);
     }
   }
 
@@ -206,6 +221,29 @@ void borrower::give_back(borrowed_region region, std::chrono::milliseconds timeo
   link_->device.close_import(region.data_);
   region.data_ = nullptr;
   link_->give_back(region.id_, deadline);
+}
+
+std::vector<borrower::revocation> borrower::revocations(std::chrono::milliseconds wait) {
+  const auto deadline = clock_type::now() + wait;
+  auto& l = *link_;
+  std::lock_guard lock(l.mutex);
+  l.usable("revocations");
+  for (bool first = l.stashed.empty();; first = false) {
+    channel::frame f;
+    try {
+      // The first frame may be waited for; after it, only what is there already.
+      f = l.conn.receive_for(first ? left_until(deadline) : std::chrono::milliseconds(0));
+    } catch (const timeout_error&) {
+      break;  // nothing more has come: the link is still in step
+    }
+    if (f.type != static_cast<std::uint16_t>(message_type::revoke)) {
+      l.out_of_step = true;
+      throw protocol_error("borrower::revocations: the lender sent frame type " + std::to_string(f.type) +
+                           " unasked; only revoke may come so");
+    }
+    l.stash(f);
+  }
+  return std::exchange(l.stashed, {});
 }
 
 std::string borrower::metrics(std::chrono::milliseconds timeout) {

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <list>
 #include <map>
 #include <mutex>
@@ -37,6 +38,7 @@ struct region_entry {
   region_info info;
   clock_type::time_point since;
   std::uint64_t borrower = 0;  // the connection's serial; 0 once orphaned
+  bool missed = false;         // a revocation's deadline passed (named once)
 };
 
 struct borrower_entry {
@@ -74,6 +76,10 @@ const char* to_string(lender_event::kind what) noexcept {
       return "reclaimed";
     case lender_event::kind::closed_for_error:
       return "closed_for_error";
+    case lender_event::kind::revoke_requested:
+      return "revoke_requested";
+    case lender_event::kind::revoke_missed:
+      return "revoke_missed";
   }
   return "unknown";
 }
@@ -112,6 +118,25 @@ class lender::state {
 
   const channel::channel_address& address() const noexcept { return listener_.address(); }
 
+  void revoke(std::uint64_t id, std::chrono::milliseconds deadline) {
+    if (deadline <= std::chrono::milliseconds(0) || deadline.count() > std::numeric_limits<std::uint32_t>::max()) {
+      throw invalid_argument("lender::revoke: the deadline must be 1 ms to about 49 days");
+    }
+    {
+      std::lock_guard lock(mutex_);
+      const auto it = regions_.find(id);
+      if (it == regions_.end() || it->second.info.state != region_state::lent) {
+        throw invalid_argument("lender::revoke: region " + std::to_string(id) + " is not lent to a connected borrower" +
+                               (it == regions_.end() ? "" : " (it is being revoked, or its borrower hung up)"));
+      }
+      it->second.info.state = region_state::revoking;
+      it->second.info.revoke_deadline = clock_type::now() + deadline;
+      revocations_.push_back({id, deadline});
+    }
+    const std::uint64_t one = 1;
+    (void)!::write(wake_.get(), &one, sizeof one);
+  }
+
  private:
   void serve() noexcept {
     auto next_orphan_check = clock_type::now();
@@ -127,6 +152,11 @@ class lender::state {
       const int ready = ::poll(fds.data(), fds.size(), pending ? 0 : static_cast<int>(orphan_check_interval.count()));
       if (ready < 0 && errno != EINTR) break;  // nothing sensible left to wait on
       if (stopping_.load()) break;
+      if (ready > 0 && (fds[1].revents & POLLIN) != 0) {
+        std::uint64_t count = 0;
+        (void)!::read(wake_.get(), &count, sizeof count);
+      }
+      send_revocations();
       if (ready > 0 && (fds[0].revents & POLLIN) != 0) accept_one();
       for (std::size_t i = 0; i < polled.size(); ++i) {
         if (fds[i + 2].revents != 0 || polled[i]->link.pending() > 0) serve_one(*polled[i]);
@@ -138,6 +168,7 @@ class lender::state {
       });
       borrower_count_.store(borrowers_.size());
       if (clock_type::now() >= next_orphan_check) {
+        note_missed_revocations();
         reclaim_orphans();
         next_orphan_check = clock_type::now() + orphan_check_interval;
       }
@@ -351,6 +382,57 @@ class lender::state {
     }
   }
 
+  // Sends what revoke() queued, to each region's borrower.
+  void send_revocations() {
+    std::vector<std::pair<std::uint64_t, std::chrono::milliseconds>> queued;
+    {
+      std::lock_guard lock(mutex_);
+      queued.swap(revocations_);
+    }
+    for (const auto& [id, deadline] : queued) {
+      std::uint64_t serial = 0;
+      region_info info;
+      {
+        std::lock_guard lock(mutex_);
+        const auto it = regions_.find(id);
+        if (it == regions_.end() || it->second.info.state != region_state::revoking) continue;  // given back meanwhile
+        serial = it->second.borrower;
+        info = it->second.info;
+        ++counters_.revocations;
+      }
+      for (auto& b : borrowers_) {
+        if (b.serial != serial) continue;
+        try {
+          b.link.send(static_cast<std::uint16_t>(message_type::revoke),
+                      detail::encode(detail::revoke_message{id, static_cast<std::uint32_t>(deadline.count())}));
+        } catch (
+            const error&) {  // NOLINT(bugprone-empty-catch): a broken link is hung up on, and reclaimed, by the loop
+        }
+        emit(lender_event{lender_event::kind::revoke_requested, info.borrower, info.uid, id, info.bytes,
+                          "give it back within " + std::to_string(deadline.count()) + " ms"});
+      }
+    }
+  }
+
+  // Names, once, each borrower that let a revocation's deadline pass; its
+  // region stays its own (and counted) until it gives it back or exits.
+  void note_missed_revocations() {
+    std::vector<lender_event> events;
+    {
+      std::lock_guard lock(mutex_);
+      const auto now = clock_type::now();
+      for (auto& [id, r] : regions_) {
+        if (r.info.state == region_state::revoking && !r.missed && now > r.info.revoke_deadline) {
+          r.missed = true;
+          ++counters_.revocations_missed;
+          events.push_back({lender_event::kind::revoke_missed, r.info.borrower, r.info.uid, id, r.info.bytes,
+                            "the deadline passed; the region stays lent until it is given back or its borrower exits"});
+        }
+      }
+    }
+    for (const auto& e : events) emit(e);
+  }
+
   void reclaim_orphans() {
     std::vector<lender_event> events;
     {
@@ -410,6 +492,7 @@ class lender::state {
 
   mutable std::mutex mutex_;  // guards what status() reads
   std::map<std::uint64_t, region_entry> regions_;
+  std::vector<std::pair<std::uint64_t, std::chrono::milliseconds>> revocations_;  // queued by revoke()
   std::size_t lent_bytes_ = 0;
   lender_status counters_;
 
@@ -430,6 +513,8 @@ lender::~lender() = default;
 lender_status lender::status() const { return state_->status(); }
 
 std::string lender::metrics_text() const { return detail::prometheus_text(state_->status()); }
+
+void lender::revoke(std::uint64_t region, std::chrono::milliseconds deadline) { state_->revoke(region, deadline); }
 
 const channel::channel_address& lender::address() const noexcept { return state_->address(); }
 

@@ -97,6 +97,21 @@ refused_message decode_refused(std::span<const std::byte> payload) {
   return m;
 }
 
+std::vector<std::byte> encode(const revoke_message& m) {
+  wire_writer w;
+  w.put(m.region).put(m.deadline_ms);
+  return w.take();
+}
+
+revoke_message decode_revoke(std::span<const std::byte> payload) {
+  wire_reader r(payload, "revoke");
+  revoke_message m;
+  m.region = r.get<std::uint64_t>("region");
+  m.deadline_ms = r.get<std::uint32_t>("deadline_ms");
+  r.finish();
+  return m;
+}
+
 std::uint64_t decode_region(std::span<const std::byte> payload, const char* message) {
   wire_reader r(payload, message);
   const auto region = r.get<std::uint64_t>("region");

@@ -4,7 +4,9 @@
 // give_back and query_metrics; the lender answers each borrow with lent
 // (followed by one chunk frame per chunk, each with its descriptor where the
 // handle kind has one) or refused, each give_back with given_back or
-// refused, and each query_metrics with metrics.
+// refused, and each query_metrics with metrics. The lender may send revoke
+// at any time, unasked: a borrower gives the region back (give_back) within
+// the deadline it names.
 //
 // decode_* check every field (sizes, counts, modes, the purpose's bytes) and
 // throw protocol_error naming the message and field; they never trust a
@@ -30,6 +32,7 @@ enum class message_type : std::uint16_t {
   given_back = 6,     // lender -> borrower
   query_metrics = 7,  // borrower -> lender, no payload
   metrics = 8,        // lender -> borrower: the Prometheus text
+  revoke = 9,         // lender -> borrower, at any time: give this region back by the deadline
 };
 
 enum class refusal : std::uint8_t {
@@ -66,7 +69,14 @@ inline constexpr std::size_t max_metrics_text = 1 << 20;
 [[nodiscard]] std::vector<std::byte> encode(const borrow_message& m);
 [[nodiscard]] std::vector<std::byte> encode(const lent_message& m);
 [[nodiscard]] std::vector<std::byte> encode(const refused_message& m);
+struct revoke_message {
+  std::uint64_t region = 0;
+  std::uint32_t deadline_ms = 0;  ///< from when it was sent
+};
+
 [[nodiscard]] std::vector<std::byte> encode_region(std::uint64_t region);  // give_back, given_back
+[[nodiscard]] std::vector<std::byte> encode(const revoke_message& m);
+[[nodiscard]] revoke_message decode_revoke(std::span<const std::byte> payload);
 
 [[nodiscard]] borrow_message decode_borrow(std::span<const std::byte> payload);
 [[nodiscard]] lent_message decode_lent(std::span<const std::byte> payload);

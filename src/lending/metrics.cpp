@@ -28,6 +28,9 @@ std::string prometheus_text(const lender_status& s) {
   metric(out, "refusals_total", "counter", "Requests and connections refused.", s.refusals);
   metric(out, "given_back_total", "counter", "Regions given back by their borrowers.", s.given_back);
   metric(out, "reclaimed_total", "counter", "Regions reclaimed from borrowers that died or hung up.", s.reclaimed);
+  metric(out, "revocations_total", "counter", "Regions asked back.", s.revocations);
+  metric(out, "revocations_missed_total", "counter", "Revoked regions not given back by their deadline.",
+         s.revocations_missed);
   metric(out, "closed_for_errors_total", "counter", "Connections closed for malformed or stalled input.",
          s.connections_closed_for_errors);
   return out.str();

@@ -393,6 +393,67 @@ TYPED_TEST(lending_test, an_adopted_region_destroyed_with_live_blocks_stays_mapp
   EXPECT_EQ(l.status().regions.size(), 1u) << "given back while a block lives in it";
 }
 
+TYPED_TEST(lending_test, a_revoked_region_is_asked_back_and_given_back_in_time) {
+  this->in_process_only();
+  auto& dev = this->device();
+  auto& l = this->start();
+  borrower b(dev, l.address());
+  auto first = b.borrow(this->unit(), "model A");
+  auto second = b.borrow(this->unit(), "model A scratch");
+  EXPECT_TRUE(b.revocations().empty());
+  l.revoke(first.id(), 2000ms);
+  EXPECT_THROW(l.revoke(first.id(), 2000ms), invalid_argument) << "revoked twice";
+  EXPECT_THROW(l.revoke(999, 2000ms), invalid_argument) << "an unknown region";
+  EXPECT_THROW(l.revoke(second.id(), 0ms), invalid_argument) << "no time to give it back";
+  EXPECT_EQ(l.status().regions[0].state, lending::region_state::revoking);
+  // The request arrives while the borrower waits for another answer: kept for revocations().
+  auto third = b.borrow(this->unit(), "while revoked");
+  const auto asked = b.revocations(2000ms);
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(asked[0].region, first.id());
+  EXPECT_GT(asked[0].deadline, std::chrono::steady_clock::now() + 1000ms);
+  b.give_back(std::move(first));
+  const auto s = l.status();
+  EXPECT_EQ(s.revocations, 1u);
+  EXPECT_EQ(s.revocations_missed, 0u);
+  EXPECT_EQ(s.regions.size(), 2u);
+  EXPECT_TRUE(b.revocations().empty());
+}
+
+TYPED_TEST(lending_test, a_borrower_that_misses_the_deadline_is_named_and_keeps_its_region_until_it_exits) {
+  auto events = std::make_shared<std::vector<lending::lender_event>>();
+  auto guard = std::make_shared<std::mutex>();
+  lender_config config;
+  config.on_event = [events, guard](const lending::lender_event& e) {
+    std::lock_guard lock(*guard);
+    events->push_back(e);
+  };
+  auto& l = this->start(config);
+  auto holder = this->borrower_process({"hold", std::to_string(2 * mib), "3"});
+  ASSERT_EQ(line_from(*holder).rfind("held ", 0), 0u);
+  const auto id = l.status().regions.at(0).id;
+  l.revoke(id, 100ms);
+  ASSERT_TRUE(eventually([&] { return l.status().revocations_missed == 1; }, 2000ms)) << "the miss was not noted";
+  std::this_thread::sleep_for(200ms);
+  auto s = l.status();
+  ASSERT_EQ(s.regions.size(), 1u);
+  EXPECT_EQ(s.regions[0].state, lending::region_state::revoking) << "the region left its borrower";
+  EXPECT_EQ(s.lent_bytes, 2 * mib);
+  EXPECT_EQ(s.revocations_missed, 1u) << "named more than once";
+  {
+    std::lock_guard lock(*guard);
+    EXPECT_EQ(std::count_if(events->begin(), events->end(),
+                            [&](const auto& e) {
+                              return e.what == lending::lender_event::kind::revoke_missed && e.region == id &&
+                                     e.borrower.pid == holder->pid();
+                            }),
+              1);
+  }
+  ASSERT_EQ(::kill(holder->pid(), SIGKILL), 0);
+  (void)holder->wait();
+  EXPECT_TRUE(eventually([&] { return l.status().lent_bytes == 0; }, 2000ms)) << "not reclaimed once it died";
+}
+
 TEST(lender_config, out_of_range_settings_are_refused) {
   temp_dir dir;
   auto& dev = backend::host_device_instance();

@@ -27,6 +27,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "shoal/backend/device.h"
 #include "shoal/channel/channel.h"
@@ -87,6 +88,17 @@ class borrower {
   void give_back(borrowed_region region, std::chrono::milliseconds timeout = default_timeout);
   /// The lender's status in the Prometheus text format.
   [[nodiscard]] std::string metrics(std::chrono::milliseconds timeout = default_timeout);
+
+  /// A region the lender asked back, and by when.
+  struct revocation {
+    std::uint64_t region = 0;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  /// The lender's requests to give regions back that arrived so far (waiting
+  /// up to `wait` for a first one when none has): answer each with
+  /// give_back before its deadline. Requests that came while another call
+  /// waited for its answer are kept for this one.
+  [[nodiscard]] std::vector<revocation> revocations(std::chrono::milliseconds wait = std::chrono::milliseconds(0));
 
  private:
   std::shared_ptr<borrowed_region::link> link_;

@@ -78,6 +78,14 @@ class lender {
   [[nodiscard]] std::string metrics_text() const;
   [[nodiscard]] const channel::channel_address& address() const noexcept;
 
+  /// Asks the borrower of `region` to give it back within `deadline` (the
+  /// next model's turn); returns at once. The region shows as revoking; a
+  /// borrower that lets the deadline pass is named once (a revoke_missed
+  /// event) and keeps it, counted, until it gives it back or exits — it is
+  /// never lent to anyone else meanwhile. invalid_argument when the region is
+  /// not lent to a connected borrower, or is being revoked already.
+  void revoke(std::uint64_t region, std::chrono::milliseconds deadline);
+
   class state;
 
  private:

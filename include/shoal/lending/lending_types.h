@@ -30,6 +30,7 @@ enum class region_mode : std::uint8_t {
 enum class region_state : std::uint8_t {
   lent = 1,      ///< its borrower is connected
   orphaned = 2,  ///< its borrower hung up but still runs (and may still map it): kept until it exits
+  revoking = 3,  ///< the lender asked for it back (revoke_deadline); still its borrower's until given back
 };
 
 struct region_info {
@@ -41,6 +42,8 @@ struct region_info {
   process_identity borrower;
   uid_t uid = 0;
   std::chrono::steady_clock::duration age{};
+  /// While revoking: when the borrower was to give it back by.
+  std::chrono::steady_clock::time_point revoke_deadline{};
 };
 
 /// Something the lender did, for its log (lender_config::on_event).
@@ -54,6 +57,8 @@ struct lender_event {
     orphaned,          ///< a borrower hung up alive: its region is kept until it exits
     reclaimed,         ///< a region of a borrower that died was released
     closed_for_error,  ///< a borrower's connection was closed for what it sent (`detail`)
+    revoke_requested,  ///< the lender asked a borrower to give a region back (`detail`: the deadline)
+    revoke_missed,     ///< a borrower did not give a revoked region back in time: it stays its own
   };
   kind what = kind::connected;
   process_identity borrower;
@@ -76,6 +81,8 @@ struct lender_status {
   std::uint64_t given_back = 0;
   std::uint64_t reclaimed = 0;                      ///< regions of borrowers that died or hung up
   std::uint64_t connections_closed_for_errors = 0;  ///< malformed or stalled peers
+  std::uint64_t revocations = 0;                    ///< regions asked back
+  std::uint64_t revocations_missed = 0;             ///< of those, not given back by their deadline
 };
 
 }  // namespace shoal::lending
