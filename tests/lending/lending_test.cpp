@@ -288,7 +288,13 @@ TYPED_TEST(lending_test, every_event_reaches_the_log_with_who_and_what) {
   const pid_t holder_pid = holder->pid(), refused_pid = refused->pid();
   ASSERT_EQ(::kill(holder_pid, SIGKILL), 0);
   (void)holder->wait();
-  ASSERT_TRUE(eventually([&] { return l.status().reclaimed == 1; }));
+  // Counters change before the events that tell of them go out: wait for the event.
+  ASSERT_TRUE(eventually([&] {
+    std::lock_guard lock(*guard);
+    return std::any_of(events->begin(), events->end(), [&](const auto& e) {
+      return e.what == lending::lender_event::kind::reclaimed && e.borrower.pid == holder_pid;
+    });
+  }));
   std::vector<std::string> seen;
   {
     std::lock_guard lock(*guard);
