@@ -498,13 +498,16 @@ class ModuleLoader:
                     module._buffers[name] = tensors[index]
 
     def unload(self) -> None:
-        """Waits for the copies, takes the hooks off and points the module's tensors back at
-        the host views; the device buffer is freed (after the work enqueued on it). Values
-        computed on the device are not copied back."""
+        """Waits for the copies and for the device (forwards on any stream may still read the
+        tensors: PyTorch's allocator would not know of those streams), takes the hooks off,
+        points the module's tensors back at the host views and frees the device buffer.
+        Values computed on the device are not copied back."""
         if self._loading is None:
             return
+        torch = _torch()
         loading, self._loading = self._loading, None
         loading.remove_hooks()
         loading.synchronize()
+        torch.cuda.synchronize(self.device)
         self._swap(self._host_views)
         self._device_buffer = None
