@@ -536,6 +536,11 @@ class Lender:
         Regions lent (id, bytes, purpose, state, pid, uid, age) and counters, as a dict.
         """
 
+    def revoke(self, region: int, deadline: float) -> None:
+        """
+        Asks the region's borrower to give it back within ``deadline`` seconds; returns at once.
+        """
+
     def metrics(self) -> str:
         """The status in the Prometheus text format."""
 
@@ -549,6 +554,11 @@ class Borrower:
     """A connection to a lender, through which regions are borrowed."""
 
     def __init__(self, address: str, device: Device | None = None, allowed_uids: Sequence[int] = [], timeout: float = 5.0) -> None: ...
+
+    def revocations(self, wait: float = 0.0) -> list[tuple[int, float]]:
+        """
+        The lender's requests to give regions back: (region id, seconds left), waiting up to ``wait`` seconds for a first one.
+        """
 
     def metrics(self, timeout: float = 5.0) -> str:
         """The lender's status in the Prometheus text format."""

@@ -50,6 +50,20 @@ class Borrower:
         ``purpose`` (1 to 64 printable ASCII characters), mapped in this process."""
         return self._native._borrow(self._allocator, nbytes, purpose, timeout)
 
+    def revocations(self, wait: float = 0.0) -> list[tuple[int, float]]:
+        """The lender's requests to give regions back, as (region id, seconds left), waiting up
+        to ``wait`` seconds for a first one. Answer each by dropping every reference to that
+        region's storage (and its views) before the time is up: it is given back as it goes.
+        A borrower that lets the time pass keeps the region, and the lender names it in its log.
+        """
+        return self._native.revocations(wait)
+
+    @staticmethod
+    def region_id(storage: _shoal.Storage) -> Optional[int]:
+        """The id of the borrowed region behind ``storage`` (what ``revocations`` names), or
+        None for a storage that is not a borrowed region."""
+        return _shoal._region_id(storage)
+
     def metrics(self, timeout: float = 5.0) -> str:
         """The lender's status in the Prometheus text format."""
         return self._native.metrics(timeout)
@@ -81,6 +95,12 @@ class Lender:
     def status(self) -> dict:
         """Regions lent (id, bytes, purpose, state, pid, uid, age_seconds) and counters."""
         return self._native.status()
+
+    def revoke(self, region: int, deadline: float) -> None:
+        """Asks the borrower of ``region`` to give it back within ``deadline`` seconds (the
+        next model's turn); returns at once. A borrower that lets the time pass is named in the
+        log and keeps the region until it gives it back or exits."""
+        self._native.revoke(region, deadline)
 
     def metrics(self) -> str:
         """The status in the Prometheus text format."""

@@ -4,6 +4,8 @@
 // given back once the storage and every view of it are gone).
 //
 // GIL: every call that waits on the other side releases it.
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -34,6 +36,7 @@ class region_owner final : public storage::storage_owner {
  public:
   region_owner(backend::device& device, lending::borrowed_region region)
       : device_(device), region_(std::move(region)) {}
+  [[nodiscard]] std::uint64_t id() const noexcept { return region_.id(); }
   void storage_released(std::span<const backend::stream_ref> used_on) noexcept override {
     for (auto stream : used_on) {
       try {
@@ -125,6 +128,13 @@ void register_lending(nb::module_& m) {
           "status", [](const py_lender& l) { return status_dict(l.get().status()); },
           "Regions lent (id, bytes, purpose, state, pid, uid, age) and counters, as a dict.")
       .def(
+          "revoke",
+          [](const py_lender& l, std::uint64_t region, double deadline) {
+            l.get().revoke(region, timeout_of(deadline, "Lender.revoke"));
+          },
+          nb::arg("region"), nb::arg("deadline"),
+          "Asks the region's borrower to give it back within ``deadline`` seconds; returns at once.")
+      .def(
           "metrics", [](const py_lender& l) { return l.get().metrics_text(); },
           "The status in the Prometheus text format.")
       .def(
@@ -135,6 +145,15 @@ void register_lending(nb::module_& m) {
           },
           "Stops serving and closes every connection. Idempotent.")
       .def_prop_ro("closed", [](const py_lender& l) { return l.lender == nullptr; });
+
+  m.def(
+      "_region_id",
+      [](const py_storage& storage) -> std::optional<std::uint64_t> {
+        const auto* owner = dynamic_cast<const region_owner*>(storage.handle.get().owner().get());
+        if (owner == nullptr) return std::nullopt;
+        return owner->id();
+      },
+      nb::arg("storage"), "The id of the borrowed region behind ``storage``, or None.");
 
   nb::class_<py_borrower>(m, "Borrower", "A connection to a lender, through which regions are borrowed.")
       .def(
@@ -172,6 +191,24 @@ void register_lending(nb::module_& m) {
                 storage::storage::adopt(allocator.state->allocator(), data, size, std::move(owner)), allocator.state)};
           },
           nb::arg("allocator"), nb::arg("nbytes"), nb::arg("purpose"), nb::arg("timeout"))
+      .def(
+          "revocations",
+          [](const py_borrower& b, double wait) {
+            if (wait < 0) throw invalid_argument("Borrower.revocations: wait must be >= 0 seconds");
+            std::vector<lending::borrower::revocation> asked;
+            {
+              nb::gil_scoped_release release;
+              asked = b.get().revocations(std::chrono::milliseconds(static_cast<std::int64_t>(wait * 1000.0)));
+            }
+            const auto now = std::chrono::steady_clock::now();
+            std::vector<std::pair<std::uint64_t, double>> out;
+            for (const auto& r : asked)
+              out.emplace_back(r.region, std::chrono::duration<double>(r.deadline - now).count());
+            return out;
+          },
+          nb::arg("wait") = 0.0,
+          "The lender's requests to give regions back: (region id, seconds left), waiting up to ``wait`` "
+          "seconds for a first one.")
       .def(
           "metrics",
           [](const py_borrower& b, double timeout) {

@@ -126,3 +126,24 @@ def test_a_lender_that_is_gone_leaves_regions_valid_and_says_so(address):
     borrower.close()
     with pytest.raises(shoal.InvalidArgumentError):
         borrower.borrow(MIB, "closed")
+
+
+def test_a_revoked_region_is_named_and_given_back_by_dropping_it(address):
+    in_process_only()
+    with shoal.lending.Lender(address) as lender, shoal.lending.Borrower(address) as borrower:
+        region = borrower.borrow(MIB, "model A")
+        kept = borrower.borrow(MIB, "model A scratch")
+        region_id = borrower.region_id(region)
+        assert region_id is not None and region_id != borrower.region_id(kept)
+        assert borrower.region_id(shoal.allocate(64)) is None
+        assert borrower.revocations() == []
+        lender.revoke(region_id, 5.0)
+        [(asked, seconds_left)] = borrower.revocations(wait=5.0)
+        assert asked == region_id and 3.0 < seconds_left <= 5.0
+        assert [r["state"] for r in lender.status()["regions"]] == ["revoking", "lent"]
+        del region
+        gc.collect()
+        assert eventually(lambda: [r["state"] for r in lender.status()["regions"]] == ["lent"])
+        assert lender.status()["revocations"] == 1 and lender.status()["revocations_missed"] == 0
+        with pytest.raises(shoal.InvalidArgumentError):
+            lender.revoke(12345, 1.0)
