@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 
@@ -458,6 +459,68 @@ TYPED_TEST(lending_test, a_borrower_that_misses_the_deadline_is_named_and_keeps_
   ASSERT_EQ(::kill(holder->pid(), SIGKILL), 0);
   (void)holder->wait();
   EXPECT_TRUE(eventually([&] { return l.status().lent_bytes == 0; }, 2000ms)) << "not reclaimed once it died";
+}
+
+TEST(lending_messages, random_bytes_decode_or_are_refused_and_never_read_past_the_payload) {
+  std::mt19937 rng(20261124);
+  for (int round = 0; round < 5000; ++round) {
+    std::vector<std::byte> payload(std::uniform_int_distribution<int>(0, 96)(rng));
+    for (auto& b : payload) b = static_cast<std::byte>(rng());
+    // Often a valid-looking length prefix, so the decoders get past their first fields.
+    if (payload.size() >= 21 && round % 2 == 0) payload[17] = payload[18] = payload[19] = payload[20] = std::byte{0};
+    const auto refused_or_decoded = [&](auto decode) {
+      try {
+        decode();
+      } catch (const protocol_error&) {  // NOLINT(bugprone-empty-catch): refused is what hostile bytes get
+      }
+    };
+    refused_or_decoded([&] { (void)lending::detail::decode_borrow(payload); });
+    refused_or_decoded([&] { (void)lending::detail::decode_lent(payload); });
+    refused_or_decoded([&] { (void)lending::detail::decode_refused(payload); });
+    refused_or_decoded([&] { (void)lending::detail::decode_revoke(payload); });
+    refused_or_decoded([&] { (void)lending::detail::decode_region(payload, "give_back"); });
+  }
+}
+
+TYPED_TEST(lending_test, random_frames_from_hostile_peers_close_only_them_and_leak_nothing) {
+  this->in_process_only();
+  auto& dev = this->device();
+  auto& l = this->start({.peer_timeout = 200ms});
+  borrower good(dev, l.address());
+  auto kept = good.borrow(this->unit(), "the good borrower's");
+  const channel::protocol_id protocol{lending::protocol_name, lending::protocol_version};
+  std::mt19937 rng(7);
+  for (int peer = 0; peer < 40; ++peer) {
+    auto raw = channel::connection::connect(l.address(), {});
+    channel::send_hello(raw, protocol);
+    (void)raw.receive_for(2000ms);
+    try {
+      if (peer % 3 == 0) {  // a real region first, so that hanging up has something to reclaim
+        raw.send(
+            static_cast<std::uint16_t>(lending::detail::message_type::borrow),
+            lending::detail::encode(lending::detail::borrow_message{1, 4096, lending::region_mode::exclusive, "x"}));
+      }
+      for (int frame = 0; frame < 4; ++frame) {
+        std::vector<std::byte> payload(std::uniform_int_distribution<int>(0, 40)(rng));
+        for (auto& b : payload) b = static_cast<std::byte>(rng());
+        raw.send(static_cast<std::uint16_t>(std::uniform_int_distribution<int>(0, 12)(rng)), payload);
+      }
+    } catch (const error&) {  // NOLINT(bugprone-empty-catch): the lender may hang up first
+    }
+  }  // every hostile connection closed here, whatever it got to send
+  // The hostile peers are this process, which still runs: a region one got before it
+  // hung up is kept as orphaned (it might still map it), never left lent.
+  ASSERT_TRUE(eventually([&] { return l.status().borrowers == 1; })) << "hostile peers' connections were left open";
+  const auto s = l.status();
+  std::size_t orphaned_bytes = 0;
+  for (const auto& r : s.regions) {
+    if (r.id == kept.id()) continue;
+    EXPECT_EQ(r.state, lending::region_state::orphaned) << "region " << r.id << " of a hung-up peer";
+    orphaned_bytes += r.bytes;
+  }
+  EXPECT_EQ(s.lent_bytes, kept.size() + orphaned_bytes);
+  auto more = good.borrow(this->unit(), "still served");
+  EXPECT_TRUE(more.valid());
 }
 
 TEST(lender_config, out_of_range_settings_are_refused) {
