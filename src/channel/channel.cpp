@@ -155,6 +155,10 @@ bool access_policy::allows(uid_t uid) const noexcept {
   return uid == ::geteuid() || std::find(allowed_uids.begin(), allowed_uids.end(), uid) != allowed_uids.end();
 }
 
+bool access_policy::allows(uid_t uid, gid_t gid) const noexcept {
+  return allows(uid) || std::find(allowed_gids.begin(), allowed_gids.end(), gid) != allowed_gids.end();
+}
+
 // connection -----------------------------------------------------------------
 
 struct connection::state {
@@ -218,11 +222,13 @@ connection connection::identify_peer(unique_fd socket, const access_policy& poli
 
 connection connection::checked_peer(unique_fd socket, const ucred& credentials, const access_policy& policy,
                                     std::size_t max_payload, const std::string& side) {
-  const std::string who = "pid " + std::to_string(credentials.pid) + " (uid " + std::to_string(credentials.uid) + ")";
-  if (!policy.allows(credentials.uid)) {
+  const std::string who = "pid " + std::to_string(credentials.pid) + " (uid " + std::to_string(credentials.uid) +
+                          ", gid " + std::to_string(credentials.gid) + ")";
+  if (!policy.allows(credentials.uid, credentials.gid)) {
     throw peer_refused(side + ": refused " + who + ": uid " + std::to_string(credentials.uid) +
                        " is neither this process's uid " + std::to_string(::geteuid()) +
-                       " nor on the access policy's allow-list; add it to access_policy::allowed_uids to admit it");
+                       " nor on the access policy's allow-list, nor is gid " + std::to_string(credentials.gid) +
+                       "; add it to access_policy::allowed_uids (or its group to allowed_gids) to admit it");
   }
   // Looked up at once, while the peer most likely still runs: the kernel
   // reuses a pid only after handing out the others up to pid_max.

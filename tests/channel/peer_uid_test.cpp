@@ -1,5 +1,5 @@
 // Peers of another uid (root only; skipped otherwise): refused unless the
-// access policy allows them, on either side, and kept out by the 0700
+// access policy allows them (by uid or by group), on either side, and kept out by the 0700
 // directory of a path address.
 #include <gtest/gtest.h>
 
@@ -63,6 +63,22 @@ TEST(channel_uid, a_client_of_an_allowed_uid_is_accepted) {
     EXPECT_EQ(accepted.peer().uid, nobody);
     EXPECT_EQ(accepted.peer().gid, nobody);
     EXPECT_EQ(accepted.peer().process.pid, guest.pid());
+  }
+  EXPECT_EQ(guest.wait(), 0);
+}
+
+TEST(channel_uid, a_client_of_an_allowed_group_is_accepted) {
+  if (::geteuid() != 0) GTEST_SKIP() << needs_root;
+  const auto address = fresh_abstract_name();
+  listener server(address, access_policy{{}, {nobody}});  // its uid is not listed, its gid is
+  const raw_address target = raw_address_of(address);
+  forked_child guest([&] {
+    const int switched = become_nobody();
+    return switched != 0 ? switched : connect_and_hold(target);
+  });
+  {
+    const connection accepted = server.accept();
+    EXPECT_EQ(accepted.peer().gid, nobody);
   }
   EXPECT_EQ(guest.wait(), 0);
 }

@@ -140,6 +140,7 @@ int run_daemon(int argc, char** argv) {
   auto* regions = app.add_option("--max-regions", settings.max_regions_per_borrower, "regions one borrower may hold");
   auto* timeout = app.add_option("--peer-timeout-ms", settings.peer_timeout_ms, "deadline of every wait on a borrower");
   auto* uids = app.add_option("--allow-uid", settings.allowed_uids, "a uid allowed besides the daemon's own (repeat)");
+  auto* gids = app.add_option("--allow-gid", settings.allowed_gids, "a group whose members are allowed (repeat)");
   auto* format =
       app.add_option("--log-format", settings.log_format, "text or json")->check(CLI::IsMember({"text", "json"}));
   auto* status_command = app.add_subcommand("status", "print a running daemon's metrics (Prometheus text)");
@@ -162,6 +163,7 @@ int run_daemon(int argc, char** argv) {
       if (regions->count() > 0) settings.max_regions_per_borrower = flags.max_regions_per_borrower;
       if (timeout->count() > 0) settings.peer_timeout_ms = flags.peer_timeout_ms;
       if (uids->count() > 0) settings.allowed_uids = flags.allowed_uids;
+      if (gids->count() > 0) settings.allowed_gids = flags.allowed_gids;
       if (format->count() > 0) settings.log_format = flags.log_format;
     }
     if (status_command->parsed()) return status(settings, status_timeout);

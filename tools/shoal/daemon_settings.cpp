@@ -92,21 +92,22 @@ void daemon_settings::read_file(const std::string& path) {
       peer_timeout_ms = count();
     } else if (name == "log_format") {
       log_format = text();
-    } else if (name == "allowed_uids") {
+    } else if (name == "allowed_uids" || name == "allowed_gids") {
       const auto* list = node.as_array();
-      if (list == nullptr) throw invalid_argument(where(name) + " must be a list of uids");
-      allowed_uids.clear();
+      if (list == nullptr) throw invalid_argument(where(name) + " must be a list of ids");
+      auto& ids = name == "allowed_uids" ? allowed_uids : allowed_gids;
+      ids.clear();
       for (const auto& item : *list) {
-        const auto* uid = item.as_integer();
-        if (uid == nullptr || uid->get() < 0 || uid->get() > std::numeric_limits<std::uint32_t>::max()) {
-          throw invalid_argument(where(name) + " must hold uids (integers 0 to 4294967295)");
+        const auto* id = item.as_integer();
+        if (id == nullptr || id->get() < 0 || id->get() > std::numeric_limits<std::uint32_t>::max()) {
+          throw invalid_argument(where(name) + " must hold ids (integers 0 to 4294967295)");
         }
-        allowed_uids.push_back(static_cast<std::uint32_t>(uid->get()));
+        ids.push_back(static_cast<std::uint32_t>(id->get()));
       }
     } else {
       throw invalid_argument(where(name) +
                              " is not a setting (socket, device, capacity, quota, max_borrowers, "
-                             "max_regions_per_borrower, peer_timeout_ms, allowed_uids, log_format)");
+                             "max_regions_per_borrower, peer_timeout_ms, allowed_uids, allowed_gids, log_format)");
     }
   }
 }
@@ -143,6 +144,7 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
   c.max_regions_per_borrower = static_cast<std::size_t>(max_regions_per_borrower);
   c.peer_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(peer_timeout_ms));
   for (auto uid : allowed_uids) c.policy.allowed_uids.push_back(static_cast<uid_t>(uid));
+  for (auto gid : allowed_gids) c.policy.allowed_gids.push_back(static_cast<gid_t>(gid));
   return c;
 }
 

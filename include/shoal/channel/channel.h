@@ -98,12 +98,17 @@ class channel_address {
 };
 
 /// Which users may be at the other end of a connection. The process's own
-/// effective uid is always allowed; `allowed_uids` adds others.
+/// effective uid is always allowed; `allowed_uids` adds others, and
+/// `allowed_gids` admits any peer whose (effective, as SO_PEERCRED reports it)
+/// gid is listed.
 struct access_policy {
   std::vector<uid_t> allowed_uids;
+  std::vector<gid_t> allowed_gids;
 
-  /// Whether a peer running as `uid` is allowed.
+  /// Whether a peer running as `uid` is allowed by its uid alone.
   [[nodiscard]] bool allows(uid_t uid) const noexcept;
+  /// Whether a peer running as `uid` with group `gid` is allowed.
+  [[nodiscard]] bool allows(uid_t uid, gid_t gid) const noexcept;
 };
 
 /// Who is at the other end, as the kernel recorded it when the connection was
