@@ -149,11 +149,28 @@ def load_groups(groups: Sequence[Sequence[tuple[Any, Any]]], stream: Optional[_s
 
     A source is a host array (page-locked — a pinned torch tensor — for copies at the link's
     speed; pageable memory is copied correctly but more slowly); a destination is a Storage,
-    an ArrayView or a torch CUDA tensor of the same size. Sources and destinations are kept
-    alive until the load is gone, which waits for its copies; nothing else may write a
-    destination before its group is ready.
+    an ArrayView or a torch CUDA tensor of the same size. The copies first wait for the work
+    already queued on the current stream (and on torch's, for torch destinations). Sources
+    and destinations are kept alive until the load is gone, which waits for its copies;
+    nothing else may write a destination before its group is ready.
     """
     copy_stream = stream if stream is not None else _shoal.Stream()
+    # The destinations may have been allocated on the current stream (shoal's, or torch's
+    # for torch tensors) right after a free whose work is still queued there: the copies
+    # wait for that work first.
+    after = _shoal.Event(copy_stream.device)
+    after.record(_shoal.current_stream(copy_stream.device))
+    copy_stream.wait_event(after)
+    torch_streams: set[int] = set()
+    for group in groups:
+        for destination, _ in group:
+            if type(destination).__module__.split(".")[0] == "torch" and destination.device.type == "cuda":
+                torch_streams.add(_current_stream_getter(destination.device)())
+    for handle in torch_streams:
+        if handle != 0 or copy_stream.device.kind == "cuda":
+            after = _shoal.Event(copy_stream.device)
+            after.record(_shoal.Stream.from_handle(handle, copy_stream.device))
+            copy_stream.wait_event(after)
     native = []
     for g, group in enumerate(groups):
         copies, owners = [], []
@@ -200,10 +217,12 @@ class Loading:
     """A module's tensors on their way to the GPU. The module's forward waits per group
     (pre-forward hooks) until every group is copied; then the hooks take themselves off."""
 
-    def __init__(self, load: GroupedLoad, plan: GroupPlan, last_group: int) -> None:
+    def __init__(self, load: GroupedLoad, plan: GroupPlan, last_group: int, torch_stream: Callable[[], Any]) -> None:
         self.load = load
         self.plan = plan
         self._last_group = last_group
+        self._torch_stream = torch_stream  # torch's current stream on the device, as a shoal Stream
+        self.load_device = torch_stream().device
         self._hooks: list[Any] = []
         self._lock = threading.Lock()
         self._waited: dict[int, int] = {}  # stream handle -> highest group that stream waited for
@@ -216,8 +235,13 @@ class Loading:
         """True once every group has been copied."""
         return self.load.is_ready(self._last_group)
 
-    def wait(self, stream: Optional[_shoal.Stream] = None) -> None:
-        """Work enqueued on ``stream`` from now on sees every group (GPU-side wait)."""
+    def wait(self, stream: Any = None) -> None:
+        """Work enqueued on ``stream`` (a shoal Stream or a torch stream; default: torch's
+        current stream on the device) from now on sees every group (GPU-side wait)."""
+        if stream is None:
+            stream = self._torch_stream()
+        elif not isinstance(stream, _shoal.Stream):
+            stream = _shoal.Stream.from_handle(stream.cuda_stream, self.load_device)
         self.load.wait(self._last_group, stream)
 
     def synchronize(self) -> None:
@@ -280,6 +304,8 @@ class ModuleLoader:
         self._copy_stream = torch.cuda.Stream(self.device)
         self._shoal_copy_stream = _shoal.Stream.from_handle(self._copy_stream.cuda_stream, self._shoal_device)
         self._streams: dict[int, _shoal.Stream] = {}
+        self._current_stream = _current_stream_getter(self.device)
+        self._called: Optional[set[int]] = None  # layers whose forward ran in the profile
         self._cost: Optional[CopyCost] = None  # measured on first need
         self._profile: Optional[list[LayerProfile]] = None
         self._loading: Optional[Loading] = None
@@ -389,7 +415,19 @@ class ModuleLoader:
         for layer_index, _ in timings[0][:-1]:
             if layer_index not in order:
                 order.append(layer_index)
-        order += [i for i in range(len(self._layers)) if i not in order]  # never called: loaded last
+        self._called = set(order)
+        # A layer never called is read, if at all, by an ancestor's forward: it is packed
+        # right after its nearest called ancestor, or first when it has none.
+        for layer in range(len(self._layers)):
+            if layer in self._called:
+                continue
+            name = self._layers[layer][0]
+            ancestors = [i for i in order if name.startswith(self._layers[i][0] + ".") or self._layers[i][0] == ""]
+            if ancestors:
+                nearest = max(ancestors, key=lambda i: len(self._layers[i][0]))
+                order.insert(order.index(nearest) + 1, layer)
+            else:
+                order.insert(0, layer)
         seconds = [0.0] * len(self._layers)
         for marks_of_round in timings:
             for (layer_index, start), (_, following) in zip(marks_of_round, marks_of_round[1:]):
@@ -438,7 +476,8 @@ class ModuleLoader:
         if self._loading is not None:
             raise RuntimeError("shoal.loading: the module is loaded already; unload() first")
         if isinstance(plan, str):
-            plan = self.plan(grouping=plan)
+            # Without a profile there is no compute to overlap: "optimal" would be one group.
+            plan = self.plan(grouping="per_layer" if plan == "optimal" and self._profile is None else plan)
         ends = list(plan.group_ends)
         if not ends or ends[-1] != len(self._layers) or any(b <= a for a, b in zip([0] + ends, ends)):
             raise ValueError(f"shoal.loading: a plan for {len(self._layers)} layers must end there, increasing")
@@ -453,25 +492,66 @@ class ModuleLoader:
                 copies.append(([(device_base + low, host_base + low, high - low)], None))
             group_of_position += [max(len(copies) - 1, 0)] * (end - begin)
             begin = end
-        copies[0] = (copies[0][0], (target, self._host_buffer))  # kept alive until the load is gone
+        # The source is kept until the load is gone; the device buffer is the module's (its
+        # use on the copy stream recorded above), freed by unload() even while the Loading lives.
+        copies[0] = (copies[0][0], self._host_buffer)
         load = _shoal._load_groups(copies, self._shoal_copy_stream)
-        loading = Loading(load, plan, len(copies) - 1)
-        self._device_buffer = target
-        self._swap(self._views(target, self._slots))
-        self._loading = loading
+        loading = Loading(load, plan, len(copies) - 1, self._torch_current_stream)
+        device_views = self._views(target, self._slots)
         if wait:
             group_of_tensor: dict[int, int] = {}
             for position, layer in enumerate(self._order):
                 for _, _, index in self._entries[layer]:
                     group_of_tensor.setdefault(index, group_of_position[position])
             for layer, (_, module) in enumerate(self._layers):
-                needed = max(group_of_tensor[index] for _, _, index in self._entries[layer])
+                needed = max(group_of_tensor[index] for index in self._read_by(layer))
                 loading._hooks.append(module.register_forward_pre_hook(self._waiter(loading, needed)))
+            # A forward that reads tensors of layers no hook precedes (see _read_by) waits at the root.
+            loading._hooks.append(self.module.register_forward_pre_hook(self._waiter(loading, self._root_group(group_of_tensor))))
+        try:
+            self._swap(device_views)
+        except BaseException:
+            loading.remove_hooks()
+            self._swap(self._host_views)
+            raise
+        self._device_buffer = target
+        self._loading = loading
         return loading
+
+    def _read_by(self, layer: int) -> list[int]:
+        """Tensor indices a layer's forward may read: its own, and those of descendant layers
+        whose forward is never called (nn.MultiheadAttention reads out_proj's weight itself).
+        Before a profile says which are called, every descendant counts."""
+        name = self._layers[layer][0]
+        prefix = name + "." if name else ""
+        read = [index for _, _, index in self._entries[layer]]
+        for other, (other_name, _) in enumerate(self._layers):
+            if other != layer and other_name.startswith(prefix) and (self._called is None or other not in self._called):
+                read += [index for _, _, index in self._entries[other]]
+        return read
+
+    def _root_group(self, group_of_tensor: dict[int, int]) -> int:
+        """The group the root module's forward must wait for: that of the tensors of layers
+        never called and held by no called layer's forward (a parent may read them itself)."""
+        if self._called is None:
+            return 0
+        covered = set()
+        for layer in self._called:
+            covered.update(self._read_by(layer))
+        orphans = [group_of_tensor[i] for layer in range(len(self._layers)) for _, _, i in self._entries[layer]
+                   if layer not in self._called and i not in covered]
+        return max(orphans, default=0)
+
+    def _torch_current_stream(self) -> _shoal.Stream:
+        handle = self._current_stream()
+        stream = self._streams.get(handle)
+        if stream is None:
+            stream = self._streams[handle] = _shoal.Stream.from_handle(handle, self._shoal_device)
+        return stream
 
     def _waiter(self, loading: Loading, group: int) -> Callable[..., None]:
         waited = loading._waited
-        current_stream = _current_stream_getter(self.device)
+        current_stream = self._current_stream
 
         def wait_for_group(module: Any, inputs: Any) -> None:
             handle = current_stream()
@@ -480,10 +560,7 @@ class ModuleLoader:
             if loading.done():  # every copy has run: no stream needs to wait any more
                 loading.remove_hooks()
                 return
-            stream = self._streams.get(handle)
-            if stream is None:
-                stream = self._streams[handle] = _shoal.Stream.from_handle(handle, self._shoal_device)
-            loading.load.wait(group, stream)
+            loading.load.wait(group, self._torch_current_stream())
             waited[handle] = group
 
         return wait_for_group

@@ -124,6 +124,8 @@ def test_the_plan_follows_the_copy_and_compute_timeline():
         shoal.loading.plan_groups(layers, cost, "fastest")
     with pytest.raises(shoal.InvalidArgumentError):
         shoal.loading.evaluate_grouping(layers, cost, [2, 1])
+    with pytest.raises(shoal.InvalidArgumentError):  # an end past the layers is never read
+        shoal.loading.evaluate_grouping(layers, cost, [2_000_000, 2])
 
 
 def test_the_measured_copy_cost_is_a_plausible_link():

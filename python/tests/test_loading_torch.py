@@ -148,3 +148,54 @@ def test_the_profile_reorders_layers_registered_out_of_execution_order(torch):
 def test_a_module_without_tensors_is_refused(torch):
     with pytest.raises(ValueError, match="no parameters or buffers"):
         shoal.loading.ModuleLoader(torch.nn.ReLU())
+
+
+def test_a_layer_that_reads_a_child_it_never_calls_waits_for_the_childs_group(torch):
+    # nn.MultiheadAttention reads out_proj's weight itself and never calls out_proj.
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.TransformerEncoderLayer(256, 8, 1024, dropout=0.0, batch_first=True)
+    ).eval()
+    reference = copy.deepcopy(model).cuda()
+    x = torch.randn(2, 16, 256, device="cuda")
+    loader = shoal.loading.ModuleLoader(model)
+    loader.profile(x, rounds=1)
+    out, _ = run_after_held_copies(torch, loader, "per_layer", x=x)
+    with torch.no_grad():
+        assert torch.allclose(out, reference(x), rtol=0, atol=0)
+    loader.unload()
+
+
+def test_waiting_by_hand_defaults_to_torchs_current_stream_and_unload_frees_the_device_memory(torch):
+    model = make_model(torch, seed=5)
+    reference = copy.deepcopy(model).cuda()
+    x = torch.ones(4, 1024, device="cuda")
+    with torch.no_grad():
+        expected = reference(x)
+    loader = shoal.loading.ModuleLoader(model)
+    plan = loader.plan(grouping="per_layer")
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with torch.cuda.stream(loader.copy_stream):
+        torch.cuda._sleep(50_000_000)
+    loading = loader.load(plan, wait=False)
+    with torch.cuda.stream(side), torch.no_grad():
+        side.wait_stream(torch.cuda.current_stream())
+        x_side = x.clone()
+        loading.wait()  # torch's current stream: side
+        out = model(x_side)
+    side.synchronize()
+    assert torch.equal(out, expected)
+    del out, x_side
+    loader.unload()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before, "the device buffer outlived unload() while the Loading lived"
+    assert loading.groups > 1
+
+
+def test_without_a_profile_the_default_plan_still_overlaps(torch):
+    loader = shoal.loading.ModuleLoader(make_model(torch))
+    loading = loader.load()
+    assert loading.groups == len(loader.layer_bytes()), "without a profile the default is one group per layer"
+    loader.unload()

@@ -26,8 +26,8 @@ double seconds_since(clock_type::time_point start) {
 /// Page-locked host memory and device memory for the measuring copies.
 class copy_buffers {
  public:
-  copy_buffers(backend::device& device, std::size_t bytes)
-      : device_(device), host_(device.allocate_pinned_host(bytes)) {
+  copy_buffers(backend::device& device, backend::stream_ref stream, std::size_t bytes)
+      : device_(device), stream_(stream), host_(device.allocate_pinned_host(bytes)) {
     try {
       target_ = device.allocate_segment(bytes);
     } catch (...) {
@@ -36,6 +36,11 @@ class copy_buffers {
     }
   }
   ~copy_buffers() {
+    // A measurement that threw may leave copies queued on the memory.
+    try {
+      device_.synchronize(stream_);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): a failed stream reads nothing more
+    }
     device_.free_segment(target_);
     device_.free_pinned_host(host_);
   }
@@ -46,6 +51,7 @@ class copy_buffers {
 
  private:
   backend::device& device_;
+  backend::stream_ref stream_;
   void* host_;
   void* target_ = nullptr;
 };
@@ -53,7 +59,7 @@ class copy_buffers {
 }  // namespace
 
 copy_cost measure_copy_cost(backend::device& device, backend::stream_ref stream) {
-  copy_buffers buffers(device, large_copy_bytes);
+  copy_buffers buffers(device, stream, large_copy_bytes);
   device.copy(stream, buffers.target(), buffers.source(), large_copy_bytes);  // warm: first-touch costs out
   device.synchronize(stream);
 

@@ -80,6 +80,11 @@ std::vector<std::size_t> optimal_ends(std::span<const layer_cost> layers, copy_c
       best_k = k;
     }
   }
+  if (best_k == 0) {
+    throw invalid_argument(
+        "plan_groups: no grouping has a finite completion time (a bandwidth too small, or times too "
+        "large)");
+  }
   std::vector<std::size_t> ends(best_k);
   std::size_t i = n;
   for (std::size_t k = best_k; k >= 1; --k) {
@@ -97,11 +102,18 @@ group_plan evaluate_grouping(std::span<const layer_cost> layers, copy_cost cost,
     throw invalid_argument("evaluate_grouping: the groups must end at the layer count (" +
                            std::to_string(layers.size()) + ")");
   }
+  // Every end checked before any is used: an end past the layers would read past them.
+  for (std::size_t g = 0, previous = 0; g < group_ends.size(); previous = group_ends[g++]) {
+    if (group_ends[g] <= previous || group_ends[g] > layers.size()) {
+      throw invalid_argument("evaluate_grouping: group ends must increase, each at most the layer count (" +
+                             std::to_string(layers.size()) + "); end " + std::to_string(g) + " is " +
+                             std::to_string(group_ends[g]));
+    }
+  }
   group_plan plan;
   double ready = 0, done = 0;
   std::size_t begin = 0;
   for (std::size_t g = 0; g < group_ends.size(); ++g) {
-    if (group_ends[g] <= begin) throw invalid_argument("evaluate_grouping: group ends must increase");
     double bytes = 0, compute = 0;
     for (std::size_t i = begin; i < group_ends[g]; ++i) {
       bytes += static_cast<double>(layers[i].bytes);

@@ -97,6 +97,9 @@ TEST(group_planner, bad_profiles_and_groupings_are_refused) {
   EXPECT_THROW((void)transfer::evaluate_grouping(layers, copy_cost{0, 1}, {1}), invalid_argument);
   EXPECT_THROW((void)transfer::evaluate_grouping(layers, copy_cost{0, 1}, {1, 1, 2}), invalid_argument);
   EXPECT_THROW((void)transfer::evaluate_grouping(layers, copy_cost{0, 1}, {}), invalid_argument);
+  // An end past the layers, before a last end that is right: refused, never read past them.
+  EXPECT_THROW((void)transfer::evaluate_grouping(layers, copy_cost{0, 1}, {2000000, 2}), invalid_argument);
+  EXPECT_THROW((void)transfer::plan_groups(layers, copy_cost{0, 1e-310}), invalid_argument);
 }
 
 }  // namespace
