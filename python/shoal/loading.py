@@ -306,11 +306,14 @@ class ModuleLoader:
         self._streams: dict[int, _shoal.Stream] = {}
         self._current_stream = _current_stream_getter(self.device)
         self._called: Optional[set[int]] = None  # layers whose forward ran in the profile
+        self._reads: list[list[int]] = []
+        self._uncovered: list[int] = []
         self._cost: Optional[CopyCost] = None  # measured on first need
         self._profile: Optional[list[LayerProfile]] = None
         self._loading: Optional[Loading] = None
         self._device_buffer: Any = None
         self._pack(list(range(len(self._layers))), [t.detach() for t in self._originals])
+        self._find_readers()
 
     def _pack(self, order: list[int], sources: list[Any]) -> None:
         """Lays the tensors out in one pinned buffer, layer by layer in ``order``, copies
@@ -428,6 +431,7 @@ class ModuleLoader:
                 order.insert(order.index(nearest) + 1, layer)
             else:
                 order.insert(0, layer)
+        self._find_readers()
         seconds = [0.0] * len(self._layers)
         for marks_of_round in timings:
             for (layer_index, start), (_, following) in zip(marks_of_round, marks_of_round[1:]):
@@ -504,10 +508,11 @@ class ModuleLoader:
                 for _, _, index in self._entries[layer]:
                     group_of_tensor.setdefault(index, group_of_position[position])
             for layer, (_, module) in enumerate(self._layers):
-                needed = max(group_of_tensor[index] for index in self._read_by(layer))
+                needed = max(group_of_tensor[index] for index in self._reads[layer])
                 loading._hooks.append(module.register_forward_pre_hook(self._waiter(loading, needed)))
-            # A forward that reads tensors of layers no hook precedes (see _read_by) waits at the root.
-            loading._hooks.append(self.module.register_forward_pre_hook(self._waiter(loading, self._root_group(group_of_tensor))))
+            # A forward that reads tensors no hooked layer's forward covers waits at the root.
+            root_group = max((group_of_tensor[i] for i in self._uncovered), default=0)
+            loading._hooks.append(self.module.register_forward_pre_hook(self._waiter(loading, root_group)))
         try:
             self._swap(device_views)
         except BaseException:
@@ -518,29 +523,25 @@ class ModuleLoader:
         self._loading = loading
         return loading
 
-    def _read_by(self, layer: int) -> list[int]:
-        """Tensor indices a layer's forward may read: its own, and those of descendant layers
-        whose forward is never called (nn.MultiheadAttention reads out_proj's weight itself).
-        Before a profile says which are called, every descendant counts."""
-        name = self._layers[layer][0]
-        prefix = name + "." if name else ""
-        read = [index for _, _, index in self._entries[layer]]
-        for other, (other_name, _) in enumerate(self._layers):
-            if other != layer and other_name.startswith(prefix) and (self._called is None or other not in self._called):
-                read += [index for _, _, index in self._entries[other]]
-        return read
-
-    def _root_group(self, group_of_tensor: dict[int, int]) -> int:
-        """The group the root module's forward must wait for: that of the tensors of layers
-        never called and held by no called layer's forward (a parent may read them itself)."""
-        if self._called is None:
-            return 0
-        covered = set()
-        for layer in self._called:
-            covered.update(self._read_by(layer))
-        orphans = [group_of_tensor[i] for layer in range(len(self._layers)) for _, _, i in self._entries[layer]
-                   if layer not in self._called and i not in covered]
-        return max(orphans, default=0)
+    def _find_readers(self) -> None:
+        """What each layer's forward may read (self._reads): its own tensors, and those of
+        descendant layers whose forward is never called (nn.MultiheadAttention reads
+        out_proj's weight itself); before a profile says which are called, every descendant
+        counts. And the tensors no hooked forward covers (self._uncovered), which the root
+        waits for. Computed once per profile: load() only looks them up."""
+        self._reads = []
+        for layer, (name, _) in enumerate(self._layers):
+            prefix = name + "." if name else ""
+            read = [index for _, _, index in self._entries[layer]]
+            for other, (other_name, _) in enumerate(self._layers):
+                if other != layer and other_name.startswith(prefix) and (self._called is None or other not in self._called):
+                    read += [index for _, _, index in self._entries[other]]
+            self._reads.append(read)
+        covered = {i for layer in (self._called or ()) for i in self._reads[layer]}
+        self._uncovered = [] if self._called is None else [
+            i for layer in range(len(self._layers)) if layer not in self._called
+            for _, _, i in self._entries[layer] if i not in covered
+        ]
 
     def _torch_current_stream(self) -> _shoal.Stream:
         handle = self._current_stream()
