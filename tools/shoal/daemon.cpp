@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "shoal/core/error.h"
@@ -50,7 +51,7 @@ std::string json_escaped(const std::string& text) {
 /// (text) or one JSON object per line (json).
 class daemon_log {
  public:
-  explicit daemon_log(bool json) : json_(json), logger_(spdlog::stderr_logger_st("shoal-daemon")) {
+  explicit daemon_log(bool json) : json_(json), logger_(spdlog::stderr_logger_mt("shoal-daemon")) {
     logger_->set_pattern(json ? R"({"time":"%Y-%m-%dT%H:%M:%S.%e%z","level":"%l",%v})"
                               : "%Y-%m-%dT%H:%M:%S.%e%z %l %v");
     logger_->flush_on(spdlog::level::info);
@@ -93,7 +94,14 @@ int serve(const daemon_settings& settings) {
   const auto address = settings.resolve_address();
   lending::lender_config config = settings.lender_config(device);
   daemon_log log(settings.log_format == "json");
-  config.on_event = [&log](const lending::lender_event& e) { log_event(log, e); };
+  // The lender serves from its construction on: its events wait for the
+  // "started" record, which can only be written once the listener exists.
+  std::mutex log_order;
+  std::unique_lock starting(log_order);
+  config.on_event = [&log, &log_order](const lending::lender_event& e) {
+    std::lock_guard in_order(log_order);
+    log_event(log, e);
+  };
   // The lender's thread inherits this mask: the signals reach sigwait alone.
   sigset_t stop;
   sigemptyset(&stop);
@@ -107,9 +115,11 @@ int serve(const daemon_settings& settings) {
             {"capacity_bytes", std::to_string(config.capacity_bytes)},
             {"quota_bytes", std::to_string(config.quota_bytes)},
             {"max_borrowers", std::to_string(config.max_borrowers)}});
+  starting.unlock();
   int signal = 0;
   sigwait(&stop, &signal);
   const auto s = lender.status();
+  const std::lock_guard in_order(log_order);
   log.info({{"event", "stopping"},
             {"signal", std::to_string(signal)},
             {"regions", std::to_string(s.regions.size())},
