@@ -270,7 +270,14 @@ class ModuleLoader:
     tensors. ``unload()`` points them back at the host views; values computed on the device
     are not copied back.
 
-    Not thread-safe: one thread loads and unloads; forwards may run on any thread and stream.
+    Not thread-safe: one thread loads and unloads; forwards may run on any thread and stream,
+    but not while ``load()`` or ``unload()`` runs. ``profile()`` runs the module in whatever
+    mode it is in (call ``eval()`` first for inference: train mode runs dropout and updates
+    BatchNorm statistics), and planning allocates 64 MiB of pinned and device memory once to
+    measure the link. Waits happen in pre-forward hooks, so only forwards through
+    ``Module.__call__`` wait: a captured CUDA graph does not. An optimizer keeps working on
+    the same Parameters, but its state on the device and the values computed there are not
+    copied back by ``unload()``.
     """
 
     ALIGNMENT = 256  # bytes between packed tensors: every dtype's alignment and then some
