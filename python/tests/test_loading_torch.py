@@ -166,7 +166,7 @@ def test_a_layer_that_reads_a_child_it_never_calls_waits_for_the_childs_group(to
     loader.unload()
 
 
-def test_waiting_by_hand_defaults_to_torchs_current_stream(torch):
+def test_waiting_by_hand_defaults_to_torchs_current_stream_and_unload_frees_the_device_memory(torch):
     model = make_model(torch, seed=5)
     reference = copy.deepcopy(model).cuda()
     x = torch.ones(4, 1024, device="cuda")
@@ -175,7 +175,10 @@ def test_waiting_by_hand_defaults_to_torchs_current_stream(torch):
     loader = shoal.loading.ModuleLoader(model)
     plan = loader.plan(grouping="per_layer")
     side = torch.cuda.Stream()
+    with torch.cuda.stream(side), torch.no_grad():
+        reference(x)  # the first matmul on a stream takes cuBLAS's workspace for it: before counting
     torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     with torch.cuda.stream(loader.copy_stream):
         torch.cuda._sleep(50_000_000)
     loading = loader.load(plan, wait=False)
@@ -186,7 +189,10 @@ def test_waiting_by_hand_defaults_to_torchs_current_stream(torch):
         out = model(x_side)
     side.synchronize()
     assert torch.equal(out, expected)
+    del out, x_side
     loader.unload()
+    torch.cuda.empty_cache()  # frees blocks whose recorded streams have passed
+    assert torch.cuda.memory_allocated() <= before, "the device buffer outlived unload() while the Loading lived"
     assert loading.groups > 1
 
 
