@@ -7,7 +7,7 @@
 #include <thread>
 #include <tuple>
 
-#include "ipc/deadline.h"
+#include "core/deadline.h"
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 
@@ -137,7 +137,7 @@ consumer_state::~consumer_state() {
   // not trusted to pass it: past the deadline, the mappings still in use stay
   // open, and so do the event sources those waits may use (host tasks cannot
   // close them; the slots are still released when the streams move on).
-  const auto until = deadline_after(options.teardown_timeout);
+  const auto until = shoal::detail::deadline_after(options.teardown_timeout);
   const auto in_use = [](const std::shared_ptr<mapping>& m) { return m->state.load() >= one_view; };
   for (;;) {
     bool busy = false;

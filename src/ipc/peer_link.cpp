@@ -7,7 +7,7 @@
 #include <optional>
 #include <string>
 
-#include "ipc/deadline.h"
+#include "core/deadline.h"
 #include "ipc/messages.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
@@ -26,7 +26,7 @@ peer_link::peer_link(std::shared_ptr<producer_state> state, channel::connection 
   state_->add_receiver(receiver_);
   state_->connect(link_.peer().process);
   link_.set_receive_spin(state_->options.receive_spin);
-  link_.set_send_timeout(channel_timeout(state_->options.send_timeout));
+  link_.set_send_timeout(shoal::detail::channel_timeout(state_->options.send_timeout));
 }
 
 void peer_link::outgoing::add(message_type type, std::vector<std::byte> payload, int fd) {
@@ -173,7 +173,7 @@ void peer_link::release_unread() noexcept {
     // Never waits for more than has arrived, and a batch that arrived only
     // in part is given up on by the deadline (which shuts the socket down);
     // a peer that keeps sending is cut off by the same deadline.
-    const auto until = deadline_after(state_->options.teardown_timeout);
+    const auto until = shoal::detail::deadline_after(state_->options.teardown_timeout);
     pollfd waiting{link_.native_handle(), POLLIN, 0};
     const auto more_waits = [&] {
       return link_.pending() > 0 || (::poll(&waiting, 1, 0) > 0 && (waiting.revents & POLLIN) != 0);
@@ -203,7 +203,7 @@ void peer_link::fail(const protocol_error& e) {
 channel::frame peer_link::next_frame(const std::optional<std::chrono::steady_clock::time_point>& until) {
   if (!until) return link_.receive();
   const auto left = std::chrono::ceil<std::chrono::milliseconds>(*until - std::chrono::steady_clock::now());
-  return link_.receive_for(channel_timeout(left));
+  return link_.receive_for(shoal::detail::channel_timeout(left));
 }
 
 received peer_link::receive(backend::stream_ref stream, std::optional<std::chrono::steady_clock::time_point> until) {

@@ -6,7 +6,7 @@
 #include <string>
 #include <thread>
 
-#include "ipc/deadline.h"
+#include "core/deadline.h"
 #include "ipc/peer_link.h"
 #include "ipc/producer_state.h"
 #include "shoal/backend/stream.h"
@@ -106,7 +106,7 @@ received peer::receive(backend::stream_ref stream) {
 }
 received peer::receive() { return receive(backend::current_stream(link_->allocator().device())); }
 received peer::receive_for(std::chrono::milliseconds timeout, backend::stream_ref stream) {
-  const auto until = detail::deadline_after(timeout);
+  const auto until = shoal::detail::deadline_after(timeout);
   return naming_peer(*link_, [&] { return link_->receive(stream, until); });
 }
 received peer::receive_for(std::chrono::milliseconds timeout) {

@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/deadline.h"
 #include "lending/messages.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
@@ -21,10 +22,14 @@ constexpr channel::protocol_id lending_protocol{protocol_name, protocol_version}
 // A region dropped without give_back waits this long for the lender's answer.
 constexpr std::chrono::milliseconds drop_timeout{1000};
 
+// What the channel may wait for until `deadline` (saturating: a deadline at the
+// clock's end stays far off, never wraps into the past).
 std::chrono::milliseconds left_until(clock_type::time_point deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock_type::now());
-  return std::max(left, std::chrono::milliseconds(0));
+  return shoal::detail::channel_timeout(left);
 }
+
+using shoal::detail::deadline_after;
 
 }  // namespace
 
@@ -127,7 +132,7 @@ void borrowed_region::release() noexcept {
   try {
     link_->device.close_import(data_);
     data_ = nullptr;
-    link_->give_back(id_, clock_type::now() + drop_timeout);
+    link_->give_back(id_, deadline_after(drop_timeout));
   } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims what it is not told of when we hang up
   }
   data_ = nullptr;
@@ -136,9 +141,9 @@ void borrowed_region::release() noexcept {
 
 borrower::borrower(backend::device& device, const channel::channel_address& address,
                    const channel::access_policy& policy, std::chrono::milliseconds timeout) {
-  const auto deadline = clock_type::now() + timeout;
+  const auto deadline = deadline_after(timeout);
   auto conn = channel::connection::connect(address, policy);
-  conn.set_send_timeout(timeout);
+  conn.set_send_timeout(shoal::detail::channel_timeout(timeout));
   channel::send_hello(conn, lending_protocol);
   channel::check_hello(conn.receive_for(left_until(deadline)), lending_protocol);
   link_ = std::make_shared<borrowed_region::link>(device, std::move(conn));
@@ -152,7 +157,7 @@ borrowed_region borrower::borrow(std::size_t bytes, std::string_view purpose, re
   if (!detail::valid_purpose(purpose)) {
     throw invalid_argument("borrower::borrow: the purpose must be 1 to 64 bytes of printable ASCII");
   }
-  const auto deadline = clock_type::now() + timeout;
+  const auto deadline = deadline_after(timeout);
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
   l.usable("borrow");
@@ -217,14 +222,14 @@ void borrower::give_back(borrowed_region region, std::chrono::milliseconds timeo
   if (!region.valid()) throw invalid_argument("borrower::give_back: the region is empty (moved from or given back)");
   if (region.link_ != link_)
     throw invalid_argument("borrower::give_back: the region was borrowed through another borrower");
-  const auto deadline = clock_type::now() + timeout;
+  const auto deadline = deadline_after(timeout);
   link_->device.close_import(region.data_);
   region.data_ = nullptr;
   link_->give_back(region.id_, deadline);
 }
 
 std::vector<borrower::revocation> borrower::revocations(std::chrono::milliseconds wait) {
-  const auto deadline = clock_type::now() + wait;
+  const auto deadline = deadline_after(wait);
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
   l.usable("revocations");
@@ -247,7 +252,7 @@ std::vector<borrower::revocation> borrower::revocations(std::chrono::millisecond
 }
 
 std::string borrower::metrics(std::chrono::milliseconds timeout) {
-  const auto deadline = clock_type::now() + timeout;
+  const auto deadline = deadline_after(timeout);
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
   l.usable("metrics");

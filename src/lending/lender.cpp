@@ -13,6 +13,7 @@
 #include <mutex>
 #include <thread>
 
+#include "core/deadline.h"
 #include "lending/lendable_memory.h"
 #include "lending/messages.h"
 #include "lending/metrics.h"
@@ -197,7 +198,7 @@ class lender::state {
            "already " + std::to_string(borrowers_.size()) + " borrowers, the most allowed");
       return;  // closed at once: the client sees end of stream instead of a hello
     }
-    accepted->set_send_timeout(config_.peer_timeout);
+    accepted->set_send_timeout(shoal::detail::channel_timeout(config_.peer_timeout));
     try {
       channel::send_hello(*accepted, lending_protocol);
     } catch (const error&) {
@@ -212,7 +213,7 @@ class lender::state {
   // or hangs up ends up failed or broken, and the loop hangs up on it.
   void serve_one(borrower_entry& b) {
     try {
-      channel::frame f = b.link.receive_for(config_.peer_timeout);
+      channel::frame f = b.link.receive_for(shoal::detail::channel_timeout(config_.peer_timeout));
       if (!b.greeted) {
         channel::check_hello(f, lending_protocol);
         b.greeted = true;

@@ -523,6 +523,16 @@ TYPED_TEST(lending_test, random_frames_from_hostile_peers_close_only_them_and_le
   EXPECT_TRUE(more.valid());
 }
 
+TYPED_TEST(lending_test, a_timeout_too_long_for_the_clock_means_no_deadline) {
+  this->in_process_only();
+  auto& l = this->start();
+  borrower b(this->device(), l.address(), {}, std::chrono::milliseconds::max());
+  auto region = b.borrow(this->unit(), "waits as long as it takes", lending::region_mode::exclusive,
+                         std::chrono::milliseconds::max());
+  EXPECT_TRUE(region.valid());
+  b.give_back(std::move(region), std::chrono::milliseconds::max());
+}
+
 TEST(lender_config, out_of_range_settings_are_refused) {
   temp_dir dir;
   auto& dev = backend::host_device_instance();

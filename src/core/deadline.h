@@ -1,4 +1,4 @@
-// Deadlines and timeouts from durations a caller gives (sharing_options,
+// Deadlines and timeouts from durations a caller gives (sharing options,
 // receive_for), saturating: a duration too long for the clock, such as
 // std::chrono::milliseconds::max(), means "no sooner than the clock's end"
 // instead of overflowing into a deadline in the past.
@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <chrono>
 
-namespace shoal::ipc::detail {
+namespace shoal::detail {
 
 /// now + timeout; now for a negative timeout; the clock's last time point
 /// where the sum would pass it.
@@ -25,4 +25,4 @@ namespace shoal::ipc::detail {
   return std::clamp(timeout, std::chrono::milliseconds(0), longest);
 }
 
-}  // namespace shoal::ipc::detail
+}  // namespace shoal::detail
