@@ -14,11 +14,11 @@ namespace shoal::lending {
 
 namespace {
 
+using detail::lending_protocol;
 using detail::message_type;
 using detail::refusal;
 using clock_type = std::chrono::steady_clock;
 
-constexpr channel::protocol_id lending_protocol{protocol_name, protocol_version};
 // A region dropped without give_back waits this long for the lender's answer.
 constexpr std::chrono::milliseconds drop_timeout{1000};
 

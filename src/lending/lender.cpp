@@ -24,11 +24,11 @@ namespace shoal::lending {
 
 namespace {
 
+using detail::lending_protocol;
 using detail::message_type;
 using detail::refusal;
 using clock_type = std::chrono::steady_clock;
 
-constexpr channel::protocol_id lending_protocol{protocol_name, protocol_version};
 // How often orphaned regions are checked for a borrower that has exited.
 constexpr std::chrono::milliseconds orphan_check_interval{50};
 

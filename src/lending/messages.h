@@ -19,9 +19,13 @@
 #include <vector>
 
 #include "shoal/backend/shareable_handle.h"
+#include "shoal/channel/protocol.h"
 #include "shoal/lending/lending_types.h"
 
 namespace shoal::lending::detail {
+
+/// What each side says in its hello.
+inline constexpr channel::protocol_id lending_protocol{protocol_name, protocol_version};
 
 enum class message_type : std::uint16_t {
   borrow = 1,         // borrower -> lender

@@ -67,7 +67,7 @@ int hang_up(backend::device& dev, const std::string& path, std::size_t bytes) {
   void* data = nullptr;
   {
     auto link = channel::connection::connect(channel::channel_address::at_path(path), {});
-    const channel::protocol_id protocol{lending::protocol_name, lending::protocol_version};
+    const channel::protocol_id& protocol = lending::detail::lending_protocol;
     channel::send_hello(link, protocol);
     channel::check_hello(link.receive(), protocol);
     link.send(

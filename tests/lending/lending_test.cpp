@@ -58,6 +58,20 @@ std::string line_from(const child_process& child) {
   return line;
 }
 
+/// Collects a lender's events (lender_config::on_event runs on its thread).
+struct event_recorder {
+  std::shared_ptr<std::vector<lending::lender_event>> events = std::make_shared<std::vector<lending::lender_event>>();
+  std::shared_ptr<std::mutex> guard = std::make_shared<std::mutex>();
+
+  /// Records into this recorder from `config` on.
+  void attach(lender_config& config) const {
+    config.on_event = [events = events, guard = guard](const lending::lender_event& e) {
+      std::lock_guard lock(*guard);
+      events->push_back(e);
+    };
+  }
+};
+
 template <class Backend>
 class lending_test : public backend_test<Backend> {
  protected:
@@ -144,7 +158,7 @@ TYPED_TEST(lending_test, a_hostile_peer_is_closed_alone) {
   auto& l = this->start();
   borrower good(dev, l.address());
   auto kept = good.borrow(this->unit(), "kept");
-  const channel::protocol_id protocol{lending::protocol_name, lending::protocol_version};
+  const channel::protocol_id& protocol = lending::detail::lending_protocol;
   using lending::detail::message_type;
   const std::vector<std::pair<std::uint16_t, std::vector<std::byte>>> attacks{
       {static_cast<std::uint16_t>(message_type::borrow), std::vector<std::byte>(3)},        // short
@@ -219,7 +233,7 @@ TYPED_TEST(lending_test, a_lender_that_stops_answering_gives_timeouts_and_one_th
   channel::listener mute(address, {});
   std::thread server([&] {
     auto link = mute.accept();
-    const channel::protocol_id protocol{lending::protocol_name, lending::protocol_version};
+    const channel::protocol_id& protocol = lending::detail::lending_protocol;
     channel::send_hello(link, protocol);
     try {
       for (;;) (void)link.receive();  // never answers
@@ -273,14 +287,11 @@ TYPED_TEST(lending_test, metrics_are_prometheus_text_in_process_and_over_the_soc
 }
 
 TYPED_TEST(lending_test, every_event_reaches_the_log_with_who_and_what) {
-  auto events = std::make_shared<std::vector<lending::lender_event>>();
-  auto guard = std::make_shared<std::mutex>();
+  const event_recorder recorder;
+  const auto& [events, guard] = recorder;
   lender_config config;
   config.capacity_bytes = 4 * mib;
-  config.on_event = [events, guard](const lending::lender_event& e) {
-    std::lock_guard lock(*guard);
-    events->push_back(e);
-  };
+  recorder.attach(config);
   auto& l = this->start(config);
   auto holder = this->borrower_process({"hold", std::to_string(4 * mib), "5"});
   ASSERT_EQ(line_from(*holder).rfind("held ", 0), 0u);
@@ -428,13 +439,10 @@ TYPED_TEST(lending_test, a_revoked_region_is_asked_back_and_given_back_in_time) 
 }
 
 TYPED_TEST(lending_test, a_borrower_that_misses_the_deadline_is_named_and_keeps_its_region_until_it_exits) {
-  auto events = std::make_shared<std::vector<lending::lender_event>>();
-  auto guard = std::make_shared<std::mutex>();
+  const event_recorder recorder;
+  const auto& [events, guard] = recorder;
   lender_config config;
-  config.on_event = [events, guard](const lending::lender_event& e) {
-    std::lock_guard lock(*guard);
-    events->push_back(e);
-  };
+  recorder.attach(config);
   auto& l = this->start(config);
   auto holder = this->borrower_process({"hold", std::to_string(2 * mib), "3"});
   ASSERT_EQ(line_from(*holder).rfind("held ", 0), 0u);
@@ -488,7 +496,7 @@ TYPED_TEST(lending_test, random_frames_from_hostile_peers_close_only_them_and_le
   auto& l = this->start({.peer_timeout = 200ms});
   borrower good(dev, l.address());
   auto kept = good.borrow(this->unit(), "the good borrower's");
-  const channel::protocol_id protocol{lending::protocol_name, lending::protocol_version};
+  const channel::protocol_id& protocol = lending::detail::lending_protocol;
   std::mt19937 rng(7);
   for (int peer = 0; peer < 40; ++peer) {
     auto raw = channel::connection::connect(l.address(), {});
