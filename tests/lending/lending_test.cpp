@@ -541,6 +541,63 @@ TYPED_TEST(lending_test, a_timeout_too_long_for_the_clock_means_no_deadline) {
   b.give_back(std::move(region), std::chrono::milliseconds::max());
 }
 
+TYPED_TEST(lending_test, parts_that_do_not_fit_are_refused_and_the_region_goes_back) {
+  this->in_process_only();
+  auto& l = this->start();
+  borrower b(this->device(), l.address());
+  alloc::caching_allocator allocator(this->device(), {});
+  auto region = b.borrow(mib, "too small");
+  const std::size_t size = region.size();
+  EXPECT_THROW(lending::adopted_region(allocator, std::move(region), {{"a", size}, {"b", 4096}}), invalid_argument);
+  EXPECT_TRUE(eventually([&] { return l.status().lent_bytes == 0; })) << "the refused region was not given back";
+}
+
+TYPED_TEST(lending_test, clearing_waits_for_a_free_pending_on_another_stream) {
+  this->in_process_only();
+  auto& dev = this->device();
+  auto& l = this->start();
+  borrower b(dev, l.address());
+  alloc::caching_allocator allocator(dev, {});
+  backend::stream s(dev), other(dev);
+  lending::adopted_region region(allocator, b.borrow(2 * mib, "model A"));
+  void* block = nullptr;
+  {
+    alloc::private_pool_scope scope(allocator, region.pool());
+    block = allocator.allocate(mib, s);
+  }
+  allocator.record_stream(block, other);
+  dev.delay(other, 50ms);
+  dev.fill(other, block, 0x55, mib);
+  allocator.deallocate(block, s);  // pending until `other` passes its use
+  region.clear();
+  EXPECT_TRUE(dev.query(other)) << "cleared while another stream still wrote the memory";
+  b.give_back(region.release());
+}
+
+TYPED_TEST(lending_test, a_malformed_answer_is_a_protocol_error_and_closes_the_borrower) {
+  this->in_process_only();
+  const auto address = channel::channel_address::at_path(this->dir_ / "liar.sock");
+  channel::listener liar(address, {});
+  std::thread server([&] {
+    auto link = liar.accept();
+    channel::send_hello(link, lending::detail::lending_protocol);
+    try {
+      (void)link.receive();  // the hello
+      (void)link.receive();  // the borrow request, answered with a frame that is no answer to it
+      link.send(static_cast<std::uint16_t>(lending::detail::message_type::given_back),
+                lending::detail::encode_region(7));
+      for (;;) (void)link.receive();
+    } catch (const error&) {  // NOLINT(bugprone-empty-catch): the borrower hung up
+    }
+  });
+  {
+    borrower b(this->device(), address);
+    EXPECT_THROW((void)b.borrow(4096, "lied to"), protocol_error);
+    EXPECT_THROW((void)b.borrow(4096, "after the lie"), connection_closed);
+  }
+  server.join();
+}
+
 TEST(lender_config, out_of_range_settings_are_refused) {
   temp_dir dir;
   auto& dev = backend::host_device_instance();
