@@ -126,6 +126,17 @@ storage storage::adopt(alloc::caching_allocator& allocator, void* data, std::siz
   return adopt(allocator, data, bytes, std::move(owner), backend::current_stream(allocator.device()));
 }
 
+storage storage::take_over(alloc::caching_allocator& allocator, void* data, std::size_t bytes,
+                           backend::stream_ref stream) {
+  if (data == nullptr || bytes == 0) throw invalid_argument("storage::take_over: empty memory (null pointer or 0 bytes)");
+  const std::size_t block = allocator.block_size(data);  // invalid_argument unless `data` starts a live block
+  if (bytes > block) {
+    throw invalid_argument("storage::take_over: " + std::to_string(bytes) + " bytes asked of a block of " +
+                           std::to_string(block));
+  }
+  return storage(std::make_shared<detail::storage_impl>(allocator, bytes, data, nullptr, stream));
+}
+
 detail::storage_impl& storage::impl() const {
   if (!impl_) throw invalid_argument("storage: this handle is empty (default-constructed or moved from)");
   return *impl_;

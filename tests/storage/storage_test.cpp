@@ -334,6 +334,37 @@ TYPED_TEST(storage_test, adopted_memory_is_given_back_by_its_owner_once_and_copi
   EXPECT_THROW((void)storage_t::adopt(a, p, bytes, nullptr), invalid_argument);
 }
 
+TYPED_TEST(storage_test, a_taken_over_block_is_freed_once_by_its_last_handle_and_nothing_else) {
+  auto& a = this->make();
+  void* p = a.allocate(bytes, {});
+  this->device().fill({}, p, 6, bytes);
+  auto live = [&] { return a.stats().allocations.aggregate.current; };
+  {
+    auto st = storage_t::take_over(a, p, bytes, {});
+    EXPECT_EQ(st.data(), p);
+    EXPECT_EQ(st.owner(), nullptr) << "the allocator owns it, as for allocate";
+    EXPECT_TRUE(this->holds(st, 6));
+    auto alias = st;
+    st = storage_t();
+    EXPECT_EQ(live(), 1) << "a handle is still alive";
+  }
+  EXPECT_EQ(live(), 0) << "the last handle freed the block";
+  EXPECT_THROW((void)a.block_size(p), invalid_argument) << "freed once, and no longer live";
+}
+
+TYPED_TEST(storage_test, take_over_refuses_what_is_not_a_whole_live_block) {
+  auto& a = this->make();
+  void* p = a.allocate(bytes, {});
+  auto* inside = static_cast<std::byte*>(p) + 512;
+  EXPECT_THROW((void)storage_t::take_over(a, inside, 512, {}), invalid_argument) << "not the block's start";
+  EXPECT_THROW((void)storage_t::take_over(a, p, a.block_size(p) + 1, {}), invalid_argument) << "past the block";
+  EXPECT_THROW((void)storage_t::take_over(a, p, 0, {}), invalid_argument);
+  EXPECT_THROW((void)storage_t::take_over(a, nullptr, bytes, {}), invalid_argument);
+  a.deallocate(p, {});
+  EXPECT_THROW((void)storage_t::take_over(a, p, bytes, {}), invalid_argument) << "freed already";
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 0);
+}
+
 // An owner that notes what its storages tell it.
 class listening_owner final : public storage::storage_owner {
  public:

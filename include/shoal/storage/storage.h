@@ -108,6 +108,17 @@ class storage {
   static storage adopt(alloc::caching_allocator& allocator, void* data, std::size_t bytes,
                        std::shared_ptr<storage_owner> owner);
 
+  /// A storage that takes over the live block at `data`, which `allocator`
+  /// handed out (allocate) and someone else held until now (say, a
+  /// framework's tensor), for use on `stream`: from now on the storage owns
+  /// the block — its release frees it, as for allocate — and the previous
+  /// holder must not free it itself (it drops a handle of the storage
+  /// instead). `bytes` (> 0) is how much of the block the storage spans.
+  /// invalid_argument when `data` does not start a block `allocator` has
+  /// handed out, or `bytes` is 0 or more than the block holds.
+  static storage take_over(alloc::caching_allocator& allocator, void* data, std::size_t bytes,
+                           backend::stream_ref stream);
+
   storage() = default;  ///< an empty handle: valid() is false
 
   [[nodiscard]] bool valid() const noexcept { return impl_ != nullptr; }
