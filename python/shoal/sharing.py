@@ -12,8 +12,9 @@
         ... fill it (DLPack, Storage.write) ...
         producer.put({"x": view, "y": [labels]})
 
-A batch is an ArrayView (or a Storage, sent as bytes) or a list, tuple or dict
-(str keys) nesting them. Each array's memory stays where the producer
+A batch is an ArrayView (or a Storage, sent as bytes, or a CUDA tensor PyTorch
+allocated on shoal: see ``shoal.torch``) or a list, tuple or dict (str keys)
+nesting them. Each array's memory stays where the producer
 allocated it; the consumer maps it once per segment and gets ArrayViews with
 the producer's dtype, shape, strides and offset. The consumer's stream waits
 for the work the producer enqueued before put(); the memory is freed only
@@ -56,8 +57,13 @@ _VERSION = 1
 
 
 def _default_allocator() -> _shoal.Allocator:
+    """PyTorch's allocator when shoal backs it (its tensors can then be sent),
+    else the package's default one."""
     from . import default_allocator  # the package imports this module lazily: no cycle
+    from . import torch as shoal_torch
 
+    if shoal_torch.is_enabled() and default_allocator().device.kind == "cuda":
+        return shoal_torch.allocator(default_allocator().device.ordinal)
     return default_allocator()
 
 
@@ -81,6 +87,10 @@ def _flatten(batch: Any, leaves: list, depth: int) -> Any:
         raise ValueError(f"shoal.sharing: a batch nests deeper than {MAX_NESTING} levels")
     if isinstance(batch, _shoal.Storage):
         batch = batch.view("uint8")
+    elif type(batch).__module__.split(".")[0] == "torch":
+        from . import torch as shoal_torch  # a CUDA tensor allocated on shoal: its own memory, no copy
+
+        batch = shoal_torch.share(batch)
     if isinstance(batch, _shoal.ArrayView):
         if len(leaves) >= MAX_ARRAYS_PER_BATCH:
             raise ValueError(f"shoal.sharing: a batch holds more than {MAX_ARRAYS_PER_BATCH} arrays")
@@ -94,7 +104,8 @@ def _flatten(batch: Any, leaves: list, depth: int) -> Any:
                 raise TypeError(f"shoal.sharing: dict keys must be str, not {type(key).__name__}")
         return {"d": [[key, _flatten(value, leaves, depth + 1)] for key, value in batch.items()]}
     raise TypeError(
-        f"shoal.sharing: cannot send a {type(batch).__name__}: a batch holds shoal ArrayViews or Storages "
+        f"shoal.sharing: cannot send a {type(batch).__name__}: a batch holds shoal ArrayViews or Storages, "
+        "or CUDA tensors allocated on shoal (shoal.torch.enable) "
         "(copy other arrays into shoal memory first), in lists, tuples and dicts"
     )
 

@@ -17,6 +17,11 @@ no ``record_stream`` call and no batches held back.
 module, in PyTorch's names. Out of memory raises ``torch.cuda.OutOfMemoryError``
 with shoal's message.
 
+CUDA tensors go to other processes through ``shoal.sharing`` as they are:
+``Producer.put`` takes them (or ``share(tensor)``, an ArrayView on the
+tensor's memory). The memory stays allocated until the tensor and every
+process it was sent to have dropped it.
+
 Not supported while enabled: CUDA graph capture (``torch.cuda.graph``,
 ``torch.compile(mode="reduce-overhead")``) and ``torch.cuda.MemPool``; they
 raise an error naming the limitation.
@@ -47,6 +52,7 @@ __all__ = [
     "reset_peak_memory_stats",
     "memory_snapshot",
     "empty_cache",
+    "share",
 ]
 
 _lock = threading.Lock()
@@ -144,6 +150,44 @@ def allocator(device: Any = None) -> _shoal.Allocator:
     ``trace()`` in shoal's own layout."""
     _require_enabled()
     return _shoal._torch_allocator(_device_index(device))
+
+
+def share(tensor: Any) -> _shoal.ArrayView:
+    """An :class:`shoal.ArrayView` on ``tensor``'s memory (its dtype, shape,
+    strides and offset), without copying, for ``shoal.sharing`` to send to
+    other processes (``Producer.put`` calls it for the tensors of a batch).
+
+    ``tensor`` is a CUDA tensor PyTorch allocated while shoal backed it. Its
+    block passes to a shoal storage: PyTorch's free of the tensor then drops
+    a handle, and the block is freed once the tensor, every Storage or view
+    of it and every process it was sent to have let go, after the streams
+    they used it on. ``ValueError`` for a tensor on another device type or
+    memory shoal did not allocate (made before ``enable()``, or a view into
+    another allocator's memory)."""
+    import torch
+
+    _require_enabled()
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"shoal.torch.share: expected a torch.Tensor, not {type(tensor).__name__}")
+    if tensor.device.type != "cuda":
+        raise ValueError(f"shoal.torch.share: the tensor is on {tensor.device}, not a CUDA device")
+    untyped = tensor.untyped_storage()
+    device = tensor.device.index
+    stream = torch.cuda.current_stream(device).cuda_stream
+    try:
+        storage = _shoal._torch_share(untyped.data_ptr(), untyped.nbytes(), device, stream)
+    except ValueError as e:
+        raise ValueError(
+            "shoal.torch.share: the tensor's memory is not a block shoal's allocator handed to PyTorch "
+            f"(allocated before enable(), or by another allocator): {e}"
+        ) from e
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return storage.view(
+        dtype,
+        list(tensor.shape),
+        list(tensor.stride()),
+        tensor.storage_offset() * tensor.element_size(),
+    )
 
 
 _STAT_NAMES = {

@@ -16,10 +16,12 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 
 #include "bindings.h"
 #include "shoal/backend/devices.h"
 #include "shoal/core/error.h"
+#include "shoal/storage/storage.h"
 #include "torch_api.h"
 
 namespace shoal::python {
@@ -129,6 +131,59 @@ backend::stream_ref stream_of(allocator_state& state, void* stream) {
   return adopted;
 }
 
+/// Blocks of PyTorch tensors that a shoal storage took over (_torch_share,
+/// so the memory can be shared with other processes): the tensor's free
+/// drops this table's handle instead of freeing the block, which the
+/// storage frees once its last handle — in Python, or a consumer's through
+/// the sharing context — is gone, after every stream it was used on.
+class shared_blocks {
+ public:
+  /// A handle of the storage over the block at `ptr` of `state`'s allocator,
+  /// made (the block taken over, for use on `stream`) on the first call.
+  storage_handle share(const std::shared_ptr<allocator_state>& state, void* ptr, std::size_t bytes,
+                       backend::stream_ref stream) {
+    std::lock_guard lock(mutex_);
+    if (const auto it = blocks_.find(ptr); it != blocks_.end()) {
+      if (bytes > it->second.get().size()) {
+        throw invalid_argument("shoal.torch.share: the tensor's storage grew past the " +
+                               std::to_string(it->second.get().size()) + " bytes shared before");
+      }
+      return it->second;
+    }
+    storage_handle handle(storage::storage::take_over(state->allocator(), ptr, bytes, stream), state);
+    blocks_.emplace(ptr, handle);
+    count_.fetch_add(1, std::memory_order_release);
+    return handle;
+  }
+
+  /// True when the block at `ptr` was taken over: PyTorch's free then
+  /// records `stream` on the storage and drops the table's handle.
+  bool release(void* ptr, backend::stream_ref stream) {
+    if (count_.load(std::memory_order_acquire) == 0) return false;  // the common case: one load
+    std::optional<storage_handle> dropped;
+    {
+      std::lock_guard lock(mutex_);
+      const auto it = blocks_.find(ptr);
+      if (it == blocks_.end()) return false;
+      dropped.emplace(std::move(it->second));
+      blocks_.erase(it);
+      count_.fetch_sub(1, std::memory_order_release);
+    }
+    dropped->get().record_stream(stream);  // the last handle's release waits for it
+    return true;                           // `dropped` goes here, outside the lock
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<void*, storage_handle> blocks_;  // guarded by mutex_
+  std::atomic<std::size_t> count_{0};                 // blocks_.size(), read without the lock
+};
+
+shared_blocks& shared() {
+  static auto* instance = new shared_blocks();  // never destroyed: see the file comment
+  return *instance;
+}
+
 int api_allocate(size_t bytes, int device, void* stream, void** out) {
   return guarded([&] {
     auto& state = allocators().of(device);
@@ -139,7 +194,9 @@ int api_allocate(size_t bytes, int device, void* stream, void** out) {
 int api_deallocate(void* ptr, int device, void* stream) {
   return guarded([&] {
     auto& state = allocators().of(device);
-    state.allocator().deallocate(ptr, stream_of(state, stream));
+    const backend::stream_ref on = stream_of(state, stream);
+    if (shared().release(ptr, on)) return;
+    state.allocator().deallocate(ptr, on);
   });
 }
 
@@ -222,6 +279,18 @@ void register_torch_api(nb::module_& m) {
   m.def(
       "_torch_api", [] { return reinterpret_cast<std::uintptr_t>(&api_table); },
       "The address of the C table (python/src/torch_api.h) the PyTorch plugin calls.");
+  m.def(
+      "_torch_share",
+      [](std::uintptr_t ptr, std::int64_t nbytes, int device, std::uintptr_t stream) {
+        if (nbytes <= 0) throw invalid_argument("shoal.torch.share: the tensor's storage is empty");
+        auto state = allocators().shared(device);
+        const backend::stream_ref on = stream_of(*state, reinterpret_cast<void*>(stream));
+        return py_storage{shared().share(state, reinterpret_cast<void*>(ptr), static_cast<std::size_t>(nbytes), on)};
+      },
+      nb::arg("ptr"), nb::arg("nbytes"), nb::arg("device"), nb::arg("stream"),
+      "A Storage over the block at `ptr` (a tensor's storage, `nbytes` long) of PyTorch's shoal "
+      "allocator on CUDA device `device`, for use on `stream` (a cudaStream_t): the block is taken "
+      "over on the first call, and PyTorch's free of it then drops a handle instead (shoal.torch.share).");
   m.def(
       "_torch_allocator", [](int device) { return py_allocator{allocators().shared(device)}; }, nb::arg("device"),
       "The Allocator PyTorch allocates from on CUDA device `device` (made on first use).");

@@ -191,6 +191,43 @@ def test_the_loader_race_corrupts_batches_under_pytorchs_allocator_and_none_unde
     assert ours["allocated_at_end"] == 0, "every batch was freed: none leaked"
 
 
+def test_tensors_are_sent_to_another_process_and_their_memory_outlives_the_producers_free():
+    out = run_program("share_tensors.py", timeout=300)
+    assert out["producer_exit"] == 0, out
+    assert out["x_intact"] and out["y_intact"], f"the consumer read other bytes than were sent: {out}"
+    assert out["y_layout"] == [[509, 511], [1, 512]], "a strided view arrives with its strides and offset"
+    assert not out["reused_while_shared"], "a sent block was reused while the consumer held it"
+    # The two sent tensors (1 MiB each) and eight fillers: 8 MiB only if the sent blocks had been freed.
+    assert out["held_while_shared"] >= 10 * 4 * (1 << 18), "the sent blocks stay allocated while shared"
+    assert out["reused_after_release"], "the blocks came back once the consumer dropped them"
+    assert out["allocated_at_end"] == 0, out
+
+
+def test_share_refuses_memory_shoal_did_not_allocate():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        x = torch.ones(1024, device="cuda")
+        errors = []
+        for bad in (x.cpu(), torch.from_dlpack(shoal.allocate(4096, None).view("float32"))):
+            try:
+                shoal.torch.share(bad)
+            except (ValueError, TypeError) as e:
+                errors.append(str(e))
+        view = shoal.torch.share(x)
+        again = shoal.torch.share(x[10:])
+        del x, view, again
+        torch.cuda.synchronize()
+        print(json.dumps({"errors": errors, "allocated": shoal.torch.memory_allocated()}))
+        """
+    )
+    assert len(out["errors"]) == 2, out
+    assert "not a CUDA device" in out["errors"][0]
+    assert "not a block shoal's allocator handed to PyTorch" in out["errors"][1]
+    assert out["allocated"] == 0, "a shared tensor's block is freed once the tensor and its views are gone"
+
+
 def test_threads_on_their_own_streams_allocate_and_free_correctly():
     out = run(
         """
