@@ -196,10 +196,11 @@ def test_tensors_are_sent_to_another_process_and_their_memory_outlives_the_produ
     assert out["producer_exit"] == 0, out
     assert out["x_intact"] and out["y_intact"], f"the consumer read other bytes than were sent: {out}"
     assert out["y_layout"] == [[509, 511], [1, 512]], "a strided view arrives with its strides and offset"
+    assert out["control_reused"], "the control: a block dropped unshared is handed out again at once"
     assert not out["reused_while_shared"], "a sent block was reused while the consumer held it"
     # The two sent tensors (1 MiB each) and eight fillers: 8 MiB only if the sent blocks had been freed.
     assert out["held_while_shared"] >= 10 * 4 * (1 << 18), "the sent blocks stay allocated while shared"
-    assert out["reused_after_release"], "the blocks came back once the consumer dropped them"
+    assert out["released_after_the_consumer_dropped"], "the blocks are freed once the consumer dropped them"
     assert out["allocated_at_end"] == 0, out
 
 
