@@ -47,6 +47,9 @@ class PeerRefusedError(ShoalError, ConnectionRefusedError):
 class PeerTimeoutError(ShoalError, TimeoutError):
     """A wait on another process ran past its deadline."""
 
+class ContentMismatchError(ShoalError):
+    """Memory's content is not what the caller expected: a published region's content hash is not the one asked for."""
+
 
 
 class Device:

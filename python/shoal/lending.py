@@ -19,15 +19,130 @@ borrower dies — SIGKILL included — the lender reclaims its regions.
 
 :class:`Lender` runs the lender in this process (on its own thread); ``status()`` says who
 holds what, and ``metrics()`` gives the Prometheus text.
+
+Shared read-only regions: several processes serving one model map one copy of its weights. A
+writer borrows a region under the model's name, fills it, and publishes it with a layout (named
+entries: offset, size, dtype, shape); from then on it is immutable. Readers ask for it by name
+and get a :class:`SharedRegion`, whose entries are read-only array views::
+
+    region = writer.borrow(nbytes, "llama-7b@v3")
+    np.from_dlpack(region.view("float16", (4096, 4096))) [...] = weights      # fill
+    del ...                                                                    # drop every view
+    shared = writer.publish(region, [Entry("embed", 0, 4096 * 4096 * 2, "float16", (4096, 4096))])
+    # in each reader process:
+    weights = reader.borrow_shared("llama-7b@v3", expected_hash=shared.hash)
+    embed = torch.from_dlpack(weights.entry("embed"))                        # read-only
+
+Every holder maps a shared region read-only (a write through it faults). The content hash is
+SHA-256 of the entries' bytes in offset order, computed by the writer; a reader that asks with
+``expected_hash`` is refused with ``ContentMismatchError`` when the writer committed another,
+and ``SharedRegion.verify()`` hashes what it mapped. The hash is the writer's claim: it tells a
+reader it has the model it asked for, not that the writer is honest.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 from . import _shoal, default_allocator
 
-__all__ = ["Borrower", "Lender"]
+__all__ = ["Borrower", "Entry", "Lender", "SharedRegion"]
+
+
+class Entry(NamedTuple):
+    """One named entry of a region's layout: ``nbytes`` bytes at ``offset`` holding a
+    row-major array of ``dtype`` (a name: 'float16', 'bfloat16', 'float32', 'int64', 'bool',
+    ...) and ``shape``. ``nbytes`` must be the shape's element count times the dtype's size, and
+    ``offset`` a multiple of that size."""
+
+    name: str
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _entries(layout: Sequence[Union[Entry, tuple]]) -> list[tuple]:
+    return [(e[0], int(e[1]), int(e[2]), str(e[3]), [int(x) for x in e[4]]) for e in layout]
+
+
+def _hash_bytes(hash: Union[bytes, str, None]) -> Optional[bytes]:
+    if hash is None or isinstance(hash, bytes):
+        return hash
+    return bytes.fromhex(hash)
+
+
+class SharedRegion:
+    """A published region mapped read-only in this process, with its layout. Its entries come
+    out as read-only :class:`shoal.ArrayView` s (DLPack 1.x consumers see them read-only); this
+    process's hold is given back once ``close()`` was called (or this object is gone) and every
+    view of it is gone."""
+
+    def __init__(self, storage: _shoal.Storage) -> None:
+        layout = _shoal._region_layout(storage)
+        if layout is None:
+            raise _shoal.InvalidArgumentError("SharedRegion: the storage is not a shared region")
+        self._storage: Optional[_shoal.Storage] = storage
+        self._layout = [Entry(n, o, b, d, tuple(s)) for (n, o, b, d, s) in layout[0]]
+        self._hash: bytes = layout[1]
+        self._id: int = _shoal._region_id(storage)
+        self._nbytes: int = storage.nbytes
+
+    @property
+    def id(self) -> int:
+        """The region's id at the lender (the same in every process holding it)."""
+        return self._id
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @property
+    def layout(self) -> list[Entry]:
+        """The entries its writer committed, in the order it listed them."""
+        return list(self._layout)
+
+    @property
+    def hash(self) -> bytes:
+        """The content hash its writer committed (32 bytes of SHA-256; ``.hex()`` to print)."""
+        return self._hash
+
+    def entry(self, name: str) -> _shoal.ArrayView:
+        """A read-only array view of the entry ``name`` (its dtype and shape, on the mapped
+        memory; no copy). ``InvalidArgumentError`` for a name the layout does not have."""
+        for e in self._layout:
+            if e.name == name:
+                return self._open().view(e.dtype, list(e.shape), offset=e.offset, readonly=True)
+        raise _shoal.InvalidArgumentError(
+            f"SharedRegion.entry: no entry is named {name!r}; the layout has {[e.name for e in self._layout]}"
+        )
+
+    def verify(self) -> bool:
+        """Whether the entries' bytes as mapped here hash to the committed hash (reads every
+        entry: device memory is copied to the host piece by piece)."""
+        return _shoal._content_hash(self._open(), _entries(self._layout)) == self._hash
+
+    def close(self) -> None:
+        """Drops this object's reference: the hold is given back once every view is gone too."""
+        self._storage = None
+
+    @property
+    def closed(self) -> bool:
+        return self._storage is None
+
+    def _open(self) -> _shoal.Storage:
+        if self._storage is None:
+            raise _shoal.InvalidArgumentError("SharedRegion: closed")
+        return self._storage
+
+    def __enter__(self) -> "SharedRegion":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"shoal.lending.SharedRegion(id={self._id}, nbytes={self._nbytes}, entries={len(self._layout)})"
 
 
 class Borrower:
@@ -49,6 +164,31 @@ class Borrower:
         """A region of at least ``nbytes`` (rounded up to the device's granularity) for
         ``purpose`` (1 to 64 printable ASCII characters), mapped in this process."""
         return self._native._borrow(self._allocator, nbytes, purpose, timeout)
+
+    def publish(
+        self,
+        region: _shoal.Storage,
+        layout: Sequence[Union[Entry, tuple]],
+        hash: Union[bytes, str, None] = None,
+        timeout: float = 5.0,
+    ) -> SharedRegion:
+        """Publishes ``region`` (a region this borrower borrowed, filled) under the purpose it was
+        borrowed for, with ``layout`` (:class:`Entry` s or tuples of the same fields) and its
+        content hash (``hash``: computed here from the entries when None). Every view, DLPack
+        export and tensor of ``region`` must be gone: the writable mapping is given up (``region``
+        is emptied; using it raises) and the region comes back read-only. ``InvalidArgumentError``
+        for live views or a malformed layout (the region left as it was); when the lender refuses
+        (the name is published already) the region is given back and the refusal raised."""
+        storage = self._native._publish(self._allocator, region, _entries(layout), _hash_bytes(hash), timeout)
+        return SharedRegion(storage)
+
+    def borrow_shared(
+        self, name: str, expected_hash: Union[bytes, str, None] = None, timeout: float = 5.0
+    ) -> SharedRegion:
+        """Maps, read-only, the region published as ``name``, with its layout. With
+        ``expected_hash`` (bytes or hex), ``ContentMismatchError`` unless its writer committed
+        that hash. Its bytes count in full against this borrower's quota."""
+        return SharedRegion(self._native._borrow_shared(self._allocator, name, _hash_bytes(expected_hash), timeout))
 
     def revocations(self, wait: float = 0.0) -> list[tuple[int, float]]:
         """The lender's requests to give regions back, as (region id, seconds left), waiting up
@@ -93,7 +233,8 @@ class Lender:
         self._native = _shoal.Lender(address, **settings)
 
     def status(self) -> dict:
-        """Regions lent (id, bytes, purpose, state, pid, uid, age_seconds) and counters."""
+        """Regions lent (id, bytes, purpose, mode, state, pid, uid, age_seconds, and for a shared
+        region its holders: pid, uid, state) and counters."""
         return self._native.status()
 
     def revoke(self, region: int, deadline: float) -> None:

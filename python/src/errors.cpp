@@ -11,7 +11,7 @@
 //   InvariantViolationError(ShoalError)            invariant_violation
 //   (.invariant) ConnectionClosedError(ShoalError, ConnectionError)
 //   connection_closed PeerRefusedError(ShoalError, ConnectionRefusedError)
-//   peer_refused
+//   peer_refused ContentMismatchError(ShoalError) content_mismatch
 #include <nanobind/stl/string.h>
 
 #include <functional>
@@ -39,6 +39,7 @@ struct exception_types {
   PyObject* connection_closed = nullptr;
   PyObject* peer_refused = nullptr;
   PyObject* timeout = nullptr;
+  PyObject* content_mismatch = nullptr;
 };
 exception_types types;  // set once at import; the module keeps them alive
 
@@ -88,6 +89,8 @@ void translate(const std::exception_ptr& p, void*) {
     raise(types.peer_refused, e.what());
   } catch (const timeout_error& e) {
     raise(types.timeout, e.what());
+  } catch (const content_mismatch& e) {
+    raise(types.content_mismatch, e.what());
   } catch (const error& e) {
     raise(types.error, e.what());
   }
@@ -109,6 +112,7 @@ void throw_cpp_error(const std::string& kind, const std::string& message) {
       {"connection_closed", [&] { throw connection_closed(message); }},
       {"peer_refused", [&] { throw peer_refused(message); }},
       {"timeout_error", [&] { throw timeout_error(message); }},
+      {"content_mismatch", [&] { throw content_mismatch(message); }},
   };
   for (const auto& [name, thrower] : throwers) {
     if (name == kind) thrower();
@@ -156,6 +160,10 @@ void register_errors(nb::module_& m) {
                            "A wait on another process ran past its deadline; the operation says whether the "
                            "connection is still usable.",
                            {types.error, PyExc_TimeoutError});
+  types.content_mismatch = new_type(m, "ContentMismatchError",
+                                    "Memory's content is not what the caller expected: a published region's content "
+                                    "hash is not the one asked for.",
+                                    {types.error});
   nb::register_exception_translator(translate);
   m.def("_throw_cpp_error", &throw_cpp_error, nb::arg("kind"), nb::arg("message"),
         "Test hook: throws the C++ error type `kind` (e.g. 'out_of_memory') "

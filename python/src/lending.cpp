@@ -1,15 +1,19 @@
 // Python bindings of the lending layer: Lender (the memory daemon's core,
 // in-process) and Borrower, whose regions come back as Storages (adopted
 // memory: views, DLPack and copies work as for any storage; the region is
-// given back once the storage and every view of it are gone).
+// given back once the storage and every view of it are gone). Shared
+// regions come back as Storages too, mapped read-only; shoal/lending.py
+// wraps them so that only read-only views of them are made.
 //
 // GIL: every call that waits on the other side releases it.
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,6 +22,7 @@
 #include "shoal/backend/devices.h"
 #include "shoal/core/error.h"
 #include "shoal/lending/borrower.h"
+#include "shoal/lending/layout.h"
 #include "shoal/lending/lender.h"
 
 namespace shoal::python {
@@ -37,6 +42,9 @@ class region_owner final : public storage::storage_owner {
   region_owner(backend::device& device, lending::borrowed_region region)
       : device_(device), region_(std::move(region)) {}
   [[nodiscard]] std::uint64_t id() const noexcept { return region_.id(); }
+  [[nodiscard]] const lending::borrowed_region& region() const noexcept { return region_; }
+  /// Takes the region out (to publish it); the owner then gives nothing back.
+  [[nodiscard]] lending::borrowed_region take() noexcept { return std::move(region_); }
   void storage_released(std::span<const backend::stream_ref> used_on) noexcept override {
     for (auto stream : used_on) {
       try {
@@ -50,6 +58,55 @@ class region_owner final : public storage::storage_owner {
   backend::device& device_;
   lending::borrowed_region region_;  // its destructor gives the region back
 };
+
+/// A layout entry as Python sees it: (name, offset, nbytes, dtype, shape).
+using py_entry = std::tuple<std::string, std::uint64_t, std::uint64_t, std::string, std::vector<std::uint64_t>>;
+
+lending::region_layout layout_of(const std::vector<py_entry>& entries) {
+  lending::region_layout layout;
+  for (const auto& [name, offset, bytes, type, shape] : entries) {
+    const auto known = lending::dtype_named(type);
+    if (!known) throw invalid_argument("layout entry '" + name + "': '" + type + "' is not a dtype shoal knows");
+    layout.entries.push_back({name, offset, bytes, *known, shape});
+  }
+  return layout;
+}
+
+std::vector<py_entry> entries_of(const lending::region_layout& layout) {
+  std::vector<py_entry> out;
+  for (const auto& e : layout.entries) out.emplace_back(e.name, e.offset, e.bytes, lending::to_string(e.type), e.shape);
+  return out;
+}
+
+lending::content_hash hash_of(const nb::bytes& bytes) {
+  lending::content_hash hash{};
+  if (bytes.size() != hash.size()) {
+    throw invalid_argument("a content hash is " + std::to_string(hash.size()) + " bytes (SHA-256); got " +
+                           std::to_string(bytes.size()));
+  }
+  std::memcpy(hash.data(), bytes.c_str(), hash.size());
+  return hash;
+}
+
+nb::bytes bytes_of(const lending::content_hash& hash) {
+  return nb::bytes(reinterpret_cast<const char*>(hash.data()), hash.size());
+}
+
+/// The region behind `storage`, or nullptr.
+region_owner* region_behind(const py_storage& storage) {
+  if (!storage.handle.get().valid()) return nullptr;
+  return dynamic_cast<region_owner*>(storage.handle.get().owner().get());
+}
+
+py_storage storage_of(const py_allocator& allocator, lending::borrowed_region region) {
+  auto& device = allocator.state->allocator().device();
+  void* data = region.data();
+  const std::size_t size = region.size();
+  auto owner = std::make_shared<region_owner>(device, std::move(region));
+  return py_storage{
+      storage_handle(storage::storage::adopt(allocator.state->allocator(), data, size, std::move(owner)),
+                     allocator.state)};
+}
 
 struct py_borrower {
   std::unique_ptr<lending::borrower> borrower;
@@ -79,15 +136,24 @@ nb::dict status_dict(const lending::lender_status& s) {
   d["closed_for_errors"] = s.connections_closed_for_errors;
   d["revocations"] = s.revocations;
   d["revocations_missed"] = s.revocations_missed;
+  d["published"] = s.published;
   nb::list regions;
   for (const auto& r : s.regions) {
     nb::dict region;
     region["id"] = r.id;
     region["bytes"] = r.bytes;
     region["purpose"] = r.purpose;
-    region["state"] = r.state == lending::region_state::lent       ? "lent"
-                      : r.state == lending::region_state::orphaned ? "orphaned"
-                                                                   : "revoking";
+    region["state"] = lending::to_string(r.state);
+    region["mode"] = lending::to_string(r.mode);
+    nb::list holders;
+    for (const auto& h : r.holders) {
+      nb::dict holder;
+      holder["pid"] = h.process.pid;
+      holder["uid"] = h.uid;
+      holder["state"] = lending::to_string(h.state);
+      holders.append(holder);
+    }
+    region["holders"] = holders;
     region["pid"] = r.borrower.pid;
     region["uid"] = r.uid;
     region["age_seconds"] = std::chrono::duration<double>(r.age).count();
@@ -155,6 +221,30 @@ void register_lending(nb::module_& m) {
       },
       nb::arg("storage"), "The id of the borrowed region behind ``storage``, or None.");
 
+  m.def(
+      "_region_layout",
+      [](const py_storage& storage) -> std::optional<std::pair<std::vector<py_entry>, nb::bytes>> {
+        const region_owner* owner = region_behind(storage);
+        if (owner == nullptr || owner->region().layout() == nullptr) return std::nullopt;
+        const auto& layout = *owner->region().layout();
+        return std::make_pair(entries_of(layout), bytes_of(layout.hash));
+      },
+      nb::arg("storage"), "The layout (entries, content hash) of the shared region behind ``storage``, or None.");
+  m.def(
+      "_content_hash",
+      [](const py_storage& storage, const std::vector<py_entry>& entries) {
+        const auto layout = layout_of(entries);
+        const auto& st = storage.handle.get();
+        lending::content_hash hash;
+        {
+          nb::gil_scoped_release release;
+          hash = lending::hash_entries(st.device(), st.data(), st.size(), layout);
+        }
+        return bytes_of(hash);
+      },
+      nb::arg("storage"), nb::arg("entries"),
+      "SHA-256 of the entries' bytes in offset order, read from ``storage`` (device memory included).");
+
   nb::class_<py_borrower>(m, "Borrower", "A connection to a lender, through which regions are borrowed.")
       .def(
           "__init__",
@@ -184,13 +274,62 @@ void register_lending(nb::module_& m) {
               nb::gil_scoped_release release;
               region.emplace(b.get().borrow(nbytes, purpose, lending::region_mode::exclusive, t));
             }
-            void* data = region->data();
-            const std::size_t size = region->size();
-            auto owner = std::make_shared<region_owner>(device, std::move(*region));
-            return py_storage{storage_handle(
-                storage::storage::adopt(allocator.state->allocator(), data, size, std::move(owner)), allocator.state)};
+            return storage_of(allocator, std::move(*region));
           },
           nb::arg("allocator"), nb::arg("nbytes"), nb::arg("purpose"), nb::arg("timeout"))
+      .def(
+          "_publish",
+          [](const py_borrower& b, const py_allocator& allocator, py_storage& storage,
+             const std::vector<py_entry>& entries, std::optional<nb::bytes> hash, double timeout) {
+            const auto t = timeout_of(timeout, "Borrower.publish");
+            region_owner* owner = region_behind(storage);
+            if (owner == nullptr || !owner->region().valid() ||
+                owner->region().mode() != lending::region_mode::exclusive) {
+              throw invalid_argument("Borrower.publish: the storage is not an exclusive borrowed region");
+            }
+            if (const long others = storage.handle.get().handles() - 1; others > 0) {
+              throw invalid_argument("Borrower.publish: " + std::to_string(others) +
+                                     " other handles of the region (views, DLPack exports, tensors) are alive; drop "
+                                     "them first: publishing unmaps the writable mapping under them");
+            }
+            auto layout = layout_of(entries);
+            const auto& region = owner->region();
+            if (auto problem = lending::layout_problem(layout, region.size()); !problem.empty()) {
+              throw invalid_argument("Borrower.publish: the layout is malformed: " + problem);
+            }
+            std::optional<lending::content_hash> given;
+            if (hash) given = hash_of(*hash);
+            std::optional<lending::borrowed_region> shared;
+            {
+              nb::gil_scoped_release release;
+              // Keeps the owner while the storage goes: its release waits for
+              // the streams that used the region, so the hash reads what they
+              // wrote; then the region is taken out (and given back if
+              // anything below fails).
+              const auto keep = storage.handle.get().owner();
+              storage.handle = storage_handle(storage::storage(), allocator.state);
+              auto& device = allocator.state->allocator().device();
+              layout.hash = given ? *given : lending::hash_entries(device, region.data(), region.size(), layout);
+              shared.emplace(b.get().publish(owner->take(), layout, t));
+            }
+            return storage_of(allocator, std::move(*shared));
+          },
+          nb::arg("allocator"), nb::arg("storage"), nb::arg("entries"), nb::arg("hash").none(), nb::arg("timeout"))
+      .def(
+          "_borrow_shared",
+          [](const py_borrower& b, const py_allocator& allocator, const std::string& name,
+             std::optional<nb::bytes> expected, double timeout) {
+            const auto t = timeout_of(timeout, "Borrower.borrow_shared");
+            std::optional<lending::content_hash> want;
+            if (expected) want = hash_of(*expected);
+            std::optional<lending::borrowed_region> region;
+            {
+              nb::gil_scoped_release release;
+              region.emplace(b.get().borrow_shared(name, want, t));
+            }
+            return storage_of(allocator, std::move(*region));
+          },
+          nb::arg("allocator"), nb::arg("name"), nb::arg("expected").none(), nb::arg("timeout"))
       .def(
           "revocations",
           [](const py_borrower& b, double wait) {

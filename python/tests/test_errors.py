@@ -20,6 +20,7 @@ MAPPING = [
     ("connection_closed", shoal.ConnectionClosedError, ConnectionError),
     ("peer_refused", shoal.PeerRefusedError, ConnectionRefusedError),
     ("timeout_error", shoal.PeerTimeoutError, TimeoutError),
+    ("content_mismatch", shoal.ContentMismatchError, shoal.ShoalError),
 ]
 
 

@@ -147,3 +147,131 @@ def test_a_revoked_region_is_named_and_given_back_by_dropping_it(address):
         assert lender.status()["revocations"] == 1 and lender.status()["revocations_missed"] == 0
         with pytest.raises(shoal.InvalidArgumentError):
             lender.revoke(12345, 1.0)
+
+
+READER_SCRIPT = """
+import ctypes, sys, numpy, shoal, shoal.lending
+borrower = shoal.lending.Borrower(sys.argv[1])
+region = borrower.borrow_shared(sys.argv[2], expected_hash=sys.argv[3])
+weights = numpy.from_dlpack(region.entry("weights"))
+print("read", float(weights.sum()), region.verify(), flush=True)
+if sys.argv[4] == "write":
+    sys.stdin.readline()  # once the parent has counted the holders
+    ctypes.memset(weights.__array_interface__["data"][0], 0, 4)  # through the read-only mapping
+    print("wrote", flush=True)
+sys.stdin.read()
+"""
+
+
+def publish_model(borrower, name: str, nbytes: int = 2 * MIB) -> shoal.lending.SharedRegion:
+    """Borrows, fills ("weights": 0..n-1 as float32, "bias": 0.5s as float16) and publishes."""
+    region = borrower.borrow(nbytes, name)
+    count = nbytes // 8
+    numpy.from_dlpack(region.view("float32", (count,)))[:] = numpy.arange(count, dtype="float32")
+    numpy.from_dlpack(region.view("float16", (2, 256), offset=nbytes // 2))[:] = 0.5
+    gc.collect()  # the views above are gone: nothing of the writable mapping is left
+    layout = [
+        shoal.lending.Entry("weights", 0, count * 4, "float32", (count,)),
+        shoal.lending.Entry("bias", nbytes // 2, 1024, "float16", (2, 256)),
+    ]
+    shared = borrower.publish(region, layout)
+    with pytest.raises(shoal.InvalidArgumentError):
+        region.nbytes  # emptied: its writable mapping was given up
+    return shared
+
+
+def test_a_published_region_is_read_by_name_through_read_only_entry_views(address):
+    in_process_only()
+    with shoal.lending.Lender(address) as lender, shoal.lending.Borrower(address) as writer, \
+            shoal.lending.Borrower(address) as reader:
+        published = publish_model(writer, "model A")
+        assert [e.name for e in published.layout] == ["weights", "bias"] and len(published.hash) == 32
+        shared = reader.borrow_shared("model A", expected_hash=published.hash.hex())
+        assert shared.id == published.id and shared.layout == published.layout
+        weights = numpy.from_dlpack(shared.entry("weights"))
+        assert weights.dtype == numpy.float32 and weights.shape == (MIB // 4,)
+        assert weights[1000] == 1000.0 and not weights.flags.writeable
+        with pytest.raises(ValueError):
+            weights[0] = 1.0
+        bias = numpy.from_dlpack(shared.entry("bias"))
+        assert bias.shape == (2, 256) and bias.dtype == numpy.float16 and (bias == 0.5).all()
+        assert shared.verify() and published.verify()
+        with pytest.raises(shoal.InvalidArgumentError):
+            shared.entry("nope")
+        [region] = lender.status()["regions"]
+        assert region["mode"] == "shared" and region["purpose"] == "model A"
+        assert [h["pid"] for h in region["holders"]] == [os.getpid(), os.getpid()]
+        assert lender.status()["lent_bytes"] == region["bytes"], "one copy, counted once"
+        del weights, bias
+        shared.close()
+        published.close()
+        gc.collect()
+        assert eventually(lambda: lender.status()["regions"] == []), "not released with its last holder"
+        assert lender.status()["lent_bytes"] == 0
+
+
+def test_publishing_is_refused_while_views_of_the_region_live(address):
+    in_process_only()
+    with shoal.lending.Lender(address), shoal.lending.Borrower(address) as writer:
+        region = writer.borrow(MIB, "model B")
+        view = region.view("float32", (16,))
+        layout = [("weights", 0, 64, "float32", (16,))]
+        with pytest.raises(shoal.InvalidArgumentError, match="other handles of the region"):
+            writer.publish(region, layout)
+        del view
+        gc.collect()
+        with pytest.raises(shoal.InvalidArgumentError, match="overlap"):
+            writer.publish(region, layout + [("more", 32, 64, "float32", (16,))])
+        with pytest.raises(shoal.InvalidArgumentError, match="not a dtype"):
+            writer.publish(region, [("weights", 0, 64, "complex64", (8,))])
+        assert writer.publish(region, layout).layout[0].name == "weights", "the refusals left the region as it was"
+
+
+def test_a_reader_expecting_another_hash_is_refused_with_content_mismatch(address):
+    in_process_only()
+    with shoal.lending.Lender(address), shoal.lending.Borrower(address) as writer, \
+            shoal.lending.Borrower(address) as reader:
+        published = publish_model(writer, "model C")
+        wrong = bytes(32)
+        with pytest.raises(shoal.ContentMismatchError, match=published.hash.hex()):
+            reader.borrow_shared("model C", expected_hash=wrong)
+        with pytest.raises(shoal.InvalidArgumentError, match="no region is published"):
+            reader.borrow_shared("model D")
+        assert reader.borrow_shared("model C").hash == published.hash
+
+
+@pytest.mark.parametrize("action", ["read", "write"])
+def test_reader_processes_share_one_copy_and_cannot_write_it(address, action):
+    if shoal.default_device().kind == "cuda":
+        pytest.skip("the test reads and writes the entries with numpy, which reads host memory only")
+    with shoal.lending.Lender(address) as lender, shoal.lending.Borrower(address) as writer:
+        published = publish_model(writer, "model E")
+        expected_sum = float(numpy.arange(MIB // 4, dtype="float32").sum())
+        children = [
+            subprocess.Popen(
+                [sys.executable, "-c", READER_SCRIPT, address, "model E", published.hash.hex(), action],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            )
+            for _ in range(2)
+        ]
+        try:
+            for child in children:
+                assert child.stdout.readline().split() == ["read", str(expected_sum), "True"]
+            assert len(lender.status()["regions"][0]["holders"]) == 3
+            if action == "write":
+                for child in children:
+                    child.stdin.write("write\n")
+                    child.stdin.flush()
+                for child in children:
+                    assert child.wait(timeout=10) == -signal.SIGSEGV, "a write through the mapping went through"
+                assert published.verify()
+                assert eventually(lambda: len(lender.status()["regions"][0]["holders"]) == 1), "not reclaimed"
+            else:
+                children[0].kill()
+                children[0].wait(timeout=10)
+                assert eventually(lambda: len(lender.status()["regions"][0]["holders"]) == 2), "not reclaimed"
+        finally:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()

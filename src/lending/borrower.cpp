@@ -85,6 +85,8 @@ struct borrowed_region::link {
         throw peer_refused(why);
       case refusal::device_error:
         throw backend_error("the lender's device", m.why);
+      case refusal::hash_mismatch:
+        throw content_mismatch(why);
       case refusal::bad_request:
         break;
     }
@@ -106,13 +108,78 @@ struct borrowed_region::link {
                            ", not given_back for region " + std::to_string(id));
     }
   }
+
+  struct mapped {
+    detail::lent_message lent;
+    void* data = nullptr;
+  };
+
+  // Reads the answer to `request` — refused (thrown as its typed error), or
+  // lent of at least `min_bytes` and its chunk frames — and maps the chunks
+  // with `access`. Under `mutex`. A region lent but not mappable is given
+  // back at once.
+  mapped receive_region(std::uint64_t request, std::size_t min_bytes, backend::memory_access access,
+                        clock_type::time_point deadline, const char* operation) {
+    const std::string who = std::string("borrower::") + operation;
+    channel::frame f = next(deadline, operation);
+    if (f.type == static_cast<std::uint16_t>(message_type::refused)) {
+      const auto refused = detail::decode_refused(f.payload);
+      if (refused.request != request) {
+        out_of_step = true;
+        throw protocol_error(who + ": a refusal of request " + std::to_string(refused.request) + ", not " +
+                             std::to_string(request));
+      }
+      throw_refusal(refused, min_bytes);
+    }
+    if (f.type != static_cast<std::uint16_t>(message_type::lent)) {
+      out_of_step = true;
+      throw protocol_error(who + ": the lender answered with frame type " + std::to_string(f.type));
+    }
+    const auto lent = detail::decode_lent(f.payload);
+    if (lent.request != request || lent.bytes < min_bytes || lent.bytes == 0) {
+      out_of_step = true;
+      throw protocol_error(who + ": the lender lent " + std::to_string(lent.bytes) + " bytes for request " +
+                           std::to_string(lent.request) + "; asked " + std::to_string(min_bytes) + " for request " +
+                           std::to_string(request));
+    }
+    std::vector<backend::shareable_handle> chunks;
+    std::uint64_t total = 0;
+    for (std::uint32_t i = 0; i < lent.chunks; ++i) {
+      channel::frame c = next(deadline, operation);
+      if (c.type != static_cast<std::uint16_t>(message_type::chunk)) {
+        out_of_step = true;
+        throw protocol_error(who + ": expected chunk " + std::to_string(i) + " of region " +
+                             std::to_string(lent.region) + ", got frame type " + std::to_string(c.type));
+      }
+      chunks.push_back(backend::shareable_handle::deserialize(c.payload, std::move(c.fd)));
+      total += chunks.back().size;
+    }
+    if (chunks.front().offset != 0 || total != lent.bytes) {
+      out_of_step = true;
+      throw protocol_error(who + ": region " + std::to_string(lent.region) + "'s chunks hold " +
+                           std::to_string(total) + " bytes from offset " + std::to_string(chunks.front().offset) +
+                           "; the lender said " + std::to_string(lent.bytes) + " from 0");
+    }
+    try {
+      return {lent, device.import_memory(chunks, access)};
+    } catch (...) {
+      // Not mapped: give it back at once (the lender answers before any later request).
+      try {
+        conn.send(static_cast<std::uint16_t>(message_type::give_back), detail::encode_region(lent.region));
+        (void)next(deadline, operation);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on hang-up
+      }
+      throw;
+    }
+  }
 };
 
 borrowed_region::borrowed_region(borrowed_region&& other) noexcept
     : link_(std::move(other.link_)),
       id_(std::exchange(other.id_, 0)),
       data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0)) {}
+      size_(std::exchange(other.size_, 0)),
+      layout_(std::move(other.layout_)) {}
 
 borrowed_region& borrowed_region::operator=(borrowed_region&& other) noexcept {
   if (this != &other) {
@@ -121,11 +188,20 @@ borrowed_region& borrowed_region::operator=(borrowed_region&& other) noexcept {
     id_ = std::exchange(other.id_, 0);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    layout_ = std::move(other.layout_);
   }
   return *this;
 }
 
 borrowed_region::~borrowed_region() { release(); }
+
+const void* borrowed_region::address_of(std::string_view name) const {
+  if (!layout_) {
+    throw invalid_argument("borrowed_region::address_of: region " + std::to_string(id_) +
+                           " is exclusive and has no layout; entries are named in published regions");
+  }
+  return static_cast<const std::byte*>(data_) + layout_->at(name).offset;
+}
 
 void borrowed_region::release() noexcept {
   if (data_ == nullptr) return;
@@ -142,7 +218,7 @@ void borrowed_region::release() noexcept {
 borrower::borrower(backend::device& device, const channel::channel_address& address,
                    const channel::access_policy& policy, std::chrono::milliseconds timeout) {
   const auto deadline = deadline_after(timeout);
-  auto conn = channel::connection::connect(address, policy);
+  auto conn = channel::connection::connect(address, policy, detail::max_frame_payload);
   conn.set_send_timeout(shoal::detail::channel_timeout(timeout));
   channel::send_hello(conn, lending_protocol);
   channel::check_hello(conn.receive_for(left_until(deadline)), lending_protocol);
@@ -157,6 +233,10 @@ borrowed_region borrower::borrow(std::size_t bytes, std::string_view purpose, re
   if (!detail::valid_purpose(purpose)) {
     throw invalid_argument("borrower::borrow: the purpose must be 1 to 64 bytes of printable ASCII");
   }
+  if (mode != region_mode::exclusive) {
+    throw invalid_argument("borrower::borrow: only exclusive regions are borrowed fresh; publish one to share it, "
+                           "and map a published one with borrow_shared");
+  }
   const auto deadline = deadline_after(timeout);
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
@@ -164,58 +244,101 @@ borrowed_region borrower::borrow(std::size_t bytes, std::string_view purpose, re
   const std::uint64_t request = l.next_request++;
   l.conn.send(static_cast<std::uint16_t>(message_type::borrow),
               detail::encode(detail::borrow_message{request, bytes, mode, std::string(purpose)}));
-  channel::frame f = l.next(deadline, "borrow");
-  if (f.type == static_cast<std::uint16_t>(message_type::refused)) {
-    const auto refused = detail::decode_refused(f.payload);
-    if (refused.request != request) {
-      l.out_of_step = true;
-      throw protocol_error("borrower::borrow: a refusal of request " + std::to_string(refused.request) + ", not " +
-                           std::to_string(request));
-    }
-    borrowed_region::link::throw_refusal(refused, bytes);
+  const auto m = l.receive_region(request, bytes, backend::memory_access::read_write, deadline, "borrow");
+  return borrowed_region(link_, m.lent.region, m.data, static_cast<std::size_t>(m.lent.bytes));
+}
+
+borrowed_region borrower::publish(borrowed_region&& region, const region_layout& layout,
+                                  std::chrono::milliseconds timeout) {
+  if (!region.valid()) throw invalid_argument("borrower::publish: the region is empty (moved from or given back)");
+  if (region.link_ != link_) {
+    throw invalid_argument("borrower::publish: the region was borrowed through another borrower");
   }
-  if (f.type != static_cast<std::uint16_t>(message_type::lent)) {
-    l.out_of_step = true;
-    throw protocol_error("borrower::borrow: the lender answered with frame type " + std::to_string(f.type));
+  if (region.mode() != region_mode::exclusive) {
+    throw invalid_argument("borrower::publish: region " + std::to_string(region.id()) + " is shared already");
   }
-  const auto lent = detail::decode_lent(f.payload);
-  if (lent.request != request || lent.bytes < bytes) {
-    l.out_of_step = true;
-    throw protocol_error("borrower::borrow: the lender lent " + std::to_string(lent.bytes) + " bytes for request " +
-                         std::to_string(lent.request) + "; asked " + std::to_string(bytes) + " for request " +
-                         std::to_string(request));
+  if (auto problem = layout_problem(layout, region.size()); !problem.empty()) {
+    throw invalid_argument("borrower::publish: the layout is malformed: " + problem);
   }
-  std::vector<backend::shareable_handle> chunks;
-  std::uint64_t total = 0;
-  for (std::uint32_t i = 0; i < lent.chunks; ++i) {
-    channel::frame c = l.next(deadline, "borrow");
-    if (c.type != static_cast<std::uint16_t>(message_type::chunk)) {
-      l.out_of_step = true;
-      throw protocol_error("borrower::borrow: expected chunk " + std::to_string(i) + " of region " +
-                           std::to_string(lent.region) + ", got frame type " + std::to_string(c.type));
-    }
-    chunks.push_back(backend::shareable_handle::deserialize(c.payload, std::move(c.fd)));
-    total += chunks.back().size;
-  }
-  if (chunks.front().offset != 0 || total != lent.bytes) {
-    l.out_of_step = true;
-    throw protocol_error("borrower::borrow: region " + std::to_string(lent.region) + "'s chunks hold " +
-                         std::to_string(total) + " bytes from offset " + std::to_string(chunks.front().offset) +
-                         "; the lender said " + std::to_string(lent.bytes) + " from 0");
-  }
-  void* data = nullptr;
+  const auto deadline = deadline_after(timeout);
+  auto& l = *link_;
+  std::lock_guard lock(l.mutex);
+  l.usable("publish");
+  const std::uint64_t id = region.id_;
+  const std::size_t size = region.size_;
+  // From here on the region object holds nothing: the writable mapping goes
+  // before the lender makes the region shared, and the lender is told below.
+  l.device.close_import(std::exchange(region.data_, nullptr));
+  region.link_.reset();
+  const std::uint64_t request = l.next_request++;
   try {
-    data = l.device.import_memory(chunks);
-  } catch (...) {
-    // Not mapped: give it back at once (the lender answers before any later request).
-    try {
-      l.conn.send(static_cast<std::uint16_t>(message_type::give_back), detail::encode_region(lent.region));
-      (void)l.next(deadline, "borrow");
-    } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on hang-up
+    l.conn.send(static_cast<std::uint16_t>(message_type::publish),
+                detail::encode(detail::publish_message{request, id, layout}));
+    const auto m = l.receive_region(request, size, backend::memory_access::read_only, deadline, "publish");
+    if (m.lent.region != id) {
+      l.device.close_import(m.data);
+      l.out_of_step = true;
+      throw protocol_error("borrower::publish: the lender answered with region " + std::to_string(m.lent.region) +
+                           " for region " + std::to_string(id));
+    }
+    return borrowed_region(link_, id, m.data, size, std::make_shared<const region_layout>(layout));
+  } catch (const error&) {
+    // Refused, or the link broke: the region is not mapped here any more.
+    if (!l.out_of_step && !l.conn.broken()) {
+      try {
+        l.conn.send(static_cast<std::uint16_t>(message_type::give_back), detail::encode_region(id));
+        (void)l.next(deadline, "publish");
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on hang-up
+      }
     }
     throw;
   }
-  return borrowed_region(link_, lent.region, data, static_cast<std::size_t>(lent.bytes));
+}
+
+borrowed_region borrower::borrow_shared(std::string_view name, std::optional<content_hash> expected,
+                                        std::chrono::milliseconds timeout) {
+  if (!detail::valid_purpose(name)) {
+    throw invalid_argument("borrower::borrow_shared: the name must be 1 to 64 bytes of printable ASCII");
+  }
+  const auto deadline = deadline_after(timeout);
+  auto& l = *link_;
+  std::lock_guard lock(l.mutex);
+  l.usable("borrow_shared");
+  const std::uint64_t request = l.next_request++;
+  l.conn.send(static_cast<std::uint16_t>(message_type::borrow_shared),
+              detail::encode(detail::borrow_shared_message{request, std::string(name), expected}));
+  const auto m = l.receive_region(request, 0, backend::memory_access::read_only, deadline, "borrow_shared");
+  // The layout frame follows. Anything wrong with it unmaps the region and
+  // leaves the link out of step (the lender reclaims the hold on hang-up).
+  try {
+    channel::frame f = l.next(deadline, "borrow_shared");
+    if (f.type != static_cast<std::uint16_t>(message_type::layout)) {
+      throw protocol_error("expected the layout of region " + std::to_string(m.lent.region) + ", got frame type " +
+                           std::to_string(f.type));
+    }
+    auto described = detail::decode_layout(f.payload);
+    if (described.request != request) {
+      throw protocol_error("a layout for request " + std::to_string(described.request) + ", not " +
+                           std::to_string(request));
+    }
+    if (auto problem = layout_problem(described.layout, m.lent.bytes); !problem.empty()) {
+      throw protocol_error("region " + std::to_string(m.lent.region) + "'s layout is malformed: " + problem);
+    }
+    if (expected && described.layout.hash != *expected) {
+      throw protocol_error("region " + std::to_string(m.lent.region) + "'s layout has hash " +
+                           to_hex(described.layout.hash) + " after the lender accepted the expected " +
+                           to_hex(*expected));
+    }
+    return borrowed_region(link_, m.lent.region, m.data, static_cast<std::size_t>(m.lent.bytes),
+                           std::make_shared<const region_layout>(std::move(described.layout)));
+  } catch (const protocol_error& e) {
+    l.device.close_import(m.data);
+    l.out_of_step = true;
+    throw protocol_error(std::string("borrower::borrow_shared: ") + e.what());
+  } catch (...) {
+    l.device.close_import(m.data);
+    throw;
+  }
 }
 
 void borrower::give_back(borrowed_region region, std::chrono::milliseconds timeout) {

@@ -4,6 +4,7 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -34,12 +35,37 @@ constexpr std::chrono::milliseconds orphan_check_interval{50};
 
 std::span<const std::byte> view(const std::vector<std::byte>& bytes) { return bytes; }
 
+/// One process's hold of a region.
+struct hold {
+  std::uint64_t borrower = 0;  // the connection's serial; 0 once orphaned
+  process_identity process;
+  uid_t uid = 0;
+};
+
+// A region lives while it has a hold:
+//   holds.empty() never holds for a region in the map;
+//   exclusive: holds.size() == 1; shared: one hold per mapping of it;
+//   lent_bytes_ = sum of info.bytes over the regions in the map (each once);
+//   a borrower's held_bytes = sum of info.bytes over its holds, held_regions
+//   = how many holds it has (a shared region counts in full for each).
 struct region_entry {
   std::unique_ptr<detail::lendable_memory> memory;
-  region_info info;
+  region_info info;  // info.holders is filled by status()
   clock_type::time_point since;
-  std::uint64_t borrower = 0;  // the connection's serial; 0 once orphaned
-  bool missed = false;         // a revocation's deadline passed (named once)
+  std::vector<hold> holds;
+  bool missed = false;   // a revocation's deadline passed (named once)
+  region_layout layout;  // shared regions: what the writer published
+
+  // lent while a holder is connected, orphaned once none is; revoking stays
+  // while its (exclusive) borrower is connected.
+  void settle_state() {
+    const bool connected = std::any_of(holds.begin(), holds.end(), [](const hold& h) { return h.borrower != 0; });
+    if (!connected) {
+      info.state = region_state::orphaned;
+    } else if (info.state != region_state::revoking) {
+      info.state = region_state::lent;
+    }
+  }
 };
 
 struct borrower_entry {
@@ -59,6 +85,28 @@ struct refused_request {
 
 }  // namespace
 
+const char* to_string(region_mode mode) noexcept {
+  switch (mode) {
+    case region_mode::exclusive:
+      return "exclusive";
+    case region_mode::shared:
+      return "shared";
+  }
+  return "unknown";
+}
+
+const char* to_string(region_state state) noexcept {
+  switch (state) {
+    case region_state::lent:
+      return "lent";
+    case region_state::orphaned:
+      return "orphaned";
+    case region_state::revoking:
+      return "revoking";
+  }
+  return "unknown";
+}
+
 const char* to_string(lender_event::kind what) noexcept {
   switch (what) {
     case lender_event::kind::connected:
@@ -67,6 +115,8 @@ const char* to_string(lender_event::kind what) noexcept {
       return "disconnected";
     case lender_event::kind::lent:
       return "lent";
+    case lender_event::kind::published:
+      return "published";
     case lender_event::kind::given_back:
       return "given_back";
     case lender_event::kind::refused:
@@ -88,7 +138,7 @@ const char* to_string(lender_event::kind what) noexcept {
 class lender::state {
  public:
   state(backend::device& device, const channel::channel_address& address, lender_config config)
-      : device_(device), config_(std::move(config)), listener_(address, config_.policy) {
+      : device_(device), config_(std::move(config)), listener_(address, config_.policy, detail::max_frame_payload) {
     wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!wake_) throw backend_error("eventfd", std::strerror(errno));
     thread_ = std::thread([this] { serve(); });
@@ -113,6 +163,11 @@ class lender::state {
     for (const auto& [id, region] : regions_) {
       s.regions.push_back(region.info);
       s.regions.back().age = now - region.since;
+      if (region.info.mode != region_mode::shared) continue;
+      for (const hold& h : region.holds) {
+        s.regions.back().holders.push_back(
+            {h.process, h.uid, h.borrower != 0 ? region_state::lent : region_state::orphaned});
+      }
     }
     return s;
   }
@@ -126,6 +181,11 @@ class lender::state {
     {
       std::lock_guard lock(mutex_);
       const auto it = regions_.find(id);
+      if (it != regions_.end() && it->second.info.mode == region_mode::shared) {
+        throw invalid_argument("lender::revoke: region " + std::to_string(id) + " ('" + it->second.info.purpose +
+                               "') is shared: each of its holders gives its own hold back, and it goes with the last; "
+                               "revoke exclusive regions only");
+      }
       if (it == regions_.end() || it->second.info.state != region_state::lent) {
         throw invalid_argument("lender::revoke: region " + std::to_string(id) + " is not lent to a connected borrower" +
                                (it == regions_.end() ? "" : " (it is being revoked, or its borrower hung up)"));
@@ -226,6 +286,12 @@ class lender::state {
         case message_type::give_back:
           take_back(b, detail::decode_region(f.payload, "give_back"));
           return;
+        case message_type::publish:
+          publish(b, detail::decode_publish(f.payload));
+          return;
+        case message_type::borrow_shared:
+          lend_shared(b, detail::decode_borrow_shared(f.payload));
+          return;
         case message_type::query_metrics: {
           if (!f.payload.empty()) throw protocol_error("lender: query_metrics carries no payload");
           const std::string text = detail::prometheus_text(status());
@@ -233,8 +299,10 @@ class lender::state {
           return;
         }
         default:
-          throw protocol_error("lender: a borrower may send borrow, give_back and query_metrics only, not frame type " +
-                               std::to_string(f.type));
+          throw protocol_error(
+              "lender: a borrower may send borrow, give_back, query_metrics, publish and borrow_shared only, not "
+              "frame type " +
+              std::to_string(f.type));
       }
     } catch (const timeout_error&) {
       // Nothing came after all (a spurious wake-up): the connection is still
@@ -281,55 +349,175 @@ class lender::state {
                                            std::to_string(config_.capacity_bytes));
     }
     std::unique_ptr<detail::lendable_memory> memory;
-    std::vector<backend::shareable_handle> handles;
+    backend::shareable_handle handle;
     try {
       memory = std::make_unique<detail::lendable_memory>(device_, bytes);
-      handles.push_back(memory->export_handle());
+      handle = memory->export_handle();
     } catch (const out_of_memory& e) {
       return refuse(refusal::capacity, std::string("the device has not that much: ") + e.what());
     } catch (const error& e) {
       return refuse(refusal::device_error, e.what());
     }
     const std::uint64_t id = next_region_++;
-    const auto lent =
-        detail::encode(detail::lent_message{m.request, id, bytes, static_cast<std::uint32_t>(handles.size())});
-    std::vector<std::vector<std::byte>> chunks;
-    std::vector<channel::outgoing_frame> frames{{static_cast<std::uint16_t>(message_type::lent), view(lent)}};
-    for (const auto& h : handles) {
-      chunks.push_back(h.serialize());
-      frames.push_back({static_cast<std::uint16_t>(message_type::chunk), view(chunks.back()),
-                        backend::carries_fd(h.kind) ? h.fd.get() : -1});
-    }
     {
       std::lock_guard lock(mutex_);
       region_entry r;
       r.memory = std::move(memory);
       r.info = {id, bytes, m.purpose, m.mode, region_state::lent, b.link.peer().process, b.link.peer().uid, {}};
       r.since = clock_type::now();
-      r.borrower = b.serial;
+      r.holds.push_back({b.serial, b.link.peer().process, b.link.peer().uid});
       regions_.emplace(id, std::move(r));
       lent_bytes_ += bytes;
     }
     b.held_bytes += bytes;
     ++b.held_regions;
     emit(lender_event::kind::lent, b.link.peer(), id, bytes, m.purpose);
-    b.link.send(frames);  // counted before it goes: a borrower that hangs up now is reclaimed like any other
+    send_region(b, m.request, id, bytes, handle, nullptr);  // counted before it goes: a hang-up now is reclaimed
   }
 
+  // Sends lent, the chunk frame and, for a reader, the layout frame, in one batch.
+  void send_region(borrower_entry& b, std::uint64_t request, std::uint64_t id, std::size_t bytes,
+                   const backend::shareable_handle& handle, const region_layout* layout) {
+    const auto lent = detail::encode(detail::lent_message{request, id, bytes, 1});
+    const auto chunk = handle.serialize();
+    std::vector<channel::outgoing_frame> frames{
+        {static_cast<std::uint16_t>(message_type::lent), view(lent)},
+        {static_cast<std::uint16_t>(message_type::chunk), view(chunk),
+         backend::carries_fd(handle.kind) ? handle.fd.get() : -1}};
+    std::vector<std::byte> described;
+    if (layout != nullptr) {
+      described = detail::encode(detail::layout_message{request, *layout});
+      frames.push_back({static_cast<std::uint16_t>(message_type::layout), view(described)});
+    }
+    b.link.send(frames);
+  }
+
+  // The writer's exclusive region becomes shared under its purpose, with the
+  // layout it sent; the writer (who unmapped it first) gets it back to map
+  // read-only, its hold unchanged.
+  void publish(borrower_entry& b, const detail::publish_message& m) {
+    {
+      std::lock_guard lock(mutex_);
+      ++counters_.requests;
+    }
+    auto refuse = [&](refusal reason, std::string why) { send_refusal(b, m.request, reason, why); };
+    std::string why;  // set when it is refused, for `reason`
+    refusal reason = refusal::bad_request;
+    std::size_t bytes = 0;
+    std::string name;
+    backend::shareable_handle handle;
+    {
+      std::lock_guard lock(mutex_);
+      const auto it = regions_.find(m.region);
+      const bool held = it != regions_.end() && it->second.holds.front().borrower == b.serial;
+      if (!held || it->second.info.mode != region_mode::exclusive) {
+        why = "region " + std::to_string(m.region) + " is not an exclusive region this borrower holds";
+      } else if (it->second.info.state != region_state::lent) {
+        why = "region " + std::to_string(m.region) + " is being revoked; give it back instead of publishing it";
+      } else if (const auto other = published_named(it->second.info.purpose); other != 0) {
+        why = "region " + std::to_string(other) + " is published as '" + it->second.info.purpose +
+              "' already; borrow the region under another purpose to publish it, or wait until that one is gone";
+      } else if (auto problem = layout_problem(m.layout, it->second.info.bytes); !problem.empty()) {
+        why = "the layout is malformed: " + problem;
+      } else {
+        bytes = it->second.info.bytes;
+        name = it->second.info.purpose;
+        try {
+          handle = it->second.memory->export_handle();
+        } catch (const error& e) {
+          why = e.what();
+          reason = refusal::device_error;
+        }
+      }
+    }
+    if (!why.empty()) return refuse(reason, why);
+    {
+      std::lock_guard lock(mutex_);
+      region_entry& r = regions_.at(m.region);
+      r.info.mode = region_mode::shared;
+      r.layout = m.layout;
+      ++counters_.published;
+    }
+    emit(lender_event::kind::published, b.link.peer(), m.region, bytes,
+         "'" + name + "', content hash " + to_hex(m.layout.hash));
+    send_region(b, m.request, m.region, bytes, handle, nullptr);
+  }
+
+  // A new hold of the region published under m.name, for a reader.
+  void lend_shared(borrower_entry& b, const detail::borrow_shared_message& m) {
+    {
+      std::lock_guard lock(mutex_);
+      ++counters_.requests;
+    }
+    auto refuse = [&](refusal reason, std::string why) { send_refusal(b, m.request, reason, why); };
+    std::uint64_t id = 0;
+    std::size_t bytes = 0;
+    region_layout layout;
+    backend::shareable_handle handle;
+    {
+      std::lock_guard lock(mutex_);
+      id = published_named(m.name);
+      if (id != 0) {
+        bytes = regions_.at(id).info.bytes;
+        layout = regions_.at(id).layout;
+      }
+    }
+    if (id == 0) return refuse(refusal::bad_request, "no region is published as '" + m.name + "'");
+    if (m.expected && *m.expected != layout.hash) {
+      return refuse(refusal::hash_mismatch, "region '" + m.name + "' has content hash " + to_hex(layout.hash) +
+                                                "; this borrower expects " + to_hex(*m.expected));
+    }
+    if (b.held_regions >= config_.max_regions_per_borrower) {
+      return refuse(refusal::quota,
+                    "this borrower holds " + std::to_string(b.held_regions) + " regions, the most it may");
+    }
+    if (b.held_bytes + bytes > config_.quota_bytes) {
+      return refuse(refusal::quota, "this borrower holds " + std::to_string(b.held_bytes) + " bytes; shared region '" +
+                                        m.name + "' (" + std::to_string(bytes) +
+                                        " bytes, counted in full for each holder) would pass its quota of " +
+                                        std::to_string(config_.quota_bytes));
+    }
+    try {
+      std::lock_guard lock(mutex_);
+      handle = regions_.at(id).memory->export_handle();
+      regions_.at(id).holds.push_back({b.serial, b.link.peer().process, b.link.peer().uid});
+      regions_.at(id).settle_state();
+    } catch (const error& e) {
+      return refuse(refusal::device_error, e.what());
+    }
+    b.held_bytes += bytes;
+    ++b.held_regions;
+    emit(lender_event::kind::lent, b.link.peer(), id, bytes, m.name);
+    send_region(b, m.request, id, bytes, handle, &layout);
+  }
+
+  // The id of the shared region published under `name`, or 0. Under mutex_.
+  std::uint64_t published_named(const std::string& name) const {
+    for (const auto& [id, r] : regions_) {
+      if (r.info.mode == region_mode::shared && r.info.purpose == name) return id;
+    }
+    return 0;
+  }
+
+  // Drops one of `b`'s holds of region `id`; the region goes with its last hold.
   void take_back(borrower_entry& b, std::uint64_t id) {
     bool held = false;
     std::size_t bytes = 0;
     {
       std::lock_guard lock(mutex_);
       const auto it = regions_.find(id);
-      held = it != regions_.end() && it->second.borrower == b.serial;
-      if (held) {
-        bytes = it->second.info.bytes;
-        b.held_bytes -= it->second.info.bytes;
-        --b.held_regions;
-        lent_bytes_ -= it->second.info.bytes;
-        regions_.erase(it);
-        ++counters_.given_back;
+      if (it != regions_.end()) {
+        auto& holds = it->second.holds;
+        const auto h = std::find_if(holds.begin(), holds.end(), [&](const hold& x) { return x.borrower == b.serial; });
+        held = h != holds.end();
+        if (held) {
+          bytes = it->second.info.bytes;
+          b.held_bytes -= bytes;
+          --b.held_regions;
+          holds.erase(h);
+          ++counters_.given_back;
+          release_if_unheld(it);
+        }
       }
     }
     if (!held) {
@@ -361,26 +549,40 @@ class lender::state {
     for (const auto& e : events) emit(e);
   }
 
+  // Each of `b`'s holds is orphaned (it still runs and may map the region)
+  // or reclaimed (it is gone); a region goes with its last hold.
   void hang_up_locked(borrower_entry& b, std::vector<lender_event>& events) {
     const bool alive = is_alive(b.link.peer().process);
     for (auto it = regions_.begin(); it != regions_.end();) {
       region_entry& r = it->second;
-      if (r.borrower != b.serial) {
-        ++it;
-        continue;
+      for (auto h = r.holds.begin(); h != r.holds.end();) {
+        if (h->borrower != b.serial) {
+          ++h;
+          continue;
+        }
+        events.push_back({alive ? lender_event::kind::orphaned : lender_event::kind::reclaimed, h->process, h->uid,
+                          r.info.id, r.info.bytes, r.info.purpose});
+        if (alive) {
+          h->borrower = 0;
+          ++h;
+        } else {
+          ++counters_.reclaimed;
+          h = r.holds.erase(h);
+        }
       }
-      events.push_back({alive ? lender_event::kind::orphaned : lender_event::kind::reclaimed, r.info.borrower,
-                        r.info.uid, r.info.id, r.info.bytes, r.info.purpose});
-      if (alive) {
-        r.borrower = 0;
-        r.info.state = region_state::orphaned;
-        ++it;
-      } else {
-        lent_bytes_ -= r.info.bytes;
-        ++counters_.reclaimed;
-        it = regions_.erase(it);
-      }
+      it = release_if_unheld(it);
     }
+  }
+
+  // Erases the region at `it` when it has no hold left (returning the next
+  // one), or settles its state; under mutex_.
+  std::map<std::uint64_t, region_entry>::iterator release_if_unheld(std::map<std::uint64_t, region_entry>::iterator it) {
+    if (it->second.holds.empty()) {
+      lent_bytes_ -= it->second.info.bytes;
+      return regions_.erase(it);
+    }
+    it->second.settle_state();
+    return std::next(it);
   }
 
   // Sends what revoke() queued, to each region's borrower.
@@ -397,7 +599,7 @@ class lender::state {
         std::lock_guard lock(mutex_);
         const auto it = regions_.find(id);
         if (it == regions_.end() || it->second.info.state != region_state::revoking) continue;  // given back meanwhile
-        serial = it->second.borrower;
+        serial = it->second.holds.front().borrower;
         info = it->second.info;
         ++counters_.revocations;
       }
@@ -434,20 +636,20 @@ class lender::state {
     for (const auto& e : events) emit(e);
   }
 
+  // Drops the orphaned holds whose process has exited.
   void reclaim_orphans() {
     std::vector<lender_event> events;
     {
       std::lock_guard lock(mutex_);
       for (auto it = regions_.begin(); it != regions_.end();) {
         const region_info& info = it->second.info;
-        if (it->second.borrower == 0 && !is_alive(info.borrower)) {
-          events.push_back({lender_event::kind::reclaimed, info.borrower, info.uid, info.id, info.bytes, info.purpose});
-          lent_bytes_ -= info.bytes;
+        std::erase_if(it->second.holds, [&](const hold& h) {
+          if (h.borrower != 0 || is_alive(h.process)) return false;
+          events.push_back({lender_event::kind::reclaimed, h.process, h.uid, info.id, info.bytes, info.purpose});
           ++counters_.reclaimed;
-          it = regions_.erase(it);
-        } else {
-          ++it;
-        }
+          return true;
+        });
+        it = release_if_unheld(it);
       }
     }
     for (const auto& e : events) emit(e);

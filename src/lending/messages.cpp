@@ -59,7 +59,9 @@ borrow_message decode_borrow(std::span<const std::byte> payload) {
   if (m.bytes == 0) r.fail("bytes", "a region of 0 bytes");
   const auto mode = r.get<std::uint8_t>("mode");
   if (mode != static_cast<std::uint8_t>(region_mode::exclusive)) {
-    r.fail("mode", "unknown mode " + std::to_string(mode) + " (1: exclusive)");
+    r.fail("mode", "mode " + std::to_string(mode) +
+                       " cannot be borrowed fresh (1: exclusive; a shared region is published, then asked for by "
+                       "borrow_shared)");
   }
   m.mode = static_cast<region_mode>(mode);
   m.purpose = as_text(r.get_bytes("purpose", max_purpose_bytes));
@@ -88,7 +90,7 @@ refused_message decode_refused(std::span<const std::byte> payload) {
   m.request = r.get<std::uint64_t>("request");
   const auto reason = r.get<std::uint8_t>("reason");
   if (reason < static_cast<std::uint8_t>(refusal::capacity) ||
-      reason > static_cast<std::uint8_t>(refusal::device_error)) {
+      reason > static_cast<std::uint8_t>(refusal::hash_mismatch)) {
     r.fail("reason", "unknown reason " + std::to_string(reason));
   }
   m.reason = static_cast<refusal>(reason);
@@ -108,6 +110,111 @@ revoke_message decode_revoke(std::span<const std::byte> payload) {
   revoke_message m;
   m.region = r.get<std::uint64_t>("region");
   m.deadline_ms = r.get<std::uint32_t>("deadline_ms");
+  r.finish();
+  return m;
+}
+
+namespace {
+
+void put_layout(wire_writer& w, const region_layout& layout) {
+  w.put_fixed(layout.hash).put(static_cast<std::uint32_t>(layout.entries.size()));
+  for (const auto& e : layout.entries) {
+    w.put_bytes(as_bytes(e.name)).put(e.offset).put(e.bytes).put(static_cast<std::uint8_t>(e.type));
+    w.put(static_cast<std::uint8_t>(e.shape.size()));
+    for (const std::uint64_t extent : e.shape) w.put(extent);
+  }
+}
+
+// The entries' fields one by one; whether they fit a region is
+// layout_problem's to say.
+region_layout get_layout(wire_reader& r) {
+  region_layout layout;
+  const auto hash = r.get_fixed("hash", layout.hash.size());
+  std::copy(hash.begin(), hash.end(), layout.hash.begin());
+  const auto count = r.get<std::uint32_t>("entries");
+  if (count == 0 || count > max_layout_entries) {
+    r.fail("entries", std::to_string(count) + " is not in 1.." + std::to_string(max_layout_entries));
+  }
+  for (std::uint32_t i = 0; i < count; ++i) {
+    layout_entry e;
+    e.name = as_text(r.get_bytes("entry name", max_entry_name_bytes));
+    if (e.name.empty() || !std::all_of(e.name.begin(), e.name.end(), [](char c) { return c >= 0x20 && c < 0x7f; })) {
+      r.fail("entry name", "entry " + std::to_string(i) + "'s name must be 1 to " +
+                               std::to_string(max_entry_name_bytes) + " bytes of printable ASCII");
+    }
+    e.offset = r.get<std::uint64_t>("entry offset");
+    e.bytes = r.get<std::uint64_t>("entry bytes");
+    e.type = static_cast<dtype>(r.get<std::uint8_t>("entry dtype"));
+    if (itemsize(e.type) == 0) {
+      r.fail("entry dtype", "entry '" + e.name + "' has dtype code " + std::to_string(static_cast<int>(e.type)) +
+                                ", which is no dtype");
+    }
+    const auto rank = r.get<std::uint8_t>("entry rank");
+    if (rank > max_entry_rank) {
+      r.fail("entry rank", "entry '" + e.name + "' has " + std::to_string(rank) + " dimensions; at most " +
+                               std::to_string(max_entry_rank));
+    }
+    for (std::uint8_t d = 0; d < rank; ++d) e.shape.push_back(r.get<std::uint64_t>("entry extent"));
+    layout.entries.push_back(std::move(e));
+  }
+  return layout;
+}
+
+}  // namespace
+
+std::vector<std::byte> encode(const publish_message& m) {
+  wire_writer w;
+  w.put(m.request).put(m.region);
+  put_layout(w, m.layout);
+  return w.take();
+}
+
+publish_message decode_publish(std::span<const std::byte> payload) {
+  wire_reader r(payload, "publish");
+  publish_message m;
+  m.request = r.get<std::uint64_t>("request");
+  m.region = r.get<std::uint64_t>("region");
+  m.layout = get_layout(r);
+  r.finish();
+  return m;
+}
+
+std::vector<std::byte> encode(const borrow_shared_message& m) {
+  wire_writer w;
+  w.put(m.request).put_bytes(as_bytes(m.name)).put(static_cast<std::uint8_t>(m.expected ? 1 : 0));
+  if (m.expected) w.put_fixed(*m.expected);
+  return w.take();
+}
+
+borrow_shared_message decode_borrow_shared(std::span<const std::byte> payload) {
+  wire_reader r(payload, "borrow_shared");
+  borrow_shared_message m;
+  m.request = r.get<std::uint64_t>("request");
+  m.name = as_text(r.get_bytes("name", max_purpose_bytes));
+  if (!valid_purpose(m.name)) r.fail("name", "must be 1 to 64 bytes of printable ASCII");
+  const auto has_hash = r.get<std::uint8_t>("has_hash");
+  if (has_hash > 1) r.fail("has_hash", std::to_string(has_hash) + " is neither 0 nor 1");
+  if (has_hash == 1) {
+    const auto hash = r.get_fixed("hash", content_hash{}.size());
+    m.expected.emplace();
+    std::copy(hash.begin(), hash.end(), m.expected->begin());
+  }
+  r.finish();
+  return m;
+}
+
+std::vector<std::byte> encode(const layout_message& m) {
+  wire_writer w;
+  w.put(m.request);
+  put_layout(w, m.layout);
+  return w.take();
+}
+
+layout_message decode_layout(std::span<const std::byte> payload) {
+  wire_reader r(payload, "layout");
+  layout_message m;
+  m.request = r.get<std::uint64_t>("request");
+  m.layout = get_layout(r);
   r.finish();
   return m;
 }

@@ -1,25 +1,39 @@
 // The lending protocol's messages, with their wire forms (core's codec).
 //
 // After the hellos ("shoal.lending" version 1), a borrower sends borrow,
-// give_back and query_metrics; the lender answers each borrow with lent
-// (followed by one chunk frame per chunk, each with its descriptor where the
-// handle kind has one) or refused, each give_back with given_back or
-// refused, and each query_metrics with metrics. The lender may send revoke
-// at any time, unasked: a borrower gives the region back (give_back) within
-// the deadline it names.
+// give_back, query_metrics, publish and borrow_shared; the lender answers
+// each borrow with lent (followed by one chunk frame per chunk, each with its
+// descriptor where the handle kind has one) or refused, each give_back with
+// given_back or refused, and each query_metrics with metrics. The lender may
+// send revoke at any time, unasked: a borrower gives the region back
+// (give_back) within the deadline it names.
 //
-// decode_* check every field (sizes, counts, modes, the purpose's bytes) and
-// throw protocol_error naming the message and field; they never trust a
-// length or a count.
+// Shared regions (version 1 too: nothing had shipped): a writer that holds
+// an exclusive region unmaps it and sends publish (the region, its layout
+// and content hash); the lender answers with lent and the chunk frames again
+// (the writer maps them read-only: its hold goes on, now shared) or refused.
+// A reader sends borrow_shared (the name, the hash it expects if any); the
+// lender answers with lent, the chunk frames and a layout frame, or refused
+// (hash_mismatch when the hash differs). give_back gives one hold of a region
+// back; the region is released when its last hold goes.
+//
+// decode_* check every field (sizes, counts, modes, the purpose's bytes,
+// names, dtypes, ranks) and throw protocol_error naming the message and
+// field; they never trust a length or a count. Whether a layout fits its
+// region (bounds, overlaps, sizes) is layout_problem's to say: the lender
+// refuses such a publish (bad_request), a borrower treats such a layout frame
+// as a protocol_error.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "shoal/backend/shareable_handle.h"
 #include "shoal/channel/protocol.h"
+#include "shoal/lending/layout.h"
 #include "shoal/lending/lending_types.h"
 
 namespace shoal::lending::detail {
@@ -37,6 +51,9 @@ enum class message_type : std::uint16_t {
   query_metrics = 7,  // borrower -> lender, no payload
   metrics = 8,        // lender -> borrower: the Prometheus text
   revoke = 9,         // lender -> borrower, at any time: give this region back by the deadline
+  publish = 10,       // borrower -> lender: make an exclusive region it holds shared, with its layout
+  borrow_shared = 11, // borrower -> lender: map the region published under a name, read-only
+  layout = 12,        // lender -> borrower: a shared region's layout, after its lent and chunk frames
 };
 
 enum class refusal : std::uint8_t {
@@ -44,6 +61,7 @@ enum class refusal : std::uint8_t {
   quota = 2,         // this borrower holds its quota of bytes or regions
   bad_request = 3,   // a size or purpose out of range, an unknown region
   device_error = 4,  // the device failed on the lender's side
+  hash_mismatch = 5, // the published region's content hash is not the one asked for
 };
 
 struct borrow_message {
@@ -66,9 +84,30 @@ struct refused_message {
   std::string why;
 };
 
+struct publish_message {
+  std::uint64_t request = 0;
+  std::uint64_t region = 0;
+  region_layout layout;
+};
+
+struct borrow_shared_message {
+  std::uint64_t request = 0;
+  std::string name;
+  std::optional<content_hash> expected;
+};
+
+struct layout_message {
+  std::uint64_t request = 0;
+  region_layout layout;
+};
+
+/// The largest frame either side accepts: a layout of max_layout_entries
+/// entries at their longest fits (about 600 KiB), and so does the metrics
+/// text.
+inline constexpr std::size_t max_frame_payload = std::size_t{1} << 20;
 inline constexpr std::size_t max_refusal_text = 512;
 inline constexpr std::uint32_t max_chunks_per_region = 4096;
-inline constexpr std::size_t max_metrics_text = 1 << 20;
+inline constexpr std::size_t max_metrics_text = max_frame_payload;
 
 [[nodiscard]] std::vector<std::byte> encode(const borrow_message& m);
 [[nodiscard]] std::vector<std::byte> encode(const lent_message& m);
@@ -86,6 +125,13 @@ struct revoke_message {
 [[nodiscard]] lent_message decode_lent(std::span<const std::byte> payload);
 [[nodiscard]] refused_message decode_refused(std::span<const std::byte> payload);
 [[nodiscard]] std::uint64_t decode_region(std::span<const std::byte> payload, const char* message);
+
+[[nodiscard]] std::vector<std::byte> encode(const publish_message& m);
+[[nodiscard]] std::vector<std::byte> encode(const borrow_shared_message& m);
+[[nodiscard]] std::vector<std::byte> encode(const layout_message& m);
+[[nodiscard]] publish_message decode_publish(std::span<const std::byte> payload);
+[[nodiscard]] borrow_shared_message decode_borrow_shared(std::span<const std::byte> payload);
+[[nodiscard]] layout_message decode_layout(std::span<const std::byte> payload);
 
 /// Whether `purpose` is a valid purpose (1..max_purpose_bytes of printable ASCII).
 [[nodiscard]] bool valid_purpose(std::string_view purpose) noexcept;

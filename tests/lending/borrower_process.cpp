@@ -10,11 +10,27 @@
 //       its connection to the lender without giving the region back, says
 //       "hung up", and stays alive (the mapping held) until the parent hangs
 //       up.
+//   shoal_test_borrower publish <host|cuda> <socket path> <bytes> <name> <byte>
+//       Borrows an exclusive region under <name>, fills it with <byte>,
+//       publishes it with test_layout (two entries, "first" and "second"),
+//       checks its read-only mapping reads <byte>, says "published <region id>
+//       <hash in hex>" and waits.
+//   shoal_test_borrower read <host|cuda> <socket path> <name> <hash or -> <byte>
+//       Maps the region published as <name> (expecting <hash> unless "-"),
+//       checks that both entries read <byte> and that the layout's hash is
+//       what the entries hash to, says "read <region id>" and waits.
+//   shoal_test_borrower write-shared <host|cuda> <socket path> <name> <mapping>
+//       Maps the region published as <name> — through borrow_shared when
+//       <mapping> is "read-only"; by hand, with the same handle mapped
+//       read-write, when it is "read-write" (the protection turned off) —
+//       says "writing", writes a byte and says "wrote" (or what failed).
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,6 +40,7 @@
 #include "shoal/channel/protocol.h"
 #include "shoal/core/child_process.h"
 #include "shoal/lending/borrower.h"
+#include "shoal/lending/layout.h"
 
 namespace {
 
@@ -63,6 +80,90 @@ int hold(backend::device& dev, const std::string& path, std::size_t bytes, std::
   return 0;
 }
 
+// Two entries over the first three quarters of a region of `bytes` (a
+// multiple of 16): float32 [bytes / 8] from 0, uint8 [bytes / 4] after it.
+lending::region_layout test_layout(std::size_t bytes) {
+  lending::region_layout layout;
+  layout.entries = {{"first", 0, bytes / 2, lending::dtype::float32, {bytes / 8}},
+                    {"second", bytes / 2, bytes / 4, lending::dtype::uint8, {bytes / 4}}};
+  return layout;
+}
+
+int publish(backend::device& dev, const std::string& path, std::size_t bytes, const std::string& name,
+            std::uint8_t value) {
+  lending::borrower b(dev, channel::channel_address::at_path(path));
+  auto region = b.borrow(bytes, name);
+  dev.fill({}, region.data(), value, region.size());
+  dev.synchronize({});
+  auto layout = test_layout(region.size());
+  layout.hash = lending::hash_entries(dev, region.data(), region.size(), layout);
+  region = b.publish(std::move(region), layout);
+  if (const auto wrong = check_bytes(dev, region.data(), region.size(), value); !wrong.empty()) {
+    say("wrong " + wrong);
+    return 1;
+  }
+  say("published " + std::to_string(region.id()) + " " + lending::to_hex(layout.hash));
+  wait_for_parent();
+  return 0;
+}
+
+int read(backend::device& dev, const std::string& path, const std::string& name, const std::string& hash,
+         std::uint8_t value) {
+  lending::borrower b(dev, channel::channel_address::at_path(path));
+  std::optional<lending::content_hash> expected;
+  if (hash != "-") expected = lending::hash_from_hex(hash);
+  auto region = b.borrow_shared(name, expected);
+  const auto& layout = *region.layout();
+  for (const char* entry : {"first", "second"}) {
+    const auto& e = layout.at(entry);
+    if (const auto wrong = check_bytes(dev, region.address_of(entry), e.bytes, value); !wrong.empty()) {
+      say(std::string("wrong in ") + entry + ": " + wrong);
+      return 1;
+    }
+  }
+  if (lending::hash_entries(dev, region.data(), region.size(), layout) != layout.hash) {
+    say("wrong hash: the entries do not hash to the layout's hash");
+    return 1;
+  }
+  say("read " + std::to_string(region.id()));
+  wait_for_parent();
+  return 0;
+}
+
+int write_shared(backend::device& dev, const std::string& path, const std::string& name, const std::string& mapping) {
+  void* data = nullptr;
+  lending::borrower b(dev, channel::channel_address::at_path(path));
+  lending::borrowed_region region;
+  std::optional<channel::connection> link;
+  if (mapping == "read-only") {
+    region = b.borrow_shared(name);
+    data = region.data();
+  } else {
+    link.emplace(channel::connection::connect(channel::channel_address::at_path(path), {},
+                                              lending::detail::max_frame_payload));
+    const channel::protocol_id& protocol = lending::detail::lending_protocol;
+    channel::send_hello(*link, protocol);
+    channel::check_hello(link->receive(), protocol);
+    link->send(static_cast<std::uint16_t>(lending::detail::message_type::borrow_shared),
+               lending::detail::encode(lending::detail::borrow_shared_message{1, name, {}}));
+    (void)lending::detail::decode_lent(link->receive().payload);
+    channel::frame chunk = link->receive();
+    auto handle = backend::shareable_handle::deserialize(chunk.payload, std::move(chunk.fd));
+    data = dev.import_memory(handle, backend::memory_access::read_write);
+  }
+  say("writing");
+  if (dev.kind() == backend::device_kind::host) {
+    std::signal(SIGSEGV, SIG_DFL);  // the fault kills, even where a sanitizer's handler would exit(1)
+    *static_cast<volatile std::uint8_t*>(data) = 0xEE;  // SIGSEGV through a read-only mapping
+  } else {
+    dev.fill({}, data, 0xEE, 1);
+    dev.synchronize({});  // a write through a read-only mapping fails the stream
+  }
+  say("wrote");
+  wait_for_parent();
+  return 0;
+}
+
 int hang_up(backend::device& dev, const std::string& path, std::size_t bytes) {
   void* data = nullptr;
   {
@@ -91,14 +192,19 @@ int main(int argc, char** argv) {
   try {
     const std::vector<std::string> args(argv + 1, argv + argc);
     if (args.size() < 4) {
-      std::fprintf(stderr, "usage: shoal_test_borrower hold|hang-up <host|cuda> <socket path> <bytes> [<byte>]\n");
+      std::fprintf(stderr, "usage: shoal_test_borrower hold|hang-up|publish|read|write-shared <host|cuda> <socket path> ...\n");
       return 2;
     }
     auto& dev = args[1] == "cuda" ? backend::cuda_device_instance(0) : backend::host_device_instance();
-    const std::size_t bytes = std::stoull(args[3]);
+    const std::size_t bytes = args[0] == "publish" || args[0] == "hold" || args[0] == "hang-up" ? std::stoull(args[3]) : 0;
     if (args[0] == "hold" && args.size() == 5)
       return hold(dev, args[2], bytes, static_cast<std::uint8_t>(std::stoi(args[4])));
     if (args[0] == "hang-up") return hang_up(dev, args[2], bytes);
+    if (args[0] == "publish" && args.size() == 6)
+      return publish(dev, args[2], bytes, args[4], static_cast<std::uint8_t>(std::stoi(args[5])));
+    if (args[0] == "read" && args.size() == 6)
+      return read(dev, args[2], args[3], args[4], static_cast<std::uint8_t>(std::stoi(args[5])));
+    if (args[0] == "write-shared" && args.size() == 5) return write_shared(dev, args[2], args[3], args[4]);
     std::fprintf(stderr, "shoal_test_borrower: unknown command '%s'\n", args[0].c_str());
     return 2;
   } catch (const std::exception& e) {

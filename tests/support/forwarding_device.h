@@ -56,8 +56,8 @@ class forwarding_device : public backend::device {
 
   [[nodiscard]] backend::shareable_handle export_memory(const void* ptr) override { return target_.export_memory(ptr); }
   using device::import_memory;
-  void* import_memory(std::span<const backend::shareable_handle> chunks) override {
-    return target_.import_memory(chunks);
+  void* import_memory(std::span<const backend::shareable_handle> chunks, backend::memory_access access) override {
+    return target_.import_memory(chunks, access);
   }
   void close_import(void* ptr) override { target_.close_import(ptr); }
 

@@ -141,14 +141,29 @@ class device {
   /// Maps memory exported by another process; returns the pointer that was
   /// exported (base + offset). Each import is closed by close_import.
   /// Importing in the exporting process itself is refused on CUDA.
-  void* import_memory(const shareable_handle& handle) { return import_memory(std::span(&handle, 1)); }
+  void* import_memory(const shareable_handle& handle, memory_access access = memory_access::read_write) {
+    return import_memory(std::span(&handle, 1), access);
+  }
+  /// import_memory(chunks, memory_access::read_write).
+  void* import_memory(std::span<const shareable_handle> chunks) {
+    return import_memory(chunks, memory_access::read_write);
+  }
   /// Maps several exported chunks back to back, in order and each whole, in
   /// one contiguous range; returns its base + chunks[0].offset. The chunks
   /// must be non-empty, of one kind and device; every chunk after the first
   /// has offset 0, and when there are several every size is a multiple of
   /// granularity(). CUDA legacy IPC handles (cuda_ipc) are imported only
   /// singly. Anything else gives shoal::invalid_argument and maps nothing.
-  virtual void* import_memory(std::span<const shareable_handle> chunks) = 0;
+  ///
+  /// `access` is what this mapping allows. read_only: reads only, a write
+  /// through the mapping faults (CUDA: the mapping's access flags are
+  /// CU_MEM_ACCESS_FLAGS_PROT_READ, a kernel's write is an illegal-address
+  /// error; host: PROT_READ pages, a write is SIGSEGV, and the host backend
+  /// then also accepts descriptors opened read-only or sealed against
+  /// writes). It protects this mapping, not the memory: whoever holds the
+  /// handle may map it again for writing. cuda_ipc handles cannot be mapped
+  /// read-only (invalid_argument).
+  virtual void* import_memory(std::span<const shareable_handle> chunks, memory_access access) = 0;
   /// Unmaps an import, all of its chunks. `ptr` must be what import_memory
   /// returned.
   virtual void close_import(void* ptr) = 0;

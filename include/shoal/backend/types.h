@@ -49,6 +49,12 @@ struct physical_ref {
   friend auto operator<=>(const physical_ref&, const physical_ref&) = default;
 };
 
+/// What a mapping of imported memory allows (device::import_memory).
+enum class memory_access : std::uint8_t {
+  read_write = 1,
+  read_only = 2,  ///< reads only: a write through the mapping faults
+};
+
 /// Device memory as the device itself reports it.
 struct memory_info {
   std::size_t free_bytes = 0;

@@ -117,4 +117,12 @@ class peer_refused : public error {
   using error::error;
 };
 
+/// Memory's content is not what the caller expected: a published region's
+/// content hash is not the one asked for (another model, or another
+/// version of it). Nothing was mapped.
+class content_mismatch : public error {
+ public:
+  using error::error;
+};
+
 }  // namespace shoal

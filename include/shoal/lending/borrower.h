@@ -6,9 +6,32 @@
 //   use(r.data(), r.size());   // device memory, this process's mapping
 //   b.give_back(std::move(r)); // or let r go: its destructor gives it back
 //
+// Shared read-only regions: several processes serving one model map one copy
+// of its weights. A writer borrows an exclusive region under the model's
+// name, fills it, and publishes it with a layout (layout.h); from then on
+// the region is immutable, and readers ask for it by name:
+//
+//   auto w = writer.borrow(bytes, "llama-7b@v3");           // exclusive
+//   ... fill it; layout.hash = hash_entries(device, w.data(), w.size(), layout) ...
+//   w = writer.publish(std::move(w), layout);                // now read-only
+//   auto r = reader.borrow_shared("llama-7b@v3", layout.hash);
+//   r.address_of("embed");                                   // the same entry, by name
+//
+// Every holder maps a shared region read-only (device::import_memory with
+// memory_access::read_only: a write through it faults). Publishing gives the
+// writer's writable mapping up before the lender makes the region shared, so
+// no holder writes it afterwards through shoal (what a hostile holder can do
+// with the descriptor it got is in docs/architecture.md: the read-only
+// mapping guards against mistakes, not against a hostile process of an
+// allowed uid). The region lives while any holder holds it; each hold is
+// given back on its own (give_back, or the region's destructor), and the
+// lender reclaims the holds of a holder that dies.
+//
 // Errors: the lender's refusals are typed — out_of_memory (its capacity),
 // peer_refused (this borrower's quota or region count), invalid_argument (a
-// bad request) — and a device failure on its side is backend_error; the
+// bad request: an unknown region or name, a malformed layout, a name
+// published already), content_mismatch (a shared region's hash is not the
+// one asked for) — and a device failure on its side is backend_error; the
 // connection stays usable after any of them. connection_closed when the
 // lender is gone (regions already mapped stay valid until given back);
 // timeout_error when it does not answer within the deadline (the connection
@@ -25,12 +48,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "shoal/backend/device.h"
 #include "shoal/channel/channel.h"
+#include "shoal/lending/layout.h"
 #include "shoal/lending/lending_types.h"
 
 namespace shoal::lending {
@@ -38,7 +63,8 @@ namespace shoal::lending {
 class borrower;
 
 /// A region mapped in this process. Giving it back (or destroying it) unmaps
-/// it first, then tells the lender; memory is valid until then.
+/// it first, then tells the lender; memory is valid until then. A shared
+/// region is mapped read-only (writing it faults) and carries its layout.
 class borrowed_region {
  public:
   borrowed_region() = default;
@@ -52,19 +78,29 @@ class borrowed_region {
   [[nodiscard]] void* data() const noexcept { return data_; }
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
   [[nodiscard]] std::uint64_t id() const noexcept { return id_; }
+  /// exclusive (read-write) or shared (read-only).
+  [[nodiscard]] region_mode mode() const noexcept { return layout_ ? region_mode::shared : region_mode::exclusive; }
+  /// A shared region's layout and content hash (as its writer committed
+  /// them); nullptr for an exclusive region.
+  [[nodiscard]] const region_layout* layout() const noexcept { return layout_.get(); }
+  /// data() + the offset of the layout's entry `name`. invalid_argument for
+  /// an exclusive region or a name the layout does not have.
+  [[nodiscard]] const void* address_of(std::string_view name) const;
 
   struct link;
 
  private:
   friend class borrower;
-  borrowed_region(std::shared_ptr<link> link, std::uint64_t id, void* data, std::size_t size)
-      : link_(std::move(link)), id_(id), data_(data), size_(size) {}
+  borrowed_region(std::shared_ptr<link> link, std::uint64_t id, void* data, std::size_t size,
+                  std::shared_ptr<const region_layout> layout = nullptr)
+      : link_(std::move(link)), id_(id), data_(data), size_(size), layout_(std::move(layout)) {}
   void release() noexcept;
 
   std::shared_ptr<link> link_;
   std::uint64_t id_ = 0;
   void* data_ = nullptr;
   std::size_t size_ = 0;
+  std::shared_ptr<const region_layout> layout_;  // set iff shared
 };
 
 class borrower {
@@ -80,10 +116,31 @@ class borrower {
   borrower& operator=(const borrower&) = delete;
 
   /// Borrows a region of at least `bytes` (> 0) for `purpose` (at most
-  /// max_purpose_bytes of printable ASCII) and maps it.
+  /// max_purpose_bytes of printable ASCII) and maps it. `mode` must be
+  /// exclusive (invalid_argument otherwise): a shared region is made by
+  /// publish and mapped by borrow_shared.
   [[nodiscard]] borrowed_region borrow(std::size_t bytes, std::string_view purpose,
                                        region_mode mode = region_mode::exclusive,
                                        std::chrono::milliseconds timeout = default_timeout);
+  /// Publishes `region` (exclusive, borrowed through this borrower) under
+  /// its purpose with `layout` (well-formed for it: layout.h; its hash the
+  /// writer's claim about the entries' bytes) and returns it mapped
+  /// read-only, with its layout: the writable mapping is unmapped first, so
+  /// data() changes and pointers into the old mapping are invalid. The
+  /// region counts against this borrower's quota as before.
+  /// invalid_argument, with `region` untouched, for a malformed layout or a
+  /// region that is not an exclusive one of this borrower. When the lender
+  /// refuses (the name is published already, the region is being revoked)
+  /// the region is given back, its content lost, and the refusal thrown.
+  [[nodiscard]] borrowed_region publish(borrowed_region&& region, const region_layout& layout,
+                                        std::chrono::milliseconds timeout = default_timeout);
+  /// Maps, read-only, the region published under `name`, with its layout: a
+  /// hold of its own, given back like any region; its bytes count in full
+  /// against this borrower's quota. With `expected`, refused with
+  /// content_mismatch unless the writer committed that hash. invalid_argument
+  /// when nothing is published under `name`.
+  [[nodiscard]] borrowed_region borrow_shared(std::string_view name, std::optional<content_hash> expected = {},
+                                              std::chrono::milliseconds timeout = default_timeout);
   /// Unmaps `region` and gives it back; returns once the lender confirmed.
   void give_back(borrowed_region region, std::chrono::milliseconds timeout = default_timeout);
   /// The lender's status in the Prometheus text format.

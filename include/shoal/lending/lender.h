@@ -11,8 +11,16 @@
 // (capacity, quota, a bad request, a device failure) and the connection
 // stays open.
 //
+// Shared regions: a borrower may publish an exclusive region it holds, with
+// a layout and content hash (layout.h; refused — bad_request — when the
+// layout does not fit the region or the name, its purpose, is published
+// already); from then on it is read-only for every holder, and any borrower
+// may ask for it by name (borrow_shared), getting a hold of its own. A region
+// lives while it has a hold; its bytes count once against the capacity and
+// in full against the quota of each holder. Shared regions are not revoked.
+//
 // Reclaim: when a borrower's connection closes — it gave up, crashed or was
-// SIGKILLed — its regions are released at once if its process is gone
+// SIGKILLed — its holds are dropped at once if its process is gone
 // (pid and start time: a reused pid is not mistaken for it); if it still
 // runs, it may still map them, so they stay counted as orphaned until it
 // exits. A region's memory is never lent to anyone else while its borrower

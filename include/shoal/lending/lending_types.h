@@ -24,23 +24,44 @@ inline constexpr std::size_t max_purpose_bytes = 64;
 
 enum class region_mode : std::uint8_t {
   exclusive = 1,  ///< one borrower, who reads and writes it
+  /// Published by its writer with a layout: from then on immutable, mapped
+  /// read-only by every holder (the writer included), asked for by name.
+  shared = 2,
 };
+
+[[nodiscard]] const char* to_string(region_mode mode) noexcept;
 
 /// What a borrower holds, as the lender sees it.
 enum class region_state : std::uint8_t {
-  lent = 1,      ///< its borrower is connected
+  lent = 1,      ///< its borrower is connected (shared: some holder is)
   orphaned = 2,  ///< its borrower hung up but still runs (and may still map it): kept until it exits
+                 ///< (shared: every holder hung up, and some still runs)
   revoking = 3,  ///< the lender asked for it back (revoke_deadline); still its borrower's until given back
+};
+
+[[nodiscard]] const char* to_string(region_state state) noexcept;
+
+/// One hold of a shared region: a process that mapped it read-only (the
+/// writer, once it published, or a reader). A process holding it twice is
+/// listed twice.
+struct holder_info {
+  process_identity process;
+  uid_t uid = 0;
+  region_state state = region_state::lent;  ///< lent (connected) or orphaned
 };
 
 struct region_info {
   std::uint64_t id = 0;
   std::size_t bytes = 0;
-  std::string purpose;
+  std::string purpose;  ///< also the name a shared region is asked for by
   region_mode mode = region_mode::exclusive;
   region_state state = region_state::lent;
+  /// Its borrower; a shared region's writer, who published it (whether it
+  /// still holds it or not).
   process_identity borrower;
   uid_t uid = 0;
+  /// Shared regions only: every hold, the writer's first while it has one.
+  std::vector<holder_info> holders;
   std::chrono::steady_clock::duration age{};
   /// While revoking: when the borrower was to give it back by.
   std::chrono::steady_clock::time_point revoke_deadline{};
@@ -51,7 +72,8 @@ struct lender_event {
   enum class kind : std::uint8_t {
     connected,         ///< a borrower connected
     disconnected,      ///< a borrower's connection closed
-    lent,              ///< a region was lent
+    lent,              ///< a region was lent (shared: a reader's hold of it; `detail` its name)
+    published,         ///< a writer published its region (`detail`: its name and content hash)
     given_back,        ///< a borrower gave a region back
     refused,           ///< a request or a connection was refused (`detail` says why)
     orphaned,          ///< a borrower hung up alive: its region is kept until it exits
@@ -72,14 +94,15 @@ struct lender_event {
 
 struct lender_status {
   std::size_t capacity_bytes = 0;
-  std::size_t lent_bytes = 0;  ///< regions lent or orphaned
+  std::size_t lent_bytes = 0;  ///< regions lent or orphaned (a shared region once, however many hold it)
   std::size_t borrowers = 0;   ///< connected now
   std::vector<region_info> regions;
   // Counters since the lender started.
-  std::uint64_t requests = 0;
+  std::uint64_t requests = 0;  ///< borrow, publish and shared-borrow requests
   std::uint64_t refusals = 0;
-  std::uint64_t given_back = 0;
-  std::uint64_t reclaimed = 0;                      ///< regions of borrowers that died or hung up
+  std::uint64_t given_back = 0;                     ///< holds given back (an exclusive region is one hold)
+  std::uint64_t reclaimed = 0;                      ///< holds of borrowers that died or hung up
+  std::uint64_t published = 0;                      ///< regions published
   std::uint64_t connections_closed_for_errors = 0;  ///< malformed or stalled peers
   std::uint64_t revocations = 0;                    ///< regions asked back
   std::uint64_t revocations_missed = 0;             ///< of those, not given back by their deadline

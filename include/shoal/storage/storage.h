@@ -144,6 +144,10 @@ class storage {
 
   /// True iff both handles name the same storage object.
   [[nodiscard]] bool aliases(const storage& other) const noexcept { return impl_ == other.impl_; }
+  /// How many handles name this storage object now, this one included (0
+  /// for an empty handle). A snapshot: other threads may copy or drop
+  /// handles meanwhile; 1 means no one else can reach it through shoal.
+  [[nodiscard]] long handles() const noexcept { return impl_.use_count(); }
   /// True while this storage shares its data with others through copy-on-write.
   [[nodiscard]] bool is_lazy() const;
   /// Marks the data as shared outside the process (IPC, DLPack): from now on

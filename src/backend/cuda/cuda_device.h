@@ -89,7 +89,7 @@ class cuda_device final : public device {
 
   [[nodiscard]] shareable_handle export_memory(const void* ptr) override;
   using device::import_memory;
-  void* import_memory(std::span<const shareable_handle> chunks) override;
+  void* import_memory(std::span<const shareable_handle> chunks, memory_access access) override;
   void close_import(void* ptr) override;
 
   [[nodiscard]] event_point export_event(stream_ref stream) override;

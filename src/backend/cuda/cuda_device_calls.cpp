@@ -26,7 +26,9 @@ void cuda_device::map(void* address, physical_ref chunk) { memory_.map(address, 
 void cuda_device::unmap(void* address) { memory_.unmap(address); }
 
 shareable_handle cuda_device::export_memory(const void* ptr) { return memory_.export_memory(ptr); }
-void* cuda_device::import_memory(std::span<const shareable_handle> chunks) { return memory_.import_memory(chunks); }
+void* cuda_device::import_memory(std::span<const shareable_handle> chunks, memory_access access) {
+  return memory_.import_memory(chunks, access);
+}
 void cuda_device::close_import(void* ptr) { memory_.close_import(ptr); }
 
 // ---- streams and events ----------------------------------------------------------

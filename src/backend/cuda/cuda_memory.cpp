@@ -40,19 +40,20 @@ CUmemAllocationProp chunk_properties(int ordinal) {
   return properties;
 }
 
-CUmemAccessDesc read_write_access(int ordinal) {
+CUmemAccessDesc access_for(int ordinal, memory_access allowed = memory_access::read_write) {
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = ordinal;
-  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  access.flags =
+      allowed == memory_access::read_only ? CU_MEM_ACCESS_FLAGS_PROT_READ : CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
   return access;
 }
 
 // Maps the chunk `handle` exports at `address` (reserved, not mapped) with
-// read-write access for device `ordinal`. On failure nothing stays mapped,
+// `allowed` access for device `ordinal`. On failure nothing stays mapped,
 // and `failed` names the call that failed.
 CUresult map_imported_chunk(const cuda_driver& d, const shareable_handle& handle, CUdeviceptr address, int ordinal,
-                            const char*& failed) {
+                            memory_access allowed, const char*& failed) {
   CUmemGenericAllocationHandle chunk = 0;
   failed = "cuMemImportFromShareableHandle";
   // The fd is not consumed: the handle keeps owning it.
@@ -63,7 +64,7 @@ CUresult map_imported_chunk(const cuda_driver& d, const shareable_handle& handle
   result = d.mem_map(address, handle.size, 0, chunk, 0);
   if (result == CUDA_SUCCESS) {
     failed = "cuMemSetAccess";
-    const CUmemAccessDesc access = read_write_access(ordinal);
+    const CUmemAccessDesc access = access_for(ordinal, allowed);
     result = d.mem_set_access(address, handle.size, &access, 1);
     if (result != CUDA_SUCCESS) d.mem_unmap(address, handle.size);
   }
@@ -270,7 +271,7 @@ void cuda_memory::map(void* address, physical_ref chunk) {
     mappings_.emplace(start, size);
   }
   const cuda_driver& d = driver();
-  const CUmemAccessDesc access = read_write_access(ordinal_);
+  const CUmemAccessDesc access = access_for(ordinal_);
   const char* failed = "cuMemMap";
   CUresult result = d.mem_map(start, size, 0, chunk.native, 0);
   if (result == CUDA_SUCCESS) {
@@ -348,7 +349,7 @@ shareable_handle cuda_memory::export_memory(const void* ptr) const {
                          cuda_label(ordinal_) + " (no live segment or mapped chunk contains it)");
 }
 
-void* cuda_memory::import_memory(std::span<const shareable_handle> chunks) {
+void* cuda_memory::import_memory(std::span<const shareable_handle> chunks, memory_access access) {
   if (chunks.empty()) throw invalid_argument("cuda_device::import_memory: no handles were given; pass at least one");
   for (std::size_t i = 0; i < chunks.size(); ++i) {
     const shareable_handle& handle = chunks[i];
@@ -375,7 +376,11 @@ void* cuda_memory::import_memory(std::span<const shareable_handle> chunks) {
                              "; only the first chunk may point inside itself, the others are mapped whole");
     }
   }
-  if (chunks.front().kind == handle_kind::cuda_vmm_fd) return import_vmm(chunks);
+  if (chunks.front().kind == handle_kind::cuda_vmm_fd) return import_vmm(chunks, access);
+  if (access == memory_access::read_only) {
+    throw invalid_argument("cuda_device::import_memory: a cuda_ipc handle (a cudaMalloc segment) cannot be mapped "
+                           "read-only; share memory of a growable range (cuda_vmm_fd) to map it read-only");
+  }
   if (chunks.size() > 1) {
     throw invalid_argument("cuda_device::import_memory: " + std::to_string(chunks.size()) +
                            " cuda_ipc handles were given; segments shared by legacy CUDA IPC are imported one at a "
@@ -409,7 +414,7 @@ void* cuda_memory::import_ipc(const shareable_handle& handle) {
   return reinterpret_cast<void*>(pointer);
 }
 
-void* cuda_memory::import_vmm(std::span<const shareable_handle> chunks) {
+void* cuda_memory::import_vmm(std::span<const shareable_handle> chunks, memory_access access) {
   std::size_t total = 0;
   for (std::size_t i = 0; i < chunks.size(); ++i) {
     const shareable_handle& handle = chunks[i];
@@ -433,7 +438,7 @@ void* cuda_memory::import_vmm(std::span<const shareable_handle> chunks) {
   CUdeviceptr at = base;
   for (const shareable_handle& handle : chunks) {
     const char* failed = nullptr;
-    const CUresult result = map_imported_chunk(d, handle, at, ordinal_, failed);
+    const CUresult result = map_imported_chunk(d, handle, at, ordinal_, access, failed);
     if (result != CUDA_SUCCESS) {
       unmap_chunks(d, base, mapped);
       d.mem_address_free(base, total);

@@ -65,9 +65,10 @@ class cuda_memory {
   void unmap(void* address);
 
   [[nodiscard]] shareable_handle export_memory(const void* ptr) const;
-  /// Checks the handles, then imports one segment (cuda_ipc) or maps several
-  /// chunks back to back in one range (cuda_vmm_fd).
-  void* import_memory(std::span<const shareable_handle> chunks);
+  /// Checks the handles, then imports one segment (cuda_ipc, read-write
+  /// only) or maps several chunks back to back in one range (cuda_vmm_fd)
+  /// with `access`.
+  void* import_memory(std::span<const shareable_handle> chunks, memory_access access);
   void close_import(void* ptr);
 
   /// Teardown, errors ignored, in the order ~cuda_device gives: first every
@@ -85,7 +86,7 @@ class cuda_memory {
   };
 
   [[nodiscard]] void* import_ipc(const shareable_handle& handle);
-  [[nodiscard]] void* import_vmm(std::span<const shareable_handle> chunks);
+  [[nodiscard]] void* import_vmm(std::span<const shareable_handle> chunks, memory_access access);
 
   const int ordinal_;
   std::size_t granularity_ = 0;

@@ -233,7 +233,9 @@ void host_device::host_task(stream_ref s, std::function<void()> task) {
 }
 
 shareable_handle host_device::export_memory(const void* ptr) { return state_->memory.export_memory(ptr); }
-void* host_device::import_memory(std::span<const shareable_handle> chunks) { return state_->memory.import_memory(chunks); }
+void* host_device::import_memory(std::span<const shareable_handle> chunks, memory_access access) {
+  return state_->memory.import_memory(chunks, access);
+}
 void host_device::close_import(void* ptr) { state_->memory.close_import(ptr); }
 
 event_point host_device::export_event(stream_ref s) {

@@ -35,9 +35,10 @@ unique_fd make_memfd(const char* name, std::size_t bytes) {
   return fd;
 }
 
-void* map_shared(int fd, std::size_t bytes, void* fixed_address) {
+void* map_shared(int fd, std::size_t bytes, void* fixed_address, memory_access access = memory_access::read_write) {
   const int flags = MAP_SHARED | (fixed_address != nullptr ? MAP_FIXED : 0);
-  void* p = ::mmap(fixed_address, bytes, PROT_READ | PROT_WRITE, flags, fd, 0);
+  const int protection = access == memory_access::read_only ? PROT_READ : PROT_READ | PROT_WRITE;
+  void* p = ::mmap(fixed_address, bytes, protection, flags, fd, 0);
   if (p == MAP_FAILED) throw_errno("mmap(memfd, " + std::to_string(bytes) + " bytes)");
   return p;
 }
@@ -50,9 +51,9 @@ void* map_hole(void* address, std::size_t bytes) {
   return p;
 }
 
-// Checks the chunks one import maps (see device::import_memory); returns
-// their total size.
-std::size_t importable_bytes(std::span<const shareable_handle> chunks) {
+// Checks the chunks one import maps with `access` (see
+// device::import_memory); returns their total size.
+std::size_t importable_bytes(std::span<const shareable_handle> chunks, memory_access access) {
   if (chunks.empty()) throw invalid_argument("import_memory: no handles were given; pass at least one");
   std::size_t total = 0;
   for (std::size_t i = 0; i < chunks.size(); ++i) {
@@ -81,12 +82,16 @@ std::size_t importable_bytes(std::span<const shareable_handle> chunks) {
     if (!S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
       throw invalid_argument(which + ": the descriptor is not a sealed shoal memfd");
     }
-    // Mapped read-write below: a read-only descriptor or a write seal is the
-    // sender's error, told as such rather than as a failing mmap.
-    const int access = ::fcntl(h.fd.get(), F_GETFL);
-    if (access < 0 || (access & O_ACCMODE) != O_RDWR || (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) {
-      throw invalid_argument(which + ": the descriptor cannot be mapped for writing (read-only, or sealed against writes)");
+    // A read-write mapping of a read-only descriptor or of a write-sealed
+    // memfd is the sender's error, told as such rather than as a failing mmap.
+    const int mode = ::fcntl(h.fd.get(), F_GETFL);
+    if (mode < 0) throw invalid_argument(which + ": the descriptor's access mode cannot be read: " + std::strerror(errno));
+    if (access == memory_access::read_write &&
+        ((mode & O_ACCMODE) != O_RDWR || (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0)) {
+      throw invalid_argument(which + ": the descriptor cannot be mapped for writing (read-only, or sealed against writes); "
+                             "import it with memory_access::read_only");
     }
+    if ((mode & O_ACCMODE) == O_WRONLY) throw invalid_argument(which + ": the descriptor is open for writing only");
     if (static_cast<std::uint64_t>(st.st_size) < h.size) {
       throw invalid_argument(which + " claims " + std::to_string(h.size) + " bytes but the file holds " +
                              std::to_string(st.st_size));
@@ -334,14 +339,14 @@ shareable_handle host_memory::export_memory(const void* ptr) const {
   throw invalid_argument("export_memory(" + shoal::detail::hex(ptr) + "): not inside a segment or mapped chunk of this host device");
 }
 
-void* host_memory::import_memory(std::span<const shareable_handle> chunks) {
-  const std::size_t total = importable_bytes(chunks);
+void* host_memory::import_memory(std::span<const shareable_handle> chunks, memory_access access) {
+  const std::size_t total = importable_bytes(chunks, access);
   // Reserved first, so the chunks land back to back with nothing between.
   void* base = map_hole(nullptr, total);
   try {
     std::size_t at = 0;
     for (const shareable_handle& h : chunks) {
-      map_shared(h.fd.get(), h.size, static_cast<char*>(base) + at);
+      map_shared(h.fd.get(), h.size, static_cast<char*>(base) + at, access);
       at += h.size;
     }
   } catch (...) {

@@ -50,8 +50,9 @@ class host_memory {
   void unmap(void* address);
 
   [[nodiscard]] shareable_handle export_memory(const void* ptr) const;
-  /// Maps the chunks back to back in one range (see device::import_memory).
-  void* import_memory(std::span<const shareable_handle> chunks);
+  /// Maps the chunks back to back in one range with `access` (see
+  /// device::import_memory).
+  void* import_memory(std::span<const shareable_handle> chunks, memory_access access);
   void close_import(void* ptr);
 
  private:

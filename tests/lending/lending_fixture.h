@@ -1,0 +1,87 @@
+// What the lending tests share: a lender per test on the backend under
+// test, borrower processes (borrower_process.cpp) that talk back a line at a
+// time, polling with a deadline, and an event recorder.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "shoal/core/child_process.h"
+#include "shoal/lending/borrower.h"
+#include "shoal/lending/lender.h"
+#include "support/backends.h"
+#include "support/processes.h"
+
+namespace shoal::testing {
+
+using namespace std::chrono_literals;
+using lending::borrower;
+using lending::lender;
+using lending::lender_config;
+
+inline constexpr std::size_t mib = std::size_t{1} << 20;
+
+/// Polls `done` until it holds or `limit` passes.
+template <class Done>
+bool eventually(Done done, std::chrono::milliseconds limit = 5000ms) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(5ms);
+  }
+  return true;
+}
+
+/// A line the child process wrote on its socket.
+inline std::string line_from(const child_process& child) {
+  std::string line;
+  char c;
+  while (::read(child.socket(), &c, 1) == 1 && c != '\n') line += c;
+  return line;
+}
+
+/// Collects a lender's events (lender_config::on_event runs on its thread).
+struct event_recorder {
+  std::shared_ptr<std::vector<lending::lender_event>> events = std::make_shared<std::vector<lending::lender_event>>();
+  std::shared_ptr<std::mutex> guard = std::make_shared<std::mutex>();
+
+  /// Records into this recorder from `config` on.
+  void attach(lender_config& config) const {
+    config.on_event = [events = events, guard = guard](const lending::lender_event& e) {
+      std::lock_guard lock(*guard);
+      events->push_back(e);
+    };
+  }
+};
+
+template <class Backend>
+class lending_test : public backend_test<Backend> {
+ protected:
+  lender& start(lender_config config = {}) {
+    lender_ = std::make_unique<lender>(this->device(), channel::channel_address::at_path(dir_ / "lender.sock"), config);
+    return *lender_;
+  }
+  std::string socket_path() const { return dir_ / "lender.sock"; }
+  std::unique_ptr<child_process> borrower_process(const std::vector<std::string>& args) {
+    std::vector<std::string> all{args.front(), Backend::name, socket_path()};
+    all.insert(all.end(), args.begin() + 1, args.end());
+    return std::make_unique<child_process>(SHOAL_TEST_BORROWER, all);
+  }
+  void in_process_only() {
+    if (std::string(Backend::name) == "cuda")
+      GTEST_SKIP() << "CUDA refuses to import memory in the process that exported it";
+  }
+  std::size_t unit() { return this->device().granularity(); }
+
+  temp_dir dir_;
+  std::unique_ptr<lender> lender_;
+};
+
+}  // namespace shoal::testing
