@@ -34,7 +34,7 @@ namespace {
 TYPED_TEST_SUITE(lending_test, backend_types, backend_names);
 
 TYPED_TEST(lending_test, regions_are_lent_mapped_written_and_given_back) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   borrower b(dev, l.address());
@@ -63,7 +63,7 @@ TYPED_TEST(lending_test, regions_are_lent_mapped_written_and_given_back) {
 }
 
 TYPED_TEST(lending_test, refusals_are_typed_and_leave_the_connection_usable) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l =
       this->start({.capacity_bytes = 7 * this->unit(), .quota_bytes = 4 * this->unit(), .max_regions_per_borrower = 3});
@@ -90,7 +90,7 @@ TYPED_TEST(lending_test, refusals_are_typed_and_leave_the_connection_usable) {
 }
 
 TYPED_TEST(lending_test, a_hostile_peer_is_closed_alone) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   borrower good(dev, l.address());
@@ -164,7 +164,7 @@ TYPED_TEST(lending_test, a_borrower_that_hangs_up_alive_keeps_its_region_counted
 }
 
 TYPED_TEST(lending_test, a_lender_that_stops_answering_gives_timeouts_and_one_that_goes_gives_closed) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   const auto address = channel::channel_address::at_path(this->dir_ / "mute.sock");
   channel::listener mute(address, {});
@@ -196,7 +196,7 @@ TYPED_TEST(lending_test, a_lender_that_stops_answering_gives_timeouts_and_one_th
 }
 
 TYPED_TEST(lending_test, borrowers_past_the_limit_are_turned_away) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start({.max_borrowers = 2});
   borrower a(dev, l.address()), b(dev, l.address());
@@ -206,7 +206,7 @@ TYPED_TEST(lending_test, borrowers_past_the_limit_are_turned_away) {
 }
 
 TYPED_TEST(lending_test, metrics_are_prometheus_text_in_process_and_over_the_socket) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start({.capacity_bytes = 16 * this->unit()});
   borrower b(dev, l.address());
@@ -266,7 +266,7 @@ TYPED_TEST(lending_test, every_event_reaches_the_log_with_who_and_what) {
 }
 
 TYPED_TEST(lending_test, an_adopted_region_serves_allocations_in_its_sub_pools_and_clears_in_stream_order) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   borrower b(dev, l.address());
@@ -311,7 +311,7 @@ TYPED_TEST(lending_test, an_adopted_region_serves_allocations_in_its_sub_pools_a
 }
 
 TYPED_TEST(lending_test, control_clearing_without_the_drain_forgets_memory_a_stream_still_writes) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   borrower b(dev, l.address());
@@ -332,7 +332,7 @@ TYPED_TEST(lending_test, control_clearing_without_the_drain_forgets_memory_a_str
 }
 
 TYPED_TEST(lending_test, an_adopted_region_destroyed_with_live_blocks_stays_mapped_under_them) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   borrower b(dev, l.address());
@@ -349,7 +349,7 @@ TYPED_TEST(lending_test, an_adopted_region_destroyed_with_live_blocks_stays_mapp
 }
 
 TYPED_TEST(lending_test, a_revoked_region_is_asked_back_and_given_back_in_time) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   borrower b(dev, l.address());
@@ -431,7 +431,7 @@ TEST(lending_messages, random_bytes_decode_or_are_refused_and_never_read_past_th
 }
 
 TYPED_TEST(lending_test, random_frames_from_hostile_peers_close_only_them_and_leak_nothing) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start({.peer_timeout = 200ms});
   borrower good(dev, l.address());
@@ -472,7 +472,7 @@ TYPED_TEST(lending_test, random_frames_from_hostile_peers_close_only_them_and_le
 }
 
 TYPED_TEST(lending_test, a_timeout_too_long_for_the_clock_means_no_deadline) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& l = this->start();
   borrower b(this->device(), l.address(), {}, std::chrono::milliseconds::max());
   auto region = b.borrow(this->unit(), "waits as long as it takes", lending::region_mode::exclusive,
@@ -482,7 +482,7 @@ TYPED_TEST(lending_test, a_timeout_too_long_for_the_clock_means_no_deadline) {
 }
 
 TYPED_TEST(lending_test, parts_that_do_not_fit_are_refused_and_the_region_goes_back) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& l = this->start();
   borrower b(this->device(), l.address());
   alloc::caching_allocator allocator(this->device(), {});
@@ -493,7 +493,7 @@ TYPED_TEST(lending_test, parts_that_do_not_fit_are_refused_and_the_region_goes_b
 }
 
 TYPED_TEST(lending_test, clearing_waits_for_a_free_pending_on_another_stream) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   borrower b(dev, l.address());
@@ -515,7 +515,7 @@ TYPED_TEST(lending_test, clearing_waits_for_a_free_pending_on_another_stream) {
 }
 
 TYPED_TEST(lending_test, a_malformed_answer_is_a_protocol_error_and_closes_the_borrower) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   const auto address = channel::channel_address::at_path(this->dir_ / "liar.sock");
   channel::listener liar(address, {});
   std::thread server([&] {
