@@ -270,6 +270,16 @@ class lender::state {
                                         std::to_string(bytes) + " more would pass its quota of " +
                                         std::to_string(config_.quota_bytes));
     }
+    const uid_t uid = b.link.peer().uid;
+    if (config_.quota_bytes_per_uid != 0) {
+      const std::size_t held = held_by_uid(uid);
+      if (held + bytes > config_.quota_bytes_per_uid) {
+        return refuse(refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held) +
+                                          " bytes over all its connections and orphaned regions; " +
+                                          std::to_string(bytes) + " more would pass its per-uid quota of " +
+                                          std::to_string(config_.quota_bytes_per_uid));
+      }
+    }
     std::size_t left = 0;
     {
       std::lock_guard lock(mutex_);
@@ -314,6 +324,14 @@ class lender::state {
     ++b.held_regions;
     emit(lender_event::kind::lent, b.link.peer(), id, bytes, m.purpose);
     b.link.send(frames);  // counted before it goes: a borrower that hangs up now is reclaimed like any other
+  }
+
+  // Bytes of the regions `uid`'s borrowers hold: lent, revoking or orphaned.
+  std::size_t held_by_uid(uid_t uid) const {
+    std::lock_guard lock(mutex_);
+    std::size_t held = 0;
+    for (const auto& [id, r] : regions_) held += r.info.uid == uid ? r.info.bytes : 0;
+    return held;
   }
 
   void take_back(borrower_entry& b, std::uint64_t id) {

@@ -152,6 +152,40 @@ TYPED_TEST(lending_test, refusals_are_typed_and_leave_the_connection_usable) {
   EXPECT_EQ(s.refusals, 5u);
 }
 
+TYPED_TEST(lending_test, a_uids_quota_counts_all_its_connections_and_orphaned_regions) {
+  this->in_process_only();
+  auto& dev = this->device();
+  const std::size_t unit = this->unit();
+  auto& l = this->start({.quota_bytes = 4 * unit, .quota_bytes_per_uid = 6 * unit});
+  borrower first(dev, l.address()), second(dev, l.address());  // one uid: this process's
+  auto a = first.borrow(4 * unit, "first connection");
+  auto b = second.borrow(2 * unit, "second connection");
+  try {
+    (void)second.borrow(unit, "past the uid's quota");
+    ADD_FAILURE() << "a seventh unit over two connections of one uid was lent";
+  } catch (const peer_refused& e) {
+    const std::string why = e.what();
+    EXPECT_NE(why.find("uid " + std::to_string(::getuid()) + " holds " + std::to_string(6 * unit)), std::string::npos)
+        << why;
+    EXPECT_NE(why.find("per-uid quota"), std::string::npos) << why;
+  }
+  second.give_back(std::move(b));
+  // A third connection borrows and hangs up alive: its region is orphaned, still the uid's.
+  {
+    auto raw = channel::connection::connect(l.address(), {});
+    channel::send_hello(raw, lending::detail::lending_protocol);
+    (void)raw.receive_for(2000ms);
+    raw.send(static_cast<std::uint16_t>(lending::detail::message_type::borrow),
+             lending::detail::encode(lending::detail::borrow_message{1, unit, lending::region_mode::exclusive, "x"}));
+    ASSERT_EQ(raw.receive_for(2000ms).type, static_cast<std::uint16_t>(lending::detail::message_type::lent));
+  }
+  ASSERT_TRUE(eventually([&] { return l.status().borrowers == 2; }));
+  EXPECT_THROW((void)second.borrow(2 * unit, "past the quota with the orphan"), peer_refused);
+  auto last = second.borrow(unit, "what is left of the uid's quota");
+  EXPECT_TRUE(last.valid());
+  EXPECT_EQ(l.status().lent_bytes, 6 * unit);
+}
+
 TYPED_TEST(lending_test, a_hostile_peer_is_closed_alone) {
   this->in_process_only();
   auto& dev = this->device();

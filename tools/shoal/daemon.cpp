@@ -114,6 +114,7 @@ int serve(const daemon_settings& settings) {
             {"device", device.name()},
             {"capacity_bytes", std::to_string(config.capacity_bytes)},
             {"quota_bytes", std::to_string(config.quota_bytes)},
+            {"quota_bytes_per_uid", std::to_string(config.quota_bytes_per_uid)},
             {"max_borrowers", std::to_string(config.max_borrowers)}});
   starting.unlock();
   int signal = 0;
@@ -145,7 +146,9 @@ int run_daemon(int argc, char** argv) {
   auto* device = app.add_option("--device", settings.device, "default, host, cuda or cuda:N");
   auto* capacity =
       app.add_option("--capacity", settings.capacity.text, "bytes to lend in all: 12GiB, or a fraction like 0.8");
-  auto* quota = app.add_option("--quota", settings.quota.text, "bytes one borrower may hold");
+  auto* quota = app.add_option("--quota", settings.quota.text, "bytes one borrower (connection) may hold");
+  auto* quota_per_uid = app.add_option("--quota-per-uid", settings.quota_per_uid.text,
+                                       "bytes one uid may hold over all its connections (default: no such limit)");
   auto* borrowers = app.add_option("--max-borrowers", settings.max_borrowers, "borrowers connected at once");
   auto* regions = app.add_option("--max-regions", settings.max_regions_per_borrower, "regions one borrower may hold");
   auto* timeout = app.add_option("--peer-timeout-ms", settings.peer_timeout_ms, "deadline of every wait on a borrower");
@@ -169,6 +172,7 @@ int run_daemon(int argc, char** argv) {
       if (device->count() > 0) settings.device = flags.device;
       if (capacity->count() > 0) settings.capacity = flags.capacity;
       if (quota->count() > 0) settings.quota = flags.quota;
+      if (quota_per_uid->count() > 0) settings.quota_per_uid = flags.quota_per_uid;
       if (borrowers->count() > 0) settings.max_borrowers = flags.max_borrowers;
       if (regions->count() > 0) settings.max_regions_per_borrower = flags.max_regions_per_borrower;
       if (timeout->count() > 0) settings.peer_timeout_ms = flags.peer_timeout_ms;
