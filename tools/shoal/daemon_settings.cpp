@@ -94,6 +94,12 @@ void daemon_settings::read_file(const std::string& path) {
       peer_timeout_ms = count();
     } else if (name == "log_format") {
       log_format = text();
+    } else if (name == "metrics_port") {
+      const auto* port = node.as_integer();
+      if (port == nullptr || port->get() < 0 || port->get() > 65535) {
+        throw invalid_argument(where(name) + " must be a port (an integer 0 to 65535; 0: a free one)");
+      }
+      metrics_port = static_cast<std::int32_t>(port->get());
     } else if (name == "allowed_uids" || name == "allowed_gids") {
       const auto* list = node.as_array();
       if (list == nullptr) throw invalid_argument(where(name) + " must be a list of ids");
@@ -109,7 +115,7 @@ void daemon_settings::read_file(const std::string& path) {
     } else {
       throw invalid_argument(where(name) +
                              " is not a setting (socket, device, capacity, quota, quota_per_uid, max_borrowers, "
-                             "max_regions_per_borrower, peer_timeout_ms, allowed_uids, allowed_gids, log_format)");
+                             "max_regions_per_borrower, peer_timeout_ms, allowed_uids, allowed_gids, log_format, metrics_port)");
     }
   }
 }
