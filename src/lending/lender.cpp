@@ -270,8 +270,8 @@ class lender::state {
                                         std::to_string(bytes) + " more would pass its quota of " +
                                         std::to_string(config_.quota_bytes));
     }
-    const uid_t uid = b.link.peer().uid;
     if (config_.quota_bytes_per_uid != 0) {
+      const uid_t uid = b.link.peer().uid;
       const std::size_t held = held_by_uid(uid);
       if (held + bytes > config_.quota_bytes_per_uid) {
         return refuse(refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held) +
