@@ -2,6 +2,7 @@
 
 #include <mutex>
 #include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -51,13 +52,38 @@ struct borrowed_region::link {
     }
   }
 
-  // Revocations that arrived while a call waited for its answer.
+  // Regions lent on this link and not yet confirmed given back, and those of
+  // them the lender asked back. Revocations that arrived while a call waited
+  // for its answer wait in `stashed`:
+  //   stashed.size() <= revoked.size() <= held.size()
+  std::set<std::uint64_t> held;
+  std::set<std::uint64_t> revoked;
   std::vector<borrower::revocation> stashed;
 
-  // Keeps a revoke frame for revocations().
+  // Keeps a revoke frame for revocations(): one per region held, so a
+  // flooding lender cannot grow it. Anything else closes the link.
   void stash(const channel::frame& f) {
-    const auto m = detail::decode_revoke(f.payload);
-    stashed.push_back({m.region, clock_type::now() + std::chrono::milliseconds(m.deadline_ms)});
+    try {
+      const auto m = detail::decode_revoke(f.payload);
+      if (!held.contains(m.region)) {
+        throw protocol_error("borrower: the lender revoked region " + std::to_string(m.region) +
+                             ", which this borrower does not hold");
+      }
+      if (!revoked.insert(m.region).second) {
+        throw protocol_error("borrower: the lender revoked region " + std::to_string(m.region) + " a second time");
+      }
+      stashed.push_back({m.region, clock_type::now() + std::chrono::milliseconds(m.deadline_ms)});
+    } catch (const protocol_error&) {
+      out_of_step = true;
+      throw;
+    }
+  }
+
+  // The lender confirmed `id` given back: no longer held, nor revoked.
+  void forget(std::uint64_t id) {
+    held.erase(id);
+    revoked.erase(id);
+    std::erase_if(stashed, [id](const borrower::revocation& r) { return r.region == id; });
   }
 
   // The next answer, within the deadline (revocations that come first are
@@ -107,6 +133,7 @@ struct borrowed_region::link {
       throw protocol_error("borrower::give_back: the lender answered with frame type " + std::to_string(f.type) +
                            ", not given_back for region " + std::to_string(id));
     }
+    forget(id);
   }
 
   struct mapped {
@@ -142,6 +169,7 @@ struct borrowed_region::link {
                            std::to_string(lent.request) + "; asked " + std::to_string(min_bytes) + " for request " +
                            std::to_string(request));
     }
+    held.insert(lent.region);  // from now on the lender may revoke it
     std::vector<backend::shareable_handle> chunks;
     std::uint64_t total = 0;
     for (std::uint32_t i = 0; i < lent.chunks; ++i) {
@@ -167,6 +195,7 @@ struct borrowed_region::link {
       try {
         conn.send(static_cast<std::uint16_t>(message_type::give_back), detail::encode_region(lent.region));
         (void)next(deadline, operation);
+        forget(lent.region);
       } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on hang-up
       }
       throw;
@@ -288,6 +317,7 @@ borrowed_region borrower::publish(borrowed_region&& region, const region_layout&
       try {
         l.conn.send(static_cast<std::uint16_t>(message_type::give_back), detail::encode_region(id));
         (void)l.next(deadline, "publish");
+        l.forget(id);
       } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on hang-up
       }
     }
