@@ -59,6 +59,16 @@ std::vector<lending_seed> lending_seeds() {
       {"decode_refused", decoder_input(d::encode(d::refused_message{7, d::refusal::quota, "full"})), 1, "decoded"});
   seeds.push_back({"decode_revoke", decoder_input(d::encode(d::revoke_message{3, 500})), 1, "decoded"});
   seeds.push_back({"decode_region", decoder_input(d::encode_region(3)), 1, "decoded"});
+  {
+    lending::region_layout layout;
+    layout.entries.push_back({"weights", 0, 4096, lending::dtype::float32, {32, 32}});
+    layout.entries.push_back({"bias", 4096, 128, lending::dtype::float32, {32}});
+    layout.hash[0] = std::byte{0x5a};
+    seeds.push_back({"decode_publish", decoder_input(d::encode(d::publish_message{7, 3, layout})), 1, "decoded"});
+    seeds.push_back({"decode_layout", decoder_input(d::encode(d::layout_message{7, layout})), 1, "decoded"});
+    seeds.push_back({"decode_borrow_shared",
+                     decoder_input(d::encode(d::borrow_shared_message{7, "model", layout.hash})), 1, "decoded"});
+  }
 
   // A hostile borrower against a fresh lender.
   {

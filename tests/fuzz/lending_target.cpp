@@ -96,6 +96,9 @@ lending_outcome attack_decoders(std::span<const std::uint8_t> input) {
   round_trip(payload, "lent", decoded, d::decode_lent, same);
   round_trip(payload, "refused", decoded, d::decode_refused, same);
   round_trip(payload, "revoke", decoded, d::decode_revoke, same);
+  round_trip(payload, "publish", decoded, d::decode_publish, same);
+  round_trip(payload, "borrow_shared", decoded, d::decode_borrow_shared, same);
+  round_trip(payload, "layout", decoded, d::decode_layout, same);
   round_trip(
       payload, "give_back", decoded, [](auto p) { return d::decode_region(p, "give_back"); }, d::encode_region);
   round_trip(
