@@ -114,7 +114,8 @@ int serve(const daemon_settings& settings) {
             {"device", device.name()},
             {"capacity_bytes", std::to_string(config.capacity_bytes)},
             {"quota_bytes", std::to_string(config.quota_bytes)},
-            {"max_borrowers", std::to_string(config.max_borrowers)}});
+            {"max_borrowers", std::to_string(config.max_borrowers)},
+            {"reuse", settings.reuse}});
   starting.unlock();
   int signal = 0;
   sigwait(&stop, &signal);
@@ -153,6 +154,8 @@ int run_daemon(int argc, char** argv) {
   auto* gids = app.add_option("--allow-gid", settings.allowed_gids, "a group whose members are allowed (repeat)");
   auto* format =
       app.add_option("--log-format", settings.log_format, "text or json")->check(CLI::IsMember({"text", "json"}));
+  auto* reuse = app.add_option("--reuse", settings.reuse, "lend given-back memory again: same_uid or never")
+                    ->check(CLI::IsMember({"same_uid", "never"}));
   auto* status_command = app.add_subcommand("status", "print a running daemon's metrics (Prometheus text)");
   status_command->fallthrough();  // --socket and --device after "status" too
   double status_timeout = 5.0;
@@ -175,6 +178,7 @@ int run_daemon(int argc, char** argv) {
       if (uids->count() > 0) settings.allowed_uids = flags.allowed_uids;
       if (gids->count() > 0) settings.allowed_gids = flags.allowed_gids;
       if (format->count() > 0) settings.log_format = flags.log_format;
+      if (reuse->count() > 0) settings.reuse = flags.reuse;
     }
     if (status_command->parsed()) return status(settings, status_timeout);
     return serve(settings);

@@ -92,6 +92,8 @@ void daemon_settings::read_file(const std::string& path) {
       peer_timeout_ms = count();
     } else if (name == "log_format") {
       log_format = text();
+    } else if (name == "reuse") {
+      reuse = text();
     } else if (name == "allowed_uids" || name == "allowed_gids") {
       const auto* list = node.as_array();
       if (list == nullptr) throw invalid_argument(where(name) + " must be a list of ids");
@@ -107,7 +109,7 @@ void daemon_settings::read_file(const std::string& path) {
     } else {
       throw invalid_argument(where(name) +
                              " is not a setting (socket, device, capacity, quota, max_borrowers, "
-                             "max_regions_per_borrower, peer_timeout_ms, allowed_uids, allowed_gids, log_format)");
+                             "max_regions_per_borrower, peer_timeout_ms, allowed_uids, allowed_gids, log_format, reuse)");
     }
   }
 }
@@ -137,7 +139,11 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
   if (log_format != "text" && log_format != "json") {
     throw invalid_argument("log_format: '" + log_format + "' is not text or json");
   }
+  if (reuse != "same_uid" && reuse != "never") {
+    throw invalid_argument("reuse: '" + reuse + "' is not same_uid or never");
+  }
   lending::lender_config c;
+  c.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
   c.capacity_bytes = capacity.bytes(d, "capacity");
   c.quota_bytes = quota.bytes(d, "quota");
   c.max_borrowers = static_cast<std::size_t>(max_borrowers);

@@ -34,10 +34,11 @@ struct daemon_settings {
   std::vector<std::uint32_t> allowed_uids;
   std::vector<std::uint32_t> allowed_gids;
   std::string log_format = "text";  ///< "text" or "json"
+  std::string reuse = "same_uid";   ///< "same_uid" or "never" (lender_config::reuse)
 
   /// Reads a TOML file's keys (socket, device, capacity, quota,
   /// max_borrowers, max_regions_per_borrower, peer_timeout_ms,
-  /// allowed_uids, allowed_gids, log_format) into these settings. Throws
+  /// allowed_uids, allowed_gids, log_format, reuse) into these settings. Throws
   /// invalid_argument naming the file, the key and what was wrong.
   void read_file(const std::string& path);
 
