@@ -48,6 +48,17 @@ void per_region(std::ostringstream& out, const lender_status& s) {
   }
 }
 
+// One sample per spare chunk: what the lender keeps for reuse, and for whom.
+void per_spare(std::ostringstream& out, const lender_status& s) {
+  out << "# HELP shoal_lending_spare_chunk_bytes Bytes of each spare chunk, by memory id, the uid it is lent "
+         "again to, and how many connections keep it mapped.\n"
+      << "# TYPE shoal_lending_spare_chunk_bytes gauge\n";
+  for (const auto& spare : s.spares) {
+    out << "shoal_lending_spare_chunk_bytes{memory=\"" << spare.memory << "\",uid=\"" << spare.uid
+        << "\",kept_by=\"" << spare.kept_by << "\"} " << spare.bytes << '\n';
+  }
+}
+
 }  // namespace
 
 std::string prometheus_text(const lender_status& s) {
@@ -90,6 +101,7 @@ std::string prometheus_text(const lender_status& s) {
   metric(out, "closed_for_errors_total", "counter", "Connections closed for malformed or stalled input.",
          s.connections_closed_for_errors);
   per_region(out, s);
+  per_spare(out, s);
   return out.str();
 }
 

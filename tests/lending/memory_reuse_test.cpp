@@ -87,6 +87,10 @@ TYPED_TEST(memory_reuse_test, a_reborrow_in_another_process_gets_the_same_memory
   EXPECT_NE(metrics.find("shoal_lending_spare_bytes " + std::to_string(2 * mib)), std::string::npos) << metrics;
   EXPECT_NE(metrics.find("shoal_lending_reuses_total 2"), std::string::npos);
   EXPECT_NE(metrics.find("shoal_lending_forgets_total 0"), std::string::npos);
+  EXPECT_NE(metrics.find("shoal_lending_spare_chunk_bytes{memory=\"" + std::to_string(c.memory[0]) + "\",uid=\"" +
+                         std::to_string(::geteuid()) + "\",kept_by=\"1\"} " + std::to_string(2 * mib)),
+            std::string::npos)
+      << metrics;
 }
 
 TYPED_TEST(memory_reuse_test, a_kept_mapping_comes_back_at_the_same_address_with_its_content_and_no_import) {
