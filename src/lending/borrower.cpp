@@ -2,6 +2,7 @@
 
 #include <mutex>
 #include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -54,16 +55,46 @@ struct borrowed_region::link {
     }
   }
 
-  // Revocations that arrived while a call waited for its answer.
+  // Regions lent on this link and not yet confirmed given back, and those of
+  // them the lender asked back. Revocations that arrived while a call waited
+  // for its answer wait in `stashed`:
+  //   stashed.size() <= revoked.size() <= held.size()
+  std::set<std::uint64_t> held;
+  std::set<std::uint64_t> revoked;
   std::vector<borrower::revocation> stashed;
+
+  // Keeps a revoke frame for revocations(): one per region held, so a
+  // flooding lender cannot grow it. Anything else closes the link.
+  void stash(const channel::frame& f) {
+    try {
+      const auto m = detail::decode_revoke(f.payload);
+      if (!held.contains(m.region)) {
+        throw protocol_error("borrower: the lender revoked region " + std::to_string(m.region) +
+                             ", which this borrower does not hold");
+      }
+      if (!revoked.insert(m.region).second) {
+        throw protocol_error("borrower: the lender revoked region " + std::to_string(m.region) + " a second time");
+      }
+      stashed.push_back({m.region, clock_type::now() + std::chrono::milliseconds(m.deadline_ms)});
+    } catch (const protocol_error&) {
+      out_of_step = true;
+      throw;
+    }
+  }
+
+  // The lender confirmed `id` given back: no longer held, nor revoked.
+  void given_back_confirmed(std::uint64_t id) {
+    held.erase(id);
+    revoked.erase(id);
+    std::erase_if(stashed, [id](const borrower::revocation& r) { return r.region == id; });
+  }
 
   // Handles a frame the lender sends unasked: a revoke is kept for
   // revocations(), a forget unmaps the kept mapping it names. False for any
   // other frame.
   bool unasked(const channel::frame& f, const char* operation) {
     if (f.type == static_cast<std::uint16_t>(message_type::revoke)) {
-      const auto m = detail::decode_revoke(f.payload);
-      stashed.push_back({m.region, clock_type::now() + std::chrono::milliseconds(m.deadline_ms)});
+      stash(f);
       return true;
     }
     if (f.type != static_cast<std::uint16_t>(message_type::forget)) return false;
@@ -159,6 +190,7 @@ struct borrowed_region::link {
       throw;
     }
     if (keep && !kept_now) device.close_import(data);
+    given_back_confirmed(id);
   }
 
   struct mapped {
@@ -194,6 +226,7 @@ struct borrowed_region::link {
                            std::to_string(lent.request) + "; asked " + std::to_string(min_bytes) + " for request " +
                            std::to_string(request));
     }
+    held.insert(lent.region);  // from now on the lender may revoke it
     if (lent.chunks == 0) return {lent, kept_mapping(lent, access, who)};
     if (kept.contains(lent.memory)) {
       out_of_step = true;
@@ -226,6 +259,7 @@ struct borrowed_region::link {
         conn.send(static_cast<std::uint16_t>(message_type::give_back),
                   detail::encode(detail::give_back_message{lent.region, false}));
         (void)next(deadline, operation);
+        given_back_confirmed(lent.region);
       } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on hang-up
       }
       throw;
@@ -349,6 +383,7 @@ borrowed_region borrower::publish(borrowed_region&& region, const region_layout&
         l.conn.send(static_cast<std::uint16_t>(message_type::give_back),
                     detail::encode(detail::give_back_message{id, false}));
         (void)l.next(deadline, "publish");
+        l.given_back_confirmed(id);
       } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on hang-up
       }
     }

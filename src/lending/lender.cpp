@@ -350,6 +350,16 @@ class lender::state {
                                         std::to_string(bytes) + " more would pass its quota of " +
                                         std::to_string(config_.quota_bytes));
     }
+    if (config_.quota_bytes_per_uid != 0) {
+      const uid_t uid = b.link.peer().uid;
+      const std::size_t held = held_by_uid(uid);
+      if (held + bytes > config_.quota_bytes_per_uid) {
+        return refuse(refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held) +
+                                          " bytes over all its connections and orphaned regions; " +
+                                          std::to_string(bytes) + " more would pass its per-uid quota of " +
+                                          std::to_string(config_.quota_bytes_per_uid));
+      }
+    }
     std::optional<detail::chunk_record> chunk;
     try {
       chunk = acquire(b, bytes);
@@ -554,6 +564,23 @@ class lender::state {
                                         " bytes, counted in full for each holder) would pass its quota of " +
                                         std::to_string(config_.quota_bytes));
     }
+    if (config_.quota_bytes_per_uid != 0) {
+      const uid_t uid = b.link.peer().uid;
+      const std::size_t held = held_by_uid(uid);
+      bool uid_holds_it = false;  // then this hold adds nothing to what the uid holds
+      {
+        std::lock_guard lock(mutex_);
+        const auto& holds = regions_.at(id).holds;
+        uid_holds_it = std::any_of(holds.begin(), holds.end(), [&](const hold& h) { return h.uid == uid; });
+      }
+      if (!uid_holds_it && held + bytes > config_.quota_bytes_per_uid) {
+        return refuse(refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held) +
+                                          " bytes over all its connections and orphaned regions; shared region '" +
+                                          m.name + "' (" + std::to_string(bytes) +
+                                          " bytes) would pass its per-uid quota of " +
+                                          std::to_string(config_.quota_bytes_per_uid));
+      }
+    }
     const detail::lendable_memory* memory = nullptr;
     {
       std::lock_guard lock(mutex_);
@@ -574,6 +601,18 @@ class lender::state {
       if (r.info.mode == region_mode::shared && r.info.purpose == name) return id;
     }
     return 0;
+  }
+
+  // Bytes of the regions `uid`'s borrowers hold (lent, revoking or orphaned;
+  // a shared region once, however many of its holds are the uid's).
+  std::size_t held_by_uid(uid_t uid) const {
+    std::lock_guard lock(mutex_);
+    std::size_t held = 0;
+    for (const auto& [id, r] : regions_) {
+      const bool holds = std::any_of(r.holds.begin(), r.holds.end(), [&](const hold& h) { return h.uid == uid; });
+      held += holds ? r.info.bytes : 0;
+    }
+    return held;
   }
 
   // Drops one of `b`'s holds of region m.region; the region goes with its

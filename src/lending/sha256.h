@@ -1,14 +1,14 @@
-// SHA-256 (FIPS 180-4), incremental: the content hash of a region's layout
-// entries. Internal (not installed).
+// SHA-256 through OpenSSL's libcrypto (EVP), incremental: the content hash
+// of a region's layout entries. Internal (not installed).
 //
-// Not thread-safe (a value type). Invariant: buffered_ < 64, and
-// total_bytes_ counts every byte given to update() so far.
+// Not thread-safe (one object per hash). Move-only.
 #pragma once
 
 #include <array>
 #include <cstddef>
-#include <cstdint>
 #include <span>
+
+struct evp_md_ctx_st;  // OpenSSL's EVP_MD_CTX, kept out of the headers that include this one
 
 namespace shoal::lending::detail {
 
@@ -16,18 +16,18 @@ class sha256 {
  public:
   using digest = std::array<std::byte, 32>;
 
-  sha256() noexcept;
-  void update(std::span<const std::byte> bytes) noexcept;
+  /// backend_error when libcrypto cannot start a hash (out of memory).
+  sha256();
+  ~sha256();
+  sha256(const sha256&) = delete;
+  sha256& operator=(const sha256&) = delete;
+
+  void update(std::span<const std::byte> bytes);
   /// The digest of everything given so far; the object is spent after it.
-  [[nodiscard]] digest finish() noexcept;
+  [[nodiscard]] digest finish();
 
  private:
-  void compress(const std::byte* block) noexcept;
-
-  std::array<std::uint32_t, 8> state_{};
-  std::array<std::byte, 64> buffer_{};
-  std::size_t buffered_ = 0;
-  std::uint64_t total_bytes_ = 0;
+  evp_md_ctx_st* context_;
 };
 
 }  // namespace shoal::lending::detail

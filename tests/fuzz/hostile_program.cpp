@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 
+#include "fuzz/program_reader.h"
 #include "ipc/messages.h"
 #include "shoal/backend/shareable_event.h"
 #include "shoal/backend/shareable_handle.h"
@@ -14,32 +15,6 @@
 namespace shoal::fuzz {
 
 namespace {
-
-// The input's bytes, read front to back; zeros once they run out.
-class program_reader {
- public:
-  explicit program_reader(std::span<const std::uint8_t> input) : input_(input) {}
-
-  [[nodiscard]] bool done() const noexcept { return at_ >= input_.size(); }
-  std::uint8_t u8() { return done() ? 0 : input_[at_++]; }
-  std::uint16_t u16() { return static_cast<std::uint16_t>(u8() | (u8() << 8)); }
-  std::uint64_t u64() {
-    std::uint64_t v = 0;
-    for (int i = 0; i < 8; ++i) v |= std::uint64_t{u8()} << (8 * i);
-    return v;
-  }
-  std::vector<std::byte> bytes(std::size_t n) {
-    n = std::min(n, input_.size() - std::min(at_, input_.size()));
-    std::vector<std::byte> out(n);
-    if (n > 0) std::memcpy(out.data(), input_.data() + at_, n);
-    at_ += n;
-    return out;
-  }
-
- private:
-  std::span<const std::uint8_t> input_;
-  std::size_t at_ = 0;
-};
 
 constexpr std::size_t max_raw_bytes = 4096, max_frame_bytes = 8192, max_note_bytes = 1024;
 constexpr std::uint64_t kib = 1024, mib = 1024 * kib;

@@ -51,12 +51,19 @@ socket = "$dir/b.sock"
 device = "host"
 capacity = "32MiB"
 quota = "8MiB"
+quota_per_uid = "24MiB"
 EOF
 "$shoal" daemon --config "$dir/conf.toml" --quota 16MiB 2> "$dir/log" &
 pid=$!
 answers "$dir/b.sock" || fail "the daemon of the config file did not answer"
 grep -qx 'shoal_lending_capacity_bytes 33554432' "$dir/status" || fail "capacity from the file"
 grep -q 'quota_bytes=16777216' "$dir/log" || fail "the --quota flag did not win over the file"
+grep -q 'quota_bytes_per_uid=25165824' "$dir/log" || fail "quota_per_uid from the file"
+stop
+"$shoal" daemon --config "$dir/conf.toml" --quota-per-uid 12MiB 2> "$dir/log" &
+pid=$!
+answers "$dir/b.sock" || fail "the daemon with --quota-per-uid did not answer"
+grep -q 'quota_bytes_per_uid=12582912' "$dir/log" || fail "the --quota-per-uid flag did not win over the file"
 stop
 
 # Bad settings: exit 2, the setting named.
@@ -75,6 +82,7 @@ refused "'colour' is not a setting" --config "$dir/bad.toml"
 echo 'capacity = ' > "$dir/bad.toml"
 refused "config file" --config "$dir/bad.toml"
 refused "fraction" --capacity 2.5
+refused "quota_per_uid" --quota-per-uid 0
 refused "not in {text,json}" --log-format xml
 
 # Status with no daemon there: exit 1.

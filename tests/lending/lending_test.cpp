@@ -17,6 +17,7 @@
 #include <string>
 #include <thread>
 
+#include "lending/lendable_memory.h"
 #include "lending/messages.h"
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/backend/stream.h"
@@ -34,7 +35,7 @@ namespace {
 TYPED_TEST_SUITE(lending_test, backend_types, backend_names);
 
 TYPED_TEST(lending_test, regions_are_lent_mapped_written_and_given_back) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   borrower b(dev, l.address());
@@ -63,7 +64,7 @@ TYPED_TEST(lending_test, regions_are_lent_mapped_written_and_given_back) {
 }
 
 TYPED_TEST(lending_test, refusals_are_typed_and_leave_the_connection_usable) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l =
       this->start({.capacity_bytes = 7 * this->unit(), .quota_bytes = 4 * this->unit(), .max_regions_per_borrower = 3});
@@ -89,8 +90,42 @@ TYPED_TEST(lending_test, refusals_are_typed_and_leave_the_connection_usable) {
   EXPECT_EQ(s.refusals, 5u);
 }
 
-TYPED_TEST(lending_test, a_hostile_peer_is_closed_alone) {
+TYPED_TEST(lending_test, a_uids_quota_counts_all_its_connections_and_orphaned_regions) {
   this->in_process_only();
+  auto& dev = this->device();
+  const std::size_t unit = this->unit();
+  auto& l = this->start({.quota_bytes = 4 * unit, .quota_bytes_per_uid = 6 * unit});
+  borrower first(dev, l.address()), second(dev, l.address());  // one uid: this process's
+  auto a = first.borrow(4 * unit, "first connection");
+  auto b = second.borrow(2 * unit, "second connection");
+  try {
+    (void)second.borrow(unit, "past the uid's quota");
+    ADD_FAILURE() << "a seventh unit over two connections of one uid was lent";
+  } catch (const peer_refused& e) {
+    const std::string why = e.what();
+    EXPECT_NE(why.find("uid " + std::to_string(::getuid()) + " holds " + std::to_string(6 * unit)), std::string::npos)
+        << why;
+    EXPECT_NE(why.find("per-uid quota"), std::string::npos) << why;
+  }
+  second.give_back(std::move(b));
+  // A third connection borrows and hangs up alive: its region is orphaned, still the uid's.
+  {
+    auto raw = channel::connection::connect(l.address(), {});
+    channel::send_hello(raw, lending::detail::lending_protocol);
+    (void)raw.receive_for(2000ms);
+    raw.send(static_cast<std::uint16_t>(lending::detail::message_type::borrow),
+             lending::detail::encode(lending::detail::borrow_message{1, unit, lending::region_mode::exclusive, "x"}));
+    ASSERT_EQ(raw.receive_for(2000ms).type, static_cast<std::uint16_t>(lending::detail::message_type::lent));
+  }
+  ASSERT_TRUE(eventually([&] { return l.status().borrowers == 2; }));
+  EXPECT_THROW((void)second.borrow(2 * unit, "past the quota with the orphan"), peer_refused);
+  auto last = second.borrow(unit, "what is left of the uid's quota");
+  EXPECT_TRUE(last.valid());
+  EXPECT_EQ(l.status().lent_bytes, 6 * unit);
+}
+
+TYPED_TEST(lending_test, a_hostile_peer_is_closed_alone) {
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   borrower good(dev, l.address());
@@ -165,7 +200,7 @@ TYPED_TEST(lending_test, a_borrower_that_hangs_up_alive_keeps_its_region_counted
 }
 
 TYPED_TEST(lending_test, a_lender_that_stops_answering_gives_timeouts_and_one_that_goes_gives_closed) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   const auto address = channel::channel_address::at_path(this->dir_ / "mute.sock");
   channel::listener mute(address, {});
@@ -197,7 +232,7 @@ TYPED_TEST(lending_test, a_lender_that_stops_answering_gives_timeouts_and_one_th
 }
 
 TYPED_TEST(lending_test, borrowers_past_the_limit_are_turned_away) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start({.max_borrowers = 2});
   borrower a(dev, l.address()), b(dev, l.address());
@@ -207,7 +242,7 @@ TYPED_TEST(lending_test, borrowers_past_the_limit_are_turned_away) {
 }
 
 TYPED_TEST(lending_test, metrics_are_prometheus_text_in_process_and_over_the_socket) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start({.capacity_bytes = 16 * this->unit()});
   borrower b(dev, l.address());
@@ -267,7 +302,7 @@ TYPED_TEST(lending_test, every_event_reaches_the_log_with_who_and_what) {
 }
 
 TYPED_TEST(lending_test, an_adopted_region_serves_allocations_in_its_sub_pools_and_clears_in_stream_order) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   borrower b(dev, l.address());
@@ -312,7 +347,7 @@ TYPED_TEST(lending_test, an_adopted_region_serves_allocations_in_its_sub_pools_a
 }
 
 TYPED_TEST(lending_test, control_clearing_without_the_drain_forgets_memory_a_stream_still_writes) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   borrower b(dev, l.address());
@@ -333,7 +368,7 @@ TYPED_TEST(lending_test, control_clearing_without_the_drain_forgets_memory_a_str
 }
 
 TYPED_TEST(lending_test, an_adopted_region_destroyed_with_live_blocks_stays_mapped_under_them) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   borrower b(dev, l.address());
@@ -350,7 +385,7 @@ TYPED_TEST(lending_test, an_adopted_region_destroyed_with_live_blocks_stays_mapp
 }
 
 TYPED_TEST(lending_test, a_revoked_region_is_asked_back_and_given_back_in_time) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   borrower b(dev, l.address());
@@ -434,7 +469,7 @@ TEST(lending_messages, random_bytes_decode_or_are_refused_and_never_read_past_th
 }
 
 TYPED_TEST(lending_test, random_frames_from_hostile_peers_close_only_them_and_leak_nothing) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start({.peer_timeout = 200ms});
   borrower good(dev, l.address());
@@ -475,7 +510,7 @@ TYPED_TEST(lending_test, random_frames_from_hostile_peers_close_only_them_and_le
 }
 
 TYPED_TEST(lending_test, a_timeout_too_long_for_the_clock_means_no_deadline) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& l = this->start();
   borrower b(this->device(), l.address(), {}, std::chrono::milliseconds::max());
   auto region = b.borrow(this->unit(), "waits as long as it takes", lending::region_mode::exclusive,
@@ -485,7 +520,7 @@ TYPED_TEST(lending_test, a_timeout_too_long_for_the_clock_means_no_deadline) {
 }
 
 TYPED_TEST(lending_test, parts_that_do_not_fit_are_refused_and_the_region_goes_back) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& l = this->start();
   borrower b(this->device(), l.address());
   alloc::caching_allocator allocator(this->device(), {});
@@ -496,7 +531,7 @@ TYPED_TEST(lending_test, parts_that_do_not_fit_are_refused_and_the_region_goes_b
 }
 
 TYPED_TEST(lending_test, clearing_waits_for_a_free_pending_on_another_stream) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   borrower b(dev, l.address());
@@ -518,7 +553,7 @@ TYPED_TEST(lending_test, clearing_waits_for_a_free_pending_on_another_stream) {
 }
 
 TYPED_TEST(lending_test, a_malformed_answer_is_a_protocol_error_and_closes_the_borrower) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   const auto address = channel::channel_address::at_path(this->dir_ / "liar.sock");
   channel::listener liar(address, {});
   std::thread server([&] {
@@ -539,6 +574,105 @@ TYPED_TEST(lending_test, a_malformed_answer_is_a_protocol_error_and_closes_the_b
     EXPECT_THROW((void)b.borrow(4096, "after the lie"), connection_closed);
   }
   server.join();
+}
+
+/// A lender that lends one real region on the first borrow request, then
+/// runs `after` on the connection (the region's id is 5).
+template <class After>
+std::jthread hostile_lender(backend::device& dev, channel::listener& listener, After after) {
+  return std::jthread([&dev, &listener, after] {
+    using lending::detail::message_type;
+    try {
+      auto link = listener.accept();
+      link.set_send_timeout(5000ms);
+      channel::send_hello(link, lending::detail::lending_protocol);
+      (void)link.receive();  // the hello
+      const auto asked = lending::detail::decode_borrow(link.receive().payload);
+      const lending::detail::lendable_memory memory(dev, lending::detail::round_up(asked.bytes, dev.granularity()), 1);
+      const auto& handle = memory.handle();
+      const auto lent =
+          lending::detail::encode(lending::detail::lent_message{asked.request, 5, memory.id(), memory.size(), 1});
+      const auto chunk = handle.serialize();
+      const channel::outgoing_frame frames[] = {
+          {static_cast<std::uint16_t>(message_type::lent), lent},
+          {static_cast<std::uint16_t>(message_type::chunk), chunk,
+           backend::carries_fd(handle.kind) ? handle.fd.get() : -1}};
+      link.send(frames);
+      after(link);
+      for (;;) (void)link.receive();
+    } catch (const error&) {  // NOLINT(bugprone-empty-catch): the borrower hung up
+    }
+  });
+}
+
+void send_revoke(channel::connection& link, std::uint64_t region) {
+  link.send(static_cast<std::uint16_t>(lending::detail::message_type::revoke),
+            lending::detail::encode(lending::detail::revoke_message{region, 1000}));
+}
+
+TYPED_TEST(lending_test, a_lender_flooding_revokes_is_a_protocol_error_and_nothing_of_it_is_kept) {
+  this->in_process_only();
+  auto& dev = this->device();
+  const auto address = channel::channel_address::at_path(this->dir_ / "flood.sock");
+  channel::listener listener(address, {});
+  // Revokes for regions the borrower does not hold, thousands of them, while it waits for an answer.
+  std::jthread flood = hostile_lender(dev, listener, [](channel::connection& link) {
+    (void)link.receive();  // the second borrow request, never answered
+    for (std::uint64_t region = 100; region < 10100; ++region) send_revoke(link, region);
+  });
+  {
+    borrower b(dev, address);
+    auto held = b.borrow(4096, "the one region");
+    try {
+      (void)b.borrow(4096, "flooded");
+      ADD_FAILURE() << "a revoke for a region the borrower does not hold was taken";
+    } catch (const protocol_error& e) {
+      EXPECT_NE(std::string(e.what()).find("region 100, which this borrower does not hold"), std::string::npos)
+          << e.what();
+    }
+    EXPECT_THROW((void)b.revocations(), connection_closed) << "the connection stayed in use after the flood";
+  }
+  flood.join();
+  // The same region revoked twice.
+  std::jthread twice = hostile_lender(dev, listener, [](channel::connection& link) {
+    send_revoke(link, 5);
+    send_revoke(link, 5);
+  });
+  {
+    borrower b(dev, address);
+    auto held = b.borrow(4096, "revoked twice");
+    EXPECT_EQ(held.id(), 5u);
+    // The first revoke is taken (by this call, or by the first of two when the second had not come yet).
+    std::string caught;
+    for (int call = 0; call < 2 && caught.empty(); ++call) {
+      try {
+        const auto asked = b.revocations(2000ms);
+        EXPECT_EQ(asked.size(), 1u);
+      } catch (const protocol_error& e) {
+        caught = e.what();
+      }
+    }
+    EXPECT_NE(caught.find("region 5 a second time"), std::string::npos) << "caught: " << caught;
+    EXPECT_THROW((void)b.borrow(4096, "after"), connection_closed);
+  }
+  twice.join();
+}
+
+TYPED_TEST(lending_test, a_revoke_crossing_its_give_back_is_answered_by_it) {
+  this->in_process_only();
+  auto& dev = this->device();
+  auto& l = this->start();
+  borrower b(dev, l.address());
+  auto region = b.borrow(this->unit(), "given back as it is revoked");
+  const auto id = region.id();
+  l.revoke(id, 2000ms);
+  b.give_back(std::move(region));  // the revoke arrives while give_back waits: kept, then settled by it
+  EXPECT_TRUE(b.revocations(100ms).empty()) << "a revocation of a region already given back was handed out";
+  auto next = b.borrow(this->unit(), "still in step");
+  l.revoke(next.id(), 2000ms);
+  const auto asked = b.revocations(2000ms);
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(asked[0].region, next.id());
 }
 
 TEST(lender_config, out_of_range_settings_are_refused) {

@@ -181,7 +181,7 @@ lending::region_layout layout_of(std::size_t bytes) {
 }
 
 TYPED_TEST(shared_region_test, the_writer_keeps_a_read_only_mapping_and_readers_find_entries_by_name) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   lending::borrower writer(dev, l.address()), reader(dev, l.address());
@@ -210,7 +210,7 @@ TYPED_TEST(shared_region_test, the_writer_keeps_a_read_only_mapping_and_readers_
 }
 
 TYPED_TEST(shared_region_test, publishing_is_refused_for_bad_layouts_taken_names_and_others_regions) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   lending::borrower a(dev, l.address()), b(dev, l.address());
@@ -234,7 +234,7 @@ TYPED_TEST(shared_region_test, publishing_is_refused_for_bad_layouts_taken_names
 }
 
 TYPED_TEST(shared_region_test, a_readers_quota_counts_the_shared_bytes_in_full) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start({.capacity_bytes = 8 * mib, .quota_bytes = 3 * mib});
   lending::borrower writer(dev, l.address()), reader(dev, l.address());
@@ -248,7 +248,7 @@ TYPED_TEST(shared_region_test, a_readers_quota_counts_the_shared_bytes_in_full) 
 }
 
 TYPED_TEST(shared_region_test, malformed_publish_and_shared_borrow_frames_close_only_their_sender) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& dev = this->device();
   auto& l = this->start();
   lending::borrower good(dev, l.address());

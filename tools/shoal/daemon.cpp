@@ -9,12 +9,16 @@
 #include <cstdio>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "shoal/core/error.h"
 #include "shoal/lending/borrower.h"
 #include "shoal/lending/lender.h"
 #include "tools/shoal/daemon_settings.h"
+#if defined(SHOAL_HAVE_METRICS_HTTP)
+#include "tools/shoal/metrics_endpoint.h"
+#endif
 
 namespace shoal::tools {
 
@@ -109,13 +113,28 @@ int serve(const daemon_settings& settings) {
   sigaddset(&stop, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
   const lending::lender lender(device, address, config);
+  std::string metrics_url = "off";
+#if defined(SHOAL_HAVE_METRICS_HTTP)
+  std::optional<metrics_endpoint> endpoint;  // destroyed before the lender it reads
+  try {
+    if (settings.metrics_port >= 0) {
+      endpoint.emplace(static_cast<std::uint16_t>(settings.metrics_port), [&lender] { return lender.metrics_text(); });
+      metrics_url = "http://127.0.0.1:" + std::to_string(endpoint->port()) + "/metrics";
+    }
+  } catch (...) {
+    starting.unlock();  // the lender's events may be waiting for it while it stops
+    throw;
+  }
+#endif
   log.info({{"event", "started"},
             {"socket", address.is_abstract() ? "@" + address.name() : address.name()},
             {"device", device.name()},
             {"capacity_bytes", std::to_string(config.capacity_bytes)},
             {"quota_bytes", std::to_string(config.quota_bytes)},
+            {"quota_bytes_per_uid", std::to_string(config.quota_bytes_per_uid)},
             {"max_borrowers", std::to_string(config.max_borrowers)},
-            {"reuse", settings.reuse}});
+            {"reuse", settings.reuse},
+            {"metrics", metrics_url}});
   starting.unlock();
   int signal = 0;
   sigwait(&stop, &signal);
@@ -146,7 +165,9 @@ int run_daemon(int argc, char** argv) {
   auto* device = app.add_option("--device", settings.device, "default, host, cuda or cuda:N");
   auto* capacity =
       app.add_option("--capacity", settings.capacity.text, "bytes to lend in all: 12GiB, or a fraction like 0.8");
-  auto* quota = app.add_option("--quota", settings.quota.text, "bytes one borrower may hold");
+  auto* quota = app.add_option("--quota", settings.quota.text, "bytes one borrower (connection) may hold");
+  auto* quota_per_uid = app.add_option("--quota-per-uid", settings.quota_per_uid.text,
+                                       "bytes one uid may hold over all its connections (default: no such limit)");
   auto* borrowers = app.add_option("--max-borrowers", settings.max_borrowers, "borrowers connected at once");
   auto* regions = app.add_option("--max-regions", settings.max_regions_per_borrower, "regions one borrower may hold");
   auto* timeout = app.add_option("--peer-timeout-ms", settings.peer_timeout_ms, "deadline of every wait on a borrower");
@@ -156,6 +177,10 @@ int run_daemon(int argc, char** argv) {
       app.add_option("--log-format", settings.log_format, "text or json")->check(CLI::IsMember({"text", "json"}));
   auto* reuse = app.add_option("--reuse", settings.reuse, "lend given-back memory again: same_uid or never")
                     ->check(CLI::IsMember({"same_uid", "never"}));
+  auto* metrics_port = app.add_option("--metrics-port", settings.metrics_port,
+                                      "serve GET /metrics over HTTP on 127.0.0.1 at this port (0: a free one, "
+                                      "named in the log); off by default")
+                           ->check(CLI::Range(0, 65535));
   auto* status_command = app.add_subcommand("status", "print a running daemon's metrics (Prometheus text)");
   status_command->fallthrough();  // --socket and --device after "status" too
   double status_timeout = 5.0;
@@ -172,6 +197,7 @@ int run_daemon(int argc, char** argv) {
       if (device->count() > 0) settings.device = flags.device;
       if (capacity->count() > 0) settings.capacity = flags.capacity;
       if (quota->count() > 0) settings.quota = flags.quota;
+      if (quota_per_uid->count() > 0) settings.quota_per_uid = flags.quota_per_uid;
       if (borrowers->count() > 0) settings.max_borrowers = flags.max_borrowers;
       if (regions->count() > 0) settings.max_regions_per_borrower = flags.max_regions_per_borrower;
       if (timeout->count() > 0) settings.peer_timeout_ms = flags.peer_timeout_ms;
@@ -179,8 +205,16 @@ int run_daemon(int argc, char** argv) {
       if (gids->count() > 0) settings.allowed_gids = flags.allowed_gids;
       if (format->count() > 0) settings.log_format = flags.log_format;
       if (reuse->count() > 0) settings.reuse = flags.reuse;
+      if (metrics_port->count() > 0) settings.metrics_port = flags.metrics_port;
     }
     if (status_command->parsed()) return status(settings, status_timeout);
+#if !defined(SHOAL_HAVE_METRICS_HTTP)
+    if (settings.metrics_port >= 0) {
+      throw invalid_argument(
+          "metrics_port: this build has no HTTP metrics endpoint: Boost.Beast (libboost-dev) was not found when it "
+          "was configured (scripts/ensure-deps installs it); `shoal daemon status` reads the metrics over the socket");
+    }
+#endif
     return serve(settings);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;

@@ -84,6 +84,8 @@ void daemon_settings::read_file(const std::string& path) {
       capacity.text = text();
     } else if (name == "quota") {
       quota.text = text();
+    } else if (name == "quota_per_uid") {
+      quota_per_uid.text = text();
     } else if (name == "max_borrowers") {
       max_borrowers = count();
     } else if (name == "max_regions_per_borrower") {
@@ -94,6 +96,12 @@ void daemon_settings::read_file(const std::string& path) {
       log_format = text();
     } else if (name == "reuse") {
       reuse = text();
+    } else if (name == "metrics_port") {
+      const auto* port = node.as_integer();
+      if (port == nullptr || port->get() < 0 || port->get() > 65535) {
+        throw invalid_argument(where(name) + " must be a port (an integer 0 to 65535; 0: a free one)");
+      }
+      metrics_port = static_cast<std::int32_t>(port->get());
     } else if (name == "allowed_uids" || name == "allowed_gids") {
       const auto* list = node.as_array();
       if (list == nullptr) throw invalid_argument(where(name) + " must be a list of ids");
@@ -108,8 +116,9 @@ void daemon_settings::read_file(const std::string& path) {
       }
     } else {
       throw invalid_argument(where(name) +
-                             " is not a setting (socket, device, capacity, quota, max_borrowers, "
-                             "max_regions_per_borrower, peer_timeout_ms, allowed_uids, allowed_gids, log_format, reuse)");
+                             " is not a setting (socket, device, capacity, quota, quota_per_uid, max_borrowers, "
+                             "max_regions_per_borrower, peer_timeout_ms, allowed_uids, allowed_gids, log_format, metrics_port, "
+                             "reuse)");
     }
   }
 }
@@ -146,6 +155,7 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
   c.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
   c.capacity_bytes = capacity.bytes(d, "capacity");
   c.quota_bytes = quota.bytes(d, "quota");
+  c.quota_bytes_per_uid = quota_per_uid.text.empty() ? 0 : quota_per_uid.bytes(d, "quota_per_uid");
   c.max_borrowers = static_cast<std::size_t>(max_borrowers);
   c.max_regions_per_borrower = static_cast<std::size_t>(max_regions_per_borrower);
   c.peer_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(peer_timeout_ms));

@@ -28,6 +28,7 @@ struct daemon_settings {
   std::string device = "default";  ///< "default", "host", "cuda" or "cuda:N"
   size_setting capacity{"0.9"};
   size_setting quota{"1.0"};
+  size_setting quota_per_uid;  ///< empty: no per-uid quota
   std::uint64_t max_borrowers = 64;
   std::uint64_t max_regions_per_borrower = 1024;
   std::uint64_t peer_timeout_ms = 1000;
@@ -35,10 +36,14 @@ struct daemon_settings {
   std::vector<std::uint32_t> allowed_gids;
   std::string log_format = "text";  ///< "text" or "json"
   std::string reuse = "same_uid";   ///< "same_uid" or "never" (lender_config::reuse)
+  /// The loopback HTTP metrics endpoint's port on 127.0.0.1 (0: a free one,
+  /// named in the log); -1: no endpoint.
+  std::int32_t metrics_port = -1;
 
   /// Reads a TOML file's keys (socket, device, capacity, quota,
-  /// max_borrowers, max_regions_per_borrower, peer_timeout_ms,
-  /// allowed_uids, allowed_gids, log_format, reuse) into these settings. Throws
+  /// quota_per_uid, max_borrowers, max_regions_per_borrower, peer_timeout_ms,
+  /// allowed_uids, allowed_gids, log_format, metrics_port, reuse) into these
+  /// settings. Throws
   /// invalid_argument naming the file, the key and what was wrong.
   void read_file(const std::string& path);
 

@@ -179,7 +179,13 @@ class borrower {
   /// The lender's requests to give regions back that arrived so far (waiting
   /// up to `wait` for a first one when none has): answer each with
   /// give_back before its deadline. Requests that came while another call
-  /// waited for its answer are kept for this one.
+  /// waited for its answer are kept for this one: at most one per region
+  /// this borrower holds, so a lender flooding revokes cannot grow what is
+  /// kept. A revoke for a region this borrower does not hold (or whose give
+  /// back the lender has confirmed), or a second one for a region already
+  /// revoked, is a protocol_error wherever it is read, and the connection is
+  /// closed (later calls: connection_closed): an honest lender never sends
+  /// one, and dropping it would hide a broken or hostile lender.
   [[nodiscard]] std::vector<revocation> revocations(std::chrono::milliseconds wait = std::chrono::milliseconds(0));
 
   /// The mappings this borrower keeps now (without asking the lender: a

@@ -6,8 +6,9 @@
 // protocol's hello, and asks for regions of N bytes with a purpose. The
 // lender lends each region from a chunk of device memory that can be
 // exported (CUDA VMM with a POSIX fd, a memfd on the host backend), sends its
-// handle, and counts it against the capacity and the borrower's quota; the
-// borrower maps it at its own address. A refusal says why (capacity, quota,
+// handle, and counts it against the capacity, the borrower's quota and,
+// when set, its uid's quota over all its connections; the borrower maps it
+// at its own address. A refusal says why (capacity, quota,
 // a bad request, a device failure) and the connection stays open.
 //
 // Memory reuse (config.reuse): with same_uid (the default) an exclusive
@@ -82,6 +83,10 @@ struct lender_config {
   std::size_t capacity_bytes = std::size_t{1} << 30;
   /// Bytes one borrower (one connection) may hold at once (> 0).
   std::size_t quota_bytes = std::size_t{1} << 30;
+  /// Bytes one uid may hold at once over all its connections, its orphaned
+  /// regions included (a borrower cannot pass quota_bytes by opening more
+  /// connections); 0: no such limit.
+  std::size_t quota_bytes_per_uid = 0;
   /// Borrowers connected at once; one more is refused at once.
   std::size_t max_borrowers = 64;
   /// Regions one borrower may hold at once.
