@@ -9,13 +9,17 @@
 //    mapped (in a child: CUDA refuses to import in the exporting process).
 // 2. Borrow -> mapped -> first allocation from the region (the region
 //    adopted into the borrower's caching allocator, one block allocated from
-//    it), then the same again right after giving it back (a re-borrow).
+//    it), then the same again right after giving it back (a re-borrow: the
+//    lender lends the same memory again and the borrower uses the mapping it
+//    kept). Each round's first borrow asks for a size no earlier round had
+//    (one granule more), so it gets fresh memory, as a first borrow does.
 // 3. Hand-over: two borrowers take turns on one region's worth of memory.
 //    The holder is asked back (lender::revoke), clears its region in stream
 //    order and gives it back; the next one borrows, maps and adopts it and
 //    allocates from it. Timed from revoke to the next one's first
 //    allocation, with the steps, two control messages through this process
-//    included.
+//    included. The first hand-over maps the memory in the next borrower;
+//    later ones find it kept mapped there (both borrowers are of one uid).
 // 4. Many borrowers at once (threads of one child, each its own connection)
 //    borrowing and giving back small regions: requests per second, p50/p99.
 //
@@ -164,13 +168,14 @@ int run_child(const std::string& role, const std::string& backend_name, const st
     alloc::caching_allocator allocator(dev);
     backend::stream s(dev);
     if (role == "first") {
-      const std::size_t bytes = std::stoull(args.at(0));
+      const std::size_t base = std::stoull(args.at(0));
       const int rounds = std::stoi(args.at(1));
       {
         auto warm = take_region(b, allocator, s, 2 * mib);  // the first borrow of the process, untimed
         give_region_back(b, warm);
       }
       for (int i = 0; i < rounds; ++i) {
+        const std::size_t bytes = base + static_cast<std::size_t>(i) * dev.granularity();  // new to the lender
         for (const char* kind : {"first", "again"}) {
           const auto t0 = now_ns();
           auto turn = take_region(b, allocator, s, bytes);
@@ -379,7 +384,7 @@ int run_parent(const std::string& self, const options& o) {
       child turns[2] = {start_child(self, "turns", o, path, {bytes}), start_child(self, "turns", o, path, {bytes})};
       send_text(*turns[0].control, "take");
       auto took = numbers_of(receive_text(*turns[0].control), "took");
-      std::vector<double> total, to_seen, clear, give, relay, borrow, adopt, allocate;
+      std::vector<double> total, to_seen, clear, give, relay, borrow, adopt, allocate, first_total, later_total;
       for (int i = 0; i < o.rounds; ++i) {
         child& holder = turns[i % 2];
         child& next = turns[(i + 1) % 2];
@@ -390,6 +395,7 @@ int run_parent(const std::string& self, const options& o) {
         send_text(*next.control, "take");
         took = numbers_of(receive_text(*next.control), "took");
         total.push_back(us_between(t0, static_cast<std::int64_t>(took.at(4))));
+        (i == 0 ? first_total : later_total).push_back(total.back());
         to_seen.push_back(us_between(t0, static_cast<std::int64_t>(yielded.at(0))));
         clear.push_back(us_between(static_cast<std::int64_t>(yielded.at(0)), static_cast<std::int64_t>(yielded.at(1))));
         give.push_back(us_between(static_cast<std::int64_t>(yielded.at(1)), static_cast<std::int64_t>(yielded.at(2))));
@@ -402,6 +408,8 @@ int run_parent(const std::string& self, const options& o) {
       for (auto& t : turns) t.process->wait();
       const std::string size = std::to_string(handover / mib) + " MiB";
       rows.push_back({"hand-over " + size + ": revoke -> next one's first allocation", spread_text(total)});
+      rows.push_back({"  the first (the next one maps the memory)", spread_text(first_total)});
+      rows.push_back({"  later ones (the next one kept its mapping)", spread_text(later_total)});
       rows.push_back({"  revoke seen by the holder", spread_text(to_seen)});
       rows.push_back({"  stream-ordered clear (release)", spread_text(clear)});
       rows.push_back({"  give back (confirmed)", spread_text(give)});

@@ -529,14 +529,14 @@ class Lender:
     Lends regions of this process's device memory to borrower processes over a UNIX socket (the memory daemon's core, serving on its own thread).
     """
 
-    def __init__(self, address: str, device: Device | None = None, capacity_bytes: int = 1073741824, quota_bytes: int = 1073741824, max_borrowers: int = 64, max_regions_per_borrower: int = 1024, peer_timeout: float = 1.0, allowed_uids: Sequence[int] = []) -> None:
+    def __init__(self, address: str, device: Device | None = None, capacity_bytes: int = 1073741824, quota_bytes: int = 1073741824, max_borrowers: int = 64, max_regions_per_borrower: int = 1024, peer_timeout: float = 1.0, allowed_uids: Sequence[int] = [], reuse: str = 'same_uid') -> None:
         """
-        Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` in all and ``quota_bytes`` per borrower.
+        Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` in all and ``quota_bytes`` per borrower. ``reuse``: 'same_uid' lends given-back memory again to borrowers of the same uid (borrowers keep their mappings); 'never' makes every region fresh memory.
         """
 
     def status(self) -> dict:
         """
-        Regions lent (id, bytes, purpose, state, pid, uid, age) and counters, as a dict.
+        Regions lent (id, memory, bytes, purpose, state, pid, uid, age), spare chunks (memory, bytes, uid, kept_by, age) and counters, as a dict.
         """
 
     def revoke(self, region: int, deadline: float) -> None:

@@ -137,10 +137,27 @@ nb::dict status_dict(const lending::lender_status& s) {
   d["revocations"] = s.revocations;
   d["revocations_missed"] = s.revocations_missed;
   d["published"] = s.published;
+  d["spare_bytes"] = s.spare_bytes;
+  d["chunks_made"] = s.chunks_made;
+  d["reuses"] = s.reuses;
+  d["kept_mappings_used"] = s.kept_mappings_used;
+  d["forgets"] = s.forgets;
+  nb::list spares;
+  for (const auto& spare : s.spares) {
+    nb::dict one;
+    one["memory"] = spare.memory;
+    one["bytes"] = spare.bytes;
+    one["uid"] = spare.uid;
+    one["kept_by"] = spare.kept_by;
+    one["age_seconds"] = std::chrono::duration<double>(spare.age).count();
+    spares.append(one);
+  }
+  d["spares"] = spares;
   nb::list regions;
   for (const auto& r : s.regions) {
     nb::dict region;
     region["id"] = r.id;
+    region["memory"] = r.memory;
     region["bytes"] = r.bytes;
     region["purpose"] = r.purpose;
     region["state"] = lending::to_string(r.state);
@@ -173,7 +190,10 @@ void register_lending(nb::module_& m) {
           "__init__",
           [](py_lender* self, const std::string& address, backend::device* device, std::size_t capacity_bytes,
              std::size_t quota_bytes, std::size_t max_borrowers, std::size_t max_regions_per_borrower,
-             double peer_timeout, const std::vector<std::uint32_t>& allowed_uids) {
+             double peer_timeout, const std::vector<std::uint32_t>& allowed_uids, const std::string& reuse) {
+            if (reuse != "same_uid" && reuse != "never") {
+              throw invalid_argument("Lender: reuse='" + reuse + "' is not 'same_uid' or 'never'");
+            }
             lending::lender_config config;
             config.capacity_bytes = capacity_bytes;
             config.quota_bytes = quota_bytes;
@@ -181,18 +201,21 @@ void register_lending(nb::module_& m) {
             config.max_regions_per_borrower = max_regions_per_borrower;
             config.peer_timeout = timeout_of(peer_timeout, "Lender");
             config.policy = policy_of(allowed_uids);
+            config.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
             auto& d = device != nullptr ? *device : backend::default_device();
             new (self) py_lender{std::make_unique<lending::lender>(d, address_of(address), config)};
           },
           nb::arg("address"), nb::arg("device").none() = nb::none(), nb::arg("capacity_bytes") = std::size_t{1} << 30,
           nb::arg("quota_bytes") = std::size_t{1} << 30, nb::arg("max_borrowers") = 64,
           nb::arg("max_regions_per_borrower") = 1024, nb::arg("peer_timeout") = 1.0,
-          nb::arg("allowed_uids") = std::vector<std::uint32_t>{},
+          nb::arg("allowed_uids") = std::vector<std::uint32_t>{}, nb::arg("reuse") = "same_uid",
           "Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` "
-          "in all and ``quota_bytes`` per borrower.")
+          "in all and ``quota_bytes`` per borrower. ``reuse``: 'same_uid' lends given-back memory again to "
+          "borrowers of the same uid (borrowers keep their mappings); 'never' makes every region fresh memory.")
       .def(
           "status", [](const py_lender& l) { return status_dict(l.get().status()); },
-          "Regions lent (id, bytes, purpose, state, pid, uid, age) and counters, as a dict.")
+          "Regions lent (id, memory, bytes, purpose, state, pid, uid, age), spare chunks (memory, bytes, uid, "
+          "kept_by, age) and counters, as a dict.")
       .def(
           "revoke",
           [](const py_lender& l, std::uint64_t region, double deadline) {

@@ -75,6 +75,30 @@ def test_a_region_is_a_storage_given_back_when_its_last_view_is_gone(address):
         assert lender.status()["given_back"] == 1
 
 
+@pytest.mark.parametrize("reuse", ["same_uid", "never"])
+def test_given_back_memory_is_lent_again_within_one_uid_unless_reuse_is_never(address, reuse):
+    in_process_only()
+    with shoal.lending.Lender(address, reuse=reuse) as lender, shoal.lending.Borrower(address) as borrower:
+        memories = []
+        for _ in range(3):
+            region = borrower.borrow(2 * MIB, "cycled")
+            memories.append(lender.status()["regions"][0]["memory"])
+            del region
+            gc.collect()
+            assert eventually(lambda: lender.status()["lent_bytes"] == 0)
+        status = lender.status()
+        if reuse == "same_uid":
+            assert memories == [memories[0]] * 3
+            assert (status["chunks_made"], status["reuses"], status["kept_mappings_used"]) == (1, 2, 2)
+            assert [(s["memory"], s["kept_by"]) for s in status["spares"]] == [(memories[0], 1)]
+            assert status["spare_bytes"] == 2 * MIB
+            assert "shoal_lending_spare_bytes %d\n" % (2 * MIB) in lender.metrics()
+        else:
+            assert len(set(memories)) == 3
+            assert (status["chunks_made"], status["reuses"], status["spare_bytes"]) == (3, 0, 0)
+            assert status["spares"] == []
+
+
 def test_refusals_are_typed(address):
     in_process_only()
     unit = 2 * MIB

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/deadline.h"
+#include "lending/mapping_cache.h"
 #include "lending/messages.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
@@ -36,11 +37,13 @@ using shoal::detail::deadline_after;
 
 // The connection and what requests share. Requests go one at a time.
 struct borrowed_region::link {
-  link(backend::device& d, channel::connection c) : device(d), conn(std::move(c)) {}
+  link(backend::device& d, channel::connection c, const borrower_options& options)
+      : device(d), conn(std::move(c)), kept(d, options.keep_mappings ? options.kept_mapping_bytes : 0) {}
 
   backend::device& device;
-  std::mutex mutex;
+  mutable std::mutex mutex;
   channel::connection conn;
+  detail::mapping_cache kept;  // under mutex
   std::uint64_t next_request = 1;
   // A request that timed out may still be answered: the stream of answers is
   // out of step from then on, so nothing more is asked.
@@ -80,14 +83,32 @@ struct borrowed_region::link {
   }
 
   // The lender confirmed `id` given back: no longer held, nor revoked.
-  void forget(std::uint64_t id) {
+  void given_back_confirmed(std::uint64_t id) {
     held.erase(id);
     revoked.erase(id);
     std::erase_if(stashed, [id](const borrower::revocation& r) { return r.region == id; });
   }
 
-  // The next answer, within the deadline (revocations that come first are
-  // stashed); a timeout leaves the link out of step.
+  // Handles a frame the lender sends unasked: a revoke is kept for
+  // revocations(), a forget unmaps the kept mapping it names. False for any
+  // other frame.
+  bool unasked(const channel::frame& f, const char* operation) {
+    if (f.type == static_cast<std::uint16_t>(message_type::revoke)) {
+      stash(f);
+      return true;
+    }
+    if (f.type != static_cast<std::uint16_t>(message_type::forget)) return false;
+    const auto memory = detail::decode_forget(f.payload);
+    if (!kept.forget(memory)) {
+      out_of_step = true;
+      throw protocol_error(std::string("borrower::") + operation + ": the lender said to forget memory " +
+                           std::to_string(memory) + ", which this borrower does not keep mapped");
+    }
+    return true;
+  }
+
+  // The next answer, within the deadline (revokes and forgets that come
+  // first are handled); a timeout leaves the link out of step.
   channel::frame next(clock_type::time_point deadline, const char* operation) {
     for (;;) {
       channel::frame f;
@@ -97,9 +118,24 @@ struct borrowed_region::link {
         out_of_step = true;
         throw timeout_error(std::string("borrower::") + operation + ": the lender did not answer in time");
       }
-      if (f.type != static_cast<std::uint16_t>(message_type::revoke)) return f;
-      stash(f);
+      if (!unasked(f, operation)) return f;
     }
+  }
+
+  // The kept mapping of a region lent with no chunks: the lender knows this
+  // borrower keeps its memory mapped (read-write: only exclusive regions'
+  // mappings are kept). protocol_error when it does not, or not as lent.
+  void* kept_mapping(const detail::lent_message& lent, backend::memory_access access, const std::string& who) {
+    const auto m = access == backend::memory_access::read_write ? kept.take(lent.memory) : std::nullopt;
+    if (m && m->size == lent.bytes) return m->data;
+    if (m) device.close_import(m->data);
+    out_of_step = true;
+    throw protocol_error(who + ": region " + std::to_string(lent.region) + " was lent with no chunks, as memory " +
+                         std::to_string(lent.memory) + " of " + std::to_string(lent.bytes) +
+                         " bytes this borrower keeps mapped; " +
+                         (m ? "it keeps " + std::to_string(m->size) + " bytes of it"
+                            : access == backend::memory_access::read_write ? "it keeps no mapping of it"
+                                                                            : "a read-only region needs its chunks"));
   }
 
   [[noreturn]] static void throw_refusal(const detail::refused_message& m, std::size_t bytes) {
@@ -119,21 +155,42 @@ struct borrowed_region::link {
     throw invalid_argument(why);
   }
 
-  // Tells the lender `id` is unmapped and waits for its answer.
-  void give_back(std::uint64_t id, clock_type::time_point deadline) {
+  // Gives region `id` (mapped at `data`, `size` bytes of memory `memory`)
+  // back and waits for the answer. An exclusive region's mapping is kept
+  // when there is room and the lender records it; otherwise it is unmapped
+  // before the lender hears of it.
+  void give_back(std::uint64_t id, std::uint64_t memory, void* data, std::size_t size, bool exclusive,
+                 clock_type::time_point deadline) {
     std::lock_guard lock(mutex);
-    usable("give_back");
-    conn.send(static_cast<std::uint16_t>(message_type::give_back), detail::encode_region(id));
-    channel::frame f = next(deadline, "give_back");
-    if (f.type == static_cast<std::uint16_t>(message_type::refused))
-      throw_refusal(detail::decode_refused(f.payload), 0);
-    if (f.type != static_cast<std::uint16_t>(message_type::given_back) ||
-        detail::decode_region(f.payload, "given_back") != id) {
-      out_of_step = true;
-      throw protocol_error("borrower::give_back: the lender answered with frame type " + std::to_string(f.type) +
-                           ", not given_back for region " + std::to_string(id));
+    const bool keep = exclusive && !out_of_step && kept.room_for(size);
+    if (!keep) device.close_import(data);
+    bool kept_now = false;
+    try {
+      usable("give_back");
+      conn.send(static_cast<std::uint16_t>(message_type::give_back),
+                detail::encode(detail::give_back_message{id, keep}));
+      channel::frame f = next(deadline, "give_back");
+      if (f.type == static_cast<std::uint16_t>(message_type::refused))
+        throw_refusal(detail::decode_refused(f.payload), 0);
+      const auto answer = f.type == static_cast<std::uint16_t>(message_type::given_back)
+                              ? std::optional(detail::decode_given_back(f.payload))
+                              : std::nullopt;
+      if (!answer || answer->region != id || (answer->kept && !keep)) {
+        out_of_step = true;
+        throw protocol_error("borrower::give_back: the lender answered with frame type " + std::to_string(f.type) +
+                             ", not given_back for region " + std::to_string(id) +
+                             (keep ? "" : " (with no kept mapping: none was asked)"));
+      }
+      if (answer->kept) {
+        kept.keep(memory, {data, size});
+        kept_now = true;
+      }
+    } catch (...) {
+      if (keep) device.close_import(data);
+      throw;
     }
-    forget(id);
+    if (keep && !kept_now) device.close_import(data);
+    given_back_confirmed(id);
   }
 
   struct mapped {
@@ -170,6 +227,12 @@ struct borrowed_region::link {
                            std::to_string(request));
     }
     held.insert(lent.region);  // from now on the lender may revoke it
+    if (lent.chunks == 0) return {lent, kept_mapping(lent, access, who)};
+    if (kept.contains(lent.memory)) {
+      out_of_step = true;
+      throw protocol_error(who + ": the lender sent the chunks of memory " + std::to_string(lent.memory) +
+                           ", which this borrower keeps mapped (it should have sent none)");
+    }
     std::vector<backend::shareable_handle> chunks;
     std::uint64_t total = 0;
     for (std::uint32_t i = 0; i < lent.chunks; ++i) {
@@ -193,9 +256,10 @@ struct borrowed_region::link {
     } catch (...) {
       // Not mapped: give it back at once (the lender answers before any later request).
       try {
-        conn.send(static_cast<std::uint16_t>(message_type::give_back), detail::encode_region(lent.region));
+        conn.send(static_cast<std::uint16_t>(message_type::give_back),
+                  detail::encode(detail::give_back_message{lent.region, false}));
         (void)next(deadline, operation);
-        forget(lent.region);
+        given_back_confirmed(lent.region);
       } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on hang-up
       }
       throw;
@@ -206,6 +270,7 @@ struct borrowed_region::link {
 borrowed_region::borrowed_region(borrowed_region&& other) noexcept
     : link_(std::move(other.link_)),
       id_(std::exchange(other.id_, 0)),
+      memory_(std::exchange(other.memory_, 0)),
       data_(std::exchange(other.data_, nullptr)),
       size_(std::exchange(other.size_, 0)),
       layout_(std::move(other.layout_)) {}
@@ -215,6 +280,7 @@ borrowed_region& borrowed_region::operator=(borrowed_region&& other) noexcept {
     release();
     link_ = std::move(other.link_);
     id_ = std::exchange(other.id_, 0);
+    memory_ = std::exchange(other.memory_, 0);
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
     layout_ = std::move(other.layout_);
@@ -235,9 +301,8 @@ const void* borrowed_region::address_of(std::string_view name) const {
 void borrowed_region::release() noexcept {
   if (data_ == nullptr) return;
   try {
-    link_->device.close_import(data_);
-    data_ = nullptr;
-    link_->give_back(id_, deadline_after(drop_timeout));
+    link_->give_back(id_, memory_, std::exchange(data_, nullptr), size_, mode() == region_mode::exclusive,
+                     deadline_after(drop_timeout));
   } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims what it is not told of when we hang up
   }
   data_ = nullptr;
@@ -245,13 +310,13 @@ void borrowed_region::release() noexcept {
 }
 
 borrower::borrower(backend::device& device, const channel::channel_address& address,
-                   const channel::access_policy& policy, std::chrono::milliseconds timeout) {
+                   const channel::access_policy& policy, std::chrono::milliseconds timeout, borrower_options options) {
   const auto deadline = deadline_after(timeout);
   auto conn = channel::connection::connect(address, policy, detail::max_frame_payload);
   conn.set_send_timeout(shoal::detail::channel_timeout(timeout));
   channel::send_hello(conn, lending_protocol);
   channel::check_hello(conn.receive_for(left_until(deadline)), lending_protocol);
-  link_ = std::make_shared<borrowed_region::link>(device, std::move(conn));
+  link_ = std::make_shared<borrowed_region::link>(device, std::move(conn), options);
 }
 
 borrower::~borrower() = default;
@@ -274,7 +339,7 @@ borrowed_region borrower::borrow(std::size_t bytes, std::string_view purpose, re
   l.conn.send(static_cast<std::uint16_t>(message_type::borrow),
               detail::encode(detail::borrow_message{request, bytes, mode, std::string(purpose)}));
   const auto m = l.receive_region(request, bytes, backend::memory_access::read_write, deadline, "borrow");
-  return borrowed_region(link_, m.lent.region, m.data, static_cast<std::size_t>(m.lent.bytes));
+  return borrowed_region(link_, m.lent.region, m.lent.memory, m.data, static_cast<std::size_t>(m.lent.bytes));
 }
 
 borrowed_region borrower::publish(borrowed_region&& region, const region_layout& layout,
@@ -310,14 +375,15 @@ borrowed_region borrower::publish(borrowed_region&& region, const region_layout&
       throw protocol_error("borrower::publish: the lender answered with region " + std::to_string(m.lent.region) +
                            " for region " + std::to_string(id));
     }
-    return borrowed_region(link_, id, m.data, size, std::make_shared<const region_layout>(layout));
+    return borrowed_region(link_, id, m.lent.memory, m.data, size, std::make_shared<const region_layout>(layout));
   } catch (const error&) {
     // Refused, or the link broke: the region is not mapped here any more.
     if (!l.out_of_step && !l.conn.broken()) {
       try {
-        l.conn.send(static_cast<std::uint16_t>(message_type::give_back), detail::encode_region(id));
+        l.conn.send(static_cast<std::uint16_t>(message_type::give_back),
+                    detail::encode(detail::give_back_message{id, false}));
         (void)l.next(deadline, "publish");
-        l.forget(id);
+        l.given_back_confirmed(id);
       } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on hang-up
       }
     }
@@ -359,7 +425,7 @@ borrowed_region borrower::borrow_shared(std::string_view name, std::optional<con
                            to_hex(described.layout.hash) + " after the lender accepted the expected " +
                            to_hex(*expected));
     }
-    return borrowed_region(link_, m.lent.region, m.data, static_cast<std::size_t>(m.lent.bytes),
+    return borrowed_region(link_, m.lent.region, m.lent.memory, m.data, static_cast<std::size_t>(m.lent.bytes),
                            std::make_shared<const region_layout>(std::move(described.layout)));
   } catch (const protocol_error& e) {
     l.device.close_import(m.data);
@@ -376,9 +442,13 @@ void borrower::give_back(borrowed_region region, std::chrono::milliseconds timeo
   if (region.link_ != link_)
     throw invalid_argument("borrower::give_back: the region was borrowed through another borrower");
   const auto deadline = deadline_after(timeout);
-  link_->device.close_import(region.data_);
-  region.data_ = nullptr;
-  link_->give_back(region.id_, deadline);
+  const bool exclusive = region.mode() == region_mode::exclusive;
+  link_->give_back(region.id_, region.memory_, std::exchange(region.data_, nullptr), region.size_, exclusive, deadline);
+}
+
+borrower::kept_mappings borrower::kept() const {
+  std::lock_guard lock(link_->mutex);
+  return {link_->kept.count(), link_->kept.bytes()};
 }
 
 std::vector<borrower::revocation> borrower::revocations(std::chrono::milliseconds wait) {
@@ -394,12 +464,11 @@ std::vector<borrower::revocation> borrower::revocations(std::chrono::millisecond
     } catch (const timeout_error&) {
       break;  // nothing more has come: the link is still in step
     }
-    if (f.type != static_cast<std::uint16_t>(message_type::revoke)) {
+    if (!l.unasked(f, "revocations")) {
       l.out_of_step = true;
       throw protocol_error("borrower::revocations: the lender sent frame type " + std::to_string(f.type) +
-                           " unasked; only revoke may come so");
+                           " unasked; only revoke and forget may come so");
     }
-    l.stash(f);
   }
   return std::exchange(l.stashed, {});
 }

@@ -9,12 +9,19 @@ std::size_t round_up(std::size_t bytes, std::size_t granularity) noexcept {
   return (bytes + granularity - 1) / granularity * granularity;
 }
 
-lendable_memory::lendable_memory(backend::device& device, std::size_t bytes) : device_(device), size_(bytes) {
+lendable_memory::lendable_memory(backend::device& device, std::size_t bytes, std::uint64_t id)
+    : device_(device), size_(bytes), id_(id) {
   base_ = device.reserve_range(size_);
   try {
     chunk_ = device.create_physical(size_);
     try {
       device.map(base_, chunk_);
+      try {
+        handle_ = device.export_memory(base_);
+      } catch (...) {
+        device.unmap(base_);
+        throw;
+      }
     } catch (...) {
       device.release_physical(chunk_);
       throw;
@@ -33,7 +40,5 @@ lendable_memory::~lendable_memory() {
   } catch (...) {  // NOLINT(bugprone-empty-catch): the handles are ours; a failure leaves only address space behind
   }
 }
-
-backend::shareable_handle lendable_memory::export_handle() const { return device_.export_memory(base_); }
 
 }  // namespace shoal::lending::detail

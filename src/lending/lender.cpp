@@ -18,6 +18,7 @@
 #include "lending/lendable_memory.h"
 #include "lending/messages.h"
 #include "lending/metrics.h"
+#include "lending/spare_pool.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
 
@@ -46,10 +47,13 @@ struct hold {
 //   holds.empty() never holds for a region in the map;
 //   exclusive: holds.size() == 1; shared: one hold per mapping of it;
 //   lent_bytes_ = sum of info.bytes over the regions in the map (each once);
+//   lent_bytes_ + spares_.bytes() <= capacity;
 //   a borrower's held_bytes = sum of info.bytes over its holds, held_regions
-//   = how many holds it has (a shared region counts in full for each).
+//   = how many holds it has (a shared region counts in full for each);
+//   chunk.keepers never names the connection that holds the region (its
+//   kept mapping became the region's when it was lent to it).
 struct region_entry {
-  std::unique_ptr<detail::lendable_memory> memory;
+  detail::chunk_record chunk;
   region_info info;  // info.holders is filled by status()
   clock_type::time_point since;
   std::vector<hold> holds;
@@ -131,6 +135,8 @@ const char* to_string(lender_event::kind what) noexcept {
       return "revoke_requested";
     case lender_event::kind::revoke_missed:
       return "revoke_missed";
+    case lender_event::kind::spare_released:
+      return "spare_released";
   }
   return "unknown";
 }
@@ -158,8 +164,13 @@ class lender::state {
     lender_status s = counters_;
     s.capacity_bytes = config_.capacity_bytes;
     s.lent_bytes = lent_bytes_;
+    s.spare_bytes = spares_.bytes();
     s.borrowers = borrower_count_.load();
     const auto now = clock_type::now();
+    for (const auto& spare : spares_.chunks()) {
+      s.spares.push_back({spare.chunk.memory->id(), spare.chunk.memory->size(), spare.uid, spare.chunk.keepers.size(),
+                          now - spare.since});
+    }
     for (const auto& [id, region] : regions_) {
       s.regions.push_back(region.info);
       s.regions.back().age = now - region.since;
@@ -240,6 +251,7 @@ class lender::state {
     borrowers_.clear();
     borrower_count_.store(0);
     regions_.clear();
+    spares_.clear();
     lent_bytes_ = 0;
   }
 
@@ -284,7 +296,7 @@ class lender::state {
           lend(b, detail::decode_borrow(f.payload));
           return;
         case message_type::give_back:
-          take_back(b, detail::decode_region(f.payload, "give_back"));
+          take_back(b, detail::decode_give_back(f.payload));
           return;
         case message_type::publish:
           publish(b, detail::decode_publish(f.payload));
@@ -348,52 +360,118 @@ class lender::state {
                                           std::to_string(config_.quota_bytes_per_uid));
       }
     }
-    std::size_t left = 0;
-    {
-      std::lock_guard lock(mutex_);
-      left = config_.capacity_bytes - lent_bytes_;
-    }
-    if (bytes > left) {
-      return refuse(refusal::capacity, std::to_string(bytes) + " bytes asked, " + std::to_string(left) +
-                                           " left of the lender's capacity of " +
-                                           std::to_string(config_.capacity_bytes));
-    }
-    std::unique_ptr<detail::lendable_memory> memory;
-    backend::shareable_handle handle;
+    std::optional<detail::chunk_record> chunk;
     try {
-      memory = std::make_unique<detail::lendable_memory>(device_, bytes);
-      handle = memory->export_handle();
+      chunk = acquire(b, bytes);
     } catch (const out_of_memory& e) {
       return refuse(refusal::capacity, std::string("the device has not that much: ") + e.what());
     } catch (const error& e) {
       return refuse(refusal::device_error, e.what());
     }
+    if (!chunk) {
+      std::size_t left = 0;
+      {
+        std::lock_guard lock(mutex_);
+        left = config_.capacity_bytes - lent_bytes_;
+      }
+      return refuse(refusal::capacity, std::to_string(bytes) + " bytes asked, " + std::to_string(left) +
+                                           " left of the lender's capacity of " +
+                                           std::to_string(config_.capacity_bytes) + " (spare chunks released)");
+    }
+    // The connection's kept mapping, if it has one, becomes the region's.
+    const bool kept = chunk->drop_keeper(b.serial);
+    const detail::lendable_memory& memory = *chunk->memory;
     const std::uint64_t id = next_region_++;
     {
       std::lock_guard lock(mutex_);
       region_entry r;
-      r.memory = std::move(memory);
-      r.info = {id, bytes, m.purpose, m.mode, region_state::lent, b.link.peer().process, b.link.peer().uid, {}};
+      r.chunk = std::move(*chunk);
+      r.info = {id, memory.id(), bytes, m.purpose, m.mode, region_state::lent, b.link.peer().process,
+                b.link.peer().uid, {}};
       r.since = clock_type::now();
       r.holds.push_back({b.serial, b.link.peer().process, b.link.peer().uid});
       regions_.emplace(id, std::move(r));
       lent_bytes_ += bytes;
+      counters_.kept_mappings_used += kept ? 1 : 0;
     }
     b.held_bytes += bytes;
     ++b.held_regions;
     emit(lender_event::kind::lent, b.link.peer(), id, bytes, m.purpose);
-    send_region(b, m.request, id, bytes, handle, nullptr);  // counted before it goes: a hang-up now is reclaimed
+    // Counted before it goes: a hang-up now is reclaimed.
+    send_region(b, m.request, id, memory, kept ? nullptr : &memory.handle(), nullptr);
   }
 
-  // Sends lent, the chunk frame and, for a reader, the layout frame, in one batch.
-  void send_region(borrower_entry& b, std::uint64_t request, std::uint64_t id, std::size_t bytes,
-                   const backend::shareable_handle& handle, const region_layout* layout) {
-    const auto lent = detail::encode(detail::lent_message{request, id, bytes, 1});
-    const auto chunk = handle.serialize();
-    std::vector<channel::outgoing_frame> frames{
-        {static_cast<std::uint16_t>(message_type::lent), view(lent)},
-        {static_cast<std::uint16_t>(message_type::chunk), view(chunk),
-         backend::carries_fd(handle.kind) ? handle.fd.get() : -1}};
+  // Memory of `bytes` for `b`: a spare of its uid when reuse allows, else a
+  // fresh chunk, spares released (oldest first) while it would not fit the
+  // capacity. nullopt when it does not fit even so; the device's errors
+  // propagate.
+  std::optional<detail::chunk_record> acquire(const borrower_entry& b, std::size_t bytes) {
+    std::vector<detail::spare_chunk> released;
+    {
+      std::lock_guard lock(mutex_);
+      if (config_.reuse == reuse_policy::same_uid) {
+        if (auto spare = spares_.take(bytes, b.link.peer().uid, b.serial)) {
+          ++counters_.reuses;
+          return std::move(spare->chunk);
+        }
+      }
+      while (lent_bytes_ + spares_.bytes() + bytes > config_.capacity_bytes) {
+        auto oldest = spares_.take_oldest();
+        if (!oldest) break;
+        released.push_back(std::move(*oldest));
+      }
+    }
+    release_spares(std::move(released), "a fresh region of " + std::to_string(bytes) + " bytes needed the room");
+    {
+      std::lock_guard lock(mutex_);
+      if (lent_bytes_ + spares_.bytes() + bytes > config_.capacity_bytes) return std::nullopt;
+    }
+    detail::chunk_record fresh{std::make_unique<detail::lendable_memory>(device_, bytes, next_memory_++), {}};
+    std::lock_guard lock(mutex_);
+    ++counters_.chunks_made;
+    return fresh;
+  }
+
+  // Releases spare chunks taken out of the pool, telling each connection
+  // that keeps one mapped to forget it. On the serving thread.
+  void release_spares(std::vector<detail::spare_chunk> released, const std::string& why) {
+    for (auto& spare : released) {
+      const std::uint64_t memory = spare.chunk.memory->id();
+      tell_to_forget(spare.chunk.keepers, memory);
+      lender_event e{lender_event::kind::spare_released, {}, spare.uid, 0, spare.chunk.memory->size(),
+                     "memory " + std::to_string(memory) + ": " + why};
+      spare.chunk.memory.reset();
+      emit(e);
+    }
+  }
+
+  // Sends forget for `memory` to each connection in `keepers`. On the
+  // serving thread; a broken link is hung up on by the loop.
+  void tell_to_forget(const std::vector<std::uint64_t>& keepers, std::uint64_t memory) {
+    for (auto& b : borrowers_) {
+      if (std::find(keepers.begin(), keepers.end(), b.serial) == keepers.end()) continue;
+      try {
+        b.link.send(static_cast<std::uint16_t>(message_type::forget), detail::encode_forget(memory));
+      } catch (const error&) {  // NOLINT(bugprone-empty-catch): the loop hangs up on a broken link
+      }
+      std::lock_guard lock(mutex_);
+      ++counters_.forgets;
+    }
+  }
+
+  // Sends lent, the chunk frame (none when `handle` is null: the borrower
+  // keeps the memory mapped) and, for a reader, the layout frame, in one batch.
+  void send_region(borrower_entry& b, std::uint64_t request, std::uint64_t id, const detail::lendable_memory& memory,
+                   const backend::shareable_handle* handle, const region_layout* layout) {
+    const auto lent = detail::encode(
+        detail::lent_message{request, id, memory.id(), memory.size(), handle != nullptr ? 1u : 0u});
+    std::vector<channel::outgoing_frame> frames{{static_cast<std::uint16_t>(message_type::lent), view(lent)}};
+    std::vector<std::byte> chunk;
+    if (handle != nullptr) {
+      chunk = handle->serialize();
+      frames.push_back({static_cast<std::uint16_t>(message_type::chunk), view(chunk),
+                        backend::carries_fd(handle->kind) ? handle->fd.get() : -1});
+    }
     std::vector<std::byte> described;
     if (layout != nullptr) {
       described = detail::encode(detail::layout_message{request, *layout});
@@ -415,7 +493,6 @@ class lender::state {
     refusal reason = refusal::bad_request;
     std::size_t bytes = 0;
     std::string name;
-    backend::shareable_handle handle;
     {
       std::lock_guard lock(mutex_);
       const auto it = regions_.find(m.region);
@@ -432,25 +509,26 @@ class lender::state {
       } else {
         bytes = it->second.info.bytes;
         name = it->second.info.purpose;
-        try {
-          handle = it->second.memory->export_handle();
-        } catch (const error& e) {
-          why = e.what();
-          reason = refusal::device_error;
-        }
       }
     }
     if (!why.empty()) return refuse(reason, why);
+    std::vector<std::uint64_t> keepers;
+    const detail::lendable_memory* memory = nullptr;
     {
       std::lock_guard lock(mutex_);
       region_entry& r = regions_.at(m.region);
       r.info.mode = region_mode::shared;
       r.layout = m.layout;
+      keepers.swap(r.chunk.keepers);
+      memory = r.chunk.memory.get();
       ++counters_.published;
     }
+    // Shared memory is never lent again: whoever of the writer's uid kept a
+    // writable mapping of it drops it (the region is read-only from now on).
+    tell_to_forget(keepers, memory->id());
     emit(lender_event::kind::published, b.link.peer(), m.region, bytes,
          "'" + name + "', content hash " + to_hex(m.layout.hash));
-    send_region(b, m.request, m.region, bytes, handle, nullptr);
+    send_region(b, m.request, m.region, *memory, &memory->handle(), nullptr);
   }
 
   // A new hold of the region published under m.name, for a reader.
@@ -463,7 +541,6 @@ class lender::state {
     std::uint64_t id = 0;
     std::size_t bytes = 0;
     region_layout layout;
-    backend::shareable_handle handle;
     {
       std::lock_guard lock(mutex_);
       id = published_named(m.name);
@@ -504,18 +581,18 @@ class lender::state {
                                           std::to_string(config_.quota_bytes_per_uid));
       }
     }
-    try {
+    const detail::lendable_memory* memory = nullptr;
+    {
       std::lock_guard lock(mutex_);
-      handle = regions_.at(id).memory->export_handle();
-      regions_.at(id).holds.push_back({b.serial, b.link.peer().process, b.link.peer().uid});
-      regions_.at(id).settle_state();
-    } catch (const error& e) {
-      return refuse(refusal::device_error, e.what());
+      region_entry& r = regions_.at(id);
+      r.holds.push_back({b.serial, b.link.peer().process, b.link.peer().uid});
+      r.settle_state();
+      memory = r.chunk.memory.get();
     }
     b.held_bytes += bytes;
     ++b.held_regions;
     emit(lender_event::kind::lent, b.link.peer(), id, bytes, m.name);
-    send_region(b, m.request, id, bytes, handle, &layout);
+    send_region(b, m.request, id, *memory, &memory->handle(), &layout);
   }
 
   // The id of the shared region published under `name`, or 0. Under mutex_.
@@ -538,9 +615,13 @@ class lender::state {
     return held;
   }
 
-  // Drops one of `b`'s holds of region `id`; the region goes with its last hold.
-  void take_back(borrower_entry& b, std::uint64_t id) {
+  // Drops one of `b`'s holds of region m.region; the region goes with its
+  // last hold. b keeps its mapping when it asked to and the memory becomes
+  // a spare (an exclusive region, reuse on).
+  void take_back(borrower_entry& b, const detail::give_back_message& m) {
+    const std::uint64_t id = m.region;
     bool held = false;
+    bool kept = false;
     std::size_t bytes = 0;
     {
       std::lock_guard lock(mutex_);
@@ -555,6 +636,8 @@ class lender::state {
           --b.held_regions;
           holds.erase(h);
           ++counters_.given_back;
+          kept = m.keep_mapping && holds.empty() && reusable(it->second);
+          if (kept) it->second.chunk.keepers.push_back(b.serial);
           release_if_unheld(it);
         }
       }
@@ -564,7 +647,13 @@ class lender::state {
                           "region " + std::to_string(id) + " is not one this borrower holds");
     }
     emit(lender_event::kind::given_back, b.link.peer(), id, bytes);
-    b.link.send(static_cast<std::uint16_t>(message_type::given_back), detail::encode_region(id));
+    b.link.send(static_cast<std::uint16_t>(message_type::given_back),
+                detail::encode(detail::given_back_message{id, kept}));
+  }
+
+  // Whether a region's memory becomes a spare when its last hold goes.
+  bool reusable(const region_entry& r) const {
+    return config_.reuse == reuse_policy::same_uid && r.info.mode == region_mode::exclusive;
   }
 
   void send_refusal(borrower_entry& b, std::uint64_t request, refusal reason, const std::string& why) {
@@ -590,10 +679,13 @@ class lender::state {
 
   // Each of `b`'s holds is orphaned (it still runs and may map the region)
   // or reclaimed (it is gone); a region goes with its last hold.
+  // Its kept mappings are forgotten: nothing more is lent to this connection.
   void hang_up_locked(borrower_entry& b, std::vector<lender_event>& events) {
     const bool alive = is_alive(b.link.peer().process);
+    spares_.drop_keeper(b.serial);
     for (auto it = regions_.begin(); it != regions_.end();) {
       region_entry& r = it->second;
+      r.chunk.drop_keeper(b.serial);
       for (auto h = r.holds.begin(); h != r.holds.end();) {
         if (h->borrower != b.serial) {
           ++h;
@@ -614,10 +706,12 @@ class lender::state {
   }
 
   // Erases the region at `it` when it has no hold left (returning the next
-  // one), or settles its state; under mutex_.
+  // one), its memory kept as a spare when reusable, or settles its state;
+  // under mutex_. A spare still fits the capacity: its bytes were lent.
   std::map<std::uint64_t, region_entry>::iterator release_if_unheld(std::map<std::uint64_t, region_entry>::iterator it) {
     if (it->second.holds.empty()) {
       lent_bytes_ -= it->second.info.bytes;
+      if (reusable(it->second)) spares_.put(std::move(it->second.chunk), it->second.info.uid, clock_type::now());
       return regions_.erase(it);
     }
     it->second.settle_state();
@@ -731,11 +825,13 @@ class lender::state {
   std::atomic<std::size_t> borrower_count_{0};
   std::uint64_t last_serial_ = 0;
   std::uint64_t next_region_ = 1;
+  std::uint64_t next_memory_ = 1;
 
   mutable std::mutex mutex_;  // guards what status() reads
   std::map<std::uint64_t, region_entry> regions_;
   std::vector<std::pair<std::uint64_t, std::chrono::milliseconds>> revocations_;  // queued by revoke()
   std::size_t lent_bytes_ = 0;
+  detail::spare_pool spares_;  // lent_bytes_ + spares_.bytes() <= config_.capacity_bytes
   lender_status counters_;
 
   std::thread thread_;  // last: started once everything above exists

@@ -34,7 +34,7 @@ std::vector<std::byte> encode(const borrow_message& m) {
 
 std::vector<std::byte> encode(const lent_message& m) {
   wire_writer w;
-  w.put(m.request).put(m.region).put(m.bytes).put(m.chunks);
+  w.put(m.request).put(m.region).put(m.memory).put(m.bytes).put(m.chunks);
   return w.take();
 }
 
@@ -45,9 +45,21 @@ std::vector<std::byte> encode(const refused_message& m) {
   return w.take();
 }
 
-std::vector<std::byte> encode_region(std::uint64_t region) {
+std::vector<std::byte> encode(const give_back_message& m) {
   wire_writer w;
-  w.put(region);
+  w.put(m.region).put(static_cast<std::uint8_t>(m.keep_mapping ? 1 : 0));
+  return w.take();
+}
+
+std::vector<std::byte> encode(const given_back_message& m) {
+  wire_writer w;
+  w.put(m.region).put(static_cast<std::uint8_t>(m.kept ? 1 : 0));
+  return w.take();
+}
+
+std::vector<std::byte> encode_forget(std::uint64_t memory) {
+  wire_writer w;
+  w.put(memory);
   return w.take();
 }
 
@@ -75,10 +87,13 @@ lent_message decode_lent(std::span<const std::byte> payload) {
   lent_message m;
   m.request = r.get<std::uint64_t>("request");
   m.region = r.get<std::uint64_t>("region");
+  m.memory = r.get<std::uint64_t>("memory");
+  if (m.memory == 0) r.fail("memory", "memory ids start at 1");
   m.bytes = r.get<std::uint64_t>("bytes");
   m.chunks = r.get<std::uint32_t>("chunks");
-  if (m.chunks == 0 || m.chunks > max_chunks_per_region) {
-    r.fail("chunks", std::to_string(m.chunks) + " is not in 1.." + std::to_string(max_chunks_per_region));
+  if (m.chunks > max_chunks_per_region) {
+    r.fail("chunks", std::to_string(m.chunks) + " is not in 0.." + std::to_string(max_chunks_per_region) +
+                         " (0: a mapping the borrower kept)");
   }
   r.finish();
   return m;
@@ -219,11 +234,41 @@ layout_message decode_layout(std::span<const std::byte> payload) {
   return m;
 }
 
-std::uint64_t decode_region(std::span<const std::byte> payload, const char* message) {
-  wire_reader r(payload, message);
-  const auto region = r.get<std::uint64_t>("region");
+namespace {
+
+// A flag byte: 0 or 1, anything else refused.
+bool get_flag(wire_reader& r, const char* field) {
+  const auto flag = r.get<std::uint8_t>(field);
+  if (flag > 1) r.fail(field, std::to_string(flag) + " is neither 0 nor 1");
+  return flag == 1;
+}
+
+}  // namespace
+
+give_back_message decode_give_back(std::span<const std::byte> payload) {
+  wire_reader r(payload, "give_back");
+  give_back_message m;
+  m.region = r.get<std::uint64_t>("region");
+  m.keep_mapping = get_flag(r, "keep_mapping");
   r.finish();
-  return region;
+  return m;
+}
+
+given_back_message decode_given_back(std::span<const std::byte> payload) {
+  wire_reader r(payload, "given_back");
+  given_back_message m;
+  m.region = r.get<std::uint64_t>("region");
+  m.kept = get_flag(r, "kept");
+  r.finish();
+  return m;
+}
+
+std::uint64_t decode_forget(std::span<const std::byte> payload) {
+  wire_reader r(payload, "forget");
+  const auto memory = r.get<std::uint64_t>("memory");
+  if (memory == 0) r.fail("memory", "memory ids start at 1");
+  r.finish();
+  return memory;
 }
 
 }  // namespace shoal::lending::detail

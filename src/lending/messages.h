@@ -1,12 +1,23 @@
 // The lending protocol's messages, with their wire forms (core's codec).
 //
-// After the hellos ("shoal.lending" version 1), a borrower sends borrow,
+// After the hellos ("shoal.lending" version 2), a borrower sends borrow,
 // give_back, query_metrics, publish and borrow_shared; the lender answers
 // each borrow with lent (followed by one chunk frame per chunk, each with its
 // descriptor where the handle kind has one) or refused, each give_back with
 // given_back or refused, and each query_metrics with metrics. The lender may
 // send revoke at any time, unasked: a borrower gives the region back
 // (give_back) within the deadline it names.
+//
+// Memory reuse (version 2): lent names the memory (a chunk id the lender
+// assigns, never reused) besides the region. give_back carries keep_mapping:
+// the borrower asks to keep its mapping of an exclusive region's memory, and
+// given_back says whether the lender recorded it (kept; otherwise the
+// borrower unmaps). While a connection keeps a memory mapped, a lent of that
+// memory to it carries no chunk frames (chunks == 0) and the borrower uses
+// its kept mapping; a lent with no chunks for memory the borrower does not
+// keep is a protocol_error. When the lender releases memory some connections
+// keep mapped, it sends each of them forget, unasked (like revoke): the
+// borrower unmaps it; forget for memory it does not keep is a protocol_error.
 //
 // Shared regions (version 1 too: nothing had shipped): a writer that holds
 // an exclusive region unmaps it and sends publish (the region, its layout
@@ -54,6 +65,7 @@ enum class message_type : std::uint16_t {
   publish = 10,       // borrower -> lender: make an exclusive region it holds shared, with its layout
   borrow_shared = 11, // borrower -> lender: map the region published under a name, read-only
   layout = 12,        // lender -> borrower: a shared region's layout, after its lent and chunk frames
+  forget = 13,        // lender -> borrower, at any time: unmap the kept mapping of this memory
 };
 
 enum class refusal : std::uint8_t {
@@ -74,8 +86,19 @@ struct borrow_message {
 struct lent_message {
   std::uint64_t request = 0;
   std::uint64_t region = 0;
+  std::uint64_t memory = 0;  ///< the chunk's id (> 0): the same memory lent again has the same id
   std::uint64_t bytes = 0;
-  std::uint32_t chunks = 0;
+  std::uint32_t chunks = 0;  ///< 0: the borrower keeps `memory` mapped and uses that mapping
+};
+
+struct give_back_message {
+  std::uint64_t region = 0;
+  bool keep_mapping = false;  ///< the borrower asks to keep its mapping of the region's memory
+};
+
+struct given_back_message {
+  std::uint64_t region = 0;
+  bool kept = false;  ///< the lender recorded the kept mapping; otherwise the borrower unmaps now
 };
 
 struct refused_message {
@@ -117,14 +140,20 @@ struct revoke_message {
   std::uint32_t deadline_ms = 0;  ///< from when it was sent
 };
 
-[[nodiscard]] std::vector<std::byte> encode_region(std::uint64_t region);  // give_back, given_back
 [[nodiscard]] std::vector<std::byte> encode(const revoke_message& m);
 [[nodiscard]] revoke_message decode_revoke(std::span<const std::byte> payload);
+
+[[nodiscard]] std::vector<std::byte> encode(const give_back_message& m);
+[[nodiscard]] std::vector<std::byte> encode(const given_back_message& m);
+[[nodiscard]] give_back_message decode_give_back(std::span<const std::byte> payload);
+[[nodiscard]] given_back_message decode_given_back(std::span<const std::byte> payload);
+/// forget: the memory id (> 0).
+[[nodiscard]] std::vector<std::byte> encode_forget(std::uint64_t memory);
+[[nodiscard]] std::uint64_t decode_forget(std::span<const std::byte> payload);
 
 [[nodiscard]] borrow_message decode_borrow(std::span<const std::byte> payload);
 [[nodiscard]] lent_message decode_lent(std::span<const std::byte> payload);
 [[nodiscard]] refused_message decode_refused(std::span<const std::byte> payload);
-[[nodiscard]] std::uint64_t decode_region(std::span<const std::byte> payload, const char* message);
 
 [[nodiscard]] std::vector<std::byte> encode(const publish_message& m);
 [[nodiscard]] std::vector<std::byte> encode(const borrow_shared_message& m);

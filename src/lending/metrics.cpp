@@ -48,6 +48,17 @@ void per_region(std::ostringstream& out, const lender_status& s) {
   }
 }
 
+// One sample per spare chunk: what the lender keeps for reuse, and for whom.
+void per_spare(std::ostringstream& out, const lender_status& s) {
+  out << "# HELP shoal_lending_spare_chunk_bytes Bytes of each spare chunk, by memory id, the uid it is lent "
+         "again to, and how many connections keep it mapped.\n"
+      << "# TYPE shoal_lending_spare_chunk_bytes gauge\n";
+  for (const auto& spare : s.spares) {
+    out << "shoal_lending_spare_chunk_bytes{memory=\"" << spare.memory << "\",uid=\"" << spare.uid
+        << "\",kept_by=\"" << spare.kept_by << "\"} " << spare.bytes << '\n';
+  }
+}
+
 }  // namespace
 
 std::string prometheus_text(const lender_status& s) {
@@ -62,7 +73,11 @@ std::string prometheus_text(const lender_status& s) {
   }
   metric(out, "capacity_bytes", "gauge", "Bytes the lender may lend at once.", s.capacity_bytes);
   metric(out, "lent_bytes", "gauge", "Bytes lent now (regions lent or orphaned).", s.lent_bytes);
-  metric(out, "free_bytes", "gauge", "Bytes of the capacity not lent.", s.capacity_bytes - s.lent_bytes);
+  metric(out, "spare_bytes", "gauge", "Bytes of spare chunks kept for reuse (counted against the capacity).",
+         s.spare_bytes);
+  metric(out, "spare_chunks", "gauge", "Spare chunks kept for reuse.", s.spares.size());
+  metric(out, "free_bytes", "gauge", "Bytes of the capacity neither lent nor spare.",
+         s.capacity_bytes - s.lent_bytes - s.spare_bytes);
   metric(out, "regions", "gauge", "Regions lent or orphaned now.", s.regions.size());
   metric(out, "orphaned_regions", "gauge", "Regions whose borrower hung up but still runs.", orphaned);
   metric(out, "shared_regions", "gauge", "Regions published read-only now.", shared);
@@ -76,9 +91,17 @@ std::string prometheus_text(const lender_status& s) {
   metric(out, "revocations_total", "counter", "Regions asked back.", s.revocations);
   metric(out, "revocations_missed_total", "counter", "Revoked regions not given back by their deadline.",
          s.revocations_missed);
+  metric(out, "chunks_made_total", "counter", "Chunks of fresh memory made (created, mapped, exported).",
+         s.chunks_made);
+  metric(out, "reuses_total", "counter", "Regions lent from a spare chunk.", s.reuses);
+  metric(out, "kept_mappings_used_total", "counter", "Regions lent with no chunk: the borrower's kept mapping used.",
+         s.kept_mappings_used);
+  metric(out, "forgets_total", "counter", "Forget messages sent for released chunks borrowers kept mapped.",
+         s.forgets);
   metric(out, "closed_for_errors_total", "counter", "Connections closed for malformed or stalled input.",
          s.connections_closed_for_errors);
   per_region(out, s);
+  per_spare(out, s);
   return out.str();
 }
 

@@ -83,7 +83,8 @@ lending_program::lending_program(std::span<const std::uint8_t> input) {
       case lending_op::hello: {
         const std::uint8_t variant = in.u8() % 3;
         const channel::protocol_id id = variant == 0   ? lending::detail::lending_protocol
-                                        : variant == 1 ? channel::protocol_id{lending::protocol_name, 2}
+                                        : variant == 1 ? channel::protocol_id{lending::protocol_name,
+                                                                              lending::protocol_version + 1}
                                                        : channel::protocol_id{"shoal.sharing", 1};
         a.type = channel::hello_frame_type;
         a.bytes = channel::encode_hello(id);
@@ -103,8 +104,14 @@ lending_program::lending_program(std::span<const std::uint8_t> input) {
       case lending_op::give_back:
       case lending_op::given_back: {
         const std::uint8_t region = in.u8();
+        const std::uint64_t raw = in.u64();
+        // The flag: keep_mapping or kept; 2 and up are not flags (refused).
+        const std::uint8_t flag = in.u8();
         a.type = type_of(op == lending_op::give_back ? message_type::give_back : message_type::given_back);
-        a.bytes = lending::detail::encode_region(region_choice(region, in.u64()));
+        a.bytes = op == lending_op::give_back
+                      ? lending::detail::encode(lending::detail::give_back_message{region_choice(region, raw), flag == 1})
+                      : lending::detail::encode(lending::detail::given_back_message{region_choice(region, raw), flag == 1});
+        if (flag > 1) a.bytes.back() = static_cast<std::byte>(flag);
         break;
       }
       case lending_op::query_metrics: {
@@ -118,6 +125,7 @@ lending_program::lending_program(std::span<const std::uint8_t> input) {
         m.request = in.u8();
         const std::uint8_t region = in.u8();
         m.region = region_choice(region, in.u64());
+        m.memory = in.u8();  // 0 is no memory id (refused)
         const std::uint8_t size = in.u8();
         m.bytes = size_choice(size, in.u64());
         const std::uint8_t chunks = in.u8();
@@ -156,6 +164,11 @@ lending_program::lending_program(std::span<const std::uint8_t> input) {
         a.type = in.u16();
         a.bytes = in.bytes(in.u8());
         a.fd = descriptor(in, kit_);
+        break;
+      case lending_op::forget:
+        a.type = type_of(message_type::forget);
+        a.bytes = lending::detail::encode_forget(in.u8());
+        if (a.bytes.front() == std::byte{0}) a.bytes = std::vector<std::byte>(8);  // memory 0: refused
         break;
       case lending_op::raw:
         a.raw = true;

@@ -50,8 +50,9 @@ enum class lending_op : std::uint8_t {
   revoke,
   frame,
   raw,
+  forget,
 };
-inline constexpr std::uint8_t lending_ops = 12;
+inline constexpr std::uint8_t lending_ops = 13;
 
 /// Sizes a size choice picks (choice % 9; 8: the raw size that follows):
 /// around the host backend's 2 MiB granularity and the target lender's

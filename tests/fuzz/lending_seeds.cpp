@@ -32,10 +32,13 @@ lending_writer against_borrower(std::uint8_t calls) {
 void borrow(lending_writer& w, std::uint8_t request, std::uint8_t size, std::uint8_t purpose = 0) {
   w.op(lending_op::borrow).u8(request).u8(size).u64(0).u8(1).u8(purpose);
 }
-void region_frame(lending_writer& w, lending_op op, std::uint8_t region) { w.op(op).u8(region).u64(0); }
-// A lent region of 2 MiB in one chunk, whose memfd is `memfd_size`.
+// give_back (keep_mapping) or given_back (kept) of `region`, the flag 0 or 1.
+void region_frame(lending_writer& w, lending_op op, std::uint8_t region, std::uint8_t flag = 0) {
+  w.op(op).u8(region).u64(0).u8(flag);
+}
+// A lent region of 2 MiB (memory id 1) in one chunk, whose memfd is `memfd_size`.
 void lend(lending_writer& w, std::uint8_t request, std::uint8_t region, std::uint8_t memfd_size = memfd_2mib) {
-  w.op(lending_op::lent).u8(request).u8(region).u64(0).u8(size_2mib).u64(0).u8(1);
+  w.op(lending_op::lent).u8(request).u8(region).u64(0).u8(1).u8(size_2mib).u64(0).u8(1);
   w.op(lending_op::chunk).u8(1).u8(size_2mib).u64(0).u8(0).u8(sealed_memfd).u8(memfd_size);
 }
 void revoke(lending_writer& w, std::uint8_t region) { w.op(lending_op::revoke).u8(region).u64(0).u32(1000); }
@@ -54,11 +57,13 @@ std::vector<lending_seed> lending_seeds() {
   seeds.push_back({"decode_borrow",
                    decoder_input(d::encode(d::borrow_message{7, 4096, lending::region_mode::exclusive, "parameters"})),
                    1, "decoded"});
-  seeds.push_back({"decode_lent", decoder_input(d::encode(d::lent_message{7, 3, 2u << 20, 1})), 1, "decoded"});
+  seeds.push_back({"decode_lent", decoder_input(d::encode(d::lent_message{7, 3, 5, 2u << 20, 1})), 1, "decoded"});
   seeds.push_back(
       {"decode_refused", decoder_input(d::encode(d::refused_message{7, d::refusal::quota, "full"})), 1, "decoded"});
   seeds.push_back({"decode_revoke", decoder_input(d::encode(d::revoke_message{3, 500})), 1, "decoded"});
-  seeds.push_back({"decode_region", decoder_input(d::encode_region(3)), 1, "decoded"});
+  // give_back and given_back have one wire form (a region and a flag): both take it.
+  seeds.push_back({"decode_give_back", decoder_input(d::encode(d::give_back_message{3, true})), 2, "decoded"});
+  seeds.push_back({"decode_forget", decoder_input(d::encode_forget(3)), 1, "decoded"});
   {
     lending::region_layout layout;
     layout.entries.push_back({"weights", 0, 4096, lending::dtype::float32, {32, 32}});
@@ -93,7 +98,7 @@ std::vector<lending_seed> lending_seeds() {
   }
   {
     lending_writer w = against_lender();
-    w.op(lending_op::lent).u8(1).u8(1).u64(0).u8(size_2mib).u64(0).u8(1);
+    w.op(lending_op::lent).u8(1).u8(1).u64(0).u8(1).u8(size_2mib).u64(0).u8(1);
     seeds.push_back({"lender_sent_a_lenders_frame", w.bytes(), 0, "may send borrow, give_back, query_metrics, publish and borrow_shared only"});
   }
   {
@@ -155,6 +160,25 @@ std::vector<lending_seed> lending_seeds() {
     lending_writer w = against_borrower(script(borrow_call, borrow_call, borrow_call, borrow_call));
     region_frame(w, lending_op::given_back, 3);
     seeds.push_back({"borrower_unasked_answer", w.bytes(), 0, "answered with frame type 6"});
+  }
+  {
+    lending_writer w = against_borrower(script(borrow_call, give_back_call, borrow_call, revocations_call));
+    lend(w, 1, 1);
+    region_frame(w, lending_op::given_back, 1, 1);  // kept: the borrower keeps memory 1 mapped
+    w.op(lending_op::lent).u8(2).u8(2).u64(0).u8(1).u8(size_2mib).u64(0).u8(0);  // memory 1 again, no chunk
+    w.op(lending_op::forget).u8(1);
+    seeds.push_back({"borrower_kept_mapping_lent_again_then_forgotten", w.bytes(), 2,
+                     "which this borrower does not keep mapped"});
+  }
+  {
+    lending_writer w = against_borrower(script(borrow_call, borrow_call, borrow_call, borrow_call));
+    w.op(lending_op::lent).u8(1).u8(1).u64(0).u8(7).u8(size_2mib).u64(0).u8(0);
+    seeds.push_back({"borrower_lent_no_chunks_for_memory_not_kept", w.bytes(), 0, "it keeps no mapping of it"});
+  }
+  {
+    lending_writer w = against_borrower(script(revocations_call, borrow_call, borrow_call, borrow_call));
+    w.op(lending_op::forget).u8(9);
+    seeds.push_back({"borrower_forget_for_memory_not_kept", w.bytes(), 0, "which this borrower does not keep mapped"});
   }
   {
     lending_writer w = lending_writer().u8(borrower_side).u8(0).op(lending_op::hello).u8(1);

@@ -99,8 +99,9 @@ lending_outcome attack_decoders(std::span<const std::uint8_t> input) {
   round_trip(payload, "publish", decoded, d::decode_publish, same);
   round_trip(payload, "borrow_shared", decoded, d::decode_borrow_shared, same);
   round_trip(payload, "layout", decoded, d::decode_layout, same);
-  round_trip(
-      payload, "give_back", decoded, [](auto p) { return d::decode_region(p, "give_back"); }, d::encode_region);
+  round_trip(payload, "give_back", decoded, d::decode_give_back, same);
+  round_trip(payload, "given_back", decoded, d::decode_given_back, same);
+  round_trip(payload, "forget", decoded, d::decode_forget, d::encode_forget);
   round_trip(
       payload, "chunk", decoded, [](auto p) { return backend::shareable_handle::deserialize(p, unique_fd()); },
       [](const backend::shareable_handle& h) { return h.serialize(); });

@@ -24,6 +24,15 @@
 //       <mapping> is "read-only"; by hand, with the same handle mapped
 //       read-write, when it is "read-write" (the protection turned off) —
 //       says "writing", writes a byte and says "wrote" (or what failed).
+//   shoal_test_borrower cycle <host|cuda> <socket path or @abstract name> <bytes> <rounds> <as>
+//       As <as> ("self", or "nobody": it drops to uid and gid 65534 first and
+//       admits a lender of uid 0),
+//       borrows a region of <bytes> and gives it back (keeping its mapping
+//       when the lender lets it), <rounds> times, writing the round's
+//       number into it and checking that a region lent again reads the
+//       number written last; says "cycled <memory id>,... imports <count>
+//       kept <count>" (imports counted through a forwarding device) and
+//       waits, its kept mappings held.
 #include <unistd.h>
 
 #include <csignal>
@@ -41,6 +50,7 @@
 #include "shoal/core/child_process.h"
 #include "shoal/lending/borrower.h"
 #include "shoal/lending/layout.h"
+#include "lending/counting_device.h"
 
 namespace {
 
@@ -186,13 +196,45 @@ int hang_up(backend::device& dev, const std::string& path, std::size_t bytes) {
   return 0;
 }
 
+int cycle(backend::device& target, const std::string& where, std::size_t bytes, int rounds, const std::string& as) {
+  constexpr uid_t nobody = 65534;
+  if (as == "nobody" && (::setresgid(nobody, nobody, nobody) != 0 || ::setresuid(nobody, nobody, nobody) != 0)) {
+    say("error cannot become uid 65534");
+    return 1;
+  }
+  const auto address = where.starts_with('@') ? channel::channel_address::abstract(where.substr(1))
+                                              : channel::channel_address::at_path(where);
+  testing::counting_device dev(target);  // a kept mapping used means no import
+  // As nobody, it admits the lender's uid (root's) explicitly.
+  lending::borrower b(dev, address, as == "nobody" ? channel::access_policy{{0}, {}} : channel::access_policy{});
+  std::string ids;
+  for (int round = 1; round <= rounds; ++round) {
+    auto region = b.borrow(bytes, "cycled");
+    if (round > 1 && ids.ends_with("," + std::to_string(region.memory_id()))) {
+      if (const auto wrong = check_bytes(dev, region.data(), region.size(), static_cast<std::uint8_t>(round - 1));
+          !wrong.empty()) {
+        say("wrong kept content: " + wrong);
+        return 1;
+      }
+    }
+    dev.fill({}, region.data(), static_cast<std::uint8_t>(round), region.size());
+    dev.synchronize({});
+    ids += "," + std::to_string(region.memory_id());
+    b.give_back(std::move(region));
+  }
+  say("cycled " + ids.substr(1) + " imports " + std::to_string(dev.imports.load()) + " kept " +
+      std::to_string(b.kept().count));
+  wait_for_parent();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     const std::vector<std::string> args(argv + 1, argv + argc);
     if (args.size() < 4) {
-      std::fprintf(stderr, "usage: shoal_test_borrower hold|hang-up|publish|read|write-shared <host|cuda> <socket path> ...\n");
+      std::fprintf(stderr, "usage: shoal_test_borrower hold|hang-up|publish|read|write-shared|cycle <host|cuda> <socket path> ...\n");
       return 2;
     }
     auto& dev = args[1] == "cuda" ? backend::cuda_device_instance(0) : backend::host_device_instance();
@@ -205,6 +247,8 @@ int main(int argc, char** argv) {
     if (args[0] == "read" && args.size() == 6)
       return read(dev, args[2], args[3], args[4], static_cast<std::uint8_t>(std::stoi(args[5])));
     if (args[0] == "write-shared" && args.size() == 5) return write_shared(dev, args[2], args[3], args[4]);
+    if (args[0] == "cycle" && args.size() == 6)
+      return cycle(dev, args[2], std::stoull(args[3]), std::stoi(args[4]), args[5]);
     std::fprintf(stderr, "shoal_test_borrower: unknown command '%s'\n", args[0].c_str());
     return 2;
   } catch (const std::exception& e) {

@@ -134,7 +134,7 @@ TYPED_TEST(lending_test, a_hostile_peer_is_closed_alone) {
   using lending::detail::message_type;
   const std::vector<std::pair<std::uint16_t, std::vector<std::byte>>> attacks{
       {static_cast<std::uint16_t>(message_type::borrow), std::vector<std::byte>(3)},        // short
-      {static_cast<std::uint16_t>(message_type::lent), lending::detail::encode_region(1)},  // not a borrower's message
+      {static_cast<std::uint16_t>(message_type::lent), lending::detail::encode_forget(1)},  // not a borrower's message
       {static_cast<std::uint16_t>(message_type::borrow),
        lending::detail::encode(lending::detail::borrow_message{1, 4096, static_cast<lending::region_mode>(9), "x"})},
       {static_cast<std::uint16_t>(message_type::borrow),
@@ -156,7 +156,8 @@ TYPED_TEST(lending_test, a_hostile_peer_is_closed_alone) {
   auto raw = channel::connection::connect(l.address(), {});
   channel::send_hello(raw, protocol);
   (void)raw.receive_for(2000ms);
-  raw.send(static_cast<std::uint16_t>(message_type::give_back), lending::detail::encode_region(kept.id()));
+  raw.send(static_cast<std::uint16_t>(message_type::give_back),
+           lending::detail::encode(lending::detail::give_back_message{kept.id(), false}));
   EXPECT_EQ(raw.receive_for(2000ms).type, static_cast<std::uint16_t>(message_type::refused));
   EXPECT_TRUE(eventually([&] { return l.status().connections_closed_for_errors == 5; }));
   EXPECT_EQ(l.status().regions.size(), 1u) << "the good borrower's region stays";
@@ -458,7 +459,9 @@ TEST(lending_messages, random_bytes_decode_or_are_refused_and_never_read_past_th
     refused_or_decoded([&] { (void)lending::detail::decode_lent(payload); });
     refused_or_decoded([&] { (void)lending::detail::decode_refused(payload); });
     refused_or_decoded([&] { (void)lending::detail::decode_revoke(payload); });
-    refused_or_decoded([&] { (void)lending::detail::decode_region(payload, "give_back"); });
+    refused_or_decoded([&] { (void)lending::detail::decode_give_back(payload); });
+    refused_or_decoded([&] { (void)lending::detail::decode_given_back(payload); });
+    refused_or_decoded([&] { (void)lending::detail::decode_forget(payload); });
     refused_or_decoded([&] { (void)lending::detail::decode_publish(payload); });
     refused_or_decoded([&] { (void)lending::detail::decode_borrow_shared(payload); });
     refused_or_decoded([&] { (void)lending::detail::decode_layout(payload); });
@@ -560,7 +563,7 @@ TYPED_TEST(lending_test, a_malformed_answer_is_a_protocol_error_and_closes_the_b
       (void)link.receive();  // the hello
       (void)link.receive();  // the borrow request, answered with a frame that is no answer to it
       link.send(static_cast<std::uint16_t>(lending::detail::message_type::given_back),
-                lending::detail::encode_region(7));
+                lending::detail::encode(lending::detail::given_back_message{7, false}));
       for (;;) (void)link.receive();
     } catch (const error&) {  // NOLINT(bugprone-empty-catch): the borrower hung up
     }
@@ -585,9 +588,10 @@ std::jthread hostile_lender(backend::device& dev, channel::listener& listener, A
       channel::send_hello(link, lending::detail::lending_protocol);
       (void)link.receive();  // the hello
       const auto asked = lending::detail::decode_borrow(link.receive().payload);
-      const lending::detail::lendable_memory memory(dev, lending::detail::round_up(asked.bytes, dev.granularity()));
-      const auto handle = memory.export_handle();
-      const auto lent = lending::detail::encode(lending::detail::lent_message{asked.request, 5, memory.size(), 1});
+      const lending::detail::lendable_memory memory(dev, lending::detail::round_up(asked.bytes, dev.granularity()), 1);
+      const auto& handle = memory.handle();
+      const auto lent =
+          lending::detail::encode(lending::detail::lent_message{asked.request, 5, memory.id(), memory.size(), 1});
       const auto chunk = handle.serialize();
       const channel::outgoing_frame frames[] = {
           {static_cast<std::uint16_t>(message_type::lent), lent},

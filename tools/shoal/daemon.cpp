@@ -133,6 +133,7 @@ int serve(const daemon_settings& settings) {
             {"quota_bytes", std::to_string(config.quota_bytes)},
             {"quota_bytes_per_uid", std::to_string(config.quota_bytes_per_uid)},
             {"max_borrowers", std::to_string(config.max_borrowers)},
+            {"reuse", settings.reuse},
             {"metrics", metrics_url}});
   starting.unlock();
   int signal = 0;
@@ -174,6 +175,8 @@ int run_daemon(int argc, char** argv) {
   auto* gids = app.add_option("--allow-gid", settings.allowed_gids, "a group whose members are allowed (repeat)");
   auto* format =
       app.add_option("--log-format", settings.log_format, "text or json")->check(CLI::IsMember({"text", "json"}));
+  auto* reuse = app.add_option("--reuse", settings.reuse, "lend given-back memory again: same_uid or never")
+                    ->check(CLI::IsMember({"same_uid", "never"}));
   auto* metrics_port = app.add_option("--metrics-port", settings.metrics_port,
                                       "serve GET /metrics over HTTP on 127.0.0.1 at this port (0: a free one, "
                                       "named in the log); off by default")
@@ -201,6 +204,7 @@ int run_daemon(int argc, char** argv) {
       if (uids->count() > 0) settings.allowed_uids = flags.allowed_uids;
       if (gids->count() > 0) settings.allowed_gids = flags.allowed_gids;
       if (format->count() > 0) settings.log_format = flags.log_format;
+      if (reuse->count() > 0) settings.reuse = flags.reuse;
       if (metrics_port->count() > 0) settings.metrics_port = flags.metrics_port;
     }
     if (status_command->parsed()) return status(settings, status_timeout);

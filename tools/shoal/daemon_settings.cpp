@@ -94,6 +94,8 @@ void daemon_settings::read_file(const std::string& path) {
       peer_timeout_ms = count();
     } else if (name == "log_format") {
       log_format = text();
+    } else if (name == "reuse") {
+      reuse = text();
     } else if (name == "metrics_port") {
       const auto* port = node.as_integer();
       if (port == nullptr || port->get() < 0 || port->get() > 65535) {
@@ -115,7 +117,8 @@ void daemon_settings::read_file(const std::string& path) {
     } else {
       throw invalid_argument(where(name) +
                              " is not a setting (socket, device, capacity, quota, quota_per_uid, max_borrowers, "
-                             "max_regions_per_borrower, peer_timeout_ms, allowed_uids, allowed_gids, log_format, metrics_port)");
+                             "max_regions_per_borrower, peer_timeout_ms, allowed_uids, allowed_gids, log_format, metrics_port, "
+                             "reuse)");
     }
   }
 }
@@ -145,7 +148,11 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
   if (log_format != "text" && log_format != "json") {
     throw invalid_argument("log_format: '" + log_format + "' is not text or json");
   }
+  if (reuse != "same_uid" && reuse != "never") {
+    throw invalid_argument("reuse: '" + reuse + "' is not same_uid or never");
+  }
   lending::lender_config c;
+  c.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
   c.capacity_bytes = capacity.bytes(d, "capacity");
   c.quota_bytes = quota.bytes(d, "quota");
   c.quota_bytes_per_uid = quota_per_uid.text.empty() ? 0 : quota_per_uid.bytes(d, "quota_per_uid");

@@ -27,6 +27,17 @@
 // given back on its own (give_back, or the region's destructor), and the
 // lender reclaims the holds of a holder that dies.
 //
+// Kept mappings: giving an exclusive region back keeps its mapping (up to
+// borrower_options::kept_mapping_bytes), when the lender records it, so that
+// the same memory lent to this borrower again — the lender lends spare
+// memory again within one uid, lender.h — needs no import or map: the region
+// comes back at the same address, with what was last written in it. The
+// lender tells the borrower to unmap a kept mapping (forget) when it
+// releases that memory; the borrower does so whenever it next reads from the
+// lender (any call below, revocations() included), so an idle borrower keeps
+// it until then. The memory stays mapped in this process meanwhile: keep
+// nothing in a region after giving it back.
+//
 // Errors: the lender's refusals are typed — out_of_memory (its capacity),
 // peer_refused (this borrower's quota or region count), invalid_argument (a
 // bad request: an unknown region or name, a malformed layout, a name
@@ -62,8 +73,17 @@ namespace shoal::lending {
 
 class borrower;
 
+struct borrower_options {
+  /// Keep the mapping of an exclusive region given back (see above).
+  bool keep_mappings = true;
+  /// At most this many bytes kept mapped at once; a region that would pass
+  /// it is unmapped when given back.
+  std::size_t kept_mapping_bytes = std::size_t{16} << 30;
+};
+
 /// A region mapped in this process. Giving it back (or destroying it) unmaps
-/// it first, then tells the lender; memory is valid until then. A shared
+/// it first — or keeps the mapping for a later lend of the same memory —
+/// then tells the lender; the region is usable until then. A shared
 /// region is mapped read-only (writing it faults) and carries its layout.
 class borrowed_region {
  public:
@@ -78,6 +98,9 @@ class borrowed_region {
   [[nodiscard]] void* data() const noexcept { return data_; }
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
   [[nodiscard]] std::uint64_t id() const noexcept { return id_; }
+  /// The lender's chunk this region is lent from: the same id when a later
+  /// region gets the same memory again.
+  [[nodiscard]] std::uint64_t memory_id() const noexcept { return memory_; }
   /// exclusive (read-write) or shared (read-only).
   [[nodiscard]] region_mode mode() const noexcept { return layout_ ? region_mode::shared : region_mode::exclusive; }
   /// A shared region's layout and content hash (as its writer committed
@@ -91,13 +114,14 @@ class borrowed_region {
 
  private:
   friend class borrower;
-  borrowed_region(std::shared_ptr<link> link, std::uint64_t id, void* data, std::size_t size,
+  borrowed_region(std::shared_ptr<link> link, std::uint64_t id, std::uint64_t memory, void* data, std::size_t size,
                   std::shared_ptr<const region_layout> layout = nullptr)
-      : link_(std::move(link)), id_(id), data_(data), size_(size), layout_(std::move(layout)) {}
+      : link_(std::move(link)), id_(id), memory_(memory), data_(data), size_(size), layout_(std::move(layout)) {}
   void release() noexcept;
 
   std::shared_ptr<link> link_;
   std::uint64_t id_ = 0;
+  std::uint64_t memory_ = 0;
   void* data_ = nullptr;
   std::size_t size_ = 0;
   std::shared_ptr<const region_layout> layout_;  // set iff shared
@@ -110,7 +134,7 @@ class borrower {
   /// Connects to the lender at `address` (its uid checked against `policy`)
   /// and exchanges hellos within `timeout`.
   borrower(backend::device& device, const channel::channel_address& address, const channel::access_policy& policy = {},
-           std::chrono::milliseconds timeout = default_timeout);
+           std::chrono::milliseconds timeout = default_timeout, borrower_options options = {});
   ~borrower();
   borrower(const borrower&) = delete;
   borrower& operator=(const borrower&) = delete;
@@ -141,7 +165,8 @@ class borrower {
   /// when nothing is published under `name`.
   [[nodiscard]] borrowed_region borrow_shared(std::string_view name, std::optional<content_hash> expected = {},
                                               std::chrono::milliseconds timeout = default_timeout);
-  /// Unmaps `region` and gives it back; returns once the lender confirmed.
+  /// Gives `region` back, unmapped or its mapping kept (see above); returns
+  /// once the lender confirmed.
   void give_back(borrowed_region region, std::chrono::milliseconds timeout = default_timeout);
   /// The lender's status in the Prometheus text format.
   [[nodiscard]] std::string metrics(std::chrono::milliseconds timeout = default_timeout);
@@ -162,6 +187,14 @@ class borrower {
   /// closed (later calls: connection_closed): an honest lender never sends
   /// one, and dropping it would hide a broken or hostile lender.
   [[nodiscard]] std::vector<revocation> revocations(std::chrono::milliseconds wait = std::chrono::milliseconds(0));
+
+  /// The mappings this borrower keeps now (without asking the lender: a
+  /// forget on its way is applied only when the borrower next reads).
+  struct kept_mappings {
+    std::size_t count = 0;
+    std::size_t bytes = 0;
+  };
+  [[nodiscard]] kept_mappings kept() const;
 
  private:
   std::shared_ptr<borrowed_region::link> link_;

@@ -4,13 +4,29 @@
 //
 // A borrower connects (its uid checked against the access policy), says the
 // protocol's hello, and asks for regions of N bytes with a purpose. The
-// lender makes each region of fresh device memory that can be exported (a
-// physical chunk: CUDA VMM with a POSIX fd, a memfd on the host backend),
-// sends its handle, and counts it against the capacity, the borrower's
-// quota and, when set, its uid's quota over all its connections; the
-// borrower maps it at its own address. A refusal says why
-// (capacity, quota, a bad request, a device failure) and the connection
-// stays open.
+// lender lends each region from a chunk of device memory that can be
+// exported (CUDA VMM with a POSIX fd, a memfd on the host backend), sends its
+// handle, and counts it against the capacity, the borrower's quota and,
+// when set, its uid's quota over all its connections; the borrower maps it
+// at its own address. A refusal says why (capacity, quota,
+// a bad request, a device failure) and the connection stays open.
+//
+// Memory reuse (config.reuse): with same_uid (the default) an exclusive
+// region's chunk, once given back or reclaimed, stays a spare — mapped and
+// exported — and a later region of the same rounded size for a borrower of
+// the same uid gets it again (no create, map or export). A borrower may keep
+// its mapping when it gives a region back; when the same memory is lent to
+// it again the lender sends no chunk (the borrower uses its kept mapping).
+// Since the lender cannot unmap another process's mapping, spare memory goes
+// only to the uid every earlier borrower of it had: a borrower of another
+// uid always gets memory no other uid has mapped. Spare bytes count against
+// the capacity (lent + spare <= capacity); when a fresh region would not
+// fit, spares are released oldest first and the connections keeping them
+// mapped are sent forget (an idle borrower unmaps only when it next reads
+// from the lender: until then the device may refuse a fresh chunk, a typed
+// capacity refusal). Shared regions' memory is never reused (holders of
+// several uids map it); with `never`, every region is fresh memory and is
+// released when its last hold goes.
 //
 // Shared regions: a borrower may publish an exclusive region it holds, with
 // a layout and content hash (layout.h; refused — bad_request — when the
@@ -24,9 +40,8 @@
 // SIGKILLed — its holds are dropped at once if its process is gone
 // (pid and start time: a reused pid is not mistaken for it); if it still
 // runs, it may still map them, so they stay counted as orphaned until it
-// exits. A region's memory is never lent to anyone else while its borrower
-// might map it: every region is fresh memory, and the lender's own handle is
-// dropped only at reclaim.
+// exits. A region's memory is never lent to a borrower of another uid while
+// its borrower might map it (and with reuse == never, to no one at all).
 //
 // Trust: a borrower is untrusted. Every frame is checked (the codec names the
 // field at fault); a malformed frame, a frame a borrower may not send, or a
@@ -52,6 +67,17 @@
 
 namespace shoal::lending {
 
+/// Whether memory given back is lent again (docs/architecture.md, "Choice:
+/// spare chunks, lent again within one uid").
+enum class reuse_policy : std::uint8_t {
+  /// Kept as a spare chunk and lent again, only to borrowers of the uid
+  /// every earlier borrower of it had; borrowers may keep their mappings.
+  same_uid = 1,
+  /// Every region is fresh memory, released when given back (no spares, no
+  /// kept mappings): the cost of a create, map and export per region.
+  never = 2,
+};
+
 struct lender_config {
   /// Bytes the lender may lend at once, over all borrowers (> 0).
   std::size_t capacity_bytes = std::size_t{1} << 30;
@@ -68,6 +94,8 @@ struct lender_config {
   /// Deadline of every wait on a borrower: a batch it started sending, a
   /// reply it does not read.
   std::chrono::milliseconds peer_timeout{1000};
+  /// Whether given-back memory is lent again (see the contract above).
+  reuse_policy reuse = reuse_policy::same_uid;
   /// Uids allowed besides the lender's own.
   channel::access_policy policy;
   /// Called on the serving thread for each event, outside the lender's

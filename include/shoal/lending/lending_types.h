@@ -17,7 +17,7 @@ namespace shoal::lending {
 
 /// The protocol's name and version in its hello (channel/protocol.h).
 inline constexpr const char* protocol_name = "shoal.lending";
-inline constexpr std::uint16_t protocol_version = 1;
+inline constexpr std::uint16_t protocol_version = 2;  // 2: memory ids, kept mappings, forget
 /// A region's purpose ("parameters", "computation", a model's name): at most
 /// this many bytes, printable ASCII.
 inline constexpr std::size_t max_purpose_bytes = 64;
@@ -52,6 +52,9 @@ struct holder_info {
 
 struct region_info {
   std::uint64_t id = 0;
+  /// The chunk of memory it is lent from: the same id when a later region
+  /// gets the same memory again (lender_config::reuse).
+  std::uint64_t memory = 0;
   std::size_t bytes = 0;
   std::string purpose;  ///< also the name a shared region is asked for by
   region_mode mode = region_mode::exclusive;
@@ -65,6 +68,16 @@ struct region_info {
   std::chrono::steady_clock::duration age{};
   /// While revoking: when the borrower was to give it back by.
   std::chrono::steady_clock::time_point revoke_deadline{};
+};
+
+/// Memory given back and kept by the lender for a later region of the same
+/// size and borrower uid (lender_config::reuse).
+struct spare_info {
+  std::uint64_t memory = 0;
+  std::size_t bytes = 0;
+  uid_t uid = 0;              ///< the uid of every borrower it was lent to: the only uid it is lent to again
+  std::size_t kept_by = 0;    ///< connections that keep it mapped (told to forget it when it is released)
+  std::chrono::steady_clock::duration age{};  ///< since it became spare
 };
 
 /// Something the lender did, for its log (lender_config::on_event).
@@ -81,6 +94,7 @@ struct lender_event {
     closed_for_error,  ///< a borrower's connection was closed for what it sent (`detail`)
     revoke_requested,  ///< the lender asked a borrower to give a region back (`detail`: the deadline)
     revoke_missed,     ///< a borrower did not give a revoked region back in time: it stays its own
+    spare_released,    ///< a spare chunk was released (`detail`: why); its keepers were told to forget it
   };
   kind what = kind::connected;
   process_identity borrower;
@@ -95,6 +109,11 @@ struct lender_event {
 struct lender_status {
   std::size_t capacity_bytes = 0;
   std::size_t lent_bytes = 0;  ///< regions lent or orphaned (a shared region once, however many hold it)
+  /// Spare chunks, counted against the capacity too: lent_bytes +
+  /// spare_bytes <= capacity_bytes (spares are released, oldest first, when
+  /// a fresh region would not fit otherwise).
+  std::size_t spare_bytes = 0;
+  std::vector<spare_info> spares;  ///< oldest first
   std::size_t borrowers = 0;   ///< connected now
   std::vector<region_info> regions;
   // Counters since the lender started.
@@ -106,6 +125,10 @@ struct lender_status {
   std::uint64_t connections_closed_for_errors = 0;  ///< malformed or stalled peers
   std::uint64_t revocations = 0;                    ///< regions asked back
   std::uint64_t revocations_missed = 0;             ///< of those, not given back by their deadline
+  std::uint64_t chunks_made = 0;                    ///< chunks of fresh memory made (created, mapped, exported)
+  std::uint64_t reuses = 0;                         ///< regions lent from a spare chunk
+  std::uint64_t kept_mappings_used = 0;             ///< of those, lent with no chunk frames (a kept mapping)
+  std::uint64_t forgets = 0;                        ///< forget messages sent to borrowers keeping a released chunk
 };
 
 }  // namespace shoal::lending

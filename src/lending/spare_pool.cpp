@@ -1,0 +1,50 @@
+#include "lending/spare_pool.h"
+
+#include <algorithm>
+
+namespace shoal::lending::detail {
+
+bool chunk_record::kept_by(std::uint64_t serial) const noexcept {
+  return std::find(keepers.begin(), keepers.end(), serial) != keepers.end();
+}
+
+bool chunk_record::drop_keeper(std::uint64_t serial) noexcept {
+  return std::erase(keepers, serial) > 0;
+}
+
+void spare_pool::put(chunk_record chunk, uid_t uid, std::chrono::steady_clock::time_point now) {
+  bytes_ += chunk.memory->size();
+  chunks_.push_back({std::move(chunk), uid, now});
+}
+
+std::optional<spare_chunk> spare_pool::take(std::size_t bytes, uid_t uid, std::uint64_t serial) {
+  auto fits = [&](const spare_chunk& s) { return s.uid == uid && s.chunk.memory->size() == bytes; };
+  auto it = std::find_if(chunks_.begin(), chunks_.end(),
+                         [&](const spare_chunk& s) { return fits(s) && s.chunk.kept_by(serial); });
+  if (it == chunks_.end()) it = std::find_if(chunks_.begin(), chunks_.end(), fits);
+  if (it == chunks_.end()) return std::nullopt;
+  return remove(it);
+}
+
+std::optional<spare_chunk> spare_pool::take_oldest() {
+  if (chunks_.empty()) return std::nullopt;
+  return remove(chunks_.begin());
+}
+
+void spare_pool::drop_keeper(std::uint64_t serial) noexcept {
+  for (auto& s : chunks_) s.chunk.drop_keeper(serial);
+}
+
+void spare_pool::clear() noexcept {
+  chunks_.clear();
+  bytes_ = 0;
+}
+
+spare_chunk spare_pool::remove(std::list<spare_chunk>::iterator it) {
+  spare_chunk taken = std::move(*it);
+  chunks_.erase(it);
+  bytes_ -= taken.chunk.memory->size();
+  return taken;
+}
+
+}  // namespace shoal::lending::detail

@@ -1,0 +1,386 @@
+// Memory reuse on both backends: a given-back region's chunk is lent again
+// to a later region of the same size and uid (the same memory id, no chunk
+// made), a borrower's kept mapping is used again (no import); a borrower of
+// another uid never gets a chunk another uid had; reuse = never is the
+// control (fresh memory every time); capacity pressure releases spares and
+// their keepers forget them; a SIGKILLed borrower's kept mappings are
+// forgotten by the lender; hostile frames about memory are protocol errors.
+//
+// In-process borrowers run on the host backend only (CUDA refuses to import
+// memory in the process that exported it); borrower processes run on both.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "lending/counting_device.h"
+#include "lending/lending_fixture.h"
+#include "lending/messages.h"
+#include "lending/spare_pool.h"
+#include "shoal/channel/protocol.h"
+#include "shoal/core/error.h"
+#include "shoal/lending/layout.h"
+
+namespace shoal::testing {
+namespace {
+
+template <class Backend>
+using memory_reuse_test = lending_test<Backend>;
+TYPED_TEST_SUITE(memory_reuse_test, backend_types, backend_names);
+
+/// What a `cycle` borrower process said: "cycled <id>,<id>... imports <n> kept <n>".
+struct cycled {
+  std::vector<std::uint64_t> memory;
+  int imports = -1;
+  int kept = -1;
+};
+
+cycled parse_cycled(const std::string& line) {
+  cycled c;
+  std::istringstream in(line);
+  std::string word, ids;
+  in >> word >> ids;
+  if (word != "cycled") return c;
+  std::istringstream list(ids);
+  for (std::string id; std::getline(list, id, ',');) c.memory.push_back(std::stoull(id));
+  in >> word >> c.imports >> word >> c.kept;
+  return c;
+}
+
+std::unique_ptr<child_process> cycle_process(const char* backend, const std::string& address, std::size_t bytes,
+                                             int rounds, const char* as) {
+  return std::make_unique<child_process>(
+      SHOAL_TEST_BORROWER,
+      std::vector<std::string>{"cycle", backend, address, std::to_string(bytes), std::to_string(rounds), as});
+}
+
+TYPED_TEST(memory_reuse_test, a_reborrow_in_another_process_gets_the_same_memory_and_its_kept_mapping) {
+  counting_device lender_device(this->device());
+  lender l(lender_device, channel::channel_address::at_path(this->socket_path()), {});
+  auto child = cycle_process(TypeParam::name, this->socket_path(), 2 * mib, 3, "self");
+  const std::string line = line_from(*child);
+  const auto c = parse_cycled(line);
+  ASSERT_EQ(c.memory.size(), 3u) << line;
+  EXPECT_EQ(c.memory[1], c.memory[0]) << "the second borrow got other memory";
+  EXPECT_EQ(c.memory[2], c.memory[0]);
+  EXPECT_EQ(c.imports, 1) << "a re-borrow imported the memory again instead of using the kept mapping";
+  EXPECT_EQ(c.kept, 1);
+  EXPECT_EQ(lender_device.chunks_made.load(), 1);
+  const auto s = l.status();
+  EXPECT_EQ(s.chunks_made, 1u);
+  EXPECT_EQ(s.reuses, 2u);
+  EXPECT_EQ(s.kept_mappings_used, 2u);
+  EXPECT_EQ(s.lent_bytes, 0u);
+  EXPECT_EQ(s.spare_bytes, 2 * mib);
+  ASSERT_EQ(s.spares.size(), 1u);
+  EXPECT_EQ(s.spares[0].memory, c.memory[0]);
+  EXPECT_EQ(s.spares[0].kept_by, 1u);
+  EXPECT_EQ(s.spares[0].uid, ::geteuid());
+  const std::string metrics = l.metrics_text();
+  EXPECT_NE(metrics.find("shoal_lending_spare_bytes " + std::to_string(2 * mib)), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("shoal_lending_reuses_total 2"), std::string::npos);
+  EXPECT_NE(metrics.find("shoal_lending_forgets_total 0"), std::string::npos);
+  EXPECT_NE(metrics.find("shoal_lending_spare_chunk_bytes{memory=\"" + std::to_string(c.memory[0]) + "\",uid=\"" +
+                         std::to_string(::geteuid()) + "\",kept_by=\"1\"} " + std::to_string(2 * mib)),
+            std::string::npos)
+      << metrics;
+}
+
+TYPED_TEST(memory_reuse_test, a_kept_mapping_comes_back_at_the_same_address_with_its_content_and_no_import) {
+  this->in_process_only();
+  counting_device lender_device(this->device()), borrower_device(this->device());
+  lender l(lender_device, channel::channel_address::at_path(this->socket_path()), {});
+  borrower b(borrower_device, l.address());
+  auto first = b.borrow(3 * mib, "first");
+  const void* at = first.data();
+  const auto memory = first.memory_id();
+  const auto first_id = first.id();
+  const auto size = first.size();
+  this->device().fill({}, first.data(), 0x5A, first.size());
+  this->device().synchronize({});
+  b.give_back(std::move(first));
+  EXPECT_EQ(b.kept().count, 1u);
+  EXPECT_EQ(b.kept().bytes, size);
+  EXPECT_EQ(borrower_device.imports_closed.load(), 0) << "the mapping was not kept";
+  auto again = b.borrow(3 * mib, "again");
+  EXPECT_NE(again.id(), first_id) << "a region id is never reused";
+  EXPECT_EQ(again.memory_id(), memory);
+  EXPECT_EQ(again.data(), at);
+  EXPECT_TRUE(all_equal(this->read(again.data(), again.size()), 0x5A)) << "not the kept mapping's memory";
+  EXPECT_EQ(borrower_device.imports.load(), 1);
+  EXPECT_EQ(b.kept().count, 0u) << "the kept mapping is the region's now";
+  auto other_size = b.borrow(5 * mib, "another size");
+  EXPECT_NE(other_size.memory_id(), memory) << "a spare goes only to its own size";
+  EXPECT_EQ(lender_device.chunks_made.load(), 2);
+  EXPECT_EQ(l.status().kept_mappings_used, 1u);
+}
+
+TYPED_TEST(memory_reuse_test, control_with_reuse_never_every_region_is_fresh_memory) {
+  this->in_process_only();
+  counting_device lender_device(this->device()), borrower_device(this->device());
+  lender l(lender_device, channel::channel_address::at_path(this->socket_path()),
+           {.reuse = lending::reuse_policy::never});
+  borrower b(borrower_device, l.address());
+  std::vector<std::uint64_t> memories;
+  for (int round = 0; round < 3; ++round) {
+    auto r = b.borrow(2 * mib, "fresh");
+    memories.push_back(r.memory_id());
+    b.give_back(std::move(r));
+  }
+  EXPECT_NE(memories[0], memories[1]);
+  EXPECT_NE(memories[1], memories[2]);
+  EXPECT_EQ(lender_device.chunks_made.load(), 3);
+  EXPECT_EQ(borrower_device.imports.load(), 3);
+  EXPECT_EQ(borrower_device.imports_closed.load(), 3) << "a mapping was kept although the lender does not reuse";
+  EXPECT_EQ(b.kept().count, 0u);
+  const auto s = l.status();
+  EXPECT_TRUE(s.spares.empty());
+  EXPECT_EQ(s.spare_bytes, 0u);
+  EXPECT_EQ(s.reuses, 0u);
+}
+
+TYPED_TEST(memory_reuse_test, a_borrower_that_keeps_no_mappings_gets_the_spare_with_its_chunk) {
+  this->in_process_only();
+  counting_device lender_device(this->device()), borrower_device(this->device());
+  lender l(lender_device, channel::channel_address::at_path(this->socket_path()), {});
+  borrower b(borrower_device, l.address(), {}, borrower::default_timeout, {.keep_mappings = false});
+  auto r = b.borrow(2 * mib, "first");
+  const auto memory = r.memory_id();
+  b.give_back(std::move(r));
+  EXPECT_EQ(b.kept().count, 0u);
+  auto again = b.borrow(2 * mib, "again");
+  EXPECT_EQ(again.memory_id(), memory);
+  EXPECT_EQ(borrower_device.imports.load(), 2) << "imported again: it kept no mapping";
+  EXPECT_EQ(lender_device.chunks_made.load(), 1);
+  EXPECT_EQ(l.status().kept_mappings_used, 0u);
+}
+
+TYPED_TEST(memory_reuse_test, capacity_pressure_releases_spares_and_their_keepers_forget_them) {
+  this->in_process_only();
+  const std::size_t unit = this->unit();
+  counting_device a_device(this->device());
+  event_recorder log;
+  lender_config config{.capacity_bytes = 4 * unit};
+  log.attach(config);
+  auto& l = this->start(config);
+  borrower a(a_device, l.address()), b(this->device(), l.address());
+  a.give_back(a.borrow(2 * unit, "becomes spare"));
+  ASSERT_EQ(a.kept().count, 1u);
+  ASSERT_EQ(l.status().spare_bytes, 2 * unit);
+  auto big = b.borrow(3 * unit, "needs the room");  // 3 + 2 spare > 4: the spare goes
+  auto s = l.status();
+  EXPECT_EQ(s.spare_bytes, 0u);
+  EXPECT_TRUE(s.spares.empty());
+  EXPECT_EQ(s.lent_bytes, 3 * unit);
+  EXPECT_EQ(s.forgets, 1u);
+  EXPECT_EQ(a.kept().count, 1u) << "an idle borrower reads the forget only when it next talks to the lender";
+  EXPECT_TRUE(a.revocations(std::chrono::milliseconds(200)).empty());
+  EXPECT_EQ(a.kept().count, 0u) << "the forget was read and the mapping not dropped";
+  EXPECT_EQ(a_device.imports_closed.load(), 1);
+  EXPECT_THROW((void)b.borrow(2 * unit, "past the capacity"), out_of_memory) << "no spare left to release";
+  std::lock_guard lock(*log.guard);
+  EXPECT_TRUE(std::any_of(log.events->begin(), log.events->end(), [](const lending::lender_event& e) {
+    return e.what == lending::lender_event::kind::spare_released;
+  }));
+}
+
+TYPED_TEST(memory_reuse_test, a_killed_borrowers_kept_mappings_are_forgotten_and_the_spare_stays) {
+  auto& l = this->start();
+  auto child = cycle_process(TypeParam::name, this->socket_path(), 2 * mib, 1, "self");
+  const auto c = parse_cycled(line_from(*child));
+  ASSERT_EQ(c.kept, 1);
+  ASSERT_EQ(l.status().spares.size(), 1u);
+  ASSERT_EQ(l.status().spares[0].kept_by, 1u);
+  ASSERT_EQ(::kill(child->pid(), SIGKILL), 0);
+  (void)child->wait();
+  EXPECT_TRUE(eventually([&] { return l.status().spares.at(0).kept_by == 0; }, 2000ms))
+      << "the dead borrower is still named as keeping the memory mapped";
+  // The spare is lent again, with its chunk: no one keeps it mapped now.
+  auto next = cycle_process(TypeParam::name, this->socket_path(), 2 * mib, 1, "self");
+  const auto n = parse_cycled(line_from(*next));
+  ASSERT_EQ(n.memory.size(), 1u);
+  EXPECT_EQ(n.memory[0], c.memory[0]);
+  EXPECT_EQ(n.imports, 1);
+}
+
+TYPED_TEST(memory_reuse_test, a_borrower_of_another_uid_never_gets_memory_another_uid_had) {
+  if (::geteuid() != 0) GTEST_SKIP() << "making a borrower of another uid (setresuid to 65534) needs root";
+  const std::string name = "shoal-reuse-test-" + std::to_string(::getpid());
+  constexpr uid_t nobody = 65534;
+  lender l(this->device(), channel::channel_address::abstract(name),
+           {.policy = channel::access_policy{{nobody}, {}}});
+  const auto run = [&](const char* as, int rounds) {
+    auto child = cycle_process(TypeParam::name, "@" + name, 2 * mib, rounds, as);
+    const std::string line = line_from(*child);
+    const auto c = parse_cycled(line);
+    EXPECT_EQ(c.memory.size(), static_cast<std::size_t>(rounds)) << as << ": " << line;
+    return c;
+  };
+  const auto root_first = run("self", 1);
+  const auto other = run("nobody", 2);
+  ASSERT_EQ(root_first.memory.size(), 1u);
+  ASSERT_EQ(other.memory.size(), 2u);
+  EXPECT_NE(other.memory[0], root_first.memory[0]) << "uid 65534 was lent memory uid 0 had mapped";
+  EXPECT_EQ(other.memory[1], other.memory[0]) << "its own memory is lent to it again";
+  const auto root_again = run("self", 1);
+  ASSERT_EQ(root_again.memory.size(), 1u);
+  EXPECT_EQ(root_again.memory[0], root_first.memory[0]) << "uid 0 gets its own spare back";
+  const auto s = l.status();
+  EXPECT_EQ(s.chunks_made, 2u);
+  ASSERT_EQ(s.spares.size(), 2u);
+  for (const auto& spare : s.spares) {
+    EXPECT_EQ(spare.uid, spare.memory == root_first.memory[0] ? 0u : nobody) << "memory " << spare.memory;
+  }
+}
+
+TYPED_TEST(memory_reuse_test, a_published_regions_memory_is_forgotten_by_its_keepers_and_never_lent_again) {
+  this->in_process_only();
+  auto& l = this->start();
+  borrower keeper(this->device(), l.address()), writer(this->device(), l.address());
+  auto r = keeper.borrow(mib, "model W");
+  const auto memory = r.memory_id();
+  keeper.give_back(std::move(r));
+  ASSERT_EQ(keeper.kept().count, 1u);
+  auto w = writer.borrow(mib, "model W");
+  ASSERT_EQ(w.memory_id(), memory) << "the same uid gets the spare";
+  lending::region_layout layout;
+  layout.entries = {{"weights", 0, mib, lending::dtype::uint8, {mib}}};
+  layout.hash = lending::hash_entries(this->device(), w.data(), w.size(), layout);
+  w = writer.publish(std::move(w), layout);
+  EXPECT_TRUE(keeper.revocations(std::chrono::milliseconds(200)).empty());
+  EXPECT_EQ(keeper.kept().count, 0u) << "a writable mapping of a shared region was kept";
+  EXPECT_EQ(l.status().forgets, 1u);
+  writer.give_back(std::move(w));
+  const auto s = l.status();
+  EXPECT_TRUE(s.spares.empty()) << "a shared region's memory became a spare";
+  EXPECT_EQ(writer.kept().count, 0u);
+}
+
+// A lender that answers the first borrow with `answer` (then reads until
+// the borrower hangs up).
+void lie_to_a_borrower(backend::device& device, const std::string& path,
+                       const std::vector<std::pair<lending::detail::message_type, std::vector<std::byte>>>& answer,
+                       const std::function<void(borrower&)>& check) {
+  const auto address = channel::channel_address::at_path(path);
+  channel::listener liar(address, {});
+  std::thread server([&] {
+    auto link = liar.accept();
+    channel::send_hello(link, lending::detail::lending_protocol);
+    try {
+      (void)link.receive();  // the hello
+      (void)link.receive();  // the borrow request
+      for (const auto& [type, payload] : answer) link.send(static_cast<std::uint16_t>(type), payload);
+      for (;;) (void)link.receive();
+    } catch (const error&) {  // NOLINT(bugprone-empty-catch): the borrower hung up
+    }
+  });
+  {
+    borrower b(device, address);
+    check(b);
+  }
+  server.join();
+}
+
+TYPED_TEST(memory_reuse_test, a_lent_with_no_chunks_for_memory_not_kept_is_a_protocol_error) {
+  this->in_process_only();
+  using lending::detail::message_type;
+  lie_to_a_borrower(this->device(), this->dir_ / "liar.sock", {{message_type::lent, lending::detail::encode(lending::detail::lent_message{1, 1, 42, 4096, 0})}},
+                    [](borrower& b) {
+                      EXPECT_THROW((void)b.borrow(4096, "lied to"), protocol_error);
+                      EXPECT_THROW((void)b.borrow(4096, "after the lie"), connection_closed);
+                    });
+}
+
+TYPED_TEST(memory_reuse_test, a_forget_for_memory_not_kept_is_a_protocol_error) {
+  this->in_process_only();
+  using lending::detail::message_type;
+  lie_to_a_borrower(this->device(), this->dir_ / "liar.sock", {{message_type::forget, lending::detail::encode_forget(42)}}, [](borrower& b) {
+    EXPECT_THROW((void)b.borrow(4096, "answered with a forget"), protocol_error);
+    EXPECT_THROW((void)b.revocations(), connection_closed);
+  });
+}
+
+TYPED_TEST(memory_reuse_test, malformed_give_back_and_forget_frames_close_only_their_sender) {
+  this->in_process_only();
+  auto& l = this->start();
+  borrower good(this->device(), l.address());
+  auto kept = good.borrow(mib, "kept");
+  using lending::detail::message_type;
+  auto bad_flag = lending::detail::encode(lending::detail::give_back_message{kept.id(), true});
+  bad_flag.back() = std::byte{2};
+  const std::vector<std::pair<message_type, std::vector<std::byte>>> attacks{
+      {message_type::give_back, bad_flag},
+      {message_type::give_back, lending::detail::encode_forget(kept.id())},  // short: no flag
+      {message_type::forget, lending::detail::encode_forget(kept.memory_id())},  // a lender's message
+      {message_type::given_back, lending::detail::encode(lending::detail::given_back_message{kept.id(), true})},
+  };
+  for (const auto& [type, payload] : attacks) {
+    auto raw = channel::connection::connect(l.address(), {}, lending::detail::max_frame_payload);
+    channel::send_hello(raw, lending::detail::lending_protocol);
+    (void)raw.receive_for(2000ms);
+    raw.send(static_cast<std::uint16_t>(type), payload);
+    EXPECT_THROW((void)raw.receive_for(2000ms), connection_closed) << "frame type " << static_cast<int>(type);
+  }
+  // Asking to keep a mapping of a region it does not hold: refused, nothing recorded.
+  auto raw = channel::connection::connect(l.address(), {}, lending::detail::max_frame_payload);
+  channel::send_hello(raw, lending::detail::lending_protocol);
+  (void)raw.receive_for(2000ms);
+  raw.send(static_cast<std::uint16_t>(message_type::give_back),
+           lending::detail::encode(lending::detail::give_back_message{kept.id(), true}));
+  EXPECT_EQ(raw.receive_for(2000ms).type, static_cast<std::uint16_t>(message_type::refused));
+  EXPECT_EQ(l.status().regions.size(), 1u) << "the good borrower's region stays";
+  good.give_back(std::move(kept));
+  EXPECT_EQ(good.kept().count, 1u);
+}
+
+TEST(lending_messages, give_back_given_back_and_forget_round_trip_and_refuse_bad_fields) {
+  using namespace lending::detail;
+  const auto g = decode_give_back(encode(give_back_message{7, true}));
+  EXPECT_EQ(g.region, 7u);
+  EXPECT_TRUE(g.keep_mapping);
+  const auto a = decode_given_back(encode(given_back_message{8, false}));
+  EXPECT_EQ(a.region, 8u);
+  EXPECT_FALSE(a.kept);
+  EXPECT_EQ(decode_forget(encode_forget(9)), 9u);
+  EXPECT_THROW((void)decode_forget(encode_forget(0)), protocol_error) << "memory ids start at 1";
+  const auto lent = decode_lent(encode(lent_message{1, 2, 3, 4096, 0}));
+  EXPECT_EQ(lent.memory, 3u);
+  EXPECT_EQ(lent.chunks, 0u) << "no chunks: a kept mapping";
+  EXPECT_THROW((void)decode_lent(encode(lent_message{1, 2, 0, 4096, 1})), protocol_error) << "memory 0";
+  EXPECT_THROW((void)decode_lent(encode(lent_message{1, 2, 3, 4096, max_chunks_per_region + 1})), protocol_error);
+}
+
+TEST(spare_pool, a_spare_goes_only_to_its_uid_and_size_and_prefers_the_one_the_borrower_keeps_mapped) {
+  auto& dev = backend::host_device_instance();
+  const std::size_t unit = dev.granularity();
+  lending::detail::spare_pool pool;
+  const auto now = std::chrono::steady_clock::now();
+  const auto chunk = [&](std::uint64_t id, std::vector<std::uint64_t> keepers) {
+    return lending::detail::chunk_record{std::make_unique<lending::detail::lendable_memory>(dev, unit, id),
+                                         std::move(keepers)};
+  };
+  pool.put(chunk(1, {}), 1000, now);
+  pool.put(chunk(2, {5}), 1000, now);
+  pool.put(chunk(3, {}), 2000, now);
+  EXPECT_EQ(pool.bytes(), 3 * unit);
+  EXPECT_FALSE(pool.take(unit, 3000, 5)) << "a uid that had none of them";
+  EXPECT_FALSE(pool.take(2 * unit, 1000, 5)) << "another size";
+  EXPECT_EQ(pool.take(unit, 1000, 5)->chunk.memory->id(), 2u) << "the one connection 5 keeps mapped first";
+  EXPECT_EQ(pool.take(unit, 1000, 5)->chunk.memory->id(), 1u);
+  EXPECT_FALSE(pool.take(unit, 1000, 5));
+  pool.put(chunk(4, {6, 7}), 2000, now);
+  pool.drop_keeper(6);
+  EXPECT_EQ(pool.chunks().back().chunk.keepers, std::vector<std::uint64_t>{7});
+  EXPECT_EQ(pool.take_oldest()->chunk.memory->id(), 3u) << "oldest first";
+  EXPECT_EQ(pool.bytes(), unit);
+}
+
+}  // namespace
+}  // namespace shoal::testing
