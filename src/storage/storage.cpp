@@ -134,7 +134,9 @@ storage storage::take_over(alloc::caching_allocator& allocator, void* data, std:
     throw invalid_argument("storage::take_over: " + std::to_string(bytes) + " bytes asked of a block of " +
                            std::to_string(block));
   }
-  return storage(std::make_shared<detail::storage_impl>(allocator, bytes, data, nullptr, stream));
+  auto impl = std::make_shared<detail::storage_impl>(allocator, bytes, data, nullptr, stream);
+  impl->shared_outside_ = true;  // its previous holder may still write it: never lazily shared
+  return storage(std::move(impl));
 }
 
 detail::storage_impl& storage::impl() const {

@@ -344,8 +344,13 @@ TYPED_TEST(storage_test, a_taken_over_block_is_freed_once_by_its_last_handle_and
     EXPECT_EQ(st.data(), p);
     EXPECT_EQ(st.owner(), nullptr) << "the allocator owns it, as for allocate";
     EXPECT_TRUE(this->holds(st, 6));
+    EXPECT_TRUE(st.shared_outside_process()) << "its previous holder may still write it";
+    auto copy = lazy_clone(st, {});
+    EXPECT_FALSE(copy.is_lazy()) << "a clone of it is an eager copy";
+    EXPECT_TRUE(this->holds(copy, 6));
     auto alias = st;
     st = storage_t();
+    copy = storage_t();
     EXPECT_EQ(live(), 1) << "a handle is still alive";
   }
   EXPECT_EQ(live(), 0) << "the last handle freed the block";

@@ -114,8 +114,11 @@ class storage {
   /// the block — its release frees it, as for allocate — and the previous
   /// holder must not free it itself (it drops a handle of the storage
   /// instead). `bytes` (> 0) is how much of the block the storage spans.
-  /// invalid_argument when `data` does not start a block `allocator` has
-  /// handed out, or `bytes` is 0 or more than the block holds.
+  /// The previous holder may still write the memory, so it counts as shared
+  /// outside the process: never lazily shared. Take a block over once: a
+  /// second take_over of it (or of a storage's own block) would free it
+  /// twice. invalid_argument when `data` does not start a block `allocator`
+  /// has handed out, or `bytes` is 0 or more than the block holds.
   static storage take_over(alloc::caching_allocator& allocator, void* data, std::size_t bytes,
                            backend::stream_ref stream);
 
