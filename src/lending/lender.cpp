@@ -452,7 +452,10 @@ class lender::state {
       if (std::find(keepers.begin(), keepers.end(), b.serial) == keepers.end()) continue;
       try {
         b.link.send(static_cast<std::uint16_t>(message_type::forget), detail::encode_forget(memory));
-      } catch (const error&) {  // NOLINT(bugprone-empty-catch): the loop hangs up on a broken link
+      } catch (const error&) {
+        // Not sent (a borrower that does not read within peer_timeout): it
+        // would keep the mapping unknowingly, so the loop hangs up on it.
+        b.failed = true;
       }
       std::lock_guard lock(mutex_);
       ++counters_.forgets;
@@ -517,12 +520,19 @@ class lender::state {
     {
       std::lock_guard lock(mutex_);
       region_entry& r = regions_.at(m.region);
-      r.info.mode = region_mode::shared;
-      r.layout = m.layout;
-      keepers.swap(r.chunk.keepers);
-      memory = r.chunk.memory.get();
-      ++counters_.published;
+      // revoke() may have come from another thread since the checks above:
+      // a shared region is never revoked, so a region being revoked stays exclusive.
+      if (r.info.state != region_state::lent) {
+        why = "region " + std::to_string(m.region) + " is being revoked; give it back instead of publishing it";
+      } else {
+        r.info.mode = region_mode::shared;
+        r.layout = m.layout;
+        keepers.swap(r.chunk.keepers);
+        memory = r.chunk.memory.get();
+        ++counters_.published;
+      }
     }
+    if (!why.empty()) return refuse(refusal::bad_request, why);
     // Shared memory is never lent again: whoever of the writer's uid kept a
     // writable mapping of it drops it (the region is read-only from now on).
     tell_to_forget(keepers, memory->id());
@@ -741,8 +751,8 @@ class lender::state {
         try {
           b.link.send(static_cast<std::uint16_t>(message_type::revoke),
                       detail::encode(detail::revoke_message{id, static_cast<std::uint32_t>(deadline.count())}));
-        } catch (
-            const error&) {  // NOLINT(bugprone-empty-catch): a broken link is hung up on, and reclaimed, by the loop
+        } catch (const error&) {
+          b.failed = true;  // not sent (it does not read, or its link broke): the loop hangs up and reclaims
         }
         emit(lender_event{lender_event::kind::revoke_requested, info.borrower, info.uid, id, info.bytes,
                           "give it back within " + std::to_string(deadline.count()) + " ms"});
