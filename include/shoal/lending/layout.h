@@ -4,10 +4,10 @@
 // agree on every address by name, never by allocation order.
 //
 //   region_layout layout;
-//   layout.entries = {{"embed", 0, 4096 * 2, dtype::float16, {64, 32}},
-//                     {"head", 8192, 1024 * 4, dtype::float32, {1024}}};
+//   layout.entries = {{"embed", 0, 64 * 32 * 2, dtype::float16, {64, 32}},
+//                     {"head", 4096, 1024 * 4, dtype::float32, {1024}}};
 //   ... fill the entries ...
-//   layout.hash = hash_entries(device, region.data(), layout);
+//   layout.hash = hash_entries(device, region.data(), region.size(), layout);
 //
 // Well-formed (what layout_problem checks, and what the lender checks
 // before it accepts a layout): 1..max_layout_entries entries; names of 1 to
