@@ -181,6 +181,13 @@ struct borrowed_region::link {
                              ", not given_back for region " + std::to_string(id) +
                              (keep ? "" : " (with no kept mapping: none was asked)"));
       }
+      if (answer->kept && kept.contains(memory)) {
+        // Two regions of one memory id both kept: a lender that lent one
+        // memory twice; the second mapping would never be unmapped.
+        out_of_step = true;
+        throw protocol_error("borrower::give_back: the lender recorded region " + std::to_string(id) +
+                             "'s memory " + std::to_string(memory) + " as kept, which this borrower keeps already");
+      }
       if (answer->kept) {
         kept.keep(memory, {data, size});
         kept_now = true;

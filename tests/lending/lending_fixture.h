@@ -78,7 +78,7 @@ class lending_test : public backend_test<Backend> {
   /// exported it: the test is marked skipped, and the caller returns
   /// (`if (this->in_process_only()) return;`) — a skip in a helper does not
   /// end the test body by itself.
-  bool in_process_only() {
+  [[nodiscard]] bool in_process_only() {
     if (std::string(Backend::name) != "cuda") return false;
     [] { GTEST_SKIP() << "CUDA refuses to import memory in the process that exported it"; }();
     return true;

@@ -94,7 +94,7 @@ TYPED_TEST(memory_reuse_test, a_reborrow_in_another_process_gets_the_same_memory
 }
 
 TYPED_TEST(memory_reuse_test, a_kept_mapping_comes_back_at_the_same_address_with_its_content_and_no_import) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   counting_device lender_device(this->device()), borrower_device(this->device());
   lender l(lender_device, channel::channel_address::at_path(this->socket_path()), {});
   borrower b(borrower_device, l.address());
@@ -123,7 +123,7 @@ TYPED_TEST(memory_reuse_test, a_kept_mapping_comes_back_at_the_same_address_with
 }
 
 TYPED_TEST(memory_reuse_test, control_with_reuse_never_every_region_is_fresh_memory) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   counting_device lender_device(this->device()), borrower_device(this->device());
   lender l(lender_device, channel::channel_address::at_path(this->socket_path()),
            {.reuse = lending::reuse_policy::never});
@@ -147,7 +147,7 @@ TYPED_TEST(memory_reuse_test, control_with_reuse_never_every_region_is_fresh_mem
 }
 
 TYPED_TEST(memory_reuse_test, a_borrower_that_keeps_no_mappings_gets_the_spare_with_its_chunk) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   counting_device lender_device(this->device()), borrower_device(this->device());
   lender l(lender_device, channel::channel_address::at_path(this->socket_path()), {});
   borrower b(borrower_device, l.address(), {}, borrower::default_timeout, {.keep_mappings = false});
@@ -163,7 +163,7 @@ TYPED_TEST(memory_reuse_test, a_borrower_that_keeps_no_mappings_gets_the_spare_w
 }
 
 TYPED_TEST(memory_reuse_test, capacity_pressure_releases_spares_and_their_keepers_forget_them) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   const std::size_t unit = this->unit();
   counting_device a_device(this->device());
   event_recorder log;
@@ -241,7 +241,7 @@ TYPED_TEST(memory_reuse_test, a_borrower_of_another_uid_never_gets_memory_anothe
 }
 
 TYPED_TEST(memory_reuse_test, a_published_regions_memory_is_forgotten_by_its_keepers_and_never_lent_again) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& l = this->start();
   borrower keeper(this->device(), l.address()), writer(this->device(), l.address());
   auto r = keeper.borrow(mib, "model W");
@@ -289,7 +289,7 @@ void lie_to_a_borrower(backend::device& device, const std::string& path,
 }
 
 TYPED_TEST(memory_reuse_test, a_lent_with_no_chunks_for_memory_not_kept_is_a_protocol_error) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   using lending::detail::message_type;
   lie_to_a_borrower(this->device(), this->dir_ / "liar.sock", {{message_type::lent, lending::detail::encode(lending::detail::lent_message{1, 1, 42, 4096, 0})}},
                     [](borrower& b) {
@@ -299,7 +299,7 @@ TYPED_TEST(memory_reuse_test, a_lent_with_no_chunks_for_memory_not_kept_is_a_pro
 }
 
 TYPED_TEST(memory_reuse_test, a_forget_for_memory_not_kept_is_a_protocol_error) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   using lending::detail::message_type;
   lie_to_a_borrower(this->device(), this->dir_ / "liar.sock", {{message_type::forget, lending::detail::encode_forget(42)}}, [](borrower& b) {
     EXPECT_THROW((void)b.borrow(4096, "answered with a forget"), protocol_error);
@@ -307,8 +307,53 @@ TYPED_TEST(memory_reuse_test, a_forget_for_memory_not_kept_is_a_protocol_error) 
   });
 }
 
+TYPED_TEST(memory_reuse_test, a_lender_keeping_one_memory_for_two_regions_is_a_protocol_error) {
+  if (this->in_process_only()) return;
+  using lending::detail::message_type;
+  namespace d = lending::detail;
+  auto& dev = this->device();
+  const auto address = channel::channel_address::at_path(this->dir_ / "liar.sock");
+  channel::listener liar(address, {});
+  d::lendable_memory memory(dev, this->unit(), 42);
+  std::thread server([&] {
+    try {
+      auto link = liar.accept();
+      channel::send_hello(link, d::lending_protocol);
+      (void)link.receive();  // the hello
+      const auto chunk = memory.handle().serialize();
+      for (std::uint64_t region = 1; region <= 2; ++region) {  // one memory lent as two regions
+        const auto request = d::decode_borrow(link.receive().payload).request;
+        const auto lent = d::encode(d::lent_message{request, region, 42, this->unit(), 1});
+        const std::vector<channel::outgoing_frame> frames{
+            {static_cast<std::uint16_t>(message_type::lent), lent},
+            {static_cast<std::uint16_t>(message_type::chunk), chunk, memory.handle().fd.get()}};
+        link.send(frames);
+      }
+      for (int i = 0; i < 2; ++i) {  // and both kept
+        const auto back = d::decode_give_back(link.receive().payload);
+        link.send(static_cast<std::uint16_t>(message_type::given_back),
+                  d::encode(d::given_back_message{back.region, true}));
+      }
+      for (;;) (void)link.receive();
+    } catch (const error&) {  // NOLINT(bugprone-empty-catch): the borrower hung up
+    }
+  });
+  {
+    borrower b(dev, address);
+    auto first = b.borrow(this->unit(), "one");
+    auto second = b.borrow(this->unit(), "two");
+    b.give_back(std::move(first));
+    EXPECT_EQ(b.kept().count, 1u);
+    EXPECT_THROW(b.give_back(std::move(second)), protocol_error);
+    EXPECT_EQ(b.kept().count, 1u);
+    EXPECT_EQ(b.kept().bytes, this->unit()) << "the second mapping was unmapped, not counted beside the first";
+    EXPECT_THROW((void)b.borrow(this->unit(), "after the lie"), connection_closed);
+  }
+  server.join();
+}
+
 TYPED_TEST(memory_reuse_test, malformed_give_back_and_forget_frames_close_only_their_sender) {
-  this->in_process_only();
+  if (this->in_process_only()) return;
   auto& l = this->start();
   borrower good(this->device(), l.address());
   auto kept = good.borrow(mib, "kept");
