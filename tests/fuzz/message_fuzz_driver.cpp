@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "fuzz/driver_files.h"
 #include "fuzz/receive_program.h"
 #include "fuzz/seed_programs.h"
 
@@ -23,16 +24,8 @@ namespace {
 namespace fs = std::filesystem;
 using shoal::fuzz::seed_program;
 
-std::size_t open_fds() {
-  std::size_t n = 0;
-  for ([[maybe_unused]] const auto &e : fs::directory_iterator("/proc/self/fd")) ++n;
-  return n;
-}
-
-std::vector<std::uint8_t> read_file(const fs::path &path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
+using shoal::fuzz::open_fds;
+using shoal::fuzz::read_file;
 
 int write_corpus(const fs::path &folder) {
   fs::create_directories(folder);
@@ -87,18 +80,10 @@ int main(int argc, char **argv) {
     ++runs;
   }
   std::size_t corpus_files = 0;
-  for (int i = 2; i < argc; ++i) {
-    std::vector<fs::path> files;
-    if (fs::is_directory(argv[i])) {
-      for (const auto &e : fs::directory_iterator(argv[i])) files.push_back(e.path());
-    } else {
-      files.emplace_back(argv[i]);
-    }
-    for (const auto &f : files) {
-      storages += shoal::fuzz::receive_program(read_file(f)).storages;
-      ++corpus_files;
-      ++runs;
-    }
+  for (const auto &f : shoal::fuzz::corpus_files(argc, argv, 2)) {
+    storages += shoal::fuzz::receive_program(read_file(f)).storages;
+    ++corpus_files;
+    ++runs;
   }
   std::mt19937 rng(20261123);
   for (int i = 0; i < random_inputs; ++i) {
