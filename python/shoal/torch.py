@@ -26,6 +26,14 @@ Not supported while enabled: CUDA graph capture (``torch.cuda.graph``,
 ``torch.compile(mode="reduce-overhead")``) and ``torch.cuda.MemPool``; they
 raise an error naming the limitation.
 
+Without ``enable()``, PyTorch keeps its own allocator and :class:`RegionPool` makes
+shoal memory — a region borrowed from a lender — the segment source of a
+``torch.cuda.MemPool``, so a model's tensors go into borrowed memory::
+
+    pool = shoal.torch.RegionPool(borrower.borrow(4 << 30, "model A"))
+    with pool.use():
+        model = build_model().cuda()
+
 The plugin is built when the package is installed where PyTorch with CUDA is
 importable (``pip install --no-build-isolation .``); elsewhere ``enable()``
 says so.
@@ -39,6 +47,7 @@ import threading
 from typing import Any
 
 from . import _shoal
+from .region_pool import RegionPool
 
 __all__ = [
     "enable",
@@ -53,6 +62,7 @@ __all__ = [
     "memory_snapshot",
     "empty_cache",
     "share",
+    "RegionPool",
 ]
 
 _lock = threading.Lock()

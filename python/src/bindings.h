@@ -164,5 +164,6 @@ void register_torch_api(nb::module_& m);
 void register_transfer(nb::module_& m);
 void register_grouped_load(nb::module_& m);
 void register_lending(nb::module_& m);
+void register_segment_sources(nb::module_& m);
 
 }  // namespace shoal::python

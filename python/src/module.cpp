@@ -16,4 +16,5 @@ NB_MODULE(_shoal, m) {
   shoal::python::register_transfer(m);
   shoal::python::register_grouped_load(m);
   shoal::python::register_lending(m);
+  shoal::python::register_segment_sources(m);
 }

@@ -285,3 +285,15 @@ def test_real_models_give_identical_outputs_on_both_allocators(model):
     # peaks, within 1% of PyTorch's count (block rounding differs).
     assert 0 < ours["allocated_at_end"] <= ours["peak_allocated"] <= ours["peak_reserved"]
     assert abs(ours["allocated_at_end"] - theirs["allocated_at_end"]) <= theirs["allocated_at_end"] // 100
+
+
+def test_a_region_pool_puts_a_models_tensors_into_borrowed_memory_with_pytorchs_allocator():
+    out = run_program("region_pool.py", timeout=300)
+    assert out["in_region"] == [True, True, True], out
+    assert not out["outside_in_region"], "an allocation outside use() came from the region"
+    assert out["identical"], "the model computed otherwise in borrowed memory"
+    assert out["oom"] == "OutOfMemoryError", "a request past the region must be PyTorch's out of memory"
+    assert out["segments_during"] > 0 and out["reserved_during"] > 0
+    assert out["lent_during"] >= 256 << 20
+    assert (out["bound_after_close"], out["segments_after_close"]) == (False, 0), out
+    assert out["lent_after"] == 0, "the region was not given back"

@@ -1,0 +1,216 @@
+// Memory this process holds — a region borrowed from a lender, or any
+// Storage — as the segment source of a torch.cuda.MemPool (shoal.torch.
+// RegionPool): PyTorch's own caching allocator asks the pool's allocator for
+// segments, and they are carved from the storage by a shoal caching
+// allocator's private pool over it. So a process keeps PyTorch's allocator
+// and still puts a model's tensors into memory it borrowed.
+//
+// PyTorch's custom allocators are two C functions with no context argument
+// (torch._C._cuda_customAllocator takes their addresses), so each source
+// sits in one of a fixed number of slots, and every slot has its own pair of
+// functions. A slot is bound while its source is open or still has segments
+// out; the storage (and so the region) is held until both have ended, and its
+// streams' work has passed (the private pool is drained first).
+//
+// Thread-safety: the slot functions may be called from any thread, with or
+// without the GIL (they never touch Python); each slot has its own lock.
+#include <nanobind/stl/pair.h>
+
+#include <array>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "bindings.h"
+#include "shoal/core/error.h"
+
+namespace shoal::python {
+
+namespace {
+
+constexpr std::size_t slot_count = 16;
+
+/// One storage's memory lent out as segments.
+class segment_source {
+ public:
+  explicit segment_source(const storage_handle& memory)
+      : memory_(memory),
+        allocator_(std::make_shared<allocator_state>(memory.get().device(), alloc::allocator_config{})) {
+    base_ = memory_.get().mutable_data();
+    bytes_ = memory_.get().size() / 512 * 512;  // private pools take whole 512-byte units
+    pool_ = allocator_->allocator().create_private_pool(base_, bytes_);
+  }
+
+  ~segment_source() {
+    auto& a = allocator_->allocator();
+    try {
+      a.drain_private_pool(pool_);  // the streams PyTorch used pass before the memory goes
+      (void)a.destroy_private_pool(pool_, alloc::live_blocks::invalidate);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "shoal: closing a RegionPool's segment source failed: %s\n", e.what());
+    }
+  }
+
+  segment_source(const segment_source&) = delete;
+  segment_source& operator=(const segment_source&) = delete;
+
+  /// nullptr when the storage has no room left (PyTorch's out of memory).
+  void* allocate(std::size_t bytes, void* stream) {
+    auto& a = allocator_->allocator();
+    const backend::stream_ref on = stream == nullptr ? backend::stream_ref{} : a.device().adopt_external_stream(stream);
+    alloc::private_pool_scope scope(a, pool_);
+    try {
+      void* p = a.allocate(bytes, on);
+      ++segments_;
+      return p;
+    } catch (const out_of_memory&) {
+      return nullptr;
+    }
+  }
+
+  void deallocate(void* ptr, void* stream) {
+    auto& a = allocator_->allocator();
+    const backend::stream_ref on = stream == nullptr ? backend::stream_ref{} : a.device().adopt_external_stream(stream);
+    a.deallocate(ptr, on);
+    --segments_;
+  }
+
+  [[nodiscard]] std::size_t segments() const noexcept { return segments_; }
+  [[nodiscard]] std::size_t capacity() const noexcept { return bytes_; }
+  [[nodiscard]] std::size_t reserved_bytes() const {
+    return static_cast<std::size_t>(allocator_->allocator().stats().allocated_bytes.aggregate.current);
+  }
+  [[nodiscard]] std::uintptr_t base() const noexcept { return reinterpret_cast<std::uintptr_t>(base_); }
+
+ private:
+  storage_handle memory_;  // first: the memory outlives the allocator carving it
+  std::shared_ptr<allocator_state> allocator_;
+  void* base_ = nullptr;
+  std::size_t bytes_ = 0;
+  alloc::private_pool_id pool_{};
+  std::size_t segments_ = 0;  // guarded by the slot's lock
+};
+
+struct slot {
+  std::mutex mutex;
+  std::unique_ptr<segment_source> source;  // guarded by mutex
+  bool open = false;                       // guarded by mutex: its RegionPool has not closed it
+};
+
+std::array<slot, slot_count>& slots() {
+  // Never destroyed: PyTorch may free segments from its static destructors.
+  static auto* instance = new std::array<slot, slot_count>();
+  return *instance;
+}
+
+slot& slot_at(std::size_t index) {
+  if (index >= slot_count) throw invalid_argument("segment source " + std::to_string(index) + " does not exist");
+  return slots()[index];
+}
+
+/// Ends a slot's binding once it is closed and no segment is out.
+void unbind_if_done(slot& s) {
+  if (!s.open && s.source && s.source->segments() == 0) s.source.reset();
+}
+
+template <std::size_t K>
+void* slot_allocate(std::size_t bytes, int /*device*/, void* stream) noexcept {
+  slot& s = slots()[K];
+  try {
+    std::lock_guard lock(s.mutex);
+    if (!s.open || !s.source) return nullptr;  // closed: PyTorch sees out of memory
+    return s.source->allocate(bytes, stream);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shoal: a RegionPool could not carve a %zu-byte segment: %s\n", bytes, e.what());
+    return nullptr;
+  }
+}
+
+template <std::size_t K>
+void slot_free(void* ptr, std::size_t /*bytes*/, int /*device*/, void* stream) noexcept {
+  slot& s = slots()[K];
+  try {
+    std::lock_guard lock(s.mutex);
+    if (!s.source) return;
+    s.source->deallocate(ptr, stream);
+    unbind_if_done(s);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "shoal: a RegionPool could not take a segment back: %s\n", e.what());
+  }
+}
+
+using allocate_fn = void* (*)(std::size_t, int, void*) noexcept;
+using free_fn = void (*)(void*, std::size_t, int, void*) noexcept;
+
+template <std::size_t... K>
+constexpr std::array<std::pair<allocate_fn, free_fn>, slot_count> make_functions(std::index_sequence<K...>) {
+  return {std::pair<allocate_fn, free_fn>{&slot_allocate<K>, &slot_free<K>}...};
+}
+constexpr auto slot_functions = make_functions(std::make_index_sequence<slot_count>{});
+
+}  // namespace
+
+void register_segment_sources(nb::module_& m) {
+  m.def(
+      "_segment_source_open",
+      [](const py_storage& storage) {
+        for (std::size_t i = 0; i < slot_count; ++i) {
+          slot& s = slots()[i];
+          std::lock_guard lock(s.mutex);
+          if (s.source) continue;
+          s.source = std::make_unique<segment_source>(storage.handle);
+          s.open = true;
+          return i;
+        }
+        throw invalid_argument("shoal.torch.RegionPool: " + std::to_string(slot_count) +
+                               " region pools are open or still hold segments; close one (and free its tensors) first");
+      },
+      nb::arg("storage"),
+      "Binds a free slot to `storage`'s memory as a segment source; returns the slot.");
+  m.def(
+      "_segment_source_functions",
+      [](std::size_t index) {
+        (void)slot_at(index);
+        return std::pair{reinterpret_cast<std::uintptr_t>(slot_functions[index].first),
+                         reinterpret_cast<std::uintptr_t>(slot_functions[index].second)};
+      },
+      nb::arg("slot"),
+      "The addresses of the slot's allocate(size, device, stream) and free(ptr, size, device, stream) "
+      "functions, for torch._C._cuda_customAllocator.");
+  m.def(
+      "_segment_source_stats",
+      [](std::size_t index) -> nb::dict {
+        slot& s = slot_at(index);
+        std::lock_guard lock(s.mutex);
+        nb::dict d;
+        d["open"] = s.open;
+        d["bound"] = static_cast<bool>(s.source);
+        d["segments"] = s.source ? s.source->segments() : 0;
+        d["reserved_bytes"] = s.source ? s.source->reserved_bytes() : 0;
+        d["capacity_bytes"] = s.source ? s.source->capacity() : 0;
+        d["base"] = s.source ? s.source->base() : 0;
+        return d;
+      },
+      nb::arg("slot"), "What the slot's source has carved out.");
+  m.def(
+      "_segment_source_close",
+      [](std::size_t index) {
+        slot& s = slot_at(index);
+        std::unique_ptr<segment_source> done;
+        {
+          std::lock_guard lock(s.mutex);
+          s.open = false;
+          if (s.source && s.source->segments() == 0) done = std::move(s.source);
+        }
+        // Drained outside the lock (waits for streams) and without the GIL.
+        nb::gil_scoped_release unlocked;
+        done.reset();
+      },
+      nb::arg("slot"),
+      "No more segments from the slot; it is unbound (its storage dropped) once every segment is back.");
+}
+
+}  // namespace shoal::python

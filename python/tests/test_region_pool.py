@@ -1,0 +1,115 @@
+"""The segment sources behind shoal.torch.RegionPool, called through ctypes as PyTorch's
+custom allocator calls them (host backend: a region borrowed in this process). The
+torch.cuda.MemPool route itself runs on the GPU machine (test_torch.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import pathlib
+import tempfile
+import time
+
+import pytest
+
+import shoal
+import shoal.lending
+from shoal import _shoal
+
+pytestmark = pytest.mark.python
+
+MIB = 1 << 20
+ALLOCATE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+
+
+@pytest.fixture
+def lent():
+    if shoal.default_device().kind == "cuda":
+        pytest.skip("CUDA refuses to import memory in the process that exported it")
+    with tempfile.TemporaryDirectory() as directory:
+        os.chmod(directory, 0o700)
+        address = str(pathlib.Path(directory) / "lender.sock")
+        with shoal.lending.Lender(address) as lender, shoal.lending.Borrower(address) as borrower:
+            yield lender, borrower
+
+
+def functions(slot: int):
+    allocate, free = _shoal._segment_source_functions(slot)
+    return ALLOCATE(allocate), FREE(free)
+
+
+def eventually(done, limit: float = 5.0) -> bool:
+    until = time.monotonic() + limit
+    while not done():
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_segments_are_carved_from_the_region_until_it_is_full(lent):
+    lender, borrower = lent
+    region = borrower.borrow(8 * MIB, "model A")
+    slot = _shoal._segment_source_open(region)
+    try:
+        allocate, free = functions(slot)
+        start = _shoal._segment_source_stats(slot)["base"]
+        first = allocate(2 * MIB, 0, None)
+        second = allocate(4 * MIB, 0, None)
+        assert first is not None and second is not None
+        for p, n in ((first, 2 * MIB), (second, 4 * MIB)):
+            assert start <= p and p + n <= start + 8 * MIB, "a segment outside the region"
+        assert abs(first - second) >= 2 * MIB, "segments overlap"
+        assert allocate(4 * MIB, 0, None) is None, "the region is full: PyTorch must see out of memory"
+        stats = _shoal._segment_source_stats(slot)
+        assert (stats["segments"], stats["reserved_bytes"]) == (2, 6 * MIB)
+        ctypes.memset(first, 0x5A, 2 * MIB)  # the memory is the region's, mapped here
+        assert bytes(region.read(first - start, 16)) == b"\x5a" * 16
+        free(first, 2 * MIB, 0, None)
+        again = allocate(2 * MIB, 0, None)
+        assert again == first, "a segment given back is carved again"
+        free(again, 2 * MIB, 0, None)
+        free(second, 4 * MIB, 0, None)
+        assert _shoal._segment_source_stats(slot)["segments"] == 0
+    finally:
+        _shoal._segment_source_close(slot)
+    assert not _shoal._segment_source_stats(slot)["bound"]
+
+
+def test_the_region_is_held_until_the_pool_is_closed_and_every_segment_is_back(lent):
+    lender, borrower = lent
+    region = borrower.borrow(4 * MIB, "model B")
+    slot = _shoal._segment_source_open(region)
+    allocate, free = functions(slot)
+    segment = allocate(2 * MIB, 0, None)
+    del region
+    gc.collect()
+    _shoal._segment_source_close(slot)
+    assert allocate(2 * MIB, 0, None) is None, "a closed pool carves nothing more"
+    stats = _shoal._segment_source_stats(slot)
+    assert stats["bound"] and not stats["open"], "unbound while PyTorch still holds a segment"
+    time.sleep(0.05)
+    assert lender.status()["lent_bytes"] > 0, "the region went back under a live segment"
+    free(segment, 2 * MIB, 0, None)
+    assert not _shoal._segment_source_stats(slot)["bound"]
+    assert eventually(lambda: lender.status()["lent_bytes"] == 0), "the region was not given back"
+
+
+def test_slots_are_bounded_and_reused(lent):
+    lender, borrower = lent
+    region = borrower.borrow(2 * MIB, "model C")
+    opened = []
+    with pytest.raises(shoal.InvalidArgumentError, match="region pools are open"):
+        while True:
+            opened.append(_shoal._segment_source_open(region))
+    assert len(opened) == 16
+    addresses = {_shoal._segment_source_functions(s) for s in opened}
+    assert len(addresses) == 16, "two slots share functions: PyTorch could not tell their pools apart"
+    for s in opened:
+        _shoal._segment_source_close(s)
+    slot = _shoal._segment_source_open(region)
+    _shoal._segment_source_close(slot)
+    with pytest.raises(shoal.InvalidArgumentError):
+        _shoal._segment_source_functions(16)
