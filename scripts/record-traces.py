@@ -14,6 +14,14 @@ Workloads (random weights and inputs, no network needed):
       a 12-layer encoder (d_model 1024, 16 heads, fp16) under no_grad,
       30 requests with batch in {1,4,8,16} and sequence in
       {128,256,512,1024}, in a fixed random order.
+  gpt2-generate
+      transformers GPT-2 small, greedy generation of 48 tokens for six
+      prompts of mixed batch and length (a KV cache growing per token).
+  bert-serve-mixed
+      transformers BERT-base, 40 requests of mixed batch and sequence.
+  bert-gpt2-serve
+      BERT-base and GPT-2 small served in one process (two model
+      families), 40 requests of mixed shapes.
 
 Usage, on the GPU machine (PyTorch with CUDA; well under 3 minutes on an H100):
   python3 scripts/record-traces.py [OUT_DIR]   # default: $OUT, else ./traces
@@ -202,10 +210,91 @@ def transformer_inference(requests, seed):
     )
 
 
+def gpt2(torch):
+    import transformers
+
+    config = transformers.GPT2Config(n_embd=768, n_layer=12, n_head=12)  # GPT-2 small, random weights
+    return transformers.GPT2LMHeadModel(config).cuda().eval()
+
+
+def bert(torch):
+    import transformers
+
+    config = transformers.BertConfig()  # BERT-base, random weights
+    return transformers.BertModel(config).cuda().eval()
+
+
+GENERATION_PROMPTS = ((1, 32), (4, 64), (2, 128), (8, 16), (1, 256), (4, 32))
+
+
+def gpt2_generation(new_tokens):
+    """A decoder generating: the KV cache grows by one position per token in every layer."""
+
+    def run(torch):
+        torch.manual_seed(0)
+        model = gpt2(torch)
+        with torch.no_grad():
+            for batch, prompt in GENERATION_PROMPTS:
+                ids = torch.randint(0, 50257, (batch, prompt), device="cuda")
+                out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                     pad_token_id=0, attention_mask=torch.ones_like(ids))
+                out.cpu()  # a server sends the tokens out
+
+    prompts = " ".join(f"{b}x{p}" for b, p in GENERATION_PROMPTS)
+    return run, (f"transformers GPT-2 small (random weights), greedy generate() of {new_tokens} tokens with a "
+                 f"growing KV cache, prompts (batch x length): {prompts}")
+
+
+SERVING_BATCHES = (1, 2, 4, 8, 16, 32)
+SERVING_SEQUENCES = (16, 64, 128, 256, 384, 512)
+
+
+def two_family_serving(requests, seed):
+    """BERT-base encoding and GPT-2 small generation served in one process, mixed shapes."""
+    rng = random.Random(seed)
+    order = [(rng.choice(("bert", "bert", "gpt2")), rng.choice(SERVING_BATCHES), rng.choice(SERVING_SEQUENCES))
+             for _ in range(requests)]
+
+    def run(torch):
+        torch.manual_seed(0)
+        models = {"bert": bert(torch), "gpt2": gpt2(torch)}
+        with torch.no_grad():
+            for family, batch, sequence in order:
+                if family == "bert":
+                    ids = torch.randint(0, 30522, (batch, sequence), device="cuda")
+                    models["bert"](input_ids=ids).last_hidden_state[:, 0].float().cpu()
+                else:
+                    ids = torch.randint(0, 50257, (max(1, batch // 4), min(sequence, 128)), device="cuda")
+                    models["gpt2"].generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                            pad_token_id=0, attention_mask=torch.ones_like(ids)).cpu()
+
+    text = " ".join(f"{f}:{b}x{s}" for f, b, s in order)
+    return run, f"BERT-base and GPT-2 small (random weights) served in one process, {requests} requests: {text}"
+
+
+def bert_serving(requests, seed):
+    rng = random.Random(seed)
+    order = [(rng.choice(SERVING_BATCHES), rng.choice(SERVING_SEQUENCES)) for _ in range(requests)]
+
+    def run(torch):
+        torch.manual_seed(0)
+        model = bert(torch)
+        with torch.no_grad():
+            for batch, sequence in order:
+                ids = torch.randint(0, 30522, (batch, sequence), device="cuda")
+                model(input_ids=ids).last_hidden_state[:, 0].float().cpu()
+
+    text = " ".join(f"{b}x{s}" for b, s in order)
+    return run, f"transformers BERT-base (random weights), fp32, no_grad, {requests} requests (batch x sequence): {text}"
+
+
 WORKLOADS = {
     "resnet50-train-b32": lambda: resnet_training(32, 4),
     "resnet50-train-b64": lambda: resnet_training(64, 4),
     "transformer-infer-mixed": lambda: transformer_inference(30, seed=0),
+    "gpt2-generate": lambda: gpt2_generation(48),
+    "bert-serve-mixed": lambda: bert_serving(40, seed=1),
+    "bert-gpt2-serve": lambda: two_family_serving(40, seed=2),
 }
 
 
