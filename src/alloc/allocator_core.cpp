@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "alloc/awaiting_frees.h"
 #include "alloc/block_structure.h"
 #include "alloc/core_util.h"
 #include "alloc/invariant_checker.h"
@@ -132,6 +133,7 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
         std::vector<backend::event_ref> waits;
         {
           std::lock_guard lock(p.lock);
+          seal_awaiting(p, device, events_);
           for (block* b : p.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
         }
         for (auto e : waits) device.synchronize_event(e);  // without the lock: this may take long
@@ -271,7 +273,10 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
     const bool freed_elsewhere = stream != b->stream;
     const bool hold = !b->used_on.empty() || (config.cross_stream_safety && freed_elsewhere) || host_written;
     const bool mark_hazard = !config.cross_stream_safety && config.debug && freed_elsewhere;
-    if (hold || mark_hazard) {
+    // A pinned block freed on its own stream waits for an event it shares
+    // with the frees around it (awaiting_frees.h), recorded later.
+    const bool awaits = host_written && !freed_elsewhere && b->used_on.empty() && !pool.is_private;
+    if ((hold || mark_hazard) && !awaits) {
       std::vector<backend::stream_ref> streams = b->used_on;
       if ((freed_elsewhere && (config.cross_stream_safety || mark_hazard)) || host_written) add_unique(streams, stream);
       std::vector<backend::event_ref> events;
@@ -296,6 +301,7 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
     if (hold) {
       b->state = block_state::pending_free;
       pool.pending.push_back(b);
+      if (awaits) await_free(pool, b, device, events_);
     } else {
       make_reusable(pool, b);
     }
@@ -305,7 +311,11 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
 
 void allocator_core::make_reusable(block_pool& pool, block* b) {
   if (b->state == block_state::pending_free) {
-    for (auto e : b->waits) events_.give_back(e);
+    if (std::exchange(b->wait_shared, false)) {
+      release_shared_wait(pool, b->waits.front(), events_);
+    } else {
+      for (auto e : b->waits) events_.give_back(e);
+    }
     b->waits.clear();
   }
   auto& c = pool.counters;
@@ -328,8 +338,23 @@ void allocator_core::make_reusable(block_pool& pool, block* b) {
 }
 
 void allocator_core::collect_pending(block_pool& pool, bool wait_on_device) {
+  seal_awaiting(pool, device, events_);  // no pending block without its event from here on
+  // Sealed groups complete in order on the pool's stream: one query per
+  // group, and none after the first that has not completed.
+  backend::event_ref group{};  // the last group queried
+  bool group_passed = true;
   std::erase_if(pool.pending, [&](block* b) {
-    const bool passed = std::all_of(b->waits.begin(), b->waits.end(), [&](auto e) { return device.query_event(e); });
+    bool passed;
+    if (b->wait_shared) {
+      const backend::event_ref e = b->waits.front();
+      if (e != group && group_passed) {
+        group = e;
+        group_passed = device.query_event(e);
+      }
+      passed = e == group && group_passed;
+    } else {
+      passed = std::all_of(b->waits.begin(), b->waits.end(), [&](auto e) { return device.query_event(e); });
+    }
     if (!passed && !wait_on_device) return false;
     if (!passed) {
       for (auto e : b->waits) device.wait(b->stream, e);
@@ -362,6 +387,7 @@ void allocator_core::empty_cache() {
     std::vector<backend::event_ref> waits;
     {
       std::lock_guard lock(p.lock);
+      seal_awaiting(p, device, events_);
       for (block* b : p.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
     }
     for (auto e : waits) device.synchronize_event(e);
