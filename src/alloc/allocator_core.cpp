@@ -260,9 +260,6 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
 
 void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
-  // Before any live block: a stale free must not free a newer block at the
-  // same address (invalidated_blocks.h).
-  if (invalidated_.may_hold() && invalidated_.absorb_free(address)) [[unlikely]] return;
   with_block<true>(address, "deallocate", [&](block_pool& pool, block* b) {
     // record_stream's streams are waited for in every mode; the freeing
     // stream only with cross-stream safety on (off is PyTorch's rule, where

@@ -141,15 +141,6 @@ block_pool& pool_directory::private_part(private_pool_id id, const std::string& 
   return *p;
 }
 
-std::vector<block_pool*> pool_directory::private_parts(private_pool_id id) const {
-  std::shared_lock lock(directory_mutex_);
-  const auto it = private_pools_.find(id.value);
-  if (it == private_pools_.end()) throw invalid_argument("private pool " + std::to_string(id.value) + " does not exist");
-  std::vector<block_pool*> parts;
-  for (auto& p : it->second->parts) parts.push_back(p.get());
-  return parts;
-}
-
 void pool_directory::remove_private_pool(private_pool_id id, const std::function<void(block_pool&)>& check) {
   std::unique_ptr<private_pool> pool;
   {

@@ -28,7 +28,6 @@
 #include "shoal/lending/borrower.h"
 #include "shoal/lending/lender.h"
 #include "lending/lending_fixture.h"
-#include "support/allocators.h"
 
 namespace shoal::testing {
 namespace {
@@ -345,34 +344,6 @@ TYPED_TEST(lending_test, an_adopted_region_serves_allocations_in_its_sub_pools_a
   b.give_back(region.release());
   EXPECT_FALSE(region.adopted());
   EXPECT_EQ(l.status().lent_bytes, 0u);
-}
-
-TYPED_TEST(lending_test, a_forced_release_takes_live_blocks_back_and_the_region_goes_back) {
-  if (this->in_process_only()) return;
-  auto& dev = this->device();
-  auto& l = this->start();
-  borrower b(dev, l.address());
-  alloc::caching_allocator allocator(dev, {});
-  backend::stream s(dev);
-  lending::adopted_region region(allocator, b.borrow(2 * mib, "model A"),
-                                 {{"parameters", mib}, {"computation", mib}});
-  void* forgotten = nullptr;
-  {
-    alloc::private_pool_scope scope(allocator, region.pool(), "computation");
-    forgotten = allocator.allocate(4096, s);
-  }
-  dev.delay(s, 50ms);
-  dev.fill(s, forgotten, 0x55, 4096);
-  EXPECT_THROW((void)region.release(), invalid_argument) << "refused unless forced";
-  alloc::invalidated_blocks_report taken;
-  auto back = region.release(alloc::live_blocks::invalidate, &taken);
-  EXPECT_TRUE(dev.query(s)) << "released while a stream still wrote the memory";
-  EXPECT_EQ(taken.blocks, 1u);
-  EXPECT_FALSE(region.adopted());
-  b.give_back(std::move(back));
-  EXPECT_EQ(l.status().lent_bytes, 0u) << "the next model's turn does not wait for a forgotten block";
-  EXPECT_NO_THROW(allocator.deallocate(forgotten, s)) << "its owner's late free is absorbed";
-  EXPECT_TRUE(nothing_in_use(allocator.stats()));
 }
 
 TYPED_TEST(lending_test, control_clearing_without_the_drain_forgets_memory_a_stream_still_writes) {
