@@ -95,7 +95,9 @@ block* allocator_core::try_allocate(block_pool& pool, std::size_t size, std::siz
   if (b == nullptr && !pool.pending.empty()) {
     // Blocks whose frees completed are parked as they become reusable:
     // looking only in the bins here would miss them, and growth would then
-    // give their segment back just to take a new one.
+    // give their segment back just to take a new one. The pool's stream is
+    // in use here (alive), so its awaiting frees may be sealed.
+    seal_awaiting(pool, device, events_);
     collect_pending(pool, false);
     b = take_cached(pool, size);
   }
@@ -133,7 +135,7 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
         std::vector<backend::event_ref> waits;
         {
           std::lock_guard lock(p.lock);
-          seal_awaiting(p, device, events_);
+          if (&p == &pool) seal_awaiting(p, device, events_);  // only the stream asking is known to be alive
           for (block* b : p.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
         }
         for (auto e : waits) device.synchronize_event(e);  // without the lock: this may take long
@@ -335,14 +337,16 @@ void allocator_core::make_reusable(block_pool& pool, block* b) {
 }
 
 void allocator_core::collect_pending(block_pool& pool, bool wait_on_device) {
-  seal_awaiting(pool, device, events_);  // no pending block without its event from here on
-  // Sealed groups complete in order on the pool's stream: one query per
-  // group, and none after the first that has not completed.
+  // Awaiting frees (no event yet) are not passed. Sealed groups complete in
+  // order on the pool's stream: one query per group, and none after the
+  // first that has not completed.
   backend::event_ref group{};  // the last group queried
   bool group_passed = true;
   std::erase_if(pool.pending, [&](block* b) {
     bool passed;
-    if (b->wait_shared) {
+    if (b->waits.empty()) {
+      passed = false;  // awaiting: sealed only from its own stream's calls
+    } else if (b->wait_shared) {
       const backend::event_ref e = b->waits.front();
       if (e != group && group_passed) {
         group = e;
@@ -384,7 +388,6 @@ void allocator_core::empty_cache() {
     std::vector<backend::event_ref> waits;
     {
       std::lock_guard lock(p.lock);
-      seal_awaiting(p, device, events_);
       for (block* b : p.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
     }
     for (auto e : waits) device.synchronize_event(e);

@@ -4,30 +4,38 @@
 
 namespace shoal::alloc::detail {
 
-void await_free(block_pool& pool, block* b, backend::device& device, event_pool& events) noexcept {
+void await_free(block_pool& pool, block* b, backend::device& device, event_pool& events) {
+  // Room for a full group, kept from seal to seal: this push never allocates
+  // after the first (a full group is sealed before it grows past it).
+  if (pool.awaiting.capacity() < seal_blocks) pool.awaiting.reserve(seal_blocks);
   pool.awaiting.push_back(b);
   pool.awaiting_bytes += b->size;
   if (pool.awaiting_bytes < seal_bytes && pool.awaiting.size() < seal_blocks) return;
   try {
     seal_awaiting(pool, device, events);
-  } catch (...) {  // NOLINT(bugprone-empty-catch): still awaiting, so held; the next seal reports it
+  } catch (const error&) {  // NOLINT(bugprone-empty-catch): still awaiting, so held; the next seal reports it
   }
 }
 
 void seal_awaiting(block_pool& pool, backend::device& device, event_pool& events) {
   if (pool.awaiting.empty()) return;
-  const backend::event_ref e = events.take();
+  // Everything that may throw comes before anything changes.
+  for (block* b : pool.awaiting) b->waits.reserve(1);
+  pool.sealed.push_back({backend::event_ref{}, 0});
+  backend::event_ref e{};
   try {
+    e = events.take();
     device.record(e, pool.stream);
   } catch (...) {
-    events.give_back(e);
+    if (e.native != nullptr) events.give_back(e);
+    pool.sealed.pop_back();
     throw;
   }
+  pool.sealed.back() = {e, pool.awaiting.size()};
   for (block* b : pool.awaiting) {
     b->waits.push_back(e);
     b->wait_shared = true;
   }
-  pool.sealed.push_back({e, pool.awaiting.size()});
   pool.awaiting.clear();
   pool.awaiting_bytes = 0;
 }

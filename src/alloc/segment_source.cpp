@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <memory>
 
-#include "alloc/awaiting_frees.h"
 #include "alloc/block_structure.h"
 #include "alloc/size_policy.h"
 #include "shoal/core/error.h"
@@ -288,11 +287,7 @@ void segment_source::release_at_teardown(block_pool& pool, event_pool& events) n
   // stream does (last uses, debug poison). Let it finish before the memory
   // goes. A stream already destroyed has nothing queued that the allocator
   // can wait for (its contract asks streams to outlive their blocks).
-  // Awaiting frees are on the pool's own stream, waited for below anyway.
-  try {
-    seal_awaiting(pool, device_, events);
-  } catch (const error&) {  // NOLINT(bugprone-empty-catch): as below
-  }
+  // Awaiting frees (no event) are on the pool's own stream, waited for below.
   for (block* b : pool.pending) {
     for (auto e : b->waits) {
       try {
