@@ -306,7 +306,7 @@ class lender::state {
           return;
         case message_type::query_metrics: {
           if (!f.payload.empty()) throw protocol_error("lender: query_metrics carries no payload");
-          const std::string text = detail::prometheus_text(status());
+          const std::string text = detail::prometheus_text(status(), detail::max_metrics_text);
           b.link.send(static_cast<std::uint16_t>(message_type::metrics), std::as_bytes(std::span(text)));
           return;
         }
@@ -860,7 +860,7 @@ lender::~lender() = default;
 
 lender_status lender::status() const { return state_->status(); }
 
-std::string lender::metrics_text() const { return detail::prometheus_text(state_->status()); }
+std::string lender::metrics_text() const { return detail::prometheus_text(state_->status(), detail::max_metrics_text); }
 
 void lender::revoke(std::uint64_t region, std::chrono::milliseconds deadline) { state_->revoke(region, deadline); }
 
