@@ -591,16 +591,23 @@ class lender::state {
     auto refuse = [&](refusal reason, std::string why) { send_refusal(b, m.request, reason, why); };
     std::uint64_t id = 0;
     std::size_t bytes = 0;
+    uid_t writer = 0;
     region_layout layout;
     {
       std::lock_guard lock(mutex_);
       id = published_named(m.name);
       if (id != 0) {
         bytes = regions_.at(id).info.bytes;
+        writer = regions_.at(id).info.uid;
         layout = regions_.at(id).layout;
       }
     }
     if (id == 0) return refuse(refusal::bad_request, "no region is published as '" + m.name + "'");
+    if (m.writer_uid && *m.writer_uid != writer) {
+      return refuse(refusal::writer_mismatch, "region '" + m.name + "' was published by uid " +
+                                                  std::to_string(writer) + "; this borrower expects uid " +
+                                                  std::to_string(*m.writer_uid));
+    }
     if (m.expected && *m.expected != layout.hash) {
       return refuse(refusal::hash_mismatch, "region '" + m.name + "' has content hash " + to_hex(layout.hash) +
                                                 "; this borrower expects " + to_hex(*m.expected));
