@@ -233,8 +233,8 @@ class lender::state {
         fds_.push_back({b.link.native_handle(), POLLIN, 0});
       }
       const auto until_check = std::chrono::ceil<std::chrono::milliseconds>(next_check - clock_type::now());
-      const int wait = pending ? 0 : static_cast<int>(std::clamp<std::int64_t>(until_check.count(), 0, orphan_check_interval.count()));
-      const int ready = ::poll(fds_.data(), fds_.size(), wait);
+      const auto wait = pending ? 0 : std::clamp<std::int64_t>(until_check.count(), 0, orphan_check_interval.count());
+      const int ready = ::poll(fds_.data(), fds_.size(), static_cast<int>(wait));
       if (ready < 0 && errno != EINTR) break;  // nothing sensible left to wait on
       if (stopping_.load()) break;
       if (ready > 0 && (fds_[1].revents & POLLIN) != 0) {

@@ -151,7 +151,8 @@ std::string prometheus_text(const lender_status& s, std::size_t max_bytes) {
          s.kept_mappings_used);
   metric(out, "forgets_total", "counter", "Forget messages sent for released chunks borrowers kept mapped.",
          s.forgets);
-  metric(out, "closed_for_errors_total", "counter", "Connections closed for malformed or stalled input, or for messages they did not read in time.",
+  metric(out, "closed_for_errors_total", "counter",
+         "Connections closed for malformed or stalled input, or for messages they did not read in time.",
          s.connections_closed_for_errors);
   // The totals above are about 3 KiB; the headers of the series below and
   // the trailer are kept room for, so the text never passes max_bytes.

@@ -112,7 +112,8 @@ TYPED_TEST(serving_test, a_borrower_stalled_mid_batch_holds_no_one_else_up_and_i
   EXPECT_THROW((void)stalled.receive_for(2000ms), connection_closed);
   std::lock_guard lock(*recorder.guard);
   EXPECT_TRUE(std::any_of(recorder.events->begin(), recorder.events->end(), [](const lending::lender_event& e) {
-    return e.what == lending::lender_event::kind::closed_for_error && e.detail.find("part of a batch") != std::string::npos;
+    return e.what == lending::lender_event::kind::closed_for_error &&
+           e.detail.find("part of a batch") != std::string::npos;
   }));
 }
 
