@@ -197,12 +197,22 @@ class Borrower:
         return SharedRegion(storage)
 
     def borrow_shared(
-        self, name: str, expected_hash: Union[bytes, str, None] = None, timeout: float = 5.0
+        self,
+        name: str,
+        expected_hash: Union[bytes, str, None] = None,
+        timeout: float = 5.0,
+        expected_writer_uid: Optional[int] = None,
     ) -> SharedRegion:
         """Maps, read-only, the region published as ``name``, with its layout. With
         ``expected_hash`` (bytes or hex), ``ContentMismatchError`` unless its writer committed
-        that hash. Its bytes count in full against this borrower's quota."""
-        return SharedRegion(self._native._borrow_shared(self._allocator, name, _hash_bytes(expected_hash), timeout))
+        that hash; with ``expected_writer_uid``, ``ContentMismatchError`` unless a process of
+        that uid published it (names are first come among the uids the lender admits). Its
+        bytes count in full against this borrower's quota."""
+        return SharedRegion(
+            self._native._borrow_shared(
+                self._allocator, name, _hash_bytes(expected_hash), expected_writer_uid, timeout
+            )
+        )
 
     def revocations(self, wait: float = 0.0) -> list[tuple[int, float]]:
         """The lender's requests to give regions back, as (region id, seconds left), waiting up

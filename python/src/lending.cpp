@@ -353,18 +353,19 @@ void register_lending(nb::module_& m) {
       .def(
           "_borrow_shared",
           [](const py_borrower& b, const py_allocator& allocator, const std::string& name,
-             std::optional<nb::bytes> expected, double timeout) {
+             std::optional<nb::bytes> expected, std::optional<std::uint32_t> writer_uid, double timeout) {
             const auto t = timeout_of(timeout, "Borrower.borrow_shared");
             std::optional<lending::content_hash> want;
             if (expected) want = hash_of(*expected);
             std::optional<lending::borrowed_region> region;
             {
               nb::gil_scoped_release release;
-              region.emplace(b.get().borrow_shared(name, want, t));
+              region.emplace(b.get().borrow_shared(name, want, writer_uid, t));
             }
             return storage_of(allocator, std::move(*region));
           },
-          nb::arg("allocator"), nb::arg("name"), nb::arg("expected").none(), nb::arg("timeout"))
+          nb::arg("allocator"), nb::arg("name"), nb::arg("expected").none(), nb::arg("writer_uid").none(),
+          nb::arg("timeout"))
       .def(
           "revocations",
           [](const py_borrower& b, double wait) {

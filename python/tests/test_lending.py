@@ -290,6 +290,17 @@ def test_a_reader_expecting_another_hash_is_refused_with_content_mismatch(addres
         assert reader.borrow_shared("model C").hash == published.hash
 
 
+def test_a_reader_naming_the_writers_uid_refuses_a_region_another_uid_published(address):
+    in_process_only()
+    with shoal.lending.Lender(address), shoal.lending.Borrower(address) as writer, \
+            shoal.lending.Borrower(address) as reader:
+        published = publish_model(writer, "model W")
+        with pytest.raises(shoal.ContentMismatchError, match=f"published by uid {os.geteuid()}"):
+            reader.borrow_shared("model W", expected_writer_uid=os.geteuid() + 1)
+        shared = reader.borrow_shared("model W", expected_hash=published.hash, expected_writer_uid=os.geteuid())
+        assert shared.id == published.id
+
+
 @pytest.mark.parametrize("action", ["read", "write"])
 def test_reader_processes_share_one_copy_and_cannot_write_it(address, action):
     if shoal.default_device().kind == "cuda":

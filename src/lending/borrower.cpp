@@ -148,6 +148,7 @@ struct borrowed_region::link {
       case refusal::device_error:
         throw backend_error("the lender's device", m.why);
       case refusal::hash_mismatch:
+      case refusal::writer_mismatch:
         throw content_mismatch(why);
       case refusal::bad_request:
         break;
@@ -399,7 +400,7 @@ borrowed_region borrower::publish(borrowed_region&& region, const region_layout&
 }
 
 borrowed_region borrower::borrow_shared(std::string_view name, std::optional<content_hash> expected,
-                                        std::chrono::milliseconds timeout) {
+                                        std::optional<uid_t> expected_writer_uid, std::chrono::milliseconds timeout) {
   if (!detail::valid_purpose(name)) {
     throw invalid_argument("borrower::borrow_shared: the name must be 1 to 64 bytes of printable ASCII");
   }
@@ -409,7 +410,7 @@ borrowed_region borrower::borrow_shared(std::string_view name, std::optional<con
   l.usable("borrow_shared");
   const std::uint64_t request = l.next_request++;
   l.conn.send(static_cast<std::uint16_t>(message_type::borrow_shared),
-              detail::encode(detail::borrow_shared_message{request, std::string(name), expected}));
+              detail::encode(detail::borrow_shared_message{request, std::string(name), expected, expected_writer_uid}));
   const auto m = l.receive_region(request, 0, backend::memory_access::read_only, deadline, "borrow_shared");
   // The layout frame follows. Anything wrong with it unmaps the region and
   // leaves the link out of step (the lender reclaims the hold on hang-up).

@@ -21,6 +21,7 @@
 #include "lending/spare_pool.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
+#include "shoal/lending/lender_test_hook.h"
 
 namespace shoal::lending {
 
@@ -35,6 +36,11 @@ using clock_type = std::chrono::steady_clock;
 constexpr std::chrono::milliseconds orphan_check_interval{50};
 
 std::span<const std::byte> view(const std::vector<std::byte>& bytes) { return bytes; }
+
+std::function<void(std::uint64_t)>& before_publish_commits() {
+  static std::function<void(std::uint64_t)> hook;
+  return hook;
+}
 
 /// One process's hold of a region.
 struct hold {
@@ -210,40 +216,51 @@ class lender::state {
   }
 
  private:
+  // One thread reads every borrower without waiting on any: a frame is
+  // handled once its batch has come whole, and a borrower that sends part of
+  // one and stalls is hung up on after peer_timeout (hang_up_stalled) while
+  // the others are served.
   void serve() noexcept {
-    auto next_orphan_check = clock_type::now();
+    auto next_check = clock_type::now();
     while (!stopping_.load()) {
-      std::vector<pollfd> fds{{listener_.native_handle(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
-      std::vector<borrower_entry*> polled;
+      // fds_ keeps its room from turn to turn: no allocation per wake-up.
+      fds_.clear();
+      fds_.push_back({listener_.native_handle(), POLLIN, 0});
+      fds_.push_back({wake_.get(), POLLIN, 0});
       bool pending = false;
-      for (auto& b : borrowers_) {
+      for (const auto& b : borrowers_) {
         pending = pending || b.link.pending() > 0;
-        fds.push_back({b.link.native_handle(), POLLIN, 0});
-        polled.push_back(&b);
+        fds_.push_back({b.link.native_handle(), POLLIN, 0});
       }
-      const int ready = ::poll(fds.data(), fds.size(), pending ? 0 : static_cast<int>(orphan_check_interval.count()));
+      const auto until_check = std::chrono::ceil<std::chrono::milliseconds>(next_check - clock_type::now());
+      const auto wait = pending ? 0 : std::clamp<std::int64_t>(until_check.count(), 0, orphan_check_interval.count());
+      const int ready = ::poll(fds_.data(), fds_.size(), static_cast<int>(wait));
       if (ready < 0 && errno != EINTR) break;  // nothing sensible left to wait on
       if (stopping_.load()) break;
-      if (ready > 0 && (fds[1].revents & POLLIN) != 0) {
+      if (ready > 0 && (fds_[1].revents & POLLIN) != 0) {
         std::uint64_t count = 0;
         (void)!::read(wake_.get(), &count, sizeof count);
       }
       send_revocations();
-      if (ready > 0 && (fds[0].revents & POLLIN) != 0) accept_one();
-      for (std::size_t i = 0; i < polled.size(); ++i) {
-        if (fds[i + 2].revents != 0 || polled[i]->link.pending() > 0) serve_one(*polled[i]);
+      // Borrowers accepted now go to the end of the list, past those polled.
+      const std::size_t polled = fds_.size() - 2;
+      if (ready > 0 && (fds_[0].revents & POLLIN) != 0) accept_one();
+      auto b = borrowers_.begin();
+      for (std::size_t i = 0; i < polled; ++i, ++b) {
+        if (fds_[i + 2].revents != 0 || b->link.pending() > 0) serve_one(*b);
       }
-      std::erase_if(borrowers_, [&](borrower_entry& b) {
-        if (!b.failed && !b.link.broken()) return false;
-        hang_up(b);
+      if (clock_type::now() >= next_check) {
+        hang_up_stalled();
+        note_missed_revocations();
+        reclaim_orphans();
+        next_check = clock_type::now() + orphan_check_interval;
+      }
+      std::erase_if(borrowers_, [&](borrower_entry& e) {
+        if (!e.failed && !e.link.broken()) return false;
+        hang_up(e);
         return true;
       });
       borrower_count_.store(borrowers_.size());
-      if (clock_type::now() >= next_orphan_check) {
-        note_missed_revocations();
-        reclaim_orphans();
-        next_orphan_check = clock_type::now() + orphan_check_interval;
-      }
     }
     std::lock_guard lock(mutex_);
     std::vector<lender_event> ignored;  // the lender is going: no more events
@@ -281,51 +298,72 @@ class lender::state {
     emit(lender_event::kind::connected, borrowers_.back().link.peer());
   }
 
-  // One frame from `b`; a borrower that breaks the protocol, stalls mid-batch
-  // or hangs up ends up failed or broken, and the loop hangs up on it.
+  // The frames of `b` that have come whole (at most one batch's worth, so
+  // that a flooding borrower leaves room for the others); a borrower that
+  // breaks the protocol or hangs up ends up failed or broken, and the loop
+  // hangs up on it.
   void serve_one(borrower_entry& b) {
     try {
-      channel::frame f = b.link.receive_for(shoal::detail::channel_timeout(config_.peer_timeout));
-      if (!b.greeted) {
-        channel::check_hello(f, lending_protocol);
-        b.greeted = true;
-        return;
+      for (std::size_t served = 0; served < channel::max_batch_frames; ++served) {
+        // Once its batch's frames are handled, the socket is polled again
+        // rather than read at once: no read that finds nothing.
+        if (served > 0 && b.link.pending() == 0) return;
+        std::optional<channel::frame> f = b.link.try_receive();
+        if (!f) return;  // the rest of its batch has not come: read on when it does
+        handle(b, *f);
       }
-      switch (static_cast<message_type>(f.type)) {
-        case message_type::borrow:
-          lend(b, detail::decode_borrow(f.payload));
-          return;
-        case message_type::give_back:
-          take_back(b, detail::decode_give_back(f.payload));
-          return;
-        case message_type::publish:
-          publish(b, detail::decode_publish(f.payload));
-          return;
-        case message_type::borrow_shared:
-          lend_shared(b, detail::decode_borrow_shared(f.payload));
-          return;
-        case message_type::query_metrics: {
-          if (!f.payload.empty()) throw protocol_error("lender: query_metrics carries no payload");
-          const std::string text = detail::prometheus_text(status());
-          b.link.send(static_cast<std::uint16_t>(message_type::metrics), std::as_bytes(std::span(text)));
-          return;
-        }
-        default:
-          throw protocol_error(
-              "lender: a borrower may send borrow, give_back, query_metrics, publish and borrow_shared only, not "
-              "frame type " +
-              std::to_string(f.type));
-      }
-    } catch (const timeout_error&) {
-      // Nothing came after all (a spurious wake-up): the connection is still
-      // in step unless the peer stalled mid-batch, which broke it.
     } catch (const connection_closed&) {
       // It hung up: the loop reclaims.
     } catch (const std::exception& e) {
-      // Malformed, not allowed, or a send that failed: this borrower only.
-      count_error();
-      b.failed = true;
-      emit(lender_event::kind::closed_for_error, b.link.peer(), 0, 0, e.what());
+      // Malformed, not allowed, or a reply it did not read in time: this borrower only.
+      close_for_error(b, e.what());
+    }
+  }
+
+  void handle(borrower_entry& b, const channel::frame& f) {
+    if (!b.greeted) {
+      channel::check_hello(f, lending_protocol);
+      b.greeted = true;
+      return;
+    }
+    switch (static_cast<message_type>(f.type)) {
+      case message_type::borrow:
+        return lend(b, detail::decode_borrow(f.payload));
+      case message_type::give_back:
+        return take_back(b, detail::decode_give_back(f.payload));
+      case message_type::publish:
+        return publish(b, detail::decode_publish(f.payload));
+      case message_type::borrow_shared:
+        return lend_shared(b, detail::decode_borrow_shared(f.payload));
+      case message_type::query_metrics: {
+        if (!f.payload.empty()) throw protocol_error("lender: query_metrics carries no payload");
+        const std::string text = detail::prometheus_text(status(), detail::max_metrics_text);
+        b.link.send(static_cast<std::uint16_t>(message_type::metrics), std::as_bytes(std::span(text)));
+        return;
+      }
+      default:
+        throw protocol_error(
+            "lender: a borrower may send borrow, give_back, query_metrics, publish and borrow_shared only, not "
+            "frame type " +
+            std::to_string(f.type));
+    }
+  }
+
+  void close_for_error(borrower_entry& b, const std::string& why) {
+    count_error();
+    b.failed = true;
+    emit(lender_event::kind::closed_for_error, b.link.peer(), 0, 0, why);
+  }
+
+  // Fails each borrower that sent part of a batch and not the rest within
+  // peer_timeout: the loop hangs up on it and reclaims its regions.
+  void hang_up_stalled() {
+    const auto now = clock_type::now();
+    for (auto& b : borrowers_) {
+      const auto since = b.link.incomplete_since();
+      if (b.failed || !since || now - *since < config_.peer_timeout) continue;
+      close_for_error(b, "it sent part of a batch and not the rest within the peer timeout of " +
+                             std::to_string(config_.peer_timeout.count()) + " ms");
     }
   }
 
@@ -452,10 +490,12 @@ class lender::state {
       if (std::find(keepers.begin(), keepers.end(), b.serial) == keepers.end()) continue;
       try {
         b.link.send(static_cast<std::uint16_t>(message_type::forget), detail::encode_forget(memory));
-      } catch (const error&) {
+      } catch (const connection_closed&) {
+        // It hung up: the loop reclaims.
+      } catch (const error& e) {
         // Not sent (a borrower that does not read within peer_timeout): it
         // would keep the mapping unknowingly, so the loop hangs up on it.
-        b.failed = true;
+        close_for_error(b, "forget for memory " + std::to_string(memory) + " could not be sent: " + e.what());
       }
       std::lock_guard lock(mutex_);
       ++counters_.forgets;
@@ -515,6 +555,7 @@ class lender::state {
       }
     }
     if (!why.empty()) return refuse(reason, why);
+    if (before_publish_commits()) before_publish_commits()(m.region);
     std::vector<std::uint64_t> keepers;
     const detail::lendable_memory* memory = nullptr;
     {
@@ -550,16 +591,23 @@ class lender::state {
     auto refuse = [&](refusal reason, std::string why) { send_refusal(b, m.request, reason, why); };
     std::uint64_t id = 0;
     std::size_t bytes = 0;
+    uid_t writer = 0;
     region_layout layout;
     {
       std::lock_guard lock(mutex_);
       id = published_named(m.name);
       if (id != 0) {
         bytes = regions_.at(id).info.bytes;
+        writer = regions_.at(id).info.uid;
         layout = regions_.at(id).layout;
       }
     }
     if (id == 0) return refuse(refusal::bad_request, "no region is published as '" + m.name + "'");
+    if (m.writer_uid && *m.writer_uid != writer) {
+      return refuse(refusal::writer_mismatch, "region '" + m.name + "' was published by uid " +
+                                                  std::to_string(writer) + "; this borrower expects uid " +
+                                                  std::to_string(*m.writer_uid));
+    }
     if (m.expected && *m.expected != layout.hash) {
       return refuse(refusal::hash_mismatch, "region '" + m.name + "' has content hash " + to_hex(layout.hash) +
                                                 "; this borrower expects " + to_hex(*m.expected));
@@ -751,8 +799,11 @@ class lender::state {
         try {
           b.link.send(static_cast<std::uint16_t>(message_type::revoke),
                       detail::encode(detail::revoke_message{id, static_cast<std::uint32_t>(deadline.count())}));
-        } catch (const error&) {
-          b.failed = true;  // not sent (it does not read, or its link broke): the loop hangs up and reclaims
+        } catch (const connection_closed&) {
+          // It hung up: the loop reclaims.
+        } catch (const error& e) {
+          // Not sent (it does not read within peer_timeout): the loop hangs up and reclaims.
+          close_for_error(b, "the revoke of region " + std::to_string(id) + " could not be sent: " + e.what());
         }
         emit(lender_event{lender_event::kind::revoke_requested, info.borrower, info.uid, id, info.bytes,
                           "give it back within " + std::to_string(deadline.count()) + " ms"});
@@ -832,6 +883,7 @@ class lender::state {
 
   // The serving thread's own; status() reads the count.
   std::list<borrower_entry> borrowers_;
+  std::vector<pollfd> fds_;  // the listener, the wake-up, then borrowers_ in order
   std::atomic<std::size_t> borrower_count_{0};
   std::uint64_t last_serial_ = 0;
   std::uint64_t next_region_ = 1;
@@ -847,6 +899,10 @@ class lender::state {
   std::thread thread_;  // last: started once everything above exists
 };
 
+void test_hook::set_before_publish_commits(std::function<void(std::uint64_t region)> hook) {
+  before_publish_commits() = std::move(hook);
+}
+
 lender::lender(backend::device& device, const channel::channel_address& address, lender_config config) {
   if (config.capacity_bytes == 0 || config.quota_bytes == 0 || config.max_borrowers == 0 ||
       config.max_regions_per_borrower == 0 || config.peer_timeout <= std::chrono::milliseconds(0)) {
@@ -860,7 +916,9 @@ lender::~lender() = default;
 
 lender_status lender::status() const { return state_->status(); }
 
-std::string lender::metrics_text() const { return detail::prometheus_text(state_->status()); }
+std::string lender::metrics_text() const {
+  return detail::prometheus_text(state_->status(), detail::max_metrics_text);
+}
 
 void lender::revoke(std::uint64_t region, std::chrono::milliseconds deadline) { state_->revoke(region, deadline); }
 

@@ -66,6 +66,23 @@ answers "$dir/b.sock" || fail "the daemon with --quota-per-uid did not answer"
 grep -q 'quota_bytes_per_uid=12582912' "$dir/log" || fail "the --quota-per-uid flag did not win over the file"
 stop
 
+# --reuse reaches the lender (the log names the lender's own setting): the
+# default, the flag, the file, and the flag over the file.
+reuse_of() {  # reuse_of <expected> <daemon arguments...>
+  local expected=$1
+  shift
+  "$shoal" daemon "$@" 2> "$dir/log" &
+  pid=$!
+  answers "$dir/r.sock" || fail "the daemon with '$*' did not answer"
+  grep -q "reuse=$expected" "$dir/log" || fail "'$*' did not give the lender reuse $expected"
+  stop
+}
+reuse_of same_uid --socket "$dir/r.sock" --device host --capacity 64MiB
+reuse_of never --socket "$dir/r.sock" --device host --capacity 64MiB --reuse never
+printf 'socket = "%s"\ndevice = "host"\ncapacity = "64MiB"\nreuse = "never"\n' "$dir/r.sock" > "$dir/reuse.toml"
+reuse_of never --config "$dir/reuse.toml"
+reuse_of same_uid --config "$dir/reuse.toml" --reuse same_uid
+
 # Bad settings: exit 2, the setting named.
 refused() {  # refused <text the message must hold> <daemon arguments...>
   local expected=$1
@@ -84,6 +101,9 @@ refused "config file" --config "$dir/bad.toml"
 refused "fraction" --capacity 2.5
 refused "quota_per_uid" --quota-per-uid 0
 refused "not in {text,json}" --log-format xml
+refused "same_uid" --reuse sometimes
+echo 'reuse = "sometimes"' > "$dir/bad.toml"
+refused "reuse: 'sometimes' is not same_uid or never" --config "$dir/bad.toml"
 
 # Status with no daemon there: exit 1.
 "$shoal" daemon status --socket "$dir/none.sock" --device host --timeout 1 > /dev/null 2>&1

@@ -133,7 +133,7 @@ int serve(const daemon_settings& settings) {
             {"quota_bytes", std::to_string(config.quota_bytes)},
             {"quota_bytes_per_uid", std::to_string(config.quota_bytes_per_uid)},
             {"max_borrowers", std::to_string(config.max_borrowers)},
-            {"reuse", settings.reuse},
+            {"reuse", config.reuse == lending::reuse_policy::never ? "never" : "same_uid"},  // what the lender got
             {"metrics", metrics_url}});
   starting.unlock();
   int signal = 0;

@@ -41,8 +41,8 @@
 // Errors: the lender's refusals are typed — out_of_memory (its capacity),
 // peer_refused (this borrower's quota or region count), invalid_argument (a
 // bad request: an unknown region or name, a malformed layout, a name
-// published already), content_mismatch (a shared region's hash is not the
-// one asked for) — and a device failure on its side is backend_error; the
+// published already), content_mismatch (a shared region's hash, or its
+// writer's uid, is not the one asked for) — and a device failure on its side is backend_error; the
 // connection stays usable after any of them. connection_closed when the
 // lender is gone (regions already mapped stay valid until given back);
 // timeout_error when it does not answer within the deadline (the connection
@@ -161,9 +161,13 @@ class borrower {
   /// Maps, read-only, the region published under `name`, with its layout: a
   /// hold of its own, given back like any region; its bytes count in full
   /// against this borrower's quota. With `expected`, refused with
-  /// content_mismatch unless the writer committed that hash. invalid_argument
-  /// when nothing is published under `name`.
+  /// content_mismatch unless the writer committed that hash; with
+  /// `expected_writer_uid`, refused with content_mismatch unless a process of
+  /// that uid published it (names are first come among the uids the lender
+  /// admits: this is how a reader refuses a region another uid took the name
+  /// of). invalid_argument when nothing is published under `name`.
   [[nodiscard]] borrowed_region borrow_shared(std::string_view name, std::optional<content_hash> expected = {},
+                                              std::optional<uid_t> expected_writer_uid = {},
                                               std::chrono::milliseconds timeout = default_timeout);
   /// Gives `region` back, unmapped or its mapping kept (see above); returns
   /// once the lender confirmed.

@@ -46,9 +46,12 @@
 // Trust: a borrower is untrusted. Every frame is checked (the codec names the
 // field at fault); a malformed frame, a frame a borrower may not send, or a
 // batch it stalls in the middle of closes that borrower's connection (and
-// reclaims its regions as above) and harms no one else. Every wait on a
-// borrower has a deadline (config.peer_timeout); the lender never exits or
-// aborts on a borrower's or the device's error.
+// reclaims its regions as above) and harms no one else: each borrower's
+// frames are read as they come, without waiting on it, so one that stalls
+// mid-batch holds no other borrower up until it is hung up on. Every wait on
+// a borrower has a deadline (config.peer_timeout); a revoke or forget that
+// cannot be sent in time closes its connection too. The lender never exits
+// or aborts on a borrower's or the device's error.
 //
 // Thread-safety: the lender serves on its own thread; status() and
 // address() may be called from any thread. Destruction stops the thread,
@@ -115,7 +118,9 @@ class lender {
 
   [[nodiscard]] lender_status status() const;
   /// status() in the Prometheus text format (also what a borrower's
-  /// metrics() reads over the socket).
+  /// metrics() reads over the socket), at most one frame's payload (1 MiB):
+  /// past that, per-region, per-hold and per-spare samples are left out,
+  /// counted in shoal_lending_samples_left_out and marked "# truncated".
   [[nodiscard]] std::string metrics_text() const;
   [[nodiscard]] const channel::channel_address& address() const noexcept;
 
