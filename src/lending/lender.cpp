@@ -404,9 +404,15 @@ class lender::state {
     }
     b.held_bytes += bytes;
     ++b.held_regions;
+    // Counted before it goes: a hang-up now is reclaimed. The event comes
+    // after the reply (also when sending fails), so a slow log does not delay it.
+    try {
+      send_region(b, m.request, id, memory, kept ? nullptr : &memory.handle(), nullptr);
+    } catch (...) {
+      emit(lender_event::kind::lent, b.link.peer(), id, bytes, m.purpose);
+      throw;
+    }
     emit(lender_event::kind::lent, b.link.peer(), id, bytes, m.purpose);
-    // Counted before it goes: a hang-up now is reclaimed.
-    send_region(b, m.request, id, memory, kept ? nullptr : &memory.handle(), nullptr);
   }
 
   // Memory of `bytes` for `b`: a spare of its uid when reuse allows, else a
