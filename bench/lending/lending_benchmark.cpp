@@ -3,6 +3,7 @@
 //
 //   shoal_bench_lending [--backend host|cuda] [--rounds N] [--region-mib N]
 //                       [--handover-mib N] [--borrowers N] [--seconds S]
+//                       [--reply-spin-us N]
 //
 // 1. Anchors, region size: the device's own calls a region costs — a
 //    physical chunk made, reserved + mapped, exported (here), imported and
@@ -22,6 +23,9 @@
 //    later ones find it kept mapped there (both borrowers are of one uid).
 // 4. Many borrowers at once (threads of one child, each its own connection)
 //    borrowing and giving back small regions: requests per second, p50/p99.
+//
+// --reply-spin-us sets every borrower's reply_spin (borrower_options; the
+// children read it from SHOAL_BENCH_REPLY_SPIN_US), to compare with none.
 //
 // Every time is a steady_clock reading (CLOCK_MONOTONIC: the same clock in
 // every process of the machine). Prints one table: medians with (min-max).
@@ -64,7 +68,17 @@ struct options {
   std::size_t handover_bytes = 12 * 1024 * mib;
   int borrowers = 64;
   double seconds = 2.0;
+  int reply_spin_us = -1;  // -1: the borrower's default
 };
+
+constexpr const char* reply_spin_variable = "SHOAL_BENCH_REPLY_SPIN_US";
+
+// The borrowers' options: the default, or the reply spin the parent was given.
+lending::borrower_options borrower_options_from_parent() {
+  lending::borrower_options options;
+  if (const char* spin = std::getenv(reply_spin_variable)) options.reply_spin = std::chrono::microseconds(std::stoi(spin));
+  return options;
+}
 
 std::int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(clock_type::now().time_since_epoch()).count();
@@ -164,7 +178,8 @@ int run_child(const std::string& role, const std::string& backend_name, const st
       }
       return 0;
     }
-    lending::borrower b(dev, channel::channel_address::at_path(path));
+    lending::borrower b(dev, channel::channel_address::at_path(path), {}, lending::borrower::default_timeout,
+                        borrower_options_from_parent());
     alloc::caching_allocator allocator(dev);
     backend::stream s(dev);
     if (role == "first") {
@@ -232,7 +247,8 @@ int run_child(const std::string& role, const std::string& backend_name, const st
       for (int t = 0; t < threads; ++t) {
         pool.emplace_back([&, t] {
           try {
-            lending::borrower mine(dev, channel::channel_address::at_path(path));
+            lending::borrower mine(dev, channel::channel_address::at_path(path), {},
+                                   lending::borrower::default_timeout, borrower_options_from_parent());
             ready.fetch_add(1);
             while (!go.load()) std::this_thread::yield();
             const auto until = clock_type::now() + std::chrono::duration<double>(seconds);
@@ -467,10 +483,13 @@ int main(int argc, char** argv) {
         o.borrowers = std::max(1, std::stoi(value));
       } else if (key == "--seconds") {
         o.seconds = std::stod(value);
+      } else if (key == "--reply-spin-us") {
+        o.reply_spin_us = std::max(0, std::stoi(value));
+        ::setenv(reply_spin_variable, std::to_string(o.reply_spin_us).c_str(), 1);
       } else {
         std::fprintf(stderr,
                      "usage: %s [--backend host|cuda] [--rounds N] [--region-mib N] [--handover-mib N] "
-                     "[--borrowers N] [--seconds S]\n",
+                     "[--borrowers N] [--seconds S] [--reply-spin-us N]\n",
                      argv[0]);
         return 2;
       }

@@ -323,6 +323,7 @@ borrower::borrower(backend::device& device, const channel::channel_address& addr
   conn.set_send_timeout(shoal::detail::channel_timeout(timeout));
   channel::send_hello(conn, lending_protocol);
   channel::check_hello(conn.receive_for(left_until(deadline)), lending_protocol);
+  conn.set_receive_spin(options.reply_spin);
   link_ = std::make_shared<borrowed_region::link>(device, std::move(conn), options);
 }
 
