@@ -83,9 +83,9 @@ struct borrower_options {
   /// (channel::connection::set_receive_spin): an answer arriving meanwhile
   /// saves the wake-up of a blocked thread, at the cost of a busy core for
   /// at most this long per request. Zero (the default): never spin. Only
-  /// where cores are spare: on a 2-core machine 50 us made a re-borrow
-  /// slower (~75 us, not ~22) and 16 borrowing threads 3-7x slower
-  /// (docs/benchmarks.md).
+  /// where cores are spare: on a 2-core host machine 50 us made a
+  /// re-borrow slower (~75 us, not ~22) and 16 borrowing threads 3-7x
+  /// slower (shoal_bench_lending --reply-spin-us compares).
   std::chrono::microseconds reply_spin{0};
 };
 
