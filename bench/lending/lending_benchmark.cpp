@@ -80,7 +80,9 @@ constexpr const char* reply_spin_variable = "SHOAL_BENCH_REPLY_SPIN_US";
 // The borrowers' options: the default, or the reply spin the parent was given.
 lending::borrower_options borrower_options_from_parent() {
   lending::borrower_options options;
-  if (const char* spin = std::getenv(reply_spin_variable)) options.reply_spin = std::chrono::microseconds(std::stoi(spin));
+  if (const char* spin = std::getenv(reply_spin_variable)) {
+    options.reply_spin = std::chrono::microseconds(std::stoi(spin));
+  }
   return options;
 }
 
@@ -341,9 +343,10 @@ int run_parent(const std::string& self, const options& o) {
   {
     lending::lender_config config;
     // Prepared chunks for section 2: one a round, of sizes no other borrow asks for.
-    for (int i = 0; i < o.rounds; ++i) config.prepared_chunks.push_back(prepared_base + static_cast<std::size_t>(i) * g);
+    const auto rounds = static_cast<std::size_t>(o.rounds);
+    for (std::size_t i = 0; i < rounds; ++i) config.prepared_chunks.push_back(prepared_base + i * g);
     config.capacity_bytes = std::max(handover, region) + 2 * region + static_cast<std::size_t>(o.borrowers) * 4 * g +
-                            static_cast<std::size_t>(o.rounds) * (prepared_base + static_cast<std::size_t>(o.rounds) * g);
+                            rounds * (prepared_base + rounds * g);
     config.quota_bytes = config.capacity_bytes;
     config.max_borrowers = static_cast<std::size_t>(o.borrowers) + 8;
     lending::lender lender(dev, channel::channel_address::at_path(path), config);

@@ -71,7 +71,7 @@ stop
 "$shoal" daemon --socket "$dir/p.sock" --device host --capacity 64MiB --prepare 2x4MiB --prepare 2MiB 2> "$dir/log" &
 pid=$!
 answers "$dir/p.sock" || fail "the daemon with --prepare did not answer"
-grep -qx 'shoal_lending_prepared_bytes 10485760' "$dir/status" || fail "--prepare 2x4MiB --prepare 2MiB is not 10 MiB prepared"
+grep -qx 'shoal_lending_prepared_bytes 10485760' "$dir/status" || fail "--prepare 2x4MiB --prepare 2MiB: not 10 MiB"
 grep -qx 'shoal_lending_prepared_chunks 3' "$dir/status" || fail "--prepare 2x4MiB --prepare 2MiB is not 3 chunks"
 grep -qx 'shoal_lending_free_bytes 56623104' "$dir/status" || fail "prepared bytes are not counted against the capacity"
 grep -q 'prepared_bytes=10485760' "$dir/log" || fail "the started record does not name the prepared bytes"

@@ -36,7 +36,8 @@ void add_prepared(const std::string& entry, backend::device& device, std::vector
       bad("prepare", entry, "SIZE or COUNTxSIZE with a COUNT of 1 to 1000000 (like 4x1GiB)");
     }
   }
-  const std::size_t bytes = size_setting{entry.substr(times == std::string::npos ? 0 : times + 1)}.bytes(device, "prepare");
+  const size_setting size{entry.substr(times == std::string::npos ? 0 : times + 1)};
+  const std::size_t bytes = size.bytes(device, "prepare");
   sizes.insert(sizes.end(), count, bytes);
 }
 
