@@ -436,8 +436,8 @@ class lender::state {
   }
 
   // A fresh chunk of `bytes`, room made within the capacity by releasing
-  // spares (oldest first), then prepared chunks; nullopt when it does not
-  // fit even so. When the device refuses it, every spare and prepared
+  // spares (oldest first), then prepared chunks when that makes it fit;
+  // nullopt when it does not fit even so. When the device refuses it, every spare and prepared
   // chunks of `bytes` are released and it is tried once more.
   std::optional<detail::chunk_record> fresh_chunk(std::size_t bytes) {
     std::vector<detail::spare_chunk> released;
@@ -449,8 +449,12 @@ class lender::state {
         if (!oldest) break;
         released.push_back(std::move(*oldest));
       }
-      const std::size_t taken = lent_bytes_ + spares_.bytes() + prepared_.bytes() + bytes;
-      if (taken > config_.capacity_bytes) unused = prepared_.take_at_least(taken - config_.capacity_bytes);
+      // Prepared chunks go only when that makes the region fit.
+      const std::size_t without_prepared = lent_bytes_ + spares_.bytes() + bytes;
+      const std::size_t with_prepared = without_prepared + prepared_.bytes();
+      if (with_prepared > config_.capacity_bytes && without_prepared <= config_.capacity_bytes) {
+        unused = prepared_.take_at_least(with_prepared - config_.capacity_bytes);
+      }
     }
     const std::string why = "a fresh region of " + std::to_string(bytes) + " bytes needed the room";
     release_spares(std::move(released), why);

@@ -100,6 +100,9 @@ TYPED_TEST(prepared_memory_test, prepared_bytes_count_against_the_capacity_and_m
   auto s = l.status();
   EXPECT_EQ(s.lent_bytes, 2 * unit);
   EXPECT_EQ(s.prepared_bytes, 2 * unit);
+  // 2 lent + 5 > 6 even without the prepared chunk: refused, and it stays.
+  EXPECT_THROW((void)b.borrow(5 * unit, "past the capacity anyway"), out_of_memory);
+  EXPECT_EQ(l.status().prepared_chunks, 1u) << "a prepared chunk was released for a region that could not fit";
   // 2 lent + 2 prepared + 3 > 6: the prepared chunk not lent goes.
   auto fresh = b.borrow(3 * unit, "another size");
   s = l.status();
