@@ -138,6 +138,9 @@ nb::dict status_dict(const lending::lender_status& s) {
   d["revocations_missed"] = s.revocations_missed;
   d["published"] = s.published;
   d["spare_bytes"] = s.spare_bytes;
+  d["prepared_bytes"] = s.prepared_bytes;
+  d["prepared_chunks"] = s.prepared_chunks;
+  d["prepared_used"] = s.prepared_used;
   d["chunks_made"] = s.chunks_made;
   d["reuses"] = s.reuses;
   d["kept_mappings_used"] = s.kept_mappings_used;

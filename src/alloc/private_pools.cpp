@@ -35,7 +35,7 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
   auto pool = std::make_unique<private_pool>();
   std::uintptr_t at = start;
   for (const auto& [name, size] : layout) {
-    auto part = std::make_unique<block_pool>();
+    auto part = directory_.new_private_part();
     part->kind = pool_kind::large;
     part->is_private = true;
     part->part_name = name;

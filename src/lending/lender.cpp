@@ -18,6 +18,7 @@
 #include "lending/lendable_memory.h"
 #include "lending/messages.h"
 #include "lending/metrics.h"
+#include "lending/prepared_chunks.h"
 #include "lending/spare_pool.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
@@ -53,7 +54,7 @@ struct hold {
 //   holds.empty() never holds for a region in the map;
 //   exclusive: holds.size() == 1; shared: one hold per mapping of it;
 //   lent_bytes_ = sum of info.bytes over the regions in the map (each once);
-//   lent_bytes_ + spares_.bytes() <= capacity;
+//   lent_bytes_ + spares_.bytes() + prepared_.bytes() <= capacity;
 //   a borrower's held_bytes = sum of info.bytes over its holds, held_regions
 //   = how many holds it has (a shared region counts in full for each);
 //   chunk.keepers never names the connection that holds the region (its
@@ -153,6 +154,11 @@ class lender::state {
       : device_(device), config_(std::move(config)), listener_(address, config_.policy, detail::max_frame_payload) {
     wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!wake_) throw backend_error("eventfd", std::strerror(errno));
+    for (const std::size_t size : config_.prepared_chunks) {
+      const std::size_t bytes = detail::round_up(size, device_.granularity());
+      prepared_.put({std::make_unique<detail::lendable_memory>(device_, bytes, next_memory_++), {}});
+      ++counters_.chunks_made;
+    }
     thread_ = std::thread([this] { serve(); });
   }
 
@@ -171,6 +177,8 @@ class lender::state {
     s.capacity_bytes = config_.capacity_bytes;
     s.lent_bytes = lent_bytes_;
     s.spare_bytes = spares_.bytes();
+    s.prepared_bytes = prepared_.bytes();
+    s.prepared_chunks = prepared_.count();
     s.borrowers = borrower_count_.load();
     const auto now = clock_type::now();
     for (const auto& spare : spares_.chunks()) {
@@ -434,17 +442,21 @@ class lender::state {
     }
     b.held_bytes += bytes;
     ++b.held_regions;
+    // Counted before it goes: a hang-up now is reclaimed. The event comes
+    // after the reply (also when sending fails), so a slow log does not delay it.
+    try {
+      send_region(b, m.request, id, memory, kept ? nullptr : &memory.handle(), nullptr);
+    } catch (...) {
+      emit(lender_event::kind::lent, b.link.peer(), id, bytes, m.purpose);
+      throw;
+    }
     emit(lender_event::kind::lent, b.link.peer(), id, bytes, m.purpose);
-    // Counted before it goes: a hang-up now is reclaimed.
-    send_region(b, m.request, id, memory, kept ? nullptr : &memory.handle(), nullptr);
   }
 
   // Memory of `bytes` for `b`: a spare of its uid when reuse allows, else a
-  // fresh chunk, spares released (oldest first) while it would not fit the
-  // capacity. nullopt when it does not fit even so; the device's errors
-  // propagate.
+  // prepared chunk of that size, else a fresh chunk (fresh_chunk). nullopt
+  // when it does not fit even so; the device's errors propagate.
   std::optional<detail::chunk_record> acquire(const borrower_entry& b, std::size_t bytes) {
-    std::vector<detail::spare_chunk> released;
     {
       std::lock_guard lock(mutex_);
       if (config_.reuse == reuse_policy::same_uid) {
@@ -453,21 +465,63 @@ class lender::state {
           return std::move(spare->chunk);
         }
       }
-      while (lent_bytes_ + spares_.bytes() + bytes > config_.capacity_bytes) {
+      if (auto prepared = prepared_.take(bytes)) {
+        ++counters_.prepared_used;
+        return prepared;
+      }
+    }
+    return fresh_chunk(bytes);
+  }
+
+  // A fresh chunk of `bytes`, room made within the capacity by releasing
+  // spares (oldest first), then prepared chunks when that makes it fit;
+  // nullopt when it does not fit even so. When the device refuses it, every spare and prepared
+  // chunks of `bytes` are released and it is tried once more.
+  std::optional<detail::chunk_record> fresh_chunk(std::size_t bytes) {
+    std::vector<detail::spare_chunk> released;
+    std::vector<detail::chunk_record> unused;
+    {
+      std::lock_guard lock(mutex_);
+      while (lent_bytes_ + spares_.bytes() + prepared_.bytes() + bytes > config_.capacity_bytes) {
         auto oldest = spares_.take_oldest();
         if (!oldest) break;
         released.push_back(std::move(*oldest));
       }
+      // Prepared chunks go only when that makes the region fit.
+      const std::size_t without_prepared = lent_bytes_ + spares_.bytes() + bytes;
+      const std::size_t with_prepared = without_prepared + prepared_.bytes();
+      if (with_prepared > config_.capacity_bytes && without_prepared <= config_.capacity_bytes) {
+        unused = prepared_.take_at_least(with_prepared - config_.capacity_bytes);
+      }
     }
-    release_spares(std::move(released), "a fresh region of " + std::to_string(bytes) + " bytes needed the room");
+    const std::string why = "a fresh region of " + std::to_string(bytes) + " bytes needed the room";
+    release_spares(std::move(released), why);
+    release_prepared(std::move(unused), why);
     {
       std::lock_guard lock(mutex_);
-      if (lent_bytes_ + spares_.bytes() + bytes > config_.capacity_bytes) return std::nullopt;
+      if (lent_bytes_ + spares_.bytes() + prepared_.bytes() + bytes > config_.capacity_bytes) return std::nullopt;
     }
-    detail::chunk_record fresh{std::make_unique<detail::lendable_memory>(device_, bytes, next_memory_++), {}};
+    std::unique_ptr<detail::lendable_memory> memory;
+    try {
+      memory = std::make_unique<detail::lendable_memory>(device_, bytes, next_memory_++);
+    } catch (const out_of_memory&) {
+      // The device has less than the capacity (other processes use it): what
+      // the lender keeps unlent goes back, and the chunk is tried once more.
+      std::vector<detail::spare_chunk> every_spare;
+      std::vector<detail::chunk_record> prepared;
+      {
+        std::lock_guard lock(mutex_);
+        while (auto spare = spares_.take_oldest()) every_spare.push_back(std::move(*spare));
+        prepared = prepared_.take_at_least(bytes);
+      }
+      const std::string refused = "the device refused a fresh chunk of " + std::to_string(bytes) + " bytes";
+      release_spares(std::move(every_spare), refused);
+      release_prepared(std::move(prepared), refused);
+      memory = std::make_unique<detail::lendable_memory>(device_, bytes, next_memory_++);
+    }
     std::lock_guard lock(mutex_);
     ++counters_.chunks_made;
-    return fresh;
+    return detail::chunk_record{std::move(memory), {}};
   }
 
   // Releases spare chunks taken out of the pool, telling each connection
@@ -479,6 +533,17 @@ class lender::state {
       lender_event e{lender_event::kind::spare_released, {}, spare.uid, 0, spare.chunk.memory->size(),
                      "memory " + std::to_string(memory) + ": " + why};
       spare.chunk.memory.reset();
+      emit(e);
+    }
+  }
+
+  // Releases prepared chunks taken out of their pool (never lent: nobody
+  // keeps them mapped). On the serving thread.
+  void release_prepared(std::vector<detail::chunk_record> unused, const std::string& why) {
+    for (auto& chunk : unused) {
+      lender_event e{lender_event::kind::spare_released, {}, 0, 0, chunk.memory->size(),
+                     "prepared memory " + std::to_string(chunk.memory->id()) + ": " + why};
+      chunk.memory.reset();
       emit(e);
     }
   }
@@ -893,7 +958,8 @@ class lender::state {
   std::map<std::uint64_t, region_entry> regions_;
   std::vector<std::pair<std::uint64_t, std::chrono::milliseconds>> revocations_;  // queued by revoke()
   std::size_t lent_bytes_ = 0;
-  detail::spare_pool spares_;  // lent_bytes_ + spares_.bytes() <= config_.capacity_bytes
+  detail::spare_pool spares_;  // lent_bytes_ + spares_.bytes() + prepared_.bytes() <= config_.capacity_bytes
+  detail::prepared_chunks prepared_;
   lender_status counters_;
 
   std::thread thread_;  // last: started once everything above exists
@@ -908,6 +974,13 @@ lender::lender(backend::device& device, const channel::channel_address& address,
       config.max_regions_per_borrower == 0 || config.peer_timeout <= std::chrono::milliseconds(0)) {
     throw invalid_argument(
         "lender: capacity_bytes, quota_bytes, max_borrowers, max_regions_per_borrower and peer_timeout must be > 0");
+  }
+  const auto prepared = detail::prepared_total(config.prepared_chunks, device.granularity());
+  if (!prepared || *prepared > config.capacity_bytes) {
+    throw invalid_argument("lender: prepared_chunks must each be > 0 and hold at most capacity_bytes (" +
+                           std::to_string(config.capacity_bytes) + ") in all, each rounded up to " +
+                           std::to_string(device.granularity()) + " bytes" +
+                           (prepared ? "; they hold " + std::to_string(*prepared) : std::string()));
   }
   state_ = std::make_unique<state>(device, address, std::move(config));
 }

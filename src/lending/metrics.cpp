@@ -129,8 +129,12 @@ std::string prometheus_text(const lender_status& s, std::size_t max_bytes) {
   metric(out, "spare_bytes", "gauge", "Bytes of spare chunks kept for reuse (counted against the capacity).",
          s.spare_bytes);
   metric(out, "spare_chunks", "gauge", "Spare chunks kept for reuse.", s.spares.size());
-  metric(out, "free_bytes", "gauge", "Bytes of the capacity neither lent nor spare.",
-         s.capacity_bytes - s.lent_bytes - s.spare_bytes);
+  metric(out, "prepared_bytes", "gauge",
+         "Bytes of prepared chunks not lent yet, made when the lender started (counted against the capacity).",
+         s.prepared_bytes);
+  metric(out, "prepared_chunks", "gauge", "Prepared chunks not lent yet.", s.prepared_chunks);
+  metric(out, "free_bytes", "gauge", "Bytes of the capacity neither lent, spare nor prepared.",
+         s.capacity_bytes - s.lent_bytes - s.spare_bytes - s.prepared_bytes);
   metric(out, "regions", "gauge", "Regions lent or orphaned now.", s.regions.size());
   metric(out, "orphaned_regions", "gauge", "Regions whose borrower hung up but still runs.", orphaned);
   metric(out, "shared_regions", "gauge", "Regions published read-only now.", shared);
@@ -144,9 +148,10 @@ std::string prometheus_text(const lender_status& s, std::size_t max_bytes) {
   metric(out, "revocations_total", "counter", "Regions asked back.", s.revocations);
   metric(out, "revocations_missed_total", "counter", "Revoked regions not given back by their deadline.",
          s.revocations_missed);
-  metric(out, "chunks_made_total", "counter", "Chunks of fresh memory made (created, mapped, exported).",
+  metric(out, "chunks_made_total", "counter", "Chunks made (created, mapped, exported), prepared ones included.",
          s.chunks_made);
   metric(out, "reuses_total", "counter", "Regions lent from a spare chunk.", s.reuses);
+  metric(out, "prepared_used_total", "counter", "Regions lent from a prepared chunk.", s.prepared_used);
   metric(out, "kept_mappings_used_total", "counter", "Regions lent with no chunk: the borrower's kept mapping used.",
          s.kept_mappings_used);
   metric(out, "forgets_total", "counter", "Forget messages sent for released chunks borrowers kept mapped.",

@@ -234,6 +234,45 @@ TYPED_TEST(allocator_memory, a_private_pool_serves_scoped_allocations_from_its_r
   EXPECT_TRUE(nothing_in_use(a.stats()));
 }
 
+// Destroyed private pools' bookkeeping serves the next one (inserting a
+// region again costs no new pages): nothing of the old pool may show.
+TYPED_TEST(allocator_memory, a_region_inserted_again_after_destroy_starts_from_a_clean_pool) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  auto* region = static_cast<char*>(dev.allocate_segment(8 * mib));
+  const auto first = a.create_private_pool(region, 8 * mib, {{"parameters", 6 * mib}, {"workspace", 2 * mib}});
+  void* freed_early = nullptr;
+  {
+    alloc::private_pool_scope scope(a, first, "workspace");
+    freed_early = a.allocate(mib, {});
+    void* kept = a.allocate(512 * 1024, {});
+    a.deallocate(freed_early, {});  // split blocks, merged again on free
+    a.deallocate(kept, {});
+  }
+  a.destroy_private_pool(first);
+  EXPECT_THROW(alloc::private_pool_scope(a, first, "workspace"), invalid_argument) << "its id is gone";
+
+  const auto second = a.create_private_pool(region + 2 * mib, 4 * mib, {{"", 4 * mib}});
+  auto st = a.stats();
+  EXPECT_EQ(st.reserved_bytes.aggregate.current, static_cast<std::int64_t>(4 * mib)) << st.to_json();
+  EXPECT_EQ(st.segments.aggregate.current, 1) << st.to_json();
+  EXPECT_EQ(st.inactive_split.aggregate.current, 0) << st.to_json();
+  EXPECT_NO_THROW(a.check_invariants());
+  EXPECT_THROW(a.deallocate(region + 6 * mib, {}), invalid_argument) << "a block of the destroyed pool";
+  {
+    alloc::private_pool_scope scope(a, second);
+    void* whole = a.allocate(4 * mib, {});
+    EXPECT_EQ(whole, region + 2 * mib) << "one free block spanning the new region, none of the old one's";
+    EXPECT_THROW((void)a.allocate(512, {}), out_of_memory) << "nothing of the old region is free in it";
+    a.deallocate(whole, {});
+  }
+  EXPECT_NO_THROW(a.check_invariants());
+  a.destroy_private_pool(second);
+  a.empty_cache();
+  dev.free_segment(region);
+  EXPECT_TRUE(nothing_in_use(a.stats()));
+}
+
 TYPED_TEST(allocator_memory, a_private_pool_block_moving_to_another_stream_waits_for_the_last_one) {
   using namespace std::chrono_literals;
   auto& dev = this->device();

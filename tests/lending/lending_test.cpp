@@ -231,6 +231,34 @@ TYPED_TEST(lending_test, a_lender_that_stops_answering_gives_timeouts_and_one_th
   EXPECT_THROW((void)b->borrow(this->unit(), "no lender"), connection_closed);
 }
 
+TYPED_TEST(lending_test, a_borrower_that_spins_for_its_answers_is_answered_and_still_keeps_its_deadline) {
+  if (this->in_process_only()) return;
+  auto& dev = this->device();
+  const lending::borrower_options spinning{.reply_spin = std::chrono::microseconds(5s)};
+  const auto address = channel::channel_address::at_path(this->dir_ / "mute.sock");
+  channel::listener mute(address, {});
+  std::thread server([&] {
+    auto link = mute.accept();
+    channel::send_hello(link, lending::detail::lending_protocol);
+    try {
+      for (;;) (void)link.receive();  // never answers
+    } catch (const error&) {          // NOLINT(bugprone-empty-catch): the borrower hung up
+    }
+  });
+  {
+    borrower b(dev, address, {}, borrower::default_timeout, spinning);
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_THROW((void)b.borrow(4096, "unanswered", lending::region_mode::exclusive, 200ms), timeout_error);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "the spin outlasted the request's deadline";
+  }
+  server.join();
+
+  auto& l = this->start();
+  borrower b(dev, l.address(), {}, borrower::default_timeout, spinning);
+  for (int i = 0; i < 3; ++i) b.give_back(b.borrow(this->unit(), "answered while spinning"));
+  EXPECT_EQ(l.status().given_back, 3u);
+}
+
 TYPED_TEST(lending_test, borrowers_past_the_limit_are_turned_away) {
   if (this->in_process_only()) return;
   auto& dev = this->device();

@@ -170,7 +170,11 @@ class caching_allocator {
   /// again), freeing no device memory. Throws invalid_argument naming the
   /// live blocks when any block in it is allocated or pending.
   void clear_private_pool(private_pool_id pool, const std::string& part = "");
-  /// Removes the pool; it must be clear of live blocks.
+  /// Removes the pool; it must be clear of live blocks. Its id is invalid
+  /// from then on (calls with it throw invalid_argument); no call with it
+  /// may run meanwhile, and no private_pool_scope of it may outlive it: its
+  /// bookkeeping serves a later private pool (so that inserting memory
+  /// again costs no new pages).
   void destroy_private_pool(private_pool_id pool);
   /// Waits on the host until the sub-pool's pending frees have completed and
   /// every stream that last used one of its free blocks has passed the work

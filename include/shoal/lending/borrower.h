@@ -79,6 +79,14 @@ struct borrower_options {
   /// At most this many bytes kept mapped at once; a region that would pass
   /// it is unmapped when given back.
   std::size_t kept_mapping_bytes = std::size_t{16} << 30;
+  /// How long a request polls for the lender's answer before it sleeps
+  /// (channel::connection::set_receive_spin): an answer arriving meanwhile
+  /// saves the wake-up of a blocked thread, at the cost of a busy core for
+  /// at most this long per request. Zero (the default): never spin. Only
+  /// where cores are spare: on a 2-core host machine 50 us made a
+  /// re-borrow slower (~75 us, not ~22) and 16 borrowing threads 3-7x
+  /// slower (shoal_bench_lending --reply-spin-us compares).
+  std::chrono::microseconds reply_spin{0};
 };
 
 /// A region mapped in this process. Giving it back (or destroying it) unmaps
