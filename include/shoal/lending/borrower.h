@@ -82,11 +82,16 @@ struct borrower_options {
   /// How long a request polls for the lender's answer before it sleeps
   /// (channel::connection::set_receive_spin): an answer arriving meanwhile
   /// saves the wake-up of a blocked thread, at the cost of a busy core for
-  /// at most this long per request. Zero (the default): never spin. Only
-  /// where cores are spare: on a 2-core host machine 50 us made a
-  /// re-borrow slower (~75 us, not ~22) and 16 borrowing threads 3-7x
-  /// slower (shoal_bench_lending --reply-spin-us compares).
-  std::chrono::microseconds reply_spin{0};
+  /// at most this long per request; zero never spins. The default,
+  /// automatic_reply_spin, spins 50 us where this process may run on at
+  /// least 8 CPUs and never on fewer: on an H100 host (16 cores) a
+  /// re-borrow took 15 us with it and 25 us without, while on a 2-core
+  /// machine the spinning borrower takes the core the lender needs (a
+  /// re-borrow ~75 us, not ~22). Many borrowing threads per core pay for it:
+  /// 64 threads on 16 cores served 11% fewer requests (shoal_bench_lending
+  /// --reply-spin-us compares).
+  std::chrono::microseconds reply_spin = automatic_reply_spin;
+  static constexpr std::chrono::microseconds automatic_reply_spin{-1};
 };
 
 /// A region mapped in this process. Giving it back (or destroying it) unmaps
