@@ -48,6 +48,7 @@ block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized
     base = take_segment(bytes);
   }
   if (base == nullptr) return nullptr;
+  note_reserved_peak();
   device_allocations_.fetch_add(1, std::memory_order_relaxed);
   auto s = std::make_unique<segment>();
   s->base = reinterpret_cast<std::uintptr_t>(base);
@@ -149,6 +150,7 @@ block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
     }
     device_allocations_.fetch_add(static_cast<std::int64_t>(need / g), std::memory_order_relaxed);
     s->mapped_bytes += need;
+    note_reserved_peak();
     pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(need));
     if (trace_.enabled()) trace_.note(trace_action::segment_map, u->address, need, pool.stream);
     if (u->size > need) split(pool, u, need);  // the rest stays unbacked
@@ -271,6 +273,15 @@ bool segment_source::reserve_bytes(std::size_t bytes) {
   } while (!reserved_total_.compare_exchange_weak(now, now + bytes, std::memory_order_relaxed));
   return true;
 }
+
+void segment_source::note_reserved_peak() noexcept {
+  const std::size_t now = reserved_total();
+  std::size_t peak = reserved_peak_.load(std::memory_order_relaxed);
+  while (now > peak && !reserved_peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+}
+
+void segment_source::reset_reserved_peak() noexcept { reserved_peak_ = reserved_total(); }
 
 void segment_source::unreserve_bytes(std::size_t bytes) noexcept {
   reserved_total_.fetch_sub(bytes, std::memory_order_relaxed);

@@ -65,6 +65,11 @@ class segment_source {
   /// What the reserved total never exceeds (checked by the invariant checker).
   [[nodiscard]] std::size_t ceiling() const noexcept;
   [[nodiscard]] std::size_t reserved_total() const noexcept { return reserved_total_.load(std::memory_order_relaxed); }
+  /// The high-water mark of reserved_total() since creation or the last
+  /// reset_reserved_peak(): exact, since it moves only where the total does
+  /// (growth), off the allocation fast path.
+  [[nodiscard]] std::size_t reserved_peak() const noexcept { return reserved_peak_.load(std::memory_order_relaxed); }
+  void reset_reserved_peak() noexcept;
   [[nodiscard]] std::int64_t device_allocations() const noexcept { return device_allocations_.load(); }
   [[nodiscard]] std::int64_t device_frees() const noexcept { return device_frees_.load(); }
   void reset_device_counters() noexcept;
@@ -79,6 +84,8 @@ class segment_source {
   void release_segment(block_pool& pool, segment* s);
   void unmap_free_chunks(block_pool& pool, segment* s);
   bool reserve_bytes(std::size_t bytes);
+  /// Raises reserved_peak() to the total after a growth.
+  void note_reserved_peak() noexcept;
   void unreserve_bytes(std::size_t bytes) noexcept;
 
   backend::device& device_;
@@ -90,6 +97,7 @@ class segment_source {
   // The highest limit set_limit has replaced (0 while none was lowered).
   std::atomic<std::size_t> highest_earlier_limit_{0};
   std::atomic<std::size_t> reserved_total_{0};
+  std::atomic<std::size_t> reserved_peak_{0};
   std::atomic<std::int64_t> device_allocations_{0}, device_frees_{0};
 };
 

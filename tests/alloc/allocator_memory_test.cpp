@@ -362,6 +362,21 @@ TEST(allocator_memory_host, growth_that_fails_half_way_takes_back_what_it_mapped
   a.deallocate(bigger, {});
 }
 
+TEST(allocator_memory_host, the_reserved_peak_is_the_total_s_not_a_sum_of_pool_peaks) {
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("release_idle_before_grow:false"));
+  a.deallocate(a.allocate(mib, {}), {});  // the small pool peaks at 2 MiB
+  a.empty_cache();
+  void* large = a.allocate(20 * mib, {});  // the large pool at 20, later
+  const auto st = a.stats();
+  EXPECT_EQ(st.reserved_bytes.pool[static_cast<std::size_t>(alloc::pool_kind::small)].peak,
+            static_cast<std::int64_t>(2 * mib));
+  EXPECT_EQ(st.reserved_bytes.aggregate.peak, static_cast<std::int64_t>(20 * mib));
+  a.deallocate(large, {});
+  a.reset_peak_stats();
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.peak, static_cast<std::int64_t>(20 * mib)) << "still cached";
+}
+
 TEST(allocator_memory_host, running_out_does_not_wait_for_streams_with_nothing_to_give_back) {
   using namespace std::chrono_literals;
   backend::host_device dev({.capacity_bytes = 32 * mib});
