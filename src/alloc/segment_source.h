@@ -11,9 +11,11 @@
 //                       reserved under an earlier limit stays reserved).
 // Thread-safety: grow, release_cached and release_at_teardown run with the
 // pool's lock held and touch only that pool (and the leaf locks: segment
-// directory, trace, hooks); the reserved total is one atomic shared by all
-// pools, bumped by compare-and-swap against the limit; the device counters
-// are relaxed atomics.
+// directory, trace, hooks), except that growth past the reserved peak may
+// take its sibling's lock with try_lock and give that pool's idle memory
+// back; the reserved total is one atomic shared by all pools, bumped by
+// compare-and-swap against the limit, and its peak another, raised after
+// each growth; the device counters are relaxed atomics.
 #pragma once
 
 #include <atomic>
