@@ -388,6 +388,20 @@ TEST(allocator_memory_host, a_growable_block_s_rest_is_split_off_however_small) 
   a.deallocate(q, {});
 }
 
+TEST(allocator_memory_host, an_oversize_request_grown_onto_a_free_neighbour_gets_only_its_size) {
+  // Growth joins the free 10 MiB block before the unbacked tail and maps
+  // 2 MiB more; the merged 12 MiB must not all go to an 11 MiB request
+  // because 11 MiB is past max_split_size.
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("expandable_segments:true,max_split_size_mb:8"));
+  void* x = a.allocate(4 * mib, {});
+  a.deallocate(a.allocate(10 * mib, {}), {});
+  void* z = a.allocate(11 * mib, {});
+  EXPECT_EQ(a.block_size(z), 11 * mib);
+  a.check_invariants();
+  for (void* p : {x, z}) a.deallocate(p, {});
+}
+
 TEST(allocator_memory_host, growth_past_the_peak_unmaps_free_chunks_first) {
   for (const bool release : {true, false}) {
     backend::host_device dev({.capacity_bytes = 256 * mib});
