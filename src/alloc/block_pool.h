@@ -48,9 +48,6 @@ struct alignas(64) block_pool {
   block_index allocated;  ///< blocks in state allocated, by address
   std::vector<std::unique_ptr<segment>> segments;
   segment* growable = nullptr;  ///< expandable_segments: this pool's one growable segment
-  /// Stream pools: the same stream's pool of the other size class (growth
-  /// past the reserved peak may take its idle memory; see segment_source).
-  block_pool* sibling = nullptr;
   std::deque<block*> pending;   ///< blocks in state pending_free
   block* spare = nullptr;  ///< block objects to reuse, linked by bin_next
 
@@ -63,6 +60,10 @@ struct alignas(64) block_pool {
   std::array<block*, quick_capacity> quick{};
   std::size_t quick_count = 0;
   pool_counters counters;
+  /// Stream pools: the same stream's pool of the other size class (growth
+  /// past the reserved peak may take its idle memory; see segment_source).
+  /// Last, so that it moves none of the fields the allocation path reads.
+  block_pool* sibling = nullptr;
 
   block_pool() = default;
   block_pool(const block_pool&) = delete;
