@@ -3,6 +3,7 @@
 //
 //   shoal_bench_lending [--backend host|cuda] [--rounds N] [--region-mib N]
 //                       [--handover-mib N] [--borrowers N] [--seconds S]
+//                       [--reply-spin-us N]
 //
 // 1. Anchors, region size: the device's own calls a region costs — a
 //    physical chunk made, reserved + mapped, exported (here), imported and
@@ -12,7 +13,11 @@
 //    it), then the same again right after giving it back (a re-borrow: the
 //    lender lends the same memory again and the borrower uses the mapping it
 //    kept). Each round's first borrow asks for a size no earlier round had
-//    (one granule more), so it gets fresh memory, as a first borrow does.
+//    (one granule more), so it gets fresh memory, as a first borrow does
+//    growing on demand. Then a first borrow from prepared memory: the lender
+//    made one chunk per round when it started (lender_config::
+//    prepared_chunks, sizes no other borrow asks for), so the borrow costs
+//    the borrower's import and map and no device call in the lender.
 // 3. Hand-over: two borrowers take turns on one region's worth of memory.
 //    The holder is asked back (lender::revoke), clears its region in stream
 //    order and gives it back; the next one borrows, maps and adopts it and
@@ -22,6 +27,9 @@
 //    later ones find it kept mapped there (both borrowers are of one uid).
 // 4. Many borrowers at once (threads of one child, each its own connection)
 //    borrowing and giving back small regions: requests per second, p50/p99.
+//
+// --reply-spin-us sets every borrower's reply_spin (borrower_options; the
+// children read it from SHOAL_BENCH_REPLY_SPIN_US), to compare with none.
 //
 // Every time is a steady_clock reading (CLOCK_MONOTONIC: the same clock in
 // every process of the machine). Prints one table: medians with (min-max).
@@ -64,7 +72,19 @@ struct options {
   std::size_t handover_bytes = 12 * 1024 * mib;
   int borrowers = 64;
   double seconds = 2.0;
+  int reply_spin_us = -1;  // -1: the borrower's default
 };
+
+constexpr const char* reply_spin_variable = "SHOAL_BENCH_REPLY_SPIN_US";
+
+// The borrowers' options: the default, or the reply spin the parent was given.
+lending::borrower_options borrower_options_from_parent() {
+  lending::borrower_options options;
+  if (const char* spin = std::getenv(reply_spin_variable)) {
+    options.reply_spin = std::chrono::microseconds(std::stoi(spin));
+  }
+  return options;
+}
 
 std::int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(clock_type::now().time_since_epoch()).count();
@@ -164,19 +184,23 @@ int run_child(const std::string& role, const std::string& backend_name, const st
       }
       return 0;
     }
-    lending::borrower b(dev, channel::channel_address::at_path(path));
+    lending::borrower b(dev, channel::channel_address::at_path(path), {}, lending::borrower::default_timeout,
+                        borrower_options_from_parent());
     alloc::caching_allocator allocator(dev);
     backend::stream s(dev);
     if (role == "first") {
       const std::size_t base = std::stoull(args.at(0));
       const int rounds = std::stoi(args.at(1));
+      const std::size_t prepared_base = std::stoull(args.at(2));
       {
         auto warm = take_region(b, allocator, s, 2 * mib);  // the first borrow of the process, untimed
         give_region_back(b, warm);
       }
       for (int i = 0; i < rounds; ++i) {
-        const std::size_t bytes = base + static_cast<std::size_t>(i) * dev.granularity();  // new to the lender
-        for (const char* kind : {"first", "again"}) {
+        const std::size_t step = static_cast<std::size_t>(i) * dev.granularity();
+        for (const char* kind : {"first", "again", "prepared"}) {
+          // first and again: a size new to the lender; prepared: one it made at start.
+          const std::size_t bytes = (std::string(kind) == "prepared" ? prepared_base : base) + step;
           const auto t0 = now_ns();
           auto turn = take_region(b, allocator, s, bytes);
           s.synchronize();
@@ -232,7 +256,8 @@ int run_child(const std::string& role, const std::string& backend_name, const st
       for (int t = 0; t < threads; ++t) {
         pool.emplace_back([&, t] {
           try {
-            lending::borrower mine(dev, channel::channel_address::at_path(path));
+            lending::borrower mine(dev, channel::channel_address::at_path(path), {},
+                                   lending::borrower::default_timeout, borrower_options_from_parent());
             ready.fetch_add(1);
             while (!go.load()) std::this_thread::yield();
             const auto until = clock_type::now() + std::chrono::duration<double>(seconds);
@@ -309,6 +334,7 @@ int run_parent(const std::string& self, const options& o) {
   const std::size_t g = dev.granularity();
   const std::size_t region = (o.region_bytes + g - 1) / g * g;
   const std::size_t handover = (o.handover_bytes + g - 1) / g * g;
+  const std::size_t prepared_base = region + static_cast<std::size_t>(o.rounds) * g;  // past the fresh sizes
   char dir_template[] = "/tmp/shoal-bench-lending-XXXXXX";
   if (::mkdtemp(dir_template) == nullptr) throw std::runtime_error("mkdtemp failed");
   const std::filesystem::path dir(dir_template);
@@ -316,7 +342,11 @@ int run_parent(const std::string& self, const options& o) {
   std::vector<row> rows;
   {
     lending::lender_config config;
-    config.capacity_bytes = std::max(handover, region) + 2 * region + static_cast<std::size_t>(o.borrowers) * 4 * g;
+    // Prepared chunks for section 2: one a round, of sizes no other borrow asks for.
+    const auto rounds = static_cast<std::size_t>(o.rounds);
+    for (std::size_t i = 0; i < rounds; ++i) config.prepared_chunks.push_back(prepared_base + i * g);
+    config.capacity_bytes = std::max(handover, region) + 2 * region + static_cast<std::size_t>(o.borrowers) * 4 * g +
+                            rounds * (prepared_base + rounds * g);
     config.quota_bytes = config.capacity_bytes;
     config.max_borrowers = static_cast<std::size_t>(o.borrowers) + 8;
     lending::lender lender(dev, channel::channel_address::at_path(path), config);
@@ -360,13 +390,15 @@ int run_parent(const std::string& self, const options& o) {
 
     // 2. Borrow -> first allocation.
     {
-      auto c = start_child(self, "first", o, path, {std::to_string(region), std::to_string(o.rounds)});
-      std::vector<double> first[5], again[5];
-      for (int i = 0; i < 2 * o.rounds; ++i) {
+      auto c = start_child(self, "first", o, path,
+                           {std::to_string(region), std::to_string(o.rounds), std::to_string(prepared_base)});
+      std::vector<double> first[5], again[5], prepared[5];
+      for (int i = 0; i < 3 * o.rounds; ++i) {
         const std::string reply = receive_text(*c.control);
-        const bool is_first = reply.rfind("first", 0) == 0;
-        const auto v = numbers_of(reply, is_first ? "first" : "again");
-        for (int k = 0; k < 5; ++k) (is_first ? first : again)[k].push_back(v.at(k));
+        const std::string kind = reply.substr(0, reply.find(' '));
+        auto& into = kind == "first" ? first : kind == "again" ? again : prepared;
+        const auto v = numbers_of(reply, kind == "first" || kind == "again" ? kind : "prepared");
+        for (int k = 0; k < 5; ++k) into[k].push_back(v.at(k));
       }
       c.process->wait();
       const std::string size = std::to_string(region / mib) + " MiB";
@@ -374,7 +406,13 @@ int run_parent(const std::string& self, const options& o) {
       rows.push_back({"  of which borrow + map", spread_text(first[0])});
       rows.push_back({"  of which adopt into the allocator", spread_text(first[1])});
       rows.push_back({"  of which first allocation", spread_text(first[2])});
+      rows.push_back({"borrow -> first allocation, " + size + " (first time, prepared memory)",
+                      spread_text(prepared[3])});
+      rows.push_back({"  of which borrow + map", spread_text(prepared[0])});
+      rows.push_back({"  of which adopt into the allocator", spread_text(prepared[1])});
       rows.push_back({"re-borrow -> first allocation, " + size, spread_text(again[3])});
+      rows.push_back({"  of which borrow", spread_text(again[0])});
+      rows.push_back({"  of which adopt into the allocator", spread_text(again[1])});
       rows.push_back({"clear + give back, " + size, spread_text(first[4])});
     }
 
@@ -439,8 +477,9 @@ int run_parent(const std::string& self, const options& o) {
   }
   std::filesystem::remove_all(dir);
 
-  std::printf("\nshoal_bench_lending on %s (%s), %d rounds; microseconds: median (min-max)\n", dev.name().c_str(),
-              o.backend.c_str(), o.rounds);
+  std::printf("\nshoal_bench_lending on %s (%s), %d rounds, reply spin %s; microseconds: median (min-max)\n",
+              dev.name().c_str(), o.backend.c_str(), o.rounds,
+              o.reply_spin_us < 0 ? "the default" : (std::to_string(o.reply_spin_us) + " us").c_str());
   for (const auto& r : rows) std::printf("| %-66s | %24s |\n", r.what.c_str(), r.figure.c_str());
   return 0;
 }
@@ -467,10 +506,13 @@ int main(int argc, char** argv) {
         o.borrowers = std::max(1, std::stoi(value));
       } else if (key == "--seconds") {
         o.seconds = std::stod(value);
+      } else if (key == "--reply-spin-us") {
+        o.reply_spin_us = std::max(0, std::stoi(value));
+        ::setenv(reply_spin_variable, std::to_string(o.reply_spin_us).c_str(), 1);
       } else {
         std::fprintf(stderr,
                      "usage: %s [--backend host|cuda] [--rounds N] [--region-mib N] [--handover-mib N] "
-                     "[--borrowers N] [--seconds S]\n",
+                     "[--borrowers N] [--seconds S] [--reply-spin-us N]\n",
                      argv[0]);
         return 2;
       }

@@ -556,7 +556,12 @@ class Lender:
 class Borrower:
     """A connection to a lender, through which regions are borrowed."""
 
-    def __init__(self, address: str, device: Device | None = None, allowed_uids: Sequence[int] = [], timeout: float = 5.0) -> None: ...
+    def __init__(self, address: str, device: Device | None = None, allowed_uids: Sequence[int] = [], timeout: float = 5.0, keep_mappings: bool = True, kept_mapping_bytes: int = 17179869184) -> None: ...
+
+    def kept(self) -> tuple[int, int]:
+        """
+        (count, bytes) of the mappings of given-back regions this borrower keeps for a later lend.
+        """
 
     def revocations(self, wait: float = 0.0) -> list[tuple[int, float]]:
         """

@@ -147,7 +147,14 @@ class SharedRegion:
 
 class Borrower:
     """A connection to the lender at ``address`` (a socket path, or ``@name`` for an
-    abstract name); the lender's uid must be this process's or in ``allowed_uids``."""
+    abstract name); the lender's uid must be this process's or in ``allowed_uids``.
+
+    Kept mappings: a region given back stays mapped in this process (up to
+    ``kept_mapping_bytes`` at once) when ``keep_mappings`` is on, so that the same memory lent
+    to this borrower again — the lender lends given-back memory again within one uid — comes
+    back at the same address with no import or map (a re-borrow then costs a round trip). The
+    lender tells the borrower to unmap it when it releases that memory; keep nothing in a region
+    after giving it back. ``keep_mappings=False`` unmaps every region as it is given back."""
 
     def __init__(
         self,
@@ -156,9 +163,16 @@ class Borrower:
         allocator: Optional[_shoal.Allocator] = None,
         allowed_uids: Sequence[int] = (),
         timeout: float = 5.0,
+        keep_mappings: bool = True,
+        kept_mapping_bytes: int = 16 << 30,
     ) -> None:
         self._allocator = allocator if allocator is not None else default_allocator()
-        self._native = _shoal.Borrower(address, self._allocator.device, list(allowed_uids), timeout)
+        self._native = _shoal.Borrower(address, self._allocator.device, list(allowed_uids), timeout,
+                                       keep_mappings, kept_mapping_bytes)
+
+    def kept(self) -> tuple[int, int]:
+        """``(count, bytes)`` of the given-back regions whose mappings this borrower keeps."""
+        return self._native.kept()
 
     def borrow(self, nbytes: int, purpose: str, timeout: float = 5.0) -> _shoal.Storage:
         """A region of at least ``nbytes`` (rounded up to the device's granularity) for
@@ -183,12 +197,22 @@ class Borrower:
         return SharedRegion(storage)
 
     def borrow_shared(
-        self, name: str, expected_hash: Union[bytes, str, None] = None, timeout: float = 5.0
+        self,
+        name: str,
+        expected_hash: Union[bytes, str, None] = None,
+        timeout: float = 5.0,
+        expected_writer_uid: Optional[int] = None,
     ) -> SharedRegion:
         """Maps, read-only, the region published as ``name``, with its layout. With
         ``expected_hash`` (bytes or hex), ``ContentMismatchError`` unless its writer committed
-        that hash. Its bytes count in full against this borrower's quota."""
-        return SharedRegion(self._native._borrow_shared(self._allocator, name, _hash_bytes(expected_hash), timeout))
+        that hash; with ``expected_writer_uid``, ``ContentMismatchError`` unless a process of
+        that uid published it (names are first come among the uids the lender admits). Its
+        bytes count in full against this borrower's quota."""
+        return SharedRegion(
+            self._native._borrow_shared(
+                self._allocator, name, _hash_bytes(expected_hash), expected_writer_uid, timeout
+            )
+        )
 
     def revocations(self, wait: float = 0.0) -> list[tuple[int, float]]:
         """The lender's requests to give regions back, as (region id, seconds left), waiting up

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import threading
+import weakref
 from typing import Any, Iterator
 
 from . import _shoal
@@ -31,7 +33,7 @@ class RegionPool:
     views meanwhile), and the storage stays held until the pool is closed and PyTorch has given
     every segment back (it does when the pool's tensors are gone: ``close()`` empties what it
     can, ``torch.cuda.empty_cache()`` the rest). At most 16 pools are open (or still hold
-    segments) at once: PyTorch's custom allocators take C functions with no context, and each
+    segments, or their MemPool objects live) at once: PyTorch's custom allocators take C functions with no context, and each
     pool has its own. Not for use while ``shoal.torch.enable()`` is in force (shoal is then
     PyTorch's allocator, and PyTorch offers no MemPool on a pluggable allocator).
 
@@ -49,50 +51,62 @@ class RegionPool:
                 "shoal.torch.RegionPool: shoal is PyTorch's allocator in this process "
                 "(shoal.torch.enable()); PyTorch's MemPool needs its own caching allocator"
             )
-        self._closed = False
-        self._slot: int | None = _shoal._segment_source_open(storage)
+        self._lock = threading.Lock()
+        slot = _shoal._segment_source_open(storage)
         try:
-            allocate, free = _shoal._segment_source_functions(self._slot)
+            allocate, free = _shoal._segment_source_functions(slot)
             self._allocator = torch._C._cuda_customAllocator(allocate, free)
             self.mem_pool: Any = torch.cuda.MemPool(self._allocator)
         except BaseException:
-            _shoal._segment_source_close(self._slot)
-            self._slot = None
+            _shoal._segment_source_close(slot)
+            _shoal._segment_source_mem_pool_gone(slot)
             raise
+        self._slot: int | None = slot
+        # The slot goes to no other pool while PyTorch's MemPool object lives
+        # (it may still call the slot's functions), nor while this pool is open.
+        weakref.finalize(self.mem_pool, _shoal._segment_source_mem_pool_gone, slot)
+        self._finalizer = weakref.finalize(self, _shoal._segment_source_close, slot)
 
     @contextlib.contextmanager
     def use(self) -> Iterator[RegionPool]:
-        """Within it, this thread's CUDA allocations come from the pool
+        """Within it, this thread's CUDA allocations on the storage's device come from the pool
         (``torch.cuda.use_mem_pool``)."""
         import torch
 
-        if self.mem_pool is None:
+        pool = self.mem_pool
+        if pool is None:
             raise RuntimeError("shoal.torch.RegionPool.use: the pool is closed")
-        with torch.cuda.use_mem_pool(self.mem_pool):
+        with torch.cuda.use_mem_pool(pool):
             yield self
 
     def stats(self) -> dict[str, Any]:
-        """``segments`` and ``reserved_bytes`` PyTorch holds from the storage now,
-        ``capacity_bytes`` it may hold, ``base`` the storage's address, and whether the pool is
-        ``open`` and still ``bound`` to the storage (closed pools stay bound while a segment is
-        out)."""
-        if self._slot is None:
-            return {"open": False, "bound": False, "segments": 0, "reserved_bytes": 0,
+        """``segments`` and ``segment_bytes`` PyTorch holds from the storage now,
+        ``capacity_bytes`` it may hold, ``base`` the first address it carves from, and whether the
+        pool is ``open`` and still ``bound`` to the storage (a closed pool stays bound while a
+        segment is out or its MemPool object lives)."""
+        slot = self._slot
+        if slot is None:
+            return {"open": False, "bound": False, "segments": 0, "segment_bytes": 0,
                     "capacity_bytes": 0, "base": 0}
-        return dict(_shoal._segment_source_stats(self._slot))
+        return dict(_shoal._segment_source_stats(slot))
 
     def close(self) -> None:
-        """No more allocations from the pool; PyTorch gives back the segments no tensor uses
-        (the MemPool goes), and the storage is let go once every segment is back. Idempotent."""
-        if self._slot is None or self._closed:
-            return
+        """No more allocations from the pool. PyTorch's cuBLAS workspaces are cleared (one made
+        inside ``use()`` would hold a segment for good), the MemPool is dropped and
+        ``torch.cuda.empty_cache()`` — process-wide — gives back the segments no tensor uses; the
+        storage is let go once every segment is back and no reference to the MemPool remains.
+        Idempotent and thread-safe."""
         import torch
 
-        self._closed = True
-        pool, self.mem_pool = self.mem_pool, None
-        del pool  # PyTorch releases the pool and empties its free segments
-        torch.cuda.empty_cache()
-        _shoal._segment_source_close(self._slot)
+        with self._lock:
+            slot, self._slot = self._slot, None
+            if slot is None:
+                return
+            self.mem_pool = None  # PyTorch releases the pool once no one else holds it
+            if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+                torch._C._cuda_clearCublasWorkspaces()
+            torch.cuda.empty_cache()
+            self._finalizer()  # closes the slot, once
 
     def __enter__(self) -> RegionPool:
         return self
@@ -102,5 +116,5 @@ class RegionPool:
 
     def __repr__(self) -> str:
         s = self.stats()
-        return (f"RegionPool(segments={s['segments']}, reserved_bytes={s['reserved_bytes']}, "
+        return (f"RegionPool(segments={s['segments']}, segment_bytes={s['segment_bytes']}, "
                 f"capacity_bytes={s['capacity_bytes']}, open={s['open']})")

@@ -138,6 +138,9 @@ nb::dict status_dict(const lending::lender_status& s) {
   d["revocations_missed"] = s.revocations_missed;
   d["published"] = s.published;
   d["spare_bytes"] = s.spare_bytes;
+  d["prepared_bytes"] = s.prepared_bytes;
+  d["prepared_chunks"] = s.prepared_chunks;
+  d["prepared_used"] = s.prepared_used;
   d["chunks_made"] = s.chunks_made;
   d["reuses"] = s.reuses;
   d["kept_mappings_used"] = s.kept_mappings_used;
@@ -272,20 +275,32 @@ void register_lending(nb::module_& m) {
       .def(
           "__init__",
           [](py_borrower* self, const std::string& address, backend::device* device,
-             const std::vector<std::uint32_t>& allowed_uids, double timeout) {
+             const std::vector<std::uint32_t>& allowed_uids, double timeout, bool keep_mappings,
+             std::size_t kept_mapping_bytes) {
             auto& d = device != nullptr ? *device : backend::default_device();
             const auto a = address_of(address);
             const auto policy = policy_of(allowed_uids);
             const auto t = timeout_of(timeout, "Borrower");
+            lending::borrower_options options;
+            options.keep_mappings = keep_mappings;
+            options.kept_mapping_bytes = kept_mapping_bytes;
             std::unique_ptr<lending::borrower> b;
             {
               nb::gil_scoped_release release;
-              b = std::make_unique<lending::borrower>(d, a, policy, t);
+              b = std::make_unique<lending::borrower>(d, a, policy, t, options);
             }
             new (self) py_borrower{std::move(b)};
           },
           nb::arg("address"), nb::arg("device").none() = nb::none(),
-          nb::arg("allowed_uids") = std::vector<std::uint32_t>{}, nb::arg("timeout") = 5.0)
+          nb::arg("allowed_uids") = std::vector<std::uint32_t>{}, nb::arg("timeout") = 5.0,
+          nb::arg("keep_mappings") = true, nb::arg("kept_mapping_bytes") = lending::borrower_options{}.kept_mapping_bytes)
+      .def(
+          "kept",
+          [](const py_borrower& b) {
+            const auto k = b.get().kept();
+            return std::pair{k.count, k.bytes};
+          },
+          "(count, bytes) of the mappings of given-back regions this borrower keeps for a later lend.")
       .def(
           "_borrow",
           [](const py_borrower& b, const py_allocator& allocator, std::size_t nbytes, const std::string& purpose,
@@ -341,18 +356,19 @@ void register_lending(nb::module_& m) {
       .def(
           "_borrow_shared",
           [](const py_borrower& b, const py_allocator& allocator, const std::string& name,
-             std::optional<nb::bytes> expected, double timeout) {
+             std::optional<nb::bytes> expected, std::optional<std::uint32_t> writer_uid, double timeout) {
             const auto t = timeout_of(timeout, "Borrower.borrow_shared");
             std::optional<lending::content_hash> want;
             if (expected) want = hash_of(*expected);
             std::optional<lending::borrowed_region> region;
             {
               nb::gil_scoped_release release;
-              region.emplace(b.get().borrow_shared(name, want, t));
+              region.emplace(b.get().borrow_shared(name, want, writer_uid, t));
             }
             return storage_of(allocator, std::move(*region));
           },
-          nb::arg("allocator"), nb::arg("name"), nb::arg("expected").none(), nb::arg("timeout"))
+          nb::arg("allocator"), nb::arg("name"), nb::arg("expected").none(), nb::arg("writer_uid").none(),
+          nb::arg("timeout"))
       .def(
           "revocations",
           [](const py_borrower& b, double wait) {

@@ -8,9 +8,12 @@
 // PyTorch's custom allocators are two C functions with no context argument
 // (torch._C._cuda_customAllocator takes their addresses), so each source
 // sits in one of a fixed number of slots, and every slot has its own pair of
-// functions. A slot is bound while its source is open or still has segments
-// out; the storage (and so the region) is held until both have ended, and its
-// streams' work has passed (the private pool is drained first).
+// functions. A slot is bound while its RegionPool is open, while a segment
+// is out, and while PyTorch's MemPool object lives (a MemPool kept after
+// close() still calls the slot's functions: they refuse, and the slot is not
+// given to another pool meanwhile). The storage (and so the region) is held
+// until all three have ended and its streams' work has passed (the private
+// pool is drained first); the last of them lets it go outside the slot's lock.
 //
 // Thread-safety: the slot functions may be called from any thread, with or
 // without the GIL (they never touch Python); each slot has its own lock.
@@ -39,8 +42,16 @@ class segment_source {
   explicit segment_source(const storage_handle& memory)
       : memory_(memory),
         allocator_(std::make_shared<allocator_state>(memory.get().device(), alloc::allocator_config{})) {
-    base_ = memory_.get().mutable_data();
-    bytes_ = memory_.get().size() / 512 * 512;  // private pools take whole 512-byte units
+    // PyTorch writes it in place from now on: never shared lazily again.
+    memory_.get().mark_shared_outside_process();
+    const auto start = reinterpret_cast<std::uintptr_t>(memory_.get().mutable_data());
+    const std::uintptr_t aligned = (start + 511) / 512 * 512;  // private pools take whole 512-byte units
+    const std::size_t skipped = aligned - start;
+    if (memory_.get().size() < skipped + 512) {
+      throw invalid_argument("shoal.torch.RegionPool: the storage holds less than one 512-byte aligned unit");
+    }
+    base_ = reinterpret_cast<void*>(aligned);
+    bytes_ = (memory_.get().size() - skipped) / 512 * 512;
     pool_ = allocator_->allocator().create_private_pool(base_, bytes_);
   }
 
@@ -48,18 +59,28 @@ class segment_source {
     auto& a = allocator_->allocator();
     try {
       a.drain_private_pool(pool_);  // the streams PyTorch used pass before the memory goes
-      (void)a.destroy_private_pool(pool_, alloc::live_blocks::invalidate);
+      a.destroy_private_pool(pool_);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "shoal: closing a RegionPool's segment source failed: %s\n", e.what());
+      // The memory may still be in use: keep it (and its allocator) for the
+      // process's life rather than let it go under the work.
+      std::fprintf(stderr, "shoal: closing a RegionPool's segment source failed, its memory is kept: %s\n", e.what());
+      new storage_handle(memory_);                              // NOLINT(cppcoreguidelines-owning-memory)
+      new std::shared_ptr<allocator_state>(allocator_);         // NOLINT(cppcoreguidelines-owning-memory)
     }
   }
 
   segment_source(const segment_source&) = delete;
   segment_source& operator=(const segment_source&) = delete;
 
-  /// nullptr when the storage has no room left (PyTorch's out of memory).
-  void* allocate(std::size_t bytes, void* stream) {
+  /// nullptr when the storage has no room left (PyTorch's out of memory)
+  /// or PyTorch asks for another device's memory.
+  void* allocate(std::size_t bytes, int device, void* stream) {
     auto& a = allocator_->allocator();
+    if (a.device().kind() == backend::device_kind::cuda && device != a.device().ordinal()) {
+      std::fprintf(stderr, "shoal: a RegionPool on CUDA device %d was asked for a segment of device %d\n",
+                   a.device().ordinal(), device);
+      return nullptr;
+    }
     const backend::stream_ref on = stream == nullptr ? backend::stream_ref{} : a.device().adopt_external_stream(stream);
     alloc::private_pool_scope scope(a, pool_);
     try {
@@ -80,7 +101,7 @@ class segment_source {
 
   [[nodiscard]] std::size_t segments() const noexcept { return segments_; }
   [[nodiscard]] std::size_t capacity() const noexcept { return bytes_; }
-  [[nodiscard]] std::size_t reserved_bytes() const {
+  [[nodiscard]] std::size_t segment_bytes() const {
     return static_cast<std::size_t>(allocator_->allocator().stats().allocated_bytes.aggregate.current);
   }
   [[nodiscard]] std::uintptr_t base() const noexcept { return reinterpret_cast<std::uintptr_t>(base_); }
@@ -98,6 +119,7 @@ struct slot {
   std::mutex mutex;
   std::unique_ptr<segment_source> source;  // guarded by mutex
   bool open = false;                       // guarded by mutex: its RegionPool has not closed it
+  bool mem_pool_alive = false;             // guarded by mutex: PyTorch's MemPool object may still call
 };
 
 std::array<slot, slot_count>& slots() {
@@ -111,18 +133,21 @@ slot& slot_at(std::size_t index) {
   return slots()[index];
 }
 
-/// Ends a slot's binding once it is closed and no segment is out.
-void unbind_if_done(slot& s) {
-  if (!s.open && s.source && s.source->segments() == 0) s.source.reset();
+/// The slot's source once it is closed, has no segment out and no MemPool
+/// that may call it: the caller destroys it outside the lock (that drains
+/// streams and gives the region back).
+std::unique_ptr<segment_source> unbind_if_done(slot& s) {
+  if (s.open || s.mem_pool_alive || !s.source || s.source->segments() > 0) return nullptr;
+  return std::move(s.source);
 }
 
 template <std::size_t K>
-void* slot_allocate(std::size_t bytes, int /*device*/, void* stream) noexcept {
+void* slot_allocate(std::size_t bytes, int device, void* stream) noexcept {
   slot& s = slots()[K];
   try {
     std::lock_guard lock(s.mutex);
     if (!s.open || !s.source) return nullptr;  // closed: PyTorch sees out of memory
-    return s.source->allocate(bytes, stream);
+    return s.source->allocate(bytes, device, stream);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "shoal: a RegionPool could not carve a %zu-byte segment: %s\n", bytes, e.what());
     return nullptr;
@@ -133,10 +158,14 @@ template <std::size_t K>
 void slot_free(void* ptr, std::size_t /*bytes*/, int /*device*/, void* stream) noexcept {
   slot& s = slots()[K];
   try {
-    std::lock_guard lock(s.mutex);
-    if (!s.source) return;
-    s.source->deallocate(ptr, stream);
-    unbind_if_done(s);
+    std::unique_ptr<segment_source> done;
+    {
+      std::lock_guard lock(s.mutex);
+      if (!s.source) return;
+      s.source->deallocate(ptr, stream);
+      done = unbind_if_done(s);
+    }
+    done.reset();  // outside the lock: drains the streams, gives the region back
   } catch (const std::exception& e) {
     std::fprintf(stderr, "shoal: a RegionPool could not take a segment back: %s\n", e.what());
   }
@@ -157,16 +186,19 @@ void register_segment_sources(nb::module_& m) {
   m.def(
       "_segment_source_open",
       [](const py_storage& storage) {
+        auto source = std::make_unique<segment_source>(storage.handle);
         for (std::size_t i = 0; i < slot_count; ++i) {
           slot& s = slots()[i];
           std::lock_guard lock(s.mutex);
-          if (s.source) continue;
-          s.source = std::make_unique<segment_source>(storage.handle);
+          if (s.source || s.mem_pool_alive) continue;
+          s.source = std::move(source);
           s.open = true;
+          s.mem_pool_alive = true;
           return i;
         }
         throw invalid_argument("shoal.torch.RegionPool: " + std::to_string(slot_count) +
-                               " region pools are open or still hold segments; close one (and free its tensors) first");
+                               " region pools are open, still hold segments or still have their MemPool; close one, "
+                               "free its tensors and drop its MemPool first");
       },
       nb::arg("storage"),
       "Binds a free slot to `storage`'s memory as a segment source; returns the slot.");
@@ -189,28 +221,31 @@ void register_segment_sources(nb::module_& m) {
         d["open"] = s.open;
         d["bound"] = static_cast<bool>(s.source);
         d["segments"] = s.source ? s.source->segments() : 0;
-        d["reserved_bytes"] = s.source ? s.source->reserved_bytes() : 0;
+        d["segment_bytes"] = s.source ? s.source->segment_bytes() : 0;
         d["capacity_bytes"] = s.source ? s.source->capacity() : 0;
         d["base"] = s.source ? s.source->base() : 0;
         return d;
       },
       nb::arg("slot"), "What the slot's source has carved out.");
+  const auto end = [](std::size_t index, bool closing) {
+    slot& s = slot_at(index);
+    std::unique_ptr<segment_source> done;
+    {
+      std::lock_guard lock(s.mutex);
+      (closing ? s.open : s.mem_pool_alive) = false;
+      done = unbind_if_done(s);
+    }
+    // Drained outside the lock (waits for streams) and without the GIL.
+    nb::gil_scoped_release unlocked;
+    done.reset();
+  };
   m.def(
-      "_segment_source_close",
-      [](std::size_t index) {
-        slot& s = slot_at(index);
-        std::unique_ptr<segment_source> done;
-        {
-          std::lock_guard lock(s.mutex);
-          s.open = false;
-          if (s.source && s.source->segments() == 0) done = std::move(s.source);
-        }
-        // Drained outside the lock (waits for streams) and without the GIL.
-        nb::gil_scoped_release unlocked;
-        done.reset();
-      },
-      nb::arg("slot"),
-      "No more segments from the slot; it is unbound (its storage dropped) once every segment is back.");
+      "_segment_source_close", [end](std::size_t index) { end(index, true); }, nb::arg("slot"),
+      "No more segments from the slot; it is unbound (its storage dropped) once every segment is back and its "
+      "MemPool is gone.");
+  m.def(
+      "_segment_source_mem_pool_gone", [end](std::size_t index) { end(index, false); }, nb::arg("slot"),
+      "The slot's MemPool object is gone (a finalizer calls this): nothing calls the slot's functions any more.");
 }
 
 }  // namespace shoal::python

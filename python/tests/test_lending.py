@@ -99,6 +99,32 @@ def test_given_back_memory_is_lent_again_within_one_uid_unless_reuse_is_never(ad
             assert status["spares"] == []
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_borrower_keeps_given_back_mappings_unless_told_not_to(address, keep):
+    in_process_only()
+    with shoal.lending.Lender(address) as lender, shoal.lending.Borrower(address, keep_mappings=keep) as borrower:
+        for _ in range(2):
+            region = borrower.borrow(2 * MIB, "cycled")
+            del region
+            gc.collect()
+            assert eventually(lambda: lender.status()["lent_bytes"] == 0)
+        status = lender.status()
+        assert status["reuses"] == 1, "the same uid's spare chunk is lent again either way"
+        assert status["kept_mappings_used"] == (1 if keep else 0)
+        assert borrower.kept() == ((1, 2 * MIB) if keep else (0, 0))
+
+
+def test_kept_mappings_are_bounded(address):
+    in_process_only()
+    with shoal.lending.Lender(address) as lender, \
+            shoal.lending.Borrower(address, kept_mapping_bytes=3 * MIB) as borrower:
+        regions = [borrower.borrow(2 * MIB, f"r{i}") for i in range(2)]
+        del regions
+        gc.collect()
+        assert eventually(lambda: lender.status()["lent_bytes"] == 0)
+        assert borrower.kept() == (1, 2 * MIB), "a second 2 MiB mapping would pass the 3 MiB bound"
+
+
 def test_refusals_are_typed(address):
     in_process_only()
     unit = 2 * MIB
@@ -262,6 +288,17 @@ def test_a_reader_expecting_another_hash_is_refused_with_content_mismatch(addres
         with pytest.raises(shoal.InvalidArgumentError, match="no region is published"):
             reader.borrow_shared("model D")
         assert reader.borrow_shared("model C").hash == published.hash
+
+
+def test_a_reader_naming_the_writers_uid_refuses_a_region_another_uid_published(address):
+    in_process_only()
+    with shoal.lending.Lender(address), shoal.lending.Borrower(address) as writer, \
+            shoal.lending.Borrower(address) as reader:
+        published = publish_model(writer, "model W")
+        with pytest.raises(shoal.ContentMismatchError, match=f"published by uid {os.geteuid()}"):
+            reader.borrow_shared("model W", expected_writer_uid=os.geteuid() + 1)
+        shared = reader.borrow_shared("model W", expected_hash=published.hash, expected_writer_uid=os.geteuid())
+        assert shared.id == published.id
 
 
 @pytest.mark.parametrize("action", ["read", "write"])

@@ -64,7 +64,7 @@ def test_segments_are_carved_from_the_region_until_it_is_full(lent):
         assert abs(first - second) >= 2 * MIB, "segments overlap"
         assert allocate(4 * MIB, 0, None) is None, "the region is full: PyTorch must see out of memory"
         stats = _shoal._segment_source_stats(slot)
-        assert (stats["segments"], stats["reserved_bytes"]) == (2, 6 * MIB)
+        assert (stats["segments"], stats["segment_bytes"]) == (2, 6 * MIB)
         ctypes.memset(first, 0x5A, 2 * MIB)  # the memory is the region's, mapped here
         assert bytes(region.read(first - start, 16)) == b"\x5a" * 16
         free(first, 2 * MIB, 0, None)
@@ -75,6 +75,7 @@ def test_segments_are_carved_from_the_region_until_it_is_full(lent):
         assert _shoal._segment_source_stats(slot)["segments"] == 0
     finally:
         _shoal._segment_source_close(slot)
+        _shoal._segment_source_mem_pool_gone(slot)
     assert not _shoal._segment_source_stats(slot)["bound"]
 
 
@@ -87,6 +88,7 @@ def test_the_region_is_held_until_the_pool_is_closed_and_every_segment_is_back(l
     del region
     gc.collect()
     _shoal._segment_source_close(slot)
+    _shoal._segment_source_mem_pool_gone(slot)
     assert allocate(2 * MIB, 0, None) is None, "a closed pool carves nothing more"
     stats = _shoal._segment_source_stats(slot)
     assert stats["bound"] and not stats["open"], "unbound while PyTorch still holds a segment"
@@ -95,6 +97,22 @@ def test_the_region_is_held_until_the_pool_is_closed_and_every_segment_is_back(l
     free(segment, 2 * MIB, 0, None)
     assert not _shoal._segment_source_stats(slot)["bound"]
     assert eventually(lambda: lender.status()["lent_bytes"] == 0), "the region was not given back"
+
+
+def test_a_closed_slot_goes_to_no_other_pool_while_its_mem_pool_lives(lent):
+    lender, borrower = lent
+    first, second = borrower.borrow(2 * MIB, "model D"), borrower.borrow(2 * MIB, "model E")
+    slot = _shoal._segment_source_open(first)
+    _shoal._segment_source_close(slot)  # closed, but PyTorch's MemPool object would still call it
+    assert _shoal._segment_source_stats(slot)["bound"]
+    other = _shoal._segment_source_open(second)
+    assert other != slot, "a slot a live MemPool still calls was given to another region"
+    allocate, _ = functions(slot)
+    assert allocate(MIB, 0, None) is None, "a closed pool's functions carve nothing"
+    _shoal._segment_source_mem_pool_gone(slot)
+    assert not _shoal._segment_source_stats(slot)["bound"]
+    _shoal._segment_source_close(other)
+    _shoal._segment_source_mem_pool_gone(other)
 
 
 def test_slots_are_bounded_and_reused(lent):
@@ -109,7 +127,9 @@ def test_slots_are_bounded_and_reused(lent):
     assert len(addresses) == 16, "two slots share functions: PyTorch could not tell their pools apart"
     for s in opened:
         _shoal._segment_source_close(s)
+        _shoal._segment_source_mem_pool_gone(s)
     slot = _shoal._segment_source_open(region)
     _shoal._segment_source_close(slot)
+    _shoal._segment_source_mem_pool_gone(slot)
     with pytest.raises(shoal.InvalidArgumentError):
         _shoal._segment_source_functions(16)

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "alloc/awaiting_frees.h"
 #include "alloc/block_structure.h"
 #include "alloc/core_util.h"
 #include "alloc/invariant_checker.h"
@@ -94,7 +95,9 @@ block* allocator_core::try_allocate(block_pool& pool, std::size_t size, std::siz
   if (b == nullptr && !pool.pending.empty()) {
     // Blocks whose frees completed are parked as they become reusable:
     // looking only in the bins here would miss them, and growth would then
-    // give their segment back just to take a new one.
+    // give their segment back just to take a new one. The pool's stream is
+    // in use here (alive), so its awaiting frees may be sealed.
+    seal_awaiting(pool, device, events_);
     collect_pending(pool, false);
     b = take_cached(pool, size);
   }
@@ -132,6 +135,7 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
         std::vector<backend::event_ref> waits;
         {
           std::lock_guard lock(p.lock);
+          if (&p == &pool) seal_awaiting(p, device, events_);  // only the stream asking is known to be alive
           for (block* b : p.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
         }
         for (auto e : waits) device.synchronize_event(e);  // without the lock: this may take long
@@ -258,9 +262,6 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
 
 void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
-  // Before any live block: a stale free must not free a newer block at the
-  // same address (invalidated_blocks.h).
-  if (invalidated_.may_hold() && invalidated_.absorb_free(address)) [[unlikely]] return;
   with_block<true>(address, "deallocate", [&](block_pool& pool, block* b) {
     // record_stream's streams are waited for in every mode; the freeing
     // stream only with cross-stream safety on (off is PyTorch's rule, where
@@ -271,7 +272,10 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
     const bool freed_elsewhere = stream != b->stream;
     const bool hold = !b->used_on.empty() || (config.cross_stream_safety && freed_elsewhere) || host_written;
     const bool mark_hazard = !config.cross_stream_safety && config.debug && freed_elsewhere;
-    if (hold || mark_hazard) {
+    // A pinned block freed on its own stream waits for an event it shares
+    // with the frees around it (awaiting_frees.h), recorded later.
+    const bool awaits = host_written && !freed_elsewhere && b->used_on.empty() && !pool.is_private;
+    if ((hold || mark_hazard) && !awaits) {
       std::vector<backend::stream_ref> streams = b->used_on;
       if ((freed_elsewhere && (config.cross_stream_safety || mark_hazard)) || host_written) add_unique(streams, stream);
       std::vector<backend::event_ref> events;
@@ -296,6 +300,7 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
     if (hold) {
       b->state = block_state::pending_free;
       pool.pending.push_back(b);
+      if (awaits) await_free(pool, b, device, events_);
     } else {
       make_reusable(pool, b);
     }
@@ -305,7 +310,11 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
 
 void allocator_core::make_reusable(block_pool& pool, block* b) {
   if (b->state == block_state::pending_free) {
-    for (auto e : b->waits) events_.give_back(e);
+    if (std::exchange(b->wait_shared, false)) {
+      release_shared_wait(pool, b->waits.front(), events_);
+    } else {
+      for (auto e : b->waits) events_.give_back(e);
+    }
     b->waits.clear();
   }
   auto& c = pool.counters;
@@ -328,8 +337,25 @@ void allocator_core::make_reusable(block_pool& pool, block* b) {
 }
 
 void allocator_core::collect_pending(block_pool& pool, bool wait_on_device) {
+  // Awaiting frees (no event yet) are not passed. Sealed groups complete in
+  // order on the pool's stream: one query per group, and none after the
+  // first that has not completed.
+  backend::event_ref group{};  // the last group queried
+  bool group_passed = true;
   std::erase_if(pool.pending, [&](block* b) {
-    const bool passed = std::all_of(b->waits.begin(), b->waits.end(), [&](auto e) { return device.query_event(e); });
+    bool passed;
+    if (b->waits.empty()) {
+      passed = false;  // awaiting: sealed only from its own stream's calls
+    } else if (b->wait_shared) {
+      const backend::event_ref e = b->waits.front();
+      if (e != group && group_passed) {
+        group = e;
+        group_passed = device.query_event(e);
+      }
+      passed = e == group && group_passed;
+    } else {
+      passed = std::all_of(b->waits.begin(), b->waits.end(), [&](auto e) { return device.query_event(e); });
+    }
     if (!passed && !wait_on_device) return false;
     if (!passed) {
       for (auto e : b->waits) device.wait(b->stream, e);

@@ -25,7 +25,6 @@
 #include "alloc/allocator_hooks.h"
 #include "alloc/block_pool.h"
 #include "alloc/event_pool.h"
-#include "alloc/invalidated_blocks.h"
 #include "alloc/pool_directory.h"
 #include "alloc/segment_source.h"
 #include "alloc/trace_ring.h"
@@ -84,9 +83,9 @@ class allocator_core {
 
   private_pool_id create_private_pool(void* base, std::size_t bytes,
                                       const std::vector<std::pair<std::string, std::size_t>>& parts);
-  invalidated_blocks_report clear_private_pool(private_pool_id id, const std::string& part, live_blocks live);
+  void clear_private_pool(private_pool_id id, const std::string& part);
   void drain_private_pool(private_pool_id id, const std::string& part);
-  invalidated_blocks_report destroy_private_pool(private_pool_id id, live_blocks live);
+  void destroy_private_pool(private_pool_id id);
   /// The sub-pool this thread's allocations are directed to (nullptr: none).
   [[nodiscard]] block_pool* directed_pool() const noexcept { return directory_.directed_pool(); }
   /// Directs this thread's allocations to `part`; returns the previous one.
@@ -120,15 +119,11 @@ class allocator_core {
   // ---- the free path (pool locked)
   void make_reusable(block_pool& pool, block* b);
   void collect_pending(block_pool& pool, bool wait_on_device);
-  /// Waits for the sub-pool's live blocks (pending frees' events, allocated
-  /// blocks' streams) and takes the allocated ones back as free (unlocked).
-  invalidated_blocks_report invalidate_live_blocks(block_pool& part);
 
   pool_directory directory_;
   trace_ring trace_;
   event_pool events_;
   segment_source source_;
-  invalidated_blocks invalidated_;
   std::atomic<std::int64_t> retries_{0}, ooms_{0};
 
   std::mutex observers_mutex_;

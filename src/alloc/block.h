@@ -50,6 +50,8 @@ struct alignas(64) block {
   /// Events the free waits for (pending_free), or, in debug mode with
   /// cross-stream safety off, the hazard a hand-out must be checked against.
   std::vector<backend::event_ref> waits;
+  /// Its one wait is a sealed group's event, shared (awaiting_frees.h).
+  bool wait_shared = false;
   /// Streams that last used this free block, in private pools (shared by
   /// all streams): a hand-out to another stream first waits for them.
   std::vector<backend::stream_ref> last_streams;

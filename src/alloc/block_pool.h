@@ -49,6 +49,14 @@ struct alignas(64) block_pool {
   std::vector<std::unique_ptr<segment>> segments;
   segment* growable = nullptr;  ///< expandable_segments: this pool's one growable segment
   std::deque<block*> pending;   ///< blocks in state pending_free
+  // Pinned host pools: frees waiting for a shared event (awaiting_frees.h).
+  std::vector<block*> awaiting;  ///< pending, no event recorded yet
+  std::size_t awaiting_bytes = 0;
+  struct sealed_group {
+    backend::event_ref event;
+    std::size_t holders;  ///< pending blocks whose waits list it
+  };
+  std::deque<sealed_group> sealed;
   block* spare = nullptr;  ///< block objects to reuse, linked by bin_next
 
   // The quick list: the last few blocks freed on this pool's stream, parked
@@ -92,6 +100,7 @@ struct alignas(64) block_pool {
     b->stream = {};
     b->used_on.clear();
     b->waits.clear();
+    b->wait_shared = false;
     b->last_streams.clear();
     b->bin_next = spare;
     spare = b;

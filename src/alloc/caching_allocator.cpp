@@ -54,13 +54,10 @@ void caching_allocator::drain_private_pool(private_pool_id pool, const std::stri
   core_->drain_private_pool(pool, part);
 }
 
-invalidated_blocks_report caching_allocator::clear_private_pool(private_pool_id pool, const std::string& part,
-                                                                live_blocks live) {
-  return core_->clear_private_pool(pool, part, live);
+void caching_allocator::clear_private_pool(private_pool_id pool, const std::string& part) {
+  core_->clear_private_pool(pool, part);
 }
-invalidated_blocks_report caching_allocator::destroy_private_pool(private_pool_id pool, live_blocks live) {
-  return core_->destroy_private_pool(pool, live);
-}
+void caching_allocator::destroy_private_pool(private_pool_id pool) { core_->destroy_private_pool(pool); }
 
 private_pool_scope::private_pool_scope(caching_allocator& allocator, private_pool_id pool, const std::string& part)
     : allocator_(allocator), previous_(allocator.core_->direct_to(&allocator.core_->private_part(pool, part))) {}

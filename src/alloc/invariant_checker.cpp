@@ -208,6 +208,19 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
     fail("free bins", "the " + pool_name(pool) + "'s quick list holds " + std::to_string(pool.quick_count) +
                           " entries but its segments have " + std::to_string(parked_found) + " parked blocks");
   }
+  std::size_t awaiting_found = 0, shared_found = 0;
+  for (const block* b : pool.pending) {
+    awaiting_found += b->waits.empty() ? 1 : 0;
+    shared_found += b->wait_shared ? 1 : 0;
+  }
+  std::size_t holders = 0;
+  for (const auto& g : pool.sealed) holders += g.holders;
+  if (awaiting_found != pool.awaiting.size() || holders != shared_found) {
+    fail("states", "the " + pool_name(pool) + " has " + std::to_string(pool.awaiting.size()) + " awaiting frees and " +
+                       std::to_string(holders) + " holders of shared events, but its pending list has " +
+                       std::to_string(awaiting_found) + " blocks without an event and " + std::to_string(shared_found) +
+                       " sharing one");
+  }
   if (pending_found != pool.pending.size()) {
     fail("states", "the " + pool_name(pool) + "'s pending list holds " + std::to_string(pool.pending.size()) +
                        " blocks but its segments have " + std::to_string(pending_found) + " pending_free blocks");

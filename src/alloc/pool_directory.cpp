@@ -44,6 +44,24 @@ struct range_cache {
 };
 thread_local range_cache recent_segments;
 
+// Empties a destroyed private pool's sub-pool so it can serve another: its
+// block objects go to its spare list, its segments and counts go. Every
+// block is free, and a private pool's free blocks are all settled (never
+// parked), so each is in the bins. Under the sub-pool's lock.
+void empty_for_reuse(block_pool& part) noexcept {
+  for (auto& s : part.segments) {
+    for (block* b = s->first; b != nullptr;) {
+      block* next = b->next;
+      part.bins.remove(b);
+      part.recycle(b);
+      b = next;
+    }
+  }
+  part.segments.clear();
+  part.counters = {};
+  part.part_name.clear();
+}
+
 }  // namespace
 
 block_pool* private_pool::part(const std::string& name) {
@@ -123,6 +141,18 @@ void pool_directory::unregister_segment(const segment& s) {
   segments_by_base_.erase(s.base);
 }
 
+std::unique_ptr<block_pool> pool_directory::new_private_part() {
+  {
+    std::unique_lock lock(directory_mutex_);
+    if (!reusable_parts_.empty()) {
+      auto part = std::move(reusable_parts_.back());
+      reusable_parts_.pop_back();
+      return part;
+    }
+  }
+  return std::make_unique<block_pool>();
+}
+
 private_pool_id pool_directory::add_private_pool(std::unique_ptr<private_pool> pool) {
   std::unique_lock lock(directory_mutex_);
   const std::uint64_t id = next_private_id_++;
@@ -143,15 +173,6 @@ block_pool& pool_directory::private_part(private_pool_id id, const std::string& 
   return *p;
 }
 
-std::vector<block_pool*> pool_directory::private_parts(private_pool_id id) const {
-  std::shared_lock lock(directory_mutex_);
-  const auto it = private_pools_.find(id.value);
-  if (it == private_pools_.end()) throw invalid_argument("private pool " + std::to_string(id.value) + " does not exist");
-  std::vector<block_pool*> parts;
-  for (auto& p : it->second->parts) parts.push_back(p.get());
-  return parts;
-}
-
 void pool_directory::remove_private_pool(private_pool_id id, const std::function<void(block_pool&)>& check) {
   std::unique_ptr<private_pool> pool;
   {
@@ -167,9 +188,12 @@ void pool_directory::remove_private_pool(private_pool_id id, const std::function
   }
   for (auto& part : pool->parts) {
     for (auto& s : part->segments) unregister_segment(*s);
+    // A thread's stale cache entry may still lead to it: emptied under its lock.
+    std::lock_guard part_lock(part->lock);
+    empty_for_reuse(*part);
   }
   std::unique_lock lock(directory_mutex_);
-  destroyed_pools_.push_back(std::move(pool));
+  for (auto& part : pool->parts) reusable_parts_.push_back(std::move(part));
 }
 
 }  // namespace shoal::alloc::detail

@@ -3,9 +3,13 @@
 // segment's range to its pool.
 //
 // Invariants:
-//   a pool, once made, lives as long as the directory (destroyed private
-//     pools are kept aside), so a stale per-thread cache entry never
-//     points at freed memory;
+//   a pool, once made, lives as long as the directory (a destroyed private
+//     pool's sub-pools are emptied and kept in reusable_parts_ to serve a
+//     later private pool), so a stale per-thread cache entry never points
+//     at freed memory; an entry naming a sub-pool that serves another
+//     region now is caught like any stale one (the caller checks the pool);
+//   a sub-pool in reusable_parts_ holds no segment, block or count (its
+//     block objects wait in its spare list);
 //   segments_by_base_ = { s.base -> (s.size, s.pool) : s a segment of a
 //     live pool }, so a pointer inside a live segment finds its pool.
 //
@@ -73,7 +77,8 @@ class pool_directory {
   /// Runs fn(pool) for every live pool, one at a time, with no lock held.
   template <class Fn>
   void for_each_pool(Fn&& fn) const;
-  /// Runs fn(pool) for every pool ever made, destroyed private pools too.
+  /// Runs fn(pool) for every pool ever made, emptied sub-pools of destroyed
+  /// private pools too.
   /// Teardown only: no other call may run.
   template <class Fn>
   void for_each_pool_ever(Fn&& fn);
@@ -83,14 +88,17 @@ class pool_directory {
   void with_every_pool_locked(Fn&& fn) const;
 
   // ---- private pools
+  /// A sub-pool to build a new private pool from: one a destroyed private
+  /// pool left, when there is one (its memory is no page new to the
+  /// process, so making it costs no page faults), else a new one.
+  [[nodiscard]] std::unique_ptr<block_pool> new_private_part();
   /// Adds a private pool (its segments registered already); returns its id.
   private_pool_id add_private_pool(std::unique_ptr<private_pool> pool);
   /// The named sub-pool; throws invalid_argument when there is none.
   [[nodiscard]] block_pool& private_part(private_pool_id id, const std::string& part) const;
-  /// Every sub-pool of a private pool; invalid_argument when there is none.
-  [[nodiscard]] std::vector<block_pool*> private_parts(private_pool_id id) const;
   /// Removes a private pool once check(part) (run with each part's lock
-  /// held) has passed for every part, and unregisters its segments.
+  /// held) has passed for every part — it must find every block free —
+  /// unregisters its segments and empties its sub-pools for reuse.
   void remove_private_pool(private_pool_id id, const std::function<void(block_pool&)>& check);
   /// The sub-pool this thread's allocations are directed to (nullptr: none).
   [[nodiscard]] block_pool* directed_pool() const noexcept;
@@ -116,7 +124,7 @@ class pool_directory {
   mutable std::shared_mutex directory_mutex_;
   std::unordered_map<void*, std::unique_ptr<stream_pools>> stream_pools_;  // guarded by directory_mutex_
   std::map<std::uint64_t, std::unique_ptr<private_pool>> private_pools_;   // guarded by directory_mutex_
-  std::vector<std::unique_ptr<private_pool>> destroyed_pools_;             // guarded by directory_mutex_
+  std::vector<std::unique_ptr<block_pool>> reusable_parts_;                // guarded by directory_mutex_
   std::uint64_t next_private_id_ = 1;                                     // guarded by directory_mutex_
 };
 
@@ -145,9 +153,7 @@ void pool_directory::for_each_pool_ever(Fn&& fn) {
   for (auto& [id, p] : private_pools_) {
     for (auto& part : p->parts) fn(*part);
   }
-  for (auto& p : destroyed_pools_) {
-    for (auto& part : p->parts) fn(*part);
-  }
+  for (auto& part : reusable_parts_) fn(*part);
 }
 
 template <class Fn>

@@ -35,7 +35,7 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
   auto pool = std::make_unique<private_pool>();
   std::uintptr_t at = start;
   for (const auto& [name, size] : layout) {
-    auto part = std::make_unique<block_pool>();
+    auto part = directory_.new_private_part();
     part->kind = pool_kind::large;
     part->is_private = true;
     part->part_name = name;
@@ -85,58 +85,8 @@ void require_no_live_blocks(block_pool& part, const char* op) {
 
 }  // namespace
 
-invalidated_blocks_report allocator_core::invalidate_live_blocks(block_pool& part) {
-  // Waited for without the lock: this may take long. The work already
-  // queued on a live block's streams passes before its memory is forgotten.
-  std::vector<backend::event_ref> waits;
-  std::vector<backend::stream_ref> streams;
-  {
-    std::lock_guard lock(part.lock);
-    for (block* b : part.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
-    for (auto& s : part.segments) {
-      for (const block* b = s->first; b != nullptr; b = b->next) {
-        if (b->state != block_state::allocated) continue;
-        add_unique(streams, b->stream);
-        for (auto u : b->used_on) add_unique(streams, u);
-      }
-    }
-  }
-  for (auto e : waits) device.synchronize_event(e);
-  for (auto stream : streams) device.synchronize(stream);
-  invalidated_blocks_report taken;
-  std::lock_guard lock(part.lock);
-  collect_pending(part, false);
-  // Collected first: making one reusable merges it with free neighbours,
-  // never with another allocated block.
-  std::vector<block*> live;
-  for (auto& s : part.segments) {
-    for (block* b = s->first; b != nullptr; b = b->next) {
-      if (b->state == block_state::allocated) live.push_back(b);
-    }
-  }
-  for (block* b : live) {
-    if (part.allocated.take(b->address) != b) continue;  // freed meanwhile
-    // What deallocate would do, without the events: its streams passed.
-    auto& c = part.counters;
-    pool_counters::sub(c.allocations, 1);
-    pool_counters::sub(c.allocated_bytes, static_cast<std::int64_t>(b->size));
-    pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
-    b->requested = 0;
-    b->used_on.clear();
-    ++taken.blocks;
-    taken.bytes += b->size;
-    invalidated_.add(b->address);
-    if (trace_.enabled()) trace_.note(trace_action::free_requested, b->address, b->size, b->stream);
-    make_reusable(part, b);  // poisoned in debug mode, so a stale reader sees it
-  }
-  return taken;
-}
-
-invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id, const std::string& part_name,
-                                                             live_blocks live) {
+void allocator_core::clear_private_pool(private_pool_id id, const std::string& part_name) {
   block_pool& part = private_part(id, part_name);
-  const invalidated_blocks_report taken =
-      live == live_blocks::invalidate ? invalidate_live_blocks(part) : invalidated_blocks_report{};
   {
     std::lock_guard lock(part.lock);
     require_no_live_blocks(part, "clear_private_pool");
@@ -160,7 +110,6 @@ invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id,
     }
   }
   if constexpr (check_every_step) check_invariants();
-  return taken;
 }
 
 void allocator_core::drain_private_pool(private_pool_id id, const std::string& part_name) {
@@ -187,18 +136,9 @@ void allocator_core::drain_private_pool(private_pool_id id, const std::string& p
   for (auto stream : streams) device.synchronize(stream);
 }
 
-invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id id, live_blocks live) {
-  invalidated_blocks_report taken;
-  if (live == live_blocks::invalidate) {
-    for (block_pool* part : directory_.private_parts(id)) {
-      const auto report = invalidate_live_blocks(*part);
-      taken.blocks += report.blocks;
-      taken.bytes += report.bytes;
-    }
-  }
+void allocator_core::destroy_private_pool(private_pool_id id) {
   directory_.remove_private_pool(id, [](block_pool& part) { require_no_live_blocks(part, "destroy_private_pool"); });
   if constexpr (check_every_step) check_invariants();
-  return taken;
 }
 
 }  // namespace shoal::alloc::detail

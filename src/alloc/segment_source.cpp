@@ -389,16 +389,20 @@ void segment_source::release_at_teardown(block_pool& pool, event_pool& events) n
   // stream does (last uses, debug poison). Let it finish before the memory
   // goes. A stream already destroyed has nothing queued that the allocator
   // can wait for (its contract asks streams to outlive their blocks).
+  // Awaiting frees (no event) are on the pool's own stream, waited for below.
   for (block* b : pool.pending) {
     for (auto e : b->waits) {
       try {
         device_.synchronize_event(e);
       } catch (const error&) {  // NOLINT(bugprone-empty-catch): teardown goes on; the device may be gone
       }
-      events.give_back(e);
+      if (!b->wait_shared) events.give_back(e);
     }
     b->waits.clear();
   }
+  for (const auto& group : pool.sealed) events.give_back(group.event);  // each shared event once
+  pool.sealed.clear();
+  pool.awaiting.clear();
   try {
     device_.synchronize(pool.stream);
   } catch (const error&) {  // NOLINT(bugprone-empty-catch): as above

@@ -92,6 +92,12 @@ class deadline_mutex {
     freed_.wait(lock, [this] { return !held_; });
     held_ = true;
   }
+  bool try_lock() {
+    const std::lock_guard lock(mutex_);
+    if (held_) return false;
+    held_ = true;
+    return true;
+  }
   bool try_lock_until(std::chrono::steady_clock::time_point until) {
     std::unique_lock lock(mutex_);
     if (!freed_.wait_until(lock, until, [this] { return !held_; })) return false;
@@ -170,10 +176,12 @@ struct connection::state {
   deadline_mutex send_mutex;
   std::vector<std::byte> send_buffer;  // guarded by send_mutex
   deadline_mutex receive_mutex;
-  // Guarded by receive_mutex: the bytes of the last batch read, and its frames not yet returned.
-  std::vector<std::byte> receive_buffer;
+  // Guarded by receive_mutex: the batch being read, and the frames of the last one not yet returned.
+  detail::partial_batch partial;
   std::deque<frame> unread;
   std::atomic<std::size_t> pending{0};  // unread.size(), readable without the lock
+  // When the first bytes of `partial` came (steady clock, ns); 0 while it holds nothing.
+  std::atomic<std::int64_t> partial_since_ns{0};
   mutable std::mutex broken_mutex;
   std::string broken_reason;  // empty while usable; guarded by broken_mutex
 
@@ -361,40 +369,93 @@ frame connection::receive_for(std::chrono::milliseconds timeout) {
   return receive_until(std::chrono::steady_clock::now() + std::max(timeout, std::chrono::milliseconds(0)));
 }
 
+// Reads the next batch into s.unread with `read` (which returns false when
+// the batch is not whole yet); on failure the connection is broken, except
+// for a timeout before any byte came. Under s.receive_mutex.
+template <class Read>
+bool connection::refill(state& s, Read read) {
+  const auto from = [&] { return "connection::receive from pid " + std::to_string(s.peer.process.pid); };
+  // Whatever read() did, partial_since_ns says after it whether a batch is part-read, and since when.
+  struct note_partial {
+    state& s;
+    ~note_partial() {
+      if (!s.partial.started()) {
+        s.partial_since_ns.store(0, std::memory_order_relaxed);
+      } else if (s.partial_since_ns.load(std::memory_order_relaxed) == 0) {
+        const auto now = std::chrono::steady_clock::now().time_since_epoch();
+        s.partial_since_ns.store(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count(),
+                                 std::memory_order_relaxed);
+      }
+    }
+  };
+  try {
+    const note_partial noted{s};
+    return read();
+  } catch (const detail::timeout_mid_batch& e) {
+    const timeout_error late(from() + ": " + e.what() + "; the connection is closed");
+    s.break_with(late.what());
+    throw late;
+  } catch (const timeout_error& e) {
+    throw timeout_error(from() + ": " + e.what() + "; nothing was read and the connection stays usable");
+  } catch (const protocol_error& e) {
+    const protocol_error refused(from() + ": " + e.what());
+    s.break_with(refused.what());
+    throw refused;
+  } catch (const connection_closed& e) {
+    const connection_closed closed(from() + ": " + e.what());
+    s.break_with(closed.what());
+    throw closed;
+  } catch (const std::exception& e) {
+    s.break_with(e.what());
+    throw;
+  }
+}
+
+frame connection::next_unread(state& s) {
+  frame next = std::move(s.unread.front());
+  s.unread.pop_front();
+  s.pending.store(s.unread.size(), std::memory_order_release);
+  return next;
+}
+
 frame connection::receive_until(std::optional<std::chrono::steady_clock::time_point> until) {
   state& s = usable("receive");
   const auto lock = s.lock_by(s.receive_mutex, until, "receive");
   s.throw_if_broken("receive");
   if (s.unread.empty()) {
-    const auto from = [&] { return "connection::receive from pid " + std::to_string(s.peer.process.pid); };
-    try {
-      std::vector<frame> batch = detail::read_batch(s.socket.get(), s.max_payload,
-                                                    std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed)),
-                                                    until, s.receive_buffer);
+    (void)refill(s, [&] {
+      std::vector<frame> batch = detail::read_batch(
+          s.socket.get(), s.max_payload, std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed)), until,
+          s.partial);
       s.unread.assign(std::make_move_iterator(batch.begin()), std::make_move_iterator(batch.end()));
-    } catch (const detail::timeout_mid_batch& e) {
-      const timeout_error late(from() + ": " + e.what() + "; the connection is closed");
-      s.break_with(late.what());
-      throw late;
-    } catch (const timeout_error& e) {
-      throw timeout_error(from() + ": " + e.what() + "; nothing was read and the connection stays usable");
-    } catch (const protocol_error& e) {
-      const protocol_error refused(from() + ": " + e.what());
-      s.break_with(refused.what());
-      throw refused;
-    } catch (const connection_closed& e) {
-      const connection_closed closed(from() + ": " + e.what());
-      s.break_with(closed.what());
-      throw closed;
-    } catch (const std::exception& e) {
-      s.break_with(e.what());
-      throw;
-    }
+      return true;
+    });
   }
-  frame next = std::move(s.unread.front());
-  s.unread.pop_front();
-  s.pending.store(s.unread.size(), std::memory_order_release);
-  return next;
+  return next_unread(s);
+}
+
+std::optional<frame> connection::try_receive() {
+  state& s = usable("try_receive");
+  const std::unique_lock lock(s.receive_mutex, std::try_to_lock);
+  if (!lock.owns_lock()) return std::nullopt;  // another thread is receiving
+  s.throw_if_broken("receive");
+  if (s.unread.empty()) {
+    const bool whole = refill(s, [&] {
+      std::optional<std::vector<frame>> batch = detail::read_batch_if_ready(s.socket.get(), s.max_payload, s.partial);
+      if (!batch) return false;
+      s.unread.assign(std::make_move_iterator(batch->begin()), std::make_move_iterator(batch->end()));
+      return true;
+    });
+    if (!whole) return std::nullopt;
+  }
+  return next_unread(s);
+}
+
+std::optional<std::chrono::steady_clock::time_point> connection::incomplete_since() const {
+  const std::int64_t ns = usable("incomplete_since").partial_since_ns.load(std::memory_order_relaxed);
+  if (ns == 0) return std::nullopt;
+  return std::chrono::steady_clock::time_point(
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::nanoseconds(ns)));
 }
 
 std::size_t connection::pending() const { return usable("pending").pending.load(std::memory_order_acquire); }

@@ -74,11 +74,20 @@ void wait_for_socket(int socket, short events, std::chrono::steady_clock::time_p
   throw timeout_error(std::string("the deadline passed waiting for the peer to ") + waiting_for);
 }
 
+// How read_some waits for bytes: `spin` > 0: tries without sleeping until
+// it has passed, then blocks (until `until`, when there is one);
+// `only_ready`: never waits, and returns 0 when the socket has nothing.
+struct read_wait {
+  std::chrono::nanoseconds spin{0};
+  deadline until;
+  bool only_ready = false;
+};
+
 // One recvmsg of at most `bytes`, keeping every descriptor that came with it.
-// `spin` > 0: try without sleeping until it has passed, then block (until
-// `until`, when there is one).
-std::size_t read_some(int socket, std::byte* into, std::size_t bytes, std::chrono::nanoseconds spin, deadline until,
+std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read_wait& wait,
                       std::vector<unique_fd>& descriptors, bool batch_started) {
+  const auto spin = wait.spin;
+  const auto& until = wait.until;
   iovec part{into, bytes};
   // Room for the descriptors the batch may still bring, and for credentials
   // in case the socket has SO_PASSCRED on: more than a batch may carry, over
@@ -93,7 +102,7 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, std::chron
   const auto spin_until = std::chrono::steady_clock::now() + spin;
   // Without a deadline, a blocking recvmsg once spinning is over; with one,
   // non-blocking calls between polls.
-  int flags = spin.count() > 0 || until ? MSG_CMSG_CLOEXEC | MSG_DONTWAIT : MSG_CMSG_CLOEXEC;
+  int flags = spin.count() > 0 || until || wait.only_ready ? MSG_CMSG_CLOEXEC | MSG_DONTWAIT : MSG_CMSG_CLOEXEC;
   ssize_t got;
   for (;;) {
     got = ::recvmsg(socket, &header, flags);
@@ -101,6 +110,7 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, std::chron
     if (errno == EINTR) continue;
     const bool would_block = errno == EAGAIN || errno == EWOULDBLOCK;
     if (!would_block || (flags & MSG_DONTWAIT) == 0) throw_socket_error("recvmsg");
+    if (wait.only_ready) return 0;
     const auto now = std::chrono::steady_clock::now();
     if (now < spin_until && (!until || now < *until)) continue;  // still spinning
     if (until) {
@@ -278,20 +288,73 @@ void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<
   }
 }
 
-std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::nanoseconds spin, deadline until,
-                              std::vector<std::byte>& buffer) {
-  std::vector<unique_fd> descriptors;  // owned at once, so none leaks on error
-  buffer.resize(min_batch_bytes);
-  // Never more than min_batch_bytes before the header is known: every batch
-  // is at least that long, so no read reaches into the next one.
-  std::size_t got = read_some(socket, buffer.data(), min_batch_bytes, spin, until, descriptors, false);
-  while (got < batch_header_bytes) {
-    got += read_some(socket, buffer.data() + got, min_batch_bytes - got, {}, until, descriptors, true);
+void partial_batch::clear() noexcept {
+  got = 0;
+  size = 0;
+  descriptors.clear();
+}
+
+namespace {
+
+// Reads toward the end of the batch in `p` with `read(into, bytes,
+// batch_started)`, which returns how many bytes it read (0: none are there
+// now); whether the batch is whole. Never more than min_batch_bytes before
+// the header is known: every batch is at least that long, so no read
+// reaches into the next one.
+template <class Read>
+bool assemble(partial_batch& p, std::size_t max_payload, Read read) {
+  if (p.got == 0) p.bytes.resize(min_batch_bytes);
+  while (p.size == 0) {
+    const std::size_t got = read(p.bytes.data() + p.got, min_batch_bytes - p.got, p.got > 0);
+    if (got == 0) return false;
+    p.got += got;
+    if (p.got >= batch_header_bytes) {
+      p.size = checked_batch_size(p.bytes, max_payload);
+      p.bytes.resize(p.size);
+    }
   }
-  const std::size_t size = checked_batch_size(buffer, max_payload);
-  buffer.resize(size);
-  while (got < size) got += read_some(socket, buffer.data() + got, size - got, {}, until, descriptors, true);
-  return split_frames(buffer, max_payload, descriptors);
+  while (p.got < p.size) {
+    const std::size_t got = read(p.bytes.data() + p.got, p.size - p.got, true);
+    if (got == 0) return false;
+    p.got += got;
+  }
+  return true;
+}
+
+std::vector<frame> take_frames(partial_batch& p, std::size_t max_payload) {
+  std::vector<frame> frames = split_frames(p.bytes, max_payload, p.descriptors);
+  p.clear();
+  return frames;
+}
+
+}  // namespace
+
+std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::nanoseconds spin, deadline until,
+                              partial_batch& partial) {
+  try {
+    (void)assemble(partial, max_payload, [&](std::byte* into, std::size_t bytes, bool started) {
+      // Only the batch's first read spins.
+      return read_some(socket, into, bytes, {started ? std::chrono::nanoseconds(0) : spin, until}, partial.descriptors,
+                       started);
+    });
+    return take_frames(partial, max_payload);
+  } catch (...) {
+    partial.clear();
+    throw;
+  }
+}
+
+std::optional<std::vector<frame>> read_batch_if_ready(int socket, std::size_t max_payload, partial_batch& partial) {
+  try {
+    const bool whole = assemble(partial, max_payload, [&](std::byte* into, std::size_t bytes, bool started) {
+      return read_some(socket, into, bytes, {{}, std::nullopt, true}, partial.descriptors, started);
+    });
+    if (!whole) return std::nullopt;
+    return take_frames(partial, max_payload);
+  } catch (...) {
+    partial.clear();
+    throw;
+  }
 }
 
 }  // namespace shoal::channel::detail

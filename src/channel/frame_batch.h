@@ -48,15 +48,38 @@ void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<
 /// frames carry at most `max_payload` bytes accepts.
 [[nodiscard]] std::size_t max_batch_body(std::size_t max_payload) noexcept;
 
-/// Reads the next batch and splits it into its frames, in order. Before
-/// anything has come it first tries without sleeping for up to `spin`, then
-/// blocks until `until`. `buffer` is scratch space kept between calls.
-/// Throws protocol_error (without naming the peer) when the batch is
-/// malformed, connection_closed at end of stream, backend_error when the
-/// system refuses, timeout_error when `until` passed before any byte came,
-/// timeout_mid_batch when it passed in the middle of the batch (a peer that
-/// sent part of one and stalls); every descriptor read is closed then.
+/// The batch a receiver has begun to read and not read whole yet: its bytes
+/// so far and the descriptors that came with them. Between batches it holds
+/// nothing (got == 0); `bytes` is scratch space kept from batch to batch.
+struct partial_batch {
+  std::vector<std::byte> bytes;
+  std::size_t got = 0;   // bytes of the batch read so far
+  std::size_t size = 0;  // the whole batch's size once its header is read; 0 before
+  std::vector<unique_fd> descriptors;
+
+  [[nodiscard]] bool started() const noexcept { return got > 0; }
+  /// Drops what was read (closing its descriptors): nothing has begun.
+  void clear() noexcept;
+};
+
+/// Reads the rest of the batch `partial` holds (the next one when it holds
+/// none) and splits it into its frames, in order; `partial` holds nothing
+/// after. Before anything has come it first tries without sleeping for up
+/// to `spin`, then blocks until `until`. Throws protocol_error (without
+/// naming the peer) when the batch is malformed, connection_closed at end of
+/// stream, backend_error when the system refuses, timeout_error when `until`
+/// passed before any byte came, timeout_mid_batch when it passed in the
+/// middle of the batch (a peer that sent part of one and stalls); on every
+/// error `partial` is cleared, closing the descriptors read.
 [[nodiscard]] std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::nanoseconds spin,
-                                            deadline until, std::vector<std::byte>& buffer);
+                                            deadline until, partial_batch& partial);
+
+/// read_batch without waiting: reads what the socket has now toward the
+/// batch `partial` holds. Its frames once it is whole; nullopt when the
+/// socket has no more of it yet (what came stays in `partial`, and a later
+/// read_batch or read_batch_if_ready goes on from there). Throws as
+/// read_batch does, never timeout_error.
+[[nodiscard]] std::optional<std::vector<frame>> read_batch_if_ready(int socket, std::size_t max_payload,
+                                                                    partial_batch& partial);
 
 }  // namespace shoal::channel::detail

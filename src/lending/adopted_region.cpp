@@ -44,18 +44,16 @@ adopted_region::~adopted_region() {
   }
 }
 
-alloc::invalidated_blocks_report adopted_region::clear(const std::string& part, alloc::live_blocks live) {
+void adopted_region::clear(const std::string& part) {
   if (!region_.valid()) throw invalid_argument("adopted_region::clear: the region was released");
   allocator_.drain_private_pool(pool_, part);
-  return allocator_.clear_private_pool(pool_, part, live);
+  allocator_.clear_private_pool(pool_, part);
 }
 
-borrowed_region adopted_region::release(alloc::live_blocks live, alloc::invalidated_blocks_report* invalidated) {
+borrowed_region adopted_region::release() {
   if (!region_.valid()) throw invalid_argument("adopted_region::release: the region was released already");
   for (const auto& part : parts_) allocator_.drain_private_pool(pool_, part);
-  // Refusing names live blocks and changes nothing when any is allocated.
-  const auto taken = allocator_.destroy_private_pool(pool_, live);
-  if (invalidated != nullptr) *invalidated = taken;
+  allocator_.destroy_private_pool(pool_);  // names live blocks and changes nothing when any is allocated
   return std::move(region_);
 }
 

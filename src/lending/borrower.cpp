@@ -125,12 +125,13 @@ struct borrowed_region::link {
   // The kept mapping of a region lent with no chunks: the lender knows this
   // borrower keeps its memory mapped (read-write: only exclusive regions'
   // mappings are kept). protocol_error when it does not, or not as lent.
-  void* kept_mapping(const detail::lent_message& lent, backend::memory_access access, const std::string& who) {
+  void* kept_mapping(const detail::lent_message& lent, backend::memory_access access, const char* operation) {
     const auto m = access == backend::memory_access::read_write ? kept.take(lent.memory) : std::nullopt;
     if (m && m->size == lent.bytes) return m->data;
     if (m) device.close_import(m->data);
     out_of_step = true;
-    throw protocol_error(who + ": region " + std::to_string(lent.region) + " was lent with no chunks, as memory " +
+    throw protocol_error(std::string("borrower::") + operation + ": region " + std::to_string(lent.region) +
+                         " was lent with no chunks, as memory " +
                          std::to_string(lent.memory) + " of " + std::to_string(lent.bytes) +
                          " bytes this borrower keeps mapped; " +
                          (m ? "it keeps " + std::to_string(m->size) + " bytes of it"
@@ -148,6 +149,7 @@ struct borrowed_region::link {
       case refusal::device_error:
         throw backend_error("the lender's device", m.why);
       case refusal::hash_mismatch:
+      case refusal::writer_mismatch:
         throw content_mismatch(why);
       case refusal::bad_request:
         break;
@@ -211,33 +213,34 @@ struct borrowed_region::link {
   // back at once.
   mapped receive_region(std::uint64_t request, std::size_t min_bytes, backend::memory_access access,
                         clock_type::time_point deadline, const char* operation) {
-    const std::string who = std::string("borrower::") + operation;
+    // Named only when something is wrong: the answer's path allocates nothing for it.
+    const auto who = [operation] { return std::string("borrower::") + operation; };
     channel::frame f = next(deadline, operation);
     if (f.type == static_cast<std::uint16_t>(message_type::refused)) {
       const auto refused = detail::decode_refused(f.payload);
       if (refused.request != request) {
         out_of_step = true;
-        throw protocol_error(who + ": a refusal of request " + std::to_string(refused.request) + ", not " +
+        throw protocol_error(who() + ": a refusal of request " + std::to_string(refused.request) + ", not " +
                              std::to_string(request));
       }
       throw_refusal(refused, min_bytes);
     }
     if (f.type != static_cast<std::uint16_t>(message_type::lent)) {
       out_of_step = true;
-      throw protocol_error(who + ": the lender answered with frame type " + std::to_string(f.type));
+      throw protocol_error(who() + ": the lender answered with frame type " + std::to_string(f.type));
     }
     const auto lent = detail::decode_lent(f.payload);
     if (lent.request != request || lent.bytes < min_bytes || lent.bytes == 0) {
       out_of_step = true;
-      throw protocol_error(who + ": the lender lent " + std::to_string(lent.bytes) + " bytes for request " +
+      throw protocol_error(who() + ": the lender lent " + std::to_string(lent.bytes) + " bytes for request " +
                            std::to_string(lent.request) + "; asked " + std::to_string(min_bytes) + " for request " +
                            std::to_string(request));
     }
     held.insert(lent.region);  // from now on the lender may revoke it
-    if (lent.chunks == 0) return {lent, kept_mapping(lent, access, who)};
+    if (lent.chunks == 0) return {lent, kept_mapping(lent, access, operation)};
     if (kept.contains(lent.memory)) {
       out_of_step = true;
-      throw protocol_error(who + ": the lender sent the chunks of memory " + std::to_string(lent.memory) +
+      throw protocol_error(who() + ": the lender sent the chunks of memory " + std::to_string(lent.memory) +
                            ", which this borrower keeps mapped (it should have sent none)");
     }
     std::vector<backend::shareable_handle> chunks;
@@ -246,7 +249,7 @@ struct borrowed_region::link {
       channel::frame c = next(deadline, operation);
       if (c.type != static_cast<std::uint16_t>(message_type::chunk)) {
         out_of_step = true;
-        throw protocol_error(who + ": expected chunk " + std::to_string(i) + " of region " +
+        throw protocol_error(who() + ": expected chunk " + std::to_string(i) + " of region " +
                              std::to_string(lent.region) + ", got frame type " + std::to_string(c.type));
       }
       chunks.push_back(backend::shareable_handle::deserialize(c.payload, std::move(c.fd)));
@@ -254,7 +257,7 @@ struct borrowed_region::link {
     }
     if (chunks.front().offset != 0 || total != lent.bytes) {
       out_of_step = true;
-      throw protocol_error(who + ": region " + std::to_string(lent.region) + "'s chunks hold " +
+      throw protocol_error(who() + ": region " + std::to_string(lent.region) + "'s chunks hold " +
                            std::to_string(total) + " bytes from offset " + std::to_string(chunks.front().offset) +
                            "; the lender said " + std::to_string(lent.bytes) + " from 0");
     }
@@ -323,6 +326,7 @@ borrower::borrower(backend::device& device, const channel::channel_address& addr
   conn.set_send_timeout(shoal::detail::channel_timeout(timeout));
   channel::send_hello(conn, lending_protocol);
   channel::check_hello(conn.receive_for(left_until(deadline)), lending_protocol);
+  conn.set_receive_spin(options.reply_spin);
   link_ = std::make_shared<borrowed_region::link>(device, std::move(conn), options);
 }
 
@@ -399,7 +403,7 @@ borrowed_region borrower::publish(borrowed_region&& region, const region_layout&
 }
 
 borrowed_region borrower::borrow_shared(std::string_view name, std::optional<content_hash> expected,
-                                        std::chrono::milliseconds timeout) {
+                                        std::optional<uid_t> expected_writer_uid, std::chrono::milliseconds timeout) {
   if (!detail::valid_purpose(name)) {
     throw invalid_argument("borrower::borrow_shared: the name must be 1 to 64 bytes of printable ASCII");
   }
@@ -409,7 +413,7 @@ borrowed_region borrower::borrow_shared(std::string_view name, std::optional<con
   l.usable("borrow_shared");
   const std::uint64_t request = l.next_request++;
   l.conn.send(static_cast<std::uint16_t>(message_type::borrow_shared),
-              detail::encode(detail::borrow_shared_message{request, std::string(name), expected}));
+              detail::encode(detail::borrow_shared_message{request, std::string(name), expected, expected_writer_uid}));
   const auto m = l.receive_region(request, 0, backend::memory_access::read_only, deadline, "borrow_shared");
   // The layout frame follows. Anything wrong with it unmaps the region and
   // leaves the link out of step (the lender reclaims the hold on hang-up).

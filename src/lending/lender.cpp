@@ -18,9 +18,11 @@
 #include "lending/lendable_memory.h"
 #include "lending/messages.h"
 #include "lending/metrics.h"
+#include "lending/prepared_chunks.h"
 #include "lending/spare_pool.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
+#include "shoal/lending/lender_test_hook.h"
 
 namespace shoal::lending {
 
@@ -36,6 +38,11 @@ constexpr std::chrono::milliseconds orphan_check_interval{50};
 
 std::span<const std::byte> view(const std::vector<std::byte>& bytes) { return bytes; }
 
+std::function<void(std::uint64_t)>& before_publish_commits() {
+  static std::function<void(std::uint64_t)> hook;
+  return hook;
+}
+
 /// One process's hold of a region.
 struct hold {
   std::uint64_t borrower = 0;  // the connection's serial; 0 once orphaned
@@ -47,7 +54,7 @@ struct hold {
 //   holds.empty() never holds for a region in the map;
 //   exclusive: holds.size() == 1; shared: one hold per mapping of it;
 //   lent_bytes_ = sum of info.bytes over the regions in the map (each once);
-//   lent_bytes_ + spares_.bytes() <= capacity;
+//   lent_bytes_ + spares_.bytes() + prepared_.bytes() <= capacity;
 //   a borrower's held_bytes = sum of info.bytes over its holds, held_regions
 //   = how many holds it has (a shared region counts in full for each);
 //   chunk.keepers never names the connection that holds the region (its
@@ -147,6 +154,11 @@ class lender::state {
       : device_(device), config_(std::move(config)), listener_(address, config_.policy, detail::max_frame_payload) {
     wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!wake_) throw backend_error("eventfd", std::strerror(errno));
+    for (const std::size_t size : config_.prepared_chunks) {
+      const std::size_t bytes = detail::round_up(size, device_.granularity());
+      prepared_.put({std::make_unique<detail::lendable_memory>(device_, bytes, next_memory_++), {}});
+      ++counters_.chunks_made;
+    }
     thread_ = std::thread([this] { serve(); });
   }
 
@@ -165,6 +177,8 @@ class lender::state {
     s.capacity_bytes = config_.capacity_bytes;
     s.lent_bytes = lent_bytes_;
     s.spare_bytes = spares_.bytes();
+    s.prepared_bytes = prepared_.bytes();
+    s.prepared_chunks = prepared_.count();
     s.borrowers = borrower_count_.load();
     const auto now = clock_type::now();
     for (const auto& spare : spares_.chunks()) {
@@ -210,40 +224,51 @@ class lender::state {
   }
 
  private:
+  // One thread reads every borrower without waiting on any: a frame is
+  // handled once its batch has come whole, and a borrower that sends part of
+  // one and stalls is hung up on after peer_timeout (hang_up_stalled) while
+  // the others are served.
   void serve() noexcept {
-    auto next_orphan_check = clock_type::now();
+    auto next_check = clock_type::now();
     while (!stopping_.load()) {
-      std::vector<pollfd> fds{{listener_.native_handle(), POLLIN, 0}, {wake_.get(), POLLIN, 0}};
-      std::vector<borrower_entry*> polled;
+      // fds_ keeps its room from turn to turn: no allocation per wake-up.
+      fds_.clear();
+      fds_.push_back({listener_.native_handle(), POLLIN, 0});
+      fds_.push_back({wake_.get(), POLLIN, 0});
       bool pending = false;
-      for (auto& b : borrowers_) {
+      for (const auto& b : borrowers_) {
         pending = pending || b.link.pending() > 0;
-        fds.push_back({b.link.native_handle(), POLLIN, 0});
-        polled.push_back(&b);
+        fds_.push_back({b.link.native_handle(), POLLIN, 0});
       }
-      const int ready = ::poll(fds.data(), fds.size(), pending ? 0 : static_cast<int>(orphan_check_interval.count()));
+      const auto until_check = std::chrono::ceil<std::chrono::milliseconds>(next_check - clock_type::now());
+      const auto wait = pending ? 0 : std::clamp<std::int64_t>(until_check.count(), 0, orphan_check_interval.count());
+      const int ready = ::poll(fds_.data(), fds_.size(), static_cast<int>(wait));
       if (ready < 0 && errno != EINTR) break;  // nothing sensible left to wait on
       if (stopping_.load()) break;
-      if (ready > 0 && (fds[1].revents & POLLIN) != 0) {
+      if (ready > 0 && (fds_[1].revents & POLLIN) != 0) {
         std::uint64_t count = 0;
         (void)!::read(wake_.get(), &count, sizeof count);
       }
       send_revocations();
-      if (ready > 0 && (fds[0].revents & POLLIN) != 0) accept_one();
-      for (std::size_t i = 0; i < polled.size(); ++i) {
-        if (fds[i + 2].revents != 0 || polled[i]->link.pending() > 0) serve_one(*polled[i]);
+      // Borrowers accepted now go to the end of the list, past those polled.
+      const std::size_t polled = fds_.size() - 2;
+      if (ready > 0 && (fds_[0].revents & POLLIN) != 0) accept_one();
+      auto b = borrowers_.begin();
+      for (std::size_t i = 0; i < polled; ++i, ++b) {
+        if (fds_[i + 2].revents != 0 || b->link.pending() > 0) serve_one(*b);
       }
-      std::erase_if(borrowers_, [&](borrower_entry& b) {
-        if (!b.failed && !b.link.broken()) return false;
-        hang_up(b);
+      if (clock_type::now() >= next_check) {
+        hang_up_stalled();
+        note_missed_revocations();
+        reclaim_orphans();
+        next_check = clock_type::now() + orphan_check_interval;
+      }
+      std::erase_if(borrowers_, [&](borrower_entry& e) {
+        if (!e.failed && !e.link.broken()) return false;
+        hang_up(e);
         return true;
       });
       borrower_count_.store(borrowers_.size());
-      if (clock_type::now() >= next_orphan_check) {
-        note_missed_revocations();
-        reclaim_orphans();
-        next_orphan_check = clock_type::now() + orphan_check_interval;
-      }
     }
     std::lock_guard lock(mutex_);
     std::vector<lender_event> ignored;  // the lender is going: no more events
@@ -281,51 +306,72 @@ class lender::state {
     emit(lender_event::kind::connected, borrowers_.back().link.peer());
   }
 
-  // One frame from `b`; a borrower that breaks the protocol, stalls mid-batch
-  // or hangs up ends up failed or broken, and the loop hangs up on it.
+  // The frames of `b` that have come whole (at most one batch's worth, so
+  // that a flooding borrower leaves room for the others); a borrower that
+  // breaks the protocol or hangs up ends up failed or broken, and the loop
+  // hangs up on it.
   void serve_one(borrower_entry& b) {
     try {
-      channel::frame f = b.link.receive_for(shoal::detail::channel_timeout(config_.peer_timeout));
-      if (!b.greeted) {
-        channel::check_hello(f, lending_protocol);
-        b.greeted = true;
-        return;
+      for (std::size_t served = 0; served < channel::max_batch_frames; ++served) {
+        // Once its batch's frames are handled, the socket is polled again
+        // rather than read at once: no read that finds nothing.
+        if (served > 0 && b.link.pending() == 0) return;
+        std::optional<channel::frame> f = b.link.try_receive();
+        if (!f) return;  // the rest of its batch has not come: read on when it does
+        handle(b, *f);
       }
-      switch (static_cast<message_type>(f.type)) {
-        case message_type::borrow:
-          lend(b, detail::decode_borrow(f.payload));
-          return;
-        case message_type::give_back:
-          take_back(b, detail::decode_give_back(f.payload));
-          return;
-        case message_type::publish:
-          publish(b, detail::decode_publish(f.payload));
-          return;
-        case message_type::borrow_shared:
-          lend_shared(b, detail::decode_borrow_shared(f.payload));
-          return;
-        case message_type::query_metrics: {
-          if (!f.payload.empty()) throw protocol_error("lender: query_metrics carries no payload");
-          const std::string text = detail::prometheus_text(status());
-          b.link.send(static_cast<std::uint16_t>(message_type::metrics), std::as_bytes(std::span(text)));
-          return;
-        }
-        default:
-          throw protocol_error(
-              "lender: a borrower may send borrow, give_back, query_metrics, publish and borrow_shared only, not "
-              "frame type " +
-              std::to_string(f.type));
-      }
-    } catch (const timeout_error&) {
-      // Nothing came after all (a spurious wake-up): the connection is still
-      // in step unless the peer stalled mid-batch, which broke it.
     } catch (const connection_closed&) {
       // It hung up: the loop reclaims.
     } catch (const std::exception& e) {
-      // Malformed, not allowed, or a send that failed: this borrower only.
-      count_error();
-      b.failed = true;
-      emit(lender_event::kind::closed_for_error, b.link.peer(), 0, 0, e.what());
+      // Malformed, not allowed, or a reply it did not read in time: this borrower only.
+      close_for_error(b, e.what());
+    }
+  }
+
+  void handle(borrower_entry& b, const channel::frame& f) {
+    if (!b.greeted) {
+      channel::check_hello(f, lending_protocol);
+      b.greeted = true;
+      return;
+    }
+    switch (static_cast<message_type>(f.type)) {
+      case message_type::borrow:
+        return lend(b, detail::decode_borrow(f.payload));
+      case message_type::give_back:
+        return take_back(b, detail::decode_give_back(f.payload));
+      case message_type::publish:
+        return publish(b, detail::decode_publish(f.payload));
+      case message_type::borrow_shared:
+        return lend_shared(b, detail::decode_borrow_shared(f.payload));
+      case message_type::query_metrics: {
+        if (!f.payload.empty()) throw protocol_error("lender: query_metrics carries no payload");
+        const std::string text = detail::prometheus_text(status(), detail::max_metrics_text);
+        b.link.send(static_cast<std::uint16_t>(message_type::metrics), std::as_bytes(std::span(text)));
+        return;
+      }
+      default:
+        throw protocol_error(
+            "lender: a borrower may send borrow, give_back, query_metrics, publish and borrow_shared only, not "
+            "frame type " +
+            std::to_string(f.type));
+    }
+  }
+
+  void close_for_error(borrower_entry& b, const std::string& why) {
+    count_error();
+    b.failed = true;
+    emit(lender_event::kind::closed_for_error, b.link.peer(), 0, 0, why);
+  }
+
+  // Fails each borrower that sent part of a batch and not the rest within
+  // peer_timeout: the loop hangs up on it and reclaims its regions.
+  void hang_up_stalled() {
+    const auto now = clock_type::now();
+    for (auto& b : borrowers_) {
+      const auto since = b.link.incomplete_since();
+      if (b.failed || !since || now - *since < config_.peer_timeout) continue;
+      close_for_error(b, "it sent part of a batch and not the rest within the peer timeout of " +
+                             std::to_string(config_.peer_timeout.count()) + " ms");
     }
   }
 
@@ -396,17 +442,21 @@ class lender::state {
     }
     b.held_bytes += bytes;
     ++b.held_regions;
+    // Counted before it goes: a hang-up now is reclaimed. The event comes
+    // after the reply (also when sending fails), so a slow log does not delay it.
+    try {
+      send_region(b, m.request, id, memory, kept ? nullptr : &memory.handle(), nullptr);
+    } catch (...) {
+      emit(lender_event::kind::lent, b.link.peer(), id, bytes, m.purpose);
+      throw;
+    }
     emit(lender_event::kind::lent, b.link.peer(), id, bytes, m.purpose);
-    // Counted before it goes: a hang-up now is reclaimed.
-    send_region(b, m.request, id, memory, kept ? nullptr : &memory.handle(), nullptr);
   }
 
   // Memory of `bytes` for `b`: a spare of its uid when reuse allows, else a
-  // fresh chunk, spares released (oldest first) while it would not fit the
-  // capacity. nullopt when it does not fit even so; the device's errors
-  // propagate.
+  // prepared chunk of that size, else a fresh chunk (fresh_chunk). nullopt
+  // when it does not fit even so; the device's errors propagate.
   std::optional<detail::chunk_record> acquire(const borrower_entry& b, std::size_t bytes) {
-    std::vector<detail::spare_chunk> released;
     {
       std::lock_guard lock(mutex_);
       if (config_.reuse == reuse_policy::same_uid) {
@@ -415,21 +465,63 @@ class lender::state {
           return std::move(spare->chunk);
         }
       }
-      while (lent_bytes_ + spares_.bytes() + bytes > config_.capacity_bytes) {
+      if (auto prepared = prepared_.take(bytes)) {
+        ++counters_.prepared_used;
+        return prepared;
+      }
+    }
+    return fresh_chunk(bytes);
+  }
+
+  // A fresh chunk of `bytes`, room made within the capacity by releasing
+  // spares (oldest first), then prepared chunks when that makes it fit;
+  // nullopt when it does not fit even so. When the device refuses it, every spare and prepared
+  // chunks of `bytes` are released and it is tried once more.
+  std::optional<detail::chunk_record> fresh_chunk(std::size_t bytes) {
+    std::vector<detail::spare_chunk> released;
+    std::vector<detail::chunk_record> unused;
+    {
+      std::lock_guard lock(mutex_);
+      while (lent_bytes_ + spares_.bytes() + prepared_.bytes() + bytes > config_.capacity_bytes) {
         auto oldest = spares_.take_oldest();
         if (!oldest) break;
         released.push_back(std::move(*oldest));
       }
+      // Prepared chunks go only when that makes the region fit.
+      const std::size_t without_prepared = lent_bytes_ + spares_.bytes() + bytes;
+      const std::size_t with_prepared = without_prepared + prepared_.bytes();
+      if (with_prepared > config_.capacity_bytes && without_prepared <= config_.capacity_bytes) {
+        unused = prepared_.take_at_least(with_prepared - config_.capacity_bytes);
+      }
     }
-    release_spares(std::move(released), "a fresh region of " + std::to_string(bytes) + " bytes needed the room");
+    const std::string why = "a fresh region of " + std::to_string(bytes) + " bytes needed the room";
+    release_spares(std::move(released), why);
+    release_prepared(std::move(unused), why);
     {
       std::lock_guard lock(mutex_);
-      if (lent_bytes_ + spares_.bytes() + bytes > config_.capacity_bytes) return std::nullopt;
+      if (lent_bytes_ + spares_.bytes() + prepared_.bytes() + bytes > config_.capacity_bytes) return std::nullopt;
     }
-    detail::chunk_record fresh{std::make_unique<detail::lendable_memory>(device_, bytes, next_memory_++), {}};
+    std::unique_ptr<detail::lendable_memory> memory;
+    try {
+      memory = std::make_unique<detail::lendable_memory>(device_, bytes, next_memory_++);
+    } catch (const out_of_memory&) {
+      // The device has less than the capacity (other processes use it): what
+      // the lender keeps unlent goes back, and the chunk is tried once more.
+      std::vector<detail::spare_chunk> every_spare;
+      std::vector<detail::chunk_record> prepared;
+      {
+        std::lock_guard lock(mutex_);
+        while (auto spare = spares_.take_oldest()) every_spare.push_back(std::move(*spare));
+        prepared = prepared_.take_at_least(bytes);
+      }
+      const std::string refused = "the device refused a fresh chunk of " + std::to_string(bytes) + " bytes";
+      release_spares(std::move(every_spare), refused);
+      release_prepared(std::move(prepared), refused);
+      memory = std::make_unique<detail::lendable_memory>(device_, bytes, next_memory_++);
+    }
     std::lock_guard lock(mutex_);
     ++counters_.chunks_made;
-    return fresh;
+    return detail::chunk_record{std::move(memory), {}};
   }
 
   // Releases spare chunks taken out of the pool, telling each connection
@@ -445,6 +537,17 @@ class lender::state {
     }
   }
 
+  // Releases prepared chunks taken out of their pool (never lent: nobody
+  // keeps them mapped). On the serving thread.
+  void release_prepared(std::vector<detail::chunk_record> unused, const std::string& why) {
+    for (auto& chunk : unused) {
+      lender_event e{lender_event::kind::spare_released, {}, 0, 0, chunk.memory->size(),
+                     "prepared memory " + std::to_string(chunk.memory->id()) + ": " + why};
+      chunk.memory.reset();
+      emit(e);
+    }
+  }
+
   // Sends forget for `memory` to each connection in `keepers`. On the
   // serving thread; a broken link is hung up on by the loop.
   void tell_to_forget(const std::vector<std::uint64_t>& keepers, std::uint64_t memory) {
@@ -452,10 +555,12 @@ class lender::state {
       if (std::find(keepers.begin(), keepers.end(), b.serial) == keepers.end()) continue;
       try {
         b.link.send(static_cast<std::uint16_t>(message_type::forget), detail::encode_forget(memory));
-      } catch (const error&) {
+      } catch (const connection_closed&) {
+        // It hung up: the loop reclaims.
+      } catch (const error& e) {
         // Not sent (a borrower that does not read within peer_timeout): it
         // would keep the mapping unknowingly, so the loop hangs up on it.
-        b.failed = true;
+        close_for_error(b, "forget for memory " + std::to_string(memory) + " could not be sent: " + e.what());
       }
       std::lock_guard lock(mutex_);
       ++counters_.forgets;
@@ -515,6 +620,7 @@ class lender::state {
       }
     }
     if (!why.empty()) return refuse(reason, why);
+    if (before_publish_commits()) before_publish_commits()(m.region);
     std::vector<std::uint64_t> keepers;
     const detail::lendable_memory* memory = nullptr;
     {
@@ -550,16 +656,23 @@ class lender::state {
     auto refuse = [&](refusal reason, std::string why) { send_refusal(b, m.request, reason, why); };
     std::uint64_t id = 0;
     std::size_t bytes = 0;
+    uid_t writer = 0;
     region_layout layout;
     {
       std::lock_guard lock(mutex_);
       id = published_named(m.name);
       if (id != 0) {
         bytes = regions_.at(id).info.bytes;
+        writer = regions_.at(id).info.uid;
         layout = regions_.at(id).layout;
       }
     }
     if (id == 0) return refuse(refusal::bad_request, "no region is published as '" + m.name + "'");
+    if (m.writer_uid && *m.writer_uid != writer) {
+      return refuse(refusal::writer_mismatch, "region '" + m.name + "' was published by uid " +
+                                                  std::to_string(writer) + "; this borrower expects uid " +
+                                                  std::to_string(*m.writer_uid));
+    }
     if (m.expected && *m.expected != layout.hash) {
       return refuse(refusal::hash_mismatch, "region '" + m.name + "' has content hash " + to_hex(layout.hash) +
                                                 "; this borrower expects " + to_hex(*m.expected));
@@ -751,8 +864,11 @@ class lender::state {
         try {
           b.link.send(static_cast<std::uint16_t>(message_type::revoke),
                       detail::encode(detail::revoke_message{id, static_cast<std::uint32_t>(deadline.count())}));
-        } catch (const error&) {
-          b.failed = true;  // not sent (it does not read, or its link broke): the loop hangs up and reclaims
+        } catch (const connection_closed&) {
+          // It hung up: the loop reclaims.
+        } catch (const error& e) {
+          // Not sent (it does not read within peer_timeout): the loop hangs up and reclaims.
+          close_for_error(b, "the revoke of region " + std::to_string(id) + " could not be sent: " + e.what());
         }
         emit(lender_event{lender_event::kind::revoke_requested, info.borrower, info.uid, id, info.bytes,
                           "give it back within " + std::to_string(deadline.count()) + " ms"});
@@ -832,6 +948,7 @@ class lender::state {
 
   // The serving thread's own; status() reads the count.
   std::list<borrower_entry> borrowers_;
+  std::vector<pollfd> fds_;  // the listener, the wake-up, then borrowers_ in order
   std::atomic<std::size_t> borrower_count_{0};
   std::uint64_t last_serial_ = 0;
   std::uint64_t next_region_ = 1;
@@ -841,17 +958,29 @@ class lender::state {
   std::map<std::uint64_t, region_entry> regions_;
   std::vector<std::pair<std::uint64_t, std::chrono::milliseconds>> revocations_;  // queued by revoke()
   std::size_t lent_bytes_ = 0;
-  detail::spare_pool spares_;  // lent_bytes_ + spares_.bytes() <= config_.capacity_bytes
+  detail::spare_pool spares_;  // lent_bytes_ + spares_.bytes() + prepared_.bytes() <= config_.capacity_bytes
+  detail::prepared_chunks prepared_;
   lender_status counters_;
 
   std::thread thread_;  // last: started once everything above exists
 };
+
+void test_hook::set_before_publish_commits(std::function<void(std::uint64_t region)> hook) {
+  before_publish_commits() = std::move(hook);
+}
 
 lender::lender(backend::device& device, const channel::channel_address& address, lender_config config) {
   if (config.capacity_bytes == 0 || config.quota_bytes == 0 || config.max_borrowers == 0 ||
       config.max_regions_per_borrower == 0 || config.peer_timeout <= std::chrono::milliseconds(0)) {
     throw invalid_argument(
         "lender: capacity_bytes, quota_bytes, max_borrowers, max_regions_per_borrower and peer_timeout must be > 0");
+  }
+  const auto prepared = detail::prepared_total(config.prepared_chunks, device.granularity());
+  if (!prepared || *prepared > config.capacity_bytes) {
+    throw invalid_argument("lender: prepared_chunks must each be > 0 and hold at most capacity_bytes (" +
+                           std::to_string(config.capacity_bytes) + ") in all, each rounded up to " +
+                           std::to_string(device.granularity()) + " bytes" +
+                           (prepared ? "; they hold " + std::to_string(*prepared) : std::string()));
   }
   state_ = std::make_unique<state>(device, address, std::move(config));
 }
@@ -860,7 +989,9 @@ lender::~lender() = default;
 
 lender_status lender::status() const { return state_->status(); }
 
-std::string lender::metrics_text() const { return detail::prometheus_text(state_->status()); }
+std::string lender::metrics_text() const {
+  return detail::prometheus_text(state_->status(), detail::max_metrics_text);
+}
 
 void lender::revoke(std::uint64_t region, std::chrono::milliseconds deadline) { state_->revoke(region, deadline); }
 

@@ -105,7 +105,7 @@ refused_message decode_refused(std::span<const std::byte> payload) {
   m.request = r.get<std::uint64_t>("request");
   const auto reason = r.get<std::uint8_t>("reason");
   if (reason < static_cast<std::uint8_t>(refusal::capacity) ||
-      reason > static_cast<std::uint8_t>(refusal::hash_mismatch)) {
+      reason > static_cast<std::uint8_t>(refusal::writer_mismatch)) {
     r.fail("reason", "unknown reason " + std::to_string(reason));
   }
   m.reason = static_cast<refusal>(reason);
@@ -198,6 +198,8 @@ std::vector<std::byte> encode(const borrow_shared_message& m) {
   wire_writer w;
   w.put(m.request).put_bytes(as_bytes(m.name)).put(static_cast<std::uint8_t>(m.expected ? 1 : 0));
   if (m.expected) w.put_fixed(*m.expected);
+  w.put(static_cast<std::uint8_t>(m.writer_uid ? 1 : 0));
+  if (m.writer_uid) w.put(*m.writer_uid);
   return w.take();
 }
 
@@ -214,6 +216,9 @@ borrow_shared_message decode_borrow_shared(std::span<const std::byte> payload) {
     m.expected.emplace();
     std::copy(hash.begin(), hash.end(), m.expected->begin());
   }
+  const auto has_writer = r.get<std::uint8_t>("has_writer_uid");
+  if (has_writer > 1) r.fail("has_writer_uid", std::to_string(has_writer) + " is neither 0 nor 1");
+  if (has_writer == 1) m.writer_uid = r.get<std::uint32_t>("writer_uid");
   r.finish();
   return m;
 }

@@ -1,6 +1,6 @@
 // The lending protocol's messages, with their wire forms (core's codec).
 //
-// After the hellos ("shoal.lending" version 2), a borrower sends borrow,
+// After the hellos ("shoal.lending" version 3), a borrower sends borrow,
 // give_back, query_metrics, publish and borrow_shared; the lender answers
 // each borrow with lent (followed by one chunk frame per chunk, each with its
 // descriptor where the handle kind has one) or refused, each give_back with
@@ -25,8 +25,10 @@
 // (the writer maps them read-only: its hold goes on, now shared) or refused.
 // A reader sends borrow_shared (the name, the hash it expects if any); the
 // lender answers with lent, the chunk frames and a layout frame, or refused
-// (hash_mismatch when the hash differs). give_back gives one hold of a region
-// back; the region is released when its last hold goes.
+// (hash_mismatch when the hash differs). Version 3: borrow_shared may name
+// the uid the writer must have (writer_mismatch when another uid published
+// the name: names are first come among admitted uids). give_back gives one
+// hold of a region back; the region is released when its last hold goes.
 //
 // decode_* check every field (sizes, counts, modes, the purpose's bytes,
 // names, dtypes, ranks) and throw protocol_error naming the message and
@@ -74,6 +76,7 @@ enum class refusal : std::uint8_t {
   bad_request = 3,   // a size or purpose out of range, an unknown region
   device_error = 4,  // the device failed on the lender's side
   hash_mismatch = 5, // the published region's content hash is not the one asked for
+  writer_mismatch = 6,  // the published region's writer is not of the uid asked for
 };
 
 struct borrow_message {
@@ -117,6 +120,7 @@ struct borrow_shared_message {
   std::uint64_t request = 0;
   std::string name;
   std::optional<content_hash> expected;
+  std::optional<std::uint32_t> writer_uid;  ///< version 3: the uid the region's writer must have
 };
 
 struct layout_message {

@@ -25,15 +25,50 @@ std::string label(std::string_view value) {
   return out;
 }
 
+// Sample lines added while the text stays under its limit, less the room
+// kept for the trailer; the lines that would pass it are counted instead.
+class bounded_samples {
+ public:
+  bounded_samples(std::ostringstream& out, std::size_t limit) : out_(out), limit_(limit) {}
+
+  // Adds `line` if it fits; otherwise counts it against `series`.
+  void add(const std::string& line, std::uint64_t& left_out) {
+    const auto used = static_cast<std::size_t>(out_.tellp());
+    if (left_out == 0 && used + line.size() + trailer_room <= limit_) {
+      out_ << line;
+    } else {
+      ++left_out;  // once one is left out, the rest of its series is too (no gaps)
+    }
+  }
+
+  // Room kept for the samples_left_out trailer.
+  static constexpr std::size_t trailer_room = 1024;
+
+ private:
+  std::ostringstream& out_;
+  std::size_t limit_;
+};
+
+// Room for the HELP and TYPE lines of the per-item series.
+constexpr std::size_t headers_room = 1024;
+
+struct left_out_counts {
+  std::uint64_t regions = 0;
+  std::uint64_t holds = 0;
+  std::uint64_t spares = 0;
+};
+
 // One sample per region, and one per hold of a shared region: who holds what.
-void per_region(std::ostringstream& out, const lender_status& s) {
+void per_region(std::ostringstream& out, bounded_samples& samples, const lender_status& s, left_out_counts& left) {
   out << "# HELP shoal_lending_region_bytes Bytes of each region, by id, purpose (a shared region's name), mode, "
          "state and borrower (a shared region's writer).\n"
       << "# TYPE shoal_lending_region_bytes gauge\n";
   for (const auto& r : s.regions) {
-    out << "shoal_lending_region_bytes{id=\"" << r.id << "\",purpose=\"" << label(r.purpose) << "\",mode=\""
-        << to_string(r.mode) << "\",state=\"" << to_string(r.state) << "\",pid=\"" << r.borrower.pid << "\",uid=\""
-        << r.uid << "\"} " << r.bytes << '\n';
+    std::ostringstream line;
+    line << "shoal_lending_region_bytes{id=\"" << r.id << "\",purpose=\"" << label(r.purpose) << "\",mode=\""
+         << to_string(r.mode) << "\",state=\"" << to_string(r.state) << "\",pid=\"" << r.borrower.pid << "\",uid=\""
+         << r.uid << "\"} " << r.bytes << '\n';
+    samples.add(line.str(), left.regions);
   }
   out << "# HELP shoal_lending_region_holds Holds of each shared region by process (the writer's and each "
          "reader's), by state.\n"
@@ -42,26 +77,44 @@ void per_region(std::ostringstream& out, const lender_status& s) {
     std::map<std::pair<pid_t, region_state>, std::uint64_t> holds;
     for (const auto& h : r.holders) ++holds[{h.process.pid, h.state}];
     for (const auto& [who, count] : holds) {
-      out << "shoal_lending_region_holds{id=\"" << r.id << "\",pid=\"" << who.first << "\",state=\""
-          << to_string(who.second) << "\"} " << count << '\n';
+      std::ostringstream line;
+      line << "shoal_lending_region_holds{id=\"" << r.id << "\",pid=\"" << who.first << "\",state=\""
+           << to_string(who.second) << "\"} " << count << '\n';
+      samples.add(line.str(), left.holds);
     }
   }
 }
 
 // One sample per spare chunk: what the lender keeps for reuse, and for whom.
-void per_spare(std::ostringstream& out, const lender_status& s) {
+void per_spare(std::ostringstream& out, bounded_samples& samples, const lender_status& s, left_out_counts& left) {
   out << "# HELP shoal_lending_spare_chunk_bytes Bytes of each spare chunk, by memory id, the uid it is lent "
          "again to, and how many connections keep it mapped.\n"
       << "# TYPE shoal_lending_spare_chunk_bytes gauge\n";
   for (const auto& spare : s.spares) {
-    out << "shoal_lending_spare_chunk_bytes{memory=\"" << spare.memory << "\",uid=\"" << spare.uid
-        << "\",kept_by=\"" << spare.kept_by << "\"} " << spare.bytes << '\n';
+    std::ostringstream line;
+    line << "shoal_lending_spare_chunk_bytes{memory=\"" << spare.memory << "\",uid=\"" << spare.uid
+         << "\",kept_by=\"" << spare.kept_by << "\"} " << spare.bytes << '\n';
+    samples.add(line.str(), left.spares);
   }
+}
+
+// How many samples were left out, by series, with a comment when any were.
+void left_out_trailer(std::ostringstream& out, const left_out_counts& left, std::size_t limit) {
+  if (left.regions + left.holds + left.spares > 0) {
+    out << "# truncated: samples left out to keep this text under " << limit
+        << " bytes; the totals above count every region, hold and spare\n";
+  }
+  out << "# HELP shoal_lending_samples_left_out Per-region, per-hold and per-spare samples left out of this text "
+         "to keep it under its size limit.\n"
+      << "# TYPE shoal_lending_samples_left_out gauge\n"
+      << "shoal_lending_samples_left_out{series=\"region_bytes\"} " << left.regions << '\n'
+      << "shoal_lending_samples_left_out{series=\"region_holds\"} " << left.holds << '\n'
+      << "shoal_lending_samples_left_out{series=\"spare_chunk_bytes\"} " << left.spares << '\n';
 }
 
 }  // namespace
 
-std::string prometheus_text(const lender_status& s) {
+std::string prometheus_text(const lender_status& s, std::size_t max_bytes) {
   std::ostringstream out;
   std::uint64_t orphaned = 0;
   std::uint64_t shared = 0;
@@ -76,8 +129,12 @@ std::string prometheus_text(const lender_status& s) {
   metric(out, "spare_bytes", "gauge", "Bytes of spare chunks kept for reuse (counted against the capacity).",
          s.spare_bytes);
   metric(out, "spare_chunks", "gauge", "Spare chunks kept for reuse.", s.spares.size());
-  metric(out, "free_bytes", "gauge", "Bytes of the capacity neither lent nor spare.",
-         s.capacity_bytes - s.lent_bytes - s.spare_bytes);
+  metric(out, "prepared_bytes", "gauge",
+         "Bytes of prepared chunks not lent yet, made when the lender started (counted against the capacity).",
+         s.prepared_bytes);
+  metric(out, "prepared_chunks", "gauge", "Prepared chunks not lent yet.", s.prepared_chunks);
+  metric(out, "free_bytes", "gauge", "Bytes of the capacity neither lent, spare nor prepared.",
+         s.capacity_bytes - s.lent_bytes - s.spare_bytes - s.prepared_bytes);
   metric(out, "regions", "gauge", "Regions lent or orphaned now.", s.regions.size());
   metric(out, "orphaned_regions", "gauge", "Regions whose borrower hung up but still runs.", orphaned);
   metric(out, "shared_regions", "gauge", "Regions published read-only now.", shared);
@@ -91,17 +148,24 @@ std::string prometheus_text(const lender_status& s) {
   metric(out, "revocations_total", "counter", "Regions asked back.", s.revocations);
   metric(out, "revocations_missed_total", "counter", "Revoked regions not given back by their deadline.",
          s.revocations_missed);
-  metric(out, "chunks_made_total", "counter", "Chunks of fresh memory made (created, mapped, exported).",
+  metric(out, "chunks_made_total", "counter", "Chunks made (created, mapped, exported), prepared ones included.",
          s.chunks_made);
   metric(out, "reuses_total", "counter", "Regions lent from a spare chunk.", s.reuses);
+  metric(out, "prepared_used_total", "counter", "Regions lent from a prepared chunk.", s.prepared_used);
   metric(out, "kept_mappings_used_total", "counter", "Regions lent with no chunk: the borrower's kept mapping used.",
          s.kept_mappings_used);
   metric(out, "forgets_total", "counter", "Forget messages sent for released chunks borrowers kept mapped.",
          s.forgets);
-  metric(out, "closed_for_errors_total", "counter", "Connections closed for malformed or stalled input.",
+  metric(out, "closed_for_errors_total", "counter",
+         "Connections closed for malformed or stalled input, or for messages they did not read in time.",
          s.connections_closed_for_errors);
-  per_region(out, s);
-  per_spare(out, s);
+  // The totals above are about 3 KiB; the headers of the series below and
+  // the trailer are kept room for, so the text never passes max_bytes.
+  bounded_samples samples(out, max_bytes > headers_room ? max_bytes - headers_room : 0);
+  left_out_counts left;
+  per_region(out, samples, s, left);
+  per_spare(out, samples, s, left);
+  left_out_trailer(out, left, max_bytes);
   return out.str();
 }
 

@@ -73,6 +73,8 @@ std::vector<lending_seed> lending_seeds() {
     seeds.push_back({"decode_layout", decoder_input(d::encode(d::layout_message{7, layout})), 1, "decoded"});
     seeds.push_back({"decode_borrow_shared",
                      decoder_input(d::encode(d::borrow_shared_message{7, "model", layout.hash})), 1, "decoded"});
+    seeds.push_back({"decode_borrow_shared_with_writer",
+                     decoder_input(d::encode(d::borrow_shared_message{7, "model", {}, 1000})), 1, "decoded"});
   }
 
   // A hostile borrower against a fresh lender.

@@ -1,6 +1,7 @@
-// A device that counts the calls memory reuse is meant to save: chunks made
-// (the lender's create_physical) and imports (a borrower's import_memory),
-// and the imports closed (a kept mapping dropped). Everything else is the
+// A device that counts the calls memory reuse and prepared chunks are meant
+// to save: chunks made (the lender's create_physical) and exported
+// (export_memory), imports (a borrower's import_memory), and the imports
+// closed (a kept mapping dropped). Everything else is the
 // real device's. Counters are atomic: the lender calls from its thread.
 #pragma once
 
@@ -19,6 +20,10 @@ class counting_device : public forwarding_device {
     ++chunks_made;
     return forwarding_device::create_physical(bytes);
   }
+  backend::shareable_handle export_memory(const void* ptr) override {
+    ++exports;
+    return forwarding_device::export_memory(ptr);
+  }
   void* import_memory(std::span<const backend::shareable_handle> chunks, backend::memory_access access) override {
     ++imports;
     return forwarding_device::import_memory(chunks, access);
@@ -29,6 +34,7 @@ class counting_device : public forwarding_device {
   }
 
   std::atomic<int> chunks_made{0};
+  std::atomic<int> exports{0};
   std::atomic<int> imports{0};
   std::atomic<int> imports_closed{0};
 };

@@ -66,6 +66,50 @@ answers "$dir/b.sock" || fail "the daemon with --quota-per-uid did not answer"
 grep -q 'quota_bytes_per_uid=12582912' "$dir/log" || fail "the --quota-per-uid flag did not win over the file"
 stop
 
+# --reuse reaches the lender (the log names the lender's own setting): the
+# default, the flag, the file, and the flag over the file.
+reuse_of() {  # reuse_of <expected> <daemon arguments...>
+  local expected=$1
+  shift
+  "$shoal" daemon "$@" 2> "$dir/log" &
+  pid=$!
+  answers "$dir/r.sock" || fail "the daemon with '$*' did not answer"
+  grep -q "reuse=$expected" "$dir/log" || fail "'$*' did not give the lender reuse $expected"
+  stop
+}
+reuse_of same_uid --socket "$dir/r.sock" --device host --capacity 64MiB
+reuse_of never --socket "$dir/r.sock" --device host --capacity 64MiB --reuse never
+printf 'socket = "%s"\ndevice = "host"\ncapacity = "64MiB"\nreuse = "never"\n' "$dir/r.sock" > "$dir/reuse.toml"
+reuse_of never --config "$dir/reuse.toml"
+reuse_of same_uid --config "$dir/reuse.toml" --reuse same_uid
+
+# Prepared chunks: from flags (repeated, COUNTxSIZE), from the file (a
+# list), the flag winning; made at start and counted in the status.
+"$shoal" daemon --socket "$dir/p.sock" --device host --capacity 64MiB --prepare 2x4MiB --prepare 2MiB 2> "$dir/log" &
+pid=$!
+answers "$dir/p.sock" || fail "the daemon with --prepare did not answer"
+grep -qx 'shoal_lending_prepared_bytes 10485760' "$dir/status" || fail "--prepare 2x4MiB --prepare 2MiB: not 10 MiB"
+grep -qx 'shoal_lending_prepared_chunks 3' "$dir/status" || fail "--prepare 2x4MiB --prepare 2MiB is not 3 chunks"
+grep -qx 'shoal_lending_free_bytes 56623104' "$dir/status" || fail "prepared bytes are not counted against the capacity"
+grep -q 'prepared_bytes=10485760' "$dir/log" || fail "the started record does not name the prepared bytes"
+stop
+cat > "$dir/prepare.toml" <<EOF
+socket = "$dir/q.sock"
+device = "host"
+capacity = "64MiB"
+prepare = ["3x2MiB"]
+EOF
+"$shoal" daemon --config "$dir/prepare.toml" 2> "$dir/log" &
+pid=$!
+answers "$dir/q.sock" || fail "the daemon with prepare in its file did not answer"
+grep -qx 'shoal_lending_prepared_bytes 6291456' "$dir/status" || fail "prepare from the file"
+stop
+"$shoal" daemon --config "$dir/prepare.toml" --prepare 4MiB 2> "$dir/log" &
+pid=$!
+answers "$dir/q.sock" || fail "the daemon with --prepare over the file did not answer"
+grep -qx 'shoal_lending_prepared_bytes 4194304' "$dir/status" || fail "the --prepare flag did not win over the file"
+stop
+
 # Bad settings: exit 2, the setting named.
 refused() {  # refused <text the message must hold> <daemon arguments...>
   local expected=$1
@@ -84,6 +128,12 @@ refused "config file" --config "$dir/bad.toml"
 refused "fraction" --capacity 2.5
 refused "quota_per_uid" --quota-per-uid 0
 refused "not in {text,json}" --log-format xml
+refused "same_uid" --reuse sometimes
+echo 'reuse = "sometimes"' > "$dir/bad.toml"
+refused "reuse: 'sometimes' is not same_uid or never" --config "$dir/bad.toml"
+refused "prepare" --prepare lots
+refused "prepare" --prepare 0x1MiB
+refused "prepared_chunks" --capacity 8MiB --prepare 3x4MiB
 
 # Status with no daemon there: exit 1.
 "$shoal" daemon status --socket "$dir/none.sock" --device host --timeout 1 > /dev/null 2>&1

@@ -247,6 +247,25 @@ TYPED_TEST(shared_region_test, a_readers_quota_counts_the_shared_bytes_in_full) 
   EXPECT_EQ(l.status().lent_bytes, 2 * mib);
 }
 
+TYPED_TEST(shared_region_test, a_reader_that_names_the_writers_uid_refuses_a_region_another_uid_published) {
+  if (this->in_process_only()) return;
+  auto& dev = this->device();
+  auto& l = this->start();
+  lending::borrower writer(dev, l.address()), reader(dev, l.address());
+  auto published = writer.publish(writer.borrow(mib, "model W"), layout_of(mib));
+  const uid_t mine = ::geteuid();
+  const uid_t other = mine + 1;  // the uid a reader trusts when another uid took the name first
+  try {
+    (void)reader.borrow_shared("model W", std::nullopt, other);
+    ADD_FAILURE() << "a region published by uid " << mine << " was lent to a reader expecting uid " << other;
+  } catch (const content_mismatch& e) {
+    EXPECT_NE(std::string(e.what()).find("published by uid " + std::to_string(mine)), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(l.status().regions.at(0).holders.size(), 1u) << "the refused reader holds nothing";
+  auto shared = reader.borrow_shared("model W", published.layout()->hash, mine);
+  EXPECT_EQ(shared.id(), published.id());
+}
+
 TYPED_TEST(shared_region_test, malformed_publish_and_shared_borrow_frames_close_only_their_sender) {
   if (this->in_process_only()) return;
   auto& dev = this->device();

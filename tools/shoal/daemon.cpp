@@ -133,7 +133,9 @@ int serve(const daemon_settings& settings) {
             {"quota_bytes", std::to_string(config.quota_bytes)},
             {"quota_bytes_per_uid", std::to_string(config.quota_bytes_per_uid)},
             {"max_borrowers", std::to_string(config.max_borrowers)},
-            {"reuse", settings.reuse},
+            {"reuse", config.reuse == lending::reuse_policy::never ? "never" : "same_uid"},  // what the lender got
+            {"prepared_chunks", std::to_string(config.prepared_chunks.size())},
+            {"prepared_bytes", std::to_string(lender.status().prepared_bytes)},
             {"metrics", metrics_url}});
   starting.unlock();
   int signal = 0;
@@ -177,6 +179,10 @@ int run_daemon(int argc, char** argv) {
       app.add_option("--log-format", settings.log_format, "text or json")->check(CLI::IsMember({"text", "json"}));
   auto* reuse = app.add_option("--reuse", settings.reuse, "lend given-back memory again: same_uid or never")
                     ->check(CLI::IsMember({"same_uid", "never"}));
+  auto* prepare = app.add_option("--prepare", settings.prepare,
+                                 "chunks made when the daemon starts, lent first to regions of their size: SIZE or "
+                                 "COUNTxSIZE, like 4x1GiB (repeat; counted against --capacity); default: none, "
+                                 "memory grows on demand");
   auto* metrics_port = app.add_option("--metrics-port", settings.metrics_port,
                                       "serve GET /metrics over HTTP on 127.0.0.1 at this port (0: a free one, "
                                       "named in the log); off by default")
@@ -205,6 +211,7 @@ int run_daemon(int argc, char** argv) {
       if (gids->count() > 0) settings.allowed_gids = flags.allowed_gids;
       if (format->count() > 0) settings.log_format = flags.log_format;
       if (reuse->count() > 0) settings.reuse = flags.reuse;
+      if (prepare->count() > 0) settings.prepare = flags.prepare;
       if (metrics_port->count() > 0) settings.metrics_port = flags.metrics_port;
     }
     if (status_command->parsed()) return status(settings, status_timeout);

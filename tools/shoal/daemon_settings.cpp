@@ -26,6 +26,21 @@ constexpr unit units[] = {{"KiB", std::size_t{1} << 10},
   throw invalid_argument(std::string(what) + ": '" + text + "' is not " + expected);
 }
 
+// The chunk sizes of one prepare entry: SIZE, or COUNTxSIZE.
+void add_prepared(const std::string& entry, backend::device& device, std::vector<std::size_t>& sizes) {
+  const auto times = entry.find('x');
+  std::uint64_t count = 1;
+  if (times != std::string::npos) {
+    const auto [end, ec] = std::from_chars(entry.data(), entry.data() + times, count);
+    if (ec != std::errc() || end != entry.data() + times || count == 0 || count > 1'000'000) {
+      bad("prepare", entry, "SIZE or COUNTxSIZE with a COUNT of 1 to 1000000 (like 4x1GiB)");
+    }
+  }
+  const size_setting size{entry.substr(times == std::string::npos ? 0 : times + 1)};
+  const std::size_t bytes = size.bytes(device, "prepare");
+  sizes.insert(sizes.end(), count, bytes);
+}
+
 }  // namespace
 
 std::size_t size_setting::bytes(backend::device& device, const char* what) const {
@@ -96,6 +111,17 @@ void daemon_settings::read_file(const std::string& path) {
       log_format = text();
     } else if (name == "reuse") {
       reuse = text();
+    } else if (name == "prepare") {
+      prepare.clear();
+      if (const auto* list = node.as_array()) {
+        for (const auto& item : *list) {
+          const auto* entry = item.as_string();
+          if (entry == nullptr) throw invalid_argument(where(name) + " must hold strings like \"4x1GiB\"");
+          prepare.push_back(entry->get());
+        }
+      } else {
+        prepare.push_back(text());
+      }
     } else if (name == "metrics_port") {
       const auto* port = node.as_integer();
       if (port == nullptr || port->get() < 0 || port->get() > 65535) {
@@ -118,7 +144,7 @@ void daemon_settings::read_file(const std::string& path) {
       throw invalid_argument(where(name) +
                              " is not a setting (socket, device, capacity, quota, quota_per_uid, max_borrowers, "
                              "max_regions_per_borrower, peer_timeout_ms, allowed_uids, allowed_gids, log_format, metrics_port, "
-                             "reuse)");
+                             "reuse, prepare)");
     }
   }
 }
@@ -156,6 +182,7 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
   c.capacity_bytes = capacity.bytes(d, "capacity");
   c.quota_bytes = quota.bytes(d, "quota");
   c.quota_bytes_per_uid = quota_per_uid.text.empty() ? 0 : quota_per_uid.bytes(d, "quota_per_uid");
+  for (const auto& entry : prepare) add_prepared(entry, d, c.prepared_chunks);
   c.max_borrowers = static_cast<std::size_t>(max_borrowers);
   c.max_regions_per_borrower = static_cast<std::size_t>(max_regions_per_borrower);
   c.peer_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(peer_timeout_ms));

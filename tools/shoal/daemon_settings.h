@@ -36,13 +36,17 @@ struct daemon_settings {
   std::vector<std::uint32_t> allowed_gids;
   std::string log_format = "text";  ///< "text" or "json"
   std::string reuse = "same_uid";   ///< "same_uid" or "never" (lender_config::reuse)
+  /// Chunks made when the daemon starts (lender_config::prepared_chunks):
+  /// each a size_setting ("1GiB", "0.25") or COUNTxSIZE ("4x1GiB").
+  std::vector<std::string> prepare;
   /// The loopback HTTP metrics endpoint's port on 127.0.0.1 (0: a free one,
   /// named in the log); -1: no endpoint.
   std::int32_t metrics_port = -1;
 
   /// Reads a TOML file's keys (socket, device, capacity, quota,
   /// quota_per_uid, max_borrowers, max_regions_per_borrower, peer_timeout_ms,
-  /// allowed_uids, allowed_gids, log_format, metrics_port, reuse) into these
+  /// allowed_uids, allowed_gids, log_format, metrics_port, reuse, prepare: a
+  /// string or a list of them) into these
   /// settings. Throws
   /// invalid_argument naming the file, the key and what was wrong.
   void read_file(const std::string& path);

@@ -26,22 +26,4 @@ struct private_pool_id {
   friend bool operator==(private_pool_id, private_pool_id) = default;
 };
 
-/// What clearing or destroying a private pool does with blocks still
-/// allocated in it.
-enum class live_blocks : std::uint8_t {
-  /// invalid_argument naming them; nothing changes (the default).
-  refuse,
-  /// Forces it: the streams they were used on are waited for on the host,
-  /// then their memory is taken back as free ("invalidated"). Their owners
-  /// must not touch it again; a later free of one is absorbed (no error,
-  /// no effect), once per invalidation.
-  invalidate,
-};
-
-/// The blocks a forced clear took from their owners.
-struct invalidated_blocks_report {
-  std::size_t blocks = 0;
-  std::size_t bytes = 0;
-};
-
 }  // namespace shoal::alloc

@@ -167,16 +167,15 @@ class caching_allocator {
   private_pool_id create_private_pool(void* base, std::size_t bytes,
                                       const std::vector<std::pair<std::string, std::size_t>>& parts = {});
   /// Forgets every free block of the sub-pool (it becomes one free block
-  /// again), freeing no device memory. With live_blocks::refuse, throws
-  /// invalid_argument naming the live blocks when any block in it is
-  /// allocated or pending; with invalidate, waits for them (pending frees'
-  /// events, allocated blocks' streams) and takes them back (see
-  /// live_blocks), reporting what it took.
-  invalidated_blocks_report clear_private_pool(private_pool_id pool, const std::string& part = "",
-                                               live_blocks live = live_blocks::refuse);
-  /// Removes the pool; with live_blocks::refuse it must be clear of live
-  /// blocks, with invalidate every sub-pool's are taken back first.
-  invalidated_blocks_report destroy_private_pool(private_pool_id pool, live_blocks live = live_blocks::refuse);
+  /// again), freeing no device memory. Throws invalid_argument naming the
+  /// live blocks when any block in it is allocated or pending.
+  void clear_private_pool(private_pool_id pool, const std::string& part = "");
+  /// Removes the pool; it must be clear of live blocks. Its id is invalid
+  /// from then on (calls with it throw invalid_argument); no call with it
+  /// may run meanwhile, and no private_pool_scope of it may outlive it: its
+  /// bookkeeping serves a later private pool (so that inserting memory
+  /// again costs no new pages).
+  void destroy_private_pool(private_pool_id pool);
   /// Waits on the host until the sub-pool's pending frees have completed and
   /// every stream that last used one of its free blocks has passed the work
   /// enqueued on it: after this, clearing the sub-pool or giving its memory

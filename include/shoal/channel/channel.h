@@ -229,6 +229,20 @@ class connection {
   /// counts against the timeout.
   [[nodiscard]] frame receive_for(std::chrono::milliseconds timeout);
 
+  /// receive() without waiting, for a reader that polls many connections:
+  /// reads what has arrived and returns the next frame when a whole batch is
+  /// in (or frames of one already read are pending); nullopt when the rest
+  /// of the batch has not come yet — the part that came is kept, and a later
+  /// try_receive() or receive() goes on from there — or when another
+  /// thread's receive holds the connection. A peer that stalls mid-batch is
+  /// never waited for here: incomplete_since() says since when to hold it to
+  /// a deadline. Throws as receive() does, never timeout_error.
+  [[nodiscard]] std::optional<frame> try_receive();
+
+  /// When try_receive() read the start of the batch it has not read whole
+  /// yet, or nullopt when it holds no such part. Readable from any thread.
+  [[nodiscard]] std::optional<std::chrono::steady_clock::time_point> incomplete_since() const;
+
   /// Frames that came in a batch already read and that receive() has not
   /// returned yet: while there are any, receive() returns at once, and
   /// native_handle() need not poll readable.
@@ -269,6 +283,9 @@ class connection {
                                  std::size_t max_payload, const std::string& side);
   state& usable(const char* operation) const;
   frame receive_until(std::optional<std::chrono::steady_clock::time_point> until);
+  template <class Read>
+  static bool refill(state& s, Read read);
+  static frame next_unread(state& s);
 
   std::unique_ptr<state> state_;
 };

@@ -119,7 +119,8 @@ class peer_refused : public error {
 
 /// Memory's content is not what the caller expected: a published region's
 /// content hash is not the one asked for (another model, or another
-/// version of it). Nothing was mapped.
+/// version of it), or another uid than the one asked for published it.
+/// Nothing was mapped.
 class content_mismatch : public error {
  public:
   using error::error;

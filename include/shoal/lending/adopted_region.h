@@ -13,11 +13,7 @@
 // clear and release first wait (on the host) for every pending free of the
 // memory and for every stream that last used it to pass that use; a block
 // still allocated is a typed error (invalid_argument) that names the
-// sub-pool, its live blocks and bytes, and changes nothing — unless asked
-// to force it (alloc::live_blocks::invalidate): then the streams the live
-// blocks were used on are waited for too, and the blocks are taken back
-// (their owners must not touch them again; their later frees are absorbed).
-// The next model's turn need not wait for a borrower that forgot a block.
+// sub-pool, its live blocks and bytes, and changes nothing.
 //
 // Thread-safety: one thread at a time per adopted_region; nobody may
 // allocate from a sub-pool while it is cleared or the region released.
@@ -54,18 +50,14 @@ class adopted_region {
   [[nodiscard]] const borrowed_region& region() const noexcept { return region_; }
 
   /// Forgets every free block of sub-pool `part` once no stream still uses
-  /// its memory, so it can be filled anew. With live_blocks::refuse,
-  /// invalid_argument naming the live blocks when any is allocated; with
-  /// invalidate, they are taken back too. Returns what was taken back.
-  alloc::invalidated_blocks_report clear(const std::string& part = "",
-                                         alloc::live_blocks live = alloc::live_blocks::refuse);
+  /// its memory, so it can be filled anew. invalid_argument naming the live
+  /// blocks when any is allocated.
+  void clear(const std::string& part = "");
   /// Takes the region out of the allocator once no stream still uses it and
-  /// hands it back to the caller (to give back, or to adopt again). With
-  /// live_blocks::refuse, invalid_argument naming the live blocks when any
-  /// is allocated (the region stays adopted then); with invalidate, they
-  /// are taken back first (`invalidated`, when given, says how many).
-  [[nodiscard]] borrowed_region release(alloc::live_blocks live = alloc::live_blocks::refuse,
-                                        alloc::invalidated_blocks_report* invalidated = nullptr);
+  /// hands it back to the caller (to give back, or to adopt again).
+  /// invalid_argument naming the live blocks when any is allocated; the
+  /// region stays adopted then.
+  [[nodiscard]] borrowed_region release();
 
  private:
   alloc::caching_allocator& allocator_;

@@ -41,8 +41,8 @@
 // Errors: the lender's refusals are typed — out_of_memory (its capacity),
 // peer_refused (this borrower's quota or region count), invalid_argument (a
 // bad request: an unknown region or name, a malformed layout, a name
-// published already), content_mismatch (a shared region's hash is not the
-// one asked for) — and a device failure on its side is backend_error; the
+// published already), content_mismatch (a shared region's hash, or its
+// writer's uid, is not the one asked for) — and a device failure on its side is backend_error; the
 // connection stays usable after any of them. connection_closed when the
 // lender is gone (regions already mapped stay valid until given back);
 // timeout_error when it does not answer within the deadline (the connection
@@ -79,6 +79,14 @@ struct borrower_options {
   /// At most this many bytes kept mapped at once; a region that would pass
   /// it is unmapped when given back.
   std::size_t kept_mapping_bytes = std::size_t{16} << 30;
+  /// How long a request polls for the lender's answer before it sleeps
+  /// (channel::connection::set_receive_spin): an answer arriving meanwhile
+  /// saves the wake-up of a blocked thread, at the cost of a busy core for
+  /// at most this long per request. Zero (the default): never spin. Only
+  /// where cores are spare: on a 2-core host machine 50 us made a
+  /// re-borrow slower (~75 us, not ~22) and 16 borrowing threads 3-7x
+  /// slower (shoal_bench_lending --reply-spin-us compares).
+  std::chrono::microseconds reply_spin{0};
 };
 
 /// A region mapped in this process. Giving it back (or destroying it) unmaps
@@ -161,9 +169,13 @@ class borrower {
   /// Maps, read-only, the region published under `name`, with its layout: a
   /// hold of its own, given back like any region; its bytes count in full
   /// against this borrower's quota. With `expected`, refused with
-  /// content_mismatch unless the writer committed that hash. invalid_argument
-  /// when nothing is published under `name`.
+  /// content_mismatch unless the writer committed that hash; with
+  /// `expected_writer_uid`, refused with content_mismatch unless a process of
+  /// that uid published it (names are first come among the uids the lender
+  /// admits: this is how a reader refuses a region another uid took the name
+  /// of). invalid_argument when nothing is published under `name`.
   [[nodiscard]] borrowed_region borrow_shared(std::string_view name, std::optional<content_hash> expected = {},
+                                              std::optional<uid_t> expected_writer_uid = {},
                                               std::chrono::milliseconds timeout = default_timeout);
   /// Gives `region` back, unmapped or its mapping kept (see above); returns
   /// once the lender confirmed.

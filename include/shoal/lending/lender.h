@@ -28,6 +28,28 @@
 // several uids map it); with `never`, every region is fresh memory and is
 // released when its last hold goes.
 //
+// Where the memory comes from — two modes, which combine:
+//   - growing on demand (the default): a region that no spare or prepared
+//     chunk serves gets a fresh chunk, made (created, mapped, exported)
+//     while the borrower waits — on CUDA the export alone is ~0.8 ms per
+//     GiB — as long as lent + spare + prepared bytes stay within the
+//     capacity;
+//   - prepared (config.prepared_chunks): chunks of the given sizes are made
+//     when the lender starts (the constructor throws the device's error when
+//     it cannot make them), and a region of one of those sizes (rounded up
+//     to the device's granularity) is lent from one with no device call at
+//     borrow time: the borrower pays only its import and map. A prepared
+//     chunk was never mapped by anyone, so it goes to a borrower of any uid;
+//     once lent it is an ordinary chunk (a spare of that uid when given
+//     back). Prepared bytes count against the capacity.
+// A fresh chunk that would pass the capacity makes room by releasing spares
+// (oldest first), then prepared chunks not lent yet. When the device itself
+// refuses a fresh chunk (other processes use the memory), every spare is
+// released, and prepared chunks until as many bytes as the region's, and the
+// chunk is tried once more; a second refusal is a capacity refusal
+// (out_of_memory at the borrower). A released spare a borrower keeps mapped
+// returns to the device only once that borrower unmaps it (see above).
+//
 // Shared regions: a borrower may publish an exclusive region it holds, with
 // a layout and content hash (layout.h; refused — bad_request — when the
 // layout does not fit the region or the name, its purpose, is published
@@ -46,9 +68,12 @@
 // Trust: a borrower is untrusted. Every frame is checked (the codec names the
 // field at fault); a malformed frame, a frame a borrower may not send, or a
 // batch it stalls in the middle of closes that borrower's connection (and
-// reclaims its regions as above) and harms no one else. Every wait on a
-// borrower has a deadline (config.peer_timeout); the lender never exits or
-// aborts on a borrower's or the device's error.
+// reclaims its regions as above) and harms no one else: each borrower's
+// frames are read as they come, without waiting on it, so one that stalls
+// mid-batch holds no other borrower up until it is hung up on. Every wait on
+// a borrower has a deadline (config.peer_timeout); a revoke or forget that
+// cannot be sent in time closes its connection too. The lender never exits
+// or aborts on a borrower's or the device's error.
 //
 // Thread-safety: the lender serves on its own thread; status() and
 // address() may be called from any thread. Destruction stops the thread,
@@ -60,6 +85,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "shoal/backend/device.h"
 #include "shoal/channel/channel.h"
@@ -96,6 +122,11 @@ struct lender_config {
   std::chrono::milliseconds peer_timeout{1000};
   /// Whether given-back memory is lent again (see the contract above).
   reuse_policy reuse = reuse_policy::same_uid;
+  /// Chunks made when the lender starts, by size (each > 0, rounded up to
+  /// the device's granularity; their sum at most capacity_bytes): a region
+  /// of one of these sizes is lent from one without a device call (see the
+  /// contract above). Empty: every chunk is made on demand.
+  std::vector<std::size_t> prepared_chunks;
   /// Uids allowed besides the lender's own.
   channel::access_policy policy;
   /// Called on the serving thread for each event, outside the lender's
@@ -105,9 +136,11 @@ struct lender_config {
 
 class lender {
  public:
-  /// Listens at `address` and starts serving; regions come from `device`.
-  /// invalid_argument for a config out of range; the listener's errors
-  /// (channel.h) when the address cannot be used.
+  /// Makes the prepared chunks, listens at `address` and starts serving;
+  /// regions come from `device`. invalid_argument for a config out of range;
+  /// the listener's errors (channel.h) when the address cannot be used; the
+  /// device's (out_of_memory when it has not that much) when a prepared
+  /// chunk cannot be made.
   lender(backend::device& device, const channel::channel_address& address, lender_config config = {});
   ~lender();
   lender(const lender&) = delete;
@@ -115,7 +148,9 @@ class lender {
 
   [[nodiscard]] lender_status status() const;
   /// status() in the Prometheus text format (also what a borrower's
-  /// metrics() reads over the socket).
+  /// metrics() reads over the socket), at most one frame's payload (1 MiB):
+  /// past that, per-region, per-hold and per-spare samples are left out,
+  /// counted in shoal_lending_samples_left_out and marked "# truncated".
   [[nodiscard]] std::string metrics_text() const;
   [[nodiscard]] const channel::channel_address& address() const noexcept;
 

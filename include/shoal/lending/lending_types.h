@@ -17,7 +17,7 @@ namespace shoal::lending {
 
 /// The protocol's name and version in its hello (channel/protocol.h).
 inline constexpr const char* protocol_name = "shoal.lending";
-inline constexpr std::uint16_t protocol_version = 2;  // 2: memory ids, kept mappings, forget
+inline constexpr std::uint16_t protocol_version = 3;  // 2: memory ids, kept mappings, forget; 3: borrow_shared names the writer uid it expects
 /// A region's purpose ("parameters", "computation", a model's name): at most
 /// this many bytes, printable ASCII.
 inline constexpr std::size_t max_purpose_bytes = 64;
@@ -109,11 +109,16 @@ struct lender_event {
 struct lender_status {
   std::size_t capacity_bytes = 0;
   std::size_t lent_bytes = 0;  ///< regions lent or orphaned (a shared region once, however many hold it)
-  /// Spare chunks, counted against the capacity too: lent_bytes +
-  /// spare_bytes <= capacity_bytes (spares are released, oldest first, when
-  /// a fresh region would not fit otherwise).
+  /// Spare chunks, counted against the capacity too (released, oldest
+  /// first, when a fresh region would not fit otherwise).
   std::size_t spare_bytes = 0;
   std::vector<spare_info> spares;  ///< oldest first
+  /// Prepared chunks not lent yet (lender_config::prepared_chunks), counted
+  /// against the capacity too (released after the spares when a fresh
+  /// region would not fit otherwise):
+  ///   lent_bytes + spare_bytes + prepared_bytes <= capacity_bytes.
+  std::size_t prepared_bytes = 0;
+  std::size_t prepared_chunks = 0;
   std::size_t borrowers = 0;   ///< connected now
   std::vector<region_info> regions;
   // Counters since the lender started.
@@ -125,7 +130,8 @@ struct lender_status {
   std::uint64_t connections_closed_for_errors = 0;  ///< malformed or stalled peers
   std::uint64_t revocations = 0;                    ///< regions asked back
   std::uint64_t revocations_missed = 0;             ///< of those, not given back by their deadline
-  std::uint64_t chunks_made = 0;                    ///< chunks of fresh memory made (created, mapped, exported)
+  std::uint64_t chunks_made = 0;                    ///< chunks made (created, mapped, exported), prepared ones included
+  std::uint64_t prepared_used = 0;                  ///< regions lent from a prepared chunk
   std::uint64_t reuses = 0;                         ///< regions lent from a spare chunk
   std::uint64_t kept_mappings_used = 0;             ///< of those, lent with no chunk frames (a kept mapping)
   std::uint64_t forgets = 0;                        ///< forget messages sent to borrowers keeping a released chunk

@@ -34,6 +34,7 @@ def lent_bytes(borrower) -> int:
 
 
 def borrower_side(address: str) -> dict:
+    import shoal
     import shoal.lending
     import shoal.torch
     import torch
@@ -41,7 +42,6 @@ def borrower_side(address: str) -> dict:
     torch.manual_seed(0)
     weights = torch.randn(1024, 1024, device="cuda")
     inputs = torch.randn(64, 1024, device="cuda")
-    expected = torch.nn.functional.linear(inputs, weights).relu()  # the same kernel, in PyTorch's own pool
 
     borrower = shoal.lending.Borrower(address)
     region = borrower.borrow(REGION, "model A")
@@ -64,6 +64,9 @@ def borrower_side(address: str) -> dict:
         except torch.cuda.OutOfMemoryError as e:
             oom = type(e).__name__
     outside = torch.empty(MIB, device="cuda")
+    # The same kernel outside the pool (the process's first matmul ran inside
+    # it, so cuBLAS's workspace is in the region: close() must let it go).
+    expected = torch.nn.functional.linear(inputs, weights).relu()
     torch.cuda.synchronize()
     during = pool.stats()
     result = {
@@ -72,12 +75,13 @@ def borrower_side(address: str) -> dict:
         "identical": bool(torch.equal(out, expected)),
         "oom": oom,
         "segments_during": during["segments"],
-        "reserved_during": during["reserved_bytes"],
+        "reserved_during": during["segment_bytes"],
         "lent_during": lent_bytes(borrower),
     }
     del model, x, out
+    slot = pool._slot
     pool.close()
-    after = pool.stats()
+    after = shoal._shoal._segment_source_stats(slot)
     result["bound_after_close"] = after["bound"]
     result["segments_after_close"] = after["segments"]
     del region

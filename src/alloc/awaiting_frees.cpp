@@ -1,0 +1,53 @@
+#include "alloc/awaiting_frees.h"
+
+#include <algorithm>
+
+namespace shoal::alloc::detail {
+
+void await_free(block_pool& pool, block* b, backend::device& device, event_pool& events) {
+  // Room for a full group, kept from seal to seal: this push never allocates
+  // after the first (a full group is sealed before it grows past it).
+  if (pool.awaiting.capacity() < seal_blocks) pool.awaiting.reserve(seal_blocks);
+  pool.awaiting.push_back(b);
+  pool.awaiting_bytes += b->size;
+  if (pool.awaiting_bytes < seal_bytes && pool.awaiting.size() < seal_blocks) return;
+  try {
+    seal_awaiting(pool, device, events);
+  } catch (const error&) {  // NOLINT(bugprone-empty-catch): still awaiting, so held; the next seal reports it
+  }
+}
+
+void seal_awaiting(block_pool& pool, backend::device& device, event_pool& events) {
+  if (pool.awaiting.empty()) return;
+  // Everything that may throw comes before anything changes.
+  for (block* b : pool.awaiting) b->waits.reserve(1);
+  pool.sealed.push_back({backend::event_ref{}, 0});
+  backend::event_ref e{};
+  try {
+    e = events.take();
+    device.record(e, pool.stream);
+  } catch (...) {
+    if (e.native != nullptr) events.give_back(e);
+    pool.sealed.pop_back();
+    throw;
+  }
+  pool.sealed.back() = {e, pool.awaiting.size()};
+  for (block* b : pool.awaiting) {
+    b->waits.push_back(e);
+    b->wait_shared = true;
+  }
+  pool.awaiting.clear();
+  pool.awaiting_bytes = 0;
+}
+
+void release_shared_wait(block_pool& pool, backend::event_ref event, event_pool& events) noexcept {
+  // Groups complete in the order they were sealed: usually the first.
+  const auto it = std::find_if(pool.sealed.begin(), pool.sealed.end(),
+                               [&](const block_pool::sealed_group& g) { return g.event == event; });
+  if (it == pool.sealed.end()) return;
+  if (--it->holders > 0) return;
+  events.give_back(event);
+  pool.sealed.erase(it);
+}
+
+}  // namespace shoal::alloc::detail
