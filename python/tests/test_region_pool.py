@@ -16,6 +16,7 @@ import pytest
 import shoal
 import shoal.lending
 from shoal import _shoal
+from test_lending import eventually  # the lending tests' wait for the lender's books
 
 pytestmark = pytest.mark.python
 
@@ -38,15 +39,6 @@ def lent():
 def functions(slot: int):
     allocate, free = _shoal._segment_source_functions(slot)
     return ALLOCATE(allocate), FREE(free)
-
-
-def eventually(done, limit: float = 5.0) -> bool:
-    until = time.monotonic() + limit
-    while not done():
-        if time.monotonic() > until:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_segments_are_carved_from_the_region_until_it_is_full(lent):
