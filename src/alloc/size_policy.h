@@ -14,13 +14,16 @@
 //   fits         = block >= request, and, for blocks of max_split_size or
 //                  more (never split), waste <= 1 MiB for requests below
 //                  max_split_size, waste < max_non_split_rounding above;
-//   can split    = rest >= 512 in small and private pools and in growable
-//                  segments, whatever max_split_size says (a rest there
-//                  joins the next mapping or its neighbours' frees, where
-//                  kept it would be held with its block: growth joined to a
-//                  free neighbour would hand an oversize request the whole
-//                  merged block); else request < max_split_size and rest
-//                  > 1 MiB.
+//   can split    = rest >= 512, except that in plain segments of the
+//                  large pool requests of max_split_size or more are never
+//                  split. In growable segments a rest splits off whatever
+//                  max_split_size says (kept, it would be held with its
+//                  block: growth joined to a free neighbour would hand an
+//                  oversize request the whole merged block). A rest of the
+//                  large pool under 1 MiB serves no request there, but split
+//                  off it joins its neighbours' frees, and the block counts
+//                  as allocated what was asked plus rounding, whichever free
+//                  block best fit chose (kept, up to 1 MiB more each).
 #pragma once
 
 #include <bit>
@@ -92,8 +95,10 @@ inline constexpr std::size_t max_request = std::size_t{1} << 60;
 /// splits the rest off as a free block of its own.
 [[nodiscard]] inline bool can_split(std::size_t block_size, std::size_t size, pool_kind kind, bool is_private,
                                     const allocator_config& config) noexcept {
-  if (kind == pool_kind::small || is_private || config.expandable_segments) return block_size - size >= min_block;
-  return size < config.max_split_size && block_size - size > small_limit;
+  if (kind == pool_kind::large && !is_private && !config.expandable_segments && size >= config.max_split_size) {
+    return false;
+  }
+  return block_size - size >= min_block;
 }
 
 }  // namespace shoal::alloc::detail
