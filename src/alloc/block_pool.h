@@ -68,6 +68,10 @@ struct alignas(64) block_pool {
   std::array<block*, quick_capacity> quick{};
   std::size_t quick_count = 0;
   pool_counters counters;
+  /// Stream pools: the same stream's pool of the other size class (growth
+  /// past the reserved peak may take its idle memory; see segment_source).
+  /// Last, so that it moves none of the fields the allocation path reads.
+  block_pool* sibling = nullptr;
 
   block_pool() = default;
   block_pool(const block_pool&) = delete;
