@@ -56,7 +56,7 @@ class bench {
         widest_copy_stream_(dev),
         device_alloc_(dev, alloc::allocator_config{}),
         stream_(dev),
-        engine_(device_alloc_, copy_stream_),
+        engine_(device_alloc_, copy_stream_, {.staging_helpers = 3}),
         wide_engine_(device_alloc_, wide_copy_stream_, {.staging_helpers = 7}),
         widest_engine_(device_alloc_, widest_copy_stream_, {.staging_helpers = 15}) {}
 
@@ -149,7 +149,7 @@ class bench {
       row("anchor: copy from pinned memory", anchor);
       row("anchor: copy from pageable memory", pageable);
       row("pinned allocator block per copy (<= 4 in flight)", via_allocator);
-      row("engine, pageable source (staged, default threads)", engine_pageable);
+      row("engine, pageable source (staged, 4 threads)", engine_pageable);
       row("engine, pageable source (staged, 8 threads)", engine_pageable_wide);
       row("engine, pageable source (staged, 16 threads)", engine_pageable_widest);
       row("engine, pinned source", engine_pinned);
