@@ -1,7 +1,8 @@
 // Sending without waiting (connection::post): what the socket does not take
 // waits in the connection's queue and goes out in order, each descriptor
-// with its own frame, as flush() finds room; unsent_since() holds still
-// while the peer reads nothing; a blocking send goes after what was posted.
+// with its own frame, as flush() finds room (a later post waits its turn
+// even when the socket has room again); unsent_since() holds still while
+// the peer reads nothing; a blocking send goes after what was posted.
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <sys/mman.h>
@@ -83,11 +84,17 @@ struct received {
   std::uint64_t fd_index = 0;
 };
 
+// The next `count` frames on `c`, or those that came before a receive failed
+// (a test failure: the reader runs on a thread of its own).
 std::vector<received> receive_count(connection& c, std::uint64_t count) {
   std::vector<received> out;
-  for (std::uint64_t i = 0; i < count; ++i) {
-    const channel::frame f = c.receive_for(5000ms);
-    out.push_back({number_in(f.payload), f.fd.valid(), f.fd.valid() ? number_in(f.fd) : 0});
+  try {
+    for (std::uint64_t i = 0; i < count; ++i) {
+      const channel::frame f = c.receive_for(5000ms);
+      out.push_back({number_in(f.payload), f.fd.valid(), f.fd.valid() ? number_in(f.fd) : 0});
+    }
+  } catch (const error& e) {
+    ADD_FAILURE() << "frame " << out.size() << " of " << count << ": " << e.what();
   }
   return out;
 }
@@ -110,7 +117,7 @@ TEST(channel_post, frames_a_full_socket_does_not_take_wait_and_arrive_in_order_w
   EXPECT_GT(sender.unsent_bytes(), posted / 2 * payload_bytes) << "the second half of the frames waits whole";
 
   std::vector<received> frames;
-  std::thread reader([&] { frames = receive_count(receiver, posted); });
+  std::jthread reader([&] { frames = receive_count(receiver, posted); });
   flush_until_empty(sender);
   reader.join();
   ASSERT_EQ(frames.size(), posted);
@@ -140,11 +147,28 @@ TEST(channel_post, unsent_since_holds_still_while_the_peer_reads_nothing_and_mov
   ASSERT_TRUE(moved.has_value());
   EXPECT_GT(*moved, *since) << "bytes went and unsent_since stayed";
   std::vector<received> rest;
-  std::thread reader([&] { rest = receive_count(receiver, posted + 1 - first.size()); });
+  std::jthread reader([&] { rest = receive_count(receiver, posted + 1 - first.size()); });
   flush_until_empty(sender);
   reader.join();
   std::vector<received> all = first;
   all.insert(all.end(), rest.begin(), rest.end());
+  expect_in_order(all);
+}
+
+TEST(channel_post, a_post_behind_queued_bytes_waits_its_turn_when_the_socket_has_room_again) {
+  socket_pair pair;
+  connection sender = connection::adopt(std::move(pair.a), {});
+  connection receiver = connection::adopt(std::move(pair.b), {});
+  const std::uint64_t posted = post_past_a_full_socket(sender);
+  const auto first = receive_count(receiver, posted / 4);  // room in the socket, and nothing flushed
+  post_numbered(sender, posted);
+  std::vector<received> rest;
+  std::jthread reader([&] { rest = receive_count(receiver, posted + 1 - first.size()); });
+  flush_until_empty(sender);
+  reader.join();
+  std::vector<received> all = first;
+  all.insert(all.end(), rest.begin(), rest.end());
+  ASSERT_EQ(all.size(), posted + 1);
   expect_in_order(all);
 }
 
@@ -158,7 +182,7 @@ TEST(channel_post, a_blocking_send_goes_after_what_was_posted_and_times_out_usab
   EXPECT_FALSE(sender.broken()) << "nothing of that send went: the stream is in step";
 
   std::vector<received> frames;
-  std::thread reader([&] { frames = receive_count(receiver, posted + 1); });
+  std::jthread reader([&] { frames = receive_count(receiver, posted + 1); });
   sender.set_send_timeout(5000ms);
   sender.send(numbered_type, numbered(posted));
   reader.join();
