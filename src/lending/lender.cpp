@@ -302,8 +302,8 @@ class lender::state {
            "already " + std::to_string(borrowers_.size()) + " borrowers, the most allowed");
       return;  // closed at once: the client sees end of stream instead of a hello
     }
-    // The hello is sent, not posted: the fresh socket has room for it. Every
-    // later answer is posted (post).
+    // The hello is sent (under the peer timeout), not posted: a fresh
+    // socket has room for it. Every later answer is posted.
     accepted->set_send_timeout(shoal::detail::channel_timeout(config_.peer_timeout));
     try {
       channel::send_hello(*accepted, lending_protocol);
@@ -603,8 +603,8 @@ class lender::state {
       } catch (const connection_closed&) {
         // It hung up: the loop reclaims.
       } catch (const error& e) {
-        // Not sent (a borrower that does not read within peer_timeout): it
-        // would keep the mapping unknowingly, so the loop hangs up on it.
+        // Not sent (the system refused it): the borrower would keep the
+        // mapping unknowingly, so the loop hangs up on it.
         close_for_error(b, "forget for memory " + std::to_string(memory) + " could not be sent: " + e.what());
       }
       std::lock_guard lock(mutex_);
@@ -912,7 +912,7 @@ class lender::state {
         } catch (const connection_closed&) {
           // It hung up: the loop reclaims.
         } catch (const error& e) {
-          // Not sent (it does not read within peer_timeout): the loop hangs up and reclaims.
+          // Not sent (the system refused it): the loop hangs up and reclaims.
           close_for_error(b, "the revoke of region " + std::to_string(id) + " could not be sent: " + e.what());
         }
         emit(lender_event{lender_event::kind::revoke_requested, info.borrower, info.uid, id, info.bytes,
