@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -51,14 +52,50 @@ class bench {
   bench(backend::device& dev, const options& o)
       : dev_(dev),
         opts_(o),
-        copy_stream_(dev),
-        wide_copy_stream_(dev),
-        widest_copy_stream_(dev),
+        variant_streams_(make_streams(dev, variants().size())),
         device_alloc_(dev, alloc::allocator_config{}),
-        stream_(dev),
-        engine_(device_alloc_, copy_stream_, {.staging_helpers = 3}),
-        wide_engine_(device_alloc_, wide_copy_stream_, {.staging_helpers = 7}),
-        widest_engine_(device_alloc_, widest_copy_stream_, {.staging_helpers = 15}) {}
+        stream_(dev) {
+    for (std::size_t i = 0; i < variants().size(); ++i) {
+      engines_.push_back(
+          std::make_unique<transfer::transfer_engine>(device_alloc_, *variant_streams_[i], variants()[i].config));
+    }
+  }
+
+  // The engine settings compared, each on its own copy stream. The defaults
+  // otherwise: a 32 MiB staging ring of 4 MiB chunks, automatic stores, 4
+  // batches in flight.
+  struct variant {
+    const char* name;
+    bool pinned_source;
+    transfer::transfer_config config;
+  };
+  static const std::vector<variant>& variants() {
+    using stores = transfer::transfer_config::stores;
+    static const std::vector<variant> v{
+        {"engine, pageable, 4 threads", false, {.staging_helpers = 3}},
+        {"engine, pageable, 8 threads", false, {.staging_helpers = 7}},
+        {"engine, pageable, 16 threads", false, {.staging_helpers = 15}},
+        {"engine, pageable, 8 threads, cached stores", false, {.staging_helpers = 7, .staging_stores = stores::cached}},
+        {"engine, pageable, 8 threads, streaming stores", false,
+         {.staging_helpers = 7, .staging_stores = stores::streaming}},
+        {"engine, pageable, 16 threads, cached stores", false,
+         {.staging_helpers = 15, .staging_stores = stores::cached}},
+        {"engine, pageable, 8 threads, 16 in flight", false, {.max_batches_in_flight = 16, .staging_helpers = 7}},
+        {"engine, pageable, 8 threads, 256 MiB ring of 8 MiB chunks, streaming (before)", false,
+         {.max_pinned_bytes = 256 * mib,
+          .staging_chunk_bytes = 8 * mib,
+          .staging_helpers = 7,
+          .staging_stores = stores::streaming}},
+        {"engine, pinned source", true, {}},
+        {"engine, pinned source, 16 in flight", true, {.max_batches_in_flight = 16}},
+    };
+    return v;
+  }
+  static std::vector<std::unique_ptr<backend::stream>> make_streams(backend::device& dev, std::size_t n) {
+    std::vector<std::unique_ptr<backend::stream>> streams;
+    for (std::size_t i = 0; i < n; ++i) streams.push_back(std::make_unique<backend::stream>(dev));
+    return streams;
+  }
 
   // GB/s of `count` copies of `size` bytes from `src` into one device buffer.
   double plain_copies(const void* src, std::size_t size, std::size_t count) {
@@ -129,16 +166,17 @@ class bench {
       void* pinned_src = dev_.allocate_pinned_host(size);
       std::vector<std::uint8_t> pageable_src(size, 0x5A);
       std::memset(pinned_src, 0x5A, size);
-      std::vector<double> anchor, pageable, via_allocator, engine_pageable, engine_pageable_wide,
-          engine_pageable_widest, engine_pinned;
+      std::vector<double> anchor, pageable, via_allocator;
+      std::vector<std::vector<double>> engine_rows(engines_.size());
       for (int r = 0; r < opts_.rounds; ++r) {
         anchor.push_back(plain_copies(pinned_src, size, count));
         pageable.push_back(plain_copies(pageable_src.data(), size, count));
         via_allocator.push_back(pinned_allocator_copies(staging, size, count));
-        engine_pageable.push_back(engine_batches(engine_, pageable_src.data(), false, size, count));
-        engine_pageable_wide.push_back(engine_batches(wide_engine_, pageable_src.data(), false, size, count));
-        engine_pageable_widest.push_back(engine_batches(widest_engine_, pageable_src.data(), false, size, count));
-        engine_pinned.push_back(engine_batches(engine_, pinned_src, true, size, count));
+        for (std::size_t e = 0; e < engines_.size(); ++e) {
+          const bool pinned_source = variants()[e].pinned_source;
+          engine_rows[e].push_back(
+              engine_batches(*engines_[e], pinned_source ? pinned_src : pageable_src.data(), pinned_source, size, count));
+        }
       }
       const double base = spread_of(anchor).median;
       auto row = [&](const char* name, const std::vector<double>& v) {
@@ -149,10 +187,7 @@ class bench {
       row("anchor: copy from pinned memory", anchor);
       row("anchor: copy from pageable memory", pageable);
       row("pinned allocator block per copy (<= 4 in flight)", via_allocator);
-      row("engine, pageable source (staged, 4 threads)", engine_pageable);
-      row("engine, pageable source (staged, 8 threads)", engine_pageable_wide);
-      row("engine, pageable source (staged, 16 threads)", engine_pageable_widest);
-      row("engine, pinned source", engine_pinned);
+      for (std::size_t e = 0; e < engines_.size(); ++e) row(variants()[e].name, engine_rows[e]);
       dev_.free_pinned_host(pinned_src);
     }
     pair_and_memcpy(pinned);
@@ -219,14 +254,12 @@ class bench {
  private:
   backend::device& dev_;
   const options& opts_;
-  backend::stream copy_stream_, wide_copy_stream_, widest_copy_stream_;  // outlive the allocator
+  std::vector<std::unique_ptr<backend::stream>> variant_streams_;  // outlive the allocator
   alloc::caching_allocator device_alloc_;
   backend::stream stream_;
   backend::stream consumer_{dev_};
   // Last: stopped before the streams and the allocator go.
-  transfer::transfer_engine engine_;
-  transfer::transfer_engine wide_engine_;
-  transfer::transfer_engine widest_engine_;
+  std::vector<std::unique_ptr<transfer::transfer_engine>> engines_;
 };
 
 }  // namespace

@@ -117,8 +117,13 @@ class Engine:
     consumer whose stream lags keeps dropped batches' memory until the stream passes their
     reads, and at the limit the engine's thread waits for that instead of growing.
     ``max_batches_in_flight``: batches submitted and not yet taken (``submit`` blocks past it).
-    ``max_pinned_bytes``: the pinned staging memory the engine may hold.
+    ``max_pinned_bytes``: the pinned staging memory the engine may hold, a ring that pageable
+    arrays are staged through (small enough by default to stay in the CPU's last-level cache,
+    where the copy engine reads it fastest).
     ``staging_chunk_bytes``: pageable arrays are staged in pieces this large.
+    ``staging_stores``: how staging writes the ring: ``"cached"`` (ordinary stores),
+    ``"streaming"`` (non-temporal stores, which skip reading each line first), or
+    ``"automatic"`` (cached for arrays larger than the ring, streaming otherwise).
     ``staging_helpers``: threads that help copy pageable bytes into staging memory (None:
     half the CPUs this process may run on less the engine's own thread, at most 7).
 
@@ -132,9 +137,10 @@ class Engine:
         allocator: Optional[_shoal.Allocator] = None,
         *,
         max_batches_in_flight: int = 4,
-        max_pinned_bytes: int = 256 << 20,
-        staging_chunk_bytes: int = 8 << 20,
+        max_pinned_bytes: int = 32 << 20,
+        staging_chunk_bytes: int = 4 << 20,
         staging_helpers: Optional[int] = None,
+        staging_stores: str = "automatic",
     ) -> None:
         self._engine = _shoal.TransferEngine(
             allocator if allocator is not None else _default_engine_allocator(),
@@ -142,6 +148,7 @@ class Engine:
             max_pinned_bytes,
             staging_chunk_bytes,
             staging_helpers,
+            staging_stores,
         )
         # Each batch's structure and leaf types, by sequence number, until taken. Submits
         # are serialized so that the number is known before the engine can hand the

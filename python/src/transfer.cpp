@@ -7,10 +7,12 @@
 // taking the GIL for the decref, so nothing that holds the GIL ever waits
 // for that thread.
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <memory>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -51,6 +53,15 @@ struct py_transfer_engine {
     if (engine) close();
   }
 };
+
+transfer::transfer_config::stores parse_staging_stores(const std::string& name) {
+  using stores = transfer::transfer_config::stores;
+  if (name == "automatic") return stores::automatic;
+  if (name == "cached") return stores::cached;
+  if (name == "streaming") return stores::streaming;
+  throw invalid_argument("TransferEngine: staging_stores is '" + name +
+                         "'; expected 'automatic', 'cached' or 'streaming'");
+}
 
 struct py_transferred_batch {
   transfer::transferred_batch batch;
@@ -97,7 +108,8 @@ void register_transfer(nb::module_& m) {
       .def(
           "__init__",
           [](py_transfer_engine* self, const py_allocator& allocator, std::size_t max_batches_in_flight,
-             std::size_t max_pinned_bytes, std::size_t staging_chunk_bytes, std::optional<std::size_t> staging_helpers) {
+             std::size_t max_pinned_bytes, std::size_t staging_chunk_bytes, std::optional<std::size_t> staging_helpers,
+             const std::string& staging_stores) {
             auto& device = allocator.state->allocator().device();
             // A stream of its own, kept as long as the allocator (its
             // storages are freed on it).
@@ -107,12 +119,14 @@ void register_transfer(nb::module_& m) {
                 allocator.state,
                 std::make_unique<transfer_engine>(
                     allocator.state->allocator(), copy_stream->ref(),
-                    transfer::transfer_config{max_batches_in_flight, max_pinned_bytes, staging_chunk_bytes,
-                                              staging_helpers.value_or(
-                                                  transfer::transfer_config::automatic_staging_helpers)})};
+                    transfer::transfer_config{
+                        max_batches_in_flight, max_pinned_bytes, staging_chunk_bytes,
+                        staging_helpers.value_or(transfer::transfer_config::automatic_staging_helpers),
+                        parse_staging_stores(staging_stores)})};
           },
-          nb::arg("allocator"), nb::arg("max_batches_in_flight") = 4, nb::arg("max_pinned_bytes") = 256u << 20,
-          nb::arg("staging_chunk_bytes") = 8u << 20, nb::arg("staging_helpers").none() = nb::none())
+          nb::arg("allocator"), nb::arg("max_batches_in_flight") = 4, nb::arg("max_pinned_bytes") = 32u << 20,
+          nb::arg("staging_chunk_bytes") = 4u << 20, nb::arg("staging_helpers").none() = nb::none(),
+          nb::arg("staging_stores") = "automatic")
       .def(
           "submit",
           [](const py_transfer_engine& e, const std::vector<std::tuple<std::uintptr_t, std::size_t, bool, nb::object>>&

@@ -113,6 +113,21 @@ def test_bad_batches_are_refused_before_anything_is_queued(engine):
     assert engine.stats()["batches_submitted"] == 0
 
 
+@pytest.mark.parametrize("stores", ["automatic", "cached", "streaming"])
+def test_an_array_larger_than_the_staging_ring_arrives_whole_with_each_kind_of_store(stores):
+    x = numpy.arange(3 * 1024 * 1024, dtype="int32")  # 12 MiB through a 2 MiB ring of 512 KiB pieces
+    with shoal.transfer.Engine(
+        max_pinned_bytes=2 << 20, staging_chunk_bytes=512 << 10, staging_stores=stores
+    ) as engine:
+        engine.submit(x)
+        numpy.testing.assert_array_equal(host_copy(engine.get(timeout=30)), x)
+        stats = engine.stats()
+        assert stats["bytes_staged"] == x.nbytes
+        assert stats["pinned_peak_reserved_bytes"] <= 2 << 20
+    with pytest.raises(ValueError, match="staging_stores"):
+        shoal.transfer.Engine(staging_stores="uncached")
+
+
 def test_a_closed_engine_refuses_work_and_taken_batches_stay_valid():
     engine = shoal.transfer.Engine()
     engine.submit([numpy.full((256,), 4, "uint8")])

@@ -13,6 +13,7 @@
 
 #include "shoal/core/error.h"
 #include "support/backends.h"
+#include "transfer/batch_copier.h"
 
 namespace shoal::testing {
 namespace {
@@ -185,6 +186,44 @@ TYPED_TEST(transfer_engine_test, a_fast_producer_stays_within_the_batch_and_pinn
   EXPECT_LE(s.peak_in_flight, config.max_batches_in_flight);
   EXPECT_LE(s.pinned.reserved_bytes.aggregate.peak, static_cast<std::int64_t>(config.max_pinned_bytes));
   EXPECT_EQ(s.bytes_staged, 22u * 3 * mib);
+}
+
+// The default ring (max_pinned_bytes) is smaller than a large buffer: the
+// buffer goes through it chunk by chunk, each block rewritten only after the
+// copy that read it, whichever stores write it.
+TYPED_TEST(transfer_engine_test, a_buffer_larger_than_the_staging_ring_arrives_whole_with_each_kind_of_store) {
+  auto& dev = this->device();
+  auto& a = this->make_allocator();
+  const std::size_t bytes = transfer_config{}.max_pinned_bytes + 5 * mib + 17;
+  for (auto stores : {transfer_config::stores::automatic, transfer_config::stores::cached,
+                      transfer_config::stores::streaming}) {
+    transfer_engine engine(a, this->copy_stream(), {.staging_stores = stores});
+    stream consumer(dev);
+    // Each chunk of the buffer holds its own value, so a ring block handed
+    // out again before its copy ran would show as another chunk's bytes.
+    auto data = std::make_shared<std::vector<std::uint8_t>>(bytes);
+    const std::size_t chunk = transfer_config{}.staging_chunk_bytes;
+    for (std::size_t i = 0; i < bytes; ++i) (*data)[i] = pattern(i / chunk);
+    dev.delay(engine.stream(), 20ms);  // copies lag behind staging
+    engine.submit({host_buffer{data->data(), bytes, false, data}});
+    auto batch = engine.next(30s);
+    batch.wait_on(consumer);
+    EXPECT_EQ(this->read(batch.storages()[0].data(), bytes, consumer), *data) << static_cast<int>(stores);
+    const auto s = engine.stats();
+    EXPECT_LE(s.pinned.reserved_bytes.aggregate.peak, static_cast<std::int64_t>(transfer_config{}.max_pinned_bytes));
+    EXPECT_EQ(s.bytes_staged, bytes);
+  }
+}
+
+TEST(staging_stores, automatic_writes_through_the_cache_only_for_buffers_larger_than_the_ring) {
+  using transfer::staging_stores_for;
+  using transfer::store_kind;
+  using stores = transfer_config::stores;
+  EXPECT_EQ(staging_stores_for(stores::automatic, 33 * mib, 32 * mib), store_kind::cached);
+  EXPECT_EQ(staging_stores_for(stores::automatic, 32 * mib, 32 * mib), store_kind::streaming);
+  EXPECT_EQ(staging_stores_for(stores::automatic, 64 * kib, 32 * mib), store_kind::streaming);
+  EXPECT_EQ(staging_stores_for(stores::cached, 64 * kib, 32 * mib), store_kind::cached);
+  EXPECT_EQ(staging_stores_for(stores::streaming, 256 * mib, 32 * mib), store_kind::streaming);
 }
 
 TYPED_TEST(transfer_engine_test, a_batch_that_cannot_be_transferred_fails_alone) {
