@@ -131,6 +131,7 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
   // provides for the standard segment.
   for (const bool wait_for_pending : {false, true}) {
     if (wait_for_pending) {
+      if (block* b = wait_for_own_pending(pool, size, requested, stream)) return b;
       directory_.for_each_pool([&](block_pool& p) {
         std::vector<backend::event_ref> waits;
         {
@@ -156,6 +157,27 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
     if (block* b = try_allocate(pool, size, requested, stream, growth::right_sized_allowed)) return b;
   }
   return nullptr;
+}
+
+block* allocator_core::wait_for_own_pending(block_pool& pool, std::size_t size, std::size_t requested,
+                                            backend::stream_ref stream) {
+  // Oldest first, one free at a time: the oldest is usually enough, and
+  // waiting for every pending free would drain the stream (a staging ring at
+  // its limit would stop overlapping the CPU's copies with the device's).
+  for (;;) {
+    std::vector<backend::event_ref> waits;
+    {
+      std::lock_guard lock(pool.lock);
+      seal_awaiting(pool, device, events_);  // the stream asking is alive
+      collect_pending(pool, false);
+      if (block* b = try_allocate(pool, size, requested, stream, growth::none)) return b;
+      // None left, or the oldest has nothing to wait for (an awaiting free
+      // of another stream): the wait for everything follows.
+      if (pool.pending.empty() || pool.pending.front()->waits.empty()) return nullptr;
+      waits = pool.pending.front()->waits;
+    }
+    for (auto e : waits) device.synchronize_event(e);  // without the lock: this may take long
+  }
 }
 
 block* allocator_core::take_cached(block_pool& pool, std::size_t size) {

@@ -109,6 +109,10 @@ class allocator_core {
   block* try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream,
                       growth may_grow);
   block* allocate_slow(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream);  // unlocked
+  /// Waits on the host for `pool`'s pending frees, oldest first, until a
+  /// block of `size` fits without growing; null when none is left to wait for.
+  block* wait_for_own_pending(block_pool& pool, std::size_t size, std::size_t requested,
+                              backend::stream_ref stream);  // unlocked
   /// A parked block of exactly `size`, else (parked blocks settled first)
   /// the best fit from the bins; not removed.
   block* take_cached(block_pool& pool, std::size_t size);

@@ -236,6 +236,43 @@ TYPED_TEST(pinned_host_allocator, the_limit_bounds_the_footprint_and_allocation_
   dev.synchronize(s);
 }
 
+// A staging ring at its limit: the next block needs only the oldest copy to
+// have run. Waiting for every pending copy instead would drain the stream
+// each time the ring wraps, and the CPU's staging would stop overlapping the
+// device's copies.
+TYPED_TEST(pinned_host_allocator, at_the_limit_allocation_waits_for_the_oldest_pending_copy_only) {
+  auto& dev = this->device();
+  alloc::caching_allocator a(dev, pinned("memory_limit_mb:4"));
+  stream s(dev);
+  device_buffer dst(dev, 4 * mib);
+  std::vector<void*> ring;
+  for (int i = 0; i < 4; ++i) {  // each copy 150 ms after the one before
+    void* p = a.allocate(mib, s);
+    std::memset(p, 0x60 + i, mib);
+    dev.delay(s, 150ms);
+    dev.copy(s, static_cast<std::byte*>(dst.ptr) + i * mib, p, mib);
+    a.deallocate(p, s);
+    ring.push_back(p);
+  }
+  ASSERT_EQ(a.stats().reserved_bytes.aggregate.current, std::int64_t{4 * mib}) << "the ring fills the limit";
+  const auto start = std::chrono::steady_clock::now();
+  void* next = a.allocate(mib, s);
+  const auto waited = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(next, ring[0]) << "the block of the first copy, the one that has run";
+  EXPECT_GE(waited, 75ms) << "handed out before its copy could have run";
+  EXPECT_LT(waited, 450ms) << "waited for every pending copy (600 ms of delays), not just the oldest";
+  std::memset(next, 0x11, mib);
+  const auto copied = this->read(dst.ptr, 4 * mib, s);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(std::all_of(copied.begin() + i * mib, copied.begin() + (i + 1) * mib,
+                            [&](auto byte) { return static_cast<int>(byte) == 0x60 + i; }))
+        << "copy " << i << " saw bytes written after its block was handed out again";
+  }
+  a.deallocate(next, s);
+  dev.synchronize(s);
+  EXPECT_NO_THROW(a.check_invariants());
+}
+
 TYPED_TEST(pinned_host_allocator, stats_count_pinned_memory_and_the_device_memory_is_untouched) {
   auto& dev = this->device();
   const auto device_free = dev.memory().free_bytes;
