@@ -3,34 +3,19 @@
 #include <algorithm>
 #include <cstring>
 
+#include "transfer/spin_wait.h"
 #include "transfer/streaming_copy.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 namespace shoal::transfer {
 
-namespace {
-
-void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
-
-}  // namespace
-
 parallel_memcpy::parallel_memcpy(std::size_t helpers) {
   helpers_.reserve(helpers);
-  for (std::size_t i = 0; i < helpers; ++i) helpers_.emplace_back([this] { help(); });
+  for (std::size_t i = 0; i < helpers; ++i) helpers_.emplace_back([this, i] { help(i + 1); });
 }
 
 parallel_memcpy::~parallel_memcpy() {
   {
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(sleep_mutex_);
     stopping_.store(true, std::memory_order_release);
   }
   work_.notify_all();
@@ -51,77 +36,62 @@ void parallel_memcpy::copy(void* dst, const void* src, std::size_t bytes, store_
     copy_slice(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), bytes, stores);
     return;
   }
+  dst_ = static_cast<std::byte*>(dst);
+  src_ = static_cast<const std::byte*>(src);
+  bytes_ = bytes;
+  slice_ = (bytes + parts - 1) / parts;
+  stores_ = stores;
+  finished_.store(0, std::memory_order_relaxed);
+  const std::uint32_t generation = ++generation_;
+  claim_.store(pack(generation, parts, 0), std::memory_order_release);
   {
-    std::lock_guard lock(mutex_);
-    dst_ = static_cast<std::byte*>(dst);
-    src_ = static_cast<const std::byte*>(src);
-    bytes_ = bytes;
-    slice_ = (bytes + parts - 1) / parts;
-    slices_ = parts;
-    next_slice_ = 0;
-    stores_ = stores;
-    finished_.store(0, std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_release);
+    std::lock_guard lock(sleep_mutex_);
     if (sleepers_ > 0) work_.notify_all();
   }
-  take_slices();
-  // The last slices are a helper's, each a few microseconds of copying:
-  // spin for them, yielding once a slice takes longer than the window (a
-  // helper descheduled while it holds one).
-  const auto spin_until = std::chrono::steady_clock::now() + spin_window;
-  while (finished_.load(std::memory_order_acquire) != parts) {
-    if (std::chrono::steady_clock::now() < spin_until) {
-      cpu_relax();
-    } else {
-      std::this_thread::yield();
-    }
+  take_slices(generation);
+  // The last slices are helpers', each a few microseconds of copying: spin
+  // for them, yielding once it takes longer than the window (a helper
+  // descheduled while it holds one).
+  const auto all_done = [&] { return finished_.load(std::memory_order_acquire) == parts; };
+  if (!spin_for(spin_window, all_done)) {
+    while (!all_done()) std::this_thread::yield();
   }
 }
 
-void parallel_memcpy::take_slices() noexcept {
+void parallel_memcpy::take_slices(std::uint32_t generation) noexcept {
   for (;;) {
-    std::byte* to = nullptr;
-    const std::byte* from = nullptr;
-    std::size_t n = 0;
-    store_kind stores{};
-    {
-      std::lock_guard lock(mutex_);
-      if (next_slice_ == slices_) return;
-      const std::size_t offset = next_slice_++ * slice_;
-      n = std::min(slice_, bytes_ - offset);
-      to = dst_ + offset;
-      from = src_ + offset;
-      stores = stores_;
-    }
-    copy_slice(to, from, n, stores);
+    std::uint64_t c = claim_.load(std::memory_order_acquire);
+    do {
+      if (generation_of(c) != generation || next_of(c) >= slices_of(c)) return;
+    } while (!claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel, std::memory_order_acquire));
+    // Claimed: the copy cannot finish before this slice does, so its fields
+    // stay as they were published.
+    const std::size_t offset = next_of(c) * slice_;
+    copy_slice(dst_ + offset, src_ + offset, std::min(slice_, bytes_ - offset), stores_);
     finished_.fetch_add(1, std::memory_order_release);
   }
 }
 
-void parallel_memcpy::help() noexcept {
-  std::uint64_t seen = 0;
+void parallel_memcpy::help(std::size_t index) noexcept {
+  std::uint32_t seen = 0;
+  const auto has_news = [&] {
+    return stopping_.load(std::memory_order_acquire) ||
+           generation_of(claim_.load(std::memory_order_acquire)) != seen;
+  };
   for (;;) {
-    const auto spin_until = std::chrono::steady_clock::now() + spin_window;
-    bool woke = false;
     // Watch for the next copy for a while, then sleep until one comes.
-    while (std::chrono::steady_clock::now() < spin_until) {
-      if (generation_.load(std::memory_order_acquire) != seen || stopping_.load(std::memory_order_acquire)) {
-        woke = true;
-        break;
-      }
-      for (int i = 0; i < 64; ++i) cpu_relax();
-    }
-    if (!woke) {
-      std::unique_lock lock(mutex_);
+    if (!spin_for(spin_window, has_news)) {
+      std::unique_lock lock(sleep_mutex_);
       ++sleepers_;
-      work_.wait(lock, [&] {
-        return stopping_.load(std::memory_order_relaxed) || generation_.load(std::memory_order_relaxed) != seen;
-      });
+      work_.wait(lock, has_news);
       --sleepers_;
     }
     if (stopping_.load(std::memory_order_acquire)) return;
-    seen = generation_.load(std::memory_order_acquire);
-    take_slices();
+    const std::uint64_t c = claim_.load(std::memory_order_acquire);
+    seen = generation_of(c);
+    // Helper k takes part in copies of more than k slices: the others stay
+    // off the claim word.
+    if (index < slices_of(c)) take_slices(seen);
   }
 }
 

@@ -12,8 +12,9 @@
 //
 // Thread-safety: copy is called by one thread at a time (the engine's).
 // Invariant: while a copy runs, every slice is taken by exactly one thread
-// (the caller or a helper), and copy returns only after all are done; the
-// job's fields change only between copies, when no helper holds a slice.
+// (the caller or one of the first slices - 1 helpers), and copy returns only
+// after all are done; the copy's fields change only between copies, when no
+// helper holds a slice.
 #pragma once
 
 #include <atomic>
@@ -48,22 +49,37 @@ class parallel_memcpy {
   static constexpr std::chrono::microseconds spin_window{200};
 
  private:
-  void help() noexcept;
-  // Copies the slices left of the current job until none remain.
-  void take_slices() noexcept;
+  // claim_ packs the current copy's generation (high 32 bits), its number of
+  // slices (16 bits) and the next slice to take (low 16): a slice is claimed
+  // by a compare-exchange of the whole word, so a helper late from one copy
+  // never takes a slice of the next, nor one past the last.
+  static constexpr std::uint64_t pack(std::uint32_t generation, std::size_t slices, std::size_t next) noexcept {
+    return (std::uint64_t{generation} << 32) | (std::uint64_t{slices} << 16) | next;
+  }
+  static constexpr std::uint32_t generation_of(std::uint64_t c) noexcept { return static_cast<std::uint32_t>(c >> 32); }
+  static constexpr std::size_t slices_of(std::uint64_t c) noexcept { return (c >> 16) & 0xFFFF; }
+  static constexpr std::size_t next_of(std::uint64_t c) noexcept { return c & 0xFFFF; }
+
+  void help(std::size_t index) noexcept;
+  // Copies slices of copy `generation` until none is left to take.
+  void take_slices(std::uint32_t generation) noexcept;
   static void copy_slice(std::byte* to, const std::byte* from, std::size_t n, store_kind stores) noexcept;
 
-  std::mutex mutex_;  // guards the job's fields below and sleepers_
-  std::condition_variable work_;
+  // The current copy, written by copy() before it publishes the copy in
+  // claim_ and not again until every slice is finished; read by a helper
+  // only after it claimed a slice.
   std::byte* dst_ = nullptr;
   const std::byte* src_ = nullptr;
-  std::size_t bytes_ = 0, slice_ = 0, slices_ = 0, next_slice_ = 0;
+  std::size_t bytes_ = 0, slice_ = 0;
   store_kind stores_ = store_kind::streaming;
-  std::size_t sleepers_ = 0;
-  // Read by spinning helpers without the lock; changed under it.
-  std::atomic<std::uint64_t> generation_{0};
-  std::atomic<bool> stopping_{false};
+  std::uint32_t generation_ = 0;  // the caller's own count
+
+  std::atomic<std::uint64_t> claim_{0};
   std::atomic<std::size_t> finished_{0};
+  std::atomic<bool> stopping_{false};
+  std::mutex sleep_mutex_;  // guards sleepers_; helpers sleep on work_ under it
+  std::condition_variable work_;
+  std::size_t sleepers_ = 0;
   std::vector<std::thread> helpers_;
 };
 

@@ -5,6 +5,7 @@
 #include "shoal/core/error.h"
 #include "transfer/batch_copier.h"
 #include "transfer/batch_state.h"
+#include "transfer/spin_wait.h"
 
 namespace shoal::transfer {
 
@@ -47,6 +48,10 @@ bool wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
   }
   return cv.wait_for(lock, timeout, ready);
 }
+
+// How long the worker and next() watch for a batch before they sleep: a
+// stream of small batches hands one over every few microseconds.
+constexpr std::chrono::microseconds handover_window{50};
 
 }  // namespace
 
@@ -99,6 +104,7 @@ std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chron
   }
   const std::uint64_t sequence = next_sequence_++;
   jobs_.push_back({sequence, std::move(batch)});
+  jobs_waiting_.store(jobs_.size(), std::memory_order_release);
   ++counters_.batches_submitted;
   counters_.peak_in_flight = std::max(counters_.peak_in_flight, ++counters_.in_flight);
   lock.unlock();
@@ -107,6 +113,7 @@ std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chron
 }
 
 transferred_batch transfer_engine::next(std::chrono::milliseconds timeout) {
+  spin_for(handover_window, [&] { return outcomes_waiting_.load(std::memory_order_acquire) > 0; });
   std::unique_lock lock(mutex_);
   if (!wait_until(outcome_ready_, lock, timeout, [&] { return !outcomes_.empty(); })) {
     throw timeout_error("transfer_engine::next: no batch was transferred within " + std::to_string(timeout.count()) +
@@ -124,6 +131,7 @@ std::optional<transferred_batch> transfer_engine::try_next() {
 transferred_batch transfer_engine::take_locked(std::unique_lock<std::mutex>& lock) {
   outcome o = std::move(outcomes_.front());
   outcomes_.pop_front();
+  outcomes_waiting_.store(outcomes_.size(), std::memory_order_release);
   ++counters_.batches_taken;
   --counters_.in_flight;
   lock.unlock();
@@ -147,6 +155,7 @@ transfer_stats transfer_engine::stats() const {
 void transfer_engine::run() noexcept {
   for (;;) {
     job j;
+    spin_for(handover_window, [&] { return jobs_waiting_.load(std::memory_order_acquire) > 0; });
     {
       std::unique_lock lock(mutex_);
       // With sources still held, look at their copies every millisecond;
@@ -163,6 +172,7 @@ void transfer_engine::run() noexcept {
       }
       j = std::move(jobs_.front());
       jobs_.pop_front();
+      jobs_waiting_.store(jobs_.size(), std::memory_order_release);
     }
     outcome o{j.sequence, nullptr, nullptr};
     try {
@@ -175,6 +185,7 @@ void transfer_engine::run() noexcept {
       std::lock_guard lock(mutex_);
       ++(o.error ? counters_.batches_failed : counters_.batches_transferred);
       outcomes_.push_back(std::move(o));
+      outcomes_waiting_.store(outcomes_.size(), std::memory_order_release);
     }
     outcome_ready_.notify_all();
   }
