@@ -62,7 +62,7 @@ class bench {
   }
 
   // The engine settings compared, each on its own copy stream. The defaults
-  // otherwise: a 32 MiB staging ring of 4 MiB chunks, automatic stores, 4
+  // otherwise: a 32 MiB staging ring of 4 MiB chunks, streaming stores, 4
   // batches in flight.
   struct variant {
     const char* name;
@@ -76,8 +76,6 @@ class bench {
         {"engine, pageable, 8 threads", false, {.staging_helpers = 7}},
         {"engine, pageable, 16 threads", false, {.staging_helpers = 15}},
         {"engine, pageable, 8 threads, cached stores", false, {.staging_helpers = 7, .staging_stores = stores::cached}},
-        {"engine, pageable, 8 threads, streaming stores", false,
-         {.staging_helpers = 7, .staging_stores = stores::streaming}},
         {"engine, pageable, 16 threads, cached stores", false,
          {.staging_helpers = 15, .staging_stores = stores::cached}},
         {"engine, pageable, 8 threads, 16 in flight", false, {.max_batches_in_flight = 16, .staging_helpers = 7}},

@@ -118,12 +118,11 @@ class Engine:
     reads, and at the limit the engine's thread waits for that instead of growing.
     ``max_batches_in_flight``: batches submitted and not yet taken (``submit`` blocks past it).
     ``max_pinned_bytes``: the pinned staging memory the engine may hold, a ring that pageable
-    arrays are staged through (small enough by default to stay in the CPU's last-level cache,
-    where the copy engine reads it fastest).
+    arrays are staged through.
     ``staging_chunk_bytes``: pageable arrays are staged in pieces this large.
-    ``staging_stores``: how staging writes the ring: ``"cached"`` (ordinary stores),
-    ``"streaming"`` (non-temporal stores, which skip reading each line first), or
-    ``"automatic"`` (cached for arrays larger than the ring, streaming otherwise).
+    ``staging_stores``: how staging writes the ring: ``"streaming"`` (non-temporal stores,
+    which skip reading each line first; the default) or ``"cached"`` (ordinary stores; faster
+    on some hosts with many staging threads: measure).
     ``staging_helpers``: threads that help copy pageable bytes into staging memory (None:
     half the CPUs this process may run on less the engine's own thread, at most 7).
 
@@ -140,7 +139,7 @@ class Engine:
         max_pinned_bytes: int = 32 << 20,
         staging_chunk_bytes: int = 4 << 20,
         staging_helpers: Optional[int] = None,
-        staging_stores: str = "automatic",
+        staging_stores: str = "streaming",
     ) -> None:
         self._engine = _shoal.TransferEngine(
             allocator if allocator is not None else _default_engine_allocator(),

@@ -56,11 +56,9 @@ struct py_transfer_engine {
 
 transfer::transfer_config::stores parse_staging_stores(const std::string& name) {
   using stores = transfer::transfer_config::stores;
-  if (name == "automatic") return stores::automatic;
   if (name == "cached") return stores::cached;
   if (name == "streaming") return stores::streaming;
-  throw invalid_argument("TransferEngine: staging_stores is '" + name +
-                         "'; expected 'automatic', 'cached' or 'streaming'");
+  throw invalid_argument("TransferEngine: staging_stores is '" + name + "'; expected 'streaming' or 'cached'");
 }
 
 struct py_transferred_batch {
@@ -126,7 +124,7 @@ void register_transfer(nb::module_& m) {
           },
           nb::arg("allocator"), nb::arg("max_batches_in_flight") = 4, nb::arg("max_pinned_bytes") = 32u << 20,
           nb::arg("staging_chunk_bytes") = 4u << 20, nb::arg("staging_helpers").none() = nb::none(),
-          nb::arg("staging_stores") = "automatic")
+          nb::arg("staging_stores") = "streaming")
       .def(
           "submit",
           [](const py_transfer_engine& e, const std::vector<std::tuple<std::uintptr_t, std::size_t, bool, nb::object>>&

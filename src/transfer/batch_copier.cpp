@@ -29,22 +29,6 @@ std::size_t staging_helpers_for(std::size_t asked) {
 
 }  // namespace
 
-store_kind staging_stores_for(transfer_config::stores choice, std::size_t buffer_bytes,
-                              std::size_t ring_bytes) noexcept {
-  switch (choice) {
-    case transfer_config::stores::cached:
-      return store_kind::cached;
-    case transfer_config::stores::streaming:
-      return store_kind::streaming;
-    case transfer_config::stores::automatic:
-      break;
-  }
-  // A buffer larger than the ring rewrites ring blocks the copy engine read
-  // moments ago: ordinary stores find them in the cache, and the copy engine
-  // reads the new bytes from there.
-  return buffer_bytes > ring_bytes ? store_kind::cached : store_kind::streaming;
-}
-
 transfer_engine::batch_copier::batch_copier(alloc::caching_allocator& device_allocator, backend::stream_ref stream,
                                             const transfer_config& config)
     : device_allocator_(device_allocator),
@@ -53,8 +37,7 @@ transfer_engine::batch_copier::batch_copier(alloc::caching_allocator& device_all
       chunk_bytes_(config.staging_chunk_bytes),
       pinned_(device_allocator.device(), staging_config(config)),
       queue_depth_(config.max_batches_in_flight),
-      ring_bytes_(config.max_pinned_bytes),
-      stores_(config.staging_stores),
+      stores_(config.staging_stores == transfer_config::stores::cached ? store_kind::cached : store_kind::streaming),
       memcpy_(staging_helpers_for(config.staging_helpers)) {}
 
 transfer_engine::batch_copier::~batch_copier() { release_all(); }
@@ -104,13 +87,12 @@ std::shared_ptr<const transferred_batch::state> transfer_engine::batch_copier::c
 void transfer_engine::batch_copier::stage(void* dst, const host_buffer& source) {
   const auto* from = static_cast<const std::byte*>(source.data);
   auto* to = static_cast<std::byte*>(dst);
-  const store_kind stores = staging_stores_for(stores_, source.bytes, ring_bytes_);
   for (std::size_t offset = 0; offset < source.bytes; offset += chunk_bytes_) {
     const std::size_t n = std::min(chunk_bytes_, source.bytes - offset);
     // Handed out only once the copy that last read it has run (the pinned
     // allocator's rule); past max_pinned_bytes it waits for such a copy.
     void* staging = pinned_.allocate(n, stream_);
-    memcpy_.copy(staging, from + offset, n, stores);
+    memcpy_.copy(staging, from + offset, n, stores_);
     try {
       device_.copy(stream_, to + offset, staging, n);
     } catch (...) {

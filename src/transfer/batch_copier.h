@@ -19,11 +19,6 @@
 
 namespace shoal::transfer {
 
-/// The stores that stage a buffer of `buffer_bytes` through a ring of
-/// `ring_bytes` (transfer_config::staging_stores).
-[[nodiscard]] store_kind staging_stores_for(transfer_config::stores choice, std::size_t buffer_bytes,
-                                            std::size_t ring_bytes) noexcept;
-
 class transfer_engine::batch_copier {
  public:
   batch_copier(alloc::caching_allocator& device_allocator, backend::stream_ref stream, const transfer_config& config);
@@ -65,8 +60,7 @@ class transfer_engine::batch_copier {
   // queue_depth_ batches' copies are queued on the stream at once.
   std::deque<std::shared_ptr<backend::event>> queued_;
   const std::size_t queue_depth_;
-  const std::size_t ring_bytes_;
-  const transfer_config::stores stores_;
+  const store_kind stores_;
   parallel_memcpy memcpy_;
   std::atomic<std::uint64_t> bytes_copied_{0}, bytes_staged_{0};
 };

@@ -44,6 +44,7 @@ void parallel_memcpy::copy(void* dst, const void* src, std::size_t bytes, store_
   finished_.store(0, std::memory_order_relaxed);
   const std::uint32_t generation = ++generation_;
   claim_.store(pack(generation, parts, 0), std::memory_order_release);
+  announced_.store(pack(generation, parts, 0), std::memory_order_release);
   {
     std::lock_guard lock(sleep_mutex_);
     if (sleepers_ > 0) work_.notify_all();
@@ -76,7 +77,7 @@ void parallel_memcpy::help(std::size_t index) noexcept {
   std::uint32_t seen = 0;
   const auto has_news = [&] {
     return stopping_.load(std::memory_order_acquire) ||
-           generation_of(claim_.load(std::memory_order_acquire)) != seen;
+           generation_of(announced_.load(std::memory_order_acquire)) != seen;
   };
   for (;;) {
     // Watch for the next copy for a while, then sleep until one comes.
@@ -87,7 +88,7 @@ void parallel_memcpy::help(std::size_t index) noexcept {
       --sleepers_;
     }
     if (stopping_.load(std::memory_order_acquire)) return;
-    const std::uint64_t c = claim_.load(std::memory_order_acquire);
+    const std::uint64_t c = announced_.load(std::memory_order_acquire);
     seen = generation_of(c);
     // Helper k takes part in copies of more than k slices: the others stay
     // off the claim word.

@@ -13,7 +13,6 @@
 
 #include "shoal/core/error.h"
 #include "support/backends.h"
-#include "transfer/batch_copier.h"
 
 namespace shoal::testing {
 namespace {
@@ -195,8 +194,7 @@ TYPED_TEST(transfer_engine_test, a_buffer_larger_than_the_staging_ring_arrives_w
   auto& dev = this->device();
   auto& a = this->make_allocator();
   const std::size_t bytes = transfer_config{}.max_pinned_bytes + 5 * mib + 17;
-  for (auto stores : {transfer_config::stores::automatic, transfer_config::stores::cached,
-                      transfer_config::stores::streaming}) {
+  for (auto stores : {transfer_config::stores::streaming, transfer_config::stores::cached}) {
     transfer_engine engine(a, this->copy_stream(), {.staging_stores = stores});
     stream consumer(dev);
     // Each chunk of the buffer holds its own value, so a ring block handed
@@ -213,17 +211,6 @@ TYPED_TEST(transfer_engine_test, a_buffer_larger_than_the_staging_ring_arrives_w
     EXPECT_LE(s.pinned.reserved_bytes.aggregate.peak, static_cast<std::int64_t>(transfer_config{}.max_pinned_bytes));
     EXPECT_EQ(s.bytes_staged, bytes);
   }
-}
-
-TEST(staging_stores, automatic_writes_through_the_cache_only_for_buffers_larger_than_the_ring) {
-  using transfer::staging_stores_for;
-  using transfer::store_kind;
-  using stores = transfer_config::stores;
-  EXPECT_EQ(staging_stores_for(stores::automatic, 33 * mib, 32 * mib), store_kind::cached);
-  EXPECT_EQ(staging_stores_for(stores::automatic, 32 * mib, 32 * mib), store_kind::streaming);
-  EXPECT_EQ(staging_stores_for(stores::automatic, 64 * kib, 32 * mib), store_kind::streaming);
-  EXPECT_EQ(staging_stores_for(stores::cached, 64 * kib, 32 * mib), store_kind::cached);
-  EXPECT_EQ(staging_stores_for(stores::streaming, 256 * mib, 32 * mib), store_kind::streaming);
 }
 
 TYPED_TEST(transfer_engine_test, a_batch_that_cannot_be_transferred_fails_alone) {

@@ -64,10 +64,9 @@ struct transfer_config {
   /// are queued and not yet run (>= 1).
   std::size_t max_batches_in_flight = 4;
   /// Bytes of pinned staging memory the engine may hold (>= staging_chunk_bytes):
-  /// the staging ring. Small enough by default to stay in the host's last-level
-  /// cache, so the copy engine reads staged bytes from there rather than from
-  /// memory (on the H100 host a 32 MiB ring staged a 256 MiB buffer at 0.88 of
-  /// the pinned copy with 16 threads, where a ring of the whole buffer gave 0.68).
+  /// the ring pageable buffers are staged through. On the H100 host a 32 MiB
+  /// ring staged as fast as one of 256 MiB (16 MiB and 256 MiB buffers alike),
+  /// with an eighth of the page-locked memory.
   std::size_t max_pinned_bytes = std::size_t{32} << 20;
   /// Pageable buffers are staged in pieces of at most this many bytes (> 0),
   /// so copying one piece to the device overlaps staging the next.
@@ -80,14 +79,14 @@ struct transfer_config {
   /// with 16 no more, with 4 0.63; on 2 CPUs the engine copies alone.
   std::size_t staging_helpers = automatic_staging_helpers;
   static constexpr std::size_t automatic_staging_helpers = static_cast<std::size_t>(-1);
-  /// How staging writes pinned blocks: ordinary stores (`cached`: the block
-  /// stays in the cache for the copy engine to read there), non-temporal
-  /// stores (`streaming`: no read of each block line first, the block goes to
-  /// memory), or `automatic` (the default): cached when the buffer is larger
-  /// than the ring, so the ring is rewritten while its lines are still cached,
-  /// streaming otherwise.
-  enum class stores : std::uint8_t { automatic, cached, streaming };
-  stores staging_stores = stores::automatic;
+  /// How staging writes pinned blocks: non-temporal stores (`streaming`, the
+  /// default: no read of each line of the block first, the block goes to
+  /// memory), or ordinary stores (`cached`). On the H100 host (16 CPUs)
+  /// streaming was faster with 8 staging threads (256 MiB buffers: 0.57 of the
+  /// pinned copy against 0.40), cached slightly faster with 16 (0.87 against
+  /// 0.86): measure on yours.
+  enum class stores : std::uint8_t { streaming, cached };
+  stores staging_stores = stores::streaming;
 };
 
 /// One host buffer of a batch.
