@@ -92,6 +92,8 @@ transfer_engine::~transfer_engine() {
 
 std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chrono::milliseconds timeout) {
   check_batch(batch);
+  spin_for(handover_window,
+           [&] { return in_flight_.load(std::memory_order_acquire) < config_.max_batches_in_flight; });
   std::unique_lock lock(mutex_);
   const bool room = wait_until(room_ready_, lock, timeout, [&] {
     return stopping_ || counters_.in_flight < config_.max_batches_in_flight;
@@ -107,6 +109,7 @@ std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chron
   jobs_waiting_.store(jobs_.size(), std::memory_order_release);
   ++counters_.batches_submitted;
   counters_.peak_in_flight = std::max(counters_.peak_in_flight, ++counters_.in_flight);
+  in_flight_.store(counters_.in_flight, std::memory_order_release);
   lock.unlock();
   work_ready_.notify_one();
   return sequence;
@@ -134,6 +137,7 @@ transferred_batch transfer_engine::take_locked(std::unique_lock<std::mutex>& loc
   outcomes_waiting_.store(outcomes_.size(), std::memory_order_release);
   ++counters_.batches_taken;
   --counters_.in_flight;
+  in_flight_.store(counters_.in_flight, std::memory_order_release);
   lock.unlock();
   room_ready_.notify_one();
   if (o.error) std::rethrow_exception(o.error);
