@@ -107,7 +107,9 @@ void register_allocator(nb::module_& m) {
           "Counters as a dict: allocations, segments, active, allocated_bytes, "
           "reserved_bytes, ... each with "
           "current/peak/allocated/freed per pool, plus retries, ooms, "
-          "device_allocations, device_frees.")
+          "device_allocations, device_frees, and expandable_segments_fallback "
+          "(True when expandable_segments was asked for but the device has no "
+          "growable segments, so plain ones serve and config says false).")
       .def(
           "snapshot", [](const py_allocator& a) { return parse_json(a.state->allocator().take_snapshot().to_json()); },
           "Every segment and block as a dict.")

@@ -36,11 +36,19 @@ allocator_config checked(allocator_config config) {
   return config;
 }
 
+// The settings in force: expandable_segments off where the device's lack of
+// growable ranges makes plain segments serve it (`fall_back`).
+allocator_config effective(allocator_config config, bool fall_back) {
+  if (fall_back) config.expandable_segments = false;
+  return config;
+}
+
 }  // namespace
 
 allocator_core::allocator_core(backend::device& dev, allocator_config cfg)
     : device(dev),
-      config(checked(std::move(cfg))),
+      expandable_segments_fallback(cfg.expandable_segments && !dev.growable().supported),
+      config(effective(checked(std::move(cfg)), expandable_segments_fallback)),
       trace_(config.trace_entries),
       events_(dev),
       source_(dev, config, directory_, trace_, hooks) {}

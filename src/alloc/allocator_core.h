@@ -54,6 +54,11 @@ class allocator_core {
   allocator_core& operator=(const allocator_core&) = delete;
 
   backend::device& device;
+  /// True when expandable_segments was asked for and the device has no
+  /// growable ranges (device::growable()), so plain segments serve instead.
+  const bool expandable_segments_fallback;
+  /// The settings in force: as given, except that expandable_segments is
+  /// false where expandable_segments_fallback is true.
   const allocator_config config;
   allocator_hooks hooks;
 

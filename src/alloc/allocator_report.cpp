@@ -56,6 +56,7 @@ allocator_stats allocator_core::stats() {
   out.ooms = ooms_.load();
   out.device_allocations = source_.device_allocations();
   out.device_frees = source_.device_frees();
+  out.expandable_segments_fallback = expandable_segments_fallback;
   return out;
 }
 

@@ -80,7 +80,8 @@ std::string allocator_stats::to_json() const {
   write(out, "inactive_split_bytes", inactive_split_bytes);
   write(out, "requested_bytes", requested_bytes);
   out << "\"num_alloc_retries\":" << retries << ",\"num_ooms\":" << ooms << ",\"num_device_alloc\":" << device_allocations
-      << ",\"num_device_free\":" << device_frees << '}';
+      << ",\"num_device_free\":" << device_frees
+      << ",\"expandable_segments_fallback\":" << (expandable_segments_fallback ? "true" : "false") << '}';
   return out.str();
 }
 

@@ -96,6 +96,33 @@ TYPED_TEST(memory_test, chunks_mapped_into_a_reservation_grow_it) {
   dev.release_range(base);
 }
 
+TYPED_TEST(memory_test, growable_support_says_what_the_growable_calls_do) {
+  auto& dev = this->device();
+  const backend::growable_support support = dev.growable();
+  EXPECT_EQ(dev.growable(), support) << "read once: the answer does not change";
+  if (dev.kind() == backend::device_kind::host) {
+    EXPECT_EQ(support, (backend::growable_support{.supported = true, .shareable = true})) << "memfd chunks";
+  }
+  const std::size_t g = dev.granularity();
+  if (!support.supported) {
+    EXPECT_FALSE(support.shareable);
+    EXPECT_THROW((void)dev.reserve_range(g), backend_error);
+    EXPECT_THROW((void)dev.create_physical(g), backend_error);
+    return;
+  }
+  void* base = dev.reserve_range(g);
+  const auto chunk = dev.create_physical(g);
+  dev.map(base, chunk);
+  if (support.shareable) {
+    EXPECT_EQ(dev.export_memory(base).size, g);
+  } else {
+    EXPECT_THROW((void)dev.export_memory(base), backend_error) << "the chunk was made unshareable";
+  }
+  dev.unmap(base);
+  dev.release_physical(chunk);
+  dev.release_range(base);
+}
+
 TYPED_TEST(memory_test, mapping_outside_misaligned_or_overlapping_is_refused) {
   auto& dev = this->device();
   const std::size_t g = dev.granularity();

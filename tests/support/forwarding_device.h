@@ -22,6 +22,7 @@ class forwarding_device : public backend::device {
   void* allocate_pinned_host(std::size_t bytes) override { return target_.allocate_pinned_host(bytes); }
   void free_pinned_host(void* base) override { target_.free_pinned_host(base); }
 
+  [[nodiscard]] backend::growable_support growable() const noexcept override { return target_.growable(); }
   [[nodiscard]] std::size_t granularity() const noexcept override { return target_.granularity(); }
   void* reserve_range(std::size_t bytes) override { return target_.reserve_range(bytes); }
   void release_range(void* base) override { target_.release_range(base); }

@@ -77,6 +77,9 @@ class caching_allocator {
   caching_allocator& operator=(const caching_allocator&) = delete;
 
   [[nodiscard]] backend::device& device() const noexcept;
+  /// The settings in force: those given, except that expandable_segments
+  /// is false where the device has no growable ranges and plain segments
+  /// serve it instead (stats().expandable_segments_fallback).
   [[nodiscard]] const allocator_config& config() const noexcept;
 
   /// A block of at least `bytes` (> 0) for use on `stream`, 512-byte aligned.

@@ -7,7 +7,12 @@
 //   max_non_split_rounding_mb  how much larger than asked an unsplittable block may be (default 20)
 //   roundup_power2_divisions   N, or [size_mb:N,size_mb:N,>:N]: round requests up to
 //                              one of N steps inside their power-of-two interval
-//   expandable_segments        true|false: one growable range per stream and pool
+//   expandable_segments        true|false: one growable range per stream and pool. On a
+//                              device without growable ranges (backend::device::growable();
+//                              CUDA without virtual memory management, as on some
+//                              virtualized, MIG or WSL setups) plain segments serve
+//                              instead, not an error: the allocator's config() then says
+//                              false and stats().expandable_segments_fallback true
 //   debug                      true|false: poison reusable blocks, check hand-outs
 //   cross_stream_safety        true|false: false turns the free-stream hold off (unsafe)
 //   release_idle_before_grow   true|false: growth that would raise the peak of reserved
@@ -59,6 +64,8 @@ struct allocator_config {
   /// Divisions per power-of-two interval, indexed by log2 of the interval's
   /// lower bound (0 or 1: plain 512-byte rounding).
   std::array<std::uint32_t, 64> roundup_power2_divisions{};
+  /// One growable range per stream and pool, in place of plain segments;
+  /// falls back to plain segments where the device has none (see above).
   bool expandable_segments = false;
   bool debug = false;
   bool cross_stream_safety = true;

@@ -45,6 +45,11 @@ struct allocator_stats {
   std::int64_t ooms = 0;            ///< out_of_memory errors thrown
   std::int64_t device_allocations = 0;  ///< segments (or chunks) taken from the device
   std::int64_t device_frees = 0;        ///< segments (or chunks) returned to it
+  /// expandable_segments was asked for, but the device has no growable
+  /// ranges (backend::device::growable()): plain segments serve instead, and
+  /// config() says expandable_segments:false. Not a counter: no reset
+  /// changes it.
+  bool expandable_segments_fallback = false;
 
   [[nodiscard]] std::string to_json() const;
 };

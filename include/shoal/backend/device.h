@@ -71,6 +71,10 @@ class device {
   virtual void free_pinned_host(void* base) = 0;
 
   // ---- growable ranges: reserve addresses, map physical chunks ----------
+  /// Whether this device has growable ranges, and whether their chunks can
+  /// be shared with other processes (see growable_support). Asked of the
+  /// driver once, when the device is made; cheap to call.
+  [[nodiscard]] virtual growable_support growable() const noexcept = 0;
   /// Size and alignment unit of reservations, chunks and mappings.
   [[nodiscard]] virtual std::size_t granularity() const noexcept = 0;
   /// Reserves `bytes` (a multiple of granularity()) of address space with no

@@ -52,6 +52,8 @@ class host_device final : public device {
   void* allocate_pinned_host(std::size_t bytes) override;
   void free_pinned_host(void* base) override;
 
+  /// Always supported and shareable: chunks are memfds.
+  [[nodiscard]] growable_support growable() const noexcept override { return {.supported = true, .shareable = true}; }
   [[nodiscard]] std::size_t granularity() const noexcept override;
   void* reserve_range(std::size_t bytes) override;
   void release_range(void* base) override;

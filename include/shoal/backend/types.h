@@ -55,6 +55,22 @@ enum class memory_access : std::uint8_t {
   read_only = 2,  ///< reads only: a write through the mapping faults
 };
 
+/// What a device's growable ranges (reserve_range, create_physical, map)
+/// can do: device::growable(), fixed for the device's life.
+struct growable_support {
+  /// The device has growable ranges. Where false, reserve_range and
+  /// create_physical throw shoal::backend_error (CUDA: the device or driver
+  /// has no virtual memory management), and the caching allocator serves
+  /// expandable_segments with plain segments instead.
+  bool supported = false;
+  /// Mapped chunks can be exported to other processes (export_memory; CUDA:
+  /// as POSIX file descriptors). Where false but supported is true, growable
+  /// ranges work inside the process and export_memory of a pointer in a
+  /// chunk throws shoal::backend_error; plain segments export as before.
+  bool shareable = false;
+  friend bool operator==(const growable_support&, const growable_support&) = default;
+};
+
 /// Device memory as the device itself reports it.
 struct memory_info {
   std::size_t free_bytes = 0;

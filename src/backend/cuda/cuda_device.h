@@ -2,7 +2,9 @@
 //
 // Plain segments are cudaMalloc allocations (shared by legacy CUDA IPC);
 // growable ranges use the driver's virtual memory management (cuMemCreate
-// chunks exportable as POSIX fds, mapped into cuMemAddressReserve ranges).
+// chunks exportable as POSIX fds, mapped into cuMemAddressReserve ranges),
+// where the device has it: growable() says so, from the two device
+// attributes read once at construction.
 // Streams are non-blocking CUDA streams; the default stream is the legacy
 // default stream. Events have timing disabled. Each stream that exports a
 // point gets one interprocess event, created on its first export_event and
@@ -61,6 +63,7 @@ class cuda_device final : public device {
   void* allocate_pinned_host(std::size_t bytes) override;
   void free_pinned_host(void* base) override;
 
+  [[nodiscard]] growable_support growable() const noexcept override { return memory_.growable(); }
   [[nodiscard]] std::size_t granularity() const noexcept override { return memory_.granularity(); }
   void* reserve_range(std::size_t bytes) override;
   void release_range(void* base) override;

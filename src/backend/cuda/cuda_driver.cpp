@@ -44,6 +44,8 @@ cuda_driver load_all() {
   load(d.mem_get_allocation_granularity, "cuMemGetAllocationGranularity");
   load(d.mem_retain_allocation_handle, "cuMemRetainAllocationHandle");
   load(d.mem_get_address_range, "cuMemGetAddressRange");
+  load(d.device_get, "cuDeviceGet");
+  load(d.device_get_attribute, "cuDeviceGetAttribute");
   load(d.get_error_string, "cuGetErrorString");
   load(d.get_error_name, "cuGetErrorName");
   return d;

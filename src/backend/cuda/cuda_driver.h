@@ -18,8 +18,8 @@
 
 namespace shoal::backend::detail {
 
-/// The driver functions the CUDA backend uses (virtual memory management and
-/// error text). Every pointer is non-null once driver() has returned.
+/// The driver functions the CUDA backend uses (virtual memory management,
+/// device attributes and error text). Every pointer is non-null once driver() has returned.
 struct cuda_driver {
   PFN_cuMemCreate_v10020 mem_create = nullptr;
   PFN_cuMemRelease_v10020 mem_release = nullptr;
@@ -33,6 +33,8 @@ struct cuda_driver {
   PFN_cuMemGetAllocationGranularity_v10020 mem_get_allocation_granularity = nullptr;
   PFN_cuMemRetainAllocationHandle_v11000 mem_retain_allocation_handle = nullptr;
   PFN_cuMemGetAddressRange_v3020 mem_get_address_range = nullptr;
+  PFN_cuDeviceGet_v2000 device_get = nullptr;
+  PFN_cuDeviceGetAttribute_v2000 device_get_attribute = nullptr;
   PFN_cuGetErrorString_v6000 get_error_string = nullptr;
   PFN_cuGetErrorName_v6000 get_error_name = nullptr;
 };

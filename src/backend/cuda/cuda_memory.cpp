@@ -31,13 +31,29 @@ std::optional<std::pair<std::uintptr_t, std::size_t>> containing(const range_map
   return *it;
 }
 
-CUmemAllocationProp chunk_properties(int ordinal) {
+// Chunks ask for POSIX-fd handles only where the device can export them:
+// elsewhere cuMemCreate would refuse the request.
+CUmemAllocationProp chunk_properties(int ordinal, bool shareable) {
   CUmemAllocationProp properties{};
   properties.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   properties.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   properties.location.id = ordinal;
-  properties.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  properties.requestedHandleTypes = shareable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : CU_MEM_HANDLE_TYPE_NONE;
   return properties;
+}
+
+// What device `ordinal` offers for growable ranges, as its driver says.
+growable_support query_growable(int ordinal) {
+  const cuda_driver& d = driver();
+  CUdevice device = 0;
+  check(d.device_get(&device, ordinal), "cuDeviceGet");
+  int vmm = 0;
+  int posix_fd = 0;
+  check(d.device_get_attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device),
+        "cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)");
+  check(d.device_get_attribute(&posix_fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, device),
+        "cuDeviceGetAttribute(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)");
+  return {.supported = vmm != 0, .shareable = vmm != 0 && posix_fd != 0};
 }
 
 CUmemAccessDesc access_for(int ordinal, memory_access allowed = memory_access::read_write) {
@@ -92,8 +108,12 @@ void size_must_fit(std::size_t bytes, std::size_t granularity, const char* op) {
 
 }  // namespace
 
-cuda_memory::cuda_memory(int ordinal) : ordinal_(ordinal) {
-  const CUmemAllocationProp chunk = chunk_properties(ordinal_);
+cuda_memory::cuda_memory(int ordinal) : ordinal_(ordinal), growable_(query_growable(ordinal)) {
+  if (!growable_.supported) {
+    granularity_ = granularity_without_vmm;
+    return;
+  }
+  const CUmemAllocationProp chunk = chunk_properties(ordinal_, growable_.shareable);
   check(driver().mem_get_allocation_granularity(&granularity_, &chunk, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
         "cuMemGetAllocationGranularity");
 }
@@ -176,8 +196,17 @@ void cuda_memory::free_pinned_host(void* base) {
 
 // ---- growable ranges -------------------------------------------------------------
 
+void cuda_memory::require_growable(const char* op) const {
+  if (growable_.supported) return;
+  throw backend_error(std::string("cuda_device::") + op,
+                      cuda_label(ordinal_) + " has no virtual memory management "
+                      "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0): no growable ranges; use plain "
+                      "segments (the caching allocator does so itself for expandable_segments)");
+}
+
 void* cuda_memory::reserve_range(std::size_t bytes) {
   size_must_fit(bytes, granularity_, "reserve_range");
+  require_growable("reserve_range");
   make_current(ordinal_);
   CUdeviceptr base = 0;
   check(driver().mem_address_reserve(&base, bytes, granularity_, 0, 0), "cuMemAddressReserve", bytes);
@@ -212,8 +241,9 @@ void cuda_memory::release_range(void* base) {
 
 physical_ref cuda_memory::create_physical(std::size_t bytes) {
   size_must_fit(bytes, granularity_, "create_physical");
+  require_growable("create_physical");
   make_current(ordinal_);
-  const CUmemAllocationProp properties = chunk_properties(ordinal_);
+  const CUmemAllocationProp properties = chunk_properties(ordinal_, growable_.shareable);
   CUmemGenericAllocationHandle chunk = 0;
   check(driver().mem_create(&chunk, bytes, &properties, 0), "cuMemCreate", bytes);
   std::lock_guard lock(mutex_);
@@ -328,6 +358,12 @@ shareable_handle cuda_memory::export_memory(const void* ptr) const {
   }
   if (const auto mapping = containing(mappings_, address)) {
     lock.unlock();
+    if (!growable_.shareable) {
+      throw backend_error("cuda_device::export_memory",
+                          hex(ptr) + " is in a growable chunk, and " + cuda_label(ordinal_) +
+                              " cannot export chunks (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED "
+                              "is 0); share memory from plain segments (expandable_segments:false)");
+    }
     // Retained from the mapping rather than taken from chunks_: the chunk's
     // own handle may already be released while its mapping lives on.
     const cuda_driver& d = driver();

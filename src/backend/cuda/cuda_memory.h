@@ -41,12 +41,20 @@ struct cuda_driver;
 
 class cuda_memory {
  public:
-  /// Asks the driver for the chunk granularity of device `ordinal`, which the
-  /// calling thread has made current.
+  /// The granularity() reported where the device has no growable ranges.
+  static constexpr std::size_t granularity_without_vmm = std::size_t{2} << 20;
+
+  /// Asks the driver whether device `ordinal`, which the calling thread has
+  /// made current, has virtual memory management and POSIX-fd handles
+  /// (growable()), and, where it has VMM, for its chunk granularity.
   explicit cuda_memory(int ordinal);
   cuda_memory(const cuda_memory&) = delete;
   cuda_memory& operator=(const cuda_memory&) = delete;
 
+  /// Without VMM, reserve_range and create_physical throw backend_error;
+  /// without POSIX-fd handles, chunks are made unshareable and
+  /// export_memory of a pointer in one throws backend_error.
+  [[nodiscard]] growable_support growable() const noexcept { return growable_; }
   [[nodiscard]] std::size_t granularity() const noexcept { return granularity_; }
   [[nodiscard]] memory_info info() const;
 
@@ -88,7 +96,11 @@ class cuda_memory {
   [[nodiscard]] void* import_ipc(const shareable_handle& handle);
   [[nodiscard]] void* import_vmm(std::span<const shareable_handle> chunks, memory_access access);
 
+  /// Throws backend_error naming `op` unless the device has growable ranges.
+  void require_growable(const char* op) const;
+
   const int ordinal_;
+  const growable_support growable_;  // asked of the driver once, in the constructor
   std::size_t granularity_ = 0;
 
   mutable std::mutex mutex_;
