@@ -73,8 +73,10 @@ class device {
   // ---- growable ranges: reserve addresses, map physical chunks ----------
   /// Whether this device has growable ranges, and whether their chunks can
   /// be shared with other processes (see growable_support). Asked of the
-  /// driver once, when the device is made; cheap to call.
-  [[nodiscard]] virtual growable_support growable() const noexcept = 0;
+  /// driver once, when the device is made; cheap to call. Not pure: a device
+  /// written before the query keeps what it had, growable ranges in use and
+  /// exported wherever its own calls allow.
+  [[nodiscard]] virtual growable_support growable() const noexcept { return {.supported = true, .shareable = true}; }
   /// Size and alignment unit of reservations, chunks and mappings.
   [[nodiscard]] virtual std::size_t granularity() const noexcept = 0;
   /// Reserves `bytes` (a multiple of granularity()) of address space with no
