@@ -24,6 +24,7 @@
 #include "channel/credentials_exchange.h"
 #include "channel/frame_batch.h"
 #include "channel/private_directory.h"
+#include "channel/send_queue.h"
 #include "shoal/core/error.h"
 
 namespace shoal::channel {
@@ -175,6 +176,9 @@ struct connection::state {
   std::atomic<std::int64_t> send_timeout_ns{0};  // zero: sends wait without a deadline
   deadline_mutex send_mutex;
   std::vector<std::byte> send_buffer;  // guarded by send_mutex
+  detail::send_queue unsent;           // what post() queued; guarded by send_mutex
+  std::atomic<std::size_t> unsent_bytes{0};     // unsent.bytes(), readable without the lock
+  std::atomic<std::int64_t> unsent_since_ns{0};  // when the queue last moved (steady clock, ns); 0 while empty
   deadline_mutex receive_mutex;
   // Guarded by receive_mutex: the batch being read, and the frames of the last one not yet returned.
   detail::partial_batch partial;
@@ -202,6 +206,20 @@ struct connection::state {
                           ": the deadline passed while another thread's " + operation + " held the connection");
     }
     return lock;
+  }
+
+  // Publishes the queue's size after it changed; `moved`: bytes of it went,
+  // or it was filled from empty. Under send_mutex.
+  void note_unsent(bool moved) {
+    const std::size_t bytes = unsent.bytes();
+    const bool was_empty = unsent_bytes.exchange(bytes, std::memory_order_relaxed) == 0;
+    if (bytes == 0) {
+      unsent_since_ns.store(0, std::memory_order_relaxed);
+    } else if (moved || was_empty) {
+      const auto now = std::chrono::steady_clock::now().time_since_epoch();
+      unsent_since_ns.store(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count(),
+                            std::memory_order_relaxed);
+    }
   }
 
   void throw_if_broken(const char* operation) const {
@@ -309,17 +327,28 @@ void connection::send(std::uint16_t type, std::span<const std::byte> payload, in
   send(std::span(&one, 1));
 }
 
-void connection::send(std::span<const outgoing_frame> frames) {
-  state& s = usable("send");
+namespace {
+
+// Throws invalid_argument, naming `operation`, when a frame cannot be sent.
+void check_outgoing(std::span<const outgoing_frame> frames, const char* operation) {
   for (const outgoing_frame& f : frames) {
     if (f.payload.size() > UINT32_MAX - batch_header_bytes - frame_header_bytes) {
-      throw invalid_argument("connection::send: a payload of " + std::to_string(f.payload.size()) +
+      throw invalid_argument(std::string("connection::") + operation + ": a payload of " +
+                             std::to_string(f.payload.size()) +
                              " bytes does not fit in one frame (4 GiB less the headers)");
     }
     if (f.fd >= 0 && ::fcntl(f.fd, F_GETFD) == -1) {
-      throw invalid_argument("connection::send: descriptor " + std::to_string(f.fd) + " is not open");
+      throw invalid_argument(std::string("connection::") + operation + ": descriptor " + std::to_string(f.fd) +
+                             " is not open");
     }
   }
+}
+
+}  // namespace
+
+void connection::send(std::span<const outgoing_frame> frames) {
+  state& s = usable("send");
+  check_outgoing(frames, "send");
   detail::deadline until;
   const auto timeout = std::chrono::nanoseconds(s.send_timeout_ns.load(std::memory_order_relaxed));
   if (timeout.count() > 0) until = std::chrono::steady_clock::now() + timeout;
@@ -328,6 +357,15 @@ void connection::send(std::span<const outgoing_frame> frames) {
   const auto to = [&] { return "connection::send to pid " + std::to_string(s.peer.process.pid) + ": "; };
   bool started = false;  // a batch of this call has gone
   try {
+    if (s.unsent.bytes() > 0) {  // what post() queued goes first
+      const std::size_t before = s.unsent.bytes();
+      const bool drained = s.unsent.drain(s.socket.get(), until);
+      s.note_unsent(s.unsent.bytes() < before);
+      if (!drained) {
+        throw timeout_error("the deadline passed while " + std::to_string(s.unsent.bytes()) +
+                            " bytes posted earlier waited for the peer to read them");
+      }
+    }
     while (!frames.empty()) {
       const std::size_t count = detail::frames_in_next_batch(frames);
       detail::send_batch(s.socket.get(), frames.first(count), s.send_buffer, until);
@@ -352,6 +390,62 @@ void connection::send(std::span<const outgoing_frame> frames) {
     s.break_with(e.what());
     throw;
   }
+}
+
+void connection::post(std::uint16_t type, std::span<const std::byte> payload, int fd) {
+  const outgoing_frame one{type, payload, fd};
+  post(std::span(&one, 1));
+}
+
+void connection::post(std::span<const outgoing_frame> frames) {
+  state& s = usable("post");
+  check_outgoing(frames, "post");
+  const std::lock_guard lock(s.send_mutex);
+  s.throw_if_broken("post");
+  try {
+    while (!frames.empty()) {
+      const std::size_t count = detail::frames_in_next_batch(frames);
+      const std::vector<int> descriptors = detail::encode_batch(frames.first(count), s.send_buffer);
+      s.unsent.post(s.socket.get(), s.send_buffer, descriptors);
+      frames = frames.subspan(count);
+    }
+    s.note_unsent(false);
+  } catch (const connection_closed& e) {
+    const connection_closed closed("connection::post to pid " + std::to_string(s.peer.process.pid) + ": " + e.what());
+    s.break_with(closed.what());
+    throw closed;
+  } catch (const std::exception& e) {  // part of a batch may have gone: the stream is out of step
+    s.break_with(e.what());
+    throw;
+  }
+}
+
+std::size_t connection::flush() {
+  state& s = usable("flush");
+  const std::lock_guard lock(s.send_mutex);
+  s.throw_if_broken("flush");
+  try {
+    s.note_unsent(s.unsent.flush(s.socket.get()));
+  } catch (const connection_closed& e) {
+    const connection_closed closed("connection::flush to pid " + std::to_string(s.peer.process.pid) + ": " + e.what());
+    s.break_with(closed.what());
+    throw closed;
+  } catch (const std::exception& e) {
+    s.break_with(e.what());
+    throw;
+  }
+  return s.unsent.bytes();
+}
+
+std::size_t connection::unsent_bytes() const {
+  return usable("unsent_bytes").unsent_bytes.load(std::memory_order_relaxed);
+}
+
+std::optional<std::chrono::steady_clock::time_point> connection::unsent_since() const {
+  const std::int64_t ns = usable("unsent_since").unsent_since_ns.load(std::memory_order_relaxed);
+  if (ns == 0) return std::nullopt;
+  return std::chrono::steady_clock::time_point(
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::nanoseconds(ns)));
 }
 
 void connection::set_receive_spin(std::chrono::nanoseconds spin) {

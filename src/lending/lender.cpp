@@ -33,6 +33,9 @@ using detail::message_type;
 using detail::refusal;
 using clock_type = std::chrono::steady_clock;
 
+// The least lender_config::max_unsent_bytes: two of the largest answer.
+constexpr std::size_t min_unsent_limit = 2 * detail::max_frame_payload;
+
 // How often orphaned regions are checked for a borrower that has exited.
 constexpr std::chrono::milliseconds orphan_check_interval{50};
 
@@ -238,7 +241,9 @@ class lender::state {
       bool pending = false;
       for (const auto& b : borrowers_) {
         pending = pending || b.link.pending() > 0;
-        fds_.push_back({b.link.native_handle(), POLLIN, 0});
+        // Writable matters only while replies wait for room in its socket.
+        const short events = b.link.unsent_bytes() > 0 ? POLLIN | POLLOUT : POLLIN;
+        fds_.push_back({b.link.native_handle(), events, 0});
       }
       const auto until_check = std::chrono::ceil<std::chrono::milliseconds>(next_check - clock_type::now());
       const auto wait = pending ? 0 : std::clamp<std::int64_t>(until_check.count(), 0, orphan_check_interval.count());
@@ -255,7 +260,9 @@ class lender::state {
       if (ready > 0 && (fds_[0].revents & POLLIN) != 0) accept_one();
       auto b = borrowers_.begin();
       for (std::size_t i = 0; i < polled; ++i, ++b) {
-        if (fds_[i + 2].revents != 0 || b->link.pending() > 0) serve_one(*b);
+        const short revents = fds_[i + 2].revents;
+        if ((revents & POLLOUT) != 0) flush_one(*b);
+        if ((revents & ~POLLOUT) != 0 || b->link.pending() > 0) serve_one(*b);
       }
       if (clock_type::now() >= next_check) {
         hang_up_stalled();
@@ -295,6 +302,8 @@ class lender::state {
            "already " + std::to_string(borrowers_.size()) + " borrowers, the most allowed");
       return;  // closed at once: the client sees end of stream instead of a hello
     }
+    // The hello is sent (under the peer timeout), not posted: a fresh
+    // socket has room for it. Every later answer is posted.
     accepted->set_send_timeout(shoal::detail::channel_timeout(config_.peer_timeout));
     try {
       channel::send_hello(*accepted, lending_protocol);
@@ -312,7 +321,7 @@ class lender::state {
   // hangs up on it.
   void serve_one(borrower_entry& b) {
     try {
-      for (std::size_t served = 0; served < channel::max_batch_frames; ++served) {
+      for (std::size_t served = 0; served < channel::max_batch_frames && !b.failed; ++served) {
         // Once its batch's frames are handled, the socket is polled again
         // rather than read at once: no read that finds nothing.
         if (served > 0 && b.link.pending() == 0) return;
@@ -346,8 +355,7 @@ class lender::state {
       case message_type::query_metrics: {
         if (!f.payload.empty()) throw protocol_error("lender: query_metrics carries no payload");
         const std::string text = detail::prometheus_text(status(), detail::max_metrics_text);
-        b.link.send(static_cast<std::uint16_t>(message_type::metrics), std::as_bytes(std::span(text)));
-        return;
+        return post(b, {{static_cast<std::uint16_t>(message_type::metrics), std::as_bytes(std::span(text))}});
       }
       default:
         throw protocol_error(
@@ -363,15 +371,51 @@ class lender::state {
     emit(lender_event::kind::closed_for_error, b.link.peer(), 0, 0, why);
   }
 
-  // Fails each borrower that sent part of a batch and not the rest within
-  // peer_timeout: the loop hangs up on it and reclaims its regions.
+  // Sends `frames` to `b` without waiting on it (connection::post): what
+  // its socket does not take waits in its queue, written out as the loop
+  // finds it writable. A borrower whose queue passes max_unsent_bytes is
+  // closed for error; nothing more is sent to a failed one.
+  void post(borrower_entry& b, std::span<const channel::outgoing_frame> frames) {
+    if (b.failed) return;
+    b.link.post(frames);
+    if (b.link.unsent_bytes() <= config_.max_unsent_bytes) return;
+    close_for_error(b, "it left " + std::to_string(b.link.unsent_bytes()) +
+                           " bytes of answers unread, over the limit of " +
+                           std::to_string(config_.max_unsent_bytes));
+  }
+  void post(borrower_entry& b, std::initializer_list<channel::outgoing_frame> frames) {
+    post(b, std::span(frames.begin(), frames.size()));
+  }
+
+  // Writes what `b`'s socket takes of its queued answers.
+  void flush_one(borrower_entry& b) {
+    try {
+      (void)b.link.flush();
+    } catch (const connection_closed&) {
+      // It hung up: the loop reclaims.
+    } catch (const std::exception& e) {
+      close_for_error(b, e.what());
+    }
+  }
+
+  // Fails each borrower that sent part of a batch and not the rest, or read
+  // nothing of what waits for it, within peer_timeout: the loop hangs up on
+  // it and reclaims its regions.
   void hang_up_stalled() {
     const auto now = clock_type::now();
+    const auto timeout = " within the peer timeout of " + std::to_string(config_.peer_timeout.count()) + " ms";
     for (auto& b : borrowers_) {
+      if (b.failed) continue;
       const auto since = b.link.incomplete_since();
-      if (b.failed || !since || now - *since < config_.peer_timeout) continue;
-      close_for_error(b, "it sent part of a batch and not the rest within the peer timeout of " +
-                             std::to_string(config_.peer_timeout.count()) + " ms");
+      if (since && now - *since >= config_.peer_timeout) {
+        close_for_error(b, "it sent part of a batch and not the rest" + timeout);
+        continue;
+      }
+      const auto unread = b.link.unsent_since();
+      if (unread && now - *unread >= config_.peer_timeout) {
+        close_for_error(b, "it read none of the " + std::to_string(b.link.unsent_bytes()) +
+                               " bytes of answers waiting for it" + timeout);
+      }
     }
   }
 
@@ -554,12 +598,13 @@ class lender::state {
     for (auto& b : borrowers_) {
       if (std::find(keepers.begin(), keepers.end(), b.serial) == keepers.end()) continue;
       try {
-        b.link.send(static_cast<std::uint16_t>(message_type::forget), detail::encode_forget(memory));
+        const auto forget = detail::encode_forget(memory);
+        post(b, {{static_cast<std::uint16_t>(message_type::forget), view(forget)}});
       } catch (const connection_closed&) {
         // It hung up: the loop reclaims.
       } catch (const error& e) {
-        // Not sent (a borrower that does not read within peer_timeout): it
-        // would keep the mapping unknowingly, so the loop hangs up on it.
+        // Not sent (the system refused it): the borrower would keep the
+        // mapping unknowingly, so the loop hangs up on it.
         close_for_error(b, "forget for memory " + std::to_string(memory) + " could not be sent: " + e.what());
       }
       std::lock_guard lock(mutex_);
@@ -585,7 +630,7 @@ class lender::state {
       described = detail::encode(detail::layout_message{request, *layout});
       frames.push_back({static_cast<std::uint16_t>(message_type::layout), view(described)});
     }
-    b.link.send(frames);
+    post(b, frames);
   }
 
   // The writer's exclusive region becomes shared under its purpose, with the
@@ -770,8 +815,8 @@ class lender::state {
                           "region " + std::to_string(id) + " is not one this borrower holds");
     }
     emit(lender_event::kind::given_back, b.link.peer(), id, bytes);
-    b.link.send(static_cast<std::uint16_t>(message_type::given_back),
-                detail::encode(detail::given_back_message{id, kept}));
+    const auto answer = detail::encode(detail::given_back_message{id, kept});
+    post(b, {{static_cast<std::uint16_t>(message_type::given_back), view(answer)}});
   }
 
   // Whether a region's memory becomes a spare when its last hold goes.
@@ -785,8 +830,8 @@ class lender::state {
       ++counters_.refusals;
     }
     emit(lender_event::kind::refused, b.link.peer(), 0, 0, why);
-    b.link.send(static_cast<std::uint16_t>(message_type::refused),
-                detail::encode(detail::refused_message{request, reason, why}));
+    const auto refused = detail::encode(detail::refused_message{request, reason, why});
+    post(b, {{static_cast<std::uint16_t>(message_type::refused), view(refused)}});
   }
 
   // The loop removes `b` after this; its regions are reclaimed or orphaned.
@@ -862,12 +907,12 @@ class lender::state {
       for (auto& b : borrowers_) {
         if (b.serial != serial) continue;
         try {
-          b.link.send(static_cast<std::uint16_t>(message_type::revoke),
-                      detail::encode(detail::revoke_message{id, static_cast<std::uint32_t>(deadline.count())}));
+          const auto revoke = detail::encode(detail::revoke_message{id, static_cast<std::uint32_t>(deadline.count())});
+          post(b, {{static_cast<std::uint16_t>(message_type::revoke), view(revoke)}});
         } catch (const connection_closed&) {
           // It hung up: the loop reclaims.
         } catch (const error& e) {
-          // Not sent (it does not read within peer_timeout): the loop hangs up and reclaims.
+          // Not sent (the system refused it): the loop hangs up and reclaims.
           close_for_error(b, "the revoke of region " + std::to_string(id) + " could not be sent: " + e.what());
         }
         emit(lender_event{lender_event::kind::revoke_requested, info.borrower, info.uid, id, info.bytes,
@@ -974,6 +1019,11 @@ lender::lender(backend::device& device, const channel::channel_address& address,
       config.max_regions_per_borrower == 0 || config.peer_timeout <= std::chrono::milliseconds(0)) {
     throw invalid_argument(
         "lender: capacity_bytes, quota_bytes, max_borrowers, max_regions_per_borrower and peer_timeout must be > 0");
+  }
+  if (config.max_unsent_bytes < min_unsent_limit) {
+    throw invalid_argument("lender: max_unsent_bytes is " + std::to_string(config.max_unsent_bytes) +
+                           "; it must be at least " + std::to_string(min_unsent_limit) +
+                           " (2 MiB), room for the largest answer, a metrics text of 1 MiB");
   }
   const auto prepared = detail::prepared_total(config.prepared_chunks, device.granularity());
   if (!prepared || *prepared > config.capacity_bytes) {

@@ -1,8 +1,11 @@
 // How the lender serves its borrowers when one of them misbehaves: a
-// borrower that stalls in the middle of a batch holds no one else up and is
-// hung up on after the peer timeout; one that does not read gets hung up on
-// when a revoke cannot be sent to it; a revoke that comes while a publish is
-// being checked keeps the region exclusive.
+// borrower that stalls in the middle of a batch, or stops reading its
+// answers, holds no one else up and is hung up on after the peer timeout (or
+// once its unread answers pass max_unsent_bytes); answers queued for it
+// arrive whole and in order, chunk descriptors included, once it reads; one
+// that does not read gets hung up on when a revoke cannot be sent to it; a
+// revoke that comes while a publish is being checked keeps the region
+// exclusive.
 //
 // In-process borrowers: the host backend only (CUDA refuses to import
 // memory in the process that exported it).
@@ -10,6 +13,7 @@
 #include <fcntl.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -48,15 +52,15 @@ std::uint64_t greet_and_borrow(channel::connection& raw, std::size_t bytes) {
   return lending::detail::decode_lent(lent.payload).region;
 }
 
-/// How many 256-byte batches a fresh UNIX stream socket of this machine
-/// takes without its peer reading: the lender's socket to a borrower that
-/// never reads fills after as many of its (padded, 256-byte) answers.
-std::size_t small_batches_a_socket_holds() {
+/// How many batches of `batch_bytes` a fresh UNIX stream socket of this
+/// machine takes without its peer reading: the lender's socket to a
+/// borrower that never reads fills after as many of its answers of that size.
+std::size_t batches_a_socket_holds(std::size_t batch_bytes) {
   std::array<int, 2> pair{};
   EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair.data()), 0);
   const unique_fd sender(pair[0]), receiver(pair[1]);
   ::fcntl(sender.get(), F_SETFL, O_NONBLOCK);
-  const std::array<std::byte, channel::min_batch_bytes> batch{};
+  const std::vector<std::byte> batch(batch_bytes);
   std::size_t count = 0;
   while (::send(sender.get(), batch.data(), batch.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(batch.size())) ++count;
   return count;
@@ -131,7 +135,7 @@ TYPED_TEST(serving_test, a_revoke_the_lender_cannot_send_hangs_up_on_that_borrow
   const std::uint64_t region = greet_and_borrow(deaf, this->unit());
   // As many bad give-backs as the lender's socket holds refusals (one
   // 256-byte batch each); the borrower reads none of them.
-  const std::size_t fill = small_batches_a_socket_holds();
+  const std::size_t fill = batches_a_socket_holds(channel::min_batch_bytes);
   const auto bogus = lending::detail::encode(lending::detail::give_back_message{region + 1000, false});
   for (std::size_t i = 0; i < fill; ++i) deaf.send(static_cast<std::uint16_t>(message_type::give_back), bogus);
   ASSERT_TRUE(eventually([&] { return bytes_waiting(deaf) == fill * channel::min_batch_bytes; }))
@@ -144,8 +148,131 @@ TYPED_TEST(serving_test, a_revoke_the_lender_cannot_send_hangs_up_on_that_borrow
       << "a borrower that was never told of the revoke was kept";
   std::lock_guard lock(*recorder.guard);
   EXPECT_TRUE(std::any_of(recorder.events->begin(), recorder.events->end(), [](const lending::lender_event& e) {
-    return e.what == lending::lender_event::kind::closed_for_error && e.detail.find("revoke") != std::string::npos;
+    return e.what == lending::lender_event::kind::closed_for_error && e.detail.find("read none") != std::string::npos;
   }));
+}
+
+/// Sends `count` query_metrics requests on `raw` at once, reading none of
+/// the answers.
+void ask_for_metrics(channel::connection& raw, std::size_t count) {
+  const std::vector<channel::outgoing_frame> queries(count, {static_cast<std::uint16_t>(message_type::query_metrics)});
+  raw.send(queries);
+}
+
+/// How many metrics answers from `l` fill `factor` times a borrower's
+/// socket, and 64 more.
+std::size_t answers_to_fill(const lender& l, std::size_t factor) {
+  const std::size_t answer = l.metrics_text().size() + channel::batch_header_bytes + channel::frame_header_bytes;
+  return factor * batches_a_socket_holds(answer) + 64;
+}
+
+bool closed_for_error_saying(const event_recorder& recorder, const std::string& words) {
+  std::lock_guard lock(*recorder.guard);
+  return std::any_of(recorder.events->begin(), recorder.events->end(), [&](const lending::lender_event& e) {
+    return e.what == lending::lender_event::kind::closed_for_error && e.detail.find(words) != std::string::npos;
+  });
+}
+
+TYPED_TEST(serving_test, a_borrower_that_reads_no_answers_holds_no_one_else_up_and_is_hung_up_after_the_peer_timeout) {
+  if (this->in_process_only()) return;
+  const event_recorder recorder;
+  lender_config config;
+  config.peer_timeout = 2000ms;
+  recorder.attach(config);
+  auto& l = this->start(config);
+  auto deaf = channel::connection::connect(l.address(), {}, lending::detail::max_frame_payload);
+  (void)greet_and_borrow(deaf, this->unit());
+  borrower b(this->device(), l.address());
+  b.give_back(b.borrow(this->unit(), "warm-up"));
+
+  // Three times what its socket holds: the lender cannot send the rest.
+  ask_for_metrics(deaf, answers_to_fill(l, 3));
+  const auto flooded_at = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::duration slowest{};
+  int turns = 0;
+  while (std::chrono::steady_clock::now() - flooded_at < 500ms) {
+    const auto start = std::chrono::steady_clock::now();
+    b.give_back(b.borrow(this->unit(), "turn"));
+    slowest = std::max(slowest, std::chrono::steady_clock::now() - start);
+    ++turns;
+  }
+  // Held up behind a send to the deaf borrower, a turn would wait for most
+  // of its 2 s peer timeout.
+  EXPECT_LT(slowest, 400ms) << "the slowest of " << turns << " borrow + give back turns while another borrower reads nothing";
+  EXPECT_EQ(l.status().borrowers, 2u) << "hung up on before its peer timeout";
+
+  ASSERT_TRUE(eventually([&] { return l.status().borrowers == 1; }, 5000ms)) << "the deaf borrower was kept";
+  EXPECT_GE(std::chrono::steady_clock::now() - flooded_at, 1900ms) << "hung up on before its peer timeout";
+  EXPECT_EQ(l.status().connections_closed_for_errors, 1u);
+  EXPECT_TRUE(closed_for_error_saying(recorder, "read none"));
+  b.give_back(b.borrow(this->unit(), "after"));
+}
+
+TYPED_TEST(serving_test, a_borrower_whose_unread_answers_pass_the_limit_is_hung_up_before_its_peer_timeout) {
+  if (this->in_process_only()) return;
+  const event_recorder recorder;
+  lender_config config;
+  config.peer_timeout = 60000ms;
+  config.max_unsent_bytes = 2 * mib;
+  recorder.attach(config);
+  auto& l = this->start(config);
+  auto deaf = channel::connection::connect(l.address(), {}, lending::detail::max_frame_payload);
+  (void)greet_and_borrow(deaf, this->unit());
+  const std::size_t over_the_limit = (config.max_unsent_bytes * 3 / 2) / l.metrics_text().size();
+  ask_for_metrics(deaf, answers_to_fill(l, 1) + over_the_limit);
+  EXPECT_TRUE(eventually([&] { return l.status().borrowers == 0; }, 5000ms))
+      << "a borrower with more than max_unsent_bytes of answers unread was kept";
+  EXPECT_TRUE(closed_for_error_saying(recorder, "over the limit of " + std::to_string(config.max_unsent_bytes)));
+  EXPECT_EQ(l.status().connections_closed_for_errors, 1u);
+}
+
+TYPED_TEST(serving_test, answers_queued_for_a_borrower_arrive_in_order_with_their_chunks_once_it_reads) {
+  if (this->in_process_only()) return;
+  lender_config config;
+  config.peer_timeout = 10000ms;
+  auto& l = this->start(config);
+  auto slow = channel::connection::connect(l.address(), {}, lending::detail::max_frame_payload);
+  (void)greet_and_borrow(slow, this->unit());
+  const std::size_t queries = answers_to_fill(l, 3);
+  ask_for_metrics(slow, queries);
+  // Four borrows answered behind the metrics: lent and chunk frames, the
+  // chunk with its memory's descriptor.
+  constexpr std::uint64_t first_request = 100, borrows = 4;
+  std::vector<channel::outgoing_frame> asks;
+  std::vector<std::vector<std::byte>> payloads;
+  for (std::uint64_t i = 0; i < borrows; ++i) {
+    payloads.push_back(lending::detail::encode(lending::detail::borrow_message{
+        first_request + i, (i + 1) * this->unit(), lending::region_mode::exclusive, "queued"}));
+  }
+  for (const auto& p : payloads) asks.push_back({static_cast<std::uint16_t>(message_type::borrow), p});
+  slow.send(asks);
+  ASSERT_TRUE(eventually([&] { return l.status().regions.size() == 1 + borrows; }))
+      << "the lender did not lend while the borrower's answers waited";
+
+  for (std::size_t i = 0; i < queries; ++i) {
+    const channel::frame f = slow.receive_for(5000ms);
+    ASSERT_EQ(f.type, static_cast<std::uint16_t>(message_type::metrics)) << "answer " << i;
+    EXPECT_FALSE(f.fd.valid());
+  }
+  std::vector<ino_t> memories;
+  for (std::uint64_t i = 0; i < borrows; ++i) {
+    const channel::frame lent = slow.receive_for(5000ms);
+    ASSERT_EQ(lent.type, static_cast<std::uint16_t>(message_type::lent));
+    const auto m = lending::detail::decode_lent(lent.payload);
+    EXPECT_EQ(m.request, first_request + i) << "answers came out of order";
+    ASSERT_EQ(m.chunks, 1u);
+    const channel::frame chunk = slow.receive_for(5000ms);
+    ASSERT_EQ(chunk.type, static_cast<std::uint16_t>(message_type::chunk));
+    ASSERT_TRUE(chunk.fd.valid()) << "the chunk of request " << m.request << " came without its descriptor";
+    struct stat st {};
+    ASSERT_EQ(::fstat(chunk.fd.get(), &st), 0);
+    EXPECT_EQ(static_cast<std::uint64_t>(st.st_size), m.bytes) << "request " << m.request << " got another chunk's memory";
+    memories.push_back(st.st_ino);
+  }
+  std::sort(memories.begin(), memories.end());
+  EXPECT_EQ(std::unique(memories.begin(), memories.end()), memories.end()) << "two regions came with one memory";
+  EXPECT_EQ(l.status().borrowers, 1u);
+  EXPECT_EQ(l.status().connections_closed_for_errors, 0u);
 }
 
 /// Clears the publish hook when the test ends, however it ends.

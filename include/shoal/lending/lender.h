@@ -70,10 +70,14 @@
 // batch it stalls in the middle of closes that borrower's connection (and
 // reclaims its regions as above) and harms no one else: each borrower's
 // frames are read as they come, without waiting on it, so one that stalls
-// mid-batch holds no other borrower up until it is hung up on. Every wait on
-// a borrower has a deadline (config.peer_timeout); a revoke or forget that
-// cannot be sent in time closes its connection too. The lender never exits
-// or aborts on a borrower's or the device's error.
+// mid-batch holds no other borrower up until it is hung up on. Nor are
+// answers to a borrower waited on: what its socket does not take waits in
+// its connection's queue (connection::post) and goes out, in order, as it
+// reads, so one that stops reading holds no one else up either. Every wait
+// on a borrower has a deadline (config.peer_timeout): one that reads none of
+// its queued answers within it, or lets more than config.max_unsent_bytes of
+// them pile up, has its connection closed too. The lender never exits or
+// aborts on a borrower's or the device's error.
 //
 // Thread-safety: the lender serves on its own thread; status() and
 // address() may be called from any thread. Destruction stops the thread,
@@ -117,9 +121,13 @@ struct lender_config {
   std::size_t max_borrowers = 64;
   /// Regions one borrower may hold at once.
   std::size_t max_regions_per_borrower = 1024;
-  /// Deadline of every wait on a borrower: a batch it started sending, a
-  /// reply it does not read.
+  /// Deadline of every wait on a borrower: a batch it started sending,
+  /// answers it does not read.
   std::chrono::milliseconds peer_timeout{1000};
+  /// Bytes of answers (replies, revokes, forgets, metrics texts) that may
+  /// wait for one borrower that does not read them; one more closes its
+  /// connection. At least 2 MiB: the largest answer, a metrics text, is 1 MiB.
+  std::size_t max_unsent_bytes = std::size_t{4} << 20;
   /// Whether given-back memory is lent again (see the contract above).
   reuse_policy reuse = reuse_policy::same_uid;
   /// Chunks made when the lender starts, by size (each > 0, rounded up to
