@@ -177,8 +177,10 @@ struct connection::state {
   deadline_mutex send_mutex;
   std::vector<std::byte> send_buffer;  // guarded by send_mutex
   detail::send_queue unsent;           // what post() queued; guarded by send_mutex
-  std::atomic<std::size_t> unsent_bytes{0};     // unsent.bytes(), readable without the lock
-  std::atomic<std::int64_t> unsent_since_ns{0};  // when the queue last moved (steady clock, ns); 0 while empty
+  // unsent.bytes() and unsent.oldest_post() (steady clock, ns; 0 while
+  // empty), readable without the lock; each is stored on its own.
+  std::atomic<std::size_t> unsent_bytes{0};
+  std::atomic<std::int64_t> unsent_since_ns{0};
   deadline_mutex receive_mutex;
   // Guarded by receive_mutex: the batch being read, and the frames of the last one not yet returned.
   detail::partial_batch partial;
@@ -208,19 +210,27 @@ struct connection::state {
     return lock;
   }
 
-  // Publishes the queue's size after it changed; `moved`: bytes of it went,
-  // or it was filled from empty. Under send_mutex.
-  void note_unsent(bool moved) {
-    const std::size_t bytes = unsent.bytes();
-    const bool was_empty = unsent_bytes.exchange(bytes, std::memory_order_relaxed) == 0;
-    if (bytes == 0) {
-      unsent_since_ns.store(0, std::memory_order_relaxed);
-    } else if (moved || was_empty) {
-      const auto now = std::chrono::steady_clock::now().time_since_epoch();
-      unsent_since_ns.store(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count(),
-                            std::memory_order_relaxed);
-    }
+  // Publishes what unsent holds after an operation on it, thrown or not.
+  // Under send_mutex.
+  void note_unsent() noexcept {
+    unsent_bytes.store(unsent.bytes(), std::memory_order_relaxed);
+    const auto oldest = unsent.oldest_post();
+    unsent_since_ns.store(
+        oldest ? std::chrono::duration_cast<std::chrono::nanoseconds>(oldest->time_since_epoch()).count() : 0,
+        std::memory_order_relaxed);
   }
+
+  // note_unsent() when it leaves scope, however it leaves.
+  class noting_unsent {
+   public:
+    explicit noting_unsent(state& s) : s_(s) {}
+    noting_unsent(const noting_unsent&) = delete;
+    noting_unsent& operator=(const noting_unsent&) = delete;
+    ~noting_unsent() { s_.note_unsent(); }
+
+   private:
+    state& s_;
+  };
 
   void throw_if_broken(const char* operation) const {
     const std::lock_guard lock(broken_mutex);
@@ -358,10 +368,8 @@ void connection::send(std::span<const outgoing_frame> frames) {
   bool started = false;  // a batch of this call has gone
   try {
     if (s.unsent.bytes() > 0) {  // what post() queued goes first
-      const std::size_t before = s.unsent.bytes();
-      const bool drained = s.unsent.drain(s.socket.get(), until);
-      s.note_unsent(s.unsent.bytes() < before);
-      if (!drained) {
+      const state::noting_unsent noting{s};
+      if (!s.unsent.drain(s.socket.get(), until)) {
         throw timeout_error("the deadline passed while " + std::to_string(s.unsent.bytes()) +
                             " bytes posted earlier waited for the peer to read them");
       }
@@ -402,6 +410,7 @@ void connection::post(std::span<const outgoing_frame> frames) {
   check_outgoing(frames, "post");
   const std::lock_guard lock(s.send_mutex);
   s.throw_if_broken("post");
+  const state::noting_unsent noting{s};
   try {
     while (!frames.empty()) {
       const std::size_t count = detail::frames_in_next_batch(frames);
@@ -409,7 +418,6 @@ void connection::post(std::span<const outgoing_frame> frames) {
       s.unsent.post(s.socket.get(), s.send_buffer, descriptors);
       frames = frames.subspan(count);
     }
-    s.note_unsent(false);
   } catch (const connection_closed& e) {
     const connection_closed closed("connection::post to pid " + std::to_string(s.peer.process.pid) + ": " + e.what());
     s.break_with(closed.what());
@@ -424,8 +432,9 @@ std::size_t connection::flush() {
   state& s = usable("flush");
   const std::lock_guard lock(s.send_mutex);
   s.throw_if_broken("flush");
+  const state::noting_unsent noting{s};
   try {
-    s.note_unsent(s.unsent.flush(s.socket.get()));
+    s.unsent.flush(s.socket.get());
   } catch (const connection_closed& e) {
     const connection_closed closed("connection::flush to pid " + std::to_string(s.peer.process.pid) + ": " + e.what());
     s.break_with(closed.what());

@@ -30,30 +30,34 @@ void send_queue::queue(std::span<const std::byte> batch, std::size_t written, st
     if (!copy) throw backend_error("fcntl(F_DUPFD_CLOEXEC)", std::strerror(errno));
     e.descriptors.push_back(std::move(copy));
   }
-  bytes_ += e.batch.size();
-  entries_.push_back(std::move(e));
+  e.posted = std::chrono::steady_clock::now();
+  const std::size_t size = e.batch.size();
+  entries_.push_back(std::move(e));  // counted once it is in: a failed push_back leaves bytes_ as it was
+  bytes_ += size;
 }
 
-bool send_queue::flush(int socket) {
-  bool moved = false;
+std::optional<std::chrono::steady_clock::time_point> send_queue::oldest_post() const noexcept {
+  if (entries_.empty()) return std::nullopt;
+  return entries_.front().posted;
+}
+
+void send_queue::flush(int socket) {
   while (!entries_.empty()) {
     entry& front = entries_.front();
     std::vector<int> descriptors;
     for (const unique_fd& fd : front.descriptors) descriptors.push_back(fd.get());
     const std::size_t sent = write_ready(socket, std::span(front.batch).subspan(front.written), descriptors);
     if (sent == 0) break;
-    moved = true;
     front.descriptors.clear();  // they went with the first byte
     front.written += sent;
     bytes_ -= sent;
     if (front.written == front.batch.size()) entries_.pop_front();
   }
-  return moved;
 }
 
 bool send_queue::drain(int socket, deadline until) {
   for (;;) {
-    (void)flush(socket);
+    flush(socket);
     if (entries_.empty()) return true;
     int timeout_ms = -1;
     if (until) {

@@ -33,9 +33,6 @@ using detail::message_type;
 using detail::refusal;
 using clock_type = std::chrono::steady_clock;
 
-// The least lender_config::max_unsent_bytes: two of the largest answer.
-constexpr std::size_t min_unsent_limit = 2 * detail::max_frame_payload;
-
 // How often orphaned regions are checked for a borrower that has exited.
 constexpr std::chrono::milliseconds orphan_check_interval{50};
 
@@ -230,7 +227,10 @@ class lender::state {
   // One thread reads every borrower without waiting on any: a frame is
   // handled once its batch has come whole, and a borrower that sends part of
   // one and stalls is hung up on after peer_timeout (hang_up_stalled) while
-  // the others are served.
+  // the others are served. A borrower with answers queued is polled for
+  // room in its socket only (a hang-up is reported all the same) and read
+  // no further until they have gone: however fast it asks, its queue holds
+  // one answer and the revokes and forgets sent meanwhile.
   void serve() noexcept {
     auto next_check = clock_type::now();
     while (!stopping_.load()) {
@@ -240,10 +240,9 @@ class lender::state {
       fds_.push_back({wake_.get(), POLLIN, 0});
       bool pending = false;
       for (const auto& b : borrowers_) {
-        pending = pending || b.link.pending() > 0;
-        // Writable matters only while replies wait for room in its socket.
-        const short events = b.link.unsent_bytes() > 0 ? POLLIN | POLLOUT : POLLIN;
-        fds_.push_back({b.link.native_handle(), events, 0});
+        const bool answers_wait = b.link.unsent_bytes() > 0;
+        pending = pending || (!answers_wait && b.link.pending() > 0);
+        fds_.push_back({b.link.native_handle(), answers_wait ? short{POLLOUT} : short{POLLIN}, 0});
       }
       const auto until_check = std::chrono::ceil<std::chrono::milliseconds>(next_check - clock_type::now());
       const auto wait = pending ? 0 : std::clamp<std::int64_t>(until_check.count(), 0, orphan_check_interval.count());
@@ -261,7 +260,8 @@ class lender::state {
       auto b = borrowers_.begin();
       for (std::size_t i = 0; i < polled; ++i, ++b) {
         const short revents = fds_[i + 2].revents;
-        if ((revents & POLLOUT) != 0) flush_one(*b);
+        if (revents != 0 && b->link.unsent_bytes() > 0) flush_one(*b);  // a hang-up makes the flush fail
+        if (b->link.unsent_bytes() > 0) continue;  // its answers go first
         if ((revents & ~POLLOUT) != 0 || b->link.pending() > 0) serve_one(*b);
       }
       if (clock_type::now() >= next_check) {
@@ -316,15 +316,16 @@ class lender::state {
   }
 
   // The frames of `b` that have come whole (at most one batch's worth, so
-  // that a flooding borrower leaves room for the others); a borrower that
-  // breaks the protocol or hangs up ends up failed or broken, and the loop
-  // hangs up on it.
+  // that a flooding borrower leaves room for the others), until an answer
+  // finds its socket full; a borrower that breaks the protocol or hangs up
+  // ends up failed or broken, and the loop hangs up on it.
   void serve_one(borrower_entry& b) {
     try {
       for (std::size_t served = 0; served < channel::max_batch_frames && !b.failed; ++served) {
         // Once its batch's frames are handled, the socket is polled again
-        // rather than read at once: no read that finds nothing.
-        if (served > 0 && b.link.pending() == 0) return;
+        // rather than read at once: no read that finds nothing. Once an
+        // answer waits, the rest wait for it to go.
+        if (served > 0 && (b.link.pending() == 0 || b.link.unsent_bytes() > 0)) return;
         std::optional<channel::frame> f = b.link.try_receive();
         if (!f) return;  // the rest of its batch has not come: read on when it does
         handle(b, *f);
@@ -373,15 +374,10 @@ class lender::state {
 
   // Sends `frames` to `b` without waiting on it (connection::post): what
   // its socket does not take waits in its queue, written out as the loop
-  // finds it writable. A borrower whose queue passes max_unsent_bytes is
-  // closed for error; nothing more is sent to a failed one.
+  // finds it writable. Nothing more is sent to a failed one.
   void post(borrower_entry& b, std::span<const channel::outgoing_frame> frames) {
     if (b.failed) return;
     b.link.post(frames);
-    if (b.link.unsent_bytes() <= config_.max_unsent_bytes) return;
-    close_for_error(b, "it left " + std::to_string(b.link.unsent_bytes()) +
-                           " bytes of answers unread, over the limit of " +
-                           std::to_string(config_.max_unsent_bytes));
   }
   void post(borrower_entry& b, std::initializer_list<channel::outgoing_frame> frames) {
     post(b, std::span(frames.begin(), frames.size()));
@@ -398,9 +394,9 @@ class lender::state {
     }
   }
 
-  // Fails each borrower that sent part of a batch and not the rest, or read
-  // nothing of what waits for it, within peer_timeout: the loop hangs up on
-  // it and reclaims its regions.
+  // Fails each borrower that sent part of a batch and not the rest, or left
+  // an answer queued (read in part or not at all), for peer_timeout: the
+  // loop hangs up on it and reclaims its regions.
   void hang_up_stalled() {
     const auto now = clock_type::now();
     const auto timeout = " within the peer timeout of " + std::to_string(config_.peer_timeout.count()) + " ms";
@@ -411,10 +407,11 @@ class lender::state {
         close_for_error(b, "it sent part of a batch and not the rest" + timeout);
         continue;
       }
-      const auto unread = b.link.unsent_since();
-      if (unread && now - *unread >= config_.peer_timeout) {
-        close_for_error(b, "it read none of the " + std::to_string(b.link.unsent_bytes()) +
-                               " bytes of answers waiting for it" + timeout);
+      const auto queued = b.link.unsent_since();
+      if (queued && now - *queued >= config_.peer_timeout) {
+        close_for_error(b, "it left an answer unread for longer than the peer timeout of " +
+                               std::to_string(config_.peer_timeout.count()) + " ms (" +
+                               std::to_string(b.link.unsent_bytes()) + " bytes of answers still wait for it)");
       }
     }
   }
@@ -602,9 +599,9 @@ class lender::state {
         post(b, {{static_cast<std::uint16_t>(message_type::forget), view(forget)}});
       } catch (const connection_closed&) {
         // It hung up: the loop reclaims.
-      } catch (const error& e) {
-        // Not sent (the system refused it): the borrower would keep the
-        // mapping unknowingly, so the loop hangs up on it.
+      } catch (const std::exception& e) {
+        // Not sent (the system refused it, or memory ran out): the borrower
+        // would keep the mapping unknowingly, so the loop hangs up on it.
         close_for_error(b, "forget for memory " + std::to_string(memory) + " could not be sent: " + e.what());
       }
       std::lock_guard lock(mutex_);
@@ -911,8 +908,8 @@ class lender::state {
           post(b, {{static_cast<std::uint16_t>(message_type::revoke), view(revoke)}});
         } catch (const connection_closed&) {
           // It hung up: the loop reclaims.
-        } catch (const error& e) {
-          // Not sent (the system refused it): the loop hangs up and reclaims.
+        } catch (const std::exception& e) {
+          // Not sent (the system refused it, or memory ran out): the loop hangs up and reclaims.
           close_for_error(b, "the revoke of region " + std::to_string(id) + " could not be sent: " + e.what());
         }
         emit(lender_event{lender_event::kind::revoke_requested, info.borrower, info.uid, id, info.bytes,
@@ -1019,11 +1016,6 @@ lender::lender(backend::device& device, const channel::channel_address& address,
       config.max_regions_per_borrower == 0 || config.peer_timeout <= std::chrono::milliseconds(0)) {
     throw invalid_argument(
         "lender: capacity_bytes, quota_bytes, max_borrowers, max_regions_per_borrower and peer_timeout must be > 0");
-  }
-  if (config.max_unsent_bytes < min_unsent_limit) {
-    throw invalid_argument("lender: max_unsent_bytes is " + std::to_string(config.max_unsent_bytes) +
-                           "; it must be at least " + std::to_string(min_unsent_limit) +
-                           " (2 MiB), room for the largest answer, a metrics text of 1 MiB");
   }
   const auto prepared = detail::prepared_total(config.prepared_chunks, device.granularity());
   if (!prepared || *prepared > config.capacity_bytes) {

@@ -711,9 +711,6 @@ TEST(lender_config, out_of_range_settings_are_refused) {
   EXPECT_THROW(lender(dev, address, {.quota_bytes = 0}), invalid_argument);
   EXPECT_THROW(lender(dev, address, {.max_borrowers = 0}), invalid_argument);
   EXPECT_THROW(lender(dev, address, {.peer_timeout = 0ms}), invalid_argument);
-  EXPECT_THROW(lender(dev, address, {.max_unsent_bytes = 2 * mib - 1}), invalid_argument)
-      << "less than two metrics texts of 1 MiB";
-  EXPECT_NO_THROW(lender(dev, address, {.max_unsent_bytes = 2 * mib}));
 }
 
 }  // namespace

@@ -73,11 +73,14 @@
 // mid-batch holds no other borrower up until it is hung up on. Nor are
 // answers to a borrower waited on: what its socket does not take waits in
 // its connection's queue (connection::post) and goes out, in order, as it
-// reads, so one that stops reading holds no one else up either. Every wait
-// on a borrower has a deadline (config.peer_timeout): one that reads none of
-// its queued answers within it, or lets more than config.max_unsent_bytes of
-// them pile up, has its connection closed too. The lender never exits or
-// aborts on a borrower's or the device's error.
+// reads, so one that stops reading holds no one else up either. While any
+// answer waits, nothing more is read from that borrower: its queue holds at
+// most one answer (with at most one descriptor) and the revokes and forgets
+// sent meanwhile, one per region it holds or memory it keeps mapped.
+// Every wait on a borrower has a deadline (config.peer_timeout): one that
+// leaves an answer queued for longer, read in part or not at all, has its
+// connection closed too. The lender never exits or aborts on a borrower's
+// or the device's error.
 //
 // Thread-safety: the lender serves on its own thread; status() and
 // address() may be called from any thread. Destruction stops the thread,
@@ -121,13 +124,9 @@ struct lender_config {
   std::size_t max_borrowers = 64;
   /// Regions one borrower may hold at once.
   std::size_t max_regions_per_borrower = 1024;
-  /// Deadline of every wait on a borrower: a batch it started sending,
-  /// answers it does not read.
+  /// Deadline of every wait on a borrower: a batch it started sending, an
+  /// answer it does not read (from when the answer was posted).
   std::chrono::milliseconds peer_timeout{1000};
-  /// Bytes of answers (replies, revokes, forgets, metrics texts) that may
-  /// wait for one borrower that does not read them; one more closes its
-  /// connection. At least 2 MiB: the largest answer, a metrics text, is 1 MiB.
-  std::size_t max_unsent_bytes = std::size_t{4} << 20;
   /// Whether given-back memory is lent again (see the contract above).
   reuse_policy reuse = reuse_policy::same_uid;
   /// Chunks made when the lender starts, by size (each > 0, rounded up to
