@@ -1,7 +1,8 @@
 // How the lender serves its borrowers when one of them misbehaves: a
 // borrower that stalls in the middle of a batch, or stops reading its
 // answers, holds no one else up and is hung up on after the peer timeout
-// (an answer, a revoke too, that waits unread for it); while its answers
+// (an answer, a revoke too, that waits unread for it, counted from when it
+// was posted however slowly the borrower reads some of it); while its answers
 // wait, nothing more is served to it, so one that asks without reading pins
 // neither descriptors nor memory in the lender; answers queued for it arrive
 // whole and in order, chunk descriptors included, once it reads; one killed
@@ -21,10 +22,12 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <set>
 #include <string>
 
@@ -213,6 +216,111 @@ TYPED_TEST(serving_test, a_borrower_that_reads_no_answers_holds_no_one_else_up_a
   EXPECT_GE(std::chrono::steady_clock::now() - flooded_at, 1900ms) << "hung up on before its peer timeout";
   EXPECT_EQ(l.status().connections_closed_for_errors, 1u);
   EXPECT_TRUE(closed_for_error_saying(recorder, "left an answer unread for longer than the peer timeout of 2000 ms"));
+  b.give_back(b.borrow(this->unit(), "after"));
+}
+
+TYPED_TEST(serving_test, a_borrower_that_reads_an_answer_slowly_is_closed_a_peer_timeout_after_it_was_posted) {
+  if (this->in_process_only()) return;
+  const event_recorder recorder;
+  lender_config config;
+  config.peer_timeout = 1000ms;
+  config.max_regions_per_borrower = 1 << 14;
+  config.capacity_bytes = config.quota_bytes = std::size_t{1} << 40;  // host memory files, never touched
+  recorder.attach(config);
+  // When the lender closed it (the recorder's events carry no time).
+  const auto closed_at = std::make_shared<std::atomic<std::chrono::steady_clock::rep>>(0);
+  config.on_event = [record = config.on_event, closed_at](const lending::lender_event& e) {
+    if (e.what == lending::lender_event::kind::closed_for_error) {
+      closed_at->store(std::chrono::steady_clock::now().time_since_epoch().count());
+    }
+    record(e);
+  };
+  auto& l = this->start(config);
+  auto slow = channel::connection::connect(l.address(), {}, lending::detail::max_frame_payload);
+  channel::send_hello(slow, lending::detail::lending_protocol);
+  channel::check_hello(slow.receive_for(2000ms), lending::detail::lending_protocol);
+
+  // Regions with long purposes (each backslash escaped in the text) until one
+  // metrics answer is four times what the lender's socket to it holds.
+  constexpr std::size_t probe = 16 * 1024;
+  const std::size_t socket_bytes = batches_a_socket_holds(probe) * probe;
+  ASSERT_LT(4 * socket_bytes, lending::detail::max_metrics_text - 64 * 1024)
+      << "this machine's sockets hold too much for one metrics answer to outlast them";
+  const std::string purpose(lending::max_purpose_bytes, '\\');
+  std::uint64_t request = 1;
+  auto borrow_regions = [&](std::size_t count) {
+    while (count > 0) {
+      std::vector<std::vector<std::byte>> payloads;
+      for (; count > 0 && payloads.size() < 32; --count) {
+        payloads.push_back(lending::detail::encode(
+            lending::detail::borrow_message{request++, this->unit(), lending::region_mode::exclusive, purpose}));
+      }
+      std::vector<channel::outgoing_frame> asks;
+      for (const auto& p : payloads) asks.push_back({static_cast<std::uint16_t>(message_type::borrow), p});
+      slow.send(asks);
+      for (std::size_t i = 0; i < payloads.size(); ++i) {
+        ASSERT_EQ(slow.receive_for(2000ms).type, static_cast<std::uint16_t>(message_type::lent));
+        ASSERT_EQ(slow.receive_for(2000ms).type, static_cast<std::uint16_t>(message_type::chunk));
+      }
+    }
+  };
+  const std::size_t empty_text = l.metrics_text().size();
+  borrow_regions(100);
+  const std::size_t per_region = (l.metrics_text().size() - empty_text) / 100;
+  borrow_regions((4 * socket_bytes - empty_text) / per_region);
+  const std::size_t answer = l.metrics_text().size();
+  ASSERT_GE(answer, 4 * socket_bytes - per_region);
+  ASSERT_EQ(slow.pending(), 0u);
+  borrower b(this->device(), l.address());
+  b.give_back(b.borrow(this->unit(), "warm-up"));
+
+  // It reads twice its socket's worth a second from the answer's first
+  // byte: every byte moves within a peer timeout of the last (the lender
+  // writes more each time the socket has drained to a quarter, about every
+  // 400 ms), but the whole answer would take about twice the peer timeout.
+  ask_for_metrics(slow, 1);
+  const auto asked_at = std::chrono::steady_clock::now();
+  const double bytes_per_second = 2.0 * static_cast<double>(socket_bytes);
+  std::vector<std::byte> sink(socket_bytes);
+  std::size_t read = 0;
+  std::optional<std::chrono::steady_clock::time_point> first_byte_at;
+  std::chrono::steady_clock::duration slowest{};
+  int turns = 0;
+  bool ended = false;
+  while (!ended && std::chrono::steady_clock::now() - asked_at < 6000ms) {
+    const auto now = std::chrono::steady_clock::now();
+    std::size_t allowed = 4096;  // until the answer starts to come
+    if (first_byte_at) {
+      allowed += static_cast<std::size_t>(std::chrono::duration<double>(now - *first_byte_at).count() * bytes_per_second);
+    }
+    if (allowed > read) {
+      const ssize_t got = ::recv(slow.native_handle(), sink.data(), std::min(allowed - read, sink.size()), MSG_DONTWAIT);
+      if (got == 0) ended = true;  // the lender hung up and everything it wrote was read
+      if (got > 0 && !first_byte_at) first_byte_at = now;
+      if (got > 0) read += static_cast<std::size_t>(got);
+    }
+    // Timed while the slow one is served (its hang-up orphans its thousands
+    // of regions, which is another matter).
+    const bool closed = closed_at->load() != 0;
+    const auto start = std::chrono::steady_clock::now();
+    b.give_back(b.borrow(this->unit(), "turn"));
+    if (!closed) slowest = std::max(slowest, std::chrono::steady_clock::now() - start);
+    turns += closed ? 0 : 1;
+    std::this_thread::sleep_for(2ms);
+  }
+  ASSERT_TRUE(first_byte_at.has_value()) << "no answer came";
+  ASSERT_NE(closed_at->load(), 0) << "a borrower that read " << read << " of " << answer << " bytes of one answer was kept";
+  const auto closed = std::chrono::steady_clock::time_point(std::chrono::steady_clock::duration(closed_at->load()));
+  // Counted from when the answer was posted (when its first byte went), not
+  // from the last byte the borrower read.
+  EXPECT_GE(closed - asked_at, config.peer_timeout) << "hung up on before its peer timeout";
+  EXPECT_LT(closed - *first_byte_at, config.peer_timeout + 300ms)
+      << "the deadline was not counted from when the answer was posted";
+  EXPECT_TRUE(ended) << "the lender's end of the connection stayed open";
+  EXPECT_LT(read, answer) << "the whole answer went before the lender hung up";
+  EXPECT_LT(slowest, 400ms) << "the slowest of " << turns << " borrow + give back turns while another borrower reads slowly";
+  EXPECT_EQ(l.status().connections_closed_for_errors, 1u);
+  EXPECT_TRUE(closed_for_error_saying(recorder, "left an answer unread for longer than the peer timeout of 1000 ms"));
   b.give_back(b.borrow(this->unit(), "after"));
 }
 
