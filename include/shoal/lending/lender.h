@@ -80,7 +80,9 @@
 // Every wait on a borrower has a deadline (config.peer_timeout): one that
 // leaves an answer queued for longer, read in part or not at all, has its
 // connection closed too. The lender never exits or aborts on a borrower's
-// or the device's error.
+// or the device's error, nor when its own heap runs out: the borrower it
+// was taking on is refused (its connect fails), the one whose request or
+// answer it was making is closed for error, and its counts stay whole.
 //
 // Thread-safety: the lender serves on its own thread; status() and
 // address() may be called from any thread. Destruction stops the thread,
