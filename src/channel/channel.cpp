@@ -24,6 +24,7 @@
 #include "channel/credentials_exchange.h"
 #include "channel/frame_batch.h"
 #include "channel/private_directory.h"
+#include "channel/send_queue.h"
 #include "shoal/core/error.h"
 
 namespace shoal::channel {
@@ -175,6 +176,11 @@ struct connection::state {
   std::atomic<std::int64_t> send_timeout_ns{0};  // zero: sends wait without a deadline
   deadline_mutex send_mutex;
   std::vector<std::byte> send_buffer;  // guarded by send_mutex
+  detail::send_queue unsent;           // what post() queued; guarded by send_mutex
+  // unsent.bytes() and unsent.oldest_post() (steady clock, ns; 0 while
+  // empty), readable without the lock; each is stored on its own.
+  std::atomic<std::size_t> unsent_bytes{0};
+  std::atomic<std::int64_t> unsent_since_ns{0};
   deadline_mutex receive_mutex;
   // Guarded by receive_mutex: the batch being read, and the frames of the last one not yet returned.
   detail::partial_batch partial;
@@ -203,6 +209,28 @@ struct connection::state {
     }
     return lock;
   }
+
+  // Publishes what unsent holds after an operation on it, thrown or not.
+  // Under send_mutex.
+  void note_unsent() noexcept {
+    unsent_bytes.store(unsent.bytes(), std::memory_order_relaxed);
+    const auto oldest = unsent.oldest_post();
+    unsent_since_ns.store(
+        oldest ? std::chrono::duration_cast<std::chrono::nanoseconds>(oldest->time_since_epoch()).count() : 0,
+        std::memory_order_relaxed);
+  }
+
+  // note_unsent() when it leaves scope, however it leaves.
+  class noting_unsent {
+   public:
+    explicit noting_unsent(state& s) : s_(s) {}
+    noting_unsent(const noting_unsent&) = delete;
+    noting_unsent& operator=(const noting_unsent&) = delete;
+    ~noting_unsent() { s_.note_unsent(); }
+
+   private:
+    state& s_;
+  };
 
   void throw_if_broken(const char* operation) const {
     const std::lock_guard lock(broken_mutex);
@@ -309,17 +337,28 @@ void connection::send(std::uint16_t type, std::span<const std::byte> payload, in
   send(std::span(&one, 1));
 }
 
-void connection::send(std::span<const outgoing_frame> frames) {
-  state& s = usable("send");
+namespace {
+
+// Throws invalid_argument, naming `operation`, when a frame cannot be sent.
+void check_outgoing(std::span<const outgoing_frame> frames, const char* operation) {
   for (const outgoing_frame& f : frames) {
     if (f.payload.size() > UINT32_MAX - batch_header_bytes - frame_header_bytes) {
-      throw invalid_argument("connection::send: a payload of " + std::to_string(f.payload.size()) +
+      throw invalid_argument(std::string("connection::") + operation + ": a payload of " +
+                             std::to_string(f.payload.size()) +
                              " bytes does not fit in one frame (4 GiB less the headers)");
     }
     if (f.fd >= 0 && ::fcntl(f.fd, F_GETFD) == -1) {
-      throw invalid_argument("connection::send: descriptor " + std::to_string(f.fd) + " is not open");
+      throw invalid_argument(std::string("connection::") + operation + ": descriptor " + std::to_string(f.fd) +
+                             " is not open");
     }
   }
+}
+
+}  // namespace
+
+void connection::send(std::span<const outgoing_frame> frames) {
+  state& s = usable("send");
+  check_outgoing(frames, "send");
   detail::deadline until;
   const auto timeout = std::chrono::nanoseconds(s.send_timeout_ns.load(std::memory_order_relaxed));
   if (timeout.count() > 0) until = std::chrono::steady_clock::now() + timeout;
@@ -328,6 +367,13 @@ void connection::send(std::span<const outgoing_frame> frames) {
   const auto to = [&] { return "connection::send to pid " + std::to_string(s.peer.process.pid) + ": "; };
   bool started = false;  // a batch of this call has gone
   try {
+    if (s.unsent.bytes() > 0) {  // what post() queued goes first
+      const state::noting_unsent noting{s};
+      if (!s.unsent.drain(s.socket.get(), until)) {
+        throw timeout_error("the deadline passed while " + std::to_string(s.unsent.bytes()) +
+                            " bytes posted earlier waited for the peer to read them");
+      }
+    }
     while (!frames.empty()) {
       const std::size_t count = detail::frames_in_next_batch(frames);
       detail::send_batch(s.socket.get(), frames.first(count), s.send_buffer, until);
@@ -352,6 +398,63 @@ void connection::send(std::span<const outgoing_frame> frames) {
     s.break_with(e.what());
     throw;
   }
+}
+
+void connection::post(std::uint16_t type, std::span<const std::byte> payload, int fd) {
+  const outgoing_frame one{type, payload, fd};
+  post(std::span(&one, 1));
+}
+
+void connection::post(std::span<const outgoing_frame> frames) {
+  state& s = usable("post");
+  check_outgoing(frames, "post");
+  const std::lock_guard lock(s.send_mutex);
+  s.throw_if_broken("post");
+  const state::noting_unsent noting{s};
+  try {
+    while (!frames.empty()) {
+      const std::size_t count = detail::frames_in_next_batch(frames);
+      const std::vector<int> descriptors = detail::encode_batch(frames.first(count), s.send_buffer);
+      s.unsent.post(s.socket.get(), s.send_buffer, descriptors);
+      frames = frames.subspan(count);
+    }
+  } catch (const connection_closed& e) {
+    const connection_closed closed("connection::post to pid " + std::to_string(s.peer.process.pid) + ": " + e.what());
+    s.break_with(closed.what());
+    throw closed;
+  } catch (const std::exception& e) {  // part of a batch may have gone: the stream is out of step
+    s.break_with(e.what());
+    throw;
+  }
+}
+
+std::size_t connection::flush() {
+  state& s = usable("flush");
+  const std::lock_guard lock(s.send_mutex);
+  s.throw_if_broken("flush");
+  const state::noting_unsent noting{s};
+  try {
+    s.unsent.flush(s.socket.get());
+  } catch (const connection_closed& e) {
+    const connection_closed closed("connection::flush to pid " + std::to_string(s.peer.process.pid) + ": " + e.what());
+    s.break_with(closed.what());
+    throw closed;
+  } catch (const std::exception& e) {
+    s.break_with(e.what());
+    throw;
+  }
+  return s.unsent.bytes();
+}
+
+std::size_t connection::unsent_bytes() const {
+  return usable("unsent_bytes").unsent_bytes.load(std::memory_order_relaxed);
+}
+
+std::optional<std::chrono::steady_clock::time_point> connection::unsent_since() const {
+  const std::int64_t ns = usable("unsent_since").unsent_since_ns.load(std::memory_order_relaxed);
+  if (ns == 0) return std::nullopt;
+  return std::chrono::steady_clock::time_point(
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::nanoseconds(ns)));
 }
 
 void connection::set_receive_spin(std::chrono::nanoseconds spin) {

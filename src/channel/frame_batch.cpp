@@ -238,10 +238,10 @@ std::size_t frames_in_next_batch(std::span<const outgoing_frame> frames) noexcep
   return count;
 }
 
-void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<std::byte>& out, deadline until) {
+std::vector<int> encode_batch(std::span<const outgoing_frame> frames, std::vector<std::byte>& out) {
   const auto carrying = std::count_if(frames.begin(), frames.end(), [](const outgoing_frame& f) { return f.fd >= 0; });
   if (frames.empty() || frames.size() > max_batch_frames || static_cast<std::size_t>(carrying) > max_batch_descriptors) {
-    throw invalid_argument("send_batch: " + std::to_string(frames.size()) + " frames with " + std::to_string(carrying) +
+    throw invalid_argument("encode_batch: " + std::to_string(frames.size()) + " frames with " + std::to_string(carrying) +
                            " descriptors; a batch holds 1 to " + std::to_string(max_batch_frames) + " frames and at most " +
                            std::to_string(max_batch_descriptors) + " descriptors (frames_in_next_batch says how many)");
   }
@@ -263,7 +263,11 @@ void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<
     at += frame_header_bytes + f.payload.size();
     if (f.fd >= 0) descriptors.push_back(f.fd);
   }
+  return descriptors;
+}
 
+void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<std::byte>& out, deadline until) {
+  const std::vector<int> descriptors = encode_batch(frames, out);
   iovec part{out.data(), out.size()};
   msghdr header{};
   header.msg_iov = &part;
@@ -285,6 +289,22 @@ void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<
       continue;
     }
     throw_socket_error(done == 0 ? "sendmsg" : "send");
+  }
+}
+
+std::size_t write_ready(int socket, std::span<const std::byte> bytes, std::span<const int> descriptors) {
+  iovec part{const_cast<std::byte*>(bytes.data()), bytes.size()};  // NOLINT(cppcoreguidelines-pro-type-const-cast): sendmsg only reads it
+  msghdr header{};
+  header.msg_iov = &part;
+  header.msg_iovlen = 1;
+  descriptor_space<max_batch_descriptors> control;
+  attach_descriptors(header, descriptors, control.bytes);
+  for (;;) {
+    const ssize_t sent = ::sendmsg(socket, &header, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (sent >= 0) return static_cast<std::size_t>(sent);
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    throw_socket_error("sendmsg");
   }
 }
 

@@ -37,6 +37,17 @@ class timeout_mid_batch : public timeout_error {
 [[nodiscard]] std::size_t frames_in_next_batch(std::span<const outgoing_frame> frames) noexcept;
 
 /// Writes the wire form of `frames` as one batch into `out` (replacing what
+/// it held) and returns their descriptors, in order. invalid_argument when
+/// they do not fit one batch (frames_in_next_batch says how many do).
+[[nodiscard]] std::vector<int> encode_batch(std::span<const outgoing_frame> frames, std::vector<std::byte>& out);
+
+/// One write of `bytes` that never waits, with `descriptors` going with its
+/// first byte: how many bytes the socket took, 0 when it is full (and then
+/// the descriptors did not go either). Throws connection_closed when the
+/// peer is gone, backend_error otherwise.
+[[nodiscard]] std::size_t write_ready(int socket, std::span<const std::byte> bytes, std::span<const int> descriptors);
+
+/// Writes the wire form of `frames` as one batch into `out` (replacing what
 /// it held) and sends it with their descriptors, waiting for room in the
 /// socket until `until`. Throws connection_closed when the peer is gone,
 /// backend_error otherwise (part of the batch may have gone then);

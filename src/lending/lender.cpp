@@ -12,6 +12,8 @@
 #include <list>
 #include <map>
 #include <mutex>
+#include <new>
+#include <string_view>
 #include <thread>
 
 #include "core/deadline.h"
@@ -84,6 +86,9 @@ struct borrower_entry {
   channel::connection link;
   bool greeted = false;  // its hello arrived
   bool failed = false;   // broke the protocol: hung up on by the loop
+  // Why, when it was failed where no event could be sent (under the lock):
+  // the loop names it as it hangs up.
+  const char* failed_why = nullptr;
   std::size_t held_bytes = 0;
   std::size_t held_regions = 0;
 };
@@ -152,6 +157,7 @@ class lender::state {
  public:
   state(backend::device& device, const channel::channel_address& address, lender_config config)
       : device_(device), config_(std::move(config)), listener_(address, config_.policy, detail::max_frame_payload) {
+    fds_.reserve(3);  // the loop's poll set never grows past what accept_one made room for
     wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!wake_) throw backend_error("eventfd", std::strerror(errno));
     for (const std::size_t size : config_.prepared_chunks) {
@@ -215,9 +221,9 @@ class lender::state {
         throw invalid_argument("lender::revoke: region " + std::to_string(id) + " is not lent to a connected borrower" +
                                (it == regions_.end() ? "" : " (it is being revoked, or its borrower hung up)"));
       }
+      revocations_.push_back({id, deadline});  // first: when memory runs out the region stays lent
       it->second.info.state = region_state::revoking;
       it->second.info.revoke_deadline = clock_type::now() + deadline;
-      revocations_.push_back({id, deadline});
     }
     const std::uint64_t one = 1;
     (void)!::write(wake_.get(), &one, sizeof one);
@@ -227,7 +233,10 @@ class lender::state {
   // One thread reads every borrower without waiting on any: a frame is
   // handled once its batch has come whole, and a borrower that sends part of
   // one and stalls is hung up on after peer_timeout (hang_up_stalled) while
-  // the others are served.
+  // the others are served. A borrower with answers queued is polled for
+  // room in its socket only (a hang-up is reported all the same) and read
+  // no further until they have gone: however fast it asks, its queue holds
+  // one answer and the revokes and forgets sent meanwhile.
   void serve() noexcept {
     auto next_check = clock_type::now();
     while (!stopping_.load()) {
@@ -237,8 +246,9 @@ class lender::state {
       fds_.push_back({wake_.get(), POLLIN, 0});
       bool pending = false;
       for (const auto& b : borrowers_) {
-        pending = pending || b.link.pending() > 0;
-        fds_.push_back({b.link.native_handle(), POLLIN, 0});
+        const bool answers_wait = b.link.unsent_bytes() > 0;
+        pending = pending || (!answers_wait && b.link.pending() > 0);
+        fds_.push_back({b.link.native_handle(), answers_wait ? short{POLLOUT} : short{POLLIN}, 0});
       }
       const auto until_check = std::chrono::ceil<std::chrono::milliseconds>(next_check - clock_type::now());
       const auto wait = pending ? 0 : std::clamp<std::int64_t>(until_check.count(), 0, orphan_check_interval.count());
@@ -255,7 +265,10 @@ class lender::state {
       if (ready > 0 && (fds_[0].revents & POLLIN) != 0) accept_one();
       auto b = borrowers_.begin();
       for (std::size_t i = 0; i < polled; ++i, ++b) {
-        if (fds_[i + 2].revents != 0 || b->link.pending() > 0) serve_one(*b);
+        const short revents = fds_[i + 2].revents;
+        if (revents != 0 && b->link.unsent_bytes() > 0) flush_one(*b);  // a hang-up makes the flush fail
+        if (b->link.unsent_bytes() > 0) continue;  // its answers go first
+        if ((revents & ~POLLOUT) != 0 || b->link.pending() > 0) serve_one(*b);
       }
       if (clock_type::now() >= next_check) {
         hang_up_stalled();
@@ -265,6 +278,7 @@ class lender::state {
       }
       std::erase_if(borrowers_, [&](borrower_entry& e) {
         if (!e.failed && !e.link.broken()) return false;
+        if (e.failed_why != nullptr) close_for_error(e, e.failed_why);
         hang_up(e);
         return true;
       });
@@ -280,7 +294,22 @@ class lender::state {
     lent_bytes_ = 0;
   }
 
-  void accept_one() {
+  // Takes on the borrower waiting to connect, if any. One the lender cannot
+  // take on, for its limit or for lack of memory, is refused: its
+  // connection closes before the hello (the borrower's connect fails).
+  void accept_one() noexcept {
+    try {
+      accept_or_throw();
+    } catch (const std::exception& e) {
+      count_refusal();
+      try {
+        emit(lender_event::kind::refused, {}, 0, 0, std::string("a borrower could not be taken on: ") + e.what());
+      } catch (...) {  // NOLINT(bugprone-empty-catch): no memory to say so; counted
+      }
+    }
+  }
+
+  void accept_or_throw() {
     std::optional<channel::connection> accepted;
     try {
       accepted = listener_.accept_for(std::chrono::milliseconds(0));
@@ -290,32 +319,37 @@ class lender::state {
     }
     if (!accepted) return;
     if (borrowers_.size() >= config_.max_borrowers) {
-      count_refusal();
       emit(lender_event::kind::refused, accepted->peer(), 0, 0,
            "already " + std::to_string(borrowers_.size()) + " borrowers, the most allowed");
+      count_refusal();  // after: when the text above cannot be made, accept_one counts it
       return;  // closed at once: the client sees end of stream instead of a hello
     }
+    // The hello is sent (under the peer timeout), not posted: a fresh
+    // socket has room for it. Every later answer is posted.
     accepted->set_send_timeout(shoal::detail::channel_timeout(config_.peer_timeout));
     try {
       channel::send_hello(*accepted, lending_protocol);
     } catch (const error&) {
       return;
     }
-    borrowers_.push_back({++last_serial_, std::move(*accepted)});
+    fds_.reserve(borrowers_.size() + 3);  // its place in the next poll set, made now
+    borrowers_.push_back({last_serial_ + 1, std::move(*accepted)});
+    ++last_serial_;
     borrower_count_.store(borrowers_.size());
     emit(lender_event::kind::connected, borrowers_.back().link.peer());
   }
 
   // The frames of `b` that have come whole (at most one batch's worth, so
-  // that a flooding borrower leaves room for the others); a borrower that
-  // breaks the protocol or hangs up ends up failed or broken, and the loop
-  // hangs up on it.
+  // that a flooding borrower leaves room for the others), until an answer
+  // finds its socket full; a borrower that breaks the protocol or hangs up
+  // ends up failed or broken, and the loop hangs up on it.
   void serve_one(borrower_entry& b) {
     try {
-      for (std::size_t served = 0; served < channel::max_batch_frames; ++served) {
+      for (std::size_t served = 0; served < channel::max_batch_frames && !b.failed; ++served) {
         // Once its batch's frames are handled, the socket is polled again
-        // rather than read at once: no read that finds nothing.
-        if (served > 0 && b.link.pending() == 0) return;
+        // rather than read at once: no read that finds nothing. Once an
+        // answer waits, the rest wait for it to go.
+        if (served > 0 && (b.link.pending() == 0 || b.link.unsent_bytes() > 0)) return;
         std::optional<channel::frame> f = b.link.try_receive();
         if (!f) return;  // the rest of its batch has not come: read on when it does
         handle(b, *f);
@@ -346,8 +380,7 @@ class lender::state {
       case message_type::query_metrics: {
         if (!f.payload.empty()) throw protocol_error("lender: query_metrics carries no payload");
         const std::string text = detail::prometheus_text(status(), detail::max_metrics_text);
-        b.link.send(static_cast<std::uint16_t>(message_type::metrics), std::as_bytes(std::span(text)));
-        return;
+        return post(b, {{static_cast<std::uint16_t>(message_type::metrics), std::as_bytes(std::span(text))}});
       }
       default:
         throw protocol_error(
@@ -357,21 +390,105 @@ class lender::state {
     }
   }
 
-  void close_for_error(borrower_entry& b, const std::string& why) {
-    count_error();
+  // Fails `b` (the loop hangs up on it) and names it with `why`, as far as
+  // memory allows.
+  void close_for_error(borrower_entry& b, std::string_view why) noexcept {
     b.failed = true;
-    emit(lender_event::kind::closed_for_error, b.link.peer(), 0, 0, why);
+    b.failed_why = nullptr;
+    try {
+      count_error();
+      emit(lender_event::kind::closed_for_error, b.link.peer(), 0, 0, std::string(why));
+    } catch (...) {  // NOLINT(bugprone-empty-catch): failed all the same
+    }
   }
 
-  // Fails each borrower that sent part of a batch and not the rest within
-  // peer_timeout: the loop hangs up on it and reclaims its regions.
-  void hang_up_stalled() {
-    const auto now = clock_type::now();
+  // close_for_error with the text `why()` makes, or `fallback` when making
+  // it runs out of memory.
+  template <class Why>
+  void close_for_error_saying(borrower_entry& b, const char* fallback, Why&& why) noexcept {
+    try {
+      const std::string text = why();
+      close_for_error(b, text);
+    } catch (...) {
+      close_for_error(b, fallback);
+    }
+  }
+
+  // Under mutex_: the connections in `keepers` keep mapped memory that is
+  // released without their being told (no memory left to tell them): each
+  // is failed, and the loop hangs up on it.
+  void fail_keepers_locked(const std::vector<std::uint64_t>& keepers) noexcept {
     for (auto& b : borrowers_) {
+      if (b.failed || std::find(keepers.begin(), keepers.end(), b.serial) == keepers.end()) continue;
+      b.failed = true;
+      b.failed_why = "memory it keeps mapped was released when the lender ran out of memory to keep it as a spare";
+    }
+  }
+
+  // An event for `events`, made by `make`; left out when memory runs out
+  // (an event only reports: the change it reports stands).
+  template <class Make>
+  static void note(std::vector<lender_event>& events, Make&& make) noexcept {
+    try {
+      events.push_back(make());
+    } catch (...) {  // NOLINT(bugprone-empty-catch)
+    }
+  }
+
+  // is_alive, or true when it cannot be told (out of memory): an orphaned
+  // hold is checked again later.
+  static bool alive_or_unknown(const process_identity& process) noexcept {
+    try {
+      return is_alive(process);
+    } catch (...) {
+      return true;
+    }
+  }
+
+  // Sends `frames` to `b` without waiting on it (connection::post): what
+  // its socket does not take waits in its queue, written out as the loop
+  // finds it writable. Nothing more is sent to a failed one.
+  void post(borrower_entry& b, std::span<const channel::outgoing_frame> frames) {
+    if (b.failed) return;
+    b.link.post(frames);
+  }
+  void post(borrower_entry& b, std::initializer_list<channel::outgoing_frame> frames) {
+    post(b, std::span(frames.begin(), frames.size()));
+  }
+
+  // Writes what `b`'s socket takes of its queued answers.
+  void flush_one(borrower_entry& b) {
+    try {
+      (void)b.link.flush();
+    } catch (const connection_closed&) {
+      // It hung up: the loop reclaims.
+    } catch (const std::exception& e) {
+      close_for_error(b, e.what());
+    }
+  }
+
+  // Fails each borrower that sent part of a batch and not the rest, or left
+  // an answer queued (read in part or not at all), for peer_timeout: the
+  // loop hangs up on it and reclaims its regions.
+  void hang_up_stalled() noexcept {
+    const auto now = clock_type::now();
+    const auto timeout_ms = [&] { return std::to_string(config_.peer_timeout.count()); };
+    for (auto& b : borrowers_) {
+      if (b.failed) continue;
       const auto since = b.link.incomplete_since();
-      if (b.failed || !since || now - *since < config_.peer_timeout) continue;
-      close_for_error(b, "it sent part of a batch and not the rest within the peer timeout of " +
-                             std::to_string(config_.peer_timeout.count()) + " ms");
+      if (since && now - *since >= config_.peer_timeout) {
+        close_for_error_saying(b, "it sent part of a batch and not the rest within the peer timeout", [&] {
+          return "it sent part of a batch and not the rest within the peer timeout of " + timeout_ms() + " ms";
+        });
+        continue;
+      }
+      const auto queued = b.link.unsent_since();
+      if (queued && now - *queued >= config_.peer_timeout) {
+        close_for_error_saying(b, "it left an answer unread for longer than the peer timeout", [&] {
+          return "it left an answer unread for longer than the peer timeout of " + timeout_ms() + " ms (" +
+                 std::to_string(b.link.unsent_bytes()) + " bytes of answers still wait for it)";
+        });
+      }
     }
   }
 
@@ -432,11 +549,18 @@ class lender::state {
       std::lock_guard lock(mutex_);
       region_entry r;
       r.chunk = std::move(*chunk);
-      r.info = {id, memory.id(), bytes, m.purpose, m.mode, region_state::lent, b.link.peer().process,
-                b.link.peer().uid, {}};
-      r.since = clock_type::now();
-      r.holds.push_back({b.serial, b.link.peer().process, b.link.peer().uid});
-      regions_.emplace(id, std::move(r));
+      try {
+        r.info = {id, memory.id(), bytes, m.purpose, m.mode, region_state::lent, b.link.peer().process,
+                  b.link.peer().uid, {}};
+        r.since = clock_type::now();
+        r.holds.push_back({b.serial, b.link.peer().process, b.link.peer().uid});
+        regions_.emplace(id, std::move(r));
+      } catch (const std::bad_alloc&) {
+        // Not lent: its memory goes with r (b is closed for the error), and
+        // whoever kept it mapped as a spare cannot be told to forget it.
+        fail_keepers_locked(r.chunk.keepers);
+        throw;
+      }
       lent_bytes_ += bytes;
       counters_.kept_mappings_used += kept ? 1 : 0;
     }
@@ -478,15 +602,22 @@ class lender::state {
   // nullopt when it does not fit even so. When the device refuses it, every spare and prepared
   // chunks of `bytes` are released and it is tried once more.
   std::optional<detail::chunk_record> fresh_chunk(std::size_t bytes) {
-    std::vector<detail::spare_chunk> released;
+    const std::string why = "a fresh region of " + std::to_string(bytes) + " bytes needed the room";
+    // One at a time, each released (its keepers told) as it leaves the pool:
+    // none is lost unannounced when memory runs out.
+    for (;;) {
+      std::optional<detail::spare_chunk> oldest;
+      {
+        std::lock_guard lock(mutex_);
+        if (lent_bytes_ + spares_.bytes() + prepared_.bytes() + bytes <= config_.capacity_bytes) break;
+        oldest = spares_.take_oldest();
+      }
+      if (!oldest) break;
+      release_spare(std::move(*oldest), why);
+    }
     std::vector<detail::chunk_record> unused;
     {
       std::lock_guard lock(mutex_);
-      while (lent_bytes_ + spares_.bytes() + prepared_.bytes() + bytes > config_.capacity_bytes) {
-        auto oldest = spares_.take_oldest();
-        if (!oldest) break;
-        released.push_back(std::move(*oldest));
-      }
       // Prepared chunks go only when that makes the region fit.
       const std::size_t without_prepared = lent_bytes_ + spares_.bytes() + bytes;
       const std::size_t with_prepared = without_prepared + prepared_.bytes();
@@ -494,8 +625,6 @@ class lender::state {
         unused = prepared_.take_at_least(with_prepared - config_.capacity_bytes);
       }
     }
-    const std::string why = "a fresh region of " + std::to_string(bytes) + " bytes needed the room";
-    release_spares(std::move(released), why);
     release_prepared(std::move(unused), why);
     {
       std::lock_guard lock(mutex_);
@@ -507,15 +636,21 @@ class lender::state {
     } catch (const out_of_memory&) {
       // The device has less than the capacity (other processes use it): what
       // the lender keeps unlent goes back, and the chunk is tried once more.
-      std::vector<detail::spare_chunk> every_spare;
+      const std::string refused = "the device refused a fresh chunk of " + std::to_string(bytes) + " bytes";
+      for (;;) {
+        std::optional<detail::spare_chunk> spare;
+        {
+          std::lock_guard lock(mutex_);
+          spare = spares_.take_oldest();
+        }
+        if (!spare) break;
+        release_spare(std::move(*spare), refused);
+      }
       std::vector<detail::chunk_record> prepared;
       {
         std::lock_guard lock(mutex_);
-        while (auto spare = spares_.take_oldest()) every_spare.push_back(std::move(*spare));
         prepared = prepared_.take_at_least(bytes);
       }
-      const std::string refused = "the device refused a fresh chunk of " + std::to_string(bytes) + " bytes";
-      release_spares(std::move(every_spare), refused);
       release_prepared(std::move(prepared), refused);
       memory = std::make_unique<detail::lendable_memory>(device_, bytes, next_memory_++);
     }
@@ -524,43 +659,52 @@ class lender::state {
     return detail::chunk_record{std::move(memory), {}};
   }
 
-  // Releases spare chunks taken out of the pool, telling each connection
-  // that keeps one mapped to forget it. On the serving thread.
-  void release_spares(std::vector<detail::spare_chunk> released, const std::string& why) {
-    for (auto& spare : released) {
-      const std::uint64_t memory = spare.chunk.memory->id();
-      tell_to_forget(spare.chunk.keepers, memory);
-      lender_event e{lender_event::kind::spare_released, {}, spare.uid, 0, spare.chunk.memory->size(),
-                     "memory " + std::to_string(memory) + ": " + why};
-      spare.chunk.memory.reset();
-      emit(e);
+  // Releases a spare chunk taken out of the pool, telling each connection
+  // that keeps it mapped to forget it (one that cannot be told is hung up
+  // on). On the serving thread.
+  void release_spare(detail::spare_chunk spare, const std::string& why) noexcept {
+    const std::uint64_t memory = spare.chunk.memory->id();
+    const std::size_t size = spare.chunk.memory->size();
+    tell_to_forget(spare.chunk.keepers, memory);
+    spare.chunk.memory.reset();
+    try {
+      emit(lender_event{lender_event::kind::spare_released, {}, spare.uid, 0, size,
+                        "memory " + std::to_string(memory) + ": " + why});
+    } catch (...) {  // NOLINT(bugprone-empty-catch): no memory to say so
     }
   }
 
   // Releases prepared chunks taken out of their pool (never lent: nobody
   // keeps them mapped). On the serving thread.
-  void release_prepared(std::vector<detail::chunk_record> unused, const std::string& why) {
+  void release_prepared(std::vector<detail::chunk_record> unused, const std::string& why) noexcept {
     for (auto& chunk : unused) {
-      lender_event e{lender_event::kind::spare_released, {}, 0, 0, chunk.memory->size(),
-                     "prepared memory " + std::to_string(chunk.memory->id()) + ": " + why};
+      const std::uint64_t memory = chunk.memory->id();
+      const std::size_t size = chunk.memory->size();
       chunk.memory.reset();
-      emit(e);
+      try {
+        emit(lender_event{lender_event::kind::spare_released, {}, 0, 0, size,
+                          "prepared memory " + std::to_string(memory) + ": " + why});
+      } catch (...) {  // NOLINT(bugprone-empty-catch): no memory to say so
+      }
     }
   }
 
   // Sends forget for `memory` to each connection in `keepers`. On the
   // serving thread; a broken link is hung up on by the loop.
-  void tell_to_forget(const std::vector<std::uint64_t>& keepers, std::uint64_t memory) {
+  void tell_to_forget(const std::vector<std::uint64_t>& keepers, std::uint64_t memory) noexcept {
     for (auto& b : borrowers_) {
       if (std::find(keepers.begin(), keepers.end(), b.serial) == keepers.end()) continue;
       try {
-        b.link.send(static_cast<std::uint16_t>(message_type::forget), detail::encode_forget(memory));
+        const auto forget = detail::encode_forget(memory);
+        post(b, {{static_cast<std::uint16_t>(message_type::forget), view(forget)}});
       } catch (const connection_closed&) {
         // It hung up: the loop reclaims.
-      } catch (const error& e) {
-        // Not sent (a borrower that does not read within peer_timeout): it
+      } catch (const std::exception& e) {
+        // Not sent (the system refused it, or memory ran out): the borrower
         // would keep the mapping unknowingly, so the loop hangs up on it.
-        close_for_error(b, "forget for memory " + std::to_string(memory) + " could not be sent: " + e.what());
+        close_for_error_saying(b, "a forget could not be sent to it", [&] {
+          return "forget for memory " + std::to_string(memory) + " could not be sent: " + e.what();
+        });
       }
       std::lock_guard lock(mutex_);
       ++counters_.forgets;
@@ -585,7 +729,7 @@ class lender::state {
       described = detail::encode(detail::layout_message{request, *layout});
       frames.push_back({static_cast<std::uint16_t>(message_type::layout), view(described)});
     }
-    b.link.send(frames);
+    post(b, frames);
   }
 
   // The writer's exclusive region becomes shared under its purpose, with the
@@ -623,6 +767,7 @@ class lender::state {
     if (before_publish_commits()) before_publish_commits()(m.region);
     std::vector<std::uint64_t> keepers;
     const detail::lendable_memory* memory = nullptr;
+    region_layout layout = m.layout;  // copied here: nothing below fails for memory once the region changes
     {
       std::lock_guard lock(mutex_);
       region_entry& r = regions_.at(m.region);
@@ -632,7 +777,7 @@ class lender::state {
         why = "region " + std::to_string(m.region) + " is being revoked; give it back instead of publishing it";
       } else {
         r.info.mode = region_mode::shared;
-        r.layout = m.layout;
+        r.layout = std::move(layout);
         keepers.swap(r.chunk.keepers);
         memory = r.chunk.memory.get();
         ++counters_.published;
@@ -754,13 +899,14 @@ class lender::state {
         const auto h = std::find_if(holds.begin(), holds.end(), [&](const hold& x) { return x.borrower == b.serial; });
         held = h != holds.end();
         if (held) {
+          // The one step that can fail (for memory) first, before anything changed.
+          kept = m.keep_mapping && holds.size() == 1 && reusable(it->second);
+          if (kept) it->second.chunk.keepers.push_back(b.serial);
           bytes = it->second.info.bytes;
           b.held_bytes -= bytes;
           --b.held_regions;
           holds.erase(h);
           ++counters_.given_back;
-          kept = m.keep_mapping && holds.empty() && reusable(it->second);
-          if (kept) it->second.chunk.keepers.push_back(b.serial);
           release_if_unheld(it);
         }
       }
@@ -770,8 +916,8 @@ class lender::state {
                           "region " + std::to_string(id) + " is not one this borrower holds");
     }
     emit(lender_event::kind::given_back, b.link.peer(), id, bytes);
-    b.link.send(static_cast<std::uint16_t>(message_type::given_back),
-                detail::encode(detail::given_back_message{id, kept}));
+    const auto answer = detail::encode(detail::given_back_message{id, kept});
+    post(b, {{static_cast<std::uint16_t>(message_type::given_back), view(answer)}});
   }
 
   // Whether a region's memory becomes a spare when its last hold goes.
@@ -785,12 +931,12 @@ class lender::state {
       ++counters_.refusals;
     }
     emit(lender_event::kind::refused, b.link.peer(), 0, 0, why);
-    b.link.send(static_cast<std::uint16_t>(message_type::refused),
-                detail::encode(detail::refused_message{request, reason, why}));
+    const auto refused = detail::encode(detail::refused_message{request, reason, why});
+    post(b, {{static_cast<std::uint16_t>(message_type::refused), view(refused)}});
   }
 
   // The loop removes `b` after this; its regions are reclaimed or orphaned.
-  void hang_up(borrower_entry& b) {
+  void hang_up(borrower_entry& b) noexcept {
     std::vector<lender_event> events;
     {
       std::lock_guard lock(mutex_);
@@ -803,8 +949,8 @@ class lender::state {
   // Each of `b`'s holds is orphaned (it still runs and may map the region)
   // or reclaimed (it is gone); a region goes with its last hold.
   // Its kept mappings are forgotten: nothing more is lent to this connection.
-  void hang_up_locked(borrower_entry& b, std::vector<lender_event>& events) {
-    const bool alive = is_alive(b.link.peer().process);
+  void hang_up_locked(borrower_entry& b, std::vector<lender_event>& events) noexcept {
+    const bool alive = alive_or_unknown(b.link.peer().process);
     spares_.drop_keeper(b.serial);
     for (auto it = regions_.begin(); it != regions_.end();) {
       region_entry& r = it->second;
@@ -814,8 +960,14 @@ class lender::state {
           ++h;
           continue;
         }
-        events.push_back({alive ? lender_event::kind::orphaned : lender_event::kind::reclaimed, h->process, h->uid,
-                          r.info.id, r.info.bytes, r.info.purpose});
+        note(events, [&] {
+          return lender_event{alive ? lender_event::kind::orphaned : lender_event::kind::reclaimed,
+                              h->process,
+                              h->uid,
+                              r.info.id,
+                              r.info.bytes,
+                              r.info.purpose};
+        });
         if (alive) {
           h->borrower = 0;
           ++h;
@@ -831,10 +983,19 @@ class lender::state {
   // Erases the region at `it` when it has no hold left (returning the next
   // one), its memory kept as a spare when reusable, or settles its state;
   // under mutex_. A spare still fits the capacity: its bytes were lent.
-  std::map<std::uint64_t, region_entry>::iterator release_if_unheld(std::map<std::uint64_t, region_entry>::iterator it) {
+  // Never fails: memory that cannot be kept as a spare (no memory for its
+  // entry) is released, and whoever keeps it mapped is hung up on.
+  std::map<std::uint64_t, region_entry>::iterator release_if_unheld(
+      std::map<std::uint64_t, region_entry>::iterator it) noexcept {
     if (it->second.holds.empty()) {
       lent_bytes_ -= it->second.info.bytes;
-      if (reusable(it->second)) spares_.put(std::move(it->second.chunk), it->second.info.uid, clock_type::now());
+      if (reusable(it->second)) {
+        try {
+          spares_.put(std::move(it->second.chunk), it->second.info.uid, clock_type::now());
+        } catch (const std::bad_alloc&) {
+          fail_keepers_locked(it->second.chunk.keepers);
+        }
+      }
       return regions_.erase(it);
     }
     it->second.settle_state();
@@ -842,7 +1003,7 @@ class lender::state {
   }
 
   // Sends what revoke() queued, to each region's borrower.
-  void send_revocations() {
+  void send_revocations() noexcept {
     std::vector<std::pair<std::uint64_t, std::chrono::milliseconds>> queued;
     {
       std::lock_guard lock(mutex_);
@@ -850,35 +1011,44 @@ class lender::state {
     }
     for (const auto& [id, deadline] : queued) {
       std::uint64_t serial = 0;
-      region_info info;
+      process_identity process;
+      uid_t uid = 0;
+      std::size_t bytes = 0;
       {
         std::lock_guard lock(mutex_);
         const auto it = regions_.find(id);
         if (it == regions_.end() || it->second.info.state != region_state::revoking) continue;  // given back meanwhile
         serial = it->second.holds.front().borrower;
-        info = it->second.info;
+        process = it->second.info.borrower;
+        uid = it->second.info.uid;
+        bytes = it->second.info.bytes;
         ++counters_.revocations;
       }
       for (auto& b : borrowers_) {
         if (b.serial != serial) continue;
         try {
-          b.link.send(static_cast<std::uint16_t>(message_type::revoke),
-                      detail::encode(detail::revoke_message{id, static_cast<std::uint32_t>(deadline.count())}));
+          const auto revoke = detail::encode(detail::revoke_message{id, static_cast<std::uint32_t>(deadline.count())});
+          post(b, {{static_cast<std::uint16_t>(message_type::revoke), view(revoke)}});
         } catch (const connection_closed&) {
           // It hung up: the loop reclaims.
-        } catch (const error& e) {
-          // Not sent (it does not read within peer_timeout): the loop hangs up and reclaims.
-          close_for_error(b, "the revoke of region " + std::to_string(id) + " could not be sent: " + e.what());
+        } catch (const std::exception& e) {
+          // Not sent (the system refused it, or memory ran out): the loop hangs up and reclaims.
+          close_for_error_saying(b, "a revoke could not be sent to it", [&] {
+            return "the revoke of region " + std::to_string(id) + " could not be sent: " + e.what();
+          });
         }
-        emit(lender_event{lender_event::kind::revoke_requested, info.borrower, info.uid, id, info.bytes,
-                          "give it back within " + std::to_string(deadline.count()) + " ms"});
+        try {
+          emit(lender_event{lender_event::kind::revoke_requested, process, uid, id, bytes,
+                            "give it back within " + std::to_string(deadline.count()) + " ms"});
+        } catch (...) {  // NOLINT(bugprone-empty-catch): no memory to say so
+        }
       }
     }
   }
 
   // Names, once, each borrower that let a revocation's deadline pass; its
   // region stays its own (and counted) until it gives it back or exits.
-  void note_missed_revocations() {
+  void note_missed_revocations() noexcept {
     std::vector<lender_event> events;
     {
       std::lock_guard lock(mutex_);
@@ -887,8 +1057,11 @@ class lender::state {
         if (r.info.state == region_state::revoking && !r.missed && now > r.info.revoke_deadline) {
           r.missed = true;
           ++counters_.revocations_missed;
-          events.push_back({lender_event::kind::revoke_missed, r.info.borrower, r.info.uid, id, r.info.bytes,
-                            "the deadline passed; the region stays lent until it is given back or its borrower exits"});
+          note(events, [&] {
+            return lender_event{lender_event::kind::revoke_missed, r.info.borrower, r.info.uid, id, r.info.bytes,
+                                "the deadline passed; the region stays lent until it is given back or its borrower "
+                                "exits"};
+          });
         }
       }
     }
@@ -896,15 +1069,17 @@ class lender::state {
   }
 
   // Drops the orphaned holds whose process has exited.
-  void reclaim_orphans() {
+  void reclaim_orphans() noexcept {
     std::vector<lender_event> events;
     {
       std::lock_guard lock(mutex_);
       for (auto it = regions_.begin(); it != regions_.end();) {
         const region_info& info = it->second.info;
-        std::erase_if(it->second.holds, [&](const hold& h) {
-          if (h.borrower != 0 || is_alive(h.process)) return false;
-          events.push_back({lender_event::kind::reclaimed, h.process, h.uid, info.id, info.bytes, info.purpose});
+        std::erase_if(it->second.holds, [&](const hold& h) noexcept {
+          if (h.borrower != 0 || alive_or_unknown(h.process)) return false;
+          note(events, [&] {
+            return lender_event{lender_event::kind::reclaimed, h.process, h.uid, info.id, info.bytes, info.purpose};
+          });
           ++counters_.reclaimed;
           return true;
         });

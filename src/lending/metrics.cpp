@@ -65,6 +65,7 @@ void per_region(std::ostringstream& out, bounded_samples& samples, const lender_
       << "# TYPE shoal_lending_region_bytes gauge\n";
   for (const auto& r : s.regions) {
     std::ostringstream line;
+    line.exceptions(std::ios::badbit);
     line << "shoal_lending_region_bytes{id=\"" << r.id << "\",purpose=\"" << label(r.purpose) << "\",mode=\""
          << to_string(r.mode) << "\",state=\"" << to_string(r.state) << "\",pid=\"" << r.borrower.pid << "\",uid=\""
          << r.uid << "\"} " << r.bytes << '\n';
@@ -78,6 +79,7 @@ void per_region(std::ostringstream& out, bounded_samples& samples, const lender_
     for (const auto& h : r.holders) ++holds[{h.process.pid, h.state}];
     for (const auto& [who, count] : holds) {
       std::ostringstream line;
+      line.exceptions(std::ios::badbit);
       line << "shoal_lending_region_holds{id=\"" << r.id << "\",pid=\"" << who.first << "\",state=\""
            << to_string(who.second) << "\"} " << count << '\n';
       samples.add(line.str(), left.holds);
@@ -92,6 +94,7 @@ void per_spare(std::ostringstream& out, bounded_samples& samples, const lender_s
       << "# TYPE shoal_lending_spare_chunk_bytes gauge\n";
   for (const auto& spare : s.spares) {
     std::ostringstream line;
+    line.exceptions(std::ios::badbit);
     line << "shoal_lending_spare_chunk_bytes{memory=\"" << spare.memory << "\",uid=\"" << spare.uid
          << "\",kept_by=\"" << spare.kept_by << "\"} " << spare.bytes << '\n';
     samples.add(line.str(), left.spares);
@@ -116,6 +119,7 @@ void left_out_trailer(std::ostringstream& out, const left_out_counts& left, std:
 
 std::string prometheus_text(const lender_status& s, std::size_t max_bytes) {
   std::ostringstream out;
+  out.exceptions(std::ios::badbit);  // a failed allocation throws instead of cutting the text short
   std::uint64_t orphaned = 0;
   std::uint64_t shared = 0;
   std::uint64_t holds = 0;

@@ -1,13 +1,15 @@
 #include "lending/prepared_chunks.h"
 
 #include <algorithm>
+#include <iterator>
 #include <limits>
 
 namespace shoal::lending::detail {
 
 void prepared_chunks::put(chunk_record chunk) {
-  bytes_ += chunk.memory->size();
-  chunks_.push_back(std::move(chunk));
+  const std::size_t size = chunk.memory->size();
+  chunks_.push_back(std::move(chunk));  // counted once it is in
+  bytes_ += size;
 }
 
 std::optional<chunk_record> prepared_chunks::take(std::size_t bytes) {
@@ -21,14 +23,14 @@ std::optional<chunk_record> prepared_chunks::take(std::size_t bytes) {
 }
 
 std::vector<chunk_record> prepared_chunks::take_at_least(std::size_t bytes) {
-  std::vector<chunk_record> taken;
   std::size_t got = 0;
-  auto it = chunks_.begin();
-  for (; it != chunks_.end() && got < bytes; ++it) {
-    got += it->memory->size();
-    taken.push_back(std::move(*it));
-  }
-  chunks_.erase(chunks_.begin(), it);
+  auto end = chunks_.begin();
+  for (; end != chunks_.end() && got < bytes; ++end) got += end->memory->size();
+  // Room first: a failed allocation leaves the pool as it was.
+  std::vector<chunk_record> taken;
+  taken.reserve(static_cast<std::size_t>(end - chunks_.begin()));
+  std::move(chunks_.begin(), end, std::back_inserter(taken));
+  chunks_.erase(chunks_.begin(), end);
   bytes_ -= got;
   return taken;
 }

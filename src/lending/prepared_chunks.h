@@ -32,7 +32,8 @@ class prepared_chunks {
   /// when none is that size.
   [[nodiscard]] std::optional<chunk_record> take(std::size_t bytes);
   /// Chunks, oldest first, until they hold at least `bytes` or none is
-  /// left (to release them).
+  /// left (to release them); when memory runs out (bad_alloc) the pool
+  /// has not changed.
   [[nodiscard]] std::vector<chunk_record> take_at_least(std::size_t bytes);
 
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }

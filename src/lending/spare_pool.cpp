@@ -12,9 +12,12 @@ bool chunk_record::drop_keeper(std::uint64_t serial) noexcept {
   return std::erase(keepers, serial) > 0;
 }
 
-void spare_pool::put(chunk_record chunk, uid_t uid, std::chrono::steady_clock::time_point now) {
-  bytes_ += chunk.memory->size();
-  chunks_.push_back({std::move(chunk), uid, now});
+void spare_pool::put(chunk_record&& chunk, uid_t uid, std::chrono::steady_clock::time_point now) {
+  // The node is made first: a failed allocation leaves `chunk` and the pool as they were.
+  std::list<spare_chunk> node(1);
+  node.front() = {std::move(chunk), uid, now};
+  bytes_ += node.front().chunk.memory->size();
+  chunks_.splice(chunks_.end(), node);
 }
 
 std::optional<spare_chunk> spare_pool::take(std::size_t bytes, uid_t uid, std::uint64_t serial) {

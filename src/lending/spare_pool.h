@@ -49,7 +49,9 @@ struct spare_chunk {
 
 class spare_pool {
  public:
-  void put(chunk_record chunk, uid_t uid, std::chrono::steady_clock::time_point now);
+  /// Keeps `chunk` as the newest spare. When memory runs out (bad_alloc)
+  /// neither `chunk` nor the pool has changed.
+  void put(chunk_record&& chunk, uid_t uid, std::chrono::steady_clock::time_point now);
   /// A spare of exactly `bytes` for a borrower of `uid`, one that connection
   /// `serial` keeps mapped when there is one, else the oldest that fits;
   /// nullopt when none does.

@@ -24,6 +24,11 @@
 //       <mapping> is "read-only"; by hand, with the same handle mapped
 //       read-write, when it is "read-write" (the protection turned off) —
 //       says "writing", writes a byte and says "wrote" (or what failed).
+//   shoal_test_borrower deaf <host|cuda> <socket path> <bytes> <fill>
+//       Speaks the protocol by hand: borrows a region, then sends <fill>
+//       give-backs of a region it does not hold (their refusals fill the
+//       lender's socket to it) and one more borrow of <bytes>, reads none of
+//       the answers, says "deaf" and waits to be killed.
 //   shoal_test_borrower cycle <host|cuda> <socket path or @abstract name> <bytes> <rounds> <as>
 //       As <as> ("self", or "nobody": it drops to uid and gid 65534 first and
 //       admits a lender of uid 0),
@@ -196,6 +201,27 @@ int hang_up(backend::device& dev, const std::string& path, std::size_t bytes) {
   return 0;
 }
 
+int deaf(const std::string& path, std::size_t bytes, std::size_t fill) {
+  using lending::detail::message_type;
+  auto link = channel::connection::connect(channel::channel_address::at_path(path), {},
+                                           lending::detail::max_frame_payload);
+  channel::send_hello(link, lending::detail::lending_protocol);
+  channel::check_hello(link.receive(), lending::detail::lending_protocol);
+  const auto borrow = [&](std::uint64_t request) {
+    link.send(static_cast<std::uint16_t>(message_type::borrow),
+              lending::detail::encode(lending::detail::borrow_message{request, bytes, lending::region_mode::exclusive, "deaf"}));
+  };
+  borrow(1);
+  const auto lent = lending::detail::decode_lent(link.receive().payload);
+  (void)link.receive();  // its chunk
+  const auto bogus = lending::detail::encode(lending::detail::give_back_message{lent.region + 1000, false});
+  for (std::size_t i = 0; i < fill; ++i) link.send(static_cast<std::uint16_t>(message_type::give_back), bogus);
+  borrow(2);
+  say("deaf");
+  wait_for_parent();
+  return 0;
+}
+
 int cycle(backend::device& target, const std::string& where, std::size_t bytes, int rounds, const std::string& as) {
   constexpr uid_t nobody = 65534;
   if (as == "nobody" && (::setresgid(nobody, nobody, nobody) != 0 || ::setresuid(nobody, nobody, nobody) != 0)) {
@@ -234,14 +260,16 @@ int main(int argc, char** argv) {
   try {
     const std::vector<std::string> args(argv + 1, argv + argc);
     if (args.size() < 4) {
-      std::fprintf(stderr, "usage: shoal_test_borrower hold|hang-up|publish|read|write-shared|cycle <host|cuda> <socket path> ...\n");
+      std::fprintf(stderr, "usage: shoal_test_borrower hold|hang-up|publish|read|write-shared|deaf|cycle <host|cuda> <socket path> ...\n");
       return 2;
     }
     auto& dev = args[1] == "cuda" ? backend::cuda_device_instance(0) : backend::host_device_instance();
-    const std::size_t bytes = args[0] == "publish" || args[0] == "hold" || args[0] == "hang-up" ? std::stoull(args[3]) : 0;
+    const bool sized = args[0] == "publish" || args[0] == "hold" || args[0] == "hang-up" || args[0] == "deaf";
+    const std::size_t bytes = sized ? std::stoull(args[3]) : 0;
     if (args[0] == "hold" && args.size() == 5)
       return hold(dev, args[2], bytes, static_cast<std::uint8_t>(std::stoi(args[4])));
     if (args[0] == "hang-up") return hang_up(dev, args[2], bytes);
+    if (args[0] == "deaf" && args.size() == 5) return deaf(args[2], bytes, std::stoull(args[4]));
     if (args[0] == "publish" && args.size() == 6)
       return publish(dev, args[2], bytes, args[4], static_cast<std::uint8_t>(std::stoi(args[5])));
     if (args[0] == "read" && args.size() == 6)

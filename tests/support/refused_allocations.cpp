@@ -1,5 +1,6 @@
 #include "support/refused_allocations.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <new>
 
@@ -8,6 +9,11 @@ namespace {
 
 thread_local bool refusing = false;
 thread_local int refused_count = 0;
+
+thread_local bool joined = false;
+thread_local unsigned joined_allocations = 0;
+std::atomic<int> elsewhere_period{0};  // 0: no refusing_allocations_elsewhere scope
+std::atomic<int> elsewhere_refused{0};
 
 }  // namespace
 
@@ -18,6 +24,14 @@ refusing_allocations::refusing_allocations() noexcept {
 refusing_allocations::~refusing_allocations() { refusing = false; }
 int refusing_allocations::refused() noexcept { return refused_count; }
 
+refusing_allocations_elsewhere::refusing_allocations_elsewhere(int period) noexcept {
+  elsewhere_refused.store(0);
+  elsewhere_period.store(period > 0 ? period : 1);
+}
+refusing_allocations_elsewhere::~refusing_allocations_elsewhere() { elsewhere_period.store(0); }
+void refusing_allocations_elsewhere::join() noexcept { joined = true; }
+int refusing_allocations_elsewhere::refused() noexcept { return elsewhere_refused.load(); }
+
 }  // namespace shoal::testing
 
 void* operator new(std::size_t bytes) {
@@ -25,10 +39,32 @@ void* operator new(std::size_t bytes) {
     ++shoal::testing::refused_count;
     throw std::bad_alloc();
   }
+  if (shoal::testing::joined) {
+    const int period = shoal::testing::elsewhere_period.load(std::memory_order_relaxed);
+    if (period > 0 && ++shoal::testing::joined_allocations % static_cast<unsigned>(period) == 0) {
+      shoal::testing::elsewhere_refused.fetch_add(1, std::memory_order_relaxed);
+      throw std::bad_alloc();
+    }
+  }
   if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
   throw std::bad_alloc();
 }
 void* operator new[](std::size_t bytes) { return ::operator new(bytes); }
+// The nothrow forms too (std::stable_sort's buffer takes one), so that what
+// they return is freed by the deletes below, as malloc's: refused, they
+// return null.
+void* operator new(std::size_t bytes, const std::nothrow_t&) noexcept {
+  try {
+    return ::operator new(bytes);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t bytes, const std::nothrow_t& nothrow) noexcept {
+  return ::operator new(bytes, nothrow);
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }

@@ -1,7 +1,8 @@
-// Makes this thread's heap allocations fail on demand, to test what code
-// does when the host runs out of memory. Linking refused_allocations.cpp
-// replaces the global operator new of the whole test binary (malloc-based,
-// as the default); only a thread inside a refusing_allocations scope sees
+// Makes heap allocations fail on demand, to test what code does when the
+// host runs out of memory. Linking refused_allocations.cpp replaces the
+// global operator new of the whole test binary (malloc-based, as the
+// default); only a thread inside a refusing_allocations scope, or one that
+// joined refusing_allocations_elsewhere while such a scope lasts, sees
 // std::bad_alloc.
 #pragma once
 
@@ -15,6 +16,24 @@ class refusing_allocations {
   refusing_allocations& operator=(const refusing_allocations&) = delete;
 
   /// How many allocations were refused in this scope so far.
+  [[nodiscard]] static int refused() noexcept;
+};
+
+/// Makes every `period`-th heap allocation (1: each one) of the threads
+/// that joined fail, while the scope lasts (made and ended on any thread):
+/// for code on a thread the test does not own, such as a server's, which
+/// joins from a callback the server runs there. A joined thread stays
+/// joined; outside a scope it allocates as usual.
+class refusing_allocations_elsewhere {
+ public:
+  explicit refusing_allocations_elsewhere(int period) noexcept;
+  ~refusing_allocations_elsewhere();
+  refusing_allocations_elsewhere(const refusing_allocations_elsewhere&) = delete;
+  refusing_allocations_elsewhere& operator=(const refusing_allocations_elsewhere&) = delete;
+
+  /// The calling thread's allocations take part from now on.
+  static void join() noexcept;
+  /// How many allocations were refused in this scope so far, on every joined thread.
   [[nodiscard]] static int refused() noexcept;
 };
 

@@ -141,10 +141,11 @@ class private_directory;
 
 /// One end of a connected channel.
 ///
-/// Thread-safety: send() may be called from several threads at once (each
-/// call's frames go out whole and in order, never interleaved with another
-/// call's), and so may receive() (each frame goes to one caller); sends and
-/// receives run in parallel. peer(),
+/// Thread-safety: send(), post() and flush() may be called from several
+/// threads at once (each call's frames go out whole, never interleaved with
+/// another call's, in the order the calls take the connection's send lock:
+/// one thread's calls in the order it makes them), and so may receive()
+/// (each frame goes to one caller); sends and receives run in parallel. peer(),
 /// max_payload() and native_handle() never change. Moving or destroying a
 /// connection must not overlap any other call on it.
 /// Invariants: the peer's uid was allowed by the access policy when the
@@ -158,7 +159,9 @@ class private_directory;
 /// stream is still in step and the connection stays usable. A timeout in the
 /// middle of a batch, a peer that sent part of one and stalls or stopped
 /// reading part-way, breaks it. The descriptor itself is closed
-/// only by the destructor, so native_handle() never names a reused descriptor.
+/// only by the destructor, so native_handle() never names a reused descriptor;
+/// it drops whatever post() still queued, closing its copies of descriptors
+/// (the peer sees end of stream where those frames would have been).
 /// A moved-from connection may only be destroyed or assigned to.
 class connection {
  public:
@@ -196,7 +199,8 @@ class connection {
   ~connection();
 
   /// Sends one frame of `type` with `payload` and, when `fd` >= 0, a copy of
-  /// `fd` (the caller keeps its own). Blocks until all of it is sent, or
+  /// `fd` (the caller keeps its own). Bytes post() queued go first. Blocks
+  /// until all of it is sent, or
   /// until the send timeout (set_send_timeout) passes: then timeout_error,
   /// and the connection is broken unless nothing of this call had gone.
   /// Throws connection_closed when the peer is gone or the connection is broken;
@@ -212,6 +216,37 @@ class connection {
   /// Throws as send() does; when a descriptor is not open or a payload is
   /// too large, nothing is sent.
   void send(std::span<const outgoing_frame> frames);
+
+  /// send() that never waits for the peer, for a server that must not be
+  /// held up by a client that stops reading: what the socket takes now goes,
+  /// and the rest is queued — with copies of the descriptors not yet sent,
+  /// each going with its own batch's first byte — and goes out, after
+  /// everything queued before it and before anything sent later, on later
+  /// flush() calls (or a send(), which writes the queue out first). Poll
+  /// native_handle() for POLLOUT while unsent_bytes() > 0. The queue has no
+  /// bound of its own: the caller holds a peer to one (unsent_bytes(),
+  /// unsent_since()). Throws as send() does, never timeout_error; waits only
+  /// for another thread's send or post on this connection, without a
+  /// deadline (a blocking send() holds the lock up to its send timeout).
+  void post(std::span<const outgoing_frame> frames);
+  /// post() of one frame.
+  void post(std::uint16_t type, std::span<const std::byte> payload, int fd = -1);
+
+  /// Writes what the socket takes of the queued bytes now, in order, without
+  /// waiting; returns unsent_bytes() after. Throws as send() does (the
+  /// connection is broken then), never timeout_error.
+  std::size_t flush();
+
+  /// Bytes post() queued that the socket has not taken yet. Readable from
+  /// any thread.
+  [[nodiscard]] std::size_t unsent_bytes() const;
+  /// When the oldest frames still queued were posted (their post() call);
+  /// nullopt while nothing is queued. It moves on only when those frames
+  /// have gone whole, so a peer that reads part of them, slowly, does not
+  /// reset it: a server holds each answer to a deadline with it. Readable
+  /// from any thread; it and unsent_bytes() are read one at a time, and
+  /// another thread's post or flush may come between the two reads.
+  [[nodiscard]] std::optional<std::chrono::steady_clock::time_point> unsent_since() const;
 
   /// Receives one frame, blocking until it arrives. Throws protocol_error
   /// when the peer sent something malformed (a wrong magic or version, a

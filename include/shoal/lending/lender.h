@@ -70,10 +70,19 @@
 // batch it stalls in the middle of closes that borrower's connection (and
 // reclaims its regions as above) and harms no one else: each borrower's
 // frames are read as they come, without waiting on it, so one that stalls
-// mid-batch holds no other borrower up until it is hung up on. Every wait on
-// a borrower has a deadline (config.peer_timeout); a revoke or forget that
-// cannot be sent in time closes its connection too. The lender never exits
-// or aborts on a borrower's or the device's error.
+// mid-batch holds no other borrower up until it is hung up on. Nor are
+// answers to a borrower waited on: what its socket does not take waits in
+// its connection's queue (connection::post) and goes out, in order, as it
+// reads, so one that stops reading holds no one else up either. While any
+// answer waits, nothing more is read from that borrower: its queue holds at
+// most one answer (with at most one descriptor) and the revokes and forgets
+// sent meanwhile, one per region it holds or memory it keeps mapped.
+// Every wait on a borrower has a deadline (config.peer_timeout): one that
+// leaves an answer queued for longer, read in part or not at all, has its
+// connection closed too. The lender never exits or aborts on a borrower's
+// or the device's error, nor when its own heap runs out: the borrower it
+// was taking on is refused (its connect fails), the one whose request or
+// answer it was making is closed for error, and its counts stay whole.
 //
 // Thread-safety: the lender serves on its own thread; status() and
 // address() may be called from any thread. Destruction stops the thread,
@@ -117,8 +126,8 @@ struct lender_config {
   std::size_t max_borrowers = 64;
   /// Regions one borrower may hold at once.
   std::size_t max_regions_per_borrower = 1024;
-  /// Deadline of every wait on a borrower: a batch it started sending, a
-  /// reply it does not read.
+  /// Deadline of every wait on a borrower: a batch it started sending, an
+  /// answer it does not read (from when the answer was posted).
   std::chrono::milliseconds peer_timeout{1000};
   /// Whether given-back memory is lent again (see the contract above).
   reuse_policy reuse = reuse_policy::same_uid;
