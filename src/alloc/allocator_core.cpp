@@ -14,12 +14,6 @@ namespace shoal::alloc::detail {
 
 namespace {
 
-constexpr std::uint8_t poison_byte = 0xDB;
-
-}  // namespace
-
-namespace {
-
 // The settings that do not apply to pinned host memory, refused before
 // anything is built.
 allocator_config checked(allocator_config config) {
@@ -56,6 +50,13 @@ void allocator_core::check_invariants() const {
 void throw_not_allocated(std::uintptr_t address, const char* op) {
   throw invalid_argument(std::string("caching_allocator::") + op + "(" + hex(address) +
                          "): not a live pointer this allocator handed out (foreign, interior, or freed already)");
+}
+
+void require_not_invalidated(const block* b, const char* op) {
+  if (b->state != block_state::invalidated) return;
+  throw invalid_argument(std::string("caching_allocator::") + op + "(" + hex(b->address) +
+                         "): the block was taken back by a forced clear of its private pool "
+                         "(live_blocks::invalidate); only its free is still accepted");
 }
 
 // ---- allocation --------------------------------------------------------------
@@ -263,6 +264,10 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
 void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
   with_block<true>(address, "deallocate", [&](block_pool& pool, block* b) {
+    if (b->state == block_state::invalidated) {
+      remove_tombstone(pool, b);
+      return;
+    }
     // record_stream's streams are waited for in every mode; the freeing
     // stream only with cross-stream safety on (off is PyTorch's rule, where
     // record_stream is the one protection), or to catch a hazard in debug.
@@ -296,6 +301,7 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
     pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
     b->requested = 0;
     b->used_on.clear();
+    b->held_outside = false;
     if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
     if (hold) {
       b->state = block_state::pending_free;
@@ -400,14 +406,25 @@ void allocator_core::empty_cache() {
 
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
   with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "record_stream", [&](block_pool&, block* b) {
+    require_not_invalidated(b, "record_stream");
     if (stream != b->stream) add_unique(b->used_on, stream);
   });
 }
 
 std::size_t allocator_core::block_size(const void* ptr) const {
   std::size_t size = 0;
-  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "block_size", [&](block_pool&, block* b) { size = b->size; });
+  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "block_size", [&](block_pool&, block* b) {
+    require_not_invalidated(b, "block_size");
+    size = b->size;
+  });
   return size;
+}
+
+void allocator_core::mark_held_outside(void* ptr) {
+  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "mark_held_outside", [&](block_pool&, block* b) {
+    require_not_invalidated(b, "mark_held_outside");
+    b->held_outside = true;
+  });
 }
 
 }  // namespace shoal::alloc::detail

@@ -37,6 +37,13 @@
 namespace shoal::alloc::detail {
 
 [[noreturn]] void throw_not_allocated(std::uintptr_t address, const char* op);
+/// Throws invalid_argument when `b` is a tombstone (a forced clear took it):
+/// only its free is still accepted.
+void require_not_invalidated(const block* b, const char* op);
+/// invalid_argument naming the sub-pool's allocated blocks shared with
+/// another process (mark_held_outside), when there are any: a forced clear
+/// never takes them. Pool locked.
+void refuse_held_outside(const block_pool& part);
 
 /// True in builds with SHOAL_CHECK_INVARIANTS: the allocator checks its
 /// invariants itself after every allocate, free and release step.
@@ -61,6 +68,7 @@ class allocator_core {
   void deallocate(void* ptr, backend::stream_ref stream);
   void record_stream(void* ptr, backend::stream_ref stream);
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
+  void mark_held_outside(void* ptr);
   void process_pending_frees();
   void empty_cache();
   void set_memory_fraction(double fraction);
@@ -83,9 +91,9 @@ class allocator_core {
 
   private_pool_id create_private_pool(void* base, std::size_t bytes,
                                       const std::vector<std::pair<std::string, std::size_t>>& parts);
-  void clear_private_pool(private_pool_id id, const std::string& part);
+  invalidated_blocks_report clear_private_pool(private_pool_id id, const std::string& part, live_blocks live);
   void drain_private_pool(private_pool_id id, const std::string& part);
-  void destroy_private_pool(private_pool_id id);
+  invalidated_blocks_report destroy_private_pool(private_pool_id id, live_blocks live);
   /// The sub-pool this thread's allocations are directed to (nullptr: none).
   [[nodiscard]] block_pool* directed_pool() const noexcept { return directory_.directed_pool(); }
   /// Directs this thread's allocations to `part`; returns the previous one.
@@ -119,6 +127,15 @@ class allocator_core {
   // ---- the free path (pool locked)
   void make_reusable(block_pool& pool, block* b);
   void collect_pending(block_pool& pool, bool wait_on_device);
+
+  // ---- forced clears (forced_clear.cpp; pool locked, device synchronized)
+  /// Turns every allocated block of the sub-pool into a tombstone and
+  /// reports them (refuse_held_outside first). In debug mode the blocks are poisoned and the
+  /// streams a hand-out must wait for (the fills, pending frees' fills) are
+  /// added to `still_used`.
+  invalidated_blocks_report take_back_live_blocks(block_pool& part, std::vector<backend::stream_ref>& still_used);
+  /// A late free of a tombstone: its memory goes back to the sub-pool.
+  void remove_tombstone(block_pool& part, block* b);
 
   pool_directory directory_;
   trace_ring trace_;

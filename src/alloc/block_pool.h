@@ -23,6 +23,7 @@ namespace shoal::alloc::detail {
 struct pool_counters {
   stat allocations, segments, active, inactive_split;
   stat allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes;
+  stat invalidated, invalidated_bytes;  ///< tombstones (block_state::invalidated)
 
   static void add(stat& s, std::int64_t n) noexcept {
     s.current += n;
@@ -45,7 +46,7 @@ struct alignas(64) block_pool {
   std::string part_name;  ///< private sub-pools
 
   free_bins bins;
-  block_index allocated;  ///< blocks in state allocated, by address
+  block_index allocated;  ///< blocks in state allocated or invalidated (tombstones), by address
   std::vector<std::unique_ptr<segment>> segments;
   segment* growable = nullptr;  ///< expandable_segments: this pool's one growable segment
   std::deque<block*> pending;   ///< blocks in state pending_free
@@ -93,6 +94,7 @@ struct alignas(64) block_pool {
     b->state = block_state::free;
     b->mapped = true;
     b->counted_inactive_split = false;
+    b->held_outside = false;
     b->stream = {};
     b->used_on.clear();
     b->waits.clear();

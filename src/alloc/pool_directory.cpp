@@ -45,14 +45,18 @@ struct range_cache {
 thread_local range_cache recent_segments;
 
 // Empties a destroyed private pool's sub-pool so it can serve another: its
-// block objects go to its spare list, its segments and counts go. Every
-// block is free, and a private pool's free blocks are all settled (never
-// parked), so each is in the bins. Under the sub-pool's lock.
+// block objects go to its spare list, its segments, counts and tombstones
+// go. Every other block is free, and a private pool's free blocks are all
+// settled (never parked), so each is in the bins. Under the sub-pool's lock.
 void empty_for_reuse(block_pool& part) noexcept {
   for (auto& s : part.segments) {
     for (block* b = s->first; b != nullptr;) {
       block* next = b->next;
-      part.bins.remove(b);
+      if (b->state == block_state::invalidated) {
+        (void)part.allocated.take(b->address);  // a tombstone: its late free finds nothing now
+      } else {
+        part.bins.remove(b);  // free and settled: the pool held no live block
+      }
       part.recycle(b);
       b = next;
     }
@@ -169,6 +173,15 @@ block_pool& pool_directory::private_part(private_pool_id id, const std::string& 
     throw invalid_argument("private pool " + std::to_string(id.value) + " has no sub-pool '" + part + "'; it has" + names.str());
   }
   return *p;
+}
+
+std::vector<block_pool*> pool_directory::private_parts(private_pool_id id) const {
+  std::shared_lock lock(directory_mutex_);
+  const auto it = private_pools_.find(id.value);
+  if (it == private_pools_.end()) throw invalid_argument("private pool " + std::to_string(id.value) + " does not exist");
+  std::vector<block_pool*> parts;
+  for (auto& p : it->second->parts) parts.push_back(p.get());
+  return parts;
 }
 
 void pool_directory::remove_private_pool(private_pool_id id, const std::function<void(block_pool&)>& check) {

@@ -94,8 +94,11 @@ class pool_directory {
   private_pool_id add_private_pool(std::unique_ptr<private_pool> pool);
   /// The named sub-pool; throws invalid_argument when there is none.
   [[nodiscard]] block_pool& private_part(private_pool_id id, const std::string& part) const;
+  /// Every sub-pool of a private pool; invalid_argument when there is none.
+  [[nodiscard]] std::vector<block_pool*> private_parts(private_pool_id id) const;
   /// Removes a private pool once check(part) (run with each part's lock
-  /// held) has passed for every part — it must find every block free —
+  /// held) has passed for every part — it must leave every block free or a
+  /// tombstone, and may take live blocks back to get there —
   /// unregisters its segments and empties its sub-pools for reuse.
   void remove_private_pool(private_pool_id id, const std::function<void(block_pool&)>& check);
   /// The sub-pool this thread's allocations are directed to (nullptr: none).

@@ -65,12 +65,12 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
 
 namespace {
 
-// Throws unless every block of the sub-pool is free.
+// Throws unless every block of the sub-pool is free (or a tombstone).
 void require_no_live_blocks(block_pool& part, const char* op) {
   std::size_t live = 0, live_bytes = 0;
   for (auto& s : part.segments) {
     for (const block* b = s->first; b != nullptr; b = b->next) {
-      if (b->state != block_state::free) {
+      if (b->state == block_state::allocated || b->state == block_state::pending_free) {
         ++live;
         live_bytes += b->size;
       }
@@ -79,37 +79,82 @@ void require_no_live_blocks(block_pool& part, const char* op) {
   if (live > 0) {
     throw invalid_argument(std::string(op) + ": sub-pool '" + part.part_name + "' still has " + std::to_string(live) +
                            " live block(s) (" + std::to_string(live_bytes) +
-                           " bytes, allocated or waiting for a stream); free them first");
+                           " bytes, allocated or waiting for a stream); free them first, or force it "
+                           "(live_blocks::invalidate)");
+  }
+}
+
+// Makes each segment of the sub-pool free again but for its tombstones,
+// which stay where they are (forced_clear.cpp): one free block between two
+// tombstones. Every block (tombstones included) then remembers `still_used`,
+// streams a hand-out must wait for. The sub-pool has no live block.
+void reset_layout(block_pool& part, const std::vector<backend::stream_ref>& still_used) {
+  for (auto& s : part.segments) {
+    std::vector<block*> tombstones;
+    for (block* b = s->first; b != nullptr;) {
+      block* next = b->next;
+      if (b->state == block_state::invalidated) {
+        tombstones.push_back(b);
+      } else {
+        part.bins.remove(b);  // free and settled: private pools park nothing
+        recycle(part, b);
+      }
+      b = next;
+    }
+    block* last = nullptr;
+    std::uintptr_t at = s->base;
+    const auto append = [&](block* b) {
+      b->prev = last;
+      b->next = nullptr;
+      (last != nullptr ? last->next : s->first) = b;
+      last = b;
+      at = b->address + b->size;
+    };
+    const auto append_free = [&](std::uintptr_t end) {
+      if (end == at) return;
+      block* b = part.new_block();
+      b->address = at;
+      b->size = end - at;
+      b->owner = s.get();
+      append(b);
+    };
+    for (block* t : tombstones) {
+      append_free(t->address);
+      append(t);
+    }
+    append_free(s->base + s->size);
+    for (block* b = s->first; b != nullptr; b = b->next) {
+      for (auto stream : still_used) add_unique(b->last_streams, stream);
+      if (b->state != block_state::free) continue;
+      part.bins.insert(b);
+      refresh_split_stat(part, b);
+    }
   }
 }
 
 }  // namespace
 
-void allocator_core::clear_private_pool(private_pool_id id, const std::string& part_name) {
+invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id, const std::string& part_name,
+                                                             live_blocks live) {
   block_pool& part = private_part(id, part_name);
+  // A stream the allocator never heard of (used without record_stream) may
+  // still touch a live block: only the whole device passing is enough.
+  if (live == live_blocks::invalidate) device.synchronize_device();
+  invalidated_blocks_report taken;
   {
     std::lock_guard lock(part.lock);
-    require_no_live_blocks(part, "clear_private_pool");
-    for (auto& s : part.segments) {
-      block* first = s->first;
-      for (block* b = first; b != nullptr;) {
-        block* next = b->next;
-        part.bins.remove(b);
-        if (b->counted_inactive_split) {
-          pool_counters::sub(part.counters.inactive_split, 1);
-          pool_counters::sub(part.counters.inactive_split_bytes, static_cast<std::int64_t>(b->size));
-          b->counted_inactive_split = false;
-        }
-        if (b != first) recycle(part, b);
-        b = next;
-      }
-      first->size = s->size;
-      first->next = nullptr;
-      first->last_streams.clear();  // the memory is forgotten, not just its layout
-      part.bins.insert(first);
+    // The memory is forgotten, not just its layout: the streams that last
+    // used it have passed (drain_private_pool, or the device above).
+    std::vector<backend::stream_ref> still_used;
+    if (live == live_blocks::invalidate) {
+      refuse_held_outside(part);
+      taken = take_back_live_blocks(part, still_used);
     }
+    require_no_live_blocks(part, "clear_private_pool");
+    reset_layout(part, still_used);
   }
   if constexpr (check_every_step) check_invariants();
+  return taken;
 }
 
 void allocator_core::drain_private_pool(private_pool_id id, const std::string& part_name) {
@@ -136,9 +181,28 @@ void allocator_core::drain_private_pool(private_pool_id id, const std::string& p
   for (auto stream : streams) device.synchronize(stream);
 }
 
-void allocator_core::destroy_private_pool(private_pool_id id) {
-  directory_.remove_private_pool(id, [](block_pool& part) { require_no_live_blocks(part, "destroy_private_pool"); });
+invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id id, live_blocks live) {
+  if (live == live_blocks::invalidate) {
+    device.synchronize_device();  // as clear_private_pool does
+    for (block_pool* part : directory_.private_parts(id)) {  // before any is changed
+      std::lock_guard lock(part->lock);
+      refuse_held_outside(*part);
+    }
+  }
+  invalidated_blocks_report taken;
+  // Tombstones go with the pool's segments: a late free after this is an
+  // unknown pointer.
+  directory_.remove_private_pool(id, [&](block_pool& part) {
+    std::vector<backend::stream_ref> ignored;  // the memory leaves the allocator
+    if (live == live_blocks::invalidate) {
+      const auto report = take_back_live_blocks(part, ignored);
+      taken.blocks.insert(taken.blocks.end(), report.blocks.begin(), report.blocks.end());
+      taken.bytes += report.bytes;
+    }
+    require_no_live_blocks(part, "destroy_private_pool");
+  });
   if constexpr (check_every_step) check_invariants();
+  return taken;
 }
 
 }  // namespace shoal::alloc::detail

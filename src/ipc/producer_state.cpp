@@ -72,7 +72,13 @@ producer_state::share producer_state::share_storage(const storage::storage& st, 
     throw invalid_argument("peer::send: the storage comes from another allocator than the sharing context's");
   }
   auto owner = st.hand_over(
-      [this](void* data, std::size_t size) { return std::make_shared<sent_data>(shared_from_this(), data, size); },
+      [this](void* data, std::size_t size) {
+        // Another process may use the block until its slots are released:
+        // a forced clear of a private pool must not take it back. The mark
+        // goes with the block's free (free_blocks).
+        allocator.mark_held_outside(data);
+        return std::make_shared<sent_data>(shared_from_this(), data, size);
+      },
       stream);
   auto* sent = dynamic_cast<sent_data*>(owner.get());
   if (sent == nullptr || sent->state() != this) {

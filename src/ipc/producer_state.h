@@ -1,7 +1,7 @@
 // The producer side of sharing: counter slots, exported segments, the limbo.
 //
 // Lock order: a storage's own lock (hand_over) -> mutex_ -> the allocator's
-// pool locks; a pool lock -> exports_mutex_ -> an outbox's mutex (the release
+// pool locks (also straight from a storage's lock: mark_held_outside); a pool lock -> exports_mutex_ -> an outbox's mutex (the release
 // observer runs under a pool lock). Nothing takes mutex_ under exports_mutex_
 // or the other way round, and no allocator call is made under either, so
 // the allocator may call back (cache-miss hook, release observer) at any time.

@@ -150,6 +150,33 @@ TYPED_TEST(sharing_test, a_block_dropped_while_a_consumer_holds_it_waits_in_the_
   this->finish();
 }
 
+// A private pool's block another process holds is never taken back by a
+// forced clear (alloc::live_blocks::invalidate): sending marks it.
+TYPED_TEST(sharing_test, a_forced_clear_refuses_a_block_a_consumer_holds) {
+  auto& ctx = this->context();
+  this->start({"consume"});
+  auto& a = ctx.allocator();
+  void* region = this->device().allocate_segment(2 << 20);
+  const auto pool = a.create_private_pool(region, 2 << 20);
+  {
+    alloc::private_pool_scope scope(a, pool);
+    auto st = this->filled(256 * kib, 7);
+    ASSERT_EQ(this->send(st, 7, true), "ok");
+  }  // dropped here: it waits in the limbo while the consumer holds it
+  try {
+    (void)a.clear_private_pool(pool, "", alloc::live_blocks::invalidate);
+    ADD_FAILURE() << "a block another process holds was taken back";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("shared with another process"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(this->command("release"), "released");
+  EXPECT_TRUE(this->drains());
+  EXPECT_TRUE(a.clear_private_pool(pool, "", alloc::live_blocks::invalidate).blocks.empty()) << "freed by its owner";
+  a.destroy_private_pool(pool);
+  this->finish();
+  this->device().free_segment(region);
+}
+
 TYPED_TEST(sharing_test, many_storages_at_once_share_segments_and_slots) {
   auto& ctx = this->context();
   this->start({"consume"});

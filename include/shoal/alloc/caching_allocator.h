@@ -87,7 +87,9 @@ class caching_allocator {
   [[nodiscard]] void* allocate(std::size_t bytes);
   /// Frees `ptr` with its last use enqueued on `stream` (see the header
   /// comment). A pointer this allocator did not hand out, or one already
-  /// freed, gives invalid_argument and changes nothing.
+  /// freed, gives invalid_argument and changes nothing. The late free of a
+  /// block a forced clear took back (live_blocks::invalidate) removes its
+  /// tombstone and frees nothing else.
   void deallocate(void* ptr, backend::stream_ref stream);
   /// deallocate on the calling thread's current stream.
   void deallocate(void* ptr);
@@ -96,6 +98,11 @@ class caching_allocator {
   void record_stream(void* ptr, backend::stream_ref stream);
   /// Bytes of the block that holds `ptr` (the rounded size).
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
+  /// The allocated block at `ptr` is held outside this process (exported to
+  /// another one): a forced clear of its private pool refuses to take it
+  /// back. The mark lasts until the block is freed. invalid_argument for a
+  /// pointer that is not a live block.
+  void mark_held_outside(void* ptr);
 
   /// Makes every pending free whose streams have passed reusable. Called by
   /// the allocator itself on a cache miss.
@@ -167,15 +174,25 @@ class caching_allocator {
   private_pool_id create_private_pool(void* base, std::size_t bytes,
                                       const std::vector<std::pair<std::string, std::size_t>>& parts = {});
   /// Forgets every free block of the sub-pool (it becomes one free block
-  /// again), freeing no device memory. Throws invalid_argument naming the
-  /// live blocks when any block in it is allocated or pending.
-  void clear_private_pool(private_pool_id pool, const std::string& part = "");
-  /// Removes the pool; it must be clear of live blocks. Its id is invalid
+  /// again, split only around tombstones), freeing no device memory. With
+  /// live_blocks::refuse, throws invalid_argument naming the live blocks
+  /// when any block in it is allocated or pending. With invalidate, the
+  /// whole device is synchronized first and the allocated blocks are taken
+  /// back, each leaving a tombstone (see live_blocks), and reported; a block
+  /// marked held outside refuses it (invalid_argument, nothing taken).
+  /// Tombstones of earlier forced clears stay until their late frees.
+  invalidated_blocks_report clear_private_pool(private_pool_id pool, const std::string& part = "",
+                                               live_blocks live = live_blocks::refuse);
+  /// Removes the pool; with live_blocks::refuse it must be clear of live
+  /// blocks, with invalidate every sub-pool's are taken back first (as
+  /// clear_private_pool does; reported). Its tombstones go with it: a late
+  /// free of one after this is a pointer the allocator does not know
+  /// (invalid_argument). Its id is invalid
   /// from then on (calls with it throw invalid_argument); no call with it
   /// may run meanwhile, and no private_pool_scope of it may outlive it: its
   /// bookkeeping serves a later private pool (so that inserting memory
   /// again costs no new pages).
-  void destroy_private_pool(private_pool_id pool);
+  invalidated_blocks_report destroy_private_pool(private_pool_id pool, live_blocks live = live_blocks::refuse);
   /// Waits on the host until the sub-pool's pending frees have completed and
   /// every stream that last used one of its free blocks has passed the work
   /// enqueued on it: after this, clearing the sub-pool or giving its memory

@@ -8,6 +8,7 @@
 #include <shared_mutex>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "backend/host/host_event_page.h"
 #include "backend/host/host_executor.h"
@@ -165,6 +166,16 @@ void host_device::synchronize(stream_ref s) {
   if (std::string failure = executor->take_error(); !failure.empty()) {
     throw stream_error("work on a host stream failed: " + failure);
   }
+}
+
+void host_device::synchronize_device() {
+  std::vector<std::shared_ptr<detail::host_executor>> executors{state_->default_stream};
+  {
+    std::shared_lock lock(state_->registry_mutex);
+    for (const auto& [native, executor] : state_->streams) executors.push_back(executor);
+  }
+  // Waited for without the lock, so waiting never blocks other streams' calls.
+  for (const auto& executor : executors) executor->wait_for(executor->submitted());
 }
 
 bool host_device::query(stream_ref s) {

@@ -1,0 +1,85 @@
+// Forced clears of private pools: live blocks taken from their owners, and
+// the tombstones that keep their owners' late frees from freeing anything
+// newer.
+//
+// A tombstone is the first min_block bytes of a block taken back, left in
+// state invalidated at the block's address: it stays in the sub-pool's
+// index of allocated blocks (so a late free finds it) and outside the free
+// bins (so nothing merges with it and no newer block starts at its
+// address); the rest of the block is free again. Per sub-pool:
+//   counters.invalidated       = #{tombstones},
+//   counters.invalidated_bytes = min_block * #{tombstones}.
+// The late free removes the tombstone (the memory joins its free
+// neighbours); destroying the pool drops the tombstones with its segments,
+// and a late free after that is an unknown pointer like any other.
+#include <string>
+
+#include "alloc/allocator_core.h"
+#include "alloc/block_structure.h"
+#include "alloc/core_util.h"
+#include "alloc/size_policy.h"
+#include "shoal/core/error.h"
+
+namespace shoal::alloc::detail {
+
+void refuse_held_outside(const block_pool& part) {
+  std::size_t shared = 0;
+  std::string named;
+  for (const auto& s : part.segments) {
+    for (const block* b = s->first; b != nullptr; b = b->next) {
+      if (b->state != block_state::allocated || !b->held_outside) continue;
+      if (++shared <= 8) named += (shared > 1 ? ", " : "") + hex(b->address) + " (" + std::to_string(b->size) + " bytes)";
+    }
+  }
+  if (shared == 0) return;
+  throw invalid_argument("clear_private_pool: sub-pool '" + part.part_name + "' has " + std::to_string(shared) +
+                         " block(s) shared with another process: " + named + (shared > 8 ? ", ..." : "") +
+                         "; another process may still use them, so a forced clear does not take them back and "
+                         "nothing was taken. Let every holder release them (their owner frees them then), then clear");
+}
+
+invalidated_blocks_report allocator_core::take_back_live_blocks(block_pool& part,
+                                                                std::vector<backend::stream_ref>& still_used) {
+  collect_pending(part, false);  // every stream has passed them: the device was synchronized
+  invalidated_blocks_report taken;
+  auto& c = part.counters;
+  for (auto& s : part.segments) {
+    for (block* b = s->first; b != nullptr; b = b->next) {
+      // Debug poison of blocks just made reusable is still queued on their
+      // streams, which every hand-out after the clear must wait for.
+      if (config.debug && b->state == block_state::free) {
+        for (auto stream : b->last_streams) add_unique(still_used, stream);
+      }
+      if (b->state != block_state::allocated) continue;
+      taken.blocks.push_back({b->address, b->size});
+      taken.bytes += b->size;
+      pool_counters::sub(c.allocations, 1);
+      pool_counters::sub(c.allocated_bytes, static_cast<std::int64_t>(b->size));
+      pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
+      pool_counters::sub(c.active, 1);
+      pool_counters::sub(c.active_bytes, static_cast<std::int64_t>(b->size));
+      if (trace_.enabled()) trace_.note(trace_action::free_requested, b->address, b->size, b->stream);
+      if (config.debug) {
+        device.fill(b->stream, reinterpret_cast<void*>(b->address), poison_byte, b->size);
+        add_unique(still_used, b->stream);
+      }
+      // Cut to a tombstone; the clear that follows frees the rest of it.
+      b->state = block_state::invalidated;
+      b->size = min_block;
+      b->requested = 0;
+      b->used_on.clear();
+      pool_counters::add(c.invalidated, 1);
+      pool_counters::add(c.invalidated_bytes, static_cast<std::int64_t>(min_block));
+    }
+  }
+  return taken;
+}
+
+void allocator_core::remove_tombstone(block_pool& part, block* b) {
+  pool_counters::sub(part.counters.invalidated, 1);
+  pool_counters::sub(part.counters.invalidated_bytes, static_cast<std::int64_t>(b->size));
+  b->state = block_state::free;
+  settle(part, b);
+}
+
+}  // namespace shoal::alloc::detail

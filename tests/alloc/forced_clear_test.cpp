@@ -1,0 +1,246 @@
+// Forced clears of private pools (live_blocks::invalidate): live blocks are
+// taken back and reported, each leaves a tombstone so that its owner's late
+// free never frees a newer block, the whole device is waited for first,
+// blocks shared with another process are refused, and debug poison is
+// passed before the memory is reused.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "shoal/backend/host_device.h"
+#include "shoal/backend/stream.h"
+#include "shoal/core/error.h"
+#include "support/allocators.h"
+#include "support/forwarding_device.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using alloc::live_blocks;
+constexpr std::size_t kib = 1024, mib = kib * kib;
+
+std::string hex(const void* p) {
+  std::ostringstream out;
+  out << "0x" << std::hex << reinterpret_cast<std::uintptr_t>(p);
+  return out.str();
+}
+
+template <class Param>
+using forced_clear = allocator_test<Param>;
+TYPED_TEST_SUITE(forced_clear, backend_config_types, backend_config_names);
+
+// A region of the device inserted as a private pool, given back at the end.
+struct region_pool {
+  backend::device& dev;
+  alloc::caching_allocator& a;
+  char* base;
+  alloc::private_pool_id id;
+  region_pool(backend::device& d, alloc::caching_allocator& al, std::size_t bytes)
+      : dev(d), a(al), base(static_cast<char*>(d.allocate_segment(bytes))), id(a.create_private_pool(base, bytes)) {}
+  ~region_pool() {
+    dev.synchronize_device();  // debug poison may still be queued on it
+    dev.free_segment(base);
+  }
+  region_pool(const region_pool&) = delete;
+  region_pool& operator=(const region_pool&) = delete;
+  void* allocate(std::size_t bytes, backend::stream_ref s = {}) {
+    alloc::private_pool_scope scope(a, id);
+    return a.allocate(bytes, s);
+  }
+};
+
+TYPED_TEST(forced_clear, takes_live_blocks_back_and_reports_them) {
+  auto& a = this->make();
+  region_pool r(this->device(), a, 4 * mib);
+  void* p = r.allocate(mib);
+  void* q = r.allocate(256 * kib);
+  EXPECT_THROW(a.clear_private_pool(r.id), invalid_argument) << "refused unless forced";
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 2) << "a refused clear changes nothing";
+
+  const auto taken = a.clear_private_pool(r.id, "", live_blocks::invalidate);
+  ASSERT_EQ(taken.blocks.size(), 2u);
+  EXPECT_EQ(taken.blocks[0].address, reinterpret_cast<std::uintptr_t>(p));
+  EXPECT_EQ(taken.blocks[0].size, mib);
+  EXPECT_EQ(taken.blocks[1].address, reinterpret_cast<std::uintptr_t>(q));
+  EXPECT_EQ(taken.blocks[1].size, 256 * kib);
+  EXPECT_EQ(taken.bytes, mib + 256 * kib);
+  const auto st = a.stats();
+  EXPECT_TRUE(nothing_in_use(st)) << "tombstones are not allocated memory";
+  EXPECT_EQ(st.invalidated.aggregate.current, 2) << st.to_json();
+  EXPECT_EQ(st.invalidated_bytes.aggregate.current, 1024) << st.to_json();
+  EXPECT_EQ(count_blocks(a.take_snapshot(), alloc::block_state::invalidated), 2u);
+  EXPECT_NO_THROW(a.check_invariants());
+  EXPECT_THROW((void)a.block_size(p), invalid_argument) << "a taken block is no live block";
+  EXPECT_THROW(a.record_stream(p, {}), invalid_argument);
+
+  // All but the tombstones is free again, split around them.
+  void* rest_of_p = r.allocate(mib - 512);
+  void* rest_of_region = r.allocate(3 * mib - 512);
+  EXPECT_EQ(rest_of_p, static_cast<char*>(p) + 512);
+  EXPECT_EQ(rest_of_region, static_cast<char*>(q) + 512);
+  a.deallocate(rest_of_p, {});
+  a.deallocate(rest_of_region, {});
+  a.deallocate(p, {});
+  a.deallocate(q, {});
+  EXPECT_EQ(a.stats().invalidated.aggregate.current, 0) << "the late frees removed the tombstones";
+  EXPECT_EQ(a.stats().invalidated_bytes.aggregate.current, 0);
+  void* whole = r.allocate(4 * mib);
+  EXPECT_EQ(whole, r.base) << "the region is one free block again";
+  a.deallocate(whole, {});
+  EXPECT_NO_THROW(a.check_invariants());
+  a.destroy_private_pool(r.id);
+  EXPECT_TRUE(nothing_in_use(a.stats()));
+}
+
+// After a forced clear the next owner is served from the same region; the
+// old owner's free may come before or after the new owner's. Neither order
+// may free the newer block or fail.
+TYPED_TEST(forced_clear, a_late_free_never_frees_a_newer_block_at_the_same_address) {
+  for (const bool newer_frees_first : {true, false}) {
+    SCOPED_TRACE(newer_frees_first ? "the newer block's owner frees first" : "the stale owner frees first");
+    auto& a = this->make();
+    region_pool r(this->device(), a, 2 * mib);
+    void* stale = r.allocate(mib);
+    ASSERT_EQ(stale, r.base);
+    (void)a.clear_private_pool(r.id, "", live_blocks::invalidate);
+    void* newer = r.allocate(mib);
+    EXPECT_NE(newer, stale) << "no newer block starts where a taken block did";
+    if (newer_frees_first) {
+      a.deallocate(newer, {});
+      EXPECT_NO_THROW(a.deallocate(stale, {})) << "the late free finds its tombstone";
+    } else {
+      a.deallocate(stale, {});
+      ASSERT_NO_THROW((void)a.block_size(newer)) << "the late free freed the newer block";
+      EXPECT_EQ(a.stats().allocations.aggregate.current, 1);
+      // Nothing handed out next overlaps the newer block.
+      void* next = r.allocate(512 * kib);
+      EXPECT_TRUE(static_cast<char*>(next) + 512 * kib <= newer || next >= static_cast<char*>(newer) + mib);
+      a.deallocate(next, {});
+      a.deallocate(newer, {});
+    }
+    EXPECT_NO_THROW(a.check_invariants());
+    EXPECT_TRUE(nothing_in_use(a.stats()));
+    EXPECT_EQ(a.stats().invalidated.aggregate.current, 0);
+    a.destroy_private_pool(r.id);
+  }
+}
+
+TYPED_TEST(forced_clear, giving_the_region_back_drops_its_tombstones_and_late_frees_are_unknown_pointers) {
+  auto& a = this->make();
+  region_pool r(this->device(), a, 2 * mib);
+  void* stale = r.allocate(mib);
+  const auto taken = a.destroy_private_pool(r.id, live_blocks::invalidate);
+  ASSERT_EQ(taken.blocks.size(), 1u);
+  EXPECT_EQ(taken.blocks[0].address, reinterpret_cast<std::uintptr_t>(stale));
+  const auto st = a.stats();
+  EXPECT_TRUE(nothing_in_use(st));
+  EXPECT_EQ(st.invalidated.aggregate.current, 0) << st.to_json();
+  EXPECT_EQ(st.reserved_bytes.aggregate.current, 0) << st.to_json();
+  EXPECT_THROW(a.deallocate(stale, {}), invalid_argument) << "the region left the allocator";
+  EXPECT_NO_THROW(a.check_invariants());
+}
+
+TYPED_TEST(forced_clear, a_region_with_tombstones_in_it_can_be_given_back) {
+  auto& a = this->make();
+  region_pool r(this->device(), a, 2 * mib);
+  void* stale = r.allocate(mib);
+  (void)a.clear_private_pool(r.id, "", live_blocks::invalidate);
+  EXPECT_NO_THROW(a.destroy_private_pool(r.id)) << "a tombstone is no live block";
+  EXPECT_EQ(a.stats().invalidated.aggregate.current, 0);
+  EXPECT_THROW(a.deallocate(stale, {}), invalid_argument);
+  EXPECT_NO_THROW(a.check_invariants());
+}
+
+// A side stream the allocator never heard of (no record_stream) still
+// writes a live block: the clear returns only after it passed.
+TYPED_TEST(forced_clear, waits_for_the_whole_device_before_taking_blocks_back) {
+  struct counting : forwarding_device {
+    using forwarding_device::forwarding_device;
+    void synchronize_device() override {
+      ++device_waits;
+      forwarding_device::synchronize_device();
+    }
+    std::atomic<int> device_waits{0};
+  } dev(this->device());
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse(this->configured_text("")));
+  region_pool r(dev, a, 2 * mib);
+  backend::stream side(dev);
+  void* p = r.allocate(mib);
+  dev.delay(side, 300ms);
+  dev.fill(side, p, 0x5A, mib);
+  (void)a.clear_private_pool(r.id, "", live_blocks::invalidate);
+  EXPECT_EQ(dev.device_waits.load(), 1);
+  EXPECT_TRUE(dev.query(side)) << "the clear returned while a stream still wrote the block";
+  a.deallocate(p, {});
+  a.destroy_private_pool(r.id);
+}
+
+TYPED_TEST(forced_clear, blocks_shared_with_another_process_refuse_it) {
+  auto& a = this->make();
+  region_pool r(this->device(), a, 2 * mib);
+  void* shared = r.allocate(512 * kib);
+  void* own = r.allocate(512 * kib);
+  a.mark_held_outside(shared);
+  try {
+    (void)a.clear_private_pool(r.id, "", live_blocks::invalidate);
+    ADD_FAILURE() << "a block another process holds was taken back";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(hex(shared)), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find(hex(own)), std::string::npos) << "names only the shared one: " << e.what();
+  }
+  EXPECT_THROW((void)a.destroy_private_pool(r.id, live_blocks::invalidate), invalid_argument);
+  auto st = a.stats();
+  EXPECT_EQ(st.allocations.aggregate.current, 2) << "nothing was taken: " << st.to_json();
+  EXPECT_EQ(st.invalidated.aggregate.current, 0);
+  EXPECT_NO_THROW((void)a.block_size(own));
+
+  a.deallocate(shared, {});  // its holders let go: the mark goes with the free
+  shared = r.allocate(512 * kib);  // the same block, handed out again, not shared
+  const auto taken = a.clear_private_pool(r.id, "", live_blocks::invalidate);
+  EXPECT_EQ(taken.blocks.size(), 2u);
+  a.deallocate(shared, {});
+  a.deallocate(own, {});
+  a.destroy_private_pool(r.id);
+  EXPECT_TRUE(nothing_in_use(a.stats()));
+}
+
+// Debug mode poisons the blocks taken back on their streams; a newer block
+// handed out on another stream waits for that fill, as after any free.
+TEST(forced_clear_host, a_newer_block_on_another_stream_waits_for_the_poison_of_a_taken_block) {
+  backend::host_device host({.capacity_bytes = 64 * mib});
+  struct slow_fills : forwarding_device {  // every fill starts late
+    using forwarding_device::forwarding_device;
+    void fill(backend::stream_ref s, void* dst, std::uint8_t value, std::size_t bytes) override {
+      forwarding_device::delay(s, 200ms);
+      forwarding_device::fill(s, dst, value, bytes);
+    }
+  } dev(host);
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("debug:true"));
+  backend::stream first(dev), second(dev);
+  region_pool r(dev, a, 2 * mib);
+  void* stale = r.allocate(2 * mib, first);
+  (void)a.clear_private_pool(r.id, "", live_blocks::invalidate);  // poisons `stale` on `first`
+  auto* newer = static_cast<std::uint8_t*>(r.allocate(mib, second));
+  const std::vector<std::uint8_t> pattern(mib, 0x22);
+  host.copy(second, newer, pattern.data(), mib);
+  host.synchronize(second);
+  host.synchronize(first);
+  std::vector<std::uint8_t> seen(mib);
+  host.copy({}, seen.data(), newer, mib);
+  host.synchronize({});
+  EXPECT_TRUE(all_equal(seen, 0x22)) << "the poison fill overwrote the newer block's data";
+  a.deallocate(newer, second);
+  a.deallocate(stale, first);
+  host.synchronize(first);
+  host.synchronize(second);
+  a.destroy_private_pool(r.id);
+}
+
+}  // namespace
+}  // namespace shoal::testing
