@@ -190,17 +190,20 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
     }
   }
   invalidated_blocks_report taken;
+  std::vector<backend::stream_ref> poisoned;  // debug mode: fills still queued on the memory
   // Tombstones go with the pool's segments: a late free after this is an
   // unknown pointer.
   directory_.remove_private_pool(id, [&](block_pool& part) {
-    std::vector<backend::stream_ref> ignored;  // the memory leaves the allocator
     if (live == live_blocks::invalidate) {
-      const auto report = take_back_live_blocks(part, ignored);
+      const auto report = take_back_live_blocks(part, poisoned);
       taken.blocks.insert(taken.blocks.end(), report.blocks.begin(), report.blocks.end());
       taken.bytes += report.bytes;
     }
     require_no_live_blocks(part, "destroy_private_pool");
   });
+  // The memory goes back to its owner when this returns: no fill may be
+  // left queued on it.
+  for (auto stream : poisoned) device.synchronize(stream);
   if constexpr (check_every_step) check_invariants();
   return taken;
 }

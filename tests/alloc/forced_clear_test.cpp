@@ -210,17 +210,20 @@ TYPED_TEST(forced_clear, blocks_shared_with_another_process_refuse_it) {
   EXPECT_TRUE(nothing_in_use(a.stats()));
 }
 
+// A device whose every fill starts late.
+struct slow_fills : forwarding_device {
+  using forwarding_device::forwarding_device;
+  void fill(backend::stream_ref s, void* dst, std::uint8_t value, std::size_t bytes) override {
+    forwarding_device::delay(s, 200ms);
+    forwarding_device::fill(s, dst, value, bytes);
+  }
+};
+
 // Debug mode poisons the blocks taken back on their streams; a newer block
 // handed out on another stream waits for that fill, as after any free.
 TEST(forced_clear_host, a_newer_block_on_another_stream_waits_for_the_poison_of_a_taken_block) {
   backend::host_device host({.capacity_bytes = 64 * mib});
-  struct slow_fills : forwarding_device {  // every fill starts late
-    using forwarding_device::forwarding_device;
-    void fill(backend::stream_ref s, void* dst, std::uint8_t value, std::size_t bytes) override {
-      forwarding_device::delay(s, 200ms);
-      forwarding_device::fill(s, dst, value, bytes);
-    }
-  } dev(host);
+  slow_fills dev(host);
   alloc::caching_allocator a(dev, alloc::allocator_config::parse("debug:true"));
   backend::stream first(dev), second(dev);
   region_pool r(dev, a, 2 * mib);
@@ -240,6 +243,20 @@ TEST(forced_clear_host, a_newer_block_on_another_stream_waits_for_the_poison_of_
   host.synchronize(first);
   host.synchronize(second);
   a.destroy_private_pool(r.id);
+}
+
+// The memory of a pool destroyed by force goes back to its owner when the
+// call returns: the poison of its taken blocks must have been written.
+TEST(forced_clear_host, a_forced_destroy_returns_only_after_the_poison_of_its_taken_blocks) {
+  backend::host_device host({.capacity_bytes = 64 * mib});
+  slow_fills dev(host);
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("debug:true"));
+  backend::stream s(dev);
+  region_pool r(dev, a, 2 * mib);
+  (void)r.allocate(mib, s);
+  const auto taken = a.destroy_private_pool(r.id, live_blocks::invalidate);
+  EXPECT_EQ(taken.blocks.size(), 1u);
+  EXPECT_TRUE(dev.query(s)) << "a poison fill was still queued on memory that left the allocator";
 }
 
 }  // namespace
