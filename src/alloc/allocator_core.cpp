@@ -406,7 +406,9 @@ void allocator_core::empty_cache() {
 
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
   with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "record_stream", [&](block_pool&, block* b) {
-    require_not_invalidated(b, "record_stream");
+    // A tombstone: its owner's storage records its streams before the late
+    // free, which must still come to remove it. Nothing waits for them now.
+    if (b->state == block_state::invalidated) return;
     if (stream != b->stream) add_unique(b->used_on, stream);
   });
 }

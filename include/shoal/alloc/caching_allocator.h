@@ -94,7 +94,9 @@ class caching_allocator {
   /// deallocate on the calling thread's current stream.
   void deallocate(void* ptr);
   /// The block of `ptr` is also used on `stream`: its free waits for the
-  /// work enqueued there until then.
+  /// work enqueued there until then. On a block a forced clear took back
+  /// (a tombstone) it does nothing: its owner's storage records its streams
+  /// before the late free, which must still come to remove the tombstone.
   void record_stream(void* ptr, backend::stream_ref stream);
   /// Bytes of the block that holds `ptr` (the rounded size).
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
