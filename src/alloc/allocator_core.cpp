@@ -302,6 +302,7 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
     b->requested = 0;
     b->used_on.clear();
     b->held_outside = false;
+    ++pool.frees;
     if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
     if (hold) {
       b->state = block_state::pending_free;

@@ -40,10 +40,12 @@ namespace shoal::alloc::detail {
 /// Throws invalid_argument when `b` is a tombstone (a forced clear took it):
 /// only its free is still accepted.
 void require_not_invalidated(const block* b, const char* op);
-/// invalid_argument naming the sub-pool's allocated blocks shared with
-/// another process (mark_held_outside), when there are any: a forced clear
-/// never takes them. Pool locked.
-void refuse_held_outside(const block_pool& part);
+/// A forced clear's first phase (forced_clear.cpp; pool locked): refuses
+/// (invalid_argument naming `op` and them) when blocks of the sub-pool are
+/// shared with another process (mark_held_outside), which a forced clear
+/// never takes, and reserves room in `taken` for its allocated blocks. Throws, changing nothing, or leaves
+/// take_back_live_blocks nothing to fail on.
+void prepare_take_back(const block_pool& part, const char* op, invalidated_blocks_report& taken);
 
 /// True in builds with SHOAL_CHECK_INVARIANTS: the allocator checks its
 /// invariants itself after every allocate, free and release step.
@@ -128,14 +130,17 @@ class allocator_core {
   void make_reusable(block_pool& pool, block* b);
   void collect_pending(block_pool& pool, bool wait_on_device);
 
-  // ---- forced clears (forced_clear.cpp; pool locked, device synchronized)
-  /// Turns every allocated block of the sub-pool into a tombstone and
-  /// reports them (refuse_held_outside first). In debug mode the blocks are poisoned and the
-  /// streams a hand-out must wait for (the fills, pending frees' fills) are
-  /// added to `still_used`.
-  invalidated_blocks_report take_back_live_blocks(block_pool& part, std::vector<backend::stream_ref>& still_used);
+  // ---- forced clears (forced_clear.cpp; pool locked, device synchronized
+  //      with no free since)
+  /// The second phase, after prepare_take_back: every pending free of the
+  /// sub-pool becomes free, every allocated block a tombstone appended to
+  /// `taken`. Throws nothing. Leaves free blocks unmerged and the rest of
+  /// each taken block unlinked: reset_layout or empty_for_reuse follows,
+  /// under the same lock.
+  void take_back_live_blocks(block_pool& part, invalidated_blocks_report& taken);
   /// A late free of a tombstone: its memory goes back to the sub-pool.
   void remove_tombstone(block_pool& part, block* b);
+
 
   pool_directory directory_;
   trace_ring trace_;

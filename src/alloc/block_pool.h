@@ -6,6 +6,7 @@
 #pragma once
 
 #include <array>
+#include <cstdint>
 #include <deque>
 #include <utility>
 #include <memory>
@@ -69,6 +70,10 @@ struct alignas(64) block_pool {
   std::array<block*, quick_capacity> quick{};
   std::size_t quick_count = 0;
   pool_counters counters;
+  /// Frees so far (deallocate, a tombstone's late free included); only ever
+  /// grows. A forced clear compares it before and after its device-wide
+  /// wait: a free that came meanwhile may leave work of its stream queued.
+  std::uint64_t frees = 0;
 
   block_pool() = default;
   block_pool(const block_pool&) = delete;
@@ -81,6 +86,13 @@ struct alignas(64) block_pool {
   [[nodiscard]] block* new_block() {
     if (spare == nullptr) return new block();
     return std::exchange(spare, spare->bin_next);
+  }
+  /// Keeps at least `n` block objects spare, so that the next `n` new_block
+  /// calls allocate nothing.
+  void reserve_blocks(std::size_t n) {
+    std::size_t have = 0;
+    for (const block* b = spare; b != nullptr && have < n; b = b->bin_next) ++have;
+    for (; have < n; ++have) recycle(new block());
   }
   /// Takes back a block object no segment links to any more.
   void recycle(block* b) noexcept {

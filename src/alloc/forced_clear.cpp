@@ -12,6 +12,12 @@
 // The late free removes the tombstone (the memory joins its free
 // neighbours); destroying the pool drops the tombstones with its segments,
 // and a late free after that is an unknown pointer like any other.
+//
+// A forced clear runs in two phases under the sub-pool's lock (all of a
+// pool's sub-pools' locks for a destroy): prepare_take_back checks and
+// reserves everything and may throw, changing nothing; then
+// take_back_live_blocks and the layout's reset change the pool and throw
+// nothing, so a failure never leaves half the blocks taken.
 #include <string>
 
 #include "alloc/allocator_core.h"
@@ -22,7 +28,9 @@
 
 namespace shoal::alloc::detail {
 
-void refuse_held_outside(const block_pool& part) {
+namespace {
+
+void refuse_held_outside(const block_pool& part, const char* op) {
   std::size_t shared = 0;
   std::string named;
   for (const auto& s : part.segments) {
@@ -32,26 +40,41 @@ void refuse_held_outside(const block_pool& part) {
     }
   }
   if (shared == 0) return;
-  throw invalid_argument("clear_private_pool: sub-pool '" + part.part_name + "' has " + std::to_string(shared) +
+  throw invalid_argument(std::string(op) + ": sub-pool '" + part.part_name + "' has " + std::to_string(shared) +
                          " block(s) shared with another process: " + named + (shared > 8 ? ", ..." : "") +
                          "; another process may still use them, so a forced clear does not take them back and "
-                         "nothing was taken. Let every holder release them (their owner frees them then), then clear");
+                         "nothing was taken. Let every holder release them (their owner frees them then), then retry");
 }
 
-invalidated_blocks_report allocator_core::take_back_live_blocks(block_pool& part,
-                                                                std::vector<backend::stream_ref>& still_used) {
-  collect_pending(part, false);  // every stream has passed them: the device was synchronized
-  invalidated_blocks_report taken;
+}  // namespace
+
+void prepare_take_back(const block_pool& part, const char* op, invalidated_blocks_report& taken) {
+  refuse_held_outside(part, op);
+  std::size_t live = 0;
+  for (const auto& s : part.segments) {
+    for (const block* b = s->first; b != nullptr; b = b->next) live += b->state == block_state::allocated ? 1 : 0;
+  }
+  taken.blocks.reserve(taken.blocks.size() + live);
+}
+
+void allocator_core::take_back_live_blocks(block_pool& part, invalidated_blocks_report& taken) {
   auto& c = part.counters;
+  // Every pending free has passed: the device was synchronized after it.
+  // Private pools never share a wait (awaiting_frees.h is pinned memory's).
+  for (block* b : part.pending) {
+    for (auto e : b->waits) events_.give_back(e);
+    b->waits.clear();
+    pool_counters::sub(c.active, 1);
+    pool_counters::sub(c.active_bytes, static_cast<std::int64_t>(b->size));
+    b->state = block_state::free;
+    if (trace_.enabled()) trace_.note(trace_action::free_completed, b->address, b->size, b->stream);
+    part.bins.insert(b);  // unmerged: the layout is reset next
+  }
+  part.pending.clear();
   for (auto& s : part.segments) {
     for (block* b = s->first; b != nullptr; b = b->next) {
-      // Debug poison of blocks just made reusable is still queued on their
-      // streams, which every hand-out after the clear must wait for.
-      if (config.debug && b->state == block_state::free) {
-        for (auto stream : b->last_streams) add_unique(still_used, stream);
-      }
       if (b->state != block_state::allocated) continue;
-      taken.blocks.push_back({b->address, b->size});
+      taken.blocks.push_back({b->address, b->size});  // room reserved by prepare_take_back
       taken.bytes += b->size;
       pool_counters::sub(c.allocations, 1);
       pool_counters::sub(c.allocated_bytes, static_cast<std::int64_t>(b->size));
@@ -59,11 +82,7 @@ invalidated_blocks_report allocator_core::take_back_live_blocks(block_pool& part
       pool_counters::sub(c.active, 1);
       pool_counters::sub(c.active_bytes, static_cast<std::int64_t>(b->size));
       if (trace_.enabled()) trace_.note(trace_action::free_requested, b->address, b->size, b->stream);
-      if (config.debug) {
-        device.fill(b->stream, reinterpret_cast<void*>(b->address), poison_byte, b->size);
-        add_unique(still_used, b->stream);
-      }
-      // Cut to a tombstone; the clear that follows frees the rest of it.
+      // Cut to a tombstone; the layout's reset frees the rest of it.
       b->state = block_state::invalidated;
       b->size = min_block;
       b->requested = 0;
@@ -72,12 +91,12 @@ invalidated_blocks_report allocator_core::take_back_live_blocks(block_pool& part
       pool_counters::add(c.invalidated_bytes, static_cast<std::int64_t>(min_block));
     }
   }
-  return taken;
 }
 
 void allocator_core::remove_tombstone(block_pool& part, block* b) {
   pool_counters::sub(part.counters.invalidated, 1);
   pool_counters::sub(part.counters.invalidated_bytes, static_cast<std::int64_t>(b->size));
+  ++part.frees;
   b->state = block_state::free;
   settle(part, b);
 }

@@ -184,16 +184,21 @@ std::vector<block_pool*> pool_directory::private_parts(private_pool_id id) const
   return parts;
 }
 
-void pool_directory::remove_private_pool(private_pool_id id, const std::function<void(block_pool&)>& check) {
+bool pool_directory::remove_private_pool(private_pool_id id,
+                                         const std::function<bool(const std::vector<block_pool*>&)>& ready,
+                                         const std::function<void(block_pool&)>& take) {
   std::unique_ptr<private_pool> pool;
   {
     std::unique_lock lock(directory_mutex_);
     const auto it = private_pools_.find(id.value);
     if (it == private_pools_.end()) throw invalid_argument("private pool " + std::to_string(id.value) + " does not exist");
-    for (auto& part : it->second->parts) {
-      std::lock_guard part_lock(part->lock);
-      check(*part);
-    }
+    std::vector<block_pool*> parts;
+    for (auto& part : it->second->parts) parts.push_back(part.get());
+    std::vector<std::unique_lock<spin_lock>> part_locks;
+    part_locks.reserve(parts.size());
+    for (block_pool* part : parts) part_locks.emplace_back(part->lock);
+    if (!ready(parts)) return false;
+    for (block_pool* part : parts) take(*part);
     pool = std::move(it->second);
     private_pools_.erase(it);
   }
@@ -205,6 +210,7 @@ void pool_directory::remove_private_pool(private_pool_id id, const std::function
   }
   std::unique_lock lock(directory_mutex_);
   for (auto& part : pool->parts) reusable_parts_.push_back(std::move(part));
+  return true;
 }
 
 }  // namespace shoal::alloc::detail

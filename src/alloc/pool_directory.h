@@ -24,8 +24,10 @@
 //   the event pool's, the trace ring's, the hooks' (release observers).
 // Two pool locks are never held at once, except by with_every_pool_locked
 // (the invariant checker), which takes them all in one fixed order while
-// it holds directory_mutex_ shared; as nobody else waits for a pool lock
-// while holding another, this cannot deadlock. Cache-miss hooks run with no
+// it holds directory_mutex_ shared, and by remove_private_pool, which takes
+// one private pool's sub-pools in their order while it holds
+// directory_mutex_ exclusively; as nobody else waits for a pool lock while
+// holding another, this cannot deadlock. Cache-miss hooks run with no
 // allocator lock held. Device calls may run under a pool lock (like
 // cudaMalloc under PyTorch's), never under the others.
 //
@@ -96,11 +98,14 @@ class pool_directory {
   [[nodiscard]] block_pool& private_part(private_pool_id id, const std::string& part) const;
   /// Every sub-pool of a private pool; invalid_argument when there is none.
   [[nodiscard]] std::vector<block_pool*> private_parts(private_pool_id id) const;
-  /// Removes a private pool once check(part) (run with each part's lock
-  /// held) has passed for every part — it must leave every block free or a
-  /// tombstone, and may take live blocks back to get there —
-  /// unregisters its segments and empties its sub-pools for reuse.
-  void remove_private_pool(private_pool_id id, const std::function<void(block_pool&)>& check);
+  /// Removes a private pool, with every sub-pool's lock held at once:
+  /// ready(parts) checks them all first — throwing, or returning false
+  /// (then this returns false), changes nothing — then take(part), which
+  /// must not throw and must leave every block free or a tombstone, runs
+  /// for each; then its segments are unregistered and its sub-pools
+  /// emptied for reuse. Returns true.
+  bool remove_private_pool(private_pool_id id, const std::function<bool(const std::vector<block_pool*>&)>& ready,
+                           const std::function<void(block_pool&)>& take);
   /// The sub-pool this thread's allocations are directed to (nullptr: none).
   [[nodiscard]] block_pool* directed_pool() const noexcept;
   /// Directs this thread's allocations to `part`; returns the previous one.

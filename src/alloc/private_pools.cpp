@@ -1,5 +1,8 @@
 // Private pools: memory handed in from outside, split into named sub-pools.
+#include <cstdint>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 #include "alloc/allocator_core.h"
 #include "alloc/block_structure.h"
@@ -84,52 +87,76 @@ void require_no_live_blocks(block_pool& part, const char* op) {
   }
 }
 
+// Block objects reset_layout may need: one free block before each
+// tombstone, and one more per segment, after prepare_take_back (so
+// allocated blocks count as the tombstones they become).
+std::size_t blocks_for_reset(const block_pool& part) {
+  std::size_t n = 0;
+  for (const auto& s : part.segments) {
+    ++n;
+    for (const block* b = s->first; b != nullptr; b = b->next) {
+      n += b->state == block_state::invalidated || b->state == block_state::allocated ? 1 : 0;
+    }
+  }
+  return n;
+}
+
 // Makes each segment of the sub-pool free again but for its tombstones,
 // which stay where they are (forced_clear.cpp): one free block between two
-// tombstones. Every block (tombstones included) then remembers `still_used`,
-// streams a hand-out must wait for. The sub-pool has no live block.
-void reset_layout(block_pool& part, const std::vector<backend::stream_ref>& still_used) {
+// tombstones, remembering no stream (the streams that last used the memory
+// have passed: drain_private_pool, or a forced clear's device-wide wait).
+// Every block is free (in the bins) or a tombstone; blocks_for_reset(part)
+// block objects are spare, so nothing here allocates or throws.
+void reset_layout(block_pool& part) {
   for (auto& s : part.segments) {
-    std::vector<block*> tombstones;
-    for (block* b = s->first; b != nullptr;) {
+    block* b = s->first;
+    block* last = nullptr;
+    std::uintptr_t at = s->base;
+    const auto append = [&](block* appended) {
+      appended->prev = last;
+      appended->next = nullptr;
+      (last != nullptr ? last->next : s->first) = appended;
+      last = appended;
+      at = appended->address + appended->size;
+    };
+    const auto append_free = [&](std::uintptr_t end) {
+      if (end == at) return;
+      block* fresh = part.new_block();
+      fresh->address = at;
+      fresh->size = end - at;
+      fresh->owner = s.get();
+      append(fresh);
+    };
+    s->first = nullptr;
+    while (b != nullptr) {
       block* next = b->next;
       if (b->state == block_state::invalidated) {
-        tombstones.push_back(b);
+        append_free(b->address);
+        append(b);
       } else {
         part.bins.remove(b);  // free and settled: private pools park nothing
         recycle(part, b);
       }
       b = next;
     }
-    block* last = nullptr;
-    std::uintptr_t at = s->base;
-    const auto append = [&](block* b) {
-      b->prev = last;
-      b->next = nullptr;
-      (last != nullptr ? last->next : s->first) = b;
-      last = b;
-      at = b->address + b->size;
-    };
-    const auto append_free = [&](std::uintptr_t end) {
-      if (end == at) return;
-      block* b = part.new_block();
-      b->address = at;
-      b->size = end - at;
-      b->owner = s.get();
-      append(b);
-    };
-    for (block* t : tombstones) {
-      append_free(t->address);
-      append(t);
-    }
     append_free(s->base + s->size);
-    for (block* b = s->first; b != nullptr; b = b->next) {
-      for (auto stream : still_used) add_unique(b->last_streams, stream);
-      if (b->state != block_state::free) continue;
-      part.bins.insert(b);
-      refresh_split_stat(part, b);
+    for (block* fresh = s->first; fresh != nullptr; fresh = fresh->next) {  // once its neighbours are linked
+      if (fresh->state != block_state::free) continue;
+      part.bins.insert(fresh);
+      refresh_split_stat(part, fresh);
     }
   }
+}
+
+// Debug mode: poison of the whole sub-pool, on the default stream (always
+// there, unlike the streams of taken blocks), after its layout was reset.
+void poison(backend::device& device, const block_pool& part) {
+  for (const auto& s : part.segments) device.fill({}, reinterpret_cast<void*>(s->base), poison_byte, s->size);
+}
+
+std::uint64_t frees_of(block_pool& part) {
+  std::lock_guard lock(part.lock);
+  return part.frees;
 }
 
 }  // namespace
@@ -137,21 +164,31 @@ void reset_layout(block_pool& part, const std::vector<backend::stream_ref>& stil
 invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id, const std::string& part_name,
                                                              live_blocks live) {
   block_pool& part = private_part(id, part_name);
-  // A stream the allocator never heard of (used without record_stream) may
-  // still touch a live block: only the whole device passing is enough.
-  if (live == live_blocks::invalidate) device.synchronize_device();
   invalidated_blocks_report taken;
-  {
+  if (live == live_blocks::refuse) {
     std::lock_guard lock(part.lock);
-    // The memory is forgotten, not just its layout: the streams that last
-    // used it have passed (drain_private_pool, or the device above).
-    std::vector<backend::stream_ref> still_used;
-    if (live == live_blocks::invalidate) {
-      refuse_held_outside(part);
-      taken = take_back_live_blocks(part, still_used);
-    }
     require_no_live_blocks(part, "clear_private_pool");
-    reset_layout(part, still_used);
+    part.reserve_blocks(blocks_for_reset(part));
+    reset_layout(part);
+  } else {
+    std::uint64_t frees = frees_of(part);
+    for (bool done = false; !done;) {
+      // A stream the allocator never heard of (used without record_stream)
+      // may still touch a live block: only the whole device passing is
+      // enough. It covers the pending frees and the free blocks' last
+      // streams too, unless a free came during the wait: then wait again.
+      device.synchronize_device();
+      std::lock_guard lock(part.lock);
+      if (std::exchange(frees, part.frees) != part.frees) continue;
+      prepare_take_back(part, "clear_private_pool", taken);  // phase 1: may throw, changes nothing
+      part.reserve_blocks(blocks_for_reset(part));
+      take_back_live_blocks(part, taken);  // phase 2: throws nothing
+      reset_layout(part);
+      if (config.debug) poison(device, part);
+      done = true;
+    }
+    // The poison is written before anything is handed out of the memory.
+    if (config.debug) device.synchronize_device();
   }
   if constexpr (check_every_step) check_invariants();
   return taken;
@@ -182,28 +219,45 @@ void allocator_core::drain_private_pool(private_pool_id id, const std::string& p
 }
 
 invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id id, live_blocks live) {
-  if (live == live_blocks::invalidate) {
-    device.synchronize_device();  // as clear_private_pool does
-    for (block_pool* part : directory_.private_parts(id)) {  // before any is changed
-      std::lock_guard lock(part->lock);
-      refuse_held_outside(*part);
-    }
-  }
   invalidated_blocks_report taken;
-  std::vector<backend::stream_ref> poisoned;  // debug mode: fills still queued on the memory
-  // Tombstones go with the pool's segments: a late free after this is an
-  // unknown pointer.
-  directory_.remove_private_pool(id, [&](block_pool& part) {
-    if (live == live_blocks::invalidate) {
-      const auto report = take_back_live_blocks(part, poisoned);
-      taken.blocks.insert(taken.blocks.end(), report.blocks.begin(), report.blocks.end());
-      taken.bytes += report.bytes;
-    }
-    require_no_live_blocks(part, "destroy_private_pool");
-  });
-  // The memory goes back to its owner when this returns: no fill may be
-  // left queued on it.
-  for (auto stream : poisoned) device.synchronize(stream);
+  if (live == live_blocks::refuse) {
+    (void)directory_.remove_private_pool(
+        id,
+        [](const std::vector<block_pool*>& parts) {
+          for (block_pool* part : parts) require_no_live_blocks(*part, "destroy_private_pool");
+          return true;
+        },
+        [](block_pool&) {});
+    if constexpr (check_every_step) check_invariants();
+    return taken;
+  }
+  std::uint64_t frees = 0;
+  for (block_pool* part : directory_.private_parts(id)) frees += frees_of(*part);
+  std::vector<std::pair<std::uintptr_t, std::size_t>> memory;  // debug mode: to poison once it left
+  for (bool removed = false; !removed;) {
+    device.synchronize_device();  // as clear_private_pool does, and again after a free during it
+    // Every sub-pool is checked, and held outside again, with all their
+    // locks held before any is changed: a block sent meanwhile refuses it.
+    removed = directory_.remove_private_pool(
+        id,
+        [&](const std::vector<block_pool*>& parts) {
+          std::uint64_t now = 0;
+          for (block_pool* part : parts) now += part->frees;
+          if (std::exchange(frees, now) != now) return false;
+          for (block_pool* part : parts) {
+            prepare_take_back(*part, "destroy_private_pool", taken);
+            if (!config.debug) continue;
+            for (const auto& s : part->segments) memory.emplace_back(s->base, s->size);
+          }
+          return true;
+        },
+        [&](block_pool& part) { take_back_live_blocks(part, taken); });
+  }
+  // Tombstones went with the pool's segments: a late free after this is an
+  // unknown pointer. The memory goes back to its owner when this returns:
+  // its poison must have been written by then.
+  for (const auto& [base, bytes] : memory) device.fill({}, reinterpret_cast<void*>(base), poison_byte, bytes);
+  if (!memory.empty()) device.synchronize_device();
   if constexpr (check_every_step) check_invariants();
   return taken;
 }

@@ -59,5 +59,35 @@ TYPED_TEST(forced_clear_of_a_region, takes_a_forgotten_block_back_and_a_forced_r
   EXPECT_NO_THROW(allocator.check_invariants());
 }
 
+// A stream destroyed since it last used the memory: the drain of an
+// unforced clear would wait for it, a forced one waits for the whole device
+// instead, so the escape hatch still opens.
+TYPED_TEST(forced_clear_of_a_region, a_stream_destroyed_since_its_last_use_does_not_block_a_forced_clear_or_release) {
+  if (this->in_process_only()) return;
+  auto& dev = this->device();
+  auto& l = this->start();
+  borrower b(dev, l.address());
+  alloc::caching_allocator allocator(dev, {});
+  lending::adopted_region region(allocator, b.borrow(4 * mib, "model A"));
+  // A block used and freed on a stream that is then destroyed.
+  const auto use_on_a_gone_stream = [&] {
+    backend::stream gone(dev);
+    alloc::private_pool_scope scope(allocator, region.pool());
+    void* p = allocator.allocate(mib, gone);
+    allocator.deallocate(p, gone);
+    dev.synchronize(gone);
+  };
+  use_on_a_gone_stream();
+  const auto taken = region.clear("", alloc::live_blocks::invalidate);
+  EXPECT_TRUE(taken.blocks.empty());
+  use_on_a_gone_stream();
+  alloc::invalidated_blocks_report released;
+  b.give_back(region.release(alloc::live_blocks::invalidate, &released));
+  EXPECT_FALSE(region.adopted());
+  EXPECT_TRUE(released.blocks.empty());
+  EXPECT_EQ(l.status().lent_bytes, 0u);
+  EXPECT_NO_THROW(allocator.check_invariants());
+}
+
 }  // namespace
 }  // namespace shoal::testing

@@ -179,17 +179,27 @@ class caching_allocator {
   /// again, split only around tombstones), freeing no device memory. With
   /// live_blocks::refuse, throws invalid_argument naming the live blocks
   /// when any block in it is allocated or pending. With invalidate, the
-  /// whole device is synchronized first and the allocated blocks are taken
-  /// back, each leaving a tombstone (see live_blocks), and reported; a block
-  /// marked held outside refuses it (invalid_argument, nothing taken).
-  /// Tombstones of earlier forced clears stay until their late frees.
+  /// whole device is synchronized first (again, as long as frees of the
+  /// sub-pool came during the wait: their streams may still use it), then
+  /// its pending frees are complete and its allocated blocks are taken
+  /// back, each leaving a tombstone (see live_blocks), and reported. A
+  /// block marked held outside refuses it (invalid_argument); whatever it
+  /// throws, nothing was taken. Debug mode poisons the sub-pool on the
+  /// default stream and waits for that before returning. Tombstones of
+  /// earlier forced clears stay until their late frees.
   invalidated_blocks_report clear_private_pool(private_pool_id pool, const std::string& part = "",
                                                live_blocks live = live_blocks::refuse);
   /// Removes the pool; with live_blocks::refuse it must be clear of live
   /// blocks, with invalidate every sub-pool's are taken back first (as
-  /// clear_private_pool does; reported). Its tombstones go with it: a late
-  /// free of one after this is a pointer the allocator does not know
-  /// (invalid_argument). Its id is invalid
+  /// clear_private_pool does; reported), all checked before any is taken:
+  /// one block held outside refuses it and nothing is taken. In debug mode
+  /// the memory's poison is written when this returns. Its tombstones go
+  /// with it: a late free of one after this is a pointer the allocator
+  /// does not know (invalid_argument) — unless the same memory is inserted
+  /// again meanwhile: then the late free meets whatever block starts there
+  /// and frees it. A forced destroy is for memory that does not come back
+  /// (or whose owners have freed, or will never free, their blocks). Its
+  /// id is invalid
   /// from then on (calls with it throw invalid_argument); no call with it
   /// may run meanwhile, and no private_pool_scope of it may outlive it: its
   /// bookkeeping serves a later private pool (so that inserting memory
