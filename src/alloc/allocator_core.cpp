@@ -265,7 +265,7 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
   with_block<true>(address, "deallocate", [&](block_pool& pool, block* b) {
     if (b->state == block_state::invalidated) {
-      remove_tombstone(pool, b);
+      remove_tombstone(pool, b, stream);
       return;
     }
     // record_stream's streams are waited for in every mode; the freeing

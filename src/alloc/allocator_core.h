@@ -138,8 +138,9 @@ class allocator_core {
   /// each taken block unlinked: reset_layout or empty_for_reuse follows,
   /// under the same lock.
   void take_back_live_blocks(block_pool& part, invalidated_blocks_report& taken);
-  /// A late free of a tombstone: its memory goes back to the sub-pool.
-  void remove_tombstone(block_pool& part, block* b);
+  /// A late free of a tombstone on `stream`: its memory goes back to the
+  /// sub-pool, last used on `stream`.
+  void remove_tombstone(block_pool& part, block* b, backend::stream_ref stream);
 
 
   pool_directory directory_;

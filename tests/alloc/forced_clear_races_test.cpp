@@ -128,6 +128,28 @@ TYPED_TEST(forced_clear_races, a_block_sent_during_the_device_wait_refuses_the_d
   dev.free_segment(base);
 }
 
+// The owner's late free says its last use is queued on its stream: a newer
+// block there waits for it, even at the tombstone's bytes.
+TYPED_TEST(forced_clear_races, a_block_handed_out_after_a_late_free_waits_for_the_late_free_stream) {
+  auto& dev = this->device();
+  backend::stream owner(dev), next(dev);
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse(this->configured_text("")));
+  region_pool r(dev, a, 2 * mib);
+  void* stale = r.allocate(2 * mib, owner);
+  (void)a.clear_private_pool(r.id, "", live_blocks::invalidate);
+  dev.delay(owner, 300ms);
+  dev.fill(owner, stale, 0x5A, 512);
+  a.deallocate(stale, owner);
+  void* newer = r.allocate(2 * mib, next);
+  ASSERT_EQ(newer, r.base) << "the late free gave the tombstone back";
+  dev.fill(next, newer, 0x22, 2 * mib);
+  dev.synchronize(owner);
+  EXPECT_TRUE(all_equal(this->read(newer, 512, next), 0x22)) << "the late free's queued write landed in the newer block";
+  a.deallocate(newer, next);
+  dev.synchronize(next);
+  a.destroy_private_pool(r.id);
+}
+
 // Debug mode poisons what it takes back, but not on the blocks' streams,
 // which their owners may have destroyed since.
 TEST(forced_clear_races_host, debug_mode_takes_and_poisons_blocks_whose_stream_was_destroyed) {
