@@ -263,7 +263,7 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
 
 void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
-  with_block<true>(address, "deallocate", [&](block_pool& pool, block* b) {
+  const bool found = run_on_block<true>(address, [&](block_pool& pool, block* b) {
     if (b->state == block_state::invalidated) {
       remove_tombstone(pool, b, stream);
       return;
@@ -312,6 +312,8 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
       make_reusable(pool, b);
     }
   });
+  // The late free of a tombstone whose pool was destroyed: nothing to free.
+  if (!found && !orphans_.forget(address)) throw_not_allocated(address, "deallocate");
   if constexpr (check_every_step) check_invariants();
 }
 
@@ -406,12 +408,14 @@ void allocator_core::empty_cache() {
 }
 
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
-  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "record_stream", [&](block_pool&, block* b) {
+  const auto address = reinterpret_cast<std::uintptr_t>(ptr);
+  const bool found = run_on_block<false>(address, [&](block_pool&, block* b) {
     // A tombstone: its owner's storage records its streams before the late
     // free, which must still come to remove it. Nothing waits for them now.
     if (b->state == block_state::invalidated) return;
     if (stream != b->stream) add_unique(b->used_on, stream);
   });
+  if (!found && !orphans_.contains(address)) throw_not_allocated(address, "record_stream");
 }
 
 std::size_t allocator_core::block_size(const void* ptr) const {

@@ -6,6 +6,7 @@
 //   segment_source   device memory: growth, release, the limit
 //   block_structure  split, merge, park and settle within a pool
 //   event_pool       spare events for cross-stream frees
+//   orphaned_tombstones  tombstones whose private pool was destroyed
 //   trace_ring       the last N events
 //   size_policy.h    request size -> block size, pool, segment; fit, split
 //
@@ -25,6 +26,7 @@
 #include "alloc/allocator_hooks.h"
 #include "alloc/block_pool.h"
 #include "alloc/event_pool.h"
+#include "alloc/orphaned_tombstones.h"
 #include "alloc/pool_directory.h"
 #include "alloc/segment_source.h"
 #include "alloc/trace_ring.h"
@@ -106,11 +108,15 @@ class allocator_core {
 
  private:
   /// Runs fn(pool, block) with the pool locked, for the allocated block at
-  /// `address`; throws invalid_argument naming `op` when there is none.
-  /// With Take, the block is taken out of the pool's index first (and goes
-  /// back if fn throws).
+  /// `address`; false when there is none. With Take, the block is taken out
+  /// of the pool's index first (and goes back if fn throws).
   template <bool Take, class Fn>
-  void with_block(std::uintptr_t address, const char* op, Fn&& fn) const;
+  bool run_on_block(std::uintptr_t address, Fn&& fn) const;
+  /// run_on_block, throwing invalid_argument naming `op` when there is none.
+  template <bool Take, class Fn>
+  void with_block(std::uintptr_t address, const char* op, Fn&& fn) const {
+    if (!run_on_block<Take>(address, std::forward<Fn>(fn))) throw_not_allocated(address, op);
+  }
 
   // ---- the allocation path (pool locked unless said otherwise)
   // How a miss may ask the device: not at all, for the standard segment
@@ -144,6 +150,7 @@ class allocator_core {
 
 
   pool_directory directory_;
+  orphaned_tombstones orphans_;  ///< tombstones of destroyed private pools
   trace_ring trace_;
   event_pool events_;
   segment_source source_;
@@ -154,7 +161,7 @@ class allocator_core {
 };
 
 template <bool Take, class Fn>
-void allocator_core::with_block(std::uintptr_t address, const char* op, Fn&& fn) const {
+bool allocator_core::run_on_block(std::uintptr_t address, Fn&& fn) const {
   // A thread's cache may be stale (the segment was released and its range
   // reused elsewhere): a pool that does not hold the block sends us on to
   // the directory, which is always right.
@@ -171,9 +178,7 @@ void allocator_core::with_block(std::uintptr_t address, const char* op, Fn&& fn)
     }
     return true;
   };
-  if (!found_in(directory_.cached_pool(address)) && !found_in(directory_.directory_pool(address))) {
-    throw_not_allocated(address, op);
-  }
+  return found_in(directory_.cached_pool(address)) || found_in(directory_.directory_pool(address));
 }
 
 }  // namespace shoal::alloc::detail

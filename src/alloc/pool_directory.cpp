@@ -53,7 +53,7 @@ void empty_for_reuse(block_pool& part) noexcept {
     for (block* b = s->first; b != nullptr;) {
       block* next = b->next;
       if (b->state == block_state::invalidated) {
-        (void)part.allocated.take(b->address);  // a tombstone: its late free finds nothing now
+        (void)part.allocated.take(b->address);  // a tombstone: its late free finds the orphan now
       } else {
         part.bins.remove(b);  // free and settled: the pool held no live block
       }

@@ -21,7 +21,8 @@
 //
 // Lock order of the whole allocator, stated here once:
 //   directory_mutex_ -> one pool's lock -> the leaf locks: segments_mutex_,
-//   the event pool's, the trace ring's, the hooks' (release observers).
+//   the event pool's, the trace ring's, the hooks' (release observers), the
+//   orphaned tombstones'.
 // Two pool locks are never held at once, except by with_every_pool_locked
 // (the invariant checker), which takes them all in one fixed order while
 // it holds directory_mutex_ shared, and by remove_private_pool, which takes

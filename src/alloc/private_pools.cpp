@@ -12,60 +12,6 @@
 
 namespace shoal::alloc::detail {
 
-private_pool_id allocator_core::create_private_pool(void* base, std::size_t bytes,
-                                                    const std::vector<std::pair<std::string, std::size_t>>& parts) {
-  const auto start = reinterpret_cast<std::uintptr_t>(base);
-  if (base == nullptr || bytes == 0) throw invalid_argument("create_private_pool: the region is empty or null");
-  if (start % min_block != 0) throw invalid_argument("create_private_pool: the region must be 512-byte aligned");
-  std::vector<std::pair<std::string, std::size_t>> layout = parts;
-  if (layout.empty()) layout.emplace_back("", bytes);
-  std::size_t total = 0;
-  for (const auto& [name, size] : layout) {
-    if (size == 0 || size % min_block != 0) {
-      throw invalid_argument("create_private_pool: sub-pool '" + name + "' has " + std::to_string(size) +
-                             " bytes; give each a positive multiple of 512");
-    }
-    for (const auto& [other, ignored] : layout) {
-      if (&other != &name && other == name)
-        throw invalid_argument("create_private_pool: two sub-pools are named '" + name + "'");
-    }
-    total += size;
-  }
-  if (total > bytes) {
-    throw invalid_argument("create_private_pool: the sub-pools need " + std::to_string(total) +
-                           " bytes but the region has " + std::to_string(bytes));
-  }
-  auto pool = std::make_unique<private_pool>();
-  std::uintptr_t at = start;
-  for (const auto& [name, size] : layout) {
-    auto part = directory_.new_private_part();
-    part->kind = pool_kind::large;
-    part->is_private = true;
-    part->part_name = name;
-    auto s = std::make_unique<segment>();
-    s->base = at;
-    s->size = s->mapped_bytes = size;
-    s->pool = part.get();
-    s->external = true;
-    s->part_name = name;
-    block* b = part->new_block();
-    b->address = at;
-    b->size = size;
-    b->owner = s.get();
-    s->first = b;
-    part->bins.insert(b);
-    directory_.register_segment(*s);
-    part->segments.push_back(std::move(s));
-    pool_counters::add(part->counters.segments, 1);
-    pool_counters::add(part->counters.reserved_bytes, static_cast<std::int64_t>(size));
-    pool->parts.push_back(std::move(part));
-    at += size;
-  }
-  const private_pool_id id = directory_.add_private_pool(std::move(pool));
-  if constexpr (check_every_step) check_invariants();
-  return id;
-}
-
 namespace {
 
 // Throws unless every block of the sub-pool is free (or a tombstone).
@@ -161,6 +107,75 @@ std::uint64_t frees_of(block_pool& part) {
 
 }  // namespace
 
+private_pool_id allocator_core::create_private_pool(void* base, std::size_t bytes,
+                                                    const std::vector<std::pair<std::string, std::size_t>>& parts) {
+  const auto start = reinterpret_cast<std::uintptr_t>(base);
+  if (base == nullptr || bytes == 0) throw invalid_argument("create_private_pool: the region is empty or null");
+  if (start % min_block != 0) throw invalid_argument("create_private_pool: the region must be 512-byte aligned");
+  std::vector<std::pair<std::string, std::size_t>> layout = parts;
+  if (layout.empty()) layout.emplace_back("", bytes);
+  std::size_t total = 0;
+  for (const auto& [name, size] : layout) {
+    if (size == 0 || size % min_block != 0) {
+      throw invalid_argument("create_private_pool: sub-pool '" + name + "' has " + std::to_string(size) +
+                             " bytes; give each a positive multiple of 512");
+    }
+    for (const auto& [other, ignored] : layout) {
+      if (&other != &name && other == name)
+        throw invalid_argument("create_private_pool: two sub-pools are named '" + name + "'");
+    }
+    total += size;
+  }
+  if (total > bytes) {
+    throw invalid_argument("create_private_pool: the sub-pools need " + std::to_string(total) +
+                           " bytes but the region has " + std::to_string(bytes));
+  }
+  // Tombstones a destroyed pool left here become tombstones again, so that
+  // their late frees free nothing newer (orphaned_tombstones.h).
+  const std::vector<std::uintptr_t> orphans = orphans_.within(start, start + total);
+  auto pool = std::make_unique<private_pool>();
+  std::uintptr_t at = start;
+  auto orphan = orphans.begin();
+  for (const auto& [name, size] : layout) {
+    auto part = directory_.new_private_part();
+    part->kind = pool_kind::large;
+    part->is_private = true;
+    part->part_name = name;
+    auto s = std::make_unique<segment>();
+    s->base = at;
+    s->size = s->mapped_bytes = size;
+    s->pool = part.get();
+    s->external = true;
+    s->part_name = name;
+    block* last = nullptr;
+    for (; orphan != orphans.end() && *orphan < at + size; ++orphan) {
+      block* t = part->new_block();
+      t->address = *orphan;
+      t->size = min_block;
+      t->owner = s.get();
+      t->state = block_state::invalidated;
+      t->prev = last;
+      (last != nullptr ? last->next : s->first) = t;
+      last = t;
+      part->allocated.insert(t);
+      pool_counters::add(part->counters.invalidated, 1);
+      pool_counters::add(part->counters.invalidated_bytes, static_cast<std::int64_t>(min_block));
+    }
+    part->segments.push_back(std::move(s));
+    part->reserve_blocks(blocks_for_reset(*part));
+    reset_layout(*part);  // the free memory around them
+    directory_.register_segment(*part->segments.back());
+    pool_counters::add(part->counters.segments, 1);
+    pool_counters::add(part->counters.reserved_bytes, static_cast<std::int64_t>(size));
+    pool->parts.push_back(std::move(part));
+    at += size;
+  }
+  const private_pool_id id = directory_.add_private_pool(std::move(pool));
+  orphans_.forget_all(orphans);  // tombstones again, no longer orphans
+  if constexpr (check_every_step) check_invariants();
+  return id;
+}
+
 invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id, const std::string& part_name,
                                                              live_blocks live) {
   block_pool& part = private_part(id, part_name);
@@ -219,15 +234,36 @@ void allocator_core::drain_private_pool(private_pool_id id, const std::string& p
 }
 
 invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id id, live_blocks live) {
+  // The pool's tombstones outlive it as orphans (orphaned_tombstones.h):
+  // room for every one it may have is made while nothing has changed yet.
+  const auto make_room_for_orphans = [&](const std::vector<block_pool*>& parts) {
+    std::size_t n = 0;
+    for (const block_pool* part : parts) {
+      for (const auto& s : part->segments) {
+        for (const block* b = s->first; b != nullptr; b = b->next) {
+          n += b->state == block_state::invalidated || b->state == block_state::allocated ? 1 : 0;
+        }
+      }
+    }
+    orphans_.reserve(n);
+  };
+  const auto orphan_tombstones = [&](const block_pool& part) {
+    for (const auto& s : part.segments) {
+      for (const block* b = s->first; b != nullptr; b = b->next) {
+        if (b->state == block_state::invalidated) orphans_.add(b->address);
+      }
+    }
+  };
   invalidated_blocks_report taken;
   if (live == live_blocks::refuse) {
     (void)directory_.remove_private_pool(
         id,
-        [](const std::vector<block_pool*>& parts) {
+        [&](const std::vector<block_pool*>& parts) {
           for (block_pool* part : parts) require_no_live_blocks(*part, "destroy_private_pool");
+          make_room_for_orphans(parts);
           return true;
         },
-        [](block_pool&) {});
+        orphan_tombstones);
     if constexpr (check_every_step) check_invariants();
     return taken;
   }
@@ -249,13 +285,16 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
             if (!config.debug) continue;
             for (const auto& s : part->segments) memory.emplace_back(s->base, s->size);
           }
+          make_room_for_orphans(parts);
           return true;
         },
-        [&](block_pool& part) { take_back_live_blocks(part, taken); });
+        [&](block_pool& part) {
+          take_back_live_blocks(part, taken);
+          orphan_tombstones(part);
+        });
   }
-  // Tombstones went with the pool's segments: a late free after this is an
-  // unknown pointer. The memory goes back to its owner when this returns:
-  // its poison must have been written by then.
+  // The memory goes back to its owner when this returns: its poison must
+  // have been written by then.
   for (const auto& [base, bytes] : memory) device.fill({}, reinterpret_cast<void*>(base), poison_byte, bytes);
   if (!memory.empty()) device.synchronize_device();
   if constexpr (check_every_step) check_invariants();

@@ -52,7 +52,7 @@ TYPED_TEST(forced_clear_of_a_region, takes_a_forgotten_block_back_and_a_forced_r
   EXPECT_FALSE(region.adopted());
   EXPECT_EQ(released.blocks.size(), 2u) << "the weights and the next batch's block";
   EXPECT_EQ(l.status().lent_bytes, 0u);
-  EXPECT_THROW(allocator.deallocate(weights, s), invalid_argument) << "the region went back: an unknown pointer";
+  EXPECT_NO_THROW(allocator.deallocate(weights, s)) << "a late free after the region went back frees nothing";
   const auto st = allocator.stats();
   EXPECT_TRUE(nothing_in_use(st));
   EXPECT_EQ(st.invalidated.aggregate.current, 0) << st.to_json();

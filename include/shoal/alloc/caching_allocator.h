@@ -89,7 +89,7 @@ class caching_allocator {
   /// comment). A pointer this allocator did not hand out, or one already
   /// freed, gives invalid_argument and changes nothing. The late free of a
   /// block a forced clear took back (live_blocks::invalidate) removes its
-  /// tombstone and frees nothing else.
+  /// tombstone (even after its pool was destroyed) and frees nothing else.
   void deallocate(void* ptr, backend::stream_ref stream);
   /// deallocate on the calling thread's current stream.
   void deallocate(void* ptr);
@@ -193,13 +193,14 @@ class caching_allocator {
   /// blocks, with invalidate every sub-pool's are taken back first (as
   /// clear_private_pool does; reported), all checked before any is taken:
   /// one block held outside refuses it and nothing is taken. In debug mode
-  /// the memory's poison is written when this returns. Its tombstones go
-  /// with it: a late free of one after this is a pointer the allocator
-  /// does not know (invalid_argument) — unless the same memory is inserted
-  /// again meanwhile: then the late free meets whatever block starts there
-  /// and frees it. A forced destroy is for memory that does not come back
-  /// (or whose owners have freed, or will never free, their blocks). Its
-  /// id is invalid
+  /// the memory's poison is written when this returns. Its tombstones
+  /// outlive it, remembered by address: their late frees (and
+  /// record_stream) are accepted and do nothing but forget them, and a
+  /// private pool created over the same memory before then gets them back
+  /// as tombstones, so no newer block starts there. Should the device give
+  /// the memory to a segment of this allocator's own meanwhile, a late
+  /// free there would free a newer block: owners should free what was
+  /// taken before memory leaves the process's lender. Its id is invalid
   /// from then on (calls with it throw invalid_argument); no call with it
   /// may run meanwhile, and no private_pool_scope of it may outlive it: its
   /// bookkeeping serves a later private pool (so that inserting memory

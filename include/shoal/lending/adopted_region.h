@@ -17,19 +17,13 @@
 // to force it (alloc::live_blocks::invalidate): then the whole device is
 // synchronized and the blocks are taken back and reported, each leaving a
 // tombstone in the sub-pool so that its owner's late free never frees a
-// newer block at the same address (the late free removes the tombstone; a
-// late free after release() is an unknown pointer, invalid_argument).
+// newer block at the same address (the late free removes the tombstone,
+// also after release(); adopting the same memory again before it brings
+// the tombstone back, see caching_allocator::destroy_private_pool).
 // Blocks shared with another process (sent through shoal's IPC) are never
 // taken: invalid_argument naming them, and nothing changes. A forced clear
 // or release does not drain (the device-wide wait covers it), so a stream
 // destroyed since it used the memory does not stand in its way.
-//
-// Caution, forced release: its tombstones leave with the region. If the
-// lender lends the same memory again and it is adopted again in this
-// process before a taken block's owner frees it, that late free meets
-// whatever newer block starts at the address and frees it. Have owners
-// free (or drop) what was taken before the memory can come back, or never
-// free it.
 //
 // Thread-safety: one thread at a time per adopted_region; nobody may
 // allocate from a sub-pool while it is cleared or the region released.
