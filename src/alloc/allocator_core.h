@@ -45,8 +45,9 @@ void require_not_invalidated(const block* b, const char* op);
 /// A forced clear's first phase (forced_clear.cpp; pool locked): refuses
 /// (invalid_argument naming `op` and them) when blocks of the sub-pool are
 /// shared with another process (mark_held_outside), which a forced clear
-/// never takes, and reserves room in `taken` for its allocated blocks. Throws, changing nothing, or leaves
-/// take_back_live_blocks nothing to fail on.
+/// never takes, and reserves room in `taken` for its allocated blocks.
+/// Throws, changing nothing, or leaves take_back_live_blocks nothing to
+/// fail on.
 void prepare_take_back(const block_pool& part, const char* op, invalidated_blocks_report& taken);
 
 /// True in builds with SHOAL_CHECK_INVARIANTS: the allocator checks its
@@ -147,7 +148,6 @@ class allocator_core {
   /// A late free of a tombstone on `stream`: its memory goes back to the
   /// sub-pool, last used on `stream`.
   void remove_tombstone(block_pool& part, block* b, backend::stream_ref stream);
-
 
   pool_directory directory_;
   orphaned_tombstones orphans_;  ///< tombstones of destroyed private pools
