@@ -106,8 +106,8 @@ class device {
   /// shoal::stream_error if any of it failed.
   virtual void synchronize(stream_ref stream) = 0;
   /// Blocks until all work enqueued so far on every stream of this device
-  /// has run, streams no caller told shoal about included (CUDA:
-  /// cudaDeviceSynchronize). Throws shoal::stream_error when the device
+  /// has run, streams no caller told shoal about and streams destroyed with
+  /// work still queued included (CUDA: cudaDeviceSynchronize). Throws shoal::stream_error when the device
   /// reports failed work; a failed host task stays reported by its own
   /// stream's next synchronize.
   virtual void synchronize_device() = 0;
