@@ -38,7 +38,9 @@ enum class live_blocks : std::uint8_t {
   /// address) so that no newer block starts where it did: its owner's late
   /// free finds the tombstone and removes it, and never frees a newer
   /// block. Blocks shared with another process (mark_held_outside) are
-  /// never taken: invalid_argument naming them, and nothing changes.
+  /// never taken: invalid_argument naming them, and nothing changes. On
+  /// CUDA, not while another thread captures a graph in global mode (see
+  /// device::synchronize_device).
   invalidate,
 };
 

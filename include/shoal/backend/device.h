@@ -107,7 +107,9 @@ class device {
   virtual void synchronize(stream_ref stream) = 0;
   /// Blocks until all work enqueued so far on every stream of this device
   /// has run, streams no caller told shoal about and streams destroyed with
-  /// work still queued included (CUDA: cudaDeviceSynchronize). Throws shoal::stream_error when the device
+  /// work still queued included (CUDA: cudaDeviceSynchronize, which is
+  /// illegal while another thread captures a CUDA graph in global mode: it
+  /// fails and invalidates that capture; do not call it then). Throws shoal::stream_error when the device
   /// reports failed work; a failed host task stays reported by its own
   /// stream's next synchronize.
   virtual void synchronize_device() = 0;
