@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace shoal::bench {
@@ -22,6 +23,10 @@ class allocator_adapter {
   /// Device memory the allocator holds now, and at most since creation.
   [[nodiscard]] virtual std::size_t reserved_bytes() const = 0;
   [[nodiscard]] virtual std::size_t peak_reserved_bytes() const = 0;
+  /// Segments (or chunks) taken from and given back to the device since
+  /// creation, where the allocator counts them; -1 where it does not.
+  [[nodiscard]] virtual std::int64_t device_allocations() const { return -1; }
+  [[nodiscard]] virtual std::int64_t device_frees() const { return -1; }
   /// Waits for all streams the adapter made.
   virtual void synchronize() = 0;
 };

@@ -50,6 +50,12 @@ class shoal_adapter final : public allocator_adapter {
     return static_cast<std::size_t>(allocator_.stats().reserved_bytes.aggregate.peak);
   }
 
+  [[nodiscard]] std::int64_t device_allocations() const override {
+    return allocator_.stats().device_allocations;
+  }
+
+  [[nodiscard]] std::int64_t device_frees() const override { return allocator_.stats().device_frees; }
+
   void synchronize() override {
     for (const backend::stream_ref stream : streams_.live) streams_.device.synchronize(stream);
   }

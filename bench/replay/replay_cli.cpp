@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bench/common/shoal_adapter.h"
+#include "bench/replay/peak_waste.h"
 #include "bench/replay/random_mix.h"
 #include "bench/replay/replayer.h"
 #include "bench/replay/trace.h"
@@ -35,11 +36,13 @@ std::string trace_name(const std::filesystem::path& path) {
 
 void usage(std::FILE* out, const char* program) {
   std::fprintf(out,
-               "usage: %s [--conf TEXT]... <trace>...\n"
+               "usage: %s [--conf TEXT]... [--waste] <trace>...\n"
                "       %s --generate-mix <events> <seed> [<streams>]  > file.trace\n"
                "Replays allocation traces (docs/traces.md) and prints peak reserved / peak requested.\n"
                "  --conf TEXT   a shoal configuration in SHOAL_ALLOC_CONF syntax; repeat to compare\n"
                "                several (default: the SHOAL_ALLOC_CONF environment variable)\n"
+               "  --waste       also replay each trace through each shoal configuration again, slowly,\n"
+               "                and print where its peak reserved memory went (peak_waste.h)\n"
                "  --generate-mix  write a random-size-mix trace to standard output\n"
                "Environment: SHOAL_BACKEND=host|cuda picks shoal's device.\n",
                program, program);
@@ -77,6 +80,14 @@ int generate(const std::vector<std::string>& args, const char* program) {
 
 double mib(std::size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
+/// A device-call count, or "-" where the allocator does not count them.
+std::string count(std::int64_t n) { return n < 0 ? "-" : std::to_string(n); }
+
+struct shoal_conf {
+  std::string name;
+  alloc::allocator_config config;
+};
+
 struct named_trace {
   std::string name;
   trace data;
@@ -86,28 +97,40 @@ int replay_all(const std::vector<named_trace>& traces, const std::vector<adapter
   int status = 0;
   std::printf(
       "| trace | allocator | events | streams | peak requested MiB | peak reserved MiB | reserved / requested "
-      "| replay ms | ns / event |\n");
-  std::printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+      "| replay ms | ns / event | device allocs | device frees |\n");
+  std::printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   for (const auto& t : traces) {
     for (const auto& allocator : allocators) {
       try {
         const auto adapter = allocator.make();
         const replay_result r = replay(t.data, *adapter);
         const double ns = static_cast<double>(r.elapsed.count());
-        std::printf("| %s | %s | %zu | %zu | %.1f | %.1f | %.3f | %.2f | %.1f |\n", t.name.c_str(),
+        std::printf("| %s | %s | %zu | %zu | %.1f | %.1f | %.3f | %.2f | %.1f | %s | %s |\n", t.name.c_str(),
                     allocator.name.c_str(), r.events, r.streams, mib(r.peak_requested_bytes),
                     mib(r.peak_reserved_bytes), r.fragmentation(), ns / 1e6,
-                    r.events == 0 ? 0.0 : ns / static_cast<double>(r.events));
+                    r.events == 0 ? 0.0 : ns / static_cast<double>(r.events), count(r.device_allocations).c_str(),
+                    count(r.device_frees).c_str());
       } catch (const std::exception& e) {
         // One allocator failing (out of memory, most likely) must not hide
         // the others' rows.
-        std::printf("| %s | %s | failed: %s | | | | | | |\n", t.name.c_str(), allocator.name.c_str(), e.what());
+        std::printf("| %s | %s | failed: %s | | | | | | | | |\n", t.name.c_str(), allocator.name.c_str(), e.what());
         status = 1;
       }
       std::fflush(stdout);
     }
   }
   return status;
+}
+
+void print_waste(const std::vector<named_trace>& traces, const std::vector<shoal_conf>& confs,
+                 backend::device& device) {
+  std::printf("\nWhere the peak reserved memory went (MiB):\n\n%s", waste_header().c_str());
+  for (const auto& t : traces) {
+    for (const auto& c : confs) {
+      std::printf("%s", waste_rows(t.name + " | " + c.name, analyse_peak(t.data, c.config, device)).c_str());
+      std::fflush(stdout);
+    }
+  }
 }
 
 }  // namespace
@@ -128,8 +151,11 @@ int replay_main(int argc, char** argv, const std::vector<adapter_factory>& other
 
     std::vector<std::string> confs;
     std::vector<std::filesystem::path> paths;
+    bool waste = false;
     for (std::size_t i = 0; i < args.size(); ++i) {
-      if (args[i] == "--conf") {
+      if (args[i] == "--waste") {
+        waste = true;
+      } else if (args[i] == "--conf") {
         if (i + 1 == args.size()) {
           std::fprintf(stderr, "%s: --conf needs a value, e.g. --conf expandable_segments:true\n", program);
           return 2;
@@ -155,8 +181,10 @@ int replay_main(int argc, char** argv, const std::vector<adapter_factory>& other
     std::printf("device: %s:%d (%s)\n", std::string(backend::to_string(device.kind())).c_str(), device.ordinal(),
                 device.name().c_str());
     std::vector<adapter_factory> allocators;
+    std::vector<shoal_conf> shoal_confs;
     const auto add_shoal = [&](std::string name, const alloc::allocator_config& config) {
       std::printf("%s: %s\n", name.c_str(), config.to_string().c_str());
+      shoal_confs.push_back({name, config});
       allocators.push_back(
           {std::move(name), [&device, config] { return std::make_unique<shoal_adapter>(device, config); }});
     };
@@ -168,7 +196,9 @@ int replay_main(int argc, char** argv, const std::vector<adapter_factory>& other
     }
     allocators.insert(allocators.end(), others.begin(), others.end());
     std::printf("\n");
-    return replay_all(traces, allocators);
+    const int status = replay_all(traces, allocators);
+    if (waste) print_waste(traces, shoal_confs, device);
+    return status;
   } catch (const shoal::error& e) {
     std::fprintf(stderr, "%s: %s\n", program, e.what());
     return 1;

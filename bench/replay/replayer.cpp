@@ -87,6 +87,8 @@ replay_result replay(const trace& t, allocator_adapter& allocator) {
     }
     result.elapsed = std::chrono::steady_clock::now() - start;
     result.peak_reserved_bytes = allocator.peak_reserved_bytes();
+    result.device_allocations = allocator.device_allocations();
+    result.device_frees = allocator.device_frees();
   } catch (...) {
     state.release(t);
     throw;

@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 
 #include "bench/common/allocator_adapter.h"
 #include "bench/replay/trace.h"
@@ -25,6 +26,8 @@ struct replay_result {
   std::size_t peak_requested_bytes = 0;  ///< most bytes live at once, as the trace asked
   std::size_t peak_reserved_bytes = 0;   ///< the adapter's peak_reserved_bytes() after the replay
   std::chrono::nanoseconds elapsed{};    ///< wall time of the trace's alloc and free calls
+  /// The adapter's device calls during the replay (-1: it does not count them).
+  std::int64_t device_allocations = -1, device_frees = -1;
 
   /// peak_reserved_bytes / peak_requested_bytes (0 for a trace that never
   /// asks for anything).

@@ -119,7 +119,8 @@ class Engine:
     ``max_batches_in_flight``: batches submitted and not yet taken (``submit`` blocks past it).
     ``max_pinned_bytes``: the pinned staging memory the engine may hold.
     ``staging_chunk_bytes``: pageable arrays are staged in pieces this large.
-    ``staging_helpers``: threads that help copy pageable bytes into staging memory.
+    ``staging_helpers``: threads that help copy pageable bytes into staging memory (None:
+    half the CPUs this process may run on less the engine's own thread, at most 7).
 
     Thread-safe: several producers may submit, and batches come out of ``get`` in
     submission order. Close it (or use it as a context manager) to stop the thread;
@@ -133,7 +134,7 @@ class Engine:
         max_batches_in_flight: int = 4,
         max_pinned_bytes: int = 256 << 20,
         staging_chunk_bytes: int = 8 << 20,
-        staging_helpers: int = 3,
+        staging_helpers: Optional[int] = None,
     ) -> None:
         self._engine = _shoal.TransferEngine(
             allocator if allocator is not None else _default_engine_allocator(),

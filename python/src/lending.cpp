@@ -193,7 +193,8 @@ void register_lending(nb::module_& m) {
           "__init__",
           [](py_lender* self, const std::string& address, backend::device* device, std::size_t capacity_bytes,
              std::size_t quota_bytes, std::size_t max_borrowers, std::size_t max_regions_per_borrower,
-             double peer_timeout, const std::vector<std::uint32_t>& allowed_uids, const std::string& reuse) {
+             double peer_timeout, const std::vector<std::uint32_t>& allowed_uids, const std::string& reuse,
+             const std::vector<std::size_t>& prepared_chunks) {
             if (reuse != "same_uid" && reuse != "never") {
               throw invalid_argument("Lender: reuse='" + reuse + "' is not 'same_uid' or 'never'");
             }
@@ -205,6 +206,7 @@ void register_lending(nb::module_& m) {
             config.peer_timeout = timeout_of(peer_timeout, "Lender");
             config.policy = policy_of(allowed_uids);
             config.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
+            config.prepared_chunks = prepared_chunks;
             auto& d = device != nullptr ? *device : backend::default_device();
             new (self) py_lender{std::make_unique<lending::lender>(d, address_of(address), config)};
           },
@@ -212,9 +214,14 @@ void register_lending(nb::module_& m) {
           nb::arg("quota_bytes") = std::size_t{1} << 30, nb::arg("max_borrowers") = 64,
           nb::arg("max_regions_per_borrower") = 1024, nb::arg("peer_timeout") = 1.0,
           nb::arg("allowed_uids") = std::vector<std::uint32_t>{}, nb::arg("reuse") = "same_uid",
+          nb::arg("prepared_chunks") = std::vector<std::size_t>{},
           "Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` "
           "in all and ``quota_bytes`` per borrower. ``reuse``: 'same_uid' lends given-back memory again to "
-          "borrowers of the same uid (borrowers keep their mappings); 'never' makes every region fresh memory.")
+          "borrowers of the same uid (borrowers keep their mappings); 'never' makes every region fresh memory. "
+          "``prepared_chunks``: sizes in bytes of chunks made now (each rounded up to the device's granularity, "
+          "their sum at most ``capacity_bytes``); a region of one of those sizes is lent from one with no device "
+          "call at borrow time (``shoal daemon --prepare``). Raises the device's error (``OutOfMemoryError``) "
+          "when they cannot be made.")
       .def(
           "status", [](const py_lender& l) { return status_dict(l.get().status()); },
           "Regions lent (id, memory, bytes, purpose, state, pid, uid, age), spare chunks (memory, bytes, uid, "

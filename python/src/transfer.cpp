@@ -97,7 +97,7 @@ void register_transfer(nb::module_& m) {
       .def(
           "__init__",
           [](py_transfer_engine* self, const py_allocator& allocator, std::size_t max_batches_in_flight,
-             std::size_t max_pinned_bytes, std::size_t staging_chunk_bytes, std::size_t staging_helpers) {
+             std::size_t max_pinned_bytes, std::size_t staging_chunk_bytes, std::optional<std::size_t> staging_helpers) {
             auto& device = allocator.state->allocator().device();
             // A stream of its own, kept as long as the allocator (its
             // storages are freed on it).
@@ -108,10 +108,11 @@ void register_transfer(nb::module_& m) {
                 std::make_unique<transfer_engine>(
                     allocator.state->allocator(), copy_stream->ref(),
                     transfer::transfer_config{max_batches_in_flight, max_pinned_bytes, staging_chunk_bytes,
-                                              staging_helpers})};
+                                              staging_helpers.value_or(
+                                                  transfer::transfer_config::automatic_staging_helpers)})};
           },
           nb::arg("allocator"), nb::arg("max_batches_in_flight") = 4, nb::arg("max_pinned_bytes") = 256u << 20,
-          nb::arg("staging_chunk_bytes") = 8u << 20, nb::arg("staging_helpers") = 3)
+          nb::arg("staging_chunk_bytes") = 8u << 20, nb::arg("staging_helpers").none() = nb::none())
       .def(
           "submit",
           [](const py_transfer_engine& e, const std::vector<std::tuple<std::uintptr_t, std::size_t, bool, nb::object>>&

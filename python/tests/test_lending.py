@@ -142,6 +142,27 @@ def test_refusals_are_typed(address):
             assert borrower.metrics() == lender.metrics()
 
 
+def test_prepared_chunks_are_made_at_start_and_lent_with_no_device_call(address):
+    in_process_only()
+    unit = 2 * MIB  # the device's granularity
+    with shoal.lending.Lender(address, capacity_bytes=8 * unit, prepared_chunks=[unit, 2 * unit]) as lender:
+        status = lender.status()
+        assert (status["prepared_chunks"], status["prepared_bytes"]) == (2, 3 * unit)
+        made = status["chunks_made"]
+        with shoal.lending.Borrower(address) as borrower:
+            region = borrower.borrow(2 * unit, "prepared")
+            status = lender.status()
+            assert status["prepared_used"] == 1
+            assert status["chunks_made"] == made, "the region got a fresh chunk, not the prepared one"
+            assert (status["prepared_chunks"], status["prepared_bytes"]) == (1, unit)
+            del region
+
+
+def test_prepared_chunks_past_the_capacity_are_refused(address):
+    with pytest.raises(shoal.InvalidArgumentError, match="prepared_chunks"):
+        shoal.lending.Lender(address, capacity_bytes=4 * MIB, prepared_chunks=[4 * MIB, 2 * MIB])
+
+
 def test_a_killed_borrower_process_is_reclaimed(address):
     with shoal.lending.Lender(address, capacity_bytes=8 * MIB) as lender:
         child = subprocess.Popen(

@@ -282,9 +282,15 @@ def test_real_models_give_identical_outputs_on_both_allocators(model):
     ours = run_program("models.py", "--allocator", "shoal", "--model", model, "--steps", "3")
     assert ours["digest"] == theirs["digest"], (ours, theirs)
     # Sane stats: what is allocated at the end (the model) lies under the
-    # peaks, within 1% of PyTorch's count (block rounding differs).
+    # peaks; both allocators were asked for the same bytes, and shoal's
+    # blocks hold what was asked plus rounding (under 512 bytes each).
+    # PyTorch's allocated count is not the yardstick: it also holds every
+    # rest under 1 MiB that it kept with a large block (2% of ResNet-50's
+    # training state on the H100), and which free block took which request
+    # differs between the allocators.
     assert 0 < ours["allocated_at_end"] <= ours["peak_allocated"] <= ours["peak_reserved"]
-    assert abs(ours["allocated_at_end"] - theirs["allocated_at_end"]) <= theirs["allocated_at_end"] // 100
+    assert ours["requested_at_end"] == theirs["requested_at_end"]
+    assert ours["requested_at_end"] <= ours["allocated_at_end"] < ours["requested_at_end"] + 512 * ours["blocks_at_end"]
 
 
 def test_a_region_pool_puts_a_models_tensors_into_borrowed_memory_with_pytorchs_allocator():

@@ -8,10 +8,12 @@ namespace shoal::alloc::detail {
 
 namespace {
 
-// Peaks of a sum over pools are reported as the sum of the pools' peaks:
-// exact with one stream per pool kind, an upper bound otherwise. Keeping
-// an exact total would make every allocation on every stream update one
-// shared counter, which is what stops other allocators from scaling.
+// Peaks of a sum over pools are reported as the sum of the pools' peaks, an
+// upper bound (the pools peak at different moments). Keeping an exact total
+// would make every allocation on every stream update one shared counter,
+// which is what stops other allocators from scaling. Reserved bytes are the
+// exception: they change only when a pool grows or gives memory back, where
+// the segment source already keeps one shared total, and so its exact peak.
 void accumulate(stat_by_pool& into, pool_kind kind, const stat& s) {
   for (stat* t : {&into.aggregate, &into.pool[static_cast<std::size_t>(kind)]}) {
     t->current += s.current;
@@ -34,9 +36,11 @@ void for_each_stat(pool_counters& c, Fn&& fn) {
 
 allocator_stats allocator_core::stats() {
   allocator_stats out;
+  std::int64_t private_reserved_peak = 0;  // private pools' memory is the caller's, outside the source's total
   directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
     const pool_counters& c = p.counters;
+    if (p.is_private) private_reserved_peak += c.reserved_bytes.peak;
     const auto [inactive_split, inactive_split_bytes] = settled_split_stats(p);
     accumulate(out.allocations, p.kind, c.allocations);
     accumulate(out.segments, p.kind, c.segments);
@@ -50,6 +54,7 @@ allocator_stats allocator_core::stats() {
     accumulate(out.invalidated, p.kind, c.invalidated);
     accumulate(out.invalidated_bytes, p.kind, c.invalidated_bytes);
   });
+  out.reserved_bytes.aggregate.peak = static_cast<std::int64_t>(source_.reserved_peak()) + private_reserved_peak;
   out.retries = retries_.load();
   out.ooms = ooms_.load();
   out.device_allocations = source_.device_allocations();
@@ -62,6 +67,7 @@ void allocator_core::reset_peak_stats() {
     std::lock_guard lock(p.lock);
     for_each_stat(p.counters, [](stat& s) { s.peak = s.current; });
   });
+  source_.reset_reserved_peak();
 }
 
 void allocator_core::reset_accumulated_stats() {

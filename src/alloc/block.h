@@ -69,8 +69,13 @@ struct segment {
   bool external = false;
   std::string part_name;  ///< private pools: the sub-pool's name
 
-  // Growable segments only: chunk i covers [base + i*g, base + (i+1)*g).
-  std::vector<backend::physical_ref> chunks;  ///< native 0: not mapped
+  // Growable segments only: slot i covers [base + i*g, base + (i+1)*g). A
+  // growth maps one physical chunk over slots [h, h + mapping_slots[h]):
+  //   chunks[k] = that chunk for every slot k it covers (native 0: unmapped),
+  //   mapping_slots[k] = its slot count at its first slot h, 0 elsewhere;
+  // it is unmapped whole or not at all.
+  std::vector<backend::physical_ref> chunks;
+  std::vector<std::size_t> mapping_slots;
   std::size_t mapped_bytes = 0;
 
   [[nodiscard]] bool unused() const noexcept { return first->next == nullptr && first->state == block_state::free; }

@@ -74,6 +74,10 @@ struct alignas(64) block_pool {
   /// grows. A forced clear compares it before and after its device-wide
   /// wait: a free that came meanwhile may leave work of its stream queued.
   std::uint64_t frees = 0;
+  /// Stream pools: the same stream's pool of the other size class (growth
+  /// past the reserved peak may take its idle memory; see segment_source).
+  /// Last, so that it moves none of the fields the allocation path reads.
+  block_pool* sibling = nullptr;
 
   block_pool() = default;
   block_pool(const block_pool&) = delete;

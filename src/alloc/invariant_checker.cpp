@@ -89,6 +89,22 @@ void check_tiling(const block_pool& pool, const segment& s, std::size_t granular
   if (total != s.size) {
     fail("tiling", where + ": its blocks cover " + std::to_string(total) + " bytes, not the segment's size");
   }
+  if (s.expandable) {
+    // Each mapping's slots hold its one chunk; slots outside mappings hold none.
+    for (std::size_t i = 0; i < s.chunks.size();) {
+      const std::size_t slots = s.mapping_slots[i];
+      for (std::size_t k = i + 1; k < i + slots; ++k) {
+        if (k >= s.chunks.size() || s.mapping_slots[k] != 0 || s.chunks[k].native != s.chunks[i].native) {
+          fail("tiling", where + ": the mapping at chunk " + std::to_string(i) + " does not hold its " +
+                             std::to_string(slots) + " chunks whole");
+        }
+      }
+      if (slots == 0 && s.chunks[i].native != 0) {
+        fail("tiling", where + ": chunk " + std::to_string(i) + " is mapped outside any mapping");
+      }
+      i += slots == 0 ? 1 : slots;
+    }
+  }
   if (mapped != s.mapped_bytes) {
     fail("tiling", where + ": its mapped blocks hold " + std::to_string(mapped) + " bytes but mapped_bytes is " +
                        std::to_string(s.mapped_bytes));

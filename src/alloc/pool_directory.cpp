@@ -92,6 +92,8 @@ block_pool& pool_directory::pool_for(backend::stream_ref stream, pool_kind kind)
       slot->small.kind = pool_kind::small;
       slot->large.kind = pool_kind::large;
       slot->small.stream = slot->large.stream = stream;
+      slot->small.sibling = &slot->large;
+      slot->large.sibling = &slot->small;
     }
     pools = slot.get();
   }

@@ -25,10 +25,12 @@
 //   orphaned tombstones'.
 // Two pool locks are never held at once, except by with_every_pool_locked
 // (the invariant checker), which takes them all in one fixed order while
-// it holds directory_mutex_ shared, and by remove_private_pool, which takes
+// it holds directory_mutex_ shared, by remove_private_pool, which takes
 // one private pool's sub-pools in their order while it holds
-// directory_mutex_ exclusively; as nobody else waits for a pool lock while
-// holding another, this cannot deadlock. Cache-miss hooks run with no
+// directory_mutex_ exclusively, and by a growing pool that try_locks its
+// sibling (segment_source::give_back_from_sibling) and never waits for it;
+// as nobody else waits for a pool lock while holding another, this cannot
+// deadlock. Cache-miss hooks run with no
 // allocator lock held. Device calls may run under a pool lock (like
 // cudaMalloc under PyTorch's), never under the others.
 //

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <utility>
 
 #include "alloc/block_structure.h"
 #include "alloc/size_policy.h"
@@ -10,6 +11,32 @@
 namespace shoal::alloc::detail {
 
 namespace {
+
+// The whole mappings inside the free block b of growable segment s, from
+// its first on, until they hold at least `budget` bytes: [lo, hi), empty
+// when none lies wholly inside b.
+std::pair<std::uintptr_t, std::uintptr_t> whole_mappings(const segment& s, const block* b, std::size_t granularity,
+                                                         std::size_t budget) {
+  const std::size_t end = (b->address + b->size - s.base) / granularity;  // slots [.., end) lie inside b
+  std::size_t first = (b->address - s.base + granularity - 1) / granularity;
+  while (first < end && s.mapping_slots[first] == 0) ++first;  // inside a mapping that began before b
+  std::size_t last = first;
+  while (last < end && s.mapping_slots[last] != 0 && last + s.mapping_slots[last] <= end &&
+         (last - first) * granularity < budget) {
+    last += s.mapping_slots[last];
+  }
+  return {s.base + first * granularity, s.base + last * granularity};
+}
+
+// True when a free block of the growable segment holds a whole mapping.
+bool has_free_mapping(const segment& s, std::size_t granularity) {
+  for (const block* b = s.first; b != nullptr; b = b->next) {
+    if (!settled_free(b)) continue;
+    const auto [lo, hi] = whole_mappings(s, b, granularity, ~std::size_t{0});
+    if (hi > lo) return true;
+  }
+  return false;
+}
 
 }  // namespace
 
@@ -34,20 +61,26 @@ segment_source::segment_source(backend::device& device, const allocator_config& 
 block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized_allowed) {
   if (pool.is_private) return nullptr;
   if (config_.expandable_segments) return grow_expandable(pool, size);
-  // The cached segments did not fit: wholly free ones go back first, so they
-  // do not sit in reserved memory beside the new one (measured on replayed
-  // traces: docs/benchmarks.md).
-  if (config_.release_idle_before_grow) release_cached(pool);
   // Under a limit or device pressure the standard segment may not fit where
   // the request itself does: a segment of the block's own size is tried
   // when the caller allows it (after giving other pools' caches back).
   std::size_t bytes = segment_size_for(size, config_);
+  // The cached segments did not fit: where the new one would raise the
+  // reserved peak, wholly free ones go back first (this pool's, then its
+  // sibling's), just enough to stay at the peak, so they do not sit in
+  // reserved memory beside it. Below the peak they stay: giving them back
+  // costs device calls and lowers no peak (docs/architecture.md).
+  if (config_.release_idle_before_grow && over_peak(bytes) > 0) {
+    give_back(pool, over_peak(bytes), nullptr);
+    give_back_from_sibling(pool, over_peak(bytes));
+  }
   void* base = take_segment(bytes);
   if (base == nullptr && right_sized_allowed && fallback_segment_size_for(size) < bytes) {
     bytes = fallback_segment_size_for(size);
     base = take_segment(bytes);
   }
   if (base == nullptr) return nullptr;
+  note_reserved_peak();
   device_allocations_.fetch_add(1, std::memory_order_relaxed);
   auto s = std::make_unique<segment>();
   s->base = reinterpret_cast<std::uintptr_t>(base);
@@ -86,111 +119,129 @@ void segment_source::free_plain_segment(std::uintptr_t base) {
   }
 }
 
-block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
+bool segment_source::reserve_growable(block_pool& pool, std::size_t size) {
+  // One range as large as the device, so this pool never needs a second.
   const std::size_t g = device_.granularity();
-  if (pool.growable == nullptr) {
-    // One range as large as the device, so this pool never needs a second.
-    const std::size_t span = round_up(std::max(device_.memory().total_bytes, size), g);
-    void* base;
-    try {
-      base = device_.reserve_range(span);
-    } catch (const out_of_memory&) {
-      return nullptr;
-    }
-    auto s = std::make_unique<segment>();
-    s->base = reinterpret_cast<std::uintptr_t>(base);
-    s->size = span;
-    s->pool = &pool;
-    s->expandable = true;
-    s->chunks.resize(span / g);
-    block* b = pool.new_block();
-    b->address = s->base;
-    b->size = span;
-    b->owner = s.get();
-    b->mapped = false;
-    s->first = b;
-    directory_.register_segment(*s);
-    pool.growable = s.get();
-    pool.segments.push_back(std::move(s));
-    pool_counters::add(pool.counters.segments, 1);
+  const std::size_t span = round_up(std::max(device_.memory().total_bytes, size), g);
+  void* base;
+  try {
+    base = device_.reserve_range(span);
+  } catch (const out_of_memory&) {
+    return false;
   }
-  segment* s = pool.growable;
-  // The first unbacked stretch that, joined to a free mapped block before
-  // it, can hold the request.
-  for (block* u = s->first; u != nullptr; u = u->next) {
+  auto s = std::make_unique<segment>();
+  s->base = reinterpret_cast<std::uintptr_t>(base);
+  s->size = span;
+  s->pool = &pool;
+  s->expandable = true;
+  s->chunks.resize(span / g);
+  s->mapping_slots.resize(span / g);
+  block* b = pool.new_block();
+  b->address = s->base;
+  b->size = span;
+  b->owner = s.get();
+  b->mapped = false;
+  s->first = b;
+  directory_.register_segment(*s);
+  pool.growable = s.get();
+  pool.segments.push_back(std::move(s));
+  pool_counters::add(pool.counters.segments, 1);
+  return true;
+}
+
+segment_source::stretch segment_source::stretch_for(const segment& s, std::size_t size) const {
+  // The unbacked stretch that needs the fewest bytes mapped, counting the
+  // free mapped blocks it would join before and after it (the first such).
+  const std::size_t g = device_.granularity();
+  stretch best;
+  for (block* u = s.first; u != nullptr; u = u->next) {
     if (u->mapped) continue;
     const std::size_t before = settled_free(u->prev) ? u->prev->size : 0;
-    const std::size_t need = size > before ? round_up(size - before, g) : g;
-    if (u->size < need) continue;
-    if (!reserve_bytes(need)) return nullptr;
-    const std::size_t first_chunk = (u->address - s->base) / g;
-    std::size_t mapped_chunks = 0;
-    try {
-      for (; mapped_chunks < need / g; ++mapped_chunks) {
-        const std::size_t i = first_chunk + mapped_chunks;
-        const backend::physical_ref chunk = device_.create_physical(g);
-        try {
-          device_.map(reinterpret_cast<void*>(s->base + i * g), chunk);
-        } catch (...) {
-          device_.release_physical(chunk);
-          throw;
-        }
-        s->chunks[i] = chunk;
-      }
-    } catch (const out_of_memory&) {
-      for (std::size_t k = 0; k < mapped_chunks; ++k) {
-        const std::size_t i = first_chunk + k;
-        device_.unmap(reinterpret_cast<void*>(s->base + i * g));
-        device_.release_physical(s->chunks[i]);
-        s->chunks[i] = {};
-      }
-      unreserve_bytes(need);
-      return nullptr;
-    }
-    device_allocations_.fetch_add(static_cast<std::int64_t>(need / g), std::memory_order_relaxed);
-    s->mapped_bytes += need;
-    pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(need));
-    if (trace_.enabled()) trace_.note(trace_action::segment_map, u->address, need, pool.stream);
-    if (u->size > need) split(pool, u, need);  // the rest stays unbacked
-    u->mapped = true;
-    return settle(pool, u);
+    const std::size_t after = settled_free(u->next) ? u->next->size : 0;
+    const auto consider = [&](std::size_t need, bool at_end) {
+      if (need <= u->size && (best.u == nullptr || need < best.need)) best = {u, need, at_end};
+    };
+    const auto beside = [&](std::size_t joined) { return size > joined ? round_up(size - joined, g) : g; };
+    consider(beside(before), false);
+    if (after > 0) consider(beside(after), true);
+    // Mapped whole, the stretch joins both neighbours.
+    if (before + u->size + after >= size) consider(u->size, false);
   }
-  return nullptr;
+  return best;
 }
 
-namespace {
-
-// True when a free mapped block of the growable segment covers a whole chunk.
-bool has_free_chunk(const segment& s, std::size_t granularity) {
-  for (const block* b = s.first; b != nullptr; b = b->next) {
-    if (settled_free(b) && round_up(b->address, granularity) + granularity <= b->address + b->size) return true;
+block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
+  if (pool.growable == nullptr && !reserve_growable(pool, size)) return nullptr;
+  segment* s = pool.growable;
+  stretch where = stretch_for(*s, size);
+  // Free whole chunks that did not fit the request would be reserved beside
+  // the new mapping: where that raises the reserved peak, all of them go back
+  // first (not the free block the mapping joins), then just enough of the
+  // sibling pool's to stay at the peak. Below the peak they stay: giving them
+  // back costs device calls and lowers no peak. Giving back only enough of
+  // the pool's own was measured erratic (BERT serving swung between 1.003
+  // and 1.061 across chunk sizes of 20-28 MiB; all of it moves smoothly
+  // with the chunk size): docs/architecture.md.
+  if (config_.release_idle_before_grow && where.u != nullptr && over_peak(where.need) > 0) {
+    give_back(pool, ~std::size_t{0}, where.at_end ? where.u->next : where.u->prev);
+    where = stretch_for(*s, size);
+    if (where.u != nullptr) give_back_from_sibling(pool, over_peak(where.need));
   }
-  return false;
+  if (where.u == nullptr) return nullptr;
+  const std::size_t need = where.need;
+  if (!reserve_bytes(need)) return nullptr;
+  block* u = where.u;
+  // The mapping goes at the stretch's start, or at its end to join the block after it.
+  const std::uintptr_t at = where.at_end ? u->address + u->size - need : u->address;
+  if (!map_range(*s, at, need)) {
+    unreserve_bytes(need);
+    return nullptr;
+  }
+  s->mapped_bytes += need;
+  note_reserved_peak();
+  pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(need));
+  if (trace_.enabled()) trace_.note(trace_action::segment_map, at, need, pool.stream);
+  if (u->size > need) {  // the rest stays unbacked
+    block* rest = split(pool, u, at == u->address ? need : u->size - need);
+    if (at != u->address) u = rest;
+  }
+  u->mapped = true;
+  return settle(pool, u);
 }
 
-}  // namespace
+void segment_source::release_cached(block_pool& pool) { give_back(pool, ~std::size_t{0}, nullptr); }
 
-void segment_source::release_cached(block_pool& pool) {
-  if (pool.is_private) return;
+std::size_t segment_source::give_back(block_pool& pool, std::size_t budget, const block* keep) {
+  if (pool.is_private) return 0;
   settle_quick(pool);
   std::vector<segment*> unused;
-  bool unmappable = false;
+  std::size_t unused_bytes = 0;
   for (auto& s : pool.segments) {
-    if (s->expandable) {
-      unmappable = unmappable || has_free_chunk(*s, device_.granularity());
-    } else if (s->unused()) {
+    if (unused_bytes >= budget) break;
+    if (!s->expandable && s->unused()) {
       unused.push_back(s.get());
+      unused_bytes += s->size;
     }
   }
-  if (unused.empty() && !unmappable) return;
+  const bool unmappable =
+      unused_bytes < budget && pool.growable != nullptr && has_free_mapping(*pool.growable, device_.granularity());
+  if (unused.empty() && !unmappable) return 0;
   // Work already enqueued on the pool's stream may still touch free blocks
   // (the last uses before their frees, debug poison): let it finish first.
   // This waits under the pool's lock, so the stream's other threads wait
   // too; it happens only when memory is given back (empty_cache, out of
-  // memory), and only for pools that have some to give.
+  // memory, growth past the peak), and only for pools that have some to give.
   device_.synchronize(pool.stream);
   for (segment* s : unused) release_segment(pool, s);
-  if (unmappable) unmap_free_chunks(pool, pool.growable);
+  return unused_bytes + (unmappable ? unmap_free_chunks(pool, pool.growable, budget - unused_bytes, keep) : 0);
+}
+
+void segment_source::give_back_from_sibling(block_pool& pool, std::size_t budget) {
+  // try_lock: a pool lock is never waited for while another is held
+  // (pool_directory.h); a busy sibling keeps its memory this time.
+  if (budget == 0 || pool.sibling == nullptr || !pool.sibling->lock.try_lock()) return;
+  give_back(*pool.sibling, budget, nullptr);
+  pool.sibling->lock.unlock();
 }
 
 void segment_source::release_segment(block_pool& pool, segment* s) {
@@ -211,25 +262,61 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
   std::erase_if(pool.segments, [&](const std::unique_ptr<segment>& p) { return p.get() == s; });
 }
 
-void segment_source::unmap_free_chunks(block_pool& pool, segment* s) {
+bool segment_source::map_range(segment& s, std::uintptr_t at, std::size_t bytes) {
   const std::size_t g = device_.granularity();
-  for (block* b = s->first; b != nullptr; b = b->next) {
-    if (b->state != block_state::free || !b->mapped) continue;
-    const std::uintptr_t lo = round_up(b->address, g);
-    const std::uintptr_t hi = (b->address + b->size) / g * g;
+  std::uintptr_t a = at;
+  try {
+    while (a < at + bytes) {
+      const std::size_t piece = std::min(at + bytes - a, round_up(growable_mapping_max, g));
+      const backend::physical_ref chunk = device_.create_physical(piece);
+      try {
+        device_.map(reinterpret_cast<void*>(a), chunk);
+      } catch (...) {
+        device_.release_physical(chunk);
+        throw;
+      }
+      const std::size_t first_slot = (a - s.base) / g;
+      std::fill_n(s.chunks.begin() + static_cast<std::ptrdiff_t>(first_slot), piece / g, chunk);
+      s.mapping_slots[first_slot] = piece / g;
+      device_allocations_.fetch_add(1, std::memory_order_relaxed);
+      a += piece;
+    }
+  } catch (const out_of_memory&) {
+    for (std::uintptr_t b = at; b < a;) {
+      const std::size_t i = (b - s.base) / g;
+      const std::size_t slots = std::exchange(s.mapping_slots[i], 0);
+      device_.unmap(reinterpret_cast<void*>(b));
+      device_.release_physical(s.chunks[i]);
+      std::fill_n(s.chunks.begin() + static_cast<std::ptrdiff_t>(i), slots, backend::physical_ref{});
+      device_frees_.fetch_add(1, std::memory_order_relaxed);
+      b += slots * g;
+    }
+    return false;
+  }
+  return true;
+}
+
+std::size_t segment_source::unmap_free_chunks(block_pool& pool, segment* s, std::size_t budget, const block* keep) {
+  const std::size_t g = device_.granularity();
+  std::size_t unmapped = 0;
+  for (block* b = s->first; b != nullptr && unmapped < budget; b = b->next) {
+    if (b->state != block_state::free || !b->mapped || b == keep) continue;
+    const auto [lo, hi] = whole_mappings(*s, b, g, budget - unmapped);
     if (hi <= lo) continue;
     pool.bins.remove(b);
     hooks_.notify_release(lo, hi - lo);  // while the chunks are still mapped
-    for (std::uintptr_t a = lo; a < hi; a += g) {
-      const std::size_t i = (a - s->base) / g;
-      device_.unmap(reinterpret_cast<void*>(a));
+    for (std::size_t i = (lo - s->base) / g; i < (hi - s->base) / g;) {
+      const std::size_t slots = std::exchange(s->mapping_slots[i], 0);
+      device_.unmap(reinterpret_cast<void*>(s->base + i * g));
       device_.release_physical(s->chunks[i]);
-      s->chunks[i] = {};
+      std::fill_n(s->chunks.begin() + static_cast<std::ptrdiff_t>(i), slots, backend::physical_ref{});
+      device_frees_.fetch_add(1, std::memory_order_relaxed);
+      i += slots;
     }
     const std::size_t bytes = hi - lo;
+    unmapped += bytes;
     unreserve_bytes(bytes);
     s->mapped_bytes -= bytes;
-    device_frees_.fetch_add(static_cast<std::int64_t>(bytes / g), std::memory_order_relaxed);
     pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
     if (trace_.enabled()) trace_.note(trace_action::segment_unmap, lo, bytes, pool.stream);
     // [b: mapped head][hole][mapped tail], heads and tails possibly empty.
@@ -249,6 +336,7 @@ void segment_source::unmap_free_chunks(block_pool& pool, segment* s) {
     if (hole->next != nullptr && !hole->next->mapped) hole = merge_into(pool, hole, hole->next);
     b = hole;
   }
+  return unmapped;
 }
 
 void segment_source::set_limit(std::size_t limit) noexcept {
@@ -271,6 +359,20 @@ bool segment_source::reserve_bytes(std::size_t bytes) {
   } while (!reserved_total_.compare_exchange_weak(now, now + bytes, std::memory_order_relaxed));
   return true;
 }
+
+void segment_source::note_reserved_peak() noexcept {
+  const std::size_t now = reserved_total();
+  std::size_t peak = reserved_peak_.load(std::memory_order_relaxed);
+  while (now > peak && !reserved_peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
+}
+
+std::size_t segment_source::over_peak(std::size_t bytes) const noexcept {
+  const std::size_t after = reserved_total() + bytes, peak = reserved_peak();
+  return after > peak ? after - peak : 0;
+}
+
+void segment_source::reset_reserved_peak() noexcept { reserved_peak_ = reserved_total(); }
 
 void segment_source::unreserve_bytes(std::size_t bytes) noexcept {
   reserved_total_.fetch_sub(bytes, std::memory_order_relaxed);
@@ -316,7 +418,7 @@ void segment_source::release_at_teardown(block_pool& pool, event_pool& events) n
       if (s->expandable) {
         const std::size_t g = device_.granularity();
         for (std::size_t i = 0; i < s->chunks.size(); ++i) {
-          if (s->chunks[i].native == 0) continue;
+          if (s->mapping_slots[i] == 0) continue;
           device_.unmap(reinterpret_cast<void*>(s->base + i * g));
           device_.release_physical(s->chunks[i]);
         }

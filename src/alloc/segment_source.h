@@ -11,9 +11,11 @@
 //                       reserved under an earlier limit stays reserved).
 // Thread-safety: grow, release_cached and release_at_teardown run with the
 // pool's lock held and touch only that pool (and the leaf locks: segment
-// directory, trace, hooks); the reserved total is one atomic shared by all
-// pools, bumped by compare-and-swap against the limit; the device counters
-// are relaxed atomics.
+// directory, trace, hooks), except that growth past the reserved peak may
+// take its sibling's lock with try_lock and give that pool's idle memory
+// back; the reserved total is one atomic shared by all pools, bumped by
+// compare-and-swap against the limit, and its peak another, raised after
+// each growth; the device counters are relaxed atomics.
 #pragma once
 
 #include <atomic>
@@ -65,20 +67,53 @@ class segment_source {
   /// What the reserved total never exceeds (checked by the invariant checker).
   [[nodiscard]] std::size_t ceiling() const noexcept;
   [[nodiscard]] std::size_t reserved_total() const noexcept { return reserved_total_.load(std::memory_order_relaxed); }
+  /// The high-water mark of reserved_total() since creation or the last
+  /// reset_reserved_peak(): exact, since it moves only where the total does
+  /// (growth), off the allocation fast path.
+  [[nodiscard]] std::size_t reserved_peak() const noexcept { return reserved_peak_.load(std::memory_order_relaxed); }
+  void reset_reserved_peak() noexcept;
   [[nodiscard]] std::int64_t device_allocations() const noexcept { return device_allocations_.load(); }
   [[nodiscard]] std::int64_t device_frees() const noexcept { return device_frees_.load(); }
   void reset_device_counters() noexcept;
 
  private:
+  /// Where a growable segment maps chunks for a block of `size`: the
+  /// unbacked block `u`, the bytes to map there (u nullptr: nowhere), at
+  /// its start or at its end.
+  struct stretch {
+    block* u = nullptr;
+    std::size_t need = 0;
+    bool at_end = false;
+  };
   block* grow_expandable(block_pool& pool, std::size_t size);
+  /// Reserves the pool's one growable range; false when the device refuses.
+  bool reserve_growable(block_pool& pool, std::size_t size);
+  [[nodiscard]] stretch stretch_for(const segment& s, std::size_t size) const;
+  /// Maps `bytes` at `at` in growable segment `s`; false (nothing mapped)
+  /// when the device refuses.
+  bool map_range(segment& s, std::uintptr_t at, std::size_t bytes);
   /// A segment of `bytes` from the device, counted against the limit, or
   /// nullptr when the limit or the device refuses.
   void* take_segment(std::size_t bytes);
   /// Gives a plain (not growable) segment back, pinned or device memory.
   void free_plain_segment(std::uintptr_t base);
   void release_segment(block_pool& pool, segment* s);
-  void unmap_free_chunks(block_pool& pool, segment* s);
+  /// Gives back the pool's wholly free segments and whole free mappings
+  /// (not in `keep`) until at least `budget` bytes went back or none is
+  /// left, after its stream has passed them; returns the bytes given back.
+  std::size_t give_back(block_pool& pool, std::size_t budget, const block* keep);
+  /// give_back on the pool's sibling (its stream's other size class) when
+  /// that one's lock is free at once.
+  void give_back_from_sibling(block_pool& pool, std::size_t budget);
+  /// Unmaps whole chunks inside free blocks other than `keep`, in address
+  /// order, until at least `budget` bytes are unmapped or none is left;
+  /// returns the bytes unmapped.
+  std::size_t unmap_free_chunks(block_pool& pool, segment* s, std::size_t budget, const block* keep);
   bool reserve_bytes(std::size_t bytes);
+  /// Raises reserved_peak() to the total after a growth.
+  void note_reserved_peak() noexcept;
+  /// How far taking `bytes` more would raise reserved_peak() (0: not at all).
+  [[nodiscard]] std::size_t over_peak(std::size_t bytes) const noexcept;
   void unreserve_bytes(std::size_t bytes) noexcept;
 
   backend::device& device_;
@@ -90,6 +125,7 @@ class segment_source {
   // The highest limit set_limit has replaced (0 while none was lowered).
   std::atomic<std::size_t> highest_earlier_limit_{0};
   std::atomic<std::size_t> reserved_total_{0};
+  std::atomic<std::size_t> reserved_peak_{0};
   std::atomic<std::int64_t> device_allocations_{0}, device_frees_{0};
 };
 

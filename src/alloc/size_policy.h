@@ -14,8 +14,16 @@
 //   fits         = block >= request, and, for blocks of max_split_size or
 //                  more (never split), waste <= 1 MiB for requests below
 //                  max_split_size, waste < max_non_split_rounding above;
-//   can split    = rest >= 512 in small and private pools, else request <
-//                  max_split_size and rest > 1 MiB.
+//   can split    = rest >= 512, except that in plain segments of the
+//                  large pool requests of max_split_size or more are never
+//                  split. In growable segments a rest splits off whatever
+//                  max_split_size says (kept, it would be held with its
+//                  block: growth joined to a free neighbour would hand an
+//                  oversize request the whole merged block). A rest of the
+//                  large pool under 1 MiB serves no request there, but split
+//                  off it joins its neighbours' frees, and the block counts
+//                  as allocated what was asked plus rounding, whichever free
+//                  block best fit chose (kept, up to 1 MiB more each).
 #pragma once
 
 #include <bit>
@@ -32,6 +40,12 @@ inline constexpr std::size_t small_segment = std::size_t{2} << 20;
 inline constexpr std::size_t large_segment = std::size_t{20} << 20;
 inline constexpr std::size_t large_segment_limit = std::size_t{10} << 20;
 inline constexpr std::size_t large_rounding = std::size_t{2} << 20;
+/// A growable segment's growth maps physical chunks of at most this size
+/// (rounded up to the device's granularity): one device call per chunk,
+/// and the unit in which free memory is unmapped again. Larger chunks cost
+/// fewer calls but leave more free memory that cannot go back (measured on
+/// replayed traces, 2 MiB to unlimited: docs/architecture.md).
+inline constexpr std::size_t growable_mapping_max = std::size_t{24} << 20;
 /// Requests above this cannot be rounded without overflow: out of memory.
 inline constexpr std::size_t max_request = std::size_t{1} << 60;
 
@@ -81,8 +95,10 @@ inline constexpr std::size_t max_request = std::size_t{1} << 60;
 /// splits the rest off as a free block of its own.
 [[nodiscard]] inline bool can_split(std::size_t block_size, std::size_t size, pool_kind kind, bool is_private,
                                     const allocator_config& config) noexcept {
-  return kind == pool_kind::small || is_private ? block_size - size >= min_block
-                                                : size < config.max_split_size && block_size - size > small_limit;
+  if (kind == pool_kind::large && !is_private && !config.expandable_segments && size >= config.max_split_size) {
+    return false;
+  }
+  return block_size - size >= min_block;
 }
 
 }  // namespace shoal::alloc::detail

@@ -1,5 +1,7 @@
 #include "transfer/batch_copier.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -16,6 +18,15 @@ alloc::allocator_config staging_config(const transfer_config& config) {
   return c;
 }
 
+/// transfer_config::staging_helpers with automatic_staging_helpers resolved.
+std::size_t staging_helpers_for(std::size_t asked) {
+  if (asked != transfer_config::automatic_staging_helpers) return asked;
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  const std::size_t usable = ::sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+  return std::clamp<std::size_t>(usable / 2, 1, 8) - 1;
+}
+
 }  // namespace
 
 transfer_engine::batch_copier::batch_copier(alloc::caching_allocator& device_allocator, backend::stream_ref stream,
@@ -26,7 +37,7 @@ transfer_engine::batch_copier::batch_copier(alloc::caching_allocator& device_all
       chunk_bytes_(config.staging_chunk_bytes),
       pinned_(device_allocator.device(), staging_config(config)),
       queue_depth_(config.max_batches_in_flight),
-      memcpy_(config.staging_helpers) {}
+      memcpy_(staging_helpers_for(config.staging_helpers)) {}
 
 transfer_engine::batch_copier::~batch_copier() { release_all(); }
 

@@ -1,5 +1,7 @@
 #include "transfer/parallel_memcpy.h"
 
+#include "transfer/streaming_copy.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -22,7 +24,12 @@ parallel_memcpy::~parallel_memcpy() {
 void parallel_memcpy::copy(void* dst, const void* src, std::size_t bytes) {
   const std::size_t parts = std::clamp<std::size_t>(bytes / min_slice, 1, helpers_.size() + 1);
   if (parts == 1) {
-    std::memcpy(dst, src, bytes);
+    // Small copies stay in the cache, where the copy engine's reads may find them.
+    if (bytes < min_slice) {
+      std::memcpy(dst, src, bytes);
+    } else {
+      copy_streaming(dst, src, bytes);
+    }
     return;
   }
   std::unique_lock lock(mutex_);
@@ -47,7 +54,7 @@ void parallel_memcpy::take_slices(std::unique_lock<std::mutex>& lock) {
     std::byte* to = dst_ + offset;
     const std::byte* from = src_ + offset;
     lock.unlock();
-    std::memcpy(to, from, n);
+    copy_streaming(to, from, n);
     lock.lock();
     if (++finished_ == slices_) done_.notify_all();
   }

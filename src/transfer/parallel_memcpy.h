@@ -1,6 +1,8 @@
-// memcpy split across a few threads: one thread's memcpy moves 10-12 GB/s,
-// a fifth of what a PCIe Gen5 link takes from pinned memory, so staging
-// pageable bytes on one thread would cap the engine far below the link.
+// A staging copy split across a few threads: one thread's memcpy moves
+// 8-12 GB/s, a fifth of what a PCIe Gen5 link takes from pinned memory, so
+// staging pageable bytes on one thread would cap the engine far below the
+// link. Slices of min_slice and more are copied with streaming stores
+// (streaming_copy.h): the destination is read next by the copy engine only.
 //
 // Thread-safety: copy is called by one thread at a time (the engine's).
 // Invariant: while a copy runs, every slice is taken by exactly one thread
@@ -24,7 +26,8 @@ class parallel_memcpy {
   parallel_memcpy(const parallel_memcpy&) = delete;
   parallel_memcpy& operator=(const parallel_memcpy&) = delete;
 
-  /// Copies `bytes` from `src` to `dst` (not overlapping); returns when done.
+  /// Copies `bytes` from `src` to `dst` (not overlapping); returns when done,
+  /// with every store visible to the copy engine.
   void copy(void* dst, const void* src, std::size_t bytes);
 
  private:

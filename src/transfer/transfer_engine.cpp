@@ -15,7 +15,7 @@ const transfer_config& checked(const transfer_config& c) {
     throw invalid_argument("transfer_engine: max_batches_in_flight is 0; allow at least one batch in flight");
   }
   if (c.staging_chunk_bytes == 0) throw invalid_argument("transfer_engine: staging_chunk_bytes is 0");
-  if (c.staging_helpers > 64) {
+  if (c.staging_helpers > 64 && c.staging_helpers != transfer_config::automatic_staging_helpers) {
     throw invalid_argument("transfer_engine: staging_helpers is " + std::to_string(c.staging_helpers) +
                            "; more than 64 helper threads only contend for memory bandwidth");
   }

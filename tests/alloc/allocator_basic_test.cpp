@@ -87,6 +87,26 @@ TYPED_TEST(allocator_fixed_segments, blocks_split_and_merge_with_free_neighbours
   EXPECT_EQ(a.stats().inactive_split.aggregate.current, 0);
 }
 
+TYPED_TEST(allocator_fixed_segments, a_large_block_holds_what_was_asked_and_its_rest_joins_the_next_free) {
+  auto& a = this->make();
+  void* first = a.allocate(4 * mib, {});
+  void* second = a.allocate(4 * mib, {});  // the 20 MiB segment's last 12 MiB stay free
+  a.deallocate(first, {});
+  // The 4 MiB hole is the best fit and leaves 512 KiB: split off, not
+  // counted as allocated with the block.
+  void* p = a.allocate(3 * mib + 512 * kib, {});
+  ASSERT_EQ(p, first);
+  EXPECT_EQ(a.block_size(p), 3 * mib + 512 * kib);
+  EXPECT_EQ(a.stats().allocated_bytes.aggregate.current, static_cast<std::int64_t>(7 * mib + 512 * kib));
+  // Freed, the block after the rest merges with it and the tail: 16.5 MiB
+  // serve 16.25 MiB without a second segment.
+  a.deallocate(second, {});
+  void* q = a.allocate(16 * mib + 256 * kib, {});
+  EXPECT_EQ(static_cast<char*>(q), static_cast<char*>(p) + 3 * mib + 512 * kib);
+  EXPECT_EQ(a.stats().device_allocations, 1);
+  for (void* v : {p, q}) a.deallocate(v, {});
+}
+
 TYPED_TEST(allocator_basic, many_neighbours_freed_in_a_row_merge_back_into_one_block) {
   // More frees than the quick list holds, each next to the one before: the
   // list settles while a neighbour is being parked.

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -324,17 +325,121 @@ TEST(allocator_memory_host, destroying_the_allocator_returns_even_leaked_blocks)
 }
 
 TEST(allocator_memory_host, growth_that_fails_half_way_takes_back_what_it_mapped) {
-  // 16 MiB of device: growing by 10 MiB a second time maps 3 chunks, then
-  // the device refuses the fourth.
-  backend::host_device dev({.capacity_bytes = 16 * mib});
+  // 40 MiB of device: growing by 34 MiB after 10 maps a 24 MiB chunk, then
+  // the device refuses the second (chunks are at most 24 MiB).
+  backend::host_device dev({.capacity_bytes = 40 * mib});
   alloc::caching_allocator a(dev, alloc::allocator_config::parse("expandable_segments:true"));
   void* first = a.allocate(10 * mib, {});
-  EXPECT_THROW((void)a.allocate(10 * mib, {}), out_of_memory);
+  EXPECT_THROW((void)a.allocate(34 * mib, {}), out_of_memory);
   EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, static_cast<std::int64_t>(10 * mib));
-  EXPECT_EQ(dev.memory().free_bytes, 6 * mib) << "the chunks of the failed growth were released";
+  EXPECT_EQ(dev.memory().free_bytes, 30 * mib) << "the chunks of the failed growth were released";
   a.deallocate(first, {});
-  void* bigger = a.allocate(14 * mib, {});  // the allocator is still whole
+  void* bigger = a.allocate(38 * mib, {});  // the allocator is still whole
   a.deallocate(bigger, {});
+}
+
+TEST(allocator_memory_host, a_growth_maps_chunks_of_at_most_24_mib) {
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("expandable_segments:true"));
+  void* p = a.allocate(60 * mib, {});
+  EXPECT_EQ(a.stats().device_allocations, 3) << "24 + 24 + 12 MiB: one device call each, not one per 2 MiB";
+  a.deallocate(p, {});
+  a.empty_cache();
+  EXPECT_EQ(a.stats().device_frees, 3);
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0);
+}
+
+TEST(allocator_memory_host, a_growable_block_s_rest_is_split_off_however_small) {
+  // Kept with its block, the rest of the last chunk would be held beside it;
+  // split off, the next growth joins it.
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("expandable_segments:true"));
+  void* p = a.allocate(3 * mib + kib, {});
+  EXPECT_EQ(a.block_size(p), 3 * mib + kib);
+  void* q = a.allocate(2 * mib, {});
+  EXPECT_EQ(static_cast<char*>(q), static_cast<char*>(p) + 3 * mib + kib) << "placed in the rest, joined to the growth";
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, static_cast<std::int64_t>(6 * mib));
+  a.deallocate(p, {});
+  a.deallocate(q, {});
+}
+
+TEST(allocator_memory_host, an_oversize_request_grown_onto_a_free_neighbour_gets_only_its_size) {
+  // Growth joins the free 10 MiB block before the unbacked tail and maps
+  // 2 MiB more; the merged 12 MiB must not all go to an 11 MiB request
+  // because 11 MiB is past max_split_size.
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("expandable_segments:true,max_split_size_mb:8"));
+  void* x = a.allocate(4 * mib, {});
+  a.deallocate(a.allocate(10 * mib, {}), {});
+  void* z = a.allocate(11 * mib, {});
+  EXPECT_EQ(a.block_size(z), 11 * mib);
+  a.check_invariants();
+  for (void* p : {x, z}) a.deallocate(p, {});
+}
+
+TEST(allocator_memory_host, growth_past_the_peak_unmaps_free_chunks_first) {
+  for (const bool release : {true, false}) {
+    backend::host_device dev({.capacity_bytes = 256 * mib});
+    alloc::caching_allocator a(dev, alloc::allocator_config::parse(
+                                        std::string("expandable_segments:true,release_idle_before_grow:") +
+                                        (release ? "true" : "false")));
+    void* x = a.allocate(10 * mib, {});
+    void* hole = a.allocate(10 * mib, {});
+    void* y = a.allocate(10 * mib, {});
+    a.deallocate(hole, {});
+    void* bigger = a.allocate(12 * mib, {});  // not in the hole: mapped after y
+    EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, static_cast<std::int64_t>((release ? 32 : 42) * mib))
+        << "release_idle_before_grow " << release;
+    EXPECT_EQ(a.stats().reserved_bytes.aggregate.peak, static_cast<std::int64_t>((release ? 32 : 42) * mib));
+    for (void* p : {x, y, bigger}) a.deallocate(p, {});
+  }
+}
+
+TEST(allocator_memory_host, growth_below_the_peak_keeps_idle_segments_for_reuse) {
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, {});
+  void* kept = a.allocate(50 * mib, {});
+  a.deallocate(a.allocate(50 * mib, {}), {});
+  a.empty_cache();  // reserved 50 MiB, peak 100
+  a.deallocate(a.allocate(12 * mib, {}), {});  // an idle 12 MiB segment
+  const auto frees = a.stats().device_frees;
+  void* larger = a.allocate(14 * mib, {});  // does not fit in it; 76 MiB stays below the peak
+  EXPECT_EQ(a.stats().device_frees, frees) << "the idle segment is kept: giving it back would lower no peak";
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, static_cast<std::int64_t>(76 * mib));
+  const auto allocations = a.stats().device_allocations;
+  void* again = a.allocate(12 * mib, {});
+  EXPECT_EQ(a.stats().device_allocations, allocations) << "and reused without a device call";
+  for (void* p : {kept, larger, again}) a.deallocate(p, {});
+}
+
+TEST(allocator_memory_host, growth_past_the_peak_takes_the_other_size_class_s_idle_memory) {
+  for (const bool expandable : {false, true}) {
+    backend::host_device dev({.capacity_bytes = 256 * mib});
+    alloc::caching_allocator a(dev, alloc::allocator_config::parse(std::string("expandable_segments:") +
+                                                                   (expandable ? "true" : "false")));
+    a.deallocate(a.allocate(mib, {}), {});  // the small pool holds an idle 2 MiB
+    void* large = a.allocate(20 * mib, {});
+    const auto st = a.stats();
+    EXPECT_EQ(st.reserved_bytes.pool[static_cast<std::size_t>(alloc::pool_kind::small)].current, 0)
+        << "expandable " << expandable;
+    EXPECT_EQ(st.reserved_bytes.aggregate.peak, static_cast<std::int64_t>(20 * mib)) << "expandable " << expandable;
+    a.deallocate(large, {});
+  }
+}
+
+TEST(allocator_memory_host, the_reserved_peak_is_the_total_s_not_a_sum_of_pool_peaks) {
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("release_idle_before_grow:false"));
+  a.deallocate(a.allocate(mib, {}), {});  // the small pool peaks at 2 MiB
+  a.empty_cache();
+  void* large = a.allocate(20 * mib, {});  // the large pool at 20, later
+  const auto st = a.stats();
+  EXPECT_EQ(st.reserved_bytes.pool[static_cast<std::size_t>(alloc::pool_kind::small)].peak,
+            static_cast<std::int64_t>(2 * mib));
+  EXPECT_EQ(st.reserved_bytes.aggregate.peak, static_cast<std::int64_t>(20 * mib));
+  a.deallocate(large, {});
+  a.reset_peak_stats();
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.peak, static_cast<std::int64_t>(20 * mib)) << "still cached";
 }
 
 TEST(allocator_memory_host, running_out_does_not_wait_for_streams_with_nothing_to_give_back) {

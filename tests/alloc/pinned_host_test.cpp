@@ -70,27 +70,29 @@ TYPED_TEST(pinned_host_allocator, a_block_freed_on_its_own_stream_waits_until_th
   dev.synchronize(s);
 }
 
-// Counts the events recorded through it.
+// Counts the events recorded through it; refuses to record while asked to.
 class recording_counter : public forwarding_device {
  public:
   using forwarding_device::forwarding_device;
   void record(backend::event_ref event, backend::stream_ref stream) override {
+    if (refuse_records.load()) throw backend_error("event record", "refused by the test");
     records.fetch_add(1);
     forwarding_device::record(event, stream);
   }
   std::atomic<int> records{0};
+  std::atomic<bool> refuse_records{false};
 };
 
 TYPED_TEST(pinned_host_allocator, small_frees_on_the_block_s_own_stream_share_one_event_and_are_still_held) {
   recording_counter dev(this->device());
   alloc::caching_allocator a(dev, pinned("memory_limit_mb:2"));  // one segment: 32 blocks of 64 KiB
   stream s(dev);
-  device_buffer dst(dev, 64 * kib);
+  device_buffer dst(dev, 31 * 64 * kib);  // a slice per copy
   dev.delay(s, 200ms);  // every copy below runs late
   for (int i = 0; i < 31; ++i) {  // 16 sealed at the 16th, 15 still awaiting
     auto* p = static_cast<std::uint8_t*>(a.allocate(64 * kib, s));
     std::memset(p, 0x40 + i, 64 * kib);
-    dev.copy(s, dst.ptr, p, 64 * kib);
+    dev.copy(s, static_cast<std::byte*>(dst.ptr) + i * 64 * kib, p, 64 * kib);
     a.deallocate(p, s);
     EXPECT_EQ(dev.records.load(), (i + 1) / 16) << "after free " << i + 1 << ": one event per 16 frees";
   }
@@ -101,7 +103,12 @@ TYPED_TEST(pinned_host_allocator, small_frees_on_the_block_s_own_stream_share_on
   // CPU's write cannot reach them.
   auto* next = static_cast<std::uint8_t*>(a.allocate(64 * kib, s));
   std::memset(next, 0x11, 64 * kib);
-  EXPECT_TRUE(all_equal(this->read(dst.ptr, 64 * kib, s), 0x40 + 30)) << "a copy saw a later batch's bytes";
+  const auto copied = this->read(dst.ptr, 31 * 64 * kib, s);
+  for (int i = 0; i < 31; ++i) {
+    EXPECT_TRUE(std::all_of(copied.begin() + i * 64 * kib, copied.begin() + (i + 1) * 64 * kib,
+                            [&](auto byte) { return static_cast<int>(byte) == 0x40 + i; }))
+        << "copy " << i << " saw bytes written after its block was handed out again";
+  }
   EXPECT_EQ(dev.records.load(), 2) << "the awaiting frees were sealed when the allocation looked at them";
   a.deallocate(next, s);
   a.deallocate(last, s);  // awaiting
@@ -117,6 +124,36 @@ TYPED_TEST(pinned_host_allocator, small_frees_on_the_block_s_own_stream_share_on
   EXPECT_EQ(a.stats().device_allocations, 1);
   a.deallocate(again, s);
   dev.synchronize(s);
+}
+
+TYPED_TEST(pinned_host_allocator, a_refused_record_keeps_the_awaiting_frees_held_and_the_next_seal_reports_it) {
+  recording_counter dev(this->device());
+  alloc::caching_allocator a(dev, pinned("memory_limit_mb:2"));  // one segment: 32 blocks of 64 KiB
+  stream s(dev);
+  dev.refuse_records = true;
+  std::vector<void*> freed;
+  for (int i = 0; i < 16; ++i) {  // the 16th free seals, and its record is refused
+    freed.push_back(a.allocate(64 * kib, s));
+    a.deallocate(freed.back(), s);
+  }
+  EXPECT_EQ(dev.records.load(), 0);
+  EXPECT_NO_THROW(a.check_invariants());
+  std::vector<void*> taken;
+  for (int i = 0; i < 16; ++i) {  // the segment's other blocks, never one still awaiting
+    taken.push_back(a.allocate(64 * kib, s));
+    EXPECT_EQ(std::count(freed.begin(), freed.end(), taken.back()), 0) << "a block with no event was handed out";
+  }
+  EXPECT_THROW((void)a.allocate(64 * kib, s), backend_error) << "the allocation that seals reports the refusal";
+  EXPECT_NO_THROW(a.check_invariants());
+  dev.refuse_records = false;
+  void* again = a.allocate(64 * kib, s);  // sealed now, and waited for
+  EXPECT_EQ(std::count(freed.begin(), freed.end(), again), 1);
+  EXPECT_EQ(dev.records.load(), 1);
+  EXPECT_EQ(a.stats().device_allocations, 1);
+  taken.push_back(again);
+  for (void* p : taken) a.deallocate(p, s);
+  dev.synchronize(s);
+  EXPECT_NO_THROW(a.check_invariants());
 }
 
 TYPED_TEST(pinned_host_allocator, awaiting_frees_of_a_destroyed_stream_are_left_alone) {

@@ -68,6 +68,22 @@ class sharing_test : public allocator_test<Backend> {
     this->device().fill(s, st.mutable_data(s), value, bytes);
     return st;
   }
+  /// Grows the large pool's growable segment by one chunk of granularity()
+  /// per device call, `chunks` times, and frees what it took: the storages
+  /// allocated next are carved from that run of separately mapped chunks,
+  /// which are exported one by one. (A growth maps chunks of up to
+  /// growable_mapping_max, 24 MiB, so a storage allocated on an empty
+  /// segment would span as few chunks as that allows.)
+  void map_chunk_by_chunk(std::size_t chunks) {
+    auto& a = context_->allocator();
+    const std::size_t g = this->device().granularity();
+    ASSERT_GT(g, std::size_t{1} << 20) << "a block of one chunk must come from the large pool";
+    const std::int64_t calls = a.stats().device_allocations;
+    std::vector<void*> taken;
+    for (std::size_t i = 0; i < chunks; ++i) taken.push_back(a.allocate(g, {}));
+    for (void* p : taken) a.deallocate(p, {});
+    ASSERT_EQ(a.stats().device_allocations - calls, static_cast<std::int64_t>(chunks)) << "one chunk mapped per growth";
+  }
   /// Sends `st` expecting its bytes to be `value`; returns the answer.
   std::string send(const storage_t& st, std::uint8_t value, bool keep, backend::stream_ref s = {}) {
     const std::byte metadata[2] = {std::byte{value}, std::byte{keep ? std::uint8_t{1} : std::uint8_t{0}}};
@@ -284,11 +300,16 @@ TYPED_TEST(sharing_test, storages_of_growable_segments_span_several_chunks) {
   this->start({"consume"});
   const std::size_t g = this->device().granularity();
   std::vector<storage_t> kept;
-  for (std::size_t bytes : {3 * g + 512, std::size_t{4096}, 5 * g}) {
+  kept.push_back(this->filled(4096, 7));  // the small pool's growable segment: one chunk
+  ASSERT_EQ(this->send(kept.back(), 7, false), "ok");
+  this->map_chunk_by_chunk(9);
+  // Carved from the nine chunks: [0, 3g + 512) spans chunks 0-3, the next
+  // 5g chunks 3-8, so chunk 3 is exported once for both.
+  for (std::size_t bytes : {3 * g + 512, 5 * g}) {
     kept.push_back(this->filled(bytes, static_cast<std::uint8_t>(bytes % 13)));
     EXPECT_EQ(this->send(kept.back(), static_cast<std::uint8_t>(bytes % 13), false), "ok") << bytes << " bytes";
   }
-  EXPECT_GE(ctx.stats().exported_segments, 4u) << "one export per physical chunk";
+  EXPECT_EQ(ctx.stats().exported_segments, 1u + 9u) << "one export per physical chunk";
   kept.clear();
   this->finish();
   EXPECT_TRUE(this->drains());
@@ -300,9 +321,10 @@ TYPED_TEST(sharing_test, a_storage_on_more_chunks_than_one_batch_carries_arrives
   auto& ctx = this->context("expandable_segments:true");
   this->start({"consume"});
   const std::size_t chunks = channel::max_batch_descriptors + 4;
+  this->map_chunk_by_chunk(chunks);
   storage_t st = this->filled(chunks * this->device().granularity(), 29);
   EXPECT_EQ(this->send(st, 29, false), "ok");
-  EXPECT_GE(ctx.stats().exported_segments, chunks) << "one export per physical chunk";
+  EXPECT_EQ(ctx.stats().exported_segments, chunks) << "one export per physical chunk";
   st = storage_t();
   this->finish();
   EXPECT_TRUE(this->drains());

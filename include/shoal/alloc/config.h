@@ -10,8 +10,11 @@
 //   expandable_segments        true|false: one growable range per stream and pool
 //   debug                      true|false: poison reusable blocks, check hand-outs
 //   cross_stream_safety        true|false: false turns the free-stream hold off (unsafe)
-//   release_idle_before_grow   true|false: before a pool takes a new segment, it gives
-//                              its wholly free segments back (default true)
+//   release_idle_before_grow   true|false: growth that would raise the peak of reserved
+//                              memory first gives back idle memory that did not fit
+//                              (wholly free segments, free whole chunks of growable ones):
+//                              the pool's own, then its stream's other size class's, until
+//                              the growth stays at the peak (default true)
 //   memory_limit_mb            fail allocations past this many reserved MiB
 //   memory_fraction            fail allocations past this fraction of the device (0..1]
 //   trace_entries              keep the last N trace records (0: no trace)
@@ -59,10 +62,14 @@ struct allocator_config {
   bool expandable_segments = false;
   bool debug = false;
   bool cross_stream_safety = true;
-  /// Before a pool takes a new segment from the device, it gives back its
-  /// segments that are wholly free: growth means the cached ones did not
-  /// fit, and keeping them would count them in reserved memory twice over.
-  /// Costs a wait for the pool's stream and a device free, at growth only.
+  /// Before a pool grows past the peak of reserved memory, it gives back
+  /// idle memory that did not fit the request: its wholly free segments
+  /// until the growth stays at the peak, or every free whole chunk of its
+  /// growable segment; then, if its lock is free at once, enough of its
+  /// stream's other size class's. Growth below the peak keeps them for
+  /// reuse: giving them back would cost device calls and lower no peak.
+  /// Costs a wait for the pool's stream and device frees, at growth past
+  /// the peak only.
   bool release_idle_before_grow = true;
   /// Reserved bytes past which allocation fails (no_limit: none). A request
   /// that fits under it is served even where its pool's standard segment

@@ -37,7 +37,7 @@ struct allocator_stats {
   stat_by_pool active;              ///< blocks allocated or waiting for a stream
   stat_by_pool inactive_split;      ///< free blocks that are part of a split segment (free neighbours counted merged)
   stat_by_pool allocated_bytes;     ///< bytes of blocks handed out (rounded)
-  stat_by_pool reserved_bytes;      ///< bytes of device memory held
+  stat_by_pool reserved_bytes;      ///< bytes of device memory held (aggregate peak: exact, not a sum of peaks)
   stat_by_pool active_bytes;        ///< bytes of active blocks
   stat_by_pool inactive_split_bytes;
   stat_by_pool requested_bytes;     ///< bytes the callers asked for (unrounded)

@@ -68,8 +68,13 @@ struct transfer_config {
   /// so copying one piece to the device overlaps staging the next.
   std::size_t staging_chunk_bytes = std::size_t{8} << 20;
   /// Threads that help the engine's thread copy pageable bytes into staging
-  /// blocks (0: it copies alone; one thread moves about 10 GB/s).
-  std::size_t staging_helpers = 3;
+  /// blocks (0: it copies alone; one thread moves about 10 GB/s; at most 64).
+  /// automatic_staging_helpers (the default): half the CPUs this process may
+  /// run on, less the engine's own thread, at most 7 — on the H100 host (16
+  /// CPUs) staging with 8 threads reached 0.82 of the pinned copy at 16 MiB,
+  /// with 16 no more, with 4 0.63; on 2 CPUs the engine copies alone.
+  std::size_t staging_helpers = automatic_staging_helpers;
+  static constexpr std::size_t automatic_staging_helpers = static_cast<std::size_t>(-1);
 };
 
 /// One host buffer of a batch.

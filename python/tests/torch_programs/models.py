@@ -111,6 +111,8 @@ print(
             "peak_reserved": torch.cuda.max_memory_reserved(),
             "peak_allocated": torch.cuda.max_memory_allocated(),
             "allocated_at_end": torch.cuda.memory_allocated(),
+            "requested_at_end": torch.cuda.memory_stats()["requested_bytes.all.current"],
+            "blocks_at_end": torch.cuda.memory_stats()["allocation.all.current"],
             # How much allocation work a step does, on either allocator.
             "allocations_per_step": torch.cuda.memory_stats()["allocation.all.allocated"] / (args.warmup + args.steps),
             "device_allocations": torch.cuda.memory_stats().get("num_device_alloc", -1),
