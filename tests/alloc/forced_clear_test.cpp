@@ -193,6 +193,43 @@ TYPED_TEST(forced_clear, waits_for_the_whole_device_before_taking_blocks_back) {
   a.destroy_private_pool(r.id);
 }
 
+// A device implementation written before synchronize_device existed keeps
+// the interface's default, which reports it unsupported: a forced clear or
+// destroy is refused with that backend_error and changes nothing.
+TYPED_TEST(forced_clear, is_refused_on_a_device_without_a_device_wide_wait) {
+  struct without_device_wait : forwarding_device {
+    using forwarding_device::forwarding_device;
+    // What a device that does not override it gets.
+    void synchronize_device() override { backend::device::synchronize_device(); }
+  } dev(this->device());
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse(this->configured_text("")));
+  void* region = dev.allocate_segment(2 * mib);
+  const auto pool = a.create_private_pool(region, 2 * mib);
+  void* p = nullptr;
+  {
+    alloc::private_pool_scope scope(a, pool);
+    p = a.allocate(mib, {});
+  }
+  try {
+    (void)a.clear_private_pool(pool, "", live_blocks::invalidate);
+    ADD_FAILURE() << "a forced clear ran without a device-wide wait";
+  } catch (const backend_error& e) {
+    EXPECT_EQ(e.call(), "synchronize_device");
+    EXPECT_NE(std::string(e.what()).find("does not implement a device-wide wait"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW((void)a.destroy_private_pool(pool, live_blocks::invalidate), backend_error);
+  const auto st = a.stats();
+  EXPECT_EQ(st.allocations.aggregate.current, 1) << "nothing was taken: " << st.to_json();
+  EXPECT_EQ(st.invalidated.aggregate.current, 0);
+  EXPECT_EQ(a.block_size(p), mib) << "the block is still its owner's";
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(p, {});
+  EXPECT_NO_THROW(a.clear_private_pool(pool)) << "the unforced clear needs no device-wide wait";
+  EXPECT_NO_THROW(a.destroy_private_pool(pool));
+  this->device().synchronize_device();  // debug poison may still be queued on it
+  dev.free_segment(region);
+}
+
 TYPED_TEST(forced_clear, blocks_shared_with_another_process_refuse_it) {
   auto& a = this->make();
   region_pool r(this->device(), a, 2 * mib);

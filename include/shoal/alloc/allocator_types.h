@@ -40,7 +40,8 @@ enum class live_blocks : std::uint8_t {
   /// block. Blocks shared with another process (mark_held_outside) are
   /// never taken: invalid_argument naming them, and nothing changes. On
   /// CUDA, not while another thread captures a graph in global mode (see
-  /// device::synchronize_device).
+  /// device::synchronize_device). A device that does not implement
+  /// synchronize_device refuses it: backend_error, and nothing changes.
   invalidate,
 };
 

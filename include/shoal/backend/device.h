@@ -112,7 +112,13 @@ class device {
   /// fails and invalidates that capture; do not call it then). Throws shoal::stream_error when the device
   /// reports failed work; a failed host task stays reported by its own
   /// stream's next synchronize.
-  virtual void synchronize_device() = 0;
+  ///
+  /// Optional: both of shoal's devices implement it; an implementation
+  /// that does not (one written before it was added) inherits this default,
+  /// which throws shoal::backend_error (call "synchronize_device") and waits
+  /// for nothing. What needs the device-wide wait refuses then, before it
+  /// changes anything: a forced clear (alloc::live_blocks::invalidate).
+  virtual void synchronize_device();
   /// True when all work enqueued on `stream` has run.
   [[nodiscard]] virtual bool query(stream_ref stream) = 0;
 
