@@ -434,4 +434,10 @@ void allocator_core::mark_held_outside(void* ptr) {
   });
 }
 
+void allocator_core::unmark_held_outside(void* ptr) {
+  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "unmark_held_outside", [&](block_pool&, block* b) {
+    if (b->state == block_state::allocated) b->held_outside = false;  // a tombstone has no mark
+  });
+}
+
 }  // namespace shoal::alloc::detail

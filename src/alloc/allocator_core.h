@@ -74,6 +74,7 @@ class allocator_core {
   void record_stream(void* ptr, backend::stream_ref stream);
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
   void mark_held_outside(void* ptr);
+  void unmark_held_outside(void* ptr);
   void process_pending_frees();
   void empty_cache();
   void set_memory_fraction(double fraction);

@@ -22,6 +22,7 @@ void caching_allocator::deallocate(void* ptr) { core_->deallocate(ptr, backend::
 void caching_allocator::record_stream(void* ptr, backend::stream_ref stream) { core_->record_stream(ptr, stream); }
 std::size_t caching_allocator::block_size(const void* ptr) const { return core_->block_size(ptr); }
 void caching_allocator::mark_held_outside(void* ptr) { core_->mark_held_outside(ptr); }
+void caching_allocator::unmark_held_outside(void* ptr) { core_->unmark_held_outside(ptr); }
 
 void caching_allocator::process_pending_frees() { core_->process_pending_frees(); }
 void caching_allocator::set_memory_fraction(double fraction) { core_->set_memory_fraction(fraction); }
@@ -40,6 +41,10 @@ void caching_allocator::add_oom_observer(std::function<void(const oom_report&)> 
 
 std::uint64_t caching_allocator::add_cache_miss_hook(std::function<void()> hook) {
   return core_->hooks.add_miss_hook(std::move(hook));
+}
+
+std::uint64_t caching_allocator::add_forced_clear_hook(std::function<void()> hook) {
+  return core_->hooks.add_forced_clear_hook(std::move(hook));
 }
 std::uint64_t caching_allocator::add_release_observer(
     std::function<void(std::uintptr_t base, std::size_t bytes)> observer) {

@@ -43,7 +43,7 @@ void refuse_held_outside(const block_pool& part, const char* op) {
   throw invalid_argument(std::string(op) + ": sub-pool '" + part.part_name + "' has " + std::to_string(shared) +
                          " block(s) shared with another process: " + named + (shared > 8 ? ", ..." : "") +
                          "; another process may still use them, so a forced clear does not take them back and "
-                         "nothing was taken. Let every holder release them (their owner frees them then), then retry");
+                         "nothing was taken. Let every holder release them, then retry");
 }
 
 }  // namespace

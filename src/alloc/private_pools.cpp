@@ -186,6 +186,7 @@ invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id,
     part.reserve_blocks(blocks_for_reset(part));
     reset_layout(part);
   } else {
+    hooks.run_forced_clear_hooks();  // blocks no other process holds any more lose their mark
     std::uint64_t frees = frees_of(part);
     for (bool done = false; !done;) {
       // A stream the allocator never heard of (used without record_stream)
@@ -267,6 +268,7 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
     if constexpr (check_every_step) check_invariants();
     return taken;
   }
+  hooks.run_forced_clear_hooks();  // blocks no other process holds any more lose their mark
   std::uint64_t frees = 0;
   for (block_pool* part : directory_.private_parts(id)) frees += frees_of(*part);
   std::vector<std::pair<std::uintptr_t, std::size_t>> memory;  // debug mode: to poison once it left

@@ -102,9 +102,14 @@ class caching_allocator {
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
   /// The allocated block at `ptr` is held outside this process (exported to
   /// another one): a forced clear of its private pool refuses to take it
-  /// back. The mark lasts until the block is freed. invalid_argument for a
-  /// pointer that is not a live block.
+  /// back. The mark lasts until unmark_held_outside or the block's free.
+  /// invalid_argument for a pointer that is not a live block (a block a
+  /// forced clear took back included), and nothing is marked.
   void mark_held_outside(void* ptr);
+  /// Ends mark_held_outside: no other process holds the block any more. On a
+  /// block a forced clear took back it does nothing; invalid_argument for a
+  /// pointer that is no block at all.
+  void unmark_held_outside(void* ptr);
 
   /// Makes every pending free whose streams have passed reusable. Called by
   /// the allocator itself on a cache miss.
@@ -155,6 +160,12 @@ class caching_allocator {
   /// asked for more memory: on the allocating thread, with no allocator lock
   /// held, so it may free blocks. Returns an id for remove_hook.
   std::uint64_t add_cache_miss_hook(std::function<void()> hook);
+  /// `hook` runs when a forced clear or destroy of a private pool
+  /// (live_blocks::invalidate) starts, before it looks for blocks held
+  /// outside: on the clearing thread, with no allocator lock held, so it
+  /// may unmark blocks no other process holds any more (or free them).
+  /// Returns an id for remove_hook.
+  std::uint64_t add_forced_clear_hook(std::function<void()> hook);
   /// `observer(base, bytes)` is told whenever device memory the allocator
   /// held is about to be given back (a segment freed, chunks of a growable
   /// segment unmapped): the range is no longer the allocator's (no pointer
