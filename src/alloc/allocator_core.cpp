@@ -313,7 +313,10 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
     }
   });
   // The late free of a tombstone whose pool was destroyed: nothing to free.
-  if (!found && !orphans_.forget(address)) throw_not_allocated(address, "deallocate");
+  if (!found) {
+    if (!orphans_.forget(address)) throw_not_allocated(address, "deallocate");
+    note_tombstone_removed(address, stream);
+  }
   if constexpr (check_every_step) check_invariants();
 }
 

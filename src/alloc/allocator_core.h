@@ -149,6 +149,8 @@ class allocator_core {
   /// A late free of a tombstone on `stream`: its memory goes back to the
   /// sub-pool, last used on `stream`.
   void remove_tombstone(block_pool& part, block* b, backend::stream_ref stream);
+  /// Traces a tombstone's removal by its late free (forced_clear.cpp).
+  void note_tombstone_removed(std::uintptr_t address, backend::stream_ref stream);
 
   pool_directory directory_;
   orphaned_tombstones orphans_;  ///< tombstones of destroyed private pools

@@ -10,7 +10,10 @@
 //   counters.invalidated       = #{tombstones},
 //   counters.invalidated_bytes = min_block * #{tombstones}.
 // The late free removes the tombstone (the memory joins its free
-// neighbours); destroying the pool drops the tombstones with its segments,
+// neighbours). The trace shows a taken block's free_requested and
+// free_completed at the clear, then the tombstone as an alloc of min_block
+// bytes at its address, freed (free_requested, free_completed) by the late
+// free, an orphan's included; destroying the pool drops the tombstones with its segments,
 // and a late free after that is an unknown pointer like any other.
 //
 // A forced clear runs in two phases under the sub-pool's lock (all of a
@@ -81,7 +84,13 @@ void allocator_core::take_back_live_blocks(block_pool& part, invalidated_blocks_
       pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
       pool_counters::sub(c.active, 1);
       pool_counters::sub(c.active_bytes, static_cast<std::int64_t>(b->size));
-      if (trace_.enabled()) trace_.note(trace_action::free_requested, b->address, b->size, b->stream);
+      // Traced as the block's free, done at once, and the tombstone's alloc,
+      // which its removal frees: each alloc in the trace has one free.
+      if (trace_.enabled()) {
+        trace_.note(trace_action::free_requested, b->address, b->size, b->stream);
+        trace_.note(trace_action::free_completed, b->address, b->size, b->stream);
+        trace_.note(trace_action::alloc, b->address, min_block, b->stream);
+      }
       // Cut to a tombstone; the layout's reset frees the rest of it.
       b->state = block_state::invalidated;
       b->size = min_block;
@@ -101,7 +110,14 @@ void allocator_core::remove_tombstone(block_pool& part, block* b, backend::strea
   pool_counters::sub(part.counters.invalidated_bytes, static_cast<std::int64_t>(b->size));
   ++part.frees;
   b->state = block_state::free;
+  note_tombstone_removed(b->address, stream);
   settle(part, b);
+}
+
+void allocator_core::note_tombstone_removed(std::uintptr_t address, backend::stream_ref stream) {
+  if (!trace_.enabled()) return;
+  trace_.note(trace_action::free_requested, address, min_block, stream);
+  trace_.note(trace_action::free_completed, address, min_block, stream);
 }
 
 }  // namespace shoal::alloc::detail

@@ -52,8 +52,10 @@ std::size_t blocks_for_reset(const block_pool& part) {
 // tombstones, remembering no stream (the streams that last used the memory
 // have passed: drain_private_pool, or a forced clear's device-wide wait).
 // Every block is free (in the bins) or a tombstone; blocks_for_reset(part)
-// block objects are spare, so nothing here allocates or throws.
-void reset_layout(block_pool& part) {
+// block objects are spare, so nothing here allocates or throws. A free
+// block's waits (debug mode's hazard events, with cross-stream safety off)
+// go back to `events`: their streams have passed too.
+void reset_layout(block_pool& part, event_pool& events) {
   for (auto& s : part.segments) {
     block* b = s->first;
     block* last = nullptr;
@@ -81,6 +83,8 @@ void reset_layout(block_pool& part) {
         append(b);
       } else {
         part.bins.remove(b);  // free and settled: private pools park nothing
+        for (auto e : b->waits) events.give_back(e);  // private pools never share a wait
+        b->waits.clear();
         recycle(part, b);
       }
       b = next;
@@ -163,7 +167,7 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
     }
     part->segments.push_back(std::move(s));
     part->reserve_blocks(blocks_for_reset(*part));
-    reset_layout(*part);  // the free memory around them
+    reset_layout(*part, events_);  // the free memory around them
     directory_.register_segment(*part->segments.back());
     pool_counters::add(part->counters.segments, 1);
     pool_counters::add(part->counters.reserved_bytes, static_cast<std::int64_t>(size));
@@ -184,7 +188,7 @@ invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id,
     std::lock_guard lock(part.lock);
     require_no_live_blocks(part, "clear_private_pool");
     part.reserve_blocks(blocks_for_reset(part));
-    reset_layout(part);
+    reset_layout(part, events_);
   } else {
     hooks.run_forced_clear_hooks();  // blocks no other process holds any more lose their mark
     std::uint64_t frees = frees_of(part);
@@ -199,7 +203,7 @@ invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id,
       prepare_take_back(part, "clear_private_pool", taken);  // phase 1: may throw, changes nothing
       part.reserve_blocks(blocks_for_reset(part));
       take_back_live_blocks(part, taken);  // phase 2: throws nothing
-      reset_layout(part);
+      reset_layout(part, events_);
       if (config.debug) poison(device, part);
       done = true;
     }
@@ -220,6 +224,7 @@ void allocator_core::drain_private_pool(private_pool_id id, const std::string& p
   }
   for (auto e : waits) device.synchronize_event(e);
   std::vector<backend::stream_ref> streams;
+  waits.clear();
   {
     std::lock_guard lock(part.lock);
     collect_pending(part, false);
@@ -227,11 +232,15 @@ void allocator_core::drain_private_pool(private_pool_id id, const std::string& p
       for (const block* b = s->first; b != nullptr; b = b->next) {
         if (b->state == block_state::free) {
           for (auto stream : b->last_streams) add_unique(streams, stream);
+          // Debug mode's hazard events (cross-stream safety off): the
+          // streams that freed the block, which reset_layout forgets.
+          waits.insert(waits.end(), b->waits.begin(), b->waits.end());
         }
       }
     }
   }
   for (auto stream : streams) device.synchronize(stream);
+  for (auto e : waits) device.synchronize_event(e);
 }
 
 invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id id, live_blocks live) {

@@ -259,6 +259,86 @@ TYPED_TEST(forced_clear, blocks_shared_with_another_process_refuse_it) {
   EXPECT_TRUE(nothing_in_use(a.stats()));
 }
 
+// The trace shows a taken block freed at the clear and its tombstone as a
+// 512-byte block, allocated then and freed by the late free: every alloc
+// has its free, in either order of free and pool destruction.
+TEST(forced_clear_host, the_trace_frees_each_taken_block_and_each_tombstone_once) {
+  backend::host_device dev({.capacity_bytes = 64 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("trace_entries:64"));
+  void* region = dev.allocate_segment(2 * mib);
+  auto pool = a.create_private_pool(region, 2 * mib);
+  void* p = nullptr;
+  void* q = nullptr;
+  {
+    alloc::private_pool_scope scope(a, pool);
+    p = a.allocate(256 * kib, {});
+    q = a.allocate(128 * kib, {});
+  }
+  (void)a.clear_private_pool(pool, "", live_blocks::invalidate);
+  a.deallocate(p, {});             // removes its tombstone
+  a.destroy_private_pool(pool);    // q's tombstone outlives it as an orphan
+  a.deallocate(q, {});             // the orphan's late free
+  using alloc::trace_action;
+  const auto addr = [](void* x) { return reinterpret_cast<std::uintptr_t>(x); };
+  std::vector<std::pair<trace_action, std::size_t>> of_p, of_q;
+  for (const auto& e : a.trace()) {
+    if (e.address == addr(p)) of_p.emplace_back(e.action, e.size);
+    if (e.address == addr(q)) of_q.emplace_back(e.action, e.size);
+  }
+  const auto expected = [](std::size_t size) {
+    return std::vector<std::pair<trace_action, std::size_t>>{
+        {trace_action::alloc, size},         {trace_action::free_requested, size}, {trace_action::free_completed, size},
+        {trace_action::alloc, 512},          {trace_action::free_requested, 512},  {trace_action::free_completed, 512}};
+  };
+  EXPECT_EQ(of_p, expected(256 * kib));
+  EXPECT_EQ(of_q, expected(128 * kib));
+  dev.free_segment(region);
+}
+
+// Debug mode with cross-stream safety off keeps a cross-stream free's
+// hazard event on the free block; a clear that resets the layout gives it
+// back to the allocator's spare events (none is lost: each is destroyed).
+TEST(forced_clear_host, a_reset_layout_gives_back_the_hazard_events_of_free_blocks) {
+  backend::host_device host({.capacity_bytes = 64 * mib});
+  struct counting_events : forwarding_device {
+    using forwarding_device::forwarding_device;
+    backend::event_ref create_event() override {
+      ++created;
+      return forwarding_device::create_event();
+    }
+    void destroy_event(backend::event_ref e) override {
+      ++destroyed;
+      forwarding_device::destroy_event(e);
+    }
+    int created = 0, destroyed = 0;
+  } dev(host);
+  void* region = dev.allocate_segment(2 * mib);
+  for (const live_blocks live : {live_blocks::refuse, live_blocks::invalidate}) {
+    {
+      alloc::caching_allocator a(dev, alloc::allocator_config::parse("debug:true,cross_stream_safety:false"));
+      backend::stream other(dev);
+      auto pool = a.create_private_pool(region, 2 * mib);
+      void* p = nullptr;
+      void* keep = nullptr;
+      {
+        alloc::private_pool_scope scope(a, pool);
+        p = a.allocate(256 * kib, {});
+        keep = a.allocate(256 * kib, {});
+      }
+      a.deallocate(p, other);  // freed elsewhere: a hazard event on the free block
+      if (live == live_blocks::refuse) a.deallocate(keep, {});
+      a.drain_private_pool(pool);
+      (void)a.clear_private_pool(pool, "", live);
+      if (live == live_blocks::invalidate) a.deallocate(keep, {});
+      a.destroy_private_pool(pool);
+      dev.synchronize_device();
+    }
+    EXPECT_GT(dev.created, 0) << "no hazard event was recorded";
+    EXPECT_EQ(dev.created, dev.destroyed) << "an event a clear dropped is never destroyed";
+  }
+  dev.free_segment(region);
+}
+
 // A device whose every fill starts late.
 struct slow_fills : forwarding_device {
   using forwarding_device::forwarding_device;
