@@ -172,6 +172,24 @@ block* allocator_core::take_free(block_pool& pool, std::size_t size) const {
 
 void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std::size_t requested,
                               backend::stream_ref stream) {
+  if (pool.is_private) {
+    // A private pool is shared by all streams: the last users of this memory
+    // must be passed on the device before the new stream touches it. First,
+    // while nothing has changed: a device call that throws (a last stream
+    // destroyed since) leaves the block free where it was.
+    for (auto s : b->last_streams) {
+      if (s == stream) continue;
+      const backend::event_ref e = events_.take();
+      try {
+        device.record(e, s);
+        device.wait(stream, e);
+      } catch (...) {
+        events_.give_back(e);
+        throw;
+      }
+      events_.give_back(e);
+    }
+  }
   if (!b->waits.empty()) {
     // Debug mode with cross-stream safety off: the free did not wait for the
     // stream it happened on; handing the block out before that stream passed
@@ -199,18 +217,7 @@ void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std:
       pool.bins.insert(rest);
     }
   }
-  if (pool.is_private) {
-    // A private pool is shared by all streams: the last users of this memory
-    // must be passed on the device before the new stream touches it.
-    for (auto s : b->last_streams) {
-      if (s == stream) continue;
-      const backend::event_ref e = events_.take();
-      device.record(e, s);
-      device.wait(stream, e);
-      events_.give_back(e);
-    }
-    b->last_streams.clear();
-  }
+  if (pool.is_private) b->last_streams.clear();  // waited for above
   b->state = block_state::allocated;
   b->requested = requested;
   b->stream = stream;

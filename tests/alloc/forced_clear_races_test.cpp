@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -176,6 +177,30 @@ TEST(forced_clear_races_host, debug_mode_takes_and_poisons_blocks_whose_stream_w
     a.deallocate(p, {});
     a.destroy_private_pool(r.id);
   }
+}
+
+// A private pool's free block remembers the streams that last used it; one
+// destroyed since makes the hand-out's wait for it fail. The refused
+// allocation changes nothing (the block stays free, in its place), and a
+// forced clear, which forgets those streams, makes the memory usable again.
+TEST(forced_clear_races_host, a_hand_out_refused_for_a_destroyed_last_stream_changes_nothing) {
+  backend::host_device dev({.capacity_bytes = 64 * mib});
+  alloc::caching_allocator a(dev, {});
+  region_pool r(dev, a, 2 * mib);
+  std::optional<backend::stream> gone(std::in_place, dev);
+  backend::stream next(dev);
+  void* p = r.allocate(mib, *gone);
+  a.deallocate(p, *gone);
+  gone.reset();
+  EXPECT_THROW((void)r.allocate(mib, next), invalid_argument);
+  EXPECT_NO_THROW(a.check_invariants());
+  EXPECT_TRUE(nothing_in_use(a.stats())) << a.stats().to_json();
+  EXPECT_TRUE(a.clear_private_pool(r.id, "", live_blocks::invalidate).blocks.empty());
+  EXPECT_NO_THROW(a.check_invariants());
+  void* q = r.allocate(2 * mib, next);
+  EXPECT_EQ(q, r.base);
+  a.deallocate(q, next);
+  a.destroy_private_pool(r.id);
 }
 
 }  // namespace
