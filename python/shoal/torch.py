@@ -261,14 +261,24 @@ def empty_cache() -> None:
     torch.cuda.empty_cache()
 
 
-_BLOCK_STATES = {"allocated": "active_allocated", "pending_free": "active_pending_free", "free": "inactive"}
+# A tombstone (the 512 bytes a forced clear leaves where it took a block
+# back) keeps shoal's own state name, "invalidated": it is neither in use
+# nor free, so it counts in no active or allocated size.
+_BLOCK_STATES = {
+    "allocated": "active_allocated",
+    "pending_free": "active_pending_free",
+    "free": "inactive",
+    "invalidated": "invalidated",
+}
 
 
 def memory_snapshot(device: Any = None) -> dict[str, Any]:
     """Every segment and block in the layout of ``torch.cuda.memory._snapshot()``
     (``{"segments": [...], "device_traces": [...]}``), which PyTorch's memory
     viewer (``torch.cuda._memory_viz``, pytorch.org/memory_viz) reads. Blocks
-    carry no stack frames."""
+    carry no stack frames. A forced clear's tombstones have the state
+    ``"invalidated"`` and count in no active size; each segment's
+    ``invalidated_size`` sums them."""
     index = _device_index(device)
     snap = allocator(index).snapshot()
     segments = []
@@ -284,7 +294,7 @@ def memory_snapshot(device: Any = None) -> dict[str, Any]:
                     "frames": [],
                 }
             )
-        in_use = [b for b in blocks if b["state"] != "inactive"]
+        in_use = [b for b in blocks if b["state"] in ("active_allocated", "active_pending_free")]
         segments.append(
             {
                 "device": index,
@@ -293,6 +303,7 @@ def memory_snapshot(device: Any = None) -> dict[str, Any]:
                 "allocated_size": sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
                 "active_size": sum(b["size"] for b in in_use),
                 "requested_size": sum(b["requested_size"] for b in in_use),
+                "invalidated_size": sum(b["size"] for b in blocks if b["state"] == "invalidated"),
                 "stream": s["stream"],
                 "segment_type": s["pool"],
                 "segment_pool_id": (0, 0),

@@ -14,12 +14,6 @@ namespace shoal::alloc::detail {
 
 namespace {
 
-constexpr std::uint8_t poison_byte = 0xDB;
-
-}  // namespace
-
-namespace {
-
 // The settings that do not apply to pinned host memory, refused before
 // anything is built.
 allocator_config checked(allocator_config config) {
@@ -64,6 +58,13 @@ void allocator_core::check_invariants() const {
 void throw_not_allocated(std::uintptr_t address, const char* op) {
   throw invalid_argument(std::string("caching_allocator::") + op + "(" + hex(address) +
                          "): not a live pointer this allocator handed out (foreign, interior, or freed already)");
+}
+
+void require_not_invalidated(const block* b, const char* op) {
+  if (b->state != block_state::invalidated) return;
+  throw invalid_argument(std::string("caching_allocator::") + op + "(" + hex(b->address) +
+                         "): the block was taken back by a forced clear of its private pool "
+                         "(live_blocks::invalidate); only its free is still accepted");
 }
 
 // ---- allocation --------------------------------------------------------------
@@ -201,6 +202,24 @@ block* allocator_core::take_free(block_pool& pool, std::size_t size) const {
 
 void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std::size_t requested,
                               backend::stream_ref stream) {
+  if (pool.is_private) {
+    // A private pool is shared by all streams: the last users of this memory
+    // must be passed on the device before the new stream touches it. First,
+    // while nothing has changed: a device call that throws (a last stream
+    // destroyed since) leaves the block free where it was.
+    for (auto s : b->last_streams) {
+      if (s == stream) continue;
+      const backend::event_ref e = events_.take();
+      try {
+        device.record(e, s);
+        device.wait(stream, e);
+      } catch (...) {
+        events_.give_back(e);
+        throw;
+      }
+      events_.give_back(e);
+    }
+  }
   if (!b->waits.empty()) {
     // Debug mode with cross-stream safety off: the free did not wait for the
     // stream it happened on; handing the block out before that stream passed
@@ -228,18 +247,7 @@ void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std:
       pool.bins.insert(rest);
     }
   }
-  if (pool.is_private) {
-    // A private pool is shared by all streams: the last users of this memory
-    // must be passed on the device before the new stream touches it.
-    for (auto s : b->last_streams) {
-      if (s == stream) continue;
-      const backend::event_ref e = events_.take();
-      device.record(e, s);
-      device.wait(stream, e);
-      events_.give_back(e);
-    }
-    b->last_streams.clear();
-  }
+  if (pool.is_private) b->last_streams.clear();  // waited for above
   b->state = block_state::allocated;
   b->requested = requested;
   b->stream = stream;
@@ -292,7 +300,11 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
 
 void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
-  with_block<true>(address, "deallocate", [&](block_pool& pool, block* b) {
+  const bool found = run_on_block<true>(address, [&](block_pool& pool, block* b) {
+    if (b->state == block_state::invalidated) {
+      remove_tombstone(pool, b, stream);
+      return;
+    }
     // record_stream's streams are waited for in every mode; the freeing
     // stream only with cross-stream safety on (off is PyTorch's rule, where
     // record_stream is the one protection), or to catch a hazard in debug.
@@ -326,6 +338,8 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
     pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
     b->requested = 0;
     b->used_on.clear();
+    b->held_outside = false;
+    ++pool.frees;
     if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
     if (hold) {
       b->state = block_state::pending_free;
@@ -335,6 +349,11 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
       make_reusable(pool, b);
     }
   });
+  // The late free of a tombstone whose pool was destroyed: nothing to free.
+  if (!found) {
+    if (!orphans_.forget(address)) throw_not_allocated(address, "deallocate");
+    note_tombstone_removed(address, stream);
+  }
   if constexpr (check_every_step) check_invariants();
 }
 
@@ -429,15 +448,36 @@ void allocator_core::empty_cache() {
 }
 
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
-  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "record_stream", [&](block_pool&, block* b) {
+  const auto address = reinterpret_cast<std::uintptr_t>(ptr);
+  const bool found = run_on_block<false>(address, [&](block_pool&, block* b) {
+    // A tombstone: its owner's storage records its streams before the late
+    // free, which must still come to remove it. Nothing waits for them now.
+    if (b->state == block_state::invalidated) return;
     if (stream != b->stream) add_unique(b->used_on, stream);
   });
+  if (!found && !orphans_.contains(address)) throw_not_allocated(address, "record_stream");
 }
 
 std::size_t allocator_core::block_size(const void* ptr) const {
   std::size_t size = 0;
-  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "block_size", [&](block_pool&, block* b) { size = b->size; });
+  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "block_size", [&](block_pool&, block* b) {
+    require_not_invalidated(b, "block_size");
+    size = b->size;
+  });
   return size;
+}
+
+void allocator_core::mark_held_outside(void* ptr) {
+  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "mark_held_outside", [&](block_pool&, block* b) {
+    require_not_invalidated(b, "mark_held_outside");
+    b->held_outside = true;
+  });
+}
+
+void allocator_core::unmark_held_outside(void* ptr) {
+  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "unmark_held_outside", [&](block_pool&, block* b) {
+    if (b->state == block_state::allocated) b->held_outside = false;  // a tombstone has no mark
+  });
 }
 
 }  // namespace shoal::alloc::detail

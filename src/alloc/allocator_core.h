@@ -6,6 +6,7 @@
 //   segment_source   device memory: growth, release, the limit
 //   block_structure  split, merge, park and settle within a pool
 //   event_pool       spare events for cross-stream frees
+//   orphaned_tombstones  tombstones whose private pool was destroyed
 //   trace_ring       the last N events
 //   size_policy.h    request size -> block size, pool, segment; fit, split
 //
@@ -25,6 +26,7 @@
 #include "alloc/allocator_hooks.h"
 #include "alloc/block_pool.h"
 #include "alloc/event_pool.h"
+#include "alloc/orphaned_tombstones.h"
 #include "alloc/pool_directory.h"
 #include "alloc/segment_source.h"
 #include "alloc/trace_ring.h"
@@ -37,6 +39,16 @@
 namespace shoal::alloc::detail {
 
 [[noreturn]] void throw_not_allocated(std::uintptr_t address, const char* op);
+/// Throws invalid_argument when `b` is a tombstone (a forced clear took it):
+/// only its free is still accepted.
+void require_not_invalidated(const block* b, const char* op);
+/// A forced clear's first phase (forced_clear.cpp; pool locked): refuses
+/// (invalid_argument naming `op` and them) when blocks of the sub-pool are
+/// shared with another process (mark_held_outside), which a forced clear
+/// never takes, and reserves room in `taken` for its allocated blocks.
+/// Throws, changing nothing, or leaves take_back_live_blocks nothing to
+/// fail on.
+void prepare_take_back(const block_pool& part, const char* op, invalidated_blocks_report& taken);
 
 /// True in builds with SHOAL_CHECK_INVARIANTS: the allocator checks its
 /// invariants itself after every allocate, free and release step.
@@ -66,6 +78,8 @@ class allocator_core {
   void deallocate(void* ptr, backend::stream_ref stream);
   void record_stream(void* ptr, backend::stream_ref stream);
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
+  void mark_held_outside(void* ptr);
+  void unmark_held_outside(void* ptr);
   void process_pending_frees();
   void empty_cache();
   void set_memory_fraction(double fraction);
@@ -88,9 +102,9 @@ class allocator_core {
 
   private_pool_id create_private_pool(void* base, std::size_t bytes,
                                       const std::vector<std::pair<std::string, std::size_t>>& parts);
-  void clear_private_pool(private_pool_id id, const std::string& part);
+  invalidated_blocks_report clear_private_pool(private_pool_id id, const std::string& part, live_blocks live);
   void drain_private_pool(private_pool_id id, const std::string& part);
-  void destroy_private_pool(private_pool_id id);
+  invalidated_blocks_report destroy_private_pool(private_pool_id id, live_blocks live);
   /// The sub-pool this thread's allocations are directed to (nullptr: none).
   [[nodiscard]] block_pool* directed_pool() const noexcept { return directory_.directed_pool(); }
   /// Directs this thread's allocations to `part`; returns the previous one.
@@ -101,11 +115,15 @@ class allocator_core {
 
  private:
   /// Runs fn(pool, block) with the pool locked, for the allocated block at
-  /// `address`; throws invalid_argument naming `op` when there is none.
-  /// With Take, the block is taken out of the pool's index first (and goes
-  /// back if fn throws).
+  /// `address`; false when there is none. With Take, the block is taken out
+  /// of the pool's index first (and goes back if fn throws).
   template <bool Take, class Fn>
-  void with_block(std::uintptr_t address, const char* op, Fn&& fn) const;
+  bool run_on_block(std::uintptr_t address, Fn&& fn) const;
+  /// run_on_block, throwing invalid_argument naming `op` when there is none.
+  template <bool Take, class Fn>
+  void with_block(std::uintptr_t address, const char* op, Fn&& fn) const {
+    if (!run_on_block<Take>(address, std::forward<Fn>(fn))) throw_not_allocated(address, op);
+  }
 
   // ---- the allocation path (pool locked unless said otherwise)
   // How a miss may ask the device: not at all, for the standard segment
@@ -129,7 +147,22 @@ class allocator_core {
   void make_reusable(block_pool& pool, block* b);
   void collect_pending(block_pool& pool, bool wait_on_device);
 
+  // ---- forced clears (forced_clear.cpp; pool locked, device synchronized
+  //      with no free since)
+  /// The second phase, after prepare_take_back: every pending free of the
+  /// sub-pool becomes free, every allocated block a tombstone appended to
+  /// `taken`. Throws nothing. Leaves free blocks unmerged and the rest of
+  /// each taken block unlinked: reset_layout or empty_for_reuse follows,
+  /// under the same lock.
+  void take_back_live_blocks(block_pool& part, invalidated_blocks_report& taken);
+  /// A late free of a tombstone on `stream`: its memory goes back to the
+  /// sub-pool, last used on `stream`.
+  void remove_tombstone(block_pool& part, block* b, backend::stream_ref stream);
+  /// Traces a tombstone's removal by its late free (forced_clear.cpp).
+  void note_tombstone_removed(std::uintptr_t address, backend::stream_ref stream);
+
   pool_directory directory_;
+  orphaned_tombstones orphans_;  ///< tombstones of destroyed private pools
   trace_ring trace_;
   event_pool events_;
   segment_source source_;
@@ -140,7 +173,7 @@ class allocator_core {
 };
 
 template <bool Take, class Fn>
-void allocator_core::with_block(std::uintptr_t address, const char* op, Fn&& fn) const {
+bool allocator_core::run_on_block(std::uintptr_t address, Fn&& fn) const {
   // A thread's cache may be stale (the segment was released and its range
   // reused elsewhere): a pool that does not hold the block sends us on to
   // the directory, which is always right.
@@ -157,9 +190,7 @@ void allocator_core::with_block(std::uintptr_t address, const char* op, Fn&& fn)
     }
     return true;
   };
-  if (!found_in(directory_.cached_pool(address)) && !found_in(directory_.directory_pool(address))) {
-    throw_not_allocated(address, op);
-  }
+  return found_in(directory_.cached_pool(address)) || found_in(directory_.directory_pool(address));
 }
 
 }  // namespace shoal::alloc::detail

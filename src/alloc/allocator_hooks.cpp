@@ -16,6 +16,13 @@ std::uint64_t allocator_hooks::add_miss_hook(miss_hook hook) {
   return id;
 }
 
+std::uint64_t allocator_hooks::add_forced_clear_hook(miss_hook hook) {
+  std::unique_lock lock(mutex_);
+  const std::uint64_t id = next_id_++;
+  forced_clear_hooks_.emplace_back(id, std::move(hook));
+  return id;
+}
+
 std::uint64_t allocator_hooks::add_release_observer(release_observer observer) {
   std::unique_lock lock(mutex_);
   const std::uint64_t id = next_id_++;
@@ -26,7 +33,8 @@ std::uint64_t allocator_hooks::add_release_observer(release_observer observer) {
 void allocator_hooks::remove(std::uint64_t id) {
   std::unique_lock lock(mutex_);
   auto has_id = [id](const auto& entry) { return entry.first == id; };
-  const std::size_t erased = std::erase_if(miss_hooks_, has_id) + std::erase_if(release_observers_, has_id);
+  const std::size_t erased = std::erase_if(miss_hooks_, has_id) + std::erase_if(forced_clear_hooks_, has_id) +
+                             std::erase_if(release_observers_, has_id);
   miss_count_.store(miss_hooks_.size(), std::memory_order_relaxed);
   if (erased == 0) {
     throw invalid_argument("caching_allocator::remove_hook: no hook or observer has id " + std::to_string(id) +
@@ -37,6 +45,11 @@ void allocator_hooks::remove(std::uint64_t id) {
 void allocator_hooks::run_miss_hooks() const {
   std::shared_lock lock(mutex_);
   for (const auto& [id, hook] : miss_hooks_) hook();
+}
+
+void allocator_hooks::run_forced_clear_hooks() const {
+  std::shared_lock lock(mutex_);
+  for (const auto& [id, hook] : forced_clear_hooks_) hook();
 }
 
 void allocator_hooks::notify_release(std::uintptr_t base, std::size_t bytes) const {

@@ -1,6 +1,7 @@
 // Callbacks other layers register with an allocator: cache-miss hooks (run
-// before the device is asked for more memory) and release observers (told
-// when device memory is given back).
+// before the device is asked for more memory), forced-clear hooks (run
+// before a forced clear looks for blocks held outside) and release
+// observers (told when device memory is given back).
 //
 // Thread-safety: every member may be called from any thread. A callback
 // runs under a shared lock, so remove() waits for calls in progress and a
@@ -23,6 +24,7 @@ class allocator_hooks {
   using release_observer = std::function<void(std::uintptr_t base, std::size_t bytes)>;
 
   std::uint64_t add_miss_hook(miss_hook hook);
+  std::uint64_t add_forced_clear_hook(miss_hook hook);
   std::uint64_t add_release_observer(release_observer observer);
   /// Removes a hook or observer; an unknown id gives invalid_argument.
   void remove(std::uint64_t id);
@@ -30,12 +32,14 @@ class allocator_hooks {
   /// True when a cache miss has hooks to run (one relaxed load).
   [[nodiscard]] bool has_miss_hooks() const noexcept { return miss_count_.load(std::memory_order_relaxed) != 0; }
   void run_miss_hooks() const;
+  void run_forced_clear_hooks() const;
   void notify_release(std::uintptr_t base, std::size_t bytes) const;
 
  private:
   mutable std::shared_mutex mutex_;
   std::uint64_t next_id_ = 1;  // guarded by mutex_
   std::vector<std::pair<std::uint64_t, miss_hook>> miss_hooks_;                // guarded by mutex_
+  std::vector<std::pair<std::uint64_t, miss_hook>> forced_clear_hooks_;        // guarded by mutex_
   std::vector<std::pair<std::uint64_t, release_observer>> release_observers_;  // guarded by mutex_
   std::atomic<std::size_t> miss_count_{0};
 };

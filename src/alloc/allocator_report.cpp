@@ -26,7 +26,8 @@ void accumulate(stat_by_pool& into, pool_kind kind, const stat& s) {
 template <class Fn>
 void for_each_stat(pool_counters& c, Fn&& fn) {
   for (stat* s : {&c.allocations, &c.segments, &c.active, &c.inactive_split, &c.allocated_bytes, &c.reserved_bytes,
-                  &c.active_bytes, &c.inactive_split_bytes, &c.requested_bytes}) {
+                  &c.active_bytes, &c.inactive_split_bytes, &c.requested_bytes, &c.invalidated,
+                  &c.invalidated_bytes}) {
     fn(*s);
   }
 }
@@ -50,6 +51,8 @@ allocator_stats allocator_core::stats() {
     accumulate(out.active_bytes, p.kind, c.active_bytes);
     accumulate(out.inactive_split_bytes, p.kind, inactive_split_bytes);
     accumulate(out.requested_bytes, p.kind, c.requested_bytes);
+    accumulate(out.invalidated, p.kind, c.invalidated);
+    accumulate(out.invalidated_bytes, p.kind, c.invalidated_bytes);
   });
   out.reserved_bytes.aggregate.peak = static_cast<std::int64_t>(source_.reserved_peak()) + private_reserved_peak;
   out.retries = retries_.load();

@@ -44,6 +44,9 @@ struct alignas(64) block {
   bool counted_inactive_split = false;  ///< its share of the inactive_split stats
   /// Free, but parked unmerged in its pool's quick list (see block_pool).
   bool quick = false;
+  /// Allocated and shared with another process (mark_held_outside): a
+  /// forced clear refuses to take it. Cleared by its free.
+  bool held_outside = false;
   backend::stream_ref stream;  ///< the stream it was handed out on
   /// Extra streams from record_stream; its free waits for them too.
   std::vector<backend::stream_ref> used_on;

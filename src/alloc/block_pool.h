@@ -6,6 +6,7 @@
 #pragma once
 
 #include <array>
+#include <cstdint>
 #include <deque>
 #include <utility>
 #include <memory>
@@ -23,6 +24,7 @@ namespace shoal::alloc::detail {
 struct pool_counters {
   stat allocations, segments, active, inactive_split;
   stat allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes;
+  stat invalidated, invalidated_bytes;  ///< tombstones (block_state::invalidated)
 
   static void add(stat& s, std::int64_t n) noexcept {
     s.current += n;
@@ -45,7 +47,7 @@ struct alignas(64) block_pool {
   std::string part_name;  ///< private sub-pools
 
   free_bins bins;
-  block_index allocated;  ///< blocks in state allocated, by address
+  block_index allocated;  ///< blocks in state allocated or invalidated (tombstones), by address
   std::vector<std::unique_ptr<segment>> segments;
   segment* growable = nullptr;  ///< expandable_segments: this pool's one growable segment
   std::deque<block*> pending;   ///< blocks in state pending_free
@@ -68,6 +70,10 @@ struct alignas(64) block_pool {
   std::array<block*, quick_capacity> quick{};
   std::size_t quick_count = 0;
   pool_counters counters;
+  /// Frees so far (deallocate, a tombstone's late free included); only ever
+  /// grows. A forced clear compares it before and after its device-wide
+  /// wait: a free that came meanwhile may leave work of its stream queued.
+  std::uint64_t frees = 0;
   /// Stream pools: the same stream's pool of the other size class (growth
   /// past the reserved peak may take its idle memory; see segment_source).
   /// Last, so that it moves none of the fields the allocation path reads.
@@ -85,6 +91,13 @@ struct alignas(64) block_pool {
     if (spare == nullptr) return new block();
     return std::exchange(spare, spare->bin_next);
   }
+  /// Keeps at least `n` block objects spare, so that the next `n` new_block
+  /// calls allocate nothing.
+  void reserve_blocks(std::size_t n) {
+    std::size_t have = 0;
+    for (const block* b = spare; b != nullptr && have < n; b = b->bin_next) ++have;
+    for (; have < n; ++have) recycle(new block());
+  }
   /// Takes back a block object no segment links to any more.
   void recycle(block* b) noexcept {
     // Reset field by field: the vectors keep their capacity for next time.
@@ -97,6 +110,7 @@ struct alignas(64) block_pool {
     b->state = block_state::free;
     b->mapped = true;
     b->counted_inactive_split = false;
+    b->held_outside = false;
     b->stream = {};
     b->used_on.clear();
     b->waits.clear();

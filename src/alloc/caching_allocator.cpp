@@ -21,6 +21,8 @@ void caching_allocator::deallocate(void* ptr, backend::stream_ref stream) { core
 void caching_allocator::deallocate(void* ptr) { core_->deallocate(ptr, backend::current_stream(core_->device)); }
 void caching_allocator::record_stream(void* ptr, backend::stream_ref stream) { core_->record_stream(ptr, stream); }
 std::size_t caching_allocator::block_size(const void* ptr) const { return core_->block_size(ptr); }
+void caching_allocator::mark_held_outside(void* ptr) { core_->mark_held_outside(ptr); }
+void caching_allocator::unmark_held_outside(void* ptr) { core_->unmark_held_outside(ptr); }
 
 void caching_allocator::process_pending_frees() { core_->process_pending_frees(); }
 void caching_allocator::set_memory_fraction(double fraction) { core_->set_memory_fraction(fraction); }
@@ -40,6 +42,10 @@ void caching_allocator::add_oom_observer(std::function<void(const oom_report&)> 
 std::uint64_t caching_allocator::add_cache_miss_hook(std::function<void()> hook) {
   return core_->hooks.add_miss_hook(std::move(hook));
 }
+
+std::uint64_t caching_allocator::add_forced_clear_hook(std::function<void()> hook) {
+  return core_->hooks.add_forced_clear_hook(std::move(hook));
+}
 std::uint64_t caching_allocator::add_release_observer(
     std::function<void(std::uintptr_t base, std::size_t bytes)> observer) {
   return core_->hooks.add_release_observer(std::move(observer));
@@ -54,10 +60,13 @@ void caching_allocator::drain_private_pool(private_pool_id pool, const std::stri
   core_->drain_private_pool(pool, part);
 }
 
-void caching_allocator::clear_private_pool(private_pool_id pool, const std::string& part) {
-  core_->clear_private_pool(pool, part);
+invalidated_blocks_report caching_allocator::clear_private_pool(private_pool_id pool, const std::string& part,
+                                                                live_blocks live) {
+  return core_->clear_private_pool(pool, part, live);
 }
-void caching_allocator::destroy_private_pool(private_pool_id pool) { core_->destroy_private_pool(pool); }
+invalidated_blocks_report caching_allocator::destroy_private_pool(private_pool_id pool, live_blocks live) {
+  return core_->destroy_private_pool(pool, live);
+}
 
 private_pool_scope::private_pool_scope(caching_allocator& allocator, private_pool_id pool, const std::string& part)
     : allocator_(allocator), previous_(allocator.core_->direct_to(&allocator.core_->private_part(pool, part))) {}

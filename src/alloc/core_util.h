@@ -12,6 +12,9 @@ namespace shoal::alloc::detail {
 
 using shoal::detail::hex;
 
+/// Debug mode fills freed memory with it, so a stale reader sees it.
+inline constexpr std::uint8_t poison_byte = 0xDB;
+
 inline void add_unique(std::vector<backend::stream_ref>& streams, backend::stream_ref s) {
   if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
 }

@@ -7,6 +7,7 @@
 
 #include "alloc/block_structure.h"
 #include "alloc/core_util.h"
+#include "alloc/size_policy.h"
 #include "shoal/core/error.h"
 
 namespace shoal::alloc::detail {
@@ -24,6 +25,7 @@ const char* state_name(block_state s) {
     case block_state::allocated: return "allocated";
     case block_state::pending_free: return "pending_free";
     case block_state::free: return "free";
+    case block_state::invalidated: return "invalidated";
   }
   return "?";
 }
@@ -136,7 +138,7 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
                                            pool.quick.begin() + static_cast<std::ptrdiff_t>(pool.quick_count));
 
   std::int64_t allocations = 0, allocated_bytes = 0, requested_bytes = 0, active = 0, active_bytes = 0;
-  std::int64_t inactive_split = 0, inactive_split_bytes = 0, reserved = 0;
+  std::int64_t inactive_split = 0, inactive_split_bytes = 0, reserved = 0, invalidated = 0, invalidated_bytes = 0;
   std::size_t settled = 0, pending_found = 0, parked_found = 0;
   for (const auto& s : pool.segments) {
     const std::string where = " in " + segment_name(*s) + " of the " + pool_name(pool);
@@ -167,10 +169,19 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
                                " are neighbouring unmapped blocks (they should have merged)");
       }
       // states
-      if ((b->state == block_state::allocated) != (pool.allocated.find(b->address) == b)) {
+      // Tombstones stay in the index, so their owners' late frees find them.
+      const bool indexed = b->state == block_state::allocated || b->state == block_state::invalidated;
+      if (indexed != (pool.allocated.find(b->address) == b)) {
         fail("states", block_name(b) + where +
-                           (b->state == block_state::allocated ? " is missing from the pool's index of allocated blocks"
-                                                               : " is in the pool's index of allocated blocks"));
+                           (indexed ? " is missing from the pool's index of allocated blocks"
+                                    : " is in the pool's index of allocated blocks"));
+      }
+      if (b->state == block_state::invalidated && (!pool.is_private || b->size != min_block)) {
+        fail("states", block_name(b) + where + " is a tombstone outside a private pool or not of " +
+                           std::to_string(min_block) + " bytes");
+      }
+      if (b->held_outside && b->state != block_state::allocated) {
+        fail("states", block_name(b) + where + " is marked shared with another process but is not allocated");
       }
       if ((b->state == block_state::pending_free) != pending.contains(b)) {
         fail("states", block_name(b) + where +
@@ -189,9 +200,13 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
         allocated_bytes += size;
         requested_bytes += static_cast<std::int64_t>(b->requested);
       }
-      if (b->state != block_state::free) {
+      if (b->state == block_state::allocated || b->state == block_state::pending_free) {
         ++active;
         active_bytes += size;
+      }
+      if (b->state == block_state::invalidated) {
+        ++invalidated;
+        invalidated_bytes += size;
       }
       pending_found += b->state == block_state::pending_free ? 1 : 0;
       if (counts_as_inactive_split(b)) {
@@ -225,9 +240,10 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
     fail("states", "the " + pool_name(pool) + "'s pending list holds " + std::to_string(pool.pending.size()) +
                        " blocks but its segments have " + std::to_string(pending_found) + " pending_free blocks");
   }
-  if (pool.allocated.size() != static_cast<std::size_t>(allocations)) {
+  if (pool.allocated.size() != static_cast<std::size_t>(allocations + invalidated)) {
     fail("states", "the " + pool_name(pool) + "'s index holds " + std::to_string(pool.allocated.size()) +
-                       " blocks but its segments have " + std::to_string(allocations) + " allocated blocks");
+                       " blocks but its segments have " + std::to_string(allocations) + " allocated blocks and " +
+                       std::to_string(invalidated) + " tombstones");
   }
   const pool_counters& c = pool.counters;
   check_counter(pool, "allocations", c.allocations, allocations);
@@ -239,6 +255,8 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
   check_counter(pool, "reserved_bytes", c.reserved_bytes, reserved);
   check_counter(pool, "inactive_split", c.inactive_split, inactive_split);
   check_counter(pool, "inactive_split_bytes", c.inactive_split_bytes, inactive_split_bytes);
+  check_counter(pool, "invalidated", c.invalidated, invalidated);
+  check_counter(pool, "invalidated_bytes", c.invalidated_bytes, invalidated_bytes);
 }
 
 }  // namespace

@@ -12,11 +12,14 @@
 //               holds exactly the parked blocks, each free and mapped;
 //   neighbours  no two neighbouring settled free blocks, no two
 //               neighbouring unmapped ones (they would have merged);
-//   states      the pool's index holds exactly its allocated blocks, its
-//               pending list exactly its pending_free ones;
+//   states      the pool's index holds exactly its allocated blocks and
+//               tombstones (invalidated, min_block bytes, private pools
+//               only), its pending list exactly its pending_free ones; only
+//               allocated blocks are marked shared with another process;
 //   counters    each pool's stats equal sums recomputed from its blocks
 //               (allocations, active, allocated/requested/active bytes,
-//               segments, reserved bytes, inactive split), with current =
+//               segments, reserved bytes, inactive split, invalidated
+//               blocks and bytes), with current =
 //               allocated - freed <= peak; the segment source's reserved
 //               total = sum of the stream pools' reserved bytes <= limit;
 //   directory   the segment directory holds exactly the live pools'

@@ -41,9 +41,14 @@ void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_brea
       case invariant_breakage::unregistered:
         directory_.unregister_segment(*b->owner);
         return;
+      case invariant_breakage::tombstone_unindexed:
+        if (b->state != block_state::invalidated) break;
+        (void)pool.allocated.take(b->address);
+        return;
     }
     throw invalid_argument("unsafe_break_invariant: the block at " + hex(b->address) +
-                           " has no block after it, or not the settled free block of at least 1024 bytes this needs");
+                           " has no block after it, or not the settled free block of at least 1024 bytes this needs, "
+                           "or is not the tombstone this needs");
   });
 }
 

@@ -45,14 +45,18 @@ struct range_cache {
 thread_local range_cache recent_segments;
 
 // Empties a destroyed private pool's sub-pool so it can serve another: its
-// block objects go to its spare list, its segments and counts go. Every
-// block is free, and a private pool's free blocks are all settled (never
-// parked), so each is in the bins. Under the sub-pool's lock.
+// block objects go to its spare list, its segments, counts and tombstones
+// go. Every other block is free, and a private pool's free blocks are all
+// settled (never parked), so each is in the bins. Under the sub-pool's lock.
 void empty_for_reuse(block_pool& part) noexcept {
   for (auto& s : part.segments) {
     for (block* b = s->first; b != nullptr;) {
       block* next = b->next;
-      part.bins.remove(b);
+      if (b->state == block_state::invalidated) {
+        (void)part.allocated.take(b->address);  // a tombstone: its late free finds the orphan now
+      } else {
+        part.bins.remove(b);  // free and settled: the pool held no live block
+      }
       part.recycle(b);
       b = next;
     }
@@ -173,16 +177,30 @@ block_pool& pool_directory::private_part(private_pool_id id, const std::string& 
   return *p;
 }
 
-void pool_directory::remove_private_pool(private_pool_id id, const std::function<void(block_pool&)>& check) {
+std::vector<block_pool*> pool_directory::private_parts(private_pool_id id) const {
+  std::shared_lock lock(directory_mutex_);
+  const auto it = private_pools_.find(id.value);
+  if (it == private_pools_.end()) throw invalid_argument("private pool " + std::to_string(id.value) + " does not exist");
+  std::vector<block_pool*> parts;
+  for (auto& p : it->second->parts) parts.push_back(p.get());
+  return parts;
+}
+
+bool pool_directory::remove_private_pool(private_pool_id id,
+                                         const std::function<bool(const std::vector<block_pool*>&)>& ready,
+                                         const std::function<void(block_pool&)>& take) {
   std::unique_ptr<private_pool> pool;
   {
     std::unique_lock lock(directory_mutex_);
     const auto it = private_pools_.find(id.value);
     if (it == private_pools_.end()) throw invalid_argument("private pool " + std::to_string(id.value) + " does not exist");
-    for (auto& part : it->second->parts) {
-      std::lock_guard part_lock(part->lock);
-      check(*part);
-    }
+    std::vector<block_pool*> parts;
+    for (auto& part : it->second->parts) parts.push_back(part.get());
+    std::vector<std::unique_lock<spin_lock>> part_locks;
+    part_locks.reserve(parts.size());
+    for (block_pool* part : parts) part_locks.emplace_back(part->lock);
+    if (!ready(parts)) return false;
+    for (block_pool* part : parts) take(*part);
     pool = std::move(it->second);
     private_pools_.erase(it);
   }
@@ -194,6 +212,7 @@ void pool_directory::remove_private_pool(private_pool_id id, const std::function
   }
   std::unique_lock lock(directory_mutex_);
   for (auto& part : pool->parts) reusable_parts_.push_back(std::move(part));
+  return true;
 }
 
 }  // namespace shoal::alloc::detail

@@ -21,12 +21,15 @@
 //
 // Lock order of the whole allocator, stated here once:
 //   directory_mutex_ -> one pool's lock -> the leaf locks: segments_mutex_,
-//   the event pool's, the trace ring's, the hooks' (release observers).
+//   the event pool's, the trace ring's, the hooks' (release observers), the
+//   orphaned tombstones'.
 // Two pool locks are never held at once, except by with_every_pool_locked
 // (the invariant checker), which takes them all in one fixed order while
-// it holds directory_mutex_ shared, and by a growing pool that try_locks
-// its sibling (segment_source::give_back_from_sibling) and never waits for
-// it; as nobody waits for a pool lock while holding another, this cannot
+// it holds directory_mutex_ shared, by remove_private_pool, which takes
+// one private pool's sub-pools in their order while it holds
+// directory_mutex_ exclusively, and by a growing pool that try_locks its
+// sibling (segment_source::give_back_from_sibling) and never waits for it;
+// as nobody else waits for a pool lock while holding another, this cannot
 // deadlock. Cache-miss hooks run with no
 // allocator lock held. Device calls may run under a pool lock (like
 // cudaMalloc under PyTorch's), never under the others.
@@ -96,10 +99,16 @@ class pool_directory {
   private_pool_id add_private_pool(std::unique_ptr<private_pool> pool);
   /// The named sub-pool; throws invalid_argument when there is none.
   [[nodiscard]] block_pool& private_part(private_pool_id id, const std::string& part) const;
-  /// Removes a private pool once check(part) (run with each part's lock
-  /// held) has passed for every part — it must find every block free —
-  /// unregisters its segments and empties its sub-pools for reuse.
-  void remove_private_pool(private_pool_id id, const std::function<void(block_pool&)>& check);
+  /// Every sub-pool of a private pool; invalid_argument when there is none.
+  [[nodiscard]] std::vector<block_pool*> private_parts(private_pool_id id) const;
+  /// Removes a private pool, with every sub-pool's lock held at once:
+  /// ready(parts) checks them all first — throwing, or returning false
+  /// (then this returns false), changes nothing — then take(part), which
+  /// must not throw and must leave every block free or a tombstone, runs
+  /// for each; then its segments are unregistered and its sub-pools
+  /// emptied for reuse. Returns true.
+  bool remove_private_pool(private_pool_id id, const std::function<bool(const std::vector<block_pool*>&)>& ready,
+                           const std::function<void(block_pool&)>& take);
   /// The sub-pool this thread's allocations are directed to (nullptr: none).
   [[nodiscard]] block_pool* directed_pool() const noexcept;
   /// Directs this thread's allocations to `part`; returns the previous one.

@@ -1,5 +1,8 @@
 // Private pools: memory handed in from outside, split into named sub-pools.
+#include <cstdint>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 #include "alloc/allocator_core.h"
 #include "alloc/block_structure.h"
@@ -8,6 +11,105 @@
 #include "shoal/core/error.h"
 
 namespace shoal::alloc::detail {
+
+namespace {
+
+// Throws unless every block of the sub-pool is free (or a tombstone).
+void require_no_live_blocks(block_pool& part, const char* op) {
+  std::size_t live = 0, live_bytes = 0;
+  for (auto& s : part.segments) {
+    for (const block* b = s->first; b != nullptr; b = b->next) {
+      if (b->state == block_state::allocated || b->state == block_state::pending_free) {
+        ++live;
+        live_bytes += b->size;
+      }
+    }
+  }
+  if (live > 0) {
+    throw invalid_argument(std::string(op) + ": sub-pool '" + part.part_name + "' still has " + std::to_string(live) +
+                           " live block(s) (" + std::to_string(live_bytes) +
+                           " bytes, allocated or waiting for a stream); free them first, or force it "
+                           "(live_blocks::invalidate)");
+  }
+}
+
+// Block objects reset_layout may need: one free block before each
+// tombstone, and one more per segment, after prepare_take_back (so
+// allocated blocks count as the tombstones they become).
+std::size_t blocks_for_reset(const block_pool& part) {
+  std::size_t n = 0;
+  for (const auto& s : part.segments) {
+    ++n;
+    for (const block* b = s->first; b != nullptr; b = b->next) {
+      n += b->state == block_state::invalidated || b->state == block_state::allocated ? 1 : 0;
+    }
+  }
+  return n;
+}
+
+// Makes each segment of the sub-pool free again but for its tombstones,
+// which stay where they are (forced_clear.cpp): one free block between two
+// tombstones, remembering no stream (the streams that last used the memory
+// have passed: drain_private_pool, or a forced clear's device-wide wait).
+// Every block is free (in the bins) or a tombstone; blocks_for_reset(part)
+// block objects are spare, so nothing here allocates or throws. A free
+// block's waits (debug mode's hazard events, with cross-stream safety off)
+// go back to `events`: their streams have passed too.
+void reset_layout(block_pool& part, event_pool& events) {
+  for (auto& s : part.segments) {
+    block* b = s->first;
+    block* last = nullptr;
+    std::uintptr_t at = s->base;
+    const auto append = [&](block* appended) {
+      appended->prev = last;
+      appended->next = nullptr;
+      (last != nullptr ? last->next : s->first) = appended;
+      last = appended;
+      at = appended->address + appended->size;
+    };
+    const auto append_free = [&](std::uintptr_t end) {
+      if (end == at) return;
+      block* fresh = part.new_block();
+      fresh->address = at;
+      fresh->size = end - at;
+      fresh->owner = s.get();
+      append(fresh);
+    };
+    s->first = nullptr;
+    while (b != nullptr) {
+      block* next = b->next;
+      if (b->state == block_state::invalidated) {
+        append_free(b->address);
+        append(b);
+      } else {
+        part.bins.remove(b);  // free and settled: private pools park nothing
+        for (auto e : b->waits) events.give_back(e);  // private pools never share a wait
+        b->waits.clear();
+        recycle(part, b);
+      }
+      b = next;
+    }
+    append_free(s->base + s->size);
+    for (block* fresh = s->first; fresh != nullptr; fresh = fresh->next) {  // once its neighbours are linked
+      if (fresh->state != block_state::free) continue;
+      part.bins.insert(fresh);
+      refresh_split_stat(part, fresh);
+    }
+  }
+}
+
+// Debug mode: poison of the whole sub-pool, on the default stream (always
+// there, unlike the streams of taken blocks), after its layout was reset.
+void poison(backend::device& device, const block_pool& part) {
+  for (const auto& s : part.segments) device.fill({}, reinterpret_cast<void*>(s->base), poison_byte, s->size);
+}
+
+std::uint64_t frees_of(block_pool& part) {
+  std::lock_guard lock(part.lock);
+  return part.frees;
+}
+
+}  // namespace
 
 private_pool_id allocator_core::create_private_pool(void* base, std::size_t bytes,
                                                     const std::vector<std::pair<std::string, std::size_t>>& parts) {
@@ -32,8 +134,12 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
     throw invalid_argument("create_private_pool: the sub-pools need " + std::to_string(total) +
                            " bytes but the region has " + std::to_string(bytes));
   }
+  // Tombstones a destroyed pool left here become tombstones again, so that
+  // their late frees free nothing newer (orphaned_tombstones.h).
+  const std::vector<std::uintptr_t> orphans = orphans_.within(start, start + total);
   auto pool = std::make_unique<private_pool>();
   std::uintptr_t at = start;
+  auto orphan = orphans.begin();
   for (const auto& [name, size] : layout) {
     auto part = directory_.new_private_part();
     part->kind = pool_kind::large;
@@ -45,71 +151,67 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
     s->pool = part.get();
     s->external = true;
     s->part_name = name;
-    block* b = part->new_block();
-    b->address = at;
-    b->size = size;
-    b->owner = s.get();
-    s->first = b;
-    part->bins.insert(b);
-    directory_.register_segment(*s);
+    block* last = nullptr;
+    for (; orphan != orphans.end() && *orphan < at + size; ++orphan) {
+      block* t = part->new_block();
+      t->address = *orphan;
+      t->size = min_block;
+      t->owner = s.get();
+      t->state = block_state::invalidated;
+      t->prev = last;
+      (last != nullptr ? last->next : s->first) = t;
+      last = t;
+      part->allocated.insert(t);
+      pool_counters::add(part->counters.invalidated, 1);
+      pool_counters::add(part->counters.invalidated_bytes, static_cast<std::int64_t>(min_block));
+    }
     part->segments.push_back(std::move(s));
+    part->reserve_blocks(blocks_for_reset(*part));
+    reset_layout(*part, events_);  // the free memory around them
+    directory_.register_segment(*part->segments.back());
     pool_counters::add(part->counters.segments, 1);
     pool_counters::add(part->counters.reserved_bytes, static_cast<std::int64_t>(size));
     pool->parts.push_back(std::move(part));
     at += size;
   }
   const private_pool_id id = directory_.add_private_pool(std::move(pool));
+  orphans_.forget_all(orphans);  // tombstones again, no longer orphans
   if constexpr (check_every_step) check_invariants();
   return id;
 }
 
-namespace {
-
-// Throws unless every block of the sub-pool is free.
-void require_no_live_blocks(block_pool& part, const char* op) {
-  std::size_t live = 0, live_bytes = 0;
-  for (auto& s : part.segments) {
-    for (const block* b = s->first; b != nullptr; b = b->next) {
-      if (b->state != block_state::free) {
-        ++live;
-        live_bytes += b->size;
-      }
-    }
-  }
-  if (live > 0) {
-    throw invalid_argument(std::string(op) + ": sub-pool '" + part.part_name + "' still has " + std::to_string(live) +
-                           " live block(s) (" + std::to_string(live_bytes) +
-                           " bytes, allocated or waiting for a stream); free them first");
-  }
-}
-
-}  // namespace
-
-void allocator_core::clear_private_pool(private_pool_id id, const std::string& part_name) {
+invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id, const std::string& part_name,
+                                                             live_blocks live) {
   block_pool& part = private_part(id, part_name);
-  {
+  invalidated_blocks_report taken;
+  if (live == live_blocks::refuse) {
     std::lock_guard lock(part.lock);
     require_no_live_blocks(part, "clear_private_pool");
-    for (auto& s : part.segments) {
-      block* first = s->first;
-      for (block* b = first; b != nullptr;) {
-        block* next = b->next;
-        part.bins.remove(b);
-        if (b->counted_inactive_split) {
-          pool_counters::sub(part.counters.inactive_split, 1);
-          pool_counters::sub(part.counters.inactive_split_bytes, static_cast<std::int64_t>(b->size));
-          b->counted_inactive_split = false;
-        }
-        if (b != first) recycle(part, b);
-        b = next;
-      }
-      first->size = s->size;
-      first->next = nullptr;
-      first->last_streams.clear();  // the memory is forgotten, not just its layout
-      part.bins.insert(first);
+    part.reserve_blocks(blocks_for_reset(part));
+    reset_layout(part, events_);
+  } else {
+    hooks.run_forced_clear_hooks();  // blocks no other process holds any more lose their mark
+    std::uint64_t frees = frees_of(part);
+    for (bool done = false; !done;) {
+      // A stream the allocator never heard of (used without record_stream)
+      // may still touch a live block: only the whole device passing is
+      // enough. It covers the pending frees and the free blocks' last
+      // streams too, unless a free came during the wait: then wait again.
+      device.synchronize_device();
+      std::lock_guard lock(part.lock);
+      if (std::exchange(frees, part.frees) != part.frees) continue;
+      prepare_take_back(part, "clear_private_pool", taken);  // phase 1: may throw, changes nothing
+      part.reserve_blocks(blocks_for_reset(part));
+      take_back_live_blocks(part, taken);  // phase 2: throws nothing
+      reset_layout(part, events_);
+      if (config.debug) poison(device, part);
+      done = true;
     }
+    // The poison is written before anything is handed out of the memory.
+    if (config.debug) device.synchronize_device();
   }
   if constexpr (check_every_step) check_invariants();
+  return taken;
 }
 
 void allocator_core::drain_private_pool(private_pool_id id, const std::string& part_name) {
@@ -122,6 +224,7 @@ void allocator_core::drain_private_pool(private_pool_id id, const std::string& p
   }
   for (auto e : waits) device.synchronize_event(e);
   std::vector<backend::stream_ref> streams;
+  waits.clear();
   {
     std::lock_guard lock(part.lock);
     collect_pending(part, false);
@@ -129,16 +232,84 @@ void allocator_core::drain_private_pool(private_pool_id id, const std::string& p
       for (const block* b = s->first; b != nullptr; b = b->next) {
         if (b->state == block_state::free) {
           for (auto stream : b->last_streams) add_unique(streams, stream);
+          // Debug mode's hazard events (cross-stream safety off): the
+          // streams that freed the block, which reset_layout forgets.
+          waits.insert(waits.end(), b->waits.begin(), b->waits.end());
         }
       }
     }
   }
   for (auto stream : streams) device.synchronize(stream);
+  for (auto e : waits) device.synchronize_event(e);
 }
 
-void allocator_core::destroy_private_pool(private_pool_id id) {
-  directory_.remove_private_pool(id, [](block_pool& part) { require_no_live_blocks(part, "destroy_private_pool"); });
+invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id id, live_blocks live) {
+  // The pool's tombstones outlive it as orphans (orphaned_tombstones.h):
+  // room for every one it may have is made while nothing has changed yet.
+  const auto make_room_for_orphans = [&](const std::vector<block_pool*>& parts) {
+    std::size_t n = 0;
+    for (const block_pool* part : parts) {
+      for (const auto& s : part->segments) {
+        for (const block* b = s->first; b != nullptr; b = b->next) {
+          n += b->state == block_state::invalidated || b->state == block_state::allocated ? 1 : 0;
+        }
+      }
+    }
+    orphans_.reserve(n);
+  };
+  const auto orphan_tombstones = [&](const block_pool& part) {
+    for (const auto& s : part.segments) {
+      for (const block* b = s->first; b != nullptr; b = b->next) {
+        if (b->state == block_state::invalidated) orphans_.add(b->address);
+      }
+    }
+  };
+  invalidated_blocks_report taken;
+  if (live == live_blocks::refuse) {
+    (void)directory_.remove_private_pool(
+        id,
+        [&](const std::vector<block_pool*>& parts) {
+          for (block_pool* part : parts) require_no_live_blocks(*part, "destroy_private_pool");
+          make_room_for_orphans(parts);
+          return true;
+        },
+        orphan_tombstones);
+    if constexpr (check_every_step) check_invariants();
+    return taken;
+  }
+  hooks.run_forced_clear_hooks();  // blocks no other process holds any more lose their mark
+  std::uint64_t frees = 0;
+  for (block_pool* part : directory_.private_parts(id)) frees += frees_of(*part);
+  std::vector<std::pair<std::uintptr_t, std::size_t>> memory;  // debug mode: to poison once it left
+  for (bool removed = false; !removed;) {
+    device.synchronize_device();  // as clear_private_pool does, and again after a free during it
+    // Every sub-pool is checked, and held outside again, with all their
+    // locks held before any is changed: a block sent meanwhile refuses it.
+    removed = directory_.remove_private_pool(
+        id,
+        [&](const std::vector<block_pool*>& parts) {
+          std::uint64_t now = 0;
+          for (block_pool* part : parts) now += part->frees;
+          if (std::exchange(frees, now) != now) return false;
+          for (block_pool* part : parts) {
+            prepare_take_back(*part, "destroy_private_pool", taken);
+            if (!config.debug) continue;
+            for (const auto& s : part->segments) memory.emplace_back(s->base, s->size);
+          }
+          make_room_for_orphans(parts);
+          return true;
+        },
+        [&](block_pool& part) {
+          take_back_live_blocks(part, taken);
+          orphan_tombstones(part);
+        });
+  }
+  // The memory goes back to its owner when this returns: its poison must
+  // have been written by then.
+  for (const auto& [base, bytes] : memory) device.fill({}, reinterpret_cast<void*>(base), poison_byte, bytes);
+  if (!memory.empty()) device.synchronize_device();
   if constexpr (check_every_step) check_invariants();
+  return taken;
 }
 
 }  // namespace shoal::alloc::detail

@@ -27,6 +27,7 @@ const char* name_of(block_state s) {
     case block_state::allocated: return "allocated";
     case block_state::pending_free: return "pending_free";
     case block_state::free: return "free";
+    case block_state::invalidated: return "invalidated";
   }
   return "?";
 }
@@ -79,6 +80,8 @@ std::string allocator_stats::to_json() const {
   write(out, "active_bytes", active_bytes);
   write(out, "inactive_split_bytes", inactive_split_bytes);
   write(out, "requested_bytes", requested_bytes);
+  write(out, "invalidated", invalidated);
+  write(out, "invalidated_bytes", invalidated_bytes);
   out << "\"num_alloc_retries\":" << retries << ",\"num_ooms\":" << ooms << ",\"num_device_alloc\":" << device_allocations
       << ",\"num_device_free\":" << device_frees
       << ",\"expandable_segments_fallback\":" << (expandable_segments_fallback ? "true" : "false") << '}';

@@ -128,7 +128,7 @@ void peer_link::send_storage(const storage::storage& st, std::span<const std::by
     segments_sent_.insert(new_segments.begin(), new_segments.end());
     if (new_source) sources_sent_.insert(new_source->source_id);
   } catch (...) {
-    if (!sent) state_->abandon(share.slot);  // once sent, the consumer holds it
+    if (!sent) state_->abandon(share);  // once sent, the consumer holds it
     throw;
   }
 }

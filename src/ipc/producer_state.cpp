@@ -27,14 +27,12 @@ class sent_data final : public storage::storage_owner {
       stream = backend::current_stream(state_->allocator.device());
     } catch (const error&) {  // NOLINT(bugprone-empty-catch): the default stream then
     }
-    state_->retire(data_, size_, stream, std::move(slots));
+    state_->retire(data_, size_, stream);
   }
 
   const producer_state* state() const noexcept { return state_.get(); }
   std::uintptr_t block() const noexcept { return reinterpret_cast<std::uintptr_t>(data_); }
   std::size_t bytes() const noexcept { return size_; }
-
-  std::vector<slot_ref> slots;  // guarded by the state's mutex
 
  private:
   std::shared_ptr<producer_state> state_;
@@ -52,6 +50,9 @@ void producer_state::attach() {
   miss_hook_ = allocator.add_cache_miss_hook([weak] {
     if (auto self = weak.lock()) self->collect(false);
   });
+  forced_clear_hook_ = allocator.add_forced_clear_hook([weak] {
+    if (auto self = weak.lock()) self->unmark_released();
+  });
   release_observer_ = allocator.add_release_observer([this](std::uintptr_t base, std::size_t bytes) {
     on_release(base, bytes);  // the state outlives the observer: removed in the destructor
   });
@@ -61,6 +62,7 @@ producer_state::~producer_state() {
   // Blocks still in the limbo stay allocated: another process holds them.
   try {
     if (miss_hook_ != 0) allocator.remove_hook(miss_hook_);
+    if (forced_clear_hook_ != 0) allocator.remove_hook(forced_clear_hook_);
     if (release_observer_ != 0) allocator.remove_hook(release_observer_);
   } catch (const error&) {  // NOLINT(bugprone-empty-catch): ids we registered; cannot fail
   }
@@ -85,6 +87,7 @@ producer_state::share producer_state::share_storage(const storage::storage& st, 
   s.segments = exports_for(data, st.size());
   s.offset = data - s.segments.front()->base;
   s.size = st.size();
+  s.block = sent->block();
   std::vector<closed_file> closed;
   {
     std::lock_guard lock(mutex_);
@@ -92,9 +95,34 @@ producer_state::share producer_state::share_storage(const storage::storage& st, 
       throw peer_refused("peer::send: process " + std::to_string(holder.pid) +
                          " was revoked (peer::revoke); this context sends it nothing more");
     }
-    prune(sent->slots);
-    s.slot = slots_.claim(holder, sent->block(), sent->bytes());
-    sent->slots.push_back(s.slot);
+    // Another process may use the block until its slots are released: a
+    // forced clear of a private pool must not take it back. Marked before
+    // a slot exists (a block a forced clear took since hand_over refuses
+    // here, with nothing claimed); unmarked once every slot is released
+    // (prune_held) or by the block's free (free_blocks).
+    auto it = held_.find(s.block);
+    if (it == held_.end()) {
+      allocator.mark_held_outside(reinterpret_cast<void*>(s.block));
+      try {
+        it = held_.try_emplace(s.block).first;
+      } catch (...) {
+        unmark(s.block);
+        throw;
+      }
+    } else {
+      prune(it->second);
+    }
+    try {
+      it->second.reserve(it->second.size() + 1);
+      s.slot = slots_.claim(holder, sent->block(), sent->bytes());
+    } catch (...) {
+      if (it->second.empty()) {  // no slot of it is held: no mark either
+        unmark(s.block);
+        held_.erase(it);
+      }
+      throw;
+    }
+    it->second.push_back(s.slot);
     s.file = slots_.file(s.slot.file_id);
     ++sent_;
     closed = slots_.take_closed_files();
@@ -103,10 +131,45 @@ producer_state::share producer_state::share_storage(const storage::storage& st, 
   return s;
 }
 
-void producer_state::abandon(const slot_ref& slot) {
+void producer_state::abandon(const share& s) {
   std::lock_guard lock(mutex_);
   // Released as its holder would; the owner's next prune or the limbo frees it.
-  slots_.release(slot);
+  slots_.release(s.slot);
+  prune_held(s.block);
+}
+
+void producer_state::unmark(std::uintptr_t block) noexcept {
+  try {
+    allocator.unmark_held_outside(reinterpret_cast<void*>(block));
+  } catch (const error&) {  // NOLINT(bugprone-empty-catch): a block of a live owner; cannot fail
+  }
+}
+
+void producer_state::prune_held(std::uintptr_t block) {
+  const auto it = held_.find(block);
+  if (it == held_.end() || !prune(it->second)) return;
+  unmark(block);
+  held_.erase(it);
+}
+
+void producer_state::unmark_released() {
+  std::vector<ready_block> ready;
+  std::vector<closed_file> closed;
+  {
+    std::lock_guard lock(mutex_);
+    for (auto it = held_.begin(); it != held_.end();) {
+      if (prune(it->second)) {
+        unmark(it->first);
+        it = held_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    ready = take_ready();
+    closed = slots_.take_closed_files();
+  }
+  post_files(closed);
+  free_blocks(ready);
 }
 
 std::vector<std::shared_ptr<const exported_segment>> producer_state::exports_for(std::uintptr_t data, std::size_t size) {
@@ -184,11 +247,14 @@ bool producer_state::prune(std::vector<slot_ref>& slots) {
   return slots.empty();
 }
 
-void producer_state::retire(void* data, std::size_t size, backend::stream_ref stream, std::vector<slot_ref> slots) noexcept {
+void producer_state::retire(void* data, std::size_t size, backend::stream_ref stream) noexcept {
   std::vector<ready_block> ready;
   std::vector<closed_file> closed;
   {
     std::lock_guard lock(mutex_);
+    // Its slots go with it into the limbo (still marked: the free ends it).
+    std::vector<slot_ref> slots;
+    if (auto node = held_.extract(reinterpret_cast<std::uintptr_t>(data))) slots = std::move(node.mapped());
     if (prune(slots)) {
       ready.push_back({data, stream});
     } else {

@@ -1,7 +1,8 @@
 // The producer side of sharing: counter slots, exported segments, the limbo.
 //
 // Lock order: a storage's own lock (hand_over) -> mutex_ -> the allocator's
-// pool locks; a pool lock -> exports_mutex_ -> an outbox's mutex (the release
+// pool locks (mark_held_outside, unmark_held_outside); a pool lock ->
+// exports_mutex_ -> an outbox's mutex (the release
 // observer runs under a pool lock). Nothing takes mutex_ under exports_mutex_
 // or the other way round, and no allocator call is made under either, so
 // the allocator may call back (cache-miss hook, release observer) at any time.
@@ -56,16 +57,25 @@ class producer_state : public std::enable_shared_from_this<producer_state> {
     std::uint64_t size = 0;
     slot_ref slot;
     std::shared_ptr<const counter_file> file;  // the slot's, for a peer that lacks it (open while held)
+    std::uintptr_t block = 0;  // the storage's block
   };
   /// Hands `st` over to a sent-data owner (once) and claims a slot held by
-  /// `holder`. invalid_argument for a storage received from another process
-  /// or from another allocator; peer_refused when `holder` was revoked.
+  /// `holder`; the block is marked held outside while a slot of it may be
+  /// held (until a prune finds them all released: unmark_released).
+  /// invalid_argument for a storage received from another process or from
+  /// another allocator, or whose block a forced clear took back;
+  /// peer_refused when `holder` was revoked. When it throws, no slot was
+  /// claimed and no mark was added.
   share share_storage(const storage::storage& st, const process_identity& holder, backend::stream_ref stream);
-  /// A share that never reached its holder: its slot is released.
-  void abandon(const slot_ref& slot);
+  /// A share that never reached its holder: its slot is released, and the
+  /// block unmarked when no other slot of it is held.
+  void abandon(const share& s);
+  /// Unmarks the live sent blocks whose every slot was released, and frees
+  /// the limbo's ready blocks: the allocator's forced-clear hook.
+  void unmark_released();
 
   /// The sent-data owner's last handle is gone (see sent_data).
-  void retire(void* data, std::size_t size, backend::stream_ref stream, std::vector<slot_ref> slots) noexcept;
+  void retire(void* data, std::size_t size, backend::stream_ref stream) noexcept;
   /// Frees limbo blocks with no slot held; with `reclaim`, first takes back
   /// the slots of dead holders. Returns how many blocks it freed.
   std::size_t collect(bool reclaim);
@@ -103,6 +113,9 @@ class producer_state : public std::enable_shared_from_this<producer_state> {
   void on_release(std::uintptr_t base, std::size_t bytes);
   // Recycles the released ones among `slots` (mutex_ held); true when none is left.
   bool prune(std::vector<slot_ref>& slots);
+  // Prunes a live sent block's slots; unmarks it when none is left (mutex_ held).
+  void prune_held(std::uintptr_t block);
+  void unmark(std::uintptr_t block) noexcept;
   std::vector<ready_block> take_ready();  // mutex_ held
   void free_blocks(const std::vector<ready_block>& blocks) noexcept;
   // Retire notices: segments to every connection; a closed counter file to
@@ -116,6 +129,11 @@ class producer_state : public std::enable_shared_from_this<producer_state> {
   mutable std::mutex mutex_;
   counter_slots slots_;              // guarded by mutex_
   std::vector<limbo_entry> limbo_;   // guarded by mutex_
+  // The slots handed out for each live sent-data owner's block (by block
+  // address), pruned now and then. A block is here iff it is marked held
+  // outside (mark_held_outside under mutex_, unmarked when it leaves: all
+  // its slots released, or retired into the limbo, whose free ends it).
+  std::map<std::uintptr_t, std::vector<slot_ref>> held_;  // guarded by mutex_
   std::size_t limbo_bytes_ = 0;      // guarded by mutex_
   std::uint64_t sent_ = 0, limbo_freed_ = 0, reclaimed_ = 0;  // guarded by mutex_
 
@@ -128,7 +146,7 @@ class producer_state : public std::enable_shared_from_this<producer_state> {
   weak_list<outbox> outboxes_;           // guarded
   weak_list<consumer_state> receivers_;  // guarded
 
-  std::uint64_t miss_hook_ = 0, release_observer_ = 0;
+  std::uint64_t miss_hook_ = 0, forced_clear_hook_ = 0, release_observer_ = 0;
 };
 
 }  // namespace shoal::ipc::detail

@@ -44,16 +44,22 @@ adopted_region::~adopted_region() {
   }
 }
 
-void adopted_region::clear(const std::string& part) {
+alloc::invalidated_blocks_report adopted_region::clear(const std::string& part, alloc::live_blocks live) {
   if (!region_.valid()) throw invalid_argument("adopted_region::clear: the region was released");
-  allocator_.drain_private_pool(pool_, part);
-  allocator_.clear_private_pool(pool_, part);
+  // A forced clear waits for the whole device instead, so a stream
+  // destroyed since its last use (drain would wait for it) is no obstacle.
+  if (live == alloc::live_blocks::refuse) allocator_.drain_private_pool(pool_, part);
+  return allocator_.clear_private_pool(pool_, part, live);
 }
 
-borrowed_region adopted_region::release() {
+borrowed_region adopted_region::release(alloc::live_blocks live, alloc::invalidated_blocks_report* invalidated) {
   if (!region_.valid()) throw invalid_argument("adopted_region::release: the region was released already");
-  for (const auto& part : parts_) allocator_.drain_private_pool(pool_, part);
-  allocator_.destroy_private_pool(pool_);  // names live blocks and changes nothing when any is allocated
+  if (live == alloc::live_blocks::refuse) {  // forced: the whole device is waited for instead (as in clear)
+    for (const auto& part : parts_) allocator_.drain_private_pool(pool_, part);
+  }
+  // Refusing names the live blocks and changes nothing when any is allocated.
+  auto taken = allocator_.destroy_private_pool(pool_, live);
+  if (invalidated != nullptr) *invalidated = std::move(taken);
   return std::move(region_);
 }
 

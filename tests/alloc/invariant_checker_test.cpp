@@ -45,6 +45,8 @@ TYPED_TEST(invariant_checker, a_correct_allocator_passes_after_every_step_of_a_r
   struct live {
     void* ptr;
     backend::stream_ref stream;
+    bool from_work = false;  ///< allocated in the "work" sub-pool
+    bool taken = false;      ///< taken back by a forced clear: only its free is left
   };
   std::vector<live> blocks;
   std::mt19937 random(17);
@@ -56,19 +58,24 @@ TYPED_TEST(invariant_checker, a_correct_allocator_passes_after_every_step_of_a_r
       const std::size_t bytes = choice % 5 == 0 ? 1 + pick(24 * mib) : 1 + pick(256 * kib);
       const backend::stream_ref s = on[pick(on.size())];
       blocks.push_back({a.allocate(bytes, s), s});
-    } else if (choice < 50) {  // from a private sub-pool, which may be full
-      alloc::private_pool_scope scope(a, pool, choice % 2 == 0 ? "params" : "work");
+    } else if (choice < 49) {  // from a private sub-pool, which may be full
+      const bool work = choice % 2 == 1;
+      alloc::private_pool_scope scope(a, pool, work ? "work" : "params");
       const backend::stream_ref s = on[pick(on.size())];
       try {
-        blocks.push_back({a.allocate(1 + pick(512 * kib), s), s});
+        blocks.push_back({a.allocate(1 + pick(512 * kib), s), s, work});
       } catch (const out_of_memory&) {  // NOLINT(bugprone-empty-catch): private pools never grow
       }
+    } else if (choice < 50) {  // a forced clear: the work sub-pool's blocks leave tombstones
+      (void)a.clear_private_pool(pool, "work", alloc::live_blocks::invalidate);
+      for (auto& b : blocks) b.taken = b.taken || b.from_work;
     } else if (choice < 80) {  // free on the block's stream, or on another one
       const std::size_t i = pick(blocks.size());
       a.deallocate(blocks[i].ptr, choice < 70 ? blocks[i].stream : on[pick(on.size())]);
       blocks.erase(blocks.begin() + static_cast<std::ptrdiff_t>(i));
     } else if (choice < 90) {
-      a.record_stream(blocks[pick(blocks.size())].ptr, on[pick(on.size())]);
+      const live& b = blocks[pick(blocks.size())];
+      if (!b.taken) a.record_stream(b.ptr, on[pick(on.size())]);
     } else if (choice < 97) {
       a.process_pending_frees();
     } else {
@@ -111,6 +118,28 @@ invariant_violation caught(const alloc::caching_allocator& a) {
   }
   ADD_FAILURE() << "check_invariants passed a broken allocator";
   return invariant_violation("none", "none");
+}
+
+TYPED_TEST(invariant_checker, a_tombstone_missing_from_its_pool_s_index_breaks_states) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  void* region = dev.allocate_segment(2 * mib);
+  const auto pool = a.create_private_pool(region, 2 * mib);
+  void* stale = nullptr;
+  {
+    alloc::private_pool_scope scope(a, pool);
+    stale = a.allocate(mib, {});
+  }
+  (void)a.clear_private_pool(pool, "", alloc::live_blocks::invalidate);
+  EXPECT_NO_THROW(a.check_invariants()) << "a tombstone is sound bookkeeping";
+  alloc::test_hook::unsafe_break_invariant(a, stale, invariant_breakage::tombstone_unindexed);
+  const auto e = caught(a);
+  EXPECT_EQ(e.invariant(), "states") << e.what();
+  const std::string what = e.what();
+  EXPECT_NE(what.find("block " + hex(stale)), std::string::npos) << what;
+  EXPECT_NE(what.find("invalidated"), std::string::npos) << what;
+  dev.synchronize_device();  // debug poison
+  dev.free_segment(region);  // the allocator is broken: its pool is left as it is
 }
 
 TYPED_TEST(invariant_checker, a_block_overlapping_its_neighbour_breaks_tiling) {

@@ -33,6 +33,26 @@ class stream_event : public backend_test<Backend> {
 };
 TYPED_TEST_SUITE(stream_event, backend_types, backend_names);
 
+// What a forced clear of a private pool rests on: every stream of the
+// device is waited for, one destroyed with work still queued included.
+TYPED_TEST(stream_event, synchronizing_the_device_waits_for_every_stream_destroyed_ones_included) {
+  auto& dev = this->device();
+  std::atomic<bool> on_a_stream{false}, on_a_destroyed_stream{false};
+  stream kept(dev);
+  event e(dev);
+  dev.delay(kept, 200ms);
+  dev.host_task(kept, [&] { on_a_stream = true; });
+  {
+    stream gone(dev);
+    dev.delay(gone, 300ms);
+    dev.host_task(gone, [&] { on_a_destroyed_stream = true; });
+    e.record(gone);  // its work goes on after the stream is destroyed
+  }
+  dev.synchronize_device();
+  EXPECT_TRUE(on_a_stream.load());
+  EXPECT_TRUE(on_a_destroyed_stream.load()) << "returned while a destroyed stream still had work queued";
+}
+
 TYPED_TEST(stream_event, adopting_the_default_or_an_own_stream_gives_it_back_as_it_is) {
   auto& dev = this->device();
   stream s(dev);

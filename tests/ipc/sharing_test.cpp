@@ -166,6 +166,103 @@ TYPED_TEST(sharing_test, a_block_dropped_while_a_consumer_holds_it_waits_in_the_
   this->finish();
 }
 
+// A private pool's block another process holds is never taken back by a
+// forced clear (alloc::live_blocks::invalidate): sending marks it.
+TYPED_TEST(sharing_test, a_forced_clear_refuses_a_block_a_consumer_holds) {
+  auto& ctx = this->context();
+  this->start({"consume"});
+  auto& a = ctx.allocator();
+  void* region = this->device().allocate_segment(2 << 20);
+  const auto pool = a.create_private_pool(region, 2 << 20);
+  {
+    alloc::private_pool_scope scope(a, pool);
+    auto st = this->filled(256 * kib, 7);
+    ASSERT_EQ(this->send(st, 7, true), "ok");
+  }  // dropped here: it waits in the limbo while the consumer holds it
+  try {
+    (void)a.clear_private_pool(pool, "", alloc::live_blocks::invalidate);
+    ADD_FAILURE() << "a block another process holds was taken back";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("shared with another process"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(this->command("release"), "released");
+  EXPECT_TRUE(this->drains());
+  EXPECT_TRUE(a.clear_private_pool(pool, "", alloc::live_blocks::invalidate).blocks.empty()) << "freed by its owner";
+  a.destroy_private_pool(pool);
+  this->finish();
+  this->device().free_segment(region);
+}
+
+// The mark lasts while a slot of the block may be held, not until its
+// owner frees it: once the consumer released it, a forced clear takes the
+// block from the producer that still holds its storage.
+TYPED_TEST(sharing_test, a_forced_clear_takes_a_sent_block_once_every_holder_released_it) {
+  auto& ctx = this->context();
+  this->start({"consume"});
+  auto& a = ctx.allocator();
+  void* region = this->device().allocate_segment(2 << 20);
+  const auto pool = a.create_private_pool(region, 2 << 20);
+  std::optional<storage_t> st;
+  {
+    alloc::private_pool_scope scope(a, pool);
+    st = this->filled(256 * kib, 7);
+  }
+  ASSERT_EQ(this->send(*st, 7, true), "ok");
+  EXPECT_THROW((void)a.clear_private_pool(pool, "", alloc::live_blocks::invalidate), invalid_argument) << "held";
+  EXPECT_EQ(this->command("release"), "released");
+  // The consumer's release lands once its streams have passed.
+  alloc::invalidated_blocks_report taken;
+  const auto until = std::chrono::steady_clock::now() + 3s;
+  for (bool done = false; !done;) {
+    try {
+      taken = a.clear_private_pool(pool, "", alloc::live_blocks::invalidate);
+      done = true;
+    } catch (const invalid_argument& e) {
+      ASSERT_LT(std::chrono::steady_clock::now(), until) << "still refused after every holder released it: " << e.what();
+      std::this_thread::sleep_for(5ms);
+    }
+  }
+  ASSERT_EQ(taken.blocks.size(), 1u);
+  EXPECT_EQ(taken.blocks[0].address, reinterpret_cast<std::uintptr_t>(st->data()));
+  EXPECT_THROW(this->send(*st, 7, false), invalid_argument) << "a taken block is sent no more";
+  st.reset();  // the owner's late free removes the tombstone
+  EXPECT_TRUE(this->drains());
+  EXPECT_EQ(a.stats().invalidated.aggregate.current, 0);
+  a.destroy_private_pool(pool);
+  this->finish();
+  this->device().synchronize_device();
+  this->device().free_segment(region);
+}
+
+// A send that fails after the storage was handed over (here: the consumer
+// is gone) leaves no mark behind: no other process holds the block.
+TYPED_TEST(sharing_test, a_failed_send_leaves_the_block_unmarked) {
+  auto& ctx = this->context();
+  this->start({"consume"});
+  auto& a = ctx.allocator();
+  void* region = this->device().allocate_segment(2 << 20);
+  const auto pool = a.create_private_pool(region, 2 << 20);
+  std::optional<storage_t> st;
+  {
+    alloc::private_pool_scope scope(a, pool);
+    st = this->filled(256 * kib, 7);
+  }
+  this->peer_->send_note(text("bye"));
+  EXPECT_EQ(this->child_->wait(), 0);
+  const std::byte metadata[2] = {std::byte{7}, std::byte{0}};
+  EXPECT_THROW(this->peer_->send(*st, metadata, {}), connection_closed);
+  EXPECT_TRUE(st->shared_outside_process()) << "it was handed over before the send failed";
+  const auto taken = a.clear_private_pool(pool, "", alloc::live_blocks::invalidate);
+  EXPECT_EQ(taken.blocks.size(), 1u) << "a block no other process holds is taken";
+  st.reset();
+  EXPECT_EQ(a.stats().invalidated.aggregate.current, 0);
+  a.destroy_private_pool(pool);
+  this->peer_.reset();
+  this->child_.reset();
+  this->device().synchronize_device();
+  this->device().free_segment(region);
+}
+
 TYPED_TEST(sharing_test, many_storages_at_once_share_segments_and_slots) {
   auto& ctx = this->context();
   this->start({"consume"});

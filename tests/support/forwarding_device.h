@@ -35,6 +35,7 @@ class forwarding_device : public backend::device {
   backend::stream_ref adopt_external_stream(void* native) override { return target_.adopt_external_stream(native); }
   void destroy_stream(backend::stream_ref stream) override { target_.destroy_stream(stream); }
   void synchronize(backend::stream_ref stream) override { target_.synchronize(stream); }
+  void synchronize_device() override { target_.synchronize_device(); }
   [[nodiscard]] bool query(backend::stream_ref stream) override { return target_.query(stream); }
 
   backend::event_ref create_event() override { return target_.create_event(); }

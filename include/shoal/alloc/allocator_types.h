@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "shoal/backend/types.h"
 
@@ -24,6 +25,36 @@ struct oom_report {
 struct private_pool_id {
   std::uint64_t value = 0;
   friend bool operator==(private_pool_id, private_pool_id) = default;
+};
+
+/// What clearing or destroying a private pool does with blocks still
+/// allocated in it.
+enum class live_blocks : std::uint8_t {
+  /// invalid_argument naming them; nothing changes (the default).
+  refuse,
+  /// Forces it: the whole device is synchronized (streams the allocator was
+  /// never told about included), then the blocks are taken back. Each
+  /// leaves a tombstone (block_state::invalidated, 512 bytes at its
+  /// address) so that no newer block starts where it did: its owner's late
+  /// free finds the tombstone and removes it, and never frees a newer
+  /// block. Blocks shared with another process (mark_held_outside) are
+  /// never taken: invalid_argument naming them, and nothing changes. On
+  /// CUDA, not while another thread captures a graph in global mode (see
+  /// device::synchronize_device). A device that does not implement
+  /// synchronize_device refuses it: backend_error, and nothing changes.
+  invalidate,
+};
+
+/// One block a forced clear took from its owner.
+struct invalidated_block {
+  std::uintptr_t address = 0;
+  std::size_t size = 0;  ///< the block's size when it was taken
+};
+
+/// The blocks a forced clear took from their owners, in address order.
+struct invalidated_blocks_report {
+  std::vector<invalidated_block> blocks;
+  std::size_t bytes = 0;  ///< sum of their sizes
 };
 
 }  // namespace shoal::alloc

@@ -90,15 +90,29 @@ class caching_allocator {
   [[nodiscard]] void* allocate(std::size_t bytes);
   /// Frees `ptr` with its last use enqueued on `stream` (see the header
   /// comment). A pointer this allocator did not hand out, or one already
-  /// freed, gives invalid_argument and changes nothing.
+  /// freed, gives invalid_argument and changes nothing. The late free of a
+  /// block a forced clear took back (live_blocks::invalidate) removes its
+  /// tombstone (even after its pool was destroyed) and frees nothing else.
   void deallocate(void* ptr, backend::stream_ref stream);
   /// deallocate on the calling thread's current stream.
   void deallocate(void* ptr);
   /// The block of `ptr` is also used on `stream`: its free waits for the
-  /// work enqueued there until then.
+  /// work enqueued there until then. On a block a forced clear took back
+  /// (a tombstone) it does nothing: its owner's storage records its streams
+  /// before the late free, which must still come to remove the tombstone.
   void record_stream(void* ptr, backend::stream_ref stream);
   /// Bytes of the block that holds `ptr` (the rounded size).
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
+  /// The allocated block at `ptr` is held outside this process (exported to
+  /// another one): a forced clear of its private pool refuses to take it
+  /// back. The mark lasts until unmark_held_outside or the block's free.
+  /// invalid_argument for a pointer that is not a live block (a block a
+  /// forced clear took back included), and nothing is marked.
+  void mark_held_outside(void* ptr);
+  /// Ends mark_held_outside: no other process holds the block any more. On a
+  /// block a forced clear took back it does nothing; invalid_argument for a
+  /// pointer that is no block at all.
+  void unmark_held_outside(void* ptr);
 
   /// Makes every pending free whose streams have passed reusable. Called by
   /// the allocator itself on a cache miss.
@@ -149,6 +163,12 @@ class caching_allocator {
   /// asked for more memory: on the allocating thread, with no allocator lock
   /// held, so it may free blocks. Returns an id for remove_hook.
   std::uint64_t add_cache_miss_hook(std::function<void()> hook);
+  /// `hook` runs when a forced clear or destroy of a private pool
+  /// (live_blocks::invalidate) starts, before it looks for blocks held
+  /// outside: on the clearing thread, with no allocator lock held, so it
+  /// may unmark blocks no other process holds any more (or free them).
+  /// Returns an id for remove_hook.
+  std::uint64_t add_forced_clear_hook(std::function<void()> hook);
   /// `observer(base, bytes)` is told whenever device memory the allocator
   /// held is about to be given back (a segment freed, chunks of a growable
   /// segment unmapped): the range is no longer the allocator's (no pointer
@@ -170,15 +190,36 @@ class caching_allocator {
   private_pool_id create_private_pool(void* base, std::size_t bytes,
                                       const std::vector<std::pair<std::string, std::size_t>>& parts = {});
   /// Forgets every free block of the sub-pool (it becomes one free block
-  /// again), freeing no device memory. Throws invalid_argument naming the
-  /// live blocks when any block in it is allocated or pending.
-  void clear_private_pool(private_pool_id pool, const std::string& part = "");
-  /// Removes the pool; it must be clear of live blocks. Its id is invalid
+  /// again, split only around tombstones), freeing no device memory. With
+  /// live_blocks::refuse, throws invalid_argument naming the live blocks
+  /// when any block in it is allocated or pending. With invalidate, the
+  /// whole device is synchronized first (again, as long as frees of the
+  /// sub-pool came during the wait: their streams may still use it), then
+  /// its pending frees are complete and its allocated blocks are taken
+  /// back, each leaving a tombstone (see live_blocks), and reported. A
+  /// block marked held outside refuses it (invalid_argument); whatever it
+  /// throws, nothing was taken. Debug mode poisons the sub-pool on the
+  /// default stream and waits for that before returning. Tombstones of
+  /// earlier forced clears stay until their late frees.
+  invalidated_blocks_report clear_private_pool(private_pool_id pool, const std::string& part = "",
+                                               live_blocks live = live_blocks::refuse);
+  /// Removes the pool; with live_blocks::refuse it must be clear of live
+  /// blocks, with invalidate every sub-pool's are taken back first (as
+  /// clear_private_pool does; reported), all checked before any is taken:
+  /// one block held outside refuses it and nothing is taken. In debug mode
+  /// the memory's poison is written when this returns. Its tombstones
+  /// outlive it, remembered by address: their late frees (and
+  /// record_stream) are accepted and do nothing but forget them, and a
+  /// private pool created over the same memory before then gets them back
+  /// as tombstones, so no newer block starts there. Should the device give
+  /// the memory to a segment of this allocator's own meanwhile, a late
+  /// free there would free a newer block: owners should free what was
+  /// taken before memory leaves the process's lender. Its id is invalid
   /// from then on (calls with it throw invalid_argument); no call with it
   /// may run meanwhile, and no private_pool_scope of it may outlive it: its
   /// bookkeeping serves a later private pool (so that inserting memory
   /// again costs no new pages).
-  void destroy_private_pool(private_pool_id pool);
+  invalidated_blocks_report destroy_private_pool(private_pool_id pool, live_blocks live = live_blocks::refuse);
   /// Waits on the host until the sub-pool's pending frees have completed and
   /// every stream that last used one of its free blocks has passed the work
   /// enqueued on it: after this, clearing the sub-pool or giving its memory

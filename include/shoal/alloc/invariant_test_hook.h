@@ -22,9 +22,12 @@ enum class invariant_breakage : std::uint8_t {
   free_neighbours,      ///< the settled free block after it is cut in two settled halves
   counter,              ///< its pool's allocated_bytes counter is 512 too high
   unregistered,         ///< its segment leaves the segment directory
+  /// `ptr` is a tombstone (a forced clear took its block): it leaves its
+  /// pool's index, where its owner's late free would look for it
+  tombstone_unindexed,
 };
 
-/// Breaks `what` around the allocated block at `ptr`. Throws
+/// Breaks `what` around the allocated block (or tombstone) at `ptr`. Throws
 /// invalid_argument when `ptr` is not a live block of `allocator`, or when
 /// the block after it is not what `what` needs (a settled free block).
 void unsafe_break_invariant(caching_allocator& allocator, void* ptr, invariant_breakage what);

@@ -41,6 +41,11 @@ struct allocator_stats {
   stat_by_pool active_bytes;        ///< bytes of active blocks
   stat_by_pool inactive_split_bytes;
   stat_by_pool requested_bytes;     ///< bytes the callers asked for (unrounded)
+  /// Tombstones a forced clear left (block_state::invalidated): blocks taken
+  /// from their owners whose late frees are still owed. Counted in neither
+  /// allocations nor active.
+  stat_by_pool invalidated;
+  stat_by_pool invalidated_bytes;
   std::int64_t retries = 0;         ///< allocations that freed cache and tried again
   std::int64_t ooms = 0;            ///< out_of_memory errors thrown
   std::int64_t device_allocations = 0;  ///< segments (or chunks) taken from the device
@@ -58,6 +63,9 @@ enum class block_state : std::uint8_t {
   allocated,       ///< handed out
   pending_free,    ///< freed, waiting for another stream to pass it
   free,            ///< reusable
+  /// A tombstone: a block a forced clear took from its owner, cut to 512
+  /// bytes at its address; its owner's late free removes it.
+  invalidated,
 };
 
 struct block_snapshot {

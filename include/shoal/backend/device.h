@@ -111,6 +111,20 @@ class device {
   /// Blocks until all work enqueued on `stream` has run. Throws
   /// shoal::stream_error if any of it failed.
   virtual void synchronize(stream_ref stream) = 0;
+  /// Blocks until all work enqueued so far on every stream of this device
+  /// has run, streams no caller told shoal about and streams destroyed with
+  /// work still queued included (CUDA: cudaDeviceSynchronize, which is
+  /// illegal while another thread captures a CUDA graph in global mode: it
+  /// fails and invalidates that capture; do not call it then). Throws shoal::stream_error when the device
+  /// reports failed work; a failed host task stays reported by its own
+  /// stream's next synchronize.
+  ///
+  /// Optional: both of shoal's devices implement it; an implementation
+  /// that does not (one written before it was added) inherits this default,
+  /// which throws shoal::backend_error (call "synchronize_device") and waits
+  /// for nothing. What needs the device-wide wait refuses then, before it
+  /// changes anything: a forced clear (alloc::live_blocks::invalidate).
+  virtual void synchronize_device();
   /// True when all work enqueued on `stream` has run.
   [[nodiscard]] virtual bool query(stream_ref stream) = 0;
 

@@ -66,6 +66,7 @@ class host_device final : public device {
   void destroy_stream(stream_ref stream) override;
   stream_ref adopt_external_stream(void* native) override;
   void synchronize(stream_ref stream) override;
+  void synchronize_device() override;
   [[nodiscard]] bool query(stream_ref stream) override;
 
   event_ref create_event() override;

@@ -13,7 +13,17 @@
 // clear and release first wait (on the host) for every pending free of the
 // memory and for every stream that last used it to pass that use; a block
 // still allocated is a typed error (invalid_argument) that names the
-// sub-pool, its live blocks and bytes, and changes nothing.
+// sub-pool, its live blocks and bytes, and changes nothing — unless asked
+// to force it (alloc::live_blocks::invalidate): then the whole device is
+// synchronized and the blocks are taken back and reported, each leaving a
+// tombstone in the sub-pool so that its owner's late free never frees a
+// newer block at the same address (the late free removes the tombstone,
+// also after release(); adopting the same memory again before it brings
+// the tombstone back, see caching_allocator::destroy_private_pool).
+// Blocks shared with another process (sent through shoal's IPC) are never
+// taken: invalid_argument naming them, and nothing changes. A forced clear
+// or release does not drain (the device-wide wait covers it), so a stream
+// destroyed since it used the memory does not stand in its way.
 //
 // Thread-safety: one thread at a time per adopted_region; nobody may
 // allocate from a sub-pool while it is cleared or the region released.
@@ -50,14 +60,18 @@ class adopted_region {
   [[nodiscard]] const borrowed_region& region() const noexcept { return region_; }
 
   /// Forgets every free block of sub-pool `part` once no stream still uses
-  /// its memory, so it can be filled anew. invalid_argument naming the live
-  /// blocks when any is allocated.
-  void clear(const std::string& part = "");
+  /// its memory, so it can be filled anew. With live_blocks::refuse,
+  /// invalid_argument naming the live blocks when any is allocated; with
+  /// invalidate, they are taken back too. Returns what was taken back.
+  alloc::invalidated_blocks_report clear(const std::string& part = "",
+                                         alloc::live_blocks live = alloc::live_blocks::refuse);
   /// Takes the region out of the allocator once no stream still uses it and
-  /// hands it back to the caller (to give back, or to adopt again).
-  /// invalid_argument naming the live blocks when any is allocated; the
-  /// region stays adopted then.
-  [[nodiscard]] borrowed_region release();
+  /// hands it back to the caller (to give back, or to adopt again). With
+  /// live_blocks::refuse, invalid_argument naming the live blocks when any
+  /// is allocated (the region stays adopted then); with invalidate, they
+  /// are taken back first (`invalidated`, when given, says which).
+  [[nodiscard]] borrowed_region release(alloc::live_blocks live = alloc::live_blocks::refuse,
+                                        alloc::invalidated_blocks_report* invalidated = nullptr);
 
  private:
   alloc::caching_allocator& allocator_;

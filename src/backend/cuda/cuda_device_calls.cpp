@@ -41,6 +41,7 @@ void cuda_device::destroy_stream(stream_ref stream) {
 }
 
 void cuda_device::synchronize(stream_ref stream) { streams_.synchronize(stream); }
+void cuda_device::synchronize_device() { streams_.synchronize_device(); }
 bool cuda_device::query(stream_ref stream) { return streams_.query(stream); }
 
 event_ref cuda_device::create_event() { return streams_.create_event(); }

@@ -136,6 +136,11 @@ void cuda_streams::synchronize(stream_ref stream) {
   if (auto failure = task_failures_->take(native)) throw stream_error("cuda_device::synchronize: " + *failure);
 }
 
+void cuda_streams::synchronize_device() {
+  make_current(ordinal_);
+  check_work(cudaDeviceSynchronize(), "cudaDeviceSynchronize", ordinal_);
+}
+
 bool cuda_streams::query(stream_ref stream) {
   make_current(ordinal_);
   const auto locked = lock_stream(stream, "query");

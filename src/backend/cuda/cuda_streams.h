@@ -60,6 +60,8 @@ class cuda_streams {
   /// after the stream left the registry and before it is destroyed.
   void destroy_stream(stream_ref stream, const std::function<void(cudaStream_t)>& while_unregistering);
   void synchronize(stream_ref stream);
+  /// cudaDeviceSynchronize: every stream of the device, known here or not.
+  void synchronize_device();
   [[nodiscard]] bool query(stream_ref stream);
 
   event_ref create_event();

@@ -8,6 +8,7 @@
 #include <shared_mutex>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include "backend/host/host_event_page.h"
 #include "backend/host/host_executor.h"
@@ -52,6 +53,10 @@ struct host_state {
   std::unordered_map<void*, std::shared_ptr<host_executor>> streams;
   std::unordered_map<void*, std::unique_ptr<host_event>> events;
   std::unordered_map<void*, std::shared_ptr<host_imported_page>> imported_sources;
+  // Destroyed streams' executors, which run on while an event recorded on
+  // them lives: synchronize_device waits for them too. Expired ones are
+  // dropped at the next destroy_stream.
+  std::vector<std::weak_ptr<host_executor>> destroyed_streams;
 
   std::shared_ptr<host_executor> find(stream_ref s) {
     if (s.is_default()) return default_stream;
@@ -141,6 +146,8 @@ void host_device::destroy_stream(stream_ref s) {
       throw invalid_argument("destroy_stream: " + shoal::detail::hex(s.native) +
                              " is not a live stream of this host device (destroyed already?)");
     }
+    std::erase_if(state_->destroyed_streams, [](const auto& e) { return e.expired(); });
+    state_->destroyed_streams.emplace_back(it->second);  // first: nothing changes if this throws
     executor = std::move(it->second);
     state_->streams.erase(it);
   }
@@ -165,6 +172,19 @@ void host_device::synchronize(stream_ref s) {
   if (std::string failure = executor->take_error(); !failure.empty()) {
     throw stream_error("work on a host stream failed: " + failure);
   }
+}
+
+void host_device::synchronize_device() {
+  std::vector<std::shared_ptr<detail::host_executor>> executors{state_->default_stream};
+  {
+    std::shared_lock lock(state_->registry_mutex);
+    for (const auto& [native, executor] : state_->streams) executors.push_back(executor);
+    for (const auto& destroyed : state_->destroyed_streams) {
+      if (auto executor = destroyed.lock()) executors.push_back(std::move(executor));
+    }
+  }
+  // Waited for without the lock, so waiting never blocks other streams' calls.
+  for (const auto& executor : executors) executor->wait_for(executor->submitted());
 }
 
 bool host_device::query(stream_ref s) {
