@@ -1009,7 +1009,11 @@ class lender::state {
       std::lock_guard lock(mutex_);
       queued.swap(revocations_);
     }
-    for (const auto& [id, deadline] : queued) {
+    for (const auto& entry : queued) {
+      // Named copies rather than a structured binding: lambdas below use them,
+      // which some compilers still refuse for bindings.
+      const std::uint64_t id = entry.first;
+      const auto deadline = entry.second;
       std::uint64_t serial = 0;
       process_identity process;
       uid_t uid = 0;
@@ -1053,7 +1057,9 @@ class lender::state {
     {
       std::lock_guard lock(mutex_);
       const auto now = clock_type::now();
-      for (auto& [id, r] : regions_) {
+      for (auto& entry : regions_) {
+        const std::uint64_t id = entry.first;
+        auto& r = entry.second;  // a reference, not a binding: the lambda below uses it
         if (r.info.state == region_state::revoking && !r.missed && now > r.info.revoke_deadline) {
           r.missed = true;
           ++counters_.revocations_missed;
