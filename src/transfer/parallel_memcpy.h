@@ -74,16 +74,17 @@ class parallel_memcpy {
   store_kind stores_ = store_kind::streaming;
   std::uint32_t generation_ = 0;  // the caller's own count
 
-  // Each on its own cache line: helpers waiting for a copy watch announced_
-  // (written once per copy), not claim_, which every claimed slice writes.
+  // Helpers waiting for a copy watch announced_ and stopping_ (written once
+  // per copy, once per life), on a line of their own: claim_ and finished_,
+  // which every slice writes, are on others.
   alignas(64) std::atomic<std::uint64_t> announced_{0};  // pack(generation, slices, 0) of the current copy
+  std::atomic<bool> stopping_{false};
   alignas(64) std::atomic<std::uint64_t> claim_{0};
   alignas(64) std::atomic<std::size_t> finished_{0};
-  std::atomic<bool> stopping_{false};
   std::mutex sleep_mutex_;  // guards sleepers_; helpers sleep on work_ under it
   std::condition_variable work_;
   std::size_t sleepers_ = 0;
-  alignas(64) std::vector<std::thread> helpers_;
+  std::vector<std::thread> helpers_;
 };
 
 }  // namespace shoal::transfer

@@ -82,6 +82,23 @@ std::size_t bytes_waiting(const channel::connection& c) {
   return static_cast<std::size_t>(bytes);
 }
 
+// Borrow + give back turns of `b` for `window`, and the slowest of them.
+struct borrow_turns {
+  std::chrono::steady_clock::duration slowest{};
+  int turns = 0;
+};
+borrow_turns turns_for(borrower& b, std::size_t bytes, std::chrono::milliseconds window) {
+  borrow_turns t;
+  const auto until = std::chrono::steady_clock::now() + window;
+  while (std::chrono::steady_clock::now() < until) {
+    const auto start = std::chrono::steady_clock::now();
+    b.give_back(b.borrow(bytes, "turn"));
+    t.slowest = std::max(t.slowest, std::chrono::steady_clock::now() - start);
+    ++t.turns;
+  }
+  return t;
+}
+
 TYPED_TEST(serving_test, a_borrower_stalled_mid_batch_holds_no_one_else_up_and_is_hung_up_after_the_peer_timeout) {
   if (this->in_process_only()) return;
   const event_recorder recorder;
@@ -105,14 +122,7 @@ TYPED_TEST(serving_test, a_borrower_stalled_mid_batch_holds_no_one_else_up_and_i
   ASSERT_EQ(::send(stalled.native_handle(), half.data(), half.size(), MSG_NOSIGNAL), 100);
   const auto stalled_at = std::chrono::steady_clock::now();
 
-  std::chrono::steady_clock::duration slowest{};
-  int turns = 0;
-  while (std::chrono::steady_clock::now() - stalled_at < 500ms) {
-    const auto start = std::chrono::steady_clock::now();
-    b.give_back(b.borrow(this->unit(), "turn"));
-    slowest = std::max(slowest, std::chrono::steady_clock::now() - start);
-    ++turns;
-  }
+  const auto [slowest, turns] = turns_for(b, this->unit(), 500ms);
   // Served at once (well under 1 ms a turn here; the bound leaves room for a
   // loaded machine and sanitizers): held up behind the stalled one, a turn
   // would wait for most of its 2 s peer timeout.
@@ -199,14 +209,7 @@ TYPED_TEST(serving_test, a_borrower_that_reads_no_answers_holds_no_one_else_up_a
   // Three times what its socket holds: the lender cannot send the rest.
   ask_for_metrics(deaf, answers_to_fill(l, 3));
   const auto flooded_at = std::chrono::steady_clock::now();
-  std::chrono::steady_clock::duration slowest{};
-  int turns = 0;
-  while (std::chrono::steady_clock::now() - flooded_at < 500ms) {
-    const auto start = std::chrono::steady_clock::now();
-    b.give_back(b.borrow(this->unit(), "turn"));
-    slowest = std::max(slowest, std::chrono::steady_clock::now() - start);
-    ++turns;
-  }
+  const auto [slowest, turns] = turns_for(b, this->unit(), 500ms);
   // Held up behind a send to the deaf borrower, a turn would wait for most
   // of its 2 s peer timeout.
   EXPECT_LT(slowest, 400ms) << "the slowest of " << turns << " borrow + give back turns while another borrower reads nothing";
