@@ -3,27 +3,34 @@
 // be taken.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <memory>
 #include <vector>
 
 #include "shoal/transfer/transfer_engine.h"
+#include "transfer/ready_group.h"
 
 namespace shoal::transfer {
 
 struct transferred_batch::state {
   std::uint64_t sequence = 0;
   std::vector<storage::storage> storages;
-  backend::device* device = nullptr;
-  /// Recorded on the engine's stream after the batch's last copy; shared
-  /// with the sources held until the copies have run.
-  std::shared_ptr<backend::event> ready;
+  /// The ready event, shared by the batches transferred together with this
+  /// one (ready_group.h).
+  std::shared_ptr<ready_group> group;
 };
 
 struct transfer_engine::job {
   std::uint64_t sequence = 0;
   std::vector<host_buffer> buffers;
+
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t total = 0;
+    for (const host_buffer& b : buffers) total += b.bytes;
+    return total;
+  }
 };
 
 /// Exactly one of `batch` and `error` is set.

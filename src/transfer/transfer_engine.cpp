@@ -59,15 +59,15 @@ constexpr std::chrono::microseconds handover_window{50};
 
 std::uint64_t transferred_batch::sequence() const noexcept { return state_->sequence; }
 const std::vector<storage::storage>& transferred_batch::storages() const noexcept { return state_->storages; }
-backend::event_ref transferred_batch::ready() const noexcept { return state_->ready->ref(); }
+backend::event_ref transferred_batch::ready() const noexcept { return state_->group->ready()->ref(); }
 
 void transferred_batch::wait_on(backend::stream_ref stream) const {
-  state_->device->wait(stream, state_->ready->ref());
+  state_->group->wait(stream);
   for (const auto& s : state_->storages) s.record_stream(stream);
 }
 
-void transferred_batch::synchronize() const { state_->ready->synchronize(); }
-bool transferred_batch::is_ready() const { return state_->ready->query(); }
+void transferred_batch::synchronize() const { state_->group->ready()->synchronize(); }
+bool transferred_batch::is_ready() const { return state_->group->ready()->query(); }
 
 // ---- transfer_engine ----------------------------------------------------------------
 
@@ -157,8 +157,8 @@ transfer_stats transfer_engine::stats() const {
 }
 
 void transfer_engine::run() noexcept {
+  std::vector<job> group;
   for (;;) {
-    job j;
     spin_for(handover_window, [&] { return jobs_waiting_.load(std::memory_order_acquire) > 0; });
     {
       std::unique_lock lock(mutex_);
@@ -174,25 +174,36 @@ void transfer_engine::run() noexcept {
         if (stopping_) return;
         continue;
       }
-      j = std::move(jobs_.front());
-      jobs_.pop_front();
-      jobs_waiting_.store(jobs_.size(), std::memory_order_release);
+      take_group_locked(group);
     }
-    outcome o{j.sequence, nullptr, nullptr};
-    try {
-      o.batch = copier_->copy(j);
-    } catch (...) {
-      o.error = std::current_exception();
-    }
-    j.buffers.clear();  // sources staged or held by the copier: let go of the rest outside the lock
+    std::vector<outcome> done = copier_->copy(group);
+    group.clear();  // sources staged or held by the copier: let go of the rest outside the lock
     {
       std::lock_guard lock(mutex_);
-      ++(o.error ? counters_.batches_failed : counters_.batches_transferred);
-      outcomes_.push_back(std::move(o));
+      ++counters_.groups;
+      for (outcome& o : done) {
+        ++(o.error ? counters_.batches_failed : counters_.batches_transferred);
+        outcomes_.push_back(std::move(o));
+      }
       outcomes_waiting_.store(outcomes_.size(), std::memory_order_release);
     }
     outcome_ready_.notify_all();
   }
+}
+
+void transfer_engine::take_group_locked(std::vector<job>& group) {
+  // The first job goes whatever its size; the next while the group stays
+  // within max_coalesced_bytes. jobs_ holds at most max_batches_in_flight
+  // jobs (each is in flight), so a group holds no more.
+  std::size_t bytes = 0;
+  do {
+    const std::size_t next_bytes = jobs_.front().bytes();
+    if (!group.empty() && bytes + next_bytes > config_.max_coalesced_bytes) break;
+    bytes += next_bytes;
+    group.push_back(std::move(jobs_.front()));
+    jobs_.pop_front();
+  } while (!jobs_.empty());
+  jobs_waiting_.store(jobs_.size(), std::memory_order_release);
 }
 
 }  // namespace shoal::transfer

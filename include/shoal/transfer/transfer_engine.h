@@ -5,7 +5,12 @@
 // allocates a device storage per buffer (from the device allocator, on the
 // engine's stream), copies each buffer into it on that stream — straight
 // from memory that is page-locked already, through pinned staging blocks
-// otherwise — and records a ready event. A consumer takes batches in
+// otherwise — and records a ready event. Batches queued when the thread
+// looks for work are taken together, up to config.max_coalesced_bytes, as
+// one group: their small pageable buffers share staging blocks and the
+// group shares one ready event, so a stream of small batches pays the
+// per-batch device calls once per group. Each batch of a group still has its
+// own sequence, storages and error. A consumer takes batches in
 // submission order with next() and makes its stream wait for the copies with
 // transferred_batch::wait_on: a GPU-side wait, and a use of every storage on
 // that stream, so when the consumer drops the batch its memory is reused
@@ -16,7 +21,7 @@
 // Backpressure: at most config.max_batches_in_flight batches are submitted
 // and not yet taken by next(); submit blocks (until its deadline) past that.
 // The engine's thread keeps at most as many batches' copies queued on its
-// stream (it waits for the oldest to run before it starts another), so a
+// stream (it waits for the oldest groups to run before it starts another), so a
 // consumer that takes batches faster than the copies run does not pile up
 // device memory either.
 // Pinned staging memory never exceeds config.max_pinned_bytes: a staging
@@ -35,9 +40,12 @@
 //
 // Lifetimes: the device allocator must outlive the engine and every
 // storage it handed out; the copy stream, like every stream an allocator is
-// used with, must outlive the allocator (its storages are freed on it). The destructor finishes the batches already
-// submitted, waits for their copies and stops the thread; batches not taken
-// are dropped (their memory is freed after their copies).
+// used with, must outlive the allocator (its storages are freed on it), and
+// so must every stream given to wait_on (the batch's storages record a use
+// on it): wait_on relies on that to skip a wait its stream already made.
+// The destructor finishes the batches already submitted, waits for their
+// copies and stops the thread; batches not taken are dropped (their memory
+// is freed after their copies).
 #pragma once
 
 #include <atomic>
@@ -87,6 +95,12 @@ struct transfer_config {
   /// 0.86): measure on yours.
   enum class stores : std::uint8_t { streaming, cached };
   stores staging_stores = stores::streaming;
+  /// Batches found queued together are transferred as one group of at most
+  /// this many bytes in all (a larger batch goes alone; 0: every batch
+  /// alone). A group shares one ready event and its small pageable buffers
+  /// share staging blocks; it holds at most max_batches_in_flight batches,
+  /// and its first batch is handed out once the whole group is enqueued.
+  std::size_t max_coalesced_bytes = std::size_t{4} << 20;
 };
 
 /// One host buffer of a batch.
@@ -114,12 +128,16 @@ class transferred_batch {
   [[nodiscard]] std::uint64_t sequence() const noexcept;
   /// The device storages, in the order of the buffers submitted.
   [[nodiscard]] const std::vector<storage::storage>& storages() const noexcept;
-  /// Complete once every copy of the batch has run.
+  /// Complete once every copy of the batch has run: the event of its group,
+  /// shared with the batches transferred together with it (recorded once).
   [[nodiscard]] backend::event_ref ready() const noexcept;
   /// Work enqueued on `stream` from now on sees the batch's bytes (a
-  /// GPU-side wait, no host synchronization), and every storage records a
-  /// use on `stream`: its memory is reused only after `stream` passes the
-  /// work enqueued there before the storage's last handle is dropped.
+  /// GPU-side wait, no host synchronization, made once per stream and
+  /// group: a stream that waited through another batch of the group waits
+  /// already), and every storage records a use on `stream`: its memory is
+  /// reused only after `stream` passes the work enqueued there before the
+  /// storage's last handle is dropped. `stream` must outlive the device
+  /// allocator (see Lifetimes).
   void wait_on(backend::stream_ref stream) const;
   /// Blocks the calling thread until the copies have run.
   void synchronize() const;
@@ -135,6 +153,9 @@ struct transfer_stats {
   std::uint64_t batches_transferred = 0;  ///< copies enqueued, ready event recorded
   std::uint64_t batches_failed = 0;
   std::uint64_t batches_taken = 0;        ///< returned (or thrown) by next/try_next
+  /// Groups the engine's thread took batches in (each shares one ready
+  /// event): (batches_transferred + batches_failed) / groups batches a group.
+  std::uint64_t groups = 0;
   std::uint64_t bytes_copied = 0;         ///< bytes moved to the device
   std::uint64_t bytes_staged = 0;         ///< of those, bytes staged through pinned blocks
   std::size_t in_flight = 0;              ///< submitted and not yet taken
@@ -179,6 +200,8 @@ class transfer_engine {
   class batch_copier;
 
   void run() noexcept;
+  // Moves the next group of jobs from jobs_ into `group` (empty, jobs_ not).
+  void take_group_locked(std::vector<job>& group);
   transferred_batch take_locked(std::unique_lock<std::mutex>& lock);
 
   alloc::caching_allocator& device_allocator_;
