@@ -48,7 +48,6 @@
 // is freed after their copies).
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -214,10 +213,6 @@ class transfer_engine {
   std::condition_variable work_ready_, outcome_ready_, room_ready_;
   std::deque<job> jobs_;          // submitted, not yet picked up by the worker
   std::deque<outcome> outcomes_;  // done (transferred or failed), not yet taken, in sequence order
-  // jobs_.size(), outcomes_.size() and counters_.in_flight, written under
-  // mutex_: the worker, next() and a submit held back by backpressure watch
-  // them for a moment before they sleep (transfer/spin_wait.h).
-  std::atomic<std::size_t> jobs_waiting_{0}, outcomes_waiting_{0}, in_flight_{0};
   std::uint64_t next_sequence_ = 0;
   bool stopping_ = false;
   transfer_stats counters_;       // every field but `pinned`
