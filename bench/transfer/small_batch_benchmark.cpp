@@ -7,7 +7,8 @@
 // overhead: its calls into the device and the allocators, its locks and its
 // handovers between threads.
 //
-//   shoal_bench_small_batches [--backend host|cuda] [--rounds N] [--batches N]
+//   shoal_bench_small_batches [--backend host|cuda] [--rounds N] [--batches N] [--kib N]
+// (--kib: one batch size instead of 64, 256 and 1024 KiB)
 // Prints one table: microseconds per batch, median (min-max) over the rounds,
 // and how many batches the engine's thread took together on average.
 #include <time.h>
@@ -37,6 +38,7 @@ struct options {
   std::string backend = "cuda";
   int rounds = 5;
   std::size_t batches = 20000;
+  std::vector<std::size_t> sizes{64 * kib, 256 * kib, 1024 * kib};
 };
 
 double process_cpu_seconds() {
@@ -109,7 +111,7 @@ class bench {
         "group |\n",
         opts_.rounds);
     std::printf("| --- | --- | --- | --- | --- |\n");
-    for (std::size_t size : {64 * kib, 256 * kib, 1024 * kib}) {
+    for (std::size_t size : opts_.sizes) {
       void* pinned_src = dev_.allocate_pinned_host(size);
       std::memset(pinned_src, 0x5A, size);
       std::vector<std::uint8_t> pageable_src(size, 0x5A);
@@ -184,10 +186,12 @@ int main(int argc, char** argv) {
       o.backend = value;
     } else if (key == "--rounds") {
       o.rounds = std::max(1, std::atoi(value.c_str()));
+    } else if (key == "--kib") {
+      o.sizes = {static_cast<std::size_t>(std::max(1, std::atoi(value.c_str()))) * kib};
     } else if (key == "--batches") {
       o.batches = static_cast<std::size_t>(std::max(1, std::atoi(value.c_str())));
     } else {
-      std::fprintf(stderr, "usage: %s [--backend host|cuda] [--rounds N] [--batches N]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--backend host|cuda] [--rounds N] [--batches N] [--kib N]\n", argv[0]);
       return 2;
     }
   }
