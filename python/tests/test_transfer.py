@@ -223,3 +223,20 @@ def test_batches_come_out_as_torch_tensors_on_the_same_memory(engine):
     assert isinstance(out["x"], torch.Tensor) and out["x"].is_cuda
     assert torch.equal(out["x"].cpu(), torch.arange(1000, dtype=torch.float32))
     assert torch.equal(out["y"][0].cpu(), torch.ones(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("max_coalesced_bytes", [0, 4 << 20])
+def test_small_batches_queued_together_each_arrive_with_their_own_values(max_coalesced_bytes):
+    with shoal.transfer.Engine(max_batches_in_flight=16, max_coalesced_bytes=max_coalesced_bytes) as engine:
+        for i in range(16):
+            engine.submit([numpy.full((1000 + i,), i, "int32")])
+        for i in range(16):
+            numpy.testing.assert_array_equal(host_copy(engine.get(timeout=10)[0]), numpy.full((1000 + i,), i, "int32"))
+        stats = engine.stats()
+        assert stats["batches_transferred"] == 16
+        if max_coalesced_bytes == 0:
+            assert stats["groups"] == 16, "each batch alone"
+        else:
+            assert 1 <= stats["groups"] <= 16
+    gc.collect()
+    assert shoal.default_allocator().stats()["allocations"]["all"]["current"] == 0, "device storages leaked"
