@@ -44,13 +44,15 @@ transfer_engine::batch_copier::batch_copier(alloc::caching_allocator& device_all
 transfer_engine::batch_copier::~batch_copier() { release_all(); }
 
 std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::span<job> jobs) {
-  make_room(jobs.size());
   std::vector<outcome> outcomes;
   outcomes.reserve(jobs.size());
   std::shared_ptr<ready_group> group;
   try {
+    make_room(jobs.size());
     group = std::make_shared<ready_group>(device_);
   } catch (...) {
+    // The stream failed, or no event could be made: no batch of the group
+    // can be transferred.
     for (const job& j : jobs) outcomes.push_back({j.sequence, nullptr, std::current_exception()});
     return outcomes;
   }
