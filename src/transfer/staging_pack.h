@@ -51,7 +51,6 @@ class staging_pack {
   void give_back() noexcept;
 
  private:
-
   alloc::caching_allocator& pinned_;
   backend::device& device_;
   const backend::stream_ref stream_;

@@ -153,7 +153,8 @@ TYPED_TEST(transfer_engine_test, control_without_the_use_recorded_the_engine_ove
   GTEST_SKIP() << "a real data race between two streams, on purpose: not under ThreadSanitizer";
 #endif
   EXPECT_GT(corrupted_batches(*this, false, false), 0) << "the race did not show: the safe test would prove nothing";
-  EXPECT_GT(corrupted_batches(*this, false, true), 0) << "the race did not show with groups: the safe test would prove nothing";
+  EXPECT_GT(corrupted_batches(*this, false, true), 0)
+      << "the race did not show with groups: the safe test would prove nothing";
 }
 
 TYPED_TEST(transfer_engine_test, a_pinned_source_is_held_until_the_copy_reading_it_has_run) {
@@ -285,7 +286,8 @@ TYPED_TEST(transfer_engine_test, coalesced_batches_each_get_their_own_bytes_and_
     hold_the_engine_thread(*this, engine, 100ms);
     // Mixed batches: small pageable buffers packed together, a pinned one
     // read directly, one larger than a staging chunk staged chunk by chunk.
-    auto pinned_block = std::shared_ptr<void>(dev.allocate_pinned_host(4 * kib), [&](void* p) { dev.free_pinned_host(p); });
+    auto pinned_block =
+        std::shared_ptr<void>(dev.allocate_pinned_host(4 * kib), [&](void* p) { dev.free_pinned_host(p); });
     std::memset(pinned_block.get(), 0x77, 4 * kib);
     for (std::uint64_t i = 0; i < 6; ++i) {
       engine.submit({pageable(1000 + i, pattern(i)), host_buffer{pinned_block.get(), 4 * kib, true, pinned_block},
@@ -297,7 +299,9 @@ TYPED_TEST(transfer_engine_test, coalesced_batches_each_get_their_own_bytes_and_
     for (int i = 0; i < 2; ++i) (void)engine.next(10s);  // the two that held the thread
     // Every read is enqueued before any is waited for (into pinned memory:
     // asynchronous on CUDA too), so a read that did not wait shows.
-    const auto sizes = [](std::uint64_t i) { return std::array<std::size_t, 3>{1000 + i, 4 * kib, i == 3 ? 3 * mib : 64 * kib}; };
+    const auto sizes = [](std::uint64_t i) {
+      return std::array<std::size_t, 3>{1000 + i, 4 * kib, i == 3 ? 3 * mib : 64 * kib};
+    };
     std::vector<transfer::transferred_batch> batches;
     std::vector<std::shared_ptr<std::uint8_t>> seen;
     for (std::uint64_t i = 0; i < 6; ++i) {
@@ -312,7 +316,8 @@ TYPED_TEST(transfer_engine_test, coalesced_batches_each_get_their_own_bytes_and_
       batch.wait_on(on);  // again: changes nothing
       for (std::size_t b = 0; b < 3; ++b) {
         const std::size_t n = sizes(i)[b];
-        seen.emplace_back(static_cast<std::uint8_t*>(dev.allocate_pinned_host(n)), [&](std::uint8_t* p) { dev.free_pinned_host(p); });
+        seen.emplace_back(static_cast<std::uint8_t*>(dev.allocate_pinned_host(n)),
+                          [&](std::uint8_t* p) { dev.free_pinned_host(p); });
         dev.copy(on, seen.back().get(), batch.storages()[b].data(), n);
       }
     }
@@ -322,7 +327,8 @@ TYPED_TEST(transfer_engine_test, coalesced_batches_each_get_their_own_bytes_and_
       const std::array<std::uint8_t, 3> expected{pattern(i), 0x77, pattern(i + 100)};
       for (std::size_t b = 0; b < 3; ++b) {
         const std::uint8_t* p = seen[i * 3 + b].get();
-        EXPECT_TRUE(all_equal(std::vector<std::uint8_t>(p, p + sizes(i)[b]), expected[b])) << "batch " << i << " buffer " << b;
+        EXPECT_TRUE(all_equal(std::vector<std::uint8_t>(p, p + sizes(i)[b]), expected[b]))
+            << "batch " << i << " buffer " << b;
       }
     }
     const auto s = engine.stats();
@@ -374,7 +380,8 @@ TYPED_TEST(transfer_engine_test, an_error_in_a_coalesced_batch_fails_only_that_b
 TYPED_TEST(transfer_engine_test, bad_batches_and_settings_are_refused_before_anything_is_queued) {
   auto& a = this->make_allocator();
   EXPECT_THROW(transfer_engine(a, this->copy_stream(), {.max_batches_in_flight = 0}), invalid_argument);
-  EXPECT_THROW(transfer_engine(a, this->copy_stream(), {.max_pinned_bytes = mib, .staging_chunk_bytes = 2 * mib}), invalid_argument);
+  EXPECT_THROW(transfer_engine(a, this->copy_stream(), {.max_pinned_bytes = mib, .staging_chunk_bytes = 2 * mib}),
+               invalid_argument);
   transfer_engine engine(a, this->copy_stream());
   EXPECT_THROW(engine.submit({}), invalid_argument);
   EXPECT_THROW(engine.submit({host_buffer{nullptr, 16}}), invalid_argument);
