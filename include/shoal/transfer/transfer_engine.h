@@ -8,9 +8,10 @@
 // otherwise — and records a ready event. Batches queued when the thread
 // looks for work are taken together, up to config.max_coalesced_bytes, as
 // one group: their small pageable buffers share staging blocks and the
-// group shares one ready event, so a stream of small batches pays the
-// per-batch device calls once per group. Each batch of a group still has its
-// own sequence, storages and error. A consumer takes batches in
+// group shares one ready event, so a stream of small batches pays for the
+// event, the consumer stream's wait and the staging block once per group
+// (the copies and the storages stay one per buffer). Each batch of a group
+// still has its own sequence, storages and error. A consumer takes batches in
 // submission order with next() and makes its stream wait for the copies with
 // transferred_batch::wait_on: a GPU-side wait, and a use of every storage on
 // that stream, so when the consumer drops the batch its memory is reused
