@@ -160,6 +160,7 @@ class lender::state {
       : device_(device),
         config_(std::move(config)),
         poll_spin_(detail::spin_or_automatic(config_.poll_spin, lender_config::automatic_poll_spin)),
+        spinning_borrowers_limit_(detail::spinning_borrowers_limit()),
         listener_(address, config_.policy, detail::max_frame_payload) {
     fds_.reserve(3);  // the loop's poll set never grows past what accept_one made room for
     wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
@@ -257,8 +258,9 @@ class lender::state {
       }
       const auto now = clock_type::now();
       const auto until_check = std::chrono::ceil<std::chrono::milliseconds>(next_check - now);
-      // Within poll_spin_ of the last request served, look without sleeping.
-      const bool spinning = now - last_served < poll_spin_;
+      // Within poll_spin_ of the last request served, look without sleeping,
+      // while the borrowers that may spin for their replies leave it cores.
+      const bool spinning = now - last_served < poll_spin_ && borrowers_.size() <= spinning_borrowers_limit_;
       const auto wait =
           pending || spinning ? 0 : std::clamp<std::int64_t>(until_check.count(), 0, orphan_check_interval.count());
       const int ready = ::poll(fds_.data(), fds_.size(), static_cast<int>(wait));
@@ -1136,6 +1138,7 @@ class lender::state {
   backend::device& device_;
   const lender_config config_;
   const std::chrono::microseconds poll_spin_;  // config_.poll_spin resolved
+  const std::size_t spinning_borrowers_limit_;  // poll_spin_ applies up to this many borrowers
   channel::listener listener_;
   unique_fd wake_;
   std::atomic<bool> stopping_{false};
