@@ -3,7 +3,7 @@
 //
 //   shoal_bench_lending [--backend host|cuda] [--rounds N] [--region-mib N]
 //                       [--handover-mib N] [--borrowers N] [--seconds S]
-//                       [--reply-spin-us N]
+//                       [--reply-spin-us N] [--poll-spin-us N]
 //
 // 1. Anchors, region size: the device's own calls a region costs — a
 //    physical chunk made, reserved + mapped, exported (here), imported and
@@ -73,6 +73,7 @@ struct options {
   int borrowers = 64;
   double seconds = 2.0;
   int reply_spin_us = -1;  // -1: the borrower's default
+  int poll_spin_us = -1;   // -1: the lender's default
 };
 
 constexpr const char* reply_spin_variable = "SHOAL_BENCH_REPLY_SPIN_US";
@@ -342,6 +343,7 @@ int run_parent(const std::string& self, const options& o) {
   std::vector<row> rows;
   {
     lending::lender_config config;
+    if (o.poll_spin_us >= 0) config.poll_spin = std::chrono::microseconds(o.poll_spin_us);
     // Prepared chunks for section 2: one a round, of sizes no other borrow asks for.
     const auto rounds = static_cast<std::size_t>(o.rounds);
     for (std::size_t i = 0; i < rounds; ++i) config.prepared_chunks.push_back(prepared_base + i * g);
@@ -477,9 +479,11 @@ int run_parent(const std::string& self, const options& o) {
   }
   std::filesystem::remove_all(dir);
 
-  std::printf("\nshoal_bench_lending on %s (%s), %d rounds, reply spin %s; microseconds: median (min-max)\n",
-              dev.name().c_str(), o.backend.c_str(), o.rounds,
-              o.reply_spin_us < 0 ? "the default" : (std::to_string(o.reply_spin_us) + " us").c_str());
+  const auto spin = [](int us) { return us < 0 ? std::string("the default") : std::to_string(us) + " us"; };
+  std::printf("\nshoal_bench_lending on %s (%s), %d rounds, reply spin %s, lender poll spin %s; microseconds: median "
+              "(min-max)\n",
+              dev.name().c_str(), o.backend.c_str(), o.rounds, spin(o.reply_spin_us).c_str(),
+              spin(o.poll_spin_us).c_str());
   for (const auto& r : rows) std::printf("| %-66s | %24s |\n", r.what.c_str(), r.figure.c_str());
   return 0;
 }
@@ -506,13 +510,15 @@ int main(int argc, char** argv) {
         o.borrowers = std::max(1, std::stoi(value));
       } else if (key == "--seconds") {
         o.seconds = std::stod(value);
+      } else if (key == "--poll-spin-us") {
+        o.poll_spin_us = std::max(0, std::stoi(value));
       } else if (key == "--reply-spin-us") {
         o.reply_spin_us = std::max(0, std::stoi(value));
         ::setenv(reply_spin_variable, std::to_string(o.reply_spin_us).c_str(), 1);
       } else {
         std::fprintf(stderr,
                      "usage: %s [--backend host|cuda] [--rounds N] [--region-mib N] [--handover-mib N] "
-                     "[--borrowers N] [--seconds S] [--reply-spin-us N]\n",
+                     "[--borrowers N] [--seconds S] [--reply-spin-us N] [--poll-spin-us N]\n",
                      argv[0]);
         return 2;
       }

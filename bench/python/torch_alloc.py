@@ -11,6 +11,7 @@ CUDA initialisation):
 
 Prints a markdown table of medians with the spread (min-max) over rounds.
   python bench/python/torch_alloc.py [--rounds 3] [--models resnet,bert,gpt2]
+                                    [--shoal-conf expandable_segments:true]
 """
 
 import argparse
@@ -73,10 +74,10 @@ def child(allocator: str, iterations: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def model_run(allocator: str, model: str, steps: int) -> dict:
+def model_run(allocator: str, model: str, steps: int, shoal_conf: str) -> dict:
     r = subprocess.run(
         [sys.executable, str(MODELS_PROGRAM), "--allocator", allocator, "--model", model, "--steps", str(steps),
-         "--warmup", "2"],
+         "--warmup", "2", "--shoal-conf", shoal_conf],
         capture_output=True, text=True, timeout=600,
     )
     if r.returncode != 0:
@@ -99,6 +100,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", default="resnet,bert,gpt2")
     parser.add_argument("--model-steps", type=int, default=10)
+    parser.add_argument("--shoal-conf", default="", help="shoal's settings for the models, e.g. expandable_segments:true")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure_in_this_process(args.child, args.iterations)))
@@ -129,6 +131,8 @@ def main() -> None:
     if not models:
         return
     print()
+    if args.shoal_conf:
+        print(f"shoal's settings for the models: {args.shoal_conf}")
     # Steps of every round pooled: the median step, and the fastest step — the
     # generation loops are bound by the host CPU, whose speed drifts by tens of
     # percent between processes on a shared machine; the fastest step is what
@@ -141,7 +145,7 @@ def main() -> None:
         for round_index in range(args.rounds):  # interleaved, each first in turn, so drift touches both alike
             order = ["torch", "shoal"] if round_index % 2 == 0 else ["shoal", "torch"]
             for allocator in order:
-                res[allocator].append(model_run(allocator, model, args.model_steps))
+                res[allocator].append(model_run(allocator, model, args.model_steps, args.shoal_conf))
         step = {a: [t for r in res[a] for t in r["step_ms"]] for a in res}
         fastest = {a: min(step[a]) for a in res}
         peak = {a: [r["peak_reserved"] / 2**20 for r in res[a]] for a in res}

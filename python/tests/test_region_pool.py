@@ -125,3 +125,21 @@ def test_slots_are_bounded_and_reused(lent):
     _shoal._segment_source_mem_pool_gone(slot)
     with pytest.raises(shoal.InvalidArgumentError):
         _shoal._segment_source_functions(16)
+
+
+def test_a_segment_of_another_cuda_device_is_refused():
+    device = shoal.default_device()
+    if device.kind != "cuda":
+        pytest.skip("the host backend has one device: PyTorch's device argument is not checked there")
+    memory = shoal.Allocator(device).allocate(4 * MIB)
+    slot = _shoal._segment_source_open(memory)
+    try:
+        allocate, free = functions(slot)
+        assert allocate(2 * MIB, device.ordinal + 1, None) is None, "carved for another device's tensors"
+        assert _shoal._segment_source_stats(slot)["segments"] == 0
+        segment = allocate(2 * MIB, device.ordinal, None)
+        assert segment is not None, "its own device's request refused"
+        free(segment, 2 * MIB, device.ordinal, None)
+    finally:
+        _shoal._segment_source_close(slot)
+        _shoal._segment_source_mem_pool_gone(slot)

@@ -1,7 +1,5 @@
 #include "shoal/lending/borrower.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <chrono>
 #include <mutex>
@@ -11,6 +9,7 @@
 #include <vector>
 
 #include "core/deadline.h"
+#include "lending/automatic_spin.h"
 #include "lending/mapping_cache.h"
 #include "lending/messages.h"
 #include "shoal/channel/protocol.h"
@@ -19,16 +18,6 @@
 namespace shoal::lending {
 
 namespace {
-
-/// borrower_options::reply_spin, with automatic_reply_spin resolved: a spin
-/// pays only where a spinning thread leaves the lender a core of its own.
-std::chrono::microseconds reply_spin_for(std::chrono::microseconds asked) {
-  if (asked != borrower_options::automatic_reply_spin) return std::max(asked, std::chrono::microseconds(0));
-  cpu_set_t cpus;
-  CPU_ZERO(&cpus);
-  const int usable = ::sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-  return usable >= 8 ? std::chrono::microseconds(50) : std::chrono::microseconds(0);
-}
 
 using detail::lending_protocol;
 using detail::message_type;
@@ -340,7 +329,7 @@ borrower::borrower(backend::device& device, const channel::channel_address& addr
   conn.set_send_timeout(shoal::detail::channel_timeout(timeout));
   channel::send_hello(conn, lending_protocol);
   channel::check_hello(conn.receive_for(left_until(deadline)), lending_protocol);
-  conn.set_receive_spin(reply_spin_for(options.reply_spin));
+  conn.set_receive_spin(detail::spin_or_automatic(options.reply_spin, borrower_options::automatic_reply_spin));
   link_ = std::make_shared<borrowed_region::link>(device, std::move(conn), options);
 }
 

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "core/deadline.h"
+#include "lending/automatic_spin.h"
 #include "lending/lendable_memory.h"
 #include "lending/messages.h"
 #include "lending/metrics.h"
@@ -156,7 +157,11 @@ const char* to_string(lender_event::kind what) noexcept {
 class lender::state {
  public:
   state(backend::device& device, const channel::channel_address& address, lender_config config)
-      : device_(device), config_(std::move(config)), listener_(address, config_.policy, detail::max_frame_payload) {
+      : device_(device),
+        config_(std::move(config)),
+        poll_spin_(detail::spin_or_automatic(config_.poll_spin, lender_config::automatic_poll_spin)),
+        spinning_borrowers_limit_(detail::spinning_borrowers_limit()),
+        listener_(address, config_.policy, detail::max_frame_payload) {
     fds_.reserve(3);  // the loop's poll set never grows past what accept_one made room for
     wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!wake_) throw backend_error("eventfd", std::strerror(errno));
@@ -239,6 +244,7 @@ class lender::state {
   // one answer and the revokes and forgets sent meanwhile.
   void serve() noexcept {
     auto next_check = clock_type::now();
+    auto last_served = clock_type::time_point{};
     while (!stopping_.load()) {
       // fds_ keeps its room from turn to turn: no allocation per wake-up.
       fds_.clear();
@@ -250,8 +256,13 @@ class lender::state {
         pending = pending || (!answers_wait && b.link.pending() > 0);
         fds_.push_back({b.link.native_handle(), answers_wait ? short{POLLOUT} : short{POLLIN}, 0});
       }
-      const auto until_check = std::chrono::ceil<std::chrono::milliseconds>(next_check - clock_type::now());
-      const auto wait = pending ? 0 : std::clamp<std::int64_t>(until_check.count(), 0, orphan_check_interval.count());
+      const auto now = clock_type::now();
+      const auto until_check = std::chrono::ceil<std::chrono::milliseconds>(next_check - now);
+      // Within poll_spin_ of the last request served, look without sleeping,
+      // while the borrowers that may spin for their replies leave it cores.
+      const bool spinning = now - last_served < poll_spin_ && borrowers_.size() <= spinning_borrowers_limit_;
+      const auto wait =
+          pending || spinning ? 0 : std::clamp<std::int64_t>(until_check.count(), 0, orphan_check_interval.count());
       const int ready = ::poll(fds_.data(), fds_.size(), static_cast<int>(wait));
       if (ready < 0 && errno != EINTR) break;  // nothing sensible left to wait on
       if (stopping_.load()) break;
@@ -268,7 +279,10 @@ class lender::state {
         const short revents = fds_[i + 2].revents;
         if (revents != 0 && b->link.unsent_bytes() > 0) flush_one(*b);  // a hang-up makes the flush fail
         if (b->link.unsent_bytes() > 0) continue;  // its answers go first
-        if ((revents & ~POLLOUT) != 0 || b->link.pending() > 0) serve_one(*b);
+        if ((revents & ~POLLOUT) != 0 || b->link.pending() > 0) {
+          serve_one(*b);
+          last_served = clock_type::now();
+        }
       }
       if (clock_type::now() >= next_check) {
         hang_up_stalled();
@@ -1123,6 +1137,8 @@ class lender::state {
 
   backend::device& device_;
   const lender_config config_;
+  const std::chrono::microseconds poll_spin_;  // config_.poll_spin resolved
+  const std::size_t spinning_borrowers_limit_;  // poll_spin_ applies up to this many borrowers
   channel::listener listener_;
   unique_fd wake_;
   std::atomic<bool> stopping_{false};

@@ -8,7 +8,8 @@
 // whole and in order, chunk descriptors included, once it reads; one killed
 // with a chunk answer queued is hung up on at once and its regions and that
 // answer's descriptor released; a revoke that comes while a publish is
-// being checked keeps the region exclusive.
+// being checked keeps the region exclusive. A lender that polls without
+// sleeping still serves and still notices a missed revocation deadline.
 //
 // In-process borrowers: the host backend only (CUDA refuses to import
 // memory in the process that exported it).
@@ -97,6 +98,29 @@ borrow_turns turns_for(borrower& b, std::size_t bytes, std::chrono::milliseconds
     ++t.turns;
   }
   return t;
+}
+
+// The spin path runs in CI only when asked for (automatic spins on 8 CPUs or
+// more): the loop that never sleeps must still serve and still run its
+// periodic checks (here: the revocation deadline).
+TYPED_TEST(serving_test, a_lender_that_polls_without_sleeping_serves_every_turn_and_still_notes_a_missed_revocation) {
+  if (this->in_process_only()) return;
+  const event_recorder recorder;
+  lender_config config;
+  config.poll_spin = std::chrono::microseconds(60'000'000);  // never sleeps once it served a request
+  recorder.attach(config);
+  auto& l = this->start(config);
+  borrower b(this->device(), l.address());
+  const auto [slowest, turns] = turns_for(b, this->unit(), 200ms);
+  EXPECT_GT(turns, 10) << "turns served while the lender spins";
+  EXPECT_LT(slowest, 400ms);
+
+  auto kept = b.borrow(this->unit(), "kept past its deadline");
+  l.revoke(kept.id(), 100ms);
+  ASSERT_TRUE(eventually([&] { return l.status().revocations_missed == 1; }, 2000ms))
+      << "the deadline passed unnoticed while the lender spun";
+  b.give_back(std::move(kept));
+  EXPECT_TRUE(eventually([&] { return l.status().lent_bytes == 0; }, 2000ms));
 }
 
 TYPED_TEST(serving_test, a_borrower_stalled_mid_batch_holds_no_one_else_up_and_is_hung_up_after_the_peer_timeout) {

@@ -131,6 +131,17 @@ struct lender_config {
   std::chrono::milliseconds peer_timeout{1000};
   /// Whether given-back memory is lent again (see the contract above).
   reuse_policy reuse = reuse_policy::same_uid;
+  /// How long the serving thread keeps polling without sleeping after it
+  /// served a request: a borrower's next request arriving meanwhile is read
+  /// without the wake-up of a blocked thread (several microseconds of the
+  /// round trip), at the cost of a busy core for at most this long after
+  /// each request; zero always sleeps. It spins only while at most half as
+  /// many borrowers are connected as the lender may use CPUs: each may spin
+  /// for its own reply, and past that a lender that never sleeps waits behind
+  /// them for whole time slices. The default, automatic_poll_spin, spins
+  /// 50 us where the lender may run on at least 8 CPUs, never on fewer.
+  std::chrono::microseconds poll_spin = automatic_poll_spin;
+  static constexpr std::chrono::microseconds automatic_poll_spin{-1};
   /// Chunks made when the lender starts, by size (each > 0, rounded up to
   /// the device's granularity; their sum at most capacity_bytes): a region
   /// of one of these sizes is lent from one without a device call (see the

@@ -16,13 +16,14 @@ parser.add_argument("--allocator", choices=["shoal", "torch"], required=True)
 parser.add_argument("--model", choices=["resnet", "bert", "gpt2"], required=True)
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--warmup", type=int, default=1)
+parser.add_argument("--shoal-conf", default="", help="shoal's settings, e.g. expandable_segments:true")
 args = parser.parse_args()
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 if args.allocator == "shoal":
     import shoal.torch
 
-    shoal.torch.enable(use_environment=False)
+    shoal.torch.enable(conf=args.shoal_conf, use_environment=False)
 import torch
 
 torch.manual_seed(0)
