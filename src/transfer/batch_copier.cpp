@@ -46,10 +46,10 @@ transfer_engine::batch_copier::~batch_copier() { release_all(); }
 std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::span<job> jobs) {
   std::vector<outcome> outcomes;
   outcomes.reserve(jobs.size());
-  std::shared_ptr<ready_group> group;
+  std::shared_ptr<backend::event> ready;
   try {
     make_room(jobs.size());
-    group = std::make_shared<ready_group>(device_);
+    ready = std::make_shared<backend::event>(device_);
   } catch (...) {
     // The stream failed, or no event could be made: no batch of the group
     // can be transferred.
@@ -68,7 +68,7 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
     for (job& j : jobs) {
       outcome o{j.sequence, nullptr, nullptr};
       try {
-        o.batch = transfer(j, group, pack, read_directly);
+        o.batch = transfer(j, ready, pack, read_directly);
       } catch (...) {
         o.error = std::current_exception();
       }
@@ -76,7 +76,7 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
     }
   }  // the pack's last block is given back after the copies reading it
   try {
-    group->ready()->record(stream_);
+    ready->record(stream_);
   } catch (...) {
     // No batch of the group could be waited for: each fails, its storages
     // freed after its copies.
@@ -87,8 +87,8 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
     hold_until_now(std::move(read_directly));
     return outcomes;
   }
-  if (!read_directly.empty()) held_.push_back({group->ready(), std::move(read_directly)});
-  queued_.push_back({group->ready(), jobs.size()});
+  if (!read_directly.empty()) held_.push_back({ready, std::move(read_directly)});
+  queued_.push_back({ready, jobs.size()});
   queued_batches_ += jobs.size();
   return outcomes;
 }
@@ -106,11 +106,12 @@ void transfer_engine::batch_copier::make_room(std::size_t batches) {
 }
 
 std::shared_ptr<const transferred_batch::state> transfer_engine::batch_copier::transfer(
-    job& j, const std::shared_ptr<ready_group>& group, staging_pack& pack,
+    job& j, const std::shared_ptr<backend::event>& ready, staging_pack& pack,
     std::vector<std::shared_ptr<const void>>& read_directly) {
   auto batch = std::make_shared<transferred_batch::state>();
   batch->sequence = j.sequence;
-  batch->group = group;
+  batch->device = &device_;
+  batch->ready = ready;
   batch->storages.reserve(j.buffers.size());
   try {
     for (host_buffer& source : j.buffers) {

@@ -58,7 +58,7 @@ class transfer_engine::batch_copier {
 
   // One batch of the group: its storages, its bytes enqueued. Sources read
   // directly go to `read_directly`, kept until the group's copies have run.
-  std::shared_ptr<const transferred_batch::state> transfer(job& j, const std::shared_ptr<ready_group>& group,
+  std::shared_ptr<const transferred_batch::state> transfer(job& j, const std::shared_ptr<backend::event>& ready,
                                                            staging_pack& pack,
                                                            std::vector<std::shared_ptr<const void>>& read_directly);
   void stage_in_chunks(void* dst, const host_buffer& source);

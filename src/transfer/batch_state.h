@@ -10,16 +10,17 @@
 #include <vector>
 
 #include "shoal/transfer/transfer_engine.h"
-#include "transfer/ready_group.h"
 
 namespace shoal::transfer {
 
 struct transferred_batch::state {
   std::uint64_t sequence = 0;
   std::vector<storage::storage> storages;
-  /// The ready event, shared by the batches transferred together with this
-  /// one (ready_group.h).
-  std::shared_ptr<ready_group> group;
+  backend::device* device = nullptr;
+  /// Recorded once on the engine's stream after the last copy of the batch's
+  /// group, shared by the batches of the group and with the sources held
+  /// until the copies have run.
+  std::shared_ptr<backend::event> ready;
 };
 
 struct transfer_engine::job {

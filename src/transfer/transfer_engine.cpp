@@ -54,15 +54,15 @@ bool wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
 
 std::uint64_t transferred_batch::sequence() const noexcept { return state_->sequence; }
 const std::vector<storage::storage>& transferred_batch::storages() const noexcept { return state_->storages; }
-backend::event_ref transferred_batch::ready() const noexcept { return state_->group->ready()->ref(); }
+backend::event_ref transferred_batch::ready() const noexcept { return state_->ready->ref(); }
 
 void transferred_batch::wait_on(backend::stream_ref stream) const {
-  state_->group->wait(stream);
+  state_->device->wait(stream, state_->ready->ref());
   for (const auto& s : state_->storages) s.record_stream(stream);
 }
 
-void transferred_batch::synchronize() const { state_->group->ready()->synchronize(); }
-bool transferred_batch::is_ready() const { return state_->group->ready()->query(); }
+void transferred_batch::synchronize() const { state_->ready->synchronize(); }
+bool transferred_batch::is_ready() const { return state_->ready->query(); }
 
 // ---- transfer_engine ----------------------------------------------------------------
 

@@ -9,8 +9,8 @@
 // looks for work are taken together, up to config.max_coalesced_bytes, as
 // one group: their small pageable buffers share staging blocks and the
 // group shares one ready event, so a stream of small batches pays for the
-// event, the consumer stream's wait and the staging block once per group
-// (the copies and the storages stay one per buffer). Each batch of a group
+// event and the staging block once per group (the copies and the storages
+// stay one per buffer, the consumer stream's wait one per batch). Each batch of a group
 // still has its own sequence, storages and error. A consumer takes batches in
 // submission order with next() and makes its stream wait for the copies with
 // transferred_batch::wait_on: a GPU-side wait, and a use of every storage on
@@ -41,12 +41,9 @@
 //
 // Lifetimes: the device allocator must outlive the engine and every
 // storage it handed out; the copy stream, like every stream an allocator is
-// used with, must outlive the allocator (its storages are freed on it), and
-// so must every stream given to wait_on (the batch's storages record a use
-// on it): wait_on relies on that to skip a wait its stream already made.
-// The destructor finishes the batches already submitted, waits for their
-// copies and stops the thread; batches not taken are dropped (their memory
-// is freed after their copies).
+// used with, must outlive the allocator (its storages are freed on it). The destructor finishes the batches already
+// submitted, waits for their copies and stops the thread; batches not taken
+// are dropped (their memory is freed after their copies).
 #pragma once
 
 #include <chrono>
@@ -132,12 +129,9 @@ class transferred_batch {
   /// shared with the batches transferred together with it (recorded once).
   [[nodiscard]] backend::event_ref ready() const noexcept;
   /// Work enqueued on `stream` from now on sees the batch's bytes (a
-  /// GPU-side wait, no host synchronization, made once per stream and
-  /// group: a stream that waited through another batch of the group waits
-  /// already), and every storage records a use on `stream`: its memory is
-  /// reused only after `stream` passes the work enqueued there before the
-  /// storage's last handle is dropped. `stream` must outlive the device
-  /// allocator (see Lifetimes).
+  /// GPU-side wait, no host synchronization), and every storage records a
+  /// use on `stream`: its memory is reused only after `stream` passes the
+  /// work enqueued there before the storage's last handle is dropped.
   void wait_on(backend::stream_ref stream) const;
   /// Blocks the calling thread until the copies have run.
   void synchronize() const;
