@@ -166,7 +166,7 @@ class bench {
     });
     const auto after = engine.stats();
     c.batches_per_group = static_cast<double>(after.batches_transferred - before.batches_transferred) /
-                          static_cast<double>(after.groups - before.groups);
+                          static_cast<double>(after.coalesced_groups - before.coalesced_groups);
     return c;
   }
 

@@ -490,7 +490,7 @@ class TransferEngine:
 
     def stats(self) -> dict:
         """
-        Counters as a dict: batches submitted, transferred, failed and taken, the groups the engine's thread took batches in (each shares one ready event), bytes copied and staged, batches in flight (now and at the peak), pinned staging memory (now and at the peak).
+        Counters as a dict: batches submitted, transferred, failed and taken, coalesced_groups (the groups of batches the engine's thread took together, each sharing one ready event; failed ones count), bytes copied and staged, batches in flight (now and at the peak), pinned staging memory (now and at the peak).
         """
 
     def close(self) -> None:

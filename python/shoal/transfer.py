@@ -224,8 +224,11 @@ class Engine:
         return _rebuild(structure, views)
 
     def stats(self) -> dict:
-        """Counters: batches submitted, transferred, failed and taken; bytes copied and staged;
-        batches in flight now and at the peak; pinned staging memory now and at the peak."""
+        """Counters: batches submitted, transferred, failed and taken; ``coalesced_groups``, the
+        groups of batches the engine's thread took together (each sharing one ready event; a
+        batch alone is a group of one, and groups that failed count too); bytes copied and
+        staged; batches in flight now and at the peak; pinned staging memory now and at the
+        peak."""
         return self._engine.stats()
 
     def close(self) -> None:

@@ -166,7 +166,7 @@ void register_transfer(nb::module_& m) {
             d["batches_transferred"] = s.batches_transferred;
             d["batches_failed"] = s.batches_failed;
             d["batches_taken"] = s.batches_taken;
-            d["groups"] = s.groups;
+            d["coalesced_groups"] = s.coalesced_groups;
             d["bytes_copied"] = s.bytes_copied;
             d["bytes_staged"] = s.bytes_staged;
             d["in_flight"] = s.in_flight;
@@ -175,8 +175,9 @@ void register_transfer(nb::module_& m) {
             d["pinned_peak_reserved_bytes"] = s.pinned.reserved_bytes.aggregate.peak;
             return d;
           },
-          "Counters as a dict: batches submitted, transferred, failed and taken, the groups the engine's "
-          "thread took batches in (each shares one ready event), bytes copied and staged, "
+          "Counters as a dict: batches submitted, transferred, failed and taken, coalesced_groups (the groups "
+          "of batches the engine's thread took together, each sharing one ready event; failed ones count), "
+          "bytes copied and staged, "
           "batches in flight (now and at the peak), pinned staging memory (now and at the peak).")
       .def("close", [](py_transfer_engine& e) { e.close(); },
            "Finishes the batches submitted, waits for their copies and stops the thread. Idempotent.")

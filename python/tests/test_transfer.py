@@ -235,8 +235,8 @@ def test_small_batches_queued_together_each_arrive_with_their_own_values(max_coa
         stats = engine.stats()
         assert stats["batches_transferred"] == 16
         if max_coalesced_bytes == 0:
-            assert stats["groups"] == 16, "each batch alone"
+            assert stats["coalesced_groups"] == 16, "each batch alone"
         else:
-            assert 1 <= stats["groups"] <= 16
+            assert 1 <= stats["coalesced_groups"] <= 16
     gc.collect()
     assert shoal.default_allocator().stats()["allocations"]["all"]["current"] == 0, "device storages leaked"

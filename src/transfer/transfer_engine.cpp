@@ -167,7 +167,7 @@ void transfer_engine::run() noexcept {
     group.clear();  // sources staged or held by the copier: let go of the rest outside the lock
     {
       std::lock_guard lock(mutex_);
-      ++counters_.groups;
+      ++counters_.coalesced_groups;
       for (outcome& o : done) {
         ++(o.error ? counters_.batches_failed : counters_.batches_transferred);
         outcomes_.push_back(std::move(o));

@@ -135,8 +135,11 @@ int corrupted_batches(Test& test, bool record_use, bool coalesce) {
   }
   dev.free_pinned_host(seen);
   const auto s = engine.stats();
-  if (coalesce) EXPECT_LT(s.groups, batches) << "no batches were coalesced: the test would prove nothing about groups";
-  if (!coalesce) EXPECT_EQ(s.groups, batches);
+  if (coalesce) {
+    EXPECT_LT(s.coalesced_groups, batches) << "no batches were coalesced: the test would prove nothing about groups";
+  } else {
+    EXPECT_EQ(s.coalesced_groups, batches);
+  }
   return corrupted;
 }
 
@@ -331,7 +334,7 @@ TYPED_TEST(transfer_engine_test, coalesced_batches_each_get_their_own_bytes_read
     }
     const auto s = engine.stats();
     EXPECT_EQ(s.batches_transferred, 8u);
-    EXPECT_LE(s.groups, 4u) << "the six batches queued while the thread was held went in few groups";
+    EXPECT_LE(s.coalesced_groups, 4u) << "the six batches queued while the thread was held went in few groups";
     EXPECT_EQ(s.bytes_staged, s.bytes_copied - 6 * 4 * kib) << "the pinned buffers were read directly";
     EXPECT_LE(s.pinned.reserved_bytes.aggregate.peak, static_cast<std::int64_t>(small_ring.max_pinned_bytes));
   }
@@ -366,7 +369,7 @@ TYPED_TEST(transfer_engine_test, an_error_in_a_coalesced_batch_fails_only_that_b
   const auto stats = engine.stats();
   EXPECT_EQ(stats.batches_failed, 1u);
   EXPECT_EQ(stats.batches_transferred, 4u);
-  EXPECT_LT(stats.groups, 5u) << "the three batches queued while the thread was held went in fewer groups";
+  EXPECT_LT(stats.coalesced_groups, 5u) << "the three batches queued while the thread was held went in fewer groups";
   EXPECT_EQ(stats.in_flight, 0u);
   EXPECT_EQ(a.stats().allocations.aggregate.current, 2) << "only the two batches held here";
   const auto deadline = std::chrono::steady_clock::now() + 5s;

@@ -147,9 +147,11 @@ struct transfer_stats {
   std::uint64_t batches_transferred = 0;  ///< copies enqueued, ready event recorded
   std::uint64_t batches_failed = 0;
   std::uint64_t batches_taken = 0;        ///< returned (or thrown) by next/try_next
-  /// Groups the engine's thread took batches in (each shares one ready
-  /// event): (batches_transferred + batches_failed) / groups batches a group.
-  std::uint64_t groups = 0;
+  /// Groups of batches coalesced by the engine's thread (a batch alone is a
+  /// group of one), counted once each group is done, whatever became of it:
+  /// those that failed, even before their ready event was made, count too.
+  /// (batches_transferred + batches_failed) / coalesced_groups batches a group.
+  std::uint64_t coalesced_groups = 0;
   std::uint64_t bytes_copied = 0;         ///< bytes moved to the device
   std::uint64_t bytes_staged = 0;         ///< of those, bytes staged through pinned blocks
   std::size_t in_flight = 0;              ///< submitted and not yet taken
