@@ -185,22 +185,28 @@ TYPED_TEST(transfer_engine_test, a_pinned_source_is_held_until_the_copy_reading_
   pinned_memory.deallocate(block, s);
 }
 
-// A fast producer of `bytes`-byte batches against a slow consumer.
+// A fast producer of `bytes`-byte batches against a slow consumer, at most
+// `in_flight` batches in flight. The engine's copies wait behind a stall at
+// first: the first `in_flight` batches fill its stream's queue, so the
+// engine's thread waits for room on the stream with the next batch while
+// the consumer takes those and the producer queues up more (with
+// `in_flight` > 2 several more: they are taken as one group).
 template <class Test>
-void stays_within_bounds(Test& test, std::size_t bytes) {
+void stays_within_bounds(Test& test, std::size_t bytes, std::size_t in_flight, bool coalesced) {
   auto& dev = test.device();
   auto& a = test.make_allocator();
-  const transfer_config config{.max_batches_in_flight = 2, .max_pinned_bytes = 4 * mib, .staging_chunk_bytes = mib};
+  const transfer_config config{
+      .max_batches_in_flight = in_flight, .max_pinned_bytes = 4 * mib, .staging_chunk_bytes = mib};
   transfer_engine engine(a, test.copy_stream(), config);
   dev.delay(engine.stream(), 100ms);
-  engine.submit({pageable(bytes, 1)});
-  engine.submit({pageable(bytes, 2)});
-  EXPECT_THROW(engine.submit({pageable(bytes, 3)}, 50ms), timeout_error) << "a third batch while two are in flight";
+  for (std::size_t i = 0; i < in_flight; ++i) engine.submit({pageable(bytes, 1)});
+  EXPECT_THROW(engine.submit({pageable(bytes, 3)}, 50ms), timeout_error) << "one batch more than may be in flight";
   const backend::stream_ref consumer = test.consumer();
   std::thread producer([&] {
     for (std::uint64_t i = 0; i < 20; ++i) engine.submit({pageable(bytes, pattern(i))});
   });
-  for (int i = 0; i < 22; ++i) {
+  const std::size_t batches = in_flight + 20;
+  for (std::size_t i = 0; i < batches; ++i) {
     auto batch = engine.next(10s);
     batch.wait_on(consumer);
     dev.delay(consumer, 5ms);  // a slow consumer
@@ -210,15 +216,27 @@ void stays_within_bounds(Test& test, std::size_t bytes) {
   const auto s = engine.stats();
   EXPECT_LE(s.peak_in_flight, config.max_batches_in_flight);
   EXPECT_LE(s.pinned.reserved_bytes.aggregate.peak, static_cast<std::int64_t>(config.max_pinned_bytes));
-  EXPECT_EQ(s.bytes_staged, 22u * bytes);
+  EXPECT_EQ(s.bytes_staged, batches * bytes);
+  // Device memory held by batches' storages: those in flight (transferred or
+  // being transferred, not taken) and the one the consumer holds. Storages
+  // dropped and waiting for the consumer's stream are no longer held (the
+  // consumer's own pace bounds those).
+  EXPECT_LE(a.stats().requested_bytes.aggregate.peak, static_cast<std::int64_t>((in_flight + 1) * bytes));
+  if (coalesced) {
+    EXPECT_LT(s.coalesced_groups, batches) << "no batches were coalesced: the test would prove nothing about groups";
+  } else {
+    EXPECT_EQ(s.coalesced_groups, batches);
+  }
 }
 
 TYPED_TEST(transfer_engine_test, a_fast_producer_stays_within_the_batch_and_pinned_bounds) {
-  stays_within_bounds(*this, 3 * mib);  // staged chunk by chunk, each batch alone (past max_coalesced_bytes together)
+  // Staged chunk by chunk, each batch alone (past max_coalesced_bytes together).
+  stays_within_bounds(*this, 3 * mib, 2, false);
 }
 
 TYPED_TEST(transfer_engine_test, a_fast_producer_of_small_batches_stays_within_the_bounds_when_they_are_coalesced) {
-  stays_within_bounds(*this, 300 * kib);  // packed into shared staging blocks, two batches a group at most
+  // Packed into shared staging blocks, up to four batches a group.
+  stays_within_bounds(*this, 300 * kib, 4, true);
 }
 
 // The default ring (max_pinned_bytes) is smaller than a large buffer: the
@@ -265,10 +283,11 @@ TYPED_TEST(transfer_engine_test, a_batch_that_cannot_be_transferred_fails_alone)
   EXPECT_EQ(stats.in_flight, 0u);
 }
 
-// Holds the engine's thread while the test submits: the first batch fills
-// the whole staging ring and its copies wait behind `stall` on the engine's
-// stream, so the thread waits for the ring on the next batch, and the
-// batches submitted meanwhile queue up and are taken as one group.
+// Holds the engine's thread before the test submits: one batch a chunk
+// larger than the staging ring, its copies behind `stall` on the engine's
+// stream. Once the ring is full (awaited here) the thread is inside that
+// batch, waiting for a block until the stall has run, so the batches
+// submitted meanwhile queue up and are taken after it as one group.
 constexpr transfer_config small_ring{.max_batches_in_flight = 8,
                                      .max_pinned_bytes = 4 * mib,
                                      .staging_chunk_bytes = mib,
@@ -276,8 +295,13 @@ constexpr transfer_config small_ring{.max_batches_in_flight = 8,
 template <class Test>
 void hold_the_engine_thread(Test& test, transfer_engine& engine, std::chrono::milliseconds stall) {
   test.device().delay(engine.stream(), stall);
-  engine.submit({pageable(small_ring.max_pinned_bytes, 0xEE)});
-  engine.submit({pageable(100, 0xEF)});
+  engine.submit({pageable(small_ring.max_pinned_bytes + small_ring.staging_chunk_bytes, 0xEE)});
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (engine.stats().pinned.reserved_bytes.aggregate.current <
+         static_cast<std::int64_t>(small_ring.max_pinned_bytes)) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the staging ring never filled";
+    std::this_thread::sleep_for(100us);
+  }
 }
 
 TYPED_TEST(transfer_engine_test, coalesced_batches_each_get_their_own_bytes_read_on_two_streams) {
@@ -286,7 +310,7 @@ TYPED_TEST(transfer_engine_test, coalesced_batches_each_get_their_own_bytes_read
   const backend::stream_ref second = this->other_consumer();
   {
     transfer_engine engine(a, this->copy_stream(), small_ring);
-    hold_the_engine_thread(*this, engine, 100ms);
+    hold_the_engine_thread(*this, engine, 300ms);
     // Mixed batches: small pageable buffers packed together, a pinned one
     // read directly, one larger than a staging chunk staged chunk by chunk.
     auto pinned_block =
@@ -299,7 +323,7 @@ TYPED_TEST(transfer_engine_test, coalesced_batches_each_get_their_own_bytes_read
     // Still held: the group's copies will run after this stall, so a stream
     // that did not wait would read before them.
     dev.delay(engine.stream(), 100ms);
-    for (int i = 0; i < 2; ++i) (void)engine.next(10s);  // the two that held the thread
+    (void)engine.next(10s);  // the one that held the thread
     // Every read is enqueued before any is waited for (into pinned memory:
     // asynchronous on CUDA too), so a read that did not wait shows.
     const auto sizes = [](std::uint64_t i) {
@@ -310,8 +334,10 @@ TYPED_TEST(transfer_engine_test, coalesced_batches_each_get_their_own_bytes_read
     for (std::uint64_t i = 0; i < 6; ++i) {
       batches.push_back(engine.next(10s));
       auto& batch = batches.back();
-      EXPECT_EQ(batch.sequence(), i + 2);
+      EXPECT_EQ(batch.sequence(), i + 1);
       ASSERT_EQ(batch.storages().size(), 3u);
+      // One group: one event, alive while these batches are.
+      EXPECT_EQ(batch.ready(), batches.front().ready()) << "batch " << i << " was not in the first one's group";
       // Batches of one group read on two streams in turn.
       const backend::stream_ref on = i % 2 == 0 ? this->consumer() : second;
       batch.wait_on(on);
@@ -333,8 +359,8 @@ TYPED_TEST(transfer_engine_test, coalesced_batches_each_get_their_own_bytes_read
       }
     }
     const auto s = engine.stats();
-    EXPECT_EQ(s.batches_transferred, 8u);
-    EXPECT_LE(s.coalesced_groups, 4u) << "the six batches queued while the thread was held went in few groups";
+    EXPECT_EQ(s.batches_transferred, 7u);
+    EXPECT_EQ(s.coalesced_groups, 2u) << "the one that held the thread, then the six as one group";
     EXPECT_EQ(s.bytes_staged, s.bytes_copied - 6 * 4 * kib) << "the pinned buffers were read directly";
     EXPECT_LE(s.pinned.reserved_bytes.aggregate.peak, static_cast<std::int64_t>(small_ring.max_pinned_bytes));
   }
@@ -342,9 +368,9 @@ TYPED_TEST(transfer_engine_test, coalesced_batches_each_get_their_own_bytes_read
 
 TYPED_TEST(transfer_engine_test, an_error_in_a_coalesced_batch_fails_only_that_batch_and_leaks_nothing) {
   auto& dev = this->device();
-  auto& a = this->make_allocator("memory_limit_mb:8");
+  auto& a = this->make_allocator("memory_limit_mb:12");
   transfer_engine engine(a, this->copy_stream(), small_ring);
-  hold_the_engine_thread(*this, engine, 100ms);
+  hold_the_engine_thread(*this, engine, 300ms);
   std::atomic<bool> released{false};
   auto pinned_block = std::shared_ptr<void>(dev.allocate_pinned_host(4 * kib), [&](void* p) {
     released = true;
@@ -354,22 +380,26 @@ TYPED_TEST(transfer_engine_test, an_error_in_a_coalesced_batch_fails_only_that_b
   engine.submit({pageable(64 * kib, 1)});
   // Its small buffer is staged and allocated before the large one fails.
   engine.submit({pageable(64 * kib, 2), host_buffer{pinned_block.get(), 4 * kib, true, std::move(pinned_block)},
-                 pageable(16 * mib, 3)});  // past the device allocator's limit
+                 pageable(32 * mib, 3)});  // past the device allocator's limit, not past max_coalesced_bytes
   engine.submit({pageable(64 * kib, 4)});
-  for (int i = 0; i < 2; ++i) (void)engine.next(10s);
+  (void)engine.next(10s);  // the one that held the thread
   const backend::stream_ref s = this->consumer();
   auto first = engine.next(10s);
   EXPECT_THROW((void)engine.next(10s), out_of_memory);
   auto last = engine.next(10s);
-  EXPECT_EQ(last.sequence(), 4u);
+  EXPECT_EQ(last.sequence(), 3u);
+  // A group takes consecutive batches: the two around the failed one share
+  // one event (both alive, so one event, not a reused handle), so all three
+  // were one group.
+  EXPECT_EQ(first.ready(), last.ready()) << "the failed batch did not share a group with the others";
   first.wait_on(s);
   last.wait_on(s);
   EXPECT_TRUE(all_equal(this->read(first.storages()[0].data(), 64 * kib, s), 1));
   EXPECT_TRUE(all_equal(this->read(last.storages()[0].data(), 64 * kib, s), 4));
   const auto stats = engine.stats();
   EXPECT_EQ(stats.batches_failed, 1u);
-  EXPECT_EQ(stats.batches_transferred, 4u);
-  EXPECT_LT(stats.coalesced_groups, 5u) << "the three batches queued while the thread was held went in fewer groups";
+  EXPECT_EQ(stats.batches_transferred, 3u);
+  EXPECT_EQ(stats.coalesced_groups, 2u) << "the one that held the thread, then the three as one group";
   EXPECT_EQ(stats.in_flight, 0u);
   EXPECT_EQ(a.stats().allocations.aggregate.current, 2) << "only the two batches held here";
   const auto deadline = std::chrono::steady_clock::now() + 5s;
