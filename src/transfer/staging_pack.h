@@ -7,8 +7,8 @@
 // So a group of small batches takes one staging block and gives back one,
 // instead of one per buffer.
 //
-// Invariant: used_ <= capacity_, and every byte below used_ belongs to a copy
-// already enqueued on the stream.
+// Invariant: used_ <= capacity_, and every byte below used_ is reserved for a
+// copy (enqueued, or one that failed): none is handed to another buffer.
 //
 // Thread-safety: one thread (the engine's) uses a pack; it lives for one group.
 #pragma once

@@ -31,8 +31,11 @@
 // producer and a slow consumer cannot exhaust memory.
 //
 // Errors: a batch that cannot be transferred (device out of memory, a
-// buffer larger than the staging bound allows) fails alone: next() throws its
-// typed error for it, what it allocated is freed, and later batches go on.
+// buffer larger than the staging bound allows) fails alone, in its group
+// too: next() throws its typed error for it, what it allocated is freed, and
+// the other batches of its group and later batches go on. A failure of the
+// engine's stream, or of making or recording the group's ready event, fails
+// every batch of the group (each throws that error from next()).
 //
 // Thread-safety: submit, next, try_next and stats may be called from any
 // threads at once. Batches come out of next() in submission order (one
@@ -126,7 +129,9 @@ class transferred_batch {
   /// The device storages, in the order of the buffers submitted.
   [[nodiscard]] const std::vector<storage::storage>& storages() const noexcept;
   /// Complete once every copy of the batch has run: the event of its group,
-  /// shared with the batches transferred together with it (recorded once).
+  /// shared with the batches transferred together with it and recorded once
+  /// by the engine. Wait on it or query it; never record it again (that
+  /// would move every batch of the group's readiness).
   [[nodiscard]] backend::event_ref ready() const noexcept;
   /// Work enqueued on `stream` from now on sees the batch's bytes (a
   /// GPU-side wait, no host synchronization), and every storage records a
