@@ -10,13 +10,13 @@
 // one group: their small pageable buffers share staging blocks and the
 // group shares one ready event, so a stream of small batches pays for the
 // event and the staging block once per group (the copies and the storages
-// stay one per buffer, the consumer stream's wait one per batch). Each batch of a group
-// still has its own sequence, storages and error. A consumer takes batches in
-// submission order with next() and makes its stream wait for the copies with
-// transferred_batch::wait_on: a GPU-side wait, and a use of every storage on
-// that stream, so when the consumer drops the batch its memory is reused
-// only after that stream has passed its last use (shoal's stream-aware
-// free). That is what protects batches: events and the free, not holding the
+// stay one per buffer, the consumer stream's wait one per batch). Each batch
+// of a group still has its own sequence, storages and error. A consumer
+// takes batches in submission order with next() and makes its stream wait
+// for the copies with transferred_batch::wait_on: a GPU-side wait, and a use
+// of every storage on that stream, so when the consumer drops the batch its
+// memory is reused only after that stream has passed its last use (shoal's
+// stream-aware free). That is what protects batches: events and the free, not holding the
 // last few batches alive.
 //
 // Backpressure: at most config.max_batches_in_flight batches are submitted
