@@ -287,15 +287,17 @@ TYPED_TEST(transfer_engine_test, a_batch_that_cannot_be_transferred_fails_alone)
 // larger than the staging ring, its copies behind `stall` on the engine's
 // stream. Once the ring is full (awaited here) the thread is inside that
 // batch, waiting for a block until the stall has run, so the batches
-// submitted meanwhile queue up and are taken after it as one group.
+// submitted meanwhile queue up and are taken after it as one group (their
+// buffers made before: filling large ones takes long under ThreadSanitizer).
 constexpr transfer_config small_ring{.max_batches_in_flight = 8,
                                      .max_pinned_bytes = 4 * mib,
                                      .staging_chunk_bytes = mib,
                                      .max_coalesced_bytes = 64 * mib};
 template <class Test>
 void hold_the_engine_thread(Test& test, transfer_engine& engine, std::chrono::milliseconds stall) {
+  host_buffer holder = pageable(small_ring.max_pinned_bytes + small_ring.staging_chunk_bytes, 0xEE);
   test.device().delay(engine.stream(), stall);
-  engine.submit({pageable(small_ring.max_pinned_bytes + small_ring.staging_chunk_bytes, 0xEE)});
+  engine.submit({std::move(holder)});
   const auto deadline = std::chrono::steady_clock::now() + 10s;
   while (engine.stats().pinned.reserved_bytes.aggregate.current <
          static_cast<std::int64_t>(small_ring.max_pinned_bytes)) {
@@ -310,16 +312,18 @@ TYPED_TEST(transfer_engine_test, coalesced_batches_each_get_their_own_bytes_read
   const backend::stream_ref second = this->other_consumer();
   {
     transfer_engine engine(a, this->copy_stream(), small_ring);
-    hold_the_engine_thread(*this, engine, 300ms);
     // Mixed batches: small pageable buffers packed together, a pinned one
     // read directly, one larger than a staging chunk staged chunk by chunk.
     auto pinned_block =
         std::shared_ptr<void>(dev.allocate_pinned_host(4 * kib), [&](void* p) { dev.free_pinned_host(p); });
     std::memset(pinned_block.get(), 0x77, 4 * kib);
+    std::vector<std::vector<host_buffer>> mixed;
     for (std::uint64_t i = 0; i < 6; ++i) {
-      engine.submit({pageable(1000 + i, pattern(i)), host_buffer{pinned_block.get(), 4 * kib, true, pinned_block},
-                     pageable(i == 3 ? 3 * mib : 64 * kib, pattern(i + 100))});
+      mixed.push_back({pageable(1000 + i, pattern(i)), host_buffer{pinned_block.get(), 4 * kib, true, pinned_block},
+                       pageable(i == 3 ? 3 * mib : 64 * kib, pattern(i + 100))});
     }
+    hold_the_engine_thread(*this, engine, 500ms);
+    for (auto& batch : mixed) engine.submit(std::move(batch));
     // Still held: the group's copies will run after this stall, so a stream
     // that did not wait would read before them.
     dev.delay(engine.stream(), 100ms);
@@ -370,17 +374,20 @@ TYPED_TEST(transfer_engine_test, an_error_in_a_coalesced_batch_fails_only_that_b
   auto& dev = this->device();
   auto& a = this->make_allocator("memory_limit_mb:12");
   transfer_engine engine(a, this->copy_stream(), small_ring);
-  hold_the_engine_thread(*this, engine, 300ms);
   std::atomic<bool> released{false};
   auto pinned_block = std::shared_ptr<void>(dev.allocate_pinned_host(4 * kib), [&](void* p) {
     released = true;
     dev.free_pinned_host(p);
   });
   std::memset(pinned_block.get(), 0x66, 4 * kib);
+  // Its small buffer is staged and allocated before the large one fails:
+  // past the device allocator's limit, not past max_coalesced_bytes.
+  std::vector<host_buffer> failing{pageable(64 * kib, 2),
+                                   host_buffer{pinned_block.get(), 4 * kib, true, std::move(pinned_block)},
+                                   pageable(32 * mib, 3)};
+  hold_the_engine_thread(*this, engine, 500ms);
   engine.submit({pageable(64 * kib, 1)});
-  // Its small buffer is staged and allocated before the large one fails.
-  engine.submit({pageable(64 * kib, 2), host_buffer{pinned_block.get(), 4 * kib, true, std::move(pinned_block)},
-                 pageable(32 * mib, 3)});  // past the device allocator's limit, not past max_coalesced_bytes
+  engine.submit(std::move(failing));
   engine.submit({pageable(64 * kib, 4)});
   (void)engine.next(10s);  // the one that held the thread
   const backend::stream_ref s = this->consumer();
