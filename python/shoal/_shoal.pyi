@@ -476,7 +476,7 @@ class TransferEngine:
     Background host-to-device transfer: a thread and a stream of its own copy submitted host buffers into device storages (shoal.transfer.Engine is the batch API).
     """
 
-    def __init__(self, allocator: Allocator, max_batches_in_flight: int = 4, max_pinned_bytes: int = 33554432, staging_chunk_bytes: int = 4194304, staging_helpers: int | None = None, staging_stores: str = 'streaming') -> None: ...
+    def __init__(self, allocator: Allocator, max_batches_in_flight: int = 4, max_pinned_bytes: int = 33554432, staging_chunk_bytes: int = 4194304, staging_helpers: int | None = None, staging_stores: str = 'streaming', max_coalesced_bytes: int = 4194304) -> None: ...
 
     def submit(self, buffers: Sequence[tuple[int, int, bool, object]], timeout: float | None = None) -> int:
         """
@@ -490,7 +490,7 @@ class TransferEngine:
 
     def stats(self) -> dict:
         """
-        Counters as a dict: batches submitted, transferred, failed and taken, bytes copied and staged, batches in flight (now and at the peak), pinned staging memory (now and at the peak).
+        Counters as a dict: batches submitted, transferred, failed and taken, coalesced_groups (the groups of batches the engine's thread took together, each sharing one ready event; failed ones count), bytes copied and staged, batches in flight (now and at the peak), pinned staging memory (now and at the peak).
         """
 
     def close(self) -> None:

@@ -125,6 +125,10 @@ class Engine:
     on some hosts with many staging threads: measure).
     ``staging_helpers``: threads that help copy pageable bytes into staging memory (None:
     half the CPUs this process may run on less the engine's own thread, at most 7).
+    ``max_coalesced_bytes``: batches found queued together are transferred as one group of
+    at most this many bytes (0: each batch alone): the group shares one ready event and its
+    small pageable arrays share staging blocks, which cuts the cost of small batches; a
+    group's first batch is handed out once the whole group is enqueued.
 
     Thread-safe: several producers may submit, and batches come out of ``get`` in
     submission order. Close it (or use it as a context manager) to stop the thread;
@@ -140,6 +144,7 @@ class Engine:
         staging_chunk_bytes: int = 4 << 20,
         staging_helpers: Optional[int] = None,
         staging_stores: str = "streaming",
+        max_coalesced_bytes: int = 4 << 20,
     ) -> None:
         self._engine = _shoal.TransferEngine(
             allocator if allocator is not None else _default_engine_allocator(),
@@ -148,6 +153,7 @@ class Engine:
             staging_chunk_bytes,
             staging_helpers,
             staging_stores,
+            max_coalesced_bytes,
         )
         # Each batch's structure and leaf types, by sequence number, until taken. Submits
         # are serialized so that the number is known before the engine can hand the
@@ -218,8 +224,11 @@ class Engine:
         return _rebuild(structure, views)
 
     def stats(self) -> dict:
-        """Counters: batches submitted, transferred, failed and taken; bytes copied and staged;
-        batches in flight now and at the peak; pinned staging memory now and at the peak."""
+        """Counters: batches submitted, transferred, failed and taken; ``coalesced_groups``, the
+        groups of batches the engine's thread took together (each sharing one ready event; a
+        batch alone is a group of one, and groups that failed count too); bytes copied and
+        staged; batches in flight now and at the peak; pinned staging memory now and at the
+        peak."""
         return self._engine.stats()
 
     def close(self) -> None:

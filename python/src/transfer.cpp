@@ -107,7 +107,7 @@ void register_transfer(nb::module_& m) {
           "__init__",
           [](py_transfer_engine* self, const py_allocator& allocator, std::size_t max_batches_in_flight,
              std::size_t max_pinned_bytes, std::size_t staging_chunk_bytes, std::optional<std::size_t> staging_helpers,
-             const std::string& staging_stores) {
+             const std::string& staging_stores, std::size_t max_coalesced_bytes) {
             auto& device = allocator.state->allocator().device();
             // A stream of its own, kept as long as the allocator (its
             // storages are freed on it).
@@ -120,11 +120,11 @@ void register_transfer(nb::module_& m) {
                     transfer::transfer_config{
                         max_batches_in_flight, max_pinned_bytes, staging_chunk_bytes,
                         staging_helpers.value_or(transfer::transfer_config::automatic_staging_helpers),
-                        parse_staging_stores(staging_stores)})};
+                        parse_staging_stores(staging_stores), max_coalesced_bytes})};
           },
           nb::arg("allocator"), nb::arg("max_batches_in_flight") = 4, nb::arg("max_pinned_bytes") = 32u << 20,
           nb::arg("staging_chunk_bytes") = 4u << 20, nb::arg("staging_helpers").none() = nb::none(),
-          nb::arg("staging_stores") = "streaming")
+          nb::arg("staging_stores") = "streaming", nb::arg("max_coalesced_bytes") = 4u << 20)
       .def(
           "submit",
           [](const py_transfer_engine& e, const std::vector<std::tuple<std::uintptr_t, std::size_t, bool, nb::object>>&
@@ -166,6 +166,7 @@ void register_transfer(nb::module_& m) {
             d["batches_transferred"] = s.batches_transferred;
             d["batches_failed"] = s.batches_failed;
             d["batches_taken"] = s.batches_taken;
+            d["coalesced_groups"] = s.coalesced_groups;
             d["bytes_copied"] = s.bytes_copied;
             d["bytes_staged"] = s.bytes_staged;
             d["in_flight"] = s.in_flight;
@@ -174,7 +175,9 @@ void register_transfer(nb::module_& m) {
             d["pinned_peak_reserved_bytes"] = s.pinned.reserved_bytes.aggregate.peak;
             return d;
           },
-          "Counters as a dict: batches submitted, transferred, failed and taken, bytes copied and staged, "
+          "Counters as a dict: batches submitted, transferred, failed and taken, coalesced_groups (the groups "
+          "of batches the engine's thread took together, each sharing one ready event; failed ones count), "
+          "bytes copied and staged, "
           "batches in flight (now and at the peak), pinned staging memory (now and at the peak).")
       .def("close", [](py_transfer_engine& e) { e.close(); },
            "Finishes the batches submitted, waits for their copies and stops the thread. Idempotent.")

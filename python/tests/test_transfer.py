@@ -223,3 +223,33 @@ def test_batches_come_out_as_torch_tensors_on_the_same_memory(engine):
     assert isinstance(out["x"], torch.Tensor) and out["x"].is_cuda
     assert torch.equal(out["x"].cpu(), torch.arange(1000, dtype=torch.float32))
     assert torch.equal(out["y"][0].cpu(), torch.ones(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("max_coalesced_bytes", [0, 4 << 20])
+def test_small_batches_queued_together_each_arrive_with_their_own_values(max_coalesced_bytes):
+    # The engine's thread is held while the small batches are submitted: the first batch
+    # takes all of a memory-limited allocator and is read last by a consumer's stream kept
+    # busy for half a second, so the engine's next allocation waits for that stream to pass
+    # the read, and the batches submitted meanwhile queue up.
+    allocator = shoal.Allocator(memory_limit_mb=4)
+    consumer = shoal.Stream(allocator.device)
+    with shoal.transfer.Engine(
+        allocator, max_batches_in_flight=17, max_coalesced_bytes=max_coalesced_bytes
+    ) as engine:
+        engine.submit([numpy.zeros(4 << 20, "uint8")])
+        (held,) = engine.get(timeout=10, stream=consumer)
+        consumer.delay(0.5)
+        del held  # its memory returns once the consumer's stream has passed the delay
+        for i in range(16):
+            engine.submit([numpy.full((1000 + i,), i, "int32")])
+        for i in range(16):
+            numpy.testing.assert_array_equal(host_copy(engine.get(timeout=10)[0]), numpy.full((1000 + i,), i, "int32"))
+        stats = engine.stats()
+        assert stats["batches_transferred"] == 17
+        if max_coalesced_bytes == 0:
+            assert stats["coalesced_groups"] == 17, "each batch alone"
+        else:
+            assert stats["coalesced_groups"] < 17, "no batches were coalesced: the test would prove nothing"
+        consumer.synchronize()
+    gc.collect()
+    assert allocator.stats()["allocations"]["all"]["current"] == 0, "device storages leaked"

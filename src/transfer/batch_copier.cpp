@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "shoal/core/error.h"
+#include "transfer/staging_pack.h"
 
 namespace shoal::transfer {
 
@@ -42,20 +43,76 @@ transfer_engine::batch_copier::batch_copier(alloc::caching_allocator& device_all
 
 transfer_engine::batch_copier::~batch_copier() { release_all(); }
 
-std::shared_ptr<const transferred_batch::state> transfer_engine::batch_copier::copy(job& j) {
-  // The engine thread runs ahead of its stream no further than
-  // queue_depth_ batches: otherwise a consumer that takes and drops batches
-  // at once (its stream lagging behind) would let copies, and the device
-  // memory they fill, pile up without bound.
-  while (queued_.size() >= queue_depth_) {
-    queued_.front()->synchronize();
+std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::span<job> jobs) {
+  std::vector<outcome> outcomes;
+  outcomes.reserve(jobs.size());
+  std::shared_ptr<backend::event> ready;
+  try {
+    make_room(jobs.size());
+    ready = std::make_shared<backend::event>(device_);
+  } catch (...) {
+    // The stream failed, or no event could be made: no batch of the group
+    // can be transferred.
+    for (const job& j : jobs) outcomes.push_back({j.sequence, nullptr, std::current_exception()});
+    return outcomes;
+  }
+  std::vector<std::shared_ptr<const void>> read_directly;
+  {
+    std::size_t packed_bytes = 0;
+    for (const job& j : jobs) {
+      for (const host_buffer& b : j.buffers) {
+        if (!b.pinned && staging_pack::takes(b.bytes, chunk_bytes_)) packed_bytes += staging_pack::footprint(b.bytes);
+      }
+    }
+    staging_pack pack(pinned_, stream_, chunk_bytes_, packed_bytes, memcpy_, stores_);
+    for (job& j : jobs) {
+      outcome o{j.sequence, nullptr, nullptr};
+      try {
+        o.batch = transfer(j, ready, pack, read_directly);
+      } catch (...) {
+        o.error = std::current_exception();
+      }
+      outcomes.push_back(std::move(o));
+    }
+  }  // the pack's last block is given back after the copies reading it
+  try {
+    ready->record(stream_);
+  } catch (...) {
+    // No batch of the group could be waited for: each fails, its storages
+    // freed after its copies.
+    for (outcome& o : outcomes) {
+      if (o.batch) o.error = std::current_exception();
+      o.batch = nullptr;
+    }
+    hold_until_now(std::move(read_directly));
+    return outcomes;
+  }
+  if (!read_directly.empty()) held_.push_back({ready, std::move(read_directly)});
+  queued_.push_back({ready, jobs.size()});
+  queued_batches_ += jobs.size();
+  return outcomes;
+}
+
+// The engine thread runs ahead of its stream by no more than queue_depth_
+// batches: otherwise a consumer that takes and drops batches at once (its
+// stream lagging behind) would let copies, and the device memory they fill,
+// pile up without bound.
+void transfer_engine::batch_copier::make_room(std::size_t batches) {
+  while (!queued_.empty() && queued_batches_ + batches > queue_depth_) {
+    queued_.front().done->synchronize();
+    queued_batches_ -= queued_.front().batches;
     queued_.pop_front();
   }
+}
+
+std::shared_ptr<const transferred_batch::state> transfer_engine::batch_copier::transfer(
+    job& j, const std::shared_ptr<backend::event>& ready, staging_pack& pack,
+    std::vector<std::shared_ptr<const void>>& read_directly) {
   auto batch = std::make_shared<transferred_batch::state>();
   batch->sequence = j.sequence;
   batch->device = &device_;
+  batch->ready = ready;
   batch->storages.reserve(j.buffers.size());
-  std::vector<std::shared_ptr<const void>> read_directly;
   try {
     for (host_buffer& source : j.buffers) {
       auto target = storage::storage::allocate(device_allocator_, source.bytes, stream_);
@@ -64,27 +121,26 @@ std::shared_ptr<const transferred_batch::state> transfer_engine::batch_copier::c
         device_.copy(stream_, dst, source.data, source.bytes);
         if (source.keep_alive) read_directly.push_back(std::move(source.keep_alive));
       } else {
-        stage(dst, source);
+        if (staging_pack::takes(source.bytes, chunk_bytes_)) {
+          pack.stage(dst, source);
+        } else {
+          pack.give_back();
+          stage_in_chunks(dst, source);
+        }
+        bytes_staged_.fetch_add(source.bytes, std::memory_order_relaxed);
         source.keep_alive.reset();  // staged: the engine needs the source no longer
       }
       bytes_copied_.fetch_add(source.bytes, std::memory_order_relaxed);
       batch->storages.push_back(std::move(target));
     }
-    batch->ready = std::make_shared<backend::event>(device_);
-    batch->ready->record(stream_);
   } catch (...) {
-    // The storages taken so far are freed on the engine's stream, after
-    // their copies; the sources read directly wait for those copies too.
-    batch->storages.clear();
-    hold_until_now(std::move(read_directly));
+    batch->storages.clear();  // freed on the engine's stream, after their copies
     throw;
   }
-  if (!read_directly.empty()) held_.push_back({batch->ready, std::move(read_directly)});
-  queued_.push_back(batch->ready);
   return batch;
 }
 
-void transfer_engine::batch_copier::stage(void* dst, const host_buffer& source) {
+void transfer_engine::batch_copier::stage_in_chunks(void* dst, const host_buffer& source) {
   const auto* from = static_cast<const std::byte*>(source.data);
   auto* to = static_cast<std::byte*>(dst);
   for (std::size_t offset = 0; offset < source.bytes; offset += chunk_bytes_) {
@@ -100,7 +156,6 @@ void transfer_engine::batch_copier::stage(void* dst, const host_buffer& source) 
       throw;
     }
     pinned_.deallocate(staging, stream_);
-    bytes_staged_.fetch_add(n, std::memory_order_relaxed);
   }
 }
 
@@ -131,6 +186,7 @@ void transfer_engine::batch_copier::release_all() noexcept {
   }
   held_.clear();
   queued_.clear();
+  queued_batches_ = 0;
 }
 
 }  // namespace shoal::transfer

@@ -1,7 +1,8 @@
-// The engine thread's work on one batch: a device storage per buffer, the
-// bytes moved into it on the engine's stream (staged through pinned blocks
-// when the source is pageable), the ready event, and the sources held until
-// the copies reading them have run.
+// The engine thread's work on one group of batches taken together: a device
+// storage per buffer, the bytes moved into it on the engine's stream (small
+// pageable buffers packed into shared staging blocks, larger ones staged
+// chunk by chunk, pinned ones copied directly), one ready event for the
+// group, and the sources held until the copies reading them have run.
 //
 // Thread-safety: copy, release_finished and release_all are called by the
 // engine's thread only; pinned_stats and the byte counters from any thread.
@@ -11,6 +12,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "shoal/alloc/caching_allocator.h"
@@ -19,6 +21,8 @@
 
 namespace shoal::transfer {
 
+class staging_pack;
+
 class transfer_engine::batch_copier {
  public:
   batch_copier(alloc::caching_allocator& device_allocator, backend::stream_ref stream, const transfer_config& config);
@@ -26,10 +30,11 @@ class transfer_engine::batch_copier {
   batch_copier(const batch_copier&) = delete;
   batch_copier& operator=(const batch_copier&) = delete;
 
-  /// Transfers `j`'s buffers. On an error, what the batch took is freed (in
-  /// stream order), its sources are held until the copies already enqueued
-  /// have run, and the error is thrown.
-  std::shared_ptr<const transferred_batch::state> copy(job& j);
+  /// Transfers the batches of `jobs` (at most max_batches_in_flight) as one
+  /// group sharing a ready event: one outcome per job, in their order. A
+  /// batch that fails fails alone: what it allocated is freed (in stream
+  /// order), its sources are held until the group's copies have run.
+  std::vector<outcome> copy(std::span<job> jobs);
   /// Lets go of the sources whose copies have run. True while some remain.
   bool release_finished();
   /// Waits for every copy, then lets go of every source.
@@ -45,8 +50,20 @@ class transfer_engine::batch_copier {
     std::shared_ptr<backend::event> done;
     std::vector<std::shared_ptr<const void>> sources;
   };
+  // A group whose copies are queued on the stream.
+  struct queued_group {
+    std::shared_ptr<backend::event> done;
+    std::size_t batches;
+  };
 
-  void stage(void* dst, const host_buffer& source);
+  // One batch of the group: its storages, its bytes enqueued. Sources read
+  // directly go to `read_directly`, kept until the group's copies have run.
+  std::shared_ptr<const transferred_batch::state> transfer(job& j, const std::shared_ptr<backend::event>& ready,
+                                                           staging_pack& pack,
+                                                           std::vector<std::shared_ptr<const void>>& read_directly);
+  void stage_in_chunks(void* dst, const host_buffer& source);
+  // Waits until `batches` more fit in the stream's queue.
+  void make_room(std::size_t batches);
   // Holds `sources` until the work enqueued on the stream so far has run.
   void hold_until_now(std::vector<std::shared_ptr<const void>> sources) noexcept;
 
@@ -56,9 +73,10 @@ class transfer_engine::batch_copier {
   const std::size_t chunk_bytes_;
   alloc::caching_allocator pinned_;
   std::deque<held_sources> held_;  // oldest first
-  // The ready events of the last batches copied, oldest first: at most
-  // queue_depth_ batches' copies are queued on the stream at once.
-  std::deque<std::shared_ptr<backend::event>> queued_;
+  // The groups copied last, oldest first: queued_batches_ = the sum of their
+  // batches <= queue_depth_, the batches whose copies may be queued at once.
+  std::deque<queued_group> queued_;
+  std::size_t queued_batches_ = 0;
   const std::size_t queue_depth_;
   const store_kind stores_;
   parallel_memcpy memcpy_;

@@ -3,6 +3,7 @@
 // be taken.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -16,14 +17,21 @@ struct transferred_batch::state {
   std::uint64_t sequence = 0;
   std::vector<storage::storage> storages;
   backend::device* device = nullptr;
-  /// Recorded on the engine's stream after the batch's last copy; shared
-  /// with the sources held until the copies have run.
+  /// Recorded once on the engine's stream after the last copy of the batch's
+  /// group, shared by the batches of the group and with the sources held
+  /// until the copies have run.
   std::shared_ptr<backend::event> ready;
 };
 
 struct transfer_engine::job {
   std::uint64_t sequence = 0;
   std::vector<host_buffer> buffers;
+
+  [[nodiscard]] std::size_t bytes() const noexcept {
+    std::size_t total = 0;
+    for (const host_buffer& b : buffers) total += b.bytes;
+    return total;
+  }
 };
 
 /// Exactly one of `batch` and `error` is set.

@@ -5,7 +5,6 @@
 #include "shoal/core/error.h"
 #include "transfer/batch_copier.h"
 #include "transfer/batch_state.h"
-#include "transfer/spin_wait.h"
 
 namespace shoal::transfer {
 
@@ -49,10 +48,6 @@ bool wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
   return cv.wait_for(lock, timeout, ready);
 }
 
-// How long the worker and next() watch for a batch before they sleep: a
-// stream of small batches hands one over every few microseconds.
-constexpr std::chrono::microseconds handover_window{50};
-
 }  // namespace
 
 // ---- transferred_batch ------------------------------------------------------------
@@ -92,8 +87,6 @@ transfer_engine::~transfer_engine() {
 
 std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chrono::milliseconds timeout) {
   check_batch(batch);
-  spin_for(handover_window,
-           [&] { return in_flight_.load(std::memory_order_acquire) < config_.max_batches_in_flight; });
   std::unique_lock lock(mutex_);
   const bool room = wait_until(room_ready_, lock, timeout, [&] {
     return stopping_ || counters_.in_flight < config_.max_batches_in_flight;
@@ -106,17 +99,14 @@ std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chron
   }
   const std::uint64_t sequence = next_sequence_++;
   jobs_.push_back({sequence, std::move(batch)});
-  jobs_waiting_.store(jobs_.size(), std::memory_order_release);
   ++counters_.batches_submitted;
   counters_.peak_in_flight = std::max(counters_.peak_in_flight, ++counters_.in_flight);
-  in_flight_.store(counters_.in_flight, std::memory_order_release);
   lock.unlock();
   work_ready_.notify_one();
   return sequence;
 }
 
 transferred_batch transfer_engine::next(std::chrono::milliseconds timeout) {
-  spin_for(handover_window, [&] { return outcomes_waiting_.load(std::memory_order_acquire) > 0; });
   std::unique_lock lock(mutex_);
   if (!wait_until(outcome_ready_, lock, timeout, [&] { return !outcomes_.empty(); })) {
     throw timeout_error("transfer_engine::next: no batch was transferred within " + std::to_string(timeout.count()) +
@@ -134,10 +124,8 @@ std::optional<transferred_batch> transfer_engine::try_next() {
 transferred_batch transfer_engine::take_locked(std::unique_lock<std::mutex>& lock) {
   outcome o = std::move(outcomes_.front());
   outcomes_.pop_front();
-  outcomes_waiting_.store(outcomes_.size(), std::memory_order_release);
   ++counters_.batches_taken;
   --counters_.in_flight;
-  in_flight_.store(counters_.in_flight, std::memory_order_release);
   lock.unlock();
   room_ready_.notify_one();
   if (o.error) std::rethrow_exception(o.error);
@@ -157,9 +145,8 @@ transfer_stats transfer_engine::stats() const {
 }
 
 void transfer_engine::run() noexcept {
+  std::vector<job> group;
   for (;;) {
-    job j;
-    spin_for(handover_window, [&] { return jobs_waiting_.load(std::memory_order_acquire) > 0; });
     {
       std::unique_lock lock(mutex_);
       // With sources still held, look at their copies every millisecond;
@@ -174,25 +161,34 @@ void transfer_engine::run() noexcept {
         if (stopping_) return;
         continue;
       }
-      j = std::move(jobs_.front());
-      jobs_.pop_front();
-      jobs_waiting_.store(jobs_.size(), std::memory_order_release);
+      take_group_locked(group);
     }
-    outcome o{j.sequence, nullptr, nullptr};
-    try {
-      o.batch = copier_->copy(j);
-    } catch (...) {
-      o.error = std::current_exception();
-    }
-    j.buffers.clear();  // sources staged or held by the copier: let go of the rest outside the lock
+    std::vector<outcome> done = copier_->copy(group);
+    group.clear();  // sources staged or held by the copier: let go of the rest outside the lock
     {
       std::lock_guard lock(mutex_);
-      ++(o.error ? counters_.batches_failed : counters_.batches_transferred);
-      outcomes_.push_back(std::move(o));
-      outcomes_waiting_.store(outcomes_.size(), std::memory_order_release);
+      ++counters_.coalesced_groups;
+      for (outcome& o : done) {
+        ++(o.error ? counters_.batches_failed : counters_.batches_transferred);
+        outcomes_.push_back(std::move(o));
+      }
     }
     outcome_ready_.notify_all();
   }
+}
+
+void transfer_engine::take_group_locked(std::vector<job>& group) {
+  // The first job goes whatever its size; the next while the group stays
+  // within max_coalesced_bytes. jobs_ holds at most max_batches_in_flight
+  // jobs (each is in flight), so a group holds no more.
+  std::size_t bytes = 0;
+  do {
+    const std::size_t next_bytes = jobs_.front().bytes();
+    if (!group.empty() && bytes + next_bytes > config_.max_coalesced_bytes) break;
+    bytes += next_bytes;
+    group.push_back(std::move(jobs_.front()));
+    jobs_.pop_front();
+  } while (!jobs_.empty());
 }
 
 }  // namespace shoal::transfer

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -36,12 +37,18 @@ template <class Backend>
 class transfer_engine_test : public backend_test<Backend> {
  public:
   alloc::caching_allocator& make_allocator(std::string_view conf = "") {
+    allocator_.reset();
     copy_stream_ = std::make_unique<stream>(this->device());
+    consumer_ = std::make_unique<stream>(this->device());
+    other_consumer_ = std::make_unique<stream>(this->device());
     allocator_ = std::make_unique<alloc::caching_allocator>(this->device(), alloc::allocator_config::parse(conf));
     return *allocator_;
   }
-  /// The engine's copy stream: made before the allocator, gone after it.
+  /// The engine's copy stream and two consumers' streams: made before the
+  /// allocator, gone after it (transfer_engine.h, Lifetimes).
   backend::stream_ref copy_stream() const { return copy_stream_->ref(); }
+  backend::stream_ref consumer() const { return consumer_->ref(); }
+  backend::stream_ref other_consumer() const { return other_consumer_->ref(); }
 
  protected:
   void TearDown() override {
@@ -49,7 +56,7 @@ class transfer_engine_test : public backend_test<Backend> {
     EXPECT_EQ(allocator_->stats().allocations.aggregate.current, 0) << "device storages left allocated";
     allocator_.reset();
   }
-  std::unique_ptr<stream> copy_stream_;
+  std::unique_ptr<stream> copy_stream_, consumer_, other_consumer_;
   std::unique_ptr<alloc::caching_allocator> allocator_;
 };
 TYPED_TEST_SUITE(transfer_engine_test, backend_types, backend_names);
@@ -59,7 +66,7 @@ TYPED_TEST(transfer_engine_test, batches_arrive_in_submission_order_with_every_b
   auto& a = this->make_allocator();
   transfer_engine engine(a, this->copy_stream(),
                          {.max_batches_in_flight = 3, .max_pinned_bytes = 2 * mib, .staging_chunk_bytes = 256 * kib});
-  stream consumer(dev);
+  const backend::stream_ref consumer = this->consumer();
   std::thread producer([&] {
     for (std::uint64_t i = 0; i < 12; ++i) {
       // Two buffers: one staged in several chunks, one small.
@@ -88,16 +95,23 @@ TYPED_TEST(transfer_engine_test, batches_arrive_in_submission_order_with_every_b
 // own stream and drops the batch at once, while the engine keeps producing
 // into freshly freed memory. `record_use` false is the unsafe control: the
 // consumer's stream waits for the copies but the storages never learn of it.
+// `coalesce`: the engine's stream stalls before every fourth batch, so the
+// engine's thread waits for room on it while batches queue, and takes them
+// in groups (checked); otherwise each batch goes alone.
 template <class Test>
-int corrupted_batches(Test& test, bool record_use) {
+int corrupted_batches(Test& test, bool record_use, bool coalesce) {
   auto& dev = test.device();
   auto& a = test.make_allocator();
-  transfer_engine engine(a, test.copy_stream(), {.max_batches_in_flight = 4});
+  transfer_engine engine(a, test.copy_stream(),
+                         {.max_batches_in_flight = 4, .max_coalesced_bytes = coalesce ? 4 * mib : 0});
   constexpr std::uint64_t batches = 16;
   constexpr std::size_t bytes = 256 * kib;
-  stream model(dev);
+  const backend::stream_ref model = test.consumer();
   std::thread producer([&] {
-    for (std::uint64_t i = 0; i < batches; ++i) engine.submit({pageable(bytes, pattern(i))});
+    for (std::uint64_t i = 0; i < batches; ++i) {
+      if (coalesce && i % 4 == 0) dev.delay(engine.stream(), 30ms);
+      engine.submit({pageable(bytes, pattern(i))});
+    }
   });
   // Pinned, so that the reads are asynchronous on CUDA too (a copy into
   // pageable memory returns only once it has run, which would serialize the
@@ -120,18 +134,30 @@ int corrupted_batches(Test& test, bool record_use) {
     corrupted += all_equal(std::vector<std::uint8_t>(seen + i * bytes, seen + (i + 1) * bytes), pattern(i)) ? 0 : 1;
   }
   dev.free_pinned_host(seen);
+  const auto s = engine.stats();
+  if (coalesce) {
+    EXPECT_LT(s.coalesced_groups, batches) << "no batches were coalesced: the test would prove nothing about groups";
+  } else {
+    EXPECT_EQ(s.coalesced_groups, batches);
+  }
   return corrupted;
 }
 
 TYPED_TEST(transfer_engine_test, a_batch_dropped_while_its_read_is_queued_is_never_overwritten) {
-  EXPECT_EQ(corrupted_batches(*this, true), 0);
+  EXPECT_EQ(corrupted_batches(*this, true, false), 0);
+}
+
+TYPED_TEST(transfer_engine_test, a_coalesced_batch_dropped_while_its_read_is_queued_is_never_overwritten) {
+  EXPECT_EQ(corrupted_batches(*this, true, true), 0);
 }
 
 TYPED_TEST(transfer_engine_test, control_without_the_use_recorded_the_engine_overwrites_batches_still_being_read) {
 #if defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "a real data race between two streams, on purpose: not under ThreadSanitizer";
 #endif
-  EXPECT_GT(corrupted_batches(*this, false), 0) << "the race did not show: the safe test would prove nothing";
+  EXPECT_GT(corrupted_batches(*this, false, false), 0) << "the race did not show: the safe test would prove nothing";
+  EXPECT_GT(corrupted_batches(*this, false, true), 0)
+      << "the race did not show with groups: the safe test would prove nothing";
 }
 
 TYPED_TEST(transfer_engine_test, a_pinned_source_is_held_until_the_copy_reading_it_has_run) {
@@ -139,7 +165,7 @@ TYPED_TEST(transfer_engine_test, a_pinned_source_is_held_until_the_copy_reading_
   auto& a = this->make_allocator();
   alloc::caching_allocator pinned_memory(dev, alloc::allocator_config::parse("memory:pinned_host"));
   transfer_engine engine(a, this->copy_stream());
-  stream s(dev);
+  const backend::stream_ref s = this->consumer();
   void* block = pinned_memory.allocate(64 * kib, s);
   std::memset(block, 0x5A, 64 * kib);
   std::atomic<bool> released{false};
@@ -159,22 +185,28 @@ TYPED_TEST(transfer_engine_test, a_pinned_source_is_held_until_the_copy_reading_
   pinned_memory.deallocate(block, s);
 }
 
-TYPED_TEST(transfer_engine_test, a_fast_producer_stays_within_the_batch_and_pinned_bounds) {
-  auto& dev = this->device();
-  auto& a = this->make_allocator();
-  const transfer_config config{.max_batches_in_flight = 2, .max_pinned_bytes = 4 * mib, .staging_chunk_bytes = mib};
-  transfer_engine engine(a, this->copy_stream(), config);
+// A fast producer of `bytes`-byte batches against a slow consumer, at most
+// `in_flight` batches in flight. The engine's copies wait behind a stall at
+// first: the first `in_flight` batches fill its stream's queue, so the
+// engine's thread waits for room on the stream with the next batch while
+// the consumer takes those and the producer queues up more (with
+// `in_flight` > 2 several more: they are taken as one group).
+template <class Test>
+void stays_within_bounds(Test& test, std::size_t bytes, std::size_t in_flight, bool coalesced) {
+  auto& dev = test.device();
+  auto& a = test.make_allocator();
+  const transfer_config config{
+      .max_batches_in_flight = in_flight, .max_pinned_bytes = 4 * mib, .staging_chunk_bytes = mib};
+  transfer_engine engine(a, test.copy_stream(), config);
   dev.delay(engine.stream(), 100ms);
-  engine.submit({pageable(3 * mib, 1)});
-  engine.submit({pageable(3 * mib, 2)});
-  EXPECT_THROW(engine.submit({pageable(3 * mib, 3)}, 50ms), timeout_error) << "a third batch while two are in flight";
-  stream consumer(dev);
-  std::atomic<bool> done{false};
+  for (std::size_t i = 0; i < in_flight; ++i) engine.submit({pageable(bytes, 1)});
+  EXPECT_THROW(engine.submit({pageable(bytes, 3)}, 50ms), timeout_error) << "one batch more than may be in flight";
+  const backend::stream_ref consumer = test.consumer();
   std::thread producer([&] {
-    for (std::uint64_t i = 0; i < 20; ++i) engine.submit({pageable(3 * mib, pattern(i))});
-    done = true;
+    for (std::uint64_t i = 0; i < 20; ++i) engine.submit({pageable(bytes, pattern(i))});
   });
-  for (int i = 0; i < 22; ++i) {
+  const std::size_t batches = in_flight + 20;
+  for (std::size_t i = 0; i < batches; ++i) {
     auto batch = engine.next(10s);
     batch.wait_on(consumer);
     dev.delay(consumer, 5ms);  // a slow consumer
@@ -184,7 +216,27 @@ TYPED_TEST(transfer_engine_test, a_fast_producer_stays_within_the_batch_and_pinn
   const auto s = engine.stats();
   EXPECT_LE(s.peak_in_flight, config.max_batches_in_flight);
   EXPECT_LE(s.pinned.reserved_bytes.aggregate.peak, static_cast<std::int64_t>(config.max_pinned_bytes));
-  EXPECT_EQ(s.bytes_staged, 22u * 3 * mib);
+  EXPECT_EQ(s.bytes_staged, batches * bytes);
+  // Device memory held by batches' storages: those in flight (transferred or
+  // being transferred, not taken) and the one the consumer holds. Storages
+  // dropped and waiting for the consumer's stream are no longer held (the
+  // consumer's own pace bounds those).
+  EXPECT_LE(a.stats().requested_bytes.aggregate.peak, static_cast<std::int64_t>((in_flight + 1) * bytes));
+  if (coalesced) {
+    EXPECT_LT(s.coalesced_groups, batches) << "no batches were coalesced: the test would prove nothing about groups";
+  } else {
+    EXPECT_EQ(s.coalesced_groups, batches);
+  }
+}
+
+TYPED_TEST(transfer_engine_test, a_fast_producer_stays_within_the_batch_and_pinned_bounds) {
+  // Staged chunk by chunk, each batch alone (past max_coalesced_bytes together).
+  stays_within_bounds(*this, 3 * mib, 2, false);
+}
+
+TYPED_TEST(transfer_engine_test, a_fast_producer_of_small_batches_stays_within_the_bounds_when_they_are_coalesced) {
+  // Packed into shared staging blocks, up to four batches a group.
+  stays_within_bounds(*this, 300 * kib, 4, true);
 }
 
 // The default ring (max_pinned_bytes) is smaller than a large buffer: the
@@ -196,7 +248,7 @@ TYPED_TEST(transfer_engine_test, a_buffer_larger_than_the_staging_ring_arrives_w
   const std::size_t bytes = transfer_config{}.max_pinned_bytes + 5 * mib + 17;
   for (auto stores : {transfer_config::stores::streaming, transfer_config::stores::cached}) {
     transfer_engine engine(a, this->copy_stream(), {.staging_stores = stores});
-    stream consumer(dev);
+    const backend::stream_ref consumer = this->consumer();
     // Each chunk of the buffer holds its own value, so a ring block handed
     // out again before its copy ran would show as another chunk's bytes.
     auto data = std::make_shared<std::vector<std::uint8_t>>(bytes);
@@ -216,7 +268,7 @@ TYPED_TEST(transfer_engine_test, a_buffer_larger_than_the_staging_ring_arrives_w
 TYPED_TEST(transfer_engine_test, a_batch_that_cannot_be_transferred_fails_alone) {
   auto& dev = this->device();
   auto& a = this->make_allocator("memory_limit_mb:8");
-  stream s(dev);  // before the batch: a stream must outlive the storages used on it
+  const backend::stream_ref s = this->consumer();
   transfer_engine engine(a, this->copy_stream());
   engine.submit({pageable(64 * kib, 1), pageable(16 * mib, 2)});  // past the device allocator's limit
   engine.submit({pageable(64 * kib, 3)});
@@ -231,10 +283,143 @@ TYPED_TEST(transfer_engine_test, a_batch_that_cannot_be_transferred_fails_alone)
   EXPECT_EQ(stats.in_flight, 0u);
 }
 
+// Holds the engine's thread before the test submits: one batch a chunk
+// larger than the staging ring, its copies behind `stall` on the engine's
+// stream. Once the ring is full (awaited here) the thread is inside that
+// batch, waiting for a block until the stall has run, so the batches
+// submitted meanwhile queue up and are taken after it as one group (their
+// buffers made before: filling large ones takes long under ThreadSanitizer).
+constexpr transfer_config small_ring{.max_batches_in_flight = 8,
+                                     .max_pinned_bytes = 4 * mib,
+                                     .staging_chunk_bytes = mib,
+                                     .max_coalesced_bytes = 64 * mib};
+template <class Test>
+void hold_the_engine_thread(Test& test, transfer_engine& engine, std::chrono::milliseconds stall) {
+  host_buffer holder = pageable(small_ring.max_pinned_bytes + small_ring.staging_chunk_bytes, 0xEE);
+  test.device().delay(engine.stream(), stall);
+  engine.submit({std::move(holder)});
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (engine.stats().pinned.reserved_bytes.aggregate.current <
+         static_cast<std::int64_t>(small_ring.max_pinned_bytes)) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the staging ring never filled";
+    std::this_thread::sleep_for(100us);
+  }
+}
+
+TYPED_TEST(transfer_engine_test, coalesced_batches_each_get_their_own_bytes_read_on_two_streams) {
+  auto& dev = this->device();
+  auto& a = this->make_allocator();
+  const backend::stream_ref second = this->other_consumer();
+  {
+    transfer_engine engine(a, this->copy_stream(), small_ring);
+    // Mixed batches: small pageable buffers packed together, a pinned one
+    // read directly, one larger than a staging chunk staged chunk by chunk.
+    auto pinned_block =
+        std::shared_ptr<void>(dev.allocate_pinned_host(4 * kib), [&](void* p) { dev.free_pinned_host(p); });
+    std::memset(pinned_block.get(), 0x77, 4 * kib);
+    std::vector<std::vector<host_buffer>> mixed;
+    for (std::uint64_t i = 0; i < 6; ++i) {
+      mixed.push_back({pageable(1000 + i, pattern(i)), host_buffer{pinned_block.get(), 4 * kib, true, pinned_block},
+                       pageable(i == 3 ? 3 * mib : 64 * kib, pattern(i + 100))});
+    }
+    hold_the_engine_thread(*this, engine, 500ms);
+    for (auto& batch : mixed) engine.submit(std::move(batch));
+    // Still held: the group's copies will run after this stall, so a stream
+    // that did not wait would read before them.
+    dev.delay(engine.stream(), 100ms);
+    (void)engine.next(10s);  // the one that held the thread
+    // Every read is enqueued before any is waited for (into pinned memory:
+    // asynchronous on CUDA too), so a read that did not wait shows.
+    const auto sizes = [](std::uint64_t i) {
+      return std::array<std::size_t, 3>{1000 + i, 4 * kib, i == 3 ? 3 * mib : 64 * kib};
+    };
+    std::vector<transfer::transferred_batch> batches;
+    std::vector<std::shared_ptr<std::uint8_t>> seen;
+    for (std::uint64_t i = 0; i < 6; ++i) {
+      batches.push_back(engine.next(10s));
+      auto& batch = batches.back();
+      EXPECT_EQ(batch.sequence(), i + 1);
+      ASSERT_EQ(batch.storages().size(), 3u);
+      // One group: one event, alive while these batches are.
+      EXPECT_EQ(batch.ready(), batches.front().ready()) << "batch " << i << " was not in the first one's group";
+      // Batches of one group read on two streams in turn.
+      const backend::stream_ref on = i % 2 == 0 ? this->consumer() : second;
+      batch.wait_on(on);
+      for (std::size_t b = 0; b < 3; ++b) {
+        const std::size_t n = sizes(i)[b];
+        seen.emplace_back(static_cast<std::uint8_t*>(dev.allocate_pinned_host(n)),
+                          [&](std::uint8_t* p) { dev.free_pinned_host(p); });
+        dev.copy(on, seen.back().get(), batch.storages()[b].data(), n);
+      }
+    }
+    dev.synchronize(this->consumer());
+    dev.synchronize(second);
+    for (std::uint64_t i = 0; i < 6; ++i) {
+      const std::array<std::uint8_t, 3> expected{pattern(i), 0x77, pattern(i + 100)};
+      for (std::size_t b = 0; b < 3; ++b) {
+        const std::uint8_t* p = seen[i * 3 + b].get();
+        EXPECT_TRUE(all_equal(std::vector<std::uint8_t>(p, p + sizes(i)[b]), expected[b]))
+            << "batch " << i << " buffer " << b;
+      }
+    }
+    const auto s = engine.stats();
+    EXPECT_EQ(s.batches_transferred, 7u);
+    EXPECT_EQ(s.coalesced_groups, 2u) << "the one that held the thread, then the six as one group";
+    EXPECT_EQ(s.bytes_staged, s.bytes_copied - 6 * 4 * kib) << "the pinned buffers were read directly";
+    EXPECT_LE(s.pinned.reserved_bytes.aggregate.peak, static_cast<std::int64_t>(small_ring.max_pinned_bytes));
+  }
+}
+
+TYPED_TEST(transfer_engine_test, an_error_in_a_coalesced_batch_fails_only_that_batch_and_leaks_nothing) {
+  auto& dev = this->device();
+  auto& a = this->make_allocator("memory_limit_mb:12");
+  transfer_engine engine(a, this->copy_stream(), small_ring);
+  std::atomic<bool> released{false};
+  auto pinned_block = std::shared_ptr<void>(dev.allocate_pinned_host(4 * kib), [&](void* p) {
+    released = true;
+    dev.free_pinned_host(p);
+  });
+  std::memset(pinned_block.get(), 0x66, 4 * kib);
+  // Its small buffer is staged and allocated before the large one fails:
+  // past the device allocator's limit, not past max_coalesced_bytes.
+  std::vector<host_buffer> failing{pageable(64 * kib, 2),
+                                   host_buffer{pinned_block.get(), 4 * kib, true, std::move(pinned_block)},
+                                   pageable(32 * mib, 3)};
+  hold_the_engine_thread(*this, engine, 500ms);
+  engine.submit({pageable(64 * kib, 1)});
+  engine.submit(std::move(failing));
+  engine.submit({pageable(64 * kib, 4)});
+  (void)engine.next(10s);  // the one that held the thread
+  const backend::stream_ref s = this->consumer();
+  auto first = engine.next(10s);
+  EXPECT_THROW((void)engine.next(10s), out_of_memory);
+  auto last = engine.next(10s);
+  EXPECT_EQ(last.sequence(), 3u);
+  // A group takes consecutive batches: the two around the failed one share
+  // one event (both alive, so one event, not a reused handle), so all three
+  // were one group.
+  EXPECT_EQ(first.ready(), last.ready()) << "the failed batch did not share a group with the others";
+  first.wait_on(s);
+  last.wait_on(s);
+  EXPECT_TRUE(all_equal(this->read(first.storages()[0].data(), 64 * kib, s), 1));
+  EXPECT_TRUE(all_equal(this->read(last.storages()[0].data(), 64 * kib, s), 4));
+  const auto stats = engine.stats();
+  EXPECT_EQ(stats.batches_failed, 1u);
+  EXPECT_EQ(stats.batches_transferred, 3u);
+  EXPECT_EQ(stats.coalesced_groups, 2u) << "the one that held the thread, then the three as one group";
+  EXPECT_EQ(stats.in_flight, 0u);
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 2) << "only the two batches held here";
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (!released && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+  EXPECT_TRUE(released) << "the failed batch's pinned source is let go once the group's copies have run";
+  EXPECT_EQ(engine.stats().pinned.allocations.aggregate.current, 0) << "every staging block was given back";
+}
+
 TYPED_TEST(transfer_engine_test, bad_batches_and_settings_are_refused_before_anything_is_queued) {
   auto& a = this->make_allocator();
   EXPECT_THROW(transfer_engine(a, this->copy_stream(), {.max_batches_in_flight = 0}), invalid_argument);
-  EXPECT_THROW(transfer_engine(a, this->copy_stream(), {.max_pinned_bytes = mib, .staging_chunk_bytes = 2 * mib}), invalid_argument);
+  EXPECT_THROW(transfer_engine(a, this->copy_stream(), {.max_pinned_bytes = mib, .staging_chunk_bytes = 2 * mib}),
+               invalid_argument);
   transfer_engine engine(a, this->copy_stream());
   EXPECT_THROW(engine.submit({}), invalid_argument);
   EXPECT_THROW(engine.submit({host_buffer{nullptr, 16}}), invalid_argument);

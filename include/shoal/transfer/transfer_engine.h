@@ -5,18 +5,24 @@
 // allocates a device storage per buffer (from the device allocator, on the
 // engine's stream), copies each buffer into it on that stream — straight
 // from memory that is page-locked already, through pinned staging blocks
-// otherwise — and records a ready event. A consumer takes batches in
-// submission order with next() and makes its stream wait for the copies with
-// transferred_batch::wait_on: a GPU-side wait, and a use of every storage on
-// that stream, so when the consumer drops the batch its memory is reused
-// only after that stream has passed its last use (shoal's stream-aware
-// free). That is what protects batches: events and the free, not holding the
+// otherwise — and records a ready event. Batches queued when the thread
+// looks for work are taken together, up to config.max_coalesced_bytes, as
+// one group: their small pageable buffers share staging blocks and the
+// group shares one ready event, so a stream of small batches pays for the
+// event and the staging block once per group (the copies and the storages
+// stay one per buffer, the consumer stream's wait one per batch). Each batch
+// of a group still has its own sequence, storages and error. A consumer
+// takes batches in submission order with next() and makes its stream wait
+// for the copies with transferred_batch::wait_on: a GPU-side wait, and a use
+// of every storage on that stream, so when the consumer drops the batch its
+// memory is reused only after that stream has passed its last use (shoal's
+// stream-aware free). That is what protects batches: events and the free, not holding the
 // last few batches alive.
 //
 // Backpressure: at most config.max_batches_in_flight batches are submitted
 // and not yet taken by next(); submit blocks (until its deadline) past that.
 // The engine's thread keeps at most as many batches' copies queued on its
-// stream (it waits for the oldest to run before it starts another), so a
+// stream (it waits for the oldest groups to run before it starts another), so a
 // consumer that takes batches faster than the copies run does not pile up
 // device memory either.
 // Pinned staging memory never exceeds config.max_pinned_bytes: a staging
@@ -25,8 +31,11 @@
 // producer and a slow consumer cannot exhaust memory.
 //
 // Errors: a batch that cannot be transferred (device out of memory, a
-// buffer larger than the staging bound allows) fails alone: next() throws its
-// typed error for it, what it allocated is freed, and later batches go on.
+// buffer larger than the staging bound allows) fails alone, in its group
+// too: next() throws its typed error for it, what it allocated is freed, and
+// the other batches of its group and later batches go on. A failure of the
+// engine's stream, or of making or recording the group's ready event, fails
+// every batch of the group (each throws that error from next()).
 //
 // Thread-safety: submit, next, try_next and stats may be called from any
 // threads at once. Batches come out of next() in submission order (one
@@ -40,7 +49,6 @@
 // are dropped (their memory is freed after their copies).
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -87,6 +95,12 @@ struct transfer_config {
   /// 0.86): measure on yours.
   enum class stores : std::uint8_t { streaming, cached };
   stores staging_stores = stores::streaming;
+  /// Batches found queued together are transferred as one group of at most
+  /// this many bytes in all (a larger batch goes alone; 0: every batch
+  /// alone). A group shares one ready event and its small pageable buffers
+  /// share staging blocks; it holds at most max_batches_in_flight batches,
+  /// and its first batch is handed out once the whole group is enqueued.
+  std::size_t max_coalesced_bytes = std::size_t{4} << 20;
 };
 
 /// One host buffer of a batch.
@@ -114,7 +128,10 @@ class transferred_batch {
   [[nodiscard]] std::uint64_t sequence() const noexcept;
   /// The device storages, in the order of the buffers submitted.
   [[nodiscard]] const std::vector<storage::storage>& storages() const noexcept;
-  /// Complete once every copy of the batch has run.
+  /// Complete once every copy of the batch has run: the event of its group,
+  /// shared with the batches transferred together with it and recorded once
+  /// by the engine. Wait on it or query it; never record it again (that
+  /// would move every batch of the group's readiness).
   [[nodiscard]] backend::event_ref ready() const noexcept;
   /// Work enqueued on `stream` from now on sees the batch's bytes (a
   /// GPU-side wait, no host synchronization), and every storage records a
@@ -135,6 +152,11 @@ struct transfer_stats {
   std::uint64_t batches_transferred = 0;  ///< copies enqueued, ready event recorded
   std::uint64_t batches_failed = 0;
   std::uint64_t batches_taken = 0;        ///< returned (or thrown) by next/try_next
+  /// Groups of batches coalesced by the engine's thread (a batch alone is a
+  /// group of one), counted once each group is done, whatever became of it:
+  /// those that failed, even before their ready event was made, count too.
+  /// (batches_transferred + batches_failed) / coalesced_groups batches a group.
+  std::uint64_t coalesced_groups = 0;
   std::uint64_t bytes_copied = 0;         ///< bytes moved to the device
   std::uint64_t bytes_staged = 0;         ///< of those, bytes staged through pinned blocks
   std::size_t in_flight = 0;              ///< submitted and not yet taken
@@ -179,6 +201,8 @@ class transfer_engine {
   class batch_copier;
 
   void run() noexcept;
+  // Moves the next group of jobs from jobs_ into `group` (empty, jobs_ not).
+  void take_group_locked(std::vector<job>& group);
   transferred_batch take_locked(std::unique_lock<std::mutex>& lock);
 
   alloc::caching_allocator& device_allocator_;
@@ -191,10 +215,6 @@ class transfer_engine {
   std::condition_variable work_ready_, outcome_ready_, room_ready_;
   std::deque<job> jobs_;          // submitted, not yet picked up by the worker
   std::deque<outcome> outcomes_;  // done (transferred or failed), not yet taken, in sequence order
-  // jobs_.size(), outcomes_.size() and counters_.in_flight, written under
-  // mutex_: the worker, next() and a submit held back by backpressure watch
-  // them for a moment before they sleep (transfer/spin_wait.h).
-  std::atomic<std::size_t> jobs_waiting_{0}, outcomes_waiting_{0}, in_flight_{0};
   std::uint64_t next_sequence_ = 0;
   bool stopping_ = false;
   transfer_stats counters_;       // every field but `pinned`
