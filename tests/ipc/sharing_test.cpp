@@ -68,6 +68,23 @@ class sharing_test : public allocator_test<Backend> {
     this->device().fill(s, st.mutable_data(s), value, bytes);
     return st;
   }
+  /// A private pool of the context's allocator over a fresh 2 MiB segment
+  /// of the device (the forced-clear tests); the test destroys the pool and
+  /// frees `memory` in the order it needs.
+  struct private_region {
+    void* memory;
+    alloc::private_pool_id pool;
+  };
+  private_region make_private_region() {
+    constexpr std::size_t bytes = 2 << 20;
+    void* memory = this->device().allocate_segment(bytes);
+    return {memory, context_->allocator().create_private_pool(memory, bytes)};
+  }
+  /// filled(bytes, value), allocated from `pool`.
+  storage_t filled_in(alloc::private_pool_id pool, std::size_t bytes, std::uint8_t value) {
+    alloc::private_pool_scope scope(context_->allocator(), pool);
+    return filled(bytes, value);
+  }
   /// Grows the large pool's growable segment by one chunk of granularity()
   /// per device call, `chunks` times, and frees what it took: the storages
   /// allocated next are carved from that run of separately mapped chunks,
@@ -172,13 +189,9 @@ TYPED_TEST(sharing_test, a_forced_clear_refuses_a_block_a_consumer_holds) {
   auto& ctx = this->context();
   this->start({"consume"});
   auto& a = ctx.allocator();
-  void* region = this->device().allocate_segment(2 << 20);
-  const auto pool = a.create_private_pool(region, 2 << 20);
-  {
-    alloc::private_pool_scope scope(a, pool);
-    auto st = this->filled(256 * kib, 7);
-    ASSERT_EQ(this->send(st, 7, true), "ok");
-  }  // dropped here: it waits in the limbo while the consumer holds it
+  const auto [region, pool] = this->make_private_region();
+  ASSERT_EQ(this->send(this->filled_in(pool, 256 * kib, 7), 7, true), "ok");
+  // The storage is dropped at once: it waits in the limbo while the consumer holds it.
   try {
     (void)a.clear_private_pool(pool, "", alloc::live_blocks::invalidate);
     ADD_FAILURE() << "a block another process holds was taken back";
@@ -200,13 +213,8 @@ TYPED_TEST(sharing_test, a_forced_clear_takes_a_sent_block_once_every_holder_rel
   auto& ctx = this->context();
   this->start({"consume"});
   auto& a = ctx.allocator();
-  void* region = this->device().allocate_segment(2 << 20);
-  const auto pool = a.create_private_pool(region, 2 << 20);
-  std::optional<storage_t> st;
-  {
-    alloc::private_pool_scope scope(a, pool);
-    st = this->filled(256 * kib, 7);
-  }
+  const auto [region, pool] = this->make_private_region();
+  std::optional<storage_t> st = this->filled_in(pool, 256 * kib, 7);
   ASSERT_EQ(this->send(*st, 7, true), "ok");
   EXPECT_THROW((void)a.clear_private_pool(pool, "", alloc::live_blocks::invalidate), invalid_argument) << "held";
   EXPECT_EQ(this->command("release"), "released");
@@ -240,13 +248,8 @@ TYPED_TEST(sharing_test, a_failed_send_leaves_the_block_unmarked) {
   auto& ctx = this->context();
   this->start({"consume"});
   auto& a = ctx.allocator();
-  void* region = this->device().allocate_segment(2 << 20);
-  const auto pool = a.create_private_pool(region, 2 << 20);
-  std::optional<storage_t> st;
-  {
-    alloc::private_pool_scope scope(a, pool);
-    st = this->filled(256 * kib, 7);
-  }
+  const auto [region, pool] = this->make_private_region();
+  std::optional<storage_t> st = this->filled_in(pool, 256 * kib, 7);
   this->peer_->send_note(text("bye"));
   EXPECT_EQ(this->child_->wait(), 0);
   const std::byte metadata[2] = {std::byte{7}, std::byte{0}};
