@@ -9,7 +9,8 @@
 // with a chunk answer queued is hung up on at once and its regions and that
 // answer's descriptor released; a revoke that comes while a publish is
 // being checked keeps the region exclusive. A lender that polls without
-// sleeping still serves and still notices a missed revocation deadline.
+// sleeping still serves and still notices a missed revocation deadline, and
+// sleeps while more borrowers are connected than its spin's limit.
 //
 // In-process borrowers: the host backend only (CUDA refuses to import
 // memory in the process that exported it).
@@ -19,6 +20,7 @@
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -28,10 +30,14 @@
 #include <csignal>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "lending/automatic_spin.h"
 #include "lending/lending_fixture.h"
 #include "lending/messages.h"
 #include "shoal/channel/protocol.h"
@@ -121,6 +127,45 @@ TYPED_TEST(serving_test, a_lender_that_polls_without_sleeping_serves_every_turn_
       << "the deadline passed unnoticed while the lender spun";
   b.give_back(std::move(kept));
   EXPECT_TRUE(eventually([&] { return l.status().lent_bytes == 0; }, 2000ms));
+}
+
+/// CPU time this process spends while the calling thread sleeps for `window`.
+std::chrono::milliseconds cpu_while_sleeping(std::chrono::milliseconds window) {
+  const auto cpu_now = [] {
+    timespec t{};
+    ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    return std::chrono::seconds(t.tv_sec) + std::chrono::nanoseconds(t.tv_nsec);
+  };
+  const auto before = cpu_now();
+  std::this_thread::sleep_for(window);
+  return std::chrono::duration_cast<std::chrono::milliseconds>(cpu_now() - before);
+}
+
+// The spin is limited to as many borrowers as half the CPUs: past that, each
+// may spin for its own reply and a lender that never sleeps waits behind
+// them. Its CPU time while nothing is asked shows whether it spins.
+TYPED_TEST(serving_test, a_lender_that_polls_without_sleeping_sleeps_once_more_borrowers_are_connected_than_its_limit) {
+  if (this->in_process_only()) return;
+  lender_config config;
+  config.poll_spin = std::chrono::microseconds(60'000'000);  // spins on and on while the limit allows
+  auto& l = this->start(config);
+  std::vector<std::unique_ptr<borrower>> borrowers;
+  const std::size_t limit = lending::detail::spinning_borrowers_limit();
+  for (std::size_t i = 0; i < limit; ++i) borrowers.push_back(std::make_unique<borrower>(this->device(), l.address()));
+  borrowers.front()->give_back(borrowers.front()->borrow(this->unit(), "starts the spin"));
+  // Control: at the limit it spins, a core's worth of CPU time (a loaded
+  // machine may give it less, never almost none).
+  EXPECT_GT(cpu_while_sleeping(500ms), 150ms) << "the lender did not spin with " << limit << " borrowers";
+
+  borrowers.push_back(std::make_unique<borrower>(this->device(), l.address()));
+  ASSERT_TRUE(eventually([&] { return l.status().borrowers == limit + 1; }, 2000ms));
+  borrowers.back()->give_back(borrowers.back()->borrow(this->unit(), "served past the limit"));
+  EXPECT_LT(cpu_while_sleeping(500ms), 100ms) << "the lender spun with " << limit + 1 << " borrowers";
+
+  borrowers.pop_back();  // back at the limit: the next request starts the spin again
+  ASSERT_TRUE(eventually([&] { return l.status().borrowers == limit; }, 2000ms));
+  borrowers.front()->give_back(borrowers.front()->borrow(this->unit(), "spins again"));
+  EXPECT_GT(cpu_while_sleeping(500ms), 150ms) << "the lender did not spin again at the limit";
 }
 
 TYPED_TEST(serving_test, a_borrower_stalled_mid_batch_holds_no_one_else_up_and_is_hung_up_after_the_peer_timeout) {
