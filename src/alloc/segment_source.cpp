@@ -56,7 +56,8 @@ segment_source::segment_source(backend::device& device, const allocator_config& 
       directory_(directory),
       trace_(trace),
       hooks_(hooks),
-      limit_(limit_of(config, config.memory_fraction, device)) {}
+      limit_(limit_of(config, config.memory_fraction, device)),
+      mapper_(device) {}
 
 block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized_allowed) {
   if (pool.is_private) return nullptr;
@@ -193,7 +194,7 @@ block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
   block* u = where.u;
   // The mapping goes at the stretch's start, or at its end to join the block after it.
   const std::uintptr_t at = where.at_end ? u->address + u->size - need : u->address;
-  if (!map_range(*s, at, need)) {
+  if (!mapper_.map(*s, at, need)) {
     unreserve_bytes(need);
     return nullptr;
   }
@@ -262,40 +263,6 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
   std::erase_if(pool.segments, [&](const std::unique_ptr<segment>& p) { return p.get() == s; });
 }
 
-bool segment_source::map_range(segment& s, std::uintptr_t at, std::size_t bytes) {
-  const std::size_t g = device_.granularity();
-  std::uintptr_t a = at;
-  try {
-    while (a < at + bytes) {
-      const std::size_t piece = std::min(at + bytes - a, round_up(growable_mapping_max, g));
-      const backend::physical_ref chunk = device_.create_physical(piece);
-      try {
-        device_.map(reinterpret_cast<void*>(a), chunk);
-      } catch (...) {
-        device_.release_physical(chunk);
-        throw;
-      }
-      const std::size_t first_slot = (a - s.base) / g;
-      std::fill_n(s.chunks.begin() + static_cast<std::ptrdiff_t>(first_slot), piece / g, chunk);
-      s.mapping_slots[first_slot] = piece / g;
-      device_allocations_.fetch_add(1, std::memory_order_relaxed);
-      a += piece;
-    }
-  } catch (const out_of_memory&) {
-    for (std::uintptr_t b = at; b < a;) {
-      const std::size_t i = (b - s.base) / g;
-      const std::size_t slots = std::exchange(s.mapping_slots[i], 0);
-      device_.unmap(reinterpret_cast<void*>(b));
-      device_.release_physical(s.chunks[i]);
-      std::fill_n(s.chunks.begin() + static_cast<std::ptrdiff_t>(i), slots, backend::physical_ref{});
-      device_frees_.fetch_add(1, std::memory_order_relaxed);
-      b += slots * g;
-    }
-    return false;
-  }
-  return true;
-}
-
 std::size_t segment_source::unmap_free_chunks(block_pool& pool, segment* s, std::size_t budget, const block* keep) {
   const std::size_t g = device_.granularity();
   std::size_t unmapped = 0;
@@ -305,14 +272,7 @@ std::size_t segment_source::unmap_free_chunks(block_pool& pool, segment* s, std:
     if (hi <= lo) continue;
     pool.bins.remove(b);
     hooks_.notify_release(lo, hi - lo);  // while the chunks are still mapped
-    for (std::size_t i = (lo - s->base) / g; i < (hi - s->base) / g;) {
-      const std::size_t slots = std::exchange(s->mapping_slots[i], 0);
-      device_.unmap(reinterpret_cast<void*>(s->base + i * g));
-      device_.release_physical(s->chunks[i]);
-      std::fill_n(s->chunks.begin() + static_cast<std::ptrdiff_t>(i), slots, backend::physical_ref{});
-      device_frees_.fetch_add(1, std::memory_order_relaxed);
-      i += slots;
-    }
+    mapper_.unmap(*s, lo, hi);
     const std::size_t bytes = hi - lo;
     unmapped += bytes;
     unreserve_bytes(bytes);
@@ -381,6 +341,7 @@ void segment_source::unreserve_bytes(std::size_t bytes) noexcept {
 void segment_source::reset_device_counters() noexcept {
   device_allocations_ = 0;
   device_frees_ = 0;
+  mapper_.reset_counts();
 }
 
 void segment_source::release_at_teardown(block_pool& pool, event_pool& events) noexcept {
@@ -416,12 +377,7 @@ void segment_source::release_at_teardown(block_pool& pool, event_pool& events) n
     }
     try {
       if (s->expandable) {
-        const std::size_t g = device_.granularity();
-        for (std::size_t i = 0; i < s->chunks.size(); ++i) {
-          if (s->mapping_slots[i] == 0) continue;
-          device_.unmap(reinterpret_cast<void*>(s->base + i * g));
-          device_.release_physical(s->chunks[i]);
-        }
+        mapper_.unmap(*s, s->base, s->base + s->size);
         device_.release_range(reinterpret_cast<void*>(s->base));
       } else if (!s->external) {
         free_plain_segment(s->base);

@@ -24,6 +24,7 @@
 
 #include "alloc/allocator_hooks.h"
 #include "alloc/block_pool.h"
+#include "alloc/chunk_mapper.h"
 #include "alloc/event_pool.h"
 #include "alloc/pool_directory.h"
 #include "alloc/trace_ring.h"
@@ -72,8 +73,13 @@ class segment_source {
   /// (growth), off the allocation fast path.
   [[nodiscard]] std::size_t reserved_peak() const noexcept { return reserved_peak_.load(std::memory_order_relaxed); }
   void reset_reserved_peak() noexcept;
-  [[nodiscard]] std::int64_t device_allocations() const noexcept { return device_allocations_.load(); }
-  [[nodiscard]] std::int64_t device_frees() const noexcept { return device_frees_.load(); }
+  /// Segments taken from the device, and growable segments' chunks created.
+  [[nodiscard]] std::int64_t device_allocations() const noexcept {
+    return device_allocations_.load() + mapper_.counts().creates;
+  }
+  /// Segments given back, and growable segments' chunks released.
+  [[nodiscard]] std::int64_t device_frees() const noexcept { return device_frees_.load() + mapper_.counts().releases; }
+  [[nodiscard]] vmm_call_counts vmm_calls() const noexcept { return mapper_.counts(); }
   void reset_device_counters() noexcept;
 
  private:
@@ -89,9 +95,6 @@ class segment_source {
   /// Reserves the pool's one growable range; false when the device refuses.
   bool reserve_growable(block_pool& pool, std::size_t size);
   [[nodiscard]] stretch stretch_for(const segment& s, std::size_t size) const;
-  /// Maps `bytes` at `at` in growable segment `s`; false (nothing mapped)
-  /// when the device refuses.
-  bool map_range(segment& s, std::uintptr_t at, std::size_t bytes);
   /// A segment of `bytes` from the device, counted against the limit, or
   /// nullptr when the limit or the device refuses.
   void* take_segment(std::size_t bytes);
@@ -126,7 +129,9 @@ class segment_source {
   std::atomic<std::size_t> highest_earlier_limit_{0};
   std::atomic<std::size_t> reserved_total_{0};
   std::atomic<std::size_t> reserved_peak_{0};
+  // Plain segments; growable segments' chunks are counted by mapper_.
   std::atomic<std::int64_t> device_allocations_{0}, device_frees_{0};
+  chunk_mapper mapper_;
 };
 
 }  // namespace shoal::alloc::detail
