@@ -80,6 +80,9 @@ class segment_source {
   /// Segments given back, and growable segments' chunks released.
   [[nodiscard]] std::int64_t device_frees() const noexcept { return device_frees_.load() + mapper_.counts().releases; }
   [[nodiscard]] vmm_call_counts vmm_calls() const noexcept { return mapper_.counts(); }
+  /// Bytes of growable segments' physical chunks held (checked against
+  /// their mapped bytes: no chunk is held unmapped between calls).
+  [[nodiscard]] std::size_t physical_chunk_bytes() const noexcept { return mapper_.held_bytes(); }
   void reset_device_counters() noexcept;
 
  private:
@@ -104,14 +107,17 @@ class segment_source {
   /// Gives back the pool's wholly free segments and whole free mappings
   /// (not in `keep`) until at least `budget` bytes went back or none is
   /// left, after its stream has passed them; returns the bytes given back.
-  std::size_t give_back(block_pool& pool, std::size_t budget, const block* keep);
+  /// Unmapped chunks go to `spare` where given (for a growth to map
+  /// again), else back to the device.
+  std::size_t give_back(block_pool& pool, std::size_t budget, const block* keep, spare_chunks* spare);
   /// give_back on the pool's sibling (its stream's other size class) when
   /// that one's lock is free at once.
-  void give_back_from_sibling(block_pool& pool, std::size_t budget);
+  void give_back_from_sibling(block_pool& pool, std::size_t budget, spare_chunks* spare);
   /// Unmaps whole chunks inside free blocks other than `keep`, in address
   /// order, until at least `budget` bytes are unmapped or none is left;
-  /// returns the bytes unmapped.
-  std::size_t unmap_free_chunks(block_pool& pool, segment* s, std::size_t budget, const block* keep);
+  /// returns the bytes unmapped. Their chunks go to `spare` where given.
+  std::size_t unmap_free_chunks(block_pool& pool, segment* s, std::size_t budget, const block* keep,
+                                spare_chunks* spare);
   bool reserve_bytes(std::size_t bytes);
   /// Raises reserved_peak() to the total after a growth.
   void note_reserved_peak() noexcept;
