@@ -12,8 +12,8 @@
 // rest before it creates anything, so the device never holds more than the
 // reserved total before or after the growth (docs/architecture.md).
 // Thread-safety: map and unmap run under the lock of the segment's pool
-// (a growth that takes its sibling's chunks holds both locks); the counters
-// are relaxed atomics, read and reset from any thread.
+// (a sibling's chunks are unmapped under its lock, then the spares are the
+// growth's alone); the counters are relaxed atomics, read from any thread.
 #pragma once
 
 #include <atomic>
