@@ -27,6 +27,9 @@ class allocator_adapter {
   /// creation, where the allocator counts them; -1 where it does not.
   [[nodiscard]] virtual std::int64_t device_allocations() const { return -1; }
   [[nodiscard]] virtual std::int64_t device_frees() const { return -1; }
+  /// The VMM calls among them, as "creates / releases / maps / unmaps /
+  /// access grants", where the allocator counts them; "-" where it does not.
+  [[nodiscard]] virtual std::string vmm_calls() const { return "-"; }
   /// Waits for all streams the adapter made.
   virtual void synchronize() = 0;
 };

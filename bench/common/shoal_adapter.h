@@ -56,6 +56,13 @@ class shoal_adapter final : public allocator_adapter {
 
   [[nodiscard]] std::int64_t device_frees() const override { return allocator_.stats().device_frees; }
 
+  [[nodiscard]] std::string vmm_calls() const override {
+    const alloc::vmm_call_counts c = allocator_.stats().vmm_calls;
+    if (c.total() == 0) return "-";
+    return std::to_string(c.creates) + " / " + std::to_string(c.releases) + " / " + std::to_string(c.maps) + " / " +
+           std::to_string(c.unmaps) + " / " + std::to_string(c.access_grants);
+  }
+
   void synchronize() override {
     for (const backend::stream_ref stream : streams_.live) streams_.device.synchronize(stream);
   }

@@ -97,23 +97,24 @@ int replay_all(const std::vector<named_trace>& traces, const std::vector<adapter
   int status = 0;
   std::printf(
       "| trace | allocator | events | streams | peak requested MiB | peak reserved MiB | reserved / requested "
-      "| replay ms | ns / event | device allocs | device frees |\n");
-  std::printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+      "| replay ms | ns / event | device allocs | device frees "
+      "| VMM creates / releases / maps / unmaps / access grants |\n");
+  std::printf("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   for (const auto& t : traces) {
     for (const auto& allocator : allocators) {
       try {
         const auto adapter = allocator.make();
         const replay_result r = replay(t.data, *adapter);
         const double ns = static_cast<double>(r.elapsed.count());
-        std::printf("| %s | %s | %zu | %zu | %.1f | %.1f | %.3f | %.2f | %.1f | %s | %s |\n", t.name.c_str(),
+        std::printf("| %s | %s | %zu | %zu | %.1f | %.1f | %.3f | %.2f | %.1f | %s | %s | %s |\n", t.name.c_str(),
                     allocator.name.c_str(), r.events, r.streams, mib(r.peak_requested_bytes),
                     mib(r.peak_reserved_bytes), r.fragmentation(), ns / 1e6,
                     r.events == 0 ? 0.0 : ns / static_cast<double>(r.events), count(r.device_allocations).c_str(),
-                    count(r.device_frees).c_str());
+                    count(r.device_frees).c_str(), r.vmm_calls.c_str());
       } catch (const std::exception& e) {
         // One allocator failing (out of memory, most likely) must not hide
         // the others' rows.
-        std::printf("| %s | %s | failed: %s | | | | | | | | |\n", t.name.c_str(), allocator.name.c_str(), e.what());
+        std::printf("| %s | %s | failed: %s | | | | | | | | | |\n", t.name.c_str(), allocator.name.c_str(), e.what());
         status = 1;
       }
       std::fflush(stdout);

@@ -89,6 +89,7 @@ replay_result replay(const trace& t, allocator_adapter& allocator) {
     result.peak_reserved_bytes = allocator.peak_reserved_bytes();
     result.device_allocations = allocator.device_allocations();
     result.device_frees = allocator.device_frees();
+    result.vmm_calls = allocator.vmm_calls();
   } catch (...) {
     state.release(t);
     throw;

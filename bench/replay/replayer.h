@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "bench/common/allocator_adapter.h"
 #include "bench/replay/trace.h"
@@ -28,6 +29,8 @@ struct replay_result {
   std::chrono::nanoseconds elapsed{};    ///< wall time of the trace's alloc and free calls
   /// The adapter's device calls during the replay (-1: it does not count them).
   std::int64_t device_allocations = -1, device_frees = -1;
+  /// The VMM calls among them (allocator_adapter::vmm_calls).
+  std::string vmm_calls = "-";
 
   /// peak_reserved_bytes / peak_requested_bytes (0 for a trace that never
   /// asks for anything).

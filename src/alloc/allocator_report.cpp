@@ -59,6 +59,7 @@ allocator_stats allocator_core::stats() {
   out.ooms = ooms_.load();
   out.device_allocations = source_.device_allocations();
   out.device_frees = source_.device_frees();
+  out.vmm_calls = source_.vmm_calls();
   out.expandable_segments_fallback = expandable_segments_fallback;
   return out;
 }

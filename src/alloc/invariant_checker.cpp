@@ -265,12 +265,13 @@ void check_allocator_invariants(const pool_directory& directory, const segment_s
                                 std::size_t granularity) {
   directory.with_every_pool_locked([&](const std::vector<block_pool*>& pools, const segment_map& segments) {
     std::size_t segment_count = 0;
-    std::size_t reserved = 0;
+    std::size_t reserved = 0, growable_mapped = 0;
     for (const block_pool* pool : pools) {
       check_pool(*pool, granularity);
       if (!pool->is_private) reserved += static_cast<std::size_t>(pool->counters.reserved_bytes.current);
       for (const auto& s : pool->segments) {
         ++segment_count;
+        if (s->expandable) growable_mapped += s->mapped_bytes;
         const auto it = segments.find(s->base);
         if (it == segments.end()) {
           fail("directory", segment_name(*s) + " of the " + pool_name(*pool) + " is missing from the segment directory");
@@ -284,6 +285,13 @@ void check_allocator_invariants(const pool_directory& directory, const segment_s
     if (segments.size() != segment_count) {
       fail("directory", "the segment directory holds " + std::to_string(segments.size()) +
                             " segments but the pools have " + std::to_string(segment_count));
+    }
+    // Chunks kept for re-mapping live inside one growth only: between calls
+    // every physical chunk held is mapped, so reserved memory is all of it.
+    if (growable_mapped != source.physical_chunk_bytes()) {
+      fail("counters", "the growable segments map " + std::to_string(growable_mapped) +
+                           " bytes but the segment source holds physical chunks of " +
+                           std::to_string(source.physical_chunk_bytes()) + " bytes");
     }
     if (reserved != source.reserved_total() || reserved > source.ceiling()) {
       fail("counters", "the stream pools reserve " + std::to_string(reserved) + " bytes but the segment source counts " +

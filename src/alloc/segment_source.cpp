@@ -56,7 +56,8 @@ segment_source::segment_source(backend::device& device, const allocator_config& 
       directory_(directory),
       trace_(trace),
       hooks_(hooks),
-      limit_(limit_of(config, config.memory_fraction, device)) {}
+      limit_(limit_of(config, config.memory_fraction, device)),
+      mapper_(device) {}
 
 block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized_allowed) {
   if (pool.is_private) return nullptr;
@@ -71,8 +72,8 @@ block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized
   // reserved memory beside it. Below the peak they stay: giving them back
   // costs device calls and lowers no peak (docs/architecture.md).
   if (config_.release_idle_before_grow && over_peak(bytes) > 0) {
-    give_back(pool, over_peak(bytes), nullptr);
-    give_back_from_sibling(pool, over_peak(bytes));
+    give_back(pool, over_peak(bytes), nullptr, nullptr);
+    give_back_from_sibling(pool, over_peak(bytes), nullptr);
   }
   void* base = take_segment(bytes);
   if (base == nullptr && right_sized_allowed && fallback_segment_size_for(size) < bytes) {
@@ -181,19 +182,29 @@ block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
   // back costs device calls and lowers no peak. Giving back only enough of
   // the pool's own was measured erratic (BERT serving swung between 1.003
   // and 1.061 across chunk sizes of 20-28 MiB; all of it moves smoothly
-  // with the chunk size): docs/architecture.md.
+  // with the chunk size): docs/architecture.md. The chunks given back are
+  // unmapped but kept, and the new mapping takes them before it creates any
+  // (the rest are released): moved rather than released and made again.
+  spare_chunks spare;
   if (config_.release_idle_before_grow && where.u != nullptr && over_peak(where.need) > 0) {
-    give_back(pool, ~std::size_t{0}, where.at_end ? where.u->next : where.u->prev);
-    where = stretch_for(*s, size);
-    if (where.u != nullptr) give_back_from_sibling(pool, over_peak(where.need));
+    try {
+      give_back(pool, ~std::size_t{0}, where.at_end ? where.u->next : where.u->prev, &spare);
+      where = stretch_for(*s, size);
+      if (where.u != nullptr) give_back_from_sibling(pool, over_peak(where.need), &spare);
+    } catch (...) {
+      mapper_.release(spare);
+      throw;
+    }
   }
-  if (where.u == nullptr) return nullptr;
-  const std::size_t need = where.need;
-  if (!reserve_bytes(need)) return nullptr;
+  const std::size_t need = where.u != nullptr ? where.need : 0;
+  if (need == 0 || !reserve_bytes(need)) {
+    mapper_.release(spare);
+    return nullptr;
+  }
   block* u = where.u;
   // The mapping goes at the stretch's start, or at its end to join the block after it.
   const std::uintptr_t at = where.at_end ? u->address + u->size - need : u->address;
-  if (!map_range(*s, at, need)) {
+  if (!mapper_.map(*s, at, need, spare)) {
     unreserve_bytes(need);
     return nullptr;
   }
@@ -209,9 +220,9 @@ block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
   return settle(pool, u);
 }
 
-void segment_source::release_cached(block_pool& pool) { give_back(pool, ~std::size_t{0}, nullptr); }
+void segment_source::release_cached(block_pool& pool) { give_back(pool, ~std::size_t{0}, nullptr, nullptr); }
 
-std::size_t segment_source::give_back(block_pool& pool, std::size_t budget, const block* keep) {
+std::size_t segment_source::give_back(block_pool& pool, std::size_t budget, const block* keep, spare_chunks* spare) {
   if (pool.is_private) return 0;
   settle_quick(pool);
   std::vector<segment*> unused;
@@ -233,14 +244,15 @@ std::size_t segment_source::give_back(block_pool& pool, std::size_t budget, cons
   // memory, growth past the peak), and only for pools that have some to give.
   device_.synchronize(pool.stream);
   for (segment* s : unused) release_segment(pool, s);
-  return unused_bytes + (unmappable ? unmap_free_chunks(pool, pool.growable, budget - unused_bytes, keep) : 0);
+  return unused_bytes +
+         (unmappable ? unmap_free_chunks(pool, pool.growable, budget - unused_bytes, keep, spare) : 0);
 }
 
-void segment_source::give_back_from_sibling(block_pool& pool, std::size_t budget) {
+void segment_source::give_back_from_sibling(block_pool& pool, std::size_t budget, spare_chunks* spare) {
   // try_lock: a pool lock is never waited for while another is held
   // (pool_directory.h); a busy sibling keeps its memory this time.
   if (budget == 0 || pool.sibling == nullptr || !pool.sibling->lock.try_lock()) return;
-  give_back(*pool.sibling, budget, nullptr);
+  give_back(*pool.sibling, budget, nullptr, spare);
   pool.sibling->lock.unlock();
 }
 
@@ -262,41 +274,8 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
   std::erase_if(pool.segments, [&](const std::unique_ptr<segment>& p) { return p.get() == s; });
 }
 
-bool segment_source::map_range(segment& s, std::uintptr_t at, std::size_t bytes) {
-  const std::size_t g = device_.granularity();
-  std::uintptr_t a = at;
-  try {
-    while (a < at + bytes) {
-      const std::size_t piece = std::min(at + bytes - a, round_up(growable_mapping_max, g));
-      const backend::physical_ref chunk = device_.create_physical(piece);
-      try {
-        device_.map(reinterpret_cast<void*>(a), chunk);
-      } catch (...) {
-        device_.release_physical(chunk);
-        throw;
-      }
-      const std::size_t first_slot = (a - s.base) / g;
-      std::fill_n(s.chunks.begin() + static_cast<std::ptrdiff_t>(first_slot), piece / g, chunk);
-      s.mapping_slots[first_slot] = piece / g;
-      device_allocations_.fetch_add(1, std::memory_order_relaxed);
-      a += piece;
-    }
-  } catch (const out_of_memory&) {
-    for (std::uintptr_t b = at; b < a;) {
-      const std::size_t i = (b - s.base) / g;
-      const std::size_t slots = std::exchange(s.mapping_slots[i], 0);
-      device_.unmap(reinterpret_cast<void*>(b));
-      device_.release_physical(s.chunks[i]);
-      std::fill_n(s.chunks.begin() + static_cast<std::ptrdiff_t>(i), slots, backend::physical_ref{});
-      device_frees_.fetch_add(1, std::memory_order_relaxed);
-      b += slots * g;
-    }
-    return false;
-  }
-  return true;
-}
-
-std::size_t segment_source::unmap_free_chunks(block_pool& pool, segment* s, std::size_t budget, const block* keep) {
+std::size_t segment_source::unmap_free_chunks(block_pool& pool, segment* s, std::size_t budget, const block* keep,
+                                              spare_chunks* spare) {
   const std::size_t g = device_.granularity();
   std::size_t unmapped = 0;
   for (block* b = s->first; b != nullptr && unmapped < budget; b = b->next) {
@@ -305,14 +284,7 @@ std::size_t segment_source::unmap_free_chunks(block_pool& pool, segment* s, std:
     if (hi <= lo) continue;
     pool.bins.remove(b);
     hooks_.notify_release(lo, hi - lo);  // while the chunks are still mapped
-    for (std::size_t i = (lo - s->base) / g; i < (hi - s->base) / g;) {
-      const std::size_t slots = std::exchange(s->mapping_slots[i], 0);
-      device_.unmap(reinterpret_cast<void*>(s->base + i * g));
-      device_.release_physical(s->chunks[i]);
-      std::fill_n(s->chunks.begin() + static_cast<std::ptrdiff_t>(i), slots, backend::physical_ref{});
-      device_frees_.fetch_add(1, std::memory_order_relaxed);
-      i += slots;
-    }
+    mapper_.unmap(*s, lo, hi, spare);
     const std::size_t bytes = hi - lo;
     unmapped += bytes;
     unreserve_bytes(bytes);
@@ -381,6 +353,7 @@ void segment_source::unreserve_bytes(std::size_t bytes) noexcept {
 void segment_source::reset_device_counters() noexcept {
   device_allocations_ = 0;
   device_frees_ = 0;
+  mapper_.reset_counts();
 }
 
 void segment_source::release_at_teardown(block_pool& pool, event_pool& events) noexcept {
@@ -416,12 +389,7 @@ void segment_source::release_at_teardown(block_pool& pool, event_pool& events) n
     }
     try {
       if (s->expandable) {
-        const std::size_t g = device_.granularity();
-        for (std::size_t i = 0; i < s->chunks.size(); ++i) {
-          if (s->mapping_slots[i] == 0) continue;
-          device_.unmap(reinterpret_cast<void*>(s->base + i * g));
-          device_.release_physical(s->chunks[i]);
-        }
+        mapper_.unmap(*s, s->base, s->base + s->size, nullptr);
         device_.release_range(reinterpret_cast<void*>(s->base));
       } else if (!s->external) {
         free_plain_segment(s->base);

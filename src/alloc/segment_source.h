@@ -24,6 +24,7 @@
 
 #include "alloc/allocator_hooks.h"
 #include "alloc/block_pool.h"
+#include "alloc/chunk_mapper.h"
 #include "alloc/event_pool.h"
 #include "alloc/pool_directory.h"
 #include "alloc/trace_ring.h"
@@ -72,8 +73,16 @@ class segment_source {
   /// (growth), off the allocation fast path.
   [[nodiscard]] std::size_t reserved_peak() const noexcept { return reserved_peak_.load(std::memory_order_relaxed); }
   void reset_reserved_peak() noexcept;
-  [[nodiscard]] std::int64_t device_allocations() const noexcept { return device_allocations_.load(); }
-  [[nodiscard]] std::int64_t device_frees() const noexcept { return device_frees_.load(); }
+  /// Segments taken from the device, and growable segments' chunks created.
+  [[nodiscard]] std::int64_t device_allocations() const noexcept {
+    return device_allocations_.load() + mapper_.counts().creates;
+  }
+  /// Segments given back, and growable segments' chunks released.
+  [[nodiscard]] std::int64_t device_frees() const noexcept { return device_frees_.load() + mapper_.counts().releases; }
+  [[nodiscard]] vmm_call_counts vmm_calls() const noexcept { return mapper_.counts(); }
+  /// Bytes of growable segments' physical chunks held (checked against
+  /// their mapped bytes: no chunk is held unmapped between calls).
+  [[nodiscard]] std::size_t physical_chunk_bytes() const noexcept { return mapper_.held_bytes(); }
   void reset_device_counters() noexcept;
 
  private:
@@ -89,9 +98,6 @@ class segment_source {
   /// Reserves the pool's one growable range; false when the device refuses.
   bool reserve_growable(block_pool& pool, std::size_t size);
   [[nodiscard]] stretch stretch_for(const segment& s, std::size_t size) const;
-  /// Maps `bytes` at `at` in growable segment `s`; false (nothing mapped)
-  /// when the device refuses.
-  bool map_range(segment& s, std::uintptr_t at, std::size_t bytes);
   /// A segment of `bytes` from the device, counted against the limit, or
   /// nullptr when the limit or the device refuses.
   void* take_segment(std::size_t bytes);
@@ -101,14 +107,17 @@ class segment_source {
   /// Gives back the pool's wholly free segments and whole free mappings
   /// (not in `keep`) until at least `budget` bytes went back or none is
   /// left, after its stream has passed them; returns the bytes given back.
-  std::size_t give_back(block_pool& pool, std::size_t budget, const block* keep);
+  /// Unmapped chunks go to `spare` where given (for a growth to map
+  /// again), else back to the device.
+  std::size_t give_back(block_pool& pool, std::size_t budget, const block* keep, spare_chunks* spare);
   /// give_back on the pool's sibling (its stream's other size class) when
   /// that one's lock is free at once.
-  void give_back_from_sibling(block_pool& pool, std::size_t budget);
+  void give_back_from_sibling(block_pool& pool, std::size_t budget, spare_chunks* spare);
   /// Unmaps whole chunks inside free blocks other than `keep`, in address
   /// order, until at least `budget` bytes are unmapped or none is left;
-  /// returns the bytes unmapped.
-  std::size_t unmap_free_chunks(block_pool& pool, segment* s, std::size_t budget, const block* keep);
+  /// returns the bytes unmapped. Their chunks go to `spare` where given.
+  std::size_t unmap_free_chunks(block_pool& pool, segment* s, std::size_t budget, const block* keep,
+                                spare_chunks* spare);
   bool reserve_bytes(std::size_t bytes);
   /// Raises reserved_peak() to the total after a growth.
   void note_reserved_peak() noexcept;
@@ -126,7 +135,9 @@ class segment_source {
   std::atomic<std::size_t> highest_earlier_limit_{0};
   std::atomic<std::size_t> reserved_total_{0};
   std::atomic<std::size_t> reserved_peak_{0};
+  // Plain segments; growable segments' chunks are counted by mapper_.
   std::atomic<std::int64_t> device_allocations_{0}, device_frees_{0};
+  chunk_mapper mapper_;
 };
 
 }  // namespace shoal::alloc::detail

@@ -83,7 +83,9 @@ std::string allocator_stats::to_json() const {
   write(out, "invalidated", invalidated);
   write(out, "invalidated_bytes", invalidated_bytes);
   out << "\"num_alloc_retries\":" << retries << ",\"num_ooms\":" << ooms << ",\"num_device_alloc\":" << device_allocations
-      << ",\"num_device_free\":" << device_frees
+      << ",\"num_device_free\":" << device_frees << ",\"vmm_calls\":{\"creates\":" << vmm_calls.creates
+      << ",\"releases\":" << vmm_calls.releases << ",\"maps\":" << vmm_calls.maps << ",\"unmaps\":" << vmm_calls.unmaps
+      << ",\"access_grants\":" << vmm_calls.access_grants << '}'
       << ",\"expandable_segments_fallback\":" << (expandable_segments_fallback ? "true" : "false") << '}';
   return out.str();
 }

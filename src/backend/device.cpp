@@ -1,6 +1,7 @@
 #include "shoal/backend/device.h"
 
 #include <atomic>
+#include <cstdint>
 
 #include "shoal/core/error.h"
 
@@ -19,6 +20,26 @@ void device::synchronize_device() {
                           "override synchronize_device); what needs one, such as a forced clear of a private pool "
                           "(live_blocks::invalidate), is refused and changes nothing: free the blocks instead, or "
                           "implement synchronize_device");
+}
+
+void device::map_chunks(void* address, std::span<const sized_chunk> chunks) {
+  auto at = reinterpret_cast<std::uintptr_t>(address);
+  std::size_t mapped = 0;
+  try {
+    for (; mapped < chunks.size(); ++mapped) {
+      map(reinterpret_cast<void*>(at), chunks[mapped].chunk);
+      at += chunks[mapped].bytes;
+    }
+  } catch (...) {
+    while (mapped > 0) {  // all or nothing: the ones mapped go again, last first
+      at -= chunks[--mapped].bytes;
+      try {
+        unmap(reinterpret_cast<void*>(at));
+      } catch (const error&) {  // NOLINT(bugprone-empty-catch): the first error is the one to report
+      }
+    }
+    throw;
+  }
 }
 
 }  // namespace shoal::backend

@@ -141,6 +141,32 @@ TYPED_TEST(memory_test, mapping_outside_misaligned_or_overlapping_is_refused) {
   dev.release_range(base);
 }
 
+TYPED_TEST(memory_test, map_chunks_maps_back_to_back_and_all_or_nothing) {
+  auto& dev = this->device();
+  const std::size_t g = dev.granularity();
+  auto* base = static_cast<std::uint8_t*>(dev.reserve_range(4 * g));
+  const backend::sized_chunk one{dev.create_physical(g), g};
+  const backend::sized_chunk two{dev.create_physical(2 * g), 2 * g};
+  const backend::sized_chunk chunks[] = {one, two};
+  dev.map_chunks(base, chunks);
+  dev.fill({}, base, 0x33, 3 * g);  // the whole range is accessible at once
+  EXPECT_TRUE(all_equal(this->read(base, 3 * g), 0x33));
+  dev.unmap(base + g);  // each chunk is unmapped on its own
+  dev.unmap(base);
+
+  // A chunk that does not fit refuses the call, and the chunks before it
+  // are not left mapped.
+  const backend::sized_chunk too_far[] = {two, one, one};
+  EXPECT_THROW(dev.map_chunks(base + g, too_far), invalid_argument) << "runs past the reservation";
+  const backend::sized_chunk fits[] = {two, one};
+  EXPECT_NO_THROW(dev.map_chunks(base + g, fits)) << "nothing stayed mapped after the refusal";
+  dev.unmap(base + g);
+  dev.unmap(base + 3 * g);
+  dev.release_physical(one.chunk);
+  dev.release_physical(two.chunk);
+  dev.release_range(base);
+}
+
 TEST(host_device, capacity_is_enforced_and_given_back) {
   backend::host_device dev({.capacity_bytes = 8 << 20});
   void* a = dev.allocate_segment(6 << 20);

@@ -29,6 +29,9 @@ class forwarding_device : public backend::device {
   backend::physical_ref create_physical(std::size_t bytes) override { return target_.create_physical(bytes); }
   void release_physical(backend::physical_ref chunk) override { target_.release_physical(chunk); }
   void map(void* address, backend::physical_ref chunk) override { target_.map(address, chunk); }
+  void map_chunks(void* address, std::span<const backend::sized_chunk> chunks) override {
+    target_.map_chunks(address, chunks);
+  }
   void unmap(void* address) override { target_.unmap(address); }
 
   backend::stream_ref create_stream() override { return target_.create_stream(); }

@@ -1,7 +1,7 @@
 // A device that reports the growable_support a test chooses in place of its
 // target's, and counts the segment calls the allocator makes: plain segments
 // (allocate_segment, free_segment) and growable ones (reserve_range,
-// create_physical, map). Reporting no support, it behaves as a CUDA device
+// create_physical, map, map_chunks). Reporting no support, it behaves as a CUDA device
 // without virtual memory management does: the growable calls throw
 // shoal::backend_error (and are counted all the same). Everything else is the
 // real device's. Counters are atomic.
@@ -41,6 +41,10 @@ class growable_support_device : public forwarding_device {
   void map(void* address, backend::physical_ref chunk) override {
     growable_call("map");
     forwarding_device::map(address, chunk);
+  }
+  void map_chunks(void* address, std::span<const backend::sized_chunk> chunks) override {
+    growable_call("map_chunks");
+    forwarding_device::map_chunks(address, chunks);
   }
 
   std::atomic<int> plain_allocations{0};

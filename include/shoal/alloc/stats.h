@@ -31,6 +31,19 @@ struct stat_by_pool {
   std::array<stat, pool_kinds> pool;
 };
 
+/// The device calls growable segments (expandable_segments) made, one
+/// driver call each on CUDA: what replays spend their time on there. Plain
+/// segments are device_allocations and device_frees alone.
+struct vmm_call_counts {
+  std::int64_t creates = 0;        ///< physical chunks created (cuMemCreate)
+  std::int64_t releases = 0;       ///< physical chunks released (cuMemRelease)
+  std::int64_t maps = 0;           ///< chunks mapped into a reserved range (cuMemMap)
+  std::int64_t unmaps = 0;         ///< chunks unmapped (cuMemUnmap)
+  std::int64_t access_grants = 0;  ///< access set over newly mapped memory (cuMemSetAccess)
+
+  [[nodiscard]] std::int64_t total() const noexcept { return creates + releases + maps + unmaps + access_grants; }
+};
+
 struct allocator_stats {
   stat_by_pool allocations;         ///< blocks handed out
   stat_by_pool segments;            ///< device allocations held
@@ -50,6 +63,9 @@ struct allocator_stats {
   std::int64_t ooms = 0;            ///< out_of_memory errors thrown
   std::int64_t device_allocations = 0;  ///< segments (or chunks) taken from the device
   std::int64_t device_frees = 0;        ///< segments (or chunks) returned to it
+  /// The growable segments' share of the device calls, call by call
+  /// (creates and releases are also in device_allocations and device_frees).
+  vmm_call_counts vmm_calls;
   /// expandable_segments was asked for, but the device has no growable
   /// ranges (backend::device::growable()): plain segments serve instead, and
   /// config() says expandable_segments:false. Not a counter: no reset

@@ -92,6 +92,17 @@ class device {
   /// Maps the whole chunk at `address`, which must lie, with the chunk's
   /// size, inside one reservation, granularity-aligned and not yet mapped.
   virtual void map(void* address, physical_ref chunk) = 0;
+  /// Maps `chunks` back to back from `address` (each whole, each where the
+  /// one before ends, by the size it gives, which must be the size it was
+  /// created with; the same rules as map) and grants this device access
+  /// to the whole range at once (CUDA: one cuMemMap per chunk and one
+  /// cuMemSetAccess over the range, where map pays one per chunk). All or
+  /// nothing: on an error nothing of it stays mapped. Each chunk is unmapped
+  /// on its own (unmap, at its own address).
+  ///
+  /// Optional: this default maps the chunks one by one with map (an access
+  /// grant each), which is all the host backend needs (mmap grants access).
+  virtual void map_chunks(void* address, std::span<const sized_chunk> chunks);
   /// Unmaps the chunk mapped at `address`.
   virtual void unmap(void* address) = 0;
 

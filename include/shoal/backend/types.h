@@ -49,6 +49,12 @@ struct physical_ref {
   friend auto operator<=>(const physical_ref&, const physical_ref&) = default;
 };
 
+/// A physical chunk and the size it was created with (device::map_chunks).
+struct sized_chunk {
+  physical_ref chunk;
+  std::size_t bytes = 0;
+};
+
 /// What a mapping of imported memory allows (device::import_memory).
 enum class memory_access : std::uint8_t {
   read_write = 1,

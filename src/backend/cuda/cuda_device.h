@@ -70,6 +70,7 @@ class cuda_device final : public device {
   physical_ref create_physical(std::size_t bytes) override;
   void release_physical(physical_ref chunk) override;
   void map(void* address, physical_ref chunk) override;
+  void map_chunks(void* address, std::span<const sized_chunk> chunks) override;
   void unmap(void* address) override;
 
   stream_ref create_stream() override;

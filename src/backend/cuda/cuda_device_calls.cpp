@@ -23,6 +23,9 @@ void cuda_device::release_range(void* base) { memory_.release_range(base); }
 physical_ref cuda_device::create_physical(std::size_t bytes) { return memory_.create_physical(bytes); }
 void cuda_device::release_physical(physical_ref chunk) { memory_.release_physical(chunk); }
 void cuda_device::map(void* address, physical_ref chunk) { memory_.map(address, chunk); }
+void cuda_device::map_chunks(void* address, std::span<const sized_chunk> chunks) {
+  memory_.map_chunks(address, chunks);
+}
 void cuda_device::unmap(void* address) { memory_.unmap(address); }
 
 shareable_handle cuda_device::export_memory(const void* ptr) { return memory_.export_memory(ptr); }

@@ -70,6 +70,7 @@ class cuda_memory {
   physical_ref create_physical(std::size_t bytes);
   void release_physical(physical_ref chunk);
   void map(void* address, physical_ref chunk);
+  void map_chunks(void* address, std::span<const sized_chunk> chunks);
   void unmap(void* address);
 
   [[nodiscard]] shareable_handle export_memory(const void* ptr) const;
@@ -86,6 +87,10 @@ class cuda_memory {
   void teardown_rest(const cuda_driver& d) noexcept;
 
  private:
+  /// Checks that `c` may be mapped at `start` (a live chunk of the size it
+  /// gives, inside one reservation, overlapping no mapping) and records the
+  /// mapping; returns its size. Called with mutex_ held.
+  std::size_t claim_mapping(std::uintptr_t start, const sized_chunk& c);
   struct import_record {
     handle_kind kind;
     std::uintptr_t base;  ///< what cudaIpcOpenMemHandle or cuMemAddressReserve returned

@@ -1,0 +1,74 @@
+// The chunk mapper: every device call a growable segment makes after its
+// range is reserved — physical chunks created, mapped, unmapped and
+// released — and the count of each (stats().vmm_calls).
+//
+// A segment's mappings are recorded in its slots (block.h):
+//   s.chunks[k] = the physical chunk mapped over slot k (native 0: none),
+//   s.mapping_slots[h] = the slot count of the mapping that starts at h.
+// Between calls every chunk it holds is mapped:
+//   held_bytes() = sum of mapped_bytes over the growable segments.
+// Unmapped chunks kept for re-mapping (spare_chunks) live only inside one
+// growth: map() takes them all, mapping those that fit and releasing the
+// rest before it creates anything, so the device never holds more than the
+// reserved total before or after the growth (docs/architecture.md).
+// Thread-safety: map and unmap run under the lock of the segment's pool
+// (a sibling's chunks are unmapped under its lock, then the spares are the
+// growth's alone); the counters are relaxed atomics, read from any thread.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "alloc/block.h"
+#include "shoal/alloc/stats.h"
+#include "shoal/backend/device.h"
+
+namespace shoal::alloc::detail {
+
+/// Physical chunks unmapped by one growth's give-back, still held, for the
+/// growth to map again where its block goes.
+using spare_chunks = std::vector<backend::sized_chunk>;
+
+class chunk_mapper {
+ public:
+  explicit chunk_mapper(backend::device& device) : device_(device) {}
+  chunk_mapper(const chunk_mapper&) = delete;
+  chunk_mapper& operator=(const chunk_mapper&) = delete;
+
+  /// Maps [at, at + bytes) of growable segment `s` (granularity-aligned,
+  /// unmapped) in one map_chunks call (one access grant for the range), cut
+  /// into chunks of growable_mapping_max and a last one for the rest; a
+  /// chunk of `spare` of a piece's exact size serves it, new chunks the
+  /// others. Leaves `spare` empty: the spares not used are released before
+  /// any chunk is created. False, with nothing mapped and nothing kept, when
+  /// the device is out of memory.
+  bool map(segment& s, std::uintptr_t at, std::size_t bytes, spare_chunks& spare);
+  /// Unmaps the mappings of `s` that start at or after `lo` and end at or
+  /// before `hi` (the caller passes whole mappings). Their chunks go to
+  /// `keep` where given, else they are released.
+  void unmap(segment& s, std::uintptr_t lo, std::uintptr_t hi, spare_chunks* keep);
+  /// Releases the chunks of `spare` and empties it.
+  void release(spare_chunks& spare);
+
+  /// Bytes of the physical chunks created and not yet released.
+  [[nodiscard]] std::size_t held_bytes() const noexcept { return held_bytes_.load(std::memory_order_relaxed); }
+  [[nodiscard]] vmm_call_counts counts() const noexcept;
+  void reset_counts() noexcept;
+
+ private:
+  /// Unmaps the one mapping that starts at slot `i`, its chunk going to
+  /// `keep` or released; returns its slot count.
+  std::size_t unmap_at(segment& s, std::size_t i, spare_chunks* keep);
+  backend::physical_ref create(std::size_t bytes);
+  void release(const backend::sized_chunk& chunk);
+  /// Releases the pieces that hold a chunk (native != 0).
+  void release_made(const std::vector<backend::sized_chunk>& pieces);
+
+  backend::device& device_;
+  std::atomic<std::size_t> held_bytes_{0};
+  std::atomic<std::int64_t> creates_{0}, releases_{0}, maps_{0}, unmaps_{0}, access_grants_{0};
+};
+
+}  // namespace shoal::alloc::detail
