@@ -73,6 +73,8 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
     // enqueued: a failed batch's storages must not be freed (and handed out
     // again on this stream) before a run copy bound for them.
     std::vector<std::vector<storage::storage>> per_batch(jobs.size());
+    // The block the storages are parts of: the group's, or each batch's own.
+    const void* group_block = targets.empty() ? nullptr : targets.front().data();
     std::size_t first_target = 0;
     for (std::size_t i = 0; i < jobs.size(); ++i) {
       job& j = jobs[i];
@@ -83,7 +85,7 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
       }
       first_target += j.buffers.size();
       try {
-        o.batch = transfer(j, i, per_batch[i], ready, pack, read_directly);
+        o.batch = transfer(j, i, per_batch[i], group_block, ready, pack, read_directly);
       } catch (...) {
         o.error = std::current_exception();
       }
@@ -158,15 +160,17 @@ std::vector<storage::storage> transfer_engine::batch_copier::batch_targets(const
 }
 
 std::shared_ptr<const transferred_batch::state> transfer_engine::batch_copier::transfer(
-    job& j, std::size_t index, std::vector<storage::storage>& targets, const std::shared_ptr<backend::event>& ready,
-    staging_pack& pack, std::vector<std::shared_ptr<const void>>& read_directly) {
+    job& j, std::size_t index, std::vector<storage::storage>& targets, const void* block,
+    const std::shared_ptr<backend::event>& ready, staging_pack& pack,
+    std::vector<std::shared_ptr<const void>>& read_directly) {
   auto batch = std::make_shared<transferred_batch::state>();
   batch->sequence = j.sequence;
   batch->device = &device_;
   batch->ready = ready;
-  if (targets.empty()) targets = batch_targets(j);
-  // Parts of one block start at the first part (a block of one buffer: its only one).
-  const void* block = targets.front().data();
+  if (targets.empty()) {
+    targets = batch_targets(j);
+    block = targets.front().data();  // parts of a block start at its first part
+  }
   for (std::size_t i = 0; i < j.buffers.size(); ++i) {
     host_buffer& source = j.buffers[i];
     void* dst = targets[i].mutable_data(stream_);

@@ -67,12 +67,12 @@ class transfer_engine::batch_copier {
   std::vector<storage::storage> group_targets(std::span<const job> jobs);
   // Storages for the buffers of `j` alone.
   std::vector<storage::storage> batch_targets(const job& j);
-  // Batch `index` of the group into `targets` (one per buffer; empty: the
-  // batch allocates its own into it): its bytes enqueued or joined to the
-  // pack's run. Sources read directly go to `read_directly`, kept until the
-  // group's copies have run.
+  // Batch `index` of the group into `targets` (one per buffer, parts of the
+  // device block `block`; empty: the batch allocates its own into it): its
+  // bytes enqueued or joined to the pack's run. Sources read directly go to
+  // `read_directly`, kept until the group's copies have run.
   std::shared_ptr<const transferred_batch::state> transfer(job& j, std::size_t index,
-                                                           std::vector<storage::storage>& targets,
+                                                           std::vector<storage::storage>& targets, const void* block,
                                                            const std::shared_ptr<backend::event>& ready,
                                                            staging_pack& pack,
                                                            std::vector<std::shared_ptr<const void>>& read_directly);
