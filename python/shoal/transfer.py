@@ -18,8 +18,9 @@ GPU — no host synchronization — and records that stream as a user of the bat
 so the model may drop the batch the moment its kernels are enqueued: the memory is reused
 only after that stream has passed them. No need to keep the last few batches alive.
 
-Backpressure: ``submit`` blocks while ``max_batches_in_flight`` batches are submitted and
-not yet taken; pinned staging memory never exceeds ``max_pinned_bytes``. A batch that
+Backpressure: ``submit`` blocks while ``max_batches_in_flight`` batches, or
+``max_bytes_in_flight`` bytes, are submitted and not yet taken; pinned staging memory never
+exceeds ``max_pinned_bytes``. A batch that
 cannot be transferred (out of memory) raises its error from ``get`` alone; later batches
 are unaffected.
 """
@@ -175,9 +176,10 @@ class Engine:
         """Queues a batch (an array, or a list/tuple/dict of them, nested) and returns its sequence number.
 
         Pageable arrays are copied into staging memory by the engine's threads; pinned torch
-        tensors are read directly and kept alive until their copy has run. Blocks while
-        ``max_batches_in_flight`` batches are in flight; PeerTimeoutError after ``timeout``
-        seconds (nothing queued then).
+        tensors are read directly and kept alive until their copy has run. Blocks while the
+        batch does not fit within ``max_batches_in_flight`` and ``max_bytes_in_flight`` (a
+        larger batch: while any is in flight); PeerTimeoutError after ``timeout`` seconds
+        (nothing queued then).
         """
         leaves: list = []
         structure = _flatten(batch, leaves, 0)
