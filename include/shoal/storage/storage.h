@@ -46,7 +46,7 @@
 // eager copy at once, ordered after the source's streams.
 //
 // Thread-safety: different storage objects may be used from any threads at
-// once, including clones of one family. One storage object's mutable_data
+// once, including clones of one family and parts of one block. One storage object's mutable_data
 // and record_stream may be called from several threads at once; they
 // materialize it once and record every stream.
 #pragma once
