@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -62,8 +63,8 @@ class bench {
   }
 
   // The engine settings compared, each on its own copy stream. The defaults
-  // otherwise: a 32 MiB staging ring of 4 MiB chunks, streaming stores, 4
-  // batches in flight.
+  // otherwise: a 32 MiB staging ring of 4 MiB chunks, streaming stores, 16
+  // batches and 64 MiB in flight (4 batches from 16 MiB, 1 at 256 MiB).
   struct variant {
     const char* name;
     bool pinned_source;
@@ -78,14 +79,16 @@ class bench {
         {"engine, pageable, 8 threads, cached stores", false, {.staging_helpers = 7, .staging_stores = stores::cached}},
         {"engine, pageable, 16 threads, cached stores", false,
          {.staging_helpers = 15, .staging_stores = stores::cached}},
-        {"engine, pageable, 8 threads, 16 in flight", false, {.max_batches_in_flight = 16, .staging_helpers = 7}},
+        {"engine, pageable, 8 threads, 4 in flight at any size (the default before 64 MiB)", false,
+         {.max_batches_in_flight = 4, .max_bytes_in_flight = SIZE_MAX, .staging_helpers = 7}},
         {"engine, pageable, 8 threads, 256 MiB ring of 8 MiB chunks, streaming (before)", false,
          {.max_pinned_bytes = 256 * mib,
           .staging_chunk_bytes = 8 * mib,
           .staging_helpers = 7,
           .staging_stores = stores::streaming}},
         {"engine, pinned source", true, {}},
-        {"engine, pinned source, 16 in flight", true, {.max_batches_in_flight = 16}},
+        {"engine, pinned source, 4 in flight at any size (the default before 64 MiB)", true,
+         {.max_batches_in_flight = 4, .max_bytes_in_flight = SIZE_MAX}},
     };
     return v;
   }

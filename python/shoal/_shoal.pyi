@@ -476,11 +476,11 @@ class TransferEngine:
     Background host-to-device transfer: a thread and a stream of its own copy submitted host buffers into device storages (shoal.transfer.Engine is the batch API).
     """
 
-    def __init__(self, allocator: Allocator, max_batches_in_flight: int = 4, max_pinned_bytes: int = 33554432, staging_chunk_bytes: int = 4194304, staging_helpers: int | None = None, staging_stores: str = 'streaming', max_coalesced_bytes: int = 4194304) -> None: ...
+    def __init__(self, allocator: Allocator, max_batches_in_flight: int = 16, max_pinned_bytes: int = 33554432, staging_chunk_bytes: int = 4194304, staging_helpers: int | None = None, staging_stores: str = 'streaming', max_coalesced_bytes: int = 4194304, max_bytes_in_flight: int = 67108864) -> None: ...
 
     def submit(self, buffers: Sequence[tuple[int, int, bool, object]], timeout: float | None = None) -> int:
         """
-        Queues a batch of (address, nbytes, pinned, owner) host buffers; ``owner`` is kept alive while the engine reads the memory. Returns the batch's sequence number. Blocks while max_batches_in_flight batches are in flight; PeerTimeoutError after ``timeout`` seconds.
+        Queues a batch of (address, nbytes, pinned, owner) host buffers; ``owner`` is kept alive while the engine reads the memory. Returns the batch's sequence number. Blocks while the batch does not fit within max_batches_in_flight and max_bytes_in_flight (a larger batch: while any is in flight); PeerTimeoutError after ``timeout`` seconds.
         """
 
     def next(self, timeout: float | None = None) -> TransferredBatch:
@@ -490,7 +490,7 @@ class TransferEngine:
 
     def stats(self) -> dict:
         """
-        Counters as a dict: batches submitted, transferred, failed and taken, coalesced_groups (the groups of batches the engine's thread took together, each sharing one ready event; failed ones count), bytes copied and staged, batches in flight (now and at the peak), pinned staging memory (now and at the peak).
+        Counters as a dict: batches submitted, transferred, failed and taken, coalesced_groups (the groups of batches the engine's thread took together, each sharing one ready event and one device block; failed ones count), bytes copied and staged, copies (host-to-device copies enqueued: a run of small pageable buffers packed together is one), batches and their bytes in flight (now and at the peak), pinned staging memory (now and at the peak).
         """
 
     def close(self) -> None:

@@ -18,8 +18,9 @@ GPU — no host synchronization — and records that stream as a user of the bat
 so the model may drop the batch the moment its kernels are enqueued: the memory is reused
 only after that stream has passed them. No need to keep the last few batches alive.
 
-Backpressure: ``submit`` blocks while ``max_batches_in_flight`` batches are submitted and
-not yet taken; pinned staging memory never exceeds ``max_pinned_bytes``. A batch that
+Backpressure: ``submit`` blocks while ``max_batches_in_flight`` batches, or
+``max_bytes_in_flight`` bytes, are submitted and not yet taken; pinned staging memory never
+exceeds ``max_pinned_bytes``. A batch that
 cannot be transferred (out of memory) raises its error from ``get`` alone; later batches
 are unaffected.
 """
@@ -116,7 +117,11 @@ class Engine:
     (``shoal.Allocator(memory_limit_mb=...)``) to bound the device memory batches take: a
     consumer whose stream lags keeps dropped batches' memory until the stream passes their
     reads, and at the limit the engine's thread waits for that instead of growing.
-    ``max_batches_in_flight``: batches submitted and not yet taken (``submit`` blocks past it).
+    ``max_batches_in_flight``: batches submitted and not yet taken (``submit`` blocks past it);
+    ``max_bytes_in_flight``: their bytes in all (a larger batch goes alone). Together they bound
+    the device memory of batches in flight by the larger of max_bytes_in_flight and one batch:
+    the defaults (16 batches, 64 MiB) let small batches form large groups, and keep batches
+    of 16 MiB and more at 4 in flight or fewer.
     ``max_pinned_bytes``: the pinned staging memory the engine may hold, a ring that pageable
     arrays are staged through.
     ``staging_chunk_bytes``: pageable arrays are staged in pieces this large.
@@ -126,8 +131,9 @@ class Engine:
     ``staging_helpers``: threads that help copy pageable bytes into staging memory (None:
     half the CPUs this process may run on less the engine's own thread, at most 7).
     ``max_coalesced_bytes``: batches found queued together are transferred as one group of
-    at most this many bytes (0: each batch alone): the group shares one ready event and its
-    small pageable arrays share staging blocks, which cuts the cost of small batches; a
+    at most this many bytes (0: each batch alone): the group shares one ready event and one
+    device block (its arrays are parts of it, freed once all of them are), and its small
+    pageable arrays share staging blocks and copies, which cuts the cost of small batches; a
     group's first batch is handed out once the whole group is enqueued.
 
     Thread-safe: several producers may submit, and batches come out of ``get`` in
@@ -139,7 +145,8 @@ class Engine:
         self,
         allocator: Optional[_shoal.Allocator] = None,
         *,
-        max_batches_in_flight: int = 4,
+        max_batches_in_flight: int = 16,
+        max_bytes_in_flight: int = 64 << 20,
         max_pinned_bytes: int = 32 << 20,
         staging_chunk_bytes: int = 4 << 20,
         staging_helpers: Optional[int] = None,
@@ -154,6 +161,7 @@ class Engine:
             staging_helpers,
             staging_stores,
             max_coalesced_bytes,
+            max_bytes_in_flight,
         )
         # Each batch's structure and leaf types, by sequence number, until taken. Submits
         # are serialized so that the number is known before the engine can hand the
@@ -168,9 +176,10 @@ class Engine:
         """Queues a batch (an array, or a list/tuple/dict of them, nested) and returns its sequence number.
 
         Pageable arrays are copied into staging memory by the engine's threads; pinned torch
-        tensors are read directly and kept alive until their copy has run. Blocks while
-        ``max_batches_in_flight`` batches are in flight; PeerTimeoutError after ``timeout``
-        seconds (nothing queued then).
+        tensors are read directly and kept alive until their copy has run. Blocks while the
+        batch does not fit within ``max_batches_in_flight`` and ``max_bytes_in_flight`` (a
+        larger batch: while any is in flight); PeerTimeoutError after ``timeout`` seconds
+        (nothing queued then).
         """
         leaves: list = []
         structure = _flatten(batch, leaves, 0)
@@ -227,8 +236,9 @@ class Engine:
         """Counters: batches submitted, transferred, failed and taken; ``coalesced_groups``, the
         groups of batches the engine's thread took together (each sharing one ready event; a
         batch alone is a group of one, and groups that failed count too); bytes copied and
-        staged; batches in flight now and at the peak; pinned staging memory now and at the
-        peak."""
+        staged; ``copies``, the host-to-device copies enqueued (a run of small pageable arrays
+        packed together is one); batches and their bytes in flight (``bytes_in_flight``) now
+        and at the peak; pinned staging memory now and at the peak."""
         return self._engine.stats()
 
     def close(self) -> None:

@@ -107,7 +107,7 @@ void register_transfer(nb::module_& m) {
           "__init__",
           [](py_transfer_engine* self, const py_allocator& allocator, std::size_t max_batches_in_flight,
              std::size_t max_pinned_bytes, std::size_t staging_chunk_bytes, std::optional<std::size_t> staging_helpers,
-             const std::string& staging_stores, std::size_t max_coalesced_bytes) {
+             const std::string& staging_stores, std::size_t max_coalesced_bytes, std::size_t max_bytes_in_flight) {
             auto& device = allocator.state->allocator().device();
             // A stream of its own, kept as long as the allocator (its
             // storages are freed on it).
@@ -118,13 +118,19 @@ void register_transfer(nb::module_& m) {
                 std::make_unique<transfer_engine>(
                     allocator.state->allocator(), copy_stream->ref(),
                     transfer::transfer_config{
-                        max_batches_in_flight, max_pinned_bytes, staging_chunk_bytes,
-                        staging_helpers.value_or(transfer::transfer_config::automatic_staging_helpers),
-                        parse_staging_stores(staging_stores), max_coalesced_bytes})};
+                        .max_batches_in_flight = max_batches_in_flight,
+                        .max_bytes_in_flight = max_bytes_in_flight,
+                        .max_pinned_bytes = max_pinned_bytes,
+                        .staging_chunk_bytes = staging_chunk_bytes,
+                        .staging_helpers =
+                            staging_helpers.value_or(transfer::transfer_config::automatic_staging_helpers),
+                        .staging_stores = parse_staging_stores(staging_stores),
+                        .max_coalesced_bytes = max_coalesced_bytes})};
           },
-          nb::arg("allocator"), nb::arg("max_batches_in_flight") = 4, nb::arg("max_pinned_bytes") = 32u << 20,
+          nb::arg("allocator"), nb::arg("max_batches_in_flight") = 16, nb::arg("max_pinned_bytes") = 32u << 20,
           nb::arg("staging_chunk_bytes") = 4u << 20, nb::arg("staging_helpers").none() = nb::none(),
-          nb::arg("staging_stores") = "streaming", nb::arg("max_coalesced_bytes") = 4u << 20)
+          nb::arg("staging_stores") = "streaming", nb::arg("max_coalesced_bytes") = 4u << 20,
+          nb::arg("max_bytes_in_flight") = 64u << 20)
       .def(
           "submit",
           [](const py_transfer_engine& e, const std::vector<std::tuple<std::uintptr_t, std::size_t, bool, nb::object>>&
@@ -141,8 +147,9 @@ void register_transfer(nb::module_& m) {
           },
           nb::arg("buffers"), nb::arg("timeout").none() = nb::none(),
           "Queues a batch of (address, nbytes, pinned, owner) host buffers; ``owner`` is kept alive while "
-          "the engine reads the memory. Returns the batch's sequence number. Blocks while "
-          "max_batches_in_flight batches are in flight; PeerTimeoutError after ``timeout`` seconds.")
+          "the engine reads the memory. Returns the batch's sequence number. Blocks while the batch does "
+          "not fit within max_batches_in_flight and max_bytes_in_flight (a larger batch: while any is in "
+          "flight); PeerTimeoutError after ``timeout`` seconds.")
       .def(
           "next",
           [](const py_transfer_engine& e, std::optional<double> timeout) {
@@ -169,16 +176,20 @@ void register_transfer(nb::module_& m) {
             d["coalesced_groups"] = s.coalesced_groups;
             d["bytes_copied"] = s.bytes_copied;
             d["bytes_staged"] = s.bytes_staged;
+            d["copies"] = s.copies;
             d["in_flight"] = s.in_flight;
             d["peak_in_flight"] = s.peak_in_flight;
+            d["bytes_in_flight"] = s.bytes_in_flight;
+            d["peak_bytes_in_flight"] = s.peak_bytes_in_flight;
             d["pinned_reserved_bytes"] = s.pinned.reserved_bytes.aggregate.current;
             d["pinned_peak_reserved_bytes"] = s.pinned.reserved_bytes.aggregate.peak;
             return d;
           },
           "Counters as a dict: batches submitted, transferred, failed and taken, coalesced_groups (the groups "
-          "of batches the engine's thread took together, each sharing one ready event; failed ones count), "
-          "bytes copied and staged, "
-          "batches in flight (now and at the peak), pinned staging memory (now and at the peak).")
+          "of batches the engine's thread took together, each sharing one ready event and one device block; "
+          "failed ones count), bytes copied and staged, copies (host-to-device copies enqueued: a run of "
+          "small pageable buffers packed together is one), batches and their bytes in flight (now and at "
+          "the peak), pinned staging memory (now and at the peak).")
       .def("close", [](py_transfer_engine& e) { e.close(); },
            "Finishes the batches submitted, waits for their copies and stops the thread. Idempotent.")
       .def_prop_ro("closed", [](const py_transfer_engine& e) { return e.engine == nullptr; });

@@ -250,6 +250,25 @@ def test_small_batches_queued_together_each_arrive_with_their_own_values(max_coa
             assert stats["coalesced_groups"] == 17, "each batch alone"
         else:
             assert stats["coalesced_groups"] < 17, "no batches were coalesced: the test would prove nothing"
+            assert stats["copies"] < 17, "small pageable arrays of a group packed together go as one copy"
         consumer.synchronize()
     gc.collect()
     assert allocator.stats()["allocations"]["all"]["current"] == 0, "device storages leaked"
+
+
+def test_batches_in_flight_are_bounded_in_bytes_as_well_as_in_number():
+    mib = 1 << 20
+    with shoal.transfer.Engine(max_batches_in_flight=16, max_bytes_in_flight=3 * mib) as engine:
+        for i in range(3):
+            engine.submit([numpy.full(mib, i, "uint8")])
+        with pytest.raises(shoal.PeerTimeoutError):
+            engine.submit([numpy.zeros(mib, "uint8")], timeout=0.05)
+        for i in range(3):
+            numpy.testing.assert_array_equal(host_copy(engine.get(timeout=10)[0]), numpy.full(mib, i, "uint8"))
+        # A batch larger than the bound goes alone, once none is in flight.
+        engine.submit([numpy.full(4 * mib, 7, "uint8")], timeout=10)
+        numpy.testing.assert_array_equal(host_copy(engine.get(timeout=10)[0]), numpy.full(4 * mib, 7, "uint8"))
+        stats = engine.stats()
+        assert stats["peak_in_flight"] == 3
+        assert stats["peak_bytes_in_flight"] == 4 * mib
+        assert stats["bytes_in_flight"] == 0

@@ -79,8 +79,9 @@ producer_state::share producer_state::share_storage(const storage::storage& st, 
   auto* sent = dynamic_cast<sent_data*>(owner.get());
   if (sent == nullptr || sent->state() != this) {
     throw invalid_argument(
-        "peer::send: this storage's memory belongs to another owner (it was received from another process, or "
-        "adopted); a received storage cannot be sent on: copy it into a storage of this process and send the copy");
+        "peer::send: this storage's memory belongs to another owner (it was received from another process, "
+        "adopted, or is a part of a block shared with other storages, as the transfer engine's are); such a storage "
+        "cannot be sent: copy it into a storage of its own and send the copy");
   }
   share s;
   const auto data = reinterpret_cast<std::uintptr_t>(st.data());

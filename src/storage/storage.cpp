@@ -1,11 +1,14 @@
 #include "shoal/storage/storage.h"
 
 #include <atomic>
+#include <cstdint>
+#include <string>
 #include <mutex>
 
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 #include "storage/cow_context.h"
+#include "storage/shared_block.h"
 #include "storage/stream_set.h"
 
 namespace shoal::storage {
@@ -126,6 +129,42 @@ storage storage::adopt(alloc::caching_allocator& allocator, void* data, std::siz
   return adopt(allocator, data, bytes, std::move(owner), backend::current_stream(allocator.device()));
 }
 
+std::vector<storage> storage::allocate_parts(alloc::caching_allocator& allocator, std::span<const std::size_t> bytes,
+                                             backend::stream_ref stream) {
+  if (bytes.empty()) throw invalid_argument("storage::allocate_parts: no parts asked for");
+  std::vector<std::size_t> offsets;
+  offsets.reserve(bytes.size());
+  std::size_t end = 0;
+  for (std::size_t i = 0; i < bytes.size(); ++i) {
+    if (bytes[i] == 0) {
+      throw invalid_argument("storage::allocate_parts: part " + std::to_string(i) + " is empty; every part needs a byte");
+    }
+    const std::size_t offset = (end + part_alignment - 1) / part_alignment * part_alignment;
+    if (offset < end || bytes[i] > SIZE_MAX - offset) {
+      throw invalid_argument("storage::allocate_parts: the parts add up to more than the address space");
+    }
+    offsets.push_back(offset);
+    end = offset + bytes[i];
+  }
+  auto* block = static_cast<std::byte*>(allocator.allocate(end, stream));
+  std::shared_ptr<detail::shared_block> owner;
+  try {
+    owner = std::make_shared<detail::shared_block>(allocator, block, stream);
+  } catch (...) {
+    allocator.deallocate(block, stream);
+    throw;
+  }
+  // From here the owner frees the block, once the parts made so far are gone.
+  std::vector<storage> parts;
+  parts.reserve(bytes.size());
+  for (std::size_t i = 0; i < bytes.size(); ++i) {
+    auto impl = std::make_shared<detail::storage_impl>(allocator, bytes[i], block + offsets[i], nullptr, stream);
+    impl->owner_ = owner;  // not shared outside the process: lazy_clone copies because of the owner
+    parts.push_back(storage(std::move(impl)));
+  }
+  return parts;
+}
+
 storage storage::take_over(alloc::caching_allocator& allocator, void* data, std::size_t bytes,
                            backend::stream_ref stream) {
   if (data == nullptr || bytes == 0) throw invalid_argument("storage::take_over: empty memory (null pointer or 0 bytes)");
@@ -207,9 +246,11 @@ std::shared_ptr<storage_owner> storage::hand_over(
 storage lazy_clone(const storage& source, backend::stream_ref stream) {
   detail::storage_impl& s = source.impl();
   std::lock_guard lock(s.mutex_);
-  if (s.shared_outside_) {
+  if (s.shared_outside_ || s.owner_) {
     // Memory another process or framework may write: a lazy clone could not
-    // see those writes coming, so the clone is an eager copy, made now.
+    // see those writes coming. Memory an owner gives back (a part of a
+    // shared block among them): a copy-on-write context would free it as a
+    // block of the allocator. Either way the clone is an eager copy, made now.
     storage copy = storage::allocate(s.allocator_, s.size_, stream);
     detail::order_after(s.allocator_.device(), stream, s.streams_.view());
     s.allocator_.device().copy(stream, copy.impl().data_.load(), s.data_.load(), s.size_);

@@ -38,6 +38,7 @@ transfer_engine::batch_copier::batch_copier(alloc::caching_allocator& device_all
       chunk_bytes_(config.staging_chunk_bytes),
       pinned_(device_allocator.device(), staging_config(config)),
       queue_depth_(config.max_batches_in_flight),
+      queue_bytes_(config.max_bytes_in_flight),
       stores_(config.staging_stores == transfer_config::stores::cached ? store_kind::cached : store_kind::streaming),
       memcpy_(staging_helpers_for(config.staging_helpers)) {}
 
@@ -46,16 +47,19 @@ transfer_engine::batch_copier::~batch_copier() { release_all(); }
 std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::span<job> jobs) {
   std::vector<outcome> outcomes;
   outcomes.reserve(jobs.size());
+  std::size_t group_bytes = 0;
+  for (const job& j : jobs) group_bytes += j.bytes();
   std::shared_ptr<backend::event> ready;
   try {
-    make_room(jobs.size());
+    make_room(jobs.size(), group_bytes);
     ready = std::make_shared<backend::event>(device_);
   } catch (...) {
     // The stream failed, or no event could be made: no batch of the group
     // can be transferred.
-    for (const job& j : jobs) outcomes.push_back({j.sequence, nullptr, std::current_exception()});
+    for (const job& j : jobs) outcomes.push_back({j.sequence, j.bytes(), nullptr, std::current_exception()});
     return outcomes;
   }
+  std::vector<storage::storage> targets = group_targets(jobs);
   std::vector<std::shared_ptr<const void>> read_directly;
   {
     std::size_t packed_bytes = 0;
@@ -64,17 +68,41 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
         if (!b.pinned && staging_pack::takes(b.bytes, chunk_bytes_)) packed_bytes += staging_pack::footprint(b.bytes);
       }
     }
-    staging_pack pack(pinned_, stream_, chunk_bytes_, packed_bytes, memcpy_, stores_);
-    for (job& j : jobs) {
-      outcome o{j.sequence, nullptr, nullptr};
+    staging_pack pack(pinned_, stream_, chunk_bytes_, packed_bytes, jobs.size(), memcpy_, stores_);
+    // Each batch's storages, held here too until the pack's last run is
+    // enqueued: a failed batch's storages must not be freed (and handed out
+    // again on this stream) before a run copy bound for them.
+    std::vector<std::vector<storage::storage>> per_batch(jobs.size());
+    // The block the storages are parts of: the group's, or each batch's own.
+    const void* group_block = targets.empty() ? nullptr : targets.front().data();
+    std::size_t first_target = 0;
+    for (std::size_t i = 0; i < jobs.size(); ++i) {
+      job& j = jobs[i];
+      outcome o{j.sequence, j.bytes(), nullptr, nullptr};
+      if (!targets.empty()) {
+        const auto from = targets.begin() + static_cast<std::ptrdiff_t>(first_target);
+        per_batch[i].assign(from, from + static_cast<std::ptrdiff_t>(j.buffers.size()));
+      }
+      first_target += j.buffers.size();
       try {
-        o.batch = transfer(j, ready, pack, read_directly);
+        o.batch = transfer(j, i, per_batch[i], group_block, ready, pack, read_directly);
       } catch (...) {
         o.error = std::current_exception();
       }
       outcomes.push_back(std::move(o));
     }
-  }  // the pack's last block is given back after the copies reading it
+    pack.give_back();  // the last run's copy enqueued, the last block given back after it
+    per_batch.clear();
+    targets.clear();  // a failed batch's storages go here, after the copies bound for them
+    for (std::size_t i = 0; i < jobs.size(); ++i) {
+      // A run's copy that failed fails every batch with a buffer in it.
+      if (std::exception_ptr e = pack.error(i); e && outcomes[i].batch) {
+        outcomes[i].batch = nullptr;  // its storages freed on the engine's stream, after the copies
+        outcomes[i].error = e;
+      }
+    }
+    copies_.fetch_add(pack.copies(), std::memory_order_relaxed);
+  }
   try {
     ready->record(stream_);
   } catch (...) {
@@ -88,55 +116,81 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
     return outcomes;
   }
   if (!read_directly.empty()) held_.push_back({ready, std::move(read_directly)});
-  queued_.push_back({ready, jobs.size()});
+  queued_.push_back({ready, jobs.size(), group_bytes});
   queued_batches_ += jobs.size();
+  queued_bytes_ += group_bytes;
   return outcomes;
 }
 
 // The engine thread runs ahead of its stream by no more than queue_depth_
-// batches: otherwise a consumer that takes and drops batches at once (its
-// stream lagging behind) would let copies, and the device memory they fill,
-// pile up without bound.
-void transfer_engine::batch_copier::make_room(std::size_t batches) {
-  while (!queued_.empty() && queued_batches_ + batches > queue_depth_) {
+// batches and queue_bytes_ bytes (a group larger than that goes once the
+// queue is empty): otherwise a consumer that takes and drops batches at once
+// (its stream lagging behind) would let copies, and the device memory they
+// fill, pile up without bound.
+void transfer_engine::batch_copier::make_room(std::size_t batches, std::size_t bytes) {
+  while (!queued_.empty() && (queued_batches_ + batches > queue_depth_ || queued_bytes_ + bytes > queue_bytes_)) {
     queued_.front().done->synchronize();
     queued_batches_ -= queued_.front().batches;
+    queued_bytes_ -= queued_.front().bytes;
     queued_.pop_front();
   }
 }
 
+std::vector<storage::storage> transfer_engine::batch_copier::group_targets(std::span<const job> jobs) {
+  if (jobs.size() < 2) return {};
+  std::vector<std::size_t> sizes;
+  for (const job& j : jobs) {
+    for (const host_buffer& b : j.buffers) sizes.push_back(b.bytes);
+  }
+  try {
+    return storage::storage::allocate_parts(device_allocator_, sizes, stream_);
+  } catch (...) {
+    // Out of memory for the group at once (or the stream failed): each
+    // batch tries alone, and fails alone, with its own error.
+    return {};
+  }
+}
+
+std::vector<storage::storage> transfer_engine::batch_copier::batch_targets(const job& j) {
+  if (j.buffers.size() == 1) return {storage::storage::allocate(device_allocator_, j.buffers[0].bytes, stream_)};
+  std::vector<std::size_t> sizes;
+  sizes.reserve(j.buffers.size());
+  for (const host_buffer& b : j.buffers) sizes.push_back(b.bytes);
+  return storage::storage::allocate_parts(device_allocator_, sizes, stream_);
+}
+
 std::shared_ptr<const transferred_batch::state> transfer_engine::batch_copier::transfer(
-    job& j, const std::shared_ptr<backend::event>& ready, staging_pack& pack,
+    job& j, std::size_t index, std::vector<storage::storage>& targets, const void* block,
+    const std::shared_ptr<backend::event>& ready, staging_pack& pack,
     std::vector<std::shared_ptr<const void>>& read_directly) {
   auto batch = std::make_shared<transferred_batch::state>();
   batch->sequence = j.sequence;
   batch->device = &device_;
   batch->ready = ready;
-  batch->storages.reserve(j.buffers.size());
-  try {
-    for (host_buffer& source : j.buffers) {
-      auto target = storage::storage::allocate(device_allocator_, source.bytes, stream_);
-      void* dst = target.mutable_data(stream_);
-      if (source.pinned) {
-        device_.copy(stream_, dst, source.data, source.bytes);
-        if (source.keep_alive) read_directly.push_back(std::move(source.keep_alive));
-      } else {
-        if (staging_pack::takes(source.bytes, chunk_bytes_)) {
-          pack.stage(dst, source);
-        } else {
-          pack.give_back();
-          stage_in_chunks(dst, source);
-        }
-        bytes_staged_.fetch_add(source.bytes, std::memory_order_relaxed);
-        source.keep_alive.reset();  // staged: the engine needs the source no longer
-      }
-      bytes_copied_.fetch_add(source.bytes, std::memory_order_relaxed);
-      batch->storages.push_back(std::move(target));
-    }
-  } catch (...) {
-    batch->storages.clear();  // freed on the engine's stream, after their copies
-    throw;
+  if (targets.empty()) {
+    targets = batch_targets(j);
+    block = targets.front().data();  // parts of a block start at its first part
   }
+  for (std::size_t i = 0; i < j.buffers.size(); ++i) {
+    host_buffer& source = j.buffers[i];
+    void* dst = targets[i].mutable_data(stream_);
+    if (source.pinned) {
+      device_.copy(stream_, dst, source.data, source.bytes);
+      copies_.fetch_add(1, std::memory_order_relaxed);
+      if (source.keep_alive) read_directly.push_back(std::move(source.keep_alive));
+    } else {
+      if (staging_pack::takes(source.bytes, chunk_bytes_)) {
+        pack.stage(dst, block, source, index);
+      } else {
+        pack.give_back();
+        stage_in_chunks(dst, source);
+      }
+      bytes_staged_.fetch_add(source.bytes, std::memory_order_relaxed);
+      source.keep_alive.reset();  // staged: the engine needs the source no longer
+    }
+    bytes_copied_.fetch_add(source.bytes, std::memory_order_relaxed);
+  }
+  batch->storages = targets;
   return batch;
 }
 
@@ -151,6 +205,7 @@ void transfer_engine::batch_copier::stage_in_chunks(void* dst, const host_buffer
     memcpy_.copy(staging, from + offset, n, stores_);
     try {
       device_.copy(stream_, to + offset, staging, n);
+      copies_.fetch_add(1, std::memory_order_relaxed);
     } catch (...) {
       pinned_.deallocate(staging, stream_);
       throw;
@@ -186,7 +241,7 @@ void transfer_engine::batch_copier::release_all() noexcept {
   }
   held_.clear();
   queued_.clear();
-  queued_batches_ = 0;
+  queued_batches_ = queued_bytes_ = 0;
 }
 
 }  // namespace shoal::transfer

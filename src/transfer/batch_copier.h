@@ -1,8 +1,12 @@
 // The engine thread's work on one group of batches taken together: a device
-// storage per buffer, the bytes moved into it on the engine's stream (small
-// pageable buffers packed into shared staging blocks, larger ones staged
-// chunk by chunk, pinned ones copied directly), one ready event for the
-// group, and the sources held until the copies reading them have run.
+// storage per buffer, each a part of one device block for the whole group
+// (storage::allocate_parts: one allocator call), the bytes moved into them on
+// the engine's stream (small pageable buffers packed into shared staging
+// blocks, in the parts' layout, so that a run of them is one copy; larger
+// ones staged chunk by chunk; pinned ones copied directly), one ready event
+// for the group, and the sources held until the copies reading them have run.
+// When the group's block cannot be had, each batch takes a block of its own
+// (and fails alone when it cannot have that either).
 //
 // Thread-safety: copy, release_finished and release_all are called by the
 // engine's thread only; pinned_stats and the byte counters from any thread.
@@ -16,6 +20,7 @@
 #include <vector>
 
 #include "shoal/alloc/caching_allocator.h"
+#include "shoal/storage/storage.h"
 #include "transfer/batch_state.h"
 #include "transfer/parallel_memcpy.h"
 
@@ -43,6 +48,7 @@ class transfer_engine::batch_copier {
   [[nodiscard]] alloc::allocator_stats pinned_stats() const { return pinned_.stats(); }
   [[nodiscard]] std::uint64_t bytes_copied() const noexcept { return bytes_copied_.load(std::memory_order_relaxed); }
   [[nodiscard]] std::uint64_t bytes_staged() const noexcept { return bytes_staged_.load(std::memory_order_relaxed); }
+  [[nodiscard]] std::uint64_t copies() const noexcept { return copies_.load(std::memory_order_relaxed); }
 
  private:
   // Sources of copies that read them directly, held until `done` completes.
@@ -53,17 +59,27 @@ class transfer_engine::batch_copier {
   // A group whose copies are queued on the stream.
   struct queued_group {
     std::shared_ptr<backend::event> done;
-    std::size_t batches;
+    std::size_t batches, bytes;
   };
 
-  // One batch of the group: its storages, its bytes enqueued. Sources read
-  // directly go to `read_directly`, kept until the group's copies have run.
-  std::shared_ptr<const transferred_batch::state> transfer(job& j, const std::shared_ptr<backend::event>& ready,
+  // Storages for every buffer of `jobs`, parts of one block; empty when the
+  // group is one batch or the block cannot be had.
+  std::vector<storage::storage> group_targets(std::span<const job> jobs);
+  // Storages for the buffers of `j` alone.
+  std::vector<storage::storage> batch_targets(const job& j);
+  // Batch `index` of the group into `targets` (one per buffer, parts of the
+  // device block `block`; empty: the batch allocates its own into it): its
+  // bytes enqueued or joined to the pack's run. Sources read directly go to
+  // `read_directly`, kept until the group's copies have run.
+  std::shared_ptr<const transferred_batch::state> transfer(job& j, std::size_t index,
+                                                           std::vector<storage::storage>& targets, const void* block,
+                                                           const std::shared_ptr<backend::event>& ready,
                                                            staging_pack& pack,
                                                            std::vector<std::shared_ptr<const void>>& read_directly);
   void stage_in_chunks(void* dst, const host_buffer& source);
-  // Waits until `batches` more fit in the stream's queue.
-  void make_room(std::size_t batches);
+  // Waits until `batches` more batches of `bytes` in all fit in the
+  // stream's queue.
+  void make_room(std::size_t batches, std::size_t bytes);
   // Holds `sources` until the work enqueued on the stream so far has run.
   void hold_until_now(std::vector<std::shared_ptr<const void>> sources) noexcept;
 
@@ -74,13 +90,15 @@ class transfer_engine::batch_copier {
   alloc::caching_allocator pinned_;
   std::deque<held_sources> held_;  // oldest first
   // The groups copied last, oldest first: queued_batches_ = the sum of their
-  // batches <= queue_depth_, the batches whose copies may be queued at once.
+  // batches <= queue_depth_, the batches whose copies may be queued at once,
+  // and queued_bytes_ = the sum of their bytes <= queue_bytes_ (or one group
+  // alone, larger than that).
   std::deque<queued_group> queued_;
-  std::size_t queued_batches_ = 0;
-  const std::size_t queue_depth_;
+  std::size_t queued_batches_ = 0, queued_bytes_ = 0;
+  const std::size_t queue_depth_, queue_bytes_;
   const store_kind stores_;
   parallel_memcpy memcpy_;
-  std::atomic<std::uint64_t> bytes_copied_{0}, bytes_staged_{0};
+  std::atomic<std::uint64_t> bytes_copied_{0}, bytes_staged_{0}, copies_{0};
 };
 
 }  // namespace shoal::transfer

@@ -37,6 +37,7 @@ struct transfer_engine::job {
 /// Exactly one of `batch` and `error` is set.
 struct transfer_engine::outcome {
   std::uint64_t sequence = 0;
+  std::size_t bytes = 0;  ///< the job's, counted in flight until it is taken
   std::shared_ptr<const transferred_batch::state> batch;
   std::exception_ptr error;
 };

@@ -5,18 +5,20 @@
 namespace shoal::transfer {
 
 staging_pack::staging_pack(alloc::caching_allocator& pinned, backend::stream_ref stream, std::size_t block_bytes,
-                           std::size_t total_bytes, parallel_memcpy& memcpy, store_kind stores)
+                           std::size_t total_bytes, std::size_t batches, parallel_memcpy& memcpy,
+                           store_kind stores)
     : pinned_(pinned),
       device_(pinned.device()),
       stream_(stream),
       block_bytes_(block_bytes),
       still_to_stage_(total_bytes),
       memcpy_(memcpy),
-      stores_(stores) {}
+      stores_(stores),
+      errors_(batches) {}
 
 staging_pack::~staging_pack() { give_back(); }
 
-void staging_pack::stage(void* dst, const host_buffer& source) {
+void staging_pack::stage(void* dst, const void* dst_block, const host_buffer& source, std::size_t batch) {
   const std::size_t needed = footprint(source.bytes);
   if (used_ + needed > capacity_) {
     give_back();
@@ -27,13 +29,46 @@ void staging_pack::stage(void* dst, const host_buffer& source) {
     capacity_ = capacity;
   }
   std::byte* staging = block_ + used_;
+  auto* to = static_cast<std::byte*>(dst);
   memcpy_.copy(staging, source.data, source.bytes, stores_);
-  used_ += needed;  // before the copy: a failed copy's bytes are not reused in this block
+  used_ += needed;  // the bytes are this buffer's from here: not reused in this block, whatever its copy does
   still_to_stage_ -= std::min(still_to_stage_, needed);
-  device_.copy(stream_, dst, staging, source.bytes);
+  if (continues_run(staging, to, dst_block)) {
+    run_.bytes = static_cast<std::size_t>(staging - run_.from) + source.bytes;
+    run_.last_batch = batch;
+    return;
+  }
+  flush();
+  run_ = {staging, to, dst_block, source.bytes, batch, batch};
+}
+
+// The run's copy may cover the gap before this buffer only when that gap is
+// padding on both sides. In one device block, at the same distance from the
+// run's start on both sides, with a device gap shorter than `alignment`:
+// every buffer of the block starts `alignment`-aligned from it, so no other
+// buffer's first byte fits between the run's end and `to` (and in the
+// staging block, bytes between buffers are padding).
+bool staging_pack::continues_run(const std::byte* from, const std::byte* to, const void* to_block) const noexcept {
+  if (run_.bytes == 0 || to_block != run_.to_block) return false;
+  const std::byte* run_end = run_.to + run_.bytes;
+  return to >= run_end && static_cast<std::size_t>(to - run_end) < alignment && from - run_.from == to - run_.to;
+}
+
+void staging_pack::flush() noexcept {
+  if (run_.bytes == 0) return;
+  try {
+    device_.copy(stream_, run_.to, run_.from, run_.bytes);
+    ++copies_;
+  } catch (...) {
+    for (std::size_t b = run_.first_batch; b <= run_.last_batch; ++b) {
+      if (!errors_[b]) errors_[b] = std::current_exception();
+    }
+  }
+  run_ = {};
 }
 
 void staging_pack::give_back() noexcept {
+  flush();
   if (block_ == nullptr) return;
   try {
     pinned_.deallocate(block_, stream_);

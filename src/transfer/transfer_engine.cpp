@@ -14,6 +14,9 @@ const transfer_config& checked(const transfer_config& c) {
   if (c.max_batches_in_flight == 0) {
     throw invalid_argument("transfer_engine: max_batches_in_flight is 0; allow at least one batch in flight");
   }
+  if (c.max_bytes_in_flight == 0) {
+    throw invalid_argument("transfer_engine: max_bytes_in_flight is 0; allow at least one byte in flight");
+  }
   if (c.staging_chunk_bytes == 0) throw invalid_argument("transfer_engine: staging_chunk_bytes is 0");
   if (c.staging_helpers > 64 && c.staging_helpers != transfer_config::automatic_staging_helpers) {
     throw invalid_argument("transfer_engine: staging_helpers is " + std::to_string(c.staging_helpers) +
@@ -87,20 +90,30 @@ transfer_engine::~transfer_engine() {
 
 std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chrono::milliseconds timeout) {
   check_batch(batch);
+  std::size_t bytes = 0;
+  for (const host_buffer& b : batch) bytes += b.bytes;
   std::unique_lock lock(mutex_);
+  // Within both bounds, or alone: a batch larger than max_bytes_in_flight
+  // goes once nothing else is in flight.
   const bool room = wait_until(room_ready_, lock, timeout, [&] {
-    return stopping_ || counters_.in_flight < config_.max_batches_in_flight;
+    return stopping_ || (counters_.in_flight < config_.max_batches_in_flight &&
+                         (counters_.in_flight == 0 || counters_.bytes_in_flight + bytes <= config_.max_bytes_in_flight));
   });
   if (stopping_) throw invalid_argument("transfer_engine::submit: the engine is shutting down");
   if (!room) {
-    throw timeout_error("transfer_engine::submit: " + std::to_string(config_.max_batches_in_flight) +
-                        " batches are still in flight after " + std::to_string(timeout.count()) +
-                        " ms; take batches with next() or raise max_batches_in_flight");
+    throw timeout_error("transfer_engine::submit: " + std::to_string(counters_.in_flight) + " batches of " +
+                        std::to_string(counters_.bytes_in_flight) + " bytes in all are still in flight after " +
+                        std::to_string(timeout.count()) + " ms (limits: " +
+                        std::to_string(config_.max_batches_in_flight) + " batches, " +
+                        std::to_string(config_.max_bytes_in_flight) + " bytes; this batch: " + std::to_string(bytes) +
+                        "); take batches with next() or raise max_batches_in_flight or max_bytes_in_flight");
   }
   const std::uint64_t sequence = next_sequence_++;
   jobs_.push_back({sequence, std::move(batch)});
   ++counters_.batches_submitted;
   counters_.peak_in_flight = std::max(counters_.peak_in_flight, ++counters_.in_flight);
+  counters_.bytes_in_flight += bytes;
+  counters_.peak_bytes_in_flight = std::max(counters_.peak_bytes_in_flight, counters_.bytes_in_flight);
   lock.unlock();
   work_ready_.notify_one();
   return sequence;
@@ -126,8 +139,9 @@ transferred_batch transfer_engine::take_locked(std::unique_lock<std::mutex>& loc
   outcomes_.pop_front();
   ++counters_.batches_taken;
   --counters_.in_flight;
+  counters_.bytes_in_flight -= o.bytes;
   lock.unlock();
-  room_ready_.notify_one();
+  room_ready_.notify_all();  // the room made may fit several smaller batches, or not the first waiter's
   if (o.error) std::rethrow_exception(o.error);
   return transferred_batch(std::move(o.batch));
 }
@@ -140,6 +154,7 @@ transfer_stats transfer_engine::stats() const {
   }
   s.bytes_copied = copier_->bytes_copied();
   s.bytes_staged = copier_->bytes_staged();
+  s.copies = copier_->copies();
   s.pinned = copier_->pinned_stats();
   return s;
 }
@@ -180,7 +195,8 @@ void transfer_engine::run() noexcept {
 void transfer_engine::take_group_locked(std::vector<job>& group) {
   // The first job goes whatever its size; the next while the group stays
   // within max_coalesced_bytes. jobs_ holds at most max_batches_in_flight
-  // jobs (each is in flight), so a group holds no more.
+  // jobs and max_bytes_in_flight bytes (each is in flight), or one job, so a
+  // group holds no more (the copier's queue bound needs that).
   std::size_t bytes = 0;
   do {
     const std::size_t next_bytes = jobs_.front().bytes();

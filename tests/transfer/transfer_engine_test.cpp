@@ -97,16 +97,17 @@ TYPED_TEST(transfer_engine_test, batches_arrive_in_submission_order_with_every_b
 // consumer's stream waits for the copies but the storages never learn of it.
 // `coalesce`: the engine's stream stalls before every fourth batch, so the
 // engine's thread waits for room on it while batches queue, and takes them
-// in groups (checked); otherwise each batch goes alone.
+// in groups (checked); otherwise each batch goes alone. `two_streams`: the
+// batches are read on two consumer streams in turn, so the storages of one
+// group (parts of one device block) are dropped with reads queued on both.
 template <class Test>
-int corrupted_batches(Test& test, bool record_use, bool coalesce) {
+int corrupted_batches(Test& test, bool record_use, bool coalesce, bool two_streams = false) {
   auto& dev = test.device();
   auto& a = test.make_allocator();
   transfer_engine engine(a, test.copy_stream(),
                          {.max_batches_in_flight = 4, .max_coalesced_bytes = coalesce ? 4 * mib : 0});
   constexpr std::uint64_t batches = 16;
   constexpr std::size_t bytes = 256 * kib;
-  const backend::stream_ref model = test.consumer();
   std::thread producer([&] {
     for (std::uint64_t i = 0; i < batches; ++i) {
       if (coalesce && i % 4 == 0) dev.delay(engine.stream(), 30ms);
@@ -119,6 +120,7 @@ int corrupted_batches(Test& test, bool record_use, bool coalesce) {
   auto* seen = static_cast<std::uint8_t*>(dev.allocate_pinned_host(batches * bytes));
   for (std::uint64_t i = 0; i < batches; ++i) {
     auto batch = engine.next(10s);
+    const backend::stream_ref model = two_streams && i % 2 == 1 ? test.other_consumer() : test.consumer();
     if (record_use) {
       batch.wait_on(model);
     } else {
@@ -128,7 +130,8 @@ int corrupted_batches(Test& test, bool record_use, bool coalesce) {
     dev.copy(model, seen + i * bytes, batch.storages()[0].data(), bytes);
   }  // each batch dropped right after its read was enqueued
   producer.join();
-  dev.synchronize(model);
+  dev.synchronize(test.consumer());
+  dev.synchronize(test.other_consumer());
   int corrupted = 0;
   for (std::uint64_t i = 0; i < batches; ++i) {
     corrupted += all_equal(std::vector<std::uint8_t>(seen + i * bytes, seen + (i + 1) * bytes), pattern(i)) ? 0 : 1;
@@ -151,6 +154,10 @@ TYPED_TEST(transfer_engine_test, a_coalesced_batch_dropped_while_its_read_is_que
   EXPECT_EQ(corrupted_batches(*this, true, true), 0);
 }
 
+TYPED_TEST(transfer_engine_test, coalesced_batches_dropped_while_read_on_two_streams_are_never_overwritten) {
+  EXPECT_EQ(corrupted_batches(*this, true, true, true), 0);
+}
+
 TYPED_TEST(transfer_engine_test, control_without_the_use_recorded_the_engine_overwrites_batches_still_being_read) {
 #if defined(__SANITIZE_THREAD__)
   GTEST_SKIP() << "a real data race between two streams, on purpose: not under ThreadSanitizer";
@@ -158,6 +165,8 @@ TYPED_TEST(transfer_engine_test, control_without_the_use_recorded_the_engine_ove
   EXPECT_GT(corrupted_batches(*this, false, false), 0) << "the race did not show: the safe test would prove nothing";
   EXPECT_GT(corrupted_batches(*this, false, true), 0)
       << "the race did not show with groups: the safe test would prove nothing";
+  EXPECT_GT(corrupted_batches(*this, false, true, true), 0)
+      << "the race did not show with groups read on two streams: the safe test would prove nothing";
 }
 
 TYPED_TEST(transfer_engine_test, a_pinned_source_is_held_until_the_copy_reading_it_has_run) {
@@ -186,17 +195,22 @@ TYPED_TEST(transfer_engine_test, a_pinned_source_is_held_until_the_copy_reading_
 }
 
 // A fast producer of `bytes`-byte batches against a slow consumer, at most
-// `in_flight` batches in flight. The engine's copies wait behind a stall at
-// first: the first `in_flight` batches fill its stream's queue, so the
-// engine's thread waits for room on the stream with the next batch while
+// `in_flight` batches in flight (max_batches_in_flight, or fewer when
+// `bytes_in_flight` bounds them first). The engine's copies wait behind a
+// stall at first: the first `in_flight` batches fill its stream's queue, so
+// the engine's thread waits for room on the stream with the next batch while
 // the consumer takes those and the producer queues up more (with
 // `in_flight` > 2 several more: they are taken as one group).
 template <class Test>
-void stays_within_bounds(Test& test, std::size_t bytes, std::size_t in_flight, bool coalesced) {
+void stays_within_bounds(Test& test, std::size_t bytes, std::size_t max_batches, bool coalesced,
+                         std::size_t bytes_in_flight = transfer_config{}.max_bytes_in_flight) {
   auto& dev = test.device();
   auto& a = test.make_allocator();
-  const transfer_config config{
-      .max_batches_in_flight = in_flight, .max_pinned_bytes = 4 * mib, .staging_chunk_bytes = mib};
+  const transfer_config config{.max_batches_in_flight = max_batches,
+                               .max_bytes_in_flight = bytes_in_flight,
+                               .max_pinned_bytes = 4 * mib,
+                               .staging_chunk_bytes = mib};
+  const std::size_t in_flight = std::min(max_batches, std::max<std::size_t>(1, bytes_in_flight / bytes));
   transfer_engine engine(a, test.copy_stream(), config);
   dev.delay(engine.stream(), 100ms);
   for (std::size_t i = 0; i < in_flight; ++i) engine.submit({pageable(bytes, 1)});
@@ -214,14 +228,17 @@ void stays_within_bounds(Test& test, std::size_t bytes, std::size_t in_flight, b
   producer.join();
   dev.synchronize(consumer);
   const auto s = engine.stats();
-  EXPECT_LE(s.peak_in_flight, config.max_batches_in_flight);
+  EXPECT_LE(s.peak_in_flight, in_flight);
+  EXPECT_LE(s.peak_bytes_in_flight, in_flight * bytes);
   EXPECT_LE(s.pinned.reserved_bytes.aggregate.peak, static_cast<std::int64_t>(config.max_pinned_bytes));
   EXPECT_EQ(s.bytes_staged, batches * bytes);
   // Device memory held by batches' storages: those in flight (transferred or
-  // being transferred, not taken) and the one the consumer holds. Storages
-  // dropped and waiting for the consumer's stream are no longer held (the
-  // consumer's own pace bounds those).
-  EXPECT_LE(a.stats().requested_bytes.aggregate.peak, static_cast<std::int64_t>((in_flight + 1) * bytes));
+  // being transferred, not taken) and the one the consumer holds, each with
+  // its group's block: the batches of the consumer's group it dropped already
+  // (fewer than `in_flight`) are freed with the group's last. Storages dropped
+  // and waiting for the consumer's stream are no longer held (the consumer's
+  // own pace bounds those).
+  EXPECT_LE(a.stats().requested_bytes.aggregate.peak, static_cast<std::int64_t>(2 * in_flight * bytes));
   if (coalesced) {
     EXPECT_LT(s.coalesced_groups, batches) << "no batches were coalesced: the test would prove nothing about groups";
   } else {
@@ -237,6 +254,28 @@ TYPED_TEST(transfer_engine_test, a_fast_producer_stays_within_the_batch_and_pinn
 TYPED_TEST(transfer_engine_test, a_fast_producer_of_small_batches_stays_within_the_bounds_when_they_are_coalesced) {
   // Packed into shared staging blocks, up to four batches a group.
   stays_within_bounds(*this, 300 * kib, 4, true);
+}
+
+TYPED_TEST(transfer_engine_test, a_fast_producer_stays_within_the_byte_bound_when_it_is_reached_first) {
+  // Sixteen batches may be in flight, but only three of them fit in 1 MiB.
+  stays_within_bounds(*this, 300 * kib, 16, true, mib);
+}
+
+TYPED_TEST(transfer_engine_test, a_batch_larger_than_the_byte_bound_goes_alone) {
+  auto& a = this->make_allocator();
+  transfer_engine engine(a, this->copy_stream(), {.max_bytes_in_flight = mib});
+  engine.submit({pageable(64 * kib, 1)});
+  EXPECT_THROW(engine.submit({pageable(2 * mib, 2)}, 50ms), timeout_error) << "it would not be alone";
+  (void)engine.next(10s);
+  engine.submit({pageable(2 * mib, 2)}, 10s);  // nothing in flight: it goes
+  EXPECT_THROW(engine.submit({pageable(64 * kib, 3)}, 50ms), timeout_error) << "the large batch fills the bound";
+  auto large = engine.next(10s);
+  large.wait_on(this->consumer());
+  EXPECT_TRUE(all_equal(this->read(large.storages()[0].data(), 2 * mib, this->consumer()), 2));
+  const auto s = engine.stats();
+  EXPECT_EQ(s.peak_bytes_in_flight, 2 * mib);
+  EXPECT_EQ(s.bytes_in_flight, 0u);
+  EXPECT_THROW(transfer_engine(a, this->copy_stream(), {.max_bytes_in_flight = 0}), invalid_argument);
 }
 
 // The default ring (max_pinned_bytes) is smaller than a large buffer: the
@@ -413,6 +452,55 @@ TYPED_TEST(transfer_engine_test, an_error_in_a_coalesced_batch_fails_only_that_b
   while (!released && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
   EXPECT_TRUE(released) << "the failed batch's pinned source is let go once the group's copies have run";
   EXPECT_EQ(engine.stats().pinned.allocations.aggregate.current, 0) << "every staging block was given back";
+}
+
+// A group's storages are parts of one device block (one allocation for the
+// group), and its small pageable buffers, packed in the same layout, go to
+// the device as one copy; each batch still reads its own bytes, on either of
+// two streams, and the block is freed with the group's last storage.
+TYPED_TEST(transfer_engine_test, a_groups_storages_share_one_device_block_and_its_packed_buffers_one_copy) {
+  auto& dev = this->device();
+  auto& a = this->make_allocator();
+  const auto sizes = [](std::uint64_t i) { return std::array<std::size_t, 2>{1000 + i, 64 * kib}; };
+  transfer_engine engine(a, this->copy_stream(), small_ring);
+  std::vector<std::vector<host_buffer>> small;  // with the holder, max_batches_in_flight in flight
+  for (std::uint64_t i = 0; i < 7; ++i) {
+    small.push_back({pageable(sizes(i)[0], pattern(i)), pageable(sizes(i)[1], pattern(i + 100))});
+  }
+  hold_the_engine_thread(*this, engine, 500ms);
+  for (auto& batch : small) engine.submit(std::move(batch));
+  dev.delay(engine.stream(), 100ms);  // the group's copies run late: a read that did not wait shows
+  (void)engine.next(10s);             // the one that held the thread, dropped
+  std::vector<transfer::transferred_batch> batches;
+  std::vector<std::shared_ptr<std::uint8_t>> seen;
+  for (std::uint64_t i = 0; i < 7; ++i) {
+    batches.push_back(engine.next(10s));
+    const backend::stream_ref on = i % 2 == 0 ? this->consumer() : this->other_consumer();
+    batches.back().wait_on(on);
+    for (std::size_t b = 0; b < 2; ++b) {
+      seen.emplace_back(static_cast<std::uint8_t*>(dev.allocate_pinned_host(sizes(i)[b])),
+                        [&](std::uint8_t* p) { dev.free_pinned_host(p); });
+      dev.copy(on, seen.back().get(), batches.back().storages()[b].data(), sizes(i)[b]);
+    }
+  }
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 1) << "one device block for the group's 14 storages";
+  const auto s = engine.stats();
+  EXPECT_EQ(s.coalesced_groups, 2u) << "the one that held the thread, then the seven as one group";
+  const std::size_t holder_chunks = (small_ring.max_pinned_bytes + small_ring.staging_chunk_bytes) / mib;
+  EXPECT_EQ(s.copies, holder_chunks + 1) << "the holder chunk by chunk, then the group's packed run as one copy";
+  dev.synchronize(this->consumer());
+  dev.synchronize(this->other_consumer());
+  for (std::uint64_t i = 0; i < 7; ++i) {
+    const std::array<std::uint8_t, 2> expected{pattern(i), pattern(i + 100)};
+    for (std::size_t b = 0; b < 2; ++b) {
+      const std::uint8_t* p = seen[i * 2 + b].get();
+      EXPECT_TRUE(all_equal(std::vector<std::uint8_t>(p, p + sizes(i)[b]), expected[b])) << "batch " << i << " buffer " << b;
+    }
+  }
+  batches.erase(batches.begin(), batches.end() - 1);
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 1) << "the block lives while one of its storages does";
+  batches.clear();
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 0);
 }
 
 TYPED_TEST(transfer_engine_test, bad_batches_and_settings_are_refused_before_anything_is_queued) {

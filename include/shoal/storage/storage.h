@@ -46,7 +46,7 @@
 // eager copy at once, ordered after the source's streams.
 //
 // Thread-safety: different storage objects may be used from any threads at
-// once, including clones of one family. One storage object's mutable_data
+// once, including clones of one family and parts of one block. One storage object's mutable_data
 // and record_stream may be called from several threads at once; they
 // materialize it once and record every stream.
 #pragma once
@@ -55,6 +55,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <vector>
 
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/backend/types.h"
@@ -107,6 +108,28 @@ class storage {
   /// adopt for use on the calling thread's current stream.
   static storage adopt(alloc::caching_allocator& allocator, void* data, std::size_t bytes,
                        std::shared_ptr<storage_owner> owner);
+
+  /// Storages over the parts of one block from `allocator` (one allocator
+  /// call), for use on `stream`: part i holds `bytes[i]` bytes (each > 0)
+  /// and starts at the next multiple of part_alignment after part i-1 ends,
+  /// so parts follow each other in order with at most part_alignment - 1
+  /// bytes between them. Each part is a storage of its own (no two alias);
+  /// the block is freed once every part's last handle is gone and each
+  /// stream any part was used on has passed that part's uses (a part's
+  /// release records its streams on the block; the last one frees it on
+  /// `stream`), so a part dropped on one stream while another is read on a
+  /// second never lets the block be reused under that read. A part holds the
+  /// whole block: memory returns when the last part goes. Parts are never
+  /// lazily shared (lazy_clone makes an eager copy: a copy-on-write context
+  /// frees its data as a block of its own); they have not left the process
+  /// (shared_outside_process() is false until marked) and owner() is the
+  /// block's. Every stream a part was used on must outlive the block's free.
+  /// invalid_argument when `bytes` is empty or holds a 0.
+  static std::vector<storage> allocate_parts(alloc::caching_allocator& allocator, std::span<const std::size_t> bytes,
+                                             backend::stream_ref stream);
+  /// Where allocate_parts starts each part: a multiple of this many bytes
+  /// from the block's start.
+  static constexpr std::size_t part_alignment = 256;
 
   /// A storage that takes over the live block at `data`, which `allocator`
   /// handed out (allocate) and someone else held until now (say, a

@@ -7,11 +7,20 @@
 // from memory that is page-locked already, through pinned staging blocks
 // otherwise — and records a ready event. Batches queued when the thread
 // looks for work are taken together, up to config.max_coalesced_bytes, as
-// one group: their small pageable buffers share staging blocks and the
-// group shares one ready event, so a stream of small batches pays for the
-// event and the staging block once per group (the copies and the storages
-// stay one per buffer, the consumer stream's wait one per batch). Each batch
-// of a group still has its own sequence, storages and error. A consumer
+// one group: the group's storages are parts of one device block (one
+// allocator call: storage::allocate_parts), its small pageable buffers are
+// packed into shared staging blocks in the same layout, so that a run of
+// them is one copy, and the group shares one ready event. So a stream of
+// small batches pays for the allocation, the event, the staging block and
+// (pageable) the copy once per group; the storages stay one per buffer, the
+// consumer stream's wait one per batch, and pinned buffers are copied one by
+// one. Each batch of a group still has its own sequence, storages and error.
+// A group's block is freed once every storage of the group is gone and each
+// stream any of them was used on has passed that use: a storage kept alive
+// keeps its group's block (at most max_coalesced_bytes) allocated. Storages
+// that are parts of a block are copied eagerly by lazy_clone and cannot be
+// sent to another process as they are (storage::allocate_parts); a group of
+// one batch of one buffer gets a block of its own. A consumer
 // takes batches in submission order with next() and makes its stream wait
 // for the copies with transferred_batch::wait_on: a GPU-side wait, and a use
 // of every storage on that stream, so when the consumer drops the batch its
@@ -19,12 +28,13 @@
 // stream-aware free). That is what protects batches: events and the free, not holding the
 // last few batches alive.
 //
-// Backpressure: at most config.max_batches_in_flight batches are submitted
-// and not yet taken by next(); submit blocks (until its deadline) past that.
-// The engine's thread keeps at most as many batches' copies queued on its
-// stream (it waits for the oldest groups to run before it starts another), so a
-// consumer that takes batches faster than the copies run does not pile up
-// device memory either.
+// Backpressure: at most config.max_batches_in_flight batches, of at most
+// config.max_bytes_in_flight bytes in all, are submitted and not yet taken by
+// next() (a batch larger than that goes alone); submit blocks (until its
+// deadline) past that. The engine's thread keeps at most as many batches'
+// copies, and bytes, queued on its stream (it waits for the oldest groups to
+// run before it starts another), so a consumer that takes batches faster
+// than the copies run does not pile up device memory either.
 // Pinned staging memory never exceeds config.max_pinned_bytes: a staging
 // block is handed out again only after the copy reading it has run, and when
 // the bound is reached the engine waits for earlier copies. So a fast
@@ -69,8 +79,19 @@ namespace shoal::transfer {
 
 struct transfer_config {
   /// Batches submitted and not yet taken by next(), and batches whose copies
-  /// are queued and not yet run (>= 1).
-  std::size_t max_batches_in_flight = 4;
+  /// are queued and not yet run (>= 1). With max_bytes_in_flight, the device
+  /// memory of batches in flight is at most max(max_bytes_in_flight, one
+  /// batch). The count bounds small batches: 16 lets groups of up to 16
+  /// batches form (on the H100, 64 KiB pinned batches took 11.7 us each at 4
+  /// in flight, about 7.5 us at 16); the bytes bound the large ones.
+  std::size_t max_batches_in_flight = 16;
+  /// Bytes of the batches submitted and not yet taken, and of the batches
+  /// whose copies are queued and not yet run (> 0); a larger batch goes alone
+  /// (once none is in flight). 64 MiB: 16 batches of up to 4 MiB; from 16
+  /// MiB on, at most 4 batches, as the count alone allowed before (4 was the
+  /// default), so large batches hold no more device memory in flight than
+  /// they did, and batches of 64 MiB and more fewer.
+  std::size_t max_bytes_in_flight = std::size_t{64} << 20;
   /// Bytes of pinned staging memory the engine may hold (>= staging_chunk_bytes):
   /// the ring pageable buffers are staged through. On the H100 host a 32 MiB
   /// ring staged as fast as one of 256 MiB (16 MiB and 256 MiB buffers alike),
@@ -97,9 +118,10 @@ struct transfer_config {
   stores staging_stores = stores::streaming;
   /// Batches found queued together are transferred as one group of at most
   /// this many bytes in all (a larger batch goes alone; 0: every batch
-  /// alone). A group shares one ready event and its small pageable buffers
-  /// share staging blocks; it holds at most max_batches_in_flight batches,
-  /// and its first batch is handed out once the whole group is enqueued.
+  /// alone). A group shares one ready event and one device block, and its
+  /// small pageable buffers share staging blocks and copies; it holds at
+  /// most max_batches_in_flight batches, and its first batch is handed out
+  /// once the whole group is enqueued.
   std::size_t max_coalesced_bytes = std::size_t{4} << 20;
 };
 
@@ -159,8 +181,14 @@ struct transfer_stats {
   std::uint64_t coalesced_groups = 0;
   std::uint64_t bytes_copied = 0;         ///< bytes moved to the device
   std::uint64_t bytes_staged = 0;         ///< of those, bytes staged through pinned blocks
+  /// Host-to-device copies enqueued: one per pinned buffer and per staging
+  /// chunk of a large buffer, one per run of small pageable buffers packed
+  /// together (so fewer than buffers when runs form).
+  std::uint64_t copies = 0;
   std::size_t in_flight = 0;              ///< submitted and not yet taken
   std::size_t peak_in_flight = 0;
+  std::size_t bytes_in_flight = 0;        ///< bytes of the batches in flight
+  std::size_t peak_bytes_in_flight = 0;
   alloc::allocator_stats pinned;          ///< the staging allocator's stats
 };
 
@@ -179,8 +207,9 @@ class transfer_engine {
 
   /// Queues a batch (at least one buffer, each non-null with bytes > 0, else
   /// invalid_argument and nothing queued) and returns its sequence number.
-  /// Blocks while max_batches_in_flight batches are in flight; timeout_error
-  /// when `timeout` passes first (nothing queued).
+  /// Blocks while the batch does not fit within max_batches_in_flight and
+  /// max_bytes_in_flight (a larger batch: while any is in flight);
+  /// timeout_error when `timeout` passes first (nothing queued).
   std::uint64_t submit(std::vector<host_buffer> batch, std::chrono::milliseconds timeout = forever);
   /// The next batch in submission order, once its copies are enqueued (wait
   /// for them with wait_on or synchronize). Throws the batch's own error
