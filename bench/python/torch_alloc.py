@@ -80,10 +80,10 @@ def child(allocator: str, iterations: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def model_run(allocator: str, model: str, steps: int, shoal_conf: str) -> dict:
+def model_run(allocator: str, model: str, steps: int, warmup: int, shoal_conf: str) -> dict:
     r = subprocess.run(
         [sys.executable, str(MODELS_PROGRAM), "--allocator", allocator, "--model", model, "--steps", str(steps),
-         "--warmup", "2", "--shoal-conf", shoal_conf],
+         "--warmup", str(warmup), "--shoal-conf", shoal_conf],
         capture_output=True, text=True, timeout=600,
     )
     if r.returncode != 0:
@@ -102,10 +102,11 @@ def size_name(n: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--child", choices=["torch", "shoal"])
-    parser.add_argument("--iterations", type=int, default=20000)
+    parser.add_argument("--iterations", type=int, default=20000, help="per-op pairs per size; 0 skips them")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--models", default="resnet,bert,gpt2")
     parser.add_argument("--model-steps", type=int, default=10)
+    parser.add_argument("--model-warmup", type=int, default=2, help="untimed steps first (BERT: one per shape is 5)")
     parser.add_argument("--shoal-conf", default="", help="shoal's settings for the models, e.g. expandable_segments:true")
     parser.add_argument("--cpus", default="", help="run every process on these CPUs only, e.g. 3 or 2,3")
     args = parser.parse_args()
@@ -114,6 +115,12 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure_in_this_process(args.child, args.iterations)))
         return
+    if args.iterations > 0:
+        allocator_pairs(args)
+    model_steps(args)
+
+
+def allocator_pairs(args) -> None:
     runs = {"torch": [], "shoal": []}
     for _ in range(args.rounds):
         for allocator in runs:
@@ -136,6 +143,9 @@ def main() -> None:
               f"{ratio(dt, ds)} | {spread(rt)} | {spread(rs)} | {spread(tb)} |")
     print(f"shoal device allocations / retries per round: "
           f"{[(r['device_allocs'], r['retries']) for r in runs['shoal']]}")
+
+
+def model_steps(args) -> None:
     models = [m for m in args.models.split(",") if m]
     if not models:
         return
@@ -154,19 +164,32 @@ def main() -> None:
         for round_index in range(args.rounds):  # interleaved, each first in turn, so drift touches both alike
             order = ["torch", "shoal"] if round_index % 2 == 0 else ["shoal", "torch"]
             for allocator in order:
-                res[allocator].append(model_run(allocator, model, args.model_steps, args.shoal_conf))
+                res[allocator].append(model_run(allocator, model, args.model_steps, args.model_warmup, args.shoal_conf))
         step = {a: [t for r in res[a] for t in r["step_ms"]] for a in res}
         fastest = {a: min(step[a]) for a in res}
         peak = {a: [r["peak_reserved"] / 2**20 for r in res[a]] for a in res}
         same = len({r["digest"] for a in res for r in res[a]}) == 1
+        # Mean step per process: BERT's steps cycle through five shapes of
+        # different cost, so a median of pooled steps picks one shape.
+        means = {a: [statistics.fmean(r["step_ms"]) for r in res[a]] for a in res}
         print(f"| {model} | {spread(step['torch'])} | {spread(step['shoal'])} | "
               f"{statistics.median(step['shoal']) / statistics.median(step['torch']):.3f} | "
               f"{fastest['torch']:.3f} / {fastest['shoal']:.3f} | {fastest['shoal'] / fastest['torch']:.3f} | "
               f"{spread(peak['torch'])} | {spread(peak['shoal'])} | "
               f"{statistics.median(peak['shoal']) / statistics.median(peak['torch']):.3f} | {'yes' if same else 'NO'} |")
+        print(f"  {model}: mean step per process (ms), PyTorch {spread(means['torch'])}, shoal {spread(means['shoal'])}, "
+              f"shoal/PyTorch {statistics.median(means['shoal']) / statistics.median(means['torch']):.3f} "
+              f"(fastest process {min(means['shoal']) / min(means['torch']):.3f})")
         per_step = {a: res[a][0]["allocations_per_step"] for a in res}
         print(f"  {model}: allocations per step {per_step}, shoal device allocations "
               f"{[r['device_allocations'] for r in res['shoal']]}")
+        # A steady state takes nothing from the device: calls made during the
+        # timed steps (allocs + frees, and shoal's growable-segment driver calls)
+        # are time neither the median nor the peak shows by itself.
+        for a in res:
+            print(f"  {model} on {a}: device allocs + frees during the timed steps "
+                  f"{[(r['timed_device_allocations'], r['timed_device_frees']) for r in res[a]]}, "
+                  f"VMM calls {[r['timed_vmm_calls'] for r in res[a]]}")
 
 
 if __name__ == "__main__":

@@ -93,7 +93,22 @@ def gpt2_steps():
 
 step = {"resnet": resnet_steps, "bert": bert_steps, "gpt2": gpt2_steps}[args.model]()
 times = []
+device_calls_before = (0, 0)
+vmm_before = 0
+
+
+def vmm_calls() -> int:
+    """shoal's growable segments' driver calls so far (0 on PyTorch's allocator)."""
+    if args.allocator != "shoal":
+        return 0
+    return sum(shoal.torch.allocator().stats()["vmm_calls"].values())
+
+
 for i in range(args.warmup + args.steps):
+    if i == args.warmup:  # the device calls of the timed steps alone: a steady state makes none
+        stats = torch.cuda.memory_stats()
+        device_calls_before = (stats.get("num_device_alloc", 0), stats.get("num_device_free", 0))
+        vmm_before = vmm_calls()
     torch.cuda.synchronize()
     start = time.perf_counter()
     result = step(i)
@@ -101,6 +116,7 @@ for i in range(args.warmup + args.steps):
     if i >= args.warmup:
         times.append((time.perf_counter() - start) * 1e3)
     note(result)
+final = torch.cuda.memory_stats()
 print(
     json.dumps(
         {
@@ -116,7 +132,11 @@ print(
             "blocks_at_end": torch.cuda.memory_stats()["allocation.all.current"],
             # How much allocation work a step does, on either allocator.
             "allocations_per_step": torch.cuda.memory_stats()["allocation.all.allocated"] / (args.warmup + args.steps),
-            "device_allocations": torch.cuda.memory_stats().get("num_device_alloc", -1),
+            "device_allocations": final.get("num_device_alloc", -1),
+            "device_frees": final.get("num_device_free", -1),
+            "timed_device_allocations": final.get("num_device_alloc", 0) - device_calls_before[0],
+            "timed_device_frees": final.get("num_device_free", 0) - device_calls_before[1],
+            "timed_vmm_calls": vmm_calls() - vmm_before,
         }
     )
 )
