@@ -1,5 +1,6 @@
 #include "alloc/free_bins.h"
 
+#include <algorithm>
 #include <bit>
 
 #include "alloc/core_util.h"
@@ -52,16 +53,28 @@ std::size_t free_bins::next_nonempty(std::size_t from) const noexcept {
   return word * 64 + static_cast<std::size_t>(std::countr_zero(nonempty_[word]));
 }
 
+std::size_t free_bins::smallest_size_of(std::size_t bin) noexcept {
+  if (bin < exact_bins) return bin << 9;
+  const std::size_t log = 11 + (bin - exact_bins) / sub_bins;
+  const std::size_t sub = (bin - exact_bins) % sub_bins;
+  return ((sub_bins + sub) << (log - 3)) << 9;
+}
+
 block* free_bins::best_fit(std::size_t bytes) const noexcept {
   std::size_t bin = bin_of(bytes);
-  // The request's own bin may hold blocks smaller than it (above 2 MiB);
-  // any later bin holds only larger ones.
+  // The request's own bin may hold blocks smaller than it (above 1 MiB);
+  // any later bin holds only larger ones. The first block of the smallest
+  // fitting size in list order wins; a block of the least size the bin and
+  // the request allow ends the walk, since no later one can beat it (a bin
+  // of whole idle segments, all the same size, costs one step, not one per
+  // segment).
   for (bin = next_nonempty(bin); bin < bins; bin = next_nonempty(bin + 1)) {
+    const std::size_t least = std::max(bytes, smallest_size_of(bin));
     block* best = nullptr;
     for (block* b = heads_[bin]; b != nullptr; b = b->bin_next) {
       if (b->size >= bytes && (best == nullptr || b->size < best->size)) {
         best = b;
-        if (bin < exact_bins) break;  // every block of an exact bin is the same size
+        if (b->size == least) break;
       }
     }
     if (best != nullptr) return best;

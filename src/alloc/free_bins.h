@@ -47,6 +47,8 @@ class free_bins {
   static constexpr std::size_t words = (bins + 63) / 64;
 
   [[nodiscard]] static std::size_t bin_of(std::size_t size) noexcept;
+  /// The least size bin_of maps to `bin`: bin_of(smallest_size_of(b)) == b.
+  [[nodiscard]] static std::size_t smallest_size_of(std::size_t bin) noexcept;
   [[nodiscard]] std::size_t next_nonempty(std::size_t from) const noexcept;  // bins if none
 
   std::array<block*, bins> heads_{};
