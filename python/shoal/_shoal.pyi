@@ -191,7 +191,7 @@ class Allocator:
 
     def stats(self) -> object:
         """
-        Counters as a dict: allocations, segments, active, allocated_bytes, reserved_bytes, ... each with current/peak/allocated/freed per pool, plus retries, ooms, device_allocations, device_frees, and expandable_segments_fallback (True when expandable_segments was asked for but the device has no growable segments, so plain ones serve and config says false).
+        Counters as a dict: allocations, segments, active, allocated_bytes, reserved_bytes, ... each with current/peak/allocated/freed per pool, plus retries, ooms, device_allocations, device_frees, vmm_calls (the growable segments' device calls: creates, releases, maps, unmaps, access_grants), and expandable_segments_fallback (True when expandable_segments was asked for but the device has no growable segments, so plain ones serve and config says false).
         """
 
     def snapshot(self) -> object:
