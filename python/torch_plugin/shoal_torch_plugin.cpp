@@ -109,7 +109,13 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     if (ptr.get() == nullptr) return;
-    check(api->record_stream(ptr.get(), ptr.device().index(), stream.stream()), "record_stream");
+    const int status = api->record_stream(ptr.get(), ptr.device().index(), stream.stream());
+    // A tensor over memory this allocator did not hand to PyTorch: inside a
+    // shoal block (a transfer engine's array through DLPack) the block's
+    // free waits for the stream; elsewhere (another library's memory) it is
+    // ignored, as PyTorch's own allocator ignores pointers it did not make.
+    if (status == SHOAL_TORCH_INVALID_ARGUMENT && ptr.get_deleter() != &free_tensor_block) return;
+    check(status, "record_stream");
   }
 
   void emptyCache(c10::cuda::MempoolId_t /*pool*/) override { check(api->empty_cache(), "empty_cache"); }

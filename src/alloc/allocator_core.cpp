@@ -339,6 +339,7 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
     b->requested = 0;
     b->used_on.clear();
     b->held_outside = false;
+    b->claimed = false;
     ++pool.frees;
     if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
     if (hold) {
@@ -455,7 +456,23 @@ void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
     if (b->state == block_state::invalidated) return;
     if (stream != b->stream) add_unique(b->used_on, stream);
   });
-  if (!found && !orphans_.contains(address)) throw_not_allocated(address, "record_stream");
+  if (found || orphans_.contains(address)) return;
+  // A pointer inside an allocated block (a part of storage::allocate_parts,
+  // a view's data): the stream holds the whole block's free back.
+  block_pool* pool = directory_.directory_pool(address);
+  if (pool != nullptr) {
+    std::lock_guard lock(pool->lock);
+    for (const auto& s : pool->segments) {
+      if (address - s->base >= s->size) continue;
+      for (block* b = s->first; b != nullptr; b = b->next) {
+        if (address - b->address >= b->size) continue;
+        if (b->state != block_state::allocated) break;
+        if (stream != b->stream) add_unique(b->used_on, stream);
+        return;
+      }
+    }
+  }
+  throw_not_allocated(address, "record_stream");
 }
 
 std::size_t allocator_core::block_size(const void* ptr) const {
@@ -471,6 +488,17 @@ void allocator_core::mark_held_outside(void* ptr) {
   with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "mark_held_outside", [&](block_pool&, block* b) {
     require_not_invalidated(b, "mark_held_outside");
     b->held_outside = true;
+  });
+}
+
+void allocator_core::claim(void* ptr) {
+  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "claim", [&](block_pool&, block* b) {
+    require_not_invalidated(b, "claim");
+    if (b->claimed) {
+      throw invalid_argument("caching_allocator::claim: the block at " + hex(b->address) +
+                             " has an owner already (a storage holds it); a second owner would free it twice");
+    }
+    b->claimed = true;
   });
 }
 

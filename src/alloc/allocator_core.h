@@ -80,6 +80,7 @@ class allocator_core {
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
   void mark_held_outside(void* ptr);
   void unmark_held_outside(void* ptr);
+  void claim(void* ptr);
   void process_pending_frees();
   void empty_cache();
   void set_memory_fraction(double fraction);

@@ -47,6 +47,9 @@ struct alignas(64) block {
   /// Allocated and shared with another process (mark_held_outside): a
   /// forced clear refuses to take it. Cleared by its free.
   bool held_outside = false;
+  /// Allocated and owned by one holder that will free it (claim): a second
+  /// claim is refused. Cleared by its free.
+  bool claimed = false;
   backend::stream_ref stream;  ///< the stream it was handed out on
   /// Extra streams from record_stream; its free waits for them too.
   std::vector<backend::stream_ref> used_on;

@@ -111,6 +111,7 @@ struct alignas(64) block_pool {
     b->mapped = true;
     b->counted_inactive_split = false;
     b->held_outside = false;
+    b->claimed = false;
     b->stream = {};
     b->used_on.clear();
     b->waits.clear();

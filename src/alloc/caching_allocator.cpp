@@ -23,6 +23,7 @@ void caching_allocator::record_stream(void* ptr, backend::stream_ref stream) { c
 std::size_t caching_allocator::block_size(const void* ptr) const { return core_->block_size(ptr); }
 void caching_allocator::mark_held_outside(void* ptr) { core_->mark_held_outside(ptr); }
 void caching_allocator::unmark_held_outside(void* ptr) { core_->unmark_held_outside(ptr); }
+void caching_allocator::claim(void* ptr) { core_->claim(ptr); }
 
 void caching_allocator::process_pending_frees() { core_->process_pending_frees(); }
 void caching_allocator::set_memory_fraction(double fraction) { core_->set_memory_fraction(fraction); }

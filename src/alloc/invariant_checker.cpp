@@ -180,6 +180,9 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
         fail("states", block_name(b) + where + " is a tombstone outside a private pool or not of " +
                            std::to_string(min_block) + " bytes");
       }
+      if (b->claimed && b->state != block_state::allocated) {
+        fail("states", block_name(b) + where + " is claimed by an owner but is not allocated");
+      }
       if (b->held_outside && b->state != block_state::allocated) {
         fail("states", block_name(b) + where + " is marked shared with another process but is not allocated");
       }

@@ -60,6 +60,7 @@ void* cow_context::release_for_write(backend::stream_ref stream, std::span<const
   // has changed. If the others went meanwhile, the copy is not needed.
   void* destination = allocator_.allocate(size_, stream);
   try {
+    allocator_.claim(destination);  // the materialized storage owns it
     record_uses(used_on);
   } catch (...) {
     allocator_.deallocate(destination, stream);

@@ -103,6 +103,7 @@ class storage_impl {
 storage storage::allocate(alloc::caching_allocator& allocator, std::size_t bytes, backend::stream_ref stream) {
   void* data = allocator.allocate(bytes, stream);
   try {
+    allocator.claim(data);  // a later take_over of it is refused, not a second owner
     return storage(std::make_shared<detail::storage_impl>(allocator, bytes, data, nullptr, stream));
   } catch (...) {
     allocator.deallocate(data, stream);
@@ -149,6 +150,7 @@ std::vector<storage> storage::allocate_parts(alloc::caching_allocator& allocator
   auto* block = static_cast<std::byte*>(allocator.allocate(end, stream));
   std::shared_ptr<detail::shared_block> owner;
   try {
+    allocator.claim(block);  // part 0 starts the block: a take_over of it is refused
     owner = std::make_shared<detail::shared_block>(allocator, block, stream);
   } catch (...) {
     allocator.deallocate(block, stream);
@@ -173,6 +175,11 @@ storage storage::take_over(alloc::caching_allocator& allocator, void* data, std:
     throw invalid_argument("storage::take_over: " + std::to_string(bytes) + " bytes asked of a block of " +
                            std::to_string(block));
   }
+  // Refused for a block a storage owns (one allocated as a storage, the
+  // block of a storage's parts, or one taken over already): a second owner
+  // would free it under the first. Should making the storage fail below,
+  // the claim stays until the previous holder frees the block.
+  allocator.claim(data);
   auto impl = std::make_shared<detail::storage_impl>(allocator, bytes, data, nullptr, stream);
   impl->shared_outside_ = true;  // its previous holder may still write it: never lazily shared
   return storage(std::move(impl));

@@ -158,6 +158,37 @@ TYPED_TEST(storage_parts_test, a_block_is_freed_after_the_streams_of_every_part_
   }
 }
 
+// What PyTorch's Tensor.record_stream reaches with shoal as its allocator:
+// the allocator's record_stream with a part's pointer, which starts no block
+// unless it is part 0. Either way the whole block's free waits for the
+// stream (the same read as the control below, recorded this way).
+TYPED_TEST(storage_parts_test, the_allocators_record_stream_on_any_part_holds_the_whole_blocks_free) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  const backend::stream_ref own = this->new_stream(), reader = this->new_stream();
+  for (const std::size_t read_part : {0, 1}) {
+    auto parts = this->two_filled_parts(own);
+    std::atomic<bool> open{false};
+    hold(dev, reader, open);
+    auto seen = this->queued_copy(parts[read_part], reader);
+    a.record_stream(const_cast<void*>(parts[read_part].data()), reader);
+    parts.clear();
+    EXPECT_EQ(pending_frees(a), 1u) << "part " << read_part << ": the block was freed under the recorded read";
+    auto next = storage_t::allocate(a, 2 * part_bytes + 256, own);
+    dev.fill(own, next.mutable_data(own), 0x99, next.size());
+    open.store(true);
+    dev.synchronize(reader);
+    EXPECT_TRUE(all_equal(this->read(seen.data(), part_bytes, reader), read_part == 0 ? 0x11 : 0x22)) << read_part;
+    dev.synchronize(own);
+    EXPECT_EQ(pending_frees(a), 0u);
+  }
+  auto one = storage_t::allocate(a, part_bytes, own);
+  void* inside = static_cast<std::byte*>(one.mutable_data(own)) + 4096;
+  one = storage_t();
+  a.process_pending_frees();
+  EXPECT_THROW(a.record_stream(inside, reader), invalid_argument) << "inside a free block";
+}
+
 // The control: the reader's use of part 0 is never recorded, so nothing
 // tells the block's free about it, and the block is reused under the read.
 TYPED_TEST(storage_parts_test, control_a_part_read_unrecorded_on_another_stream_is_overwritten) {

@@ -370,6 +370,33 @@ TYPED_TEST(storage_test, take_over_refuses_what_is_not_a_whole_live_block) {
   EXPECT_EQ(a.stats().allocations.aggregate.current, 0);
 }
 
+// A second owner would free the block under the first (and then free it
+// again, perhaps as somebody else's block): the allocator's claim refuses it.
+TYPED_TEST(storage_test, take_over_refuses_a_block_a_storage_owns_already) {
+  auto& a = this->make();
+  auto own = storage_t::allocate(a, bytes, {});
+  EXPECT_THROW((void)storage_t::take_over(a, own.mutable_data({}), bytes, {}), invalid_argument)
+      << "a storage's own block";
+  const std::size_t sizes[] = {bytes, bytes};
+  auto parts = storage_t::allocate_parts(a, sizes, {});
+  EXPECT_THROW((void)storage_t::take_over(a, parts[0].mutable_data({}), bytes, {}), invalid_argument)
+      << "part 0 starts the parts' block";
+  void* p = a.allocate(bytes, {});
+  auto taken = storage_t::take_over(a, p, bytes, {});
+  EXPECT_THROW((void)storage_t::take_over(a, p, bytes, {}), invalid_argument) << "taken over already";
+  EXPECT_THROW(a.claim(p), invalid_argument);
+  EXPECT_NO_THROW(a.check_invariants());
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 3) << "each block still has its one owner";
+  own = storage_t();
+  parts.clear();
+  taken = storage_t();
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 0);
+  // The claim ends with the free: the same memory handed out again is free to claim.
+  void* again = a.allocate(bytes, {});
+  EXPECT_NO_THROW(a.claim(again));
+  a.deallocate(again, {});
+}
+
 // An owner that notes what its storages tell it.
 class listening_owner final : public storage::storage_owner {
  public:

@@ -97,9 +97,13 @@ class caching_allocator {
   /// deallocate on the calling thread's current stream.
   void deallocate(void* ptr);
   /// The block of `ptr` is also used on `stream`: its free waits for the
-  /// work enqueued there until then. On a block a forced clear took back
+  /// work enqueued there until then. `ptr` may lie anywhere inside an
+  /// allocated block (a part of storage::allocate_parts, a view's data): the
+  /// whole block's free waits (found by a walk of its segment's blocks, so
+  /// slower than for a block's start). On a block a forced clear took back
   /// (a tombstone) it does nothing: its owner's storage records its streams
   /// before the late free, which must still come to remove the tombstone.
+  /// invalid_argument when `ptr` lies in no allocated block.
   void record_stream(void* ptr, backend::stream_ref stream);
   /// Bytes of the block that holds `ptr` (the rounded size).
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
@@ -113,6 +117,12 @@ class caching_allocator {
   /// block a forced clear took back it does nothing; invalid_argument for a
   /// pointer that is no block at all.
   void unmark_held_outside(void* ptr);
+  /// Records that the live block at `ptr` has one owner that will free it
+  /// (storages claim the blocks they hold), so a second would-be owner is
+  /// refused instead of freeing it twice: invalid_argument when the block is
+  /// claimed already, was taken back by a forced clear, or `ptr` starts no
+  /// live block. The claim ends with the block's free.
+  void claim(void* ptr);
 
   /// Makes every pending free whose streams have passed reusable. Called by
   /// the allocator itself on a cache miss.

@@ -124,6 +124,10 @@ class storage {
   /// frees its data as a block of its own); they have not left the process
   /// (shared_outside_process() is false until marked) and owner() is the
   /// block's. Every stream a part was used on must outlive the block's free.
+  /// Part 0's pointer is the block's start, so block-level calls on it act
+  /// on the whole block (the allocator's record_stream adds a stream to the
+  /// block's free; take_over is refused, as for any storage's block), while
+  /// the other parts' pointers start no block and those calls refuse them.
   /// invalid_argument when `bytes` is empty or holds a 0.
   static std::vector<storage> allocate_parts(alloc::caching_allocator& allocator, std::span<const std::size_t> bytes,
                                              backend::stream_ref stream);
@@ -138,10 +142,11 @@ class storage {
   /// holder must not free it itself (it drops a handle of the storage
   /// instead). `bytes` (> 0) is how much of the block the storage spans.
   /// The previous holder may still write the memory, so it counts as shared
-  /// outside the process: never lazily shared. Take a block over once: a
-  /// second take_over of it (or of a storage's own block) would free it
-  /// twice. invalid_argument when `data` does not start a block `allocator`
-  /// has handed out, or `bytes` is 0 or more than the block holds.
+  /// outside the process: never lazily shared. invalid_argument when `data`
+  /// does not start a block `allocator` has handed out, when a storage owns
+  /// that block already (allocated as a storage, the block whose start is
+  /// part 0 of allocate_parts, or taken over before: the allocator's claim),
+  /// or when `bytes` is 0 or more than the block holds.
   static storage take_over(alloc::caching_allocator& allocator, void* data, std::size_t bytes,
                            backend::stream_ref stream);
 
