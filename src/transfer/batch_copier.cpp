@@ -68,11 +68,13 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
         if (!b.pinned && staging_pack::takes(b.bytes, chunk_bytes_)) packed_bytes += staging_pack::footprint(b.bytes);
       }
     }
-    staging_pack pack(pinned_, stream_, chunk_bytes_, packed_bytes, jobs.size(), memcpy_, stores_);
     // Each batch's storages, held here too until the pack's last run is
     // enqueued: a failed batch's storages must not be freed (and handed out
-    // again on this stream) before a run copy bound for them.
+    // again on this stream) before a run copy bound for them. Declared
+    // before the pack, so that should anything below throw, the pack's end
+    // enqueues its run before they go.
     std::vector<std::vector<storage::storage>> per_batch(jobs.size());
+    staging_pack pack(pinned_, stream_, chunk_bytes_, packed_bytes, jobs.size(), memcpy_, stores_);
     // The block the storages are parts of: the group's, or each batch's own.
     const void* group_block = targets.empty() ? nullptr : targets.front().data();
     std::size_t first_target = 0;

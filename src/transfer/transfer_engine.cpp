@@ -178,7 +178,7 @@ void transfer_engine::run() noexcept {
       }
       take_group_locked(group);
     }
-    std::vector<outcome> done = copier_->copy(group);
+    std::vector<outcome> done = copy_or_fail(group);
     group.clear();  // sources staged or held by the copier: let go of the rest outside the lock
     {
       std::lock_guard lock(mutex_);
@@ -189,6 +189,21 @@ void transfer_engine::run() noexcept {
       }
     }
     outcome_ready_.notify_all();
+  }
+}
+
+std::vector<transfer_engine::outcome> transfer_engine::copy_or_fail(std::span<job> group) noexcept {
+  try {
+    return copier_->copy(group);
+  } catch (...) {
+    // Host memory for the copier's own bookkeeping ran out: each batch of
+    // the group fails with that error rather than ending the process.
+    // (Should not even these few outcomes fit, the exception leaves this
+    // noexcept function: there is no batch left to report it on.)
+    std::vector<outcome> failed;
+    failed.reserve(group.size());
+    for (const job& j : group) failed.push_back({j.sequence, j.bytes(), nullptr, std::current_exception()});
+    return failed;
   }
 }
 

@@ -68,6 +68,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -232,6 +233,9 @@ class transfer_engine {
   void run() noexcept;
   // Moves the next group of jobs from jobs_ into `group` (empty, jobs_ not).
   void take_group_locked(std::vector<job>& group);
+  /// The copier's outcomes for `group`, or, should the copier itself throw
+  /// (host memory for its bookkeeping), that error for each of its batches.
+  std::vector<outcome> copy_or_fail(std::span<job> group) noexcept;
   transferred_batch take_locked(std::unique_lock<std::mutex>& lock);
 
   alloc::caching_allocator& device_allocator_;
