@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <mutex>
 #include <utility>
 
 #include "alloc/block_structure.h"
@@ -204,7 +205,14 @@ block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
   block* u = where.u;
   // The mapping goes at the stretch's start, or at its end to join the block after it.
   const std::uintptr_t at = where.at_end ? u->address + u->size - need : u->address;
-  if (!mapper_.map(*s, at, need, spare)) {
+  bool mapped = false;
+  try {
+    mapped = mapper_.map(*s, at, need, spare);
+  } catch (...) {  // a device error other than out of memory: nothing was mapped
+    unreserve_bytes(need);
+    throw;
+  }
+  if (!mapped) {
     unreserve_bytes(need);
     return nullptr;
   }
@@ -251,9 +259,10 @@ std::size_t segment_source::give_back(block_pool& pool, std::size_t budget, cons
 void segment_source::give_back_from_sibling(block_pool& pool, std::size_t budget, spare_chunks* spare) {
   // try_lock: a pool lock is never waited for while another is held
   // (pool_directory.h); a busy sibling keeps its memory this time.
-  if (budget == 0 || pool.sibling == nullptr || !pool.sibling->lock.try_lock()) return;
-  give_back(*pool.sibling, budget, nullptr, spare);
-  pool.sibling->lock.unlock();
+  if (budget == 0 || pool.sibling == nullptr) return;
+  std::unique_lock lock(pool.sibling->lock, std::try_to_lock);
+  if (!lock.owns_lock()) return;
+  give_back(*pool.sibling, budget, nullptr, spare);  // may throw (a failed stream): the guard unlocks
 }
 
 void segment_source::release_segment(block_pool& pool, segment* s) {
