@@ -118,8 +118,10 @@ class Engine:
     consumer whose stream lags keeps dropped batches' memory until the stream passes their
     reads, and at the limit the engine's thread waits for that instead of growing.
     ``max_batches_in_flight``: batches submitted and not yet taken (``submit`` blocks past it);
-    ``max_bytes_in_flight``: their bytes in all (a larger batch goes alone). Together they bound
-    the device memory of batches in flight by the larger of max_bytes_in_flight and one batch:
+    ``max_bytes_in_flight``: their bytes in all (a larger batch goes alone, once nothing else is
+    in flight: submitting one ahead of taking the last from the same thread waits). Together
+    they bound the bytes of batches in flight by the larger of max_bytes_in_flight and one
+    batch (the device memory they keep can be more by what a taken batch's group still holds):
     the defaults (16 batches, 64 MiB) let small batches form large groups, and keep batches
     of 16 MiB and more at 4 in flight or fewer.
     ``max_pinned_bytes``: the pinned staging memory the engine may hold, a ring that pageable
@@ -134,7 +136,8 @@ class Engine:
     at most this many bytes (0: each batch alone): the group shares one ready event and one
     device block (its arrays are parts of it, freed once all of them are), and its small
     pageable arrays share staging blocks and copies, which cuts the cost of small batches; a
-    group's first batch is handed out once the whole group is enqueued.
+    group's first batch is handed out once the whole group is enqueued. A batch's own arrays
+    are parts of one block whatever this is: an array kept keeps its batch's block.
 
     Thread-safe: several producers may submit, and batches come out of ``get`` in
     submission order. Close it (or use it as a context manager) to stop the thread;

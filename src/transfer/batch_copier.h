@@ -37,8 +37,10 @@ class transfer_engine::batch_copier {
 
   /// Transfers the batches of `jobs` (at most max_batches_in_flight) as one
   /// group sharing a ready event: one outcome per job, in their order. A
-  /// batch that fails fails alone: what it allocated is freed (in stream
-  /// order), its sources are held until the group's copies have run.
+  /// batch that fails fails with its own error (a failed packed run fails
+  /// every batch with a buffer in it): what it allocated is freed in stream
+  /// order (a part, with its group's block), its sources are held until the
+  /// group's copies have run.
   std::vector<outcome> copy(std::span<job> jobs);
   /// Lets go of the sources whose copies have run. True while some remain.
   bool release_finished();

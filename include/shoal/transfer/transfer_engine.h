@@ -41,11 +41,13 @@
 // producer and a slow consumer cannot exhaust memory.
 //
 // Errors: a batch that cannot be transferred (device out of memory, a
-// buffer larger than the staging bound allows) fails alone, in its group
-// too: next() throws its typed error for it, what it allocated is freed, and
-// the other batches of its group and later batches go on. A failure of the
-// engine's stream, or of making or recording the group's ready event, fails
-// every batch of the group (each throws that error from next()).
+// buffer larger than the staging bound allows) fails with its own typed
+// error from next(), in its group too, and the other batches of its group
+// and later batches go on; what it allocated goes back after its copies (a
+// part of its group's block, with the group's last storage). A failed copy
+// of packed small buffers fails every batch with a buffer in it. A failure
+// of the engine's stream, or of making or recording the group's ready event,
+// fails every batch of the group (each throws that error from next()).
 //
 // Thread-safety: submit, next, try_next and stats may be called from any
 // threads at once. Batches come out of next() in submission order (one
@@ -80,15 +82,18 @@ namespace shoal::transfer {
 
 struct transfer_config {
   /// Batches submitted and not yet taken by next(), and batches whose copies
-  /// are queued and not yet run (>= 1). With max_bytes_in_flight, the device
-  /// memory of batches in flight is at most max(max_bytes_in_flight, one
-  /// batch). The count bounds small batches: 16 lets groups of up to 16
+  /// are queued and not yet run (>= 1). With max_bytes_in_flight, the bytes
+  /// of batches in flight are at most max(max_bytes_in_flight, one batch);
+  /// the device memory they keep can be more, by what a taken batch's group
+  /// holds (its block lives while any of its storages does) and up to 255
+  /// bytes of padding per buffer. The count bounds small batches: 16 lets groups of up to 16
   /// batches form (on the H100, 64 KiB pinned batches took 11.7 us each at 4
   /// in flight, about 7.5 us at 16); the bytes bound the large ones.
   std::size_t max_batches_in_flight = 16;
   /// Bytes of the batches submitted and not yet taken, and of the batches
   /// whose copies are queued and not yet run (> 0); a larger batch goes alone
-  /// (once none is in flight). 64 MiB: 16 batches of up to 4 MiB; from 16
+  /// (once none is in flight: a producer that submits such a batch ahead of
+  /// taking the last one from the same thread waits until submit's timeout). 64 MiB: 16 batches of up to 4 MiB; from 16
   /// MiB on, at most 4 batches, as the count alone allowed before (4 was the
   /// default), so large batches hold no more device memory in flight than
   /// they did, and batches of 64 MiB and more fewer.
@@ -122,7 +127,9 @@ struct transfer_config {
   /// alone). A group shares one ready event and one device block, and its
   /// small pageable buffers share staging blocks and copies; it holds at
   /// most max_batches_in_flight batches, and its first batch is handed out
-  /// once the whole group is enqueued.
+  /// once the whole group is enqueued. The buffers of one batch are parts of
+  /// one block whatever this is: a storage kept keeps its batch's block (and
+  /// its group's).
   std::size_t max_coalesced_bytes = std::size_t{4} << 20;
 };
 
