@@ -118,10 +118,11 @@ class Engine:
     consumer whose stream lags keeps dropped batches' memory until the stream passes their
     reads, and at the limit the engine's thread waits for that instead of growing.
     ``max_batches_in_flight``: batches submitted and not yet taken (``submit`` blocks past it);
-    ``max_bytes_in_flight``: their bytes in all (a larger batch goes alone, once nothing else is
-    in flight: submitting one ahead of taking the last from the same thread waits). Together
-    they bound the bytes of batches in flight by the larger of max_bytes_in_flight and one
-    batch (the device memory they keep can be more by what a taken batch's group still holds):
+    ``max_bytes_in_flight``: their bytes in all (two batches may always be in flight, whatever
+    their size, so submitting one ahead of taking the last from one thread never waits on
+    itself). Together they bound the bytes of batches in flight by the larger of
+    max_bytes_in_flight and two batches (the device memory they keep can be more by what a
+    taken batch's group still holds):
     the defaults (16 batches, 64 MiB) let small batches form large groups, and keep batches
     of 16 MiB and more at 4 in flight or fewer.
     ``max_pinned_bytes``: the pinned staging memory the engine may hold, a ring that pageable

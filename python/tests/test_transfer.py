@@ -265,10 +265,15 @@ def test_batches_in_flight_are_bounded_in_bytes_as_well_as_in_number():
             engine.submit([numpy.zeros(mib, "uint8")], timeout=0.05)
         for i in range(3):
             numpy.testing.assert_array_equal(host_copy(engine.get(timeout=10)[0]), numpy.full(mib, i, "uint8"))
-        # A batch larger than the bound goes alone, once none is in flight.
+        # Batches larger than the bound go two at a time: one submitted ahead of taking the
+        # last, from this thread, does not wait on itself; a third waits.
         engine.submit([numpy.full(4 * mib, 7, "uint8")], timeout=10)
-        numpy.testing.assert_array_equal(host_copy(engine.get(timeout=10)[0]), numpy.full(4 * mib, 7, "uint8"))
+        engine.submit([numpy.full(4 * mib, 8, "uint8")], timeout=10)
+        with pytest.raises(shoal.PeerTimeoutError):
+            engine.submit([numpy.zeros(mib, "uint8")], timeout=0.05)
+        for value in (7, 8):
+            numpy.testing.assert_array_equal(host_copy(engine.get(timeout=10)[0]), numpy.full(4 * mib, value, "uint8"))
         stats = engine.stats()
         assert stats["peak_in_flight"] == 3
-        assert stats["peak_bytes_in_flight"] == 4 * mib
+        assert stats["peak_bytes_in_flight"] == 8 * mib
         assert stats["bytes_in_flight"] == 0

@@ -93,11 +93,13 @@ std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chron
   std::size_t bytes = 0;
   for (const host_buffer& b : batch) bytes += b.bytes;
   std::unique_lock lock(mutex_);
-  // Within both bounds, or alone: a batch larger than max_bytes_in_flight
-  // goes once nothing else is in flight.
+  // Within both bounds, or with at most one other batch whatever the bytes:
+  // a producer may always have one batch in flight beside the one it is
+  // about to take (submitting one ahead from the consumer's own thread would
+  // otherwise wait for ever once two batches pass max_bytes_in_flight).
   const bool room = wait_until(room_ready_, lock, timeout, [&] {
     return stopping_ || (counters_.in_flight < config_.max_batches_in_flight &&
-                         (counters_.in_flight == 0 || counters_.bytes_in_flight + bytes <= config_.max_bytes_in_flight));
+                         (counters_.in_flight < 2 || counters_.bytes_in_flight + bytes <= config_.max_bytes_in_flight));
   });
   if (stopping_) throw invalid_argument("transfer_engine::submit: the engine is shutting down");
   if (!room) {

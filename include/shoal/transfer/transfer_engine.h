@@ -30,8 +30,8 @@
 //
 // Backpressure: at most config.max_batches_in_flight batches, of at most
 // config.max_bytes_in_flight bytes in all, are submitted and not yet taken by
-// next() (a batch larger than that goes alone); submit blocks (until its
-// deadline) past that. The engine's thread keeps at most as many batches'
+// next() (two batches may always be, whatever their bytes); submit blocks
+// (until its deadline) past that. The engine's thread keeps at most as many batches'
 // copies, and bytes, queued on its stream (it waits for the oldest groups to
 // run before it starts another), so a consumer that takes batches faster
 // than the copies run does not pile up device memory either.
@@ -83,7 +83,7 @@ namespace shoal::transfer {
 struct transfer_config {
   /// Batches submitted and not yet taken by next(), and batches whose copies
   /// are queued and not yet run (>= 1). With max_bytes_in_flight, the bytes
-  /// of batches in flight are at most max(max_bytes_in_flight, one batch);
+  /// of batches in flight are at most max(max_bytes_in_flight, two batches);
   /// the device memory they keep can be more, by what a taken batch's group
   /// holds (its block lives while any of its storages does) and up to 255
   /// bytes of padding per buffer. The count bounds small batches: 16 lets groups of up to 16
@@ -91,9 +91,11 @@ struct transfer_config {
   /// in flight, about 7.5 us at 16); the bytes bound the large ones.
   std::size_t max_batches_in_flight = 16;
   /// Bytes of the batches submitted and not yet taken, and of the batches
-  /// whose copies are queued and not yet run (> 0); a larger batch goes alone
-  /// (once none is in flight: a producer that submits such a batch ahead of
-  /// taking the last one from the same thread waits until submit's timeout). 64 MiB: 16 batches of up to 4 MiB; from 16
+  /// whose copies are queued and not yet run (> 0). Two batches may always be
+  /// in flight whatever their bytes (within max_batches_in_flight), so a
+  /// loop that submits one batch ahead of taking the last, from one thread,
+  /// never waits on itself: past the bound, a batch goes while at most one
+  /// other is in flight. 64 MiB: 16 batches of up to 4 MiB; from 16
   /// MiB on, at most 4 batches, as the count alone allowed before (4 was the
   /// default), so large batches hold no more device memory in flight than
   /// they did, and batches of 64 MiB and more fewer.
