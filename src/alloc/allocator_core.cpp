@@ -493,7 +493,10 @@ void allocator_core::mark_held_outside(void* ptr) {
 
 void allocator_core::claim(void* ptr) {
   with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "claim", [&](block_pool&, block* b) {
-    require_not_invalidated(b, "claim");
+    // A forced clear may take the block back between its allocation and the
+    // claim: a tombstone has no owner to claim it for, and its late free is
+    // accepted once, as for any block taken back.
+    if (b->state == block_state::invalidated) return;
     if (b->claimed) {
       throw invalid_argument("caching_allocator::claim: the block at " + hex(b->address) +
                              " has an owner already (a storage holds it); a second owner would free it twice");

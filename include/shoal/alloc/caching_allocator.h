@@ -120,8 +120,9 @@ class caching_allocator {
   /// Records that the live block at `ptr` has one owner that will free it
   /// (storages claim the blocks they hold), so a second would-be owner is
   /// refused instead of freeing it twice: invalid_argument when the block is
-  /// claimed already, was taken back by a forced clear, or `ptr` starts no
-  /// live block. The claim ends with the block's free.
+  /// claimed already or `ptr` starts no live block. On a block a forced clear
+  /// took back (a tombstone, perhaps between its allocation and this call) it
+  /// does nothing. The claim ends with the block's free.
   void claim(void* ptr);
 
   /// Makes every pending free whose streams have passed reusable. Called by
