@@ -4,7 +4,6 @@
 // whole, nothing stays allocated, and the engine goes on serving.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -120,10 +119,6 @@ class transfer_engine_group_failures : public backend_test<Backend> {
 };
 TYPED_TEST_SUITE(transfer_engine_group_failures, backend_types, backend_names);
 
-bool all_are(const std::vector<std::uint8_t>& bytes, std::uint8_t value) {
-  return std::all_of(bytes.begin(), bytes.end(), [value](std::uint8_t b) { return b == value; });
-}
-
 template <class Predicate>
 bool eventually(Predicate done) {
   const auto deadline = std::chrono::steady_clock::now() + 5s;
@@ -151,7 +146,7 @@ TYPED_TEST(transfer_engine_group_failures, a_group_whose_ready_event_cannot_be_r
     }
     dev.let_go();
     const auto holder = engine.next(10s);
-    EXPECT_TRUE(all_are(this->read(holder, holder_bytes, consumer), 0x11));
+    EXPECT_TRUE(all_equal(this->read(holder, holder_bytes, consumer), 0x11));
     for (std::size_t i = 0; i < 3; ++i) {
       try {
         (void)engine.next(10s);
@@ -171,7 +166,7 @@ TYPED_TEST(transfer_engine_group_failures, a_group_whose_ready_event_cannot_be_r
     dev.records_fail = false;  // the engine still serves
     engine.submit({this->pinned(8 * kib, 0x33)});
     const auto after = engine.next(10s);
-    EXPECT_TRUE(all_are(this->read(after, 8 * kib, consumer), 0x33));
+    EXPECT_TRUE(all_equal(this->read(after, 8 * kib, consumer), 0x33));
   }
   EXPECT_EQ(a.stats().allocations.aggregate.current, 0);
 }
@@ -202,7 +197,7 @@ TYPED_TEST(transfer_engine_group_failures, a_failed_packed_copy_fails_every_batc
     }
     auto last = engine.next(10s);
     EXPECT_EQ(last.sequence(), 3u);
-    EXPECT_TRUE(all_are(this->read(last, 8 * kib, consumer), 0x23)) << "the pinned batch of the group is whole";
+    EXPECT_TRUE(all_equal(this->read(last, 8 * kib, consumer), 0x23)) << "the pinned batch of the group is whole";
     const auto s = engine.stats();
     EXPECT_EQ(s.coalesced_groups, 2u) << "the holder, then the three as one group";
     EXPECT_EQ(s.batches_failed, 2u);
