@@ -381,14 +381,22 @@ TYPED_TEST(storage_test, take_over_refuses_a_block_a_storage_owns_already) {
   auto parts = storage_t::allocate_parts(a, sizes, {});
   EXPECT_THROW((void)storage_t::take_over(a, parts[0].mutable_data({}), bytes, {}), invalid_argument)
       << "part 0 starts the parts' block";
+  auto original = storage_t::allocate(a, bytes, {});
+  auto copy = lazy_clone(original);
+  void* copied = copy.mutable_data({});  // materialized: a block of its own
+  ASSERT_NE(copied, original.data());
+  EXPECT_THROW((void)storage_t::take_over(a, copied, bytes, {}), invalid_argument)
+      << "a copy-on-write copy's block";
   void* p = a.allocate(bytes, {});
   auto taken = storage_t::take_over(a, p, bytes, {});
   EXPECT_THROW((void)storage_t::take_over(a, p, bytes, {}), invalid_argument) << "taken over already";
   EXPECT_THROW(a.claim(p), invalid_argument);
   EXPECT_NO_THROW(a.check_invariants());
-  EXPECT_EQ(a.stats().allocations.aggregate.current, 3) << "each block still has its one owner";
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 5) << "each block still has its one owner";
   own = storage_t();
   parts.clear();
+  original = storage_t();
+  copy = storage_t();
   taken = storage_t();
   EXPECT_EQ(a.stats().allocations.aggregate.current, 0);
   // The claim ends with the free: the same memory handed out again is free to claim.
