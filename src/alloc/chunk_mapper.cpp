@@ -1,6 +1,7 @@
 #include "alloc/chunk_mapper.h"
 
 #include <algorithm>
+#include <exception>
 #include <utility>
 
 #include "alloc/size_policy.h"
@@ -16,21 +17,37 @@ void bump(std::atomic<std::int64_t>& counter, std::int64_t by = 1) noexcept {
 
 }  // namespace
 
+// The counters count the calls made, a call that fails included: each costs
+// the driver's time either way.
+
 backend::physical_ref chunk_mapper::create(std::size_t bytes) {
-  const backend::physical_ref chunk = device_.create_physical(bytes);
   bump(creates_);
+  const backend::physical_ref chunk = device_.create_physical(bytes);
   held_bytes_.fetch_add(bytes, std::memory_order_relaxed);
   return chunk;
 }
 
 void chunk_mapper::release(const backend::sized_chunk& chunk) {
+  // Counted as no longer held even when the release fails: no record of the
+  // chunk is left to try again with.
   held_bytes_.fetch_sub(chunk.bytes, std::memory_order_relaxed);
   bump(releases_);
   device_.release_physical(chunk.chunk);
 }
 
-void chunk_mapper::release(spare_chunks& spare) {
-  for (const backend::sized_chunk& c : std::exchange(spare, {})) release(c);
+void chunk_mapper::release(spare_chunks& spare) { release_all(std::exchange(spare, {})); }
+
+void chunk_mapper::release_all(std::span<const backend::sized_chunk> chunks) {
+  std::exception_ptr first_failure;
+  for (const backend::sized_chunk& c : chunks) {
+    if (c.chunk.native == 0) continue;
+    try {
+      release(c);
+    } catch (...) {  // the others still go back
+      if (!first_failure) first_failure = std::current_exception();
+    }
+  }
+  if (first_failure) std::rethrow_exception(first_failure);
 }
 
 bool chunk_mapper::map(segment& s, std::uintptr_t at, std::size_t bytes, spare_chunks& spare) {
@@ -58,16 +75,16 @@ bool chunk_mapper::map(segment& s, std::uintptr_t at, std::size_t bytes, spare_c
       if (p.chunk.native == 0) p.chunk = create(p.bytes);
     }
     // All pieces in one call: one access grant for the whole range.
+    bump(maps_, static_cast<std::int64_t>(pieces.size()));
+    bump(access_grants_);
     device_.map_chunks(reinterpret_cast<void*>(at), pieces);
   } catch (const out_of_memory&) {
-    release_made(pieces);
+    release_all(pieces);
     return false;
   } catch (...) {
-    release_made(pieces);
+    release_all(pieces);
     throw;
   }
-  bump(maps_, static_cast<std::int64_t>(pieces.size()));
-  bump(access_grants_);
   std::size_t slot = (at - s.base) / g;
   for (const backend::sized_chunk& p : pieces) {
     std::fill_n(s.chunks.begin() + static_cast<std::ptrdiff_t>(slot), p.bytes / g, p.chunk);
@@ -77,12 +94,6 @@ bool chunk_mapper::map(segment& s, std::uintptr_t at, std::size_t bytes, spare_c
   return true;
 }
 
-void chunk_mapper::release_made(const std::vector<backend::sized_chunk>& pieces) {
-  for (const backend::sized_chunk& p : pieces) {
-    if (p.chunk.native != 0) release(p);
-  }
-}
-
 void chunk_mapper::unmap(segment& s, std::uintptr_t lo, std::uintptr_t hi, spare_chunks* keep) {
   const std::size_t g = device_.granularity();
   for (std::size_t i = (lo - s.base) / g; i < (hi - s.base) / g;) {
@@ -90,13 +101,22 @@ void chunk_mapper::unmap(segment& s, std::uintptr_t lo, std::uintptr_t hi, spare
   }
 }
 
+std::uintptr_t chunk_mapper::first_mapped(const segment& s, std::uintptr_t lo, std::uintptr_t hi) const {
+  const std::size_t g = device_.granularity();
+  for (std::size_t i = (lo - s.base) / g; i < (hi - s.base) / g; ++i) {
+    if (s.mapping_slots[i] != 0) return s.base + i * g;
+  }
+  return hi;
+}
+
 std::size_t chunk_mapper::unmap_at(segment& s, std::size_t i, spare_chunks* keep) {
   const std::size_t g = device_.granularity();
-  const std::size_t slots = std::exchange(s.mapping_slots[i], 0);
+  const std::size_t slots = s.mapping_slots[i];
   const backend::sized_chunk chunk{s.chunks[i], slots * g};
-  std::fill_n(s.chunks.begin() + static_cast<std::ptrdiff_t>(i), slots, backend::physical_ref{});
-  device_.unmap(reinterpret_cast<void*>(s.base + i * g));
   bump(unmaps_);
+  device_.unmap(reinterpret_cast<void*>(s.base + i * g));  // throws: the mapping stays recorded as it is
+  s.mapping_slots[i] = 0;
+  std::fill_n(s.chunks.begin() + static_cast<std::ptrdiff_t>(i), slots, backend::physical_ref{});
   if (keep != nullptr) {
     keep->push_back(chunk);
   } else {

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "alloc/block.h"
@@ -46,10 +47,16 @@ class chunk_mapper {
   /// the device is out of memory.
   bool map(segment& s, std::uintptr_t at, std::size_t bytes, spare_chunks& spare);
   /// Unmaps the mappings of `s` that start at or after `lo` and end at or
-  /// before `hi` (the caller passes whole mappings). Their chunks go to
-  /// `keep` where given, else they are released.
+  /// before `hi` (the caller passes whole mappings), in address order. Their
+  /// chunks go to `keep` where given, else they are released. An unmap that
+  /// fails is rethrown with the mappings before it unmapped and recorded so,
+  /// and it and those after it still mapped (first_mapped finds where).
   void unmap(segment& s, std::uintptr_t lo, std::uintptr_t hi, spare_chunks* keep);
-  /// Releases the chunks of `spare` and empties it.
+  /// The start of the first mapping of `s` in [lo, hi), or hi if none.
+  [[nodiscard]] std::uintptr_t first_mapped(const segment& s, std::uintptr_t lo, std::uintptr_t hi) const;
+  /// Releases the chunks of `spare` and empties it; one release failing
+  /// does not keep the others from going back (the first failure is
+  /// rethrown after them).
   void release(spare_chunks& spare);
 
   /// Bytes of the physical chunks created and not yet released.
@@ -63,8 +70,9 @@ class chunk_mapper {
   std::size_t unmap_at(segment& s, std::size_t i, spare_chunks* keep);
   backend::physical_ref create(std::size_t bytes);
   void release(const backend::sized_chunk& chunk);
-  /// Releases the pieces that hold a chunk (native != 0).
-  void release_made(const std::vector<backend::sized_chunk>& pieces);
+  /// Releases the chunks given that hold one (native != 0), all of them
+  /// even when one fails; the first failure is rethrown after.
+  void release_all(std::span<const backend::sized_chunk> chunks);
 
   backend::device& device_;
   std::atomic<std::size_t> held_bytes_{0};

@@ -1,6 +1,7 @@
 #include "alloc/segment_source.h"
 
 #include <algorithm>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -289,11 +290,24 @@ std::size_t segment_source::unmap_free_chunks(block_pool& pool, segment* s, std:
   std::size_t unmapped = 0;
   for (block* b = s->first; b != nullptr && unmapped < budget; b = b->next) {
     if (b->state != block_state::free || !b->mapped || b == keep) continue;
-    const auto [lo, hi] = whole_mappings(*s, b, g, budget - unmapped);
+    auto [lo, hi] = whole_mappings(*s, b, g, budget - unmapped);
     if (hi <= lo) continue;
     pool.bins.remove(b);
     hooks_.notify_release(lo, hi - lo);  // while the chunks are still mapped
-    mapper_.unmap(*s, lo, hi, spare);
+    std::exception_ptr failure;
+    try {
+      mapper_.unmap(*s, lo, hi, spare);
+    } catch (...) {
+      // The mappings before the one that failed are gone, the rest stay
+      // mapped: what was unmapped is accounted for below as usual, the rest
+      // stays a free mapped block, and then the error goes on.
+      failure = std::current_exception();
+      hi = mapper_.first_mapped(*s, lo, hi);
+      if (hi == lo) {
+        pool.bins.insert(b);
+        std::rethrow_exception(failure);
+      }
+    }
     const std::size_t bytes = hi - lo;
     unmapped += bytes;
     unreserve_bytes(bytes);
@@ -316,6 +330,7 @@ std::size_t segment_source::unmap_free_chunks(block_pool& pool, segment* s, std:
     if (hole->prev != nullptr && !hole->prev->mapped) hole = merge_into(pool, hole->prev, hole);
     if (hole->next != nullptr && !hole->next->mapped) hole = merge_into(pool, hole, hole->next);
     b = hole;
+    if (failure) std::rethrow_exception(failure);
   }
   return unmapped;
 }

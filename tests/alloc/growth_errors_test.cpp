@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <span>
 #include <stdexcept>
 #include <thread>
 
@@ -35,6 +36,75 @@ class failing_map_device : public vmm_counting_device {
   }
   std::atomic<bool> fail_next_map{false};
 };
+
+// Refuses, when told to, the nth unmap or release from now (1 = the next),
+// with an error that is not out of memory; the refused call changes nothing.
+class refusing_device : public vmm_counting_device {
+ public:
+  using vmm_counting_device::vmm_counting_device;
+  void unmap(void* address) override {
+    if (unmaps_until_refusal.fetch_sub(1) == 1) throw backend_error("unmap", "refused by the test");
+    vmm_counting_device::unmap(address);
+  }
+  void release_physical(backend::physical_ref chunk) override {
+    if (releases_until_refusal.fetch_sub(1) == 1) throw backend_error("release_physical", "refused by the test");
+    vmm_counting_device::release_physical(chunk);
+  }
+  std::atomic<int> unmaps_until_refusal{0}, releases_until_refusal{0};
+};
+
+// A give-back unmaps a free block's chunks one mapping at a time; one unmap
+// failing must leave the chunks before it unmapped and accounted for, and it
+// and those after it mapped and free, so nothing is lost: the next give-back
+// returns every chunk.
+TEST(growth_errors, an_unmap_failing_midway_loses_no_chunk_and_leaves_the_rest_mapped) {
+  refusing_device dev(backend::host_device_instance());
+  {
+    alloc::caching_allocator a(dev, expandable());
+    void* p[3];
+    for (auto& q : p) q = a.allocate(24 * mib, {});  // three mappings of one chunk each
+    for (auto* q : p) a.deallocate(q, {});
+    ASSERT_EQ(dev.live_chunks(), 3);
+    dev.unmaps_until_refusal = 2;
+    EXPECT_THROW(a.empty_cache(), backend_error);
+    EXPECT_NO_THROW(a.check_invariants()) << "the free block left out of its bins, or its mappings misrecorded";
+    EXPECT_EQ(dev.live_chunks(), 2) << "the first chunk went back, the other two are still mapped";
+    EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, static_cast<std::int64_t>(48 * mib));
+    void* again = a.allocate(48 * mib, {});  // the two mapped chunks serve it with no growth
+    EXPECT_EQ(dev.creates, 3) << "the chunks still mapped were used again";
+    a.deallocate(again, {});
+    a.empty_cache();
+    EXPECT_EQ(dev.live_chunks(), 0) << "a chunk's record was lost with its failed unmap";
+    EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0);
+  }
+  EXPECT_EQ(dev.live_chunks(), 0);
+}
+
+// A growth whose mapping fails releases the chunks it made for it; one of
+// those releases failing must not keep the others from going back.
+TEST(growth_errors, a_release_failing_after_a_failed_mapping_does_not_keep_the_other_chunks) {
+  struct device : refusing_device {
+    using refusing_device::refusing_device;
+    void map_chunks(void* address, std::span<const backend::sized_chunk> chunks) override {
+      if (refuse_map.exchange(false)) throw backend_error("map_chunks", "refused by the test");
+      refusing_device::map_chunks(address, chunks);
+    }
+    std::atomic<bool> refuse_map{false};
+  } dev(backend::host_device_instance());
+  {
+    alloc::caching_allocator a(dev, expandable());
+    dev.refuse_map = true;
+    dev.releases_until_refusal = 1;
+    EXPECT_THROW((void)a.allocate(72 * mib, {}), backend_error);  // three chunks of 24 MiB made, none mapped
+    EXPECT_EQ(dev.creates, 3);
+    EXPECT_EQ(dev.live_chunks(), 1) << "only the chunk whose release was refused is left";
+    EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0);
+    EXPECT_NO_THROW(a.check_invariants());
+    void* p = a.allocate(72 * mib, {});
+    a.deallocate(p, {});
+  }
+  EXPECT_EQ(dev.live_chunks(), 1);
+}
 
 TEST(growth_errors, a_growth_failing_with_a_device_error_keeps_no_reserved_bytes) {
   failing_map_device dev(backend::host_device_instance());
