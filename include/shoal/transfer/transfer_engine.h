@@ -218,8 +218,13 @@ class transfer_engine {
   /// Queues a batch (at least one buffer, each non-null with bytes > 0, else
   /// invalid_argument and nothing queued) and returns its sequence number.
   /// Blocks while the batch does not fit within max_batches_in_flight and
-  /// max_bytes_in_flight (a larger batch: while any is in flight);
-  /// timeout_error when `timeout` passes first (nothing queued).
+  /// max_bytes_in_flight (two batches may always be in flight, whatever
+  /// their bytes); timeout_error when `timeout` passes first (nothing
+  /// queued). Waiting submitters are admitted as room allows, not in the
+  /// order they came: a batch that fits goes ahead of a larger one still
+  /// waiting, so a thread that both submits and takes never waits behind
+  /// another thread's batch, but other threads' small batches can keep a
+  /// large one waiting until its timeout.
   std::uint64_t submit(std::vector<host_buffer> batch, std::chrono::milliseconds timeout = forever);
   /// The next batch in submission order, once its copies are enqueued (wait
   /// for them with wait_on or synchronize). Throws the batch's own error
