@@ -69,38 +69,38 @@ void require_not_invalidated(const block* b, const char* op) {
 
 // ---- allocation --------------------------------------------------------------
 
-void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream) {
+void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream, bool claim) {
   if (bytes == 0) throw invalid_argument("caching_allocator::allocate: size is 0; ask for at least one byte");
   block_pool* directed = directed_pool();
   if (bytes > max_request) out_of_memory_error(directed ? *directed : directory_.pool_for(stream, pool_kind::large), bytes, stream);
   const std::size_t size = block_size_for(bytes, config);
   block_pool& pool = directed ? *directed : directory_.pool_for(stream, pool_kind_for(size));
+  const request r{size, bytes, stream, claim};
   block* b;
   const bool hooks_first = hooks.has_miss_hooks();
   {
     std::lock_guard lock(pool.lock);
-    b = try_allocate(pool, size, bytes, stream, hooks_first ? growth::none : growth::standard_segment);
+    b = try_allocate(pool, r, hooks_first ? growth::none : growth::standard_segment);
   }
   if (b == nullptr && hooks_first) {
     // A cache miss: hooks (e.g. limbo collection) may give blocks back
     // before the device is asked. They run with no allocator lock held.
     hooks.run_miss_hooks();
     std::lock_guard lock(pool.lock);
-    b = try_allocate(pool, size, bytes, stream, growth::standard_segment);
+    b = try_allocate(pool, r, growth::standard_segment);
   }
-  if (b == nullptr) b = allocate_slow(pool, size, bytes, stream);
+  if (b == nullptr) b = allocate_slow(pool, r);
   if (b == nullptr) out_of_memory_error(pool, bytes, stream);
   if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, stream);
   if constexpr (check_every_step) check_invariants();
   return reinterpret_cast<void*>(b->address);
 }
 
-block* allocator_core::try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream,
-                                    growth may_grow) {
+block* allocator_core::try_allocate(block_pool& pool, const request& r, growth may_grow) {
   // A parked block of exactly the size is as good a fit as any. Otherwise
   // the parked blocks settle first, so best fit sees every free block merged
   // (choosing among unmerged parked blocks was measured to fragment more).
-  block* b = take_cached(pool, size);
+  block* b = take_cached(pool, r.size);
   if (b == nullptr && !pool.pending.empty()) {
     // Blocks whose frees completed are parked as they become reusable:
     // looking only in the bins here would miss them, and growth would then
@@ -108,17 +108,16 @@ block* allocator_core::try_allocate(block_pool& pool, std::size_t size, std::siz
     // in use here (alive), so its awaiting frees may be sealed.
     seal_awaiting(pool, device, events_);
     collect_pending(pool, false);
-    b = take_cached(pool, size);
+    b = take_cached(pool, r.size);
   }
   if (b == nullptr && may_grow != growth::none) {
-    b = source_.grow(pool, size, may_grow == growth::right_sized_allowed);
+    b = source_.grow(pool, r.size, may_grow == growth::right_sized_allowed);
   }
-  if (b != nullptr) hand_out(pool, b, size, requested, stream);
+  if (b != nullptr) hand_out(pool, b, r);
   return b;
 }
 
-block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::size_t requested,
-                                     backend::stream_ref stream) {
+block* allocator_core::allocate_slow(block_pool& pool, const request& r) {
   retries_.fetch_add(1, std::memory_order_relaxed);
   // 1. Reuse this pool's pending frees now by making its stream wait for
   //    them on the device, instead of taking more device memory.
@@ -127,8 +126,8 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
     // Not for pinned host memory: a GPU-side wait does not hold back the CPU.
     if (!pool.pending.empty() && !pool.is_private && config.memory == allocator_memory::device) {
       collect_pending(pool, true);
-      if (block* b = take_cached(pool, size)) {
-        hand_out(pool, b, size, requested, stream);
+      if (block* b = take_cached(pool, r.size)) {
+        hand_out(pool, b, r);
         return b;
       }
     }
@@ -140,7 +139,7 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
   // provides for the standard segment.
   for (const bool wait_for_pending : {false, true}) {
     if (wait_for_pending) {
-      if (block* b = wait_for_own_pending(pool, size, requested, stream)) return b;
+      if (block* b = wait_for_own_pending(pool, r)) return b;
       directory_.for_each_pool([&](block_pool& p) {
         std::vector<backend::event_ref> waits;
         {
@@ -156,20 +155,19 @@ block* allocator_core::allocate_slow(block_pool& pool, std::size_t size, std::si
       // limit, giving it back only to take it again would cost two device
       // calls per allocation (pinned staging blocks hit this in a loop).
       std::lock_guard lock(pool.lock);
-      if (block* b = try_allocate(pool, size, requested, stream, growth::none)) return b;
+      if (block* b = try_allocate(pool, r, growth::none)) return b;
     }
     directory_.for_each_pool([&](block_pool& p) {
       std::lock_guard lock(p.lock);
       source_.release_cached(p);
     });
     std::lock_guard lock(pool.lock);
-    if (block* b = try_allocate(pool, size, requested, stream, growth::right_sized_allowed)) return b;
+    if (block* b = try_allocate(pool, r, growth::right_sized_allowed)) return b;
   }
   return nullptr;
 }
 
-block* allocator_core::wait_for_own_pending(block_pool& pool, std::size_t size, std::size_t requested,
-                                            backend::stream_ref stream) {
+block* allocator_core::wait_for_own_pending(block_pool& pool, const request& r) {
   // Oldest first, one free at a time: the oldest is usually enough, and
   // waiting for every pending free would drain the stream (a staging ring at
   // its limit would stop overlapping the CPU's copies with the device's).
@@ -179,7 +177,7 @@ block* allocator_core::wait_for_own_pending(block_pool& pool, std::size_t size, 
       std::lock_guard lock(pool.lock);
       seal_awaiting(pool, device, events_);  // the stream asking is alive
       collect_pending(pool, false);
-      if (block* b = try_allocate(pool, size, requested, stream, growth::none)) return b;
+      if (block* b = try_allocate(pool, r, growth::none)) return b;
       // None left, or the oldest has nothing to wait for (an awaiting free
       // of another stream): the wait for everything follows.
       if (pool.pending.empty() || pool.pending.front()->waits.empty()) return nullptr;
@@ -200,19 +198,18 @@ block* allocator_core::take_free(block_pool& pool, std::size_t size) const {
   return b != nullptr && fits(b->size, size, config) ? b : nullptr;
 }
 
-void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std::size_t requested,
-                              backend::stream_ref stream) {
+void allocator_core::hand_out(block_pool& pool, block* b, const request& r) {
   if (pool.is_private) {
     // A private pool is shared by all streams: the last users of this memory
     // must be passed on the device before the new stream touches it. First,
     // while nothing has changed: a device call that throws (a last stream
     // destroyed since) leaves the block free where it was.
     for (auto s : b->last_streams) {
-      if (s == stream) continue;
+      if (s == r.stream) continue;
       const backend::event_ref e = events_.take();
       try {
         device.record(e, s);
-        device.wait(stream, e);
+        device.wait(r.stream, e);
       } catch (...) {
         events_.give_back(e);
         throw;
@@ -238,8 +235,8 @@ void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std:
   const bool was_parked = std::exchange(b->quick, false);  // take_quick unlinked it
   if (!was_parked) pool.bins.remove(b);
   b->state = block_state::allocated;  // before the split: the rest must not merge back into it
-  if (can_split(b->size, size, pool.kind, pool.is_private, config)) {
-    block* rest = split(pool, b, size);
+  if (can_split(b->size, r.size, pool.kind, pool.is_private, config)) {
+    block* rest = split(pool, b, r.size);
     // A parked block may border a settled free one, which the rest joins.
     if (was_parked) {
       settle(pool, rest);
@@ -249,8 +246,9 @@ void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std:
   }
   if (pool.is_private) b->last_streams.clear();  // waited for above
   b->state = block_state::allocated;
-  b->requested = requested;
-  b->stream = stream;
+  b->requested = r.requested;
+  b->stream = r.stream;
+  b->claimed = r.claim;  // false after every free (deallocate clears it)
   pool.allocated.insert(b);
   refresh_split_stat(pool, b);
   auto& c = pool.counters;
@@ -259,7 +257,7 @@ void allocator_core::hand_out(block_pool& pool, block* b, std::size_t size, std:
   pool_counters::add(c.allocated_bytes, bytes);
   pool_counters::add(c.active, 1);
   pool_counters::add(c.active_bytes, bytes);
-  pool_counters::add(c.requested_bytes, static_cast<std::int64_t>(requested));
+  pool_counters::add(c.requested_bytes, static_cast<std::int64_t>(r.requested));
 }
 
 void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, backend::stream_ref stream) {

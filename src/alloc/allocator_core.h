@@ -74,7 +74,9 @@ class allocator_core {
   const allocator_config config;
   allocator_hooks hooks;
 
-  void* allocate(std::size_t bytes, backend::stream_ref stream);
+  /// With `claim`, the block is handed out claimed (see claim), under the
+  /// same lock as the hand-out.
+  void* allocate(std::size_t bytes, backend::stream_ref stream, bool claim = false);
   void deallocate(void* ptr, backend::stream_ref stream);
   void record_stream(void* ptr, backend::stream_ref stream);
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
@@ -130,18 +132,25 @@ class allocator_core {
   // How a miss may ask the device: not at all, for the standard segment
   // only, or also for a right-sized one (allocate_slow, after its cheaper steps).
   enum class growth { none, standard_segment, right_sized_allowed };
-  block* try_allocate(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream,
-                      growth may_grow);
-  block* allocate_slow(block_pool& pool, std::size_t size, std::size_t requested, backend::stream_ref stream);  // unlocked
+  /// One allocation being served: the block size, the bytes asked for, the
+  /// stream, and whether the block is handed out claimed.
+  struct request {
+    std::size_t size;
+    std::size_t requested;
+    backend::stream_ref stream;
+    bool claim;
+  };
+  block* try_allocate(block_pool& pool, const request& r, growth may_grow);
+  block* allocate_slow(block_pool& pool, const request& r);  // unlocked
   /// Waits on the host for `pool`'s pending frees, oldest first, until a
-  /// block of `size` fits without growing; null when none is left to wait for.
-  block* wait_for_own_pending(block_pool& pool, std::size_t size, std::size_t requested,
-                              backend::stream_ref stream);  // unlocked
+  /// block of the request's size fits without growing; null when none is
+  /// left to wait for.
+  block* wait_for_own_pending(block_pool& pool, const request& r);  // unlocked
   /// A parked block of exactly `size`, else (parked blocks settled first)
   /// the best fit from the bins; not removed.
   block* take_cached(block_pool& pool, std::size_t size);
   block* take_free(block_pool& pool, std::size_t size) const;  // from the bins; not removed
-  void hand_out(block_pool& pool, block* b, std::size_t size, std::size_t requested, backend::stream_ref stream);
+  void hand_out(block_pool& pool, block* b, const request& r);
   [[noreturn]] void out_of_memory_error(block_pool& pool, std::size_t bytes, backend::stream_ref stream);
 
   // ---- the free path (pool locked)

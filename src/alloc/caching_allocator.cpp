@@ -17,6 +17,9 @@ void* caching_allocator::allocate(std::size_t bytes, backend::stream_ref stream)
 void* caching_allocator::allocate(std::size_t bytes) {
   return core_->allocate(bytes, backend::current_stream(core_->device));
 }
+void* caching_allocator::allocate_claimed(std::size_t bytes, backend::stream_ref stream) {
+  return core_->allocate(bytes, stream, true);
+}
 void caching_allocator::deallocate(void* ptr, backend::stream_ref stream) { core_->deallocate(ptr, stream); }
 void caching_allocator::deallocate(void* ptr) { core_->deallocate(ptr, backend::current_stream(core_->device)); }
 void caching_allocator::record_stream(void* ptr, backend::stream_ref stream) { core_->record_stream(ptr, stream); }

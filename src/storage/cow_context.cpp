@@ -58,9 +58,8 @@ void* cow_context::release_for_write(backend::stream_ref stream, std::span<const
   if (refcount_.compare_exchange_strong(only_us, 0, std::memory_order_acq_rel)) return steal();
   // Allocate before giving up the reference: if allocation fails, nothing
   // has changed. If the others went meanwhile, the copy is not needed.
-  void* destination = allocator_.allocate(size_, stream);
+  void* destination = allocator_.allocate_claimed(size_, stream);  // the materialized storage owns it
   try {
-    allocator_.claim(destination);  // the materialized storage owns it
     record_uses(used_on);
   } catch (...) {
     allocator_.deallocate(destination, stream);

@@ -101,9 +101,8 @@ class storage_impl {
 }  // namespace detail
 
 storage storage::allocate(alloc::caching_allocator& allocator, std::size_t bytes, backend::stream_ref stream) {
-  void* data = allocator.allocate(bytes, stream);
+  void* data = allocator.allocate_claimed(bytes, stream);  // a later take_over of it is refused, not a second owner
   try {
-    allocator.claim(data);  // a later take_over of it is refused, not a second owner
     return storage(std::make_shared<detail::storage_impl>(allocator, bytes, data, nullptr, stream));
   } catch (...) {
     allocator.deallocate(data, stream);
@@ -147,10 +146,10 @@ std::vector<storage> storage::allocate_parts(alloc::caching_allocator& allocator
     offsets.push_back(offset);
     end = offset + bytes[i];
   }
-  auto* block = static_cast<std::byte*>(allocator.allocate(end, stream));
+  // Claimed: part 0 starts the block, and a take_over of it is refused.
+  auto* block = static_cast<std::byte*>(allocator.allocate_claimed(end, stream));
   std::shared_ptr<detail::shared_block> owner;
   try {
-    allocator.claim(block);  // part 0 starts the block: a take_over of it is refused
     owner = std::make_shared<detail::shared_block>(allocator, block, stream);
   } catch (...) {
     allocator.deallocate(block, stream);

@@ -242,5 +242,21 @@ TYPED_TEST(allocator_basic, bad_input_gives_typed_errors_and_loses_nothing) {
   EXPECT_TRUE(nothing_in_use(a.stats()));
 }
 
+// One owner per block: allocate_claimed hands a block out claimed, a second
+// claim is refused, and the claim ends with the free (the same memory handed
+// out again by plain allocate is unclaimed).
+TYPED_TEST(allocator_basic, a_block_allocated_claimed_refuses_a_second_owner_until_its_free) {
+  auto& a = this->make();
+  void* p = a.allocate_claimed(4096, {});
+  EXPECT_THROW(a.claim(p), invalid_argument) << "handed out claimed";
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(p, {});
+  void* q = a.allocate(4096, {});
+  ASSERT_EQ(q, p) << "the same cached block";
+  EXPECT_NO_THROW(a.claim(q)) << "a plain allocation is unclaimed";
+  a.deallocate(q, {});
+  EXPECT_TRUE(nothing_in_use(a.stats()));
+}
+
 }  // namespace
 }  // namespace shoal::testing

@@ -88,6 +88,9 @@ class caching_allocator {
   [[nodiscard]] void* allocate(std::size_t bytes, backend::stream_ref stream);
   /// allocate on the calling thread's current stream.
   [[nodiscard]] void* allocate(std::size_t bytes);
+  /// allocate, with the block claimed (see claim) in the same step: for an
+  /// owner that will free it (storages allocate this way).
+  [[nodiscard]] void* allocate_claimed(std::size_t bytes, backend::stream_ref stream);
   /// Frees `ptr` with its last use enqueued on `stream` (see the header
   /// comment). A pointer this allocator did not hand out, or one already
   /// freed, gives invalid_argument and changes nothing. The late free of a
