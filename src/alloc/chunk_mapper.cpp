@@ -17,12 +17,14 @@ void bump(std::atomic<std::int64_t>& counter, std::int64_t by = 1) noexcept {
 
 }  // namespace
 
-// The counters count the calls made, a call that fails included: each costs
-// the driver's time either way.
+// creates and releases count chunks taken from the device and given back (a
+// failed release too: its chunk is no longer held); maps, unmaps and access
+// grants count the calls made, a failed one included, as each costs the
+// driver's time either way.
 
 backend::physical_ref chunk_mapper::create(std::size_t bytes) {
-  bump(creates_);
   const backend::physical_ref chunk = device_.create_physical(bytes);
+  bump(creates_);
   held_bytes_.fetch_add(bytes, std::memory_order_relaxed);
   return chunk;
 }
@@ -79,10 +81,10 @@ bool chunk_mapper::map(segment& s, std::uintptr_t at, std::size_t bytes, spare_c
     bump(access_grants_);
     device_.map_chunks(reinterpret_cast<void*>(at), pieces);
   } catch (const out_of_memory&) {
-    release_all(pieces);
+    release_all_quietly(pieces);
     return false;
   } catch (...) {
-    release_all(pieces);
+    release_all_quietly(pieces);  // the error that ended the growth is the one to report
     throw;
   }
   std::size_t slot = (at - s.base) / g;
@@ -101,6 +103,29 @@ void chunk_mapper::unmap(segment& s, std::uintptr_t lo, std::uintptr_t hi, spare
   }
 }
 
+void chunk_mapper::release_all_quietly(std::span<const backend::sized_chunk> chunks) noexcept {
+  try {
+    release_all(chunks);
+  } catch (...) {  // NOLINT(bugprone-empty-catch): every chunk was tried; none is held on our side any more
+  }
+}
+
+void chunk_mapper::unmap_for_teardown(segment& s) noexcept {
+  const std::size_t g = device_.granularity();
+  for (std::size_t i = 0; i < s.size / g;) {
+    const std::size_t slots = s.mapping_slots[i];
+    if (slots == 0) {
+      ++i;
+      continue;
+    }
+    try {
+      unmap_at(s, i, nullptr);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): the device may be gone; the other mappings still go
+    }
+    i += slots;
+  }
+}
+
 std::uintptr_t chunk_mapper::first_mapped(const segment& s, std::uintptr_t lo, std::uintptr_t hi) const {
   const std::size_t g = device_.granularity();
   for (std::size_t i = (lo - s.base) / g; i < (hi - s.base) / g; ++i) {
@@ -113,6 +138,7 @@ std::size_t chunk_mapper::unmap_at(segment& s, std::size_t i, spare_chunks* keep
   const std::size_t g = device_.granularity();
   const std::size_t slots = s.mapping_slots[i];
   const backend::sized_chunk chunk{s.chunks[i], slots * g};
+  if (keep != nullptr) keep->reserve(keep->size() + 1);  // the chunk is kept once unmapped: nothing may throw then
   bump(unmaps_);
   device_.unmap(reinterpret_cast<void*>(s.base + i * g));  // throws: the mapping stays recorded as it is
   s.mapping_slots[i] = 0;

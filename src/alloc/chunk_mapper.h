@@ -54,6 +54,9 @@ class chunk_mapper {
   void unmap(segment& s, std::uintptr_t lo, std::uintptr_t hi, spare_chunks* keep);
   /// The start of the first mapping of `s` in [lo, hi), or hi if none.
   [[nodiscard]] std::uintptr_t first_mapped(const segment& s, std::uintptr_t lo, std::uintptr_t hi) const;
+  /// Unmaps and releases every mapping of `s`, going on past any that
+  /// fails (a segment's teardown).
+  void unmap_for_teardown(segment& s) noexcept;
   /// Releases the chunks of `spare` and empties it; one release failing
   /// does not keep the others from going back (the first failure is
   /// rethrown after them).
@@ -73,6 +76,8 @@ class chunk_mapper {
   /// Releases the chunks given that hold one (native != 0), all of them
   /// even when one fails; the first failure is rethrown after.
   void release_all(std::span<const backend::sized_chunk> chunks);
+  /// release_all, its failure dropped (while another error is on its way).
+  void release_all_quietly(std::span<const backend::sized_chunk> chunks) noexcept;
 
   backend::device& device_;
   std::atomic<std::size_t> held_bytes_{0};

@@ -292,8 +292,8 @@ std::size_t segment_source::unmap_free_chunks(block_pool& pool, segment* s, std:
     if (b->state != block_state::free || !b->mapped || b == keep) continue;
     auto [lo, hi] = whole_mappings(*s, b, g, budget - unmapped);
     if (hi <= lo) continue;
+    hooks_.notify_release(lo, hi - lo);  // while the chunks are still mapped; may throw, nothing changed yet
     pool.bins.remove(b);
-    hooks_.notify_release(lo, hi - lo);  // while the chunks are still mapped
     std::exception_ptr failure;
     try {
       mapper_.unmap(*s, lo, hi, spare);
@@ -413,7 +413,7 @@ void segment_source::release_at_teardown(block_pool& pool, event_pool& events) n
     }
     try {
       if (s->expandable) {
-        mapper_.unmap(*s, s->base, s->base + s->size, nullptr);
+        mapper_.unmap_for_teardown(*s);
         device_.release_range(reinterpret_cast<void*>(s->base));
       } else if (!s->external) {
         free_plain_segment(s->base);

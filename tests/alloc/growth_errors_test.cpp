@@ -65,6 +65,11 @@ TEST(growth_errors, an_unmap_failing_midway_loses_no_chunk_and_leaves_the_rest_m
     for (auto& q : p) q = a.allocate(24 * mib, {});  // three mappings of one chunk each
     for (auto* q : p) a.deallocate(q, {});
     ASSERT_EQ(dev.live_chunks(), 3);
+    dev.unmaps_until_refusal = 1;  // the first: nothing was unmapped
+    EXPECT_THROW(a.empty_cache(), backend_error);
+    EXPECT_NO_THROW(a.check_invariants()) << "the free block left out of its bins";
+    EXPECT_EQ(dev.live_chunks(), 3);
+    EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, static_cast<std::int64_t>(72 * mib));
     dev.unmaps_until_refusal = 2;
     EXPECT_THROW(a.empty_cache(), backend_error);
     EXPECT_NO_THROW(a.check_invariants()) << "the free block left out of its bins, or its mappings misrecorded";

@@ -32,11 +32,13 @@ struct stat_by_pool {
 };
 
 /// The device calls growable segments (expandable_segments) made, one
-/// driver call each on CUDA: what replays spend their time on there. A call
-/// that failed is counted too (it cost the driver's time). access_grants
-/// counts calls, one per growth's mapping, which covers all its chunks; the
-/// driver's time for one grows with the chunks (docs/benchmarks.md). Plain
-/// segments are device_allocations and device_frees alone.
+/// driver call each on CUDA: what replays spend their time on there.
+/// creates and releases count chunks taken and given back; maps, unmaps and
+/// access grants count calls, a failed one included (it cost the driver's
+/// time). access_grants is one per growth's mapping, which covers all its
+/// chunks; the driver's time for one grows with the chunks
+/// (docs/benchmarks.md). Plain segments are device_allocations and
+/// device_frees alone.
 struct vmm_call_counts {
   std::int64_t creates = 0;        ///< physical chunks created (cuMemCreate)
   std::int64_t releases = 0;       ///< physical chunks released (cuMemRelease)
