@@ -251,6 +251,7 @@ TYPED_TEST(allocator_basic, a_block_allocated_claimed_refuses_a_second_owner_unt
   EXPECT_THROW(a.claim(p), invalid_argument) << "handed out claimed";
   EXPECT_NO_THROW(a.check_invariants());
   a.deallocate(p, {});
+  EXPECT_NO_THROW(a.check_invariants()) << "a free block still claimed";
   void* q = a.allocate(4096, {});
   ASSERT_EQ(q, p) << "the same cached block";
   EXPECT_NO_THROW(a.claim(q)) << "a plain allocation is unclaimed";
