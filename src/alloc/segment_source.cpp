@@ -267,14 +267,19 @@ void segment_source::give_back_from_sibling(block_pool& pool, std::size_t budget
 }
 
 void segment_source::release_segment(block_pool& pool, segment* s) {
-  pool.bins.remove(s->first);
-  refresh_split_stat(pool, s->first);
   // The ordering rule (pool_directory.h): out of the directory, then the
   // observers (the memory is still there for them to act on), then back to
   // the device — only then can another pool be given the same address.
   directory_.unregister_segment(*s);
-  hooks_.notify_release(s->base, s->size);
-  free_plain_segment(s->base);
+  try {
+    hooks_.notify_release(s->base, s->size);
+    free_plain_segment(s->base);
+  } catch (...) {
+    directory_.register_segment(*s);  // nothing went back: the segment stays cached as it was
+    throw;
+  }
+  pool.bins.remove(s->first);
+  refresh_split_stat(pool, s->first);
   unreserve_bytes(s->size);
   device_frees_.fetch_add(1, std::memory_order_relaxed);
   pool_counters::sub(pool.counters.segments, 1);

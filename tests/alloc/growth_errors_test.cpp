@@ -111,6 +111,34 @@ TEST(growth_errors, a_release_failing_after_a_failed_mapping_does_not_keep_the_o
   EXPECT_EQ(dev.live_chunks(), 1);
 }
 
+// A cached plain segment whose free fails stays cached as it was (in its
+// bins and in the directory), so a later give-back returns it.
+TEST(growth_errors, a_segment_whose_free_fails_stays_cached_and_goes_back_later) {
+  struct device : forwarding_device {
+    using forwarding_device::forwarding_device;
+    void free_segment(void* ptr) override {
+      if (refuse_free.exchange(false)) throw backend_error("free_segment", "refused by the test");
+      forwarding_device::free_segment(ptr);
+    }
+    std::atomic<bool> refuse_free{false};
+  } dev(backend::host_device_instance());
+  alloc::caching_allocator a(dev, alloc::allocator_config{});
+  void* p = a.allocate(4 * mib, {});
+  a.deallocate(p, {});
+  const auto reserved = a.stats().reserved_bytes.aggregate.current;
+  ASSERT_GT(reserved, 0);
+  dev.refuse_free = true;
+  EXPECT_THROW(a.empty_cache(), backend_error);
+  EXPECT_NO_THROW(a.check_invariants()) << "the segment's free block left out of its bins or the directory";
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, reserved);
+  void* again = a.allocate(4 * mib, {});
+  EXPECT_EQ(again, p) << "the cached segment serves the request again";
+  a.deallocate(again, {});
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0);
+  EXPECT_EQ(a.stats().segments.aggregate.current, 0);
+}
+
 TEST(growth_errors, a_growth_failing_with_a_device_error_keeps_no_reserved_bytes) {
   failing_map_device dev(backend::host_device_instance());
   alloc::allocator_config config = expandable();
