@@ -138,7 +138,9 @@ std::size_t chunk_mapper::unmap_at(segment& s, std::size_t i, spare_chunks* keep
   const std::size_t g = device_.granularity();
   const std::size_t slots = s.mapping_slots[i];
   const backend::sized_chunk chunk{s.chunks[i], slots * g};
-  if (keep != nullptr) keep->reserve(keep->size() + 1);  // the chunk is kept once unmapped: nothing may throw then
+  // The chunk is kept once unmapped: nothing may throw then. Room grows
+  // geometrically (reserve(size + 1) would copy the vector at every unmap).
+  if (keep != nullptr && keep->size() == keep->capacity()) keep->reserve(std::max<std::size_t>(8, 2 * keep->size()));
   bump(unmaps_);
   device_.unmap(reinterpret_cast<void*>(s.base + i * g));  // throws: the mapping stays recorded as it is
   s.mapping_slots[i] = 0;
