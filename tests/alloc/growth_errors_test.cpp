@@ -139,6 +139,60 @@ TEST(growth_errors, a_segment_whose_free_fails_stays_cached_and_goes_back_later)
   EXPECT_EQ(a.stats().segments.aggregate.current, 0);
 }
 
+// The VMM counters count calls, a failed one included (it cost the driver's
+// time); creates count chunks made.
+TEST(growth_errors, failed_maps_and_unmaps_are_counted) {
+  struct device : refusing_device {
+    using refusing_device::refusing_device;
+    void map_chunks(void* address, std::span<const backend::sized_chunk> chunks) override {
+      if (refuse_map.exchange(false)) throw backend_error("map_chunks", "refused by the test");
+      refusing_device::map_chunks(address, chunks);
+    }
+    std::atomic<bool> refuse_map{false};
+  } dev(backend::host_device_instance());
+  alloc::caching_allocator a(dev, expandable());
+  dev.refuse_map = true;
+  EXPECT_THROW((void)a.allocate(24 * mib, {}), backend_error);
+  auto calls = a.stats().vmm_calls;
+  EXPECT_EQ(calls.maps, 1) << "the failed map";
+  EXPECT_EQ(calls.access_grants, 1);
+  EXPECT_EQ(calls.creates, 1);
+  EXPECT_EQ(calls.releases, 1);
+  a.deallocate(a.allocate(24 * mib, {}), {});
+  dev.unmaps_until_refusal = 1;
+  EXPECT_THROW(a.empty_cache(), backend_error);
+  EXPECT_EQ(a.stats().vmm_calls.unmaps, 1) << "the failed unmap";
+  a.empty_cache();
+  calls = a.stats().vmm_calls;
+  EXPECT_EQ(calls.unmaps, 2);
+  EXPECT_EQ(calls.maps, 2);
+}
+
+// A release observer that throws while memory is given back (plain segments
+// and growable chunks alike): nothing went back, and the free memory stays
+// cached in its bins, so a later give-back returns it.
+TEST(growth_errors, an_observer_throwing_during_a_give_back_leaves_the_memory_cached) {
+  for (const char* conf : {"", "expandable_segments:true"}) {
+    SCOPED_TRACE(conf);
+    vmm_counting_device dev(backend::host_device_instance());
+    alloc::caching_allocator a(dev, alloc::allocator_config::parse(conf));
+    void* p = a.allocate(4 * mib, {});
+    a.deallocate(p, {});
+    const auto reserved = a.stats().reserved_bytes.aggregate.current;
+    std::atomic<bool> refuse{true};
+    const auto id = a.add_release_observer([&](std::uintptr_t, std::size_t) {
+      if (refuse.exchange(false)) throw std::runtime_error("an observer that fails");
+    });
+    EXPECT_THROW(a.empty_cache(), std::runtime_error);
+    EXPECT_NO_THROW(a.check_invariants()) << "the free block left out of its bins";
+    EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, reserved);
+    a.empty_cache();
+    EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0);
+    EXPECT_EQ(dev.live_chunks(), 0);
+    a.remove_hook(id);
+  }
+}
+
 TEST(growth_errors, a_growth_failing_with_a_device_error_keeps_no_reserved_bytes) {
   failing_map_device dev(backend::host_device_instance());
   alloc::allocator_config config = expandable();
