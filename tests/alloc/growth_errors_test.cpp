@@ -38,17 +38,18 @@ class failing_map_device : public vmm_counting_device {
 };
 
 // Refuses, when told to, the nth unmap or release from now (1 = the next),
-// with an error that is not out of memory; the refused call changes nothing.
-class refusing_device : public vmm_counting_device {
+// or the next map_chunks, with an error that is not out of memory; the
+// refused call changes nothing.
+class refusing_device : public failing_map_device {
  public:
-  using vmm_counting_device::vmm_counting_device;
+  using failing_map_device::failing_map_device;
   void unmap(void* address) override {
     if (unmaps_until_refusal.fetch_sub(1) == 1) throw backend_error("unmap", "refused by the test");
-    vmm_counting_device::unmap(address);
+    failing_map_device::unmap(address);
   }
   void release_physical(backend::physical_ref chunk) override {
     if (releases_until_refusal.fetch_sub(1) == 1) throw backend_error("release_physical", "refused by the test");
-    vmm_counting_device::release_physical(chunk);
+    failing_map_device::release_physical(chunk);
   }
   std::atomic<int> unmaps_until_refusal{0}, releases_until_refusal{0};
 };
@@ -88,17 +89,10 @@ TEST(growth_errors, an_unmap_failing_midway_loses_no_chunk_and_leaves_the_rest_m
 // A growth whose mapping fails releases the chunks it made for it; one of
 // those releases failing must not keep the others from going back.
 TEST(growth_errors, a_release_failing_after_a_failed_mapping_does_not_keep_the_other_chunks) {
-  struct device : refusing_device {
-    using refusing_device::refusing_device;
-    void map_chunks(void* address, std::span<const backend::sized_chunk> chunks) override {
-      if (refuse_map.exchange(false)) throw backend_error("map_chunks", "refused by the test");
-      refusing_device::map_chunks(address, chunks);
-    }
-    std::atomic<bool> refuse_map{false};
-  } dev(backend::host_device_instance());
+  refusing_device dev(backend::host_device_instance());
   {
     alloc::caching_allocator a(dev, expandable());
-    dev.refuse_map = true;
+    dev.fail_next_map = true;
     dev.releases_until_refusal = 1;
     EXPECT_THROW((void)a.allocate(72 * mib, {}), backend_error);  // three chunks of 24 MiB made, none mapped
     EXPECT_EQ(dev.creates, 3);
@@ -142,16 +136,9 @@ TEST(growth_errors, a_segment_whose_free_fails_stays_cached_and_goes_back_later)
 // The VMM counters count calls, a failed one included (it cost the driver's
 // time); creates count chunks made.
 TEST(growth_errors, failed_maps_and_unmaps_are_counted) {
-  struct device : refusing_device {
-    using refusing_device::refusing_device;
-    void map_chunks(void* address, std::span<const backend::sized_chunk> chunks) override {
-      if (refuse_map.exchange(false)) throw backend_error("map_chunks", "refused by the test");
-      refusing_device::map_chunks(address, chunks);
-    }
-    std::atomic<bool> refuse_map{false};
-  } dev(backend::host_device_instance());
+  refusing_device dev(backend::host_device_instance());
   alloc::caching_allocator a(dev, expandable());
-  dev.refuse_map = true;
+  dev.fail_next_map = true;
   EXPECT_THROW((void)a.allocate(24 * mib, {}), backend_error);
   auto calls = a.stats().vmm_calls;
   EXPECT_EQ(calls.maps, 1) << "the failed map";
