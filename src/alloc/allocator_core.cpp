@@ -284,7 +284,10 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
   for (auto& o : observers) o(report);
   std::ostringstream m;
   m << "caching_allocator: out of memory allocating " << bytes << " bytes";
-  if (pool.is_private) m << " in private sub-pool '" << pool.part_name << "' (private pools never grow)";
+  if (pool.is_private) {
+    m << " in private sub-pool '" << pool.part_name << "'";
+    if (!pool.grows) m << " (a region handed in: private pools over one never grow)";
+  }
   m << " on " << to_string(device.kind()) << ':' << device.ordinal() << ": the device has " << report.device_free_bytes
     << " bytes free; this allocator holds " << report.reserved_bytes << " bytes reserved, of which "
     << report.allocated_bytes << " are allocated; the largest free cached block is " << report.largest_free_block
@@ -296,8 +299,9 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
 
 // ---- free ----------------------------------------------------------------------
 
-void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
+bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool events_allowed) {
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
+  bool freed = true;
   const bool found = run_on_block<true>(address, [&](block_pool& pool, block* b) {
     if (b->state == block_state::invalidated) {
       remove_tombstone(pool, b, stream);
@@ -315,6 +319,11 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
     // A pinned block freed on its own stream waits for an event it shares
     // with the frees around it (awaiting_frees.h), recorded later.
     const bool awaits = host_written && !freed_elsewhere && b->used_on.empty() && !pool.is_private;
+    if (!events_allowed && (hold || mark_hazard)) {
+      pool.allocated.insert(b);  // refused: nothing happened to it
+      freed = false;
+      return;
+    }
     if ((hold || mark_hazard) && !awaits) {
       std::vector<backend::stream_ref> streams = b->used_on;
       if ((freed_elsewhere && (config.cross_stream_safety || mark_hazard)) || host_written) add_unique(streams, stream);
@@ -354,6 +363,7 @@ void allocator_core::deallocate(void* ptr, backend::stream_ref stream) {
     note_tombstone_removed(address, stream);
   }
   if constexpr (check_every_step) check_invariants();
+  return freed;
 }
 
 void allocator_core::make_reusable(block_pool& pool, block* b) {

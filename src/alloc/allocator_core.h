@@ -77,7 +77,10 @@ class allocator_core {
   /// With `claim`, the block is handed out claimed (see claim), under the
   /// same lock as the hand-out.
   void* allocate(std::size_t bytes, backend::stream_ref stream, bool claim = false);
-  void deallocate(void* ptr, backend::stream_ref stream);
+  /// Without `events_allowed`, a free that would record an event (see
+  /// caching_allocator::deallocate_without_events) is refused: false, and
+  /// the block stays allocated. True otherwise.
+  bool deallocate(void* ptr, backend::stream_ref stream, bool events_allowed = true);
   void record_stream(void* ptr, backend::stream_ref stream);
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
   void mark_held_outside(void* ptr);
@@ -105,6 +108,8 @@ class allocator_core {
 
   private_pool_id create_private_pool(void* base, std::size_t bytes,
                                       const std::vector<std::pair<std::string, std::size_t>>& parts);
+  private_pool_id create_growing_private_pool();
+  void forget_last_streams(private_pool_id id);
   invalidated_blocks_report clear_private_pool(private_pool_id id, const std::string& part, live_blocks live);
   void drain_private_pool(private_pool_id id, const std::string& part);
   invalidated_blocks_report destroy_private_pool(private_pool_id id, live_blocks live);

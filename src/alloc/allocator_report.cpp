@@ -36,11 +36,13 @@ void for_each_stat(pool_counters& c, Fn&& fn) {
 
 allocator_stats allocator_core::stats() {
   allocator_stats out;
-  std::int64_t private_reserved_peak = 0;  // private pools' memory is the caller's, outside the source's total
+  // Private pools' memory is the caller's, outside the source's total
+  // (growing ones' excepted: the device's, counted there).
+  std::int64_t private_reserved_peak = 0;
   directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
     const pool_counters& c = p.counters;
-    if (p.is_private) private_reserved_peak += c.reserved_bytes.peak;
+    if (p.is_private && !p.grows) private_reserved_peak += c.reserved_bytes.peak;
     const auto [inactive_split, inactive_split_bytes] = settled_split_stats(p);
     accumulate(out.allocations, p.kind, c.allocations);
     accumulate(out.segments, p.kind, c.segments);

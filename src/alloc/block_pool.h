@@ -44,6 +44,11 @@ struct alignas(64) block_pool {
   pool_kind kind = pool_kind::small;
   backend::stream_ref stream;  ///< stream pools: the stream every block is handed out on
   bool is_private = false;
+  /// Private pools only: the memory comes from the device as the pool grows
+  /// (create_growing_private_pool), not from a region handed in. It counts
+  /// in the allocator's reserved total and goes back only when the pool is
+  /// destroyed: no give-back touches it before.
+  bool grows = false;
   std::string part_name;  ///< private sub-pools
 
   free_bins bins;

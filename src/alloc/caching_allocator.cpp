@@ -22,6 +22,9 @@ void* caching_allocator::allocate_claimed(std::size_t bytes, backend::stream_ref
 }
 void caching_allocator::deallocate(void* ptr, backend::stream_ref stream) { core_->deallocate(ptr, stream); }
 void caching_allocator::deallocate(void* ptr) { core_->deallocate(ptr, backend::current_stream(core_->device)); }
+bool caching_allocator::deallocate_without_events(void* ptr, backend::stream_ref stream) {
+  return core_->deallocate(ptr, stream, false);
+}
 void caching_allocator::record_stream(void* ptr, backend::stream_ref stream) { core_->record_stream(ptr, stream); }
 std::size_t caching_allocator::block_size(const void* ptr) const { return core_->block_size(ptr); }
 void caching_allocator::mark_held_outside(void* ptr) { core_->mark_held_outside(ptr); }
@@ -60,6 +63,8 @@ private_pool_id caching_allocator::create_private_pool(void* base, std::size_t b
                                                        const std::vector<std::pair<std::string, std::size_t>>& parts) {
   return core_->create_private_pool(base, bytes, parts);
 }
+private_pool_id caching_allocator::create_growing_private_pool() { return core_->create_growing_private_pool(); }
+void caching_allocator::forget_last_streams(private_pool_id pool) { core_->forget_last_streams(pool); }
 void caching_allocator::drain_private_pool(private_pool_id pool, const std::string& part) {
   core_->drain_private_pool(pool, part);
 }

@@ -271,7 +271,7 @@ void check_allocator_invariants(const pool_directory& directory, const segment_s
     std::size_t reserved = 0, growable_mapped = 0;
     for (const block_pool* pool : pools) {
       check_pool(*pool, granularity);
-      if (!pool->is_private) reserved += static_cast<std::size_t>(pool->counters.reserved_bytes.current);
+      if (!pool->is_private || pool->grows) reserved += static_cast<std::size_t>(pool->counters.reserved_bytes.current);
       for (const auto& s : pool->segments) {
         ++segment_count;
         if (s->expandable) growable_mapped += s->mapped_bytes;

@@ -64,6 +64,7 @@ void empty_for_reuse(block_pool& part) noexcept {
   part.segments.clear();
   part.counters = {};
   part.part_name.clear();
+  part.grows = false;
 }
 
 }  // namespace

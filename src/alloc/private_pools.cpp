@@ -98,6 +98,15 @@ void reset_layout(block_pool& part, event_pool& events) {
   }
 }
 
+// A growing pool's segments go back to the device: a tombstone left in one
+// would outlive its memory, and a late free could then free a newer block.
+void require_refuse_for_growing(const block_pool& part, live_blocks live, const char* op) {
+  if (live == live_blocks::refuse || !part.grows) return;
+  throw invalid_argument(std::string(op) +
+                         ": a growing private pool's blocks cannot be taken back (live_blocks::invalidate); free "
+                         "them, then destroy it with live_blocks::refuse");
+}
+
 // Debug mode: poison of the whole sub-pool, on the default stream (always
 // there, unlike the streams of taken blocks), after its layout was reset.
 void poison(backend::device& device, const block_pool& part) {
@@ -180,9 +189,32 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
   return id;
 }
 
+private_pool_id allocator_core::create_growing_private_pool() {
+  auto pool = std::make_unique<private_pool>();
+  auto part = directory_.new_private_part();
+  part->kind = pool_kind::large;
+  part->is_private = true;
+  part->grows = true;
+  pool->parts.push_back(std::move(part));
+  return directory_.add_private_pool(std::move(pool));
+}
+
+void allocator_core::forget_last_streams(private_pool_id id) {
+  block_pool& part = private_part(id, "");
+  drain_private_pool(id, "");
+  std::lock_guard lock(part.lock);
+  collect_pending(part, false);  // drained: every pending free has passed
+  for (auto& s : part.segments) {
+    for (block* b = s->first; b != nullptr; b = b->next) {
+      if (b->state == block_state::free) b->last_streams.clear();
+    }
+  }
+}
+
 invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id, const std::string& part_name,
                                                              live_blocks live) {
   block_pool& part = private_part(id, part_name);
+  require_refuse_for_growing(part, live, "clear_private_pool");
   invalidated_blocks_report taken;
   if (live == live_blocks::refuse) {
     std::lock_guard lock(part.lock);
@@ -265,15 +297,35 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
     }
   };
   invalidated_blocks_report taken;
+  bool grows = false;
+  for (block_pool* part : directory_.private_parts(id)) {
+    require_refuse_for_growing(*part, live, "destroy_private_pool");
+    grows = grows || part->grows;
+  }
+  // Work the streams enqueued on a growing pool's memory runs before the
+  // memory goes back (a pending free's stream, a free block's last streams).
+  if (grows) drain_private_pool(id, "");
   if (live == live_blocks::refuse) {
+    // A growing pool's segments leave the directory with it, then go back.
+    std::vector<std::pair<std::uintptr_t, std::size_t>> grown;
     (void)directory_.remove_private_pool(
         id,
         [&](const std::vector<block_pool*>& parts) {
-          for (block_pool* part : parts) require_no_live_blocks(*part, "destroy_private_pool");
+          std::size_t segments = 0;
+          for (block_pool* part : parts) {
+            require_no_live_blocks(*part, "destroy_private_pool");
+            if (part->grows) segments += part->segments.size();
+          }
           make_room_for_orphans(parts);
+          grown.reserve(segments);
           return true;
         },
-        orphan_tombstones);
+        [&](block_pool& part) {
+          orphan_tombstones(part);
+          if (!part.grows) return;
+          for (const auto& s : part.segments) grown.emplace_back(s->base, s->size);
+        });
+    source_.free_detached_segments(grown);
     if constexpr (check_every_step) check_invariants();
     return taken;
   }

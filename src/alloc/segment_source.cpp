@@ -62,8 +62,10 @@ segment_source::segment_source(backend::device& device, const allocator_config& 
       mapper_(device) {}
 
 block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized_allowed) {
-  if (pool.is_private) return nullptr;
-  if (config_.expandable_segments) return grow_expandable(pool, size);
+  if (pool.is_private && !pool.grows) return nullptr;
+  // A growing private pool takes plain segments whatever the setting: a
+  // growable range's chunks are unmapped by give-backs, which never touch it.
+  if (config_.expandable_segments && !pool.is_private) return grow_expandable(pool, size);
   // Under a limit or device pressure the standard segment may not fit where
   // the request itself does: a segment of the block's own size is tried
   // when the caller allows it (after giving other pools' caches back).
@@ -230,6 +232,33 @@ block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
 }
 
 void segment_source::release_cached(block_pool& pool) { give_back(pool, ~std::size_t{0}, nullptr, nullptr); }
+
+void segment_source::free_detached_segments(const std::vector<std::pair<std::uintptr_t, std::size_t>>& segments) {
+  // Out of the directory already, so nobody can reach them again: each is
+  // freed and unreserved whatever an observer or the device says, and the
+  // first error goes on afterwards (a failed free's memory is the driver's
+  // to lose; counting it reserved would hold the limit against nothing).
+  std::exception_ptr first;
+  const auto remember = [&] {
+    if (!first) first = std::current_exception();
+  };
+  for (const auto& [base, size] : segments) {
+    try {
+      hooks_.notify_release(base, size);
+    } catch (...) {
+      remember();
+    }
+    try {
+      free_plain_segment(base);
+      device_frees_.fetch_add(1, std::memory_order_relaxed);
+    } catch (...) {
+      remember();
+    }
+    unreserve_bytes(size);
+    if (trace_.enabled()) trace_.note(trace_action::segment_free, base, size, {});
+  }
+  if (first) std::rethrow_exception(first);
+}
 
 std::size_t segment_source::give_back(block_pool& pool, std::size_t budget, const block* keep, spare_chunks* spare) {
   if (pool.is_private) return 0;

@@ -5,7 +5,8 @@
 //
 // Invariant:
 //   reserved_total() = sum of reserved_bytes.current over the stream pools
-//                      (private pools' memory is the caller's: not counted)
+//                      and the growing private pools (other private
+//                      pools' memory is the caller's: not counted)
 //                    <= ceiling() (the limit, or the highest limit set
 //                       before it when set_limit has lowered it: memory
 //                       reserved under an earlier limit stays reserved).
@@ -21,6 +22,8 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "alloc/allocator_hooks.h"
 #include "alloc/block_pool.h"
@@ -54,6 +57,12 @@ class segment_source {
   /// Gives the pool's wholly free segments, and the whole free chunks of its
   /// growable segment, back to the device (after its stream has passed them).
   void release_cached(block_pool& pool);
+  /// Gives back the plain segments [base, base + size) of a growing private
+  /// pool that left the directory with it (destroy_private_pool): observers
+  /// told, memory freed, the reserved total lowered. Goes on past a failing
+  /// free (that segment's memory is lost to the allocator) and then throws
+  /// the first error.
+  void free_detached_segments(const std::vector<std::pair<std::uintptr_t, std::size_t>>& segments);
   /// Allocator teardown: waits for the work queued on the pool's memory
   /// (pending frees' events, the pool's stream), gives every event back to
   /// `events`, deletes every block and returns the pool's device memory,

@@ -99,6 +99,13 @@ class caching_allocator {
   void deallocate(void* ptr, backend::stream_ref stream);
   /// deallocate on the calling thread's current stream.
   void deallocate(void* ptr);
+  /// deallocate, but only when the free records no event: device memory,
+  /// freed on the stream it was handed out on, with no other stream recorded
+  /// on it (record_stream), or a tombstone's late free. Returns false and
+  /// changes nothing otherwise (the block stays allocated). For frees during
+  /// CUDA graph capture, where an event recorded on a capturing stream could
+  /// not be queried: the caller frees such a block once the capture ended.
+  [[nodiscard]] bool deallocate_without_events(void* ptr, backend::stream_ref stream);
   /// The block of `ptr` is also used on `stream`: its free waits for the
   /// work enqueued there until then. `ptr` may lie anywhere inside an
   /// allocated block (a part of storage::allocate_parts, a view's data): the
@@ -203,6 +210,24 @@ class caching_allocator {
   /// The allocator never frees this memory.
   private_pool_id create_private_pool(void* base, std::size_t bytes,
                                       const std::vector<std::pair<std::string, std::size_t>>& parts = {});
+  /// A private pool of one sub-pool named "" that takes its memory from the
+  /// device as it grows (plain segments of the standard sizes, under the
+  /// limit; never growable ones), instead of from a region handed in. Its
+  /// memory counts in stats().reserved_bytes and goes back to the device
+  /// only with destroy_private_pool (live_blocks::refuse: invalidate is
+  /// refused, here and by clear_private_pool), after the streams that used
+  /// it have passed: empty_cache, out of memory and growth past the peak
+  /// never give it back. For memory that must stay one user's until it says
+  /// otherwise: a CUDA graph's pool, whose replays reuse the addresses its
+  /// capture was handed, freed blocks included.
+  private_pool_id create_growing_private_pool();
+  /// drain_private_pool, then each free block of the sub-pool "" forgets the
+  /// streams that last used it: its next hand-out waits for none of them.
+  /// For pools whose users order their work among themselves: a CUDA graph
+  /// pool after a capture (its graphs replay in capture order, and a wait in
+  /// the next capture on a stream of an earlier one would tie that capture
+  /// to work outside it, which CUDA refuses).
+  void forget_last_streams(private_pool_id pool);
   /// Forgets every free block of the sub-pool (it becomes one free block
   /// again, split only around tombstones), freeing no device memory. With
   /// live_blocks::refuse, throws invalid_argument naming the live blocks

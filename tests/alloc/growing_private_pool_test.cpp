@@ -1,0 +1,153 @@
+// Growing private pools (a CUDA graph's pool): memory from the device that
+// stays the pool's until it is destroyed; frees that refuse to record an
+// event (frees during capture); forgetting the streams a free block was
+// last used on (between captures).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "shoal/backend/stream.h"
+#include "shoal/core/error.h"
+#include "support/allocators.h"
+
+namespace shoal::testing {
+namespace {
+
+constexpr std::size_t kib = 1024, mib = kib * kib;
+
+template <class Backend>
+using growing_private_pool = allocator_test<Backend>;
+TYPED_TEST_SUITE(growing_private_pool, backend_types, backend_names);
+
+std::int64_t reserved(alloc::caching_allocator& a) { return a.stats().reserved_bytes.aggregate.current; }
+
+TYPED_TEST(growing_private_pool, takes_memory_from_the_device_and_keeps_it_until_destroyed) {
+  auto& a = this->make();
+  const auto pool = a.create_growing_private_pool();
+  EXPECT_EQ(reserved(a), 0) << "made empty";
+  void *big, *small;
+  {
+    alloc::private_pool_scope scope(a, pool);
+    big = a.allocate(3 * mib, {});
+    small = a.allocate(512, {});
+  }
+  const std::int64_t held = reserved(a);
+  EXPECT_GE(held, static_cast<std::int64_t>(3 * mib + 512)) << "counted as reserved: " << a.stats().to_json();
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(big, {});
+  a.deallocate(small, {});
+  a.empty_cache();
+  EXPECT_EQ(reserved(a), held) << "empty_cache gives none of it back";
+
+  void* outside = a.allocate(3 * mib, {});
+  EXPECT_NE(outside, big) << "the pool's free memory serves no allocation outside it";
+  EXPECT_GT(reserved(a), held);
+  {
+    alloc::private_pool_scope scope(a, pool);
+    void* again = a.allocate(3 * mib, {});
+    EXPECT_EQ(again, big) << "its own free memory serves it again";
+    EXPECT_THROW(a.destroy_private_pool(pool), invalid_argument) << "a block is live";
+    a.deallocate(again, {});
+  }
+  a.deallocate(outside, {});
+  a.empty_cache();
+  EXPECT_EQ(reserved(a), held) << "only the pool's memory is left";
+  const auto frees_before = a.stats().device_frees;
+  a.destroy_private_pool(pool);
+  EXPECT_EQ(reserved(a), 0) << a.stats().to_json();
+  EXPECT_GT(a.stats().device_frees, frees_before) << "its segments went back to the device";
+  EXPECT_THROW(alloc::private_pool_scope(a, pool), invalid_argument) << "its id is gone";
+  EXPECT_TRUE(nothing_in_use(a.stats()));
+  EXPECT_NO_THROW(a.check_invariants());
+}
+
+TYPED_TEST(growing_private_pool, grows_under_the_limit_with_plain_segments_whatever_the_setting) {
+  auto& a = this->make("expandable_segments:true,memory_limit_mb:8");
+  const auto pool = a.create_growing_private_pool();
+  {
+    alloc::private_pool_scope scope(a, pool);
+    void* p = a.allocate(5 * mib, {});
+    try {
+      (void)a.allocate(5 * mib, {});
+      ADD_FAILURE() << "10 MiB fit under a limit of 8";
+    } catch (const out_of_memory& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("private sub-pool"), std::string::npos) << message;
+      EXPECT_EQ(message.find("never grow"), std::string::npos) << "this one grows: " << message;
+    }
+    const auto snap = a.take_snapshot();
+    ASSERT_EQ(snap.segments.size(), 1u);
+    EXPECT_FALSE(snap.segments[0].expandable) << "give-backs unmap growable chunks; this memory never goes back";
+    a.deallocate(p, {});
+  }
+  a.destroy_private_pool(pool);
+  EXPECT_EQ(reserved(a), 0);
+}
+
+TYPED_TEST(growing_private_pool, refuses_to_take_live_blocks_back) {
+  auto& a = this->make();
+  const auto pool = a.create_growing_private_pool();
+  void* p;
+  {
+    alloc::private_pool_scope scope(a, pool);
+    p = a.allocate(mib, {});
+  }
+  EXPECT_THROW(a.clear_private_pool(pool, "", alloc::live_blocks::invalidate), invalid_argument);
+  EXPECT_THROW(a.destroy_private_pool(pool, alloc::live_blocks::invalidate), invalid_argument);
+  EXPECT_EQ(a.block_size(p), mib) << "still allocated";
+  a.deallocate(p, {});
+  a.destroy_private_pool(pool);
+}
+
+// Without forget_last_streams, a hand-out on another stream waits for the
+// stream that last used the block: when that stream is gone, it fails.
+// After it, the hand-out waits for nothing.
+TYPED_TEST(growing_private_pool, forgetting_last_streams_lets_a_hand_out_wait_for_none) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  backend::stream second(dev);
+  for (const bool forget : {false, true}) {
+    const auto pool = a.create_growing_private_pool();
+    alloc::private_pool_scope scope(a, pool);
+    void* p;
+    {
+      backend::stream first(dev);
+      p = a.allocate(mib, first);
+      a.deallocate(p, first);
+      if (forget) a.forget_last_streams(pool);
+    }  // `first` is destroyed: nothing can be recorded on it any more
+    if (!forget) {
+      EXPECT_ANY_THROW((void)a.allocate(mib, second)) << "the hand-out waits for the destroyed stream";
+      continue;  // the block stays free, tied to that stream; the allocator's teardown frees it
+    }
+    void* q = a.allocate(mib, second);
+    EXPECT_EQ(q, p) << "the same memory, handed out with no wait";
+    a.deallocate(q, second);
+    dev.synchronize(second);
+  }
+}
+
+TYPED_TEST(growing_private_pool, a_free_without_events_refuses_what_would_record_one) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  backend::stream first(dev), second(dev);
+  void* p = a.allocate(mib, first);
+  EXPECT_FALSE(a.deallocate_without_events(p, second)) << "freed on another stream: needs an event";
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 1) << "nothing changed";
+  a.record_stream(p, second);
+  EXPECT_FALSE(a.deallocate_without_events(p, first)) << "recorded on another stream";
+  a.deallocate(p, first);
+
+  void* q = a.allocate(mib, first);
+  EXPECT_TRUE(a.deallocate_without_events(q, first)) << "its own stream, nothing recorded";
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 0);
+  EXPECT_THROW((void)a.deallocate_without_events(q, first), invalid_argument) << "freed already";
+  dev.synchronize(first);
+  dev.synchronize(second);
+  a.process_pending_frees();
+  EXPECT_TRUE(nothing_in_use(a.stats()));
+}
+
+}  // namespace
+}  // namespace shoal::testing
