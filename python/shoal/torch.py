@@ -22,9 +22,17 @@ CUDA tensors go to other processes through ``shoal.sharing`` as they are:
 tensor's memory). The memory stays allocated until the tensor and every
 process it was sent to have dropped it.
 
-Not supported while enabled: CUDA graph capture (``torch.cuda.graph``,
-``torch.compile(mode="reduce-overhead")``) and ``torch.cuda.MemPool``; they
-raise an error naming the limitation.
+CUDA graphs capture on shoal: ``torch.cuda.graph`` (its ``pool=`` argument and
+``torch.cuda.graph_pool_handle()`` included) allocates from a pool of shoal's
+that stays the graph's until the graph is reset, and ``torch.cuda.MemPool`` with
+``torch.cuda.use_mem_pool`` routes a thread's allocations to one. A pool's
+memory goes back to the device once it is released and none of its tensors is
+left (then, or at the next ``empty_cache`` or out of memory). A
+``torch.cuda.MemPool`` given an allocator of its own is refused while shoal is
+PyTorch's allocator, and PyTorch's pool checkpoints (``getCheckpointState``,
+which ``torch.compile(mode="reduce-overhead")`` uses when its graphs branch) are
+not offered by PyTorch's pluggable-allocator interface: that raises PyTorch's
+error naming it.
 
 Without ``enable()``, PyTorch keeps its own allocator and :class:`RegionPool` makes
 shoal memory — a region borrowed from a lender — the segment source of a

@@ -156,6 +156,13 @@ class shared_blocks {
     return handle;
   }
 
+  /// True when the block at `ptr` was taken over (its free drops a handle).
+  bool holds(void* ptr) {
+    if (count_.load(std::memory_order_acquire) == 0) return false;
+    std::lock_guard lock(mutex_);
+    return blocks_.find(ptr) != blocks_.end();
+  }
+
   /// True when the block at `ptr` was taken over: PyTorch's free then
   /// records `stream` on the storage and drops the table's handle.
   bool release(void* ptr, backend::stream_ref stream) {
@@ -250,10 +257,64 @@ int api_reset_accumulated_stats(int device) {
 
 const char* api_last_error() { return last_error_text.c_str(); }
 
+alloc::private_pool_id pool_id(std::uint64_t pool) { return alloc::private_pool_id{pool}; }
+
+int api_create_graph_pool(int device, uint64_t* out) {
+  return guarded([&] { *out = allocators().of(device).allocator().create_growing_private_pool().value; });
+}
+
+int api_allocate_in_pool(uint64_t pool, size_t bytes, int device, void* stream, void** out) {
+  return guarded([&] {
+    auto& state = allocators().of(device);
+    const backend::stream_ref on = stream_of(state, stream);
+    if (pool == 0) {
+      *out = state.allocator().allocate(bytes, on);
+      return;
+    }
+    alloc::private_pool_scope scope(state.allocator(), pool_id(pool));
+    *out = state.allocator().allocate(bytes, on);
+  });
+}
+
+int api_deallocate_without_events(void* ptr, int device, void* stream, int* freed) {
+  return guarded([&] {
+    auto& state = allocators().of(device);
+    // A taken-over block's free records its stream on the storage: later.
+    *freed = shared().holds(ptr) ? 0 : state.allocator().deallocate_without_events(ptr, stream_of(state, stream));
+  });
+}
+
+int api_end_graph_capture(uint64_t pool, int device) {
+  return guarded([&] { allocators().of(device).allocator().forget_last_streams(pool_id(pool)); });
+}
+
+int api_destroy_graph_pool(uint64_t pool, int device, int* destroyed) {
+  return guarded([&] {
+    auto& allocator = allocators().of(device).allocator();
+    *destroyed = 0;
+    if (allocator.private_pool_has_allocated_blocks(pool_id(pool))) return;
+    (void)allocator.destroy_private_pool(pool_id(pool));
+    *destroyed = 1;
+  });
+}
+
 const shoal_torch_api api_table = {
-    SHOAL_TORCH_API_VERSION, sizeof(shoal_torch_api), api_allocate,       api_deallocate,
-    api_record_stream,       api_empty_cache,         api_set_memory_fraction, api_get_stats,
-    api_reset_peak_stats,    api_reset_accumulated_stats, api_last_error,
+    SHOAL_TORCH_API_VERSION,
+    sizeof(shoal_torch_api),
+    api_allocate,
+    api_deallocate,
+    api_record_stream,
+    api_empty_cache,
+    api_set_memory_fraction,
+    api_get_stats,
+    api_reset_peak_stats,
+    api_reset_accumulated_stats,
+    api_last_error,
+    api_create_graph_pool,
+    api_allocate_in_pool,
+    api_deallocate_without_events,
+    api_end_graph_capture,
+    api_destroy_graph_pool,
 };
 
 }  // namespace

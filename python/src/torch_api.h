@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SHOAL_TORCH_API_VERSION 1
+#define SHOAL_TORCH_API_VERSION 2
 
 enum shoal_torch_status {
   SHOAL_TORCH_OK = 0,
@@ -61,6 +61,25 @@ struct shoal_torch_api {
   int (*reset_peak_stats)(int device);
   int (*reset_accumulated_stats)(int device);
   const char* (*last_error)(void);
+
+  // CUDA graph pools (torch.cuda.graph, torch.cuda.MemPool): each a growing
+  // private pool of `device`'s allocator (caching_allocator::
+  // create_growing_private_pool), named by a nonzero handle.
+  /// *out = a new pool's handle.
+  int (*create_graph_pool)(int device, uint64_t* out);
+  /// allocate, from pool `pool` (0: the device's ordinary pools).
+  int (*allocate_in_pool)(uint64_t pool, size_t bytes, int device, void* stream, void** out);
+  /// deallocate, only when the free records no event (caching_allocator::
+  /// deallocate_without_events): *freed = 0, nothing changed, otherwise
+  /// (a block another process may hold, too).
+  int (*deallocate_without_events)(void* ptr, int device, void* stream, int* freed);
+  /// After allocations were routed to `pool`: waits for its pending frees
+  /// and the streams that last used its free blocks, then forgets those
+  /// streams (caching_allocator::forget_last_streams).
+  int (*end_graph_capture)(uint64_t pool, int device);
+  /// Gives the pool's memory back to the device; its handle is invalid
+  /// after. *destroyed = 0, nothing changed, while a block of it is allocated.
+  int (*destroy_graph_pool)(uint64_t pool, int device, int* destroyed);
 };
 
 #ifdef __cplusplus

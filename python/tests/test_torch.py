@@ -255,25 +255,81 @@ def test_threads_on_their_own_streams_allocate_and_free_correctly():
     assert out["allocated"] == 0
 
 
-def test_cuda_graph_capture_is_refused_with_a_message_naming_the_limitation():
+def test_cuda_graph_capture_allocates_from_a_pool_that_stays_the_graphs():
     out = run(
         """
         import json, shoal.torch, torch
         shoal.torch.enable(use_environment=False)
-        x = torch.ones(16, device="cuda")
+        n = 1 << 16
+        x = torch.ones(n, device="cuda")
+        torch.cuda.synchronize()
+        base = shoal.torch.memory_reserved()
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):  # warm-up off the capture, as PyTorch advises
+            for _ in range(3):
+                (x * 2 + 1).sum()
+        torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(g):
-                y = x * 2
-            msg = None
-        except Exception as e:
-            msg = str(e)
-        z = (x + 1).sum().item()
-        print(json.dumps({"msg": msg, "z": z}))
+        with torch.cuda.graph(g):
+            tmp = x * 2                       # freed inside the capture
+            out = (tmp + 1).sum()
+            del tmp
+            big = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # grows the pool
+            big.fill_(1)
+            del big
+        captured = shoal.torch.memory_reserved() - base
+        # Ordinary tensors of the temporaries' sizes, made after the capture:
+        # were they given the graph's freed memory, its replays would write them.
+        outside = [torch.full((n,), 7.0, device="cuda") for _ in range(8)]
+        outside += [torch.full((64 << 20,), 7, dtype=torch.uint8, device="cuda") for _ in range(2)]
+        results = []
+        for v in (1.0, 2.0, 3.0):
+            x.fill_(v)
+            g.replay()
+            torch.cuda.synchronize()
+            results.append(out.item())
+        corrupted = sum(int((t != 7).any().item()) for t in outside)
+        del outside, out
+        g.reset()
+        torch.cuda.empty_cache()
+        print(json.dumps({"results": results, "n": n, "captured": captured, "corrupted": corrupted,
+                          "after": shoal.torch.memory_reserved() - base,
+                          "allocated": shoal.torch.memory_allocated()}))
         """
     )
-    assert out["msg"] is not None and "CUDA graph" in out["msg"]
-    assert out["z"] == 32.0
+    n = out["n"]
+    assert out["results"] == [n * 3.0, n * 5.0, n * 7.0]
+    assert out["captured"] >= 64 << 20, "the capture's memory came from shoal"
+    assert out["corrupted"] == 0, "no ordinary tensor was given the graph's memory"
+    assert out["after"] == 0, "the released graph's memory went back with empty_cache"
+
+
+def test_memory_pools_route_a_threads_allocations_and_keep_their_memory():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            a = torch.full((1 << 18,), 3.0, device="cuda")
+        uses = pool.use_count()
+        inside = a.data_ptr()
+        del a
+        b = torch.empty(1 << 18, device="cuda")   # ordinary: not the pool's freed block
+        with torch.cuda.use_mem_pool(pool):
+            c = torch.empty(1 << 18, device="cuda")  # the pool's own, again
+        same = c.data_ptr() == inside
+        outside = b.data_ptr() != inside
+        del b, c, pool
+        torch.cuda.empty_cache()
+        print(json.dumps({"uses": uses, "same": same, "outside": outside,
+                          "reserved": shoal.torch.memory_reserved()}))
+        """
+    )
+    assert out["uses"] >= 1
+    assert out["outside"], "an ordinary allocation never takes the pool's memory"
+    assert out["same"], "the pool's freed block serves the pool again"
+    assert out["reserved"] == 0, "the pool's memory went back once it was released"
 
 
 @pytest.mark.parametrize("model", ["resnet", "bert", "gpt2"])

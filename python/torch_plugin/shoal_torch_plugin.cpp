@@ -11,9 +11,9 @@
 //   - Tensor.record_stream, torch.cuda.empty_cache,
 //     set_per_process_memory_fraction and torch.cuda.memory_stats reach shoal.
 //   - Out of memory is torch.cuda.OutOfMemoryError with shoal's message.
-//   - CUDA graph capture is refused with a message naming the limitation:
-//     allocations made during capture would need private pools that grow,
-//     and shoal's private pools are fixed regions.
+//   - CUDA graph capture (torch.cuda.graph) and torch.cuda.MemPool /
+//     use_mem_pool allocate from shoal's growing private pools through
+//     PyTorch's pool hooks (graph_pools.h).
 // Loaded with ctypes by shoal.torch.enable(); its one entry point is
 // shoal_torch_install (shoal_torch_built_for says which PyTorch it was built for).
 #include <c10/core/Allocator.h>
@@ -30,6 +30,8 @@
 #include <string>
 #include <unordered_map>
 
+#include "graph_pools.h"
+#include "plugin_status.h"
 #include "torch_api.h"
 
 namespace {
@@ -38,21 +40,20 @@ namespace pluggable = torch::cuda::CUDAPluggableAllocator;
 using c10::CachingDeviceAllocator::DeviceStats;
 
 const shoal_torch_api* api = nullptr;
+shoal_torch::graph_pools* graphs = nullptr;  // made at install, never destroyed (tensors outlive modules)
 
-[[noreturn]] void raise(int status, const char* what) {
-  const std::string message = std::string("shoal (") + what + "): " + api->last_error();
-  if (status == SHOAL_TORCH_OUT_OF_MEMORY) TORCH_CHECK_WITH(OutOfMemoryError, false, message);
-  TORCH_CHECK(false, message);
-}
-
-void check(int status, const char* what) {
-  if (status != SHOAL_TORCH_OK) raise(status, what);
-}
+void check(int status, const char* what) { shoal_torch::check(*api, status, what); }
 
 void* allocate_block(size_t bytes, int device, cudaStream_t stream) {
   if (bytes == 0) return nullptr;
+  if (graphs->routing()) return graphs->allocate(bytes, device, stream);
   void* ptr = nullptr;
-  check(api->allocate(bytes, device, stream, &ptr), "allocate");
+  int status = api->allocate(bytes, device, stream, &ptr);
+  // Memory pools released while blocks of them were allocated go back now.
+  if (status == SHOAL_TORCH_OUT_OF_MEMORY && graphs->destroy_released()) {
+    status = api->allocate(bytes, device, stream, &ptr);
+  }
+  check(status, "allocate");
   return ptr;
 }
 
@@ -62,7 +63,8 @@ void free_block(void* ptr, size_t /*bytes*/, int device, cudaStream_t /*allocati
   if (ptr == nullptr) return;
   try {
     const cudaStream_t current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-    if (api->deallocate(ptr, device, current) != SHOAL_TORCH_OK) {
+    const int status = graphs->routing() ? graphs->deallocate(ptr, device, current) : api->deallocate(ptr, device, current);
+    if (status != SHOAL_TORCH_OK) {
       std::fprintf(stderr, "shoal: freeing a PyTorch block failed: %s\n", api->last_error());
     }
   } catch (const std::exception& e) {
@@ -118,7 +120,10 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
     check(status, "record_stream");
   }
 
-  void emptyCache(c10::cuda::MempoolId_t /*pool*/) override { check(api->empty_cache(), "empty_cache"); }
+  void emptyCache(c10::cuda::MempoolId_t /*pool*/) override {
+    (void)graphs->destroy_released();
+    check(api->empty_cache(), "empty_cache");
+  }
 
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
     check(api->set_memory_fraction(fraction, device), "set_per_process_memory_fraction");
@@ -158,12 +163,27 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
     check(api->reset_accumulated_stats(device), "reset_accumulated_memory_stats");
   }
 
-  void beginAllocateToPool(c10::DeviceIndex, c10::cuda::MempoolId_t, std::function<bool(cudaStream_t)>) override {
-    TORCH_CHECK(false,
-                "shoal: CUDA graph capture (torch.cuda.graph, torch.compile(mode='reduce-overhead')) and "
-                "torch.cuda.MemPool are not supported while shoal is PyTorch's allocator: memory allocated "
-                "during capture must come from a private pool that grows, and shoal's private pools are fixed "
-                "regions. Run graphed code in a process without shoal.torch.enable().");
+  // CUDA graphs and memory pools (graph_pools.h).
+  void beginAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    graphs->begin(device, id, std::move(filter));
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override { graphs->end(device, id); }
+
+  void releasePool(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override { graphs->release(device, id); }
+
+  void createOrIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t id,
+                          std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator) override {
+    TORCH_CHECK(allocator == nullptr || allocator.get() == this,
+                "shoal: a torch.cuda.MemPool with an allocator of its own cannot be used while shoal is PyTorch's "
+                "allocator (shoal would have to call that allocator for the pool's segments); make the pool "
+                "without one, and it allocates from shoal");
+    graphs->create_or_incref(device, id);
+  }
+
+  int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override {
+    return graphs->use_count(device, id);
   }
 
  private:
@@ -187,6 +207,7 @@ extern "C" __attribute__((visibility("default"))) int shoal_torch_install(const 
   }
   try {
     api = table;
+    graphs = new shoal_torch::graph_pools(*table);
     pluggable::changeCurrentAllocator(std::make_shared<shoal_allocator>());
     return 0;
   } catch (const std::exception& e) {

@@ -1,0 +1,160 @@
+#include "graph_pools.h"
+
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "plugin_status.h"
+
+namespace shoal_torch {
+
+namespace {
+
+// Every call into shoal while a route is active: cudaMalloc and event
+// queries are refused (and invalidate the capture) in global mode.
+using relaxed_capture_mode = c10::cuda::CUDAStreamCaptureModeGuard;
+constexpr cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
+
+}  // namespace
+
+graph_pools::pool& graph_pools::pool_of(const key& k) {
+  auto it = pools_.find(k);
+  if (it == pools_.end()) {
+    pool made;
+    check(api_, api_.create_graph_pool(k.first, &made.handle), "graph pool");
+    it = pools_.emplace(k, made).first;
+  }
+  return it->second;
+}
+
+void* graph_pools::allocate(size_t bytes, int device, cudaStream_t stream) {
+  std::uint64_t handle = 0;
+  {
+    std::lock_guard lock(mutex_);
+    for (const route& r : routes_) {
+      if (r.of.first == device && r.filter(stream)) {
+        handle = r.handle;
+        break;
+      }
+    }
+  }
+  relaxed_capture_mode mode{relaxed};
+  void* ptr = nullptr;
+  int status = api_.allocate_in_pool(handle, bytes, device, stream, &ptr);
+  if (status == SHOAL_TORCH_OUT_OF_MEMORY && destroy_released()) {
+    status = api_.allocate_in_pool(handle, bytes, device, stream, &ptr);
+  }
+  check(api_, status, "allocate");
+  return ptr;
+}
+
+int graph_pools::deallocate(void* ptr, int device, cudaStream_t stream) {
+  {
+    relaxed_capture_mode mode{relaxed};
+    int freed = 0;
+    const int status = api_.deallocate_without_events(ptr, device, stream, &freed);
+    if (status != SHOAL_TORCH_OK || freed != 0) return status;
+    std::lock_guard lock(mutex_);
+    if (!routes_.empty()) {
+      deferred_.push_back({ptr, device, stream});
+      return SHOAL_TORCH_OK;
+    }
+  }
+  return api_.deallocate(ptr, device, stream);  // the last route ended meanwhile
+}
+
+void graph_pools::create_or_incref(c10::DeviceIndex device, mempool_id id) {
+  std::lock_guard lock(mutex_);
+  ++pool_of({device, id}).uses;
+}
+
+void graph_pools::begin(c10::DeviceIndex device, mempool_id id, std::function<bool(cudaStream_t)> filter) {
+  std::lock_guard lock(mutex_);
+  const key k{device, id};
+  for (const route& r : routes_) {
+    TORCH_CHECK(r.of != k, "shoal: allocations already go to this memory pool (", id.first, ", ", id.second, ")");
+  }
+  pool& p = pool_of(k);
+  ++p.uses;
+  routes_.push_back({k, std::move(filter), p.handle});
+  routes_count_.store(static_cast<int>(routes_.size()), std::memory_order_release);
+}
+
+void graph_pools::end(c10::DeviceIndex device, mempool_id id) {
+  const key k{device, id};
+  std::vector<deferred_free> flush;
+  std::vector<std::pair<int, std::uint64_t>> settle;  // pools whose free blocks forget their streams
+  {
+    std::lock_guard lock(mutex_);
+    const auto it = std::find_if(routes_.begin(), routes_.end(), [&](const route& r) { return r.of == k; });
+    TORCH_CHECK(it != routes_.end(), "shoal: no allocations go to memory pool (", id.first, ", ", id.second, ")");
+    settle.emplace_back(device, it->handle);
+    routes_.erase(it);
+    routes_count_.store(static_cast<int>(routes_.size()), std::memory_order_release);
+    if (routes_.empty()) {
+      // The deferred frees may be any pool's: each forgets its streams after them.
+      flush.swap(deferred_);
+      settle.clear();
+      for (const auto& [of, p] : pools_) settle.emplace_back(of.first, p.handle);
+    }
+  }
+  relaxed_capture_mode mode{relaxed};
+  for (const deferred_free& f : flush) {
+    if (api_.deallocate(f.ptr, f.device, f.stream) != SHOAL_TORCH_OK) {
+      std::fprintf(stderr, "shoal: freeing a PyTorch block after a capture failed: %s\n", api_.last_error());
+    }
+  }
+  for (const auto& [on, handle] : settle) check(api_, api_.end_graph_capture(handle, on), "end of a capture");
+}
+
+void graph_pools::release(c10::DeviceIndex device, mempool_id id) {
+  {
+    std::lock_guard lock(mutex_);
+    const auto it = pools_.find({device, id});
+    TORCH_CHECK(it != pools_.end(), "shoal: memory pool (", id.first, ", ", id.second, ") does not exist");
+    if (--it->second.uses > 0) return;
+    released_.emplace_back(device, it->second.handle);
+    pools_.erase(it);
+  }
+  (void)destroy_released();
+}
+
+int graph_pools::use_count(c10::DeviceIndex device, mempool_id id) {
+  std::lock_guard lock(mutex_);
+  const auto it = pools_.find({device, id});
+  return it == pools_.end() ? 0 : it->second.uses;
+}
+
+bool graph_pools::destroy_released() {
+  std::vector<std::pair<int, std::uint64_t>> candidates;
+  {
+    std::lock_guard lock(mutex_);
+    candidates.swap(released_);
+  }
+  if (candidates.empty()) return false;
+  std::vector<std::pair<int, std::uint64_t>> kept;
+  bool any = false;
+  {
+    relaxed_capture_mode mode{relaxed};
+    for (const auto& [device, handle] : candidates) {
+      int destroyed = 0;
+      if (api_.destroy_graph_pool(handle, device, &destroyed) != SHOAL_TORCH_OK) {
+        // Its memory stays with the allocator (counted, never reused).
+        std::fprintf(stderr, "shoal: giving a released memory pool back failed: %s\n", api_.last_error());
+        continue;
+      }
+      if (destroyed != 0) {
+        any = true;
+      } else {
+        kept.emplace_back(device, handle);  // a block of it is still allocated: later
+      }
+    }
+  }
+  std::lock_guard lock(mutex_);
+  released_.insert(released_.end(), kept.begin(), kept.end());
+  return any;
+}
+
+}  // namespace shoal_torch

@@ -1,0 +1,91 @@
+// CUDA graph pools for the PyTorch plugin: what PyTorch's pool hooks
+// (beginAllocateToPool, endAllocateToPool, releasePool, createOrIncrefPool,
+// getPoolUseCount) ask of an allocator, on shoal's growing private pools.
+//
+// A capture (torch.cuda.graph) or torch.cuda.use_mem_pool routes the
+// allocations its filter accepts (the capturing stream, or the calling
+// thread) to the pool of its MempoolId; the pool's memory stays its own
+// until the last user releases it, and goes back to the device once no
+// block of it is allocated any more (at that release, or at a later
+// empty_cache or out of memory).
+//
+// While a route is active, every call into shoal runs in relaxed capture
+// mode (a capture in global mode would otherwise be invalidated by the
+// allocator's event queries and cudaMalloc), and a free that would record an
+// event (a block freed on a stream other than its own, or one record_stream
+// named) is deferred until no route is left: an event recorded on a
+// capturing stream could not be queried. Between captures a pool forgets
+// which streams last used its free blocks (after waiting for them): a wait in
+// the next capture on a stream of an earlier one is refused by CUDA, and a
+// graph pool's graphs replay in capture order anyway.
+//
+// Thread-safety: every member may be called from any thread at once.
+#pragma once
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "torch_api.h"
+
+namespace shoal_torch {
+
+using mempool_id = c10::cuda::MempoolId_t;
+
+class graph_pools {
+ public:
+  explicit graph_pools(const shoal_torch_api& api) : api_(api) {}
+
+  /// True while some allocations are routed to a pool: one load.
+  [[nodiscard]] bool routing() const noexcept { return routes_count_.load(std::memory_order_acquire) > 0; }
+  /// An allocation while routing: from the pool of the route that accepts
+  /// `stream` on `device`, else from the ordinary pools. Throws PyTorch's errors.
+  void* allocate(size_t bytes, int device, cudaStream_t stream);
+  /// A free while routing (see the file comment). Returns the table's
+  /// status; throws PyTorch's error when the capture mode cannot be switched.
+  int deallocate(void* ptr, int device, cudaStream_t stream);
+
+  void create_or_incref(c10::DeviceIndex device, mempool_id id);
+  void begin(c10::DeviceIndex device, mempool_id id, std::function<bool(cudaStream_t)> filter);
+  void end(c10::DeviceIndex device, mempool_id id);
+  void release(c10::DeviceIndex device, mempool_id id);
+  [[nodiscard]] int use_count(c10::DeviceIndex device, mempool_id id);
+  /// Destroys the released pools none of whose blocks is allocated any
+  /// more; true when one was.
+  bool destroy_released();
+
+ private:
+  using key = std::pair<c10::DeviceIndex, mempool_id>;
+  struct pool {
+    std::uint64_t handle = 0;  ///< shoal's
+    int uses = 0;
+  };
+  struct route {
+    key of;
+    std::function<bool(cudaStream_t)> filter;
+    std::uint64_t handle;
+  };
+  struct deferred_free {
+    void* ptr;
+    int device;
+    cudaStream_t stream;
+  };
+  pool& pool_of(const key& k);  // made on first use; mutex_ held
+
+  const shoal_torch_api& api_;
+  std::mutex mutex_;
+  std::map<key, pool> pools_;                                 // guarded by mutex_
+  std::vector<route> routes_;                                 // guarded by mutex_
+  std::vector<deferred_free> deferred_;                       // guarded by mutex_
+  std::vector<std::pair<int, std::uint64_t>> released_;       // (device, handle); guarded by mutex_
+  std::atomic<int> routes_count_{0};                          // routes_.size()
+};
+
+}  // namespace shoal_torch
