@@ -10,6 +10,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstring>
@@ -292,9 +293,17 @@ int api_destroy_graph_pool(uint64_t pool, int device, int* destroyed) {
   return guarded([&] {
     auto& allocator = allocators().of(device).allocator();
     *destroyed = 0;
-    if (allocator.private_pool_has_allocated_blocks(pool_id(pool))) return;
+    if (!allocator.private_pool_allocated_blocks(pool_id(pool)).empty()) return;
     (void)allocator.destroy_private_pool(pool_id(pool));
     *destroyed = 1;
+  });
+}
+
+int api_graph_pool_allocated_blocks(uint64_t pool, int device, void** out, size_t capacity, size_t* count) {
+  return guarded([&] {
+    const std::vector<void*> blocks = allocators().of(device).allocator().private_pool_allocated_blocks(pool_id(pool));
+    *count = blocks.size();
+    std::copy_n(blocks.begin(), std::min(capacity, blocks.size()), out);
   });
 }
 
@@ -315,6 +324,7 @@ const shoal_torch_api api_table = {
     api_deallocate_without_events,
     api_end_graph_capture,
     api_destroy_graph_pool,
+    api_graph_pool_allocated_blocks,
 };
 
 }  // namespace

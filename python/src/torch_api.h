@@ -80,6 +80,9 @@ struct shoal_torch_api {
   /// Gives the pool's memory back to the device; its handle is invalid
   /// after. *destroyed = 0, nothing changed, while a block of it is allocated.
   int (*destroy_graph_pool)(uint64_t pool, int device, int* destroyed);
+  /// The starts of the pool's allocated blocks: the first `capacity` go to
+  /// `out`, *count = how many there are.
+  int (*graph_pool_allocated_blocks)(uint64_t pool, int device, void** out, size_t capacity, size_t* count);
 };
 
 #ifdef __cplusplus

@@ -332,6 +332,31 @@ def test_memory_pools_route_a_threads_allocations_and_keep_their_memory():
     assert out["reserved"] == 0, "the pool's memory went back once it was released"
 
 
+def test_torch_compile_reduce_overhead_captures_on_shoal():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256)).cuda()
+        x = torch.randn(32, 256, device="cuda")
+        with torch.no_grad():
+            ref = model(x)
+            f = torch.compile(model, mode="reduce-overhead")
+            outs = [f(x).clone() for _ in range(4)]
+        g = torch.compile(model, mode="reduce-overhead")
+        for _ in range(4):
+            g(x).square().mean().backward()
+        torch.cuda.synchronize()
+        print(json.dumps({"same": all(bool(torch.allclose(o, ref, atol=1e-4, rtol=1e-4)) for o in outs),
+                          "grad": bool(torch.isfinite(model[0].weight.grad).all().item())}))
+        """,
+        timeout=600,
+    )
+    assert out["same"], "graph replays give the eager result"
+    assert out["grad"]
+
+
 @pytest.mark.parametrize("model", ["resnet", "bert", "gpt2"])
 def test_real_models_give_identical_outputs_on_both_allocators(model):
     theirs = run_program("models.py", "--allocator", "torch", "--model", model, "--steps", "3")

@@ -127,6 +127,33 @@ int graph_pools::use_count(c10::DeviceIndex device, mempool_id id) {
   return it == pools_.end() ? 0 : it->second.uses;
 }
 
+bool graph_pools::live_blocks_are(c10::DeviceIndex device, mempool_id id,
+                                  const std::unordered_set<void*>& expected) {
+  std::uint64_t handle = 0;
+  std::unordered_set<void*> deferred;
+  {
+    std::lock_guard lock(mutex_);
+    const auto it = pools_.find({device, id});
+    if (it == pools_.end()) return expected.empty();
+    handle = it->second.handle;
+    for (const deferred_free& f : deferred_) deferred.insert(f.ptr);
+  }
+  std::vector<void*> blocks(expected.size() + deferred.size() + 16);
+  size_t count = 0;
+  for (;;) {
+    check(api_, api_.graph_pool_allocated_blocks(handle, device, blocks.data(), blocks.size(), &count), "pool blocks");
+    if (count <= blocks.size()) break;
+    blocks.resize(count);
+  }
+  size_t live = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (deferred.count(blocks[i]) != 0) continue;
+    if (expected.count(blocks[i]) == 0) return false;
+    ++live;
+  }
+  return live == expected.size();
+}
+
 bool graph_pools::destroy_released() {
   std::vector<std::pair<int, std::uint64_t>> candidates;
   {

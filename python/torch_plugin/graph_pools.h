@@ -30,6 +30,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -57,6 +58,10 @@ class graph_pools {
   void end(c10::DeviceIndex device, mempool_id id);
   void release(c10::DeviceIndex device, mempool_id id);
   [[nodiscard]] int use_count(c10::DeviceIndex device, mempool_id id);
+  /// True when the tensors PyTorch holds in the pool start exactly at
+  /// `expected` (frees deferred past a capture count as done).
+  [[nodiscard]] bool live_blocks_are(c10::DeviceIndex device, mempool_id id,
+                                     const std::unordered_set<void*>& expected);
   /// Destroys the released pools none of whose blocks is allocated any
   /// more; true when one was.
   bool destroy_released();

@@ -29,6 +29,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "graph_pools.h"
 #include "plugin_status.h"
@@ -184,6 +185,11 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
 
   int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override {
     return graphs->use_count(device, id);
+  }
+
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t id,
+                                const std::unordered_set<void*>& expected_live_allocations) override {
+    return graphs->live_blocks_are(device, id, expected_live_allocations);
   }
 
  private:

@@ -110,7 +110,7 @@ class allocator_core {
                                       const std::vector<std::pair<std::string, std::size_t>>& parts);
   private_pool_id create_growing_private_pool();
   void forget_last_streams(private_pool_id id);
-  [[nodiscard]] bool private_pool_has_allocated_blocks(private_pool_id id) const;
+  [[nodiscard]] std::vector<void*> private_pool_allocated_blocks(private_pool_id id) const;
   invalidated_blocks_report clear_private_pool(private_pool_id id, const std::string& part, live_blocks live);
   void drain_private_pool(private_pool_id id, const std::string& part);
   invalidated_blocks_report destroy_private_pool(private_pool_id id, live_blocks live);

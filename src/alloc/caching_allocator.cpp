@@ -65,8 +65,8 @@ private_pool_id caching_allocator::create_private_pool(void* base, std::size_t b
 }
 private_pool_id caching_allocator::create_growing_private_pool() { return core_->create_growing_private_pool(); }
 void caching_allocator::forget_last_streams(private_pool_id pool) { core_->forget_last_streams(pool); }
-bool caching_allocator::private_pool_has_allocated_blocks(private_pool_id pool) const {
-  return core_->private_pool_has_allocated_blocks(pool);
+std::vector<void*> caching_allocator::private_pool_allocated_blocks(private_pool_id pool) const {
+  return core_->private_pool_allocated_blocks(pool);
 }
 void caching_allocator::drain_private_pool(private_pool_id pool, const std::string& part) {
   core_->drain_private_pool(pool, part);

@@ -211,16 +211,17 @@ void allocator_core::forget_last_streams(private_pool_id id) {
   }
 }
 
-bool allocator_core::private_pool_has_allocated_blocks(private_pool_id id) const {
+std::vector<void*> allocator_core::private_pool_allocated_blocks(private_pool_id id) const {
+  std::vector<void*> out;
   for (block_pool* part : directory_.private_parts(id)) {
     std::lock_guard lock(part->lock);
     for (const auto& s : part->segments) {
       for (const block* b = s->first; b != nullptr; b = b->next) {
-        if (b->state == block_state::allocated) return true;
+        if (b->state == block_state::allocated) out.push_back(reinterpret_cast<void*>(b->address));
       }
     }
   }
-  return false;
+  return out;
 }
 
 invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id, const std::string& part_name,

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
@@ -47,10 +48,10 @@ TYPED_TEST(growing_private_pool, takes_memory_from_the_device_and_keeps_it_until
     alloc::private_pool_scope scope(a, pool);
     void* again = a.allocate(3 * mib, {});
     EXPECT_EQ(again, big) << "its own free memory serves it again";
-    EXPECT_TRUE(a.private_pool_has_allocated_blocks(pool));
+    EXPECT_EQ(a.private_pool_allocated_blocks(pool), std::vector<void*>{again});
     EXPECT_THROW(a.destroy_private_pool(pool), invalid_argument) << "a block is live";
     a.deallocate(again, {});
-    EXPECT_FALSE(a.private_pool_has_allocated_blocks(pool));
+    EXPECT_TRUE(a.private_pool_allocated_blocks(pool).empty());
   }
   a.deallocate(outside, {});
   a.empty_cache();

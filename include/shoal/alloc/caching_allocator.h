@@ -228,9 +228,9 @@ class caching_allocator {
   /// the next capture on a stream of an earlier one would tie that capture
   /// to work outside it, which CUDA refuses).
   void forget_last_streams(private_pool_id pool);
-  /// True while a block of the pool is allocated (not freed yet; a block
-  /// freed on a stream that has not passed it does not count).
-  [[nodiscard]] bool private_pool_has_allocated_blocks(private_pool_id pool) const;
+  /// The start of every block of the pool that is allocated (not freed yet;
+  /// a block freed on a stream that has not passed it is not listed).
+  [[nodiscard]] std::vector<void*> private_pool_allocated_blocks(private_pool_id pool) const;
   /// Forgets every free block of the sub-pool (it becomes one free block
   /// again, split only around tombstones), freeing no device memory. With
   /// live_blocks::refuse, throws invalid_argument naming the live blocks
