@@ -94,6 +94,12 @@ void copy(const shoal_torch_stat (&from)[3], c10::CachingAllocator::StatArray& t
   }
 }
 
+constexpr const char* checkpoint_refusal =
+    "shoal: checkpoints of a memory pool's state (getCheckpointState, setCheckpointPoolState), which the CUDA "
+    "graph trees of torch.compile(mode='reduce-overhead') take, are not implemented while shoal is PyTorch's "
+    "allocator. Set torch._inductor.config.triton.cudagraph_trees = False: reduce-overhead then captures through "
+    "torch.cuda.graph, which runs on shoal";
+
 class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
  public:
   shoal_allocator() : CUDAPluggableAllocator(allocate_block, free_block) {}
@@ -185,6 +191,26 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
 
   int getPoolUseCount(c10::DeviceIndex device, c10::cuda::MempoolId_t id) override {
     return graphs->use_count(device, id);
+  }
+
+  // A pool used when the rest of the device is out of memory would need a
+  // fallback from shoal's ordinary pools into this one: not offered.
+  void setUseOnOOM(c10::DeviceIndex /*device*/, c10::cuda::MempoolId_t /*id*/, bool use_on_oom) override {
+    TORCH_CHECK(!use_on_oom,
+                "shoal: torch.cuda.MemPool(use_on_oom=True) is not supported while shoal is PyTorch's allocator: "
+                "a pool's memory serves only the allocations routed to it");
+  }
+
+  // Checkpoints of a pool's state, which torch.compile(mode="reduce-overhead")
+  // takes and restores between the graphs of its CUDA graph trees.
+  std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
+      c10::DeviceIndex /*device*/, at::cuda::MempoolId_t /*id*/) override {
+    TORCH_CHECK(false, checkpoint_refusal);
+  }
+
+  c10::cuda::CUDACachingAllocator::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex /*device*/, std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> /*state*/) override {
+    TORCH_CHECK(false, checkpoint_refusal);
   }
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t id,
