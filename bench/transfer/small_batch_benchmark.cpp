@@ -100,16 +100,16 @@ class bench {
   };
 
   void run() {
-    // The defaults: 16 batches (64 MiB) in flight, groups of up to 4 MiB.
+    // The defaults: 32 batches (64 MiB) in flight, groups of up to 4 MiB.
     const std::vector<variant> variants{
         {"engine, pinned source, each batch alone", true, {.max_coalesced_bytes = 0}},
-        {"engine, pinned source, 4 in flight (the default before 16)", true, {.max_batches_in_flight = 4}},
+        {"engine, pinned source, 16 in flight (the default before 32)", true, {.max_batches_in_flight = 16}},
         {"engine, pinned source", true, {}},
-        {"engine, pinned source, 32 in flight", true, {.max_batches_in_flight = 32}},
+        {"engine, pinned source, 64 in flight", true, {.max_batches_in_flight = 64}},
         {"engine, pageable source, each batch alone", false, {.max_coalesced_bytes = 0}},
-        {"engine, pageable source, 4 in flight (the default before 16)", false, {.max_batches_in_flight = 4}},
+        {"engine, pageable source, 16 in flight (the default before 32)", false, {.max_batches_in_flight = 16}},
         {"engine, pageable source", false, {}},
-        {"engine, pageable source, 32 in flight", false, {.max_batches_in_flight = 32}},
+        {"engine, pageable source, 64 in flight", false, {.max_batches_in_flight = 64}},
     };
     std::printf(
         "| size | row | wall us per batch, median (min-max over %d rounds) | process CPU us per batch | batches per "

@@ -123,7 +123,7 @@ class Engine:
     itself). Together they bound the bytes of batches in flight by the larger of
     max_bytes_in_flight and two batches (the device memory they keep can be more by what a
     taken batch's group still holds):
-    the defaults (16 batches, 64 MiB) let small batches form large groups, and keep batches
+    the defaults (32 batches, 64 MiB) let small batches form large groups, and keep batches
     of 16 MiB and more at 4 in flight or fewer.
     ``max_pinned_bytes``: the pinned staging memory the engine may hold, a ring that pageable
     arrays are staged through.
@@ -149,7 +149,7 @@ class Engine:
         self,
         allocator: Optional[_shoal.Allocator] = None,
         *,
-        max_batches_in_flight: int = 16,
+        max_batches_in_flight: int = 32,
         max_bytes_in_flight: int = 64 << 20,
         max_pinned_bytes: int = 32 << 20,
         staging_chunk_bytes: int = 4 << 20,

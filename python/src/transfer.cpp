@@ -127,7 +127,7 @@ void register_transfer(nb::module_& m) {
                         .staging_stores = parse_staging_stores(staging_stores),
                         .max_coalesced_bytes = max_coalesced_bytes})};
           },
-          nb::arg("allocator"), nb::arg("max_batches_in_flight") = 16, nb::arg("max_pinned_bytes") = 32u << 20,
+          nb::arg("allocator"), nb::arg("max_batches_in_flight") = 32, nb::arg("max_pinned_bytes") = 32u << 20,
           nb::arg("staging_chunk_bytes") = 4u << 20, nb::arg("staging_helpers").none() = nb::none(),
           nb::arg("staging_stores") = "streaming", nb::arg("max_coalesced_bytes") = 4u << 20,
           nb::arg("max_bytes_in_flight") = 64u << 20)
