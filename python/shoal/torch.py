@@ -27,12 +27,21 @@ CUDA graphs capture on shoal: ``torch.cuda.graph`` (its ``pool=`` argument and
 that stays the graph's until the graph is reset, and ``torch.cuda.MemPool`` with
 ``torch.cuda.use_mem_pool`` routes a thread's allocations to one. A pool's
 memory goes back to the device once it is released and none of its tensors is
-left (then, or at the next ``empty_cache`` or out of memory). A
-``torch.cuda.MemPool`` given an allocator of its own is refused while shoal is
-PyTorch's allocator, and PyTorch's pool checkpoints (``getCheckpointState``,
-which ``torch.compile(mode="reduce-overhead")`` uses when its graphs branch) are
-not offered by PyTorch's pluggable-allocator interface: that raises PyTorch's
-error naming it.
+left (then, or at the next ``empty_cache`` or out of memory). Entering a
+capture or ``use_mem_pool`` waits for the streams that last used the pool's free
+blocks. While one is underway, an allocation the cache and a new segment cannot
+serve raises out of memory without emptying the cache (that would synchronize a
+capturing stream), and every free that would wait for another stream (a tensor
+dropped on another stream than its own, or one ``record_stream`` named) takes
+effect when the last one ends, so ``memory_allocated`` counts it until then.
+
+``torch.compile(mode="reduce-overhead")`` runs on shoal with
+``torch._inductor.config.triton.cudagraph_trees = False`` (it then captures
+through ``torch.cuda.graph``). Its default CUDA graph trees checkpoint and
+restore a pool's state, which shoal does not implement: they raise an error
+saying so on their first recording. A ``torch.cuda.MemPool`` with an allocator
+of its own, or with ``use_on_oom=True``, is refused while shoal is PyTorch's
+allocator.
 
 Without ``enable()``, PyTorch keeps its own allocator and :class:`RegionPool` makes
 shoal memory — a region borrowed from a lender — the segment source of a

@@ -268,6 +268,7 @@ int api_allocate_in_pool(uint64_t pool, size_t bytes, int device, void* stream, 
   return guarded([&] {
     auto& state = allocators().of(device);
     const backend::stream_ref on = stream_of(state, stream);
+    const alloc::no_host_waits_scope no_waits;  // a wait on a capturing stream would invalidate its capture
     if (pool == 0) {
       *out = state.allocator().allocate(bytes, on);
       return;
@@ -285,7 +286,7 @@ int api_deallocate_without_events(void* ptr, int device, void* stream, int* free
   });
 }
 
-int api_end_graph_capture(uint64_t pool, int device) {
+int api_settle_graph_pool(uint64_t pool, int device) {
   return guarded([&] { allocators().of(device).allocator().forget_last_streams(pool_id(pool)); });
 }
 
@@ -322,7 +323,7 @@ const shoal_torch_api api_table = {
     api_create_graph_pool,
     api_allocate_in_pool,
     api_deallocate_without_events,
-    api_end_graph_capture,
+    api_settle_graph_pool,
     api_destroy_graph_pool,
     api_graph_pool_allocated_blocks,
 };

@@ -67,16 +67,18 @@ struct shoal_torch_api {
   // create_growing_private_pool), named by a nonzero handle.
   /// *out = a new pool's handle.
   int (*create_graph_pool)(int device, uint64_t* out);
-  /// allocate, from pool `pool` (0: the device's ordinary pools).
+  /// allocate, from pool `pool` (0: the device's ordinary pools), waiting on
+  /// nothing (caching_allocator's no_host_waits_scope): for allocations while
+  /// a capture may be underway.
   int (*allocate_in_pool)(uint64_t pool, size_t bytes, int device, void* stream, void** out);
   /// deallocate, only when the free records no event (caching_allocator::
   /// deallocate_without_events): *freed = 0, nothing changed, otherwise
   /// (a block another process may hold, too).
   int (*deallocate_without_events)(void* ptr, int device, void* stream, int* freed);
-  /// After allocations were routed to `pool`: waits for its pending frees
-  /// and the streams that last used its free blocks, then forgets those
-  /// streams (caching_allocator::forget_last_streams).
-  int (*end_graph_capture)(uint64_t pool, int device);
+  /// Before allocations are routed to `pool` (before a capture begins): waits
+  /// for its pending frees and the streams that last used its free blocks,
+  /// then forgets those streams (caching_allocator::forget_last_streams).
+  int (*settle_graph_pool)(uint64_t pool, int device);
   /// Gives the pool's memory back to the device; its handle is invalid
   /// after. *destroyed = 0, nothing changed, while a block of it is allocated.
   int (*destroy_graph_pool)(uint64_t pool, int device, int* destroyed);

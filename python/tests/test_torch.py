@@ -306,6 +306,47 @@ def test_cuda_graph_capture_allocates_from_a_pool_that_stays_the_graphs():
     assert out["captured"] - out["after"] >= 64 << 20, "the released graph's memory went back with empty_cache"
 
 
+def test_graphs_capture_on_fresh_streams_share_a_pool_and_meet_out_of_memory_cleanly():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False, memory_limit_mb=256)
+        x = torch.ones(1 << 16, device="cuda")
+        g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g1, stream=torch.cuda.Stream()):   # a stream shoal never saw
+            y1 = x * 3
+        del y1                                                      # freed after the capture, on another stream
+        with torch.cuda.graph(g2, stream=torch.cuda.Stream(), pool=g1.pool()):  # same pool, new stream
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):                           # forked inside the capture
+                t = torch.empty(1 << 16, device="cuda").fill_(2.0)
+            torch.cuda.current_stream().wait_stream(side)
+            y2 = (x + t).sum()
+        g1.replay(); g2.replay(); torch.cuda.synchronize()
+        shared = y2.item()
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            big = torch.empty(200 << 20, dtype=torch.uint8, device="cuda")
+        g3 = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g3, stream=s):
+                del big  # cached on s, the capturing stream: giving it back would synchronize s
+                torch.empty(200 << 20, dtype=torch.uint8, device="cuda")  # past the limit
+            oom = None
+        except torch.cuda.OutOfMemoryError as e:
+            oom = str(e)
+        except Exception as e:
+            oom = "other: " + type(e).__name__ + ": " + str(e)
+        after = (x * 2).sum().item()
+        print(json.dumps({"shared": shared, "n": x.numel(), "oom": oom, "after": after}))
+        """
+    )
+    assert out["shared"] == out["n"] * 3.0, "two graphs on their own streams share one pool"
+    assert out["oom"] is not None and not out["oom"].startswith("other"), out["oom"]
+    assert out["after"] == out["n"] * 2.0, "the process goes on"
+
+
 def test_memory_pools_route_a_threads_allocations_and_keep_their_memory():
     out = run(
         """

@@ -71,42 +71,51 @@ void graph_pools::create_or_incref(c10::DeviceIndex device, mempool_id id) {
 }
 
 void graph_pools::begin(c10::DeviceIndex device, mempool_id id, std::function<bool(cudaStream_t)> filter) {
-  std::lock_guard lock(mutex_);
   const key k{device, id};
-  for (const route& r : routes_) {
-    TORCH_CHECK(r.of != k, "shoal: allocations already go to this memory pool (", id.first, ", ", id.second, ")");
+  std::uint64_t handle = 0;
+  {
+    std::lock_guard lock(mutex_);
+    for (const route& r : routes_) {
+      TORCH_CHECK(r.of != k, "shoal: allocations already go to this memory pool (", id.first, ", ", id.second, ")");
+    }
+    pool& p = pool_of(k);
+    ++p.uses;
+    handle = p.handle;
   }
-  pool& p = pool_of(k);
-  ++p.uses;
-  routes_.push_back({k, std::move(filter), p.handle});
+  // PyTorch calls this before the capture begins: the pool's free blocks
+  // forget the streams of earlier captures and uses now, while waiting for
+  // them is still allowed (a wait on one inside the capture is refused).
+  try {
+    relaxed_capture_mode mode{relaxed};
+    check(api_, api_.settle_graph_pool(handle, device), "memory pool");
+  } catch (...) {
+    std::lock_guard lock(mutex_);
+    --pools_.at(k).uses;
+    throw;
+  }
+  std::lock_guard lock(mutex_);
+  routes_.push_back({k, std::move(filter), handle});
   routes_count_.store(static_cast<int>(routes_.size()), std::memory_order_release);
 }
 
 void graph_pools::end(c10::DeviceIndex device, mempool_id id) {
   const key k{device, id};
   std::vector<deferred_free> flush;
-  std::vector<std::pair<int, std::uint64_t>> settle;  // pools whose free blocks forget their streams
   {
     std::lock_guard lock(mutex_);
     const auto it = std::find_if(routes_.begin(), routes_.end(), [&](const route& r) { return r.of == k; });
     TORCH_CHECK(it != routes_.end(), "shoal: no allocations go to memory pool (", id.first, ", ", id.second, ")");
-    settle.emplace_back(device, it->handle);
     routes_.erase(it);
     routes_count_.store(static_cast<int>(routes_.size()), std::memory_order_release);
-    if (routes_.empty()) {
-      // The deferred frees may be any pool's: each forgets its streams after them.
-      flush.swap(deferred_);
-      settle.clear();
-      for (const auto& [of, p] : pools_) settle.emplace_back(of.first, p.handle);
-    }
+    if (routes_.empty()) flush.swap(deferred_);  // no capture left: their events may be recorded now
   }
-  relaxed_capture_mode mode{relaxed};
+  if (flush.empty()) return;
   for (const deferred_free& f : flush) {
     if (api_.deallocate(f.ptr, f.device, f.stream) != SHOAL_TORCH_OK) {
       std::fprintf(stderr, "shoal: freeing a PyTorch block after a capture failed: %s\n", api_.last_error());
     }
   }
-  for (const auto& [on, handle] : settle) check(api_, api_.end_graph_capture(handle, on), "end of a capture");
+  (void)destroy_released();  // those frees may have been a released pool's last blocks
 }
 
 void graph_pools::release(c10::DeviceIndex device, mempool_id id) {
@@ -155,6 +164,8 @@ bool graph_pools::live_blocks_are(c10::DeviceIndex device, mempool_id id,
 }
 
 bool graph_pools::destroy_released() {
+  // Not while a capture may be underway: a destroy waits for streams.
+  if (routing()) return false;
   std::vector<std::pair<int, std::uint64_t>> candidates;
   {
     std::lock_guard lock(mutex_);
@@ -168,8 +179,9 @@ bool graph_pools::destroy_released() {
     for (const auto& [device, handle] : candidates) {
       int destroyed = 0;
       if (api_.destroy_graph_pool(handle, device, &destroyed) != SHOAL_TORCH_OK) {
-        // Its memory stays with the allocator (counted, never reused).
-        std::fprintf(stderr, "shoal: giving a released memory pool back failed: %s\n", api_.last_error());
+        std::fprintf(stderr, "shoal: giving a released memory pool back failed (tried again later): %s\n",
+                     api_.last_error());
+        kept.emplace_back(device, handle);
         continue;
       }
       if (destroyed != 0) {

@@ -9,15 +9,18 @@
 // block of it is allocated any more (at that release, or at a later
 // empty_cache or out of memory).
 //
-// While a route is active, every call into shoal runs in relaxed capture
+// While a route is active, every allocation and free runs in relaxed capture
 // mode (a capture in global mode would otherwise be invalidated by the
-// allocator's event queries and cudaMalloc), and a free that would record an
-// event (a block freed on a stream other than its own, or one record_stream
-// named) is deferred until no route is left: an event recorded on a
-// capturing stream could not be queried. Between captures a pool forgets
-// which streams last used its free blocks (after waiting for them): a wait in
-// the next capture on a stream of an earlier one is refused by CUDA, and a
-// graph pool's graphs replay in capture order anyway.
+// allocator's event queries and cudaMalloc), no allocation waits on the host
+// or gives memory back (that synchronizes streams: a miss growth cannot
+// serve is out of memory, as in PyTorch's allocator during a capture), no
+// released pool is destroyed, and a free that would record an event (a block
+// freed on a stream other than its own, or one record_stream named) is
+// deferred until no route is left: an event recorded on a capturing stream
+// could not be queried. Before each route begins (PyTorch begins it before
+// the capture), its pool waits for the streams that last used its free
+// blocks and forgets them: a wait inside the capture on a stream outside it
+// is refused by CUDA, and a pool's graphs replay in capture order anyway.
 //
 // Thread-safety: every member may be called from any thread at once.
 #pragma once

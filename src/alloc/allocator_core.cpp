@@ -77,7 +77,10 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream, bo
   block_pool& pool = directed ? *directed : directory_.pool_for(stream, pool_kind_for(size));
   const request r{size, bytes, stream, claim};
   block* b;
-  const bool hooks_first = hooks.has_miss_hooks();
+  // Miss hooks and the slow path may wait on the host: not in a
+  // no_host_waits_scope, where a miss growth cannot serve is out of memory.
+  const bool waits_allowed = host_waits_allowed();
+  const bool hooks_first = waits_allowed && hooks.has_miss_hooks();
   {
     std::lock_guard lock(pool.lock);
     b = try_allocate(pool, r, hooks_first ? growth::none : growth::standard_segment);
@@ -89,7 +92,7 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream, bo
     std::lock_guard lock(pool.lock);
     b = try_allocate(pool, r, growth::standard_segment);
   }
-  if (b == nullptr) b = allocate_slow(pool, r);
+  if (b == nullptr && waits_allowed) b = allocate_slow(pool, r);
   if (b == nullptr) out_of_memory_error(pool, bytes, stream);
   if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, stream);
   if constexpr (check_every_step) check_invariants();

@@ -1,6 +1,7 @@
 #include "shoal/alloc/caching_allocator.h"
 
 #include "alloc/allocator_core.h"
+#include "alloc/core_util.h"
 #include "shoal/backend/stream.h"
 
 namespace shoal::alloc {
@@ -79,6 +80,9 @@ invalidated_blocks_report caching_allocator::clear_private_pool(private_pool_id 
 invalidated_blocks_report caching_allocator::destroy_private_pool(private_pool_id pool, live_blocks live) {
   return core_->destroy_private_pool(pool, live);
 }
+
+no_host_waits_scope::no_host_waits_scope() noexcept { ++detail::no_host_waits_depth; }
+no_host_waits_scope::~no_host_waits_scope() { --detail::no_host_waits_depth; }
 
 private_pool_scope::private_pool_scope(caching_allocator& allocator, private_pool_id pool, const std::string& part)
     : allocator_(allocator), previous_(allocator.core_->direct_to(&allocator.core_->private_part(pool, part))) {}

@@ -15,6 +15,11 @@ using shoal::detail::hex;
 /// Debug mode fills freed memory with it, so a stale reader sees it.
 inline constexpr std::uint8_t poison_byte = 0xDB;
 
+/// no_host_waits_scope's depth on this thread: while positive, allocations
+/// neither wait on the host nor give memory back (which waits for a stream).
+inline thread_local int no_host_waits_depth = 0;
+[[nodiscard]] inline bool host_waits_allowed() noexcept { return no_host_waits_depth == 0; }
+
 inline void add_unique(std::vector<backend::stream_ref>& streams, backend::stream_ref s) {
   if (std::find(streams.begin(), streams.end(), s) == streams.end()) streams.push_back(s);
 }

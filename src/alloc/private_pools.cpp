@@ -201,13 +201,19 @@ private_pool_id allocator_core::create_growing_private_pool() {
 
 void allocator_core::forget_last_streams(private_pool_id id) {
   block_pool& part = private_part(id, "");
-  drain_private_pool(id, "");
-  std::lock_guard lock(part.lock);
-  collect_pending(part, false);  // drained: every pending free has passed
-  for (auto& s : part.segments) {
-    for (block* b = s->first; b != nullptr; b = b->next) {
-      if (b->state == block_state::free) b->last_streams.clear();
+  // Only streams the drain waited for may be forgotten: a free that came
+  // meanwhile (another thread's) sends us round again.
+  for (std::uint64_t frees = frees_of(part);;) {
+    drain_private_pool(id, "");
+    std::lock_guard lock(part.lock);
+    if (std::exchange(frees, part.frees) != part.frees) continue;
+    collect_pending(part, false);  // drained: every pending free has passed
+    for (auto& s : part.segments) {
+      for (block* b = s->first; b != nullptr; b = b->next) {
+        if (b->state == block_state::free) b->last_streams.clear();
+      }
     }
+    return;
   }
 }
 

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "alloc/block_structure.h"
+#include "alloc/core_util.h"
 #include "alloc/size_policy.h"
 #include "shoal/core/error.h"
 
@@ -75,7 +76,7 @@ block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized
   // sibling's), just enough to stay at the peak, so they do not sit in
   // reserved memory beside it. Below the peak they stay: giving them back
   // costs device calls and lowers no peak (docs/architecture.md).
-  if (config_.release_idle_before_grow && over_peak(bytes) > 0) {
+  if (config_.release_idle_before_grow && host_waits_allowed() && over_peak(bytes) > 0) {
     give_back(pool, over_peak(bytes), nullptr, nullptr);
     give_back_from_sibling(pool, over_peak(bytes), nullptr);
   }
@@ -190,7 +191,7 @@ block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
   // unmapped but kept, and the new mapping takes them before it creates any
   // (the rest are released): moved rather than released and made again.
   spare_chunks spare;
-  if (config_.release_idle_before_grow && where.u != nullptr && over_peak(where.need) > 0) {
+  if (config_.release_idle_before_grow && host_waits_allowed() && where.u != nullptr && over_peak(where.need) > 0) {
     try {
       give_back(pool, ~std::size_t{0}, where.at_end ? where.u->next : where.u->prev, &spare);
       where = stretch_for(*s, size);

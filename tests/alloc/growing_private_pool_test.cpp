@@ -152,5 +152,26 @@ TYPED_TEST(growing_private_pool, a_free_without_events_refuses_what_would_record
   EXPECT_TRUE(nothing_in_use(a.stats()));
 }
 
+// During a capture no allocation may wait for a stream: under the limit, the
+// memory cached on another stream would have to go back first (a wait for
+// that stream), so inside the scope the allocation is out of memory instead.
+TYPED_TEST(growing_private_pool, inside_a_no_host_waits_scope_a_miss_gives_nothing_back_and_fails) {
+  auto& dev = this->device();
+  auto& a = this->make("memory_limit_mb:24");
+  backend::stream first(dev), second(dev);
+  a.deallocate(a.allocate(20 * mib, first), first);  // cached on `first`
+  const auto frees = a.stats().device_frees;
+  {
+    alloc::no_host_waits_scope no_waits;
+    EXPECT_THROW((void)a.allocate(20 * mib, second), out_of_memory) << "the cache of `first` stays where it is";
+    EXPECT_EQ(a.stats().device_frees, frees);
+  }
+  void* p = a.allocate(20 * mib, second);  // outside: the cache goes back, then it fits
+  EXPECT_GT(a.stats().device_frees, frees);
+  a.deallocate(p, second);
+  dev.synchronize(first);
+  dev.synchronize(second);
+}
+
 }  // namespace
 }  // namespace shoal::testing

@@ -276,6 +276,21 @@ class caching_allocator {
   std::unique_ptr<detail::allocator_core> core_;
 };
 
+/// While it lives, this thread's allocations (from every caching_allocator)
+/// never wait on the host and never give memory back: no cache-miss hook
+/// runs, no idle segment goes back before a growth, and a miss that neither
+/// the cache nor a new segment serves is out of memory at once (without
+/// waiting for pending frees or emptying the cache). For allocations during
+/// CUDA graph capture, where synchronizing a stream is refused and
+/// invalidates the capture. Scopes nest.
+class no_host_waits_scope {
+ public:
+  no_host_waits_scope() noexcept;
+  no_host_waits_scope(const no_host_waits_scope&) = delete;
+  no_host_waits_scope& operator=(const no_host_waits_scope&) = delete;
+  ~no_host_waits_scope();
+};
+
 /// Directs this thread's allocations from `allocator` to a sub-pool of a
 /// private pool while it lives. Scopes nest.
 class private_pool_scope {

@@ -93,7 +93,11 @@ stream_ref cuda_streams::adopt_external_stream(void* native) {
     if (streams_.contains(s) || external_.contains(s)) return stream_ref{native};
   }
   make_current(ordinal_);
-  const cudaError_t queried = cudaStreamQuery(s);
+  // A capturing stream refuses cudaStreamQuery, and the refusal invalidates
+  // its capture: asking whether it captures is the liveness check then.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t queried = cudaStreamIsCapturing(s, &capture);
+  if (queried == cudaSuccess && capture == cudaStreamCaptureStatusNone) queried = cudaStreamQuery(s);
   if (queried != cudaSuccess && queried != cudaErrorNotReady) {
     (void)cudaGetLastError();  // not sticky: clear it
     throw invalid_argument("cuda_device::adopt_external_stream: " + hex(native) + " is not a live CUDA stream (" +
