@@ -94,17 +94,20 @@ stream_ref cuda_streams::adopt_external_stream(void* native) {
   }
   make_current(ordinal_);
   // A capturing stream refuses cudaStreamQuery, and the refusal invalidates
-  // its capture: asking whether it captures is the liveness check then.
+  // its capture: asking whether it captures (legal during a capture) is the
+  // only check then, and its device goes unchecked (a stream forked inside a
+  // capture invalidated it on the H200 with cudaStreamGetDevice still asked).
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t queried = cudaStreamIsCapturing(s, &capture);
-  if (queried == cudaSuccess && capture == cudaStreamCaptureStatusNone) queried = cudaStreamQuery(s);
+  const bool capturing = queried == cudaSuccess && capture != cudaStreamCaptureStatusNone;
+  if (queried == cudaSuccess && !capturing) queried = cudaStreamQuery(s);
   if (queried != cudaSuccess && queried != cudaErrorNotReady) {
     (void)cudaGetLastError();  // not sticky: clear it
     throw invalid_argument("cuda_device::adopt_external_stream: " + hex(native) + " is not a live CUDA stream (" +
                            cudaGetErrorString(queried) + ")");
   }
   int device = -1;
-  if (cudaStreamGetDevice(s, &device) == cudaSuccess && device != ordinal_) {
+  if (!capturing && cudaStreamGetDevice(s, &device) == cudaSuccess && device != ordinal_) {
     throw invalid_argument("cuda_device::adopt_external_stream: stream " + hex(native) + " belongs to CUDA device " +
                            std::to_string(device) + ", not " + cuda_label(ordinal_));
   }
