@@ -95,8 +95,10 @@ stream_ref cuda_streams::adopt_external_stream(void* native) {
   make_current(ordinal_);
   // A capturing stream refuses cudaStreamQuery, and the refusal invalidates
   // its capture: asking whether it captures (legal during a capture) is the
-  // only check then, and its device goes unchecked (a stream forked inside a
-  // capture invalidated it on the H200 with cudaStreamGetDevice still asked).
+  // only check then, and its device goes unchecked: on the H200, a stream
+  // forked inside a capture and adopted with cudaStreamGetDevice still asked
+  // saw its capture invalidated, and that was the one call there that is no
+  // capture query (2026-11-28; this form not yet run on a GPU).
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t queried = cudaStreamIsCapturing(s, &capture);
   const bool capturing = queried == cudaSuccess && capture != cudaStreamCaptureStatusNone;
