@@ -42,11 +42,9 @@ void* graph_pools::allocate(size_t bytes, int device, cudaStream_t stream) {
   }
   relaxed_capture_mode mode{relaxed};
   void* ptr = nullptr;
-  int status = api_.allocate_in_pool(handle, bytes, device, stream, &ptr);
-  if (status == SHOAL_TORCH_OUT_OF_MEMORY && destroy_released()) {
-    status = api_.allocate_in_pool(handle, bytes, device, stream, &ptr);
-  }
-  check(api_, status, "allocate");
+  // No retry after destroying released pools: that waits for streams,
+  // which no call makes while routing (destroy_released refuses then).
+  check(api_, api_.allocate_in_pool(handle, bytes, device, stream, &ptr), "allocate");
   return ptr;
 }
 
