@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -150,6 +151,50 @@ TYPED_TEST(growing_private_pool, a_free_without_events_refuses_what_would_record
   dev.synchronize(second);
   a.process_pending_frees();
   EXPECT_TRUE(nothing_in_use(a.stats()));
+}
+
+// Out of memory elsewhere takes nothing of the pool's: its free memory is
+// its graphs' (they replay into it), not cache to give back.
+TYPED_TEST(growing_private_pool, out_of_memory_elsewhere_gives_none_of_it_back) {
+  auto& a = this->make("memory_limit_mb:24");
+  const auto pool = a.create_growing_private_pool();
+  {
+    alloc::private_pool_scope scope(a, pool);
+    a.deallocate(a.allocate(16 * mib, {}), {});  // free, and still the pool's
+  }
+  const std::int64_t held = reserved(a);
+  EXPECT_THROW((void)a.allocate(16 * mib, {}), out_of_memory) << "only the pool's free memory would fit it";
+  EXPECT_EQ(reserved(a), held);
+  a.destroy_private_pool(pool);
+  void* p = a.allocate(16 * mib, {});  // the pool's memory went back: it fits now
+  a.deallocate(p, {});
+}
+
+// A destroy whose release observer throws still gives every segment back
+// (they left the directory with the pool: nothing could reach them again)
+// and then reports the error.
+TYPED_TEST(growing_private_pool, a_destroy_whose_observer_throws_gives_the_memory_back_and_reports_it) {
+  auto& a = this->make();
+  const auto pool = a.create_growing_private_pool();
+  {
+    alloc::private_pool_scope scope(a, pool);
+    void* first = a.allocate(18 * mib, {});
+    void* second = a.allocate(4 * mib, {});  // does not fit beside the first: a second segment
+    a.deallocate(first, {});
+    a.deallocate(second, {});
+  }
+  ASSERT_EQ(a.take_snapshot().segments.size(), 2u);
+  int told = 0;
+  const auto id = a.add_release_observer([&](std::uintptr_t, std::size_t) {
+    ++told;
+    throw std::runtime_error("an observer that fails");
+  });
+  EXPECT_THROW(a.destroy_private_pool(pool), std::runtime_error);
+  EXPECT_EQ(told, 2) << "every segment's observers were told, the failure notwithstanding";
+  EXPECT_EQ(reserved(a), 0);
+  EXPECT_NO_THROW(a.check_invariants());
+  EXPECT_THROW(alloc::private_pool_scope(a, pool), invalid_argument) << "destroyed all the same";
+  a.remove_hook(id);
 }
 
 // During a capture no allocation may wait for a stream: under the limit, the

@@ -224,9 +224,8 @@ class caching_allocator {
   /// drain_private_pool, then each free block of the sub-pool "" forgets the
   /// streams that last used it: its next hand-out waits for none of them.
   /// For pools whose users order their work among themselves: a CUDA graph
-  /// pool after a capture (its graphs replay in capture order, and a wait in
-  /// the next capture on a stream of an earlier one would tie that capture
-  /// to work outside it, which CUDA refuses).
+  /// pool before each capture (its graphs replay in capture order, and a
+  /// wait inside a capture on a stream outside it is refused by CUDA).
   void forget_last_streams(private_pool_id pool);
   /// The start of every block of the pool that is allocated (not freed yet;
   /// a block freed on a stream that has not passed it is not listed).
