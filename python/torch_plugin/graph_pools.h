@@ -1,6 +1,7 @@
 // CUDA graph pools for the PyTorch plugin: what PyTorch's pool hooks
 // (beginAllocateToPool, endAllocateToPool, releasePool, createOrIncrefPool,
-// getPoolUseCount) ask of an allocator, on shoal's growing private pools.
+// getPoolUseCount, checkPoolLiveAllocations) ask of an allocator, on
+// shoal's growing private pools.
 //
 // A capture (torch.cuda.graph) or torch.cuda.use_mem_pool routes the
 // allocations its filter accepts (the capturing stream, or the calling
