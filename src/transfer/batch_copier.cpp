@@ -188,7 +188,7 @@ std::shared_ptr<const transferred_batch::state> transfer_engine::batch_copier::t
         stage_in_chunks(dst, source);
       }
       bytes_staged_.fetch_add(source.bytes, std::memory_order_relaxed);
-      source.keep_alive.reset();  // staged: the engine needs the source no longer
+      source.keep_alive.reset();  // staged (or held by the pack until it is): the engine needs it no longer
     }
     bytes_copied_.fetch_add(source.bytes, std::memory_order_relaxed);
   }

@@ -31,13 +31,25 @@ void parallel_memcpy::copy_slice(std::byte* to, const std::byte* from, std::size
 }
 
 void parallel_memcpy::copy(void* dst, const void* src, std::size_t bytes, store_kind stores) {
+  const copy_job job{static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), bytes};
+  copy_all({&job, 1}, stores);
+}
+
+void parallel_memcpy::copy_all(std::span<const copy_job> jobs, store_kind stores) {
+  std::size_t bytes = 0;
+  for (const copy_job& j : jobs) bytes += j.bytes;
   const std::size_t parts = std::clamp<std::size_t>(bytes / min_slice, 1, helpers_.size() + 1);
   if (parts == 1) {
-    copy_slice(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), bytes, stores);
+    for (const copy_job& j : jobs) copy_slice(j.dst, j.src, j.bytes, stores);
     return;
   }
-  dst_ = static_cast<std::byte*>(dst);
-  src_ = static_cast<const std::byte*>(src);
+  jobs_ = jobs;
+  starts_.clear();
+  std::size_t start = 0;
+  for (const copy_job& j : jobs) {
+    starts_.push_back(start);
+    start += j.bytes;
+  }
   bytes_ = bytes;
   slice_ = (bytes + parts - 1) / parts;
   stores_ = stores;
@@ -59,6 +71,17 @@ void parallel_memcpy::copy(void* dst, const void* src, std::size_t bytes, store_
   }
 }
 
+void parallel_memcpy::copy_range(std::size_t begin, std::size_t end) const noexcept {
+  // The last job that starts at or before `begin`, then on while bytes remain.
+  auto i = static_cast<std::size_t>(std::upper_bound(starts_.begin(), starts_.end(), begin) - starts_.begin()) - 1;
+  for (; i < jobs_.size() && starts_[i] < end; ++i) {
+    const copy_job& j = jobs_[i];
+    const std::size_t from = std::max(begin, starts_[i]) - starts_[i];
+    const std::size_t to = std::min(end, starts_[i] + j.bytes) - starts_[i];
+    if (from < to) copy_slice(j.dst + from, j.src + from, to - from, stores_);
+  }
+}
+
 void parallel_memcpy::take_slices(std::uint32_t generation) noexcept {
   for (;;) {
     std::uint64_t c = claim_.load(std::memory_order_acquire);
@@ -68,7 +91,7 @@ void parallel_memcpy::take_slices(std::uint32_t generation) noexcept {
     // Claimed: the copy cannot finish before this slice does, so its fields
     // stay as they were published.
     const std::size_t offset = next_of(c) * slice_;
-    copy_slice(dst_ + offset, src_ + offset, std::min(slice_, bytes_ - offset), stores_);
+    copy_range(offset, std::min(offset + slice_, bytes_));
     finished_.fetch_add(1, std::memory_order_release);
   }
 }

@@ -1,7 +1,9 @@
 // A staging copy split across a few threads: one thread's memcpy moves
 // 8-12 GB/s, a fifth of what a PCIe Gen5 link takes from pinned memory, so
 // staging pageable bytes on one thread would cap the engine far below the
-// link. Slices are copied either with ordinary stores (the destination stays
+// link. A list of copies is split the same way, by bytes, as if the copies
+// were one (a group of small batches: each buffer too small to split, all of
+// them together worth several threads). Slices are copied either with ordinary stores (the destination stays
 // in the cache, where the copy engine's reads find it when the staging ring
 // is small enough to stay there) or with streaming stores (streaming_copy.h:
 // no read of each destination line first).
@@ -14,7 +16,8 @@
 // Invariant: while a copy runs, every slice is taken by exactly one thread
 // (the caller or one of the first slices - 1 helpers), and copy returns only
 // after all are done; the copy's fields change only between copies, when no
-// helper holds a slice.
+// helper holds a slice. Slice k covers bytes [k * slice, (k + 1) * slice) of
+// the copies laid end to end.
 #pragma once
 
 #include <atomic>
@@ -23,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -31,6 +35,13 @@ namespace shoal::transfer {
 enum class store_kind : std::uint8_t {
   cached,     ///< ordinary stores: the destination stays in the cache
   streaming,  ///< non-temporal stores: the destination goes to memory
+};
+
+/// One copy of a list: `bytes` from `src` to `dst` (not overlapping).
+struct copy_job {
+  std::byte* dst = nullptr;
+  const std::byte* src = nullptr;
+  std::size_t bytes = 0;
 };
 
 class parallel_memcpy {
@@ -44,6 +55,9 @@ class parallel_memcpy {
   /// Copies `bytes` from `src` to `dst` (not overlapping); returns when done,
   /// with every store visible to the copy engine.
   void copy(void* dst, const void* src, std::size_t bytes, store_kind stores);
+  /// Runs every copy of `jobs`; returns when all are done, with every store
+  /// visible to the copy engine. `jobs` is read until then.
+  void copy_all(std::span<const copy_job> jobs, store_kind stores);
 
   static constexpr std::size_t min_slice = std::size_t{256} << 10;
   static constexpr std::chrono::microseconds spin_window{200};
@@ -64,12 +78,14 @@ class parallel_memcpy {
   // Copies slices of copy `generation` until none is left to take.
   void take_slices(std::uint32_t generation) noexcept;
   static void copy_slice(std::byte* to, const std::byte* from, std::size_t n, store_kind stores) noexcept;
+  // Copies bytes [begin, end) of the current copies laid end to end.
+  void copy_range(std::size_t begin, std::size_t end) const noexcept;
 
   // The current copy, written by copy() before it publishes the copy in
   // claim_ and not again until every slice is finished; read by a helper
   // only after it claimed a slice.
-  std::byte* dst_ = nullptr;
-  const std::byte* src_ = nullptr;
+  std::span<const copy_job> jobs_;
+  std::vector<std::size_t> starts_;  // starts_[i]: where jobs_[i] begins, laid end to end
   std::size_t bytes_ = 0, slice_ = 0;
   store_kind stores_ = store_kind::streaming;
   std::uint32_t generation_ = 0;  // the caller's own count

@@ -18,8 +18,11 @@ staging_pack::staging_pack(alloc::caching_allocator& pinned, backend::stream_ref
 
 staging_pack::~staging_pack() { give_back(); }
 
-void staging_pack::stage(void* dst, const void* dst_block, const host_buffer& source, std::size_t batch) {
+void staging_pack::stage(void* dst, const void* dst_block, host_buffer& source, std::size_t batch) {
   const std::size_t needed = footprint(source.bytes);
+  // The steps that may throw, before anything changes.
+  unstaged_.reserve(unstaged_.size() + 1);
+  sources_kept_.reserve(sources_kept_.size() + 1);
   if (used_ + needed > capacity_) {
     give_back();
     // Handed out only once the copies that last read it have run (the
@@ -30,16 +33,17 @@ void staging_pack::stage(void* dst, const void* dst_block, const host_buffer& so
   }
   std::byte* staging = block_ + used_;
   auto* to = static_cast<std::byte*>(dst);
-  memcpy_.copy(staging, source.data, source.bytes, stores_);
   used_ += needed;  // the bytes are this buffer's from here: not reused in this block, whatever its copy does
   still_to_stage_ -= std::min(still_to_stage_, needed);
   if (continues_run(staging, to, dst_block)) {
     run_.bytes = static_cast<std::size_t>(staging - run_.from) + source.bytes;
     run_.last_batch = batch;
-    return;
+  } else {
+    flush();
+    run_ = {staging, to, dst_block, source.bytes, batch, batch};
   }
-  flush();
-  run_ = {staging, to, dst_block, source.bytes, batch, batch};
+  unstaged_.push_back({staging, static_cast<const std::byte*>(source.data), source.bytes});
+  if (source.keep_alive) sources_kept_.push_back(std::move(source.keep_alive));
 }
 
 // The run's copy may cover the gap before this buffer only when that gap is
@@ -57,6 +61,9 @@ bool staging_pack::continues_run(const std::byte* from, const std::byte* to, con
 void staging_pack::flush() noexcept {
   if (run_.bytes == 0) return;
   try {
+    // The run's buffers, staged at once: the pieces of a run of small
+    // buffers are worth several threads together, though none is alone.
+    memcpy_.copy_all(unstaged_, stores_);
     device_.copy(stream_, run_.to, run_.from, run_.bytes);
     ++copies_;
   } catch (...) {
@@ -65,6 +72,8 @@ void staging_pack::flush() noexcept {
     }
   }
   run_ = {};
+  unstaged_.clear();
+  sources_kept_.clear();
 }
 
 void staging_pack::give_back() noexcept {

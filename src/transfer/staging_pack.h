@@ -13,10 +13,13 @@
 // (storage::allocate_parts, the same alignment) takes one staging block and
 // one copy, instead of one of each per buffer.
 //
+// The run's buffers are staged (copied into the block, across the memcpy's
+// threads at once) when the run's copy is enqueued, not one by one.
+//
 // Invariants: used_ <= capacity_, and every byte below used_ is reserved for
 // a copy (enqueued, in the run, or one that failed): none is handed to another
-// buffer. The run lies within [block_, block_ + used_) and its bytes are
-// staged already.
+// buffer. The run lies within [block_, block_ + used_); unstaged_ holds
+// exactly the run's buffers, each staged before the run's copy is enqueued.
 // Errors: a run whose copy fails fails every batch with a buffer in it
 // (error(batch)), not only the batch staged last.
 //
@@ -26,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <vector>
 
 #include "shoal/alloc/caching_allocator.h"
@@ -63,9 +67,11 @@ class staging_pack {
   }
   /// Stages `source` (takes() holds), a buffer of batch `batch`, and puts
   /// its copy into `dst` in the run (enqueued by give_back at the latest).
+  /// Takes `source.keep_alive`: the bytes are read when the run's copy is
+  /// enqueued, and the source is let go of then.
   /// `dst` lies in the device block `dst_block` (one allocation, whose
   /// buffers start part_alignment-aligned from it): runs never leave a block.
-  void stage(void* dst, const void* dst_block, const host_buffer& source, std::size_t batch);
+  void stage(void* dst, const void* dst_block, host_buffer& source, std::size_t batch);
   /// Enqueues the run's copy and gives the current block back (in stream
   /// order); the next buffer starts a new one. Before a buffer is staged or
   /// copied outside the pack, and once the group is done: the two would
@@ -96,6 +102,8 @@ class staging_pack {
     std::size_t bytes = 0;
     std::size_t first_batch = 0, last_batch = 0;
   } run_;
+  std::vector<copy_job> unstaged_;  // the run's buffers, not yet copied into the block
+  std::vector<std::shared_ptr<const void>> sources_kept_;  // their keep_alive, held until they are
   std::vector<std::exception_ptr> errors_;  // one per batch of the group
   std::uint64_t copies_ = 0;
 

@@ -7,7 +7,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <algorithm>
 #include <numeric>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -53,6 +55,43 @@ TEST(parallel_memcpy, a_copy_after_the_helpers_fell_asleep_completes_with_every_
     std::fill(src.begin(), src.end(), static_cast<std::uint8_t>(round + 1));
     copier.copy(dst.data(), src.data(), src.size(), store_kind::streaming);
     ASSERT_EQ(dst, src) << "round " << round;
+  }
+}
+
+// A list of copies split by bytes as if they were one: slices begin and end
+// inside copies and span several, and every copy lands whole, with nothing
+// written outside it (the gaps between destinations keep their bytes).
+TEST(parallel_memcpy, a_list_of_copies_lands_whole_with_slices_across_and_within_copies) {
+  std::mt19937 random(17);
+  for (store_kind stores : {store_kind::cached, store_kind::streaming}) {
+    for (std::size_t helpers : {0u, 1u, 3u, 7u}) {
+      parallel_memcpy copier(helpers);
+      for (int round = 0; round < 20; ++round) {
+        const std::size_t count = 1 + random() % 40;
+        std::vector<std::size_t> sizes(count);
+        for (auto& n : sizes) n = 1 + random() % (round % 2 == 0 ? (96u << 10) : (700u << 10));
+        const std::size_t gap = 64;
+        std::size_t total = gap;
+        for (std::size_t n : sizes) total += n + gap;
+        std::vector<std::uint8_t> src(total), dst(total, 0xEE);
+        std::iota(src.begin(), src.end(), static_cast<std::uint8_t>(round));
+        std::vector<copy_job> jobs;
+        std::size_t at = gap;
+        for (std::size_t n : sizes) {
+          jobs.push_back({reinterpret_cast<std::byte*>(dst.data() + at), reinterpret_cast<const std::byte*>(src.data() + at), n});
+          at += n + gap;
+        }
+        copier.copy_all(jobs, stores);
+        at = 0;
+        for (std::size_t n : sizes) {
+          for (std::size_t k = at; k < at + gap; ++k) ASSERT_EQ(dst[k], 0xEE) << "gap byte " << k << " written";
+          at += gap;
+          ASSERT_TRUE(std::equal(src.begin() + at, src.begin() + at + n, dst.begin() + at))
+              << "a copy of " << n << " bytes, round " << round << ", " << helpers << " helpers";
+          at += n;
+        }
+      }
+    }
   }
 }
 
