@@ -109,6 +109,8 @@ class bench {
         {"engine, pageable source, each batch alone", false, {.max_coalesced_bytes = 0}},
         {"engine, pageable source, 16 in flight (the default before 32)", false, {.max_batches_in_flight = 16}},
         {"engine, pageable source", false, {}},
+        {"engine, pageable source, 8 threads, streaming stores (the defaults before)", false,
+         {.staging_helpers = 7, .staging_stores = transfer::transfer_config::stores::streaming}},
         {"engine, pageable source, 64 in flight", false, {.max_batches_in_flight = 64}},
     };
     std::printf(

@@ -63,8 +63,8 @@ class bench {
   }
 
   // The engine settings compared, each on its own copy stream. The defaults
-  // otherwise: a 32 MiB staging ring of 4 MiB chunks, streaming stores, 16
-  // batches and 64 MiB in flight (4 batches from 16 MiB, 1 at 256 MiB).
+  // otherwise: a 32 MiB staging ring of 4 MiB chunks, 32 batches and 64 MiB
+  // in flight (4 batches from 16 MiB, 1 at 256 MiB).
   struct variant {
     const char* name;
     bool pinned_source;
@@ -73,18 +73,18 @@ class bench {
   static const std::vector<variant>& variants() {
     using stores = transfer::transfer_config::stores;
     static const std::vector<variant> v{
-        {"engine, pageable, 4 threads", false, {.staging_helpers = 3}},
-        {"engine, pageable, 8 threads", false, {.staging_helpers = 7}},
-        {"engine, pageable, 16 threads", false, {.staging_helpers = 15}},
+        {"engine, pageable, the defaults (16 CPUs and more: 16 threads, automatic stores)", false, {}},
+        {"engine, pageable, 4 threads, streaming stores", false,
+         {.staging_helpers = 3, .staging_stores = stores::streaming}},
+        {"engine, pageable, 8 threads, streaming stores (the defaults before)", false,
+         {.staging_helpers = 7, .staging_stores = stores::streaming}},
+        {"engine, pageable, 16 threads, streaming stores", false,
+         {.staging_helpers = 15, .staging_stores = stores::streaming}},
         {"engine, pageable, 8 threads, cached stores", false, {.staging_helpers = 7, .staging_stores = stores::cached}},
         {"engine, pageable, 16 threads, cached stores", false,
          {.staging_helpers = 15, .staging_stores = stores::cached}},
         {"engine, pageable, 8 threads, 4 in flight at any size (the default before 64 MiB)", false,
-         {.max_batches_in_flight = 4, .max_bytes_in_flight = SIZE_MAX, .staging_helpers = 7}},
-        {"engine, pageable, 8 threads, 256 MiB ring of 8 MiB chunks, streaming (before)", false,
-         {.max_pinned_bytes = 256 * mib,
-          .staging_chunk_bytes = 8 * mib,
-          .staging_helpers = 7,
+         {.max_batches_in_flight = 4, .max_bytes_in_flight = SIZE_MAX, .staging_helpers = 7,
           .staging_stores = stores::streaming}},
         {"engine, pinned source", true, {}},
         {"engine, pinned source, 4 in flight at any size (the default before 64 MiB)", true,

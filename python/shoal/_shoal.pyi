@@ -476,7 +476,7 @@ class TransferEngine:
     Background host-to-device transfer: a thread and a stream of its own copy submitted host buffers into device storages (shoal.transfer.Engine is the batch API).
     """
 
-    def __init__(self, allocator: Allocator, max_batches_in_flight: int = 32, max_pinned_bytes: int = 33554432, staging_chunk_bytes: int = 4194304, staging_helpers: int | None = None, staging_stores: str = 'streaming', max_coalesced_bytes: int = 4194304, max_bytes_in_flight: int = 67108864) -> None: ...
+    def __init__(self, allocator: Allocator, max_batches_in_flight: int = 32, max_pinned_bytes: int = 33554432, staging_chunk_bytes: int = 4194304, staging_helpers: int | None = None, staging_stores: str = 'automatic', max_coalesced_bytes: int = 4194304, max_bytes_in_flight: int = 67108864) -> None: ...
 
     def submit(self, buffers: Sequence[tuple[int, int, bool, object]], timeout: float | None = None) -> int:
         """

@@ -128,11 +128,13 @@ class Engine:
     ``max_pinned_bytes``: the pinned staging memory the engine may hold, a ring that pageable
     arrays are staged through.
     ``staging_chunk_bytes``: pageable arrays are staged in pieces this large.
-    ``staging_stores``: how staging writes the ring: ``"streaming"`` (non-temporal stores,
-    which skip reading each line first; the default) or ``"cached"`` (ordinary stores; faster
-    on some hosts with many staging threads: measure).
+    ``staging_stores``: how staging writes the ring: ``"automatic"`` (the default:
+    non-temporal stores for a copy on up to 8 threads, ordinary stores for one on more, which
+    led at every size on 16 threads of an H200 host), ``"streaming"`` (non-temporal stores,
+    which skip reading each line first) or ``"cached"`` (ordinary stores).
     ``staging_helpers``: threads that help copy pageable bytes into staging memory (None:
-    half the CPUs this process may run on less the engine's own thread, at most 7).
+    15 where this process may run on 16 CPUs or more, else half the CPUs less the engine's
+    own thread; 0 on 2 CPUs).
     ``max_coalesced_bytes``: batches found queued together are transferred as one group of
     at most this many bytes (0: each batch alone): the group shares one ready event and one
     device block (its arrays are parts of it, freed once all of them are), and its small
@@ -154,7 +156,7 @@ class Engine:
         max_pinned_bytes: int = 32 << 20,
         staging_chunk_bytes: int = 4 << 20,
         staging_helpers: Optional[int] = None,
-        staging_stores: str = "streaming",
+        staging_stores: str = "automatic",
         max_coalesced_bytes: int = 4 << 20,
     ) -> None:
         self._engine = _shoal.TransferEngine(

@@ -58,7 +58,9 @@ transfer::transfer_config::stores parse_staging_stores(const std::string& name) 
   using stores = transfer::transfer_config::stores;
   if (name == "cached") return stores::cached;
   if (name == "streaming") return stores::streaming;
-  throw invalid_argument("TransferEngine: staging_stores is '" + name + "'; expected 'streaming' or 'cached'");
+  if (name == "automatic") return stores::automatic;
+  throw invalid_argument("TransferEngine: staging_stores is '" + name +
+                         "'; expected 'automatic', 'streaming' or 'cached'");
 }
 
 struct py_transferred_batch {
@@ -129,7 +131,7 @@ void register_transfer(nb::module_& m) {
           },
           nb::arg("allocator"), nb::arg("max_batches_in_flight") = 32, nb::arg("max_pinned_bytes") = 32u << 20,
           nb::arg("staging_chunk_bytes") = 4u << 20, nb::arg("staging_helpers").none() = nb::none(),
-          nb::arg("staging_stores") = "streaming", nb::arg("max_coalesced_bytes") = 4u << 20,
+          nb::arg("staging_stores") = "automatic", nb::arg("max_coalesced_bytes") = 4u << 20,
           nb::arg("max_bytes_in_flight") = 64u << 20)
       .def(
           "submit",

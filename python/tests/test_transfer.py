@@ -113,7 +113,7 @@ def test_bad_batches_are_refused_before_anything_is_queued(engine):
     assert engine.stats()["batches_submitted"] == 0
 
 
-@pytest.mark.parametrize("stores", ["streaming", "cached"])
+@pytest.mark.parametrize("stores", ["automatic", "streaming", "cached"])
 def test_an_array_larger_than_the_staging_ring_arrives_whole_with_each_kind_of_store(stores):
     x = numpy.arange(3 * 1024 * 1024, dtype="int32")  # 12 MiB through a 2 MiB ring of 512 KiB pieces
     with shoal.transfer.Engine(

@@ -39,6 +39,7 @@ void parallel_memcpy::copy_all(std::span<const copy_job> jobs, store_kind stores
   std::size_t bytes = 0;
   for (const copy_job& j : jobs) bytes += j.bytes;
   const std::size_t parts = std::clamp<std::size_t>(bytes / min_slice, 1, helpers_.size() + 1);
+  if (stores == store_kind::automatic) stores = parts >= cached_from_threads ? store_kind::cached : store_kind::streaming;
   if (parts == 1) {
     for (const copy_job& j : jobs) copy_slice(j.dst, j.src, j.bytes, stores);
     return;

@@ -35,6 +35,13 @@ namespace shoal::transfer {
 enum class store_kind : std::uint8_t {
   cached,     ///< ordinary stores: the destination stays in the cache
   streaming,  ///< non-temporal stores: the destination goes to memory
+  /// Streaming when the copy runs on at most cached_from_threads - 1
+  /// threads, cached when on more. On the H200 host (16 CPUs), pageable
+  /// buffers staged by one thread (64 KiB) went at 0.91 of the pinned copy
+  /// with streaming stores and 0.65 with cached; on 16 threads cached stores
+  /// led at 1, 16 and 256 MiB (1.00, 0.88-0.90, 0.79-0.86 against 0.88, 0.80,
+  /// 0.67-0.70); on 8 threads neither led at every size.
+  automatic,
 };
 
 /// One copy of a list: `bytes` from `src` to `dst` (not overlapping).
@@ -59,7 +66,11 @@ class parallel_memcpy {
   /// visible to the copy engine. `jobs` is read until then.
   void copy_all(std::span<const copy_job> jobs, store_kind stores);
 
-  static constexpr std::size_t min_slice = std::size_t{256} << 10;
+  // 64 KiB: on the H200 host, groups of 64 KiB pageable batches staged at
+  // 0.70-0.76 of the pinned copy with slices of at least 256 KiB (four
+  // threads at most for a 1 MiB group), at 0.85-0.96 with 64 KiB.
+  static constexpr std::size_t min_slice = std::size_t{64} << 10;
+  static constexpr std::size_t cached_from_threads = 9;
   static constexpr std::chrono::microseconds spin_window{200};
 
  private:

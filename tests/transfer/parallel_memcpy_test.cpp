@@ -17,8 +17,8 @@ namespace shoal::transfer {
 namespace {
 
 TEST(parallel_memcpy, every_byte_arrives_for_sizes_that_do_and_do_not_split_evenly) {
-  for (store_kind stores : {store_kind::cached, store_kind::streaming}) {
-    for (std::size_t helpers : {0u, 1u, 3u, 7u}) {
+  for (store_kind stores : {store_kind::cached, store_kind::streaming, store_kind::automatic}) {
+    for (std::size_t helpers : {0u, 1u, 3u, 9u}) {
       parallel_memcpy copier(helpers);
       for (std::size_t bytes : {std::size_t{1}, std::size_t{4096}, std::size_t{256} << 10, (std::size_t{1} << 20) + 7,
                                 (std::size_t{8} << 20) + 4093}) {
@@ -63,8 +63,8 @@ TEST(parallel_memcpy, a_copy_after_the_helpers_fell_asleep_completes_with_every_
 // written outside it (the gaps between destinations keep their bytes).
 TEST(parallel_memcpy, a_list_of_copies_lands_whole_with_slices_across_and_within_copies) {
   std::mt19937 random(17);
-  for (store_kind stores : {store_kind::cached, store_kind::streaming}) {
-    for (std::size_t helpers : {0u, 1u, 3u, 7u}) {
+  for (store_kind stores : {store_kind::cached, store_kind::streaming, store_kind::automatic}) {
+    for (std::size_t helpers : {0u, 1u, 3u, 9u}) {
       parallel_memcpy copier(helpers);
       for (int round = 0; round < 20; ++round) {
         const std::size_t count = 1 + random() % 40;

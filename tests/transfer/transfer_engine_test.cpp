@@ -309,7 +309,7 @@ TYPED_TEST(transfer_engine_test, a_buffer_larger_than_the_staging_ring_arrives_w
   auto& dev = this->device();
   auto& a = this->make_allocator();
   const std::size_t bytes = transfer_config{}.max_pinned_bytes + 5 * mib + 17;
-  for (auto stores : {transfer_config::stores::streaming, transfer_config::stores::cached}) {
+  for (auto stores : {transfer_config::stores::streaming, transfer_config::stores::cached, transfer_config::stores::automatic}) {
     transfer_engine engine(a, this->copy_stream(), {.staging_stores = stores});
     const backend::stream_ref consumer = this->consumer();
     // Each chunk of the buffer holds its own value, so a ring block handed

@@ -111,20 +111,24 @@ struct transfer_config {
   std::size_t staging_chunk_bytes = std::size_t{4} << 20;
   /// Threads that help the engine's thread copy pageable bytes into staging
   /// blocks (0: it copies alone; one thread moves about 10 GB/s; at most 64).
-  /// automatic_staging_helpers (the default): half the CPUs this process may
-  /// run on, less the engine's own thread, at most 7 — on the H100 host (16
-  /// CPUs) staging with 8 threads reached 0.82 of the pinned copy at 16 MiB,
-  /// with 16 no more, with 4 0.63; on 2 CPUs the engine copies alone.
+  /// automatic_staging_helpers (the default): with 16 CPUs or more that this
+  /// process may run on, 15 — on the H200 host (16 CPUs) staging 256 MiB
+  /// buffers on 16 threads reached 0.79-0.86 of the pinned copy, on 8
+  /// 0.53-0.55; with fewer, half of them less the engine's own thread (on 2
+  /// CPUs the engine copies alone). A copy takes helpers only for slices of
+  /// 64 KiB or more (parallel_memcpy.h).
   std::size_t staging_helpers = automatic_staging_helpers;
   static constexpr std::size_t automatic_staging_helpers = static_cast<std::size_t>(-1);
-  /// How staging writes pinned blocks: non-temporal stores (`streaming`, the
-  /// default: no read of each line of the block first, the block goes to
-  /// memory), or ordinary stores (`cached`). On the H100 host (16 CPUs)
-  /// streaming was faster with 8 staging threads (256 MiB buffers: 0.57 of the
-  /// pinned copy against 0.40), cached slightly faster with 16 (0.87 against
-  /// 0.86): measure on yours.
-  enum class stores : std::uint8_t { streaming, cached };
-  stores staging_stores = stores::streaming;
+  /// How staging writes pinned blocks: non-temporal stores (`streaming`: no
+  /// read of each line of the block first, the block goes to memory),
+  /// ordinary stores (`cached`), or (`automatic`, the default) streaming for
+  /// a copy on up to 8 threads and cached for one on more. On the H200 host
+  /// (16 CPUs) one thread staged 64 KiB at 0.91 of the pinned copy with
+  /// streaming stores against 0.65 cached; 16 threads staged 16 and 256 MiB
+  /// at 0.88-0.90 and 0.79-0.86 cached against 0.80 and 0.67-0.70 streaming;
+  /// on 8 threads neither led at every size.
+  enum class stores : std::uint8_t { streaming, cached, automatic };
+  stores staging_stores = stores::automatic;
   /// Batches found queued together are transferred as one group of at most
   /// this many bytes in all (a larger batch goes alone; 0: every batch
   /// alone). A group shares one ready event and one device block, and its
