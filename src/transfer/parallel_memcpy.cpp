@@ -19,6 +19,7 @@ parallel_memcpy::~parallel_memcpy() {
     stopping_.store(true, std::memory_order_release);
   }
   work_.notify_all();
+  wide_work_.notify_all();
   for (auto& t : helpers_) t.join();
 }
 
@@ -35,11 +36,12 @@ void parallel_memcpy::copy(void* dst, const void* src, std::size_t bytes, store_
   copy_all({&job, 1}, stores);
 }
 
-void parallel_memcpy::copy_all(std::span<const copy_job> jobs, store_kind stores) {
+void parallel_memcpy::copy_all(std::span<const copy_job> jobs, store_kind stores, std::size_t max_threads) {
   std::size_t bytes = 0;
   for (const copy_job& j : jobs) bytes += j.bytes;
-  const std::size_t parts = std::clamp<std::size_t>(bytes / min_slice, 1, helpers_.size() + 1);
-  if (stores == store_kind::automatic) stores = parts >= cached_from_threads ? store_kind::cached : store_kind::streaming;
+  const std::size_t parts =
+      std::clamp<std::size_t>(bytes / min_slice, 1, std::max<std::size_t>(1, std::min(max_threads, helpers_.size() + 1)));
+  if (stores == store_kind::automatic) stores = parts > narrow_threads ? store_kind::cached : store_kind::streaming;
   if (parts == 1) {
     for (const copy_job& j : jobs) copy_slice(j.dst, j.src, j.bytes, stores);
     return;
@@ -61,6 +63,7 @@ void parallel_memcpy::copy_all(std::span<const copy_job> jobs, store_kind stores
   {
     std::lock_guard lock(sleep_mutex_);
     if (sleepers_ > 0) work_.notify_all();
+    if (wide_sleepers_ > 0 && parts > narrow_threads) wide_work_.notify_all();
   }
   take_slices(generation);
   // The last slices are helpers', each a few microseconds of copying: spin
@@ -98,25 +101,31 @@ void parallel_memcpy::take_slices(std::uint32_t generation) noexcept {
 }
 
 void parallel_memcpy::help(std::size_t index) noexcept {
+  const bool wide = index >= narrow_threads;
+  std::condition_variable& work = wide ? wide_work_ : work_;
+  std::size_t& sleepers = wide ? wide_sleepers_ : sleepers_;
   std::uint32_t seen = 0;
+  bool watch = !wide;
   const auto has_news = [&] {
     return stopping_.load(std::memory_order_acquire) ||
            generation_of(announced_.load(std::memory_order_acquire)) != seen;
   };
   for (;;) {
     // Watch for the next copy for a while, then sleep until one comes.
-    if (!spin_for(spin_window, has_news)) {
+    if (!(watch && spin_for(spin_window, has_news))) {
       std::unique_lock lock(sleep_mutex_);
-      ++sleepers_;
-      work_.wait(lock, has_news);
-      --sleepers_;
+      ++sleepers;
+      work.wait(lock, has_news);
+      --sleepers;
     }
     if (stopping_.load(std::memory_order_acquire)) return;
     const std::uint64_t c = announced_.load(std::memory_order_acquire);
     seen = generation_of(c);
     // Helper k takes part in copies of more than k slices: the others stay
     // off the claim word.
-    if (index < slices_of(c)) take_slices(seen);
+    const bool needed = index < slices_of(c);
+    if (needed) take_slices(seen);
+    if (wide) watch = needed;
   }
 }
 

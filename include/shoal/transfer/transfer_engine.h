@@ -116,7 +116,9 @@ struct transfer_config {
   /// buffers on 16 threads reached 0.79-0.86 of the pinned copy, on 8
   /// 0.53-0.55; with fewer, half of them less the engine's own thread (on 2
   /// CPUs the engine copies alone). A copy takes helpers only for slices of
-  /// 64 KiB or more (parallel_memcpy.h).
+  /// 64 KiB or more, and small buffers packed together (staging_pack.h) go
+  /// on at most 8 threads: groups of 64 and 256 KiB batches staged at half
+  /// the speed on 16 as on 8 (parallel_memcpy.h).
   std::size_t staging_helpers = automatic_staging_helpers;
   static constexpr std::size_t automatic_staging_helpers = static_cast<std::size_t>(-1);
   /// How staging writes pinned blocks: non-temporal stores (`streaming`: no
