@@ -15,6 +15,7 @@
 // the leaf locks of the parts above).
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -186,6 +187,17 @@ class allocator_core {
 
   std::mutex observers_mutex_;
   std::vector<std::function<void(const oom_report&)>> observers_;  // guarded by observers_mutex_
+
+  // What destroyed private pools counted, by pool kind: stats() adds it, so
+  // cumulative figures (allocated, freed) and peaks never go down when a
+  // pool goes. Taken before directory_mutex_ (pool_directory.h): held by
+  // stats() over its whole walk and by a destroy over the removal, so that a
+  // pool's counters move here atomically for every reader.
+  /// Moves `part`'s counters into retired_ (retired_mutex_ held).
+  void retire_counters(const block_pool& part);
+  std::mutex retired_mutex_;
+  std::array<pool_counters, pool_kinds> retired_{};       // guarded by retired_mutex_
+  std::int64_t retired_region_reserved_peak_ = 0;        // guarded by retired_mutex_
 };
 
 template <bool Take, class Fn>

@@ -23,19 +23,45 @@ void accumulate(stat_by_pool& into, pool_kind kind, const stat& s) {
   }
 }
 
-template <class Fn>
-void for_each_stat(pool_counters& c, Fn&& fn) {
-  for (stat* s : {&c.allocations, &c.segments, &c.active, &c.inactive_split, &c.allocated_bytes, &c.reserved_bytes,
+template <class Counters, class Fn>
+void for_each_stat(Counters& c, Fn&& fn) {
+  for (auto* s : {&c.allocations, &c.segments, &c.active, &c.inactive_split, &c.allocated_bytes, &c.reserved_bytes,
                   &c.active_bytes, &c.inactive_split_bytes, &c.requested_bytes, &c.invalidated,
                   &c.invalidated_bytes}) {
     fn(*s);
   }
 }
 
+// Adds `from` to `into` field by field, as the pool it counted were gone:
+// whatever was current is freed (its memory went back with the pool).
+void add_retired(stat& into, const stat& from) {
+  into.allocated += from.allocated;
+  into.freed += from.allocated;
+  into.peak += from.peak;
+}
+
 }  // namespace
+
+void allocator_core::retire_counters(const block_pool& part) {
+  pool_counters& into = retired_[static_cast<std::size_t>(part.kind)];
+  const pool_counters& from = part.counters;
+  add_retired(into.allocations, from.allocations);
+  add_retired(into.segments, from.segments);
+  add_retired(into.active, from.active);
+  add_retired(into.inactive_split, from.inactive_split);
+  add_retired(into.allocated_bytes, from.allocated_bytes);
+  add_retired(into.reserved_bytes, from.reserved_bytes);
+  add_retired(into.active_bytes, from.active_bytes);
+  add_retired(into.inactive_split_bytes, from.inactive_split_bytes);
+  add_retired(into.requested_bytes, from.requested_bytes);
+  add_retired(into.invalidated, from.invalidated);
+  add_retired(into.invalidated_bytes, from.invalidated_bytes);
+  if (!part.grows) retired_region_reserved_peak_ += from.reserved_bytes.peak;
+}
 
 allocator_stats allocator_core::stats() {
   allocator_stats out;
+  std::lock_guard retired_lock(retired_mutex_);  // no pool's counters move to retired_ meanwhile
   // Private pools' memory is the caller's, outside the source's total
   // (growing ones' excepted: the device's, counted there).
   std::int64_t private_reserved_peak = 0;
@@ -56,6 +82,22 @@ allocator_stats allocator_core::stats() {
     accumulate(out.invalidated, p.kind, c.invalidated);
     accumulate(out.invalidated_bytes, p.kind, c.invalidated_bytes);
   });
+  for (std::size_t k = 0; k < pool_kinds; ++k) {
+    const pool_counters& c = retired_[k];
+    const auto kind = static_cast<pool_kind>(k);
+    accumulate(out.allocations, kind, c.allocations);
+    accumulate(out.segments, kind, c.segments);
+    accumulate(out.active, kind, c.active);
+    accumulate(out.inactive_split, kind, c.inactive_split);
+    accumulate(out.allocated_bytes, kind, c.allocated_bytes);
+    accumulate(out.reserved_bytes, kind, c.reserved_bytes);
+    accumulate(out.active_bytes, kind, c.active_bytes);
+    accumulate(out.inactive_split_bytes, kind, c.inactive_split_bytes);
+    accumulate(out.requested_bytes, kind, c.requested_bytes);
+    accumulate(out.invalidated, kind, c.invalidated);
+    accumulate(out.invalidated_bytes, kind, c.invalidated_bytes);
+  }
+  private_reserved_peak += retired_region_reserved_peak_;
   out.reserved_bytes.aggregate.peak = static_cast<std::int64_t>(source_.reserved_peak()) + private_reserved_peak;
   out.retries = retries_.load();
   out.ooms = ooms_.load();
@@ -67,14 +109,18 @@ allocator_stats allocator_core::stats() {
 }
 
 void allocator_core::reset_peak_stats() {
+  std::lock_guard retired_lock(retired_mutex_);
   directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
     for_each_stat(p.counters, [](stat& s) { s.peak = s.current; });
   });
+  for (pool_counters& c : retired_) for_each_stat(c, [](stat& s) { s.peak = 0; });
+  retired_region_reserved_peak_ = 0;
   source_.reset_reserved_peak();
 }
 
 void allocator_core::reset_accumulated_stats() {
+  std::lock_guard retired_lock(retired_mutex_);
   directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
     for_each_stat(p.counters, [](stat& s) {
@@ -82,6 +128,7 @@ void allocator_core::reset_accumulated_stats() {
       s.freed = 0;
     });
   });
+  for (pool_counters& c : retired_) for_each_stat(c, [](stat& s) { s.allocated = s.freed = 0; });
   retries_ = 0;
   ooms_ = 0;
   source_.reset_device_counters();

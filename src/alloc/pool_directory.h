@@ -20,7 +20,8 @@
 // be lost (segment_source::release_segment keeps the rule).
 //
 // Lock order of the whole allocator, stated here once:
-//   directory_mutex_ -> one pool's lock -> the leaf locks: segments_mutex_,
+//   allocator_core::retired_mutex_ (stats and private pool destroys only)
+//   -> directory_mutex_ -> one pool's lock -> the leaf locks: segments_mutex_,
 //   the event pool's, the trace ring's, the hooks' (release observers), the
 //   orphaned tombstones'.
 // Two pool locks are never held at once, except by with_every_pool_locked

@@ -327,6 +327,7 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
   if (live == live_blocks::refuse) {
     // A growing pool's segments leave the directory with it, then go back.
     std::vector<std::pair<std::uintptr_t, std::size_t>> grown;
+    std::unique_lock retired_lock(retired_mutex_);
     (void)directory_.remove_private_pool(
         id,
         [&](const std::vector<block_pool*>& parts) {
@@ -341,9 +342,11 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
         },
         [&](block_pool& part) {
           orphan_tombstones(part);
+          retire_counters(part);
           if (!part.grows) return;
           for (const auto& s : part.segments) grown.emplace_back(s->base, s->size);
         });
+    retired_lock.unlock();
     source_.free_detached_segments(grown);
     if constexpr (check_every_step) check_invariants();
     return taken;
@@ -356,6 +359,7 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
     device.synchronize_device();  // as clear_private_pool does, and again after a free during it
     // Every sub-pool is checked, and held outside again, with all their
     // locks held before any is changed: a block sent meanwhile refuses it.
+    std::lock_guard retired_lock(retired_mutex_);
     removed = directory_.remove_private_pool(
         id,
         [&](const std::vector<block_pool*>& parts) {
@@ -373,6 +377,7 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
         [&](block_pool& part) {
           take_back_live_blocks(part, taken);
           orphan_tombstones(part);
+          retire_counters(part);
         });
   }
   // The memory goes back to its owner when this returns: its poison must

@@ -218,5 +218,48 @@ TYPED_TEST(growing_private_pool, inside_a_no_host_waits_scope_a_miss_gives_nothi
   dev.synchronize(second);
 }
 
+// A destroyed pool's counts stay in the totals: cumulative figures and
+// peaks never go down when a pool goes (they did when its counters left
+// with it: checked), and current = allocated - freed still holds.
+TYPED_TEST(growing_private_pool, destroying_it_keeps_its_counts_in_the_totals) {
+  auto& a = this->make();
+  void* outside = a.allocate(4 * kib, {});
+  auto& dev = this->device();
+  void* memory = dev.allocate_segment(8 * mib);
+  for (const bool region : {false, true}) {
+    const auto pool = region ? a.create_private_pool(memory, 8 * mib, {{"all", 8 * mib}})
+                             : a.create_growing_private_pool();
+    {
+      alloc::private_pool_scope scope(a, pool, region ? "all" : "");
+      for (int i = 0; i < 5; ++i) a.deallocate(a.allocate(mib + i * kib, {}), {});
+    }
+    const alloc::allocator_stats before = a.stats();
+    a.destroy_private_pool(pool);
+    const alloc::allocator_stats after = a.stats();
+    const auto same_or_more = [&](const alloc::stat& was, const alloc::stat& now, const char* name) {
+      EXPECT_GE(now.allocated, was.allocated) << name << (region ? ", region pool" : ", growing pool");
+      EXPECT_GE(now.freed, was.freed) << name;
+      EXPECT_GE(now.peak, was.peak) << name;
+      EXPECT_EQ(now.current, now.allocated - now.freed) << name;
+    };
+    same_or_more(before.allocations.aggregate, after.allocations.aggregate, "allocations");
+    same_or_more(before.allocated_bytes.aggregate, after.allocated_bytes.aggregate, "allocated bytes");
+    same_or_more(before.requested_bytes.aggregate, after.requested_bytes.aggregate, "requested bytes");
+    same_or_more(before.segments.aggregate, after.segments.aggregate, "segments");
+    EXPECT_GE(after.reserved_bytes.aggregate.peak, before.reserved_bytes.aggregate.peak);
+    EXPECT_EQ(after.allocations.aggregate.current, 1) << "the block outside";
+  }
+  const alloc::allocator_stats total = a.stats();
+  EXPECT_GE(total.allocations.aggregate.allocated, 11) << "1 outside + 5 in each pool";
+  a.reset_accumulated_stats();
+  a.reset_peak_stats();
+  const alloc::allocator_stats reset = a.stats();
+  EXPECT_EQ(reset.allocations.aggregate.allocated, 1) << "only the live block's";
+  EXPECT_EQ(reset.allocations.aggregate.freed, 0);
+  EXPECT_EQ(reset.allocations.aggregate.peak, 1);
+  a.deallocate(outside, {});
+  dev.free_segment(memory);
+}
+
 }  // namespace
 }  // namespace shoal::testing

@@ -155,7 +155,9 @@ class caching_allocator {
   /// The counters, and a snapshot of every segment and block. Both show
   /// free blocks merged with their free neighbours (as they are merged
   /// before a request searches them) and change nothing: reading them never
-  /// changes what the allocator does next.
+  /// changes what the allocator does next. A destroyed private pool's
+  /// counts stay in the totals (as freed): cumulative figures and peaks
+  /// never go down until a reset.
   [[nodiscard]] allocator_stats stats() const;
   void reset_peak_stats();
   void reset_accumulated_stats();
