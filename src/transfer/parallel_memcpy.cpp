@@ -2,13 +2,19 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
+#include "shoal/core/error.h"
 #include "transfer/spin_wait.h"
 #include "transfer/streaming_copy.h"
 
 namespace shoal::transfer {
 
 parallel_memcpy::parallel_memcpy(std::size_t helpers) {
+  // The claim word counts slices in 16 bits: at most one per thread.
+  if (helpers >= 0xFFFF) throw invalid_argument("parallel_memcpy: " + std::to_string(helpers) + " helpers; at most 65534");
+  // A copy of one job (copy(), a large buffer's chunks) allocates nothing.
+  starts_.reserve(64);
   helpers_.reserve(helpers);
   for (std::size_t i = 0; i < helpers; ++i) helpers_.emplace_back([this, i] { help(i + 1); });
 }

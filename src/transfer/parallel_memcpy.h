@@ -70,8 +70,10 @@ class parallel_memcpy {
   /// with every store visible to the copy engine.
   void copy(void* dst, const void* src, std::size_t bytes, store_kind stores);
   /// Runs every copy of `jobs` on at most `max_threads` threads (the caller
-  /// included); returns when all are done, with every store visible to the
-  /// copy engine. `jobs` is read until then.
+  /// included; 0 counts as 1); returns when all are done, with every store
+  /// visible to the copy engine. `jobs` is read until then. Streaming stores
+  /// write only the pieces of min_slice bytes or more; a smaller piece (a
+  /// small job, or a job's part at a slice's edge) goes through memcpy.
   void copy_all(std::span<const copy_job> jobs, store_kind stores, std::size_t max_threads = SIZE_MAX);
 
   // 64 KiB: on the H200 host, groups of 64 KiB pageable batches staged at

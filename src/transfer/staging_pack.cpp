@@ -20,9 +20,12 @@ staging_pack::~staging_pack() { give_back(); }
 
 void staging_pack::stage(void* dst, const void* dst_block, host_buffer& source, std::size_t batch) {
   const std::size_t needed = footprint(source.bytes);
-  // The steps that may throw, before anything changes.
-  unstaged_.reserve(unstaged_.size() + 1);
-  sources_kept_.reserve(sources_kept_.size() + 1);
+  // The steps that may throw, before anything changes (doubling: reserving
+  // one more each time would copy the lists on every buffer).
+  if (unstaged_.size() == unstaged_.capacity()) unstaged_.reserve(std::max<std::size_t>(16, 2 * unstaged_.capacity()));
+  if (sources_kept_.size() == sources_kept_.capacity()) {
+    sources_kept_.reserve(std::max<std::size_t>(16, 2 * sources_kept_.capacity()));
+  }
   if (used_ + needed > capacity_) {
     give_back();
     // Handed out only once the copies that last read it have run (the
@@ -59,7 +62,11 @@ bool staging_pack::continues_run(const std::byte* from, const std::byte* to, con
 }
 
 void staging_pack::flush() noexcept {
-  if (run_.bytes == 0) return;
+  if (run_.bytes == 0) {
+    unstaged_.clear();  // nothing to stage: no buffer is held past its run
+    sources_kept_.clear();
+    return;
+  }
   try {
     // The run's buffers, staged at once: the pieces of a run of small
     // buffers are worth several threads together, though none is alone. At

@@ -440,13 +440,15 @@ TYPED_TEST(transfer_engine_test, coalesced_batches_each_get_their_own_bytes_read
 // wrong bytes (it did when the pack did not hold the sources: checked).
 TYPED_TEST(transfer_engine_test, a_packed_pageable_source_is_let_go_only_after_its_bytes_are_staged) {
   auto& a = this->make_allocator();
-  const auto scribbled_on_release = [](std::size_t bytes, std::uint8_t value) {
+  std::vector<std::weak_ptr<const void>> sources;
+  const auto scribbled_on_release = [&](std::size_t bytes, std::uint8_t value) {
     auto* data = new std::vector<std::uint8_t>(bytes, value);
     std::shared_ptr<const void> owner(data, [](const std::vector<std::uint8_t>* v) {
       std::fill(const_cast<std::vector<std::uint8_t>*>(v)->begin(), const_cast<std::vector<std::uint8_t>*>(v)->end(),
                 std::uint8_t{0xDD});
       delete v;
     });
+    sources.push_back(owner);
     return host_buffer{data->data(), bytes, false, std::move(owner)};
   };
   {
@@ -465,6 +467,8 @@ TYPED_TEST(transfer_engine_test, a_packed_pageable_source_is_let_go_only_after_i
           << "batch " << i << ", second buffer";
     }
     EXPECT_EQ(engine.stats().coalesced_groups, 2u) << "the one that held the thread, then the six as one group";
+    // Staged and copied: the engine holds none of them any more.
+    for (std::size_t k = 0; k < sources.size(); ++k) EXPECT_TRUE(sources[k].expired()) << "source " << k << " held";
   }
 }
 
