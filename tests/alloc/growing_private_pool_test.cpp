@@ -4,9 +4,11 @@
 // last used on (between captures).
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "shoal/backend/stream.h"
@@ -259,6 +261,38 @@ TYPED_TEST(growing_private_pool, destroying_it_keeps_its_counts_in_the_totals) {
   EXPECT_EQ(reset.allocations.aggregate.peak, 1);
   a.deallocate(outside, {});
   dev.free_segment(memory);
+}
+
+// stats() read while pools are made, used and destroyed on another thread:
+// a destroyed pool's counts move to the totals at once for every reader, so
+// the cumulative count never goes down and current = allocated - freed in
+// every reading (a count seen in the pool and again in the totals, or in
+// neither, would break one of them).
+TYPED_TEST(growing_private_pool, stats_read_during_destroys_never_count_a_pool_twice_or_not_at_all) {
+  auto& a = this->make();
+  std::atomic<bool> done{false};
+  std::thread churn([&] {
+    for (int round = 0; round < 60; ++round) {
+      const auto pool = a.create_growing_private_pool();
+      {
+        alloc::private_pool_scope scope(a, pool);
+        for (int i = 0; i < 4; ++i) a.deallocate(a.allocate(64 * kib * (1 + i), {}), {});
+      }
+      a.destroy_private_pool(pool);
+    }
+    done = true;
+  });
+  std::int64_t last = 0;
+  int readings = 0;
+  while (!done || readings == 0) {
+    const alloc::stat s = a.stats().allocations.aggregate;
+    ASSERT_GE(s.allocated, last) << "reading " << readings;
+    ASSERT_EQ(s.current, s.allocated - s.freed) << "reading " << readings;
+    last = s.allocated;
+    ++readings;
+  }
+  churn.join();
+  EXPECT_EQ(a.stats().allocations.aggregate.allocated, 60 * 4);
 }
 
 }  // namespace
