@@ -1,5 +1,6 @@
 // The allocator's reports: statistics, snapshots, the trace, OOM observers.
 #include <mutex>
+#include <tuple>
 
 #include "alloc/allocator_core.h"
 #include "alloc/block_structure.h"
@@ -23,40 +24,48 @@ void accumulate(stat_by_pool& into, pool_kind kind, const stat& s) {
   }
 }
 
-template <class Counters, class Fn>
-void for_each_stat(Counters& c, Fn&& fn) {
-  for (auto* s : {&c.allocations, &c.segments, &c.active, &c.inactive_split, &c.allocated_bytes, &c.reserved_bytes,
-                  &c.active_bytes, &c.inactive_split_bytes, &c.requested_bytes, &c.invalidated,
-                  &c.invalidated_bytes}) {
-    fn(*s);
-  }
+// Each counter of a pool and the figure of allocator_stats it adds to.
+struct counter_field {
+  stat pool_counters::*counter;
+  stat_by_pool allocator_stats::*figure;
+};
+constexpr counter_field counter_fields[] = {
+    {&pool_counters::allocations, &allocator_stats::allocations},
+    {&pool_counters::segments, &allocator_stats::segments},
+    {&pool_counters::active, &allocator_stats::active},
+    {&pool_counters::inactive_split, &allocator_stats::inactive_split},
+    {&pool_counters::allocated_bytes, &allocator_stats::allocated_bytes},
+    {&pool_counters::reserved_bytes, &allocator_stats::reserved_bytes},
+    {&pool_counters::active_bytes, &allocator_stats::active_bytes},
+    {&pool_counters::inactive_split_bytes, &allocator_stats::inactive_split_bytes},
+    {&pool_counters::requested_bytes, &allocator_stats::requested_bytes},
+    {&pool_counters::invalidated, &allocator_stats::invalidated},
+    {&pool_counters::invalidated_bytes, &allocator_stats::invalidated_bytes},
+};
+
+template <class Fn>
+void for_each_stat(pool_counters& c, Fn&& fn) {
+  for (const counter_field& f : counter_fields) fn(c.*f.counter);
 }
 
-// Adds `from` to `into` field by field, as the pool it counted were gone:
-// whatever was current is freed (its memory went back with the pool).
-void add_retired(stat& into, const stat& from) {
-  into.allocated += from.allocated;
-  into.freed += from.allocated;
-  into.peak += from.peak;
+void add_counters(allocator_stats& out, pool_kind kind, const pool_counters& c) {
+  for (const counter_field& f : counter_fields) accumulate(out.*f.figure, kind, c.*f.counter);
 }
 
 }  // namespace
 
 void allocator_core::retire_counters(const block_pool& part) {
+  // As if the pool were gone: whatever was current is freed (its memory
+  // went back with it).
   pool_counters& into = retired_[static_cast<std::size_t>(part.kind)];
-  const pool_counters& from = part.counters;
-  add_retired(into.allocations, from.allocations);
-  add_retired(into.segments, from.segments);
-  add_retired(into.active, from.active);
-  add_retired(into.inactive_split, from.inactive_split);
-  add_retired(into.allocated_bytes, from.allocated_bytes);
-  add_retired(into.reserved_bytes, from.reserved_bytes);
-  add_retired(into.active_bytes, from.active_bytes);
-  add_retired(into.inactive_split_bytes, from.inactive_split_bytes);
-  add_retired(into.requested_bytes, from.requested_bytes);
-  add_retired(into.invalidated, from.invalidated);
-  add_retired(into.invalidated_bytes, from.invalidated_bytes);
-  if (!part.grows) retired_region_reserved_peak_ += from.reserved_bytes.peak;
+  for (const counter_field& f : counter_fields) {
+    const stat& from = part.counters.*f.counter;
+    stat& to = into.*f.counter;
+    to.allocated += from.allocated;
+    to.freed += from.allocated;
+    to.peak += from.peak;
+  }
+  if (!part.grows) retired_region_reserved_peak_ += part.counters.reserved_bytes.peak;
 }
 
 allocator_stats allocator_core::stats() {
@@ -67,36 +76,12 @@ allocator_stats allocator_core::stats() {
   std::int64_t private_reserved_peak = 0;
   directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
-    const pool_counters& c = p.counters;
-    if (p.is_private && !p.grows) private_reserved_peak += c.reserved_bytes.peak;
-    const auto [inactive_split, inactive_split_bytes] = settled_split_stats(p);
-    accumulate(out.allocations, p.kind, c.allocations);
-    accumulate(out.segments, p.kind, c.segments);
-    accumulate(out.active, p.kind, c.active);
-    accumulate(out.inactive_split, p.kind, inactive_split);
-    accumulate(out.allocated_bytes, p.kind, c.allocated_bytes);
-    accumulate(out.reserved_bytes, p.kind, c.reserved_bytes);
-    accumulate(out.active_bytes, p.kind, c.active_bytes);
-    accumulate(out.inactive_split_bytes, p.kind, inactive_split_bytes);
-    accumulate(out.requested_bytes, p.kind, c.requested_bytes);
-    accumulate(out.invalidated, p.kind, c.invalidated);
-    accumulate(out.invalidated_bytes, p.kind, c.invalidated_bytes);
+    if (p.is_private && !p.grows) private_reserved_peak += p.counters.reserved_bytes.peak;
+    pool_counters c = p.counters;  // free split blocks counted merged, as settling would leave them
+    std::tie(c.inactive_split, c.inactive_split_bytes) = settled_split_stats(p);
+    add_counters(out, p.kind, c);
   });
-  for (std::size_t k = 0; k < pool_kinds; ++k) {
-    const pool_counters& c = retired_[k];
-    const auto kind = static_cast<pool_kind>(k);
-    accumulate(out.allocations, kind, c.allocations);
-    accumulate(out.segments, kind, c.segments);
-    accumulate(out.active, kind, c.active);
-    accumulate(out.inactive_split, kind, c.inactive_split);
-    accumulate(out.allocated_bytes, kind, c.allocated_bytes);
-    accumulate(out.reserved_bytes, kind, c.reserved_bytes);
-    accumulate(out.active_bytes, kind, c.active_bytes);
-    accumulate(out.inactive_split_bytes, kind, c.inactive_split_bytes);
-    accumulate(out.requested_bytes, kind, c.requested_bytes);
-    accumulate(out.invalidated, kind, c.invalidated);
-    accumulate(out.invalidated_bytes, kind, c.invalidated_bytes);
-  }
+  for (std::size_t k = 0; k < pool_kinds; ++k) add_counters(out, static_cast<pool_kind>(k), retired_[k]);
   private_reserved_peak += retired_region_reserved_peak_;
   out.reserved_bytes.aggregate.peak = static_cast<std::int64_t>(source_.reserved_peak()) + private_reserved_peak;
   out.retries = retries_.load();
