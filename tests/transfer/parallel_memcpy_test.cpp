@@ -3,6 +3,8 @@
 // back to back and after the helpers have gone to sleep.
 #include "transfer/parallel_memcpy.h"
 
+#include "shoal/core/error.h"
+
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -98,6 +100,19 @@ TEST(parallel_memcpy, a_list_of_copies_lands_whole_with_slices_across_and_within
       }
     }
   }
+}
+
+// No thread is the caller alone; a count of helpers the claim word cannot
+// number is refused before any thread starts.
+TEST(parallel_memcpy, zero_threads_counts_as_the_caller_and_too_many_helpers_are_refused) {
+  parallel_memcpy copier(3);
+  std::vector<std::uint8_t> src(1 << 20), dst(1 << 20, 0);
+  std::iota(src.begin(), src.end(), std::uint8_t{7});
+  const copy_job job{reinterpret_cast<std::byte*>(dst.data()), reinterpret_cast<const std::byte*>(src.data()),
+                     src.size()};
+  copier.copy_all({&job, 1}, store_kind::automatic, 0);
+  EXPECT_EQ(dst, src);
+  EXPECT_THROW(parallel_memcpy(0xFFFF), invalid_argument);
 }
 
 }  // namespace
