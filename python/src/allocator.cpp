@@ -48,10 +48,10 @@ nb::dict oom_report_dict(const alloc::oom_report& r) {
 }  // namespace
 
 alloc::allocator_config config_from_python(const std::optional<std::string>& conf, bool use_environment,
-                                           const nb::kwargs& settings) {
-  std::string text;
+                                           const nb::kwargs& settings, const std::string& defaults) {
+  std::string text = defaults;
   const char* env = std::getenv("SHOAL_ALLOC_CONF");
-  if (use_environment && env != nullptr) text = env;
+  if (use_environment && env != nullptr) text += std::string(",") + env;
   if (conf) text += "," + *conf;
   for (auto [key, value] : settings) text += "," + setting_text(nb::cast<std::string>(key), value);
   return alloc::allocator_config::parse(text);

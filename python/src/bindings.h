@@ -125,11 +125,12 @@ py_array_view make_view(const py_storage& storage, nb::handle dtype, std::option
 /// current stream of `device` when None.
 std::shared_ptr<stream_state> stream_or_current(const py_stream* stream, backend::device& device);
 
-/// The settings of an allocator made from Python: SHOAL_ALLOC_CONF (when
-/// `use_environment`), then `conf`, then keyword `settings`; each keyword is
-/// a key of SHOAL_ALLOC_CONF with a bool, number or string value.
+/// The settings of an allocator made from Python: `defaults` (SHOAL_ALLOC_CONF
+/// text), then SHOAL_ALLOC_CONF (when `use_environment`), then `conf`, then
+/// keyword `settings`; a later setting of a key wins. Each keyword is a key of
+/// SHOAL_ALLOC_CONF with a bool, number or string value.
 alloc::allocator_config config_from_python(const std::optional<std::string>& conf, bool use_environment,
-                                           const nb::kwargs& settings);
+                                           const nb::kwargs& settings, const std::string& defaults = {});
 
 /// Allocator.allocate: a storage of `nbytes` for use on `stream` (default:
 /// the current stream).

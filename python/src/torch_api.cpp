@@ -330,18 +330,28 @@ const shoal_torch_api api_table = {
 
 }  // namespace
 
+// What PyTorch's allocations get unless the user says otherwise: growable
+// segments, which pack a model's 1-10 MiB weights without the 20 MiB plain
+// segments' tails (GPT-2 small: 530 MiB reserved against PyTorch's and the
+// plain defaults' 584) at the same step time, measured on ResNet-50, BERT
+// and GPT-2 (docs/architecture.md, "PyTorch's allocations use growable
+// segments"). Where the device has no growable ranges, plain segments serve
+// them (stats()["expandable_segments_fallback"]).
+constexpr const char* torch_defaults = "expandable_segments:true";
+
 void register_torch_api(nb::module_& m) {
   m.def(
       "_torch_configure",
       [](const std::optional<std::string>& conf, bool use_environment, const nb::kwargs& settings) {
-        allocators().configure(config_from_python(conf, use_environment, settings));
+        allocators().configure(config_from_python(conf, use_environment, settings, torch_defaults));
       },
       nb::arg("conf").none() = nb::none(), nb::arg("use_environment") = true, nb::arg("settings"),
-      "Settings of the allocators PyTorch will allocate from (shoal.torch.enable).");
+      "Settings of the allocators PyTorch will allocate from (shoal.torch.enable): expandable_segments:true, "
+      "then SHOAL_ALLOC_CONF, conf and keyword settings.");
   m.def(
       "_torch_config_text",
       [](const std::optional<std::string>& conf, bool use_environment, const nb::kwargs& settings) {
-        return config_from_python(conf, use_environment, settings).to_string();
+        return config_from_python(conf, use_environment, settings, torch_defaults).to_string();
       },
       nb::arg("conf").none() = nb::none(), nb::arg("use_environment") = true, nb::arg("settings"),
       "The SHOAL_ALLOC_CONF text of these settings (what _torch_settings reports once configured).");

@@ -23,6 +23,21 @@ def test_shoal_alloc_conf_is_read_and_keywords_override_it(monkeypatch):
     assert "max_split_size_mb:64" not in shoal.Allocator(use_environment=False).config
 
 
+def test_pytorchs_allocations_default_to_growable_segments_and_every_source_overrides_it(monkeypatch):
+    # The settings shoal.torch.enable() gives the allocators PyTorch uses:
+    # growable segments unless the environment, conf or a keyword says
+    # otherwise. A plain Allocator keeps plain segments.
+    monkeypatch.delenv("SHOAL_ALLOC_CONF", raising=False)
+    assert "expandable_segments:true" in shoal._shoal._torch_config_text()
+    assert "expandable_segments:false" in shoal.Allocator().config
+    assert "expandable_segments:false" in shoal._shoal._torch_config_text(expandable_segments=False)
+    assert "expandable_segments:false" in shoal._shoal._torch_config_text(conf="expandable_segments:false")
+    monkeypatch.setenv("SHOAL_ALLOC_CONF", "expandable_segments:false,trace_entries:3")
+    text = shoal._shoal._torch_config_text()
+    assert "expandable_segments:false" in text and "trace_entries:3" in text
+    assert "expandable_segments:true" in shoal._shoal._torch_config_text(use_environment=False)
+
+
 def test_a_bad_setting_is_refused_with_its_name():
     with pytest.raises(shoal.InvalidArgumentError, match="expandable_segments"):
         shoal.Allocator(use_environment=False, expandable_segments="maybe")

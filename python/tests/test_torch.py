@@ -106,6 +106,8 @@ def test_enabling_after_cuda_init_is_refused_and_enabling_twice_checks_the_setti
     )
     assert "already enabled" in out["other"]
     assert "max_split_size_mb:64" in out["config"]
+    # PyTorch's allocations take growable segments unless told otherwise.
+    assert "expandable_segments:true" in out["config"]
 
 
 def test_out_of_memory_is_torchs_error_with_shoals_message_and_the_process_goes_on():
