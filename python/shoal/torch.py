@@ -97,7 +97,10 @@ def enable(*, conf: str | None = None, use_environment: bool = True, **settings:
 
     Settings are those of :class:`shoal.Allocator` (``SHOAL_ALLOC_CONF`` unless
     ``use_environment`` is False, then ``conf``, then keyword arguments), and
-    apply to the allocator of every CUDA device.
+    apply to the allocator of every CUDA device. One default differs from
+    ``shoal.Allocator``'s: growable segments (``expandable_segments:true``),
+    which pack a model's weights tighter; any of the three sources can turn
+    them off. Plain segments serve where the device has no growable ranges.
 
     Call it before PyTorch initializes CUDA (before the first CUDA tensor,
     stream or ``torch.cuda`` query that creates a context). Calling it again
