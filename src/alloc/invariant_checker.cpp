@@ -296,9 +296,11 @@ void check_allocator_invariants(const pool_directory& directory, const segment_s
                            " bytes but the segment source holds physical chunks of " +
                            std::to_string(source.physical_chunk_bytes()) + " bytes");
     }
-    if (reserved != source.reserved_total() || reserved > source.ceiling()) {
+    const std::size_t counted = source.reserved_in_pools();
+    if (reserved != counted || source.reserved_total() > source.ceiling()) {
       fail("counters", "the stream pools reserve " + std::to_string(reserved) + " bytes but the segment source counts " +
-                           std::to_string(source.reserved_total()) + " against a limit of " +
+                           std::to_string(counted) + " (" + std::to_string(source.reserved_total()) +
+                           " with detached segments) against a limit of " +
                            std::to_string(source.ceiling()));
     }
   });

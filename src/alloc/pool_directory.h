@@ -23,7 +23,7 @@
 //   allocator_core::retired_mutex_ (stats and private pool destroys only)
 //   -> directory_mutex_ -> one pool's lock -> the leaf locks: segments_mutex_,
 //   the event pool's, the trace ring's, the hooks' (release observers), the
-//   orphaned tombstones'.
+//   orphaned tombstones', the segment source's detached count.
 // Two pool locks are never held at once, except by with_every_pool_locked
 // (the invariant checker), which takes them all in one fixed order while
 // it holds directory_mutex_ shared, by remove_private_pool, which takes

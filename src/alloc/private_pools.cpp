@@ -344,7 +344,10 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
           orphan_tombstones(part);
           retire_counters(part);
           if (!part.grows) return;
-          for (const auto& s : part.segments) grown.emplace_back(s->base, s->size);
+          for (const auto& s : part.segments) {
+            grown.emplace_back(s->base, s->size);
+            source_.note_detached(s->size);
+          }
         });
     retired_lock.unlock();
     source_.free_detached_segments(grown);

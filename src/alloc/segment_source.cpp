@@ -255,10 +255,24 @@ void segment_source::free_detached_segments(const std::vector<std::pair<std::uin
     } catch (...) {
       remember();
     }
-    unreserve_bytes(size);
+    {
+      std::lock_guard lock(detached_mutex_);
+      unreserve_bytes(size);
+      detached_bytes_ -= size;
+    }
     if (trace_.enabled()) trace_.note(trace_action::segment_free, base, size, {});
   }
   if (first) std::rethrow_exception(first);
+}
+
+void segment_source::note_detached(std::size_t bytes) {
+  std::lock_guard lock(detached_mutex_);
+  detached_bytes_ += bytes;
+}
+
+std::size_t segment_source::reserved_in_pools() const {
+  std::lock_guard lock(detached_mutex_);
+  return reserved_total() - detached_bytes_;
 }
 
 std::size_t segment_source::give_back(block_pool& pool, std::size_t budget, const block* keep, spare_chunks* spare) {

@@ -7,6 +7,8 @@
 //   reserved_total() = sum of reserved_bytes.current over the stream pools
 //                      and the growing private pools (other private
 //                      pools' memory is the caller's: not counted)
+//                      + detached bytes (a destroyed growing pool's
+//                      segments between leaving it and the device)
 //                    <= ceiling() (the limit, or the highest limit set
 //                       before it when set_limit has lowered it: memory
 //                       reserved under an earlier limit stays reserved).
@@ -22,6 +24,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -63,6 +66,13 @@ class segment_source {
   /// free (that segment's memory is lost to the allocator) and then throws
   /// the first error.
   void free_detached_segments(const std::vector<std::pair<std::uintptr_t, std::size_t>>& segments);
+  /// Counts `bytes` of a growing pool's segments as detached: called while
+  /// the pool leaves the directory (every lock of it held), before
+  /// free_detached_segments gives them back.
+  void note_detached(std::size_t bytes);
+  /// reserved_total() less the detached bytes: what the pools hold. Read
+  /// with every pool lock held, it equals their sum (the invariant checker).
+  [[nodiscard]] std::size_t reserved_in_pools() const;
   /// Allocator teardown: waits for the work queued on the pool's memory
   /// (pending frees' events, the pool's stream), gives every event back to
   /// `events`, deletes every block and returns the pool's device memory,
@@ -144,6 +154,9 @@ class segment_source {
   std::atomic<std::size_t> highest_earlier_limit_{0};
   std::atomic<std::size_t> reserved_total_{0};
   std::atomic<std::size_t> reserved_peak_{0};
+  // Lowered with reserved_total_ under one lock, so a reader sees both or neither.
+  mutable std::mutex detached_mutex_;
+  std::size_t detached_bytes_ = 0;  // guarded by detached_mutex_
   // Plain segments; growable segments' chunks are counted by mapper_.
   std::atomic<std::int64_t> device_allocations_{0}, device_frees_{0};
   chunk_mapper mapper_;
