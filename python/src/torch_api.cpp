@@ -339,19 +339,28 @@ const shoal_torch_api api_table = {
 // them (stats()["expandable_segments_fallback"]).
 constexpr const char* torch_defaults = "expandable_segments:true";
 
+// The settings of PyTorch's allocators: torch_defaults under the user's,
+// except for pinned host memory, which has no growable segments.
+alloc::allocator_config torch_config(const std::optional<std::string>& conf, bool use_environment,
+                                     const nb::kwargs& settings) {
+  const alloc::allocator_config asked = config_from_python(conf, use_environment, settings);
+  if (asked.memory == alloc::allocator_memory::pinned_host) return asked;
+  return config_from_python(conf, use_environment, settings, torch_defaults);
+}
+
 void register_torch_api(nb::module_& m) {
   m.def(
       "_torch_configure",
       [](const std::optional<std::string>& conf, bool use_environment, const nb::kwargs& settings) {
-        allocators().configure(config_from_python(conf, use_environment, settings, torch_defaults));
+        allocators().configure(torch_config(conf, use_environment, settings));
       },
       nb::arg("conf").none() = nb::none(), nb::arg("use_environment") = true, nb::arg("settings"),
-      "Settings of the allocators PyTorch will allocate from (shoal.torch.enable): expandable_segments:true, "
-      "then SHOAL_ALLOC_CONF, conf and keyword settings.");
+      "Settings of the allocators PyTorch will allocate from (shoal.torch.enable): expandable_segments:true "
+      "(not with memory:pinned_host), then SHOAL_ALLOC_CONF, conf and keyword settings.");
   m.def(
       "_torch_config_text",
       [](const std::optional<std::string>& conf, bool use_environment, const nb::kwargs& settings) {
-        return config_from_python(conf, use_environment, settings, torch_defaults).to_string();
+        return torch_config(conf, use_environment, settings).to_string();
       },
       nb::arg("conf").none() = nb::none(), nb::arg("use_environment") = true, nb::arg("settings"),
       "The SHOAL_ALLOC_CONF text of these settings (what _torch_settings reports once configured).");

@@ -36,6 +36,11 @@ def test_pytorchs_allocations_default_to_growable_segments_and_every_source_over
     text = shoal._shoal._torch_config_text()
     assert "expandable_segments:false" in text and "trace_entries:3" in text
     assert "expandable_segments:true" in shoal._shoal._torch_config_text(use_environment=False)
+    # Later sources still win among themselves, and pinned host memory, which
+    # has no growable segments, is left without them.
+    assert "expandable_segments:true" in shoal._shoal._torch_config_text(expandable_segments=True)
+    pinned = shoal._shoal._torch_config_text(use_environment=False, memory="pinned_host")
+    assert "memory:pinned_host" in pinned and "expandable_segments:false" in pinned
 
 
 def test_a_bad_setting_is_refused_with_its_name():
