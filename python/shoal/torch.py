@@ -100,7 +100,8 @@ def enable(*, conf: str | None = None, use_environment: bool = True, **settings:
     apply to the allocator of every CUDA device. One default differs from
     ``shoal.Allocator``'s: growable segments (``expandable_segments:true``),
     which pack a model's weights tighter; any of the three sources can turn
-    them off. Plain segments serve where the device has no growable ranges.
+    them off, and ``memory="pinned_host"`` goes without them. Plain segments
+    serve where the device has no growable ranges.
 
     Call it before PyTorch initializes CUDA (before the first CUDA tensor,
     stream or ``torch.cuda`` query that creates a context). Calling it again
