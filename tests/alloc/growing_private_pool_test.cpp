@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -306,14 +307,20 @@ TYPED_TEST(growing_private_pool, invariants_checked_during_destroys_hold) {
   // the segment source and by no pool.
   auto& a = this->make();
   std::atomic<bool> done{false};
+  std::exception_ptr churn_error;  // reported after the join, not by std::terminate
+  const auto grow_and_destroy = [&] {
+    const auto pool = a.create_growing_private_pool();
+    {
+      alloc::private_pool_scope scope(a, pool);
+      for (int i = 0; i < 4; ++i) a.deallocate(a.allocate(3 * mib * (1 + i), {}), {});
+    }
+    a.destroy_private_pool(pool);
+  };
   std::thread churn([&] {
-    for (int round = 0; round < 200; ++round) {
-      const auto pool = a.create_growing_private_pool();
-      {
-        alloc::private_pool_scope scope(a, pool);
-        for (int i = 0; i < 4; ++i) a.deallocate(a.allocate(3 * mib * (1 + i), {}), {});
-      }
-      a.destroy_private_pool(pool);
+    try {
+      for (int round = 0; round < 200; ++round) grow_and_destroy();
+    } catch (...) {
+      churn_error = std::current_exception();
     }
     done = true;
   });
@@ -328,6 +335,7 @@ TYPED_TEST(growing_private_pool, invariants_checked_during_destroys_hold) {
     ++checks;
   }
   churn.join();
+  if (churn_error) std::rethrow_exception(churn_error);
   EXPECT_NO_THROW(a.check_invariants());
 }
 
