@@ -2,7 +2,9 @@
 
 #include <array>
 #include <atomic>
+#include <new>
 #include <sstream>
+#include <vector>
 
 #include "alloc/core_util.h"
 #include "shoal/core/error.h"
@@ -158,11 +160,50 @@ std::unique_ptr<block_pool> pool_directory::new_private_part() {
   return std::make_unique<block_pool>();
 }
 
-private_pool_id pool_directory::add_private_pool(std::unique_ptr<private_pool> pool) {
+private_pool_id pool_directory::add_private_pool(std::unique_ptr<private_pool>& pool) {
+  // The pool and its segments enter together, under the directory's lock:
+  // a walk of the pools (the invariant checker) never finds a segment that
+  // is in the directory and in no pool.
   std::unique_lock lock(directory_mutex_);
-  const std::uint64_t id = next_private_id_++;
-  private_pools_.emplace(id, std::move(pool));
-  return private_pool_id{id};
+  std::vector<const segment*> registered;
+  std::size_t segments = 0;
+  for (auto& part : pool->parts) segments += part->segments.size();
+  registered.reserve(segments);
+  try {
+    for (auto& part : pool->parts) {
+      for (auto& s : part->segments) {
+        register_segment(*s);
+        registered.push_back(s.get());
+      }
+    }
+    const std::uint64_t id = next_private_id_;
+    private_pools_.emplace(id, std::move(pool));
+    ++next_private_id_;
+    return private_pool_id{id};
+  } catch (...) {
+    for (const segment* s : registered) unregister_segment(*s);
+    throw;  // the pool stays the caller's
+  }
+}
+
+void pool_directory::discard_private_pool(std::unique_ptr<private_pool> pool) noexcept {
+  for (auto& part : pool->parts) {
+    // A stale per-thread cache entry may lead to a reused sub-pool.
+    std::lock_guard part_lock(part->lock);
+    empty_for_reuse(*part);
+  }
+  std::unique_lock lock(directory_mutex_);
+  for (auto& part : pool->parts) keep_for_reuse(std::move(part));
+}
+
+void pool_directory::keep_for_reuse(std::unique_ptr<block_pool> part) noexcept {
+  try {
+    reusable_parts_.push_back(std::move(part));
+  } catch (const std::bad_alloc&) {
+    // push_back moved nothing: the sub-pool is left allocated, never
+    // freed, as a stale cache entry may still lead to it.
+    (void)part.release();
+  }
 }
 
 block_pool& pool_directory::private_part(private_pool_id id, const std::string& part) const {
@@ -202,22 +243,19 @@ bool pool_directory::remove_private_pool(private_pool_id id,
     for (block_pool* part : parts) part_locks.emplace_back(part->lock);
     if (!ready(parts)) return false;
     for (block_pool* part : parts) take(*part);
-    // Out of the segment directory while still under every lock: a walk
-    // of the pools (the invariant checker) never finds a segment that is
-    // in the directory and in no pool.
+    // Out of the segment directory, and emptied, while still under every
+    // lock: a walk of the pools (the invariant checker) never finds a
+    // segment that is in the directory and in no pool, and a free that
+    // found a sub-pool before it left and waits for its lock finds no
+    // block there (a tombstone's late free then finds its orphan).
     for (block_pool* part : parts) {
       for (auto& s : part->segments) unregister_segment(*s);
+      empty_for_reuse(*part);
     }
     pool = std::move(it->second);
     private_pools_.erase(it);
+    for (auto& part : pool->parts) keep_for_reuse(std::move(part));
   }
-  for (auto& part : pool->parts) {
-    // A thread's stale cache entry may still lead to it: emptied under its lock.
-    std::lock_guard part_lock(part->lock);
-    empty_for_reuse(*part);
-  }
-  std::unique_lock lock(directory_mutex_);
-  for (auto& part : pool->parts) reusable_parts_.push_back(std::move(part));
   return true;
 }
 

@@ -96,8 +96,12 @@ class pool_directory {
   /// pool left, when there is one (its memory is no page new to the
   /// process, so making it costs no page faults), else a new one.
   [[nodiscard]] std::unique_ptr<block_pool> new_private_part();
-  /// Adds a private pool (its segments registered already); returns its id.
-  private_pool_id add_private_pool(std::unique_ptr<private_pool> pool);
+  /// Adds a private pool and registers its segments, together; returns its
+  /// id. On a throw nothing is added and `pool` stays the caller's.
+  private_pool_id add_private_pool(std::unique_ptr<private_pool>& pool);
+  /// Takes back the sub-pools of a private pool that was never added (its
+  /// making failed): emptied, kept for reuse.
+  void discard_private_pool(std::unique_ptr<private_pool> pool) noexcept;
   /// The named sub-pool; throws invalid_argument when there is none.
   [[nodiscard]] block_pool& private_part(private_pool_id id, const std::string& part) const;
   /// Every sub-pool of a private pool; invalid_argument when there is none.
@@ -106,8 +110,8 @@ class pool_directory {
   /// ready(parts) checks them all first — throwing, or returning false
   /// (then this returns false), changes nothing — then take(part), which
   /// must not throw and must leave every block free or a tombstone, runs
-  /// for each; then its segments are unregistered and its sub-pools
-  /// emptied for reuse. Returns true.
+  /// for each; then, all locks still held, its segments are unregistered
+  /// and its sub-pools emptied for reuse. Returns true.
   bool remove_private_pool(private_pool_id id, const std::function<bool(const std::vector<block_pool*>&)>& ready,
                            const std::function<void(block_pool&)>& take);
   /// The sub-pool this thread's allocations are directed to (nullptr: none).
@@ -126,6 +130,8 @@ class pool_directory {
   void unregister_segment(const segment& s);
 
  private:
+  void keep_for_reuse(std::unique_ptr<block_pool> part) noexcept;  // directory_mutex_ held
+
   const std::uint64_t serial_;  // tells this directory's thread-local cache entries apart
 
   mutable std::shared_mutex segments_mutex_;

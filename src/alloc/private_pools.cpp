@@ -147,56 +147,74 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
   // their late frees free nothing newer (orphaned_tombstones.h).
   const std::vector<std::uintptr_t> orphans = orphans_.within(start, start + total);
   auto pool = std::make_unique<private_pool>();
-  std::uintptr_t at = start;
-  auto orphan = orphans.begin();
-  for (const auto& [name, size] : layout) {
-    auto part = directory_.new_private_part();
-    part->kind = pool_kind::large;
-    part->is_private = true;
-    part->part_name = name;
-    auto s = std::make_unique<segment>();
-    s->base = at;
-    s->size = s->mapped_bytes = size;
-    s->pool = part.get();
-    s->external = true;
-    s->part_name = name;
-    block* last = nullptr;
-    for (; orphan != orphans.end() && *orphan < at + size; ++orphan) {
-      block* t = part->new_block();
-      t->address = *orphan;
-      t->size = min_block;
-      t->owner = s.get();
-      t->state = block_state::invalidated;
-      t->prev = last;
-      (last != nullptr ? last->next : s->first) = t;
-      last = t;
-      part->allocated.insert(t);
-      pool_counters::add(part->counters.invalidated, 1);
-      pool_counters::add(part->counters.invalidated_bytes, static_cast<std::int64_t>(min_block));
+  pool->parts.reserve(layout.size());  // a reused sub-pool is never dropped on the way in
+  try {
+    std::uintptr_t at = start;
+    auto orphan = orphans.begin();
+    for (const auto& [name, size] : layout) {
+      pool->parts.push_back(directory_.new_private_part());
+      block_pool& part = *pool->parts.back();
+      // A reused sub-pool: a stale per-thread cache entry may lead to it.
+      std::lock_guard part_lock(part.lock);
+      part.kind = pool_kind::large;
+      part.is_private = true;
+      part.part_name = name;
+      part.segments.push_back(std::make_unique<segment>());
+      segment& s = *part.segments.back();
+      s.base = at;
+      s.size = s.mapped_bytes = size;
+      s.pool = &part;
+      s.external = true;
+      s.part_name = name;
+      block* last = nullptr;
+      for (; orphan != orphans.end() && *orphan < at + size; ++orphan) {
+        block* t = part.new_block();
+        t->address = *orphan;
+        t->size = min_block;
+        t->owner = &s;
+        t->state = block_state::invalidated;
+        t->prev = last;
+        (last != nullptr ? last->next : s.first) = t;
+        last = t;
+        part.allocated.insert(t);
+        pool_counters::add(part.counters.invalidated, 1);
+        pool_counters::add(part.counters.invalidated_bytes, static_cast<std::int64_t>(min_block));
+      }
+      part.reserve_blocks(blocks_for_reset(part));
+      reset_layout(part, events_);  // the free memory around them
+      pool_counters::add(part.counters.segments, 1);
+      pool_counters::add(part.counters.reserved_bytes, static_cast<std::int64_t>(size));
+      at += size;
     }
-    part->segments.push_back(std::move(s));
-    part->reserve_blocks(blocks_for_reset(*part));
-    reset_layout(*part, events_);  // the free memory around them
-    directory_.register_segment(*part->segments.back());
-    pool_counters::add(part->counters.segments, 1);
-    pool_counters::add(part->counters.reserved_bytes, static_cast<std::int64_t>(size));
-    pool->parts.push_back(std::move(part));
-    at += size;
+    const private_pool_id id = directory_.add_private_pool(pool);
+    orphans_.forget_all(orphans);  // tombstones again, no longer orphans
+    if constexpr (check_every_step) check_invariants();
+    return id;
+  } catch (...) {
+    // Out of memory midway: nothing was registered; the sub-pools go back
+    // for reuse, emptied (their tombstones are still orphans).
+    if (pool) directory_.discard_private_pool(std::move(pool));
+    throw;
   }
-  const private_pool_id id = directory_.add_private_pool(std::move(pool));
-  orphans_.forget_all(orphans);  // tombstones again, no longer orphans
-  if constexpr (check_every_step) check_invariants();
-  return id;
 }
 
 private_pool_id allocator_core::create_growing_private_pool() {
   auto pool = std::make_unique<private_pool>();
-  auto part = directory_.new_private_part();
-  part->kind = pool_kind::large;
-  part->is_private = true;
-  part->grows = true;
-  pool->parts.push_back(std::move(part));
-  return directory_.add_private_pool(std::move(pool));
+  pool->parts.reserve(1);  // a reused sub-pool is never dropped on the way in
+  pool->parts.push_back(directory_.new_private_part());
+  {
+    block_pool& part = *pool->parts.back();
+    std::lock_guard part_lock(part.lock);  // a stale per-thread cache entry may lead to it
+    part.kind = pool_kind::large;
+    part.is_private = true;
+    part.grows = true;
+  }
+  try {
+    return directory_.add_private_pool(pool);
+  } catch (...) {
+    directory_.discard_private_pool(std::move(pool));
+    throw;
+  }
 }
 
 void allocator_core::forget_last_streams(private_pool_id id) {
