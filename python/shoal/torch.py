@@ -299,14 +299,38 @@ def memory_snapshot(device: Any = None) -> dict[str, Any]:
     viewer (``torch.cuda._memory_viz``, pytorch.org/memory_viz) reads. Blocks
     carry no stack frames. A forced clear's tombstones have the state
     ``"invalidated"`` and count in no active size; each segment's
-    ``invalidated_size`` sums them."""
+    ``invalidated_size`` sums them. A growable segment (expandable_segments)
+    shows as one segment per stretch of it that memory backs, as PyTorch's
+    own expandable segments do."""
     index = _device_index(device)
-    snap = allocator(index).snapshot()
+    return _torch_layout_snapshot(allocator(index).snapshot(), index)
+
+
+def _mapped_runs(segment: dict[str, Any]) -> list[tuple[int, list[dict[str, Any]]]]:
+    """A segment's blocks as (start, blocks) runs of contiguous memory. A
+    growable segment lists only its mapped blocks, so each run is a stretch
+    backed by memory (its reserved address range is not); as in PyTorch's
+    snapshot, each run is shown as a segment of its own, and a segment with
+    nothing mapped is not shown."""
+    if not segment["expandable"]:
+        return [(segment["address"], segment["blocks"])]
+    runs: list[tuple[int, list[dict[str, Any]]]] = []
+    end = None
+    for b in segment["blocks"]:
+        if b["address"] != end:
+            runs.append((b["address"], []))
+        runs[-1][1].append(b)
+        end = b["address"] + b["size"]
+    return runs
+
+
+def _torch_layout_snapshot(snap: dict[str, Any], index: int) -> dict[str, Any]:
+    """shoal's snapshot (``Allocator.snapshot()``) in the layout of
+    ``torch.cuda.memory._snapshot()``."""
     segments = []
     for s in snap["segments"]:
-        blocks = []
-        for b in s["blocks"]:
-            blocks.append(
+        for start, run in _mapped_runs(s):
+            blocks = [
                 {
                     "address": b["address"],
                     "size": b["size"],
@@ -314,23 +338,24 @@ def memory_snapshot(device: Any = None) -> dict[str, Any]:
                     "state": _BLOCK_STATES.get(b["state"], b["state"]),
                     "frames": [],
                 }
+                for b in run
+            ]
+            in_use = [b for b in blocks if b["state"] in ("active_allocated", "active_pending_free")]
+            segments.append(
+                {
+                    "device": index,
+                    "address": start,
+                    "total_size": sum(b["size"] for b in blocks) if s["expandable"] else s["total_size"],
+                    "allocated_size": sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
+                    "active_size": sum(b["size"] for b in in_use),
+                    "requested_size": sum(b["requested_size"] for b in in_use),
+                    "invalidated_size": sum(b["size"] for b in blocks if b["state"] == "invalidated"),
+                    "stream": s["stream"],
+                    "segment_type": s["pool"],
+                    "segment_pool_id": (0, 0),
+                    "is_expandable": s["expandable"],
+                    "frames": [],
+                    "blocks": blocks,
+                }
             )
-        in_use = [b for b in blocks if b["state"] in ("active_allocated", "active_pending_free")]
-        segments.append(
-            {
-                "device": index,
-                "address": s["address"],
-                "total_size": s["total_size"],
-                "allocated_size": sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
-                "active_size": sum(b["size"] for b in in_use),
-                "requested_size": sum(b["requested_size"] for b in in_use),
-                "invalidated_size": sum(b["size"] for b in blocks if b["state"] == "invalidated"),
-                "stream": s["stream"],
-                "segment_type": s["pool"],
-                "segment_pool_id": (0, 0),
-                "is_expandable": s["expandable"],
-                "frames": [],
-                "blocks": blocks,
-            }
-        )
     return {"segments": segments, "device_traces": [[] for _ in range(max(index + 1, 1))]}

@@ -43,6 +43,37 @@ def test_pytorchs_allocations_default_to_growable_segments_and_every_source_over
     assert "memory:pinned_host" in pinned and "expandable_segments:false" in pinned
 
 
+def test_pytorch_layout_shows_a_growable_segment_as_the_stretches_memory_backs():
+    # shoal.torch.memory_snapshot's layout is PyTorch's: a growable segment
+    # shows as one segment per mapped stretch, sized by it, as PyTorch's own
+    # expandable segments do; one with nothing mapped shows not at all.
+    import shoal.torch
+
+    mib = 1 << 20
+    a = shoal.Allocator(use_environment=False, expandable_segments=True)
+    blocks = [a.allocate(4 * mib) for _ in range(6)]
+    del blocks[2:4]  # a hole of 8 MiB in the middle
+    a.empty_cache()
+    (grown,) = a.snapshot()["segments"]
+    assert grown["expandable"] and grown["total_size"] > grown["mapped_size"] == 16 * mib
+    layout = shoal.torch._torch_layout_snapshot(a.snapshot(), 0)
+    segments = layout["segments"]
+    assert [s["address"] - grown["address"] for s in segments] == [0, 16 * mib]
+    assert [s["total_size"] for s in segments] == [8 * mib, 8 * mib]
+    for s in segments:
+        assert s["is_expandable"] and s["allocated_size"] == s["total_size"]
+        assert sum(b["size"] for b in s["blocks"]) == s["total_size"]
+    del blocks
+    a.empty_cache()
+    assert shoal.torch._torch_layout_snapshot(a.snapshot(), 0)["segments"] == []
+    # Plain segments are shown whole, free memory included.
+    plain = shoal.Allocator(use_environment=False)
+    x = plain.allocate(mib)
+    (segment,) = shoal.torch._torch_layout_snapshot(plain.snapshot(), 0)["segments"]
+    assert segment["total_size"] == plain.snapshot()["segments"][0]["total_size"] > segment["allocated_size"] > 0
+    del x
+
+
 def test_a_bad_setting_is_refused_with_its_name():
     with pytest.raises(shoal.InvalidArgumentError, match="expandable_segments"):
         shoal.Allocator(use_environment=False, expandable_segments="maybe")
