@@ -12,11 +12,14 @@ CUDA initialisation):
 Prints a markdown table of medians with the spread (min-max) over rounds.
   python bench/python/torch_alloc.py [--rounds 3] [--models resnet,bert,gpt2]
                                     [--shoal-conf expandable_segments:true] [--cpus 3]
+                                    [--control]
 
 --cpus pins every process to those CPUs. Launch-bound model steps (BERT's
 forward, GPT-2's generation) run at the speed of the core a process lands
 on: BERT's step measured 14.8 to 26.7 ms in different processes of the same
-allocator on one H100 machine, constant within each process.
+allocator on one H100 machine, constant within each process. --control runs
+PyTorch's allocator in both columns: the ratio it prints is what process
+noise alone gives, to read the real comparison against.
 """
 
 import argparse
@@ -109,6 +112,9 @@ def main() -> None:
     parser.add_argument("--model-warmup", type=int, default=2, help="untimed steps first (BERT: one per shape is 5)")
     parser.add_argument("--shoal-conf", default="", help="shoal's settings for the models, e.g. expandable_segments:true")
     parser.add_argument("--cpus", default="", help="run every process on these CPUs only, e.g. 3 or 2,3")
+    parser.add_argument("--control", action="store_true",
+                        help="models only: PyTorch's allocator in both columns (an A/A run), to show how far two "
+                             "sets of processes of one allocator differ")
     args = parser.parse_args()
     if args.cpus:  # inherited by the child processes
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
@@ -156,6 +162,10 @@ def model_steps(args) -> None:
     # generation loops are bound by the host CPU, whose speed drifts by tens of
     # percent between processes on a shared machine; the fastest step is what
     # each allocator allows when the machine is quiet.
+    # The second column's allocator: shoal, or PyTorch's again in a control run.
+    second = "torch" if args.control else "shoal"
+    if args.control:
+        print("control run (A/A): PyTorch's allocator in both columns; the column named shoal is PyTorch's too")
     print("| model | step, PyTorch (ms) | step, shoal (ms) | shoal/PyTorch | fastest step, PyTorch / shoal (ms) | "
           "shoal/PyTorch | peak reserved, PyTorch (MiB) | peak reserved, shoal (MiB) | shoal/PyTorch | same outputs |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -163,8 +173,9 @@ def model_steps(args) -> None:
         res = {"torch": [], "shoal": []}
         for round_index in range(args.rounds):  # interleaved, each first in turn, so drift touches both alike
             order = ["torch", "shoal"] if round_index % 2 == 0 else ["shoal", "torch"]
-            for allocator in order:
-                res[allocator].append(model_run(allocator, model, args.model_steps, args.model_warmup, args.shoal_conf))
+            for side in order:
+                allocator = second if side == "shoal" else side
+                res[side].append(model_run(allocator, model, args.model_steps, args.model_warmup, args.shoal_conf))
         step = {a: [t for r in res[a] for t in r["step_ms"]] for a in res}
         fastest = {a: min(step[a]) for a in res}
         peak = {a: [r["peak_reserved"] / 2**20 for r in res[a]] for a in res}
