@@ -12,7 +12,7 @@ CUDA initialisation):
 Prints a markdown table of medians with the spread (min-max) over rounds.
   python bench/python/torch_alloc.py [--rounds 3] [--models resnet,bert,gpt2]
                                     [--shoal-conf expandable_segments:true] [--cpus 3]
-                                    [--control]
+                                    [--control] [--fixed-layout]
 
 --cpus pins every process to those CPUs. Launch-bound model steps (BERT's
 forward, GPT-2's generation) run at the speed of the core a process lands
@@ -83,12 +83,17 @@ def child(allocator: str, iterations: int) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def model_run(allocator: str, model: str, steps: int, warmup: int, shoal_conf: str) -> dict:
-    r = subprocess.run(
-        [sys.executable, str(MODELS_PROGRAM), "--allocator", allocator, "--model", model, "--steps", str(steps),
-         "--warmup", str(warmup), "--shoal-conf", shoal_conf],
-        capture_output=True, text=True, timeout=600,
-    )
+def model_run(allocator: str, model: str, steps: int, warmup: int, shoal_conf: str, fixed_layout: bool) -> dict:
+    command = [sys.executable, str(MODELS_PROGRAM), "--allocator", allocator, "--model", model, "--steps", str(steps),
+               "--warmup", str(warmup), "--shoal-conf", shoal_conf]
+    env = None
+    if fixed_layout:
+        # Every process gets the same string hashes and address layout, two
+        # of the things that make processes of one program run at different
+        # speeds (the control run shows how much is left).
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        command = ["setarch", os.uname().machine, "--addr-no-randomize", *command]
+    r = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     if r.returncode != 0:
         raise SystemExit(f"{model} on {allocator} failed:\n{r.stdout}\n{r.stderr}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -115,6 +120,9 @@ def main() -> None:
     parser.add_argument("--control", action="store_true",
                         help="models only: PyTorch's allocator in both columns (an A/A run), to show how far two "
                              "sets of processes of one allocator differ")
+    parser.add_argument("--fixed-layout", action="store_true",
+                        help="models only: run each process with PYTHONHASHSEED=0 and without address space "
+                             "randomisation (setarch), so processes differ less")
     args = parser.parse_args()
     if args.cpus:  # inherited by the child processes
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
@@ -175,7 +183,8 @@ def model_steps(args) -> None:
             order = ["torch", "shoal"] if round_index % 2 == 0 else ["shoal", "torch"]
             for side in order:
                 allocator = second if side == "shoal" else side
-                res[side].append(model_run(allocator, model, args.model_steps, args.model_warmup, args.shoal_conf))
+                res[side].append(model_run(allocator, model, args.model_steps, args.model_warmup, args.shoal_conf,
+                                           args.fixed_layout))
         step = {a: [t for r in res[a] for t in r["step_ms"]] for a in res}
         fastest = {a: min(step[a]) for a in res}
         peak = {a: [r["peak_reserved"] / 2**20 for r in res[a]] for a in res}
