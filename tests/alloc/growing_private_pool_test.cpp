@@ -6,7 +6,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <exception>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -15,6 +14,7 @@
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 #include "support/allocators.h"
+#include "support/invariants_during.h"
 
 namespace shoal::testing {
 namespace {
@@ -306,37 +306,16 @@ TYPED_TEST(growing_private_pool, invariants_checked_during_destroys_hold) {
   // back to the device: a check in between must not count them reserved by
   // the segment source and by no pool.
   auto& a = this->make();
-  std::atomic<bool> done{false};
-  std::exception_ptr churn_error;  // reported after the join, not by std::terminate
-  const auto grow_and_destroy = [&] {
-    const auto pool = a.create_growing_private_pool();
-    {
-      alloc::private_pool_scope scope(a, pool);
-      for (int i = 0; i < 4; ++i) a.deallocate(a.allocate(3 * mib * (1 + i), {}), {});
+  expect_invariants_hold_during(a, [&] {
+    for (int round = 0; round < 200; ++round) {
+      const auto pool = a.create_growing_private_pool();
+      {
+        alloc::private_pool_scope scope(a, pool);
+        for (int i = 0; i < 4; ++i) a.deallocate(a.allocate(3 * mib * (1 + i), {}), {});
+      }
+      a.destroy_private_pool(pool);
     }
-    a.destroy_private_pool(pool);
-  };
-  std::thread churn([&] {
-    try {
-      for (int round = 0; round < 200; ++round) grow_and_destroy();
-    } catch (...) {
-      churn_error = std::current_exception();
-    }
-    done = true;
   });
-  int checks = 0;
-  while (!done || checks == 0) {
-    try {
-      a.check_invariants();
-    } catch (const std::exception& e) {
-      churn.join();  // the churn ends by itself
-      FAIL() << "check " << checks << ": " << e.what();
-    }
-    ++checks;
-  }
-  churn.join();
-  if (churn_error) std::rethrow_exception(churn_error);
-  EXPECT_NO_THROW(a.check_invariants());
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/backend/host_device.h"
+#include "support/invariants_during.h"
 
 namespace shoal::testing {
 namespace {
@@ -24,32 +25,12 @@ TEST(region_pool_races, invariants_checked_during_creates_and_destroys_hold) {
   backend::host_device dev({.capacity_bytes = 64 * mib});
   alloc::caching_allocator a(dev, alloc::allocator_config{});
   void* region = dev.allocate_segment(4 * mib);
-  std::atomic<bool> done{false};
-  std::exception_ptr churn_error;  // reported after the join, not by std::terminate
-  std::thread churn([&] {
-    try {
-      for (int round = 0; round < 2000; ++round) {
-        const auto pool = a.create_private_pool(region, 4 * mib, {{"weights", 3 * mib}, {"scratch", mib}});
-        a.destroy_private_pool(pool);
-      }
-    } catch (...) {
-      churn_error = std::current_exception();
+  expect_invariants_hold_during(a, [&] {
+    for (int round = 0; round < 2000; ++round) {
+      const auto pool = a.create_private_pool(region, 4 * mib, {{"weights", 3 * mib}, {"scratch", mib}});
+      a.destroy_private_pool(pool);
     }
-    done = true;
   });
-  int checks = 0;
-  while (!done || checks == 0) {
-    try {
-      a.check_invariants();
-    } catch (const std::exception& e) {
-      churn.join();  // the churn ends by itself
-      FAIL() << "check " << checks << ": " << e.what();
-    }
-    ++checks;
-  }
-  churn.join();
-  if (churn_error) std::rethrow_exception(churn_error);
-  EXPECT_NO_THROW(a.check_invariants());
   dev.free_segment(region);
 }
 
