@@ -52,8 +52,13 @@ TEST(region_pool_races, a_late_free_racing_a_forced_destroy_leaves_no_tombstone_
     }
     std::atomic<bool> go{false};
     std::exception_ptr free_error;
+    // The free starts a little later each round (0-255 spins), so that over
+    // the rounds it lands in every part of the destroy, its locked section too.
+    const int delay = round % 256;
     std::thread owner([&] {
       while (!go.load(std::memory_order_acquire)) {
+      }
+      for (volatile int spin = 0; spin < delay * 4; spin = spin + 1) {
       }
       try {
         a.deallocate(block, {});
