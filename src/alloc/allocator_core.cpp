@@ -305,7 +305,7 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
 bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool events_allowed) {
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
   bool freed = true;
-  const bool found = run_on_block<true>(address, [&](block_pool& pool, block* b) {
+  const auto free_block = [&](block_pool& pool, block* b) {
     if (b->state == block_state::invalidated) {
       remove_tombstone(pool, b, stream);
       return;
@@ -359,11 +359,15 @@ bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool even
     } else {
       make_reusable(pool, b);
     }
-  });
-  // The late free of a tombstone whose pool was destroyed: nothing to free.
-  if (!found) {
-    if (!orphans_.forget(address)) throw_not_allocated(address, "deallocate");
-    note_tombstone_removed(address, stream);
+  };
+  if (!run_on_block<true>(address, free_block)) {
+    // The late free of a tombstone whose pool was destroyed: nothing to
+    // free, unless a pool made on its region since holds it again.
+    std::lock_guard handoff(region_handoff_mutex_);
+    if (!run_on_block<true>(address, free_block)) {
+      if (!orphans_.forget(address)) throw_not_allocated(address, "deallocate");
+      note_tombstone_removed(address, stream);
+    }
   }
   if constexpr (check_every_step) check_invariants();
   return freed;
@@ -461,13 +465,17 @@ void allocator_core::empty_cache() {
 
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
-  const bool found = run_on_block<false>(address, [&](block_pool&, block* b) {
+  const auto note_stream = [&](block_pool&, block* b) {
     // A tombstone: its owner's storage records its streams before the late
     // free, which must still come to remove it. Nothing waits for them now.
     if (b->state == block_state::invalidated) return;
     if (stream != b->stream) add_unique(b->used_on, stream);
-  });
-  if (found || orphans_.contains(address)) return;
+  };
+  if (run_on_block<false>(address, note_stream)) return;
+  {
+    std::lock_guard handoff(region_handoff_mutex_);  // an orphan, or again a tombstone
+    if (run_on_block<false>(address, note_stream) || orphans_.contains(address)) return;
+  }
   // A pointer inside an allocated block (a part of storage::allocate_parts,
   // a view's data): the stream holds the whole block's free back.
   block_pool* pool = directory_.directory_pool(address);

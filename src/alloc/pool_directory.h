@@ -21,6 +21,8 @@
 //
 // Lock order of the whole allocator, stated here once:
 //   allocator_core::retired_mutex_ (stats and private pool destroys only)
+//   or allocator_core::region_handoff_mutex_ (a private pool's creation over
+//   a region, a free or record_stream that found no block), never both,
 //   -> directory_mutex_ -> one pool's lock -> the leaf locks: segments_mutex_,
 //   the event pool's, the trace ring's, the hooks' (release observers), the
 //   orphaned tombstones', the segment source's detached count.
@@ -33,7 +35,8 @@
 // as nobody else waits for a pool lock while holding another, this cannot
 // deadlock. Cache-miss hooks run with no
 // allocator lock held. Device calls may run under a pool lock (like
-// cudaMalloc under PyTorch's), never under the others.
+// cudaMalloc under PyTorch's) and the region hand-off lock above it, never
+// under the others.
 //
 // Thread-safety: every member may be called from any thread at once, except
 // for_each_pool_ever (teardown only).

@@ -144,7 +144,9 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
                            " bytes but the region has " + std::to_string(bytes));
   }
   // Tombstones a destroyed pool left here become tombstones again, so that
-  // their late frees free nothing newer (orphaned_tombstones.h).
+  // their late frees free nothing newer (orphaned_tombstones.h). No late
+  // free takes one while they change hands (region_handoff_mutex_).
+  std::lock_guard handoff(region_handoff_mutex_);
   const std::vector<std::uintptr_t> orphans = orphans_.within(start, start + total);
   auto pool = std::make_unique<private_pool>();
   pool->parts.reserve(layout.size());  // a reused sub-pool is never dropped on the way in

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <thread>
 
 #include "shoal/alloc/caching_allocator.h"
@@ -18,6 +19,11 @@ namespace {
 
 using alloc::live_blocks;
 constexpr std::size_t kib = 1024, mib = kib * kib;
+
+// Busy-waits about `n` steps; the fence keeps the compiler from folding the loop.
+void spin(int n) {
+  for (int i = 0; i < n; ++i) std::atomic_signal_fence(std::memory_order_seq_cst);
+}
 
 TEST(region_pool_races, invariants_checked_during_creates_and_destroys_hold) {
   // A made pool's segments enter the segment directory together with the
@@ -58,8 +64,7 @@ TEST(region_pool_races, a_late_free_racing_a_forced_destroy_leaves_no_tombstone_
     std::thread owner([&] {
       while (!go.load(std::memory_order_acquire)) {
       }
-      for (volatile int spin = 0; spin < delay * 4; spin = spin + 1) {
-      }
+      spin(delay * 4);
       try {
         a.deallocate(block, {});
       } catch (...) {
@@ -79,6 +84,93 @@ TEST(region_pool_races, a_late_free_racing_a_forced_destroy_leaves_no_tombstone_
     }
     a.destroy_private_pool(again);
   }
+  dev.free_segment(region);
+}
+
+// Destroys a pool over `region` that holds one live block, taking it back
+// (the block becomes an orphaned tombstone), then runs `late` on it on
+// another thread while a new pool is made on the region. `late` starts
+// 0-255 spins later round by round, so that over the rounds it lands before,
+// inside and after the creation's hand-off of the orphans; `created` turns
+// true when the creation returned. Returns the new pool, and what `late`
+// threw.
+struct handoff_round {
+  alloc::private_pool_id pool;
+  std::exception_ptr late_error;
+};
+handoff_round race_a_creation(alloc::caching_allocator& a, void* region, std::size_t bytes, int round,
+                              const std::function<void(void*, const std::atomic<bool>& created)>& late) {
+  const auto old = a.create_private_pool(region, bytes);
+  void* block = nullptr;
+  {
+    alloc::private_pool_scope scope(a, old);
+    block = a.allocate(128 * kib, {});
+  }
+  (void)a.destroy_private_pool(old, live_blocks::invalidate);
+  std::atomic<bool> go{false}, created{false};
+  handoff_round result{};
+  const int delay = round % 256;
+  std::thread owner([&] {
+    while (!go.load(std::memory_order_acquire)) {
+    }
+    spin(delay * 4);
+    try {
+      late(block, created);
+    } catch (...) {
+      result.late_error = std::current_exception();
+    }
+  });
+  go.store(true, std::memory_order_release);
+  result.pool = a.create_private_pool(region, bytes);
+  created = true;
+  owner.join();
+  return result;
+}
+
+TEST(region_pool_races, a_late_free_racing_a_new_pool_on_the_region_frees_its_tombstone_once) {
+  // The orphan becomes the new pool's tombstone while the late free looks
+  // for it. Whether the free takes the orphan (before) or the new pool's
+  // tombstone (after), it succeeds and the new pool's whole region is free.
+  backend::host_device dev({.capacity_bytes = 64 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config{});
+  void* region = dev.allocate_segment(2 * mib);
+  for (int round = 0; round < 3000; ++round) {
+    const auto r = race_a_creation(a, region, 2 * mib, round, [&](void* block, const auto&) { a.deallocate(block, {}); });
+    if (r.late_error) std::rethrow_exception(r.late_error);
+    {
+      alloc::private_pool_scope scope(a, r.pool);
+      void* whole = nullptr;
+      ASSERT_NO_THROW(whole = a.allocate(2 * mib, {})) << "round " << round << ": the new pool kept a freed tombstone";
+      a.deallocate(whole, {});
+    }
+    a.destroy_private_pool(r.pool);
+  }
+  a.check_invariants();
+  dev.free_segment(region);
+}
+
+TEST(region_pool_races, record_stream_on_a_tombstone_changing_hands_is_accepted) {
+  // A storage records its streams on a tombstone before the late free; the
+  // record is accepted whether it finds the orphan or the new pool's. It
+  // records over and over until the creation returns, so that some record
+  // straddles the hand-off (without the hand-off lock this failed about one
+  // run in six: the window is two lookups wide).
+  backend::host_device dev({.capacity_bytes = 64 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config{});
+  void* region = dev.allocate_segment(2 * mib);
+  for (int round = 0; round < 10000; ++round) {
+    void* tombstone = nullptr;
+    const auto r = race_a_creation(a, region, 2 * mib, round, [&](void* block, const std::atomic<bool>& created) {
+      tombstone = block;
+      do {
+        a.record_stream(block, {});
+      } while (!created);
+    });
+    if (r.late_error) std::rethrow_exception(r.late_error);
+    a.deallocate(tombstone, {});
+    a.destroy_private_pool(r.pool);
+  }
+  a.check_invariants();
   dev.free_segment(region);
 }
 
