@@ -68,7 +68,8 @@ struct consumer_steps {
 
 // The consumer: receive, touch one byte (a copy to the host and a wait),
 // drop, acknowledge. A note "?" answers with its resident KiB; a note "s"
-// with the median microseconds of its steps since the last "s".
+// with the median microseconds of its steps since the last "s"; a note "p"
+// with an empty note at once (the message floor).
 int consume(const std::string& backend_name) {
   backend::device& dev = device_named(backend_name);
   alloc::caching_allocator allocator(dev, {});
@@ -94,6 +95,10 @@ int consume(const std::string& backend_name) {
     if (!r.storage.valid()) {
       if (r.metadata.empty()) return 0;
       std::string answer;
+      if (r.metadata[0] == std::byte{'p'}) {
+        producer.send_note(ack);
+        continue;
+      }
       if (r.metadata[0] == std::byte{'s'}) {
         answer = steps.medians();
         steps = {};
@@ -197,6 +202,42 @@ void round_trips(producer_side& p, const options& o) {
   }
 }
 
+// What a round trip costs without its storage, in the same run: a note
+// and its answer (the two messages' way through the socket and the
+// waiting), the touch alone (here, on a storage of this process), and a
+// stream query (send and drop each make one).
+void round_trip_floor(producer_side& p, const options& o) {
+  std::vector<double> ping, touch, query;
+  const std::byte ask[1] = {std::byte{'p'}};
+  auto st = p.make(4 << 10);
+  std::uint8_t seen = 0;
+  for (int i = 0; i < o.iterations + 20; ++i) {
+    auto t0 = clock_type::now();
+    p.peer_.send_note(ask);
+    (void)p.peer_.receive(p.stream_);
+    const double ping_us = micros_since(t0);
+    t0 = clock_type::now();
+    p.dev_.copy(p.stream_, &seen, st.data(), 1);
+    p.dev_.synchronize(p.stream_);
+    const double touch_us = micros_since(t0);
+    t0 = clock_type::now();
+    (void)p.dev_.query(p.stream_);
+    const double query_us = micros_since(t0);
+    if (i < 20) continue;
+    ping.push_back(ping_us);
+    touch.push_back(touch_us);
+    query.push_back(query_us);
+  }
+  std::printf("\n| a round trip's floor, same run | median us | p90 us |\n|---|---|---|\n");
+  const auto row = [](const char* what, std::vector<double> v) {
+    const auto [median, p90] = summarize(std::move(v));
+    std::printf("| %s | %.1f | %.1f |\n", what, median, p90);
+  };
+  row("a note and its answer (two messages, no storage)", ping);
+  row("touch alone (one byte to the host, then a wait)", touch);
+  row("a query of an idle stream", query);
+}
+
 void first_shares(producer_side& p, const options& o) {
   // Each storage gets a segment of its own (64 MiB: one per request); the
   // cache is emptied between shares so the next one is a new segment.
@@ -252,6 +293,7 @@ int main(int argc, char** argv) {
     producer_side p(dev, "/proc/self/exe", o.backend);
     round_trips(p, o);
     first_shares(p, o);
+    round_trip_floor(p, o);
     flat_memory(p, o);
     return 0;
   } catch (const std::exception& e) {
