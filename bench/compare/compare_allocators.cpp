@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "bench/common/shoal_adapter.h"
+#include "bench/common/shoal_per_stream_adapter.h"
 #include "bench/common/private_work_adapter.h"
 #include "bench/compare/adapters.h"
 #include "shoal/backend/devices.h"
@@ -255,7 +256,14 @@ std::vector<contender> contenders() {
   list.push_back({"rmm pool", [] { return std::make_unique<shoal::bench::rmm_pool_adapter>(); }, false});
   list.push_back({"rmm arena", [] { return std::make_unique<shoal::bench::rmm_arena_adapter>(); }, false});
 #endif
-  // Not an allocator: the machine's ceiling for the thread rows.
+  // Not ways to use an allocator: ceilings for the thread rows. shoal with an
+  // allocator per stream shares nothing; private work does no memory work.
+  list.push_back({"shoal per stream",
+                  [] {
+                    return std::make_unique<shoal::bench::shoal_per_stream_adapter>(
+                        shoal::backend::cuda_device_instance(0), shoal::alloc::allocator_config::from_environment());
+                  },
+                  false});
   list.push_back({"private work", [] { return std::make_unique<shoal::bench::private_work_adapter>(); }, false});
   return list;
 }
@@ -278,7 +286,8 @@ std::string header() {
 #endif
   text += "\npair: µs (median over batches); threads: M pairs/s aggregate (× one thread); "
           "shoal vs torch: how many times better shoal is; private work: not an allocator but 32 xorshift rounds per "
-          "pair on thread-private state, the machine's ceiling for the thread rows\n";
+          "pair on thread-private state, the machine's ceiling for the thread rows; shoal per stream: an allocator of "
+          "its own for each stream, nothing shared, shoal's own ceiling there\n";
   return text;
 }
 
