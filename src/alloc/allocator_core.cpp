@@ -95,7 +95,7 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream, bo
   if (b == nullptr && waits_allowed) b = allocate_slow(pool, r);
   if (b == nullptr) out_of_memory_error(pool, bytes, stream);
   if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, stream);
-  if constexpr (check_every_step) check_invariants();
+  check_step();
   return reinterpret_cast<void*>(b->address);
 }
 
@@ -369,7 +369,7 @@ bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool even
       note_tombstone_removed(address, stream);
     }
   }
-  if constexpr (check_every_step) check_invariants();
+  check_step();
   return freed;
 }
 
@@ -435,7 +435,7 @@ void allocator_core::process_pending_frees() {
     std::lock_guard lock(p.lock);
     collect_pending(p, false);
   });
-  if constexpr (check_every_step) check_invariants();
+  check_step();
 }
 
 void allocator_core::set_memory_fraction(double fraction) {
@@ -460,7 +460,7 @@ void allocator_core::empty_cache() {
     collect_pending(p, false);
     source_.release_cached(p);
   });
-  if constexpr (check_every_step) check_invariants();
+  check_step();
 }
 
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
@@ -472,26 +472,30 @@ void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
     if (stream != b->stream) add_unique(b->used_on, stream);
   };
   if (run_on_block<false>(address, note_stream)) return;
-  {
-    std::lock_guard handoff(region_handoff_mutex_);  // an orphan, or again a tombstone
-    if (run_on_block<false>(address, note_stream) || orphans_.contains(address)) return;
-  }
+  if (record_inside_block(address, stream)) return;
+  // An orphan, or again a tombstone of a pool made since.
+  std::lock_guard handoff(region_handoff_mutex_);
+  if (run_on_block<false>(address, note_stream) || orphans_.contains(address)) return;
+  throw_not_allocated(address, "record_stream");
+}
+
+bool allocator_core::record_inside_block(std::uintptr_t address, backend::stream_ref stream) {
   // A pointer inside an allocated block (a part of storage::allocate_parts,
   // a view's data): the stream holds the whole block's free back.
   block_pool* pool = directory_.directory_pool(address);
-  if (pool != nullptr) {
-    std::lock_guard lock(pool->lock);
-    for (const auto& s : pool->segments) {
-      if (address - s->base >= s->size) continue;
-      for (block* b = s->first; b != nullptr; b = b->next) {
-        if (address - b->address >= b->size) continue;
-        if (b->state != block_state::allocated) break;
-        if (stream != b->stream) add_unique(b->used_on, stream);
-        return;
-      }
+  if (pool == nullptr) return false;
+  std::lock_guard lock(pool->lock);
+  if (!pool->in_service) return false;
+  for (const auto& s : pool->segments) {
+    if (address - s->base >= s->size) continue;
+    for (block* b = s->first; b != nullptr; b = b->next) {
+      if (address - b->address >= b->size) continue;
+      if (b->state != block_state::allocated) return false;
+      if (stream != b->stream) add_unique(b->used_on, stream);
+      return true;
     }
   }
-  throw_not_allocated(address, "record_stream");
+  return false;
 }
 
 std::size_t allocator_core::block_size(const void* ptr) const {

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <string>
 #include <utility>
 #include <vector>
@@ -104,6 +105,18 @@ class allocator_core {
   /// Throws invariant_violation unless every invariant holds (see
   /// invariant_checker.h); holds every pool's lock meanwhile.
   void check_invariants() const;
+  /// check_invariants in builds with SHOAL_CHECK_INVARIANTS, after a step
+  /// that changed the allocator; nothing in others. A check the host has no
+  /// memory for is skipped: the step it follows has happened, and throwing
+  /// std::bad_alloc would lose what it made (a block, a pool) to its caller.
+  void check_step() const {
+    if constexpr (check_every_step) {
+      try {
+        check_invariants();
+      } catch (const std::bad_alloc&) {  // NOLINT(bugprone-empty-catch): not checked, nothing broken found
+      }
+    }
+  }
   /// Tests only: breaks one invariant around the allocated block at `ptr`.
   void unsafe_break_invariant(void* ptr, test_hook::invariant_breakage what);
 
@@ -172,6 +185,9 @@ class allocator_core {
   /// each taken block unlinked: reset_layout or empty_for_reuse follows,
   /// under the same lock.
   void take_back_live_blocks(block_pool& part, invalidated_blocks_report& taken);
+  /// record_stream of a pointer inside an allocated block: true when it
+  /// found one (and noted the stream on it).
+  bool record_inside_block(std::uintptr_t address, backend::stream_ref stream);
   /// A late free of a tombstone on `stream`: its memory goes back to the
   /// sub-pool, last used on `stream`.
   void remove_tombstone(block_pool& part, block* b, backend::stream_ref stream);
@@ -215,6 +231,7 @@ bool allocator_core::run_on_block(std::uintptr_t address, Fn&& fn) const {
   auto found_in = [&](block_pool* pool) {
     if (pool == nullptr) return false;
     std::unique_lock lock(pool->lock);
+    if (!pool->in_service) return false;
     block* b = Take ? pool->allocated.take(address) : pool->allocated.find(address);
     if (b == nullptr) return false;
     try {

@@ -50,6 +50,13 @@ struct alignas(64) block_pool {
   /// destroyed: no give-back touches it before.
   bool grows = false;
   std::string part_name;  ///< private sub-pools
+  /// Its blocks can be found by address (run_on_block). A private sub-pool
+  /// is out of service from its making until its pool is in the directory,
+  /// and again once it left: a lookup that reaches it meanwhile (a stale
+  /// per-thread cache entry, a directory entry of a creation that is
+  /// failing) finds nothing and takes the locked slow path. Stream pools
+  /// are always in service.
+  bool in_service = true;
 
   free_bins bins;
   block_index allocated;  ///< blocks in state allocated or invalidated (tombstones), by address

@@ -67,6 +67,7 @@ void empty_for_reuse(block_pool& part) noexcept {
   part.counters = {};
   part.part_name.clear();
   part.grows = false;
+  part.in_service = false;  // a stale per-thread cache entry finds nothing here
 }
 
 }  // namespace

@@ -118,6 +118,22 @@ std::uint64_t frees_of(block_pool& part) {
   return part.frees;
 }
 
+std::vector<block_pool*> part_pointers(const private_pool& pool) {
+  std::vector<block_pool*> parts;
+  parts.reserve(pool.parts.size());
+  for (const auto& part : pool.parts) parts.push_back(part.get());
+  return parts;
+}
+
+// A made pool's sub-pools, once the pool is in the directory: from now on
+// lookups find their blocks (block_pool::in_service).
+void put_in_service(const std::vector<block_pool*>& parts) noexcept {
+  for (block_pool* part : parts) {
+    std::lock_guard lock(part->lock);
+    part->in_service = true;
+  }
+}
+
 }  // namespace
 
 private_pool_id allocator_core::create_private_pool(void* base, std::size_t bytes,
@@ -160,6 +176,7 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
       std::lock_guard part_lock(part.lock);
       part.kind = pool_kind::large;
       part.is_private = true;
+      part.in_service = false;  // until the pool is in the directory
       part.part_name = name;
       part.segments.push_back(std::make_unique<segment>());
       segment& s = *part.segments.back();
@@ -188,13 +205,16 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
       pool_counters::add(part.counters.reserved_bytes, static_cast<std::int64_t>(size));
       at += size;
     }
+    const std::vector<block_pool*> parts = part_pointers(*pool);
     const private_pool_id id = directory_.add_private_pool(pool);
+    put_in_service(parts);
     orphans_.forget_all(orphans);  // tombstones again, no longer orphans
-    if constexpr (check_every_step) check_invariants();
+    check_step();
     return id;
   } catch (...) {
-    // Out of memory midway: nothing was registered; the sub-pools go back
-    // for reuse, emptied (their tombstones are still orphans).
+    // Out of memory midway: nothing was registered and no free found a
+    // sub-pool (out of service); the sub-pools go back for reuse, emptied
+    // (their tombstones are still orphans).
     if (pool) directory_.discard_private_pool(std::move(pool));
     throw;
   }
@@ -210,9 +230,13 @@ private_pool_id allocator_core::create_growing_private_pool() {
     part.kind = pool_kind::large;
     part.is_private = true;
     part.grows = true;
+    part.in_service = false;  // until the pool is in the directory
   }
   try {
-    return directory_.add_private_pool(pool);
+    const std::vector<block_pool*> parts = part_pointers(*pool);
+    const private_pool_id id = directory_.add_private_pool(pool);
+    put_in_service(parts);
+    return id;
   } catch (...) {
     directory_.discard_private_pool(std::move(pool));
     throw;
@@ -281,7 +305,7 @@ invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id,
     // The poison is written before anything is handed out of the memory.
     if (config.debug) device.synchronize_device();
   }
-  if constexpr (check_every_step) check_invariants();
+  check_step();
   return taken;
 }
 
@@ -371,7 +395,7 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
         });
     retired_lock.unlock();
     source_.free_detached_segments(grown);
-    if constexpr (check_every_step) check_invariants();
+    check_step();
     return taken;
   }
   hooks.run_forced_clear_hooks();  // blocks no other process holds any more lose their mark
@@ -407,7 +431,7 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
   // have been written by then.
   for (const auto& [base, bytes] : memory) device.fill({}, reinterpret_cast<void*>(base), poison_byte, bytes);
   if (!memory.empty()) device.synchronize_device();
-  if constexpr (check_every_step) check_invariants();
+  check_step();
   return taken;
 }
 

@@ -6,7 +6,11 @@
 // creation on the region works.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
+#include <mutex>
 #include <new>
 #include <thread>
 
@@ -93,6 +97,113 @@ TEST(region_pool_creation_failures, a_creation_refused_memory_midway_leaves_noth
   EXPECT_GE(failed, 5);
   EXPECT_LT(failed, 40) << "no creation succeeded: raise the periods tried";
   dev.free_segment(region);
+}
+
+// One round of the test below: a pool over `region` with two live blocks,
+// the second taken back by a forced destroy (an orphaned tombstone); then a
+// creation over the region stopped at its `nth` heap allocation, which is
+// refused, while another thread frees the tombstone. With `stale_cache` the
+// freeing thread freed the first block into the old pool just before, so
+// its per-thread cache still leads to the sub-pool object the creation
+// reuses. Returns whether the creation made its pool (then in `made`).
+struct late_free_round {
+  bool created = false;
+  bool refused = false;
+  alloc::private_pool_id made{};
+  void* tombstone = nullptr;
+};
+late_free_round free_during_creation(alloc::caching_allocator& a, void* region, int nth, bool stale_cache) {
+  late_free_round round;
+  const auto old = a.create_private_pool(region, 2 * mib);
+  void* first = nullptr;
+  {
+    alloc::private_pool_scope scope(a, old);
+    first = a.allocate(128 * kib, {});
+    round.tombstone = a.allocate(128 * kib, {});
+  }
+  std::mutex m;
+  std::condition_variable changed;
+  bool cached = false, asked = false, freed = false;
+  std::exception_ptr free_error;
+  std::thread owner([&] {
+    if (stale_cache) a.deallocate(first, {});  // looked up in the directory: cached here
+    {
+      std::unique_lock lock(m);
+      cached = true;
+      changed.notify_all();
+      changed.wait(lock, [&] { return asked; });
+    }
+    try {
+      a.deallocate(round.tombstone, {});
+    } catch (...) {
+      free_error = std::current_exception();
+    }
+    const std::lock_guard lock(m);
+    freed = true;
+    changed.notify_all();
+  });
+  {
+    std::unique_lock lock(m);
+    changed.wait(lock, [&] { return cached; });
+  }
+  if (!stale_cache) a.deallocate(first, {});
+  (void)a.destroy_private_pool(old, live_blocks::invalidate);
+  std::thread creator([&] {
+    // Stopped at its nth allocation: the free runs now, or, where it waits
+    // for the creation, after it (a bounded wait here, then the refusal).
+    const refusing_one_allocation refuse(nth, [&] {
+      std::unique_lock lock(m);
+      asked = true;
+      changed.notify_all();
+      changed.wait_for(lock, std::chrono::milliseconds(20), [&] { return freed; });
+    });
+    try {
+      round.made = a.create_private_pool(region, 2 * mib);
+      round.created = true;
+    } catch (const std::bad_alloc&) {
+    }
+    round.refused = refuse.refused();
+  });
+  creator.join();
+  {
+    const std::lock_guard lock(m);
+    asked = true;  // the creation made fewer allocations: the free comes now
+    changed.notify_all();
+  }
+  owner.join();
+  if (free_error) std::rethrow_exception(free_error);
+  return round;
+}
+
+TEST(region_pool_creation_failures, a_late_free_during_a_failing_creation_frees_its_tombstone_once) {
+  // Whether the free lands before the creation took the orphan, on the
+  // creation's sub-pool while it is not yet (or no longer) in the
+  // directory, or after: it is accepted once, a second free of the pointer
+  // is refused, and the next pool over the region is whole.
+  for (const bool stale_cache : {true, false}) {
+    SCOPED_TRACE(stale_cache ? "the freeing thread's cache leads to the reused sub-pool" : "a fresh freeing thread");
+    backend::host_device dev({.capacity_bytes = 64 * mib});
+    alloc::caching_allocator a(dev, alloc::allocator_config{});
+    void* region = dev.allocate_segment(2 * mib);
+    int nth = 1;
+    for (;; ++nth) {
+      SCOPED_TRACE("the creation's allocation " + std::to_string(nth) + " refused");
+      late_free_round r = free_during_creation(a, region, nth, stale_cache);
+      if (!r.created) r.made = a.create_private_pool(region, 2 * mib);
+      a.check_invariants();
+      EXPECT_THROW(a.deallocate(r.tombstone, {}), invalid_argument) << "the tombstone was freed twice";
+      {
+        alloc::private_pool_scope scope(a, r.made);
+        void* whole = nullptr;
+        ASSERT_NO_THROW(whole = a.allocate(2 * mib, {})) << "the new pool kept a tombstone whose free happened";
+        a.deallocate(whole, {});
+      }
+      a.destroy_private_pool(r.made);
+      if (!r.refused) break;  // the creation made fewer allocations than nth
+    }
+    EXPECT_GE(nth, 5) << "the creation made fewer allocations than expected: the rounds cover little";
+    dev.free_segment(region);
+  }
 }
 
 }  // namespace

@@ -2,13 +2,17 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <functional>
 #include <new>
+#include <utility>
 
 namespace shoal::testing {
 namespace {
 
 thread_local bool refusing = false;
 thread_local int refused_count = 0;
+
+thread_local refusing_one_allocation* one_refusal = nullptr;  // this thread's, while its scope lasts
 
 thread_local bool joined = false;
 thread_local unsigned joined_allocations = 0;
@@ -32,9 +36,28 @@ refusing_allocations_elsewhere::~refusing_allocations_elsewhere() { elsewhere_pe
 void refusing_allocations_elsewhere::join() noexcept { joined = true; }
 int refusing_allocations_elsewhere::refused() noexcept { return elsewhere_refused.load(); }
 
+refusing_one_allocation::refusing_one_allocation(int nth, std::function<void()> before)
+    : left_(nth), before_(std::move(before)) {
+  one_refusal = this;
+}
+refusing_one_allocation::~refusing_one_allocation() { one_refusal = nullptr; }
+
+// Called by operator new: counts the allocation against this thread's
+// refusing_one_allocation and, at the chosen one, runs its `before` (which
+// may allocate: the scope is off by then) and refuses.
+void refuse_if_chosen() {
+  refusing_one_allocation* scope = one_refusal;
+  if (scope == nullptr || --scope->left_ != 0) return;
+  one_refusal = nullptr;
+  scope->refused_ = true;
+  scope->before_();
+  throw std::bad_alloc();
+}
+
 }  // namespace shoal::testing
 
 void* operator new(std::size_t bytes) {
+  shoal::testing::refuse_if_chosen();
   if (shoal::testing::refusing) {
     ++shoal::testing::refused_count;
     throw std::bad_alloc();

@@ -6,6 +6,8 @@
 // std::bad_alloc.
 #pragma once
 
+#include <functional>
+
 namespace shoal::testing {
 
 class refusing_allocations {
@@ -35,6 +37,28 @@ class refusing_allocations_elsewhere {
   static void join() noexcept;
   /// How many allocations were refused in this scope so far, on every joined thread.
   [[nodiscard]] static int refused() noexcept;
+};
+
+/// Refuses one heap allocation of the calling thread: the `nth` it makes
+/// from now on (1: the next one), after running `before` there while the
+/// code that asked for the memory waits inside operator new — to stop that
+/// code at a chosen point and act on another thread meanwhile. `before` may
+/// allocate (that does not count). Only while the scope lasts.
+class refusing_one_allocation {
+ public:
+  refusing_one_allocation(int nth, std::function<void()> before);
+  ~refusing_one_allocation();
+  refusing_one_allocation(const refusing_one_allocation&) = delete;
+  refusing_one_allocation& operator=(const refusing_one_allocation&) = delete;
+
+  /// Whether the allocation was refused (false: the code made fewer).
+  [[nodiscard]] bool refused() const noexcept { return refused_; }
+
+ private:
+  friend void refuse_if_chosen();
+  int left_;
+  std::function<void()> before_;
+  bool refused_ = false;
 };
 
 }  // namespace shoal::testing
