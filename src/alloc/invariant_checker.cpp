@@ -124,6 +124,8 @@ void check_counter(const block_pool& pool, const char* name, const stat& st, std
 }
 
 void check_pool(const block_pool& pool, std::size_t granularity) {
+  // Out of service, its blocks could not be found by address.
+  if (!pool.in_service) fail("directory", "the " + pool_name(pool) + " is in the directory but out of service");
   for (const auto& s : pool.segments) check_tiling(pool, *s, granularity);
 
   std::unordered_set<const block*> in_bins;

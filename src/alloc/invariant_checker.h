@@ -23,7 +23,8 @@
 //               allocated - freed <= peak; the segment source's reserved
 //               total = sum of the stream pools' reserved bytes <= limit;
 //   directory   the segment directory holds exactly the live pools'
-//               segments, each with its size and pool.
+//               segments, each with its size and pool; every live pool
+//               is in service (its blocks can be found by address).
 // The first broken one is thrown as invariant_violation, naming the
 // invariant, the pool, the segment and the block.
 #pragma once

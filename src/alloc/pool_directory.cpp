@@ -164,7 +164,7 @@ std::unique_ptr<block_pool> pool_directory::new_private_part() {
 private_pool_id pool_directory::add_private_pool(std::unique_ptr<private_pool>& pool) {
   // The pool and its segments enter together, under the directory's lock:
   // a walk of the pools (the invariant checker) never finds a segment that
-  // is in the directory and in no pool.
+  // is in the directory and in no pool, nor a pool that is out of service.
   std::unique_lock lock(directory_mutex_);
   std::vector<const segment*> registered;
   std::size_t segments = 0;
@@ -178,8 +178,13 @@ private_pool_id pool_directory::add_private_pool(std::unique_ptr<private_pool>& 
       }
     }
     const std::uint64_t id = next_private_id_;
-    private_pools_.emplace(id, std::move(pool));
+    const auto added = private_pools_.emplace(id, std::move(pool)).first;
     ++next_private_id_;
+    // In the directory and in service at once (block_pool::in_service).
+    for (auto& part : added->second->parts) {
+      std::lock_guard part_lock(part->lock);
+      part->in_service = true;
+    }
     return private_pool_id{id};
   } catch (...) {
     for (const segment* s : registered) unregister_segment(*s);

@@ -118,22 +118,6 @@ std::uint64_t frees_of(block_pool& part) {
   return part.frees;
 }
 
-std::vector<block_pool*> part_pointers(const private_pool& pool) {
-  std::vector<block_pool*> parts;
-  parts.reserve(pool.parts.size());
-  for (const auto& part : pool.parts) parts.push_back(part.get());
-  return parts;
-}
-
-// A made pool's sub-pools, once the pool is in the directory: from now on
-// lookups find their blocks (block_pool::in_service).
-void put_in_service(const std::vector<block_pool*>& parts) noexcept {
-  for (block_pool* part : parts) {
-    std::lock_guard lock(part->lock);
-    part->in_service = true;
-  }
-}
-
 }  // namespace
 
 private_pool_id allocator_core::create_private_pool(void* base, std::size_t bytes,
@@ -205,9 +189,7 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
       pool_counters::add(part.counters.reserved_bytes, static_cast<std::int64_t>(size));
       at += size;
     }
-    const std::vector<block_pool*> parts = part_pointers(*pool);
-    const private_pool_id id = directory_.add_private_pool(pool);
-    put_in_service(parts);
+    const private_pool_id id = directory_.add_private_pool(pool);  // in service from now on
     orphans_.forget_all(orphans);  // tombstones again, no longer orphans
     check_step();
     return id;
@@ -233,10 +215,7 @@ private_pool_id allocator_core::create_growing_private_pool() {
     part.in_service = false;  // until the pool is in the directory
   }
   try {
-    const std::vector<block_pool*> parts = part_pointers(*pool);
-    const private_pool_id id = directory_.add_private_pool(pool);
-    put_in_service(parts);
-    return id;
+    return directory_.add_private_pool(pool);
   } catch (...) {
     directory_.discard_private_pool(std::move(pool));
     throw;

@@ -194,6 +194,15 @@ TYPED_TEST(invariant_checker, a_segment_missing_from_the_directory_is_caught) {
   EXPECT_NE(what.find("missing from the segment directory"), std::string::npos) << what;
 }
 
+TYPED_TEST(invariant_checker, a_pool_in_the_directory_but_out_of_service_is_caught) {
+  void* block = nullptr;
+  auto& a = broken(*this, invariant_breakage::out_of_service, block);
+  const auto e = caught(a);
+  EXPECT_EQ(e.invariant(), "directory") << e.what();
+  const std::string what = e.what();
+  EXPECT_NE(what.find("out of service"), std::string::npos) << what;
+}
+
 TYPED_TEST(invariant_checker, the_hook_refuses_a_pointer_the_allocator_did_not_hand_out) {
   auto& a = this->make();
   int local = 0;

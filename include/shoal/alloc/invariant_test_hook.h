@@ -22,6 +22,7 @@ enum class invariant_breakage : std::uint8_t {
   free_neighbours,      ///< the settled free block after it is cut in two settled halves
   counter,              ///< its pool's allocated_bytes counter is 512 too high
   unregistered,         ///< its segment leaves the segment directory
+  out_of_service,       ///< its pool goes out of service (lookups by address find nothing there)
   /// `ptr` is a tombstone (a forced clear took its block): it leaves its
   /// pool's index, where its owner's late free would look for it
   tombstone_unindexed,
