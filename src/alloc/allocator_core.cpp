@@ -472,8 +472,11 @@ void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
     if (stream != b->stream) add_unique(b->used_on, stream);
   };
   if (run_on_block<false>(address, note_stream)) return;
+  // An orphan: nothing waits for its streams (its memory may be another
+  // pool's by now, inside one of its blocks: that block is not touched).
+  if (orphans_.contains(address)) return;
   if (record_inside_block(address, stream)) return;
-  // An orphan, or again a tombstone of a pool made since.
+  // Again a tombstone of a pool made since, or an orphan just forgotten.
   std::lock_guard handoff(region_handoff_mutex_);
   if (run_on_block<false>(address, note_stream) || orphans_.contains(address)) return;
   throw_not_allocated(address, "record_stream");

@@ -49,7 +49,6 @@ struct alignas(64) block_pool {
   /// in the allocator's reserved total and goes back only when the pool is
   /// destroyed: no give-back touches it before.
   bool grows = false;
-  std::string part_name;  ///< private sub-pools
   /// Its blocks can be found by address (run_on_block). A private sub-pool
   /// is out of service from its making until its pool is in the directory,
   /// and again once it left: a lookup that reaches it meanwhile (a stale
@@ -57,6 +56,7 @@ struct alignas(64) block_pool {
   /// failing) finds nothing and takes the locked slow path. Stream pools
   /// are always in service.
   bool in_service = true;
+  std::string part_name;  ///< private sub-pools
 
   free_bins bins;
   block_index allocated;  ///< blocks in state allocated or invalidated (tombstones), by address

@@ -124,54 +124,67 @@ late_free_round free_during_creation(alloc::caching_allocator& a, void* region, 
   std::mutex m;
   std::condition_variable changed;
   bool cached = false, asked = false, freed = false;
-  std::exception_ptr free_error;
+  const auto ask_for_the_free = [&] {
+    const std::lock_guard lock(m);
+    asked = true;
+    changed.notify_all();
+  };
+  // A throw on either thread is rethrown here after both joined, so that a
+  // failure fails this test rather than ending the binary.
+  std::exception_ptr owner_error, creator_error, here_error;
   std::thread owner([&] {
-    if (stale_cache) a.deallocate(first, {});  // looked up in the directory: cached here
-    {
-      std::unique_lock lock(m);
-      cached = true;
-      changed.notify_all();
-      changed.wait(lock, [&] { return asked; });
-    }
     try {
+      if (stale_cache) a.deallocate(first, {});  // looked up in the directory: cached here
+      {
+        std::unique_lock lock(m);
+        cached = true;
+        changed.notify_all();
+        changed.wait(lock, [&] { return asked; });
+      }
       a.deallocate(round.tombstone, {});
     } catch (...) {
-      free_error = std::current_exception();
+      owner_error = std::current_exception();
     }
     const std::lock_guard lock(m);
-    freed = true;
+    cached = freed = true;
     changed.notify_all();
   });
-  {
-    std::unique_lock lock(m);
-    changed.wait(lock, [&] { return cached; });
-  }
-  if (!stale_cache) a.deallocate(first, {});
-  (void)a.destroy_private_pool(old, live_blocks::invalidate);
-  std::thread creator([&] {
-    // Stopped at its nth allocation: the free runs now, or, where it waits
-    // for the creation, after it (a bounded wait here, then the refusal).
-    const refusing_one_allocation refuse(nth, [&] {
+  try {
+    {
       std::unique_lock lock(m);
-      asked = true;
-      changed.notify_all();
-      changed.wait_for(lock, std::chrono::milliseconds(20), [&] { return freed; });
-    });
-    try {
-      round.made = a.create_private_pool(region, 2 * mib);
-      round.created = true;
-    } catch (const std::bad_alloc&) {
+      changed.wait(lock, [&] { return cached; });
     }
-    round.refused = refuse.refused();
-  });
-  creator.join();
-  {
-    const std::lock_guard lock(m);
-    asked = true;  // the creation made fewer allocations: the free comes now
-    changed.notify_all();
+    if (!stale_cache) a.deallocate(first, {});
+    (void)a.destroy_private_pool(old, live_blocks::invalidate);
+    std::thread creator([&] {
+      try {
+        // Stopped at its nth allocation: the free runs now, or, where it
+        // waits for the creation, after it (a bounded wait here, then the
+        // refusal).
+        const refusing_one_allocation refuse(nth, [&] {
+          ask_for_the_free();
+          std::unique_lock lock(m);
+          changed.wait_for(lock, std::chrono::milliseconds(20), [&] { return freed; });
+        });
+        try {
+          round.made = a.create_private_pool(region, 2 * mib);
+          round.created = true;
+        } catch (const std::bad_alloc&) {
+        }
+        round.refused = refuse.refused();
+      } catch (...) {
+        creator_error = std::current_exception();
+      }
+    });
+    creator.join();
+  } catch (...) {
+    here_error = std::current_exception();
   }
+  ask_for_the_free();  // the creation made fewer allocations (or this failed): the free comes now
   owner.join();
-  if (free_error) std::rethrow_exception(free_error);
+  for (const auto& e : {here_error, creator_error, owner_error}) {
+    if (e) std::rethrow_exception(e);
+  }
   return round;
 }
 

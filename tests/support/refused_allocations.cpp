@@ -1,5 +1,6 @@
 #include "support/refused_allocations.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <functional>
@@ -54,24 +55,58 @@ void refuse_if_chosen() {
   throw std::bad_alloc();
 }
 
-}  // namespace shoal::testing
+namespace {
 
-void* operator new(std::size_t bytes) {
-  shoal::testing::refuse_if_chosen();
-  if (shoal::testing::refusing) {
-    ++shoal::testing::refused_count;
+// Throws std::bad_alloc where a scope of this file refuses the allocation.
+void refuse_if_asked() {
+  refuse_if_chosen();
+  if (refusing) {
+    ++refused_count;
     throw std::bad_alloc();
   }
-  if (shoal::testing::joined) {
-    const int period = shoal::testing::elsewhere_period.load(std::memory_order_relaxed);
-    if (period > 0 && ++shoal::testing::joined_allocations % static_cast<unsigned>(period) == 0) {
-      shoal::testing::elsewhere_refused.fetch_add(1, std::memory_order_relaxed);
+  if (joined) {
+    const int period = elsewhere_period.load(std::memory_order_relaxed);
+    if (period > 0 && ++joined_allocations % static_cast<unsigned>(period) == 0) {
+      elsewhere_refused.fetch_add(1, std::memory_order_relaxed);
       throw std::bad_alloc();
     }
   }
+}
+
+}  // namespace
+}  // namespace shoal::testing
+
+void* operator new(std::size_t bytes) {
+  shoal::testing::refuse_if_asked();
   if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
   throw std::bad_alloc();
 }
+// Over-aligned types (the allocator's alignas(64) pools) come here: counted
+// and refused the same way.
+void* operator new(std::size_t bytes, std::align_val_t align) {
+  shoal::testing::refuse_if_asked();
+  const auto alignment = static_cast<std::size_t>(align);
+  const std::size_t rounded = (std::max<std::size_t>(bytes, 1) + alignment - 1) / alignment * alignment;
+  if (void* p = std::aligned_alloc(alignment, rounded)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t bytes, std::align_val_t align) { return ::operator new(bytes, align); }
+void* operator new(std::size_t bytes, std::align_val_t align, const std::nothrow_t&) noexcept {
+  try {
+    return ::operator new(bytes, align);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t bytes, std::align_val_t align, const std::nothrow_t& nothrow) noexcept {
+  return ::operator new(bytes, align, nothrow);
+}
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
 void* operator new[](std::size_t bytes) { return ::operator new(bytes); }
 // The nothrow forms too (std::stable_sort's buffer takes one), so that what
 // they return is freed by the deletes below, as malloc's: refused, they
