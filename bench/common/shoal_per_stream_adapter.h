@@ -27,10 +27,7 @@ class shoal_per_stream_adapter final : public allocator_adapter {
   shoal_per_stream_adapter(backend::device& device, alloc::allocator_config config)
       : device_(device), config_(std::move(config)) {}
   ~shoal_per_stream_adapter() override {
-    for (auto& l : lanes_) {
-      l->allocator.reset();  // before its stream: it may still use the stream while it gives memory back
-      device_.destroy_stream(l->stream);
-    }
+    for (auto& l : lanes_) close(*l);
   }
   shoal_per_stream_adapter(const shoal_per_stream_adapter&) = delete;
   shoal_per_stream_adapter& operator=(const shoal_per_stream_adapter&) = delete;
@@ -49,8 +46,7 @@ class shoal_per_stream_adapter final : public allocator_adapter {
   void destroy_stream(void* handle) override {
     std::erase_if(lanes_, [&](const std::unique_ptr<lane>& l) {
       if (l.get() != handle) return false;
-      l->allocator.reset();
-      device_.destroy_stream(l->stream);
+      close(*l);
       return true;
     });
   }
@@ -87,6 +83,11 @@ class shoal_per_stream_adapter final : public allocator_adapter {
     backend::stream_ref stream;
     std::unique_ptr<alloc::caching_allocator> allocator;
   };
+  void close(lane& l) {
+    l.allocator.reset();  // before its stream: it may still use the stream while it gives memory back
+    device_.destroy_stream(l.stream);
+  }
+
   backend::device& device_;
   const alloc::allocator_config config_;
   std::vector<std::unique_ptr<lane>> lanes_;

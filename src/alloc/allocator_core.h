@@ -199,9 +199,9 @@ class allocator_core {
   // Hands a region's orphaned tombstones over whole: held by
   // create_private_pool from reading the orphans in its region until the
   // new pool holds them (or, failing, gave them back), and by a free or
-  // record_stream that found no block, while it looks again and then asks
-  // the orphans. So a late free lands either on the orphan or on the new
-  // pool's tombstone, never between. Taken before directory_mutex_.
+  // record_stream that found no block, while it looks again (and a free then
+  // asks the orphans). So a late free lands either on the orphan or on the
+  // new pool's tombstone, never between. Taken before directory_mutex_.
   std::mutex region_handoff_mutex_;
   trace_ring trace_;
   event_pool events_;

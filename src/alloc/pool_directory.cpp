@@ -158,7 +158,9 @@ std::unique_ptr<block_pool> pool_directory::new_private_part() {
       return part;
     }
   }
-  return std::make_unique<block_pool>();
+  auto part = std::make_unique<block_pool>();
+  part->in_service = false;  // until add_private_pool (a reused one is already out, empty_for_reuse)
+  return part;
 }
 
 private_pool_id pool_directory::add_private_pool(std::unique_ptr<private_pool>& pool) {

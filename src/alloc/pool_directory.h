@@ -97,7 +97,8 @@ class pool_directory {
   // ---- private pools
   /// A sub-pool to build a new private pool from: one a destroyed private
   /// pool left, when there is one (its memory is no page new to the
-  /// process, so making it costs no page faults), else a new one.
+  /// process, so making it costs no page faults), else a new one. Either is
+  /// out of service until add_private_pool.
   [[nodiscard]] std::unique_ptr<block_pool> new_private_part();
   /// Adds a private pool and registers its segments, together; returns its
   /// id. On a throw nothing is added and `pool` stays the caller's.

@@ -160,7 +160,6 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
       std::lock_guard part_lock(part.lock);
       part.kind = pool_kind::large;
       part.is_private = true;
-      part.in_service = false;  // until the pool is in the directory
       part.part_name = name;
       part.segments.push_back(std::make_unique<segment>());
       segment& s = *part.segments.back();
@@ -212,7 +211,6 @@ private_pool_id allocator_core::create_growing_private_pool() {
     part.kind = pool_kind::large;
     part.is_private = true;
     part.grows = true;
-    part.in_service = false;  // until the pool is in the directory
   }
   try {
     return directory_.add_private_pool(pool);

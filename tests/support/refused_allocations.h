@@ -1,8 +1,9 @@
 // Makes heap allocations fail on demand, to test what code does when the
 // host runs out of memory. Linking refused_allocations.cpp replaces the
 // global operator new of the whole test binary, its over-aligned and
-// nothrow forms too (malloc-based, as the default); only a thread inside a refusing_allocations scope, or one that
-// joined refusing_allocations_elsewhere while such a scope lasts, sees
+// nothrow forms too (malloc-based, as the default); only a thread inside a
+// refusing_allocations or refusing_one_allocation scope, or one that joined
+// refusing_allocations_elsewhere while such a scope lasts, sees
 // std::bad_alloc.
 #pragma once
 
