@@ -71,11 +71,14 @@ void require_not_invalidated(const block* b, const char* op) {
 
 void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream, bool claim) {
   if (bytes == 0) throw invalid_argument("caching_allocator::allocate: size is 0; ask for at least one byte");
-  block_pool* directed = directed_pool();
-  if (bytes > max_request) out_of_memory_error(directed ? *directed : directory_.pool_for(stream, pool_kind::large), bytes, stream);
+  const pool_direction directed = directed_pool();
+  if (bytes > max_request) {
+    out_of_memory_error(directed.part != nullptr ? *directed.part : directory_.pool_for(stream, pool_kind::large), bytes,
+                        stream);
+  }
   const std::size_t size = block_size_for(bytes, config);
-  block_pool& pool = directed ? *directed : directory_.pool_for(stream, pool_kind_for(size));
-  const request r{size, bytes, stream, claim};
+  block_pool& pool = directed.part != nullptr ? *directed.part : directory_.pool_for(stream, pool_kind_for(size));
+  const request r{size, bytes, stream, claim, directed.generation};
   block* b;
   // Miss hooks and the slow path may wait on the host: not in a
   // no_host_waits_scope, where a miss growth cannot serve is out of memory.
@@ -100,6 +103,12 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream, bo
 }
 
 block* allocator_core::try_allocate(block_pool& pool, const request& r, growth may_grow) {
+  // Stream pools are always in service, at generation 0.
+  if (!pool.in_service || pool.service_generation != r.generation) [[unlikely]] {
+    throw invalid_argument(
+        "caching_allocator::allocate: this thread's private_pool_scope outlived its private pool (it was destroyed); "
+        "end the scope before destroying the pool");
+  }
   // A parked block of exactly the size is as good a fit as any. Otherwise
   // the parked blocks settle first, so best fit sees every free block merged
   // (choosing among unmerged parked blocks was measured to fragment more).

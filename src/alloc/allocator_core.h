@@ -128,10 +128,13 @@ class allocator_core {
   invalidated_blocks_report clear_private_pool(private_pool_id id, const std::string& part, live_blocks live);
   void drain_private_pool(private_pool_id id, const std::string& part);
   invalidated_blocks_report destroy_private_pool(private_pool_id id, live_blocks live);
-  /// The sub-pool this thread's allocations are directed to (nullptr: none).
-  [[nodiscard]] block_pool* directed_pool() const noexcept { return directory_.directed_pool(); }
-  /// Directs this thread's allocations to `part`; returns the previous one.
-  block_pool* direct_to(block_pool* part) noexcept { return directory_.direct_to(part); }
+  /// Where this thread's allocations are directed (part nullptr: nowhere).
+  [[nodiscard]] pool_direction directed_pool() const noexcept { return directory_.directed_pool(); }
+  /// Directs this thread's allocations to `to`; returns the previous one.
+  pool_direction direct_to(pool_direction to) noexcept { return directory_.direct_to(to); }
+  [[nodiscard]] pool_direction direction_to(private_pool_id id, const std::string& part) const {
+    return directory_.direction_to(id, part);
+  }
   [[nodiscard]] block_pool& private_part(private_pool_id id, const std::string& part) {
     return directory_.private_part(id, part);
   }
@@ -153,12 +156,15 @@ class allocator_core {
   // only, or also for a right-sized one (allocate_slow, after its cheaper steps).
   enum class growth { none, standard_segment, right_sized_allowed };
   /// One allocation being served: the block size, the bytes asked for, the
-  /// stream, and whether the block is handed out claimed.
+  /// stream, whether the block is handed out claimed, and the service
+  /// generation the pool must have (a private_pool_scope's; 0 for a stream
+  /// pool).
   struct request {
     std::size_t size;
     std::size_t requested;
     backend::stream_ref stream;
     bool claim;
+    std::uint64_t generation;
   };
   block* try_allocate(block_pool& pool, const request& r, growth may_grow);
   block* allocate_slow(block_pool& pool, const request& r);  // unlocked

@@ -56,6 +56,10 @@ struct alignas(64) block_pool {
   /// failing) finds nothing and takes the locked slow path. Stream pools
   /// are always in service.
   bool in_service = true;
+  /// Private sub-pools: how many times it was put in service. A
+  /// private_pool_scope remembers it, so a scope that outlived its pool is
+  /// refused even once the sub-pool serves a later private pool.
+  std::uint64_t service_generation = 0;
   std::string part_name;  ///< private sub-pools
 
   free_bins bins;

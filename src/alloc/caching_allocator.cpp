@@ -85,10 +85,14 @@ no_host_waits_scope::no_host_waits_scope() noexcept { ++detail::no_host_waits_de
 no_host_waits_scope::~no_host_waits_scope() { --detail::no_host_waits_depth; }
 
 private_pool_scope::private_pool_scope(caching_allocator& allocator, private_pool_id pool, const std::string& part)
-    : allocator_(allocator), previous_(allocator.core_->direct_to(&allocator.core_->private_part(pool, part))) {}
+    : allocator_(allocator) {
+  const detail::pool_direction previous = allocator.core_->direct_to(allocator.core_->direction_to(pool, part));
+  previous_ = previous.part;
+  previous_generation_ = previous.generation;
+}
 
 private_pool_scope::~private_pool_scope() {
-  allocator_.core_->direct_to(static_cast<detail::block_pool*>(previous_));
+  allocator_.core_->direct_to({static_cast<detail::block_pool*>(previous_), previous_generation_});
 }
 
 }  // namespace shoal::alloc

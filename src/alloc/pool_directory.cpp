@@ -19,7 +19,7 @@ std::atomic<std::uint64_t> next_directory_serial{1};
 // private_pool_scope. Empty for almost every thread, so the lookup is free.
 struct direction {
   std::uint64_t directory;
-  block_pool* part;
+  pool_direction to;
 };
 thread_local std::vector<direction> directions;
 // How many entries `directions` has: a trivially constructed thread_local,
@@ -105,18 +105,18 @@ block_pool& pool_directory::pool_for(backend::stream_ref stream, pool_kind kind)
   return pools->of(kind);
 }
 
-block_pool* pool_directory::directed_pool() const noexcept {
-  if (direction_count == 0) return nullptr;
+pool_direction pool_directory::directed_pool() const noexcept {
+  if (direction_count == 0) return {};
   for (auto it = directions.rbegin(); it != directions.rend(); ++it) {
-    if (it->directory == serial_) return it->part;
+    if (it->directory == serial_) return it->to;
   }
-  return nullptr;
+  return {};
 }
 
-block_pool* pool_directory::direct_to(block_pool* part) noexcept {
-  block_pool* previous = directed_pool();
+pool_direction pool_directory::direct_to(pool_direction to) noexcept {
+  const pool_direction previous = directed_pool();
   std::erase_if(directions, [&](const direction& d) { return d.directory == serial_; });
-  if (part != nullptr) directions.push_back({serial_, part});
+  if (to.part != nullptr) directions.push_back({serial_, to});
   direction_count = directions.size();
   return previous;
 }
@@ -186,6 +186,7 @@ private_pool_id pool_directory::add_private_pool(std::unique_ptr<private_pool>& 
     for (auto& part : added->second->parts) {
       std::lock_guard part_lock(part->lock);
       part->in_service = true;
+      ++part->service_generation;
     }
     return private_pool_id{id};
   } catch (...) {
@@ -216,6 +217,10 @@ void pool_directory::keep_for_reuse(std::unique_ptr<block_pool> part) noexcept {
 
 block_pool& pool_directory::private_part(private_pool_id id, const std::string& part) const {
   std::shared_lock lock(directory_mutex_);
+  return find_private_part(id, part);
+}
+
+block_pool& pool_directory::find_private_part(private_pool_id id, const std::string& part) const {
   const auto it = private_pools_.find(id.value);
   if (it == private_pools_.end()) throw invalid_argument("private pool " + std::to_string(id.value) + " does not exist");
   block_pool* p = it->second->part(part);
@@ -225,6 +230,12 @@ block_pool& pool_directory::private_part(private_pool_id id, const std::string& 
     throw invalid_argument("private pool " + std::to_string(id.value) + " has no sub-pool '" + part + "'; it has" + names.str());
   }
   return *p;
+}
+
+pool_direction pool_directory::direction_to(private_pool_id id, const std::string& part) const {
+  std::shared_lock lock(directory_mutex_);  // the generation changes under it (and the sub-pool's lock)
+  block_pool& p = find_private_part(id, part);
+  return {&p, p.service_generation};
 }
 
 std::vector<block_pool*> pool_directory::private_parts(private_pool_id id) const {

@@ -72,6 +72,13 @@ struct private_pool {
 /// The segment directory's entries: base -> (size, pool).
 using segment_map = std::map<std::uintptr_t, std::pair<std::size_t, block_pool*>>;
 
+/// A private_pool_scope's target: the sub-pool, and its service generation
+/// when the scope began (block_pool::service_generation).
+struct pool_direction {
+  block_pool* part = nullptr;
+  std::uint64_t generation = 0;
+};
+
 class pool_directory {
  public:
   pool_directory();
@@ -118,10 +125,13 @@ class pool_directory {
   /// and its sub-pools emptied for reuse. Returns true.
   bool remove_private_pool(private_pool_id id, const std::function<bool(const std::vector<block_pool*>&)>& ready,
                            const std::function<void(block_pool&)>& take);
-  /// The sub-pool this thread's allocations are directed to (nullptr: none).
-  [[nodiscard]] block_pool* directed_pool() const noexcept;
-  /// Directs this thread's allocations to `part`; returns the previous one.
-  block_pool* direct_to(block_pool* part) noexcept;
+  /// The named sub-pool and its service generation, for a
+  /// private_pool_scope; throws invalid_argument as private_part does.
+  [[nodiscard]] pool_direction direction_to(private_pool_id id, const std::string& part) const;
+  /// Where this thread's allocations are directed (part nullptr: nowhere).
+  [[nodiscard]] pool_direction directed_pool() const noexcept;
+  /// Directs this thread's allocations to `to`; returns the previous one.
+  pool_direction direct_to(pool_direction to) noexcept;
 
   // ---- finding a pointer's pool
   /// The pool of a segment this thread freed into lately that covers
@@ -135,6 +145,7 @@ class pool_directory {
 
  private:
   void keep_for_reuse(std::unique_ptr<block_pool> part) noexcept;  // directory_mutex_ held
+  [[nodiscard]] block_pool& find_private_part(private_pool_id id, const std::string& part) const;  // directory_mutex_ held
 
   const std::uint64_t serial_;  // tells this directory's thread-local cache entries apart
 

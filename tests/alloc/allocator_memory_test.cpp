@@ -274,6 +274,41 @@ TYPED_TEST(allocator_memory, a_region_inserted_again_after_destroy_starts_from_a
   EXPECT_TRUE(nothing_in_use(a.stats()));
 }
 
+// A scope that outlives its pool directs to a sub-pool object that a later
+// private pool may serve from: its allocations are refused, never handed
+// out of the later pool (nor of the emptied one).
+TYPED_TEST(allocator_memory, a_scope_that_outlived_its_pool_is_refused_even_once_the_sub_pool_serves_another) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  auto* region = static_cast<char*>(dev.allocate_segment(4 * mib));
+  const auto first = a.create_private_pool(region, 2 * mib);
+  {
+    alloc::private_pool_scope stale(a, first);
+    a.deallocate(a.allocate(mib, {}), {});
+    a.destroy_private_pool(first);
+    EXPECT_THROW((void)a.allocate(mib, {}), invalid_argument) << "its pool is gone";
+    // The destroyed pool's sub-pool object serves the next pool.
+    const auto second = a.create_private_pool(region + 2 * mib, 2 * mib);
+    EXPECT_THROW((void)a.allocate(mib, {}), invalid_argument) << "a later pool is not the scope's";
+    {
+      alloc::private_pool_scope fresh(a, second);
+      void* p = a.allocate(mib, {});
+      EXPECT_EQ(p, region + 2 * mib) << "a scope of the later pool allocates from it";
+      a.deallocate(p, {});
+    }
+    EXPECT_THROW((void)a.allocate(mib, {}), invalid_argument) << "the inner scope's end restored the stale one";
+    EXPECT_EQ(a.private_pool_allocated_blocks(second).size(), 0U);
+    a.destroy_private_pool(second);
+  }
+  void* outside = a.allocate(mib, {});  // the stale scope ended: stream pools serve again
+  EXPECT_TRUE(outside < region || outside >= region + 4 * mib);
+  a.deallocate(outside, {});
+  EXPECT_NO_THROW(a.check_invariants());
+  a.empty_cache();
+  dev.free_segment(region);
+  EXPECT_TRUE(nothing_in_use(a.stats()));
+}
+
 TYPED_TEST(allocator_memory, a_private_pool_block_moving_to_another_stream_waits_for_the_last_one) {
   using namespace std::chrono_literals;
   auto& dev = this->device();

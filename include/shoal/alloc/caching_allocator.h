@@ -259,9 +259,9 @@ class caching_allocator {
   /// free there would free a newer block: owners should free what was
   /// taken before memory leaves the process's lender. Its id is invalid
   /// from then on (calls with it throw invalid_argument); no call with it
-  /// may run meanwhile, and no private_pool_scope of it may outlive it: its
-  /// bookkeeping serves a later private pool (so that inserting memory
-  /// again costs no new pages).
+  /// may run meanwhile. Its bookkeeping serves a later private pool (so that
+  /// inserting memory again costs no new pages); an allocation in a
+  /// private_pool_scope of it that outlived it throws invalid_argument.
   invalidated_blocks_report destroy_private_pool(private_pool_id pool, live_blocks live = live_blocks::refuse);
   /// Waits on the host until the sub-pool's pending frees have completed and
   /// every stream that last used one of its free blocks has passed the work
@@ -293,7 +293,9 @@ class no_host_waits_scope {
 };
 
 /// Directs this thread's allocations from `allocator` to a sub-pool of a
-/// private pool while it lives. Scopes nest.
+/// private pool while it lives. Scopes nest. A scope should end before its
+/// pool is destroyed; an allocation in a scope that outlived its pool
+/// throws invalid_argument (it never reaches a later pool).
 class private_pool_scope {
  public:
   private_pool_scope(caching_allocator& allocator, private_pool_id pool, const std::string& part = "");
@@ -303,7 +305,8 @@ class private_pool_scope {
 
  private:
   caching_allocator& allocator_;
-  void* previous_;
+  void* previous_ = nullptr;
+  std::uint64_t previous_generation_ = 0;
 };
 
 }  // namespace shoal::alloc
