@@ -112,6 +112,18 @@ block* allocator_core::try_allocate(block_pool& pool, const request& r, growth m
   // A parked block of exactly the size is as good a fit as any. Otherwise
   // the parked blocks settle first, so best fit sees every free block merged
   // (choosing among unmerged parked blocks was measured to fragment more).
+  // The common case first: a block this stream freed lately, of the size.
+  // Its index entry needs no new room: the index grows only when its count
+  // passes every earlier count, and this block was counted before its free.
+  if (block* b = take_quick(pool, r.size)) [[likely]] {
+    hand_out_parked(pool, b, r);
+    return b;
+  }
+  // Host memory a hand-out may need is taken before a block leaves its list,
+  // so that std::bad_alloc leaves every block where it was: room in the
+  // index, and a block object for the rest of a split.
+  pool.allocated.reserve_one();
+  pool.reserve_blocks(1);
   block* b = take_cached(pool, r.size);
   if (b == nullptr && !pool.pending.empty()) {
     // Blocks whose frees completed are parked as they become reusable:
@@ -124,6 +136,7 @@ block* allocator_core::try_allocate(block_pool& pool, const request& r, growth m
   }
   if (b == nullptr && may_grow != growth::none) {
     b = source_.grow(pool, r.size, may_grow == growth::right_sized_allowed);
+    if (b != nullptr) pool.reserve_blocks(1);  // growth may have used the spare; its block is in the bins
   }
   if (b != nullptr) hand_out(pool, b, r);
   return b;
@@ -137,6 +150,8 @@ block* allocator_core::allocate_slow(block_pool& pool, const request& r) {
     std::lock_guard lock(pool.lock);
     // Not for pinned host memory: a GPU-side wait does not hold back the CPU.
     if (!pool.pending.empty() && !pool.is_private && config.memory == allocator_memory::device) {
+      pool.allocated.reserve_one();  // the hand-out below cannot throw (as in try_allocate)
+      pool.reserve_blocks(1);
       collect_pending(pool, true);
       if (block* b = take_cached(pool, r.size)) {
         hand_out(pool, b, r);
@@ -210,6 +225,31 @@ block* allocator_core::take_free(block_pool& pool, std::size_t size) const {
   return b != nullptr && fits(b->size, size, config) ? b : nullptr;
 }
 
+SHOAL_HOT_INLINE void allocator_core::count_hand_out(block_pool& pool, const block* b, std::size_t requested) noexcept {
+  auto& c = pool.counters;
+  const auto bytes = static_cast<std::int64_t>(b->size);
+  pool_counters::add(c.allocations, 1);
+  pool_counters::add(c.allocated_bytes, bytes);
+  pool_counters::add(c.active, 1);
+  pool_counters::add(c.active_bytes, bytes);
+  pool_counters::add(c.requested_bytes, static_cast<std::int64_t>(requested));
+}
+
+SHOAL_HOT_INLINE void allocator_core::hand_out_parked(block_pool& pool, block* b, const request& r) noexcept {
+  // What hand_out does, less what cannot apply to a parked block: only
+  // stream pools park (no last streams to wait for), a parked block waits
+  // for nothing (make_reusable gave its events back), and it has exactly
+  // the size asked for (nothing to split off).
+  b->quick = false;
+  b->state = block_state::allocated;
+  b->requested = r.requested;
+  b->stream = r.stream;
+  b->claimed = r.claim;
+  pool.allocated.insert(b);
+  refresh_split_stat(pool, b);
+  count_hand_out(pool, b, r.requested);
+}
+
 void allocator_core::hand_out(block_pool& pool, block* b, const request& r) {
   if (pool.is_private) {
     // A private pool is shared by all streams: the last users of this memory
@@ -263,13 +303,7 @@ void allocator_core::hand_out(block_pool& pool, block* b, const request& r) {
   b->claimed = r.claim;  // false after every free (deallocate clears it)
   pool.allocated.insert(b);
   refresh_split_stat(pool, b);
-  auto& c = pool.counters;
-  const auto bytes = static_cast<std::int64_t>(b->size);
-  pool_counters::add(c.allocations, 1);
-  pool_counters::add(c.allocated_bytes, bytes);
-  pool_counters::add(c.active, 1);
-  pool_counters::add(c.active_bytes, bytes);
-  pool_counters::add(c.requested_bytes, static_cast<std::int64_t>(r.requested));
+  count_hand_out(pool, b, r.requested);
 }
 
 void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, backend::stream_ref stream) {
@@ -319,13 +353,21 @@ bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool even
       remove_tombstone(pool, b, stream);
       return;
     }
+    const bool freed_elsewhere = stream != b->stream;
+    if (!freed_elsewhere && b->used_on.empty() && config.memory == allocator_memory::device) [[likely]] {
+      // The common free: on its own stream, no other stream recorded, device
+      // memory. Nothing to wait for in any mode (what follows holds nothing).
+      count_free(pool, b);
+      if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
+      make_free(pool, b);
+      return;
+    }
     // record_stream's streams are waited for in every mode; the freeing
     // stream only with cross-stream safety on (off is PyTorch's rule, where
     // record_stream is the one protection), or to catch a hazard in debug.
     // Pinned host memory is held after every free, on its own stream too:
     // the next user writes it from the CPU, outside stream order.
     const bool host_written = config.memory == allocator_memory::pinned_host;
-    const bool freed_elsewhere = stream != b->stream;
     const bool hold = !b->used_on.empty() || (config.cross_stream_safety && freed_elsewhere) || host_written;
     const bool mark_hazard = !config.cross_stream_safety && config.debug && freed_elsewhere;
     // A pinned block freed on its own stream waits for an event it shares
@@ -351,15 +393,7 @@ bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool even
       }
       b->waits = std::move(events);
     }
-    auto& c = pool.counters;
-    pool_counters::sub(c.allocations, 1);
-    pool_counters::sub(c.allocated_bytes, static_cast<std::int64_t>(b->size));
-    pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
-    b->requested = 0;
-    b->used_on.clear();
-    b->held_outside = false;
-    b->claimed = false;
-    ++pool.frees;
+    count_free(pool, b);
     if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
     if (hold) {
       b->state = block_state::pending_free;
@@ -382,6 +416,18 @@ bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool even
   return freed;
 }
 
+SHOAL_HOT_INLINE void allocator_core::count_free(block_pool& pool, block* b) noexcept {
+  auto& c = pool.counters;
+  pool_counters::sub(c.allocations, 1);
+  pool_counters::sub(c.allocated_bytes, static_cast<std::int64_t>(b->size));
+  pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
+  b->requested = 0;
+  b->used_on.clear();
+  b->held_outside = false;
+  b->claimed = false;
+  ++pool.frees;
+}
+
 void allocator_core::make_reusable(block_pool& pool, block* b) {
   if (b->state == block_state::pending_free) {
     if (std::exchange(b->wait_shared, false)) {
@@ -391,6 +437,10 @@ void allocator_core::make_reusable(block_pool& pool, block* b) {
     }
     b->waits.clear();
   }
+  make_free(pool, b);
+}
+
+SHOAL_HOT_INLINE void allocator_core::make_free(block_pool& pool, block* b) {
   auto& c = pool.counters;
   pool_counters::sub(c.active, 1);
   pool_counters::sub(c.active_bytes, static_cast<std::int64_t>(b->size));

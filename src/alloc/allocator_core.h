@@ -177,10 +177,17 @@ class allocator_core {
   block* take_cached(block_pool& pool, std::size_t size);
   block* take_free(block_pool& pool, std::size_t size) const;  // from the bins; not removed
   void hand_out(block_pool& pool, block* b, const request& r);
+  /// hand_out of a block take_quick returned.
+  void hand_out_parked(block_pool& pool, block* b, const request& r) noexcept;
+  static void count_hand_out(block_pool& pool, const block* b, std::size_t requested) noexcept;
   [[noreturn]] void out_of_memory_error(block_pool& pool, std::size_t bytes, backend::stream_ref stream);
 
   // ---- the free path (pool locked)
+  /// A free's effect on the counters and the block's allocation fields.
+  static void count_free(block_pool& pool, block* b) noexcept;
   void make_reusable(block_pool& pool, block* b);
+  /// make_reusable of a block that waits for nothing (not pending).
+  void make_free(block_pool& pool, block* b);
   void collect_pending(block_pool& pool, bool wait_on_device);
 
   // ---- forced clears (forced_clear.cpp; pool locked, device synchronized

@@ -14,23 +14,8 @@ void block_index::grow() {
   }
 }
 
-void block_index::insert(block* b) {
-  if ((count_ + 1) * 2 > slots_.size()) grow();
+void block_index::close_hole(std::size_t i) noexcept {
   const std::size_t mask = slots_.size() - 1;
-  std::size_t i = home(b->address);
-  while (slots_[i].address != 0) i = (i + 1) & mask;
-  slots_[i] = {b->address, b};
-  ++count_;
-}
-
-block* block_index::take(std::uintptr_t address) noexcept {
-  const std::size_t mask = slots_.size() - 1;
-  std::size_t i = home(address);
-  while (slots_[i].address != address) {
-    if (slots_[i].address == 0) return nullptr;
-    i = (i + 1) & mask;
-  }
-  block* found = slots_[i].value;
   // Backward-shift deletion: pull later entries of the probe run into the
   // hole so lookups never stop early at it.
   std::size_t hole = i;
@@ -45,7 +30,6 @@ block* block_index::take(std::uintptr_t address) noexcept {
   }
   slots_[hole] = {};
   --count_;
-  return found;
 }
 
 block* block_index::find(std::uintptr_t address) const noexcept {

@@ -13,9 +13,37 @@ namespace shoal::alloc::detail {
 
 class block_index {
  public:
-  void insert(block* b);
+  /// Makes room for one more insert, so that it cannot throw: called before
+  /// a hand-out changes anything (std::bad_alloc leaves the block where it was).
+  void reserve_one() {
+    if ((count_ + 1) * 2 > slots_.size()) grow();
+  }
+  // Inline: one insert and one take per allocate/free pair.
+  void insert(block* b) {
+    if ((count_ + 1) * 2 > slots_.size()) grow();
+    const std::size_t mask = slots_.size() - 1;
+    std::size_t i = home(b->address);
+    while (slots_[i].address != 0) i = (i + 1) & mask;
+    slots_[i] = {b->address, b};
+    ++count_;
+  }
   /// Removes and returns the block at `address`, or nullptr.
-  [[nodiscard]] block* take(std::uintptr_t address) noexcept;
+  [[nodiscard]] block* take(std::uintptr_t address) noexcept {
+    const std::size_t mask = slots_.size() - 1;
+    std::size_t i = home(address);
+    while (slots_[i].address != address) {
+      if (slots_[i].address == 0) return nullptr;
+      i = (i + 1) & mask;
+    }
+    block* found = slots_[i].value;
+    if (slots_[(i + 1) & mask].address == 0) [[likely]] {  // the end of its probe run: nothing to shift
+      slots_[i] = {};
+      --count_;
+    } else {
+      close_hole(i);
+    }
+    return found;
+  }
   /// The block at `address`, or nullptr.
   [[nodiscard]] block* find(std::uintptr_t address) const noexcept;
   [[nodiscard]] std::size_t size() const noexcept { return count_; }
@@ -30,6 +58,8 @@ class block_index {
     return static_cast<std::size_t>(((address >> 9) * 0x9E3779B97F4A7C15ull) >> 32) & (slots_.size() - 1);
   }
   void grow();
+  /// Empties slot i, keeping every probe run unbroken.
+  void close_hole(std::size_t i) noexcept;
 
   std::vector<slot> slots_ = std::vector<slot>(64);
   std::size_t count_ = 0;

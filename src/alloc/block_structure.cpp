@@ -85,17 +85,6 @@ void settle_quick(block_pool& pool) {
   for (std::size_t i = 0; i < count; ++i) settle(pool, pool.quick[i]);
 }
 
-block* take_quick(block_pool& pool, std::size_t size) noexcept {
-  for (std::size_t i = pool.quick_count; i-- > 0;) {  // newest first
-    block* b = pool.quick[i];
-    if (b->size == size) {
-      pool.quick[i] = pool.quick[--pool.quick_count];
-      return b;
-    }
-  }
-  return nullptr;
-}
-
 namespace {
 
 // One run of free mapped blocks that holds a parked one, as sizes in

@@ -53,7 +53,16 @@ block* settle(block_pool& pool, block* b);
 /// Settles every parked block.
 void settle_quick(block_pool& pool);
 /// Unparks and returns a parked block of exactly `size`, or nullptr.
-[[nodiscard]] block* take_quick(block_pool& pool, std::size_t size) noexcept;
+[[nodiscard]] inline block* take_quick(block_pool& pool, std::size_t size) noexcept {
+  for (std::size_t i = pool.quick_count; i-- > 0;) {  // newest first
+    block* b = pool.quick[i];
+    if (b->size == size) {
+      pool.quick[i] = pool.quick[--pool.quick_count];
+      return b;
+    }
+  }
+  return nullptr;
+}
 
 /// The inactive_split counters (blocks, bytes) as settle_quick would leave
 /// them — current, peak, allocated and freed — computed without settling:

@@ -12,6 +12,10 @@ namespace shoal::alloc::detail {
 
 using shoal::detail::hex;
 
+/// On the small steps of the allocate/free fast path: inlined even where
+/// the compiler would keep an externally visible member out of line.
+#define SHOAL_HOT_INLINE [[gnu::always_inline]] inline
+
 /// Debug mode fills freed memory with it, so a stale reader sees it.
 inline constexpr std::uint8_t poison_byte = 0xDB;
 

@@ -15,36 +15,13 @@ namespace {
 
 std::atomic<std::uint64_t> next_directory_serial{1};
 
-// The pool this thread's allocations from one allocator go to, set by
-// private_pool_scope. Empty for almost every thread, so the lookup is free.
+// The pools this thread's allocations from each allocator go to, set by
+// private_pool_scope (thread_cache::direction_count counts them).
 struct direction {
   std::uint64_t directory;
   pool_direction to;
 };
 thread_local std::vector<direction> directions;
-// How many entries `directions` has: a trivially constructed thread_local,
-// so the common "no scope" check costs no thread_local initialization.
-thread_local std::size_t direction_count = 0;
-
-// A one-entry cache of the last stream pools this thread used.
-struct pools_cache {
-  std::uint64_t directory = 0;
-  void* stream = nullptr;
-  stream_pools* pools = nullptr;
-};
-thread_local pools_cache last_pools;
-
-// Segments whose pools this thread freed into lately: [low, high) -> pool.
-struct range_cache {
-  struct entry {
-    std::uint64_t directory = 0;
-    std::uintptr_t low = 0, high = 0;
-    block_pool* pool = nullptr;
-  };
-  std::array<entry, 4> entries;
-  std::size_t next = 0;
-};
-thread_local range_cache recent_segments;
 
 // Empties a destroyed private pool's sub-pool so it can serve another: its
 // block objects go to its spare list, its segments, counts and tombstones
@@ -81,8 +58,7 @@ block_pool* private_pool::part(const std::string& name) {
 
 pool_directory::pool_directory() : serial_(next_directory_serial.fetch_add(1)) {}
 
-block_pool& pool_directory::pool_for(backend::stream_ref stream, pool_kind kind) {
-  if (last_pools.directory == serial_ && last_pools.stream == stream.native) return last_pools.pools->of(kind);
+block_pool& pool_directory::pool_for_uncached(backend::stream_ref stream, pool_kind kind) {
   stream_pools* pools = nullptr;
   {
     std::shared_lock lock(directory_mutex_);
@@ -101,12 +77,11 @@ block_pool& pool_directory::pool_for(backend::stream_ref stream, pool_kind kind)
     }
     pools = slot.get();
   }
-  last_pools = {serial_, stream.native, pools};
+  thread_cache::last_pools = {serial_, stream.native, pools};
   return pools->of(kind);
 }
 
-pool_direction pool_directory::directed_pool() const noexcept {
-  if (direction_count == 0) return {};
+pool_direction pool_directory::scoped_direction() const noexcept {
   for (auto it = directions.rbegin(); it != directions.rend(); ++it) {
     if (it->directory == serial_) return it->to;
   }
@@ -117,15 +92,8 @@ pool_direction pool_directory::direct_to(pool_direction to) noexcept {
   const pool_direction previous = directed_pool();
   std::erase_if(directions, [&](const direction& d) { return d.directory == serial_; });
   if (to.part != nullptr) directions.push_back({serial_, to});
-  direction_count = directions.size();
+  thread_cache::direction_count = directions.size();
   return previous;
-}
-
-block_pool* pool_directory::cached_pool(std::uintptr_t address) const noexcept {
-  for (const auto& e : recent_segments.entries) {
-    if (e.directory == serial_ && address - e.low < e.high - e.low) return e.pool;
-  }
-  return nullptr;
 }
 
 block_pool* pool_directory::directory_pool(std::uintptr_t address) const {
@@ -134,7 +102,8 @@ block_pool* pool_directory::directory_pool(std::uintptr_t address) const {
   if (it == segments_by_base_.begin()) return nullptr;
   --it;
   if (address - it->first >= it->second.first) return nullptr;
-  auto& slot = recent_segments.entries[recent_segments.next++ % recent_segments.entries.size()];
+  auto& recent = thread_cache::recent_segments;
+  auto& slot = recent.entries[recent.next++ % recent.entries.size()];
   slot = {serial_, it->first, it->first + it->second.first, it->second.second};
   return it->second.second;
 }

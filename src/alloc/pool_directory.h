@@ -42,6 +42,7 @@
 // for_each_pool_ever (teardown only).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -79,6 +80,33 @@ struct pool_direction {
   std::uint64_t generation = 0;
 };
 
+// This thread's caches of the directory's answers, read on every allocation
+// and free: defined here (constant-initialized, so no per-access guard) so
+// that the lookups inline. Entries name their directory by serial.
+namespace thread_cache {
+/// How many private_pool_scope directions the thread has (any directory):
+/// 0 for almost every thread, so "no scope" costs one load.
+inline thread_local std::size_t direction_count = 0;
+/// The last stream pools this thread used.
+struct last_pools_entry {
+  std::uint64_t directory = 0;
+  void* stream = nullptr;
+  stream_pools* pools = nullptr;
+};
+inline thread_local last_pools_entry last_pools;
+/// Segments whose pools this thread freed into lately: [low, high) -> pool.
+struct range_cache {
+  struct entry {
+    std::uint64_t directory = 0;
+    std::uintptr_t low = 0, high = 0;
+    block_pool* pool = nullptr;
+  };
+  std::array<entry, 4> entries;
+  std::size_t next = 0;
+};
+inline thread_local range_cache recent_segments;
+}  // namespace thread_cache
+
 class pool_directory {
  public:
   pool_directory();
@@ -87,7 +115,11 @@ class pool_directory {
 
   // ---- pools
   /// The stream's pool of `kind`, made on first use.
-  [[nodiscard]] block_pool& pool_for(backend::stream_ref stream, pool_kind kind);
+  [[nodiscard]] block_pool& pool_for(backend::stream_ref stream, pool_kind kind) {
+    const auto& last = thread_cache::last_pools;
+    if (last.directory == serial_ && last.stream == stream.native) [[likely]] return last.pools->of(kind);
+    return pool_for_uncached(stream, kind);
+  }
   /// Runs fn(pool) for every live pool, one at a time, with no lock held.
   template <class Fn>
   void for_each_pool(Fn&& fn) const;
@@ -129,14 +161,22 @@ class pool_directory {
   /// private_pool_scope; throws invalid_argument as private_part does.
   [[nodiscard]] pool_direction direction_to(private_pool_id id, const std::string& part) const;
   /// Where this thread's allocations are directed (part nullptr: nowhere).
-  [[nodiscard]] pool_direction directed_pool() const noexcept;
+  [[nodiscard]] pool_direction directed_pool() const noexcept {
+    if (thread_cache::direction_count == 0) [[likely]] return {};
+    return scoped_direction();
+  }
   /// Directs this thread's allocations to `to`; returns the previous one.
   pool_direction direct_to(pool_direction to) noexcept;
 
   // ---- finding a pointer's pool
   /// The pool of a segment this thread freed into lately that covers
   /// `address`, or nullptr. May be stale: the caller checks the pool.
-  [[nodiscard]] block_pool* cached_pool(std::uintptr_t address) const noexcept;
+  [[nodiscard]] block_pool* cached_pool(std::uintptr_t address) const noexcept {
+    for (const auto& e : thread_cache::recent_segments.entries) {
+      if (e.directory == serial_ && address - e.low < e.high - e.low) return e.pool;
+    }
+    return nullptr;
+  }
   /// The pool whose segment covers `address`, or nullptr (and remembers it
   /// for this thread).
   [[nodiscard]] block_pool* directory_pool(std::uintptr_t address) const;
@@ -144,6 +184,8 @@ class pool_directory {
   void unregister_segment(const segment& s);
 
  private:
+  block_pool& pool_for_uncached(backend::stream_ref stream, pool_kind kind);
+  [[nodiscard]] pool_direction scoped_direction() const noexcept;
   void keep_for_reuse(std::unique_ptr<block_pool> part) noexcept;  // directory_mutex_ held
   [[nodiscard]] block_pool& find_private_part(private_pool_id id, const std::string& part) const;  // directory_mutex_ held
 
