@@ -70,6 +70,28 @@ void require_not_invalidated(const block* b, const char* op) {
 // ---- allocation --------------------------------------------------------------
 
 void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream, bool claim) {
+  // The common case, on its own: no private_pool_scope, the stream this
+  // thread used last, and a block of the size it freed lately (parked).
+  // Everything else, and a miss, takes the general path.
+  if (bytes - 1 < max_request && thread_cache::direction_count == 0) [[likely]] {  // bytes in [1, max_request]
+    if (stream_pools* pools = directory_.cached_pools(stream)) {
+      const std::size_t size = block_size_for(bytes, config);
+      block_pool& pool = pools->of(pool_kind_for(size));
+      std::unique_lock lock(pool.lock);
+      if (block* b = take_quick(pool, size)) {
+        hand_out_parked(pool, b, {size, bytes, stream, claim, 0});
+        const std::uintptr_t address = b->address;
+        lock.unlock();
+        if (trace_.enabled()) trace_.note(trace_action::alloc, address, size, stream);
+        check_step();
+        return reinterpret_cast<void*>(address);
+      }
+    }
+  }
+  return allocate_general(bytes, stream, claim);
+}
+
+void* allocator_core::allocate_general(std::size_t bytes, backend::stream_ref stream, bool claim) {
   if (bytes == 0) throw invalid_argument("caching_allocator::allocate: size is 0; ask for at least one byte");
   const pool_direction directed = directed_pool();
   if (bytes > max_request) {
@@ -349,59 +371,17 @@ bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool even
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
   bool freed = true;
   const auto free_block = [&](block_pool& pool, block* b) {
-    if (b->state == block_state::invalidated) {
-      remove_tombstone(pool, b, stream);
-      return;
-    }
-    const bool freed_elsewhere = stream != b->stream;
-    if (!freed_elsewhere && b->used_on.empty() && config.memory == allocator_memory::device) [[likely]] {
+    if (b->state == block_state::allocated && b->stream == stream && b->used_on.empty() &&
+        config.memory == allocator_memory::device) [[likely]] {
       // The common free: on its own stream, no other stream recorded, device
-      // memory. Nothing to wait for in any mode (what follows holds nothing).
+      // memory. Nothing to wait for in any mode (free_waiting holds nothing
+      // for it either).
       count_free(pool, b);
       if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
       make_free(pool, b);
       return;
     }
-    // record_stream's streams are waited for in every mode; the freeing
-    // stream only with cross-stream safety on (off is PyTorch's rule, where
-    // record_stream is the one protection), or to catch a hazard in debug.
-    // Pinned host memory is held after every free, on its own stream too:
-    // the next user writes it from the CPU, outside stream order.
-    const bool host_written = config.memory == allocator_memory::pinned_host;
-    const bool hold = !b->used_on.empty() || (config.cross_stream_safety && freed_elsewhere) || host_written;
-    const bool mark_hazard = !config.cross_stream_safety && config.debug && freed_elsewhere;
-    // A pinned block freed on its own stream waits for an event it shares
-    // with the frees around it (awaiting_frees.h), recorded later.
-    const bool awaits = host_written && !freed_elsewhere && b->used_on.empty() && !pool.is_private;
-    if (!events_allowed && (hold || mark_hazard)) {
-      pool.allocated.insert(b);  // refused: nothing happened to it
-      freed = false;
-      return;
-    }
-    if ((hold || mark_hazard) && !awaits) {
-      std::vector<backend::stream_ref> streams = b->used_on;
-      if ((freed_elsewhere && (config.cross_stream_safety || mark_hazard)) || host_written) add_unique(streams, stream);
-      std::vector<backend::event_ref> events;
-      try {
-        for (auto s : streams) {
-          events.push_back(events_.take());
-          device.record(events.back(), s);
-        }
-      } catch (...) {
-        for (auto e : events) events_.give_back(e);
-        throw;  // nothing changed: the block goes back to the index
-      }
-      b->waits = std::move(events);
-    }
-    count_free(pool, b);
-    if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
-    if (hold) {
-      b->state = block_state::pending_free;
-      pool.pending.push_back(b);
-      if (awaits) await_free(pool, b, device, events_);
-    } else {
-      make_reusable(pool, b);
-    }
+    if (!free_waiting(pool, b, stream, events_allowed)) freed = false;
   };
   if (!run_on_block<true>(address, free_block)) {
     // The late free of a tombstone whose pool was destroyed: nothing to
@@ -414,6 +394,55 @@ bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool even
   }
   check_step();
   return freed;
+}
+
+bool allocator_core::free_waiting(block_pool& pool, block* b, backend::stream_ref stream, bool events_allowed) {
+  const auto address = b->address;
+  if (b->state == block_state::invalidated) {
+    remove_tombstone(pool, b, stream);
+    return true;
+  }
+  const bool freed_elsewhere = stream != b->stream;
+  // record_stream's streams are waited for in every mode; the freeing
+  // stream only with cross-stream safety on (off is PyTorch's rule, where
+  // record_stream is the one protection), or to catch a hazard in debug.
+  // Pinned host memory is held after every free, on its own stream too:
+  // the next user writes it from the CPU, outside stream order.
+  const bool host_written = config.memory == allocator_memory::pinned_host;
+  const bool hold = !b->used_on.empty() || (config.cross_stream_safety && freed_elsewhere) || host_written;
+  const bool mark_hazard = !config.cross_stream_safety && config.debug && freed_elsewhere;
+  // A pinned block freed on its own stream waits for an event it shares
+  // with the frees around it (awaiting_frees.h), recorded later.
+  const bool awaits = host_written && !freed_elsewhere && b->used_on.empty() && !pool.is_private;
+  if (!events_allowed && (hold || mark_hazard)) {
+    pool.allocated.insert(b);  // refused: nothing happened to it
+    return false;
+  }
+  if ((hold || mark_hazard) && !awaits) {
+    std::vector<backend::stream_ref> streams = b->used_on;
+    if ((freed_elsewhere && (config.cross_stream_safety || mark_hazard)) || host_written) add_unique(streams, stream);
+    std::vector<backend::event_ref> events;
+    try {
+      for (auto s : streams) {
+        events.push_back(events_.take());
+        device.record(events.back(), s);
+      }
+    } catch (...) {
+      for (auto e : events) events_.give_back(e);
+      throw;  // nothing changed: the block goes back to the index
+    }
+    b->waits = std::move(events);
+  }
+  count_free(pool, b);
+  if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
+  if (hold) {
+    b->state = block_state::pending_free;
+    pool.pending.push_back(b);
+    if (awaits) await_free(pool, b, device, events_);
+  } else {
+    make_reusable(pool, b);
+  }
+  return true;
 }
 
 SHOAL_HOT_INLINE void allocator_core::count_free(block_pool& pool, block* b) noexcept {

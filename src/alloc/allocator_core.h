@@ -166,6 +166,8 @@ class allocator_core {
     bool claim;
     std::uint64_t generation;
   };
+  /// allocate past its fast path (unlocked).
+  void* allocate_general(std::size_t bytes, backend::stream_ref stream, bool claim);
   block* try_allocate(block_pool& pool, const request& r, growth may_grow);
   block* allocate_slow(block_pool& pool, const request& r);  // unlocked
   /// Waits on the host for `pool`'s pending frees, oldest first, until a
@@ -183,6 +185,10 @@ class allocator_core {
   [[noreturn]] void out_of_memory_error(block_pool& pool, std::size_t bytes, backend::stream_ref stream);
 
   // ---- the free path (pool locked)
+  /// Every free but the common one (deallocate's fast branch): tombstones,
+  /// frees that wait for streams or events, pinned host memory. `b` is out
+  /// of the index; false when it is refused (see deallocate) and put back.
+  bool free_waiting(block_pool& pool, block* b, backend::stream_ref stream, bool events_allowed);
   /// A free's effect on the counters and the block's allocation fields.
   static void count_free(block_pool& pool, block* b) noexcept;
   void make_reusable(block_pool& pool, block* b);

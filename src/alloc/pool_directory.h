@@ -114,6 +114,12 @@ class pool_directory {
   pool_directory& operator=(const pool_directory&) = delete;
 
   // ---- pools
+  /// The stream's pools when they are the ones this thread used last, else
+  /// nullptr (pool_for finds any).
+  [[nodiscard]] stream_pools* cached_pools(backend::stream_ref stream) const noexcept {
+    const auto& last = thread_cache::last_pools;
+    return last.directory == serial_ && last.stream == stream.native ? last.pools : nullptr;
+  }
   /// The stream's pool of `kind`, made on first use.
   [[nodiscard]] block_pool& pool_for(backend::stream_ref stream, pool_kind kind) {
     const auto& last = thread_cache::last_pools;
