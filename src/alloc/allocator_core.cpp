@@ -78,6 +78,7 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream, bo
       const std::size_t size = block_size_for(bytes, config);
       block_pool& pool = pools->of(pool_kind_for(size));
       std::unique_lock lock(pool.lock);
+      pool.allocated.reserve_one();  // before the block leaves the quick list (see try_allocate)
       if (block* b = take_quick(pool, size)) {
         hand_out_parked(pool, b, {size, bytes, stream, claim, 0});
         const std::uintptr_t address = b->address;
@@ -94,10 +95,9 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream, bo
 void* allocator_core::allocate_general(std::size_t bytes, backend::stream_ref stream, bool claim) {
   if (bytes == 0) throw invalid_argument("caching_allocator::allocate: size is 0; ask for at least one byte");
   const pool_direction directed = directed_pool();
-  if (bytes > max_request) {
-    out_of_memory_error(directed.part != nullptr ? *directed.part : directory_.pool_for(stream, pool_kind::large), bytes,
-                        stream);
-  }
+  // Past any pool: reported against the stream's (a scope's sub-pool is
+  // not locked here, and may be stale).
+  if (bytes > max_request) out_of_memory_error(directory_.pool_for(stream, pool_kind::large), bytes, stream);
   const std::size_t size = block_size_for(bytes, config);
   block_pool& pool = directed.part != nullptr ? *directed.part : directory_.pool_for(stream, pool_kind_for(size));
   const request r{size, bytes, stream, claim, directed.generation};
@@ -134,17 +134,16 @@ block* allocator_core::try_allocate(block_pool& pool, const request& r, growth m
   // A parked block of exactly the size is as good a fit as any. Otherwise
   // the parked blocks settle first, so best fit sees every free block merged
   // (choosing among unmerged parked blocks was measured to fragment more).
+  // Host memory a hand-out may need is taken before a block leaves its list,
+  // so that std::bad_alloc leaves every block where it was: room in the
+  // index (a parked block may need it too: the count can pass its old peak
+  // while a pending free is parked), and a block object for a split's rest.
+  pool.allocated.reserve_one();
   // The common case first: a block this stream freed lately, of the size.
-  // Its index entry needs no new room: the index grows only when its count
-  // passes every earlier count, and this block was counted before its free.
   if (block* b = take_quick(pool, r.size)) [[likely]] {
     hand_out_parked(pool, b, r);
     return b;
   }
-  // Host memory a hand-out may need is taken before a block leaves its list,
-  // so that std::bad_alloc leaves every block where it was: room in the
-  // index, and a block object for the rest of a split.
-  pool.allocated.reserve_one();
   pool.reserve_blocks(1);
   block* b = take_cached(pool, r.size);
   if (b == nullptr && !pool.pending.empty()) {
@@ -274,6 +273,10 @@ SHOAL_HOT_INLINE void allocator_core::hand_out_parked(block_pool& pool, block* b
 
 void allocator_core::hand_out(block_pool& pool, block* b, const request& r) {
   if (pool.is_private) {
+    // A split's rest copies the last streams: room for them in the block
+    // object it will take (the spare try_allocate kept), before anything
+    // changes, so that std::bad_alloc loses no block.
+    if (pool.spare != nullptr) pool.spare->last_streams.reserve(b->last_streams.size());
     // A private pool is shared by all streams: the last users of this memory
     // must be passed on the device before the new stream touches it. First,
     // while nothing has changed: a device call that throws (a last stream

@@ -82,8 +82,10 @@ struct pool_direction {
 
 // This thread's caches of the directory's answers, read on every allocation
 // and free: defined here (constant-initialized, so no per-access guard) so
-// that the lookups inline. Entries name their directory by serial.
-namespace thread_cache {
+// that the lookups inline. Entries name their directory by serial. Hidden:
+// two copies of the library in one process (each with its own serials)
+// never share them.
+namespace __attribute__((visibility("hidden"))) thread_cache {
 /// How many private_pool_scope directions the thread has (any directory):
 /// 0 for almost every thread, so "no scope" costs one load.
 inline thread_local std::size_t direction_count = 0;

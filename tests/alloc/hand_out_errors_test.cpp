@@ -1,9 +1,9 @@
 // A hand-out refused host memory for its bookkeeping — room in the pool's
-// index of allocated blocks, or a block object for the rest of a split —
-// throws std::bad_alloc before it changes anything: the block stays free
-// in the bins, so none of the pool's memory is lost and the next allocation
-// takes it. (A parked block's hand-out needs neither: no split, and its
-// index entry had room when it was counted before its free.)
+// index of allocated blocks, a block object for the rest of a split, room
+// for the rest's last streams in a private pool — throws std::bad_alloc
+// before it changes anything: the block stays free where it was (parked or
+// in the bins), so none of the pool's memory is lost and the next
+// allocation takes it.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -12,6 +12,7 @@
 
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/backend/host_device.h"
+#include "shoal/backend/stream.h"
 #include "support/allocators.h"
 #include "support/refused_allocations.h"
 
@@ -31,13 +32,21 @@ struct refused_hand_out {
   // Asks for one more 512-byte block with every heap allocation refused,
   // then checks that nothing was lost.
   void check() {
+    check_with([this] { return a.allocate(512); });
+    a.empty_cache();
+    EXPECT_TRUE(nothing_in_use(a.stats()));
+    EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0) << "a block of the segment was lost: it did not go back";
+  }
+
+  template <class Allocate>
+  void check_with(Allocate allocate) {
     const auto reserved = a.stats().reserved_bytes.aggregate.current;
     const auto allocations = a.stats().allocations.aggregate.current;
     bool refused = false;
     {
       const refusing_allocations refuse;  // nothing that allocates in here
       try {
-        (void)a.allocate(512);
+        (void)allocate();
       } catch (const std::bad_alloc&) {
         refused = true;
       }
@@ -45,14 +54,28 @@ struct refused_hand_out {
     ASSERT_TRUE(refused) << "the hand-out needed no memory: the test no longer reaches what it names";
     EXPECT_NO_THROW(a.check_invariants());
     EXPECT_EQ(a.stats().allocations.aggregate.current, allocations) << a.stats().to_json();
-    live.push_back(a.allocate(512));  // the refused hand-out's block, still free
-    EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, reserved) << "served from the same segment";
+    live.push_back(allocate());  // the refused hand-out's block, still free
+    EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, reserved) << "served from the same memory";
     for (void* p : live) a.deallocate(p);
-    a.empty_cache();
-    EXPECT_TRUE(nothing_in_use(a.stats()));
-    EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0) << "a block of the segment was lost: it did not go back";
+    live.clear();
   }
 };
+
+TEST(hand_out_errors, a_parked_block_whose_index_entry_finds_no_room_stays_parked) {
+  // A pending free parked after the count came back to its peak: its hand-out
+  // is the one that passes the peak, so the index must grow for it.
+  refused_hand_out t;
+  backend::stream other(t.dev);
+  for (int i = 0; i < blocks_before_index_growth; ++i) t.live.push_back(t.a.allocate(512));
+  void* held = t.live.back();
+  t.live.pop_back();
+  t.a.record_stream(held, other);
+  t.a.deallocate(held);  // pending, for `other`
+  t.live.push_back(t.a.allocate(512));  // from the bins: the count is back at its peak
+  t.dev.synchronize(other);
+  t.a.process_pending_frees();  // `held` is parked now
+  t.check();
+}
 
 TEST(hand_out_errors, a_settled_block_whose_index_entry_finds_no_room_stays_in_the_bins) {
   refused_hand_out t;
@@ -64,6 +87,23 @@ TEST(hand_out_errors, a_split_with_no_block_object_for_its_rest_leaves_the_block
   refused_hand_out t;
   t.live.push_back(t.a.allocate(512));  // the segment's block split once: no spare block object left
   t.check();
+}
+
+TEST(hand_out_errors, a_private_pool_split_with_no_room_for_its_rest_s_last_streams_leaves_the_block_in_the_bins) {
+  refused_hand_out t;
+  void* region = t.dev.allocate_segment(2 * mib);
+  const auto pool = t.a.create_private_pool(region, 2 * mib);
+  {
+    alloc::private_pool_scope scope(t.a, pool);
+    // Freed on its stream, the merged block remembers it: a split's rest
+    // copies that into a block object that never held a stream.
+    t.a.deallocate(t.a.allocate(mib));
+    t.check_with([&] { return t.a.allocate(512); });
+  }
+  EXPECT_NO_THROW(t.a.check_invariants());
+  t.a.destroy_private_pool(pool);
+  t.dev.free_segment(region);
+  EXPECT_TRUE(nothing_in_use(t.a.stats()));
 }
 
 }  // namespace
