@@ -3,19 +3,20 @@
 namespace shoal::alloc::detail {
 
 void block_index::grow() {
-  std::vector<slot> old(slots_.size() * 2);
+  std::vector<slot> old(slots_.size() * 2);  // may throw: nothing changed yet
   old.swap(slots_);
-  const std::size_t mask = slots_.size() - 1;
+  mask_ = slots_.size() - 1;
+  room_ = slots_.size() / 2;
   for (const slot& e : old) {
     if (e.address == 0) continue;
     std::size_t i = home(e.address);
-    while (slots_[i].address != 0) i = (i + 1) & mask;
+    while (slots_[i].address != 0) i = (i + 1) & mask_;
     slots_[i] = e;
   }
 }
 
 void block_index::close_hole(std::size_t i) noexcept {
-  const std::size_t mask = slots_.size() - 1;
+  const std::size_t mask = mask_;
   // Backward-shift deletion: pull later entries of the probe run into the
   // hole so lookups never stop early at it.
   std::size_t hole = i;
@@ -33,7 +34,7 @@ void block_index::close_hole(std::size_t i) noexcept {
 }
 
 block* block_index::find(std::uintptr_t address) const noexcept {
-  const std::size_t mask = slots_.size() - 1;
+  const std::size_t mask = mask_;
   for (std::size_t i = home(address); slots_[i].address != 0; i = (i + 1) & mask) {
     if (slots_[i].address == address) return slots_[i].value;
   }

@@ -16,27 +16,25 @@ class block_index {
   /// Makes room for one more insert, so that it cannot throw: called before
   /// a hand-out changes anything (std::bad_alloc leaves the block where it was).
   void reserve_one() {
-    if ((count_ + 1) * 2 > slots_.size()) grow();
+    if (count_ == room_) grow();
   }
   // Inline: one insert and one take per allocate/free pair.
   void insert(block* b) {
-    if ((count_ + 1) * 2 > slots_.size()) grow();
-    const std::size_t mask = slots_.size() - 1;
+    if (count_ == room_) grow();
     std::size_t i = home(b->address);
-    while (slots_[i].address != 0) i = (i + 1) & mask;
+    while (slots_[i].address != 0) i = (i + 1) & mask_;
     slots_[i] = {b->address, b};
     ++count_;
   }
   /// Removes and returns the block at `address`, or nullptr.
   [[nodiscard]] block* take(std::uintptr_t address) noexcept {
-    const std::size_t mask = slots_.size() - 1;
     std::size_t i = home(address);
     while (slots_[i].address != address) {
       if (slots_[i].address == 0) return nullptr;
-      i = (i + 1) & mask;
+      i = (i + 1) & mask_;
     }
     block* found = slots_[i].value;
-    if (slots_[(i + 1) & mask].address == 0) [[likely]] {  // the end of its probe run: nothing to shift
+    if (slots_[(i + 1) & mask_].address == 0) [[likely]] {  // the end of its probe run: nothing to shift
       slots_[i] = {};
       --count_;
     } else {
@@ -55,13 +53,17 @@ class block_index {
     block* value = nullptr;
   };
   [[nodiscard]] std::size_t home(std::uintptr_t address) const noexcept {
-    return static_cast<std::size_t>(((address >> 9) * 0x9E3779B97F4A7C15ull) >> 32) & (slots_.size() - 1);
+    return static_cast<std::size_t>(((address >> 9) * 0x9E3779B97F4A7C15ull) >> 32) & mask_;
   }
   void grow();
   /// Empties slot i, keeping every probe run unbroken.
   void close_hole(std::size_t i) noexcept;
 
+  // At most half full, so probe runs stay short: room_ = slots / 2, and
+  // mask_ = slots - 1 (slots a power of two).
   std::vector<slot> slots_ = std::vector<slot>(64);
+  std::size_t mask_ = 63;
+  std::size_t room_ = 32;
   std::size_t count_ = 0;
 };
 
