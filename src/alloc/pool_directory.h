@@ -85,7 +85,7 @@ struct pool_direction {
 // that the lookups inline. Entries name their directory by serial. Hidden:
 // two copies of the library in one process (each with its own serials)
 // never share them.
-namespace __attribute__((visibility("hidden"))) thread_cache {
+namespace thread_cache __attribute__((visibility("hidden"))) {
 /// How many private_pool_scope directions the thread has (any directory):
 /// 0 for almost every thread, so "no scope" costs one load.
 inline thread_local std::size_t direction_count = 0;
