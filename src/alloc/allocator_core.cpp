@@ -421,26 +421,31 @@ bool allocator_core::free_waiting(block_pool& pool, block* b, backend::stream_re
     pool.allocated.insert(b);  // refused: nothing happened to it
     return false;
   }
-  if ((hold || mark_hazard) && !awaits) {
-    std::vector<backend::stream_ref> streams = b->used_on;
-    if ((freed_elsewhere && (config.cross_stream_safety || mark_hazard)) || host_written) add_unique(streams, stream);
-    std::vector<backend::event_ref> events;
-    try {
+  // Everything that may throw comes first, undone on a throw: then nothing
+  // has changed, and the caller puts the block back in the index.
+  if (hold) pool.pending.push_back(b);
+  std::vector<backend::event_ref> events;
+  try {
+    if (awaits) make_room_to_await(pool);
+    if ((hold || mark_hazard) && !awaits) {
+      std::vector<backend::stream_ref> streams = b->used_on;
+      if ((freed_elsewhere && (config.cross_stream_safety || mark_hazard)) || host_written) add_unique(streams, stream);
+      events.reserve(streams.size());
       for (auto s : streams) {
         events.push_back(events_.take());
         device.record(events.back(), s);
       }
-    } catch (...) {
-      for (auto e : events) events_.give_back(e);
-      throw;  // nothing changed: the block goes back to the index
     }
-    b->waits = std::move(events);
+  } catch (...) {
+    for (auto e : events) events_.give_back(e);
+    if (hold) pool.pending.pop_back();
+    throw;
   }
+  if (!events.empty()) b->waits = std::move(events);
   count_free(pool, b);
   if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
   if (hold) {
     b->state = block_state::pending_free;
-    pool.pending.push_back(b);
     if (awaits) await_free(pool, b, device, events_);
   } else {
     make_reusable(pool, b);

@@ -1,19 +1,25 @@
 #include "alloc/awaiting_frees.h"
 
 #include <algorithm>
+#include <new>
 
 namespace shoal::alloc::detail {
 
-void await_free(block_pool& pool, block* b, backend::device& device, event_pool& events) {
-  // Room for a full group, kept from seal to seal: this push never allocates
-  // after the first (a full group is sealed before it grows past it).
-  if (pool.awaiting.capacity() < seal_blocks) pool.awaiting.reserve(seal_blocks);
-  pool.awaiting.push_back(b);
+void make_room_to_await(block_pool& pool) {
+  // Room for a full group, kept from seal to seal; a group that failed to
+  // seal may grow past it (the next seal, or this, makes more room).
+  const std::size_t wanted = std::max(seal_blocks, pool.awaiting.size() + 1);
+  if (pool.awaiting.capacity() < wanted) pool.awaiting.reserve(std::max(wanted, 2 * pool.awaiting.capacity()));
+}
+
+void await_free(block_pool& pool, block* b, backend::device& device, event_pool& events) noexcept {
+  pool.awaiting.push_back(b);  // make_room_to_await made room: no allocation
   pool.awaiting_bytes += b->size;
   if (pool.awaiting_bytes < seal_bytes && pool.awaiting.size() < seal_blocks) return;
   try {
     seal_awaiting(pool, device, events);
   } catch (const error&) {  // NOLINT(bugprone-empty-catch): still awaiting, so held; the next seal reports it
+  } catch (const std::bad_alloc&) {  // NOLINT(bugprone-empty-catch): the same
   }
 }
 

@@ -38,12 +38,15 @@ namespace shoal::alloc::detail {
 inline constexpr std::size_t seal_bytes = std::size_t{1} << 20;
 inline constexpr std::size_t seal_blocks = 16;
 
+/// Makes room for one more awaiting block, so that await_free cannot throw;
+/// throws std::bad_alloc and changes nothing when the host has none.
+void make_room_to_await(block_pool& pool);
 /// Adds a block just freed on the pool's stream (state pending_free, in
-/// pool.pending, no waits); seals when enough have gathered. A device
-/// failure to record is left for the next seal to report (the block stays
-/// awaiting, so it is never handed out); only std::bad_alloc escapes, on the
-/// pool's first awaiting free.
-void await_free(block_pool& pool, block* b, backend::device& device, event_pool& events);
+/// pool.pending, no waits; make_room_to_await called before); seals when
+/// enough have gathered. A seal that fails (the device, or the host's
+/// memory) is left for the next seal to report: the blocks stay awaiting, so
+/// none is handed out. Throws nothing.
+void await_free(block_pool& pool, block* b, backend::device& device, event_pool& events) noexcept;
 /// One event on the pool's stream for every awaiting block. Throws the
 /// device's error and changes nothing when the record fails.
 void seal_awaiting(block_pool& pool, backend::device& device, event_pool& events);

@@ -1,0 +1,110 @@
+// A free that holds its block (it waits for streams or events) refused host
+// memory at each of its heap allocations in turn: it throws std::bad_alloc
+// and the block stays allocated, counted as before, so the owner's next free
+// of it works, exactly once, and nothing is lost.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/host_device.h"
+#include "shoal/backend/stream.h"
+#include "shoal/core/error.h"
+#include "support/allocators.h"
+#include "support/refused_allocations.h"
+
+namespace shoal::testing {
+namespace {
+
+constexpr std::size_t mib = std::size_t{1} << 20;
+
+struct held_free {
+  const char* conf;
+  bool awaits;  // pinned host frees on their own stream (awaiting_frees.h)
+  // Frees p (allocated on the default stream) the held way.
+  std::function<void(alloc::caching_allocator&, void*, backend::stream_ref other)> free;
+};
+
+// `held_before`: held frees still pending when the refused one comes (63
+// fills the pending list's first 64-entry node, so the next needs a new one).
+void refuse_each_allocation_of(const held_free& how, int held_before) {
+  int refusals = 0;
+  for (int nth = 1; nth < 200; ++nth) {
+    SCOPED_TRACE(std::to_string(held_before) + " held before, the free's heap allocation " + std::to_string(nth) +
+                 " refused");
+    backend::host_device dev({.capacity_bytes = 64 * mib});
+    alloc::caching_allocator a(dev, alloc::allocator_config::parse(how.conf));
+    backend::stream other(dev);
+    a.deallocate(a.allocate(512));
+    std::vector<void*> held(static_cast<std::size_t>(held_before));
+    for (auto& h : held) h = a.allocate(512);
+    for (void* h : held) how.free(a, h, other);
+
+    void* p = a.allocate(512);
+    const auto before = a.stats();
+    bool refused = false;
+    bool threw = false;
+    {
+      const refusing_one_allocation refuse(nth, [] {});
+      try {
+        how.free(a, p, other);
+      } catch (const std::bad_alloc&) {
+        threw = true;
+      }
+      refused = refuse.refused();
+    }
+    EXPECT_NO_THROW(a.check_invariants());
+    if (!refused) {  // the free made fewer allocations: every one was refused in turn
+      EXPECT_THROW(a.deallocate(p), invalid_argument) << "freed once already";
+      break;
+    }
+    ++refusals;
+    if (threw) {  // nothing happened: the block is still allocated, counted as before
+      const auto after = a.stats();
+      EXPECT_EQ(after.allocations.aggregate.current, before.allocations.aggregate.current) << after.to_json();
+      EXPECT_EQ(after.requested_bytes.aggregate.current, before.requested_bytes.aggregate.current) << after.to_json();
+      EXPECT_NO_THROW(a.deallocate(p)) << "the refused free left the block allocated";
+    }  // else the refusal was absorbed (a pinned group's seal, left for the next): the free happened
+    EXPECT_THROW(a.deallocate(p), invalid_argument) << "freed twice";
+    dev.synchronize_device();
+    a.empty_cache();
+    EXPECT_NO_THROW(a.check_invariants()) << "every block is in its list (none lost)";
+    EXPECT_EQ(a.stats().allocations.aggregate.current, 0);
+    if (!how.awaits) {  // pinned frees on their stream stay held until the stream's next call seals them
+      EXPECT_TRUE(nothing_in_use(a.stats()));
+      EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0) << "memory was lost";
+    }
+  }
+  EXPECT_GT(refusals, 0) << "the free allocated nothing: the test no longer reaches what it names";
+}
+
+TEST(held_free_errors, a_free_after_record_stream_refused_memory_keeps_its_block) {
+  const held_free how{"", false, [](alloc::caching_allocator& a, void* p, backend::stream_ref other) {
+                        a.record_stream(p, other);
+                        a.deallocate(p);
+                      }};
+  refuse_each_allocation_of(how, 0);
+  refuse_each_allocation_of(how, 63);
+}
+
+TEST(held_free_errors, a_free_on_another_stream_refused_memory_keeps_its_block) {
+  const held_free how{"", false, [](alloc::caching_allocator& a, void* p, backend::stream_ref other) {
+                        a.deallocate(p, other);
+                      }};
+  refuse_each_allocation_of(how, 0);
+  refuse_each_allocation_of(how, 63);
+}
+
+TEST(held_free_errors, a_pinned_host_free_refused_memory_keeps_its_block) {
+  // The first free of each round waits too: 62 more fill the node.
+  const held_free how{"memory:pinned_host", true, [](alloc::caching_allocator& a, void* p, backend::stream_ref) {
+                        a.deallocate(p);
+                      }};
+  refuse_each_allocation_of(how, 62);
+}
+
+}  // namespace
+}  // namespace shoal::testing
