@@ -379,6 +379,7 @@ bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool even
       // The common free: on its own stream, no other stream recorded, device
       // memory. Nothing to wait for in any mode (free_waiting holds nothing
       // for it either).
+      prepare_free(pool, b);  // may throw: nothing has changed yet
       count_free(pool, b);
       if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
       make_free(pool, b);
@@ -427,6 +428,7 @@ bool allocator_core::free_waiting(block_pool& pool, block* b, backend::stream_re
   std::vector<backend::event_ref> events;
   try {
     if (awaits) make_room_to_await(pool);
+    if (!hold) prepare_free(pool, b);
     if ((hold || mark_hazard) && !awaits) {
       std::vector<backend::stream_ref> streams = b->used_on;
       if ((freed_elsewhere && (config.cross_stream_safety || mark_hazard)) || host_written) add_unique(streams, stream);
@@ -477,12 +479,21 @@ void allocator_core::make_reusable(block_pool& pool, block* b) {
   make_free(pool, b);
 }
 
+SHOAL_HOT_INLINE void allocator_core::prepare_free(block_pool& pool, block* b) {
+  // Only blocks that settle at once (see make_free) need anything.
+  if (config.debug || pool.is_private || !b->mapped) [[unlikely]] prepare_settling_free(pool, b);
+}
+
+void allocator_core::prepare_settling_free(block_pool& pool, block* b) {
+  if (config.debug) device.fill(b->stream, reinterpret_cast<void*>(b->address), poison_byte, b->size);
+  make_room_to_settle(b, pool.is_private ? 1 : 0);  // make_free adds b's stream in a private pool
+}
+
 SHOAL_HOT_INLINE void allocator_core::make_free(block_pool& pool, block* b) {
   auto& c = pool.counters;
   pool_counters::sub(c.active, 1);
   pool_counters::sub(c.active_bytes, static_cast<std::int64_t>(b->size));
-  if (config.debug) device.fill(b->stream, reinterpret_cast<void*>(b->address), poison_byte, b->size);
-  if (pool.is_private) add_unique(b->last_streams, b->stream);
+  if (pool.is_private) add_unique(b->last_streams, b->stream);  // within prepare_free's room
   b->state = block_state::free;
   if (trace_.enabled()) trace_.note(trace_action::free_completed, b->address, b->size, b->stream);
   // Debug mode and private pools settle every block at once: poison and
@@ -521,6 +532,7 @@ void allocator_core::collect_pending(block_pool& pool, bool wait_on_device) {
     if (!passed) {
       for (auto e : b->waits) device.wait(b->stream, e);
     }
+    prepare_free(pool, b);
     make_reusable(pool, b);
     return true;
   });

@@ -62,6 +62,24 @@ void recycle(block_pool& pool, block* b) {
   pool.recycle(b);
 }
 
+void make_room_to_settle(block* b, std::size_t more_streams) {
+  block* into = settled_free(b->prev) ? b->prev : b;
+  const block* next = settled_free(b->next) ? b->next : nullptr;
+  std::size_t streams = b->last_streams.size() + more_streams;
+  std::size_t waits = b->waits.size();
+  if (into != b) {
+    streams += into->last_streams.size();
+    waits += into->waits.size();
+  }
+  if (next != nullptr) {
+    streams += next->last_streams.size();
+    waits += next->waits.size();
+  }
+  b->last_streams.reserve(b->last_streams.size() + more_streams);
+  into->last_streams.reserve(streams);
+  into->waits.reserve(waits);
+}
+
 block* settle(block_pool& pool, block* b) {
   b->quick = false;
   if (settled_free(b->prev)) {

@@ -106,7 +106,8 @@ void allocator_core::take_back_live_blocks(block_pool& part, invalidated_blocks_
 void allocator_core::remove_tombstone(block_pool& part, block* b, backend::stream_ref stream) {
   // Its owner's work on `stream` may still touch it: a hand-out on another
   // stream waits for that first, as for any free block of a private pool.
-  add_unique(b->last_streams, stream);  // the one step that may throw: first
+  make_room_to_settle(b, 1);  // the one step that may throw: first
+  add_unique(b->last_streams, stream);
   pool_counters::sub(part.counters.invalidated, 1);
   pool_counters::sub(part.counters.invalidated_bytes, static_cast<std::int64_t>(b->size));
   ++part.frees;

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <new>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,8 +25,9 @@ constexpr std::size_t mib = std::size_t{1} << 20;
 struct held_free {
   const char* conf;
   bool awaits;  // pinned host frees on their own stream (awaiting_frees.h)
-  // Frees p (allocated on the default stream) the held way.
-  std::function<void(alloc::caching_allocator&, void*, backend::stream_ref other)> free;
+  // Frees p (allocated on the default stream) the held way; `others` are
+  // streams other than p's.
+  std::function<void(alloc::caching_allocator&, void*, const std::vector<backend::stream>& others)> free;
 };
 
 // `held_before`: held frees still pending when the refused one comes (63
@@ -37,20 +39,23 @@ void refuse_each_allocation_of(const held_free& how, int held_before) {
                  " refused");
     backend::host_device dev({.capacity_bytes = 64 * mib});
     alloc::caching_allocator a(dev, alloc::allocator_config::parse(how.conf));
-    backend::stream other(dev);
-    a.deallocate(a.allocate(512));
+    std::vector<backend::stream> others;
+    for (int i = 0; i < 3; ++i) others.emplace_back(dev);
     std::vector<void*> held(static_cast<std::size_t>(held_before));
     for (auto& h : held) h = a.allocate(512);
-    for (void* h : held) how.free(a, h, other);
+    for (void* h : held) how.free(a, h, others);
 
     void* p = a.allocate(512);
     const auto before = a.stats();
     bool refused = false;
     bool threw = false;
     {
-      const refusing_one_allocation refuse(nth, [] {});
+      // From the nth allocation on, every one is refused: what undoes a
+      // refused step must not need memory either.
+      std::optional<refusing_allocations> all_after;
+      const refusing_one_allocation refuse(nth, [&] { all_after.emplace(); });
       try {
-        how.free(a, p, other);
+        how.free(a, p, others);
       } catch (const std::bad_alloc&) {
         threw = true;
       }
@@ -62,6 +67,7 @@ void refuse_each_allocation_of(const held_free& how, int held_before) {
       break;
     }
     ++refusals;
+    EXPECT_TRUE(threw || how.awaits) << "only a pinned group's seal absorbs a refusal";
     if (threw) {  // nothing happened: the block is still allocated, counted as before
       const auto after = a.stats();
       EXPECT_EQ(after.allocations.aggregate.current, before.allocations.aggregate.current) << after.to_json();
@@ -82,8 +88,8 @@ void refuse_each_allocation_of(const held_free& how, int held_before) {
 }
 
 TEST(held_free_errors, a_free_after_record_stream_refused_memory_keeps_its_block) {
-  const held_free how{"", false, [](alloc::caching_allocator& a, void* p, backend::stream_ref other) {
-                        a.record_stream(p, other);
+  const held_free how{"", false, [](alloc::caching_allocator& a, void* p, const std::vector<backend::stream>& others) {
+                        a.record_stream(p, others[0]);
                         a.deallocate(p);
                       }};
   refuse_each_allocation_of(how, 0);
@@ -91,19 +97,42 @@ TEST(held_free_errors, a_free_after_record_stream_refused_memory_keeps_its_block
 }
 
 TEST(held_free_errors, a_free_on_another_stream_refused_memory_keeps_its_block) {
-  const held_free how{"", false, [](alloc::caching_allocator& a, void* p, backend::stream_ref other) {
-                        a.deallocate(p, other);
+  const held_free how{"", false, [](alloc::caching_allocator& a, void* p, const std::vector<backend::stream>& others) {
+                        a.deallocate(p, others[0]);
+                      }};
+  refuse_each_allocation_of(how, 0);
+  refuse_each_allocation_of(how, 63);
+}
+
+TEST(held_free_errors, a_free_that_records_three_events_refused_memory_keeps_its_block) {
+  // Events made one by one: a refusal after the first was recorded gives
+  // the recorded ones back (without allocating).
+  const held_free how{"", false, [](alloc::caching_allocator& a, void* p, const std::vector<backend::stream>& others) {
+                        a.record_stream(p, others[0]);
+                        a.record_stream(p, others[1]);
+                        a.deallocate(p, others[2]);
                       }};
   refuse_each_allocation_of(how, 0);
   refuse_each_allocation_of(how, 63);
 }
 
 TEST(held_free_errors, a_pinned_host_free_refused_memory_keeps_its_block) {
-  // The first free of each round waits too: 62 more fill the node.
-  const held_free how{"memory:pinned_host", true, [](alloc::caching_allocator& a, void* p, backend::stream_ref) {
+  const held_free how{"memory:pinned_host", true, [](alloc::caching_allocator& a, void* p, const std::vector<backend::stream>&) {
                         a.deallocate(p);
                       }};
-  refuse_each_allocation_of(how, 62);
+  refuse_each_allocation_of(how, 0);
+  refuse_each_allocation_of(how, 63);
+}
+
+TEST(held_free_errors, a_debug_free_that_marks_a_hazard_refused_memory_keeps_its_block) {
+  // Not held (cross-stream safety off), but poisoned and settled at once,
+  // with the hazard's event in its waits.
+  const held_free how{"debug:true,cross_stream_safety:false", false,
+                      [](alloc::caching_allocator& a, void* p, const std::vector<backend::stream>& others) {
+                        a.deallocate(p, others[0]);
+                      }};
+  refuse_each_allocation_of(how, 0);
+  refuse_each_allocation_of(how, 63);
 }
 
 }  // namespace
