@@ -71,22 +71,30 @@ void require_not_invalidated(const block* b, const char* op) {
 
 void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream, bool claim) {
   // The common case, on its own: no private_pool_scope, the stream this
-  // thread used last, and a block of the size it freed lately (parked).
-  // Everything else, and a miss, takes the general path.
+  // thread used last, and a block of the size it freed lately (parked). A
+  // miss there goes on to the general steps under the same lock.
   if (bytes - 1 < max_request && thread_cache::direction_count == 0) [[likely]] {  // bytes in [1, max_request]
     if (stream_pools* pools = directory_.cached_pools(stream)) {
       const std::size_t size = block_size_for(bytes, config);
       block_pool& pool = pools->of(pool_kind_for(size));
-      std::unique_lock lock(pool.lock);
-      pool.allocated.reserve_one();  // before the block leaves the quick list (see try_allocate)
-      if (block* b = take_quick(pool, size)) {
-        hand_out_parked(pool, b, {size, bytes, stream, claim, 0});
-        const std::uintptr_t address = b->address;
-        lock.unlock();
-        if (trace_.enabled()) trace_.note(trace_action::alloc, address, size, stream);
-        check_step();
-        return reinterpret_cast<void*>(address);
+      const request r{size, bytes, stream, claim, 0};
+      block* b;
+      bool hooks_first = false;
+      {
+        std::lock_guard lock(pool.lock);
+        pool.allocated.reserve_one();  // before the block leaves the quick list (see try_allocate)
+        b = take_quick(pool, size);
+        if (b != nullptr) [[likely]] {
+          hand_out_parked(pool, b, r);
+        } else {
+          hooks_first = first_try_leaves_growth_to_hooks();
+          b = try_allocate(pool, r, hooks_first ? growth::none : growth::standard_segment);
+        }
       }
+      if (b == nullptr) b = allocate_after_miss(pool, r, hooks_first);
+      if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, stream);
+      check_step();
+      return reinterpret_cast<void*>(b->address);
     }
   }
   return allocate_general(bytes, stream, claim);
@@ -101,27 +109,36 @@ void* allocator_core::allocate_general(std::size_t bytes, backend::stream_ref st
   const std::size_t size = block_size_for(bytes, config);
   block_pool& pool = directed.part != nullptr ? *directed.part : directory_.pool_for(stream, pool_kind_for(size));
   const request r{size, bytes, stream, claim, directed.generation};
+  const bool hooks_first = first_try_leaves_growth_to_hooks();
   block* b;
-  // Miss hooks and the slow path may wait on the host: not in a
-  // no_host_waits_scope, where a miss growth cannot serve is out of memory.
-  const bool waits_allowed = host_waits_allowed();
-  const bool hooks_first = waits_allowed && hooks.has_miss_hooks();
   {
     std::lock_guard lock(pool.lock);
     b = try_allocate(pool, r, hooks_first ? growth::none : growth::standard_segment);
   }
-  if (b == nullptr && hooks_first) {
+  if (b == nullptr) b = allocate_after_miss(pool, r, hooks_first);
+  if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, stream);
+  check_step();
+  return reinterpret_cast<void*>(b->address);
+}
+
+bool allocator_core::first_try_leaves_growth_to_hooks() const noexcept {
+  // Miss hooks and the slow path may wait on the host: not in a
+  // no_host_waits_scope, where a miss growth cannot serve is out of memory.
+  return host_waits_allowed() && hooks.has_miss_hooks();
+}
+
+block* allocator_core::allocate_after_miss(block_pool& pool, const request& r, bool hooks_first) {
+  block* b = nullptr;
+  if (hooks_first) {
     // A cache miss: hooks (e.g. limbo collection) may give blocks back
     // before the device is asked. They run with no allocator lock held.
     hooks.run_miss_hooks();
     std::lock_guard lock(pool.lock);
     b = try_allocate(pool, r, growth::standard_segment);
   }
-  if (b == nullptr && waits_allowed) b = allocate_slow(pool, r);
-  if (b == nullptr) out_of_memory_error(pool, bytes, stream);
-  if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, stream);
-  check_step();
-  return reinterpret_cast<void*>(b->address);
+  if (b == nullptr && host_waits_allowed()) b = allocate_slow(pool, r);
+  if (b == nullptr) out_of_memory_error(pool, r.requested, r.stream);
+  return b;
 }
 
 block* allocator_core::try_allocate(block_pool& pool, const request& r, growth may_grow) {
@@ -145,7 +162,8 @@ block* allocator_core::try_allocate(block_pool& pool, const request& r, growth m
     return b;
   }
   pool.reserve_blocks(1);
-  block* b = take_cached(pool, r.size);
+  if (pool.quick_count > 0) settle_quick(pool);  // take_cached's steps, its quick look just done
+  block* b = take_free(pool, r.size);
   if (b == nullptr && !pool.pending.empty()) {
     // Blocks whose frees completed are parked as they become reusable:
     // looking only in the bins here would miss them, and growth would then

@@ -168,6 +168,12 @@ class allocator_core {
   };
   /// allocate past its fast path (unlocked).
   void* allocate_general(std::size_t bytes, backend::stream_ref stream, bool claim);
+  /// Whether the first try leaves growth to the cache-miss hooks (run
+  /// before the device is asked, where host waits are allowed).
+  [[nodiscard]] bool first_try_leaves_growth_to_hooks() const noexcept;
+  /// After the first try missed (unlocked): the hooks, then the slow path;
+  /// out_of_memory when nothing serves.
+  block* allocate_after_miss(block_pool& pool, const request& r, bool hooks_first);
   block* try_allocate(block_pool& pool, const request& r, growth may_grow);
   block* allocate_slow(block_pool& pool, const request& r);  // unlocked
   /// Waits on the host for `pool`'s pending frees, oldest first, until a
