@@ -183,6 +183,7 @@ class Producer:
         self.allocator = allocator if allocator is not None else _default_allocator()
         self.context = _shoal.SharingContext(self.allocator, **options)
         self._peer = _shoal.Peer(self.context, _shoal.connect(address, list(allowed_uids)))
+        self._streams: set[_shoal.Stream] = set()  # what sent batches wait on
 
     def put(self, batch: Batch, stream: _shoal.Stream | None = None) -> None:
         """Sends `batch`; the consumer's stream waits for the work enqueued on
@@ -193,6 +194,7 @@ class Producer:
             self._peer.send(view, _leaf_header(view), stream)
         note = json.dumps({"v": _VERSION, "arrays": len(leaves), "batch": structure}, separators=(",", ":"))
         self._peer.send_note(note.encode())
+        self._streams.add(stream if stream is not None else _shoal.current_stream(self.allocator.device))
 
     @property
     def peer(self) -> _shoal.Peer:
@@ -200,8 +202,17 @@ class Producer:
         return self._peer
 
     def close(self) -> None:
-        """Closes the connection; what was sent stays valid in the consumer."""
-        self._peer.close()
+        """Waits until the work the sent batches wait on has run, then closes
+        the connection; what was sent stays valid in the consumer. (A process
+        that ends right after would otherwise take that work with it: the
+        consumer's read then fails with StreamError.) Raises StreamError when
+        that work failed; the connection is closed either way."""
+        try:
+            for stream in self._streams:
+                stream.synchronize()
+        finally:
+            self._streams.clear()
+            self._peer.close()
 
     def __enter__(self) -> "Producer":
         return self

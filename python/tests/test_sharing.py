@@ -47,6 +47,16 @@ def producer_main(address: str, tag: int, batches: int, linger: float = 0.0, rel
             release.wait(WAIT)
 
 
+def busy_producer_main(address: str, tag: int) -> None:
+    """Sends one storage whose bytes its stream writes half a second later,
+    then ends at once."""
+    with sharing.Producer(address) as producer:
+        c = shoal.allocate(33)
+        shoal.current_stream().delay(0.5)
+        c.fill(tag)  # still queued when put returns
+        producer.put({"c": c})
+
+
 def check_batch(batch: dict, tag: int) -> None:
     x = batch["x"]
     assert (x.dtype, x.shape, x.strides, x.offset) == ("float32", (4, 5), (5, 1), 0)
@@ -202,6 +212,20 @@ def test_a_malformed_batch_disconnects_its_producer_and_others_go_on(case, clean
         good.start()
         check_batch(consumer.get(timeout=WAIT), 90)
         good.join(WAIT)
+
+
+def test_a_producer_that_ends_right_after_its_put_leaves_its_batch_whole(clean_process):
+    # Its close waits for the work the batch waits on: without that, the
+    # process ends with the write still queued and the read fails.
+    ctx = multiprocessing.get_context("forkserver")
+    with sharing.Consumer() as consumer:
+        child = ctx.Process(target=busy_producer_main, args=(consumer.address, 40))
+        child.start()
+        batch = consumer.get(timeout=WAIT)
+        child.join(WAIT)
+        assert child.exitcode == 0
+        assert batch["c"].storage.read() == bytes([40]) * 33
+        del batch
 
 
 def test_a_batch_holds_only_shoal_memory():

@@ -446,7 +446,6 @@ bool allocator_core::free_waiting(block_pool& pool, block* b, backend::stream_re
   std::vector<backend::event_ref> events;
   try {
     if (awaits) make_room_to_await(pool);
-    if (!hold) prepare_free(pool, b);
     if ((hold || mark_hazard) && !awaits) {
       std::vector<backend::stream_ref> streams = b->used_on;
       if ((freed_elsewhere && (config.cross_stream_safety || mark_hazard)) || host_written) add_unique(streams, stream);
@@ -456,12 +455,16 @@ bool allocator_core::free_waiting(block_pool& pool, block* b, backend::stream_re
         device.record(events.back(), s);
       }
     }
+    // Last: a refused record leaves the block's memory unpoisoned. Room for
+    // the waits it will carry into a merge.
+    if (!hold) prepare_free(pool, b, events.size());
+    b->waits.reserve(events.size());
   } catch (...) {
     for (auto e : events) events_.give_back(e);
     if (hold) pool.pending.pop_back();
     throw;
   }
-  if (!events.empty()) b->waits = std::move(events);
+  b->waits.assign(events.begin(), events.end());  // within the room reserved above
   count_free(pool, b);
   if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
   if (hold) {
@@ -497,14 +500,14 @@ void allocator_core::make_reusable(block_pool& pool, block* b) {
   make_free(pool, b);
 }
 
-SHOAL_HOT_INLINE void allocator_core::prepare_free(block_pool& pool, block* b) {
+SHOAL_HOT_INLINE void allocator_core::prepare_free(block_pool& pool, block* b, std::size_t more_waits) {
   // Only blocks that settle at once (see make_free) need anything.
-  if (config.debug || pool.is_private || !b->mapped) [[unlikely]] prepare_settling_free(pool, b);
+  if (config.debug || pool.is_private || !b->mapped) [[unlikely]] prepare_settling_free(pool, b, more_waits);
 }
 
-void allocator_core::prepare_settling_free(block_pool& pool, block* b) {
+void allocator_core::prepare_settling_free(block_pool& pool, block* b, std::size_t more_waits) {
   if (config.debug) device.fill(b->stream, reinterpret_cast<void*>(b->address), poison_byte, b->size);
-  make_room_to_settle(b, pool.is_private ? 1 : 0);  // make_free adds b's stream in a private pool
+  make_room_to_settle(b, pool.is_private ? 1 : 0, more_waits);  // make_free adds b's stream in a private pool
 }
 
 SHOAL_HOT_INLINE void allocator_core::make_free(block_pool& pool, block* b) {
@@ -532,28 +535,43 @@ void allocator_core::collect_pending(block_pool& pool, bool wait_on_device) {
   // first that has not completed.
   backend::event_ref group{};  // the last group queried
   bool group_passed = true;
-  std::erase_if(pool.pending, [&](block* b) {
-    bool passed;
-    if (b->waits.empty()) {
-      passed = false;  // awaiting: sealed only from its own stream's calls
-    } else if (b->wait_shared) {
+  const auto passed = [&](const block* b) {
+    if (b->waits.empty()) return false;  // awaiting: sealed only from its own stream's calls
+    if (b->wait_shared) {
       const backend::event_ref e = b->waits.front();
       if (e != group && group_passed) {
         group = e;
         group_passed = device.query_event(e);
       }
-      passed = e == group && group_passed;
-    } else {
-      passed = std::all_of(b->waits.begin(), b->waits.end(), [&](auto e) { return device.query_event(e); });
+      return e == group && group_passed;
     }
-    if (!passed && !wait_on_device) return false;
-    if (!passed) {
-      for (auto e : b->waits) device.wait(b->stream, e);
+    return std::all_of(b->waits.begin(), b->waits.end(), [&](auto e) { return device.query_event(e); });
+  };
+  // Kept blocks move down to [0, kept); a step that throws (a query, a
+  // device wait, a free's preparation) leaves its block and the rest where
+  // they are, and only the ones already made reusable leave the list.
+  auto& list = pool.pending;
+  std::size_t kept = 0;
+  std::size_t i = 0;
+  try {
+    for (; i < list.size(); ++i) {
+      block* b = list[i];
+      const bool done = passed(b);
+      if (!done && !wait_on_device) {
+        list[kept++] = b;
+        continue;
+      }
+      if (!done) {
+        for (auto e : b->waits) device.wait(b->stream, e);
+      }
+      prepare_free(pool, b);
+      make_reusable(pool, b);
     }
-    prepare_free(pool, b);
-    make_reusable(pool, b);
-    return true;
-  });
+  } catch (...) {
+    list.erase(list.begin() + static_cast<std::ptrdiff_t>(kept), list.begin() + static_cast<std::ptrdiff_t>(i));
+    throw;
+  }
+  list.erase(list.begin() + static_cast<std::ptrdiff_t>(kept), list.end());
 }
 
 void allocator_core::process_pending_frees() {

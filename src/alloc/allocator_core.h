@@ -199,11 +199,11 @@ class allocator_core {
   static void count_free(block_pool& pool, block* b) noexcept;
   void make_reusable(block_pool& pool, block* b);
   /// What making `b` free may need from the device or the host, done first
-  /// (debug mode's poison, room for settling's merges): std::bad_alloc or a
-  /// device error here changes nothing. Called right before make_reusable
-  /// or make_free.
-  void prepare_free(block_pool& pool, block* b);
-  [[gnu::noinline]] void prepare_settling_free(block_pool& pool, block* b);  // prepare_free's work, out of line
+  /// (debug mode's poison, room for settling's merges, `more_waits` waits
+  /// it will carry in besides its own): std::bad_alloc or a device error
+  /// here changes nothing. Called before make_reusable or make_free.
+  void prepare_free(block_pool& pool, block* b, std::size_t more_waits = 0);
+  [[gnu::noinline]] void prepare_settling_free(block_pool& pool, block* b, std::size_t more_waits);
   /// make_reusable of a block that waits for nothing (not pending).
   void make_free(block_pool& pool, block* b);
   void collect_pending(block_pool& pool, bool wait_on_device);

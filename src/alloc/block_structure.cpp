@@ -62,11 +62,11 @@ void recycle(block_pool& pool, block* b) {
   pool.recycle(b);
 }
 
-void make_room_to_settle(block* b, std::size_t more_streams) {
+void make_room_to_settle(block* b, std::size_t more_streams, std::size_t more_waits) {
   block* into = settled_free(b->prev) ? b->prev : b;
   const block* next = settled_free(b->next) ? b->next : nullptr;
   std::size_t streams = b->last_streams.size() + more_streams;
-  std::size_t waits = b->waits.size();
+  std::size_t waits = b->waits.size() + more_waits;
   if (into != b) {
     streams += into->last_streams.size();
     waits += into->waits.size();
@@ -76,6 +76,7 @@ void make_room_to_settle(block* b, std::size_t more_streams) {
     waits += next->waits.size();
   }
   b->last_streams.reserve(b->last_streams.size() + more_streams);
+  b->waits.reserve(b->waits.size() + more_waits);
   into->last_streams.reserve(streams);
   into->waits.reserve(waits);
 }

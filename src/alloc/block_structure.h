@@ -47,11 +47,11 @@ block* split(block_pool& pool, block* b, std::size_t size);
 block* merge_into(block_pool& pool, block* into, block* gone);
 /// Takes back a block object no segment links to any more.
 void recycle(block_pool& pool, block* b);
-/// Reserves what settling b (after `more_streams` are added to its last
-/// streams) gathers into the block that survives its merges — last streams
-/// and waits — so that settle allocates nothing. May throw std::bad_alloc;
-/// changes nothing else.
-void make_room_to_settle(block* b, std::size_t more_streams);
+/// Reserves what settling b (after `more_streams` last streams and
+/// `more_waits` waits are added to it) gathers into the block that survives
+/// its merges, and room in b for those additions, so that neither they nor
+/// settle allocate. May throw std::bad_alloc; changes nothing else.
+void make_room_to_settle(block* b, std::size_t more_streams, std::size_t more_waits = 0);
 /// Merges b with its settled free neighbours and puts the result in the
 /// bins; returns it.
 block* settle(block_pool& pool, block* b);

@@ -65,17 +65,16 @@ block_pool& pool_directory::pool_for_uncached(backend::stream_ref stream, pool_k
     if (auto it = stream_pools_.find(stream.native); it != stream_pools_.end()) pools = it->second.get();
   }
   if (pools == nullptr) {
+    // Made before the map is touched: std::bad_alloc from either leaves no
+    // entry without pools (every walk of the pools would meet it).
+    auto made = std::make_unique<stream_pools>();
+    made->small.kind = pool_kind::small;
+    made->large.kind = pool_kind::large;
+    made->small.stream = made->large.stream = stream;
+    made->small.sibling = &made->large;
+    made->large.sibling = &made->small;
     std::unique_lock lock(directory_mutex_);
-    auto& slot = stream_pools_[stream.native];
-    if (!slot) {
-      slot = std::make_unique<stream_pools>();
-      slot->small.kind = pool_kind::small;
-      slot->large.kind = pool_kind::large;
-      slot->small.stream = slot->large.stream = stream;
-      slot->small.sibling = &slot->large;
-      slot->large.sibling = &slot->small;
-    }
-    pools = slot.get();
+    pools = stream_pools_.try_emplace(stream.native, std::move(made)).first->second.get();  // another thread's, if first
   }
   thread_cache::last_pools = {serial_, stream.native, pools};
   return pools->of(kind);

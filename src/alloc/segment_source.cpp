@@ -80,25 +80,38 @@ block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized
     give_back(pool, over_peak(bytes), nullptr, nullptr);
     give_back_from_sibling(pool, over_peak(bytes), nullptr);
   }
+  // The host memory the new segment's bookkeeping needs comes first, so
+  // that std::bad_alloc never strands a segment the device gave.
+  auto s = std::make_unique<segment>();
+  pool.segments.reserve(pool.segments.size() + 1);
+  pool.reserve_blocks(1);
   void* base = take_segment(bytes);
   if (base == nullptr && right_sized_allowed && fallback_segment_size_for(size) < bytes) {
     bytes = fallback_segment_size_for(size);
     base = take_segment(bytes);
   }
   if (base == nullptr) return nullptr;
-  note_reserved_peak();
-  device_allocations_.fetch_add(1, std::memory_order_relaxed);
-  auto s = std::make_unique<segment>();
   s->base = reinterpret_cast<std::uintptr_t>(base);
   s->size = s->mapped_bytes = bytes;
   s->pool = &pool;
-  block* b = pool.new_block();
+  try {
+    directory_.register_segment(*s);  // the one step after the device's that may throw
+  } catch (...) {
+    try {
+      free_plain_segment(s->base);
+    } catch (const error&) {  // NOLINT(bugprone-empty-catch): the refusal below is what the caller hears
+    }
+    unreserve_bytes(bytes);
+    throw;
+  }
+  note_reserved_peak();
+  device_allocations_.fetch_add(1, std::memory_order_relaxed);
+  block* b = pool.new_block();  // the spare reserved above
   b->address = s->base;
   b->size = bytes;
   b->owner = s.get();
   s->first = b;
-  directory_.register_segment(*s);
-  pool.segments.push_back(std::move(s));
+  pool.segments.push_back(std::move(s));  // within the room reserved above
   pool_counters::add(pool.counters.segments, 1);
   pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
   pool.bins.insert(b);
@@ -114,6 +127,9 @@ void* segment_source::take_segment(std::size_t bytes) {
   } catch (const out_of_memory&) {
     unreserve_bytes(bytes);
     return nullptr;
+  } catch (...) {  // another failure (the host's memory, a device error): nothing was taken
+    unreserve_bytes(bytes);
+    throw;
   }
 }
 

@@ -8,14 +8,19 @@
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <new>
+#include <optional>
 #include <span>
 #include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/backend/devices.h"
+#include "shoal/backend/host_device.h"
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
+#include "support/refused_allocations.h"
 #include "support/vmm_counting_device.h"
 
 namespace shoal::testing {
@@ -226,6 +231,49 @@ TEST(growth_errors, an_error_while_the_sibling_pool_gives_memory_back_leaves_its
   }
   EXPECT_NO_THROW(later.get());
   a->deallocate(second, s);
+}
+
+// A first allocation (its pools, its segment's bookkeeping, its hand-out)
+// refused host memory at each of its heap allocations in turn, every later
+// one refused too: std::bad_alloc, and every byte the device gave is the
+// allocator's, counted as reserved (a stranded segment would be neither),
+// and goes back with the cache.
+TEST(growth_errors, a_growth_refused_host_memory_strands_no_segment) {
+  int refusals = 0;
+  for (int nth = 1; nth < 100; ++nth) {
+    SCOPED_TRACE("the growth's heap allocation " + std::to_string(nth) + " refused");
+    backend::host_device dev({.capacity_bytes = 64 * mib});
+    alloc::caching_allocator a(dev, alloc::allocator_config{});
+    const auto free_before = dev.memory().free_bytes;
+    bool refused = false;
+    bool threw = false;
+    void* p = nullptr;
+    {
+      std::optional<refusing_allocations> all_after;
+      const refusing_one_allocation refuse(nth, [&] { all_after.emplace(); });
+      try {
+        p = a.allocate(mib, {});
+      } catch (const std::bad_alloc&) {
+        threw = true;
+      }
+      refused = refuse.refused();
+    }
+    if (!refused) {
+      a.deallocate(p, {});
+      break;
+    }
+    ++refusals;
+    EXPECT_NO_THROW(a.check_invariants());
+    if (threw) {  // a segment made before the refusal stays cached, counted as reserved
+      const auto reserved = static_cast<std::size_t>(a.stats().reserved_bytes.aggregate.current);
+      EXPECT_EQ(dev.memory().free_bytes + reserved, free_before) << "a segment the device gave was stranded";
+    } else {
+      a.deallocate(p, {});  // the refusal came after the growth (an invariant check, skipped)
+    }
+    a.empty_cache();
+    EXPECT_EQ(dev.memory().free_bytes, free_before) << "a segment did not go back";
+  }
+  EXPECT_GT(refusals, 0) << "the growth allocated nothing: the test no longer reaches what it names";
 }
 
 }  // namespace

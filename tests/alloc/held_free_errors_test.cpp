@@ -137,5 +137,42 @@ TEST(held_free_errors, a_debug_free_that_marks_a_hazard_refused_memory_keeps_its
   refuse_each_allocation_of(how, 63);
 }
 
+// Collecting pending frees refused host memory midway (debug mode poisons
+// each block as it becomes reusable, which allocates on the host backend):
+// the blocks made reusable before the refusal leave the pending list, the
+// rest stay in it, and none is in both.
+TEST(held_free_errors, collecting_pending_frees_refused_memory_midway_keeps_each_block_in_one_place) {
+  int refusals = 0;
+  for (int nth = 1; nth < 100; ++nth) {
+    SCOPED_TRACE("the collection's heap allocation " + std::to_string(nth) + " refused");
+    backend::host_device dev({.capacity_bytes = 64 * mib});
+    alloc::caching_allocator a(dev, alloc::allocator_config::parse("debug:true"));
+    backend::stream other(dev);
+    std::vector<void*> blocks;
+    for (int i = 0; i < 4; ++i) blocks.push_back(a.allocate(512));
+    for (void* p : blocks) a.deallocate(p, other);  // pending, for `other`
+    dev.synchronize_device();
+    bool refused = false;
+    {
+      std::optional<refusing_allocations> all_after;
+      const refusing_one_allocation refuse(nth, [&] { all_after.emplace(); });
+      try {
+        a.process_pending_frees();
+      } catch (const std::bad_alloc&) {
+      }
+      refused = refuse.refused();
+    }
+    EXPECT_NO_THROW(a.check_invariants()) << "a block both reusable and pending";
+    if (!refused) break;
+    ++refusals;
+    dev.synchronize_device();
+    a.empty_cache();
+    EXPECT_NO_THROW(a.check_invariants());
+    EXPECT_TRUE(nothing_in_use(a.stats()));
+    EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0) << "memory was lost";
+  }
+  EXPECT_GT(refusals, 1) << "the collection stopped at its first block only: the test no longer reaches what it names";
+}
+
 }  // namespace
 }  // namespace shoal::testing
