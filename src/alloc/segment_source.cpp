@@ -145,28 +145,40 @@ bool segment_source::reserve_growable(block_pool& pool, std::size_t size) {
   // One range as large as the device, so this pool never needs a second.
   const std::size_t g = device_.granularity();
   const std::size_t span = round_up(std::max(device_.memory().total_bytes, size), g);
+  // The host memory it needs comes first, so that std::bad_alloc never
+  // strands a range the device reserved.
+  auto s = std::make_unique<segment>();
+  s->chunks.resize(span / g);
+  s->mapping_slots.resize(span / g);
+  pool.segments.reserve(pool.segments.size() + 1);
+  pool.reserve_blocks(1);
   void* base;
   try {
     base = device_.reserve_range(span);
   } catch (const out_of_memory&) {
     return false;
   }
-  auto s = std::make_unique<segment>();
   s->base = reinterpret_cast<std::uintptr_t>(base);
   s->size = span;
   s->pool = &pool;
   s->expandable = true;
-  s->chunks.resize(span / g);
-  s->mapping_slots.resize(span / g);
-  block* b = pool.new_block();
+  try {
+    directory_.register_segment(*s);  // the one step after the device's that may throw
+  } catch (...) {
+    try {
+      device_.release_range(base);
+    } catch (const error&) {  // NOLINT(bugprone-empty-catch): the refusal below is what the caller hears
+    }
+    throw;
+  }
+  block* b = pool.new_block();  // the spare reserved above
   b->address = s->base;
   b->size = span;
   b->owner = s.get();
   b->mapped = false;
   s->first = b;
-  directory_.register_segment(*s);
   pool.growable = s.get();
-  pool.segments.push_back(std::move(s));
+  pool.segments.push_back(std::move(s));  // within the room reserved above
   pool_counters::add(pool.counters.segments, 1);
   return true;
 }
@@ -218,6 +230,12 @@ block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
     }
   }
   const std::size_t need = where.u != nullptr ? where.need : 0;
+  try {
+    pool.reserve_blocks(1);  // the split below takes it: nothing after the mapping allocates
+  } catch (...) {
+    mapper_.release(spare);
+    throw;
+  }
   if (need == 0 || !reserve_bytes(need)) {
     mapper_.release(spare);
     return nullptr;

@@ -238,12 +238,12 @@ TEST(growth_errors, an_error_while_the_sibling_pool_gives_memory_back_leaves_its
 // one refused too: std::bad_alloc, and every byte the device gave is the
 // allocator's, counted as reserved (a stranded segment would be neither),
 // and goes back with the cache.
-TEST(growth_errors, a_growth_refused_host_memory_strands_no_segment) {
+void refuse_each_allocation_of_a_first_growth(const alloc::allocator_config& config) {
   int refusals = 0;
-  for (int nth = 1; nth < 100; ++nth) {
+  for (int nth = 1; nth < 200; ++nth) {
     SCOPED_TRACE("the growth's heap allocation " + std::to_string(nth) + " refused");
     backend::host_device dev({.capacity_bytes = 64 * mib});
-    alloc::caching_allocator a(dev, alloc::allocator_config{});
+    alloc::caching_allocator a(dev, config);
     const auto free_before = dev.memory().free_bytes;
     bool refused = false;
     bool threw = false;
@@ -274,6 +274,14 @@ TEST(growth_errors, a_growth_refused_host_memory_strands_no_segment) {
     EXPECT_EQ(dev.memory().free_bytes, free_before) << "a segment did not go back";
   }
   EXPECT_GT(refusals, 0) << "the growth allocated nothing: the test no longer reaches what it names";
+}
+
+TEST(growth_errors, a_growth_refused_host_memory_strands_no_segment) {
+  refuse_each_allocation_of_a_first_growth(alloc::allocator_config{});
+}
+
+TEST(growth_errors, a_growable_segment_s_growth_refused_host_memory_strands_no_chunk) {
+  refuse_each_allocation_of_a_first_growth(expandable());
 }
 
 }  // namespace
