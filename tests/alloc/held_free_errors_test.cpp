@@ -137,6 +137,47 @@ TEST(held_free_errors, a_debug_free_that_marks_a_hazard_refused_memory_keeps_its
   refuse_each_allocation_of(how, 63);
 }
 
+// Debug mode with cross-stream safety off: a block freed on another stream
+// settles at once carrying its hazard event; freeing its neighbour the same
+// way merges both events into one block, and the room for that merge is
+// taken (after the neighbour's own event is recorded) before anything counts.
+TEST(held_free_errors, a_debug_hazard_free_next_to_one_refused_memory_keeps_its_block) {
+  int refusals = 0;
+  for (int nth = 1; nth < 100; ++nth) {
+    SCOPED_TRACE("the free's heap allocation " + std::to_string(nth) + " refused");
+    backend::host_device dev({.capacity_bytes = 64 * mib});
+    alloc::caching_allocator a(dev, alloc::allocator_config::parse("debug:true,cross_stream_safety:false"));
+    backend::stream other(dev);
+    void* first = a.allocate(512);
+    void* second = a.allocate(512);  // right after `first` in the segment
+    void* after = a.allocate(512);   // keeps `second` from merging with the segment's rest
+    a.deallocate(first, other);      // settled, one hazard event in its waits
+    bool refused = false;
+    bool threw = false;
+    {
+      std::optional<refusing_allocations> all_after;
+      const refusing_one_allocation refuse(nth, [&] { all_after.emplace(); });
+      try {
+        a.deallocate(second, other);
+      } catch (const std::bad_alloc&) {
+        threw = true;
+      }
+      refused = refuse.refused();
+    }
+    EXPECT_NO_THROW(a.check_invariants());
+    if (!refused) break;
+    ++refusals;
+    if (threw) EXPECT_NO_THROW(a.deallocate(second, other)) << "the refused free left the block allocated";
+    EXPECT_THROW(a.deallocate(second, other), invalid_argument) << "freed twice";
+    a.deallocate(after);
+    dev.synchronize_device();
+    a.empty_cache();
+    EXPECT_NO_THROW(a.check_invariants());
+    EXPECT_TRUE(nothing_in_use(a.stats()));
+  }
+  EXPECT_GT(refusals, 0) << "the free allocated nothing: the test no longer reaches what it names";
+}
+
 // Collecting pending frees refused host memory midway (debug mode poisons
 // each block as it becomes reusable, which allocates on the host backend):
 // the blocks made reusable before the refusal leave the pending list, the
