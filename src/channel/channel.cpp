@@ -20,11 +20,13 @@
 #include <deque>
 #include <iterator>
 #include <mutex>
+#include <thread>
 
 #include "channel/credentials_exchange.h"
 #include "channel/frame_batch.h"
 #include "channel/private_directory.h"
 #include "channel/send_queue.h"
+#include "channel/shared_ring.h"
 #include "shoal/core/error.h"
 
 namespace shoal::channel {
@@ -188,6 +190,18 @@ struct connection::state {
   std::atomic<std::size_t> pending{0};  // unread.size(), readable without the lock
   // When the first bytes of `partial` came (steady clock, ns); 0 while it holds nothing.
   std::atomic<std::int64_t> partial_since_ns{0};
+  // This side's ring once start_ring() made it, and whether post() was ever
+  // used (then no ring); guarded by send_mutex.
+  std::unique_ptr<detail::ring_writer> out_ring;
+  bool posted = false;
+  // The peer's ring once its announce came (guarded by receive_mutex;
+  // pending() looks through in_ring_view); the frames that came on the
+  // socket after it, each waiting for its marker; whether a marker was taken
+  // whose frame has not come whole yet.
+  std::unique_ptr<detail::ring_reader> in_ring;
+  std::atomic<const detail::ring_reader*> in_ring_view{nullptr};
+  std::deque<frame> socket_frames;
+  bool marker_taken = false;
   mutable std::mutex broken_mutex;
   std::string broken_reason;  // empty while usable; guarded by broken_mutex
 
@@ -347,6 +361,11 @@ void check_outgoing(std::span<const outgoing_frame> frames, const char* operatio
                              std::to_string(f.payload.size()) +
                              " bytes does not fit in one frame (4 GiB less the headers)");
     }
+    if (f.type >= first_reserved_frame_type && f.type <= last_reserved_frame_type) {
+      throw invalid_argument(std::string("connection::") + operation + ": frame type " + std::to_string(f.type) +
+                             " is one the channel keeps for itself (" + std::to_string(first_reserved_frame_type) +
+                             ".." + std::to_string(last_reserved_frame_type) + ")");
+    }
     if (f.fd >= 0 && ::fcntl(f.fd, F_GETFD) == -1) {
       throw invalid_argument(std::string("connection::") + operation + ": descriptor " + std::to_string(f.fd) +
                              " is not open");
@@ -356,30 +375,12 @@ void check_outgoing(std::span<const outgoing_frame> frames, const char* operatio
 
 }  // namespace
 
-void connection::send(std::span<const outgoing_frame> frames) {
-  state& s = usable("send");
-  check_outgoing(frames, "send");
-  detail::deadline until;
-  const auto timeout = std::chrono::nanoseconds(s.send_timeout_ns.load(std::memory_order_relaxed));
-  if (timeout.count() > 0) until = std::chrono::steady_clock::now() + timeout;
-  const auto lock = s.lock_by(s.send_mutex, until, "send");
-  s.throw_if_broken("send");
-  const auto to = [&] { return "connection::send to pid " + std::to_string(s.peer.process.pid) + ": "; };
-  bool started = false;  // a batch of this call has gone
+template <class Body>
+void connection::sending(state& s, const char* operation, Body body) {
+  const auto to = [&] { return std::string("connection::") + operation + " to pid " + std::to_string(s.peer.process.pid) + ": "; };
+  bool started = false;  // some of this call's bytes may have gone
   try {
-    if (s.unsent.bytes() > 0) {  // what post() queued goes first
-      const state::noting_unsent noting{s};
-      if (!s.unsent.drain(s.socket.get(), until)) {
-        throw timeout_error("the deadline passed while " + std::to_string(s.unsent.bytes()) +
-                            " bytes posted earlier waited for the peer to read them");
-      }
-    }
-    while (!frames.empty()) {
-      const std::size_t count = detail::frames_in_next_batch(frames);
-      detail::send_batch(s.socket.get(), frames.first(count), s.send_buffer, until);
-      started = true;
-      frames = frames.subspan(count);
-    }
+    body(started);
   } catch (const detail::timeout_mid_batch& e) {
     const timeout_error late(to() + e.what() + "; the connection is closed");
     s.break_with(late.what());
@@ -400,6 +401,125 @@ void connection::send(std::span<const outgoing_frame> frames) {
   }
 }
 
+namespace {
+
+detail::deadline send_deadline(const std::atomic<std::int64_t>& timeout_ns) {
+  const auto timeout = std::chrono::nanoseconds(timeout_ns.load(std::memory_order_relaxed));
+  if (timeout.count() <= 0) return std::nullopt;
+  return std::chrono::steady_clock::now() + timeout;
+}
+
+// Sends `frames` in batches on `socket`.
+void send_on_socket(int socket, std::span<const outgoing_frame> frames, std::vector<std::byte>& buffer,
+                    detail::deadline until, bool& started) {
+  while (!frames.empty()) {
+    const std::size_t count = detail::frames_in_next_batch(frames);
+    detail::send_batch(socket, frames.first(count), buffer, until);
+    started = true;
+    frames = frames.subspan(count);
+  }
+}
+
+// Waits until `ring` has `bytes` of room: yields a while, then sleeps on the
+// socket a millisecond at a time, so a peer that hangs up ends the wait.
+void wait_for_room(int socket, detail::ring_writer& ring, std::size_t bytes, detail::deadline until) {
+  for (int round = 0; ring.room() < bytes; ++round) {
+    const auto now = std::chrono::steady_clock::now();
+    if (until && now >= *until) throw timeout_error("the deadline passed while the peer's ring was full");
+    if (round < 64) {
+      std::this_thread::yield();
+      continue;
+    }
+    int wait_ms = 1;
+    if (until) wait_ms = static_cast<int>(std::clamp<std::int64_t>(
+                   std::chrono::ceil<std::chrono::milliseconds>(*until - now).count(), 0, 1));
+    pollfd hangup{socket, 0, 0};  // no events asked: poll reports only a hang-up or an error
+    if (::poll(&hangup, 1, wait_ms) > 0 && (hangup.revents & (POLLHUP | POLLERR | POLLNVAL)) != 0) {
+      throw connection_closed("the peer hung up while its ring was full");
+    }
+  }
+}
+
+// Sends `frames` through `ring`: the frames that cannot be entries go on the
+// socket first, so each is there before its marker is published; then the
+// entries, published as room allows, and a wake-up unless the peer spins.
+void send_through_ring(int socket, detail::ring_writer& ring, std::span<const outgoing_frame> frames,
+                       std::vector<std::byte>& buffer, detail::deadline until, bool& started) {
+  const auto on_socket = [&](const outgoing_frame& f) { return f.fd >= 0 || !ring.fits_inline(f.payload.size()); };
+  std::vector<outgoing_frame> socket_frames;
+  for (const outgoing_frame& f : frames) {
+    if (on_socket(f)) socket_frames.push_back(f);
+  }
+  send_on_socket(socket, socket_frames, buffer, until, started);
+  const outgoing_frame wake{detail::ring_wake_type, {}, -1};
+  const auto publish = [&] {
+    const bool asleep = ring.publish();
+    started = true;
+    if (!asleep) return;
+    ring.count_wake();
+    send_on_socket(socket, std::span(&wake, 1), buffer, until, started);
+  };
+  try {
+    for (const outgoing_frame& f : frames) {
+      const bool marker = on_socket(f);
+      const std::size_t bytes = detail::ring_entry_bytes(marker ? 0 : f.payload.size());
+      if (ring.room() < bytes) {
+        if (ring.unpublished()) publish();  // the peer reads what is there, making room
+        wait_for_room(socket, ring, bytes, until);
+      }
+      ring.write(f.type, marker ? std::span<const std::byte>() : f.payload, marker);
+    }
+    publish();
+  } catch (...) {
+    ring.discard_unpublished();
+    throw;
+  }
+}
+
+}  // namespace
+
+void connection::send(std::span<const outgoing_frame> frames) {
+  state& s = usable("send");
+  check_outgoing(frames, "send");
+  const detail::deadline until = send_deadline(s.send_timeout_ns);
+  const auto lock = s.lock_by(s.send_mutex, until, "send");
+  s.throw_if_broken("send");
+  sending(s, "send", [&](bool& started) {
+    if (s.unsent.bytes() > 0) {  // what post() queued goes first
+      const state::noting_unsent noting{s};
+      if (!s.unsent.drain(s.socket.get(), until)) {
+        throw timeout_error("the deadline passed while " + std::to_string(s.unsent.bytes()) +
+                            " bytes posted earlier waited for the peer to read them");
+      }
+    }
+    if (s.out_ring) {
+      send_through_ring(s.socket.get(), *s.out_ring, frames, s.send_buffer, until, started);
+    } else {
+      send_on_socket(s.socket.get(), frames, s.send_buffer, until, started);
+    }
+  });
+}
+
+void connection::start_ring(std::size_t bytes) {
+  state& s = usable("start_ring");
+  const detail::deadline until = send_deadline(s.send_timeout_ns);
+  const auto lock = s.lock_by(s.send_mutex, until, "start_ring");
+  s.throw_if_broken("start_ring");
+  if (s.out_ring) throw invalid_argument("connection::start_ring: this side already sends through a ring");
+  if (s.posted) {
+    throw invalid_argument("connection::start_ring: post() was used on this connection; a ring serves send() alone");
+  }
+  auto ring = std::make_unique<detail::ring_writer>(bytes);
+  const std::uint64_t capacity = ring->capacity();
+  std::byte payload[sizeof capacity];
+  std::memcpy(payload, &capacity, sizeof capacity);
+  const outgoing_frame announce{detail::ring_announce_type, payload, ring->fd()};
+  sending(s, "start_ring", [&](bool& started) {
+    send_on_socket(s.socket.get(), std::span(&announce, 1), s.send_buffer, until, started);
+  });
+  s.out_ring = std::move(ring);
+}
+
 void connection::post(std::uint16_t type, std::span<const std::byte> payload, int fd) {
   const outgoing_frame one{type, payload, fd};
   post(std::span(&one, 1));
@@ -410,6 +530,10 @@ void connection::post(std::span<const outgoing_frame> frames) {
   check_outgoing(frames, "post");
   const std::lock_guard lock(s.send_mutex);
   s.throw_if_broken("post");
+  if (s.out_ring) {
+    throw invalid_argument("connection::post: this side sends through a ring (start_ring); use send()");
+  }
+  s.posted = true;
   const state::noting_unsent noting{s};
   try {
     while (!frames.empty()) {
@@ -521,19 +645,130 @@ frame connection::next_unread(state& s) {
   return next;
 }
 
+namespace {
+
+// What the receive side keeps of a connection's state, for the helpers below.
+struct receive_side {
+  std::deque<frame>& unread;
+  std::unique_ptr<detail::ring_reader>& in_ring;
+  std::atomic<const detail::ring_reader*>& in_ring_view;
+  std::deque<frame>& socket_frames;
+  bool& marker_taken;
+  std::size_t max_payload;
+};
+
+// Reads no more than this many batches in one try_receive, so that a peer
+// sending wake-ups without end cannot hold it.
+constexpr int max_batches_per_try = 64;
+
+// Files the frames of a batch read from the socket: before the peer's ring
+// they are the stream; its announce brings the ring; after it, wake-ups are
+// dropped and the rest wait for their markers.
+void route(receive_side r, std::vector<frame> batch) {
+  for (frame& f : batch) {
+    if (f.type == detail::ring_announce_type) {
+      if (r.in_ring) throw protocol_error("a second ring announced; a connection has one each way");
+      std::uint64_t capacity = 0;
+      if (f.payload.size() != sizeof capacity) throw protocol_error("a ring announce of " + std::to_string(f.payload.size()) + " bytes; it holds 8");
+      std::memcpy(&capacity, f.payload.data(), sizeof capacity);
+      r.in_ring = std::make_unique<detail::ring_reader>(std::move(f.fd), capacity);
+      r.in_ring_view.store(r.in_ring.get(), std::memory_order_release);
+    } else if (f.type == detail::ring_wake_type) {
+      if (!r.in_ring) throw protocol_error("a ring wake-up before any ring was announced");
+      if (!f.payload.empty() || f.fd) throw protocol_error("a ring wake-up that carries a payload or a descriptor");
+      r.in_ring->note_wake();
+    } else if (r.in_ring) {
+      r.socket_frames.push_back(std::move(f));
+    } else {
+      r.unread.push_back(std::move(f));
+    }
+  }
+}
+
+// The next frame in the ring's order, if it has come: a marker's frame is
+// the next one that came on the socket. `read_more` reads and routes one
+// more batch, false when none is whole yet.
+template <class ReadMore>
+std::optional<frame> next_in_ring(receive_side r, ReadMore read_more) {
+  for (;;) {
+    if (!r.marker_taken) {
+      std::optional<detail::ring_entry> e = r.in_ring->take(r.max_payload);
+      if (!e) return std::nullopt;
+      if (e->type >= first_reserved_frame_type && e->type <= last_reserved_frame_type) {
+        throw protocol_error("a ring entry of the channel's own frame type " + std::to_string(e->type));
+      }
+      if (!e->on_socket) return frame{e->type, std::move(e->payload), {}};
+      r.marker_taken = true;
+    }
+    if (!r.socket_frames.empty()) {
+      r.marker_taken = false;
+      frame f = std::move(r.socket_frames.front());
+      r.socket_frames.pop_front();
+      return f;
+    }
+    if (!read_more()) return std::nullopt;
+  }
+}
+
+// Reads off the socket the wake-ups sent for frames already taken from the
+// ring, as far as they have come whole, so that the socket is not left
+// readable with nothing to read.
+template <class ReadReady>
+void drop_owed_wakes(receive_side r, ReadReady read_ready) {
+  for (int batches = 0; batches < max_batches_per_try && r.in_ring->wakes_owed() && read_ready(); ++batches) {
+  }
+}
+
+// Polls the ring without sleeping for up to `spin`, telling the sender it
+// need not wake this side meanwhile; true when entries came.
+bool spin_on_ring(detail::ring_reader& ring, std::chrono::nanoseconds spin) {
+  if (spin.count() <= 0) return ring.has_entries();
+  ring.set_spinning(true);
+  const auto until = std::chrono::steady_clock::now() + spin;
+  bool came = false;
+  for (unsigned round = 0; !(came = ring.has_entries()); ++round) {
+    __builtin_ia32_pause();
+    if (round % 16 == 0 && std::chrono::steady_clock::now() >= until) break;
+  }
+  ring.set_spinning(false);
+  // A publish after the flag went down wakes this side; one before it is seen here.
+  return came || ring.has_entries();
+}
+
+}  // namespace
+
 frame connection::receive_until(std::optional<std::chrono::steady_clock::time_point> until) {
   state& s = usable("receive");
   const auto lock = s.lock_by(s.receive_mutex, until, "receive");
   s.throw_if_broken("receive");
-  if (s.unread.empty()) {
-    (void)refill(s, [&] {
-      std::vector<frame> batch = detail::read_batch(
-          s.socket.get(), s.max_payload, std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed)), until,
-          s.partial);
-      s.unread.assign(std::make_move_iterator(batch.begin()), std::make_move_iterator(batch.end()));
-      return true;
-    });
-  }
+  const receive_side r{s.unread, s.in_ring, s.in_ring_view, s.socket_frames, s.marker_taken, s.max_payload};
+  const auto spin = std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed));
+  const auto read_one = [&](std::chrono::nanoseconds socket_spin) {
+    route(r, detail::read_batch(s.socket.get(), s.max_payload, socket_spin, until, s.partial));
+    return true;
+  };
+  const auto read_ready = [&] {
+    std::optional<std::vector<frame>> batch = detail::read_batch_if_ready(s.socket.get(), s.max_payload, s.partial);
+    if (!batch) return false;
+    route(r, std::move(*batch));
+    return true;
+  };
+  std::optional<frame> from_ring;
+  (void)refill(s, [&] {
+    while (s.unread.empty()) {
+      if (!s.in_ring) {
+        read_one(spin);
+      } else if ((from_ring = next_in_ring(r, [&] { return read_one({}); }))) {
+        drop_owed_wakes(r, read_ready);
+        return true;
+      } else if (!spin_on_ring(*s.in_ring, spin)) {
+        read_one({});  // a wake-up, a frame with a descriptor, or the end
+      }
+    }
+    return true;
+  });
+  if (from_ring) return std::move(*from_ring);
+  s.pending.store(s.unread.size(), std::memory_order_release);
   return next_unread(s);
 }
 
@@ -542,15 +777,29 @@ std::optional<frame> connection::try_receive() {
   const std::unique_lock lock(s.receive_mutex, std::try_to_lock);
   if (!lock.owns_lock()) return std::nullopt;  // another thread is receiving
   s.throw_if_broken("receive");
-  if (s.unread.empty()) {
-    const bool whole = refill(s, [&] {
-      std::optional<std::vector<frame>> batch = detail::read_batch_if_ready(s.socket.get(), s.max_payload, s.partial);
-      if (!batch) return false;
-      s.unread.assign(std::make_move_iterator(batch->begin()), std::make_move_iterator(batch->end()));
-      return true;
-    });
-    if (!whole) return std::nullopt;
-  }
+  const receive_side r{s.unread, s.in_ring, s.in_ring_view, s.socket_frames, s.marker_taken, s.max_payload};
+  const auto read_ready = [&] {
+    std::optional<std::vector<frame>> batch = detail::read_batch_if_ready(s.socket.get(), s.max_payload, s.partial);
+    if (!batch) return false;
+    route(r, std::move(*batch));
+    return true;
+  };
+  std::optional<frame> from_ring;
+  const bool whole = refill(s, [&] {
+    for (int batches = 0; s.unread.empty(); ++batches) {
+      if (s.in_ring && (from_ring = next_in_ring(r, read_ready))) {
+        drop_owed_wakes(r, read_ready);
+        return true;
+      }
+      // The ring is empty, or a marker's frame is not whole yet: take in
+      // what the socket has (wake-ups, frames, the end) and look again.
+      if (batches == max_batches_per_try || !read_ready()) return false;
+    }
+    return true;
+  });
+  if (from_ring) return std::move(*from_ring);
+  s.pending.store(s.unread.size(), std::memory_order_release);
+  if (!whole) return std::nullopt;
   return next_unread(s);
 }
 
@@ -561,7 +810,11 @@ std::optional<std::chrono::steady_clock::time_point> connection::incomplete_sinc
       std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::nanoseconds(ns)));
 }
 
-std::size_t connection::pending() const { return usable("pending").pending.load(std::memory_order_acquire); }
+std::size_t connection::pending() const {
+  const state& s = usable("pending");
+  const detail::ring_reader* ring = s.in_ring_view.load(std::memory_order_acquire);
+  return s.pending.load(std::memory_order_acquire) + (ring != nullptr && ring->seems_to_have_entries() ? 1 : 0);
+}
 
 const peer_credentials& connection::peer() const noexcept { return state_->peer; }
 std::size_t connection::max_payload() const noexcept { return state_->max_payload; }

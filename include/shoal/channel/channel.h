@@ -19,6 +19,12 @@
 // say they carry one. The padding lets a receiver read a small batch whole in
 // one call without reading past it. receive() checks all of it; a malformed
 // batch gives protocol_error and closes that connection, and nothing else.
+//
+// A side that calls start_ring() sends its later frames through a ring in
+// shared memory instead (src/channel/shared_ring.h has its layout): the
+// socket then carries the ring's descriptor once, frames with a descriptor
+// or too large for the ring, and wake-ups for a receiver that is not
+// spinning. Frame types 0xFFF0 and 0xFFF1 are the channel's own for this.
 #pragma once
 
 #include <sys/socket.h>
@@ -53,6 +59,10 @@ inline constexpr std::size_t max_batch_descriptors = 16;
 /// A sender packs frames into one batch while their payloads add up to at
 /// most this (a larger frame goes alone).
 inline constexpr std::size_t batch_packing_bytes = 16 * 1024;
+/// The frame types a connection keeps to itself (start_ring); send() and
+/// post() refuse them.
+inline constexpr std::uint16_t first_reserved_frame_type = 0xFFF0;
+inline constexpr std::uint16_t last_reserved_frame_type = 0xFFF1;
 
 /// Where a listener listens: a socket file or an abstract name.
 ///
@@ -209,6 +219,20 @@ class connection {
   /// connection stays usable); backend_error when the system refuses.
   void send(std::uint16_t type, std::span<const std::byte> payload, int fd = -1);
 
+  /// Sends every later frame of this side through a ring of `bytes` in
+  /// shared memory (rounded up to a power of two from 4 KiB to 64 MiB): a
+  /// sealed memfd whose descriptor goes to the peer now, on the socket. A
+  /// frame then reaches a receiver that is spinning (set_receive_spin)
+  /// without a system call on either side; one that is not is woken through
+  /// the socket, so native_handle() keeps its meaning. Frames with a
+  /// descriptor, or over a quarter of the ring, still go on the socket, in
+  /// their place in the order. The peer must be a connection of this
+  /// version (older ones refuse the ring's frame). A full ring makes send()
+  /// wait for the peer to read, like a full socket. Throws invalid_argument
+  /// when a ring was started already or post() was used (a ring is for
+  /// send() alone); otherwise as send() does.
+  void start_ring(std::size_t bytes);
+
   /// Sends `frames` in order, packed into as few batches as the limits allow
   /// (max_batch_frames, max_batch_descriptors, batch_packing_bytes), each
   /// batch one sendmsg (more only when the socket takes part of it): a
@@ -228,6 +252,7 @@ class connection {
   /// unsent_since()). Throws as send() does, never timeout_error; waits only
   /// for another thread's send or post on this connection, without a
   /// deadline (a blocking send() holds the lock up to its send timeout).
+  /// invalid_argument once start_ring() was called.
   void post(std::span<const outgoing_frame> frames);
   /// post() of one frame.
   void post(std::uint16_t type, std::span<const std::byte> payload, int fd = -1);
@@ -279,8 +304,9 @@ class connection {
   [[nodiscard]] std::optional<std::chrono::steady_clock::time_point> incomplete_since() const;
 
   /// Frames that came in a batch already read and that receive() has not
-  /// returned yet: while there are any, receive() returns at once, and
-  /// native_handle() need not poll readable.
+  /// returned yet, plus one while the peer's ring holds entries: while it
+  /// is not zero, receive() returns at once, and native_handle() need not
+  /// poll readable.
   [[nodiscard]] std::size_t pending() const;
 
   /// receive() first polls for up to `spin` without sleeping before it
@@ -297,9 +323,11 @@ class connection {
   [[nodiscard]] const peer_credentials& peer() const noexcept;
   /// The largest payload receive() accepts.
   [[nodiscard]] std::size_t max_payload() const noexcept;
-  /// The socket, for poll(): when pending() is zero, readable exactly when
-  /// a frame or end of stream waits. Reading or writing it directly would put
-  /// the stream out of step.
+  /// The socket, for poll(): when pending() is zero, readable when a frame
+  /// or end of stream waits. With the peer's ring (start_ring) it may also be
+  /// readable for a wake-up whose frames a spinning receive() already took:
+  /// try_receive() then returns nullopt. Reading or writing it directly
+  /// would put the stream out of step.
   [[nodiscard]] int native_handle() const noexcept;
   /// Whether an earlier failure closed this connection.
   [[nodiscard]] bool broken() const;
@@ -321,6 +349,10 @@ class connection {
   template <class Read>
   static bool refill(state& s, Read read);
   static frame next_unread(state& s);
+  // Runs `body(started)` with send()'s error rules (the caller holds the
+  // send lock): `started` says whether any of the call's bytes may have gone.
+  template <class Body>
+  static void sending(state& s, const char* operation, Body body);
 
   std::unique_ptr<state> state_;
 };

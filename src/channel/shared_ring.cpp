@@ -1,0 +1,215 @@
+#include "channel/shared_ring.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "shoal/core/error.h"
+
+namespace shoal::channel::detail {
+
+namespace {
+
+constexpr std::size_t tail_offset = 0, head_offset = 64, spinning_offset = 128, wakes_offset = 192;
+
+std::string errno_text() { return std::strerror(errno); }
+
+template <class T>
+std::atomic_ref<T> field(std::byte* base, std::size_t offset) noexcept {
+  return std::atomic_ref<T>(*reinterpret_cast<T*>(base + offset));
+}
+
+std::byte* map_ring(int fd, std::size_t capacity) {
+  void* p = ::mmap(nullptr, ring_header_bytes + capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) throw backend_error("mmap(ring, " + std::to_string(ring_header_bytes + capacity) + " bytes)", errno_text());
+  return static_cast<std::byte*>(p);
+}
+
+}  // namespace
+
+// ring_mapping ---------------------------------------------------------------
+
+ring_mapping::ring_mapping(ring_mapping&& other) noexcept
+    : base_(std::exchange(other.base_, nullptr)), capacity_(std::exchange(other.capacity_, 0)) {}
+
+ring_mapping& ring_mapping::operator=(ring_mapping&& other) noexcept {
+  if (this != &other) {
+    if (base_ != nullptr) ::munmap(base_, ring_header_bytes + capacity_);
+    base_ = std::exchange(other.base_, nullptr);
+    capacity_ = std::exchange(other.capacity_, 0);
+  }
+  return *this;
+}
+
+ring_mapping::~ring_mapping() {
+  if (base_ != nullptr) ::munmap(base_, ring_header_bytes + capacity_);
+}
+
+std::uint64_t ring_mapping::load_tail() const noexcept { return field<std::uint64_t>(base_, tail_offset).load(); }
+std::uint64_t ring_mapping::load_head() const noexcept {
+  return field<std::uint64_t>(base_, head_offset).load(std::memory_order_acquire);
+}
+void ring_mapping::store_tail(std::uint64_t v) noexcept { field<std::uint64_t>(base_, tail_offset).store(v); }
+void ring_mapping::store_head(std::uint64_t v) noexcept {
+  field<std::uint64_t>(base_, head_offset).store(v, std::memory_order_release);
+}
+bool ring_mapping::receiver_spinning() const noexcept {
+  return field<std::uint32_t>(base_, spinning_offset).load() != 0;
+}
+void ring_mapping::set_receiver_spinning(bool spinning) noexcept {
+  field<std::uint32_t>(base_, spinning_offset).store(spinning ? 1 : 0);
+}
+
+std::uint64_t ring_mapping::load_wakes() const noexcept {
+  return field<std::uint64_t>(base_, wakes_offset).load(std::memory_order_relaxed);
+}
+void ring_mapping::store_wakes(std::uint64_t v) noexcept {
+  field<std::uint64_t>(base_, wakes_offset).store(v, std::memory_order_relaxed);
+}
+
+void ring_mapping::copy_out(std::uint64_t at, std::span<std::byte> out) const noexcept {
+  const std::size_t start = at & (capacity_ - 1);
+  const std::size_t first = std::min(out.size(), capacity_ - start);
+  const std::byte* data = base_ + ring_header_bytes;
+  std::memcpy(out.data(), data + start, first);
+  std::memcpy(out.data() + first, data, out.size() - first);
+}
+
+void ring_mapping::copy_in(std::uint64_t at, std::span<const std::byte> in) noexcept {
+  const std::size_t start = at & (capacity_ - 1);
+  const std::size_t first = std::min(in.size(), capacity_ - start);
+  std::byte* data = base_ + ring_header_bytes;
+  std::memcpy(data + start, in.data(), first);
+  std::memcpy(data, in.data() + first, in.size() - first);
+}
+
+// ring_writer ----------------------------------------------------------------
+
+ring_writer::ring_writer(std::size_t capacity) {
+  capacity = std::bit_ceil(std::clamp(capacity, min_ring_capacity, max_ring_capacity));
+  fd_ = unique_fd(::memfd_create("shoal-channel-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd_) throw backend_error("memfd_create(ring)", errno_text());
+  if (::ftruncate(fd_.get(), static_cast<off_t>(ring_header_bytes + capacity)) != 0) {
+    throw backend_error("ftruncate(ring)", errno_text());
+  }
+  if (::fcntl(fd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    throw backend_error("fcntl(F_ADD_SEALS, ring)", errno_text());
+  }
+  map_ = ring_mapping(map_ring(fd_.get(), capacity), capacity);
+}
+
+bool ring_writer::fits_inline(std::size_t payload) const noexcept {
+  return ring_entry_bytes(payload) <= capacity() / 4;
+}
+
+std::size_t ring_writer::room() {
+  const std::uint64_t head = map_.load_head();
+  // Forward from where it was, and not past what was published.
+  if (head - head_seen_ > published_ - head_seen_) {
+    throw protocol_error("the receiver moved its ring head to " + std::to_string(head) + ", outside " +
+                         std::to_string(head_seen_) + ".." + std::to_string(published_) + " (consumed..published)");
+  }
+  head_seen_ = head;
+  return capacity() - static_cast<std::size_t>(written_ - head);
+}
+
+void ring_writer::write(std::uint16_t type, std::span<const std::byte> payload, bool on_socket) {
+  std::byte header[ring_entry_header_bytes];
+  const auto bytes = static_cast<std::uint32_t>(payload.size());
+  const std::uint16_t kind = on_socket ? 1 : 0;
+  std::memcpy(header, &bytes, 4);
+  std::memcpy(header + 4, &type, 2);
+  std::memcpy(header + 6, &kind, 2);
+  map_.copy_in(written_, header);
+  map_.copy_in(written_ + ring_entry_header_bytes, payload);
+  const std::size_t padding = ring_entry_bytes(payload.size()) - ring_entry_header_bytes - payload.size();
+  static constexpr std::byte zeros[8] = {};
+  map_.copy_in(written_ + ring_entry_header_bytes + payload.size(), std::span(zeros, padding));
+  written_ += ring_entry_bytes(payload.size());
+}
+
+bool ring_writer::publish() noexcept {
+  published_ = written_;
+  map_.store_tail(published_);  // sequentially consistent, as is the load after it
+  return !map_.receiver_spinning();
+}
+
+void ring_writer::count_wake() noexcept { map_.store_wakes(++wakes_); }
+
+// ring_reader ----------------------------------------------------------------
+
+ring_reader::ring_reader(unique_fd memfd, std::uint64_t announced_capacity) {
+  if (announced_capacity < min_ring_capacity || announced_capacity > max_ring_capacity ||
+      !std::has_single_bit(announced_capacity)) {
+    throw protocol_error("a ring of " + std::to_string(announced_capacity) + " bytes; a ring holds a power of two from " +
+                         std::to_string(min_ring_capacity) + " to " + std::to_string(max_ring_capacity));
+  }
+  struct stat st {};
+  if (!memfd || ::fstat(memfd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    throw protocol_error("the ring's descriptor is not a file");
+  }
+  const int seals = ::fcntl(memfd.get(), F_GET_SEALS);
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+    throw protocol_error("the ring's descriptor is not a memfd sealed against shrinking");
+  }
+  const std::size_t capacity = announced_capacity;
+  if (static_cast<std::uint64_t>(st.st_size) != ring_header_bytes + capacity) {
+    throw protocol_error("the ring's file holds " + std::to_string(st.st_size) + " bytes; a ring of " +
+                         std::to_string(capacity) + " takes " + std::to_string(ring_header_bytes + capacity));
+  }
+  map_ = ring_mapping(map_ring(memfd.get(), capacity), capacity);
+}
+
+bool ring_reader::has_entries() const noexcept { return map_.load_tail() != head_; }
+bool ring_reader::seems_to_have_entries() const noexcept { return map_.load_tail() != map_.load_head(); }
+
+std::optional<ring_entry> ring_reader::take(std::size_t max_payload) {
+  const std::uint64_t tail = map_.load_tail();
+  if (tail == head_) return std::nullopt;
+  const std::uint64_t published = tail - head_;
+  if (published > map_.capacity() || published % 8 != 0) {
+    throw protocol_error("the sender's ring tail " + std::to_string(tail) + " is not a whole number of entries within " +
+                         std::to_string(map_.capacity()) + " bytes of the head " + std::to_string(head_));
+  }
+  std::byte header[ring_entry_header_bytes];
+  if (published < sizeof header) throw protocol_error("a ring entry shorter than its header");
+  map_.copy_out(head_, header);
+  std::uint32_t bytes = 0;
+  std::uint16_t kind = 0;
+  ring_entry e;
+  std::memcpy(&bytes, header, 4);
+  std::memcpy(&e.type, header + 4, 2);
+  std::memcpy(&kind, header + 6, 2);
+  if (kind > 1) throw protocol_error("a ring entry of kind " + std::to_string(kind) + "; kinds are 0 and 1");
+  e.on_socket = kind == 1;
+  if (e.on_socket && bytes != 0) throw protocol_error("a ring marker that carries a payload");
+  if (bytes > max_payload) {
+    throw protocol_error("a ring entry of " + std::to_string(bytes) + " payload bytes, over the limit of " +
+                         std::to_string(max_payload));
+  }
+  if (ring_entry_bytes(bytes) > published) {
+    throw protocol_error("a ring entry of " + std::to_string(ring_entry_bytes(bytes)) + " bytes runs past the " +
+                         std::to_string(published) + " published");
+  }
+  e.payload.resize(bytes);
+  map_.copy_out(head_ + ring_entry_header_bytes, e.payload);
+  head_ += ring_entry_bytes(bytes);
+  map_.store_head(head_);
+  return e;
+}
+
+void ring_reader::set_spinning(bool spinning) noexcept { map_.set_receiver_spinning(spinning); }
+
+// A sender that counts more than it sends only makes this side look at its socket more often.
+bool ring_reader::wakes_owed() const noexcept { return map_.load_wakes() != wakes_read_; }
+
+}  // namespace shoal::channel::detail

@@ -1,0 +1,167 @@
+// A one-way byte ring in shared memory that carries a connection's frames
+// without a system call while the receiver is spinning for them
+// (connection::start_ring).
+//
+// The sender makes the ring: a sealed memfd (it can never shrink, so the
+// receiver's mapping never faults) holding a header and `capacity` data
+// bytes, and sends its descriptor over the socket in a ring_announce frame.
+// From then on every frame of that direction is an entry in the ring, in
+// order; a frame with a descriptor, or too large for the ring, goes on the
+// socket and leaves a marker entry where it belongs in the order. The
+// socket also carries wake-ups: after publishing, the sender sends a
+// ring_wake frame unless the receiver said it is spinning.
+//
+// Header (64-byte lines; each field written by one side only):
+//   line 0: tail u64 — bytes published (the sender's)
+//   line 1: head u64 — bytes consumed (the receiver's)
+//   line 2: spinning u32 — 1 while the receiver polls the ring (the receiver's)
+//   line 3: wakes u64 — wake-ups sent so far, counted before each goes (the sender's)
+// Entry, 8-byte aligned, wrapping at the end of the data:
+//   payload bytes u32 | type u16 | kind u16 (0: payload follows, 1: the frame
+//   is the next one on the socket) | payload | zero padding to 8
+//
+// Both sides treat what the other writes as hostile: the reader checks that
+// the tail stays within capacity of its head and every entry within what is
+// published, and copies a payload out before anything reads it; the writer
+// checks that the reader's head moves forward and never past the tail. A
+// violation is a protocol_error.
+//
+// Not thread-safe: the connection serializes each side (its send and
+// receive locks), except a reader's seems_to_have_entries(), which any
+// thread may call.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "shoal/core/unique_fd.h"
+
+namespace shoal::channel::detail {
+
+/// Frame types the connection keeps to itself (a protocol's frames use others).
+inline constexpr std::uint16_t ring_announce_type = 0xFFF0;  // payload: capacity u64; descriptor: the memfd
+inline constexpr std::uint16_t ring_wake_type = 0xFFF1;      // no payload: the ring has entries
+
+inline constexpr std::size_t ring_header_bytes = 256;
+inline constexpr std::size_t ring_entry_header_bytes = 8;
+/// Capacities a receiver accepts: a power of two in this range.
+inline constexpr std::size_t min_ring_capacity = 4096;
+inline constexpr std::size_t max_ring_capacity = 64 << 20;
+
+/// Bytes an entry with `payload` bytes takes in the ring.
+[[nodiscard]] constexpr std::size_t ring_entry_bytes(std::size_t payload) noexcept {
+  return ring_entry_header_bytes + (payload + 7) / 8 * 8;
+}
+
+/// The mapping of a ring's memfd; unmapped when destroyed.
+class ring_mapping {
+ public:
+  ring_mapping() = default;
+  ring_mapping(std::byte* base, std::size_t capacity) : base_(base), capacity_(capacity) {}
+  ring_mapping(ring_mapping&& other) noexcept;
+  ring_mapping& operator=(ring_mapping&& other) noexcept;
+  ~ring_mapping();
+
+  [[nodiscard]] std::uint64_t load_tail() const noexcept;
+  [[nodiscard]] std::uint64_t load_head() const noexcept;
+  void store_tail(std::uint64_t) noexcept;
+  void store_head(std::uint64_t) noexcept;
+  [[nodiscard]] bool receiver_spinning() const noexcept;
+  void set_receiver_spinning(bool) noexcept;
+  [[nodiscard]] std::uint64_t load_wakes() const noexcept;
+  void store_wakes(std::uint64_t) noexcept;
+  [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
+  /// Copies `out.size()` bytes from ring position `at` (wrapping) / to it.
+  void copy_out(std::uint64_t at, std::span<std::byte> out) const noexcept;
+  void copy_in(std::uint64_t at, std::span<const std::byte> in) noexcept;
+
+ private:
+  std::byte* base_ = nullptr;
+  std::size_t capacity_ = 0;
+};
+
+/// The sender's side.
+class ring_writer {
+ public:
+  /// A new ring of `capacity` data bytes (rounded up to a power of two in
+  /// [min_ring_capacity, max_ring_capacity]). Throws backend_error when the
+  /// system refuses.
+  explicit ring_writer(std::size_t capacity);
+
+  [[nodiscard]] int fd() const noexcept { return fd_.get(); }
+  [[nodiscard]] std::size_t capacity() const noexcept { return map_.capacity(); }
+  /// Whether a frame of `payload` bytes goes in the ring itself (else on the
+  /// socket, with a marker): at most a quarter of the ring.
+  [[nodiscard]] bool fits_inline(std::size_t payload) const noexcept;
+  /// Free bytes now, after checking the receiver's head: protocol_error when
+  /// it moved back or past what was published.
+  [[nodiscard]] std::size_t room();
+  /// Writes an entry after the last one written (not yet visible); the
+  /// caller made sure of room(). An empty payload with `on_socket` is a marker.
+  void write(std::uint16_t type, std::span<const std::byte> payload, bool on_socket);
+  /// Makes what write() wrote visible; true when the receiver is not
+  /// spinning and must be woken. (Ordered so that a receiver that stops
+  /// spinning either sees the entries or is seen to have stopped.)
+  [[nodiscard]] bool publish() noexcept;
+  /// Counts a wake-up about to be sent, for the receiver to read it off the
+  /// socket when it finds the entries first (ring_reader::wakes_owed).
+  void count_wake() noexcept;
+  /// Whether write() wrote anything publish() has not published.
+  [[nodiscard]] bool unpublished() const noexcept { return written_ != published_; }
+  /// Forgets what write() wrote and publish() did not publish.
+  void discard_unpublished() noexcept { written_ = published_; }
+
+ private:
+  unique_fd fd_;
+  ring_mapping map_;
+  std::uint64_t written_ = 0;    // the end of the last entry written
+  std::uint64_t published_ = 0;  // the tail stored
+  std::uint64_t head_seen_ = 0;  // the receiver's head as last checked
+  std::uint64_t wakes_ = 0;
+};
+
+/// One entry read out of a ring.
+struct ring_entry {
+  bool on_socket = false;  // a marker: the frame is the next one on the socket
+  std::uint16_t type = 0;
+  std::vector<std::byte> payload;
+};
+
+/// The receiver's side.
+class ring_reader {
+ public:
+  /// Maps the ring a ring_announce frame brought: `announced_capacity` from
+  /// its payload, `memfd` its descriptor. protocol_error when the capacity is
+  /// not one a ring has, or the descriptor is not a sealed memfd of exactly
+  /// that size; backend_error when the system refuses the mapping.
+  ring_reader(unique_fd memfd, std::uint64_t announced_capacity);
+
+  /// Whether entries wait; for the receiving thread.
+  [[nodiscard]] bool has_entries() const noexcept;
+  /// has_entries() for any thread (it reads the head this side stored).
+  [[nodiscard]] bool seems_to_have_entries() const noexcept;
+  /// The next entry, or nullopt when none is published. protocol_error when
+  /// the tail or the entry breaks the layout, or a payload exceeds
+  /// `max_payload`.
+  [[nodiscard]] std::optional<ring_entry> take(std::size_t max_payload);
+  /// Tells the sender whether this side spins (no wake-up needed). Ordered
+  /// with has_entries()/take() after it as publish() is on the other side.
+  void set_spinning(bool spinning) noexcept;
+  /// Counts a wake-up read off the socket.
+  void note_wake() noexcept { ++wakes_read_; }
+  /// Whether the sender counted wake-ups this side has not read yet (they
+  /// may still be on their way): the receiver reads them off the socket
+  /// when it can without waiting, so that the socket is not left readable
+  /// for frames already taken.
+  [[nodiscard]] bool wakes_owed() const noexcept;
+
+ private:
+  ring_mapping map_;
+  std::uint64_t head_ = 0;  // this side's own count; the shared one is only written
+  std::uint64_t wakes_read_ = 0;
+};
+
+}  // namespace shoal::channel::detail

@@ -1,0 +1,428 @@
+// Frames through a shared-memory ring (connection::start_ring): the order
+// of ring entries and socket frames is kept; a spinning receiver takes them
+// without a wake-up and a blocked one is woken; poll() and pending() keep
+// their meaning; a full ring waits for the reader, by the send deadline; and
+// a peer that writes the ring by hand, as a hostile one would, gets a
+// protocol_error and a closed connection, on either side.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "channel/channel_fixtures.h"
+#include "shoal/channel/channel.h"
+#include "shoal/core/error.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using channel::connection;
+
+constexpr std::uint16_t announce_type = 0xFFF0, wake_type = 0xFFF1;
+constexpr std::size_t header_bytes = 256;
+
+std::pair<connection, connection> ring_pair(std::size_t ring_bytes = 4096) {
+  socket_pair pair;
+  connection a = connection::adopt(std::move(pair.a), {});
+  connection b = connection::adopt(std::move(pair.b), {});
+  a.start_ring(ring_bytes);
+  return {std::move(a), std::move(b)};
+}
+
+std::size_t bytes_waiting(int socket) {
+  int n = 0;
+  EXPECT_EQ(::ioctl(socket, FIONREAD, &n), 0);
+  return static_cast<std::size_t>(n);
+}
+
+bool readable_within(int socket, std::chrono::milliseconds wait) {
+  pollfd p{socket, POLLIN, 0};
+  return ::poll(&p, 1, static_cast<int>(wait.count())) == 1;
+}
+
+TEST(channel_ring, frames_keep_their_order_through_the_ring_and_the_socket) {
+  auto [a, b] = ring_pair(4096);
+  unique_fd pipe_ends[2];
+  int raw[2];
+  ASSERT_EQ(::pipe(raw), 0);
+  pipe_ends[0] = unique_fd(raw[0]);
+  pipe_ends[1] = unique_fd(raw[1]);
+  const std::vector<std::byte> large(3000, std::byte{9});  // over a quarter of the ring: on the socket
+  const std::vector<std::byte> one = bytes_of("one"), three = bytes_of("three");
+  const channel::outgoing_frame frames[] = {
+      {1, one}, {2, {}, pipe_ends[1].get()}, {3, three}, {4, large}, {5, {}}};
+  a.send(frames);
+  a.send(6, bytes_of("six"));
+  for (std::uint16_t type = 1; type <= 6; ++type) {
+    channel::frame f = type % 2 == 0 ? b.receive() : *b.try_receive();
+    EXPECT_EQ(f.type, type);
+    if (type == 1) EXPECT_EQ(text_of(f.payload), "one");
+    if (type == 2) EXPECT_TRUE(f.fd.valid());
+    if (type == 3) EXPECT_EQ(text_of(f.payload), "three");
+    if (type == 4) EXPECT_EQ(f.payload, large);
+    if (type == 6) EXPECT_EQ(text_of(f.payload), "six");
+    if (type != 2) EXPECT_FALSE(f.fd.valid());
+  }
+  EXPECT_FALSE(b.try_receive().has_value());
+  EXPECT_EQ(b.pending(), 0u);
+}
+
+TEST(channel_ring, both_sides_may_send_through_rings_at_once) {
+  socket_pair pair;
+  connection a = connection::adopt(std::move(pair.a), {});
+  connection b = connection::adopt(std::move(pair.b), {});
+  a.start_ring(8192);
+  b.start_ring(8192);
+  a.set_receive_spin(1ms);
+  b.set_receive_spin(1ms);
+  std::thread echo([&] {
+    for (int i = 0; i < 2000; ++i) {
+      channel::frame f = b.receive();
+      b.send(f.type, f.payload);
+    }
+  });
+  for (int i = 0; i < 2000; ++i) {
+    const std::string text = std::to_string(i);
+    a.send(static_cast<std::uint16_t>(i % 1000), bytes_of(text));
+    channel::frame back = a.receive();
+    ASSERT_EQ(back.type, i % 1000);
+    ASSERT_EQ(text_of(back.payload), text);
+  }
+  echo.join();
+}
+
+TEST(channel_ring, a_spinning_receiver_takes_frames_without_a_wake_up) {
+  auto [a, b] = ring_pair();
+  b.set_receive_spin(10s);
+  std::atomic<bool> got{false};
+  std::thread receiver([&, &b = b] {
+    EXPECT_EQ(text_of(b.receive().payload), "hello");
+    got = true;
+  });
+  std::this_thread::sleep_for(50ms);  // the receiver is spinning by now
+  a.send(1, bytes_of("hello"));
+  receiver.join();
+  EXPECT_TRUE(got);
+  EXPECT_EQ(bytes_waiting(b.native_handle()), 0u) << "a wake-up went to a receiver that was spinning";
+}
+
+TEST(channel_ring, a_blocked_receiver_is_woken) {
+  auto [a, b] = ring_pair();
+  b.set_receive_spin(0ns);
+  std::thread receiver([&, &b = b] { EXPECT_EQ(text_of(b.receive_for(5s).payload), "wake"); });
+  std::this_thread::sleep_for(50ms);  // blocked on the socket by now
+  a.send(1, bytes_of("wake"));
+  receiver.join();
+}
+
+TEST(channel_ring, native_handle_is_readable_while_a_frame_waits_in_the_ring) {
+  auto [a, b] = ring_pair();
+  EXPECT_FALSE(b.try_receive().has_value());  // takes in the ring's announce
+  EXPECT_FALSE(readable_within(b.native_handle(), 0ms));
+  a.send(1, bytes_of("x"));
+  EXPECT_TRUE(readable_within(b.native_handle(), 1000ms));
+  EXPECT_EQ(b.pending(), 1u);
+  ASSERT_TRUE(b.try_receive().has_value());
+  EXPECT_EQ(b.pending(), 0u);
+  EXPECT_FALSE(readable_within(b.native_handle(), 0ms)) << "the wake-up stayed in the socket";
+}
+
+TEST(channel_ring, pending_counts_what_a_receive_left_in_the_ring) {
+  auto [a, b] = ring_pair();
+  const std::vector<std::byte> first = bytes_of("1"), second = bytes_of("2");
+  const channel::outgoing_frame two[] = {{1, first}, {2, second}};
+  a.send(two);
+  EXPECT_EQ(b.receive().type, 1);
+  EXPECT_EQ(b.pending(), 1u);
+  EXPECT_EQ(b.receive_for(0ms).type, 2);
+  EXPECT_EQ(b.pending(), 0u);
+}
+
+TEST(channel_ring, a_full_ring_waits_for_its_reader) {
+  auto [a, b] = ring_pair(4096);
+  constexpr int count = 400;
+  std::thread sender([&, &a = a] {
+    for (int i = 0; i < count; ++i) a.send(static_cast<std::uint16_t>(i), std::vector<std::byte>(500, std::byte(i)));
+  });
+  for (int i = 0; i < count; ++i) {
+    channel::frame f = b.receive_for(10s);
+    ASSERT_EQ(f.type, i);
+    ASSERT_EQ(f.payload, std::vector<std::byte>(500, std::byte(i)));
+  }
+  sender.join();
+}
+
+TEST(channel_ring, a_full_ring_times_out_and_the_connection_stays_usable_when_nothing_of_the_call_went) {
+  auto [a, b] = ring_pair(4096);
+  a.set_send_timeout(50ms);
+  int sent = 0;
+  const std::vector<std::byte> payload(500);
+  try {
+    for (;; ++sent) a.send(1, payload);
+  } catch (const timeout_error& e) {
+    EXPECT_NE(std::string(e.what()).find("stays usable"), std::string::npos) << e.what();
+  }
+  EXPECT_GT(sent, 0);
+  EXPECT_FALSE(a.broken());
+  for (int i = 0; i < sent; ++i) ASSERT_EQ(b.receive_for(1s).payload, payload);
+  a.send(2, bytes_of("after"));
+  EXPECT_EQ(text_of(b.receive_for(1s).payload), "after");
+}
+
+TEST(channel_ring, a_send_to_a_peer_that_hung_up_with_its_ring_full_ends) {
+  auto [a, b] = ring_pair(4096);
+  std::thread closer([&b = b] {
+    std::this_thread::sleep_for(100ms);
+    connection gone = std::move(b);
+  });
+  EXPECT_THROW(
+      {
+        for (;;) a.send(1, std::vector<std::byte>(500));
+      },
+      connection_closed);
+  closer.join();
+}
+
+TEST(channel_ring, the_peer_ending_after_its_last_frames_leaves_them_readable) {
+  auto [a, b] = ring_pair();
+  a.send(1, bytes_of("last"));
+  { connection gone = std::move(a); }
+  EXPECT_EQ(text_of(b.receive_for(1s).payload), "last");
+  EXPECT_THROW((void)b.receive_for(1s), connection_closed);
+}
+
+TEST(channel_ring, starting_twice_or_after_post_and_sending_a_reserved_type_are_refused) {
+  auto [a, b] = ring_pair();
+  EXPECT_THROW(a.start_ring(4096), invalid_argument);
+  EXPECT_THROW(a.post(1, bytes_of("x")), invalid_argument);
+  EXPECT_THROW(a.send(announce_type, {}), invalid_argument);
+  EXPECT_THROW(b.send(wake_type, {}), invalid_argument);
+  EXPECT_FALSE(a.broken());
+  EXPECT_FALSE(b.broken());
+  socket_pair other;
+  connection c = connection::adopt(std::move(other.a), {});
+  c.post(1, bytes_of("x"));
+  EXPECT_THROW(c.start_ring(4096), invalid_argument);
+}
+
+// A ring made by hand, as a hostile sender would: the layout the header
+// documents, with each field at its place.
+struct hand_made_ring {
+  explicit hand_made_ring(std::size_t capacity, std::size_t file_bytes = 0, bool seal = true) : capacity(capacity) {
+    fd = unique_fd(::memfd_create("hand-made-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    const std::size_t size = file_bytes != 0 ? file_bytes : header_bytes + capacity;
+    EXPECT_EQ(::ftruncate(fd.get(), static_cast<off_t>(size)), 0);
+    if (seal) EXPECT_EQ(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+    base = static_cast<std::byte*>(::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+    mapped = size;
+  }
+  ~hand_made_ring() { ::munmap(base, mapped); }
+  void announce(int socket, std::uint64_t announced = 0) const {
+    const std::uint64_t value = announced != 0 ? announced : capacity;
+    std::vector<std::byte> payload(8);
+    std::memcpy(payload.data(), &value, 8);
+    write_raw(socket, raw_batch("SHOL", 2, {{announce_type, payload, 1}}), {fd.get()});
+  }
+  std::uint64_t& tail() const { return *reinterpret_cast<std::uint64_t*>(base); }
+  std::uint64_t& head() const { return *reinterpret_cast<std::uint64_t*>(base + 64); }
+  // Writes an entry at the tail and publishes it (with `claimed` bytes in its header, when given).
+  void put(std::uint16_t type, const std::vector<std::byte>& payload, std::uint16_t kind = 0,
+           std::uint32_t claimed = UINT32_MAX) {
+    const std::uint32_t bytes = claimed != UINT32_MAX ? claimed : static_cast<std::uint32_t>(payload.size());
+    std::byte* at = base + header_bytes + tail() % capacity;
+    std::memcpy(at, &bytes, 4);
+    std::memcpy(at + 4, &type, 2);
+    std::memcpy(at + 6, &kind, 2);
+    std::memcpy(at + 8, payload.data(), payload.size());
+    tail() += 8 + (payload.size() + 7) / 8 * 8;
+  }
+
+  std::size_t capacity;
+  unique_fd fd;
+  std::byte* base = nullptr;
+  std::size_t mapped = 0;
+};
+
+// b's next receive fails with protocol_error saying `expected`, and b is closed.
+void expect_refused(connection& b, const std::string& expected) {
+  try {
+    (void)b.receive_for(1s);
+    ADD_FAILURE() << "no protocol_error; expected one saying \"" << expected << "\"";
+  } catch (const protocol_error& e) {
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(b.broken());
+}
+
+TEST(channel_ring_hostile_sender, a_hand_made_ring_that_keeps_the_layout_is_read) {
+  socket_pair pair;
+  connection b = connection::adopt(std::move(pair.b), {});
+  hand_made_ring ring(4096);
+  ring.announce(pair.a.get());
+  ring.put(7, bytes_of("by hand"));
+  write_raw(pair.a.get(), raw_batch("SHOL", 2, {{wake_type, {}}}));
+  EXPECT_EQ(text_of(b.receive_for(1s).payload), "by hand");
+  EXPECT_EQ(ring.head(), 16u) << "the receiver stores how far it read";
+}
+
+TEST(channel_ring_hostile_sender, a_ring_file_that_could_shrink_is_refused) {
+  socket_pair pair;
+  connection b = connection::adopt(std::move(pair.b), {});
+  hand_made_ring ring(4096, 0, /*seal=*/false);
+  ring.announce(pair.a.get());
+  expect_refused(b, "not a memfd sealed against shrinking");
+}
+
+TEST(channel_ring_hostile_sender, a_ring_smaller_than_announced_is_refused) {
+  socket_pair pair;
+  connection b = connection::adopt(std::move(pair.b), {});
+  hand_made_ring ring(4096, header_bytes + 2048);
+  ring.announce(pair.a.get());
+  expect_refused(b, "holds " + std::to_string(header_bytes + 2048) + " bytes");
+}
+
+TEST(channel_ring_hostile_sender, a_capacity_that_is_no_power_of_two_is_refused) {
+  socket_pair pair;
+  connection b = connection::adopt(std::move(pair.b), {});
+  hand_made_ring ring(4096, header_bytes + 5000);
+  ring.announce(pair.a.get(), 5000);
+  expect_refused(b, "a ring of 5000 bytes");
+}
+
+TEST(channel_ring_hostile_sender, a_tail_past_the_capacity_is_refused) {
+  socket_pair pair;
+  connection b = connection::adopt(std::move(pair.b), {});
+  hand_made_ring ring(4096);
+  ring.announce(pair.a.get());
+  ring.tail() = 4096 + 8;
+  expect_refused(b, "not a whole number of entries within 4096 bytes");
+}
+
+TEST(channel_ring_hostile_sender, an_entry_that_runs_past_the_tail_is_refused) {
+  socket_pair pair;
+  connection b = connection::adopt(std::move(pair.b), {});
+  hand_made_ring ring(4096);
+  ring.announce(pair.a.get());
+  ring.put(1, bytes_of("short"), 0, /*claimed=*/1000);
+  expect_refused(b, "runs past the 16 published");
+}
+
+TEST(channel_ring_hostile_sender, an_entry_over_the_payload_limit_is_refused) {
+  socket_pair pair;
+  connection b = connection::adopt(std::move(pair.b), {}, /*max_payload=*/16);
+  hand_made_ring ring(4096);
+  ring.announce(pair.a.get());
+  ring.put(1, std::vector<std::byte>(64));
+  expect_refused(b, "over the limit of 16");
+}
+
+TEST(channel_ring_hostile_sender, wake_ups_without_a_ring_a_second_ring_and_reserved_entries_are_refused) {
+  {
+    socket_pair pair;
+    connection b = connection::adopt(std::move(pair.b), {});
+    write_raw(pair.a.get(), raw_batch("SHOL", 2, {{wake_type, {}}}));
+    expect_refused(b, "before any ring");
+  }
+  {
+    socket_pair pair;
+    connection b = connection::adopt(std::move(pair.b), {});
+    hand_made_ring first(4096), second(4096);
+    first.announce(pair.a.get());
+    second.announce(pair.a.get());
+    expect_refused(b, "a second ring");
+  }
+  {
+    socket_pair pair;
+    connection b = connection::adopt(std::move(pair.b), {});
+    hand_made_ring ring(4096);
+    ring.announce(pair.a.get());
+    ring.put(announce_type, {});
+    expect_refused(b, "the channel's own frame type");
+  }
+  {
+    socket_pair pair;
+    connection b = connection::adopt(std::move(pair.b), {});
+    hand_made_ring ring(4096);
+    ring.announce(pair.a.get());
+    ring.put(1, bytes_of("x"), /*kind=*/1);
+    expect_refused(b, "a ring marker that carries a payload");
+  }
+}
+
+// Reads the announce a real sender sent and maps its ring, as a hostile receiver would.
+struct ring_seen_by_hand {
+  explicit ring_seen_by_hand(int socket) {
+    std::vector<std::byte> batch(256);
+    iovec part{batch.data(), batch.size()};
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+    msghdr header{};
+    header.msg_iov = &part;
+    header.msg_iovlen = 1;
+    header.msg_control = control;
+    header.msg_controllen = sizeof control;
+    EXPECT_EQ(::recvmsg(socket, &header, MSG_CMSG_CLOEXEC), 256);
+    std::uint16_t type = 0;
+    std::memcpy(&type, batch.data() + 12, 2);
+    EXPECT_EQ(type, announce_type);
+    std::memcpy(&capacity, batch.data() + 20, 8);
+    int fd = -1;
+    std::memcpy(&fd, CMSG_DATA(CMSG_FIRSTHDR(&header)), sizeof fd);
+    memfd = unique_fd(fd);
+    base = static_cast<std::byte*>(
+        ::mmap(nullptr, header_bytes + capacity, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0));
+  }
+  ~ring_seen_by_hand() { ::munmap(base, header_bytes + capacity); }
+  std::uint64_t& head() const { return *reinterpret_cast<std::uint64_t*>(base + 64); }
+  std::uint64_t tail() const { return *reinterpret_cast<const std::uint64_t*>(base); }
+
+  std::uint64_t capacity = 0;
+  unique_fd memfd;
+  std::byte* base = nullptr;
+};
+
+TEST(channel_ring_hostile_receiver, a_head_moved_past_the_tail_is_refused) {
+  socket_pair pair;
+  connection a = connection::adopt(std::move(pair.a), {});
+  a.start_ring(4096);
+  ring_seen_by_hand ring(pair.b.get());
+  a.send(1, bytes_of("x"));
+  ring.head() = ring.tail() + 4096;  // "read" what was never written: the sender would overwrite unread bytes
+  try {
+    for (int i = 0; i < 1000; ++i) a.send(1, std::vector<std::byte>(500));
+    ADD_FAILURE() << "the sender believed a head past its tail";
+  } catch (const protocol_error& e) {
+    EXPECT_NE(std::string(e.what()).find("outside"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(a.broken());
+}
+
+TEST(channel_ring_hostile_receiver, a_head_moved_back_is_refused) {
+  socket_pair pair;
+  connection a = connection::adopt(std::move(pair.a), {});
+  a.start_ring(4096);
+  ring_seen_by_hand ring(pair.b.get());
+  a.send(1, bytes_of("x"));
+  ring.head() = ring.tail();
+  a.send(1, bytes_of("y"));  // the sender sees the head move forward
+  ring.head() = 0;
+  EXPECT_THROW(
+      {
+        for (int i = 0; i < 1000; ++i) a.send(1, std::vector<std::byte>(500));
+      },
+      protocol_error);
+  EXPECT_TRUE(a.broken());
+}
+
+}  // namespace
+}  // namespace shoal::testing
