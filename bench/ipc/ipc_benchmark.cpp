@@ -4,8 +4,11 @@
 // storages shared and released, watching memory stay flat.
 //
 //   shoal_bench_ipc [--backend host|cuda] [--iterations N] [--million N]
-// Prints one table; the consumer is this program started again.
-#include <poll.h>
+//                   [--ring-bytes N]
+// Prints one table; the consumer is this program started again. Both sides
+// send through shared rings of --ring-bytes (sharing_options::ring_bytes,
+// its default when not given); 0 runs the socket alone.
+#include <cstring>
 #include <unistd.h>
 
 #include <algorithm>
@@ -32,7 +35,18 @@ struct options {
   std::string backend = "cuda";
   int iterations = 2000;
   long million = 1000000;
+  std::size_t ring_bytes = ipc::sharing_options{}.ring_bytes;
 };
+
+ipc::sharing_options sharing_with_ring(std::size_t ring_bytes) {
+  ipc::sharing_options o;
+  o.ring_bytes = ring_bytes;
+  return o;
+}
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(clock_type::now().time_since_epoch()).count();
+}
 
 std::size_t resident_kib() {
   std::ifstream statm("/proc/self/statm");
@@ -51,7 +65,9 @@ double micros_since(clock_type::time_point t0) {
   return std::chrono::duration<double, std::micro>(clock_type::now() - t0).count();
 }
 
-// Where a consumer's time goes, per storage: receive, touch, drop.
+// Where a consumer's time goes, per storage: from the producer's send call
+// to receive's return (the clock is the machine's: steady_clock reads
+// CLOCK_MONOTONIC in both processes), touch, drop.
 struct consumer_steps {
   std::vector<double> receive, touch, drop;
   std::string medians() const {
@@ -70,10 +86,10 @@ struct consumer_steps {
 // drop, acknowledge. A note "?" answers with its resident KiB; a note "s"
 // with the median microseconds of its steps since the last "s"; a note "p"
 // with an empty note at once (the message floor).
-int consume(const std::string& backend_name) {
+int consume(const std::string& backend_name, std::size_t ring_bytes) {
   backend::device& dev = device_named(backend_name);
   alloc::caching_allocator allocator(dev, {});
-  ipc::sharing_context context(allocator);
+  ipc::sharing_context context(allocator, sharing_with_ring(ring_bytes));
   ipc::peer producer(context, adopt(child_process::child_socket_fd));
   backend::stream s(dev);
   backend::stream_guard on_s(dev, s);
@@ -81,17 +97,10 @@ int consume(const std::string& backend_name) {
   const std::byte ack[1] = {std::byte{1}};
   consumer_steps steps;
   for (;;) {
-    // The clock starts when a message is there. Waiting for it here works
-    // as receive itself does: without sleeping for receive_spin, then
-    // blocked (a blocking poll alone would add a thread wake-up that
-    // receive avoids).
-    pollfd readable{producer.native_handle(), POLLIN, 0};
-    const auto spin_until = clock_type::now() + ipc::sharing_options{}.receive_spin;
-    while (::poll(&readable, 1, 0) == 0 && clock_type::now() < spin_until) {
-    }
-    if ((readable.revents & POLLIN) == 0) ::poll(&readable, 1, -1);
-    auto t0 = clock_type::now();
+    // receive() waits as it does for any user: spinning for receive_spin,
+    // on the ring (or the socket without one), then blocked.
     ipc::received r = producer.receive(s);
+    const std::int64_t received_ns = now_ns();
     if (!r.storage.valid()) {
       if (r.metadata.empty()) return 0;
       std::string answer;
@@ -108,8 +117,10 @@ int consume(const std::string& backend_name) {
       producer.send_note(std::as_bytes(std::span(answer)));
       continue;
     }
-    steps.receive.push_back(micros_since(t0));
-    t0 = clock_type::now();
+    std::int64_t sent_ns = 0;  // the producer's clock as its send began
+    if (r.metadata.size() == sizeof sent_ns) std::memcpy(&sent_ns, r.metadata.data(), sizeof sent_ns);
+    steps.receive.push_back(static_cast<double>(received_ns - sent_ns) / 1000.0);
+    auto t0 = clock_type::now();
     dev.copy(s, &seen, r.storage.data(), 1);
     dev.synchronize(s);
     steps.touch.push_back(micros_since(t0));
@@ -130,11 +141,12 @@ percentiles summarize(std::vector<double> v) {
 
 class producer_side {
  public:
-  producer_side(backend::device& dev, const std::string& program, const std::string& backend_name)
+  producer_side(backend::device& dev, const std::string& program, const std::string& backend_name,
+                std::size_t ring_bytes)
       : dev_(dev),
         allocator_(dev, {}),
-        context_(allocator_),
-        child_(program, {"--consume", backend_name}),
+        context_(allocator_, sharing_with_ring(ring_bytes)),
+        child_(program, {"--consume", backend_name, std::to_string(ring_bytes)}),
         peer_(context_, adopt(::dup(child_.socket()))),
         stream_(dev),
         on_stream_(dev, stream_) {}
@@ -145,7 +157,10 @@ class producer_side {
 
   double round_trip_us(const storage::storage& st) {
     const auto t0 = clock_type::now();
-    peer_.send(st, {}, stream_);
+    const std::int64_t sent_ns = now_ns();
+    std::byte stamp[sizeof sent_ns];
+    std::memcpy(stamp, &sent_ns, sizeof sent_ns);
+    peer_.send(st, stamp, stream_);
     sends_.push_back(micros_since(t0));
     (void)peer_.receive(stream_);
     return micros_since(t0);
@@ -278,19 +293,21 @@ void flat_memory(producer_side& p, const options& o) {
 
 int main(int argc, char** argv) {
   try {
-    if (argc == 3 && std::string(argv[1]) == "--consume") return consume(argv[2]);
+    if (argc == 4 && std::string(argv[1]) == "--consume") return consume(argv[2], std::stoul(argv[3]));
     options o;
     for (int i = 1; i + 1 < argc; i += 2) {
       const std::string flag = argv[i];
       if (flag == "--backend") o.backend = argv[i + 1];
       else if (flag == "--iterations") o.iterations = std::atoi(argv[i + 1]);
       else if (flag == "--million") o.million = std::atol(argv[i + 1]);
+      else if (flag == "--ring-bytes") o.ring_bytes = std::stoul(argv[i + 1]);
       else throw invalid_argument("unknown flag " + flag);
     }
     backend::device& dev = device_named(o.backend);
-    std::printf("shoal IPC benchmark: backend %s (%s)\n\n| what | median us | p90 us | medians: send, then consumer receive, touch, drop (us) |\n|---|---|---|---|\n",
-                o.backend.c_str(), dev.name().c_str());
-    producer_side p(dev, "/proc/self/exe", o.backend);
+    std::printf("shoal IPC benchmark: backend %s (%s), %s\n\n| what | median us | p90 us | medians: send, then in the consumer send+receive (from the send call), touch, drop (us) |\n|---|---|---|---|\n",
+                o.backend.c_str(), dev.name().c_str(),
+                o.ring_bytes > 0 ? ("rings of " + std::to_string(o.ring_bytes) + " bytes").c_str() : "the socket alone");
+    producer_side p(dev, "/proc/self/exe", o.backend, o.ring_bytes);
     round_trips(p, o);
     first_shares(p, o);
     round_trip_floor(p, o);

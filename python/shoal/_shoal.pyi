@@ -375,7 +375,7 @@ class SharingContext:
 
     def __init__(self, allocator: Allocator, **options) -> None:
         """
-        Options (keywords): collect_interval_ms (100), send_timeout_ms (10000), teardown_timeout_ms (100), receive_spin_us (50), max_metadata_bytes (65536), slots_per_file (4096).
+        Options (keywords): collect_interval_ms (100), send_timeout_ms (10000), teardown_timeout_ms (100), receive_spin_us (50), max_metadata_bytes (65536), slots_per_file (4096), ring_bytes (65536; 0: the socket alone).
         """
 
     @property
@@ -416,6 +416,11 @@ class Peer:
         The next (storage, metadata) from the other process — storage None for a note — ready for work enqueued on `stream` (default: the current stream). Raises PeerTimeoutError after `timeout` seconds, ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.
         """
 
+    def try_receive(self, stream: Stream | None = None) -> object:
+        """
+        The next (storage, metadata) if it has come whole, without waiting; None when it has not (what came of it is kept). For a selector loop: once fileno() is readable, call this until it returns None. Raises ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.
+        """
+
     def revoke(self) -> None:
         """
         Stops trusting the other process: the connection closes and the context sends it nothing more; what it holds stays pinned until it releases it or dies.
@@ -434,7 +439,7 @@ class Peer:
 
     def fileno(self) -> int:
         """
-        The connection's socket, for selectors: readable when a message (or its start) waits.
+        The connection's socket, for selectors: readable when a message (or its start) waits; one readable socket may stand for several messages, or for none left: call try_receive() until None.
         """
 
     def close(self) -> None:

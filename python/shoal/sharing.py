@@ -258,6 +258,9 @@ class Consumer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener.fileno(), selectors.EVENT_READ, None)
         self._incoming: dict[int, _Incoming] = {}
+        # Producers that may have more messages waiting behind a batch just
+        # returned: one readable socket can stand for several messages.
+        self._unfinished: dict[int, _Incoming] = {}
         # Producers disconnected or refused, oldest first; the last MAX_ERRORS kept.
         self.errors: list[Exception] = []
 
@@ -275,6 +278,11 @@ class Consumer:
         sent stays valid)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            for fd, incoming in list(self._unfinished.items()):
+                del self._unfinished[fd]
+                batch = self._receive_from(incoming, stream)
+                if batch is not None:
+                    return batch
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready = self._selector.select(left)
             if not ready and deadline is not None and time.monotonic() >= deadline:
@@ -316,33 +324,40 @@ class Consumer:
         fd = incoming.peer.fileno()
         self._selector.unregister(fd)
         del self._incoming[fd]
+        self._unfinished.pop(fd, None)
         incoming.arrays.clear()
         incoming.peer.close()
 
     def _receive_from(self, incoming: _Incoming, stream: _shoal.Stream | None) -> Batch | None:
-        """Reads one message of `incoming`; returns its batch once whole."""
+        """Reads the messages of `incoming` that have come; returns its batch
+        once whole (then more may wait: it is looked at again first)."""
         try:
-            storage, metadata = incoming.peer.receive(timeout=10.0, stream=stream)
-            if storage is not None:
-                if len(incoming.arrays) >= MAX_ARRAYS_PER_BATCH:
-                    raise _protocol_error(f"more than {MAX_ARRAYS_PER_BATCH} arrays in one batch")
-                incoming.arrays.append(_view_of(storage, metadata))
-                return None
-            try:
-                note = json.loads(metadata)
-            except (ValueError, RecursionError) as e:
-                raise _protocol_error(f"a batch note that is not JSON ({e})") from None
-            if not isinstance(note, dict) or note.get("v") != _VERSION or note.get("arrays") != len(incoming.arrays):
-                raise _protocol_error("a batch note that does not match the arrays sent")
-            used: set = set()
-            batch = _rebuild(note.get("batch"), incoming.arrays, 0, used)
-            if len(used) != len(incoming.arrays):
-                raise _protocol_error("a batch structure that leaves arrays out")
-            incoming.arrays = []
-            return batch
+            while True:
+                message = incoming.peer.try_receive(stream=stream)
+                if message is None:
+                    return None
+                storage, metadata = message
+                if storage is not None:
+                    if len(incoming.arrays) >= MAX_ARRAYS_PER_BATCH:
+                        raise _protocol_error(f"more than {MAX_ARRAYS_PER_BATCH} arrays in one batch")
+                    incoming.arrays.append(_view_of(storage, metadata))
+                    continue
+                try:
+                    note = json.loads(metadata)
+                except (ValueError, RecursionError) as e:
+                    raise _protocol_error(f"a batch note that is not JSON ({e})") from None
+                if not isinstance(note, dict) or note.get("v") != _VERSION or note.get("arrays") != len(incoming.arrays):
+                    raise _protocol_error("a batch note that does not match the arrays sent")
+                used: set = set()
+                batch = _rebuild(note.get("batch"), incoming.arrays, 0, used)
+                if len(used) != len(incoming.arrays):
+                    raise _protocol_error("a batch structure that leaves arrays out")
+                incoming.arrays = []
+                self._unfinished[incoming.peer.fileno()] = incoming
+                return batch
         except _shoal.ConnectionClosedError:
             self._drop(incoming)
-        except (_shoal.ProtocolError, _shoal.PeerTimeoutError) as e:
+        except _shoal.ProtocolError as e:
             self._note_error(e)
             self._drop(incoming)
         return None

@@ -99,10 +99,12 @@ ipc::sharing_options options_of(const nb::kwargs& settings) {
       o.max_metadata_bytes = nb::cast<std::size_t>(value);
     } else if (key == "slots_per_file") {
       o.slots_per_file = nb::cast<std::uint32_t>(value);
+    } else if (key == "ring_bytes") {
+      o.ring_bytes = nb::cast<std::size_t>(value);
     } else {
       throw invalid_argument("SharingContext: unknown option " + key +
                              " (collect_interval_ms, send_timeout_ms, teardown_timeout_ms, receive_spin_us, "
-                             "max_metadata_bytes, slots_per_file)");
+                             "max_metadata_bytes, slots_per_file, ring_bytes)");
     }
   }
   return o;
@@ -207,7 +209,8 @@ void register_sharing(nb::module_& m) {
           },
           nb::arg("allocator"), nb::arg("options"),
           "Options (keywords): collect_interval_ms (100), send_timeout_ms (10000), teardown_timeout_ms (100), "
-          "receive_spin_us (50), max_metadata_bytes (65536), slots_per_file (4096).")
+          "receive_spin_us (50), max_metadata_bytes (65536), slots_per_file (4096), ring_bytes (65536; 0: the "
+          "socket alone).")
       .def_prop_ro("allocator", [](const py_sharing_context& c) { return py_allocator{c.state->allocator()}; })
       .def(
           "collect", [](const py_sharing_context& c) { return c.state->context().collect(); },
@@ -309,6 +312,24 @@ void register_sharing(nb::module_& m) {
           "enqueued on `stream` (default: the current stream). Raises PeerTimeoutError after `timeout` "
           "seconds, ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.")
       .def(
+          "try_receive",
+          [](const py_peer& p, const py_stream* stream) -> nb::object {
+            auto& peer = p.get();
+            auto st = stream_or_current(stream, p.context->allocator()->allocator().device());
+            p.context->allocator()->keep(st);
+            std::optional<ipc::received> r;
+            {
+              nb::gil_scoped_release release;
+              r = peer.try_receive(st->ref());
+            }
+            if (!r) return nb::none();
+            return received_tuple(p, std::move(*r));
+          },
+          nb::arg("stream").none() = nb::none(),
+          "The next (storage, metadata) if it has come whole, without waiting; None when it has not (what "
+          "came of it is kept). For a selector loop: once fileno() is readable, call this until it returns "
+          "None. Raises ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.")
+      .def(
           "revoke", [](const py_peer& p) { p.get().revoke(); }, nb::call_guard<nb::gil_scoped_release>(),
           "Stops trusting the other process: the connection closes and the context sends it nothing more; "
           "what it holds stays pinned until it releases it or dies.")
@@ -327,7 +348,8 @@ void register_sharing(nb::module_& m) {
           },
           "This side's view of the other process: open_mappings, counter_files, event_sources, held_storages.")
       .def("fileno", [](const py_peer& p) { return p.get().native_handle(); },
-           "The connection's socket, for selectors: readable when a message (or its start) waits.")
+           "The connection's socket, for selectors: readable when a message (or its start) waits; one "
+           "readable socket may stand for several messages, or for none left: call try_receive() until None.")
       .def(
           "close",
           [](py_peer& p) {

@@ -260,6 +260,27 @@ def test_a_closed_peer_raises_connection_closed():
             shoal.Peer(context, connection)
 
 
+@pytest.mark.parametrize("ring_bytes", [65536, 0])
+def test_try_receive_takes_every_message_that_came_then_returns_none(ring_bytes):
+    import select
+
+    producer = shoal.SharingContext(shoal.default_allocator(), collect_interval_ms=0, ring_bytes=ring_bytes)
+    consumer = shoal.SharingContext(shoal.default_allocator(), collect_interval_ms=0, ring_bytes=ring_bytes)
+    with shoal.Listener(shoal.runtime_dir_address(f"try-{os.getpid()}-{ring_bytes}.sock")) as listener:
+        sender = shoal.Peer(producer, shoal.connect(listener.address))
+        receiver = shoal.Peer(consumer, listener.accept(timeout=WAIT))
+        with sender, receiver:
+            assert receiver.try_receive() is None
+            for i in range(5):
+                sender.send_note(b"note %d" % i)
+            assert select.select([receiver.fileno()], [], [], WAIT)[0]
+            got = []
+            while (message := receiver.try_receive()) is not None:
+                got.append(message[1])
+            assert got == [b"note %d" % i for i in range(5)]
+            assert not select.select([receiver.fileno()], [], [], 0)[0], "nothing left to read"
+
+
 def test_the_socket_file_goes_with_the_consumer():
     consumer = sharing.Consumer()
     path = consumer.address

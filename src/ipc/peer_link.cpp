@@ -27,6 +27,7 @@ peer_link::peer_link(std::shared_ptr<producer_state> state, channel::connection 
   state_->connect(link_.peer().process);
   link_.set_receive_spin(state_->options.receive_spin);
   link_.set_send_timeout(shoal::detail::channel_timeout(state_->options.send_timeout));
+  if (state_->options.ring_bytes > 0) link_.start_ring(state_->options.ring_bytes);
 }
 
 void peer_link::outgoing::add(message_type type, std::vector<std::byte> payload, int fd) {
@@ -174,19 +175,22 @@ void peer_link::release_unread() noexcept {
     // in part is given up on by the deadline (which shuts the socket down);
     // a peer that keeps sending is cut off by the same deadline.
     const auto until = shoal::detail::deadline_after(state_->options.teardown_timeout);
-    pollfd waiting{link_.native_handle(), POLLIN, 0};
-    const auto more_waits = [&] {
-      return link_.pending() > 0 || (::poll(&waiting, 1, 0) > 0 && (waiting.revents & POLLIN) != 0);
-    };
-    while (!link_.broken() && std::chrono::steady_clock::now() < until && more_waits()) {
-      channel::frame f = next_frame(until);
+    while (!link_.broken() && std::chrono::steady_clock::now() < until) {
+      std::optional<channel::frame> f = link_.try_receive();
+      if (!f) {
+        if (!link_.incomplete_since()) break;  // nothing more has come
+        const auto left = std::chrono::ceil<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+        pollfd rest{link_.native_handle(), POLLIN, 0};
+        (void)::poll(&rest, 1, static_cast<int>(std::max<std::int64_t>(0, left.count())));
+        continue;
+      }
       if (!hello_checked_) {
-        channel::check_hello(f, sharing_protocol);
+        channel::check_hello(*f, sharing_protocol);
         hello_checked_ = true;
-      } else if (f.type == static_cast<std::uint16_t>(message_type::counter_file)) {
-        receiver_->add_counter_file(decode_counter_file(f.payload, state_->options.max_peer_slots_per_file), std::move(f.fd));
-      } else if (f.type == static_cast<std::uint16_t>(message_type::storage)) {
-        receiver_->release_unclaimed(decode_storage(f.payload, limits_));
+      } else if (f->type == static_cast<std::uint16_t>(message_type::counter_file)) {
+        receiver_->add_counter_file(decode_counter_file(f->payload, state_->options.max_peer_slots_per_file), std::move(f->fd));
+      } else if (f->type == static_cast<std::uint16_t>(message_type::storage)) {
+        receiver_->release_unclaimed(decode_storage(f->payload, limits_));
       }
     }
   } catch (const std::exception&) {  // NOLINT(bugprone-empty-catch): best effort, as documented
@@ -216,54 +220,70 @@ received peer_link::receive(backend::stream_ref stream, std::optional<std::chron
     if (until && !first && std::chrono::steady_clock::now() >= *until) {
       throw timeout_error("peer::receive_for: the deadline passed while the peer sent no whole message");
     }
-    channel::frame f = next_frame(until);
-    try {
-      if (!hello_checked_) {
-        channel::check_hello(f, sharing_protocol);
-        hello_checked_ = true;
-        continue;
-      }
-      switch (static_cast<message_type>(f.type)) {
-        case message_type::counter_file:
-          receiver_->add_counter_file(decode_counter_file(f.payload, state_->options.max_peer_slots_per_file), std::move(f.fd));
-          break;
-        case message_type::segment:
-          receiver_->add_segment(decode_segment(f.payload, std::move(f.fd)));
-          break;
-        case message_type::event_source:
-          receiver_->add_event_source(backend::event_source::deserialize(f.payload, std::move(f.fd)));
-          break;
-        case message_type::storage: {
-          const storage_message m = decode_storage(f.payload, limits_);
-          if (f.fd) {
-            receiver_->release_unclaimed(m);
-            throw protocol_error("storage message: came with a descriptor; it carries none");
-          }
-          received r;
-          r.metadata.assign(m.metadata.begin(), m.metadata.end());
-          r.storage = receiver_->make_storage(m, stream);
-          return r;
-        }
-        case message_type::retire_segments:
-          receiver_->retire_segments(decode_ids(f.payload, "retire_segments"));
-          break;
-        case message_type::retire_files:
-          receiver_->retire_files(decode_ids(f.payload, "retire_files"));
-          break;
-        case message_type::note: {
-          if (f.fd) throw protocol_error("note message: came with a descriptor; it carries none");
-          received r;
-          const auto metadata = decode_note(f.payload, limits_);
-          r.metadata.assign(metadata.begin(), metadata.end());
-          return r;
-        }
-        default:
-          throw protocol_error("unknown message type " + std::to_string(f.type) +
-                               "; the sender is not a matching shoal version or sent garbage");
-      }
-    } catch (const protocol_error& e) {
-      fail(e);
+    if (std::optional<received> r = take_frame(next_frame(until), stream)) return std::move(*r);
+  }
+}
+
+std::optional<received> peer_link::try_receive(backend::stream_ref stream) {
+  check_not_revoked();
+  if (broken_) throw connection_closed("peer::try_receive: the connection was closed after a malformed message");
+  // At most one batch's worth of frames, so that a peer sending
+  // announcements without end cannot hold the caller.
+  for (std::size_t frames = 0; frames < channel::max_batch_frames; ++frames) {
+    std::optional<channel::frame> f = link_.try_receive();
+    if (!f) return std::nullopt;
+    if (std::optional<received> r = take_frame(std::move(*f), stream)) return r;
+  }
+  return std::nullopt;
+}
+
+std::optional<received> peer_link::take_frame(channel::frame f, backend::stream_ref stream) {
+  try {
+    if (!hello_checked_) {
+      channel::check_hello(f, sharing_protocol);
+      hello_checked_ = true;
+      return std::nullopt;
     }
+    switch (static_cast<message_type>(f.type)) {
+      case message_type::counter_file:
+        receiver_->add_counter_file(decode_counter_file(f.payload, state_->options.max_peer_slots_per_file), std::move(f.fd));
+        return std::nullopt;
+      case message_type::segment:
+        receiver_->add_segment(decode_segment(f.payload, std::move(f.fd)));
+        return std::nullopt;
+      case message_type::event_source:
+        receiver_->add_event_source(backend::event_source::deserialize(f.payload, std::move(f.fd)));
+        return std::nullopt;
+      case message_type::storage: {
+        const storage_message m = decode_storage(f.payload, limits_);
+        if (f.fd) {
+          receiver_->release_unclaimed(m);
+          throw protocol_error("storage message: came with a descriptor; it carries none");
+        }
+        received r;
+        r.metadata.assign(m.metadata.begin(), m.metadata.end());
+        r.storage = receiver_->make_storage(m, stream);
+        return r;
+      }
+      case message_type::retire_segments:
+        receiver_->retire_segments(decode_ids(f.payload, "retire_segments"));
+        return std::nullopt;
+      case message_type::retire_files:
+        receiver_->retire_files(decode_ids(f.payload, "retire_files"));
+        return std::nullopt;
+      case message_type::note: {
+        if (f.fd) throw protocol_error("note message: came with a descriptor; it carries none");
+        received r;
+        const auto metadata = decode_note(f.payload, limits_);
+        r.metadata.assign(metadata.begin(), metadata.end());
+        return r;
+      }
+      default:
+        throw protocol_error("unknown message type " + std::to_string(f.type) +
+                             "; the sender is not a matching shoal version or sent garbage");
+    }
+  } catch (const protocol_error& e) {
+    fail(e);
   }
 }
 

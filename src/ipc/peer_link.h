@@ -34,6 +34,8 @@ class peer_link {
   void send_note(std::span<const std::byte> metadata);
   /// Receives by `until` (nullopt: no deadline); throws timeout_error after.
   received receive(backend::stream_ref stream, std::optional<std::chrono::steady_clock::time_point> until);
+  /// The next message if it has come whole, without waiting.
+  std::optional<received> try_receive(backend::stream_ref stream);
   /// Closes the connection and revokes the peer process (peer::revoke).
   void revoke();
 
@@ -73,6 +75,9 @@ class peer_link {
   // process exits. Best effort: anything malformed ends it, and so does
   // options.teardown_timeout (a peer that stalls in the middle of a batch).
   void release_unread() noexcept;
+  // Takes one frame in: a message, or nullopt for an announcement or a
+  // retirement. Closes the connection on a protocol error.
+  std::optional<received> take_frame(channel::frame f, backend::stream_ref stream);
   // The next frame: by `until` when there is one.
   channel::frame next_frame(const std::optional<std::chrono::steady_clock::time_point>& until);
 

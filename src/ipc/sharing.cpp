@@ -112,6 +112,10 @@ received peer::receive_for(std::chrono::milliseconds timeout, backend::stream_re
 received peer::receive_for(std::chrono::milliseconds timeout) {
   return receive_for(timeout, backend::current_stream(link_->allocator().device()));
 }
+std::optional<received> peer::try_receive(backend::stream_ref stream) {
+  return naming_peer(*link_, [&] { return link_->try_receive(stream); });
+}
+std::optional<received> peer::try_receive() { return try_receive(backend::current_stream(link_->allocator().device())); }
 void peer::revoke() { link_->revoke(); }
 const channel::peer_credentials& peer::credentials() const noexcept { return link_->credentials(); }
 peer_stats peer::stats() const { return link_->stats(); }

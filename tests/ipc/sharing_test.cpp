@@ -883,15 +883,43 @@ TEST(sharing_counters, a_file_is_retired_through_another_connection_of_its_holde
   EXPECT_EQ(receiver_b.stats().counter_files, 1u) << "file 1, announced on A only, is still mapped here";
 }
 
-TEST(sharing_poll, a_peer_is_readable_exactly_while_a_message_waits) {
+TEST(sharing_poll, a_peer_is_readable_while_a_message_waits_and_try_receive_takes_each) {
   in_process_sharing p;
   auto& [dev, allocator, consumer_allocator, producer, consumer, ends, sender, receiver] = p;
   const auto readable = [&] {
     pollfd waiting{receiver.native_handle(), POLLIN, 0};
     return ::poll(&waiting, 1, 0) == 1;
   };
+  EXPECT_FALSE(receiver.try_receive({}).has_value());  // takes in the sender's ring
   EXPECT_FALSE(readable());
   // A first share (counter file, segment, storage) and a note, back to back.
+  sender.send(storage_t::allocate(allocator, 8 * kib, {}), {}, {});
+  sender.send_note(text("after"));
+  EXPECT_TRUE(readable());
+  std::optional<ipc::received> first = receiver.try_receive({});
+  ASSERT_TRUE(first.has_value());
+  EXPECT_TRUE(first->storage.valid());
+  std::optional<ipc::received> second = receiver.try_receive({});
+  ASSERT_TRUE(second.has_value()) << "the note waits behind the storage, whatever the socket says";
+  EXPECT_EQ(text_of(second->metadata), "after");
+  EXPECT_FALSE(receiver.try_receive({}).has_value());
+  EXPECT_FALSE(readable()) << "the wake-ups of messages taken are read off the socket";
+}
+
+TEST(sharing_poll, without_a_ring_every_message_ends_its_batch) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  const ipc::sharing_options plain{.collect_interval = 0ms, .ring_bytes = 0};
+  ipc::sharing_context producer(allocator, plain);
+  ipc::sharing_context consumer(allocator, plain);
+  auto [to_consumer, to_producer] = connected_pair();
+  ipc::peer sender(producer, std::move(to_consumer));
+  ipc::peer receiver(consumer, std::move(to_producer));
+  const auto readable = [&] {
+    pollfd waiting{receiver.native_handle(), POLLIN, 0};
+    return ::poll(&waiting, 1, 0) == 1;
+  };
+  EXPECT_FALSE(readable());
   sender.send(storage_t::allocate(allocator, 8 * kib, {}), {}, {});
   sender.send_note(text("after"));
   EXPECT_TRUE(readable());

@@ -90,6 +90,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -169,6 +170,12 @@ class peer {
   /// middle of one has the connection closed (connection::receive_for).
   received receive_for(std::chrono::milliseconds timeout, backend::stream_ref stream);
   received receive_for(std::chrono::milliseconds timeout);
+  /// The next storage or note if it has come whole, without waiting;
+  /// nullopt when it has not (what came of it is kept for the next call).
+  /// For a reader that polls native_handle(): once it is readable, call
+  /// this until it returns nullopt. Throws as receive() does.
+  std::optional<received> try_receive(backend::stream_ref stream);
+  std::optional<received> try_receive();
 
   /// Stops trusting the peer process: closes this connection (a receive or
   /// send blocked on it, here or in the peer, ends with connection_closed;
@@ -185,10 +192,13 @@ class peer {
 
   [[nodiscard]] const channel::peer_credentials& credentials() const noexcept;
   [[nodiscard]] peer_stats stats() const;
-  /// The connection's socket, for poll(): readable exactly when a message,
-  /// or its start, waits (a message always ends the batch it travels in, so
-  /// receive() never leaves part of the next one read). A message whose
-  /// announcements span several batches may still be arriving then.
+  /// The connection's socket, for poll(): readable when a message, or its
+  /// start, waits that try_receive() has not taken. Messages travel through
+  /// a shared ring (sharing_options::ring_bytes) and a wake-up on the socket
+  /// says they came, so one wake-up may stand for several messages, or for
+  /// one a spinning receive already took: once it is readable, call
+  /// try_receive() until it returns nullopt, rather than one blocking
+  /// receive().
   [[nodiscard]] int native_handle() const noexcept;
 
  private:

@@ -29,6 +29,11 @@ struct sharing_options {
   /// meanwhile saves the wake-up of a blocked thread (~5 us each way) at the
   /// cost of a busy core for that long. Zero: never spin.
   std::chrono::microseconds receive_spin{50};
+  /// Each peer sends its messages through a ring of this many bytes in
+  /// memory shared with the other process (channel::connection::start_ring):
+  /// a receive spinning for a message takes it without a system call on
+  /// either side. Zero: the socket alone (a peer of an older shoal).
+  std::size_t ring_bytes = 64 * 1024;
   /// How long a send may wait for a peer that does not read what was sent
   /// to it: then timeout_error (connection::set_send_timeout). Zero: no
   /// deadline. Durations here and in peer::receive_for saturate: a huge one
