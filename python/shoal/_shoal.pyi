@@ -421,6 +421,11 @@ class Peer:
         The next (storage, metadata) if it has come whole, without waiting; None when it has not (what came of it is kept). For a selector loop: once fileno() is readable, call this until it returns None. Raises ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.
         """
 
+    def pending(self) -> int:
+        """
+        Not zero while frames that came wait to be taken (in a batch already read, or in the peer's shared ring): try_receive() may then return more though fileno() is not readable.
+        """
+
     def revoke(self) -> None:
         """
         Stops trusting the other process: the connection closes and the context sends it nothing more; what it holds stays pinned until it releases it or dies.

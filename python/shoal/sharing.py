@@ -226,6 +226,7 @@ class _Incoming:
 
     def __init__(self, peer: _shoal.Peer) -> None:
         self.peer = peer
+        self.fd = peer.fileno()
         self.arrays: list = []
 
 
@@ -278,22 +279,28 @@ class Consumer:
         sent stays valid)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            for fd, incoming in list(self._unfinished.items()):
-                del self._unfinished[fd]
-                batch = self._receive_from(incoming, stream)
-                if batch is not None:
-                    return batch
+            # Producers left with messages waiting, oldest turn first, then
+            # those whose sockets are readable: each gets one turn a round.
+            turns = list(self._unfinished.values())
+            self._unfinished.clear()
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = self._selector.select(left)
-            if not ready and deadline is not None and time.monotonic() >= deadline:
-                raise _shoal.PeerTimeoutError(f"shoal.sharing: no batch within {timeout} s")
-            for key, _ in ready:
+            for key, _ in self._selector.select(0 if turns else left):
                 if key.data is None:
                     self._accept()
-                    continue
-                batch = self._receive_from(key.data, stream)
+                elif all(key.data is not turn for turn in turns):
+                    turns.append(key.data)
+            for i, incoming in enumerate(turns):
+                if self._incoming.get(incoming.fd) is not incoming:
+                    continue  # dropped this round
+                batch = self._receive_from(incoming, stream)
                 if batch is not None:
+                    for later in turns[i + 1 :]:
+                        if self._incoming.get(later.fd) is later:
+                            self._unfinished[later.fd] = later
+                    self._unfinished[incoming.fd] = incoming  # more may wait behind it
                     return batch
+            if deadline is not None and time.monotonic() >= deadline:
+                raise _shoal.PeerTimeoutError(f"shoal.sharing: no batch within {timeout} s")
 
     def _note_error(self, error: Exception) -> None:
         self.errors.append(error)
@@ -317,24 +324,25 @@ class Consumer:
             return
         peer = _shoal.Peer(self.context, connection)
         incoming = _Incoming(peer)
-        self._incoming[peer.fileno()] = incoming
-        self._selector.register(peer.fileno(), selectors.EVENT_READ, incoming)
+        self._incoming[incoming.fd] = incoming
+        self._selector.register(incoming.fd, selectors.EVENT_READ, incoming)
 
     def _drop(self, incoming: _Incoming) -> None:
-        fd = incoming.peer.fileno()
-        self._selector.unregister(fd)
-        del self._incoming[fd]
-        self._unfinished.pop(fd, None)
+        self._selector.unregister(incoming.fd)
+        del self._incoming[incoming.fd]
+        self._unfinished.pop(incoming.fd, None)
         incoming.arrays.clear()
         incoming.peer.close()
 
     def _receive_from(self, incoming: _Incoming, stream: _shoal.Stream | None) -> Batch | None:
         """Reads the messages of `incoming` that have come; returns its batch
-        once whole (then more may wait: it is looked at again first)."""
+        once whole."""
         try:
             while True:
                 message = incoming.peer.try_receive(stream=stream)
                 if message is None:
+                    if incoming.peer.pending() > 0:  # it stopped short: more waits without a readable socket
+                        self._unfinished[incoming.fd] = incoming
                     return None
                 storage, metadata = message
                 if storage is not None:
@@ -353,7 +361,6 @@ class Consumer:
                 if len(used) != len(incoming.arrays):
                     raise _protocol_error("a batch structure that leaves arrays out")
                 incoming.arrays = []
-                self._unfinished[incoming.peer.fileno()] = incoming
                 return batch
         except _shoal.ConnectionClosedError:
             self._drop(incoming)

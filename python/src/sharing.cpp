@@ -330,6 +330,10 @@ void register_sharing(nb::module_& m) {
           "came of it is kept). For a selector loop: once fileno() is readable, call this until it returns "
           "None. Raises ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.")
       .def(
+          "pending", [](const py_peer& p) { return p.get().pending(); },
+          "Not zero while frames that came wait to be taken (in a batch already read, or in the peer's "
+          "shared ring): try_receive() may then return more though fileno() is not readable.")
+      .def(
           "revoke", [](const py_peer& p) { p.get().revoke(); }, nb::call_guard<nb::gil_scoped_release>(),
           "Stops trusting the other process: the connection closes and the context sends it nothing more; "
           "what it holds stays pinned until it releases it or dies.")

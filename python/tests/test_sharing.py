@@ -281,6 +281,17 @@ def test_try_receive_takes_every_message_that_came_then_returns_none(ring_bytes)
             assert not select.select([receiver.fileno()], [], [], 0)[0], "nothing left to read"
 
 
+def test_a_producer_that_always_has_a_batch_ready_does_not_starve_another():
+    with sharing.Consumer() as consumer:
+        with sharing.Producer(consumer.address) as a, sharing.Producer(consumer.address) as b:
+            for _ in range(6):
+                a.put({"who": shoal.allocate(8)})
+            b.put({"who": shoal.allocate(16)})
+            sources = [consumer.get(timeout=WAIT)["who"].shape[0] for _ in range(3)]
+            assert 16 in sources, f"b's batch waited behind a's: {sources}"
+            assert sorted(consumer.get(timeout=WAIT)["who"].shape[0] for _ in range(4)) == [8] * 4
+
+
 def test_the_socket_file_goes_with_the_consumer():
     consumer = sharing.Consumer()
     path = consumer.address

@@ -200,6 +200,7 @@ struct connection::state {
   // whose frame has not come whole yet.
   std::unique_ptr<detail::ring_reader> in_ring;
   std::atomic<const detail::ring_reader*> in_ring_view{nullptr};
+  std::atomic<bool> ring_allowed{false};  // allow_peer_ring() was called
   std::deque<frame> socket_frames;
   bool marker_taken = false;
   mutable std::mutex broken_mutex;
@@ -440,36 +441,48 @@ void wait_for_room(int socket, detail::ring_writer& ring, std::size_t bytes, det
   }
 }
 
-// Sends `frames` through `ring`: the frames that cannot be entries go on the
-// socket first, so each is there before its marker is published; then the
-// entries, published as room allows, and a wake-up unless the peer spins.
+// Sends `frames` through `ring`, in order: an entry for each frame, and for
+// a frame that cannot be one (a descriptor, or too large), a marker, its
+// frame going on the socket first. Socket frames go a batch at a time, each
+// batch's markers published before the next batch is sent, so a receiver
+// never holds more than two batches of frames waiting for their markers.
+// After each publish a wake-up goes unless the peer needs none.
 void send_through_ring(int socket, detail::ring_writer& ring, std::span<const outgoing_frame> frames,
                        std::vector<std::byte>& buffer, detail::deadline until, bool& started) {
   const auto on_socket = [&](const outgoing_frame& f) { return f.fd >= 0 || !ring.fits_inline(f.payload.size()); };
-  std::vector<outgoing_frame> socket_frames;
-  for (const outgoing_frame& f : frames) {
-    if (on_socket(f)) socket_frames.push_back(f);
-  }
-  send_on_socket(socket, socket_frames, buffer, until, started);
   const outgoing_frame wake{detail::ring_wake_type, {}, -1};
   const auto publish = [&] {
-    const bool asleep = ring.publish();
+    const bool wanted = ring.publish();
     started = true;
-    if (!asleep) return;
+    if (!wanted) return;
     ring.count_wake();
     send_on_socket(socket, std::span(&wake, 1), buffer, until, started);
   };
-  try {
-    for (const outgoing_frame& f : frames) {
-      const bool marker = on_socket(f);
-      const std::size_t bytes = detail::ring_entry_bytes(marker ? 0 : f.payload.size());
-      if (ring.room() < bytes) {
-        if (ring.unpublished()) publish();  // the peer reads what is there, making room
-        wait_for_room(socket, ring, bytes, until);
-      }
-      ring.write(f.type, marker ? std::span<const std::byte>() : f.payload, marker);
+  const auto write = [&](const outgoing_frame& f, bool marker) {
+    const std::size_t bytes = detail::ring_entry_bytes(marker ? 0 : f.payload.size());
+    if (ring.room() < bytes) {
+      if (ring.unpublished()) publish();  // the peer reads what is there, making room
+      wait_for_room(socket, ring, bytes, until);
     }
-    publish();
+    ring.write(f.type, marker ? std::span<const std::byte>() : f.payload, marker);
+  };
+  try {
+    while (!frames.empty()) {
+      if (!on_socket(frames.front())) {
+        write(frames.front(), false);
+        frames = frames.subspan(1);
+        continue;
+      }
+      std::size_t run = 1;
+      while (run < frames.size() && on_socket(frames[run])) ++run;
+      const std::size_t count = detail::frames_in_next_batch(frames.first(run));
+      detail::send_batch(socket, frames.first(count), buffer, until);
+      started = true;
+      for (const outgoing_frame& f : frames.first(count)) write(f, true);
+      publish();
+      frames = frames.subspan(count);
+    }
+    if (ring.unpublished()) publish();
   } catch (...) {
     ring.discard_unpublished();
     throw;
@@ -519,6 +532,8 @@ void connection::start_ring(std::size_t bytes) {
   });
   s.out_ring = std::move(ring);
 }
+
+void connection::allow_peer_ring() { usable("allow_peer_ring").ring_allowed.store(true, std::memory_order_relaxed); }
 
 void connection::post(std::uint16_t type, std::span<const std::byte> payload, int fd) {
   const outgoing_frame one{type, payload, fd};
@@ -649,6 +664,7 @@ namespace {
 
 // What the receive side keeps of a connection's state, for the helpers below.
 struct receive_side {
+  bool ring_allowed;
   std::deque<frame>& unread;
   std::unique_ptr<detail::ring_reader>& in_ring;
   std::atomic<const detail::ring_reader*>& in_ring_view;
@@ -667,6 +683,7 @@ constexpr int max_batches_per_try = 64;
 void route(receive_side r, std::vector<frame> batch) {
   for (frame& f : batch) {
     if (f.type == detail::ring_announce_type) {
+      if (!r.ring_allowed) throw protocol_error("a ring announced on a connection that takes none (allow_peer_ring)");
       if (r.in_ring) throw protocol_error("a second ring announced; a connection has one each way");
       std::uint64_t capacity = 0;
       if (f.payload.size() != sizeof capacity) throw protocol_error("a ring announce of " + std::to_string(f.payload.size()) + " bytes; it holds 8");
@@ -678,6 +695,12 @@ void route(receive_side r, std::vector<frame> batch) {
       if (!f.payload.empty() || f.fd) throw protocol_error("a ring wake-up that carries a payload or a descriptor");
       r.in_ring->note_wake();
     } else if (r.in_ring) {
+      // An honest sender publishes a batch's markers before it sends the
+      // next batch: two batches at most wait here.
+      if (r.socket_frames.size() >= 2 * max_batch_frames) {
+        throw protocol_error("more than " + std::to_string(2 * max_batch_frames) +
+                             " frames on the socket ahead of their markers in the ring");
+      }
       r.socket_frames.push_back(std::move(f));
     } else {
       r.unread.push_back(std::move(f));
@@ -713,26 +736,49 @@ std::optional<frame> next_in_ring(receive_side r, ReadMore read_more) {
 // Reads off the socket the wake-ups sent for frames already taken from the
 // ring, as far as they have come whole, so that the socket is not left
 // readable with nothing to read.
+// Only once the ring is empty: a read before then could take in socket
+// frames well ahead of their markers. The end of the stream met here is
+// left for the next call, which meets it again, so the frame just taken
+// is returned.
 template <class ReadReady>
 void drop_owed_wakes(receive_side r, ReadReady read_ready) {
-  for (int batches = 0; batches < max_batches_per_try && r.in_ring->wakes_owed() && read_ready(); ++batches) {
+  try {
+    for (int batches = 0; batches < max_batches_per_try && !r.marker_taken && !r.in_ring->has_entries() &&
+                          r.in_ring->wakes_owed() && read_ready();
+         ++batches) {
+    }
+  } catch (const connection_closed&) {  // NOLINT(bugprone-empty-catch): met again by the next read
   }
 }
 
-// Polls the ring without sleeping for up to `spin`, telling the sender it
-// need not wake this side meanwhile; true when entries came.
-bool spin_on_ring(detail::ring_reader& ring, std::chrono::nanoseconds spin) {
+// Tells the core that this thread is spinning.
+inline void spin_pause() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Polls the ring without sleeping for up to `spin` (no later than
+// `deadline`), telling the sender it need not wake this side meanwhile;
+// true when entries came. Then the flag stays up until the caller has
+// taken them (a sender seeing it down before the head moves would send a
+// wake-up for nothing); the caller lowers it before it returns.
+bool spin_on_ring(detail::ring_reader& ring, std::chrono::nanoseconds spin, const detail::deadline& deadline) {
   if (spin.count() <= 0) return ring.has_entries();
   ring.set_spinning(true);
-  const auto until = std::chrono::steady_clock::now() + spin;
+  auto until = std::chrono::steady_clock::now() + spin;
+  if (deadline && *deadline < until) until = *deadline;
   bool came = false;
   for (unsigned round = 0; !(came = ring.has_entries()); ++round) {
-    __builtin_ia32_pause();
+    spin_pause();
     if (round % 16 == 0 && std::chrono::steady_clock::now() >= until) break;
   }
+  if (came) return true;
   ring.set_spinning(false);
   // A publish after the flag went down wakes this side; one before it is seen here.
-  return came || ring.has_entries();
+  return ring.has_entries();
 }
 
 }  // namespace
@@ -741,7 +787,8 @@ frame connection::receive_until(std::optional<std::chrono::steady_clock::time_po
   state& s = usable("receive");
   const auto lock = s.lock_by(s.receive_mutex, until, "receive");
   s.throw_if_broken("receive");
-  const receive_side r{s.unread, s.in_ring, s.in_ring_view, s.socket_frames, s.marker_taken, s.max_payload};
+  const receive_side r{s.ring_allowed.load(std::memory_order_relaxed), s.unread, s.in_ring, s.in_ring_view,
+                       s.socket_frames, s.marker_taken, s.max_payload};
   const auto spin = std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed));
   const auto read_one = [&](std::chrono::nanoseconds socket_spin) {
     route(r, detail::read_batch(s.socket.get(), s.max_payload, socket_spin, until, s.partial));
@@ -754,6 +801,13 @@ frame connection::receive_until(std::optional<std::chrono::steady_clock::time_po
     return true;
   };
   std::optional<frame> from_ring;
+  // However receive leaves, the sender is told it no longer spins.
+  struct lowers_spinning {
+    const std::unique_ptr<detail::ring_reader>& ring;
+    ~lowers_spinning() {
+      if (ring) ring->set_spinning(false);
+    }
+  } const lowered{s.in_ring};
   (void)refill(s, [&] {
     while (s.unread.empty()) {
       if (!s.in_ring) {
@@ -761,7 +815,7 @@ frame connection::receive_until(std::optional<std::chrono::steady_clock::time_po
       } else if ((from_ring = next_in_ring(r, [&] { return read_one({}); }))) {
         drop_owed_wakes(r, read_ready);
         return true;
-      } else if (!spin_on_ring(*s.in_ring, spin)) {
+      } else if (!spin_on_ring(*s.in_ring, spin, until)) {
         read_one({});  // a wake-up, a frame with a descriptor, or the end
       }
     }
@@ -777,7 +831,8 @@ std::optional<frame> connection::try_receive() {
   const std::unique_lock lock(s.receive_mutex, std::try_to_lock);
   if (!lock.owns_lock()) return std::nullopt;  // another thread is receiving
   s.throw_if_broken("receive");
-  const receive_side r{s.unread, s.in_ring, s.in_ring_view, s.socket_frames, s.marker_taken, s.max_payload};
+  const receive_side r{s.ring_allowed.load(std::memory_order_relaxed), s.unread, s.in_ring, s.in_ring_view,
+                       s.socket_frames, s.marker_taken, s.max_payload};
   const auto read_ready = [&] {
     std::optional<std::vector<frame>> batch = detail::read_batch_if_ready(s.socket.get(), s.max_payload, s.partial);
     if (!batch) return false;

@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,7 +21,8 @@ namespace shoal::channel::detail {
 
 namespace {
 
-constexpr std::size_t tail_offset = 0, head_offset = 64, spinning_offset = 128, wakes_offset = 192;
+constexpr std::size_t tail_offset = 0, head_offset = 64, spinning_offset = 72, wakes_read_offset = 80,
+                      wakes_sent_offset = 128;
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -30,7 +33,11 @@ std::atomic_ref<T> field(std::byte* base, std::size_t offset) noexcept {
 
 std::byte* map_ring(int fd, std::size_t capacity) {
   void* p = ::mmap(nullptr, ring_header_bytes + capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) throw backend_error("mmap(ring, " + std::to_string(ring_header_bytes + capacity) + " bytes)", errno_text());
+  if (p == MAP_FAILED) {
+    // The file's own modes or seals refuse the mapping: the sender's doing.
+    if (errno == EACCES || errno == EPERM) throw protocol_error("the ring's file cannot be mapped for writing (" + errno_text() + ")");
+    throw backend_error("mmap(ring, " + std::to_string(ring_header_bytes + capacity) + " bytes)", errno_text());
+  }
   return static_cast<std::byte*>(p);
 }
 
@@ -69,12 +76,16 @@ void ring_mapping::set_receiver_spinning(bool spinning) noexcept {
   field<std::uint32_t>(base_, spinning_offset).store(spinning ? 1 : 0);
 }
 
-std::uint64_t ring_mapping::load_wakes() const noexcept {
-  return field<std::uint64_t>(base_, wakes_offset).load(std::memory_order_relaxed);
+std::uint64_t ring_mapping::load_wakes_sent() const noexcept {
+  return field<std::uint64_t>(base_, wakes_sent_offset).load(std::memory_order_relaxed);
 }
-void ring_mapping::store_wakes(std::uint64_t v) noexcept {
-  field<std::uint64_t>(base_, wakes_offset).store(v, std::memory_order_relaxed);
+void ring_mapping::store_wakes_sent(std::uint64_t v) noexcept {
+  field<std::uint64_t>(base_, wakes_sent_offset).store(v, std::memory_order_relaxed);
 }
+std::uint64_t ring_mapping::load_wakes_read() const noexcept {
+  return field<std::uint64_t>(base_, wakes_read_offset).load();
+}
+void ring_mapping::store_wakes_read(std::uint64_t v) noexcept { field<std::uint64_t>(base_, wakes_read_offset).store(v); }
 
 void ring_mapping::copy_out(std::uint64_t at, std::span<std::byte> out) const noexcept {
   const std::size_t start = at & (capacity_ - 1);
@@ -139,11 +150,13 @@ void ring_writer::write(std::uint16_t type, std::span<const std::byte> payload, 
 
 bool ring_writer::publish() noexcept {
   published_ = written_;
-  map_.store_tail(published_);  // sequentially consistent, as is the load after it
-  return !map_.receiver_spinning();
+  map_.store_tail(published_);  // sequentially consistent, as are the loads after it
+  if (map_.receiver_spinning()) return false;
+  if (map_.load_head() == published_) return false;  // it took everything already
+  return map_.load_wakes_read() == wakes_;             // else a wake-up waits unread
 }
 
-void ring_writer::count_wake() noexcept { map_.store_wakes(++wakes_); }
+void ring_writer::count_wake() noexcept { map_.store_wakes_sent(++wakes_); }
 
 // ring_reader ----------------------------------------------------------------
 
@@ -153,13 +166,21 @@ ring_reader::ring_reader(unique_fd memfd, std::uint64_t announced_capacity) {
     throw protocol_error("a ring of " + std::to_string(announced_capacity) + " bytes; a ring holds a power of two from " +
                          std::to_string(min_ring_capacity) + " to " + std::to_string(max_ring_capacity));
   }
-  struct stat st {};
-  if (!memfd || ::fstat(memfd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
-    throw protocol_error("the ring's descriptor is not a file");
-  }
-  const int seals = ::fcntl(memfd.get(), F_GET_SEALS);
+  // The seals first: once it cannot shrink, the size read next holds.
+  const int seals = memfd ? ::fcntl(memfd.get(), F_GET_SEALS) : -1;
   if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
     throw protocol_error("the ring's descriptor is not a memfd sealed against shrinking");
+  }
+  if ((seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) {
+    throw protocol_error("the ring's memfd is sealed against writes; the receiver writes its head into it");
+  }
+  const int mode = ::fcntl(memfd.get(), F_GETFL);
+  if (mode < 0 || (mode & O_ACCMODE) != O_RDWR) throw protocol_error("the ring's descriptor is not open for reading and writing");
+  struct statfs fs {};
+  struct stat st {};
+  if (::fstatfs(memfd.get(), &fs) != 0 || fs.f_type != TMPFS_MAGIC || ::fstat(memfd.get(), &st) != 0 ||
+      !S_ISREG(st.st_mode)) {
+    throw protocol_error("the ring's descriptor is not a memfd on tmpfs");
   }
   const std::size_t capacity = announced_capacity;
   if (static_cast<std::uint64_t>(st.st_size) != ring_header_bytes + capacity) {
@@ -169,20 +190,23 @@ ring_reader::ring_reader(unique_fd memfd, std::uint64_t announced_capacity) {
   map_ = ring_mapping(map_ring(memfd.get(), capacity), capacity);
 }
 
-bool ring_reader::has_entries() const noexcept { return map_.load_tail() != head_; }
-bool ring_reader::seems_to_have_entries() const noexcept { return map_.load_tail() != map_.load_head(); }
+bool ring_reader::has_entries() const noexcept { return map_.load_tail() != head_.load(std::memory_order_relaxed); }
+bool ring_reader::seems_to_have_entries() const noexcept {
+  return map_.load_tail() != head_.load(std::memory_order_acquire);
+}
 
 std::optional<ring_entry> ring_reader::take(std::size_t max_payload) {
+  const std::uint64_t head = head_.load(std::memory_order_relaxed);
   const std::uint64_t tail = map_.load_tail();
-  if (tail == head_) return std::nullopt;
-  const std::uint64_t published = tail - head_;
+  if (tail == head) return std::nullopt;
+  const std::uint64_t published = tail - head;
   if (published > map_.capacity() || published % 8 != 0) {
     throw protocol_error("the sender's ring tail " + std::to_string(tail) + " is not a whole number of entries within " +
-                         std::to_string(map_.capacity()) + " bytes of the head " + std::to_string(head_));
+                         std::to_string(map_.capacity()) + " bytes of the head " + std::to_string(head));
   }
   std::byte header[ring_entry_header_bytes];
   if (published < sizeof header) throw protocol_error("a ring entry shorter than its header");
-  map_.copy_out(head_, header);
+  map_.copy_out(head, header);
   std::uint32_t bytes = 0;
   std::uint16_t kind = 0;
   ring_entry e;
@@ -201,15 +225,18 @@ std::optional<ring_entry> ring_reader::take(std::size_t max_payload) {
                          std::to_string(published) + " published");
   }
   e.payload.resize(bytes);
-  map_.copy_out(head_ + ring_entry_header_bytes, e.payload);
-  head_ += ring_entry_bytes(bytes);
-  map_.store_head(head_);
+  map_.copy_out(head + ring_entry_header_bytes, e.payload);
+  const std::uint64_t next = head + ring_entry_bytes(bytes);
+  head_.store(next, std::memory_order_release);
+  map_.store_head(next);
   return e;
 }
 
 void ring_reader::set_spinning(bool spinning) noexcept { map_.set_receiver_spinning(spinning); }
 
+void ring_reader::note_wake() noexcept { map_.store_wakes_read(++wakes_read_); }
+
 // A sender that counts more than it sends only makes this side look at its socket more often.
-bool ring_reader::wakes_owed() const noexcept { return map_.load_wakes() != wakes_read_; }
+bool ring_reader::wakes_owed() const noexcept { return map_.load_wakes_sent() != wakes_read_; }
 
 }  // namespace shoal::channel::detail

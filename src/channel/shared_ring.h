@@ -9,28 +9,34 @@
 // order; a frame with a descriptor, or too large for the ring, goes on the
 // socket and leaves a marker entry where it belongs in the order. The
 // socket also carries wake-ups: after publishing, the sender sends a
-// ring_wake frame unless the receiver said it is spinning.
+// ring_wake frame unless the receiver is spinning, has taken everything
+// already, or has not read the last wake-up yet (its socket is readable).
 //
-// Header (64-byte lines; each field written by one side only):
+// Header (64-byte lines; each line written by one side only):
 //   line 0: tail u64 — bytes published (the sender's)
-//   line 1: head u64 — bytes consumed (the receiver's)
-//   line 2: spinning u32 — 1 while the receiver polls the ring (the receiver's)
-//   line 3: wakes u64 — wake-ups sent so far, counted before each goes (the sender's)
+//   line 1: head u64 — bytes consumed; spinning u32 at +8 — 1 while the
+//           receiver polls the ring; wakes read u64 at +16 (the receiver's)
+//   line 2: wakes sent u64 — counted before each goes (the sender's)
 // Entry, 8-byte aligned, wrapping at the end of the data:
 //   payload bytes u32 | type u16 | kind u16 (0: payload follows, 1: the frame
 //   is the next one on the socket) | payload | zero padding to 8
 //
-// Both sides treat what the other writes as hostile: the reader checks that
-// the tail stays within capacity of its head and every entry within what is
-// published, and copies a payload out before anything reads it; the writer
-// checks that the reader's head moves forward and never past the tail. A
-// violation is a protocol_error.
+// Both sides treat what the other writes as hostile: the reader maps only a
+// memfd sealed against shrinking (checked before its size is read, so the
+// mapping can never run past the file) on tmpfs, checks that the tail stays
+// within capacity of its head and every entry within what is published, and
+// copies a payload out before anything reads it; the writer checks that the
+// reader's head moves forward and never past the tail. A violation is a
+// protocol_error. Either side can still punch holes in the file
+// (fallocate), which reads back as zeros here and is then refused as
+// malformed; under strict overcommit, refaulting such a page could fail.
 //
 // Not thread-safe: the connection serializes each side (its send and
 // receive locks), except a reader's seems_to_have_entries(), which any
 // thread may call.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -45,7 +51,7 @@ namespace shoal::channel::detail {
 inline constexpr std::uint16_t ring_announce_type = 0xFFF0;  // payload: capacity u64; descriptor: the memfd
 inline constexpr std::uint16_t ring_wake_type = 0xFFF1;      // no payload: the ring has entries
 
-inline constexpr std::size_t ring_header_bytes = 256;
+inline constexpr std::size_t ring_header_bytes = 192;
 inline constexpr std::size_t ring_entry_header_bytes = 8;
 /// Capacities a receiver accepts: a power of two in this range.
 inline constexpr std::size_t min_ring_capacity = 4096;
@@ -71,8 +77,10 @@ class ring_mapping {
   void store_head(std::uint64_t) noexcept;
   [[nodiscard]] bool receiver_spinning() const noexcept;
   void set_receiver_spinning(bool) noexcept;
-  [[nodiscard]] std::uint64_t load_wakes() const noexcept;
-  void store_wakes(std::uint64_t) noexcept;
+  [[nodiscard]] std::uint64_t load_wakes_sent() const noexcept;
+  void store_wakes_sent(std::uint64_t) noexcept;
+  [[nodiscard]] std::uint64_t load_wakes_read() const noexcept;
+  void store_wakes_read(std::uint64_t) noexcept;
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
   /// Copies `out.size()` bytes from ring position `at` (wrapping) / to it.
   void copy_out(std::uint64_t at, std::span<std::byte> out) const noexcept;
@@ -102,12 +110,13 @@ class ring_writer {
   /// Writes an entry after the last one written (not yet visible); the
   /// caller made sure of room(). An empty payload with `on_socket` is a marker.
   void write(std::uint16_t type, std::span<const std::byte> payload, bool on_socket);
-  /// Makes what write() wrote visible; true when the receiver is not
-  /// spinning and must be woken. (Ordered so that a receiver that stops
-  /// spinning either sees the entries or is seen to have stopped.)
+  /// Makes what write() wrote visible; true when the receiver must be
+  /// woken: it is not spinning, has not taken everything published, and has
+  /// read every wake-up sent (else one waits in its socket already). Each
+  /// check follows the tail's store, as the receiver's stores precede its
+  /// look at the tail: one side always sees the other.
   [[nodiscard]] bool publish() noexcept;
-  /// Counts a wake-up about to be sent, for the receiver to read it off the
-  /// socket when it finds the entries first (ring_reader::wakes_owed).
+  /// Counts a wake-up about to be sent.
   void count_wake() noexcept;
   /// Whether write() wrote anything publish() has not published.
   [[nodiscard]] bool unpublished() const noexcept { return written_ != published_; }
@@ -135,13 +144,14 @@ class ring_reader {
  public:
   /// Maps the ring a ring_announce frame brought: `announced_capacity` from
   /// its payload, `memfd` its descriptor. protocol_error when the capacity is
-  /// not one a ring has, or the descriptor is not a sealed memfd of exactly
-  /// that size; backend_error when the system refuses the mapping.
+  /// not one a ring has, or the descriptor is not a writable memfd on tmpfs
+  /// sealed against shrinking (and not against writes) of exactly that size;
+  /// backend_error when the system refuses the mapping otherwise.
   ring_reader(unique_fd memfd, std::uint64_t announced_capacity);
 
   /// Whether entries wait; for the receiving thread.
   [[nodiscard]] bool has_entries() const noexcept;
-  /// has_entries() for any thread (it reads the head this side stored).
+  /// has_entries() for any thread.
   [[nodiscard]] bool seems_to_have_entries() const noexcept;
   /// The next entry, or nullopt when none is published. protocol_error when
   /// the tail or the entry breaks the layout, or a payload exceeds
@@ -150,17 +160,19 @@ class ring_reader {
   /// Tells the sender whether this side spins (no wake-up needed). Ordered
   /// with has_entries()/take() after it as publish() is on the other side.
   void set_spinning(bool spinning) noexcept;
-  /// Counts a wake-up read off the socket.
-  void note_wake() noexcept { ++wakes_read_; }
-  /// Whether the sender counted wake-ups this side has not read yet (they
-  /// may still be on their way): the receiver reads them off the socket
-  /// when it can without waiting, so that the socket is not left readable
+  /// Counts a wake-up read off the socket, and tells the sender.
+  void note_wake() noexcept;
+  /// Whether the sender counted a wake-up this side has not read yet (it
+  /// may still be on its way): once the ring is empty the receiver reads it
+  /// off the socket if it has come, so that the socket is not left readable
   /// for frames already taken.
   [[nodiscard]] bool wakes_owed() const noexcept;
 
  private:
   ring_mapping map_;
-  std::uint64_t head_ = 0;  // this side's own count; the shared one is only written
+  // This side's own count (the shared one is only written): atomic, since
+  // seems_to_have_entries() reads it from other threads.
+  std::atomic<std::uint64_t> head_{0};
   std::uint64_t wakes_read_ = 0;
 };
 

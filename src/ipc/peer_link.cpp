@@ -27,6 +27,7 @@ peer_link::peer_link(std::shared_ptr<producer_state> state, channel::connection 
   state_->connect(link_.peer().process);
   link_.set_receive_spin(state_->options.receive_spin);
   link_.set_send_timeout(shoal::detail::channel_timeout(state_->options.send_timeout));
+  link_.allow_peer_ring();  // a peer of any ring_bytes may send through one
   if (state_->options.ring_bytes > 0) link_.start_ring(state_->options.ring_bytes);
 }
 

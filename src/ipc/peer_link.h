@@ -43,6 +43,7 @@ class peer_link {
   [[nodiscard]] peer_stats stats() const { return receiver_->stats(); }
   [[nodiscard]] alloc::caching_allocator& allocator() const noexcept { return state_->allocator; }
   [[nodiscard]] int native_handle() const noexcept { return link_.native_handle(); }
+  [[nodiscard]] std::size_t pending() const { return link_.pending(); }
 
  private:
   // Ids this peer was told about whose resources the producer has let go.

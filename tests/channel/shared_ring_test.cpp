@@ -30,12 +30,13 @@ using namespace std::chrono_literals;
 using channel::connection;
 
 constexpr std::uint16_t announce_type = 0xFFF0, wake_type = 0xFFF1;
-constexpr std::size_t header_bytes = 256;
+constexpr std::size_t header_bytes = 192;
 
 std::pair<connection, connection> ring_pair(std::size_t ring_bytes = 4096) {
   socket_pair pair;
   connection a = connection::adopt(std::move(pair.a), {});
   connection b = connection::adopt(std::move(pair.b), {});
+  b.allow_peer_ring();
   a.start_ring(ring_bytes);
   return {std::move(a), std::move(b)};
 }
@@ -82,6 +83,8 @@ TEST(channel_ring, both_sides_may_send_through_rings_at_once) {
   socket_pair pair;
   connection a = connection::adopt(std::move(pair.a), {});
   connection b = connection::adopt(std::move(pair.b), {});
+  a.allow_peer_ring();
+  b.allow_peer_ring();
   a.start_ring(8192);
   b.start_ring(8192);
   a.set_receive_spin(1ms);
@@ -110,7 +113,7 @@ TEST(channel_ring, a_spinning_receiver_takes_frames_without_a_wake_up) {
     EXPECT_EQ(text_of(b.receive().payload), "hello");
     got = true;
   });
-  std::this_thread::sleep_for(50ms);  // the receiver is spinning by now
+  std::this_thread::sleep_for(500ms);  // the receiver is spinning by now
   a.send(1, bytes_of("hello"));
   receiver.join();
   EXPECT_TRUE(got);
@@ -268,6 +271,7 @@ void expect_refused(connection& b, const std::string& expected) {
 TEST(channel_ring_hostile_sender, a_hand_made_ring_that_keeps_the_layout_is_read) {
   socket_pair pair;
   connection b = connection::adopt(std::move(pair.b), {});
+  b.allow_peer_ring();
   hand_made_ring ring(4096);
   ring.announce(pair.a.get());
   ring.put(7, bytes_of("by hand"));
@@ -276,9 +280,70 @@ TEST(channel_ring_hostile_sender, a_hand_made_ring_that_keeps_the_layout_is_read
   EXPECT_EQ(ring.head(), 16u) << "the receiver stores how far it read";
 }
 
+TEST(channel_ring_hostile_sender, a_ring_on_a_connection_that_takes_none_is_refused) {
+  socket_pair pair;
+  connection b = connection::adopt(std::move(pair.b), {});
+  hand_made_ring ring(4096);
+  ring.announce(pair.a.get());
+  expect_refused(b, "takes none");
+}
+
+TEST(channel_ring_hostile_sender, a_ring_file_sealed_against_writes_or_opened_read_only_is_refused) {
+  {
+    socket_pair pair;
+    connection b = connection::adopt(std::move(pair.b), {});
+    b.allow_peer_ring();
+    hand_made_ring ring(4096);
+    ASSERT_EQ(::fcntl(ring.fd.get(), F_ADD_SEALS, F_SEAL_FUTURE_WRITE), 0);
+    ring.announce(pair.a.get());
+    expect_refused(b, "sealed against writes");
+  }
+  {
+    socket_pair pair;
+    connection b = connection::adopt(std::move(pair.b), {});
+    b.allow_peer_ring();
+    hand_made_ring ring(4096);
+    const unique_fd read_only(::open(("/proc/self/fd/" + std::to_string(ring.fd.get())).c_str(), O_RDONLY | O_CLOEXEC));
+    ASSERT_TRUE(read_only.valid());
+    std::vector<std::byte> payload(8);
+    const std::uint64_t capacity = 4096;
+    std::memcpy(payload.data(), &capacity, 8);
+    write_raw(pair.a.get(), raw_batch("SHOL", 2, {{announce_type, payload, 1}}), {read_only.get()});
+    expect_refused(b, "not open for reading and writing");
+  }
+}
+
+TEST(channel_ring_hostile_sender, a_file_that_is_no_memfd_is_refused) {
+  socket_pair pair;
+  connection b = connection::adopt(std::move(pair.b), {});
+  b.allow_peer_ring();
+  char name[] = "/var/tmp/shoal-ring-test-XXXXXX";
+  const unique_fd file(::mkostemp(name, O_CLOEXEC));
+  ASSERT_TRUE(file.valid());
+  ::unlink(name);
+  ASSERT_EQ(::ftruncate(file.get(), static_cast<off_t>(header_bytes + 4096)), 0);
+  std::vector<std::byte> payload(8);
+  const std::uint64_t capacity = 4096;
+  std::memcpy(payload.data(), &capacity, 8);
+  write_raw(pair.a.get(), raw_batch("SHOL", 2, {{announce_type, payload, 1}}), {file.get()});
+  expect_refused(b, "not a memfd sealed against shrinking");
+}
+
+TEST(channel_ring_hostile_sender, frames_on_the_socket_far_ahead_of_their_markers_are_refused) {
+  socket_pair pair;
+  connection b = connection::adopt(std::move(pair.b), {});
+  b.allow_peer_ring();
+  hand_made_ring ring(4096);
+  ring.announce(pair.a.get());
+  std::vector<raw_frame> frames(64, raw_frame{1, bytes_of("x")});
+  for (int i = 0; i < 3; ++i) write_raw(pair.a.get(), raw_batch("SHOL", 2, frames, 1024));
+  expect_refused(b, "ahead of their markers");
+}
+
 TEST(channel_ring_hostile_sender, a_ring_file_that_could_shrink_is_refused) {
   socket_pair pair;
   connection b = connection::adopt(std::move(pair.b), {});
+  b.allow_peer_ring();
   hand_made_ring ring(4096, 0, /*seal=*/false);
   ring.announce(pair.a.get());
   expect_refused(b, "not a memfd sealed against shrinking");
@@ -287,6 +352,7 @@ TEST(channel_ring_hostile_sender, a_ring_file_that_could_shrink_is_refused) {
 TEST(channel_ring_hostile_sender, a_ring_smaller_than_announced_is_refused) {
   socket_pair pair;
   connection b = connection::adopt(std::move(pair.b), {});
+  b.allow_peer_ring();
   hand_made_ring ring(4096, header_bytes + 2048);
   ring.announce(pair.a.get());
   expect_refused(b, "holds " + std::to_string(header_bytes + 2048) + " bytes");
@@ -295,6 +361,7 @@ TEST(channel_ring_hostile_sender, a_ring_smaller_than_announced_is_refused) {
 TEST(channel_ring_hostile_sender, a_capacity_that_is_no_power_of_two_is_refused) {
   socket_pair pair;
   connection b = connection::adopt(std::move(pair.b), {});
+  b.allow_peer_ring();
   hand_made_ring ring(4096, header_bytes + 5000);
   ring.announce(pair.a.get(), 5000);
   expect_refused(b, "a ring of 5000 bytes");
@@ -303,6 +370,7 @@ TEST(channel_ring_hostile_sender, a_capacity_that_is_no_power_of_two_is_refused)
 TEST(channel_ring_hostile_sender, a_tail_past_the_capacity_is_refused) {
   socket_pair pair;
   connection b = connection::adopt(std::move(pair.b), {});
+  b.allow_peer_ring();
   hand_made_ring ring(4096);
   ring.announce(pair.a.get());
   ring.tail() = 4096 + 8;
@@ -312,6 +380,7 @@ TEST(channel_ring_hostile_sender, a_tail_past_the_capacity_is_refused) {
 TEST(channel_ring_hostile_sender, an_entry_that_runs_past_the_tail_is_refused) {
   socket_pair pair;
   connection b = connection::adopt(std::move(pair.b), {});
+  b.allow_peer_ring();
   hand_made_ring ring(4096);
   ring.announce(pair.a.get());
   ring.put(1, bytes_of("short"), 0, /*claimed=*/1000);
@@ -321,6 +390,7 @@ TEST(channel_ring_hostile_sender, an_entry_that_runs_past_the_tail_is_refused) {
 TEST(channel_ring_hostile_sender, an_entry_over_the_payload_limit_is_refused) {
   socket_pair pair;
   connection b = connection::adopt(std::move(pair.b), {}, /*max_payload=*/16);
+  b.allow_peer_ring();
   hand_made_ring ring(4096);
   ring.announce(pair.a.get());
   ring.put(1, std::vector<std::byte>(64));
@@ -331,12 +401,14 @@ TEST(channel_ring_hostile_sender, wake_ups_without_a_ring_a_second_ring_and_rese
   {
     socket_pair pair;
     connection b = connection::adopt(std::move(pair.b), {});
+    b.allow_peer_ring();
     write_raw(pair.a.get(), raw_batch("SHOL", 2, {{wake_type, {}}}));
     expect_refused(b, "before any ring");
   }
   {
     socket_pair pair;
     connection b = connection::adopt(std::move(pair.b), {});
+    b.allow_peer_ring();
     hand_made_ring first(4096), second(4096);
     first.announce(pair.a.get());
     second.announce(pair.a.get());
@@ -345,6 +417,7 @@ TEST(channel_ring_hostile_sender, wake_ups_without_a_ring_a_second_ring_and_rese
   {
     socket_pair pair;
     connection b = connection::adopt(std::move(pair.b), {});
+    b.allow_peer_ring();
     hand_made_ring ring(4096);
     ring.announce(pair.a.get());
     ring.put(announce_type, {});
@@ -353,6 +426,7 @@ TEST(channel_ring_hostile_sender, wake_ups_without_a_ring_a_second_ring_and_rese
   {
     socket_pair pair;
     connection b = connection::adopt(std::move(pair.b), {});
+    b.allow_peer_ring();
     hand_made_ring ring(4096);
     ring.announce(pair.a.get());
     ring.put(1, bytes_of("x"), /*kind=*/1);

@@ -27,12 +27,17 @@ namespace shoal::testing {
 inline constexpr std::uint16_t counter_file_type = 1, segment_type = 2, event_source_type = 3, storage_type = 4,
                                 note_type = 7;
 
-/// Two connected channel ends in this process.
+/// Two connected channel ends in this process; each takes the other's
+/// shared ring, as a peer's does, so a test reading a peer's frames raw
+/// reads them whichever way they came.
 inline std::pair<channel::connection, channel::connection> connected_pair() {
   int fds[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) throw std::runtime_error("socketpair");
-  return {channel::connection::adopt(unique_fd(fds[0]), {}, 1 << 20),
-          channel::connection::adopt(unique_fd(fds[1]), {}, 1 << 20)};
+  std::pair<channel::connection, channel::connection> ends{channel::connection::adopt(unique_fd(fds[0]), {}, 1 << 20),
+                                                           channel::connection::adopt(unique_fd(fds[1]), {}, 1 << 20)};
+  ends.first.allow_peer_ring();
+  ends.second.allow_peer_ring();
+  return ends;
 }
 
 /// A producer and a consumer in this process; the producer's frames are

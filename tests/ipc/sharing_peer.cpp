@@ -64,7 +64,10 @@ std::string text_of(const std::vector<std::byte>& bytes) {
 }
 
 channel::connection parent_link() {
-  return channel::connection::adopt_pair_end(unique_fd(child_process::child_socket_fd), {}, 1 << 20);
+  channel::connection link =
+      channel::connection::adopt_pair_end(unique_fd(child_process::child_socket_fd), {}, 1 << 20);
+  link.allow_peer_ring();  // the parent's peer sends through a ring; a raw reader takes it too
+  return link;
 }
 
 std::string check(backend::device& dev, const storage::storage& st, std::uint8_t expected) {

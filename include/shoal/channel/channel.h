@@ -227,11 +227,19 @@ class connection {
   /// the socket, so native_handle() keeps its meaning. Frames with a
   /// descriptor, or over a quarter of the ring, still go on the socket, in
   /// their place in the order. The peer must be a connection of this
-  /// version (older ones refuse the ring's frame). A full ring makes send()
+  /// version that called allow_peer_ring() (others refuse the ring's frame
+  /// with protocol_error and close the connection). A full ring makes send()
   /// wait for the peer to read, like a full socket. Throws invalid_argument
   /// when a ring was started already or post() was used (a ring is for
   /// send() alone); otherwise as send() does.
   void start_ring(std::size_t bytes);
+
+  /// Lets the peer send through a ring of its own (its start_ring()): this
+  /// side then maps the memory the peer names, up to 64 MiB, and checks all
+  /// it reads there. Until called, a peer's ring is a protocol_error, so a
+  /// server takes no memory from clients that did not ask for it. Call it
+  /// before the peer's ring can arrive (say, before the first receive).
+  void allow_peer_ring();
 
   /// Sends `frames` in order, packed into as few batches as the limits allow
   /// (max_batch_frames, max_batch_descriptors, batch_packing_bytes), each

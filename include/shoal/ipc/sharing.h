@@ -176,6 +176,11 @@ class peer {
   /// this until it returns nullopt. Throws as receive() does.
   std::optional<received> try_receive(backend::stream_ref stream);
   std::optional<received> try_receive();
+  /// Not zero while frames that came wait to be taken — in a batch already
+  /// read or in the peer's ring (channel::connection::pending): then
+  /// try_receive() may return more though native_handle() is not readable
+  /// (it stops after one batch's worth of announcements). Any thread.
+  [[nodiscard]] std::size_t pending() const;
 
   /// Stops trusting the peer process: closes this connection (a receive or
   /// send blocked on it, here or in the peer, ends with connection_closed;
