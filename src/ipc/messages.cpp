@@ -11,8 +11,6 @@ using shoal::detail::wire_writer;
 
 namespace {
 
-std::vector<std::byte> to_vector(std::span<const std::byte> bytes) { return {bytes.begin(), bytes.end()}; }
-
 // Ids are never 0: a zero is a sign of a malformed (e.g. zeroed) message.
 std::uint64_t get_id(wire_reader& r, const char* field) {
   const auto id = r.get<std::uint64_t>(field);
@@ -25,37 +23,38 @@ std::uint64_t get_id(wire_reader& r, const char* field) {
 std::vector<std::byte> encode(const counter_file_message& m) {
   wire_writer w;
   w.put(m.file_id).put(m.slots);
-  return to_vector(w.bytes());
+  return w.take();
 }
 
 std::vector<std::byte> encode_segment(std::uint64_t segment_id, const backend::shareable_handle& handle) {
   wire_writer w;
   w.put(segment_id).put_bytes(handle.serialize());
-  return to_vector(w.bytes());
+  return w.take();
 }
 
 std::vector<std::byte> encode(const storage_message& m) {
-  wire_writer w;
+  // Reserved whole: a storage message is on every send's path.
+  wire_writer w(64 + 8 * m.segment_ids.size() + (m.ready ? backend::event_point::wire_bytes + 4 : 0) + m.metadata.size());
   w.put(static_cast<std::uint32_t>(m.segment_ids.size()));
   for (auto id : m.segment_ids) w.put(id);
   w.put(m.offset).put(m.size).put(m.file_id).put(m.slot.index).put(m.slot.generation);
   w.put(static_cast<std::uint8_t>(m.ready ? 1 : 0));
   if (m.ready) w.put_bytes(m.ready->serialize());
   w.put_bytes(m.metadata);
-  return to_vector(w.bytes());
+  return w.take();
 }
 
 std::vector<std::byte> encode_ids(std::span<const std::uint64_t> ids) {
   wire_writer w;
   w.put(static_cast<std::uint32_t>(ids.size()));
   for (auto id : ids) w.put(id);
-  return to_vector(w.bytes());
+  return w.take();
 }
 
 std::vector<std::byte> encode_note(std::span<const std::byte> metadata) {
-  wire_writer w;
+  wire_writer w(4 + metadata.size());
   w.put_bytes(metadata);
-  return to_vector(w.bytes());
+  return w.take();
 }
 
 counter_file_message decode_counter_file(std::span<const std::byte> payload, std::uint32_t max_slots) {

@@ -53,7 +53,9 @@ class peer_link {
   // The frames of one send, going out together (connection::send packs them
   // into as few system calls as it can); owns their payloads.
   struct outgoing {
-    std::deque<std::vector<std::byte>> payloads;  // a deque: frames point into it
+    // Frames point into the payloads' own buffers, which moving a vector
+    // (as this one grows) keeps where they are.
+    std::vector<std::vector<std::byte>> payloads;
     std::vector<channel::outgoing_frame> frames;
     void add(message_type type, std::vector<std::byte> payload, int fd = -1);
     void add_frame(std::uint16_t type, std::vector<std::byte> payload, int fd = -1);
