@@ -283,22 +283,27 @@ class Consumer:
             # those whose sockets are readable: each gets one turn a round.
             turns = list(self._unfinished.values())
             self._unfinished.clear()
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            for key, _ in self._selector.select(0 if turns else left):
-                if key.data is None:
-                    self._accept()
-                elif all(key.data is not turn for turn in turns):
-                    turns.append(key.data)
-            for i, incoming in enumerate(turns):
-                if self._incoming.get(incoming.fd) is not incoming:
-                    continue  # dropped this round
-                batch = self._receive_from(incoming, stream)
-                if batch is not None:
-                    for later in turns[i + 1 :]:
-                        if self._incoming.get(later.fd) is later:
-                            self._unfinished[later.fd] = later
-                    self._unfinished[incoming.fd] = incoming  # more may wait behind it
-                    return batch
+            served = 0
+            try:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                for key, _ in self._selector.select(0 if turns else left):
+                    if key.data is None:
+                        self._accept()
+                    elif all(key.data is not turn for turn in turns):
+                        turns.append(key.data)
+                for incoming in turns:
+                    served += 1
+                    if self._incoming.get(incoming.fd) is not incoming:
+                        continue  # dropped this round
+                    batch = self._receive_from(incoming, stream)
+                    if batch is not None:
+                        self._unfinished[incoming.fd] = incoming  # more may wait behind it
+                        return batch
+            finally:
+                # Those not served this round go first next time (also when
+                # a call raised): their messages may wait without a readable socket.
+                waiting = {t.fd: t for t in turns[served:] if self._incoming.get(t.fd) is t}
+                self._unfinished = {**waiting, **self._unfinished}
             if deadline is not None and time.monotonic() >= deadline:
                 raise _shoal.PeerTimeoutError(f"shoal.sharing: no batch within {timeout} s")
 
@@ -322,7 +327,11 @@ class Consumer:
             )
             del connection  # closes it: that producer's next put raises ConnectionClosedError
             return
-        peer = _shoal.Peer(self.context, connection)
+        try:
+            peer = _shoal.Peer(self.context, connection)
+        except (_shoal.ConnectionClosedError, _shoal.BackendError) as e:  # gone already, or no descriptors left
+            self._note_error(e)
+            return
         incoming = _Incoming(peer)
         self._incoming[incoming.fd] = incoming
         self._selector.register(incoming.fd, selectors.EVENT_READ, incoming)

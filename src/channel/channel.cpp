@@ -110,6 +110,9 @@ class deadline_mutex {
     waiters_.fetch_sub(1);
     return locked;
   }
+  // Reads its members after the flag is down: the lock may not be destroyed
+  // while another thread could still be unlocking it (the connection's
+  // contract: no call overlaps its destruction).
   void unlock() {
     held_.store(false);
     if (waiters_.load() == 0) return;
@@ -205,7 +208,7 @@ struct connection::state {
   std::atomic<const detail::ring_reader*> in_ring_view{nullptr};
   std::atomic<bool> ring_allowed{false};  // allow_peer_ring() was called
   std::deque<frame> socket_frames;
-  bool marker_taken = false;
+  std::atomic<bool> marker_taken{false};  // pending() reads it
   mutable std::mutex broken_mutex;
   std::string broken_reason;  // empty while usable; guarded by broken_mutex
   std::atomic<bool> is_broken{false};  // set once broken_reason is, for a check without the lock
@@ -675,7 +678,7 @@ struct receive_side {
   std::unique_ptr<detail::ring_reader>& in_ring;
   std::atomic<const detail::ring_reader*>& in_ring_view;
   std::deque<frame>& socket_frames;
-  bool& marker_taken;
+  std::atomic<bool>& marker_taken;
   std::size_t max_payload;
 };
 
@@ -720,17 +723,17 @@ void route(receive_side r, std::vector<frame> batch) {
 template <class ReadMore>
 std::optional<frame> next_in_ring(receive_side r, ReadMore read_more) {
   for (;;) {
-    if (!r.marker_taken) {
+    if (!r.marker_taken.load(std::memory_order_relaxed)) {
       std::optional<detail::ring_entry> e = r.in_ring->take(r.max_payload);
       if (!e) return std::nullopt;
       if (e->type >= first_reserved_frame_type && e->type <= last_reserved_frame_type) {
         throw protocol_error("a ring entry of the channel's own frame type " + std::to_string(e->type));
       }
       if (!e->on_socket) return frame{e->type, std::move(e->payload), {}};
-      r.marker_taken = true;
+      r.marker_taken.store(true, std::memory_order_relaxed);
     }
     if (!r.socket_frames.empty()) {
-      r.marker_taken = false;
+      r.marker_taken.store(false, std::memory_order_relaxed);
       frame f = std::move(r.socket_frames.front());
       r.socket_frames.pop_front();
       return f;
@@ -749,7 +752,8 @@ std::optional<frame> next_in_ring(receive_side r, ReadMore read_more) {
 template <class ReadReady>
 void drop_owed_wakes(receive_side r, ReadReady read_ready) {
   try {
-    for (int batches = 0; batches < max_batches_per_try && !r.marker_taken && !r.in_ring->has_entries() &&
+    for (int batches = 0; batches < max_batches_per_try && !r.marker_taken.load(std::memory_order_relaxed) &&
+                          !r.in_ring->has_entries() &&
                           r.in_ring->wakes_owed() && read_ready();
          ++batches) {
     }
@@ -797,6 +801,11 @@ frame connection::receive_until(std::optional<std::chrono::steady_clock::time_po
                        s.socket_frames, s.marker_taken, s.max_payload};
   const auto spin = std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed));
   const auto read_one = [&](std::chrono::nanoseconds socket_spin) {
+    // A read takes whatever has come, even past the deadline: a peer that
+    // keeps sending wake-ups must not keep a receive past its own.
+    if (until && !s.partial.started() && std::chrono::steady_clock::now() >= *until) {
+      throw timeout_error("the deadline passed while the peer sent no frame");
+    }
     route(r, detail::read_batch(s.socket.get(), s.max_payload, socket_spin, until, s.partial));
     return true;
   };
@@ -839,22 +848,26 @@ std::optional<frame> connection::try_receive() {
   s.throw_if_broken("receive");
   const receive_side r{s.ring_allowed.load(std::memory_order_relaxed), s.unread, s.in_ring, s.in_ring_view,
                        s.socket_frames, s.marker_taken, s.max_payload};
+  // At most max_batches_per_try batches a call, wherever they are read.
+  int batches = 0;
   const auto read_ready = [&] {
+    if (batches == max_batches_per_try) return false;
     std::optional<std::vector<frame>> batch = detail::read_batch_if_ready(s.socket.get(), s.max_payload, s.partial);
     if (!batch) return false;
+    ++batches;
     route(r, std::move(*batch));
     return true;
   };
   std::optional<frame> from_ring;
   const bool whole = refill(s, [&] {
-    for (int batches = 0; s.unread.empty(); ++batches) {
+    while (s.unread.empty()) {
       if (s.in_ring && (from_ring = next_in_ring(r, read_ready))) {
         drop_owed_wakes(r, read_ready);
         return true;
       }
       // The ring is empty, or a marker's frame is not whole yet: take in
       // what the socket has (wake-ups, frames, the end) and look again.
-      if (batches == max_batches_per_try || !read_ready()) return false;
+      if (!read_ready()) return false;
     }
     return true;
   });
@@ -874,7 +887,11 @@ std::optional<std::chrono::steady_clock::time_point> connection::incomplete_sinc
 std::size_t connection::pending() const {
   const state& s = usable("pending");
   const detail::ring_reader* ring = s.in_ring_view.load(std::memory_order_acquire);
-  return s.pending.load(std::memory_order_acquire) + (ring != nullptr && ring->seems_to_have_entries() ? 1 : 0);
+  // Entries behind a marker whose frame has not come wait for the socket,
+  // which is readable once it does.
+  const bool ring_ready =
+      ring != nullptr && !s.marker_taken.load(std::memory_order_relaxed) && ring->seems_to_have_entries();
+  return s.pending.load(std::memory_order_acquire) + (ring_ready ? 1 : 0);
 }
 
 const peer_credentials& connection::peer() const noexcept { return state_->peer; }

@@ -88,6 +88,7 @@ std::uint64_t ring_mapping::load_wakes_read() const noexcept {
 void ring_mapping::store_wakes_read(std::uint64_t v) noexcept { field<std::uint64_t>(base_, wakes_read_offset).store(v); }
 
 void ring_mapping::copy_out(std::uint64_t at, std::span<std::byte> out) const noexcept {
+  if (out.empty()) return;  // (an empty span's data may be null, which memcpy may not take)
   const std::size_t start = at & (capacity_ - 1);
   const std::size_t first = std::min(out.size(), capacity_ - start);
   const std::byte* data = base_ + ring_header_bytes;
@@ -96,6 +97,7 @@ void ring_mapping::copy_out(std::uint64_t at, std::span<std::byte> out) const no
 }
 
 void ring_mapping::copy_in(std::uint64_t at, std::span<const std::byte> in) noexcept {
+  if (in.empty()) return;
   const std::size_t start = at & (capacity_ - 1);
   const std::size_t first = std::min(in.size(), capacity_ - start);
   std::byte* data = base_ + ring_header_bytes;
@@ -234,7 +236,12 @@ std::optional<ring_entry> ring_reader::take(std::size_t max_payload) {
 
 void ring_reader::set_spinning(bool spinning) noexcept { map_.set_receiver_spinning(spinning); }
 
-void ring_reader::note_wake() noexcept { map_.store_wakes_read(++wakes_read_); }
+void ring_reader::note_wake() {
+  const std::uint64_t tail = map_.load_tail();
+  if (tail == tail_at_wake_) throw protocol_error("a ring wake-up with nothing published since the last one");
+  tail_at_wake_ = tail;
+  map_.store_wakes_read(++wakes_read_);
+}
 
 // A sender that counts more than it sends only makes this side look at its socket more often.
 bool ring_reader::wakes_owed() const noexcept { return map_.load_wakes_sent() != wakes_read_; }

@@ -161,7 +161,10 @@ class ring_reader {
   /// with has_entries()/take() after it as publish() is on the other side.
   void set_spinning(bool spinning) noexcept;
   /// Counts a wake-up read off the socket, and tells the sender.
-  void note_wake() noexcept;
+  /// protocol_error when nothing was published since the last one: an
+  /// honest sender wakes only after a publish, and only once the last
+  /// wake-up was read, so a peer sending wake-ups without end is cut off.
+  void note_wake();
   /// Whether the sender counted a wake-up this side has not read yet (it
   /// may still be on its way): once the ring is empty the receiver reads it
   /// off the socket if it has come, so that the socket is not left readable
@@ -174,6 +177,7 @@ class ring_reader {
   // seems_to_have_entries() reads it from other threads.
   std::atomic<std::uint64_t> head_{0};
   std::uint64_t wakes_read_ = 0;
+  std::uint64_t tail_at_wake_ = 0;  // the tail when the last wake-up was read
 };
 
 }  // namespace shoal::channel::detail

@@ -22,13 +22,15 @@ peer_link::peer_link(std::shared_ptr<producer_state> state, channel::connection 
   limits_.max_metadata = state_->options.max_metadata_bytes;
   // A storage message must fit a frame: 8 bytes per segment id.
   limits_.max_segments_per_storage = link_.max_payload() / sizeof(std::uint64_t);
-  state_->add_outbox(outbox_);
-  state_->add_receiver(receiver_);
-  state_->connect(link_.peer().process);
   link_.set_receive_spin(state_->options.receive_spin);
   link_.set_send_timeout(shoal::detail::channel_timeout(state_->options.send_timeout));
   link_.allow_peer_ring();  // a peer of any ring_bytes may send through one
+  // Before this link is registered anywhere: when the peer is gone already
+  // (or the system refuses the ring), nothing is left to undo.
   if (state_->options.ring_bytes > 0) link_.start_ring(state_->options.ring_bytes);
+  state_->add_outbox(outbox_);
+  state_->add_receiver(receiver_);
+  state_->connect(link_.peer().process);
 }
 
 void peer_link::outgoing::add(message_type type, std::vector<std::byte> payload, int fd) {

@@ -247,7 +247,7 @@ struct hand_made_ring {
     std::memcpy(at, &bytes, 4);
     std::memcpy(at + 4, &type, 2);
     std::memcpy(at + 6, &kind, 2);
-    std::memcpy(at + 8, payload.data(), payload.size());
+    if (!payload.empty()) std::memcpy(at + 8, payload.data(), payload.size());
     tail() += 8 + (payload.size() + 7) / 8 * 8;
   }
 
@@ -338,6 +338,33 @@ TEST(channel_ring_hostile_sender, frames_on_the_socket_far_ahead_of_their_marker
   std::vector<raw_frame> frames(64, raw_frame{1, bytes_of("x")});
   for (int i = 0; i < 3; ++i) write_raw(pair.a.get(), raw_batch("SHOL", 2, frames, 1024));
   expect_refused(b, "ahead of their markers");
+}
+
+TEST(channel_ring_hostile_sender, wake_ups_with_nothing_published_between_them_are_refused) {
+  socket_pair pair;
+  connection b = connection::adopt(std::move(pair.b), {});
+  b.allow_peer_ring();
+  hand_made_ring ring(4096);
+  ring.announce(pair.a.get());
+  ring.put(1, bytes_of("x"));
+  for (int i = 0; i < 2; ++i) write_raw(pair.a.get(), raw_batch("SHOL", 2, {{wake_type, {}}}));
+  EXPECT_EQ(text_of(b.receive_for(1s).payload), "x");
+  expect_refused(b, "nothing published since the last one");
+}
+
+TEST(channel_ring_hostile_sender, entries_behind_a_marker_whose_frame_never_came_are_not_pending) {
+  socket_pair pair;
+  connection b = connection::adopt(std::move(pair.b), {});
+  b.allow_peer_ring();
+  hand_made_ring ring(4096);
+  ring.announce(pair.a.get());
+  ring.put(0, {}, /*kind=*/1);  // a marker: its frame should be on the socket already
+  ring.put(2, bytes_of("behind"));
+  EXPECT_FALSE(b.try_receive().has_value());
+  EXPECT_EQ(b.pending(), 0u) << "a poller would spin on entries that cannot be taken before the socket says so";
+  write_raw(pair.a.get(), raw_batch("SHOL", 2, {{1, bytes_of("late")}}));
+  EXPECT_EQ(text_of(b.receive_for(1s).payload), "late");
+  EXPECT_EQ(text_of(b.receive_for(1s).payload), "behind");
 }
 
 TEST(channel_ring_hostile_sender, a_ring_file_that_could_shrink_is_refused) {

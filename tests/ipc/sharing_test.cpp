@@ -906,6 +906,18 @@ TEST(sharing_poll, a_peer_is_readable_while_a_message_waits_and_try_receive_take
   EXPECT_FALSE(readable()) << "the wake-ups of messages taken are read off the socket";
 }
 
+TEST(sharing_ring, a_peer_made_on_a_connection_whose_other_end_is_gone_leaves_nothing_registered) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context context(allocator, {.collect_interval = 0ms});
+  auto [kept, gone] = connected_pair();
+  { channel::connection closed = std::move(gone); }
+  EXPECT_THROW(ipc::peer(context, std::move(kept)), connection_closed);
+  for (const ipc::holder_stats& h : context.holders()) {
+    EXPECT_EQ(h.connections, 0u) << "a peer that was never made still counts as a connection of pid " << h.process.pid;
+  }
+}
+
 TEST(sharing_poll, without_a_ring_every_message_ends_its_batch) {
   backend::device& dev = backend::host_device_instance();
   alloc::caching_allocator allocator(dev, {});
