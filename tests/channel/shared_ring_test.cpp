@@ -15,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -219,6 +220,13 @@ TEST(channel_ring, starting_twice_or_after_post_and_sending_a_reserved_type_are_
   EXPECT_THROW(c.start_ring(4096), invalid_argument);
 }
 
+// Announces `fd` as a ring of `capacity` bytes, as the wire layout says.
+void announce_by_hand(int socket, int fd, std::uint64_t capacity) {
+  std::vector<std::byte> payload(8);
+  std::memcpy(payload.data(), &capacity, 8);
+  write_raw(socket, raw_batch("SHOL", 2, {{announce_type, payload, 1}}), {fd});
+}
+
 // A ring made by hand, as a hostile sender would: the layout the header
 // documents, with each field at its place.
 struct hand_made_ring {
@@ -232,10 +240,7 @@ struct hand_made_ring {
   }
   ~hand_made_ring() { ::munmap(base, mapped); }
   void announce(int socket, std::uint64_t announced = 0) const {
-    const std::uint64_t value = announced != 0 ? announced : capacity;
-    std::vector<std::byte> payload(8);
-    std::memcpy(payload.data(), &value, 8);
-    write_raw(socket, raw_batch("SHOL", 2, {{announce_type, payload, 1}}), {fd.get()});
+    announce_by_hand(socket, fd.get(), announced != 0 ? announced : capacity);
   }
   std::uint64_t& tail() const { return *reinterpret_cast<std::uint64_t*>(base); }
   std::uint64_t& head() const { return *reinterpret_cast<std::uint64_t*>(base + 64); }
@@ -257,6 +262,18 @@ struct hand_made_ring {
   std::size_t mapped = 0;
 };
 
+// A receiver that takes rings, and the raw socket of its (hostile) sender.
+struct ring_receiver {
+  explicit ring_receiver(std::size_t max_payload = connection::default_max_payload)
+      : b(connection::adopt(std::move(pair.b), {}, max_payload)) {
+    b.allow_peer_ring();
+  }
+  [[nodiscard]] int sender() const { return pair.a.get(); }
+
+  socket_pair pair;
+  connection b;
+};
+
 // b's next receive fails with protocol_error saying `expected`, and b is closed.
 void expect_refused(connection& b, const std::string& expected) {
   try {
@@ -269,14 +286,12 @@ void expect_refused(connection& b, const std::string& expected) {
 }
 
 TEST(channel_ring_hostile_sender, a_hand_made_ring_that_keeps_the_layout_is_read) {
-  socket_pair pair;
-  connection b = connection::adopt(std::move(pair.b), {});
-  b.allow_peer_ring();
+  ring_receiver r;
   hand_made_ring ring(4096);
-  ring.announce(pair.a.get());
+  ring.announce(r.sender());
   ring.put(7, bytes_of("by hand"));
-  write_raw(pair.a.get(), raw_batch("SHOL", 2, {{wake_type, {}}}));
-  EXPECT_EQ(text_of(b.receive_for(1s).payload), "by hand");
+  write_raw(r.sender(), raw_batch("SHOL", 2, {{wake_type, {}}}));
+  EXPECT_EQ(text_of(r.b.receive_for(1s).payload), "by hand");
   EXPECT_EQ(ring.head(), 16u) << "the receiver stores how far it read";
 }
 
@@ -290,174 +305,136 @@ TEST(channel_ring_hostile_sender, a_ring_on_a_connection_that_takes_none_is_refu
 
 TEST(channel_ring_hostile_sender, a_ring_file_sealed_against_writes_or_opened_read_only_is_refused) {
   {
-    socket_pair pair;
-    connection b = connection::adopt(std::move(pair.b), {});
-    b.allow_peer_ring();
+    ring_receiver r;
     hand_made_ring ring(4096);
     ASSERT_EQ(::fcntl(ring.fd.get(), F_ADD_SEALS, F_SEAL_FUTURE_WRITE), 0);
-    ring.announce(pair.a.get());
-    expect_refused(b, "sealed against writes");
+    ring.announce(r.sender());
+    expect_refused(r.b, "sealed against writes");
   }
   {
-    socket_pair pair;
-    connection b = connection::adopt(std::move(pair.b), {});
-    b.allow_peer_ring();
+    ring_receiver r;
     hand_made_ring ring(4096);
     const unique_fd read_only(::open(("/proc/self/fd/" + std::to_string(ring.fd.get())).c_str(), O_RDONLY | O_CLOEXEC));
     ASSERT_TRUE(read_only.valid());
-    std::vector<std::byte> payload(8);
-    const std::uint64_t capacity = 4096;
-    std::memcpy(payload.data(), &capacity, 8);
-    write_raw(pair.a.get(), raw_batch("SHOL", 2, {{announce_type, payload, 1}}), {read_only.get()});
-    expect_refused(b, "not open for reading and writing");
+    announce_by_hand(r.sender(), read_only.get(), 4096);
+    expect_refused(r.b, "not open for reading and writing");
   }
 }
 
 TEST(channel_ring_hostile_sender, a_file_that_is_no_memfd_is_refused) {
-  socket_pair pair;
-  connection b = connection::adopt(std::move(pair.b), {});
-  b.allow_peer_ring();
+  ring_receiver r;
   char name[] = "/var/tmp/shoal-ring-test-XXXXXX";
   const unique_fd file(::mkostemp(name, O_CLOEXEC));
   ASSERT_TRUE(file.valid());
   ::unlink(name);
   ASSERT_EQ(::ftruncate(file.get(), static_cast<off_t>(header_bytes + 4096)), 0);
-  std::vector<std::byte> payload(8);
-  const std::uint64_t capacity = 4096;
-  std::memcpy(payload.data(), &capacity, 8);
-  write_raw(pair.a.get(), raw_batch("SHOL", 2, {{announce_type, payload, 1}}), {file.get()});
-  expect_refused(b, "not a memfd sealed against shrinking");
+  announce_by_hand(r.sender(), file.get(), 4096);
+  expect_refused(r.b, "not a memfd sealed against shrinking");
 }
 
 TEST(channel_ring_hostile_sender, frames_on_the_socket_far_ahead_of_their_markers_are_refused) {
-  socket_pair pair;
-  connection b = connection::adopt(std::move(pair.b), {});
-  b.allow_peer_ring();
+  ring_receiver r;
   hand_made_ring ring(4096);
-  ring.announce(pair.a.get());
+  ring.announce(r.sender());
   std::vector<raw_frame> frames(64, raw_frame{1, bytes_of("x")});
-  for (int i = 0; i < 3; ++i) write_raw(pair.a.get(), raw_batch("SHOL", 2, frames, 1024));
-  expect_refused(b, "ahead of their markers");
+  for (int i = 0; i < 3; ++i) write_raw(r.sender(), raw_batch("SHOL", 2, frames, 1024));
+  expect_refused(r.b, "ahead of their markers");
 }
 
 TEST(channel_ring_hostile_sender, wake_ups_with_nothing_published_between_them_are_refused) {
-  socket_pair pair;
-  connection b = connection::adopt(std::move(pair.b), {});
-  b.allow_peer_ring();
+  ring_receiver r;
   hand_made_ring ring(4096);
-  ring.announce(pair.a.get());
+  ring.announce(r.sender());
   ring.put(1, bytes_of("x"));
-  for (int i = 0; i < 2; ++i) write_raw(pair.a.get(), raw_batch("SHOL", 2, {{wake_type, {}}}));
-  EXPECT_EQ(text_of(b.receive_for(1s).payload), "x");
-  expect_refused(b, "nothing published since the last one");
+  for (int i = 0; i < 2; ++i) write_raw(r.sender(), raw_batch("SHOL", 2, {{wake_type, {}}}));
+  EXPECT_EQ(text_of(r.b.receive_for(1s).payload), "x");
+  expect_refused(r.b, "nothing published since the last one");
 }
 
 TEST(channel_ring_hostile_sender, entries_behind_a_marker_whose_frame_never_came_are_not_pending) {
-  socket_pair pair;
-  connection b = connection::adopt(std::move(pair.b), {});
-  b.allow_peer_ring();
+  ring_receiver r;
   hand_made_ring ring(4096);
-  ring.announce(pair.a.get());
+  ring.announce(r.sender());
   ring.put(0, {}, /*kind=*/1);  // a marker: its frame should be on the socket already
   ring.put(2, bytes_of("behind"));
-  EXPECT_FALSE(b.try_receive().has_value());
-  EXPECT_EQ(b.pending(), 0u) << "a poller would spin on entries that cannot be taken before the socket says so";
-  write_raw(pair.a.get(), raw_batch("SHOL", 2, {{1, bytes_of("late")}}));
-  EXPECT_EQ(text_of(b.receive_for(1s).payload), "late");
-  EXPECT_EQ(text_of(b.receive_for(1s).payload), "behind");
+  EXPECT_FALSE(r.b.try_receive().has_value());
+  EXPECT_EQ(r.b.pending(), 0u) << "a poller would spin on entries that cannot be taken before the socket says so";
+  write_raw(r.sender(), raw_batch("SHOL", 2, {{1, bytes_of("late")}}));
+  EXPECT_EQ(text_of(r.b.receive_for(1s).payload), "late");
+  EXPECT_EQ(text_of(r.b.receive_for(1s).payload), "behind");
 }
 
 TEST(channel_ring_hostile_sender, a_ring_file_that_could_shrink_is_refused) {
-  socket_pair pair;
-  connection b = connection::adopt(std::move(pair.b), {});
-  b.allow_peer_ring();
+  ring_receiver r;
   hand_made_ring ring(4096, 0, /*seal=*/false);
-  ring.announce(pair.a.get());
-  expect_refused(b, "not a memfd sealed against shrinking");
+  ring.announce(r.sender());
+  expect_refused(r.b, "not a memfd sealed against shrinking");
 }
 
 TEST(channel_ring_hostile_sender, a_ring_smaller_than_announced_is_refused) {
-  socket_pair pair;
-  connection b = connection::adopt(std::move(pair.b), {});
-  b.allow_peer_ring();
+  ring_receiver r;
   hand_made_ring ring(4096, header_bytes + 2048);
-  ring.announce(pair.a.get());
-  expect_refused(b, "holds " + std::to_string(header_bytes + 2048) + " bytes");
+  ring.announce(r.sender());
+  expect_refused(r.b, "holds " + std::to_string(header_bytes + 2048) + " bytes");
 }
 
 TEST(channel_ring_hostile_sender, a_capacity_that_is_no_power_of_two_is_refused) {
-  socket_pair pair;
-  connection b = connection::adopt(std::move(pair.b), {});
-  b.allow_peer_ring();
+  ring_receiver r;
   hand_made_ring ring(4096, header_bytes + 5000);
-  ring.announce(pair.a.get(), 5000);
-  expect_refused(b, "a ring of 5000 bytes");
+  ring.announce(r.sender(), 5000);
+  expect_refused(r.b, "a ring of 5000 bytes");
 }
 
 TEST(channel_ring_hostile_sender, a_tail_past_the_capacity_is_refused) {
-  socket_pair pair;
-  connection b = connection::adopt(std::move(pair.b), {});
-  b.allow_peer_ring();
+  ring_receiver r;
   hand_made_ring ring(4096);
-  ring.announce(pair.a.get());
+  ring.announce(r.sender());
   ring.tail() = 4096 + 8;
-  expect_refused(b, "not a whole number of entries within 4096 bytes");
+  expect_refused(r.b, "not a whole number of entries within 4096 bytes");
 }
 
 TEST(channel_ring_hostile_sender, an_entry_that_runs_past_the_tail_is_refused) {
-  socket_pair pair;
-  connection b = connection::adopt(std::move(pair.b), {});
-  b.allow_peer_ring();
+  ring_receiver r;
   hand_made_ring ring(4096);
-  ring.announce(pair.a.get());
+  ring.announce(r.sender());
   ring.put(1, bytes_of("short"), 0, /*claimed=*/1000);
-  expect_refused(b, "runs past the 16 published");
+  expect_refused(r.b, "runs past the 16 published");
 }
 
 TEST(channel_ring_hostile_sender, an_entry_over_the_payload_limit_is_refused) {
-  socket_pair pair;
-  connection b = connection::adopt(std::move(pair.b), {}, /*max_payload=*/16);
-  b.allow_peer_ring();
+  ring_receiver r(/*max_payload=*/16);
   hand_made_ring ring(4096);
-  ring.announce(pair.a.get());
+  ring.announce(r.sender());
   ring.put(1, std::vector<std::byte>(64));
-  expect_refused(b, "over the limit of 16");
+  expect_refused(r.b, "over the limit of 16");
 }
 
 TEST(channel_ring_hostile_sender, wake_ups_without_a_ring_a_second_ring_and_reserved_entries_are_refused) {
   {
-    socket_pair pair;
-    connection b = connection::adopt(std::move(pair.b), {});
-    b.allow_peer_ring();
-    write_raw(pair.a.get(), raw_batch("SHOL", 2, {{wake_type, {}}}));
-    expect_refused(b, "before any ring");
+    ring_receiver r;
+    write_raw(r.sender(), raw_batch("SHOL", 2, {{wake_type, {}}}));
+    expect_refused(r.b, "before any ring");
   }
   {
-    socket_pair pair;
-    connection b = connection::adopt(std::move(pair.b), {});
-    b.allow_peer_ring();
+    ring_receiver r;
     hand_made_ring first(4096), second(4096);
-    first.announce(pair.a.get());
-    second.announce(pair.a.get());
-    expect_refused(b, "a second ring");
+    first.announce(r.sender());
+    second.announce(r.sender());
+    expect_refused(r.b, "a second ring");
   }
   {
-    socket_pair pair;
-    connection b = connection::adopt(std::move(pair.b), {});
-    b.allow_peer_ring();
+    ring_receiver r;
     hand_made_ring ring(4096);
-    ring.announce(pair.a.get());
+    ring.announce(r.sender());
     ring.put(announce_type, {});
-    expect_refused(b, "the channel's own frame type");
+    expect_refused(r.b, "the channel's own frame type");
   }
   {
-    socket_pair pair;
-    connection b = connection::adopt(std::move(pair.b), {});
-    b.allow_peer_ring();
+    ring_receiver r;
     hand_made_ring ring(4096);
-    ring.announce(pair.a.get());
+    ring.announce(r.sender());
     ring.put(1, bytes_of("x"), /*kind=*/1);
-    expect_refused(b, "a ring marker that carries a payload");
+    expect_refused(r.b, "a ring marker that carries a payload");
   }
 }
 
@@ -492,13 +469,24 @@ struct ring_seen_by_hand {
   std::byte* base = nullptr;
 };
 
-TEST(channel_ring_hostile_receiver, a_head_moved_past_the_tail_is_refused) {
+// A real sender, its ring started and one frame in it, and its ring as a
+// hostile receiver maps it.
+struct sender_with_a_hostile_reader {
+  sender_with_a_hostile_reader() : a(connection::adopt(std::move(pair.a), {})) {
+    a.start_ring(4096);
+    ring.emplace(pair.b.get());
+    a.send(1, bytes_of("x"));
+  }
+
   socket_pair pair;
-  connection a = connection::adopt(std::move(pair.a), {});
-  a.start_ring(4096);
-  ring_seen_by_hand ring(pair.b.get());
-  a.send(1, bytes_of("x"));
-  ring.head() = ring.tail() + 4096;  // "read" what was never written: the sender would overwrite unread bytes
+  connection a;
+  std::optional<ring_seen_by_hand> ring;
+};
+
+TEST(channel_ring_hostile_receiver, a_head_moved_past_the_tail_is_refused) {
+  sender_with_a_hostile_reader p;
+  auto& [pair, a, ring] = p;
+  ring->head() = ring->tail() + 4096;  // "read" what was never written: the sender would overwrite unread bytes
   try {
     for (int i = 0; i < 1000; ++i) a.send(1, std::vector<std::byte>(500));
     ADD_FAILURE() << "the sender believed a head past its tail";
@@ -509,14 +497,11 @@ TEST(channel_ring_hostile_receiver, a_head_moved_past_the_tail_is_refused) {
 }
 
 TEST(channel_ring_hostile_receiver, a_head_moved_back_is_refused) {
-  socket_pair pair;
-  connection a = connection::adopt(std::move(pair.a), {});
-  a.start_ring(4096);
-  ring_seen_by_hand ring(pair.b.get());
-  a.send(1, bytes_of("x"));
-  ring.head() = ring.tail();
+  sender_with_a_hostile_reader p;
+  auto& [pair, a, ring] = p;
+  ring->head() = ring->tail();
   a.send(1, bytes_of("y"));  // the sender sees the head move forward
-  ring.head() = 0;
+  ring->head() = 0;
   EXPECT_THROW(
       {
         for (int i = 0; i < 1000; ++i) a.send(1, std::vector<std::byte>(500));
