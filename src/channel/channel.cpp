@@ -522,7 +522,7 @@ void connection::send(std::span<const outgoing_frame> frames) {
   });
 }
 
-void connection::start_ring(std::size_t bytes) {
+bool connection::start_ring(std::size_t bytes) {
   state& s = usable("start_ring");
   const detail::deadline until = send_deadline(s.send_timeout_ns);
   const auto lock = s.lock_by(s.send_mutex, until, "start_ring");
@@ -536,10 +536,19 @@ void connection::start_ring(std::size_t bytes) {
   std::byte payload[sizeof capacity];
   std::memcpy(payload, &capacity, sizeof capacity);
   const outgoing_frame announce{detail::ring_announce_type, payload, ring->fd()};
-  sending(s, "start_ring", [&](bool& started) {
+  try {
+    bool started = false;
     send_on_socket(s.socket.get(), std::span(&announce, 1), s.send_buffer, until, started);
-  });
+  } catch (const connection_closed&) {
+    // The peer hung up: it reads nothing more, but what it sent before is
+    // still to be received, so the connection is not closed here (a later
+    // send meets the same end and closes it).
+    return false;
+  } catch (...) {
+    sending(s, "start_ring", [](bool&) { throw; });  // send()'s rules for every other failure
+  }
   s.out_ring = std::move(ring);
+  return true;
 }
 
 void connection::allow_peer_ring() { usable("allow_peer_ring").ring_allowed.store(true, std::memory_order_relaxed); }

@@ -25,9 +25,10 @@ peer_link::peer_link(std::shared_ptr<producer_state> state, channel::connection 
   link_.set_receive_spin(state_->options.receive_spin);
   link_.set_send_timeout(shoal::detail::channel_timeout(state_->options.send_timeout));
   link_.allow_peer_ring();  // a peer of any ring_bytes may send through one
-  // Before this link is registered anywhere: when the peer is gone already
-  // (or the system refuses the ring), nothing is left to undo.
-  if (state_->options.ring_bytes > 0) link_.start_ring(state_->options.ring_bytes);
+  // Before this link is registered anywhere: when the system refuses the
+  // ring, nothing is left to undo. A peer gone already gets no ring; what it
+  // sent before it went is received all the same.
+  if (state_->options.ring_bytes > 0) (void)link_.start_ring(state_->options.ring_bytes);
   state_->add_outbox(outbox_);
   state_->add_receiver(receiver_);
   state_->connect(link_.peer().process);

@@ -906,16 +906,21 @@ TEST(sharing_poll, a_peer_is_readable_while_a_message_waits_and_try_receive_take
   EXPECT_FALSE(readable()) << "the wake-ups of messages taken are read off the socket";
 }
 
-TEST(sharing_ring, a_peer_made_on_a_connection_whose_other_end_is_gone_leaves_nothing_registered) {
+TEST(sharing_ring, a_peer_made_after_the_other_process_sent_and_hung_up_receives_what_it_sent) {
   backend::device& dev = backend::host_device_instance();
   alloc::caching_allocator allocator(dev, {});
-  ipc::sharing_context context(allocator, {.collect_interval = 0ms});
-  auto [kept, gone] = connected_pair();
-  { channel::connection closed = std::move(gone); }
-  EXPECT_THROW(ipc::peer(context, std::move(kept)), connection_closed);
-  for (const ipc::holder_stats& h : context.holders()) {
-    EXPECT_EQ(h.connections, 0u) << "a peer that was never made still counts as a connection of pid " << h.process.pid;
-  }
+  ipc::sharing_context producer(allocator, {.collect_interval = 0ms});
+  ipc::sharing_context consumer(allocator, {.collect_interval = 0ms});
+  auto [to_consumer, to_producer] = connected_pair();
+  {
+    ipc::peer sender(producer, std::move(to_consumer));
+    sender.send(storage_t::allocate(allocator, 8 * kib, {}), text("sent"), {});
+  }  // hung up before the consumer made its peer
+  ipc::peer receiver(consumer, std::move(to_producer));
+  const ipc::received r = receiver.receive_for(1s, {});
+  EXPECT_TRUE(r.storage.valid());
+  EXPECT_EQ(text_of(r.metadata), "sent");
+  EXPECT_THROW((void)receiver.receive_for(1s, {}), connection_closed);
 }
 
 TEST(sharing_poll, without_a_ring_every_message_ends_its_batch) {

@@ -229,10 +229,13 @@ class connection {
   /// their place in the order. The peer must be a connection of this
   /// version that called allow_peer_ring() (others refuse the ring's frame
   /// with protocol_error and close the connection). A full ring makes send()
-  /// wait for the peer to read, like a full socket. Throws invalid_argument
-  /// when a ring was started already or post() was used (a ring is for
-  /// send() alone); otherwise as send() does.
-  void start_ring(std::size_t bytes);
+  /// wait for the peer to read, like a full socket. Returns false, having
+  /// started nothing, when the peer has hung up already: what it sent before
+  /// is still there to receive, so the connection is not closed (a later
+  /// send meets the same end). Throws invalid_argument when a ring was
+  /// started already or post() was used (a ring is for send() alone);
+  /// otherwise as send() does.
+  bool start_ring(std::size_t bytes);
 
   /// Lets the peer send through a ring of its own (its start_ring()): this
   /// side then maps the memory the peer names, up to 64 MiB, and checks all
