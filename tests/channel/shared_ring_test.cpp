@@ -121,6 +121,16 @@ TEST(channel_ring, a_spinning_receiver_takes_frames_without_a_wake_up) {
   EXPECT_EQ(bytes_waiting(b.native_handle()), 0u) << "a wake-up went to a receiver that was spinning";
 }
 
+TEST(channel_ring, a_receive_with_a_deadline_spins_no_longer_than_it) {
+  auto [a, b] = ring_pair();
+  EXPECT_FALSE(b.try_receive().has_value());  // takes in the ring's announce
+  b.set_receive_spin(10s);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW((void)b.receive_for(50ms), timeout_error);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "the spin ran past the receive's deadline";
+  EXPECT_FALSE(b.broken());
+}
+
 TEST(channel_ring, a_blocked_receiver_is_woken) {
   auto [a, b] = ring_pair();
   b.set_receive_spin(0ns);
