@@ -1,8 +1,9 @@
 // The allocators shoal is compared with, behind the common adapter face, all
 // on CUDA device 0:
 //   torch_adapter        PyTorch's caching allocator, called from C++
-//                        (raw_alloc_with_stream / raw_delete); needs libtorch
-//                        and SHOAL_BENCH_WITH_TORCH.
+//                        (raw_alloc_with_stream / raw_delete), with its
+//                        defaults or with expandable segments; needs
+//                        libtorch and SHOAL_BENCH_WITH_TORCH.
 //   cuda_async_adapter   cudaMallocAsync / cudaFreeAsync on the device's
 //                        current memory pool, made retaining (release
 //                        threshold UINT64_MAX), as the anchors measure it.
@@ -38,6 +39,9 @@
 #ifdef SHOAL_BENCH_WITH_TORCH
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#if __has_include(<c10/core/AllocatorConfig.h>)
+#include <c10/core/AllocatorConfig.h>
+#endif
 #endif
 
 #ifdef SHOAL_BENCH_WITH_RMM
@@ -108,23 +112,26 @@ class byte_gauge {
 }  // namespace detail
 
 #ifdef SHOAL_BENCH_WITH_TORCH
-/// PyTorch's allocator is one per process: the adapter empties its cache
-/// and resets its peak when made, and empties the cache again at its end.
-/// Make one at a time.
+/// PyTorch's allocator is one per process: the adapter sets its
+/// expandable_segments setting (PYTORCH_CUDA_ALLOC_CONF's, applied to the
+/// segments made from then on), empties its cache and resets its peak when
+/// made, and empties the cache again at its end. Make one at a time.
 class torch_adapter final : public detail::cuda_stream_adapter {
  public:
-  torch_adapter() {
+  explicit torch_adapter(bool expandable_segments = false) : expandable_(expandable_segments) {
     // What any PyTorch program does first: initializes CUDA and the allocator.
     (void)at::empty({1}, at::TensorOptions().device(at::kCUDA));
     c10::cuda::CUDACachingAllocator::emptyCache();
+    set_expandable_segments(expandable_);
     c10::cuda::CUDACachingAllocator::resetPeakStats(device_index);
   }
   ~torch_adapter() override {
     cudaDeviceSynchronize();
     c10::cuda::CUDACachingAllocator::emptyCache();
+    if (expandable_) set_expandable_segments(false);
   }
 
-  [[nodiscard]] std::string name() const override { return "torch"; }
+  [[nodiscard]] std::string name() const override { return expandable_ ? "torch expandable" : "torch"; }
   [[nodiscard]] void* allocate(std::size_t bytes, void* stream) override {
     return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, static_cast<cudaStream_t>(stream));
   }
@@ -134,10 +141,19 @@ class torch_adapter final : public detail::cuda_stream_adapter {
 
  private:
   static constexpr c10::DeviceIndex device_index = 0;
+  static void set_expandable_segments(bool on) {
+    const std::string setting = on ? "expandable_segments:True" : "expandable_segments:False";
+#if __has_include(<c10/core/AllocatorConfig.h>)
+    c10::CachingAllocator::setAllocatorSettings(setting);
+#else
+    c10::cuda::CUDACachingAllocator::setAllocatorSettings(setting);
+#endif
+  }
   static c10::CachingAllocator::Stat reserved() {
     return c10::cuda::CUDACachingAllocator::getDeviceStats(device_index)
         .reserved_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
   }
+  bool expandable_;
 };
 #endif
 

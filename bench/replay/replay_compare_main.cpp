@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   std::vector<adapter_factory> others;
 #ifdef SHOAL_BENCH_WITH_TORCH
   others.push_back({"torch", [] { return std::make_unique<torch_adapter>(); }});
+  others.push_back({"torch expandable", [] { return std::make_unique<torch_adapter>(/*expandable_segments=*/true); }});
 #endif
   others.push_back({"cudaMallocAsync", [] { return std::make_unique<cuda_async_adapter>(); }});
 #ifdef SHOAL_BENCH_WITH_RMM
