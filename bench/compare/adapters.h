@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -127,8 +128,20 @@ class torch_adapter final : public detail::cuda_stream_adapter {
   }
   ~torch_adapter() override {
     cudaDeviceSynchronize();
+    try {
+      c10::cuda::CUDACachingAllocator::emptyCache();
+      if (expandable_) set_expandable_segments(false);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "torch_adapter: %s\n", e.what());
+    }
+  }
+
+  // PyTorch's expandable segments keep the stream they grew on and
+  // synchronize it when they unmap: the cache is emptied while it lives.
+  void destroy_stream(void* stream) override {
+    detail::check_cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
     c10::cuda::CUDACachingAllocator::emptyCache();
-    if (expandable_) set_expandable_segments(false);
+    cuda_stream_adapter::destroy_stream(stream);
   }
 
   [[nodiscard]] std::string name() const override { return expandable_ ? "torch expandable" : "torch"; }
