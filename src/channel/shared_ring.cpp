@@ -15,6 +15,7 @@
 #include <string>
 #include <utility>
 
+#include "core/sealed_memfd.h"
 #include "shoal/core/error.h"
 
 namespace shoal::channel::detail {
@@ -109,14 +110,7 @@ void ring_mapping::copy_in(std::uint64_t at, std::span<const std::byte> in) noex
 
 ring_writer::ring_writer(std::size_t capacity) {
   capacity = std::bit_ceil(std::clamp(capacity, min_ring_capacity, max_ring_capacity));
-  fd_ = unique_fd(::memfd_create("shoal-channel-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (!fd_) throw backend_error("memfd_create(ring)", errno_text());
-  if (::ftruncate(fd_.get(), static_cast<off_t>(ring_header_bytes + capacity)) != 0) {
-    throw backend_error("ftruncate(ring)", errno_text());
-  }
-  if (::fcntl(fd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    throw backend_error("fcntl(F_ADD_SEALS, ring)", errno_text());
-  }
+  fd_ = shoal::detail::make_sealed_memfd("shoal-channel-ring", ring_header_bytes + capacity);
   map_ = ring_mapping(map_ring(fd_.get(), capacity), capacity);
 }
 

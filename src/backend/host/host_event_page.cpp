@@ -16,6 +16,7 @@
 
 #include "core/process_wide_id.h"
 #include "shoal/core/process_identity.h"
+#include "core/sealed_memfd.h"
 #include "shoal/core/error.h"
 
 namespace shoal::backend::detail {
@@ -83,9 +84,7 @@ std::atomic<std::uint64_t>& host_stream_slot::counter() const noexcept { return 
 std::shared_ptr<host_event_page> host_event_page::create() {
   // Importers tell this process from a later one with its pid by this.
   const process_identity self = process_identity::self();
-  unique_fd fd(::memfd_create("shoal-event-page", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (!fd) throw_errno("memfd_create");
-  if (::ftruncate(fd.get(), static_cast<off_t>(page_bytes)) != 0) throw_errno("ftruncate(event page)");
+  unique_fd fd = shoal::detail::make_unsealed_memfd("shoal-event-page", page_bytes);
   void* mapping = ::mmap(nullptr, page_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (mapping == MAP_FAILED) throw_errno("mmap(event page)");
   const std::uint64_t id = shoal::detail::next_process_wide_id();
@@ -94,11 +93,11 @@ std::shared_ptr<host_event_page> host_event_page::create() {
   for (std::uint32_t i = 0; i < slot_count; ++i) new (counters + i) std::atomic<std::uint64_t>(0);
   // Sealed after mapping: this mapping stays writable, every later one
   // (any importer's) can only read, and the size is fixed (no SIGBUS).
-  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
-    const int error = errno;
+  try {
+    shoal::detail::seal_memfd(fd.get(), "shoal-event-page", F_SEAL_FUTURE_WRITE);
+  } catch (...) {
     ::munmap(mapping, page_bytes);
-    errno = error;
-    throw_errno("fcntl(F_ADD_SEALS, event page)");
+    throw;
   }
   return std::shared_ptr<host_event_page>(new host_event_page(std::move(fd), mapping, id));
 }

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "core/address_text.h"
+#include "core/sealed_memfd.h"
 #include "shoal/core/error.h"
 
 namespace shoal::backend::detail {
@@ -23,16 +24,6 @@ namespace {
 std::size_t page_round(std::size_t bytes) {
   const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
   return (bytes + page - 1) / page * page;
-}
-
-// A sealed memfd of `bytes` bytes: it can never shrink or grow, so whoever
-// maps it may touch every byte without risk of SIGBUS.
-unique_fd make_memfd(const char* name, std::size_t bytes) {
-  unique_fd fd(::memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (!fd) throw_errno("memfd_create");
-  if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) throw_errno("ftruncate(memfd, " + std::to_string(bytes) + ")");
-  if (::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) throw_errno("fcntl(F_ADD_SEALS)");
-  return fd;
 }
 
 void* map_shared(int fd, std::size_t bytes, void* fixed_address, memory_access access = memory_access::read_write) {
@@ -158,7 +149,7 @@ void* host_memory::allocate_segment(std::size_t bytes) {
   const std::size_t size = page_round(bytes);
   charge(size, "allocate a segment");
   try {
-    unique_fd fd = make_memfd("shoal-segment", size);
+    unique_fd fd = shoal::detail::make_sealed_memfd("shoal-segment", size);
     void* base = map_shared(fd.get(), size, nullptr);
     std::lock_guard lock(mutex_);
     segments_.emplace(reinterpret_cast<std::uintptr_t>(base), segment{size, std::move(fd)});
@@ -251,7 +242,7 @@ physical_ref host_memory::create_physical(std::size_t bytes) {
   charge(bytes, "create a physical chunk");
   std::shared_ptr<chunk> c;
   try {
-    c = std::make_shared<chunk>(make_memfd("shoal-chunk", bytes), bytes, used_);
+    c = std::make_shared<chunk>(shoal::detail::make_sealed_memfd("shoal-chunk", bytes), bytes, used_);
   } catch (...) {
     used_->fetch_sub(bytes);
     throw;

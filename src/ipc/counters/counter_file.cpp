@@ -11,6 +11,7 @@
 #include <new>
 #include <string>
 
+#include "core/sealed_memfd.h"
 #include "shoal/core/error.h"
 
 namespace shoal::ipc::detail {
@@ -68,11 +69,9 @@ counter_file::~counter_file() {
 counter_file counter_file::create(std::uint32_t slots) {
   if (slots == 0) throw invalid_argument("counter_file::create: a counter file needs at least one slot");
   const process_identity self = process_identity::self();
-  unique_fd fd(::memfd_create("shoal-counters", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (!fd) fail("memfd_create");
   const std::size_t bytes = sizeof(header) + std::size_t{slots} * sizeof(slot);
-  if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) fail("ftruncate");
-  if (::fcntl(fd.get(), F_ADD_SEALS, required_seals) != 0) fail("fcntl(F_ADD_SEALS)");
+  // Sealed with required_seals: what open() checks a peer's file for.
+  unique_fd fd = shoal::detail::make_sealed_memfd("shoal-counters", bytes);
   void* mapping = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (mapping == MAP_FAILED) fail("mmap");
   // ftruncate gave zeroes: every slot is free at generation 0.
