@@ -228,15 +228,22 @@ class _Incoming:
         self.peer = peer
         self.fd = peer.fileno()
         self.arrays: list = []
+        # Seconds get() waited while this producer's batch stood unfinished
+        # and it sent nothing (Consumer.batch_timeout).
+        self.stalled = 0.0
 
 
 class Consumer:
     """Receives batches from Producers — at most `max_producers` connected at
     once; one more is disconnected at once (its error kept in `errors`), so a
     process that connects over and over cannot exhaust this one's
-    descriptors. Listens at `address` (default: a fresh name in the runtime
-    directory, see shoal.runtime_dir_address). Not for use from several
-    threads at once."""
+    descriptors. A producer that leaves a batch unfinished (arrays sent, its
+    note not) while get() waits `batch_timeout` seconds in all is
+    disconnected too, a PeerTimeoutError kept in `errors`, and the arrays it
+    sent are let go; only get()'s waiting counts, so a producer held back
+    while this process works elsewhere is not cut off. None: no limit.
+    Listens at `address` (default: a fresh name in the runtime directory, see
+    shoal.runtime_dir_address). Not for use from several threads at once."""
 
     def __init__(
         self,
@@ -245,11 +252,15 @@ class Consumer:
         allocator: _shoal.Allocator | None = None,
         allowed_uids: tuple[int, ...] = (),
         max_producers: int = 256,
+        batch_timeout: float | None = 10.0,
         **options: int,
     ) -> None:
         if max_producers < 1:
             raise ValueError("shoal.sharing.Consumer: max_producers must be at least 1")
+        if batch_timeout is not None and not batch_timeout > 0:
+            raise ValueError("shoal.sharing.Consumer: batch_timeout must be positive seconds, or None")
         self.max_producers = max_producers
+        self.batch_timeout = batch_timeout
         self.allocator = allocator if allocator is not None else _default_allocator()
         self.context = _shoal.SharingContext(self.allocator, **options)
         if address is None:
@@ -262,6 +273,8 @@ class Consumer:
         # Producers that may have more messages waiting behind a batch just
         # returned: one readable socket can stand for several messages.
         self._unfinished: dict[int, _Incoming] = {}
+        # Producers in the middle of a batch (batch_timeout watches them).
+        self._partial: dict[int, _Incoming] = {}
         # Producers disconnected or refused, oldest first; the last MAX_ERRORS kept.
         self.errors: list[Exception] = []
 
@@ -286,7 +299,10 @@ class Consumer:
             served = 0
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                for key, _ in self._selector.select(0 if turns else left):
+                started = time.monotonic()
+                ready = self._selector.select(0 if turns else self._wait_bound(left))
+                self._count_stalls(time.monotonic() - started, ready)
+                for key, _ in ready:
                     if key.data is None:
                         self._accept()
                     elif all(key.data is not turn for turn in turns):
@@ -306,6 +322,33 @@ class Consumer:
                 self._unfinished = {**waiting, **self._unfinished}
             if deadline is not None and time.monotonic() >= deadline:
                 raise _shoal.PeerTimeoutError(f"shoal.sharing: no batch within {timeout} s")
+
+    def _wait_bound(self, left: float | None) -> float | None:
+        """How long get() may wait in select: `left`, or less when a partial
+        batch's producer would reach batch_timeout first."""
+        if self.batch_timeout is None or not self._partial:
+            return left
+        first = max(0.0, min(self.batch_timeout - incoming.stalled for incoming in self._partial.values()))
+        return first if left is None else min(left, first)
+
+    def _count_stalls(self, waited: float, ready: list) -> None:
+        """Adds get()'s wait to every producer in the middle of a batch that
+        sent nothing meanwhile; disconnects those past batch_timeout."""
+        if self.batch_timeout is None or not self._partial:
+            return
+        readable = {key.fd for key, _ in ready}
+        for incoming in list(self._partial.values()):
+            if incoming.fd in readable or incoming.fd in self._unfinished:
+                continue  # it sent more: served this round
+            incoming.stalled += waited
+            if incoming.stalled >= self.batch_timeout:
+                self._note_error(
+                    _shoal.PeerTimeoutError(
+                        f"shoal.sharing: pid {incoming.peer.peer_pid} left a batch unfinished "
+                        f"({len(incoming.arrays)} arrays, no note) for {self.batch_timeout} s of waiting"
+                    )
+                )
+                self._drop(incoming)
 
     def _note_error(self, error: Exception) -> None:
         self.errors.append(error)
@@ -340,6 +383,7 @@ class Consumer:
         self._selector.unregister(incoming.fd)
         del self._incoming[incoming.fd]
         self._unfinished.pop(incoming.fd, None)
+        self._partial.pop(incoming.fd, None)
         incoming.arrays.clear()
         incoming.peer.close()
 
@@ -354,10 +398,12 @@ class Consumer:
                         self._unfinished[incoming.fd] = incoming
                     return None
                 storage, metadata = message
+                incoming.stalled = 0.0
                 if storage is not None:
                     if len(incoming.arrays) >= MAX_ARRAYS_PER_BATCH:
                         raise _protocol_error(f"more than {MAX_ARRAYS_PER_BATCH} arrays in one batch")
                     incoming.arrays.append(_view_of(storage, metadata))
+                    self._partial[incoming.fd] = incoming
                     continue
                 try:
                     note = json.loads(metadata)
@@ -370,6 +416,7 @@ class Consumer:
                 if len(used) != len(incoming.arrays):
                     raise _protocol_error("a batch structure that leaves arrays out")
                 incoming.arrays = []
+                self._partial.pop(incoming.fd, None)
                 return batch
         except _shoal.ConnectionClosedError:
             self._drop(incoming)

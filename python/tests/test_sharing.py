@@ -292,6 +292,55 @@ def test_a_producer_that_always_has_a_batch_ready_does_not_starve_another():
             assert sorted(consumer.get(timeout=WAIT)["who"].shape[0] for _ in range(4)) == [8] * 4
 
 
+def send_unfinished_batch(producer: sharing.Producer) -> None:
+    """One array of a batch, and no note: the batch stays unfinished."""
+    view = shoal.allocate(64).view("float32", (16,))
+    producer.peer.send(view, sharing._leaf_header(view), None)
+
+
+def finish_batch(producer: sharing.Producer) -> None:
+    producer.peer.send_note(json.dumps({"v": 1, "arrays": 1, "batch": {"a": 0}}).encode())
+
+
+def test_a_producer_that_leaves_a_batch_unfinished_is_cut_off_after_batch_timeout_of_waiting(clean_process):
+    with sharing.Consumer(batch_timeout=0.3) as consumer, sharing.Producer(consumer.address) as producer:
+        send_unfinished_batch(producer)
+        start = time.monotonic()
+        with pytest.raises(shoal.PeerTimeoutError):
+            consumer.get(timeout=2)
+        assert time.monotonic() - start >= 0.3
+        assert consumer.producers == 0, "the stalled producer still holds its connection and its arrays"
+        assert len(consumer.errors) == 1 and isinstance(consumer.errors[0], shoal.PeerTimeoutError)
+        assert "unfinished" in str(consumer.errors[0])
+        with pytest.raises(shoal.ConnectionClosedError):
+            producer.peer.receive(timeout=WAIT)
+
+
+def test_only_time_spent_waiting_in_get_counts_toward_batch_timeout(clean_process):
+    with sharing.Consumer(batch_timeout=0.5) as consumer, sharing.Producer(consumer.address) as producer:
+        send_unfinished_batch(producer)
+        for _ in range(2):  # 0.2 s of waiting in get(), 0.8 s busy elsewhere between
+            with pytest.raises(shoal.PeerTimeoutError):
+                consumer.get(timeout=0.1)
+            time.sleep(0.8)
+        assert consumer.producers == 1, "time outside get() was counted as the producer's stall"
+        finish_batch(producer)
+        batch = consumer.get(timeout=WAIT)
+        assert batch.shape == (16,)  # {"a": 0}: the batch is array 0 itself
+        assert consumer.errors == [] and consumer.producers == 1
+        del batch
+
+
+def test_batch_timeout_none_never_cuts_a_producer_off():
+    with sharing.Consumer(batch_timeout=None) as consumer, sharing.Producer(consumer.address) as producer:
+        send_unfinished_batch(producer)
+        with pytest.raises(shoal.PeerTimeoutError):
+            consumer.get(timeout=0.3)
+        assert consumer.producers == 1 and consumer.errors == []
+    with pytest.raises(ValueError, match="batch_timeout"):
+        sharing.Consumer(batch_timeout=0)
+
+
 def test_the_socket_file_goes_with_the_consumer():
     consumer = sharing.Consumer()
     path = consumer.address
