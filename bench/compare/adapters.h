@@ -39,6 +39,7 @@
 
 #ifdef SHOAL_BENCH_WITH_TORCH
 #include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #if __has_include(<c10/core/AllocatorConfig.h>)
 #include <c10/core/AllocatorConfig.h>
@@ -161,6 +162,11 @@ class torch_adapter final : public detail::cuda_stream_adapter {
 #else
     c10::cuda::CUDACachingAllocator::setAllocatorSettings(setting);
 #endif
+    // Where the setting does not reach the CUDA allocator's own, the column
+    // would silently be PyTorch's defaults again.
+    if (c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::expandable_segments() != on) {
+      throw std::runtime_error("torch_adapter: PyTorch did not take " + setting);
+    }
   }
   static c10::CachingAllocator::Stat reserved() {
     return c10::cuda::CUDACachingAllocator::getDeviceStats(device_index)

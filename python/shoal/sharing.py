@@ -36,6 +36,7 @@ pickle); with ``multiprocessing`` use the spawn or forkserver start methods.
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import selectors
@@ -54,6 +55,7 @@ MAX_ERRORS = 64
 _MAX_DIMS = 32
 _MAX_EXTENT = 1 << 48  # elements or bytes: past any device
 _VERSION = 1
+_MAX_SELECT_WAIT = 3600.0  # seconds: one select's wait, so a long batch_timeout never overflows it
 
 
 def _default_allocator() -> _shoal.Allocator:
@@ -229,7 +231,7 @@ class _Incoming:
         self.fd = peer.fileno()
         self.arrays: list = []
         # Seconds get() waited while this producer's batch stood unfinished
-        # and it sent nothing (Consumer.batch_timeout).
+        # (Consumer.batch_timeout); back to 0 when a batch is whole.
         self.stalled = 0.0
 
 
@@ -237,11 +239,12 @@ class Consumer:
     """Receives batches from Producers — at most `max_producers` connected at
     once; one more is disconnected at once (its error kept in `errors`), so a
     process that connects over and over cannot exhaust this one's
-    descriptors. A producer that leaves a batch unfinished (arrays sent, its
+    descriptors. A producer whose batch stays unfinished (arrays sent, its
     note not) while get() waits `batch_timeout` seconds in all is
     disconnected too, a PeerTimeoutError kept in `errors`, and the arrays it
-    sent are let go; only get()'s waiting counts, so a producer held back
-    while this process works elsewhere is not cut off. None: no limit.
+    sent are let go. Only get()'s waiting counts (a get(timeout=0) that
+    finds nothing waits no time), so a producer held back while this
+    process works elsewhere is not cut off. None: no limit.
     Listens at `address` (default: a fresh name in the runtime directory, see
     shoal.runtime_dir_address). Not for use from several threads at once."""
 
@@ -257,8 +260,8 @@ class Consumer:
     ) -> None:
         if max_producers < 1:
             raise ValueError("shoal.sharing.Consumer: max_producers must be at least 1")
-        if batch_timeout is not None and not batch_timeout > 0:
-            raise ValueError("shoal.sharing.Consumer: batch_timeout must be positive seconds, or None")
+        if batch_timeout is not None and not (batch_timeout > 0 and math.isfinite(batch_timeout)):
+            raise ValueError("shoal.sharing.Consumer: batch_timeout must be a finite number of seconds above 0, or None")
         self.max_producers = max_producers
         self.batch_timeout = batch_timeout
         self.allocator = allocator if allocator is not None else _default_allocator()
@@ -292,6 +295,7 @@ class Consumer:
         sent stays valid)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            self._drop_stalled()
             # Producers left with messages waiting, oldest turn first, then
             # those whose sockets are readable: each gets one turn a round.
             turns = list(self._unfinished.values())
@@ -301,7 +305,7 @@ class Consumer:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 started = time.monotonic()
                 ready = self._selector.select(0 if turns else self._wait_bound(left))
-                self._count_stalls(time.monotonic() - started, ready)
+                self._count_waiting(time.monotonic() - started)
                 for key, _ in ready:
                     if key.data is None:
                         self._accept()
@@ -329,26 +333,28 @@ class Consumer:
         if self.batch_timeout is None or not self._partial:
             return left
         first = max(0.0, min(self.batch_timeout - incoming.stalled for incoming in self._partial.values()))
+        first = min(first, _MAX_SELECT_WAIT)
         return first if left is None else min(left, first)
 
-    def _count_stalls(self, waited: float, ready: list) -> None:
-        """Adds get()'s wait to every producer in the middle of a batch that
-        sent nothing meanwhile; disconnects those past batch_timeout."""
-        if self.batch_timeout is None or not self._partial:
-            return
-        readable = {key.fd for key, _ in ready}
-        for incoming in list(self._partial.values()):
-            if incoming.fd in readable or incoming.fd in self._unfinished:
-                continue  # it sent more: served this round
+    def _count_waiting(self, waited: float) -> None:
+        """Adds get()'s wait to every producer in the middle of a batch."""
+        for incoming in self._partial.values():
             incoming.stalled += waited
-            if incoming.stalled >= self.batch_timeout:
-                self._note_error(
-                    _shoal.PeerTimeoutError(
-                        f"shoal.sharing: pid {incoming.peer.peer_pid} left a batch unfinished "
-                        f"({len(incoming.arrays)} arrays, no note) for {self.batch_timeout} s of waiting"
-                    )
+
+    def _drop_stalled(self) -> None:
+        """Disconnects the producers whose batch stood unfinished through
+        batch_timeout seconds of get()'s waiting (each had its turn after
+        the last of it)."""
+        if self.batch_timeout is None:
+            return
+        for incoming in [i for i in self._partial.values() if i.stalled >= self.batch_timeout]:
+            self._note_error(
+                _shoal.PeerTimeoutError(
+                    f"shoal.sharing: pid {incoming.peer.peer_pid} left a batch unfinished "
+                    f"({len(incoming.arrays)} arrays, no note) through {self.batch_timeout} s of waiting"
                 )
-                self._drop(incoming)
+            )
+            self._drop(incoming)
 
     def _note_error(self, error: Exception) -> None:
         self.errors.append(error)
@@ -398,7 +404,6 @@ class Consumer:
                         self._unfinished[incoming.fd] = incoming
                     return None
                 storage, metadata = message
-                incoming.stalled = 0.0
                 if storage is not None:
                     if len(incoming.arrays) >= MAX_ARRAYS_PER_BATCH:
                         raise _protocol_error(f"more than {MAX_ARRAYS_PER_BATCH} arrays in one batch")
@@ -416,6 +421,7 @@ class Consumer:
                 if len(used) != len(incoming.arrays):
                     raise _protocol_error("a batch structure that leaves arrays out")
                 incoming.arrays = []
+                incoming.stalled = 0.0
                 self._partial.pop(incoming.fd, None)
                 return batch
         except _shoal.ConnectionClosedError:

@@ -15,9 +15,9 @@
 #include <thread>
 
 #include "core/process_wide_id.h"
-#include "shoal/core/process_identity.h"
 #include "core/sealed_memfd.h"
 #include "shoal/core/error.h"
+#include "shoal/core/process_identity.h"
 
 namespace shoal::backend::detail {
 

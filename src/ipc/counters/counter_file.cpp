@@ -70,7 +70,7 @@ counter_file counter_file::create(std::uint32_t slots) {
   if (slots == 0) throw invalid_argument("counter_file::create: a counter file needs at least one slot");
   const process_identity self = process_identity::self();
   const std::size_t bytes = sizeof(header) + std::size_t{slots} * sizeof(slot);
-  // Sealed with required_seals: what open() checks a peer's file for.
+  static_assert(required_seals == (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), "what make_sealed_memfd seals");
   unique_fd fd = shoal::detail::make_sealed_memfd("shoal-counters", bytes);
   void* mapping = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (mapping == MAP_FAILED) fail("mmap");
