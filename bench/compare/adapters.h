@@ -39,7 +39,6 @@
 
 #ifdef SHOAL_BENCH_WITH_TORCH
 #include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #if __has_include(<c10/core/AllocatorConfig.h>)
 #include <c10/core/AllocatorConfig.h>
@@ -162,11 +161,17 @@ class torch_adapter final : public detail::cuda_stream_adapter {
 #else
     c10::cuda::CUDACachingAllocator::setAllocatorSettings(setting);
 #endif
-    // Where the setting does not reach the CUDA allocator's own, the column
-    // would silently be PyTorch's defaults again.
-    if (c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::expandable_segments() != on) {
-      throw std::runtime_error("torch_adapter: PyTorch did not take " + setting);
+    // Where the setting does not reach the CUDA allocator (PyTorch has moved
+    // it between classes), the column would silently be the defaults again:
+    // a probe block's segment says which kind PyTorch made.
+    void* probe = c10::cuda::CUDACachingAllocator::raw_alloc(std::size_t{1} << 20);
+    bool took = false;
+    for (const auto& segment : c10::cuda::CUDACachingAllocator::snapshot().segments) {
+      took = took || segment.is_expandable == on;
     }
+    c10::cuda::CUDACachingAllocator::raw_delete(probe);
+    c10::cuda::CUDACachingAllocator::emptyCache();
+    if (!took) throw std::runtime_error("torch_adapter: PyTorch did not take " + setting);
   }
   static c10::CachingAllocator::Stat reserved() {
     return c10::cuda::CUDACachingAllocator::getDeviceStats(device_index)
