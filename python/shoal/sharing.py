@@ -189,14 +189,33 @@ class Producer:
 
     def put(self, batch: Batch, stream: _shoal.Stream | None = None) -> None:
         """Sends `batch`; the consumer's stream waits for the work enqueued on
-        `stream` (default: the current stream) before it uses the arrays."""
+        `stream` (default: the current stream) before it uses the arrays.
+        A put that fails part-way (an array that cannot be sent, a timeout)
+        takes back the arrays it sent, so the next put arrives whole; where
+        even that cannot be sent, the connection is closed and the next put
+        raises ConnectionClosedError."""
         leaves: list = []
         structure = _flatten(batch, leaves, 0)
-        for view in leaves:
-            self._peer.send(view, _leaf_header(view), stream)
+        headers = [_leaf_header(view) for view in leaves]  # every leaf's layout checked before any is sent
+        sent = 0
+        try:
+            for view, header in zip(leaves, headers):
+                self._peer.send(view, header, stream)
+                sent += 1
+        except BaseException:
+            if sent:
+                self._take_back()
+            raise
         note = json.dumps({"v": _VERSION, "arrays": len(leaves), "batch": structure}, separators=(",", ":"))
         self._peer.send_note(note.encode())
         self._streams.add(stream if stream is not None else _shoal.current_stream(self.allocator.device))
+
+    def _take_back(self) -> None:
+        """Tells the consumer to let go of the arrays of an unfinished batch."""
+        try:
+            self._peer.send_note(json.dumps({"v": _VERSION, "abort": True}).encode())
+        except Exception:  # the consumer would count them into the next batch: end the connection instead
+            self._peer.close()
 
     @property
     def peer(self) -> _shoal.Peer:
@@ -414,6 +433,12 @@ class Consumer:
                     note = json.loads(metadata)
                 except (ValueError, RecursionError) as e:
                     raise _protocol_error(f"a batch note that is not JSON ({e})") from None
+                if isinstance(note, dict) and note.get("v") == _VERSION and note.get("abort") is True:
+                    # A put that failed part-way takes its arrays back.
+                    incoming.arrays = []
+                    self._partial.pop(incoming.fd, None)
+                    incoming.stalled = 0.0
+                    continue
                 if not isinstance(note, dict) or note.get("v") != _VERSION or note.get("arrays") != len(incoming.arrays):
                     raise _protocol_error("a batch note that does not match the arrays sent")
                 used: set = set()

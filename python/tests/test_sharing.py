@@ -352,6 +352,19 @@ def test_batch_timeout_none_never_cuts_a_producer_off(clean_process):
             sharing.Consumer(batch_timeout=bad)
 
 
+def test_a_put_that_fails_part_way_takes_its_arrays_back_and_the_next_put_arrives_whole():
+    other = shoal.Allocator()
+    with sharing.Consumer() as consumer, sharing.Producer(consumer.address) as producer:
+        foreign = other.allocate(16)  # not the producer's allocator's: cannot be sent
+        with pytest.raises(shoal.InvalidArgumentError, match="another allocator"):
+            producer.put({"a": shoal.allocate(16), "b": foreign})
+        producer.put({"c": shoal.allocate(32)})
+        batch = consumer.get(timeout=WAIT)
+        assert list(batch) == ["c"] and batch["c"].shape == (32,), "the failed put's array came with the next batch"
+        assert consumer.errors == [] and consumer.producers == 1
+        del batch
+
+
 def test_the_socket_file_goes_with_the_consumer():
     consumer = sharing.Consumer()
     path = consumer.address
