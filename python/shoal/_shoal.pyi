@@ -70,7 +70,11 @@ class Device:
     def memory(self) -> tuple[int, int]:
         """(free_bytes, total_bytes) as the device reports them."""
 
+    @overload
     def __eq__(self, arg: Device, /) -> bool: ...
+
+    @overload
+    def __eq__(self, other: object | None) -> bool: ...
 
     def __hash__(self) -> int: ...
 
@@ -133,7 +137,11 @@ class Stream:
     def delay(self, seconds: float) -> None:
         """Keeps the stream busy for `seconds` (stands in for a long kernel)."""
 
+    @overload
     def __eq__(self, arg: Stream, /) -> bool: ...
+
+    @overload
+    def __eq__(self, other: object | None) -> bool: ...
 
     def __hash__(self) -> int: ...
 
@@ -191,7 +199,7 @@ class Allocator:
 
     def stats(self) -> object:
         """
-        Counters as a dict: allocations, segments, active, allocated_bytes, reserved_bytes, ... each with current/peak/allocated/freed per pool, plus retries, ooms, device_allocations, device_frees, vmm_calls (the growable segments' device calls: creates, releases, maps, unmaps, access_grants), and expandable_segments_fallback (True when expandable_segments was asked for but the device has no growable segments, so plain ones serve and config says false).
+        Counters as a dict: allocations, segments, active, allocated_bytes, reserved_bytes, ... each with current/peak/allocated/freed per pool, plus num_alloc_retries, num_ooms, num_device_alloc, num_device_free, vmm_calls (the growable segments' device calls: creates, releases, maps, unmaps, access_grants), and expandable_segments_fallback (True when expandable_segments was asked for but the device has no growable segments, so plain ones serve and config says false).
         """
 
     def snapshot(self) -> object:
@@ -546,7 +554,7 @@ class Lender:
 
     def status(self) -> dict:
         """
-        Regions lent (id, memory, bytes, purpose, state, pid, uid, age), spare chunks (memory, bytes, uid, kept_by, age) and counters, as a dict.
+        Regions lent (id, memory, bytes, purpose, state, pid, uid, age_seconds), spare chunks (memory, bytes, uid, kept_by, age_seconds) and counters, as a dict.
         """
 
     def revoke(self, region: int, deadline: float) -> None:

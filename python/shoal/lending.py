@@ -249,11 +249,11 @@ class Borrower:
 
 
 class Lender:
-    """Lends this process's device memory at ``address`` (see :class:`shoal.Lender`'s
-    keywords: ``capacity_bytes``, ``quota_bytes``, ``max_borrowers``,
+    """Lends this process's device memory at ``address``. Keywords:
+    ``capacity_bytes``, ``quota_bytes``, ``max_borrowers``,
     ``max_regions_per_borrower``, ``peer_timeout``, ``allowed_uids``, ``reuse``, and
-    ``prepared_chunks``: sizes of chunks made at start, from which regions of those sizes
-    are lent with no device call at borrow time)."""
+    ``prepared_chunks`` (sizes of chunks made at start, from which regions of those
+    sizes are lent with no device call at borrow time)."""
 
     def __init__(self, address: str, **settings: Any) -> None:
         self._native = _shoal.Lender(address, **settings)

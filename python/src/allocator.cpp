@@ -106,8 +106,8 @@ void register_allocator(nb::module_& m) {
           "stats", [](const py_allocator& a) { return parse_json(a.state->allocator().stats().to_json()); },
           "Counters as a dict: allocations, segments, active, allocated_bytes, "
           "reserved_bytes, ... each with "
-          "current/peak/allocated/freed per pool, plus retries, ooms, "
-          "device_allocations, device_frees, vmm_calls (the growable segments' "
+          "current/peak/allocated/freed per pool, plus num_alloc_retries, num_ooms, "
+          "num_device_alloc, num_device_free, vmm_calls (the growable segments' "
           "device calls: creates, releases, maps, unmaps, access_grants), and "
           "expandable_segments_fallback "
           "(True when expandable_segments was asked for but the device has no "

@@ -224,8 +224,8 @@ void register_lending(nb::module_& m) {
           "when they cannot be made.")
       .def(
           "status", [](const py_lender& l) { return status_dict(l.get().status()); },
-          "Regions lent (id, memory, bytes, purpose, state, pid, uid, age), spare chunks (memory, bytes, uid, "
-          "kept_by, age) and counters, as a dict.")
+          "Regions lent (id, memory, bytes, purpose, state, pid, uid, age_seconds), spare chunks (memory, bytes, uid, "
+          "kept_by, age_seconds) and counters, as a dict.")
       .def(
           "revoke",
           [](const py_lender& l, std::uint64_t region, double deadline) {

@@ -82,11 +82,24 @@ struct py_peer {
   }
 };
 
+// An option's value as a whole number of at least 0 that fits T, or
+// invalid_argument naming the option (not nanobind's bare std::bad_cast).
+template <class T>
+T option_value(const std::string& key, nb::handle value) {
+  T out{};
+  if (!nb::isinstance<nb::int_>(value) || nb::isinstance<nb::bool_>(value) || !nb::try_cast<T>(value, out) ||
+      out < T{}) {
+    throw invalid_argument("SharingContext: " + key + " takes a whole number of at least 0, not " +
+                           nb::cast<std::string>(nb::repr(value)));
+  }
+  return out;
+}
+
 ipc::sharing_options options_of(const nb::kwargs& settings) {
   ipc::sharing_options o;
   for (auto [key_object, value] : settings) {
     const auto key = nb::cast<std::string>(key_object);
-    auto ms = [&] { return std::chrono::milliseconds(nb::cast<std::int64_t>(value)); };
+    auto ms = [&] { return std::chrono::milliseconds(option_value<std::int64_t>(key, value)); };
     if (key == "collect_interval_ms") {
       o.collect_interval = ms();
     } else if (key == "send_timeout_ms") {
@@ -94,13 +107,13 @@ ipc::sharing_options options_of(const nb::kwargs& settings) {
     } else if (key == "teardown_timeout_ms") {
       o.teardown_timeout = ms();
     } else if (key == "receive_spin_us") {
-      o.receive_spin = std::chrono::microseconds(nb::cast<std::int64_t>(value));
+      o.receive_spin = std::chrono::microseconds(option_value<std::int64_t>(key, value));
     } else if (key == "max_metadata_bytes") {
-      o.max_metadata_bytes = nb::cast<std::size_t>(value);
+      o.max_metadata_bytes = option_value<std::size_t>(key, value);
     } else if (key == "slots_per_file") {
-      o.slots_per_file = nb::cast<std::uint32_t>(value);
+      o.slots_per_file = option_value<std::uint32_t>(key, value);
     } else if (key == "ring_bytes") {
-      o.ring_bytes = nb::cast<std::size_t>(value);
+      o.ring_bytes = option_value<std::size_t>(key, value);
     } else {
       throw invalid_argument("SharingContext: unknown option " + key +
                              " (collect_interval_ms, send_timeout_ms, teardown_timeout_ms, receive_spin_us, "

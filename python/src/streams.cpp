@@ -103,6 +103,8 @@ void register_streams(nb::module_& m) {
           },
           "(free_bytes, total_bytes) as the device reports them.")
       .def("__eq__", [](const backend::device& a, const backend::device& b) { return &a == &b; })
+      // Against anything else: not equal, as Python objects compare (None, a string).
+      .def("__eq__", [](const backend::device&, nb::handle) { return false; }, nb::arg("other").none())
       .def("__hash__", [](const backend::device& d) { return d.serial(); })
       .def("__repr__", [](const backend::device& d) {
         return "shoal.Device(" + std::string(backend::to_string(d.kind())) + ":" + std::to_string(d.ordinal()) + ")";
@@ -174,6 +176,7 @@ void register_streams(nb::module_& m) {
            [](const py_stream& a, const py_stream& b) {
              return &a.state->device() == &b.state->device() && a.state->ref() == b.state->ref();
            })
+      .def("__eq__", [](const py_stream&, nb::handle) { return false; }, nb::arg("other").none())
       .def("__hash__", [](const py_stream& s) { return reinterpret_cast<std::uintptr_t>(s.state->ref().native); })
       .def("__repr__", [](const py_stream& s) {
         return "shoal.Stream(" + s.state->device().name() +

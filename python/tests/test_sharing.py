@@ -408,3 +408,11 @@ def test_a_batch_outlives_its_consumer(clean_process):
     check_batch(batch, 60)
     p.join(WAIT)
     del batch
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, None, "x", True])
+def test_a_sharing_option_of_the_wrong_kind_is_refused_by_name(value):
+    with pytest.raises(shoal.InvalidArgumentError, match="ring_bytes takes a whole number"):
+        shoal.SharingContext(shoal.default_allocator(), ring_bytes=value)
+    with pytest.raises(shoal.InvalidArgumentError, match="ring_bytes takes a whole number"):
+        sharing.Consumer(ring_bytes=value)

@@ -92,3 +92,12 @@ def test_synchronize_releases_the_gil():
     worker.join(timeout=10)
     assert still_blocked
     assert woke_after < 0.6, f"the main thread waited {woke_after:.2f} s for the GIL"
+
+
+def test_streams_and_devices_are_unequal_to_other_kinds_of_object():
+    s = shoal.Stream()
+    assert (s == None) is False and s != "x"  # noqa: E711 (the comparison itself is under test)
+    assert s not in [None, 1] and s in [None, s]
+    device = shoal.default_device()
+    assert device != "host" and (device == None) is False  # noqa: E711
+    assert device == shoal.default_device()
