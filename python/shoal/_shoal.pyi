@@ -291,6 +291,9 @@ class Storage:
 
     def __repr__(self) -> str: ...
 
+def view_dtypes() -> tuple:
+    """The element types a view (Storage.view, ArrayView) can have, by name."""
+
 class ArrayView:
     """
     A typed view (shape, dtype, strides, offset) of a Storage, made by Storage.view(); exported zero-copy through DLPack, e.g. numpy.from_dlpack(view).

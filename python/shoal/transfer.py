@@ -57,8 +57,9 @@ def _host_buffer(leaf: Any) -> tuple[tuple[int, int, bool, Any], str, tuple[int,
             f"shoal.transfer: cannot transfer a {type(leaf).__name__}: a batch holds numpy arrays or torch "
             "CPU tensors, in lists, tuples and dicts"
         )
+    shape = tuple(leaf.shape)  # ascontiguousarray makes a 0-d array 1-d
     array = numpy.ascontiguousarray(leaf)
-    return (array.ctypes.data, array.nbytes, False, array), array.dtype.name, tuple(array.shape)
+    return (array.ctypes.data, array.nbytes, False, array), array.dtype.name, shape
 
 
 def _flatten(batch: Any, leaves: list, depth: int) -> Any:
@@ -73,6 +74,11 @@ def _flatten(batch: Any, leaves: list, depth: int) -> Any:
     if len(leaves) >= MAX_ARRAYS_PER_BATCH:
         raise ValueError(f"shoal.transfer: a batch holds more than {MAX_ARRAYS_PER_BATCH} arrays")
     buffer, dtype, shape = _host_buffer(batch)
+    if dtype not in _shoal.view_dtypes():  # refused now: get() could not give it back as an array
+        raise TypeError(
+            f"shoal.transfer: arrays of {dtype} cannot be transferred; the element types are "
+            + ", ".join(_shoal.view_dtypes())
+        )
     if buffer[1] == 0:
         raise ValueError("shoal.transfer: an empty array has nothing to transfer; leave it out of the batch")
     leaves.append((buffer, dtype, shape))
@@ -221,6 +227,8 @@ class Engine:
         is recorded as a user of its memory. Raises the batch's own error when it failed;
         PeerTimeoutError after ``timeout`` seconds.
         """
+        if as_torch:
+            import torch  # noqa: F401 (before a batch is taken: without torch it stays queued)
         try:
             transferred = self._engine.next(timeout)
         except _shoal.ShoalError as error:

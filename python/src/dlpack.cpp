@@ -302,6 +302,14 @@ py_array_view make_view(const py_storage& s, nb::handle dtype, std::optional<std
 }
 
 void register_dlpack(nb::module_& m) {
+  m.def(
+      "view_dtypes",
+      [] {
+        nb::list names;
+        for (const auto& entry : dtypes) names.append(nb::str(entry.name.data(), entry.name.size()));
+        return nb::tuple(names);
+      },
+      "The element types a view (Storage.view, ArrayView) can have, by name.");
   nb::class_<py_array_view>(m, "ArrayView",
                             "A typed view (shape, dtype, strides, offset) of a Storage, made by "
                             "Storage.view(); "

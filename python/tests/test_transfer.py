@@ -110,7 +110,30 @@ def test_bad_batches_are_refused_before_anything_is_queued(engine):
         nested = [nested]
     with pytest.raises(ValueError):
         engine.submit(nested)
+    for unsupported in (numpy.ones(2, "complex128"), numpy.array([object()]), numpy.array(["text"])):
+        with pytest.raises(TypeError, match="cannot be transferred"):  # get() could not give them back
+            engine.submit({"ok": numpy.ones(2, "float32"), "bad": unsupported})
     assert engine.stats()["batches_submitted"] == 0
+
+
+def test_a_zero_dimensional_array_comes_back_with_no_dimensions(engine):
+    engine.submit({"scalar": numpy.array(7.5, "float32")})
+    view = engine.get(timeout=10)["scalar"]
+    assert view.shape == ()
+    assert host_copy(view).item() == 7.5
+
+
+def test_a_batch_asked_for_as_torch_without_torch_stays_queued(engine):
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("torch is installed")
+    engine.submit([numpy.ones(3, "float32")])
+    with pytest.raises(ImportError):
+        engine.get(timeout=10, as_torch=True)
+    assert host_copy(engine.get(timeout=10)[0]).tolist() == [1.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("stores", ["automatic", "streaming", "cached"])
