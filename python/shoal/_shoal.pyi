@@ -218,7 +218,12 @@ class Allocator:
 
     def add_oom_observer(self, observer: Callable) -> None:
         """
-        Calls observer(report: dict) before OutOfMemoryError is raised (on the allocating thread). An exception it raises is reported as unraisable and does not replace the OutOfMemoryError.
+        Calls observer(report: dict) before OutOfMemoryError is raised (on the allocating thread). An exception it raises is reported as unraisable and does not replace the OutOfMemoryError. The allocator holds the observer until remove_oom_observer: one that refers to the allocator (a lambda using it) keeps both alive until then, which the garbage collector cannot see.
+        """
+
+    def remove_oom_observer(self, observer: object) -> bool:
+        """
+        Stops calling `observer` (the object given to add_oom_observer, once per time it was added) and lets it go; False when it is not an observer of this allocator.
         """
 
 class Storage:

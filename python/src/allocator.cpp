@@ -4,6 +4,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -136,8 +137,10 @@ void register_allocator(nb::module_& m) {
               nb::gil_scoped_acquire gil;
               delete o;
             });
+            a.state->oom_observers.push_back(held);
             a.state->allocator().add_oom_observer([held](const alloc::oom_report& report) {
               nb::gil_scoped_acquire gil;
+              if (held->is_none()) return;  // removed
               try {
                 (*held)(oom_report_dict(report));
               } catch (nb::python_error& e) {
@@ -149,7 +152,25 @@ void register_allocator(nb::module_& m) {
           "Calls observer(report: dict) before OutOfMemoryError is raised (on "
           "the allocating thread). An "
           "exception it raises is reported as unraisable and does not replace "
-          "the OutOfMemoryError.");
+          "the OutOfMemoryError. The allocator holds the observer until "
+          "remove_oom_observer: one that refers to the allocator (a lambda "
+          "using it) keeps both alive until then, which the garbage collector "
+          "cannot see.")
+      .def(
+          "remove_oom_observer",
+          [](const py_allocator& a, nb::handle observer) {
+            auto& held = a.state->oom_observers;
+            const auto found =
+                std::find_if(held.begin(), held.end(), [&](const auto& o) { return o->is(observer); });
+            if (found == held.end()) return false;
+            **found = nb::none();  // its registration now calls nothing, and the callable goes
+            held.erase(found);
+            return true;
+          },
+          nb::arg("observer"),
+          "Stops calling `observer` (the object given to add_oom_observer, "
+          "once per time it was added) and lets it go; False when it is not "
+          "an observer of this allocator.");
 }
 
 }  // namespace shoal::python

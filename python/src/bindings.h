@@ -63,6 +63,10 @@ class allocator_state {
   [[nodiscard]] alloc::caching_allocator& allocator() noexcept { return *allocator_; }
   /// Keeps `stream` alive as long as the allocator.
   void keep(const std::shared_ptr<stream_state>& stream);
+  /// The callables given to add_oom_observer, as each registration holds
+  /// them: remove_oom_observer sets one to None (its registration then
+  /// calls nothing) and lets it go. Touched with the GIL held.
+  std::vector<std::shared_ptr<nb::object>> oom_observers;
 
  private:
   std::mutex mutex_;

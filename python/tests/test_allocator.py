@@ -159,6 +159,33 @@ def test_an_observer_that_raises_does_not_replace_the_out_of_memory_error(monkey
     assert unraisable == ["observer failed"]
 
 
+def test_a_removed_oom_observer_is_not_called_and_is_let_go():
+    a = shoal.Allocator(use_environment=False, memory_limit_mb=1)
+    released = []
+
+    class Observer:  # refers to the allocator: a cycle through C++ the collector cannot see
+        def __init__(self):
+            self.allocator = a
+            self.calls = 0
+
+        def __call__(self, report):
+            self.calls += 1
+
+        def __del__(self):
+            released.append(True)
+
+    observer = Observer()
+    a.add_oom_observer(observer)
+    assert a.remove_oom_observer(observer) is True
+    assert a.remove_oom_observer(observer) is False
+    with pytest.raises(shoal.OutOfMemoryError):
+        a.allocate(2 << 20)
+    assert observer.calls == 0
+    del observer
+    gc.collect()
+    assert released == [True], "the allocator still holds the removed observer"
+
+
 def test_the_default_allocator_is_one_per_process():
     assert shoal.default_allocator() is shoal.default_allocator()
     s = shoal.allocate(256)
