@@ -28,7 +28,8 @@ are unaffected.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional, Union
+import time
+from typing import Any, Callable, Optional, TypeVar, Union
 
 from . import _shoal, default_allocator
 
@@ -38,6 +39,23 @@ MAX_NESTING = 32
 MAX_ARRAYS_PER_BATCH = 4096
 
 Batch = Union[_shoal.ArrayView, list, tuple, dict]
+
+_T = TypeVar("_T")
+_WAIT_SLICE = 0.1  # seconds: a blocking call returns to Python this often, so Ctrl-C is seen
+
+
+def _in_slices(call: Callable[[float], _T], timeout: Optional[float], what: str) -> _T:
+    """call(slice) until it does not time out, each wait at most _WAIT_SLICE
+    seconds (signals such as KeyboardInterrupt are handled between them), and
+    at most `timeout` seconds in all (None: no limit)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = _WAIT_SLICE if deadline is None else max(0.0, min(_WAIT_SLICE, deadline - time.monotonic()))
+        try:
+            return call(left)
+        except _shoal.PeerTimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise _shoal.PeerTimeoutError(f"shoal.transfer: {what} within {timeout} s") from None
 
 
 def _host_buffer(leaf: Any) -> tuple[tuple[int, int, bool, Any], str, tuple[int, ...]]:
@@ -204,7 +222,9 @@ class Engine:
             with self._layouts_lock:
                 self._layouts[sequence] = (structure, types)
             try:
-                submitted = self._engine.submit(buffers, timeout)
+                submitted = _in_slices(
+                    lambda wait: self._engine.submit(buffers, wait), timeout, "no room for the batch"
+                )
             except BaseException:
                 with self._layouts_lock:
                     self._layouts.pop(sequence, None)
@@ -225,12 +245,13 @@ class Engine:
 
         ``stream`` (default: the current stream) waits for the batch's copies on the GPU and
         is recorded as a user of its memory. Raises the batch's own error when it failed;
-        PeerTimeoutError after ``timeout`` seconds.
+        PeerTimeoutError after ``timeout`` seconds. The wait returns to Python every 0.1 s,
+        so Ctrl-C (KeyboardInterrupt) ends it; so does ``submit``'s.
         """
         if as_torch:
             import torch  # noqa: F401 (before a batch is taken: without torch it stays queued)
         try:
-            transferred = self._engine.next(timeout)
+            transferred = _in_slices(self._engine.next, timeout, "no batch")
         except _shoal.ShoalError as error:
             if not isinstance(error, _shoal.PeerTimeoutError):
                 # The batch that failed was the oldest not yet taken.
