@@ -299,6 +299,7 @@ class Consumer:
         self._partial: dict[int, _Incoming] = {}
         # Producers disconnected or refused, oldest first; the last MAX_ERRORS kept.
         self.errors: list[Exception] = []
+        self._closed = False
 
     @property
     def producers(self) -> int:
@@ -312,6 +313,8 @@ class Consumer:
         first. A producer that sends a malformed batch is disconnected and
         its error kept in `errors`; one that goes away is forgotten (what it
         sent stays valid)."""
+        if self._closed:
+            raise _shoal.InvalidArgumentError("shoal.sharing.Consumer.get: the consumer is closed")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._drop_stalled()
@@ -459,10 +462,17 @@ class Consumer:
     def close(self) -> None:
         """Disconnects every producer and stops listening; batches received
         stay valid."""
+        if self._closed:
+            return
+        self._closed = True
         for incoming in list(self._incoming.values()):
             self._drop(incoming)
         self._selector.close()
         self._listener.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def __enter__(self) -> "Consumer":
         return self

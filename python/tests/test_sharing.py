@@ -368,9 +368,12 @@ def test_a_put_that_fails_part_way_takes_its_arrays_back_and_the_next_put_arrive
 def test_the_socket_file_goes_with_the_consumer():
     consumer = sharing.Consumer()
     path = consumer.address
-    assert os.path.exists(path)
+    assert os.path.exists(path) and not consumer.closed
     consumer.close()
-    assert not os.path.exists(path)
+    assert not os.path.exists(path) and consumer.closed
+    consumer.close()  # twice: nothing more
+    with pytest.raises(shoal.InvalidArgumentError, match="closed"):
+        consumer.get(timeout=0)
 
 
 def test_a_producer_past_the_limit_is_refused_and_the_others_go_on(clean_process):
