@@ -280,7 +280,9 @@ class Consumer:
         if max_producers < 1:
             raise ValueError("shoal.sharing.Consumer: max_producers must be at least 1")
         if batch_timeout is not None and not (batch_timeout > 0 and math.isfinite(batch_timeout)):
-            raise ValueError("shoal.sharing.Consumer: batch_timeout must be a finite number of seconds above 0, or None")
+            raise ValueError(
+                "shoal.sharing.Consumer: batch_timeout must be a finite number of seconds above 0, or None"
+            )
         self.max_producers = max_producers
         self.batch_timeout = batch_timeout
         self.allocator = allocator if allocator is not None else _default_allocator()

@@ -16,6 +16,11 @@ import shoal.sharing as sharing
 
 WAIT = 30  # seconds: no wait in these tests may take longer
 
+# CUDA refuses to import memory into the process that exported it: the tests
+# whose producer and consumer are this one process share host memory, on
+# every machine.
+HOST = shoal.Allocator(shoal.host_device())
+
 
 def pattern(tag: int, nbytes: int) -> bytes:
     return bytes((tag * 31 + i) % 251 for i in range(nbytes))
@@ -282,19 +287,25 @@ def test_try_receive_takes_every_message_that_came_then_returns_none(ring_bytes)
 
 
 def test_a_producer_that_always_has_a_batch_ready_does_not_starve_another():
-    with sharing.Consumer() as consumer:
-        with sharing.Producer(consumer.address) as a, sharing.Producer(consumer.address) as b:
+    with sharing.Consumer(allocator=HOST) as consumer:
+        a = sharing.Producer(consumer.address, allocator=HOST)
+        b = sharing.Producer(consumer.address, allocator=HOST)
+        with a, b:
             for _ in range(6):
-                a.put({"who": shoal.allocate(8)})
-            b.put({"who": shoal.allocate(16)})
+                a.put({"who": HOST.allocate(8)})
+            b.put({"who": HOST.allocate(16)})
             sources = [consumer.get(timeout=WAIT)["who"].shape[0] for _ in range(3)]
             assert 16 in sources, f"b's batch waited behind a's: {sources}"
             assert sorted(consumer.get(timeout=WAIT)["who"].shape[0] for _ in range(4)) == [8] * 4
 
 
+def host_producer(consumer: sharing.Consumer) -> sharing.Producer:
+    return sharing.Producer(consumer.address, allocator=HOST)
+
+
 def send_unfinished_batch(producer: sharing.Producer) -> None:
     """One array of a batch, and no note: the batch stays unfinished."""
-    view = shoal.allocate(64).view("float32", (16,))
+    view = HOST.allocate(64).view("float32", (16,))
     producer.peer.send(view, sharing._leaf_header(view), None)
 
 
@@ -303,7 +314,7 @@ def finish_batch(producer: sharing.Producer) -> None:
 
 
 def test_a_producer_that_leaves_a_batch_unfinished_is_cut_off_after_batch_timeout_of_waiting(clean_process):
-    with sharing.Consumer(batch_timeout=0.3) as consumer, sharing.Producer(consumer.address) as producer:
+    with sharing.Consumer(batch_timeout=0.3, allocator=HOST) as consumer, host_producer(consumer) as producer:
         send_unfinished_batch(producer)
         with pytest.raises(shoal.PeerTimeoutError):
             consumer.get(timeout=1.5)  # its wait ends at the producer's 0.3 s, then at its own deadline
@@ -315,7 +326,7 @@ def test_a_producer_that_leaves_a_batch_unfinished_is_cut_off_after_batch_timeou
 
 
 def test_arrays_that_keep_coming_without_a_note_do_not_stretch_batch_timeout(clean_process):
-    with sharing.Consumer(batch_timeout=0.6) as consumer, sharing.Producer(consumer.address) as producer:
+    with sharing.Consumer(batch_timeout=0.6, allocator=HOST) as consumer, host_producer(consumer) as producer:
         for _ in range(10):  # 0.2 s of waiting a round, an array every round
             send_unfinished_batch(producer)
             with pytest.raises(shoal.PeerTimeoutError):
@@ -327,7 +338,7 @@ def test_arrays_that_keep_coming_without_a_note_do_not_stretch_batch_timeout(cle
 
 
 def test_only_time_spent_waiting_in_get_counts_toward_batch_timeout(clean_process):
-    with sharing.Consumer(batch_timeout=1.0) as consumer, sharing.Producer(consumer.address) as producer:
+    with sharing.Consumer(batch_timeout=1.0, allocator=HOST) as consumer, host_producer(consumer) as producer:
         send_unfinished_batch(producer)
         for _ in range(2):  # 0.2 s of waiting in get(), 1.2 s busy elsewhere after each
             with pytest.raises(shoal.PeerTimeoutError):
@@ -342,7 +353,7 @@ def test_only_time_spent_waiting_in_get_counts_toward_batch_timeout(clean_proces
 
 
 def test_batch_timeout_none_never_cuts_a_producer_off(clean_process):
-    with sharing.Consumer(batch_timeout=None) as consumer, sharing.Producer(consumer.address) as producer:
+    with sharing.Consumer(batch_timeout=None, allocator=HOST) as consumer, host_producer(consumer) as producer:
         send_unfinished_batch(producer)
         with pytest.raises(shoal.PeerTimeoutError):
             consumer.get(timeout=0.3)
@@ -353,12 +364,12 @@ def test_batch_timeout_none_never_cuts_a_producer_off(clean_process):
 
 
 def test_a_put_that_fails_part_way_takes_its_arrays_back_and_the_next_put_arrives_whole():
-    other = shoal.Allocator()
-    with sharing.Consumer() as consumer, sharing.Producer(consumer.address) as producer:
+    other = shoal.Allocator(shoal.host_device())
+    with sharing.Consumer(allocator=HOST) as consumer, host_producer(consumer) as producer:
         foreign = other.allocate(16)  # not the producer's allocator's: cannot be sent
         with pytest.raises(shoal.InvalidArgumentError, match="another allocator"):
-            producer.put({"a": shoal.allocate(16), "b": foreign})
-        producer.put({"c": shoal.allocate(32)})
+            producer.put({"a": HOST.allocate(16), "b": foreign})
+        producer.put({"c": HOST.allocate(32)})
         batch = consumer.get(timeout=WAIT)
         assert list(batch) == ["c"] and batch["c"].shape == (32,), "the failed put's array came with the next batch"
         assert consumer.errors == [] and consumer.producers == 1
