@@ -17,9 +17,14 @@
 #include <string>
 #include <vector>
 
+#include "bench/common/spread.h"
 #include "shoal/backend/devices.h"
 
 namespace {
+
+using shoal::bench::spread;
+using shoal::bench::summarize;
+using shoal::bench::text;
 
 using clock_type = std::chrono::steady_clock;
 using shoal::backend::device;
@@ -27,21 +32,6 @@ using shoal::backend::physical_ref;
 using shoal::backend::sized_chunk;
 
 constexpr std::size_t mib = std::size_t{1} << 20;
-
-struct spread {
-  double median, min, max;
-};
-
-spread summarize(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return {v[v.size() / 2], v.front(), v.back()};
-}
-
-std::string text(const spread& s) {
-  char buffer[64];
-  std::snprintf(buffer, sizeof buffer, "%.1f (%.1f–%.1f)", s.median, s.min, s.max);
-  return buffer;
-}
 
 template <class F>
 double micros(F&& f) {

@@ -27,10 +27,15 @@
 #include <vector>
 
 #include "shoal/alloc/caching_allocator.h"
+#include "bench/common/spread.h"
 #include "shoal/backend/devices.h"
 #include "shoal/backend/stream.h"
 
 namespace {
+
+using shoal::bench::spread;
+using shoal::bench::summarize;
+using shoal::bench::text;
 
 using namespace shoal;
 using clock_type = std::chrono::steady_clock;
@@ -96,21 +101,6 @@ void private_work(int thread, long pairs) {
     }
     asm volatile("" : "+r"(x));
   }
-}
-
-struct spread {
-  double median, min, max;
-};
-
-spread summarize(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return {v[v.size() / 2], v.front(), v.back()};
-}
-
-std::string text(const spread& s) {
-  char buffer[64];
-  std::snprintf(buffer, sizeof buffer, "%.1f (%.1f–%.1f)", s.median, s.min, s.max);
-  return buffer;
 }
 
 int run(const options& o) {
