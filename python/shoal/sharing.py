@@ -196,7 +196,7 @@ class Producer:
         raises ConnectionClosedError."""
         leaves: list = []
         structure = _flatten(batch, leaves, 0)
-        headers = [_leaf_header(view) for view in leaves]  # every leaf's layout checked before any is sent
+        headers = [_leaf_header(view) for view in leaves]  # built before any array is sent
         sent = 0
         try:
             for view, header in zip(leaves, headers):
