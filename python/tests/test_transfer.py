@@ -309,7 +309,9 @@ def test_ctrl_c_ends_a_get_that_waits_without_a_timeout(tmp_path):
 
     script = tmp_path / "wait.py"
     script.write_text(
-        "import shoal.transfer\n"
+        "import signal, shoal.transfer\n"
+        # A process started in the background may inherit SIGINT ignored: Python's handler, as in a terminal.
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "with shoal.transfer.Engine() as engine:\n"
         "    print('waiting', flush=True)\n"
         "    engine.get()\n"
