@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include "bindings.h"
 #include "shoal/backend/devices.h"
@@ -55,7 +56,18 @@ alloc::allocator_config config_from_python(const std::optional<std::string>& con
   if (use_environment && env != nullptr) text += std::string(",") + env;
   if (conf) text += "," + *conf;
   for (auto [key, value] : settings) text += "," + setting_text(nb::cast<std::string>(key), value);
-  return alloc::allocator_config::parse(text);
+  try {
+    return alloc::allocator_config::parse(text);
+  } catch (const invalid_argument& e) {
+    // The parser speaks of the environment variable; here the settings may
+    // come from keywords or conf= as well.
+    std::string message = e.what();
+    const std::string_view parser_prefix = "SHOAL_ALLOC_CONF: ";
+    if (message.starts_with(parser_prefix)) message.erase(0, parser_prefix.size());
+    throw invalid_argument("Allocator settings (keywords, conf=" +
+                           std::string(use_environment && env != nullptr ? ", SHOAL_ALLOC_CONF" : "") +
+                           "): " + message);
+  }
 }
 
 allocator_state::allocator_state(backend::device& device, const alloc::allocator_config& config)

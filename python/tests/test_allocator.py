@@ -190,3 +190,13 @@ def test_the_default_allocator_is_one_per_process():
     assert shoal.default_allocator() is shoal.default_allocator()
     s = shoal.allocate(256)
     assert s.device == shoal.default_device()
+
+
+def test_a_bad_setting_is_named_with_where_settings_come_from(monkeypatch):
+    monkeypatch.delenv("SHOAL_ALLOC_CONF", raising=False)
+    with pytest.raises(shoal.InvalidArgumentError) as refused:
+        shoal.Allocator(max_split_size_mb=-3)
+    assert str(refused.value).startswith("Allocator settings (keywords, conf=): max_split_size_mb:-3 is not valid")
+    monkeypatch.setenv("SHOAL_ALLOC_CONF", "bogus:1")
+    with pytest.raises(shoal.InvalidArgumentError, match=r"keywords, conf=, SHOAL_ALLOC_CONF\): unknown key 'bogus'"):
+        shoal.Allocator()
