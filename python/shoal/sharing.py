@@ -235,6 +235,11 @@ class Producer:
             self._streams.clear()
             self._peer.close()
 
+    def __repr__(self) -> str:
+        if self._peer.closed:
+            return "shoal.sharing.Producer(closed)"
+        return f"shoal.sharing.Producer(to pid {self._peer.peer_pid})"
+
     def __enter__(self) -> "Producer":
         return self
 
@@ -475,6 +480,10 @@ class Consumer:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.producers} producers"
+        return f"shoal.sharing.Consumer({self.address!r}, {state}, {len(self.errors)} errors)"
 
     def __enter__(self) -> "Consumer":
         return self

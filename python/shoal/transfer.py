@@ -285,6 +285,13 @@ class Engine:
     def closed(self) -> bool:
         return self._engine.closed
 
+    def __repr__(self) -> str:
+        if self.closed:
+            return "shoal.transfer.Engine(closed)"
+        with self._layouts_lock:
+            waiting = len(self._layouts)
+        return f"shoal.transfer.Engine({waiting} batches submitted and not taken)"
+
     def __enter__(self) -> "Engine":
         return self
 

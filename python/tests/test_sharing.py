@@ -430,3 +430,11 @@ def test_a_sharing_option_of_the_wrong_kind_is_refused_by_name(value):
         shoal.SharingContext(shoal.default_allocator(), ring_bytes=value)
     with pytest.raises(shoal.InvalidArgumentError, match="ring_bytes takes a whole number"):
         sharing.Consumer(ring_bytes=value)
+
+
+def test_producers_and_consumers_print_what_they_are():
+    with sharing.Consumer(allocator=HOST) as consumer, host_producer(consumer) as producer:
+        assert repr(consumer) == f"shoal.sharing.Consumer({consumer.address!r}, 0 producers, 0 errors)"
+        assert repr(producer) == f"shoal.sharing.Producer(to pid {os.getpid()})"
+    assert repr(consumer).endswith("closed, 0 errors)") and repr(producer) == "shoal.sharing.Producer(closed)"
+

@@ -326,3 +326,12 @@ def test_ctrl_c_ends_a_get_that_waits_without_a_timeout(tmp_path):
         child.kill()
     assert "KeyboardInterrupt" in err, err
 
+
+def test_an_engine_prints_what_waits_in_it():
+    with shoal.transfer.Engine() as engine:
+        assert repr(engine) == "shoal.transfer.Engine(0 batches submitted and not taken)"
+        engine.submit([numpy.ones(2, "float32")])
+        assert repr(engine) == "shoal.transfer.Engine(1 batches submitted and not taken)"
+        engine.get(timeout=10)
+    assert repr(engine) == "shoal.transfer.Engine(closed)"
+
