@@ -40,6 +40,7 @@ MAX_ARRAYS_PER_BATCH = 4096
 
 Batch = Union[_shoal.ArrayView, list, tuple, dict]
 
+_VIEW_DTYPES = frozenset(_shoal.view_dtypes())  # looked up once per array submitted
 _T = TypeVar("_T")
 _WAIT_SLICE = 0.1  # seconds: a blocking call returns to Python this often, so Ctrl-C is seen
 
@@ -92,7 +93,7 @@ def _flatten(batch: Any, leaves: list, depth: int) -> Any:
     if len(leaves) >= MAX_ARRAYS_PER_BATCH:
         raise ValueError(f"shoal.transfer: a batch holds more than {MAX_ARRAYS_PER_BATCH} arrays")
     buffer, dtype, shape = _host_buffer(batch)
-    if dtype not in _shoal.view_dtypes():  # refused now: get() could not give it back as an array
+    if dtype not in _VIEW_DTYPES:  # refused now: get() could not give it back as an array
         raise TypeError(
             f"shoal.transfer: arrays of {dtype} cannot be transferred; the element types are "
             + ", ".join(_shoal.view_dtypes())
