@@ -352,6 +352,24 @@ def test_only_time_spent_waiting_in_get_counts_toward_batch_timeout(clean_proces
         del batch
 
 
+def test_a_batch_timeout_of_years_still_lets_get_wait_without_a_timeout():
+    # select() refuses a wait that long; each of get()'s waits is at most an hour.
+    import threading
+
+    with sharing.Consumer(batch_timeout=1e9, allocator=HOST) as consumer, host_producer(consumer) as producer:
+        send_unfinished_batch(producer)
+        with pytest.raises(shoal.PeerTimeoutError):
+            consumer.get(timeout=0.1)  # takes the array: the batch is unfinished now
+        got: list = []
+        waiter = threading.Thread(target=lambda: got.append(consumer.get()))
+        waiter.start()
+        time.sleep(0.3)
+        finish_batch(producer)
+        waiter.join(WAIT)
+        assert not waiter.is_alive() and len(got) == 1 and got[0].shape == (16,)
+        del got
+
+
 def test_batch_timeout_none_never_cuts_a_producer_off(clean_process):
     with sharing.Consumer(batch_timeout=None, allocator=HOST) as consumer, host_producer(consumer) as producer:
         send_unfinished_batch(producer)
