@@ -165,6 +165,8 @@ class Event:
     def synchronize(self) -> None:
         """Blocks until the event is complete (GIL released)."""
 
+    def __repr__(self) -> str: ...
+
 def current_stream(device: Device | None = None) -> Stream:
     """
     This thread's current stream on `device`: the innermost `with shoal.stream(s)` scope, else the default stream.
@@ -225,6 +227,8 @@ class Allocator:
         """
         Stops calling `observer` (the object given to add_oom_observer, once per time it was added) and lets it go; False when it is not an observer of this allocator.
         """
+
+    def __repr__(self) -> str: ...
 
 class Storage:
     """
@@ -354,6 +358,8 @@ class Connection:
     @property
     def peer_pid(self) -> int: ...
 
+    def __repr__(self) -> str: ...
+
 class Listener:
     """
     Listens for connections at an address (see runtime_dir_address). A socket path's directory is created with mode 0700 or must be one. Only processes of this user, and of `allowed_uids`, are admitted. Closes (and removes its socket file) on close() or when collected; a context manager.
@@ -363,7 +369,7 @@ class Listener:
 
     def accept(self, timeout: float | None = None) -> Connection | None:
         """
-        The next connection, its peer's uid checked; None when `timeout` seconds pass first. Raises PeerRefusedError for a peer of another user (the listener keeps working).
+        The next connection, its peer's uid checked; None when `timeout` seconds pass first. Raises PeerRefusedError for a peer of another user (the listener keeps working). The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).
         """
 
     @property
@@ -373,11 +379,18 @@ class Listener:
         """The listening socket, for selectors: readable when a connection waits."""
 
     def close(self) -> None:
-        """Stops listening and removes the socket file."""
+        """
+        Stops listening and removes the socket file; an accept() waiting in another thread ends first.
+        """
+
+    @property
+    def closed(self) -> bool: ...
 
     def __enter__(self) -> object: ...
 
     def __exit__(self, *args) -> None: ...
+
+    def __repr__(self) -> str: ...
 
 def connect(address: str, allowed_uids: Sequence[int] = []) -> Connection:
     """
@@ -412,6 +425,8 @@ class SharingContext:
         Per process holding references to this context's memory or connected to it: pid, references, pinned_bytes, limbo_blocks, limbo_bytes, connections, revoked.
         """
 
+    def __repr__(self) -> str: ...
+
 class Peer:
     """
     One connection to another process, for sharing storages both ways. send() may be called from several threads; receive() from one at a time. A context manager; close() tears the connection down (waiting at most the context's teardown timeout).
@@ -429,7 +444,7 @@ class Peer:
 
     def receive(self, timeout: float | None = None, stream: Stream | None = None) -> tuple:
         """
-        The next (storage, metadata) from the other process — storage None for a note — ready for work enqueued on `stream` (default: the current stream). Raises PeerTimeoutError after `timeout` seconds, ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.
+        The next (storage, metadata) from the other process — storage None for a note — ready for work enqueued on `stream` (default: the current stream). Raises PeerTimeoutError after `timeout` seconds (what came of a message is kept for the next call), ConnectionClosedError when the peer has gone or close() was called from another thread, ProtocolError on a malformed message. The wait ends on Ctrl-C (KeyboardInterrupt).
         """
 
     def try_receive(self, stream: Stream | None = None) -> object:
@@ -464,7 +479,9 @@ class Peer:
         """
 
     def close(self) -> None:
-        """Tears the connection down; received storages stay usable."""
+        """
+        Tears the connection down; received storages stay usable. A receive() waiting in another thread ends first (ConnectionClosedError), and a send() in flight finishes.
+        """
 
     @property
     def closed(self) -> bool: ...
@@ -472,6 +489,8 @@ class Peer:
     def __enter__(self) -> object: ...
 
     def __exit__(self, *args) -> None: ...
+
+    def __repr__(self) -> str: ...
 
 class TransferredBatch:
     """
@@ -506,12 +525,12 @@ class TransferEngine:
 
     def submit(self, buffers: Sequence[tuple[int, int, bool, object]], timeout: float | None = None) -> int:
         """
-        Queues a batch of (address, nbytes, pinned, owner) host buffers; ``owner`` is kept alive while the engine reads the memory. Returns the batch's sequence number. Blocks while the batch does not fit within max_batches_in_flight and max_bytes_in_flight (a larger batch: while any is in flight); PeerTimeoutError after ``timeout`` seconds.
+        Queues a batch of (address, nbytes, pinned, owner) host buffers; ``owner`` is kept alive while the engine reads the memory. Returns the batch's sequence number. Blocks while the batch does not fit within max_batches_in_flight and max_bytes_in_flight (a larger batch: while any is in flight); PeerTimeoutError after ``timeout`` seconds. The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).
         """
 
     def next(self, timeout: float | None = None) -> TransferredBatch:
         """
-        The next batch in submission order once its copies are enqueued; raises the batch's own error when it failed, PeerTimeoutError after ``timeout`` seconds.
+        The next batch in submission order once its copies are enqueued; raises the batch's own error when it failed, PeerTimeoutError after ``timeout`` seconds. The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).
         """
 
     def stats(self) -> dict:
@@ -521,7 +540,7 @@ class TransferEngine:
 
     def close(self) -> None:
         """
-        Finishes the batches submitted, waits for their copies and stops the thread. Idempotent.
+        Ends the waits of other threads' submit() and next() (InvalidArgumentError), finishes the batches submitted, waits for their copies and stops the thread. Idempotent.
         """
 
     @property

@@ -166,6 +166,7 @@ class Borrower:
         keep_mappings: bool = True,
         kept_mapping_bytes: int = 16 << 30,
     ) -> None:
+        self._address = address
         self._allocator = allocator if allocator is not None else default_allocator()
         self._native = _shoal.Borrower(address, self._allocator.device, list(allowed_uids), timeout,
                                        keep_mappings, kept_mapping_bytes)
@@ -241,6 +242,12 @@ class Borrower:
     def closed(self) -> bool:
         return self._native.closed
 
+    def __repr__(self) -> str:
+        if self.closed:
+            return f"shoal.lending.Borrower({self._address!r}, closed)"
+        count, nbytes = self.kept()
+        return f"shoal.lending.Borrower({self._address!r}, {count} kept mappings of {nbytes} bytes)"
+
     def __enter__(self) -> "Borrower":
         return self
 
@@ -256,6 +263,7 @@ class Lender:
     sizes are lent with no device call at borrow time)."""
 
     def __init__(self, address: str, **settings: Any) -> None:
+        self._address = address
         self._native = _shoal.Lender(address, **settings)
 
     def status(self) -> dict:
@@ -280,6 +288,13 @@ class Lender:
     @property
     def closed(self) -> bool:
         return self._native.closed
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return f"shoal.lending.Lender({self._address!r}, closed)"
+        s = self.status()
+        return (f"shoal.lending.Lender({self._address!r}, {len(s['regions'])} regions lent, "
+                f"{s['lent_bytes']} of {s['capacity_bytes']} bytes)")
 
     def __enter__(self) -> "Lender":
         return self

@@ -75,7 +75,7 @@ class RegionPool:
 
         pool = self.mem_pool
         if pool is None:
-            raise RuntimeError("shoal.torch.RegionPool.use: the pool is closed")
+            raise _shoal.InvalidArgumentError("shoal.torch.RegionPool.use: the pool is closed")
         with torch.cuda.use_mem_pool(pool):
             yield self
 

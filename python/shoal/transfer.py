@@ -28,8 +28,7 @@ are unaffected.
 from __future__ import annotations
 
 import threading
-import time
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Optional, Union
 
 from . import _shoal, default_allocator
 
@@ -41,24 +40,6 @@ MAX_ARRAYS_PER_BATCH = 4096
 Batch = Union[_shoal.ArrayView, list, tuple, dict]
 
 _VIEW_DTYPES = frozenset(_shoal.view_dtypes())  # looked up once per array submitted
-_T = TypeVar("_T")
-_WAIT_SLICE = 0.1  # seconds: a blocking call returns to Python this often, so Ctrl-C is seen
-
-
-def _in_slices(call: Callable[[float], _T], timeout: Optional[float], what: str) -> _T:
-    """call(slice) until it does not time out, each wait at most _WAIT_SLICE
-    seconds (signals such as KeyboardInterrupt are handled between them), and
-    at most `timeout` seconds in all (None: no limit)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        left = _WAIT_SLICE if deadline is None else max(0.0, min(_WAIT_SLICE, deadline - time.monotonic()))
-        try:
-            return call(left)
-        except _shoal.PeerTimeoutError:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise _shoal.PeerTimeoutError(f"shoal.transfer: {what} within {timeout} s") from None
-
-
 def _host_buffer(leaf: Any) -> tuple[tuple[int, int, bool, Any], str, tuple[int, ...]]:
     """(address, nbytes, pinned, owner), dtype name and shape of one host array."""
     module = type(leaf).__module__.split(".")[0]
@@ -223,9 +204,7 @@ class Engine:
             with self._layouts_lock:
                 self._layouts[sequence] = (structure, types)
             try:
-                submitted = _in_slices(
-                    lambda wait: self._engine.submit(buffers, wait), timeout, "no room for the batch"
-                )
+                submitted = self._engine.submit(buffers, timeout)
             except BaseException:
                 with self._layouts_lock:
                     self._layouts.pop(sequence, None)
@@ -246,13 +225,13 @@ class Engine:
 
         ``stream`` (default: the current stream) waits for the batch's copies on the GPU and
         is recorded as a user of its memory. Raises the batch's own error when it failed;
-        PeerTimeoutError after ``timeout`` seconds. The wait returns to Python every 0.1 s,
-        so Ctrl-C (KeyboardInterrupt) ends it; so does ``submit``'s.
+        PeerTimeoutError after ``timeout`` seconds. Ctrl-C (KeyboardInterrupt) ends the wait, as
+        it does ``submit``'s; so does ``close()`` from another thread (InvalidArgumentError).
         """
         if as_torch:
             import torch  # noqa: F401 (before a batch is taken: without torch it stays queued)
         try:
-            transferred = _in_slices(self._engine.next, timeout, "no batch")
+            transferred = self._engine.next(timeout)
         except _shoal.ShoalError as error:
             if not isinstance(error, _shoal.PeerTimeoutError):
                 # The batch that failed was the oldest not yet taken.
@@ -278,7 +257,8 @@ class Engine:
         return self._engine.stats()
 
     def close(self) -> None:
-        """Finishes the batches submitted, waits for their copies and stops the thread."""
+        """Ends other threads' waits in ``submit`` and ``get`` (InvalidArgumentError), finishes
+        the batches submitted, waits for their copies and stops the thread."""
         self._engine.close()
         self._layouts.clear()
 

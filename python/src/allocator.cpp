@@ -182,7 +182,15 @@ void register_allocator(nb::module_& m) {
           nb::arg("observer"),
           "Stops calling `observer` (the object given to add_oom_observer, "
           "once per time it was added) and lets it go; False when it is not "
-          "an observer of this allocator.");
+          "an observer of this allocator.")
+      .def("__repr__", [](const py_allocator& a) {
+        auto& allocator = a.state->allocator();
+        const auto s = allocator.stats();
+        return "shoal.Allocator(" + allocator.device().name() + ", " +
+               std::to_string(s.allocations.aggregate.current) + " allocations, " +
+               std::to_string(s.allocated_bytes.aggregate.current) + " bytes allocated, " +
+               std::to_string(s.reserved_bytes.aggregate.current) + " reserved)";
+      });
 }
 
 }  // namespace shoal::python

@@ -13,12 +13,14 @@
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "bindings.h"
+#include "closable.h"
 #include "shoal/backend/devices.h"
 #include "shoal/core/error.h"
 #include "shoal/lending/borrower.h"
@@ -30,7 +32,9 @@ namespace shoal::python {
 namespace {
 
 std::chrono::milliseconds timeout_of(double seconds, const char* who) {
-  if (!(seconds > 0)) throw invalid_argument(std::string(who) + ": timeout must be > 0 seconds");
+  if (!(seconds > 0) || !std::isfinite(seconds)) {
+    throw invalid_argument(std::string(who) + ": timeout must be a finite number of seconds > 0");
+  }
   return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
 }
 
@@ -109,19 +113,11 @@ py_storage storage_of(const py_allocator& allocator, lending::borrowed_region re
 }
 
 struct py_borrower {
-  std::unique_ptr<lending::borrower> borrower;
-  lending::borrower& get() const {
-    if (!borrower) throw invalid_argument("Borrower: closed");
-    return *borrower;
-  }
+  closable<lending::borrower> borrower;
 };
 
 struct py_lender {
-  std::unique_ptr<lending::lender> lender;
-  lending::lender& get() const {
-    if (!lender) throw invalid_argument("Lender: closed");
-    return *lender;
-  }
+  closable<lending::lender> lender;
 };
 
 nb::dict status_dict(const lending::lender_status& s) {
@@ -208,7 +204,8 @@ void register_lending(nb::module_& m) {
             config.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
             config.prepared_chunks = prepared_chunks;
             auto& d = device != nullptr ? *device : backend::default_device();
-            new (self) py_lender{std::make_unique<lending::lender>(d, address_of(address), config)};
+            new (self) py_lender{{"Lender", closed_error::invalid_argument,
+                                  std::make_unique<lending::lender>(d, address_of(address), config)}};
           },
           nb::arg("address"), nb::arg("device").none() = nb::none(), nb::arg("capacity_bytes") = std::size_t{1} << 30,
           nb::arg("quota_bytes") = std::size_t{1} << 30, nb::arg("max_borrowers") = 64,
@@ -223,27 +220,24 @@ void register_lending(nb::module_& m) {
           "call at borrow time (``shoal daemon --prepare``). Raises the device's error (``OutOfMemoryError``) "
           "when they cannot be made.")
       .def(
-          "status", [](const py_lender& l) { return status_dict(l.get().status()); },
+          "status", [](const py_lender& l) { return status_dict(l.lender.enter()->status()); },
           "Regions lent (id, memory, bytes, purpose, state, pid, uid, age_seconds), spare chunks (memory, bytes, uid, "
           "kept_by, age_seconds) and counters, as a dict.")
       .def(
           "revoke",
           [](const py_lender& l, std::uint64_t region, double deadline) {
-            l.get().revoke(region, timeout_of(deadline, "Lender.revoke"));
+            l.lender.enter()->revoke(region, timeout_of(deadline, "Lender.revoke"));
           },
           nb::arg("region"), nb::arg("deadline"),
           "Asks the region's borrower to give it back within ``deadline`` seconds; returns at once.")
       .def(
-          "metrics", [](const py_lender& l) { return l.get().metrics_text(); },
+          "metrics", [](const py_lender& l) { return l.lender.enter()->metrics_text(); },
           "The status in the Prometheus text format.")
       .def(
           "close",
-          [](py_lender& l) {
-            nb::gil_scoped_release release;
-            l.lender.reset();
-          },
+          [](py_lender& l) { l.lender.close(); },
           "Stops serving and closes every connection. Idempotent.")
-      .def_prop_ro("closed", [](const py_lender& l) { return l.lender == nullptr; });
+      .def_prop_ro("closed", [](const py_lender& l) { return l.lender.closed(); });
 
   m.def(
       "_region_id",
@@ -296,7 +290,7 @@ void register_lending(nb::module_& m) {
               nb::gil_scoped_release release;
               b = std::make_unique<lending::borrower>(d, a, policy, t, options);
             }
-            new (self) py_borrower{std::move(b)};
+            new (self) py_borrower{{"Borrower", closed_error::connection_closed, std::move(b)}};
           },
           nb::arg("address"), nb::arg("device").none() = nb::none(),
           nb::arg("allowed_uids") = std::vector<std::uint32_t>{}, nb::arg("timeout") = 5.0,
@@ -304,7 +298,7 @@ void register_lending(nb::module_& m) {
       .def(
           "kept",
           [](const py_borrower& b) {
-            const auto k = b.get().kept();
+            const auto k = b.borrower.enter()->kept();
             return std::pair{k.count, k.bytes};
           },
           "(count, bytes) of the mappings of given-back regions this borrower keeps for a later lend.")
@@ -314,10 +308,11 @@ void register_lending(nb::module_& m) {
              double timeout) {
             auto& device = allocator.state->allocator().device();
             const auto t = timeout_of(timeout, "Borrower.borrow");
+            const auto borrower = b.borrower.enter();
             std::optional<lending::borrowed_region> region;
             {
               nb::gil_scoped_release release;
-              region.emplace(b.get().borrow(nbytes, purpose, lending::region_mode::exclusive, t));
+              region.emplace(borrower->borrow(nbytes, purpose, lending::region_mode::exclusive, t));
             }
             return storage_of(allocator, std::move(*region));
           },
@@ -327,6 +322,7 @@ void register_lending(nb::module_& m) {
           [](const py_borrower& b, const py_allocator& allocator, py_storage& storage,
              const std::vector<py_entry>& entries, std::optional<nb::bytes> hash, double timeout) {
             const auto t = timeout_of(timeout, "Borrower.publish");
+            const auto borrower = b.borrower.enter();
             region_owner* owner = region_behind(storage);
             if (owner == nullptr || !owner->region().valid() ||
                 owner->region().mode() != lending::region_mode::exclusive) {
@@ -355,7 +351,7 @@ void register_lending(nb::module_& m) {
               storage.handle = storage_handle(storage::storage(), allocator.state);
               auto& device = allocator.state->allocator().device();
               layout.hash = given ? *given : lending::hash_entries(device, region.data(), region.size(), layout);
-              shared.emplace(b.get().publish(owner->take(), layout, t));
+              shared.emplace(borrower->publish(owner->take(), layout, t));
             }
             return storage_of(allocator, std::move(*shared));
           },
@@ -365,12 +361,13 @@ void register_lending(nb::module_& m) {
           [](const py_borrower& b, const py_allocator& allocator, const std::string& name,
              std::optional<nb::bytes> expected, std::optional<std::uint32_t> writer_uid, double timeout) {
             const auto t = timeout_of(timeout, "Borrower.borrow_shared");
+            const auto borrower = b.borrower.enter();
             std::optional<lending::content_hash> want;
             if (expected) want = hash_of(*expected);
             std::optional<lending::borrowed_region> region;
             {
               nb::gil_scoped_release release;
-              region.emplace(b.get().borrow_shared(name, want, writer_uid, t));
+              region.emplace(borrower->borrow_shared(name, want, writer_uid, t));
             }
             return storage_of(allocator, std::move(*region));
           },
@@ -379,12 +376,16 @@ void register_lending(nb::module_& m) {
       .def(
           "revocations",
           [](const py_borrower& b, double wait) {
-            if (wait < 0) throw invalid_argument("Borrower.revocations: wait must be >= 0 seconds");
-            std::vector<lending::borrower::revocation> asked;
-            {
-              nb::gil_scoped_release release;
-              asked = b.get().revocations(std::chrono::milliseconds(static_cast<std::int64_t>(wait * 1000.0)));
-            }
+            const auto borrower = b.borrower.enter();
+            // In slices, so that Ctrl-C and a close() end a long wait.
+            const auto until = until_of(wait, "Borrower.revocations");
+            const auto asked = wait_in_slices(
+                borrower, b.borrower, until,
+                [&](std::chrono::milliseconds slice) -> std::optional<std::vector<lending::borrower::revocation>> {
+                  auto got = borrower->revocations(slice);
+                  if (got.empty()) return std::nullopt;
+                  return got;
+                }).value_or(std::vector<lending::borrower::revocation>{});
             const auto now = std::chrono::steady_clock::now();
             std::vector<std::pair<std::uint64_t, double>> out;
             for (const auto& r : asked)
@@ -398,18 +399,16 @@ void register_lending(nb::module_& m) {
           "metrics",
           [](const py_borrower& b, double timeout) {
             const auto t = timeout_of(timeout, "Borrower.metrics");
+            const auto borrower = b.borrower.enter();
             nb::gil_scoped_release release;
-            return b.get().metrics(t);
+            return borrower->metrics(t);
           },
           nb::arg("timeout") = 5.0, "The lender's status in the Prometheus text format.")
       .def(
           "close",
-          [](py_borrower& b) {
-            nb::gil_scoped_release release;
-            b.borrower.reset();
-          },
+          [](py_borrower& b) { b.borrower.close(); },
           "Closes the connection; regions already borrowed stay mapped until their storages are gone.")
-      .def_prop_ro("closed", [](const py_borrower& b) { return b.borrower == nullptr; });
+      .def_prop_ro("closed", [](const py_borrower& b) { return b.borrower.closed(); });
 }
 
 }  // namespace shoal::python

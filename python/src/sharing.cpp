@@ -10,6 +10,9 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <poll.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <memory>
@@ -19,6 +22,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "closable.h"
 #include "shoal/channel/channel.h"
 #include "shoal/core/error.h"
 #include "shoal/ipc/sharing.h"
@@ -43,11 +47,7 @@ channel::access_policy policy_of(const std::vector<std::uint32_t>& allowed_uids)
 namespace {
 
 struct py_listener {
-  std::unique_ptr<channel::listener> listener;
-  channel::listener& get() const {
-    if (!listener) throw invalid_argument("Listener: closed");
-    return *listener;
-  }
+  closable<channel::listener> listener;
 };
 
 struct py_connection {
@@ -75,12 +75,32 @@ struct py_sharing_context {
 
 struct py_peer {
   std::shared_ptr<sharing_state> context;
-  std::unique_ptr<ipc::peer> peer;
-  ipc::peer& get() const {
-    if (!peer) throw connection_closed("Peer: closed");
-    return *peer;
-  }
+  closable<ipc::peer> peer;
 };
+
+using time_point = std::chrono::steady_clock::time_point;
+
+
+
+// Peer.receive: try_receive, then a poll of the socket, in slices, so that
+// Ctrl-C and a close() from another thread end the wait, and so that a
+// batch that has begun to come stays with the connection across slices
+// (its rest is read by the next call; a timeout never breaks the stream).
+std::optional<ipc::received> receive_in_slices(const closable<ipc::peer>::use& peer, const closable<ipc::peer>& owner,
+                                               std::optional<time_point> until, backend::stream_ref stream) {
+  return wait_in_slices(peer, owner, until, [&](std::chrono::milliseconds slice) -> std::optional<ipc::received> {
+    const auto slice_end = std::chrono::steady_clock::now() + slice;
+    for (;;) {
+      if (auto r = peer->try_receive(stream)) return r;
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(slice_end - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return std::nullopt;
+      // Frames already read wait to be taken (announcements past one call's
+      // share, another thread's receive): look again soon, not at the socket.
+      pollfd readable{peer->native_handle(), POLLIN, 0};
+      (void)::poll(&readable, 1, peer->pending() != 0 ? 1 : static_cast<int>(left.count()));
+    }
+  });
+}
 
 // An option's value as a whole number of at least 0 that fits T, or
 // invalid_argument naming the option (not nanobind's bare std::bad_cast).
@@ -159,9 +179,14 @@ void register_sharing(nb::module_& m) {
   nb::class_<py_connection>(m, "Connection",
                             "A checked connection to another process (from Listener.accept or connect); "
                             "give it to Peer to share storages over it.")
-      .def_prop_ro("peer_pid", [](const py_connection& c) {
-        if (!c.connection) throw invalid_argument("Connection: already given to a Peer");
-        return c.connection->peer().process.pid;
+      .def_prop_ro("peer_pid",
+                   [](const py_connection& c) {
+                     if (!c.connection) throw invalid_argument("Connection: already given to a Peer");
+                     return c.connection->peer().process.pid;
+                   })
+      .def("__repr__", [](const py_connection& c) -> std::string {
+        if (!c.connection) return "shoal.Connection(given to a Peer)";
+        return "shoal.Connection(pid " + std::to_string(c.connection->peer().process.pid) + ")";
       });
 
   nb::class_<py_listener>(m, "Listener",
@@ -172,31 +197,39 @@ void register_sharing(nb::module_& m) {
       .def(
           "__init__",
           [](py_listener* self, const std::string& address, const std::vector<std::uint32_t>& allowed_uids) {
-            new (self) py_listener{std::make_unique<channel::listener>(address_of(address), policy_of(allowed_uids))};
+            new (self) py_listener{{"Listener", closed_error::invalid_argument,
+                                    std::make_unique<channel::listener>(address_of(address), policy_of(allowed_uids))}};
           },
           nb::arg("address"), nb::arg("allowed_uids") = std::vector<std::uint32_t>{})
       .def(
           "accept",
           [](const py_listener& l, std::optional<double> timeout) -> std::optional<py_connection> {
-            const auto limit = deadline_of(timeout, "Listener.accept");
-            auto& listener = l.get();
-            nb::gil_scoped_release release;
-            if (!limit) return py_connection{listener.accept()};
-            auto c = listener.accept_for(*limit);
+            const auto until = until_of(timeout, "Listener.accept");
+            const auto listener = l.listener.enter();
+            auto c = wait_in_slices(listener, l.listener, until, [&](std::chrono::milliseconds slice) {
+              return listener->accept_for(slice);
+            });
             if (!c) return std::nullopt;
             return py_connection{std::move(*c)};
           },
           nb::arg("timeout").none() = nb::none(),
           "The next connection, its peer's uid checked; None when `timeout` seconds pass first. Raises "
-          "PeerRefusedError for a peer of another user (the listener keeps working).")
-      .def_prop_ro("address", [](const py_listener& l) { return text_of(l.get().address()); })
-      .def("fileno", [](const py_listener& l) { return l.get().native_handle(); },
+          "PeerRefusedError for a peer of another user (the listener keeps working). The wait ends on Ctrl-C "
+          "(KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).")
+      .def_prop_ro("address", [](const py_listener& l) { return text_of(l.listener.enter()->address()); })
+      .def("fileno", [](const py_listener& l) { return l.listener.enter()->native_handle(); },
            "The listening socket, for selectors: readable when a connection waits.")
       .def(
-          "close", [](py_listener& l) { l.listener.reset(); }, "Stops listening and removes the socket file.")
+          "close", [](py_listener& l) { l.listener.close(); },
+          "Stops listening and removes the socket file; an accept() waiting in another thread ends first.")
+      .def_prop_ro("closed", [](const py_listener& l) { return l.listener.closed(); })
       .def("__enter__", [](nb::handle self) { return self; })
       .def(
-          "__exit__", [](py_listener& l, nb::args) { l.listener.reset(); }, nb::arg("args"));
+          "__exit__", [](py_listener& l, nb::args) { l.listener.close(); }, nb::arg("args"))
+      .def("__repr__", [](const py_listener& l) -> std::string {
+        if (l.listener.closed()) return "shoal.Listener(closed)";
+        return "shoal.Listener(" + text_of(l.listener.enter()->address()) + ")";
+      });
 
   m.def(
       "connect",
@@ -254,7 +287,13 @@ void register_sharing(nb::module_& m) {
             return out;
           },
           "Per process holding references to this context's memory or connected to it: pid, references, "
-          "pinned_bytes, limbo_blocks, limbo_bytes, connections, revoked.");
+          "pinned_bytes, limbo_blocks, limbo_bytes, connections, revoked.")
+      .def("__repr__", [](const py_sharing_context& c) {
+        const auto s = c.state->context().stats();
+        return "shoal.SharingContext(" + c.state->allocator()->allocator().device().name() + ", " +
+               std::to_string(s.storages_sent) + " storages sent, " + std::to_string(s.limbo_blocks) +
+               " blocks held by other processes)";
+      });
 
   nb::class_<py_peer>(m, "Peer",
                       "One connection to another process, for sharing storages both ways. send() may be called "
@@ -271,7 +310,7 @@ void register_sharing(nb::module_& m) {
               nb::gil_scoped_release release;
               p = std::make_unique<ipc::peer>(context.state->context(), std::move(c));
             }
-            new (self) py_peer{context.state, std::move(p)};
+            new (self) py_peer{context.state, {"Peer", closed_error::connection_closed, std::move(p)}};
           },
           nb::arg("context"), nb::arg("connection"))
       .def(
@@ -288,10 +327,10 @@ void register_sharing(nb::module_& m) {
             }
             auto st = stream_or_current(stream, handle->get().device());
             handle->allocator()->keep(st);
-            auto& peer = p.get();
+            const auto peer = p.peer.enter();
             const auto bytes = bytes_of(metadata);
             nb::gil_scoped_release release;
-            peer.send(handle->get(), bytes, st->ref());
+            peer->send(handle->get(), bytes, st->ref());
           },
           nb::arg("data"), nb::arg("metadata") = nb::bytes(""), nb::arg("stream").none() = nb::none(),
           "Shares a Storage (or an ArrayView's storage) of this context's allocator with the other process, "
@@ -300,40 +339,43 @@ void register_sharing(nb::module_& m) {
       .def(
           "send_note",
           [](const py_peer& p, const nb::bytes& metadata) {
-            auto& peer = p.get();
+            const auto peer = p.peer.enter();
             const auto bytes = bytes_of(metadata);
             nb::gil_scoped_release release;
-            peer.send_note(bytes);
+            peer->send_note(bytes);
           },
           nb::arg("metadata"), "Sends metadata alone.")
       .def(
           "receive",
           [](const py_peer& p, std::optional<double> timeout, const py_stream* stream) {
-            const auto limit = deadline_of(timeout, "Peer.receive");
-            auto& peer = p.get();
+            const auto until = until_of(timeout, "Peer.receive");
+            const auto peer = p.peer.enter();
             auto st = stream_or_current(stream, p.context->allocator()->allocator().device());
             p.context->allocator()->keep(st);
-            ipc::received r;
-            {
-              nb::gil_scoped_release release;
-              r = limit ? peer.receive_for(*limit, st->ref()) : peer.receive(st->ref());
+            std::optional<ipc::received> r = receive_in_slices(peer, p.peer, until, st->ref());
+            if (!r) {
+              throw timeout_error("Peer.receive: no whole message came from pid " +
+                                  std::to_string(peer->credentials().process.pid) + " within " +
+                                  seconds_text(*timeout) + " s; the connection stays usable");
             }
-            return received_tuple(p, std::move(r));
+            return received_tuple(p, std::move(*r));
           },
           nb::arg("timeout").none() = nb::none(), nb::arg("stream").none() = nb::none(),
           "The next (storage, metadata) from the other process — storage None for a note — ready for work "
           "enqueued on `stream` (default: the current stream). Raises PeerTimeoutError after `timeout` "
-          "seconds, ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.")
+          "seconds (what came of a message is kept for the next call), ConnectionClosedError when the peer "
+          "has gone or close() was called from another thread, ProtocolError on a malformed message. The "
+          "wait ends on Ctrl-C (KeyboardInterrupt).")
       .def(
           "try_receive",
           [](const py_peer& p, const py_stream* stream) -> nb::object {
-            auto& peer = p.get();
+            const auto peer = p.peer.enter();
             auto st = stream_or_current(stream, p.context->allocator()->allocator().device());
             p.context->allocator()->keep(st);
             std::optional<ipc::received> r;
             {
               nb::gil_scoped_release release;
-              r = peer.try_receive(st->ref());
+              r = peer->try_receive(st->ref());
             }
             if (!r) return nb::none();
             return received_tuple(p, std::move(*r));
@@ -343,19 +385,24 @@ void register_sharing(nb::module_& m) {
           "came of it is kept). For a selector loop: once fileno() is readable, call this until it returns "
           "None. Raises ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.")
       .def(
-          "pending", [](const py_peer& p) { return p.get().pending(); },
+          "pending", [](const py_peer& p) { return p.peer.enter()->pending(); },
           "Not zero while frames that came wait to be taken (in a batch already read, or in the peer's "
           "shared ring): try_receive() may then return more though fileno() is not readable.")
       .def(
-          "revoke", [](const py_peer& p) { p.get().revoke(); }, nb::call_guard<nb::gil_scoped_release>(),
+          "revoke",
+          [](const py_peer& p) {
+            const auto peer = p.peer.enter();
+            nb::gil_scoped_release release;
+            peer->revoke();
+          },
           "Stops trusting the other process: the connection closes and the context sends it nothing more; "
           "what it holds stays pinned until it releases it or dies.")
-      .def_prop_ro("peer_pid", [](const py_peer& p) { return p.get().credentials().process.pid; })
-      .def_prop_ro("peer_uid", [](const py_peer& p) { return static_cast<std::uint32_t>(p.get().credentials().uid); })
+      .def_prop_ro("peer_pid", [](const py_peer& p) { return p.peer.enter()->credentials().process.pid; })
+      .def_prop_ro("peer_uid", [](const py_peer& p) { return static_cast<std::uint32_t>(p.peer.enter()->credentials().uid); })
       .def(
           "stats",
           [](const py_peer& p) {
-            const auto s = p.get().stats();
+            const auto s = p.peer.enter()->stats();
             nb::dict d;
             d["open_mappings"] = s.open_mappings;
             d["counter_files"] = s.counter_files;
@@ -364,27 +411,22 @@ void register_sharing(nb::module_& m) {
             return d;
           },
           "This side's view of the other process: open_mappings, counter_files, event_sources, held_storages.")
-      .def("fileno", [](const py_peer& p) { return p.get().native_handle(); },
+      .def("fileno", [](const py_peer& p) { return p.peer.enter()->native_handle(); },
            "The connection's socket, for selectors: readable when a message (or its start) waits; one "
            "readable socket may stand for several messages, or for none left: call try_receive() until None.")
       .def(
-          "close",
-          [](py_peer& p) {
-            std::unique_ptr<ipc::peer> gone = std::move(p.peer);
-            nb::gil_scoped_release release;
-            gone.reset();
-          },
-          "Tears the connection down; received storages stay usable.")
-      .def_prop_ro("closed", [](const py_peer& p) { return p.peer == nullptr; })
+          "close", [](py_peer& p) { p.peer.close(); },
+          "Tears the connection down; received storages stay usable. A receive() waiting in another thread "
+          "ends first (ConnectionClosedError), and a send() in flight finishes.")
+      .def_prop_ro("closed", [](const py_peer& p) { return p.peer.closed(); })
       .def("__enter__", [](nb::handle self) { return self; })
       .def(
-          "__exit__",
-          [](py_peer& p, nb::args) {
-            std::unique_ptr<ipc::peer> gone = std::move(p.peer);
-            nb::gil_scoped_release release;
-            gone.reset();
-          },
-          nb::arg("args"));
+          "__exit__", [](py_peer& p, nb::args) { p.peer.close(); }, nb::arg("args"))
+      .def("__repr__", [](const py_peer& p) -> std::string {
+        if (p.peer.closed()) return "shoal.Peer(closed)";
+        const auto& who = p.peer.enter()->credentials();
+        return "shoal.Peer(pid " + std::to_string(who.process.pid) + ", uid " + std::to_string(who.uid) + ")";
+      });
 }
 
 std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> seconds, const char* who) {

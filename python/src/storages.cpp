@@ -189,7 +189,8 @@ void register_storages(nb::module_& m) {
            "the storage. A readonly view is "
            "exported without materializing a lazy clone (to DLPack 1.x "
            "consumers only).")
-      .def("__repr__", [](const py_storage& s) {
+      .def("__repr__", [](const py_storage& s) -> std::string {
+        if (!s.handle.get().valid()) return "shoal.Storage(released: its memory was handed on, as by publish)";
         return "shoal.Storage(nbytes=" + std::to_string(s.handle.get().size()) +
                ", device=" + s.handle.get().device().name() + (s.handle.get().is_lazy() ? ", lazy" : "") + ")";
       });

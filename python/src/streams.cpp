@@ -203,7 +203,8 @@ void register_streams(nb::module_& m) {
           "query", [](const py_event& e) { return e.event->query(); }, "True when the event is complete.")
       .def(
           "synchronize", [](const py_event& e) { e.event->synchronize(); }, nb::call_guard<nb::gil_scoped_release>(),
-          "Blocks until the event is complete (GIL released).");
+          "Blocks until the event is complete (GIL released).")
+      .def("__repr__", [](const py_event& e) { return "shoal.Event(" + e.device->name() + ")"; });
 
   m.def(
       "current_stream",

@@ -11,12 +11,16 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "bindings.h"
+#include "closable.h"
 #include "shoal/core/error.h"
 #include "shoal/transfer/transfer_engine.h"
 
@@ -35,24 +39,14 @@ namespace {
 
 using transfer::transfer_engine;
 
+// close() waits for the engine's thread, which may need the GIL to let go
+// of sources: closable destroys the engine with the GIL released.
 struct py_transfer_engine {
   std::shared_ptr<allocator_state> allocator;
-  std::unique_ptr<transfer_engine> engine;
-
-  transfer_engine& get() const {
-    if (!engine) throw invalid_argument("TransferEngine: closed");
-    return *engine;
-  }
-  // Waits for the engine's thread, which may need the GIL to let go of
-  // sources: never with the GIL held.
-  void close() {
-    nb::gil_scoped_release release;
-    engine.reset();
-  }
-  ~py_transfer_engine() {
-    if (engine) close();
-  }
+  closable<transfer_engine> engine;
 };
+
+
 
 transfer::transfer_config::stores parse_staging_stores(const std::string& name) {
   using stores = transfer::transfer_config::stores;
@@ -117,7 +111,8 @@ void register_transfer(nb::module_& m) {
             allocator.state->keep(copy_stream);
             new (self) py_transfer_engine{
                 allocator.state,
-                std::make_unique<transfer_engine>(
+                {"TransferEngine", closed_error::invalid_argument,
+                 std::make_unique<transfer_engine>(
                     allocator.state->allocator(), copy_stream->ref(),
                     transfer::transfer_config{
                         .max_batches_in_flight = max_batches_in_flight,
@@ -127,7 +122,7 @@ void register_transfer(nb::module_& m) {
                         .staging_helpers =
                             staging_helpers.value_or(transfer::transfer_config::automatic_staging_helpers),
                         .staging_stores = parse_staging_stores(staging_stores),
-                        .max_coalesced_bytes = max_coalesced_bytes})};
+                        .max_coalesced_bytes = max_coalesced_bytes})}};
           },
           nb::arg("allocator"), nb::arg("max_batches_in_flight") = 32, nb::arg("max_pinned_bytes") = 32u << 20,
           nb::arg("staging_chunk_bytes") = 4u << 20, nb::arg("staging_helpers").none() = nb::none(),
@@ -143,33 +138,60 @@ void register_transfer(nb::module_& m) {
             for (const auto& [address, nbytes, pinned, owner] : buffers) {
               batch.push_back({reinterpret_cast<const void*>(address), nbytes, pinned, hold(owner)});
             }
-            const auto deadline = deadline_of(timeout, "TransferEngine.submit");
-            nb::gil_scoped_release release;
-            return e.get().submit(std::move(batch), deadline.value_or(transfer_engine::forever));
+            const auto until = until_of(timeout, "TransferEngine.submit");
+            const auto engine = e.engine.enter();
+            const auto sequence = wait_in_slices(
+                engine, e.engine, until, [&](std::chrono::milliseconds slice) -> std::optional<std::uint64_t> {
+                  try {
+                    return engine->submit(batch, slice);
+                  } catch (const timeout_error&) {
+                    return std::nullopt;
+                  }
+                });
+            if (!sequence) {
+              const auto s = engine->stats();
+              throw timeout_error("TransferEngine.submit: no room for the batch within " + seconds_text(*timeout) +
+                                  " s: " + std::to_string(s.in_flight) + " batches of " +
+                                  std::to_string(s.bytes_in_flight) +
+                                  " bytes in all are in flight; take batches or raise max_batches_in_flight or "
+                                  "max_bytes_in_flight (nothing was queued)");
+            }
+            return *sequence;
           },
           nb::arg("buffers"), nb::arg("timeout").none() = nb::none(),
           "Queues a batch of (address, nbytes, pinned, owner) host buffers; ``owner`` is kept alive while "
           "the engine reads the memory. Returns the batch's sequence number. Blocks while the batch does "
           "not fit within max_batches_in_flight and max_bytes_in_flight (a larger batch: while any is in "
-          "flight); PeerTimeoutError after ``timeout`` seconds.")
+          "flight); PeerTimeoutError after ``timeout`` seconds. The wait ends on Ctrl-C (KeyboardInterrupt) and "
+          "on close() from another thread (InvalidArgumentError).")
       .def(
           "next",
           [](const py_transfer_engine& e, std::optional<double> timeout) {
-            const auto deadline = deadline_of(timeout, "TransferEngine.next");
-            std::optional<transfer::transferred_batch> batch;
-            {
-              nb::gil_scoped_release release;
-              batch.emplace(e.get().next(deadline.value_or(transfer_engine::forever)));
+            const auto until = until_of(timeout, "TransferEngine.next");
+            const auto engine = e.engine.enter();
+            auto batch = wait_in_slices(
+                engine, e.engine, until,
+                [&](std::chrono::milliseconds slice) -> std::optional<transfer::transferred_batch> {
+                  try {
+                    return engine->next(slice);
+                  } catch (const timeout_error&) {
+                    return std::nullopt;
+                  }
+                });
+            if (!batch) {
+              throw timeout_error("TransferEngine.next: no batch came within " + seconds_text(*timeout) + " s (" +
+                                  std::to_string(engine->stats().in_flight) + " in flight)");
             }
             return py_transferred_batch{std::move(*batch), e.allocator};
           },
           nb::arg("timeout").none() = nb::none(),
           "The next batch in submission order once its copies are enqueued; raises the batch's own error "
-          "when it failed, PeerTimeoutError after ``timeout`` seconds.")
+          "when it failed, PeerTimeoutError after ``timeout`` seconds. The wait ends on Ctrl-C "
+          "(KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).")
       .def(
           "stats",
           [](const py_transfer_engine& e) {
-            const auto s = e.get().stats();
+            const auto s = e.engine.enter()->stats();
             nb::dict d;
             d["batches_submitted"] = s.batches_submitted;
             d["batches_transferred"] = s.batches_transferred;
@@ -192,9 +214,10 @@ void register_transfer(nb::module_& m) {
           "failed ones count), bytes copied and staged, copies (host-to-device copies enqueued: a run of "
           "small pageable buffers packed together is one), batches and their bytes in flight (now and at "
           "the peak), pinned staging memory (now and at the peak).")
-      .def("close", [](py_transfer_engine& e) { e.close(); },
-           "Finishes the batches submitted, waits for their copies and stops the thread. Idempotent.")
-      .def_prop_ro("closed", [](const py_transfer_engine& e) { return e.engine == nullptr; });
+      .def("close", [](py_transfer_engine& e) { e.engine.close(); },
+           "Ends the waits of other threads' submit() and next() (InvalidArgumentError), finishes the batches "
+           "submitted, waits for their copies and stops the thread. Idempotent.")
+      .def_prop_ro("closed", [](const py_transfer_engine& e) { return e.engine.closed(); });
 }
 
 }  // namespace shoal::python

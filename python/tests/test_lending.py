@@ -195,7 +195,7 @@ def test_a_lender_that_is_gone_leaves_regions_valid_and_says_so(address):
     with pytest.raises(shoal.ConnectionClosedError):
         borrower.borrow(MIB, "no lender")
     borrower.close()
-    with pytest.raises(shoal.InvalidArgumentError):
+    with pytest.raises(shoal.ConnectionClosedError, match="Borrower: closed"):
         borrower.borrow(MIB, "closed")
 
 
@@ -248,6 +248,7 @@ def publish_model(borrower, name: str, nbytes: int = 2 * MIB) -> shoal.lending.S
     shared = borrower.publish(region, layout)
     with pytest.raises(shoal.InvalidArgumentError):
         region.nbytes  # emptied: its writable mapping was given up
+    assert repr(region) == "shoal.Storage(released: its memory was handed on, as by publish)"
     return shared
 
 

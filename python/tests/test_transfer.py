@@ -302,31 +302,6 @@ def test_batches_in_flight_are_bounded_in_bytes_as_well_as_in_number():
         assert stats["bytes_in_flight"] == 0
 
 
-def test_ctrl_c_ends_a_get_that_waits_without_a_timeout(tmp_path):
-    import signal
-    import subprocess
-    import sys
-
-    script = tmp_path / "wait.py"
-    script.write_text(
-        "import signal, shoal.transfer\n"
-        # A process started in the background may inherit SIGINT ignored: Python's handler, as in a terminal.
-        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        "with shoal.transfer.Engine() as engine:\n"
-        "    print('waiting', flush=True)\n"
-        "    engine.get()\n"
-    )
-    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout.readline().strip() == "waiting"
-        time.sleep(0.3)
-        child.send_signal(signal.SIGINT)
-        _, err = child.communicate(timeout=10)
-    finally:
-        child.kill()
-    assert "KeyboardInterrupt" in err, err
-
-
 def test_an_engine_prints_what_waits_in_it():
     with shoal.transfer.Engine() as engine:
         assert repr(engine) == "shoal.transfer.Engine(0 batches submitted and not taken)"

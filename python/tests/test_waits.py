@@ -1,0 +1,192 @@
+"""Calls that wait on another thread or process end when the object is closed from another
+thread (with its closed error, never a crash or a hang) and on Ctrl-C (KeyboardInterrupt):
+Peer.receive, Listener.accept, the transfer engine's get and submit, Borrower.revocations."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy
+import pytest
+
+import shoal
+import shoal.lending
+import shoal.transfer
+
+pytestmark = pytest.mark.python
+
+WAIT = 10  # seconds: a close or a signal that is not seen within this has failed
+HOST = shoal.Allocator(shoal.host_device())  # CUDA refuses memory exported by the same process
+
+
+def peer_pair(name: str) -> tuple[shoal.Peer, shoal.Peer]:
+    with shoal.Listener(f"@{name}-{os.getpid()}") as listener:
+        dialed: list = []
+        dialer = threading.Thread(target=lambda: dialed.append(shoal.connect(listener.address)))
+        dialer.start()
+        accepted = listener.accept(timeout=WAIT)
+        dialer.join(WAIT)
+    return shoal.Peer(shoal.SharingContext(HOST), accepted), shoal.Peer(shoal.SharingContext(HOST), dialed[0])
+
+
+def ended_by_close(wait, close) -> BaseException:
+    """Runs wait() in a thread, then close() in another once wait() is waiting; returns what
+    wait() raised. Fails when either call is still running after WAIT seconds."""
+    raised: list = []
+
+    def waiting():
+        try:
+            wait()
+        except BaseException as e:  # noqa: BLE001 (the error is the result)
+            raised.append(e)
+
+    waiter = threading.Thread(target=waiting, daemon=True)
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive() and not raised, f"the call did not wait: {raised}"
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(WAIT)
+    waiter.join(WAIT)
+    assert not closer.is_alive(), "close() did not return"
+    assert not waiter.is_alive(), "the waiting call did not end when its object was closed"
+    assert raised, "the waiting call returned instead of raising"
+    return raised[0]
+
+
+def test_closing_a_peer_ends_a_receive_waiting_in_another_thread():
+    receiver, sender = peer_pair("close-receive")
+    with sender:
+        error = ended_by_close(receiver.receive, receiver.close)
+    assert isinstance(error, shoal.ConnectionClosedError) and "Peer: closed" in str(error)
+    assert receiver.closed
+
+
+def test_closing_a_listener_ends_an_accept_waiting_in_another_thread():
+    listener = shoal.Listener(f"@close-accept-{os.getpid()}")
+    error = ended_by_close(listener.accept, listener.close)
+    assert isinstance(error, shoal.InvalidArgumentError) and "Listener: closed" in str(error)
+
+
+def test_closing_an_engine_ends_a_get_and_a_submit_waiting_in_other_threads():
+    engine = shoal.transfer.Engine(HOST)
+    error = ended_by_close(engine.get, engine.close)
+    assert isinstance(error, shoal.InvalidArgumentError) and "closed" in str(error)
+
+    full = shoal.transfer.Engine(HOST, max_batches_in_flight=1)
+    full.submit([numpy.ones(16, "uint8")])  # not taken: the next submit waits for room
+    error = ended_by_close(lambda: full.submit([numpy.ones(16, "uint8")]), full.close)
+    assert isinstance(error, shoal.InvalidArgumentError) and "closed" in str(error)
+
+
+def test_closing_a_borrower_ends_a_wait_for_revocations_in_another_thread():
+    with tempfile.TemporaryDirectory() as directory:
+        os.chmod(directory, 0o700)
+        address = str(pathlib.Path(directory) / "lender.sock")
+        with shoal.lending.Lender(address, device=shoal.host_device()):
+            borrower = shoal.lending.Borrower(address, allocator=HOST)
+            error = ended_by_close(lambda: borrower.revocations(wait=60.0), borrower.close)
+    assert isinstance(error, shoal.ConnectionClosedError) and "Borrower: closed" in str(error)
+
+
+def test_a_receive_that_times_out_leaves_the_connection_usable():
+    receiver, sender = peer_pair("timeout")
+    with receiver, sender:
+        with pytest.raises(shoal.PeerTimeoutError, match="stays usable"):
+            receiver.receive(timeout=0.05)
+        sender.send_note(b"after the timeout")
+        assert receiver.receive(timeout=WAIT) == (None, b"after the timeout")
+
+
+CHILD_PREFIX = (
+    "import os, signal, sys, threading, numpy, shoal, shoal.lending, shoal.transfer\n"
+    # A process started in the background may inherit SIGINT ignored: Python's handler, as in a terminal.
+    "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    "HOST = shoal.Allocator(shoal.host_device())\n"
+)
+
+WAITS = {
+    "Peer.receive": (
+        "listener = shoal.Listener(f'@ctrl-c-{os.getpid()}')\n"
+        "dialed = []\n"
+        "dialer = threading.Thread(target=lambda: dialed.append(shoal.connect(listener.address)))\n"
+        "dialer.start()\n"
+        "accepted = listener.accept(timeout=10)\n"
+        "dialer.join()\n"
+        "receiver = shoal.Peer(shoal.SharingContext(HOST), accepted)\n"
+        "sender = shoal.Peer(shoal.SharingContext(HOST), dialed[0])\n"
+        "print('waiting', flush=True)\n"
+        "receiver.receive()\n"
+    ),
+    "Listener.accept": (
+        "listener = shoal.Listener(f'@ctrl-c-{os.getpid()}')\nprint('waiting', flush=True)\nlistener.accept()\n"
+    ),
+    "Engine.get": "engine = shoal.transfer.Engine(HOST)\nprint('waiting', flush=True)\nengine.get()\n",
+    "Engine.submit": (
+        "engine = shoal.transfer.Engine(HOST, max_batches_in_flight=1)\n"
+        "engine.submit([numpy.ones(4, 'uint8')])\n"
+        "print('waiting', flush=True)\n"
+        "engine.submit([numpy.ones(4, 'uint8')])\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("call", sorted(WAITS))
+def test_ctrl_c_ends_a_call_that_waits_without_a_timeout(call, tmp_path):
+    script = tmp_path / "wait.py"
+    script.write_text(CHILD_PREFIX + WAITS[call])
+    child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "waiting", child.stderr.read()
+        time.sleep(0.3)
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=WAIT)
+    finally:
+        child.kill()
+    assert "KeyboardInterrupt" in err, err
+
+
+def test_the_objects_that_hold_connections_and_memory_print_what_they_are():
+    allocator = shoal.Allocator(shoal.host_device(), use_environment=False)
+    storage = allocator.allocate(4096)
+    assert repr(allocator) == "shoal.Allocator(host, 1 allocations, 4096 bytes allocated, 2097152 reserved)"
+    assert repr(shoal.Event(shoal.host_device())) == "shoal.Event(host)"
+    context = shoal.SharingContext(allocator)
+    assert repr(context) == "shoal.SharingContext(host, 0 storages sent, 0 blocks held by other processes)"
+    listener = shoal.Listener(f"@repr-{os.getpid()}")
+    assert repr(listener) == f"shoal.Listener(@repr-{os.getpid()})"
+    dialed: list = []
+    dialer = threading.Thread(target=lambda: dialed.append(shoal.connect(listener.address)))
+    dialer.start()
+    accepted = listener.accept(timeout=WAIT)
+    dialer.join(WAIT)
+    listener.close()
+    assert repr(listener) == "shoal.Listener(closed)"
+    assert repr(accepted) == f"shoal.Connection(pid {os.getpid()})"
+    receiver = shoal.Peer(shoal.SharingContext(HOST), accepted)
+    assert repr(accepted) == "shoal.Connection(given to a Peer)"
+    assert repr(receiver) == f"shoal.Peer(pid {os.getpid()}, uid {os.getuid()})"
+    receiver.close()
+    assert repr(receiver) == "shoal.Peer(closed)"
+    shoal.Peer(shoal.SharingContext(HOST), dialed[0]).close()
+    del storage
+    with tempfile.TemporaryDirectory() as directory:
+        os.chmod(directory, 0o700)
+        address = str(pathlib.Path(directory) / "lender.sock")
+        lender = shoal.lending.Lender(address, device=shoal.host_device(), capacity_bytes=1 << 30)
+        assert repr(lender) == f"shoal.lending.Lender({address!r}, 0 regions lent, 0 of {1 << 30} bytes)"
+        with shoal.lending.Borrower(address, allocator=HOST) as borrower:
+            region = borrower.borrow(1 << 20, "printed")
+            assert repr(borrower) == f"shoal.lending.Borrower({address!r}, 0 kept mappings of 0 bytes)"
+            assert repr(lender).startswith(f"shoal.lending.Lender({address!r}, 1 regions lent, ")
+            del region
+        assert repr(borrower) == f"shoal.lending.Borrower({address!r}, closed)"
+        lender.close()
+        assert repr(lender) == f"shoal.lending.Lender({address!r}, closed)"
