@@ -25,6 +25,7 @@ pool_waste classify(const alloc::snapshot& snap, alloc::pool_kind kind) {
           w.rounding += b.size - b.requested;
           break;
         case alloc::block_state::pending_free:
+        case alloc::block_state::invalidated:  // a tombstone: held until its late free, as a pending one
           w.pending += b.size;
           break;
         case alloc::block_state::free:

@@ -135,18 +135,18 @@ def test_a_free_is_held_until_every_stream_the_storage_was_used_on_passes(alloca
 
 
 def test_out_of_memory_observers_are_called_with_a_report():
-    a = shoal.Allocator(use_environment=False, memory_limit_mb=1)
+    a = shoal.Allocator(use_environment=False, memory_limit_mb=2)
     reports = []
     a.add_oom_observer(reports.append)
     with pytest.raises(shoal.OutOfMemoryError):
-        a.allocate(2 << 20)
+        a.allocate(4 << 20)
     assert len(reports) == 1
-    assert reports[0]["requested_bytes"] == 2 << 20
+    assert reports[0]["requested_bytes"] == 4 << 20
     assert a.stats()["num_ooms"] == 1
 
 
 def test_an_observer_that_raises_does_not_replace_the_out_of_memory_error(monkeypatch):
-    a = shoal.Allocator(use_environment=False, memory_limit_mb=1)
+    a = shoal.Allocator(use_environment=False, memory_limit_mb=2)
     unraisable = []  # messages only: the exceptions' frames would hold `a` in a cycle
     monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(str(u.exc_value)))
 
@@ -155,12 +155,12 @@ def test_an_observer_that_raises_does_not_replace_the_out_of_memory_error(monkey
 
     a.add_oom_observer(broken)
     with pytest.raises(shoal.OutOfMemoryError):
-        a.allocate(2 << 20)
+        a.allocate(4 << 20)
     assert unraisable == ["observer failed"]
 
 
 def test_a_removed_oom_observer_is_not_called_and_is_let_go():
-    a = shoal.Allocator(use_environment=False, memory_limit_mb=1)
+    a = shoal.Allocator(use_environment=False, memory_limit_mb=2)
     released = []
 
     class Observer:  # refers to the allocator: a cycle through C++ the collector cannot see
@@ -179,7 +179,7 @@ def test_a_removed_oom_observer_is_not_called_and_is_let_go():
     assert a.remove_oom_observer(observer) is True
     assert a.remove_oom_observer(observer) is False
     with pytest.raises(shoal.OutOfMemoryError):
-        a.allocate(2 << 20)
+        a.allocate(4 << 20)
     assert observer.calls == 0
     del observer
     gc.collect()

@@ -49,7 +49,7 @@ def test_a_real_invalid_argument_is_a_value_error():
 
 
 def test_a_real_out_of_memory_is_a_memory_error_with_the_size_asked():
-    allocator = shoal.Allocator(use_environment=False, memory_limit_mb=1)
+    allocator = shoal.Allocator(use_environment=False, memory_limit_mb=2)
     with pytest.raises(MemoryError) as raised:
         allocator.allocate(4 << 20)
     assert isinstance(raised.value, shoal.OutOfMemoryError)

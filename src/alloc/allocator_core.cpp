@@ -14,9 +14,16 @@ namespace shoal::alloc::detail {
 
 namespace {
 
-// The settings that do not apply to pinned host memory, refused before
-// anything is built.
+// The settings that cannot work, refused before anything is built: a limit
+// below the smallest segment (no allocation could ever succeed), and those
+// that do not apply to pinned host memory.
 allocator_config checked(allocator_config config) {
+  if (config.memory_limit < small_segment) {
+    throw invalid_argument("caching_allocator: the memory limit (" + std::to_string(config.memory_limit) +
+                           " bytes) is below " + std::to_string(small_segment >> 20) +
+                           " MiB, the least memory any allocation reserves: none could succeed; set "
+                           "memory_limit_mb to at least " + std::to_string(small_segment >> 20));
+  }
   if (config.memory == allocator_memory::pinned_host) {
     if (config.expandable_segments) {
       throw invalid_argument("caching_allocator: memory:pinned_host has no growable segments; leave "

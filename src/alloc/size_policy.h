@@ -36,7 +36,7 @@ namespace shoal::alloc::detail {
 
 inline constexpr std::size_t min_block = 512;
 inline constexpr std::size_t small_limit = std::size_t{1} << 20;
-inline constexpr std::size_t small_segment = std::size_t{2} << 20;
+inline constexpr std::size_t small_segment = allocator_config::smallest_reservation;
 inline constexpr std::size_t large_segment = std::size_t{20} << 20;
 inline constexpr std::size_t large_segment_limit = std::size_t{10} << 20;
 inline constexpr std::size_t large_rounding = std::size_t{2} << 20;

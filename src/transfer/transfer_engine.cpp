@@ -22,6 +22,11 @@ const transfer_config& checked(const transfer_config& c) {
     throw invalid_argument("transfer_engine: staging_helpers is " + std::to_string(c.staging_helpers) +
                            "; more than 64 helper threads only contend for memory bandwidth");
   }
+  if (c.max_pinned_bytes < alloc::allocator_config::smallest_reservation) {
+    throw invalid_argument("transfer_engine: max_pinned_bytes (" + std::to_string(c.max_pinned_bytes) +
+                           ") is below " + std::to_string(alloc::allocator_config::smallest_reservation >> 20) +
+                           " MiB, the least pinned memory staging reserves: no array could be staged");
+  }
   if (c.max_pinned_bytes < c.staging_chunk_bytes) {
     throw invalid_argument("transfer_engine: max_pinned_bytes (" + std::to_string(c.max_pinned_bytes) +
                            ") is smaller than one staging chunk (" + std::to_string(c.staging_chunk_bytes) +

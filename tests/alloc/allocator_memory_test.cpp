@@ -97,6 +97,24 @@ TYPED_TEST(allocator_memory, a_memory_limit_fails_cleanly_and_frees_cache_before
   a.deallocate(after, {});
 }
 
+// A limit under the least memory any allocation reserves would fail every
+// allocation: refused when the allocator is made, in MiB and in bytes alike.
+TYPED_TEST(allocator_memory, a_memory_limit_below_the_smallest_segment_is_refused_and_one_at_it_serves) {
+  auto& dev = this->device();
+  try {
+    alloc::caching_allocator refused(dev, alloc::allocator_config::parse("memory_limit_mb:1"));
+    FAIL() << "a 1 MiB limit was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("memory_limit_mb to at least 2"), std::string::npos) << e.what();
+  }
+  alloc::allocator_config bytes;
+  bytes.memory_limit = alloc::allocator_config::smallest_reservation - 1;
+  EXPECT_THROW(alloc::caching_allocator(dev, bytes), invalid_argument);
+  auto& a = this->make("memory_limit_mb:2");
+  a.deallocate(a.allocate(512 * 1024, {}), {});
+  EXPECT_THROW((void)a.allocate(4 * mib, {}), out_of_memory);
+}
+
 // Under every allocator configuration.
 template <class Param>
 using allocator_memory_configured = allocator_test<Param>;

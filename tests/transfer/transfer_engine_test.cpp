@@ -571,6 +571,9 @@ TYPED_TEST(transfer_engine_test, bad_batches_and_settings_are_refused_before_any
   EXPECT_THROW(transfer_engine(a, this->copy_stream(), {.max_batches_in_flight = 0}), invalid_argument);
   EXPECT_THROW(transfer_engine(a, this->copy_stream(), {.max_pinned_bytes = mib, .staging_chunk_bytes = 2 * mib}),
                invalid_argument);
+  // Below the pinned allocator's smallest segment, though a chunk fits: no array could be staged.
+  EXPECT_THROW(transfer_engine(a, this->copy_stream(), {.max_pinned_bytes = mib, .staging_chunk_bytes = 256 * kib}),
+               invalid_argument);
   transfer_engine engine(a, this->copy_stream());
   EXPECT_THROW(engine.submit({}), invalid_argument);
   EXPECT_THROW(engine.submit({host_buffer{nullptr, 16}}), invalid_argument);

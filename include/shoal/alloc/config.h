@@ -55,6 +55,9 @@ enum class allocator_memory : std::uint8_t {
 
 struct allocator_config {
   static constexpr std::size_t no_limit = ~std::size_t{0};
+  /// The least memory any allocation reserves (a small-pool segment, a
+  /// growable chunk): a memory_limit below it is refused (invalid_argument).
+  static constexpr std::size_t smallest_reservation = std::size_t{2} << 20;
 
   /// Blocks of this size or more are never split (PyTorch: max_split_size).
   std::size_t max_split_size = no_limit;
@@ -78,7 +81,8 @@ struct allocator_config {
   /// Costs a wait for the pool's stream and device frees, at growth past
   /// the peak only.
   bool release_idle_before_grow = true;
-  /// Reserved bytes past which allocation fails (no_limit: none). A request
+  /// Reserved bytes past which allocation fails (no_limit: none; at least
+  /// smallest_reservation). A request
   /// that fits under it is served even where its pool's standard segment
   /// (20 MiB for blocks under 10 MiB) would pass it: it then gets a segment
   /// of its own size, rounded to 2 MiB (as when the device refuses one) —

@@ -101,7 +101,8 @@ struct transfer_config {
   /// default), so large batches hold no more device memory in flight than
   /// they did, and batches of 64 MiB and more fewer.
   std::size_t max_bytes_in_flight = std::size_t{64} << 20;
-  /// Bytes of pinned staging memory the engine may hold (>= staging_chunk_bytes):
+  /// Bytes of pinned staging memory the engine may hold (>= staging_chunk_bytes
+  /// and >= 2 MiB, the least the pinned allocator reserves):
   /// the ring pageable buffers are staged through. On the H100 host a 32 MiB
   /// ring staged as fast as one of 256 MiB (16 MiB and 256 MiB buffers alike),
   /// with an eighth of the page-locked memory.
