@@ -235,7 +235,8 @@ class Borrower:
 
     def close(self) -> None:
         """Closes the connection; regions already borrowed stay mapped until their storages
-        are gone."""
+        are gone. A wait for revocations in another thread ends first; calls made after raise
+        ConnectionClosedError."""
         self._native.close()
 
     @property

@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "bindings.h"
+#include "closable.h"
 #include "shoal/backend/devices.h"
 #include "shoal/core/error.h"
 
@@ -153,6 +154,7 @@ void register_allocator(nb::module_& m) {
             a.state->allocator().add_oom_observer([held](const alloc::oom_report& report) {
               nb::gil_scoped_acquire gil;
               if (held->is_none()) return;  // removed
+              const observer_scope observing;  // closing a transfer engine here could join this very thread
               try {
                 (*held)(oom_report_dict(report));
               } catch (nb::python_error& e) {

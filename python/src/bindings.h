@@ -145,8 +145,11 @@ py_storage allocate_storage(const py_allocator& allocator, std::int64_t nbytes, 
 bool record_stream_on_import(const storage::storage& storage, const std::shared_ptr<stream_state>& stream);
 
 /// A timeout in seconds as milliseconds, rounded up; None is no deadline.
-/// invalid_argument (naming `who`) for a negative or non-finite value.
-std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> seconds, const char* who);
+/// invalid_argument (naming `who` and the argument, `what`) for a negative
+/// or non-finite value. Past a century it is a century: a deadline that far
+/// stays within the clock's range.
+std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> seconds, const char* who,
+                                                     const char* what = "timeout");
 
 /// A channel address from its text: a path, or "@name" for an abstract name.
 channel::channel_address address_of(const std::string& text);

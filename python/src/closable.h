@@ -2,16 +2,25 @@
 // transfer engine, a borrower, a lender — while other threads may be using
 // it with the GIL released.
 //
-// Each use holds a closable<T>::use: close() refuses new uses, waits for the
-// uses in flight to end, and only then destroys the object (with the GIL
-// released: destructors here wait on other processes and threads). So no
-// call ever runs on a destroyed object. A use that may block waits in slices
-// (wait_in_slices) and checks closing() between them, so a close() from
-// another thread ends it within one slice; so does a signal (Ctrl-C raises
-// KeyboardInterrupt), which is handled between slices.
+// Each use holds a closable<T>::use. close() refuses new uses; the object is
+// destroyed (with the GIL released: destructors here wait on other
+// processes and threads) once no use is left, by close() or by the last use
+// to end. So no call ever runs on a destroyed object. A use that may block
+// waits in slices (wait_in_slices) and checks closing between them, so a
+// close() from another thread ends it within one slice; so does a signal
+// (Ctrl-C raises KeyboardInterrupt), handled between slices. A use that
+// cannot be sliced (a send to a peer that stopped reading) is ended by the
+// object's cancel step, which close() runs once two slices have passed.
+//
+// close() returns once the object is destroyed — except on a thread that is
+// itself using it (a signal handler or a __del__ run inside a call), where
+// waiting could never end: there it returns at once, and the call's end
+// destroys the object. Inside an out-of-memory observer it is refused: the
+// observer may run on the object's own thread (a transfer engine's), which
+// its destruction joins.
 //
 // Thread-safety: every member may be called from any thread. enter() and
-// close() are called with the GIL held; a use may be released without it.
+// close() are called with the GIL held; a use may end without it.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -21,12 +30,15 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "bindings.h"
 #include "shoal/core/error.h"
@@ -41,16 +53,83 @@ enum class closed_error { invalid_argument, connection_closed };
 /// another thread is seen within it.
 inline constexpr std::chrono::milliseconds wait_slice{100};
 
+namespace detail {
+
+/// The closables this thread holds uses of, innermost last.
+inline thread_local std::vector<const void*> uses_of_this_thread;
+/// Above zero while this thread runs an out-of-memory observer.
+inline thread_local int observer_depth = 0;
+
+/// Whether the interpreter is shutting down: a thread that takes the GIL
+/// back then is ended by an unwind no noexcept frame survives.
+inline bool interpreter_finalizing() noexcept {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+/// The process is exiting (set by an atexit hook, before the interpreter
+/// shuts down): a sliced wait then never takes the GIL back. A thread that
+/// waits for the GIL when the shutdown begins is ended by an unwind that no
+/// noexcept frame (gil_scoped_release's destructor) survives.
+inline std::atomic<bool> exiting{false};
+/// Sliced waits in progress, and those of them parked for the exit.
+inline std::atomic<int> sliced_waits{0};
+inline std::atomic<int> parked_waits{0};
+
+/// Called at exit: stops every sliced wait from taking the GIL back, and
+/// waits (GIL released, at most 2 slices) until each has parked.
+inline void park_sliced_waits() {
+  exiting.store(true);
+  const nanobind::gil_scoped_release unlocked;
+  for (int i = 0; i < 20 && parked_waits.load() < sliced_waits.load(); ++i) {
+    std::this_thread::sleep_for(wait_slice / 10);
+  }
+}
+
+/// Runs `fn` with the GIL released when this thread holds it. With
+/// `sliced`, a wait between two slices: at exit (see `exiting`) it parks
+/// instead of taking the GIL back; the process ends around it.
+template <class Fn>
+void without_gil(Fn&& fn, bool sliced = false) {
+  std::optional<nanobind::gil_scoped_release> unlocked;
+  if (PyGILState_Check() != 0) unlocked.emplace();
+  if (sliced) ++sliced_waits;
+  fn();
+  if (unlocked && sliced && (exiting.load() || interpreter_finalizing())) {
+    ++parked_waits;
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+  }
+  if (sliced) --sliced_waits;
+}
+
+}  // namespace detail
+
+/// Marks the calling thread as running an out-of-memory observer for its
+/// life (close() is refused there).
+struct observer_scope {
+  observer_scope() noexcept { ++detail::observer_depth; }
+  ~observer_scope() { --detail::observer_depth; }
+  observer_scope(const observer_scope&) = delete;
+  observer_scope& operator=(const observer_scope&) = delete;
+};
+
 template <class T>
 class closable {
  public:
   /// One use of the object; the object lives at least as long.
   class use {
    public:
-    explicit use(const closable& owner) : owner_(&owner) {}
+    explicit use(const closable& owner) : owner_(&owner) { detail::uses_of_this_thread.push_back(&owner); }
     use(const use&) = delete;
     use& operator=(const use&) = delete;
-    ~use() { owner_->leave(); }
+    ~use() {
+      auto& held = detail::uses_of_this_thread;
+      held.erase(std::find(held.rbegin(), held.rend(), owner_).base() - 1);
+      owner_->leave();
+    }
     T& operator*() const noexcept { return *owner_->object_; }
     T* operator->() const noexcept { return owner_->object_.get(); }
     /// Whether close() has begun: a use that waits gives up between slices.
@@ -60,45 +139,73 @@ class closable {
     const closable* owner_;
   };
 
-  closable(const char* name, closed_error kind, std::unique_ptr<T> object)
-      : name_(name), kind_(kind), object_(std::move(object)) {}
+  /// `cancel`, when given, ends a use that waits without slices (it runs
+  /// while uses are in flight, so the object is alive; from any thread).
+  closable(const char* name, closed_error kind, std::unique_ptr<T> object, std::function<void(T&)> cancel = {})
+      : name_(name), kind_(kind), cancel_(std::move(cancel)), object_(std::move(object)) {}
   closable(const closable&) = delete;
   closable& operator=(const closable&) = delete;
-  ~closable() { close(); }
+  ~closable() {
+    close();
+    // Still in use only when the interpreter shuts down under a daemon
+    // thread's call (close() does not wait then): the object stays for it.
+    std::lock_guard lock(mutex_);
+    if (uses_ > 0) (void)object_.release();  // NOLINT(bugprone-unused-return-value): left to the exiting process
+  }
 
   /// A use of the object; throws the closed error once close() has begun.
   [[nodiscard]] use enter() const {
-    {
-      std::lock_guard lock(mutex_);
-      if (!closing_.load(std::memory_order_relaxed) && object_ != nullptr) {
-        ++uses_;
-        return use(*this);
-      }
-    }
-    throw_closed();
+    if (!reserve()) throw_closed();
+    return use(*this);
+  }
+  /// A use of the object, or nullopt once close() has begun.
+  [[nodiscard]] std::optional<use> try_enter() const {
+    if (!reserve()) return std::nullopt;
+    return std::optional<use>(std::in_place, *this);
   }
 
-  /// Refuses new uses, waits for those in flight (each ends within a slice
-  /// when it waits on a peer, or within its own timeout when it sends), then
-  /// destroys the object. Idempotent; with the GIL held or not.
+  /// Refuses new uses and returns once the object is destroyed (see the
+  /// file's comment for the two exceptions). Idempotent. A signal that
+  /// arrives while it waits raises (the object is still destroyed, by the
+  /// last use to end).
   void close() {
-    std::unique_ptr<T> gone;
-    {
-      std::optional<nanobind::gil_scoped_release> unlocked;
-      if (PyGILState_Check() != 0) unlocked.emplace();
-      std::unique_lock lock(mutex_);
-      closing_.store(true, std::memory_order_release);
-      uses_done_.wait(lock, [&] { return uses_ == 0; });
-      gone = std::move(object_);
-      lock.unlock();
-      gone.reset();
+    std::unique_lock lock(mutex_);
+    if (destroyed_) return;
+    if (detail::observer_depth > 0) {
+      throw invalid_argument(std::string(name_) +
+                             ".close(): not inside an out-of-memory observer; close it once the allocation "
+                             "has failed");
+    }
+    closing_.store(true, std::memory_order_release);
+    const auto& held = detail::uses_of_this_thread;
+    if (std::find(held.begin(), held.end(), this) != held.end()) return;  // this thread's use destroys it
+    if (uses_ == 0 && object_ != nullptr) {
+      destroy(lock);
+      return;
+    }
+    // The interpreter shuts down (this wrapper is collected then): what is
+    // still in use by a daemon thread goes with the process.
+    if (detail::interpreter_finalizing()) return;
+    // Uses in flight, or another close() destroying it: wait for the end.
+    // The lock is never held while the GIL is taken (the order is GIL, then lock).
+    for (int slices = 1;; ++slices) {
+      bool done = false;
+      detail::without_gil(
+          [&] {
+            done = destroyed_cv_.wait_for(lock, wait_slice, [&] { return destroyed_; });
+            if (!done && slices == 2 && cancel_ && uses_ > 0) {
+              cancel_(*object_);  // two slices have passed: what still waits does not slice
+            }
+            lock.unlock();
+          },
+          true);
+      if (done) return;
+      if (PyGILState_Check() != 0 && PyErr_CheckSignals() != 0) throw nanobind::python_error();
+      lock.lock();
     }
   }
 
-  [[nodiscard]] bool closed() const {
-    std::lock_guard lock(mutex_);
-    return closing_.load(std::memory_order_relaxed);
-  }
+  [[nodiscard]] bool closed() const noexcept { return closing_.load(std::memory_order_acquire); }
 
   [[noreturn]] void throw_closed() const {
     const std::string message = std::string(name_) + ": closed";
@@ -107,24 +214,46 @@ class closable {
   }
 
  private:
-  void leave() const {
+  bool reserve() const {
     std::lock_guard lock(mutex_);
-    if (--uses_ == 0) uses_done_.notify_all();
+    if (closing_.load(std::memory_order_relaxed)) return false;
+    ++uses_;
+    return true;
+  }
+  void leave() const {
+    std::unique_lock lock(mutex_);
+    if (--uses_ == 0 && closing_.load(std::memory_order_relaxed) && object_ != nullptr) destroy(lock);
+  }
+  // Under the lock, with no use left and the object set: destroys it with
+  // the lock and the GIL released, then tells every close() waiting.
+  void destroy(std::unique_lock<std::mutex>& lock) const {
+    std::unique_ptr<T> gone = std::move(object_);
+    lock.unlock();
+    detail::without_gil([&] { gone.reset(); });
+    lock.lock();
+    destroyed_ = true;
+    destroyed_cv_.notify_all();
   }
 
   const char* name_;
   closed_error kind_;
+  std::function<void(T&)> cancel_;
   mutable std::mutex mutex_;
-  mutable std::condition_variable uses_done_;
+  mutable std::condition_variable destroyed_cv_;
   mutable std::size_t uses_ = 0;
+  mutable bool destroyed_ = false;
   std::atomic<bool> closing_{false};
-  std::unique_ptr<T> object_;  // set until close(); read by a use without the lock (close waits for it)
+  // Set until destroyed; a use reads it without the lock (nothing destroys
+  // it while a use is left).
+  mutable std::unique_ptr<T> object_;
 };
 
 /// When a wait of `timeout` seconds (None: no limit) started now ends;
-/// invalid_argument naming `who` for a timeout that is not a finite number >= 0.
-inline std::optional<std::chrono::steady_clock::time_point> until_of(std::optional<double> timeout, const char* who) {
-  const auto limit = deadline_of(timeout, who);
+/// invalid_argument naming `who` and `what` for a timeout that is not a
+/// finite number >= 0.
+inline std::optional<std::chrono::steady_clock::time_point> until_of(std::optional<double> timeout, const char* who,
+                                                                     const char* what = "timeout") {
+  const auto limit = deadline_of(timeout, who, what);
   if (!limit) return std::nullopt;
   return std::chrono::steady_clock::now() + *limit;
 }
@@ -150,10 +279,9 @@ auto wait_in_slices(const typename closable<T>::use& u, const closable<T>& owner
       const auto left = std::chrono::ceil<std::chrono::milliseconds>(*until - std::chrono::steady_clock::now());
       slice = std::clamp(left, std::chrono::milliseconds{0}, wait_slice);
     }
-    {
-      nanobind::gil_scoped_release released;
-      if (auto got = attempt(slice)) return got;
-    }
+    decltype(attempt(slice)) got;
+    detail::without_gil([&] { got = attempt(slice); }, true);
+    if (got) return got;
     if (PyErr_CheckSignals() != 0) throw nanobind::python_error();
     if (u.closing()) owner.throw_closed();
     if (until && std::chrono::steady_clock::now() >= *until) return {};

@@ -378,7 +378,7 @@ void register_lending(nb::module_& m) {
           [](const py_borrower& b, double wait) {
             const auto borrower = b.borrower.enter();
             // In slices, so that Ctrl-C and a close() end a long wait.
-            const auto until = until_of(wait, "Borrower.revocations");
+            const auto until = until_of(wait, "Borrower.revocations", "wait");
             const auto asked = wait_in_slices(
                 borrower, b.borrower, until,
                 [&](std::chrono::milliseconds slice) -> std::optional<std::vector<lending::borrower::revocation>> {

@@ -11,6 +11,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <poll.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <chrono>
@@ -59,14 +60,18 @@ class sharing_state {
  public:
   sharing_state(std::shared_ptr<allocator_state> allocator, const ipc::sharing_options& options)
       : allocator_(std::move(allocator)),
-        context_(std::make_unique<ipc::sharing_context>(allocator_->allocator(), options)) {}
+        context_(std::make_unique<ipc::sharing_context>(allocator_->allocator(), options)),
+        receive_spin_(options.receive_spin) {}
   ~sharing_state() { context_.reset(); }  // before the allocator
   [[nodiscard]] ipc::sharing_context& context() const noexcept { return *context_; }
   [[nodiscard]] const std::shared_ptr<allocator_state>& allocator() const noexcept { return allocator_; }
+  /// How long a receive polls before it sleeps (sharing_options::receive_spin).
+  [[nodiscard]] std::chrono::microseconds receive_spin() const noexcept { return receive_spin_; }
 
  private:
   std::shared_ptr<allocator_state> allocator_;
   std::unique_ptr<ipc::sharing_context> context_;
+  std::chrono::microseconds receive_spin_;
 };
 
 struct py_sharing_context {
@@ -82,16 +87,21 @@ using time_point = std::chrono::steady_clock::time_point;
 
 
 
-// Peer.receive: try_receive, then a poll of the socket, in slices, so that
-// Ctrl-C and a close() from another thread end the wait, and so that a
-// batch that has begun to come stays with the connection across slices
-// (its rest is read by the next call; a timeout never breaks the stream).
+// Peer.receive: try_receive, polled for the context's receive_spin, then a
+// poll of the socket, in slices, so that Ctrl-C and a close() from another
+// thread end the wait, and so that a batch that has begun to come stays
+// with the connection across slices (its rest is read by the next call; a
+// timeout never breaks the stream).
 std::optional<ipc::received> receive_in_slices(const closable<ipc::peer>::use& peer, const closable<ipc::peer>& owner,
-                                               std::optional<time_point> until, backend::stream_ref stream) {
+                                               std::optional<time_point> until, backend::stream_ref stream,
+                                               std::chrono::microseconds spin) {
   return wait_in_slices(peer, owner, until, [&](std::chrono::milliseconds slice) -> std::optional<ipc::received> {
-    const auto slice_end = std::chrono::steady_clock::now() + slice;
+    const auto start = std::chrono::steady_clock::now();
+    const auto slice_end = start + slice;
+    const auto spin_end = start + std::min<std::chrono::steady_clock::duration>(spin, slice);
     for (;;) {
       if (auto r = peer->try_receive(stream)) return r;
+      if (std::chrono::steady_clock::now() < spin_end) continue;
       const auto left = std::chrono::ceil<std::chrono::milliseconds>(slice_end - std::chrono::steady_clock::now());
       if (left.count() <= 0) return std::nullopt;
       // Frames already read wait to be taken (announcements past one call's
@@ -227,8 +237,9 @@ void register_sharing(nb::module_& m) {
       .def(
           "__exit__", [](py_listener& l, nb::args) { l.listener.close(); }, nb::arg("args"))
       .def("__repr__", [](const py_listener& l) -> std::string {
-        if (l.listener.closed()) return "shoal.Listener(closed)";
-        return "shoal.Listener(" + text_of(l.listener.enter()->address()) + ")";
+        const auto listener = l.listener.try_enter();
+        if (!listener) return "shoal.Listener(closed)";
+        return "shoal.Listener(" + text_of((*listener)->address()) + ")";
       });
 
   m.def(
@@ -310,7 +321,10 @@ void register_sharing(nb::module_& m) {
               nb::gil_scoped_release release;
               p = std::make_unique<ipc::peer>(context.state->context(), std::move(c));
             }
-            new (self) py_peer{context.state, {"Peer", closed_error::connection_closed, std::move(p)}};
+            // A send still waiting on a peer that stopped reading when close()
+            // has waited a slice ends with the connection shut down.
+            auto shut_down = [](ipc::peer& peer) { ::shutdown(peer.native_handle(), SHUT_RDWR); };
+            new (self) py_peer{context.state, {"Peer", closed_error::connection_closed, std::move(p), shut_down}};
           },
           nb::arg("context"), nb::arg("connection"))
       .def(
@@ -352,7 +366,8 @@ void register_sharing(nb::module_& m) {
             const auto peer = p.peer.enter();
             auto st = stream_or_current(stream, p.context->allocator()->allocator().device());
             p.context->allocator()->keep(st);
-            std::optional<ipc::received> r = receive_in_slices(peer, p.peer, until, st->ref());
+            std::optional<ipc::received> r =
+                receive_in_slices(peer, p.peer, until, st->ref(), p.context->receive_spin());
             if (!r) {
               throw timeout_error("Peer.receive: no whole message came from pid " +
                                   std::to_string(peer->credentials().process.pid) + " within " +
@@ -423,18 +438,21 @@ void register_sharing(nb::module_& m) {
       .def(
           "__exit__", [](py_peer& p, nb::args) { p.peer.close(); }, nb::arg("args"))
       .def("__repr__", [](const py_peer& p) -> std::string {
-        if (p.peer.closed()) return "shoal.Peer(closed)";
-        const auto& who = p.peer.enter()->credentials();
+        const auto peer = p.peer.try_enter();
+        if (!peer) return "shoal.Peer(closed)";
+        const auto& who = (*peer)->credentials();
         return "shoal.Peer(pid " + std::to_string(who.process.pid) + ", uid " + std::to_string(who.uid) + ")";
       });
 }
 
-std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> seconds, const char* who) {
+std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> seconds, const char* who,
+                                                     const char* what) {
   if (!seconds) return std::nullopt;
   if (!(*seconds >= 0) || !std::isfinite(*seconds)) {
-    throw invalid_argument(std::string(who) + ": timeout must be a finite number of seconds >= 0");
+    throw invalid_argument(std::string(who) + ": " + what + " must be a finite number of seconds >= 0");
   }
-  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(*seconds * 1000.0)));
+  constexpr double century = 100.0 * 365.25 * 24 * 3600;
+  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(std::min(*seconds, century) * 1000.0)));
 }
 
 }  // namespace shoal::python

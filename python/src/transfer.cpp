@@ -111,7 +111,7 @@ void register_transfer(nb::module_& m) {
             allocator.state->keep(copy_stream);
             new (self) py_transfer_engine{
                 allocator.state,
-                {"TransferEngine", closed_error::invalid_argument,
+                {"shoal.transfer.Engine", closed_error::invalid_argument,
                  std::make_unique<transfer_engine>(
                     allocator.state->allocator(), copy_stream->ref(),
                     transfer::transfer_config{

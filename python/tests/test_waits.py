@@ -65,7 +65,8 @@ def test_closing_a_peer_ends_a_receive_waiting_in_another_thread():
     receiver, sender = peer_pair("close-receive")
     with sender:
         error = ended_by_close(receiver.receive, receiver.close)
-    assert isinstance(error, shoal.ConnectionClosedError) and "Peer: closed" in str(error)
+    # "Peer: closed", or the connection's own end when close() had to shut it down (a loaded machine)
+    assert isinstance(error, shoal.ConnectionClosedError) and "closed" in str(error)
     assert receiver.closed
 
 
@@ -94,6 +95,36 @@ def test_closing_a_borrower_ends_a_wait_for_revocations_in_another_thread():
             borrower = shoal.lending.Borrower(address, allocator=HOST)
             error = ended_by_close(lambda: borrower.revocations(wait=60.0), borrower.close)
     assert isinstance(error, shoal.ConnectionClosedError) and "Borrower: closed" in str(error)
+
+
+def test_a_timeout_past_the_clocks_range_waits_like_none():
+    listener = shoal.Listener(f"@far-timeout-{os.getpid()}")
+    error = ended_by_close(lambda: listener.accept(timeout=1e300), listener.close)
+    assert isinstance(error, shoal.InvalidArgumentError)
+    engine = shoal.transfer.Engine(HOST)
+    error = ended_by_close(lambda: engine.get(timeout=1e12), engine.close)
+    assert isinstance(error, shoal.InvalidArgumentError)
+
+
+def test_closing_a_peer_ends_a_send_stuck_on_a_peer_that_does_not_read():
+    context = shoal.SharingContext(HOST, send_timeout_ms=0, ring_bytes=0)  # a send waits for ever
+    with shoal.Listener(f"@stuck-send-{os.getpid()}") as listener:
+        dialed: list = []
+        dialer = threading.Thread(target=lambda: dialed.append(shoal.connect(listener.address)))
+        dialer.start()
+        accepted = listener.accept(timeout=WAIT)
+        dialer.join(WAIT)
+    idle = shoal.Peer(shoal.SharingContext(HOST), accepted)  # never reads
+    sender = shoal.Peer(context, dialed[0])
+    note = b"x" * 60000
+
+    def send_until_stuck():
+        while True:
+            sender.send_note(note)
+
+    error = ended_by_close(send_until_stuck, sender.close)
+    assert isinstance(error, shoal.ConnectionClosedError)
+    idle.close()
 
 
 def test_a_receive_that_times_out_leaves_the_connection_usable():
@@ -136,6 +167,45 @@ WAITS = {
         "engine.submit([numpy.ones(4, 'uint8')])\n"
     ),
 }
+
+
+@pytest.mark.parametrize("call", ["Peer.receive", "Listener.accept"])
+def test_a_signal_handler_that_closes_the_waiting_object_ends_the_wait(call, tmp_path):
+    """close() on the thread whose call holds the object (a SIGTERM handler, a __del__) returns
+    at once; the call then ends with the closed error and the object goes with it."""
+    target = "receiver" if call == "Peer.receive" else "listener"
+    script = tmp_path / "handler.py"
+    body = WAITS[call].splitlines()
+    last = body[-1]  # the waiting call
+    lines = body[:-2] + [
+        f"signal.signal(signal.SIGALRM, lambda *args: {target}.close())",
+        "signal.setitimer(signal.ITIMER_REAL, 0.3)",
+        "try:",
+        f"    {last}",
+        "except shoal.ShoalError as e:",
+        "    print(type(e).__name__, e, flush=True)",
+        f"print('closed', {target}.closed, flush=True)",
+    ]
+    script.write_text(CHILD_PREFIX + "\n".join(lines) + "\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=WAIT)
+    assert done.returncode == 0, done.stderr
+    name = "Peer" if call == "Peer.receive" else "Listener"
+    kind = "ConnectionClosedError" if call == "Peer.receive" else "InvalidArgumentError"
+    assert done.stdout.splitlines() == [f"{kind} {name}: closed", "closed True"], done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("call", ["Peer.receive", "Listener.accept"])
+def test_a_daemon_thread_waiting_at_exit_lets_the_process_end_cleanly(call, tmp_path):
+    body = WAITS[call].splitlines()
+    lines = body[:-2] + [
+        f"threading.Thread(target=lambda: {body[-1]}, daemon=True).start()",
+        "import time; time.sleep(0.3)",
+        "print('exiting', flush=True)",
+    ]
+    script = tmp_path / "daemon.py"
+    script.write_text(CHILD_PREFIX + "\n".join(lines) + "\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=WAIT)
+    assert done.returncode == 0 and done.stdout == "exiting\n", (done.returncode, done.stdout, done.stderr)
 
 
 @pytest.mark.parametrize("call", sorted(WAITS))
