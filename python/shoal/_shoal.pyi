@@ -444,7 +444,7 @@ class Peer:
 
     def receive(self, timeout: float | None = None, stream: Stream | None = None) -> tuple:
         """
-        The next (storage, metadata) from the other process — storage None for a note — ready for work enqueued on `stream` (default: the current stream). Raises PeerTimeoutError after `timeout` seconds (what came of a message is kept for the next call), ConnectionClosedError when the peer has gone or close() was called from another thread, ProtocolError on a malformed message. The wait ends on Ctrl-C (KeyboardInterrupt).
+        The next (storage, metadata) from the other process — storage None for a note — ready for work enqueued on `stream` (default: the current stream). Raises PeerTimeoutError after `timeout` seconds, ConnectionClosedError when the peer has gone or close() was called from another thread, ProtocolError on a malformed message. Without a timeout, Ctrl-C is handled once a message comes: give a timeout, or use try_receive with fileno() in a selector, to stay interruptible.
         """
 
     def try_receive(self, stream: Stream | None = None) -> object:
