@@ -276,7 +276,9 @@ void register_sharing(nb::module_& m) {
   nb::class_<py_peer>(m, "Peer",
                       "One connection to another process, for sharing storages both ways. send() may be called "
                       "from several threads; receive() from one at a time. A context manager; close() tears "
-                      "the connection down (waiting at most the context's teardown timeout).")
+                      "the connection down (waiting at most the context's teardown timeout), once the calls other threads "
+                      "make on it have ended (a receive or a send still waiting after 0.2 s is ended by shutting the "
+                      "connection down).")
       .def(
           "__init__",
           [](py_peer* self, const py_sharing_context& context, py_connection& connection) {
