@@ -230,10 +230,17 @@ std::optional<ring_entry> ring_reader::take(std::size_t max_payload) {
 
 void ring_reader::set_spinning(bool spinning) noexcept { map_.set_receiver_spinning(spinning); }
 
+// Two honest wake-ups can find one tail: this side looks at the tail for
+// wake-up k after the publish that wake-up k+1 is for has stored it, and the
+// sender, seeing wake-up k read just after that look, sends k+1. But k+2
+// follows a publish the sender made after it saw k read, so after this
+// side's look for k: across any two wake-ups the tail moves on.
 void ring_reader::note_wake() {
   const std::uint64_t tail = map_.load_tail();
-  if (tail == tail_at_wake_) throw protocol_error("a ring wake-up with nothing published since the last one");
-  tail_at_wake_ = tail;
+  if (tail <= tail_at_wakes_[0]) {
+    throw protocol_error("three ring wake-ups with nothing published between the first and the last");
+  }
+  tail_at_wakes_ = {tail_at_wakes_[1], tail};
   map_.store_wakes_read(++wakes_read_);
 }
 

@@ -36,6 +36,7 @@
 // thread may call.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -161,9 +162,10 @@ class ring_reader {
   /// with has_entries()/take() after it as publish() is on the other side.
   void set_spinning(bool spinning) noexcept;
   /// Counts a wake-up read off the socket, and tells the sender.
-  /// protocol_error when nothing was published since the last one: an
-  /// honest sender wakes only after a publish, and only once the last
-  /// wake-up was read, so a peer sending wake-ups without end is cut off.
+  /// protocol_error when the tail did not move on since the wake-up before
+  /// the last one: an honest sender wakes only after a publish, and only
+  /// once the last wake-up was read, so a peer sending wake-ups without end
+  /// is cut off after two for one tail.
   void note_wake();
   /// Whether the sender counted a wake-up this side has not read yet (it
   /// may still be on its way): once the ring is empty the receiver reads it
@@ -177,7 +179,7 @@ class ring_reader {
   // seems_to_have_entries() reads it from other threads.
   std::atomic<std::uint64_t> head_{0};
   std::uint64_t wakes_read_ = 0;
-  std::uint64_t tail_at_wake_ = 0;  // the tail when the last wake-up was read
+  std::array<std::uint64_t, 2> tail_at_wakes_{};  // the tail when the last two wake-ups were read, older first
 };
 
 }  // namespace shoal::channel::detail

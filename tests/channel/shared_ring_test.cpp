@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "channel/channel_fixtures.h"
+#include "channel/shared_ring.h"
 #include "shoal/channel/channel.h"
 #include "shoal/core/error.h"
 
@@ -230,6 +231,72 @@ TEST(channel_ring, starting_twice_or_after_post_and_sending_a_reserved_type_are_
   EXPECT_THROW(c.start_ring(4096), invalid_argument);
 }
 
+// The two sides' steps interleaved by hand: the receiver reads wake-up 1
+// late, after the sender's second publish stored the tail but before it
+// looked whether wake-up 1 was read. The sender then sees it read and sends
+// wake-up 2, for the tail the receiver already saw with wake-up 1.
+TEST(channel_ring, a_wake_up_for_a_tail_the_receiver_saw_with_the_last_one_is_accepted) {
+  channel::detail::ring_writer writer(4096);
+  channel::detail::ring_reader reader(unique_fd(::fcntl(writer.fd(), F_DUPFD_CLOEXEC, 0)), writer.capacity());
+  void* header = ::mmap(nullptr, header_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, writer.fd(), 0);
+  ASSERT_NE(header, MAP_FAILED);
+  std::atomic_ref<std::uint64_t> tail(*static_cast<std::uint64_t*>(header));
+  const std::vector<std::byte> one = bytes_of("1");
+  writer.write(1, one, false);
+  ASSERT_TRUE(writer.publish()) << "the receiver neither spins nor took it: wake-up 1 goes";
+  writer.count_wake();
+  writer.write(2, one, false);
+  tail.store(2 * channel::detail::ring_entry_bytes(one.size()));  // the second publish's first step
+  reader.note_wake();                                     // wake-up 1 read, seeing both entries
+  ASSERT_TRUE(writer.publish()) << "wake-up 1 read, entry 2 not taken: wake-up 2 goes";
+  writer.count_wake();
+  EXPECT_NO_THROW(reader.note_wake()) << "an honest sender refused";
+  EXPECT_THROW(reader.note_wake(), protocol_error) << "a third wake-up for the same tail";
+  ::munmap(header, header_bytes);
+}
+
+// try_receive in a loop takes ring entries before their wake-ups are read,
+// which lets two wake-ups find one tail (the test above, by hand).
+TEST(channel_ring, receivers_that_take_entries_before_their_wake_ups_keep_the_connection) {
+  socket_pair pair;
+  connection a = connection::adopt(std::move(pair.a), {});
+  connection b = connection::adopt(std::move(pair.b), {});
+  a.allow_peer_ring();
+  b.allow_peer_ring();
+  a.start_ring(8192);
+  b.start_ring(8192);
+  const auto take = [](connection& c) {
+    for (;;) {
+      if (std::optional<channel::frame> f = c.try_receive()) return std::move(*f);
+    }
+  };
+  constexpr int round_trips = 20000;
+  std::string echo_error;
+  std::thread echo([&] {
+    try {
+      for (int i = 0; i < round_trips; ++i) {
+        channel::frame f = take(b);
+        b.send(f.type, f.payload);
+      }
+    } catch (const std::exception& e) {
+      echo_error = e.what();
+    }
+  });
+  int done = 0;
+  try {
+    for (; done < round_trips; ++done) {
+      a.send(static_cast<std::uint16_t>(done % 1000), bytes_of("x"));
+      if (take(a).type != done % 1000) break;
+    }
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "after " << done << " round trips: " << e.what();
+  }
+  if (done != round_trips) ::shutdown(a.native_handle(), SHUT_RDWR);  // ends the echo's wait
+  echo.join();
+  EXPECT_EQ(done, round_trips);
+  EXPECT_EQ(echo_error, "");
+}
+
 // Announces `fd` as a ring of `capacity` bytes, as the wire layout says.
 void announce_by_hand(int socket, int fd, std::uint64_t capacity) {
   std::vector<std::byte> payload(8);
@@ -356,9 +423,10 @@ TEST(channel_ring_hostile_sender, wake_ups_with_nothing_published_between_them_a
   hand_made_ring ring(4096);
   ring.announce(r.sender());
   ring.put(1, bytes_of("x"));
-  for (int i = 0; i < 2; ++i) write_raw(r.sender(), raw_batch("SHOL", 2, {{wake_type, {}}}));
+  // Two for one tail an honest sender can send (the test above); a third it cannot.
+  for (int i = 0; i < 3; ++i) write_raw(r.sender(), raw_batch("SHOL", 2, {{wake_type, {}}}));
   EXPECT_EQ(text_of(r.b.receive_for(1s).payload), "x");
-  expect_refused(r.b, "nothing published since the last one");
+  expect_refused(r.b, "three ring wake-ups with nothing published");
 }
 
 TEST(channel_ring_hostile_sender, entries_behind_a_marker_whose_frame_never_came_are_not_pending) {
