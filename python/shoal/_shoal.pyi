@@ -429,7 +429,7 @@ class SharingContext:
 
 class Peer:
     """
-    One connection to another process, for sharing storages both ways. send() may be called from several threads; receive() from one at a time. A context manager; close() tears the connection down (waiting at most the context's teardown timeout), once the calls other threads make on it have ended (a receive or a send still waiting after 0.2 s is ended by shutting the connection down).
+    One connection to another process, for sharing storages both ways. send() may be called from several threads; receive() from one at a time. A context manager; close() tears the connection down (waiting at most the context's teardown timeout), once the calls other threads make on it have ended (a receive ends within 0.1 s; a send still waiting after 0.2 s is ended by shutting the connection down).
     """
 
     def __init__(self, context: SharingContext, connection: Connection) -> None: ...
@@ -444,7 +444,7 @@ class Peer:
 
     def receive(self, timeout: float | None = None, stream: Stream | None = None) -> tuple:
         """
-        The next (storage, metadata) from the other process — storage None for a note — ready for work enqueued on `stream` (default: the current stream). Raises PeerTimeoutError after `timeout` seconds, ConnectionClosedError when the peer has gone or close() was called from another thread, ProtocolError on a malformed message. Without a timeout, Ctrl-C is handled once a message comes: give a timeout, or use try_receive with fileno() in a selector, to stay interruptible.
+        The next (storage, metadata) from the other process — storage None for a note — ready for work enqueued on `stream` (default: the current stream). Raises PeerTimeoutError after `timeout` seconds (what came of a message is kept for the next call), ConnectionClosedError when the peer has gone or close() was called from another thread, ProtocolError on a malformed message. The wait ends on Ctrl-C (KeyboardInterrupt).
         """
 
     def try_receive(self, stream: Stream | None = None) -> object:
@@ -480,7 +480,7 @@ class Peer:
 
     def close(self) -> None:
         """
-        Tears the connection down; received storages stay usable. A receive() waiting in another thread ends first (ConnectionClosedError), and a send() in flight finishes.
+        Tears the connection down; received storages stay usable. A receive() waiting in another thread ends first (ConnectionClosedError), and a send() in flight finishes (one stuck on a peer that stopped reading is ended after 0.2 s).
         """
 
     @property

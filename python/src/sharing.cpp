@@ -60,14 +60,18 @@ class sharing_state {
  public:
   sharing_state(std::shared_ptr<allocator_state> allocator, const ipc::sharing_options& options)
       : allocator_(std::move(allocator)),
-        context_(std::make_unique<ipc::sharing_context>(allocator_->allocator(), options)) {}
+        context_(std::make_unique<ipc::sharing_context>(allocator_->allocator(), options)),
+        receive_spin_(options.receive_spin) {}
   ~sharing_state() { context_.reset(); }  // before the allocator
   [[nodiscard]] ipc::sharing_context& context() const noexcept { return *context_; }
   [[nodiscard]] const std::shared_ptr<allocator_state>& allocator() const noexcept { return allocator_; }
+  /// How long a receive polls before it sleeps (sharing_options::receive_spin).
+  [[nodiscard]] std::chrono::microseconds receive_spin() const noexcept { return receive_spin_; }
 
  private:
   std::shared_ptr<allocator_state> allocator_;
   std::unique_ptr<ipc::sharing_context> context_;
+  std::chrono::microseconds receive_spin_;
 };
 
 struct py_sharing_context {
@@ -78,6 +82,35 @@ struct py_peer {
   std::shared_ptr<sharing_state> context;
   closable<ipc::peer> peer;
 };
+
+using time_point = std::chrono::steady_clock::time_point;
+
+
+
+// Peer.receive: try_receive, polled for the context's receive_spin, then a
+// poll of the socket, in slices, so that Ctrl-C and a close() from another
+// thread end the wait, and so that a batch that has begun to come stays
+// with the connection across slices (its rest is read by the next call; a
+// timeout never breaks the stream).
+std::optional<ipc::received> receive_in_slices(const closable<ipc::peer>::use& peer, const closable<ipc::peer>& owner,
+                                               std::optional<time_point> until, backend::stream_ref stream,
+                                               std::chrono::microseconds spin) {
+  return wait_in_slices(peer, owner, until, [&](std::chrono::milliseconds slice) -> std::optional<ipc::received> {
+    const auto start = std::chrono::steady_clock::now();
+    const auto slice_end = start + slice;
+    const auto spin_end = start + std::min<std::chrono::steady_clock::duration>(spin, slice);
+    for (;;) {
+      if (auto r = peer->try_receive(stream)) return r;
+      if (std::chrono::steady_clock::now() < spin_end) continue;
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(slice_end - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return std::nullopt;
+      // Frames already read wait to be taken (announcements past one call's
+      // share, another thread's receive): look again soon, not at the socket.
+      pollfd readable{peer->native_handle(), POLLIN, 0};
+      (void)::poll(&readable, 1, peer->pending() != 0 ? 1 : static_cast<int>(left.count()));
+    }
+  });
+}
 
 // An option's value as a whole number of at least 0 that fits T, or
 // invalid_argument naming the option (not nanobind's bare std::bad_cast).
@@ -277,8 +310,8 @@ void register_sharing(nb::module_& m) {
                       "One connection to another process, for sharing storages both ways. send() may be called "
                       "from several threads; receive() from one at a time. A context manager; close() tears "
                       "the connection down (waiting at most the context's teardown timeout), once the calls other threads "
-                      "make on it have ended (a receive or a send still waiting after 0.2 s is ended by shutting the "
-                      "connection down).")
+                      "make on it have ended (a receive ends within 0.1 s; a send still waiting after 0.2 s is ended "
+                      "by shutting the connection down).")
       .def(
           "__init__",
           [](py_peer* self, const py_sharing_context& context, py_connection& connection) {
@@ -290,8 +323,8 @@ void register_sharing(nb::module_& m) {
               nb::gil_scoped_release release;
               p = std::make_unique<ipc::peer>(context.state->context(), std::move(c));
             }
-            // A send or receive still waiting on the peer when close() has
-            // waited two slices ends with the connection shut down.
+            // A send still waiting on a peer that stopped reading when close()
+            // has waited a slice ends with the connection shut down.
             auto shut_down = [](ipc::peer& peer) { ::shutdown(peer.native_handle(), SHUT_RDWR); };
             new (self) py_peer{context.state, {"Peer", closed_error::connection_closed, std::move(p), shut_down}};
           },
@@ -331,26 +364,25 @@ void register_sharing(nb::module_& m) {
       .def(
           "receive",
           [](const py_peer& p, std::optional<double> timeout, const py_stream* stream) {
-            // Not in slices: a receive_for that ends in the middle of a batch
-            // breaks the connection. A close() from another thread ends it by
-            // shutting the connection down (the cancel step).
-            const auto limit = deadline_of(timeout, "Peer.receive");
+            const auto until = until_of(timeout, "Peer.receive");
             const auto peer = p.peer.enter();
             auto st = stream_or_current(stream, p.context->allocator()->allocator().device());
             p.context->allocator()->keep(st);
-            ipc::received r;
-            {
-              nb::gil_scoped_release release;
-              r = limit ? peer->receive_for(*limit, st->ref()) : peer->receive(st->ref());
+            std::optional<ipc::received> r =
+                receive_in_slices(peer, p.peer, until, st->ref(), p.context->receive_spin());
+            if (!r) {
+              throw timeout_error("Peer.receive: no whole message came from pid " +
+                                  std::to_string(peer->credentials().process.pid) + " within " +
+                                  seconds_text(*timeout) + " s; the connection stays usable");
             }
-            return received_tuple(p, std::move(r));
+            return received_tuple(p, std::move(*r));
           },
           nb::arg("timeout").none() = nb::none(), nb::arg("stream").none() = nb::none(),
           "The next (storage, metadata) from the other process — storage None for a note — ready for work "
           "enqueued on `stream` (default: the current stream). Raises PeerTimeoutError after `timeout` "
-          "seconds, ConnectionClosedError when the peer has gone or close() was called from another thread, "
-          "ProtocolError on a malformed message. Without a timeout, Ctrl-C is handled once a message comes: "
-          "give a timeout, or use try_receive with fileno() in a selector, to stay interruptible.")
+          "seconds (what came of a message is kept for the next call), ConnectionClosedError when the peer "
+          "has gone or close() was called from another thread, ProtocolError on a malformed message. The "
+          "wait ends on Ctrl-C (KeyboardInterrupt).")
       .def(
           "try_receive",
           [](const py_peer& p, const py_stream* stream) -> nb::object {
@@ -402,7 +434,8 @@ void register_sharing(nb::module_& m) {
       .def(
           "close", [](py_peer& p) { p.peer.close(); },
           "Tears the connection down; received storages stay usable. A receive() waiting in another thread "
-          "ends first (ConnectionClosedError), and a send() in flight finishes.")
+          "ends first (ConnectionClosedError), and a send() in flight finishes (one stuck on a peer that "
+          "stopped reading is ended after 0.2 s).")
       .def_prop_ro("closed", [](const py_peer& p) { return p.peer.closed(); })
       .def("__enter__", [](nb::handle self) { return self; })
       .def(

@@ -153,6 +153,15 @@ def test_closing_a_peer_ends_a_send_stuck_on_a_peer_that_does_not_read():
     idle.close()
 
 
+def test_a_receive_that_times_out_leaves_the_connection_usable():
+    receiver, sender = peer_pair("timeout")
+    with receiver, sender:
+        with pytest.raises(shoal.PeerTimeoutError, match="stays usable"):
+            receiver.receive(timeout=0.05)
+        sender.send_note(b"after the timeout")
+        assert receiver.receive(timeout=WAIT) == (None, b"after the timeout")
+
+
 CHILD_PREFIX = (
     "import os, signal, sys, threading, numpy, shoal, shoal.lending, shoal.transfer\n"
     # A process started in the background may inherit SIGINT ignored: Python's handler, as in a terminal.
@@ -161,7 +170,7 @@ CHILD_PREFIX = (
 )
 
 WAITS = {
-    "Peer.receive": (  # not interruptible without a timeout; in the daemon test only
+    "Peer.receive": (
         "listener = shoal.Listener(f'@ctrl-c-{os.getpid()}')\n"
         "dialed = []\n"
         "dialer = threading.Thread(target=lambda: dialed.append(shoal.connect(listener.address)))\n"
@@ -186,7 +195,7 @@ WAITS = {
 }
 
 
-@pytest.mark.parametrize("call", ["Listener.accept"])
+@pytest.mark.parametrize("call", ["Peer.receive", "Listener.accept"])
 def test_a_signal_handler_that_closes_the_waiting_object_ends_the_wait(call, tmp_path):
     """close() on the thread whose call holds the object (a SIGTERM handler, a __del__) returns
     at once; the call then ends with the closed error and the object goes with it."""
@@ -232,7 +241,7 @@ def test_a_daemon_thread_waiting_at_exit_lets_the_process_end_cleanly(call, tmp_
         assert done.returncode == 0 and done.stdout == "exiting\n", (done.returncode, done.stdout, done.stderr)
 
 
-@pytest.mark.parametrize("call", sorted(set(WAITS) - {"Peer.receive"}))
+@pytest.mark.parametrize("call", sorted(WAITS))
 def test_ctrl_c_ends_a_call_that_waits_without_a_timeout(call, tmp_path):
     script = tmp_path / "wait.py"
     script.write_text(CHILD_PREFIX + WAITS[call])
