@@ -1,7 +1,11 @@
 #include "shoal/lending/borrower.h"
 
+#include <poll.h>
+
 #include <algorithm>
 #include <chrono>
+#include <climits>
+#include <cstdint>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -35,6 +39,19 @@ std::chrono::milliseconds left_until(clock_type::time_point deadline) {
 }
 
 using shoal::detail::deadline_after;
+
+// The next frame that comes by `deadline`, or nullopt; a batch that came in
+// part by then is kept for the next call (revocations() is called with short
+// waits, in a loop: one that ends mid-batch must not break the link).
+std::optional<channel::frame> receive_keeping_part(channel::connection& conn, clock_type::time_point deadline) {
+  for (;;) {
+    if (std::optional<channel::frame> f = conn.try_receive()) return f;
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - clock_type::now());
+    if (left.count() <= 0) return std::nullopt;
+    pollfd readable{conn.native_handle(), POLLIN, 0};
+    (void)::poll(&readable, 1, static_cast<int>(std::min<std::int64_t>(left.count(), INT_MAX)));
+  }
+}
 
 }  // namespace
 
@@ -471,16 +488,12 @@ std::vector<borrower::revocation> borrower::revocations(std::chrono::millisecond
   std::lock_guard lock(l.mutex);
   l.usable("revocations");
   for (bool first = l.stashed.empty();; first = false) {
-    channel::frame f;
-    try {
-      // The first frame may be waited for; after it, only what is there already.
-      f = l.conn.receive_for(first ? left_until(deadline) : std::chrono::milliseconds(0));
-    } catch (const timeout_error&) {
-      break;  // nothing more has come: the link is still in step
-    }
-    if (!l.unasked(f, "revocations")) {
+    // The first frame may be waited for; after it, only what is there already.
+    std::optional<channel::frame> f = first ? receive_keeping_part(l.conn, deadline) : l.conn.try_receive();
+    if (!f) break;
+    if (!l.unasked(*f, "revocations")) {
       l.out_of_step = true;
-      throw protocol_error("borrower::revocations: the lender sent frame type " + std::to_string(f.type) +
+      throw protocol_error("borrower::revocations: the lender sent frame type " + std::to_string(f->type) +
                            " unasked; only revoke and forget may come so");
     }
   }

@@ -11,12 +11,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <mutex>
 #include <random>
 #include <string>
 #include <thread>
 
+#include "channel/channel_fixtures.h"
 #include "lending/lendable_memory.h"
 #include "lending/messages.h"
 #include "shoal/alloc/caching_allocator.h"
@@ -684,6 +686,37 @@ TYPED_TEST(lending_test, a_lender_flooding_revokes_is_a_protocol_error_and_nothi
     EXPECT_THROW((void)b.borrow(4096, "after"), connection_closed);
   }
   twice.join();
+}
+
+TYPED_TEST(lending_test, a_wait_for_revocations_that_ends_mid_message_keeps_the_link) {
+  if (this->in_process_only()) return;
+  auto& dev = this->device();
+  const auto address = channel::channel_address::at_path(this->dir_ / "halves.sock");
+  channel::listener listener(address, {});
+  std::atomic<int> step{0};  // 1: the first half is out; 2: the borrower waited and gave up
+  std::jthread lender = hostile_lender(dev, listener, [&step](channel::connection& link) {
+    const std::vector<std::byte> revoke = raw_batch(
+        "SHOL", 2,
+        {{static_cast<std::uint16_t>(lending::detail::message_type::revoke),
+          lending::detail::encode(lending::detail::revoke_message{5, 1000})}});
+    const std::size_t half = revoke.size() / 2;
+    write_raw(link.native_handle(), {revoke.begin(), revoke.begin() + static_cast<std::ptrdiff_t>(half)});
+    step = 1;
+    while (step.load() != 2) std::this_thread::sleep_for(1ms);
+    write_raw(link.native_handle(), {revoke.begin() + static_cast<std::ptrdiff_t>(half), revoke.end()});
+  });
+  {
+    borrower b(dev, address);
+    auto held = b.borrow(4096, "revoked in two halves");
+    while (step.load() != 1) std::this_thread::sleep_for(1ms);
+    std::this_thread::sleep_for(20ms);  // the first half is in the borrower's socket
+    EXPECT_TRUE(b.revocations(50ms).empty());
+    step = 2;
+    const auto asked = b.revocations(2000ms);
+    ASSERT_EQ(asked.size(), 1u) << "the half that came first was lost";
+    EXPECT_EQ(asked[0].region, 5u);
+  }
+  lender.join();
 }
 
 TYPED_TEST(lending_test, a_revoke_crossing_its_give_back_is_answered_by_it) {

@@ -195,7 +195,8 @@ class borrower {
   };
   /// The lender's requests to give regions back that arrived so far (waiting
   /// up to `wait` for a first one when none has): answer each with
-  /// give_back before its deadline. Requests that came while another call
+  /// give_back before its deadline. A wait that ends while a message has
+  /// come only in part keeps that part for the next call. Requests that came while another call
   /// waited for its answer are kept for this one: at most one per region
   /// this borrower holds, so a lender flooding revokes cannot grow what is
   /// kept. A revoke for a region this borrower does not hold (or whose give
