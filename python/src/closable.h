@@ -102,6 +102,10 @@ void without_gil(Fn&& fn, bool sliced = false) {
     ++parked_waits;
     for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
   }
+  // Counted until the GIL is back: an exit that begins after the check above
+  // waits for this thread to take it, or the thread would wait for the GIL
+  // while the interpreter finalizes, and be ended there mid-call.
+  unlocked.reset();
   if (sliced) --sliced_waits;
 }
 
