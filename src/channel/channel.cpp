@@ -809,11 +809,20 @@ frame connection::receive_until(std::optional<std::chrono::steady_clock::time_po
   const receive_side r{s.ring_allowed.load(std::memory_order_relaxed), s.unread, s.in_ring, s.in_ring_view,
                        s.socket_frames, s.marker_taken, s.max_payload};
   const auto spin = std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed));
+  int reads_past_deadline = 0;
   const auto read_one = [&](std::chrono::nanoseconds socket_spin) {
-    // A read takes whatever has come, even past the deadline: a peer that
-    // keeps sending wake-ups must not keep a receive past its own.
-    if (until && !s.partial.started() && std::chrono::steady_clock::now() >= *until) {
-      throw timeout_error("the deadline passed while the peer sent no frame");
+    // Past the deadline (a zero timeout, or one the ring's spin used up) a
+    // read takes only what has come whole, keeping a batch that came in part
+    // for the next call, and only so many batches: a peer that keeps sending
+    // wake-ups must not keep a receive past its own.
+    if (until && std::chrono::steady_clock::now() >= *until) {
+      std::optional<std::vector<frame>> batch;
+      if (reads_past_deadline++ < max_batches_per_try) {
+        batch = detail::read_batch_if_ready(s.socket.get(), s.max_payload, s.partial);
+      }
+      if (!batch) throw timeout_error("the deadline passed while the peer sent no whole batch");
+      route(r, std::move(*batch));
+      return true;
     }
     route(r, detail::read_batch(s.socket.get(), s.max_payload, socket_spin, until, s.partial));
     return true;

@@ -1,7 +1,8 @@
 // Deadlines: a receive gives up when nothing comes, and when a peer sends
 // part of a batch and stalls; a send gives up when the peer stops reading.
-// A timeout before any byte moved leaves the connection usable; one in the
-// middle of a batch breaks it.
+// A timeout before any byte moved leaves the connection usable, and so does
+// a zero timeout (it takes what has come); one that passes while a receive
+// waits in the middle of a batch breaks it.
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 
@@ -37,6 +38,20 @@ TEST(channel_deadline, receive_for_with_nothing_sent_times_out_and_the_connectio
   const channel::frame f = c.receive_for(10s);
   EXPECT_EQ(f.type, 7);
   EXPECT_EQ(text_of(f.payload), "late");
+}
+
+TEST(channel_deadline, receive_for_zero_takes_what_has_come_and_keeps_a_batch_that_came_in_part) {
+  socket_pair pair;
+  connection c = connection::adopt(std::move(pair.a), {});
+  write_raw(pair.b.get(), raw_batch("SHOL", 2, {{7, bytes_of("there")}}));
+  EXPECT_EQ(text_of(c.receive_for(0ms).payload), "there") << "a frame that had come was not read";
+
+  const std::vector<std::byte> batch = raw_batch("SHOL", 2, {{8, bytes_of("halves")}}, 512);
+  write_raw(pair.b.get(), {batch.begin(), batch.begin() + 100});
+  EXPECT_THROW((void)c.receive_for(0ms), timeout_error);
+  EXPECT_FALSE(c.broken()) << "a zero timeout broke a batch still coming";
+  write_raw(pair.b.get(), {batch.begin() + 100, batch.end()});
+  EXPECT_EQ(text_of(c.receive_for(0ms).payload), "halves");
 }
 
 TEST(channel_deadline, a_peer_that_sends_part_of_a_batch_and_stalls_makes_receive_for_time_out_and_breaks_it) {

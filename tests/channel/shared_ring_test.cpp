@@ -297,6 +297,25 @@ TEST(channel_ring, receivers_that_take_entries_before_their_wake_ups_keep_the_co
   EXPECT_EQ(echo_error, "");
 }
 
+TEST(channel_ring, receive_for_zero_takes_a_frame_whose_marker_is_in_the_ring) {
+  auto [a, b] = ring_pair();
+  const unique_fd sent(::memfd_create("carried", MFD_CLOEXEC));
+  a.send(3, bytes_of("with a descriptor"), sent.get());  // a marker in the ring, the frame on the socket
+  ASSERT_TRUE(readable_within(b.native_handle(), 1000ms));
+  channel::frame f = b.receive_for(0ms);
+  EXPECT_EQ(text_of(f.payload), "with a descriptor");
+  EXPECT_TRUE(f.fd.valid());
+}
+
+TEST(channel_ring, a_spin_longer_than_the_deadline_still_reports_a_peer_that_hung_up) {
+  auto [a, b] = ring_pair();
+  a.send(1, bytes_of("first"));
+  EXPECT_EQ(text_of(b.receive_for(1s).payload), "first");
+  { connection gone = std::move(a); }
+  b.set_receive_spin(50ms);
+  EXPECT_THROW((void)b.receive_for(10ms), connection_closed) << "the spin used up the deadline, and the end went unread";
+}
+
 // Announces `fd` as a ring of `capacity` bytes, as the wire layout says.
 void announce_by_hand(int socket, int fd, std::uint64_t capacity) {
   std::vector<std::byte> payload(8);

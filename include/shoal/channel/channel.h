@@ -293,11 +293,13 @@ class connection {
   /// refused frame is closed.
   [[nodiscard]] frame receive();
   /// receive(), but gives up after `timeout` (zero: only what has already
-  /// arrived): timeout_error. When no byte of the next batch had come, the
-  /// connection stays usable and the next receive picks the batch up; when
-  /// part of one had (a peer that stalls mid-batch), the stream is out of
-  /// step and the connection is broken. Waiting for another thread's receive
-  /// counts against the timeout.
+  /// arrived): timeout_error. The connection stays usable when no byte of
+  /// the next batch had come, and when the deadline had passed before the
+  /// call read any (a zero timeout): what came of a batch then is kept, and
+  /// the next receive picks it up. When the deadline passes while the call
+  /// waits for the rest of a batch (a peer that stalls mid-batch), the stream
+  /// is out of step and the connection is broken. Waiting for another
+  /// thread's receive counts against the timeout.
   [[nodiscard]] frame receive_for(std::chrono::milliseconds timeout);
 
   /// receive() without waiting, for a reader that polls many connections:
