@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "bindings.h"
+#include "gil.h"
 #include "closable.h"
 #include "shoal/backend/devices.h"
 #include "shoal/core/error.h"
@@ -134,7 +135,7 @@ void register_allocator(nb::module_& m) {
           "The trace ring, oldest first (empty unless trace_entries > 0).")
       .def(
           "empty_cache", [](const py_allocator& a) { a.state->allocator().empty_cache(); },
-          nb::call_guard<nb::gil_scoped_release>(),
+          nb::call_guard<released_gil>(),
           "Waits for pending frees, then returns every cached segment to the "
           "device (GIL released).")
       .def(
@@ -146,12 +147,13 @@ void register_allocator(nb::module_& m) {
             // Dropped with the allocator, possibly on a thread without the
             // GIL (a DLPack consumer's deleter): take it for the decref.
             std::shared_ptr<nb::object> held(new nb::object(std::move(observer)), [](nb::object* o) {
-              if (!Py_IsInitialized()) return;  // the interpreter is gone: nothing left to release
+              if (!detail::may_take_gil()) return;  // the interpreter is (going) away: nothing left to release
               nb::gil_scoped_acquire gil;
               delete o;
             });
             a.state->oom_observers.push_back(held);
             a.state->allocator().add_oom_observer([held](const alloc::oom_report& report) {
+              if (!detail::may_take_gil()) return;  // an allocation failing while the interpreter finalizes
               nb::gil_scoped_acquire gil;
               if (held->is_none()) return;  // removed
               const observer_scope observing;  // closing a transfer engine here could join this very thread

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "gil.h"
 #include "shoal/core/error.h"
 
 namespace shoal::python {
@@ -60,53 +61,13 @@ inline thread_local std::vector<const void*> uses_of_this_thread;
 /// Above zero while this thread runs an out-of-memory observer.
 inline thread_local int observer_depth = 0;
 
-/// Whether the interpreter is shutting down: a thread that takes the GIL
-/// back then is ended by an unwind no noexcept frame survives.
-inline bool interpreter_finalizing() noexcept {
-#if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsFinalizing() != 0;
-#else
-  return _Py_IsFinalizing() != 0;
-#endif
-}
-
-/// The process is exiting (set by an atexit hook, before the interpreter
-/// shuts down): a sliced wait then never takes the GIL back. A thread that
-/// waits for the GIL when the shutdown begins is ended by an unwind that no
-/// noexcept frame (gil_scoped_release's destructor) survives.
-inline std::atomic<bool> exiting{false};
-/// Sliced waits in progress, and those of them parked for the exit.
-inline std::atomic<int> sliced_waits{0};
-inline std::atomic<int> parked_waits{0};
-
-/// Called at exit: stops every sliced wait from taking the GIL back, and
-/// waits (GIL released, at most 2 slices) until each has parked.
-inline void park_sliced_waits() {
-  exiting.store(true);
-  const nanobind::gil_scoped_release unlocked;
-  for (int i = 0; i < 20 && parked_waits.load() < sliced_waits.load(); ++i) {
-    std::this_thread::sleep_for(wait_slice / 10);
-  }
-}
-
-/// Runs `fn` with the GIL released when this thread holds it. With
-/// `sliced`, a wait between two slices: at exit (see `exiting`) it parks
-/// instead of taking the GIL back; the process ends around it.
+/// Runs `fn` with the GIL released when this thread holds it (taken back
+/// as gil.h says, so a daemon thread here at exit sleeps, not aborts).
 template <class Fn>
-void without_gil(Fn&& fn, bool sliced = false) {
-  std::optional<nanobind::gil_scoped_release> unlocked;
+void without_gil(Fn&& fn) {
+  std::optional<released_gil> unlocked;
   if (PyGILState_Check() != 0) unlocked.emplace();
-  if (sliced) ++sliced_waits;
   fn();
-  if (unlocked && sliced && (exiting.load() || interpreter_finalizing())) {
-    ++parked_waits;
-    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
-  }
-  // Counted until the GIL is back: an exit that begins after the check above
-  // waits for this thread to take it, or the thread would wait for the GIL
-  // while the interpreter finalizes, and be ended there mid-call.
-  unlocked.reset();
-  if (sliced) --sliced_waits;
 }
 
 }  // namespace detail
@@ -201,8 +162,7 @@ class closable {
               cancel_(*object_);  // two slices have passed: what still waits does not slice
             }
             lock.unlock();
-          },
-          true);
+          });
       if (done) return;
       if (PyGILState_Check() != 0 && PyErr_CheckSignals() != 0) throw nanobind::python_error();
       lock.lock();
@@ -284,7 +244,7 @@ auto wait_in_slices(const typename closable<T>::use& u, const closable<T>& owner
       slice = std::clamp(left, std::chrono::milliseconds{0}, wait_slice);
     }
     decltype(attempt(slice)) got;
-    detail::without_gil([&] { got = attempt(slice); }, true);
+    detail::without_gil([&] { got = attempt(slice); });
     if (got) return got;
     if (PyErr_CheckSignals() != 0) throw nanobind::python_error();
     if (u.closing()) owner.throw_closed();

@@ -22,6 +22,7 @@
 #include <string_view>
 
 #include "bindings.h"
+#include "gil.h"
 #include "dlpack_abi.h"
 #include "shoal/core/error.h"
 
@@ -197,7 +198,7 @@ nb::object export_view(const py_array_view& view, nb::handle stream, nb::handle 
   auto context = std::make_unique<export_context>(export_context{view.handle, view.shape, view.strides, nullptr});
   void* data = nullptr;
   {
-    nb::gil_scoped_release release;
+    released_gil release;
     if (view.readonly) {
       data = const_cast<void*>(st.data());
     } else {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "gil.h"
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 #include "shoal/transfer/group_planner.h"
@@ -70,13 +71,13 @@ void register_grouped_load(nb::module_& m) {
           "synchronize_group",
           [](const py_grouped_load& l, std::size_t k) {
             const auto event = l.load.group_ready(k);
-            nb::gil_scoped_release release;
+            released_gil release;
             l.copy_stream->device().synchronize_event(event);
           },
           nb::arg("group"), "Blocks until groups 0..group have been copied (GIL released).")
       .def(
           "synchronize", [](const py_grouped_load& l) { l.load.synchronize(); },
-          nb::call_guard<nb::gil_scoped_release>(), "Blocks until every group has been copied (GIL released).");
+          nb::call_guard<released_gil>(), "Blocks until every group has been copied (GIL released).");
 
   m.def(
       "_load_groups",
@@ -93,7 +94,7 @@ void register_grouped_load(nb::module_& m) {
           native.push_back(std::move(g));
         }
         auto& device = stream.state->device();
-        nb::gil_scoped_release release;
+        released_gil release;
         return py_grouped_load{transfer::load_groups(device, stream.state->ref(), std::move(native)), stream.state};
       },
       nb::arg("groups"), nb::arg("stream"),
@@ -107,7 +108,7 @@ void register_grouped_load(nb::module_& m) {
         const auto cost = transfer::measure_copy_cost(stream.state->device(), stream.state->ref());
         return std::make_pair(cost.per_group_seconds, cost.bytes_per_second);
       },
-      nb::arg("stream"), nb::call_guard<nb::gil_scoped_release>(),
+      nb::arg("stream"), nb::call_guard<released_gil>(),
       "(per_group_seconds, bytes_per_second) measured on the stream's device.");
   m.def(
       "_plan_groups",

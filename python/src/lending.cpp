@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "gil.h"
 #include "closable.h"
 #include "shoal/backend/devices.h"
 #include "shoal/core/error.h"
@@ -264,7 +265,7 @@ void register_lending(nb::module_& m) {
         const auto& st = storage.handle.get();
         lending::content_hash hash;
         {
-          nb::gil_scoped_release release;
+          released_gil release;
           hash = lending::hash_entries(st.device(), st.data(), st.size(), layout);
         }
         return bytes_of(hash);
@@ -287,7 +288,7 @@ void register_lending(nb::module_& m) {
             options.kept_mapping_bytes = kept_mapping_bytes;
             std::unique_ptr<lending::borrower> b;
             {
-              nb::gil_scoped_release release;
+              released_gil release;
               b = std::make_unique<lending::borrower>(d, a, policy, t, options);
             }
             new (self) py_borrower{{"Borrower", closed_error::connection_closed, std::move(b)}};
@@ -311,7 +312,7 @@ void register_lending(nb::module_& m) {
             const auto borrower = b.borrower.enter();
             std::optional<lending::borrowed_region> region;
             {
-              nb::gil_scoped_release release;
+              released_gil release;
               region.emplace(borrower->borrow(nbytes, purpose, lending::region_mode::exclusive, t));
             }
             return storage_of(allocator, std::move(*region));
@@ -342,7 +343,7 @@ void register_lending(nb::module_& m) {
             if (hash) given = hash_of(*hash);
             std::optional<lending::borrowed_region> shared;
             {
-              nb::gil_scoped_release release;
+              released_gil release;
               // Keeps the owner while the storage goes: its release waits for
               // the streams that used the region, so the hash reads what they
               // wrote; then the region is taken out (and given back if
@@ -366,7 +367,7 @@ void register_lending(nb::module_& m) {
             if (expected) want = hash_of(*expected);
             std::optional<lending::borrowed_region> region;
             {
-              nb::gil_scoped_release release;
+              released_gil release;
               region.emplace(borrower->borrow_shared(name, want, writer_uid, t));
             }
             return storage_of(allocator, std::move(*region));
@@ -400,7 +401,7 @@ void register_lending(nb::module_& m) {
           [](const py_borrower& b, double timeout) {
             const auto t = timeout_of(timeout, "Borrower.metrics");
             const auto borrower = b.borrower.enter();
-            nb::gil_scoped_release release;
+            released_gil release;
             return borrower->metrics(t);
           },
           nb::arg("timeout") = 5.0, "The lender's status in the Prometheus text format.")

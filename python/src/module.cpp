@@ -1,6 +1,5 @@
 // The extension module shoal._shoal; python/shoal/__init__.py re-exports it.
 #include "bindings.h"
-#include "closable.h"
 
 NB_MODULE(_shoal, m) {
   m.doc() =
@@ -18,8 +17,4 @@ NB_MODULE(_shoal, m) {
   shoal::python::register_grouped_load(m);
   shoal::python::register_lending(m);
   shoal::python::register_segment_sources(m);
-  // Daemon threads waiting in shoal when the process exits park before the
-  // interpreter shuts down, rather than being ended mid-call (closable.h).
-  m.def("_park_waits_at_exit", &shoal::python::detail::park_sliced_waits);
-  nanobind::module_::import_("atexit").attr("register")(m.attr("_park_waits_at_exit"));
 }

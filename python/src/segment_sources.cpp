@@ -28,6 +28,7 @@
 #include <utility>
 
 #include "bindings.h"
+#include "gil.h"
 #include "shoal/core/error.h"
 
 namespace shoal::python {
@@ -236,7 +237,7 @@ void register_segment_sources(nb::module_& m) {
       done = unbind_if_done(s);
     }
     // Drained outside the lock (waits for streams) and without the GIL.
-    nb::gil_scoped_release unlocked;
+    released_gil unlocked;
     done.reset();
   };
   m.def(

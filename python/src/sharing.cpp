@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "gil.h"
 #include "closable.h"
 #include "shoal/channel/channel.h"
 #include "shoal/core/error.h"
@@ -247,7 +248,7 @@ void register_sharing(nb::module_& m) {
       [](const std::string& address, const std::vector<std::uint32_t>& allowed_uids) {
         const auto a = address_of(address);
         const auto policy = policy_of(allowed_uids);
-        nb::gil_scoped_release release;
+        released_gil release;
         return py_connection{channel::connection::connect(a, policy)};
       },
       nb::arg("address"), nb::arg("allowed_uids") = std::vector<std::uint32_t>{},
@@ -271,7 +272,7 @@ void register_sharing(nb::module_& m) {
       .def_prop_ro("allocator", [](const py_sharing_context& c) { return py_allocator{c.state->allocator()}; })
       .def(
           "collect", [](const py_sharing_context& c) { return c.state->context().collect(); },
-          nb::call_guard<nb::gil_scoped_release>(),
+          nb::call_guard<released_gil>(),
           "Reclaims dead holders' references and frees every limbo block no one holds; returns how many.")
       .def(
           "stats",
@@ -320,7 +321,7 @@ void register_sharing(nb::module_& m) {
             connection.connection.reset();
             std::unique_ptr<ipc::peer> p;
             {
-              nb::gil_scoped_release release;
+              released_gil release;
               p = std::make_unique<ipc::peer>(context.state->context(), std::move(c));
             }
             // A send still waiting on a peer that stopped reading when close()
@@ -345,7 +346,7 @@ void register_sharing(nb::module_& m) {
             handle->allocator()->keep(st);
             const auto peer = p.peer.enter();
             const auto bytes = bytes_of(metadata);
-            nb::gil_scoped_release release;
+            released_gil release;
             peer->send(handle->get(), bytes, st->ref());
           },
           nb::arg("data"), nb::arg("metadata") = nb::bytes(""), nb::arg("stream").none() = nb::none(),
@@ -357,7 +358,7 @@ void register_sharing(nb::module_& m) {
           [](const py_peer& p, const nb::bytes& metadata) {
             const auto peer = p.peer.enter();
             const auto bytes = bytes_of(metadata);
-            nb::gil_scoped_release release;
+            released_gil release;
             peer->send_note(bytes);
           },
           nb::arg("metadata"), "Sends metadata alone.")
@@ -391,7 +392,7 @@ void register_sharing(nb::module_& m) {
             p.context->allocator()->keep(st);
             std::optional<ipc::received> r;
             {
-              nb::gil_scoped_release release;
+              released_gil release;
               r = peer->try_receive(st->ref());
             }
             if (!r) return nb::none();
@@ -409,7 +410,7 @@ void register_sharing(nb::module_& m) {
           "revoke",
           [](const py_peer& p) {
             const auto peer = p.peer.enter();
-            nb::gil_scoped_release release;
+            released_gil release;
             peer->revoke();
           },
           "Stops trusting the other process: the connection closes and the context sends it nothing more; "

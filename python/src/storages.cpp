@@ -10,6 +10,7 @@
 #include <string>
 
 #include "bindings.h"
+#include "gil.h"
 #include "shoal/core/error.h"
 
 namespace shoal::python {
@@ -56,7 +57,7 @@ py_storage allocate_storage(const py_allocator& a, std::int64_t nbytes, const py
   a.state->keep(s);
   storage::storage st;
   {
-    nb::gil_scoped_release release;  // may wait for pending frees
+    released_gil release;  // may wait for pending frees
     st = storage::storage::allocate(a.state->allocator(), bytes, s->ref());
   }
   return py_storage{storage_handle(std::move(st), a.state)};
@@ -90,7 +91,7 @@ void register_storages(nb::module_& m) {
           [](const py_storage& s, const py_stream* stream) {
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
-            nb::gil_scoped_release release;
+            released_gil release;
             return reinterpret_cast<std::uintptr_t>(s.handle.get().mutable_data(st->ref()));
           },
           nb::arg("stream").none() = nb::none(),
@@ -130,7 +131,7 @@ void register_storages(nb::module_& m) {
             check_range(s, offset, buffer.size(), "Storage.write");
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
-            nb::gil_scoped_release release;
+            released_gil release;
             auto* dst = static_cast<std::byte*>(s.handle.get().mutable_data(st->ref())) + offset;
             st->device().copy(st->ref(), dst, buffer.data(), buffer.size());
             st->device().synchronize(st->ref());  // the source buffer is the caller's
@@ -153,7 +154,7 @@ void register_storages(nb::module_& m) {
             if (!out.is_valid()) throw nb::python_error();
             char* dst = PyBytes_AsString(out.ptr());
             {
-              nb::gil_scoped_release release;
+              released_gil release;
               if (count > 0) {
                 const auto* src = static_cast<const std::byte*>(s.handle.get().data()) + offset;
                 st->device().copy(st->ref(), dst, src, static_cast<std::size_t>(count));
@@ -172,7 +173,7 @@ void register_storages(nb::module_& m) {
             if (value < 0 || value > 255) throw invalid_argument("Storage.fill: value must be a byte (0..255)");
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
-            nb::gil_scoped_release release;
+            released_gil release;
             void* dst = s.handle.get().mutable_data(st->ref());
             st->device().fill(st->ref(), dst, static_cast<std::uint8_t>(value), s.handle.get().size());
           },

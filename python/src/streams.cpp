@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "gil.h"
 #include "shoal/backend/devices.h"
 #include "shoal/core/error.h"
 
@@ -154,7 +155,7 @@ void register_streams(nb::module_& m) {
           "passed as `stream=`.")
       .def(
           "synchronize", [](const py_stream& s) { s.state->device().synchronize(s.state->ref()); },
-          nb::call_guard<nb::gil_scoped_release>(), "Blocks until all work enqueued so far has run (GIL released).")
+          nb::call_guard<released_gil>(), "Blocks until all work enqueued so far has run (GIL released).")
       .def(
           "query", [](const py_stream& s) { return s.state->device().query(s.state->ref()); },
           "True when all work enqueued so far has run.")
@@ -202,7 +203,7 @@ void register_streams(nb::module_& m) {
       .def(
           "query", [](const py_event& e) { return e.event->query(); }, "True when the event is complete.")
       .def(
-          "synchronize", [](const py_event& e) { e.event->synchronize(); }, nb::call_guard<nb::gil_scoped_release>(),
+          "synchronize", [](const py_event& e) { e.event->synchronize(); }, nb::call_guard<released_gil>(),
           "Blocks until the event is complete (GIL released).")
       .def("__repr__", [](const py_event& e) { return "shoal.Event(" + e.device->name() + ")"; });
 
@@ -218,7 +219,7 @@ void register_streams(nb::module_& m) {
       "synchronize",
       [](const py_stream* s) {
         auto state = stream_or_current(s, s != nullptr ? s->state->device() : backend::default_device());
-        nb::gil_scoped_release release;
+        released_gil release;
         state->device().synchronize(state->ref());
       },
       nb::arg("stream").none() = nb::none(),

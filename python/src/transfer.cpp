@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "gil.h"
 #include "closable.h"
 #include "shoal/core/error.h"
 #include "shoal/transfer/transfer_engine.h"
@@ -29,7 +30,7 @@ namespace shoal::python {
 std::shared_ptr<const void> hold(nb::handle object) {
   object.inc_ref();
   return std::shared_ptr<const void>(object.ptr(), [](const void* p) {
-    if (!Py_IsInitialized()) return;  // the interpreter is gone: nothing left to release
+    if (!detail::may_take_gil()) return;  // the interpreter is (going) away: nothing left to release
     nb::gil_scoped_acquire gil;
     Py_DECREF(static_cast<PyObject*>(const_cast<void*>(p)));
   });
@@ -91,7 +92,7 @@ void register_transfer(nb::module_& m) {
           "was enqueued on it before they are dropped.")
       .def(
           "synchronize", [](const py_transferred_batch& b) { b.batch.synchronize(); },
-          nb::call_guard<nb::gil_scoped_release>(), "Blocks until the batch's copies have run.")
+          nb::call_guard<released_gil>(), "Blocks until the batch's copies have run.")
       .def("ready", [](const py_transferred_batch& b) { return b.batch.is_ready(); },
            "True once the batch's copies have run.");
 

@@ -241,6 +241,24 @@ def test_a_daemon_thread_waiting_at_exit_lets_the_process_end_cleanly(call, tmp_
         assert done.returncode == 0 and done.stdout == "exiting\n", (done.returncode, done.stdout, done.stderr)
 
 
+def test_a_daemon_thread_looping_on_calls_that_release_the_gil_lets_the_process_end_cleanly(tmp_path):
+    """At exit such a thread is mostly waiting for the GIL back; the interpreter ends it there."""
+    script = tmp_path / "loop.py"
+    script.write_text(
+        CHILD_PREFIX + "import time\n"
+        "storage = HOST.allocate(4096)\n"
+        "def loop():\n"
+        "    while True:\n"
+        "        storage.fill(1)\n"
+        "threading.Thread(target=loop, daemon=True).start()\n"
+        "time.sleep(0.2)\n"
+        "print('exiting', flush=True)\n"
+    )
+    for _ in range(3):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=WAIT)
+        assert done.returncode == 0 and done.stdout == "exiting\n", (done.returncode, done.stdout, done.stderr)
+
+
 @pytest.mark.parametrize("call", sorted(WAITS))
 def test_ctrl_c_ends_a_call_that_waits_without_a_timeout(call, tmp_path):
     script = tmp_path / "wait.py"
