@@ -800,6 +800,14 @@ bool spin_on_ring(detail::ring_reader& ring, std::chrono::nanoseconds spin, cons
   return ring.has_entries();
 }
 
+// However a receive leaves, the sender is told it no longer spins.
+struct lowers_spinning {
+  const std::unique_ptr<detail::ring_reader>& ring;
+  ~lowers_spinning() {
+    if (ring) ring->set_spinning(false);
+  }
+};
+
 }  // namespace
 
 frame connection::receive_until(std::optional<std::chrono::steady_clock::time_point> until) {
@@ -834,13 +842,7 @@ frame connection::receive_until(std::optional<std::chrono::steady_clock::time_po
     return true;
   };
   std::optional<frame> from_ring;
-  // However receive leaves, the sender is told it no longer spins.
-  struct lowers_spinning {
-    const std::unique_ptr<detail::ring_reader>& ring;
-    ~lowers_spinning() {
-      if (ring) ring->set_spinning(false);
-    }
-  } const lowered{s.in_ring};
+  const lowers_spinning lowered{s.in_ring};
   (void)refill(s, [&] {
     while (s.unread.empty()) {
       if (!s.in_ring) {
@@ -864,6 +866,22 @@ std::optional<frame> connection::try_receive() {
   const std::unique_lock lock(s.receive_mutex, std::try_to_lock);
   if (!lock.owns_lock()) return std::nullopt;  // another thread is receiving
   s.throw_if_broken("receive");
+  return take_ready(s);
+}
+
+std::optional<frame> connection::try_receive(std::chrono::nanoseconds spin) {
+  state& s = usable("try_receive");
+  const std::unique_lock lock(s.receive_mutex, std::try_to_lock);
+  if (!lock.owns_lock()) return std::nullopt;  // another thread is receiving
+  s.throw_if_broken("receive");
+  std::optional<frame> f = take_ready(s);
+  if (f || spin.count() <= 0 || !s.in_ring) return f;
+  const lowers_spinning lowered{s.in_ring};
+  if (!spin_on_ring(*s.in_ring, spin, std::nullopt)) return std::nullopt;
+  return take_ready(s);  // what came, with the flag still up (lowered on return)
+}
+
+std::optional<frame> connection::take_ready(state& s) {
   const receive_side r{s.ring_allowed.load(std::memory_order_relaxed), s.unread, s.in_ring, s.in_ring_view,
                        s.socket_frames, s.marker_taken, s.max_payload};
   // At most max_batches_per_try batches a call, wherever they are read.

@@ -228,13 +228,16 @@ received peer_link::receive(backend::stream_ref stream, std::optional<std::chron
   }
 }
 
-std::optional<received> peer_link::try_receive(backend::stream_ref stream) {
+std::optional<received> peer_link::try_receive(backend::stream_ref stream, std::chrono::nanoseconds spin) {
   check_not_revoked();
   if (broken_) throw connection_closed("peer::try_receive: the connection was closed after a malformed message");
   // At most one batch's worth of frames, so that a peer sending
-  // announcements without end cannot hold the caller.
+  // announcements without end cannot hold the caller; the spin is one
+  // `spin` in all.
+  const auto spin_end = std::chrono::steady_clock::now() + spin;
   for (std::size_t frames = 0; frames < channel::max_batch_frames; ++frames) {
-    std::optional<channel::frame> f = link_.try_receive();
+    const auto left = spin_end - std::chrono::steady_clock::now();
+    std::optional<channel::frame> f = left.count() > 0 ? link_.try_receive(left) : link_.try_receive();
     if (!f) return std::nullopt;
     if (std::optional<received> r = take_frame(std::move(*f), stream)) return r;
   }

@@ -34,7 +34,7 @@ class peer_link {
   /// Receives by `until` (nullopt: no deadline); throws timeout_error after.
   received receive(backend::stream_ref stream, std::optional<std::chrono::steady_clock::time_point> until);
   /// The next message if it has come whole, without waiting.
-  std::optional<received> try_receive(backend::stream_ref stream);
+  std::optional<received> try_receive(backend::stream_ref stream, std::chrono::nanoseconds spin = {});
   /// Closes the connection and revokes the peer process (peer::revoke).
   void revoke();
 

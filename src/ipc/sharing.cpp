@@ -116,6 +116,9 @@ std::optional<received> peer::try_receive(backend::stream_ref stream) {
   return naming_peer(*link_, [&] { return link_->try_receive(stream); });
 }
 std::optional<received> peer::try_receive() { return try_receive(backend::current_stream(link_->allocator().device())); }
+std::optional<received> peer::try_receive(backend::stream_ref stream, std::chrono::nanoseconds spin) {
+  return naming_peer(*link_, [&] { return link_->try_receive(stream, spin); });
+}
 std::size_t peer::pending() const { return link_->pending(); }
 void peer::revoke() { link_->revoke(); }
 const channel::peer_credentials& peer::credentials() const noexcept { return link_->credentials(); }

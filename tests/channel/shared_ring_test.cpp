@@ -122,6 +122,53 @@ TEST(channel_ring, a_spinning_receiver_takes_frames_without_a_wake_up) {
   EXPECT_EQ(bytes_waiting(b.native_handle()), 0u) << "a wake-up went to a receiver that was spinning";
 }
 
+// The wake-ups the sender counted, read from its ring's header (the one
+// ring this process has open).
+std::uint64_t wakes_sent() {
+  for (int fd = 0; fd < 1024; ++fd) {
+    char target[256] = {};
+    const std::string link = "/proc/self/fd/" + std::to_string(fd);
+    if (::readlink(link.c_str(), target, sizeof target - 1) <= 0) continue;
+    if (std::string(target).find("memfd:shoal-channel-ring") == std::string::npos) continue;
+    void* header = ::mmap(nullptr, header_bytes, PROT_READ, MAP_SHARED, fd, 0);
+    if (header == MAP_FAILED) continue;
+    const std::uint64_t wakes = std::atomic_ref<std::uint64_t>(static_cast<std::uint64_t*>(header)[16]).load();  // wakes sent: byte 128
+    ::munmap(header, header_bytes);
+    return wakes;
+  }
+  ADD_FAILURE() << "no ring found";
+  return 0;
+}
+
+TEST(channel_ring, try_receive_with_a_spin_takes_a_frame_without_a_wake_up_and_then_lowers_its_flag) {
+  auto [a, b] = ring_pair();
+  EXPECT_FALSE(b.try_receive().has_value());  // takes in the ring's announce
+  std::optional<channel::frame> got;
+  std::thread receiver([&, &b = b] { got = b.try_receive(10s); });
+  std::this_thread::sleep_for(300ms);  // the receiver is spinning by now
+  a.send(1, bytes_of("spun"));
+  receiver.join();
+  ASSERT_TRUE(got.has_value()) << "the spin ended without the frame";
+  EXPECT_EQ(text_of(got->payload), "spun");
+  EXPECT_EQ(wakes_sent(), 0u) << "a wake-up went to a receiver that was spinning";
+
+  a.send(2, bytes_of("after"));
+  EXPECT_TRUE(readable_within(b.native_handle(), 1000ms)) << "the flag stayed up: no wake-up for a reader that sleeps";
+  EXPECT_EQ(text_of(b.try_receive()->payload), "after");
+
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(b.try_receive(20ms).has_value());
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 20ms);
+}
+
+TEST(channel_ring, try_receive_with_a_spin_on_a_connection_without_a_ring_does_not_spin) {
+  socket_pair pair;
+  connection b = connection::adopt(std::move(pair.b), {});
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_FALSE(b.try_receive(10s).has_value());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s);
+}
+
 TEST(channel_ring, a_receive_with_a_deadline_spins_no_longer_than_it) {
   auto [a, b] = ring_pair();
   EXPECT_FALSE(b.try_receive().has_value());  // takes in the ring's announce

@@ -311,6 +311,13 @@ class connection {
   /// never waited for here: incomplete_since() says since when to hold it to
   /// a deadline. Throws as receive() does, never timeout_error.
   [[nodiscard]] std::optional<frame> try_receive();
+  /// try_receive(), but when nothing has come it polls the peer's ring for
+  /// up to `spin` without sleeping, the sender told meanwhile that it need
+  /// not wake this side (as receive() spins, set_receive_spin): for a reader
+  /// that sleeps on native_handle() in slices of its own (to handle signals
+  /// or a close) and wants the ring's latency. Without a ring it is
+  /// try_receive(). Never waits for the socket.
+  [[nodiscard]] std::optional<frame> try_receive(std::chrono::nanoseconds spin);
 
   /// When try_receive() read the start of the batch it has not read whole
   /// yet, or nullopt when it holds no such part. Readable from any thread.
@@ -362,6 +369,8 @@ class connection {
   template <class Read>
   static bool refill(state& s, Read read);
   static frame next_unread(state& s);
+  /// try_receive()'s work, under the receive lock.
+  static std::optional<frame> take_ready(state& s);
   // Runs `body(started)` with send()'s error rules (the caller holds the
   // send lock): `started` says whether any of the call's bytes may have gone.
   template <class Body>

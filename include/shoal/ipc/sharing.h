@@ -176,6 +176,10 @@ class peer {
   /// this until it returns nullopt. Throws as receive() does.
   std::optional<received> try_receive(backend::stream_ref stream);
   std::optional<received> try_receive();
+  /// try_receive(), but when nothing whole has come it polls the peer's
+  /// ring for up to `spin` first (connection::try_receive(spin)): for a
+  /// reader that waits on native_handle() in slices of its own.
+  std::optional<received> try_receive(backend::stream_ref stream, std::chrono::nanoseconds spin);
   /// Not zero while frames that came wait to be taken — in a batch already
   /// read or in the peer's ring (channel::connection::pending): then
   /// try_receive() may return more though native_handle() is not readable
