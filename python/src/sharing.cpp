@@ -88,8 +88,8 @@ using time_point = std::chrono::steady_clock::time_point;
 
 
 
-// Peer.receive: try_receive, polled for the context's receive_spin, then a
-// poll of the socket, in slices, so that Ctrl-C and a close() from another
+// Peer.receive: try_receive spinning on the ring for the context's
+// receive_spin, then a poll of the socket, in slices, so that Ctrl-C and a close() from another
 // thread end the wait, and so that a batch that has begun to come stays
 // with the connection across slices (its rest is read by the next call; a
 // timeout never breaks the stream).
@@ -97,18 +97,17 @@ std::optional<ipc::received> receive_in_slices(const closable<ipc::peer>::use& p
                                                std::optional<time_point> until, backend::stream_ref stream,
                                                std::chrono::microseconds spin) {
   return wait_in_slices(peer, owner, until, [&](std::chrono::milliseconds slice) -> std::optional<ipc::received> {
-    const auto start = std::chrono::steady_clock::now();
-    const auto slice_end = start + slice;
-    const auto spin_end = start + std::min<std::chrono::steady_clock::duration>(spin, slice);
+    const auto slice_end = std::chrono::steady_clock::now() + slice;
+    // A spin on the ring first (its sender told that no wake-up is needed).
+    if (auto r = peer->try_receive(stream, std::min<std::chrono::nanoseconds>(spin, slice))) return r;
     for (;;) {
-      if (auto r = peer->try_receive(stream)) return r;
-      if (std::chrono::steady_clock::now() < spin_end) continue;
       const auto left = std::chrono::ceil<std::chrono::milliseconds>(slice_end - std::chrono::steady_clock::now());
       if (left.count() <= 0) return std::nullopt;
       // Frames already read wait to be taken (announcements past one call's
       // share, another thread's receive): look again soon, not at the socket.
       pollfd readable{peer->native_handle(), POLLIN, 0};
       (void)::poll(&readable, 1, peer->pending() != 0 ? 1 : static_cast<int>(left.count()));
+      if (auto r = peer->try_receive(stream)) return r;
     }
   });
 }
