@@ -128,7 +128,17 @@ def from_dlpack(source: Any, allocator: Optional[Allocator] = None) -> ArrayView
     stream has passed shoal's work on it. Imported memory is never lazily shared. The array
     must live on ``allocator``'s device (default: default_allocator()).
     """
-    return _shoal._from_dlpack(allocator if allocator is not None else default_allocator(), source)
+    if allocator is None:
+        allocator = default_allocator()
+    if type(source).__name__ != "PyCapsule":
+        if not hasattr(source, "__dlpack__"):
+            raise TypeError("from_dlpack: the object has no __dlpack__ and is not a DLPack capsule")
+        stream = _shoal._dlpack_consumer_stream(allocator)
+        try:
+            source = source.__dlpack__(stream=stream, max_version=(1, 0))
+        except TypeError:  # a producer older than DLPack 1.0 takes no max_version
+            source = source.__dlpack__(stream=stream)
+    return _shoal._from_dlpack(allocator, source)
 
 
 @contextlib.contextmanager

@@ -36,7 +36,19 @@ std::string setting_text(const std::string& key, nb::handle value) {
   return key + ":" + text;
 }
 
-nb::object parse_json(const std::string& json) { return nb::module_::import_("json").attr("loads")(json); }
+// The json module's C scanner, made when the module is imported (never in a
+// function's static: its initializer would run imports, waiting for the GIL
+// while another thread holding it waits for the initializer) and never
+// destroyed; null without the C accelerator.
+const nb::object* json_scanner = nullptr;
+
+// JSON text as Python objects through the C scanner, which runs no Python
+// code: a daemon thread reading stats at exit was ended inside json.loads,
+// and the ending's unwinding through this binding crashed.
+nb::object parse_json(const std::string& json) {
+  if (json_scanner == nullptr) return nb::module_::import_("json").attr("loads")(json);
+  return nb::object((*json_scanner)(json, 0))[0];
+}
 
 nb::dict oom_report_dict(const alloc::oom_report& r) {
   nb::dict d;
@@ -84,6 +96,9 @@ void allocator_state::keep(const std::shared_ptr<stream_state>& stream) {
 }
 
 void register_allocator(nb::module_& m) {
+  if (const nb::object make = nb::module_::import_("json.scanner").attr("c_make_scanner"); !make.is_none()) {
+    json_scanner = new nb::object(make(nb::module_::import_("json").attr("JSONDecoder")()));
+  }
   nb::class_<py_allocator>(m, "Allocator",
                            "The stream-ordered caching allocator of one "
                            "device. A freed block is handed out again "
@@ -147,21 +162,23 @@ void register_allocator(nb::module_& m) {
             // Dropped with the allocator, possibly on a thread without the
             // GIL (a DLPack consumer's deleter): take it for the decref.
             std::shared_ptr<nb::object> held(new nb::object(std::move(observer)), [](nb::object* o) {
-              if (!detail::may_take_gil()) return;  // the interpreter is (going) away: nothing left to release
-              nb::gil_scoped_acquire gil;
-              delete o;
+              (void)detail::python_work([o] {  // at exit it leaks
+                const nb::gil_scoped_acquire gil;
+                delete o;
+              });
             });
             a.state->oom_observers.push_back(held);
             a.state->allocator().add_oom_observer([held](const alloc::oom_report& report) {
-              if (!detail::may_take_gil()) return;  // an allocation failing while the interpreter finalizes
-              nb::gil_scoped_acquire gil;
-              if (held->is_none()) return;  // removed
-              const observer_scope observing;  // closing a transfer engine here could join this very thread
-              try {
-                (*held)(oom_report_dict(report));
-              } catch (nb::python_error& e) {
-                e.discard_as_unraisable("shoal out-of-memory observer");
-              }
+              (void)detail::python_work([&] {  // at exit observers are not called
+                const nb::gil_scoped_acquire gil;
+                if (held->is_none()) return;  // removed
+                const observer_scope observing;  // closing a transfer engine here could join this very thread
+                try {
+                  (*held)(oom_report_dict(report));
+                } catch (nb::python_error& e) {
+                  e.discard_as_unraisable("shoal out-of-memory observer");
+                }
+              });
             });
           },
           nb::arg("observer"),

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "gil.h"
 #include "dlpack_abi.h"
 #include "shoal/core/error.h"
 
@@ -37,8 +38,12 @@ class imported_tensor final : public storage::storage_owner {
     wait_for(backend::current_stream(device_));
     for (const auto& s : streams_) wait_for(s->ref());
     for (const auto s : used_on_) wait_for(s);
-    if (versioned_ != nullptr && versioned_->deleter != nullptr) versioned_->deleter(versioned_);
-    if (legacy_ != nullptr && legacy_->deleter != nullptr) legacy_->deleter(legacy_);
+    // A producer's deleter may take the GIL (numpy's does): not once the
+    // process exits (gil.h); the tensor goes with the process then.
+    (void)detail::python_work([this] {
+      if (versioned_ != nullptr && versioned_->deleter != nullptr) versioned_->deleter(versioned_);
+      if (legacy_ != nullptr && legacy_->deleter != nullptr) legacy_->deleter(legacy_);
+    });
   }
   /// `stream` uses the memory too (Storage.record_stream).
   void add_stream(std::shared_ptr<stream_state> stream) {
@@ -77,23 +82,6 @@ class imported_tensor final : public storage::storage_owner {
   std::vector<backend::stream_ref> used_on_;  // from released storages
 };
 
-/// The capsule an object hands out: the object itself when it is one, else
-/// its __dlpack__ (a versioned capsule asked for first).
-nb::object capsule_of(nb::handle source, nb::handle stream) {
-  if (PyCapsule_CheckExact(source.ptr())) return nb::borrow(source);
-  if (!nb::hasattr(source, "__dlpack__")) {
-    throw nb::type_error(
-        "from_dlpack: the object has no __dlpack__ and is not "
-        "a DLPack capsule");
-  }
-  try {
-    return source.attr("__dlpack__")(nb::arg("stream") = stream, nb::arg("max_version") = nb::make_tuple(1, 0));
-  } catch (nb::python_error& e) {
-    if (!e.matches(PyExc_TypeError)) throw;  // an old producer without max_version
-  }
-  return source.attr("__dlpack__")(nb::arg("stream") = stream);
-}
-
 struct dtype_name_entry {
   std::uint8_t code;
   std::uint8_t bits;
@@ -119,17 +107,19 @@ const char* dtype_name_of(const dlpack::DLDataType& t) {
 
 }  // namespace
 
-py_array_view import_dlpack(const py_allocator& allocator, nb::handle source) {
+// The `stream` a producer's __dlpack__ is asked for: None on the host
+// backend (the consumer is the host), else the current stream.
+nb::object consumer_stream(const py_allocator& allocator) {
+  backend::device& device = allocator.state->allocator().device();
+  if (device.kind() == backend::device_kind::host) return nb::none();
+  // The array API names the legacy default stream 1 (0 is ambiguous).
+  const auto native = reinterpret_cast<std::uintptr_t>(current_stream_state(device)->ref().native);
+  return nb::int_(native == 0 ? 1 : native);
+}
+
+py_array_view import_dlpack(const py_allocator& allocator, nb::handle capsule) {
   backend::device& device = allocator.state->allocator().device();
   const bool host = device.kind() == backend::device_kind::host;
-  // The consumer is the host on the host backend, else the current stream.
-  nb::object stream = nb::none();
-  if (!host) {
-    // The array API names the legacy default stream 1 (0 is ambiguous).
-    const auto native = reinterpret_cast<std::uintptr_t>(current_stream_state(device)->ref().native);
-    stream = nb::int_(native == 0 ? 1 : native);
-  }
-  nb::object capsule = capsule_of(source, stream);
   if (!PyCapsule_CheckExact(capsule.ptr())) throw nb::type_error("from_dlpack: __dlpack__ did not return a capsule");
   const char* name = PyCapsule_GetName(capsule.ptr());
   if (name == nullptr) throw nb::python_error();
@@ -211,9 +201,13 @@ bool record_stream_on_import(const storage::storage& storage, const std::shared_
 }
 
 void register_dlpack_import(nb::module_& m) {
-  m.def("_from_dlpack", &import_dlpack, nb::arg("allocator"), nb::arg("source"),
-        "An ArrayView over another library's array (anything with __dlpack__, "
-        "or a DLPack capsule), zero-copy.");
+  // The producer's __dlpack__ is called in Python (shoal.from_dlpack): run
+  // from here, its Python code could end a daemon thread at exit inside
+  // this binding (gil.h).
+  m.def("_from_dlpack", &import_dlpack, nb::arg("allocator"), nb::arg("capsule"),
+        "An ArrayView over a DLPack capsule's array, zero-copy (the capsule is consumed).");
+  m.def("_dlpack_consumer_stream", &consumer_stream, nb::arg("allocator"),
+        "The stream argument for a producer's __dlpack__: None on the host backend, else the current stream.");
 }
 
 }  // namespace shoal::python

@@ -10,6 +10,12 @@
 // sleeps until the process ends instead (what Python 3.14 does itself); a
 // handler that returned would abort as well, so it never returns.
 //
+// Threads that are not Python's own (a transfer engine's), and Python work a
+// call starts (an out-of-memory observer), go through the exit gate
+// instead: shoal's atexit hook waits for what is in flight and lets no more
+// begin, since a C++ thread caught in the GIL's wait could not be parked
+// (the interpreter's shutdown joins it).
+//
 // Thread-safety: as the Python C API: released_gil is made on a thread that
 // holds the GIL, and destroyed on the same thread.
 #pragma once
@@ -18,6 +24,7 @@
 
 #include <cxxabi.h>
 
+#include <atomic>
 #include <chrono>
 #include <thread>
 
@@ -34,22 +41,41 @@ inline bool interpreter_finalizing() noexcept {
 #endif
 }
 
-/// Whether this thread may take the GIL: it holds it already, or the
-/// interpreter is up and not finalizing (another thread asking then would be
-/// ended). A C++ thread that may not lets go of Python objects by leaking
-/// them: the process is exiting.
-inline bool may_take_gil() noexcept {
-  return Py_IsInitialized() != 0 && (PyGILState_Check() != 0 || !interpreter_finalizing());
+/// The exit gate. shoal's atexit hook closes it (before the interpreter
+/// finalizes) and waits, the GIL released, for the Python work other
+/// threads have begun through python_work(); from then on they begin none.
+/// A thread that asked for the GIL after finalization began would be ended
+/// there, and the ending's unwinding through C++ frames aborts the process
+/// (a transfer engine's thread letting go of a source at exit did).
+inline std::atomic<bool> exit_gate_closed{false};
+inline std::atomic<int> python_work_in_flight{0};
+
+/// Runs `work` — which takes the GIL itself (or holds it), for a short
+/// while — unless the exit gate is closed; false when it did not run (a
+/// reference then leaks, an observer is not called: the process exits).
+template <class Work>
+bool python_work(Work&& work) {
+  ++python_work_in_flight;
+  struct leaves {
+    ~leaves() { --python_work_in_flight; }
+  } const left;
+  if (exit_gate_closed.load() || Py_IsInitialized() == 0) return false;
+  work();
+  return true;
 }
 
 /// Takes the GIL back for `state`; a thread the finalizing interpreter ends
 /// meanwhile sleeps until the process is gone.
 inline void take_gil_back(PyThreadState* state) {
+#ifdef __GLIBCXX__
   try {
     PyEval_RestoreThread(state);
   } catch (abi::__forced_unwind&) {
     for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
   }
+#else
+  PyEval_RestoreThread(state);  // (libc++ has no forced-unwind type to catch)
+#endif
 }
 
 }  // namespace detail
@@ -66,5 +92,15 @@ class released_gil {
  private:
   PyThreadState* state_;
 };
+
+/// The atexit hook: closes the exit gate and waits (the GIL released, at
+/// most a second) for the Python work in flight on other threads.
+inline void close_exit_gate() {
+  detail::exit_gate_closed.store(true);
+  const released_gil unlocked;
+  for (int i = 0; i < 100 && detail::python_work_in_flight.load() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
 
 }  // namespace shoal::python

@@ -1,5 +1,6 @@
 // The extension module shoal._shoal; python/shoal/__init__.py re-exports it.
 #include "bindings.h"
+#include "gil.h"
 
 NB_MODULE(_shoal, m) {
   m.doc() =
@@ -17,4 +18,7 @@ NB_MODULE(_shoal, m) {
   shoal::python::register_grouped_load(m);
   shoal::python::register_lending(m);
   shoal::python::register_segment_sources(m);
+  // Other threads begin no Python work once the process exits (gil.h).
+  m.def("_close_exit_gate", &shoal::python::close_exit_gate);
+  nanobind::module_::import_("atexit").attr("register")(m.attr("_close_exit_gate"));
 }

@@ -30,9 +30,10 @@ namespace shoal::python {
 std::shared_ptr<const void> hold(nb::handle object) {
   object.inc_ref();
   return std::shared_ptr<const void>(object.ptr(), [](const void* p) {
-    if (!detail::may_take_gil()) return;  // the interpreter is (going) away: nothing left to release
-    nb::gil_scoped_acquire gil;
-    Py_DECREF(static_cast<PyObject*>(const_cast<void*>(p)));
+    (void)detail::python_work([p] {  // at exit it leaks
+      const nb::gil_scoped_acquire gil;
+      Py_DECREF(static_cast<PyObject*>(const_cast<void*>(p)));
+    });
   });
 }
 

@@ -241,17 +241,51 @@ def test_a_daemon_thread_waiting_at_exit_lets_the_process_end_cleanly(call, tmp_
         assert done.returncode == 0 and done.stdout == "exiting\n", (done.returncode, done.stdout, done.stderr)
 
 
-def test_a_daemon_thread_looping_on_calls_that_release_the_gil_lets_the_process_end_cleanly(tmp_path):
-    """At exit such a thread is mostly waiting for the GIL back; the interpreter ends it there."""
+# Daemon threads looping on one kind of call when the process exits. At exit
+# such a thread is mostly waiting for the GIL back, or running Python code a
+# call started (a parser, a producer's __dlpack__, an observer), or its C++
+# thread is (the transfer engine's): the interpreter ends it there.
+DAEMON_LOOPS = {
+    "Storage.fill": "storage = HOST.allocate(4096)\ndef work():\n    storage.fill(1)\n",
+    "Allocator.stats": "def work():\n    HOST.stats()\n",
+    "from_dlpack of a Python producer": (
+        "class Producer:\n"
+        "    def __init__(self):\n"
+        "        self.array = numpy.ones(16, 'uint8')\n"
+        "    def __dlpack__(self, **kwargs):\n"
+        "        sum(range(2000))\n"
+        "        return self.array.__dlpack__(**kwargs)\n"
+        "def work():\n"
+        "    shoal.from_dlpack(Producer(), HOST)\n"
+    ),
+    "an out-of-memory observer": (
+        "small = shoal.Allocator(shoal.host_device(), use_environment=False, memory_limit_mb=2)\n"
+        "small.add_oom_observer(lambda report: None)\n"
+        "def work():\n"
+        "    try:\n"
+        "        small.allocate(4 << 20)\n"
+        "    except shoal.OutOfMemoryError:\n"
+        "        pass\n"
+    ),
+    "transfer Engine submit and next": (
+        "engine = shoal.transfer.Engine(HOST)\n"
+        "def work():\n"
+        "    engine.submit([numpy.ones(64, 'uint8') for _ in range(8)])\n"
+        "    engine.next()\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("loop", sorted(DAEMON_LOOPS))
+def test_daemon_threads_looping_on_a_call_let_the_process_end_cleanly(loop, tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(
-        CHILD_PREFIX + "import time\n"
-        "storage = HOST.allocate(4096)\n"
-        "def loop():\n"
+        CHILD_PREFIX + "import time\n" + DAEMON_LOOPS[loop] + "def forever():\n"
         "    while True:\n"
-        "        storage.fill(1)\n"
-        "threading.Thread(target=loop, daemon=True).start()\n"
-        "time.sleep(0.2)\n"
+        "        work()\n"
+        "for _ in range(4):\n"
+        "    threading.Thread(target=forever, daemon=True).start()\n"
+        "time.sleep(0.3)\n"
         "print('exiting', flush=True)\n"
     )
     for _ in range(3):
