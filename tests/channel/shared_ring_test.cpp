@@ -43,6 +43,18 @@ std::pair<connection, connection> ring_pair(std::size_t ring_bytes = 4096) {
   return {std::move(a), std::move(b)};
 }
 
+// A connection pair with a ring each way.
+std::pair<connection, connection> two_way_ring_pair(std::size_t ring_bytes) {
+  socket_pair pair;
+  connection a = connection::adopt(std::move(pair.a), {});
+  connection b = connection::adopt(std::move(pair.b), {});
+  a.allow_peer_ring();
+  b.allow_peer_ring();
+  a.start_ring(ring_bytes);
+  b.start_ring(ring_bytes);
+  return {std::move(a), std::move(b)};
+}
+
 std::size_t bytes_waiting(int socket) {
   int n = 0;
   EXPECT_EQ(::ioctl(socket, FIONREAD, &n), 0);
@@ -82,13 +94,7 @@ TEST(channel_ring, frames_keep_their_order_through_the_ring_and_the_socket) {
 }
 
 TEST(channel_ring, both_sides_may_send_through_rings_at_once) {
-  socket_pair pair;
-  connection a = connection::adopt(std::move(pair.a), {});
-  connection b = connection::adopt(std::move(pair.b), {});
-  a.allow_peer_ring();
-  b.allow_peer_ring();
-  a.start_ring(8192);
-  b.start_ring(8192);
+  auto [a, b] = two_way_ring_pair(8192);
   a.set_receive_spin(1ms);
   b.set_receive_spin(1ms);
   std::thread echo([&] {
@@ -305,13 +311,7 @@ TEST(channel_ring, a_wake_up_for_a_tail_the_receiver_saw_with_the_last_one_is_ac
 // try_receive in a loop takes ring entries before their wake-ups are read,
 // which lets two wake-ups find one tail (the test above, by hand).
 TEST(channel_ring, receivers_that_take_entries_before_their_wake_ups_keep_the_connection) {
-  socket_pair pair;
-  connection a = connection::adopt(std::move(pair.a), {});
-  connection b = connection::adopt(std::move(pair.b), {});
-  a.allow_peer_ring();
-  b.allow_peer_ring();
-  a.start_ring(8192);
-  b.start_ring(8192);
+  auto [a, b] = two_way_ring_pair(8192);
   const auto take = [](connection& c) {
     for (;;) {
       if (std::optional<channel::frame> f = c.try_receive()) return std::move(*f);
