@@ -130,14 +130,18 @@ def from_dlpack(source: Any, allocator: Optional[Allocator] = None) -> ArrayView
     """
     if allocator is None:
         allocator = default_allocator()
-    if type(source).__name__ != "PyCapsule":
+    if type(source) is not _shoal._capsule_type:
         if not hasattr(source, "__dlpack__"):
             raise TypeError("from_dlpack: the object has no __dlpack__ and is not a DLPack capsule")
         stream = _shoal._dlpack_consumer_stream(allocator)
+        versioned = True
         try:
-            source = source.__dlpack__(stream=stream, max_version=(1, 0))
+            capsule = source.__dlpack__(stream=stream, max_version=(1, 0))
         except TypeError:  # a producer older than DLPack 1.0 takes no max_version
-            source = source.__dlpack__(stream=stream)
+            versioned = False
+        if not versioned:
+            capsule = source.__dlpack__(stream=stream)
+        source = capsule
     return _shoal._from_dlpack(allocator, source)
 
 

@@ -169,6 +169,8 @@ void register_allocator(nb::module_& m) {
             });
             a.state->oom_observers.push_back(held);
             a.state->allocator().add_oom_observer([held](const alloc::oom_report& report) {
+              // A thread Python made (an allocation from Python, the GIL released or not).
+              const bool python_thread = PyGILState_GetThisThreadState() != nullptr;
               (void)detail::python_work([&] {  // at exit observers are not called
                 const nb::gil_scoped_acquire gil;
                 if (held->is_none()) return;  // removed
@@ -177,6 +179,12 @@ void register_allocator(nb::module_& m) {
                   (*held)(oom_report_dict(report));
                 } catch (nb::python_error& e) {
                   e.discard_as_unraisable("shoal out-of-memory observer");
+#ifdef __GLIBCXX__
+                } catch (abi::__forced_unwind&) {
+                  // Still running when the interpreter finalized (gil.h).
+                  if (python_thread) detail::sleep_until_the_process_ends();
+                  throw;
+#endif
                 }
               });
             });

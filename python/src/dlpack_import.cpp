@@ -206,6 +206,7 @@ void register_dlpack_import(nb::module_& m) {
   // this binding (gil.h).
   m.def("_from_dlpack", &import_dlpack, nb::arg("allocator"), nb::arg("capsule"),
         "An ArrayView over a DLPack capsule's array, zero-copy (the capsule is consumed).");
+  m.attr("_capsule_type") = nb::borrow(reinterpret_cast<PyObject*>(&PyCapsule_Type));
   m.def("_dlpack_consumer_stream", &consumer_stream, nb::arg("allocator"),
         "The stream argument for a producer's __dlpack__: None on the host backend, else the current stream.");
 }

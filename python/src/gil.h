@@ -47,21 +47,34 @@ inline bool interpreter_finalizing() noexcept {
 /// A thread that asked for the GIL after finalization began would be ended
 /// there, and the ending's unwinding through C++ frames aborts the process
 /// (a transfer engine's thread letting go of a source at exit did).
+/// The thread that closed it (the one that finalizes the interpreter) goes
+/// on: nothing ends it.
 inline std::atomic<bool> exit_gate_closed{false};
+inline std::atomic<std::thread::id> exit_gate_closer{};
 inline std::atomic<int> python_work_in_flight{0};
 
 /// Runs `work` — which takes the GIL itself (or holds it), for a short
-/// while — unless the exit gate is closed; false when it did not run (a
-/// reference then leaks, an observer is not called: the process exits).
+/// while — unless the exit gate is closed and this is another thread than
+/// the one that closed it; false when it did not run (a reference then
+/// leaks, an observer is not called: the process exits).
 template <class Work>
 bool python_work(Work&& work) {
   ++python_work_in_flight;
   struct leaves {
     ~leaves() { --python_work_in_flight; }
   } const left;
-  if (exit_gate_closed.load() || Py_IsInitialized() == 0) return false;
+  if (Py_IsInitialized() == 0) return false;
+  if (exit_gate_closed.load() && std::this_thread::get_id() != exit_gate_closer.load()) return false;
   work();
   return true;
+}
+
+/// Where a Python thread running Python code for shoal (an out-of-memory
+/// observer) is ended by the finalizing interpreter: it sleeps until the
+/// process is gone (returning would abort it). Call it from a catch of
+/// abi::__forced_unwind inside the GIL's scope, on a thread Python made.
+[[noreturn]] inline void sleep_until_the_process_ends() {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
 }
 
 /// Takes the GIL back for `state`; a thread the finalizing interpreter ends
@@ -71,7 +84,7 @@ inline void take_gil_back(PyThreadState* state) {
   try {
     PyEval_RestoreThread(state);
   } catch (abi::__forced_unwind&) {
-    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+    sleep_until_the_process_ends();
   }
 #else
   PyEval_RestoreThread(state);  // (libc++ has no forced-unwind type to catch)
@@ -96,6 +109,7 @@ class released_gil {
 /// The atexit hook: closes the exit gate and waits (the GIL released, at
 /// most a second) for the Python work in flight on other threads.
 inline void close_exit_gate() {
+  detail::exit_gate_closer.store(std::this_thread::get_id());
   detail::exit_gate_closed.store(true);
   const released_gil unlocked;
   for (int i = 0; i < 100 && detail::python_work_in_flight.load() > 0; ++i) {

@@ -308,7 +308,8 @@ void register_sharing(nb::module_& m) {
 
   nb::class_<py_peer>(m, "Peer",
                       "One connection to another process, for sharing storages both ways. send() may be called "
-                      "from several threads; receive() from one at a time. A context manager; close() tears "
+                      "from several threads; receive() from one at a time (a second thread receiving may sleep up to "
+                      "0.1 s past a message the first left, while the first spins). A context manager; close() tears "
                       "the connection down (waiting at most the context's teardown timeout), once the calls other threads "
                       "make on it have ended (a receive ends within 0.1 s; a send still waiting after 0.2 s is ended "
                       "by shutting the connection down).")

@@ -60,8 +60,8 @@ transfer::transfer_config::stores parse_staging_stores(const std::string& name) 
 }
 
 struct py_transferred_batch {
+  std::shared_ptr<allocator_state> allocator;  // first: destroyed after the batch's storages
   transfer::transferred_batch batch;
-  std::shared_ptr<allocator_state> allocator;
 };
 
 }  // namespace
@@ -184,7 +184,7 @@ void register_transfer(nb::module_& m) {
               throw timeout_error("TransferEngine.next: no batch came within " + seconds_text(*timeout) + " s (" +
                                   std::to_string(engine->stats().in_flight) + " in flight)");
             }
-            return py_transferred_batch{std::move(*batch), e.allocator};
+            return py_transferred_batch{e.allocator, std::move(*batch)};
           },
           nb::arg("timeout").none() = nb::none(),
           "The next batch in submission order once its copies are enqueued; raises the batch's own error "

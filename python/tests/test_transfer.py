@@ -7,6 +7,8 @@ machine, where torch reads them (and supplies pinned CPU tensors).
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import time
 
@@ -310,3 +312,24 @@ def test_an_engine_prints_what_waits_in_it():
         engine.get(timeout=10)
     assert repr(engine) == "shoal.transfer.Engine(closed)"
 
+
+
+def test_a_batch_that_outlives_its_engine_allocator_and_sources_goes_without_a_crash():
+    # In a child: a use after free here ends the process, not the test.
+    script = (
+        "import numpy, shoal, shoal.transfer\n"
+        "def run():\n"
+        "    allocator = shoal.Allocator(shoal.host_device())\n"
+        "    engine = shoal.transfer.Engine(allocator)\n"
+        "    sources = [numpy.ones(64, 'uint8') for _ in range(4)]\n"
+        "    engine.submit(sources)\n"
+        "    batch = engine.next()\n"
+        "    engine.close()\n"
+        "    del allocator, sources\n"
+        "    return batch\n"
+        "batch = run()\n"
+        "del batch\n"
+        "print('released', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "released\n", (done.returncode, done.stdout, done.stderr)

@@ -293,6 +293,60 @@ def test_daemon_threads_looping_on_a_call_let_the_process_end_cleanly(loop, tmp_
         assert done.returncode == 0 and done.stdout == "exiting\n", (done.returncode, done.stdout, done.stderr)
 
 
+def test_an_observer_still_running_when_the_interpreter_finalizes_lets_the_process_end(tmp_path):
+    """Past the exit gate's second of waiting, the observer's thread is ended inside its Python code."""
+    script = tmp_path / "observer.py"
+    script.write_text(
+        CHILD_PREFIX + "import time\n"
+        "small = shoal.Allocator(shoal.host_device(), use_environment=False, memory_limit_mb=2)\n"
+        "started = threading.Event()\n"
+        "def observer(report):\n"
+        "    started.set()\n"
+        "    end = time.monotonic() + 2\n"
+        "    while time.monotonic() < end:\n"
+        "        pass\n"
+        "small.add_oom_observer(observer)\n"
+        "def work():\n"
+        "    while True:\n"
+        "        try:\n"
+        "            small.allocate(4 << 20)\n"
+        "        except shoal.OutOfMemoryError:\n"
+        "            pass\n"
+        "threading.Thread(target=work, daemon=True).start()\n"
+        "started.wait()\n"
+        "print('exiting', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=WAIT)
+    assert done.returncode == 0 and done.stdout == "exiting\n", (done.returncode, done.stdout, done.stderr)
+
+
+def test_an_atexit_handler_that_runs_after_shoals_own_still_has_observers_and_releases():
+    """A handler registered before `import shoal` runs after shoal's exit gate closed, on the thread
+    that closed it: its observers are called and what it imported goes back to its producer."""
+    script = (
+        "import atexit, gc, sys\n"
+        "def late():\n"
+        "    import numpy, shoal\n"
+        "    calls = []\n"
+        "    small = shoal.Allocator(shoal.host_device(), use_environment=False, memory_limit_mb=2)\n"
+        "    small.add_oom_observer(calls.append)\n"
+        "    try:\n"
+        "        small.allocate(4 << 20)\n"
+        "    except shoal.OutOfMemoryError:\n"
+        "        pass\n"
+        "    array = numpy.ones(16, 'uint8')\n"
+        "    before = sys.getrefcount(array)\n"
+        "    view = shoal.from_dlpack(array, shoal.Allocator(shoal.host_device()))\n"
+        "    del view\n"
+        "    gc.collect()\n"
+        "    print(len(calls), sys.getrefcount(array) == before, flush=True)\n"
+        "atexit.register(late)\n"
+        "import shoal\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=WAIT)
+    assert done.returncode == 0 and done.stdout == "1 True\n", (done.returncode, done.stdout, done.stderr)
+
+
 @pytest.mark.parametrize("call", sorted(WAITS))
 def test_ctrl_c_ends_a_call_that_waits_without_a_timeout(call, tmp_path):
     script = tmp_path / "wait.py"
