@@ -244,9 +244,10 @@ class Borrower:
         return self._native.closed
 
     def __repr__(self) -> str:
-        if self.closed:
+        try:
+            count, nbytes = self.kept()
+        except _shoal.ConnectionClosedError:  # closed, now or by another thread meanwhile
             return f"shoal.lending.Borrower({self._address!r}, closed)"
-        count, nbytes = self.kept()
         return f"shoal.lending.Borrower({self._address!r}, {count} kept mappings of {nbytes} bytes)"
 
     def __enter__(self) -> "Borrower":
@@ -291,9 +292,10 @@ class Lender:
         return self._native.closed
 
     def __repr__(self) -> str:
-        if self.closed:
+        try:
+            s = self.status()
+        except _shoal.InvalidArgumentError:  # closed, now or by another thread meanwhile
             return f"shoal.lending.Lender({self._address!r}, closed)"
-        s = self.status()
         return (f"shoal.lending.Lender({self._address!r}, {len(s['regions'])} regions lent, "
                 f"{s['lent_bytes']} of {s['capacity_bytes']} bytes)")
 

@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "bindings.h"
-#include "gil.h"
 #include "closable.h"
+#include "gil.h"
 #include "shoal/backend/devices.h"
 #include "shoal/core/error.h"
 #include "shoal/lending/borrower.h"

@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "bindings.h"
-#include "gil.h"
 #include "closable.h"
+#include "gil.h"
 #include "shoal/channel/channel.h"
 #include "shoal/core/error.h"
 #include "shoal/ipc/sharing.h"
@@ -86,13 +86,11 @@ struct py_peer {
 
 using time_point = std::chrono::steady_clock::time_point;
 
-
-
 // Peer.receive: try_receive spinning on the ring for the context's
-// receive_spin, then a poll of the socket, in slices, so that Ctrl-C and a close() from another
-// thread end the wait, and so that a batch that has begun to come stays
-// with the connection across slices (its rest is read by the next call; a
-// timeout never breaks the stream).
+// receive_spin, then a poll of the socket, in slices, so that Ctrl-C and a
+// close() from another thread end the wait, and so that a batch that has
+// begun to come stays with the connection across slices (its rest is read by
+// the next call; a timeout never breaks the stream).
 std::optional<ipc::received> receive_in_slices(const closable<ipc::peer>::use& peer, const closable<ipc::peer>& owner,
                                                std::optional<time_point> until, backend::stream_ref stream,
                                                std::chrono::microseconds spin) {
@@ -325,7 +323,7 @@ void register_sharing(nb::module_& m) {
               p = std::make_unique<ipc::peer>(context.state->context(), std::move(c));
             }
             // A send still waiting on a peer that stopped reading when close()
-            // has waited a slice ends with the connection shut down.
+            // has waited two slices ends with the connection shut down.
             auto shut_down = [](ipc::peer& peer) { ::shutdown(peer.native_handle(), SHUT_RDWR); };
             new (self) py_peer{context.state, {"Peer", closed_error::connection_closed, std::move(p), shut_down}};
           },

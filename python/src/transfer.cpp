@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "bindings.h"
-#include "gil.h"
 #include "closable.h"
+#include "gil.h"
 #include "shoal/core/error.h"
 #include "shoal/transfer/transfer_engine.h"
 
@@ -47,8 +47,6 @@ struct py_transfer_engine {
   std::shared_ptr<allocator_state> allocator;
   closable<transfer_engine> engine;
 };
-
-
 
 transfer::transfer_config::stores parse_staging_stores(const std::string& name) {
   using stores = transfer::transfer_config::stores;
