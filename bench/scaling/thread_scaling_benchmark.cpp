@@ -3,7 +3,15 @@
 //   - the same threads with an allocator each (nothing shared at all: the
 //     ceiling of shoal's own code on this machine), and
 //   - private work (32 xorshift rounds a pair, in registers: a ceiling of
-//     the machine that touches no memory).
+//     the machine that touches no memory). One dependent chain: it keeps
+//     about one instruction a cycle busy, so it also runs at full speed
+//     where two threads share a core;
+//   - the same rounds on four independent chains (several instructions a
+//     cycle, as the allocator's loop runs): it slows where threads share a
+//     core, which the first cannot show;
+//   - a free list per thread (a pop and a push a pair, in the thread's own
+//     cache lines; 64 times the pairs of the others, so that it runs as
+//     long): the least any allocator's loop can do.
 // Each thread runs compare_allocators' thread-row loop: allocate and free
 // one block, cycling through eight sizes of 4–7.5 KiB.
 //
@@ -103,18 +111,60 @@ void private_work(int thread, long pairs) {
   }
 }
 
+// Four independent chains of the same rounds: the same work per pair in a
+// quarter of the dependent steps.
+void private_work_four_chains(int thread, long pairs) {
+  std::uint64_t x[4];
+  for (int c = 0; c < 4; ++c) x[c] = 0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(thread * 4 + c + 1);
+  for (long i = 0; i < pairs; ++i) {
+    for (int r = 0; r < 8; ++r) {
+      for (auto& v : x) {
+        v ^= v << 13;
+        v ^= v >> 7;
+        v ^= v << 17;
+      }
+    }
+    asm volatile("" : "+r"(x[0]), "+r"(x[1]), "+r"(x[2]), "+r"(x[3]));
+  }
+}
+
+// One node per size, each the head of its size's free list, on a cache line
+// of the thread's own stack: a pair pops the size's node and pushes it back.
+void free_list_pairs(int, long pairs) {
+  struct alignas(64) node {
+    node* next;
+    std::size_t size;
+  };
+  node nodes[8];
+  node* heads[8];
+  for (int k = 0; k < 8; ++k) {
+    nodes[k] = {nullptr, block_size(k)};
+    heads[k] = &nodes[k];
+  }
+  for (long i = 0; i < pairs; ++i) {
+    const auto k = static_cast<std::size_t>(i & 7);
+    node* n = heads[k];
+    heads[k] = n->next;
+    asm volatile("" : : "r"(n) : "memory");
+    n->next = heads[k];
+    heads[k] = n;
+  }
+}
+
 int run(const options& o) {
   backend::device& dev = o.backend == "host" ? backend::host_device_instance() : backend::cuda_device_instance(0);
   std::printf("thread scaling on %s (%s backend), %ld pairs a thread, %d rounds%s; M pairs/s aggregate, "
               "median (min–max); × one thread in the scaling columns\n\n",
               dev.name().c_str(), o.backend.c_str(), o.pairs, o.rounds, o.pin ? ", thread i on CPU i" : "");
   std::printf("| threads | one shared allocator | an allocator each | shared / each | private work "
-              "| scaling: shared / each / private work |\n| ---: | --- | --- | ---: | --- | --- |\n");
-  double one_shared = 0, one_each = 0, one_private = 0;
+              "| private work, four chains | a free list each "
+              "| scaling: shared / each / private work / four chains / free list |\n"
+              "| ---: | --- | --- | ---: | --- | --- | --- | --- |\n");
+  double one_shared = 0, one_each = 0, one_private = 0, one_chains = 0, one_list = 0;
   for (const int threads : {1, 2, 4, 8, 16}) {
     std::vector<std::unique_ptr<backend::stream>> streams;
     for (int t = 0; t < threads; ++t) streams.push_back(std::make_unique<backend::stream>(dev));
-    std::vector<double> shared, each, priv, ratio;
+    std::vector<double> shared, each, priv, chains, list, ratio;
     for (int r = 0; r < o.rounds; ++r) {
       {
         alloc::caching_allocator a(dev, {});
@@ -128,16 +178,23 @@ int run(const options& o) {
                                       [&](int t, long n) { pairs_on(*own[t], dev, *streams[t], n); }));
       }
       priv.push_back(aggregate_rate(threads, o.pairs, o.pin, private_work));
+      chains.push_back(aggregate_rate(threads, o.pairs, o.pin, private_work_four_chains));
+      list.push_back(aggregate_rate(threads, o.pairs * 64, o.pin, free_list_pairs));
       ratio.push_back(shared.back() / each.back());
     }
-    const spread s = summarize(shared), e = summarize(each), p = summarize(priv), q = summarize(ratio);
+    const spread s = summarize(shared), e = summarize(each), p = summarize(priv), c = summarize(chains),
+                 l = summarize(list), q = summarize(ratio);
     if (threads == 1) {
       one_shared = s.median;
       one_each = e.median;
       one_private = p.median;
+      one_chains = c.median;
+      one_list = l.median;
     }
-    std::printf("| %d | %s | %s | %.2f | %s | %.2f× / %.2f× / %.2f× |\n", threads, text(s).c_str(), text(e).c_str(),
-                q.median, text(p).c_str(), s.median / one_shared, e.median / one_each, p.median / one_private);
+    std::printf("| %d | %s | %s | %.2f | %s | %s | %s | %.2f× / %.2f× / %.2f× / %.2f× / %.2f× |\n", threads,
+                text(s).c_str(), text(e).c_str(), q.median, text(p).c_str(), text(c).c_str(), text(l).c_str(),
+                s.median / one_shared, e.median / one_each, p.median / one_private, c.median / one_chains,
+                l.median / one_list);
     std::fflush(stdout);
   }
   return 0;
