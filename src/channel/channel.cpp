@@ -27,6 +27,7 @@
 #include "channel/private_directory.h"
 #include "channel/send_queue.h"
 #include "channel/shared_ring.h"
+#include "core/deadline.h"
 #include "shoal/core/error.h"
 
 namespace shoal::channel {
@@ -343,11 +344,13 @@ connection connection::adopt(unique_fd connected_socket, const access_policy& po
   return identify_peer(std::move(connected_socket), policy, max_payload, "connection::adopt");
 }
 
-connection connection::adopt_pair_end(unique_fd socket_pair_end, const access_policy& policy, std::size_t max_payload) {
+connection connection::adopt_pair_end(unique_fd socket_pair_end, const access_policy& policy, std::size_t max_payload,
+                                      std::chrono::milliseconds timeout) {
+  const auto until = shoal::detail::deadline_after(shoal::detail::channel_timeout(timeout));
   // adopt() checks the socket's kind; its SO_PEERCRED answer is replaced.
   connection checked = adopt(std::move(socket_pair_end), policy, max_payload);
   unique_fd socket = std::move(checked.state_->socket);
-  const ucred theirs = detail::exchange_credentials(socket.get());
+  const ucred theirs = detail::exchange_credentials(socket.get(), until);
   return checked_peer(std::move(socket), theirs, policy, max_payload, "connection::adopt_pair_end");
 }
 

@@ -1,9 +1,13 @@
 #include "channel/credentials_exchange.h"
 
+#include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
+#include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -50,7 +54,23 @@ void send_greeting(int socket) {
   if (static_cast<std::size_t>(sent) != greeting.size()) throw backend_error("sendmsg", "the greeting went out in part");
 }
 
-ucred receive_greeting(int socket) {
+// Waits until `socket` is readable (or hung up), or throws timeout_error
+// once `until` has passed.
+void wait_readable(int socket, std::chrono::steady_clock::time_point until) {
+  for (;;) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(until - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      throw timeout_error("the other end of the socketpair did not introduce itself in time (a process that never "
+                          "calls connection::adopt_pair_end, or one that started late: give a longer timeout)");
+    }
+    pollfd p{socket, POLLIN, 0};
+    const int ready = ::poll(&p, 1, static_cast<int>(std::min<std::int64_t>(left.count(), 1000 * 60 * 60)));
+    if (ready > 0) return;
+    if (ready < 0 && errno != EINTR) fail("poll");
+  }
+}
+
+ucred receive_greeting(int socket, std::chrono::steady_clock::time_point until) {
   std::array<char, greeting.size()> got{};
   std::size_t have = 0;
   bool found = false, truncated = false;
@@ -64,8 +84,9 @@ ucred receive_greeting(int socket) {
     m.msg_iovlen = 1;
     m.msg_control = control.data();
     m.msg_controllen = control.size();
-    const ssize_t n = ::recvmsg(socket, &m, MSG_CMSG_CLOEXEC);
-    if (n < 0 && errno == EINTR) continue;
+    wait_readable(socket, until);
+    const ssize_t n = ::recvmsg(socket, &m, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
     if (n < 0) fail("recvmsg");
     shoal::detail::take_descriptors(m, descriptors);
     truncated = truncated || (m.msg_flags & MSG_CTRUNC) != 0;
@@ -90,10 +111,10 @@ ucred receive_greeting(int socket) {
 
 }  // namespace
 
-ucred exchange_credentials(int socket) {
+ucred exchange_credentials(int socket, std::chrono::steady_clock::time_point until) {
   set_passcred(socket, 1);
   send_greeting(socket);
-  const ucred theirs = receive_greeting(socket);
+  const ucred theirs = receive_greeting(socket, until);
   set_passcred(socket, 0);
   return theirs;
 }

@@ -9,12 +9,15 @@
 
 #include <sys/socket.h>
 
+#include <chrono>
+
 namespace shoal::channel::detail {
 
 /// Sends this process's credentials on `socket` and returns the other
 /// end's. Both ends must call it. Throws protocol_error when the greeting is
-/// not one, connection_closed when the other end goes, backend_error when
-/// the system refuses.
-ucred exchange_credentials(int socket);
+/// not one, connection_closed when the other end goes, timeout_error when
+/// its greeting has not come whole by `until`, backend_error when the system
+/// refuses.
+ucred exchange_credentials(int socket, std::chrono::steady_clock::time_point until);
 
 }  // namespace shoal::channel::detail

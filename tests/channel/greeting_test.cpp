@@ -1,5 +1,6 @@
 // The socketpair greeting (connection::adopt_pair_end) carries credentials
-// only: descriptors sent with it are closed and the greeting refused.
+// only: descriptors sent with it are closed and the greeting refused; the
+// wait for it has a deadline.
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -7,6 +8,7 @@
 #include <fcntl.h>
 
 #include <array>
+#include <chrono>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -60,6 +62,42 @@ TEST(greeting, descriptors_sent_with_a_greeting_are_closed_and_the_greeting_refu
     theirs.reset();
     EXPECT_EQ(open_descriptor_count(), before - 2) << "every descriptor that came was closed (and both ends of the pair)";
   }
+}
+
+// The other end never introduces itself (a process that does not adopt its
+// end, or one that sends part of the greeting and stops): the adopting side
+// gives up at its timeout, with the socket closed, instead of waiting for ever.
+TEST(greeting, an_end_that_never_introduces_itself_times_out) {
+  for (const bool in_part : {false, true}) {
+    int fds[2];
+    ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
+    unique_fd theirs(fds[1]);
+    if (in_part) ASSERT_EQ(::send(theirs.get(), "SHOL", 4, MSG_NOSIGNAL), 4);
+    const std::size_t before = open_descriptor_count();
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_THROW((void)channel::connection::adopt_pair_end(unique_fd(fds[0]), {}, channel::connection::default_max_payload,
+                                                           std::chrono::milliseconds(200)),
+                 timeout_error)
+        << (in_part ? "half a greeting" : "no greeting");
+    const auto waited = std::chrono::steady_clock::now() - start;
+    EXPECT_GE(waited, std::chrono::milliseconds(200));
+    EXPECT_LT(waited, std::chrono::seconds(5));
+    EXPECT_EQ(open_descriptor_count(), before - 1) << "the adopting end was closed";
+  }
+}
+
+// A greeting that comes late, but within the timeout, is taken.
+TEST(greeting, a_late_greeting_within_the_timeout_is_taken) {
+  int fds[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
+  std::thread other([end = fds[1]] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    (void)channel::connection::adopt_pair_end(unique_fd(end), {});
+  });
+  const channel::connection c = channel::connection::adopt_pair_end(
+      unique_fd(fds[0]), {}, channel::connection::default_max_payload, std::chrono::seconds(10));
+  EXPECT_EQ(c.peer().uid, ::geteuid());
+  other.join();
 }
 
 }  // namespace

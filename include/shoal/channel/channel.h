@@ -176,6 +176,8 @@ class private_directory;
 class connection {
  public:
   static constexpr std::size_t default_max_payload = 64 * 1024;
+  /// How long adopt_pair_end waits for the other end's credentials unless told.
+  static constexpr std::chrono::milliseconds default_pair_greeting_timeout = std::chrono::seconds(60);
 
   /// Connects to the listener at `address` and checks the server's uid
   /// against `policy`. Frames received carry at most `max_payload` bytes.
@@ -199,10 +201,13 @@ class connection {
   /// a child started with it): SO_PEERCRED would name the pair's creator on
   /// both ends, so instead each end sends its credentials, which the kernel
   /// checks (SCM_CREDENTIALS), and reads the other's. Both ends must call
-  /// this; it blocks until the other end has. Throws as adopt() does, and
-  /// protocol_error when the other end sends anything else first.
+  /// this; it waits for the other end's credentials up to `timeout` (a child
+  /// that imports much before it adopts its end needs a longer one). Throws
+  /// as adopt() does, protocol_error when the other end sends anything else
+  /// first, and timeout_error when its credentials have not come in time.
   [[nodiscard]] static connection adopt_pair_end(unique_fd socket_pair_end, const access_policy& policy,
-                                                 std::size_t max_payload = default_max_payload);
+                                                 std::size_t max_payload = default_max_payload,
+                                                 std::chrono::milliseconds timeout = default_pair_greeting_timeout);
 
   connection(connection&& other) noexcept;
   connection& operator=(connection&& other) noexcept;
