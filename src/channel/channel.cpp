@@ -24,6 +24,7 @@
 
 #include "channel/credentials_exchange.h"
 #include "channel/frame_batch.h"
+#include "channel/frames_ahead.h"
 #include "channel/private_directory.h"
 #include "channel/send_queue.h"
 #include "channel/shared_ring.h"
@@ -208,7 +209,7 @@ struct connection::state {
   std::unique_ptr<detail::ring_reader> in_ring;
   std::atomic<const detail::ring_reader*> in_ring_view{nullptr};
   std::atomic<bool> ring_allowed{false};  // allow_peer_ring() was called
-  std::deque<frame> socket_frames;
+  detail::frames_ahead_of_markers socket_frames;
   std::atomic<bool> marker_taken{false};  // pending() reads it
   mutable std::mutex broken_mutex;
   std::string broken_reason;  // empty while usable; guarded by broken_mutex
@@ -689,7 +690,7 @@ struct receive_side {
   std::deque<frame>& unread;
   std::unique_ptr<detail::ring_reader>& in_ring;
   std::atomic<const detail::ring_reader*>& in_ring_view;
-  std::deque<frame>& socket_frames;
+  detail::frames_ahead_of_markers& socket_frames;
   std::atomic<bool>& marker_taken;
   std::size_t max_payload;
 };
@@ -716,13 +717,7 @@ void route(receive_side r, std::vector<frame> batch) {
       if (!f.payload.empty() || f.fd) throw protocol_error("a ring wake-up that carries a payload or a descriptor");
       r.in_ring->note_wake();
     } else if (r.in_ring) {
-      // An honest sender publishes a batch's markers before it sends the
-      // next batch: two batches at most wait here.
-      if (r.socket_frames.size() >= 2 * max_batch_frames) {
-        throw protocol_error("more than " + std::to_string(2 * max_batch_frames) +
-                             " frames on the socket ahead of their markers in the ring");
-      }
-      r.socket_frames.push_back(std::move(f));
+      r.socket_frames.push(std::move(f), r.max_payload);
     } else {
       r.unread.push_back(std::move(f));
     }
@@ -746,9 +741,7 @@ std::optional<frame> next_in_ring(receive_side r, ReadMore read_more) {
     }
     if (!r.socket_frames.empty()) {
       r.marker_taken.store(false, std::memory_order_relaxed);
-      frame f = std::move(r.socket_frames.front());
-      r.socket_frames.pop_front();
-      return f;
+      return r.socket_frames.pop();
     }
     if (!read_more()) return std::nullopt;
   }

@@ -28,8 +28,9 @@
 // copies a payload out before anything reads it; the writer checks that the
 // reader's head moves forward and never past the tail. A violation is a
 // protocol_error. Either side can still punch holes in the file
-// (fallocate), which reads back as zeros here and is then refused as
-// malformed; under strict overcommit, refaulting such a page could fail.
+// (fallocate), which read back as zeros here: empty entries of type 0, no
+// more than the peer could have written itself; under strict overcommit,
+// refaulting such a page could fail.
 //
 // Not thread-safe: the connection serializes each side (its send and
 // receive locks), except a reader's seems_to_have_entries(), which any

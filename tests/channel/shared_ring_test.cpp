@@ -424,6 +424,8 @@ void expect_refused(connection& b, const std::string& expected) {
     ADD_FAILURE() << "no protocol_error; expected one saying \"" << expected << "\"";
   } catch (const protocol_error& e) {
     EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected a protocol_error saying \"" << expected << "\"; got: " << e.what();
   }
   EXPECT_TRUE(b.broken());
 }
@@ -482,6 +484,34 @@ TEST(channel_ring_hostile_sender, frames_on_the_socket_far_ahead_of_their_marker
   std::vector<raw_frame> frames(64, raw_frame{1, bytes_of("x")});
   for (int i = 0; i < 3; ++i) write_raw(r.sender(), raw_batch("SHOL", 2, frames, 1024));
   expect_refused(r.b, "ahead of their markers");
+}
+
+// Frames held for their markers are bounded by what two batches carry in
+// bytes and descriptors too, not only in count: one large frame a batch
+// (or one descriptor a batch) would otherwise be held 128 times.
+TEST(channel_ring_hostile_sender, large_frames_ahead_of_their_markers_are_bounded_by_bytes) {
+  ring_receiver r;
+  hand_made_ring ring(4096);
+  ring.announce(r.sender());
+  std::thread sender([&] {
+    for (int i = 0; i < 3; ++i) {
+      write_raw(r.sender(), raw_batch("SHOL", 2, {{1, std::vector<std::byte>(connection::default_max_payload)}}));
+    }
+  });
+  expect_refused(r.b, "past what two batches carry");
+  { connection gone = std::move(r.b); }  // a sender still writing (the test failing) ends
+  sender.join();
+}
+
+TEST(channel_ring_hostile_sender, descriptors_ahead_of_their_markers_are_bounded) {
+  ring_receiver r;
+  hand_made_ring ring(4096);
+  ring.announce(r.sender());
+  const unique_fd file(::memfd_create("carried", MFD_CLOEXEC));
+  for (std::size_t i = 0; i <= 2 * channel::max_batch_descriptors; ++i) {
+    write_raw(r.sender(), raw_batch("SHOL", 2, {{1, bytes_of("d"), 1}}), {file.get()});
+  }
+  expect_refused(r.b, "past what two batches carry");
 }
 
 TEST(channel_ring_hostile_sender, wake_ups_with_nothing_published_between_them_are_refused) {

@@ -330,8 +330,11 @@ class connection {
 
   /// Frames that came in a batch already read and that receive() has not
   /// returned yet, plus one while the peer's ring holds entries: while it
-  /// is not zero, receive() returns at once, and native_handle() need not
-  /// poll readable.
+  /// is not zero, receive() from an honest peer returns at once, and
+  /// native_handle() need not poll readable. (A ring entry may mark a frame
+  /// that comes on the socket, which an honest peer sends first; one that
+  /// never sends it holds receive() until its deadline. With a peer you do
+  /// not trust, drain with try_receive() or receive_for().)
   [[nodiscard]] std::size_t pending() const;
 
   /// receive() first polls for up to `spin` without sleeping before it
