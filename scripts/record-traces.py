@@ -25,95 +25,30 @@ Workloads (random weights and inputs, no network needed):
 
 Usage, on the GPU machine (PyTorch with CUDA; well under 3 minutes on an H100):
   python3 scripts/record-traces.py [OUT_DIR]   # default: $OUT, else ./traces
-  python3 scripts/record-traces.py --self-test # checks the conversion; needs no torch
+
+The recording and the conversion are shoal.traces' (python/shoal/traces.py, loaded
+here by path), which records any program the same way.
 """
 
 import argparse
 import datetime
 import gc
+import importlib.util
 import os
 import random
 import sys
-import tempfile
-import time
 
-HEADER = "shoal-trace v1"
-
-
-class Converted:
-    """A converted trace: events are ("a", id, bytes, stream) and ("f", id, stream)."""
-
-    def __init__(self):
-        self.events = []
-        self.streams = {}  # PyTorch stream handle -> trace stream id (order of first use)
-        self.peak_requested = 0
-        self.allocs = 0
-        self.skipped_frees = 0  # frees of blocks allocated before the recording began
-        self.skipped_zero = 0  # zero-byte allocs (the format has none)
-        self.lost_frees = 0  # an address allocated again while live: its free is missing
-        self.live_at_end = 0
+def load_traces_module():
+    """shoal.traces (python/shoal/traces.py), loaded by path: it needs no built shoal."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "shoal", "traces.py")
+    spec = importlib.util.spec_from_file_location("shoal_traces", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
 
 
-def convert(entries, free_action="free_requested"):
-    """Converts PyTorch's device trace entries (torch.cuda.memory._snapshot()
-    ["device_traces"][device]) into shoal trace events.
-
-    free_action picks which PyTorch event is the free: "free_requested" (the
-    program dropped the block; the allocator's own stream hold is what is
-    being compared) or "free_completed" (the block became reusable in
-    PyTorch). Every other action (segment_*, snapshot, oom, ...) is ignored.
-    Addresses become ids in order of allocation; stream handles become small
-    integers in order of first use.
-    """
-    if free_action not in ("free_requested", "free_completed"):
-        raise ValueError(f"free_action must be free_requested or free_completed, not {free_action!r}")
-    out = Converted()
-    live = {}  # address -> (id, bytes, stream)
-    live_bytes = 0
-
-    def stream_id(handle):
-        return out.streams.setdefault(handle, len(out.streams))
-
-    for entry in entries:
-        action = entry["action"]
-        if action == "alloc":
-            size = int(entry["size"])
-            if size <= 0:
-                out.skipped_zero += 1
-                continue
-            addr = entry["addr"]
-            stream = stream_id(entry["stream"])
-            if addr in live:
-                # Only possible when the history ring dropped the free; close
-                # the old block here so ids stay unique among live blocks.
-                old_id, old_size, old_stream = live.pop(addr)
-                out.events.append(("f", old_id, old_stream))
-                live_bytes -= old_size
-                out.lost_frees += 1
-            live[addr] = (out.allocs, size, stream)
-            out.events.append(("a", out.allocs, size, stream))
-            out.allocs += 1
-            live_bytes += size
-            out.peak_requested = max(out.peak_requested, live_bytes)
-        elif action == free_action:
-            block = live.pop(entry["addr"], None)
-            if block is None:
-                out.skipped_frees += 1
-                continue
-            block_id, size, _ = block
-            out.events.append(("f", block_id, stream_id(entry["stream"])))
-            live_bytes -= size
-    out.live_at_end = len(live)
-    return out
-
-
-def write_trace(path, converted, notes):
-    with open(path, "w", encoding="ascii") as f:
-        f.write(HEADER + "\n")
-        for note in notes:
-            f.write(f"# {note}\n")
-        for event in converted.events:
-            f.write(" ".join(str(field) for field in event) + "\n")
+traces = load_traces_module()
 
 
 # ---- workloads ---------------------------------------------------------------
@@ -313,51 +248,17 @@ def record(torch, name, out_dir, max_entries, free_action):
         # so that each trace starts from nothing and records its own workspaces
         torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    baseline = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(
-        enabled="all", context=None, stacks="python", max_entries=max_entries, clear_history=True
-    )
-    start = time.perf_counter()
-    try:
-        model_note = run(torch)
-        gc.collect()  # the workload's tensors are freed inside the recording
-        torch.cuda.synchronize()
-        snapshot = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    seconds = time.perf_counter() - start
-    stats = torch.cuda.memory_stats()
-    entries = snapshot["device_traces"][torch.cuda.current_device()]
-    if len(entries) >= max_entries:
-        print(f"warning: {name}: {len(entries)} history entries reached max_entries; "
-              "the start of the workload was lost (raise --max-entries)", file=sys.stderr)
-    converted = convert(entries, free_action)
-    torch_peak = {
-        "reserved": stats["reserved_bytes.all.peak"],
-        "allocated": stats["allocated_bytes.all.peak"],
-        "requested": stats.get("requested_bytes.all.peak", 0),
-    }
-    notes = [note for note in [
-        f"{name}: recorded by scripts/record-traces.py, {datetime.date.today().isoformat()}, "
-        f"PyTorch {torch.__version__}, {torch.cuda.get_device_name()}",
-        f"workload: {description}",
-        model_note,
-        f"torch peaks over the recording: reserved {torch_peak['reserved']} allocated {torch_peak['allocated']} "
-        f"requested {torch_peak['requested']} bytes (allocated before it: {baseline})",
-        f"conversion: frees from '{free_action}'; {converted.skipped_frees} frees of earlier blocks skipped, "
-        f"{converted.skipped_zero} zero-byte allocs skipped, {converted.lost_frees} lost frees closed, "
-        f"{converted.live_at_end} blocks live at the end",
-    ] if note]
     path = os.path.join(out_dir, name + ".trace")
-    write_trace(path, converted, notes)
-    return {
-        "name": name,
-        "path": path,
-        "converted": converted,
-        "torch": torch_peak,
-        "seconds": seconds,
-    }
+    notes = [f"{name}: recorded by scripts/record-traces.py, {datetime.date.today().isoformat()}",
+             f"workload: {description}"]
+    with traces.record(path, max_entries=max_entries, free_on=free_action, notes=notes) as recording:
+        model_note = run(torch)
+        if model_note:
+            recording.notes.append(model_note)
+    if recording.truncated:
+        print(f"warning: {name}: the history reached max_entries; the start of the workload was lost "
+              "(raise --max-entries)", file=sys.stderr)
+    return {"name": name, "recording": recording}
 
 
 def print_table(results):
@@ -365,11 +266,11 @@ def print_table(results):
           "| torch peak allocated MiB | torch peak reserved MiB | torch reserved / requested | seconds |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
-        c, t = r["converted"], r["torch"]
-        ratio = t["reserved"] / c.peak_requested if c.peak_requested else 0.0
-        print(f"| {r['name']} | {len(c.events)} | {c.allocs} | {len(c.streams)} | {mib(c.peak_requested):.1f} "
-              f"| {mib(t['requested']):.1f} | {mib(t['allocated']):.1f} | {mib(t['reserved']):.1f} | {ratio:.3f} "
-              f"| {r['seconds']:.1f} |")
+        c = r["recording"]
+        ratio = c.torch_peak_reserved / c.peak_requested if c.peak_requested else 0.0
+        print(f"| {r['name']} | {c.events} | {c.allocs} | {c.streams} | {mib(c.peak_requested):.1f} "
+              f"| {mib(c.torch_peak_requested):.1f} | {mib(c.torch_peak_allocated):.1f} "
+              f"| {mib(c.torch_peak_reserved):.1f} | {ratio:.3f} | {c.seconds:.1f} |")
 
 
 def main_record(args):
@@ -383,72 +284,11 @@ def main_record(args):
     results = []
     for name in names:
         r = record(torch, name, args.out, args.max_entries, args.free_on)
-        print(f"wrote {r['path']} ({len(r['converted'].events)} events, {r['seconds']:.1f} s)", flush=True)
+        print(f"wrote {r['recording']}", flush=True)
         results.append(r)
     print()
     print_table(results)
     return 0
-
-
-# ---- self-test ------------------------------------------------------------------
-
-
-def self_test():
-    side = 93824992236000  # a side stream's handle, as PyTorch reports it
-    entries = [
-        {"action": "segment_alloc", "addr": 0x100000, "size": 2 << 20, "stream": 0},
-        {"action": "free_requested", "addr": 0x7000, "size": 512, "stream": 0},  # allocated before recording
-        {"action": "free_completed", "addr": 0x7000, "size": 512, "stream": 0},
-        {"action": "alloc", "addr": 0x100000, "size": 1000, "stream": 0},
-        {"action": "alloc", "addr": 0x100400, "size": 3000, "stream": side},
-        {"action": "free_requested", "addr": 0x100000, "size": 1000, "stream": 0},
-        {"action": "alloc", "addr": 0x101000, "size": 200, "stream": 0},
-        {"action": "snapshot", "addr": 0, "size": 0, "stream": 0},
-        {"action": "free_completed", "addr": 0x100000, "size": 1000, "stream": 0},
-        {"action": "alloc", "addr": 0x102000, "size": 0, "stream": 0},
-        {"action": "alloc", "addr": 0x100000, "size": 512, "stream": 0},  # the address, reused: a new id
-        {"action": "alloc", "addr": 0x100400, "size": 64, "stream": side},  # live address: its free was lost
-        {"action": "oom", "device_free": 0, "size": 1 << 40, "stream": 0},
-        {"action": "free_requested", "addr": 0x101000, "size": 200, "stream": side},  # a cross-stream free
-        {"action": "free_completed", "addr": 0x101000, "size": 200, "stream": side},
-    ]
-    failures = []
-
-    def check(what, got, expected):
-        if got != expected:
-            failures.append(f"{what}: got {got!r}, expected {expected!r}")
-
-    c = convert(entries)
-    check("events (free_requested)", c.events, [
-        ("a", 0, 1000, 0), ("a", 1, 3000, 1), ("f", 0, 0), ("a", 2, 200, 0),
-        ("a", 3, 512, 0), ("f", 1, 1), ("a", 4, 64, 1), ("f", 2, 1),
-    ])
-    check("streams", c.streams, {0: 0, side: 1})
-    check("peak requested (free_requested)", c.peak_requested, 4000)
-    check("counts", (c.allocs, c.skipped_frees, c.skipped_zero, c.lost_frees, c.live_at_end), (5, 1, 1, 1, 2))
-
-    c = convert(entries, "free_completed")
-    check("events (free_completed)", c.events[:4], [("a", 0, 1000, 0), ("a", 1, 3000, 1), ("a", 2, 200, 0), ("f", 0, 0)])
-    check("peak requested (free_completed)", c.peak_requested, 4200)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "t.trace")
-        write_trace(path, convert(entries), ["a note"])
-        with open(path, encoding="ascii") as f:
-            text = f.read()
-    check("text", text, "shoal-trace v1\n# a note\na 0 1000 0\na 1 3000 1\nf 0 0\na 2 200 0\n"
-          "a 3 512 0\nf 1 1\na 4 64 1\nf 2 1\n")
-
-    try:
-        convert(entries, "free")
-        failures.append("an unknown free_action was accepted")
-    except ValueError:
-        pass
-
-    for failure in failures:
-        print("FAIL", failure)
-    print("record-traces self-test:", "failed" if failures else "passed")
-    return 1 if failures else 0
 
 
 def main():
@@ -459,10 +299,7 @@ def main():
     parser.add_argument("--max-entries", type=int, default=1_000_000, help="history ring size (default 1,000,000)")
     parser.add_argument("--free-on", choices=("free_requested", "free_completed"), default="free_requested",
                         help="which PyTorch event counts as the free (default free_requested)")
-    parser.add_argument("--self-test", action="store_true", help="check the conversion on a fabricated history")
     args = parser.parse_args()
-    if args.self_test:
-        return self_test()
     return main_record(args)
 
 
