@@ -392,9 +392,9 @@ class Listener:
 
     def __repr__(self) -> str: ...
 
-def connect(address: str, allowed_uids: Sequence[int] = []) -> Connection:
+def connect(address: str, allowed_uids: Sequence[int] = [], timeout: float | None = 60.0) -> Connection:
     """
-    Connects to the Listener at `address`; the listening process must run as this user or one of `allowed_uids` (PeerRefusedError otherwise). ConnectionClosedError when no one listens there.
+    Connects to the Listener at `address`; the listening process must run as this user or one of `allowed_uids` (PeerRefusedError otherwise). ConnectionClosedError when no one listens there; PeerTimeoutError when the listener takes no connection within `timeout` seconds (a server that stopped accepting; None waits without a deadline).
     """
 
 class SharingContext:

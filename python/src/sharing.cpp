@@ -242,15 +242,19 @@ void register_sharing(nb::module_& m) {
 
   m.def(
       "connect",
-      [](const std::string& address, const std::vector<std::uint32_t>& allowed_uids) {
+      [](const std::string& address, const std::vector<std::uint32_t>& allowed_uids, std::optional<double> timeout) {
         const auto a = address_of(address);
         const auto policy = policy_of(allowed_uids);
+        const auto t = deadline_of(timeout, "connect").value_or(std::chrono::milliseconds::max());
         released_gil release;
-        return py_connection{channel::connection::connect(a, policy)};
+        return py_connection{channel::connection::connect(a, policy, channel::connection::default_max_payload, t)};
       },
       nb::arg("address"), nb::arg("allowed_uids") = std::vector<std::uint32_t>{},
+      nb::arg("timeout").none() = 60.0,
       "Connects to the Listener at `address`; the listening process must run as this user or one of "
-      "`allowed_uids` (PeerRefusedError otherwise). ConnectionClosedError when no one listens there.");
+      "`allowed_uids` (PeerRefusedError otherwise). ConnectionClosedError when no one listens there; "
+      "PeerTimeoutError when the listener takes no connection within `timeout` seconds (a server that stopped "
+      "accepting; None waits without a deadline).");
 
   nb::class_<py_sharing_context>(m, "SharingContext",
                                  "What sharing storages with other processes needs, for one Allocator: "

@@ -265,6 +265,22 @@ def test_a_closed_peer_raises_connection_closed():
             shoal.Peer(context, connection)
 
 
+def test_connect_to_a_listener_that_takes_no_one_times_out(tmp_path):
+    import socket
+
+    path = str(tmp_path / "stuck.sock")
+    with socket.socket(socket.AF_UNIX) as server, socket.socket(socket.AF_UNIX) as filler:
+        server.bind(path)
+        server.listen(0)
+        filler.connect(path)  # the backlog is full: a server that stopped accepting
+        start = time.monotonic()
+        with pytest.raises(shoal.PeerTimeoutError, match="took no connection"):
+            shoal.connect(path, timeout=0.2)
+        assert 0.2 <= time.monotonic() - start < 5
+        with pytest.raises(ValueError, match="timeout"):
+            shoal.connect(path, timeout=-1)
+
+
 @pytest.mark.parametrize("ring_bytes", [65536, 0])
 def test_try_receive_takes_every_message_that_came_then_returns_none(ring_bytes):
     import select

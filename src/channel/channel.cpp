@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -303,19 +304,38 @@ connection connection::checked_peer(unique_fd socket, const ucred& credentials, 
   return connection(std::move(s));
 }
 
-connection connection::connect(const channel_address& address, const access_policy& policy, std::size_t max_payload) {
+connection connection::connect(const channel_address& address, const access_policy& policy, std::size_t max_payload,
+                               std::chrono::milliseconds timeout) {
   unique_fd s = new_unix_socket(0);
   const socket_address target = to_socket_address(address);
+  const auto until = shoal::detail::deadline_after(shoal::detail::channel_timeout(timeout));
   int rc;
   do {  // an interrupted UNIX connect left nothing behind; try again
+    // A UNIX connect waits for room in the listener's backlog for as long
+    // as the socket's send timeout (0: for ever): at most what is left.
+    const auto left = std::max(std::chrono::ceil<std::chrono::microseconds>(until - std::chrono::steady_clock::now()),
+                               std::chrono::microseconds(1));
+    const timeval wait{static_cast<time_t>(left.count() / 1'000'000), static_cast<suseconds_t>(left.count() % 1'000'000)};
+    if (::setsockopt(s.get(), SOL_SOCKET, SO_SNDTIMEO, &wait, sizeof wait) != 0) {
+      throw backend_error("setsockopt(SO_SNDTIMEO)", errno_text());
+    }
     rc = ::connect(s.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length);
-  } while (rc != 0 && errno == EINTR);
+  } while (rc != 0 && errno == EINTR && std::chrono::steady_clock::now() < until);
   if (rc != 0) {
     if (errno == ECONNREFUSED || errno == ENOENT) {
       throw connection_closed("connection::connect: no one listens at " + address.to_string() +
                               "; start the server first");
     }
+    if (errno == EAGAIN || errno == EINTR) {
+      throw timeout_error("connection::connect: the listener at " + address.to_string() +
+                          " took no connection within " + std::to_string(timeout.count()) +
+                          " ms (its backlog stayed full: a server that stopped accepting)");
+    }
     throw backend_error("connect(" + address.to_string() + ")", errno_text());
+  }
+  const timeval none{};
+  if (::setsockopt(s.get(), SOL_SOCKET, SO_SNDTIMEO, &none, sizeof none) != 0) {
+    throw backend_error("setsockopt(SO_SNDTIMEO)", errno_text());
   }
   return identify_peer(std::move(s), policy, max_payload, "connection::connect to " + address.to_string());
 }

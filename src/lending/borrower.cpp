@@ -40,17 +40,20 @@ std::chrono::milliseconds left_until(clock_type::time_point deadline) {
 
 using shoal::detail::deadline_after;
 
-// The next frame that comes by `deadline`, or nullopt; a batch that came in
-// part by then is kept for the next call (revocations() is called with short
-// waits, in a loop: one that ends mid-batch must not break the link).
-std::optional<channel::frame> receive_keeping_part(channel::connection& conn, clock_type::time_point deadline) {
-  for (;;) {
-    if (std::optional<channel::frame> f = conn.try_receive()) return f;
-    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - clock_type::now());
-    if (left.count() <= 0) return std::nullopt;
-    pollfd readable{conn.native_handle(), POLLIN, 0};
-    (void)::poll(&readable, 1, static_cast<int>(std::min<std::int64_t>(left.count(), INT_MAX)));
-  }
+// revocations() looks at what other threads' requests read (and stashed) at
+// least this often while it waits.
+constexpr std::chrono::milliseconds revocation_slice{10};
+
+// Waits until `conn` may have something to read, or `until`. Reads nothing:
+// a batch that came in part stays for the next try_receive (revocations()
+// is called with short waits, in a loop: one that ends mid-batch must not
+// break the link).
+void wait_readable(const channel::connection& conn, clock_type::time_point until) {
+  if (conn.pending() > 0) return;
+  const auto left = std::chrono::ceil<std::chrono::milliseconds>(until - clock_type::now());
+  if (left.count() <= 0) return;
+  pollfd readable{conn.native_handle(), POLLIN, 0};
+  (void)::poll(&readable, 1, static_cast<int>(std::min<std::int64_t>(left.count(), INT_MAX)));
 }
 
 }  // namespace
@@ -61,7 +64,7 @@ struct borrowed_region::link {
       : device(d), conn(std::move(c)), kept(d, options.keep_mappings ? options.kept_mapping_bytes : 0) {}
 
   backend::device& device;
-  mutable std::mutex mutex;
+  mutable std::timed_mutex mutex;  // timed: revocations() gives up at its deadline
   channel::connection conn;
   detail::mapping_cache kept;  // under mutex
   std::uint64_t next_request = 1;
@@ -71,7 +74,22 @@ struct borrowed_region::link {
 
   void usable(const char* operation) const {
     if (out_of_step) {
-      throw connection_closed(std::string("borrower::") + operation + ": an earlier request timed out; connect again");
+      throw connection_closed(std::string("borrower::") + operation +
+                              ": an earlier request timed out or the lender broke the protocol; connect again");
+    }
+  }
+
+  // Runs `request` (under `mutex`): a protocol_error anywhere in it (an
+  // answer that does not decode, or does not fit what was asked) leaves the
+  // link out of step, so nothing more is read from a lender that broke the
+  // protocol: what else it sent would be taken for later answers.
+  template <class Request>
+  decltype(auto) exchange(Request&& request) {
+    try {
+      return request();
+    } catch (const protocol_error&) {
+      out_of_step = true;
+      throw;
     }
   }
 
@@ -184,6 +202,11 @@ struct borrowed_region::link {
   void give_back(std::uint64_t id, std::uint64_t memory, void* data, std::size_t size, bool exclusive,
                  clock_type::time_point deadline) {
     std::lock_guard lock(mutex);
+    exchange([&] { give_back_locked(id, memory, data, size, exclusive, deadline); });
+  }
+
+  void give_back_locked(std::uint64_t id, std::uint64_t memory, void* data, std::size_t size, bool exclusive,
+                        clock_type::time_point deadline) {
     const bool keep = exclusive && !out_of_step && kept.room_for(size);
     if (!keep) device.close_import(data);
     bool kept_now = false;
@@ -342,7 +365,7 @@ void borrowed_region::release() noexcept {
 borrower::borrower(backend::device& device, const channel::channel_address& address,
                    const channel::access_policy& policy, std::chrono::milliseconds timeout, borrower_options options) {
   const auto deadline = deadline_after(timeout);
-  auto conn = channel::connection::connect(address, policy, detail::max_frame_payload);
+  auto conn = channel::connection::connect(address, policy, detail::max_frame_payload, left_until(deadline));
   conn.set_send_timeout(shoal::detail::channel_timeout(timeout));
   channel::send_hello(conn, lending_protocol);
   channel::check_hello(conn.receive_for(left_until(deadline)), lending_protocol);
@@ -369,7 +392,8 @@ borrowed_region borrower::borrow(std::size_t bytes, std::string_view purpose, re
   const std::uint64_t request = l.next_request++;
   l.conn.send(static_cast<std::uint16_t>(message_type::borrow),
               detail::encode(detail::borrow_message{request, bytes, mode, std::string(purpose)}));
-  const auto m = l.receive_region(request, bytes, backend::memory_access::read_write, deadline, "borrow");
+  const auto m = l.exchange(
+      [&] { return l.receive_region(request, bytes, backend::memory_access::read_write, deadline, "borrow"); });
   return borrowed_region(link_, m.lent.region, m.lent.memory, m.data, static_cast<std::size_t>(m.lent.bytes));
 }
 
@@ -399,7 +423,8 @@ borrowed_region borrower::publish(borrowed_region&& region, const region_layout&
   try {
     l.conn.send(static_cast<std::uint16_t>(message_type::publish),
                 detail::encode(detail::publish_message{request, id, layout}));
-    const auto m = l.receive_region(request, size, backend::memory_access::read_only, deadline, "publish");
+    const auto m = l.exchange(
+        [&] { return l.receive_region(request, size, backend::memory_access::read_only, deadline, "publish"); });
     if (m.lent.region != id) {
       l.device.close_import(m.data);
       l.out_of_step = true;
@@ -434,7 +459,8 @@ borrowed_region borrower::borrow_shared(std::string_view name, std::optional<con
   const std::uint64_t request = l.next_request++;
   l.conn.send(static_cast<std::uint16_t>(message_type::borrow_shared),
               detail::encode(detail::borrow_shared_message{request, std::string(name), expected, expected_writer_uid}));
-  const auto m = l.receive_region(request, 0, backend::memory_access::read_only, deadline, "borrow_shared");
+  const auto m = l.exchange(
+      [&] { return l.receive_region(request, 0, backend::memory_access::read_only, deadline, "borrow_shared"); });
   // The layout frame follows. Anything wrong with it unmaps the region and
   // leaves the link out of step (the lender reclaims the hold on hang-up).
   try {
@@ -485,19 +511,28 @@ borrower::kept_mappings borrower::kept() const {
 std::vector<borrower::revocation> borrower::revocations(std::chrono::milliseconds wait) {
   const auto deadline = deadline_after(wait);
   auto& l = *link_;
-  std::lock_guard lock(l.mutex);
-  l.usable("revocations");
-  for (bool first = l.stashed.empty();; first = false) {
-    // The first frame may be waited for; after it, only what is there already.
-    std::optional<channel::frame> f = first ? receive_keeping_part(l.conn, deadline) : l.conn.try_receive();
-    if (!f) break;
-    if (!l.unasked(*f, "revocations")) {
-      l.out_of_step = true;
-      throw protocol_error("borrower::revocations: the lender sent frame type " + std::to_string(f->type) +
-                           " unasked; only revoke and forget may come so");
+  for (;;) {
+    {
+      // Another thread's request holds it for at most that request's own
+      // deadline; past this call's, the revokes wait for the next call.
+      std::unique_lock lock(l.mutex, std::defer_lock);
+      if (!lock.try_lock_until(deadline)) return {};
+      l.usable("revocations");
+      l.exchange([&] {
+        while (std::optional<channel::frame> f = l.conn.try_receive()) {
+          if (!l.unasked(*f, "revocations")) {
+            throw protocol_error("borrower::revocations: the lender sent frame type " + std::to_string(f->type) +
+                                 " unasked; only revoke and forget may come so");
+          }
+        }
+      });
+      if (!l.stashed.empty() || clock_type::now() >= deadline) return std::exchange(l.stashed, {});
     }
+    // The wait holds no lock: another thread's request (a give_back
+    // answering a revoke) goes ahead meanwhile, and a revoke it reads is
+    // stashed for the next look, within one slice.
+    wait_readable(l.conn, std::min(deadline, clock_type::now() + revocation_slice));
   }
-  return std::exchange(l.stashed, {});
 }
 
 std::string borrower::metrics(std::chrono::milliseconds timeout) {
@@ -506,7 +541,7 @@ std::string borrower::metrics(std::chrono::milliseconds timeout) {
   std::lock_guard lock(l.mutex);
   l.usable("metrics");
   l.conn.send(static_cast<std::uint16_t>(message_type::query_metrics), {});
-  channel::frame f = l.next(deadline, "metrics");
+  channel::frame f = l.exchange([&] { return l.next(deadline, "metrics"); });
   if (f.type != static_cast<std::uint16_t>(message_type::metrics) || f.payload.size() > detail::max_metrics_text) {
     l.out_of_step = true;
     throw protocol_error("borrower::metrics: the lender answered with frame type " + std::to_string(f.type) + " of " +

@@ -55,7 +55,9 @@ struct hold {
 
 // A region lives while it has a hold:
 //   holds.empty() never holds for a region in the map;
-//   exclusive: holds.size() == 1; shared: one hold per mapping of it;
+//   exclusive: holds.size() == 1; shared: one hold per mapping of it, and
+//   at most one orphaned hold per process (a process's connections that
+//   hung up while it runs leave one between them);
 //   lent_bytes_ = sum of info.bytes over the regions in the map (each once);
 //   lent_bytes_ + spares_.bytes() + prepared_.bytes() <= capacity;
 //   a borrower's held_bytes = sum of info.bytes over its holds, held_regions
@@ -85,7 +87,8 @@ struct region_entry {
 struct borrower_entry {
   std::uint64_t serial = 0;
   channel::connection link;
-  bool greeted = false;  // its hello arrived
+  clock_type::time_point accepted;  // its hello is due within the peer timeout of this
+  bool greeted = false;             // its hello arrived
   bool failed = false;   // broke the protocol: hung up on by the loop
   // Why, when it was failed where no event could be sent (under the lock):
   // the loop names it as it hangs up.
@@ -347,7 +350,7 @@ class lender::state {
       return;
     }
     fds_.reserve(borrowers_.size() + 3);  // its place in the next poll set, made now
-    borrowers_.push_back({last_serial_ + 1, std::move(*accepted)});
+    borrowers_.push_back({last_serial_ + 1, std::move(*accepted), clock_type::now()});
     ++last_serial_;
     borrower_count_.store(borrowers_.size());
     emit(lender_event::kind::connected, borrowers_.back().link.peer());
@@ -481,14 +484,21 @@ class lender::state {
     }
   }
 
-  // Fails each borrower that sent part of a batch and not the rest, or left
-  // an answer queued (read in part or not at all), for peer_timeout: the
-  // loop hangs up on it and reclaims its regions.
+  // Fails each borrower that sent no hello, sent part of a batch and not
+  // the rest, or left an answer queued (read in part or not at all), for
+  // peer_timeout: the loop hangs up on it and reclaims its regions. (Silent
+  // connections would otherwise hold borrower slots for ever.)
   void hang_up_stalled() noexcept {
     const auto now = clock_type::now();
     const auto timeout_ms = [&] { return std::to_string(config_.peer_timeout.count()); };
     for (auto& b : borrowers_) {
       if (b.failed) continue;
+      if (!b.greeted && now - b.accepted >= config_.peer_timeout) {
+        close_for_error_saying(b, "it sent no hello within the peer timeout", [&] {
+          return "it sent no hello within the peer timeout of " + timeout_ms() + " ms";
+        });
+        continue;
+      }
       const auto since = b.link.incomplete_since();
       if (since && now - *since >= config_.peer_timeout) {
         close_for_error_saying(b, "it sent part of a batch and not the rest within the peer timeout", [&] {
@@ -974,6 +984,17 @@ class lender::state {
           ++h;
           continue;
         }
+        // A process that still runs keeps one orphaned hold of the region
+        // however many of its connections held it: a process looping on
+        // connect, borrow, hang up would otherwise grow the list (and the
+        // loop's walks of it) without end.
+        const bool orphaned_already = alive && std::any_of(r.holds.begin(), r.holds.end(), [&](const hold& o) {
+          return o.borrower == 0 && o.process == h->process;
+        });
+        if (orphaned_already) {
+          h = r.holds.erase(h);
+          continue;
+        }
         note(events, [&] {
           return lender_event{alive ? lender_event::kind::orphaned : lender_event::kind::reclaimed,
                               h->process,
@@ -1088,15 +1109,28 @@ class lender::state {
     for (const auto& e : events) emit(e);
   }
 
-  // Drops the orphaned holds whose process has exited.
+  // Drops the orphaned holds whose process has exited (each process looked
+  // up once a pass, however many regions it holds).
   void reclaim_orphans() noexcept {
     std::vector<lender_event> events;
     {
       std::lock_guard lock(mutex_);
+      std::vector<std::pair<process_identity, bool>> seen;
+      const auto gone = [&](const process_identity& process) noexcept {
+        for (const auto& [p, alive] : seen) {
+          if (p == process) return !alive;
+        }
+        const bool alive = alive_or_unknown(process);
+        try {
+          seen.emplace_back(process, alive);
+        } catch (...) {  // NOLINT(bugprone-empty-catch): no room to remember it: asked again next time
+        }
+        return !alive;
+      };
       for (auto it = regions_.begin(); it != regions_.end();) {
         const region_info& info = it->second.info;
         std::erase_if(it->second.holds, [&](const hold& h) noexcept {
-          if (h.borrower != 0 || alive_or_unknown(h.process)) return false;
+          if (h.borrower != 0 || !gone(h.process)) return false;
           note(events, [&] {
             return lender_event{lender_event::kind::reclaimed, h.process, h.uid, info.id, info.bytes, info.purpose};
           });

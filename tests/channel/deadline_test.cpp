@@ -5,6 +5,7 @@
 // waits in the middle of a batch breaks it.
 #include <gtest/gtest.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 
 #include <chrono>
 #include <future>
@@ -14,6 +15,7 @@
 #include "shoal/channel/channel.h"
 #include "shoal/core/error.h"
 #include "support/deadlines.h"
+#include "support/processes.h"
 
 namespace shoal::testing {
 namespace {
@@ -136,6 +138,31 @@ TEST(channel_deadline, a_receive_for_waiting_behind_another_receive_times_out) {
   EXPECT_LT(clock::now() - start, 100ms + slack);
   write_raw(pair.b.get(), raw_batch("SHOL", 2, {{4, bytes_of("x")}}));
   EXPECT_EQ(blocked.get().type, 4);
+}
+
+// A server that stopped accepting, its backlog full: connect gives up at its
+// timeout instead of waiting for room for ever.
+TEST(channel_deadline, connect_to_a_listener_that_takes_no_one_times_out) {
+  temp_dir dir;
+  const std::string path = dir / "stuck.sock";
+  const unique_fd server(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un at{};
+  at.sun_family = AF_UNIX;
+  path.copy(at.sun_path, sizeof at.sun_path - 1);
+  ASSERT_EQ(::bind(server.get(), reinterpret_cast<const sockaddr*>(&at), sizeof at), 0);
+  ASSERT_EQ(::listen(server.get(), 0), 0);
+  const unique_fd filler(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ASSERT_EQ(::connect(filler.get(), reinterpret_cast<const sockaddr*>(&at), sizeof at), 0);  // the backlog is full
+  const auto start = clock::now();
+  returns_within(
+      200ms + slack,
+      [&] {
+        EXPECT_THROW((void)connection::connect(channel::channel_address::at_path(path), {},
+                                               connection::default_max_payload, 200ms),
+                     timeout_error);
+      },
+      [&] { ::close(::accept(server.get(), nullptr, nullptr)); });  // room, so that a blocked connect ends
+  EXPECT_GE(clock::now() - start, 200ms);
 }
 
 }  // namespace

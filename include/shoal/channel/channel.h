@@ -176,16 +176,21 @@ class private_directory;
 class connection {
  public:
   static constexpr std::size_t default_max_payload = 64 * 1024;
+  /// How long connect() waits for the listener's backlog unless told.
+  static constexpr std::chrono::milliseconds default_connect_timeout = std::chrono::seconds(60);
   /// How long adopt_pair_end waits for the other end's credentials unless told.
   static constexpr std::chrono::milliseconds default_pair_greeting_timeout = std::chrono::seconds(60);
 
   /// Connects to the listener at `address` and checks the server's uid
   /// against `policy`. Frames received carry at most `max_payload` bytes.
-  /// Throws connection_closed when no one listens there (or the server exited
-  /// at once), peer_refused when the server's uid is not allowed,
-  /// backend_error when the system refuses.
+  /// Waits up to `timeout` for room in the listener's backlog (a server that
+  /// stopped accepting). Throws connection_closed when no one listens there
+  /// (or the server exited at once), peer_refused when the server's uid is
+  /// not allowed, timeout_error when the backlog stayed full, backend_error
+  /// when the system refuses.
   [[nodiscard]] static connection connect(const channel_address& address, const access_policy& policy,
-                                          std::size_t max_payload = default_max_payload);
+                                          std::size_t max_payload = default_max_payload,
+                                          std::chrono::milliseconds timeout = default_connect_timeout);
 
   /// Takes a connected AF_UNIX stream socket (say, a socketpair end a child
   /// process inherited) and checks its peer's uid against `policy`. For a

@@ -50,7 +50,9 @@
 // sends something malformed (the connection is closed).
 //
 // Thread-safety: borrow and give_back may be called from several threads;
-// requests go one at a time. A borrowed_region is a value (move-only), used
+// requests go one at a time. revocations() waits without holding the
+// connection, so a thread watching for revokes never holds up another's
+// give_back; a revoke that other thread reads reaches it within 10 ms. A borrowed_region is a value (move-only), used
 // by one thread at a time; it may outlive its borrower object (it keeps the
 // connection alive).
 #pragma once
@@ -194,8 +196,9 @@ class borrower {
     std::chrono::steady_clock::time_point deadline;
   };
   /// The lender's requests to give regions back that arrived so far (waiting
-  /// up to `wait` for a first one when none has): answer each with
-  /// give_back before its deadline. A wait that ends while a message has
+  /// up to `wait` for a first one when none has, and no longer for another
+  /// thread's request in progress): answer each with give_back before its
+  /// deadline. A wait that ends while a message has
   /// come only in part keeps that part for the next call. Requests that came while another call
   /// waited for its answer are kept for this one: at most one per region
   /// this borrower holds, so a lender flooding revokes cannot grow what is

@@ -1,0 +1,170 @@
+// Borrowers and lenders that misbehave (host backend, in one process): a
+// process piling up orphaned holds, connections that never say hello, a
+// lender that stops accepting or answers what does not decode, and a
+// thread waiting for revocations while another gives a region back.
+#include <gtest/gtest.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <future>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "lending/lending_fixture.h"
+#include "lending/messages.h"
+#include "shoal/backend/host_device.h"
+#include "shoal/channel/protocol.h"
+#include "shoal/core/error.h"
+#include "shoal/lending/layout.h"
+
+namespace shoal::testing {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+using lending::detail::message_type;
+
+// A connection that says hello and then speaks the protocol by hand.
+channel::connection raw_borrower(const channel::channel_address& address) {
+  auto raw = channel::connection::connect(address, {}, lending::detail::max_frame_payload);
+  channel::send_hello(raw, lending::detail::lending_protocol);
+  channel::check_hello(raw.receive_for(2000ms), lending::detail::lending_protocol);
+  return raw;
+}
+
+// A process that keeps connecting, taking a shared region many times over and
+// hanging up (while it runs) leaves one orphaned hold of it, not one per take:
+// the list, and the serving loop's walks of it, stay bounded.
+TEST(lending_hostile_peers, a_running_process_leaves_one_orphaned_hold_of_a_region) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  lender l(dev, channel::channel_address::at_path(dir / "l.sock"));
+  borrower writer(dev, l.address());
+  auto region = writer.borrow(2 * mib, "model");
+  lending::region_layout layout;
+  layout.entries = {{"w", 0, region.size() / 2, lending::dtype::float32, {region.size() / 8}}};
+  layout.hash = lending::hash_entries(dev, region.data(), region.size(), layout);
+  region = writer.publish(std::move(region), layout);
+
+  const auto take = lending::detail::encode(lending::detail::borrow_shared_message{1, "model", {}, {}});
+  for (int connection = 0; connection < 10; ++connection) {
+    auto raw = raw_borrower(l.address());
+    for (int i = 0; i < 20; ++i) {
+      raw.send(static_cast<std::uint16_t>(message_type::borrow_shared), take);
+      ASSERT_EQ(raw.receive_for(5000ms).type, static_cast<std::uint16_t>(message_type::lent));
+      (void)raw.receive_for(5000ms);  // its chunk
+      (void)raw.receive_for(5000ms);  // its layout
+    }
+  }  // each hangs up holding 20 takes of it, in a process that runs on
+  ASSERT_TRUE(eventually([&] { return l.status().borrowers == 1; }));
+  const auto status = l.status();
+  ASSERT_EQ(status.regions.size(), 1u);
+  EXPECT_EQ(status.regions[0].holders.size(), 2u) << "the writer's hold, and one orphaned hold for this process";
+}
+
+// A connection that never says hello is hung up on after the peer timeout:
+// silent connections cannot hold every borrower slot.
+TEST(lending_hostile_peers, connections_that_never_say_hello_are_hung_up_on) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  lender_config config;
+  config.max_borrowers = 4;
+  config.peer_timeout = 100ms;
+  lender l(dev, channel::channel_address::at_path(dir / "l.sock"), config);
+  std::vector<channel::connection> silent;
+  for (int i = 0; i < 4; ++i) silent.push_back(channel::connection::connect(l.address(), {}));
+  ASSERT_TRUE(eventually([&] { return l.status().borrowers == 4; }));
+  EXPECT_TRUE(eventually([&] { return l.status().borrowers == 0; }, 3000ms)) << "they still hold the slots";
+  EXPECT_NO_THROW(borrower(dev, l.address(), {}, 1000ms)) << "an honest borrower was turned away";
+}
+
+// A thread waiting for revocations holds no lock while it waits: another
+// thread's give_back (the usual answer to a revoke) keeps its own deadline.
+TEST(lending_hostile_peers, give_back_does_not_wait_behind_a_revocations_wait) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  lender l(dev, channel::channel_address::at_path(dir / "l.sock"));
+  borrower b(dev, l.address());
+  auto region = b.borrow(2 * mib, "x");
+  auto watcher = std::async(std::launch::async, [&] { return b.revocations(3000ms); });
+  std::this_thread::sleep_for(100ms);
+  const auto start = clock_type::now();
+  EXPECT_NO_THROW(b.give_back(std::move(region), 1000ms));
+  EXPECT_LT(clock_type::now() - start, 900ms) << "give_back waited behind the revocations wait";
+  EXPECT_NO_THROW(b.give_back(b.borrow(2 * mib, "after"))) << "the link is still usable";
+  EXPECT_TRUE(watcher.get().empty());
+}
+
+// A revocations() call that waits without the lock still hears a revoke
+// that comes meanwhile.
+TEST(lending_hostile_peers, a_revoke_reaches_a_revocations_call_that_waits_for_it) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  lender l(dev, channel::channel_address::at_path(dir / "l.sock"));
+  borrower b(dev, l.address());
+  auto region = b.borrow(2 * mib, "x");
+  const std::uint64_t id = region.id();
+  auto watcher = std::async(std::launch::async, [&] { return b.revocations(5000ms); });
+  ASSERT_NO_THROW(l.revoke(id, 2000ms));
+  const auto revoked = watcher.get();
+  ASSERT_EQ(revoked.size(), 1u);
+  EXPECT_EQ(revoked[0].region, id);
+  b.give_back(std::move(region));
+}
+
+// A lender that stopped accepting (its backlog full) cannot hold a borrower
+// past its timeout.
+TEST(lending_hostile_peers, a_lender_that_takes_no_connection_times_the_borrower_out) {
+  temp_dir dir;
+  const std::string path = dir / "stuck.sock";
+  const unique_fd server(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un at{};
+  at.sun_family = AF_UNIX;
+  path.copy(at.sun_path, sizeof at.sun_path - 1);
+  ASSERT_EQ(::bind(server.get(), reinterpret_cast<const sockaddr*>(&at), sizeof at), 0);
+  ASSERT_EQ(::listen(server.get(), 0), 0);
+  const unique_fd filler(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ASSERT_EQ(::connect(filler.get(), reinterpret_cast<const sockaddr*>(&at), sizeof at), 0);
+  auto attempt = std::async(std::launch::async, [&] {
+    EXPECT_THROW(borrower(backend::host_device_instance(), channel::channel_address::at_path(path), {}, 200ms),
+                 timeout_error);
+  });
+  if (attempt.wait_for(3s) != std::future_status::ready) {
+    ADD_FAILURE() << "borrower(..., 200 ms) still waits after 3 s";
+    ::close(::accept(server.get(), nullptr, nullptr));  // room, so that it ends
+  }
+  attempt.get();
+}
+
+// A lender's answer that does not decode closes the link: nothing more is
+// asked of it, and nothing else it sent is taken for a later answer.
+TEST(lending_hostile_peers, an_answer_that_does_not_decode_closes_the_link) {
+  temp_dir dir;
+  const auto address = channel::channel_address::at_path(dir / "liar.sock");
+  channel::listener liar(address, {});
+  auto server = std::async(std::launch::async, [&] {
+    auto link = liar.accept();
+    channel::send_hello(link, lending::detail::lending_protocol);
+    (void)link.receive_for(5s);  // the hello
+    (void)link.receive_for(5s);  // borrow 1
+    link.send(static_cast<std::uint16_t>(message_type::lent),
+              lending::detail::encode(lending::detail::lent_message{1, 5, 0, 4096, 1}));  // memory 0: malformed
+    try {
+      (void)link.receive_for(2s);  // a second request would come here
+      return true;
+    } catch (const error&) {
+      return false;
+    }
+  });
+  {
+    borrower b(backend::host_device_instance(), address);
+    EXPECT_THROW((void)b.borrow(4096, "one"), protocol_error);
+    EXPECT_THROW((void)b.borrow(4096, "two"), connection_closed);
+  }
+  EXPECT_FALSE(server.get()) << "the borrower asked again on a link whose lender broke the protocol";
+}
+
+}  // namespace
+}  // namespace shoal::testing
