@@ -5,7 +5,6 @@
 // waits in the middle of a batch breaks it.
 #include <gtest/gtest.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 
 #include <chrono>
 #include <future>
@@ -16,6 +15,7 @@
 #include "shoal/core/error.h"
 #include "support/deadlines.h"
 #include "support/processes.h"
+#include "support/stuck_listener.h"
 
 namespace shoal::testing {
 namespace {
@@ -145,14 +145,7 @@ TEST(channel_deadline, a_receive_for_waiting_behind_another_receive_times_out) {
 TEST(channel_deadline, connect_to_a_listener_that_takes_no_one_times_out) {
   temp_dir dir;
   const std::string path = dir / "stuck.sock";
-  const unique_fd server(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  sockaddr_un at{};
-  at.sun_family = AF_UNIX;
-  path.copy(at.sun_path, sizeof at.sun_path - 1);
-  ASSERT_EQ(::bind(server.get(), reinterpret_cast<const sockaddr*>(&at), sizeof at), 0);
-  ASSERT_EQ(::listen(server.get(), 0), 0);
-  const unique_fd filler(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  ASSERT_EQ(::connect(filler.get(), reinterpret_cast<const sockaddr*>(&at), sizeof at), 0);  // the backlog is full
+  const stuck_listener server(path);
   const auto start = clock::now();
   returns_within(
       200ms + slack,
@@ -161,7 +154,7 @@ TEST(channel_deadline, connect_to_a_listener_that_takes_no_one_times_out) {
                                                connection::default_max_payload, 200ms),
                      timeout_error);
       },
-      [&] { ::close(::accept(server.get(), nullptr, nullptr)); });  // room, so that a blocked connect ends
+      [&] { server.make_room(); });
   EXPECT_GE(clock::now() - start, 200ms);
 }
 

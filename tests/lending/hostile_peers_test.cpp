@@ -3,10 +3,6 @@
 // lender that stops accepting or answers what does not decode, and a
 // thread waiting for revocations while another gives a region back.
 #include <gtest/gtest.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <future>
 #include <string>
@@ -19,6 +15,7 @@
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
 #include "shoal/lending/layout.h"
+#include "support/stuck_listener.h"
 
 namespace shoal::testing {
 namespace {
@@ -88,7 +85,7 @@ TEST(lending_hostile_peers, give_back_does_not_wait_behind_a_revocations_wait) {
   lender l(dev, channel::channel_address::at_path(dir / "l.sock"));
   borrower b(dev, l.address());
   auto region = b.borrow(2 * mib, "x");
-  auto watcher = std::async(std::launch::async, [&] { return b.revocations(3000ms); });
+  auto watcher = std::async(std::launch::async, [&] { return b.revocations(1500ms); });
   std::this_thread::sleep_for(100ms);
   const auto start = clock_type::now();
   EXPECT_NO_THROW(b.give_back(std::move(region), 1000ms));
@@ -119,21 +116,14 @@ TEST(lending_hostile_peers, a_revoke_reaches_a_revocations_call_that_waits_for_i
 TEST(lending_hostile_peers, a_lender_that_takes_no_connection_times_the_borrower_out) {
   temp_dir dir;
   const std::string path = dir / "stuck.sock";
-  const unique_fd server(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  sockaddr_un at{};
-  at.sun_family = AF_UNIX;
-  path.copy(at.sun_path, sizeof at.sun_path - 1);
-  ASSERT_EQ(::bind(server.get(), reinterpret_cast<const sockaddr*>(&at), sizeof at), 0);
-  ASSERT_EQ(::listen(server.get(), 0), 0);
-  const unique_fd filler(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  ASSERT_EQ(::connect(filler.get(), reinterpret_cast<const sockaddr*>(&at), sizeof at), 0);
+  const stuck_listener server(path);
   auto attempt = std::async(std::launch::async, [&] {
     EXPECT_THROW(borrower(backend::host_device_instance(), channel::channel_address::at_path(path), {}, 200ms),
                  timeout_error);
   });
   if (attempt.wait_for(3s) != std::future_status::ready) {
     ADD_FAILURE() << "borrower(..., 200 ms) still waits after 3 s";
-    ::close(::accept(server.get(), nullptr, nullptr));  // room, so that it ends
+    server.make_room();
   }
   attempt.get();
 }
