@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <future>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -181,6 +182,53 @@ TEST(hostile_peer, a_revoked_process_is_refused_on_every_connection) {
   EXPECT_TRUE(holders[0].revoked);
   EXPECT_EQ(holders[0].references, 1u) << "what it holds stays held";
   EXPECT_EQ(holders[0].pinned_bytes, 4 * kib);
+}
+
+// A consumer that stops reading its socket: the producer's send publishes
+// the storage in the ring, then its wake-up is refused. The consumer can
+// still take the storage from the ring, so its block stays held — freed, the
+// next allocation would get memory the consumer maps.
+TEST(hostile_consumer, a_share_that_reached_the_ring_before_the_send_failed_stays_held) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator producer_allocator{dev, {}};
+  ipc::sharing_context producer{producer_allocator, {.collect_interval = 0ms}};
+  auto [a, b] = connected_pair();
+  ipc::peer p(producer, std::move(a));
+  p.send(storage::storage::allocate(producer_allocator, 8 * kib, {}), {}, {});
+  std::vector<channel::frame> got;
+  do {
+    got.push_back(b.receive_for(5s));
+  } while (got.back().type != storage_type);  // the counter file, the segment, the storage
+  ASSERT_EQ(::shutdown(b.native_handle(), SHUT_RD), 0);  // it stops reading its socket
+  auto second = storage::storage::allocate(producer_allocator, 8 * kib, {});
+  const void* const address = second.data();
+  EXPECT_THROW(p.send(second, {}, {}), error);
+  const std::optional<channel::frame> f = b.try_receive();
+  ASSERT_TRUE(f && f->type == storage_type) << "the storage reached the consumer through the ring";
+  second = {};
+  const auto reuse = storage::storage::allocate(producer_allocator, 8 * kib, {});
+  EXPECT_NE(reuse.data(), address) << "the producer freed and reused a block whose storage message was delivered";
+  EXPECT_EQ(producer.stats().held_slots, 2u);
+}
+
+// A send that finds the connection broken already sends nothing: its block is
+// freed at once, not held for a consumer that never heard of it. (The send
+// that broke it — the peer had hung up — may have reached the ring first: its
+// block stays held until that process is gone.)
+TEST(hostile_consumer, a_share_sent_on_a_connection_broken_before_is_freed) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator producer_allocator{dev, {}};
+  ipc::sharing_context producer{producer_allocator, {.collect_interval = 0ms}};
+  auto [a, b] = connected_pair();
+  ipc::peer p(producer, std::move(a));
+  { channel::connection gone = std::move(b); }
+  EXPECT_THROW(p.send(storage::storage::allocate(producer_allocator, 8 * kib, {}), {}, {}), error);
+  const std::size_t held = producer.stats().held_slots;
+  EXPECT_LE(held, 1u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_THROW(p.send(storage::storage::allocate(producer_allocator, 8 * kib, {}), {}, {}), connection_closed);
+  }
+  EXPECT_EQ(producer.stats().held_slots, held);
 }
 
 }  // namespace
