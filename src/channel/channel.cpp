@@ -426,7 +426,7 @@ void connection::sending(state& s, const char* operation, Body body) {
     s.break_with(late.what());
     throw late;
   } catch (const connection_closed& e) {
-    const connection_closed closed(to() + e.what());
+    const connection_closed closed(to() + e.what(), started);
     s.break_with(closed.what());
     throw closed;
   } catch (const std::exception& e) {  // part of a batch may have gone: the stream is out of step

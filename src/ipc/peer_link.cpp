@@ -95,7 +95,7 @@ void peer_link::send(const storage::storage& st, std::span<const std::byte> meta
 void peer_link::send_storage(const storage::storage& st, std::span<const std::byte> metadata, backend::stream_ref stream,
                              outgoing& out) {
   auto share = state_->share_storage(st, link_.peer().process, stream);
-  bool sent = false, broken_before = false;
+  bool sent = false;
   try {
     // Marked as sent only once the batch has gone.
     const bool new_file = !files_sent_.contains(share.slot.file_id);
@@ -127,20 +127,24 @@ void peer_link::send_storage(const storage::storage& st, std::span<const std::by
     m.slot = share.slot.ticket;
     m.metadata = metadata;
     out.add(message_type::storage, encode(m));  // last: a message ends its batch (peer::native_handle)
-    broken_before = link_.broken();
     link_.send(out.frames);
     sent = true;
     if (new_file) files_sent_.insert(share.slot.file_id);
     segments_sent_.insert(new_segments.begin(), new_segments.end());
     if (new_source) sources_sent_.insert(new_source->source_id);
+  } catch (const connection_closed& e) {
+    // Once sent, the consumer holds it; and a send that met the end after
+    // part of it went — the storage frame published in the ring, its
+    // wake-up refused — may have reached a consumer that still reads the
+    // ring: the slot stays held (reclaimed once that process is gone, or
+    // revoked), since freeing it would hand a block it maps to the next
+    // allocation.
+    if (!sent && !e.part_sent()) state_->abandon(share);
+    throw;
   } catch (...) {
-    // Once sent, the consumer holds it. A send that broke the connection
-    // may have gone in part — the storage frame published in the ring, say,
-    // and only the wake-up after it refused — so the slot stays held
-    // (reclaimed when that process exits, or revoked): freeing it could hand
-    // a block the consumer maps to the next allocation. A send that left the
-    // connection usable, or met it broken already, sent nothing.
-    if (!sent && (broken_before || !link_.broken())) state_->abandon(share);
+    // A send that left the connection usable sent nothing; one that broke
+    // it may have sent part (held, as above).
+    if (!sent && !link_.broken()) state_->abandon(share);
     throw;
   }
 }

@@ -363,6 +363,31 @@ TEST(channel_ring, a_spin_longer_than_the_deadline_still_reports_a_peer_that_hun
   EXPECT_THROW((void)b.receive_for(10ms), connection_closed) << "the spin used up the deadline, and the end went unread";
 }
 
+// A send that meets the peer's end says whether part of it went: an entry
+// published in the ring before the wake-up after it was refused is one the
+// peer may still read (the sharing layer then keeps what it names alive).
+TEST(channel_ring, a_send_that_meets_the_end_says_whether_part_of_it_went) {
+  auto [a, b] = ring_pair();
+  a.send(1, bytes_of("first"));
+  EXPECT_EQ(text_of(b.receive_for(1s).payload), "first");
+  ASSERT_EQ(::shutdown(b.native_handle(), SHUT_RD), 0);  // it reads the ring, not its socket
+  try {
+    a.send(2, bytes_of("published"));
+    ADD_FAILURE() << "the wake-up to a peer that shut its socket went";
+  } catch (const connection_closed& e) {
+    EXPECT_TRUE(e.part_sent()) << e.what();
+  }
+  const std::optional<channel::frame> f = b.try_receive();
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(text_of(f->payload), "published");
+  try {
+    a.send(3, bytes_of("after"));
+    ADD_FAILURE() << "a send on a broken connection went";
+  } catch (const connection_closed& e) {
+    EXPECT_FALSE(e.part_sent()) << "nothing of a send on a connection broken already goes";
+  }
+}
+
 // Announces `fd` as a ring of `capacity` bytes, as the wire layout says.
 void announce_by_hand(int socket, int fd, std::uint64_t capacity) {
   std::vector<std::byte> payload(8);

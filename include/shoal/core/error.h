@@ -92,6 +92,15 @@ class invariant_violation : public error {
 class connection_closed : public error {
  public:
   using error::error;
+  /// A send that met the end: `part_sent` when some of that send had gone
+  /// (a frame the peer may still read), as a send to a shared ring publishes
+  /// an entry before the wake-up that then fails.
+  connection_closed(const std::string& what, bool part_sent) : error(what), part_sent_(part_sent) {}
+  /// Whether the send that threw this had put part of its frames out.
+  [[nodiscard]] bool part_sent() const noexcept { return part_sent_; }
+
+ private:
+  bool part_sent_ = false;
 };
 
 /// A wait on another process ran past its deadline: no message came in
