@@ -223,7 +223,9 @@ void consumer_state::add_event_source(backend::event_source source) {
 void consumer_state::retire_segments(const std::vector<std::uint64_t>& ids) {
   std::lock_guard lock(mutex_);
   for (auto id : ids) {
-    segments_.erase(id);
+    // An id not announced (or retired already) is in no mapping: nothing to
+    // look for (a peer listing thousands of them must not cost a scan each).
+    if (segments_.erase(id) == 0) continue;
     for (auto it = mappings_.begin(); it != mappings_.end();) {
       if (std::ranges::find(it->first, id) == it->first.end()) {
         ++it;
@@ -250,13 +252,60 @@ void consumer_state::retire_files(const std::vector<std::uint64_t>& ids) {
   for (auto id : ids) files_.erase(id);  // storages still holding slots keep their mapping of it
 }
 
+void consumer_state::make_room_to_map(std::size_t chunks) {
+  const std::size_t limit = options.max_peer_segments;
+  std::size_t mapped = 0;
+  for (const auto& [ids, m] : mappings_) mapped += ids.size();
+  for (const auto& m : retired_) mapped += m->segment_ids.size();
+  if (mapped + chunks <= limit) return;
+  // Past the bound: close what nothing uses, now. Retired mappings whose last
+  // view went first (the collector would close them), then cached ones.
+  std::vector<std::shared_ptr<mapping>> finished;
+  {
+    std::lock_guard lock(sink_->mutex);
+    finished.swap(sink_->finished);
+  }
+  for (auto& m : finished) {
+    std::erase(retired_, m);
+    mapped -= m->segment_ids.size();
+    close(*m);
+  }
+  // Views are added under mutex_ (held): a cached mapping with none stays so.
+  for (auto it = mappings_.begin(); it != mappings_.end() && mapped + chunks > limit;) {
+    if (it->second->state.load(std::memory_order_acquire) != 0) {
+      ++it;
+      continue;
+    }
+    mapped -= it->first.size();
+    close(*it->second);
+    it = mappings_.erase(it);
+  }
+  if (mapped + chunks > limit) {
+    throw protocol_error("storage message: mapping its " + std::to_string(chunks) + " segment chunks would keep more than " +
+                         std::to_string(limit) + " of this producer's mapped at once, those mapped all in use "
+                         "(sharing_options::max_peer_segments)");
+  }
+}
+
 std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uint64_t>& ids) {
   if (auto it = mappings_.find(ids); it != mappings_.end()) return it->second;
+  // An honest producer names each chunk of a storage once: a list that
+  // repeats one would map it again for each (a mapping, a descriptor each).
+  std::vector<std::uint64_t> sorted = ids;
+  std::ranges::sort(sorted);
+  if (const auto twice = std::ranges::adjacent_find(sorted); twice != sorted.end()) {
+    throw protocol_error("storage message: it names segment " + std::to_string(*twice) + " more than once");
+  }
+  make_room_to_map(ids.size());
   std::vector<backend::shareable_handle> chunks;
   for (auto id : ids) {
     auto it = segments_.find(id);
     if (it == segments_.end()) throw protocol_error("storage message: segment " + std::to_string(id) + " was never announced");
-    chunks.push_back(it->second.duplicate());  // import_memory takes them side by side
+    try {
+      chunks.push_back(it->second.duplicate());  // import_memory takes them side by side
+    } catch (const backend_error& e) {  // out of descriptors: this connection is closed, not the process
+      throw protocol_error(std::string("storage message: its segments cannot be mapped: ") + e.what());
+    }
   }
   auto m = std::make_shared<mapping>();
   try {

@@ -86,6 +86,10 @@ class consumer_state : public std::enable_shared_from_this<consumer_state> {
 
  private:
   std::shared_ptr<mapping> map_segments(const std::vector<std::uint64_t>& ids);  // mutex_ held
+  /// Room for a mapping of `chunks` more segment chunks within
+  /// options.max_peer_segments mapped at once (closing mappings no storage
+  /// uses), or protocol_error. mutex_ held.
+  void make_room_to_map(std::size_t chunks);
   void retire(const std::shared_ptr<mapping>& m);                                  // mutex_ held
   void close(mapping& m) noexcept;  // a mapping no one else refers to; mutex_ not needed
 

@@ -9,11 +9,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <latch>
 #include <memory>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -135,6 +137,76 @@ TEST(hostile_producer, announcements_past_the_limits_are_refused) {
     const std::string why = x.refusal_of(x.capture_share(8 * kib));
     EXPECT_NE(why.find("slots"), std::string::npos) << why;
   }
+}
+
+// A storage message whose segment list repeats one id would map that segment
+// once per repeat (a mapping and a descriptor each): refused.
+TEST(hostile_producer, a_storage_naming_a_segment_twice_is_refused) {
+  captured_exchange x;
+  auto frames = x.capture_share(8 * kib);
+  channel::frame& storage = frame_of_type(frames, storage_type);
+  // The storage message opens with its segment count (u32) and ids (u64 each).
+  std::uint32_t count = 0;
+  std::memcpy(&count, storage.payload.data(), 4);
+  ASSERT_EQ(count, 1u);
+  std::vector<std::byte> twice(storage.payload.begin(), storage.payload.begin() + 12);
+  twice.insert(twice.end(), storage.payload.begin() + 4, storage.payload.end());
+  write_at<std::uint32_t>(twice, 0, 2);
+  storage.payload = twice;
+  const std::string why = x.refusal_of(frames);
+  EXPECT_NE(why.find("more than once"), std::string::npos) << why;
+}
+
+// A producer that keeps naming new lists of its segments (each list its own
+// mapping, one per chunk it spans) cannot make the consumer map more than
+// max_peer_segments chunks at once: mappings no storage uses are closed to
+// make room, and past that a storage is refused.
+TEST(hostile_producer, segment_chunks_mapped_at_once_stay_within_the_limit) {
+  captured_exchange x({.collect_interval = 0ms, .max_peer_segments = 3});
+  auto frames = with_more_announcements(x.capture_share(8 * kib), segment_type, 2);  // ids A, A+1000, A+2000
+  channel::frame& storage = frame_of_type(frames, storage_type);
+  std::uint64_t a = 0;
+  std::memcpy(&a, storage.payload.data() + 4, 8);
+  const std::vector<std::byte> tail(storage.payload.begin() + 12, storage.payload.end());
+  // The slot the storage names: the producer may write its counter word
+  // back to "held" before each message (it keeps write access to it).
+  std::uint32_t slot = 0, generation = 0;
+  std::memcpy(&slot, tail.data() + 24, 4);
+  std::memcpy(&generation, tail.data() + 28, 4);
+  const int counters_fd = frame_of_type(frames, counter_file_type).fd.get();
+  struct stat file {};
+  ASSERT_EQ(::fstat(counters_fd, &file), 0);
+  auto* counters = static_cast<std::byte*>(
+      ::mmap(nullptr, static_cast<std::size_t>(file.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, counters_fd, 0));
+  ASSERT_NE(counters, MAP_FAILED);
+  auto* word = reinterpret_cast<std::atomic<std::uint64_t>*>(counters + 64 + 32 * static_cast<std::size_t>(slot));
+
+  auto [from, to] = connected_pair();
+  ipc::peer receiver(x.consumer, std::move(to));
+  for (auto& f : frames) {
+    if (f.type != storage_type) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
+  }
+  const auto share = [&](const std::vector<std::uint64_t>& ids) {
+    std::vector<std::byte> payload(4 + 8 * ids.size());
+    write_at<std::uint32_t>(payload, 0, static_cast<std::uint32_t>(ids.size()));
+    for (std::size_t i = 0; i < ids.size(); ++i) write_at(payload, 4 + 8 * i, ids[i]);
+    payload.insert(payload.end(), tail.begin(), tail.end());
+    word->store((std::uint64_t{generation} << 2) | 1);  // "held" again
+    from.send(storage_type, payload);
+    return receiver.receive({}).storage;
+  };
+  for (const std::uint64_t id : {a, a + 1000, a + 2000}) EXPECT_TRUE(share({id}).valid());  // dropped at once
+  EXPECT_EQ(receiver.stats().open_mappings, 3u);
+  const storage::storage held = share({a, a + 1000});  // room made: unused mappings closed
+  EXPECT_TRUE(held.valid());
+  EXPECT_LE(receiver.stats().open_mappings, 2u);
+  try {
+    (void)share({a + 2000, a});  // two more chunks, with two in use: past three
+    ADD_FAILURE() << "a fourth chunk was mapped";
+  } catch (const protocol_error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_peer_segments"), std::string::npos) << e.what();
+  }
+  ::munmap(counters, static_cast<std::size_t>(file.st_size));
 }
 
 // Connections to one producer announce into one table: announcements that

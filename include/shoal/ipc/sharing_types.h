@@ -52,8 +52,12 @@ struct sharing_options {
   // (its connections together; retired resources no longer count). Each
   // announcement holds a descriptor or a mapping here, so a peer past a
   // limit is refused with protocol_error and its connection closed.
-  /// Producer segments (or growable-segment chunks) announced.
-  std::size_t max_peer_segments = 65536;
+  /// Producer segments (or growable-segment chunks) announced, and segment
+  /// chunks mapped here at once (a storage's mapping counts each chunk it
+  /// spans; mappings no storage uses are closed to make room). Each is a
+  /// descriptor on the host backend and a memory mapping: the default stays
+  /// well under Linux's 65,530 mappings a process.
+  std::size_t max_peer_segments = 16384;
   /// Counter files announced.
   std::size_t max_peer_counter_files = 1024;
   /// Event sources announced (one per producer stream that sent).
