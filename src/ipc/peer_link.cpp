@@ -127,6 +127,13 @@ void peer_link::send_storage(const storage::storage& st, std::span<const std::by
     m.slot = share.slot.ticket;
     m.metadata = metadata;
     out.add(message_type::storage, encode(m));  // last: a message ends its batch (peer::native_handle)
+    if (!new_segments.empty()) {
+      // Before the send: a retirement posted from now on reaches this
+      // connection (one for a segment the send did not name is dropped by
+      // take_retirements).
+      std::lock_guard box_lock(outbox_->mutex);
+      outbox_->announced.insert(new_segments.begin(), new_segments.end());
+    }
     link_.send(out.frames);
     sent = true;
     if (new_file) files_sent_.insert(share.slot.file_id);

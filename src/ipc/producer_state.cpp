@@ -211,7 +211,9 @@ void producer_state::post_segments(const std::vector<std::uint64_t>& segments) {
   std::lock_guard lock(exports_mutex_);
   for (auto& box : outboxes_.live()) {
     std::lock_guard box_lock(box->mutex);
-    box->segments.insert(box->segments.end(), segments.begin(), segments.end());
+    for (const auto id : segments) {
+      if (box->announced.erase(id) != 0) box->segments.push_back(id);
+    }
   }
 }
 

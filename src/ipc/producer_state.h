@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <unordered_set>
 #include <vector>
 
 #include "ipc/counters/counter_slots.h"
@@ -38,6 +39,10 @@ struct outbox {
   std::mutex mutex;
   std::vector<std::uint64_t> segments;  // guarded by mutex
   std::vector<std::uint64_t> files;     // guarded by mutex
+  // Segments this connection's sends named and not yet posted for
+  // retirement: only these are posted to it, so a connection that sends
+  // nothing collects nothing (guarded by mutex).
+  std::unordered_set<std::uint64_t> announced;
 };
 
 class producer_state : public std::enable_shared_from_this<producer_state> {

@@ -2,6 +2,7 @@
 // crash safety, refusals. Every test runs on both backends; the other
 // process is tests/ipc/sharing_peer.cpp.
 #include <gtest/gtest.h>
+#include <malloc.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -625,6 +626,35 @@ struct in_process_sharing {
   ipc::peer sender{producer, std::move(ends.first)};
   ipc::peer receiver{consumer, std::move(ends.second)};
 };
+
+// A segment's retirement goes to the connections that named it: connections
+// a producer never sends on collect nothing, however many segments come and go.
+TEST(sharing_protocol, idle_connections_collect_no_retirements) {
+  in_process_sharing p;
+  auto& [dev, producer_allocator, consumer_allocator, producer, consumer, ends, sender, receiver] = p;
+  std::vector<std::unique_ptr<ipc::peer>> idle;
+  std::vector<channel::connection> far_ends;
+  for (int i = 0; i < 200; ++i) {
+    auto [a, b] = connected_pair();
+    idle.push_back(std::make_unique<ipc::peer>(producer, std::move(a)));
+    far_ends.push_back(std::move(b));
+  }
+  const auto cycle = [&](int n) {
+    for (int i = 0; i < n; ++i) {  // each share in a segment of its own, given back after
+      sender.send(storage_t::allocate(producer_allocator, 8 * kib, {}), {}, {});
+      (void)receiver.receive({});
+      producer.collect();
+      consumer.collect();
+      producer_allocator.empty_cache();
+    }
+  };
+  cycle(50);
+  const std::size_t before = ::mallinfo2().uordblks;
+  cycle(500);
+  const std::size_t grown = ::mallinfo2().uordblks - std::min(before, ::mallinfo2().uordblks);
+  EXPECT_LT(grown, std::size_t{256} << 10) << "200 idle connections x 500 retirements held " << grown << " bytes";
+  EXPECT_LE(receiver.stats().open_mappings, 1u) << "the connection that named them retired each (the last goes with the next send)";
+}
 
 TEST(sharing_protocol, a_peer_of_another_protocol_is_refused_with_both_names_and_closed) {
   backend::device& dev = backend::host_device_instance();
