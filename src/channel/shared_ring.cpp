@@ -2,9 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <linux/magic.h>
 #include <sys/stat.h>
-#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -172,10 +170,8 @@ ring_reader::ring_reader(unique_fd memfd, std::uint64_t announced_capacity) {
   }
   const int mode = ::fcntl(memfd.get(), F_GETFL);
   if (mode < 0 || (mode & O_ACCMODE) != O_RDWR) throw protocol_error("the ring's descriptor is not open for reading and writing");
-  struct statfs fs {};
   struct stat st {};
-  if (::fstatfs(memfd.get(), &fs) != 0 || fs.f_type != TMPFS_MAGIC || ::fstat(memfd.get(), &st) != 0 ||
-      !S_ISREG(st.st_mode)) {
+  if (!shoal::detail::on_tmpfs(memfd.get()) || ::fstat(memfd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
     throw protocol_error("the ring's descriptor is not a memfd on tmpfs");
   }
   const std::size_t capacity = announced_capacity;

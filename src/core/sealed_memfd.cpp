@@ -1,7 +1,9 @@
 #include "core/sealed_memfd.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -37,6 +39,11 @@ unique_fd make_sealed_memfd(const char* name, std::size_t bytes) {
   unique_fd fd = make_unsealed_memfd(name, bytes);
   seal_memfd(fd.get(), name);
   return fd;
+}
+
+bool on_tmpfs(int fd) noexcept {
+  struct statfs fs {};
+  return ::fstatfs(fd, &fs) == 0 && fs.f_type == TMPFS_MAGIC;
 }
 
 }  // namespace shoal::detail

@@ -25,4 +25,10 @@ void seal_memfd(int fd, const char* name, int extra = 0);
 /// make_unsealed_memfd, then seal_memfd.
 unique_fd make_sealed_memfd(const char* name, std::size_t bytes);
 
+/// Whether `fd` is a file on tmpfs, where memfd_create makes them — checked
+/// of a descriptor another process sent, besides its seals: a hugetlbfs
+/// memfd (MFD_HUGETLB) also seals, but a page its sender punches out faults
+/// in again only while huge pages are free, and SIGBUS otherwise.
+[[nodiscard]] bool on_tmpfs(int fd) noexcept;
+
 }  // namespace shoal::detail

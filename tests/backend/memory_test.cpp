@@ -1,10 +1,15 @@
 // Segments, growable ranges and the typed errors for bad arguments.
 #include <gtest/gtest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <memory>
+#include <string>
 
 #include "shoal/backend/host_device.h"
+#include "shoal/backend/shareable_handle.h"
 #include "shoal/core/error.h"
 #include "support/backends.h"
 
@@ -14,6 +19,26 @@ namespace {
 template <class Backend>
 using memory_test = backend_test<Backend>;
 TYPED_TEST_SUITE(memory_test, backend_types, backend_names);
+
+// A sealed memfd on hugetlbfs (MFD_HUGETLB) passes the seal checks, but a page
+// its sender punches out faults in again only while huge pages are free:
+// SIGBUS otherwise. The host backend imports memfds on tmpfs only.
+TEST(host_memory_import, a_hugetlbfs_memfd_is_refused) {
+  unique_fd fd(::memfd_create("huge", MFD_HUGETLB | MFD_ALLOW_SEALING | MFD_CLOEXEC));
+  if (!fd || ::ftruncate(fd.get(), 2 << 20) != 0) GTEST_SKIP() << "no hugetlbfs memfds here";
+  ASSERT_EQ(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+  backend::shareable_handle h;
+  h.size = 2 << 20;
+  h.fd = std::move(fd);
+  try {
+    (void)backend::host_device_instance().import_memory(h);
+    ADD_FAILURE() << "a hugetlbfs memfd was imported";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("tmpfs"), std::string::npos) << e.what();
+  } catch (const error& e) {
+    ADD_FAILURE() << "refused for another reason: " << e.what();
+  }
+}
 
 TYPED_TEST(memory_test, a_segment_holds_what_is_written_to_it) {
   auto& dev = this->device();

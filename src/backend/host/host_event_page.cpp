@@ -145,7 +145,9 @@ host_imported_page::host_imported_page(const event_source& source) {
     throw invalid_argument(std::string("open_event_source: the descriptor is not open: ") + std::strerror(errno));
   }
   const int seals = ::fcntl(source.fd.get(), F_GET_SEALS);
-  if (!S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0) refuse("the descriptor is not a sealed memfd");
+  if (!S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0 || !shoal::detail::on_tmpfs(source.fd.get())) {
+    refuse("the descriptor is not a sealed memfd on tmpfs");
+  }
   if (static_cast<std::uint64_t>(st.st_size) != page_bytes) {
     refuse("the page holds " + std::to_string(st.st_size) + " bytes, not " + std::to_string(page_bytes));
   }

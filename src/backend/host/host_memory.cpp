@@ -70,8 +70,8 @@ std::size_t importable_bytes(std::span<const shareable_handle> chunks, memory_ac
     struct stat st {};
     if (::fstat(h.fd.get(), &st) != 0) throw invalid_argument(which + ": the descriptor is not open: " + std::strerror(errno));
     const int seals = ::fcntl(h.fd.get(), F_GET_SEALS);
-    if (!S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-      throw invalid_argument(which + ": the descriptor is not a sealed shoal memfd");
+    if (!S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0 || !shoal::detail::on_tmpfs(h.fd.get())) {
+      throw invalid_argument(which + ": the descriptor is not a sealed shoal memfd (on tmpfs)");
     }
     // A read-write mapping of a read-only descriptor or of a write-sealed
     // memfd is the sender's error, told as such rather than as a failing mmap.

@@ -99,6 +99,10 @@ counter_file counter_file::open(unique_fd fd, std::uint32_t slots) {
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) fail("fstat");
   const std::size_t bytes = sizeof(header) + std::size_t{slots} * sizeof(slot);
+  if (!shoal::detail::on_tmpfs(fd.get())) {
+    throw protocol_error("counter file: the descriptor is not a memfd on tmpfs (a hugetlbfs one could fault with "
+                         "SIGBUS once its sender punched a page out)");
+  }
   if (!S_ISREG(st.st_mode) || static_cast<std::size_t>(st.st_size) != bytes) {
     throw protocol_error("counter file: the descriptor is not a counter file of " + std::to_string(slots) +
                          " slots (" + std::to_string(bytes) + " bytes expected, found " +
