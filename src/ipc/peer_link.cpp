@@ -57,8 +57,17 @@ peer_link::retirements peer_link::take_retirements() {
 }
 
 void peer_link::outgoing::add(const retirements& r) {
-  if (!r.segments.empty()) add(message_type::retire_segments, encode_ids(r.segments));
-  if (!r.files.empty()) add(message_type::retire_files, encode_ids(r.files));
+  // A frame of at most this many ids (32 KiB) fits the smallest payload a
+  // receiver takes (channel's default, 64 KiB): a producer giving back many
+  // segments at once must not have its honest peers refuse the frame.
+  constexpr std::size_t ids_per_frame = 4096;
+  const auto add_all = [&](message_type type, std::span<const std::uint64_t> ids) {
+    for (std::size_t at = 0; at < ids.size(); at += ids_per_frame) {
+      add(type, encode_ids(ids.subspan(at, std::min(ids_per_frame, ids.size() - at))));
+    }
+  };
+  add_all(message_type::retire_segments, r.segments);
+  add_all(message_type::retire_files, r.files);
 }
 
 template <class Send>
