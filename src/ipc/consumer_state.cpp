@@ -114,10 +114,10 @@ class received_data final : public storage::storage_owner {
 consumer_state::consumer_state(const process_identity& p, alloc::caching_allocator& a, const sharing_options& o)
     : producer(p), allocator(a), options(o) {}
 
-std::shared_ptr<consumer_state> consumer_state::for_producer(const process_identity& producer, const void* context,
+std::shared_ptr<consumer_state> consumer_state::for_producer(const process_identity& producer, std::uint64_t context,
                                                              alloc::caching_allocator& allocator,
                                                              const sharing_options& options) {
-  using key = std::tuple<pid_t, std::uint64_t, const void*>;
+  using key = std::tuple<pid_t, std::uint64_t, std::uint64_t>;
   static std::mutex mutex;
   static std::map<key, std::weak_ptr<consumer_state>> tables;
   std::lock_guard lock(mutex);

@@ -52,10 +52,10 @@ struct release_sink {
 class consumer_state : public std::enable_shared_from_this<consumer_state> {
  public:
   consumer_state(const process_identity& producer, alloc::caching_allocator& allocator, const sharing_options& options);
-  /// The table of `producer`'s resources for the sharing context `context`
-  /// of this process, shared by every connection to that producer: each of
-  /// its segments is mapped once in this process.
-  static std::shared_ptr<consumer_state> for_producer(const process_identity& producer, const void* context,
+  /// The table of `producer`'s resources for the sharing context numbered
+  /// `context` in this process (producer_state::serial), shared by every
+  /// connection to that producer: each of its segments is mapped once here.
+  static std::shared_ptr<consumer_state> for_producer(const process_identity& producer, std::uint64_t context,
                                                       alloc::caching_allocator& allocator,
                                                       const sharing_options& options);
   /// Waits for received storages' pending releases, then closes every

@@ -1,12 +1,11 @@
 #include "ipc/producer_state.h"
 
-#include "core/process_wide_id.h"
-#include "ipc/consumer_state.h"
-
 #include <algorithm>
 #include <set>
 #include <string>
 
+#include "core/process_wide_id.h"
+#include "ipc/consumer_state.h"
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 
@@ -43,7 +42,7 @@ class sent_data final : public storage::storage_owner {
 }  // namespace
 
 producer_state::producer_state(alloc::caching_allocator& a, const sharing_options& o)
-    : allocator(a), options(o), slots_(o.slots_per_file) {}
+    : allocator(a), options(o), serial(shoal::detail::next_process_wide_id()), slots_(o.slots_per_file) {}
 
 void producer_state::attach() {
   std::weak_ptr<producer_state> weak = weak_from_this();

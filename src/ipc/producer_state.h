@@ -102,6 +102,9 @@ class producer_state : public std::enable_shared_from_this<producer_state> {
 
   alloc::caching_allocator& allocator;
   const sharing_options options;
+  /// This context's number in the process, never reused (a context made at
+  /// a freed one's address must not find that one's tables: for_producer).
+  const std::uint64_t serial;
 
  private:
   struct limbo_entry {

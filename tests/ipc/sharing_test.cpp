@@ -656,6 +656,32 @@ TEST(sharing_protocol, idle_connections_collect_no_retirements) {
   EXPECT_LE(receiver.stats().open_mappings, 1u) << "the connection that named them retired each (the last goes with the next send)";
 }
 
+// A consumer's table of a producer belongs to one sharing context: a context
+// made where a destroyed one lived (same address) starts a table of its own,
+// with its own allocator, even while storages received through the old one
+// keep that table alive.
+TEST(sharing_protocol, a_context_made_at_a_freed_ones_address_gets_a_table_of_its_own) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator producer_allocator{dev, {}};
+  alloc::caching_allocator first_allocator{dev, {}}, second_allocator{dev, {}};
+  ipc::sharing_context producer{producer_allocator, {.collect_interval = 0ms}};
+  std::optional<ipc::sharing_context> consumer;  // both contexts live in its one place
+  const auto receive_one = [&] {
+    auto [a, b] = connected_pair();
+    ipc::peer sender(producer, std::move(a));
+    ipc::peer receiver(*consumer, std::move(b));
+    sender.send(storage_t::allocate(producer_allocator, 8 * kib, {}), {}, {});
+    return receiver.receive({}).storage;
+  };
+  consumer.emplace(first_allocator, ipc::sharing_options{.collect_interval = 0ms});
+  const storage_t kept = receive_one();  // keeps the first context's table alive
+  EXPECT_EQ(&kept.allocator(), &first_allocator);
+  consumer.reset();
+  consumer.emplace(second_allocator, ipc::sharing_options{.collect_interval = 0ms});
+  const storage_t second = receive_one();
+  EXPECT_EQ(&second.allocator(), &second_allocator) << "the new context was given the old one's table";
+}
+
 TEST(sharing_protocol, a_peer_of_another_protocol_is_refused_with_both_names_and_closed) {
   backend::device& dev = backend::host_device_instance();
   alloc::caching_allocator allocator(dev, {});
