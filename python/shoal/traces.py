@@ -49,6 +49,7 @@ __all__ = ["HEADER", "ConvertedTrace", "Recording", "convert", "write", "record"
 
 HEADER = "shoal-trace v1"
 FREE_ACTIONS = ("free_requested", "free_completed")
+MAX_STREAMS = 1024  # the format's stream ids are 0 to 1023
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -81,7 +82,8 @@ def convert(entries: Iterable[dict], free_on: str = "free_requested") -> Convert
 
     ``alloc`` becomes an allocation and ``free_on`` (``"free_requested"`` or
     ``"free_completed"``) its free; every other action (segment_*, snapshot, oom, ...) is
-    left out. Raises ValueError for another ``free_on``.
+    left out. Raises ValueError for another ``free_on``, and for a history on more
+    streams than a trace names (1,024).
     """
     if free_on not in FREE_ACTIONS:
         raise ValueError(f"free_on must be one of {FREE_ACTIONS}, not {free_on!r}")
@@ -90,6 +92,9 @@ def convert(entries: Iterable[dict], free_on: str = "free_requested") -> Convert
     live_bytes = 0
 
     def stream_id(handle: Any) -> int:
+        if handle not in out.streams and len(out.streams) == MAX_STREAMS:
+            raise ValueError(f"the history uses more than {MAX_STREAMS} streams; a trace names 0 to "
+                             f"{MAX_STREAMS - 1} (docs/traces.md)")
         return out.streams.setdefault(handle, len(out.streams))
 
     for entry in entries:
@@ -128,7 +133,8 @@ def _trace_text(trace: ConvertedTrace, notes: Sequence[str]) -> bytes:
     for note in notes:
         lines.extend(f"# {line}" for line in str(note).splitlines() or [""])
     lines.extend(" ".join(str(field) for field in event) for event in trace.events)
-    return ("\n".join(lines) + "\n").encode("ascii")
+    # Notes may hold any text (a path, an error message): escaped, never refused.
+    return ("\n".join(lines) + "\n").encode("ascii", errors="backslashreplace")
 
 
 def write(path: PathLike, trace: ConvertedTrace, notes: Sequence[str] = ()) -> None:
@@ -306,34 +312,62 @@ def _finish(torch: Any, index: int, recording: Recording, start: float, before: 
         raise
 
 
+# The command line's own options that take a value: everything up to the
+# program's path is ours, everything after it the program's, untouched.
+_VALUED_OPTIONS = ("--device", "--max-entries", "--free-on", "--note")
+
+
+def _split_command_line(args: Sequence[str]) -> tuple:
+    """(our arguments, the program's path or None, the program's arguments): the
+    program is the first argument after OUT that is not one of our options, or the one
+    after a ``--`` that comes before it."""
+    ours: list = []
+    positionals = 0
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--":
+            return ours, (args[i + 1] if i + 1 < len(args) else None), list(args[i + 2:])
+        if a in _VALUED_OPTIONS:
+            ours.extend(args[i:i + 2])
+            i += 2
+            continue
+        if a.startswith("-") and a != "-":
+            ours.append(a)  # --help, --note=x, or an unknown one argparse will name
+        elif positionals == 0:
+            ours.append(a)  # OUT
+            positionals = 1
+        else:
+            return ours, a, list(args[i + 1:])
+        i += 1
+    return ours, None, []
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m shoal.traces OUT [options] -- SCRIPT [ARGS...]``: runs SCRIPT (as
-    ``python SCRIPT ARGS...`` would, in this process) under ``record`` and writes OUT."""
+    """``python -m shoal.traces OUT [options] [--] SCRIPT [ARGS...]``: runs SCRIPT as
+    ``python SCRIPT ARGS...`` would (in this process, its folder first on ``sys.path``)
+    under ``record`` and writes OUT."""
     import argparse
 
     parser = argparse.ArgumentParser(
         prog="python -m shoal.traces",
+        usage="%(prog)s OUT [options] [--] SCRIPT [ARGS...]",
         description="Runs a Python program under PyTorch's memory history and writes its allocations as a "
-                    "shoal trace (gzipped when OUT ends in .gz), for shoal_replay.",
+                    "shoal trace (gzipped when OUT ends in .gz), for shoal_replay. Everything after SCRIPT "
+                    "is the program's.",
         epilog="example: python -m shoal.traces train.trace.gz -- train.py --epochs 1")
     parser.add_argument("out", help="the trace file to write")
     parser.add_argument("--device", type=int, default=None, help="CUDA device index (default: the current one)")
     parser.add_argument("--max-entries", type=int, default=1_000_000, help="PyTorch's history ring size")
     parser.add_argument("--free-on", choices=FREE_ACTIONS, default="free_requested")
     parser.add_argument("--note", action="append", default=[], help="a comment for the trace (repeatable)")
-    parser.add_argument("script", help="the Python program to run")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "--" in args:  # everything after it is the program's, even what looks like an option
-        split = args.index("--")
-        if split + 1 >= len(args):
-            parser.error("no program after --")
-        options = parser.parse_args(args[:split] + [args[split + 1]])
-        options.args = args[split + 2:]
-    else:
-        options = parser.parse_args(args)
-    saved_argv = sys.argv
-    sys.argv = [options.script] + list(options.args)
+    ours, script, program_args = _split_command_line(list(sys.argv[1:] if argv is None else argv))
+    options = parser.parse_args(ours)
+    if script is None:
+        parser.error("no program to run (SCRIPT)")
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [script] + program_args
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT` puts it first
     status = 0
     try:
         recorder = record(options.out, device=options.device, max_entries=options.max_entries,
@@ -346,11 +380,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with contextlib.ExitStack() as finish:
             finish.push(recorder)
             try:
-                runpy.run_path(options.script, run_name="__main__")
+                runpy.run_path(script, run_name="__main__")
             except SystemExit as e:  # the program's own exit: its trace is still written
-                status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if e.code is None or isinstance(e.code, int):
+                    status = e.code or 0
+                else:  # sys.exit("message"), as Python reports it
+                    print(e.code, file=sys.stderr)
+                    status = 1
     finally:
         sys.argv = saved_argv
+        sys.path[:] = saved_path
     print(f"shoal.traces: {recording}", file=sys.stderr)
     return status
 

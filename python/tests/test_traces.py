@@ -246,6 +246,62 @@ def test_the_command_line_says_why_it_cannot_record(tmp_path):
     assert "no CUDA device" in result.stderr and "must not run" not in result.stderr
 
 
+def test_notes_of_any_text_are_written_escaped(tmp_path):
+    path = tmp_path / "t.trace"
+    traces.write(path, traces.convert(HISTORY[:4]), ["données/été.py"])
+    assert path.read_text(encoding="ascii").splitlines()[1] == "# donn\\xe9es/\\xe9t\\xe9.py"
+
+
+def test_a_history_on_more_streams_than_a_trace_names_is_refused():
+    history = [{"action": "alloc", "addr": i, "size": 8, "stream": 1000 + i} for i in range(traces.MAX_STREAMS + 1)]
+    with pytest.raises(ValueError, match="streams"):
+        traces.convert(history)
+    assert len(traces.convert(history[:-1]).streams) == traces.MAX_STREAMS
+
+
+@pytest.mark.parametrize("argv, script, program_args", [
+    (["out.gz", "--", "train.py", "--lr", "1"], "train.py", ["--lr", "1"]),
+    (["out.gz", "train.py", "--", "x"], "train.py", ["--", "x"]),
+    (["out.gz", "--note", "n", "train.py", "--lr", "1", "--", "--extra"], "train.py", ["--lr", "1", "--", "--extra"]),
+    (["--max-entries", "5", "out.gz", "train.py"], "train.py", []),
+    (["out.gz", "--"], None, []),
+])
+def test_the_command_line_gives_the_program_everything_after_it(argv, script, program_args):
+    _, got_script, got_args = traces._split_command_line(argv)
+    assert (got_script, got_args) == (script, program_args)
+
+
+def _stand_in_torch(tmp_path):
+    package = tmp_path / "stand-in" / "torch"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+        from test_traces import FakeCuda
+        __version__ = "0.0-stand-in"
+        cuda = FakeCuda()
+        def device(kind, index):
+            import types
+            return types.SimpleNamespace(index=index)
+    """))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "stand-in"), os.environ.get("PYTHONPATH", "")]))
+
+
+def test_the_command_line_runs_a_program_as_python_would(tmp_path):
+    """Its folder first on sys.path (a sibling module imports), sys.exit("text") printed."""
+    env = _stand_in_torch(tmp_path)
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "helpers.py").write_text("VALUE = 42\n")
+    (folder / "main.py").write_text("import sys, helpers\nprint('helper', helpers.VALUE)\nsys.exit('stopped here')\n")
+    result = subprocess.run([sys.executable, "-m", "shoal.traces", str(tmp_path / "t.trace"), str(folder / "main.py")],
+                            capture_output=True, text=True, env=env, timeout=120, cwd=str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    assert "helper 42" in result.stdout
+    assert "stopped here" in result.stderr
+    assert (tmp_path / "t.trace").read_text().startswith("shoal-trace v1")
+
+
 @pytest.mark.torch
 def test_record_on_the_gpu_writes_pytorch_s_allocations(tmp_path):
     torch = pytest.importorskip("torch")

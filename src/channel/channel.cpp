@@ -328,7 +328,7 @@ connection connection::connect(const channel_address& address, const access_poli
     }
     if (errno == EAGAIN || errno == EINTR) {
       throw timeout_error("connection::connect: the listener at " + address.to_string() +
-                          " took no connection within " + std::to_string(timeout.count()) +
+                          " took no connection within " + std::to_string(shoal::detail::channel_timeout(timeout).count()) +
                           " ms (its backlog stayed full: a server that stopped accepting)");
     }
     throw backend_error("connect(" + address.to_string() + ")", errno_text());

@@ -254,9 +254,12 @@ void consumer_state::retire_files(const std::vector<std::uint64_t>& ids) {
 
 void consumer_state::make_room_to_map(std::size_t chunks) {
   const std::size_t limit = options.max_peer_segments;
+  // Retired mappings whose last view went are being closed (by the collector,
+  // which may have taken them already): not counted.
+  const auto finishing = [](const mapping& m) { return m.state.load(std::memory_order_acquire) == retired_bit; };
   std::size_t mapped = 0;
   for (const auto& [ids, m] : mappings_) mapped += ids.size();
-  for (const auto& m : retired_) mapped += m->segment_ids.size();
+  for (const auto& m : retired_) mapped += finishing(*m) ? 0 : m->segment_ids.size();
   if (mapped + chunks <= limit) return;
   // Past the bound: close what nothing uses, now. Retired mappings whose last
   // view went first (the collector would close them), then cached ones.
@@ -267,7 +270,6 @@ void consumer_state::make_room_to_map(std::size_t chunks) {
   }
   for (auto& m : finished) {
     std::erase(retired_, m);
-    mapped -= m->segment_ids.size();
     close(*m);
   }
   // Views are added under mutex_ (held): a cached mapping with none stays so.

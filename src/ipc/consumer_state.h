@@ -8,7 +8,9 @@
 // and those its storage recorded) has passed the work enqueued before it was
 // dropped (host tasks count down; the last releases the slot). Host tasks may not
 // call the device, so they only count down; closing happens on a user
-// thread: the sharing context's collector, collect(), or the destructor.
+// thread: the sharing context's collector, collect(), or the destructor — and
+// a receive that would pass max_peer_segments mapped closes, under the lock,
+// the mappings no storage uses to make room.
 //
 // Thread-safety: every member may be called from any thread (one mutex).
 // Storages made here keep this object alive.

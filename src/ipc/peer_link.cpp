@@ -57,9 +57,9 @@ peer_link::retirements peer_link::take_retirements() {
 }
 
 void peer_link::outgoing::add(const retirements& r) {
-  // A frame of at most this many ids (32 KiB) fits the smallest payload a
-  // receiver takes (channel's default, 64 KiB): a producer giving back many
-  // segments at once must not have its honest peers refuse the frame.
+  // A frame of at most this many ids (32 KiB) fits the channel's default
+  // payload (64 KiB), which sharing connections use or exceed: a producer
+  // giving back many segments at once must not have its peers refuse it.
   constexpr std::size_t ids_per_frame = 4096;
   const auto add_all = [&](message_type type, std::span<const std::uint64_t> ids) {
     for (std::size_t at = 0; at < ids.size(); at += ids_per_frame) {

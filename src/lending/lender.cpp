@@ -454,6 +454,12 @@ class lender::state {
 
   // is_alive, or true when it cannot be told (out of memory): an orphaned
   // hold is checked again later.
+  // Whether `link` has something to read now (its hello, say, not served yet).
+  static bool readable(const channel::connection& link) noexcept {
+    pollfd p{link.native_handle(), POLLIN, 0};
+    return link.pending() > 0 || ::poll(&p, 1, 0) > 0;
+  }
+
   static bool alive_or_unknown(const process_identity& process) noexcept {
     try {
       return is_alive(process);
@@ -493,7 +499,7 @@ class lender::state {
     const auto timeout_ms = [&] { return std::to_string(config_.peer_timeout.count()); };
     for (auto& b : borrowers_) {
       if (b.failed) continue;
-      if (!b.greeted && now - b.accepted >= config_.peer_timeout) {
+      if (!b.greeted && now - b.accepted >= config_.peer_timeout && !readable(b.link)) {
         close_for_error_saying(b, "it sent no hello within the peer timeout", [&] {
           return "it sent no hello within the peer timeout of " + timeout_ms() + " ms";
         });

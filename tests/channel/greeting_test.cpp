@@ -2,6 +2,7 @@
 // only: descriptors sent with it are closed and the greeting refused; the
 // wait for it has a deadline.
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -97,6 +98,19 @@ TEST(greeting, a_late_greeting_within_the_timeout_is_taken) {
   const channel::connection c = channel::connection::adopt_pair_end(
       unique_fd(fds[0]), {}, channel::connection::default_max_payload, std::chrono::seconds(10));
   EXPECT_EQ(c.peer().uid, ::geteuid());
+  other.join();
+}
+
+// A zero timeout still takes a greeting that has come already.
+TEST(greeting, a_zero_timeout_takes_a_greeting_that_came_already) {
+  int fds[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
+  std::thread other([end = fds[1]] { (void)channel::connection::adopt_pair_end(unique_fd(end), {}); });
+  pollfd came{fds[0], POLLIN, 0};
+  ASSERT_EQ(::poll(&came, 1, 5000), 1) << "the other end's greeting";
+  EXPECT_NO_THROW((void)channel::connection::adopt_pair_end(unique_fd(fds[0]), {},
+                                                            channel::connection::default_max_payload,
+                                                            std::chrono::milliseconds(0)));
   other.join();
 }
 
