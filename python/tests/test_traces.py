@@ -201,8 +201,7 @@ def test_record_checks_its_arguments(tmp_path, fake_torch):
             pass
 
 
-def test_the_command_line_records_a_program_and_keeps_its_exit_status(tmp_path):
-    # The stand-in torch is a package on PYTHONPATH for the child process.
+def _stand_in_torch(tmp_path):
     package = tmp_path / "stand-in" / "torch"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(textwrap.dedent(f"""
@@ -215,6 +214,11 @@ def test_the_command_line_records_a_program_and_keeps_its_exit_status(tmp_path):
             import types
             return types.SimpleNamespace(index=index)
     """))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "stand-in"), os.environ.get("PYTHONPATH", "")]))
+
+
+def test_the_command_line_records_a_program_and_keeps_its_exit_status(tmp_path):
+    env = _stand_in_torch(tmp_path)
     program = tmp_path / "program.py"
     program.write_text(textwrap.dedent("""
         import sys, torch
@@ -223,7 +227,6 @@ def test_the_command_line_records_a_program_and_keeps_its_exit_status(tmp_path):
         sys.exit(3)
     """))
     out = tmp_path / "program.trace"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "stand-in"), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-m", "shoal.traces", str(out), "--note", "cli", "--", str(program),
                              "--flag", "x"], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 3, result.stderr
@@ -269,22 +272,6 @@ def test_a_history_on_more_streams_than_a_trace_names_is_refused():
 def test_the_command_line_gives_the_program_everything_after_it(argv, script, program_args):
     _, got_script, got_args = traces._split_command_line(argv)
     assert (got_script, got_args) == (script, program_args)
-
-
-def _stand_in_torch(tmp_path):
-    package = tmp_path / "stand-in" / "torch"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
-        from test_traces import FakeCuda
-        __version__ = "0.0-stand-in"
-        cuda = FakeCuda()
-        def device(kind, index):
-            import types
-            return types.SimpleNamespace(index=index)
-    """))
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "stand-in"), os.environ.get("PYTHONPATH", "")]))
 
 
 def test_the_command_line_runs_a_program_as_python_would(tmp_path):
