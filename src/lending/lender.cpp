@@ -38,6 +38,8 @@ using clock_type = std::chrono::steady_clock;
 
 // How often orphaned regions are checked for a borrower that has exited.
 constexpr std::chrono::milliseconds orphan_check_interval{50};
+// How long the lender stops accepting after the system refused an accept.
+constexpr std::chrono::milliseconds accept_pause{100};
 
 std::span<const std::byte> view(const std::vector<std::byte>& bytes) { return bytes; }
 
@@ -251,7 +253,10 @@ class lender::state {
     while (!stopping_.load()) {
       // fds_ keeps its room from turn to turn: no allocation per wake-up.
       fds_.clear();
-      fds_.push_back({listener_.native_handle(), POLLIN, 0});
+      // While accepting is paused the listener is polled for nothing: its
+      // backlog would keep it readable.
+      const bool accepting = clock_type::now() >= accept_paused_until_;
+      fds_.push_back({listener_.native_handle(), accepting ? short{POLLIN} : short{0}, 0});
       fds_.push_back({wake_.get(), POLLIN, 0});
       bool pending = false;
       for (const auto& b : borrowers_) {
@@ -330,6 +335,13 @@ class lender::state {
     std::optional<channel::connection> accepted;
     try {
       accepted = listener_.accept_for(std::chrono::milliseconds(0));
+    } catch (const backend_error&) {
+      // The system refused the accept (out of descriptors, say): the client
+      // stays in the backlog, the listener readable, so look again after a
+      // pause instead of spinning on it while the borrowers wait.
+      accept_paused_until_ = clock_type::now() + accept_pause;
+      count_refusal();
+      return;
     } catch (const error&) {
       count_refusal();  // a uid not allowed, or a peer gone before it was identified
       return;
@@ -1185,6 +1197,8 @@ class lender::state {
 
   // The serving thread's own; status() reads the count.
   std::list<borrower_entry> borrowers_;
+  // accept_or_throw: when a refused accept (the system's) may be tried again.
+  clock_type::time_point accept_paused_until_{};
   std::vector<pollfd> fds_;  // the listener, the wake-up, then borrowers_ in order
   std::atomic<std::size_t> borrower_count_{0};
   std::uint64_t last_serial_ = 0;

@@ -3,6 +3,10 @@
 // lender that stops accepting or answers what does not decode, and a
 // thread waiting for revocations while another gives a region back.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
 #include <chrono>
 #include <future>
 #include <string>
@@ -154,6 +158,46 @@ TEST(lending_hostile_peers, an_answer_that_does_not_decode_closes_the_link) {
     EXPECT_THROW((void)b.borrow(4096, "two"), connection_closed);
   }
   EXPECT_FALSE(server.get()) << "the borrower asked again on a link whose lender broke the protocol";
+}
+
+// Out of descriptors, a client waits in the listener's backlog and keeps it
+// readable: the lender pauses accepting instead of spinning a core on it,
+// and takes the client once descriptors are free again.
+TEST(lending_hostile_peers, a_lender_out_of_descriptors_does_not_spin) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  lender l(dev, channel::channel_address::at_path(dir / "l.sock"));
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  const auto cpu_now = [] {
+    rusage u{};
+    ::getrusage(RUSAGE_SELF, &u);
+    return std::chrono::seconds(u.ru_utime.tv_sec + u.ru_stime.tv_sec) +
+           std::chrono::microseconds(u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+  };
+  std::chrono::microseconds spent{};
+  {
+    // The lowest free descriptor number is the last one allowed: the client's
+    // socket takes it, and the lender's accept finds none.
+    const int lowest_free = ::dup(0);
+    ASSERT_GE(lowest_free, 0);
+    ::close(lowest_free);
+    rlimit tight = saved;
+    tight.rlim_cur = static_cast<rlim_t>(lowest_free) + 1;
+    ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &tight), 0);
+    const unique_fd client(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un at{};
+    at.sun_family = AF_UNIX;
+    l.address().to_string().copy(at.sun_path, sizeof at.sun_path - 1);
+    const bool connected = ::connect(client.get(), reinterpret_cast<const sockaddr*>(&at), sizeof at) == 0;
+    const auto before = cpu_now();
+    std::this_thread::sleep_for(500ms);
+    spent = std::chrono::duration_cast<std::chrono::microseconds>(cpu_now() - before);
+    ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+    ASSERT_TRUE(connected);
+  }
+  EXPECT_LT(spent, 150ms) << "the lender spun on a listener it could not accept from";
+  EXPECT_NO_THROW(borrower(dev, l.address(), {}, 2000ms)) << "it accepts again once descriptors are free";
 }
 
 }  // namespace
