@@ -38,6 +38,8 @@ using clock_type = std::chrono::steady_clock;
 
 // How often orphaned regions are checked for a borrower that has exited.
 constexpr std::chrono::milliseconds orphan_check_interval{50};
+// The longest peer_timeout taken.
+constexpr std::chrono::milliseconds longest_peer_timeout = std::chrono::hours(24);
 // How long the lender stops accepting after the system refused an accept.
 constexpr std::chrono::milliseconds accept_pause{100};
 
@@ -1225,6 +1227,12 @@ lender::lender(backend::device& device, const channel::channel_address& address,
       config.max_regions_per_borrower == 0 || config.peer_timeout <= std::chrono::milliseconds(0)) {
     throw invalid_argument(
         "lender: capacity_bytes, quota_bytes, max_borrowers, max_regions_per_borrower and peer_timeout must be > 0");
+  }
+  // Compared with clock differences in nanoseconds: a longer one would
+  // overflow there and hang up on every borrower at once.
+  if (config.peer_timeout > longest_peer_timeout) {
+    throw invalid_argument("lender: peer_timeout of " + std::to_string(config.peer_timeout.count()) +
+                           " ms is over a day; a borrower that waits longer is as good as gone");
   }
   const auto prepared = detail::prepared_total(config.prepared_chunks, device.granularity());
   if (!prepared || *prepared > config.capacity_bytes) {

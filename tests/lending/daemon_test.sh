@@ -37,12 +37,28 @@ stop() {  # SIGTERM, then the exit status must be 0 within 5 s
 pid=$!
 answers "$dir/a.sock" || fail "the daemon did not answer status"
 grep -qx 'shoal_lending_capacity_bytes 67108864' "$dir/status" || fail "--capacity 64MiB is not the capacity"
+# A client whose hello names a protocol in bytes that are no text (0xff, DEL,
+# a terminal escape): the record that names it must stay one line of JSON.
+python3 - "$dir/a.sock" <<'EOF' || fail "the bad hello could not be sent"
+import socket, struct, sys, time
+name = b"ev\xff\xfe\x7f\xc2\x9b31m"
+payload = struct.pack("<I", len(name)) + name + struct.pack("<H", 1)
+frame = struct.pack("<HHI", 0xFFFF, 0, len(payload)) + payload
+batch = b"SHOL" + struct.pack("<HH", 2, 1) + struct.pack("<I", max(len(frame), 256 - 12)) + frame
+batch += bytes(max(0, 256 - len(batch)))
+with socket.socket(socket.AF_UNIX) as s:
+    s.connect(sys.argv[1])
+    s.sendall(batch)
+    time.sleep(0.3)
+EOF
 stop
 [ ! -e "$dir/a.sock" ] || fail "the socket file was left behind"
 python3 - "$dir/log" <<'EOF' || fail "the JSON log does not read as one object per line"
 import json, sys
-events = [json.loads(line)["event"] for line in open(sys.argv[1])]
+records = [json.loads(line) for line in open(sys.argv[1], encoding="ascii")]
+events = [r["event"] for r in records]
 assert events[0] == "started" and events[-1] == "stopping" and "connected" in events, events
+assert any("ev\xff\xfe\x7f" in r.get("detail", "") for r in records), "the bad hello's record"
 EOF
 
 # A config file, and a flag that wins over it.

@@ -200,5 +200,20 @@ TEST(lending_hostile_peers, a_lender_out_of_descriptors_does_not_spin) {
   EXPECT_NO_THROW(borrower(dev, l.address(), {}, 2000ms)) << "it accepts again once descriptors are free";
 }
 
+// A peer timeout past a day is refused: compared with clock differences in
+// nanoseconds, a huge one overflowed and hung up on every borrower at once.
+TEST(lending_hostile_peers, a_peer_timeout_past_a_day_is_refused) {
+  temp_dir dir;
+  lender_config config;
+  config.peer_timeout = std::chrono::hours(25);
+  EXPECT_THROW(lender(backend::host_device_instance(), channel::channel_address::at_path(dir / "l.sock"), config),
+               invalid_argument);
+  config.peer_timeout = std::chrono::milliseconds(9'223'372'036'855);  // past int64 nanoseconds
+  EXPECT_THROW(lender(backend::host_device_instance(), channel::channel_address::at_path(dir / "l.sock"), config),
+               invalid_argument);
+  config.peer_timeout = std::chrono::hours(24);
+  EXPECT_NO_THROW(lender(backend::host_device_instance(), channel::channel_address::at_path(dir / "l.sock"), config));
+}
+
 }  // namespace
 }  // namespace shoal::testing

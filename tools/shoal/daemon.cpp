@@ -24,7 +24,9 @@ namespace shoal::tools {
 
 namespace {
 
-/// `text` as the body of a JSON string.
+/// `text` as the body of a JSON string, in ASCII: a peer's bytes (a protocol
+/// name in a refused hello) may be anything, and a log line must stay one
+/// valid line, with no terminal control sequence in it.
 std::string json_escaped(const std::string& text) {
   std::string out;
   for (const char c : text) {
@@ -39,7 +41,7 @@ std::string json_escaped(const std::string& text) {
         out += "\\n";
         break;
       default:
-        if (static_cast<unsigned char>(c) < 0x20) {
+        if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) {
           char escaped[8];
           std::snprintf(escaped, sizeof escaped, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
           out += escaped;
@@ -94,6 +96,13 @@ void log_event(daemon_log& log, const lending::lender_event& e) {
 }
 
 int serve(const daemon_settings& settings) {
+  // First of all: every thread made from here on (the device's too) inherits
+  // this mask, so the signals reach sigwait alone.
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
   backend::device& device = settings.resolve_device();
   const auto address = settings.resolve_address();
   lending::lender_config config = settings.lender_config(device);
@@ -106,12 +115,6 @@ int serve(const daemon_settings& settings) {
     std::lock_guard in_order(log_order);
     log_event(log, e);
   };
-  // The lender's thread inherits this mask: the signals reach sigwait alone.
-  sigset_t stop;
-  sigemptyset(&stop);
-  sigaddset(&stop, SIGINT);
-  sigaddset(&stop, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop, nullptr);
   const lending::lender lender(device, address, config);
   std::string metrics_url = "off";
 #if defined(SHOAL_HAVE_METRICS_HTTP)
@@ -190,7 +193,8 @@ int run_daemon(int argc, char** argv) {
   auto* status_command = app.add_subcommand("status", "print a running daemon's metrics (Prometheus text)");
   status_command->fallthrough();  // --socket and --device after "status" too
   double status_timeout = 5.0;
-  status_command->add_option("--timeout", status_timeout, "seconds to wait for the daemon")->check(CLI::PositiveNumber);
+  status_command->add_option("--timeout", status_timeout, "seconds to wait for the daemon")
+      ->check(CLI::Range(0.001, 86400.0));
   try {
     app.parse(argc, argv);
     if (!config_file.empty()) {

@@ -128,7 +128,7 @@ struct lender_config {
   std::size_t max_regions_per_borrower = 1024;
   /// Deadline of every wait on a borrower: its hello (from when it was
   /// accepted), a batch it started sending, an answer it does not read
-  /// (from when the answer was posted).
+  /// (from when the answer was posted). Above 0, at most a day.
   std::chrono::milliseconds peer_timeout{1000};
   /// Whether given-back memory is lent again (see the contract above).
   reuse_policy reuse = reuse_policy::same_uid;
