@@ -109,6 +109,11 @@ def main():
             check(get(port, "/metrics?name=x")[0] == 200, "a query string is not the same path")
             check(get(port, "/")[0] == 404, "/ is not 404")
             check(get(port, "/metricsx")[0] == 404, "/metricsx is not 404")
+            # A web page that rebinds its own name to 127.0.0.1 sends that name: refused.
+            rebound = exchange(port, b"GET /metrics HTTP/1.1\r\nHost: rebound.example:%d\r\n\r\n" % port)
+            check(rebound is not None and rebound[0] == 403, f"a request for another host name answered {rebound}")
+            check(get(port)[0] == 200 and exchange(port, b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n\r\n"
+                                                   % port)[0] == 200, "localhost and 127.0.0.1 are not served")
             for method in ("POST", "PUT", "DELETE", "HEAD", "BREW"):
                 answer = get(port, "/metrics", method)
                 check(answer is not None and answer[0] == 405, f"{method} /metrics answered {answer}")

@@ -77,8 +77,20 @@ class metrics_endpoint::state {
 
   void start(tcp::socket socket);
 
-  /// The answer to a request for `target` with `method`.
-  http::response<http::string_body> answer(http::verb method, std::string_view target) {
+  /// Whether a request's Host names this machine's loopback: a web page that
+  /// rebinds its own name to 127.0.0.1 sends that name, and is refused.
+  static bool loopback_host(std::string_view host) {
+    if (host.empty()) return true;  // HTTP/1.0: no name to check
+    if (host.front() == '[') return host.starts_with("[::1]");
+    host = host.substr(0, host.find(':'));
+    return host == "127.0.0.1" || host == "localhost";
+  }
+
+  /// The answer to a request for `target` with `method`, naming `host`.
+  http::response<http::string_body> answer(http::verb method, std::string_view target, std::string_view host) {
+    if (!loopback_host(host)) {
+      return text(http::status::forbidden, "forbidden: this endpoint answers requests for 127.0.0.1 or localhost only\n");
+    }
     const std::string_view path = target.substr(0, target.find('?'));
     if (path != "/metrics") return text(http::status::not_found, "not found: this endpoint serves /metrics only\n");
     if (method != http::verb::get) {
@@ -142,7 +154,9 @@ class metrics_endpoint::state::session : public std::enable_shared_from_this<ses
       return;
     }
     const auto& request = parser_.get();
-    write(owner_.answer(request.method(), std::string_view(request.target().data(), request.target().size())));
+    const auto host = request[http::field::host];
+    write(owner_.answer(request.method(), std::string_view(request.target().data(), request.target().size()),
+                        std::string_view(host.data(), host.size())));
   }
 
   void write(http::response<http::string_body> response) {
