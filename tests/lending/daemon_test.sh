@@ -148,6 +148,8 @@ refused "same_uid" --reuse sometimes
 echo 'reuse = "sometimes"' > "$dir/bad.toml"
 refused "reuse: 'sometimes' is not same_uid or never" --config "$dir/bad.toml"
 refused "prepare" --prepare lots
+refused "over a day" --peer-timeout-ms 99999999999  # past a day overflowed into no timeout at all
+refused "not in range" status --timeout 1e300
 refused "prepare" --prepare 0x1MiB
 refused "prepared_chunks" --capacity 8MiB --prepare 3x4MiB
 
