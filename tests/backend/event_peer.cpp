@@ -19,6 +19,11 @@
 //     Receives two chunk handles, imports them as one range, checks that the
 //     first chunk's bytes (from its offset) are `first` and the second's are
 //     `second`, overwrites all of them with the third value. Answers "ok".
+//   shoal_test_event_peer import-twice <host|cuda> <bytes> <expected byte>
+//     Receives one memory handle and imports it twice (as a producer that
+//     announces one segment under two ids makes a consumer do), closes the
+//     first import, then checks through the second that each of `bytes` bytes
+//     is `expected` and closes it. Answers "ok".
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -129,6 +134,21 @@ std::string import_chunks(backend::device& dev, std::uint8_t first, std::uint8_t
   return wrong.empty() ? "ok" : wrong;
 }
 
+// CUDA hands out one mapping for a handle opened twice and counts the opens:
+// each import must stay usable until its own close.
+std::string import_twice(backend::device& dev, std::size_t bytes, std::uint8_t expected) {
+  const backend::shareable_handle handle = receive_handle();
+  void* first = dev.import_memory(handle);
+  void* second = dev.import_memory(handle);
+  dev.close_import(first);
+  std::vector<std::uint8_t> seen(bytes);
+  dev.copy({}, seen.data(), second, bytes);
+  dev.synchronize({});
+  dev.close_import(second);
+  std::string wrong = mismatch(seen, 0, bytes, expected);
+  return wrong.empty() ? "ok" : "through the second import after the first was closed: " + wrong;
+}
+
 std::uint8_t byte_argument(const std::string& text) { return static_cast<std::uint8_t>(std::stoi(text)); }
 
 }  // namespace
@@ -145,6 +165,8 @@ int main(int argc, char** argv) {
       export_and_hang(dev, std::stoull(args[2]));
     } else if (args[0] == "import-chunks" && args.size() == 5) {
       answer = import_chunks(dev, byte_argument(args[2]), byte_argument(args[3]), byte_argument(args[4]));
+    } else if (args[0] == "import-twice" && args.size() == 4) {
+      answer = import_twice(dev, std::stoull(args[2]), byte_argument(args[3]));
     } else {
       throw invalid_argument("unknown mode or wrong number of arguments; see the top of event_peer.cpp");
     }

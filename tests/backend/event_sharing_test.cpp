@@ -202,6 +202,22 @@ TYPED_TEST(event_sharing, two_chunks_of_a_growable_range_are_imported_as_one_ran
   dev.release_range(range);
 }
 
+// A hostile producer may announce one segment under two ids: the consumer
+// imports the same handle twice, and closing one import must not take the
+// other's memory away (CUDA returns the same mapping and counts its opens).
+TYPED_TEST(event_sharing, one_handle_imported_twice_stays_mapped_until_both_are_closed) {
+  auto& dev = this->device();
+  constexpr std::size_t bytes = 1 << 20;
+  void* segment = dev.allocate_segment(bytes);
+  dev.fill({}, segment, 0x5A, bytes);
+  dev.synchronize({});
+  child_process peer(SHOAL_TEST_EVENT_PEER, {"import-twice", TypeParam::name, std::to_string(bytes), "90"});
+  send(peer, dev.export_memory(segment));
+  EXPECT_EQ(receive_text(peer), "ok");
+  EXPECT_EQ(peer.wait(), 0);
+  dev.free_segment(segment);
+}
+
 TYPED_TEST(event_sharing, chunks_that_cannot_be_imported_together_are_refused) {
   auto& dev = this->device();
   const std::size_t g = dev.granularity();
