@@ -4,7 +4,8 @@
 GET /metrics answers the lender's Prometheus text, other paths 404, other
 methods 405; the endpoint listens on 127.0.0.1 alone; garbage, oversized
 heads, bodies, slow clients and more connections than it serves at once are
-closed without harming it; a taken port is refused with a message naming it.
+closed without harming it, and idle connections holding every slot do not keep
+a scraper out; a taken port is refused with a message naming it.
     metrics_http_test.py <path of the shoal program>
 """
 import os
@@ -173,6 +174,14 @@ def main():
                 except socket.timeout:
                     pass  # served: waiting for its request
             check(closed >= 24, f"only {closed} of 40 idle connections were closed at once (16 are served)")
+            # Idle connections hold every slot: a scraper is still answered at once (it takes
+            # the slot of the one that has waited longest), without waiting out their deadline.
+            start = time.monotonic()
+            answer = get(port)
+            waited = time.monotonic() - start
+            check(answer is not None and answer[0] == 200 and waited < 1,
+                  f"with every slot held by an idle connection, /metrics answered {answer and answer[0]} "
+                  f"after {waited:.1f} s")
             for s in idle:
                 s.close()
             until = time.monotonic() + DEADLINE_S + 2

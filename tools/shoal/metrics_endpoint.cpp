@@ -4,6 +4,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
+#include <list>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -70,12 +71,18 @@ class metrics_endpoint::state {
         });
         return;
       }
-      if (connections_ < max_connections) start(std::move(socket));  // else closed here, unanswered
+      // Every slot taken: the connection waiting longest for its request
+      // gives its slot up (an honest client sends its request at once, so
+      // idle connections cannot keep a scraper out). Only when every slot
+      // is answering is the newcomer closed here, unanswered.
+      if (slots_ == max_connections && !reading_.empty()) evict_oldest_reading();
+      if (slots_ < max_connections) start(std::move(socket));
       accept();
     });
   }
 
   void start(tcp::socket socket);
+  void evict_oldest_reading();
 
   /// Whether a request's Host names this machine's loopback: a web page that
   /// rebinds its own name to 127.0.0.1 sends that name, and is refused.
@@ -118,7 +125,10 @@ class metrics_endpoint::state {
 
   std::function<std::string()> metrics_;
   std::uint16_t port_ = 0;
-  std::size_t connections_ = 0;  // the serving thread's own
+  // The serving thread's own: connections holding a slot (not evicted), and
+  // those of them still reading their request, oldest first.
+  std::size_t slots_ = 0;
+  std::list<session*> reading_;
   // Last but the thread: destroyed first, with the sessions its handlers own.
   asio::io_context io_{1};
   tcp::acceptor acceptor_{io_};
@@ -129,12 +139,16 @@ class metrics_endpoint::state {
 /// One connection: one request read, one answer written, within the deadline.
 class metrics_endpoint::state::session : public std::enable_shared_from_this<session> {
  public:
-  session(state& owner, tcp::socket socket) : owner_(owner), stream_(std::move(socket)) {
-    ++owner_.connections_;
+  session(state& owner, tcp::socket socket)
+      : owner_(owner), stream_(std::move(socket)), in_reading_(owner_.reading_.insert(owner_.reading_.end(), this)) {
+    ++owner_.slots_;
     parser_.header_limit(static_cast<std::uint32_t>(max_request_bytes));
     parser_.body_limit(0);
   }
-  ~session() { --owner_.connections_; }
+  ~session() {
+    if (holds_slot_) --owner_.slots_;
+    stop_reading();
+  }
   session(const session&) = delete;
   session& operator=(const session&) = delete;
 
@@ -144,8 +158,24 @@ class metrics_endpoint::state::session : public std::enable_shared_from_this<ses
                      [self = shared_from_this()](boost::system::error_code ec, std::size_t) { self->on_read(ec); });
   }
 
+  /// Gives the slot up and closes the connection; the pending read ends
+  /// with operation_aborted, and the session with it.
+  void evict() {
+    --owner_.slots_;
+    holds_slot_ = false;
+    stop_reading();
+    stream_.close();
+  }
+
  private:
+  void stop_reading() {
+    if (in_reading_ == owner_.reading_.end()) return;
+    owner_.reading_.erase(in_reading_);
+    in_reading_ = owner_.reading_.end();
+  }
+
   void on_read(boost::system::error_code ec) {
+    stop_reading();
     if (ec == http::error::end_of_stream || ec == beast::error::timeout || ec == asio::error::operation_aborted) {
       return;  // hung up or too slow: closed unanswered
     }
@@ -168,10 +198,14 @@ class metrics_endpoint::state::session : public std::enable_shared_from_this<ses
 
   state& owner_;
   beast::tcp_stream stream_;
+  std::list<session*>::iterator in_reading_;  // end() once the request is read (or the session evicted)
+  bool holds_slot_ = true;
   beast::flat_buffer buffer_{max_request_bytes};
   http::request_parser<http::empty_body> parser_;
   http::response<http::string_body> response_;
 };
+
+void metrics_endpoint::state::evict_oldest_reading() { reading_.front()->evict(); }
 
 void metrics_endpoint::state::start(tcp::socket socket) {
   std::make_shared<session>(*this, std::move(socket))->read();

@@ -9,7 +9,9 @@
 //   - each connection has request_deadline, from accept to the last byte of
 //     the answer, for everything; then it is closed, whatever it was doing;
 //   - one answer per connection (Connection: close), and at most
-//     max_connections at once: one more is closed at accept;
+//     max_connections at once: one more takes the slot of the connection
+//     that has waited longest for its request (closed unanswered), or is
+//     closed at accept when every slot is answering;
 //   - no error of a client, or of the metrics function (answered 500),
 //     leaves the endpoint's thread; a failing accept (no descriptors left)
 //     is retried after a pause instead of spinning.
