@@ -156,4 +156,25 @@ refused "prepared_chunks" --capacity 8MiB --prepare 3x4MiB
 # Status with no daemon there: exit 1.
 "$shoal" daemon status --socket "$dir/none.sock" --device host --timeout 1 > /dev/null 2>&1
 [ $? -eq 1 ] || fail "status with no daemon did not exit 1"
+
+# A daemon of another user (a service account): status refuses it unless
+# --daemon-uid names that uid. Needs root to start it as another user.
+if [ "$(id -u)" -eq 0 ] && command -v setpriv > /dev/null; then
+  svc=$(mktemp -d /tmp/shoal-daemon-svc-XXXXXX)
+  chown 65534 "$svc" && chmod 700 "$svc"
+  setpriv --reuid=65534 --regid=65534 --clear-groups \
+    "$shoal" daemon --socket "$svc/s.sock" --device host --allow-uid 0 2> "$dir/log" &
+  pid=$!
+  for _ in $(seq 100); do [ -S "$svc/s.sock" ] && break; sleep 0.05; done
+  "$shoal" daemon status --socket "$svc/s.sock" --device host --timeout 2 > /dev/null 2> "$dir/refusal"
+  [ $? -eq 1 ] || fail "status accepted a daemon of uid 65534 without --daemon-uid"
+  grep -q "65534" "$dir/refusal" || fail "the refusal does not name the daemon's uid: $(cat "$dir/refusal")"
+  "$shoal" daemon status --socket "$svc/s.sock" --device host --daemon-uid 65534 > "$dir/status" ||
+    fail "status --daemon-uid 65534 did not read the daemon of uid 65534"
+  grep -q '^shoal_lending_capacity_bytes ' "$dir/status" || fail "status --daemon-uid printed no metrics"
+  stop
+  rm -rf "$svc"
+else
+  echo "daemon: not root, the daemon of another user is not tried"
+fi
 echo "daemon: 1 passed, 0 failed"

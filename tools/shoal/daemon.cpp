@@ -11,6 +11,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "shoal/core/error.h"
 #include "shoal/lending/borrower.h"
@@ -152,10 +153,18 @@ int serve(const daemon_settings& settings) {
   return 0;
 }
 
-int status(const daemon_settings& settings, double timeout_seconds) {
-  lending::borrower b(settings.resolve_device(), settings.resolve_address(), {},
-                      std::chrono::milliseconds(static_cast<std::int64_t>(timeout_seconds * 1000)));
-  std::fputs(b.metrics().c_str(), stdout);
+// The daemon must run as this user or one of `daemon_uids` (a daemon of
+// another user, a service account say, is named; any other is refused).
+int status(const daemon_settings& settings, double timeout_seconds, const std::vector<uid_t>& daemon_uids) {
+  channel::access_policy daemon_policy;
+  daemon_policy.allowed_uids = daemon_uids;
+  try {
+    lending::borrower b(settings.resolve_device(), settings.resolve_address(), daemon_policy,
+                        std::chrono::milliseconds(static_cast<std::int64_t>(timeout_seconds * 1000)));
+    std::fputs(b.metrics().c_str(), stdout);
+  } catch (const peer_refused& e) {
+    throw peer_refused(std::string(e.what()) + " (the command line: `status --daemon-uid UID` names it)");
+  }
   return 0;
 }
 
@@ -195,6 +204,10 @@ int run_daemon(int argc, char** argv) {
   double status_timeout = 5.0;
   status_command->add_option("--timeout", status_timeout, "seconds to wait for the daemon")
       ->check(CLI::Range(0.001, 86400.0));
+  std::vector<uid_t> status_daemon_uids;
+  status_command->add_option("--daemon-uid", status_daemon_uids,
+                             "the uid the daemon runs as, when it is not yours (repeat); a daemon of any other uid "
+                             "is refused");
   try {
     app.parse(argc, argv);
     if (!config_file.empty()) {
@@ -218,7 +231,7 @@ int run_daemon(int argc, char** argv) {
       if (prepare->count() > 0) settings.prepare = flags.prepare;
       if (metrics_port->count() > 0) settings.metrics_port = flags.metrics_port;
     }
-    if (status_command->parsed()) return status(settings, status_timeout);
+    if (status_command->parsed()) return status(settings, status_timeout, status_daemon_uids);
 #if !defined(SHOAL_HAVE_METRICS_HTTP)
     if (settings.metrics_port >= 0) {
       throw invalid_argument(
