@@ -8,6 +8,7 @@
 #include <sys/un.h>
 
 #include <chrono>
+#include <functional>
 #include <future>
 #include <string>
 #include <thread>
@@ -19,6 +20,7 @@
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
 #include "shoal/lending/layout.h"
+#include "shoal/lending/lender_test_hook.h"
 #include "support/stuck_listener.h"
 
 namespace shoal::testing {
@@ -79,6 +81,42 @@ TEST(lending_hostile_peers, connections_that_never_say_hello_are_hung_up_on) {
   ASSERT_TRUE(eventually([&] { return l.status().borrowers == 4; }));
   EXPECT_TRUE(eventually([&] { return l.status().borrowers == 0; }, 3000ms)) << "they still hold the slots";
   EXPECT_NO_THROW(borrower(dev, l.address(), {}, 1000ms)) << "an honest borrower was turned away";
+}
+
+/// Clears the publish hook when the test ends, however it ends.
+struct publish_hook {
+  explicit publish_hook(std::function<void(std::uint64_t)> hook) {
+    lending::test_hook::set_before_publish_commits(std::move(hook));
+  }
+  ~publish_hook() { lending::test_hook::set_before_publish_commits({}); }
+  publish_hook(const publish_hook&) = delete;
+  publish_hook& operator=(const publish_hook&) = delete;
+};
+
+// A hello that came within the peer timeout but waits unread while the
+// serving loop is busy (here, in another borrower's publish) is served, not
+// taken for silence.
+TEST(lending_hostile_peers, a_hello_waiting_unread_while_the_lender_is_busy_is_served) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  lender_config config;
+  config.peer_timeout = 250ms;
+  lender l(dev, channel::channel_address::at_path(dir / "l.sock"), config);
+  borrower writer(dev, l.address());
+  auto region = writer.borrow(2 * mib, "model");
+  lending::region_layout layout;
+  layout.entries = {{"w", 0, region.size() / 2, lending::dtype::float32, {region.size() / 8}}};
+  layout.hash = lending::hash_entries(dev, region.data(), region.size(), layout);
+  // Accepted before the publish is served: the listener is readable first.
+  auto late = channel::connection::connect(l.address(), {}, lending::detail::max_frame_payload);
+  const publish_hook stall([&late](std::uint64_t) {
+    channel::send_hello(late, lending::detail::lending_protocol);
+    std::this_thread::sleep_for(600ms);  // past the peer timeout, with the hello unread
+  });
+  region = writer.publish(std::move(region), layout);
+  EXPECT_NO_THROW(channel::check_hello(late.receive_for(2000ms), lending::detail::lending_protocol))
+      << "the lender hung up on a connection whose hello was waiting";
+  EXPECT_EQ(l.status().connections_closed_for_errors, 0u);
 }
 
 // A thread waiting for revocations holds no lock while it waits: another
