@@ -8,7 +8,6 @@
 #include <sys/un.h>
 
 #include <chrono>
-#include <functional>
 #include <future>
 #include <string>
 #include <thread>
@@ -20,7 +19,6 @@
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
 #include "shoal/lending/layout.h"
-#include "shoal/lending/lender_test_hook.h"
 #include "support/stuck_listener.h"
 
 namespace shoal::testing {
@@ -82,16 +80,6 @@ TEST(lending_hostile_peers, connections_that_never_say_hello_are_hung_up_on) {
   EXPECT_TRUE(eventually([&] { return l.status().borrowers == 0; }, 3000ms)) << "they still hold the slots";
   EXPECT_NO_THROW(borrower(dev, l.address(), {}, 1000ms)) << "an honest borrower was turned away";
 }
-
-/// Clears the publish hook when the test ends, however it ends.
-struct publish_hook {
-  explicit publish_hook(std::function<void(std::uint64_t)> hook) {
-    lending::test_hook::set_before_publish_commits(std::move(hook));
-  }
-  ~publish_hook() { lending::test_hook::set_before_publish_commits({}); }
-  publish_hook(const publish_hook&) = delete;
-  publish_hook& operator=(const publish_hook&) = delete;
-};
 
 // A hello that came within the peer timeout but waits unread while the
 // serving loop is busy (here, in another borrower's publish) is served, not

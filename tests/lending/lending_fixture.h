@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -16,6 +17,7 @@
 #include "shoal/core/child_process.h"
 #include "shoal/lending/borrower.h"
 #include "shoal/lending/lender.h"
+#include "shoal/lending/lender_test_hook.h"
 #include "support/backends.h"
 #include "support/processes.h"
 
@@ -27,6 +29,16 @@ using lending::lender;
 using lending::lender_config;
 
 inline constexpr std::size_t mib = std::size_t{1} << 20;
+
+/// Clears the publish hook when the test ends, however it ends.
+struct publish_hook {
+  explicit publish_hook(std::function<void(std::uint64_t)> hook) {
+    lending::test_hook::set_before_publish_commits(std::move(hook));
+  }
+  ~publish_hook() { lending::test_hook::set_before_publish_commits({}); }
+  publish_hook(const publish_hook&) = delete;
+  publish_hook& operator=(const publish_hook&) = delete;
+};
 
 /// Polls `done` until it holds or `limit` passes.
 template <class Done>

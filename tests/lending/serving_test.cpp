@@ -44,7 +44,6 @@
 #include "shoal/core/error.h"
 #include "shoal/lending/borrower.h"
 #include "shoal/lending/layout.h"
-#include "shoal/lending/lender_test_hook.h"
 #include "support/descriptors.h"
 
 namespace shoal::testing {
@@ -570,16 +569,6 @@ TYPED_TEST(serving_test, answers_queued_for_a_borrower_arrive_in_order_with_thei
   EXPECT_EQ(l.status().borrowers, 1u);
   EXPECT_EQ(l.status().connections_closed_for_errors, 0u);
 }
-
-/// Clears the publish hook when the test ends, however it ends.
-struct publish_hook {
-  explicit publish_hook(std::function<void(std::uint64_t)> hook) {
-    lending::test_hook::set_before_publish_commits(std::move(hook));
-  }
-  ~publish_hook() { lending::test_hook::set_before_publish_commits({}); }
-  publish_hook(const publish_hook&) = delete;
-  publish_hook& operator=(const publish_hook&) = delete;
-};
 
 TYPED_TEST(serving_test, a_revoke_that_comes_while_a_publish_is_checked_keeps_the_region_exclusive) {
   if (this->in_process_only()) return;
