@@ -63,6 +63,13 @@ class allocator_state {
   [[nodiscard]] alloc::caching_allocator& allocator() noexcept { return *allocator_; }
   /// Keeps `stream` alive as long as the allocator.
   void keep(const std::shared_ptr<stream_state>& stream);
+  /// A stream for a transfer engine's copies: one a closed engine gave
+  /// back, else a new one kept as long as the allocator. Engines that come
+  /// and go reuse their streams (and the blocks cached on them) rather
+  /// than pile them up; a stream is only a queue, so a storage still
+  /// pending on it frees in order after the next engine's work.
+  std::shared_ptr<stream_state> take_copy_stream();
+  void give_back_copy_stream(std::shared_ptr<stream_state> stream) noexcept;
   /// The callables given to add_oom_observer, as each registration holds
   /// them: remove_oom_observer sets one to None (its registration then
   /// calls nothing) and lets it go. Touched with the GIL held.
@@ -71,8 +78,14 @@ class allocator_state {
  private:
   std::mutex mutex_;
   std::set<std::shared_ptr<stream_state>> streams_;
+  std::vector<std::shared_ptr<stream_state>> idle_copy_streams_;  // kept in streams_ too
   std::unique_ptr<alloc::caching_allocator> allocator_;
 };
+
+/// Whether a storage's memory may be written from Python: read-only memory
+/// (a shared region, mapped read-only; an array imported read-only) is
+/// refused every write, where a write through the mapping would fault.
+enum class storage_access { read_write, read_only };
 
 /// One handle to a storage and the allocator it came from. The storage's
 /// release waits for the streams it was used on (storage.h), each kept
@@ -81,20 +94,27 @@ class allocator_state {
 class storage_handle {
  public:
   storage_handle(storage::storage storage, std::shared_ptr<allocator_state> allocator,
-                 std::shared_ptr<const void> keep_alive = nullptr)
-      : allocator_(std::move(allocator)), keep_alive_(std::move(keep_alive)), storage_(std::move(storage)) {}
+                 std::shared_ptr<const void> keep_alive = nullptr, storage_access access = storage_access::read_write)
+      : allocator_(std::move(allocator)),
+        keep_alive_(std::move(keep_alive)),
+        storage_(std::move(storage)),
+        read_only_(access == storage_access::read_only) {}
   storage_handle(const storage_handle&) = default;
   storage_handle& operator=(const storage_handle&) = default;
   /// The storage (its handle operations, mutable_data included, are
   /// thread-safe and change no handle, hence usable through a const handle).
   [[nodiscard]] storage::storage& get() const noexcept { return storage_; }
   [[nodiscard]] const std::shared_ptr<allocator_state>& allocator() const noexcept { return allocator_; }
+  [[nodiscard]] bool read_only() const noexcept { return read_only_; }
+  /// Throws invalid_argument naming `what` when the memory is read-only.
+  void require_writable(const char* what) const;
 
  private:
   // Declared first so that it is destroyed last: the storage frees into it.
   std::shared_ptr<allocator_state> allocator_;
   std::shared_ptr<const void> keep_alive_;
   mutable storage::storage storage_;
+  bool read_only_;
 };
 
 /// Python `Stream`; `stream` may be None for the current stream of `device`.

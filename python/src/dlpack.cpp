@@ -53,9 +53,17 @@ constexpr std::array<dtype_entry, 14> dtypes = {{
 }};
 
 /// The dtype's name: a string, or an object with a string `name` (numpy
-/// dtypes) or `__name__` (numpy scalar types such as numpy.float32).
+/// dtypes) or `__name__` (numpy scalar types such as numpy.float32). A
+/// dtype of the other byte order is refused: its name is the native one's,
+/// and its values would be read swapped.
 std::string dtype_name(nb::handle dtype) {
   if (nb::isinstance<nb::str>(dtype)) return nb::cast<std::string>(dtype);
+  if (nb::hasattr(dtype, "isnative") && !nb::cast<bool>(nb::bool_(dtype.attr("isnative")))) {
+    const std::string text = nb::cast<std::string>(nb::str(dtype));
+    throw nb::type_error(("dtype " + text + " is not in this machine's byte order; views are native only (numpy: "
+                          "array.astype(array.dtype.newbyteorder('=')) converts)")
+                             .c_str());
+  }
   for (const char* attribute : {"name", "__name__"}) {
     if (nb::hasattr(dtype, attribute)) {
       nb::object name = dtype.attr(attribute);
@@ -257,6 +265,7 @@ std::int64_t element_count(const std::vector<std::int64_t>& shape) {
 
 py_array_view make_view(const py_storage& s, nb::handle dtype, std::optional<std::vector<std::int64_t>> shape,
                         std::optional<std::vector<std::int64_t>> strides, std::int64_t offset, bool readonly) {
+  if (!readonly) s.handle.require_writable("Storage.view(readonly=False)");
   const std::string name = dtype_name(dtype);
   const dtype_entry& entry = find_dtype(name);
   const std::int64_t itemsize = entry.bits / 8;

@@ -189,8 +189,9 @@ py_array_view import_dlpack(const py_allocator& allocator, nb::handle capsule) {
   auto owner = std::make_shared<imported_tensor>(device, managed_versioned, managed_legacy);
   storage::storage adopted =
       storage::storage::adopt(allocator.state->allocator(), first, static_cast<std::size_t>(span), std::move(owner));
-  return make_view(py_storage{storage_handle(std::move(adopted), allocator.state)}, nb::str(dtype), shape, strides,
-                   offset, readonly);
+  const auto access = readonly ? storage_access::read_only : storage_access::read_write;
+  return make_view(py_storage{storage_handle(std::move(adopted), allocator.state, nullptr, access)}, nb::str(dtype),
+                   shape, strides, offset, readonly);
 }
 
 bool record_stream_on_import(const storage::storage& storage, const std::shared_ptr<stream_state>& stream) {

@@ -32,9 +32,10 @@ namespace shoal::python {
 
 namespace {
 
-std::chrono::milliseconds timeout_of(double seconds, const char* who) {
+/// `seconds` of the argument `what` of `who` as a duration; refused unless finite and > 0.
+std::chrono::milliseconds timeout_of(double seconds, const char* who, const char* what = "timeout") {
   if (!(seconds > 0) || !std::isfinite(seconds)) {
-    throw invalid_argument(std::string(who) + ": timeout must be a finite number of seconds > 0");
+    throw invalid_argument(std::string(who) + ": " + what + " must be a finite number of seconds > 0");
   }
   return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
 }
@@ -107,10 +108,13 @@ py_storage storage_of(const py_allocator& allocator, lending::borrowed_region re
   auto& device = allocator.state->allocator().device();
   void* data = region.data();
   const std::size_t size = region.size();
+  // Shared regions are mapped read-only, for their writer too once published.
+  const auto access = region.mode() == lending::region_mode::shared ? storage_access::read_only
+                                                                     : storage_access::read_write;
   auto owner = std::make_shared<region_owner>(device, std::move(region));
   return py_storage{
       storage_handle(storage::storage::adopt(allocator.state->allocator(), data, size, std::move(owner)),
-                     allocator.state)};
+                     allocator.state, nullptr, access)};
 }
 
 struct py_borrower {
@@ -200,7 +204,7 @@ void register_lending(nb::module_& m) {
             config.quota_bytes = quota_bytes;
             config.max_borrowers = max_borrowers;
             config.max_regions_per_borrower = max_regions_per_borrower;
-            config.peer_timeout = timeout_of(peer_timeout, "Lender");
+            config.peer_timeout = timeout_of(peer_timeout, "Lender", "peer_timeout");
             config.policy = policy_of(allowed_uids);
             config.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
             config.prepared_chunks = prepared_chunks;
@@ -227,7 +231,7 @@ void register_lending(nb::module_& m) {
       .def(
           "revoke",
           [](const py_lender& l, std::uint64_t region, double deadline) {
-            l.lender.enter()->revoke(region, timeout_of(deadline, "Lender.revoke"));
+            l.lender.enter()->revoke(region, timeout_of(deadline, "Lender.revoke", "deadline"));
           },
           nb::arg("region"), nb::arg("deadline"),
           "Asks the region's borrower to give it back within ``deadline`` seconds; returns at once.")

@@ -43,6 +43,7 @@ class segment_source {
   explicit segment_source(const storage_handle& memory)
       : memory_(memory),
         allocator_(std::make_shared<allocator_state>(memory.get().device(), alloc::allocator_config{})) {
+    memory_.require_writable("shoal.torch.RegionPool");  // PyTorch writes what it allocates
     // PyTorch writes it in place from now on: never shared lazily again.
     memory_.get().mark_shared_outside_process();
     const auto start = reinterpret_cast<std::uintptr_t>(memory_.get().mutable_data());

@@ -51,6 +51,13 @@ void check_range(const py_storage& s, std::int64_t offset, std::size_t bytes, co
 
 }  // namespace
 
+void storage_handle::require_writable(const char* what) const {
+  if (!read_only_) return;
+  throw invalid_argument(std::string(what) +
+                         ": this storage's memory is read-only (a shared region is mapped read-only, an array "
+                         "imported read-only stays so); write to a copy instead: lazy_clone() makes one");
+}
+
 py_storage allocate_storage(const py_allocator& a, std::int64_t nbytes, const py_stream* stream) {
   const std::size_t bytes = checked_size(nbytes);
   auto s = stream_or_current(stream, a.state->allocator().device());
@@ -89,6 +96,7 @@ void register_storages(nb::module_& m) {
       .def(
           "mutable_ptr",
           [](const py_storage& s, const py_stream* stream) {
+            s.handle.require_writable("Storage.mutable_ptr");
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
             released_gil release;
@@ -96,7 +104,7 @@ void register_storages(nb::module_& m) {
           },
           nb::arg("stream").none() = nb::none(),
           "Address of the data for writing on `stream`: materializes a lazy "
-          "clone first (in stream order).")
+          "clone first (in stream order). InvalidArgumentError for read-only memory.")
       .def(
           "lazy_clone",
           [](const py_storage& s, const py_stream* stream) {
@@ -127,6 +135,7 @@ void register_storages(nb::module_& m) {
       .def(
           "write",
           [](const py_storage& s, nb::handle data, std::int64_t offset, const py_stream* stream) {
+            s.handle.require_writable("Storage.write");
             buffer_view buffer(data);
             check_range(s, offset, buffer.size(), "Storage.write");
             auto st = stream_or_current(stream, s.handle.get().device());
@@ -140,7 +149,7 @@ void register_storages(nb::module_& m) {
           "Copies a bytes-like object into the storage at `offset`, on "
           "`stream` (default: the current stream), "
           "materializing a lazy clone first; returns once the copy has run "
-          "(GIL released meanwhile).")
+          "(GIL released meanwhile). InvalidArgumentError for read-only memory.")
       .def(
           "read",
           [](const py_storage& s, std::int64_t offset, std::optional<std::int64_t> nbytes, const py_stream* stream) {
@@ -170,6 +179,7 @@ void register_storages(nb::module_& m) {
       .def(
           "fill",
           [](const py_storage& s, int value, const py_stream* stream) {
+            s.handle.require_writable("Storage.fill");
             if (value < 0 || value > 255) throw invalid_argument("Storage.fill: value must be a byte (0..255)");
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
@@ -179,9 +189,16 @@ void register_storages(nb::module_& m) {
           },
           nb::arg("value"), nb::arg("stream").none() = nb::none(),
           "Sets every byte to `value` in stream order (enqueued; does not "
-          "wait), materializing a lazy clone first.")
-      .def("view", &make_view, nb::arg("dtype") = "uint8", nb::arg("shape").none() = nb::none(),
-           nb::arg("strides").none() = nb::none(), nb::arg("offset") = 0, nb::arg("readonly") = false,
+          "wait), materializing a lazy clone first. InvalidArgumentError for read-only memory.")
+      .def(
+          "view",
+          [](const py_storage& s, nb::handle dtype, std::optional<std::vector<std::int64_t>> shape,
+             std::optional<std::vector<std::int64_t>> strides, std::int64_t offset, std::optional<bool> readonly) {
+            return make_view(s, dtype, std::move(shape), std::move(strides), offset,
+                             readonly.value_or(s.handle.read_only()));
+          },
+          nb::arg("dtype") = "uint8", nb::arg("shape").none() = nb::none(), nb::arg("strides").none() = nb::none(),
+          nb::arg("offset") = 0, nb::arg("readonly").none() = nb::none(),
            "A typed ArrayView of the storage without copying: `dtype` a name "
            "('float32', 'int64', 'bool', ...) "
            "or a numpy dtype; `shape` (default: as many elements as fit after "
@@ -189,11 +206,13 @@ void register_storages(nb::module_& m) {
            "(default: C order); `offset` in bytes. The view must lie inside "
            "the storage. A readonly view is "
            "exported without materializing a lazy clone (to DLPack 1.x "
-           "consumers only).")
+           "consumers only); `readonly` defaults to whether the storage's "
+           "memory is read-only, and a writable view of read-only memory is refused.")
       .def("__repr__", [](const py_storage& s) -> std::string {
         if (!s.handle.get().valid()) return "shoal.Storage(released: its memory was handed on, as by publish)";
         return "shoal.Storage(nbytes=" + std::to_string(s.handle.get().size()) +
-               ", device=" + s.handle.get().device().name() + (s.handle.get().is_lazy() ? ", lazy" : "") + ")";
+               ", device=" + s.handle.get().device().name() + (s.handle.get().is_lazy() ? ", lazy" : "") +
+               (s.handle.read_only() ? ", read-only" : "") + ")";
       });
 }
 

@@ -1,6 +1,7 @@
 """Typed views of storages and their zero-copy DLPack export, consumed by numpy (host backend)."""
 
 import gc
+import sys
 import weakref
 
 import numpy
@@ -264,6 +265,34 @@ def test_a_read_only_array_is_imported_read_only(allocator):
     assert view.readonly
     assert not numpy.from_dlpack(view).flags.writeable
     del view
+
+
+def test_the_storage_of_a_read_only_import_refuses_every_write(allocator):
+    a = numpy.arange(16, dtype=numpy.uint8)
+    a.flags.writeable = False
+    storage = shoal.from_dlpack(a, allocator).storage
+    writes = {
+        "write": lambda: storage.write(b"x"),
+        "fill": lambda: storage.fill(1),
+        "mutable_ptr": lambda: storage.mutable_ptr(),
+        "view(readonly=False)": lambda: storage.view(readonly=False),
+    }
+    for name, write in writes.items():
+        with pytest.raises(shoal.InvalidArgumentError, match="read-only"):
+            write()
+    assert storage.view().readonly, "a view of read-only memory is read-only unless asked otherwise"
+    assert "read-only" in repr(storage)
+    copy = storage.lazy_clone()  # memory of its own: writable
+    copy.fill(7)
+    assert copy.read(nbytes=2) == b"\x07\x07" and (a == numpy.arange(16)).all()
+
+
+def test_a_dtype_of_the_other_byte_order_is_refused(allocator):
+    s = allocator.allocate(64)
+    swapped = numpy.dtype(">f4") if sys.byteorder == "little" else numpy.dtype("<f4")
+    with pytest.raises(TypeError, match="byte order"):
+        s.view(swapped)
+    assert s.view(swapped.newbyteorder("=")).dtype == "float32"
 
 
 class CapsuleOnce:

@@ -265,6 +265,11 @@ def test_a_published_region_is_read_by_name_through_read_only_entry_views(addres
         assert weights[1000] == 1000.0 and not weights.flags.writeable
         with pytest.raises(ValueError):
             weights[0] = 1.0
+        memory = shared.entry("weights").storage  # mapped read-only: a write would fault, so it is refused
+        for write in (lambda: memory.write(b"x"), lambda: memory.fill(1), lambda: memory.view(readonly=False)):
+            with pytest.raises(shoal.InvalidArgumentError, match="read-only"):
+                write()
+        assert memory.view().readonly
         bias = numpy.from_dlpack(shared.entry("bias"))
         assert bias.shape == (2, 256) and bias.dtype == numpy.float16 and (bias == 0.5).all()
         assert shared.verify() and published.verify()
@@ -274,7 +279,7 @@ def test_a_published_region_is_read_by_name_through_read_only_entry_views(addres
         assert region["mode"] == "shared" and region["purpose"] == "model A"
         assert [h["pid"] for h in region["holders"]] == [os.getpid(), os.getpid()]
         assert lender.status()["lent_bytes"] == region["bytes"], "one copy, counted once"
-        del weights, bias
+        del weights, bias, memory
         shared.close()
         published.close()
         gc.collect()
