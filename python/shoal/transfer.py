@@ -52,6 +52,8 @@ def _host_buffer(leaf: Any) -> tuple[tuple[int, int, bool, Any], str, tuple[int,
         return (tensor.data_ptr(), nbytes, bool(tensor.is_pinned()), tensor), dtype, tuple(tensor.shape)
     import numpy
 
+    if isinstance(leaf, numpy.generic):  # a numpy scalar: a 0-d array of its value
+        leaf = numpy.asarray(leaf)
     if not isinstance(leaf, numpy.ndarray):
         raise TypeError(
             f"shoal.transfer: cannot transfer a {type(leaf).__name__}: a batch holds numpy arrays or torch "
@@ -59,6 +61,8 @@ def _host_buffer(leaf: Any) -> tuple[tuple[int, int, bool, Any], str, tuple[int,
         )
     shape = tuple(leaf.shape)  # ascontiguousarray makes a 0-d array 1-d
     array = numpy.ascontiguousarray(leaf)
+    if not array.dtype.isnative:  # bytes swapped: the copy on the device holds native values
+        array = array.astype(array.dtype.newbyteorder("="))
     return (array.ctypes.data, array.nbytes, False, array), array.dtype.name, shape
 
 

@@ -95,6 +95,27 @@ void allocator_state::keep(const std::shared_ptr<stream_state>& stream) {
   streams_.insert(stream);
 }
 
+std::shared_ptr<stream_state> allocator_state::take_copy_stream() {
+  {
+    std::lock_guard lock(mutex_);
+    if (!idle_copy_streams_.empty()) {
+      auto stream = std::move(idle_copy_streams_.back());
+      idle_copy_streams_.pop_back();
+      return stream;
+    }
+  }
+  auto stream = stream_state::create(allocator_->device());
+  std::lock_guard lock(mutex_);
+  streams_.insert(stream);
+  idle_copy_streams_.reserve(streams_.size());  // room for each: giving one back cannot fail
+  return stream;
+}
+
+void allocator_state::give_back_copy_stream(std::shared_ptr<stream_state> stream) noexcept {
+  std::lock_guard lock(mutex_);
+  idle_copy_streams_.push_back(std::move(stream));
+}
+
 void register_allocator(nb::module_& m) {
   if (const nb::object make = nb::module_::import_("json.scanner").attr("c_make_scanner"); !make.is_none()) {
     json_scanner = new nb::object(make(nb::module_::import_("json").attr("JSONDecoder")()));
@@ -134,6 +155,7 @@ void register_allocator(nb::module_& m) {
           "The settings in force, as SHOAL_ALLOC_CONF text.")
       .def(
           "stats", [](const py_allocator& a) { return parse_json(a.state->allocator().stats().to_json()); },
+          nb::sig("def stats(self) -> dict[str, Any]"),
           "Counters as a dict: allocations, segments, active, allocated_bytes, "
           "reserved_bytes, ... each with "
           "current/peak/allocated/freed per pool, plus num_alloc_retries, num_ooms, "
@@ -144,9 +166,11 @@ void register_allocator(nb::module_& m) {
           "growable segments, so plain ones serve and config says false).")
       .def(
           "snapshot", [](const py_allocator& a) { return parse_json(a.state->allocator().take_snapshot().to_json()); },
+          nb::sig("def snapshot(self) -> dict[str, Any]"),
           "Every segment and block as a dict.")
       .def(
           "trace", [](const py_allocator& a) { return parse_json(alloc::to_json(a.state->allocator().trace())); },
+          nb::sig("def trace(self) -> list[dict[str, Any]]"),
           "The trace ring, oldest first (empty unless trace_entries > 0).")
       .def(
           "empty_cache", [](const py_allocator& a) { a.state->allocator().empty_cache(); },

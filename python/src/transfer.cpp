@@ -41,11 +41,36 @@ namespace {
 
 using transfer::transfer_engine;
 
+/// The stream an engine copies on, lent by its allocator for the engine's
+/// life (allocator_state::take_copy_stream) and given back after it.
+class copy_stream_lease {
+ public:
+  explicit copy_stream_lease(std::shared_ptr<allocator_state> allocator)
+      : allocator_(std::move(allocator)), stream_(allocator_->take_copy_stream()) {}
+  ~copy_stream_lease() { allocator_->give_back_copy_stream(std::move(stream_)); }
+  copy_stream_lease(const copy_stream_lease&) = delete;
+  copy_stream_lease& operator=(const copy_stream_lease&) = delete;
+  [[nodiscard]] backend::stream_ref ref() const noexcept { return stream_->ref(); }
+
+ private:
+  std::shared_ptr<allocator_state> allocator_;
+  std::shared_ptr<stream_state> stream_;
+};
+
+/// An engine on a lent stream: the engine goes first (its copies and
+/// thread finished), then the stream is given back.
+struct engine_on_lent_stream {
+  engine_on_lent_stream(const std::shared_ptr<allocator_state>& allocator, const transfer::transfer_config& config)
+      : stream(allocator), engine(allocator->allocator(), stream.ref(), config) {}
+  copy_stream_lease stream;
+  transfer_engine engine;
+};
+
 // close() waits for the engine's thread, which may need the GIL to let go
 // of sources: closable destroys the engine with the GIL released.
 struct py_transfer_engine {
   std::shared_ptr<allocator_state> allocator;
-  closable<transfer_engine> engine;
+  closable<engine_on_lent_stream> engine;
 };
 
 transfer::transfer_config::stores parse_staging_stores(const std::string& name) {
@@ -104,16 +129,11 @@ void register_transfer(nb::module_& m) {
           [](py_transfer_engine* self, const py_allocator& allocator, std::size_t max_batches_in_flight,
              std::size_t max_pinned_bytes, std::size_t staging_chunk_bytes, std::optional<std::size_t> staging_helpers,
              const std::string& staging_stores, std::size_t max_coalesced_bytes, std::size_t max_bytes_in_flight) {
-            auto& device = allocator.state->allocator().device();
-            // A stream of its own, kept as long as the allocator (its
-            // storages are freed on it).
-            auto copy_stream = stream_state::create(device);
-            allocator.state->keep(copy_stream);
             new (self) py_transfer_engine{
                 allocator.state,
                 {"shoal.transfer.Engine", closed_error::invalid_argument,
-                 std::make_unique<transfer_engine>(
-                    allocator.state->allocator(), copy_stream->ref(),
+                 std::make_unique<engine_on_lent_stream>(
+                    allocator.state,
                     transfer::transfer_config{
                         .max_batches_in_flight = max_batches_in_flight,
                         .max_bytes_in_flight = max_bytes_in_flight,
@@ -143,13 +163,13 @@ void register_transfer(nb::module_& m) {
             const auto sequence = wait_in_slices(
                 engine, e.engine, until, [&](std::chrono::milliseconds slice) -> std::optional<std::uint64_t> {
                   try {
-                    return engine->submit(batch, slice);
+                    return engine->engine.submit(batch, slice);
                   } catch (const timeout_error&) {
                     return std::nullopt;
                   }
                 });
             if (!sequence) {
-              const auto s = engine->stats();
+              const auto s = engine->engine.stats();
               throw timeout_error("TransferEngine.submit: no room for the batch within " + seconds_text(*timeout) +
                                   " s: " + std::to_string(s.in_flight) + " batches of " +
                                   std::to_string(s.bytes_in_flight) +
@@ -173,14 +193,14 @@ void register_transfer(nb::module_& m) {
                 engine, e.engine, until,
                 [&](std::chrono::milliseconds slice) -> std::optional<transfer::transferred_batch> {
                   try {
-                    return engine->next(slice);
+                    return engine->engine.next(slice);
                   } catch (const timeout_error&) {
                     return std::nullopt;
                   }
                 });
             if (!batch) {
               throw timeout_error("TransferEngine.next: no batch came within " + seconds_text(*timeout) + " s (" +
-                                  std::to_string(engine->stats().in_flight) + " in flight)");
+                                  std::to_string(engine->engine.stats().in_flight) + " in flight)");
             }
             return py_transferred_batch{e.allocator, std::move(*batch)};
           },
@@ -191,7 +211,7 @@ void register_transfer(nb::module_& m) {
       .def(
           "stats",
           [](const py_transfer_engine& e) {
-            const auto s = e.engine.enter()->stats();
+            const auto s = e.engine.enter()->engine.stats();
             nb::dict d;
             d["batches_submitted"] = s.batches_submitted;
             d["batches_transferred"] = s.batches_transferred;

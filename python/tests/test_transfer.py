@@ -7,6 +7,7 @@ machine, where torch reads them (and supplies pinned CPU tensors).
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import threading
@@ -54,6 +55,36 @@ def test_a_non_contiguous_array_is_transferred_as_its_values(engine):
     a = numpy.arange(64, dtype="int32").reshape(8, 8)[:, ::2]
     engine.submit(a)
     numpy.testing.assert_array_equal(host_copy(engine.get(timeout=10)), a)
+
+
+def test_swapped_byte_order_and_numpy_scalars_arrive_as_their_values(engine):
+    swapped = numpy.array([1.0, 2.0, -3.5], ">f4" if sys.byteorder == "little" else "<f4")
+    engine.submit({"swapped": swapped, "scalar": numpy.float64(2.5)})
+    out = engine.get(timeout=10)
+    assert out["swapped"].dtype == "float32"
+    numpy.testing.assert_array_equal(host_copy(out["swapped"]), [1.0, 2.0, -3.5])
+    numpy.testing.assert_array_equal(host_copy(out["scalar"]), numpy.asarray(2.5))
+
+
+def test_engines_that_come_and_go_reuse_their_streams():
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    def reserved() -> int:
+        return shoal.default_allocator().stats()["reserved_bytes"]["all"]["current"]
+
+    def one_engine() -> None:
+        with shoal.transfer.Engine() as e:
+            e.submit(numpy.ones(1 << 16, "float32"))
+            host_copy(e.get(timeout=10))
+        gc.collect()
+
+    one_engine()
+    threads_after_one, reserved_after_one = threads(), reserved()
+    for _ in range(20):
+        one_engine()
+    assert threads() <= threads_after_one, "each engine left a thread (its stream's) behind"
+    assert reserved() <= reserved_after_one, "each engine left memory cached on a stream of its own"
 
 
 def test_batches_from_several_producer_threads_come_out_in_submission_order(engine):
