@@ -3,6 +3,7 @@
 # test checks it is current.
 
 from collections.abc import Callable, Sequence
+from typing import Any, Self, overload
 
 class ShoalError(RuntimeError):
     """Base of every error shoal raises."""
@@ -49,6 +50,13 @@ class PeerTimeoutError(ShoalError, TimeoutError):
 
 class ContentMismatchError(ShoalError):
     """Memory's content is not what the caller expected: a published region's content hash is not the one asked for."""
+
+# The package's own helpers (shoal/__init__.py), not part of the API.
+_capsule_type: type
+def _from_dlpack(allocator: Allocator, capsule: object) -> ArrayView: ...
+def _dlpack_consumer_stream(allocator: Allocator) -> int | None: ...
+def _push_stream(stream: Stream) -> None: ...
+def _pop_stream() -> None: ...
 
 
 
@@ -199,15 +207,15 @@ class Allocator:
     def config(self) -> str:
         """The settings in force, as SHOAL_ALLOC_CONF text."""
 
-    def stats(self) -> object:
+    def stats(self) -> dict[str, Any]:
         """
         Counters as a dict: allocations, segments, active, allocated_bytes, reserved_bytes, ... each with current/peak/allocated/freed per pool, plus num_alloc_retries, num_ooms, num_device_alloc, num_device_free, vmm_calls (the growable segments' device calls: creates, releases, maps, unmaps, access_grants), and expandable_segments_fallback (True when expandable_segments was asked for but the device has no growable segments, so plain ones serve and config says false).
         """
 
-    def snapshot(self) -> object:
+    def snapshot(self) -> dict[str, Any]:
         """Every segment and block as a dict."""
 
-    def trace(self) -> object:
+    def trace(self) -> list[dict[str, Any]]:
         """The trace ring, oldest first (empty unless trace_entries > 0)."""
 
     def empty_cache(self) -> None:
@@ -262,7 +270,7 @@ class Storage:
 
     def mutable_ptr(self, stream: Stream | None = None) -> int:
         """
-        Address of the data for writing on `stream`: materializes a lazy clone first (in stream order).
+        Address of the data for writing on `stream`: materializes a lazy clone first (in stream order). InvalidArgumentError for read-only memory.
         """
 
     def lazy_clone(self, stream: Stream | None = None) -> Storage:
@@ -280,7 +288,7 @@ class Storage:
 
     def write(self, data: object, offset: int = 0, stream: Stream | None = None) -> None:
         """
-        Copies a bytes-like object into the storage at `offset`, on `stream` (default: the current stream), materializing a lazy clone first; returns once the copy has run (GIL released meanwhile).
+        Copies a bytes-like object into the storage at `offset`, on `stream` (default: the current stream), materializing a lazy clone first; returns once the copy has run (GIL released meanwhile). InvalidArgumentError for read-only memory.
         """
 
     def read(self, offset: int = 0, nbytes: int | None = None, stream: Stream | None = None) -> bytes:
@@ -290,12 +298,12 @@ class Storage:
 
     def fill(self, value: int, stream: Stream | None = None) -> None:
         """
-        Sets every byte to `value` in stream order (enqueued; does not wait), materializing a lazy clone first.
+        Sets every byte to `value` in stream order (enqueued; does not wait), materializing a lazy clone first. InvalidArgumentError for read-only memory.
         """
 
-    def view(self, dtype: object = 'uint8', shape: Sequence[int] | None = None, strides: Sequence[int] | None = None, offset: int = 0, readonly: bool = False) -> ArrayView:
+    def view(self, dtype: object = 'uint8', shape: Sequence[int] | None = None, strides: Sequence[int] | None = None, offset: int = 0, readonly: bool | None = None) -> ArrayView:
         """
-        A typed ArrayView of the storage without copying: `dtype` a name ('float32', 'int64', 'bool', ...) or a numpy dtype; `shape` (default: as many elements as fit after `offset`); `strides` in elements (default: C order); `offset` in bytes. The view must lie inside the storage. A readonly view is exported without materializing a lazy clone (to DLPack 1.x consumers only).
+        A typed ArrayView of the storage without copying: `dtype` a name ('float32', 'int64', 'bool', ...) or a numpy dtype; `shape` (default: as many elements as fit after `offset`); `strides` in elements (default: C order); `offset` in bytes. The view must lie inside the storage. A readonly view is exported without materializing a lazy clone (to DLPack 1.x consumers only); `readonly` defaults to whether the storage's memory is read-only, and a writable view of read-only memory is refused.
         """
 
     def __repr__(self) -> str: ...
@@ -386,7 +394,7 @@ class Listener:
     @property
     def closed(self) -> bool: ...
 
-    def __enter__(self) -> object: ...
+    def __enter__(self) -> Self: ...
 
     def __exit__(self, *args) -> None: ...
 
@@ -486,7 +494,7 @@ class Peer:
     @property
     def closed(self) -> bool: ...
 
-    def __enter__(self) -> object: ...
+    def __enter__(self) -> Self: ...
 
     def __exit__(self, *args) -> None: ...
 

@@ -3,6 +3,7 @@
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -29,3 +30,33 @@ def test_the_stub_matches_the_module():
     script = pathlib.Path(__file__).parents[1] / "generate_stubs.py"
     result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+# What a user's type checker sees: the stub must check, and the README's usage must check
+# against it (context managers give their own type, the counters are a dict).
+USAGE = """
+import shoal
+
+allocator = shoal.default_allocator()
+allocated: int = allocator.stats()["allocated_bytes"]["current"]
+segments: list[dict[str, int]] = allocator.snapshot()["segments"]
+kinds = [event["action"] for event in allocator.trace()]
+storage = allocator.allocate(64)
+is_host: bool = storage.device == shoal.default_device()
+with shoal.Listener("@shoal-typing-example") as listener:
+    connection = listener.accept(timeout=0.1)
+    if connection is not None:
+        with shoal.Peer(shoal.SharingContext(allocator), connection) as peer:
+            peer.close()
+"""
+
+
+def test_the_stub_and_its_usage_type_check(tmp_path):
+    mypy = pytest.importorskip("mypy.api")
+    usage = tmp_path / "usage.py"
+    usage.write_text(textwrap.dedent(USAGE))
+    package = pathlib.Path(__file__).parents[1] / "shoal"
+    report, errors, status = mypy.run([
+        "--no-incremental", "--cache-dir", str(tmp_path / "cache"), "--ignore-missing-imports",
+        str(package / "_shoal.pyi"), str(package / "__init__.py"), str(usage)])
+    assert status == 0, report + errors
