@@ -322,6 +322,9 @@ class Consumer:
         sent stays valid)."""
         if self._closed:
             raise _shoal.InvalidArgumentError("shoal.sharing.Consumer.get: the consumer is closed")
+        if timeout is not None and not timeout >= 0:
+            raise _shoal.InvalidArgumentError(
+                f"shoal.sharing.Consumer.get: timeout must be a number of seconds >= 0 or None, got {timeout}")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._drop_stalled()

@@ -11,7 +11,9 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <tuple>
 #include <vector>
@@ -57,9 +59,10 @@ void register_grouped_load(nb::module_& m) {
           "groups", [](const py_grouped_load& l) { return l.load.groups(); }, "Number of groups.")
       .def(
           "wait",
-          [](const py_grouped_load& l, std::size_t k, const py_stream* stream) {
+          [](const py_grouped_load& l, std::int64_t k, const py_stream* stream) {
+            if (k < 0) throw invalid_argument("GroupedLoad.wait: group must be >= 0, got " + std::to_string(k));
             auto s = stream_or_current(stream, l.copy_stream->device());
-            l.load.wait_for_group(k, s->ref());
+            l.load.wait_for_group(static_cast<std::size_t>(k), s->ref());
           },
           nb::arg("group"), nb::arg("stream").none() = nb::none(),
           "Work enqueued on ``stream`` (default: the current stream) from now on sees groups 0..group: a "

@@ -18,6 +18,11 @@ NB_MODULE(_shoal, m) {
   shoal::python::register_grouped_load(m);
   shoal::python::register_lending(m);
   shoal::python::register_segment_sources(m);
+  // Objects C++ holds until the process ends (an out-of-memory observer left
+  // registered, a load or a wait still alive at exit) are let go with the
+  // process, not one by one (gil.h): nanobind's report of them would read as
+  // a binding bug to every user whose program exits that way.
+  nanobind::set_leak_warnings(false);
   // Other threads begin no Python work once the process exits (gil.h).
   m.def("_close_exit_gate", &shoal::python::close_exit_gate);
   nanobind::module_::import_("atexit").attr("register")(m.attr("_close_exit_gate"));

@@ -1,6 +1,7 @@
 """The caching allocator: settings, stats, snapshot, trace, empty_cache, out-of-memory observers."""
 
 import gc
+import subprocess
 import sys
 
 import pytest
@@ -200,3 +201,18 @@ def test_a_bad_setting_is_named_with_where_settings_come_from(monkeypatch):
     monkeypatch.setenv("SHOAL_ALLOC_CONF", "bogus:1")
     with pytest.raises(shoal.InvalidArgumentError, match=r"keywords, conf=, SHOAL_ALLOC_CONF\): unknown key 'bogus'"):
         shoal.Allocator()
+
+
+def test_a_program_that_exits_with_an_observer_registered_prints_nothing():
+    # The observer's globals hold the allocator that holds the observer: a cycle the
+    # garbage collector cannot see, let go with the process.
+    program = (
+        "import shoal\n"
+        "allocator = shoal.Allocator()\n"
+        "def observe(report):\n"
+        "    print(allocator)\n"
+        "allocator.add_oom_observer(observe)\n"
+        "storage = allocator.allocate(64)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == "", result.stderr

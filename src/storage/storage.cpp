@@ -185,7 +185,11 @@ storage storage::take_over(alloc::caching_allocator& allocator, void* data, std:
 }
 
 detail::storage_impl& storage::impl() const {
-  if (!impl_) throw invalid_argument("storage: this handle is empty (default-constructed or moved from)");
+  if (!impl_) {
+    throw invalid_argument(
+        "storage: this handle is empty (default-constructed, moved from, or its memory handed on, as a region given "
+        "to publish is)");
+  }
   return *impl_;
 }
 
