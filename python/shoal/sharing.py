@@ -193,10 +193,15 @@ class Producer:
         A put that fails part-way (an array that cannot be sent, a timeout)
         takes back the arrays it sent, so the next put arrives whole; where
         even that cannot be sent, the connection is closed and the next put
-        raises ConnectionClosedError."""
+        raises ConnectionClosedError. ProtocolError when the address is not a
+        Consumer's (another shoal endpoint, say a lender, which greets in its
+        own protocol)."""
         leaves: list = []
         structure = _flatten(batch, leaves, 0)
         headers = [_leaf_header(view) for view in leaves]  # built before any array is sent
+        # A consumer sends nothing, but an endpoint of another protocol (a
+        # lender greets on accept) is found out here: ProtocolError naming both.
+        self._peer.try_receive()
         sent = 0
         try:
             for view, header in zip(leaves, headers):

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy
@@ -18,6 +19,7 @@ import pytest
 
 import shoal
 import shoal.lending
+import shoal.sharing
 
 pytestmark = pytest.mark.python
 
@@ -365,3 +367,28 @@ def test_reader_processes_share_one_copy_and_cannot_write_it(address, action):
                 if child.poll() is None:
                     child.kill()
                     child.wait()
+
+
+def test_a_sharing_producer_pointed_at_a_lender_is_told_at_once(address):
+    with shoal.lending.Lender(address):
+        producer = shoal.sharing.Producer(address)
+        try:
+            with pytest.raises(shoal.ProtocolError, match="wrong socket"):
+                for _ in range(5):  # the lender's greeting may come after the first put
+                    producer.put({"x": shoal.allocate(64).view()})
+                    time.sleep(0.1)
+        finally:
+            producer.close()
+
+
+def test_a_borrower_pointed_at_a_sharing_consumer_is_told_what_it_found():
+    with shoal.sharing.Consumer() as consumer:
+        def accept() -> None:
+            with pytest.raises(TimeoutError):  # it takes the connection, then waits for a batch
+                consumer.get(timeout=3)
+
+        accepting = threading.Thread(target=accept, daemon=True)
+        accepting.start()
+        with pytest.raises(shoal.ProtocolError, match="another protocol"):
+            shoal.lending.Borrower(consumer.address, timeout=2)
+        accepting.join()

@@ -725,7 +725,11 @@ constexpr int max_batches_per_try = 64;
 void route(receive_side r, std::vector<frame> batch) {
   for (frame& f : batch) {
     if (f.type == detail::ring_announce_type) {
-      if (!r.ring_allowed) throw protocol_error("a ring announced on a connection that takes none (allow_peer_ring)");
+      if (!r.ring_allowed) {
+        throw protocol_error(
+            "the peer announced a shared-memory ring, which this connection's protocol does not use "
+            "(allow_peer_ring): it is likely an endpoint of another protocol, such as a sharing peer");
+      }
       if (r.in_ring) throw protocol_error("a second ring announced; a connection has one each way");
       std::uint64_t capacity = 0;
       if (f.payload.size() != sizeof capacity) throw protocol_error("a ring announce of " + std::to_string(f.payload.size()) + " bytes; it holds 8");

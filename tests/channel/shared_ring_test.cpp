@@ -470,7 +470,7 @@ TEST(channel_ring_hostile_sender, a_ring_on_a_connection_that_takes_none_is_refu
   connection b = connection::adopt(std::move(pair.b), {});
   hand_made_ring ring(4096);
   ring.announce(pair.a.get());
-  expect_refused(b, "takes none");
+  expect_refused(b, "another protocol");
 }
 
 TEST(channel_ring_hostile_sender, a_ring_file_sealed_against_writes_or_opened_read_only_is_refused) {
