@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <system_error>
 
 #include "shoal/core/error.h"
 #include "transfer/spin_wait.h"
@@ -16,10 +17,25 @@ parallel_memcpy::parallel_memcpy(std::size_t helpers) {
   // A copy of one job (copy(), a large buffer's chunks) allocates nothing.
   starts_.reserve(64);
   helpers_.reserve(helpers);
-  for (std::size_t i = 0; i < helpers; ++i) helpers_.emplace_back([this, i] { help(i + 1); });
+  try {
+    for (std::size_t i = 0; i < helpers; ++i) helpers_.emplace_back([this, i] { help(i + 1); });
+  } catch (const std::system_error& e) {
+    // The process may start no more threads (a pids cgroup, RLIMIT_NPROC):
+    // those started must be joined before the vector of them goes.
+    const std::size_t started = helpers_.size();
+    stop_helpers();
+    throw backend_error("std::thread", "started " + std::to_string(started) + " of " + std::to_string(helpers) +
+                                           " staging helper threads (" + e.what() +
+                                           "); lower transfer_config::staging_helpers or raise the process's thread limit");
+  } catch (...) {
+    stop_helpers();
+    throw;
+  }
 }
 
-parallel_memcpy::~parallel_memcpy() {
+parallel_memcpy::~parallel_memcpy() { stop_helpers(); }
+
+void parallel_memcpy::stop_helpers() noexcept {
   {
     std::lock_guard lock(sleep_mutex_);
     stopping_.store(true, std::memory_order_release);

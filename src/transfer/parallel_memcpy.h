@@ -61,6 +61,8 @@ struct copy_job {
 class parallel_memcpy {
  public:
   /// `helpers` threads besides the caller (0: the caller copies alone).
+  /// backend_error when not all of them can be started (those that were
+  /// are stopped first).
   explicit parallel_memcpy(std::size_t helpers);
   ~parallel_memcpy();
   parallel_memcpy(const parallel_memcpy&) = delete;
@@ -95,6 +97,8 @@ class parallel_memcpy {
   static constexpr std::size_t slices_of(std::uint64_t c) noexcept { return (c >> 16) & 0xFFFF; }
   static constexpr std::size_t next_of(std::uint64_t c) noexcept { return c & 0xFFFF; }
 
+  // Stops the helpers started and waits for them to end.
+  void stop_helpers() noexcept;
   void help(std::size_t index) noexcept;
   // Copies slices of copy `generation` until none is left to take.
   void take_slices(std::uint32_t generation) noexcept;

@@ -1,6 +1,8 @@
 #include "shoal/transfer/transfer_engine.h"
 
 #include <string>
+#include <system_error>
+#include <utility>
 
 #include "shoal/core/error.h"
 #include "transfer/batch_copier.h"
@@ -56,6 +58,18 @@ bool wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
   return cv.wait_for(lock, timeout, ready);
 }
 
+// The engine's thread running `body`; backend_error when the process may
+// start no more threads.
+template <class Body>
+std::thread started(Body body) {
+  try {
+    return std::thread(std::move(body));
+  } catch (const std::system_error& e) {
+    throw backend_error("std::thread", std::string("the engine's thread could not be started (") + e.what() +
+                                           "); raise the process's thread limit");
+  }
+}
+
 }  // namespace
 
 // ---- transferred_batch ------------------------------------------------------------
@@ -80,7 +94,7 @@ transfer_engine::transfer_engine(alloc::caching_allocator& device_allocator, bac
       config_(checked(config)),
       stream_(copy_stream),
       copier_(std::make_unique<batch_copier>(device_allocator, stream_, config_)),
-      worker_([this] { run(); }) {}
+      worker_(started([this] { run(); })) {}
 
 transfer_engine::~transfer_engine() {
   {

@@ -4,6 +4,7 @@
 #include "transfer/parallel_memcpy.h"
 
 #include "shoal/core/error.h"
+#include "support/refused_threads.h"
 
 #include <gtest/gtest.h>
 
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <numeric>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -113,6 +115,23 @@ TEST(parallel_memcpy, zero_threads_counts_as_the_caller_and_too_many_helpers_are
   copier.copy_all({&job, 1}, store_kind::automatic, 0);
   EXPECT_EQ(dst, src);
   EXPECT_THROW(parallel_memcpy(0xFFFF), invalid_argument);
+}
+
+// A helper that cannot be started (EAGAIN, as under a pids cgroup limit) is a
+// typed error, not the end of the process: the helpers already started are
+// stopped and joined before it is thrown.
+TEST(parallel_memcpy, helpers_that_cannot_all_be_started_are_a_backend_error) {
+  try {
+    shoal::testing::refusing_threads refusal(2);
+    parallel_memcpy copier(4);
+    ADD_FAILURE() << "four helpers started where only two could";
+  } catch (const backend_error& e) {
+    EXPECT_NE(std::string(e.what()).find("2 of 4"), std::string::npos) << e.what();
+  }
+  parallel_memcpy copier(2);  // threads start again once they may
+  std::vector<std::uint8_t> src(1 << 20, 9), dst(1 << 20, 0);
+  copier.copy(dst.data(), src.data(), src.size(), store_kind::automatic);
+  EXPECT_EQ(dst, src);
 }
 
 }  // namespace

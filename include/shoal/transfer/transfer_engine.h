@@ -216,7 +216,9 @@ class transfer_engine {
 
   /// Copies into storages from `device_allocator`, on `copy_stream` (a
   /// stream of its device that nothing else enqueues work on, kept by the
-  /// caller: see Lifetimes). invalid_argument for a config out of range.
+  /// caller: see Lifetimes). invalid_argument for a config out of range;
+  /// backend_error when the process may not start the engine's thread and
+  /// its staging helpers (a pids cgroup or RLIMIT_NPROC limit).
   transfer_engine(alloc::caching_allocator& device_allocator, backend::stream_ref copy_stream,
                   transfer_config config = {});
   ~transfer_engine();
