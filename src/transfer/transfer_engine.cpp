@@ -4,6 +4,7 @@
 #include <system_error>
 #include <utility>
 
+#include "core/deadline.h"
 #include "shoal/core/error.h"
 #include "transfer/batch_copier.h"
 #include "transfer/batch_state.h"
@@ -55,7 +56,9 @@ bool wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
     cv.wait(lock, ready);
     return true;
   }
-  return cv.wait_for(lock, timeout, ready);
+  // A saturated deadline, not wait_for: libstdc++ adds a wait_for's timeout
+  // to the clock in nanoseconds, which overflows past 292 years.
+  return cv.wait_until(lock, shoal::detail::deadline_after(timeout), ready);
 }
 
 // The engine's thread running `body`; backend_error when the process may

@@ -584,6 +584,37 @@ TYPED_TEST(transfer_engine_test, bad_batches_and_settings_are_refused_before_any
   EXPECT_THROW((void)engine.next(20ms), timeout_error);
 }
 
+// A timeout of centuries is as good as none: it is not turned into a
+// clock's count that overflows into a deadline already past.
+TYPED_TEST(transfer_engine_test, waits_with_timeouts_of_centuries_wait_for_the_batch) {
+  auto& a = this->make_allocator();
+  transfer_engine engine(a, this->copy_stream(), {.max_batches_in_flight = 1});
+  constexpr std::chrono::hours centuries(24 * 365 * 300);
+  std::thread producer([&] {
+    std::this_thread::sleep_for(100ms);
+    engine.submit({pageable(kib, 1)});
+  });
+  try {
+    EXPECT_EQ(engine.next(centuries).sequence(), 0u);
+  } catch (const timeout_error& e) {
+    ADD_FAILURE() << "next did not wait for the batch submitted later: " << e.what();
+    (void)engine.next(10s);
+  }
+  producer.join();
+  engine.submit({pageable(kib, 2)});  // the one batch that may be in flight
+  std::thread consumer([&] {
+    std::this_thread::sleep_for(100ms);
+    (void)engine.next(10s);
+  });
+  try {
+    EXPECT_EQ(engine.submit({pageable(kib, 3)}, centuries), 2u);
+    (void)engine.next(10s);
+  } catch (const timeout_error& e) {
+    ADD_FAILURE() << "submit did not wait for the room made later: " << e.what();
+  }
+  consumer.join();
+}
+
 TYPED_TEST(transfer_engine_test, batches_never_taken_are_freed_when_the_engine_stops) {
   auto& a = this->make_allocator();
   {
