@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "alloc/size_policy.h"
 #include "shoal/core/error.h"
 #include "transfer/staging_pack.h"
 
@@ -43,6 +44,14 @@ store_kind store_kind_of(transfer_config::stores stores) {
 }
 
 }  // namespace
+
+std::size_t pinned_bytes_of_chunk(const transfer_config& config) {
+  if (config.staging_chunk_bytes > alloc::detail::max_request) return alloc::allocator_config::no_limit;
+  const std::size_t block = alloc::detail::block_size_for(config.staging_chunk_bytes, staging_config(config));
+  // Under a memory limit a block gets a segment of its own size when the
+  // pool's standard one does not fit (alloc/size_policy.h).
+  return alloc::detail::fallback_segment_size_for(block);
+}
 
 transfer_engine::batch_copier::batch_copier(alloc::caching_allocator& device_allocator, backend::stream_ref stream,
                                             const transfer_config& config)

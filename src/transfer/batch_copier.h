@@ -28,6 +28,10 @@ namespace shoal::transfer {
 
 class staging_pack;
 
+/// The pinned memory one staging chunk of `config` reserves: the staging
+/// allocator's block, rounded up to its segment (2 MiB steps).
+[[nodiscard]] std::size_t pinned_bytes_of_chunk(const transfer_config& config);
+
 class transfer_engine::batch_copier {
  public:
   batch_copier(alloc::caching_allocator& device_allocator, backend::stream_ref stream, const transfer_config& config);

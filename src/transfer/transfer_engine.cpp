@@ -30,10 +30,13 @@ const transfer_config& checked(const transfer_config& c) {
                            ") is below " + std::to_string(alloc::allocator_config::smallest_reservation >> 20) +
                            " MiB, the least pinned memory staging reserves: no array could be staged");
   }
-  if (c.max_pinned_bytes < c.staging_chunk_bytes) {
+  // A chunk takes its pinned segment, not its bytes: a 3 MiB chunk holds 4 MiB.
+  if (const std::size_t takes = pinned_bytes_of_chunk(c);
+      c.max_pinned_bytes < takes) {
     throw invalid_argument("transfer_engine: max_pinned_bytes (" + std::to_string(c.max_pinned_bytes) +
-                           ") is smaller than one staging chunk (" + std::to_string(c.staging_chunk_bytes) +
-                           "); raise it or lower staging_chunk_bytes");
+                           ") is smaller than the pinned memory one staging chunk takes (staging_chunk_bytes " +
+                           std::to_string(c.staging_chunk_bytes) + ", rounded up to the pinned allocator's segment: " +
+                           std::to_string(takes) + "); raise max_pinned_bytes or lower staging_chunk_bytes");
   }
   return c;
 }

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <string>
 #include <thread>
 
 #include "shoal/core/error.h"
@@ -574,6 +575,16 @@ TYPED_TEST(transfer_engine_test, bad_batches_and_settings_are_refused_before_any
   // Below the pinned allocator's smallest segment, though a chunk fits: no array could be staged.
   EXPECT_THROW(transfer_engine(a, this->copy_stream(), {.max_pinned_bytes = mib, .staging_chunk_bytes = 256 * kib}),
                invalid_argument);
+  // A chunk takes what the pinned allocator reserves for it, rounded up to 2
+  // MiB: a 3 MiB chunk takes 4, so a 3 MiB bound could stage no large buffer.
+  try {
+    transfer_engine engine(a, this->copy_stream(), {.max_pinned_bytes = 3 * mib, .staging_chunk_bytes = 3 * mib});
+    ADD_FAILURE() << "a staging bound that holds no chunk was accepted";
+  } catch (const invalid_argument& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("max_pinned_bytes"), std::string::npos) << what;
+    EXPECT_NE(what.find("staging_chunk_bytes"), std::string::npos) << what;
+  }
   transfer_engine engine(a, this->copy_stream());
   EXPECT_THROW(engine.submit({}), invalid_argument);
   EXPECT_THROW(engine.submit({host_buffer{nullptr, 16}}), invalid_argument);
@@ -582,6 +593,19 @@ TYPED_TEST(transfer_engine_test, bad_batches_and_settings_are_refused_before_any
   EXPECT_EQ(engine.stats().batches_submitted, 0u);
   EXPECT_FALSE(engine.try_next().has_value());
   EXPECT_THROW((void)engine.next(20ms), timeout_error);
+}
+
+// A chunk that is no multiple of 2 MiB stages within a bound of its size
+// rounded up to 2 MiB, what the pinned allocator reserves for it.
+TYPED_TEST(transfer_engine_test, a_3_mib_chunk_stages_within_a_4_mib_bound) {
+  auto& a = this->make_allocator();
+  transfer_engine engine(a, this->copy_stream(), {.max_pinned_bytes = 4 * mib, .staging_chunk_bytes = 3 * mib});
+  engine.submit({pageable(7 * mib + 5, 0x21), pageable(100 * kib, 0x22)});
+  auto batch = engine.next(10s);
+  batch.wait_on(this->consumer());
+  EXPECT_TRUE(all_equal(this->read(batch.storages()[0].data(), 7 * mib + 5, this->consumer()), 0x21));
+  EXPECT_TRUE(all_equal(this->read(batch.storages()[1].data(), 100 * kib, this->consumer()), 0x22));
+  EXPECT_LE(engine.stats().pinned.reserved_bytes.aggregate.peak, static_cast<std::int64_t>(4 * mib));
 }
 
 // A timeout of centuries is as good as none: it is not turned into a

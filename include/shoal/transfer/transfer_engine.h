@@ -101,8 +101,9 @@ struct transfer_config {
   /// default), so large batches hold no more device memory in flight than
   /// they did, and batches of 64 MiB and more fewer.
   std::size_t max_bytes_in_flight = std::size_t{64} << 20;
-  /// Bytes of pinned staging memory the engine may hold (>= staging_chunk_bytes
-  /// and >= 2 MiB, the least the pinned allocator reserves):
+  /// Bytes of pinned staging memory the engine may hold (>= what one staging
+  /// chunk reserves: staging_chunk_bytes rounded up to 2 MiB, the pinned
+  /// allocator's segment step, so at least 2 MiB):
   /// the ring pageable buffers are staged through. On the H100 host a 32 MiB
   /// ring staged as fast as one of 256 MiB (16 MiB and 256 MiB buffers alike),
   /// with an eighth of the page-locked memory.
