@@ -153,7 +153,7 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
 // (its stream lagging behind) would let copies, and the device memory they
 // fill, pile up without bound.
 void transfer_engine::batch_copier::make_room(std::size_t batches, std::size_t bytes) {
-  while (!queued_.empty() && (queued_batches_ + batches > queue_depth_ || queued_bytes_ + bytes > queue_bytes_)) {
+  while (!queued_.empty() && (queued_batches_ + batches > queue_depth_ || !fits_beside(queued_bytes_, bytes, queue_bytes_))) {
     queued_.front().done->synchronize();
     queued_batches_ -= queued_.front().batches;
     queued_bytes_ -= queued_.front().bytes;

@@ -23,10 +23,17 @@ struct transferred_batch::state {
   std::shared_ptr<backend::event> ready;
 };
 
+/// Whether `more` bytes fit beside `used` within `bound`, with no sum that
+/// could wrap around.
+[[nodiscard]] constexpr bool fits_beside(std::size_t used, std::size_t more, std::size_t bound) noexcept {
+  return used <= bound && more <= bound - used;
+}
+
 struct transfer_engine::job {
   std::uint64_t sequence = 0;
   std::vector<host_buffer> buffers;
 
+  /// At most PTRDIFF_MAX (submit checks), so the sum does not wrap.
   [[nodiscard]] std::size_t bytes() const noexcept {
     std::size_t total = 0;
     for (const host_buffer& b : buffers) total += b.bytes;

@@ -1,5 +1,6 @@
 #include "shoal/transfer/transfer_engine.h"
 
+#include <cstdint>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -41,15 +42,30 @@ const transfer_config& checked(const transfer_config& c) {
   return c;
 }
 
-void check_batch(const std::vector<host_buffer>& batch) {
+// The most bytes a batch may hold in all: what one address space can. So
+// neither a batch's sum nor that of two batches in flight wraps around (a
+// batch that wrapped would count as next to nothing in flight).
+constexpr std::size_t max_batch_bytes = PTRDIFF_MAX;
+
+// The batch's bytes in all, once every buffer is checked.
+std::size_t checked_bytes(const std::vector<host_buffer>& batch) {
   if (batch.empty()) throw invalid_argument("transfer_engine::submit: the batch has no buffers");
+  std::size_t bytes = 0;
   for (std::size_t i = 0; i < batch.size(); ++i) {
     if (batch[i].bytes == 0 || batch[i].data == nullptr) {
       throw invalid_argument("transfer_engine::submit: buffer " + std::to_string(i) + " is " +
                              (batch[i].data == nullptr ? "null" : "empty") +
                              "; every buffer needs data and at least one byte");
     }
+    if (batch[i].bytes > max_batch_bytes - bytes) {
+      throw invalid_argument("transfer_engine::submit: buffer " + std::to_string(i) + " (" +
+                             std::to_string(batch[i].bytes) + " bytes) takes the batch past " +
+                             std::to_string(max_batch_bytes) +
+                             " bytes in all, more than an address space holds; check the buffers' sizes");
+    }
+    bytes += batch[i].bytes;
   }
+  return bytes;
 }
 
 template <class Predicate>
@@ -114,9 +130,7 @@ transfer_engine::~transfer_engine() {
 }
 
 std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chrono::milliseconds timeout) {
-  check_batch(batch);
-  std::size_t bytes = 0;
-  for (const host_buffer& b : batch) bytes += b.bytes;
+  const std::size_t bytes = checked_bytes(batch);
   std::unique_lock lock(mutex_);
   // Within both bounds, or with at most one other batch whatever the bytes:
   // a producer may always have one batch in flight beside the one it is
@@ -124,7 +138,7 @@ std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chron
   // otherwise wait for ever once two batches pass max_bytes_in_flight).
   const bool room = wait_until(room_ready_, lock, timeout, [&] {
     return stopping_ || (counters_.in_flight < config_.max_batches_in_flight &&
-                         (counters_.in_flight < 2 || counters_.bytes_in_flight + bytes <= config_.max_bytes_in_flight));
+                         (counters_.in_flight < 2 || fits_beside(counters_.bytes_in_flight, bytes, config_.max_bytes_in_flight)));
   });
   if (stopping_) throw invalid_argument("transfer_engine::submit: the engine is shutting down");
   if (!room) {

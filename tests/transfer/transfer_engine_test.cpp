@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <thread>
 
@@ -590,6 +591,11 @@ TYPED_TEST(transfer_engine_test, bad_batches_and_settings_are_refused_before_any
   EXPECT_THROW(engine.submit({host_buffer{nullptr, 16}}), invalid_argument);
   std::uint8_t byte = 0;
   EXPECT_THROW(engine.submit({host_buffer{&byte, 0}}), invalid_argument);
+  // Bytes that no address space holds, or that wrap around when summed,
+  // would count as next to nothing against max_bytes_in_flight.
+  constexpr std::size_t half = std::numeric_limits<std::size_t>::max() / 2 + 1;
+  EXPECT_THROW(engine.submit({host_buffer{&byte, half}, host_buffer{&byte, half}}), invalid_argument);
+  EXPECT_THROW(engine.submit({host_buffer{&byte, half}}), invalid_argument);
   EXPECT_EQ(engine.stats().batches_submitted, 0u);
   EXPECT_FALSE(engine.try_next().has_value());
   EXPECT_THROW((void)engine.next(20ms), timeout_error);
@@ -606,6 +612,22 @@ TYPED_TEST(transfer_engine_test, a_3_mib_chunk_stages_within_a_4_mib_bound) {
   EXPECT_TRUE(all_equal(this->read(batch.storages()[0].data(), 7 * mib + 5, this->consumer()), 0x21));
   EXPECT_TRUE(all_equal(this->read(batch.storages()[1].data(), 100 * kib, this->consumer()), 0x22));
   EXPECT_LE(engine.stats().pinned.reserved_bytes.aggregate.peak, static_cast<std::int64_t>(4 * mib));
+}
+
+// Two batches of the most bytes a batch may have are in flight (each fails:
+// no device has that much memory); a third of a few bytes must wait for
+// room, though the sum of all three passes what a size_t counts.
+TYPED_TEST(transfer_engine_test, the_byte_bound_holds_when_the_bytes_in_flight_near_what_a_size_t_counts) {
+  auto& a = this->make_allocator();
+  transfer_engine engine(a, this->copy_stream());
+  std::uint8_t byte = 0;
+  constexpr auto most = static_cast<std::size_t>(std::numeric_limits<std::ptrdiff_t>::max());
+  engine.submit({host_buffer{&byte, most}});
+  engine.submit({host_buffer{&byte, most}});
+  EXPECT_THROW(engine.submit({host_buffer{&byte, 4}}, 20ms), timeout_error);
+  for (int i = 0; i < 2; ++i) EXPECT_THROW((void)engine.next(10s), out_of_memory);
+  engine.submit({host_buffer{&byte, 4}}, 10s);
+  engine.next(10s).synchronize();
 }
 
 // A timeout of centuries is as good as none: it is not turned into a

@@ -226,8 +226,9 @@ class transfer_engine {
   transfer_engine(const transfer_engine&) = delete;
   transfer_engine& operator=(const transfer_engine&) = delete;
 
-  /// Queues a batch (at least one buffer, each non-null with bytes > 0, else
-  /// invalid_argument and nothing queued) and returns its sequence number.
+  /// Queues a batch (at least one buffer, each non-null with bytes > 0, at
+  /// most PTRDIFF_MAX bytes in all, else invalid_argument and nothing
+  /// queued) and returns its sequence number.
   /// Blocks while the batch does not fit within max_batches_in_flight and
   /// max_bytes_in_flight (two batches may always be in flight, whatever
   /// their bytes); timeout_error when `timeout` passes first (nothing
