@@ -83,19 +83,30 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
     return outcomes;
   }
   std::vector<storage::storage> targets = group_targets(jobs);
-  std::vector<std::shared_ptr<const void>> read_directly;
-  {
-    std::size_t packed_bytes = 0;
-    for (const job& j : jobs) {
-      for (const host_buffer& b : j.buffers) {
-        if (!b.pinned && staging_pack::takes(b.bytes, chunk_bytes_)) packed_bytes += staging_pack::footprint(b.bytes);
+  std::size_t packed_bytes = 0, kept_sources = 0;
+  for (const job& j : jobs) {
+    for (const host_buffer& b : j.buffers) {
+      if (b.pinned) {
+        kept_sources += b.keep_alive != nullptr;
+      } else if (staging_pack::takes(b.bytes, chunk_bytes_)) {
+        packed_bytes += staging_pack::footprint(b.bytes);
       }
     }
-    // Each batch's storages, held here too until the pack's last run is
-    // enqueued: a failed batch's storages must not be freed (and handed out
-    // again on this stream) before a run copy bound for them. Declared
-    // before the pack, so that should anything below throw, the pack's end
-    // enqueues its run before they go.
+  }
+  // Whatever the group's end needs is had before its first copy is
+  // enqueued: from then on nothing may throw, or a source that copy reads
+  // would be let go of while the copy is queued.
+  std::vector<std::shared_ptr<const void>> read_directly;
+  read_directly.reserve(kept_sources);
+  std::list<held_sources> held_entry(1);
+  std::list<queued_group> queued_entry(1);
+  {
+    // Each batch's storages, held here until the pack's last run is enqueued
+    // (a transferred batch's move into it, which lives longer): a failed
+    // batch's storages must not be freed (and handed out again on this
+    // stream) before a run copy bound for them. Declared before the pack, so
+    // that should anything below throw, the pack's end enqueues its run
+    // before they go.
     std::vector<std::vector<storage::storage>> per_batch(jobs.size());
     staging_pack pack(pinned_, stream_, chunk_bytes_, packed_bytes, jobs.size(), memcpy_, stores_);
     // The block the storages are parts of: the group's, or each batch's own.
@@ -104,12 +115,13 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
     for (std::size_t i = 0; i < jobs.size(); ++i) {
       job& j = jobs[i];
       outcome o{j.sequence, j.bytes(), nullptr, nullptr};
-      if (!targets.empty()) {
-        const auto from = targets.begin() + static_cast<std::ptrdiff_t>(first_target);
-        per_batch[i].assign(from, from + static_cast<std::ptrdiff_t>(j.buffers.size()));
-      }
+      const std::size_t first = first_target;
       first_target += j.buffers.size();
       try {
+        if (!targets.empty()) {
+          const auto from = targets.begin() + static_cast<std::ptrdiff_t>(first);
+          per_batch[i].assign(from, from + static_cast<std::ptrdiff_t>(j.buffers.size()));
+        }
         o.batch = transfer(j, i, per_batch[i], group_block, ready, pack, read_directly);
       } catch (...) {
         o.error = std::current_exception();
@@ -140,8 +152,12 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
     hold_until_now(std::move(read_directly));
     return outcomes;
   }
-  if (!read_directly.empty()) held_.push_back({ready, std::move(read_directly)});
-  queued_.push_back({ready, jobs.size(), group_bytes});
+  if (!read_directly.empty()) {
+    held_entry.front() = {ready, std::move(read_directly)};
+    held_.splice(held_.end(), held_entry);
+  }
+  queued_entry.front() = {ready, jobs.size(), group_bytes};
+  queued_.splice(queued_.end(), queued_entry);
   queued_batches_ += jobs.size();
   queued_bytes_ += group_bytes;
   return outcomes;
@@ -215,7 +231,7 @@ std::shared_ptr<const transferred_batch::state> transfer_engine::batch_copier::t
     }
     bytes_copied_.fetch_add(source.bytes, std::memory_order_relaxed);
   }
-  batch->storages = targets;
+  batch->storages = std::move(targets);  // no copy to fail: this batch's copies may be queued
   return batch;
 }
 

@@ -14,7 +14,7 @@
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
+#include <list>
 #include <memory>
 #include <span>
 #include <vector>
@@ -75,8 +75,10 @@ class transfer_engine::batch_copier {
   std::vector<storage::storage> batch_targets(const job& j);
   // Batch `index` of the group into `targets` (one per buffer, parts of the
   // device block `block`; empty: the batch allocates its own into it): its
-  // bytes enqueued or joined to the pack's run. Sources read directly go to
-  // `read_directly`, kept until the group's copies have run.
+  // bytes enqueued or joined to the pack's run, `targets` moved into the
+  // batch returned. Sources read directly go to `read_directly` (room
+  // reserved: nothing throws once a copy is enqueued), kept until the
+  // group's copies have run.
   std::shared_ptr<const transferred_batch::state> transfer(job& j, std::size_t index,
                                                            std::vector<storage::storage>& targets, const void* block,
                                                            const std::shared_ptr<backend::event>& ready,
@@ -94,12 +96,15 @@ class transfer_engine::batch_copier {
   const backend::stream_ref stream_;
   const std::size_t chunk_bytes_;
   alloc::caching_allocator pinned_;
-  std::deque<held_sources> held_;  // oldest first
+  // Lists, not deques: a group's entries are made before its first copy is
+  // enqueued and spliced in after its last (splicing cannot throw), so no
+  // source is let go of for want of memory while a copy reads it.
+  std::list<held_sources> held_;  // oldest first
   // The groups copied last, oldest first: queued_batches_ = the sum of their
   // batches <= queue_depth_, the batches whose copies may be queued at once,
   // and queued_bytes_ = the sum of their bytes <= queue_bytes_ (or one group
   // alone, larger than that).
-  std::deque<queued_group> queued_;
+  std::list<queued_group> queued_;
   std::size_t queued_batches_ = 0, queued_bytes_ = 0;
   const std::size_t queue_depth_, queue_bytes_;
   const store_kind stores_;

@@ -1,21 +1,34 @@
 // The engine when the host refuses it something: threads it cannot start
 // (a pids cgroup limit, RLIMIT_NPROC) are a typed error from its
-// constructor, not the end of the process.
+// constructor, not the end of the process; host memory that runs out once
+// a copy is enqueued leaves the copy's source held until the copy has run.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <optional>
 #include <string>
+#include <thread>
 
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 #include "shoal/transfer/transfer_engine.h"
 #include "support/backends.h"
+#include "support/forwarding_device.h"
+#include "support/refused_allocations.h"
 #include "support/refused_threads.h"
 
 namespace shoal::testing {
 namespace {
 
+using namespace std::chrono_literals;
 using backend::stream;
+using transfer::host_buffer;
 using transfer::transfer_engine;
+constexpr std::size_t kib = 1024;
 
 template <class Backend>
 class transfer_engine_host_failures : public backend_test<Backend> {};
@@ -41,6 +54,66 @@ TYPED_TEST(transfer_engine_host_failures, an_engine_thread_that_cannot_be_starte
   refusing_threads refusal(2);  // both helpers start, the engine's own thread does not
   EXPECT_THROW(transfer_engine(a, copy_stream.ref(), {.staging_helpers = 2}), backend_error);
   EXPECT_EQ(refusal.refused(), 1);
+}
+
+// Refuses the engine thread's next heap allocation once it has enqueued a
+// copy, until it records the group's ready event: from the first copy
+// enqueued on, nothing may throw before the sources read directly are held.
+class refusing_after_copy_device : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+
+  void copy(backend::stream_ref s, void* dst, const void* src, std::size_t bytes) override {
+    forwarding_device::copy(s, dst, src, bytes);
+    if (arm_.exchange(false)) refusal_.emplace(1, [] {});
+  }
+  void record(backend::event_ref event, backend::stream_ref s) override {
+    if (refusal_ && refusal_->refused()) refused_ = true;
+    refusal_.reset();
+    forwarding_device::record(event, s);
+  }
+
+  void arm() { arm_ = true; }
+  [[nodiscard]] bool refused() const { return refused_; }
+
+ private:
+  std::atomic<bool> arm_{false}, refused_{false};
+  static thread_local std::optional<refusing_one_allocation> refusal_;  // the engine thread's
+};
+thread_local std::optional<refusing_one_allocation> refusing_after_copy_device::refusal_;
+
+TYPED_TEST(transfer_engine_host_failures, a_pinned_source_stays_held_when_host_memory_runs_out_after_its_copy) {
+  refusing_after_copy_device dev(this->device());
+  {
+    stream copy_stream(dev), consumer(dev);
+    alloc::caching_allocator a(dev, {});
+    alloc::caching_allocator pinned_memory(dev, alloc::allocator_config::parse("memory:pinned_host"));
+    void* block = pinned_memory.allocate(64 * kib, consumer.ref());
+    std::memset(block, 0x3C, 64 * kib);
+    {
+      transfer_engine engine(a, copy_stream.ref());
+      std::atomic<bool> released{false};
+      std::shared_ptr<const void> keep(block, [&](const void*) { released = true; });
+      dev.delay(engine.stream(), 200ms);  // the engine's copies run late
+      dev.arm();
+      engine.submit({host_buffer{block, 64 * kib, true, std::move(keep)}});
+      std::optional<transfer::transferred_batch> batch;
+      try {
+        batch = engine.next(10s);
+      } catch (const std::bad_alloc&) {
+        ADD_FAILURE() << "the batch failed for host memory after its copy was enqueued";
+      }
+      std::this_thread::sleep_for(50ms);
+      EXPECT_FALSE(released) << "the source was let go while the copy reading it was still queued";
+      EXPECT_FALSE(dev.refused()) << "the engine allocated between its first copy and its ready event";
+      if (batch) {
+        batch->wait_on(consumer.ref());
+        EXPECT_TRUE(all_equal(this->read(batch->storages()[0].data(), 64 * kib, consumer.ref()), 0x3C));
+      }
+    }
+    pinned_memory.deallocate(block, consumer.ref());
+    dev.synchronize(consumer.ref());
+  }
 }
 
 }  // namespace
