@@ -260,7 +260,9 @@ class Storage:
 
     @property
     def is_lazy(self) -> bool:
-        """True while the data is shared copy-on-write with other storages."""
+        """
+        True while the storage reads data shared copy-on-write: until its first write, which copies it (or takes it over when no other storage shares it any more).
+        """
 
     @property
     def shared_outside_process(self) -> bool:
@@ -321,7 +323,19 @@ class ArrayView:
         """The element type's name."""
 
     @property
-    def shape(self) -> tuple: ...
+    def shape(self) -> tuple:
+        """Extents, one per dimension."""
+
+    @property
+    def ndim(self) -> int:
+        """The number of dimensions."""
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its elements (itemsize times their number)."""
+
+    def __len__(self) -> int:
+        """The first extent, as a sequence's length (TypeError for a 0-d view)."""
 
     @property
     def strides(self) -> tuple:
@@ -332,10 +346,12 @@ class ArrayView:
         """Offset in bytes into the storage."""
 
     @property
-    def readonly(self) -> bool: ...
+    def readonly(self) -> bool:
+        """True when it is exported read-only (DLPack's read-only flag)."""
 
     @property
-    def itemsize(self) -> int: ...
+    def itemsize(self) -> int:
+        """Bytes per element."""
 
     @property
     def storage(self) -> Storage:
@@ -392,7 +408,8 @@ class Listener:
         """
 
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """True once close() has begun."""
 
     def __enter__(self) -> Self: ...
 
@@ -492,7 +509,8 @@ class Peer:
         """
 
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """True once close() has begun."""
 
     def __enter__(self) -> Self: ...
 
@@ -524,6 +542,8 @@ class TransferredBatch:
     def ready(self) -> bool:
         """True once the batch's copies have run."""
 
+    def __repr__(self) -> str: ...
+
 class TransferEngine:
     """
     Background host-to-device transfer: a thread and a stream of its own copy submitted host buffers into device storages (shoal.transfer.Engine is the batch API).
@@ -552,7 +572,10 @@ class TransferEngine:
         """
 
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """True once close() has begun."""
+
+    def __repr__(self) -> str: ...
 
 class GroupedLoad:
     """
@@ -576,6 +599,8 @@ class GroupedLoad:
 
     def synchronize(self) -> None:
         """Blocks until every group has been copied (GIL released)."""
+
+    def __repr__(self) -> str: ...
 
 class Lender:
     """
@@ -604,7 +629,8 @@ class Lender:
         """Stops serving and closes every connection. Idempotent."""
 
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """True once close() has begun."""
 
 class Borrower:
     """A connection to a lender, through which regions are borrowed."""
@@ -630,4 +656,5 @@ class Borrower:
         """
 
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """True once close() has begun."""

@@ -95,6 +95,7 @@ class SharedRegion:
 
     @property
     def nbytes(self) -> int:
+        """The region's size in bytes."""
         return self._nbytes
 
     @property

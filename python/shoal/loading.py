@@ -72,6 +72,7 @@ class GroupPlan(NamedTuple):
 
     @property
     def groups(self) -> int:
+        """The number of groups planned."""
         return len(self.group_ends)
 
 
@@ -229,6 +230,7 @@ class Loading:
 
     @property
     def groups(self) -> int:
+        """The number of groups being copied."""
         return self.load.groups
 
     def done(self) -> bool:
@@ -249,6 +251,7 @@ class Loading:
         self.load.synchronize()
 
     def remove_hooks(self) -> None:
+        """Takes the hooks that make each layer wait for its group off the module."""
         with self._lock:
             hooks, self._hooks = self._hooks, []
         for hook in hooks:
@@ -377,6 +380,7 @@ class ModuleLoader:
 
     @property
     def loading(self) -> Optional[Loading]:
+        """The load in progress or done last (None before the first)."""
         return self._loading
 
     def layer_bytes(self) -> list[tuple[str, int]]:

@@ -35,11 +35,13 @@ pickle); with ``multiprocessing`` use the spawn or forkserver start methods.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import secrets
 import selectors
+import socket
 import time
 from typing import Any, Union
 
@@ -168,6 +170,33 @@ def _rebuild(node: Any, arrays: list, depth: int, used: set) -> Any:
             out[pair[0]] = _rebuild(pair[1], arrays, depth + 1, used)
         return out
     raise _protocol_error("a malformed batch structure")
+
+
+def _remove_stale_sockets(folder: str) -> None:
+    """Removes the socket files consumers killed before they could (SIGKILL)
+    left in `folder`: named for a process that is gone, with no one listening."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "shoal" or not parts[2].endswith(".sock") or not parts[1].isdigit():
+            continue
+        if os.path.exists(f"/proc/{parts[1]}"):
+            continue  # its process (or one that took its pid) runs: not ours to judge
+        path = os.path.join(folder, name)
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.setblocking(False)  # a full backlog answers at once (EAGAIN): someone listens
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:  # a socket file no one listens on
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        except OSError:
+            pass
+        finally:
+            probe.close()
 
 
 class Producer:
@@ -299,6 +328,7 @@ class Consumer:
         self.context = _shoal.SharingContext(self.allocator, **options)
         if address is None:
             address = _shoal.runtime_dir_address(f"shoal-{os.getpid()}-{secrets.token_hex(6)}.sock")
+            _remove_stale_sockets(os.path.dirname(address))
         self._listener = _shoal.Listener(address, list(allowed_uids))
         self.address: str = self._listener.address
         self._selector = selectors.DefaultSelector()

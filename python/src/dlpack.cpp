@@ -326,13 +326,29 @@ void register_dlpack(nb::module_& m) {
                             "exported zero-copy through DLPack, e.g. numpy.from_dlpack(view).")
       .def_prop_ro(
           "dtype", [](const py_array_view& v) { return v.dtype; }, "The element type's name.")
-      .def_prop_ro("shape", [](const py_array_view& v) { return nb::tuple(nb::cast(v.shape)); })
+      .def_prop_ro(
+          "shape", [](const py_array_view& v) { return nb::tuple(nb::cast(v.shape)); }, "Extents, one per dimension.")
+      .def_prop_ro(
+          "ndim", [](const py_array_view& v) { return v.shape.size(); }, "The number of dimensions.")
+      .def_prop_ro(
+          "nbytes", [](const py_array_view& v) { return element_count(v.shape) * (v.bits / 8); },
+          "The bytes of its elements (itemsize times their number).")
+      .def(
+          "__len__",
+          [](const py_array_view& v) {
+            if (v.shape.empty()) throw nb::type_error("len() of a 0-d ArrayView");
+            return v.shape.front();
+          },
+          "The first extent, as a sequence's length (TypeError for a 0-d view).")
       .def_prop_ro(
           "strides", [](const py_array_view& v) { return nb::tuple(nb::cast(v.strides)); }, "Strides in elements.")
       .def_prop_ro(
           "offset", [](const py_array_view& v) { return v.offset; }, "Offset in bytes into the storage.")
-      .def_prop_ro("readonly", [](const py_array_view& v) { return v.readonly; })
-      .def_prop_ro("itemsize", [](const py_array_view& v) { return v.bits / 8; })
+      .def_prop_ro(
+          "readonly", [](const py_array_view& v) { return v.readonly; },
+          "True when it is exported read-only (DLPack's read-only flag).")
+      .def_prop_ro(
+          "itemsize", [](const py_array_view& v) { return v.bits / 8; }, "Bytes per element.")
       .def_prop_ro(
           "storage", [](const py_array_view& v) { return py_storage{v.handle}; }, "The storage viewed (aliases it).")
       .def("__dlpack__", &export_view, nb::kw_only(), nb::arg("stream").none() = nb::none(),
@@ -357,6 +373,7 @@ void register_dlpack(nb::module_& m) {
       .def("__repr__", [](const py_array_view& v) {
         std::string shape;
         for (const auto e : v.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(e);
+        if (v.shape.size() == 1) shape += ",";  // as Python writes a 1-tuple
         return "shoal.ArrayView(dtype=" + v.dtype + ", shape=(" + shape + "), offset=" + std::to_string(v.offset) +
                (v.readonly ? ", readonly" : "") + ")";
       });

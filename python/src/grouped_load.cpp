@@ -8,6 +8,7 @@
 
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
@@ -80,7 +81,13 @@ void register_grouped_load(nb::module_& m) {
           nb::arg("group"), "Blocks until groups 0..group have been copied (GIL released).")
       .def(
           "synchronize", [](const py_grouped_load& l) { l.load.synchronize(); },
-          nb::call_guard<released_gil>(), "Blocks until every group has been copied (GIL released).");
+          nb::call_guard<released_gil>(), "Blocks until every group has been copied (GIL released).")
+      .def("__repr__", [](const py_grouped_load& l) {
+        const std::size_t groups = l.load.groups();
+        std::size_t ready = 0;
+        while (ready < groups && l.load.is_group_ready(ready)) ++ready;
+        return "shoal.GroupedLoad(" + std::to_string(groups) + " groups, " + std::to_string(ready) + " copied)";
+      });
 
   m.def(
       "_load_groups",

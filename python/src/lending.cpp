@@ -242,7 +242,8 @@ void register_lending(nb::module_& m) {
           "close",
           [](py_lender& l) { l.lender.close(); },
           "Stops serving and closes every connection. Idempotent.")
-      .def_prop_ro("closed", [](const py_lender& l) { return l.lender.closed(); });
+      .def_prop_ro(
+          "closed", [](const py_lender& l) { return l.lender.closed(); }, "True once close() has begun.");
 
   m.def(
       "_region_id",
@@ -413,7 +414,8 @@ void register_lending(nb::module_& m) {
           "close",
           [](py_borrower& b) { b.borrower.close(); },
           "Closes the connection; regions already borrowed stay mapped until their storages are gone.")
-      .def_prop_ro("closed", [](const py_borrower& b) { return b.borrower.closed(); });
+      .def_prop_ro(
+          "closed", [](const py_borrower& b) { return b.borrower.closed(); }, "True once close() has begun.");
 }
 
 }  // namespace shoal::python

@@ -230,7 +230,8 @@ void register_sharing(nb::module_& m) {
       .def(
           "close", [](py_listener& l) { l.listener.close(); },
           "Stops listening and removes the socket file; an accept() waiting in another thread ends first.")
-      .def_prop_ro("closed", [](const py_listener& l) { return l.listener.closed(); })
+      .def_prop_ro(
+          "closed", [](const py_listener& l) { return l.listener.closed(); }, "True once close() has begun.")
       .def("__enter__", [](nb::handle self) { return self; }, nb::sig("def __enter__(self) -> Self"))
       .def(
           "__exit__", [](py_listener& l, nb::args) { l.listener.close(); }, nb::arg("args"))
@@ -439,7 +440,8 @@ void register_sharing(nb::module_& m) {
           "Tears the connection down; received storages stay usable. A receive() waiting in another thread "
           "ends first (ConnectionClosedError), and a send() in flight finishes (one stuck on a peer that "
           "stopped reading is ended after 0.2 s).")
-      .def_prop_ro("closed", [](const py_peer& p) { return p.peer.closed(); })
+      .def_prop_ro(
+          "closed", [](const py_peer& p) { return p.peer.closed(); }, "True once close() has begun.")
       .def("__enter__", [](nb::handle self) { return self; }, nb::sig("def __enter__(self) -> Self"))
       .def(
           "__exit__", [](py_peer& p, nb::args) { p.peer.close(); }, nb::arg("args"))

@@ -88,7 +88,9 @@ void register_storages(nb::module_& m) {
           "the shared data).")
       .def_prop_ro(
           "is_lazy", [](const py_storage& s) { return s.handle.get().is_lazy(); },
-          "True while the data is shared copy-on-write with other storages.")
+          "True while the storage reads data shared copy-on-write: until its "
+          "first write, which copies it (or takes it over when no other storage "
+          "shares it any more).")
       .def_prop_ro(
           "shared_outside_process", [](const py_storage& s) { return s.handle.get().shared_outside_process(); },
           "True once the data was exported (DLPack, IPC): it is never lazily "

@@ -118,7 +118,11 @@ void register_transfer(nb::module_& m) {
           "synchronize", [](const py_transferred_batch& b) { b.batch.synchronize(); },
           nb::call_guard<released_gil>(), "Blocks until the batch's copies have run.")
       .def("ready", [](const py_transferred_batch& b) { return b.batch.is_ready(); },
-           "True once the batch's copies have run.");
+           "True once the batch's copies have run.")
+      .def("__repr__", [](const py_transferred_batch& b) {
+        return "shoal.TransferredBatch(sequence=" + std::to_string(b.batch.sequence()) + ", " +
+               std::to_string(b.batch.storages().size()) + " storages" + (b.batch.is_ready() ? ", ready" : "") + ")";
+      });
 
   nb::class_<py_transfer_engine>(m, "TransferEngine",
                                  "Background host-to-device transfer: a thread and a stream of its own copy "
@@ -237,7 +241,15 @@ void register_transfer(nb::module_& m) {
       .def("close", [](py_transfer_engine& e) { e.engine.close(); },
            "Ends the waits of other threads' submit() and next() (InvalidArgumentError), finishes the batches "
            "submitted, waits for their copies and stops the thread. Idempotent.")
-      .def_prop_ro("closed", [](const py_transfer_engine& e) { return e.engine.closed(); });
+      .def_prop_ro(
+          "closed", [](const py_transfer_engine& e) { return e.engine.closed(); }, "True once close() has begun.")
+      .def("__repr__", [](const py_transfer_engine& e) -> std::string {
+        const auto engine = e.engine.try_enter();
+        if (!engine) return "shoal.TransferEngine(closed)";
+        const auto s = (*engine)->engine.stats();
+        return "shoal.TransferEngine(" + std::to_string(s.batches_submitted) + " batches submitted, " +
+               std::to_string(s.in_flight) + " in flight, " + std::to_string(s.bytes_copied) + " bytes copied)";
+      });
 }
 
 }  // namespace shoal::python

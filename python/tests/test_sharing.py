@@ -7,6 +7,9 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -472,3 +475,27 @@ def test_producers_and_consumers_print_what_they_are():
         assert repr(producer) == f"shoal.sharing.Producer(to pid {os.getpid()})"
     assert repr(consumer).endswith("closed, 0 errors)") and repr(producer) == "shoal.sharing.Producer(closed)"
 
+
+
+def test_a_new_consumer_removes_socket_files_killed_consumers_left():
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    folder = os.path.dirname(shoal.runtime_dir_address("x"))
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+
+    def left_behind(pid: int) -> str:  # a socket file whose listener is gone
+        path = os.path.join(folder, f"shoal-{pid}-0123456789ab.sock")
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(path)
+        return path
+
+    stale, ours = left_behind(dead_pid), left_behind(os.getpid())
+    try:
+        with sharing.Consumer():
+            pass
+        assert not os.path.exists(stale), "the file of a consumer that is gone was left"
+        assert os.path.exists(ours), "the file of a process that runs was removed"
+    finally:
+        for path in (stale, ours):
+            if os.path.exists(path):
+                os.unlink(path)
