@@ -362,6 +362,11 @@ class ArrayView:
         A DLPack capsule of this view (array API). `stream`: the consumer's stream (None: the host reads it on the host backend, 1 or 2: the default stream, a stream handle, or -1: no synchronization; 0 is refused); the consumer's stream waits for the work enqueued on the current stream. A versioned capsule ('dltensor_versioned') when max_version >= (1, 0); strides are always set.
         """
 
+    def __array__(self, dtype: object | None = None, copy: object | None = None) -> object:
+        """
+        numpy.asarray(view) on the host backend: the same memory, no copy (unless `dtype` or `copy` asks for one); TypeError for device memory.
+        """
+
     def __dlpack_device__(self) -> tuple[int, int]:
         """
         (device type, device id): (1, 0) for the host backend (kDLCPU), (2, ordinal) for CUDA.

@@ -363,6 +363,24 @@ void register_dlpack(nb::module_& m) {
            "capsule ('dltensor_versioned') when max_version >= (1, 0); strides "
            "are always set.")
       .def(
+          "__array__",
+          [](nb::handle self, nb::handle dtype, nb::handle copy) {
+            const auto& v = nb::cast<const py_array_view&>(self);
+            if (v.handle.get().device().kind() != backend::device_kind::host) {
+              throw nb::type_error(("the view is " + v.handle.get().device().name() +
+                                    " memory, which numpy cannot read; take it with torch.from_dlpack or "
+                                    "cupy.from_dlpack, or copy it to the host")
+                                       .c_str());
+            }
+            nb::object array = nb::module_::import_("numpy").attr("from_dlpack")(self);
+            if (!dtype.is_none()) array = array.attr("astype")(dtype, nb::arg("copy") = copy.is_none() ? false : nb::cast<bool>(copy));
+            else if (!copy.is_none() && nb::cast<bool>(copy)) array = array.attr("copy")();
+            return array;
+          },
+          nb::arg("dtype").none() = nb::none(), nb::arg("copy").none() = nb::none(),
+          "numpy.asarray(view) on the host backend: the same memory, no copy (unless `dtype` or `copy` "
+          "asks for one); TypeError for device memory.")
+      .def(
           "__dlpack_device__",
           [](const py_array_view& v) {
             const auto d = dl_device_of(v.handle.get().device());

@@ -355,3 +355,13 @@ def test_an_imported_array_can_be_exported_again_to_a_consumer_stream():
     assert a[3] == 42.0, "the same memory all the way"
     del b, capsule, v
     gc.collect()
+
+
+def test_numpy_asarray_reads_a_host_view_in_place(allocator):
+    s = allocator.allocate(4 * 6)
+    s.write(numpy.arange(6, dtype=numpy.float32).tobytes())
+    view = s.view("float32", (2, 3))
+    a = numpy.asarray(view)
+    assert a.shape == (2, 3) and a.dtype == numpy.float32 and a.ctypes.data == s.ptr
+    assert (numpy.asarray(view, dtype=numpy.float64) == numpy.arange(6).reshape(2, 3)).all()
+    assert numpy.array(view, copy=True).ctypes.data != s.ptr
