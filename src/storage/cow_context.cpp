@@ -43,47 +43,62 @@ void cow_context::order_after_clone_writes(backend::stream_ref stream) {
   order_after(allocator_.device(), stream, streams);
 }
 
-void* cow_context::release_for_write(backend::stream_ref stream, std::span<const backend::stream_ref> used_on) {
+cow_context::written cow_context::release_for_write(backend::stream_ref stream,
+                                                    std::span<const backend::stream_ref> used_on) {
   backend::device& device = allocator_.device();
-  std::shared_lock shared(mutex_);
-  auto steal = [&]() -> void* {
-    shared.unlock();
-    std::unique_lock exclusive(mutex_);  // copies in progress finish enqueueing first
+  std::int64_t only_us = 1;
+  if (refcount_.compare_exchange_strong(only_us, 0, std::memory_order_acq_rel)) {
     order_after_clone_writes(stream);
     std::lock_guard lock(streams_mutex_);
     for (auto e : copies_done_) device.wait(stream, e);  // they read what the stealer will overwrite
-    return nullptr;
-  };
-  std::int64_t only_us = 1;
-  if (refcount_.compare_exchange_strong(only_us, 0, std::memory_order_acq_rel)) return steal();
-  // Allocate before giving up the reference: if allocation fails, nothing
-  // has changed. If the others went meanwhile, the copy is not needed.
+    return {data_, true};
+  }
+  void* copy = copy_out(stream, used_on);
+  return {copy, release()};  // the last one if the others went meanwhile
+}
+
+void* cow_context::copy_out(backend::stream_ref stream, std::span<const backend::stream_ref> used_on) {
   void* destination = allocator_.allocate_claimed(size_, stream);  // the materialized storage owns it
   try {
     record_uses(used_on);
+    order_after_clone_writes(stream);
+    allocator_.device().copy(stream, destination, data_, size_);
+    allocator_.record_stream(data_, stream);  // whoever frees the data waits for this copy
+    note_copy_done(stream);
   } catch (...) {
-    allocator_.deallocate(destination, stream);
+    allocator_.deallocate(destination, stream);  // after the copy, if it was enqueued: same stream
     throw;
   }
-  if (refcount_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-    allocator_.deallocate(destination, stream);
-    return steal();
-  }
-  order_after_clone_writes(stream);
-  device.copy(stream, destination, data_, size_);
-  allocator_.record_stream(data_, stream);  // whoever frees the data waits for this copy
-  const backend::event_ref done = device.create_event();
-  device.record(done, stream);
-  std::lock_guard lock(streams_mutex_);
-  copies_done_.push_back(done);
   return destination;
+}
+
+void cow_context::note_copy_done(backend::stream_ref stream) {
+  backend::device& device = allocator_.device();
+  const backend::event_ref done = device.create_event();
+  try {
+    device.record(done, stream);
+    std::lock_guard lock(streams_mutex_);
+    copies_done_.push_back(done);
+  } catch (...) {
+    device.destroy_event(done);
+    throw;
+  }
 }
 
 bool cow_context::release_for_drop(std::span<const backend::stream_ref> used_on) {
   record_uses(used_on);  // while this reference keeps the data allocated
+  return release();
+}
+
+bool cow_context::release() noexcept {
   if (refcount_.fetch_sub(1, std::memory_order_acq_rel) != 1) return false;
-  std::unique_lock exclusive(mutex_);  // copies in progress finish enqueueing first
-  allocator_.deallocate(data_, created_on_);
+  try {
+    allocator_.deallocate(data_, created_on_);
+  } catch (...) {  // NOLINT(bugprone-empty-catch)
+    // As for a storage's own block (storage.cpp): a refused free leaves the
+    // block allocated, visible in the allocator's statistics, rather than
+    // reused unsafely.
+  }
   return true;
 }
 

@@ -2,25 +2,28 @@
 // clones. Every storage in the family holds one reference.
 //
 // Protocol (each step's reason beside it):
-//   - A materializing copier takes the shared lock *before* giving up its
-//     reference, so the data cannot be freed under its copy.
-//   - Whoever drops the count to zero takes the exclusive lock, so it waits
-//     for every copy in progress, then owns the data (steal) or frees it.
-//   - Copiers record an event after their copy; a stealer's stream waits on
-//     all of them before it writes in place.
+//   - A storage touches the context only while it holds its reference, and
+//     giving the reference up is the last thing it does there: so whoever
+//     takes the count to zero is alone with the context and sees all the
+//     others did (acq_rel on the count).
+//   - A materializing copier keeps its reference until its copy, and the
+//     event that marks the copy's end, are enqueued: the data cannot be freed
+//     under the copy, and a throw on the way leaves the reference whole.
+//   - The last reference writes in place (steal); its stream first waits for
+//     the data's clone-time writes and every copy's event.
 //   - A storage that gives up the data records the streams it used it on
 //     with the allocator (record_stream) while it still holds its reference,
 //     so the final free waits for them; its uses on created_on() are covered
 //     by the final free itself, which is enqueued on created_on().
 // Invariant: refcount = number of storages holding the context; the data is
-// released exactly once, by the one that took the count to zero.
+// released exactly once: freed by the release that takes the count to zero,
+// or stolen by the last reference, whose storage then owns it.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
-#include <shared_mutex>
 #include <span>
 #include <vector>
 
@@ -40,12 +43,17 @@ class cow_context {
   /// the work enqueued on all of these streams until then.
   void add_reference(backend::stream_ref cloned_on, std::span<const backend::stream_ref> source_used_on);
 
+  /// What release_for_write leaves its caller.
+  struct written {
+    void* data;  // the caller's data from now on: its own copy, or data() (stolen)
+    bool last;   // the caller held the last reference: it deletes the context
+  };
   /// The caller's storage, which used the data on `used_on`, gives up the
-  /// shared data to write on `stream`. Returns its own copy, made on
-  /// `stream`; or nullptr when it was the last reference and now owns data()
-  /// (steal): the caller must then delete the context, and its storage's
-  /// release wait for created_on() too.
-  void* release_for_write(backend::stream_ref stream, std::span<const backend::stream_ref> used_on);
+  /// shared data to write on `stream`. Gives its own copy, made on `stream`;
+  /// or, when it holds the last reference, data() itself (steal): its
+  /// storage's release must then wait for created_on() too. When a copy
+  /// throws, the caller still holds its reference and nothing is allocated.
+  written release_for_write(backend::stream_ref stream, std::span<const backend::stream_ref> used_on);
   /// The caller's storage, which used the data on `used_on`, is gone: frees
   /// the data if it was the last one. Returns true when the context must be
   /// deleted by the caller.
@@ -58,16 +66,21 @@ class cow_context {
  private:
   // Makes `stream` wait for the writes the data had when it was cloned.
   void order_after_clone_writes(backend::stream_ref stream);
+  // A copy of the data on `stream`, in a block the caller owns.
+  void* copy_out(backend::stream_ref stream, std::span<const backend::stream_ref> used_on);
+  void note_copy_done(backend::stream_ref stream);
   void note_written_on(backend::stream_ref stream);
   // The data's free waits for `used_on` (those not covered by created_on_).
   void record_uses(std::span<const backend::stream_ref> used_on);
+  // Gives up the caller's reference; the last one frees the data. True
+  // when it was the last: the caller deletes the context.
+  bool release() noexcept;
 
   alloc::caching_allocator& allocator_;
   void* const data_;
   const std::size_t size_;
   const backend::stream_ref created_on_;  // also in written_on_; read without the lock
   std::atomic<std::int64_t> refcount_{1};
-  std::shared_mutex mutex_;  // shared: a copy in progress; exclusive: the last reference
 
   std::mutex streams_mutex_;
   std::vector<backend::stream_ref> written_on_;  // guarded by streams_mutex_

@@ -69,14 +69,13 @@ class storage_impl {
   // Gives this storage data of its own to write on `stream` (mutex_ held).
   void materialize(backend::stream_ref stream) {
     streams_.make_room_for({cow_->created_on(), stream});  // nothing below throws once the data is ours
-    void* data = cow_->release_for_write(stream, streams_.view());
-    if (data != nullptr) {
-      streams_.reset(stream);  // a new block of `stream`; the old uses went with the shared data
+    const auto [data, last] = cow_->release_for_write(stream, streams_.view());
+    if (data == cow_->data()) {
+      streams_.add(cow_->created_on());  // stolen: the family's uses there were left to the final free
     } else {
-      data = cow_->data();
-      streams_.add(cow_->created_on());  // the family's uses there were left to the final free
-      delete cow_;
+      streams_.reset(stream);  // a new block of `stream`; the old uses went with the shared data
     }
+    if (last) delete cow_;
     cow_ = nullptr;
     // Streams first: a thread that sees the new data sees last_used_ == stream,
     // so its record_use of another stream takes the lock and is not lost.

@@ -10,9 +10,10 @@
 //   - read access (`data`) never copies;
 //   - the first mutable access (`mutable_data`) to a storage in a
 //     copy-on-write context materializes it: the last reference steals the
-//     data without a copy; any other copies it under the context's shared
-//     lock, and a stealer takes the exclusive lock, so it waits for copies
-//     in progress; the reference count and the steal decision are atomic;
+//     data without a copy; any other copies it, and gives up its share only
+//     once the copy is enqueued, so the data outlives the copy and a copy
+//     that fails (the call throws) leaves the storage lazy, as it was; the
+//     reference count and the steal decision are atomic;
 //   - while shared, the data is never written in place, so it stays as it
 //     was at clone time.
 // Streams a storage was used on (one rule for every kind of storage):
