@@ -43,14 +43,18 @@ void cow_context::order_after_clone_writes(backend::stream_ref stream) {
   order_after(allocator_.device(), stream, streams);
 }
 
+void cow_context::order_before_steal(backend::stream_ref stream) {
+  order_after_clone_writes(stream);
+  std::lock_guard lock(streams_mutex_);
+  for (auto e : copies_done_) allocator_.device().wait(stream, e);  // they read what the stealer will overwrite
+}
+
 cow_context::written cow_context::release_for_write(backend::stream_ref stream,
                                                     std::span<const backend::stream_ref> used_on) {
-  backend::device& device = allocator_.device();
-  std::int64_t only_us = 1;
-  if (refcount_.compare_exchange_strong(only_us, 0, std::memory_order_acq_rel)) {
-    order_after_clone_writes(stream);
-    std::lock_guard lock(streams_mutex_);
-    for (auto e : copies_done_) device.wait(stream, e);  // they read what the stealer will overwrite
+  // Only a holder adds a reference: at 1 the caller's is the last and stays
+  // so, the count untouched while the steal is ordered (a throw changes nothing).
+  if (refcount_.load(std::memory_order_acquire) == 1) {
+    order_before_steal(stream);
     return {data_, true};
   }
   void* copy = copy_out(stream, used_on);

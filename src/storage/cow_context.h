@@ -4,13 +4,14 @@
 // Protocol (each step's reason beside it):
 //   - A storage touches the context only while it holds its reference, and
 //     giving the reference up is the last thing it does there: so whoever
-//     takes the count to zero is alone with the context and sees all the
-//     others did (acq_rel on the count).
+//     takes the count to zero, or finds it at one, is alone with the context
+//     and sees all the others did (acq_rel on the count).
 //   - A materializing copier keeps its reference until its copy, and the
 //     event that marks the copy's end, are enqueued: the data cannot be freed
 //     under the copy, and a throw on the way leaves the reference whole.
 //   - The last reference writes in place (steal); its stream first waits for
-//     the data's clone-time writes and every copy's event.
+//     the data's clone-time writes and every copy's event. The count stays 1
+//     meanwhile, so a throw there changes nothing.
 //   - A storage that gives up the data records the streams it used it on
 //     with the allocator (record_stream) while it still holds its reference,
 //     so the final free waits for them; its uses on created_on() are covered
@@ -51,8 +52,8 @@ class cow_context {
   /// The caller's storage, which used the data on `used_on`, gives up the
   /// shared data to write on `stream`. Gives its own copy, made on `stream`;
   /// or, when it holds the last reference, data() itself (steal): its
-  /// storage's release must then wait for created_on() too. When a copy
-  /// throws, the caller still holds its reference and nothing is allocated.
+  /// storage's release must then wait for created_on() too. On a throw the
+  /// caller still holds its reference and nothing is allocated.
   written release_for_write(backend::stream_ref stream, std::span<const backend::stream_ref> used_on);
   /// The caller's storage, which used the data on `used_on`, is gone: frees
   /// the data if it was the last one. Returns true when the context must be
@@ -66,6 +67,8 @@ class cow_context {
  private:
   // Makes `stream` wait for the writes the data had when it was cloned.
   void order_after_clone_writes(backend::stream_ref stream);
+  // Makes a stealer's `stream` wait for everything that read the data.
+  void order_before_steal(backend::stream_ref stream);
   // A copy of the data on `stream`, in a block the caller owns.
   void* copy_out(backend::stream_ref stream, std::span<const backend::stream_ref> used_on);
   void note_copy_done(backend::stream_ref stream);

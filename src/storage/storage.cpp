@@ -69,7 +69,7 @@ class storage_impl {
   // Gives this storage data of its own to write on `stream` (mutex_ held).
   void materialize(backend::stream_ref stream) {
     streams_.make_room_for({cow_->created_on(), stream});  // nothing below throws once the data is ours
-    const auto [data, last] = cow_->release_for_write(stream, streams_.view());
+    const auto [data, last] = cow_->release_for_write(stream, streams_.view());  // a throw changes nothing
     if (data == cow_->data()) {
       streams_.add(cow_->created_on());  // stolen: the family's uses there were left to the final free
     } else {

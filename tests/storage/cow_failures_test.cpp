@@ -125,5 +125,17 @@ TEST_F(cow_failures, a_copier_left_last_by_its_copy_frees_the_shared_data) {
   EXPECT_EQ(in_use(), 0);
 }
 
+TEST_F(cow_failures, a_last_reference_whose_steal_is_refused_stays_lazy_and_is_freed_once) {
+  const stream_ref own = new_stream(), cloned_on = new_stream();
+  auto source = filled(0xAB, own);
+  (void)lazy_clone(source, cloned_on);  // gone at once: the steal waits for cloned_on by an event
+  device_.refuse_event = true;
+  EXPECT_THROW((void)source.mutable_data(own), backend_error);
+  EXPECT_TRUE(source.is_lazy());
+  EXPECT_TRUE(holds(source, 0xAB, own));
+  source = storage_t();
+  EXPECT_EQ(in_use(), 0) << "the data of a failed steal was never freed";
+}
+
 }  // namespace
 }  // namespace shoal::testing
