@@ -30,6 +30,10 @@ void cow_context::record_uses(std::span<const backend::stream_ref> used_on) {
   // created_on_ too: it need not be the block's stream, and with
   // cross_stream_safety off the final free on it waits for nothing unrecorded.
   for (auto s : used_on) allocator_.record_stream(data_, s);
+  std::lock_guard lock(streams_mutex_);
+  for (auto s : used_on) {
+    if (std::find(read_on_.begin(), read_on_.end(), s) == read_on_.end()) read_on_.push_back(s);
+  }
 }
 
 void cow_context::order_after_clone_writes(backend::stream_ref stream) {
@@ -46,6 +50,7 @@ void cow_context::order_after_clone_writes(backend::stream_ref stream) {
 void cow_context::order_before_steal(backend::stream_ref stream) {
   order_after_clone_writes(stream);
   std::lock_guard lock(streams_mutex_);
+  order_after(allocator_.device(), stream, read_on_);  // the uses of the storages that went
   for (auto e : copies_done_) allocator_.device().wait(stream, e);  // they read what the stealer will overwrite
 }
 

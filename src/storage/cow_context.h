@@ -10,12 +10,14 @@
 //     event that marks the copy's end, are enqueued: the data cannot be freed
 //     under the copy, and a throw on the way leaves the reference whole.
 //   - The last reference writes in place (steal); its stream first waits for
-//     the data's clone-time writes and every copy's event. The count stays 1
-//     meanwhile, so a throw there changes nothing.
+//     the data's clone-time writes, every copy's event and every stream a
+//     storage that went used the data on. The count stays 1 meanwhile, so a
+//     throw there changes nothing.
 //   - A storage that gives up the data records the streams it used it on
-//     with the allocator (record_stream) while it still holds its reference,
-//     so the final free waits for them; its uses on created_on() are covered
-//     by the final free itself, which is enqueued on created_on().
+//     while it still holds its reference: with the allocator (record_stream),
+//     so the final free waits for them (its uses on created_on() are covered
+//     by the final free itself, which is enqueued on created_on()), and here
+//     (read_on_), so a steal's write in place does.
 // Invariant: refcount = number of storages holding the context; the data is
 // released exactly once: freed by the release that takes the count to zero,
 // or stolen by the last reference, whose storage then owns it.
@@ -73,7 +75,7 @@ class cow_context {
   void* copy_out(backend::stream_ref stream, std::span<const backend::stream_ref> used_on);
   void note_copy_done(backend::stream_ref stream);
   void note_written_on(backend::stream_ref stream);
-  // The data's free waits for `used_on` (those not covered by created_on_).
+  // The data's free and a steal wait for `used_on`.
   void record_uses(std::span<const backend::stream_ref> used_on);
   // Gives up the caller's reference; the last one frees the data. True
   // when it was the last: the caller deletes the context.
@@ -87,6 +89,7 @@ class cow_context {
 
   std::mutex streams_mutex_;
   std::vector<backend::stream_ref> written_on_;  // guarded by streams_mutex_
+  std::vector<backend::stream_ref> read_on_;     // guarded by streams_mutex_: the used_on of storages gone
   std::vector<backend::event_ref> copies_done_;  // guarded by streams_mutex_
 };
 

@@ -35,6 +35,16 @@ void hold(backend::device& dev, backend::stream_ref s, std::atomic<bool>& open, 
   });
 }
 
+/// Whether `s` passes the work enqueued on it within `limit`.
+bool passes_within(backend::device& dev, backend::stream_ref s, std::chrono::milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (!dev.query(s)) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(1ms);
+  }
+  return true;
+}
+
 std::size_t pending_frees(alloc::caching_allocator& a) {
   a.process_pending_frees();
   return count_blocks(a.take_snapshot(), alloc::block_state::pending_free);
@@ -281,6 +291,49 @@ TYPED_TEST(storage_test, a_stealer_waits_for_copies_before_writing_in_place) {
   dev.fill(owner, a.mutable_data(owner), 0x33, bytes);  // a steals and writes at once
   EXPECT_TRUE(this->holds(b, 0x22, copier)) << "a's write overtook b's copy";
   EXPECT_TRUE(this->holds(a, 0x33, owner));
+}
+
+// A clone read on a stream of its own, recorded, then gone: the source, now
+// the last reference, writes in place only after that read.
+TYPED_TEST(storage_test, a_stealer_waits_for_the_reads_of_a_dropped_clone_before_writing_in_place) {
+  auto& dev = this->device();
+  this->make();
+  const backend::stream_ref owner = this->new_stream(), cloned_on = this->new_stream(),
+                            reader = this->new_stream();
+  auto a = this->filled(0x11, owner);
+  std::atomic<bool> open{false};
+  hold(dev, reader, open, 10s);
+  storage_t seen;
+  {
+    auto b = lazy_clone(a, cloned_on);
+    seen = this->queued_copy(b, reader);
+    b.record_stream(reader);
+  }
+  dev.fill(owner, a.mutable_data(owner), 0x77, bytes);  // a steals and writes in place
+  EXPECT_FALSE(passes_within(dev, owner, 100ms)) << "a's write did not wait for the read";
+  open.store(true);
+  EXPECT_TRUE(this->holds(seen, 0x11, reader)) << "a's write overtook a dropped clone's read";
+  EXPECT_TRUE(this->holds(a, 0x77, owner));
+}
+
+// The same for a clone that read the shared data and then copied it to write.
+TYPED_TEST(storage_test, a_stealer_waits_for_the_reads_of_a_materialized_clone_before_writing_in_place) {
+  auto& dev = this->device();
+  this->make();
+  const backend::stream_ref owner = this->new_stream(), reader = this->new_stream(), writer = this->new_stream();
+  auto a = this->filled(0x11, owner);
+  auto b = lazy_clone(a, owner);
+  std::atomic<bool> open{false};
+  hold(dev, reader, open, 10s);
+  auto seen = this->queued_copy(b, reader);
+  b.record_stream(reader);
+  dev.fill(writer, b.mutable_data(writer), 0x22, bytes);  // b copies on `writer`, not held
+  dev.fill(owner, a.mutable_data(owner), 0x77, bytes);    // a steals and writes in place
+  EXPECT_FALSE(passes_within(dev, owner, 100ms)) << "a's write did not wait for the read";
+  open.store(true);
+  EXPECT_TRUE(this->holds(seen, 0x11, reader)) << "a's write overtook b's read from before its copy";
+  EXPECT_TRUE(this->holds(a, 0x77, owner));
+  EXPECT_TRUE(this->holds(b, 0x22, writer));
 }
 
 TYPED_TEST(storage_test, memory_shared_outside_the_process_is_copied_eagerly) {

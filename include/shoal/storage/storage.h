@@ -41,7 +41,8 @@
 // the clone are passed first);
 // the shared block is held by the allocator until that copy and every use of
 // the family's storages complete, and a stealer's stream waits for every
-// copy before writing in place.
+// copy, and for every stream a storage of the family that went (dropped or
+// materialized) used the data on, before writing in place.
 // Memory that has left the process (shared over IPC, exported through
 // DLPack) is never lazily shared: lazy_clone of such a storage makes an
 // eager copy at once, ordered after the source's streams.
