@@ -14,10 +14,9 @@ cow_context::~cow_context() {
   for (auto e : copies_done_) allocator_.device().destroy_event(e);
 }
 
-void cow_context::add_reference(backend::stream_ref cloned_on, std::span<const backend::stream_ref> source_used_on) {
+void cow_context::note_clone(backend::stream_ref cloned_on, std::span<const backend::stream_ref> source_used_on) {
   note_written_on(cloned_on);
   for (auto s : source_used_on) note_written_on(s);
-  refcount_.fetch_add(1, std::memory_order_relaxed);
 }
 
 void cow_context::note_written_on(backend::stream_ref stream) {

@@ -41,10 +41,13 @@ class cow_context {
   cow_context(const cow_context&) = delete;
   cow_context& operator=(const cow_context&) = delete;
 
-  /// One more storage, cloned on `cloned_on` from a storage that used the
-  /// data on `source_used_on`, shares the data: copies are ordered after
-  /// the work enqueued on all of these streams until then.
-  void add_reference(backend::stream_ref cloned_on, std::span<const backend::stream_ref> source_used_on);
+  /// One more storage is to be cloned on `cloned_on` from a storage that
+  /// used the data on `source_used_on`: copies are ordered after the work
+  /// enqueued on all of these streams until then. Takes no reference.
+  void note_clone(backend::stream_ref cloned_on, std::span<const backend::stream_ref> source_used_on);
+  /// The clone note_clone announced now exists and holds a reference. Only
+  /// once nothing can fail any more: the clone's drop gives it up.
+  void add_reference() noexcept { refcount_.fetch_add(1, std::memory_order_relaxed); }
 
   /// What release_for_write leaves its caller.
   struct written {

@@ -270,8 +270,9 @@ storage lazy_clone(const storage& source, backend::stream_ref stream) {
     s.cow_ = new detail::cow_context(s.allocator_, s.data_.load(), s.size_, stream);
     s.lazy_.store(true, std::memory_order_release);
   }
-  s.cow_->add_reference(stream, s.streams_.view());
+  s.cow_->note_clone(stream, s.streams_.view());
   auto clone = std::make_shared<detail::storage_impl>(s.allocator_, s.size_, s.data_.load(), s.cow_, stream);
+  s.cow_->add_reference();  // only once the clone exists: a clone not made holds none
   clone->lazy_.store(true, std::memory_order_relaxed);
   return storage(std::move(clone));
 }

@@ -3,6 +3,7 @@
 // call throws, and the family is left as it was — every storage still reads
 // its data, no block is lost, and everything is freed once when the last
 // storage goes. On the host backend, whose device calls a test can refuse.
+// This binary links support/refused_allocations.cpp (its operator new).
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -10,6 +11,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <new>
 #include <utility>
 #include <vector>
 
@@ -19,6 +21,7 @@
 #include "shoal/storage/storage.h"
 #include "support/backends.h"
 #include "support/forwarding_device.h"
+#include "support/refused_allocations.h"
 
 namespace shoal::testing {
 namespace {
@@ -135,6 +138,35 @@ TEST_F(cow_failures, a_last_reference_whose_steal_is_refused_stays_lazy_and_is_f
   EXPECT_TRUE(holds(source, 0xAB, own));
   source = storage_t();
   EXPECT_EQ(in_use(), 0) << "the data of a failed steal was never freed";
+}
+
+// Each heap allocation lazy_clone makes, refused in turn, for a first clone
+// (which makes the context) and one that joins it.
+TEST_F(cow_failures, a_lazy_clone_refused_host_memory_at_any_step_leaves_the_family_whole) {
+  const stream_ref own = new_stream(), other = new_stream();
+  bool refused = true;
+  for (int nth = 1; refused; ++nth) {
+    SCOPED_TRACE(::testing::Message() << "allocation " << nth << " refused");
+    auto source = filled(0xAB, own);
+    source.record_stream(other);  // one more stream for the clone to note
+    storage_t first, second;
+    {
+      refusing_one_allocation refuse(nth, [] {});
+      try {
+        first = lazy_clone(source, own);
+        second = lazy_clone(source, other);
+      } catch (const std::bad_alloc&) {  // NOLINT(bugprone-empty-catch): what is left is checked below
+      }
+      refused = refuse.refused();
+    }
+    for (const storage_t* st : {&source, &first, &second}) {
+      if (st->valid()) EXPECT_TRUE(holds(*st, 0xAB, own));
+    }
+    source = storage_t();
+    first = storage_t();
+    second = storage_t();
+    EXPECT_EQ(in_use(), 0) << "the family outlived its storages";
+  }
 }
 
 }  // namespace
