@@ -72,6 +72,10 @@ bandwidth copy_bandwidth(shoal::alloc::caching_allocator& a, std::size_t bytes, 
     dev.synchronize(s);
   }
   for (void* t : targets) a.deallocate(t);
+  source = storage();
+  // The blocks cached on `s` go back before it is destroyed: a stream must
+  // outlive what the allocator keeps of it (a later miss would wait on it).
+  a.empty_cache();
   // The first round warms the allocator's cache; the median skips it anyway.
   return {median(materialize), median(copy)};
 }
