@@ -482,6 +482,11 @@ class Peer:
         The next (storage, metadata) if it has come whole, without waiting; None when it has not (what came of it is kept). For a selector loop: once fileno() is readable, call this until it returns None. Raises ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.
         """
 
+    def check_greeting(self) -> None:
+        """
+        Reads the peer's protocol hello if it has come, without waiting and never past it: ProtocolError naming both protocols when the other end speaks another (a lender greets as it accepts). How a Peer that only sends finds out it reached the wrong endpoint.
+        """
+
     def pending(self) -> int:
         """
         Not zero while frames that came wait to be taken (in a batch already read, or in the peer's shared ring): try_receive() may then return more though fileno() is not readable.

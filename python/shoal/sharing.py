@@ -228,9 +228,9 @@ class Producer:
         leaves: list = []
         structure = _flatten(batch, leaves, 0)
         headers = [_leaf_header(view) for view in leaves]  # built before any array is sent
-        # A consumer sends nothing, but an endpoint of another protocol (a
-        # lender greets on accept) is found out here: ProtocolError naming both.
-        self._peer.try_receive()
+        # An endpoint of another protocol (a lender greets as it accepts) is
+        # found out here: ProtocolError naming both.
+        self._peer.check_greeting()
         sent = 0
         try:
             for view, header in zip(leaves, headers):

@@ -406,6 +406,16 @@ void register_sharing(nb::module_& m) {
           "came of it is kept). For a selector loop: once fileno() is readable, call this until it returns "
           "None. Raises ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.")
       .def(
+          "check_greeting",
+          [](const py_peer& p) {
+            const auto peer = p.peer.enter();
+            released_gil release;
+            peer->check_greeting();
+          },
+          "Reads the peer's protocol hello if it has come, without waiting and never past it: "
+          "ProtocolError naming both protocols when the other end speaks another (a lender greets as it "
+          "accepts). How a Peer that only sends finds out it reached the wrong endpoint.")
+      .def(
           "pending", [](const py_peer& p) { return p.peer.enter()->pending(); },
           "Not zero while frames that came wait to be taken (in a batch already read, or in the peer's "
           "shared ring): try_receive() may then return more though fileno() is not readable.")

@@ -271,6 +271,14 @@ std::optional<received> peer_link::try_receive(backend::stream_ref stream, std::
   return std::nullopt;
 }
 
+void peer_link::check_greeting() {
+  check_not_revoked();
+  if (broken_ || hello_checked_) return;
+  // The peer's first frame is its hello: taken and checked here, never a
+  // message, so nothing past it is read.
+  if (std::optional<channel::frame> f = link_.try_receive()) (void)take_frame(std::move(*f), {});
+}
+
 std::optional<received> peer_link::take_frame(channel::frame f, backend::stream_ref stream) {
   try {
     if (!hello_checked_) {

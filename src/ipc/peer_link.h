@@ -35,6 +35,8 @@ class peer_link {
   received receive(backend::stream_ref stream, std::optional<std::chrono::steady_clock::time_point> until);
   /// The next message if it has come whole, without waiting.
   std::optional<received> try_receive(backend::stream_ref stream, std::chrono::nanoseconds spin = {});
+  /// The peer's hello if it has come, checked and nothing past it read (peer::check_greeting).
+  void check_greeting();
   /// Closes the connection and revokes the peer process (peer::revoke).
   void revoke();
 

@@ -119,6 +119,9 @@ std::optional<received> peer::try_receive() { return try_receive(backend::curren
 std::optional<received> peer::try_receive(backend::stream_ref stream, std::chrono::nanoseconds spin) {
   return naming_peer(*link_, [&] { return link_->try_receive(stream, spin); });
 }
+void peer::check_greeting() {
+  naming_peer(*link_, [&] { link_->check_greeting(); });
+}
 std::size_t peer::pending() const { return link_->pending(); }
 void peer::revoke() { link_->revoke(); }
 const channel::peer_credentials& peer::credentials() const noexcept { return link_->credentials(); }

@@ -703,6 +703,37 @@ TEST(sharing_protocol, a_peer_of_another_protocol_is_refused_with_both_names_and
   EXPECT_THROW((void)receiver.receive({}), connection_closed) << "the refused connection is closed";
 }
 
+// A peer that only sends finds out it reached another protocol's endpoint
+// from its greeting, without waiting and without taking a message.
+TEST(sharing_protocol, check_greeting_reads_the_hello_alone_and_names_another_protocol) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context context(allocator, {.collect_interval = 0ms});
+  {
+    auto [raw, to_producer] = connected_pair();
+    ipc::peer sender(context, std::move(to_producer));
+    EXPECT_NO_THROW(sender.check_greeting()) << "nothing came yet: no wait, no error";
+    channel::send_hello(raw, {"shoal.lending", 1});
+    try {
+      sender.check_greeting();
+      ADD_FAILURE() << "a lender's greeting was not noticed";
+    } catch (const protocol_error& e) {
+      EXPECT_NE(std::string(e.what()).find("'shoal.lending' version 1"), std::string::npos) << e.what();
+    }
+  }
+  auto [to_consumer, to_producer] = connected_pair();
+  ipc::peer sender(context, std::move(to_producer));
+  ipc::sharing_context other(allocator, {.collect_interval = 0ms});
+  ipc::peer answering(other, std::move(to_consumer));
+  answering.send_note(text("first"));
+  answering.send_note(text("second"));
+  sender.check_greeting();
+  sender.check_greeting();
+  const ipc::received first = sender.receive({});
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(first.metadata.data()), first.metadata.size()), "first")
+      << "the greeting check took a message";
+}
+
 TEST(sharing_protocol, a_peer_that_sends_a_message_before_its_hello_is_refused) {
   backend::device& dev = backend::host_device_instance();
   alloc::caching_allocator allocator(dev, {});

@@ -180,6 +180,12 @@ class peer {
   /// ring for up to `spin` first (connection::try_receive(spin)): for a
   /// reader that waits on native_handle() in slices of its own.
   std::optional<received> try_receive(backend::stream_ref stream, std::chrono::nanoseconds spin);
+  /// Reads the peer's protocol hello if it has come and was not read yet,
+  /// without waiting and never past it: protocol_error naming both
+  /// protocols when the other end is an endpoint of another protocol (a
+  /// lender greets as it accepts). How a peer that only sends finds out it
+  /// reached the wrong endpoint. Call it where receives are made, not beside one.
+  void check_greeting();
   /// Not zero while frames that came wait to be taken — in a batch already
   /// read or in the peer's ring (channel::connection::pending): then
   /// try_receive() may return more though native_handle() is not readable
