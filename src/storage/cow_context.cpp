@@ -59,10 +59,10 @@ cow_context::written cow_context::release_for_write(backend::stream_ref stream,
   // so, the count untouched while the steal is ordered (a throw changes nothing).
   if (refcount_.load(std::memory_order_acquire) == 1) {
     order_before_steal(stream);
-    return {data_, true};
+    return {data_, true, true};
   }
   void* copy = copy_out(stream, used_on);
-  return {copy, release()};  // the last one if the others went meanwhile
+  return {copy, release(), false};  // the last one if the others went meanwhile
 }
 
 void* cow_context::copy_out(backend::stream_ref stream, std::span<const backend::stream_ref> used_on) {

@@ -51,8 +51,9 @@ class cow_context {
 
   /// What release_for_write leaves its caller.
   struct written {
-    void* data;  // the caller's data from now on: its own copy, or data() (stolen)
-    bool last;   // the caller held the last reference: it deletes the context
+    void* data;   // the caller's data from now on: its own copy, or data() (stolen)
+    bool last;    // the caller held the last reference: it deletes the context
+    bool stolen;  // data is data(); else a copy, and the context may be gone unless `last`
   };
   /// The caller's storage, which used the data on `used_on`, gives up the
   /// shared data to write on `stream`. Gives its own copy, made on `stream`;

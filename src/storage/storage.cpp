@@ -69,8 +69,10 @@ class storage_impl {
   // Gives this storage data of its own to write on `stream` (mutex_ held).
   void materialize(backend::stream_ref stream) {
     streams_.make_room_for({cow_->created_on(), stream});  // nothing below throws once the data is ours
-    const auto [data, last] = cow_->release_for_write(stream, streams_.view());  // a throw changes nothing
-    if (data == cow_->data()) {
+    // A throw changes nothing. After a copy, cow_ is not read again unless
+    // `last`: the reference is given up, and the others may delete it.
+    const auto [data, last, stolen] = cow_->release_for_write(stream, streams_.view());
+    if (stolen) {
       streams_.add(cow_->created_on());  // stolen: the family's uses there were left to the final free
     } else {
       streams_.reset(stream);  // a new block of `stream`; the old uses went with the shared data
