@@ -42,6 +42,7 @@ import os
 import secrets
 import selectors
 import socket
+import stat
 import time
 from typing import Any, Union
 
@@ -174,7 +175,8 @@ def _rebuild(node: Any, arrays: list, depth: int, used: set) -> Any:
 
 def _remove_stale_sockets(folder: str) -> None:
     """Removes the socket files consumers killed before they could (SIGKILL)
-    left in `folder`: named for a process that is gone, with no one listening."""
+    left in `folder` (this user's own, checked by a Listener made there): named
+    for a process that is gone, sockets of this user, with no one listening."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -186,6 +188,12 @@ def _remove_stale_sockets(folder: str) -> None:
         if os.path.exists(f"/proc/{parts[1]}"):
             continue  # its process (or one that took its pid) runs: not ours to judge
         path = os.path.join(folder, name)
+        try:
+            found = os.lstat(path)  # not followed: a link is no socket file of ours
+        except OSError:
+            continue
+        if not stat.S_ISSOCK(found.st_mode) or found.st_uid != os.geteuid():
+            continue
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.setblocking(False)  # a full backlog answers at once (EAGAIN): someone listens
         try:
@@ -326,11 +334,13 @@ class Consumer:
         self.batch_timeout = batch_timeout
         self.allocator = allocator if allocator is not None else _default_allocator()
         self.context = _shoal.SharingContext(self.allocator, **options)
-        if address is None:
+        chosen = address is None
+        if chosen:
             address = _shoal.runtime_dir_address(f"shoal-{os.getpid()}-{secrets.token_hex(6)}.sock")
-            _remove_stale_sockets(os.path.dirname(address))
         self._listener = _shoal.Listener(address, list(allowed_uids))
         self.address: str = self._listener.address
+        if chosen:  # the listener checked the folder: this user's alone (0700)
+            _remove_stale_sockets(os.path.dirname(self.address))
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener.fileno(), selectors.EVENT_READ, None)
         self._incoming: dict[int, _Incoming] = {}

@@ -373,9 +373,16 @@ void register_dlpack(nb::module_& m) {
                                        .c_str());
             }
             nb::object array = nb::module_::import_("numpy").attr("from_dlpack")(self);
-            if (!dtype.is_none()) array = array.attr("astype")(dtype, nb::arg("copy") = copy.is_none() ? false : nb::cast<bool>(copy));
-            else if (!copy.is_none() && nb::cast<bool>(copy)) array = array.attr("copy")();
-            return array;
+            const bool never_copy = !copy.is_none() && !nb::cast<bool>(copy);
+            const bool always_copy = !copy.is_none() && nb::cast<bool>(copy);
+            if (!dtype.is_none()) {
+              nb::object converted = array.attr("astype")(dtype, nb::arg("copy") = always_copy);
+              if (never_copy && !converted.is(array)) {
+                throw nb::value_error("the view's dtype differs from the one asked for: that takes a copy, and copy=False");
+              }
+              return converted;
+            }
+            return always_copy ? array.attr("copy")() : array;
           },
           nb::arg("dtype").none() = nb::none(), nb::arg("copy").none() = nb::none(),
           "numpy.asarray(view) on the host backend: the same memory, no copy (unless `dtype` or `copy` "

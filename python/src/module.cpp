@@ -1,4 +1,7 @@
 // The extension module shoal._shoal; python/shoal/__init__.py re-exports it.
+#include <cstdlib>
+#include <string_view>
+
 #include "bindings.h"
 #include "gil.h"
 
@@ -21,8 +24,10 @@ NB_MODULE(_shoal, m) {
   // Objects C++ holds until the process ends (an out-of-memory observer left
   // registered, a load or a wait still alive at exit) are let go with the
   // process, not one by one (gil.h): nanobind's report of them would read as
-  // a binding bug to every user whose program exits that way.
-  nanobind::set_leak_warnings(false);
+  // a binding bug to every user whose program exits that way. The test runs
+  // keep the report (SHOAL_LEAK_WARNINGS=1), where a real leak shows.
+  const char* leak_warnings = std::getenv("SHOAL_LEAK_WARNINGS");
+  nanobind::set_leak_warnings(leak_warnings != nullptr && std::string_view(leak_warnings) == "1");
   // Other threads begin no Python work once the process exits (gil.h).
   m.def("_close_exit_gate", &shoal::python::close_exit_gate);
   nanobind::module_::import_("atexit").attr("register")(m.attr("_close_exit_gate"));

@@ -365,3 +365,6 @@ def test_numpy_asarray_reads_a_host_view_in_place(allocator):
     assert a.shape == (2, 3) and a.dtype == numpy.float32 and a.ctypes.data == s.ptr
     assert (numpy.asarray(view, dtype=numpy.float64) == numpy.arange(6).reshape(2, 3)).all()
     assert numpy.array(view, copy=True).ctypes.data != s.ptr
+    if numpy.lib.NumpyVersion(numpy.__version__) >= "2.0.0":
+        with pytest.raises(ValueError):
+            numpy.array(view, dtype=numpy.float64, copy=False)

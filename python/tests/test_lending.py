@@ -386,12 +386,17 @@ def test_a_sharing_producer_pointed_at_a_lender_is_told_at_once(address):
 
 def test_a_borrower_pointed_at_a_sharing_consumer_is_told_what_it_found():
     with shoal.sharing.Consumer() as consumer:
-        def accept() -> None:
-            with pytest.raises(TimeoutError):  # it takes the connection, then waits for a batch
+        outcome: list[BaseException] = []
+
+        def accept() -> None:  # it takes the connection, then waits for a batch until its timeout
+            try:
                 consumer.get(timeout=3)
+            except BaseException as e:
+                outcome.append(e)
 
         accepting = threading.Thread(target=accept, daemon=True)
         accepting.start()
         with pytest.raises(shoal.ProtocolError, match="another protocol"):
             shoal.lending.Borrower(consumer.address, timeout=2)
         accepting.join()
+        assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError), outcome

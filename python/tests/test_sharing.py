@@ -216,9 +216,13 @@ def test_a_malformed_batch_disconnects_its_producer_and_others_go_on(case, clean
         assert consumer.producers == 0
         bad.join(WAIT)
         assert bad.exitcode == 0
-        good = ctx.Process(target=producer_main, args=(consumer.address, 90, 1))
+        # Connected until its batch is taken: what is tested is that the hostile
+        # producer harmed no other, not a producer that ends before it is accepted.
+        taken = ctx.Event()
+        good = ctx.Process(target=producer_main, args=(consumer.address, 90, 1, 0.0, taken))
         good.start()
         check_batch(consumer.get(timeout=WAIT), 90)
+        taken.set()
         good.join(WAIT)
 
 
@@ -490,12 +494,16 @@ def test_a_new_consumer_removes_socket_files_killed_consumers_left():
         return path
 
     stale, ours = left_behind(dead_pid), left_behind(os.getpid())
+    not_a_socket = os.path.join(folder, f"shoal-{dead_pid}-fedcba987654.sock")
+    with open(not_a_socket, "w") as f:
+        f.write("a file of the user's own that happens to have such a name")
     try:
         with sharing.Consumer():
             pass
         assert not os.path.exists(stale), "the file of a consumer that is gone was left"
         assert os.path.exists(ours), "the file of a process that runs was removed"
+        assert os.path.exists(not_a_socket), "a file that is no socket was removed"
     finally:
-        for path in (stale, ours):
+        for path in (stale, ours, not_a_socket):
             if os.path.exists(path):
                 os.unlink(path)

@@ -169,6 +169,7 @@ if [ "$(id -u)" -eq 0 ] && command -v setpriv > /dev/null; then
   "$shoal" daemon status --socket "$svc/s.sock" --device host --timeout 2 > /dev/null 2> "$dir/refusal"
   [ $? -eq 1 ] || fail "status accepted a daemon of uid 65534 without --daemon-uid"
   grep -q "65534" "$dir/refusal" || fail "the refusal does not name the daemon's uid: $(cat "$dir/refusal")"
+  grep -q -- "--daemon-uid" "$dir/refusal" || fail "the refusal does not name --daemon-uid: $(cat "$dir/refusal")"
   "$shoal" daemon status --socket "$svc/s.sock" --device host --daemon-uid 65534 > "$dir/status" ||
     fail "status --daemon-uid 65534 did not read the daemon of uid 65534"
   grep -q '^shoal_lending_capacity_bytes ' "$dir/status" || fail "status --daemon-uid printed no metrics"

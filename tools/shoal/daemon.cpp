@@ -163,7 +163,10 @@ int status(const daemon_settings& settings, double timeout_seconds, const std::v
                         std::chrono::milliseconds(static_cast<std::int64_t>(timeout_seconds * 1000)));
     std::fputs(b.metrics().c_str(), stdout);
   } catch (const peer_refused& e) {
-    throw peer_refused(std::string(e.what()) + " (the command line: `status --daemon-uid UID` names it)");
+    // The channel's advice names its C++ setting; on the command line it is --daemon-uid.
+    std::string why = e.what();
+    why = why.substr(0, why.find("; add it to"));
+    throw peer_refused(why + "; if you trust the daemon's user, name its uid: `shoal daemon status --daemon-uid UID`");
   }
   return 0;
 }
