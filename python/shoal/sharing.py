@@ -230,9 +230,10 @@ class Producer:
         A put that fails part-way (an array that cannot be sent, a timeout)
         takes back the arrays it sent, so the next put arrives whole; where
         even that cannot be sent, the connection is closed and the next put
-        raises ConnectionClosedError. ProtocolError when the address is not a
-        Consumer's (another shoal endpoint, say a lender, which greets in its
-        own protocol)."""
+        raises ConnectionClosedError. When the address is not a Consumer's: a
+        ProtocolError naming both protocols once that endpoint's greeting has
+        come (a lender greets as it accepts), or ConnectionClosedError when it
+        hung up first."""
         leaves: list = []
         structure = _flatten(batch, leaves, 0)
         headers = [_leaf_header(view) for view in leaves]  # built before any array is sent
