@@ -105,8 +105,8 @@ std::shared_ptr<stream_state> allocator_state::take_copy_stream() {
     }
   }
   auto stream = stream_state::create(allocator_->device());
+  keep(stream);
   std::lock_guard lock(mutex_);
-  streams_.insert(stream);
   idle_copy_streams_.reserve(streams_.size());  // room for each: giving one back cannot fail
   return stream;
 }
