@@ -210,6 +210,8 @@ def test_a_revoked_region_is_named_and_given_back_by_dropping_it(address):
         assert region_id is not None and region_id != borrower.region_id(kept)
         assert borrower.region_id(shoal.allocate(64)) is None
         assert borrower.revocations() == []
+        with pytest.raises(shoal.InvalidArgumentError, match="Lender.revoke: deadline must be"):
+            lender.revoke(region_id, -1.0)
         lender.revoke(region_id, 5.0)
         [(asked, seconds_left)] = borrower.revocations(wait=5.0)
         assert asked == region_id and 3.0 < seconds_left <= 5.0

@@ -258,6 +258,8 @@ def test_get_gives_up_at_its_deadline():
         with pytest.raises(TimeoutError):
             consumer.get(timeout=0.2)
         assert time.monotonic() - start < 5
+        with pytest.raises(shoal.InvalidArgumentError, match="timeout must be"):
+            consumer.get(timeout=-1)
 
 
 def test_a_closed_peer_raises_connection_closed():
