@@ -367,6 +367,10 @@ storage::storage consumer_state::make_storage(const storage_message& msg, backen
       file->release(msg.slot);  // the producer must not wait for a reference never taken
       throw;
     }
+    // Mapped: the producer may end now without taking this memory along
+    // (peer::wait_taken). Under the lock, so a message naming this slot
+    // again finds it no longer merely held.
+    file->mark_received(msg.slot);
   }
   sink_->held.fetch_add(1, std::memory_order_relaxed);
   auto owner = std::make_shared<received_data>(shared_from_this(), sink_, m, file, msg.slot, stream);

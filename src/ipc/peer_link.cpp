@@ -2,6 +2,7 @@
 
 #include <poll.h>
 #include <sys/socket.h>
+#include <time.h>
 
 #include <algorithm>
 #include <optional>
@@ -143,6 +144,11 @@ void peer_link::send_storage(const storage::storage& st, std::span<const std::by
       std::lock_guard box_lock(outbox_->mutex);
       outbox_->announced.insert(new_segments.begin(), new_segments.end());
     }
+    {
+      std::lock_guard awaited_lock(awaited_mutex_);
+      (void)forget_taken();
+      awaited_.push_back({share.file, share.slot.ticket});
+    }
     link_.send(out.frames);
     sent = true;
     if (new_file) files_sent_.insert(share.slot.file_id);
@@ -194,6 +200,36 @@ void peer_link::revoke() {
   revoked_.store(true);
   state_->revoke(link_.peer().process);
   ::shutdown(link_.native_handle(), SHUT_RDWR);
+}
+
+bool peer_link::forget_taken() {
+  while (!awaited_.empty() && awaited_.front().file->taken(awaited_.front().ticket)) awaited_.pop_front();
+  return awaited_.empty();
+}
+
+taken_state peer_link::wait_taken(std::chrono::milliseconds timeout) {
+  const auto until = shoal::detail::deadline_after(timeout);
+  auto pause = std::chrono::microseconds(20);
+  const auto all_taken = [&] {
+    std::lock_guard lock(awaited_mutex_);
+    return forget_taken();
+  };
+  for (;;) {
+    if (all_taken()) return taken_state::all_taken;
+    const auto now = std::chrono::steady_clock::now();
+    // Looks at least once, for a timeout of zero too.
+    const auto wait = std::clamp(std::chrono::ceil<std::chrono::microseconds>(until - now),
+                                 std::chrono::microseconds(0), pause);
+    const timespec slice{static_cast<time_t>(wait.count() / 1'000'000), static_cast<long>(wait.count() % 1'000'000) * 1000};
+    // POLLIN is not asked for: notes the peer sent must not end the pause.
+    pollfd hang_up{link_.native_handle(), POLLRDHUP, 0};
+    if (::ppoll(&hang_up, 1, &slice, nullptr) > 0 && (hang_up.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0) {
+      // Its teardown released what it had not received before it hung up.
+      return all_taken() ? taken_state::all_taken : taken_state::peer_gone;
+    }
+    if (now >= until) return all_taken() ? taken_state::all_taken : taken_state::waiting;
+    pause = std::min(pause * 2, std::chrono::microseconds(2000));
+  }
 }
 
 void peer_link::check_not_revoked() const {

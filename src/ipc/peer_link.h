@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <mutex>
@@ -39,6 +40,8 @@ class peer_link {
   void check_greeting();
   /// Closes the connection and revokes the peer process (peer::revoke).
   void revoke();
+  /// Waits for the peer to take every storage sent here (peer::wait_taken).
+  taken_state wait_taken(std::chrono::milliseconds timeout);
 
   [[nodiscard]] const channel::peer_credentials& credentials() const noexcept { return link_.peer(); }
   [[nodiscard]] peer_stats stats() const { return receiver_->stats(); }
@@ -90,7 +93,20 @@ class peer_link {
   std::shared_ptr<consumer_state> receiver_;
   std::shared_ptr<outbox> outbox_;
 
+  // A storage sent on this connection whose slot its peer had not taken
+  // (received or released) when last looked at; the file stays open while listed.
+  struct awaited_share {
+    std::shared_ptr<const counter_file> file;
+    slot_ticket ticket;
+  };
+  // Forgets the oldest awaited shares that were taken; true when none is left.
+  bool forget_taken();
+
   std::mutex send_mutex_;
+  // Oldest first; listed before its send, so a share that failed is listed
+  // too (its slot released: taken) or held by a peer that got part of it.
+  std::deque<awaited_share> awaited_;  // guarded by awaited_mutex_
+  std::mutex awaited_mutex_;
   std::unordered_set<std::uint64_t> files_sent_, segments_sent_, sources_sent_;  // guarded by send_mutex_
   bool hello_sent_ = false;                                                       // guarded by send_mutex_
   std::atomic<bool> revoked_{false};

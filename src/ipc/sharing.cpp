@@ -123,6 +123,7 @@ void peer::check_greeting() {
   naming_peer(*link_, [&] { link_->check_greeting(); });
 }
 std::size_t peer::pending() const { return link_->pending(); }
+taken_state peer::wait_taken(std::chrono::milliseconds timeout) { return link_->wait_taken(timeout); }
 void peer::revoke() { link_->revoke(); }
 const channel::peer_credentials& peer::credentials() const noexcept { return link_->credentials(); }
 peer_stats peer::stats() const { return link_->stats(); }

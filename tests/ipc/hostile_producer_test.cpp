@@ -157,6 +157,27 @@ TEST(hostile_producer, a_storage_naming_a_segment_twice_is_refused) {
   EXPECT_NE(why.find("more than once"), std::string::npos) << why;
 }
 
+// Each reference is received once: a storage message naming a slot already
+// received (a producer replaying one) is refused, not made a second storage
+// whose drop would release the first one's reference.
+TEST(hostile_producer, a_storage_naming_a_slot_already_received_is_refused) {
+  captured_exchange x;
+  auto frames = x.capture_share(8 * kib);
+  const channel::frame& storage = frame_of_type(frames, storage_type);
+  auto [from, to] = connected_pair();
+  ipc::peer receiver(x.consumer, std::move(to));
+  for (const auto& f : frames) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
+  const storage::storage first = receiver.receive({}).storage;
+  ASSERT_TRUE(first.valid());
+  from.send(storage_type, storage.payload);
+  try {
+    (void)receiver.receive({});
+    ADD_FAILURE() << "a slot was received twice";
+  } catch (const protocol_error& e) {
+    EXPECT_NE(std::string(e.what()).find("is not held"), std::string::npos) << e.what();
+  }
+}
+
 // A producer that keeps naming new lists of its segments (each list its own
 // mapping, one per chunk it spans) cannot make the consumer map more than
 // max_peer_segments chunks at once: mappings no storage uses are closed to

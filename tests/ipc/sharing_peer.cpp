@@ -208,6 +208,21 @@ int produce(backend::device& dev, std::size_t bytes, std::uint8_t value) {
   std::_Exit(0);  // no clean-up: the memory's owner is simply gone
 }
 
+// Sends one storage and ends as soon as the parent has taken it
+// (peer::wait_taken), without waiting for an answer.
+int produce_until_taken(backend::device& dev, std::size_t bytes, std::uint8_t value) {
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context context(allocator);
+  ipc::peer parent(context, parent_link());
+  auto st = storage::storage::allocate(allocator, bytes, {});
+  dev.fill({}, st.mutable_data({}), value, bytes);
+  parent.send(st, {}, {});
+  dev.synchronize({});
+  if (parent.wait_taken(std::chrono::seconds(10)) != ipc::taken_state::all_taken) return 3;
+  std::fflush(nullptr);
+  std::_Exit(0);
+}
+
 int produce_twice(backend::device& dev, const std::string& path, std::size_t bytes, std::uint8_t value) {
   alloc::caching_allocator allocator(dev, {});
   ipc::sharing_context context(allocator);
@@ -265,6 +280,9 @@ int main(int argc, char** argv) {
     if (mode == "fork-holder") return fork_holder(dev);
     if (mode == "produce" && argc == 5) {
       return produce(dev, std::strtoull(argv[3], nullptr, 10), static_cast<std::uint8_t>(std::atoi(argv[4])));
+    }
+    if (mode == "produce-until-taken" && argc == 5) {
+      return produce_until_taken(dev, std::strtoull(argv[3], nullptr, 10), static_cast<std::uint8_t>(std::atoi(argv[4])));
     }
     if (mode == "relay" && argc == 4) return relay(dev, argv[3], backend_name);
     if (mode == "scribble") return scribble();

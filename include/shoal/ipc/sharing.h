@@ -186,6 +186,17 @@ class peer {
   /// lender greets as it accepts). How a peer that only sends finds out it
   /// reached the wrong endpoint. Call it where receives are made, not beside one.
   void check_greeting();
+  /// Waits until the other process has taken every storage sent on this
+  /// connection — received it (its memory mapped there: from then on it
+  /// outlives this process, on every backend) or let it go — or has hung
+  /// up, for at most `timeout` (zero: looks once). A process that ends
+  /// before a consumer took its storages loses them: one that is gone before
+  /// its connection was accepted cannot even be identified (the consumer
+  /// refuses it), and on CUDA memory not yet mapped elsewhere goes with it.
+  /// What the other process writes in its counter memory only ends this
+  /// wait sooner or later, never decides what is freed. Any thread; polls
+  /// the counters in pauses growing to 2 ms, and the socket for a hang-up.
+  [[nodiscard]] taken_state wait_taken(std::chrono::milliseconds timeout);
   /// Not zero while frames that came wait to be taken — in a batch already
   /// read or in the peer's ring (channel::connection::pending): then
   /// try_receive() may return more though native_handle() is not readable

@@ -14,8 +14,16 @@
 namespace shoal::ipc {
 
 /// What a peer sends before its first message (channel/protocol.h). The
-/// version changes with any change to the sharing messages.
-inline constexpr channel::protocol_id sharing_protocol{"shoal.sharing", 1};
+/// version changes with any change to the sharing messages (2: a consumer
+/// marks each reference received once it mapped the memory).
+inline constexpr channel::protocol_id sharing_protocol{"shoal.sharing", 2};
+
+/// What peer::wait_taken found.
+enum class taken_state {
+  all_taken,  ///< every storage sent was received there (mapped) or let go
+  peer_gone,  ///< the peer hung up, or the connection was shut down, with some neither
+  waiting,    ///< the timeout passed first
+};
 
 struct sharing_options {
   /// How often the background collector frees limbo blocks and reclaims the

@@ -19,7 +19,7 @@ namespace shoal::ipc::detail {
 namespace {
 
 constexpr std::uint64_t file_magic = 0x31435248414f4853ULL;  // "SHOAHRC1"
-constexpr std::uint32_t file_version = 2;  // 2: a sealed memfd, one holder per file
+constexpr std::uint32_t file_version = 3;  // 2: a sealed memfd, one holder per file; 3: the received state
 // What counter memory must carry, and must not.
 constexpr int required_seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
 constexpr int write_seals = F_SEAL_WRITE | F_SEAL_FUTURE_WRITE;
@@ -140,6 +140,10 @@ bool counter_file::released(slot_ticket t) const noexcept {
   return at(t.index).word.load(std::memory_order_acquire) == pack(t.generation, slot_state::released);
 }
 
+bool counter_file::taken(slot_ticket t) const noexcept {
+  return at(t.index).word.load(std::memory_order_acquire) != pack(t.generation, slot_state::held);
+}
+
 void counter_file::recycle(slot_ticket t) noexcept {
   if (!owned_here()) return;
   at(t.index).word.store(pack(t.generation, slot_state::free), std::memory_order_relaxed);
@@ -155,11 +159,21 @@ bool counter_file::holds(slot_ticket t) const noexcept {
   return t.index < slots_ && at(t.index).word.load(std::memory_order_acquire) == pack(t.generation, slot_state::held);
 }
 
+void counter_file::mark_received(slot_ticket t) noexcept {
+  if (t.index >= slots_ || !owned_here()) return;
+  std::uint64_t expected = pack(t.generation, slot_state::held);
+  (void)at(t.index).word.compare_exchange_strong(expected, pack(t.generation, slot_state::received),
+                                                 std::memory_order_release, std::memory_order_relaxed);
+}
+
 bool counter_file::release(slot_ticket t) noexcept {
   if (t.index >= slots_ || !owned_here()) return false;
-  std::uint64_t expected = pack(t.generation, slot_state::held);
-  return at(t.index).word.compare_exchange_strong(expected, pack(t.generation, slot_state::released),
-                                                   std::memory_order_acq_rel);
+  const std::uint64_t released = pack(t.generation, slot_state::released);
+  for (const slot_state from : {slot_state::received, slot_state::held}) {
+    std::uint64_t expected = pack(t.generation, from);
+    if (at(t.index).word.compare_exchange_strong(expected, released, std::memory_order_acq_rel)) return true;
+  }
+  return false;
 }
 
 }  // namespace shoal::ipc::detail

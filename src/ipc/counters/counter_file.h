@@ -13,18 +13,26 @@
 // every writer of a file is its producer or its one holder, so a holder can
 // only ever move its own slots. The producer keeps the truth of its own
 // side (which slots it handed out, under which generation) privately, and
-// reads only one thing back: whether a slot's word is exactly "released
-// under the generation it was handed out with".
+// decides what to free on one thing it reads back: whether a slot's word is
+// exactly "released under the generation it was handed out with".
 //
 // A slot is one 64-bit word, generation << 2 | state:
 //   free -> held       the producer claims it for the file's holder (holder
 //                      pid + start time written first, for diagnosis, then
 //                      the word, with release order);
-//   held -> released   the holder drops its reference (one compare-exchange
+//   held -> received   the holder has mapped the memory the reference is on
+//                      (from then on that memory outlives the producer);
+//   held or received -> released
+//                      the holder drops its reference (one compare-exchange
 //                      on the exact word, so a stale release of an earlier
 //                      generation can never hit a reused slot), or the
 //                      producer takes it back from a holder that died;
 //   released -> free   the producer recycles it.
+// The producer reads two things back: whether a word is exactly "released
+// under the generation it was handed out with" (decides freeing), and
+// whether it is still exactly "held" under it (only how long a producer
+// waits before it may end: peer::wait_taken; a lying holder loses its own
+// memory).
 // The producer stores its words outright rather than trusting what it finds,
 // so whatever a holder writes into a free slot is overwritten at the next
 // claim.
@@ -49,7 +57,7 @@
 
 namespace shoal::ipc::detail {
 
-enum class slot_state : std::uint64_t { free = 0, held = 1, released = 2 };
+enum class slot_state : std::uint64_t { free = 0, held = 1, released = 2, received = 3 };
 
 struct slot_ticket {
   std::uint32_t index = 0;
@@ -82,6 +90,9 @@ class counter_file {
   void claim(slot_ticket ticket, const process_identity& holder) noexcept;
   /// True when the reference of `ticket` was released (or taken back).
   [[nodiscard]] bool released(slot_ticket ticket) const noexcept;
+  /// False while the slot of `ticket` is still held, not yet received: its
+  /// holder has not mapped the memory (nor let the reference go).
+  [[nodiscard]] bool taken(slot_ticket ticket) const noexcept;
   /// Makes a released slot free again.
   void recycle(slot_ticket ticket) noexcept;
   /// Marks `ticket` released whatever its word says: its holder died.
@@ -89,10 +100,14 @@ class counter_file {
   bool take_back(slot_ticket ticket) noexcept;
 
   // ---- holder side
-  /// True when `ticket` names a slot held right now under that generation.
+  /// True when `ticket` names a slot held right now under that generation
+  /// and not yet received (a storage message naming a slot twice is refused).
   [[nodiscard]] bool holds(slot_ticket ticket) const noexcept;
-  /// Drops the reference of `ticket`; false when it was not held (already
-  /// released, or reclaimed), or when called in a forked child.
+  /// Marks the held slot of `ticket` received: the memory it is on is
+  /// mapped here. Nothing when it is not held, or in a forked child.
+  void mark_received(slot_ticket ticket) noexcept;
+  /// Drops the reference of `ticket`; false when it was neither held nor
+  /// received (already released, or reclaimed), or when called in a forked child.
   bool release(slot_ticket ticket) noexcept;
 
  private:
