@@ -487,6 +487,11 @@ class Peer:
         Reads the peer's protocol hello if it has come, without waiting and never past it: ProtocolError naming both protocols when the other end speaks another (a lender greets as it accepts). How a Peer that only sends finds out it reached the wrong endpoint.
         """
 
+    def wait_taken(self, timeout: float | None = None) -> bool:
+        """
+        Waits until the other process has taken every storage sent on this connection: received it (its memory mapped there, from then on outliving this process) or let it go. True then; False when it hung up first with some neither (those it held are reclaimed). Raises PeerTimeoutError when `timeout` seconds pass first (None: no limit; 0: looks once). Call it before a producer process ends: what was not taken goes with it (a connection not yet accepted cannot even be identified; on CUDA the memory goes). The wait ends on Ctrl-C (KeyboardInterrupt).
+        """
+
     def pending(self) -> int:
         """
         Not zero while frames that came wait to be taken (in a batch already read, or in the peer's shared ring): try_receive() may then return more though fileno() is not readable.

@@ -11,6 +11,7 @@
         view = shoal.allocate(nbytes).view("float32", (64, 3, 224, 224))
         ... fill it (DLPack, Storage.write) ...
         producer.put({"x": view, "y": [labels]})
+    # leaving the block waits (60 s at most) until the consumer took every batch
 
 A batch is an ArrayView (or a Storage, sent as bytes, or a CUDA tensor PyTorch
 allocated on shoal: see ``shoal.torch``) or a list, tuple or dict (str keys)
@@ -265,15 +266,29 @@ class Producer:
         """The connection (for stats, or notes both ways)."""
         return self._peer
 
-    def close(self) -> None:
-        """Waits until the work the sent batches wait on has run, then closes
-        the connection; what was sent stays valid in the consumer. (A process
-        that ends right after would otherwise take that work with it: the
-        consumer's read then fails with StreamError.) Raises StreamError when
-        that work failed; the connection is closed either way."""
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Waits until the work the sent batches wait on has run and the
+        consumer has taken every batch sent (received it, its memory mapped
+        there and from then on outliving this process, or let it go, or hung
+        up), for at most `timeout` seconds (None: no limit; 0: looks once),
+        then closes the connection; what was taken stays valid in the
+        consumer. A process that ends before that takes its batches along:
+        the consumer cannot identify a producer gone before it accepted the
+        connection, and reads of work that had not run fail there with
+        StreamError. Raises PeerTimeoutError when the consumer had not taken
+        every batch in time, StreamError when the work failed; the connection
+        is closed either way."""
         try:
             for stream in self._streams:
                 stream.synchronize()
+            if not self._peer.closed:
+                try:
+                    self._peer.wait_taken(timeout)
+                except _shoal.PeerTimeoutError:
+                    raise _shoal.PeerTimeoutError(
+                        f"shoal.sharing.Producer.close: the consumer (pid {self._peer.peer_pid}) had not taken "
+                        f"every batch sent within {timeout} s; what it had not taken is lost if this process ends"
+                    ) from None
         finally:
             self._streams.clear()
             self._peer.close()

@@ -416,6 +416,30 @@ void register_sharing(nb::module_& m) {
           "ProtocolError naming both protocols when the other end speaks another (a lender greets as it "
           "accepts). How a Peer that only sends finds out it reached the wrong endpoint.")
       .def(
+          "wait_taken",
+          [](const py_peer& p, std::optional<double> timeout) {
+            const auto until = until_of(timeout, "Peer.wait_taken");
+            const auto peer = p.peer.enter();
+            const auto state = wait_in_slices(
+                peer, p.peer, until, [&](std::chrono::milliseconds slice) -> std::optional<ipc::taken_state> {
+                  const auto s = peer->wait_taken(slice);
+                  if (s == ipc::taken_state::waiting) return std::nullopt;
+                  return s;
+                });
+            if (!state) {
+              throw timeout_error("Peer.wait_taken: pid " + std::to_string(peer->credentials().process.pid) +
+                                  " had not taken every storage sent within " + seconds_text(*timeout) + " s");
+            }
+            return *state == ipc::taken_state::all_taken;
+          },
+          nb::arg("timeout").none() = nb::none(),
+          "Waits until the other process has taken every storage sent on this connection: received it (its "
+          "memory mapped there, from then on outliving this process) or let it go. True then; False when it "
+          "hung up first with some neither (those it held are reclaimed). Raises PeerTimeoutError when "
+          "`timeout` seconds pass first (None: no limit; 0: looks once). Call it before a producer process "
+          "ends: what was not taken goes with it (a connection not yet accepted cannot even be identified; "
+          "on CUDA the memory goes). The wait ends on Ctrl-C (KeyboardInterrupt).")
+      .def(
           "pending", [](const py_peer& p) { return p.peer.enter()->pending(); },
           "Not zero while frames that came wait to be taken (in a batch already read, or in the peer's "
           "shared ring): try_receive() may then return more though fileno() is not readable.")

@@ -102,10 +102,7 @@ def clean_process():
 def test_producers_started_by_multiprocessing_send_whole_batches(method, clean_process):
     ctx = multiprocessing.get_context(method)
     with sharing.Consumer() as consumer:
-        # Connected until every batch is taken: a producer that ends before the consumer
-        # accepted it is refused (README), which is not what this test is about.
-        taken = ctx.Event()
-        producers = [ctx.Process(target=producer_main, args=(consumer.address, tag, 3, 0.0, taken)) for tag in (10, 50)]
+        producers = [ctx.Process(target=producer_main, args=(consumer.address, tag, 3)) for tag in (10, 50)]
         for p in producers:
             p.start()
         seen = []
@@ -114,7 +111,6 @@ def test_producers_started_by_multiprocessing_send_whole_batches(method, clean_p
             tag = batch["y"][1][0].storage.read(0, 1)[0]  # each batch's third array is filled with its tag
             check_batch(batch, tag)
             seen.append(tag)
-        taken.set()
         for p in producers:
             p.join(WAIT)
             assert p.exitcode == 0
@@ -220,13 +216,9 @@ def test_a_malformed_batch_disconnects_its_producer_and_others_go_on(case, clean
         assert consumer.producers == 0
         bad.join(WAIT)
         assert bad.exitcode == 0
-        # Connected until its batch is taken: what is tested is that the hostile
-        # producer harmed no other, not a producer that ends before it is accepted.
-        taken = ctx.Event()
-        good = ctx.Process(target=producer_main, args=(consumer.address, 90, 1, 0.0, taken))
+        good = ctx.Process(target=producer_main, args=(consumer.address, 90, 1))
         good.start()
         check_batch(consumer.get(timeout=WAIT), 90)
-        taken.set()
         good.join(WAIT)
 
 
@@ -242,6 +234,59 @@ def test_a_producer_that_ends_right_after_its_put_leaves_its_batch_whole(clean_p
         assert child.exitcode == 0
         assert batch["c"].storage.read() == bytes([40]) * 33
         del batch
+
+
+def announcing_producer_main(address: str, tag: int, put_done) -> None:
+    """Puts one batch, says so, and ends as soon as leaving the with block lets it."""
+    with sharing.Producer(address) as producer:
+        producer.put(make_batch(tag))
+        put_done.set()
+
+
+def test_a_producer_stays_until_a_late_consumer_has_taken_its_batch(clean_process):
+    # Without the wait in close() the producer would be gone before the
+    # consumer accepts it: a process that is gone cannot be identified, its
+    # connection is refused and its batch lost.
+    ctx = multiprocessing.get_context("forkserver")
+    with sharing.Consumer() as consumer:
+        put_done = ctx.Event()
+        p = ctx.Process(target=announcing_producer_main, args=(consumer.address, 60, put_done))
+        p.start()
+        assert put_done.wait(WAIT)
+        time.sleep(0.5)  # the consumer is busy elsewhere
+        assert p.is_alive(), "the producer ended before its batch was taken"
+        check_batch(consumer.get(timeout=WAIT), 60)
+        p.join(WAIT)
+        assert p.exitcode == 0
+        assert consumer.errors == []
+
+
+def test_close_gives_up_at_its_timeout_when_the_consumer_takes_nothing():
+    with sharing.Consumer(allocator=HOST) as consumer:
+        producer = sharing.Producer(consumer.address, allocator=HOST)
+        producer.put({"x": HOST.allocate(64).view("uint8")})
+        started = time.monotonic()
+        with pytest.raises(shoal.PeerTimeoutError, match="had not taken every batch sent within 0.2 s"):
+            producer.close(timeout=0.2)
+        assert 0.2 <= time.monotonic() - started < 5
+        assert producer.peer.closed
+
+
+def test_close_returns_once_the_consumer_took_the_batch_or_went_away():
+    with sharing.Consumer(allocator=HOST) as consumer:
+        with sharing.Producer(consumer.address, allocator=HOST) as producer:
+            producer.put({"x": HOST.allocate(64).view("uint8")})
+            batch = consumer.get(timeout=WAIT)
+            started = time.monotonic()
+        assert time.monotonic() - started < 5 and producer.peer.closed
+        del batch
+    consumer = sharing.Consumer(allocator=HOST)
+    producer = sharing.Producer(consumer.address, allocator=HOST)
+    producer.put({"x": HOST.allocate(64).view("uint8")})
+    consumer.close()  # never accepted it: the connection is reset
+    started = time.monotonic()
+    producer.close(timeout=WAIT)
+    assert time.monotonic() - started < 5
 
 
 def test_a_batch_holds_only_shoal_memory():
