@@ -72,22 +72,6 @@ void check_name(const std::string& name, const char* kind) {
   }
 }
 
-// Whether a process listens on the socket file `name` in `directory`.
-bool someone_listens(const detail::private_directory& directory, const std::string& name) {
-  const std::optional<struct stat> st = directory.entry(name);
-  if (!st) return false;
-  const std::string path = directory.path() + "/" + name;
-  if (!S_ISSOCK(st->st_mode)) {
-    throw invalid_argument("listener: " + path + " exists and is not a socket; remove it or choose another path");
-  }
-  const unique_fd probe = new_unix_socket(SOCK_NONBLOCK);
-  const socket_address target = directory.address_of(name);
-  if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length) == 0) return true;
-  if (errno == EAGAIN) return true;  // a listener whose backlog is full
-  if (errno == ECONNREFUSED) return false;
-  throw backend_error("connect(" + path + ")", errno_text());
-}
-
 // A mutex whose lock can give up at a deadline. Built on an atomic flag and
 // a condition variable, not std::timed_mutex, whose timed lock
 // (pthread_mutex_clocklock) ThreadSanitizer does not see. Uncontended, a
@@ -979,7 +963,7 @@ listener::listener(const channel_address& address, access_policy policy, std::si
   };
   if (bind_here() != 0) {
     if (errno != EADDRINUSE) throw backend_error("bind(" + address_.to_string() + ")", errno_text());
-    if (!directory_ || someone_listens(*directory_, file_name_)) throw_in_use(address_);
+    if (!directory_ || directory_->someone_listens(file_name_)) throw_in_use(address_);
     // A socket file no one listens on is left from a process that died.
     directory_->remove(file_name_);
     if (bind_here() != 0) {

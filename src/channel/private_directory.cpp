@@ -1,6 +1,8 @@
 #include "channel/private_directory.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -114,6 +116,40 @@ void private_directory::remove(const std::string& name) const {
   if (::unlinkat(fd_.get(), name.c_str(), 0) != 0 && errno != ENOENT) {
     throw backend_error("unlinkat(" + path_ + "/" + name + ")", errno_text());
   }
+}
+
+bool private_directory::someone_listens(const std::string& name) const {
+  const std::optional<struct stat> st = entry(name);
+  if (!st) return false;
+  if (!S_ISSOCK(st->st_mode)) {
+    throw invalid_argument("listener: " + path_ + "/" + name +
+                           " exists and is not a socket; remove it or choose another path");
+  }
+  const unique_fd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!probe) throw backend_error("socket(AF_UNIX)", errno_text());
+  const socket_address target = address_of(name);
+  if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length) == 0) return true;
+  if (errno == EAGAIN) return true;  // a listener whose backlog is full
+  if (errno == ECONNREFUSED) return false;
+  throw backend_error("connect(" + path_ + "/" + name + ")", errno_text());
+}
+
+std::vector<std::string> private_directory::names() const {
+  // A directory stream of its own (readdir moves the descriptor's offset).
+  const int copy = ::openat(fd_.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (copy < 0) throw backend_error("openat(" + path_ + ")", errno_text());
+  DIR* stream = ::fdopendir(copy);
+  if (stream == nullptr) {
+    ::close(copy);
+    throw backend_error("fdopendir(" + path_ + ")", errno_text());
+  }
+  std::vector<std::string> out;
+  while (const dirent* e = ::readdir(stream)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") out.push_back(name);
+  }
+  ::closedir(stream);
+  return out;
 }
 
 }  // namespace detail

@@ -7,6 +7,7 @@
 
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -181,6 +182,52 @@ TEST(listener_file, a_stale_socket_file_is_replaced) {
   listener server(address, {});
   const connection client = connection::connect(address, {});
   EXPECT_EQ(server.accept().peer().process, process_identity::self());
+}
+
+// A pid that no longer runs: a child's, ended and reaped.
+pid_t a_dead_pid() {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  int status = 0;
+  EXPECT_EQ(::waitpid(child, &status, 0), child);
+  return child;
+}
+
+// A socket file bound at `path` and listened on; closed (as by a SIGKILL)
+// unless `keep` takes the socket.
+void bound_socket(const std::string& path, unique_fd* keep = nullptr) {
+  unique_fd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  const raw_address local = raw_address_of(channel_address::at_path(path));
+  ASSERT_EQ(::bind(s.get(), reinterpret_cast<const sockaddr*>(&local.address), local.length), 0) << path;
+  ASSERT_EQ(::listen(s.get(), 1), 0);
+  if (keep != nullptr) *keep = std::move(s);
+}
+
+TEST(listener_file, abandoned_sockets_of_processes_that_are_gone_are_removed_and_nothing_else) {
+  temp_dir dir;
+  const std::string dead = std::to_string(a_dead_pid()), alive = std::to_string(::getpid());
+  const auto at = [&](const std::string& name) { return dir / name; };
+  bound_socket(at("srv-" + dead + "-abandoned.sock"));
+  bound_socket(at("srv-" + dead + "-also-abandoned.sock"));
+  bound_socket(at("srv-" + alive + "-a-live-pid.sock"));
+  bound_socket(at("other-" + dead + "-another-prefix.sock"));
+  bound_socket(at("srv-" + dead + ".sock"));  // no dash after the pid: not this naming
+  unique_fd listening;
+  bound_socket(at("srv-" + dead + "-someone-listens.sock"), &listening);
+  std::ofstream(at("srv-" + dead + "-a-file.sock")) << "precious";
+  ASSERT_EQ(::symlink(at("srv-" + alive + "-a-live-pid.sock").c_str(), at("srv-" + dead + "-a-link.sock").c_str()), 0);
+  const listener server(channel_address::at_path(at("srv-" + alive + "-own.sock")), {});
+
+  EXPECT_EQ(server.remove_abandoned_sockets("srv-"), 2u);
+  EXPECT_FALSE(exists(at("srv-" + dead + "-abandoned.sock")));
+  EXPECT_FALSE(exists(at("srv-" + dead + "-also-abandoned.sock")));
+  for (const std::string& kept : {"srv-" + alive + "-a-live-pid.sock", "other-" + dead + "-another-prefix.sock",
+                                  "srv-" + dead + ".sock", "srv-" + dead + "-someone-listens.sock",
+                                  "srv-" + dead + "-a-file.sock", "srv-" + dead + "-a-link.sock",
+                                  "srv-" + alive + "-own.sock"}) {
+    EXPECT_TRUE(exists(at(kept))) << kept << " was removed";
+  }
+  EXPECT_EQ(listener(fresh_abstract_name(), {}).remove_abandoned_sockets("srv-"), 0u) << "no directory, nothing to do";
 }
 
 TEST(listener_file, an_address_in_use_is_refused_and_its_listener_keeps_working) {

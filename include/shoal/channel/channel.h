@@ -37,6 +37,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -431,6 +432,16 @@ class listener {
   [[nodiscard]] connection accept();
   /// As accept(), but gives up after `timeout` and returns nullopt.
   [[nodiscard]] std::optional<connection> accept_for(std::chrono::milliseconds timeout);
+
+  /// Removes from this listener's directory the socket files that listeners
+  /// killed before they could clean up (SIGKILL) left, of a server that
+  /// names its sockets `<prefix><pid>-<rest>.sock` (the Python Consumer:
+  /// shoal-<pid>-<hex>.sock): named for a pid that no longer runs, sockets
+  /// of this uid (links are not followed), with no one listening. Anything
+  /// else, and an entry that cannot be judged, is left. Returns how many it
+  /// removed; 0 for an abstract name. backend_error when the directory
+  /// cannot be read.
+  std::size_t remove_abandoned_sockets(std::string_view prefix) const;
 
   [[nodiscard]] const channel_address& address() const noexcept { return address_; }
   /// The listening socket, for poll(): readable when a connection waits.

@@ -1,0 +1,56 @@
+// listener::remove_abandoned_sockets: the socket files of killed servers
+// that named them by pid, removed from a listener's own checked directory.
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+#include <optional>
+#include <string>
+
+#include "channel/private_directory.h"
+#include "shoal/channel/channel.h"
+#include "shoal/core/error.h"
+
+namespace shoal::channel {
+
+namespace {
+
+/// The pid in `<prefix><pid>-<rest>.sock`, or nullopt for another name.
+std::optional<pid_t> pid_in(std::string_view name, std::string_view prefix) {
+  constexpr std::string_view suffix = ".sock";
+  if (!name.starts_with(prefix) || !name.ends_with(suffix)) return std::nullopt;
+  const std::string_view rest = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+  pid_t pid = 0;
+  const auto [end, ec] = std::from_chars(rest.data(), rest.data() + rest.size(), pid);
+  if (ec != std::errc() || pid <= 0 || end == rest.data() + rest.size() || *end != '-') return std::nullopt;
+  return pid;
+}
+
+bool runs(pid_t pid) { return ::kill(pid, 0) == 0 || errno != ESRCH; }  // EPERM: another user's process
+
+}  // namespace
+
+std::size_t listener::remove_abandoned_sockets(std::string_view prefix) const {
+  if (!directory_) return 0;
+  std::size_t removed = 0;
+  for (const std::string& name : directory_->names()) {
+    const std::optional<pid_t> pid = pid_in(name, prefix);
+    // A pid that runs may be a live server's, or a new process that took a
+    // dead one's pid: not this sweep's to judge either way.
+    if (!pid || runs(*pid) || name == file_name_) continue;
+    try {
+      const std::optional<struct stat> st = directory_->entry(name);
+      // Another user's file (root may put one here) is not this sweep's; what
+      // is no socket, a link included, someone_listens refuses (kept, below).
+      if (!st || st->st_uid != ::geteuid() || directory_->someone_listens(name)) continue;
+      directory_->remove(name);
+      ++removed;
+    } catch (const error&) {  // NOLINT(bugprone-empty-catch): an entry that cannot be judged is left
+    }
+  }
+  return removed;
+}
+
+}  // namespace shoal::channel
