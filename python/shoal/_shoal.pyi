@@ -401,6 +401,11 @@ class Listener:
         The next connection, its peer's uid checked; None when `timeout` seconds pass first. Raises PeerRefusedError for a peer of another user (the listener keeps working). The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).
         """
 
+    def remove_abandoned_sockets(self, prefix: str) -> int:
+        """
+        Removes from this listener's directory the socket files that killed servers naming their sockets `<prefix><pid>-<rest>.sock` left: named for a pid that no longer runs, sockets of this user (links are not followed), with no one listening. Anything else is left. Returns how many it removed; 0 for an abstract name.
+        """
+
     @property
     def address(self) -> str: ...
 
@@ -489,7 +494,7 @@ class Peer:
 
     def wait_taken(self, timeout: float | None = None) -> bool:
         """
-        Waits until the other process has taken every storage sent on this connection: received it (its memory mapped there, from then on outliving this process) or let it go. True then; False when it hung up first with some neither (those it held are reclaimed). Raises PeerTimeoutError when `timeout` seconds pass first (None: no limit; 0: looks once). Call it before a producer process ends: what was not taken goes with it (a connection not yet accepted cannot even be identified; on CUDA the memory goes). The wait ends on Ctrl-C (KeyboardInterrupt).
+        Waits until the other process has taken every storage sent on this connection: received it (its memory mapped there, from then on outliving this process) or let it go. True then; False when it hung up first, or this connection was revoked, with some neither. Raises PeerTimeoutError when `timeout` seconds pass first (None: no limit; 0: looks once). Call it before a producer process ends, after the work the sends wait on has run (Stream.synchronize): what was not taken goes with the process (a connection not yet accepted cannot even be identified; on CUDA the memory goes). Notes are not waited for. The wait ends on Ctrl-C (KeyboardInterrupt).
         """
 
     def pending(self) -> int:

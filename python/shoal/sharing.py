@@ -42,8 +42,6 @@ import math
 import os
 import secrets
 import selectors
-import socket
-import stat
 import time
 from typing import Any, Union
 
@@ -174,40 +172,6 @@ def _rebuild(node: Any, arrays: list, depth: int, used: set) -> Any:
     raise _protocol_error("a malformed batch structure")
 
 
-def _remove_stale_sockets(folder: str) -> None:
-    """Removes the socket files consumers killed before they could (SIGKILL)
-    left in `folder` (this user's own, checked by a Listener made there): named
-    for a process that is gone, sockets of this user, with no one listening."""
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return
-    for name in names:
-        parts = name.split("-")
-        if len(parts) != 3 or parts[0] != "shoal" or not parts[2].endswith(".sock") or not parts[1].isdigit():
-            continue
-        if os.path.exists(f"/proc/{parts[1]}"):
-            continue  # its process (or one that took its pid) runs: not ours to judge
-        path = os.path.join(folder, name)
-        try:
-            found = os.lstat(path)  # not followed: a link is no socket file of ours
-        except OSError:
-            continue
-        if not stat.S_ISSOCK(found.st_mode) or found.st_uid != os.geteuid():
-            continue
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.setblocking(False)  # a full backlog answers at once (EAGAIN): someone listens
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:  # a socket file no one listens on
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        except OSError:
-            pass
-        finally:
-            probe.close()
-
-
 class Producer:
     """Sends batches to a Consumer's address. One connection; not for use
     from several threads at once."""
@@ -268,16 +232,20 @@ class Producer:
 
     def close(self, timeout: float | None = 60.0) -> None:
         """Waits until the work the sent batches wait on has run and the
-        consumer has taken every batch sent (received it, its memory mapped
-        there and from then on outliving this process, or let it go, or hung
-        up), for at most `timeout` seconds (None: no limit; 0: looks once),
-        then closes the connection; what was taken stays valid in the
-        consumer. A process that ends before that takes its batches along:
-        the consumer cannot identify a producer gone before it accepted the
-        connection, and reads of work that had not run fail there with
-        StreamError. Raises PeerTimeoutError when the consumer had not taken
-        every batch in time, StreamError when the work failed; the connection
-        is closed either way."""
+        consumer has taken every batch sent with arrays (received it, its
+        memory mapped there and from then on outliving this process, or let
+        it go, or went away), for at most `timeout` seconds (None: no limit;
+        0: looks once), then closes the connection; what was taken stays
+        valid in the consumer. A process that ends before that takes its
+        batches along: the consumer cannot identify a producer gone before
+        it accepted the connection, and reads of work that had not run fail
+        there with StreamError. (A batch without arrays is a note alone and
+        is not waited for. A Consumer takes connections only inside get():
+        one in this same thread must get() before this close, or it waits
+        out `timeout`.) Raises PeerTimeoutError when the consumer had not
+        taken every batch in time, StreamError when the work failed; the
+        connection is closed either way."""
+        taken = True
         try:
             for stream in self._streams:
                 stream.synchronize()
@@ -285,13 +253,16 @@ class Producer:
                 try:
                     self._peer.wait_taken(timeout)
                 except _shoal.PeerTimeoutError:
-                    raise _shoal.PeerTimeoutError(
-                        f"shoal.sharing.Producer.close: the consumer (pid {self._peer.peer_pid}) had not taken "
-                        f"every batch sent within {timeout} s; what it had not taken is lost if this process ends"
-                    ) from None
+                    taken = False
         finally:
             self._streams.clear()
+            pid = None if self._peer.closed else self._peer.peer_pid
             self._peer.close()
+        if not taken:
+            raise _shoal.PeerTimeoutError(
+                f"shoal.sharing.Producer.close: the consumer (pid {pid}) had not taken every batch sent "
+                f"within {timeout} s; what it had not taken is lost if this process ends"
+            )
 
     def __repr__(self) -> str:
         if self._peer.closed:
@@ -301,8 +272,15 @@ class Producer:
     def __enter__(self) -> "Producer":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        """close(). When an exception leaves the block (Ctrl-C included) it
+        does not wait for the consumer, and the exception is what propagates:
+        batches the consumer had not taken are lost if the process ends."""
+        if kind is None:
+            self.close()
+            return
+        with contextlib.suppress(_shoal.PeerTimeoutError):
+            self.close(timeout=0)
 
 
 class _Incoming:
@@ -355,8 +333,9 @@ class Consumer:
             address = _shoal.runtime_dir_address(f"shoal-{os.getpid()}-{secrets.token_hex(6)}.sock")
         self._listener = _shoal.Listener(address, list(allowed_uids))
         self.address: str = self._listener.address
-        if chosen:  # the listener checked the folder: this user's alone (0700)
-            _remove_stale_sockets(os.path.dirname(self.address))
+        if chosen:  # socket files of consumers killed before they could remove them
+            with contextlib.suppress(_shoal.BackendError):  # a folder that cannot be read: nothing to tidy
+                self._listener.remove_abandoned_sockets("shoal-")
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener.fileno(), selectors.EVENT_READ, None)
         self._incoming: dict[int, _Incoming] = {}

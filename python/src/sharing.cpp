@@ -224,6 +224,17 @@ void register_sharing(nb::module_& m) {
           "The next connection, its peer's uid checked; None when `timeout` seconds pass first. Raises "
           "PeerRefusedError for a peer of another user (the listener keeps working). The wait ends on Ctrl-C "
           "(KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).")
+      .def(
+          "remove_abandoned_sockets",
+          [](const py_listener& l, const std::string& prefix) {
+            const auto listener = l.listener.enter();
+            return listener->remove_abandoned_sockets(prefix);
+          },
+          nb::arg("prefix"),
+          "Removes from this listener's directory the socket files that killed servers naming their sockets "
+          "`<prefix><pid>-<rest>.sock` left: named for a pid that no longer runs, sockets of this user (links "
+          "are not followed), with no one listening. Anything else is left. Returns how many it removed; 0 "
+          "for an abstract name.")
       .def_prop_ro("address", [](const py_listener& l) { return text_of(l.listener.enter()->address()); })
       .def("fileno", [](const py_listener& l) { return l.listener.enter()->native_handle(); },
            "The listening socket, for selectors: readable when a connection waits.")
@@ -435,10 +446,11 @@ void register_sharing(nb::module_& m) {
           nb::arg("timeout").none() = nb::none(),
           "Waits until the other process has taken every storage sent on this connection: received it (its "
           "memory mapped there, from then on outliving this process) or let it go. True then; False when it "
-          "hung up first with some neither (those it held are reclaimed). Raises PeerTimeoutError when "
+          "hung up first, or this connection was revoked, with some neither. Raises PeerTimeoutError when "
           "`timeout` seconds pass first (None: no limit; 0: looks once). Call it before a producer process "
-          "ends: what was not taken goes with it (a connection not yet accepted cannot even be identified; "
-          "on CUDA the memory goes). The wait ends on Ctrl-C (KeyboardInterrupt).")
+          "ends, after the work the sends wait on has run (Stream.synchronize): what was not taken goes with "
+          "the process (a connection not yet accepted cannot even be identified; on CUDA the memory goes). "
+          "Notes are not waited for. The wait ends on Ctrl-C (KeyboardInterrupt).")
       .def(
           "pending", [](const py_peer& p) { return p.peer.enter()->pending(); },
           "Not zero while frames that came wait to be taken (in a batch already read, or in the peer's "

@@ -289,6 +289,18 @@ def test_close_returns_once_the_consumer_took_the_batch_or_went_away():
     assert time.monotonic() - started < 5
 
 
+def test_an_error_leaving_the_with_block_propagates_at_once_and_closes():
+    with sharing.Consumer(allocator=HOST) as consumer:
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="the real bug") as raised:
+            with sharing.Producer(consumer.address, allocator=HOST) as producer:
+                producer.put({"x": HOST.allocate(64).view("uint8")})  # never taken
+                raise ValueError("the real bug")
+        assert time.monotonic() - started < 5, "it waited for the consumer"
+        assert raised.value.__context__ is None, "another error was raised over it"
+        assert producer.peer.closed
+
+
 def test_a_batch_holds_only_shoal_memory():
     with sharing.Consumer() as consumer, sharing.Producer(consumer.address) as producer:
         with pytest.raises(TypeError, match="ArrayViews or Storages"):

@@ -204,6 +204,15 @@ void peer_link::revoke() {
 
 bool peer_link::forget_taken() {
   while (!awaited_.empty() && awaited_.front().file->taken(awaited_.front().ticket)) awaited_.pop_front();
+  if (awaited_.size() >= sweep_at_) {
+    (void)sweep_taken();
+    sweep_at_ = std::max<std::size_t>(64, 2 * awaited_.size());
+  }
+  return awaited_.empty();
+}
+
+bool peer_link::sweep_taken() {
+  std::erase_if(awaited_, [](const awaited_share& a) { return a.file->taken(a.ticket); });
   return awaited_.empty();
 }
 
@@ -212,7 +221,7 @@ taken_state peer_link::wait_taken(std::chrono::milliseconds timeout) {
   auto pause = std::chrono::microseconds(20);
   const auto all_taken = [&] {
     std::lock_guard lock(awaited_mutex_);
-    return forget_taken();
+    return sweep_taken();
   };
   for (;;) {
     if (all_taken()) return taken_state::all_taken;

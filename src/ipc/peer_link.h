@@ -99,13 +99,20 @@ class peer_link {
     std::shared_ptr<const counter_file> file;
     slot_ticket ticket;
   };
-  // Forgets the oldest awaited shares that were taken; true when none is left.
+  // Forgets the awaited shares that were taken: the oldest ones at every
+  // call, and all of them once the list has doubled since the last sweep
+  // (a consumer keeping its first reference unreceived must not make the
+  // list, and the counter files it keeps open, grow with every send).
+  // True when none is left.
   bool forget_taken();
+  // Forgets every awaited share that was taken; true when none is left.
+  bool sweep_taken();
 
   std::mutex send_mutex_;
   // Oldest first; listed before its send, so a share that failed is listed
   // too (its slot released: taken) or held by a peer that got part of it.
   std::deque<awaited_share> awaited_;  // guarded by awaited_mutex_
+  std::size_t sweep_at_ = 64;          // guarded by awaited_mutex_
   std::mutex awaited_mutex_;
   std::unordered_set<std::uint64_t> files_sent_, segments_sent_, sources_sent_;  // guarded by send_mutex_
   bool hello_sent_ = false;                                                       // guarded by send_mutex_

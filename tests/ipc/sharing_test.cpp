@@ -335,7 +335,9 @@ TYPED_TEST(sharing_test, memory_stays_valid_after_its_producer_exits) {
 TYPED_TEST(sharing_test, a_producer_that_waits_until_its_storage_is_taken_may_end_right_after) {
   this->context();
   auto& p = this->start({"produce-until-taken", std::to_string(1 << 20), "9"});
-  std::this_thread::sleep_for(300ms);
+  pollfd sent{p.native_handle(), POLLIN, 0};
+  ASSERT_EQ(::poll(&sent, 1, 30'000), 1) << "the producer sent nothing";
+  std::this_thread::sleep_for(200ms);
   siginfo_t info{};
   ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(this->child_->pid()), &info, WEXITED | WNOHANG | WNOWAIT), 0);
   EXPECT_EQ(info.si_pid, 0) << "the producer ended before its storage was received";

@@ -1,8 +1,12 @@
 // peer::wait_taken: a producer learns when its consumer has taken (mapped,
 // or let go) every storage it sent, so it may end without taking them along.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <map>
 #include <optional>
 #include <thread>
 #include <utility>
@@ -13,6 +17,8 @@
 #include "shoal/core/error.h"
 #include "shoal/ipc/sharing.h"
 #include "ipc/captured_exchange.h"
+#include "ipc/messages.h"
+#include "support/descriptors.h"
 
 namespace shoal::testing {
 namespace {
@@ -107,10 +113,54 @@ TEST(wait_taken, a_storage_dropped_after_it_was_received_stays_taken) {
     const ipc::received r = d.consume().receive({});
   }  // released: the slot may be recycled and handed out again
   d.producer.collect();
+  ASSERT_EQ(d.producer.stats().held_slots, 0u) << "the slot was recycled";
   d.send();
   EXPECT_EQ(d.sender.wait_taken(0ms), ipc::taken_state::waiting) << "the second storage is not received";
   const ipc::received second = d.receiver->receive({});
   EXPECT_EQ(d.sender.wait_taken(0ms), ipc::taken_state::all_taken);
+}
+
+// A consumer that keeps its first reference unreceived and lets every later
+// one go must not make the producer keep a record of every send, nor the
+// counter file each one is in (a file per send here) open.
+TEST(wait_taken, a_first_reference_kept_unreceived_does_not_pin_the_later_ones) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator{dev, {}};
+  ipc::sharing_context producer{allocator, {.collect_interval = 0ms, .slots_per_file = 1}};
+  auto [to_consumer, raw] = connected_pair();
+  ipc::peer sender(producer, std::move(to_consumer));
+  std::map<std::uint64_t, unique_fd> files;  // the counter files the consumer was sent
+  const auto send = [&] {
+    sender.send(storage_t::allocate(allocator, 4 * kib, {}), {}, {});
+    for (;;) {
+      channel::frame f = raw.receive();
+      if (f.type == counter_file_type) files[ipc::detail::decode_counter_file(f.payload, 1).file_id] = std::move(f.fd);
+      if (f.type == storage_type) return ipc::detail::decode_storage(f.payload, {1 << 16, 1 << 12});
+    }
+  };
+  // Released as a holder releases: the slot's word, "released" under its generation.
+  const auto release = [&](const ipc::detail::storage_message& m) {
+    constexpr std::size_t header_bytes = 64, slot_bytes = 32;
+    void* counters = ::mmap(nullptr, header_bytes + slot_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                            files.at(m.file_id).get(), 0);
+    ASSERT_NE(counters, MAP_FAILED);
+    std::atomic_ref<std::uint64_t>(*reinterpret_cast<std::uint64_t*>(static_cast<std::byte*>(counters) + header_bytes))
+        .store((std::uint64_t{m.slot.generation} << 2) | 2);
+    ::munmap(counters, header_bytes + slot_bytes);
+    files.erase(m.file_id);
+  };
+  (void)send();  // never received
+  auto previous = send();
+  const std::size_t before = open_descriptor_count();
+  for (int i = 0; i < 300; ++i) {
+    auto next = send();
+    release(previous);
+    producer.collect();  // recycles the released slot and closes its file
+    previous = next;
+  }
+  // At most the 64 records a sweep waits for, not one per send.
+  EXPECT_LT(open_descriptor_count(), before + 70) << "counter files kept open for the sends after the first";
+  EXPECT_EQ(sender.wait_taken(0ms), ipc::taken_state::waiting) << "the first is still not received";
 }
 
 }  // namespace

@@ -188,14 +188,19 @@ class peer {
   void check_greeting();
   /// Waits until the other process has taken every storage sent on this
   /// connection — received it (its memory mapped there: from then on it
-  /// outlives this process, on every backend) or let it go — or has hung
-  /// up, for at most `timeout` (zero: looks once). A process that ends
-  /// before a consumer took its storages loses them: one that is gone before
-  /// its connection was accepted cannot even be identified (the consumer
-  /// refuses it), and on CUDA memory not yet mapped elsewhere goes with it.
-  /// What the other process writes in its counter memory only ends this
-  /// wait sooner or later, never decides what is freed. Any thread; polls
-  /// the counters in pauses growing to 2 ms, and the socket for a hang-up.
+  /// outlives this process, on every backend) or let it go — for at most
+  /// `timeout` (zero: looks once). peer_gone when it hung up first, or this
+  /// connection was shut down (revoke), with some neither received nor let
+  /// go (a holder's references are reclaimed once its process is gone). A
+  /// process that ends before a consumer took its storages loses them: one
+  /// gone before its connection was accepted cannot even be identified (the
+  /// consumer refuses it), and on CUDA memory not yet mapped elsewhere goes
+  /// with it. Taken is not run: a producer that ends must also let the work
+  /// it enqueued before each send finish (synchronize those streams), or the
+  /// consumer's wait for it fails. Notes are not waited for. What the other
+  /// process writes in its counter memory only ends this wait sooner or
+  /// later, never decides what is freed. Any thread; polls the counters in
+  /// pauses growing to 2 ms, and the socket for a hang-up.
   [[nodiscard]] taken_state wait_taken(std::chrono::milliseconds timeout);
   /// Not zero while frames that came wait to be taken — in a batch already
   /// read or in the peer's ring (channel::connection::pending): then
