@@ -492,9 +492,14 @@ class Peer:
         Reads the peer's protocol hello if it has come, without waiting and never past it: ProtocolError naming both protocols when the other end speaks another (a lender greets as it accepts). How a Peer that only sends finds out it reached the wrong endpoint.
         """
 
-    def wait_taken(self, timeout: float | None = None) -> bool:
+    def wait_taken(self, timeout: float | None = None, at_most: int = 0) -> bool:
         """
-        Waits until the other process has taken every storage sent on this connection: received it (its memory mapped there, from then on outliving this process) or let it go. True then; False when it hung up first, or this connection was revoked, with some neither. Raises PeerTimeoutError when `timeout` seconds pass first (None: no limit; 0: looks once). Call it before a producer process ends, after the work the sends wait on has run (Stream.synchronize): what was not taken goes with the process (a connection not yet accepted cannot even be identified; on CUDA the memory goes). Notes are not waited for. The wait ends on Ctrl-C (KeyboardInterrupt).
+        Waits until the other process has taken every storage sent on this connection: received it (its memory mapped there, from then on outliving this process) or let it go. True then; False when it hung up first, or this connection was revoked, with some neither. Raises PeerTimeoutError when `timeout` seconds pass first (None: no limit; 0: looks once). Call it before a producer process ends, after the work the sends wait on has run (Stream.synchronize): what was not taken goes with the process (a connection not yet accepted cannot even be identified; on CUDA the memory goes). Notes are not waited for. With `at_most`, content once no more than that many are untaken. The wait ends on Ctrl-C (KeyboardInterrupt).
+        """
+
+    def untaken(self) -> int:
+        """
+        Storages sent on this connection that the other process has neither received nor let go yet.
         """
 
     def pending(self) -> int:

@@ -36,6 +36,7 @@ pickle); with ``multiprocessing`` use the spawn or forkserver start methods.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -174,7 +175,10 @@ def _rebuild(node: Any, arrays: list, depth: int, used: set) -> Any:
 
 class Producer:
     """Sends batches to a Consumer's address. One connection; not for use
-    from several threads at once."""
+    from several threads at once. With `max_ahead`, at most that many
+    batches are ever sent and not yet taken by the consumer: put() waits for
+    room first, so a producer faster than its consumer does not hold ever
+    more memory. None: no limit."""
 
     def __init__(
         self,
@@ -182,16 +186,27 @@ class Producer:
         *,
         allocator: _shoal.Allocator | None = None,
         allowed_uids: tuple[int, ...] = (),
+        max_ahead: int | None = None,
         **options: int,
     ) -> None:
+        if max_ahead is not None and (type(max_ahead) is not int or max_ahead < 1):
+            raise ValueError(f"shoal.sharing.Producer: max_ahead must be a whole number of at least 1 or None, not {max_ahead!r}")
+        self.max_ahead = max_ahead
         self.allocator = allocator if allocator is not None else _default_allocator()
         self.context = _shoal.SharingContext(self.allocator, **options)
         self._peer = _shoal.Peer(self.context, _shoal.connect(address, list(allowed_uids)))
         self._streams: set[_shoal.Stream] = set()  # what sent batches wait on
+        # Arrays of the newest batches with arrays (max_ahead - 1 of them):
+        # the consumer takes a connection's arrays in order, so fewer than
+        # max_ahead batches are ahead while at most their sum is untaken.
+        self._newest: collections.deque[int] = collections.deque(maxlen=max(0, (max_ahead or 1) - 1))
 
-    def put(self, batch: Batch, stream: _shoal.Stream | None = None) -> None:
+    def put(self, batch: Batch, stream: _shoal.Stream | None = None, timeout: float | None = 60.0) -> None:
         """Sends `batch`; the consumer's stream waits for the work enqueued on
         `stream` (default: the current stream) before it uses the arrays.
+        With `max_ahead`, first waits until fewer than that many batches sent
+        before are untaken, for at most `timeout` seconds (None: no limit):
+        PeerTimeoutError then, and nothing of `batch` is sent.
         A put that fails part-way (an array that cannot be sent, a timeout)
         takes back the arrays it sent, so the next put arrives whole; where
         even that cannot be sent, the connection is closed and the next put
@@ -205,6 +220,8 @@ class Producer:
         # An endpoint of another protocol (a lender greets as it accepts) is
         # found out here: ProtocolError naming both.
         self._peer.check_greeting()
+        if self.max_ahead is not None and leaves:
+            self._wait_for_room(timeout)
         sent = 0
         try:
             for view, header in zip(leaves, headers):
@@ -217,6 +234,19 @@ class Producer:
         note = json.dumps({"v": _VERSION, "arrays": len(leaves), "batch": structure}, separators=(",", ":"))
         self._peer.send_note(note.encode())
         self._streams.add(stream if stream is not None else _shoal.current_stream(self.allocator.device))
+        if leaves:
+            self._newest.append(len(leaves))
+
+    def _wait_for_room(self, timeout: float | None) -> None:
+        """Waits until fewer than max_ahead batches sent are untaken (a
+        consumer that went away leaves room: the send then says so)."""
+        try:
+            self._peer.wait_taken(timeout, at_most=sum(self._newest))
+        except _shoal.PeerTimeoutError:
+            raise _shoal.PeerTimeoutError(
+                f"shoal.sharing.Producer.put: the consumer (pid {self._peer.peer_pid}) took none of the "
+                f"{self.max_ahead} batches ahead within {timeout} s; nothing of this batch was sent"
+            ) from None
 
     def _take_back(self) -> None:
         """Tells the consumer to let go of the arrays of an unfinished batch."""

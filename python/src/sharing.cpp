@@ -428,29 +428,39 @@ void register_sharing(nb::module_& m) {
           "accepts). How a Peer that only sends finds out it reached the wrong endpoint.")
       .def(
           "wait_taken",
-          [](const py_peer& p, std::optional<double> timeout) {
+          [](const py_peer& p, std::optional<double> timeout, std::size_t at_most) {
             const auto until = until_of(timeout, "Peer.wait_taken");
             const auto peer = p.peer.enter();
             const auto state = wait_in_slices(
                 peer, p.peer, until, [&](std::chrono::milliseconds slice) -> std::optional<ipc::taken_state> {
-                  const auto s = peer->wait_taken(slice);
+                  const auto s = peer->wait_taken(slice, at_most);
                   if (s == ipc::taken_state::waiting) return std::nullopt;
                   return s;
                 });
             if (!state) {
               throw timeout_error("Peer.wait_taken: pid " + std::to_string(peer->credentials().process.pid) +
-                                  " had not taken every storage sent within " + seconds_text(*timeout) + " s");
+                                  " had not taken all but " + std::to_string(at_most) + " of the storages sent within " +
+                                  seconds_text(*timeout) + " s");
             }
             return *state == ipc::taken_state::all_taken;
           },
-          nb::arg("timeout").none() = nb::none(),
+          nb::arg("timeout").none() = nb::none(), nb::arg("at_most") = 0,
           "Waits until the other process has taken every storage sent on this connection: received it (its "
           "memory mapped there, from then on outliving this process) or let it go. True then; False when it "
           "hung up first, or this connection was revoked, with some neither. Raises PeerTimeoutError when "
           "`timeout` seconds pass first (None: no limit; 0: looks once). Call it before a producer process "
           "ends, after the work the sends wait on has run (Stream.synchronize): what was not taken goes with "
           "the process (a connection not yet accepted cannot even be identified; on CUDA the memory goes). "
-          "Notes are not waited for. The wait ends on Ctrl-C (KeyboardInterrupt).")
+          "Notes are not waited for. With `at_most`, content once no more than that many are untaken. The wait "
+          "ends on Ctrl-C (KeyboardInterrupt).")
+      .def(
+          "untaken",
+          [](const py_peer& p) {
+            const auto peer = p.peer.enter();
+            released_gil release;
+            return peer->untaken();
+          },
+          "Storages sent on this connection that the other process has neither received nor let go yet.")
       .def(
           "pending", [](const py_peer& p) { return p.peer.enter()->pending(); },
           "Not zero while frames that came wait to be taken (in a batch already read, or in the peer's "

@@ -301,6 +301,32 @@ def test_an_error_leaving_the_with_block_propagates_at_once_and_closes():
         assert producer.peer.closed
 
 
+def test_a_producer_keeps_at_most_max_ahead_batches_untaken():
+    def batch(tag: int) -> dict:
+        a, b = HOST.allocate(16), HOST.allocate(16)
+        a.fill(tag)
+        return {"a": a.view("uint8"), "b": [b.view("uint8")]}
+
+    with sharing.Consumer(allocator=HOST) as consumer:
+        with sharing.Producer(consumer.address, allocator=HOST, max_ahead=2) as producer:
+            producer.put(batch(1))
+            producer.put({})  # no arrays: nothing to take, never counted
+            producer.put(batch(2))
+            assert producer.peer.untaken() == 4
+            with pytest.raises(shoal.PeerTimeoutError, match="nothing of this batch was sent"):
+                producer.put(batch(3), timeout=0.2)
+            assert consumer.get(timeout=WAIT)["a"].storage.read() == bytes([1]) * 16
+            assert producer.peer.untaken() == 2
+            producer.put(batch(4), timeout=0)  # one batch ahead now: room for another
+            assert consumer.get(timeout=WAIT) == {}
+            assert consumer.get(timeout=WAIT)["a"].storage.read() == bytes([2]) * 16
+            assert consumer.get(timeout=WAIT)["a"].storage.read() == bytes([4]) * 16  # 3 was never sent
+            with pytest.raises(shoal.PeerTimeoutError):
+                consumer.get(timeout=0.1)
+    with pytest.raises(ValueError, match="max_ahead"):
+        sharing.Producer("unused", max_ahead=0)
+
+
 def test_a_batch_holds_only_shoal_memory():
     with sharing.Consumer() as consumer, sharing.Producer(consumer.address) as producer:
         with pytest.raises(TypeError, match="ArrayViews or Storages"):

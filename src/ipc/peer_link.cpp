@@ -211,18 +211,20 @@ bool peer_link::forget_taken() {
   return awaited_.empty();
 }
 
-bool peer_link::sweep_taken() {
+std::size_t peer_link::sweep_taken() {
   std::erase_if(awaited_, [](const awaited_share& a) { return a.file->taken(a.ticket); });
-  return awaited_.empty();
+  return awaited_.size();
 }
 
-taken_state peer_link::wait_taken(std::chrono::milliseconds timeout) {
+std::size_t peer_link::untaken() {
+  std::lock_guard lock(awaited_mutex_);
+  return sweep_taken();
+}
+
+taken_state peer_link::wait_taken(std::chrono::milliseconds timeout, std::size_t at_most) {
   const auto until = shoal::detail::deadline_after(timeout);
   auto pause = std::chrono::microseconds(20);
-  const auto all_taken = [&] {
-    std::lock_guard lock(awaited_mutex_);
-    return sweep_taken();
-  };
+  const auto all_taken = [&] { return untaken() <= at_most; };
   for (;;) {
     if (all_taken()) return taken_state::all_taken;
     const auto now = std::chrono::steady_clock::now();

@@ -40,8 +40,10 @@ class peer_link {
   void check_greeting();
   /// Closes the connection and revokes the peer process (peer::revoke).
   void revoke();
-  /// Waits for the peer to take every storage sent here (peer::wait_taken).
-  taken_state wait_taken(std::chrono::milliseconds timeout);
+  /// Waits for the peer to take all but `at_most` of the storages sent here (peer::wait_taken).
+  taken_state wait_taken(std::chrono::milliseconds timeout, std::size_t at_most);
+  /// Storages sent here not taken yet (peer::untaken).
+  std::size_t untaken();
 
   [[nodiscard]] const channel::peer_credentials& credentials() const noexcept { return link_.peer(); }
   [[nodiscard]] peer_stats stats() const { return receiver_->stats(); }
@@ -105,8 +107,8 @@ class peer_link {
   // list, and the counter files it keeps open, grow with every send).
   // True when none is left.
   bool forget_taken();
-  // Forgets every awaited share that was taken; true when none is left.
-  bool sweep_taken();
+  // Forgets every awaited share that was taken; returns how many are left.
+  std::size_t sweep_taken();
 
   std::mutex send_mutex_;
   // Oldest first; listed before its send, so a share that failed is listed

@@ -123,7 +123,10 @@ void peer::check_greeting() {
   naming_peer(*link_, [&] { link_->check_greeting(); });
 }
 std::size_t peer::pending() const { return link_->pending(); }
-taken_state peer::wait_taken(std::chrono::milliseconds timeout) { return link_->wait_taken(timeout); }
+taken_state peer::wait_taken(std::chrono::milliseconds timeout, std::size_t at_most) {
+  return link_->wait_taken(timeout, at_most);
+}
+std::size_t peer::untaken() { return link_->untaken(); }
 void peer::revoke() { link_->revoke(); }
 const channel::peer_credentials& peer::credentials() const noexcept { return link_->credentials(); }
 peer_stats peer::stats() const { return link_->stats(); }

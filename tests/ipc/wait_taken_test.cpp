@@ -62,6 +62,18 @@ TEST(wait_taken, a_storage_counts_as_taken_once_the_consumer_received_it) {
   EXPECT_EQ(d.sender.wait_taken(0ms), ipc::taken_state::all_taken);
 }
 
+TEST(wait_taken, at_most_is_content_with_that_many_untaken) {
+  delivery d;
+  for (int i = 0; i < 3; ++i) d.send();
+  EXPECT_EQ(d.sender.untaken(), 3u);
+  EXPECT_EQ(d.sender.wait_taken(0ms, 2), ipc::taken_state::waiting);
+  EXPECT_EQ(d.sender.wait_taken(0ms, 3), ipc::taken_state::all_taken);
+  const ipc::received first = d.consume().receive({});
+  EXPECT_EQ(d.sender.untaken(), 2u);
+  EXPECT_EQ(d.sender.wait_taken(0ms, 2), ipc::taken_state::all_taken);
+  EXPECT_EQ(d.sender.wait_taken(0ms, 1), ipc::taken_state::waiting);
+}
+
 TEST(wait_taken, ends_when_another_thread_receives) {
   delivery d;
   d.send();

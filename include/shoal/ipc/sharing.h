@@ -200,8 +200,13 @@ class peer {
   /// consumer's wait for it fails. Notes are not waited for. What the other
   /// process writes in its counter memory only ends this wait sooner or
   /// later, never decides what is freed. Any thread; polls the counters in
-  /// pauses growing to 2 ms, and the socket for a hang-up.
-  [[nodiscard]] taken_state wait_taken(std::chrono::milliseconds timeout);
+  /// pauses growing to 2 ms, and the socket for a hang-up. With `at_most`,
+  /// all_taken comes once no more than that many are untaken (a producer
+  /// keeping a bounded number of batches ahead of its consumer).
+  [[nodiscard]] taken_state wait_taken(std::chrono::milliseconds timeout, std::size_t at_most = 0);
+  /// Storages sent on this connection that the other process has neither
+  /// received nor let go yet. Any thread.
+  [[nodiscard]] std::size_t untaken();
   /// Not zero while frames that came wait to be taken — in a batch already
   /// read or in the peer's ring (channel::connection::pending): then
   /// try_receive() may return more though native_handle() is not readable
