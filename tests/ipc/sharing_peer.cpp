@@ -195,30 +195,19 @@ int fork_holder(backend::device& dev) {
   std::_Exit(0);  // still holding the reference
 }
 
-int produce(backend::device& dev, std::size_t bytes, std::uint8_t value) {
+// Sends one storage and ends, without clean-up (the memory's owner is
+// simply gone): once the parent answers, or, `until_taken`, as soon as the
+// parent has taken it (peer::wait_taken), without waiting for an answer.
+int produce(backend::device& dev, std::size_t bytes, std::uint8_t value, bool until_taken) {
   alloc::caching_allocator allocator(dev, {});
   ipc::sharing_context context(allocator);
   ipc::peer parent(context, parent_link());
   auto st = storage::storage::allocate(allocator, bytes, {});
   dev.fill({}, st.mutable_data({}), value, bytes);
   parent.send(st, {}, {});
-  (void)parent.receive({});  // the parent has it
-  dev.synchronize({});       // the fill has run (else the parent's wait reports this process died first)
-  std::fflush(nullptr);
-  std::_Exit(0);  // no clean-up: the memory's owner is simply gone
-}
-
-// Sends one storage and ends as soon as the parent has taken it
-// (peer::wait_taken), without waiting for an answer.
-int produce_until_taken(backend::device& dev, std::size_t bytes, std::uint8_t value) {
-  alloc::caching_allocator allocator(dev, {});
-  ipc::sharing_context context(allocator);
-  ipc::peer parent(context, parent_link());
-  auto st = storage::storage::allocate(allocator, bytes, {});
-  dev.fill({}, st.mutable_data({}), value, bytes);
-  parent.send(st, {}, {});
-  dev.synchronize({});
-  if (parent.wait_taken(std::chrono::seconds(10)) != ipc::taken_state::all_taken) return 3;
+  if (!until_taken) (void)parent.receive({});  // the parent has it
+  dev.synchronize({});  // the fill has run (else the parent's wait reports this process died first)
+  if (until_taken && parent.wait_taken(std::chrono::seconds(10)) != ipc::taken_state::all_taken) return 3;
   std::fflush(nullptr);
   std::_Exit(0);
 }
@@ -278,11 +267,9 @@ int main(int argc, char** argv) {
     if (mode == "consume") return consume(dev);
     if (mode == "hold-until-closed") return hold_until_closed(dev);
     if (mode == "fork-holder") return fork_holder(dev);
-    if (mode == "produce" && argc == 5) {
-      return produce(dev, std::strtoull(argv[3], nullptr, 10), static_cast<std::uint8_t>(std::atoi(argv[4])));
-    }
-    if (mode == "produce-until-taken" && argc == 5) {
-      return produce_until_taken(dev, std::strtoull(argv[3], nullptr, 10), static_cast<std::uint8_t>(std::atoi(argv[4])));
+    if ((mode == "produce" || mode == "produce-until-taken") && argc == 5) {
+      return produce(dev, std::strtoull(argv[3], nullptr, 10), static_cast<std::uint8_t>(std::atoi(argv[4])),
+                     mode == "produce-until-taken");
     }
     if (mode == "relay" && argc == 4) return relay(dev, argv[3], backend_name);
     if (mode == "scribble") return scribble();
