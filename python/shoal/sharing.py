@@ -177,8 +177,9 @@ class Producer:
     """Sends batches to a Consumer's address. One connection; not for use
     from several threads at once. With `max_ahead`, at most that many
     batches are ever sent and not yet taken by the consumer: put() waits for
-    room first, so a producer faster than its consumer does not hold ever
-    more memory. None: no limit."""
+    room first, so a producer faster than its consumer does not pile up
+    batches (what the consumer took stays held while it keeps it). None: no
+    limit."""
 
     def __init__(
         self,
@@ -196,19 +197,23 @@ class Producer:
         self.context = _shoal.SharingContext(self.allocator, **options)
         self._peer = _shoal.Peer(self.context, _shoal.connect(address, list(allowed_uids)))
         self._streams: set[_shoal.Stream] = set()  # what sent batches wait on
-        # Arrays of the newest batches with arrays (max_ahead - 1 of them):
-        # the consumer takes a connection's arrays in order, so fewer than
-        # max_ahead batches are ahead while at most their sum is untaken.
-        self._newest: collections.deque[int] = collections.deque(maxlen=max(0, (max_ahead or 1) - 1))
+        # Arrays sent on the connection, those of puts taken back included, and
+        # where each of the newest whole batches ended in that count. The
+        # consumer takes a connection's arrays in order: a batch is taken once
+        # no more than the arrays sent after it are untaken.
+        self._arrays_sent = 0
+        self._ends: collections.deque[int] = collections.deque(maxlen=max_ahead or 1)
 
     def put(self, batch: Batch, stream: _shoal.Stream | None = None, timeout: float | None = 60.0) -> None:
         """Sends `batch`; the consumer's stream waits for the work enqueued on
         `stream` (default: the current stream) before it uses the arrays.
         With `max_ahead`, first waits until fewer than that many batches sent
         before are untaken, for at most `timeout` seconds (None: no limit):
-        PeerTimeoutError then, and nothing of `batch` is sent.
-        A put that fails part-way (an array that cannot be sent, a timeout)
-        takes back the arrays it sent, so the next put arrives whole; where
+        PeerTimeoutError then, and nothing of `batch` is sent (a Consumer in
+        this same thread takes nothing meanwhile: get() first).
+        A put that fails part-way (an array that cannot be sent, a note over
+        the size limit, a timeout) takes back the arrays it sent, so the next
+        put arrives whole; where
         even that cannot be sent, the connection is closed and the next put
         raises ConnectionClosedError. When the address is not a Consumer's: a
         ProtocolError naming both protocols once that endpoint's greeting has
@@ -220,32 +225,33 @@ class Producer:
         # An endpoint of another protocol (a lender greets as it accepts) is
         # found out here: ProtocolError naming both.
         self._peer.check_greeting()
-        if self.max_ahead is not None and leaves:
+        if self.max_ahead is not None and leaves and len(self._ends) == self.max_ahead:
             self._wait_for_room(timeout)
+        note = json.dumps({"v": _VERSION, "arrays": len(leaves), "batch": structure}, separators=(",", ":"))
         sent = 0
         try:
             for view, header in zip(leaves, headers):
                 self._peer.send(view, header, stream)
                 sent += 1
+                self._arrays_sent += 1
+            self._peer.send_note(note.encode())
         except BaseException:
             if sent:
                 self._take_back()
             raise
-        note = json.dumps({"v": _VERSION, "arrays": len(leaves), "batch": structure}, separators=(",", ":"))
-        self._peer.send_note(note.encode())
         self._streams.add(stream if stream is not None else _shoal.current_stream(self.allocator.device))
         if leaves:
-            self._newest.append(len(leaves))
+            self._ends.append(self._arrays_sent)
 
     def _wait_for_room(self, timeout: float | None) -> None:
-        """Waits until fewer than max_ahead batches sent are untaken (a
+        """Waits until the oldest of the max_ahead newest batches is taken (a
         consumer that went away leaves room: the send then says so)."""
         try:
-            self._peer.wait_taken(timeout, at_most=sum(self._newest))
+            self._peer.wait_taken(timeout, at_most=self._arrays_sent - self._ends[0])
         except _shoal.PeerTimeoutError:
             raise _shoal.PeerTimeoutError(
-                f"shoal.sharing.Producer.put: the consumer (pid {self._peer.peer_pid}) took none of the "
-                f"{self.max_ahead} batches ahead within {timeout} s; nothing of this batch was sent"
+                f"shoal.sharing.Producer.put: the consumer (pid {self._peer.peer_pid}) had not taken the oldest "
+                f"of the {self.max_ahead} batches ahead within {timeout} s; nothing of this batch was sent"
             ) from None
 
     def _take_back(self) -> None:
@@ -280,8 +286,10 @@ class Producer:
             for stream in self._streams:
                 stream.synchronize()
             if not self._peer.closed:
+                # Arrays of puts taken back after the last batch need no wait.
+                last_end = self._ends[-1] if self._ends else 0
                 try:
-                    self._peer.wait_taken(timeout)
+                    self._peer.wait_taken(timeout, at_most=self._arrays_sent - last_end)
                 except _shoal.PeerTimeoutError:
                     taken = False
         finally:
@@ -303,14 +311,16 @@ class Producer:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        """close(). When an exception leaves the block (Ctrl-C included) it
-        does not wait for the consumer, and the exception is what propagates:
-        batches the consumer had not taken are lost if the process ends."""
+        """close(). When an exception leaves the block (Ctrl-C included) the
+        connection closes at once, waiting neither for the work the batches
+        wait on nor for the consumer, and that exception is what propagates:
+        what the consumer had not taken, or reads of work that had not run,
+        fail there if this process ends."""
         if kind is None:
             self.close()
             return
-        with contextlib.suppress(_shoal.PeerTimeoutError):
-            self.close(timeout=0)
+        self._streams.clear()
+        self._peer.close()
 
 
 class _Incoming:

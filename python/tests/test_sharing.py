@@ -327,6 +327,61 @@ def test_a_producer_keeps_at_most_max_ahead_batches_untaken():
         sharing.Producer("unused", max_ahead=0)
 
 
+def test_a_put_whose_note_is_too_large_takes_its_arrays_back():
+    with sharing.Consumer(allocator=HOST) as consumer:
+        with sharing.Producer(consumer.address, allocator=HOST) as producer:
+            with pytest.raises(shoal.InvalidArgumentError, match="metadata"):
+                producer.put({"k" * 70_000: HOST.allocate(16).view("uint8")})  # the note is over 64 KiB
+            b = HOST.allocate(16)
+            b.fill(7)
+            producer.put({"b": b.view("uint8")})
+            batch = consumer.get(timeout=WAIT)
+            assert list(batch) == ["b"] and batch["b"].storage.read() == bytes([7]) * 16
+            assert consumer.errors == []
+            del batch
+
+
+def test_arrays_of_a_put_taken_back_hold_no_room_ahead_and_close_does_not_wait_for_them():
+    other = shoal.Allocator(shoal.host_device())  # its arrays cannot be sent: the put fails part-way
+
+    def one(tag: int) -> dict:
+        a = HOST.allocate(16)
+        a.fill(tag)
+        return {"a": a.view("uint8")}
+
+    def failing() -> list:
+        return [HOST.allocate(16).view("uint8"), other.allocate(16).view("uint8")]
+
+    with sharing.Consumer(allocator=HOST) as consumer:
+        with sharing.Producer(consumer.address, allocator=HOST, max_ahead=2) as producer:
+            producer.put(one(1))
+            with pytest.raises(shoal.InvalidArgumentError):
+                producer.put(failing())  # its first array went, then was taken back
+            producer.put(one(2))
+            assert consumer.get(timeout=WAIT)["a"].storage.read() == bytes([1]) * 16
+            producer.put(one(3), timeout=0)  # one batch ahead (2): room, whatever the taken-back array
+            assert consumer.get(timeout=WAIT)["a"].storage.read() == bytes([2]) * 16
+            assert consumer.get(timeout=WAIT)["a"].storage.read() == bytes([3]) * 16
+            with pytest.raises(shoal.InvalidArgumentError):
+                producer.put(failing())  # taken back after the last batch: never read
+            producer.close(timeout=0.5)  # every batch was taken: no PeerTimeoutError
+        assert consumer.errors == []
+
+
+def test_an_error_leaving_the_with_block_waits_for_no_queued_work():
+    with sharing.Consumer(allocator=HOST) as consumer:
+        stream = shoal.Stream(HOST.device)
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="the real bug"):
+            with sharing.Producer(consumer.address, allocator=HOST) as producer:
+                a = HOST.allocate(16)
+                stream.delay(3.0)  # work the batch waits on, queued for seconds
+                producer.put({"a": a.view("uint8")}, stream=stream)
+                raise ValueError("the real bug")
+        assert time.monotonic() - started < 2, "it waited for the stream"
+        stream.synchronize()
+
+
 def test_a_batch_holds_only_shoal_memory():
     with sharing.Consumer() as consumer, sharing.Producer(consumer.address) as producer:
         with pytest.raises(TypeError, match="ArrayViews or Storages"):
@@ -576,10 +631,11 @@ def test_a_new_consumer_removes_socket_files_killed_consumers_left():
     folder = os.path.dirname(shoal.runtime_dir_address("x"))
     os.makedirs(folder, mode=0o700, exist_ok=True)
 
-    def left_behind(pid: int) -> str:  # a socket file whose listener is gone
+    def left_behind(pid: int) -> str:  # a socket file whose listener is gone, made a minute ago
         path = os.path.join(folder, f"shoal-{pid}-0123456789ab.sock")
         with socket.socket(socket.AF_UNIX) as s:
             s.bind(path)
+        os.utime(path, (time.time() - 60, time.time() - 60))
         return path
 
     stale, ours = left_behind(dead_pid), left_behind(os.getpid())

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <charconv>
+#include <ctime>
 #include <optional>
 #include <string>
 
@@ -28,6 +29,9 @@ std::optional<pid_t> pid_in(std::string_view name, std::string_view prefix) {
   return pid;
 }
 
+// A socket file younger than this is left: its listener may not listen yet.
+constexpr std::time_t min_age_seconds = 10;
+
 bool runs(pid_t pid) { return ::kill(pid, 0) == 0 || errno != ESRCH; }  // EPERM: another user's process
 
 }  // namespace
@@ -42,9 +46,14 @@ std::size_t listener::remove_abandoned_sockets(std::string_view prefix) const {
     if (!pid || runs(*pid) || name == file_name_) continue;
     try {
       const std::optional<struct stat> st = directory_->entry(name);
-      // Another user's file (root may put one here) is not this sweep's; what
-      // is no socket, a link included, someone_listens refuses (kept, below).
-      if (!st || st->st_uid != ::geteuid() || directory_->someone_listens(name)) continue;
+      // Another user's file (root may put one here) is not this sweep's; nor
+      // a fresh one, which may be a listener's between its bind and its listen
+      // (refused like a dead one's); what is no socket, a link included,
+      // someone_listens refuses (kept, below).
+      if (!st || st->st_uid != ::geteuid() || std::time(nullptr) - st->st_mtime < min_age_seconds ||
+          directory_->someone_listens(name)) {
+        continue;
+      }
       directory_->remove(name);
       ++removed;
     } catch (const error&) {  // NOLINT(bugprone-empty-catch): an entry that cannot be judged is left

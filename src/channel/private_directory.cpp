@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <utility>
 
 #include "shoal/channel/listener_test_hook.h"
@@ -138,17 +139,16 @@ std::vector<std::string> private_directory::names() const {
   // A directory stream of its own (readdir moves the descriptor's offset).
   const int copy = ::openat(fd_.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (copy < 0) throw backend_error("openat(" + path_ + ")", errno_text());
-  DIR* stream = ::fdopendir(copy);
-  if (stream == nullptr) {
+  const std::unique_ptr<DIR, int (*)(DIR*)> stream(::fdopendir(copy), ::closedir);
+  if (!stream) {
     ::close(copy);
     throw backend_error("fdopendir(" + path_ + ")", errno_text());
   }
   std::vector<std::string> out;
-  while (const dirent* e = ::readdir(stream)) {
+  while (const dirent* e = ::readdir(stream.get())) {
     const std::string name = e->d_name;
     if (name != "." && name != "..") out.push_back(name);
   }
-  ::closedir(stream);
   return out;
 }
 

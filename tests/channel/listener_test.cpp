@@ -7,7 +7,9 @@
 
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <fcntl.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -193,13 +195,18 @@ pid_t a_dead_pid() {
   return child;
 }
 
-// A socket file bound at `path` and listened on; closed (as by a SIGKILL)
-// unless `keep` takes the socket.
-void bound_socket(const std::string& path, unique_fd* keep = nullptr) {
+// A socket file bound at `path` a minute ago and listened on; closed (as by
+// a SIGKILL) unless `keep` takes the socket. `fresh`: made now.
+void bound_socket(const std::string& path, unique_fd* keep = nullptr, bool fresh = false) {
   unique_fd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   const raw_address local = raw_address_of(channel_address::at_path(path));
   ASSERT_EQ(::bind(s.get(), reinterpret_cast<const sockaddr*>(&local.address), local.length), 0) << path;
   ASSERT_EQ(::listen(s.get(), 1), 0);
+  if (!fresh) {
+    const timespec minute_ago{::time(nullptr) - 60, 0};
+    const timespec times[2] = {minute_ago, minute_ago};
+    ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, AT_SYMLINK_NOFOLLOW), 0);
+  }
   if (keep != nullptr) *keep = std::move(s);
 }
 
@@ -212,6 +219,7 @@ TEST(listener_file, abandoned_sockets_of_processes_that_are_gone_are_removed_and
   bound_socket(at("srv-" + alive + "-a-live-pid.sock"));
   bound_socket(at("other-" + dead + "-another-prefix.sock"));
   bound_socket(at("srv-" + dead + ".sock"));  // no dash after the pid: not this naming
+  bound_socket(at("srv-" + dead + "-fresh.sock"), nullptr, true);  // may be a listener about to listen
   unique_fd listening;
   bound_socket(at("srv-" + dead + "-someone-listens.sock"), &listening);
   std::ofstream(at("srv-" + dead + "-a-file.sock")) << "precious";
@@ -222,7 +230,8 @@ TEST(listener_file, abandoned_sockets_of_processes_that_are_gone_are_removed_and
   EXPECT_FALSE(exists(at("srv-" + dead + "-abandoned.sock")));
   EXPECT_FALSE(exists(at("srv-" + dead + "-also-abandoned.sock")));
   for (const std::string& kept : {"srv-" + alive + "-a-live-pid.sock", "other-" + dead + "-another-prefix.sock",
-                                  "srv-" + dead + ".sock", "srv-" + dead + "-someone-listens.sock",
+                                  "srv-" + dead + ".sock", "srv-" + dead + "-fresh.sock",
+                                  "srv-" + dead + "-someone-listens.sock",
                                   "srv-" + dead + "-a-file.sock", "srv-" + dead + "-a-link.sock",
                                   "srv-" + alive + "-own.sock"}) {
     EXPECT_TRUE(exists(at(kept))) << kept << " was removed";

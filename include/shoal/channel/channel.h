@@ -437,7 +437,8 @@ class listener {
   /// killed before they could clean up (SIGKILL) left, of a server that
   /// names its sockets `<prefix><pid>-<rest>.sock` (the Python Consumer:
   /// shoal-<pid>-<hex>.sock): named for a pid that no longer runs, sockets
-  /// of this uid (links are not followed), with no one listening. Anything
+  /// of this uid (links are not followed), at least 10 s old (a younger one
+  /// may be a listener's between bind and listen), with no one listening. Anything
   /// else, and an entry that cannot be judged, is left. Returns how many it
   /// removed; 0 for an abstract name. backend_error when the directory
   /// cannot be read.
