@@ -213,9 +213,9 @@ class Producer:
         this same thread takes nothing meanwhile: get() first).
         A put that fails part-way (an array that cannot be sent, a note over
         the size limit, a timeout) takes back the arrays it sent, so the next
-        put arrives whole; where
-        even that cannot be sent, the connection is closed and the next put
-        raises ConnectionClosedError. When the address is not a Consumer's: a
+        put arrives whole; where even that cannot be sent, the connection is
+        closed and the next put raises ConnectionClosedError. When the
+        address is not a Consumer's: a
         ProtocolError naming both protocols once that endpoint's greeting has
         come (a lender greets as it accepts), or ConnectionClosedError when it
         hung up first."""

@@ -146,7 +146,7 @@ void peer_link::send_storage(const storage::storage& st, std::span<const std::by
     }
     {
       std::lock_guard awaited_lock(awaited_mutex_);
-      (void)forget_taken();
+      forget_taken();
       awaited_.push_back({share.file, share.slot.ticket});
     }
     link_.send(out.frames);
@@ -202,13 +202,9 @@ void peer_link::revoke() {
   ::shutdown(link_.native_handle(), SHUT_RDWR);
 }
 
-bool peer_link::forget_taken() {
+void peer_link::forget_taken() {
   while (!awaited_.empty() && awaited_.front().file->taken(awaited_.front().ticket)) awaited_.pop_front();
-  if (awaited_.size() >= sweep_at_) {
-    (void)sweep_taken();
-    sweep_at_ = std::max<std::size_t>(64, 2 * awaited_.size());
-  }
-  return awaited_.empty();
+  if (awaited_.size() >= sweep_at_) sweep_at_ = std::max<std::size_t>(64, 2 * sweep_taken());
 }
 
 std::size_t peer_link::sweep_taken() {

@@ -105,8 +105,7 @@ class peer_link {
   // call, and all of them once the list has doubled since the last sweep
   // (a consumer keeping its first reference unreceived must not make the
   // list, and the counter files it keeps open, grow with every send).
-  // True when none is left.
-  bool forget_taken();
+  void forget_taken();
   // Forgets every awaited share that was taken; returns how many are left.
   std::size_t sweep_taken();
 
