@@ -11,7 +11,8 @@
         view = shoal.allocate(nbytes).view("float32", (64, 3, 224, 224))
         ... fill it (DLPack, Storage.write) ...
         producer.put({"x": view, "y": [labels]})
-    # leaving the block waits (60 s at most) until the consumer took every batch
+    # leaving the block waits for the queued writes to run, then (60 s at most)
+    # until the consumer took every batch
 
 A batch is an ArrayView (or a Storage, sent as bytes, or a CUDA tensor PyTorch
 allocated on shoal: see ``shoal.torch``) or a list, tuple or dict (str keys)
@@ -175,11 +176,11 @@ def _rebuild(node: Any, arrays: list, depth: int, used: set) -> Any:
 
 class Producer:
     """Sends batches to a Consumer's address. One connection; not for use
-    from several threads at once. With `max_ahead`, at most that many
-    batches are ever sent and not yet taken by the consumer: put() waits for
-    room first, so a producer faster than its consumer does not pile up
-    batches (what the consumer took stays held while it keeps it). None: no
-    limit."""
+    from several threads at once. With `max_ahead`, at most that many of
+    its batches with arrays are ever sent and not yet received by the
+    consumer process: put() waits for room first, so a producer faster than
+    its consumer does not pile up batches (what the consumer took stays held
+    while it keeps it). None: no limit."""
 
     def __init__(
         self,
@@ -267,20 +268,22 @@ class Producer:
         return self._peer
 
     def close(self, timeout: float | None = 60.0) -> None:
-        """Waits until the work the sent batches wait on has run and the
-        consumer has taken every batch sent with arrays (received it, its
-        memory mapped there and from then on outliving this process, or let
-        it go, or went away), for at most `timeout` seconds (None: no limit;
-        0: looks once), then closes the connection; what was taken stays
-        valid in the consumer. A process that ends before that takes its
-        batches along: the consumer cannot identify a producer gone before
-        it accepted the connection, and reads of work that had not run fail
-        there with StreamError. (A batch without arrays is a note alone and
-        is not waited for. A Consumer takes connections only inside get():
-        one in this same thread must get() before this close, or it waits
-        out `timeout`.) Raises PeerTimeoutError when the consumer had not
-        taken every batch in time, StreamError when the work failed; the
-        connection is closed either way."""
+        """Waits until the work the sent batches wait on has run (no limit:
+        it is this process's own), then until the consumer has taken every
+        batch sent with arrays (received it, its memory mapped there and from
+        then on outliving this process, or let it go), for at most `timeout`
+        seconds (None: no limit; 0: looks once), then closes the connection;
+        what was taken stays valid in the consumer. A consumer that went
+        away first ends the wait without an error (what it had not taken is
+        lost). A process that ends before that takes its batches along: the
+        consumer cannot identify a producer gone before it accepted the
+        connection, and reads of work that had not run fail there with
+        StreamError. (A batch without arrays is a note alone and is not
+        waited for. A Consumer takes connections and batches only inside
+        get(): one in this same thread must get() every batch put before
+        this close, or it waits out `timeout`.) Raises PeerTimeoutError when
+        the consumer had not taken every batch in time, StreamError when the
+        work failed; the connection is closed either way."""
         taken = True
         try:
             for stream in self._streams:
