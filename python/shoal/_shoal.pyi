@@ -403,7 +403,7 @@ class Listener:
 
     def remove_abandoned_sockets(self, prefix: str) -> int:
         """
-        Removes from this listener's directory the socket files that killed servers naming their sockets `<prefix><pid>-<rest>.sock` left: named for a pid that no longer runs, sockets of this user (links are not followed), with no one listening. Anything else is left. Returns how many it removed; 0 for an abstract name.
+        Removes from this listener's directory the socket files that killed servers naming their sockets `<prefix><pid>-<rest>.sock` left: named for a pid that no longer runs, sockets of this user (links are not followed), at least 10 s old (a younger one may be a listener's between bind and listen), with no one listening. Anything else is left. Returns how many it removed; 0 for an abstract name.
         """
 
     @property

@@ -233,7 +233,8 @@ void register_sharing(nb::module_& m) {
           nb::arg("prefix"),
           "Removes from this listener's directory the socket files that killed servers naming their sockets "
           "`<prefix><pid>-<rest>.sock` left: named for a pid that no longer runs, sockets of this user (links "
-          "are not followed), with no one listening. Anything else is left. Returns how many it removed; 0 "
+          "are not followed), at least 10 s old (a younger one may be a listener's between bind and listen), "
+          "with no one listening. Anything else is left. Returns how many it removed; 0 "
           "for an abstract name.")
       .def_prop_ro("address", [](const py_listener& l) { return text_of(l.listener.enter()->address()); })
       .def("fileno", [](const py_listener& l) { return l.listener.enter()->native_handle(); },
