@@ -2,9 +2,9 @@
 
     # consumer process
     with shoal.sharing.Consumer() as consumer:        # listens at consumer.address
-        start_producers(consumer.address)              # a str: pass it to the producer processes
-        batch = consumer.get(timeout=10)               # {"x": ArrayView, "y": [ArrayView, ...]}
-        images = torch.from_dlpack(batch["x"])         # or numpy / CuPy / JAX: no copy
+        start_producers(consumer.address, workers=4)   # a str: pass it to the producer processes
+        for batch in consumer.batches(producers=4, timeout=60):  # {"x": ArrayView, "y": [...]}
+            images = torch.from_dlpack(batch["x"])     # or numpy / CuPy / JAX: no copy
 
     # producer process (spawn / forkserver)
     with shoal.sharing.Producer(address) as producer:
@@ -45,7 +45,7 @@ import os
 import secrets
 import selectors
 import time
-from typing import Any, Union
+from typing import Any, Iterator, Union
 
 from . import _shoal
 
@@ -389,12 +389,21 @@ class Consumer:
         self._partial: dict[int, _Incoming] = {}
         # Producers disconnected or refused, oldest first; the last MAX_ERRORS kept.
         self.errors: list[Exception] = []
+        self._ended = 0  # producer connections ended (producers_ended)
         self._closed = False
 
     @property
     def producers(self) -> int:
         """Producers connected now."""
         return len(self._incoming)
+
+    @property
+    def producers_ended(self) -> int:
+        """Producer connections ended since this consumer began: closed by
+        their producer (after their last batch), gone, cut off (`errors`
+        says why), refused past `max_producers`, or closed by close().
+        Connections refused for their uid are not counted."""
+        return self._ended
 
     def get(self, timeout: float | None = None, stream: _shoal.Stream | None = None) -> Batch:
         """The next whole batch from any producer, its arrays ready for work
@@ -403,13 +412,52 @@ class Consumer:
         first. A producer that sends a malformed batch is disconnected and
         its error kept in `errors`; one that goes away is forgotten (what it
         sent stays valid)."""
+        batch = self._next("get", timeout, stream, None)
+        assert batch is not None  # without an end count, only a batch or an exception leaves _next
+        return batch
+
+    def batches(
+        self, producers: int, timeout: float | None = None, stream: _shoal.Stream | None = None
+    ) -> Iterator[Batch]:
+        """Yields batches as get() returns them until `producers` producer
+        connections have ended (see `producers_ended`, counted from this
+        consumer's start), having yielded every batch they sent before
+        ending: the loop of a consumer that started that many producers.
+
+            with shoal.sharing.Consumer() as consumer:
+                start_producers(consumer.address, workers=4)
+                for batch in consumer.batches(producers=4, timeout=60):
+                    train_step(batch)
+
+        `timeout`: seconds to wait for each next batch or end,
+        PeerTimeoutError past it (a producer that died before it connected
+        is never counted: without a timeout the loop would wait for it).
+        Producers connected beyond `producers` may have batches left when
+        the loop ends."""
+        if type(producers) is not int or producers < 0:
+            raise _shoal.InvalidArgumentError(
+                f"shoal.sharing.Consumer.batches: producers must be a whole number >= 0, not {producers!r}"
+            )
+        while True:
+            batch = self._next("batches", timeout, stream, producers)
+            if batch is None:
+                return
+            yield batch
+
+    def _next(
+        self, caller: str, timeout: float | None, stream: _shoal.Stream | None, until_ended: int | None
+    ) -> Batch | None:
+        """The next whole batch; None once `until_ended` producers have
+        ended (a connection's batches come before its end)."""
         if self._closed:
-            raise _shoal.InvalidArgumentError("shoal.sharing.Consumer.get: the consumer is closed")
+            raise _shoal.InvalidArgumentError(f"shoal.sharing.Consumer.{caller}: the consumer is closed")
         if timeout is not None and not timeout >= 0:
             raise _shoal.InvalidArgumentError(
-                f"shoal.sharing.Consumer.get: timeout must be a number of seconds >= 0 or None, got {timeout}")
+                f"shoal.sharing.Consumer.{caller}: timeout must be a number of seconds >= 0 or None, got {timeout}")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if until_ended is not None and self._ended >= until_ended:
+                return None
             self._drop_stalled()
             # Producers left with messages waiting, oldest turn first, then
             # those whose sockets are readable: each gets one turn a round.
@@ -439,6 +487,8 @@ class Consumer:
                 # a call raised): their messages may wait without a readable socket.
                 waiting = {t.fd: t for t in turns[served:] if self._incoming.get(t.fd) is t}
                 self._unfinished = {**waiting, **self._unfinished}
+            if until_ended is not None and self._ended >= until_ended:
+                return None
             if deadline is not None and time.monotonic() >= deadline:
                 raise _shoal.PeerTimeoutError(f"shoal.sharing: no batch within {timeout} s")
 
@@ -478,8 +528,12 @@ class Consumer:
     def _accept(self) -> None:
         try:
             connection = self._listener.accept(timeout=0)
-        except (_shoal.PeerRefusedError, _shoal.ConnectionClosedError) as e:
+        except _shoal.PeerRefusedError as e:  # another uid: no producer of ours
             self._note_error(e)
+            return
+        except _shoal.ConnectionClosedError as e:  # a producer gone as it connected
+            self._note_error(e)
+            self._ended += 1
             return
         if connection is None:
             return
@@ -490,11 +544,13 @@ class Consumer:
                 )
             )
             del connection  # closes it: that producer's next put raises ConnectionClosedError
+            self._ended += 1
             return
         try:
             peer = _shoal.Peer(self.context, connection)
         except (_shoal.ConnectionClosedError, _shoal.BackendError) as e:  # gone already, or no descriptors left
             self._note_error(e)
+            self._ended += 1
             return
         incoming = _Incoming(peer)
         self._incoming[incoming.fd] = incoming
@@ -507,6 +563,7 @@ class Consumer:
         self._partial.pop(incoming.fd, None)
         incoming.arrays.clear()
         incoming.peer.close()
+        self._ended += 1
 
     def _receive_from(self, incoming: _Incoming, stream: _shoal.Stream | None) -> Batch | None:
         """Reads the messages of `incoming` that have come; returns its batch

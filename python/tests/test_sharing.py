@@ -595,6 +595,80 @@ def test_a_producer_past_the_limit_is_refused_and_the_others_go_on(clean_process
         assert first.exitcode == 0
 
 
+def killed_producer_main(address: str, tag: int) -> None:
+    """Sends one batch, then dies as by SIGKILL (no close, no wait)."""
+    producer = sharing.Producer(address)
+    producer.put(make_batch(tag))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_batches_yields_every_batch_of_the_producers_then_ends(clean_process):
+    # Each producer puts its batches and ends at once: its last batches and
+    # its end reach the consumer together, and the loop must yield them all.
+    ctx = multiprocessing.get_context("forkserver")
+    with sharing.Consumer() as consumer:
+        producers = [ctx.Process(target=producer_main, args=(consumer.address, tag, 4)) for tag in (10, 50, 90)]
+        for p in producers:
+            p.start()
+        seen = []
+        for batch in consumer.batches(producers=3, timeout=WAIT):
+            tag = batch["y"][1][0].storage.read(0, 1)[0]
+            check_batch(batch, tag)
+            seen.append(tag)
+        assert sorted(seen) == [10, 11, 12, 13, 50, 51, 52, 53, 90, 91, 92, 93]
+        assert consumer.producers_ended == 3 and consumer.producers == 0
+        assert list(consumer.batches(producers=3, timeout=0)) == [], "the count is kept from the consumer's start"
+        for p in producers:
+            p.join(WAIT)
+            assert p.exitcode == 0
+        assert consumer.errors == []
+        del batch
+
+
+def test_a_producer_that_dies_ends_the_loop_as_one_that_closes(clean_process):
+    ctx = multiprocessing.get_context("forkserver")
+    with sharing.Consumer() as consumer:
+        survivor = ctx.Process(target=producer_main, args=(consumer.address, 10, 2))
+        killed = ctx.Process(target=killed_producer_main, args=(consumer.address, 70))
+        survivor.start()
+        killed.start()
+        tags = [batch["y"][1][0].storage.read(0, 1)[0] for batch in consumer.batches(producers=2, timeout=WAIT)]
+        # The killed producer's batch arrives when its connection was accepted
+        # before it died; its end is counted either way.
+        assert sorted(t for t in tags if t != 70) == [10, 11]
+        assert consumer.producers_ended == 2
+        killed.join(WAIT)
+        survivor.join(WAIT)
+        assert killed.exitcode == -signal.SIGKILL and survivor.exitcode == 0
+
+
+def test_a_producer_refused_past_the_limit_counts_as_ended():
+    with sharing.Consumer(allocator=HOST, max_producers=1) as consumer:
+        first = sharing.Producer(consumer.address, allocator=HOST)
+        first.put({"x": HOST.allocate(64).view("uint8")})
+        second = sharing.Producer(consumer.address, allocator=HOST)
+        batch = consumer.get(timeout=WAIT)
+        first.close(timeout=WAIT)
+        assert list(consumer.batches(producers=2, timeout=WAIT)) == []
+        assert consumer.producers_ended == 2
+        assert any(isinstance(e, shoal.PeerRefusedError) for e in consumer.errors)
+        with pytest.raises(shoal.ConnectionClosedError):
+            second.put({"x": HOST.allocate(64).view("uint8")})
+        del batch
+
+
+def test_batches_waits_at_most_its_timeout_for_each_next_batch_or_end():
+    with sharing.Consumer(allocator=HOST) as consumer:
+        assert list(consumer.batches(producers=0)) == []
+        started = time.monotonic()
+        with pytest.raises(shoal.PeerTimeoutError):
+            next(consumer.batches(producers=1, timeout=0.2))
+        assert 0.2 <= time.monotonic() - started < 5
+        for wrong in (-1, 1.5, None, True):
+            with pytest.raises(shoal.InvalidArgumentError, match="producers must be a whole number"):
+                next(consumer.batches(producers=wrong))
+
+
 def test_a_batch_outlives_its_consumer(clean_process):
     ctx = multiprocessing.get_context("spawn")
     consumer = sharing.Consumer()
