@@ -153,6 +153,16 @@ refused "not in range" status --timeout 1e300
 refused "prepare" --prepare 0x1MiB
 refused "prepared_chunks" --capacity 8MiB --prepare 3x4MiB
 
+# The reader of the daemon's log goes away (`shoal daemon 2>&1 | head`, a
+# tee that died): the daemon goes on serving, and stops cleanly on SIGTERM.
+mkfifo "$dir/logpipe"
+head -c 1 < "$dir/logpipe" > /dev/null &
+"$shoal" daemon --socket "$dir/c.sock" --device host 2> "$dir/logpipe" &
+pid=$!
+answers "$dir/c.sock" || fail "the daemon did not answer status"
+answers "$dir/c.sock" || fail "the daemon died when the reader of its log went away"
+stop
+
 # Status with no daemon there: exit 1.
 "$shoal" daemon status --socket "$dir/none.sock" --device host --timeout 1 > /dev/null 2>&1
 [ $? -eq 1 ] || fail "status with no daemon did not exit 1"

@@ -104,6 +104,9 @@ int serve(const daemon_settings& settings) {
   sigaddset(&stop, SIGINT);
   sigaddset(&stop, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
+  // A reader of the log that went away (`shoal daemon 2>&1 | head`) must not
+  // end the daemon: its writes then fail with EPIPE, which the log ignores.
+  ::signal(SIGPIPE, SIG_IGN);
   backend::device& device = settings.resolve_device();
   const auto address = settings.resolve_address();
   lending::lender_config config = settings.lender_config(device);
