@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Regenerates python/shoal/_shoal.pyi from the installed extension module.
 
-nanobind's stubgen writes the classes and functions; the exception classes,
+nanobind's stubgen writes the classes and functions, the package's private
+helpers (underscored) included so that its modules type-check against the
+stub (python/tests/test_package.py); the exception classes,
 which the module creates at run time, are the hand-written part at the top of
 the stub (everything before the line `class Device:`), kept as it is.
 
@@ -19,7 +21,7 @@ FIRST_GENERATED = "\nclass Device:"
 def generated_body() -> str:
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp) / "_shoal.pyi"
-        subprocess.run([sys.executable, "-m", "nanobind.stubgen", "-q", "-m", "shoal._shoal", "-o", str(out)], check=True)
+        subprocess.run([sys.executable, "-m", "nanobind.stubgen", "-q", "-P", "-m", "shoal._shoal", "-o", str(out)], check=True)
         text = out.read_text()
     return text[text.index(FIRST_GENERATED):]
 

@@ -51,12 +51,9 @@ class PeerTimeoutError(ShoalError, TimeoutError):
 class ContentMismatchError(ShoalError):
     """Memory's content is not what the caller expected: a published region's content hash is not the one asked for."""
 
-# The package's own helpers (shoal/__init__.py), not part of the API.
+# The package's own helpers (functions with a leading underscore below, and
+# this attribute) are not part of the API.
 _capsule_type: type
-def _from_dlpack(allocator: Allocator, capsule: object) -> ArrayView: ...
-def _dlpack_consumer_stream(allocator: Allocator) -> int | None: ...
-def _push_stream(stream: Stream) -> None: ...
-def _pop_stream() -> None: ...
 
 
 
@@ -179,6 +176,12 @@ def current_stream(device: Device | None = None) -> Stream:
     """
     This thread's current stream on `device`: the innermost `with shoal.stream(s)` scope, else the default stream.
     """
+
+def _push_stream(stream: Stream) -> None:
+    """Enters a stream scope (use `with shoal.stream(s)`)."""
+
+def _pop_stream() -> None:
+    """Leaves the innermost stream scope."""
 
 def synchronize(stream: Stream | None = None) -> None:
     """
@@ -374,6 +377,16 @@ class ArrayView:
 
     def __repr__(self) -> str: ...
 
+def _from_dlpack(allocator: Allocator, capsule: object) -> ArrayView:
+    """
+    An ArrayView over a DLPack capsule's array, zero-copy (the capsule is consumed).
+    """
+
+def _dlpack_consumer_stream(allocator: Allocator) -> int | None:
+    """
+    The stream argument for a producer's __dlpack__: None on the host backend, else the current stream.
+    """
+
 def runtime_dir_address(name: str) -> str:
     """
     The recommended socket path for a channel named `name`: in $XDG_RUNTIME_DIR (this user's 0700 directory), else /tmp/shoal-<uid>. An address is that path, any absolute socket path, or '@name' for an abstract socket name (no file; the access policy alone decides who connects).
@@ -477,12 +490,12 @@ class Peer:
     def send_note(self, metadata: bytes) -> None:
         """Sends metadata alone."""
 
-    def receive(self, timeout: float | None = None, stream: Stream | None = None) -> tuple:
+    def receive(self, timeout: float | None = None, stream: Stream | None = None) -> tuple[Storage | None, bytes]:
         """
         The next (storage, metadata) from the other process — storage None for a note — ready for work enqueued on `stream` (default: the current stream). Raises PeerTimeoutError after `timeout` seconds (what came of a message is kept for the next call), ConnectionClosedError when the peer has gone or close() was called from another thread, ProtocolError on a malformed message. The wait ends on Ctrl-C (KeyboardInterrupt).
         """
 
-    def try_receive(self, stream: Stream | None = None) -> object:
+    def try_receive(self, stream: Stream | None = None) -> tuple[Storage | None, bytes] | None:
         """
         The next (storage, metadata) if it has come whole, without waiting; None when it has not (what came of it is kept). For a selector loop: once fileno() is readable, call this until it returns None. Raises ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.
         """
@@ -542,6 +555,36 @@ class Peer:
     def __exit__(self, *args) -> None: ...
 
     def __repr__(self) -> str: ...
+
+def _torch_configure(conf: str | None = None, use_environment: bool = True, **settings) -> None:
+    """
+    Settings of the allocators PyTorch will allocate from (shoal.torch.enable): expandable_segments:true (not with memory:pinned_host), then SHOAL_ALLOC_CONF, conf and keyword settings.
+    """
+
+def _torch_config_text(conf: str | None = None, use_environment: bool = True, **settings) -> str:
+    """
+    The SHOAL_ALLOC_CONF text of these settings (what _torch_settings reports once configured).
+    """
+
+def _torch_settings() -> str | None:
+    """
+    The settings given to _torch_configure, as SHOAL_ALLOC_CONF text, or None.
+    """
+
+def _torch_api() -> int:
+    """
+    The address of the C table (python/src/torch_api.h) the PyTorch plugin calls.
+    """
+
+def _torch_share(ptr: int, nbytes: int, device: int, stream: int) -> Storage:
+    """
+    A Storage over the block at `ptr` (a tensor's storage, `nbytes` long) of PyTorch's shoal allocator on CUDA device `device`, for use on `stream` (a cudaStream_t): the block is taken over on the first call, and PyTorch's free of it then drops a handle instead (shoal.torch.share).
+    """
+
+def _torch_allocator(device: int) -> Allocator:
+    """
+    The Allocator PyTorch allocates from on CUDA device `device` (made on first use).
+    """
 
 class TransferredBatch:
     """
@@ -627,6 +670,24 @@ class GroupedLoad:
 
     def __repr__(self) -> str: ...
 
+def _load_groups(groups: Sequence[tuple[Sequence[tuple[int, int, int]], object]], stream: Stream) -> GroupedLoad:
+    """
+    Enqueues groups of (destination, source, nbytes) copies on ``stream``, each group with an owner kept alive until the load is gone (which waits for its copies). Raw addresses: use shoal.loading.load_groups.
+    """
+
+def _measure_copy_cost(stream: Stream) -> tuple[float, float]:
+    """(per_group_seconds, bytes_per_second) measured on the stream's device."""
+
+def _plan_groups(layers: Sequence[tuple[int, float]], per_group_seconds: float, bytes_per_second: float, grouping: str) -> tuple[list[int], float, float]:
+    """
+    (group_ends, first_layer_start, last_layer_end) for layers of (bytes, compute_seconds).
+    """
+
+def _evaluate_grouping(layers: Sequence[tuple[int, float]], per_group_seconds: float, bytes_per_second: float, group_ends: Sequence[int]) -> tuple[list[int], float, float]:
+    """
+    The predicted (group_ends, first_layer_start, last_layer_end) of a given grouping.
+    """
+
 class Lender:
     """
     Lends regions of this process's device memory to borrower processes over a UNIX socket (the memory daemon's core, serving on its own thread).
@@ -657,6 +718,19 @@ class Lender:
     def closed(self) -> bool:
         """True once close() has begun."""
 
+def _region_id(storage: Storage) -> int | None:
+    """The id of the borrowed region behind ``storage``, or None."""
+
+def _region_layout(storage: Storage) -> tuple[list[tuple[str, int, int, str, list[int]]], bytes] | None:
+    """
+    The layout (entries, content hash) of the shared region behind ``storage``, or None.
+    """
+
+def _content_hash(storage: Storage, entries: Sequence[tuple[str, int, int, str, Sequence[int]]]) -> bytes:
+    """
+    SHA-256 of the entries' bytes in offset order, read from ``storage`` (device memory included).
+    """
+
 class Borrower:
     """A connection to a lender, through which regions are borrowed."""
 
@@ -666,6 +740,12 @@ class Borrower:
         """
         (count, bytes) of the mappings of given-back regions this borrower keeps for a later lend.
         """
+
+    def _borrow(self, allocator: Allocator, nbytes: int, purpose: str, timeout: float) -> Storage: ...
+
+    def _publish(self, allocator: Allocator, storage: Storage, entries: Sequence[tuple[str, int, int, str, Sequence[int]]], hash: bytes | None, timeout: float) -> Storage: ...
+
+    def _borrow_shared(self, allocator: Allocator, name: str, expected: bytes | None, writer_uid: int | None, timeout: float) -> Storage: ...
 
     def revocations(self, wait: float = 0.0) -> list[tuple[int, float]]:
         """
@@ -683,3 +763,28 @@ class Borrower:
     @property
     def closed(self) -> bool:
         """True once close() has begun."""
+
+def _segment_source_open(storage: Storage) -> int:
+    """
+    Binds a free slot to `storage`'s memory as a segment source; returns the slot.
+    """
+
+def _segment_source_functions(slot: int) -> tuple[int, int]:
+    """
+    The addresses of the slot's allocate(size, device, stream) and free(ptr, size, device, stream) functions, for torch._C._cuda_customAllocator.
+    """
+
+def _segment_source_stats(slot: int) -> dict:
+    """What the slot's source has carved out."""
+
+def _segment_source_close(slot: int) -> None:
+    """
+    No more segments from the slot; it is unbound (its storage dropped) once every segment is back and its MemPool is gone.
+    """
+
+def _segment_source_mem_pool_gone(slot: int) -> None:
+    """
+    The slot's MemPool object is gone (a finalizer calls this): nothing calls the slot's functions any more.
+    """
+
+def _close_exit_gate() -> None: ...

@@ -80,12 +80,13 @@ class SharedRegion:
 
     def __init__(self, storage: _shoal.Storage) -> None:
         layout = _shoal._region_layout(storage)
-        if layout is None:
+        region = _shoal._region_id(storage)
+        if layout is None or region is None:
             raise _shoal.InvalidArgumentError("SharedRegion: the storage is not a shared region")
         self._storage: Optional[_shoal.Storage] = storage
         self._layout = [Entry(n, o, b, d, tuple(s)) for (n, o, b, d, s) in layout[0]]
         self._hash: bytes = layout[1]
-        self._id: int = _shoal._region_id(storage)
+        self._id: int = region
         self._nbytes: int = storage.nbytes
 
     @property

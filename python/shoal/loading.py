@@ -25,7 +25,7 @@ tensors and hands back a ``GroupedLoad`` whose ``wait(k, stream)`` is the GPU-si
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union, cast
 
 from . import _shoal
 
@@ -128,7 +128,8 @@ def _device_address(destination: Any, stream: _shoal.Stream) -> tuple[int, int]:
         count = 1
         for extent in destination.shape:
             count *= extent
-        expected, step = [], destination.itemsize
+        expected: list[int] = []
+        step = destination.itemsize
         for extent in reversed(destination.shape):
             expected.insert(0, step // destination.itemsize)
             step *= extent
@@ -349,7 +350,8 @@ class ModuleLoader:
         views = self._views(host, slots)
         for view, source in zip(views, sources):
             view.copy_(source)
-        self._order, self._slots, self._ranges = order, slots, ranges
+        # Every tensor is in some layer's entries: no slot is left None.
+        self._order, self._slots, self._ranges = order, cast("list[tuple[int, int, Any, tuple]]", slots), ranges
         self._host_buffer, self._host_views = host, views
         self._swap(views)
 
@@ -366,7 +368,8 @@ class ModuleLoader:
             if whole is None:
                 whole = typed[dtype] = buffer.view(dtype)
             itemsize = whole.element_size()
-            stride, step = [], 1
+            stride: list[int] = []
+            step = 1
             for extent in reversed(shape):
                 stride.insert(0, step)
                 step *= extent

@@ -45,11 +45,11 @@ import os
 import secrets
 import selectors
 import time
-from typing import Any, Iterator, Union
+from typing import Any, Union
 
 from . import _shoal
 
-__all__ = ["Producer", "Consumer", "Batch", "MAX_ARRAYS_PER_BATCH", "MAX_NESTING"]
+__all__ = ["Producer", "Consumer", "Batches", "Batch", "MAX_ARRAYS_PER_BATCH", "MAX_NESTING"]
 
 Batch = Union[_shoal.ArrayView, list, tuple, dict]
 
@@ -60,6 +60,8 @@ _MAX_DIMS = 32
 _MAX_EXTENT = 1 << 48  # elements or bytes: past any device
 _VERSION = 1
 _MAX_SELECT_WAIT = 3600.0  # seconds: one select's wait, so a long batch_timeout never overflows it
+_END_NOTE = json.dumps({"v": _VERSION, "end": True}, separators=(",", ":")).encode()
+_MESSAGES_PER_TURN = 256  # a producer's messages read in one turn (a batch may span turns)
 
 
 def _default_allocator() -> _shoal.Allocator:
@@ -211,7 +213,7 @@ class Producer:
         With `max_ahead`, first waits until fewer than that many batches sent
         before are untaken, for at most `timeout` seconds (None: no limit):
         PeerTimeoutError then, and nothing of `batch` is sent (a Consumer in
-        this same thread takes nothing meanwhile: get() first).
+        this same thread takes nothing meanwhile: take batches first).
         A put that fails part-way (an array that cannot be sent, a note over
         the size limit, a timeout) takes back the arrays it sent, so the next
         put arrives whole; where even that cannot be sent, the connection is
@@ -280,8 +282,10 @@ class Producer:
         connection, and reads of work that had not run fail there with
         StreamError. (A batch without arrays is a note alone and is not
         waited for. A Consumer takes connections and batches only inside
-        get(): one in this same thread must get() every batch put before
-        this close, or it waits out `timeout`.) Raises PeerTimeoutError when
+        get() and batches(): one in this same thread must take every batch
+        put before this close, or it waits out `timeout`.) It also tells the
+        consumer this producer ended (Consumer.batches counts one that put
+        nothing). Raises PeerTimeoutError when
         the consumer had not taken every batch in time, StreamError when the
         work failed; the connection is closed either way."""
         taken = True
@@ -289,6 +293,10 @@ class Producer:
             for stream in self._streams:
                 stream.synchronize()
             if not self._peer.closed:
+                # Counts this producer as ended in a Consumer's batches() even
+                # when it put nothing. A consumer gone already needs nothing.
+                with contextlib.suppress(_shoal.ConnectionClosedError, _shoal.PeerTimeoutError):
+                    self._peer.send_note(_END_NOTE)
                 # Arrays of puts taken back after the last batch need no wait.
                 last_end = self._ends[-1] if self._ends else 0
                 try:
@@ -333,7 +341,9 @@ class _Incoming:
         self.peer = peer
         self.fd = peer.fileno()
         self.arrays: list = []
-        # Seconds get() waited while this producer's batch stood unfinished
+        # A producer's first message came: its end counts (producers_ended).
+        self.sent_something = False
+        # Seconds get() or batches() waited while this producer's batch stood unfinished
         # (Consumer.batch_timeout); back to 0 when a batch is whole.
         self.stalled = 0.0
 
@@ -343,9 +353,9 @@ class Consumer:
     once; one more is disconnected at once (its error kept in `errors`), so a
     process that connects over and over cannot exhaust this one's
     descriptors. A producer whose batch stays unfinished (arrays sent, its
-    note not) while get() waits `batch_timeout` seconds in all is
+    note not) while get() or batches() waits `batch_timeout` seconds in all is
     disconnected too, a PeerTimeoutError kept in `errors`, and the arrays it
-    sent are let go. Only get()'s waiting counts (a get(timeout=0) that
+    sent are let go. Only the waiting in get() and batches() counts (a get(timeout=0) that
     finds nothing waits no time), so a producer held back while this
     process works elsewhere is not cut off. None: no limit.
     Listens at `address` (default: a fresh name in the runtime directory, see
@@ -372,7 +382,7 @@ class Consumer:
         self.allocator = allocator if allocator is not None else _default_allocator()
         self.context = _shoal.SharingContext(self.allocator, **options)
         chosen = address is None
-        if chosen:
+        if address is None:
             address = _shoal.runtime_dir_address(f"shoal-{os.getpid()}-{secrets.token_hex(6)}.sock")
         self._listener = _shoal.Listener(address, list(allowed_uids))
         self.address: str = self._listener.address
@@ -399,10 +409,12 @@ class Consumer:
 
     @property
     def producers_ended(self) -> int:
-        """Producer connections ended since this consumer began: closed by
-        their producer (after their last batch), gone, cut off (`errors`
-        says why), refused past `max_producers`, or closed by close().
-        Connections refused for their uid are not counted."""
+        """Producers ended since this consumer began: connections that had
+        sent something (a batch, or a Producer's close() that had sent
+        nothing) and then ended — closed by their producer after its last
+        batch, gone, cut off (`errors` says why), or closed by close().
+        Connections that sent nothing (a probe, one refused past
+        `max_producers` or for its uid) are not counted."""
         return self._ended
 
     def get(self, timeout: float | None = None, stream: _shoal.Stream | None = None) -> Batch:
@@ -418,37 +430,31 @@ class Consumer:
 
     def batches(
         self, producers: int, timeout: float | None = None, stream: _shoal.Stream | None = None
-    ) -> Iterator[Batch]:
-        """Yields batches as get() returns them until `producers` producer
-        connections have ended (see `producers_ended`, counted from this
-        consumer's start), having yielded every batch they sent before
-        ending: the loop of a consumer that started that many producers.
+    ) -> "Batches":
+        """An iterator over batches, as get() returns them, that ends once
+        `producers` more producers have ended (counted from this call, see
+        `producers_ended`), every batch each sent before its end yielded:
+        the loop of a consumer that started that many producers.
 
             with shoal.sharing.Consumer() as consumer:
                 start_producers(consumer.address, workers=4)
                 for batch in consumer.batches(producers=4, timeout=60):
                     train_step(batch)
 
-        `timeout`: seconds to wait for each next batch or end,
-        PeerTimeoutError past it (a producer that died before it connected
-        is never counted: without a timeout the loop would wait for it).
-        Producers connected beyond `producers` may have batches left when
-        the loop ends."""
-        if type(producers) is not int or producers < 0:
-            raise _shoal.InvalidArgumentError(
-                f"shoal.sharing.Consumer.batches: producers must be a whole number >= 0, not {producers!r}"
-            )
-        while True:
-            batch = self._next("batches", timeout, stream, producers)
-            if batch is None:
-                return
-            yield batch
+        `timeout`: seconds to wait for each next batch or end;
+        PeerTimeoutError past it, after which the same iterator may be
+        asked again. Give one: a producer gone before this consumer
+        accepted its connection (killed, or ended before its first batch
+        was taken) is not counted, nor is one refused past `max_producers`
+        (`errors` names it), and without a timeout the loop would wait for
+        it. Producers beyond `producers` may have batches left at the end."""
+        return Batches(self, producers, timeout, stream)
 
     def _next(
         self, caller: str, timeout: float | None, stream: _shoal.Stream | None, until_ended: int | None
     ) -> Batch | None:
-        """The next whole batch; None once `until_ended` producers have
-        ended (a connection's batches come before its end)."""
+        """The next whole batch; None once `producers_ended` reaches
+        `until_ended` (a connection's batches come before its end)."""
         if self._closed:
             raise _shoal.InvalidArgumentError(f"shoal.sharing.Consumer.{caller}: the consumer is closed")
         if timeout is not None and not timeout >= 0:
@@ -528,12 +534,8 @@ class Consumer:
     def _accept(self) -> None:
         try:
             connection = self._listener.accept(timeout=0)
-        except _shoal.PeerRefusedError as e:  # another uid: no producer of ours
+        except (_shoal.PeerRefusedError, _shoal.ConnectionClosedError) as e:
             self._note_error(e)
-            return
-        except _shoal.ConnectionClosedError as e:  # a producer gone as it connected
-            self._note_error(e)
-            self._ended += 1
             return
         if connection is None:
             return
@@ -544,13 +546,11 @@ class Consumer:
                 )
             )
             del connection  # closes it: that producer's next put raises ConnectionClosedError
-            self._ended += 1
             return
         try:
             peer = _shoal.Peer(self.context, connection)
         except (_shoal.ConnectionClosedError, _shoal.BackendError) as e:  # gone already, or no descriptors left
             self._note_error(e)
-            self._ended += 1
             return
         incoming = _Incoming(peer)
         self._incoming[incoming.fd] = incoming
@@ -563,18 +563,20 @@ class Consumer:
         self._partial.pop(incoming.fd, None)
         incoming.arrays.clear()
         incoming.peer.close()
-        self._ended += 1
+        if incoming.sent_something:
+            self._ended += 1
 
     def _receive_from(self, incoming: _Incoming, stream: _shoal.Stream | None) -> Batch | None:
         """Reads the messages of `incoming` that have come; returns its batch
         once whole."""
         try:
-            while True:
+            for _ in range(_MESSAGES_PER_TURN):
                 message = incoming.peer.try_receive(stream=stream)
                 if message is None:
                     if incoming.peer.pending() > 0:  # it stopped short: more waits without a readable socket
                         self._unfinished[incoming.fd] = incoming
                     return None
+                incoming.sent_something = True
                 storage, metadata = message
                 if storage is not None:
                     if len(incoming.arrays) >= MAX_ARRAYS_PER_BATCH:
@@ -592,6 +594,8 @@ class Consumer:
                     self._partial.pop(incoming.fd, None)
                     incoming.stalled = 0.0
                     continue
+                if metadata == _END_NOTE and not incoming.arrays:
+                    continue  # a Producer's close(): nothing more comes
                 if not isinstance(note, dict) or note.get("v") != _VERSION or note.get("arrays") != len(incoming.arrays):
                     raise _protocol_error("a batch note that does not match the arrays sent")
                 used: set = set()
@@ -602,10 +606,14 @@ class Consumer:
                 incoming.stalled = 0.0
                 self._partial.pop(incoming.fd, None)
                 return batch
+            # Its turn is over (a peer that keeps sending cannot hold get()
+            # past its deadline, nor the others back); the rest waits.
+            self._unfinished[incoming.fd] = incoming
         except _shoal.ConnectionClosedError:
             self._drop(incoming)
         except _shoal.ProtocolError as e:
             self._note_error(e)
+            incoming.sent_something = True  # cut off: a producer's end all the same
             self._drop(incoming)
         return None
 
@@ -633,3 +641,43 @@ class Consumer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Batches:
+    """Consumer.batches(): an iterator over batches that ends once a number
+    of producers have ended. PeerTimeoutError from next() leaves it usable."""
+
+    def __init__(
+        self, consumer: Consumer, producers: int, timeout: float | None, stream: _shoal.Stream | None
+    ) -> None:
+        if type(producers) is not int or producers < 0:
+            raise _shoal.InvalidArgumentError(
+                f"shoal.sharing.Consumer.batches: producers must be a whole number >= 0, not {producers!r}"
+            )
+        if timeout is not None and not timeout >= 0:
+            raise _shoal.InvalidArgumentError(
+                f"shoal.sharing.Consumer.batches: timeout must be a number of seconds >= 0 or None, got {timeout}")
+        if consumer.closed:
+            raise _shoal.InvalidArgumentError("shoal.sharing.Consumer.batches: the consumer is closed")
+        self._consumer = consumer
+        self._until = consumer.producers_ended + producers
+        self._timeout = timeout
+        self._stream = stream
+        self._done = False
+
+    @property
+    def producers_left(self) -> int:
+        """Producers still to end before the iteration does."""
+        return max(0, self._until - self._consumer.producers_ended)
+
+    def __iter__(self) -> "Batches":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._done:
+            raise StopIteration
+        batch = self._consumer._next("batches", self._timeout, self._stream, self._until)
+        if batch is None:
+            self._done = True
+            raise StopIteration
+        return batch

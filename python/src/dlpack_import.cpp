@@ -209,6 +209,7 @@ void register_dlpack_import(nb::module_& m) {
         "An ArrayView over a DLPack capsule's array, zero-copy (the capsule is consumed).");
   m.attr("_capsule_type") = nb::borrow(reinterpret_cast<PyObject*>(&PyCapsule_Type));
   m.def("_dlpack_consumer_stream", &consumer_stream, nb::arg("allocator"),
+        nb::sig("def _dlpack_consumer_stream(allocator: Allocator) -> int | None"),
         "The stream argument for a producer's __dlpack__: None on the host backend, else the current stream.");
 }
 

@@ -394,6 +394,8 @@ void register_sharing(nb::module_& m) {
             return received_tuple(p, std::move(*r));
           },
           nb::arg("timeout").none() = nb::none(), nb::arg("stream").none() = nb::none(),
+          nb::sig("def receive(self, timeout: float | None = None, stream: Stream | None = None) -> "
+                  "tuple[Storage | None, bytes]"),
           "The next (storage, metadata) from the other process — storage None for a note — ready for work "
           "enqueued on `stream` (default: the current stream). Raises PeerTimeoutError after `timeout` "
           "seconds (what came of a message is kept for the next call), ConnectionClosedError when the peer "
@@ -414,6 +416,7 @@ void register_sharing(nb::module_& m) {
             return received_tuple(p, std::move(*r));
           },
           nb::arg("stream").none() = nb::none(),
+          nb::sig("def try_receive(self, stream: Stream | None = None) -> tuple[Storage | None, bytes] | None"),
           "The next (storage, metadata) if it has come whole, without waiting; None when it has not (what "
           "came of it is kept). For a selector loop: once fileno() is readable, call this until it returns "
           "None. Raises ConnectionClosedError when the peer has gone, ProtocolError on a malformed message.")

@@ -51,6 +51,17 @@ with shoal.Listener("@shoal-typing-example") as listener:
 """
 
 
+def test_the_package_type_checks_against_its_stub(tmp_path):
+    # The modules call the extension's private helpers too: the stub types
+    # them (generate_stubs.py keeps underscored names), so a changed binding
+    # that a module calls the old way fails here, not in a user's program.
+    mypy = pytest.importorskip("mypy.api")
+    package = pathlib.Path(__file__).parents[1] / "shoal"
+    report, errors, status = mypy.run([
+        "--no-incremental", "--cache-dir", str(tmp_path / "cache"), "--ignore-missing-imports", str(package)])
+    assert status == 0, report + errors
+
+
 def test_the_stub_and_its_usage_type_check(tmp_path):
     mypy = pytest.importorskip("mypy.api")
     usage = tmp_path / "usage.py"

@@ -3,6 +3,7 @@ checked channel, with multiprocessing spawn and forkserver children, crash
 reclaim, hostile producers and deadlines. Every wait has a deadline."""
 
 import gc
+import contextlib
 import json
 import multiprocessing
 import os
@@ -410,6 +411,7 @@ def test_a_closed_peer_raises_connection_closed():
         assert connection is not None
         with shoal.Peer(context, connection) as peer:
             child.join(WAIT)
+            assert peer.receive(timeout=WAIT) == (None, b'{"v":1,"end":true}'), "a Producer's close() says it ended"
             with pytest.raises(shoal.ConnectionClosedError):
                 peer.receive(timeout=WAIT)
         with pytest.raises(ValueError, match="given to a Peer"):
@@ -617,7 +619,6 @@ def test_batches_yields_every_batch_of_the_producers_then_ends(clean_process):
             seen.append(tag)
         assert sorted(seen) == [10, 11, 12, 13, 50, 51, 52, 53, 90, 91, 92, 93]
         assert consumer.producers_ended == 3 and consumer.producers == 0
-        assert list(consumer.batches(producers=3, timeout=0)) == [], "the count is kept from the consumer's start"
         for p in producers:
             p.join(WAIT)
             assert p.exitcode == 0
@@ -642,31 +643,106 @@ def test_a_producer_that_dies_ends_the_loop_as_one_that_closes(clean_process):
         assert killed.exitcode == -signal.SIGKILL and survivor.exitcode == 0
 
 
-def test_a_producer_refused_past_the_limit_counts_as_ended():
+def test_a_producer_refused_past_the_limit_is_not_counted_and_is_named_in_errors():
     with sharing.Consumer(allocator=HOST, max_producers=1) as consumer:
         first = sharing.Producer(consumer.address, allocator=HOST)
         first.put({"x": HOST.allocate(64).view("uint8")})
         second = sharing.Producer(consumer.address, allocator=HOST)
         batch = consumer.get(timeout=WAIT)
         first.close(timeout=WAIT)
-        assert list(consumer.batches(producers=2, timeout=WAIT)) == []
-        assert consumer.producers_ended == 2
+        batches = consumer.batches(producers=2, timeout=0.5)
+        with pytest.raises(shoal.PeerTimeoutError):
+            next(batches)  # its batches never come: the loop must not end as if they had
+        assert consumer.producers_ended == 1 and batches.producers_left == 1
         assert any(isinstance(e, shoal.PeerRefusedError) for e in consumer.errors)
         with pytest.raises(shoal.ConnectionClosedError):
             second.put({"x": HOST.allocate(64).view("uint8")})
         del batch
 
 
-def test_batches_waits_at_most_its_timeout_for_each_next_batch_or_end():
+def test_connections_that_send_nothing_are_not_counted_and_a_producer_that_put_nothing_is():
+    with sharing.Consumer(allocator=HOST) as consumer:
+        batches = consumer.batches(producers=1, timeout=0.5)
+        with socket.socket(socket.AF_UNIX) as probe:  # connects and hangs up
+            probe.connect(consumer.address)
+        with pytest.raises(shoal.InvalidArgumentError):
+            sharing.Consumer(consumer.address, allocator=HOST)  # probes the address: in use
+        with pytest.raises(shoal.PeerTimeoutError):
+            next(batches)
+        assert consumer.producers_ended == 0
+        with sharing.Producer(consumer.address, allocator=HOST):
+            pass  # puts nothing: its close() says it ended
+        assert list(batches) == [] and consumer.producers_ended == 1
+
+
+def test_the_count_starts_at_each_call_so_a_loop_per_epoch_works():
+    with sharing.Consumer(allocator=HOST) as consumer:
+        for epoch in range(3):
+            producers = [sharing.Producer(consumer.address, allocator=HOST) for _ in range(2)]
+            for i, producer in enumerate(producers):
+                producer.put({"x": HOST.allocate(8).view("uint8"), "tag": [HOST.allocate(epoch * 2 + i + 1)]})
+            taken = consumer.batches(producers=2, timeout=WAIT)
+            got = [next(taken), next(taken)]  # both batches taken: the closes below need not wait
+            for producer in producers:
+                producer.close(timeout=WAIT)
+            got += list(taken)
+            assert sorted(b["tag"][0].storage.nbytes for b in got) == [epoch * 2 + 1, epoch * 2 + 2]
+        assert consumer.producers_ended == 6
+
+
+def test_a_timeout_leaves_the_iterator_usable():
+    with sharing.Consumer(allocator=HOST) as consumer:
+        batches = consumer.batches(producers=1, timeout=0.2)
+        with pytest.raises(shoal.PeerTimeoutError):
+            next(batches)
+        producer = sharing.Producer(consumer.address, allocator=HOST)
+        producer.put({"x": HOST.allocate(8).view("uint8")})
+        got = next(batches)
+        producer.close(timeout=WAIT)
+        assert list(batches) == [] and batches.producers_left == 0
+        del got
+
+
+def flooding_producer_main(address: str, stop) -> None:
+    """Sends notes that take nothing back, as fast as it can, until `stop`
+    is set or the consumer hangs up."""
+    note = json.dumps({"v": 1, "abort": True}).encode()
+    producer = sharing.Producer(address)
+    with contextlib.suppress(shoal.ShoalError):
+        while not stop.is_set():
+            producer.peer.send_note(note)
+    os._exit(0)
+
+
+def test_a_peer_that_never_stops_sending_cannot_hold_get_past_its_deadline(clean_process):
+    ctx = multiprocessing.get_context("forkserver")
+    with sharing.Consumer() as consumer:
+        stop = ctx.Event()
+        flooder = ctx.Process(target=flooding_producer_main, args=(consumer.address, stop))
+        flooder.start()
+        try:
+            for _ in range(5):
+                started = time.monotonic()
+                with pytest.raises(shoal.PeerTimeoutError):
+                    consumer.get(timeout=0.2)
+                assert time.monotonic() - started < 0.7, "a turn without end held get() past its deadline"
+            assert consumer.producers == 1
+        finally:
+            stop.set()
+            consumer.close()  # a send waiting for room ends at once
+            flooder.join(WAIT)
+
+
+def test_batches_checks_its_arguments_when_called():
     with sharing.Consumer(allocator=HOST) as consumer:
         assert list(consumer.batches(producers=0)) == []
-        started = time.monotonic()
-        with pytest.raises(shoal.PeerTimeoutError):
-            next(consumer.batches(producers=1, timeout=0.2))
-        assert 0.2 <= time.monotonic() - started < 5
         for wrong in (-1, 1.5, None, True):
             with pytest.raises(shoal.InvalidArgumentError, match="producers must be a whole number"):
-                next(consumer.batches(producers=wrong))
+                consumer.batches(producers=wrong)
+        with pytest.raises(shoal.InvalidArgumentError, match="timeout must be"):
+            consumer.batches(producers=1, timeout=-1)
+    with pytest.raises(shoal.InvalidArgumentError, match="closed"):
+        consumer.batches(producers=1)
 
 
 def test_a_batch_outlives_its_consumer(clean_process):
