@@ -80,14 +80,37 @@ struct borrowed_region::link {
   channel::connection conn;
   detail::mapping_cache kept;  // under mutex
   std::uint64_t next_request = 1;
-  // A request that timed out may still be answered: the stream of answers is
-  // out of step from then on, so nothing more is asked.
+  // The link cannot be trusted any more (the lender broke the protocol, or
+  // an answer stopped part-way): nothing more is asked.
   bool out_of_step = false;
+  // A borrow or borrow_shared whose answer had not begun to come by its
+  // deadline: the lender may still lend. Answers come in the order asked, so
+  // the next call reads that answer first and gives the region back
+  // unmapped (settle_late), then asks its own; the link stays in step.
+  struct late_request {
+    std::uint64_t request = 0;
+    bool shared = false;  // a layout frame follows its chunks
+  };
+  std::optional<late_request> late;
+
+  ~link() {
+    // The last holder of the link is going: a late answer still on its way
+    // is taken and given back now, or the lender would keep its region
+    // until this process ends (it cannot know it was never mapped).
+    if (!late || out_of_step || conn.broken()) return;
+    try {
+      std::lock_guard lock(mutex);
+      settle_late(deadline_after(drop_timeout), "close");
+    } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on this process's exit
+    }
+  }
+  link(const link&) = delete;
+  link& operator=(const link&) = delete;
 
   void usable(const char* operation) const {
     if (out_of_step) {
       throw connection_closed(std::string("borrower::") + operation +
-                              ": an earlier request timed out or the lender broke the protocol; connect again");
+                              ": the lender broke the protocol, or an answer stopped part-way; connect again");
     }
   }
 
@@ -158,17 +181,103 @@ struct borrowed_region::link {
   }
 
   // The next answer, within the deadline (revokes and forgets that come
-  // first are handled); a timeout leaves the link out of step.
-  channel::frame next(clock_type::time_point deadline, const char* operation) {
+  // first are handled); timeout_error when none has begun to come (the
+  // link stays in step only where the caller records what is late).
+  channel::frame next_or_timeout(clock_type::time_point deadline, const char* operation) {
     for (;;) {
       channel::frame f;
       try {
         f = conn.receive_for(left_until(deadline));
       } catch (const timeout_error&) {
-        out_of_step = true;
         throw timeout_error(std::string("borrower::") + operation + ": the lender did not answer in time");
       }
       if (!unasked(f, operation)) return f;
+    }
+  }
+
+  // next_or_timeout, where a timeout leaves the link out of step (the answer
+  // was under way, or nothing records it as late).
+  channel::frame next(clock_type::time_point deadline, const char* operation) {
+    try {
+      return next_or_timeout(deadline, operation);
+    } catch (const timeout_error&) {
+      out_of_step = true;
+      throw;
+    }
+  }
+
+  // Reads the answer to a late request, if it has not been read yet, within
+  // `deadline`: a refusal is dropped, a region lent is given back without
+  // being mapped (a kept mapping it came on stays kept when the lender
+  // records it so). timeout_error, the request still late, when that answer
+  // has not begun to come. Under `mutex`, before a call sends its request.
+  void settle_late(clock_type::time_point deadline, const char* operation) {
+    if (!late) return;
+    channel::frame f;
+    try {
+      f = next_or_timeout(deadline, operation);
+    } catch (const timeout_error&) {
+      if (conn.broken()) out_of_step = true;
+      throw timeout_error(std::string("borrower::") + operation + ": the lender has not answered request " +
+                          std::to_string(late->request) + ", which timed out, yet");
+    }
+    take_late_answer(std::move(f), deadline, operation);
+  }
+
+  // The late request's answer, whose first frame is `f`: read whole, its
+  // region given back. Anything else leaves the link out of step.
+  void take_late_answer(channel::frame f, clock_type::time_point deadline, const char* operation) {
+    const late_request r = *std::exchange(late, std::nullopt);
+    const auto who = [operation] { return std::string("borrower::") + operation; };
+    try {
+      if (f.type == static_cast<std::uint16_t>(message_type::refused)) {
+        if (detail::decode_refused(f.payload).request == r.request) return;
+        throw protocol_error(who() + ": a refusal that answers no request; request " + std::to_string(r.request) +
+                             " was the one left unanswered");
+      }
+      if (f.type != static_cast<std::uint16_t>(message_type::lent)) {
+        throw protocol_error(who() + ": the lender answered request " + std::to_string(r.request) +
+                             ", which timed out, with frame type " + std::to_string(f.type));
+      }
+      const auto lent = detail::decode_lent(f.payload);
+      if (lent.request != r.request || lent.bytes == 0) {
+        throw protocol_error(who() + ": the lender lent " + std::to_string(lent.bytes) + " bytes for request " +
+                             std::to_string(lent.request) + "; request " + std::to_string(r.request) +
+                             " was the one left unanswered");
+      }
+      held.insert(lent.region);  // the lender may revoke it until it confirms the give back
+      // Its chunks are dropped unmapped (their descriptors close with them).
+      // Lent with none, it is memory this borrower keeps mapped: that
+      // mapping is offered back with it.
+      const bool on_kept_mapping = lent.chunks == 0;
+      if (on_kept_mapping && (r.shared || !kept.contains(lent.memory))) {
+        throw protocol_error(who() + ": region " + std::to_string(lent.region) +
+                             " was lent with no chunks, as memory this borrower does not keep mapped");
+      }
+      for (std::uint32_t i = 0; i < lent.chunks; ++i) {
+        if (next(deadline, operation).type != static_cast<std::uint16_t>(message_type::chunk)) {
+          throw protocol_error(who() + ": expected chunk " + std::to_string(i) + " of region " +
+                               std::to_string(lent.region));
+        }
+      }
+      if (r.shared && next(deadline, operation).type != static_cast<std::uint16_t>(message_type::layout)) {
+        throw protocol_error(who() + ": expected the layout of region " + std::to_string(lent.region));
+      }
+      conn.send(static_cast<std::uint16_t>(message_type::give_back),
+                detail::encode(detail::give_back_message{lent.region, on_kept_mapping}));
+      const channel::frame answer = next(deadline, operation);
+      const auto given = answer.type == static_cast<std::uint16_t>(message_type::given_back)
+                             ? std::optional(detail::decode_given_back(answer.payload))
+                             : std::nullopt;
+      if (!given || given->region != lent.region || (given->kept && !on_kept_mapping)) {
+        throw protocol_error(who() + ": the lender answered the give back of region " + std::to_string(lent.region) +
+                             " with frame type " + std::to_string(answer.type));
+      }
+      if (on_kept_mapping && !given->kept) (void)kept.forget(lent.memory);  // the lender no longer records it
+      given_back_confirmed(lent.region);
+    } catch (const protocol_error&) {
+      out_of_step = true;
+      throw;
     }
   }
 
@@ -224,6 +333,7 @@ struct borrowed_region::link {
     bool kept_now = false;
     try {
       usable("give_back");
+      settle_late(deadline, "give_back");
       conn.send(static_cast<std::uint16_t>(message_type::give_back),
                 detail::encode(detail::give_back_message{id, keep}));
       channel::frame f = next(deadline, "give_back");
@@ -265,12 +375,26 @@ struct borrowed_region::link {
   // Reads the answer to `request` — refused (thrown as its typed error), or
   // lent of at least `min_bytes` and its chunk frames — and maps the chunks
   // with `access`. Under `mutex`. A region lent but not mappable is given
-  // back at once.
+  // back at once. With `late_if_unanswered`, an answer that has not begun
+  // to come by the deadline is recorded as late (settle_late takes it).
   mapped receive_region(std::uint64_t request, std::size_t min_bytes, backend::memory_access access,
-                        clock_type::time_point deadline, const char* operation) {
+                        clock_type::time_point deadline, const char* operation,
+                        std::optional<late_request> late_if_unanswered = std::nullopt) {
     // Named only when something is wrong: the answer's path allocates nothing for it.
     const auto who = [operation] { return std::string("borrower::") + operation; };
-    channel::frame f = next(deadline, operation);
+    channel::frame f;
+    try {
+      f = late_if_unanswered ? next_or_timeout(deadline, operation) : next(deadline, operation);
+    } catch (const timeout_error& e) {
+      if (!late_if_unanswered) throw;
+      if (conn.broken()) {  // a batch stopped part-way: the link is closed
+        out_of_step = true;
+        throw;
+      }
+      late = late_if_unanswered;
+      throw timeout_error(std::string(e.what()) +
+                          "; if the lender lends it later, the region is given back unmapped at this borrower's next call");
+    }
     if (f.type == static_cast<std::uint16_t>(message_type::refused)) {
       const auto refused = detail::decode_refused(f.payload);
       if (refused.request != request) {
@@ -401,11 +525,14 @@ borrowed_region borrower::borrow(std::size_t bytes, std::string_view purpose, re
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
   l.usable("borrow");
+  l.exchange([&] { l.settle_late(deadline, "borrow"); });
   const std::uint64_t request = l.next_request++;
   l.conn.send(static_cast<std::uint16_t>(message_type::borrow),
               detail::encode(detail::borrow_message{request, bytes, mode, std::string(purpose)}));
-  const auto m = l.exchange(
-      [&] { return l.receive_region(request, bytes, backend::memory_access::read_write, deadline, "borrow"); });
+  const auto m = l.exchange([&] {
+    return l.receive_region(request, bytes, backend::memory_access::read_write, deadline, "borrow",
+                            borrowed_region::link::late_request{request, false});
+  });
   return borrowed_region(link_, m.lent.region, m.lent.memory, m.data, static_cast<std::size_t>(m.lent.bytes));
 }
 
@@ -425,6 +552,7 @@ borrowed_region borrower::publish(borrowed_region&& region, const region_layout&
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
   l.usable("publish");
+  l.exchange([&] { l.settle_late(deadline, "publish"); });
   const std::uint64_t id = region.id_;
   const std::size_t size = region.size_;
   // From here on the region object holds nothing: the writable mapping goes
@@ -468,11 +596,14 @@ borrowed_region borrower::borrow_shared(std::string_view name, std::optional<con
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
   l.usable("borrow_shared");
+  l.exchange([&] { l.settle_late(deadline, "borrow_shared"); });
   const std::uint64_t request = l.next_request++;
   l.conn.send(static_cast<std::uint16_t>(message_type::borrow_shared),
               detail::encode(detail::borrow_shared_message{request, std::string(name), expected, expected_writer_uid}));
-  const auto m = l.exchange(
-      [&] { return l.receive_region(request, 0, backend::memory_access::read_only, deadline, "borrow_shared"); });
+  const auto m = l.exchange([&] {
+    return l.receive_region(request, 0, backend::memory_access::read_only, deadline, "borrow_shared",
+                            borrowed_region::link::late_request{request, true});
+  });
   // The layout frame follows. Anything wrong with it unmaps the region and
   // leaves the link out of step (the lender reclaims the hold on hang-up).
   try {
@@ -532,10 +663,13 @@ std::vector<borrower::revocation> borrower::revocations(std::chrono::millisecond
       l.usable("revocations");
       l.exchange([&] {
         while (std::optional<channel::frame> f = l.conn.try_receive()) {
-          if (!l.unasked(*f, "revocations")) {
-            throw protocol_error("borrower::revocations: the lender sent frame type " + std::to_string(f->type) +
-                                 " unasked; only revoke and forget may come so");
+          if (l.unasked(*f, "revocations")) continue;
+          if (l.late) {  // its remaining frames come with it: a short wait at most
+            l.take_late_answer(std::move(*f), std::max(deadline, deadline_after(drop_timeout)), "revocations");
+            continue;
           }
+          throw protocol_error("borrower::revocations: the lender sent frame type " + std::to_string(f->type) +
+                               " unasked; only revoke and forget may come so");
         }
       });
       if (!l.stashed.empty() || clock_type::now() >= deadline) return std::exchange(l.stashed, {});
@@ -552,6 +686,7 @@ std::string borrower::metrics(std::chrono::milliseconds timeout) {
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
   l.usable("metrics");
+  l.exchange([&] { l.settle_late(deadline, "metrics"); });
   l.conn.send(static_cast<std::uint16_t>(message_type::query_metrics), {});
   channel::frame f = l.exchange([&] { return l.next(deadline, "metrics"); });
   if (f.type != static_cast<std::uint16_t>(message_type::metrics) || f.payload.size() > detail::max_metrics_text) {

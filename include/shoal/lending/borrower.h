@@ -45,9 +45,12 @@
 // writer's uid, is not the one asked for) — and a device failure on its side is backend_error; the
 // connection stays usable after any of them. connection_closed when the
 // lender is gone (regions already mapped stay valid until given back);
-// timeout_error when it does not answer within the deadline (the connection
-// is then closed: an answer may still be on its way). protocol_error when it
-// sends something malformed (the connection is closed).
+// timeout_error when it does not answer within the deadline: the connection
+// stays usable, and a borrow or borrow_shared the lender answers later is
+// read by this borrower's next call (or when the connection closes) and
+// given back unmapped, so the lender does not keep that region lent (an
+// answer that stopped part-way closes the connection instead). protocol_error
+// when it sends something malformed (the connection is closed).
 //
 // Thread-safety: borrow and give_back may be called from several threads;
 // requests go one at a time. revocations() waits without holding the
