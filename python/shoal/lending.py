@@ -5,17 +5,20 @@ UNIX socket whose peer credentials are checked; a worker maps each region at its
 and gets it as a :class:`shoal.Storage`, so views, DLPack and copies work as for any
 storage::
 
-    import shoal.lending, torch
+    import shoal, shoal.lending, torch
 
-    with shoal.lending.Borrower("/run/user/1000/shoal/lender.sock") as borrower:
+    with shoal.lending.Borrower(shoal.runtime_dir_address("lender.sock")) as borrower:  # `shoal daemon`'s default
         region = borrower.borrow(1 << 30, "parameters")            # a Storage of >= 1 GiB
         weights = torch.from_dlpack(region.view("float16", (512, 1 << 20)))
 
 The region is given back once the storage and every view of it are gone (after the streams
 it was used on have passed their work). A lender's refusals are typed: ``OutOfMemoryError``
-(its capacity), ``PeerRefusedError`` (this borrower's quota), ``InvalidArgumentError`` (a
-bad request); a lender that does not answer in time gives ``PeerTimeoutError``. When a
-borrower dies — SIGKILL included — the lender reclaims its regions.
+(its capacity), ``PeerRefusedError`` (this borrower's quota, or turned away as it connects:
+as many borrowers as the lender admits are connected, or a user it does not admit),
+``InvalidArgumentError`` (a bad request); a lender that does not answer in time gives
+``PeerTimeoutError`` (a region it lends later is given back unmapped at this borrower's
+next call, or as it closes). When a borrower dies — SIGKILL included — the lender reclaims
+its regions.
 
 :class:`Lender` runs the lender in this process (on its own thread); ``status()`` says who
 holds what, and ``metrics()`` gives the Prometheus text.
@@ -179,7 +182,17 @@ class Borrower:
 
     def borrow(self, nbytes: int, purpose: str, timeout: float = 5.0) -> _shoal.Storage:
         """A region of at least ``nbytes`` (rounded up to the device's granularity) for
-        ``purpose`` (1 to 64 printable ASCII characters), mapped in this process."""
+        ``purpose`` (1 to 64 printable ASCII characters), mapped in this process. The lender
+        answers at once: a region that does not fit is refused (``OutOfMemoryError``), not
+        waited for. Past ``timeout`` seconds ``PeerTimeoutError`` (Ctrl-C too is seen then);
+        a region lent later is given back at this borrower's next call."""
+        if type(nbytes) is not int or nbytes < 1:
+            raise _shoal.InvalidArgumentError(
+                f"shoal.lending.Borrower.borrow: nbytes must be a whole number of bytes >= 1, not {nbytes!r}")
+        if not isinstance(purpose, str):
+            raise _shoal.InvalidArgumentError(
+                f"shoal.lending.Borrower.borrow: purpose must be a str of 1 to 64 printable ASCII characters, "
+                f"not {purpose!r}")
         return self._native._borrow(self._allocator, nbytes, purpose, timeout)
 
     def publish(
@@ -260,15 +273,34 @@ class Borrower:
 
 
 class Lender:
-    """Lends this process's device memory at ``address``. Keywords:
-    ``capacity_bytes``, ``quota_bytes``, ``max_borrowers``,
-    ``max_regions_per_borrower``, ``peer_timeout``, ``allowed_uids``, ``reuse``, and
-    ``prepared_chunks`` (sizes of chunks made at start, from which regions of those
-    sizes are lent with no device call at borrow time)."""
+    """Lends ``device``'s memory (default: the default device) at ``address``, on a
+    thread of its own: at most ``capacity_bytes`` in all (1 GiB unless given) and
+    ``quota_bytes`` per borrower connection, to at most ``max_borrowers`` connected at
+    once, each holding at most ``max_regions_per_borrower`` regions; every wait on a
+    borrower ends after ``peer_timeout`` seconds. Borrowers of this process's uid and of
+    ``allowed_uids`` are admitted. ``reuse``: ``"same_uid"`` lends given-back memory
+    again within one uid, ``"never"`` makes every region fresh memory.
+    ``prepared_chunks``: sizes of chunks made now, from which regions of those sizes are
+    lent with no device call at borrow time. (``shoal daemon`` runs one as a program.)"""
 
-    def __init__(self, address: str, **settings: Any) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        device: Optional[_shoal.Device] = None,
+        capacity_bytes: int = 1 << 30,
+        quota_bytes: int = 1 << 30,
+        max_borrowers: int = 64,
+        max_regions_per_borrower: int = 1024,
+        peer_timeout: float = 1.0,
+        allowed_uids: Sequence[int] = (),
+        reuse: str = "same_uid",
+        prepared_chunks: Sequence[int] = (),
+    ) -> None:
         self._address = address
-        self._native = _shoal.Lender(address, **settings)
+        self._native = _shoal.Lender(
+            address, device, capacity_bytes, quota_bytes, max_borrowers, max_regions_per_borrower, peer_timeout,
+            list(allowed_uids), reuse, list(prepared_chunks))
 
     def status(self) -> dict:
         """Regions lent (id, bytes, purpose, mode, state, pid, uid, age_seconds, and for a shared
@@ -277,8 +309,9 @@ class Lender:
 
     def revoke(self, region: int, deadline: float) -> None:
         """Asks the borrower of ``region`` to give it back within ``deadline`` seconds (the
-        next model's turn); returns at once. A borrower that lets the time pass is named in the
-        log and keeps the region until it gives it back or exits."""
+        next model's turn); returns at once. A borrower that lets the time pass keeps the
+        region until it gives it back or exits; ``status()`` counts it in
+        ``revocations_missed`` and shows the region ``revoking`` meanwhile."""
         self._native.revoke(region, deadline)
 
     def metrics(self) -> str:

@@ -144,6 +144,23 @@ def test_refusals_are_typed(address):
             assert borrower.metrics() == lender.metrics()
 
 
+def test_a_borrower_turned_away_as_it_connects_gets_peer_refused(address):
+    with shoal.lending.Lender(address, max_borrowers=1), shoal.lending.Borrower(address):
+        with pytest.raises(shoal.PeerRefusedError, match="turned this borrower away"):
+            shoal.lending.Borrower(address, timeout=2.0)
+
+
+def test_wrong_arguments_are_named(address):
+    with pytest.raises(TypeError, match="capacity"):
+        shoal.lending.Lender(address, capacity=MIB)  # type: ignore[call-arg]
+    with shoal.lending.Lender(address), shoal.lending.Borrower(address) as borrower:
+        for nbytes in (-1, 0, 1.5, "64MiB", True, None):
+            with pytest.raises(shoal.InvalidArgumentError, match="nbytes must be a whole number"):
+                borrower.borrow(nbytes, "x")  # type: ignore[arg-type]
+        with pytest.raises(shoal.InvalidArgumentError, match="purpose must be a str"):
+            borrower.borrow(MIB, b"x")  # type: ignore[arg-type]
+
+
 def test_prepared_chunks_are_made_at_start_and_lent_with_no_device_call(address):
     in_process_only()
     unit = 2 * MIB  # the device's granularity

@@ -504,7 +504,15 @@ borrower::borrower(backend::device& device, const channel::channel_address& addr
   auto conn = channel::connection::connect(address, policy, detail::max_frame_payload, left_until(deadline));
   conn.set_send_timeout(shoal::detail::channel_timeout(timeout));
   channel::send_hello(conn, lending_protocol);
-  channel::check_hello(conn.receive_for(left_until(deadline)), lending_protocol);
+  try {
+    channel::check_hello(conn.receive_for(left_until(deadline)), lending_protocol);
+  } catch (const connection_closed&) {
+    // A lender hangs up before its hello on a borrower it turns away.
+    throw peer_refused("borrower: the lender at " + std::string(address.is_abstract() ? "@" : "") + address.name() +
+                       " closed the connection before its hello: it turned this borrower away (as many borrowers as "
+                       "it admits are connected, or this user is not one it admits; its log says which), or it is "
+                       "stopping");
+  }
   conn.set_receive_spin(detail::spin_or_automatic(options.reply_spin, borrower_options::automatic_reply_spin));
   link_ = std::make_shared<borrowed_region::link>(device, std::move(conn), options);
 }

@@ -181,22 +181,26 @@ int run_daemon(int argc, char** argv) {
   daemon_settings settings;
   std::string config_file;
   app.add_option("--config", config_file, "a TOML file of settings (flags given too win)")->check(CLI::ExistingFile);
-  auto* socket = app.add_option("--socket", settings.socket, "socket path (in a 0700 directory) or @abstract-name");
-  auto* device = app.add_option("--device", settings.device, "default, host, cuda or cuda:N");
+  auto* socket = app.add_option("--socket", settings.socket, "socket path (in a 0700 directory) or @abstract-name; default: lender.sock in "
+                                 "$XDG_RUNTIME_DIR, or in /tmp/shoal-UID when that is unset");
+  auto* device = app.add_option("--device", settings.device, "default, host, cuda or cuda:N")->capture_default_str();
   auto* capacity =
-      app.add_option("--capacity", settings.capacity.text, "bytes to lend in all: 12GiB, or a fraction like 0.8");
-  auto* quota = app.add_option("--quota", settings.quota.text, "bytes one borrower (connection) may hold");
+      app.add_option("--capacity", settings.capacity.text, "bytes to lend in all: 12GiB, or a fraction of the device's memory like 0.8; "
+                     "default: 0.9");
+  auto* quota = app.add_option("--quota", settings.quota.text, "bytes one borrower (connection) may hold, as --capacity; default: 1.0 (no "
+                                      "limit below the capacity)");
   auto* quota_per_uid = app.add_option("--quota-per-uid", settings.quota_per_uid.text,
                                        "bytes one uid may hold over all its connections (default: no such limit)");
-  auto* borrowers = app.add_option("--max-borrowers", settings.max_borrowers, "borrowers connected at once");
-  auto* regions = app.add_option("--max-regions", settings.max_regions_per_borrower, "regions one borrower may hold");
-  auto* timeout = app.add_option("--peer-timeout-ms", settings.peer_timeout_ms, "deadline of every wait on a borrower");
+  auto* borrowers = app.add_option("--max-borrowers", settings.max_borrowers, "borrowers connected at once")->capture_default_str();
+  auto* regions = app.add_option("--max-regions", settings.max_regions_per_borrower, "regions one borrower may hold")->capture_default_str();
+  auto* timeout = app.add_option("--peer-timeout-ms", settings.peer_timeout_ms, "deadline of every wait on a borrower")->capture_default_str();
   auto* uids = app.add_option("--allow-uid", settings.allowed_uids, "a uid allowed besides the daemon's own (repeat)");
   auto* gids = app.add_option("--allow-gid", settings.allowed_gids, "a group whose members are allowed (repeat)");
   auto* format =
-      app.add_option("--log-format", settings.log_format, "text or json")->check(CLI::IsMember({"text", "json"}));
+      app.add_option("--log-format", settings.log_format, "text or json")->check(CLI::IsMember({"text", "json"}))->capture_default_str();
   auto* reuse = app.add_option("--reuse", settings.reuse, "lend given-back memory again: same_uid or never")
-                    ->check(CLI::IsMember({"same_uid", "never"}));
+                    ->check(CLI::IsMember({"same_uid", "never"}))
+                    ->capture_default_str();
   auto* prepare = app.add_option("--prepare", settings.prepare,
                                  "chunks made when the daemon starts, lent first to regions of their size: SIZE or "
                                  "COUNTxSIZE, like 4x1GiB (repeat; counted against --capacity); default: none, "
@@ -207,6 +211,8 @@ int run_daemon(int argc, char** argv) {
                            ->check(CLI::Range(0, 65535));
   auto* status_command = app.add_subcommand("status", "print a running daemon's metrics (Prometheus text)");
   status_command->fallthrough();  // --socket and --device after "status" too
+  status_command->footer("--socket, --device and --config (see shoal daemon --help) name the daemon, before or "
+                         "after `status`");
   double status_timeout = 5.0;
   status_command->add_option("--timeout", status_timeout, "seconds to wait for the daemon")
       ->check(CLI::Range(0.001, 86400.0));
