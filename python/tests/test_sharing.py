@@ -597,10 +597,12 @@ def test_a_producer_past_the_limit_is_refused_and_the_others_go_on(clean_process
         assert first.exitcode == 0
 
 
-def killed_producer_main(address: str, tag: int) -> None:
-    """Sends one batch, then dies as by SIGKILL (no close, no wait)."""
+def killed_producer_main(address: str, tag: int, taken) -> None:
+    """Sends one batch, then, once the consumer has it (`taken` set), dies as
+    by SIGKILL (no close)."""
     producer = sharing.Producer(address)
     producer.put(make_batch(tag))
+    taken.wait(WAIT)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -629,14 +631,17 @@ def test_batches_yields_every_batch_of_the_producers_then_ends(clean_process):
 def test_a_producer_that_dies_ends_the_loop_as_one_that_closes(clean_process):
     ctx = multiprocessing.get_context("forkserver")
     with sharing.Consumer() as consumer:
+        taken = ctx.Event()
         survivor = ctx.Process(target=producer_main, args=(consumer.address, 10, 2))
-        killed = ctx.Process(target=killed_producer_main, args=(consumer.address, 70))
+        killed = ctx.Process(target=killed_producer_main, args=(consumer.address, 70, taken))
         survivor.start()
         killed.start()
-        tags = [batch["y"][1][0].storage.read(0, 1)[0] for batch in consumer.batches(producers=2, timeout=WAIT)]
-        # The killed producer's batch arrives when its connection was accepted
-        # before it died; its end is counted either way.
-        assert sorted(t for t in tags if t != 70) == [10, 11]
+        tags = []
+        for batch in consumer.batches(producers=2, timeout=WAIT):
+            tags.append(batch["y"][1][0].storage.read(0, 1)[0])
+            if tags[-1] == 70:
+                taken.set()
+        assert sorted(tags) == [10, 11, 70]
         assert consumer.producers_ended == 2
         killed.join(WAIT)
         survivor.join(WAIT)

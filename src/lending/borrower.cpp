@@ -41,6 +41,10 @@ std::chrono::milliseconds left_until(clock_type::time_point deadline) {
 
 using shoal::detail::deadline_after;
 
+std::string address_text(const channel::channel_address& address) {
+  return (address.is_abstract() ? "@" : "") + address.name();
+}
+
 // Takes `lock` by `deadline`, or false. Polled: contention is rare here (a
 // request in progress on another thread), and std::timed_mutex's timed lock
 // is not one ThreadSanitizer follows.
@@ -503,15 +507,19 @@ borrower::borrower(backend::device& device, const channel::channel_address& addr
   const auto deadline = deadline_after(timeout);
   auto conn = channel::connection::connect(address, policy, detail::max_frame_payload, left_until(deadline));
   conn.set_send_timeout(shoal::detail::channel_timeout(timeout));
-  channel::send_hello(conn, lending_protocol);
   try {
+    channel::send_hello(conn, lending_protocol);
     channel::check_hello(conn.receive_for(left_until(deadline)), lending_protocol);
   } catch (const connection_closed&) {
     // A lender hangs up before its hello on a borrower it turns away.
-    throw peer_refused("borrower: the lender at " + std::string(address.is_abstract() ? "@" : "") + address.name() +
+    throw peer_refused("borrower: the lender at " + address_text(address) +
                        " closed the connection before its hello: it turned this borrower away (as many borrowers as "
                        "it admits are connected, or this user is not one it admits; its log says which), or it is "
                        "stopping");
+  } catch (const timeout_error&) {
+    throw timeout_error("borrower: the lender at " + address_text(address) + " took the connection but did not greet "
+                        "within " + std::to_string(timeout.count()) + " ms (a lender stopped or too busy, or a "
+                        "process that is no lender)");
   }
   conn.set_receive_spin(detail::spin_or_automatic(options.reply_spin, borrower_options::automatic_reply_spin));
   link_ = std::make_shared<borrowed_region::link>(device, std::move(conn), options);

@@ -583,7 +583,10 @@ class lender::state {
       }
       return refuse(refusal::capacity, std::to_string(bytes) + " bytes asked, " + std::to_string(left) +
                                            " left of the lender's capacity of " +
-                                           std::to_string(config_.capacity_bytes) + " (spare chunks released)");
+                                           std::to_string(config_.capacity_bytes) +
+                                           " (after releasing the given-back memory it kept for reuse); the lender "
+                                           "refuses at once rather than wait: borrow again once regions are given "
+                                           "back, or revoke one");
     }
     // The connection's kept mapping, if it has one, becomes the region's.
     const bool kept = chunk->drop_keeper(b.serial);

@@ -158,6 +158,25 @@ TEST(lending_hostile_peers, a_lender_that_takes_no_connection_times_the_borrower
   attempt.get();
 }
 
+// A process that takes the connection and never greets: the borrower's
+// timeout says so, not what the channel's receive was for.
+TEST(lending_hostile_peers, a_listener_that_never_greets_times_the_borrower_out_saying_so) {
+  temp_dir dir;
+  const auto address = channel::channel_address::at_path(dir / "mute.sock");
+  channel::listener mute(address, {});
+  auto server = std::async(std::launch::async, [&] {
+    auto link = mute.accept();
+    std::this_thread::sleep_for(1s);  // holds it, says nothing
+  });
+  try {
+    borrower b(backend::host_device_instance(), address, {}, 200ms);
+    ADD_FAILURE() << "a borrower was made without a lender's hello";
+  } catch (const timeout_error& e) {
+    EXPECT_NE(std::string(e.what()).find("did not greet within 200 ms"), std::string::npos) << e.what();
+  }
+  server.get();
+}
+
 // A lender's answer that does not decode closes the link: nothing more is
 // asked of it, and nothing else it sent is taken for a later answer.
 TEST(lending_hostile_peers, an_answer_that_does_not_decode_closes_the_link) {
