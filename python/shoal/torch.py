@@ -217,7 +217,7 @@ def share(tensor: Any) -> _shoal.ArrayView:
         dtype,
         list(tensor.shape),
         list(tensor.stride()),
-        tensor.storage_offset() * tensor.element_size(),
+        int(tensor.storage_offset()) * tensor.element_size(),  # an int on a real tensor (SymInt under tracing)
     )
 
 
