@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <limits>
 #include <cstdint>
 #include <mutex>
 #include <optional>
@@ -308,6 +309,7 @@ struct borrowed_region::link {
       case refusal::capacity:
         throw out_of_memory(why, bytes);
       case refusal::quota:
+      case refusal::not_permitted:
         throw peer_refused(why);
       case refusal::device_error:
         throw backend_error("the lender's device", m.why);
@@ -695,6 +697,34 @@ std::vector<borrower::revocation> borrower::revocations(std::chrono::millisecond
     // stashed for the next look, within one slice.
     wait_readable(l.conn, std::min(deadline, clock_type::now() + revocation_slice));
   }
+}
+
+void borrower::revoke(std::uint64_t region, std::chrono::milliseconds deadline, std::chrono::milliseconds timeout) {
+  if (deadline.count() < 1 || deadline.count() > std::numeric_limits<std::uint32_t>::max()) {
+    throw invalid_argument("borrower::revoke: the deadline must be 1 ms to about 49 days");
+  }
+  const auto until = deadline_after(timeout);
+  auto& l = *link_;
+  std::lock_guard lock(l.mutex);
+  l.usable("revoke");
+  l.exchange([&] { l.settle_late(until, "revoke"); });
+  const std::uint64_t request = l.next_request++;
+  l.conn.send(static_cast<std::uint16_t>(message_type::revoke_request),
+              detail::encode(detail::revoke_request_message{request, region,
+                                                            static_cast<std::uint32_t>(deadline.count())}));
+  l.exchange([&] {
+    channel::frame f = l.next(until, "revoke");
+    if (f.type == static_cast<std::uint16_t>(message_type::refused)) {
+      const auto refused = detail::decode_refused(f.payload);
+      if (refused.request == request) l.throw_refusal(refused, 0);
+    } else if (f.type == static_cast<std::uint16_t>(message_type::revoke_accepted) &&
+               detail::decode_revoke_accepted(f.payload) == request) {
+      return;
+    }
+    l.out_of_step = true;
+    throw protocol_error("borrower::revoke: the lender answered request " + std::to_string(request) +
+                         " with frame type " + std::to_string(f.type));
+  });
 }
 
 std::string borrower::metrics(std::chrono::milliseconds timeout) {

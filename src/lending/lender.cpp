@@ -408,6 +408,8 @@ class lender::state {
         return publish(b, detail::decode_publish(f.payload));
       case message_type::borrow_shared:
         return lend_shared(b, detail::decode_borrow_shared(f.payload));
+      case message_type::revoke_request:
+        return revoke_for(b, detail::decode_revoke_request(f.payload));
       case message_type::query_metrics: {
         if (!f.payload.empty()) throw protocol_error("lender: query_metrics carries no payload");
         const std::string text = detail::prometheus_text(status(), detail::max_metrics_text);
@@ -415,7 +417,8 @@ class lender::state {
       }
       default:
         throw protocol_error(
-            "lender: a borrower may send borrow, give_back, query_metrics, publish and borrow_shared only, not "
+            "lender: a borrower may send borrow, give_back, query_metrics, publish, borrow_shared and revoke_request "
+            "only, not "
             "frame type " +
             std::to_string(f.type));
     }
@@ -970,6 +973,25 @@ class lender::state {
   // Whether a region's memory becomes a spare when its last hold goes.
   bool reusable(const region_entry& r) const {
     return config_.reuse == reuse_policy::same_uid && r.info.mode == region_mode::exclusive;
+  }
+
+  // A revoke asked over the socket (`shoal daemon revoke`): only its
+  // operator — a process of the lender's own uid, or root — may ask one; any
+  // region lent to a connected borrower, as revoke() from this process.
+  void revoke_for(borrower_entry& b, const detail::revoke_request_message& m) {
+    const uid_t own = ::geteuid();
+    if (b.link.peer().uid != own && b.link.peer().uid != 0) {
+      return send_refusal(b, m.request, refusal::not_permitted,
+                          "only a process of the lender's own uid (" + std::to_string(own) +
+                              ") or root may revoke regions; this one is of uid " + std::to_string(b.link.peer().uid));
+    }
+    try {
+      revoke(m.region, std::chrono::milliseconds(m.deadline_ms));
+    } catch (const invalid_argument& e) {
+      return send_refusal(b, m.request, refusal::bad_request, e.what());
+    }
+    const auto accepted = detail::encode_revoke_accepted(m.request);
+    post(b, {{static_cast<std::uint16_t>(message_type::revoke_accepted), view(accepted)}});
   }
 
   void send_refusal(borrower_entry& b, std::uint64_t request, refusal reason, const std::string& why) {

@@ -105,7 +105,7 @@ refused_message decode_refused(std::span<const std::byte> payload) {
   m.request = r.get<std::uint64_t>("request");
   const auto reason = r.get<std::uint8_t>("reason");
   if (reason < static_cast<std::uint8_t>(refusal::capacity) ||
-      reason > static_cast<std::uint8_t>(refusal::writer_mismatch)) {
+      reason > static_cast<std::uint8_t>(refusal::not_permitted)) {
     r.fail("reason", "unknown reason " + std::to_string(reason));
   }
   m.reason = static_cast<refusal>(reason);
@@ -127,6 +127,36 @@ revoke_message decode_revoke(std::span<const std::byte> payload) {
   m.deadline_ms = r.get<std::uint32_t>("deadline_ms");
   r.finish();
   return m;
+}
+
+std::vector<std::byte> encode(const revoke_request_message& m) {
+  wire_writer w;
+  w.put(m.request).put(m.region).put(m.deadline_ms);
+  return w.take();
+}
+
+revoke_request_message decode_revoke_request(std::span<const std::byte> payload) {
+  wire_reader r(payload, "revoke_request");
+  revoke_request_message m;
+  m.request = r.get<std::uint64_t>("request");
+  m.region = r.get<std::uint64_t>("region");
+  m.deadline_ms = r.get<std::uint32_t>("deadline_ms");
+  if (m.deadline_ms == 0) r.fail("deadline_ms", "0: a revoke needs at least 1 ms");
+  r.finish();
+  return m;
+}
+
+std::vector<std::byte> encode_revoke_accepted(std::uint64_t request) {
+  wire_writer w;
+  w.put(request);
+  return w.take();
+}
+
+std::uint64_t decode_revoke_accepted(std::span<const std::byte> payload) {
+  wire_reader r(payload, "revoke_accepted");
+  const auto request = r.get<std::uint64_t>("request");
+  r.finish();
+  return request;
 }
 
 namespace {

@@ -68,6 +68,8 @@ enum class message_type : std::uint16_t {
   borrow_shared = 11, // borrower -> lender: map the region published under a name, read-only
   layout = 12,        // lender -> borrower: a shared region's layout, after its lent and chunk frames
   forget = 13,        // lender -> borrower, at any time: unmap the kept mapping of this memory
+  revoke_request = 14,   // borrower -> lender (version 4): revoke a region, whoever holds it; the lender's uid only
+  revoke_accepted = 15,  // lender -> borrower: that region's borrower is asked to give it back
 };
 
 enum class refusal : std::uint8_t {
@@ -77,6 +79,7 @@ enum class refusal : std::uint8_t {
   device_error = 4,  // the device failed on the lender's side
   hash_mismatch = 5, // the published region's content hash is not the one asked for
   writer_mismatch = 6,  // the published region's writer is not of the uid asked for
+  not_permitted = 7,    // a request only a process of the lender's own uid may make
 };
 
 struct borrow_message {
@@ -146,6 +149,18 @@ struct revoke_message {
 
 [[nodiscard]] std::vector<std::byte> encode(const revoke_message& m);
 [[nodiscard]] revoke_message decode_revoke(std::span<const std::byte> payload);
+
+struct revoke_request_message {
+  std::uint64_t request = 0;
+  std::uint64_t region = 0;
+  std::uint32_t deadline_ms = 0;  ///< 1 ms and up, as lender::revoke takes it
+};
+
+[[nodiscard]] std::vector<std::byte> encode(const revoke_request_message& m);
+[[nodiscard]] revoke_request_message decode_revoke_request(std::span<const std::byte> payload);
+/// revoke_accepted: the request it answers.
+[[nodiscard]] std::vector<std::byte> encode_revoke_accepted(std::uint64_t request);
+[[nodiscard]] std::uint64_t decode_revoke_accepted(std::span<const std::byte> payload);
 
 [[nodiscard]] std::vector<std::byte> encode(const give_back_message& m);
 [[nodiscard]] std::vector<std::byte> encode(const given_back_message& m);

@@ -102,6 +102,8 @@ lending_outcome attack_decoders(std::span<const std::uint8_t> input) {
   round_trip(payload, "give_back", decoded, d::decode_give_back, same);
   round_trip(payload, "given_back", decoded, d::decode_given_back, same);
   round_trip(payload, "forget", decoded, d::decode_forget, d::encode_forget);
+  round_trip(payload, "revoke_request", decoded, d::decode_revoke_request, same);
+  round_trip(payload, "revoke_accepted", decoded, d::decode_revoke_accepted, d::encode_revoke_accepted);
   round_trip(
       payload, "chunk", decoded, [](auto p) { return backend::shareable_handle::deserialize(p, unique_fd()); },
       [](const backend::shareable_handle& h) { return h.serialize(); });

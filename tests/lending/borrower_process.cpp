@@ -38,8 +38,13 @@
 //       number written last; says "cycled <memory id>,... imports <count>
 //       kept <count>" (imports counted through a forwarding device) and
 //       waits, its kept mappings held.
+//   shoal_test_borrower revoke <host|cuda> <socket path or @abstract name> <region> <as>
+//       As <as> (as for cycle), asks the lender to revoke <region> with a
+//       deadline of 5 s (borrower::revoke) and says "revoked", or "refused
+//       <why>" when the lender refused it as not permitted (peer_refused).
 #include <unistd.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -53,6 +58,7 @@
 #include "shoal/channel/channel.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/child_process.h"
+#include "shoal/core/error.h"
 #include "shoal/lending/borrower.h"
 #include "shoal/lending/layout.h"
 #include "lending/counting_device.h"
@@ -254,13 +260,33 @@ int cycle(backend::device& target, const std::string& where, std::size_t bytes, 
   return 0;
 }
 
+int revoke(backend::device& dev, const std::string& where, std::uint64_t region, const std::string& as) {
+  constexpr uid_t nobody = 65534;
+  if (as == "nobody" && (::setresgid(nobody, nobody, nobody) != 0 || ::setresuid(nobody, nobody, nobody) != 0)) {
+    say("error cannot become uid 65534");
+    return 1;
+  }
+  const auto address = where.starts_with('@') ? channel::channel_address::abstract(where.substr(1))
+                                              : channel::channel_address::at_path(where);
+  lending::borrower b(dev, address, as == "nobody" ? channel::access_policy{{0}, {}} : channel::access_policy{});
+  try {
+    b.revoke(region, std::chrono::seconds(5));
+  } catch (const peer_refused& e) {
+    say(std::string("refused ") + e.what());
+    return 0;
+  }
+  say("revoked");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     const std::vector<std::string> args(argv + 1, argv + argc);
     if (args.size() < 4) {
-      std::fprintf(stderr, "usage: shoal_test_borrower hold|hang-up|publish|read|write-shared|deaf|cycle <host|cuda> <socket path> ...\n");
+      std::fprintf(stderr, "usage: shoal_test_borrower hold|hang-up|publish|read|write-shared|deaf|cycle|revoke <host|cuda> "
+                   "<socket path> ...\n");
       return 2;
     }
     auto& dev = args[1] == "cuda" ? backend::cuda_device_instance(0) : backend::host_device_instance();
@@ -277,6 +303,7 @@ int main(int argc, char** argv) {
     if (args[0] == "write-shared" && args.size() == 5) return write_shared(dev, args[2], args[3], args[4]);
     if (args[0] == "cycle" && args.size() == 6)
       return cycle(dev, args[2], std::stoull(args[3]), std::stoi(args[4]), args[5]);
+    if (args[0] == "revoke" && args.size() == 5) return revoke(dev, args[2], std::stoull(args[3]), args[4]);
     std::fprintf(stderr, "shoal_test_borrower: unknown command '%s'\n", args[0].c_str());
     return 2;
   } catch (const std::exception& e) {

@@ -2,9 +2,10 @@
 # `shoal daemon` as a user runs it: flags, a config file (flags win), bad
 # settings refused with a message naming them, `shoal daemon status`, JSON
 # logs, and a clean exit on SIGTERM that leaves no socket file behind.
-#   daemon_test.sh <path of the shoal program>
+#   daemon_test.sh <path of the shoal program> <path of shoal_test_borrower>
 set -uo pipefail
 shoal=$1
+test_borrower=$2
 dir=$(mktemp -d /tmp/shoal-daemon-test-XXXXXX)
 chmod 700 "$dir"
 pid=
@@ -161,6 +162,39 @@ head -c 1 < "$dir/logpipe" > /dev/null &
 pid=$!
 answers "$dir/c.sock" || fail "the daemon did not answer status"
 answers "$dir/c.sock" || fail "the daemon died when the reader of its log went away"
+stop
+
+# `shoal daemon revoke`: a borrower process holds a region; the operator
+# (this user) revokes it by the id status names, and status shows it
+# revoking; a region no one holds is refused with a message naming it.
+"$shoal" daemon --socket "$dir/d.sock" --device host --capacity 64MiB 2> "$dir/log" &
+pid=$!
+answers "$dir/d.sock" || fail "the daemon did not answer status"
+python3 - "$test_borrower" "$dir/d.sock" "$shoal" <<'EOF' || fail "shoal daemon revoke"
+import os, re, socket, subprocess, sys
+test_borrower, address, shoal = sys.argv[1:]
+parent, child = socket.socketpair()
+end = child.fileno()
+holder = subprocess.Popen([test_borrower, "hold", "host", address, str(4 << 20), "7"],
+                          pass_fds=(3, end), preexec_fn=lambda: os.dup2(end, 3))  # it talks on fd 3
+child.close()
+parent.settimeout(10)
+line = parent.makefile().readline().strip()
+assert line.startswith("held "), line
+region = line.split()[1]
+revoked = subprocess.run([shoal, "daemon", "revoke", region, "--socket", address, "--device", "host",
+                          "--deadline", "30"], capture_output=True, text=True, timeout=30)
+assert revoked.returncode == 0, revoked.stderr
+assert f"region {region}: its borrower is asked to give it back within 30 s" in revoked.stdout, revoked.stdout
+status = subprocess.run([shoal, "daemon", "status", "--socket", address, "--device", "host"],
+                        capture_output=True, text=True, timeout=30).stdout
+assert re.search(r'shoal_lending_region_bytes\{id="' + region + r'"[^}]*state="revoking"', status), status
+unknown = subprocess.run([shoal, "daemon", "revoke", "99999", "--socket", address, "--device", "host"],
+                         capture_output=True, text=True, timeout=30)
+assert unknown.returncode != 0 and "99999 is not lent" in unknown.stderr, unknown.stderr
+parent.close()  # the holder ends when its parent hangs up
+holder.wait(timeout=30)
+EOF
 stop
 
 # Status with no daemon there: exit 1.

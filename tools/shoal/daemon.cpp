@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <mutex>
@@ -156,22 +157,52 @@ int serve(const daemon_settings& settings) {
   return 0;
 }
 
-// The daemon must run as this user or one of `daemon_uids` (a daemon of
-// another user, a service account say, is named; any other is refused).
-int status(const daemon_settings& settings, double timeout_seconds, const std::vector<uid_t>& daemon_uids) {
+// What `status` and `revoke` ask of a running daemon.
+struct daemon_request {
+  double timeout_seconds = 5.0;
+  std::vector<uid_t> daemon_uids;  // the daemon's uid when it is not this user's
+  std::uint64_t region = 0;        // revoke: the region
+  double deadline_seconds = 10.0;  // revoke: the time its borrower has
+};
+
+// Connects to the daemon and runs `ask` on the connection. The daemon must
+// run as this user or one of `daemon_uids` (a daemon of another user, a
+// service account say, is named; any other is refused).
+template <class Ask>
+int ask_daemon(const daemon_settings& settings, const daemon_request& request, Ask&& ask) {
   channel::access_policy daemon_policy;
-  daemon_policy.allowed_uids = daemon_uids;
+  daemon_policy.allowed_uids = request.daemon_uids;
+  const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(request.timeout_seconds * 1000));
   try {
-    lending::borrower b(settings.resolve_device(), settings.resolve_address(), daemon_policy,
-                        std::chrono::milliseconds(static_cast<std::int64_t>(timeout_seconds * 1000)));
-    std::fputs(b.metrics().c_str(), stdout);
+    lending::borrower b(settings.resolve_device(), settings.resolve_address(), daemon_policy, timeout);
+    ask(b, timeout);
   } catch (const peer_refused& e) {
-    // The channel's advice names its C++ setting; on the command line it is --daemon-uid.
-    std::string why = e.what();
-    why = why.substr(0, why.find("; add it to"));
-    throw peer_refused(why + "; if you trust the daemon's user, name its uid: `shoal daemon status --daemon-uid UID`");
+    // The channel's refusal of the daemon's uid ends with advice naming its
+    // C++ setting; on the command line it is --daemon-uid. Any other
+    // refusal (the daemon's own) goes as it is.
+    const std::string why = e.what();
+    const auto advice = why.find("; add it to");
+    if (advice == std::string::npos) throw;
+    throw peer_refused(why.substr(0, advice) + "; if you trust the daemon's user, name its uid: --daemon-uid UID");
   }
   return 0;
+}
+
+int status(const daemon_settings& settings, const daemon_request& request) {
+  return ask_daemon(settings, request, [](lending::borrower& b, std::chrono::milliseconds timeout) {
+    std::fputs(b.metrics(timeout).c_str(), stdout);
+  });
+}
+
+// Asks the daemon to revoke a region, as its operator (this user is the
+// daemon's, or root): its borrower is told to give it back in time.
+int revoke(const daemon_settings& settings, const daemon_request& request) {
+  return ask_daemon(settings, request, [&](lending::borrower& b, std::chrono::milliseconds timeout) {
+    b.revoke(request.region,
+             std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(request.deadline_seconds * 1000))), timeout);
+    std::printf("region %llu: its borrower is asked to give it back within %g s\n",
+                static_cast<unsigned long long>(request.region), request.deadline_seconds);
+  });
 }
 
 }  // namespace
@@ -209,17 +240,30 @@ int run_daemon(int argc, char** argv) {
                                       "serve GET /metrics over HTTP on 127.0.0.1 at this port (0: a free one, "
                                       "named in the log); off by default")
                            ->check(CLI::Range(0, 65535));
+  daemon_request request;
+  // What both subcommands take: where the daemon is comes from the options above.
+  const auto asks_the_daemon = [&](CLI::App* command, const char* name) {
+    command->fallthrough();  // --socket and --device after the subcommand too
+    command->footer(std::string("--socket, --device and --config (see shoal daemon --help) name the daemon, before "
+                                "or after `") + name + "`");
+    command->add_option("--timeout", request.timeout_seconds, "seconds to wait for the daemon")
+        ->check(CLI::Range(0.001, 86400.0))
+        ->capture_default_str();
+    command->add_option("--daemon-uid", request.daemon_uids,
+                        "the uid the daemon runs as, when it is not yours (repeat); a daemon of any other uid is "
+                        "refused");
+  };
   auto* status_command = app.add_subcommand("status", "print a running daemon's metrics (Prometheus text)");
-  status_command->fallthrough();  // --socket and --device after "status" too
-  status_command->footer("--socket, --device and --config (see shoal daemon --help) name the daemon, before or "
-                         "after `status`");
-  double status_timeout = 5.0;
-  status_command->add_option("--timeout", status_timeout, "seconds to wait for the daemon")
-      ->check(CLI::Range(0.001, 86400.0));
-  std::vector<uid_t> status_daemon_uids;
-  status_command->add_option("--daemon-uid", status_daemon_uids,
-                             "the uid the daemon runs as, when it is not yours (repeat); a daemon of any other uid "
-                             "is refused");
+  asks_the_daemon(status_command, "status");
+  auto* revoke_command = app.add_subcommand(
+      "revoke",
+      "ask the borrower of a region (its id as `status` names it: shoal_lending_region_bytes{id=...}) to give it "
+      "back, so that another borrower may take its memory; the daemon's own user or root only");
+  asks_the_daemon(revoke_command, "revoke");
+  revoke_command->add_option("region", request.region, "the region's id")->required();
+  revoke_command->add_option("--deadline", request.deadline_seconds, "seconds its borrower has to give it back")
+      ->check(CLI::Range(0.001, 4'000'000.0))
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
     if (!config_file.empty()) {
@@ -243,7 +287,8 @@ int run_daemon(int argc, char** argv) {
       if (prepare->count() > 0) settings.prepare = flags.prepare;
       if (metrics_port->count() > 0) settings.metrics_port = flags.metrics_port;
     }
-    if (status_command->parsed()) return status(settings, status_timeout, status_daemon_uids);
+    if (status_command->parsed()) return status(settings, request);
+    if (revoke_command->parsed()) return revoke(settings, request);
 #if !defined(SHOAL_HAVE_METRICS_HTTP)
     if (settings.metrics_port >= 0) {
       throw invalid_argument(

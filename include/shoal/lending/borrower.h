@@ -192,6 +192,16 @@ class borrower {
   void give_back(borrowed_region region, std::chrono::milliseconds timeout = default_timeout);
   /// The lender's status in the Prometheus text format.
   [[nodiscard]] std::string metrics(std::chrono::milliseconds timeout = default_timeout);
+  /// Asks the lender to revoke `region` (any borrower's: its id as status
+  /// and the metrics name it) with `deadline` (1 ms to about 49 days) for its
+  /// borrower to give it back, as lender::revoke does in the lender's own
+  /// process; returns once the lender has accepted. The lender's operator
+  /// only: peer_refused unless this process runs as the lender's uid or root;
+  /// invalid_argument for a region not lent to a connected borrower, or a
+  /// shared one. How `shoal daemon revoke` takes one model's memory for
+  /// another's turn.
+  void revoke(std::uint64_t region, std::chrono::milliseconds deadline,
+              std::chrono::milliseconds timeout = default_timeout);
 
   /// A region the lender asked back, and by when.
   struct revocation {

@@ -17,7 +17,9 @@ namespace shoal::lending {
 
 /// The protocol's name and version in its hello (channel/protocol.h).
 inline constexpr const char* protocol_name = "shoal.lending";
-inline constexpr std::uint16_t protocol_version = 3;  // 2: memory ids, kept mappings, forget; 3: borrow_shared names the writer uid it expects
+// 2: memory ids, kept mappings, forget; 3: borrow_shared names the writer uid it expects;
+// 4: revoke_request (a process of the lender's own uid revokes a region)
+inline constexpr std::uint16_t protocol_version = 4;
 /// A region's purpose ("parameters", "computation", a model's name): at most
 /// this many bytes, printable ASCII.
 inline constexpr std::size_t max_purpose_bytes = 64;
