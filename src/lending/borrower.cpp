@@ -7,6 +7,7 @@
 #include <climits>
 #include <limits>
 #include <cstdint>
+#include <deque>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -88,25 +89,51 @@ struct borrowed_region::link {
   // The link cannot be trusted any more (the lender broke the protocol, or
   // an answer stopped part-way): nothing more is asked.
   bool out_of_step = false;
-  // A borrow or borrow_shared whose answer had not begun to come by its
-  // deadline: the lender may still lend. Answers come in the order asked, so
-  // the next call reads that answer first and gives the region back
-  // unmapped (settle_late), then asks its own; the link stays in step.
-  struct late_request {
-    std::uint64_t request = 0;
-    bool shared = false;  // a layout frame follows its chunks
+  // Answers still owed for requests no caller waits for any more: a borrow
+  // or borrow_shared whose answer had not begun to come by its deadline (the
+  // lender may still lend: that region is given back unmapped), and the
+  // confirmations of give backs sent meanwhile. Answers come in the order
+  // asked, so every later call reads these first (settle_owed) and the link
+  // stays in step. A give back's mapping offered to be kept waits here until
+  // its answer says where it goes.
+  struct owed_answer {
+    enum class kind : std::uint8_t { region, given_back } what = kind::region;
+    std::uint64_t request = 0;  // region: the borrow's or borrow_shared's request
+    bool shared = false;        // region: a layout frame follows its chunks
+    std::uint64_t region = 0;   // given_back: the region given back
+    bool keep = false;          // given_back: its mapping was offered to be kept
+    std::uint64_t memory = 0;   // given_back: that mapping's memory
+    void* data = nullptr;       // given_back: that mapping (nullptr: it stays in `kept`)
+    std::size_t size = 0;
   };
-  std::optional<late_request> late;
+  std::deque<owed_answer> owed;
+  // What receive_region records as owed when a borrow's answer has not
+  // begun to come by its deadline.
+  struct late_borrow {
+    std::uint64_t request = 0;
+    bool shared = false;
+  };
+  // Past this many, a lender that answers nothing any more is given up on.
+  static constexpr std::size_t max_owed = 64;
+
+  // When a wait for owed answers last ran out (settle_owed).
+  clock_type::time_point gave_up_waiting{};
 
   ~link() {
-    // The last holder of the link is going: a late answer still on its way
-    // is taken and given back now, or the lender would keep its region
-    // until this process ends (it cannot know it was never mapped).
-    if (!late || out_of_step || conn.broken()) return;
-    try {
-      std::lock_guard lock(mutex);
-      settle_late(deadline_after(drop_timeout), "close");
-    } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on this process's exit
+    // The last holder of the link is going: what is still owed is read now,
+    // or the lender would keep a region lent late until this process ends
+    // (it cannot know it was never mapped) — unless a wait for them ran out
+    // within the last drop_timeout (the drop of a region that led here), so
+    // that a slow lender costs a drop one such wait, not two.
+    if (!owed.empty() && !out_of_step && !conn.broken() && clock_type::now() - gave_up_waiting >= drop_timeout) {
+      try {
+        std::lock_guard lock(mutex);
+        settle_owed(deadline_after(drop_timeout), "close");
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on this process's exit
+      }
+    }
+    for (const owed_answer& o : owed) {
+      if (o.data != nullptr) device.close_import(o.data);
     }
   }
   link(const link&) = delete;
@@ -211,43 +238,67 @@ struct borrowed_region::link {
     }
   }
 
-  // Reads the answer to a late request, if it has not been read yet, within
-  // `deadline`: a refusal is dropped, a region lent is given back without
-  // being mapped (a kept mapping it came on stays kept when the lender
-  // records it so). timeout_error, the request still late, when that answer
-  // has not begun to come. Under `mutex`, before a call sends its request.
-  void settle_late(clock_type::time_point deadline, const char* operation) {
-    if (!late) return;
-    channel::frame f;
-    try {
-      f = next_or_timeout(deadline, operation);
-    } catch (const timeout_error&) {
-      if (conn.broken()) out_of_step = true;
-      throw timeout_error(std::string("borrower::") + operation + ": the lender has not answered request " +
-                          std::to_string(late->request) + ", which timed out, yet");
+  // Records an answer no caller waits for (owed). Past max_owed the link is
+  // given up (out of step): the lender reclaims on hang-up.
+  void owe(owed_answer o) {
+    if (owed.size() >= max_owed) {
+      if (o.data != nullptr) device.close_import(o.data);
+      out_of_step = true;
+      return;
     }
-    take_late_answer(std::move(f), deadline, operation);
+    owed.push_back(o);
   }
 
-  // The late request's answer, whose first frame is `f`: read whole, its
-  // region given back. Anything else leaves the link out of step.
-  void take_late_answer(channel::frame f, clock_type::time_point deadline, const char* operation) {
-    const late_request r = *std::exchange(late, std::nullopt);
+  // Bytes of the mappings owed answers may still put into `kept`.
+  [[nodiscard]] std::size_t owed_keep_bytes() const noexcept {
+    std::size_t bytes = 0;
+    for (const owed_answer& o : owed) bytes += o.data != nullptr ? o.size : 0;
+    return bytes;
+  }
+
+  // Reads every owed answer within `deadline`. timeout_error, what is left
+  // still owed and the link in step, when the next has not begun to come.
+  // Under `mutex`, before a call sends its own request.
+  void settle_owed(clock_type::time_point deadline, const char* operation) {
+    while (!owed.empty()) {
+      channel::frame f;
+      try {
+        f = next_or_timeout(deadline, operation);
+      } catch (const timeout_error&) {
+        if (conn.broken()) out_of_step = true;
+        gave_up_waiting = clock_type::now();
+        throw timeout_error(std::string("borrower::") + operation + ": the lender has not yet answered " +
+                            std::to_string(owed.size()) +
+                            " earlier request(s) no call waits for any more; they are read first, at the next call");
+      }
+      take_owed(std::move(f), deadline, operation);
+    }
+  }
+
+  // The first owed answer, whose first frame is `f`: a region lent late is
+  // read whole and given back unmapped (a kept mapping it came on offered
+  // back to be kept; that give back's answer owed in turn, not waited for), a
+  // refusal dropped; a give back's confirmation puts its mapping where the
+  // lender says. Anything else leaves the link out of step.
+  void take_owed(channel::frame f, clock_type::time_point deadline, const char* operation) {
+    const owed_answer o = owed.front();
+    owed.pop_front();
     const auto who = [operation] { return std::string("borrower::") + operation; };
     try {
+      if (o.what == owed_answer::kind::given_back) return take_given_back(o, f, who);
       if (f.type == static_cast<std::uint16_t>(message_type::refused)) {
-        if (detail::decode_refused(f.payload).request == r.request) return;
-        throw protocol_error(who() + ": a refusal that answers no request; request " + std::to_string(r.request) +
+        if (detail::decode_refused(f.payload).request == o.request) return;
+        throw protocol_error(who() + ": a refusal that answers no request; request " + std::to_string(o.request) +
                              " was the one left unanswered");
       }
       if (f.type != static_cast<std::uint16_t>(message_type::lent)) {
-        throw protocol_error(who() + ": the lender answered request " + std::to_string(r.request) +
+        throw protocol_error(who() + ": the lender answered request " + std::to_string(o.request) +
                              ", which timed out, with frame type " + std::to_string(f.type));
       }
       const auto lent = detail::decode_lent(f.payload);
-      if (lent.request != r.request || lent.bytes == 0) {
+      if (lent.request != o.request || lent.bytes == 0) {
         throw protocol_error(who() + ": the lender lent " + std::to_string(lent.bytes) + " bytes for request " +
-                             std::to_string(lent.request) + "; request " + std::to_string(r.request) +
+                             std::to_string(lent.request) + "; request " + std::to_string(o.request) +
                              " was the one left unanswered");
       }
       held.insert(lent.region);  // the lender may revoke it until it confirms the give back
@@ -255,7 +306,7 @@ struct borrowed_region::link {
       // Lent with none, it is memory this borrower keeps mapped: that
       // mapping is offered back with it.
       const bool on_kept_mapping = lent.chunks == 0;
-      if (on_kept_mapping && (r.shared || !kept.contains(lent.memory))) {
+      if (on_kept_mapping && (o.shared || !kept.contains(lent.memory))) {
         throw protocol_error(who() + ": region " + std::to_string(lent.region) +
                              " was lent with no chunks, as memory this borrower does not keep mapped");
       }
@@ -265,25 +316,53 @@ struct borrowed_region::link {
                                std::to_string(lent.region));
         }
       }
-      if (r.shared && next(deadline, operation).type != static_cast<std::uint16_t>(message_type::layout)) {
+      if (o.shared && next(deadline, operation).type != static_cast<std::uint16_t>(message_type::layout)) {
         throw protocol_error(who() + ": expected the layout of region " + std::to_string(lent.region));
       }
       conn.send(static_cast<std::uint16_t>(message_type::give_back),
                 detail::encode(detail::give_back_message{lent.region, on_kept_mapping}));
-      const channel::frame answer = next(deadline, operation);
-      const auto given = answer.type == static_cast<std::uint16_t>(message_type::given_back)
-                             ? std::optional(detail::decode_given_back(answer.payload))
-                             : std::nullopt;
-      if (!given || given->region != lent.region || (given->kept && !on_kept_mapping)) {
-        throw protocol_error(who() + ": the lender answered the give back of region " + std::to_string(lent.region) +
-                             " with frame type " + std::to_string(answer.type));
-      }
-      if (on_kept_mapping && !given->kept) (void)kept.forget(lent.memory);  // the lender no longer records it
-      given_back_confirmed(lent.region);
+      owe({.what = owed_answer::kind::given_back, .region = lent.region, .keep = on_kept_mapping,
+           .memory = lent.memory});
     } catch (const protocol_error&) {
       out_of_step = true;
       throw;
     }
+  }
+
+  // A give back's confirmation (or refusal), owed as `o`.
+  template <class Who>
+  void take_given_back(const owed_answer& o, const channel::frame& f, const Who& who) {
+    const auto drop_mapping = [&] {
+      if (o.data != nullptr) device.close_import(o.data);  // offered, not kept
+    };
+    if (f.type == static_cast<std::uint16_t>(message_type::refused)) {
+      drop_mapping();
+      throw_refusal(detail::decode_refused(f.payload), 0);
+    }
+    const auto answer = f.type == static_cast<std::uint16_t>(message_type::given_back)
+                            ? std::optional(detail::decode_given_back(f.payload))
+                            : std::nullopt;
+    if (!answer || answer->region != o.region || (answer->kept && !o.keep)) {
+      drop_mapping();
+      throw protocol_error(who() + ": the lender answered the give back of region " + std::to_string(o.region) +
+                           " with frame type " + std::to_string(f.type) +
+                           (o.keep ? "" : " (with no kept mapping: none was asked)"));
+    }
+    if (answer->kept && o.data != nullptr && kept.contains(o.memory)) {
+      // Two regions of one memory id both kept: a lender that lent one
+      // memory twice; the second mapping would never be unmapped.
+      drop_mapping();
+      throw protocol_error(who() + ": the lender recorded region " + std::to_string(o.region) + "'s memory " +
+                           std::to_string(o.memory) + " as kept, which this borrower keeps already");
+    }
+    if (answer->kept) {
+      if (o.data != nullptr) kept.keep(o.memory, {o.data, o.size});  // room was set aside when it was offered
+    } else if (o.data != nullptr) {
+      device.close_import(o.data);
+    } else if (o.keep) {
+      (void)kept.forget(o.memory);  // the kept mapping a late region came on: the lender no longer records it
+    }
+    given_back_confirmed(o.region);
   }
 
   // The kept mapping of a region lent with no chunks: the lender knows this
@@ -334,43 +413,22 @@ struct borrowed_region::link {
 
   void give_back_locked(std::uint64_t id, std::uint64_t memory, void* data, std::size_t size, bool exclusive,
                         clock_type::time_point deadline) {
-    const bool keep = exclusive && !out_of_step && kept.room_for(size);
+    // Room for the mapping is set aside now, past what owed answers may keep.
+    const bool keep = exclusive && !out_of_step && kept.room_for(size + owed_keep_bytes());
     if (!keep) device.close_import(data);
-    bool kept_now = false;
     try {
       usable("give_back");
-      settle_late(deadline, "give_back");
       conn.send(static_cast<std::uint16_t>(message_type::give_back),
                 detail::encode(detail::give_back_message{id, keep}));
-      channel::frame f = next(deadline, "give_back");
-      if (f.type == static_cast<std::uint16_t>(message_type::refused))
-        throw_refusal(detail::decode_refused(f.payload), 0);
-      const auto answer = f.type == static_cast<std::uint16_t>(message_type::given_back)
-                              ? std::optional(detail::decode_given_back(f.payload))
-                              : std::nullopt;
-      if (!answer || answer->region != id || (answer->kept && !keep)) {
-        out_of_step = true;
-        throw protocol_error("borrower::give_back: the lender answered with frame type " + std::to_string(f.type) +
-                             ", not given_back for region " + std::to_string(id) +
-                             (keep ? "" : " (with no kept mapping: none was asked)"));
-      }
-      if (answer->kept && kept.contains(memory)) {
-        // Two regions of one memory id both kept: a lender that lent one
-        // memory twice; the second mapping would never be unmapped.
-        out_of_step = true;
-        throw protocol_error("borrower::give_back: the lender recorded region " + std::to_string(id) +
-                             "'s memory " + std::to_string(memory) + " as kept, which this borrower keeps already");
-      }
-      if (answer->kept) {
-        kept.keep(memory, {data, size});
-        kept_now = true;
-      }
     } catch (...) {
       if (keep) device.close_import(data);
       throw;
     }
-    if (keep && !kept_now) device.close_import(data);
-    given_back_confirmed(id);
+    // Sent: from here on the answer is owed, read now (after any owed
+    // before it) or, past the deadline, by a later call.
+    owe({.what = owed_answer::kind::given_back, .region = id, .keep = keep, .memory = memory,
+         .data = keep ? data : nullptr, .size = size});
+    settle_owed(deadline, "give_back");
   }
 
   struct mapped {
@@ -382,10 +440,10 @@ struct borrowed_region::link {
   // lent of at least `min_bytes` and its chunk frames — and maps the chunks
   // with `access`. Under `mutex`. A region lent but not mappable is given
   // back at once. With `late_if_unanswered`, an answer that has not begun
-  // to come by the deadline is recorded as late (settle_late takes it).
+  // to come by the deadline is recorded as owed (settle_owed takes it).
   mapped receive_region(std::uint64_t request, std::size_t min_bytes, backend::memory_access access,
                         clock_type::time_point deadline, const char* operation,
-                        std::optional<late_request> late_if_unanswered = std::nullopt) {
+                        std::optional<late_borrow> late_if_unanswered = std::nullopt) {
     // Named only when something is wrong: the answer's path allocates nothing for it.
     const auto who = [operation] { return std::string("borrower::") + operation; };
     channel::frame f;
@@ -397,7 +455,8 @@ struct borrowed_region::link {
         out_of_step = true;
         throw;
       }
-      late = late_if_unanswered;
+      owe({.what = owed_answer::kind::region, .request = late_if_unanswered->request,
+           .shared = late_if_unanswered->shared});
       throw timeout_error(std::string(e.what()) +
                           "; if the lender lends it later, the region is given back unmapped at this borrower's next call");
     }
@@ -543,13 +602,13 @@ borrowed_region borrower::borrow(std::size_t bytes, std::string_view purpose, re
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
   l.usable("borrow");
-  l.exchange([&] { l.settle_late(deadline, "borrow"); });
+  l.exchange([&] { l.settle_owed(deadline, "borrow"); });
   const std::uint64_t request = l.next_request++;
   l.conn.send(static_cast<std::uint16_t>(message_type::borrow),
               detail::encode(detail::borrow_message{request, bytes, mode, std::string(purpose)}));
   const auto m = l.exchange([&] {
     return l.receive_region(request, bytes, backend::memory_access::read_write, deadline, "borrow",
-                            borrowed_region::link::late_request{request, false});
+                            borrowed_region::link::late_borrow{request, false});
   });
   return borrowed_region(link_, m.lent.region, m.lent.memory, m.data, static_cast<std::size_t>(m.lent.bytes));
 }
@@ -570,7 +629,7 @@ borrowed_region borrower::publish(borrowed_region&& region, const region_layout&
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
   l.usable("publish");
-  l.exchange([&] { l.settle_late(deadline, "publish"); });
+  l.exchange([&] { l.settle_owed(deadline, "publish"); });
   const std::uint64_t id = region.id_;
   const std::size_t size = region.size_;
   // From here on the region object holds nothing: the writable mapping goes
@@ -614,13 +673,13 @@ borrowed_region borrower::borrow_shared(std::string_view name, std::optional<con
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
   l.usable("borrow_shared");
-  l.exchange([&] { l.settle_late(deadline, "borrow_shared"); });
+  l.exchange([&] { l.settle_owed(deadline, "borrow_shared"); });
   const std::uint64_t request = l.next_request++;
   l.conn.send(static_cast<std::uint16_t>(message_type::borrow_shared),
               detail::encode(detail::borrow_shared_message{request, std::string(name), expected, expected_writer_uid}));
   const auto m = l.exchange([&] {
     return l.receive_region(request, 0, backend::memory_access::read_only, deadline, "borrow_shared",
-                            borrowed_region::link::late_request{request, true});
+                            borrowed_region::link::late_borrow{request, true});
   });
   // The layout frame follows. Anything wrong with it unmaps the region and
   // leaves the link out of step (the lender reclaims the hold on hang-up).
@@ -682,8 +741,8 @@ std::vector<borrower::revocation> borrower::revocations(std::chrono::millisecond
       l.exchange([&] {
         while (std::optional<channel::frame> f = l.conn.try_receive()) {
           if (l.unasked(*f, "revocations")) continue;
-          if (l.late) {  // its remaining frames come with it: a short wait at most
-            l.take_late_answer(std::move(*f), std::max(deadline, deadline_after(drop_timeout)), "revocations");
+          if (!l.owed.empty()) {  // the rest of its batch came with it; a give back it sends is owed in turn
+            l.take_owed(std::move(*f), std::max(deadline, deadline_after(drop_timeout)), "revocations");
             continue;
           }
           throw protocol_error("borrower::revocations: the lender sent frame type " + std::to_string(f->type) +
@@ -707,7 +766,7 @@ void borrower::revoke(std::uint64_t region, std::chrono::milliseconds deadline, 
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
   l.usable("revoke");
-  l.exchange([&] { l.settle_late(until, "revoke"); });
+  l.exchange([&] { l.settle_owed(until, "revoke"); });
   const std::uint64_t request = l.next_request++;
   l.conn.send(static_cast<std::uint16_t>(message_type::revoke_request),
               detail::encode(detail::revoke_request_message{request, region,
@@ -732,7 +791,7 @@ std::string borrower::metrics(std::chrono::milliseconds timeout) {
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
   l.usable("metrics");
-  l.exchange([&] { l.settle_late(deadline, "metrics"); });
+  l.exchange([&] { l.settle_owed(deadline, "metrics"); });
   l.conn.send(static_cast<std::uint16_t>(message_type::query_metrics), {});
   channel::frame f = l.exchange([&] { return l.next(deadline, "metrics"); });
   if (f.type != static_cast<std::uint16_t>(message_type::metrics) || f.payload.size() > detail::max_metrics_text) {

@@ -6,7 +6,12 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <future>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
 #include <string>
 #include <thread>
 
@@ -22,52 +27,68 @@ namespace {
 
 using lending::detail::message_type;
 
-// A lender whose serving thread stalls in a publish until the test lets it
-// go: a borrow sent meanwhile is answered only then (connect borrowers
-// before it stalls: their hellos wait too).
+// A lender whose serving thread stalls in publishes until the test lets
+// each go: a request sent meanwhile is answered only then. Each stall is
+// the publish of one of its writers (connect borrowers before a stall:
+// their hellos wait too).
 struct stalled_lender {
   temp_dir dir;
   backend::device& dev = backend::host_device_instance();
   lender l{dev, channel::channel_address::at_path(dir / "l.sock")};
-  borrower writer{dev, l.address()};
-  std::promise<void> stalled;
-  std::promise<void> go_on;
-  std::shared_future<void> released = go_on.get_future().share();
+  std::vector<std::unique_ptr<borrower>> writers;
+  std::mutex mutex;
+  std::condition_variable changed;
+  int stalls = 0;    // publishes that reached the hook
+  int released = 0;  // of them, let go
   std::optional<publish_hook> hook;
-  std::future<void> publishing;
-  lending::borrowed_region published;  // held: the one region the lender keeps besides the test's
+  std::vector<std::future<void>> publishing;
+  std::vector<lending::borrowed_region> published;  // under mutex: held, so the lender keeps them
 
+  stalled_lender() {
+    for (int i = 0; i < 3; ++i) writers.push_back(std::make_unique<borrower>(dev, l.address()));
+    hook.emplace([this](std::uint64_t) {
+      std::unique_lock lock(mutex);
+      const int mine = ++stalls;
+      changed.notify_all();
+      changed.wait(lock, [&] { return released >= mine; });
+    });
+  }
+  ~stalled_lender() {  // a test that failed while the lender stalled must not hang here
+    {
+      std::lock_guard lock(mutex);
+      released = 1 << 20;
+      changed.notify_all();
+    }
+    for (auto& p : publishing) p.wait();
+  }
+  stalled_lender(const stalled_lender&) = delete;
+  stalled_lender& operator=(const stalled_lender&) = delete;
+
+  // Returns once the serving thread stalls in the publish of a fresh
+  // region of the next writer.
   void stall() {
-    auto region = writer.borrow(2 * mib, "weights");
+    borrower& writer = *writers.at(publishing.size());
+    auto region = writer.borrow(2 * mib, "weights " + std::to_string(publishing.size()));
     lending::region_layout layout;
     layout.entries = {{"w", 0, region.size(), lending::dtype::uint8, {region.size()}}};
     layout.hash = lending::hash_entries(dev, region.data(), region.size(), layout);
-    hook.emplace([this](std::uint64_t) {
-      stalled.set_value();
-      released.wait();
-    });
-    publishing = std::async(std::launch::async, [this, r = std::move(region), layout]() mutable {
-      published = writer.publish(std::move(r), layout);
-    });
-    stalled.get_future().wait();
+    std::unique_lock lock(mutex);
+    const int before = stalls;
+    publishing.push_back(std::async(std::launch::async, [this, &writer, r = std::move(region), layout]() mutable {
+      auto shared = writer.publish(std::move(r), layout, 20s);
+      std::lock_guard done(mutex);
+      published.push_back(std::move(shared));
+    }));
+    changed.wait(lock, [&] { return stalls > before; });
   }
+  // Lets the oldest stall go.
   void release() {
-    go_on.set_value();
-    publishing.get();
+    std::lock_guard lock(mutex);
+    ++released;
+    changed.notify_all();
   }
-  ~stalled_lender() {  // a test that failed while it stalled must not hang here
-    if (!publishing.valid()) return;
-    try {
-      go_on.set_value();
-    } catch (const std::future_error&) {  // NOLINT(bugprone-empty-catch): released already
-    }
-    publishing.wait();
-  }
-  stalled_lender() = default;
-  stalled_lender(const stalled_lender&) = delete;
-  stalled_lender& operator=(const stalled_lender&) = delete;
-  // Regions lent or orphaned but the writer's published one.
-  std::size_t others() { return l.status().regions.size() - 1; }
+  // Regions lent or orphaned but the writers'.
+  std::size_t others() { return l.status().regions.size() - publishing.size(); }
 };
 
 TEST(lending_late_answers, a_region_lent_after_the_borrow_timed_out_is_given_back_at_the_next_call) {
@@ -119,6 +140,73 @@ TEST(lending_late_answers, a_call_made_before_the_late_answer_came_times_out_and
   s.release();
   EXPECT_NO_THROW((void)b.metrics());
   EXPECT_EQ(s.others(), 0u);
+}
+
+// The lender is slow again when the late answer comes: revocations() takes
+// it without waiting for its give back's answer, which is owed in turn.
+TEST(lending_late_answers, revocations_keeps_its_deadline_when_the_lender_is_slow_again) {
+  stalled_lender s;
+  borrower b(s.dev, s.l.address());
+  s.stall();
+  EXPECT_THROW((void)b.borrow(4 * mib, "late", lending::region_mode::exclusive, 100ms), timeout_error);
+  s.release();
+  ASSERT_TRUE(eventually([&] { return s.others() == 1; }));
+  s.stall();  // busy again, in another writer's publish
+  const auto started = std::chrono::steady_clock::now();
+  EXPECT_TRUE(b.revocations(0ms).empty());
+  EXPECT_LT(std::chrono::steady_clock::now() - started, 200ms) << "revocations(0) waited for the lender";
+  s.release();
+  EXPECT_NO_THROW((void)b.metrics()) << "the link did not stay in step";
+  EXPECT_EQ(s.others(), 0u);
+}
+
+// The call after the late answer has a short deadline and the lender is
+// slow again: that call times out, and the link stays in step for the next.
+TEST(lending_late_answers, a_short_call_while_the_lender_is_slow_again_leaves_the_link_in_step) {
+  stalled_lender s;
+  borrower b(s.dev, s.l.address());
+  s.stall();
+  EXPECT_THROW((void)b.borrow(4 * mib, "late", lending::region_mode::exclusive, 100ms), timeout_error);
+  s.release();
+  ASSERT_TRUE(eventually([&] { return s.others() == 1; }));
+  s.stall();
+  EXPECT_THROW((void)b.borrow(4 * mib, "next", lending::region_mode::exclusive, 100ms), timeout_error);
+  s.release();
+  EXPECT_NO_THROW((void)b.metrics(2s));
+  EXPECT_EQ(s.others(), 0u) << "a region lent late stayed lent";
+}
+
+// A give back whose answer does not come in time has still gone: the lender
+// does not keep the region lent to a borrower that unmapped it.
+TEST(lending_late_answers, a_give_back_that_times_out_is_sent_all_the_same) {
+  stalled_lender s;
+  borrower b(s.dev, s.l.address());
+  auto region = b.borrow(4 * mib, "held");
+  const auto id = region.id();
+  s.stall();
+  EXPECT_THROW((void)b.borrow(4 * mib, "late", lending::region_mode::exclusive, 100ms), timeout_error);
+  EXPECT_THROW(b.give_back(std::move(region), 100ms), timeout_error);
+  s.release();
+  EXPECT_NO_THROW((void)b.metrics());
+  EXPECT_EQ(s.others(), 0u) << "region " << id << " (given back) or the late one is still lent";
+  EXPECT_THROW(s.l.revoke(id, 1s), invalid_argument) << "the lender still counts the region given back as lent";
+}
+
+// Dropping the last region while the lender is slow: the give back is sent
+// and owed; the connection's end waits for the owed answers once, not twice.
+TEST(lending_late_answers, dropping_the_last_region_while_the_lender_is_slow_waits_at_most_a_second) {
+  stalled_lender s;
+  std::optional<lending::borrowed_region> region;
+  {
+    borrower b(s.dev, s.l.address());
+    region.emplace(b.borrow(4 * mib, "held"));
+    s.stall();
+    EXPECT_THROW((void)b.borrow(4 * mib, "late", lending::region_mode::exclusive, 100ms), timeout_error);
+  }
+  const auto started = std::chrono::steady_clock::now();
+  region.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - started, 1500ms);
+  s.release();
 }
 
 // The late region is memory this borrower keeps mapped (lent with no

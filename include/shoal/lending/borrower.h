@@ -46,11 +46,14 @@
 // connection stays usable after any of them. connection_closed when the
 // lender is gone (regions already mapped stay valid until given back);
 // timeout_error when it does not answer within the deadline: the connection
-// stays usable, and a borrow or borrow_shared the lender answers later is
-// read by this borrower's next call (or when the connection closes) and
-// given back unmapped, so the lender does not keep that region lent (an
-// answer that stopped part-way closes the connection instead). protocol_error
-// when it sends something malformed (the connection is closed).
+// stays usable — answers come in the order asked, and those no call waits
+// for any more are read first by the next call, revocations(), or the
+// connection's end (within 1 s): a region a borrow or borrow_shared was lent
+// late is given back unmapped, so the lender does not keep it lent, and a
+// give_back that timed out was sent all the same (its confirmation read
+// later). An answer that stopped part-way closes the connection instead.
+// protocol_error when it sends something malformed (the connection is
+// closed).
 //
 // Thread-safety: borrow and give_back may be called from several threads;
 // requests go one at a time. revocations() waits without holding the
