@@ -755,6 +755,11 @@ class Borrower:
     def metrics(self, timeout: float = 5.0) -> str:
         """The lender's status in the Prometheus text format."""
 
+    def revoke(self, region: int, deadline: float, timeout: float = 5.0) -> None:
+        """
+        Asks the lender to revoke ``region`` (any borrower's: its id as the status and the metrics name it), giving its borrower ``deadline`` seconds; returns once the lender accepted. The lender's operator only: PeerRefusedError unless this process runs as the lender's uid or root; InvalidArgumentError for a region not lent to a connected borrower, or a shared one.
+        """
+
     def close(self) -> None:
         """
         Closes the connection; regions already borrowed stay mapped until their storages are gone.

@@ -21,7 +21,11 @@ next call, or as it closes). When a borrower dies — SIGKILL included — the l
 its regions.
 
 :class:`Lender` runs the lender in this process (on its own thread); ``status()`` says who
-holds what, and ``metrics()`` gives the Prometheus text.
+holds what, and ``metrics()`` gives the Prometheus text. Models take turns by revocation:
+the lender's operator (``Lender.revoke`` in its process, or ``Borrower.revoke`` /
+``shoal daemon revoke`` from a process of the lender's uid) asks a region back, its
+borrower sees it in ``revocations()`` and drops the region, and the next model's borrow
+fits.
 
 Shared read-only regions: several processes serving one model map one copy of its weights. A
 writer borrows a region under the model's name, fills it, and publishes it with a layout (named
@@ -247,6 +251,16 @@ class Borrower:
     def metrics(self, timeout: float = 5.0) -> str:
         """The lender's status in the Prometheus text format."""
         return self._native.metrics(timeout)
+
+    def revoke(self, region: int, deadline: float, timeout: float = 5.0) -> None:
+        """Asks the lender to revoke ``region`` — any borrower's, by the id ``status`` and the
+        metrics name it (``shoal_lending_region_bytes{id=...}``) — giving its borrower
+        ``deadline`` seconds to give it back: how an operator takes one model's memory for
+        the next model's turn (``shoal daemon revoke`` on the command line). Returns once the
+        lender accepted. ``PeerRefusedError`` unless this process runs as the lender's uid or
+        root; ``InvalidArgumentError`` for a region not lent to a connected borrower, or a
+        shared one."""
+        self._native.revoke(region, deadline, timeout)
 
     def close(self) -> None:
         """Closes the connection; regions already borrowed stay mapped until their storages

@@ -411,6 +411,20 @@ void register_lending(nb::module_& m) {
           },
           nb::arg("timeout") = 5.0, "The lender's status in the Prometheus text format.")
       .def(
+          "revoke",
+          [](const py_borrower& b, std::uint64_t region, double deadline, double timeout) {
+            const auto d = timeout_of(deadline, "Borrower.revoke", "deadline");
+            const auto t = timeout_of(timeout, "Borrower.revoke");
+            const auto borrower = b.borrower.enter();
+            released_gil release;
+            borrower->revoke(region, d, t);
+          },
+          nb::arg("region"), nb::arg("deadline"), nb::arg("timeout") = 5.0,
+          "Asks the lender to revoke ``region`` (any borrower's: its id as the status and the metrics name it), "
+          "giving its borrower ``deadline`` seconds; returns once the lender accepted. The lender's operator only: "
+          "PeerRefusedError unless this process runs as the lender's uid or root; InvalidArgumentError for a region "
+          "not lent to a connected borrower, or a shared one.")
+      .def(
           "close",
           [](py_borrower& b) { b.borrower.close(); },
           "Closes the connection; regions already borrowed stay mapped until their storages are gone.")

@@ -150,6 +150,25 @@ def test_a_borrower_turned_away_as_it_connects_gets_peer_refused(address):
             shoal.lending.Borrower(address, timeout=2.0)
 
 
+def test_the_operator_revokes_one_borrowers_region_for_anothers_turn(address):
+    in_process_only()
+    unit = 2 * MIB
+    with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender, \
+            shoal.lending.Borrower(address) as model_a, shoal.lending.Borrower(address) as model_b, \
+            shoal.lending.Borrower(address) as operator:
+        region = model_a.borrow(4 * unit, "model A")
+        with pytest.raises(shoal.OutOfMemoryError):
+            model_b.borrow(4 * unit, "model B")
+        operator.revoke(shoal.lending.Borrower.region_id(region), deadline=5.0)
+        asked = model_a.revocations(wait=5.0)
+        assert [r for r, _ in asked] == [shoal.lending.Borrower.region_id(region)]
+        del region  # given back as it goes
+        assert eventually(lambda: lender.status()["lent_bytes"] == 0)
+        assert model_b.borrow(4 * unit, "model B").nbytes == 4 * unit
+        with pytest.raises(shoal.InvalidArgumentError, match="not lent"):
+            operator.revoke(12345, deadline=1.0)
+
+
 def test_wrong_arguments_are_named(address):
     with pytest.raises(TypeError, match="capacity"):
         shoal.lending.Lender(address, capacity=MIB)  # type: ignore[call-arg]
