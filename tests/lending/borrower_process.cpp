@@ -228,17 +228,26 @@ int deaf(const std::string& path, std::size_t bytes, std::size_t fill) {
   return 0;
 }
 
-int cycle(backend::device& target, const std::string& where, std::size_t bytes, int rounds, const std::string& as) {
+// A borrower on `dev` of the lender at `where` (a path or @abstract name),
+// as `as`: "self", or "nobody" — it drops to uid and gid 65534 first and
+// admits the lender's uid (root's) explicitly. Nothing when it cannot drop.
+std::optional<lending::borrower> borrower_as(backend::device& dev, const std::string& where, const std::string& as) {
   constexpr uid_t nobody = 65534;
   if (as == "nobody" && (::setresgid(nobody, nobody, nobody) != 0 || ::setresuid(nobody, nobody, nobody) != 0)) {
     say("error cannot become uid 65534");
-    return 1;
+    return std::nullopt;
   }
   const auto address = where.starts_with('@') ? channel::channel_address::abstract(where.substr(1))
                                               : channel::channel_address::at_path(where);
+  return std::optional<lending::borrower>(std::in_place, dev, address,
+                                          as == "nobody" ? channel::access_policy{{0}, {}} : channel::access_policy{});
+}
+
+int cycle(backend::device& target, const std::string& where, std::size_t bytes, int rounds, const std::string& as) {
   testing::counting_device dev(target);  // a kept mapping used means no import
-  // As nobody, it admits the lender's uid (root's) explicitly.
-  lending::borrower b(dev, address, as == "nobody" ? channel::access_policy{{0}, {}} : channel::access_policy{});
+  auto borrower = borrower_as(dev, where, as);
+  if (!borrower) return 1;
+  lending::borrower& b = *borrower;
   std::string ids;
   for (int round = 1; round <= rounds; ++round) {
     auto region = b.borrow(bytes, "cycled");
@@ -261,16 +270,10 @@ int cycle(backend::device& target, const std::string& where, std::size_t bytes, 
 }
 
 int revoke(backend::device& dev, const std::string& where, std::uint64_t region, const std::string& as) {
-  constexpr uid_t nobody = 65534;
-  if (as == "nobody" && (::setresgid(nobody, nobody, nobody) != 0 || ::setresuid(nobody, nobody, nobody) != 0)) {
-    say("error cannot become uid 65534");
-    return 1;
-  }
-  const auto address = where.starts_with('@') ? channel::channel_address::abstract(where.substr(1))
-                                              : channel::channel_address::at_path(where);
-  lending::borrower b(dev, address, as == "nobody" ? channel::access_policy{{0}, {}} : channel::access_policy{});
+  auto b = borrower_as(dev, where, as);
+  if (!b) return 1;
   try {
-    b.revoke(region, std::chrono::seconds(5));
+    b->revoke(region, std::chrono::seconds(5));
   } catch (const peer_refused& e) {
     say(std::string("refused ") + e.what());
     return 0;

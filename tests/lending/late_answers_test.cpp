@@ -89,15 +89,25 @@ struct stalled_lender {
   }
   // Regions lent or orphaned but the writers'.
   std::size_t others() { return l.status().regions.size() - publishing.size(); }
+
+  // Stalls the lender and lets a borrow of `b` time out meanwhile.
+  void borrow_times_out(borrower& b) {
+    stall();
+    EXPECT_THROW((void)b.borrow(4 * mib, "late", lending::region_mode::exclusive, 100ms), timeout_error);
+  }
+  // borrow_times_out, then lets the lender go: it lends that region late,
+  // to a borrower that no longer waits for it.
+  void lend_late(borrower& b) {
+    borrow_times_out(b);
+    release();
+    EXPECT_TRUE(eventually([&] { return others() == 1; })) << "the lender did not lend the late borrow";
+  }
 };
 
 TEST(lending_late_answers, a_region_lent_after_the_borrow_timed_out_is_given_back_at_the_next_call) {
   stalled_lender s;
   borrower b(s.dev, s.l.address());
-  s.stall();
-  EXPECT_THROW((void)b.borrow(4 * mib, "late", lending::region_mode::exclusive, 100ms), timeout_error);
-  s.release();
-  ASSERT_TRUE(eventually([&] { return s.others() == 1; })) << "the lender lent the late borrow";
+  s.lend_late(b);
   // The next call reads the late answer first and gives that region back.
   const std::string text = b.metrics();
   EXPECT_NE(text.find("shoal_lending_capacity_bytes"), std::string::npos);
@@ -112,8 +122,7 @@ TEST(lending_late_answers, a_late_region_is_given_back_when_the_connection_close
   stalled_lender s;
   {
     borrower b(s.dev, s.l.address());
-    s.stall();
-    EXPECT_THROW((void)b.borrow(4 * mib, "late", lending::region_mode::exclusive, 100ms), timeout_error);
+    s.borrow_times_out(b);
     s.release();
   }  // closes: the late answer is read and its region given back first
   EXPECT_EQ(s.others(), 0u) << "the region of the late answer stays with the lender as lent or orphaned";
@@ -122,10 +131,7 @@ TEST(lending_late_answers, a_late_region_is_given_back_when_the_connection_close
 TEST(lending_late_answers, revocations_takes_a_late_answer_and_gives_its_region_back) {
   stalled_lender s;
   borrower b(s.dev, s.l.address());
-  s.stall();
-  EXPECT_THROW((void)b.borrow(4 * mib, "late", lending::region_mode::exclusive, 100ms), timeout_error);
-  s.release();
-  ASSERT_TRUE(eventually([&] { return s.others() == 1; }));
+  s.lend_late(b);
   EXPECT_TRUE(b.revocations(200ms).empty());
   EXPECT_EQ(s.others(), 0u);
   EXPECT_NO_THROW((void)b.metrics());
@@ -134,8 +140,7 @@ TEST(lending_late_answers, revocations_takes_a_late_answer_and_gives_its_region_
 TEST(lending_late_answers, a_call_made_before_the_late_answer_came_times_out_and_the_link_stays_in_step) {
   stalled_lender s;
   borrower b(s.dev, s.l.address());
-  s.stall();
-  EXPECT_THROW((void)b.borrow(4 * mib, "late", lending::region_mode::exclusive, 100ms), timeout_error);
+  s.borrow_times_out(b);
   EXPECT_THROW((void)b.metrics(100ms), timeout_error) << "the lender is still stalled";
   s.release();
   EXPECT_NO_THROW((void)b.metrics());
@@ -147,10 +152,7 @@ TEST(lending_late_answers, a_call_made_before_the_late_answer_came_times_out_and
 TEST(lending_late_answers, revocations_keeps_its_deadline_when_the_lender_is_slow_again) {
   stalled_lender s;
   borrower b(s.dev, s.l.address());
-  s.stall();
-  EXPECT_THROW((void)b.borrow(4 * mib, "late", lending::region_mode::exclusive, 100ms), timeout_error);
-  s.release();
-  ASSERT_TRUE(eventually([&] { return s.others() == 1; }));
+  s.lend_late(b);
   s.stall();  // busy again, in another writer's publish
   const auto started = std::chrono::steady_clock::now();
   EXPECT_TRUE(b.revocations(0ms).empty());
@@ -165,10 +167,7 @@ TEST(lending_late_answers, revocations_keeps_its_deadline_when_the_lender_is_slo
 TEST(lending_late_answers, a_short_call_while_the_lender_is_slow_again_leaves_the_link_in_step) {
   stalled_lender s;
   borrower b(s.dev, s.l.address());
-  s.stall();
-  EXPECT_THROW((void)b.borrow(4 * mib, "late", lending::region_mode::exclusive, 100ms), timeout_error);
-  s.release();
-  ASSERT_TRUE(eventually([&] { return s.others() == 1; }));
+  s.lend_late(b);
   s.stall();
   EXPECT_THROW((void)b.borrow(4 * mib, "next", lending::region_mode::exclusive, 100ms), timeout_error);
   s.release();
@@ -183,8 +182,7 @@ TEST(lending_late_answers, a_give_back_that_times_out_is_sent_all_the_same) {
   borrower b(s.dev, s.l.address());
   auto region = b.borrow(4 * mib, "held");
   const auto id = region.id();
-  s.stall();
-  EXPECT_THROW((void)b.borrow(4 * mib, "late", lending::region_mode::exclusive, 100ms), timeout_error);
+  s.borrow_times_out(b);
   EXPECT_THROW(b.give_back(std::move(region), 100ms), timeout_error);
   s.release();
   EXPECT_NO_THROW((void)b.metrics());
@@ -200,8 +198,7 @@ TEST(lending_late_answers, dropping_the_last_region_while_the_lender_is_slow_wai
   {
     borrower b(s.dev, s.l.address());
     region.emplace(b.borrow(4 * mib, "held"));
-    s.stall();
-    EXPECT_THROW((void)b.borrow(4 * mib, "late", lending::region_mode::exclusive, 100ms), timeout_error);
+    s.borrow_times_out(b);
   }
   const auto started = std::chrono::steady_clock::now();
   region.reset();
@@ -216,8 +213,7 @@ TEST(lending_late_answers, a_late_region_on_a_kept_mapping_leaves_the_mapping_ke
   borrower b(s.dev, s.l.address());
   b.give_back(b.borrow(4 * mib, "first"));
   ASSERT_EQ(b.kept().count, 1u);
-  s.stall();
-  EXPECT_THROW((void)b.borrow(4 * mib, "late", lending::region_mode::exclusive, 100ms), timeout_error);
+  s.borrow_times_out(b);
   s.release();
   EXPECT_NO_THROW((void)b.metrics());
   EXPECT_EQ(s.others(), 0u);
