@@ -55,6 +55,15 @@ std::string json_escaped(const std::string& text) {
   return out;
 }
 
+/// One field of a log record; a number is written unquoted in JSON.
+struct log_field {
+  const char* key;
+  std::string value;
+  bool number = false;
+};
+
+log_field number(const char* key, std::uint64_t value) { return {key, std::to_string(value), true}; }
+
 /// Logs to standard error, one line per record: `time level key=value ...`
 /// (text) or one JSON object per line (json).
 class daemon_log {
@@ -65,17 +74,20 @@ class daemon_log {
     logger_->flush_on(spdlog::level::info);
   }
 
-  /// A record of `fields` (key, value), values quoted in JSON.
-  void info(std::initializer_list<std::pair<const char*, std::string>> fields) { write(spdlog::level::info, fields); }
-  void warn(std::initializer_list<std::pair<const char*, std::string>> fields) { write(spdlog::level::warn, fields); }
+  /// A record of `fields`: in JSON, numbers as numbers and the rest as strings.
+  void info(std::initializer_list<log_field> fields) { write(spdlog::level::info, fields); }
+  void warn(std::initializer_list<log_field> fields) { write(spdlog::level::warn, fields); }
 
  private:
-  void write(spdlog::level::level_enum level, std::initializer_list<std::pair<const char*, std::string>> fields) {
+  void write(spdlog::level::level_enum level, std::initializer_list<log_field> fields) {
     std::string line;
-    for (const auto& [key, value] : fields) {
+    for (const auto& [key, value, is_number] : fields) {
       if (!line.empty()) line += json_ ? "," : " ";
-      line += json_ ? "\"" + std::string(key) + "\":\"" + json_escaped(value) + "\""
-                    : std::string(key) + "=" + quoted(value);
+      if (json_) {
+        line += "\"" + std::string(key) + "\":" + (is_number ? value : "\"" + json_escaped(value) + "\"");
+      } else {
+        line += std::string(key) + "=" + quoted(value);
+      }
     }
     logger_->log(level, "{}", line);
   }
@@ -91,9 +103,12 @@ class daemon_log {
 void log_event(daemon_log& log, const lending::lender_event& e) {
   const bool warning =
       e.what == lending::lender_event::kind::closed_for_error || e.what == lending::lender_event::kind::orphaned;
-  std::initializer_list<std::pair<const char*, std::string>> fields{
-      {"event", lending::to_string(e.what)}, {"pid", std::to_string(e.borrower.pid)}, {"uid", std::to_string(e.uid)},
-      {"region", std::to_string(e.region)},  {"bytes", std::to_string(e.bytes)},      {"detail", e.detail}};
+  const std::initializer_list<log_field> fields{{"event", lending::to_string(e.what)},
+                                                number("pid", static_cast<std::uint64_t>(e.borrower.pid)),
+                                                number("uid", e.uid),
+                                                number("region", e.region),
+                                                number("bytes", e.bytes),
+                                                {"detail", e.detail}};
   warning ? log.warn(fields) : log.info(fields);
 }
 
@@ -137,13 +152,13 @@ int serve(const daemon_settings& settings) {
   log.info({{"event", "started"},
             {"socket", address.is_abstract() ? "@" + address.name() : address.name()},
             {"device", device.name()},
-            {"capacity_bytes", std::to_string(config.capacity_bytes)},
-            {"quota_bytes", std::to_string(config.quota_bytes)},
-            {"quota_bytes_per_uid", std::to_string(config.quota_bytes_per_uid)},
-            {"max_borrowers", std::to_string(config.max_borrowers)},
+            number("capacity_bytes", config.capacity_bytes),
+            number("quota_bytes", config.quota_bytes),
+            number("quota_bytes_per_uid", config.quota_bytes_per_uid),
+            number("max_borrowers", config.max_borrowers),
             {"reuse", config.reuse == lending::reuse_policy::never ? "never" : "same_uid"},  // what the lender got
-            {"prepared_chunks", std::to_string(config.prepared_chunks.size())},
-            {"prepared_bytes", std::to_string(lender.status().prepared_bytes)},
+            number("prepared_chunks", config.prepared_chunks.size()),
+            number("prepared_bytes", lender.status().prepared_bytes),
             {"metrics", metrics_url}});
   starting.unlock();
   int signal = 0;
@@ -151,9 +166,9 @@ int serve(const daemon_settings& settings) {
   const auto s = lender.status();
   const std::lock_guard in_order(log_order);
   log.info({{"event", "stopping"},
-            {"signal", std::to_string(signal)},
-            {"regions", std::to_string(s.regions.size())},
-            {"lent_bytes", std::to_string(s.lent_bytes)}});
+            number("signal", static_cast<std::uint64_t>(signal)),
+            number("regions", s.regions.size()),
+            number("lent_bytes", s.lent_bytes)});
   return 0;
 }
 
