@@ -138,6 +138,7 @@ refused() {  # refused <text the message must hold> <daemon arguments...>
   [ "$status" -eq 2 ] || fail "'$*' exited $status, not 2"
   grep -q -- "$expected" "$dir/log" || fail "'$*' did not say '$expected'"
 }
+refused "more than the device's memory" --capacity 1000000TiB
 echo 'capacity = "lots"' > "$dir/bad.toml"
 refused "capacity" --config "$dir/bad.toml"
 echo 'colour = "blue"' > "$dir/bad.toml"

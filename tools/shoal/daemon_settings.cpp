@@ -180,6 +180,12 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
   lending::lender_config c;
   c.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
   c.capacity_bytes = capacity.bytes(d, "capacity");
+  if (const std::size_t total = d.memory().total_bytes; c.capacity_bytes > total) {
+    // Lending what the device does not have fails later, borrow by borrow.
+    throw invalid_argument("capacity: " + capacity.text + " is " + std::to_string(c.capacity_bytes) +
+                           " bytes, more than the device's memory of " + std::to_string(total) +
+                           "; give at most that, or a fraction like 0.9");
+  }
   c.quota_bytes = quota.bytes(d, "quota");
   c.quota_bytes_per_uid = quota_per_uid.text.empty() ? 0 : quota_per_uid.bytes(d, "quota_per_uid");
   for (const auto& entry : prepare) add_prepared(entry, d, c.prepared_chunks);
