@@ -239,6 +239,21 @@ TEST(listener_file, abandoned_sockets_of_processes_that_are_gone_are_removed_and
   EXPECT_EQ(listener(fresh_abstract_name(), {}).remove_abandoned_sockets("srv-"), 0u) << "no directory, nothing to do";
 }
 
+// A socket file of another user in the folder (this user's folder, made
+// shared by hand, or root's view of any folder) is never this user's to
+// remove, however abandoned it looks.
+TEST(listener_file, an_abandoned_socket_of_another_user_is_left) {
+  if (::geteuid() != 0) GTEST_SKIP() << "giving a file to another uid (chown to 65534) needs root";
+  temp_dir dir;
+  const std::string dead = std::to_string(a_dead_pid());
+  const std::string theirs = dir / ("srv-" + dead + "-of-another-user.sock");
+  bound_socket(theirs);
+  ASSERT_EQ(::lchown(theirs.c_str(), 65534, 65534), 0);
+  const listener server(channel_address::at_path(dir / ("srv-" + std::to_string(::getpid()) + "-own.sock")), {});
+  EXPECT_EQ(server.remove_abandoned_sockets("srv-"), 0u);
+  EXPECT_TRUE(exists(theirs)) << "another user's socket file was removed";
+}
+
 TEST(listener_file, an_address_in_use_is_refused_and_its_listener_keeps_working) {
   temp_dir dir;
   for (const auto& address : {channel_address::at_path(dir / "sock"), fresh_abstract_name()}) {
