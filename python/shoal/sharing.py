@@ -444,10 +444,11 @@ class Consumer:
         `timeout`: seconds to wait for each next batch or end;
         PeerTimeoutError past it, after which the same iterator may be
         asked again. Give one: a producer gone before this consumer
-        accepted its connection (killed, or ended before its first batch
-        was taken) is not counted, nor is one refused past `max_producers`
-        (`errors` names it), and without a timeout the loop would wait for
-        it. Producers beyond `producers` may have batches left at the end."""
+        accepted its connection (killed, or one that put no arrays and
+        ended at once: its close() waits only for batches with arrays) is
+        not counted, nor is one refused past `max_producers` (`errors`
+        names it), and without a timeout the loop would wait for it.
+        Producers beyond `producers` may have batches left at the end."""
         return Batches(self, producers, timeout, stream)
 
     def _next(
