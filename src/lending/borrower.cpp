@@ -249,6 +249,26 @@ struct borrowed_region::link {
     owed.push_back(o);
   }
 
+  // Sends the give back `o` names (region, keep, and the mapping offered to
+  // be kept) and owes its answer. A send that throws owes nothing: the
+  // mapping in `o` is still the caller's.
+  void send_give_back(const owed_answer& o) {
+    conn.send(static_cast<std::uint16_t>(message_type::give_back),
+              detail::encode(detail::give_back_message{o.region, o.keep}));
+    owe(o);
+  }
+
+  // Gives region `id`, mapped here no more, back: its answer is read now,
+  // within `deadline`, or by a later call. Throws nothing (a link that
+  // breaks meanwhile is reclaimed by the lender on hang-up).
+  void give_back_unmapped(std::uint64_t id, clock_type::time_point deadline, const char* operation) noexcept {
+    try {
+      send_give_back({.what = owed_answer::kind::given_back, .region = id});
+      settle_owed(deadline, operation);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): owed for the next call, or reclaimed on hang-up
+    }
+  }
+
   // Bytes of the mappings owed answers may still put into `kept`.
   [[nodiscard]] std::size_t owed_keep_bytes() const noexcept {
     std::size_t bytes = 0;
@@ -319,10 +339,8 @@ struct borrowed_region::link {
       if (o.shared && next(deadline, operation).type != static_cast<std::uint16_t>(message_type::layout)) {
         throw protocol_error(who() + ": expected the layout of region " + std::to_string(lent.region));
       }
-      conn.send(static_cast<std::uint16_t>(message_type::give_back),
-                detail::encode(detail::give_back_message{lent.region, on_kept_mapping}));
-      owe({.what = owed_answer::kind::given_back, .region = lent.region, .keep = on_kept_mapping,
-           .memory = lent.memory});
+      send_give_back({.what = owed_answer::kind::given_back, .region = lent.region, .keep = on_kept_mapping,
+                      .memory = lent.memory});
     } catch (const protocol_error&) {
       out_of_step = true;
       throw;
@@ -418,16 +436,14 @@ struct borrowed_region::link {
     if (!keep) device.close_import(data);
     try {
       usable("give_back");
-      conn.send(static_cast<std::uint16_t>(message_type::give_back),
-                detail::encode(detail::give_back_message{id, keep}));
+      send_give_back({.what = owed_answer::kind::given_back, .region = id, .keep = keep, .memory = memory,
+                      .data = keep ? data : nullptr, .size = size});
     } catch (...) {
       if (keep) device.close_import(data);
       throw;
     }
-    // Sent: from here on the answer is owed, read now (after any owed
-    // before it) or, past the deadline, by a later call.
-    owe({.what = owed_answer::kind::given_back, .region = id, .keep = keep, .memory = memory,
-         .data = keep ? data : nullptr, .size = size});
+    // Sent: the answer is read now (after any owed before it) or, past the
+    // deadline, by a later call.
     settle_owed(deadline, "give_back");
   }
 
@@ -508,14 +524,7 @@ struct borrowed_region::link {
     try {
       return {lent, device.import_memory(chunks, access)};
     } catch (...) {
-      // Not mapped: give it back at once (the lender answers before any later request).
-      try {
-        conn.send(static_cast<std::uint16_t>(message_type::give_back),
-                  detail::encode(detail::give_back_message{lent.region, false}));
-        (void)next(deadline, operation);
-        given_back_confirmed(lent.region);
-      } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on hang-up
-      }
+      give_back_unmapped(lent.region, deadline, operation);  // not mapped: given back at once
       throw;
     }
   }
@@ -651,15 +660,7 @@ borrowed_region borrower::publish(borrowed_region&& region, const region_layout&
     return borrowed_region(link_, id, m.lent.memory, m.data, size, std::make_shared<const region_layout>(layout));
   } catch (const error&) {
     // Refused, or the link broke: the region is not mapped here any more.
-    if (!l.out_of_step && !l.conn.broken()) {
-      try {
-        l.conn.send(static_cast<std::uint16_t>(message_type::give_back),
-                    detail::encode(detail::give_back_message{id, false}));
-        (void)l.next(deadline, "publish");
-        l.given_back_confirmed(id);
-      } catch (...) {  // NOLINT(bugprone-empty-catch): the lender reclaims on hang-up
-      }
-    }
+    if (!l.out_of_step && !l.conn.broken()) l.give_back_unmapped(id, deadline, "publish");
     throw;
   }
 }

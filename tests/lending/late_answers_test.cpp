@@ -2,9 +2,11 @@
 // borrower's publish, or stopped for a while): the borrower keeps the link in
 // step and gives the late region back unmapped — at its next call, in
 // revocations(), or as the connection closes — so the lender does not keep
-// it lent until this process ends (host backend, in one process).
+// it lent until this process ends; and a region the borrower cannot map is
+// given back at once (host backend, in one process).
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <future>
@@ -21,6 +23,7 @@
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
 #include "shoal/lending/layout.h"
+#include "support/forwarding_device.h"
 
 namespace shoal::testing {
 namespace {
@@ -220,6 +223,32 @@ TEST(lending_late_answers, a_late_region_on_a_kept_mapping_leaves_the_mapping_ke
   EXPECT_EQ(b.kept().count, 1u) << "the kept mapping was dropped";
   auto again = b.borrow(4 * mib, "again");
   EXPECT_EQ(b.kept().count, 0u) << "lent again on the kept mapping";
+}
+
+// A device whose imports fail while `refuse` is set.
+class refusing_imports : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+  using forwarding_device::import_memory;
+  void* import_memory(std::span<const backend::shareable_handle> chunks, backend::memory_access access) override {
+    if (refuse) throw backend_error("import_memory", "refused by the test");
+    return forwarding_device::import_memory(chunks, access);
+  }
+  std::atomic<bool> refuse{true};
+};
+
+// A region lent that this borrower cannot map is given back at once, and
+// the link stays in step for the next borrow.
+TEST(lending_late_answers, a_region_the_borrower_cannot_map_is_given_back_at_once) {
+  temp_dir dir;
+  auto& host = backend::host_device_instance();
+  lender l(host, channel::channel_address::at_path(dir / "l.sock"));
+  refusing_imports dev(host);
+  borrower b(dev, l.address());
+  EXPECT_THROW((void)b.borrow(2 * mib, "unmappable"), backend_error);
+  EXPECT_TRUE(eventually([&] { return l.status().regions.empty(); })) << "the unmapped region stays lent";
+  dev.refuse = false;
+  EXPECT_TRUE(b.borrow(2 * mib, "mappable").valid());
 }
 
 // A lender whose answer after a timeout names another request broke the
