@@ -49,7 +49,7 @@ reader it has the model it asked for, not that the writer is honest.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 from . import _shoal, default_allocator
 

@@ -451,16 +451,20 @@ class Consumer:
         Producers beyond `producers` may have batches left at the end."""
         return Batches(self, producers, timeout, stream)
 
-    def _next(
-        self, caller: str, timeout: float | None, stream: _shoal.Stream | None, until_ended: int | None
-    ) -> Batch | None:
-        """The next whole batch; None once `producers_ended` reaches
-        `until_ended` (a connection's batches come before its end)."""
+    def _check_call(self, caller: str, timeout: float | None) -> None:
+        """InvalidArgumentError for a call on a closed consumer or with a timeout that is no wait."""
         if self._closed:
             raise _shoal.InvalidArgumentError(f"shoal.sharing.Consumer.{caller}: the consumer is closed")
         if timeout is not None and not timeout >= 0:
             raise _shoal.InvalidArgumentError(
                 f"shoal.sharing.Consumer.{caller}: timeout must be a number of seconds >= 0 or None, got {timeout}")
+
+    def _next(
+        self, caller: str, timeout: float | None, stream: _shoal.Stream | None, until_ended: int | None
+    ) -> Batch | None:
+        """The next whole batch; None once `producers_ended` reaches
+        `until_ended` (a connection's batches come before its end)."""
+        self._check_call(caller, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if until_ended is not None and self._ended >= until_ended:
@@ -655,11 +659,7 @@ class Batches:
             raise _shoal.InvalidArgumentError(
                 f"shoal.sharing.Consumer.batches: producers must be a whole number >= 0, not {producers!r}"
             )
-        if timeout is not None and not timeout >= 0:
-            raise _shoal.InvalidArgumentError(
-                f"shoal.sharing.Consumer.batches: timeout must be a number of seconds >= 0 or None, got {timeout}")
-        if consumer.closed:
-            raise _shoal.InvalidArgumentError("shoal.sharing.Consumer.batches: the consumer is closed")
+        consumer._check_call("batches", timeout)
         self._consumer = consumer
         self._until = consumer.producers_ended + producers
         self._timeout = timeout
