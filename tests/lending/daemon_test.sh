@@ -220,6 +220,10 @@ if [ "$(id -u)" -eq 0 ] && command -v setpriv > /dev/null; then
   "$shoal" daemon status --socket "$svc/s.sock" --device host --daemon-uid 65534 > "$dir/status" ||
     fail "status --daemon-uid 65534 did not read the daemon of uid 65534"
   grep -q '^shoal_lending_capacity_bytes ' "$dir/status" || fail "status --daemon-uid printed no metrics"
+  # Root is an operator of any user's daemon: its revoke gets past the
+  # operator check to the region (which no one holds).
+  "$shoal" daemon revoke 99999 --socket "$svc/s.sock" --device host --daemon-uid 65534 > /dev/null 2> "$dir/refusal"
+  grep -q "99999 is not lent" "$dir/refusal" || fail "root's revoke did not reach the region: $(cat "$dir/refusal")"
   stop
   rm -rf "$svc"
 else

@@ -158,6 +158,22 @@ TEST(lending_hostile_peers, a_lender_that_takes_no_connection_times_the_borrower
   attempt.get();
 }
 
+// A revoke request with no time to give the region back is malformed: the
+// lender closes that connection, and only that one.
+TEST(lending_hostile_peers, a_revoke_request_of_zero_milliseconds_closes_its_sender) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  lender l(dev, channel::channel_address::at_path(dir / "l.sock"));
+  borrower holder(dev, l.address());
+  auto region = holder.borrow(2 * mib, "held");
+  auto raw = raw_borrower(l.address());
+  raw.send(static_cast<std::uint16_t>(message_type::revoke_request),
+           lending::detail::encode(lending::detail::revoke_request_message{1, region.id(), 0}));
+  ASSERT_TRUE(eventually([&] { return l.status().connections_closed_for_errors == 1; }));
+  EXPECT_TRUE(holder.revocations(std::chrono::milliseconds(100)).empty()) << "the malformed request revoked";
+  EXPECT_NO_THROW((void)holder.metrics());
+}
+
 // A process that takes the connection and never greets: the borrower's
 // timeout says so, not what the channel's receive was for.
 TEST(lending_hostile_peers, a_listener_that_never_greets_times_the_borrower_out_saying_so) {
