@@ -61,6 +61,8 @@ bool lock_by(std::unique_lock<std::mutex>& lock, clock_type::time_point deadline
 // revocations() looks at what other threads' requests read (and stashed) at
 // least this often while it waits.
 constexpr std::chrono::milliseconds revocation_slice{10};
+// A borrow with an interrupt check calls it at least this often while it waits.
+constexpr std::chrono::milliseconds interrupt_check_interval{50};
 
 // Waits until `conn` may have something to read, or `until`. Reads nothing:
 // a batch that came in part stays for the next try_receive (revocations()
@@ -215,7 +217,9 @@ struct borrowed_region::link {
   // The next answer, within the deadline (revokes and forgets that come
   // first are handled); timeout_error when none has begun to come (the
   // link stays in step only where the caller records what is late).
-  channel::frame next_or_timeout(clock_type::time_point deadline, const char* operation) {
+  channel::frame next_or_timeout(clock_type::time_point deadline, const char* operation,
+                                 const std::function<void()>* interrupt_check = nullptr) {
+    if (interrupt_check != nullptr && *interrupt_check) return next_checking(deadline, operation, *interrupt_check);
     for (;;) {
       channel::frame f;
       try {
@@ -224,6 +228,28 @@ struct borrowed_region::link {
         throw timeout_error(std::string("borrower::") + operation + ": the lender did not answer in time");
       }
       if (!unasked(f, operation)) return f;
+    }
+  }
+
+  // next_or_timeout, calling `interrupt_check` at least every
+  // interrupt_check_interval while nothing has come (what it throws ends the
+  // wait as a timeout would: the link stays in step, the answer the caller's
+  // to record). Reads only whole batches, so an interruption or the deadline
+  // never cuts one.
+  channel::frame next_checking(clock_type::time_point deadline, const char* operation,
+                               const std::function<void()>& interrupt_check) {
+    auto next_check = clock_type::now() + interrupt_check_interval;
+    for (;;) {
+      while (std::optional<channel::frame> f = conn.try_receive()) {
+        if (!unasked(*f, operation)) return std::move(*f);
+      }
+      const auto now = clock_type::now();
+      if (now >= deadline) throw timeout_error(std::string("borrower::") + operation + ": the lender did not answer in time");
+      if (now >= next_check) {
+        interrupt_check();
+        next_check = now + interrupt_check_interval;
+      }
+      wait_readable(conn, std::min(deadline, next_check));
     }
   }
 
@@ -459,22 +485,32 @@ struct borrowed_region::link {
   // to come by the deadline is recorded as owed (settle_owed takes it).
   mapped receive_region(std::uint64_t request, std::size_t min_bytes, backend::memory_access access,
                         clock_type::time_point deadline, const char* operation,
-                        std::optional<late_borrow> late_if_unanswered = std::nullopt) {
+                        std::optional<late_borrow> late_if_unanswered = std::nullopt,
+                        const std::function<void()>* interrupt_check = nullptr) {
     // Named only when something is wrong: the answer's path allocates nothing for it.
     const auto who = [operation] { return std::string("borrower::") + operation; };
     channel::frame f;
+    const auto owe_region = [&] {
+      owe({.what = owed_answer::kind::region, .request = late_if_unanswered->request,
+           .shared = late_if_unanswered->shared});
+    };
     try {
-      f = late_if_unanswered ? next_or_timeout(deadline, operation) : next(deadline, operation);
+      f = late_if_unanswered ? next_or_timeout(deadline, operation, interrupt_check) : next(deadline, operation);
     } catch (const timeout_error& e) {
       if (!late_if_unanswered) throw;
       if (conn.broken()) {  // a batch stopped part-way: the link is closed
         out_of_step = true;
         throw;
       }
-      owe({.what = owed_answer::kind::region, .request = late_if_unanswered->request,
-           .shared = late_if_unanswered->shared});
+      owe_region();
       throw timeout_error(std::string(e.what()) +
                           "; if the lender lends it later, the region is given back unmapped at this borrower's next call");
+    } catch (const protocol_error&) {
+      throw;
+    } catch (...) {
+      // The interrupt check ended the wait: the answer is owed, as after a timeout.
+      if (!conn.broken() && !out_of_step) owe_region();
+      throw;
     }
     if (f.type == static_cast<std::uint16_t>(message_type::refused)) {
       const auto refused = detail::decode_refused(f.payload);
@@ -598,7 +634,7 @@ borrower::borrower(backend::device& device, const channel::channel_address& addr
 borrower::~borrower() = default;
 
 borrowed_region borrower::borrow(std::size_t bytes, std::string_view purpose, region_mode mode,
-                                 std::chrono::milliseconds timeout) {
+                                 std::chrono::milliseconds timeout, const borrow_wait& wait) {
   if (bytes == 0) throw invalid_argument("borrower::borrow: a region of 0 bytes");
   if (!detail::valid_purpose(purpose)) {
     throw invalid_argument("borrower::borrow: the purpose must be 1 to 64 bytes of printable ASCII");
@@ -607,17 +643,22 @@ borrowed_region borrower::borrow(std::size_t bytes, std::string_view purpose, re
     throw invalid_argument("borrower::borrow: only exclusive regions are borrowed fresh; publish one to share it, "
                            "and map a published one with borrow_shared");
   }
-  const auto deadline = deadline_after(timeout);
+  if (wait.for_memory.count() < 0 || wait.for_memory.count() > std::numeric_limits<std::uint32_t>::max()) {
+    throw invalid_argument("borrower::borrow: the wait for memory must be 0 to about 49 days");
+  }
+  // The lender answers within the wait; the timeout is for the rest.
+  const auto deadline = deadline_after(wait.for_memory + timeout);
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
   l.usable("borrow");
   l.exchange([&] { l.settle_owed(deadline, "borrow"); });
   const std::uint64_t request = l.next_request++;
   l.conn.send(static_cast<std::uint16_t>(message_type::borrow),
-              detail::encode(detail::borrow_message{request, bytes, mode, std::string(purpose)}));
+              detail::encode(detail::borrow_message{request, bytes, mode, std::string(purpose),
+                                                    static_cast<std::uint32_t>(wait.for_memory.count())}));
   const auto m = l.exchange([&] {
     return l.receive_region(request, bytes, backend::memory_access::read_write, deadline, "borrow",
-                            borrowed_region::link::late_borrow{request, false});
+                            borrowed_region::link::late_borrow{request, false}, &wait.interrupt_check);
   });
   return borrowed_region(link_, m.lent.region, m.lent.memory, m.data, static_cast<std::size_t>(m.lent.bytes));
 }

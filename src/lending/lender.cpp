@@ -23,6 +23,7 @@
 #include "lending/metrics.h"
 #include "lending/prepared_chunks.h"
 #include "lending/spare_pool.h"
+#include "lending/waiting_borrows.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
 #include "shoal/lending/lender_test_hook.h"
@@ -99,6 +100,9 @@ struct borrower_entry {
   const char* failed_why = nullptr;
   std::size_t held_bytes = 0;
   std::size_t held_regions = 0;
+  // Its borrow waits for memory (the lender's waiting_): nothing more is
+  // read from it until that is answered; a hang-up still shows.
+  bool waiting = false;
 };
 
 /// A refusal to send: the borrower's request is answered, its connection stays.
@@ -157,6 +161,8 @@ const char* to_string(lender_event::kind what) noexcept {
       return "revoke_missed";
     case lender_event::kind::spare_released:
       return "spare_released";
+    case lender_event::kind::waiting:
+      return "waiting";
   }
   return "unknown";
 }
@@ -202,6 +208,10 @@ class lender::state {
     for (const auto& spare : spares_.chunks()) {
       s.spares.push_back({spare.chunk.memory->id(), spare.chunk.memory->size(), spare.uid, spare.chunk.keepers.size(),
                           now - spare.since});
+    }
+    for (const auto& w : waiting_.line()) {
+      s.waiting.push_back({w.process, w.uid, w.bytes, w.request.purpose, now - w.since,
+                           std::max(w.until - now, clock_type::duration::zero())});
     }
     for (const auto& [id, region] : regions_) {
       s.regions.push_back(region.info);
@@ -263,16 +273,21 @@ class lender::state {
       bool pending = false;
       for (const auto& b : borrowers_) {
         const bool answers_wait = b.link.unsent_bytes() > 0;
-        pending = pending || (!answers_wait && b.link.pending() > 0);
-        fds_.push_back({b.link.native_handle(), answers_wait ? short{POLLOUT} : short{POLLIN}, 0});
+        pending = pending || (!answers_wait && !b.waiting && b.link.pending() > 0);
+        const short events = answers_wait ? short{POLLOUT} : b.waiting ? short{0} : short{POLLIN};
+        fds_.push_back({b.link.native_handle(), events, 0});
       }
       const auto now = clock_type::now();
       const auto until_check = std::chrono::ceil<std::chrono::milliseconds>(next_check - now);
       // Within poll_spin_ of the last request served, look without sleeping,
       // while the borrowers that may spin for their replies leave it cores.
       const bool spinning = now - last_served < poll_spin_ && borrowers_.size() <= spinning_borrowers_limit_;
-      const auto wait =
+      auto wait =
           pending || spinning ? 0 : std::clamp<std::int64_t>(until_check.count(), 0, orphan_check_interval.count());
+      if (const auto expiry = next_wait_expiry()) {
+        wait = std::min<std::int64_t>(wait, std::max<std::int64_t>(
+                                                std::chrono::ceil<std::chrono::milliseconds>(*expiry - now).count(), 0));
+      }
       const int ready = ::poll(fds_.data(), fds_.size(), static_cast<int>(wait));
       if (ready < 0 && errno != EINTR) break;  // nothing sensible left to wait on
       if (stopping_.load()) break;
@@ -289,6 +304,10 @@ class lender::state {
         const short revents = fds_[i + 2].revents;
         if (revents != 0 && b->link.unsent_bytes() > 0) flush_one(*b);  // a hang-up makes the flush fail
         if (b->link.unsent_bytes() > 0) continue;  // its answers go first
+        if (b->waiting) {
+          if ((revents & (POLLHUP | POLLERR)) != 0) b->failed = true;  // it hung up while its borrow waited
+          continue;
+        }
         if ((revents & ~POLLOUT) != 0 || b->link.pending() > 0) {
           serve_one(*b);
           last_served = clock_type::now();
@@ -298,6 +317,7 @@ class lender::state {
         hang_up_stalled();
         note_missed_revocations();
         reclaim_orphans();
+        room_changed_ = true;  // the device may have memory back that other processes freed
         next_check = clock_type::now() + orphan_check_interval;
       }
       std::erase_if(borrowers_, [&](borrower_entry& e) {
@@ -307,12 +327,14 @@ class lender::state {
         return true;
       });
       borrower_count_.store(borrowers_.size());
+      serve_waiting();
     }
     std::lock_guard lock(mutex_);
     std::vector<lender_event> ignored;  // the lender is going: no more events
     for (auto& b : borrowers_) hang_up_locked(b, ignored);
     borrowers_.clear();
     borrower_count_.store(0);
+    waiting_ = {};
     regions_.clear();
     spares_.clear();
     lent_bytes_ = 0;
@@ -376,7 +398,7 @@ class lender::state {
   // ends up failed or broken, and the loop hangs up on it.
   void serve_one(borrower_entry& b) {
     try {
-      for (std::size_t served = 0; served < channel::max_batch_frames && !b.failed; ++served) {
+      for (std::size_t served = 0; served < channel::max_batch_frames && !b.failed && !b.waiting; ++served) {
         // Once its batch's frames are handled, the socket is polled again
         // rather than read at once: no read that finds nothing. Once an
         // answer waits, the rest wait for it to go.
@@ -546,37 +568,71 @@ class lender::state {
     }
     const std::size_t granularity = device_.granularity();
     const std::size_t bytes = detail::round_up(static_cast<std::size_t>(m.bytes), granularity);
-    auto refuse = [&](refusal reason, std::string why) { send_refusal(b, m.request, reason, why); };
     if (bytes == 0 || m.bytes > config_.capacity_bytes) {
-      return refuse(refusal::capacity, std::to_string(m.bytes) + " bytes is more than the lender's capacity of " +
-                                           std::to_string(config_.capacity_bytes));
+      return send_refusal(b, m.request, refusal::capacity,
+                          std::to_string(m.bytes) + " bytes is more than the lender's capacity of " +
+                              std::to_string(config_.capacity_bytes));
     }
+    if (auto refused = quota_refusal(b, bytes)) return send_refusal(b, m.request, refused->reason, refused->why);
+    bool others_wait = false;
+    {
+      std::lock_guard lock(mutex_);
+      others_wait = !waiting_.empty();
+    }
+    if (others_wait && m.wait_ms == 0) {
+      return send_refusal(b, m.request, refusal::capacity,
+                          "borrows wait for memory ahead of this one, which does not wait: memory given back goes "
+                          "to them first (borrow with a wait to take a place in line)");
+    }
+    if (!others_wait) {
+      const auto no_room = try_lend(b, m, bytes);
+      if (!no_room) return;
+      if (m.wait_ms == 0) {
+        return send_refusal(b, m.request, refusal::capacity,
+                            *no_room + "; the lender refuses at once, as this borrow asked (borrow with a wait to "
+                                       "wait for memory to be given back), or revoke a region");
+      }
+    }
+    wait_for_room(b, m, bytes);
+  }
+
+  // Why `b` may not hold `bytes` more (its region count, its quota, its
+  // uid's quota); nullopt when it may.
+  std::optional<refused_request> quota_refusal(const borrower_entry& b, std::size_t bytes) const {
     if (b.held_regions >= config_.max_regions_per_borrower) {
-      return refuse(refusal::quota,
-                    "this borrower holds " + std::to_string(b.held_regions) + " regions, the most it may");
+      return refused_request{refusal::quota,
+                             "this borrower holds " + std::to_string(b.held_regions) + " regions, the most it may"};
     }
     if (b.held_bytes + bytes > config_.quota_bytes) {
-      return refuse(refusal::quota, "this borrower holds " + std::to_string(b.held_bytes) + " bytes; " +
-                                        std::to_string(bytes) + " more would pass its quota of " +
-                                        std::to_string(config_.quota_bytes));
+      return refused_request{refusal::quota, "this borrower holds " + std::to_string(b.held_bytes) + " bytes; " +
+                                                 std::to_string(bytes) + " more would pass its quota of " +
+                                                 std::to_string(config_.quota_bytes)};
     }
     if (config_.quota_bytes_per_uid != 0) {
       const uid_t uid = b.link.peer().uid;
       const std::size_t held = held_by_uid(uid);
       if (held + bytes > config_.quota_bytes_per_uid) {
-        return refuse(refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held) +
-                                          " bytes over all its connections and orphaned regions; " +
-                                          std::to_string(bytes) + " more would pass its per-uid quota of " +
-                                          std::to_string(config_.quota_bytes_per_uid));
+        return refused_request{refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held) +
+                                                   " bytes over all its connections and orphaned regions; " +
+                                                   std::to_string(bytes) + " more would pass its per-uid quota of " +
+                                                   std::to_string(config_.quota_bytes_per_uid)};
       }
     }
+    return std::nullopt;
+  }
+
+  // Lends `bytes` for `m` to `b` when memory allows (the answer posted, a
+  // device failure refused); otherwise answers nothing and says why there is
+  // no room.
+  std::optional<std::string> try_lend(borrower_entry& b, const detail::borrow_message& m, std::size_t bytes) {
     std::optional<detail::chunk_record> chunk;
     try {
       chunk = acquire(b, bytes);
     } catch (const out_of_memory& e) {
-      return refuse(refusal::capacity, std::string("the device has not that much: ") + e.what());
+      return std::string("the device has not that much: ") + e.what();
     } catch (const error& e) {
-      return refuse(refusal::device_error, e.what());
+      send_refusal(b, m.request, refusal::device_error, e.what());
+      return std::nullopt;
     }
     if (!chunk) {
       std::size_t left = 0;
@@ -584,12 +640,8 @@ class lender::state {
         std::lock_guard lock(mutex_);
         left = config_.capacity_bytes - lent_bytes_;
       }
-      return refuse(refusal::capacity, std::to_string(bytes) + " bytes asked, " + std::to_string(left) +
-                                           " left of the lender's capacity of " +
-                                           std::to_string(config_.capacity_bytes) +
-                                           " (after releasing the given-back memory it kept for reuse); the lender "
-                                           "refuses at once rather than wait: borrow again once regions are given "
-                                           "back, or revoke one");
+      return std::to_string(bytes) + " bytes asked, " + std::to_string(left) + " left of the lender's capacity of " +
+             std::to_string(config_.capacity_bytes) + " (after releasing the given-back memory it kept for reuse)";
     }
     // The connection's kept mapping, if it has one, becomes the region's.
     const bool kept = chunk->drop_keeper(b.serial);
@@ -625,6 +677,112 @@ class lender::state {
       throw;
     }
     emit(lender_event::kind::lent, b.link.peer(), id, bytes, m.purpose);
+    return std::nullopt;
+  }
+
+  // Puts `b`'s borrow last in line: the loop reads `b` no further until it
+  // is answered (serve_waiting).
+  void wait_for_room(borrower_entry& b, const detail::borrow_message& m, std::size_t bytes) {
+    const auto now = clock_type::now();
+    {
+      std::lock_guard lock(mutex_);
+      waiting_.push({b.serial, b.link.peer().process, b.link.peer().uid, m, bytes, now,
+                     now + std::chrono::milliseconds(m.wait_ms)});
+      ++counters_.waits;
+    }
+    b.waiting = true;
+    emit(lender_event::kind::waiting, b.link.peer(), 0, bytes,
+         m.purpose + ": waits up to " + std::to_string(m.wait_ms) + " ms for memory to be given back");
+  }
+
+  // Refuses each waiting borrow whose wait has run out, then serves the
+  // line in order while memory allows: the head first, the rest behind it.
+  void serve_waiting() noexcept {
+    std::vector<detail::waiting_borrow> expired;
+    {
+      std::lock_guard lock(mutex_);
+      try {
+        expired = waiting_.take_expired(clock_type::now());
+      } catch (const std::bad_alloc&) {
+        return;  // looked at again on the next turn
+      }
+      counters_.waits_expired += expired.size();
+      room_changed_ = room_changed_ || !expired.empty();  // a new head may fit
+    }
+    for (auto& w : expired) {
+      borrower_entry* b = connected(w.serial);
+      if (b == nullptr) continue;
+      b->waiting = false;
+      answer_waiting(*b, [&] {
+        send_refusal(*b, w.request.request, refusal::capacity,
+                     std::to_string(w.bytes) + " bytes asked; waited " + std::to_string(w.request.wait_ms) +
+                         " ms and not that much was given back (" + room_left() + ")");
+      });
+    }
+    while (room_changed_) {
+      detail::waiting_borrow head;
+      {
+        std::lock_guard lock(mutex_);
+        if (waiting_.empty()) break;
+        head = waiting_.head();
+      }
+      borrower_entry* b = connected(head.serial);
+      bool served = b == nullptr;  // one gone since is skipped
+      if (b != nullptr) {
+        answer_waiting(*b, [&] {
+          if (auto refused = quota_refusal(*b, head.bytes)) {
+            send_refusal(*b, head.request.request, refused->reason, refused->why);
+            served = true;
+          } else {
+            served = !try_lend(*b, head.request, head.bytes);
+          }
+        });
+        // A failure above closes b: its place goes too.
+        served = served || b->failed;
+      }
+      if (!served) {
+        room_changed_ = false;  // tried again when memory is given back, or at the next check
+        break;
+      }
+      if (b != nullptr) b->waiting = false;
+      std::lock_guard lock(mutex_);
+      if (!waiting_.empty() && waiting_.head().serial == head.serial) waiting_.pop_head();
+    }
+  }
+
+  // Runs `answer` for the waiting borrower `b`; an error closes `b` only.
+  template <class Answer>
+  void answer_waiting(borrower_entry& b, Answer&& answer) noexcept {
+    try {
+      answer();
+    } catch (const connection_closed&) {
+      b.failed = true;  // it hung up: the loop reclaims
+    } catch (const std::exception& e) {
+      close_for_error(b, e.what());
+    } catch (...) {
+      close_for_error(b, "answering its waiting borrow failed");
+    }
+  }
+
+  // The connected, usable borrower of connection `serial`, or nullptr.
+  borrower_entry* connected(std::uint64_t serial) noexcept {
+    for (auto& b : borrowers_) {
+      if (b.serial == serial) return b.failed || b.link.broken() ? nullptr : &b;
+    }
+    return nullptr;
+  }
+
+  // When the first waiting borrow's wait runs out; nullopt when none waits.
+  std::optional<clock_type::time_point> next_wait_expiry() const {
+    std::lock_guard lock(mutex_);
+    return waiting_.next_expiry();
+  }
+
+  // The capacity's state, for a refusal.
+  std::string room_left() const {
+    std::lock_guard lock(mutex_);
+    return std::to_string(config_.capacity_bytes - lent_bytes_) + " of the capacity of " +
+           std::to_string(config_.capacity_bytes) + " not lent";
   }
 
   // Memory of `bytes` for `b`: a spare of its uid when reuse allows, else a
@@ -1021,6 +1179,7 @@ class lender::state {
   void hang_up_locked(borrower_entry& b, std::vector<lender_event>& events) noexcept {
     const bool alive = alive_or_unknown(b.link.peer().process);
     spares_.drop_keeper(b.serial);
+    if (waiting_.remove(b.serial)) room_changed_ = true;  // the next in line may fit
     for (auto it = regions_.begin(); it != regions_.end();) {
       region_entry& r = it->second;
       r.chunk.drop_keeper(b.serial);
@@ -1069,6 +1228,7 @@ class lender::state {
       std::map<std::uint64_t, region_entry>::iterator it) noexcept {
     if (it->second.holds.empty()) {
       lent_bytes_ -= it->second.info.bytes;
+      room_changed_ = true;
       if (reusable(it->second)) {
         try {
           spares_.put(std::move(it->second.chunk), it->second.info.uid, clock_type::now());
@@ -1239,6 +1399,11 @@ class lender::state {
   detail::spare_pool spares_;  // lent_bytes_ + spares_.bytes() + prepared_.bytes() <= config_.capacity_bytes
   detail::prepared_chunks prepared_;
   lender_status counters_;
+  detail::waiting_borrows waiting_;  // borrows that wait for memory, in the order they are served
+  // Serving thread only: memory may have come free since the head of
+  // waiting_ was last tried (a region released, a borrower or a wait gone,
+  // the periodic check: the device may have memory back).
+  bool room_changed_ = false;
 
   std::thread thread_;  // last: started once everything above exists
 };

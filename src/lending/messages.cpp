@@ -28,7 +28,7 @@ bool valid_purpose(std::string_view purpose) noexcept {
 
 std::vector<std::byte> encode(const borrow_message& m) {
   wire_writer w;
-  w.put(m.request).put(m.bytes).put(static_cast<std::uint8_t>(m.mode)).put_bytes(as_bytes(m.purpose));
+  w.put(m.request).put(m.bytes).put(static_cast<std::uint8_t>(m.mode)).put_bytes(as_bytes(m.purpose)).put(m.wait_ms);
   return w.take();
 }
 
@@ -78,6 +78,7 @@ borrow_message decode_borrow(std::span<const std::byte> payload) {
   m.mode = static_cast<region_mode>(mode);
   m.purpose = as_text(r.get_bytes("purpose", max_purpose_bytes));
   if (!valid_purpose(m.purpose)) r.fail("purpose", "must be 1 to 64 bytes of printable ASCII");
+  m.wait_ms = r.get<std::uint32_t>("wait_ms");
   r.finish();
   return m;
 }

@@ -1,6 +1,6 @@
 // The lending protocol's messages, with their wire forms (core's codec).
 //
-// After the hellos ("shoal.lending" version 3), a borrower sends borrow,
+// After the hellos ("shoal.lending" version 5), a borrower sends borrow,
 // give_back, query_metrics, publish and borrow_shared; the lender answers
 // each borrow with lent (followed by one chunk frame per chunk, each with its
 // descriptor where the handle kind has one) or refused, each give_back with
@@ -71,6 +71,9 @@ enum class message_type : std::uint16_t {
   revoke_request = 14,   // borrower -> lender (version 4): revoke a region, whoever holds it; the lender's uid only
   revoke_accepted = 15,  // lender -> borrower: that region's borrower is asked to give it back
 };
+// Version 5: borrow carries wait_ms; a borrow that does not fit waits that
+// long at the lender (in order of arrival) for memory to be given back, and
+// is answered — lent, or refused when the time is up — like any other.
 
 enum class refusal : std::uint8_t {
   capacity = 1,      // the lender has not that much left
@@ -87,6 +90,9 @@ struct borrow_message {
   std::uint64_t bytes = 0;
   region_mode mode = region_mode::exclusive;
   std::string purpose;
+  /// Version 5: how long the borrow may wait at the lender for memory to be
+  /// given back (0: refused at once when it does not fit).
+  std::uint32_t wait_ms = 0;
 };
 
 struct lent_message {

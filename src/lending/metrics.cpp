@@ -56,6 +56,7 @@ struct left_out_counts {
   std::uint64_t regions = 0;
   std::uint64_t holds = 0;
   std::uint64_t spares = 0;
+  std::uint64_t waiting = 0;
 };
 
 // One sample per region, and one per hold of a shared region: who holds what.
@@ -101,18 +102,34 @@ void per_spare(std::ostringstream& out, bounded_samples& samples, const lender_s
   }
 }
 
+// One sample per waiting borrow, by its place in line (0 is served next).
+void per_waiting(std::ostringstream& out, bounded_samples& samples, const lender_status& s, left_out_counts& left) {
+  out << "# HELP shoal_lending_waiting_borrow_bytes Bytes each waiting borrow asks for, by its place in line "
+         "(0: served next), borrower and purpose.\n"
+      << "# TYPE shoal_lending_waiting_borrow_bytes gauge\n";
+  std::size_t place = 0;
+  for (const auto& w : s.waiting) {
+    std::ostringstream line;
+    line.exceptions(std::ios::badbit);
+    line << "shoal_lending_waiting_borrow_bytes{place=\"" << place++ << "\",pid=\"" << w.borrower.pid << "\",uid=\""
+         << w.uid << "\",purpose=\"" << label(w.purpose) << "\"} " << w.bytes << '\n';
+    samples.add(line.str(), left.waiting);
+  }
+}
+
 // How many samples were left out, by series, with a comment when any were.
 void left_out_trailer(std::ostringstream& out, const left_out_counts& left, std::size_t limit) {
-  if (left.regions + left.holds + left.spares > 0) {
+  if (left.regions + left.holds + left.spares + left.waiting > 0) {
     out << "# truncated: samples left out to keep this text under " << limit
-        << " bytes; the totals above count every region, hold and spare\n";
+        << " bytes; the totals above count every region, hold, spare and waiting borrow\n";
   }
   out << "# HELP shoal_lending_samples_left_out Per-region, per-hold and per-spare samples left out of this text "
          "to keep it under its size limit.\n"
       << "# TYPE shoal_lending_samples_left_out gauge\n"
       << "shoal_lending_samples_left_out{series=\"region_bytes\"} " << left.regions << '\n'
       << "shoal_lending_samples_left_out{series=\"region_holds\"} " << left.holds << '\n'
-      << "shoal_lending_samples_left_out{series=\"spare_chunk_bytes\"} " << left.spares << '\n';
+      << "shoal_lending_samples_left_out{series=\"spare_chunk_bytes\"} " << left.spares << '\n'
+      << "shoal_lending_samples_left_out{series=\"waiting_borrow_bytes\"} " << left.waiting << '\n';
 }
 
 }  // namespace
@@ -144,6 +161,10 @@ std::string prometheus_text(const lender_status& s, std::size_t max_bytes) {
   metric(out, "shared_regions", "gauge", "Regions published read-only now.", shared);
   metric(out, "shared_holds", "gauge", "Holds of shared regions now (the writer's and each reader's).", holds);
   metric(out, "borrowers", "gauge", "Borrowers connected now.", s.borrowers);
+  std::uint64_t waiting_bytes = 0;
+  for (const auto& w : s.waiting) waiting_bytes += w.bytes;
+  metric(out, "waiting_borrows", "gauge", "Borrows waiting for memory to be given back.", s.waiting.size());
+  metric(out, "waiting_bytes", "gauge", "Bytes the waiting borrows ask for.", waiting_bytes);
   metric(out, "requests_total", "counter", "Borrow, publish and shared-borrow requests received.", s.requests);
   metric(out, "published_total", "counter", "Regions published.", s.published);
   metric(out, "refusals_total", "counter", "Requests and connections refused.", s.refusals);
@@ -160,6 +181,8 @@ std::string prometheus_text(const lender_status& s, std::size_t max_bytes) {
          s.kept_mappings_used);
   metric(out, "forgets_total", "counter", "Forget messages sent for released chunks borrowers kept mapped.",
          s.forgets);
+  metric(out, "waits_total", "counter", "Borrows that waited for memory.", s.waits);
+  metric(out, "waits_expired_total", "counter", "Waiting borrows refused when their wait ran out.", s.waits_expired);
   metric(out, "closed_for_errors_total", "counter",
          "Connections closed for malformed or stalled input, or for messages they did not read in time.",
          s.connections_closed_for_errors);
@@ -169,6 +192,7 @@ std::string prometheus_text(const lender_status& s, std::size_t max_bytes) {
   left_out_counts left;
   per_region(out, samples, s, left);
   per_spare(out, samples, s, left);
+  per_waiting(out, samples, s, left);
   left_out_trailer(out, left, max_bytes);
   return out.str();
 }

@@ -55,7 +55,7 @@ std::vector<lending_seed> lending_seeds() {
   std::vector<lending_seed> seeds;
   // The decoders, each fed its own message (and no other decoder takes it).
   seeds.push_back({"decode_borrow",
-                   decoder_input(d::encode(d::borrow_message{7, 4096, lending::region_mode::exclusive, "parameters"})),
+                   decoder_input(d::encode(d::borrow_message{7, 4096, lending::region_mode::exclusive, "parameters", 250})),
                    1, "decoded"});
   seeds.push_back({"decode_lent", decoder_input(d::encode(d::lent_message{7, 3, 5, 2u << 20, 1})), 1, "decoded"});
   seeds.push_back(

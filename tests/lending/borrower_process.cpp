@@ -5,6 +5,10 @@
 //       Borrows a region of <bytes>, fills it with <byte>, reads it back,
 //       says "held <region id>" (or what went wrong) and waits until the
 //       parent hangs up or kills it.
+//   shoal_test_borrower wait-borrow <host|cuda> <socket path> <bytes> <wait ms>
+//       Borrows a region of <bytes> that may wait <wait ms> at the lender for
+//       memory, then says "lent <region id>" (or "refused <why>" when the
+//       wait runs out) and waits until the parent hangs up.
 //   shoal_test_borrower hang-up <host|cuda> <socket path> <bytes>
 //       Speaks the protocol by hand: borrows and maps a region, then closes
 //       its connection to the lender without giving the region back, says
@@ -98,6 +102,19 @@ int hold(backend::device& dev, const std::string& path, std::size_t bytes, std::
   }
   say("held " + std::to_string(region.id()));
   wait_for_parent();
+  return 0;
+}
+
+int wait_borrow(backend::device& dev, const std::string& path, std::size_t bytes, std::chrono::milliseconds wait) {
+  lending::borrower b(dev, channel::channel_address::at_path(path));
+  try {
+    auto region = b.borrow(bytes, "waiting test", lending::region_mode::exclusive, lending::borrower::default_timeout,
+                           lending::borrow_wait{wait, {}});
+    say("lent " + std::to_string(region.id()));
+    wait_for_parent();
+  } catch (const out_of_memory& e) {
+    say(std::string("refused ") + e.what());
+  }
   return 0;
 }
 
@@ -288,15 +305,17 @@ int main(int argc, char** argv) {
   try {
     const std::vector<std::string> args(argv + 1, argv + argc);
     if (args.size() < 4) {
-      std::fprintf(stderr, "usage: shoal_test_borrower hold|hang-up|publish|read|write-shared|deaf|cycle|revoke <host|cuda> "
+      std::fprintf(stderr, "usage: shoal_test_borrower hold|wait-borrow|hang-up|publish|read|write-shared|deaf|cycle|revoke <host|cuda> "
                    "<socket path> ...\n");
       return 2;
     }
     auto& dev = args[1] == "cuda" ? backend::cuda_device_instance(0) : backend::host_device_instance();
-    const bool sized = args[0] == "publish" || args[0] == "hold" || args[0] == "hang-up" || args[0] == "deaf";
+    const bool sized = args[0] == "publish" || args[0] == "hold" || args[0] == "wait-borrow" || args[0] == "hang-up" || args[0] == "deaf";
     const std::size_t bytes = sized ? std::stoull(args[3]) : 0;
     if (args[0] == "hold" && args.size() == 5)
       return hold(dev, args[2], bytes, static_cast<std::uint8_t>(std::stoi(args[4])));
+    if (args[0] == "wait-borrow" && args.size() == 5)
+      return wait_borrow(dev, args[2], bytes, std::chrono::milliseconds(std::stoll(args[4])));
     if (args[0] == "hang-up") return hang_up(dev, args[2], bytes);
     if (args[0] == "deaf" && args.size() == 5) return deaf(args[2], bytes, std::stoull(args[4]));
     if (args[0] == "publish" && args.size() == 6)

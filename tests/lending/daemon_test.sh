@@ -195,9 +195,31 @@ assert re.search(r'shoal_lending_region_bytes\{id="' + region + r'"[^}]*state="r
 unknown = subprocess.run([shoal, "daemon", "revoke", "99999", "--socket", address, "--device", "host"],
                          capture_output=True, text=True, timeout=30)
 assert unknown.returncode != 0 and "99999 is not lent" in unknown.stderr, unknown.stderr
-parent.close()  # the holder ends when its parent hangs up
+
+# A borrow that waits: 62 MiB do not fit beside the holder's 4 MiB, so it
+# waits in line (status counts it) and is lent once the holder is gone.
+waiter_parent, waiter_child = socket.socketpair()
+waiter_end = waiter_child.fileno()
+waiter = subprocess.Popen([test_borrower, "wait-borrow", "host", address, str(62 << 20), "30000"],
+                          pass_fds=(3, waiter_end), preexec_fn=lambda: os.dup2(waiter_end, 3))
+waiter_child.close()
+for _ in range(200):
+    status = subprocess.run([shoal, "daemon", "status", "--socket", address, "--device", "host"],
+                            capture_output=True, text=True, timeout=30).stdout
+    if "shoal_lending_waiting_borrows 1\n" in status:
+        break
+else:
+    raise AssertionError("the waiting borrow is not in status: " + status)
+assert 'shoal_lending_waiting_borrow_bytes{place="0",pid="%d"' % waiter.pid in status, status
+parent.close()  # the holder ends when its parent hangs up: its region is reclaimed
 holder.wait(timeout=30)
+waiter_parent.settimeout(10)
+lent = waiter_parent.makefile().readline().strip()
+assert lent.startswith("lent "), lent
+waiter_parent.close()
+waiter.wait(timeout=30)
 EOF
+grep -q 'event=waiting' "$dir/log" || fail "the daemon's log has no waiting event: $(cat "$dir/log")"
 stop
 
 # Status with no daemon there: exit 1.

@@ -66,6 +66,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -100,6 +101,27 @@ struct borrower_options {
   /// --reply-spin-us compares).
   std::chrono::microseconds reply_spin = automatic_reply_spin;
   static constexpr std::chrono::microseconds automatic_reply_spin{-1};
+};
+
+/// How a borrow waits (borrower::borrow's last argument).
+struct borrow_wait {
+  /// How long the lender may keep the borrow waiting for memory when it does
+  /// not fit (0 to about 49 days; 0, the default: refused at once). Waiting
+  /// borrows are served strictly in the order they came, as regions are
+  /// given back (a revoke answered, a borrower gone); one whose wait runs
+  /// out is refused (out_of_memory). While borrows wait, a borrow without a
+  /// wait is refused at once: given-back memory goes to the line first. The
+  /// call waits for its answer up to this plus its timeout; this borrower's
+  /// other calls (give_back included) wait behind it, so a process that
+  /// must give back while it waits uses another borrower (connection).
+  std::chrono::milliseconds for_memory{0};
+  /// Called on the borrowing thread at least every 50 ms while no answer
+  /// has come (empty: never). What it throws ends the call at once and
+  /// propagates, as a timeout would end it: the lender's answer is owed — a
+  /// region lent later is given back unmapped at this borrower's next call
+  /// (or within 1 s of its end) — and the borrower stays usable. How a
+  /// caller stops a long wait (a signal, a shutdown).
+  std::function<void()> interrupt_check;
 };
 
 /// A region mapped in this process. Giving it back (or destroying it) unmaps
@@ -163,10 +185,13 @@ class borrower {
   /// Borrows a region of at least `bytes` (> 0) for `purpose` (at most
   /// max_purpose_bytes of printable ASCII) and maps it. `mode` must be
   /// exclusive (invalid_argument otherwise): a shared region is made by
-  /// publish and mapped by borrow_shared.
+  /// publish and mapped by borrow_shared. With `wait.for_memory`, a region
+  /// that does not fit waits at the lender for memory to be given back
+  /// (borrow_wait); without, it is refused at once (out_of_memory).
   [[nodiscard]] borrowed_region borrow(std::size_t bytes, std::string_view purpose,
                                        region_mode mode = region_mode::exclusive,
-                                       std::chrono::milliseconds timeout = default_timeout);
+                                       std::chrono::milliseconds timeout = default_timeout,
+                                       const borrow_wait& wait = {});
   /// Publishes `region` (exclusive, borrowed through this borrower) under
   /// its purpose with `layout` (well-formed for it: layout.h; its hash the
   /// writer's claim about the entries' bytes) and returns it mapped

@@ -18,8 +18,8 @@ namespace shoal::lending {
 /// The protocol's name and version in its hello (channel/protocol.h).
 inline constexpr const char* protocol_name = "shoal.lending";
 // 2: memory ids, kept mappings, forget; 3: borrow_shared names the writer uid it expects;
-// 4: revoke_request (a process of the lender's own uid revokes a region)
-inline constexpr std::uint16_t protocol_version = 4;
+// 4: revoke_request (a process of the lender's own uid revokes a region); 5: a borrow may wait for memory
+inline constexpr std::uint16_t protocol_version = 5;
 /// A region's purpose ("parameters", "computation", a model's name): at most
 /// this many bytes, printable ASCII.
 inline constexpr std::size_t max_purpose_bytes = 64;
@@ -74,6 +74,17 @@ struct region_info {
 
 /// Memory given back and kept by the lender for a later region of the same
 /// size and borrower uid (lender_config::reuse).
+/// A borrow that did not fit and waits for memory to be given back
+/// (borrower::borrow with a wait); served in this order.
+struct waiting_info {
+  process_identity borrower;
+  uid_t uid = 0;
+  std::size_t bytes = 0;  ///< rounded up to the device's granularity
+  std::string purpose;
+  std::chrono::nanoseconds waited{0};
+  std::chrono::nanoseconds left{0};  ///< until it is refused
+};
+
 struct spare_info {
   std::uint64_t memory = 0;
   std::size_t bytes = 0;
@@ -97,6 +108,7 @@ struct lender_event {
     revoke_requested,  ///< the lender asked a borrower to give a region back (`detail`: the deadline)
     revoke_missed,     ///< a borrower did not give a revoked region back in time: it stays its own
     spare_released,    ///< a spare chunk was released (`detail`: why); its keepers were told to forget it
+    waiting,           ///< a borrow that did not fit waits for memory (`detail`: its purpose and wait)
   };
   kind what = kind::connected;
   process_identity borrower;
@@ -123,6 +135,8 @@ struct lender_status {
   std::size_t prepared_chunks = 0;
   std::size_t borrowers = 0;   ///< connected now
   std::vector<region_info> regions;
+  /// Borrows waiting for memory, in the order they are served.
+  std::vector<waiting_info> waiting;
   // Counters since the lender started.
   std::uint64_t requests = 0;  ///< borrow, publish and shared-borrow requests
   std::uint64_t refusals = 0;
@@ -137,6 +151,8 @@ struct lender_status {
   std::uint64_t reuses = 0;                         ///< regions lent from a spare chunk
   std::uint64_t kept_mappings_used = 0;             ///< of those, lent with no chunk frames (a kept mapping)
   std::uint64_t forgets = 0;                        ///< forget messages sent to borrowers keeping a released chunk
+  std::uint64_t waits = 0;                          ///< borrows that waited for memory
+  std::uint64_t waits_expired = 0;                  ///< of those, refused when their wait ran out
 };
 
 }  // namespace shoal::lending

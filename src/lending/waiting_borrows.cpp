@@ -1,0 +1,38 @@
+#include "lending/waiting_borrows.h"
+
+#include <algorithm>
+
+namespace shoal::lending::detail {
+
+bool waiting_borrows::remove(std::uint64_t serial) noexcept {
+  const auto it = std::find_if(line_.begin(), line_.end(), [&](const waiting_borrow& w) { return w.serial == serial; });
+  if (it == line_.end()) return false;
+  line_.erase(it);
+  return true;
+}
+
+std::vector<waiting_borrow> waiting_borrows::take_expired(std::chrono::steady_clock::time_point now) {
+  std::vector<waiting_borrow> expired;
+  const auto over = [&](const waiting_borrow& w) { return now >= w.until; };
+  expired.reserve(static_cast<std::size_t>(std::count_if(line_.begin(), line_.end(), over)));
+  for (auto& w : line_) {
+    if (over(w)) expired.push_back(std::move(w));
+  }
+  std::erase_if(line_, over);  // a moved-from entry keeps its `until`
+  return expired;
+}
+
+std::optional<std::chrono::steady_clock::time_point> waiting_borrows::next_expiry() const noexcept {
+  if (line_.empty()) return std::nullopt;
+  return std::min_element(line_.begin(), line_.end(),
+                          [](const waiting_borrow& a, const waiting_borrow& b) { return a.until < b.until; })
+      ->until;
+}
+
+std::size_t waiting_borrows::bytes() const noexcept {
+  std::size_t total = 0;
+  for (const auto& w : line_) total += w.bytes;
+  return total;
+}
+
+}  // namespace shoal::lending::detail

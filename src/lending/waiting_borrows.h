@@ -1,0 +1,66 @@
+// The lender's borrows that wait for memory: a borrow that does not fit,
+// sent with a wait (borrow_message::wait_ms > 0), is kept here instead of
+// refused, and served when regions are given back, in the order the borrows
+// came — or refused once its wait runs out.
+//
+// Choice: strictly in order. A borrow waiting at the head is served before
+// any later one, however small: a large borrow (the next model's turn) is
+// never starved by small ones that keep fitting. While any borrow waits, a
+// borrow sent without a wait is refused at once (the memory given back goes
+// to the waiting ones first).
+//
+// Invariants, next to the data:
+//   a connection (serial) appears at most once: it sends nothing more while
+//   its borrow waits (the lender reads it no further until it is answered);
+//   until >= since for every entry.
+//
+// Not thread-safe: the lender guards it with its mutex.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <optional>
+#include <vector>
+
+#include "lending/messages.h"
+#include "shoal/core/process_identity.h"
+
+namespace shoal::lending::detail {
+
+struct waiting_borrow {
+  std::uint64_t serial = 0;  ///< the connection that asked
+  process_identity process;  ///< its process and uid, for the lender's status
+  uid_t uid = 0;
+  borrow_message request;
+  std::size_t bytes = 0;  ///< request.bytes rounded up to the device's granularity
+  std::chrono::steady_clock::time_point since;
+  std::chrono::steady_clock::time_point until;  ///< refused once this passes
+};
+
+class waiting_borrows {
+ public:
+  /// Keeps `w` last in line. When memory runs out (bad_alloc) nothing changed.
+  void push(waiting_borrow&& w) { line_.push_back(std::move(w)); }
+  [[nodiscard]] bool empty() const noexcept { return line_.empty(); }
+  [[nodiscard]] std::size_t size() const noexcept { return line_.size(); }
+  /// The borrow served next; empty() must be false.
+  [[nodiscard]] const waiting_borrow& head() const noexcept { return line_.front(); }
+  void pop_head() noexcept { line_.pop_front(); }
+  /// Removes connection `serial`'s borrow (it hung up); whether it had one.
+  bool remove(std::uint64_t serial) noexcept;
+  /// Takes out every borrow whose wait has run out by `now`, in line order.
+  [[nodiscard]] std::vector<waiting_borrow> take_expired(std::chrono::steady_clock::time_point now);
+  /// When the first wait runs out; nullopt when none waits.
+  [[nodiscard]] std::optional<std::chrono::steady_clock::time_point> next_expiry() const noexcept;
+  [[nodiscard]] std::size_t bytes() const noexcept;
+  [[nodiscard]] const std::deque<waiting_borrow>& line() const noexcept { return line_; }
+
+ private:
+  std::deque<waiting_borrow> line_;
+};
+
+}  // namespace shoal::lending::detail

@@ -1,0 +1,241 @@
+// A borrow that waits for memory (borrow_wait::for_memory): the lender keeps
+// a borrow that does not fit in line and serves it as regions are given
+// back — the next model's turn without a retry loop — in the order the
+// borrows came, refusing each whose wait runs out; a borrower that hangs up
+// leaves the line, and its connection is read no further while it waits.
+// An interrupt check ends a borrower's wait early and the region lent later
+// goes back unmapped (host backend).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <future>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "lending/lending_fixture.h"
+#include "lending/messages.h"
+#include "shoal/backend/host_device.h"
+#include "shoal/channel/protocol.h"
+#include "shoal/core/error.h"
+
+namespace shoal::testing {
+namespace {
+
+using lending::detail::message_type;
+using lending::borrow_wait;
+using lending::borrowed_region;
+using lending::region_mode;
+
+constexpr auto answer_timeout = std::chrono::seconds(5);
+
+struct waiting_fixture {
+  temp_dir dir;
+  backend::device& dev = backend::host_device_instance();
+  event_recorder recorder;
+  std::unique_ptr<lender> l;
+
+  explicit waiting_fixture(std::size_t capacity) {
+    lender_config config{.capacity_bytes = capacity};
+    recorder.attach(config);
+    l = std::make_unique<lender>(dev, channel::channel_address::at_path(dir / "l.sock"), config);
+  }
+  // Borrows `bytes` on another thread, waiting up to `wait` for memory.
+  std::future<borrowed_region> borrow_waiting(borrower& b, std::size_t bytes, std::string purpose,
+                                              std::chrono::milliseconds wait) {
+    return std::async(std::launch::async, [&b, bytes, purpose = std::move(purpose), wait] {
+      return b.borrow(bytes, purpose, region_mode::exclusive, answer_timeout, borrow_wait{wait, {}});
+    });
+  }
+  bool waiting(std::size_t count) {
+    return eventually([&] { return l->status().waiting.size() == count; });
+  }
+};
+
+TEST(lending_waiting_borrow, is_served_when_memory_is_given_back) {
+  waiting_fixture f(8 * mib);
+  borrower model_a(f.dev, f.l->address()), model_b(f.dev, f.l->address());
+  auto a = model_a.borrow(8 * mib, "model A");
+  auto b = f.borrow_waiting(model_b, 8 * mib, "model B", 10s);
+  ASSERT_TRUE(f.waiting(1));
+  const auto status = f.l->status();
+  EXPECT_EQ(status.waiting[0].bytes, 8 * mib);
+  EXPECT_EQ(status.waiting[0].purpose, "model B");
+  EXPECT_EQ(status.waiting[0].borrower.pid, ::getpid());
+  EXPECT_GT(status.waiting[0].left, std::chrono::seconds(5));
+  const std::string text = f.l->metrics_text();
+  EXPECT_NE(text.find("shoal_lending_waiting_borrows 1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find("shoal_lending_waiting_borrow_bytes{place=\"0\",pid=\"" + std::to_string(::getpid())),
+            std::string::npos)
+      << text;
+  EXPECT_EQ(b.wait_for(100ms), std::future_status::timeout) << "served while model A holds the memory";
+
+  const auto given_back = std::chrono::steady_clock::now();
+  model_a.give_back(std::move(a));
+  ASSERT_EQ(b.wait_for(2s), std::future_status::ready);
+  const auto region = b.get();
+  EXPECT_TRUE(region.valid());
+  EXPECT_LT(std::chrono::steady_clock::now() - given_back, 1s) << "served when the memory came back, not later";
+  EXPECT_EQ(f.l->status().waits, 1u);
+  EXPECT_TRUE(f.l->status().waiting.empty());
+  std::lock_guard lock(*f.recorder.guard);
+  EXPECT_TRUE(std::any_of(f.recorder.events->begin(), f.recorder.events->end(), [](const lending::lender_event& e) {
+    return e.what == lending::lender_event::kind::waiting && e.bytes == 8 * mib;
+  })) << "the wait is in the lender's log";
+}
+
+TEST(lending_waiting_borrow, takes_turns_with_the_operators_revoke) {
+  waiting_fixture f(8 * mib);
+  borrower model_a(f.dev, f.l->address()), model_b(f.dev, f.l->address()), operator_(f.dev, f.l->address());
+  auto a = model_a.borrow(8 * mib, "model A");
+  auto b = f.borrow_waiting(model_b, 8 * mib, "model B", 10s);
+  ASSERT_TRUE(f.waiting(1));
+  operator_.revoke(a.id(), 5s);
+  ASSERT_EQ(model_a.revocations(5s).size(), 1u);
+  model_a.give_back(std::move(a));  // model A's turn ends
+  ASSERT_EQ(b.wait_for(2s), std::future_status::ready);
+  EXPECT_TRUE(b.get().valid()) << "model B's turn";
+}
+
+TEST(lending_waiting_borrow, a_wait_that_runs_out_is_refused_and_the_borrower_goes_on) {
+  waiting_fixture f(8 * mib);
+  borrower model_a(f.dev, f.l->address()), model_b(f.dev, f.l->address());
+  auto a = model_a.borrow(8 * mib, "model A");
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    (void)model_b.borrow(4 * mib, "model B", region_mode::exclusive, answer_timeout, borrow_wait{300ms, {}});
+    ADD_FAILURE() << "lent while model A holds the capacity";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("waited 300 ms"), std::string::npos) << e.what();
+  }
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_GE(took, 300ms);
+  EXPECT_LT(took, 2s) << "refused when the wait ran out, not at the borrower's own deadline";
+  EXPECT_EQ(f.l->status().waits_expired, 1u);
+  EXPECT_TRUE(f.l->status().waiting.empty());
+  model_a.give_back(std::move(a));
+  EXPECT_TRUE(model_b.borrow(4 * mib, "model B").valid()) << "the link stays in step";
+}
+
+TEST(lending_waiting_borrow, borrows_are_served_in_the_order_they_came) {
+  waiting_fixture f(8 * mib);
+  borrower holder(f.dev, f.l->address()), first(f.dev, f.l->address()), second(f.dev, f.l->address()),
+      eager(f.dev, f.l->address());
+  auto held = holder.borrow(6 * mib, "held");  // 2 MiB stay free
+  auto big = f.borrow_waiting(first, 4 * mib, "first", 10s);
+  ASSERT_TRUE(f.waiting(1));
+  auto small = f.borrow_waiting(second, 2 * mib, "second", 10s);
+  ASSERT_TRUE(f.waiting(2));
+  EXPECT_EQ(small.wait_for(200ms), std::future_status::timeout)
+      << "the second borrow fits the free 2 MiB but went ahead of the first";
+  const auto line = f.l->status().waiting;
+  EXPECT_EQ(line[0].purpose, "first");
+  EXPECT_EQ(line[1].purpose, "second");
+  try {
+    (void)eager.borrow(2 * mib, "eager");
+    ADD_FAILURE() << "a borrow without a wait took the memory the line waits for";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("wait for memory ahead of this one"), std::string::npos) << e.what();
+  }
+  holder.give_back(std::move(held));
+  ASSERT_EQ(big.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(small.wait_for(2s), std::future_status::ready);
+  const auto big_region = big.get();
+  const auto small_region = small.get();
+  EXPECT_EQ(f.l->status().lent_bytes, 6 * mib) << "both waiting borrows were lent";
+}
+
+TEST(lending_waiting_borrow, what_can_never_fit_is_refused_at_once) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  lender l(dev, channel::channel_address::at_path(dir / "l.sock"),
+           {.capacity_bytes = 8 * mib, .quota_bytes = 4 * mib});
+  borrower b(dev, l.address());
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW((void)b.borrow(16 * mib, "past capacity", region_mode::exclusive, answer_timeout, borrow_wait{10s, {}}),
+               out_of_memory);
+  EXPECT_THROW((void)b.borrow(6 * mib, "past quota", region_mode::exclusive, answer_timeout, borrow_wait{10s, {}}),
+               peer_refused);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "a borrow no give back can make fit waited";
+  EXPECT_EQ(l.status().waits, 0u);
+  EXPECT_THROW((void)b.borrow(mib, "x", region_mode::exclusive, answer_timeout, borrow_wait{-1ms, {}}),
+               invalid_argument);
+}
+
+// A raw connection that said hello.
+channel::connection greeted(const channel::channel_address& address) {
+  auto raw = channel::connection::connect(address, {}, lending::detail::max_frame_payload, 2000ms);
+  channel::send_hello(raw, lending::detail::lending_protocol);
+  channel::check_hello(raw.receive_for(2000ms), lending::detail::lending_protocol);
+  return raw;
+}
+
+void send_borrow(channel::connection& raw, std::uint64_t request, std::size_t bytes, std::uint32_t wait_ms) {
+  raw.send(static_cast<std::uint16_t>(message_type::borrow),
+           lending::detail::encode(
+               lending::detail::borrow_message{request, bytes, region_mode::exclusive, "raw", wait_ms}));
+}
+
+TEST(lending_waiting_borrow, a_borrower_that_hangs_up_while_it_waits_leaves_the_line) {
+  waiting_fixture f(8 * mib);
+  borrower holder(f.dev, f.l->address()), next(f.dev, f.l->address());
+  auto held = holder.borrow(8 * mib, "held");
+  std::optional<std::future<borrowed_region>> after;
+  {
+    auto raw = greeted(f.l->address());
+    send_borrow(raw, 1, 8 * mib, 60'000);
+    ASSERT_TRUE(f.waiting(1));
+    after = f.borrow_waiting(next, 8 * mib, "next", 10s);
+    ASSERT_TRUE(f.waiting(2));
+  }  // the raw borrower hangs up at the head of the line
+  EXPECT_TRUE(f.waiting(1)) << "a borrower gone keeps its place";
+  EXPECT_EQ(f.l->status().waiting.at(0).purpose, "next");
+  holder.give_back(std::move(held));
+  ASSERT_EQ(after->wait_for(2s), std::future_status::ready) << "the line stopped at the borrower gone";
+  EXPECT_TRUE(after->get().valid());
+}
+
+TEST(lending_waiting_borrow, a_waiting_borrowers_connection_is_read_no_further_until_it_is_answered) {
+  waiting_fixture f(8 * mib);
+  borrower holder(f.dev, f.l->address());
+  auto held = holder.borrow(8 * mib, "held");
+  auto raw = greeted(f.l->address());
+  send_borrow(raw, 1, 8 * mib, 60'000);
+  ASSERT_TRUE(f.waiting(1));
+  raw.send(static_cast<std::uint16_t>(message_type::query_metrics), std::span<const std::byte>{});
+  EXPECT_THROW((void)raw.receive_for(300ms), timeout_error) << "answered a request sent behind a waiting borrow";
+  holder.give_back(std::move(held));
+  const channel::frame first = raw.receive_for(2000ms);
+  EXPECT_EQ(first.type, static_cast<std::uint16_t>(message_type::lent)) << "answers came out of the order asked";
+  while (raw.pending() > 0) (void)raw.receive_for(2000ms);  // its chunk
+  EXPECT_EQ(raw.receive_for(2000ms).type, static_cast<std::uint16_t>(message_type::metrics));
+}
+
+struct stop_waiting : std::runtime_error {
+  stop_waiting() : std::runtime_error("stop waiting") {}
+};
+
+TEST(lending_waiting_borrow, an_interrupt_check_ends_the_wait_and_a_region_lent_later_goes_back_unmapped) {
+  waiting_fixture f(8 * mib);
+  borrower model_a(f.dev, f.l->address()), model_b(f.dev, f.l->address());
+  auto a = model_a.borrow(8 * mib, "model A");
+  std::atomic<int> checks{0};
+  const auto start = std::chrono::steady_clock::now();
+  const borrow_wait wait{30s, [&] {
+                           if (++checks == 3) throw stop_waiting();
+                         }};
+  EXPECT_THROW((void)model_b.borrow(8 * mib, "model B", region_mode::exclusive, answer_timeout, wait), stop_waiting);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the check was not called while the borrow waited";
+  EXPECT_EQ(checks.load(), 3);
+  model_a.give_back(std::move(a));  // the lender lends to model B's waiting borrow now
+  ASSERT_TRUE(eventually([&] { return f.l->status().lent_bytes == 8 * mib && f.l->status().waiting.empty(); }));
+  (void)model_b.metrics();  // reads the late region and gives it back unmapped
+  EXPECT_TRUE(eventually([&] { return f.l->status().lent_bytes == 0; })) << "the region lent late stayed lent";
+  EXPECT_TRUE(model_b.borrow(8 * mib, "model B").valid()) << "the link stays in step";
+}
+
+}  // namespace
+}  // namespace shoal::testing
