@@ -184,12 +184,19 @@ class Borrower:
         """``(count, bytes)`` of the given-back regions whose mappings this borrower keeps."""
         return self._native.kept()
 
-    def borrow(self, nbytes: int, purpose: str, timeout: float = 5.0) -> _shoal.Storage:
+    def borrow(self, nbytes: int, purpose: str, timeout: float = 5.0, wait: float = 0.0) -> _shoal.Storage:
         """A region of at least ``nbytes`` (rounded up to the device's granularity) for
-        ``purpose`` (1 to 64 printable ASCII characters), mapped in this process. The lender
-        answers at once: a region that does not fit is refused (``OutOfMemoryError``), not
-        waited for. Past ``timeout`` seconds ``PeerTimeoutError`` (Ctrl-C too is seen then);
-        a region lent later is given back at this borrower's next call."""
+        ``purpose`` (1 to 64 printable ASCII characters), mapped in this process.
+
+        With ``wait`` seconds, a region that does not fit waits at the lender for memory to be
+        given back (another model's turn ending, a revoke answered), in line behind the
+        borrows that came first, and ``OutOfMemoryError`` once the wait runs out; with no
+        wait (the default) it is refused at once, and while others wait in line it is refused
+        too. This borrower's other calls wait behind a waiting borrow: give back from another
+        ``Borrower``. The answer is waited for up to ``wait`` plus ``timeout`` seconds
+        (``PeerTimeoutError`` after). Ctrl-C (``KeyboardInterrupt``) and :meth:`close` from
+        another thread end the call at once; a region the lender lends afterwards is given
+        back unmapped at this borrower's next call."""
         if type(nbytes) is not int or nbytes < 1:
             raise _shoal.InvalidArgumentError(
                 f"shoal.lending.Borrower.borrow: nbytes must be a whole number of bytes >= 1, not {nbytes!r}")
@@ -197,7 +204,7 @@ class Borrower:
             raise _shoal.InvalidArgumentError(
                 f"shoal.lending.Borrower.borrow: purpose must be a str of 1 to 64 printable ASCII characters, "
                 f"not {purpose!r}")
-        return self._native._borrow(self._allocator, nbytes, purpose, timeout)
+        return self._native._borrow(self._allocator, nbytes, purpose, timeout, wait)
 
     def publish(
         self,
@@ -318,7 +325,9 @@ class Lender:
 
     def status(self) -> dict:
         """Regions lent (id, bytes, purpose, mode, state, pid, uid, age_seconds, and for a shared
-        region its holders: pid, uid, state) and counters."""
+        region its holders: pid, uid, state), borrows waiting for memory in the order they are
+        served (``waiting``: bytes, purpose, pid, uid, waited_seconds, left_seconds) and
+        counters."""
         return self._native.status()
 
     def revoke(self, region: int, deadline: float) -> None:

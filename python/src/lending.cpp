@@ -32,6 +32,9 @@ namespace shoal::python {
 
 namespace {
 
+/// The longest wait for memory a borrow may ask (the protocol's 32-bit milliseconds).
+constexpr double max_wait_seconds = 4294967.295;
+
 /// `seconds` of the argument `what` of `who` as a duration; refused unless finite and > 0.
 std::chrono::milliseconds timeout_of(double seconds, const char* who, const char* what = "timeout") {
   if (!(seconds > 0) || !std::isfinite(seconds)) {
@@ -181,6 +184,20 @@ nb::dict status_dict(const lending::lender_status& s) {
     regions.append(region);
   }
   d["regions"] = regions;
+  d["waits"] = s.waits;
+  d["waits_expired"] = s.waits_expired;
+  nb::list waiting;
+  for (const auto& w : s.waiting) {
+    nb::dict one;
+    one["bytes"] = w.bytes;
+    one["purpose"] = w.purpose;
+    one["pid"] = w.borrower.pid;
+    one["uid"] = w.uid;
+    one["waited_seconds"] = std::chrono::duration<double>(w.waited).count();
+    one["left_seconds"] = std::chrono::duration<double>(w.left).count();
+    waiting.append(one);
+  }
+  d["waiting"] = waiting;
   return d;
 }
 
@@ -311,18 +328,29 @@ void register_lending(nb::module_& m) {
       .def(
           "_borrow",
           [](const py_borrower& b, const py_allocator& allocator, std::size_t nbytes, const std::string& purpose,
-             double timeout) {
+             double timeout, double wait) {
             auto& device = allocator.state->allocator().device();
             const auto t = timeout_of(timeout, "Borrower.borrow");
+            if (!(wait >= 0) || !std::isfinite(wait) || wait > max_wait_seconds) {
+              throw invalid_argument("Borrower.borrow: wait must be a finite number of seconds from 0 to about 49 days");
+            }
             const auto borrower = b.borrower.enter();
+            // While the borrow waits: Ctrl-C (KeyboardInterrupt) and close()
+            // from another thread end it; a region lent later is given back.
+            const lending::borrow_wait waiting{
+                std::chrono::milliseconds(static_cast<std::int64_t>(wait * 1000.0 + 0.5)), [&] {
+                  nb::gil_scoped_acquire gil;
+                  if (PyErr_CheckSignals() != 0) throw nb::python_error();
+                  if (borrower.closing()) b.borrower.throw_closed();
+                }};
             std::optional<lending::borrowed_region> region;
             {
               released_gil release;
-              region.emplace(borrower->borrow(nbytes, purpose, lending::region_mode::exclusive, t));
+              region.emplace(borrower->borrow(nbytes, purpose, lending::region_mode::exclusive, t, waiting));
             }
             return storage_of(allocator, std::move(*region));
           },
-          nb::arg("allocator"), nb::arg("nbytes"), nb::arg("purpose"), nb::arg("timeout"))
+          nb::arg("allocator"), nb::arg("nbytes"), nb::arg("purpose"), nb::arg("timeout"), nb::arg("wait"))
       .def(
           "_publish",
           [](const py_borrower& b, const py_allocator& allocator, py_storage& storage,

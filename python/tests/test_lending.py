@@ -438,3 +438,117 @@ def test_a_borrower_pointed_at_a_sharing_consumer_is_told_what_it_found():
             shoal.lending.Borrower(consumer.address, timeout=2)
         accepting.join()
         assert len(outcome) == 1 and isinstance(outcome[0], TimeoutError), outcome
+
+
+def borrow_in_thread(borrower, nbytes: int, purpose: str, **kwargs):
+    """Starts borrower.borrow(...) on a thread; returns (thread, outcome): outcome["region"] or
+    outcome["error"] once the thread ends, and outcome["seconds"] it took."""
+    outcome: dict = {}
+
+    def run():
+        start = time.monotonic()
+        try:
+            outcome["region"] = borrower.borrow(nbytes, purpose, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = e
+        outcome["seconds"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_borrow_that_waits_is_lent_once_the_memory_is_given_back(address):
+    in_process_only()
+    unit = 2 * MIB
+    with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender, \
+            shoal.lending.Borrower(address) as model_a, shoal.lending.Borrower(address) as model_b:
+        region = model_a.borrow(4 * unit, "model A")
+        thread, outcome = borrow_in_thread(model_b, 4 * unit, "model B", wait=10.0)
+        assert eventually(lambda: len(lender.status()["waiting"]) == 1)
+        waiting = lender.status()["waiting"][0]
+        assert (waiting["bytes"], waiting["purpose"], waiting["pid"]) == (4 * unit, "model B", os.getpid())
+        assert waiting["left_seconds"] > 5
+        assert "shoal_lending_waiting_borrows 1\n" in lender.metrics()
+        time.sleep(0.1)
+        assert thread.is_alive(), "lent while model A held the memory"
+        given_back = time.monotonic()
+        del region  # model A's turn ends
+        thread.join(timeout=5)
+        assert outcome["region"].nbytes == 4 * unit
+        assert time.monotonic() - given_back < 2
+        assert lender.status()["waits"] == 1 and lender.status()["waiting"] == []
+
+
+def test_a_wait_that_runs_out_raises_out_of_memory_and_the_borrower_goes_on(address):
+    in_process_only()
+    unit = 2 * MIB
+    with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender, \
+            shoal.lending.Borrower(address) as model_a, shoal.lending.Borrower(address) as model_b:
+        region = model_a.borrow(4 * unit, "model A")
+        start = time.monotonic()
+        with pytest.raises(shoal.OutOfMemoryError, match="waited 300 ms"):
+            model_b.borrow(unit, "model B", wait=0.3)
+        assert 0.29 <= time.monotonic() - start < 2
+        assert lender.status()["waits_expired"] == 1
+        del region
+        assert eventually(lambda: lender.status()["lent_bytes"] == 0)
+        assert model_b.borrow(unit, "model B").nbytes == unit
+
+
+def test_close_from_another_thread_ends_a_waiting_borrow(address):
+    in_process_only()
+    unit = 2 * MIB
+    with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender, \
+            shoal.lending.Borrower(address) as model_a:
+        region = model_a.borrow(4 * unit, "model A")
+        model_b = shoal.lending.Borrower(address)
+        thread, outcome = borrow_in_thread(model_b, 4 * unit, "model B", wait=30.0)
+        assert eventually(lambda: len(lender.status()["waiting"]) == 1)
+        model_b.close()
+        thread.join(timeout=5)
+        assert not thread.is_alive(), "close() did not end the waiting borrow"
+        assert isinstance(outcome["error"], shoal.ConnectionClosedError), outcome
+        assert outcome["seconds"] < 3
+        assert eventually(lambda: lender.status()["waiting"] == []), "the closed borrower kept its place in line"
+        del region
+
+
+WAITING_BORROWER_SCRIPT = """
+import os, signal, sys, threading, time, shoal, shoal.lending
+borrower = shoal.lending.Borrower(sys.argv[1])
+threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+start = time.monotonic()
+try:
+    borrower.borrow(int(sys.argv[2]), "interrupted", wait=30.0)
+    print("lent", flush=True)
+except KeyboardInterrupt:
+    print("interrupted after", round(time.monotonic() - start, 2), flush=True)
+print("metrics" if "shoal_lending_" in borrower.metrics() else "no metrics", flush=True)
+"""
+
+
+def test_ctrl_c_ends_a_waiting_borrow(address):
+    unit = 2 * MIB
+    with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender:
+        child = subprocess.Popen([sys.executable, "-c", BORROWER_SCRIPT, address, str(4 * unit)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None and child.stdout.readline().startswith("held")
+            waiting = subprocess.run([sys.executable, "-c", WAITING_BORROWER_SCRIPT, address, str(unit)],
+                                     capture_output=True, text=True, timeout=20)
+            lines = waiting.stdout.split("\n")
+            assert lines[0].startswith("interrupted after"), (waiting.stdout, waiting.stderr)
+            assert float(lines[0].split()[-1]) < 1.5, lines[0]
+            assert lines[1] == "metrics", "the borrower was out of step after the interrupt"
+            assert eventually(lambda: lender.status()["waiting"] == [])
+        finally:
+            child.kill()
+            child.wait()
+
+
+def test_a_wait_out_of_range_is_named(address):
+    with shoal.lending.Lender(address), shoal.lending.Borrower(address) as borrower:
+        for wait in (-1.0, float("nan"), float("inf"), 5e6):
+            with pytest.raises(shoal.InvalidArgumentError, match="wait must be"):
+                borrower.borrow(MIB, "x", wait=wait)

@@ -114,6 +114,7 @@ struct borrowed_region::link {
   struct late_borrow {
     std::uint64_t request = 0;
     bool shared = false;
+    bool waits = false;  // it may wait at the lender: told to stop (cancel_wait)
   };
   // Past this many, a lender that answers nothing any more is given up on.
   static constexpr std::size_t max_owed = 64;
@@ -490,9 +491,18 @@ struct borrowed_region::link {
     // Named only when something is wrong: the answer's path allocates nothing for it.
     const auto who = [operation] { return std::string("borrower::") + operation; };
     channel::frame f;
+    // No caller waits for the answer any more: it is owed, and a borrow that
+    // may still wait in the lender's line is told to stop, so the lender
+    // answers it now and the next call does not wait behind it.
     const auto owe_region = [&] {
       owe({.what = owed_answer::kind::region, .request = late_if_unanswered->request,
            .shared = late_if_unanswered->shared});
+      if (!late_if_unanswered->waits || out_of_step) return;
+      try {
+        conn.send(static_cast<std::uint16_t>(message_type::cancel_wait),
+                  detail::encode_cancel_wait(late_if_unanswered->request));
+      } catch (...) {  // NOLINT(bugprone-empty-catch): a link that cannot send is closed; the owed answer is moot
+      }
     };
     try {
       f = late_if_unanswered ? next_or_timeout(deadline, operation, interrupt_check) : next(deadline, operation);
@@ -658,7 +668,8 @@ borrowed_region borrower::borrow(std::size_t bytes, std::string_view purpose, re
                                                     static_cast<std::uint32_t>(wait.for_memory.count())}));
   const auto m = l.exchange([&] {
     return l.receive_region(request, bytes, backend::memory_access::read_write, deadline, "borrow",
-                            borrowed_region::link::late_borrow{request, false}, &wait.interrupt_check);
+                            borrowed_region::link::late_borrow{request, false, wait.for_memory.count() > 0},
+                            &wait.interrupt_check);
   });
   return borrowed_region(link_, m.lent.region, m.lent.memory, m.data, static_cast<std::size_t>(m.lent.bytes));
 }

@@ -100,8 +100,8 @@ struct borrower_entry {
   const char* failed_why = nullptr;
   std::size_t held_bytes = 0;
   std::size_t held_regions = 0;
-  // Its borrow waits for memory (the lender's waiting_): nothing more is
-  // read from it until that is answered; a hang-up still shows.
+  // Its borrow waits for memory (the lender's waiting_); anything it sends
+  // meanwhile ends that wait first.
   bool waiting = false;
 };
 
@@ -273,9 +273,8 @@ class lender::state {
       bool pending = false;
       for (const auto& b : borrowers_) {
         const bool answers_wait = b.link.unsent_bytes() > 0;
-        pending = pending || (!answers_wait && !b.waiting && b.link.pending() > 0);
-        const short events = answers_wait ? short{POLLOUT} : b.waiting ? short{0} : short{POLLIN};
-        fds_.push_back({b.link.native_handle(), events, 0});
+        pending = pending || (!answers_wait && b.link.pending() > 0);
+        fds_.push_back({b.link.native_handle(), answers_wait ? short{POLLOUT} : short{POLLIN}, 0});
       }
       const auto now = clock_type::now();
       const auto until_check = std::chrono::ceil<std::chrono::milliseconds>(next_check - now);
@@ -304,10 +303,6 @@ class lender::state {
         const short revents = fds_[i + 2].revents;
         if (revents != 0 && b->link.unsent_bytes() > 0) flush_one(*b);  // a hang-up makes the flush fail
         if (b->link.unsent_bytes() > 0) continue;  // its answers go first
-        if (b->waiting) {
-          if ((revents & (POLLHUP | POLLERR)) != 0) b->failed = true;  // it hung up while its borrow waited
-          continue;
-        }
         if ((revents & ~POLLOUT) != 0 || b->link.pending() > 0) {
           serve_one(*b);
           last_served = clock_type::now();
@@ -398,7 +393,7 @@ class lender::state {
   // ends up failed or broken, and the loop hangs up on it.
   void serve_one(borrower_entry& b) {
     try {
-      for (std::size_t served = 0; served < channel::max_batch_frames && !b.failed && !b.waiting; ++served) {
+      for (std::size_t served = 0; served < channel::max_batch_frames && !b.failed; ++served) {
         // Once its batch's frames are handled, the socket is polled again
         // rather than read at once: no read that finds nothing. Once an
         // answer waits, the rest wait for it to go.
@@ -421,6 +416,19 @@ class lender::state {
       b.greeted = true;
       return;
     }
+    if (f.type == static_cast<std::uint16_t>(message_type::cancel_wait)) {
+      const std::uint64_t request = detail::decode_cancel_wait(f.payload);
+      std::uint64_t waiting_request = 0;
+      {
+        std::lock_guard lock(mutex_);
+        const auto* w = waiting_.find(b.serial);
+        waiting_request = w != nullptr ? w->request.request : 0;
+      }
+      // A cancel for a borrow answered already crossed its answer: dropped.
+      if (b.waiting && request == waiting_request) end_wait(b, "its borrower stopped waiting");
+      return;
+    }
+    if (b.waiting) end_wait(b, "its borrower sent another request behind it");  // answers stay in order
     switch (static_cast<message_type>(f.type)) {
       case message_type::borrow:
         return lend(b, detail::decode_borrow(f.payload));
@@ -439,8 +447,8 @@ class lender::state {
       }
       default:
         throw protocol_error(
-            "lender: a borrower may send borrow, give_back, query_metrics, publish, borrow_shared and revoke_request "
-            "only, not "
+            "lender: a borrower may send borrow, give_back, query_metrics, publish, borrow_shared, revoke_request and "
+            "cancel_wait only, not "
             "frame type " +
             std::to_string(f.type));
     }
@@ -693,6 +701,19 @@ class lender::state {
     b.waiting = true;
     emit(lender_event::kind::waiting, b.link.peer(), 0, bytes,
          m.purpose + ": waits up to " + std::to_string(m.wait_ms) + " ms for memory to be given back");
+  }
+
+  // Refuses `b`'s waiting borrow now and takes it out of the line: it
+  // stopped waiting (`why`).
+  void end_wait(borrower_entry& b, const char* why) {
+    std::optional<detail::waiting_borrow> w;
+    {
+      std::lock_guard lock(mutex_);
+      w = waiting_.take(b.serial);
+      room_changed_ = room_changed_ || w.has_value();  // the next in line may fit now
+    }
+    b.waiting = false;
+    if (w) send_refusal(b, w->request.request, refusal::capacity, std::string("stopped waiting for memory: ") + why);
   }
 
   // Refuses each waiting borrow whose wait has run out, then serves the
@@ -1179,7 +1200,7 @@ class lender::state {
   void hang_up_locked(borrower_entry& b, std::vector<lender_event>& events) noexcept {
     const bool alive = alive_or_unknown(b.link.peer().process);
     spares_.drop_keeper(b.serial);
-    if (waiting_.remove(b.serial)) room_changed_ = true;  // the next in line may fit
+    if (waiting_.take(b.serial)) room_changed_ = true;  // the next in line may fit
     for (auto it = regions_.begin(); it != regions_.end();) {
       region_entry& r = it->second;
       r.chunk.drop_keeper(b.serial);

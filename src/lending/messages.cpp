@@ -160,6 +160,15 @@ std::uint64_t decode_revoke_accepted(std::span<const std::byte> payload) {
   return request;
 }
 
+std::vector<std::byte> encode_cancel_wait(std::uint64_t request) { return encode_revoke_accepted(request); }
+
+std::uint64_t decode_cancel_wait(std::span<const std::byte> payload) {
+  wire_reader r(payload, "cancel_wait");
+  const auto request = r.get<std::uint64_t>("request");
+  r.finish();
+  return request;
+}
+
 namespace {
 
 void put_layout(wire_writer& w, const region_layout& layout) {

@@ -70,10 +70,17 @@ enum class message_type : std::uint16_t {
   forget = 13,        // lender -> borrower, at any time: unmap the kept mapping of this memory
   revoke_request = 14,   // borrower -> lender (version 4): revoke a region, whoever holds it; the lender's uid only
   revoke_accepted = 15,  // lender -> borrower: that region's borrower is asked to give it back
+  cancel_wait = 16,      // borrower -> lender (version 5): stop waiting; no answer of its own
 };
 // Version 5: borrow carries wait_ms; a borrow that does not fit waits that
 // long at the lender (in order of arrival) for memory to be given back, and
 // is answered — lent, or refused when the time is up — like any other.
+// A borrower that stops waiting (its deadline passed, or its caller
+// interrupted it) sends cancel_wait with that borrow's request: if it still
+// waits, the lender refuses it at once; if it was answered already, the
+// cancel is dropped (it has no answer of its own). Any other frame from a
+// borrower whose borrow waits ends that wait the same way first, so answers
+// stay in the order asked.
 
 enum class refusal : std::uint8_t {
   capacity = 1,      // the lender has not that much left
@@ -167,6 +174,9 @@ struct revoke_request_message {
 /// revoke_accepted: the request it answers.
 [[nodiscard]] std::vector<std::byte> encode_revoke_accepted(std::uint64_t request);
 [[nodiscard]] std::uint64_t decode_revoke_accepted(std::span<const std::byte> payload);
+/// cancel_wait: the waiting borrow's request.
+[[nodiscard]] std::vector<std::byte> encode_cancel_wait(std::uint64_t request);
+[[nodiscard]] std::uint64_t decode_cancel_wait(std::span<const std::byte> payload);
 
 [[nodiscard]] std::vector<std::byte> encode(const give_back_message& m);
 [[nodiscard]] std::vector<std::byte> encode(const given_back_message& m);

@@ -4,11 +4,17 @@
 
 namespace shoal::lending::detail {
 
-bool waiting_borrows::remove(std::uint64_t serial) noexcept {
+const waiting_borrow* waiting_borrows::find(std::uint64_t serial) const noexcept {
   const auto it = std::find_if(line_.begin(), line_.end(), [&](const waiting_borrow& w) { return w.serial == serial; });
-  if (it == line_.end()) return false;
+  return it == line_.end() ? nullptr : &*it;
+}
+
+std::optional<waiting_borrow> waiting_borrows::take(std::uint64_t serial) noexcept {
+  const auto it = std::find_if(line_.begin(), line_.end(), [&](const waiting_borrow& w) { return w.serial == serial; });
+  if (it == line_.end()) return std::nullopt;
+  std::optional<waiting_borrow> taken(std::move(*it));
   line_.erase(it);
-  return true;
+  return taken;
 }
 
 std::vector<waiting_borrow> waiting_borrows::take_expired(std::chrono::steady_clock::time_point now) {

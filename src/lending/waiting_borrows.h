@@ -10,8 +10,8 @@
 // to the waiting ones first).
 //
 // Invariants, next to the data:
-//   a connection (serial) appears at most once: it sends nothing more while
-//   its borrow waits (the lender reads it no further until it is answered);
+//   a connection (serial) appears at most once: anything it sends while its
+//   borrow waits ends that wait first (the lender refuses it);
 //   until >= since for every entry.
 //
 // Not thread-safe: the lender guards it with its mutex.
@@ -50,8 +50,11 @@ class waiting_borrows {
   /// The borrow served next; empty() must be false.
   [[nodiscard]] const waiting_borrow& head() const noexcept { return line_.front(); }
   void pop_head() noexcept { line_.pop_front(); }
-  /// Removes connection `serial`'s borrow (it hung up); whether it had one.
-  bool remove(std::uint64_t serial) noexcept;
+  /// Connection `serial`'s waiting borrow, or nullptr.
+  [[nodiscard]] const waiting_borrow* find(std::uint64_t serial) const noexcept;
+  /// Takes connection `serial`'s borrow out of the line (it hung up, or
+  /// stopped waiting); nullopt when it had none.
+  std::optional<waiting_borrow> take(std::uint64_t serial) noexcept;
   /// Takes out every borrow whose wait has run out by `now`, in line order.
   [[nodiscard]] std::vector<waiting_borrow> take_expired(std::chrono::steady_clock::time_point now);
   /// When the first wait runs out; nullopt when none waits.

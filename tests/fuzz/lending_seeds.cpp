@@ -63,8 +63,8 @@ std::vector<lending_seed> lending_seeds() {
   seeds.push_back({"decode_revoke", decoder_input(d::encode(d::revoke_message{3, 500})), 1, "decoded"});
   // give_back and given_back have one wire form (a region and a flag): both take it.
   seeds.push_back({"decode_give_back", decoder_input(d::encode(d::give_back_message{3, true})), 2, "decoded"});
-  // forget and revoke_accepted have one wire form (a number): both take it.
-  seeds.push_back({"decode_forget", decoder_input(d::encode_forget(3)), 2, "decoded"});
+  // forget, revoke_accepted and cancel_wait have one wire form (a number): all three take it.
+  seeds.push_back({"decode_forget", decoder_input(d::encode_forget(3)), 3, "decoded"});
   seeds.push_back({"decode_revoke_request", decoder_input(d::encode(d::revoke_request_message{7, 3, 500})), 1,
                    "decoded"});
   {
@@ -104,7 +104,7 @@ std::vector<lending_seed> lending_seeds() {
   {
     lending_writer w = against_lender();
     w.op(lending_op::lent).u8(1).u8(1).u64(0).u8(1).u8(size_2mib).u64(0).u8(1);
-    seeds.push_back({"lender_sent_a_lenders_frame", w.bytes(), 0, "may send borrow, give_back, query_metrics, publish, borrow_shared and revoke_request only"});
+    seeds.push_back({"lender_sent_a_lenders_frame", w.bytes(), 0, "may send borrow, give_back, query_metrics, publish, borrow_shared, revoke_request and cancel_wait only"});
   }
   {
     lending_writer w = against_lender();

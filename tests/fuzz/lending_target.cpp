@@ -104,6 +104,7 @@ lending_outcome attack_decoders(std::span<const std::uint8_t> input) {
   round_trip(payload, "forget", decoded, d::decode_forget, d::encode_forget);
   round_trip(payload, "revoke_request", decoded, d::decode_revoke_request, same);
   round_trip(payload, "revoke_accepted", decoded, d::decode_revoke_accepted, d::encode_revoke_accepted);
+  round_trip(payload, "cancel_wait", decoded, d::decode_cancel_wait, d::encode_cancel_wait);
   round_trip(
       payload, "chunk", decoded, [](auto p) { return backend::shareable_handle::deserialize(p, unique_fd()); },
       [](const backend::shareable_handle& h) { return h.serialize(); });

@@ -117,10 +117,11 @@ struct borrow_wait {
   std::chrono::milliseconds for_memory{0};
   /// Called on the borrowing thread at least every 50 ms while no answer
   /// has come (empty: never). What it throws ends the call at once and
-  /// propagates, as a timeout would end it: the lender's answer is owed — a
-  /// region lent later is given back unmapped at this borrower's next call
-  /// (or within 1 s of its end) — and the borrower stays usable. How a
-  /// caller stops a long wait (a signal, a shutdown).
+  /// propagates, as a timeout would end it; either way the lender is told to
+  /// stop waiting (its place in line goes to the next), its answer is owed —
+  /// a region it lent just before is given back unmapped at this borrower's
+  /// next call (or within 1 s of its end) — and the borrower stays usable.
+  /// How a caller stops a long wait (a signal, a shutdown).
   std::function<void()> interrupt_check;
 };
 

@@ -50,6 +50,15 @@
 // (out_of_memory at the borrower). A released spare a borrower keeps mapped
 // returns to the device only once that borrower unmaps it (see above).
 //
+// Waiting borrows: a borrow that does not fit and was sent with a wait
+// (borrow_wait) is kept in a line and lent as memory is given back, the
+// line served strictly in order; one whose wait runs out is refused
+// (capacity). While any borrow waits, a borrow without a wait is refused at
+// once; a waiting borrower that sends anything (cancel_wait, or another
+// request) has its borrow refused first, and one that hangs up leaves the
+// line. What waiting cannot make fit (past the capacity or a quota) is
+// refused at once.
+//
 // Shared regions: a borrower may publish an exclusive region it holds, with
 // a layout and content hash (layout.h; refused — bad_request — when the
 // layout does not fit the region or the name, its purpose, is published
