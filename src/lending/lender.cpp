@@ -719,6 +719,8 @@ class lender::state {
   // Refuses each waiting borrow whose wait has run out, then serves the
   // line in order while memory allows: the head first, the rest behind it.
   void serve_waiting() noexcept {
+    // The serving thread is the line's only writer: it reads it unlocked.
+    if (waiting_.empty()) return;
     std::vector<detail::waiting_borrow> expired;
     {
       std::lock_guard lock(mutex_);
@@ -795,6 +797,7 @@ class lender::state {
 
   // When the first waiting borrow's wait runs out; nullopt when none waits.
   std::optional<clock_type::time_point> next_wait_expiry() const {
+    if (waiting_.empty()) return std::nullopt;  // the serving thread, its only writer, reads it unlocked
     std::lock_guard lock(mutex_);
     return waiting_.next_expiry();
   }
