@@ -582,11 +582,7 @@ class lender::state {
                               std::to_string(config_.capacity_bytes));
     }
     if (auto refused = quota_refusal(b, bytes)) return send_refusal(b, m.request, refused->reason, refused->why);
-    bool others_wait = false;
-    {
-      std::lock_guard lock(mutex_);
-      others_wait = !waiting_.empty();
-    }
+    const bool others_wait = !waiting_.empty();  // the serving thread, the line's only writer, reads it unlocked
     if (others_wait && m.wait_ms == 0) {
       return send_refusal(b, m.request, refusal::capacity,
                           "borrows wait for memory ahead of this one, which does not wait: memory given back goes "

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <csignal>
 #include <chrono>
 #include <future>
 #include <mutex>
@@ -264,6 +265,27 @@ TEST(lending_waiting_borrow, an_interrupt_check_ends_the_wait_and_the_borrower_l
   model_a.give_back(std::move(a));
   ASSERT_EQ(c.wait_for(2s), std::future_status::ready);
   EXPECT_TRUE(c.get().valid()) << "the memory went to the borrow that still waited";
+}
+
+// Across processes on each backend (CUDA imports only in another process):
+// the waiting borrower is a process, the memory comes back when the holder
+// process is killed.
+template <class Backend>
+class waiting_borrow_processes : public lending_test<Backend> {};
+TYPED_TEST_SUITE(waiting_borrow_processes, backend_types, backend_names);
+
+TYPED_TEST(waiting_borrow_processes, a_waiting_process_is_lent_the_memory_of_one_killed) {
+  auto& l = this->start({.capacity_bytes = 4 * mib});
+  auto holder = this->borrower_process({"hold", std::to_string(4 * mib), "90"});
+  ASSERT_EQ(line_from(*holder).rfind("held ", 0), 0u);
+  auto waiter = this->borrower_process({"wait-borrow", std::to_string(4 * mib), "30000"});
+  ASSERT_TRUE(eventually([&] { return l.status().waiting.size() == 1; }));
+  ASSERT_EQ(::kill(holder->pid(), SIGKILL), 0);
+  EXPECT_EQ(holder->wait(), 128 + SIGKILL);
+  const std::string lent = line_from(*waiter);
+  EXPECT_EQ(lent.rfind("lent ", 0), 0u) << lent;
+  EXPECT_EQ(l.status().waits, 1u);
+  EXPECT_EQ(l.status().lent_bytes, 4 * mib);
 }
 
 }  // namespace
