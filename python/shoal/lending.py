@@ -302,7 +302,9 @@ class Lender:
     ``allowed_uids`` are admitted. ``reuse``: ``"same_uid"`` lends given-back memory
     again within one uid, ``"never"`` makes every region fresh memory.
     ``prepared_chunks``: sizes of chunks made now, from which regions of those sizes are
-    lent with no device call at borrow time. (``shoal daemon`` runs one as a program.)"""
+    lent with no device call at borrow time. ``max_wait``: the longest a borrow may wait
+    for memory, in seconds (a longer ``wait`` is cut to it). (``shoal daemon`` runs one as a
+    program.)"""
 
     def __init__(
         self,
@@ -317,11 +319,12 @@ class Lender:
         allowed_uids: Sequence[int] = (),
         reuse: str = "same_uid",
         prepared_chunks: Sequence[int] = (),
+        max_wait: float = 300.0,
     ) -> None:
         self._address = address
         self._native = _shoal.Lender(
             address, device, capacity_bytes, quota_bytes, max_borrowers, max_regions_per_borrower, peer_timeout,
-            list(allowed_uids), reuse, list(prepared_chunks))
+            list(allowed_uids), reuse, list(prepared_chunks), max_wait)
 
     def status(self) -> dict:
         """Regions lent (id, bytes, purpose, mode, state, pid, uid, age_seconds, and for a shared

@@ -212,7 +212,7 @@ void register_lending(nb::module_& m) {
           [](py_lender* self, const std::string& address, backend::device* device, std::size_t capacity_bytes,
              std::size_t quota_bytes, std::size_t max_borrowers, std::size_t max_regions_per_borrower,
              double peer_timeout, const std::vector<std::uint32_t>& allowed_uids, const std::string& reuse,
-             const std::vector<std::size_t>& prepared_chunks) {
+             const std::vector<std::size_t>& prepared_chunks, double max_wait) {
             if (reuse != "same_uid" && reuse != "never") {
               throw invalid_argument("Lender: reuse='" + reuse + "' is not 'same_uid' or 'never'");
             }
@@ -222,6 +222,10 @@ void register_lending(nb::module_& m) {
             config.max_borrowers = max_borrowers;
             config.max_regions_per_borrower = max_regions_per_borrower;
             config.peer_timeout = timeout_of(peer_timeout, "Lender", "peer_timeout");
+            if (!(max_wait <= max_wait_seconds)) {
+              throw invalid_argument("Lender: max_wait must be a finite number of seconds from 0.001 to about 49 days");
+            }
+            config.max_wait = timeout_of(max_wait, "Lender", "max_wait");
             config.policy = policy_of(allowed_uids);
             config.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
             config.prepared_chunks = prepared_chunks;
@@ -233,7 +237,7 @@ void register_lending(nb::module_& m) {
           nb::arg("quota_bytes") = std::size_t{1} << 30, nb::arg("max_borrowers") = 64,
           nb::arg("max_regions_per_borrower") = 1024, nb::arg("peer_timeout") = 1.0,
           nb::arg("allowed_uids") = std::vector<std::uint32_t>{}, nb::arg("reuse") = "same_uid",
-          nb::arg("prepared_chunks") = std::vector<std::size_t>{},
+          nb::arg("prepared_chunks") = std::vector<std::size_t>{}, nb::arg("max_wait") = 300.0,
           "Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` "
           "in all and ``quota_bytes`` per borrower. ``reuse``: 'same_uid' lends given-back memory again to "
           "borrowers of the same uid (borrowers keep their mappings); 'never' makes every region fresh memory. "

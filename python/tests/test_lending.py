@@ -552,3 +552,19 @@ def test_a_wait_out_of_range_is_named(address):
         for wait in (-1.0, float("nan"), float("inf"), 5e6):
             with pytest.raises(shoal.InvalidArgumentError, match="wait must be"):
                 borrower.borrow(MIB, "x", wait=wait)
+
+
+def test_a_wait_past_the_lenders_longest_is_cut_to_it(address):
+    in_process_only()
+    unit = 2 * MIB
+    with shoal.lending.Lender(address, capacity_bytes=2 * unit, max_wait=0.2), \
+            shoal.lending.Borrower(address) as holder, shoal.lending.Borrower(address) as borrower:
+        held = holder.borrow(2 * unit, "held")
+        start = time.monotonic()
+        with pytest.raises(shoal.OutOfMemoryError, match="the lender's longest wait"):
+            borrower.borrow(unit, "long wait", wait=60.0)
+        assert time.monotonic() - start < 2
+        del held
+    for bad in (0.0, -1.0, float("nan"), 5e6):
+        with pytest.raises(shoal.InvalidArgumentError, match="max_wait"):
+            shoal.lending.Lender(address, max_wait=bad)

@@ -686,17 +686,18 @@ class lender::state {
 
   // Puts `b`'s borrow last in line: the loop reads `b` no further until it
   // is answered (serve_waiting).
+  // Puts `b`'s borrow last in line, its wait cut to config_.max_wait.
   void wait_for_room(borrower_entry& b, const detail::borrow_message& m, std::size_t bytes) {
     const auto now = clock_type::now();
+    const auto wait = std::min(std::chrono::milliseconds(m.wait_ms), config_.max_wait);
     {
       std::lock_guard lock(mutex_);
-      waiting_.push({b.serial, b.link.peer().process, b.link.peer().uid, m, bytes, now,
-                     now + std::chrono::milliseconds(m.wait_ms)});
+      waiting_.push({b.serial, b.link.peer().process, b.link.peer().uid, m, bytes, now, now + wait});
       ++counters_.waits;
     }
     b.waiting = true;
     emit(lender_event::kind::waiting, b.link.peer(), 0, bytes,
-         m.purpose + ": waits up to " + std::to_string(m.wait_ms) + " ms for memory to be given back");
+         m.purpose + ": waits up to " + std::to_string(wait.count()) + " ms for memory to be given back");
   }
 
   // Refuses `b`'s waiting borrow now and takes it out of the line: it
@@ -733,9 +734,12 @@ class lender::state {
       if (b == nullptr) continue;
       b->waiting = false;
       answer_waiting(*b, [&] {
+        const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(w.until - w.since).count();
+        const bool cut = waited < static_cast<std::int64_t>(w.request.wait_ms);
         send_refusal(*b, w.request.request, refusal::capacity,
-                     std::to_string(w.bytes) + " bytes asked; waited " + std::to_string(w.request.wait_ms) +
-                         " ms and not that much was given back (" + room_left() + ")");
+                     std::to_string(w.bytes) + " bytes asked; waited " + std::to_string(waited) + " ms" +
+                         (cut ? " (the lender's longest wait; " + std::to_string(w.request.wait_ms) + " asked)" : "") +
+                         " and not that much was given back (" + room_left() + ")");
       });
     }
     while (room_changed_) {
@@ -1440,6 +1444,10 @@ lender::lender(backend::device& device, const channel::channel_address& address,
   }
   // Compared with clock differences in nanoseconds: a longer one would
   // overflow there and hang up on every borrower at once.
+  if (config.max_wait <= std::chrono::milliseconds(0) ||
+      config.max_wait.count() > std::numeric_limits<std::uint32_t>::max()) {
+    throw invalid_argument("lender: max_wait must be 1 ms to about 49 days");
+  }
   if (config.peer_timeout > longest_peer_timeout) {
     throw invalid_argument("lender: peer_timeout of " + std::to_string(config.peer_timeout.count()) +
                            " ms is over a day; a borrower that waits longer is as good as gone");

@@ -71,6 +71,7 @@ device = "host"
 capacity = "32MiB"
 quota = "8MiB"
 quota_per_uid = "24MiB"
+max_wait_ms = 60000
 EOF
 "$shoal" daemon --config "$dir/conf.toml" --quota 16MiB 2> "$dir/log" &
 pid=$!
@@ -78,6 +79,7 @@ answers "$dir/b.sock" || fail "the daemon of the config file did not answer"
 grep -qx 'shoal_lending_capacity_bytes 33554432' "$dir/status" || fail "capacity from the file"
 grep -q 'quota_bytes=16777216' "$dir/log" || fail "the --quota flag did not win over the file"
 grep -q 'quota_bytes_per_uid=25165824' "$dir/log" || fail "quota_per_uid from the file"
+grep -q 'max_wait_ms=60000' "$dir/log" || fail "max_wait_ms from the file"
 stop
 "$shoal" daemon --config "$dir/conf.toml" --quota-per-uid 12MiB 2> "$dir/log" &
 pid=$!
@@ -156,6 +158,7 @@ refused "over a day" --peer-timeout-ms 99999999999  # past a day overflowed into
 refused "not in range" status --timeout 1e300
 refused "prepare" --prepare 0x1MiB
 refused "prepared_chunks" --capacity 8MiB --prepare 3x4MiB
+refused "max_wait must be" --max-wait-ms 0
 
 # The reader of the daemon's log goes away (`shoal daemon 2>&1 | head`, a
 # tee that died): the daemon goes on serving, and stops cleanly on SIGTERM.

@@ -166,6 +166,26 @@ TEST(lending_waiting_borrow, what_can_never_fit_is_refused_at_once) {
                invalid_argument);
 }
 
+TEST(lending_waiting_borrow, a_wait_past_the_lenders_longest_is_cut_to_it) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  lender l(dev, channel::channel_address::at_path(dir / "l.sock"), {.capacity_bytes = 8 * mib, .max_wait = 200ms});
+  borrower holder(dev, l.address()), b(dev, l.address());
+  auto held = holder.borrow(8 * mib, "held");
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    (void)b.borrow(mib, "long wait", region_mode::exclusive, answer_timeout, borrow_wait{60s, {}});
+    ADD_FAILURE() << "lent while the capacity is held";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("waited 200 ms (the lender's longest wait; 60000 asked)"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "a borrower held the line past the lender's longest wait";
+  for (const auto bad : {0ms, -1ms}) {
+    EXPECT_THROW(lender(dev, channel::channel_address::at_path(dir / "m.sock"), {.max_wait = bad}), invalid_argument);
+  }
+}
+
 // A raw connection that said hello.
 channel::connection greeted(const channel::channel_address& address) {
   auto raw = channel::connection::connect(address, {}, lending::detail::max_frame_payload, 2000ms);

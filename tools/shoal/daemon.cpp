@@ -156,6 +156,7 @@ int serve(const daemon_settings& settings) {
             number("quota_bytes", config.quota_bytes),
             number("quota_bytes_per_uid", config.quota_bytes_per_uid),
             number("max_borrowers", config.max_borrowers),
+            number("max_wait_ms", static_cast<std::uint64_t>(config.max_wait.count())),
             {"reuse", config.reuse == lending::reuse_policy::never ? "never" : "same_uid"},  // what the lender got
             number("prepared_chunks", config.prepared_chunks.size()),
             number("prepared_bytes", lender.status().prepared_bytes),
@@ -240,6 +241,9 @@ int run_daemon(int argc, char** argv) {
   auto* borrowers = app.add_option("--max-borrowers", settings.max_borrowers, "borrowers connected at once")->capture_default_str();
   auto* regions = app.add_option("--max-regions", settings.max_regions_per_borrower, "regions one borrower may hold")->capture_default_str();
   auto* timeout = app.add_option("--peer-timeout-ms", settings.peer_timeout_ms, "deadline of every wait on a borrower")->capture_default_str();
+  auto* max_wait = app.add_option("--max-wait-ms", settings.max_wait_ms,
+                                  "the longest a borrow may wait for memory (a longer wait is cut to this)")
+                       ->capture_default_str();
   auto* uids = app.add_option("--allow-uid", settings.allowed_uids, "a uid allowed besides the daemon's own (repeat)");
   auto* gids = app.add_option("--allow-gid", settings.allowed_gids, "a group whose members are allowed (repeat)");
   auto* format =
@@ -295,6 +299,7 @@ int run_daemon(int argc, char** argv) {
       if (borrowers->count() > 0) settings.max_borrowers = flags.max_borrowers;
       if (regions->count() > 0) settings.max_regions_per_borrower = flags.max_regions_per_borrower;
       if (timeout->count() > 0) settings.peer_timeout_ms = flags.peer_timeout_ms;
+      if (max_wait->count() > 0) settings.max_wait_ms = flags.max_wait_ms;
       if (uids->count() > 0) settings.allowed_uids = flags.allowed_uids;
       if (gids->count() > 0) settings.allowed_gids = flags.allowed_gids;
       if (format->count() > 0) settings.log_format = flags.log_format;

@@ -107,6 +107,8 @@ void daemon_settings::read_file(const std::string& path) {
       max_regions_per_borrower = count();
     } else if (name == "peer_timeout_ms") {
       peer_timeout_ms = count();
+    } else if (name == "max_wait_ms") {
+      max_wait_ms = count();
     } else if (name == "log_format") {
       log_format = text();
     } else if (name == "reuse") {
@@ -143,8 +145,8 @@ void daemon_settings::read_file(const std::string& path) {
     } else {
       throw invalid_argument(where(name) +
                              " is not a setting (socket, device, capacity, quota, quota_per_uid, max_borrowers, "
-                             "max_regions_per_borrower, peer_timeout_ms, allowed_uids, allowed_gids, log_format, metrics_port, "
-                             "reuse, prepare)");
+                             "max_regions_per_borrower, peer_timeout_ms, max_wait_ms, allowed_uids, allowed_gids, log_format, "
+                             "metrics_port, reuse, prepare)");
     }
   }
 }
@@ -192,6 +194,7 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
   c.max_borrowers = static_cast<std::size_t>(max_borrowers);
   c.max_regions_per_borrower = static_cast<std::size_t>(max_regions_per_borrower);
   c.peer_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(peer_timeout_ms));
+  c.max_wait = std::chrono::milliseconds(static_cast<std::int64_t>(std::min<std::uint64_t>(max_wait_ms, UINT64_C(1) << 40)));
   for (auto uid : allowed_uids) c.policy.allowed_uids.push_back(static_cast<uid_t>(uid));
   for (auto gid : allowed_gids) c.policy.allowed_gids.push_back(static_cast<gid_t>(gid));
   return c;

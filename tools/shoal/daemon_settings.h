@@ -32,6 +32,7 @@ struct daemon_settings {
   std::uint64_t max_borrowers = 64;
   std::uint64_t max_regions_per_borrower = 1024;
   std::uint64_t peer_timeout_ms = 1000;
+  std::uint64_t max_wait_ms = 300000;  ///< lender_config::max_wait
   std::vector<std::uint32_t> allowed_uids;
   std::vector<std::uint32_t> allowed_gids;
   std::string log_format = "text";  ///< "text" or "json"
@@ -45,7 +46,7 @@ struct daemon_settings {
 
   /// Reads a TOML file's keys (socket, device, capacity, quota,
   /// quota_per_uid, max_borrowers, max_regions_per_borrower, peer_timeout_ms,
-  /// allowed_uids, allowed_gids, log_format, metrics_port, reuse, prepare: a
+  /// max_wait_ms, allowed_uids, allowed_gids, log_format, metrics_port, reuse, prepare: a
   /// string or a list of them) into these
   /// settings. Throws
   /// invalid_argument naming the file, the key and what was wrong.

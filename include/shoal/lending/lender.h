@@ -139,6 +139,11 @@ struct lender_config {
   /// accepted), a batch it started sending, an answer it does not read
   /// (from when the answer was posted). Above 0, at most a day.
   std::chrono::milliseconds peer_timeout{1000};
+  /// The longest a borrow may wait for memory (above 0, at most the
+  /// protocol's ~49 days): a longer wait is cut to this. Bounds how long one
+  /// borrower at the head of the line, asking for more than will come free,
+  /// holds every later borrow up.
+  std::chrono::milliseconds max_wait{std::chrono::minutes(5)};
   /// Whether given-back memory is lent again (see the contract above).
   reuse_policy reuse = reuse_policy::same_uid;
   /// How long the serving thread keeps polling without sleeping after it
