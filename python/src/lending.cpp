@@ -54,13 +54,21 @@ class region_owner final : public storage::storage_owner {
   [[nodiscard]] const lending::borrowed_region& region() const noexcept { return region_; }
   /// Takes the region out (to publish it); the owner then gives nothing back.
   [[nodiscard]] lending::borrowed_region take() noexcept { return std::move(region_); }
+  // Both without the GIL: the give back may wait (up to a second) for the
+  // borrower's connection, which a borrow waiting for memory holds while it
+  // takes the GIL to check for signals.
+  ~region_owner() override {
+    detail::without_gil([&] { region_ = {}; });
+  }
   void storage_released(std::span<const backend::stream_ref> used_on) noexcept override {
-    for (auto stream : used_on) {
-      try {
-        device_.synchronize(stream);
-      } catch (...) {  // NOLINT(bugprone-empty-catch): a failed stream runs nothing more on the region
+    detail::without_gil([&] {
+      for (auto stream : used_on) {
+        try {
+          device_.synchronize(stream);
+        } catch (...) {  // NOLINT(bugprone-empty-catch): a failed stream runs nothing more on the region
+        }
       }
-    }
+    });
   }
 
  private:
@@ -325,7 +333,12 @@ void register_lending(nb::module_& m) {
       .def(
           "kept",
           [](const py_borrower& b) {
-            const auto k = b.borrower.enter()->kept();
+            const auto borrower = b.borrower.enter();
+            lending::borrower::kept_mappings k;
+            {
+              released_gil release;  // waits behind a call in progress, which may take the GIL
+              k = borrower->kept();
+            }
             return std::pair{k.count, k.bytes};
           },
           "(count, bytes) of the mappings of given-back regions this borrower keeps for a later lend.")

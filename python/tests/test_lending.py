@@ -568,3 +568,24 @@ def test_a_wait_past_the_lenders_longest_is_cut_to_it(address):
     for bad in (0.0, -1.0, float("nan"), 5e6):
         with pytest.raises(shoal.InvalidArgumentError, match="max_wait"):
             shoal.lending.Lender(address, max_wait=bad)
+
+
+def test_a_region_dropped_while_its_borrowers_borrow_waits_does_not_hang(address):
+    in_process_only()
+    unit = 2 * MIB
+    with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender, \
+            shoal.lending.Borrower(address) as holder, shoal.lending.Borrower(address) as borrower:
+        held = holder.borrow(2 * unit, "held")
+        own = borrower.borrow(2 * unit, "own")
+        thread, outcome = borrow_in_thread(borrower, unit, "more", wait=3.0)
+        assert eventually(lambda: len(lender.status()["waiting"]) == 1)
+        start = time.monotonic()
+        del own  # the give back waits (a second at most) for the connection the waiting borrow holds
+        assert borrower.kept()[0] >= 0  # kept() too waits for it, the GIL released
+        assert time.monotonic() - start < 5
+        del held
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "the waiting borrow and the drop hung on each other"
+        assert outcome["region"].nbytes == unit
+        borrower.metrics()  # the next call gives the dropped region back
+        assert eventually(lambda: lender.status()["lent_bytes"] == unit)

@@ -81,12 +81,18 @@ void wait_readable(const channel::connection& conn, clock_type::time_point until
 // The connection and what requests share. Requests go one at a time.
 struct borrowed_region::link {
   link(backend::device& d, channel::connection c, const borrower_options& options)
-      : device(d), conn(std::move(c)), kept(d, options.keep_mappings ? options.kept_mapping_bytes : 0) {}
+      : device(d),
+        conn(std::move(c)),
+        kept(d, options.keep_mappings ? options.kept_mapping_bytes : 0),
+        reply_spin(detail::spin_or_automatic(options.reply_spin, borrower_options::automatic_reply_spin)) {
+    conn.set_receive_spin(reply_spin);
+  }
 
   backend::device& device;
   mutable std::mutex mutex;
   channel::connection conn;
   detail::mapping_cache kept;  // under mutex
+  const std::chrono::nanoseconds reply_spin;  // how long a request polls for its answer before it sleeps
   std::uint64_t next_request = 1;
   // The link cannot be trusted any more (the lender broke the protocol, or
   // an answer stopped part-way): nothing more is asked.
@@ -128,7 +134,8 @@ struct borrowed_region::link {
     // (it cannot know it was never mapped) — unless a wait for them ran out
     // within the last drop_timeout (the drop of a region that led here), so
     // that a slow lender costs a drop one such wait, not two.
-    if (!owed.empty() && !out_of_step && !conn.broken() && clock_type::now() - gave_up_waiting >= drop_timeout) {
+    if ((!owed.empty() || give_backs_deferred()) && !out_of_step && !conn.broken() &&
+        clock_type::now() - gave_up_waiting >= drop_timeout) {
       try {
         std::lock_guard lock(mutex);
         settle_owed(deadline_after(drop_timeout), "close");
@@ -146,6 +153,43 @@ struct borrowed_region::link {
     if (out_of_step) {
       throw connection_closed(std::string("borrower::") + operation +
                               ": the lender broke the protocol, or an answer stopped part-way; connect again");
+    }
+  }
+
+  // Give backs of regions dropped while another call held the connection
+  // (a borrow waiting for memory): each region was unmapped at once; the
+  // next call sends them (send_deferred, from settle_owed). Their own lock,
+  // never held while waiting: a drop never waits behind a call.
+  std::mutex deferred_mutex;
+  std::vector<std::uint64_t> deferred;  // under deferred_mutex
+
+  void defer_give_back(std::uint64_t id) noexcept {
+    try {
+      std::lock_guard lock(deferred_mutex);
+      deferred.push_back(id);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): no memory to keep it; the lender reclaims at hang-up
+    }
+  }
+  bool give_backs_deferred() {
+    std::lock_guard lock(deferred_mutex);
+    return !deferred.empty();
+  }
+  // Under mutex: sends the deferred give backs, their answers owed. What a
+  // failed send leaves is kept for the next call.
+  void send_deferred() {
+    std::vector<std::uint64_t> ids;
+    {
+      std::lock_guard lock(deferred_mutex);
+      ids.swap(deferred);
+    }
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      try {
+        send_give_back({.what = owed_answer::kind::given_back, .region = ids[i]});
+      } catch (...) {
+        std::lock_guard lock(deferred_mutex);
+        deferred.insert(deferred.end(), ids.begin() + static_cast<std::ptrdiff_t>(i), ids.end());
+        throw;
+      }
     }
   }
 
@@ -239,13 +283,16 @@ struct borrowed_region::link {
   // never cuts one.
   channel::frame next_checking(clock_type::time_point deadline, const char* operation,
                                const std::function<void()>& interrupt_check) {
-    auto next_check = clock_type::now() + interrupt_check_interval;
+    const auto start = clock_type::now();
+    const auto spin_until = start + reply_spin;  // the answer usually comes within the spin: no sleep
+    auto next_check = start + interrupt_check_interval;
     for (;;) {
       while (std::optional<channel::frame> f = conn.try_receive()) {
         if (!unasked(*f, operation)) return std::move(*f);
       }
       const auto now = clock_type::now();
       if (now >= deadline) throw timeout_error(std::string("borrower::") + operation + ": the lender did not answer in time");
+      if (now < spin_until) continue;
       if (now >= next_check) {
         interrupt_check();
         next_check = now + interrupt_check_interval;
@@ -307,6 +354,7 @@ struct borrowed_region::link {
   // still owed and the link in step, when the next has not begun to come.
   // Under `mutex`, before a call sends its own request.
   void settle_owed(clock_type::time_point deadline, const char* operation) {
+    send_deferred();
     while (!owed.empty()) {
       channel::frame f;
       try {
@@ -450,9 +498,18 @@ struct borrowed_region::link {
   // back and waits for the answer. An exclusive region's mapping is kept
   // when there is room and the lender records it; otherwise it is unmapped
   // before the lender hears of it.
+  // Another call holding the connection past `deadline` (a borrow waiting
+  // for memory) unmaps the region now and defers its give back to the next
+  // call: timeout_error says so.
   void give_back(std::uint64_t id, std::uint64_t memory, void* data, std::size_t size, bool exclusive,
                  clock_type::time_point deadline) {
-    std::lock_guard lock(mutex);
+    std::unique_lock lock(mutex, std::defer_lock);
+    if (!lock_by(lock, deadline)) {
+      device.close_import(data);
+      defer_give_back(id);
+      throw timeout_error("borrower::give_back: another call holds the connection (a borrow waiting for memory?); "
+                          "region " + std::to_string(id) + " is unmapped and given back at this borrower's next call");
+    }
     exchange([&] { give_back_locked(id, memory, data, size, exclusive, deadline); });
   }
 
@@ -501,7 +558,10 @@ struct borrowed_region::link {
       try {
         conn.send(static_cast<std::uint16_t>(message_type::cancel_wait),
                   detail::encode_cancel_wait(late_if_unanswered->request));
-      } catch (...) {  // NOLINT(bugprone-empty-catch): a link that cannot send is closed; the owed answer is moot
+      } catch (...) {
+        // Not told (or told in part): the borrow may wait on, and the next
+        // call would wait behind it; nothing more is asked on this link.
+        out_of_step = true;
       }
     };
     try {
@@ -637,7 +697,6 @@ borrower::borrower(backend::device& device, const channel::channel_address& addr
                         "within " + std::to_string(timeout.count()) + " ms (a lender stopped or too busy, or a "
                         "process that is no lender)");
   }
-  conn.set_receive_spin(detail::spin_or_automatic(options.reply_spin, borrower_options::automatic_reply_spin));
   link_ = std::make_shared<borrowed_region::link>(device, std::move(conn), options);
 }
 
@@ -657,11 +716,13 @@ borrowed_region borrower::borrow(std::size_t bytes, std::string_view purpose, re
     throw invalid_argument("borrower::borrow: the wait for memory must be 0 to about 49 days");
   }
   // The lender answers within the wait; the timeout is for the rest.
-  const auto deadline = deadline_after(wait.for_memory + timeout);
+  const auto deadline = deadline_after(timeout > std::chrono::milliseconds::max() - wait.for_memory
+                                           ? std::chrono::milliseconds::max()
+                                           : wait.for_memory + timeout);
   auto& l = *link_;
   std::lock_guard lock(l.mutex);
   l.usable("borrow");
-  l.exchange([&] { l.settle_owed(deadline, "borrow"); });
+  l.exchange([&] { l.settle_owed(deadline_after(timeout), "borrow"); });
   const std::uint64_t request = l.next_request++;
   l.conn.send(static_cast<std::uint16_t>(message_type::borrow),
               detail::encode(detail::borrow_message{request, bytes, mode, std::string(purpose),

@@ -312,7 +312,10 @@ class lender::state {
         hang_up_stalled();
         note_missed_revocations();
         reclaim_orphans();
-        room_changed_ = true;  // the device may have memory back that other processes freed
+        // The device may have memory back that other processes freed: a head
+        // it refused is tried again (one the capacity refused waits for a
+        // give back).
+        room_changed_ = room_changed_ || head_refused_by_device_;
         next_check = clock_type::now() + orphan_check_interval;
       }
       std::erase_if(borrowers_, [&](borrower_entry& e) {
@@ -576,10 +579,19 @@ class lender::state {
     }
     const std::size_t granularity = device_.granularity();
     const std::size_t bytes = detail::round_up(static_cast<std::size_t>(m.bytes), granularity);
-    if (bytes == 0 || m.bytes > config_.capacity_bytes) {
+    if (bytes == 0 || bytes > config_.capacity_bytes) {
       return send_refusal(b, m.request, refusal::capacity,
-                          std::to_string(m.bytes) + " bytes is more than the lender's capacity of " +
+                          std::to_string(m.bytes) + " bytes (" + std::to_string(bytes) +
+                              " rounded up to the device's granularity) is more than the lender's capacity of " +
                               std::to_string(config_.capacity_bytes));
+    }
+    if (m.wait_ms > 0 && b.held_bytes + bytes > config_.capacity_bytes) {
+      return send_refusal(b, m.request, refusal::capacity,
+                          "this borrower holds " + std::to_string(b.held_bytes) + " bytes, and " +
+                              std::to_string(bytes) + " more would pass the lender's capacity of " +
+                              std::to_string(config_.capacity_bytes) +
+                              ": waiting cannot make it fit (nothing is given back on a connection while its borrow "
+                              "waits)");
     }
     if (auto refused = quota_refusal(b, bytes)) return send_refusal(b, m.request, refused->reason, refused->why);
     const bool others_wait = !waiting_.empty();  // the serving thread, the line's only writer, reads it unlocked
@@ -593,7 +605,7 @@ class lender::state {
       if (!no_room) return;
       if (m.wait_ms == 0) {
         return send_refusal(b, m.request, refusal::capacity,
-                            *no_room + "; the lender refuses at once, as this borrow asked (borrow with a wait to "
+                            no_room->why + "; the lender refuses at once, as this borrow asked (borrow with a wait to "
                                        "wait for memory to be given back), or revoke a region");
       }
     }
@@ -613,13 +625,18 @@ class lender::state {
                                                  std::to_string(config_.quota_bytes)};
     }
     if (config_.quota_bytes_per_uid != 0) {
+      // What its other connections wait for counts too: a uid cannot fill
+      // the line past its quota.
       const uid_t uid = b.link.peer().uid;
       const std::size_t held = held_by_uid(uid);
-      if (held + bytes > config_.quota_bytes_per_uid) {
-        return refused_request{refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held) +
-                                                   " bytes over all its connections and orphaned regions; " +
-                                                   std::to_string(bytes) + " more would pass its per-uid quota of " +
-                                                   std::to_string(config_.quota_bytes_per_uid)};
+      const std::size_t waits = waiting_by_uid(uid, b.serial);
+      if (held + waits + bytes > config_.quota_bytes_per_uid) {
+        return refused_request{
+            refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held) +
+                                " bytes over all its connections and orphaned regions" +
+                                (waits > 0 ? " and waits for " + std::to_string(waits) + " more" : "") + "; " +
+                                std::to_string(bytes) + " more would pass its per-uid quota of " +
+                                std::to_string(config_.quota_bytes_per_uid)};
       }
     }
     return std::nullopt;
@@ -628,12 +645,16 @@ class lender::state {
   // Lends `bytes` for `m` to `b` when memory allows (the answer posted, a
   // device failure refused); otherwise answers nothing and says why there is
   // no room.
-  std::optional<std::string> try_lend(borrower_entry& b, const detail::borrow_message& m, std::size_t bytes) {
+  struct no_room {
+    std::string why;
+    bool device_refused = false;  // the device, not the capacity
+  };
+  std::optional<no_room> try_lend(borrower_entry& b, const detail::borrow_message& m, std::size_t bytes) {
     std::optional<detail::chunk_record> chunk;
     try {
       chunk = acquire(b, bytes);
     } catch (const out_of_memory& e) {
-      return std::string("the device has not that much: ") + e.what();
+      return no_room{std::string("the device has not that much: ") + e.what(), true};
     } catch (const error& e) {
       send_refusal(b, m.request, refusal::device_error, e.what());
       return std::nullopt;
@@ -644,8 +665,9 @@ class lender::state {
         std::lock_guard lock(mutex_);
         left = config_.capacity_bytes - lent_bytes_;
       }
-      return std::to_string(bytes) + " bytes asked, " + std::to_string(left) + " left of the lender's capacity of " +
-             std::to_string(config_.capacity_bytes) + " (after releasing the given-back memory it kept for reuse)";
+      return no_room{std::to_string(bytes) + " bytes asked, " + std::to_string(left) +
+                     " left of the lender's capacity of " + std::to_string(config_.capacity_bytes) +
+                     " (after releasing the given-back memory it kept for reuse)"};
     }
     // The connection's kept mapping, if it has one, becomes the region's.
     const bool kept = chunk->drop_keeper(b.serial);
@@ -706,8 +728,9 @@ class lender::state {
     std::optional<detail::waiting_borrow> w;
     {
       std::lock_guard lock(mutex_);
+      const std::uint64_t head = waiting_.empty() ? 0 : waiting_.head().serial;
       w = waiting_.take(b.serial);
-      room_changed_ = room_changed_ || w.has_value();  // the next in line may fit now
+      note_head_change(head);
     }
     b.waiting = false;
     if (w) send_refusal(b, w->request.request, refusal::capacity, std::string("stopped waiting for memory: ") + why);
@@ -721,13 +744,14 @@ class lender::state {
     std::vector<detail::waiting_borrow> expired;
     {
       std::lock_guard lock(mutex_);
+      const std::uint64_t head = waiting_.head().serial;
       try {
         expired = waiting_.take_expired(clock_type::now());
       } catch (const std::bad_alloc&) {
         return;  // looked at again on the next turn
       }
       counters_.waits_expired += expired.size();
-      room_changed_ = room_changed_ || !expired.empty();  // a new head may fit
+      note_head_change(head);
     }
     for (auto& w : expired) {
       borrower_entry* b = connected(w.serial);
@@ -742,34 +766,45 @@ class lender::state {
                          " and not that much was given back (" + room_left() + ")");
       });
     }
-    while (room_changed_) {
-      detail::waiting_borrow head;
-      {
-        std::lock_guard lock(mutex_);
-        if (waiting_.empty()) break;
-        head = waiting_.head();
-      }
-      borrower_entry* b = connected(head.serial);
+    while (room_changed_ && !waiting_.empty()) {
+      // Read in place, not copied (no allocation here): only this thread
+      // changes the line, and not before the pop below.
+      const detail::waiting_borrow& head = waiting_.head();
+      const std::uint64_t serial = head.serial;
+      borrower_entry* b = connected(serial);
       bool served = b == nullptr;  // one gone since is skipped
       if (b != nullptr) {
         answer_waiting(*b, [&] {
           if (auto refused = quota_refusal(*b, head.bytes)) {
             send_refusal(*b, head.request.request, refused->reason, refused->why);
             served = true;
-          } else {
-            served = !try_lend(*b, head.request, head.bytes);
+            return;
           }
+          const auto no_room = try_lend(*b, head.request, head.bytes);
+          served = !no_room;
+          head_refused_by_device_ = no_room && no_room->device_refused;
         });
         // A failure above closes b: its place goes too.
         served = served || b->failed;
       }
       if (!served) {
-        room_changed_ = false;  // tried again when memory is given back, or at the next check
+        // Tried again when memory is given back, the head changes, or —
+        // when the device refused — at the next periodic check.
+        room_changed_ = false;
         break;
       }
       if (b != nullptr) b->waiting = false;
+      head_refused_by_device_ = false;
       std::lock_guard lock(mutex_);
-      if (!waiting_.empty() && waiting_.head().serial == head.serial) waiting_.pop_head();
+      waiting_.pop_head();  // `head` is gone from here on
+    }
+  }
+
+  // Under mutex_: the head was `before`; memory may fit a new one.
+  void note_head_change(std::uint64_t before) noexcept {
+    if (waiting_.empty() || waiting_.head().serial != before) {
+      room_changed_ = true;
+      head_refused_by_device_ = false;
     }
   }
 
@@ -834,6 +869,12 @@ class lender::state {
   // nullopt when it does not fit even so. When the device refuses it, every spare and prepared
   // chunks of `bytes` are released and it is tried once more.
   std::optional<detail::chunk_record> fresh_chunk(std::size_t bytes) {
+    {
+      // Past what releasing every spare and prepared chunk could make room
+      // for: nothing is released for it.
+      std::lock_guard lock(mutex_);
+      if (lent_bytes_ + bytes > config_.capacity_bytes) return std::nullopt;
+    }
     const std::string why = "a fresh region of " + std::to_string(bytes) + " bytes needed the room";
     // One at a time, each released (its keepers told) as it leaves the pool:
     // none is lost unannounced when memory runs out.
@@ -1105,6 +1146,16 @@ class lender::state {
 
   // Bytes of the regions `uid`'s borrowers hold (lent, revoking or orphaned;
   // a shared region once, however many of its holds are the uid's).
+  // Bytes uid's connections other than `except` wait for. On the serving
+  // thread (the line's only writer: read unlocked).
+  std::size_t waiting_by_uid(uid_t uid, std::uint64_t except) const {
+    std::size_t bytes = 0;
+    for (const auto& w : waiting_.line()) {
+      if (w.uid == uid && w.serial != except) bytes += w.bytes;
+    }
+    return bytes;
+  }
+
   std::size_t held_by_uid(uid_t uid) const {
     std::lock_guard lock(mutex_);
     std::size_t held = 0;
@@ -1203,7 +1254,11 @@ class lender::state {
   void hang_up_locked(borrower_entry& b, std::vector<lender_event>& events) noexcept {
     const bool alive = alive_or_unknown(b.link.peer().process);
     spares_.drop_keeper(b.serial);
-    if (waiting_.take(b.serial)) room_changed_ = true;  // the next in line may fit
+    if (!waiting_.empty()) {
+      const std::uint64_t head = waiting_.head().serial;
+      (void)waiting_.take(b.serial);
+      note_head_change(head);
+    }
     for (auto it = regions_.begin(); it != regions_.end();) {
       region_entry& r = it->second;
       r.chunk.drop_keeper(b.serial);
@@ -1425,9 +1480,10 @@ class lender::state {
   lender_status counters_;
   detail::waiting_borrows waiting_;  // borrows that wait for memory, in the order they are served
   // Serving thread only: memory may have come free since the head of
-  // waiting_ was last tried (a region released, a borrower or a wait gone,
-  // the periodic check: the device may have memory back).
+  // waiting_ was last tried (a region released, a new head, the periodic
+  // check after the device refused the head: it may have memory back).
   bool room_changed_ = false;
+  bool head_refused_by_device_ = false;  // serving thread only
 
   std::thread thread_;  // last: started once everything above exists
 };

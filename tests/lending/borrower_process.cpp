@@ -5,10 +5,11 @@
 //       Borrows a region of <bytes>, fills it with <byte>, reads it back,
 //       says "held <region id>" (or what went wrong) and waits until the
 //       parent hangs up or kills it.
-//   shoal_test_borrower wait-borrow <host|cuda> <socket path> <bytes> <wait ms>
-//       Borrows a region of <bytes> that may wait <wait ms> at the lender for
-//       memory, then says "lent <region id>" (or "refused <why>" when the
-//       wait runs out) and waits until the parent hangs up.
+//   shoal_test_borrower wait-borrow <host|cuda> <socket path or @abstract name> <bytes> <wait ms> [<as>]
+//       As <as> ("self", the default, or "nobody", as for cycle), borrows a
+//       region of <bytes> that may wait <wait ms> at the lender for memory,
+//       then says "lent <region id>" (or "refused <why>": its wait ran out,
+//       or a quota) and waits until the parent hangs up.
 //   shoal_test_borrower hang-up <host|cuda> <socket path> <bytes>
 //       Speaks the protocol by hand: borrows and maps a region, then closes
 //       its connection to the lender without giving the region back, says
@@ -102,19 +103,6 @@ int hold(backend::device& dev, const std::string& path, std::size_t bytes, std::
   }
   say("held " + std::to_string(region.id()));
   wait_for_parent();
-  return 0;
-}
-
-int wait_borrow(backend::device& dev, const std::string& path, std::size_t bytes, std::chrono::milliseconds wait) {
-  lending::borrower b(dev, channel::channel_address::at_path(path));
-  try {
-    auto region = b.borrow(bytes, "waiting test", lending::region_mode::exclusive, lending::borrower::default_timeout,
-                           lending::borrow_wait{wait, {}});
-    say("lent " + std::to_string(region.id()));
-    wait_for_parent();
-  } catch (const out_of_memory& e) {
-    say(std::string("refused ") + e.what());
-  }
   return 0;
 }
 
@@ -260,6 +248,23 @@ std::optional<lending::borrower> borrower_as(backend::device& dev, const std::st
                                           as == "nobody" ? channel::access_policy{{0}, {}} : channel::access_policy{});
 }
 
+int wait_borrow(backend::device& dev, const std::string& where, std::size_t bytes, std::chrono::milliseconds wait,
+                const std::string& as) {
+  auto b = borrower_as(dev, where, as);
+  if (!b) return 1;
+  try {
+    auto region = b->borrow(bytes, "waiting test", lending::region_mode::exclusive,
+                            lending::borrower::default_timeout, lending::borrow_wait{wait, {}});
+    say("lent " + std::to_string(region.id()));
+    wait_for_parent();
+  } catch (const out_of_memory& e) {
+    say(std::string("refused ") + e.what());
+  } catch (const peer_refused& e) {
+    say(std::string("refused ") + e.what());
+  }
+  return 0;
+}
+
 int cycle(backend::device& target, const std::string& where, std::size_t bytes, int rounds, const std::string& as) {
   testing::counting_device dev(target);  // a kept mapping used means no import
   auto borrower = borrower_as(dev, where, as);
@@ -314,8 +319,9 @@ int main(int argc, char** argv) {
     const std::size_t bytes = sized ? std::stoull(args[3]) : 0;
     if (args[0] == "hold" && args.size() == 5)
       return hold(dev, args[2], bytes, static_cast<std::uint8_t>(std::stoi(args[4])));
-    if (args[0] == "wait-borrow" && args.size() == 5)
-      return wait_borrow(dev, args[2], bytes, std::chrono::milliseconds(std::stoll(args[4])));
+    if (args[0] == "wait-borrow" && (args.size() == 5 || args.size() == 6))
+      return wait_borrow(dev, args[2], bytes, std::chrono::milliseconds(std::stoll(args[4])),
+                         args.size() == 6 ? args[5] : "self");
     if (args[0] == "hang-up") return hang_up(dev, args[2], bytes);
     if (args[0] == "deaf" && args.size() == 5) return deaf(args[2], bytes, std::stoull(args[4]));
     if (args[0] == "publish" && args.size() == 6)

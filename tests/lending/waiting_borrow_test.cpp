@@ -11,6 +11,7 @@
 #include <csignal>
 #include <chrono>
 #include <future>
+#include <thread>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -184,6 +185,91 @@ TEST(lending_waiting_borrow, a_wait_past_the_lenders_longest_is_cut_to_it) {
   for (const auto bad : {0ms, -1ms}) {
     EXPECT_THROW(lender(dev, channel::channel_address::at_path(dir / "m.sock"), {.max_wait = bad}), invalid_argument);
   }
+}
+
+TEST(lending_waiting_borrow, what_waiting_cannot_make_fit_is_refused_at_once) {
+  waiting_fixture f(8 * mib + 1);  // a capacity that is no multiple of the granularity
+  borrower b(f.dev, f.l->address());
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW((void)b.borrow(8 * mib + 1, "rounds past", region_mode::exclusive, answer_timeout, borrow_wait{10s, {}}),
+               out_of_memory)
+      << "a borrow its rounding puts past the capacity";
+  auto held = b.borrow(6 * mib, "held");
+  try {
+    (void)b.borrow(4 * mib, "beside its own", region_mode::exclusive, answer_timeout, borrow_wait{10s, {}});
+    ADD_FAILURE() << "lent past the capacity";
+  } catch (const out_of_memory& e) {
+    EXPECT_NE(std::string(e.what()).find("waiting cannot make it fit"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "a borrow that can never be served waited";
+  EXPECT_EQ(f.l->status().waits, 0u);
+}
+
+TEST(lending_waiting_borrow, a_head_that_cannot_fit_releases_no_spare) {
+  waiting_fixture f(8 * mib);
+  borrower holder(f.dev, f.l->address()), b(f.dev, f.l->address());
+  holder.give_back(holder.borrow(2 * mib, "becomes a spare"));
+  ASSERT_EQ(f.l->status().spares.size(), 1u);
+  auto held = holder.borrow(4 * mib, "held");
+  auto big = f.borrow_waiting(b, 8 * mib, "big", 10s);  // 4 MiB lent: 8 cannot fit, whatever is released
+  ASSERT_TRUE(f.waiting(1));
+  std::this_thread::sleep_for(200ms);  // a few periodic checks
+  EXPECT_EQ(f.l->status().spares.size(), 1u) << "a spare was released for a borrow it could not make fit";
+  holder.give_back(std::move(held));
+  ASSERT_EQ(big.wait_for(2s), std::future_status::ready);
+  const auto region = big.get();
+  EXPECT_TRUE(f.l->status().spares.empty()) << "the spares go once releasing them makes the head fit";
+}
+
+TEST(lending_waiting_borrow, regions_given_back_while_their_borrowers_borrow_waits_go_back_at_the_next_call) {
+  waiting_fixture f(8 * mib);
+  borrower holder(f.dev, f.l->address()), b(f.dev, f.l->address());
+  auto held = holder.borrow(4 * mib, "held");
+  auto dropped = b.borrow(2 * mib, "dropped");
+  auto given = b.borrow(2 * mib, "given back");
+  auto more = f.borrow_waiting(b, 2 * mib, "more", 10s);  // the capacity is lent: it waits, holding b's connection
+  ASSERT_TRUE(f.waiting(1));
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    b.give_back(std::move(given), 300ms);
+    ADD_FAILURE() << "given back through a connection a waiting borrow holds";
+  } catch (const timeout_error& e) {
+    EXPECT_NE(std::string(e.what()).find("given back at this borrower's next call"), std::string::npos) << e.what();
+  }
+  { auto gone = std::move(dropped); }  // the drop cannot use the connection either
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "a drop waited behind the waiting borrow";
+  EXPECT_EQ(f.l->status().waiting.size(), 1u) << "the give backs ended the wait";
+  holder.give_back(std::move(held));
+  ASSERT_EQ(more.wait_for(2s), std::future_status::ready);
+  const auto region = more.get();
+  (void)b.metrics();  // the next call: the two give backs go
+  EXPECT_TRUE(eventually([&] { return f.l->status().lent_bytes == 2 * mib; })) << "the regions dropped stayed lent";
+}
+
+TEST(lending_waiting_borrow, what_a_uid_waits_for_counts_against_its_quota) {
+  if (::geteuid() != 0) GTEST_SKIP() << "borrowers of another uid (setresuid to 65534) need root";
+  const std::string name = "shoal-waiting-test-" + std::to_string(::getpid());
+  constexpr uid_t nobody = 65534;
+  auto& dev = backend::host_device_instance();
+  lender l(dev, channel::channel_address::abstract(name),
+           {.capacity_bytes = 8 * mib, .quota_bytes_per_uid = 6 * mib, .policy = channel::access_policy{{nobody}, {}}});
+  borrower holder(dev, l.address());
+  auto held = holder.borrow(6 * mib, "held");  // 2 MiB stay free
+  const auto waiter = [&] {
+    return std::make_unique<child_process>(
+        SHOAL_TEST_BORROWER,
+        std::vector<std::string>{"wait-borrow", "host", "@" + name, std::to_string(4 * mib), "30000", "nobody"});
+  };
+  auto first = waiter();
+  ASSERT_TRUE(eventually([&] { return l.status().waiting.size() == 1; }));
+  auto second = waiter();  // 4 MiB waited for + 4 MiB more > the uid's 6 MiB
+  const std::string refused = line_from(*second);
+  EXPECT_EQ(refused.rfind("refused", 0), 0u) << refused;
+  EXPECT_NE(refused.find("and waits for 4194304 more"), std::string::npos) << refused;
+  EXPECT_EQ(l.status().waiting.size(), 1u) << "one uid filled the line past its quota";
+  holder.give_back(std::move(held));
+  const std::string lent = line_from(*first);
+  EXPECT_EQ(lent.rfind("lent ", 0), 0u) << lent;
 }
 
 // A raw connection that said hello.
