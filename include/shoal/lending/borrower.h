@@ -112,8 +112,13 @@ struct borrow_wait {
   /// out is refused (out_of_memory). While borrows wait, a borrow without a
   /// wait is refused at once: given-back memory goes to the line first. The
   /// call waits for its answer up to this plus its timeout; this borrower's
-  /// other calls (give_back included) wait behind it, so a process that
-  /// must give back while it waits uses another borrower (connection).
+  /// other calls wait behind it (a region given back or dropped meanwhile
+  /// is unmapped at once and given back at the next call, see give_back),
+  /// so a process that must give back while it waits uses another borrower
+  /// (connection). The lender cuts a wait to its max_wait (lender.h) and
+  /// refuses at once what waiting cannot make fit: more than its capacity,
+  /// this borrower's regions and this one past the capacity, a quota (a
+  /// uid's waiting bytes count against its per-uid quota too).
   std::chrono::milliseconds for_memory{0};
   /// Called on the borrowing thread at least every 50 ms while no answer
   /// has come (empty: never). What it throws ends the call at once and
@@ -217,7 +222,10 @@ class borrower {
                                               std::optional<uid_t> expected_writer_uid = {},
                                               std::chrono::milliseconds timeout = default_timeout);
   /// Gives `region` back, unmapped or its mapping kept (see above); returns
-  /// once the lender confirmed.
+  /// once the lender confirmed. When another call holds the connection past
+  /// `timeout` (a borrow waiting for memory), the region is unmapped at once
+  /// and its give back sent at this borrower's next call: timeout_error says
+  /// so. Dropping a region does the same within 1 s, and never throws.
   void give_back(borrowed_region region, std::chrono::milliseconds timeout = default_timeout);
   /// The lender's status in the Prometheus text format.
   [[nodiscard]] std::string metrics(std::chrono::milliseconds timeout = default_timeout);
