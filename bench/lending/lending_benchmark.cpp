@@ -25,6 +25,9 @@
 //    allocation, with the steps, two control messages through this process
 //    included. The first hand-over maps the memory in the next borrower;
 //    later ones find it kept mapped there (both borrowers are of one uid).
+//    Then the same with the next one's borrow sent first, waiting at the
+//    lender (borrow_wait): lent as the holder's give back arrives, with no
+//    control message in between.
 // 4. Many borrowers at once (threads of one child, each its own connection)
 //    borrowing and giving back small regions: requests per second, p50/p99.
 //
@@ -42,6 +45,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -140,9 +144,10 @@ struct adopted_turn {
 };
 
 adopted_turn take_region(lending::borrower& b, alloc::caching_allocator& allocator, backend::stream& s,
-                         std::size_t bytes) {
+                         std::size_t bytes, std::chrono::milliseconds wait = std::chrono::milliseconds(0)) {
   adopted_turn turn;
-  lending::borrowed_region r = b.borrow(bytes, "model");
+  lending::borrowed_region r =
+      b.borrow(bytes, "model", lending::region_mode::exclusive, lending::borrower::default_timeout, {wait, {}});
   turn.borrowed = now_ns();
   const std::size_t parameters = std::max<std::size_t>(bytes / 8 / mib, 1) * mib;
   turn.region = std::make_unique<lending::adopted_region>(
@@ -223,9 +228,11 @@ int run_child(const std::string& role, const std::string& backend_name, const st
       adopted_turn turn;
       for (;;) {
         const std::string command = receive_text(control);
-        if (command == "take") {
+        if (command == "take" || command == "take-waiting") {
+          // take-waiting: asked before the memory is free, the borrow waits
+          // at the lender until the holder gives it back.
           const auto t0 = now_ns();
-          turn = take_region(b, allocator, s, bytes);
+          turn = take_region(b, allocator, s, bytes, command == "take" ? 0s : 10s);
           send_text(control, "took " + std::to_string(turn.region->region().id()) + " " + std::to_string(t0) + " " +
                                  std::to_string(turn.borrowed) + " " + std::to_string(turn.adopted) + " " +
                                  std::to_string(turn.allocated));
@@ -457,6 +464,54 @@ int run_parent(const std::string& self, const options& o) {
       rows.push_back({"  borrow + map", spread_text(borrow)});
       rows.push_back({"  adopt", spread_text(adopt)});
       rows.push_back({"  first allocation", spread_text(allocate)});
+    }
+
+    // 3b. The same hand-over with the next one's borrow waiting at the lender
+    // (borrow_wait) before the revoke: no control message between the
+    // holder's give back and the next one's borrow.
+    {
+      const std::string bytes = std::to_string(handover);
+      child turns[2] = {start_child(self, "turns", o, path, {bytes}), start_child(self, "turns", o, path, {bytes})};
+      send_text(*turns[0].control, "take");
+      auto took = numbers_of(receive_text(*turns[0].control), "took");
+      // The rest of the capacity held by a third borrower (spares released
+      // for it), so the next one's borrow cannot be lent before the give back.
+      const auto before = lender.status();
+      const std::size_t rest = (before.capacity_bytes - before.lent_bytes) / g * g;
+      child filler = start_child(self, "turns", o, path, {std::to_string(rest)});
+      if (rest > 0) {
+        send_text(*filler.control, "take");
+        (void)numbers_of(receive_text(*filler.control), "took");
+      }
+      std::vector<double> total, give_to_lent, later_total;
+      for (int i = 0; i < o.rounds; ++i) {
+        child& holder = turns[i % 2];
+        child& next = turns[(i + 1) % 2];
+        send_text(*next.control, "take-waiting");
+        const auto give_up = std::chrono::steady_clock::now() + 10s;
+        while (lender.status().waiting.empty()) {
+          if (std::chrono::steady_clock::now() > give_up) throw std::runtime_error("the next one's borrow did not wait");
+          std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+        send_text(*holder.control, "yield");
+        const auto t0 = now_ns();
+        lender.revoke(static_cast<std::uint64_t>(took.at(0)), 5000ms);
+        const auto yielded = numbers_of(receive_text(*holder.control), "yielded");
+        took = numbers_of(receive_text(*next.control), "took");
+        total.push_back(us_between(t0, static_cast<std::int64_t>(took.at(4))));
+        if (i > 0) later_total.push_back(total.back());
+        // From the holder's give back (sent once its clear is done) to the
+        // waiting borrow's return: the lender lends as the give back comes in.
+        give_to_lent.push_back(
+            us_between(static_cast<std::int64_t>(yielded.at(1)), static_cast<std::int64_t>(took.at(2))));
+      }
+      for (auto* t : {&turns[0], &turns[1], &filler}) send_text(*t->control, "end");
+      for (auto* t : {&turns[0], &turns[1], &filler}) t->process->wait();
+      const std::string size = std::to_string(handover / mib) + " MiB";
+      rows.push_back({"hand-over " + size + ", next one waiting: revoke -> its first allocation",
+                      spread_text(total)});
+      rows.push_back({"  later ones (the next one kept its mapping)", spread_text(later_total)});
+      rows.push_back({"  give back sent -> the waiting borrow lent + mapped", spread_text(give_to_lent)});
     }
 
     // 4. Many borrowers at once.
