@@ -13,7 +13,8 @@ storage::
 
 The region is given back once the storage and every view of it are gone (after the streams
 it was used on have passed their work). A lender's refusals are typed: ``OutOfMemoryError``
-(its capacity), ``PeerRefusedError`` (this borrower's quota, or turned away as it connects:
+(its capacity: not that much free, a wait that ran out, a borrow without a wait while
+others wait), ``PeerRefusedError`` (this borrower's quota, or turned away as it connects:
 as many borrowers as the lender admits are connected, or a user it does not admit),
 ``InvalidArgumentError`` (a bad request); a lender that does not answer in time gives
 ``PeerTimeoutError`` (a region it lends later is given back unmapped at this borrower's
@@ -21,11 +22,12 @@ next call, or as it closes). When a borrower dies — SIGKILL included — the l
 its regions.
 
 :class:`Lender` runs the lender in this process (on its own thread); ``status()`` says who
-holds what, and ``metrics()`` gives the Prometheus text. Models take turns by revocation:
-the lender's operator (``Lender.revoke`` in its process, or ``Borrower.revoke`` /
+holds what, and ``metrics()`` gives the Prometheus text. Models take turns by revocation
+and waiting: the next model's ``borrow(..., wait=30.0)`` waits at the lender, in line; the
+lender's operator (``Lender.revoke`` in its process, or ``Borrower.revoke`` /
 ``shoal daemon revoke`` from a process of the lender's uid) asks a region back, its
-borrower sees it in ``revocations()`` and drops the region, and the next model's borrow
-fits.
+borrower sees it in ``revocations()`` and drops the region, and the waiting borrow is lent
+it at once. Give each model its own :class:`Borrower`: a borrower's calls go one at a time.
 
 Shared read-only regions: several processes serving one model map one copy of its weights. A
 writer borrows a region under the model's name, fills it, and publishes it with a layout (named
@@ -54,6 +56,9 @@ from typing import NamedTuple, Optional, Sequence, Union
 from . import _shoal, default_allocator
 
 __all__ = ["Borrower", "Entry", "Lender", "SharedRegion"]
+
+# The longest wait the protocol carries (2**32 - 1 ms): "as long as the lender allows".
+_FOREVER = 4294967.295
 
 
 class Entry(NamedTuple):
@@ -184,19 +189,33 @@ class Borrower:
         """``(count, bytes)`` of the given-back regions whose mappings this borrower keeps."""
         return self._native.kept()
 
-    def borrow(self, nbytes: int, purpose: str, timeout: float = 5.0, wait: float = 0.0) -> _shoal.Storage:
+    def borrow(
+        self, nbytes: int, purpose: str, *, timeout: float = 5.0, wait: Optional[float] = 0.0
+    ) -> _shoal.Storage:
         """A region of at least ``nbytes`` (rounded up to the device's granularity) for
         ``purpose`` (1 to 64 printable ASCII characters), mapped in this process.
 
-        With ``wait`` seconds, a region that does not fit waits at the lender for memory to be
-        given back (another model's turn ending, a revoke answered), in line behind the
-        borrows that came first, and ``OutOfMemoryError`` once the wait runs out; with no
-        wait (the default) it is refused at once, and while others wait in line it is refused
-        too. This borrower's other calls wait behind a waiting borrow: give back from another
-        ``Borrower``. The answer is waited for up to ``wait`` plus ``timeout`` seconds
-        (``PeerTimeoutError`` after). Ctrl-C (``KeyboardInterrupt``) and :meth:`close` from
-        another thread end the call at once; a region the lender lends afterwards is given
-        back unmapped at this borrower's next call."""
+        ``wait``: how many seconds a region that does not fit may wait at the lender for
+        memory to be given back (another model's turn ending, a revoke answered), in line
+        behind the borrows that came first; ``None``: as long as the lender allows. The lender
+        cuts a wait to its ``max_wait`` (5 minutes unless configured). With no wait (the
+        default) a region that does not fit is refused at once.
+
+        Raises ``OutOfMemoryError`` (the message says which) when: the wait ran out; the
+        borrow has no wait and others wait in line (the memory given back goes to them
+        first: a model that holds memory and asks for more, with a wait, gets in line behind
+        them); it could never fit (past the capacity, or beside this borrower's own regions:
+        nothing is given back on a connection while its borrow waits). ``PeerRefusedError``
+        for this borrower's or its user's quota (what its other connections wait for counts
+        too); ``PeerTimeoutError`` when no answer comes within ``wait`` plus ``timeout``
+        seconds, or another call of this borrower holds the connection past ``timeout``.
+
+        A borrower's calls go one at a time: while this one waits, the others wait behind
+        it (a region dropped meanwhile is unmapped at once and given back at the next call),
+        so give each model its own ``Borrower``. Ctrl-C (``KeyboardInterrupt``, on the main
+        thread) and :meth:`close` from another thread (``ConnectionClosedError``) end a
+        waiting borrow at once; the lender is told, and a region it lent just before is
+        given back unmapped at this borrower's next call (or as it closes)."""
         if type(nbytes) is not int or nbytes < 1:
             raise _shoal.InvalidArgumentError(
                 f"shoal.lending.Borrower.borrow: nbytes must be a whole number of bytes >= 1, not {nbytes!r}")
@@ -204,7 +223,7 @@ class Borrower:
             raise _shoal.InvalidArgumentError(
                 f"shoal.lending.Borrower.borrow: purpose must be a str of 1 to 64 printable ASCII characters, "
                 f"not {purpose!r}")
-        return self._native._borrow(self._allocator, nbytes, purpose, timeout, wait)
+        return self._native._borrow(self._allocator, nbytes, purpose, timeout, _FOREVER if wait is None else wait)
 
     def publish(
         self,
@@ -244,7 +263,10 @@ class Borrower:
     def revocations(self, wait: float = 0.0) -> list[tuple[int, float]]:
         """The lender's requests to give regions back, as (region id, seconds left), waiting up
         to ``wait`` seconds for a first one. Answer each by dropping every reference to that
-        region's storage (and its views) before the time is up: it is given back as it goes.
+        region's storage (and its views) before the time is up: it is given back as it goes
+        (or, while a borrow of this borrower waits, when that borrow ends: take turns with
+        one ``Borrower`` per model). Revokes that another call of this borrower read are
+        returned at once, whatever that call is doing.
         A borrower that lets the time pass keeps the region, and the lender names it in its log.
         """
         return self._native.revocations(wait)

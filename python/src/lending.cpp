@@ -354,8 +354,9 @@ void register_lending(nb::module_& m) {
             const auto borrower = b.borrower.enter();
             // While the borrow waits: Ctrl-C (KeyboardInterrupt) and close()
             // from another thread end it; a region lent later is given back.
-            const lending::borrow_wait waiting{
-                std::chrono::milliseconds(static_cast<std::int64_t>(wait * 1000.0 + 0.5)), [&] {
+            // Rounded to the millisecond; a wait above 0 is at least 1 ms.
+            const auto wait_ms = std::max<std::int64_t>(std::llround(wait * 1000.0), wait > 0 ? 1 : 0);
+            const lending::borrow_wait waiting{std::chrono::milliseconds(wait_ms), [&] {
                   nb::gil_scoped_acquire gil;
                   if (PyErr_CheckSignals() != 0) throw nb::python_error();
                   if (borrower.closing()) b.borrower.throw_closed();

@@ -589,3 +589,16 @@ def test_a_region_dropped_while_its_borrowers_borrow_waits_does_not_hang(address
         assert outcome["region"].nbytes == unit
         borrower.metrics()  # the next call gives the dropped region back
         assert eventually(lambda: lender.status()["lent_bytes"] == unit)
+
+
+def test_a_wait_of_none_waits_as_long_as_the_lender_allows_and_timeouts_are_keywords(address):
+    in_process_only()
+    unit = 2 * MIB
+    with shoal.lending.Lender(address, capacity_bytes=2 * unit, max_wait=0.2), \
+            shoal.lending.Borrower(address) as holder, shoal.lending.Borrower(address) as borrower:
+        held = holder.borrow(2 * unit, "held")
+        with pytest.raises(shoal.OutOfMemoryError, match="the lender's longest wait"):
+            borrower.borrow(unit, "as long as allowed", wait=None)
+        with pytest.raises(TypeError):
+            borrower.borrow(unit, "positional timeout", 5.0)  # type: ignore[misc]
+        del held

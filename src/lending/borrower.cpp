@@ -193,6 +193,19 @@ struct borrowed_region::link {
     }
   }
 
+  // The connection, for a call that gives up at `deadline`: timeout_error
+  // naming `operation` when another call holds it past that (a borrow
+  // waiting for memory holds it for its whole wait).
+  std::unique_lock<std::mutex> take_for(clock_type::time_point deadline, const char* operation) {
+    std::unique_lock lock(mutex, std::defer_lock);
+    if (!lock_by(lock, deadline)) {
+      throw timeout_error(std::string("borrower::") + operation +
+                          ": another call holds the connection past this call's timeout (a borrow waiting for "
+                          "memory?); calls that must not wait behind it go through another borrower");
+    }
+    return lock;
+  }
+
   // Runs `request` (under `mutex`): a protocol_error anywhere in it (an
   // answer that does not decode, or does not fit what was asked) leaves the
   // link out of step, so nothing more is read from a lender that broke the
@@ -208,12 +221,20 @@ struct borrowed_region::link {
   }
 
   // Regions lent on this link and not yet confirmed given back, and those of
-  // them the lender asked back. Revocations that arrived while a call waited
-  // for its answer wait in `stashed`:
+  // them the lender asked back (under mutex). Revocations that arrived while
+  // a call waited for its answer wait in `stashed`, under its own lock so
+  // that revocations() takes them while another call holds the connection
+  // (a borrow waiting for memory):
   //   stashed.size() <= revoked.size() <= held.size()
   std::set<std::uint64_t> held;
   std::set<std::uint64_t> revoked;
-  std::vector<borrower::revocation> stashed;
+  std::mutex stash_mutex;  // taken inside mutex, never around it
+  std::vector<borrower::revocation> stashed;  // under stash_mutex
+
+  std::vector<borrower::revocation> take_stashed() {
+    std::lock_guard lock(stash_mutex);
+    return std::exchange(stashed, {});
+  }
 
   // Keeps a revoke frame for revocations(): one per region held, so a
   // flooding lender cannot grow it. Anything else closes the link.
@@ -227,6 +248,7 @@ struct borrowed_region::link {
       if (!revoked.insert(m.region).second) {
         throw protocol_error("borrower: the lender revoked region " + std::to_string(m.region) + " a second time");
       }
+      std::lock_guard lock(stash_mutex);
       stashed.push_back({m.region, clock_type::now() + std::chrono::milliseconds(m.deadline_ms)});
     } catch (const protocol_error&) {
       out_of_step = true;
@@ -238,6 +260,7 @@ struct borrowed_region::link {
   void given_back_confirmed(std::uint64_t id) {
     held.erase(id);
     revoked.erase(id);
+    std::lock_guard lock(stash_mutex);
     std::erase_if(stashed, [id](const borrower::revocation& r) { return r.region == id; });
   }
 
@@ -720,7 +743,7 @@ borrowed_region borrower::borrow(std::size_t bytes, std::string_view purpose, re
                                            ? std::chrono::milliseconds::max()
                                            : wait.for_memory + timeout);
   auto& l = *link_;
-  std::lock_guard lock(l.mutex);
+  const auto lock = l.take_for(deadline_after(timeout), "borrow");
   l.usable("borrow");
   l.exchange([&] { l.settle_owed(deadline_after(timeout), "borrow"); });
   const std::uint64_t request = l.next_request++;
@@ -749,7 +772,7 @@ borrowed_region borrower::publish(borrowed_region&& region, const region_layout&
   }
   const auto deadline = deadline_after(timeout);
   auto& l = *link_;
-  std::lock_guard lock(l.mutex);
+  const auto lock = l.take_for(deadline, "publish");
   l.usable("publish");
   l.exchange([&] { l.settle_owed(deadline, "publish"); });
   const std::uint64_t id = region.id_;
@@ -785,7 +808,7 @@ borrowed_region borrower::borrow_shared(std::string_view name, std::optional<con
   }
   const auto deadline = deadline_after(timeout);
   auto& l = *link_;
-  std::lock_guard lock(l.mutex);
+  const auto lock = l.take_for(deadline, "borrow_shared");
   l.usable("borrow_shared");
   l.exchange([&] { l.settle_owed(deadline, "borrow_shared"); });
   const std::uint64_t request = l.next_request++;
@@ -846,29 +869,40 @@ std::vector<borrower::revocation> borrower::revocations(std::chrono::millisecond
   const auto deadline = deadline_after(wait);
   auto& l = *link_;
   for (;;) {
+    // What another thread's request read (a borrow waiting for memory reads
+    // the revokes that come meanwhile) first, without the connection.
+    if (auto stashed = l.take_stashed(); !stashed.empty()) return stashed;
+    bool read = false;
     {
-      // Another thread's request holds it for at most that request's own
-      // deadline; past this call's, the revokes wait for the next call.
-      std::unique_lock lock(l.mutex, std::defer_lock);
-      if (!lock_by(lock, deadline)) return {};
-      l.usable("revocations");
-      l.exchange([&] {
-        while (std::optional<channel::frame> f = l.conn.try_receive()) {
-          if (l.unasked(*f, "revocations")) continue;
-          if (!l.owed.empty()) {  // the rest of its batch came with it; a give back it sends is owed in turn
-            l.take_owed(std::move(*f), std::max(deadline, deadline_after(drop_timeout)), "revocations");
-            continue;
+      // Another thread's request may hold the connection for long (a borrow
+      // waiting for memory): looked at again every slice, never waited for.
+      std::unique_lock lock(l.mutex, std::try_to_lock);
+      if (lock.owns_lock()) {
+        read = true;
+        l.usable("revocations");
+        l.exchange([&] {
+          while (std::optional<channel::frame> f = l.conn.try_receive()) {
+            if (l.unasked(*f, "revocations")) continue;
+            if (!l.owed.empty()) {  // the rest of its batch came with it; a give back it sends is owed in turn
+              l.take_owed(std::move(*f), std::max(deadline, deadline_after(drop_timeout)), "revocations");
+              continue;
+            }
+            throw protocol_error("borrower::revocations: the lender sent frame type " + std::to_string(f->type) +
+                                 " unasked; only revoke and forget may come so");
           }
-          throw protocol_error("borrower::revocations: the lender sent frame type " + std::to_string(f->type) +
-                               " unasked; only revoke and forget may come so");
-        }
-      });
-      if (!l.stashed.empty() || clock_type::now() >= deadline) return std::exchange(l.stashed, {});
+        });
+      }
     }
+    if (auto stashed = l.take_stashed(); !stashed.empty() || clock_type::now() >= deadline) return stashed;
     // The wait holds no lock: another thread's request (a give_back
     // answering a revoke) goes ahead meanwhile, and a revoke it reads is
     // stashed for the next look, within one slice.
-    wait_readable(l.conn, std::min(deadline, clock_type::now() + revocation_slice));
+    const auto until = std::min(deadline, clock_type::now() + revocation_slice);
+    if (read) {
+      wait_readable(l.conn, until);
+    } else {
+      std::this_thread::sleep_until(until);
+    }
   }
 }
 
@@ -878,7 +912,7 @@ void borrower::revoke(std::uint64_t region, std::chrono::milliseconds deadline, 
   }
   const auto until = deadline_after(timeout);
   auto& l = *link_;
-  std::lock_guard lock(l.mutex);
+  const auto lock = l.take_for(until, "revoke");
   l.usable("revoke");
   l.exchange([&] { l.settle_owed(until, "revoke"); });
   const std::uint64_t request = l.next_request++;
@@ -903,7 +937,7 @@ void borrower::revoke(std::uint64_t region, std::chrono::milliseconds deadline, 
 std::string borrower::metrics(std::chrono::milliseconds timeout) {
   const auto deadline = deadline_after(timeout);
   auto& l = *link_;
-  std::lock_guard lock(l.mutex);
+  const auto lock = l.take_for(deadline, "metrics");
   l.usable("metrics");
   l.exchange([&] { l.settle_owed(deadline, "metrics"); });
   l.conn.send(static_cast<std::uint16_t>(message_type::query_metrics), {});

@@ -1,5 +1,6 @@
 #include "lending/metrics.h"
 
+#include <chrono>
 #include <map>
 #include <sstream>
 #include <string_view>
@@ -57,6 +58,7 @@ struct left_out_counts {
   std::uint64_t holds = 0;
   std::uint64_t spares = 0;
   std::uint64_t waiting = 0;
+  std::uint64_t waited = 0;
 };
 
 // One sample per region, and one per hold of a shared region: who holds what.
@@ -115,11 +117,23 @@ void per_waiting(std::ostringstream& out, bounded_samples& samples, const lender
          << w.uid << "\",purpose=\"" << label(w.purpose) << "\"} " << w.bytes << '\n';
     samples.add(line.str(), left.waiting);
   }
+  out << "# HELP shoal_lending_waiting_borrow_waited_seconds How long each waiting borrow has waited, by its place "
+         "in line, borrower and purpose.\n"
+      << "# TYPE shoal_lending_waiting_borrow_waited_seconds gauge\n";
+  place = 0;
+  for (const auto& w : s.waiting) {
+    std::ostringstream line;
+    line.exceptions(std::ios::badbit);
+    line << "shoal_lending_waiting_borrow_waited_seconds{place=\"" << place++ << "\",pid=\"" << w.borrower.pid
+         << "\",uid=\"" << w.uid << "\",purpose=\"" << label(w.purpose) << "\"} "
+         << std::chrono::duration<double>(w.waited).count() << '\n';
+    samples.add(line.str(), left.waited);
+  }
 }
 
 // How many samples were left out, by series, with a comment when any were.
 void left_out_trailer(std::ostringstream& out, const left_out_counts& left, std::size_t limit) {
-  if (left.regions + left.holds + left.spares + left.waiting > 0) {
+  if (left.regions + left.holds + left.spares + left.waiting + left.waited > 0) {
     out << "# truncated: samples left out to keep this text under " << limit
         << " bytes; the totals above count every region, hold, spare and waiting borrow\n";
   }
@@ -129,7 +143,8 @@ void left_out_trailer(std::ostringstream& out, const left_out_counts& left, std:
       << "shoal_lending_samples_left_out{series=\"region_bytes\"} " << left.regions << '\n'
       << "shoal_lending_samples_left_out{series=\"region_holds\"} " << left.holds << '\n'
       << "shoal_lending_samples_left_out{series=\"spare_chunk_bytes\"} " << left.spares << '\n'
-      << "shoal_lending_samples_left_out{series=\"waiting_borrow_bytes\"} " << left.waiting << '\n';
+      << "shoal_lending_samples_left_out{series=\"waiting_borrow_bytes\"} " << left.waiting << '\n'
+      << "shoal_lending_samples_left_out{series=\"waiting_borrow_waited_seconds\"} " << left.waited << '\n';
 }
 
 }  // namespace

@@ -73,6 +73,9 @@ TEST(lending_waiting_borrow, is_served_when_memory_is_given_back) {
   EXPECT_NE(text.find("shoal_lending_waiting_borrow_bytes{place=\"0\",pid=\"" + std::to_string(::getpid())),
             std::string::npos)
       << text;
+  EXPECT_NE(text.find("shoal_lending_waiting_borrow_waited_seconds{place=\"0\",pid=\"" + std::to_string(::getpid())),
+            std::string::npos)
+      << text;
   EXPECT_EQ(b.wait_for(100ms), std::future_status::timeout) << "served while model A holds the memory";
 
   const auto given_back = std::chrono::steady_clock::now();
@@ -82,7 +85,7 @@ TEST(lending_waiting_borrow, is_served_when_memory_is_given_back) {
   EXPECT_TRUE(region.valid());
   EXPECT_LT(std::chrono::steady_clock::now() - given_back, 1s) << "served when the memory came back, not later";
   EXPECT_EQ(f.l->status().waits, 1u);
-  EXPECT_TRUE(f.l->status().waiting.empty());
+  EXPECT_TRUE(f.waiting(0)) << "the lent borrow stayed in line";  // taken out just after its answer goes
   std::lock_guard lock(*f.recorder.guard);
   EXPECT_TRUE(std::any_of(f.recorder.events->begin(), f.recorder.events->end(), [](const lending::lender_event& e) {
     return e.what == lending::lender_event::kind::waiting && e.bytes == 8 * mib;
@@ -270,6 +273,32 @@ TEST(lending_waiting_borrow, what_a_uid_waits_for_counts_against_its_quota) {
   holder.give_back(std::move(held));
   const std::string lent = line_from(*first);
   EXPECT_EQ(lent.rfind("lent ", 0), 0u) << lent;
+}
+
+TEST(lending_waiting_borrow, the_borrowers_other_calls_give_up_at_their_timeout_and_revokes_still_reach_it) {
+  waiting_fixture f(8 * mib);
+  borrower holder(f.dev, f.l->address()), b(f.dev, f.l->address()), operator_(f.dev, f.l->address());
+  auto held = holder.borrow(4 * mib, "held");
+  auto own = b.borrow(2 * mib, "own");
+  auto more = std::async(std::launch::async, [&] { return b.borrow(4 * mib, "more", {.for_memory = 10s}); });
+  ASSERT_TRUE(f.waiting(1));
+  auto start = std::chrono::steady_clock::now();
+  try {
+    (void)b.metrics(300ms);
+    ADD_FAILURE() << "answered through a connection a waiting borrow holds";
+  } catch (const timeout_error& e) {
+    EXPECT_NE(std::string(e.what()).find("another call holds the connection"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1500ms) << "a call waited past its timeout";
+  operator_.revoke(own.id(), 5s);
+  start = std::chrono::steady_clock::now();
+  const auto asked = b.revocations(5s);  // the waiting borrow read the revoke
+  ASSERT_EQ(asked.size(), 1u);
+  EXPECT_EQ(asked[0].region, own.id());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the revoke waited for the borrow's wait to end";
+  holder.give_back(std::move(held));
+  ASSERT_EQ(more.wait_for(2s), std::future_status::ready);
+  EXPECT_TRUE(more.get().valid());
 }
 
 // A raw connection that said hello.

@@ -38,14 +38,17 @@
 // it until then. The memory stays mapped in this process meanwhile: keep
 // nothing in a region after giving it back.
 //
-// Errors: the lender's refusals are typed — out_of_memory (its capacity),
-// peer_refused (this borrower's quota or region count), invalid_argument (a
+// Errors: the lender's refusals are typed — out_of_memory (its capacity:
+// not that much free, a wait for memory that ran out, a borrow without a
+// wait while others wait; the lender's `capacity` refusal), peer_refused
+// (this borrower's quota or region count), invalid_argument (a
 // bad request: an unknown region or name, a malformed layout, a name
 // published already), content_mismatch (a shared region's hash, or its
 // writer's uid, is not the one asked for) — and a device failure on its side is backend_error; the
 // connection stays usable after any of them. connection_closed when the
 // lender is gone (regions already mapped stay valid until given back);
-// timeout_error when it does not answer within the deadline: the connection
+// timeout_error when it does not answer within the deadline (a borrow's
+// timeout counts from the end of its wait for memory): the connection
 // stays usable — answers come in the order asked, and those no call waits
 // for any more are read first by the next call, revocations(), or the
 // connection's end (within 1 s): a region a borrow or borrow_shared was lent
@@ -56,9 +59,13 @@
 // closed).
 //
 // Thread-safety: borrow and give_back may be called from several threads;
-// requests go one at a time. revocations() waits without holding the
-// connection, so a thread watching for revokes never holds up another's
-// give_back; a revoke that other thread reads reaches it within 10 ms. A borrowed_region is a value (move-only), used
+// requests go one at a time, each waiting for the connection no longer than
+// its own timeout (timeout_error: a borrow waiting for memory holds it for
+// its whole wait; a region given back or dropped meanwhile is unmapped at
+// once and given back at the next call). revocations() waits without
+// holding the connection, so a thread watching for revokes never holds up
+// another's give_back; a revoke that another call reads reaches it within
+// 10 ms, whatever that call is doing. A borrowed_region is a value (move-only), used
 // by one thread at a time; it may outlive its borrower object (it keeps the
 // connection alive).
 #pragma once
@@ -126,7 +133,9 @@ struct borrow_wait {
   /// stop waiting (its place in line goes to the next), its answer is owed —
   /// a region it lent just before is given back unmapped at this borrower's
   /// next call (or within 1 s of its end) — and the borrower stays usable.
-  /// How a caller stops a long wait (a signal, a shutdown).
+  /// How a caller stops a long wait (a signal, a shutdown). Throw anything
+  /// but shoal::protocol_error, which is taken for the lender's and closes
+  /// the connection.
   std::function<void()> interrupt_check;
 };
 
@@ -198,6 +207,12 @@ class borrower {
                                        region_mode mode = region_mode::exclusive,
                                        std::chrono::milliseconds timeout = default_timeout,
                                        const borrow_wait& wait = {});
+  /// borrow(bytes, purpose, exclusive, timeout, wait): an exclusive region
+  /// that may wait for memory, e.g. borrow(bytes, "model B", {.for_memory = 30s}).
+  [[nodiscard]] borrowed_region borrow(std::size_t bytes, std::string_view purpose, const borrow_wait& wait,
+                                       std::chrono::milliseconds timeout = default_timeout) {
+    return borrow(bytes, purpose, region_mode::exclusive, timeout, wait);
+  }
   /// Publishes `region` (exclusive, borrowed through this borrower) under
   /// its purpose with `layout` (well-formed for it: layout.h; its hash the
   /// writer's claim about the entries' bytes) and returns it mapped

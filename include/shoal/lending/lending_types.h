@@ -72,8 +72,6 @@ struct region_info {
   std::chrono::steady_clock::time_point revoke_deadline{};
 };
 
-/// Memory given back and kept by the lender for a later region of the same
-/// size and borrower uid (lender_config::reuse).
 /// A borrow that did not fit and waits for memory to be given back
 /// (borrower::borrow with a wait); served in this order.
 struct waiting_info {
@@ -85,6 +83,8 @@ struct waiting_info {
   std::chrono::nanoseconds left{0};  ///< until it is refused
 };
 
+/// Memory given back and kept by the lender for a later region of the same
+/// size and borrower uid (lender_config::reuse).
 struct spare_info {
   std::uint64_t memory = 0;
   std::size_t bytes = 0;
