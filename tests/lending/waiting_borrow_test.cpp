@@ -315,15 +315,22 @@ void send_borrow(channel::connection& raw, std::uint64_t request, std::size_t by
                lending::detail::borrow_message{request, bytes, region_mode::exclusive, "raw", wait_ms}));
 }
 
+// A raw connection whose borrow of the whole capacity (8 MiB), request 1,
+// waits in line behind `holder`'s region.
+channel::connection raw_waiting(waiting_fixture& f) {
+  auto raw = greeted(f.l->address());
+  send_borrow(raw, 1, 8 * mib, 60'000);
+  EXPECT_TRUE(f.waiting(1));
+  return raw;
+}
+
 TEST(lending_waiting_borrow, a_borrower_that_hangs_up_while_it_waits_leaves_the_line) {
   waiting_fixture f(8 * mib);
   borrower holder(f.dev, f.l->address()), next(f.dev, f.l->address());
   auto held = holder.borrow(8 * mib, "held");
   std::optional<std::future<borrowed_region>> after;
   {
-    auto raw = greeted(f.l->address());
-    send_borrow(raw, 1, 8 * mib, 60'000);
-    ASSERT_TRUE(f.waiting(1));
+    auto raw = raw_waiting(f);
     after = f.borrow_waiting(next, 8 * mib, "next", 10s);
     ASSERT_TRUE(f.waiting(2));
   }  // the raw borrower hangs up at the head of the line
@@ -348,9 +355,7 @@ TEST(lending_waiting_borrow, a_request_behind_a_waiting_borrow_ends_its_wait_and
   waiting_fixture f(8 * mib);
   borrower holder(f.dev, f.l->address());
   auto held = holder.borrow(8 * mib, "held");
-  auto raw = greeted(f.l->address());
-  send_borrow(raw, 1, 8 * mib, 60'000);
-  ASSERT_TRUE(f.waiting(1));
+  auto raw = raw_waiting(f);
   raw.send(static_cast<std::uint16_t>(message_type::query_metrics), std::span<const std::byte>{});
   const std::string why = refusal_of(raw, 1);
   EXPECT_NE(why.find("another request behind it"), std::string::npos) << why;
@@ -362,9 +367,7 @@ TEST(lending_waiting_borrow, a_cancel_ends_the_wait_at_once_and_one_for_an_answe
   waiting_fixture f(8 * mib);
   borrower holder(f.dev, f.l->address());
   auto held = holder.borrow(8 * mib, "held");
-  auto raw = greeted(f.l->address());
-  send_borrow(raw, 1, 8 * mib, 60'000);
-  ASSERT_TRUE(f.waiting(1));
+  auto raw = raw_waiting(f);
   raw.send(static_cast<std::uint16_t>(message_type::cancel_wait), lending::detail::encode_cancel_wait(1));
   const std::string why = refusal_of(raw, 1);
   EXPECT_NE(why.find("its borrower stopped waiting"), std::string::npos) << why;
