@@ -516,6 +516,9 @@ def test_close_from_another_thread_ends_a_waiting_borrow(address):
 
 WAITING_BORROWER_SCRIPT = """
 import os, signal, sys, threading, time, shoal, shoal.lending
+# Python leaves SIGINT ignored when it started so (a job started in the background by a
+# shell without job control, as CI may be): Ctrl-C's handler, as an interactive program has it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 borrower = shoal.lending.Borrower(sys.argv[1])
 threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
 start = time.monotonic()
