@@ -294,7 +294,10 @@ connection connection::connect(const channel_address& address, const access_poli
   const socket_address target = to_socket_address(address);
   const auto until = shoal::detail::deadline_after(shoal::detail::channel_timeout(timeout));
   int rc;
-  do {  // an interrupted UNIX connect left nothing behind; try again
+  // An interrupted UNIX connect left nothing behind; try again. So does one
+  // whose send timeout ran out a little early (the kernel counts it in
+  // ticks): it gives up only once the whole timeout has passed.
+  do {
     // A UNIX connect waits for room in the listener's backlog for as long
     // as the socket's send timeout (0: for ever): at most what is left.
     const auto left = std::max(std::chrono::ceil<std::chrono::microseconds>(until - std::chrono::steady_clock::now()),
@@ -304,7 +307,7 @@ connection connection::connect(const channel_address& address, const access_poli
       throw backend_error("setsockopt(SO_SNDTIMEO)", errno_text());
     }
     rc = ::connect(s.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length);
-  } while (rc != 0 && errno == EINTR && std::chrono::steady_clock::now() < until);
+  } while (rc != 0 && (errno == EINTR || errno == EAGAIN) && std::chrono::steady_clock::now() < until);
   if (rc != 0) {
     if (errno == ECONNREFUSED || errno == ENOENT) {
       throw connection_closed("connection::connect: no one listens at " + address.to_string() +
