@@ -35,10 +35,4 @@ std::optional<std::chrono::steady_clock::time_point> waiting_borrows::next_expir
       ->until;
 }
 
-std::size_t waiting_borrows::bytes() const noexcept {
-  std::size_t total = 0;
-  for (const auto& w : line_) total += w.bytes;
-  return total;
-}
-
 }  // namespace shoal::lending::detail

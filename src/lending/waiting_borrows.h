@@ -46,7 +46,6 @@ class waiting_borrows {
   /// Keeps `w` last in line. When memory runs out (bad_alloc) nothing changed.
   void push(waiting_borrow&& w) { line_.push_back(std::move(w)); }
   [[nodiscard]] bool empty() const noexcept { return line_.empty(); }
-  [[nodiscard]] std::size_t size() const noexcept { return line_.size(); }
   /// The borrow served next; empty() must be false.
   [[nodiscard]] const waiting_borrow& head() const noexcept { return line_.front(); }
   void pop_head() noexcept { line_.pop_front(); }
@@ -59,7 +58,6 @@ class waiting_borrows {
   [[nodiscard]] std::vector<waiting_borrow> take_expired(std::chrono::steady_clock::time_point now);
   /// When the first wait runs out; nullopt when none waits.
   [[nodiscard]] std::optional<std::chrono::steady_clock::time_point> next_expiry() const noexcept;
-  [[nodiscard]] std::size_t bytes() const noexcept;
   [[nodiscard]] const std::deque<waiting_borrow>& line() const noexcept { return line_; }
 
  private:
