@@ -21,6 +21,7 @@
 #include "lending/lendable_memory.h"
 #include "lending/messages.h"
 #include "lending/metrics.h"
+#include "lending/preemption.h"
 #include "lending/prepared_chunks.h"
 #include "lending/spare_pool.h"
 #include "lending/waiting_borrows.h"
@@ -243,9 +244,7 @@ class lender::state {
         throw invalid_argument("lender::revoke: region " + std::to_string(id) + " is not lent to a connected borrower" +
                                (it == regions_.end() ? "" : " (it is being revoked, or its borrower hung up)"));
       }
-      revocations_.push_back({id, deadline});  // first: when memory runs out the region stays lent
-      it->second.info.state = region_state::revoking;
-      it->second.info.revoke_deadline = clock_type::now() + deadline;
+      revoke_locked(it->second, id, deadline, {});
     }
     const std::uint64_t one = 1;
     (void)!::write(wake_.get(), &one, sizeof one);
@@ -283,9 +282,10 @@ class lender::state {
       const bool spinning = now - last_served < poll_spin_ && borrowers_.size() <= spinning_borrowers_limit_;
       auto wait =
           pending || spinning ? 0 : std::clamp<std::int64_t>(until_check.count(), 0, orphan_check_interval.count());
-      if (const auto expiry = next_wait_expiry()) {
+      for (const auto due : {next_wait_expiry().value_or(clock_type::time_point::max()), next_preemption_check()}) {
+        if (due == clock_type::time_point::max()) continue;
         wait = std::min<std::int64_t>(wait, std::max<std::int64_t>(
-                                                std::chrono::ceil<std::chrono::milliseconds>(*expiry - now).count(), 0));
+                                                std::chrono::ceil<std::chrono::milliseconds>(due - now).count(), 0));
       }
       const int ready = ::poll(fds_.data(), fds_.size(), static_cast<int>(wait));
       if (ready < 0 && errno != EINTR) break;  // nothing sensible left to wait on
@@ -326,6 +326,7 @@ class lender::state {
       });
       borrower_count_.store(borrowers_.size());
       serve_waiting();
+      preempt_for_head();
     }
     std::lock_guard lock(mutex_);
     std::vector<lender_event> ignored;  // the lender is going: no more events
@@ -1321,9 +1322,63 @@ class lender::state {
     return std::next(it);
   }
 
-  // Sends what revoke() queued, to each region's borrower.
+  // Under mutex_: marks lent region `r` (`id`) revoking and queues its
+  // revoke; `preempted_for` names the waiting borrow it is for, if any.
+  void revoke_locked(region_entry& r, std::uint64_t id, std::chrono::milliseconds deadline,
+                     std::string preempted_for) {
+    revocations_.push_back({id, deadline, std::move(preempted_for)});  // first: when memory runs out it stays lent
+    r.info.state = region_state::revoking;
+    r.info.revoke_deadline = clock_type::now() + deadline;
+  }
+
+  // Preemption (config_.preempt_after): revokes regions of other borrowers
+  // for the head of the waiting line once it has waited long enough and the
+  // capacity has no room for it (preemption.h chooses which). Runs at most
+  // once a periodic check interval.
+  void preempt_for_head() noexcept {
+    // The serving thread is the line's only writer: it reads it unlocked.
+    if (!config_.preempt_after || waiting_.empty()) return;
+    const auto now = clock_type::now();
+    if (now < next_preemption_check()) return;
+    last_preemption_check_ = now;
+    try {
+      std::lock_guard lock(mutex_);
+      const detail::waiting_borrow& head = waiting_.head();
+      std::size_t coming = 0;  // revoked, its deadline not passed yet
+      std::vector<detail::preemption_candidate> candidates;
+      for (const auto& [id, r] : regions_) {
+        if (r.info.state == region_state::revoking && !r.missed && now <= r.info.revoke_deadline) {
+          coming += r.info.bytes;
+        }
+        if (r.info.mode != region_mode::exclusive || r.info.state != region_state::lent) continue;
+        const std::uint64_t holder = r.holds.front().borrower;
+        if (holder == head.serial || waiting_.find(holder) != nullptr) continue;  // it gives back nothing while waiting
+        candidates.push_back({id, r.info.bytes, r.since});
+      }
+      const std::size_t room = config_.capacity_bytes - lent_bytes_;
+      const std::size_t shortfall = head.bytes > room + coming ? head.bytes - room - coming : 0;
+      const auto chosen = detail::choose_preempted(std::move(candidates), shortfall);
+      if (chosen.empty()) return;
+      const std::string why = "preempted for the borrow of " + std::to_string(head.bytes) + " bytes ('" +
+                              head.request.purpose + "') of pid " + std::to_string(head.process.pid) +
+                              " waiting first in line";
+      for (const std::uint64_t id : chosen) revoke_locked(regions_.at(id), id, config_.preempt_deadline, why);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): no memory to choose: looked at again at the next check
+      return;
+    }
+    send_revocations();
+  }
+
+  // When preempt_for_head() next looks at the head: once it has waited
+  // preempt_after, then each periodic check interval; max() when it need not.
+  clock_type::time_point next_preemption_check() const noexcept {
+    if (!config_.preempt_after || waiting_.empty()) return clock_type::time_point::max();
+    return std::max(waiting_.head().since + *config_.preempt_after, last_preemption_check_ + orphan_check_interval);
+  }
+
+  // Sends what revoke() and preempt_for_head() queued, to each region's borrower.
   void send_revocations() noexcept {
-    std::vector<std::pair<std::uint64_t, std::chrono::milliseconds>> queued;
+    std::vector<queued_revocation> queued;
     {
       std::lock_guard lock(mutex_);
       queued.swap(revocations_);
@@ -1331,8 +1386,8 @@ class lender::state {
     for (const auto& entry : queued) {
       // Named copies rather than a structured binding: lambdas below use them,
       // which some compilers still refuse for bindings.
-      const std::uint64_t id = entry.first;
-      const auto deadline = entry.second;
+      const std::uint64_t id = entry.region;
+      const auto deadline = entry.deadline;
       std::uint64_t serial = 0;
       process_identity process;
       uid_t uid = 0;
@@ -1346,6 +1401,7 @@ class lender::state {
         uid = it->second.info.uid;
         bytes = it->second.info.bytes;
         ++counters_.revocations;
+        counters_.preemptions += entry.preempted_for.empty() ? 0 : 1;
       }
       for (auto& b : borrowers_) {
         if (b.serial != serial) continue;
@@ -1362,7 +1418,8 @@ class lender::state {
         }
         try {
           emit(lender_event{lender_event::kind::revoke_requested, process, uid, id, bytes,
-                            "give it back within " + std::to_string(deadline.count()) + " ms"});
+                            "give it back within " + std::to_string(deadline.count()) + " ms" +
+                                (entry.preempted_for.empty() ? "" : " (" + entry.preempted_for + ")")});
         } catch (...) {  // NOLINT(bugprone-empty-catch): no memory to say so
         }
       }
@@ -1473,7 +1530,12 @@ class lender::state {
 
   mutable std::mutex mutex_;  // guards what status() reads
   std::map<std::uint64_t, region_entry> regions_;
-  std::vector<std::pair<std::uint64_t, std::chrono::milliseconds>> revocations_;  // queued by revoke()
+  struct queued_revocation {
+    std::uint64_t region = 0;
+    std::chrono::milliseconds deadline{0};
+    std::string preempted_for;  // the waiting borrow it preempts for; empty for revoke()
+  };
+  std::vector<queued_revocation> revocations_;  // queued by revoke() and preempt_for_head()
   std::size_t lent_bytes_ = 0;
   detail::spare_pool spares_;  // lent_bytes_ + spares_.bytes() + prepared_.bytes() <= config_.capacity_bytes
   detail::prepared_chunks prepared_;
@@ -1484,6 +1546,7 @@ class lender::state {
   // check after the device refused the head: it may have memory back).
   bool room_changed_ = false;
   bool head_refused_by_device_ = false;  // serving thread only
+  clock_type::time_point last_preemption_check_{};  // serving thread only
 
   std::thread thread_;  // last: started once everything above exists
 };
@@ -1503,6 +1566,13 @@ lender::lender(backend::device& device, const channel::channel_address& address,
   if (config.max_wait <= std::chrono::milliseconds(0) ||
       config.max_wait.count() > std::numeric_limits<std::uint32_t>::max()) {
     throw invalid_argument("lender: max_wait must be 1 ms to about 49 days");
+  }
+  if ((config.preempt_after && (*config.preempt_after < std::chrono::milliseconds(0) ||
+                                config.preempt_after->count() > std::numeric_limits<std::uint32_t>::max())) ||
+      config.preempt_deadline <= std::chrono::milliseconds(0) ||
+      config.preempt_deadline.count() > std::numeric_limits<std::uint32_t>::max()) {
+    throw invalid_argument("lender: preempt_after must be 0 ms to about 49 days and preempt_deadline 1 ms to about "
+                           "49 days");
   }
   if (config.peer_timeout > longest_peer_timeout) {
     throw invalid_argument("lender: peer_timeout of " + std::to_string(config.peer_timeout.count()) +

@@ -188,6 +188,8 @@ std::string prometheus_text(const lender_status& s, std::size_t max_bytes) {
   metric(out, "revocations_total", "counter", "Regions asked back.", s.revocations);
   metric(out, "revocations_missed_total", "counter", "Revoked regions not given back by their deadline.",
          s.revocations_missed);
+  metric(out, "preemptions_total", "counter", "Regions asked back for a borrow waiting first in line (preemption).",
+         s.preemptions);
   metric(out, "chunks_made_total", "counter", "Chunks made (created, mapped, exported), prepared ones included.",
          s.chunks_made);
   metric(out, "reuses_total", "counter", "Regions lent from a spare chunk.", s.reuses);

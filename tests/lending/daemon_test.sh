@@ -72,6 +72,8 @@ capacity = "32MiB"
 quota = "8MiB"
 quota_per_uid = "24MiB"
 max_wait_ms = 60000
+preempt_after_ms = 0
+preempt_deadline_ms = 2500
 EOF
 "$shoal" daemon --config "$dir/conf.toml" --quota 16MiB 2> "$dir/log" &
 pid=$!
@@ -80,11 +82,18 @@ grep -qx 'shoal_lending_capacity_bytes 33554432' "$dir/status" || fail "capacity
 grep -q 'quota_bytes=16777216' "$dir/log" || fail "the --quota flag did not win over the file"
 grep -q 'quota_bytes_per_uid=25165824' "$dir/log" || fail "quota_per_uid from the file"
 grep -q 'max_wait_ms=60000' "$dir/log" || fail "max_wait_ms from the file"
+grep -q 'preempt_after_ms=0 ' "$dir/log" || fail "preempt_after_ms from the file"
+grep -q 'preempt_deadline_ms=2500' "$dir/log" || fail "preempt_deadline_ms from the file"
 stop
 "$shoal" daemon --config "$dir/conf.toml" --quota-per-uid 12MiB 2> "$dir/log" &
 pid=$!
 answers "$dir/b.sock" || fail "the daemon with --quota-per-uid did not answer"
 grep -q 'quota_bytes_per_uid=12582912' "$dir/log" || fail "the --quota-per-uid flag did not win over the file"
+stop
+"$shoal" daemon --socket "$dir/b.sock" --device host 2> "$dir/log" &
+pid=$!
+answers "$dir/b.sock" || fail "the daemon with default settings did not answer"
+grep -q 'preempt_after_ms=off' "$dir/log" || fail "preemption is on by default: $(cat "$dir/log")"
 stop
 
 # --reuse reaches the lender (the log names the lender's own setting): the
@@ -159,6 +168,10 @@ refused "not in range" status --timeout 1e300
 refused "prepare" --prepare 0x1MiB
 refused "prepared_chunks" --capacity 8MiB --prepare 3x4MiB
 refused "max_wait must be" --max-wait-ms 0
+refused "preempt-deadline-ms" --preempt-deadline-ms 0
+refused "preempt_after must be" --preempt-after-ms 99999999999
+echo 'preempt_after_ms = -1' > "$dir/bad.toml"
+refused "preempt_after_ms' must be an integer >= 0" --config "$dir/bad.toml"
 
 # The reader of the daemon's log goes away (`shoal daemon 2>&1 | head`, a
 # tee that died): the daemon goes on serving, and stops cleanly on SIGTERM.
@@ -223,6 +236,44 @@ waiter_parent.close()
 waiter.wait(timeout=30)
 EOF
 grep -q 'event=waiting' "$dir/log" || fail "the daemon's log has no waiting event: $(cat "$dir/log")"
+stop
+
+# Preemption: with --preempt-after-ms 0 a borrow that waits gets the holder
+# process's region revoked at once, named in status and in the log.
+"$shoal" daemon --socket "$dir/p.sock" --device host --capacity 8MiB --preempt-after-ms 0 2> "$dir/log" &
+pid=$!
+answers "$dir/p.sock" || fail "the daemon with --preempt-after-ms did not answer"
+python3 - "$test_borrower" "$dir/p.sock" "$shoal" <<'EOF' || fail "preemption"
+import os, re, socket, subprocess, sys
+test_borrower, address, shoal = sys.argv[1:]
+def start(args):
+    parent, child = socket.socketpair()
+    end = child.fileno()
+    process = subprocess.Popen([test_borrower, *args], pass_fds=(3, end), preexec_fn=lambda: os.dup2(end, 3))
+    child.close()
+    parent.settimeout(10)
+    return process, parent
+holder, holder_link = start(["hold", "host", address, str(8 << 20), "7"])
+line = holder_link.makefile().readline().strip()
+assert line.startswith("held "), line
+region = line.split()[1]
+waiter, waiter_link = start(["wait-borrow", "host", address, str(4 << 20), "30000"])
+for _ in range(200):
+    status = subprocess.run([shoal, "daemon", "status", "--socket", address, "--device", "host"],
+                            capture_output=True, text=True, timeout=30).stdout
+    if "shoal_lending_preemptions_total 1\n" in status:
+        break
+else:
+    raise AssertionError("no preemption in status: " + status)
+assert re.search(r'shoal_lending_region_bytes\{id="' + region + r'"[^}]*state="revoking"', status), status
+holder_link.close()  # the holder ends: its region is reclaimed, and the waiter lent
+holder.wait(timeout=30)
+lent = waiter_link.makefile().readline().strip()
+assert lent.startswith("lent "), lent
+waiter_link.close()
+waiter.wait(timeout=30)
+EOF
+grep -q 'preempted for the borrow of 4194304 bytes' "$dir/log" || fail "the log does not name the preemption: $(cat "$dir/log")"
 stop
 
 # Status with no daemon there: exit 1.

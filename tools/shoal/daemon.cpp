@@ -157,6 +157,9 @@ int serve(const daemon_settings& settings) {
             number("quota_bytes_per_uid", config.quota_bytes_per_uid),
             number("max_borrowers", config.max_borrowers),
             number("max_wait_ms", static_cast<std::uint64_t>(config.max_wait.count())),
+            config.preempt_after ? number("preempt_after_ms", static_cast<std::uint64_t>(config.preempt_after->count()))
+                                 : log_field{"preempt_after_ms", "off", false},
+            number("preempt_deadline_ms", static_cast<std::uint64_t>(config.preempt_deadline.count())),
             {"reuse", config.reuse == lending::reuse_policy::never ? "never" : "same_uid"},  // what the lender got
             number("prepared_chunks", config.prepared_chunks.size()),
             number("prepared_bytes", lender.status().prepared_bytes),
@@ -244,6 +247,15 @@ int run_daemon(int argc, char** argv) {
   auto* max_wait = app.add_option("--max-wait-ms", settings.max_wait_ms,
                                   "the longest a borrow may wait for memory (a longer wait is cut to this)")
                        ->capture_default_str();
+  auto* preempt_after = app.add_option("--preempt-after-ms", settings.preempt_after_ms,
+                                       "revoke other borrowers' regions for the borrow waiting first in line once it "
+                                       "has waited this long (0: at once), lent longest ago first, as many as it "
+                                       "lacks; off by default");
+  auto* preempt_deadline =
+      app.add_option("--preempt-deadline-ms", settings.preempt_deadline_ms,
+                     "the time a preempted region's borrower has to give it back")
+          ->check(CLI::PositiveNumber)
+          ->capture_default_str();
   auto* uids = app.add_option("--allow-uid", settings.allowed_uids, "a uid allowed besides the daemon's own (repeat)");
   auto* gids = app.add_option("--allow-gid", settings.allowed_gids, "a group whose members are allowed (repeat)");
   auto* format =
@@ -300,6 +312,8 @@ int run_daemon(int argc, char** argv) {
       if (regions->count() > 0) settings.max_regions_per_borrower = flags.max_regions_per_borrower;
       if (timeout->count() > 0) settings.peer_timeout_ms = flags.peer_timeout_ms;
       if (max_wait->count() > 0) settings.max_wait_ms = flags.max_wait_ms;
+      if (preempt_after->count() > 0) settings.preempt_after_ms = flags.preempt_after_ms;
+      if (preempt_deadline->count() > 0) settings.preempt_deadline_ms = flags.preempt_deadline_ms;
       if (uids->count() > 0) settings.allowed_uids = flags.allowed_uids;
       if (gids->count() > 0) settings.allowed_gids = flags.allowed_gids;
       if (format->count() > 0) settings.log_format = flags.log_format;

@@ -109,6 +109,12 @@ void daemon_settings::read_file(const std::string& path) {
       peer_timeout_ms = count();
     } else if (name == "max_wait_ms") {
       max_wait_ms = count();
+    } else if (name == "preempt_after_ms") {
+      const auto* i = node.as_integer();
+      if (i == nullptr || i->get() < 0) throw invalid_argument(where(name) + " must be an integer >= 0 (0: at once)");
+      preempt_after_ms = static_cast<std::uint64_t>(i->get());
+    } else if (name == "preempt_deadline_ms") {
+      preempt_deadline_ms = count();
     } else if (name == "log_format") {
       log_format = text();
     } else if (name == "reuse") {
@@ -195,6 +201,12 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
   c.max_regions_per_borrower = static_cast<std::size_t>(max_regions_per_borrower);
   c.peer_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(peer_timeout_ms));
   c.max_wait = std::chrono::milliseconds(static_cast<std::int64_t>(std::min<std::uint64_t>(max_wait_ms, UINT64_C(1) << 40)));
+  // Capped only so that the cast cannot wrap: the lender refuses what is past its range.
+  if (preempt_after_ms) {
+    c.preempt_after = std::chrono::milliseconds(static_cast<std::int64_t>(std::min<std::uint64_t>(*preempt_after_ms, UINT64_C(1) << 40)));
+  }
+  c.preempt_deadline =
+      std::chrono::milliseconds(static_cast<std::int64_t>(std::min<std::uint64_t>(preempt_deadline_ms, UINT64_C(1) << 40)));
   for (auto uid : allowed_uids) c.policy.allowed_uids.push_back(static_cast<uid_t>(uid));
   for (auto gid : allowed_gids) c.policy.allowed_gids.push_back(static_cast<gid_t>(gid));
   return c;

@@ -33,6 +33,9 @@ struct daemon_settings {
   std::uint64_t max_regions_per_borrower = 1024;
   std::uint64_t peer_timeout_ms = 1000;
   std::uint64_t max_wait_ms = 300000;  ///< lender_config::max_wait
+  /// lender_config::preempt_after (0: at once); empty: no preemption.
+  std::optional<std::uint64_t> preempt_after_ms;
+  std::uint64_t preempt_deadline_ms = 10000;  ///< lender_config::preempt_deadline
   std::vector<std::uint32_t> allowed_uids;
   std::vector<std::uint32_t> allowed_gids;
   std::string log_format = "text";  ///< "text" or "json"
@@ -46,7 +49,7 @@ struct daemon_settings {
 
   /// Reads a TOML file's keys (socket, device, capacity, quota,
   /// quota_per_uid, max_borrowers, max_regions_per_borrower, peer_timeout_ms,
-  /// max_wait_ms, allowed_uids, allowed_gids, log_format, metrics_port, reuse, prepare: a
+  /// max_wait_ms, preempt_after_ms, preempt_deadline_ms, allowed_uids, allowed_gids, log_format, metrics_port, reuse, prepare: a
   /// string or a list of them) into these
   /// settings. Throws
   /// invalid_argument naming the file, the key and what was wrong.

@@ -57,7 +57,8 @@
 // once; a waiting borrower that sends anything (cancel_wait, or another
 // request) has its borrow refused first, and one that hangs up leaves the
 // line. What waiting cannot make fit (past the capacity or a quota) is
-// refused at once.
+// refused at once. With config.preempt_after set, the lender also asks other
+// borrowers to give regions back for the head of the line (preemption).
 //
 // Shared regions: a borrower may publish an exclusive region it holds, with
 // a layout and content hash (layout.h; refused — bad_request — when the
@@ -102,6 +103,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -144,6 +146,22 @@ struct lender_config {
   /// borrower at the head of the line, asking for more than will come free,
   /// holds every later borrow up.
   std::chrono::milliseconds max_wait{std::chrono::minutes(5)};
+  /// Preemption, off when empty: once the first borrow in the waiting line
+  /// has waited this long (zero: at once) and the capacity has no room for
+  /// it, the lender revokes exclusive regions of other borrowers — lent
+  /// longest ago first, only as many as the shortfall needs, none when all it
+  /// may revoke would not cover it — each to be given back within
+  /// preempt_deadline, as revoke() asks. A region already being revoked counts
+  /// as coming back until its deadline passes; then the lender revokes others
+  /// (the late borrower keeps its region, named, as with revoke()). Never
+  /// revoked: shared or orphaned regions, and the regions of a borrower whose
+  /// own borrow waits (nothing is given back on a connection while it
+  /// waits). Looked at again at each periodic check (50 ms) while the head
+  /// waits. The borrowers must answer revokes (borrower::revocations()).
+  std::optional<std::chrono::milliseconds> preempt_after;
+  /// The time a preempted region's borrower has to give it back (1 ms to
+  /// about 49 days).
+  std::chrono::milliseconds preempt_deadline{std::chrono::seconds(10)};
   /// Whether given-back memory is lent again (see the contract above).
   reuse_policy reuse = reuse_policy::same_uid;
   /// How long the serving thread keeps polling without sleeping after it

@@ -105,7 +105,8 @@ struct lender_event {
     orphaned,          ///< a borrower hung up alive: its region is kept until it exits
     reclaimed,         ///< a region of a borrower that died was released
     closed_for_error,  ///< a borrower's connection was closed for what it sent (`detail`)
-    revoke_requested,  ///< the lender asked a borrower to give a region back (`detail`: the deadline)
+    revoke_requested,  ///< the lender asked a borrower to give a region back (`detail`: the deadline, and the
+                       ///< waiting borrow it preempts for, if any)
     revoke_missed,     ///< a borrower did not give a revoked region back in time: it stays its own
     spare_released,    ///< a spare chunk was released (`detail`: why); its keepers were told to forget it
     waiting,           ///< a borrow that did not fit waits for memory (`detail`: its purpose and wait)
@@ -146,6 +147,7 @@ struct lender_status {
   std::uint64_t connections_closed_for_errors = 0;  ///< malformed or stalled peers
   std::uint64_t revocations = 0;                    ///< regions asked back
   std::uint64_t revocations_missed = 0;             ///< of those, not given back by their deadline
+  std::uint64_t preemptions = 0;                    ///< of the revocations, those made for a waiting borrow
   std::uint64_t chunks_made = 0;                    ///< chunks made (created, mapped, exported), prepared ones included
   std::uint64_t prepared_used = 0;                  ///< regions lent from a prepared chunk
   std::uint64_t reuses = 0;                         ///< regions lent from a spare chunk

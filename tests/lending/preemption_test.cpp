@@ -1,0 +1,220 @@
+// Preemption (lender_config::preempt_after): once the borrow at the head of
+// the waiting line has waited long enough and the capacity has no room for
+// it, the lender revokes regions of other borrowers for it — lent longest ago
+// first, only as many as the shortfall needs, never shared ones nor those of
+// borrowers that wait themselves — and revokes others when a borrower lets
+// the deadline pass: the next model's turn without an operator (host backend).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "lending/lending_fixture.h"
+#include "lending/messages.h"
+#include "lending/preemption.h"
+#include "shoal/channel/protocol.h"
+#include "shoal/backend/host_device.h"
+#include "shoal/core/error.h"
+
+namespace shoal::testing {
+namespace {
+
+using lending::borrow_wait;
+using lending::borrowed_region;
+using lending::region_mode;
+using lending::detail::choose_preempted;
+using lending::detail::preemption_candidate;
+
+constexpr auto answer_timeout = std::chrono::seconds(5);
+
+struct preemption_fixture {
+  temp_dir dir;
+  backend::device& dev = backend::host_device_instance();
+  event_recorder recorder;
+  std::unique_ptr<lender> l;
+
+  explicit preemption_fixture(lender_config config) {
+    recorder.attach(config);
+    l = std::make_unique<lender>(dev, channel::channel_address::at_path(dir / "l.sock"), config);
+  }
+  std::future<borrowed_region> borrow_waiting(borrower& b, std::size_t bytes, std::chrono::milliseconds wait) {
+    return std::async(std::launch::async, [&b, bytes, wait] {
+      return b.borrow(bytes, "the next model", region_mode::exclusive, answer_timeout, borrow_wait{wait, {}});
+    });
+  }
+  bool waiting(std::size_t count) {
+    return eventually([&] { return l->status().waiting.size() == count; });
+  }
+  // The ids of the regions being revoked now.
+  std::vector<std::uint64_t> revoking() const {
+    std::vector<std::uint64_t> ids;
+    for (const auto& r : l->status().regions) {
+      if (r.state == lending::region_state::revoking) ids.push_back(r.id);
+    }
+    return ids;
+  }
+};
+
+std::vector<std::uint64_t> ids_of(const std::vector<borrower::revocation>& revocations) {
+  std::vector<std::uint64_t> ids;
+  for (const auto& r : revocations) ids.push_back(r.region);
+  return ids;
+}
+
+TEST(lending_preemption_choice, takes_the_regions_lent_longest_ago_until_the_shortfall_is_covered) {
+  const auto t0 = std::chrono::steady_clock::time_point{} + 1h;
+  const std::vector<preemption_candidate> candidates = {
+      {1, 4 * mib, t0 + 2s}, {2, 2 * mib, t0}, {3, 2 * mib, t0 + 1s}, {4, 8 * mib, t0 + 3s}};
+  EXPECT_EQ(choose_preempted(candidates, 2 * mib), (std::vector<std::uint64_t>{2}));
+  EXPECT_EQ(choose_preempted(candidates, 3 * mib), (std::vector<std::uint64_t>{2, 3}));
+  EXPECT_EQ(choose_preempted(candidates, 5 * mib), (std::vector<std::uint64_t>{2, 3, 1}));
+  EXPECT_EQ(choose_preempted(candidates, 16 * mib), (std::vector<std::uint64_t>{2, 3, 1, 4}));
+  EXPECT_TRUE(choose_preempted(candidates, 16 * mib + 1).empty()) << "revoked what cannot serve the head";
+  EXPECT_TRUE(choose_preempted(candidates, 0).empty());
+  // Lent at the same moment: the larger first.
+  EXPECT_EQ(choose_preempted({{5, 2 * mib, t0}, {6, 4 * mib, t0}}, 1), (std::vector<std::uint64_t>{6}));
+}
+
+TEST(lending_preemption, is_off_unless_configured) {
+  preemption_fixture f({.capacity_bytes = 8 * mib});
+  borrower model_a(f.dev, f.l->address()), model_b(f.dev, f.l->address());
+  auto a = model_a.borrow(8 * mib, "model A");
+  EXPECT_THROW((void)model_b.borrow(4 * mib, "model B", region_mode::exclusive, answer_timeout,
+                                    borrow_wait{300ms, {}}),
+               out_of_memory);
+  EXPECT_TRUE(model_a.revocations().empty());
+  EXPECT_EQ(f.l->status().revocations, 0u);
+}
+
+TEST(lending_preemption, revokes_the_oldest_regions_the_shortfall_needs_and_serves_the_head) {
+  preemption_fixture f({.capacity_bytes = 8 * mib, .preempt_after = 0ms, .preempt_deadline = 5s});
+  borrower model_a(f.dev, f.l->address()), model_b(f.dev, f.l->address());
+  auto parameters = model_a.borrow(2 * mib, "model A parameters");
+  auto activations = model_a.borrow(4 * mib, "model A activations");
+  auto b = f.borrow_waiting(model_b, 4 * mib, 10s);  // 2 MiB free: 2 short
+  const auto asked = model_a.revocations(2s);
+  ASSERT_EQ(ids_of(asked), (std::vector<std::uint64_t>{parameters.id()})) << "not the oldest region alone";
+  EXPECT_GT(asked[0].deadline, std::chrono::steady_clock::now() + 3s) << "not the configured deadline";
+  // The region on its way back counts: at later checks no more is revoked.
+  std::this_thread::sleep_for(200ms);
+  EXPECT_TRUE(model_a.revocations().empty());
+  EXPECT_EQ(f.revoking(), (std::vector<std::uint64_t>{parameters.id()}));
+  auto s = f.l->status();
+  EXPECT_EQ(s.revocations, 1u);
+  EXPECT_EQ(s.preemptions, 1u);
+  EXPECT_NE(f.l->metrics_text().find("shoal_lending_preemptions_total 1\n"), std::string::npos);
+  {
+    std::lock_guard lock(*f.recorder.guard);
+    EXPECT_TRUE(std::any_of(f.recorder.events->begin(), f.recorder.events->end(), [](const lending::lender_event& e) {
+      return e.what == lending::lender_event::kind::revoke_requested &&
+             e.detail.find("preempted for the borrow of " + std::to_string(4 * mib) + " bytes") != std::string::npos;
+    })) << "the log does not say why";
+  }
+
+  model_a.give_back(std::move(parameters));
+  ASSERT_EQ(b.wait_for(2s), std::future_status::ready);
+  EXPECT_TRUE(b.get().valid()) << "the next model's turn";
+  EXPECT_TRUE(activations.valid());
+}
+
+TEST(lending_preemption, waits_preempt_after_before_it_revokes) {
+  preemption_fixture f({.capacity_bytes = 8 * mib, .preempt_after = 400ms});
+  borrower model_a(f.dev, f.l->address()), model_b(f.dev, f.l->address());
+  auto a = model_a.borrow(8 * mib, "model A");
+  const auto start = std::chrono::steady_clock::now();
+  auto b = f.borrow_waiting(model_b, 8 * mib, 10s);
+  ASSERT_TRUE(f.waiting(1));
+  EXPECT_TRUE(model_a.revocations(200ms).empty()) << "revoked before the head waited preempt_after";
+  ASSERT_EQ(model_a.revocations(2s).size(), 1u);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 400ms);
+  model_a.give_back(std::move(a));
+  ASSERT_EQ(b.wait_for(2s), std::future_status::ready);
+  EXPECT_TRUE(b.get().valid());
+}
+
+TEST(lending_preemption, spares_shared_regions_and_the_regions_of_borrowers_that_wait) {
+  // 10 MiB: a shared region (2), a borrower that will wait behind (2), the
+  // head's own (2), another model's (2), lent in that order; 2 free.
+  preemption_fixture f({.capacity_bytes = 10 * mib, .preempt_after = 400ms});
+  borrower writer(f.dev, f.l->address()), behind(f.dev, f.l->address()), head(f.dev, f.l->address()),
+      other(f.dev, f.l->address());
+  auto shared = writer.borrow(2 * mib, "weights");
+  lending::region_layout layout;
+  layout.entries = {{"w", 0, shared.size(), lending::dtype::uint8, {shared.size()}}};
+  layout.hash = lending::hash_entries(f.dev, shared.data(), shared.size(), layout);
+  shared = writer.publish(std::move(shared), layout);
+  auto behind_own = behind.borrow(2 * mib, "behind");
+  auto head_own = head.borrow(2 * mib, "head");
+  auto others = other.borrow(2 * mib, "other model");
+  auto first = f.borrow_waiting(head, 4 * mib, 10s);  // 2 short
+  ASSERT_TRUE(f.waiting(1));
+  auto second = f.borrow_waiting(behind, 2 * mib, 10s);
+  ASSERT_TRUE(f.waiting(2));
+  ASSERT_EQ(ids_of(other.revocations(2s)), (std::vector<std::uint64_t>{others.id()}));
+  EXPECT_EQ(f.revoking(), (std::vector<std::uint64_t>{others.id()})) << "an older region it may not take was revoked";
+  other.give_back(std::move(others));
+  ASSERT_EQ(first.wait_for(2s), std::future_status::ready);
+  EXPECT_TRUE(first.get().valid());
+}
+
+TEST(lending_preemption, revokes_nothing_when_all_it_may_revoke_would_not_serve_the_head) {
+  preemption_fixture f({.capacity_bytes = 8 * mib, .preempt_after = 0ms});
+  borrower holder(f.dev, f.l->address()), waiter(f.dev, f.l->address());
+  auto held = holder.borrow(2 * mib, "model A");
+  {
+    // A connection borrows and hangs up while its process (this one) runs:
+    // its region stays, orphaned, and cannot be revoked.
+    auto raw = channel::connection::connect(f.l->address(), {});
+    channel::send_hello(raw, lending::detail::lending_protocol);
+    (void)raw.receive_for(2000ms);
+    raw.send(static_cast<std::uint16_t>(lending::detail::message_type::borrow),
+             lending::detail::encode(lending::detail::borrow_message{1, 4 * mib, region_mode::exclusive, "x"}));
+    ASSERT_EQ(raw.receive_for(2000ms).type, static_cast<std::uint16_t>(lending::detail::message_type::lent));
+  }
+  ASSERT_TRUE(eventually([&] {
+    const auto s = f.l->status();
+    return std::any_of(s.regions.begin(), s.regions.end(),
+                       [](const auto& r) { return r.state == lending::region_state::orphaned; });
+  }));
+  EXPECT_THROW((void)waiter.borrow(6 * mib, "the next model", region_mode::exclusive, answer_timeout,
+                                   borrow_wait{300ms, {}}),
+               out_of_memory);  // 4 short; model A's 2 cannot cover it
+  EXPECT_TRUE(holder.revocations().empty()) << "revoked a region that could not serve the head";
+  EXPECT_EQ(f.l->status().revocations, 0u);
+}
+
+TEST(lending_preemption, revokes_others_when_a_borrower_lets_the_deadline_pass) {
+  preemption_fixture f({.capacity_bytes = 4 * mib, .preempt_after = 0ms, .preempt_deadline = 150ms});
+  borrower model_a(f.dev, f.l->address()), model_b(f.dev, f.l->address()), model_c(f.dev, f.l->address());
+  auto a = model_a.borrow(2 * mib, "model A");
+  auto b = model_b.borrow(2 * mib, "model B");
+  auto c = f.borrow_waiting(model_c, 2 * mib, 10s);
+  ASSERT_EQ(ids_of(model_a.revocations(2s)), (std::vector<std::uint64_t>{a.id()}));  // model A does not answer
+  EXPECT_TRUE(model_b.revocations(100ms).empty()) << "revoked more while model A's deadline runs";
+  ASSERT_EQ(ids_of(model_b.revocations(2s)), (std::vector<std::uint64_t>{b.id()}));
+  // Named late at the periodic check, which may come just after the next revoke.
+  EXPECT_TRUE(eventually([&] { return f.l->status().revocations_missed == 1; }));
+  EXPECT_EQ(f.l->status().preemptions, 2u);
+  model_b.give_back(std::move(b));
+  ASSERT_EQ(c.wait_for(2s), std::future_status::ready);
+  EXPECT_TRUE(c.get().valid());
+  EXPECT_TRUE(a.valid()) << "model A keeps its region, named late";
+}
+
+TEST(lending_preemption, refuses_a_config_out_of_range) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  const auto address = channel::channel_address::at_path(dir / "l.sock");
+  EXPECT_THROW(lender(dev, address, {.preempt_after = -1ms}), invalid_argument);
+  EXPECT_THROW(lender(dev, address, {.preempt_deadline = 0ms}), invalid_argument);
+  EXPECT_THROW(lender(dev, address, {.preempt_deadline = std::chrono::milliseconds(std::int64_t{1} << 33)}),
+               invalid_argument);
+}
+
+}  // namespace
+}  // namespace shoal::testing
