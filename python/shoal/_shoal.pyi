@@ -51,6 +51,9 @@ class PeerTimeoutError(ShoalError, TimeoutError):
 class ContentMismatchError(ShoalError):
     """Memory's content is not what the caller expected: a published region's content hash is not the one asked for."""
 
+class CancelledError(ShoalError):
+    """A wait was ended by its caller's cancel event (e.g. Borrower.borrow(cancel=...)); nothing it asked for is held."""
+
 # The package's own helpers (functions with a leading underscore below, and
 # this attribute) are not part of the API.
 _capsule_type: type
@@ -693,7 +696,7 @@ class Lender:
     Lends regions of this process's device memory to borrower processes over a UNIX socket (the memory daemon's core, serving on its own thread).
     """
 
-    def __init__(self, address: str, device: Device | None = None, capacity_bytes: int = 1073741824, quota_bytes: int = 1073741824, max_borrowers: int = 64, max_regions_per_borrower: int = 1024, peer_timeout: float = 1.0, allowed_uids: Sequence[int] = [], reuse: str = 'same_uid', prepared_chunks: Sequence[int] = [], max_wait: float = 300.0) -> None:
+    def __init__(self, address: str, device: Device | None = None, capacity_bytes: int = 1073741824, quota_bytes: int = 1073741824, max_borrowers: int = 64, max_regions_per_borrower: int = 1024, peer_timeout: float = 1.0, allowed_uids: Sequence[int] = [], reuse: str = 'same_uid', prepared_chunks: Sequence[int] = [], max_wait: float = 300.0, preempt_after: float | None = None, preempt_deadline: float = 10.0) -> None:
         """
         Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` in all and ``quota_bytes`` per borrower. ``reuse``: 'same_uid' lends given-back memory again to borrowers of the same uid (borrowers keep their mappings); 'never' makes every region fresh memory. ``prepared_chunks``: sizes in bytes of chunks made now (each rounded up to the device's granularity, their sum at most ``capacity_bytes``); a region of one of those sizes is lent from one with no device call at borrow time (``shoal daemon --prepare``). Raises the device's error (``OutOfMemoryError``) when they cannot be made.
         """
@@ -741,7 +744,7 @@ class Borrower:
         (count, bytes) of the mappings of given-back regions this borrower keeps for a later lend.
         """
 
-    def _borrow(self, allocator: Allocator, nbytes: int, purpose: str, timeout: float, wait: float) -> Storage: ...
+    def _borrow(self, allocator: Allocator, nbytes: int, purpose: str, timeout: float, wait: float, cancel: object | None) -> Storage: ...
 
     def _publish(self, allocator: Allocator, storage: Storage, entries: Sequence[tuple[str, int, int, str, Sequence[int]]], hash: bytes | None, timeout: float) -> Storage: ...
 

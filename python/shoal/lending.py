@@ -51,11 +51,18 @@ reader it has the model it asked for, not that the writer is honest.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Protocol, Sequence, Union
 
 from . import _shoal, default_allocator
 
-__all__ = ["Borrower", "Entry", "Lender", "SharedRegion"]
+__all__ = ["Borrower", "CancelEvent", "Entry", "Lender", "SharedRegion"]
+
+class CancelEvent(Protocol):
+    """What ``Borrower.borrow(cancel=...)`` takes: a ``threading.Event``, or anything whose
+    ``is_set()`` says whether to stop."""
+
+    def is_set(self) -> bool: ...
+
 
 # The longest wait the protocol carries (2**32 - 1 ms): "as long as the lender allows".
 _FOREVER = 4294967.295
@@ -190,7 +197,13 @@ class Borrower:
         return self._native.kept()
 
     def borrow(
-        self, nbytes: int, purpose: str, *, timeout: float = 5.0, wait: Optional[float] = 0.0
+        self,
+        nbytes: int,
+        purpose: str,
+        *,
+        timeout: float = 5.0,
+        wait: Optional[float] = 0.0,
+        cancel: Optional[CancelEvent] = None,
     ) -> _shoal.Storage:
         """A region of at least ``nbytes`` (rounded up to the device's granularity) for
         ``purpose`` (1 to 64 printable ASCII characters), mapped in this process.
@@ -212,10 +225,14 @@ class Borrower:
 
         A borrower's calls go one at a time: while this one waits, the others wait behind
         it (a region dropped meanwhile is unmapped at once and given back at the next call),
-        so give each model its own ``Borrower``. Ctrl-C (``KeyboardInterrupt``, on the main
-        thread) and :meth:`close` from another thread (``ConnectionClosedError``) end a
-        waiting borrow at once; the lender is told, and a region it lent just before is
-        given back unmapped at this borrower's next call (or as it closes)."""
+        so give each model its own ``Borrower``. Three things end a waiting borrow within
+        about 50 ms: ``cancel`` being set (``cancel``: a ``threading.Event`` another thread
+        sets; ``shoal.CancelledError``, the borrower still usable — for worker threads,
+        where Ctrl-C does not reach), Ctrl-C (``KeyboardInterrupt``, on the main thread),
+        and :meth:`close` from another thread (``ConnectionClosedError``). The lender is
+        told, and a region it lent just before is given back unmapped at this borrower's
+        next call (or as it closes). A ``cancel`` set before the call raises
+        ``CancelledError`` without asking."""
         if type(nbytes) is not int or nbytes < 1:
             raise _shoal.InvalidArgumentError(
                 f"shoal.lending.Borrower.borrow: nbytes must be a whole number of bytes >= 1, not {nbytes!r}")
@@ -223,7 +240,8 @@ class Borrower:
             raise _shoal.InvalidArgumentError(
                 f"shoal.lending.Borrower.borrow: purpose must be a str of 1 to 64 printable ASCII characters, "
                 f"not {purpose!r}")
-        return self._native._borrow(self._allocator, nbytes, purpose, timeout, _FOREVER if wait is None else wait)
+        return self._native._borrow(
+            self._allocator, nbytes, purpose, timeout, _FOREVER if wait is None else wait, cancel)
 
     def publish(
         self,
@@ -325,8 +343,16 @@ class Lender:
     again within one uid, ``"never"`` makes every region fresh memory.
     ``prepared_chunks``: sizes of chunks made now, from which regions of those sizes are
     lent with no device call at borrow time. ``max_wait``: the longest a borrow may wait
-    for memory, in seconds (a longer ``wait`` is cut to it). (``shoal daemon`` runs one as a
-    program.)"""
+    for memory, in seconds (a longer ``wait`` is cut to it).
+
+    ``preempt_after`` (seconds, off when None): once the borrow first in the waiting line
+    has waited this long (0: at once) and does not fit, the lender revokes regions of other
+    borrowers for it — lent longest ago first, only as many as it lacks, none when all it
+    may revoke would not be enough — each to be given back within ``preempt_deadline``
+    seconds (see :meth:`Borrower.revocations`). Shared regions, orphaned ones and the
+    regions of borrowers that wait themselves are never revoked; when a borrower lets the
+    deadline pass it keeps its region (named in the log) and the lender revokes others.
+    (``shoal daemon`` runs one as a program.)"""
 
     def __init__(
         self,
@@ -342,11 +368,13 @@ class Lender:
         reuse: str = "same_uid",
         prepared_chunks: Sequence[int] = (),
         max_wait: float = 300.0,
+        preempt_after: Optional[float] = None,
+        preempt_deadline: float = 10.0,
     ) -> None:
         self._address = address
         self._native = _shoal.Lender(
             address, device, capacity_bytes, quota_bytes, max_borrowers, max_regions_per_borrower, peer_timeout,
-            list(allowed_uids), reuse, list(prepared_chunks), max_wait)
+            list(allowed_uids), reuse, list(prepared_chunks), max_wait, preempt_after, preempt_deadline)
 
     def status(self) -> dict:
         """Regions lent (id, bytes, purpose, mode, state, pid, uid, age_seconds, and for a shared

@@ -182,6 +182,9 @@ channel::access_policy policy_of(const std::vector<std::uint32_t>& allowed_uids)
 std::shared_ptr<const void> hold(nb::handle object);
 
 void register_errors(nb::module_& m);
+/// Raises CancelledError(message) from a wait its caller's cancel event
+/// ended (the GIL held): sets it and throws nb::python_error.
+[[noreturn]] void raise_cancelled(const std::string& message);
 void register_streams(nb::module_& m);
 void register_allocator(nb::module_& m);
 void register_storages(nb::module_& m);

@@ -12,6 +12,8 @@
 //   (.invariant) ConnectionClosedError(ShoalError, ConnectionError)
 //   connection_closed PeerRefusedError(ShoalError, ConnectionRefusedError)
 //   peer_refused ContentMismatchError(ShoalError) content_mismatch
+// and one with no C++ type: CancelledError(ShoalError), a wait its caller's
+// cancel event ended (raise_cancelled).
 #include <nanobind/stl/string.h>
 
 #include <functional>
@@ -40,6 +42,7 @@ struct exception_types {
   PyObject* peer_refused = nullptr;
   PyObject* timeout = nullptr;
   PyObject* content_mismatch = nullptr;
+  PyObject* cancelled = nullptr;
 };
 exception_types types;  // set once at import; the module keeps them alive
 
@@ -122,6 +125,11 @@ void throw_cpp_error(const std::string& kind, const std::string& message) {
 
 }  // namespace
 
+void raise_cancelled(const std::string& message) {
+  raise(types.cancelled, message.c_str());
+  throw nb::python_error();
+}
+
 void register_errors(nb::module_& m) {
   types.error = new_type(m, "ShoalError", "Base of every error shoal raises.", {PyExc_RuntimeError});
   types.invalid_argument =
@@ -164,6 +172,10 @@ void register_errors(nb::module_& m) {
                                     "Memory's content is not what the caller expected: a published region's content "
                                     "hash is not the one asked for.",
                                     {types.error});
+  types.cancelled = new_type(m, "CancelledError",
+                             "A wait was ended by its caller's cancel event (e.g. Borrower.borrow(cancel=...)); "
+                             "nothing it asked for is held.",
+                             {types.error});
   nb::register_exception_translator(translate);
   m.def("_throw_cpp_error", &throw_cpp_error, nb::arg("kind"), nb::arg("message"),
         "Test hook: throws the C++ error type `kind` (e.g. 'out_of_memory') "

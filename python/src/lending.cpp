@@ -194,6 +194,7 @@ nb::dict status_dict(const lending::lender_status& s) {
   d["regions"] = regions;
   d["waits"] = s.waits;
   d["waits_expired"] = s.waits_expired;
+  d["preemptions"] = s.preemptions;
   nb::list waiting;
   for (const auto& w : s.waiting) {
     nb::dict one;
@@ -220,7 +221,8 @@ void register_lending(nb::module_& m) {
           [](py_lender* self, const std::string& address, backend::device* device, std::size_t capacity_bytes,
              std::size_t quota_bytes, std::size_t max_borrowers, std::size_t max_regions_per_borrower,
              double peer_timeout, const std::vector<std::uint32_t>& allowed_uids, const std::string& reuse,
-             const std::vector<std::size_t>& prepared_chunks, double max_wait) {
+             const std::vector<std::size_t>& prepared_chunks, double max_wait, std::optional<double> preempt_after,
+             double preempt_deadline) {
             if (reuse != "same_uid" && reuse != "never") {
               throw invalid_argument("Lender: reuse='" + reuse + "' is not 'same_uid' or 'never'");
             }
@@ -234,6 +236,18 @@ void register_lending(nb::module_& m) {
               throw invalid_argument("Lender: max_wait must be a finite number of seconds from 0.001 to about 49 days");
             }
             config.max_wait = timeout_of(max_wait, "Lender", "max_wait");
+            if (preempt_after) {
+              if (!(*preempt_after >= 0 && *preempt_after <= max_wait_seconds)) {
+                throw invalid_argument(
+                    "Lender: preempt_after must be None or a finite number of seconds from 0 to about 49 days");
+              }
+              config.preempt_after = std::chrono::milliseconds(std::llround(*preempt_after * 1000.0));
+            }
+            if (!(preempt_deadline <= max_wait_seconds)) {
+              throw invalid_argument(
+                  "Lender: preempt_deadline must be a finite number of seconds from 0.001 to about 49 days");
+            }
+            config.preempt_deadline = timeout_of(preempt_deadline, "Lender", "preempt_deadline");
             config.policy = policy_of(allowed_uids);
             config.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
             config.prepared_chunks = prepared_chunks;
@@ -246,6 +260,7 @@ void register_lending(nb::module_& m) {
           nb::arg("max_regions_per_borrower") = 1024, nb::arg("peer_timeout") = 1.0,
           nb::arg("allowed_uids") = std::vector<std::uint32_t>{}, nb::arg("reuse") = "same_uid",
           nb::arg("prepared_chunks") = std::vector<std::size_t>{}, nb::arg("max_wait") = 300.0,
+          nb::arg("preempt_after").none() = nb::none(), nb::arg("preempt_deadline") = 10.0,
           "Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` "
           "in all and ``quota_bytes`` per borrower. ``reuse``: 'same_uid' lends given-back memory again to "
           "borrowers of the same uid (borrowers keep their mappings); 'never' makes every region fresh memory. "
@@ -345,21 +360,30 @@ void register_lending(nb::module_& m) {
       .def(
           "_borrow",
           [](const py_borrower& b, const py_allocator& allocator, std::size_t nbytes, const std::string& purpose,
-             double timeout, double wait) {
+             double timeout, double wait, nb::object cancel) {
             auto& device = allocator.state->allocator().device();
             const auto t = timeout_of(timeout, "Borrower.borrow");
             if (!(wait >= 0) || !std::isfinite(wait) || wait > max_wait_seconds) {
               throw invalid_argument("Borrower.borrow: wait must be a finite number of seconds from 0 to about 49 days");
             }
             const auto borrower = b.borrower.enter();
-            // While the borrow waits: Ctrl-C (KeyboardInterrupt) and close()
-            // from another thread end it; a region lent later is given back.
+            // While the borrow waits: Ctrl-C (KeyboardInterrupt), close() from
+            // another thread and the cancel event end it; a region lent later
+            // is given back.
+            const nb::object cancel_is_set = cancel.is_none() ? nb::object() : cancel.attr("is_set");
+            if (cancel_is_set.is_valid() && nb::cast<bool>(cancel_is_set())) {
+              raise_cancelled("Borrower.borrow: cancelled before it was sent (its cancel event was set)");
+            }
             // Rounded to the millisecond; a wait above 0 is at least 1 ms.
             const auto wait_ms = std::max<std::int64_t>(std::llround(wait * 1000.0), wait > 0 ? 1 : 0);
             const lending::borrow_wait waiting{std::chrono::milliseconds(wait_ms), [&] {
                   nb::gil_scoped_acquire gil;
                   if (PyErr_CheckSignals() != 0) throw nb::python_error();
                   if (borrower.closing()) b.borrower.throw_closed();
+                  if (cancel_is_set.is_valid() && nb::cast<bool>(cancel_is_set())) {
+                    raise_cancelled("Borrower.borrow: cancelled while it waited for memory (its cancel event was "
+                                    "set); the lender was told");
+                  }
                 }};
             std::optional<lending::borrowed_region> region;
             {
@@ -368,7 +392,8 @@ void register_lending(nb::module_& m) {
             }
             return storage_of(allocator, std::move(*region));
           },
-          nb::arg("allocator"), nb::arg("nbytes"), nb::arg("purpose"), nb::arg("timeout"), nb::arg("wait"))
+          nb::arg("allocator"), nb::arg("nbytes"), nb::arg("purpose"), nb::arg("timeout"), nb::arg("wait"),
+          nb::arg("cancel").none())
       .def(
           "_publish",
           [](const py_borrower& b, const py_allocator& allocator, py_storage& storage,

@@ -605,3 +605,56 @@ def test_a_wait_of_none_waits_as_long_as_the_lender_allows_and_timeouts_are_keyw
         with pytest.raises(TypeError):
             borrower.borrow(unit, "positional timeout", 5.0)  # type: ignore[misc]
         del held
+
+
+def test_a_cancel_event_ends_a_waiting_borrow_and_the_borrower_goes_on(address):
+    in_process_only()
+    unit = 2 * MIB
+    with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender, \
+            shoal.lending.Borrower(address) as model_a, shoal.lending.Borrower(address) as model_b:
+        region = model_a.borrow(4 * unit, "model A")
+        cancel = threading.Event()
+        thread, outcome = borrow_in_thread(model_b, 4 * unit, "model B", wait=30.0, cancel=cancel)
+        assert eventually(lambda: len(lender.status()["waiting"]) == 1)
+        cancel.set()
+        thread.join(timeout=5)
+        assert not thread.is_alive(), "the cancel event did not end the waiting borrow"
+        assert isinstance(outcome["error"], shoal.CancelledError), outcome
+        assert isinstance(outcome["error"], shoal.ShoalError)
+        assert outcome["seconds"] < 3
+        assert eventually(lambda: lender.status()["waiting"] == []), "the cancelled borrow kept its place in line"
+        del region
+        assert eventually(lambda: lender.status()["lent_bytes"] == 0)
+        # The borrower goes on; a cancel set before the call asks nothing.
+        assert model_b.borrow(unit, "model B", cancel=threading.Event()).nbytes == unit
+        requests = lender.status()["requests"]
+        with pytest.raises(shoal.CancelledError, match="before it was sent"):
+            model_b.borrow(unit, "cancelled already", cancel=cancel)
+        assert lender.status()["requests"] == requests
+
+
+def test_the_lender_preempts_the_oldest_region_for_a_waiting_borrow(address):
+    in_process_only()
+    unit = 2 * MIB
+    with shoal.lending.Lender(address, capacity_bytes=4 * unit, preempt_after=0.0, preempt_deadline=5.0) as lender, \
+            shoal.lending.Borrower(address) as model_a, shoal.lending.Borrower(address) as model_b:
+        parameters = model_a.borrow(unit, "model A parameters")
+        activations = model_a.borrow(2 * unit, "model A activations")
+        thread, outcome = borrow_in_thread(model_b, 2 * unit, "model B", wait=10.0)  # one unit short
+        asked = model_a.revocations(wait=2.0)
+        assert [region for region, _ in asked] == [model_a.region_id(parameters)]
+        assert 3.0 < asked[0][1] <= 5.0
+        status = lender.status()
+        assert (status["revocations"], status["preemptions"]) == (1, 1)
+        assert "shoal_lending_preemptions_total 1\n" in lender.metrics()
+        del parameters  # model A answers the revoke
+        thread.join(timeout=5)
+        assert outcome["region"].nbytes == 2 * unit
+        assert activations.nbytes == 2 * unit
+
+
+def test_preemption_settings_out_of_range_are_named(address):
+    for bad in ({"preempt_after": -1.0}, {"preempt_after": float("nan")}, {"preempt_deadline": 0.0},
+                {"preempt_deadline": 1e9}):
+        with pytest.raises(shoal.InvalidArgumentError, match="preempt_"):
+            shoal.lending.Lender(address, **bad)
