@@ -18,6 +18,9 @@ class OutOfMemoryError(ShoalError, MemoryError):
     """The device (or the configured limit) cannot provide the memory asked for."""
 
     requested_bytes: int
+    #: Why a lender refused a borrow: 'capacity', 'wait_expired', 'others_waiting',
+    #: 'cannot_fit' or 'stopped_waiting'; None for this process's own device or limit.
+    reason: str | None
 
 class DeviceUnavailableError(ShoalError):
     """The requested backend or device does not exist here."""

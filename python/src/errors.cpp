@@ -23,6 +23,7 @@
 
 #include "bindings.h"
 #include "shoal/core/error.h"
+#include "shoal/lending/lending_types.h"
 
 namespace shoal::python {
 
@@ -73,8 +74,11 @@ void translate(const std::exception_ptr& p, void*) {
     raise(types.protocol_error, e.what());
   } catch (const invalid_argument& e) {
     raise(types.invalid_argument, e.what());
+  } catch (const lending::memory_refused& e) {
+    raise(types.out_of_memory, e.what(),
+          {{"requested_bytes", nb::int_(e.requested_bytes())}, {"reason", nb::str(lending::to_string(e.reason()))}});
   } catch (const out_of_memory& e) {
-    raise(types.out_of_memory, e.what(), {{"requested_bytes", nb::int_(e.requested_bytes())}});
+    raise(types.out_of_memory, e.what(), {{"requested_bytes", nb::int_(e.requested_bytes())}, {"reason", nb::none()}});
   } catch (const device_unavailable& e) {
     raise(types.device_unavailable, e.what());
   } catch (const backend_error& e) {
@@ -107,6 +111,7 @@ void throw_cpp_error(const std::string& kind, const std::string& message) {
       {"invalid_argument", [&] { throw invalid_argument(message); }},
       {"protocol_error", [&] { throw protocol_error(message); }},
       {"out_of_memory", [&] { throw out_of_memory(message, 4096); }},
+      {"memory_refused", [&] { throw lending::memory_refused(message, 4096, lending::shortage::wait_expired); }},
       {"device_unavailable", [&] { throw device_unavailable(message); }},
       {"backend_error", [&] { throw backend_error("a_call", message); }},
       {"stream_error", [&] { throw stream_error(message); }},
@@ -140,7 +145,9 @@ void register_errors(nb::module_& m) {
   types.out_of_memory = new_type(m, "OutOfMemoryError",
                                  "The device (or the configured limit) cannot provide the memory "
                                  "asked for; "
-                                 "`requested_bytes` says how much the request was.",
+                                 "`requested_bytes` says how much the request was; `reason` says why a lender "
+                                 "refused a borrow ('capacity', 'wait_expired', 'others_waiting', 'cannot_fit', "
+                                 "'stopped_waiting'), None for this process's own device or limit.",
                                  {types.error, PyExc_MemoryError});
   types.device_unavailable =
       new_type(m, "DeviceUnavailableError", "The requested backend or device does not exist here.", {types.error});

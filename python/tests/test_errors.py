@@ -41,6 +41,12 @@ def test_errors_carry_their_fields():
     with pytest.raises(shoal.InvariantViolationError) as invariant:
         shoal._shoal._throw_cpp_error("invariant_violation", "broken")
     assert invariant.value.invariant == "an_invariant"
+    with pytest.raises(shoal.OutOfMemoryError) as refused:
+        shoal._shoal._throw_cpp_error("memory_refused", "no room")
+    assert (refused.value.requested_bytes, refused.value.reason) == (4096, "wait_expired")
+    with pytest.raises(shoal.OutOfMemoryError) as own:
+        shoal._shoal._throw_cpp_error("out_of_memory", "no room")
+    assert own.value.reason is None
 
 
 def test_a_real_invalid_argument_is_a_value_error():
@@ -54,6 +60,7 @@ def test_a_real_out_of_memory_is_a_memory_error_with_the_size_asked():
         allocator.allocate(4 << 20)
     assert isinstance(raised.value, shoal.OutOfMemoryError)
     assert raised.value.requested_bytes == 4 << 20
+    assert raised.value.reason is None
 
 
 def test_a_missing_cuda_device_is_device_unavailable():

@@ -658,3 +658,29 @@ def test_preemption_settings_out_of_range_are_named(address):
                 {"preempt_deadline": 1e9}):
         with pytest.raises(shoal.InvalidArgumentError, match="preempt_"):
             shoal.lending.Lender(address, **bad)
+
+
+def test_out_of_memory_from_a_lender_says_which_shortage(address):
+    in_process_only()
+    unit = 2 * MIB
+    with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender, \
+            shoal.lending.Borrower(address) as model_a, shoal.lending.Borrower(address) as model_b, \
+            shoal.lending.Borrower(address) as model_c:
+
+        def reason(borrower, nbytes: int, **kwargs) -> str:
+            with pytest.raises(shoal.OutOfMemoryError) as raised:
+                borrower.borrow(nbytes, "refused", **kwargs)
+            assert raised.value.requested_bytes == nbytes
+            return raised.value.reason
+
+        assert reason(model_a, 5 * unit) == "cannot_fit"
+        held = model_a.borrow(4 * unit, "model A")
+        assert reason(model_b, unit) == "capacity"
+        assert reason(model_b, unit, wait=0.2) == "wait_expired"
+        assert reason(model_a, unit, wait=5.0) == "cannot_fit"  # beside its own regions
+        thread, outcome = borrow_in_thread(model_c, unit, "model C", wait=10.0)
+        assert eventually(lambda: len(lender.status()["waiting"]) == 1)
+        assert reason(model_b, unit) == "others_waiting"
+        del held
+        thread.join(timeout=5)
+        assert outcome["region"].nbytes == unit

@@ -502,7 +502,15 @@ struct borrowed_region::link {
     const std::string why = "the lender refused: " + m.why;
     switch (m.reason) {
       case refusal::capacity:
-        throw out_of_memory(why, bytes);
+        throw memory_refused(why, bytes, shortage::capacity);
+      case refusal::wait_expired:
+        throw memory_refused(why, bytes, shortage::wait_expired);
+      case refusal::others_waiting:
+        throw memory_refused(why, bytes, shortage::others_waiting);
+      case refusal::cannot_fit:
+        throw memory_refused(why, bytes, shortage::cannot_fit);
+      case refusal::stopped_waiting:
+        throw memory_refused(why, bytes, shortage::stopped_waiting);
       case refusal::quota:
       case refusal::not_permitted:
         throw peer_refused(why);

@@ -124,6 +124,22 @@ const char* to_string(region_mode mode) noexcept {
   return "unknown";
 }
 
+const char* to_string(shortage why) noexcept {
+  switch (why) {
+    case shortage::capacity:
+      return "capacity";
+    case shortage::wait_expired:
+      return "wait_expired";
+    case shortage::others_waiting:
+      return "others_waiting";
+    case shortage::cannot_fit:
+      return "cannot_fit";
+    case shortage::stopped_waiting:
+      return "stopped_waiting";
+  }
+  return "unknown";
+}
+
 const char* to_string(region_state state) noexcept {
   switch (state) {
     case region_state::lent:
@@ -581,13 +597,13 @@ class lender::state {
     const std::size_t granularity = device_.granularity();
     const std::size_t bytes = detail::round_up(static_cast<std::size_t>(m.bytes), granularity);
     if (bytes == 0 || bytes > config_.capacity_bytes) {
-      return send_refusal(b, m.request, refusal::capacity,
+      return send_refusal(b, m.request, refusal::cannot_fit,
                           std::to_string(m.bytes) + " bytes (" + std::to_string(bytes) +
                               " rounded up to the device's granularity) is more than the lender's capacity of " +
                               std::to_string(config_.capacity_bytes));
     }
     if (m.wait_ms > 0 && b.held_bytes + bytes > config_.capacity_bytes) {
-      return send_refusal(b, m.request, refusal::capacity,
+      return send_refusal(b, m.request, refusal::cannot_fit,
                           "this borrower holds " + std::to_string(b.held_bytes) + " bytes, and " +
                               std::to_string(bytes) + " more would pass the lender's capacity of " +
                               std::to_string(config_.capacity_bytes) +
@@ -597,7 +613,7 @@ class lender::state {
     if (auto refused = quota_refusal(b, bytes)) return send_refusal(b, m.request, refused->reason, refused->why);
     const bool others_wait = !waiting_.empty();  // the serving thread, the line's only writer, reads it unlocked
     if (others_wait && m.wait_ms == 0) {
-      return send_refusal(b, m.request, refusal::capacity,
+      return send_refusal(b, m.request, refusal::others_waiting,
                           "borrows wait for memory ahead of this one, which does not wait: memory given back goes "
                           "to them first (borrow with a wait to take a place in line)");
     }
@@ -734,7 +750,7 @@ class lender::state {
       note_head_change(head);
     }
     b.waiting = false;
-    if (w) send_refusal(b, w->request.request, refusal::capacity, std::string("stopped waiting for memory: ") + why);
+    if (w) send_refusal(b, w->request.request, refusal::stopped_waiting, std::string("stopped waiting for memory: ") + why);
   }
 
   // Refuses each waiting borrow whose wait has run out, then serves the
@@ -761,7 +777,7 @@ class lender::state {
       answer_waiting(*b, [&] {
         const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(w.until - w.since).count();
         const bool cut = waited < static_cast<std::int64_t>(w.request.wait_ms);
-        send_refusal(*b, w.request.request, refusal::capacity,
+        send_refusal(*b, w.request.request, refusal::wait_expired,
                      std::to_string(w.bytes) + " bytes asked; waited " + std::to_string(waited) + " ms" +
                          (cut ? " (the lender's longest wait; " + std::to_string(w.request.wait_ms) + " asked)" : "") +
                          " and not that much was given back (" + room_left() + ")");

@@ -106,7 +106,7 @@ refused_message decode_refused(std::span<const std::byte> payload) {
   m.request = r.get<std::uint64_t>("request");
   const auto reason = r.get<std::uint8_t>("reason");
   if (reason < static_cast<std::uint8_t>(refusal::capacity) ||
-      reason > static_cast<std::uint8_t>(refusal::not_permitted)) {
+      reason > static_cast<std::uint8_t>(refusal::stopped_waiting)) {
     r.fail("reason", "unknown reason " + std::to_string(reason));
   }
   m.reason = static_cast<refusal>(reason);

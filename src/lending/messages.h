@@ -90,6 +90,11 @@ enum class refusal : std::uint8_t {
   hash_mismatch = 5, // the published region's content hash is not the one asked for
   writer_mismatch = 6,  // the published region's writer is not of the uid asked for
   not_permitted = 7,    // a request only a process of the lender's own uid may make
+  // Version 6: what `capacity` said alone, told apart (lending::shortage).
+  wait_expired = 8,     // it waited, and not that much came back in time
+  others_waiting = 9,   // it did not wait, and other borrows wait in line
+  cannot_fit = 10,      // no wait could make it fit
+  stopped_waiting = 11, // its borrower stopped waiting
 };
 
 struct borrow_message {

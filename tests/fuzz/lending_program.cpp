@@ -142,7 +142,7 @@ lending_program::lending_program(std::span<const std::uint8_t> input) {
       case lending_op::refused: {
         lending::detail::refused_message m;
         m.request = in.u8();
-        m.reason = static_cast<lending::detail::refusal>(in.u8() % 6);
+        m.reason = static_cast<lending::detail::refusal>(in.u8() % 13);  // 0 and 12 are no reason (refused)
         const auto why = in.bytes(in.u8());
         m.why.assign(reinterpret_cast<const char*>(why.data()), why.size());
         a.type = type_of(message_type::refused);

@@ -125,6 +125,31 @@ TEST(lending_waiting_borrow, a_wait_that_runs_out_is_refused_and_the_borrower_go
   EXPECT_TRUE(model_b.borrow(4 * mib, "model B").valid()) << "the link stays in step";
 }
 
+TEST(lending_waiting_borrow, refusals_for_want_of_memory_say_which_shortage) {
+  waiting_fixture f(8 * mib);
+  borrower model_a(f.dev, f.l->address()), model_b(f.dev, f.l->address()), model_c(f.dev, f.l->address());
+  const auto reason = [](borrower& b, std::size_t bytes, std::chrono::milliseconds wait) {
+    try {
+      (void)b.borrow(bytes, "refused", region_mode::exclusive, answer_timeout, borrow_wait{wait, {}});
+    } catch (const lending::memory_refused& e) {
+      EXPECT_EQ(e.requested_bytes(), bytes);
+      return std::string(lending::to_string(e.reason()));
+    }
+    return std::string("lent");
+  };
+  EXPECT_EQ(reason(model_a, 9 * mib, 0ms), "cannot_fit");
+  auto a = model_a.borrow(8 * mib, "model A");
+  EXPECT_EQ(reason(model_b, 2 * mib, 0ms), "capacity");
+  EXPECT_EQ(reason(model_b, 2 * mib, 100ms), "wait_expired");
+  EXPECT_EQ(reason(model_a, 2 * mib, 5000ms), "cannot_fit") << "beside its own regions";
+  auto c = f.borrow_waiting(model_c, 2 * mib, "model C", 10s);
+  ASSERT_TRUE(f.waiting(1));
+  EXPECT_EQ(reason(model_b, 2 * mib, 0ms), "others_waiting");
+  model_a.give_back(std::move(a));
+  ASSERT_EQ(c.wait_for(2s), std::future_status::ready);
+  EXPECT_TRUE(c.get().valid());
+}
+
 TEST(lending_waiting_borrow, borrows_are_served_in_the_order_they_came) {
   waiting_fixture f(8 * mib);
   borrower holder(f.dev, f.l->address()), first(f.dev, f.l->address()), second(f.dev, f.l->address()),
@@ -341,13 +366,15 @@ TEST(lending_waiting_borrow, a_borrower_that_hangs_up_while_it_waits_leaves_the_
   EXPECT_TRUE(after->get().valid());
 }
 
-// The refusal a raw connection reads for request `request`: its text.
-std::string refusal_of(channel::connection& raw, std::uint64_t request) {
+// The refusal of a waiting borrow that stopped waiting, which a raw
+// connection reads for request `request`: its text.
+std::string stopped_waiting_refusal(channel::connection& raw, std::uint64_t request) {
   const channel::frame f = raw.receive_for(2000ms);
   EXPECT_EQ(f.type, static_cast<std::uint16_t>(message_type::refused));
   if (f.type != static_cast<std::uint16_t>(message_type::refused)) return {};
   const auto refused = lending::detail::decode_refused(f.payload);
   EXPECT_EQ(refused.request, request);
+  EXPECT_EQ(refused.reason, lending::detail::refusal::stopped_waiting);
   return refused.why;
 }
 
@@ -357,7 +384,7 @@ TEST(lending_waiting_borrow, a_request_behind_a_waiting_borrow_ends_its_wait_and
   auto held = holder.borrow(8 * mib, "held");
   auto raw = raw_waiting(f);
   raw.send(static_cast<std::uint16_t>(message_type::query_metrics), std::span<const std::byte>{});
-  const std::string why = refusal_of(raw, 1);
+  const std::string why = stopped_waiting_refusal(raw, 1);
   EXPECT_NE(why.find("another request behind it"), std::string::npos) << why;
   EXPECT_EQ(raw.receive_for(2000ms).type, static_cast<std::uint16_t>(message_type::metrics));
   EXPECT_TRUE(f.l->status().waiting.empty());
@@ -369,7 +396,7 @@ TEST(lending_waiting_borrow, a_cancel_ends_the_wait_at_once_and_one_for_an_answe
   auto held = holder.borrow(8 * mib, "held");
   auto raw = raw_waiting(f);
   raw.send(static_cast<std::uint16_t>(message_type::cancel_wait), lending::detail::encode_cancel_wait(1));
-  const std::string why = refusal_of(raw, 1);
+  const std::string why = stopped_waiting_refusal(raw, 1);
   EXPECT_NE(why.find("its borrower stopped waiting"), std::string::npos) << why;
   EXPECT_TRUE(f.l->status().waiting.empty());
   // A cancel that crossed its borrow's answer (request 1 is answered) has no answer of its own.

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "shoal/core/error.h"
 #include "shoal/core/process_identity.h"
 
 namespace shoal::lending {
@@ -18,8 +19,9 @@ namespace shoal::lending {
 /// The protocol's name and version in its hello (channel/protocol.h).
 inline constexpr const char* protocol_name = "shoal.lending";
 // 2: memory ids, kept mappings, forget; 3: borrow_shared names the writer uid it expects;
-// 4: revoke_request (a process of the lender's own uid revokes a region); 5: a borrow may wait for memory
-inline constexpr std::uint16_t protocol_version = 5;
+// 4: revoke_request (a process of the lender's own uid revokes a region); 5: a borrow may wait for memory;
+// 6: refusals for want of memory say which shortage (shortage below)
+inline constexpr std::uint16_t protocol_version = 6;
 /// A region's purpose ("parameters", "computation", a model's name): at most
 /// this many bytes, printable ASCII.
 inline constexpr std::size_t max_purpose_bytes = 64;
@@ -32,6 +34,30 @@ enum class region_mode : std::uint8_t {
 };
 
 [[nodiscard]] const char* to_string(region_mode mode) noexcept;
+
+/// Why the lender had no memory for a borrow (memory_refused::reason).
+enum class shortage : std::uint8_t {
+  capacity,         ///< not that much is free now, and the borrow did not wait
+  wait_expired,     ///< it waited, and not that much was given back in time
+  others_waiting,   ///< it did not wait while other borrows wait: memory given back goes to them first
+  cannot_fit,       ///< no wait could make it fit: past the capacity, or beside the borrower's own regions
+  stopped_waiting,  ///< its borrower stopped waiting (sent a cancel or another request meanwhile)
+};
+
+/// "capacity", "wait_expired", "others_waiting", "cannot_fit", "stopped_waiting".
+[[nodiscard]] const char* to_string(shortage why) noexcept;
+
+/// The lender refused a borrow for want of memory; reason() says which
+/// shortage (the message says it in words).
+class memory_refused : public out_of_memory {
+ public:
+  memory_refused(const std::string& what, std::size_t requested_bytes, shortage reason)
+      : out_of_memory(what, requested_bytes), reason_(reason) {}
+  [[nodiscard]] shortage reason() const noexcept { return reason_; }
+
+ private:
+  shortage reason_;
+};
 
 /// What a borrower holds, as the lender sees it.
 enum class region_state : std::uint8_t {
