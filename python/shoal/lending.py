@@ -214,11 +214,13 @@ class Borrower:
         cuts a wait to its ``max_wait`` (5 minutes unless configured). With no wait (the
         default) a region that does not fit is refused at once.
 
-        Raises ``OutOfMemoryError`` (the message says which) when: the wait ran out; the
-        borrow has no wait and others wait in line (the memory given back goes to them
-        first: a model that holds memory and asks for more, with a wait, gets in line behind
-        them); it could never fit (past the capacity, or beside this borrower's own regions:
-        nothing is given back on a connection while its borrow waits). ``PeerRefusedError``
+        Raises ``OutOfMemoryError``, its ``reason`` saying which, when: not that much is free
+        and the borrow has no wait (``"capacity"``); the wait ran out (``"wait_expired"``); the
+        borrow has no wait and others wait in line (``"others_waiting"``: the memory given
+        back goes to them first; a model that holds memory and asks for more, with a wait,
+        gets in line behind them); it could never fit (``"cannot_fit"``: past the capacity, or
+        beside this borrower's own regions: nothing is given back on a connection while its
+        borrow waits). ``PeerRefusedError``
         for this borrower's or its user's quota (what its other connections wait for counts
         too); ``PeerTimeoutError`` when no answer comes within ``wait`` plus ``timeout``
         seconds, or another call of this borrower holds the connection past ``timeout``.
