@@ -30,6 +30,12 @@
 //    control message in between.
 // 4. Many borrowers at once (threads of one child, each its own connection)
 //    borrowing and giving back small regions: requests per second, p50/p99.
+// 5. Hand-over by preemption: a lender of exactly one hand-over region's
+//    capacity with lender_config::preempt_after = 0. The next one's borrow
+//    waits; the lender revokes the holder's region itself; the holder,
+//    watching revocations(), clears and gives it back; the waiting borrow is
+//    lent. Timed from the next one's borrow call to its first allocation:
+//    the whole switch with no one but the two models and the lender.
 //
 // --reply-spin-us sets every borrower's reply_spin (borrower_options; the
 // children read it from SHOAL_BENCH_REPLY_SPIN_US), to compare with none.
@@ -531,6 +537,49 @@ int run_parent(const std::string& self, const options& o) {
       rows.push_back({n + " borrowers: give back p50 / p99", latency[1]});
       if (v.at(5) != 0) rows.push_back({"borrower threads that failed", std::to_string(static_cast<int>(v.at(5)))});
     }
+  }
+
+  // 5. Hand-over by preemption (a lender of its own, after the first is gone).
+  {
+    lending::lender_config config;
+    if (o.poll_spin_us >= 0) config.poll_spin = std::chrono::microseconds(o.poll_spin_us);
+    config.capacity_bytes = handover;
+    config.quota_bytes = handover;
+    config.preempt_after = std::chrono::milliseconds(0);
+    config.preempt_deadline = std::chrono::milliseconds(5000);
+    const std::string preempting_path = dir / "preempting.sock";
+    lending::lender lender(dev, channel::channel_address::at_path(preempting_path), config);
+    const std::string bytes = std::to_string(handover);
+    child turns[2] = {start_child(self, "turns", o, preempting_path, {bytes}),
+                      start_child(self, "turns", o, preempting_path, {bytes})};
+    send_text(*turns[0].control, "take");
+    (void)numbers_of(receive_text(*turns[0].control), "took");
+    std::vector<double> total, later_total, to_seen, clear, give_to_lent;
+    for (int i = 0; i < o.rounds; ++i) {
+      child& holder = turns[i % 2];
+      child& next = turns[(i + 1) % 2];
+      send_text(*holder.control, "yield");  // it watches for the lender's revoke
+      send_text(*next.control, "take-waiting");
+      const auto yielded = numbers_of(receive_text(*holder.control), "yielded");
+      const auto took = numbers_of(receive_text(*next.control), "took");
+      const auto asked = static_cast<std::int64_t>(took.at(1));
+      total.push_back(us_between(asked, static_cast<std::int64_t>(took.at(4))));
+      if (i > 0) later_total.push_back(total.back());
+      to_seen.push_back(us_between(asked, static_cast<std::int64_t>(yielded.at(0))));
+      clear.push_back(us_between(static_cast<std::int64_t>(yielded.at(0)), static_cast<std::int64_t>(yielded.at(1))));
+      give_to_lent.push_back(
+          us_between(static_cast<std::int64_t>(yielded.at(1)), static_cast<std::int64_t>(took.at(2))));
+    }
+    for (auto& t : turns) send_text(*t.control, "end");
+    for (auto& t : turns) t.process->wait();
+    const auto s = lender.status();
+    const std::string size = std::to_string(handover / mib) + " MiB";
+    rows.push_back({"hand-over " + size + " by preemption: borrow -> its first allocation", spread_text(total)});
+    rows.push_back({"  later ones (the next one kept its mapping)", spread_text(later_total)});
+    rows.push_back({"  borrow -> the lender's revoke seen by the holder", spread_text(to_seen)});
+    rows.push_back({"  stream-ordered clear (release)", spread_text(clear)});
+    rows.push_back({"  give back sent -> the waiting borrow lent + mapped", spread_text(give_to_lent)});
+    rows.push_back({"  preemptions (one a turn)", std::to_string(s.preemptions)});
   }
   std::filesystem::remove_all(dir);
 

@@ -15,6 +15,7 @@
 #include <new>
 #include <string_view>
 #include <thread>
+#include <utility>
 
 #include "core/deadline.h"
 #include "lending/automatic_spin.h"
@@ -1349,14 +1350,16 @@ class lender::state {
 
   // Preemption (config_.preempt_after): revokes regions of other borrowers
   // for the head of the waiting line once it has waited long enough and the
-  // capacity has no room for it (preemption.h chooses which). Runs at most
-  // once a periodic check interval.
+  // capacity has no room for it (preemption.h chooses which). Looks at a
+  // head once it has waited preempt_after, then at most once a periodic check
+  // interval while it stays the head.
   void preempt_for_head() noexcept {
     // The serving thread is the line's only writer: it reads it unlocked.
     if (!config_.preempt_after || waiting_.empty()) return;
     const auto now = clock_type::now();
     if (now < next_preemption_check()) return;
     last_preemption_check_ = now;
+    last_preemption_head_ = {waiting_.head().serial, waiting_.head().since};
     try {
       std::lock_guard lock(mutex_);
       const detail::waiting_borrow& head = waiting_.head();
@@ -1389,7 +1392,10 @@ class lender::state {
   // preempt_after, then each periodic check interval; max() when it need not.
   clock_type::time_point next_preemption_check() const noexcept {
     if (!config_.preempt_after || waiting_.empty()) return clock_type::time_point::max();
-    return std::max(waiting_.head().since + *config_.preempt_after, last_preemption_check_ + orphan_check_interval);
+    const detail::waiting_borrow& head = waiting_.head();
+    const auto due = head.since + *config_.preempt_after;
+    const bool looked_at = last_preemption_head_ == std::pair{head.serial, head.since};
+    return looked_at ? std::max(due, last_preemption_check_ + orphan_check_interval) : due;
   }
 
   // Sends what revoke() and preempt_for_head() queued, to each region's borrower.
@@ -1562,7 +1568,10 @@ class lender::state {
   // check after the device refused the head: it may have memory back).
   bool room_changed_ = false;
   bool head_refused_by_device_ = false;  // serving thread only
-  clock_type::time_point last_preemption_check_{};  // serving thread only
+  // Serving thread only: when preempt_for_head() last looked, and at which
+  // head (its connection and when it began to wait).
+  clock_type::time_point last_preemption_check_{};
+  std::pair<std::uint64_t, clock_type::time_point> last_preemption_head_{};
 
   std::thread thread_;  // last: started once everything above exists
 };

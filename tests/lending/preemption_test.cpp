@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "lending/lending_fixture.h"
@@ -135,6 +136,32 @@ TEST(lending_preemption, waits_preempt_after_before_it_revokes) {
   model_a.give_back(std::move(a));
   ASSERT_EQ(b.wait_for(2s), std::future_status::ready);
   EXPECT_TRUE(b.get().valid());
+}
+
+// Each new head is looked at as soon as it waits (preempt_after 0), not at
+// the next periodic check after the last head's: turns back to back take
+// about a round trip each, not 50 ms.
+TEST(lending_preemption, models_take_turns_back_to_back) {
+  preemption_fixture f({.capacity_bytes = 8 * mib, .preempt_after = 0ms});
+  borrower model_a(f.dev, f.l->address()), model_b(f.dev, f.l->address());
+  borrower* holder = &model_a;
+  borrower* next = &model_b;
+  auto held = holder->borrow(8 * mib, "a turn");
+  constexpr int turns = 20;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < turns; ++i) {
+    auto lent = f.borrow_waiting(*next, 8 * mib, 10s);
+    ASSERT_EQ(holder->revocations(2s).size(), 1u) << "turn " << i;
+    holder->give_back(std::move(held));
+    ASSERT_EQ(lent.wait_for(2s), std::future_status::ready) << "turn " << i;
+    held = lent.get();
+    std::swap(holder, next);
+  }
+  const auto took = std::chrono::steady_clock::now() - start;
+  // One periodic check interval a turn would be about a second in all.
+  EXPECT_LT(took, 600ms) << turns << " turns took "
+                         << std::chrono::duration_cast<std::chrono::milliseconds>(took).count() << " ms";
+  EXPECT_EQ(f.l->status().preemptions, static_cast<std::uint64_t>(turns));
 }
 
 TEST(lending_preemption, spares_shared_regions_and_the_regions_of_borrowers_that_wait) {
