@@ -701,12 +701,12 @@ class Lender:
 
     def __init__(self, address: str, device: Device | None = None, capacity_bytes: int = 1073741824, quota_bytes: int = 1073741824, max_borrowers: int = 64, max_regions_per_borrower: int = 1024, peer_timeout: float = 1.0, allowed_uids: Sequence[int] = [], reuse: str = 'same_uid', prepared_chunks: Sequence[int] = [], max_wait: float = 300.0, preempt_after: float | None = None, preempt_deadline: float = 10.0) -> None:
         """
-        Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` in all and ``quota_bytes`` per borrower. ``reuse``: 'same_uid' lends given-back memory again to borrowers of the same uid (borrowers keep their mappings); 'never' makes every region fresh memory. ``prepared_chunks``: sizes in bytes of chunks made now (each rounded up to the device's granularity, their sum at most ``capacity_bytes``); a region of one of those sizes is lent from one with no device call at borrow time (``shoal daemon --prepare``). Raises the device's error (``OutOfMemoryError``) when they cannot be made.
+        Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` in all and ``quota_bytes`` per borrower. ``reuse``: 'same_uid' lends given-back memory again to borrowers of the same uid (borrowers keep their mappings); 'never' makes every region fresh memory. ``prepared_chunks``: sizes in bytes of chunks made now (each rounded up to the device's granularity, their sum at most ``capacity_bytes``); a region of one of those sizes is lent from one with no device call at borrow time (``shoal daemon --prepare``). ``max_wait``: the longest a borrow may wait for memory; ``preempt_after``: seconds the borrow first in line waits before the lender revokes other borrowers' regions for it (None: never), each to be given back within ``preempt_deadline`` seconds (see shoal.lending.Lender). Raises the device's error (``OutOfMemoryError``) when they cannot be made.
         """
 
     def status(self) -> dict:
         """
-        Regions lent (id, memory, bytes, purpose, state, pid, uid, age_seconds), spare chunks (memory, bytes, uid, kept_by, age_seconds) and counters, as a dict.
+        Regions lent (``regions``: id, memory, bytes, purpose, mode, state, pid, uid, age_seconds, and a shared region's holders), spare chunks (``spares``: memory, bytes, uid, kept_by, age_seconds), borrows waiting for memory in the order they are served (``waiting``: bytes, purpose, pid, uid, waited_seconds, left_seconds) and counters (requests, refusals, revocations, revocations_missed, preemptions, waits, waits_expired, ...), as a dict.
         """
 
     def revoke(self, region: int, deadline: float) -> None:

@@ -234,7 +234,9 @@ class Borrower:
         and :meth:`close` from another thread (``ConnectionClosedError``). The lender is
         told, and a region it lent just before is given back unmapped at this borrower's
         next call (or as it closes). A ``cancel`` set before the call raises
-        ``CancelledError`` without asking."""
+        ``CancelledError`` without asking (with ``wait=0`` that is all it does).
+        (The ``"stopped_waiting"`` reason is C++'s: here a borrow that stops waiting raises
+        one of the three errors above.)"""
         if type(nbytes) is not int or nbytes < 1:
             raise _shoal.InvalidArgumentError(
                 f"shoal.lending.Borrower.borrow: nbytes must be a whole number of bytes >= 1, not {nbytes!r}")
@@ -286,8 +288,11 @@ class Borrower:
         region's storage (and its views) before the time is up: it is given back as it goes
         (or, while a borrow of this borrower waits, when that borrow ends: take turns with
         one ``Borrower`` per model). Revokes that another call of this borrower read are
-        returned at once, whatever that call is doing.
-        A borrower that lets the time pass keeps the region, and the lender names it in its log.
+        returned at once, whatever that call is doing; it holds no connection, so a thread of
+        its own may watch with a ``wait`` while other threads borrow. Each revoke is returned
+        once. Until the region goes it stays mapped and usable (``revoking`` in the lender's
+        status); seconds left below 0 mean the deadline has passed. A borrower that lets the
+        time pass keeps the region, the lender names it in its log and does not ask again.
         """
         return self._native.revocations(wait)
 
@@ -349,11 +354,15 @@ class Lender:
 
     ``preempt_after`` (seconds, off when None): once the borrow first in the waiting line
     has waited this long (0: at once) and does not fit, the lender revokes regions of other
-    borrowers for it — lent longest ago first, only as many as it lacks, none when all it
-    may revoke would not be enough — each to be given back within ``preempt_deadline``
-    seconds (see :meth:`Borrower.revocations`). Shared regions, orphaned ones and the
-    regions of borrowers that wait themselves are never revoked; when a borrower lets the
-    deadline pass it keeps its region (named in the log) and the lender revokes others.
+    borrowers for it — lent longest ago first, only as many as it lacks (a model may lose
+    some of its regions, not all), none when all it may revoke would not be enough — each
+    to be given back within ``preempt_deadline`` seconds (10 unless given; see
+    :meth:`Borrower.revocations`). It counts from when the waiting borrow began to wait: the
+    least time a holder keeps its turn once another asks. A waiting borrow's ``wait`` should
+    exceed ``preempt_after`` plus ``preempt_deadline``. Shared regions, orphaned ones and
+    the regions of a borrower whose own borrow waits in line are never revoked; a borrower
+    that lets the deadline pass keeps its region (named in the log) and is not asked again,
+    and the lender revokes others' regions if there are any to take.
     (``shoal daemon`` runs one as a program.)"""
 
     def __init__(
@@ -379,10 +388,12 @@ class Lender:
             list(allowed_uids), reuse, list(prepared_chunks), max_wait, preempt_after, preempt_deadline)
 
     def status(self) -> dict:
-        """Regions lent (id, bytes, purpose, mode, state, pid, uid, age_seconds, and for a shared
-        region its holders: pid, uid, state), borrows waiting for memory in the order they are
-        served (``waiting``: bytes, purpose, pid, uid, waited_seconds, left_seconds) and
-        counters."""
+        """Regions lent (``regions``: id, memory, bytes, purpose, mode, state, pid, uid,
+        age_seconds, and for a shared region its holders: pid, uid, state), spare chunks
+        (``spares``), borrows waiting for memory in the order they are served (``waiting``:
+        bytes, purpose, pid, uid, waited_seconds, left_seconds) and counters (``requests``,
+        ``refusals``, ``revocations``, ``revocations_missed``, ``preemptions``, ``waits``,
+        ``waits_expired``, ...)."""
         return self._native.status()
 
     def revoke(self, region: int, deadline: float) -> None:

@@ -149,6 +149,8 @@ void register_errors(nb::module_& m) {
                                  "refused a borrow ('capacity', 'wait_expired', 'others_waiting', 'cannot_fit', "
                                  "'stopped_waiting'), None for this process's own device or limit.",
                                  {types.error, PyExc_MemoryError});
+  // An instance made in Python (not from a C++ error) reads reason None too.
+  if (PyObject_SetAttrString(types.out_of_memory, "reason", Py_None) != 0) throw nb::python_error();
   types.device_unavailable =
       new_type(m, "DeviceUnavailableError", "The requested backend or device does not exist here.", {types.error});
   types.backend_error = new_type(m, "BackendError",

@@ -266,12 +266,17 @@ void register_lending(nb::module_& m) {
           "borrowers of the same uid (borrowers keep their mappings); 'never' makes every region fresh memory. "
           "``prepared_chunks``: sizes in bytes of chunks made now (each rounded up to the device's granularity, "
           "their sum at most ``capacity_bytes``); a region of one of those sizes is lent from one with no device "
-          "call at borrow time (``shoal daemon --prepare``). Raises the device's error (``OutOfMemoryError``) "
-          "when they cannot be made.")
+          "call at borrow time (``shoal daemon --prepare``). ``max_wait``: the longest a borrow may wait for memory; "
+          "``preempt_after``: seconds the borrow first in line waits before the lender revokes other borrowers' "
+          "regions for it (None: never), each to be given back within ``preempt_deadline`` seconds (see "
+          "shoal.lending.Lender). Raises the device's error (``OutOfMemoryError``) when they cannot be made.")
       .def(
           "status", [](const py_lender& l) { return status_dict(l.lender.enter()->status()); },
-          "Regions lent (id, memory, bytes, purpose, state, pid, uid, age_seconds), spare chunks (memory, bytes, uid, "
-          "kept_by, age_seconds) and counters, as a dict.")
+          "Regions lent (``regions``: id, memory, bytes, purpose, mode, state, pid, uid, age_seconds, and a shared "
+          "region's holders), spare chunks (``spares``: memory, bytes, uid, kept_by, age_seconds), borrows waiting "
+          "for memory in the order they are served (``waiting``: bytes, purpose, pid, uid, waited_seconds, "
+          "left_seconds) and counters (requests, refusals, revocations, revocations_missed, preemptions, waits, "
+          "waits_expired, ...), as a dict.")
       .def(
           "revoke",
           [](const py_lender& l, std::uint64_t region, double deadline) {

@@ -47,6 +47,7 @@ def test_errors_carry_their_fields():
     with pytest.raises(shoal.OutOfMemoryError) as own:
         shoal._shoal._throw_cpp_error("out_of_memory", "no room")
     assert own.value.reason is None
+    assert shoal.OutOfMemoryError("made in Python").reason is None
 
 
 def test_a_real_invalid_argument_is_a_value_error():

@@ -90,6 +90,17 @@ pid=$!
 answers "$dir/b.sock" || fail "the daemon with --quota-per-uid did not answer"
 grep -q 'quota_bytes_per_uid=12582912' "$dir/log" || fail "the --quota-per-uid flag did not win over the file"
 stop
+"$shoal" daemon --config "$dir/conf.toml" --no-preempt 2> "$dir/log" &
+pid=$!
+answers "$dir/b.sock" || fail "the daemon with --no-preempt did not answer"
+grep -q 'preempt_after_ms=off' "$dir/log" || fail "--no-preempt did not turn off the file's preemption"
+stop
+sed 's/^preempt_after_ms = 0$/preempt_after_ms = "off"/' "$dir/conf.toml" > "$dir/off.toml"
+"$shoal" daemon --config "$dir/off.toml" 2> "$dir/log" &
+pid=$!
+answers "$dir/b.sock" || fail "the daemon with preempt_after_ms = \"off\" did not answer"
+grep -q 'preempt_after_ms=off' "$dir/log" || fail "preempt_after_ms = \"off\" in the file did not turn it off"
+stop
 "$shoal" daemon --socket "$dir/b.sock" --device host 2> "$dir/log" &
 pid=$!
 answers "$dir/b.sock" || fail "the daemon with default settings did not answer"
@@ -170,6 +181,7 @@ refused "prepared_chunks" --capacity 8MiB --prepare 3x4MiB
 refused "max_wait must be" --max-wait-ms 0
 refused "preempt-deadline-ms" --preempt-deadline-ms 0
 refused "preempt_after must be" --preempt-after-ms 99999999999
+refused "excludes" --preempt-after-ms 0 --no-preempt
 echo 'preempt_after_ms = -1' > "$dir/bad.toml"
 refused "preempt_after_ms' must be an integer >= 0" --config "$dir/bad.toml"
 

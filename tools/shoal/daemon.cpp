@@ -251,6 +251,9 @@ int run_daemon(int argc, char** argv) {
                                        "revoke other borrowers' regions for the borrow waiting first in line once it "
                                        "has waited this long (0: at once), lent longest ago first, as many as it "
                                        "lacks; off by default");
+  bool no_preempt = false;
+  auto* no_preempt_flag =
+      app.add_flag("--no-preempt", no_preempt, "no preemption, whatever the config file says")->excludes(preempt_after);
   auto* preempt_deadline =
       app.add_option("--preempt-deadline-ms", settings.preempt_deadline_ms,
                      "the time a preempted region's borrower has to give it back")
@@ -313,6 +316,7 @@ int run_daemon(int argc, char** argv) {
       if (timeout->count() > 0) settings.peer_timeout_ms = flags.peer_timeout_ms;
       if (max_wait->count() > 0) settings.max_wait_ms = flags.max_wait_ms;
       if (preempt_after->count() > 0) settings.preempt_after_ms = flags.preempt_after_ms;
+      if (no_preempt_flag->count() > 0) settings.preempt_after_ms.reset();
       if (preempt_deadline->count() > 0) settings.preempt_deadline_ms = flags.preempt_deadline_ms;
       if (uids->count() > 0) settings.allowed_uids = flags.allowed_uids;
       if (gids->count() > 0) settings.allowed_gids = flags.allowed_gids;

@@ -111,8 +111,14 @@ void daemon_settings::read_file(const std::string& path) {
       max_wait_ms = count();
     } else if (name == "preempt_after_ms") {
       const auto* i = node.as_integer();
-      if (i == nullptr || i->get() < 0) throw invalid_argument(where(name) + " must be an integer >= 0 (0: at once)");
-      preempt_after_ms = static_cast<std::uint64_t>(i->get());
+      const auto* s = node.as_string();
+      if (s != nullptr && s->get() == "off") {
+        preempt_after_ms.reset();
+      } else if (i != nullptr && i->get() >= 0) {
+        preempt_after_ms = static_cast<std::uint64_t>(i->get());
+      } else {
+        throw invalid_argument(where(name) + " must be an integer >= 0 (0: at once) or \"off\"");
+      }
     } else if (name == "preempt_deadline_ms") {
       preempt_deadline_ms = count();
     } else if (name == "log_format") {
