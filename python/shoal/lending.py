@@ -59,7 +59,9 @@ __all__ = ["Borrower", "CancelEvent", "Entry", "Lender", "SharedRegion"]
 
 class CancelEvent(Protocol):
     """What ``Borrower.borrow(cancel=...)`` takes: a ``threading.Event``, or anything whose
-    ``is_set()`` says whether to stop."""
+    ``is_set()`` says (as a truth value) whether to stop. It is called about every 50 ms
+    while the borrow waits, with the borrower's connection held: it must not call the same
+    ``Borrower``."""
 
     def is_set(self) -> bool: ...
 
@@ -235,8 +237,9 @@ class Borrower:
         told, and a region it lent just before is given back unmapped at this borrower's
         next call (or as it closes). A ``cancel`` set before the call raises
         ``CancelledError`` without asking (with ``wait=0`` that is all it does).
-        (The ``"stopped_waiting"`` reason is C++'s: here a borrow that stops waiting raises
-        one of the three errors above.)"""
+        ``OutOfMemoryError`` with ``reason`` ``"stopped_waiting"``: the lender ended the wait
+        because this borrower's own regions were preempted for a borrow ahead of it (see
+        :meth:`revocations`)."""
         if type(nbytes) is not int or nbytes < 1:
             raise _shoal.InvalidArgumentError(
                 f"shoal.lending.Borrower.borrow: nbytes must be a whole number of bytes >= 1, not {nbytes!r}")
@@ -357,12 +360,14 @@ class Lender:
     borrowers for it — lent longest ago first, only as many as it lacks (a model may lose
     some of its regions, not all), none when all it may revoke would not be enough — each
     to be given back within ``preempt_deadline`` seconds (10 unless given; see
-    :meth:`Borrower.revocations`). It counts from when the waiting borrow began to wait: the
-    least time a holder keeps its turn once another asks. A waiting borrow's ``wait`` should
-    exceed ``preempt_after`` plus ``preempt_deadline``. Shared regions, orphaned ones and
-    the regions of a borrower whose own borrow waits in line are never revoked; a borrower
-    that lets the deadline pass keeps its region (named in the log) and is not asked again,
-    and the lender revokes others' regions if there are any to take.
+    :meth:`Borrower.revocations`). It is also the least turn: a region lent less than
+    ``preempt_after`` ago is not revoked. A waiting borrow's ``wait`` should exceed twice
+    ``preempt_after`` plus ``preempt_deadline``. Shared and orphaned regions are never
+    revoked; a borrower whose own borrow waits behind has that wait ended first
+    (``OutOfMemoryError``, reason ``"stopped_waiting"``); between uids, only a uid holding
+    more than the waiting borrow's uid is revoked from. A borrower that lets the deadline
+    pass keeps its region (named in the log) and is not asked again, and the lender revokes
+    others' regions if there are any to take.
     (``shoal daemon`` runs one as a program.)"""
 
     def __init__(

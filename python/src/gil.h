@@ -101,9 +101,24 @@ class released_gil {
   ~released_gil() { detail::take_gil_back(state_); }
   released_gil(const released_gil&) = delete;
   released_gil& operator=(const released_gil&) = delete;
+  /// The thread state it saved (retaken_gil).
+  [[nodiscard]] PyThreadState* state() const noexcept { return state_; }
 
  private:
   PyThreadState* state_;
+};
+
+/// Takes the GIL back for its life inside `released`'s scope, on the same
+/// thread: a check that a blocking call makes while the GIL is released (a
+/// borrow's interrupt check). Safe at exit as released_gil is — unlike
+/// nanobind::gil_scoped_acquire, whose noexcept constructor turns the
+/// finalizing interpreter's thread exit into std::terminate.
+class retaken_gil {
+ public:
+  explicit retaken_gil(const released_gil& released) { detail::take_gil_back(released.state()); }
+  ~retaken_gil() { (void)PyEval_SaveThread(); }
+  retaken_gil(const retaken_gil&) = delete;
+  retaken_gil& operator=(const retaken_gil&) = delete;
 };
 
 /// The atexit hook: closes the exit gate and waits (the GIL released, at

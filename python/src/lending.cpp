@@ -375,17 +375,25 @@ void register_lending(nb::module_& m) {
             // While the borrow waits: Ctrl-C (KeyboardInterrupt), close() from
             // another thread and the cancel event end it; a region lent later
             // is given back.
+            // The cancel event's is_set(), read as Python reads a truth value
+            // (any object, not only a bool); what it raises, the borrow raises.
             const nb::object cancel_is_set = cancel.is_none() ? nb::object() : cancel.attr("is_set");
-            if (cancel_is_set.is_valid() && nb::cast<bool>(cancel_is_set())) {
-              raise_cancelled("Borrower.borrow: cancelled before it was sent (its cancel event was set)");
-            }
+            const auto cancelled = [&] {
+              if (!cancel_is_set.is_valid()) return false;
+              const nb::object set = cancel_is_set();
+              const int truth = PyObject_IsTrue(set.ptr());
+              if (truth < 0) throw nb::python_error();
+              return truth != 0;
+            };
+            if (cancelled()) raise_cancelled("Borrower.borrow: cancelled before it was sent (its cancel event was set)");
+            const released_gil* released = nullptr;  // set below, before the borrow calls the check
             // Rounded to the millisecond; a wait above 0 is at least 1 ms.
             const auto wait_ms = std::max<std::int64_t>(std::llround(wait * 1000.0), wait > 0 ? 1 : 0);
             const lending::borrow_wait waiting{std::chrono::milliseconds(wait_ms), [&] {
-                  nb::gil_scoped_acquire gil;
+                  const retaken_gil gil(*released);  // safe when the interpreter exits meanwhile
                   if (PyErr_CheckSignals() != 0) throw nb::python_error();
                   if (borrower.closing()) b.borrower.throw_closed();
-                  if (cancel_is_set.is_valid() && nb::cast<bool>(cancel_is_set())) {
+                  if (cancelled()) {
                     raise_cancelled("Borrower.borrow: cancelled while it waited for memory (its cancel event was "
                                     "set); the lender was told");
                   }
@@ -393,6 +401,7 @@ void register_lending(nb::module_& m) {
             std::optional<lending::borrowed_region> region;
             {
               released_gil release;
+              released = &release;
               region.emplace(borrower->borrow(nbytes, purpose, lending::region_mode::exclusive, t, waiting));
             }
             return storage_of(allocator, std::move(*region));

@@ -684,3 +684,64 @@ def test_out_of_memory_from_a_lender_says_which_shortage(address):
         del held
         thread.join(timeout=5)
         assert outcome["region"].nbytes == unit
+
+
+EXITING_WHILE_WAITING_SCRIPT = """
+import sys, threading, time, shoal, shoal.lending
+borrower = shoal.lending.Borrower(sys.argv[1])
+def wait():
+    borrower.borrow(int(sys.argv[2]), "waits as the process exits", wait=30.0, cancel=threading.Event())
+threading.Thread(target=wait, daemon=True).start()
+time.sleep(0.3)  # the thread waits in its borrow, checking its cancel event
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_exits_cleanly_while_a_worker_thread_waits_to_borrow(address):
+    # The worker's cancel check takes the GIL back as the interpreter finalizes: the thread
+    # must not abort the process (std::terminate, exit status 134).
+    unit = 2 * MIB
+    with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender:
+        child = subprocess.Popen([sys.executable, "-c", BORROWER_SCRIPT, address, str(4 * unit)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None and child.stdout.readline().startswith("held")
+            for _ in range(3):
+                exiting = subprocess.run([sys.executable, "-c", EXITING_WHILE_WAITING_SCRIPT, address, str(unit)],
+                                         capture_output=True, text=True, timeout=30)
+                assert (exiting.returncode, exiting.stdout) == (0, "exiting\n"), (exiting.returncode, exiting.stderr)
+            assert eventually(lambda: lender.status()["waiting"] == [])
+        finally:
+            child.kill()
+            child.wait()
+
+
+def test_a_cancel_event_is_read_as_a_truth_value(address):
+    in_process_only()
+    unit = 2 * MIB
+
+    class Flag:
+        def __init__(self) -> None:
+            self.value = 0
+
+        def is_set(self) -> int:
+            return self.value
+
+    class Broken:
+        def is_set(self) -> bool:
+            raise RuntimeError("is_set failed")
+
+    with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender, \
+            shoal.lending.Borrower(address) as model_a, shoal.lending.Borrower(address) as model_b:
+        region = model_a.borrow(4 * unit, "model A")
+        flag = Flag()
+        thread, outcome = borrow_in_thread(model_b, unit, "model B", wait=30.0, cancel=flag)
+        assert eventually(lambda: len(lender.status()["waiting"]) == 1)
+        time.sleep(0.2)
+        assert thread.is_alive(), outcome  # 0 is false: still waiting
+        flag.value = 1
+        thread.join(timeout=5)
+        assert isinstance(outcome.get("error"), shoal.CancelledError), outcome
+        with pytest.raises(RuntimeError, match="is_set failed"):
+            model_b.borrow(unit, "broken", wait=1.0, cancel=Broken())
+        del region

@@ -627,6 +627,12 @@ class lender::state {
                                        "wait for memory to be given back), or revoke a region");
       }
     }
+    if (const std::uint64_t revoking = region_being_revoked_from(b.serial); revoking != 0) {
+      return send_refusal(b, m.request, refusal::cannot_fit,
+                          "this borrower is asked to give region " + std::to_string(revoking) +
+                              " back; it may not wait for memory until it has (nothing is given back on a "
+                              "connection while its borrow waits)");
+    }
     wait_for_room(b, m, bytes);
   }
 
@@ -1174,6 +1180,36 @@ class lender::state {
     return bytes;
   }
 
+  // A region connection `serial` is asked to give back (revoking), or 0.
+  std::uint64_t region_being_revoked_from(std::uint64_t serial) const {
+    std::lock_guard lock(mutex_);
+    for (const auto& [id, r] : regions_) {
+      if (r.info.state == region_state::revoking && r.holds.front().borrower == serial) return id;
+    }
+    return 0;
+  }
+
+  // Under mutex_: the bytes each uid holds (a region once per uid holding it).
+  std::vector<std::pair<uid_t, std::size_t>> held_by_each_uid_locked() const {
+    std::vector<std::pair<uid_t, std::size_t>> held;
+    std::vector<uid_t> uids;
+    for (const auto& [id, r] : regions_) {
+      uids.clear();
+      for (const hold& h : r.holds) {
+        if (std::find(uids.begin(), uids.end(), h.uid) == uids.end()) uids.push_back(h.uid);
+      }
+      for (const uid_t uid : uids) {
+        const auto it = std::find_if(held.begin(), held.end(), [&](const auto& e) { return e.first == uid; });
+        if (it == held.end()) {
+          held.emplace_back(uid, r.info.bytes);
+        } else {
+          it->second += r.info.bytes;
+        }
+      }
+    }
+    return held;
+  }
+
   std::size_t held_by_uid(uid_t uid) const {
     std::lock_guard lock(mutex_);
     std::size_t held = 0;
@@ -1350,39 +1386,89 @@ class lender::state {
 
   // Preemption (config_.preempt_after): revokes regions of other borrowers
   // for the head of the waiting line once it has waited long enough and the
-  // capacity has no room for it (preemption.h chooses which). Looks at a
-  // head once it has waited preempt_after, then at most once a periodic check
-  // interval while it stays the head.
+  // capacity has no room for it (preemption.h chooses which, among the
+  // regions this may take). Looks at a head once it has waited
+  // preempt_after, then at most once a periodic check interval while it
+  // stays the head.
   void preempt_for_head() noexcept {
     // The serving thread is the line's only writer: it reads it unlocked.
     if (!config_.preempt_after || waiting_.empty()) return;
     const auto now = clock_type::now();
     if (now < next_preemption_check()) return;
+    const detail::waiting_borrow& head = waiting_.head();
     last_preemption_check_ = now;
-    last_preemption_head_ = {waiting_.head().serial, waiting_.head().since};
+    last_preemption_head_ = {head.serial, head.since};
+    std::vector<std::uint64_t> chosen;
+    std::vector<std::uint64_t> waits_to_end;  // connections of chosen regions whose own borrow waits
+    std::string why;  // made while `head` is valid: ending waits below may move the line
     try {
+      std::vector<std::uint64_t> waiting_serials;
+      for (const auto& w : waiting_.line()) waiting_serials.push_back(w.serial);
+      std::sort(waiting_serials.begin(), waiting_serials.end());
+      const auto waits = [&](std::uint64_t serial) {
+        return std::binary_search(waiting_serials.begin(), waiting_serials.end(), serial);
+      };
       std::lock_guard lock(mutex_);
-      const detail::waiting_borrow& head = waiting_.head();
-      std::size_t coming = 0;  // revoked, its deadline not passed yet
+      const auto held = held_by_each_uid_locked();
+      const auto held_by = [&](uid_t uid) {
+        const auto it = std::find_if(held.begin(), held.end(), [&](const auto& e) { return e.first == uid; });
+        return it == held.end() ? std::size_t{0} : it->second;
+      };
+      std::size_t coming = 0;  // revoked, its deadline not passed, its borrower free to give it back
       std::vector<detail::preemption_candidate> candidates;
       for (const auto& [id, r] : regions_) {
-        if (r.info.state == region_state::revoking && !r.missed && now <= r.info.revoke_deadline) {
+        const std::uint64_t holder = r.holds.front().borrower;
+        if (r.info.state == region_state::revoking && !r.missed && now <= r.info.revoke_deadline && !waits(holder)) {
           coming += r.info.bytes;
         }
         if (r.info.mode != region_mode::exclusive || r.info.state != region_state::lent) continue;
-        const std::uint64_t holder = r.holds.front().borrower;
-        if (holder == head.serial || waiting_.find(holder) != nullptr) continue;  // it gives back nothing while waiting
+        if (holder == head.serial) continue;
+        // Each holder keeps a region for preempt_after at least: a turn is
+        // not taken the moment it began, nor one region revoked again and
+        // again by borrows that join the line and leave.
+        if (now - r.since < *config_.preempt_after) continue;
+        // Across uids, only from a uid holding more than the head's: no
+        // borrower takes from one that holds as little as it does.
+        if (r.info.uid != head.uid && held_by(r.info.uid) <= held_by(head.uid)) continue;
         candidates.push_back({id, r.info.bytes, r.since});
       }
       const std::size_t room = config_.capacity_bytes - lent_bytes_;
       const std::size_t shortfall = head.bytes > room + coming ? head.bytes - room - coming : 0;
-      const auto chosen = detail::choose_preempted(std::move(candidates), shortfall);
+      chosen = detail::choose_preempted(std::move(candidates), shortfall);
       if (chosen.empty()) return;
-      const std::string why = "preempted for the borrow of " + std::to_string(head.bytes) + " bytes ('" +
-                              head.request.purpose + "') of pid " + std::to_string(head.process.pid) +
-                              " waiting first in line";
-      for (const std::uint64_t id : chosen) revoke_locked(regions_.at(id), id, config_.preempt_deadline, why);
+      why = "preempted for the borrow of " + std::to_string(head.bytes) + " bytes ('" + head.request.purpose +
+            "') of pid " + std::to_string(head.process.pid) + " waiting first in line";
+      for (const std::uint64_t id : chosen) {
+        const std::uint64_t holder = regions_.at(id).holds.front().borrower;
+        if (waits(holder) && std::find(waits_to_end.begin(), waits_to_end.end(), holder) == waits_to_end.end()) {
+          waits_to_end.push_back(holder);
+        }
+      }
     } catch (...) {  // NOLINT(bugprone-empty-catch): no memory to choose: looked at again at the next check
+      return;
+    }
+    // A borrower gives nothing back while its own borrow waits: that wait
+    // ends first (refused, stopped_waiting), then the revoke goes.
+    for (const std::uint64_t serial : waits_to_end) {
+      if (borrower_entry* b = connected(serial)) {
+        answer_waiting(*b, [&] { end_wait(*b, "its regions are preempted for the borrow first in line"); });
+      }
+    }
+    try {
+      std::vector<queued_revocation> queued;  // made first: nothing is marked unless all can be queued
+      queued.reserve(chosen.size());
+      std::lock_guard lock(mutex_);
+      for (const std::uint64_t id : chosen) queued.push_back({id, config_.preempt_deadline, why});
+      revocations_.reserve(revocations_.size() + queued.size());
+      for (auto& q : queued) {
+        const auto it = regions_.find(q.region);
+        // The operator's revoke() may have come meanwhile (another thread).
+        if (it == regions_.end() || it->second.info.state != region_state::lent) continue;
+        it->second.info.state = region_state::revoking;
+        it->second.info.revoke_deadline = clock_type::now() + q.deadline;
+        revocations_.push_back(std::move(q));  // room reserved: does not throw
+      }
+    } catch (...) {  // NOLINT(bugprone-empty-catch): no memory: looked at again at the next check
       return;
     }
     send_revocations();

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <unistd.h>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -20,6 +21,7 @@
 #include "lending/preemption.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/backend/host_device.h"
+#include "shoal/core/child_process.h"
 #include "shoal/core/error.h"
 
 namespace shoal::testing {
@@ -164,27 +166,142 @@ TEST(lending_preemption, models_take_turns_back_to_back) {
   EXPECT_EQ(f.l->status().preemptions, static_cast<std::uint64_t>(turns));
 }
 
-TEST(lending_preemption, spares_shared_regions_and_the_regions_of_borrowers_that_wait) {
-  // 10 MiB: a shared region (2), a borrower that will wait behind (2), the
-  // head's own (2), another model's (2), lent in that order; 2 free.
-  preemption_fixture f({.capacity_bytes = 10 * mib, .preempt_after = 400ms});
-  borrower writer(f.dev, f.l->address()), behind(f.dev, f.l->address()), head(f.dev, f.l->address()),
-      other(f.dev, f.l->address());
+TEST(lending_preemption, spares_shared_regions_and_the_heads_own) {
+  // 8 MiB: a shared region (2), the head's own (2), another model's (2),
+  // lent in that order; 2 free.
+  preemption_fixture f({.capacity_bytes = 8 * mib, .preempt_after = 0ms});
+  borrower writer(f.dev, f.l->address()), head(f.dev, f.l->address()), other(f.dev, f.l->address());
   auto shared = writer.borrow(2 * mib, "weights");
   lending::region_layout layout;
   layout.entries = {{"w", 0, shared.size(), lending::dtype::uint8, {shared.size()}}};
   layout.hash = lending::hash_entries(f.dev, shared.data(), shared.size(), layout);
   shared = writer.publish(std::move(shared), layout);
-  auto behind_own = behind.borrow(2 * mib, "behind");
   auto head_own = head.borrow(2 * mib, "head");
   auto others = other.borrow(2 * mib, "other model");
   auto first = f.borrow_waiting(head, 4 * mib, 10s);  // 2 short
-  ASSERT_TRUE(f.waiting(1));
-  auto second = f.borrow_waiting(behind, 2 * mib, 10s);
-  ASSERT_TRUE(f.waiting(2));
   ASSERT_EQ(ids_of(other.revocations(2s)), (std::vector<std::uint64_t>{others.id()}));
   EXPECT_EQ(f.revoking(), (std::vector<std::uint64_t>{others.id()})) << "an older region it may not take was revoked";
   other.give_back(std::move(others));
+  ASSERT_EQ(first.wait_for(2s), std::future_status::ready);
+  EXPECT_TRUE(first.get().valid());
+}
+
+// A borrower cannot shield its regions by keeping a borrow waiting behind
+// the head: its wait ends (stopped_waiting), then its region is revoked.
+TEST(lending_preemption, takes_a_region_of_a_borrower_waiting_behind_after_ending_its_wait) {
+  preemption_fixture f({.capacity_bytes = 8 * mib, .preempt_after = 300ms});
+  borrower behind(f.dev, f.l->address()), other(f.dev, f.l->address()), head(f.dev, f.l->address());
+  auto behind_own = behind.borrow(2 * mib, "behind");  // the oldest
+  auto others = other.borrow(4 * mib, "other model");
+  auto first = f.borrow_waiting(head, 4 * mib, 10s);  // 2 free: 2 short
+  ASSERT_TRUE(f.waiting(1));
+  auto second = f.borrow_waiting(behind, 2 * mib, 10s);
+  ASSERT_TRUE(f.waiting(2));
+  ASSERT_EQ(second.wait_for(2s), std::future_status::ready) << "its wait did not end";
+  try {
+    (void)second.get();
+    ADD_FAILURE() << "lent while it was to give back";
+  } catch (const lending::memory_refused& e) {
+    EXPECT_EQ(e.reason(), lending::shortage::stopped_waiting) << e.what();
+    EXPECT_NE(std::string(e.what()).find("preempted"), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(ids_of(behind.revocations(2s)), (std::vector<std::uint64_t>{behind_own.id()}));
+  EXPECT_TRUE(other.revocations().empty()) << "a newer region was taken while the oldest was shielded";
+  behind.give_back(std::move(behind_own));
+  ASSERT_EQ(first.wait_for(2s), std::future_status::ready);
+  EXPECT_TRUE(first.get().valid());
+}
+
+// A region being revoked from a borrower whose own borrow waits cannot come
+// back meanwhile: it does not count as coming, and others are revoked.
+TEST(lending_preemption, a_revoked_region_of_a_waiting_borrower_does_not_count_as_coming) {
+  preemption_fixture f({.capacity_bytes = 8 * mib, .preempt_after = 300ms});
+  borrower behind(f.dev, f.l->address()), other(f.dev, f.l->address()), head(f.dev, f.l->address());
+  auto behind_own = behind.borrow(2 * mib, "behind");
+  auto others = other.borrow(2 * mib, "other model");
+  auto first = f.borrow_waiting(head, 6 * mib, 10s);  // 4 free: 2 short
+  ASSERT_TRUE(f.waiting(1));
+  auto second = f.borrow_waiting(behind, 2 * mib, 10s);
+  ASSERT_TRUE(f.waiting(2));
+  f.l->revoke(behind_own.id(), 5s);  // the operator's, while it waits
+  ASSERT_EQ(ids_of(other.revocations(2s)), (std::vector<std::uint64_t>{others.id()}));
+  other.give_back(std::move(others));
+  ASSERT_EQ(first.wait_for(2s), std::future_status::ready);
+  EXPECT_TRUE(first.get().valid());
+}
+
+// One asked to give a region back (by preemption or the operator) may not
+// wait for memory until it has: while it waited it could give nothing back.
+TEST(lending_preemption, a_borrower_asked_to_give_back_may_not_wait) {
+  preemption_fixture f({.capacity_bytes = 8 * mib});
+  borrower holder(f.dev, f.l->address()), other(f.dev, f.l->address());
+  auto held = holder.borrow(4 * mib, "model A");
+  auto others = other.borrow(4 * mib, "model B");
+  f.l->revoke(held.id(), 5s);
+  ASSERT_EQ(holder.revocations(2s).size(), 1u);
+  try {
+    (void)holder.borrow(2 * mib, "more", region_mode::exclusive, answer_timeout, borrow_wait{5s, {}});
+    ADD_FAILURE() << "lent";
+  } catch (const lending::memory_refused& e) {
+    EXPECT_EQ(e.reason(), lending::shortage::cannot_fit) << e.what();
+    EXPECT_NE(std::string(e.what()).find("asked to give region " + std::to_string(held.id()) + " back"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(f.l->status().waiting.empty());
+}
+
+// A borrow that waited behind the one just served becomes the head with an
+// old wait: the region just lent is still kept preempt_after (no turn is
+// taken the moment it began).
+TEST(lending_preemption, keeps_each_region_preempt_after_at_least) {
+  preemption_fixture f({.capacity_bytes = 8 * mib, .preempt_after = 300ms, .preempt_deadline = 5s});
+  borrower model_a(f.dev, f.l->address()), model_b(f.dev, f.l->address()), model_c(f.dev, f.l->address());
+  auto a = model_a.borrow(8 * mib, "model A");
+  auto b = f.borrow_waiting(model_b, 8 * mib, 10s);
+  ASSERT_TRUE(f.waiting(1));
+  auto c = f.borrow_waiting(model_c, 8 * mib, 10s);
+  ASSERT_TRUE(f.waiting(2));
+  ASSERT_EQ(model_a.revocations(2s).size(), 1u);
+  model_a.give_back(std::move(a));
+  ASSERT_EQ(b.wait_for(2s), std::future_status::ready);
+  auto b_region = b.get();
+  const auto lent = std::chrono::steady_clock::now();
+  EXPECT_TRUE(model_b.revocations(150ms).empty()) << "a region just lent was preempted";
+  ASSERT_EQ(ids_of(model_b.revocations(2s)), (std::vector<std::uint64_t>{b_region.id()}));
+  EXPECT_GE(std::chrono::steady_clock::now() - lent, 250ms);
+  model_b.give_back(std::move(b_region));
+  ASSERT_EQ(c.wait_for(2s), std::future_status::ready);
+  EXPECT_TRUE(c.get().valid());
+}
+
+// Across uids the lender takes only from a uid holding more than the
+// head's: a borrower does not take from one that holds as little as it does.
+TEST(lending_preemption, takes_from_another_uid_only_while_it_holds_more) {
+  if (::geteuid() != 0) GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root";
+  const std::string name = "shoal-preemption-test-" + std::to_string(::getpid());
+  constexpr uid_t nobody = 65534;
+  auto& dev = backend::host_device_instance();
+  lender l(dev, channel::channel_address::abstract(name),
+           {.capacity_bytes = 8 * mib, .preempt_after = 0ms, .policy = channel::access_policy{{nobody}, {}}});
+  child_process small(SHOAL_TEST_BORROWER, std::vector<std::string>{"wait-borrow", "host", "@" + name,
+                                                                      std::to_string(2 * mib), "30000", "nobody"});
+  const std::string lent = line_from(small);  // the oldest region: 2 MiB of uid 65534
+  ASSERT_EQ(lent.rfind("lent ", 0), 0u) << lent;
+  const std::uint64_t smalls = std::stoull(lent.substr(5));
+  borrower holder(dev, l.address()), head(dev, l.address());
+  auto held = holder.borrow(6 * mib, "this uid's model");
+  auto first = std::async(std::launch::async, [&] {
+    return head.borrow(2 * mib, "this uid's next model", region_mode::exclusive, answer_timeout,
+                       borrow_wait{10s, {}});
+  });
+  ASSERT_EQ(ids_of(holder.revocations(2s)), (std::vector<std::uint64_t>{held.id()}))
+      << "not this uid's own region";
+  const auto s = l.status();
+  for (const auto& r : s.regions) {
+    if (r.id == smalls) EXPECT_EQ(r.state, lending::region_state::lent) << "uid 65534, holding less, was preempted";
+  }
+  holder.give_back(std::move(held));
   ASSERT_EQ(first.wait_for(2s), std::future_status::ready);
   EXPECT_TRUE(first.get().valid());
 }

@@ -151,13 +151,18 @@ struct lender_config {
   /// it, the lender revokes exclusive regions of other borrowers — lent
   /// longest ago first, only as many as the shortfall needs, none when all it
   /// may revoke would not cover it — each to be given back within
-  /// preempt_deadline, as revoke() asks. A region already being revoked counts
-  /// as coming back until its deadline passes; then the lender revokes others
-  /// (the late borrower keeps its region, named, as with revoke()). Never
-  /// revoked: shared or orphaned regions, and the regions of a borrower whose
-  /// own borrow waits (nothing is given back on a connection while it
-  /// waits). Looked at again at each periodic check (50 ms) while the head
-  /// waits. The borrowers must answer revokes (borrower::revocations()).
+  /// preempt_deadline, as revoke() asks. What it may revoke: a region lent at
+  /// least preempt_after ago (the least turn); across uids, only regions of a
+  /// uid holding more than the head's uid; never shared or orphaned regions,
+  /// nor the head's own. A borrower whose own borrow waits behind the head has
+  /// that wait refused first (stopped_waiting) when its region is taken, and
+  /// a borrower asked to give a region back may not wait for memory until it
+  /// has. A region being revoked counts as coming back until its deadline
+  /// passes; then the lender revokes others (the late borrower keeps its
+  /// region, named, as with revoke()). A head is looked at as soon as it has
+  /// waited preempt_after, then at each periodic check (50 ms). The borrowers
+  /// must answer revokes (borrower::revocations()). docs/architecture.md,
+  /// "Choice: preemption".
   std::optional<std::chrono::milliseconds> preempt_after;
   /// The time a preempted region's borrower has to give it back (1 ms to
   /// about 49 days).
