@@ -655,7 +655,7 @@ def test_the_lender_preempts_the_oldest_region_for_a_waiting_borrow(address):
 
 def test_preemption_settings_out_of_range_are_named(address):
     for bad in ({"preempt_after": -1.0}, {"preempt_after": float("nan")}, {"preempt_deadline": 0.0},
-                {"preempt_deadline": 1e9}):
+                {"preempt_deadline": 1e9}, {"preempt_after": 300.0}):  # the last: not below max_wait
         with pytest.raises(shoal.InvalidArgumentError, match="preempt_"):
             shoal.lending.Lender(address, **bad)
 

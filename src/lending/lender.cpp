@@ -1685,6 +1685,11 @@ lender::lender(backend::device& device, const channel::channel_address& address,
     throw invalid_argument("lender: preempt_after must be 0 ms to about 49 days and preempt_deadline 1 ms to about "
                            "49 days");
   }
+  if (config.preempt_after && *config.preempt_after >= config.max_wait) {
+    throw invalid_argument("lender: preempt_after (" + std::to_string(config.preempt_after->count()) +
+                           " ms) must be below max_wait (" + std::to_string(config.max_wait.count()) +
+                           " ms): every wait would run out before preemption");
+  }
   if (config.peer_timeout > longest_peer_timeout) {
     throw invalid_argument("lender: peer_timeout of " + std::to_string(config.peer_timeout.count()) +
                            " ms is over a day; a borrower that waits longer is as good as gone");

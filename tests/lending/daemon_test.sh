@@ -181,6 +181,7 @@ refused "prepared_chunks" --capacity 8MiB --prepare 3x4MiB
 refused "max_wait must be" --max-wait-ms 0
 refused "preempt-deadline-ms" --preempt-deadline-ms 0
 refused "preempt_after must be" --preempt-after-ms 99999999999
+refused "must be below max_wait" --preempt-after-ms 60000 --max-wait-ms 60000
 refused "excludes" --preempt-after-ms 0 --no-preempt
 echo 'preempt_after_ms = -1' > "$dir/bad.toml"
 refused "preempt_after_ms' must be an integer >= 0" --config "$dir/bad.toml"

@@ -333,7 +333,7 @@ TEST(lending_preemption, revokes_nothing_when_all_it_may_revoke_would_not_serve_
 }
 
 TEST(lending_preemption, revokes_others_when_a_borrower_lets_the_deadline_pass) {
-  preemption_fixture f({.capacity_bytes = 4 * mib, .preempt_after = 0ms, .preempt_deadline = 150ms});
+  preemption_fixture f({.capacity_bytes = 4 * mib, .preempt_after = 0ms, .preempt_deadline = 300ms});
   borrower model_a(f.dev, f.l->address()), model_b(f.dev, f.l->address()), model_c(f.dev, f.l->address());
   auto a = model_a.borrow(2 * mib, "model A");
   auto b = model_b.borrow(2 * mib, "model B");
@@ -356,6 +356,7 @@ TEST(lending_preemption, refuses_a_config_out_of_range) {
   const auto address = channel::channel_address::at_path(dir / "l.sock");
   EXPECT_THROW(lender(dev, address, {.preempt_after = -1ms}), invalid_argument);
   EXPECT_THROW(lender(dev, address, {.preempt_deadline = 0ms}), invalid_argument);
+  EXPECT_THROW(lender(dev, address, {.max_wait = 1s, .preempt_after = 1s}), invalid_argument);
   EXPECT_THROW(lender(dev, address, {.preempt_deadline = std::chrono::milliseconds(std::int64_t{1} << 33)}),
                invalid_argument);
 }
