@@ -618,6 +618,7 @@ class lender::state {
                           "borrows wait for memory ahead of this one, which does not wait: memory given back goes "
                           "to them first (borrow with a wait to take a place in line)");
     }
+    bool refused_by_device = false;
     if (!others_wait) {
       const auto no_room = try_lend(b, m, bytes);
       if (!no_room) return;
@@ -626,6 +627,7 @@ class lender::state {
                             no_room->why + "; the lender refuses at once, as this borrow asked (borrow with a wait to "
                                        "wait for memory to be given back), or revoke a region");
       }
+      refused_by_device = no_room->device_refused;
     }
     if (const std::uint64_t revoking = region_being_revoked_from(b.serial); revoking != 0) {
       return send_refusal(b, m.request, refusal::cannot_fit,
@@ -634,6 +636,10 @@ class lender::state {
                               "connection while its borrow waits)");
     }
     wait_for_room(b, m, bytes);
+    // With no one ahead it is the head: when the device (not the capacity)
+    // refused it, no give back would bring it round again, so the periodic
+    // check tries it (other processes may free the device's memory).
+    if (!others_wait) head_refused_by_device_ = refused_by_device;
   }
 
   // Why `b` may not hold `bytes` more (its region count, its quota, its

@@ -5,6 +5,10 @@
 //       Borrows a region of <bytes>, fills it with <byte>, reads it back,
 //       says "held <region id>" (or what went wrong) and waits until the
 //       parent hangs up or kills it.
+//   shoal_test_borrower yield <host|cuda> <socket path> <bytes> <byte>
+//       As hold, then waits (up to 30 s) for the lender to revoke the region,
+//       gives it back and says "yielded <region id>" ("not revoked" if no
+//       revoke came), and waits until the parent hangs up.
 //   shoal_test_borrower wait-borrow <host|cuda> <socket path or @abstract name> <bytes> <wait ms> [<as>]
 //       As <as> ("self", the default, or "nobody", as for cycle), borrows a
 //       region of <bytes> that may wait <wait ms> at the lender for memory,
@@ -102,6 +106,28 @@ int hold(backend::device& dev, const std::string& path, std::size_t bytes, std::
     return 1;
   }
   say("held " + std::to_string(region.id()));
+  wait_for_parent();
+  return 0;
+}
+
+// Holds a region as `hold` does until the lender revokes it (preemption),
+// then gives it back: a model that answers revokes.
+int yield(backend::device& dev, const std::string& path, std::size_t bytes, std::uint8_t value) {
+  lending::borrower b(dev, channel::channel_address::at_path(path));
+  auto region = b.borrow(bytes, "held until revoked");
+  dev.fill({}, region.data(), value, region.size());
+  dev.synchronize({});
+  const std::uint64_t id = region.id();
+  say("held " + std::to_string(id));
+  std::vector<lending::borrower::revocation> asked;
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (asked.empty() && std::chrono::steady_clock::now() < give_up) asked = b.revocations(std::chrono::seconds(1));
+  if (asked.empty() || asked.front().region != id) {
+    say("not revoked");
+    return 1;
+  }
+  b.give_back(std::move(region));
+  say("yielded " + std::to_string(id));
   wait_for_parent();
   return 0;
 }
@@ -310,15 +336,18 @@ int main(int argc, char** argv) {
   try {
     const std::vector<std::string> args(argv + 1, argv + argc);
     if (args.size() < 4) {
-      std::fprintf(stderr, "usage: shoal_test_borrower hold|wait-borrow|hang-up|publish|read|write-shared|deaf|cycle|revoke <host|cuda> "
+      std::fprintf(stderr, "usage: shoal_test_borrower hold|yield|wait-borrow|hang-up|publish|read|write-shared|deaf|cycle|revoke <host|cuda> "
                    "<socket path> ...\n");
       return 2;
     }
     auto& dev = args[1] == "cuda" ? backend::cuda_device_instance(0) : backend::host_device_instance();
-    const bool sized = args[0] == "publish" || args[0] == "hold" || args[0] == "wait-borrow" || args[0] == "hang-up" || args[0] == "deaf";
+    const bool sized = args[0] == "publish" || args[0] == "hold" || args[0] == "yield" || args[0] == "wait-borrow" ||
+                       args[0] == "hang-up" || args[0] == "deaf";
     const std::size_t bytes = sized ? std::stoull(args[3]) : 0;
     if (args[0] == "hold" && args.size() == 5)
       return hold(dev, args[2], bytes, static_cast<std::uint8_t>(std::stoi(args[4])));
+    if (args[0] == "yield" && args.size() == 5)
+      return yield(dev, args[2], bytes, static_cast<std::uint8_t>(std::stoi(args[4])));
     if (args[0] == "wait-borrow" && (args.size() == 5 || args.size() == 6))
       return wait_borrow(dev, args[2], bytes, std::chrono::milliseconds(std::stoll(args[4])),
                          args.size() == 6 ? args[5] : "self");

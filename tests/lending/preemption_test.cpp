@@ -361,5 +361,27 @@ TEST(lending_preemption, refuses_a_config_out_of_range) {
                invalid_argument);
 }
 
+// Across processes on each backend (CUDA imports only in another process):
+// a holder process that answers revokes is preempted for a waiting process,
+// which is lent the memory as the holder gives it back.
+template <class Backend>
+class preemption_processes : public lending_test<Backend> {};
+TYPED_TEST_SUITE(preemption_processes, backend_types, backend_names);
+
+TYPED_TEST(preemption_processes, a_holder_process_is_preempted_for_a_waiting_process) {
+  auto& l = this->start({.capacity_bytes = 4 * mib, .preempt_after = 0ms, .preempt_deadline = 5s});
+  auto holder = this->borrower_process({"yield", std::to_string(4 * mib), "91"});
+  const std::string held = line_from(*holder);
+  ASSERT_EQ(held.rfind("held ", 0), 0u) << held;
+  auto waiter = this->borrower_process({"wait-borrow", std::to_string(4 * mib), "30000"});
+  EXPECT_EQ(line_from(*holder), "yielded " + held.substr(5));
+  const std::string lent = line_from(*waiter);
+  EXPECT_EQ(lent.rfind("lent ", 0), 0u) << lent;
+  const auto s = l.status();
+  EXPECT_EQ(s.preemptions, 1u);
+  EXPECT_EQ(s.revocations_missed, 0u);
+  EXPECT_EQ(s.lent_bytes, 4 * mib);
+}
+
 }  // namespace
 }  // namespace shoal::testing

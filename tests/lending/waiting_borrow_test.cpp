@@ -20,6 +20,7 @@
 
 #include "lending/lending_fixture.h"
 #include "lending/messages.h"
+#include "support/forwarding_device.h"
 #include "shoal/backend/host_device.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
@@ -247,6 +248,39 @@ TEST(lending_waiting_borrow, a_head_that_cannot_fit_releases_no_spare) {
   ASSERT_EQ(big.wait_for(2s), std::future_status::ready);
   const auto region = big.get();
   EXPECT_TRUE(f.l->status().spares.empty()) << "the spares go once releasing them makes the head fit";
+}
+
+// A device that refuses every chunk while `refuse` is set: its memory used
+// by other processes, then freed.
+class refusing_device : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+  backend::physical_ref create_physical(std::size_t bytes) override {
+    if (refuse.load()) throw out_of_memory("the device's memory is in use by other processes (test)", bytes);
+    return forwarding_device::create_physical(bytes);
+  }
+  std::atomic<bool> refuse{true};
+};
+
+// The head the device refused (not the capacity: nothing given back would
+// tell the lender) is tried again at each periodic check, so it is lent soon
+// after other processes free the device's memory.
+TEST(lending_waiting_borrow, a_head_the_device_refused_is_tried_again_at_the_periodic_check) {
+  temp_dir dir;
+  auto& host = backend::host_device_instance();
+  refusing_device dev(host);
+  lender l(dev, channel::channel_address::at_path(dir / "l.sock"), {.capacity_bytes = 8 * mib});
+  borrower b(host, l.address());
+  auto lent = std::async(std::launch::async, [&] {
+    return b.borrow(2 * mib, "next", region_mode::exclusive, answer_timeout, borrow_wait{10s, {}});
+  });
+  ASSERT_TRUE(eventually([&] { return l.status().waiting.size() == 1; }));
+  EXPECT_EQ(lent.wait_for(200ms), std::future_status::timeout) << "lent while the device refused";
+  dev.refuse.store(false);
+  const auto freed = std::chrono::steady_clock::now();
+  ASSERT_EQ(lent.wait_for(5s), std::future_status::ready) << "not tried again once the device had memory";
+  EXPECT_TRUE(lent.get().valid());
+  EXPECT_LT(std::chrono::steady_clock::now() - freed, 1s);
 }
 
 TEST(lending_waiting_borrow, regions_given_back_while_their_borrowers_borrow_waits_go_back_at_the_next_call) {
