@@ -4,6 +4,7 @@ borrower, metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import pathlib
@@ -531,23 +532,30 @@ print("metrics" if "shoal_lending_" in borrower.metrics() else "no metrics", flu
 """
 
 
+@contextlib.contextmanager
+def a_child_holding(address: str, nbytes: int):
+    """A child process that borrows `nbytes` from the lender at `address` and holds them
+    until the block ends (so other borrows must wait; CUDA lends across processes only)."""
+    child = subprocess.Popen([sys.executable, "-c", BORROWER_SCRIPT, address, str(nbytes)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().startswith("held")
+        yield child
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_ctrl_c_ends_a_waiting_borrow(address):
     unit = 2 * MIB
-    with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender:
-        child = subprocess.Popen([sys.executable, "-c", BORROWER_SCRIPT, address, str(4 * unit)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            assert child.stdout is not None and child.stdout.readline().startswith("held")
-            waiting = subprocess.run([sys.executable, "-c", WAITING_BORROWER_SCRIPT, address, str(unit)],
-                                     capture_output=True, text=True, timeout=20)
-            lines = waiting.stdout.split("\n")
-            assert lines[0].startswith("interrupted after"), (waiting.stdout, waiting.stderr)
-            assert float(lines[0].split()[-1]) < 1.5, lines[0]
-            assert lines[1] == "metrics", "the borrower was out of step after the interrupt"
-            assert eventually(lambda: lender.status()["waiting"] == [])
-        finally:
-            child.kill()
-            child.wait()
+    with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender, a_child_holding(address, 4 * unit):
+        waiting = subprocess.run([sys.executable, "-c", WAITING_BORROWER_SCRIPT, address, str(unit)],
+                                 capture_output=True, text=True, timeout=20)
+        lines = waiting.stdout.split("\n")
+        assert lines[0].startswith("interrupted after"), (waiting.stdout, waiting.stderr)
+        assert float(lines[0].split()[-1]) < 1.5, lines[0]
+        assert lines[1] == "metrics", "the borrower was out of step after the interrupt"
+        assert eventually(lambda: lender.status()["waiting"] == [])
 
 
 def test_a_wait_out_of_range_is_named(address):
@@ -701,19 +709,12 @@ def test_a_process_exits_cleanly_while_a_worker_thread_waits_to_borrow(address):
     # The worker's cancel check takes the GIL back as the interpreter finalizes: the thread
     # must not abort the process (std::terminate, exit status 134).
     unit = 2 * MIB
-    with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender:
-        child = subprocess.Popen([sys.executable, "-c", BORROWER_SCRIPT, address, str(4 * unit)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            assert child.stdout is not None and child.stdout.readline().startswith("held")
-            for _ in range(3):
-                exiting = subprocess.run([sys.executable, "-c", EXITING_WHILE_WAITING_SCRIPT, address, str(unit)],
-                                         capture_output=True, text=True, timeout=30)
-                assert (exiting.returncode, exiting.stdout) == (0, "exiting\n"), (exiting.returncode, exiting.stderr)
-            assert eventually(lambda: lender.status()["waiting"] == [])
-        finally:
-            child.kill()
-            child.wait()
+    with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender, a_child_holding(address, 4 * unit):
+        for _ in range(3):
+            exiting = subprocess.run([sys.executable, "-c", EXITING_WHILE_WAITING_SCRIPT, address, str(unit)],
+                                     capture_output=True, text=True, timeout=30)
+            assert (exiting.returncode, exiting.stdout) == (0, "exiting\n"), (exiting.returncode, exiting.stderr)
+        assert eventually(lambda: lender.status()["waiting"] == [])
 
 
 def test_a_cancel_event_is_read_as_a_truth_value(address):
