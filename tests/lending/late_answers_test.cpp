@@ -193,6 +193,20 @@ TEST(lending_late_answers, a_give_back_that_times_out_is_sent_all_the_same) {
   EXPECT_THROW(s.l.revoke(id, 1s), invalid_argument) << "the lender still counts the region given back as lent";
 }
 
+// Answers owed are bounded: past 64 (give backs that timed out one after
+// another while the lender stalled), the borrower gives the link up rather
+// than remember without end — its next call says so (connection_closed).
+TEST(lending_late_answers, past_64_answers_owed_the_link_is_given_up) {
+  stalled_lender s;
+  borrower b(s.dev, s.l.address());
+  std::vector<lending::borrowed_region> regions;
+  for (int i = 0; i < 65; ++i) regions.push_back(b.borrow(2 * mib, "one of many"));
+  s.stall();
+  for (auto& region : regions) EXPECT_THROW(b.give_back(std::move(region), 5ms), timeout_error);
+  s.release();
+  EXPECT_THROW((void)b.metrics(), connection_closed) << "65 answers owed and the link kept";
+}
+
 // Dropping the last region while the lender is slow: the give back is sent
 // and owed; the connection's end waits for the owed answers once, not twice.
 TEST(lending_late_answers, dropping_the_last_region_while_the_lender_is_slow_waits_at_most_a_second) {
