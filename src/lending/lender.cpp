@@ -1195,23 +1195,29 @@ class lender::state {
     return 0;
   }
 
-  // Under mutex_: the bytes each uid holds (a region once per uid holding it).
-  std::vector<std::pair<uid_t, std::size_t>> held_by_each_uid_locked() const {
-    std::vector<std::pair<uid_t, std::size_t>> held;
+  // Under mutex_: the bytes each uid holds — a region once per uid holding
+  // it, and the spares a uid keeps mapped (memory it has given back but may
+  // still use until it unmaps it).
+  detail::holdings held_by_each_uid_locked() const {
+    detail::holdings held;
+    const auto add = [&](uid_t uid, std::size_t bytes) {
+      const auto it = std::find_if(held.begin(), held.end(), [&](const auto& e) { return e.first == uid; });
+      if (it == held.end()) {
+        held.emplace_back(uid, bytes);
+      } else {
+        it->second += bytes;
+      }
+    };
+    for (const auto& spare : spares_.chunks()) {
+      if (!spare.chunk.keepers.empty()) add(spare.uid, spare.chunk.memory->size());
+    }
     std::vector<uid_t> uids;
     for (const auto& [id, r] : regions_) {
       uids.clear();
       for (const hold& h : r.holds) {
         if (std::find(uids.begin(), uids.end(), h.uid) == uids.end()) uids.push_back(h.uid);
       }
-      for (const uid_t uid : uids) {
-        const auto it = std::find_if(held.begin(), held.end(), [&](const auto& e) { return e.first == uid; });
-        if (it == held.end()) {
-          held.emplace_back(uid, r.info.bytes);
-        } else {
-          it->second += r.info.bytes;
-        }
-      }
+      for (const uid_t uid : uids) add(uid, r.info.bytes);
     }
     return held;
   }
@@ -1415,11 +1421,6 @@ class lender::state {
         return std::binary_search(waiting_serials.begin(), waiting_serials.end(), serial);
       };
       std::lock_guard lock(mutex_);
-      const auto held = held_by_each_uid_locked();
-      const auto held_by = [&](uid_t uid) {
-        const auto it = std::find_if(held.begin(), held.end(), [&](const auto& e) { return e.first == uid; });
-        return it == held.end() ? std::size_t{0} : it->second;
-      };
       std::size_t coming = 0;  // revoked, its deadline not passed, its borrower free to give it back
       std::vector<detail::preemption_candidate> candidates;
       for (const auto& [id, r] : regions_) {
@@ -1433,14 +1434,12 @@ class lender::state {
         // not taken the moment it began, nor one region revoked again and
         // again by borrows that join the line and leave.
         if (now - r.since < *config_.preempt_after) continue;
-        // Across uids, only from a uid holding more than the head's: no
-        // borrower takes from one that holds as little as it does.
-        if (r.info.uid != head.uid && held_by(r.info.uid) <= held_by(head.uid)) continue;
-        candidates.push_back({id, r.info.bytes, r.since});
+        candidates.push_back({id, r.info.bytes, r.since, r.info.uid});
       }
       const std::size_t room = config_.capacity_bytes - lent_bytes_;
       const std::size_t shortfall = head.bytes > room + coming ? head.bytes - room - coming : 0;
-      chosen = detail::choose_preempted(std::move(candidates), shortfall);
+      // Across uids only while the other holds more (preemption.h).
+      chosen = detail::choose_preempted(std::move(candidates), shortfall, head.uid, held_by_each_uid_locked());
       if (chosen.empty()) return;
       why = "preempted for the borrow of " + std::to_string(head.bytes) + " bytes ('" + head.request.purpose +
             "') of pid " + std::to_string(head.process.pid) + " waiting first in line";
@@ -1453,6 +1452,13 @@ class lender::state {
     } catch (...) {  // NOLINT(bugprone-empty-catch): no memory to choose: looked at again at the next check
       return;
     }
+    std::vector<queued_revocation> queued;  // made first: nothing changes unless all can be queued
+    try {
+      queued.reserve(chosen.size());
+      for (const std::uint64_t id : chosen) queued.push_back({id, config_.preempt_deadline, why});
+    } catch (...) {  // NOLINT(bugprone-empty-catch): no memory: looked at again at the next check
+      return;
+    }
     // A borrower gives nothing back while its own borrow waits: that wait
     // ends first (refused, stopped_waiting), then the revoke goes.
     for (const std::uint64_t serial : waits_to_end) {
@@ -1461,10 +1467,7 @@ class lender::state {
       }
     }
     try {
-      std::vector<queued_revocation> queued;  // made first: nothing is marked unless all can be queued
-      queued.reserve(chosen.size());
       std::lock_guard lock(mutex_);
-      for (const std::uint64_t id : chosen) queued.push_back({id, config_.preempt_deadline, why});
       revocations_.reserve(revocations_.size() + queued.size());
       for (auto& q : queued) {
         const auto it = regions_.find(q.region);

@@ -4,7 +4,18 @@
 
 namespace shoal::lending::detail {
 
-std::vector<std::uint64_t> choose_preempted(std::vector<preemption_candidate> candidates, std::size_t shortfall) {
+namespace {
+
+std::size_t& entry(holdings& h, uid_t uid) {
+  const auto it = std::find_if(h.begin(), h.end(), [&](const auto& e) { return e.first == uid; });
+  if (it != h.end()) return it->second;
+  return h.emplace_back(uid, 0).second;
+}
+
+}  // namespace
+
+std::vector<std::uint64_t> choose_preempted(std::vector<preemption_candidate> candidates, std::size_t shortfall,
+                                            uid_t head_uid, const holdings& held) {
   std::vector<std::uint64_t> chosen;
   if (shortfall == 0) return chosen;
   std::sort(candidates.begin(), candidates.end(), [](const preemption_candidate& a, const preemption_candidate& b) {
@@ -12,9 +23,19 @@ std::vector<std::uint64_t> choose_preempted(std::vector<preemption_candidate> ca
     if (a.bytes != b.bytes) return a.bytes > b.bytes;
     return a.region < b.region;
   });
+  holdings now = held;  // as this choice moves memory from uid to uid
   std::size_t covered = 0;
   for (const auto& c : candidates) {
     if (covered >= shortfall) break;
+    if (c.uid != head_uid) {
+      (void)entry(now, c.uid);  // both present first: the references below stay valid
+      (void)entry(now, head_uid);
+      std::size_t& theirs = entry(now, c.uid);
+      std::size_t& ours = entry(now, head_uid);
+      if (theirs <= ours) continue;  // it holds no more than the head's uid (any more)
+      theirs -= std::min(theirs, c.bytes);
+      ours += c.bytes;
+    }
     chosen.push_back(c.region);
     covered += c.bytes;
   }

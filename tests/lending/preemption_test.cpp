@@ -73,14 +73,42 @@ TEST(lending_preemption_choice, takes_the_regions_lent_longest_ago_until_the_sho
   const auto t0 = std::chrono::steady_clock::time_point{} + 1h;
   const std::vector<preemption_candidate> candidates = {
       {1, 4 * mib, t0 + 2s}, {2, 2 * mib, t0}, {3, 2 * mib, t0 + 1s}, {4, 8 * mib, t0 + 3s}};
-  EXPECT_EQ(choose_preempted(candidates, 2 * mib), (std::vector<std::uint64_t>{2}));
-  EXPECT_EQ(choose_preempted(candidates, 3 * mib), (std::vector<std::uint64_t>{2, 3}));
-  EXPECT_EQ(choose_preempted(candidates, 5 * mib), (std::vector<std::uint64_t>{2, 3, 1}));
-  EXPECT_EQ(choose_preempted(candidates, 16 * mib), (std::vector<std::uint64_t>{2, 3, 1, 4}));
-  EXPECT_TRUE(choose_preempted(candidates, 16 * mib + 1).empty()) << "revoked what cannot serve the head";
-  EXPECT_TRUE(choose_preempted(candidates, 0).empty());
+  const auto choose = [&](std::size_t shortfall) { return choose_preempted(candidates, shortfall, 0, {}); };
+  EXPECT_EQ(choose(2 * mib), (std::vector<std::uint64_t>{2}));
+  EXPECT_EQ(choose(3 * mib), (std::vector<std::uint64_t>{2, 3}));
+  EXPECT_EQ(choose(5 * mib), (std::vector<std::uint64_t>{2, 3, 1}));
+  EXPECT_EQ(choose(16 * mib), (std::vector<std::uint64_t>{2, 3, 1, 4}));
+  EXPECT_TRUE(choose(16 * mib + 1).empty()) << "revoked what cannot serve the head";
+  EXPECT_TRUE(choose(0).empty());
   // Lent at the same moment: the larger first.
-  EXPECT_EQ(choose_preempted({{5, 2 * mib, t0}, {6, 4 * mib, t0}}, 1), (std::vector<std::uint64_t>{6}));
+  EXPECT_EQ(choose_preempted({{5, 2 * mib, t0}, {6, 4 * mib, t0}}, 1, 0, {}), (std::vector<std::uint64_t>{6}));
+}
+
+// Across uids a region is taken only while its uid still holds more than
+// the head's, counting what the choice has moved so far: holdings are
+// evened out at most.
+TEST(lending_preemption_choice, takes_from_another_uid_only_while_it_holds_more) {
+  const auto t0 = std::chrono::steady_clock::time_point{} + 1h;
+  constexpr uid_t head = 1000, other = 2000;
+  const std::vector<preemption_candidate> others = {
+      {1, 2 * mib, t0, other}, {2, 2 * mib, t0 + 1s, other}, {3, 2 * mib, t0 + 2s, other}};
+  // uid 2000 holds 6 MiB, the head's uid 2: one region evens them (4 and 4),
+  // a second would not be taken — 6 MiB short is not served, 2 MiB short is.
+  EXPECT_TRUE(choose_preempted(others, 6 * mib, head, {{other, 6 * mib}, {head, 2 * mib}}).empty())
+      << "took a uid down below the head's";
+  EXPECT_EQ(choose_preempted(others, 2 * mib, head, {{other, 6 * mib}, {head, 2 * mib}}),
+            (std::vector<std::uint64_t>{1}));
+  // Holding no more than the head's uid: nothing of it is taken.
+  EXPECT_TRUE(choose_preempted(others, 2 * mib, head, {{other, 6 * mib}, {head, 6 * mib}}).empty());
+  // The head's own uid (its other connections) has no such rule.
+  const std::vector<preemption_candidate> own = {{4, 2 * mib, t0, head}, {5, 2 * mib, t0 + 1s, head}};
+  EXPECT_EQ(choose_preempted(own, 4 * mib, head, {{head, 4 * mib}}), (std::vector<std::uint64_t>{4, 5}));
+  // Skipped regions of a uid leave the others to cover: the oldest of
+  // uid 2000 is passed over once it would be taken below the head's.
+  std::vector<preemption_candidate> mixed = others;
+  mixed.push_back({6, 2 * mib, t0 + 3s, head});
+  EXPECT_EQ(choose_preempted(mixed, 4 * mib, head, {{other, 6 * mib}, {head, 4 * mib}}),
+            (std::vector<std::uint64_t>{1, 6}));
 }
 
 TEST(lending_preemption, is_off_unless_configured) {
@@ -357,6 +385,7 @@ TEST(lending_preemption, refuses_a_config_out_of_range) {
   EXPECT_THROW(lender(dev, address, {.preempt_after = -1ms}), invalid_argument);
   EXPECT_THROW(lender(dev, address, {.preempt_deadline = 0ms}), invalid_argument);
   EXPECT_THROW(lender(dev, address, {.max_wait = 1s, .preempt_after = 1s}), invalid_argument);
+  EXPECT_NO_THROW(lender(dev, address, {.max_wait = 1s, .preempt_after = 999ms}));
   EXPECT_THROW(lender(dev, address, {.preempt_deadline = std::chrono::milliseconds(std::int64_t{1} << 33)}),
                invalid_argument);
 }

@@ -151,10 +151,13 @@ struct lender_config {
   /// it, the lender revokes exclusive regions of other borrowers — lent
   /// longest ago first, only as many as the shortfall needs, none when all it
   /// may revoke would not cover it — each to be given back within
-  /// preempt_deadline, as revoke() asks. What it may revoke: a region lent at
-  /// least preempt_after ago (the least turn); across uids, only regions of a
-  /// uid holding more than the head's uid; never shared or orphaned regions,
-  /// nor the head's own. A borrower whose own borrow waits behind the head has
+  /// preempt_deadline, as revoke() asks. Below max_wait (else every wait
+  /// would run out first). What it may revoke: a region lent at least
+  /// preempt_after ago (the least turn; 0 gives none, and borrows that join
+  /// the line and leave may then revoke a region as often as they like);
+  /// across uids, only while the region's uid holds more than the head's uid
+  /// (holdings evened out at most); never shared or orphaned regions, nor the
+  /// head's own. A borrower whose own borrow waits behind the head has
   /// that wait refused first (stopped_waiting) when its region is taken, and
   /// a borrower asked to give a region back may not wait for memory until it
   /// has. A region being revoked counts as coming back until its deadline
