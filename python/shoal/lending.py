@@ -364,8 +364,8 @@ class Lender:
     ``preempt_after`` ago is not revoked. A waiting borrow's ``wait`` should exceed twice
     ``preempt_after`` plus ``preempt_deadline``. Shared and orphaned regions are never
     revoked; a borrower whose own borrow waits behind has that wait ended first
-    (``OutOfMemoryError``, reason ``"stopped_waiting"``); between uids, only a uid holding
-    more than the waiting borrow's uid is revoked from. A borrower that lets the deadline
+    (``OutOfMemoryError``, reason ``"stopped_waiting"``); between uids, only while the
+    other uid holds more than the waiting borrow's uid (holdings evened out at most). A borrower that lets the deadline
     pass keeps its region (named in the log) and is not asked again, and the lender revokes
     others' regions if there are any to take.
     (``shoal daemon`` runs one as a program.)"""
