@@ -261,7 +261,8 @@ class lender::state {
         throw invalid_argument("lender::revoke: region " + std::to_string(id) + " is not lent to a connected borrower" +
                                (it == regions_.end() ? "" : " (it is being revoked, or its borrower hung up)"));
       }
-      revoke_locked(it->second, id, deadline, {});
+      revocations_.push_back({id, deadline, {}});  // first: when memory runs out the region stays lent
+      mark_revoking(it->second, deadline);
     }
     const std::uint64_t one = 1;
     (void)!::write(wake_.get(), &one, sizeof one);
@@ -1200,16 +1201,8 @@ class lender::state {
   // still use until it unmaps it).
   detail::holdings held_by_each_uid_locked() const {
     detail::holdings held;
-    const auto add = [&](uid_t uid, std::size_t bytes) {
-      const auto it = std::find_if(held.begin(), held.end(), [&](const auto& e) { return e.first == uid; });
-      if (it == held.end()) {
-        held.emplace_back(uid, bytes);
-      } else {
-        it->second += bytes;
-      }
-    };
     for (const auto& spare : spares_.chunks()) {
-      if (!spare.chunk.keepers.empty()) add(spare.uid, spare.chunk.memory->size());
+      if (!spare.chunk.keepers.empty()) detail::holding_of(held, spare.uid) += spare.chunk.memory->size();
     }
     std::vector<uid_t> uids;
     for (const auto& [id, r] : regions_) {
@@ -1217,7 +1210,7 @@ class lender::state {
       for (const hold& h : r.holds) {
         if (std::find(uids.begin(), uids.end(), h.uid) == uids.end()) uids.push_back(h.uid);
       }
-      for (const uid_t uid : uids) add(uid, r.info.bytes);
+      for (const uid_t uid : uids) detail::holding_of(held, uid) += r.info.bytes;
     }
     return held;
   }
@@ -1387,11 +1380,8 @@ class lender::state {
     return std::next(it);
   }
 
-  // Under mutex_: marks lent region `r` (`id`) revoking and queues its
-  // revoke; `preempted_for` names the waiting borrow it is for, if any.
-  void revoke_locked(region_entry& r, std::uint64_t id, std::chrono::milliseconds deadline,
-                     std::string preempted_for) {
-    revocations_.push_back({id, deadline, std::move(preempted_for)});  // first: when memory runs out it stays lent
+  // Under mutex_: lent region `r` is being revoked, due back within `deadline`.
+  static void mark_revoking(region_entry& r, std::chrono::milliseconds deadline) noexcept {
     r.info.state = region_state::revoking;
     r.info.revoke_deadline = clock_type::now() + deadline;
   }
@@ -1473,8 +1463,7 @@ class lender::state {
         const auto it = regions_.find(q.region);
         // The operator's revoke() may have come meanwhile (another thread).
         if (it == regions_.end() || it->second.info.state != region_state::lent) continue;
-        it->second.info.state = region_state::revoking;
-        it->second.info.revoke_deadline = clock_type::now() + q.deadline;
+        mark_revoking(it->second, q.deadline);
         revocations_.push_back(std::move(q));  // room reserved: does not throw
       }
     } catch (...) {  // NOLINT(bugprone-empty-catch): no memory: looked at again at the next check

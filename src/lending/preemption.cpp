@@ -4,15 +4,11 @@
 
 namespace shoal::lending::detail {
 
-namespace {
-
-std::size_t& entry(holdings& h, uid_t uid) {
+std::size_t& holding_of(holdings& h, uid_t uid) {
   const auto it = std::find_if(h.begin(), h.end(), [&](const auto& e) { return e.first == uid; });
   if (it != h.end()) return it->second;
   return h.emplace_back(uid, 0).second;
 }
-
-}  // namespace
 
 std::vector<std::uint64_t> choose_preempted(std::vector<preemption_candidate> candidates, std::size_t shortfall,
                                             uid_t head_uid, const holdings& held) {
@@ -28,10 +24,10 @@ std::vector<std::uint64_t> choose_preempted(std::vector<preemption_candidate> ca
   for (const auto& c : candidates) {
     if (covered >= shortfall) break;
     if (c.uid != head_uid) {
-      (void)entry(now, c.uid);  // both present first: the references below stay valid
-      (void)entry(now, head_uid);
-      std::size_t& theirs = entry(now, c.uid);
-      std::size_t& ours = entry(now, head_uid);
+      (void)holding_of(now, c.uid);  // both present first: the references below stay valid
+      (void)holding_of(now, head_uid);
+      std::size_t& theirs = holding_of(now, c.uid);
+      std::size_t& ours = holding_of(now, head_uid);
       if (theirs <= ours) continue;  // it holds no more than the head's uid (any more)
       theirs -= std::min(theirs, c.bytes);
       ours += c.bytes;

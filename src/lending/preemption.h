@@ -32,6 +32,9 @@ struct preemption_candidate {
 /// spares it keeps mapped).
 using holdings = std::vector<std::pair<uid_t, std::size_t>>;
 
+/// `uid`'s entry of `h`, added at 0 when it has none (may move the others).
+std::size_t& holding_of(holdings& h, uid_t uid);
+
 /// The regions of `candidates` to revoke so that at least `shortfall` bytes
 /// come back for a borrow of uid `head_uid`, in the order and under the
 /// rule above, `held` being what each uid holds now; empty when `shortfall`
