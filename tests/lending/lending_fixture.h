@@ -8,12 +8,14 @@
 
 #include <chrono>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "shoal/backend/host_device.h"
 #include "shoal/core/child_process.h"
 #include "shoal/lending/borrower.h"
 #include "shoal/lending/lender.h"
@@ -70,6 +72,32 @@ struct event_recorder {
       std::lock_guard lock(*guard);
       events->push_back(e);
     };
+  }
+};
+
+/// A lender on the host backend, its events recorded, and borrows that wait
+/// at it on threads of their own (the waiting-borrow and preemption tests).
+struct waiting_line {
+  static constexpr auto answer_timeout = std::chrono::seconds(5);
+  temp_dir dir;
+  backend::device& dev = backend::host_device_instance();
+  event_recorder recorder;
+  std::unique_ptr<lender> l;
+
+  explicit waiting_line(lender_config config) {
+    recorder.attach(config);
+    l = std::make_unique<lender>(dev, channel::channel_address::at_path(dir / "l.sock"), config);
+  }
+  // Borrows `bytes` on another thread, waiting up to `wait` for memory.
+  std::future<lending::borrowed_region> borrow_waiting(borrower& b, std::size_t bytes, std::string purpose,
+                                                       std::chrono::milliseconds wait) {
+    return std::async(std::launch::async, [&b, bytes, purpose = std::move(purpose), wait] {
+      return b.borrow(bytes, purpose, lending::region_mode::exclusive, answer_timeout, lending::borrow_wait{wait, {}});
+    });
+  }
+  // Whether `count` borrows wait in line within the usual deadline.
+  bool waiting(std::size_t count) {
+    return eventually([&] { return l->status().waiting.size() == count; });
   }
 };
 

@@ -35,23 +35,10 @@ using lending::detail::preemption_candidate;
 
 constexpr auto answer_timeout = std::chrono::seconds(5);
 
-struct preemption_fixture {
-  temp_dir dir;
-  backend::device& dev = backend::host_device_instance();
-  event_recorder recorder;
-  std::unique_ptr<lender> l;
-
-  explicit preemption_fixture(lender_config config) {
-    recorder.attach(config);
-    l = std::make_unique<lender>(dev, channel::channel_address::at_path(dir / "l.sock"), config);
-  }
+struct preemption_fixture : waiting_line {
+  using waiting_line::waiting_line;
   std::future<borrowed_region> borrow_waiting(borrower& b, std::size_t bytes, std::chrono::milliseconds wait) {
-    return std::async(std::launch::async, [&b, bytes, wait] {
-      return b.borrow(bytes, "the next model", region_mode::exclusive, answer_timeout, borrow_wait{wait, {}});
-    });
-  }
-  bool waiting(std::size_t count) {
-    return eventually([&] { return l->status().waiting.size() == count; });
+    return waiting_line::borrow_waiting(b, bytes, "the next model", wait);
   }
   // The ids of the regions being revoked now.
   std::vector<std::uint64_t> revoking() const {

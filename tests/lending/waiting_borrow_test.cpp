@@ -35,27 +35,8 @@ using lending::region_mode;
 
 constexpr auto answer_timeout = std::chrono::seconds(5);
 
-struct waiting_fixture {
-  temp_dir dir;
-  backend::device& dev = backend::host_device_instance();
-  event_recorder recorder;
-  std::unique_ptr<lender> l;
-
-  explicit waiting_fixture(std::size_t capacity) {
-    lender_config config{.capacity_bytes = capacity};
-    recorder.attach(config);
-    l = std::make_unique<lender>(dev, channel::channel_address::at_path(dir / "l.sock"), config);
-  }
-  // Borrows `bytes` on another thread, waiting up to `wait` for memory.
-  std::future<borrowed_region> borrow_waiting(borrower& b, std::size_t bytes, std::string purpose,
-                                              std::chrono::milliseconds wait) {
-    return std::async(std::launch::async, [&b, bytes, purpose = std::move(purpose), wait] {
-      return b.borrow(bytes, purpose, region_mode::exclusive, answer_timeout, borrow_wait{wait, {}});
-    });
-  }
-  bool waiting(std::size_t count) {
-    return eventually([&] { return l->status().waiting.size() == count; });
-  }
+struct waiting_fixture : waiting_line {
+  explicit waiting_fixture(std::size_t capacity) : waiting_line({.capacity_bytes = capacity}) {}
 };
 
 TEST(lending_waiting_borrow, is_served_when_memory_is_given_back) {
