@@ -753,9 +753,9 @@ class Borrower:
 
     def _borrow_shared(self, allocator: Allocator, name: str, expected: bytes | None, writer_uid: int | None, timeout: float) -> Storage: ...
 
-    def revocations(self, wait: float = 0.0) -> list[tuple[int, float]]:
+    def revocations(self, wait: float = 0.0, cancel: object | None = None) -> list[tuple[int, float]]:
         """
-        The lender's requests to give regions back: (region id, seconds left), waiting up to ``wait`` seconds for a first one.
+        The lender's requests to give regions back: (region id, seconds left), waiting up to ``wait`` seconds for a first one, or until ``cancel`` (an object with is_set()) is set.
         """
 
     def metrics(self, timeout: float = 5.0) -> str:

@@ -51,16 +51,18 @@ reader it has the model it asked for, not that the writer is honest.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Protocol, Sequence, Union
+import threading
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence, Union
 
 from . import _shoal, default_allocator
 
-__all__ = ["Borrower", "CancelEvent", "Entry", "Lender", "SharedRegion"]
+__all__ = ["Borrower", "CancelEvent", "Entry", "Lender", "RevocationWatcher", "SharedRegion"]
 
 class CancelEvent(Protocol):
-    """What ``Borrower.borrow(cancel=...)`` takes: a ``threading.Event``, or anything whose
-    ``is_set()`` says (as a truth value) whether to stop. It is called about every 50 ms
-    while the borrow waits, with the borrower's connection held: it must not call the same
+    """What ``Borrower.borrow(cancel=...)`` and ``Borrower.revocations(cancel=...)`` take: a
+    ``threading.Event``, or anything whose ``is_set()`` says (as a truth value) whether to
+    stop. It is called about every 50 ms while a borrow waits, with the borrower's connection
+    held (and every 0.1 s while ``revocations`` waits): it must not call the same
     ``Borrower``."""
 
     def is_set(self) -> bool: ...
@@ -191,6 +193,7 @@ class Borrower:
     ) -> None:
         self._address = address
         self._allocator = allocator if allocator is not None else default_allocator()
+        self._watcher: Optional[RevocationWatcher] = None
         self._native = _shoal.Borrower(address, self._allocator.device, list(allowed_uids), timeout,
                                        keep_mappings, kept_mapping_bytes)
 
@@ -285,19 +288,50 @@ class Borrower:
             )
         )
 
-    def revocations(self, wait: float = 0.0) -> list[tuple[int, float]]:
-        """The lender's requests to give regions back, as (region id, seconds left), waiting up
-        to ``wait`` seconds for a first one. Answer each by dropping every reference to that
+    def revocations(self, wait: float = 0.0, cancel: Optional[CancelEvent] = None) -> list[tuple[int, float]]:
+        """The lender's requests to give regions back, as (region id, seconds left), waiting up to
+        ``wait`` seconds for a first one (or until ``cancel`` is set: the wait ends within about
+        0.1 s, with the revokes that came). Answer each by dropping every reference to that
         region's storage (and its views) before the time is up: it is given back as it goes
         (or, while a borrow of this borrower waits, when that borrow ends: take turns with
         one ``Borrower`` per model). Revokes that another call of this borrower read are
         returned at once, whatever that call is doing; it holds no connection, so a thread of
-        its own may watch with a ``wait`` while other threads borrow. Each revoke is returned
-        once. Until the region goes it stays mapped and usable (``revoking`` in the lender's
-        status); seconds left below 0 mean the deadline has passed. A borrower that lets the
-        time pass keeps the region, the lender names it in its log and does not ask again.
-        """
-        return self._native.revocations(wait)
+        its own may watch with a ``wait`` while other threads borrow (or let
+        :meth:`watch_revocations` do it). Each revoke is returned once. Until the region goes
+        it stays mapped and usable (``revoking`` in the lender's status); seconds left below 0
+        mean the deadline has passed. A borrower that lets the time pass keeps the region, the
+        lender names it in its log and does not ask again.
+
+        ``InvalidArgumentError`` while a :class:`RevocationWatcher` watches this borrower (it
+        would miss the revokes returned here)."""
+        self._refuse_while_watched("revocations")
+        return self._native.revocations(wait, cancel)
+
+    def watch_revocations(self, on_revoke: Callable[[int, float], object]) -> RevocationWatcher:
+        """Calls ``on_revoke(region id, seconds left)`` on a thread of its own for each revoke
+        the lender sends from now on, until the returned :class:`RevocationWatcher` is stopped
+        (or leaves its ``with`` block) or this borrower closes::
+
+            turn_over = threading.Event()
+            with borrower.watch_revocations(lambda region, left: turn_over.set()):
+                while not turn_over.is_set():
+                    serve(next_batch())
+            del model, weights                  # every view of the region: it goes back
+
+        ``on_revoke`` runs on the watcher's thread: keep it short (set an event, queue the
+        id) and drop the region where the model runs. One watcher per borrower at a time;
+        ``InvalidArgumentError`` for a second one."""
+        self._refuse_while_watched("watch_revocations")
+        watcher = RevocationWatcher(self, on_revoke)
+        self._watcher = watcher
+        return watcher
+
+    def _refuse_while_watched(self, who: str) -> None:
+        watcher = self._watcher
+        if watcher is not None and watcher.watching:
+            raise _shoal.InvalidArgumentError(
+                f"shoal.lending.Borrower.{who}: a RevocationWatcher watches this borrower; each revoke is "
+                "returned once, so one of the two would miss some (stop it first, or let it call you back)")
 
     @staticmethod
     def region_id(storage: _shoal.Storage) -> Optional[int]:
@@ -341,6 +375,88 @@ class Borrower:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RevocationWatcher:
+    """Watches a :class:`Borrower` for the lender's revokes on a thread of its own and calls
+    ``on_revoke(region id, seconds left)`` for each (made by
+    :meth:`Borrower.watch_revocations`). It watches until :meth:`stop`, the end of its
+    ``with`` block, or the borrower's close. If ``on_revoke`` raises, or the connection
+    fails (the lender gone, a malformed message), the watcher stops there and keeps the
+    exception: :meth:`stop` raises it, and ``error`` holds it. Revokes it read but did not
+    pass on (those after a raising ``on_revoke``) are lost: each revoke is returned once.
+
+    The thread is a daemon thread: a process may exit while it watches.
+
+    Thread-safety: :meth:`stop` may be called from any thread, ``on_revoke`` included (there
+    it does not wait for the thread, which ends once ``on_revoke`` returns)."""
+
+    def __init__(self, borrower: Borrower, on_revoke: Callable[[int, float], object]) -> None:
+        if not callable(on_revoke):
+            raise _shoal.InvalidArgumentError(
+                f"shoal.lending.RevocationWatcher: on_revoke must be callable, not {on_revoke!r}")
+        self._borrower = borrower
+        self._on_revoke = on_revoke
+        self._stopping = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._watch, name="shoal revocation watcher", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        native = self._borrower._native
+        while not self._stopping.is_set():
+            try:
+                asked = native.revocations(_FOREVER, self._stopping)
+            except _shoal.ConnectionClosedError as e:
+                if not self._borrower.closed:  # the lender went away: say so
+                    self._error = e
+                return
+            except BaseException as e:  # kept for stop() to raise
+                self._error = e
+                return
+            for region, seconds_left in asked:
+                try:
+                    self._on_revoke(region, seconds_left)
+                except BaseException as e:  # kept for stop() to raise
+                    self._error = e
+                    return
+
+    @property
+    def watching(self) -> bool:
+        """True while the thread watches (False once stopped, failed, or the borrower closed)."""
+        return self._thread.is_alive()
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """What stopped the watcher: ``on_revoke``'s exception or the connection's, else None."""
+        return self._error
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Stops watching and waits (up to ``timeout`` seconds; None: as long as it takes, about
+        0.1 s plus an ``on_revoke`` that runs) for the thread to end; raises what stopped the
+        watcher, if anything did. Revokes that come later are returned by
+        :meth:`Borrower.revocations` or a new watcher."""
+        self._stopping.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        if self._error is not None:
+            raise self._error
+
+    def __enter__(self) -> "RevocationWatcher":
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.stop()
+            return
+        try:  # an exception leaves the block: it wins over the watcher's
+            self.stop()
+        except BaseException:
+            pass
+
+    def __repr__(self) -> str:
+        state = "watching" if self.watching else ("failed" if self._error is not None else "stopped")
+        return f"shoal.lending.RevocationWatcher({state})"
 
 
 class Lender:

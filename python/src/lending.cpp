@@ -76,6 +76,24 @@ class region_owner final : public storage::storage_owner {
   lending::borrowed_region region_;  // its destructor gives the region back
 };
 
+/// A cancel event (None, or anything with is_set()) whose is_set() is read
+/// as Python reads a truth value (any object, not only a bool); what it
+/// raises, the call raises. Called with the GIL held.
+class cancel_event {
+ public:
+  explicit cancel_event(const nb::object& event) : is_set_(event.is_none() ? nb::object() : event.attr("is_set")) {}
+  bool operator()() const {
+    if (!is_set_.is_valid()) return false;
+    const nb::object set = is_set_();
+    const int truth = PyObject_IsTrue(set.ptr());
+    if (truth < 0) throw nb::python_error();
+    return truth != 0;
+  }
+
+ private:
+  nb::object is_set_;
+};
+
 /// A layout entry as Python sees it: (name, offset, nbytes, dtype, shape).
 using py_entry = std::tuple<std::string, std::uint64_t, std::uint64_t, std::string, std::vector<std::uint64_t>>;
 
@@ -375,16 +393,7 @@ void register_lending(nb::module_& m) {
             // While the borrow waits: Ctrl-C (KeyboardInterrupt), close() from
             // another thread and the cancel event end it; a region lent later
             // is given back.
-            // The cancel event's is_set(), read as Python reads a truth value
-            // (any object, not only a bool); what it raises, the borrow raises.
-            const nb::object cancel_is_set = cancel.is_none() ? nb::object() : cancel.attr("is_set");
-            const auto cancelled = [&] {
-              if (!cancel_is_set.is_valid()) return false;
-              const nb::object set = cancel_is_set();
-              const int truth = PyObject_IsTrue(set.ptr());
-              if (truth < 0) throw nb::python_error();
-              return truth != 0;
-            };
+            const cancel_event cancelled(cancel);
             if (cancelled()) raise_cancelled("Borrower.borrow: cancelled before it was sent (its cancel event was set)");
             const released_gil* released = nullptr;  // set below, before the borrow calls the check
             // Rounded to the millisecond; a wait above 0 is at least 1 ms.
@@ -466,26 +475,39 @@ void register_lending(nb::module_& m) {
           nb::arg("timeout"))
       .def(
           "revocations",
-          [](const py_borrower& b, double wait) {
+          [](const py_borrower& b, double wait, nb::object cancel) {
+            const cancel_event cancelled(cancel);
             const auto borrower = b.borrower.enter();
-            // In slices, so that Ctrl-C and a close() end a long wait.
+            // In slices, so that Ctrl-C, a close() and the cancel event end a
+            // long wait; revokes that came already are returned whatever the
+            // event says (it ends the wait, it does not hide them).
             const auto until = until_of(wait, "Borrower.revocations", "wait");
-            const auto asked = wait_in_slices(
-                borrower, b.borrower, until,
-                [&](std::chrono::milliseconds slice) -> std::optional<std::vector<lending::borrower::revocation>> {
-                  auto got = borrower->revocations(slice);
-                  if (got.empty()) return std::nullopt;
-                  return got;
-                }).value_or(std::vector<lending::borrower::revocation>{});
+            const auto attempt = [&](std::chrono::milliseconds slice)
+                -> std::optional<std::vector<lending::borrower::revocation>> {
+              auto got = borrower->revocations(slice);
+              if (got.empty()) return std::nullopt;
+              return got;
+            };
+            std::vector<lending::borrower::revocation> asked;
+            for (;;) {
+              const auto slice_end = std::chrono::steady_clock::now() + wait_slice;
+              auto got = wait_in_slices(borrower, b.borrower, until ? std::min(*until, slice_end) : slice_end, attempt);
+              if (got) {
+                asked = std::move(*got);
+                break;
+              }
+              if (until && std::chrono::steady_clock::now() >= *until) break;
+              if (cancelled()) break;
+            }
             const auto now = std::chrono::steady_clock::now();
             std::vector<std::pair<std::uint64_t, double>> out;
             for (const auto& r : asked)
               out.emplace_back(r.region, std::chrono::duration<double>(r.deadline - now).count());
             return out;
           },
-          nb::arg("wait") = 0.0,
+          nb::arg("wait") = 0.0, nb::arg("cancel").none() = nb::none(),
           "The lender's requests to give regions back: (region id, seconds left), waiting up to ``wait`` "
-          "seconds for a first one.")
+          "seconds for a first one, or until ``cancel`` (an object with is_set()) is set.")
       .def(
           "metrics",
           [](const py_borrower& b, double timeout) {

@@ -746,3 +746,111 @@ def test_a_cancel_event_is_read_as_a_truth_value(address):
         with pytest.raises(RuntimeError, match="is_set failed"):
             model_b.borrow(unit, "broken", wait=1.0, cancel=Broken())
         del region
+
+
+def test_a_revocations_wait_ends_when_its_cancel_event_is_set(address):
+    in_process_only()
+    with shoal.lending.Lender(address) as lender, shoal.lending.Borrower(address) as borrower:
+        region = borrower.borrow(MIB, "model A")
+        cancel = threading.Event()
+        threading.Timer(0.2, cancel.set).start()
+        start = time.monotonic()
+        assert borrower.revocations(wait=30.0, cancel=cancel) == []
+        assert time.monotonic() - start < 2.0
+        # A revoke that came already is returned, set event or not: it ends the wait only.
+        lender.revoke(borrower.region_id(region), 5.0)
+        assert eventually(lambda: lender.status()["revocations"] == 1)
+        time.sleep(0.05)
+        assert [r for r, _ in borrower.revocations(wait=1.0, cancel=cancel)] == [borrower.region_id(region)]
+
+
+def test_a_revocation_watcher_calls_back_for_each_revoke_on_its_own_thread(address):
+    in_process_only()
+    with shoal.lending.Lender(address) as lender, shoal.lending.Borrower(address) as borrower:
+        parameters = borrower.borrow(MIB, "model A parameters")
+        activations = borrower.borrow(MIB, "model A activations")
+        asked: list = []
+
+        def on_revoke(region: int, seconds_left: float) -> None:
+            asked.append((region, seconds_left, threading.current_thread() is threading.main_thread()))
+
+        watcher = borrower.watch_revocations(on_revoke)
+        assert watcher.watching and "watching" in repr(watcher)
+        # Each revoke is returned once: a second reader would take some from the watcher.
+        with pytest.raises(shoal.InvalidArgumentError, match="RevocationWatcher watches"):
+            borrower.revocations()
+        with pytest.raises(shoal.InvalidArgumentError, match="RevocationWatcher watches"):
+            borrower.watch_revocations(on_revoke)
+        lender.revoke(borrower.region_id(parameters), 5.0)
+        lender.revoke(borrower.region_id(activations), 8.0)
+        assert eventually(lambda: len(asked) == 2)
+        assert sorted(region for region, _, _ in asked) == sorted(
+            [borrower.region_id(parameters), borrower.region_id(activations)])
+        assert all(3.0 < left <= 8.0 and not on_main for _, left, on_main in asked)
+        del parameters, activations  # the model answers
+        assert eventually(lambda: lender.status()["lent_bytes"] == 0)
+        start = time.monotonic()
+        watcher.stop(timeout=2.0)  # its wait for revokes has no end of its own: stop() ends it
+        assert time.monotonic() - start < 1.0, "stop() waited for the watcher's long wait to run out"
+        assert not watcher.watching and watcher.error is None and "stopped" in repr(watcher)
+        # Stopped, it reads no more: a later revoke is the borrower's to read.
+        region = borrower.borrow(MIB, "model A again")
+        lender.revoke(borrower.region_id(region), 5.0)
+        assert [r for r, _ in borrower.revocations(wait=5.0)] == [borrower.region_id(region)]
+        assert len(asked) == 2
+
+
+def test_a_revocation_watcher_keeps_what_stopped_it(address):
+    in_process_only()
+    with shoal.lending.Lender(address) as lender, shoal.lending.Borrower(address) as borrower:
+        region = borrower.borrow(MIB, "model A")
+
+        def on_revoke(region: int, seconds_left: float) -> None:
+            raise ValueError(f"the handler failed on region {region}")
+
+        watcher = borrower.watch_revocations(on_revoke)
+        lender.revoke(borrower.region_id(region), 5.0)
+        assert eventually(lambda: not watcher.watching)
+        assert isinstance(watcher.error, ValueError) and "failed" in repr(watcher)
+        with pytest.raises(ValueError, match="the handler failed"):
+            watcher.stop()
+        with pytest.raises(ValueError, match="the handler failed"):
+            with watcher:
+                pass
+        with pytest.raises(KeyError):  # an exception leaving the block wins over the watcher's
+            with watcher:
+                raise KeyError("the block's own")
+        with pytest.raises(shoal.InvalidArgumentError, match="on_revoke must be callable"):
+            borrower.watch_revocations(42)  # type: ignore[arg-type]
+        # A new watcher may start once the failed one stopped.
+        borrower.watch_revocations(lambda region, left: None).stop()
+
+    # The lender gone: the watcher stops and says so; the borrower's own close ends it quietly.
+    with shoal.lending.Lender(address) as lender:
+        with shoal.lending.Borrower(address) as borrower:
+            watcher = borrower.watch_revocations(lambda region, left: None)
+        assert eventually(lambda: not watcher.watching)
+        watcher.stop()
+        borrower = shoal.lending.Borrower(address)
+        watcher = borrower.watch_revocations(lambda region, left: None)
+    assert eventually(lambda: not watcher.watching)
+    assert isinstance(watcher.error, shoal.ConnectionClosedError)
+    borrower.close()
+
+
+EXITING_WHILE_WATCHING_SCRIPT = """
+import sys, time, shoal, shoal.lending
+lender = shoal.lending.Lender(sys.argv[1])
+borrower = shoal.lending.Borrower(sys.argv[1])
+watcher = borrower.watch_revocations(lambda region, left: None)
+time.sleep(0.3)  # the watcher waits for revokes
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_exits_cleanly_while_a_revocation_watcher_watches(address):
+    in_process_only()
+    for _ in range(3):
+        exiting = subprocess.run([sys.executable, "-c", EXITING_WHILE_WATCHING_SCRIPT, address],
+                                 capture_output=True, text=True, timeout=30)
+        assert (exiting.returncode, exiting.stdout) == (0, "exiting\n"), (exiting.returncode, exiting.stderr)
