@@ -1,0 +1,352 @@
+#!/usr/bin/env python3
+"""Two PyTorch models taking turns on one GPU: through shoal's lender, and by hand with
+PyTorch's own allocator (the anchor), in the same run.
+
+    python bench/python/taking_turns.py [--model resnet50|gpt2-medium] [--turns 20]
+        [--turn-seconds 0.2] [--workspace-gib 16] [--rounds 2] [--json FILE]
+
+Each model is a server in a process of its own that serves batches while it holds the GPU
+and then hands it to the other. A server's memory is its model's weights (copied in from
+pinned host memory at each turn) and a workspace (``--workspace-gib``: a KV cache or
+activation arena, as serving systems reserve) with room for the batches' activations.
+
+* shoal: a lender in this process, its capacity one server's memory, preempting after
+  ``--turn-seconds``. A server borrows its memory with a wait (in line behind the holder),
+  puts its model's tensors into it through ``shoal.torch.RegionPool``, and serves until
+  its ``Borrower.watch_revocations`` callback says the lender wants the region for the
+  other: it drops its tensors, closes the pool and the region goes back; then it asks
+  again.
+* torch: the same servers on PyTorch's allocator; this process hands the GPU over as the
+  lender would: once the holder has served ``--turn-seconds`` and the other asks, it tells
+  the holder to give up; the holder drops its tensors and calls
+  ``torch.cuda.empty_cache()`` (the memory must go back to the driver for the other
+  process), says so, and the other is told to go.
+
+A hand-over is timed from the moment the holder's serving loop sees it must give up
+(between two batches, in both) to the next server's first batch done, on the system-wide
+monotonic clock, in parts: *memory* (the holder's release and the next one's memory in
+place), *weights* (copied in) and *first batch*. The first two hand-overs of each mode (the
+first time each server maps or allocates) are reported apart. Prints a table, last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+GIB = 1 << 30
+MIB = 1 << 20
+ACTIVATION_ROOM = 2 * GIB  # beside the weights and the workspace: a batch's activations, cuDNN's workspace
+
+
+def now() -> float:
+    return time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
+
+
+class Model:
+    """A model whose weights wait in pinned host memory and whose GPU tensors exist only while
+    its server holds the GPU (a skeleton on the meta device between turns)."""
+
+    def __init__(self, name: str) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        if name == "resnet50":
+            import torchvision
+
+            module = torchvision.models.resnet50()
+            self.make_input = lambda: torch.randn(32, 3, 224, 224, device="cuda")
+        elif name == "gpt2-medium":
+            import transformers
+
+            module = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=24, n_embd=1024, n_head=16))
+            self.make_input = lambda: torch.randint(0, 50257, (8, 256), device="cuda")
+        else:
+            raise SystemExit(f"unknown model {name!r}")
+        module.eval()
+        tensors = dict(module.named_parameters())
+        tensors.update(module.named_buffers())
+        self.pinned = {k: v.detach().pin_memory() for k, v in tensors.items()}
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.pinned.values())
+        self.module = module.to("meta")
+
+    def load(self) -> None:
+        import torch
+
+        self.module.to_empty(device="cuda")
+        targets = dict(self.module.named_parameters())
+        targets.update(self.module.named_buffers())
+        with torch.no_grad():
+            for k, t in targets.items():
+                t.copy_(self.pinned[k], non_blocking=True)
+
+    def unload(self) -> None:
+        self.module.to_empty(device="meta")
+
+    def serve(self, x):
+        import torch
+
+        with torch.inference_mode():
+            out = self.module(x)
+        return out
+
+
+def serve_turn(model: Model, workspace_bytes: int, give_up: threading.Event, times: dict) -> int:
+    """Loads the model, serves until `give_up` is set, unloads; returns the batches served."""
+    import torch
+
+    model.load()
+    torch.cuda.synchronize()
+    times["loaded"] = now()
+    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device="cuda")
+    x = model.make_input()
+    out = model.serve(x)
+    torch.cuda.synchronize()
+    times["first_batch"] = now()
+    batches = 1
+    while not give_up.is_set():
+        out = model.serve(x)
+        torch.cuda.synchronize()
+        batches += 1
+    times["noticed"] = now()
+    del out, x, workspace
+    model.unload()
+    return batches
+
+
+def shoal_server(name: str, args, address: str, region_bytes: int, conn) -> None:
+    import torch
+
+    import shoal.lending
+    import shoal.torch
+
+    torch.cuda.init()
+    model = Model(args.model)
+    give_up = threading.Event()
+    revoked_at: list[float] = []
+
+    def on_revoke(region: int, seconds_left: float) -> None:
+        revoked_at.append(now())
+        give_up.set()
+
+    records = []
+    with shoal.lending.Borrower(address, timeout=30.0) as borrower, borrower.watch_revocations(on_revoke):
+        conn.send("ready")
+        conn.recv()
+        for _ in range(args.turns):
+            times = {"asked": now()}
+            region = borrower.borrow(region_bytes, name, wait=300.0)
+            times["memory"] = now()
+            give_up.clear()
+            revoked_at.clear()
+            pool = shoal.torch.RegionPool(region)
+            with pool.use():
+                times["batches"] = serve_turn(model, args.workspace_gib * GIB, give_up, times)
+            pool.close()
+            del pool, region
+            gc.collect()
+            times["released"] = now()
+            times["revoked"] = revoked_at[0] if revoked_at else None
+            records.append(times)
+    conn.send(records)
+
+
+def torch_server(name: str, args, conn) -> None:
+    import torch
+
+    torch.cuda.init()
+    model = Model(args.model)
+    give_up = threading.Event()
+
+    def listen() -> None:  # the coordinator's "give up", seen between batches as the watcher's
+        while True:
+            message = conn.recv()
+            if message == "give up":
+                give_up.set()
+            else:
+                inbox.append(message)
+                arrived.set()
+
+    inbox: list = []
+    arrived = threading.Event()
+    conn.send("ready")
+    threading.Thread(target=listen, daemon=True).start()
+
+    def next_message():
+        arrived.wait()
+        arrived.clear()
+        return inbox.pop(0)
+
+    assert next_message() == "start"
+    records = []
+    for _ in range(args.turns):
+        times = {"asked": now()}
+        conn.send("want")
+        assert next_message() == "go"
+        times["memory"] = now()
+        give_up.clear()
+        times["batches"] = serve_turn(model, args.workspace_gib * GIB, give_up, times)
+        torch.cuda.empty_cache()
+        times["released"] = now()
+        times["revoked"] = None
+        conn.send("released")
+        records.append(times)
+    conn.send(records)
+
+
+def hand_overs(per_server: list[list[dict]]) -> list[dict]:
+    """Pairs each turn's start with the end of the turn before it (the other server's)."""
+    turns = sorted((t for records in per_server for t in records), key=lambda t: t["memory"])
+    out = []
+    for before, after in zip(turns, turns[1:]):
+        out.append({
+            "total": after["first_batch"] - before["noticed"],
+            "memory": after["memory"] - before["noticed"],
+            "released": before["released"] - before["noticed"],
+            "weights": after["loaded"] - after["memory"],
+            "first_batch": after["first_batch"] - after["loaded"],
+            "revoke_seen": (before["noticed"] - before["revoked"]) if before["revoked"] else None,
+        })
+    return out
+
+
+def run_shoal(args, region_bytes: int) -> list[dict]:
+    import shoal.lending
+
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as directory:
+        os.chmod(directory, 0o700)
+        address = str(pathlib.Path(directory) / "lender.sock")
+        with shoal.lending.Lender(address, capacity_bytes=region_bytes, quota_bytes=region_bytes,
+                                  preempt_after=args.turn_seconds, preempt_deadline=30.0, max_wait=600.0,
+                                  peer_timeout=10.0) as lender:
+            pipes = [context.Pipe() for _ in range(2)]
+            servers = [context.Process(target=shoal_server, args=(f"model {i}", args, address, region_bytes, pipes[i][1]))
+                       for i in range(2)]
+            for s in servers:
+                s.start()
+            for parent, _ in pipes:
+                assert parent.recv() == "ready"
+            for parent, _ in pipes:
+                parent.send("start")
+            records = [parent.recv() for parent, _ in pipes]
+            for s in servers:
+                s.join(timeout=60)
+            status = lender.status()
+            print(f"  lender: preemptions {status['preemptions']}, revocations missed "
+                  f"{status['revocations_missed']}, waits {status['waits']}", file=sys.stderr)
+    return records
+
+
+def run_torch(args) -> list[dict]:
+    import multiprocessing.connection as mpc
+
+    context = multiprocessing.get_context("spawn")
+    pipes = [context.Pipe() for _ in range(2)]
+    servers = [context.Process(target=torch_server, args=(f"model {i}", args, pipes[i][1])) for i in range(2)]
+    for s in servers:
+        s.start()
+    raw = [parent for parent, _ in pipes]
+    for conn in raw:
+        assert conn.recv() == "ready"
+    for conn in raw:
+        conn.send("start")
+    results: dict[int, list] = {}
+    # Hands the GPU over as the lender does: the first to ask gets it; once the holder has
+    # had it --turn-seconds and the other asks, the holder gives up, then the next one goes.
+    waiting: list[int] = []
+    holder, since, asked_to_give_up = None, 0.0, False
+    while len(results) < len(raw):
+        timeout = None
+        if holder is not None and waiting and not asked_to_give_up:
+            timeout = max(0.0, since + args.turn_seconds - now())
+        for conn in mpc.wait([c for i, c in enumerate(raw) if i not in results], timeout=timeout):
+            i = raw.index(conn)
+            message = conn.recv()
+            if message == "want":
+                waiting.append(i)
+            elif message == "released":
+                holder, asked_to_give_up = None, False
+            else:
+                results[i] = message
+        if holder is None and waiting:
+            holder, since = waiting.pop(0), now()
+            raw[holder].send("go")
+        elif holder is not None and waiting and not asked_to_give_up and now() >= since + args.turn_seconds:
+            raw[holder].send("give up")
+            asked_to_give_up = True
+    for s in servers:
+        s.join(timeout=60)
+    return [results[0], results[1]]
+
+
+def summary(values: list[float]) -> str:
+    if not values:
+        return "-"
+    ms = sorted(v * 1000 for v in values)
+    return f"{statistics.median(ms):.2f} ({ms[0]:.2f}-{ms[-1]:.2f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="resnet50", choices=["resnet50", "gpt2-medium"])
+    parser.add_argument("--turns", type=int, default=20, help="turns each server takes")
+    parser.add_argument("--turn-seconds", type=float, default=0.2, help="the least turn (the lender's preempt_after)")
+    parser.add_argument("--workspace-gib", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="shoal then torch, this many times")
+    parser.add_argument("--json", help="write every hand-over here")
+    args = parser.parse_args()
+
+    import torch
+
+    probe = Model(args.model)
+    region_bytes = probe.nbytes + args.workspace_gib * GIB + ACTIVATION_ROOM
+    region_bytes = (region_bytes + 2 * MIB - 1) // (2 * MIB) * (2 * MIB)
+    print(f"{args.model}: weights {probe.nbytes / MIB:.1f} MiB, workspace {args.workspace_gib} GiB, "
+          f"each server's memory {region_bytes / GIB:.2f} GiB; {torch.cuda.get_device_name()}", file=sys.stderr)
+    del probe
+
+    everything: dict[str, list] = {"shoal": [], "torch": []}
+    for round_ in range(args.rounds):
+        for mode in ("shoal", "torch"):
+            start = now()
+            records = run_shoal(args, region_bytes) if mode == "shoal" else run_torch(args)
+            overs = hand_overs(records)
+            everything[mode].append(overs)
+            print(f"  round {round_ + 1} {mode}: {len(overs)} hand-overs in {now() - start:.1f} s", file=sys.stderr)
+
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(everything, indent=1))
+
+    print(f"\nhand-over of {args.model} with a {args.workspace_gib} GiB workspace, ms: median (min-max) "
+          f"over the later hand-overs of each round; first two apart")
+    print("| round | mode | total | memory (of it, the holder's release) | weights | first batch | first two, total |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    medians: dict[str, list[float]] = {"shoal": [], "torch": []}
+    for round_ in range(args.rounds):
+        for mode in ("shoal", "torch"):
+            overs = everything[mode][round_]
+            later, first = overs[2:], overs[:2]
+            medians[mode].append(statistics.median(o["total"] for o in later) if later else float("nan"))
+            print(f"| {round_ + 1} | {mode} | {summary([o['total'] for o in later])} | "
+                  f"{summary([o['memory'] for o in later])} ({summary([o['released'] for o in later])}) | "
+                  f"{summary([o['weights'] for o in later])} | {summary([o['first_batch'] for o in later])} | "
+                  f"{summary([o['total'] for o in first])} |")
+    seen = [o["revoke_seen"] for overs in everything["shoal"] for o in overs[2:] if o["revoke_seen"] is not None]
+    print(f"shoal: revoke at the watcher -> seen by the serving loop {summary(seen)} (a batch at most)")
+    for round_ in range(args.rounds):
+        s, t = medians["shoal"][round_], medians["torch"][round_]
+        print(f"round {round_ + 1}: torch / shoal total {t / s:.2f}x ({t * 1000:.2f} / {s * 1000:.2f} ms)")
+
+
+if __name__ == "__main__":
+    main()
