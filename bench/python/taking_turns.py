@@ -52,6 +52,19 @@ def now() -> float:
     return time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
 
 
+def log(args, *what: object) -> None:
+    if args.verbose:
+        print(f"{now():.4f} [{os.getpid()}]", *what, file=sys.stderr, flush=True)
+
+
+def watchdog(args) -> None:
+    """With --verbose, the stacks of every thread go to stderr if the run stalls."""
+    if args.verbose:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(30, repeat=True)
+
+
 class Model:
     """A model whose weights wait in pinned host memory and whose GPU tensors exist only while
     its server holds the GPU (a skeleton on the meta device between turns)."""
@@ -129,6 +142,7 @@ def shoal_server(name: str, args, address: str, region_bytes: int, conn) -> None
     import shoal.lending
     import shoal.torch
 
+    watchdog(args)
     torch.cuda.init()
     model = Model(args.model)
     give_up = threading.Event()
@@ -137,6 +151,7 @@ def shoal_server(name: str, args, address: str, region_bytes: int, conn) -> None
     def on_revoke(region: int, seconds_left: float) -> None:
         revoked_at.append(now())
         give_up.set()
+        log(args, name, "revoked", region, f"{seconds_left:.2f} s left")
 
     records = []
     with shoal.lending.Borrower(address, timeout=30.0) as borrower, borrower.watch_revocations(on_revoke):
@@ -144,17 +159,22 @@ def shoal_server(name: str, args, address: str, region_bytes: int, conn) -> None
         conn.recv()
         for _ in range(args.turns):
             times = {"asked": now()}
+            log(args, name, "asks")
             region = borrower.borrow(region_bytes, name, wait=300.0)
             times["memory"] = now()
+            log(args, name, "lent", shoal.lending.Borrower.region_id(region))
             give_up.clear()
             revoked_at.clear()
             pool = shoal.torch.RegionPool(region)
             with pool.use():
                 times["batches"] = serve_turn(model, args.workspace_gib * GIB, give_up, times)
+            log(args, name, "served", times["batches"], "batches")
             pool.close()
+            log(args, name, "pool closed", pool.stats())
             del pool, region
             gc.collect()
             times["released"] = now()
+            log(args, name, "released")
             times["revoked"] = revoked_at[0] if revoked_at else None
             records.append(times)
     conn.send(records)
@@ -163,6 +183,7 @@ def shoal_server(name: str, args, address: str, region_bytes: int, conn) -> None
 def torch_server(name: str, args, conn) -> None:
     import torch
 
+    watchdog(args)
     torch.cuda.init()
     model = Model(args.model)
     give_up = threading.Event()
@@ -238,7 +259,13 @@ def run_shoal(args, region_bytes: int) -> list[dict]:
                 assert parent.recv() == "ready"
             for parent, _ in pipes:
                 parent.send("start")
-            records = [parent.recv() for parent, _ in pipes]
+            records = []
+            for parent, _ in pipes:
+                while not parent.poll(5.0):
+                    status = lender.status()
+                    log(args, "lender: regions", [(r["id"], r["purpose"], r["state"]) for r in status["regions"]],
+                        "waiting", [(w["purpose"], round(w["waited_seconds"], 1)) for w in status["waiting"]])
+                records.append(parent.recv())
             for s in servers:
                 s.join(timeout=60)
             status = lender.status()
@@ -304,6 +331,7 @@ def main() -> None:
     parser.add_argument("--workspace-gib", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2, help="shoal then torch, this many times")
     parser.add_argument("--json", help="write every hand-over here")
+    parser.add_argument("--verbose", action="store_true", help="log each turn's steps (and stalled threads' stacks)")
     args = parser.parse_args()
 
     import torch
