@@ -32,7 +32,6 @@ first time each server maps or allocates) are reported apart. Prints a table, la
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import multiprocessing
 import os
@@ -113,8 +112,9 @@ class Model:
         return out
 
 
-def serve_turn(model: Model, workspace_bytes: int, give_up: threading.Event, times: dict) -> int:
-    """Loads the model, serves until `give_up` is set, unloads; returns the batches served."""
+def serve_turn(model: Model, workspace_bytes: int, give_up: threading.Event, finish: threading.Event,
+               times: dict) -> int:
+    """Loads the model, serves until `give_up` or `finish` is set, unloads; returns the batches served."""
     import torch
 
     model.load()
@@ -126,7 +126,7 @@ def serve_turn(model: Model, workspace_bytes: int, give_up: threading.Event, tim
     torch.cuda.synchronize()
     times["first_batch"] = now()
     batches = 1
-    while not give_up.is_set():
+    while not give_up.is_set() and not finish.is_set():
         out = model.serve(x)
         torch.cuda.synchronize()
         batches += 1
@@ -134,6 +134,18 @@ def serve_turn(model: Model, workspace_bytes: int, give_up: threading.Event, tim
     del out, x, workspace
     model.unload()
     return batches
+
+
+def finish_when_told(conn, finish: threading.Event) -> threading.Event:
+    """Sets `finish` when this process is told the other server took all its turns (its last
+    turn would wait for a hand-over that never comes)."""
+
+    def listen() -> None:
+        if conn.recv() == "finish":
+            finish.set()
+
+    threading.Thread(target=listen, daemon=True).start()
+    return finish
 
 
 def shoal_server(name: str, args, address: str, region_bytes: int, conn) -> None:
@@ -156,8 +168,11 @@ def shoal_server(name: str, args, address: str, region_bytes: int, conn) -> None
     records = []
     with shoal.lending.Borrower(address, timeout=30.0) as borrower, borrower.watch_revocations(on_revoke):
         conn.send("ready")
-        conn.recv()
+        assert conn.recv() == "start"
+        finish = finish_when_told(conn, threading.Event())
         for _ in range(args.turns):
+            if finish.is_set():
+                break
             times = {"asked": now()}
             log(args, name, "asks")
             region = borrower.borrow(region_bytes, name, wait=300.0)
@@ -167,12 +182,11 @@ def shoal_server(name: str, args, address: str, region_bytes: int, conn) -> None
             revoked_at.clear()
             pool = shoal.torch.RegionPool(region)
             with pool.use():
-                times["batches"] = serve_turn(model, args.workspace_gib * GIB, give_up, times)
+                times["batches"] = serve_turn(model, args.workspace_gib * GIB, give_up, finish, times)
             log(args, name, "served", times["batches"], "batches")
             pool.close()
             log(args, name, "pool closed", pool.stats())
             del pool, region
-            gc.collect()
             times["released"] = now()
             log(args, name, "released")
             times["revoked"] = revoked_at[0] if revoked_at else None
@@ -187,12 +201,15 @@ def torch_server(name: str, args, conn) -> None:
     torch.cuda.init()
     model = Model(args.model)
     give_up = threading.Event()
+    finish = threading.Event()
 
     def listen() -> None:  # the coordinator's "give up", seen between batches as the watcher's
         while True:
             message = conn.recv()
             if message == "give up":
                 give_up.set()
+            elif message == "finish":
+                finish.set()
             else:
                 inbox.append(message)
                 arrived.set()
@@ -210,12 +227,14 @@ def torch_server(name: str, args, conn) -> None:
     assert next_message() == "start"
     records = []
     for _ in range(args.turns):
+        if finish.is_set():
+            break
         times = {"asked": now()}
         conn.send("want")
         assert next_message() == "go"
         times["memory"] = now()
         give_up.clear()
-        times["batches"] = serve_turn(model, args.workspace_gib * GIB, give_up, times)
+        times["batches"] = serve_turn(model, args.workspace_gib * GIB, give_up, finish, times)
         torch.cuda.empty_cache()
         times["released"] = now()
         times["revoked"] = None
@@ -241,6 +260,8 @@ def hand_overs(per_server: list[list[dict]]) -> list[dict]:
 
 
 def run_shoal(args, region_bytes: int) -> list[dict]:
+    import multiprocessing.connection as mpc
+
     import shoal.lending
 
     context = multiprocessing.get_context("spawn")
@@ -259,19 +280,26 @@ def run_shoal(args, region_bytes: int) -> list[dict]:
                 assert parent.recv() == "ready"
             for parent, _ in pipes:
                 parent.send("start")
-            records = []
-            for parent, _ in pipes:
-                while not parent.poll(5.0):
+            conns = [parent for parent, _ in pipes]
+            records: dict[int, list] = {}
+            while len(records) < len(conns):
+                ready = mpc.wait([c for i, c in enumerate(conns) if i not in records], timeout=5.0)
+                if not ready:
                     status = lender.status()
                     log(args, "lender: regions", [(r["id"], r["purpose"], r["state"]) for r in status["regions"]],
                         "waiting", [(w["purpose"], round(w["waited_seconds"], 1)) for w in status["waiting"]])
-                records.append(parent.recv())
+                for conn in ready:
+                    i = conns.index(conn)
+                    records[i] = conn.recv()
+                    for j, other in enumerate(conns):
+                        if j not in records:
+                            other.send("finish")
             for s in servers:
                 s.join(timeout=60)
             status = lender.status()
             print(f"  lender: preemptions {status['preemptions']}, revocations missed "
                   f"{status['revocations_missed']}, waits {status['waits']}", file=sys.stderr)
-    return records
+    return [records[0], records[1]]
 
 
 def run_torch(args) -> list[dict]:
@@ -305,6 +333,9 @@ def run_torch(args) -> list[dict]:
                 holder, asked_to_give_up = None, False
             else:
                 results[i] = message
+                for j, other in enumerate(raw):
+                    if j not in results:
+                        other.send("finish")
         if holder is None and waiting:
             holder, since = waiting.pop(0), now()
             raw[holder].send("go")
