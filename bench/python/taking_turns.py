@@ -64,6 +64,12 @@ def watchdog(args) -> None:
         faulthandler.dump_traceback_later(30, repeat=True)
 
 
+def tensors_of(module) -> dict:
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    tensors.update(module.named_buffers(remove_duplicate=False))
+    return tensors
+
+
 class Model:
     """A model whose weights wait in pinned host memory and whose GPU tensors exist only while
     its server holds the GPU (a skeleton on the meta device between turns)."""
@@ -85,9 +91,10 @@ class Model:
         else:
             raise SystemExit(f"unknown model {name!r}")
         module.eval()
-        tensors = dict(module.named_parameters())
-        tensors.update(module.named_buffers())
-        self.pinned = {k: v.detach().pin_memory() for k, v in tensors.items()}
+        # Every name, tied weights included (the meta round trip may untie them): each is
+        # copied in at each turn; one pinned copy of each tensor.
+        pinned_of: dict[int, object] = {}
+        self.pinned = {k: pinned_of.setdefault(id(v), v.detach().pin_memory()) for k, v in tensors_of(module).items()}
         self.nbytes = sum(t.numel() * t.element_size() for t in self.pinned.values())
         self.module = module.to("meta")
 
@@ -95,10 +102,8 @@ class Model:
         import torch
 
         self.module.to_empty(device="cuda")
-        targets = dict(self.module.named_parameters())
-        targets.update(self.module.named_buffers())
         with torch.no_grad():
-            for k, t in targets.items():
+            for k, t in tensors_of(self.module).items():
                 t.copy_(self.pinned[k], non_blocking=True)
 
     def unload(self) -> None:
