@@ -3,7 +3,8 @@
 PyTorch's own allocator (the anchor), in the same run.
 
     python bench/python/taking_turns.py [--model resnet50|gpt2-medium] [--turns 20]
-        [--turn-seconds 0.2] [--workspace-gib 16] [--rounds 2] [--json FILE]
+        [--turn-seconds 0.2] [--workspace-gib 16] [--rounds 2] [--modes shoal,torch,torch-expandable]
+        [--json FILE] [--verbose]
 
 Each model is a server in a process of its own that serves batches while it holds the GPU
 and then hands it to the other. A server's memory is its model's weights (copied in from
@@ -21,6 +22,8 @@ activation arena, as serving systems reserve) with room for the batches' activat
   the holder to give up; the holder drops its tensors and calls
   ``torch.cuda.empty_cache()`` (the memory must go back to the driver for the other
   process), says so, and the other is told to go.
+* torch-expandable: the same with PyTorch's expandable segments
+  (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
 
 A hand-over is timed from the moment the holder's serving loop sees it must give up
 (between two batches, in both) to the next server's first batch done, on the system-wide
@@ -365,7 +368,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=20, help="turns each server takes")
     parser.add_argument("--turn-seconds", type=float, default=0.2, help="the least turn (the lender's preempt_after)")
     parser.add_argument("--workspace-gib", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2, help="shoal then torch, this many times")
+    parser.add_argument("--rounds", type=int, default=2, help="every mode in turn, this many times")
+    parser.add_argument("--modes", default="shoal,torch,torch-expandable",
+                        help="shoal, torch (PyTorch's defaults), torch-expandable (its expandable segments)")
     parser.add_argument("--json", help="write every hand-over here")
     parser.add_argument("--verbose", action="store_true", help="log each turn's steps (and stalled threads' stacks)")
     args = parser.parse_args()
@@ -379,11 +384,18 @@ def main() -> None:
           f"each server's memory {region_bytes / GIB:.2f} GiB; {torch.cuda.get_device_name()}", file=sys.stderr)
     del probe
 
-    everything: dict[str, list] = {"shoal": [], "torch": []}
+    modes = args.modes.split(",")
+    everything: dict[str, list] = {mode: [] for mode in modes}
     for round_ in range(args.rounds):
-        for mode in ("shoal", "torch"):
+        for mode in modes:
             start = now()
-            records = run_shoal(args, region_bytes) if mode == "shoal" else run_torch(args)
+            if mode == "shoal":
+                records = run_shoal(args, region_bytes)
+            else:  # spawned servers take this process's environment as it is when they start
+                expandable = mode == "torch-expandable"
+                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True" if expandable else ""
+                records = run_torch(args)
+                del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
             overs = hand_overs(records)
             everything[mode].append(overs)
             print(f"  round {round_ + 1} {mode}: {len(overs)} hand-overs in {now() - start:.1f} s", file=sys.stderr)
@@ -395,9 +407,9 @@ def main() -> None:
           f"over the later hand-overs of each round; first two apart")
     print("| round | mode | total | memory (of it, the holder's release) | weights | first batch | first two, total |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    medians: dict[str, list[float]] = {"shoal": [], "torch": []}
+    medians: dict[str, list[float]] = {mode: [] for mode in modes}
     for round_ in range(args.rounds):
-        for mode in ("shoal", "torch"):
+        for mode in modes:
             overs = everything[mode][round_]
             later, first = overs[2:], overs[:2]
             medians[mode].append(statistics.median(o["total"] for o in later) if later else float("nan"))
@@ -405,11 +417,16 @@ def main() -> None:
                   f"{summary([o['memory'] for o in later])} ({summary([o['released'] for o in later])}) | "
                   f"{summary([o['weights'] for o in later])} | {summary([o['first_batch'] for o in later])} | "
                   f"{summary([o['total'] for o in first])} |")
+    if "shoal" not in modes:
+        return
     seen = [o["revoke_seen"] for overs in everything["shoal"] for o in overs[2:] if o["revoke_seen"] is not None]
     print(f"shoal: revoke at the watcher -> seen by the serving loop {summary(seen)} (a batch at most)")
     for round_ in range(args.rounds):
-        s, t = medians["shoal"][round_], medians["torch"][round_]
-        print(f"round {round_ + 1}: torch / shoal total {t / s:.2f}x ({t * 1000:.2f} / {s * 1000:.2f} ms)")
+        s = medians["shoal"][round_]
+        for mode in modes:
+            if mode != "shoal":
+                t = medians[mode][round_]
+                print(f"round {round_ + 1}: {mode} / shoal total {t / s:.2f}x ({t * 1000:.2f} / {s * 1000:.2f} ms)")
 
 
 if __name__ == "__main__":
