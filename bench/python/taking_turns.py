@@ -392,10 +392,10 @@ def main() -> None:
             if mode == "shoal":
                 records = run_shoal(args, region_bytes)
             else:  # spawned servers take this process's environment as it is when they start
-                expandable = mode == "torch-expandable"
-                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True" if expandable else ""
+                if mode == "torch-expandable":
+                    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
                 records = run_torch(args)
-                del os.environ["PYTORCH_CUDA_ALLOC_CONF"]
+                os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
             overs = hand_overs(records)
             everything[mode].append(overs)
             print(f"  round {round_ + 1} {mode}: {len(overs)} hand-overs in {now() - start:.1f} s", file=sys.stderr)
