@@ -182,12 +182,12 @@ def shoal_server(name: str, args, address: str, region_bytes: int, conn) -> None
             if finish.is_set():
                 break
             times = {"asked": now()}
+            give_up.clear()  # before the borrow: a revoke may come as soon as the region is lent
+            revoked_at.clear()
             log(args, name, "asks")
             region = borrower.borrow(region_bytes, name, wait=300.0)
             times["memory"] = now()
             log(args, name, "lent", shoal.lending.Borrower.region_id(region))
-            give_up.clear()
-            revoked_at.clear()
             pool = shoal.torch.RegionPool(region)
             with pool.use():
                 times["batches"] = serve_turn(model, args.workspace_gib * GIB, give_up, finish, times)
@@ -237,11 +237,11 @@ def torch_server(name: str, args, conn) -> None:
     for _ in range(args.turns):
         if finish.is_set():
             break
+        give_up.clear()
         times = {"asked": now()}
         conn.send("want")
         assert next_message() == "go"
         times["memory"] = now()
-        give_up.clear()
         times["batches"] = serve_turn(model, args.workspace_gib * GIB, give_up, finish, times)
         torch.cuda.empty_cache()
         times["released"] = now()
