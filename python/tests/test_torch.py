@@ -448,3 +448,16 @@ def test_a_region_pool_puts_a_models_tensors_into_borrowed_memory_with_pytorchs_
     assert out["lent_during"] >= 256 << 20
     assert (out["bound_after_close"], out["segments_after_close"]) == (False, 0), out
     assert out["lent_after"] == 0, "the region was not given back"
+
+
+def test_two_models_take_turns_in_one_region_through_preemption_and_a_revocation_watcher():
+    out = run_program("taking_turns.py", timeout=300)
+    assert out["exit"] == [0, 0], out
+    for server in out["servers"]:
+        turns = server["turns"]
+        assert all(t["identical"] for t in turns), "a model computed otherwise in memory the other had used"
+        # Every turn but a server's last ended by the lender's revoke, seen by the watcher.
+        assert [t["revoked"] for t in turns] == [True] * (len(turns) - 1) + [None], out
+        assert server["revokes"] == [t["region"] for t in turns[:-1]], out
+        assert server["watcher_error"] == "None"
+    assert (out["preemptions"], out["revocations_missed"], out["lent_after"]) == (4, 0, 0), out
