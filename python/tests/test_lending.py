@@ -854,3 +854,37 @@ def test_a_process_exits_cleanly_while_a_revocation_watcher_watches(address):
         exiting = subprocess.run([sys.executable, "-c", EXITING_WHILE_WATCHING_SCRIPT, address],
                                  capture_output=True, text=True, timeout=30)
         assert (exiting.returncode, exiting.stdout) == (0, "exiting\n"), (exiting.returncode, exiting.stderr)
+
+
+WATCHING_BORROWER_SCRIPT = """
+import sys, threading, shoal, shoal.lending
+asked = threading.Event()
+with shoal.lending.Borrower(sys.argv[1]) as borrower:
+    region = borrower.borrow(int(sys.argv[2]), "a model watching for revokes")
+    with borrower.watch_revocations(lambda region, left: asked.set()):
+        print(borrower.region_id(region), flush=True)
+        print("asked" if asked.wait(timeout=20) else "never asked", flush=True)
+        del region
+    print("gave back", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_a_borrower_process_gives_a_region_back_when_its_watcher_is_called(address):
+    # Both backends: the lender here, the borrower in a child process.
+    with shoal.lending.Lender(address, capacity_bytes=8 * MIB) as lender:
+        child = subprocess.Popen([sys.executable, "-c", WATCHING_BORROWER_SCRIPT, address, str(4 * MIB)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None
+            region = int(child.stdout.readline())
+            assert lender.status()["lent_bytes"] == 4 * MIB
+            lender.revoke(region, 5.0)
+            assert child.stdout.readline() == "asked\n"
+            assert child.stdout.readline() == "gave back\n"
+            assert eventually(lambda: lender.status()["lent_bytes"] == 0)
+            status = lender.status()
+            assert (status["revocations"], status["revocations_missed"]) == (1, 0)
+        finally:
+            child.kill()
+            child.wait()
