@@ -456,8 +456,11 @@ def test_two_models_take_turns_in_one_region_through_preemption_and_a_revocation
     for server in out["servers"]:
         turns = server["turns"]
         assert all(t["identical"] for t in turns), "a model computed otherwise in memory the other had used"
-        # Every turn but a server's last ended by the lender's revoke, seen by the watcher.
+        # Every turn but a server's last ended by the lender's revoke, seen by the watcher (the
+        # last of the server that finished first is revoked too, as it gives it back).
         assert [t["revoked"] for t in turns] == [True] * (len(turns) - 1) + [None], out
-        assert server["revokes"] == [t["region"] for t in turns[:-1]], out
+        regions = [t["region"] for t in turns]
+        assert server["revokes"] in (regions[:-1], regions), out
         assert server["watcher_error"] == "None"
-    assert (out["preemptions"], out["revocations_missed"], out["lent_after"]) == (4, 0, 0), out
+    assert out["preemptions"] in (4, 5), out
+    assert (out["revocations_missed"], out["lent_after"]) == (0, 0), out
