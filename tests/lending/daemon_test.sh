@@ -202,6 +202,8 @@ stop
 "$shoal" daemon --socket "$dir/d.sock" --device host --capacity 64MiB 2> "$dir/log" &
 pid=$!
 answers "$dir/d.sock" || fail "the daemon did not answer status"
+# status leaves its own connection out of the borrowers it counts
+grep -qx 'shoal_lending_borrowers 0' "$dir/status" || fail "status counted itself: $(grep borrowers "$dir/status")"
 python3 - "$test_borrower" "$dir/d.sock" "$shoal" <<'EOF' || fail "shoal daemon revoke"
 import os, re, socket, subprocess, sys
 test_borrower, address, shoal = sys.argv[1:]
@@ -221,6 +223,7 @@ assert f"region {region}: its borrower is asked to give it back within 30 s" in 
 status = subprocess.run([shoal, "daemon", "status", "--socket", address, "--device", "host"],
                         capture_output=True, text=True, timeout=30).stdout
 assert re.search(r'shoal_lending_region_bytes\{id="' + region + r'"[^}]*state="revoking"', status), status
+assert "\nshoal_lending_borrowers 1\n" in status, status  # the holder, not status itself
 unknown = subprocess.run([shoal, "daemon", "revoke", "99999", "--socket", address, "--device", "host"],
                          capture_output=True, text=True, timeout=30)
 assert unknown.returncode != 0 and "99999 is not lent" in unknown.stderr, unknown.stderr
@@ -240,6 +243,7 @@ for _ in range(200):
 else:
     raise AssertionError("the waiting borrow is not in status: " + status)
 assert 'shoal_lending_waiting_borrow_bytes{place="0",pid="%d"' % waiter.pid in status, status
+assert "\nshoal_lending_borrowers 2\n" in status, status  # the holder and the waiter
 parent.close()  # the holder ends when its parent hangs up: its region is reclaimed
 holder.wait(timeout=30)
 waiter_parent.settimeout(10)
@@ -279,6 +283,7 @@ for _ in range(200):
 else:
     raise AssertionError("no preemption in status: " + status)
 assert re.search(r'shoal_lending_region_bytes\{id="' + region + r'"[^}]*state="revoking"', status), status
+assert "\nshoal_lending_borrowers 2\n" in status, status  # the holder and the waiter, not status itself
 holder_link.close()  # the holder ends: its region is reclaimed, and the waiter lent
 holder.wait(timeout=30)
 lent = waiter_link.makefile().readline().strip()

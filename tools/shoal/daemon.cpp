@@ -8,10 +8,12 @@
 #include <CLI/CLI.hpp>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "shoal/core/error.h"
@@ -207,9 +209,22 @@ int ask_daemon(const daemon_settings& settings, const daemon_request& request, A
   return 0;
 }
 
+// The metrics with this command's own connection left out of the borrowers
+// gauge: the daemon counts every connection, and this one borrows nothing.
+std::string without_this_connection(std::string metrics) {
+  static constexpr std::string_view gauge = "\nshoal_lending_borrowers ";
+  const auto at = metrics.find(gauge);
+  if (at == std::string::npos) return metrics;
+  const auto from = at + gauge.size();
+  const auto to = metrics.find('\n', from);
+  const auto count = std::strtoull(metrics.substr(from, to - from).c_str(), nullptr, 10);
+  if (count > 0) metrics.replace(from, to - from, std::to_string(count - 1));
+  return metrics;
+}
+
 int status(const daemon_settings& settings, const daemon_request& request) {
   return ask_daemon(settings, request, [](lending::borrower& b, std::chrono::milliseconds timeout) {
-    std::fputs(b.metrics(timeout).c_str(), stdout);
+    std::fputs(without_this_connection(b.metrics(timeout)).c_str(), stdout);
   });
 }
 
