@@ -221,6 +221,42 @@ TEST(lending_hostile_peers, an_answer_that_does_not_decode_closes_the_link) {
   EXPECT_FALSE(server.get()) << "the borrower asked again on a link whose lender broke the protocol";
 }
 
+// A borrow that stops waiting tells the lender so (cancel_wait); a lender
+// that stopped reading cannot be told, so its borrow may wait on there: the
+// link is out of step, and the next call says so at once instead of waiting
+// behind an answer that may never come.
+TEST(lending_hostile_peers, a_cancel_the_lender_cannot_read_puts_the_link_out_of_step) {
+  struct stop_waiting {};
+  temp_dir dir;
+  const auto address = channel::channel_address::at_path(dir / "deaf.sock");
+  channel::listener deaf(address, {});
+  auto server = std::async(std::launch::async, [&] {
+    auto link = deaf.accept();
+    channel::send_hello(link, lending::detail::lending_protocol);
+    (void)link.receive_for(5s);  // the hello
+    (void)link.receive_for(5s);  // the borrow, which would wait
+    ::shutdown(link.native_handle(), SHUT_RD);  // reads nothing more: the cancel cannot be sent
+    std::this_thread::sleep_for(1500ms);        // and answers nothing, the link kept open
+  });
+  {
+    borrower b(backend::host_device_instance(), address, {}, 2s);
+    int checks = 0;
+    const lending::borrow_wait wait{10s, [&] {
+                             if (++checks == 3) throw stop_waiting();
+                           }};
+    EXPECT_THROW((void)b.borrow(4096, "waits", lending::region_mode::exclusive, 2s, wait), stop_waiting);
+    const auto start = clock_type::now();
+    try {
+      (void)b.metrics(2s);
+      ADD_FAILURE() << "a call was served on a link whose lender was never told the borrow stopped waiting";
+    } catch (const connection_closed& e) {
+      EXPECT_NE(std::string(e.what()).find("connect again"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(clock_type::now() - start, 500ms) << "the next call waited behind the abandoned borrow";
+  }
+  server.get();
+}
+
 // Out of descriptors, a client waits in the listener's backlog and keeps it
 // readable: the lender pauses accepting instead of spinning a core on it,
 // and takes the client once descriptors are free again.
