@@ -26,9 +26,10 @@ activation arena, as serving systems reserve) with room for the batches' activat
   (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
 
 A hand-over is timed from the moment the holder's serving loop sees it must give up
-(between two batches, in both) to the next server's first batch done, on the system-wide
-monotonic clock, in parts: *memory* (the holder's release and the next one's memory in
-place), *weights* (copied in) and *first batch*. The first two hand-overs of each mode (the
+(between two batches, in every mode) to the next server's first batch done, on the
+system-wide monotonic clock, in parts: *memory* (the holder dropping its tensors, its
+allocator's release — the pool's close and give back, or ``empty_cache`` — and the next one
+getting the memory), *weights* (copied in) and *first batch*. The first two hand-overs of each mode (the
 first time each server maps or allocates) are reported apart. Prints a table, last.
 """
 
@@ -141,6 +142,7 @@ def serve_turn(model: Model, workspace_bytes: int, give_up: threading.Event, fin
     times["noticed"] = now()
     del out, x, workspace
     model.unload()
+    times["unloaded"] = now()
     return batches
 
 
@@ -259,7 +261,9 @@ def hand_overs(per_server: list[list[dict]]) -> list[dict]:
         out.append({
             "total": after["first_batch"] - before["noticed"],
             "memory": after["memory"] - before["noticed"],
-            "released": before["released"] - before["noticed"],
+            "unload": before["unloaded"] - before["noticed"],
+            "release": before["released"] - before["unloaded"],
+            "lent": after["memory"] - before["released"],
             "weights": after["loaded"] - after["memory"],
             "first_batch": after["first_batch"] - after["loaded"],
             "revoke_seen": (before["noticed"] - before["revoked"]) if before["revoked"] else None,
@@ -405,8 +409,9 @@ def main() -> None:
 
     print(f"\nhand-over of {args.model} with a {args.workspace_gib} GiB workspace, ms: median (min-max) "
           f"over the later hand-overs of each round; first two apart")
-    print("| round | mode | total | memory (of it, the holder's release) | weights | first batch | first two, total |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| round | mode | total | memory | of it: tensors dropped / release / the next one's memory "
+          "| weights | first batch | first two, total |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     medians: dict[str, list[float]] = {mode: [] for mode in modes}
     for round_ in range(args.rounds):
         for mode in modes:
@@ -414,7 +419,8 @@ def main() -> None:
             later, first = overs[2:], overs[:2]
             medians[mode].append(statistics.median(o["total"] for o in later) if later else float("nan"))
             print(f"| {round_ + 1} | {mode} | {summary([o['total'] for o in later])} | "
-                  f"{summary([o['memory'] for o in later])} ({summary([o['released'] for o in later])}) | "
+                  f"{summary([o['memory'] for o in later])} | {summary([o['unload'] for o in later])} / "
+                  f"{summary([o['release'] for o in later])} / {summary([o['lent'] for o in later])} | "
                   f"{summary([o['weights'] for o in later])} | {summary([o['first_batch'] for o in later])} | "
                   f"{summary([o['total'] for o in first])} |")
     if "shoal" not in modes:
