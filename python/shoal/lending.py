@@ -52,6 +52,8 @@ reader it has the model it asked for, not that the writer is honest.
 from __future__ import annotations
 
 import threading
+import weakref
+from types import TracebackType
 from typing import Callable, NamedTuple, Optional, Protocol, Sequence, Union
 
 from . import _shoal, default_allocator
@@ -62,7 +64,7 @@ class CancelEvent(Protocol):
     """What ``Borrower.borrow(cancel=...)`` and ``Borrower.revocations(cancel=...)`` take: a
     ``threading.Event``, or anything whose ``is_set()`` says (as a truth value) whether to
     stop. It is called about every 50 ms while a borrow waits, with the borrower's connection
-    held (and every 0.1 s while ``revocations`` waits): it must not call the same
+    held (and every 10 ms while ``revocations`` waits): it must not call the same
     ``Borrower``."""
 
     def is_set(self) -> bool: ...
@@ -70,6 +72,9 @@ class CancelEvent(Protocol):
 
 # The longest wait the protocol carries (2**32 - 1 ms): "as long as the lender allows".
 _FOREVER = 4294967.295
+
+# A watcher's wait for revokes, after which it looks whether its borrower was dropped.
+_WATCH_SLICE = 1.0
 
 
 class Entry(NamedTuple):
@@ -193,7 +198,9 @@ class Borrower:
     ) -> None:
         self._address = address
         self._allocator = allocator if allocator is not None else default_allocator()
-        self._watcher: Optional[RevocationWatcher] = None
+        self._watch_lock = threading.Lock()  # the one-reader rule: a watcher, or revocations() calls
+        self._watcher: Optional[weakref.ref[RevocationWatcher]] = None
+        self._reading = 0  # revocations() calls in progress
         self._native = _shoal.Borrower(address, self._allocator.device, list(allowed_uids), timeout,
                                        keep_mappings, kept_mapping_bytes)
 
@@ -288,10 +295,10 @@ class Borrower:
             )
         )
 
-    def revocations(self, wait: float = 0.0, cancel: Optional[CancelEvent] = None) -> list[tuple[int, float]]:
+    def revocations(self, wait: float = 0.0, *, cancel: Optional[CancelEvent] = None) -> list[tuple[int, float]]:
         """The lender's requests to give regions back, as (region id, seconds left), waiting up to
         ``wait`` seconds for a first one (or until ``cancel`` is set: the wait ends within about
-        0.1 s, with the revokes that came). Answer each by dropping every reference to that
+        10 ms, with the revokes that came). Answer each by dropping every reference to that
         region's storage (and its views) before the time is up: it is given back as it goes
         (or, while a borrow of this borrower waits, when that borrow ends: take turns with
         one ``Borrower`` per model). Revokes that another call of this borrower read are
@@ -302,32 +309,54 @@ class Borrower:
         mean the deadline has passed. A borrower that lets the time pass keeps the region, the
         lender names it in its log and does not ask again.
 
-        ``InvalidArgumentError`` while a :class:`RevocationWatcher` watches this borrower (it
-        would miss the revokes returned here)."""
-        self._refuse_while_watched("revocations")
-        return self._native.revocations(wait, cancel)
+        ``InvalidArgumentError`` while a :class:`RevocationWatcher` watches this borrower (one
+        of the two would miss revokes the other read)."""
+        with self._watch_lock:
+            self._refuse_while_watched("revocations")
+            self._reading += 1
+        try:
+            return self._native.revocations(wait, cancel)
+        finally:
+            with self._watch_lock:
+                self._reading -= 1
 
     def watch_revocations(self, on_revoke: Callable[[int, float], object]) -> RevocationWatcher:
         """Calls ``on_revoke(region id, seconds left)`` on a thread of its own for each revoke
-        the lender sends from now on, until the returned :class:`RevocationWatcher` is stopped
-        (or leaves its ``with`` block) or this borrower closes::
+        this borrower has not read yet (those that came before included), until the returned
+        :class:`RevocationWatcher` stops (:meth:`RevocationWatcher.stop`, the end of its
+        ``with`` block) or this borrower closes. One watcher for the borrower's life is the
+        pattern: a turn's end is an event the serving loop looks at between batches::
 
             turn_over = threading.Event()
-            with borrower.watch_revocations(lambda region, left: turn_over.set()):
-                while not turn_over.is_set():
-                    serve(next_batch())
-            del model, weights                  # every view of the region: it goes back
+            with borrower.watch_revocations(lambda region, left: turn_over.set()) as watcher:
+                for turn in itertools.count():
+                    turn_over.clear()
+                    weights = borrower.borrow(nbytes, "model A", wait=60.0)
+                    while watcher.watching and not turn_over.is_set():
+                        serve(next_batch())
+                    del weights                  # and every view of it: it goes back
 
         ``on_revoke`` runs on the watcher's thread: keep it short (set an event, queue the
-        id) and drop the region where the model runs. One watcher per borrower at a time;
-        ``InvalidArgumentError`` for a second one."""
-        self._refuse_while_watched("watch_revocations")
-        watcher = RevocationWatcher(self, on_revoke)
-        self._watcher = watcher
-        return watcher
+        id) and drop the region where the model runs. One watcher per borrower at a time,
+        and none while a :meth:`revocations` call waits: ``InvalidArgumentError``;
+        ``ConnectionClosedError`` for a closed borrower. The watcher holds the borrower
+        weakly: dropping the borrower closes its connection and ends the watcher."""
+        return RevocationWatcher(self, on_revoke)
+
+    def _start_watching(self, watcher: RevocationWatcher) -> None:
+        with self._watch_lock:
+            if self.closed:
+                raise _shoal.ConnectionClosedError("shoal.lending.Borrower.watch_revocations: the borrower is closed")
+            self._refuse_while_watched("watch_revocations")
+            if self._reading:
+                raise _shoal.InvalidArgumentError(
+                    "shoal.lending.Borrower.watch_revocations: a revocations() call of this borrower waits; each "
+                    "revoke is returned once, so one of the two would miss some (let it return first)")
+            self._watcher = weakref.ref(watcher)
+            watcher._active = True
 
     def _refuse_while_watched(self, who: str) -> None:
-        watcher = self._watcher
+        watcher = self._watcher() if self._watcher is not None else None
         if watcher is not None and watcher.watching:
             raise _shoal.InvalidArgumentError(
                 f"shoal.lending.Borrower.{who}: a RevocationWatcher watches this borrower; each revoke is "
@@ -381,78 +410,97 @@ class RevocationWatcher:
     """Watches a :class:`Borrower` for the lender's revokes on a thread of its own and calls
     ``on_revoke(region id, seconds left)`` for each (made by
     :meth:`Borrower.watch_revocations`). It watches until :meth:`stop`, the end of its
-    ``with`` block, or the borrower's close. If ``on_revoke`` raises, or the connection
-    fails (the lender gone, a malformed message), the watcher stops there and keeps the
-    exception: :meth:`stop` raises it, and ``error`` holds it. Revokes it read but did not
-    pass on (those after a raising ``on_revoke``) are lost: each revoke is returned once.
+    ``with`` block, or the borrower's close (or the borrower being dropped). If ``on_revoke``
+    raises, or the connection fails (the lender gone, a malformed message), the watcher stops
+    there: the exception goes to ``threading.excepthook`` (printed, as for any thread), is kept
+    in ``error`` and is raised by :meth:`stop`. Revokes it read but had not passed on (those
+    after a raising ``on_revoke``) are lost: each revoke is returned once.
 
     The thread is a daemon thread: a process may exit while it watches.
 
-    Thread-safety: :meth:`stop` may be called from any thread, ``on_revoke`` included (there
-    it does not wait for the thread, which ends once ``on_revoke`` returns)."""
+    Thread-safety: :meth:`stop` may be called from any thread, ``on_revoke`` included: there it
+    does not wait, and the watcher ends once the revokes it read already are passed on."""
 
     def __init__(self, borrower: Borrower, on_revoke: Callable[[int, float], object]) -> None:
         if not callable(on_revoke):
-            raise _shoal.InvalidArgumentError(
-                f"shoal.lending.RevocationWatcher: on_revoke must be callable, not {on_revoke!r}")
-        self._borrower = borrower
-        self._on_revoke = on_revoke
+            raise TypeError(f"shoal.lending.RevocationWatcher: on_revoke must be callable, not {on_revoke!r}")
+        # The borrower weakly: a dropped borrower closes its connection (the thread holds its
+        # connection only while one bounded wait lasts).
+        self._borrower = weakref.ref(borrower)
+        self._on_revoke: Optional[Callable[[int, float], object]] = on_revoke
         self._stopping = threading.Event()
         self._error: Optional[BaseException] = None
+        self._traceback: Optional[TracebackType] = None
+        self._active = False  # set by the borrower as it registers this watcher
         self._thread = threading.Thread(target=self._watch, name="shoal revocation watcher", daemon=True)
-        self._thread.start()
+        borrower._start_watching(self)
+        try:
+            self._thread.start()
+        except BaseException:
+            self._active = False
+            raise
 
     def _watch(self) -> None:
-        native = self._borrower._native
-        while not self._stopping.is_set():
-            try:
-                asked = native.revocations(_FOREVER, self._stopping)
-            except _shoal.ConnectionClosedError as e:
-                if not self._borrower.closed:  # the lender went away: say so
-                    self._error = e
-                return
-            except BaseException as e:  # kept for stop() to raise
-                self._error = e
-                return
-            for region, seconds_left in asked:
+        try:
+            while not self._stopping.is_set():
+                borrower = self._borrower()
+                if borrower is None:
+                    return  # dropped: its connection closed with it
+                native = borrower._native
+                del borrower
                 try:
+                    asked = native.revocations(_WATCH_SLICE, self._stopping)
+                except _shoal.ConnectionClosedError:
+                    borrower = self._borrower()
+                    if borrower is None or borrower.closed:
+                        return  # closed (or dropped) by its owner: nothing to say
+                    raise  # the lender went away
+                finally:
+                    del native
+                for region, seconds_left in asked:
+                    assert self._on_revoke is not None
                     self._on_revoke(region, seconds_left)
-                except BaseException as e:  # kept for stop() to raise
-                    self._error = e
-                    return
+        except BaseException as e:
+            self._error, self._traceback = e, e.__traceback__
+            raise  # to threading.excepthook, as any thread's
+        finally:
+            self._active = False
+            self._on_revoke = None  # what it holds is let go with the watcher's end
 
     @property
     def watching(self) -> bool:
-        """True while the thread watches (False once stopped, failed, or the borrower closed)."""
-        return self._thread.is_alive()
+        """True until the watcher ends (stopped, failed, or its borrower closed)."""
+        return self._active
 
     @property
     def error(self) -> Optional[BaseException]:
         """What stopped the watcher: ``on_revoke``'s exception or the connection's, else None."""
         return self._error
 
-    def stop(self, timeout: Optional[float] = None) -> None:
+    def stop(self, timeout: Optional[float] = None) -> bool:
         """Stops watching and waits (up to ``timeout`` seconds; None: as long as it takes, about
-        0.1 s plus an ``on_revoke`` that runs) for the thread to end; raises what stopped the
-        watcher, if anything did. Revokes that come later are returned by
-        :meth:`Borrower.revocations` or a new watcher."""
+        10 ms plus an ``on_revoke`` that runs) for the thread to end; raises what stopped the
+        watcher, if anything did. Returns whether the thread has ended (False when ``timeout``
+        passed first, or when called from ``on_revoke``). Revokes that come later are returned
+        by :meth:`Borrower.revocations` or a new watcher."""
         self._stopping.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         if self._error is not None:
-            raise self._error
+            raise self._error.with_traceback(self._traceback)
+        return not self._thread.is_alive()
 
     def __enter__(self) -> "RevocationWatcher":
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is None:
+    def __exit__(self, exc_type: object, exc: Optional[BaseException], tb: object) -> None:
+        if exc is None:
             self.stop()
             return
-        try:  # an exception leaves the block: it wins over the watcher's
+        try:  # an exception leaves the block: it wins, the watcher's is noted on it
             self.stop()
-        except BaseException:
-            pass
+        except BaseException as error:
+            exc.add_note(f"(the revocation watcher had stopped on {error!r})")
 
     def __repr__(self) -> str:
         state = "watching" if self.watching else ("failed" if self._error is not None else "stopped")

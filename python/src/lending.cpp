@@ -82,12 +82,19 @@ class region_owner final : public storage::storage_owner {
 class cancel_event {
  public:
   explicit cancel_event(const nb::object& event) : is_set_(event.is_none() ? nb::object() : event.attr("is_set")) {}
+  [[nodiscard]] bool given() const noexcept { return is_set_.is_valid(); }
+  /// Whether it is set. Through the exit gate: once the interpreter exits,
+  /// a thread running Python code may be ended mid-call (and the unwinding
+  /// through this frame would abort the process), so it is not asked then.
   bool operator()() const {
     if (!is_set_.is_valid()) return false;
-    const nb::object set = is_set_();
-    const int truth = PyObject_IsTrue(set.ptr());
-    if (truth < 0) throw nb::python_error();
-    return truth != 0;
+    int truth = 0;
+    const bool asked = detail::python_work([&] {
+      const nb::object set = is_set_();
+      truth = PyObject_IsTrue(set.ptr());
+      if (truth < 0) throw nb::python_error();
+    });
+    return asked && truth != 0;
   }
 
  private:
@@ -489,8 +496,10 @@ void register_lending(nb::module_& m) {
               return got;
             };
             std::vector<lending::borrower::revocation> asked;
+            // With a cancel event, slices of 10 ms: a watcher stops that soon.
+            const auto slice = cancelled.given() ? std::chrono::milliseconds(10) : wait_slice;
             for (;;) {
-              const auto slice_end = std::chrono::steady_clock::now() + wait_slice;
+              const auto slice_end = std::chrono::steady_clock::now() + slice;
               auto got = wait_in_slices(borrower, b.borrower, until ? std::min(*until, slice_end) : slice_end, attempt);
               if (got) {
                 asked = std::move(*got);

@@ -8,12 +8,15 @@ import contextlib
 import gc
 import os
 import pathlib
+import select
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
+import weakref
 
 import numpy
 import pytest
@@ -800,8 +803,10 @@ def test_a_revocation_watcher_calls_back_for_each_revoke_on_its_own_thread(addre
         assert len(asked) == 2
 
 
-def test_a_revocation_watcher_keeps_what_stopped_it(address):
+def test_a_revocation_watcher_keeps_what_stopped_it(address, monkeypatch):
     in_process_only()
+    reported: list = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: reported.append(args.exc_value))
     with shoal.lending.Lender(address) as lender, shoal.lending.Borrower(address) as borrower:
         region = borrower.borrow(MIB, "model A")
 
@@ -812,30 +817,133 @@ def test_a_revocation_watcher_keeps_what_stopped_it(address):
         lender.revoke(borrower.region_id(region), 5.0)
         assert eventually(lambda: not watcher.watching)
         assert isinstance(watcher.error, ValueError) and "failed" in repr(watcher)
-        with pytest.raises(ValueError, match="the handler failed"):
-            watcher.stop()
+        assert reported == [watcher.error], "the failure was not reported as the thread ended"
+        depths = []
+        for _ in range(3):  # raised each time, its traceback not growing
+            with pytest.raises(ValueError, match="the handler failed") as raised:
+                watcher.stop()
+            depths.append(len(list(traceback.walk_tb(raised.value.__traceback__))))
+        assert depths[0] == depths[1] == depths[2], depths
         with pytest.raises(ValueError, match="the handler failed"):
             with watcher:
                 pass
-        with pytest.raises(KeyError):  # an exception leaving the block wins over the watcher's
+        with pytest.raises(KeyError) as raised:  # an exception leaving the block wins; the watcher's is noted
             with watcher:
                 raise KeyError("the block's own")
-        with pytest.raises(shoal.InvalidArgumentError, match="on_revoke must be callable"):
+        assert any("the handler failed" in note for note in raised.value.__notes__)
+        with pytest.raises(TypeError, match="on_revoke must be callable"):
             borrower.watch_revocations(42)  # type: ignore[arg-type]
         # A new watcher may start once the failed one stopped.
-        borrower.watch_revocations(lambda region, left: None).stop()
+        assert borrower.watch_revocations(lambda region, left: None).stop() is True
 
     # The lender gone: the watcher stops and says so; the borrower's own close ends it quietly.
+    reported.clear()
     with shoal.lending.Lender(address) as lender:
         with shoal.lending.Borrower(address) as borrower:
             watcher = borrower.watch_revocations(lambda region, left: None)
         assert eventually(lambda: not watcher.watching)
         watcher.stop()
+        with pytest.raises(shoal.ConnectionClosedError, match="closed"):
+            borrower.watch_revocations(lambda region, left: None)
         borrower = shoal.lending.Borrower(address)
         watcher = borrower.watch_revocations(lambda region, left: None)
     assert eventually(lambda: not watcher.watching)
     assert isinstance(watcher.error, shoal.ConnectionClosedError)
+    assert reported == [watcher.error]
     borrower.close()
+
+
+def test_a_revocation_watcher_is_the_only_reader_of_its_borrower(address, monkeypatch):
+    in_process_only()
+    with shoal.lending.Lender(address), shoal.lending.Borrower(address) as borrower:
+        # A revocations() call that waits already: no watcher while it does.
+        reader = threading.Thread(target=borrower.revocations, kwargs={"wait": 1.0})
+        reader.start()
+        assert eventually(lambda: borrower._reading == 1)
+        with pytest.raises(shoal.InvalidArgumentError, match="a revocations\\(\\) call of this borrower waits"):
+            borrower.watch_revocations(lambda region, left: None)
+        reader.join()
+        # Two threads asking for a watcher at once: one gets it (the check made slow, so that
+        # both would pass it without the borrower's lock).
+        check = shoal.lending.Borrower._refuse_while_watched
+
+        def slow_check(self, who: str) -> None:
+            check(self, who)
+            time.sleep(0.05)
+
+        monkeypatch.setattr(shoal.lending.Borrower, "_refuse_while_watched", slow_check)
+        barrier = threading.Barrier(2)
+        outcomes: list = []
+
+        def ask() -> None:
+            barrier.wait()
+            try:
+                outcomes.append(borrower.watch_revocations(lambda region, left: None))
+            except shoal.InvalidArgumentError as e:
+                outcomes.append(e)
+
+        askers = [threading.Thread(target=ask) for _ in range(2)]
+        for t in askers:
+            t.start()
+        for t in askers:
+            t.join()
+        watchers = [o for o in outcomes if isinstance(o, shoal.lending.RevocationWatcher)]
+        assert len(watchers) == 1 and len(outcomes) == 2, outcomes
+        # Made directly, a watcher registers as well.
+        with pytest.raises(shoal.InvalidArgumentError, match="RevocationWatcher watches"):
+            shoal.lending.RevocationWatcher(borrower, lambda region, left: None)
+        assert watchers[0].stop() is True
+
+
+def test_a_revocation_watcher_stops_within_a_few_milliseconds(address):
+    in_process_only()
+    with shoal.lending.Lender(address), shoal.lending.Borrower(address) as borrower:
+        took = []
+        for _ in range(5):
+            watcher = borrower.watch_revocations(lambda region, left: None)
+            time.sleep(0.02)  # in its wait for revokes
+            start = time.monotonic()
+            assert watcher.stop() is True
+            took.append(time.monotonic() - start)
+        assert sorted(took)[2] < 0.05, f"stop() waited for the watcher's wait: {took}"
+        # A cancel set already: a revocations() call returns at once.
+        start = time.monotonic()
+        cancel = threading.Event()
+        cancel.set()
+        assert borrower.revocations(wait=5.0, cancel=cancel) == []
+        assert time.monotonic() - start < 0.05
+
+
+def test_a_revocation_watcher_may_be_stopped_from_its_callback_and_lets_go_of_it(address):
+    in_process_only()
+    with shoal.lending.Lender(address) as lender, shoal.lending.Borrower(address) as borrower:
+        region = borrower.borrow(MIB, "model A")
+
+        class Handler:
+            def __call__(self, region: int, seconds_left: float) -> None:
+                self.stopped = watcher.stop()  # from its own thread: no join on itself
+
+        handler = Handler()
+        handler_alive = weakref.ref(handler)
+        watcher = borrower.watch_revocations(handler)
+        del handler
+        lender.revoke(borrower.region_id(region), 5.0)
+        assert eventually(lambda: not watcher.watching)
+        assert watcher.error is None
+        assert handler_alive() is None, "the stopped watcher still holds what its callback captured"
+
+
+def test_a_dropped_borrower_closes_its_connection_though_a_watcher_watches(address):
+    in_process_only()
+    with shoal.lending.Lender(address) as lender:
+        borrower = shoal.lending.Borrower(address)
+        watcher = borrower.watch_revocations(lambda region, left: None)
+        assert lender.status()["borrowers"] == 1
+        del borrower
+        gc.collect()
+        assert eventually(lambda: lender.status()["borrowers"] == 0), "the watcher kept the connection open"
+        assert eventually(lambda: not watcher.watching)
+        assert watcher.error is None
 
 
 EXITING_WHILE_WATCHING_SCRIPT = """
@@ -848,12 +956,45 @@ print("exiting", flush=True)
 """
 
 
+EXITING_WHILE_ASKING_A_SLOW_CANCEL_SCRIPT = """
+import sys, threading, time, shoal, shoal.lending
+lender = shoal.lending.Lender(sys.argv[1])
+borrower = shoal.lending.Borrower(sys.argv[1])
+class SlowCancel:
+    def is_set(self):
+        time.sleep(0.03)  # the GIL let go: the process begins to exit meanwhile
+        return False
+threading.Thread(target=borrower.revocations, kwargs={"wait": 30.0, "cancel": SlowCancel()}, daemon=True).start()
+time.sleep(0.05)
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_exits_cleanly_while_a_cancel_event_is_asked(address):
+    # The exit waits for an is_set() in progress: a thread ended inside it by the finalizing
+    # interpreter would unwind through the binding's frames and abort the process.
+    in_process_only()
+    for _ in range(6):
+        exiting = subprocess.run([sys.executable, "-c", EXITING_WHILE_ASKING_A_SLOW_CANCEL_SCRIPT, address],
+                                 capture_output=True, text=True, timeout=30)
+        assert (exiting.returncode, exiting.stdout) == (0, "exiting\n"), (exiting.returncode, exiting.stderr)
+
+
 def test_a_process_exits_cleanly_while_a_revocation_watcher_watches(address):
     in_process_only()
     for _ in range(3):
         exiting = subprocess.run([sys.executable, "-c", EXITING_WHILE_WATCHING_SCRIPT, address],
                                  capture_output=True, text=True, timeout=30)
         assert (exiting.returncode, exiting.stdout) == (0, "exiting\n"), (exiting.returncode, exiting.stderr)
+
+
+def line_within(child: subprocess.Popen, seconds: float) -> str:
+    """The child's next line of output (its stdout unbuffered, binary: a raw readline takes no
+    more than the line, so select() sees what follows); fails if none comes within `seconds`."""
+    assert child.stdout is not None
+    ready, _, _ = select.select([child.stdout], [], [], seconds)
+    assert ready, f"no line from the child within {seconds} s"
+    return child.stdout.readline().decode()
 
 
 WATCHING_BORROWER_SCRIPT = """
@@ -874,14 +1015,13 @@ def test_a_borrower_process_gives_a_region_back_when_its_watcher_is_called(addre
     # Both backends: the lender here, the borrower in a child process.
     with shoal.lending.Lender(address, capacity_bytes=8 * MIB) as lender:
         child = subprocess.Popen([sys.executable, "-c", WATCHING_BORROWER_SCRIPT, address, str(4 * MIB)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         try:
-            assert child.stdout is not None
-            region = int(child.stdout.readline())
+            region = int(line_within(child, 20.0))
             assert lender.status()["lent_bytes"] == 4 * MIB
             lender.revoke(region, 5.0)
-            assert child.stdout.readline() == "asked\n"
-            assert child.stdout.readline() == "gave back\n"
+            assert line_within(child, 20.0) == "asked\n"
+            assert line_within(child, 20.0) == "gave back\n"
             assert eventually(lambda: lender.status()["lent_bytes"] == 0)
             status = lender.status()
             assert (status["revocations"], status["revocations_missed"]) == (1, 0)
