@@ -22,15 +22,16 @@ activation arena, as serving systems reserve) with room for the batches' activat
   the holder to give up; the holder drops its tensors and calls
   ``torch.cuda.empty_cache()`` (the memory must go back to the driver for the other
   process), says so, and the other is told to go.
-* torch-expandable: the same with PyTorch's expandable segments
-  (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
+* torch-expandable, torch-async: the same with PyTorch's expandable segments
+  (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``), or its ``cudaMallocAsync`` backend.
 
 A hand-over is timed from the moment the holder's serving loop sees it must give up
 (between two batches, in every mode) to the next server's first batch done, on the
 system-wide monotonic clock, in parts: *memory* (the holder dropping its tensors, its
 allocator's release — the pool's close and give back, or ``empty_cache`` — and the next one
-getting the memory), *weights* (copied in) and *first batch*. The first two hand-overs of each mode (the
-first time each server maps or allocates) are reported apart. Prints a table, last.
+getting the memory and its workspace allocated), *weights* (allocated and copied in) and
+*first batch* (its activations allocated, the batch run). The first two hand-overs of each
+mode (the first time each server maps or allocates) are reported apart. Prints a table, last.
 """
 
 from __future__ import annotations
@@ -126,10 +127,11 @@ def serve_turn(model: Model, workspace_bytes: int, give_up: threading.Event, fin
     """Loads the model, serves until `give_up` or `finish` is set, unloads; returns the batches served."""
     import torch
 
+    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device="cuda")
+    times["memory_ready"] = now()
     model.load()
     torch.cuda.synchronize()
     times["loaded"] = now()
-    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device="cuda")
     x = model.make_input()
     out = model.serve(x)
     torch.cuda.synchronize()
@@ -212,11 +214,13 @@ def torch_server(name: str, args, conn) -> None:
     model = Model(args.model)
     give_up = threading.Event()
     finish = threading.Event()
+    give_up_at: list[float] = []
 
     def listen() -> None:  # the coordinator's "give up", seen between batches as the watcher's
         while True:
             message = conn.recv()
             if message == "give up":
+                give_up_at.append(now())
                 give_up.set()
             elif message == "finish":
                 finish.set()
@@ -240,6 +244,7 @@ def torch_server(name: str, args, conn) -> None:
         if finish.is_set():
             break
         give_up.clear()
+        give_up_at.clear()
         times = {"asked": now()}
         conn.send("want")
         assert next_message() == "go"
@@ -247,7 +252,7 @@ def torch_server(name: str, args, conn) -> None:
         times["batches"] = serve_turn(model, args.workspace_gib * GIB, give_up, finish, times)
         torch.cuda.empty_cache()
         times["released"] = now()
-        times["revoked"] = None
+        times["revoked"] = give_up_at[0] if give_up_at else None
         conn.send("released")
         records.append(times)
     conn.send(records)
@@ -260,11 +265,11 @@ def hand_overs(per_server: list[list[dict]]) -> list[dict]:
     for before, after in zip(turns, turns[1:]):
         out.append({
             "total": after["first_batch"] - before["noticed"],
-            "memory": after["memory"] - before["noticed"],
+            "memory": after["memory_ready"] - before["noticed"],
             "unload": before["unloaded"] - before["noticed"],
             "release": before["released"] - before["unloaded"],
-            "lent": after["memory"] - before["released"],
-            "weights": after["loaded"] - after["memory"],
+            "lent": after["memory_ready"] - before["released"],
+            "weights": after["loaded"] - after["memory_ready"],
             "first_batch": after["first_batch"] - after["loaded"],
             "revoke_seen": (before["noticed"] - before["revoked"]) if before["revoked"] else None,
         })
@@ -373,8 +378,9 @@ def main() -> None:
     parser.add_argument("--turn-seconds", type=float, default=0.2, help="the least turn (the lender's preempt_after)")
     parser.add_argument("--workspace-gib", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2, help="every mode in turn, this many times")
-    parser.add_argument("--modes", default="shoal,torch,torch-expandable",
-                        help="shoal, torch (PyTorch's defaults), torch-expandable (its expandable segments)")
+    parser.add_argument("--modes", default="shoal,torch,torch-expandable,torch-async",
+                        help="shoal, torch (PyTorch's defaults), torch-expandable (its expandable segments), "
+                             "torch-async (its cudaMallocAsync backend)")
     parser.add_argument("--json", help="write every hand-over here")
     parser.add_argument("--verbose", action="store_true", help="log each turn's steps (and stalled threads' stacks)")
     args = parser.parse_args()
@@ -396,8 +402,9 @@ def main() -> None:
             if mode == "shoal":
                 records = run_shoal(args, region_bytes)
             else:  # spawned servers take this process's environment as it is when they start
-                if mode == "torch-expandable":
-                    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+                settings = {"torch-expandable": "expandable_segments:True", "torch-async": "backend:cudaMallocAsync"}
+                if mode in settings:
+                    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = settings[mode]
                 records = run_torch(args)
                 os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
             overs = hand_overs(records)
@@ -423,10 +430,12 @@ def main() -> None:
                   f"{summary([o['release'] for o in later])} / {summary([o['lent'] for o in later])} | "
                   f"{summary([o['weights'] for o in later])} | {summary([o['first_batch'] for o in later])} | "
                   f"{summary([o['total'] for o in first])} |")
+    for mode in modes:
+        seen = [o["revoke_seen"] for overs in everything[mode] for o in overs[2:] if o["revoke_seen"] is not None]
+        print(f"{mode}: asked to give up (the watcher's callback, the coordinator's message) -> seen by the "
+              f"serving loop {summary(seen)}")
     if "shoal" not in modes:
         return
-    seen = [o["revoke_seen"] for overs in everything["shoal"] for o in overs[2:] if o["revoke_seen"] is not None]
-    print(f"shoal: revoke at the watcher -> seen by the serving loop {summary(seen)} (a batch at most)")
     for round_ in range(args.rounds):
         s = medians["shoal"][round_]
         for mode in modes:
