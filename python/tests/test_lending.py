@@ -708,15 +708,20 @@ print("exiting", flush=True)
 """
 
 
+def exits_cleanly(times: int, script: str, *args: str) -> None:
+    """Runs `script` (which prints "exiting" and ends while a thread of it waits in shoal)
+    `times` times; each must exit with status 0, not abort."""
+    for _ in range(times):
+        exiting = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=30)
+        assert (exiting.returncode, exiting.stdout) == (0, "exiting\n"), (exiting.returncode, exiting.stderr)
+
+
 def test_a_process_exits_cleanly_while_a_worker_thread_waits_to_borrow(address):
     # The worker's cancel check takes the GIL back as the interpreter finalizes: the thread
     # must not abort the process (std::terminate, exit status 134).
     unit = 2 * MIB
     with shoal.lending.Lender(address, capacity_bytes=4 * unit) as lender, a_child_holding(address, 4 * unit):
-        for _ in range(3):
-            exiting = subprocess.run([sys.executable, "-c", EXITING_WHILE_WAITING_SCRIPT, address, str(unit)],
-                                     capture_output=True, text=True, timeout=30)
-            assert (exiting.returncode, exiting.stdout) == (0, "exiting\n"), (exiting.returncode, exiting.stderr)
+        exits_cleanly(3, EXITING_WHILE_WAITING_SCRIPT, address, str(unit))
         assert eventually(lambda: lender.status()["waiting"] == [])
 
 
@@ -974,18 +979,12 @@ def test_a_process_exits_cleanly_while_a_cancel_event_is_asked(address):
     # The exit waits for an is_set() in progress: a thread ended inside it by the finalizing
     # interpreter would unwind through the binding's frames and abort the process.
     in_process_only()
-    for _ in range(6):
-        exiting = subprocess.run([sys.executable, "-c", EXITING_WHILE_ASKING_A_SLOW_CANCEL_SCRIPT, address],
-                                 capture_output=True, text=True, timeout=30)
-        assert (exiting.returncode, exiting.stdout) == (0, "exiting\n"), (exiting.returncode, exiting.stderr)
+    exits_cleanly(6, EXITING_WHILE_ASKING_A_SLOW_CANCEL_SCRIPT, address)
 
 
 def test_a_process_exits_cleanly_while_a_revocation_watcher_watches(address):
     in_process_only()
-    for _ in range(3):
-        exiting = subprocess.run([sys.executable, "-c", EXITING_WHILE_WATCHING_SCRIPT, address],
-                                 capture_output=True, text=True, timeout=30)
-        assert (exiting.returncode, exiting.stdout) == (0, "exiting\n"), (exiting.returncode, exiting.stderr)
+    exits_cleanly(3, EXITING_WHILE_WATCHING_SCRIPT, address)
 
 
 def line_within(child: subprocess.Popen, seconds: float) -> str:
