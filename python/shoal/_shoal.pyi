@@ -737,6 +737,19 @@ def _content_hash(storage: Storage, entries: Sequence[tuple[str, int, int, str, 
     SHA-256 of the entries' bytes in offset order, read from ``storage`` (device memory included).
     """
 
+class _StopFlag:
+    """
+    A flag set once, read without the GIL by a revocations() wait it is the cancel of (shoal.lending.RevocationWatcher's).
+    """
+
+    def __init__(self) -> None: ...
+
+    def set(self) -> None:
+        """Sets it."""
+
+    def is_set(self) -> bool:
+        """Whether it is set."""
+
 class Borrower:
     """A connection to a lender, through which regions are borrowed."""
 

@@ -73,9 +73,6 @@ class CancelEvent(Protocol):
 # The longest wait the protocol carries (2**32 - 1 ms): "as long as the lender allows".
 _FOREVER = 4294967.295
 
-# A watcher's wait for revokes, after which it looks whether its borrower was dropped.
-_WATCH_SLICE = 1.0
-
 
 class Entry(NamedTuple):
     """One named entry of a region's layout: ``nbytes`` bytes at ``offset`` holding a
@@ -311,14 +308,17 @@ class Borrower:
 
         ``InvalidArgumentError`` while a :class:`RevocationWatcher` watches this borrower (one
         of the two would miss revokes the other read)."""
-        with self._watch_lock:
-            self._refuse_while_watched("revocations")
-            self._reading += 1
+        counted = False
         try:
+            with self._watch_lock:
+                self._refuse_while_watched("revocations")
+                self._reading += 1
+                counted = True
             return self._native.revocations(wait, cancel)
         finally:
-            with self._watch_lock:
-                self._reading -= 1
+            if counted:
+                with self._watch_lock:
+                    self._reading -= 1
 
     def watch_revocations(self, on_revoke: Callable[[int, float], object]) -> RevocationWatcher:
         """Calls ``on_revoke(region id, seconds left)`` on a thread of its own for each revoke
@@ -424,11 +424,13 @@ class RevocationWatcher:
     def __init__(self, borrower: Borrower, on_revoke: Callable[[int, float], object]) -> None:
         if not callable(on_revoke):
             raise TypeError(f"shoal.lending.RevocationWatcher: on_revoke must be callable, not {on_revoke!r}")
-        # The borrower weakly: a dropped borrower closes its connection (the thread holds its
-        # connection only while one bounded wait lasts).
+        # The borrower weakly: once it is dropped the stop flag is set, the thread's wait ends
+        # within 10 ms and lets go of the connection, which closes.
         self._borrower = weakref.ref(borrower)
         self._on_revoke: Optional[Callable[[int, float], object]] = on_revoke
-        self._stopping = threading.Event()
+        self._stop = _shoal._StopFlag()  # read by the wait without the GIL
+        self._borrower_gone = weakref.finalize(borrower, self._stop.set)
+        self._borrower_gone.atexit = False
         self._error: Optional[BaseException] = None
         self._traceback: Optional[TracebackType] = None
         self._active = False  # set by the borrower as it registers this watcher
@@ -437,22 +439,25 @@ class RevocationWatcher:
         try:
             self._thread.start()
         except BaseException:
+            self._stop.set()
             self._active = False
             raise
 
     def _watch(self) -> None:
         try:
-            while not self._stopping.is_set():
+            while not self._stop.is_set():
                 borrower = self._borrower()
                 if borrower is None:
-                    return  # dropped: its connection closed with it
+                    return  # dropped: its connection closes with it
                 native = borrower._native
-                del borrower
+                del borrower  # (a frame a kept traceback holds must not hold it)
                 try:
-                    asked = native.revocations(_WATCH_SLICE, self._stopping)
+                    asked = native.revocations(_FOREVER, self._stop)
                 except _shoal.ConnectionClosedError:
-                    borrower = self._borrower()
-                    if borrower is None or borrower.closed:
+                    owner = self._borrower()
+                    by_its_owner = owner is None or owner.closed
+                    del owner
+                    if by_its_owner:
                         return  # closed (or dropped) by its owner: nothing to say
                     raise  # the lender went away
                 finally:
@@ -466,6 +471,7 @@ class RevocationWatcher:
         finally:
             self._active = False
             self._on_revoke = None  # what it holds is let go with the watcher's end
+            self._borrower_gone.detach()
 
     @property
     def watching(self) -> bool:
@@ -483,7 +489,7 @@ class RevocationWatcher:
         watcher, if anything did. Returns whether the thread has ended (False when ``timeout``
         passed first, or when called from ``on_revoke``). Revokes that come later are returned
         by :meth:`Borrower.revocations` or a new watcher."""
-        self._stopping.set()
+        self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
         if self._error is not None:
@@ -497,10 +503,13 @@ class RevocationWatcher:
         if exc is None:
             self.stop()
             return
-        try:  # an exception leaves the block: it wins, the watcher's is noted on it
-            self.stop()
-        except BaseException as error:
-            exc.add_note(f"(the revocation watcher had stopped on {error!r})")
+        # An exception leaves the block: it wins, and the watcher's is noted on it — not
+        # raised, which would make the block's exception (and its frames) its context.
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        if self._error is not None:
+            exc.add_note(f"(the revocation watcher had stopped on {self._error!r})")
 
     def __repr__(self) -> str:
         state = "watching" if self.watching else ("failed" if self._error is not None else "stopped")

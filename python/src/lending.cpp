@@ -12,6 +12,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -76,17 +78,35 @@ class region_owner final : public storage::storage_owner {
   lending::borrowed_region region_;  // its destructor gives the region back
 };
 
-/// A cancel event (None, or anything with is_set()) whose is_set() is read
-/// as Python reads a truth value (any object, not only a bool); what it
-/// raises, the call raises. Called with the GIL held.
+/// A flag another thread sets, read without the GIL: what a revocation
+/// watcher stops by (shoal.lending._StopFlag).
+struct stop_flag {
+  std::atomic<bool> set{false};
+};
+
+/// A cancel event: None, a stop_flag (read without the GIL), or anything
+/// with is_set(), read as Python reads a truth value (any object, not only a
+/// bool; what it raises, the call raises). Made and called with the GIL held,
+/// but for set_without_gil().
 class cancel_event {
  public:
-  explicit cancel_event(const nb::object& event) : is_set_(event.is_none() ? nb::object() : event.attr("is_set")) {}
-  [[nodiscard]] bool given() const noexcept { return is_set_.is_valid(); }
-  /// Whether it is set. Through the exit gate: once the interpreter exits,
-  /// a thread running Python code may be ended mid-call (and the unwinding
-  /// through this frame would abort the process), so it is not asked then.
+  explicit cancel_event(const nb::object& event) {
+    if (event.is_none()) return;
+    if (nb::isinstance<stop_flag>(event)) {
+      flag_ = nb::cast<const stop_flag*>(event);  // the caller's argument keeps it alive
+    } else {
+      is_set_ = event.attr("is_set");
+    }
+  }
+  [[nodiscard]] bool given() const noexcept { return flag_ != nullptr || is_set_.is_valid(); }
+  [[nodiscard]] bool is_flag() const noexcept { return flag_ != nullptr; }
+  [[nodiscard]] bool set_without_gil() const noexcept { return flag_ != nullptr && flag_->set.load(); }
+  /// Whether it is set. A Python is_set() goes through the exit gate: once
+  /// the interpreter exits, a thread running Python code may be ended
+  /// mid-call (and the unwinding through this frame would abort the
+  /// process), so it is not asked then.
   bool operator()() const {
+    if (flag_ != nullptr) return flag_->set.load();
     if (!is_set_.is_valid()) return false;
     int truth = 0;
     const bool asked = detail::python_work([&] {
@@ -98,6 +118,7 @@ class cancel_event {
   }
 
  private:
+  const stop_flag* flag_ = nullptr;
   nb::object is_set_;
 };
 
@@ -352,6 +373,12 @@ void register_lending(nb::module_& m) {
       nb::arg("storage"), nb::arg("entries"),
       "SHA-256 of the entries' bytes in offset order, read from ``storage`` (device memory included).");
 
+  nb::class_<stop_flag>(m, "_StopFlag",
+                        "A flag set once, read without the GIL by a revocations() wait it is the cancel of "
+                        "(shoal.lending.RevocationWatcher's).")
+      .def(nb::init<>())
+      .def("set", [](stop_flag& f) { f.set.store(true); }, "Sets it.")
+      .def("is_set", [](const stop_flag& f) { return f.set.load(); }, "Whether it is set.");
   nb::class_<py_borrower>(m, "Borrower", "A connection to a lender, through which regions are borrowed.")
       .def(
           "__init__",
@@ -489,15 +516,23 @@ void register_lending(nb::module_& m) {
             // long wait; revokes that came already are returned whatever the
             // event says (it ends the wait, it does not hide them).
             const auto until = until_of(wait, "Borrower.revocations", "wait");
+            // A stop flag is looked at every 10 ms without the GIL (set, the
+            // wait ends with nothing read); a Python event between slices of
+            // 10 ms, with the GIL.
             const auto attempt = [&](std::chrono::milliseconds slice)
                 -> std::optional<std::vector<lending::borrower::revocation>> {
-              auto got = borrower->revocations(slice);
-              if (got.empty()) return std::nullopt;
-              return got;
+              const auto end = std::chrono::steady_clock::now() + slice;
+              for (;;) {
+                const auto left = std::max(std::chrono::ceil<std::chrono::milliseconds>(end - std::chrono::steady_clock::now()),
+                                           std::chrono::milliseconds(0));
+                auto got = borrower->revocations(cancelled.is_flag() ? std::min(left, std::chrono::milliseconds(10)) : left);
+                if (!got.empty()) return got;
+                if (cancelled.set_without_gil()) return std::vector<lending::borrower::revocation>{};
+                if (std::chrono::steady_clock::now() >= end) return std::nullopt;
+              }
             };
             std::vector<lending::borrower::revocation> asked;
-            // With a cancel event, slices of 10 ms: a watcher stops that soon.
-            const auto slice = cancelled.given() ? std::chrono::milliseconds(10) : wait_slice;
+            const auto slice = cancelled.given() && !cancelled.is_flag() ? std::chrono::milliseconds(10) : wait_slice;
             for (;;) {
               const auto slice_end = std::chrono::steady_clock::now() + slice;
               auto got = wait_in_slices(borrower, b.borrower, until ? std::min(*until, slice_end) : slice_end, attempt);

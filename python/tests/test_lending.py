@@ -836,6 +836,7 @@ def test_a_revocation_watcher_keeps_what_stopped_it(address, monkeypatch):
             with watcher:
                 raise KeyError("the block's own")
         assert any("the handler failed" in note for note in raised.value.__notes__)
+        assert watcher.error.__context__ is None, "the watcher's error took the block's exception (and its frames)"
         with pytest.raises(TypeError, match="on_revoke must be callable"):
             borrower.watch_revocations(42)  # type: ignore[arg-type]
         # A new watcher may start once the failed one stopped.
@@ -855,7 +856,11 @@ def test_a_revocation_watcher_keeps_what_stopped_it(address, monkeypatch):
     assert eventually(lambda: not watcher.watching)
     assert isinstance(watcher.error, shoal.ConnectionClosedError)
     assert reported == [watcher.error]
-    borrower.close()
+    # What the failed watcher keeps (its error's traceback) does not keep the borrower.
+    borrower_alive = weakref.ref(borrower)
+    del borrower
+    gc.collect()
+    assert borrower_alive() is None, "the failed watcher keeps its borrower (and its mappings) alive"
 
 
 def test_a_revocation_watcher_is_the_only_reader_of_its_borrower(address, monkeypatch):
@@ -906,11 +911,11 @@ def test_a_revocation_watcher_stops_within_a_few_milliseconds(address):
         took = []
         for _ in range(5):
             watcher = borrower.watch_revocations(lambda region, left: None)
-            time.sleep(0.02)  # in its wait for revokes
+            time.sleep(0.005)  # in its wait for revokes
             start = time.monotonic()
             assert watcher.stop() is True
             took.append(time.monotonic() - start)
-        assert sorted(took)[2] < 0.05, f"stop() waited for the watcher's wait: {took}"
+        assert sorted(took)[2] < 0.06, f"stop() waited for the watcher's wait: {took}"
         # A cancel set already: a revocations() call returns at once.
         start = time.monotonic()
         cancel = threading.Event()
@@ -946,7 +951,9 @@ def test_a_dropped_borrower_closes_its_connection_though_a_watcher_watches(addre
         assert lender.status()["borrowers"] == 1
         del borrower
         gc.collect()
+        start = time.monotonic()
         assert eventually(lambda: lender.status()["borrowers"] == 0), "the watcher kept the connection open"
+        assert time.monotonic() - start < 0.5, "the watcher held the connection past its wait's 10 ms look"
         assert eventually(lambda: not watcher.watching)
         assert watcher.error is None
 
