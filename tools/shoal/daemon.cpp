@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <charconv>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -211,14 +213,17 @@ int ask_daemon(const daemon_settings& settings, const daemon_request& request, A
 
 // The metrics with this command's own connection left out of the borrowers
 // gauge: the daemon counts every connection, and this one borrows nothing.
+// Only a gauge line of digits alone is rewritten; anything else goes as sent.
 std::string without_this_connection(std::string metrics) {
   static constexpr std::string_view gauge = "\nshoal_lending_borrowers ";
   const auto at = metrics.find(gauge);
   if (at == std::string::npos) return metrics;
   const auto from = at + gauge.size();
-  const auto to = metrics.find('\n', from);
-  const auto count = std::strtoull(metrics.substr(from, to - from).c_str(), nullptr, 10);
-  if (count > 0) metrics.replace(from, to - from, std::to_string(count - 1));
+  const auto to = std::min(metrics.find('\n', from), metrics.size());
+  std::uint64_t count = 0;
+  const auto [end, problem] = std::from_chars(metrics.data() + from, metrics.data() + to, count);
+  if (problem != std::errc() || end != metrics.data() + to || count == 0) return metrics;
+  metrics.replace(from, to - from, std::to_string(count - 1));
   return metrics;
 }
 
