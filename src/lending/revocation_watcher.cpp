@@ -1,0 +1,67 @@
+#include "shoal/lending/revocation_watcher.h"
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace shoal::lending {
+
+namespace {
+constexpr std::chrono::milliseconds look_every{10};  // how soon stop() is seen
+}  // namespace
+
+// Shared with the thread, which may outlive the watcher object when the
+// watcher is destroyed from its own callback.
+struct revocation_watcher::state {
+  borrower& watched;
+  callback on_revoke;
+  std::atomic<bool> stopping{false};
+  std::atomic<bool> running{true};
+  std::atomic<std::thread::id> thread_id{};  // set by the thread before any callback
+  mutable std::mutex error_mutex;
+  std::exception_ptr error;  // under error_mutex
+
+  state(borrower& b, callback f) : watched(b), on_revoke(std::move(f)) {}
+
+  void run() noexcept {
+    thread_id.store(std::this_thread::get_id());
+    try {
+      while (!stopping.load()) {
+        for (const auto& r : watched.revocations(look_every)) on_revoke(r);
+      }
+    } catch (...) {
+      const std::lock_guard lock(error_mutex);
+      error = std::current_exception();
+    }
+    running.store(false);
+  }
+};
+
+revocation_watcher::revocation_watcher(borrower& b, callback on_revoke)
+    : state_(std::make_shared<state>(b, std::move(on_revoke))) {
+  thread_ = std::thread([s = state_] { s->run(); });
+}
+
+revocation_watcher::~revocation_watcher() {
+  stop();
+  if (thread_.joinable()) thread_.detach();  // destroyed from its own callback: it ends once that returns
+}
+
+void revocation_watcher::stop() noexcept {
+  state_->stopping.store(true);
+  if (state_->thread_id.load() == std::this_thread::get_id()) return;  // from the callback: the thread ends after it
+  const std::lock_guard lock(join_mutex_);  // stops from several threads: one joins
+  if (thread_.joinable()) thread_.join();
+}
+
+bool revocation_watcher::watching() const noexcept { return state_->running.load(); }
+
+std::exception_ptr revocation_watcher::error() const {
+  const std::lock_guard lock(state_->error_mutex);
+  return state_->error;
+}
+
+}  // namespace shoal::lending
