@@ -2,10 +2,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <mutex>
-#include <thread>
 #include <utility>
-#include <vector>
+
+#include "shoal/core/error.h"
 
 namespace shoal::lending {
 
@@ -30,7 +29,10 @@ struct revocation_watcher::state {
     thread_id.store(std::this_thread::get_id());
     try {
       while (!stopping.load()) {
-        for (const auto& r : watched.revocations(look_every)) on_revoke(r);
+        for (const auto& r : watched.revocations(look_every)) {
+          if (stopping.load()) break;  // stopped (or destroyed) by the callback before: no more calls
+          on_revoke(r);
+        }
       }
     } catch (...) {
       const std::lock_guard lock(error_mutex);
@@ -40,8 +42,9 @@ struct revocation_watcher::state {
   }
 };
 
-revocation_watcher::revocation_watcher(borrower& b, callback on_revoke)
-    : state_(std::make_shared<state>(b, std::move(on_revoke))) {
+revocation_watcher::revocation_watcher(borrower& b, callback on_revoke) {
+  if (!on_revoke) throw invalid_argument("lending::revocation_watcher: an empty callback");
+  state_ = std::make_shared<state>(b, std::move(on_revoke));
   thread_ = std::thread([s = state_] { s->run(); });
 }
 

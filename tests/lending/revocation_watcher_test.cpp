@@ -1,6 +1,7 @@
 // lending::revocation_watcher: a borrower's revokes passed to a callback on
-// a thread of its own, which stops within its 10 ms look, may be stopped
-// from the callback, and keeps what ended it (host backend, in one process).
+// a thread of its own, which stops within its 10 ms look (from any thread,
+// from several at once, from the callback, by its destructor), calls back no
+// more once stopped, and keeps what ended it (host backend, in one process).
 #include "shoal/lending/revocation_watcher.h"
 
 #include <gtest/gtest.h>
@@ -8,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -30,6 +32,19 @@ struct watched_lender {
   std::unique_ptr<lender> l =
       std::make_unique<lender>(dev, channel::channel_address::at_path(dir / "l.sock"), lender_config{});
   borrower model{dev, l->address()};
+
+  /// Two regions revoked and their revokes read by the borrower (kept for
+  /// its next revocations(), which returns both at once: one batch).
+  std::vector<lending::borrowed_region> two_revoked_in_one_batch() {
+    std::vector<lending::borrowed_region> held;
+    held.push_back(model.borrow(2 * mib, "parameters"));
+    held.push_back(model.borrow(2 * mib, "activations"));
+    for (const auto& r : held) l->revoke(r.id(), std::chrono::seconds(5));
+    EXPECT_TRUE(eventually([&] { return l->status().revocations == 2; }));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // both revokes on the socket
+    (void)model.metrics();  // its answer comes after them: both are read and kept
+    return held;
+  }
 };
 
 TEST(lending_revocation_watcher, calls_back_for_each_revoke_on_its_own_thread_and_stops_soon) {
@@ -59,8 +74,11 @@ TEST(lending_revocation_watcher, calls_back_for_each_revoke_on_its_own_thread_an
                                                  std::max(parameters.id(), activations.id())}));
     EXPECT_FALSE(on_caller_thread);
   }
+  // Two threads stop it at once: one joins, both return once it ended.
   const auto start = clock_type::now();
+  std::thread other([&] { watcher.stop(); });
   watcher.stop();
+  other.join();
   EXPECT_LT(clock_type::now() - start, std::chrono::milliseconds(500)) << "stop() waited past the watcher's look";
   EXPECT_FALSE(watcher.watching());
   EXPECT_EQ(watcher.error(), nullptr);
@@ -70,50 +88,77 @@ TEST(lending_revocation_watcher, calls_back_for_each_revoke_on_its_own_thread_an
   const auto read = f.model.revocations(std::chrono::seconds(5));
   ASSERT_EQ(read.size(), 1u);
   EXPECT_EQ(read[0].region, later.id());
+  EXPECT_THROW(revocation_watcher(f.model, {}), invalid_argument) << "an empty callback";
 }
 
-TEST(lending_revocation_watcher, may_be_stopped_and_destroyed_from_its_callback) {
+TEST(lending_revocation_watcher, its_destructor_stops_it_and_no_callback_comes_after) {
   watched_lender f;
+  std::atomic<int> calls{0};
+  auto sentinel = std::make_shared<int>(0);
+  const std::weak_ptr<int> callback_alive = sentinel;
+  {
+    revocation_watcher watcher(f.model, [&calls, sentinel](const borrower::revocation&) { ++calls; });
+    sentinel.reset();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));  // in its wait for revokes
+  }
+  EXPECT_TRUE(callback_alive.expired()) << "the destructor returned before the thread ended";
   auto region = f.model.borrow(2 * mib, "model A");
-  // The watchers are reached from their callbacks through atomics: what the
-  // socket orders between the threads, a race detector does not see.
-  std::atomic<revocation_watcher*> stopping{nullptr};
-  std::atomic<bool> called{false};
-  const auto watcher = std::make_unique<revocation_watcher>(f.model, [&](const borrower::revocation&) {
-    stopping.load()->stop();  // on its own thread: no join on itself
-    called = true;
-  });
-  stopping = watcher.get();
   f.l->revoke(region.id(), std::chrono::seconds(5));
-  ASSERT_TRUE(eventually([&] { return !watcher->watching(); }));
-  EXPECT_TRUE(called.load());
-  EXPECT_EQ(watcher->error(), nullptr) << "stopping from the callback failed";
+  const auto read = f.model.revocations(std::chrono::seconds(5));
+  ASSERT_EQ(read.size(), 1u) << "the destroyed watcher's thread still read revokes";
+  EXPECT_EQ(calls.load(), 0);
+}
 
-  auto second = f.model.borrow(2 * mib, "model A again");
-  std::atomic<revocation_watcher*> owned{nullptr};
-  std::atomic<bool> destroyed{false};
-  owned = new revocation_watcher(f.model, [&](const borrower::revocation&) {
-    delete owned.exchange(nullptr);  // destroyed on its own thread: it ends once this returns
-    destroyed = true;
+TEST(lending_revocation_watcher, stopped_from_its_callback_it_calls_back_no_more) {
+  watched_lender f;
+  const auto held = f.two_revoked_in_one_batch();
+  // The watcher is reached from its callback through an atomic: what the
+  // socket orders between the threads, a race detector does not see.
+  std::atomic<revocation_watcher*> self{nullptr};
+  std::atomic<int> calls{0};
+  const auto watcher = std::make_unique<revocation_watcher>(f.model, [&](const borrower::revocation&) {
+    ++calls;
+    revocation_watcher* w = nullptr;
+    while ((w = self.load()) == nullptr) std::this_thread::yield();  // it may run before the constructor returns
+    w->stop();  // on its own thread: no join on itself
   });
-  f.l->revoke(second.id(), std::chrono::seconds(5));
-  ASSERT_TRUE(eventually([&] { return destroyed.load(); }));
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // its thread ends on its own
+  self = watcher.get();
+  ASSERT_TRUE(eventually([&] { return !watcher->watching(); }));
+  EXPECT_EQ(calls.load(), 1) << "called back after it was stopped";
+  EXPECT_EQ(watcher->error(), nullptr) << "stopping from the callback failed";
+}
+
+TEST(lending_revocation_watcher, destroyed_from_its_callback_it_ends_and_lets_go_of_the_callback) {
+  watched_lender f;
+  const auto held = f.two_revoked_in_one_batch();
+  std::atomic<revocation_watcher*> owned{nullptr};
+  std::atomic<int> calls{0};
+  auto sentinel = std::make_shared<int>(0);
+  const std::weak_ptr<int> callback_alive = sentinel;
+  auto* watcher = new revocation_watcher(f.model, [&, sentinel](const borrower::revocation&) {
+    ++calls;
+    revocation_watcher* w = nullptr;
+    while ((w = owned.exchange(nullptr)) == nullptr) std::this_thread::yield();  // once its constructor returned
+    delete w;  // destroyed on its own thread: it ends once this returns
+  });
+  sentinel.reset();
+  owned = watcher;
+  ASSERT_TRUE(eventually([&] { return callback_alive.expired(); })) << "the thread kept the callback";
+  EXPECT_EQ(calls.load(), 1) << "called back after the watcher was destroyed";
 }
 
 TEST(lending_revocation_watcher, keeps_what_ended_it) {
   watched_lender f;
-  auto region = f.model.borrow(2 * mib, "model A");
+  const auto held = f.two_revoked_in_one_batch();
   std::atomic<int> calls{0};
   revocation_watcher failing(f.model, [&](const borrower::revocation&) {
     ++calls;
     throw std::runtime_error("the handler failed");
   });
-  f.l->revoke(region.id(), std::chrono::seconds(5));
   ASSERT_TRUE(eventually([&] { return !failing.watching(); }));
   ASSERT_NE(failing.error(), nullptr);
   EXPECT_THROW(std::rethrow_exception(failing.error()), std::runtime_error);
-  EXPECT_EQ(calls.load(), 1);
+  EXPECT_EQ(calls.load(), 1) << "called back again after the callback threw";
 
   // The lender gone: the connection's error ends the watcher.
   revocation_watcher orphaned(f.model, [](const borrower::revocation&) {});

@@ -1,20 +1,29 @@
 // Watches a borrower for the lender's revokes on a thread of its own and
 // calls back for each: how a model server learns that its turn is over while
-// its serving loop runs (the callback sets a flag the loop looks at between
-// batches; the loop drops the region).
+// its serving loop runs (the callback sets an atomic flag the loop looks at
+// between batches, or gives the region back itself: borrower::give_back may
+// be called from it, since revocations() holds no connection).
 //
-// It reads with borrower::revocations() in waits of 10 ms, so stop() ends it
-// within about that (plus a callback that runs). A callback that throws, or a
-// connection that fails (the lender gone, a malformed message), ends the
-// watcher; error() then holds the exception. Revokes read after a callback
-// that threw are not passed on (each revoke is returned once).
+// It reads with borrower::revocations() in waits of 10 ms, so stop() is seen
+// within about that — plus a callback that runs, and up to a second when a
+// late answer of the borrower is being read (borrower.h). Once stopped, it
+// calls back no more: revokes it read but had not passed on are lost (each
+// revoke is returned once), as are those after a callback that throws.
+// Whatever the callback or revocations() throws ends the watcher; error()
+// then holds it.
 //
 // Thread-safety: stop(), watching() and error() may be called from any
-// thread, the callback included (there stop() does not wait for the thread,
-// which ends once the callback returns). The callback runs on the watcher's
-// thread, one call at a time. The borrower must outlive the watcher, and
-// nothing else should read its revocations() while the watcher runs: each
-// revoke is returned once, so one of the two readers would miss some.
+// thread, the callback included (there stop() does not wait for the thread).
+// The callback runs on the watcher's thread, one call at a time, and may run
+// before the constructor returns (for revokes read already). The watcher may
+// be destroyed from its callback, once its constructor has returned and when
+// no other thread can reach it: the thread then ends after the callback
+// returns, and destroys the callback (its captures) there. No thread may call
+// into a watcher being destroyed, and the callback must not wait for a thread
+// that is stopping or destroying the watcher (the two would wait for each
+// other). The borrower must outlive the thread; nothing else should read its
+// revocations() while the watcher runs (one of the two readers would miss
+// revokes the other read).
 #pragma once
 
 #include <exception>
@@ -31,14 +40,17 @@ class revocation_watcher {
  public:
   using callback = std::function<void(const borrower::revocation&)>;
 
-  /// Starts watching `b`; `on_revoke` is called for each revoke not read yet.
+  /// Starts watching `b`; `on_revoke` (not empty: invalid_argument) is
+  /// called for each revoke not read yet.
   revocation_watcher(borrower& b, callback on_revoke);
-  /// Stops and waits for the thread (unless called on it).
+  /// Stops, and waits for the thread unless called on it.
   ~revocation_watcher();
   revocation_watcher(const revocation_watcher&) = delete;
   revocation_watcher& operator=(const revocation_watcher&) = delete;
 
-  /// Stops watching; waits for the thread to end, except on the thread itself.
+  /// Stops watching: no callback begins after it returns (on the watcher's
+  /// thread: after the callback that calls it). Waits for the thread to end,
+  /// except on the thread itself.
   void stop() noexcept;
   /// True until the watcher ends (stopped, or ended by an error).
   [[nodiscard]] bool watching() const noexcept;
