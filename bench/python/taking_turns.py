@@ -276,92 +276,103 @@ def hand_overs(per_server: list[list[dict]]) -> list[dict]:
     return out
 
 
-def run_shoal(args, region_bytes: int) -> list[dict]:
-    import multiprocessing.connection as mpc
+class Servers:
+    """The two server processes and this end of their pipes: started, greeted, and watched
+    (a server that dies ends the run with its exit code instead of leaving it waiting)."""
 
+    def __init__(self, target, args_of) -> None:
+        context = multiprocessing.get_context("spawn")
+        pipes = [context.Pipe() for _ in range(2)]
+        self.processes = [context.Process(target=target, args=(*args_of(i), pipes[i][1])) for i in range(2)]
+        self.conns = [parent for parent, _ in pipes]
+        self.records: dict[int, list] = {}
+        for p in self.processes:
+            p.start()
+        for conn in self.conns:
+            assert self.wait_on([conn], None) and conn.recv() == "ready"
+        for conn in self.conns:
+            conn.send("start")
+
+    def wait_on(self, conns: list, timeout):
+        """The connections of `conns` with a message, after `timeout` at most."""
+        import multiprocessing.connection as mpc
+
+        running = [p.sentinel for p in self.processes if p.exitcode is None]  # an ended one's is ready for good
+        ready = mpc.wait(conns + running, timeout=timeout)
+        for p in self.processes:
+            if p.sentinel in ready:
+                p.join(timeout=5)  # reaped: its exit code known
+                if p.exitcode != 0:
+                    raise SystemExit(f"a server ended with exit code {p.exitcode}")
+        return [c for c in ready if c in conns]
+
+    def waiting_on(self) -> list:
+        """The connections of the servers that have not sent their records yet."""
+        return [c for i, c in enumerate(self.conns) if i not in self.records]
+
+    def took_records(self, conn, records: list) -> None:
+        """`conn`'s server took all its turns: the other's last turn ends now."""
+        self.records[self.conns.index(conn)] = records
+        for other in self.waiting_on():
+            other.send("finish")
+
+    def join(self) -> list[list[dict]]:
+        for p in self.processes:
+            p.join(timeout=60)
+        return [self.records[0], self.records[1]]
+
+
+def run_shoal(args, region_bytes: int) -> list[list[dict]]:
     import shoal.lending
 
-    context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as directory:
         os.chmod(directory, 0o700)
         address = str(pathlib.Path(directory) / "lender.sock")
         with shoal.lending.Lender(address, capacity_bytes=region_bytes, quota_bytes=region_bytes,
                                   preempt_after=args.turn_seconds, preempt_deadline=30.0, max_wait=600.0,
                                   peer_timeout=10.0) as lender:
-            pipes = [context.Pipe() for _ in range(2)]
-            servers = [context.Process(target=shoal_server, args=(f"model {i}", args, address, region_bytes, pipes[i][1]))
-                       for i in range(2)]
-            for s in servers:
-                s.start()
-            for parent, _ in pipes:
-                assert parent.recv() == "ready"
-            for parent, _ in pipes:
-                parent.send("start")
-            conns = [parent for parent, _ in pipes]
-            records: dict[int, list] = {}
-            while len(records) < len(conns):
-                ready = mpc.wait([c for i, c in enumerate(conns) if i not in records], timeout=5.0)
+            servers = Servers(shoal_server, lambda i: (f"model {i}", args, address, region_bytes))
+            while servers.waiting_on():
+                ready = servers.wait_on(servers.waiting_on(), timeout=5.0)
                 if not ready:
                     status = lender.status()
                     log(args, "lender: regions", [(r["id"], r["purpose"], r["state"]) for r in status["regions"]],
                         "waiting", [(w["purpose"], round(w["waited_seconds"], 1)) for w in status["waiting"]])
                 for conn in ready:
-                    i = conns.index(conn)
-                    records[i] = conn.recv()
-                    for j, other in enumerate(conns):
-                        if j not in records:
-                            other.send("finish")
-            for s in servers:
-                s.join(timeout=60)
+                    servers.took_records(conn, conn.recv())
+            records = servers.join()
             status = lender.status()
             print(f"  lender: preemptions {status['preemptions']}, revocations missed "
                   f"{status['revocations_missed']}, waits {status['waits']}", file=sys.stderr)
-    return [records[0], records[1]]
+    return records
 
 
-def run_torch(args) -> list[dict]:
-    import multiprocessing.connection as mpc
-
-    context = multiprocessing.get_context("spawn")
-    pipes = [context.Pipe() for _ in range(2)]
-    servers = [context.Process(target=torch_server, args=(f"model {i}", args, pipes[i][1])) for i in range(2)]
-    for s in servers:
-        s.start()
-    raw = [parent for parent, _ in pipes]
-    for conn in raw:
-        assert conn.recv() == "ready"
-    for conn in raw:
-        conn.send("start")
-    results: dict[int, list] = {}
+def run_torch(args) -> list[list[dict]]:
+    servers = Servers(torch_server, lambda i: (f"model {i}", args))
+    raw = servers.conns
     # Hands the GPU over as the lender does: the first to ask gets it; once the holder has
     # had it --turn-seconds and the other asks, the holder gives up, then the next one goes.
     waiting: list[int] = []
     holder, since, asked_to_give_up = None, 0.0, False
-    while len(results) < len(raw):
+    while servers.waiting_on():
         timeout = None
         if holder is not None and waiting and not asked_to_give_up:
             timeout = max(0.0, since + args.turn_seconds - now())
-        for conn in mpc.wait([c for i, c in enumerate(raw) if i not in results], timeout=timeout):
-            i = raw.index(conn)
+        for conn in servers.wait_on(servers.waiting_on(), timeout):
             message = conn.recv()
             if message == "want":
-                waiting.append(i)
+                waiting.append(raw.index(conn))
             elif message == "released":
                 holder, asked_to_give_up = None, False
             else:
-                results[i] = message
-                for j, other in enumerate(raw):
-                    if j not in results:
-                        other.send("finish")
+                servers.took_records(conn, message)
         if holder is None and waiting:
             holder, since = waiting.pop(0), now()
             raw[holder].send("go")
         elif holder is not None and waiting and not asked_to_give_up and now() >= since + args.turn_seconds:
             raw[holder].send("give up")
             asked_to_give_up = True
-    for s in servers:
-        s.join(timeout=60)
-    return [results[0], results[1]]
+    return servers.join()
 
 
 def summary(values: list[float]) -> str:

@@ -489,12 +489,16 @@ class RevocationWatcher:
         watcher, if anything did. Returns whether the thread has ended (False when ``timeout``
         passed first, or when called from ``on_revoke``). Revokes that come later are returned
         by :meth:`Borrower.revocations` or a new watcher."""
-        self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        self._end(timeout)
         if self._error is not None:
             raise self._error.with_traceback(self._traceback)
         return not self._thread.is_alive()
+
+    def _end(self, timeout: Optional[float] = None) -> None:
+        """Sets the stop flag and waits for the thread, unless on it."""
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def __enter__(self) -> "RevocationWatcher":
         return self
@@ -505,9 +509,7 @@ class RevocationWatcher:
             return
         # An exception leaves the block: it wins, and the watcher's is noted on it — not
         # raised, which would make the block's exception (and its frames) its context.
-        self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()
+        self._end()
         if self._error is not None:
             exc.add_note(f"(the revocation watcher had stopped on {self._error!r})")
 
