@@ -91,6 +91,25 @@ TEST(lending_revocation_watcher, calls_back_for_each_revoke_on_its_own_thread_an
   EXPECT_THROW(revocation_watcher(f.model, {}), invalid_argument) << "an empty callback";
 }
 
+TEST(lending_revocation_watcher, its_callback_may_give_the_region_back_itself) {
+  watched_lender f;
+  std::mutex m;
+  std::vector<lending::borrowed_region> held;
+  held.push_back(f.model.borrow(2 * mib, "model A"));
+  const std::uint64_t id = held.back().id();
+  revocation_watcher watcher(f.model, [&](const borrower::revocation& r) {
+    const std::lock_guard lock(m);
+    for (auto& region : held) {
+      if (region.valid() && region.id() == r.region) f.model.give_back(std::move(region));
+    }
+  });
+  f.l->revoke(id, std::chrono::seconds(5));
+  ASSERT_TRUE(eventually([&] { return f.l->status().lent_bytes == 0; })) << "the callback's give back did not go";
+  EXPECT_EQ(f.l->status().revocations_missed, 0u);
+  watcher.stop();
+  EXPECT_EQ(watcher.error(), nullptr);
+}
+
 TEST(lending_revocation_watcher, its_destructor_stops_it_and_no_callback_comes_after) {
   watched_lender f;
   std::atomic<int> calls{0};
