@@ -699,7 +699,7 @@ class Lender:
     Lends regions of this process's device memory to borrower processes over a UNIX socket (the memory daemon's core, serving on its own thread).
     """
 
-    def __init__(self, address: str, device: Device | None = None, capacity_bytes: int = 1073741824, quota_bytes: int = 1073741824, max_borrowers: int = 64, max_regions_per_borrower: int = 1024, peer_timeout: float = 1.0, allowed_uids: Sequence[int] = [], reuse: str = 'same_uid', prepared_chunks: Sequence[int] = [], max_wait: float = 300.0, preempt_after: float | None = None, preempt_deadline: float = 10.0) -> None:
+    def __init__(self, address: str, device: Device | None = None, capacity_bytes: int = 1073741824, quota_bytes: int = 1073741824, max_borrowers: int = 64, max_regions_per_borrower: int = 1024, peer_timeout: float = 1.0, allowed_uids: Sequence[int] = [], reuse: str = 'same_uid', prepared_chunks: Sequence[int] = [], max_wait: float = 300.0, preempt_after: float | None = None, preempt_deadline: float = 10.0, max_observers: int = 4) -> None:
         """
         Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` in all and ``quota_bytes`` per borrower. ``reuse``: 'same_uid' lends given-back memory again to borrowers of the same uid (borrowers keep their mappings); 'never' makes every region fresh memory. ``prepared_chunks``: sizes in bytes of chunks made now (each rounded up to the device's granularity, their sum at most ``capacity_bytes``); a region of one of those sizes is lent from one with no device call at borrow time (``shoal daemon --prepare``). ``max_wait``: the longest a borrow may wait for memory; ``preempt_after``: seconds the borrow first in line waits before the lender revokes other borrowers' regions for it (None: never), each to be given back within ``preempt_deadline`` seconds (see shoal.lending.Lender). Raises the device's error (``OutOfMemoryError``) when they cannot be made.
         """
@@ -753,7 +753,7 @@ class _StopFlag:
 class Borrower:
     """A connection to a lender, through which regions are borrowed."""
 
-    def __init__(self, address: str, device: Device | None = None, allowed_uids: Sequence[int] = [], timeout: float = 5.0, keep_mappings: bool = True, kept_mapping_bytes: int = 17179869184) -> None: ...
+    def __init__(self, address: str, device: Device | None = None, allowed_uids: Sequence[int] = [], timeout: float = 5.0, keep_mappings: bool = True, kept_mapping_bytes: int = 17179869184, observer: bool = False) -> None: ...
 
     def kept(self) -> tuple[int, int]:
         """

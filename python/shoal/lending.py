@@ -181,7 +181,12 @@ class Borrower:
     to this borrower again — the lender lends given-back memory again within one uid — comes
     back at the same address with no import or map (a re-borrow then costs a round trip). The
     lender tells the borrower to unmap it when it releases that memory; keep nothing in a region
-    after giving it back. ``keep_mappings=False`` unmaps every region as it is given back."""
+    after giving it back. ``keep_mappings=False`` unmaps every region as it is given back.
+
+    ``observer=True`` connects as an observer: :meth:`metrics` and :meth:`revoke` only
+    (borrowing raises ``InvalidArgumentError``), never counted among the lender's borrowers
+    and served while it has all the borrowers it admits (up to its ``max_observers``
+    observers) — how a dashboard or an operator's script looks at a full lender."""
 
     def __init__(
         self,
@@ -192,6 +197,7 @@ class Borrower:
         timeout: float = 5.0,
         keep_mappings: bool = True,
         kept_mapping_bytes: int = 16 << 30,
+        observer: bool = False,
     ) -> None:
         self._address = address
         self._allocator = allocator if allocator is not None else default_allocator()
@@ -199,7 +205,7 @@ class Borrower:
         self._watcher: Optional[weakref.ref[RevocationWatcher]] = None
         self._reading = 0  # revocations() calls in progress
         self._native = _shoal.Borrower(address, self._allocator.device, list(allowed_uids), timeout,
-                                       keep_mappings, kept_mapping_bytes)
+                                       keep_mappings, kept_mapping_bytes, observer)
 
     def kept(self) -> tuple[int, int]:
         """``(count, bytes)`` of the given-back regions whose mappings this borrower keeps."""
@@ -369,7 +375,8 @@ class Borrower:
         return _shoal._region_id(storage)
 
     def metrics(self, timeout: float = 5.0) -> str:
-        """The lender's status in the Prometheus text format."""
+        """The lender's status in the Prometheus text format (this connection counted in
+        ``shoal_lending_borrowers``, or in ``shoal_lending_observers`` for an observer)."""
         return self._native.metrics(timeout)
 
     def revoke(self, region: int, deadline: float, timeout: float = 5.0) -> None:
@@ -522,7 +529,8 @@ class Lender:
     """Lends ``device``'s memory (default: the default device) at ``address``, on a
     thread of its own: at most ``capacity_bytes`` in all (1 GiB unless given) and
     ``quota_bytes`` per borrower connection, to at most ``max_borrowers`` connected at
-    once, each holding at most ``max_regions_per_borrower`` regions; every wait on a
+    once (besides up to ``max_observers`` observer connections, ``Borrower(observer=True)``),
+    each holding at most ``max_regions_per_borrower`` regions; every wait on a
     borrower ends after ``peer_timeout`` seconds. Borrowers of this process's uid and of
     ``allowed_uids`` are admitted. ``reuse``: ``"same_uid"`` lends given-back memory
     again within one uid, ``"never"`` makes every region fresh memory.
@@ -561,11 +569,13 @@ class Lender:
         max_wait: float = 300.0,
         preempt_after: Optional[float] = None,
         preempt_deadline: float = 10.0,
+        max_observers: int = 4,
     ) -> None:
         self._address = address
         self._native = _shoal.Lender(
             address, device, capacity_bytes, quota_bytes, max_borrowers, max_regions_per_borrower, peer_timeout,
-            list(allowed_uids), reuse, list(prepared_chunks), max_wait, preempt_after, preempt_deadline)
+            list(allowed_uids), reuse, list(prepared_chunks), max_wait, preempt_after, preempt_deadline,
+            max_observers)
 
     def status(self) -> dict:
         """Regions lent (``regions``: id, memory, bytes, purpose, mode, state, pid, uid,
@@ -573,7 +583,7 @@ class Lender:
         (``spares``), borrows waiting for memory in the order they are served (``waiting``:
         bytes, purpose, pid, uid, waited_seconds, left_seconds) and counters (``requests``,
         ``refusals``, ``revocations``, ``revocations_missed``, ``preemptions``, ``waits``,
-        ``waits_expired``, ...)."""
+        ``waits_expired``, ...), and the connections now: ``borrowers`` and ``observers``."""
         return self._native.status()
 
     def revoke(self, region: int, deadline: float) -> None:

@@ -187,6 +187,7 @@ nb::dict status_dict(const lending::lender_status& s) {
   d["capacity_bytes"] = s.capacity_bytes;
   d["lent_bytes"] = s.lent_bytes;
   d["borrowers"] = s.borrowers;
+  d["observers"] = s.observers;
   d["requests"] = s.requests;
   d["refusals"] = s.refusals;
   d["given_back"] = s.given_back;
@@ -268,7 +269,7 @@ void register_lending(nb::module_& m) {
              std::size_t quota_bytes, std::size_t max_borrowers, std::size_t max_regions_per_borrower,
              double peer_timeout, const std::vector<std::uint32_t>& allowed_uids, const std::string& reuse,
              const std::vector<std::size_t>& prepared_chunks, double max_wait, std::optional<double> preempt_after,
-             double preempt_deadline) {
+             double preempt_deadline, std::size_t max_observers) {
             if (reuse != "same_uid" && reuse != "never") {
               throw invalid_argument("Lender: reuse='" + reuse + "' is not 'same_uid' or 'never'");
             }
@@ -276,6 +277,7 @@ void register_lending(nb::module_& m) {
             config.capacity_bytes = capacity_bytes;
             config.quota_bytes = quota_bytes;
             config.max_borrowers = max_borrowers;
+            config.max_observers = max_observers;
             config.max_regions_per_borrower = max_regions_per_borrower;
             config.peer_timeout = timeout_of(peer_timeout, "Lender", "peer_timeout");
             if (!(max_wait <= max_wait_seconds)) {
@@ -307,6 +309,7 @@ void register_lending(nb::module_& m) {
           nb::arg("allowed_uids") = std::vector<std::uint32_t>{}, nb::arg("reuse") = "same_uid",
           nb::arg("prepared_chunks") = std::vector<std::size_t>{}, nb::arg("max_wait") = 300.0,
           nb::arg("preempt_after").none() = nb::none(), nb::arg("preempt_deadline") = 10.0,
+          nb::arg("max_observers") = lending::lender_config{}.max_observers,
           "Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` "
           "in all and ``quota_bytes`` per borrower. ``reuse``: 'same_uid' lends given-back memory again to "
           "borrowers of the same uid (borrowers keep their mappings); 'never' makes every region fresh memory. "
@@ -384,7 +387,7 @@ void register_lending(nb::module_& m) {
           "__init__",
           [](py_borrower* self, const std::string& address, backend::device* device,
              const std::vector<std::uint32_t>& allowed_uids, double timeout, bool keep_mappings,
-             std::size_t kept_mapping_bytes) {
+             std::size_t kept_mapping_bytes, bool observer) {
             auto& d = device != nullptr ? *device : backend::default_device();
             const auto a = address_of(address);
             const auto policy = policy_of(allowed_uids);
@@ -392,6 +395,7 @@ void register_lending(nb::module_& m) {
             lending::borrower_options options;
             options.keep_mappings = keep_mappings;
             options.kept_mapping_bytes = kept_mapping_bytes;
+            options.observer = observer;
             std::unique_ptr<lending::borrower> b;
             {
               released_gil release;
@@ -401,7 +405,8 @@ void register_lending(nb::module_& m) {
           },
           nb::arg("address"), nb::arg("device").none() = nb::none(),
           nb::arg("allowed_uids") = std::vector<std::uint32_t>{}, nb::arg("timeout") = 5.0,
-          nb::arg("keep_mappings") = true, nb::arg("kept_mapping_bytes") = lending::borrower_options{}.kept_mapping_bytes)
+          nb::arg("keep_mappings") = true, nb::arg("kept_mapping_bytes") = lending::borrower_options{}.kept_mapping_bytes,
+          nb::arg("observer") = false)
       .def(
           "kept",
           [](const py_borrower& b) {

@@ -154,6 +154,23 @@ def test_a_borrower_turned_away_as_it_connects_gets_peer_refused(address):
             shoal.lending.Borrower(address, timeout=2.0)
 
 
+def test_an_observer_reads_a_full_lender_is_not_counted_and_borrows_nothing(address):
+    with shoal.lending.Lender(address, max_borrowers=1, max_observers=1) as lender, \
+            shoal.lending.Borrower(address) as holder:
+        with shoal.lending.Borrower(address, observer=True, timeout=2.0) as observer:
+            text = observer.metrics()
+            assert "\nshoal_lending_borrowers 1\n" in text, text
+            assert "\nshoal_lending_observers 1\n" in text, text
+            assert lender.status()["observers"] == 1
+            with pytest.raises(shoal.InvalidArgumentError, match="observer"):
+                observer.borrow(MIB, "not for an observer")
+            with pytest.raises(shoal.PeerRefusedError, match="turned this observer away"):
+                shoal.lending.Borrower(address, observer=True, timeout=2.0)  # past max_observers
+        with pytest.raises(shoal.PeerRefusedError, match="turned this borrower away"):
+            shoal.lending.Borrower(address, timeout=2.0)
+        assert holder.borrow(MIB, "still served").nbytes >= MIB
+
+
 def test_the_operator_revokes_one_borrowers_region_for_anothers_turn(address):
     in_process_only()
     unit = 2 * MIB

@@ -21,11 +21,20 @@ std::vector<std::byte> encode_hello(const protocol_id& ours) {
 void send_hello(connection& link, const protocol_id& ours) { link.send(hello_frame_type, encode_hello(ours)); }
 
 void check_hello(const frame& first, const protocol_id& expected) {
-  const std::string here = "this side speaks " + expected.to_string();
+  (void)check_hello_one_of(first, std::span(&expected, 1));
+}
+
+std::size_t check_hello_one_of(const frame& first, std::span<const protocol_id> expected) {
+  if (expected.empty()) throw invalid_argument("check_hello_one_of: no protocol to expect");
+  const auto here = [&] {
+    std::string text = "this side speaks " + expected[0].to_string();
+    for (std::size_t i = 1; i < expected.size(); ++i) text += " or " + expected[i].to_string();
+    return text;
+  };
   if (first.type != hello_frame_type) {
     throw protocol_error("the peer's first frame (type " + std::to_string(first.type) +
-                         ") is not a protocol hello; " + here + ": the peer is not a shoal " +
-                         std::string(expected.name) + " endpoint, or is older than protocol hellos");
+                         ") is not a protocol hello; " + here() + ": the peer is not a shoal " +
+                         std::string(expected[0].name) + " endpoint, or is older than protocol hellos");
   }
   if (first.fd) throw protocol_error("the peer's protocol hello came with a descriptor; it carries none");
   shoal::detail::wire_reader r(first.payload, "protocol hello");
@@ -33,11 +42,13 @@ void check_hello(const frame& first, const protocol_id& expected) {
   const protocol_id theirs{std::string_view(reinterpret_cast<const char*>(name_bytes.data()), name_bytes.size()),
                            r.get<std::uint16_t>("version")};
   r.finish();
-  if (theirs.name != expected.name || theirs.version != expected.version) {
-    throw protocol_error("the peer speaks " + theirs.to_string() + "; " + here +
-                         (theirs.name == expected.name ? ": run matching shoal versions on both ends"
-                                                       : ": it connected to the wrong socket"));
+  bool name_known = false;
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    if (theirs.name == expected[i].name && theirs.version == expected[i].version) return i;
+    name_known = name_known || theirs.name == expected[i].name;
   }
+  throw protocol_error("the peer speaks " + theirs.to_string() + "; " + here() +
+                       (name_known ? ": run matching shoal versions on both ends" : ": it connected to the wrong socket"));
 }
 
 }  // namespace shoal::channel

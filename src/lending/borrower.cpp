@@ -84,8 +84,17 @@ struct borrowed_region::link {
       : device(d),
         conn(std::move(c)),
         kept(d, options.keep_mappings ? options.kept_mapping_bytes : 0),
-        reply_spin(detail::spin_or_automatic(options.reply_spin, borrower_options::automatic_reply_spin)) {
+        reply_spin(detail::spin_or_automatic(options.reply_spin, borrower_options::automatic_reply_spin)),
+        observer(options.observer) {
     conn.set_receive_spin(reply_spin);
+  }
+
+  // An observer borrows nothing (borrower_options::observer).
+  void may_borrow(const char* what) const {
+    if (observer) {
+      throw invalid_argument(std::string("borrower::") + what +
+                             ": this connection is an observer's (borrower_options::observer): metrics and revoke only");
+    }
   }
 
   backend::device& device;
@@ -93,6 +102,7 @@ struct borrowed_region::link {
   channel::connection conn;
   detail::mapping_cache kept;  // under mutex
   const std::chrono::nanoseconds reply_spin;  // how long a request polls for its answer before it sleeps
+  const bool observer;
   std::uint64_t next_request = 1;
   // The link cannot be trusted any more (the lender broke the protocol, or
   // an answer stopped part-way): nothing more is asked.
@@ -715,14 +725,15 @@ borrower::borrower(backend::device& device, const channel::channel_address& addr
   auto conn = channel::connection::connect(address, policy, detail::max_frame_payload, left_until(deadline));
   conn.set_send_timeout(shoal::detail::channel_timeout(timeout));
   try {
-    channel::send_hello(conn, lending_protocol);
+    channel::send_hello(conn, options.observer ? detail::observer_protocol : lending_protocol);
     channel::check_hello(conn.receive_for(left_until(deadline)), lending_protocol);
   } catch (const connection_closed&) {
     // A lender hangs up before its hello on a borrower it turns away.
     throw peer_refused("borrower: the lender at " + address_text(address) +
-                       " closed the connection before its hello: it turned this borrower away (as many borrowers as "
-                       "it admits are connected, or this user is not one it admits; its log says which), or it is "
-                       "stopping");
+                       " closed the connection before its hello: it turned this " +
+                       (options.observer ? "observer away (as many observers" : "borrower away (as many borrowers") +
+                       " as it admits are connected, or this user is not one it admits; its log says which), or it "
+                       "is stopping");
   } catch (const timeout_error&) {
     throw timeout_error("borrower: the lender at " + address_text(address) + " took the connection but did not greet "
                         "within " + std::to_string(timeout.count()) + " ms (a lender stopped or too busy, or a "
@@ -735,6 +746,7 @@ borrower::~borrower() = default;
 
 borrowed_region borrower::borrow(std::size_t bytes, std::string_view purpose, region_mode mode,
                                  std::chrono::milliseconds timeout, const borrow_wait& wait) {
+  link_->may_borrow("borrow");
   if (bytes == 0) throw invalid_argument("borrower::borrow: a region of 0 bytes");
   if (!detail::valid_purpose(purpose)) {
     throw invalid_argument("borrower::borrow: the purpose must be 1 to 64 bytes of printable ASCII");
@@ -811,6 +823,7 @@ borrowed_region borrower::publish(borrowed_region&& region, const region_layout&
 
 borrowed_region borrower::borrow_shared(std::string_view name, std::optional<content_hash> expected,
                                         std::optional<uid_t> expected_writer_uid, std::chrono::milliseconds timeout) {
+  link_->may_borrow("borrow_shared");
   if (!detail::valid_purpose(name)) {
     throw invalid_argument("borrower::borrow_shared: the name must be 1 to 64 bytes of printable ASCII");
   }

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -96,6 +97,12 @@ struct borrower_entry {
   channel::connection link;
   clock_type::time_point accepted;  // its hello is due within the peer timeout of this
   bool greeted = false;             // its hello arrived
+  // Its hello named the observer protocol: metrics and revokes only, never a
+  // region; counted apart from the borrowers (lender_config::max_observers).
+  bool observer = false;
+  // Accepted past max_borrowers: the lender's hello waits for this one's and
+  // goes only to an observer; any other is turned away before it.
+  bool held_back = false;
   bool failed = false;   // broke the protocol: hung up on by the loop
   // Why, when it was failed where no event could be sent (under the lock):
   // the loop names it as it hangs up.
@@ -222,6 +229,7 @@ class lender::state {
     s.prepared_bytes = prepared_.bytes();
     s.prepared_chunks = prepared_.count();
     s.borrowers = borrower_count_.load();
+    s.observers = observer_count_.load();
     const auto now = clock_type::now();
     for (const auto& spare : spares_.chunks()) {
       s.spares.push_back({spare.chunk.memory->id(), spare.chunk.memory->size(), spare.uid, spare.chunk.keepers.size(),
@@ -342,7 +350,7 @@ class lender::state {
         hang_up(e);
         return true;
       });
-      borrower_count_.store(borrowers_.size());
+      store_counts();
       serve_waiting();
       preempt_for_head();
     }
@@ -351,6 +359,7 @@ class lender::state {
     for (auto& b : borrowers_) hang_up_locked(b, ignored);
     borrowers_.clear();
     borrower_count_.store(0);
+    observer_count_.store(0);
     waiting_ = {};
     regions_.clear();
     spares_.clear();
@@ -388,25 +397,75 @@ class lender::state {
       return;
     }
     if (!accepted) return;
-    if (borrowers_.size() >= config_.max_borrowers) {
+    const std::size_t counted = counted_borrowers();
+    // Past the limit only an observer is served: its hello is read first.
+    const bool held_back = counted >= config_.max_borrowers;
+    if (held_back && borrowers_.size() - counted >= config_.max_observers) {
       emit(lender_event::kind::refused, accepted->peer(), 0, 0,
-           "already " + std::to_string(borrowers_.size()) + " borrowers, the most allowed");
+           "already " + std::to_string(counted) + " borrowers, the most allowed");
       count_refusal();  // after: when the text above cannot be made, accept_one counts it
       return;  // closed at once: the client sees end of stream instead of a hello
     }
     // The hello is sent (under the peer timeout), not posted: a fresh
     // socket has room for it. Every later answer is posted.
     accepted->set_send_timeout(shoal::detail::channel_timeout(config_.peer_timeout));
-    try {
-      channel::send_hello(*accepted, lending_protocol);
-    } catch (const error&) {
-      return;
+    if (!held_back) {
+      try {
+        channel::send_hello(*accepted, lending_protocol);
+      } catch (const error&) {
+        return;
+      }
     }
     fds_.reserve(borrowers_.size() + 3);  // its place in the next poll set, made now
     borrowers_.push_back({last_serial_ + 1, std::move(*accepted), clock_type::now()});
     ++last_serial_;
-    borrower_count_.store(borrowers_.size());
-    emit(lender_event::kind::connected, borrowers_.back().link.peer());
+    borrowers_.back().held_back = held_back;
+    store_counts();
+    if (!held_back) emit(lender_event::kind::connected, borrowers_.back().link.peer());
+  }
+
+  // Connections that count as borrowers: all but observers and those held
+  // back (one not greeted yet counts until its hello says it observes).
+  std::size_t counted_borrowers() const noexcept {
+    return static_cast<std::size_t>(
+        std::count_if(borrowers_.begin(), borrowers_.end(), [](const borrower_entry& b) { return !b.observer && !b.held_back; }));
+  }
+
+  void store_counts() noexcept {
+    const std::size_t counted = counted_borrowers();
+    borrower_count_.store(counted);
+    observer_count_.store(static_cast<std::size_t>(
+        std::count_if(borrowers_.begin(), borrowers_.end(), [](const borrower_entry& b) { return b.observer; })));
+  }
+
+  // `b`'s hello: an observer's, or a borrower's (turned away when it came
+  // past the limit, before the lender's own hello, as ever).
+  void greet(borrower_entry& b, const channel::frame& f) {
+    static constexpr std::array<channel::protocol_id, 2> hellos{lending_protocol, detail::observer_protocol};
+    const bool observer = channel::check_hello_one_of(f, hellos) == 1;
+    if (!observer && b.held_back) {
+      b.failed = true;  // hung up on before any hello of the lender's: its connect is refused
+      emit(lender_event::kind::refused, b.link.peer(), 0, 0,
+           "already " + std::to_string(counted_borrowers()) + " borrowers, the most allowed");
+      count_refusal();
+      return;
+    }
+    if (observer && !b.held_back &&
+        static_cast<std::size_t>(std::count_if(borrowers_.begin(), borrowers_.end(), [](const borrower_entry& e) {
+          return e.observer || e.held_back;
+        })) >= config_.max_observers) {
+      throw peer_refused("lender: already " + std::to_string(config_.max_observers) +
+                         " observer connections, the most allowed");
+    }
+    const bool was_held_back = b.held_back;
+    if (was_held_back) {
+      channel::send_hello(b.link, lending_protocol);  // a fresh socket has room for it
+      b.held_back = false;
+    }
+    b.greeted = true;
+    b.observer = observer;
+    store_counts();
+    if (was_held_back) emit(lender_event::kind::connected, b.link.peer());
   }
 
   // The frames of `b` that have come whole (at most one batch's worth, so
@@ -433,10 +492,11 @@ class lender::state {
   }
 
   void handle(borrower_entry& b, const channel::frame& f) {
-    if (!b.greeted) {
-      channel::check_hello(f, lending_protocol);
-      b.greeted = true;
-      return;
+    if (!b.greeted) return greet(b, f);
+    if (b.observer && f.type != static_cast<std::uint16_t>(message_type::query_metrics) &&
+        f.type != static_cast<std::uint16_t>(message_type::revoke_request)) {
+      throw protocol_error("lender: an observer connection may send query_metrics and revoke_request only, not frame type " +
+                           std::to_string(f.type));
     }
     if (f.type == static_cast<std::uint16_t>(message_type::cancel_wait)) {
       const std::uint64_t request = detail::decode_cancel_wait(f.payload);
@@ -1303,7 +1363,7 @@ class lender::state {
       std::lock_guard lock(mutex_);
       hang_up_locked(b, events);
     }
-    emit(lender_event::kind::disconnected, b.link.peer());
+    if (!b.held_back) emit(lender_event::kind::disconnected, b.link.peer());  // a held-back one never connected
     for (const auto& e : events) emit(e);
   }
 
@@ -1630,6 +1690,7 @@ class lender::state {
   clock_type::time_point accept_paused_until_{};
   std::vector<pollfd> fds_;  // the listener, the wake-up, then borrowers_ in order
   std::atomic<std::size_t> borrower_count_{0};
+  std::atomic<std::size_t> observer_count_{0};
   std::uint64_t last_serial_ = 0;
   std::uint64_t next_region_ = 1;
   std::uint64_t next_memory_ = 1;

@@ -53,6 +53,8 @@ namespace shoal::lending::detail {
 
 /// What each side says in its hello.
 inline constexpr channel::protocol_id lending_protocol{protocol_name, protocol_version};
+/// An observer's hello; the lender answers it with lending_protocol's.
+inline constexpr channel::protocol_id observer_protocol{observer_protocol_name, protocol_version};
 
 enum class message_type : std::uint16_t {
   borrow = 1,         // borrower -> lender

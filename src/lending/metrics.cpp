@@ -176,6 +176,7 @@ std::string prometheus_text(const lender_status& s, std::size_t max_bytes) {
   metric(out, "shared_regions", "gauge", "Regions published read-only now.", shared);
   metric(out, "shared_holds", "gauge", "Holds of shared regions now (the writer's and each reader's).", holds);
   metric(out, "borrowers", "gauge", "Borrowers connected now.", s.borrowers);
+  metric(out, "observers", "gauge", "Observer connections now (metrics and revokes only).", s.observers);
   std::uint64_t waiting_bytes = 0;
   for (const auto& w : s.waiting) waiting_bytes += w.bytes;
   metric(out, "waiting_borrows", "gauge", "Borrows waiting for memory to be given back.", s.waiting.size());

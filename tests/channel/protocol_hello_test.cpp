@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -96,6 +97,25 @@ TEST(protocol_hello, a_protocol_name_must_have_1_to_64_bytes) {
   EXPECT_THROW((void)channel::encode_hello({too_long, 1}), invalid_argument);
   const std::string longest(channel::max_protocol_name_bytes, 'x');
   EXPECT_NO_THROW(channel::check_hello(hello_frame(channel::encode_hello({longest, 3})), {longest, 3}));
+}
+
+TEST(protocol_hello, a_side_of_several_protocols_learns_which_one_the_peer_speaks) {
+  constexpr protocol_id lending{"shoal.lending", 4};
+  constexpr protocol_id observing{"shoal.lending.observer", 4};
+  const std::array expected{lending, observing};
+  EXPECT_EQ(channel::check_hello_one_of(hello_frame(channel::encode_hello(lending)), expected), 0U);
+  EXPECT_EQ(channel::check_hello_one_of(hello_frame(channel::encode_hello(observing)), expected), 1U);
+  try {
+    (void)channel::check_hello_one_of(hello_frame(channel::encode_hello({"shoal.lending.observer", 3})), expected);
+    ADD_FAILURE() << "another version of one of them passed";
+  } catch (const protocol_error& e) {
+    const std::string why = e.what();
+    EXPECT_NE(why.find("'shoal.lending' version 4 or 'shoal.lending.observer' version 4"), std::string::npos) << why;
+    EXPECT_NE(why.find("matching shoal versions"), std::string::npos) << why;
+  }
+  EXPECT_THROW((void)channel::check_hello_one_of(hello_frame(channel::encode_hello(sharing_v1)), expected),
+               protocol_error);
+  EXPECT_THROW((void)channel::check_hello_one_of(hello_frame(channel::encode_hello(lending)), {}), invalid_argument);
 }
 
 }  // namespace

@@ -81,11 +81,12 @@ lending_program::lending_program(std::span<const std::uint8_t> input) {
     const auto op = static_cast<lending_op>(in.u8() % lending_ops);
     switch (op) {
       case lending_op::hello: {
-        const std::uint8_t variant = in.u8() % 3;
+        const std::uint8_t variant = in.u8() % 4;
         const channel::protocol_id id = variant == 0   ? lending::detail::lending_protocol
                                         : variant == 1 ? channel::protocol_id{lending::protocol_name,
                                                                               lending::protocol_version + 1}
-                                                       : channel::protocol_id{"shoal.sharing", 1};
+                                        : variant == 2 ? channel::protocol_id{"shoal.sharing", 1}
+                                                       : lending::detail::observer_protocol;
         a.type = channel::hello_frame_type;
         a.bytes = channel::encode_hello(id);
         break;

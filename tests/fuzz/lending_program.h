@@ -8,7 +8,8 @@
 // granularity and the capacity), so that real regions are lent, mapped and
 // revoked often; any frame, any descriptor of the kit and raw bytes make
 // everything else reachable. Operations, each with its fields in order:
-//   hello          u8 variant (0: the lending hello, 1: another version, 2: another protocol)
+//   hello          u8 variant (0: the lending hello, 1: another version, 2: another protocol,
+//                  3: an observer's hello)
 //   borrow         u8 request, u8 size choice, u64 raw size, u8 mode, u8 purpose choice
 //   give_back      u8 region choice, u64 raw region
 //   query_metrics  u8 length (below 200: no payload, else 200 + its length), bytes

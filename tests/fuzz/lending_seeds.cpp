@@ -120,6 +120,11 @@ std::vector<lending_seed> lending_seeds() {
     seeds.push_back({"lender_borrow_with_a_descriptor", w.bytes(), 1, "closed"});
   }
   {
+    lending_writer w = lending_writer().u8(lender_side).op(lending_op::hello).u8(3);
+    borrow(w, 1, size_2mib);
+    seeds.push_back({"lender_an_observer_borrows", w.bytes(), 0, "an observer connection may send query_metrics and revoke_request only"});
+  }
+  {
     lending_writer w = lending_writer().u8(lender_side).op(lending_op::hello).u8(2);
     seeds.push_back({"lender_another_protocols_hello", w.bytes(), 0, "shoal.sharing"});
   }

@@ -72,6 +72,7 @@ capacity = "32MiB"
 quota = "8MiB"
 quota_per_uid = "24MiB"
 max_wait_ms = 60000
+max_observers = 2
 preempt_after_ms = 0
 preempt_deadline_ms = 2500
 EOF
@@ -82,6 +83,7 @@ grep -qx 'shoal_lending_capacity_bytes 33554432' "$dir/status" || fail "capacity
 grep -q 'quota_bytes=16777216' "$dir/log" || fail "the --quota flag did not win over the file"
 grep -q 'quota_bytes_per_uid=25165824' "$dir/log" || fail "quota_per_uid from the file"
 grep -q 'max_wait_ms=60000' "$dir/log" || fail "max_wait_ms from the file"
+grep -q 'max_observers=2 ' "$dir/log" || fail "max_observers from the file"
 grep -q 'preempt_after_ms=0 ' "$dir/log" || fail "preempt_after_ms from the file"
 grep -q 'preempt_deadline_ms=2500' "$dir/log" || fail "preempt_deadline_ms from the file"
 stop
@@ -199,11 +201,14 @@ stop
 # `shoal daemon revoke`: a borrower process holds a region; the operator
 # (this user) revokes it by the id status names, and status shows it
 # revoking; a region no one holds is refused with a message naming it.
-"$shoal" daemon --socket "$dir/d.sock" --device host --capacity 64MiB 2> "$dir/log" &
+# At most two borrowers: with the holder and the waiter below it is full, and
+# status and revoke (observers) are served all the same.
+"$shoal" daemon --socket "$dir/d.sock" --device host --capacity 64MiB --max-borrowers 2 2> "$dir/log" &
 pid=$!
 answers "$dir/d.sock" || fail "the daemon did not answer status"
-# status leaves its own connection out of the borrowers it counts
+# status is an observer, not one of the borrowers
 grep -qx 'shoal_lending_borrowers 0' "$dir/status" || fail "status counted itself: $(grep borrowers "$dir/status")"
+grep -qx 'shoal_lending_observers 1' "$dir/status" || fail "status is not an observer: $(grep observers "$dir/status")"
 python3 - "$test_borrower" "$dir/d.sock" "$shoal" <<'EOF' || fail "shoal daemon revoke"
 import os, re, socket, subprocess, sys
 test_borrower, address, shoal = sys.argv[1:]
@@ -244,6 +249,18 @@ else:
     raise AssertionError("the waiting borrow is not in status: " + status)
 assert 'shoal_lending_waiting_borrow_bytes{place="0",pid="%d"' % waiter.pid in status, status
 assert "\nshoal_lending_borrowers 2\n" in status, status  # the holder and the waiter
+assert "\nshoal_lending_observers 1\n" in status, status  # status itself, served past --max-borrowers
+# Full: a third borrower is turned away, the operator's revoke still served.
+third_parent, third_child = socket.socketpair()
+third_end = third_child.fileno()
+third = subprocess.run([test_borrower, "hold", "host", address, str(1 << 20), "7"], capture_output=True, text=True,
+                       timeout=30, pass_fds=(3, third_end), preexec_fn=lambda: os.dup2(third_end, 3))
+third_child.close()
+third_parent.close()
+assert third.returncode == 1 and "turned this borrower away" in third.stderr, (third.returncode, third.stderr)
+full = subprocess.run([shoal, "daemon", "revoke", "99999", "--socket", address, "--device", "host"],
+                      capture_output=True, text=True, timeout=30)
+assert full.returncode != 0 and "99999 is not lent" in full.stderr, full.stderr
 parent.close()  # the holder ends when its parent hangs up: its region is reclaimed
 holder.wait(timeout=30)
 waiter_parent.settimeout(10)

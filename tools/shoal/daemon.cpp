@@ -7,7 +7,6 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -160,6 +159,7 @@ int serve(const daemon_settings& settings) {
             number("quota_bytes", config.quota_bytes),
             number("quota_bytes_per_uid", config.quota_bytes_per_uid),
             number("max_borrowers", config.max_borrowers),
+            number("max_observers", config.max_observers),
             number("max_wait_ms", static_cast<std::uint64_t>(config.max_wait.count())),
             config.preempt_after ? number("preempt_after_ms", static_cast<std::uint64_t>(config.preempt_after->count()))
                                  : log_field{"preempt_after_ms", "off", false},
@@ -197,7 +197,11 @@ int ask_daemon(const daemon_settings& settings, const daemon_request& request, A
   daemon_policy.allowed_uids = request.daemon_uids;
   const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(request.timeout_seconds * 1000));
   try {
-    lending::borrower b(settings.resolve_device(), settings.resolve_address(), daemon_policy, timeout);
+    // An observer: not counted among the daemon's borrowers, and served
+    // while it has all it admits.
+    lending::borrower_options observer;
+    observer.observer = true;
+    lending::borrower b(settings.resolve_device(), settings.resolve_address(), daemon_policy, timeout, observer);
     ask(b, timeout);
   } catch (const peer_refused& e) {
     // The channel's refusal of the daemon's uid ends with advice naming its
@@ -211,25 +215,9 @@ int ask_daemon(const daemon_settings& settings, const daemon_request& request, A
   return 0;
 }
 
-// The metrics with this command's own connection left out of the borrowers
-// gauge: the daemon counts every connection, and this one borrows nothing.
-// Only a gauge line of digits alone is rewritten; anything else goes as sent.
-std::string without_this_connection(std::string metrics) {
-  static constexpr std::string_view gauge = "\nshoal_lending_borrowers ";
-  const auto at = metrics.find(gauge);
-  if (at == std::string::npos) return metrics;
-  const auto from = at + gauge.size();
-  const auto to = std::min(metrics.find('\n', from), metrics.size());
-  std::uint64_t count = 0;
-  const auto [end, problem] = std::from_chars(metrics.data() + from, metrics.data() + to, count);
-  if (problem != std::errc() || end != metrics.data() + to || count == 0) return metrics;
-  metrics.replace(from, to - from, std::to_string(count - 1));
-  return metrics;
-}
-
 int status(const daemon_settings& settings, const daemon_request& request) {
   return ask_daemon(settings, request, [](lending::borrower& b, std::chrono::milliseconds timeout) {
-    std::fputs(without_this_connection(b.metrics(timeout)).c_str(), stdout);
+    std::fputs(b.metrics(timeout).c_str(), stdout);
   });
 }
 
@@ -262,6 +250,9 @@ int run_daemon(int argc, char** argv) {
   auto* quota_per_uid = app.add_option("--quota-per-uid", settings.quota_per_uid.text,
                                        "bytes one uid may hold over all its connections (default: no such limit)");
   auto* borrowers = app.add_option("--max-borrowers", settings.max_borrowers, "borrowers connected at once")->capture_default_str();
+  auto* observers = app.add_option("--max-observers", settings.max_observers,
+                                   "observer connections (status, revoke) served besides the borrowers")
+                        ->capture_default_str();
   auto* regions = app.add_option("--max-regions", settings.max_regions_per_borrower, "regions one borrower may hold")->capture_default_str();
   auto* timeout = app.add_option("--peer-timeout-ms", settings.peer_timeout_ms, "deadline of every wait on a borrower")->capture_default_str();
   auto* max_wait = app.add_option("--max-wait-ms", settings.max_wait_ms,
@@ -332,6 +323,7 @@ int run_daemon(int argc, char** argv) {
       if (quota->count() > 0) settings.quota = flags.quota;
       if (quota_per_uid->count() > 0) settings.quota_per_uid = flags.quota_per_uid;
       if (borrowers->count() > 0) settings.max_borrowers = flags.max_borrowers;
+      if (observers->count() > 0) settings.max_observers = flags.max_observers;
       if (regions->count() > 0) settings.max_regions_per_borrower = flags.max_regions_per_borrower;
       if (timeout->count() > 0) settings.peer_timeout_ms = flags.peer_timeout_ms;
       if (max_wait->count() > 0) settings.max_wait_ms = flags.max_wait_ms;

@@ -103,6 +103,8 @@ void daemon_settings::read_file(const std::string& path) {
       quota_per_uid.text = text();
     } else if (name == "max_borrowers") {
       max_borrowers = count();
+    } else if (name == "max_observers") {
+      max_observers = count();
     } else if (name == "max_regions_per_borrower") {
       max_regions_per_borrower = count();
     } else if (name == "peer_timeout_ms") {
@@ -157,7 +159,7 @@ void daemon_settings::read_file(const std::string& path) {
     } else {
       throw invalid_argument(where(name) +
                              " is not a setting (socket, device, capacity, quota, quota_per_uid, max_borrowers, "
-                             "max_regions_per_borrower, peer_timeout_ms, max_wait_ms, allowed_uids, allowed_gids, log_format, "
+                             "max_observers, max_regions_per_borrower, peer_timeout_ms, max_wait_ms, allowed_uids, allowed_gids, log_format, "
                              "metrics_port, reuse, prepare)");
     }
   }
@@ -204,6 +206,7 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
   c.quota_bytes_per_uid = quota_per_uid.text.empty() ? 0 : quota_per_uid.bytes(d, "quota_per_uid");
   for (const auto& entry : prepare) add_prepared(entry, d, c.prepared_chunks);
   c.max_borrowers = static_cast<std::size_t>(max_borrowers);
+  c.max_observers = static_cast<std::size_t>(max_observers);
   c.max_regions_per_borrower = static_cast<std::size_t>(max_regions_per_borrower);
   c.peer_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(peer_timeout_ms));
   c.max_wait = std::chrono::milliseconds(static_cast<std::int64_t>(std::min<std::uint64_t>(max_wait_ms, UINT64_C(1) << 40)));

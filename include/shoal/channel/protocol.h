@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -50,5 +51,10 @@ void send_hello(connection& link, const protocol_id& ours);
 /// what this side speaks when it is another protocol or version, or not a
 /// hello at all.
 void check_hello(const frame& first, const protocol_id& expected);
+
+/// check_hello for a side that speaks several protocols on one socket (the
+/// lender: borrowers and observers): the index in `expected` of the one the
+/// peer's hello names. Throws as check_hello does when it names none of them.
+[[nodiscard]] std::size_t check_hello_one_of(const frame& first, std::span<const protocol_id> expected);
 
 }  // namespace shoal::channel

@@ -108,6 +108,13 @@ struct borrower_options {
   /// --reply-spin-us compares).
   std::chrono::microseconds reply_spin = automatic_reply_spin;
   static constexpr std::chrono::microseconds automatic_reply_spin{-1};
+  /// Connect as an observer: metrics() and revoke() only (borrow and
+  /// borrow_shared throw invalid_argument), never counted among the lender's
+  /// borrowers, and served while it has all the borrowers it admits, within
+  /// lender_config::max_observers — how an operator's tools and health
+  /// checks look at a full lender. A lender older than observers closes the
+  /// connection (the first request: connection_closed).
+  bool observer = false;
 };
 
 /// How a borrow waits (borrower::borrow's last argument).

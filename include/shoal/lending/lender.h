@@ -135,6 +135,14 @@ struct lender_config {
   std::size_t quota_bytes_per_uid = 0;
   /// Borrowers connected at once; one more is refused at once.
   std::size_t max_borrowers = 64;
+  /// Observer connections (borrower_options::observer: metrics and revokes,
+  /// never a region) at once, counted apart from max_borrowers, so that an
+  /// operator's `shoal daemon status` or `revoke` is served while the lender
+  /// has all the borrowers it admits. Past max_borrowers, the lender reads a
+  /// connection's hello before it sends its own and turns away (closes before
+  /// its hello, as ever) all but observers; at most this many connections
+  /// are observers or held so at once, one more is refused. 0: none.
+  std::size_t max_observers = 4;
   /// Regions one borrower may hold at once.
   std::size_t max_regions_per_borrower = 1024;
   /// Deadline of every wait on a borrower: its hello (from when it was

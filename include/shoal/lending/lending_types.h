@@ -22,6 +22,9 @@ inline constexpr const char* protocol_name = "shoal.lending";
 // 4: revoke_request (a process of the lender's own uid revokes a region); 5: a borrow may wait for memory;
 // 6: refusals for want of memory say which shortage (shortage below)
 inline constexpr std::uint16_t protocol_version = 6;
+/// The hello of an observer connection (borrower_options::observer), of the
+/// same version: a lender older than observers closes such a connection.
+inline constexpr const char* observer_protocol_name = "shoal.lending.observer";
 /// A region's purpose ("parameters", "computation", a model's name): at most
 /// this many bytes, printable ASCII.
 inline constexpr std::size_t max_purpose_bytes = 64;
@@ -160,7 +163,8 @@ struct lender_status {
   ///   lent_bytes + spare_bytes + prepared_bytes <= capacity_bytes.
   std::size_t prepared_bytes = 0;
   std::size_t prepared_chunks = 0;
-  std::size_t borrowers = 0;   ///< connected now
+  std::size_t borrowers = 0;   ///< connected now (observers and connections past the limit apart)
+  std::size_t observers = 0;   ///< observer connections now (lender_config::max_observers)
   std::vector<region_info> regions;
   /// Borrows waiting for memory, in the order they are served.
   std::vector<waiting_info> waiting;

@@ -1,0 +1,149 @@
+// Observer connections (borrower_options::observer, lender_config::
+// max_observers): an operator's metrics and revokes served while the lender
+// has all the borrowers it admits, never counted among them, bounded in
+// number, and unable to borrow (host backend, in one process).
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "lending/lending_fixture.h"
+#include "lending/messages.h"
+#include "shoal/backend/host_device.h"
+#include "shoal/channel/protocol.h"
+#include "shoal/core/error.h"
+
+namespace shoal::testing {
+namespace {
+
+lending::borrower_options as_observer() {
+  lending::borrower_options o;
+  o.observer = true;
+  return o;
+}
+
+struct observed_lender {
+  temp_dir dir;
+  lender l;
+  explicit observed_lender(lender_config config)
+      : l(backend::host_device_instance(), channel::channel_address::at_path(dir / "l.sock"), std::move(config)) {}
+};
+
+lender_config limits(std::size_t borrowers, std::size_t observers) {
+  lender_config config;
+  config.max_borrowers = borrowers;
+  config.max_observers = observers;
+  return config;
+}
+
+bool has_line(const std::string& text, const std::string& line) { return text.find("\n" + line + "\n") != std::string::npos; }
+
+TEST(lending_observers, an_observer_is_served_while_the_lender_is_full_and_is_not_counted) {
+  auto& dev = backend::host_device_instance();
+  observed_lender o(limits(1, 4));
+  borrower holder(dev, o.l.address());
+  auto region = holder.borrow(2 * mib, "held");
+  borrower observer(dev, o.l.address(), {}, 2000ms, as_observer());
+  const std::string text = observer.metrics();
+  EXPECT_TRUE(has_line(text, "shoal_lending_borrowers 1")) << text;
+  EXPECT_TRUE(has_line(text, "shoal_lending_observers 1")) << text;
+  EXPECT_EQ(o.l.status().borrowers, 1u);
+  EXPECT_EQ(o.l.status().observers, 1u);
+
+  observer.revoke(region.id(), 5000ms);  // the operator's revoke, served at full
+  const auto revoked = holder.revocations(2000ms);
+  ASSERT_EQ(revoked.size(), 1u);
+  EXPECT_EQ(revoked[0].region, region.id());
+
+  try {
+    borrower turned_away(dev, o.l.address(), {}, 2000ms);
+    ADD_FAILURE() << "a second borrower was admitted past max_borrowers beside the observer";
+  } catch (const peer_refused& e) {
+    EXPECT_NE(std::string(e.what()).find("turned this borrower away"), std::string::npos) << e.what();
+  }
+  holder.give_back(std::move(region));
+}
+
+TEST(lending_observers, an_observer_borrows_nothing_and_a_borrow_frame_from_one_closes_it) {
+  auto& dev = backend::host_device_instance();
+  observed_lender o(limits(4, 4));
+  borrower observer(dev, o.l.address(), {}, 2000ms, as_observer());
+  EXPECT_THROW((void)observer.borrow(2 * mib, "x"), invalid_argument);
+  EXPECT_THROW((void)observer.borrow_shared("x"), invalid_argument);
+  EXPECT_FALSE(observer.metrics().empty()) << "the observer is still usable";
+
+  // By hand: an observer's hello, then a borrow the library would not send.
+  auto raw = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+  channel::send_hello(raw, lending::detail::observer_protocol);
+  channel::check_hello(raw.receive_for(2000ms), lending::detail::lending_protocol);
+  raw.send(static_cast<std::uint16_t>(lending::detail::message_type::borrow),
+           lending::detail::encode(lending::detail::borrow_message{1, 2 * mib, lending::region_mode::exclusive, "x"}));
+  EXPECT_THROW((void)raw.receive_for(2000ms), connection_closed) << "the lender answered an observer's borrow";
+  EXPECT_EQ(o.l.status().connections_closed_for_errors, 1u);
+  EXPECT_EQ(o.l.status().lent_bytes, 0u);
+}
+
+TEST(lending_observers, past_the_limit_at_most_max_observers_are_served) {
+  auto& dev = backend::host_device_instance();
+  observed_lender o(limits(1, 2));
+  borrower holder(dev, o.l.address());
+  std::vector<std::optional<borrower>> observers(2);
+  for (auto& ob : observers) ob.emplace(dev, o.l.address(), channel::access_policy{}, 2000ms, as_observer());
+  ASSERT_TRUE(eventually([&] { return o.l.status().observers == 2; }));
+  try {
+    borrower third(dev, o.l.address(), {}, 2000ms, as_observer());
+    ADD_FAILURE() << "a third observer was admitted past max_observers";
+  } catch (const peer_refused& e) {
+    EXPECT_NE(std::string(e.what()).find("turned this observer away"), std::string::npos) << e.what();
+  }
+  observers[0].reset();  // one leaves: its place is free again
+  ASSERT_TRUE(eventually([&] { return o.l.status().observers == 1; }));
+  borrower again(dev, o.l.address(), {}, 2000ms, as_observer());
+  EXPECT_FALSE(again.metrics().empty());
+}
+
+TEST(lending_observers, below_the_limit_an_observer_takes_no_borrowers_place) {
+  auto& dev = backend::host_device_instance();
+  observed_lender o(limits(1, 1));
+  borrower observer(dev, o.l.address(), {}, 2000ms, as_observer());
+  ASSERT_TRUE(eventually([&] { return o.l.status().observers == 1; }));
+  borrower holder(dev, o.l.address(), {}, 2000ms);  // the one borrower's place is still free
+  EXPECT_TRUE(holder.borrow(2 * mib, "x").valid());
+  EXPECT_EQ(o.l.status().borrowers, 1u);
+}
+
+TEST(lending_observers, a_second_observer_below_the_limit_is_closed_when_it_says_hello) {
+  auto& dev = backend::host_device_instance();
+  observed_lender o(limits(4, 1));
+  borrower first(dev, o.l.address(), {}, 2000ms, as_observer());
+  ASSERT_TRUE(eventually([&] { return o.l.status().observers == 1; }));
+  // Greeted at once (the lender is not full), refused once its hello is read.
+  borrower second(dev, o.l.address(), {}, 2000ms, as_observer());
+  EXPECT_THROW((void)second.metrics(2000ms), connection_closed);
+  EXPECT_EQ(o.l.status().observers, 1u);
+  EXPECT_FALSE(first.metrics().empty());
+}
+
+// Past the limit the lender's hello waits for the connection's: one that
+// says nothing gets nothing, holds an observer's place only until the peer
+// timeout, and is then hung up on.
+TEST(lending_observers, a_silent_connection_past_the_limit_gets_no_hello_and_is_hung_up_after_the_peer_timeout) {
+  auto& dev = backend::host_device_instance();
+  lender_config config = limits(1, 1);
+  config.peer_timeout = 200ms;
+  observed_lender o(config);
+  borrower holder(dev, o.l.address());
+  auto silent = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+  EXPECT_THROW((void)silent.receive_for(100ms), timeout_error) << "the lender greeted a connection past its limit";
+  EXPECT_THROW(borrower(dev, o.l.address(), {}, 1000ms, as_observer()), peer_refused)
+      << "the silent connection should hold the one observer place";
+  EXPECT_THROW((void)silent.receive_for(3000ms), connection_closed) << "the silent connection was not hung up on";
+  borrower observer(dev, o.l.address(), {}, 2000ms, as_observer());
+  EXPECT_FALSE(observer.metrics().empty());
+  EXPECT_EQ(o.l.status().borrowers, 1u);
+}
+
+}  // namespace
+}  // namespace shoal::testing
