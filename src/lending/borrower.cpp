@@ -184,22 +184,21 @@ struct borrowed_region::link {
     std::lock_guard lock(deferred_mutex);
     return !deferred.empty();
   }
-  // Under mutex: sends the deferred give backs, their answers owed. What a
-  // failed send leaves is kept for the next call.
+  // Under mutex: sends the deferred give backs, their answers owed. Each
+  // leaves the list only once sent (taking it out allocates nothing), so a
+  // send that throws — host memory refused, say — leaves it and the rest for
+  // the next call.
   void send_deferred() {
-    std::vector<std::uint64_t> ids;
-    {
-      std::lock_guard lock(deferred_mutex);
-      ids.swap(deferred);
-    }
-    for (std::size_t i = 0; i < ids.size(); ++i) {
-      try {
-        send_give_back({.what = owed_answer::kind::given_back, .region = ids[i]});
-      } catch (...) {
+    for (;;) {
+      std::uint64_t id = 0;
+      {
         std::lock_guard lock(deferred_mutex);
-        deferred.insert(deferred.end(), ids.begin() + static_cast<std::ptrdiff_t>(i), ids.end());
-        throw;
+        if (deferred.empty()) return;
+        id = deferred.front();  // others only append: the front stays this one
       }
+      send_give_back({.what = owed_answer::kind::given_back, .region = id});
+      std::lock_guard lock(deferred_mutex);
+      deferred.erase(deferred.begin());
     }
   }
 
@@ -358,11 +357,20 @@ struct borrowed_region::link {
 
   // Sends the give back `o` names (region, keep, and the mapping offered to
   // be kept) and owes its answer. A send that throws owes nothing: the
-  // mapping in `o` is still the caller's.
+  // mapping in `o` is still the caller's. Owed before it is sent: nothing
+  // that may throw comes after the send, so a give back that went is always
+  // owed its answer.
   void send_give_back(const owed_answer& o) {
-    conn.send(static_cast<std::uint16_t>(message_type::give_back),
-              detail::encode(detail::give_back_message{o.region, o.keep}));
-    owe(o);
+    const bool room = owed.size() < max_owed;  // past it, sent all the same, then the link given up (owe)
+    if (room) owed.push_back(o);
+    try {
+      conn.send(static_cast<std::uint16_t>(message_type::give_back),
+                detail::encode(detail::give_back_message{o.region, o.keep}));
+    } catch (...) {
+      if (room) owed.pop_back();
+      throw;
+    }
+    if (!room) owe(o);
   }
 
   // Gives region `id`, mapped here no more, back: its answer is read now,

@@ -21,6 +21,7 @@
 #include "lending/lending_fixture.h"
 #include "lending/messages.h"
 #include "support/forwarding_device.h"
+#include "support/refused_allocations.h"
 #include "shoal/backend/host_device.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
@@ -287,6 +288,83 @@ TEST(lending_waiting_borrow, regions_given_back_while_their_borrowers_borrow_wai
   const auto region = more.get();
   (void)b.metrics();  // the next call: the two give backs go
   EXPECT_TRUE(eventually([&] { return f.l->status().lent_bytes == 2 * mib; })) << "the regions dropped stayed lent";
+}
+
+// The waiting state both tests below start from: `count` regions of `b`
+// given back while its borrow waited (their give backs deferred), then that
+// borrow lent. Ten, so that owing their answers fills more than one block of
+// the borrower's list of owed answers (an allocation between two sends).
+struct deferred_give_backs {
+  static constexpr std::size_t count = 10;
+  waiting_fixture f{(2 + 2 * count) * mib};
+  borrower holder{f.dev, f.l->address()};
+  borrower b{f.dev, f.l->address()};
+  borrowed_region more;
+
+  deferred_give_backs() {
+    auto held = holder.borrow(2 * mib, "held");
+    std::vector<borrowed_region> regions;
+    for (std::size_t i = 0; i < count; ++i) regions.push_back(b.borrow(2 * mib, "deferred"));
+    auto waiting = f.borrow_waiting(b, 2 * mib, "more", 10s);  // the capacity is lent: it waits
+    if (!f.waiting(1)) throw std::runtime_error("the borrow did not wait");
+    // Deferred: the waiting borrow holds the connection (a drop would wait
+    // for it 1 s before it defers; give_back waits its timeout).
+    for (auto& r : regions) {
+      try {
+        b.give_back(std::move(r), 1ms);
+      } catch (const timeout_error&) {  // NOLINT(bugprone-empty-catch): deferred, as it says
+      }
+    }
+    holder.give_back(std::move(held));
+    more = waiting.get();
+  }
+  // Whether every deferred give back reached the lender (only `more` lent).
+  bool all_given_back() {
+    return eventually([&] { return f.l->status().lent_bytes == 2 * mib; });
+  }
+};
+
+// Host memory refused for the whole call that sends the deferred give backs:
+// they stay deferred (keeping them needs no memory) and go at the next call.
+TEST(lending_waiting_borrow, deferred_give_backs_stay_deferred_when_their_send_finds_no_host_memory) {
+  deferred_give_backs d;
+  {
+    refusing_allocations refuse;
+    EXPECT_THROW((void)d.b.metrics(), std::bad_alloc);
+  }
+  EXPECT_EQ(d.f.l->status().lent_bytes, (2 + 2 * deferred_give_backs::count) * mib) << "nothing was sent";
+  (void)d.b.metrics();
+  EXPECT_TRUE(d.all_given_back()) << "a deferred give back was lost: " << d.f.l->status().lent_bytes << " bytes lent";
+}
+
+// Host memory refused at each allocation in turn of the call that sends the
+// give backs deferred behind a waiting borrow: each goes exactly once — at
+// that call or the next — or the borrower says its link is out of step; never
+// a give back dropped in silence (its region lent for as long as the
+// connection lasts) or sent twice.
+TEST(lending_waiting_borrow, deferred_give_backs_survive_refused_host_memory_at_each_allocation_of_their_send) {
+  bool every_allocation_tried = false;
+  for (int nth = 1; nth <= 200 && !every_allocation_tried; ++nth) {
+    SCOPED_TRACE("the allocation refused: " + std::to_string(nth));
+    deferred_give_backs d;
+    {
+      refusing_one_allocation refuse(nth, [] {});
+      try {
+        (void)d.b.metrics();
+      } catch (const std::bad_alloc&) {  // NOLINT(bugprone-empty-catch): what the sweep causes
+      }
+      every_allocation_tried = !refuse.refused();
+    }
+    try {
+      (void)d.b.metrics();
+    } catch (const connection_closed&) {
+      continue;  // out of step (an answer read in part), and said so
+    }
+    EXPECT_TRUE(d.all_given_back()) << "a deferred give back was lost: " << d.f.l->status().lent_bytes << " bytes lent";
+    EXPECT_EQ(d.f.l->status().connections_closed_for_errors, 0u) << "a give back was sent twice";
+    EXPECT_NO_THROW(d.b.give_back(d.b.borrow(2 * mib, "after"))) << "the borrower is usable";
+  }
+  EXPECT_TRUE(every_allocation_tried) << "more than 200 allocations: widen the sweep";
 }
 
 TEST(lending_waiting_borrow, what_a_uid_waits_for_counts_against_its_quota) {
