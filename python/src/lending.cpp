@@ -188,6 +188,7 @@ nb::dict status_dict(const lending::lender_status& s) {
   d["lent_bytes"] = s.lent_bytes;
   d["borrowers"] = s.borrowers;
   d["observers"] = s.observers;
+  d["connections"] = s.connections;
   d["requests"] = s.requests;
   d["refusals"] = s.refusals;
   d["given_back"] = s.given_back;

@@ -96,12 +96,14 @@ struct borrower_entry {
   std::uint64_t serial = 0;
   channel::connection link;
   clock_type::time_point accepted;  // its hello is due within the peer timeout of this
-  bool greeted = false;             // its hello arrived
+  bool greeted = false;  // its hello arrived (and the lender's was sent): a borrower or an observer
   // Its hello named the observer protocol: metrics and revokes only, never a
   // region; counted apart from the borrowers (lender_config::max_observers).
   bool observer = false;
-  // Accepted past max_borrowers: the lender's hello waits for this one's and
-  // goes only to an observer; any other is turned away before it.
+  // Its uid is the lender's own or root's: its connections are bounded apart.
+  bool operator_uid = false;
+  // Accepted while borrowers or observers had no room: the lender's hello
+  // waits for this one's, and goes only if its kind has room by then.
   bool held_back = false;
   bool failed = false;   // broke the protocol: hung up on by the loop
   // Why, when it was failed where no event could be sent (under the lock):
@@ -230,6 +232,7 @@ class lender::state {
     s.prepared_chunks = prepared_.count();
     s.borrowers = borrower_count_.load();
     s.observers = observer_count_.load();
+    s.connections = connection_count_.load();
     const auto now = clock_type::now();
     for (const auto& spare : spares_.chunks()) {
       s.spares.push_back({spare.chunk.memory->id(), spare.chunk.memory->size(), spare.uid, spare.chunk.keepers.size(),
@@ -305,7 +308,7 @@ class lender::state {
       const auto until_check = std::chrono::ceil<std::chrono::milliseconds>(next_check - now);
       // Within poll_spin_ of the last request served, look without sleeping,
       // while the borrowers that may spin for their replies leave it cores.
-      const bool spinning = now - last_served < poll_spin_ && borrowers_.size() <= spinning_borrowers_limit_;
+      const bool spinning = now - last_served < poll_spin_ && borrower_count_.load() <= spinning_borrowers_limit_;
       auto wait =
           pending || spinning ? 0 : std::clamp<std::int64_t>(until_check.count(), 0, orphan_check_interval.count());
       for (const auto due : {next_wait_expiry().value_or(clock_type::time_point::max()), next_preemption_check()}) {
@@ -360,6 +363,7 @@ class lender::state {
     borrowers_.clear();
     borrower_count_.store(0);
     observer_count_.store(0);
+    connection_count_.store(0);
     waiting_ = {};
     regions_.clear();
     spares_.clear();
@@ -397,15 +401,25 @@ class lender::state {
       return;
     }
     if (!accepted) return;
-    const std::size_t counted = counted_borrowers();
-    // Past the limit only an observer is served: its hello is read first.
-    const bool held_back = counted >= config_.max_borrowers;
-    if (held_back && borrowers_.size() - counted >= config_.max_observers) {
+    // Connections of the lender's own uid and root are bounded apart from
+    // the others', so connections of another admitted uid cannot keep the
+    // operator out.
+    const bool operator_uid = is_operator(accepted->peer().uid);
+    const std::size_t of_class = connections_of(operator_uid);
+    if (of_class >= config_.max_borrowers + config_.max_observers) {
       emit(lender_event::kind::refused, accepted->peer(), 0, 0,
-           "already " + std::to_string(counted) + " borrowers, the most allowed");
+           "already " + std::to_string(of_class) + " connections of " +
+               (operator_uid ? "the lender's uid and root" : "other uids") +
+               ", the most allowed (max_borrowers + max_observers)");
       count_refusal();  // after: when the text above cannot be made, accept_one counts it
       return;  // closed at once: the client sees end of stream instead of a hello
     }
+    // Greeted at once while both kinds have room (a client of another
+    // protocol then learns what it reached before it sends). Otherwise held
+    // back: its hello is read first, and it is served only if its kind has
+    // room, or turned away before any hello (peer_refused at connect).
+    const bool held_back =
+        counted_borrowers() >= config_.max_borrowers || observers_of(operator_uid) >= config_.max_observers;
     // The hello is sent (under the peer timeout), not posted: a fresh
     // socket has room for it. Every later answer is posted.
     accepted->set_send_timeout(shoal::detail::channel_timeout(config_.peer_timeout));
@@ -419,53 +433,81 @@ class lender::state {
     fds_.reserve(borrowers_.size() + 3);  // its place in the next poll set, made now
     borrowers_.push_back({last_serial_ + 1, std::move(*accepted), clock_type::now()});
     ++last_serial_;
-    borrowers_.back().held_back = held_back;
+    borrower_entry& b = borrowers_.back();
+    b.operator_uid = operator_uid;
+    b.held_back = held_back;
     store_counts();
-    if (!held_back) emit(lender_event::kind::connected, borrowers_.back().link.peer());
+    if (!held_back) emit(lender_event::kind::connected, b.link.peer());
   }
 
-  // Connections that count as borrowers: all but observers and those held
-  // back (one not greeted yet counts until its hello says it observes).
+  static bool is_operator(uid_t uid) noexcept { return uid == ::geteuid() || uid == 0; }
+
+  std::size_t connections_of(bool operator_uid) const noexcept {
+    return static_cast<std::size_t>(std::count_if(borrowers_.begin(), borrowers_.end(), [&](const borrower_entry& b) {
+      return b.operator_uid == operator_uid;
+    }));
+  }
+
+  // Borrowers, and connections greeted at once whose hello has not come
+  // (each may be one): all but observers and the held back.
   std::size_t counted_borrowers() const noexcept {
-    return static_cast<std::size_t>(
-        std::count_if(borrowers_.begin(), borrowers_.end(), [](const borrower_entry& b) { return !b.observer && !b.held_back; }));
+    return static_cast<std::size_t>(std::count_if(borrowers_.begin(), borrowers_.end(),
+                                                  [](const borrower_entry& b) { return !b.observer && !b.held_back; }));
+  }
+
+  std::size_t observers_of(bool operator_uid) const noexcept {
+    return static_cast<std::size_t>(std::count_if(borrowers_.begin(), borrowers_.end(), [&](const borrower_entry& b) {
+      return b.observer && b.operator_uid == operator_uid;
+    }));
   }
 
   void store_counts() noexcept {
-    const std::size_t counted = counted_borrowers();
-    borrower_count_.store(counted);
+    borrower_count_.store(static_cast<std::size_t>(std::count_if(
+        borrowers_.begin(), borrowers_.end(), [](const borrower_entry& b) { return b.greeted && !b.observer; })));
     observer_count_.store(static_cast<std::size_t>(
         std::count_if(borrowers_.begin(), borrowers_.end(), [](const borrower_entry& b) { return b.observer; })));
+    connection_count_.store(borrowers_.size());
   }
 
-  // `b`'s hello: an observer's, or a borrower's (turned away when it came
-  // past the limit, before the lender's own hello, as ever).
+  // `b`'s hello, a borrower's or an observer's. A held-back connection is
+  // served (the lender's hello sent now) if its kind has room, else turned
+  // away before any hello; one greeted at once is closed if its kind has
+  // none (several greeted at once turned out to be observers).
   void greet(borrower_entry& b, const channel::frame& f) {
     static constexpr std::array<channel::protocol_id, 2> hellos{lending_protocol, detail::observer_protocol};
-    const bool observer = channel::check_hello_one_of(f, hellos) == 1;
-    if (!observer && b.held_back) {
+    bool observer = false;
+    try {
+      observer = channel::check_hello_one_of(f, hellos) == 1;
+    } catch (const protocol_error&) {
+      // A client of another protocol or version is told what it reached (its
+      // own check of this hello names both), then closed for the error.
+      if (b.held_back) {
+        try {
+          channel::send_hello(b.link, lending_protocol);
+        } catch (const error&) {  // NOLINT(bugprone-empty-catch): closed all the same
+        }
+      }
+      throw;
+    }
+    const std::size_t now = observer ? observers_of(b.operator_uid) : counted_borrowers() - (b.held_back ? 0 : 1);
+    const std::size_t most = observer ? config_.max_observers : config_.max_borrowers;
+    if (now >= most) {
+      const std::string why = "already " + std::to_string(now) + (observer ? " observers" : " borrowers") +
+                              ", the most allowed";
+      if (!b.held_back) throw peer_refused("lender: " + why);  // greeted already: closed for it
       b.failed = true;  // hung up on before any hello of the lender's: its connect is refused
-      emit(lender_event::kind::refused, b.link.peer(), 0, 0,
-           "already " + std::to_string(counted_borrowers()) + " borrowers, the most allowed");
+      emit(lender_event::kind::refused, b.link.peer(), 0, 0, why);
       count_refusal();
       return;
     }
-    if (observer && !b.held_back &&
-        static_cast<std::size_t>(std::count_if(borrowers_.begin(), borrowers_.end(), [](const borrower_entry& e) {
-          return e.observer || e.held_back;
-        })) >= config_.max_observers) {
-      throw peer_refused("lender: already " + std::to_string(config_.max_observers) +
-                         " observer connections, the most allowed");
-    }
-    const bool was_held_back = b.held_back;
-    if (was_held_back) {
+    if (b.held_back) {
       channel::send_hello(b.link, lending_protocol);  // a fresh socket has room for it
-      b.held_back = false;
+      emit(lender_event::kind::connected, b.link.peer());
     }
+    b.held_back = false;
     b.greeted = true;
     b.observer = observer;
     store_counts();
-    if (was_held_back) emit(lender_event::kind::connected, b.link.peer());
   }
 
   // The frames of `b` that have come whole (at most one batch's worth, so
@@ -1691,6 +1733,7 @@ class lender::state {
   std::vector<pollfd> fds_;  // the listener, the wake-up, then borrowers_ in order
   std::atomic<std::size_t> borrower_count_{0};
   std::atomic<std::size_t> observer_count_{0};
+  std::atomic<std::size_t> connection_count_{0};
   std::uint64_t last_serial_ = 0;
   std::uint64_t next_region_ = 1;
   std::uint64_t next_memory_ = 1;

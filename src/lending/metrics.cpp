@@ -177,6 +177,8 @@ std::string prometheus_text(const lender_status& s, std::size_t max_bytes) {
   metric(out, "shared_holds", "gauge", "Holds of shared regions now (the writer's and each reader's).", holds);
   metric(out, "borrowers", "gauge", "Borrowers connected now.", s.borrowers);
   metric(out, "observers", "gauge", "Observer connections now (metrics and revokes only).", s.observers);
+  metric(out, "connections", "gauge", "Connections now: borrowers, observers and those whose hello has not come.",
+         s.connections);
   std::uint64_t waiting_bytes = 0;
   for (const auto& w : s.waiting) waiting_bytes += w.bytes;
   metric(out, "waiting_borrows", "gauge", "Borrows waiting for memory to be given back.", s.waiting.size());

@@ -51,6 +51,10 @@
 //       As <as> (as for cycle), asks the lender to revoke <region> with a
 //       deadline of 5 s (borrower::revoke) and says "revoked", or "refused
 //       <why>" when the lender refused it as not permitted (peer_refused).
+//   shoal_test_borrower observe <host|cuda> <socket path or @abstract name> <as>
+//       As <as> (as for cycle), connects as an observer, reads the metrics and
+//       says "observing", or "refused <why>" when the lender turned it away
+//       (peer_refused); then waits until the parent hangs up.
 #include <unistd.h>
 
 #include <chrono>
@@ -262,7 +266,8 @@ int deaf(const std::string& path, std::size_t bytes, std::size_t fill) {
 // A borrower on `dev` of the lender at `where` (a path or @abstract name),
 // as `as`: "self", or "nobody" — it drops to uid and gid 65534 first and
 // admits the lender's uid (root's) explicitly. Nothing when it cannot drop.
-std::optional<lending::borrower> borrower_as(backend::device& dev, const std::string& where, const std::string& as) {
+std::optional<lending::borrower> borrower_as(backend::device& dev, const std::string& where, const std::string& as,
+                                             const lending::borrower_options& options = {}) {
   constexpr uid_t nobody = 65534;
   if (as == "nobody" && (::setresgid(nobody, nobody, nobody) != 0 || ::setresuid(nobody, nobody, nobody) != 0)) {
     say("error cannot become uid 65534");
@@ -271,7 +276,8 @@ std::optional<lending::borrower> borrower_as(backend::device& dev, const std::st
   const auto address = where.starts_with('@') ? channel::channel_address::abstract(where.substr(1))
                                               : channel::channel_address::at_path(where);
   return std::optional<lending::borrower>(std::in_place, dev, address,
-                                          as == "nobody" ? channel::access_policy{{0}, {}} : channel::access_policy{});
+                                          as == "nobody" ? channel::access_policy{{0}, {}} : channel::access_policy{},
+                                          lending::borrower::default_timeout, options);
 }
 
 int wait_borrow(backend::device& dev, const std::string& where, std::size_t bytes, std::chrono::milliseconds wait,
@@ -330,13 +336,28 @@ int revoke(backend::device& dev, const std::string& where, std::uint64_t region,
   return 0;
 }
 
+int observe(backend::device& dev, const std::string& where, const std::string& as) {
+  lending::borrower_options observer;
+  observer.observer = true;
+  try {
+    auto b = borrower_as(dev, where, as, observer);
+    if (!b) return 1;
+    (void)b->metrics();
+    say("observing");
+    wait_for_parent();
+  } catch (const peer_refused& e) {
+    say(std::string("refused ") + e.what());
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     const std::vector<std::string> args(argv + 1, argv + argc);
     if (args.size() < 4) {
-      std::fprintf(stderr, "usage: shoal_test_borrower hold|yield|wait-borrow|hang-up|publish|read|write-shared|deaf|cycle|revoke <host|cuda> "
+      std::fprintf(stderr, "usage: shoal_test_borrower hold|yield|wait-borrow|hang-up|publish|read|write-shared|deaf|cycle|revoke|observe <host|cuda> "
                    "<socket path> ...\n");
       return 2;
     }
@@ -361,6 +382,7 @@ int main(int argc, char** argv) {
     if (args[0] == "cycle" && args.size() == 6)
       return cycle(dev, args[2], std::stoull(args[3]), std::stoi(args[4]), args[5]);
     if (args[0] == "revoke" && args.size() == 5) return revoke(dev, args[2], std::stoull(args[3]), args[4]);
+    if (args[0] == "observe" && args.size() == 4) return observe(dev, args[2], args[3]);
     std::fprintf(stderr, "shoal_test_borrower: unknown command '%s'\n", args[0].c_str());
     return 2;
   } catch (const std::exception& e) {

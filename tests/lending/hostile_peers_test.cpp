@@ -66,19 +66,34 @@ TEST(lending_hostile_peers, a_running_process_leaves_one_orphaned_hold_of_a_regi
 }
 
 // A connection that never says hello is hung up on after the peer timeout:
-// silent connections cannot hold every borrower slot.
+// silent connections cannot hold every borrower slot. (They count against
+// the connections of their uid's class, max_borrowers + max_observers, from
+// when they are accepted.)
 TEST(lending_hostile_peers, connections_that_never_say_hello_are_hung_up_on) {
   temp_dir dir;
   auto& dev = backend::host_device_instance();
   lender_config config;
   config.max_borrowers = 4;
-  config.peer_timeout = 100ms;
+  config.max_observers = 0;
+  config.peer_timeout = 300ms;
   lender l(dev, channel::channel_address::at_path(dir / "l.sock"), config);
   std::vector<channel::connection> silent;
   for (int i = 0; i < 4; ++i) silent.push_back(channel::connection::connect(l.address(), {}));
-  ASSERT_TRUE(eventually([&] { return l.status().borrowers == 4; }));
-  EXPECT_TRUE(eventually([&] { return l.status().borrowers == 0; }, 3000ms)) << "they still hold the slots";
-  EXPECT_NO_THROW(borrower(dev, l.address(), {}, 1000ms)) << "an honest borrower was turned away";
+  // Accepted in the order they came: these four first, so this one finds no room.
+  EXPECT_THROW(borrower(dev, l.address(), {}, 2000ms), peer_refused) << "admitted past four silent connections";
+  EXPECT_EQ(l.status().borrowers, 0u) << "a connection that said nothing counts as a borrower";
+  EXPECT_TRUE(eventually(
+      [&] {
+        try {
+          borrower honest(dev, l.address(), {}, 1000ms);
+          return true;
+        } catch (const peer_refused&) {
+          return false;
+        }
+      },
+      3000ms))
+      << "they still hold the slots";
+  for (auto& c : silent) EXPECT_THROW((void)c.receive_for(1000ms), connection_closed) << "greeted, or not hung up on";
 }
 
 // A hello that came within the peer timeout but waits unread while the

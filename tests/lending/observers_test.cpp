@@ -3,8 +3,10 @@
 // has all the borrowers it admits, never counted among them, bounded in
 // number, and unable to borrow (host backend, in one process).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -13,6 +15,7 @@
 #include "lending/messages.h"
 #include "shoal/backend/host_device.h"
 #include "shoal/channel/protocol.h"
+#include "shoal/core/child_process.h"
 #include "shoal/core/error.h"
 
 namespace shoal::testing {
@@ -114,35 +117,90 @@ TEST(lending_observers, below_the_limit_an_observer_takes_no_borrowers_place) {
   EXPECT_EQ(o.l.status().borrowers, 1u);
 }
 
-TEST(lending_observers, a_second_observer_below_the_limit_is_closed_when_it_says_hello) {
+TEST(lending_observers, an_observer_past_max_observers_is_turned_away_at_connect_while_borrowers_have_room) {
   auto& dev = backend::host_device_instance();
   observed_lender o(limits(4, 1));
   borrower first(dev, o.l.address(), {}, 2000ms, as_observer());
   ASSERT_TRUE(eventually([&] { return o.l.status().observers == 1; }));
-  // Greeted at once (the lender is not full), refused once its hello is read.
-  borrower second(dev, o.l.address(), {}, 2000ms, as_observer());
-  EXPECT_THROW((void)second.metrics(2000ms), connection_closed);
+  try {
+    borrower second(dev, o.l.address(), {}, 2000ms, as_observer());
+    ADD_FAILURE() << "a second observer was admitted past max_observers";
+  } catch (const peer_refused& e) {
+    EXPECT_NE(std::string(e.what()).find("turned this observer away"), std::string::npos) << e.what();
+  }
   EXPECT_EQ(o.l.status().observers, 1u);
+  EXPECT_EQ(o.l.status().connections_closed_for_errors, 0u) << "a refusal counted as an error";
   EXPECT_FALSE(first.metrics().empty());
 }
 
-// Past the limit the lender's hello waits for the connection's: one that
-// says nothing gets nothing, holds an observer's place only until the peer
-// timeout, and is then hung up on.
-TEST(lending_observers, a_silent_connection_past_the_limit_gets_no_hello_and_is_hung_up_after_the_peer_timeout) {
+// A connection held back (the borrowers full) is served by what its hello
+// says when it comes: a borrower if one has left meanwhile, an observer if
+// observers have room, turned away before any hello otherwise.
+TEST(lending_observers, a_held_back_connection_is_served_by_the_room_its_kind_has_when_its_hello_comes) {
+  auto& dev = backend::host_device_instance();
+  observed_lender o(limits(1, 1));
+  std::optional<borrower> holder(std::in_place, dev, o.l.address(), channel::access_policy{}, 2000ms);
+  const auto held_back = [&] {
+    auto c = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+    EXPECT_THROW((void)c.receive_for(100ms), timeout_error) << "greeted while the borrowers were full";
+    return c;
+  };
+  auto turned_away = held_back();
+  channel::send_hello(turned_away, lending::detail::lending_protocol);  // a borrower: no room
+  EXPECT_THROW((void)turned_away.receive_for(2000ms), connection_closed) << "greeted past max_borrowers";
+  auto waiting = held_back();
+  holder.reset();  // the one borrower leaves
+  ASSERT_TRUE(eventually([&] { return o.l.status().borrowers == 0; }));
+  channel::send_hello(waiting, lending::detail::lending_protocol);  // a borrower: room now
+  EXPECT_NO_THROW(channel::check_hello(waiting.receive_for(2000ms), lending::detail::lending_protocol));
+  auto watching = held_back();  // full again
+  channel::send_hello(watching, lending::detail::observer_protocol);  // an observer: room
+  EXPECT_NO_THROW(channel::check_hello(watching.receive_for(2000ms), lending::detail::lending_protocol));
+  EXPECT_TRUE(eventually([&] { return o.l.status().observers == 1 && o.l.status().borrowers == 1; }));
+}
+
+// The lender's hello waits for the connection's: one that says nothing gets
+// nothing, holds a place of its uid's class only until the peer timeout,
+// and is then hung up on.
+TEST(lending_observers, a_silent_connection_gets_no_hello_and_holds_its_place_only_until_the_peer_timeout) {
   auto& dev = backend::host_device_instance();
   lender_config config = limits(1, 1);
-  config.peer_timeout = 200ms;
+  config.peer_timeout = 1000ms;
   observed_lender o(config);
   borrower holder(dev, o.l.address());
   auto silent = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
-  EXPECT_THROW((void)silent.receive_for(100ms), timeout_error) << "the lender greeted a connection past its limit";
-  EXPECT_THROW(borrower(dev, o.l.address(), {}, 1000ms, as_observer()), peer_refused)
-      << "the silent connection should hold the one observer place";
+  EXPECT_THROW((void)silent.receive_for(100ms), timeout_error) << "the lender greeted a connection that said nothing";
+  EXPECT_EQ(o.l.status().connections, 2u) << "the silent connection is not in the count of connections";
+  EXPECT_EQ(o.l.status().borrowers, 1u);
+  // The holder and the silent connection fill max_borrowers + max_observers.
+  EXPECT_THROW(borrower(dev, o.l.address(), {}, 1000ms, as_observer()), peer_refused);
   EXPECT_THROW((void)silent.receive_for(3000ms), connection_closed) << "the silent connection was not hung up on";
   borrower observer(dev, o.l.address(), {}, 2000ms, as_observer());
   EXPECT_FALSE(observer.metrics().empty());
   EXPECT_EQ(o.l.status().borrowers, 1u);
+}
+
+// Connections of another admitted uid cannot take the operator's places:
+// observers of the lender's uid and root are counted apart.
+TEST(lending_observers, another_uids_observers_cannot_keep_the_operator_out) {
+  if (::geteuid() != 0) GTEST_SKIP() << "observers of another uid (setresuid to 65534) need root";
+  const std::string name = "shoal-observers-test-" + std::to_string(::getpid());
+  auto& dev = backend::host_device_instance();
+  lender_config config = limits(1, 1);
+  config.policy = channel::access_policy{{65534}, {}};
+  lender l(dev, channel::channel_address::abstract(name), config);
+  const auto observer_as_nobody = [&] {
+    return std::make_unique<child_process>(SHOAL_TEST_BORROWER,
+                                           std::vector<std::string>{"observe", "host", "@" + name, "nobody"});
+  };
+  auto first = observer_as_nobody();
+  EXPECT_EQ(line_from(*first), "observing");
+  auto second = observer_as_nobody();
+  const std::string refused = line_from(*second);
+  EXPECT_EQ(refused.rfind("refused", 0), 0u) << "a second observer of uid 65534: " << refused;
+  borrower operator_(dev, l.address(), {}, 2000ms, as_observer());  // root: a place of its own
+  EXPECT_FALSE(operator_.metrics().empty());
+  EXPECT_EQ(l.status().observers, 2u);
 }
 
 }  // namespace

@@ -211,6 +211,12 @@ int ask_daemon(const daemon_settings& settings, const daemon_request& request, A
     const auto advice = why.find("; add it to");
     if (advice == std::string::npos) throw;
     throw peer_refused(why.substr(0, advice) + "; if you trust the daemon's user, name its uid: --daemon-uid UID");
+  } catch (const connection_closed& e) {
+    // Greeted, then closed: a daemon that is stopping, or one older than
+    // observer connections (it greets, then refuses the observer's hello).
+    throw connection_closed(std::string(e.what()) +
+                            " (the daemon closed the connection: it is stopping, or it is older than this shoal "
+                            "command, which connects as an observer; its log says which)");
   }
   return 0;
 }

@@ -138,10 +138,15 @@ struct lender_config {
   /// Observer connections (borrower_options::observer: metrics and revokes,
   /// never a region) at once, counted apart from max_borrowers, so that an
   /// operator's `shoal daemon status` or `revoke` is served while the lender
-  /// has all the borrowers it admits. Past max_borrowers, the lender reads a
-  /// connection's hello before it sends its own and turns away (closes before
-  /// its hello, as ever) all but observers; at most this many connections
-  /// are observers or held so at once, one more is refused. 0: none.
+  /// has all the borrowers it admits. While borrowers or observers have no
+  /// room, the lender reads a new connection's hello before it sends its
+  /// own, and turns it away (closed before its hello: peer_refused at
+  /// connect) when its kind has no room by then; a connection greeted at once
+  /// counts as a borrower until its hello says otherwise. 0: none.
+  /// Connections of the lender's own uid and root are bounded apart from the
+  /// others' — each class to max_borrowers + max_observers connections (those
+  /// whose hello has not come included) and max_observers observers at once —
+  /// so another admitted uid cannot keep the operator out.
   std::size_t max_observers = 4;
   /// Regions one borrower may hold at once.
   std::size_t max_regions_per_borrower = 1024;

@@ -165,6 +165,7 @@ struct lender_status {
   std::size_t prepared_chunks = 0;
   std::size_t borrowers = 0;   ///< connected now (observers and connections past the limit apart)
   std::size_t observers = 0;   ///< observer connections now (lender_config::max_observers)
+  std::size_t connections = 0; ///< every connection now: borrowers, observers, and those not greeted yet
   std::vector<region_info> regions;
   /// Borrows waiting for memory, in the order they are served.
   std::vector<waiting_info> waiting;
