@@ -236,8 +236,8 @@ struct borrowed_region::link {
   // (a borrow waiting for memory):
   //   stashed.size() <= revoked.size() <= held.size()
   std::set<std::uint64_t> held;
-  std::set<std::uint64_t> revoked;
   std::mutex stash_mutex;  // taken inside mutex, never around it
+  std::set<std::uint64_t> revoked;            // under mutex and stash_mutex (either guards a read)
   std::vector<borrower::revocation> stashed;  // under stash_mutex
 
   std::vector<borrower::revocation> take_stashed() {
@@ -254,10 +254,10 @@ struct borrowed_region::link {
         throw protocol_error("borrower: the lender revoked region " + std::to_string(m.region) +
                              ", which this borrower does not hold");
       }
+      std::lock_guard lock(stash_mutex);
       if (!revoked.insert(m.region).second) {
         throw protocol_error("borrower: the lender revoked region " + std::to_string(m.region) + " a second time");
       }
-      std::lock_guard lock(stash_mutex);
       stashed.push_back({m.region, clock_type::now() + std::chrono::milliseconds(m.deadline_ms)});
     } catch (const protocol_error&) {
       out_of_step = true;
@@ -268,8 +268,8 @@ struct borrowed_region::link {
   // The lender confirmed `id` given back: no longer held, nor revoked.
   void given_back_confirmed(std::uint64_t id) {
     held.erase(id);
-    revoked.erase(id);
     std::lock_guard lock(stash_mutex);
+    revoked.erase(id);
     std::erase_if(stashed, [id](const borrower::revocation& r) { return r.region == id; });
   }
 
@@ -932,6 +932,16 @@ std::vector<borrower::revocation> borrower::revocations(std::chrono::millisecond
     } else {
       std::this_thread::sleep_until(until);
     }
+  }
+}
+
+void borrower::return_revocations(std::span<const revocation> unhandled) {
+  auto& l = *link_;
+  std::lock_guard lock(l.stash_mutex);  // never the connection: a waiting borrow may hold it
+  for (const revocation& r : unhandled) {
+    const bool stashed = std::any_of(l.stashed.begin(), l.stashed.end(),
+                                     [&](const revocation& s) { return s.region == r.region; });
+    if (l.revoked.contains(r.region) && !stashed) l.stashed.push_back(r);  // given back meanwhile: dropped
   }
 }
 

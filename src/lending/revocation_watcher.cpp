@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <span>
 #include <utility>
 
 #include "shoal/core/error.h"
@@ -29,9 +30,19 @@ struct revocation_watcher::state {
     thread_id.store(std::this_thread::get_id());
     try {
       while (!stopping.load()) {
-        for (const auto& r : watched.revocations(look_every)) {
-          if (stopping.load()) break;  // stopped (or destroyed) by the callback before: no more calls
-          on_revoke(r);
+        const auto batch = watched.revocations(look_every);
+        for (std::size_t i = 0; i < batch.size(); ++i) {
+          const auto rest = std::span(batch).subspan(i);
+          if (stopping.load()) {  // stopped (or destroyed) by the callback before: no more calls
+            watched.return_revocations(rest);
+            break;
+          }
+          try {
+            on_revoke(batch[i]);
+          } catch (...) {
+            watched.return_revocations(rest);  // this one too: a region given back meanwhile is left out
+            throw;
+          }
         }
       }
     } catch (...) {

@@ -145,6 +145,29 @@ TEST(lending_revocation_watcher, stopped_from_its_callback_it_calls_back_no_more
   ASSERT_TRUE(eventually([&] { return !watcher->watching(); }));
   EXPECT_EQ(calls.load(), 1) << "called back after it was stopped";
   EXPECT_EQ(watcher->error(), nullptr) << "stopping from the callback failed";
+  const auto back = f.model.revocations();  // the revoke it did not pass on went back to the borrower
+  ASSERT_EQ(back.size(), 1u) << "a revoke read and not passed on was lost";
+  EXPECT_EQ(back[0].region, held[1].id());
+  f.model.return_revocations(back);
+  f.model.return_revocations(back);
+  EXPECT_EQ(f.model.revocations().size(), 1u) << "a revoke put back twice comes back twice";
+}
+
+// A revoke put back whose region was given back meanwhile is left out: the
+// next reader is never asked for a region it no longer holds.
+TEST(lending_revocation_watcher, a_revoke_put_back_for_a_region_given_back_meanwhile_is_left_out) {
+  watched_lender f;
+  auto held = f.two_revoked_in_one_batch();
+  std::atomic<revocation_watcher*> self{nullptr};
+  const auto watcher = std::make_unique<revocation_watcher>(f.model, [&](const borrower::revocation&) {
+    f.model.give_back(std::move(held[1]));  // the next revoke's region
+    revocation_watcher* w = nullptr;
+    while ((w = self.load()) == nullptr) std::this_thread::yield();
+    w->stop();
+  });
+  self = watcher.get();
+  ASSERT_TRUE(eventually([&] { return !watcher->watching(); }));
+  EXPECT_TRUE(f.model.revocations().empty()) << "a revoke came back for a region given back";
 }
 
 TEST(lending_revocation_watcher, destroyed_from_its_callback_it_ends_and_lets_go_of_the_callback) {
@@ -164,6 +187,9 @@ TEST(lending_revocation_watcher, destroyed_from_its_callback_it_ends_and_lets_go
   owned = watcher;
   ASSERT_TRUE(eventually([&] { return callback_alive.expired(); })) << "the thread kept the callback";
   EXPECT_EQ(calls.load(), 1) << "called back after the watcher was destroyed";
+  const auto back = f.model.revocations();
+  ASSERT_EQ(back.size(), 1u) << "a revoke read and not passed on was lost";
+  EXPECT_EQ(back[0].region, held[1].id());
 }
 
 TEST(lending_revocation_watcher, keeps_what_ended_it) {
@@ -178,6 +204,7 @@ TEST(lending_revocation_watcher, keeps_what_ended_it) {
   ASSERT_NE(failing.error(), nullptr);
   EXPECT_THROW(std::rethrow_exception(failing.error()), std::runtime_error);
   EXPECT_EQ(calls.load(), 1) << "called back again after the callback threw";
+  EXPECT_EQ(f.model.revocations().size(), 2u) << "the revoke whose callback threw and the next went back";
 
   // The lender gone: the connection's error ends the watcher.
   revocation_watcher orphaned(f.model, [](const borrower::revocation&) {});

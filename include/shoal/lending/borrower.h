@@ -76,6 +76,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -280,6 +281,12 @@ class borrower {
   /// closed (later calls: connection_closed): an honest lender never sends
   /// one, and dropping it would hide a broken or hostile lender.
   [[nodiscard]] std::vector<revocation> revocations(std::chrono::milliseconds wait = std::chrono::milliseconds(0));
+  /// Puts back revocations that revocations() returned and the caller did
+  /// not handle (a revocation_watcher stopped part-way through a batch): the
+  /// next revocations() call returns them first. Those whose region was
+  /// given back meanwhile, or that are back already, are left out. Never
+  /// waits for the connection. std::bad_alloc when host memory runs out.
+  void return_revocations(std::span<const revocation> unhandled);
 
   /// The mappings this borrower keeps now (without asking the lender: a
   /// forget on its way is applied only when the borrower next reads).

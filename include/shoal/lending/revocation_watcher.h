@@ -7,10 +7,11 @@
 // It reads with borrower::revocations() in waits of 10 ms, so stop() is seen
 // within about that — plus a callback that runs, and up to a second when a
 // late answer of the borrower is being read (borrower.h). Once stopped, it
-// calls back no more: revokes it read but had not passed on are lost (each
-// revoke is returned once), as are those after a callback that throws.
-// Whatever the callback or revocations() throws ends the watcher; error()
-// then holds it.
+// calls back no more: revokes it read but had not passed on go back to the
+// borrower (borrower::return_revocations), and the next revocations() call,
+// or a new watcher, returns them — so are the revoke whose callback threw and
+// those after it, less any given back meanwhile. Whatever the callback or
+// revocations() throws ends the watcher; error() then holds it.
 //
 // Thread-safety: stop(), watching() and error() may be called from any
 // thread, the callback included (there stop() does not wait for the thread).
