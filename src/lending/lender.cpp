@@ -406,7 +406,10 @@ class lender::state {
     // operator out.
     const bool operator_uid = is_operator(accepted->peer().uid);
     const std::size_t of_class = connections_of(operator_uid);
-    if (of_class >= config_.max_borrowers + config_.max_observers) {
+    const std::size_t most = config_.max_borrowers > SIZE_MAX - config_.max_observers
+                                 ? SIZE_MAX
+                                 : config_.max_borrowers + config_.max_observers;
+    if (of_class >= most) {
       emit(lender_event::kind::refused, accepted->peer(), 0, 0,
            "already " + std::to_string(of_class) + " connections of " +
                (operator_uid ? "the lender's uid and root" : "other uids") +
@@ -414,12 +417,14 @@ class lender::state {
       count_refusal();  // after: when the text above cannot be made, accept_one counts it
       return;  // closed at once: the client sees end of stream instead of a hello
     }
-    // Greeted at once while both kinds have room (a client of another
-    // protocol then learns what it reached before it sends). Otherwise held
-    // back: its hello is read first, and it is served only if its kind has
-    // room, or turned away before any hello (peer_refused at connect).
-    const bool held_back =
-        counted_borrowers() >= config_.max_borrowers || observers_of(operator_uid) >= config_.max_observers;
+    // Greeted at once while both kinds have room for it and every other
+    // connection greeted at once whose hello has not come (a client of
+    // another protocol then learns what it reached before it sends).
+    // Otherwise held back: its hello is read first, and it is served only if
+    // its kind has room, or turned away before any hello (peer_refused at
+    // connect).
+    const bool held_back = counted_borrowers() >= config_.max_borrowers ||
+                           observers_of(operator_uid) + unannounced_of(operator_uid) >= config_.max_observers;
     // The hello is sent (under the peer timeout), not posted: a fresh
     // socket has room for it. Every later answer is posted.
     accepted->set_send_timeout(shoal::detail::channel_timeout(config_.peer_timeout));
@@ -442,23 +447,35 @@ class lender::state {
 
   static bool is_operator(uid_t uid) noexcept { return uid == ::geteuid() || uid == 0; }
 
+  // Counted in the limits: not failed nor hung up (those go at the end of
+  // the loop's turn, and must not hold a place meanwhile).
+  static bool live(const borrower_entry& b) noexcept { return !b.failed && !b.link.broken(); }
+
+  template <class Which>
+  std::size_t live_count(Which&& which) const noexcept {
+    return static_cast<std::size_t>(
+        std::count_if(borrowers_.begin(), borrowers_.end(), [&](const borrower_entry& b) { return live(b) && which(b); }));
+  }
+
   std::size_t connections_of(bool operator_uid) const noexcept {
-    return static_cast<std::size_t>(std::count_if(borrowers_.begin(), borrowers_.end(), [&](const borrower_entry& b) {
-      return b.operator_uid == operator_uid;
-    }));
+    return live_count([&](const borrower_entry& b) { return b.operator_uid == operator_uid; });
   }
 
   // Borrowers, and connections greeted at once whose hello has not come
   // (each may be one): all but observers and the held back.
   std::size_t counted_borrowers() const noexcept {
-    return static_cast<std::size_t>(std::count_if(borrowers_.begin(), borrowers_.end(),
-                                                  [](const borrower_entry& b) { return !b.observer && !b.held_back; }));
+    return live_count([](const borrower_entry& b) { return !b.observer && !b.held_back; });
   }
 
   std::size_t observers_of(bool operator_uid) const noexcept {
-    return static_cast<std::size_t>(std::count_if(borrowers_.begin(), borrowers_.end(), [&](const borrower_entry& b) {
-      return b.observer && b.operator_uid == operator_uid;
-    }));
+    return live_count([&](const borrower_entry& b) { return b.observer && b.operator_uid == operator_uid; });
+  }
+
+  // Connections of a class greeted at once whose hello has not come: each
+  // may turn out an observer.
+  std::size_t unannounced_of(bool operator_uid) const noexcept {
+    return live_count(
+        [&](const borrower_entry& b) { return !b.greeted && !b.held_back && b.operator_uid == operator_uid; });
   }
 
   void store_counts() noexcept {
@@ -489,12 +506,15 @@ class lender::state {
       }
       throw;
     }
+    // One greeted at once had room for either kind when it was accepted (and
+    // is among those counted as borrowers): only a held-back one can find none.
     const std::size_t now = observer ? observers_of(b.operator_uid) : counted_borrowers() - (b.held_back ? 0 : 1);
     const std::size_t most = observer ? config_.max_observers : config_.max_borrowers;
     if (now >= most) {
-      const std::string why = "already " + std::to_string(now) + (observer ? " observers" : " borrowers") +
+      const std::string why = "already " + std::to_string(now) +
+                              (observer ? " observers" : " borrowers (and connections yet to say which)") +
                               ", the most allowed";
-      if (!b.held_back) throw peer_refused("lender: " + why);  // greeted already: closed for it
+      if (!b.held_back) throw peer_refused("lender: " + why);  // not expected: closed rather than past a bound
       b.failed = true;  // hung up on before any hello of the lender's: its connect is refused
       emit(lender_event::kind::refused, b.link.peer(), 0, 0, why);
       count_refusal();

@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "lending/lending_fixture.h"
@@ -17,6 +18,7 @@
 #include "shoal/channel/protocol.h"
 #include "shoal/core/child_process.h"
 #include "shoal/core/error.h"
+#include "shoal/lending/layout.h"
 
 namespace shoal::testing {
 namespace {
@@ -149,6 +151,7 @@ TEST(lending_observers, a_held_back_connection_is_served_by_the_room_its_kind_ha
   channel::send_hello(turned_away, lending::detail::lending_protocol);  // a borrower: no room
   EXPECT_THROW((void)turned_away.receive_for(2000ms), connection_closed) << "greeted past max_borrowers";
   auto waiting = held_back();
+  ASSERT_TRUE(eventually([&] { return o.l.status().connections == 2; })) << "not accepted while the holder was there";
   holder.reset();  // the one borrower leaves
   ASSERT_TRUE(eventually([&] { return o.l.status().borrowers == 0; }));
   channel::send_hello(waiting, lending::detail::lending_protocol);  // a borrower: room now
@@ -159,22 +162,74 @@ TEST(lending_observers, a_held_back_connection_is_served_by_the_room_its_kind_ha
   EXPECT_TRUE(eventually([&] { return o.l.status().observers == 1 && o.l.status().borrowers == 1; }));
 }
 
+// Several connections at once, all observers: those past max_observers are
+// held back as they are accepted and turned away before any hello — refused,
+// not closed for an error.
+TEST(lending_observers, observers_connecting_at_once_past_the_limit_are_refused_before_any_hello) {
+  observed_lender o(limits(8, 2));
+  std::vector<channel::connection> links;
+  for (int i = 0; i < 3; ++i) links.push_back(channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload));
+  ASSERT_TRUE(eventually([&] { return o.l.status().connections == 3; }));
+  for (auto& link : links) channel::send_hello(link, lending::detail::observer_protocol);
+  int greeted = 0, turned_away = 0;
+  for (auto& link : links) {
+    try {
+      channel::check_hello(link.receive_for(2000ms), lending::detail::lending_protocol);
+      ++greeted;
+    } catch (const connection_closed&) {
+      ++turned_away;
+    }
+  }
+  EXPECT_EQ(greeted, 2);
+  EXPECT_EQ(turned_away, 1);
+  EXPECT_EQ(o.l.status().connections_closed_for_errors, 0u) << "a refusal counted as an error";
+  EXPECT_GE(o.l.status().refusals, 1u);
+}
+
+// A borrower leaving frees its place within the loop's turn: one held back
+// whose hello comes in the same turn as the other's hang-up is served.
+TEST(lending_observers, a_place_freed_in_the_same_turn_serves_the_held_back_borrower) {
+  auto& dev = backend::host_device_instance();
+  observed_lender o(limits(2, 1));
+  borrower writer(dev, o.l.address());
+  std::optional<borrower> leaving(std::in_place, dev, o.l.address(), channel::access_policy{}, 2000ms);
+  auto waiting = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+  ASSERT_TRUE(eventually([&] { return o.l.status().connections == 3; }));
+  auto region = writer.borrow(2 * mib, "model");
+  lending::region_layout layout;
+  layout.entries = {{"w", 0, region.size() / 2, lending::dtype::float32, {region.size() / 8}}};
+  layout.hash = lending::hash_entries(dev, region.data(), region.size(), layout);
+  {
+    // While the loop is busy with the publish, one borrower hangs up and the
+    // held-back connection says hello: the loop sees both in one turn.
+    const publish_hook both_at_once([&](std::uint64_t) {
+      leaving.reset();
+      channel::send_hello(waiting, lending::detail::lending_protocol);
+      std::this_thread::sleep_for(50ms);
+    });
+    region = writer.publish(std::move(region), layout);
+  }
+  EXPECT_NO_THROW(channel::check_hello(waiting.receive_for(2000ms), lending::detail::lending_protocol))
+      << "turned away while the place of a borrower that left was free";
+}
+
 // The lender's hello waits for the connection's: one that says nothing gets
 // nothing, holds a place of its uid's class only until the peer timeout,
 // and is then hung up on.
 TEST(lending_observers, a_silent_connection_gets_no_hello_and_holds_its_place_only_until_the_peer_timeout) {
   auto& dev = backend::host_device_instance();
   lender_config config = limits(1, 1);
-  config.peer_timeout = 1000ms;
+  config.peer_timeout = 3000ms;
   observed_lender o(config);
   borrower holder(dev, o.l.address());
   auto silent = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
   EXPECT_THROW((void)silent.receive_for(100ms), timeout_error) << "the lender greeted a connection that said nothing";
-  EXPECT_EQ(o.l.status().connections, 2u) << "the silent connection is not in the count of connections";
+  EXPECT_TRUE(eventually([&] { return o.l.status().connections == 2; }))
+      << "the silent connection is not in the count of connections";
   EXPECT_EQ(o.l.status().borrowers, 1u);
   // The holder and the silent connection fill max_borrowers + max_observers.
   EXPECT_THROW(borrower(dev, o.l.address(), {}, 1000ms, as_observer()), peer_refused);
-  EXPECT_THROW((void)silent.receive_for(3000ms), connection_closed) << "the silent connection was not hung up on";
+  EXPECT_THROW((void)silent.receive_for(6000ms), connection_closed) << "the silent connection was not hung up on";
   borrower observer(dev, o.l.address(), {}, 2000ms, as_observer());
   EXPECT_FALSE(observer.metrics().empty());
   EXPECT_EQ(o.l.status().borrowers, 1u);

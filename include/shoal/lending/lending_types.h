@@ -163,7 +163,10 @@ struct lender_status {
   ///   lent_bytes + spare_bytes + prepared_bytes <= capacity_bytes.
   std::size_t prepared_bytes = 0;
   std::size_t prepared_chunks = 0;
-  std::size_t borrowers = 0;   ///< connected now (observers and connections past the limit apart)
+  /// Borrowers connected now (their hello said so). A connection whose hello
+  /// has not come is in `connections` only, though max_borrowers counts it
+  /// until it says which it is (lender.h, max_observers).
+  std::size_t borrowers = 0;
   std::size_t observers = 0;   ///< observer connections now (lender_config::max_observers)
   std::size_t connections = 0; ///< every connection now: borrowers, observers, and those not greeted yet
   std::vector<region_info> regions;
