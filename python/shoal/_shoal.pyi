@@ -771,6 +771,11 @@ class Borrower:
         The lender's requests to give regions back: (region id, seconds left), waiting up to ``wait`` seconds for a first one, or until ``cancel`` (an object with is_set()) is set.
         """
 
+    def return_revocations(self, unhandled: Sequence[tuple[int, float]]) -> None:
+        """
+        Puts back (region id, seconds left) pairs that revocations() returned and were not handled: the next revocations() returns them first (those given back meanwhile left out).
+        """
+
     def metrics(self, timeout: float = 5.0) -> str:
         """The lender's status in the Prometheus text format."""
 

@@ -52,6 +52,7 @@ reader it has the model it asked for, not that the writer is honest.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from types import TracebackType
 from typing import Callable, NamedTuple, Optional, Protocol, Sequence, Union
@@ -425,8 +426,13 @@ class RevocationWatcher:
 
     The thread is a daemon thread: a process may exit while it watches.
 
+    Once stopped it calls back no more: revokes it read and had not passed on go back to the
+    borrower, and its next :meth:`Borrower.revocations` call (or a new watcher) returns them —
+    so do the revoke whose ``on_revoke`` raised and those after it, less any given back
+    meanwhile.
+
     Thread-safety: :meth:`stop` may be called from any thread, ``on_revoke`` included: there it
-    does not wait, and the watcher ends once the revokes it read already are passed on."""
+    does not wait, and the watcher ends once that call returns."""
 
     def __init__(self, borrower: Borrower, on_revoke: Callable[[int, float], object]) -> None:
         if not callable(on_revoke):
@@ -460,6 +466,7 @@ class RevocationWatcher:
                 del borrower  # (a frame a kept traceback holds must not hold it)
                 try:
                     asked = native.revocations(_FOREVER, self._stop)
+                    read_at = time.monotonic()
                 except _shoal.ConnectionClosedError:
                     owner = self._borrower()
                     by_its_owner = owner is None or owner.closed
@@ -469,9 +476,16 @@ class RevocationWatcher:
                     raise  # the lender went away
                 finally:
                     del native
-                for region, seconds_left in asked:
+                for i, (region, seconds_left) in enumerate(asked):
+                    if self._stop.is_set():  # stopped (from the callback, say): no more calls
+                        self._put_back(asked[i:], read_at)
+                        return
                     assert self._on_revoke is not None
-                    self._on_revoke(region, seconds_left)
+                    try:
+                        self._on_revoke(region, seconds_left)
+                    except BaseException:
+                        self._put_back(asked[i:], read_at)  # this one too: one given back meanwhile is left out
+                        raise
         except BaseException as e:
             self._error, self._traceback = e, e.__traceback__
             raise  # to threading.excepthook, as any thread's
@@ -479,6 +493,17 @@ class RevocationWatcher:
             self._active = False
             self._on_revoke = None  # what it holds is let go with the watcher's end
             self._borrower_gone.detach()
+
+    def _put_back(self, unhandled: list[tuple[int, float]], read_at: float) -> None:
+        """Returns revokes read and not passed on to the borrower, for its next reader."""
+        borrower = self._borrower()
+        if borrower is None or borrower.closed:
+            return  # gone: nothing more to answer through it
+        spent = time.monotonic() - read_at
+        try:
+            borrower._native.return_revocations([(region, left - spent) for region, left in unhandled])
+        except _shoal.ConnectionClosedError:
+            pass  # closed meanwhile: nothing more to answer through it
 
     @property
     def watching(self) -> bool:

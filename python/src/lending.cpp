@@ -559,6 +559,22 @@ void register_lending(nb::module_& m) {
           "The lender's requests to give regions back: (region id, seconds left), waiting up to ``wait`` "
           "seconds for a first one, or until ``cancel`` (an object with is_set()) is set.")
       .def(
+          "return_revocations",
+          [](const py_borrower& b, const std::vector<std::pair<std::uint64_t, double>>& unhandled) {
+            const auto borrower = b.borrower.enter();
+            const auto now = std::chrono::steady_clock::now();
+            std::vector<lending::borrower::revocation> back;
+            for (const auto& [region, seconds_left] : unhandled) {
+              const double left = std::isfinite(seconds_left) ? std::clamp(seconds_left, 0.0, 1e9) : 0.0;
+              back.push_back({region, now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                std::chrono::duration<double>(left))});
+            }
+            borrower->return_revocations(back);
+          },
+          nb::arg("unhandled"),
+          "Puts back (region id, seconds left) pairs that revocations() returned and were not handled: the "
+          "next revocations() returns them first (those given back meanwhile left out).")
+      .def(
           "metrics",
           [](const py_borrower& b, double timeout) {
             const auto t = timeout_of(timeout, "Borrower.metrics");

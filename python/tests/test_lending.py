@@ -840,6 +840,8 @@ def test_a_revocation_watcher_keeps_what_stopped_it(address, monkeypatch):
         assert eventually(lambda: not watcher.watching)
         assert isinstance(watcher.error, ValueError) and "failed" in repr(watcher)
         assert reported == [watcher.error], "the failure was not reported as the thread ended"
+        # The revoke whose handler failed went back to the borrower: its next reader gets it.
+        assert [r for r, _ in borrower.revocations()] == [borrower.region_id(region)]
         depths = []
         for _ in range(3):  # raised each time, its traceback not growing
             with pytest.raises(ValueError, match="the handler failed") as raised:
@@ -944,20 +946,35 @@ def test_a_revocation_watcher_stops_within_a_few_milliseconds(address):
 def test_a_revocation_watcher_may_be_stopped_from_its_callback_and_lets_go_of_it(address):
     in_process_only()
     with shoal.lending.Lender(address) as lender, shoal.lending.Borrower(address) as borrower:
-        region = borrower.borrow(MIB, "model A")
+        regions = [borrower.borrow(MIB, "model A"), borrower.borrow(MIB, "model A's cache")]
+        ids = [borrower.region_id(r) for r in regions]
+        calls = []
+
+        made: list = []  # the watcher, once watch_revocations returned (it may call back before)
+        ready = threading.Event()
 
         class Handler:
             def __call__(self, region: int, seconds_left: float) -> None:
-                self.stopped = watcher.stop()  # from its own thread: no join on itself
+                calls.append(region)
+                assert ready.wait(5.0)
+                self.stopped = made[0].stop()  # from its own thread: no join on itself
 
+        for region_id in ids:  # both revokes wait on the socket: the watcher reads them in one batch
+            lender.revoke(region_id, 5.0)
+        time.sleep(0.05)
         handler = Handler()
         handler_alive = weakref.ref(handler)
         watcher = borrower.watch_revocations(handler)
+        made.append(watcher)
+        ready.set()
         del handler
-        lender.revoke(borrower.region_id(region), 5.0)
         assert eventually(lambda: not watcher.watching)
         assert watcher.error is None
         assert handler_alive() is None, "the stopped watcher still holds what its callback captured"
+        assert calls == ids[:1], "called back after it was stopped"
+        back = borrower.revocations()
+        assert [r for r, _ in back] == ids[1:], "the revoke it read and did not pass on was lost"
+        assert 3.0 < back[0][1] <= 5.0, back
 
 
 def test_a_dropped_borrower_closes_its_connection_though_a_watcher_watches(address):
