@@ -54,6 +54,7 @@ TEST(lending_observers, an_observer_is_served_while_the_lender_is_full_and_is_no
   const std::string text = observer.metrics();
   EXPECT_TRUE(has_line(text, "shoal_lending_borrowers 1")) << text;
   EXPECT_TRUE(has_line(text, "shoal_lending_observers 1")) << text;
+  EXPECT_TRUE(has_line(text, "shoal_lending_connections 2")) << text;
   EXPECT_EQ(o.l.status().borrowers, 1u);
   EXPECT_EQ(o.l.status().observers, 1u);
 
@@ -88,6 +89,14 @@ TEST(lending_observers, an_observer_borrows_nothing_and_a_borrow_frame_from_one_
   EXPECT_THROW((void)raw.receive_for(2000ms), connection_closed) << "the lender answered an observer's borrow";
   EXPECT_EQ(o.l.status().connections_closed_for_errors, 1u);
   EXPECT_EQ(o.l.status().lent_bytes, 0u);
+  // Nor a cancel_wait, which the lender reads before any other message.
+  auto canceller = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+  channel::send_hello(canceller, lending::detail::observer_protocol);
+  channel::check_hello(canceller.receive_for(2000ms), lending::detail::lending_protocol);
+  canceller.send(static_cast<std::uint16_t>(lending::detail::message_type::cancel_wait),
+                 lending::detail::encode_cancel_wait(1));
+  EXPECT_THROW((void)canceller.receive_for(2000ms), connection_closed) << "an observer's cancel_wait was taken";
+  EXPECT_TRUE(eventually([&] { return o.l.status().connections_closed_for_errors == 2; }));
 }
 
 TEST(lending_observers, past_the_limit_at_most_max_observers_are_served) {
