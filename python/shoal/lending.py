@@ -308,7 +308,8 @@ class Borrower:
         one ``Borrower`` per model). Revokes that another call of this borrower read are
         returned at once, whatever that call is doing; it holds no connection, so a thread of
         its own may watch with a ``wait`` while other threads borrow (or let
-        :meth:`watch_revocations` do it). Each revoke is returned once. Until the region goes
+        :meth:`watch_revocations` do it). Each revoke is returned once (unless a watcher that
+        stopped part-way through a batch put it back, unanswered). Until the region goes
         it stays mapped and usable (``revoking`` in the lender's status); seconds left below 0
         mean the deadline has passed. A borrower that lets the time pass keeps the region, the
         lender names it in its log and does not ask again.
@@ -421,15 +422,14 @@ class RevocationWatcher:
     ``with`` block, or the borrower's close (or the borrower being dropped). If ``on_revoke``
     raises, or the connection fails (the lender gone, a malformed message), the watcher stops
     there: the exception goes to ``threading.excepthook`` (printed, as for any thread), is kept
-    in ``error`` and is raised by :meth:`stop`. Revokes it read but had not passed on (those
-    after a raising ``on_revoke``) are lost: each revoke is returned once.
+    in ``error`` and is raised by :meth:`stop`.
 
     The thread is a daemon thread: a process may exit while it watches.
 
     Once stopped it calls back no more: revokes it read and had not passed on go back to the
     borrower, and its next :meth:`Borrower.revocations` call (or a new watcher) returns them —
-    so do the revoke whose ``on_revoke`` raised and those after it, less any given back
-    meanwhile.
+    so do the revoke whose ``on_revoke`` raised and those after it, less any whose give back
+    the lender has confirmed meanwhile.
 
     Thread-safety: :meth:`stop` may be called from any thread, ``on_revoke`` included: there it
     does not wait, and the watcher ends once that call returns."""
@@ -483,8 +483,11 @@ class RevocationWatcher:
                     assert self._on_revoke is not None
                     try:
                         self._on_revoke(region, seconds_left)
-                    except BaseException:
-                        self._put_back(asked[i:], read_at)  # this one too: one given back meanwhile is left out
+                    except BaseException as failed:
+                        try:
+                            self._put_back(asked[i:], read_at)  # this one too
+                        except Exception as put_back_failed:  # the callback's failure is the one kept
+                            failed.add_note(f"and its unhandled revokes could not be put back: {put_back_failed!r}")
                         raise
         except BaseException as e:
             self._error, self._traceback = e, e.__traceback__
@@ -497,13 +500,15 @@ class RevocationWatcher:
     def _put_back(self, unhandled: list[tuple[int, float]], read_at: float) -> None:
         """Returns revokes read and not passed on to the borrower, for its next reader."""
         borrower = self._borrower()
-        if borrower is None or borrower.closed:
-            return  # gone: nothing more to answer through it
-        spent = time.monotonic() - read_at
         try:
+            if borrower is None or borrower.closed:
+                return  # gone: nothing more to answer through it
+            spent = time.monotonic() - read_at
             borrower._native.return_revocations([(region, left - spent) for region, left in unhandled])
         except _shoal.ConnectionClosedError:
             pass  # closed meanwhile: nothing more to answer through it
+        finally:
+            del borrower  # (a frame a kept traceback holds must not hold it)
 
     @property
     def watching(self) -> bool:

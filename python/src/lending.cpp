@@ -565,7 +565,7 @@ void register_lending(nb::module_& m) {
             const auto now = std::chrono::steady_clock::now();
             std::vector<lending::borrower::revocation> back;
             for (const auto& [region, seconds_left] : unhandled) {
-              const double left = std::isfinite(seconds_left) ? std::clamp(seconds_left, 0.0, 1e9) : 0.0;
+              const double left = std::isfinite(seconds_left) ? std::clamp(seconds_left, -1e9, 1e9) : 0.0;
               back.push_back({region, now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                                 std::chrono::duration<double>(left))});
             }

@@ -839,7 +839,7 @@ def test_a_revocation_watcher_keeps_what_stopped_it(address, monkeypatch):
         lender.revoke(borrower.region_id(region), 5.0)
         assert eventually(lambda: not watcher.watching)
         assert isinstance(watcher.error, ValueError) and "failed" in repr(watcher)
-        assert reported == [watcher.error], "the failure was not reported as the thread ended"
+        assert eventually(lambda: reported == [watcher.error]), "the failure was not reported as the thread ended"
         # The revoke whose handler failed went back to the borrower: its next reader gets it.
         assert [r for r, _ in borrower.revocations()] == [borrower.region_id(region)]
         depths = []
@@ -874,7 +874,7 @@ def test_a_revocation_watcher_keeps_what_stopped_it(address, monkeypatch):
         watcher = borrower.watch_revocations(lambda region, left: None)
     assert eventually(lambda: not watcher.watching)
     assert isinstance(watcher.error, shoal.ConnectionClosedError)
-    assert reported == [watcher.error]
+    assert eventually(lambda: reported == [watcher.error])
     # What the failed watcher keeps (its error's traceback) does not keep the borrower.
     borrower_alive = weakref.ref(borrower)
     del borrower
@@ -943,6 +943,27 @@ def test_a_revocation_watcher_stops_within_a_few_milliseconds(address):
         assert time.monotonic() - start < 0.05
 
 
+def test_a_watcher_whose_put_back_fails_keeps_its_callbacks_failure(address, monkeypatch):
+    in_process_only()
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)
+
+    def no_memory(self, unhandled, read_at):
+        raise MemoryError("no host memory to put them back")
+
+    monkeypatch.setattr(shoal.lending.RevocationWatcher, "_put_back", no_memory)
+    with shoal.lending.Lender(address) as lender, shoal.lending.Borrower(address) as borrower:
+        region = borrower.borrow(MIB, "model A")
+
+        def on_revoke(region: int, seconds_left: float) -> None:
+            raise ValueError("the handler failed")
+
+        watcher = borrower.watch_revocations(on_revoke)
+        lender.revoke(borrower.region_id(region), 5.0)
+        assert eventually(lambda: not watcher.watching)
+        assert isinstance(watcher.error, ValueError), watcher.error
+        assert any("could not be put back" in note for note in watcher.error.__notes__)
+
+
 def test_a_revocation_watcher_may_be_stopped_from_its_callback_and_lets_go_of_it(address):
     in_process_only()
     with shoal.lending.Lender(address) as lender, shoal.lending.Borrower(address) as borrower:
@@ -959,9 +980,11 @@ def test_a_revocation_watcher_may_be_stopped_from_its_callback_and_lets_go_of_it
                 assert ready.wait(5.0)
                 self.stopped = made[0].stop()  # from its own thread: no join on itself
 
-        for region_id in ids:  # both revokes wait on the socket: the watcher reads them in one batch
+        for region_id in ids:  # both revokes read and kept by the borrower: one batch for the watcher
             lender.revoke(region_id, 5.0)
-        time.sleep(0.05)
+        assert eventually(lambda: lender.status()["revocations"] == 2)
+        time.sleep(0.02)
+        borrower.metrics()  # its answer comes after both revokes: both are read and kept
         handler = Handler()
         handler_alive = weakref.ref(handler)
         watcher = borrower.watch_revocations(handler)

@@ -283,8 +283,10 @@ class borrower {
   [[nodiscard]] std::vector<revocation> revocations(std::chrono::milliseconds wait = std::chrono::milliseconds(0));
   /// Puts back revocations that revocations() returned and the caller did
   /// not handle (a revocation_watcher stopped part-way through a batch): the
-  /// next revocations() call returns them first. Those whose region was
-  /// given back meanwhile, or that are back already, are left out. Never
+  /// next revocations() call returns them before it reads the connection.
+  /// Those whose give back the lender has confirmed meanwhile, or that are
+  /// back already, are left out (a give back not confirmed yet — deferred
+  /// behind a waiting borrow, or timed out — leaves its revoke in). Never
   /// waits for the connection. std::bad_alloc when host memory runs out.
   void return_revocations(std::span<const revocation> unhandled);
 

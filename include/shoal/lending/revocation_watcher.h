@@ -10,8 +10,12 @@
 // calls back no more: revokes it read but had not passed on go back to the
 // borrower (borrower::return_revocations), and the next revocations() call,
 // or a new watcher, returns them — so are the revoke whose callback threw and
-// those after it, less any given back meanwhile. Whatever the callback or
-// revocations() throws ends the watcher; error() then holds it.
+// those after it (after a stop() from that callback: those after it only),
+// less any whose give back the lender has confirmed meanwhile. A stop() from
+// the callback puts them back before it returns, so the watcher's thread
+// touches the borrower no more after a callback that stopped or destroyed
+// it. Whatever the callback or revocations() throws ends the watcher;
+// error() then holds it (the callback's failure first).
 //
 // Thread-safety: stop(), watching() and error() may be called from any
 // thread, the callback included (there stop() does not wait for the thread).
