@@ -428,24 +428,25 @@ class lender::state {
     // The hello is sent (under the peer timeout), not posted: a fresh
     // socket has room for it. Every later answer is posted.
     accepted->set_send_timeout(shoal::detail::channel_timeout(config_.peer_timeout));
-    if (!held_back) {
-      try {
-        channel::send_hello(*accepted, lending_protocol);
-      } catch (const error&) {
-        return;
-      }
-    }
     fds_.reserve(borrowers_.size() + 3);  // its place in the next poll set, made now
     borrowers_.push_back({last_serial_ + 1, std::move(*accepted), clock_type::now()});
     ++last_serial_;
     borrower_entry& b = borrowers_.back();
     b.operator_uid = operator_uid;
     b.held_back = held_back;
-    store_counts();
-    if (!held_back) emit(lender_event::kind::connected, b.link.peer());
+    store_counts();  // counted before its client can learn it was taken on
+    if (!held_back) {
+      try {
+        channel::send_hello(b.link, lending_protocol);
+      } catch (const error&) {
+        borrowers_.pop_back();
+        store_counts();
+      }
+    }
   }
 
   static bool is_operator(uid_t uid) noexcept { return uid == ::geteuid() || uid == 0; }
+  static constexpr const char* observer_note = "observer";
 
   // Counted in the limits: not failed nor hung up (those go at the end of
   // the loop's turn, and must not hold a place meanwhile).
@@ -520,14 +521,13 @@ class lender::state {
       count_refusal();
       return;
     }
-    if (b.held_back) {
-      channel::send_hello(b.link, lending_protocol);  // a fresh socket has room for it
-      emit(lender_event::kind::connected, b.link.peer());
-    }
+    if (b.held_back) channel::send_hello(b.link, lending_protocol);  // a fresh socket has room for it
     b.held_back = false;
     b.greeted = true;
     b.observer = observer;
     store_counts();
+    // Connected once its hello said which it is: the log tells observers apart.
+    emit_noted(lender_event::kind::connected, b.link.peer(), observer ? observer_note : "");
   }
 
   // The frames of `b` that have come whole (at most one batch's worth, so
@@ -1425,7 +1425,7 @@ class lender::state {
       std::lock_guard lock(mutex_);
       hang_up_locked(b, events);
     }
-    if (!b.held_back) emit(lender_event::kind::disconnected, b.link.peer());  // a held-back one never connected
+    if (b.greeted) emit_noted(lender_event::kind::disconnected, b.link.peer(), b.observer ? observer_note : "");
     for (const auto& e : events) emit(e);
   }
 
@@ -1726,6 +1726,15 @@ class lender::state {
     try {
       config_.on_event(lender_event{what, who.process, who.uid, region, bytes, std::move(detail)});  // NOLINT
     } catch (...) {  // NOLINT(bugprone-empty-catch): a log that fails must not stop the lender
+    }
+  }
+
+  // emit with a fixed note, its text made inside (a caller that may not
+  // throw can pass one).
+  void emit_noted(lender_event::kind what, const channel::peer_credentials& who, const char* note) noexcept {
+    try {
+      emit(what, who, 0, 0, std::string(note));
+    } catch (...) {  // NOLINT(bugprone-empty-catch): no memory for the note: the event is left out
     }
   }
 

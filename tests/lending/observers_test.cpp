@@ -72,6 +72,33 @@ TEST(lending_observers, an_observer_is_served_while_the_lender_is_full_and_is_no
   holder.give_back(std::move(region));
 }
 
+// The log tells observers apart: connected (once its hello said which it
+// is) and disconnected events of an observer carry the note "observer".
+TEST(lending_observers, the_log_names_observers) {
+  auto& dev = backend::host_device_instance();
+  const event_recorder recorder;
+  lender_config config = limits(4, 4);
+  recorder.attach(config);
+  observed_lender o(config);
+  const auto connections_seen = [&] {
+    std::vector<std::string> seen;
+    std::lock_guard lock(*recorder.guard);
+    for (const auto& e : *recorder.events) {
+      if (e.what == lending::lender_event::kind::connected || e.what == lending::lender_event::kind::disconnected) {
+        seen.push_back(std::string(e.what == lending::lender_event::kind::connected ? "connected" : "disconnected") +
+                       (e.detail.empty() ? "" : " " + e.detail));
+      }
+    }
+    return seen;
+  };
+  { borrower b(dev, o.l.address()); }
+  ASSERT_TRUE(eventually([&] { return connections_seen().size() == 2; }));  // its events first
+  { borrower observer(dev, o.l.address(), {}, 2000ms, as_observer()); }
+  ASSERT_TRUE(eventually([&] { return connections_seen().size() == 4; }));
+  const auto seen = connections_seen();
+  EXPECT_EQ(seen, (std::vector<std::string>{"connected", "disconnected", "connected observer", "disconnected observer"}));
+}
+
 TEST(lending_observers, an_observer_borrows_nothing_and_a_borrow_frame_from_one_closes_it) {
   auto& dev = backend::host_device_instance();
   observed_lender o(limits(4, 4));
