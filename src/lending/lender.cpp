@@ -489,8 +489,7 @@ class lender::state {
 
   // `b`'s hello, a borrower's or an observer's. A held-back connection is
   // served (the lender's hello sent now) if its kind has room, else turned
-  // away before any hello; one greeted at once is closed if its kind has
-  // none (several greeted at once turned out to be observers).
+  // away before any hello; one greeted at once had room for either kind.
   void greet(borrower_entry& b, const channel::frame& f) {
     static constexpr std::array<channel::protocol_id, 2> hellos{lending_protocol, detail::observer_protocol};
     bool observer = false;
