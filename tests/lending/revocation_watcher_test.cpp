@@ -13,7 +13,6 @@
 #include <memory>
 #include <mutex>
 #include <stdexcept>
-#include <future>
 #include <thread>
 #include <vector>
 
@@ -208,21 +207,24 @@ TEST(lending_revocation_watcher, destroyed_from_its_callback_it_leaves_the_borro
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   (void)model->metrics();  // both revokes read and kept: one batch
   std::atomic<revocation_watcher*> owned{nullptr};
-  std::promise<void> deleted, borrower_gone;
-  auto gone = borrower_gone.get_future();
+  // Atomics, not futures: the callback's last touch of them must come before
+  // the test's end (the thread is detached), which a future's wait cannot say.
+  std::atomic<bool> deleted{false}, borrower_gone{false}, callback_done{false};
   auto* watcher = new revocation_watcher(*model, [&](const borrower::revocation&) {
     revocation_watcher* w = nullptr;
     while ((w = owned.exchange(nullptr)) == nullptr) std::this_thread::yield();
     delete w;
-    deleted.set_value();
-    gone.wait();  // the owner drops the borrower while this callback still runs
+    deleted.store(true);
+    while (!borrower_gone.load()) std::this_thread::yield();  // the owner drops the borrower meanwhile
+    callback_done.store(true);
   });
   owned = watcher;
-  deleted.get_future().wait();
+  while (!deleted.load()) std::this_thread::yield();
   held.clear();
   model.reset();
-  borrower_gone.set_value();
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the thread ends meanwhile
+  borrower_gone.store(true);
+  while (!callback_done.load()) std::this_thread::yield();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the thread ends meanwhile, touching no borrower
 }
 
 TEST(lending_revocation_watcher, keeps_what_ended_it) {
