@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -319,6 +320,51 @@ TEST(lending_preemption, takes_from_another_uid_only_while_it_holds_more) {
   holder.give_back(std::move(held));
   ASSERT_EQ(first.wait_for(2s), std::future_status::ready);
   EXPECT_TRUE(first.get().valid());
+}
+
+// A uid's spares kept mapped count as its holdings: uid 65534 holding a
+// region of 2 MiB and keeping a spare of 2 MiB mapped holds more than this
+// uid's 2 MiB, so its region is taken rather than this uid's own (which is
+// what the choice falls back to were the spare left out).
+TEST(lending_preemption, counts_the_spares_a_uid_keeps_mapped_as_what_it_holds) {
+  if (::geteuid() != 0) GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root";
+  const std::string name = "shoal-preemption-spares-test-" + std::to_string(::getpid());
+  constexpr uid_t nobody = 65534;
+  auto& dev = backend::host_device_instance();
+  lender l(dev, channel::channel_address::abstract(name),
+           {.capacity_bytes = 8 * mib, .preempt_after = 0ms, .policy = channel::access_policy{{nobody}, {}}});
+  child_process holding(SHOAL_TEST_BORROWER, std::vector<std::string>{"wait-borrow", "host", "@" + name,
+                                                                        std::to_string(2 * mib), "30000", "nobody"});
+  const std::string lent = line_from(holding);  // the oldest region: 2 MiB of uid 65534
+  ASSERT_EQ(lent.rfind("lent ", 0), 0u) << lent;
+  const std::uint64_t theirs = std::stoull(lent.substr(5));
+  child_process keeping(SHOAL_TEST_BORROWER, std::vector<std::string>{"cycle", "host", "@" + name,
+                                                                        std::to_string(2 * mib), "1", "nobody"});
+  const std::string cycled = line_from(keeping);  // borrowed and given back, its mapping kept
+  ASSERT_NE(cycled.find("kept 1"), std::string::npos) << cycled;
+  ASSERT_EQ(l.status().spare_bytes, 2 * mib);
+  borrower holder(dev, l.address()), head(dev, l.address());
+  auto ours = holder.borrow(2 * mib, "this uid's model");
+  // 8 MiB: 4 lent, 2 spare; 6 asked: 2 short even with the spare released.
+  auto first = std::async(std::launch::async, [&] {
+    try {
+      (void)head.borrow(6 * mib, "this uid's next model", region_mode::exclusive, answer_timeout,
+                        borrow_wait{1s, {}});
+    } catch (const lending::memory_refused&) {  // NOLINT(bugprone-empty-catch): the region revoked is never given back
+    }
+  });
+  const auto deadline = std::chrono::steady_clock::now() + 1s;
+  std::vector<std::uint64_t> revoked;
+  while (revoked.empty() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(10ms);
+    for (const auto& r : l.status().regions) {
+      if (r.state == lending::region_state::revoking) revoked.push_back(r.id);
+    }
+  }
+  EXPECT_EQ(revoked, (std::vector<std::uint64_t>{theirs}))
+      << "uid 65534 holds 4 MiB with its spare, this uid 2: its region, the oldest, is the one to take";
+  EXPECT_TRUE(holder.revocations().empty()) << "this uid's own region was taken while uid 65534 held more";
+  first.wait();
 }
 
 TEST(lending_preemption, revokes_nothing_when_all_it_may_revoke_would_not_serve_the_head) {
