@@ -7,11 +7,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <unistd.h>
 #include <future>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -24,6 +26,7 @@
 #include "shoal/backend/host_device.h"
 #include "shoal/core/child_process.h"
 #include "shoal/core/error.h"
+#include "support/refused_allocations.h"
 
 namespace shoal::testing {
 namespace {
@@ -365,6 +368,68 @@ TEST(lending_preemption, counts_the_spares_a_uid_keeps_mapped_as_what_it_holds) 
       << "uid 65534 holds 4 MiB with its spare, this uid 2: its region, the oldest, is the one to take";
   EXPECT_TRUE(holder.revocations().empty()) << "this uid's own region was taken while uid 65534 held more";
   first.wait();
+}
+
+// When the lender's heap runs out while it preempts, the regions it chose
+// are marked to be revoked all together or not at all: a region marked alone
+// would wait, unrevoked in all but name, for a later look. Each round refuses
+// one more allocation of the serving thread (the first refusal lands on the
+// n-th allocation of the preemption: nothing else runs there meanwhile), and
+// the test reads the regions being revoked meanwhile; the sweep ends with
+// the first round that refused nothing.
+TEST(lending_preemption, marks_all_the_regions_it_chose_or_none_when_host_memory_runs_out) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  int rounds = 0;
+  for (int period = 1; period <= 200; ++period, ++rounds) {
+    lender_config config{.capacity_bytes = 8 * mib, .preempt_after = 30ms};
+    config.on_event = [](const lending::lender_event&) { refusing_allocations_elsewhere::join(); };
+    lender l(dev, channel::channel_address::at_path(dir / ("l" + std::to_string(period) + ".sock")), config);
+    borrower holder(dev, l.address(), channel::access_policy{}, 2000ms), head(dev, l.address());
+    std::vector<borrowed_region> held;
+    for (int i = 0; i < 4; ++i) held.push_back(holder.borrow(2 * mib, "model A"));  // lent oldest first
+    const std::vector<std::uint64_t> chosen{held[0].id(), held[1].id()};
+    std::atomic<bool> give_up{false};
+    auto next = std::async(std::launch::async, [&] {
+      return head.borrow(4 * mib, "model B", region_mode::exclusive, answer_timeout, borrow_wait{3s, [&] {
+                           if (give_up) throw std::runtime_error("the round is over");
+                         }});
+    });
+    ASSERT_TRUE(eventually([&] { return l.status().waiting.size() == 1; }));
+    int refused = 0;
+    {
+      const refusing_allocations_elsewhere some(period);
+      const auto until = std::chrono::steady_clock::now() + 100ms;
+      while (std::chrono::steady_clock::now() < until) {
+        std::vector<std::uint64_t> revoking;
+        for (const auto& r : l.status().regions) {
+          if (r.state == lending::region_state::revoking) revoking.push_back(r.id);
+        }
+        std::sort(revoking.begin(), revoking.end());
+        ASSERT_TRUE(revoking.empty() || revoking == chosen)
+            << "period " << period << ": " << revoking.size() << " of the 2 regions chosen marked";
+        std::this_thread::sleep_for(1ms);
+      }
+      refused = refusing_allocations_elsewhere::refused();
+    }
+    // Memory back: the next look revokes both, unless a refused send closed
+    // the holder's connection (its regions then stay with this live process).
+    try {
+      const auto revoked = holder.revocations(2s);
+      std::vector<std::uint64_t> ids = ids_of(revoked);
+      std::sort(ids.begin(), ids.end());
+      EXPECT_EQ(ids, chosen) << "period " << period;
+      holder.give_back(std::move(held[0]));
+      holder.give_back(std::move(held[1]));
+      ASSERT_EQ(next.wait_for(2s), std::future_status::ready) << "period " << period;
+      EXPECT_TRUE(next.get().valid()) << "period " << period;
+    } catch (const error&) {  // closed for the lender's lack of memory
+      give_up = true;  // its regions stay with this live process: the head is not served
+    }
+    if (refused == 0) break;  // past the preemption's last allocation
+  }
+  EXPECT_GT(rounds, 3) << "the preemption allocated too little for the sweep to mean anything";
+  EXPECT_LT(rounds, 200) << "no round ran the preemption without a refusal";
 }
 
 TEST(lending_preemption, revokes_nothing_when_all_it_may_revoke_would_not_serve_the_head) {
