@@ -55,6 +55,13 @@
 //       As <as> (as for cycle), connects as an observer, reads the metrics and
 //       says "observing", or "refused <why>" when the lender turned it away
 //       (peer_refused); then waits until the parent hangs up.
+//   shoal_test_borrower older-lender <host|cuda> <socket path> <connections>
+//       A lender older than observer connections, by hand: listens at
+//       <socket path>, says "listening", and for each of <connections>
+//       connections greets with the lending protocol's hello and closes the
+//       connection when the peer's hello names another protocol, saying
+//       "closed <why>" (or "greeted" when it named the lending protocol);
+//       then waits until the parent hangs up.
 #include <unistd.h>
 
 #include <chrono>
@@ -351,13 +358,30 @@ int observe(backend::device& dev, const std::string& where, const std::string& a
   return 0;
 }
 
+int older_lender(const std::string& path, int connections) {
+  channel::listener server(channel::channel_address::at_path(path), {}, lending::detail::max_frame_payload);
+  say("listening");
+  for (int i = 0; i < connections; ++i) {
+    auto link = server.accept();
+    channel::send_hello(link, lending::detail::lending_protocol);
+    try {
+      channel::check_hello(link.receive(), lending::detail::lending_protocol);
+      say("greeted");
+    } catch (const protocol_error& e) {
+      say(std::string("closed ") + e.what());  // the connection closes as `link` goes
+    }
+  }
+  wait_for_parent();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     const std::vector<std::string> args(argv + 1, argv + argc);
     if (args.size() < 4) {
-      std::fprintf(stderr, "usage: shoal_test_borrower hold|yield|wait-borrow|hang-up|publish|read|write-shared|deaf|cycle|revoke|observe <host|cuda> "
+      std::fprintf(stderr, "usage: shoal_test_borrower hold|yield|wait-borrow|hang-up|publish|read|write-shared|deaf|cycle|revoke|observe|older-lender <host|cuda> "
                    "<socket path> ...\n");
       return 2;
     }
@@ -383,6 +407,7 @@ int main(int argc, char** argv) {
       return cycle(dev, args[2], std::stoull(args[3]), std::stoi(args[4]), args[5]);
     if (args[0] == "revoke" && args.size() == 5) return revoke(dev, args[2], std::stoull(args[3]), args[4]);
     if (args[0] == "observe" && args.size() == 4) return observe(dev, args[2], args[3]);
+    if (args[0] == "older-lender" && args.size() == 4) return older_lender(args[2], std::stoi(args[3]));
     std::fprintf(stderr, "shoal_test_borrower: unknown command '%s'\n", args[0].c_str());
     return 2;
   } catch (const std::exception& e) {

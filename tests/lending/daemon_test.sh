@@ -198,6 +198,32 @@ answers "$dir/c.sock" || fail "the daemon did not answer status"
 answers "$dir/c.sock" || fail "the daemon died when the reader of its log went away"
 stop
 
+# Against a daemon older than observer connections (it greets, then closes
+# a connection whose hello is not a borrower's), status and revoke say that
+# the daemon may be older than the command.
+python3 - "$test_borrower" "$dir/old.sock" "$shoal" <<'EOF' || fail "the message for an older daemon"
+import os, socket, subprocess, sys
+test_borrower, address, shoal = sys.argv[1:]
+parent, child = socket.socketpair()
+end = child.fileno()
+older = subprocess.Popen([test_borrower, "older-lender", "host", address, "2"],
+                         pass_fds=(3, end), preexec_fn=lambda: os.dup2(end, 3))  # it talks on fd 3
+child.close()
+parent.settimeout(10)
+lines = parent.makefile()
+assert lines.readline().strip() == "listening"
+for command in (["status"], ["revoke", "1"]):
+    asked = subprocess.run([shoal, "daemon", *command, "--socket", address, "--device", "host", "--timeout", "5"],
+                           capture_output=True, text=True, timeout=30)
+    assert asked.returncode != 0, (command, asked.stdout)
+    assert "older than this shoal command, which connects as an observer" in asked.stderr, (command, asked.stderr)
+    seen = lines.readline().strip()
+    assert seen.startswith("closed ") and "shoal.lending.observer" in seen, seen
+lines.close()
+parent.close()  # it ends when its parent hangs up
+older.wait(timeout=30)
+EOF
+
 # `shoal daemon revoke`: a borrower process holds a region; the operator
 # (this user) revokes it by the id status names, and status shows it
 # revoking; a region no one holds is refused with a message naming it.
