@@ -28,8 +28,8 @@ activation arena, as serving systems reserve) with room for the batches' activat
 A hand-over is timed from the moment the holder's serving loop sees it must give up
 (between two batches, in every mode) to the next server's first batch done, on the
 system-wide monotonic clock, in parts: *memory* (the holder dropping its tensors, its
-allocator's release — the pool's close and give back, or ``empty_cache`` — and the next one
-getting the memory and its workspace allocated), *weights* (allocated and copied in) and
+allocator's release — the pool's close, or ``empty_cache`` — and the next one getting the
+memory, through the region's give back with shoal, and its workspace allocated), *weights* (allocated and copied in) and
 *first batch* (its activations allocated, the batch run). The first two hand-overs of each
 mode (the first time each server maps or allocates) are reported apart. Prints a table, last.
 """
@@ -198,8 +198,10 @@ def shoal_server(name: str, args, address: str, region_bytes: int, conn) -> None
             log(args, name, "served", times["batches"], "batches")
             pool.close()
             log(args, name, "pool closed", pool.stats())
-            del pool, region
+            # Stamped before the region goes (its give back): the next server's memory
+            # cannot come before this stamp, so "the next one's memory" is never negative.
             times["released"] = now()
+            del pool, region
             log(args, name, "released")
             times["revoked"] = revoked_at[0] if revoked_at else None
             records.append(times)
