@@ -296,19 +296,32 @@ TEST(lending_preemption, keeps_each_region_preempt_after_at_least) {
 
 // Across uids the lender takes only from a uid holding more than the
 // head's: a borrower does not take from one that holds as little as it does.
+// A lender of 8 MiB that preempts at once and admits uid 65534, whose
+// borrower process holds the oldest region, 2 MiB (the tests need root).
+struct lender_with_another_uid {
+  static constexpr uid_t nobody = 65534;
+  std::string name = "shoal-preemption-uid-test-" + std::to_string(::getpid());
+  backend::device& dev = backend::host_device_instance();
+  lender l{dev, channel::channel_address::abstract(name),
+           {.capacity_bytes = 8 * mib, .preempt_after = 0ms, .policy = channel::access_policy{{nobody}, {}}}};
+  child_process holding = nobodys("wait-borrow", {std::to_string(2 * mib), "30000"});
+  std::string lent = line_from(holding);  // "lent <its region>"
+
+  // A borrower process of uid 65534 running `command` with `args`.
+  child_process nobodys(const std::string& command, std::vector<std::string> args) const {
+    args.insert(args.begin(), {command, "host", "@" + name});
+    args.emplace_back("nobody");
+    return child_process(SHOAL_TEST_BORROWER, args);
+  }
+};
+
 TEST(lending_preemption, takes_from_another_uid_only_while_it_holds_more) {
   if (::geteuid() != 0) GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root";
-  const std::string name = "shoal-preemption-test-" + std::to_string(::getpid());
-  constexpr uid_t nobody = 65534;
-  auto& dev = backend::host_device_instance();
-  lender l(dev, channel::channel_address::abstract(name),
-           {.capacity_bytes = 8 * mib, .preempt_after = 0ms, .policy = channel::access_policy{{nobody}, {}}});
-  child_process small(SHOAL_TEST_BORROWER, std::vector<std::string>{"wait-borrow", "host", "@" + name,
-                                                                      std::to_string(2 * mib), "30000", "nobody"});
-  const std::string lent = line_from(small);  // the oldest region: 2 MiB of uid 65534
-  ASSERT_EQ(lent.rfind("lent ", 0), 0u) << lent;
-  const std::uint64_t smalls = std::stoull(lent.substr(5));
-  borrower holder(dev, l.address()), head(dev, l.address());
+  lender_with_another_uid f;
+  lender& l = f.l;
+  ASSERT_EQ(f.lent.rfind("lent ", 0), 0u) << f.lent;
+  const std::uint64_t smalls = std::stoull(f.lent.substr(5));
+  borrower holder(f.dev, l.address()), head(f.dev, l.address());
   auto held = holder.borrow(6 * mib, "this uid's model");
   auto first = std::async(std::launch::async, [&] {
     return head.borrow(2 * mib, "this uid's next model", region_mode::exclusive, answer_timeout,
@@ -331,18 +344,12 @@ TEST(lending_preemption, takes_from_another_uid_only_while_it_holds_more) {
 // what the choice falls back to were the spare left out).
 TEST(lending_preemption, counts_the_spares_a_uid_keeps_mapped_as_what_it_holds) {
   if (::geteuid() != 0) GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root";
-  const std::string name = "shoal-preemption-spares-test-" + std::to_string(::getpid());
-  constexpr uid_t nobody = 65534;
-  auto& dev = backend::host_device_instance();
-  lender l(dev, channel::channel_address::abstract(name),
-           {.capacity_bytes = 8 * mib, .preempt_after = 0ms, .policy = channel::access_policy{{nobody}, {}}});
-  child_process holding(SHOAL_TEST_BORROWER, std::vector<std::string>{"wait-borrow", "host", "@" + name,
-                                                                        std::to_string(2 * mib), "30000", "nobody"});
-  const std::string lent = line_from(holding);  // the oldest region: 2 MiB of uid 65534
-  ASSERT_EQ(lent.rfind("lent ", 0), 0u) << lent;
-  const std::uint64_t theirs = std::stoull(lent.substr(5));
-  child_process keeping(SHOAL_TEST_BORROWER, std::vector<std::string>{"cycle", "host", "@" + name,
-                                                                        std::to_string(2 * mib), "1", "nobody"});
+  lender_with_another_uid f;
+  lender& l = f.l;
+  auto& dev = f.dev;
+  ASSERT_EQ(f.lent.rfind("lent ", 0), 0u) << f.lent;
+  const std::uint64_t theirs = std::stoull(f.lent.substr(5));
+  child_process keeping = f.nobodys("cycle", {std::to_string(2 * mib), "1"});
   const std::string cycled = line_from(keeping);  // borrowed and given back, its mapping kept
   ASSERT_NE(cycled.find("kept 1"), std::string::npos) << cycled;
   ASSERT_EQ(l.status().spare_bytes, 2 * mib);
