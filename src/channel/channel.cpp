@@ -979,6 +979,7 @@ listener::listener(const channel_address& address, access_policy policy, std::si
     if (!st) throw backend_error("fstatat(" + address_.name() + ")", "the socket file was removed as it was made");
     file_device_ = st->st_dev;
     file_inode_ = st->st_ino;
+    owner_pid_ = ::getpid();
   }
   if (::listen(socket_.get(), SOMAXCONN) != 0) {
     throw backend_error("listen(" + address_.to_string() + ")", errno_text());
@@ -986,7 +987,8 @@ listener::listener(const channel_address& address, access_policy policy, std::si
 }
 
 listener::~listener() {
-  if (!directory_) return;
+  // A forked child shares the socket with its parent, which still listens.
+  if (!directory_ || ::getpid() != owner_pid_) return;
   try {
     const std::optional<struct stat> st = directory_->entry(file_name_);
     if (st && st->st_dev == file_device_ && st->st_ino == file_inode_) directory_->remove(file_name_);

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <string>
 
 #include "channel/channel_fixtures.h"
@@ -302,6 +303,29 @@ TEST(listener_file, the_destructor_removes_its_socket_file_and_no_other) {
     std::ofstream(path) << "someone else's";
   }
   EXPECT_EQ(::access(path.c_str(), F_OK), 0) << "a file that took the socket's place is left alone";
+}
+
+// A child forked while the listener lives ends with the listener's
+// destructor run in it too (a Python process exiting runs them): the file is
+// the parent's, which still listens, and stays.
+TEST(listener_file, a_forked_child_that_destroys_it_leaves_the_parents_socket_file) {
+  temp_dir dir;
+  const std::string path = dir / "sock";
+  auto server = std::make_unique<listener>(channel_address::at_path(path), channel::access_policy{});
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    server.reset();
+    ::_exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(::access(path.c_str(), F_OK), 0) << "the child removed the parent's socket file";
+  EXPECT_NO_THROW((void)connection::connect(channel_address::at_path(path), {}, connection::default_max_payload, std::chrono::seconds(2)))
+      << "no one listens at the parent's address any more";
+  server.reset();
+  EXPECT_NE(::access(path.c_str(), F_OK), 0) << "the parent's own end removes it";
 }
 
 }  // namespace

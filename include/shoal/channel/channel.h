@@ -422,6 +422,9 @@ class listener {
            std::size_t max_payload = connection::default_max_payload);
   listener(const listener&) = delete;
   listener& operator=(const listener&) = delete;
+  /// Removes the socket file (a path's), when it is still this listener's
+  /// own and this is the process that made the listener: a child forked
+  /// since, ending, leaves the parent's socket where it is.
   ~listener();
 
   /// Waits for the next connection and checks its peer. Throws peer_refused
@@ -461,6 +464,7 @@ class listener {
   // The socket file's identity, so the destructor removes only its own file.
   dev_t file_device_ = 0;
   ino_t file_inode_ = 0;
+  pid_t owner_pid_ = 0;  // the process that made it, which alone removes its file
 };
 
 }  // namespace shoal::channel
