@@ -198,6 +198,11 @@ answers "$dir/c.sock" || fail "the daemon did not answer status"
 answers "$dir/c.sock" || fail "the daemon died when the reader of its log went away"
 stop
 
+# With no daemon at the address, status says so and no more.
+"$shoal" daemon status --socket "$dir/none.sock" --device host > /dev/null 2> "$dir/none" && fail "status without a daemon succeeded"
+grep -q "no one listens at" "$dir/none" || fail "status without a daemon: $(cat "$dir/none")"
+grep -q "older" "$dir/none" && fail "status without a daemon blames an older daemon: $(cat "$dir/none")"
+
 # Against a daemon older than observer connections (it greets, then closes
 # a connection whose hello is not a borrower's), status and revoke say that
 # the daemon may be older than the command.
