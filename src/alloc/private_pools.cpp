@@ -342,42 +342,53 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
     require_refuse_for_growing(*part, live, "destroy_private_pool");
     grows = grows || part->grows;
   }
-  // Work the streams enqueued on a growing pool's memory runs before the
-  // memory goes back (a pending free's stream, a free block's last streams).
-  if (grows) drain_private_pool(id, "");
+  const auto frees_now = [&] {
+    std::uint64_t frees = 0;
+    for (block_pool* part : directory_.private_parts(id)) frees += frees_of(*part);
+    return frees;
+  };
   if (live == live_blocks::refuse) {
-    // A growing pool's segments leave the directory with it, then go back.
+    // A growing pool's segments leave the directory with it, then go back,
+    // once the streams enqueued on its memory have run (a pending free's
+    // stream, a free block's last streams). A free that came after the
+    // drain looked (its stream's work not waited for) sends it round again.
     std::vector<std::pair<std::uintptr_t, std::size_t>> grown;
-    std::unique_lock retired_lock(retired_mutex_);
-    (void)directory_.remove_private_pool(
-        id,
-        [&](const std::vector<block_pool*>& parts) {
-          std::size_t segments = 0;
-          for (block_pool* part : parts) {
-            require_no_live_blocks(*part, "destroy_private_pool");
-            if (part->grows) segments += part->segments.size();
-          }
-          make_room_for_orphans(parts);
-          grown.reserve(segments);
-          return true;
-        },
-        [&](block_pool& part) {
-          orphan_tombstones(part);
-          retire_counters(part);
-          if (!part.grows) return;
-          for (const auto& s : part.segments) {
-            grown.emplace_back(s->base, s->size);
-            source_.note_detached(s->size);
-          }
-        });
-    retired_lock.unlock();
+    for (bool removed = false; !removed;) {
+      const std::uint64_t frees = frees_now();
+      if (grows) drain_private_pool(id, "");
+      std::unique_lock retired_lock(retired_mutex_);
+      removed = directory_.remove_private_pool(
+          id,
+          [&](const std::vector<block_pool*>& parts) {
+            std::uint64_t now = 0;
+            for (block_pool* part : parts) now += part->frees;
+            if (grows && now != frees) return false;
+            std::size_t segments = 0;
+            for (block_pool* part : parts) {
+              require_no_live_blocks(*part, "destroy_private_pool");
+              if (part->grows) segments += part->segments.size();
+            }
+            make_room_for_orphans(parts);
+            grown.reserve(segments);
+            return true;
+          },
+          [&](block_pool& part) {
+            orphan_tombstones(part);
+            retire_counters(part);
+            if (!part.grows) return;
+            for (const auto& s : part.segments) {
+              grown.emplace_back(s->base, s->size);
+              source_.note_detached(s->size);
+            }
+          });
+    }
     source_.free_detached_segments(grown);
     check_step();
     return taken;
   }
+  if (grows) drain_private_pool(id, "");
   hooks.run_forced_clear_hooks();  // blocks no other process holds any more lose their mark
-  std::uint64_t frees = 0;
-  for (block_pool* part : directory_.private_parts(id)) frees += frees_of(*part);
+  std::uint64_t frees = frees_now();
   std::vector<std::pair<std::uintptr_t, std::size_t>> memory;  // debug mode: to poison once it left
   for (bool removed = false; !removed;) {
     device.synchronize_device();  // as clear_private_pool does, and again after a free during it

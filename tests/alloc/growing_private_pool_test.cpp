@@ -5,15 +5,20 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
+#include "shoal/backend/host_device.h"
 #include "support/allocators.h"
+#include "support/forwarding_device.h"
 #include "support/invariants_during.h"
 
 namespace shoal::testing {
@@ -316,6 +321,49 @@ TYPED_TEST(growing_private_pool, invariants_checked_during_destroys_hold) {
       a.destroy_private_pool(pool);
     }
   });
+}
+
+// Runs `before_sync` (once) when the next stream synchronize begins: a free
+// that lands while a destroy drains the pool, after the drain looked.
+struct synchronize_hooking_device : forwarding_device {
+  using forwarding_device::forwarding_device;
+  std::function<void()> before_sync;
+  void synchronize(backend::stream_ref s) override {
+    if (auto run = std::exchange(before_sync, nullptr)) run();
+    forwarding_device::synchronize(s);
+  }
+};
+
+// A free that comes while the destroy drains the pool (its stream's work on
+// the block queued after the drain looked) sends the destroy round again:
+// the memory goes back only after that stream has run its work.
+TEST(growing_private_pool_destroy, a_free_during_the_drain_is_waited_for_before_the_memory_goes_back) {
+  backend::host_device host;
+  synchronize_hooking_device dev(host);
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse(""));
+  backend::stream s0(dev), s1(dev);
+  const auto id = a.create_growing_private_pool();
+  void* p = nullptr;
+  void* q = nullptr;
+  {
+    alloc::private_pool_scope scope(a, id);
+    p = a.allocate(mib, s1);
+    q = a.allocate(mib, s0);
+  }
+  a.deallocate(q, s0);  // a free block that last ran on s0: the drain synchronizes s0
+  backend::event_ref last_use = dev.create_event();
+  dev.before_sync = [&] {
+    // s1 is held for 200 ms, then fills p (its last use) and p is freed on it.
+    dev.host_task(s1, [] { std::this_thread::sleep_for(std::chrono::milliseconds(200)); });
+    dev.fill(s1, p, 0xab, mib);
+    dev.record(last_use, s1);
+    a.deallocate(p, s1);
+  };
+  (void)a.destroy_private_pool(id);
+  EXPECT_TRUE(dev.query_event(last_use)) << "the memory went back while s1 still had work on it";
+  dev.synchronize(s1);
+  dev.destroy_event(last_use);
+  EXPECT_NO_THROW(a.check_invariants());
 }
 
 }  // namespace
