@@ -248,13 +248,15 @@ TYPED_TEST(pinned_host_allocator, the_limit_bounds_the_footprint_and_allocation_
 // loaded machine cannot fail it.
 TYPED_TEST(pinned_host_allocator, at_the_limit_allocation_waits_for_the_oldest_pending_copy_only) {
   auto& dev = this->device();
-  alloc::caching_allocator a(dev, pinned("memory_limit_mb:4"));
-  stream s(dev);
-  device_buffer dst(dev, 4 * mib);
+  // Before the stream: they outlive the host task waiting on them, even
+  // when an assertion ends the test before the gate opens.
   std::mutex gate_mutex;
   std::condition_variable gate_opened;
   bool open = false;
   std::atomic<bool> gate_gave_up{false};
+  alloc::caching_allocator a(dev, pinned("memory_limit_mb:4"));
+  stream s(dev);
+  device_buffer dst(dev, 4 * mib);
   std::vector<void*> ring;
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < 4; ++i) {
