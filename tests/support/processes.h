@@ -16,11 +16,14 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <thread>
 
 #include "shoal/core/unique_fd.h"
 
@@ -59,8 +62,10 @@ struct pipe_ends {
 };
 
 /// A forked child running `body`, whose result becomes the exit status.
-/// `body` must call only async-signal-safe functions. The destructor kills
-/// and reaps a child not yet waited for.
+/// `body` must call only async-signal-safe functions (or, in a test of what
+/// shoal does in a fork() child, shoal and the C++ runtime, which glibc
+/// makes safe to call after fork). The destructor kills and reaps a child
+/// not yet waited for.
 class forked_child {
  public:
   template <typename Body>
@@ -85,6 +90,21 @@ class forked_child {
     }
     pid_ = -1;
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+  /// wait(), for at most `limit`: nothing when the child still runs then
+  /// (the destructor kills it).
+  std::optional<int> wait_for(std::chrono::milliseconds limit) {
+    const auto until = std::chrono::steady_clock::now() + limit;
+    for (;;) {
+      int status = 0;
+      const pid_t done = ::waitpid(pid_, &status, WNOHANG);
+      if (done == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      if (std::chrono::steady_clock::now() >= until) return std::nullopt;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
   }
 
  private:

@@ -14,6 +14,7 @@
 #include "backend/host/host_executor.h"
 #include "backend/host/host_memory.h"
 #include "core/address_text.h"
+#include "core/fork_epoch.h"
 #include "shoal/core/error.h"
 
 namespace shoal::backend {
@@ -40,6 +41,9 @@ struct host_state {
         event_page(host_event_page::create()),
         default_stream(std::make_shared<host_executor>(event_page->lease())) {}
 
+  // Streams made in a fork() child would take slots of the parent's
+  // shared event page; a child may not make them (see create_stream).
+  const shoal::detail::fork_epoch epoch;
   host_memory memory;
   // Where every stream publishes its progress for other processes; streams
   // created when all its slots are taken keep theirs private.
@@ -129,6 +133,7 @@ void host_device::map(void* address, physical_ref chunk) { state_->memory.map(ad
 void host_device::unmap(void* address) { state_->memory.unmap(address); }
 
 stream_ref host_device::create_stream() {
+  if (state_->epoch.forked_since()) detail::host_executor::throw_forked("create a stream");
   auto executor = std::make_shared<detail::host_executor>(state_->event_page->lease());
   void* key = executor.get();
   std::unique_lock lock(state_->registry_mutex);

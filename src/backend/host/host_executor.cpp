@@ -3,75 +3,100 @@
 #include <exception>
 #include <utility>
 
+#include "shoal/core/error.h"
+
 namespace shoal::backend::detail {
 
-host_executor::host_executor(std::optional<host_stream_slot> slot)
-    : slot_(std::move(slot)),
-      completed_(slot_ ? slot_->counter() : private_completed_),
-      submitted_(completed_.load(std::memory_order_acquire)),
-      thread_([this] { run(); }) {}
+host_executor::state::state(std::optional<host_stream_slot> s)
+    : slot(std::move(s)),
+      completed(slot ? slot->counter() : private_completed),
+      submitted(completed.load(std::memory_order_acquire)) {}
+
+host_executor::host_executor(std::optional<host_stream_slot> slot) : state_(std::make_unique<state>(std::move(slot))) {
+  state_->thread = std::thread([s = state_.get()] { run(*s); });
+}
 
 host_executor::~host_executor() {
-  {
-    std::lock_guard lock(mutex_);
-    stopping_ = true;
+  if (epoch_.forked_since()) {
+    // The thread is not in this process: joining it, or destroying the
+    // condition variable it waited on, would block forever; and the slot is
+    // the parent's. The state stays as it is, unused.
+    (void)state_.release();
+    return;
   }
-  has_work_.notify_one();
-  thread_.join();
+  {
+    std::lock_guard lock(state_->mutex);
+    state_->stopping = true;
+  }
+  state_->has_work.notify_one();
+  state_->thread.join();
+}
+
+void host_executor::throw_forked(const std::string& what) {
+  throw device_unavailable("host device: cannot " + what +
+                           " in a fork() child; the device and its streams were opened in the parent process, and "
+                           "their worker threads do not exist here. Start child processes with spawn or forkserver, "
+                           "or open the device only after fork()");
+}
+
+void host_executor::throw_if_forked(const char* what) const {
+  if (epoch_.forked_since()) throw_forked(what);
 }
 
 std::uint64_t host_executor::submit(std::function<void()> work) {
+  throw_if_forked("enqueue work on a stream");
   std::uint64_t ticket;
   {
-    std::lock_guard lock(mutex_);
-    queue_.push_back(std::move(work));
-    ticket = ++submitted_;
+    std::lock_guard lock(state_->mutex);
+    state_->queue.push_back(std::move(work));
+    ticket = ++state_->submitted;
   }
-  has_work_.notify_one();
+  state_->has_work.notify_one();
   return ticket;
 }
 
 std::uint64_t host_executor::submitted() const {
-  std::lock_guard lock(mutex_);
-  return submitted_;
+  std::lock_guard lock(state_->mutex);
+  return state_->submitted;
 }
 
 void host_executor::wait_for(std::uint64_t ticket) const {
-  std::uint64_t seen = completed_.load(std::memory_order_acquire);
+  std::uint64_t seen = state_->completed.load(std::memory_order_acquire);
+  if (seen < ticket) throw_if_forked("wait for stream work enqueued before fork()");
   while (seen < ticket) {
-    completed_.wait(seen, std::memory_order_acquire);
-    seen = completed_.load(std::memory_order_acquire);
+    state_->completed.wait(seen, std::memory_order_acquire);
+    seen = state_->completed.load(std::memory_order_acquire);
   }
 }
 
 std::string host_executor::take_error() {
-  std::lock_guard lock(mutex_);
-  return std::exchange(first_error_, {});
+  std::lock_guard lock(state_->mutex);
+  return std::exchange(state_->first_error, {});
 }
 
-void host_executor::run() {
+void host_executor::run(state& s) {
   for (;;) {
     std::function<void()> work;
     {
-      std::unique_lock lock(mutex_);
-      has_work_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and everything has run
-      work = std::move(queue_.front());
-      queue_.pop_front();
+      std::unique_lock lock(s.mutex);
+      s.has_work.wait(lock, [&] { return s.stopping || !s.queue.empty(); });
+      if (s.queue.empty()) return;  // stopping, and everything has run
+      work = std::move(s.queue.front());
+      s.queue.pop_front();
     }
     try {
       work();
     } catch (const std::exception& e) {
-      std::lock_guard lock(mutex_);
-      if (first_error_.empty()) first_error_ = e.what();
+      std::lock_guard lock(s.mutex);
+      if (s.first_error.empty()) s.first_error = e.what();
     } catch (...) {
-      std::lock_guard lock(mutex_);
-      if (first_error_.empty()) first_error_ = "work threw an exception that is not a std::exception";
+      std::lock_guard lock(s.mutex);
+      if (s.first_error.empty()) s.first_error = "work threw an exception that is not a std::exception";
     }
     work = nullptr;  // what the work captured is released before the stream passes it
     // Release: whoever sees the new count also sees the work's writes.
-    completed_.fetch_add(1, std::memory_order_release);
-    completed_.notify_all();
+    s.completed.fetch_add(1, std::memory_order_release);
+    s.completed.notify_all();
   }
 }
 

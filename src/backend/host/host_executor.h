@@ -10,6 +10,11 @@
 // previous stream left (0 for a fresh slot or no slot), so the slot's count
 // never goes back.
 //
+// In a fork() child of the process that made it the thread is gone: submit()
+// and a wait that would block throw device_unavailable instead of hanging,
+// and the destructor leaves the thread's state alone (leaked) rather than
+// join a thread that is not there.
+//
 // Thread-safety: all members may be called from any thread.
 // Invariant: b <= completed() <= submitted(); both only grow.
 #pragma once
@@ -19,12 +24,14 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 
 #include "backend/host/host_event_page.h"
+#include "core/fork_epoch.h"
 
 namespace shoal::backend::detail {
 
@@ -41,28 +48,40 @@ class host_executor {
   /// for take_error().
   std::uint64_t submit(std::function<void()> work);
   [[nodiscard]] std::uint64_t submitted() const;
-  [[nodiscard]] std::uint64_t completed() const noexcept { return completed_.load(std::memory_order_acquire); }
+  [[nodiscard]] std::uint64_t completed() const noexcept { return state_->completed.load(std::memory_order_acquire); }
   /// The slot in the host event page this stream publishes to, or nullptr.
-  [[nodiscard]] const host_stream_slot* slot() const noexcept { return slot_ ? &*slot_ : nullptr; }
+  [[nodiscard]] const host_stream_slot* slot() const noexcept { return state_->slot ? &*state_->slot : nullptr; }
   /// Blocks until the stream has passed `ticket`.
   void wait_for(std::uint64_t ticket) const;
   /// The message of the first work that failed since the last call, or "".
   std::string take_error();
 
+  /// Throws device_unavailable saying that `what` cannot be done in a
+  /// fork() child with the parent's host device.
+  [[noreturn]] static void throw_forked(const std::string& what);
+
  private:
-  void run();
+  // Everything the thread uses, on the heap so that a fork() child can leave
+  // it be.
+  struct state {
+    explicit state(std::optional<host_stream_slot> s);
+    const std::optional<host_stream_slot> slot;
+    std::atomic<std::uint64_t> private_completed{0};
+    std::atomic<std::uint64_t>& completed;  // the slot's counter, or private_completed without one
 
-  const std::optional<host_stream_slot> slot_;
-  std::atomic<std::uint64_t> private_completed_{0};
-  std::atomic<std::uint64_t>& completed_;  // the slot's counter, or private_completed_ without one
+    std::mutex mutex;
+    std::condition_variable has_work;
+    std::deque<std::function<void()>> queue;  // guarded by mutex
+    std::uint64_t submitted;                  // guarded by mutex
+    bool stopping = false;                    // guarded by mutex
+    std::string first_error;                  // guarded by mutex
+    std::thread thread;
+  };
+  static void run(state& s);
+  void throw_if_forked(const char* what) const;
 
-  mutable std::mutex mutex_;
-  std::condition_variable has_work_;
-  std::deque<std::function<void()>> queue_;  // guarded by mutex_
-  std::uint64_t submitted_;                  // guarded by mutex_
-  bool stopping_ = false;                    // guarded by mutex_
-  std::string first_error_;                  // guarded by mutex_
-  std::thread thread_;
+  const shoal::detail::fork_epoch epoch_;
+  std::unique_ptr<state> state_;
 };
 
 }  // namespace shoal::backend::detail
