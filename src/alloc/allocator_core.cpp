@@ -55,6 +55,9 @@ allocator_core::allocator_core(backend::device& dev, allocator_config cfg)
       source_(dev, config, directory_, trace_, hooks) {}
 
 allocator_core::~allocator_core() {
+  // In a fork() child the segments and the streams with work on them are
+  // the parent's: nothing to wait for or give back here.
+  if (epoch_.forked_since()) return;
   directory_.for_each_pool_ever([&](block_pool& pool) { source_.release_at_teardown(pool, events_); });
 }
 
@@ -74,9 +77,21 @@ void require_not_invalidated(const block* b, const char* op) {
                          "(live_blocks::invalidate); only its free is still accepted");
 }
 
+namespace {
+
+[[noreturn]] [[gnu::cold]] void throw_forked_allocate(std::size_t bytes) {
+  throw device_unavailable("caching_allocator::allocate(" + std::to_string(bytes) +
+                           " bytes): this allocator was made in the parent process, and this is a fork() child; its "
+                           "blocks are the parent's. Make an allocator in the child on a device opened there, or "
+                           "start child processes with spawn or forkserver");
+}
+
+}  // namespace
+
 // ---- allocation --------------------------------------------------------------
 
 void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream, bool claim) {
+  if (epoch_.forked_since()) [[unlikely]] throw_forked_allocate(bytes);
   // The common case, on its own: no private_pool_scope, the stream this
   // thread used last, and a block of the size it freed lately (parked). A
   // miss there goes on to the general steps under the same lock.
@@ -396,6 +411,8 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
 // ---- free ----------------------------------------------------------------------
 
 bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool events_allowed) {
+  // A fork() child's drop of a block it inherited: the memory is the parent's.
+  if (epoch_.forked_since()) [[unlikely]] return true;
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
   bool freed = true;
   const auto free_block = [&](block_pool& pool, block* b) {

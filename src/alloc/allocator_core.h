@@ -32,6 +32,7 @@
 #include "alloc/pool_directory.h"
 #include "alloc/segment_source.h"
 #include "alloc/trace_ring.h"
+#include "core/fork_epoch.h"
 #include "shoal/alloc/allocator_types.h"
 #include "shoal/alloc/config.h"
 #include "shoal/alloc/invariant_test_hook.h"
@@ -225,6 +226,7 @@ class allocator_core {
   /// Traces a tombstone's removal by its late free (forced_clear.cpp).
   void note_tombstone_removed(std::uintptr_t address, backend::stream_ref stream);
 
+  const shoal::detail::fork_epoch epoch_;  ///< allocate refuses, deallocate ignores, in a fork() child
   pool_directory directory_;
   orphaned_tombstones orphans_;  ///< tombstones of destroyed private pools
   // Hands a region's orphaned tombstones over whole: held by

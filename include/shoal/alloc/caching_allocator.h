@@ -37,6 +37,12 @@
 // recorded on it (as on CUDA, where using a destroyed stream is undefined);
 // the allocator keeps a pool per stream for its own life.
 //
+// Processes: an allocator belongs to the process that made it. In a fork()
+// child, allocate throws device_unavailable (its cached blocks are the
+// parent's: on the host backend their bytes stay shared with the parent,
+// which hands them out again) and deallocate does nothing (the memory is the
+// parent's). A child makes its own allocator, on a device it opened itself.
+//
 // Thread-safety: every member may be called from any thread at once. Each
 // stream's blocks have their own lock, so threads on different streams
 // rarely contend.
@@ -92,7 +98,7 @@ class caching_allocator {
   /// owner that will free it (storages allocate this way).
   [[nodiscard]] void* allocate_claimed(std::size_t bytes, backend::stream_ref stream);
   /// Frees `ptr` with its last use enqueued on `stream` (see the header
-  /// comment). A pointer this allocator did not hand out, or one already
+  /// comment); nothing in a fork() child. A pointer this allocator did not hand out, or one already
   /// freed, gives invalid_argument and changes nothing. The late free of a
   /// block a forced clear took back (live_blocks::invalidate) removes its
   /// tombstone (even after its pool was destroyed) and frees nothing else.
