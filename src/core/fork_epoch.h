@@ -3,9 +3,9 @@
 //
 // Only the thread that called fork() comes along into the child. An object
 // that owns worker threads must not, in the child, hand them work (it would
-// never run), wait for them, join them, or destroy a condition variable they
-// waited on (each blocks forever); and memory the parent maps shared is still
-// shared with the child. Such an object keeps a fork_epoch made when it was,
+// never run), wait for their work, or destroy a condition variable they
+// waited on (glibc waits for the parent's waiters to leave it: forever); and
+// memory the parent maps shared is still shared with the child. Such an object keeps a fork_epoch made when it was,
 // and asks it.
 //
 // Thread-safety: all members may be called from any thread; forked_since()

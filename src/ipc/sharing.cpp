@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "core/deadline.h"
+#include "core/fork_epoch.h"
 #include "ipc/peer_link.h"
 #include "ipc/producer_state.h"
 #include "shoal/backend/stream.h"
@@ -19,6 +20,9 @@ class sharing_context::collector {
  public:
   collector(std::shared_ptr<detail::producer_state> state, std::chrono::milliseconds interval)
       : thread_([this, state = std::move(state), interval] { run(*state, interval); }) {}
+  /// In a fork() child the thread is not there, and destroying the
+  /// condition variable it waited on would block forever.
+  [[nodiscard]] bool forked_since() const noexcept { return epoch_.forked_since(); }
   ~collector() {
     {
       std::lock_guard lock(mutex_);
@@ -41,6 +45,7 @@ class sharing_context::collector {
     }
   }
 
+  const shoal::detail::fork_epoch epoch_;
   std::mutex mutex_;
   std::condition_variable wake_;
   bool stopping_ = false;  // guarded by mutex_
@@ -56,6 +61,13 @@ sharing_context::sharing_context(alloc::caching_allocator& allocator, sharing_op
 }
 
 sharing_context::~sharing_context() {
+  if (collector_ && collector_->forked_since()) {
+    // A fork() child: the collector's thread stayed with the parent, and
+    // the references the context tracks are the parent's (a child's drops
+    // release nothing), so there is nothing to collect here either.
+    (void)collector_.release();
+    return;
+  }
   collector_.reset();
   try {
     state_->collect(true);

@@ -1,11 +1,13 @@
 #include "shoal/transfer/transfer_engine.h"
 
+#include <condition_variable>
 #include <cstdint>
 #include <string>
 #include <system_error>
 #include <utility>
 
 #include "core/deadline.h"
+#include "core/fork_epoch.h"
 #include "shoal/core/error.h"
 #include "transfer/batch_copier.h"
 #include "transfer/batch_state.h"
@@ -110,20 +112,36 @@ bool transferred_batch::is_ready() const { return state_->ready->query(); }
 
 // ---- transfer_engine ----------------------------------------------------------------
 
+struct transfer_engine::wake_ups {
+  const shoal::detail::fork_epoch epoch;
+  std::condition_variable work_ready, outcome_ready, room_ready;
+};
+
 transfer_engine::transfer_engine(alloc::caching_allocator& device_allocator, backend::stream_ref copy_stream,
                                  transfer_config config)
     : device_allocator_(device_allocator),
       config_(checked(config)),
       stream_(copy_stream),
       copier_(std::make_unique<batch_copier>(device_allocator, stream_, config_)),
+      wake_(std::make_unique<wake_ups>()),
       worker_(started([this] { run(); })) {}
 
 transfer_engine::~transfer_engine() {
+  if (wake_->epoch.forked_since()) {
+    // A fork() child: the worker and the copier's helper threads stayed
+    // with the parent; destroying the condition variables they waited on
+    // would block forever. Batches not taken are dropped (their frees do nothing
+    // here: the memory is the parent's).
+    worker_.detach();
+    (void)wake_.release();
+    (void)copier_.release();
+    return;
+  }
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
   }
-  work_ready_.notify_all();
+  wake_->work_ready.notify_all();
   worker_.join();
   outcomes_.clear();  // batches not taken: freed on the engine's stream, after their copies
   copier_.reset();    // waits for every copy, then lets go of the sources
@@ -136,7 +154,7 @@ std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chron
   // a producer may always have one batch in flight beside the one it is
   // about to take (submitting one ahead from the consumer's own thread would
   // otherwise wait for ever once two batches pass max_bytes_in_flight).
-  const bool room = wait_until(room_ready_, lock, timeout, [&] {
+  const bool room = wait_until(wake_->room_ready, lock, timeout, [&] {
     return stopping_ || (counters_.in_flight < config_.max_batches_in_flight &&
                          (counters_.in_flight < 2 || fits_beside(counters_.bytes_in_flight, bytes, config_.max_bytes_in_flight)));
   });
@@ -156,13 +174,13 @@ std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chron
   counters_.bytes_in_flight += bytes;
   counters_.peak_bytes_in_flight = std::max(counters_.peak_bytes_in_flight, counters_.bytes_in_flight);
   lock.unlock();
-  work_ready_.notify_one();
+  wake_->work_ready.notify_one();
   return sequence;
 }
 
 transferred_batch transfer_engine::next(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mutex_);
-  if (!wait_until(outcome_ready_, lock, timeout, [&] { return !outcomes_.empty(); })) {
+  if (!wait_until(wake_->outcome_ready, lock, timeout, [&] { return !outcomes_.empty(); })) {
     throw timeout_error("transfer_engine::next: no batch was transferred within " + std::to_string(timeout.count()) +
                         " ms (" + std::to_string(counters_.in_flight) + " in flight)");
   }
@@ -182,7 +200,7 @@ transferred_batch transfer_engine::take_locked(std::unique_lock<std::mutex>& loc
   --counters_.in_flight;
   counters_.bytes_in_flight -= o.bytes;
   lock.unlock();
-  room_ready_.notify_all();  // the room made may fit several smaller batches, or not the first waiter's
+  wake_->room_ready.notify_all();  // the room made may fit several smaller batches, or not the first waiter's
   if (o.error) std::rethrow_exception(o.error);
   return transferred_batch(std::move(o.batch));
 }
@@ -209,9 +227,9 @@ void transfer_engine::run() noexcept {
       // otherwise sleep until there is work.
       const auto has_work = [&] { return stopping_ || !jobs_.empty(); };
       if (copier_->release_finished()) {
-        work_ready_.wait_for(lock, std::chrono::milliseconds(1), has_work);
+        wake_->work_ready.wait_for(lock, std::chrono::milliseconds(1), has_work);
       } else {
-        work_ready_.wait(lock, has_work);
+        wake_->work_ready.wait(lock, has_work);
       }
       if (jobs_.empty()) {
         if (stopping_) return;
@@ -229,7 +247,7 @@ void transfer_engine::run() noexcept {
         outcomes_.push_back(std::move(o));
       }
     }
-    outcome_ready_.notify_all();
+    wake_->outcome_ready.notify_all();
   }
 }
 

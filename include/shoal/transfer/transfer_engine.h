@@ -62,7 +62,6 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -271,7 +270,10 @@ class transfer_engine {
 
   // Lock order: mutex_ alone; the worker copies without it.
   mutable std::mutex mutex_;
-  std::condition_variable work_ready_, outcome_ready_, room_ready_;
+  // What threads wait on, on the heap: a fork() child leaves it be (its
+  // copies of the parent's waiters would block its destruction forever).
+  struct wake_ups;
+  std::unique_ptr<wake_ups> wake_;
   std::deque<job> jobs_;          // submitted, not yet picked up by the worker
   std::deque<outcome> outcomes_;  // done (transferred or failed), not yet taken, in sequence order
   std::uint64_t next_sequence_ = 0;

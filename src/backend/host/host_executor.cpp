@@ -18,9 +18,9 @@ host_executor::host_executor(std::optional<host_stream_slot> slot) : state_(std:
 
 host_executor::~host_executor() {
   if (epoch_.forked_since()) {
-    // The thread is not in this process: joining it, or destroying the
-    // condition variable it waited on, would block forever; and the slot is
-    // the parent's. The state stays as it is, unused.
+    // The thread is not in this process: destroying the condition variable
+    // it waited on would block forever, and the slot is the parent's. The
+    // state stays as it is, unused.
     (void)state_.release();
     return;
   }

@@ -12,8 +12,8 @@
 //
 // In a fork() child of the process that made it the thread is gone: submit()
 // and a wait that would block throw device_unavailable instead of hanging,
-// and the destructor leaves the thread's state alone (leaked) rather than
-// join a thread that is not there.
+// and the destructor leaves the thread's state alone (leaked): destroying
+// the condition variable the parent's thread waited on would block forever.
 //
 // Thread-safety: all members may be called from any thread.
 // Invariant: b <= completed() <= submitted(); both only grow.

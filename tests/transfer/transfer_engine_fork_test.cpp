@@ -1,0 +1,48 @@
+// A transfer engine in a fork() child of the process that made it: its
+// worker and staging helpers stayed with the parent, so destroying the
+// engine there (a Python child exiting does) returns instead of waiting for
+// them, and the parent's engine goes on.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/devices.h"
+#include "shoal/backend/stream.h"
+#include "shoal/transfer/transfer_engine.h"
+#include "support/processes.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+TEST(transfer_engine_fork, a_forked_child_can_destroy_the_parents_engine) {
+  backend::device& dev = backend::host_device_instance();
+  backend::stream copies(dev);
+  alloc::caching_allocator allocator(dev, {});
+  auto engine = std::make_unique<transfer::transfer_engine>(allocator, copies.ref(), transfer::transfer_config{});
+  auto bytes = std::make_shared<std::vector<std::uint8_t>>(4096, 7);
+  engine->submit({transfer::host_buffer{bytes->data(), bytes->size(), false, bytes}});
+  (void)engine->next();  // the worker has run, and waits for more
+
+  forked_child child([&] {
+    engine.reset();
+    return 0;
+  });
+  const std::optional<int> status = child.wait_for(10s);
+  ASSERT_TRUE(status.has_value()) << "the child hung destroying the engine (its threads are the parent's)";
+  EXPECT_EQ(*status, 0);
+
+  engine->submit({transfer::host_buffer{bytes->data(), bytes->size(), false, bytes}});
+  const transfer::transferred_batch batch = engine->next();
+  batch.synchronize();
+  EXPECT_EQ(batch.storages().size(), 1U) << "the parent's engine goes on";
+}
+
+}  // namespace
+}  // namespace shoal::testing
