@@ -82,8 +82,8 @@ namespace {
 [[noreturn]] [[gnu::cold]] void throw_forked_allocate(std::size_t bytes) {
   throw device_unavailable("caching_allocator::allocate(" + std::to_string(bytes) +
                            " bytes): this allocator was made in the parent process, and this is a fork() child; its "
-                           "blocks are the parent's. Make an allocator in the child on a device opened there, or "
-                           "start child processes with spawn or forkserver");
+                           "blocks are the parent's. Start child processes with spawn or forkserver, or make the "
+                           "allocator (and open its device) only after fork()");
 }
 
 }  // namespace

@@ -1,0 +1,85 @@
+"""A fork() child of a process that used shoal (host backend): what the parent
+opened is the parent's. The child is refused its allocations and stream work
+with DeviceUnavailableError, and ends without hanging on the parent's
+threads."""
+
+import gc
+import os
+import time
+
+import pytest
+
+import shoal
+import shoal.transfer
+
+
+def run_in_child(body, timeout: float = 10.0) -> int:
+    """Runs body() in a forked child; its return value is the exit code."""
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            code = body()
+        except BaseException:  # noqa: BLE001 - any escape is a failure the parent reports
+            code = 98
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung")
+
+
+def refused(call) -> bool:
+    try:
+        call()
+    except shoal.DeviceUnavailableError as e:
+        return "fork()" in str(e)
+    return False
+
+
+def test_a_forked_child_is_refused_the_parents_allocator_and_streams():
+    allocator = shoal.Allocator(use_environment=False)
+    kept = allocator.allocate(4096)
+    kept.fill(3)
+    side = shoal.Stream()
+
+    def child() -> int:
+        if not refused(lambda: allocator.allocate(64)):
+            return 1
+        if not refused(lambda: kept.read(0, 4)):
+            return 2
+        if not refused(lambda: kept.fill(1, stream=side)):
+            return 3
+        if not refused(shoal.Stream):
+            return 4
+        return 0
+
+    assert run_in_child(child) == 0, "1: allocated, 2: read, 3: filled, 4: a stream was made"
+    assert kept.read(0, 4) == b"\x03" * 4, "the parent's storage is as it was"
+    with shoal.stream(side):
+        more = allocator.allocate(64)
+        more.fill(5)
+    side.synchronize()
+    del kept, more
+
+
+def test_a_forked_child_ends_with_the_parents_sharing_context_and_transfer_engine_alive():
+    context = shoal.SharingContext(shoal.default_allocator())
+    engine = shoal.transfer.Engine()
+    time.sleep(0.05)  # their threads wait
+
+    def child() -> int:
+        nonlocal context, engine
+        context = engine = None  # what a child's exit does to what it inherited
+        gc.collect()
+        return 0
+
+    assert run_in_child(child) == 0
+    assert context.collect() == 0
+    engine.close()
