@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "core/fork_epoch.h"
 #include "shoal/core/error.h"
 
 namespace shoal::backend::detail {
@@ -30,7 +31,25 @@ void load(Function& function, const char* symbol) {
   function = reinterpret_cast<Function>(address);
 }
 
+// Made when the driver table is (before any device works): CUDA does not
+// work in a fork() child of a process that initialised it, and any call
+// that fails there is told as such (check()).
+const shoal::detail::fork_epoch& cuda_opened_at() {
+  static const shoal::detail::fork_epoch epoch;
+  return epoch;
+}
+
+[[noreturn]] void throw_failure(const char* call, const std::string& description) {
+  if (cuda_opened_at().forked_since()) {
+    throw device_unavailable(std::string(call) + ": " + description +
+                             "; CUDA was initialised in the parent process, and a fork() child cannot use it. "
+                             "Start child processes with spawn or forkserver");
+  }
+  throw backend_error(call, description);
+}
+
 cuda_driver load_all() {
+  (void)cuda_opened_at();
   cuda_driver d;
   load(d.mem_create, "cuMemCreate");
   load(d.mem_release, "cuMemRelease");
@@ -91,13 +110,13 @@ void check(cudaError_t result, const char* call, std::size_t requested_bytes) {
   if (result == cudaSuccess) return;
   cudaGetLastError();
   if (result == cudaErrorMemoryAllocation) throw_out_of_memory(describe(result), call, requested_bytes);
-  throw backend_error(call, describe(result));
+  throw_failure(call, describe(result));
 }
 
 void check(CUresult result, const char* call, std::size_t requested_bytes) {
   if (result == CUDA_SUCCESS) return;
   if (result == CUDA_ERROR_OUT_OF_MEMORY) throw_out_of_memory(describe(result), call, requested_bytes);
-  throw backend_error(call, describe(result));
+  throw_failure(call, describe(result));
 }
 
 }  // namespace shoal::backend::detail

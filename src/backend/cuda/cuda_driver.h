@@ -51,7 +51,8 @@ struct cuda_driver {
 /// Does nothing on success. Otherwise clears the runtime's non-sticky error
 /// and throws: shoal::out_of_memory for cudaErrorMemoryAllocation (saying
 /// `requested_bytes` and the current device's free/total memory), else
-/// shoal::backend_error naming `call`.
+/// shoal::backend_error naming `call` — device_unavailable, saying why, in a
+/// fork() child of the process that loaded the driver (CUDA fails there).
 void check(cudaError_t result, const char* call, std::size_t requested_bytes = 0);
 /// As above for driver results; CUDA_ERROR_OUT_OF_MEMORY gives out_of_memory.
 void check(CUresult result, const char* call, std::size_t requested_bytes = 0);
