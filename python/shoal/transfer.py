@@ -28,6 +28,7 @@ are unaffected.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Optional, Union
 
 from . import _shoal, default_allocator
@@ -87,6 +88,43 @@ def _flatten(batch: Any, leaves: list, depth: int) -> Any:
         raise ValueError("shoal.transfer: an empty array has nothing to transfer; leave it out of the batch")
     leaves.append((buffer, dtype, shape))
     return _Leaf(len(leaves) - 1)
+
+
+class _SourcesRead:
+    """Counts a batch's arrays the engine has let go of (``submit(reuse_sources=True)``)."""
+
+    def __init__(self, count: int) -> None:
+        self._left = count
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+
+    def one_released(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left == 0:
+                self._done.set()
+
+    def wait(self, deadline: Optional[float], sequence: int) -> None:
+        # In slices, so that Ctrl-C ends the wait.
+        while not self._done.wait(0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))):
+            if deadline is not None and time.monotonic() >= deadline:
+                raise _shoal.PeerTimeoutError(
+                    f"shoal.transfer: batch {sequence} was queued, but the engine had not read all its arrays "
+                    "within the timeout; do not write them yet"
+                )
+
+
+class _Source:
+    """One array of a batch, held by the engine while it reads it; tells ``read`` when let go."""
+
+    __slots__ = ("array", "read")
+
+    def __init__(self, array: Any, read: _SourcesRead) -> None:
+        self.array = array
+        self.read = read
+
+    def __del__(self) -> None:
+        self.read.one_released()
 
 
 class _Leaf(int):
@@ -188,7 +226,7 @@ class Engine:
         self._layouts_lock = threading.Lock()
         self._next_sequence = 0
 
-    def submit(self, batch: Any, timeout: Optional[float] = None) -> int:
+    def submit(self, batch: Any, timeout: Optional[float] = None, *, reuse_sources: bool = False) -> int:
         """Queues a batch (an array, or a list/tuple/dict of them, nested) and returns its sequence number.
 
         Pageable arrays are copied into staging memory by the engine's threads; pinned torch
@@ -196,11 +234,23 @@ class Engine:
         batch does not fit within ``max_batches_in_flight`` and ``max_bytes_in_flight`` (a
         larger batch: while any is in flight); PeerTimeoutError after ``timeout`` seconds
         (nothing queued then).
+
+        The engine reads the arrays after ``submit`` returns: do not write them until it has
+        (a write before that may reach the device copy). A loader that refills one buffer
+        passes ``reuse_sources=True``: ``submit`` then returns once the engine has read every
+        array of the batch (staged the pageable ones, copied the pinned ones), so the buffers
+        may be written again (the timeout covers this wait too; PeerTimeoutError then means
+        the batch was queued and is still being read).
         """
         leaves: list = []
         structure = _flatten(batch, leaves, 0)
         if not leaves:
             raise ValueError("shoal.transfer: the batch holds no arrays")
+        read = _SourcesRead(len(leaves)) if reuse_sources else None
+        if read is not None:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            leaves = [((address, nbytes, pinned, _Source(owner, read)), dtype, shape)
+                      for (address, nbytes, pinned, owner), dtype, shape in leaves]
         buffers = [buffer for buffer, _, _ in leaves]
         types = [(dtype, shape) for _, dtype, shape in leaves]
         with self._submit_lock:
@@ -215,6 +265,9 @@ class Engine:
                 raise
             assert submitted == sequence, "shoal.transfer: the engine numbered a batch out of order"
             self._next_sequence += 1
+        del buffers, leaves  # the engine's holds are the last ones on the sources
+        if read is not None:
+            read.wait(deadline, submitted)
         return submitted
 
     def next(self, timeout: Optional[float] = None) -> _shoal.TransferredBatch:

@@ -212,6 +212,20 @@ def test_the_engine_lets_go_of_its_sources(engine):
     assert sys.getrefcount(source) == before, "the engine still holds a reference to a source"
 
 
+def test_a_loader_refilling_one_buffer_gets_each_batch_with_reuse_sources():
+    # max_batches_in_flight high enough that submit never waits for room: only
+    # reuse_sources holds it until the engine has read the buffer.
+    with shoal.transfer.Engine(max_batches_in_flight=16, max_bytes_in_flight=1 << 30) as engine:
+        buffer = numpy.zeros(1 << 20, "float32")
+        for i in range(8):
+            buffer[:] = i
+            engine.submit({"x": buffer}, reuse_sources=True)
+            buffer[:] = -1  # refilled at once, as the next batch's loading would
+        got = [host_copy(engine.get(timeout=10)["x"]) for _ in range(8)]
+        assert [numpy.unique(x).tolist() for x in got] == [[float(i)] for i in range(8)]
+        shoal.synchronize()
+
+
 @pytest.mark.torch
 def test_torch_cpu_tensors_pinned_ones_read_directly_and_pageable_ones_staged(engine):
     torch = pytest.importorskip("torch")
