@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "core/deadline.h"
+#include "core/fork_epoch.h"
 #include "lending/automatic_spin.h"
 #include "lending/lendable_memory.h"
 #include "lending/messages.h"
@@ -212,6 +213,10 @@ class lender::state {
     }
     thread_ = std::thread([this] { serve(); });
   }
+
+  /// In a fork() child: the serving thread stayed with the parent, and the
+  /// connections and memory are the parent's (lender::~lender).
+  [[nodiscard]] bool forked_since() const noexcept { return epoch_.forked_since(); }
 
   ~state() {
     stopping_.store(true);
@@ -1789,6 +1794,7 @@ class lender::state {
   clock_type::time_point last_preemption_check_{};
   std::pair<std::uint64_t, clock_type::time_point> last_preemption_head_{};
 
+  const shoal::detail::fork_epoch epoch_;
   std::thread thread_;  // last: started once everything above exists
 };
 
@@ -1834,7 +1840,12 @@ lender::lender(backend::device& device, const channel::channel_address& address,
   state_ = std::make_unique<state>(device, address, std::move(config));
 }
 
-lender::~lender() = default;
+lender::~lender() {
+  // A fork() child leaves the parent's lender be: its thread is not there to
+  // join (glibc lets a join return; ThreadSanitizer's waits forever), and
+  // closing its connections or giving its regions back would act for the parent.
+  if (state_ && state_->forked_since()) (void)state_.release();
+}
 
 lender_status lender::status() const { return state_->status(); }
 

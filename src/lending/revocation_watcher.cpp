@@ -5,6 +5,7 @@
 #include <span>
 #include <utility>
 
+#include "core/fork_epoch.h"
 #include "shoal/core/error.h"
 
 namespace shoal::lending {
@@ -18,6 +19,7 @@ constexpr std::chrono::milliseconds look_every{10};  // how soon stop() is seen
 struct revocation_watcher::state {
   borrower& watched;
   callback on_revoke;
+  const shoal::detail::fork_epoch epoch;  // the thread is not in a fork() child
   std::atomic<bool> stopping{false};
   std::atomic<bool> running{true};
   std::atomic<std::thread::id> thread_id{};  // set by the thread before any callback
@@ -101,7 +103,14 @@ void revocation_watcher::stop() noexcept {
     return;
   }
   const std::lock_guard lock(join_mutex_);  // stops from several threads: one joins
-  if (thread_.joinable()) thread_.join();
+  if (!thread_.joinable()) return;
+  if (state_->epoch.forked_since()) {
+    // A fork() child: the thread stayed with the parent (glibc lets a join
+    // return; ThreadSanitizer's waits forever).
+    thread_.detach();
+    return;
+  }
+  thread_.join();
 }
 
 bool revocation_watcher::watching() const noexcept { return state_->running.load(); }

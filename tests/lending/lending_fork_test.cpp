@@ -1,9 +1,8 @@
 // A lender and a revocation watcher in a fork() child of the process that
-// made them: their threads stayed with the parent. Destroying them there (a
-// Python child exiting does) returns: their threads wait on descriptors, not
-// on condition variables (whose destruction in a child would wait for the
-// parent's waiters forever), and glibc marks the parent's threads ended in
-// the child, so joining them returns. The parent's lender serves on.
+// made them: their threads stayed with the parent, so destroying them there
+// (a Python child exiting does) returns without joining them (glibc would
+// let the join return; under ThreadSanitizer it waits forever), and the
+// parent's lender serves on.
 #include <gtest/gtest.h>
 
 #include <chrono>
