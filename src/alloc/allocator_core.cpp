@@ -52,7 +52,7 @@ allocator_core::allocator_core(backend::device& dev, allocator_config cfg)
       config(effective(checked(std::move(cfg)), expandable_segments_fallback)),
       trace_(config.trace_entries),
       events_(dev),
-      source_(dev, config, directory_, trace_, hooks) {}
+      source_(dev, config, directory_, trace_, hooks, events_) {}
 
 allocator_core::~allocator_core() {
   // In a fork() child the segments and the streams with work on them are

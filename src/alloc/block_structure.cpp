@@ -62,6 +62,14 @@ void recycle(block_pool& pool, block* b) {
   pool.recycle(b);
 }
 
+void give_back_waits(block* b, event_pool& events) noexcept {
+  if (!b->wait_shared) {
+    for (auto e : b->waits) events.give_back(e);
+  }
+  b->waits.clear();
+  b->wait_shared = false;
+}
+
 void make_room_to_settle(block* b, std::size_t more_streams, std::size_t more_waits) {
   block* into = settled_free(b->prev) ? b->prev : b;
   const block* next = settled_free(b->next) ? b->next : nullptr;

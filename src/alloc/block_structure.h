@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "alloc/block_pool.h"
+#include "alloc/event_pool.h"
 
 namespace shoal::alloc::detail {
 
@@ -47,6 +48,10 @@ block* split(block_pool& pool, block* b, std::size_t size);
 block* merge_into(block_pool& pool, block* into, block* gone);
 /// Takes back a block object no segment links to any more.
 void recycle(block_pool& pool, block* b);
+/// Gives the events `b` waits for back to `events` (a shared one stays its
+/// group's) and clears them: for a block whose memory leaves the allocator
+/// with them unwaited (debug mode's hazard events, cross-stream safety off).
+void give_back_waits(block* b, event_pool& events) noexcept;
 /// Reserves what settling b (after `more_streams` last streams and
 /// `more_waits` waits are added to it) gathers into the block that survives
 /// its merges, and room in b for those additions, so that neither they nor

@@ -83,8 +83,7 @@ void reset_layout(block_pool& part, event_pool& events) {
         append(b);
       } else {
         part.bins.remove(b);  // free and settled: private pools park nothing
-        for (auto e : b->waits) events.give_back(e);  // private pools never share a wait
-        b->waits.clear();
+        give_back_waits(b, events);
         recycle(part, b);
       }
       b = next;
@@ -111,6 +110,17 @@ void require_refuse_for_growing(const block_pool& part, live_blocks live, const 
 // there, unlike the streams of taken blocks), after its layout was reset.
 void poison(backend::device& device, const block_pool& part) {
   for (const auto& s : part.segments) device.fill({}, reinterpret_cast<void*>(s->base), poison_byte, s->size);
+}
+
+// A destroyed pool's free blocks may carry debug mode's hazard events
+// (cross-stream safety off); their objects are recycled as the pool is
+// emptied (pool_directory's empty_for_reuse), so the events go back first.
+void give_back_hazard_events(block_pool& part, event_pool& events) noexcept {
+  for (const auto& s : part.segments) {
+    for (block* b = s->first; b != nullptr; b = b->next) {
+      if (b->state != block_state::invalidated) give_back_waits(b, events);
+    }
+  }
 }
 
 std::uint64_t frees_of(block_pool& part) {
@@ -373,6 +383,7 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
             return true;
           },
           [&](block_pool& part) {
+            give_back_hazard_events(part, events_);
             orphan_tombstones(part);
             retire_counters(part);
             if (!part.grows) return;
@@ -411,6 +422,7 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
         },
         [&](block_pool& part) {
           take_back_live_blocks(part, taken);
+          give_back_hazard_events(part, events_);
           orphan_tombstones(part);
           retire_counters(part);
         });

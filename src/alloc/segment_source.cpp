@@ -53,12 +53,13 @@ std::size_t limit_of(const allocator_config& config, double memory_fraction, bac
 }
 
 segment_source::segment_source(backend::device& device, const allocator_config& config, pool_directory& directory,
-                               trace_ring& trace, const allocator_hooks& hooks)
+                               trace_ring& trace, const allocator_hooks& hooks, event_pool& events)
     : device_(device),
       config_(config),
       directory_(directory),
       trace_(trace),
       hooks_(hooks),
+      events_(events),
       limit_(limit_of(config, config.memory_fraction, device)),
       mapper_(device) {}
 
@@ -363,6 +364,7 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
   pool_counters::sub(pool.counters.segments, 1);
   pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(s->size));
   if (trace_.enabled()) trace_.note(trace_action::segment_free, s->base, s->size, pool.stream);
+  give_back_waits(s->first, events_);  // debug mode's hazard events, if it was freed elsewhere
   recycle(pool, s->first);
   std::erase_if(pool.segments, [&](const std::unique_ptr<segment>& p) { return p.get() == s; });
 }

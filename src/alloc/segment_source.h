@@ -46,7 +46,7 @@ namespace shoal::alloc::detail {
 class segment_source {
  public:
   segment_source(backend::device& device, const allocator_config& config, pool_directory& directory,
-                 trace_ring& trace, const allocator_hooks& hooks);
+                 trace_ring& trace, const allocator_hooks& hooks, event_pool& events);
   segment_source(const segment_source&) = delete;
   segment_source& operator=(const segment_source&) = delete;
 
@@ -149,6 +149,7 @@ class segment_source {
   pool_directory& directory_;
   trace_ring& trace_;
   const allocator_hooks& hooks_;
+  event_pool& events_;  // where a released segment's hazard events go (debug mode)
   std::atomic<std::size_t> limit_;
   // The highest limit set_limit has replaced (0 while none was lowered).
   std::atomic<std::size_t> highest_earlier_limit_{0};
