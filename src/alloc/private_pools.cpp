@@ -123,6 +123,13 @@ void give_back_hazard_events(block_pool& part, event_pool& events) noexcept {
   }
 }
 
+// The frees of a pool's sub-pools, whose locks the caller holds.
+std::uint64_t frees_in(const std::vector<block_pool*>& parts) {
+  std::uint64_t frees = 0;
+  for (const block_pool* part : parts) frees += part->frees;
+  return frees;
+}
+
 std::uint64_t frees_of(block_pool& part) {
   std::lock_guard lock(part.lock);
   return part.frees;
@@ -370,9 +377,7 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
       removed = directory_.remove_private_pool(
           id,
           [&](const std::vector<block_pool*>& parts) {
-            std::uint64_t now = 0;
-            for (block_pool* part : parts) now += part->frees;
-            if (grows && now != frees) return false;
+            if (grows && frees_in(parts) != frees) return false;
             std::size_t segments = 0;
             for (block_pool* part : parts) {
               require_no_live_blocks(*part, "destroy_private_pool");
@@ -409,8 +414,7 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
     removed = directory_.remove_private_pool(
         id,
         [&](const std::vector<block_pool*>& parts) {
-          std::uint64_t now = 0;
-          for (block_pool* part : parts) now += part->frees;
+          const std::uint64_t now = frees_in(parts);
           if (std::exchange(frees, now) != now) return false;
           for (block_pool* part : parts) {
             prepare_take_back(*part, "destroy_private_pool", taken);
