@@ -286,7 +286,7 @@ class Storage:
 
     def lazy_clone(self, stream: Stream | None = None) -> Storage:
         """
-        A new storage sharing this one's data copy-on-write, in O(1), for use on `stream` (default: the current stream); its data is what this storage holds once `stream` and every stream it was used on have passed the work enqueued so far. Data exported through DLPack is copied at once instead.
+        A new storage sharing this one's data copy-on-write, in O(1), for use on `stream` (default: the current stream); its data is what this storage holds once `stream` and every stream it was used on have passed the work enqueued so far. Data exported writable through DLPack is copied at once instead. A read-only export does not stop sharing: it shows the memory the storage had when exported, and the first write of either storage after the clone moves the writer to a copy, so the export no longer follows a storage that wrote (export again after writing, or export writable).
         """
 
     def record_stream(self, stream: Stream) -> None:
@@ -314,7 +314,7 @@ class Storage:
 
     def view(self, dtype: object = 'uint8', shape: Sequence[int] | None = None, strides: Sequence[int] | None = None, offset: int = 0, readonly: bool | None = None) -> ArrayView:
         """
-        A typed ArrayView of the storage without copying: `dtype` a name ('float32', 'int64', 'bool', ...) or a numpy dtype; `shape` (default: as many elements as fit after `offset`); `strides` in elements (default: C order); `offset` in bytes. The view must lie inside the storage. A readonly view is exported without materializing a lazy clone (to DLPack 1.x consumers only); `readonly` defaults to whether the storage's memory is read-only, and a writable view of read-only memory is refused.
+        A typed ArrayView of the storage without copying: `dtype` a name ('float32', 'int64', 'bool', ...) or a numpy dtype; `shape` (default: as many elements as fit after `offset`); `strides` in elements (default: C order); `offset` in bytes. The view must lie inside the storage. A readonly view is exported without materializing a lazy clone (to DLPack 1.x consumers only), and shows the memory the storage has then: after a lazy_clone, a write moves the writing storage to a copy that the export does not follow (see lazy_clone); `readonly` defaults to whether the storage's memory is read-only, and a writable view of read-only memory is refused.
         """
 
     def __repr__(self) -> str: ...

@@ -313,6 +313,11 @@ class Producer:
                 f"within {timeout} s; what it had not taken is lost if this process ends"
             )
 
+    @property
+    def closed(self) -> bool:
+        """True once closed (by close(), the with block, or the connection's end)."""
+        return self._peer.closed
+
     def __repr__(self) -> str:
         if self._peer.closed:
             return "shoal.sharing.Producer(closed)"

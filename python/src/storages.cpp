@@ -118,8 +118,12 @@ void register_storages(nb::module_& m) {
           "A new storage sharing this one's data copy-on-write, in O(1), for use "
           "on `stream` (default: the current stream); its data is what this "
           "storage holds once `stream` and every stream it was used on have "
-          "passed the work enqueued so far. Data exported through DLPack "
-          "is copied at once instead.")
+          "passed the work enqueued so far. Data exported writable through "
+          "DLPack is copied at once instead. A read-only export does not stop "
+          "sharing: it shows the memory the storage had when exported, and "
+          "the first write of either storage after the clone moves the writer "
+          "to a copy, so the export no longer follows a storage that wrote "
+          "(export again after writing, or export writable).")
       .def(
           "record_stream",
           [](const py_storage& s, const py_stream& stream) {
@@ -208,7 +212,10 @@ void register_storages(nb::module_& m) {
            "(default: C order); `offset` in bytes. The view must lie inside "
            "the storage. A readonly view is "
            "exported without materializing a lazy clone (to DLPack 1.x "
-           "consumers only); `readonly` defaults to whether the storage's "
+           "consumers only), and shows the memory the storage has then: "
+           "after a lazy_clone, a write moves the writing storage to a copy "
+           "that the export does not follow (see lazy_clone); `readonly` "
+           "defaults to whether the storage's "
            "memory is read-only, and a writable view of read-only memory is refused.")
       .def("__repr__", [](const py_storage& s) -> std::string {
         if (!s.handle.get().valid()) return "shoal.Storage(released: its memory was handed on, as by publish)";

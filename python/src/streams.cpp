@@ -20,6 +20,10 @@ namespace shoal::python {
 
 namespace {
 
+// Stream.delay's longest wait (a day): stands in for a kernel, and keeps the
+// microseconds far inside their integer.
+constexpr double max_delay_seconds = 86400;
+
 struct scope_entry {
   std::shared_ptr<stream_state> stream;
   std::unique_ptr<backend::stream_guard> guard;
@@ -168,7 +172,12 @@ void register_streams(nb::module_& m) {
       .def(
           "delay",
           [](const py_stream& s, double seconds) {
-            if (seconds < 0) throw invalid_argument("Stream.delay: seconds must be >= 0");
+            // Also refuses NaN, whose comparisons are all false.
+            if (!(seconds >= 0 && seconds <= max_delay_seconds)) {
+              throw invalid_argument("Stream.delay: seconds must be a number from 0 to " +
+                                     std::to_string(static_cast<int>(max_delay_seconds)) + ", not " +
+                                     std::to_string(seconds));
+            }
             s.state->device().delay(s.state->ref(),
                                     std::chrono::microseconds(static_cast<std::int64_t>(seconds * 1e6)));
           },

@@ -279,10 +279,11 @@ def test_close_returns_once_the_consumer_took_the_batch_or_went_away():
             producer.put({"x": HOST.allocate(64).view("uint8")})
             batch = consumer.get(timeout=WAIT)
             started = time.monotonic()
-        assert time.monotonic() - started < 5 and producer.peer.closed
+        assert time.monotonic() - started < 5 and producer.peer.closed and producer.closed
         del batch
     consumer = sharing.Consumer(allocator=HOST)
     producer = sharing.Producer(consumer.address, allocator=HOST)
+    assert not producer.closed
     producer.put({"x": HOST.allocate(64).view("uint8")})
     consumer.close()  # never accepted it: the connection is reset
     started = time.monotonic()

@@ -14,6 +14,12 @@ def test_the_default_device_follows_shoal_backend():
     assert shoal.host_device().kind == "host"
 
 
+@pytest.mark.parametrize("seconds", [-1.0, float("nan"), float("inf"), 1e12])
+def test_a_delay_that_is_no_time_span_is_refused(seconds):
+    with pytest.raises(shoal.InvalidArgumentError, match="seconds must be a number from 0 to 86400"):
+        shoal.Stream().delay(seconds)
+
+
 def test_current_stream_is_the_default_stream_outside_any_scope():
     assert shoal.current_stream() == shoal.Stream.default()
     assert shoal.current_stream().handle == 0

@@ -24,6 +24,12 @@ allocator_config checked(allocator_config config) {
                            " MiB, the least memory any allocation reserves: none could succeed; set "
                            "memory_limit_mb to at least " + std::to_string(small_segment >> 20));
   }
+  if (config.trace_entries > allocator_config::max_trace_entries) {
+    throw invalid_argument("caching_allocator: trace_entries " + std::to_string(config.trace_entries) +
+                           " is more than the most kept, " + std::to_string(allocator_config::max_trace_entries) + " (" +
+                           std::to_string(allocator_config::max_trace_entries * sizeof(trace_entry) >> 20) +
+                           " MiB of host memory, taken when the allocator is made)");
+  }
   if (config.memory == allocator_memory::pinned_host) {
     if (config.expandable_segments) {
       throw invalid_argument("caching_allocator: memory:pinned_host has no growable segments; leave "

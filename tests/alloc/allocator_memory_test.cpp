@@ -97,6 +97,26 @@ TYPED_TEST(allocator_memory, a_memory_limit_fails_cleanly_and_frees_cache_before
   a.deallocate(after, {});
 }
 
+// The trace ring is taken when the allocator is made: a count past the most
+// kept is refused then, saying how much memory the most takes, instead of
+// reserving gigabytes or failing with std::bad_alloc.
+TYPED_TEST(allocator_memory, a_trace_ring_past_the_most_kept_is_refused_when_the_allocator_is_made) {
+  alloc::allocator_config config;
+  config.trace_entries = alloc::allocator_config::max_trace_entries + 1;
+  try {
+    alloc::caching_allocator refused(this->device(), config);
+    FAIL() << "a ring of " << config.trace_entries << " records was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("trace_entries 16777217 is more than the most kept, 16777216"),
+              std::string::npos)
+        << e.what();
+  }
+  config.trace_entries = 1000;
+  alloc::caching_allocator kept(this->device(), config);
+  kept.deallocate(kept.allocate(512, {}), {});
+  EXPECT_GE(kept.trace().size(), 2U) << "the allocation and its free traced";
+}
+
 // A limit under the least memory any allocation reserves would fail every
 // allocation: refused when the allocator is made, in MiB and in bytes alike.
 TYPED_TEST(allocator_memory, a_memory_limit_below_the_smallest_segment_is_refused_and_one_at_it_serves) {

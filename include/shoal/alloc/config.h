@@ -22,7 +22,8 @@
 //                              the growth stays at the peak (default true)
 //   memory_limit_mb            fail allocations past this many reserved MiB
 //   memory_fraction            fail allocations past this fraction of the device (0..1]
-//   trace_entries              keep the last N trace records (0: no trace)
+//   trace_entries              keep the last N trace records (0: no trace; at most
+//                              allocator_config::max_trace_entries, 16 Mi)
 //   memory                     device|pinned_host: where segments come from (default device;
 //                              see allocator_memory)
 // An unknown key or a bad value throws shoal::invalid_argument naming it.
@@ -55,6 +56,8 @@ enum class allocator_memory : std::uint8_t {
 
 struct allocator_config {
   static constexpr std::size_t no_limit = ~std::size_t{0};
+  /// The most trace records an allocator keeps (trace_entries).
+  static constexpr std::size_t max_trace_entries = std::size_t{1} << 24;
   /// The least memory any allocation reserves (a small-pool segment, a
   /// growable chunk): a memory_limit below it is refused (invalid_argument).
   static constexpr std::size_t smallest_reservation = std::size_t{2} << 20;
@@ -92,7 +95,8 @@ struct allocator_config {
   /// Fraction of the device's total memory past which allocation fails
   /// (0: none). The smaller of this and memory_limit applies.
   double memory_fraction = 0.0;
-  /// Trace records kept in a ring (0: tracing off).
+  /// Trace records kept in a ring (0: tracing off); the ring is taken when
+  /// the allocator is made, so at most max_trace_entries (invalid_argument).
   std::size_t trace_entries = 0;
   allocator_memory memory = allocator_memory::device;
 
