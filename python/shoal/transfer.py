@@ -272,7 +272,21 @@ class Engine:
 
     def next(self, timeout: Optional[float] = None) -> _shoal.TransferredBatch:
         """The next batch as the engine hands it out (storages and ready state), without waiting on a stream."""
-        return self._engine.next(timeout)
+        return self._take(timeout)[0]
+
+    def _take(self, timeout: Optional[float]) -> tuple[_shoal.TransferredBatch, tuple[Any, list]]:
+        """The next batch and its layout, which leaves ``_layouts`` (with the batch's own error too)."""
+        try:
+            transferred = self._engine.next(timeout)
+        except _shoal.ShoalError as error:
+            if not isinstance(error, _shoal.PeerTimeoutError):
+                # The batch that failed was the oldest not yet taken.
+                with self._layouts_lock:
+                    if self._layouts:
+                        self._layouts.pop(min(self._layouts))
+            raise
+        with self._layouts_lock:
+            return transferred, self._layouts.pop(transferred.sequence)
 
     def get(
         self, timeout: Optional[float] = None, stream: Optional[_shoal.Stream] = None, *, as_torch: bool = False
@@ -287,17 +301,7 @@ class Engine:
         """
         if as_torch:
             import torch  # noqa: F401 (before a batch is taken: without torch it stays queued)
-        try:
-            transferred = self._engine.next(timeout)
-        except _shoal.ShoalError as error:
-            if not isinstance(error, _shoal.PeerTimeoutError):
-                # The batch that failed was the oldest not yet taken.
-                with self._layouts_lock:
-                    if self._layouts:
-                        self._layouts.pop(min(self._layouts))
-            raise
-        with self._layouts_lock:
-            structure, types = self._layouts.pop(transferred.sequence)
+        transferred, (structure, types) = self._take(timeout)
         transferred.wait(stream)
         views = [storage.view(dtype, shape) for storage, (dtype, shape) in zip(transferred.storages, types)]
         if as_torch:

@@ -131,6 +131,23 @@ def test_a_batch_that_fails_raises_alone_and_the_next_arrives():
         assert engine.stats()["batches_failed"] == 1
 
 
+def test_batches_taken_with_next_and_get_alike_keep_each_its_own_layout():
+    allocator = shoal.Allocator(memory_limit_mb=4)
+    with shoal.transfer.Engine(allocator) as engine:
+        engine.submit([numpy.full((8,), 1, "uint8")])
+        engine.submit([numpy.zeros(8 << 20, "uint8")])  # past the allocator's limit: fails
+        engine.submit({"y": numpy.full((4,), 3, "int32")})
+        first = engine.next(timeout=10)
+        assert first.sequence == 0
+        with pytest.raises(shoal.OutOfMemoryError):
+            engine.get(timeout=10)
+        third = engine.get(timeout=10)
+        assert list(third) == ["y"], "the failed batch's layout was dropped, not the next one's"
+        numpy.testing.assert_array_equal(host_copy(third["y"]), numpy.full((4,), 3, "int32"))
+        assert engine._layouts == {}, "a batch taken with next() left its layout behind"
+        del first, third
+
+
 def test_bad_batches_are_refused_before_anything_is_queued(engine):
     with pytest.raises(TypeError):
         engine.submit(["not an array"])
