@@ -398,7 +398,19 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
     std::lock_guard lock(observers_mutex_);
     observers = observers_;
   }
-  for (auto& o : observers) o(report);
+  // An observer that allocates and runs out of memory itself is not called
+  // again for that (it would recurse until the stack gives out).
+  thread_local bool observing = false;
+  if (!observing) {
+    observing = true;
+    try {
+      for (auto& o : observers) o(report);
+    } catch (...) {
+      observing = false;
+      throw;
+    }
+    observing = false;
+  }
   std::ostringstream m;
   m << "caching_allocator: out of memory allocating " << bytes << " bytes";
   if (pool.is_private) {

@@ -97,6 +97,24 @@ TYPED_TEST(allocator_memory, a_memory_limit_fails_cleanly_and_frees_cache_before
   a.deallocate(after, {});
 }
 
+// An observer that allocates, and runs out of memory doing so, is not
+// called again for that: it would recurse until the stack gave out.
+TYPED_TEST(allocator_memory, an_out_of_memory_inside_an_oom_observer_does_not_call_it_again) {
+  auto& a = this->make("memory_limit_mb:4");
+  int calls = 0;
+  a.add_oom_observer([&](const alloc::oom_report&) {
+    if (++calls > 8) return;  // without the rule: 8 levels deep, then stop
+    try {
+      (void)a.allocate(64 * mib, {});
+    } catch (const out_of_memory&) {  // NOLINT(bugprone-empty-catch): the observer's own attempt
+    }
+  });
+  EXPECT_THROW((void)a.allocate(64 * mib, {}), out_of_memory);
+  EXPECT_EQ(calls, 1);
+  EXPECT_THROW((void)a.allocate(64 * mib, {}), out_of_memory);
+  EXPECT_EQ(calls, 2) << "called again for the next allocation's out-of-memory";
+}
+
 // The trace ring is taken when the allocator is made: a count past the most
 // kept is refused then, saying how much memory the most takes, instead of
 // reserving gigabytes or failing with std::bad_alloc.

@@ -172,7 +172,8 @@ class caching_allocator {
   [[nodiscard]] std::vector<trace_entry> trace() const;
 
   /// Called (on the allocating thread, with no allocator lock held) before
-  /// out_of_memory is thrown.
+  /// out_of_memory is thrown; not again for an out-of-memory of an
+  /// allocation an observer makes (on that thread, until it returns).
   void add_oom_observer(std::function<void(const oom_report&)> observer);
 
   /// Recomputes the allocator's bookkeeping from its blocks and throws
