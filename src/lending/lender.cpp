@@ -725,9 +725,11 @@ class lender::state {
     const std::size_t granularity = device_.granularity();
     const std::size_t bytes = detail::round_up(static_cast<std::size_t>(m.bytes), granularity);
     if (bytes == 0 || bytes > config_.capacity_bytes) {
+      const std::string rounded = bytes == m.bytes ? std::string()
+                                                    : " (" + std::to_string(bytes) +
+                                                          " rounded up to the device's granularity)";
       return send_refusal(b, m.request, refusal::cannot_fit,
-                          std::to_string(m.bytes) + " bytes (" + std::to_string(bytes) +
-                              " rounded up to the device's granularity) is more than the lender's capacity of " +
+                          std::to_string(m.bytes) + " bytes" + rounded + " is more than the lender's capacity of " +
                               std::to_string(config_.capacity_bytes));
     }
     if (m.wait_ms > 0 && b.held_bytes + bytes > config_.capacity_bytes) {

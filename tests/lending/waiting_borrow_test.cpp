@@ -216,6 +216,29 @@ TEST(lending_waiting_borrow, what_waiting_cannot_make_fit_is_refused_at_once) {
   EXPECT_EQ(f.l->status().waits, 0u);
 }
 
+// A borrow past the capacity says the size asked for, and the rounded one
+// only where rounding changed it.
+TEST(lending_waiting_borrow, a_borrow_past_the_capacity_names_the_rounded_size_only_when_it_differs) {
+  waiting_fixture f(8 * mib);
+  borrower model(f.dev, f.l->address());
+  const auto message = [&](std::size_t bytes) {
+    try {
+      (void)model.borrow(bytes, "too big");
+    } catch (const lending::memory_refused& e) {
+      return std::string(e.what());
+    }
+    return std::string("lent");
+  };
+  const std::string exact = message(10 * mib);
+  EXPECT_NE(exact.find("10485760 bytes is more than the lender's capacity of 8388608"), std::string::npos) << exact;
+  EXPECT_EQ(exact.find("rounded"), std::string::npos) << exact;
+  const std::string rounded = message(10 * mib + 1);
+  EXPECT_NE(rounded.find("10485761 bytes (" + std::to_string(10 * mib + f.dev.granularity()) +
+                         " rounded up to the device's granularity) is more than"),
+            std::string::npos)
+      << rounded;
+}
+
 TEST(lending_waiting_borrow, a_head_that_cannot_fit_releases_no_spare) {
   waiting_fixture f(8 * mib);
   borrower holder(f.dev, f.l->address()), b(f.dev, f.l->address());
