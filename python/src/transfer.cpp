@@ -78,7 +78,7 @@ transfer::transfer_config::stores parse_staging_stores(const std::string& name) 
   if (name == "cached") return stores::cached;
   if (name == "streaming") return stores::streaming;
   if (name == "automatic") return stores::automatic;
-  throw invalid_argument("TransferEngine: staging_stores is '" + name +
+  throw invalid_argument("shoal.transfer.Engine: staging_stores is '" + name +
                          "'; expected 'automatic', 'streaming' or 'cached'");
 }
 
@@ -162,7 +162,7 @@ void register_transfer(nb::module_& m) {
             for (const auto& [address, nbytes, pinned, owner] : buffers) {
               batch.push_back({reinterpret_cast<const void*>(address), nbytes, pinned, hold(owner)});
             }
-            const auto until = until_of(timeout, "TransferEngine.submit");
+            const auto until = until_of(timeout, "shoal.transfer.Engine.submit");
             const auto engine = e.engine.enter();
             const auto sequence = wait_in_slices(
                 engine, e.engine, until, [&](std::chrono::milliseconds slice) -> std::optional<std::uint64_t> {
@@ -174,7 +174,7 @@ void register_transfer(nb::module_& m) {
                 });
             if (!sequence) {
               const auto s = engine->engine.stats();
-              throw timeout_error("TransferEngine.submit: no room for the batch within " + seconds_text(*timeout) +
+              throw timeout_error("shoal.transfer.Engine.submit: no room for the batch within " + seconds_text(*timeout) +
                                   " s: " + std::to_string(s.in_flight) + " batches of " +
                                   std::to_string(s.bytes_in_flight) +
                                   " bytes in all are in flight; take batches or raise max_batches_in_flight or "
@@ -191,7 +191,7 @@ void register_transfer(nb::module_& m) {
       .def(
           "next",
           [](const py_transfer_engine& e, std::optional<double> timeout) {
-            const auto until = until_of(timeout, "TransferEngine.next");
+            const auto until = until_of(timeout, "shoal.transfer.Engine (get, next)");
             const auto engine = e.engine.enter();
             auto batch = wait_in_slices(
                 engine, e.engine, until,
@@ -203,7 +203,7 @@ void register_transfer(nb::module_& m) {
                   }
                 });
             if (!batch) {
-              throw timeout_error("TransferEngine.next: no batch came within " + seconds_text(*timeout) + " s (" +
+              throw timeout_error("shoal.transfer.Engine: no batch came within " + seconds_text(*timeout) + " s (" +
                                   std::to_string(engine->engine.stats().in_flight) + " in flight)");
             }
             return py_transferred_batch{e.allocator, std::move(*batch)};
