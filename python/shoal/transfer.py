@@ -28,7 +28,6 @@ are unaffected.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Optional, Union
 
 from . import _shoal, default_allocator
@@ -104,14 +103,10 @@ class _SourcesRead:
             if self._left == 0:
                 self._done.set()
 
-    def wait(self, deadline: Optional[float], sequence: int) -> None:
+    def wait(self) -> None:
         # In slices, so that Ctrl-C ends the wait.
-        while not self._done.wait(0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))):
-            if deadline is not None and time.monotonic() >= deadline:
-                raise _shoal.PeerTimeoutError(
-                    f"shoal.transfer: batch {sequence} was queued, but the engine had not read all its arrays "
-                    "within the timeout; do not write them yet"
-                )
+        while not self._done.wait(0.1):
+            pass
 
 
 class _Source:
@@ -239,8 +234,10 @@ class Engine:
         (a write before that may reach the device copy). A loader that refills one buffer
         passes ``reuse_sources=True``: ``submit`` then returns once the engine has read every
         array of the batch (staged the pageable ones, copied the pinned ones), so the buffers
-        may be written again (the timeout covers this wait too; PeerTimeoutError then means
-        the batch was queued and is still being read).
+        may be written again. ``timeout`` bounds the wait for room alone (PeerTimeoutError
+        still means nothing was queued); the wait for the engine's own threads to read the
+        arrays has no limit. Ctrl-C (KeyboardInterrupt) during that wait leaves the batch
+        queued and its arrays still being read.
         """
         leaves: list = []
         structure = _flatten(batch, leaves, 0)
@@ -248,7 +245,6 @@ class Engine:
             raise ValueError("shoal.transfer: the batch holds no arrays")
         read = _SourcesRead(len(leaves)) if reuse_sources else None
         if read is not None:
-            deadline = None if timeout is None else time.monotonic() + timeout
             leaves = [((address, nbytes, pinned, _Source(owner, read)), dtype, shape)
                       for (address, nbytes, pinned, owner), dtype, shape in leaves]
         buffers = [buffer for buffer, _, _ in leaves]
@@ -267,7 +263,7 @@ class Engine:
             self._next_sequence += 1
         del buffers, leaves  # the engine's holds are the last ones on the sources
         if read is not None:
-            read.wait(deadline, submitted)
+            read.wait()
         return submitted
 
     def next(self, timeout: Optional[float] = None) -> _shoal.TransferredBatch:

@@ -15,13 +15,16 @@
 // close() returns once the object is destroyed — except on a thread that is
 // itself using it (a signal handler or a __del__ run inside a call), where
 // waiting could never end: there it returns at once, and the call's end
-// destroys the object. Inside an out-of-memory observer it is refused: the
+// destroys the object; and in a fork() child while uses its parent's threads
+// held at the fork remain (they never end there): the object is left. Inside an out-of-memory observer it is refused: the
 // observer may run on the object's own thread (a transfer engine's), which
 // its destruction joins.
 //
 // Thread-safety: every member may be called from any thread. enter() and
 // close() are called with the GIL held; a use may end without it.
 #pragma once
+
+#include <unistd.h>
 
 #include <nanobind/nanobind.h>
 
@@ -148,8 +151,10 @@ class closable {
       return;
     }
     // The interpreter shuts down (this wrapper is collected then): what is
-    // still in use by a daemon thread goes with the process.
-    if (detail::interpreter_finalizing()) return;
+    // still in use by a daemon thread goes with the process. So it goes in a
+    // fork() child for uses its parent's threads held at the fork: those
+    // threads are not there to end them.
+    if (detail::interpreter_finalizing() || ::getpid() != owner_pid_) return;
     // Uses in flight, or another close() destroying it: wait for the end.
     // The lock is never held while the GIL is taken (the order is GIL, then lock).
     for (int slices = 1;; ++slices) {
@@ -200,6 +205,7 @@ class closable {
 
   const char* name_;
   closed_error kind_;
+  const pid_t owner_pid_ = ::getpid();
   std::function<void(T&)> cancel_;
   mutable std::mutex mutex_;
   mutable std::condition_variable destroyed_cv_;

@@ -5,6 +5,7 @@ threads."""
 
 import gc
 import os
+import threading
 import time
 
 import pytest
@@ -83,3 +84,46 @@ def test_a_forked_child_ends_with_the_parents_sharing_context_and_transfer_engin
     assert run_in_child(child) == 0
     assert context.collect() == 0
     engine.close()
+
+
+def test_a_forked_child_closing_an_inherited_peer_leaves_the_parents_messages():
+    context = shoal.SharingContext(shoal.default_allocator())
+    address = shoal.runtime_dir_address(f"fork-peer-{os.getpid()}.sock")
+    listener = shoal.Listener(address)
+    accepted = {}
+    taker = threading.Thread(target=lambda: accepted.setdefault("link", listener.accept(timeout=10)))
+    taker.start()
+    sender = shoal.Peer(context, shoal.connect(address, timeout=10))
+    taker.join()
+    receiver = shoal.Peer(context, accepted["link"])
+    storage = shoal.allocate(4096)
+    storage.fill(7)
+    sender.send(storage, b"first")
+    sender.send(storage, b"second")
+    time.sleep(0.1)  # both on the socket
+
+    def child() -> int:
+        receiver.close()  # what the child's exit does to a Peer it inherited
+        return 0
+
+    assert run_in_child(child) == 0
+    assert [receiver.receive(timeout=5)[1] for _ in range(2)] == [b"first", b"second"]
+    receiver.close()
+    sender.close()
+    listener.close()
+
+
+def test_a_forked_child_can_close_an_engine_a_parent_thread_was_using():
+    engine = shoal.transfer.Engine()
+    waiting = threading.Thread(target=lambda: pytest.raises(shoal.ShoalError, engine.get, timeout=30))
+    waiting.start()
+    time.sleep(0.1)  # the parent's thread waits inside get()
+
+    def child() -> int:
+        engine.close()
+        return 0
+
+    assert run_in_child(child) == 0
+    engine.close()  # ends the parent's wait
+    waiting.join(10)
+    assert not waiting.is_alive()

@@ -189,6 +189,9 @@ void peer_link::send_note(std::span<const std::byte> metadata) {
 }
 
 peer_link::~peer_link() {
+  // In a fork() child the socket is still the parent's too: reading what
+  // waits on it would take the parent's messages. Only the descriptor goes.
+  if (epoch_.forked_since()) return;
   if (!broken_) release_unread();
   try {
     state_->disconnect(link_.peer().process);

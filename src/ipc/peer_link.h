@@ -15,6 +15,7 @@
 #include <mutex>
 #include <unordered_set>
 
+#include "core/fork_epoch.h"
 #include "ipc/consumer_state.h"
 #include "ipc/producer_state.h"
 #include "shoal/core/error.h"
@@ -118,6 +119,7 @@ class peer_link {
   std::unordered_set<std::uint64_t> files_sent_, segments_sent_, sources_sent_;  // guarded by send_mutex_
   bool hello_sent_ = false;                                                       // guarded by send_mutex_
   std::atomic<bool> revoked_{false};
+  const shoal::detail::fork_epoch epoch_;  // a fork() child's teardown reads and tells nothing
   bool broken_ = false;         // a protocol error closed it; receive side only
   bool hello_checked_ = false;  // the peer's first frame named the sharing protocol; receive side only
   limits limits_;

@@ -132,7 +132,9 @@ transfer_engine::~transfer_engine() {
     // with the parent; destroying the condition variables they waited on
     // would block forever. Batches not taken are dropped (their frees do nothing
     // here: the memory is the parent's).
-    worker_.detach();
+    // Its handle names a thread of the parent's: detach() here could reach a
+    // thread of the child's that took the dead one's place. Left as it is.
+    (void)new std::thread(std::move(worker_));
     (void)wake_.release();
     (void)copier_.release();
     return;

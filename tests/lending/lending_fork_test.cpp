@@ -8,6 +8,7 @@
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <thread>
 
 #include "lending/lending_fixture.h"
 #include "shoal/backend/host_device.h"
@@ -27,8 +28,17 @@ TEST(lending_fork, a_forked_child_can_destroy_the_parents_lender_and_revocation_
   auto watcher = std::make_unique<lending::revocation_watcher>(model, [](const borrower::revocation&) {});
 
   forked_child child([&] {
+    // A thread of the child's own first: glibc may give it a dead thread's
+    // stack, and with it a handle the watcher still holds.
+    std::thread own;
+    if (forked_child_may_start_threads) own = std::thread([] { std::this_thread::sleep_for(20ms); });
     watcher.reset();
     server.reset();
+    try {
+      if (own.joinable()) own.join();
+    } catch (...) {
+      return 2;  // a teardown detached the child's thread through a stale handle
+    }
     return 0;
   });
   const std::optional<int> status = child.wait_for(10s);

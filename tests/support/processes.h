@@ -61,6 +61,20 @@ struct pipe_ends {
   unique_fd read, write;
 };
 
+/// Whether a forked child of a multi-threaded test may start threads:
+/// ThreadSanitizer ends such a child.
+#if defined(__SANITIZE_THREAD__)
+inline constexpr bool forked_child_may_start_threads = false;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+inline constexpr bool forked_child_may_start_threads = false;
+#else
+inline constexpr bool forked_child_may_start_threads = true;
+#endif
+#else
+inline constexpr bool forked_child_may_start_threads = true;
+#endif
+
 /// A forked child running `body`, whose result becomes the exit status.
 /// `body` must call only async-signal-safe functions (or, in a test of what
 /// shoal does in a fork() child, shoal and the C++ runtime, which glibc

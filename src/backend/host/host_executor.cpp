@@ -49,16 +49,14 @@ std::uint64_t host_executor::submit(std::function<void()> work) {
   {
     std::lock_guard lock(state_->mutex);
     state_->queue.push_back(std::move(work));
-    ticket = ++state_->submitted;
+    ticket = state_->submitted.load(std::memory_order_relaxed) + 1;
+    state_->submitted.store(ticket, std::memory_order_release);
   }
   state_->has_work.notify_one();
   return ticket;
 }
 
-std::uint64_t host_executor::submitted() const {
-  std::lock_guard lock(state_->mutex);
-  return state_->submitted;
-}
+std::uint64_t host_executor::submitted() const { return state_->submitted.load(std::memory_order_acquire); }
 
 void host_executor::wait_for(std::uint64_t ticket) const {
   std::uint64_t seen = state_->completed.load(std::memory_order_acquire);
@@ -70,6 +68,9 @@ void host_executor::wait_for(std::uint64_t ticket) const {
 }
 
 std::string host_executor::take_error() {
+  // A fork() child ran none of the work: no failure of it is its to take
+  // (and the mutex may be held by a parent's thread forever).
+  if (epoch_.forked_since()) return {};
   std::lock_guard lock(state_->mutex);
   return std::exchange(state_->first_error, {});
 }

@@ -72,7 +72,9 @@ class host_executor {
     std::mutex mutex;
     std::condition_variable has_work;
     std::deque<std::function<void()>> queue;  // guarded by mutex
-    std::uint64_t submitted;                  // guarded by mutex
+    // Written under mutex; read without it (a fork() child must not take a
+    // mutex a parent's thread may have held at the fork).
+    std::atomic<std::uint64_t> submitted;
     bool stopping = false;                    // guarded by mutex
     std::string first_error;                  // guarded by mutex
     std::thread thread;
