@@ -87,7 +87,10 @@ def test_a_forked_child_ends_with_the_parents_sharing_context_and_transfer_engin
 
 
 def test_a_forked_child_closing_an_inherited_peer_leaves_the_parents_messages():
-    context = shoal.SharingContext(shoal.default_allocator())
+    # Host memory on every backend: both peers are in this process, and CUDA
+    # does not open its own process's IPC handles.
+    host = shoal.Allocator(shoal.host_device())
+    context = shoal.SharingContext(host)
     address = shoal.runtime_dir_address(f"fork-peer-{os.getpid()}.sock")
     listener = shoal.Listener(address)
     accepted = {}
@@ -96,7 +99,7 @@ def test_a_forked_child_closing_an_inherited_peer_leaves_the_parents_messages():
     sender = shoal.Peer(context, shoal.connect(address, timeout=10))
     taker.join()
     receiver = shoal.Peer(context, accepted["link"])
-    storage = shoal.allocate(4096)
+    storage = host.allocate(4096)
     storage.fill(7)
     sender.send(storage, b"first")
     sender.send(storage, b"second")
