@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <functional>
 
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/backend/host_device.h"
@@ -33,65 +34,64 @@ class event_counting_device : public forwarding_device {
 const alloc::allocator_config debug_without_cross_stream_safety =
     alloc::allocator_config::parse("debug:true,cross_stream_safety:false");
 
-TEST(hazard_events, a_segment_given_back_by_empty_cache_gives_its_hazard_events_back) {
+// Device events made and not destroyed once an allocator (debug mode,
+// cross-stream safety off) that ran `round` three times is gone. `round`
+// gets the allocator, a block's own stream, another stream, and the device.
+int events_left_after(
+    const std::function<void(alloc::caching_allocator&, backend::stream_ref, backend::stream_ref, backend::device&)>&
+        round) {
   backend::host_device host;
   event_counting_device dev(host);
   {
     backend::stream own(dev), other(dev);
     alloc::caching_allocator a(dev, debug_without_cross_stream_safety);
-    for (int i = 0; i < 3; ++i) {
-      void* p = a.allocate(1 << 20, own.ref());
-      a.deallocate(p, other.ref());  // freed elsewhere: marked with a hazard event
-      a.empty_cache();               // the block is free: its segment goes back
-    }
+    for (int i = 0; i < 3; ++i) round(a, own.ref(), other.ref(), dev);
     other.synchronize();
   }
-  EXPECT_EQ(dev.live.load(), 0) << "device events made and never destroyed";
+  return dev.live.load();
+}
+
+TEST(hazard_events, a_segment_given_back_by_empty_cache_gives_its_hazard_events_back) {
+  EXPECT_EQ(events_left_after([](alloc::caching_allocator& a, backend::stream_ref own, backend::stream_ref other,
+                                 backend::device&) {
+              void* p = a.allocate(1 << 20, own);
+              a.deallocate(p, other);  // freed elsewhere: marked with a hazard event
+              a.empty_cache();         // the block is free: its segment goes back
+            }),
+            0);
 }
 
 TEST(hazard_events, a_destroyed_private_pool_gives_its_free_blocks_hazard_events_back) {
-  backend::host_device host;
-  event_counting_device dev(host);
-  {
-    backend::stream own(dev), other(dev);
-    alloc::caching_allocator a(dev, debug_without_cross_stream_safety);
-    for (int i = 0; i < 3; ++i) {
-      const auto pool = a.create_growing_private_pool();
-      {
-        alloc::private_pool_scope scope(a, pool);
-        void* p = a.allocate(1 << 20, own.ref());
-        a.deallocate(p, other.ref());
-      }
-      (void)a.destroy_private_pool(pool);
-    }
-    other.synchronize();
-  }
-  EXPECT_EQ(dev.live.load(), 0) << "device events made and never destroyed";
+  EXPECT_EQ(events_left_after([](alloc::caching_allocator& a, backend::stream_ref own, backend::stream_ref other,
+                                 backend::device&) {
+              const auto pool = a.create_growing_private_pool();
+              {
+                alloc::private_pool_scope scope(a, pool);
+                a.deallocate(a.allocate(1 << 20, own), other);
+              }
+              (void)a.destroy_private_pool(pool);
+            }),
+            0);
 }
 
 TEST(hazard_events, a_region_pool_destroyed_taking_back_its_blocks_gives_its_hazard_events_back) {
-  backend::host_device host;
-  event_counting_device dev(host);
-  {
-    backend::stream own(dev), other(dev);
-    alloc::caching_allocator a(dev, debug_without_cross_stream_safety);
-    void* region = dev.allocate_segment(4 << 20);
-    for (int i = 0; i < 3; ++i) {
-      const auto pool = a.create_private_pool(region, 4 << 20);
-      void* kept = nullptr;
-      {
-        alloc::private_pool_scope scope(a, pool);
-        void* p = a.allocate(1 << 20, own.ref());
-        kept = a.allocate(1 << 20, own.ref());
-        a.deallocate(p, other.ref());
-      }
-      (void)a.destroy_private_pool(pool, alloc::live_blocks::invalidate);
-      a.deallocate(kept, own.ref());  // the tombstone's late free
-    }
-    other.synchronize();
-    dev.free_segment(region);
-  }
-  EXPECT_EQ(dev.live.load(), 0) << "device events made and never destroyed";
+  EXPECT_EQ(events_left_after([](alloc::caching_allocator& a, backend::stream_ref own, backend::stream_ref other,
+                                 backend::device& dev) {
+              void* region = dev.allocate_segment(4 << 20);
+              const auto pool = a.create_private_pool(region, 4 << 20);
+              void* kept = nullptr;
+              {
+                alloc::private_pool_scope scope(a, pool);
+                void* freed = a.allocate(1 << 20, own);
+                kept = a.allocate(1 << 20, own);
+                a.deallocate(freed, other);  // free, with a hazard event, when the pool goes
+              }
+              (void)a.destroy_private_pool(pool, alloc::live_blocks::invalidate);
+              a.deallocate(kept, own);  // the tombstone's late free
+              dev.synchronize(other);
+              dev.free_segment(region);
+            }),
+            0);
 }
 
 }  // namespace
