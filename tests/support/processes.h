@@ -61,12 +61,14 @@ struct pipe_ends {
   unique_fd read, write;
 };
 
-/// Whether a forked child of a multi-threaded test may start threads:
-/// ThreadSanitizer ends such a child.
-#if defined(__SANITIZE_THREAD__)
+/// Whether a forked child of a multi-threaded test may start threads: not
+/// under the sanitizers (ThreadSanitizer ends such a child; under
+/// AddressSanitizer its start may wait on a lock another thread held at the
+/// fork).
+#if defined(__SANITIZE_THREAD__) || defined(__SANITIZE_ADDRESS__)
 inline constexpr bool forked_child_may_start_threads = false;
 #elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
+#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
 inline constexpr bool forked_child_may_start_threads = false;
 #else
 inline constexpr bool forked_child_may_start_threads = true;
