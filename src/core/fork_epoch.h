@@ -5,8 +5,8 @@
 // that owns worker threads must not, in the child, hand them work (it would
 // never run), wait for their work, or destroy a condition variable they
 // waited on (glibc waits for the parent's waiters to leave it: forever); and
-// memory the parent maps shared is still shared with the child. Such an object keeps a fork_epoch made when it was,
-// and asks it.
+// memory the parent maps shared is still shared with the child. Such an
+// object keeps a fork_epoch made when it was, and asks it.
 //
 // Thread-safety: all members may be called from any thread; forked_since()
 // is one relaxed load and a compare.
@@ -14,6 +14,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <thread>
+#include <utility>
 
 namespace shoal::detail {
 
@@ -30,9 +32,14 @@ class fork_epoch {
   std::uint64_t made_at_;
 };
 
+/// In a fork() child, lets go of a parent's thread handle without join()
+/// or detach(): glibc gives the dead thread's descriptor to the child's next
+/// thread, which either call would then act on.
+inline void leave_parents_thread(std::thread&& handle) noexcept { (void)new std::thread(std::move(handle)); }
+
 namespace fork_counting {
-// Bumped in each child by a pthread_atfork handler that forks_so_far()
-// registers the first time it is called (before any fork_epoch can be asked).
+// Bumped in each child by a pthread_atfork handler, registered when the
+// library loads (fork_epoch.cpp).
 extern std::atomic<std::uint64_t> forks;
 }  // namespace fork_counting
 

@@ -105,10 +105,8 @@ void revocation_watcher::stop() noexcept {
   const std::lock_guard lock(join_mutex_);  // stops from several threads: one joins
   if (!thread_.joinable()) return;
   if (state_->epoch.forked_since()) {
-    // A fork() child: the thread stayed with the parent, and its handle
-    // may name a thread of the child's that took the dead one's place, so
-    // neither join() nor detach(): the handle is left as it is.
-    (void)new std::thread(std::move(thread_));
+    // A fork() child: the thread stayed with the parent.
+    shoal::detail::leave_parents_thread(std::move(thread_));
     return;
   }
   thread_.join();

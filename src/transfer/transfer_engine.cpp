@@ -130,11 +130,9 @@ transfer_engine::~transfer_engine() {
   if (wake_->epoch.forked_since()) {
     // A fork() child: the worker and the copier's helper threads stayed
     // with the parent; destroying the condition variables they waited on
-    // would block forever. Batches not taken are dropped (their frees do nothing
-    // here: the memory is the parent's).
-    // Its handle names a thread of the parent's: detach() here could reach a
-    // thread of the child's that took the dead one's place. Left as it is.
-    (void)new std::thread(std::move(worker_));
+    // would block forever. Batches not taken are dropped (their frees do
+    // nothing here: the memory is the parent's).
+    shoal::detail::leave_parents_thread(std::move(worker_));
     (void)wake_.release();
     (void)copier_.release();
     return;
