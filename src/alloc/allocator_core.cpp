@@ -58,7 +58,7 @@ allocator_core::allocator_core(backend::device& dev, allocator_config cfg)
       config(effective(checked(std::move(cfg)), expandable_segments_fallback)),
       trace_(config.trace_entries),
       events_(dev),
-      source_(dev, config, directory_, trace_, hooks, events_) {}
+      source_(dev, config, directory_, trace_, hooks, events_, orphans_) {}
 
 allocator_core::~allocator_core() {
   // In a fork() child the segments and the streams with work on them are
@@ -68,7 +68,7 @@ allocator_core::~allocator_core() {
 }
 
 void allocator_core::check_invariants() const {
-  check_allocator_invariants(directory_, source_, config.expandable_segments ? device.granularity() : 0);
+  check_allocator_invariants(directory_, source_, orphans_, config.expandable_segments ? device.granularity() : 0);
 }
 
 void throw_not_allocated(std::uintptr_t address, const char* op) {
@@ -452,8 +452,13 @@ bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool even
     // free, unless a pool made on its region since holds it again.
     std::lock_guard handoff(region_handoff_mutex_);
     if (!run_on_block<true>(address, free_block)) {
-      if (!orphans_.forget(address)) throw_not_allocated(address, "deallocate");
-      note_tombstone_removed(address, stream);
+      if (orphans_.forget(address)) {
+        note_tombstone_removed(address, stream);
+      } else if (!run_on_block<true>(address, free_block)) {
+        // Neither: a new segment made the orphan its tombstone since the look
+        // above, under its pool's lock, which this look waits for.
+        throw_not_allocated(address, "deallocate");
+      }
     }
   }
   check_step();

@@ -18,6 +18,10 @@ class block_index {
   void reserve_one() {
     if (count_ == room_) grow();
   }
+  /// Makes room for `n` more inserts (as reserve_one does for one).
+  void reserve(std::size_t n) {
+    while (room_ - count_ < n) grow();
+  }
   // Inline: one insert and one take per allocate/free pair.
   void insert(block* b) {
     if (count_ == room_) grow();

@@ -106,8 +106,10 @@ void allocator_core::take_back_live_blocks(block_pool& part, invalidated_blocks_
 void allocator_core::remove_tombstone(block_pool& part, block* b, backend::stream_ref stream) {
   // Its owner's work on `stream` may still touch it: a hand-out on another
   // stream waits for that first, as for any free block of a private pool.
+  // (A stream pool's tombstone lies in a segment made after its owner's
+  // memory left: nothing of the owner's touches it.)
   make_room_to_settle(b, 1);  // the one step that may throw: first
-  add_unique(b->last_streams, stream);
+  if (part.is_private) add_unique(b->last_streams, stream);
   pool_counters::sub(part.counters.invalidated, 1);
   pool_counters::sub(part.counters.invalidated_bytes, static_cast<std::int64_t>(b->size));
   ++part.frees;

@@ -178,9 +178,9 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
                            (indexed ? " is missing from the pool's index of allocated blocks"
                                     : " is in the pool's index of allocated blocks"));
       }
-      if (b->state == block_state::invalidated && (!pool.is_private || b->size != min_block)) {
-        fail("states", block_name(b) + where + " is a tombstone outside a private pool or not of " +
-                           std::to_string(min_block) + " bytes");
+      if (b->state == block_state::invalidated && (b->size != min_block || !b->mapped)) {
+        fail("states", block_name(b) + where + " is a tombstone not of " + std::to_string(min_block) +
+                           " mapped bytes");
       }
       if (b->claimed && b->state != block_state::allocated) {
         fail("states", block_name(b) + where + " is claimed by an owner but is not allocated");
@@ -267,7 +267,7 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
 }  // namespace
 
 void check_allocator_invariants(const pool_directory& directory, const segment_source& source,
-                                std::size_t granularity) {
+                                const orphaned_tombstones& orphans, std::size_t granularity) {
   directory.with_every_pool_locked([&](const std::vector<block_pool*>& pools, const segment_map& segments) {
     std::size_t segment_count = 0;
     std::size_t reserved = 0, growable_mapped = 0;
@@ -284,6 +284,17 @@ void check_allocator_invariants(const pool_directory& directory, const segment_s
         if (it->second.first != s->size || it->second.second != pool) {
           fail("directory", "the segment directory records " + segment_name(*s) + " of the " + pool_name(*pool) +
                                 " with " + std::to_string(it->second.first) + " bytes and another pool");
+        }
+        // In memory the allocator took from the device, a block may start
+        // at an orphan's address only once it is a tombstone here again (a
+        // growable range lies over none at all). A private pool's region
+        // takes its orphans while it enters the directory: not checked.
+        if (s->external) continue;
+        for (const std::uintptr_t address : orphans.within(s->base, s->base + s->size)) {
+          if (s->expandable || (address - s->base) % min_block == 0) {
+            fail("orphans", "an orphaned tombstone at " + hex(address) + " lies in " + segment_name(*s) +
+                                " of the " + pool_name(*pool) + ", where a block may start");
+          }
         }
       }
     }

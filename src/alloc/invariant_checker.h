@@ -13,8 +13,8 @@
 //   neighbours  no two neighbouring settled free blocks, no two
 //               neighbouring unmapped ones (they would have merged);
 //   states      the pool's index holds exactly its allocated blocks and
-//               tombstones (invalidated, min_block bytes, private pools
-//               only), its pending list exactly its pending_free ones; only
+//               tombstones (invalidated, min_block mapped bytes), its
+//               pending list exactly its pending_free ones; only
 //               allocated blocks are marked shared with another process;
 //   counters    each pool's stats equal sums recomputed from its blocks
 //               (allocations, active, allocated/requested/active bytes,
@@ -24,13 +24,17 @@
 //               total = sum of the stream pools' reserved bytes <= limit;
 //   directory   the segment directory holds exactly the live pools'
 //               segments, each with its size and pool; every live pool
-//               is in service (its blocks can be found by address).
+//               is in service (its blocks can be found by address);
+//   orphans     no orphaned tombstone lies where a block of a segment taken
+//               from the device may start (its 512-byte grid; anywhere in
+//               a growable range).
 // The first broken one is thrown as invariant_violation, naming the
 // invariant, the pool, the segment and the block.
 #pragma once
 
 #include <cstddef>
 
+#include "alloc/orphaned_tombstones.h"
 #include "alloc/pool_directory.h"
 #include "alloc/segment_source.h"
 
@@ -39,6 +43,6 @@ namespace shoal::alloc::detail {
 /// `granularity`: the device's mapping granularity when growable segments
 /// may exist (expandable_segments), else unused.
 void check_allocator_invariants(const pool_directory& directory, const segment_source& source,
-                                std::size_t granularity);
+                                const orphaned_tombstones& orphans, std::size_t granularity);
 
 }  // namespace shoal::alloc::detail

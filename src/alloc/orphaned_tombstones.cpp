@@ -12,6 +12,7 @@ void orphaned_tombstones::reserve(std::size_t n) {
 void orphaned_tombstones::add(std::uintptr_t address) noexcept {
   std::lock_guard lock(mutex_);
   addresses_.push_back(address);  // within the capacity reserve made
+  count_.store(addresses_.size(), std::memory_order_relaxed);
 }
 
 bool orphaned_tombstones::forget(std::uintptr_t address) {
@@ -20,12 +21,19 @@ bool orphaned_tombstones::forget(std::uintptr_t address) {
   if (it == addresses_.end()) return false;
   *it = addresses_.back();
   addresses_.pop_back();
+  count_.store(addresses_.size(), std::memory_order_relaxed);
   return true;
 }
 
 bool orphaned_tombstones::contains(std::uintptr_t address) const {
   std::lock_guard lock(mutex_);
   return std::find(addresses_.begin(), addresses_.end(), address) != addresses_.end();
+}
+
+bool orphaned_tombstones::any_within(std::uintptr_t low, std::uintptr_t high) const noexcept {
+  if (count() == 0) return false;
+  std::lock_guard lock(mutex_);
+  return std::any_of(addresses_.begin(), addresses_.end(), [&](std::uintptr_t a) { return a >= low && a < high; });
 }
 
 std::vector<std::uintptr_t> orphaned_tombstones::within(std::uintptr_t low, std::uintptr_t high) const {
@@ -43,6 +51,25 @@ void orphaned_tombstones::forget_all(const std::vector<std::uintptr_t>& addresse
   std::erase_if(addresses_, [&](std::uintptr_t a) {
     return std::find(addresses.begin(), addresses.end(), a) != addresses.end();
   });
+  count_.store(addresses_.size(), std::memory_order_relaxed);
+}
+
+std::size_t orphaned_tombstones::take_within(std::uintptr_t low, std::uintptr_t high, std::size_t step,
+                                             std::span<std::uintptr_t> into) noexcept {
+  std::lock_guard lock(mutex_);
+  std::size_t n = 0;
+  for (auto a : addresses_) {  // the lowest into.size() of them, kept in order
+    if (a < low || a >= high || (a - low) % step != 0) continue;
+    if (n == into.size() && (n == 0 || a > into[n - 1])) continue;
+    std::size_t at = n < into.size() ? n++ : n - 1;
+    for (; at > 0 && into[at - 1] > a; --at) into[at] = into[at - 1];
+    into[at] = a;
+  }
+  if (n == 0) return 0;
+  const auto taken = into.first(n);
+  std::erase_if(addresses_, [&](std::uintptr_t a) { return std::binary_search(taken.begin(), taken.end(), a); });
+  count_.store(addresses_.size(), std::memory_order_relaxed);
+  return n;
 }
 
 }  // namespace shoal::alloc::detail

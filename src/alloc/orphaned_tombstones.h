@@ -1,15 +1,19 @@
 // Tombstones whose private pool was destroyed (forced_clear.cpp): addresses
 // of blocks taken from their owners whose late frees are still owed after
-// the memory left the allocator. When a private pool covers one again, it
-// becomes a tombstone there once more, so no newer block starts at the
-// address; a late free that finds no pool forgets it and frees nothing.
+// the memory left the allocator. When a private pool or a new segment of
+// the allocator's covers one again, it becomes a tombstone there once more,
+// so no newer block starts at the address; a late free that finds no pool
+// forgets it and frees nothing.
 //
 // Thread-safety: every member may be called from any thread at once; its
 // mutex is a leaf of the allocator's lock order (pool_directory.h).
 #pragma once
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <span>
 #include <vector>
 
 namespace shoal::alloc::detail {
@@ -24,14 +28,25 @@ class orphaned_tombstones {
   bool forget(std::uintptr_t address);
   /// True when one is at `address`.
   [[nodiscard]] bool contains(std::uintptr_t address) const;
+  /// True when one is in [low, high).
+  [[nodiscard]] bool any_within(std::uintptr_t low, std::uintptr_t high) const noexcept;
   /// Those in [low, high), in address order.
   [[nodiscard]] std::vector<std::uintptr_t> within(std::uintptr_t low, std::uintptr_t high) const;
   /// Forgets each of `addresses` there is.
   void forget_all(const std::vector<std::uintptr_t>& addresses) noexcept;
+  /// Forgets those in [low, high) a multiple of `step` past `low`, at most
+  /// into.size() (the lowest), and writes them to `into` in address order;
+  /// returns how many.
+  std::size_t take_within(std::uintptr_t low, std::uintptr_t high, std::size_t step,
+                          std::span<std::uintptr_t> into) noexcept;
+  /// How many there are (read without the lock: a growth's hint of the room
+  /// its tombstones may need; one being added meanwhile lies elsewhere).
+  [[nodiscard]] std::size_t count() const noexcept { return count_.load(std::memory_order_relaxed); }
 
  private:
   mutable std::mutex mutex_;
   std::vector<std::uintptr_t> addresses_;  // guarded by mutex_; unordered, each once
+  std::atomic<std::size_t> count_{0};      // addresses_.size(), written under mutex_
 };
 
 }  // namespace shoal::alloc::detail

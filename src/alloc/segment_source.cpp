@@ -1,6 +1,7 @@
 #include "alloc/segment_source.h"
 
 #include <algorithm>
+#include <array>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -53,13 +54,15 @@ std::size_t limit_of(const allocator_config& config, double memory_fraction, bac
 }
 
 segment_source::segment_source(backend::device& device, const allocator_config& config, pool_directory& directory,
-                               trace_ring& trace, const allocator_hooks& hooks, event_pool& events)
+                               trace_ring& trace, const allocator_hooks& hooks, event_pool& events,
+                               orphaned_tombstones& orphans)
     : device_(device),
       config_(config),
       directory_(directory),
       trace_(trace),
       hooks_(hooks),
       events_(events),
+      orphans_(orphans),
       limit_(limit_of(config, config.memory_fraction, device)),
       mapper_(device) {}
 
@@ -68,6 +71,17 @@ block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized
   // A growing private pool takes plain segments whatever the setting: a
   // growable range's chunks are unmapped by give-backs, which never touch it.
   if (config_.expandable_segments && !pool.is_private) return grow_expandable(pool, size);
+  // A segment over orphaned tombstones keeps them, and its free stretches
+  // around them may all be smaller than `size`: they stay cached, and the
+  // next segment (which cannot overlap this one) is tried.
+  for (int tries = 0; tries < max_segments_over_tombstones; ++tries) {
+    block* b = grow_plain(pool, size, right_sized_allowed);
+    if (b == nullptr || b->size >= size) return b;
+  }
+  return nullptr;
+}
+
+block* segment_source::grow_plain(block_pool& pool, std::size_t size, bool right_sized_allowed) {
   // Under a limit or device pressure the standard segment may not fit where
   // the request itself does: a segment of the block's own size is tried
   // when the caller allows it (after giving other pools' caches back).
@@ -85,7 +99,13 @@ block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized
   // that std::bad_alloc never strands a segment the device gave.
   auto s = std::make_unique<segment>();
   pool.segments.reserve(pool.segments.size() + 1);
-  pool.reserve_blocks(1);
+  // Room for the tombstones of orphans the segment may cover: two block
+  // objects (the tombstone, the free rest after it) and an index entry each,
+  // beside the index entry the caller reserved for its hand-out.
+  const std::size_t orphans = orphans_.count();
+  std::vector<std::uintptr_t> covered(orphans);
+  pool.reserve_blocks(1 + 2 * orphans);
+  pool.allocated.reserve(1 + orphans);
   void* base = take_segment(bytes);
   if (base == nullptr && right_sized_allowed && fallback_segment_size_for(size) < bytes) {
     bytes = fallback_segment_size_for(size);
@@ -112,12 +132,45 @@ block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized
   b->size = bytes;
   b->owner = s.get();
   s->first = b;
+  segment& added = *s;
   pool.segments.push_back(std::move(s));  // within the room reserved above
   pool_counters::add(pool.counters.segments, 1);
   pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
-  pool.bins.insert(b);
-  if (trace_.enabled()) trace_.note(trace_action::segment_alloc, b->address, bytes, pool.stream);
-  return b;
+  if (trace_.enabled()) trace_.note(trace_action::segment_alloc, added.base, bytes, pool.stream);
+  return keep_orphans_as_tombstones(pool, added, covered);
+}
+
+block* segment_source::keep_orphans_as_tombstones(block_pool& pool, segment& s,
+                                                  std::span<std::uintptr_t> room) noexcept {
+  // The segment is in the directory and its pool's lock held, so a late
+  // free that no longer finds the orphan finds the tombstone (it looks
+  // again, and waits for this lock: allocator_core::deallocate).
+  // Blocks start on the segment's grid of min_block bytes: an orphan off it
+  // stays one (no block can start there).
+  const std::size_t n = orphans_.take_within(s.base, s.base + s.size, min_block, room);
+  block* rest = s.first;
+  block* largest = nullptr;
+  const auto cache = [&](block* b) {
+    pool.bins.insert(b);
+    if (largest == nullptr || b->size > largest->size) largest = b;
+  };
+  for (const std::uintptr_t address : room.first(n)) {
+    if (address > rest->address) {
+      block* after = split(pool, rest, address - rest->address);
+      cache(rest);
+      rest = after;
+    }
+    block* after = rest->size > min_block ? split(pool, rest, min_block) : nullptr;
+    rest->state = block_state::invalidated;
+    refresh_split_stat(pool, rest);
+    pool.allocated.insert(rest);  // within the room reserved by grow_plain
+    pool_counters::add(pool.counters.invalidated, 1);
+    pool_counters::add(pool.counters.invalidated_bytes, static_cast<std::int64_t>(min_block));
+    rest = after;
+    if (rest == nullptr) break;
+  }
+  if (rest != nullptr) cache(rest);
+  return largest;
 }
 
 void* segment_source::take_segment(std::size_t bytes) {
@@ -153,12 +206,8 @@ bool segment_source::reserve_growable(block_pool& pool, std::size_t size) {
   s->mapping_slots.resize(span / g);
   pool.segments.reserve(pool.segments.size() + 1);
   pool.reserve_blocks(1);
-  void* base;
-  try {
-    base = device_.reserve_range(span);
-  } catch (const out_of_memory&) {
-    return false;
-  }
+  void* base = reserve_clear_of_orphans(span);
+  if (base == nullptr) return false;
   s->base = reinterpret_cast<std::uintptr_t>(base);
   s->size = span;
   s->pool = &pool;
@@ -182,6 +231,40 @@ bool segment_source::reserve_growable(block_pool& pool, std::size_t size) {
   pool.segments.push_back(std::move(s));  // within the room reserved above
   pool_counters::add(pool.counters.segments, 1);
   return true;
+}
+
+void* segment_source::reserve_clear_of_orphans(std::size_t span) {
+  // A range over an orphaned tombstone is held while the next is reserved
+  // (so the device cannot give the same one), then released: a late free
+  // of the tombstone must never find a block of the range at its address.
+  std::array<void*, max_ranges_over_tombstones> aside{};
+  std::size_t held = 0;
+  const auto release_aside = [&] {
+    for (std::size_t i = 0; i < held; ++i) {
+      try {
+        device_.release_range(aside[i]);
+      } catch (const error&) {  // NOLINT(bugprone-empty-catch): only address space is lost
+      }
+    }
+  };
+  void* base = nullptr;
+  try {
+    while (held < aside.size()) {
+      void* range = device_.reserve_range(span);
+      const auto low = reinterpret_cast<std::uintptr_t>(range);
+      if (!orphans_.any_within(low, low + span)) {
+        base = range;
+        break;
+      }
+      aside[held++] = range;
+    }
+  } catch (const out_of_memory&) {  // NOLINT(bugprone-empty-catch): no range, as when every one lies over one
+  } catch (...) {
+    release_aside();
+    throw;
+  }
+  release_aside();
+  return base;
 }
 
 segment_source::stretch segment_source::stretch_for(const segment& s, std::size_t size) const {

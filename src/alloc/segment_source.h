@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -32,6 +33,7 @@
 #include "alloc/block_pool.h"
 #include "alloc/chunk_mapper.h"
 #include "alloc/event_pool.h"
+#include "alloc/orphaned_tombstones.h"
 #include "alloc/pool_directory.h"
 #include "alloc/trace_ring.h"
 #include "shoal/alloc/config.h"
@@ -46,7 +48,7 @@ namespace shoal::alloc::detail {
 class segment_source {
  public:
   segment_source(backend::device& device, const allocator_config& config, pool_directory& directory,
-                 trace_ring& trace, const allocator_hooks& hooks, event_pool& events);
+                 trace_ring& trace, const allocator_hooks& hooks, event_pool& events, orphaned_tombstones& orphans);
   segment_source(const segment_source&) = delete;
   segment_source& operator=(const segment_source&) = delete;
 
@@ -105,6 +107,11 @@ class segment_source {
   void reset_device_counters() noexcept;
 
  private:
+  // Segments taken in one growth whose free blocks around orphaned
+  // tombstones were all too small for the request.
+  static constexpr int max_segments_over_tombstones = 4;
+  // Growable ranges reserved in one growth that each lay over one.
+  static constexpr std::size_t max_ranges_over_tombstones = 4;
   /// Where a growable segment maps chunks for a block of `size`: the
   /// unbacked block `u`, the bytes to map there (u nullptr: nowhere), at
   /// its start or at its end.
@@ -113,7 +120,20 @@ class segment_source {
     std::size_t need = 0;
     bool at_end = false;
   };
+  /// grow with a plain segment: its largest free block (in the bins),
+  /// which may be smaller than `size` when the segment covers orphaned
+  /// tombstones, or nullptr.
+  block* grow_plain(block_pool& pool, std::size_t size, bool right_sized_allowed);
+  /// Makes the orphaned tombstones inside the new segment `s` (its one
+  /// free block not in the bins yet) tombstones there again, at most
+  /// room.size() of them, so that no block of it starts where a taken
+  /// block did; puts the free blocks around them in the bins and returns
+  /// the largest. Room for their blocks and index entries is reserved.
+  block* keep_orphans_as_tombstones(block_pool& pool, segment& s, std::span<std::uintptr_t> room) noexcept;
   block* grow_expandable(block_pool& pool, std::size_t size);
+  /// A range of `span` bytes clear of orphaned tombstones, or nullptr when
+  /// the device refuses or every range it gave lay over one.
+  void* reserve_clear_of_orphans(std::size_t span);
   /// Reserves the pool's one growable range; false when the device refuses.
   bool reserve_growable(block_pool& pool, std::size_t size);
   [[nodiscard]] stretch stretch_for(const segment& s, std::size_t size) const;
@@ -150,6 +170,8 @@ class segment_source {
   trace_ring& trace_;
   const allocator_hooks& hooks_;
   event_pool& events_;  // where a released segment's hazard events go (debug mode)
+  // Tombstones of destroyed private pools: a new segment over one keeps it.
+  orphaned_tombstones& orphans_;
   std::atomic<std::size_t> limit_;
   // The highest limit set_limit has replaced (0 while none was lowered).
   std::atomic<std::size_t> highest_earlier_limit_{0};

@@ -261,10 +261,10 @@ class caching_allocator {
   /// outlive it, remembered by address: their late frees (and
   /// record_stream) are accepted and do nothing but forget them, and a
   /// private pool created over the same memory before then gets them back
-  /// as tombstones, so no newer block starts there. Should the device give
-  /// the memory to a segment of this allocator's own meanwhile, a late
-  /// free there would free a newer block: owners should free what was
-  /// taken before memory leaves the process's lender. Its id is invalid
+  /// as tombstones, so no newer block starts there; so does a segment of
+  /// this allocator's own that the device places over one (the memory left
+  /// the process and its address was given out again), and a growable
+  /// range over one is given back unused. Its id is invalid
   /// from then on (calls with it throw invalid_argument); no call with it
   /// may run meanwhile. Its bookkeeping serves a later private pool (so that
   /// inserting memory again costs no new pages); an allocation in a

@@ -1,0 +1,163 @@
+// A forced clear's tombstone outlives its destroyed private pool as an
+// orphan until its owner's late free. Should the device give the region's
+// address to a new segment of the same allocator first (the region's memory
+// left the process, the address is free again), that segment keeps the
+// tombstone, so no newer block starts there and the late free frees nothing
+// newer; a growable range over one is not used at all.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/host_device.h"
+#include "shoal/core/error.h"
+#include "support/forwarding_device.h"
+
+namespace shoal::testing {
+namespace {
+
+using alloc::live_blocks;
+constexpr std::size_t kib = 1024, mib = kib * kib;
+
+// Hands the allocator, once, an address the test gave up (as a device does
+// with memory freed a moment before); the rest goes to the host device.
+class reusing_device : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+  void reuse_segment(void* base, std::size_t bytes) { segment_ = {base, bytes}; }
+  void reuse_range(void* base, std::size_t bytes) { range_ = {base, bytes}; }
+  void* allocate_segment(std::size_t bytes) override {
+    if (segment_.first != nullptr && bytes == segment_.second) {
+      reused_segment = true;
+      return std::exchange(segment_.first, nullptr);
+    }
+    return forwarding_device::allocate_segment(bytes);
+  }
+  void* reserve_range(std::size_t bytes) override {
+    if (range_.first != nullptr && bytes == range_.second) {
+      reused_range = true;
+      return std::exchange(range_.first, nullptr);
+    }
+    return forwarding_device::reserve_range(bytes);
+  }
+  void release_range(void* base) override {
+    released_ranges.push_back(base);
+    forwarding_device::release_range(base);
+  }
+  [[nodiscard]] backend::memory_info memory() const override {
+    auto m = forwarding_device::memory();
+    if (total_bytes != 0) m.total_bytes = total_bytes;
+    return m;
+  }
+
+  std::size_t total_bytes = 0;  // the device's size the allocator sees (0: the host's)
+  bool reused_segment = false, reused_range = false;
+  std::vector<void*> released_ranges;
+
+ private:
+  std::pair<void*, std::size_t> segment_{nullptr, 0}, range_{nullptr, 0};
+};
+
+bool inside(const void* p, const void* base, std::size_t bytes) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p), b = reinterpret_cast<std::uintptr_t>(base);
+  return a >= b && a < b + bytes;
+}
+
+// A private pool over `region` whose first block a forced destroy takes:
+// returns that block's address, an orphaned tombstone from then on.
+void* orphan_at_start_of(alloc::caching_allocator& a, void* region, std::size_t bytes) {
+  const auto pool = a.create_private_pool(region, bytes);
+  void* stale = nullptr;
+  {
+    alloc::private_pool_scope scope(a, pool);
+    stale = a.allocate(4 * kib, {});
+  }
+  EXPECT_EQ(stale, region);
+  EXPECT_EQ(a.destroy_private_pool(pool, live_blocks::invalidate).blocks.size(), 1u);
+  return stale;
+}
+
+TEST(orphans_in_new_segments, a_new_segment_at_a_taken_blocks_address_keeps_its_tombstone) {
+  backend::host_device host;
+  reusing_device dev(host);
+  alloc::caching_allocator a(dev, alloc::allocator_config{});
+  void* region = host.allocate_segment(2 * mib);
+  void* stale = orphan_at_start_of(a, region, 2 * mib);
+  dev.reuse_segment(region, 2 * mib);  // the small pool's next segment
+  void* newer = a.allocate(4 * kib, {});
+  ASSERT_TRUE(dev.reused_segment) << "the test's premise: the new segment lies at the region's address";
+  EXPECT_NE(newer, stale) << "a newer block starts where a taken block did";
+  EXPECT_TRUE(inside(newer, region, 2 * mib)) << "the segment around the tombstone serves it";
+  EXPECT_EQ(a.stats().invalidated.aggregate.current, 1) << "the orphan is a tombstone again";
+  EXPECT_NO_THROW(a.check_invariants());
+
+  EXPECT_NO_THROW(a.deallocate(stale, {})) << "the owner's late free";
+  EXPECT_NO_THROW((void)a.block_size(newer)) << "the late free freed the newer block";
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 1);
+  EXPECT_EQ(a.stats().invalidated.aggregate.current, 0);
+  EXPECT_THROW(a.deallocate(stale, {}), invalid_argument) << "a second late free is an unknown pointer";
+  a.deallocate(newer, {});
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0) << "the segment went back once wholly free";
+  EXPECT_NO_THROW(a.check_invariants());
+}
+
+TEST(orphans_in_new_segments, a_request_no_stretch_around_the_tombstone_fits_takes_another_segment) {
+  backend::host_device host;
+  reusing_device dev(host);
+  alloc::caching_allocator a(dev, alloc::allocator_config{});
+  void* region = host.allocate_segment(20 * mib);
+  void* stale = orphan_at_start_of(a, region, 20 * mib);
+  dev.reuse_segment(region, 20 * mib);
+  void* newer = a.allocate(20 * mib, {});  // a segment of its own size
+  ASSERT_TRUE(dev.reused_segment);
+  EXPECT_FALSE(inside(newer, region, 20 * mib)) << "20 MiB less the tombstone's 512 bytes cannot hold it";
+  const auto st = a.stats();
+  EXPECT_EQ(st.segments.aggregate.current, 2) << "the one over the tombstone stays cached: " << st.to_json();
+  EXPECT_EQ(st.invalidated.aggregate.current, 1);
+  EXPECT_EQ(st.retries, 0) << "the growth went on to the next segment, not to the out-of-memory steps "
+                              "(which give every pool's cached memory back)";
+  EXPECT_NO_THROW(a.check_invariants());
+  EXPECT_NO_THROW(a.deallocate(stale, {}));
+  EXPECT_NO_THROW((void)a.block_size(newer));
+  void* within = a.allocate(20 * mib - 512, {});
+  EXPECT_TRUE(inside(within, region, 20 * mib)) << "the late free made that segment one free block again";
+  a.deallocate(within, {});
+  a.deallocate(newer, {});
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0);
+  EXPECT_NO_THROW(a.check_invariants());
+}
+
+TEST(orphans_in_new_segments, a_growable_range_over_a_taken_blocks_address_is_not_used) {
+  backend::host_device host;
+  reusing_device dev(host);
+  dev.total_bytes = 64 * mib;  // a growable range spans the device: 64 MiB here
+  alloc::allocator_config config;
+  config.expandable_segments = true;
+  alloc::caching_allocator a(dev, config);
+  const std::size_t span = 64 * mib;
+  void* range = host.reserve_range(span);
+  const auto chunk = host.create_physical(2 * mib);
+  host.map(range, chunk);
+  void* stale = orphan_at_start_of(a, range, 2 * mib);
+  host.unmap(range);
+  host.release_physical(chunk);
+  dev.reuse_range(range, span);
+  void* newer = a.allocate(4 * kib, {});
+  ASSERT_TRUE(dev.reused_range) << "the test's premise: the device offered the region's range first";
+  EXPECT_FALSE(inside(newer, range, span)) << "the range over the orphan was used";
+  EXPECT_NE(std::find(dev.released_ranges.begin(), dev.released_ranges.end(), range), dev.released_ranges.end())
+      << "the range over the orphan went back once another was reserved";
+  EXPECT_NO_THROW(a.deallocate(stale, {})) << "the late free finds the orphan";
+  EXPECT_NO_THROW((void)a.block_size(newer));
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 1);
+  a.deallocate(newer, {});
+  EXPECT_NO_THROW(a.check_invariants());
+}
+
+}  // namespace
+}  // namespace shoal::testing
