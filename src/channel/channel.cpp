@@ -30,6 +30,7 @@
 #include "channel/send_queue.h"
 #include "channel/shared_ring.h"
 #include "core/deadline.h"
+#include "core/fork_released_sockets.h"
 #include "shoal/core/error.h"
 
 namespace shoal::channel {
@@ -165,6 +166,9 @@ bool access_policy::allows(uid_t uid, gid_t gid) const noexcept {
 
 struct connection::state {
   unique_fd socket;
+  // Replaced by /dev/null in a fork() child, so the peer sees this end close
+  // when this process does; declared after the socket: released first.
+  std::optional<shoal::detail::fork_released_socket> released_in_children;
   peer_credentials peer;
   std::size_t max_payload = 0;
   std::atomic<std::int64_t> spin_ns{0};          // how long receive polls before it blocks
@@ -283,6 +287,7 @@ connection connection::checked_peer(unique_fd socket, const ucred& credentials, 
   if (!process) throw connection_closed(side + ": the peer " + who + " exited before it could be identified");
   auto s = std::make_unique<state>();
   s->socket = std::move(socket);
+  s->released_in_children.emplace(s->socket.get());
   s->peer = {*process, credentials.uid, credentials.gid};
   s->max_payload = max_payload;
   return connection(std::move(s));
@@ -357,6 +362,7 @@ connection connection::adopt_pair_end(unique_fd socket_pair_end, const access_po
   const auto until = shoal::detail::deadline_after(shoal::detail::channel_timeout(timeout));
   // adopt() checks the socket's kind; its SO_PEERCRED answer is replaced.
   connection checked = adopt(std::move(socket_pair_end), policy, max_payload);
+  checked.state_->released_in_children.reset();
   unique_fd socket = std::move(checked.state_->socket);
   const ucred theirs = detail::exchange_credentials(socket.get(), until);
   return checked_peer(std::move(socket), theirs, policy, max_payload, "connection::adopt_pair_end");
@@ -959,6 +965,7 @@ listener::listener(const channel_address& address, access_policy policy, std::si
   // Non-blocking, so that a connection another thread took first cannot
   // leave accept() blocked after poll() said one was waiting.
   socket_ = new_unix_socket(SOCK_NONBLOCK);
+  released_in_children_ = std::make_unique<shoal::detail::fork_released_socket>(socket_.get());
   // A path is bound through the directory's descriptor: the one checked.
   const socket_address local = directory_ ? directory_->address_of(file_name_) : to_socket_address(address_);
   const auto bind_here = [&] {

@@ -44,6 +44,10 @@
 #include "shoal/core/process_identity.h"
 #include "shoal/core/unique_fd.h"
 
+namespace shoal::detail {
+class fork_released_socket;
+}  // namespace shoal::detail
+
 namespace shoal::channel {
 
 /// The wire layout version this build speaks.
@@ -461,6 +465,9 @@ class listener {
   std::unique_ptr<detail::private_directory> directory_;  // a path's directory, opened once; null for an abstract name
   std::string file_name_;                                 // the socket file's name in it
   unique_fd socket_;
+  // Replaced by /dev/null in a fork() child, so that an abstract name is
+  // unbound once this process closes it; declared after the socket: released first.
+  std::unique_ptr<shoal::detail::fork_released_socket> released_in_children_;
   // The socket file's identity, so the destructor removes only its own file.
   dev_t file_device_ = 0;
   ino_t file_inode_ = 0;

@@ -1,0 +1,65 @@
+#include "core/fork_released_sockets.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <mutex>
+#include <vector>
+
+namespace shoal::detail {
+
+namespace {
+
+struct registry {
+  std::mutex mutex;
+  std::vector<int> sockets;  // guarded by mutex
+};
+
+registry& sockets_to_release() {
+  static auto* const r = new registry;  // never destroyed: a fork may come during exit
+  return *r;
+}
+
+// The lock is held across fork(), so the child finds the list whole and the
+// lock free (the forking thread, which holds it, is the child's one thread).
+void lock_before_fork() noexcept { sockets_to_release().mutex.lock(); }
+void unlock_in_parent() noexcept { sockets_to_release().mutex.unlock(); }
+void release_in_child() noexcept {
+  registry& r = sockets_to_release();
+  // open, dup3 and close are async-signal-safe. Without /dev/null (no
+  // descriptor left) the sockets stay as they were.
+  const int placeholder = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+  if (placeholder >= 0) {
+    for (const int fd : r.sockets) (void)::dup3(placeholder, fd, O_CLOEXEC);
+    ::close(placeholder);
+  }
+  r.sockets.clear();  // keeps its capacity: no allocation here
+  r.mutex.unlock();
+}
+
+// At load, while one thread runs, as fork_epoch.cpp does. pthread_atfork
+// fails only without memory for the handlers; children then keep the
+// sockets as before.
+[[maybe_unused]] const bool registered_at_load =
+    (sockets_to_release(), ::pthread_atfork(&lock_before_fork, &unlock_in_parent, &release_in_child) == 0);
+
+}  // namespace
+
+fork_released_socket::fork_released_socket(int fd) : fd_(fd) {
+  registry& r = sockets_to_release();
+  std::lock_guard lock(r.mutex);
+  r.sockets.push_back(fd);
+}
+
+fork_released_socket::~fork_released_socket() {
+  registry& r = sockets_to_release();
+  std::lock_guard lock(r.mutex);
+  const auto it = std::find(r.sockets.begin(), r.sockets.end(), fd_);
+  if (it == r.sockets.end()) return;  // in a fork() child: released already
+  *it = r.sockets.back();
+  r.sockets.pop_back();
+}
+
+}  // namespace shoal::detail

@@ -1,0 +1,112 @@
+// A fork() child lets go of the sockets it inherited at once (each becomes
+// /dev/null under the same number): a peer sees the parent's end close when
+// the parent closes it, and an abstract name is free once the parent closes
+// its listener, while the child lives on; the child's drop of an inherited
+// connection closes the placeholder, never a descriptor it opened since.
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+
+#include "channel_fixtures.h"
+#include "shoal/channel/channel.h"
+#include "shoal/core/error.h"
+#include "support/processes.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using channel::connection;
+using channel::listener;
+
+// A child that lives until the parent closes the pipe's write end; made
+// once the child runs (its fork handlers have run by then).
+class lingering_child {
+ public:
+  lingering_child() {
+    int ready[2];
+    EXPECT_EQ(::pipe2(ready, O_CLOEXEC), 0);
+    EXPECT_EQ(::pipe2(hold_, O_CLOEXEC), 0);
+    child_.emplace([&] {
+      ::close(hold_[1]);
+      ::close(ready[0]);
+      if (::write(ready[1], "r", 1) != 1) return 2;
+      char c;
+      return ::read(hold_[0], &c, 1) == 0 ? 0 : 1;
+    });
+    ::close(hold_[0]);
+    ::close(ready[1]);
+    char c;
+    EXPECT_EQ(::read(ready[0], &c, 1), 1) << "the child did not start";
+    ::close(ready[0]);
+  }
+  ~lingering_child() {
+    if (hold_[1] >= 0) ::close(hold_[1]);
+  }
+  lingering_child(const lingering_child&) = delete;
+  lingering_child& operator=(const lingering_child&) = delete;
+  std::optional<int> let_go() {
+    ::close(std::exchange(hold_[1], -1));
+    return child_->wait_for(10s);
+  }
+
+ private:
+  int hold_[2] = {-1, -1};
+  std::optional<forked_child> child_;
+};
+
+TEST(fork_release, a_peer_sees_the_parents_end_close_while_a_forked_child_lives) {
+  const auto where = fresh_abstract_name();
+  listener server(where, {});
+  connection client = connection::connect(where, {}, connection::default_max_payload, 2s);
+  auto accepted = std::make_unique<connection>(server.accept());
+  lingering_child child;
+  accepted.reset();
+  EXPECT_THROW((void)client.receive_for(2s), connection_closed)
+      << "the child's inherited descriptor kept the parent's end open";
+  EXPECT_EQ(child.let_go(), std::optional<int>(0));
+}
+
+TEST(fork_release, an_abstract_name_is_free_once_the_parent_closes_its_listener_while_a_forked_child_lives) {
+  const auto where = fresh_abstract_name();
+  auto server = std::make_unique<listener>(where, channel::access_policy{});
+  lingering_child child;
+  server.reset();
+  EXPECT_NO_THROW(listener again(where, {})) << "the child's inherited descriptor kept the name bound";
+  EXPECT_EQ(child.let_go(), std::optional<int>(0));
+}
+
+TEST(fork_release, a_childs_drop_of_an_inherited_connection_closes_no_descriptor_it_opened) {
+  const auto where = fresh_abstract_name();
+  listener server(where, {});
+  connection client = connection::connect(where, {}, connection::default_max_payload, 2s);
+  auto accepted = std::make_unique<connection>(server.accept());
+  const int inherited = accepted->native_handle();
+  forked_child child([&] {
+    // Descriptors the child opens fill the lowest free numbers: past the
+    // inherited one's, that number was free or it is still taken.
+    int mine[1024];
+    int opened = 0;
+    while (opened < 1024) {
+      mine[opened] = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+      if (mine[opened] < 0) return 1;
+      if (mine[opened++] > inherited) break;
+    }
+    accepted.reset();
+    for (int i = 0; i < opened; ++i) {
+      if (::fcntl(mine[i], F_GETFD) < 0) return 2;
+    }
+    return 0;
+  });
+  EXPECT_EQ(child.wait_for(10s), std::optional<int>(0)) << "2: the drop closed the child's own pipe";
+  accepted->send(1, bytes_of("still here"));
+  EXPECT_EQ(text_of(client.receive_for(2s).payload), "still here") << "the parent's end works as before";
+}
+
+}  // namespace
+}  // namespace shoal::testing
