@@ -106,8 +106,9 @@ void allocator_core::take_back_live_blocks(block_pool& part, invalidated_blocks_
 void allocator_core::remove_tombstone(block_pool& part, block* b, backend::stream_ref stream) {
   // Its owner's work on `stream` may still touch it: a hand-out on another
   // stream waits for that first, as for any free block of a private pool.
-  // (A stream pool's tombstone lies in a segment made after its owner's
-  // memory left: nothing of the owner's touches it.)
+  // Stream pools keep no last streams: their tombstones lie in segments the
+  // device gave out after the owner's memory left, which nothing of the
+  // owner's touches. (A growing private pool's may be either kind: waited for.)
   make_room_to_settle(b, 1);  // the one step that may throw: first
   if (part.is_private) add_unique(b->last_streams, stream);
   pool_counters::sub(part.counters.invalidated, 1);

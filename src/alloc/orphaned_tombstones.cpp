@@ -30,8 +30,16 @@ bool orphaned_tombstones::contains(std::uintptr_t address) const {
   return std::find(addresses_.begin(), addresses_.end(), address) != addresses_.end();
 }
 
+std::size_t orphaned_tombstones::count_within(std::uintptr_t low, std::uintptr_t high, std::size_t step) const {
+  if (count_.load(std::memory_order_relaxed) == 0) return 0;
+  std::lock_guard lock(mutex_);
+  return static_cast<std::size_t>(std::count_if(addresses_.begin(), addresses_.end(), [&](std::uintptr_t a) {
+    return a >= low && a < high && (a - low) % step == 0;
+  }));
+}
+
 bool orphaned_tombstones::any_within(std::uintptr_t low, std::uintptr_t high) const noexcept {
-  if (count() == 0) return false;
+  if (count_.load(std::memory_order_relaxed) == 0) return false;
   std::lock_guard lock(mutex_);
   return std::any_of(addresses_.begin(), addresses_.end(), [&](std::uintptr_t a) { return a >= low && a < high; });
 }

@@ -39,14 +39,15 @@ class orphaned_tombstones {
   /// returns how many.
   std::size_t take_within(std::uintptr_t low, std::uintptr_t high, std::size_t step,
                           std::span<std::uintptr_t> into) noexcept;
-  /// How many there are (read without the lock: a growth's hint of the room
-  /// its tombstones may need; one being added meanwhile lies elsewhere).
-  [[nodiscard]] std::size_t count() const noexcept { return count_.load(std::memory_order_relaxed); }
+  /// How many of them lie in [low, high) a multiple of `step` past `low`.
+  [[nodiscard]] std::size_t count_within(std::uintptr_t low, std::uintptr_t high, std::size_t step) const;
 
  private:
   mutable std::mutex mutex_;
   std::vector<std::uintptr_t> addresses_;  // guarded by mutex_; unordered, each once
-  std::atomic<std::size_t> count_{0};      // addresses_.size(), written under mutex_
+  // addresses_.size(), written under mutex_: a growth with none to look
+  // for takes no lock.
+  std::atomic<std::size_t> count_{0};
 };
 
 }  // namespace shoal::alloc::detail

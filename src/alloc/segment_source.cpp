@@ -74,14 +74,19 @@ block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized
   // A segment over orphaned tombstones keeps them, and its free stretches
   // around them may all be smaller than `size`: they stay cached, and the
   // next segment (which cannot overlap this one) is tried.
-  for (int tries = 0; tries < max_segments_over_tombstones; ++tries) {
-    block* b = grow_plain(pool, size, right_sized_allowed);
+  // Those stay while the next is taken, so the device cannot give the
+  // same memory again.
+  std::array<const segment*, max_segments_over_tombstones> held{};
+  for (std::size_t tries = 0; tries < held.size(); ++tries) {
+    block* b = grow_plain(pool, size, right_sized_allowed, std::span(held.data(), tries));
     if (b == nullptr || b->size >= size) return b;
+    held[tries] = b->owner;
   }
   return nullptr;
 }
 
-block* segment_source::grow_plain(block_pool& pool, std::size_t size, bool right_sized_allowed) {
+block* segment_source::grow_plain(block_pool& pool, std::size_t size, bool right_sized_allowed,
+                                  std::span<const segment* const> held) {
   // Under a limit or device pressure the standard segment may not fit where
   // the request itself does: a segment of the block's own size is tried
   // when the caller allows it (after giving other pools' caches back).
@@ -92,20 +97,14 @@ block* segment_source::grow_plain(block_pool& pool, std::size_t size, bool right
   // reserved memory beside it. Below the peak they stay: giving them back
   // costs device calls and lowers no peak (docs/architecture.md).
   if (config_.release_idle_before_grow && host_waits_allowed() && over_peak(bytes) > 0) {
-    give_back(pool, over_peak(bytes), nullptr, nullptr);
+    give_back(pool, over_peak(bytes), nullptr, nullptr, held);
     give_back_from_sibling(pool, over_peak(bytes), nullptr);
   }
   // The host memory the new segment's bookkeeping needs comes first, so
   // that std::bad_alloc never strands a segment the device gave.
   auto s = std::make_unique<segment>();
   pool.segments.reserve(pool.segments.size() + 1);
-  // Room for the tombstones of orphans the segment may cover: two block
-  // objects (the tombstone, the free rest after it) and an index entry each,
-  // beside the index entry the caller reserved for its hand-out.
-  const std::size_t orphans = orphans_.count();
-  std::vector<std::uintptr_t> covered(orphans);
-  pool.reserve_blocks(1 + 2 * orphans);
-  pool.allocated.reserve(1 + orphans);
+  pool.reserve_blocks(1);
   void* base = take_segment(bytes);
   if (base == nullptr && right_sized_allowed && fallback_segment_size_for(size) < bytes) {
     bytes = fallback_segment_size_for(size);
@@ -115,8 +114,20 @@ block* segment_source::grow_plain(block_pool& pool, std::size_t size, bool right
   s->base = reinterpret_cast<std::uintptr_t>(base);
   s->size = s->mapped_bytes = bytes;
   s->pool = &pool;
+  std::vector<std::uintptr_t> covered;
   try {
-    directory_.register_segment(*s);  // the one step after the device's that may throw
+    // Room for the tombstones of the orphans it covers: two block objects
+    // (the tombstone, the free rest after it) and an index entry each, beside
+    // the entry the caller reserved for its hand-out. Counted once the device
+    // gave the memory: no orphan is added inside it from then on (a pool's
+    // region leaves the process before the device can give its address out).
+    const std::size_t orphans = orphans_.count_within(s->base, s->base + bytes, min_block);
+    if (orphans > 0) {
+      covered.resize(orphans);
+      pool.reserve_blocks(1 + 2 * orphans);
+      pool.allocated.reserve(1 + orphans);
+    }
+    directory_.register_segment(*s);  // the last step that may throw
   } catch (...) {
     try {
       free_plain_segment(s->base);
@@ -393,14 +404,16 @@ std::size_t segment_source::reserved_in_pools() const {
   return reserved_total() - detached_bytes_;
 }
 
-std::size_t segment_source::give_back(block_pool& pool, std::size_t budget, const block* keep, spare_chunks* spare) {
+std::size_t segment_source::give_back(block_pool& pool, std::size_t budget, const block* keep, spare_chunks* spare,
+                                      std::span<const segment* const> held) {
   if (pool.is_private) return 0;
   settle_quick(pool);
   std::vector<segment*> unused;
   std::size_t unused_bytes = 0;
   for (auto& s : pool.segments) {
     if (unused_bytes >= budget) break;
-    if (!s->expandable && s->unused()) {
+    if (!s->expandable && (s->unused() || free_but_for_tombstones(*s)) &&
+        std::find(held.begin(), held.end(), s.get()) == held.end()) {
       unused.push_back(s.get());
       unused_bytes += s->size;
     }
@@ -428,7 +441,29 @@ void segment_source::give_back_from_sibling(block_pool& pool, std::size_t budget
   give_back(*pool.sibling, budget, nullptr, spare);  // may throw (a failed stream): the guard unlocks
 }
 
+bool segment_source::free_but_for_tombstones(const segment& s) noexcept {
+  bool tombstones = false;
+  for (const block* b = s.first; b != nullptr; b = b->next) {
+    if (b->state == block_state::invalidated) {
+      tombstones = true;
+    } else if (!settled_free(b)) {
+      return false;
+    }
+  }
+  return tombstones;
+}
+
 void segment_source::release_segment(block_pool& pool, segment* s) {
+  // Its tombstones (free_but_for_tombstones) are orphans again while the
+  // memory is away: a late free that no longer finds one in the directory
+  // finds the orphan, so they are added first (room taken before anything
+  // changes).
+  std::vector<std::uintptr_t> tombstones;
+  for (const block* b = s->first; b != nullptr; b = b->next) {
+    if (b->state == block_state::invalidated) tombstones.push_back(b->address);
+  }
+  orphans_.reserve(tombstones.size());
+  for (const auto address : tombstones) orphans_.add(address);
   // The ordering rule (pool_directory.h): out of the directory, then the
   // observers (the memory is still there for them to act on), then back to
   // the device — only then can another pool be given the same address.
@@ -438,17 +473,33 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
     free_plain_segment(s->base);
   } catch (...) {
     directory_.register_segment(*s);  // nothing went back: the segment stays cached as it was
+    // (a late free that took one of the orphans meanwhile leaves its tombstone owed to no one)
+    orphans_.forget_all(tombstones);
     throw;
   }
-  pool.bins.remove(s->first);
-  refresh_split_stat(pool, s->first);
   unreserve_bytes(s->size);
   device_frees_.fetch_add(1, std::memory_order_relaxed);
   pool_counters::sub(pool.counters.segments, 1);
   pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(s->size));
   if (trace_.enabled()) trace_.note(trace_action::segment_free, s->base, s->size, pool.stream);
-  give_back_waits(s->first, events_);  // debug mode's hazard events, if it was freed elsewhere
-  recycle(pool, s->first);
+  for (block* b = s->first; b != nullptr;) {
+    block* next = b->next;
+    if (b->state == block_state::invalidated) {
+      (void)pool.allocated.take(b->address);
+      pool_counters::sub(pool.counters.invalidated, 1);
+      pool_counters::sub(pool.counters.invalidated_bytes, static_cast<std::int64_t>(b->size));
+    } else {
+      pool.bins.remove(b);
+    }
+    if (b->counted_inactive_split) {
+      pool_counters::sub(pool.counters.inactive_split, 1);
+      pool_counters::sub(pool.counters.inactive_split_bytes, static_cast<std::int64_t>(b->size));
+      b->counted_inactive_split = false;
+    }
+    give_back_waits(b, events_);  // debug mode's hazard events, if it was freed elsewhere
+    recycle(pool, b);
+    b = next;
+  }
   std::erase_if(pool.segments, [&](const std::unique_ptr<segment>& p) { return p.get() == s; });
 }
 

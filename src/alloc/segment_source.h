@@ -109,7 +109,7 @@ class segment_source {
  private:
   // Segments taken in one growth whose free blocks around orphaned
   // tombstones were all too small for the request.
-  static constexpr int max_segments_over_tombstones = 4;
+  static constexpr std::size_t max_segments_over_tombstones = 4;
   // Growable ranges reserved in one growth that each lay over one.
   static constexpr std::size_t max_ranges_over_tombstones = 4;
   /// Where a growable segment maps chunks for a block of `size`: the
@@ -122,8 +122,9 @@ class segment_source {
   };
   /// grow with a plain segment: its largest free block (in the bins),
   /// which may be smaller than `size` when the segment covers orphaned
-  /// tombstones, or nullptr.
-  block* grow_plain(block_pool& pool, std::size_t size, bool right_sized_allowed);
+  /// tombstones, or nullptr. The segments in `held` are not given back.
+  block* grow_plain(block_pool& pool, std::size_t size, bool right_sized_allowed,
+                    std::span<const segment* const> held);
   /// Makes the orphaned tombstones inside the new segment `s` (its one
   /// free block not in the bins yet) tombstones there again, at most
   /// room.size() of them, so that no block of it starts where a taken
@@ -142,13 +143,19 @@ class segment_source {
   void* take_segment(std::size_t bytes);
   /// Gives a plain (not growable) segment back, pinned or device memory.
   void free_plain_segment(std::uintptr_t base);
+  /// Whether every block of plain segment `s` is settled free but for one
+  /// or more tombstones (taken from orphans: released, they are orphans again).
+  [[nodiscard]] static bool free_but_for_tombstones(const segment& s) noexcept;
+  /// Gives plain segment `s` back: it is unused or free_but_for_tombstones.
   void release_segment(block_pool& pool, segment* s);
-  /// Gives back the pool's wholly free segments and whole free mappings
-  /// (not in `keep`) until at least `budget` bytes went back or none is
-  /// left, after its stream has passed them; returns the bytes given back.
+  /// Gives back the pool's wholly free segments (free but for tombstones
+  /// included; not those in `held`) and whole free mappings (not in `keep`)
+  /// until at least `budget` bytes went back or none is left, after its
+  /// stream has passed them; returns the bytes given back.
   /// Unmapped chunks go to `spare` where given (for a growth to map
   /// again), else back to the device.
-  std::size_t give_back(block_pool& pool, std::size_t budget, const block* keep, spare_chunks* spare);
+  std::size_t give_back(block_pool& pool, std::size_t budget, const block* keep, spare_chunks* spare,
+                        std::span<const segment* const> held = {});
   /// give_back on the pool's sibling (its stream's other size class) when
   /// that one's lock is free at once.
   void give_back_from_sibling(block_pool& pool, std::size_t budget, spare_chunks* spare);

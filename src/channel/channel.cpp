@@ -364,6 +364,11 @@ connection connection::adopt_pair_end(unique_fd socket_pair_end, const access_po
   connection checked = adopt(std::move(socket_pair_end), policy, max_payload);
   checked.state_->released_in_children.reset();
   unique_fd socket = std::move(checked.state_->socket);
+  // Registered while the greeting waits (it may take seconds): a fork by
+  // another thread meanwhile lets go of it too. checked_peer registers it
+  // again for the connection it makes; a number registered twice is
+  // released once per registration, harmlessly.
+  const shoal::detail::fork_released_socket during_greeting(socket.get());
   const ucred theirs = detail::exchange_credentials(socket.get(), until);
   return checked_peer(std::move(socket), theirs, policy, max_payload, "connection::adopt_pair_end");
 }

@@ -2,10 +2,12 @@
 
 #include <fcntl.h>
 #include <pthread.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 namespace shoal::detail {
@@ -22,15 +24,33 @@ registry& sockets_to_release() {
   return *r;
 }
 
+// A socket whose other end is closed, made before each fork while sockets
+// are registered: in the child each registered descriptor becomes a copy of
+// it, so reads there see end of stream, writes EPIPE and poll() POLLHUP —
+// what shoal reports as connection_closed. -1 when none could be made.
+int dead_socket = -1;  // guarded by the registry's lock
+
 // The lock is held across fork(), so the child finds the list whole and the
 // lock free (the forking thread, which holds it, is the child's one thread).
-void lock_before_fork() noexcept { sockets_to_release().mutex.lock(); }
-void unlock_in_parent() noexcept { sockets_to_release().mutex.unlock(); }
+void lock_before_fork() noexcept {
+  registry& r = sockets_to_release();
+  r.mutex.lock();
+  if (r.sockets.empty()) return;
+  int ends[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends) != 0) return;
+  ::close(ends[1]);
+  dead_socket = ends[0];
+}
+void unlock_in_parent() noexcept {
+  if (dead_socket >= 0) ::close(std::exchange(dead_socket, -1));
+  sockets_to_release().mutex.unlock();
+}
 void release_in_child() noexcept {
   registry& r = sockets_to_release();
-  // open, dup3 and close are async-signal-safe. Without /dev/null (no
-  // descriptor left) the sockets stay as they were.
-  const int placeholder = ::open("/dev/null", O_RDWR | O_CLOEXEC);
+  // open, dup3 and close are async-signal-safe. Without a dead socket,
+  // /dev/null (end of file too, though poll() calls it readable for ever);
+  // without either (no descriptor left) the sockets stay as they were.
+  const int placeholder = dead_socket >= 0 ? std::exchange(dead_socket, -1) : ::open("/dev/null", O_RDWR | O_CLOEXEC);
   if (placeholder >= 0) {
     for (const int fd : r.sockets) (void)::dup3(placeholder, fd, O_CLOEXEC);
     ::close(placeholder);

@@ -4,9 +4,10 @@
 // peer waiting, and keep an abstract listening name bound, until it exits
 // too. Inherited shoal objects are unusable in a child anyway (fork_epoch.h).
 //
-// In each child, every registered descriptor is replaced by /dev/null (its
-// number stays taken, so the inherited owner's eventual close() closes the
-// placeholder and never a descriptor the child opened since).
+// In each child, every registered descriptor is replaced by a socket whose
+// other end is closed (its number stays taken, so the inherited owner's
+// eventual close() closes the placeholder and never a descriptor the child
+// opened since; reads there see end of stream, as from a closed peer).
 //
 // Thread-safety: every member may be called from any thread at once.
 #pragma once

@@ -3,7 +3,8 @@
 // address to a new segment of the same allocator first (the region's memory
 // left the process, the address is free again), that segment keeps the
 // tombstone, so no newer block starts there and the late free frees nothing
-// newer; a growable range over one is not used at all.
+// newer, yet the tombstone alone does not keep the segment reserved; a
+// growable range over one is not used at all.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -103,6 +104,27 @@ TEST(orphans_in_new_segments, a_new_segment_at_a_taken_blocks_address_keeps_its_
   a.empty_cache();
   EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0) << "the segment went back once wholly free";
   EXPECT_NO_THROW(a.check_invariants());
+}
+
+// The late free may never come (the owner leaked the pointer): the tombstone
+// does not keep its segment reserved; it goes back an orphan again.
+TEST(orphans_in_new_segments, a_segment_kept_only_by_a_tombstone_goes_back_and_the_tombstone_is_an_orphan_again) {
+  backend::host_device host;
+  reusing_device dev(host);
+  alloc::caching_allocator a(dev, alloc::allocator_config{});
+  void* region = host.allocate_segment(2 * mib);
+  void* stale = orphan_at_start_of(a, region, 2 * mib);
+  dev.reuse_segment(region, 2 * mib);
+  void* newer = a.allocate(4 * kib, {});
+  ASSERT_TRUE(dev.reused_segment);
+  a.deallocate(newer, {});
+  a.empty_cache();
+  const auto st = a.stats();
+  EXPECT_EQ(st.reserved_bytes.aggregate.current, 0) << "the tombstone kept its segment: " << st.to_json();
+  EXPECT_EQ(st.invalidated.aggregate.current, 0);
+  EXPECT_NO_THROW(a.check_invariants());
+  EXPECT_NO_THROW(a.deallocate(stale, {})) << "the late free finds the orphan";
+  EXPECT_THROW(a.deallocate(stale, {}), invalid_argument) << "a second late free is an unknown pointer";
 }
 
 TEST(orphans_in_new_segments, a_request_no_stretch_around_the_tombstone_fits_takes_another_segment) {

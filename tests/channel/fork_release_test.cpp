@@ -1,11 +1,13 @@
-// A fork() child lets go of the sockets it inherited at once (each becomes
-// /dev/null under the same number): a peer sees the parent's end close when
+// A fork() child lets go of the sockets it inherited at once (each becomes a
+// socket whose peer is gone, under the same number): a peer sees the parent's end close when
 // the parent closes it, and an abstract name is free once the parent closes
 // its listener, while the child lives on; the child's drop of an inherited
-// connection closes the placeholder, never a descriptor it opened since.
+// connection closes the placeholder, never a descriptor it opened since, and
+// its reads of one find it closed.
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -106,6 +108,29 @@ TEST(fork_release, a_childs_drop_of_an_inherited_connection_closes_no_descriptor
   EXPECT_EQ(child.wait_for(10s), std::optional<int>(0)) << "2: the drop closed the child's own pipe";
   accepted->send(1, bytes_of("still here"));
   EXPECT_EQ(text_of(client.receive_for(2s).payload), "still here") << "the parent's end works as before";
+}
+
+// What the child holds in the socket's place reads as a closed peer: end of
+// stream, and POLLHUP for a poll loop (not readable for ever).
+TEST(fork_release, a_childs_read_of_an_inherited_connection_finds_it_closed) {
+  const auto where = fresh_abstract_name();
+  listener server(where, {});
+  connection client = connection::connect(where, {}, connection::default_max_payload, 2s);
+  connection accepted = server.accept();
+  forked_child child([&] {
+    pollfd ready{client.native_handle(), POLLIN, 0};
+    if (::poll(&ready, 1, 0) != 1 || (ready.revents & POLLHUP) == 0) return 1;
+    try {
+      (void)client.receive_for(0ms);
+      return 2;
+    } catch (const connection_closed&) {
+      return 0;
+    } catch (...) {
+      return 3;
+    }
+  });
+  EXPECT_EQ(child.wait_for(10s), std::optional<int>(0))
+      << "1: poll saw no hang-up, 2: it read a frame, 3: another error than connection_closed";
 }
 
 }  // namespace

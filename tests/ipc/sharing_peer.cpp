@@ -182,10 +182,14 @@ int fork_holder(backend::device& dev) {
   if (dropper < 0 || ::waitpid(dropper, &status, 0) != dropper || !WIFEXITED(status)) return 1;
   parent.send_note(text("child dropped"));
   (void)parent.receive(backend::stream_ref{});
+  // The keeper watches a descriptor of its own for the test's hang-up: the
+  // connection's socket is let go of in a fork() child.
+  const int watched = ::dup(child_process::child_socket_fd);
+  if (watched < 0) return 1;
   const pid_t keeper = ::fork();
   if (keeper == 0) {
     char byte = 0;
-    while (::read(child_process::child_socket_fd, &byte, 1) > 0) {
+    while (::read(watched, &byte, 1) > 0) {
     }
     std::_Exit(0);  // the test hung up
   }
