@@ -315,8 +315,8 @@ connection connection::connect(const channel_address& address, const access_poli
   } while (rc != 0 && (errno == EINTR || errno == EAGAIN) && std::chrono::steady_clock::now() < until);
   if (rc != 0) {
     if (errno == ECONNREFUSED || errno == ENOENT) {
-      throw connection_closed("connection::connect: no one listens at " + address.to_string() +
-                              "; start the server first");
+      throw connection_closed("connection::connect: no one listens at " + address.to_string() + "; start the server first",
+                              connection_closed::no_listener_tag{});
     }
     if (errno == EAGAIN || errno == EINTR) {
       throw timeout_error("connection::connect: the listener at " + address.to_string() +

@@ -214,8 +214,8 @@ int ask_daemon(const daemon_settings& settings, const daemon_request& request, A
   } catch (const connection_closed& e) {
     // Greeted, then closed: a daemon that is stopping, or one older than
     // observer connections (it greets, then refuses the observer's hello).
-    // No one listening is said by the connect alone, which names its call.
-    if (std::string_view(e.what()).starts_with("connection::connect:")) throw;
+    // No one listening is said well enough by the connect.
+    if (e.no_listener()) throw;
     throw connection_closed(std::string(e.what()) +
                             " (the daemon closed the connection: it is stopping, or it is older than this shoal "
                             "command, which connects as an observer; its log says which)");

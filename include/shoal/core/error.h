@@ -96,11 +96,18 @@ class connection_closed : public error {
   /// (a frame the peer may still read), as a send to a shared ring publishes
   /// an entry before the wake-up that then fails.
   connection_closed(const std::string& what, bool part_sent) : error(what), part_sent_(part_sent) {}
+  /// Tag of a connect that found no one listening at the address.
+  struct no_listener_tag {};
+  connection_closed(const std::string& what, no_listener_tag) : error(what), no_listener_(true) {}
   /// Whether the send that threw this had put part of its frames out.
   [[nodiscard]] bool part_sent() const noexcept { return part_sent_; }
+  /// Whether a connect found no one listening (nothing was ever connected),
+  /// rather than a peer that closed a connection.
+  [[nodiscard]] bool no_listener() const noexcept { return no_listener_; }
 
  private:
   bool part_sent_ = false;
+  bool no_listener_ = false;
 };
 
 /// A wait on another process ran past its deadline: no message came in
