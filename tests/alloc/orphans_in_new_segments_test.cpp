@@ -81,13 +81,23 @@ void* orphan_at_start_of(alloc::caching_allocator& a, void* region, std::size_t 
   return stale;
 }
 
-TEST(orphans_in_new_segments, a_new_segment_at_a_taken_blocks_address_keeps_its_tombstone) {
+// An allocator whose device gives its next segment of `bytes` at the address
+// of a region that a destroyed private pool left an orphan at the start of.
+struct segment_over_an_orphan {
+  explicit segment_over_an_orphan(std::size_t bytes)
+      : region(host.allocate_segment(bytes)), stale(orphan_at_start_of(a, region, bytes)) {
+    dev.reuse_segment(region, bytes);
+  }
   backend::host_device host;
-  reusing_device dev(host);
-  alloc::caching_allocator a(dev, alloc::allocator_config{});
-  void* region = host.allocate_segment(2 * mib);
-  void* stale = orphan_at_start_of(a, region, 2 * mib);
-  dev.reuse_segment(region, 2 * mib);  // the small pool's next segment
+  reusing_device dev{host};
+  alloc::caching_allocator a{dev, alloc::allocator_config{}};
+  void* region;
+  void* stale;  // the taken block's address: its late free is owed
+};
+
+TEST(orphans_in_new_segments, a_new_segment_at_a_taken_blocks_address_keeps_its_tombstone) {
+  segment_over_an_orphan over(2 * mib);  // the small pool's next segment
+  auto& [host, dev, a, region, stale] = over;
   void* newer = a.allocate(4 * kib, {});
   ASSERT_TRUE(dev.reused_segment) << "the test's premise: the new segment lies at the region's address";
   EXPECT_NE(newer, stale) << "a newer block starts where a taken block did";
@@ -109,12 +119,8 @@ TEST(orphans_in_new_segments, a_new_segment_at_a_taken_blocks_address_keeps_its_
 // The late free may never come (the owner leaked the pointer): the tombstone
 // does not keep its segment reserved; it goes back an orphan again.
 TEST(orphans_in_new_segments, a_segment_kept_only_by_a_tombstone_goes_back_and_the_tombstone_is_an_orphan_again) {
-  backend::host_device host;
-  reusing_device dev(host);
-  alloc::caching_allocator a(dev, alloc::allocator_config{});
-  void* region = host.allocate_segment(2 * mib);
-  void* stale = orphan_at_start_of(a, region, 2 * mib);
-  dev.reuse_segment(region, 2 * mib);
+  segment_over_an_orphan over(2 * mib);
+  auto& [host, dev, a, region, stale] = over;
   void* newer = a.allocate(4 * kib, {});
   ASSERT_TRUE(dev.reused_segment);
   a.deallocate(newer, {});
@@ -128,12 +134,8 @@ TEST(orphans_in_new_segments, a_segment_kept_only_by_a_tombstone_goes_back_and_t
 }
 
 TEST(orphans_in_new_segments, a_request_no_stretch_around_the_tombstone_fits_takes_another_segment) {
-  backend::host_device host;
-  reusing_device dev(host);
-  alloc::caching_allocator a(dev, alloc::allocator_config{});
-  void* region = host.allocate_segment(20 * mib);
-  void* stale = orphan_at_start_of(a, region, 20 * mib);
-  dev.reuse_segment(region, 20 * mib);
+  segment_over_an_orphan over(20 * mib);
+  auto& [host, dev, a, region, stale] = over;
   void* newer = a.allocate(20 * mib, {});  // a segment of its own size
   ASSERT_TRUE(dev.reused_segment);
   EXPECT_FALSE(inside(newer, region, 20 * mib)) << "20 MiB less the tombstone's 512 bytes cannot hold it";
