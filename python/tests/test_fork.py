@@ -130,3 +130,27 @@ def test_a_forked_child_can_close_an_engine_a_parent_thread_was_using():
     engine.close()  # ends the parent's wait
     waiting.join(10)
     assert not waiting.is_alive()
+
+
+def test_a_forked_child_that_lives_on_leaves_no_listening_name_bound():
+    address = f"@shoal-fork-linger-{os.getpid()}"
+    listener = shoal.Listener(address)
+    ready_read, ready_write = os.pipe()
+    hold_read, hold_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(hold_write)
+        os.write(ready_write, b"r")  # past fork(): the child let go of the parent's sockets
+        os.read(hold_read, 1)  # lives until the parent lets it go
+        os._exit(0)
+    os.close(hold_read)
+    os.close(ready_write)
+    try:
+        assert os.read(ready_read, 1) == b"r"
+        listener.close()
+        again = shoal.Listener(address)  # refused while the child kept the name bound
+        again.close()
+    finally:
+        os.close(hold_write)
+        os.close(ready_read)
+        os.waitpid(pid, 0)

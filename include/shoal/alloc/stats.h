@@ -60,8 +60,9 @@ struct allocator_stats {
   stat_by_pool inactive_split_bytes;
   stat_by_pool requested_bytes;     ///< bytes the callers asked for (unrounded)
   /// Tombstones a forced clear left (block_state::invalidated): blocks taken
-  /// from their owners whose late frees are still owed. Counted in neither
-  /// allocations nor active.
+  /// from their owners whose late frees are still owed, in the private pool,
+  /// or in a stream pool's segment the device placed at such an address
+  /// after the pool was destroyed. Counted in neither allocations nor active.
   stat_by_pool invalidated;
   stat_by_pool invalidated_bytes;
   std::int64_t retries = 0;         ///< allocations that freed cache and tried again
