@@ -296,6 +296,8 @@ connection connection::checked_peer(unique_fd socket, const ucred& credentials, 
 connection connection::connect(const channel_address& address, const access_policy& policy, std::size_t max_payload,
                                std::chrono::milliseconds timeout) {
   unique_fd s = new_unix_socket(0);
+  // Registered while the connect may wait (a full backlog), as in adopt_pair_end.
+  std::optional<shoal::detail::fork_released_socket> while_connecting(std::in_place, s.get());
   const socket_address target = to_socket_address(address);
   const auto until = shoal::detail::deadline_after(shoal::detail::channel_timeout(timeout));
   int rc;
@@ -329,6 +331,7 @@ connection connection::connect(const channel_address& address, const access_poli
   if (::setsockopt(s.get(), SOL_SOCKET, SO_SNDTIMEO, &none, sizeof none) != 0) {
     throw backend_error("setsockopt(SO_SNDTIMEO)", errno_text());
   }
+  while_connecting.reset();
   return identify_peer(std::move(s), policy, max_payload, "connection::connect to " + address.to_string());
 }
 
@@ -364,12 +367,15 @@ connection connection::adopt_pair_end(unique_fd socket_pair_end, const access_po
   connection checked = adopt(std::move(socket_pair_end), policy, max_payload);
   checked.state_->released_in_children.reset();
   unique_fd socket = std::move(checked.state_->socket);
-  // Registered while the greeting waits (it may take seconds): a fork by
-  // another thread meanwhile lets go of it too. checked_peer registers it
-  // again for the connection it makes; a number registered twice is
-  // released once per registration, harmlessly.
-  const shoal::detail::fork_released_socket during_greeting(socket.get());
-  const ucred theirs = detail::exchange_credentials(socket.get(), until);
+  ucred theirs{};
+  {
+    // Registered while the greeting waits (it may take seconds), so that a
+    // fork by another thread meanwhile lets go of it too; no longer once
+    // checked_peer owns the socket (which registers it again): a throw
+    // there closes it, and a closed number must not stay registered.
+    const shoal::detail::fork_released_socket during_greeting(socket.get());
+    theirs = detail::exchange_credentials(socket.get(), until);
+  }
   return checked_peer(std::move(socket), theirs, policy, max_payload, "connection::adopt_pair_end");
 }
 

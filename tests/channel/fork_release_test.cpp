@@ -13,6 +13,7 @@
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <thread>
 
 #include "channel_fixtures.h"
 #include "shoal/channel/channel.h"
@@ -108,6 +109,30 @@ TEST(fork_release, a_childs_drop_of_an_inherited_connection_closes_no_descriptor
   EXPECT_EQ(child.wait_for(10s), std::optional<int>(0)) << "2: the drop closed the child's own pipe";
   accepted->send(1, bytes_of("still here"));
   EXPECT_EQ(text_of(client.receive_for(2s).payload), "still here") << "the parent's end works as before";
+}
+
+// An adopted socketpair end waits for the other end's greeting, for seconds
+// perhaps: a child forked by another thread meanwhile lets go of it too.
+TEST(fork_release, a_socket_waiting_for_its_greeting_is_let_go_of_in_a_child_forked_meanwhile) {
+  socket_pair pair;
+  std::thread adopting([end = std::move(pair.a)]() mutable {
+    EXPECT_THROW((void)connection::adopt_pair_end(std::move(end), {}, connection::default_max_payload, 600ms),
+                 timeout_error);
+  });
+  std::this_thread::sleep_for(200ms);  // the greeting's wait has begun
+  lingering_child child;
+  adopting.join();  // the wait ran out: the parent closed its end
+  // The other end reads the greeting, then end of stream, while the child lives.
+  const auto until = std::chrono::steady_clock::now() + 3s;
+  bool ended = false;
+  while (!ended && std::chrono::steady_clock::now() < until) {
+    pollfd ready{pair.b.get(), POLLIN, 0};
+    if (::poll(&ready, 1, 100) != 1) continue;
+    char bytes[256];
+    ended = ::read(pair.b.get(), bytes, sizeof bytes) == 0;
+  }
+  EXPECT_TRUE(ended) << "the child kept the adopted end open";
+  EXPECT_EQ(child.let_go(), std::optional<int>(0));
 }
 
 // What the child holds in the socket's place reads as a closed peer: end of
