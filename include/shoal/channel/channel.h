@@ -25,6 +25,13 @@
 // socket then carries the ring's descriptor once, frames with a descriptor
 // or too large for the ring, and wake-ups for a receiver that is not
 // spinning. Frame types 0xFFF0 and 0xFFF1 are the channel's own for this.
+//
+// In a fork() child, every listener's and connection's socket the parent had
+// (and one a connect or a greeting was waiting on) is replaced at once by a
+// socket whose peer is gone, under the same descriptor number: the parent's
+// peers see end of stream when the parent closes its end or exits, and an
+// abstract name is unbound then, however long the child lives; the child's
+// copies read as closed connections (connection_closed). Connect anew there.
 #pragma once
 
 #include <sys/socket.h>
