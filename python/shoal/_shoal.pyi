@@ -45,6 +45,10 @@ class InvariantViolationError(ShoalError):
 class ConnectionClosedError(ShoalError, ConnectionError):
     """The process at the other end of a connection closed it or died."""
 
+    #: True when a connect found no one listening at the address (nothing was
+    #: ever connected), False for a connection its peer closed.
+    no_listener: bool
+
 class PeerRefusedError(ShoalError, ConnectionRefusedError):
     """A peer process was refused (credentials not allowed)."""
 

@@ -10,7 +10,7 @@
 //   OrderingViolationError(ShoalError)             ordering_violation
 //   InvariantViolationError(ShoalError)            invariant_violation
 //   (.invariant) ConnectionClosedError(ShoalError, ConnectionError)
-//   connection_closed PeerRefusedError(ShoalError, ConnectionRefusedError)
+//   connection_closed (.no_listener) PeerRefusedError(ShoalError, ConnectionRefusedError)
 //   peer_refused ContentMismatchError(ShoalError) content_mismatch
 // and one with no C++ type: CancelledError(ShoalError), a wait its caller's
 // cancel event ended (raise_cancelled).
@@ -91,7 +91,7 @@ void translate(const std::exception_ptr& p, void*) {
   } catch (const invariant_violation& e) {
     raise(types.invariant_violation, e.what(), {{"invariant", nb::str(e.invariant().c_str())}});
   } catch (const connection_closed& e) {
-    raise(types.connection_closed, e.what());
+    raise(types.connection_closed, e.what(), {{"no_listener", nb::bool_(e.no_listener())}});
   } catch (const peer_refused& e) {
     raise(types.peer_refused, e.what());
   } catch (const timeout_error& e) {

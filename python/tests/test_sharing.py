@@ -413,10 +413,17 @@ def test_a_closed_peer_raises_connection_closed():
         with shoal.Peer(context, connection) as peer:
             child.join(WAIT)
             assert peer.receive(timeout=WAIT) == (None, b'{"v":1,"end":true}'), "a Producer's close() says it ended"
-            with pytest.raises(shoal.ConnectionClosedError):
+            with pytest.raises(shoal.ConnectionClosedError) as closed:
                 peer.receive(timeout=WAIT)
+            assert not closed.value.no_listener
         with pytest.raises(ValueError, match="given to a Peer"):
             shoal.Peer(context, connection)
+
+
+def test_connecting_where_no_one_listens_says_so_by_type(tmp_path):
+    with pytest.raises(shoal.ConnectionClosedError) as nobody:
+        shoal.connect(str(tmp_path / "nobody.sock"), timeout=WAIT)
+    assert nobody.value.no_listener, str(nobody.value)
 
 
 def test_connect_to_a_listener_that_takes_no_one_times_out(tmp_path):
