@@ -26,8 +26,9 @@
 //   -> directory_mutex_ -> one pool's lock -> the leaf locks: segments_mutex_,
 //   the event pool's, the trace ring's, the hooks' (release observers), the
 //   orphaned tombstones', the segment source's detached count. Leaf locks are
-//   not held together, except the orphaned tombstones' under segments_mutex_
-//   (the invariant checker; nothing takes them the other way round).
+//   not held together, except under segments_mutex_ by the invariant checker
+//   (the orphaned tombstones', the detached count's; nothing takes them the
+//   other way round).
 // Two pool locks are never held at once, except by with_every_pool_locked
 // (the invariant checker), which takes them all in one fixed order while
 // it holds directory_mutex_ shared, by remove_private_pool, which takes
