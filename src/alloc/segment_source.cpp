@@ -72,10 +72,9 @@ block* segment_source::grow(block_pool& pool, std::size_t size, bool right_sized
   // growable range's chunks are unmapped by give-backs, which never touch it.
   if (config_.expandable_segments && !pool.is_private) return grow_expandable(pool, size);
   // A segment over orphaned tombstones keeps them, and its free stretches
-  // around them may all be smaller than `size`: they stay cached, and the
-  // next segment (which cannot overlap this one) is tried.
-  // Those stay while the next is taken, so the device cannot give the
-  // same memory again.
+  // around them may all be smaller than `size`: it stays (cached, held
+  // from this growth's give-backs) while the next is taken, so the device
+  // cannot give the same memory again.
   std::array<const segment*, max_segments_over_tombstones> held{};
   for (std::size_t tries = 0; tries < held.size(); ++tries) {
     block* b = grow_plain(pool, size, right_sized_allowed, std::span(held.data(), tries));
@@ -462,8 +461,10 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
   for (const block* b = s->first; b != nullptr; b = b->next) {
     if (b->state == block_state::invalidated) tombstones.push_back(b->address);
   }
-  orphans_.reserve(tombstones.size());
-  for (const auto address : tombstones) orphans_.add(address);
+  if (!tombstones.empty()) {
+    orphans_.reserve(tombstones.size());
+    for (const auto address : tombstones) orphans_.add(address);
+  }
   // The ordering rule (pool_directory.h): out of the directory, then the
   // observers (the memory is still there for them to act on), then back to
   // the device — only then can another pool be given the same address.
@@ -474,7 +475,7 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
   } catch (...) {
     directory_.register_segment(*s);  // nothing went back: the segment stays cached as it was
     // (a late free that took one of the orphans meanwhile leaves its tombstone owed to no one)
-    orphans_.forget_all(tombstones);
+    if (!tombstones.empty()) orphans_.forget_all(tombstones);
     throw;
   }
   unreserve_bytes(s->size);
