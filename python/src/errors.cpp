@@ -171,6 +171,9 @@ void register_errors(nb::module_& m) {
   types.connection_closed =
       new_type(m, "ConnectionClosedError", "The process at the other end of a connection closed it or died.",
                {types.error, PyExc_ConnectionError});
+  // False unless a connect found no one listening (set on the instance):
+  // one raised in Python has it too.
+  nb::setattr(nb::handle(types.connection_closed), "no_listener", nb::bool_(false));
   types.peer_refused = new_type(m, "PeerRefusedError", "A peer process was refused (credentials not allowed).",
                                 {types.error, PyExc_ConnectionRefusedError});
   types.timeout = new_type(m, "PeerTimeoutError",

@@ -424,6 +424,7 @@ def test_connecting_where_no_one_listens_says_so_by_type(tmp_path):
     with pytest.raises(shoal.ConnectionClosedError) as nobody:
         shoal.connect(str(tmp_path / "nobody.sock"), timeout=WAIT)
     assert nobody.value.no_listener, str(nobody.value)
+    assert shoal.ConnectionClosedError("raised in Python").no_listener is False
 
 
 def test_connect_to_a_listener_that_takes_no_one_times_out(tmp_path):

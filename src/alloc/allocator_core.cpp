@@ -58,7 +58,7 @@ allocator_core::allocator_core(backend::device& dev, allocator_config cfg)
       config(effective(checked(std::move(cfg)), expandable_segments_fallback)),
       trace_(config.trace_entries),
       events_(dev),
-      source_(dev, config, directory_, trace_, hooks, events_, orphans_) {}
+      source_(dev, config, directory_, trace_, hooks, events_, orphans_, region_handoff_mutex_) {}
 
 allocator_core::~allocator_core() {
   // In a fork() child the segments and the streams with work on them are
@@ -670,6 +670,8 @@ void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
   // Again a tombstone of a pool made since, or an orphan just forgotten.
   std::lock_guard handoff(region_handoff_mutex_);
   if (run_on_block<false>(address, note_stream) || orphans_.contains(address)) return;
+  // A new segment made the orphan its tombstone between the two looks.
+  if (run_on_block<false>(address, note_stream)) return;
   throw_not_allocated(address, "record_stream");
 }
 

@@ -233,8 +233,10 @@ class allocator_core {
   // create_private_pool from reading the orphans in its region until the
   // new pool holds them (or, failing, gave them back), and by a free or
   // record_stream that found no block, while it looks again (and a free then
-  // asks the orphans). So a late free lands either on the orphan or on the
-  // new pool's tombstone, never between. Taken before directory_mutex_.
+  // asks the orphans), and by a give-back that turns tombstones into orphans
+  // again (try_lock under a pool lock: it never waits). So a late free lands
+  // either on the orphan or on a tombstone, never between. Taken before
+  // directory_mutex_.
   std::mutex region_handoff_mutex_;
   trace_ring trace_;
   event_pool events_;

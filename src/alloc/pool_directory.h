@@ -34,7 +34,9 @@
 // it holds directory_mutex_ shared, by remove_private_pool, which takes
 // one private pool's sub-pools in their order while it holds
 // directory_mutex_ exclusively, and by a growing pool that try_locks its
-// sibling (segment_source::give_back_from_sibling) and never waits for it;
+// sibling (segment_source::give_back_from_sibling) and never waits for it
+// (nor for the region hand-off lock, which a give-back of tombstones
+// try_locks under a pool lock);
 // as nobody else waits for a pool lock while holding another, this cannot
 // deadlock. Cache-miss hooks run with no
 // allocator lock held. Device calls may run under a pool lock (like

@@ -55,7 +55,7 @@ std::size_t limit_of(const allocator_config& config, double memory_fraction, bac
 
 segment_source::segment_source(backend::device& device, const allocator_config& config, pool_directory& directory,
                                trace_ring& trace, const allocator_hooks& hooks, event_pool& events,
-                               orphaned_tombstones& orphans)
+                               orphaned_tombstones& orphans, std::mutex& region_handoff)
     : device_(device),
       config_(config),
       directory_(directory),
@@ -63,6 +63,7 @@ segment_source::segment_source(backend::device& device, const allocator_config& 
       hooks_(hooks),
       events_(events),
       orphans_(orphans),
+      region_handoff_(region_handoff),
       limit_(limit_of(config, config.memory_fraction, device)),
       mapper_(device) {}
 
@@ -409,13 +410,18 @@ std::size_t segment_source::give_back(block_pool& pool, std::size_t budget, cons
   settle_quick(pool);
   std::vector<segment*> unused;
   std::size_t unused_bytes = 0;
+  // Held from the first segment with tombstones to the end: try_lock, as a
+  // pool lock is held here (pool_directory.h); while a late free is between
+  // its looks, such segments stay this time.
+  std::unique_lock<std::mutex> handoff(region_handoff_, std::defer_lock);
   for (auto& s : pool.segments) {
     if (unused_bytes >= budget) break;
-    if (!s->expandable && (s->unused() || free_but_for_tombstones(*s)) &&
-        std::find(held.begin(), held.end(), s.get()) == held.end()) {
-      unused.push_back(s.get());
-      unused_bytes += s->size;
-    }
+    if (s->expandable || std::find(held.begin(), held.end(), s.get()) != held.end()) continue;
+    const bool unused_but_for_tombstones = !s->unused() && free_but_for_tombstones(*s);
+    if (!s->unused() && !unused_but_for_tombstones) continue;
+    if (unused_but_for_tombstones && !handoff.owns_lock() && !handoff.try_lock()) continue;
+    unused.push_back(s.get());
+    unused_bytes += s->size;
   }
   const bool unmappable =
       unused_bytes < budget && pool.growable != nullptr && has_free_mapping(*pool.growable, device_.granularity());
@@ -456,7 +462,8 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
   // Its tombstones (free_but_for_tombstones) are orphans again while the
   // memory is away: a late free that no longer finds one in the directory
   // finds the orphan, so they are added first (room taken before anything
-  // changes).
+  // changes). The caller holds the region hand-off lock then: no late free
+  // is between its looks meanwhile.
   std::vector<std::uintptr_t> tombstones;
   for (const block* b = s->first; b != nullptr; b = b->next) {
     if (b->state == block_state::invalidated) tombstones.push_back(b->address);
@@ -474,7 +481,6 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
     free_plain_segment(s->base);
   } catch (...) {
     directory_.register_segment(*s);  // nothing went back: the segment stays cached as it was
-    // (a late free that took one of the orphans meanwhile leaves its tombstone owed to no one)
     if (!tombstones.empty()) orphans_.forget_all(tombstones);
     throw;
   }

@@ -48,7 +48,8 @@ namespace shoal::alloc::detail {
 class segment_source {
  public:
   segment_source(backend::device& device, const allocator_config& config, pool_directory& directory,
-                 trace_ring& trace, const allocator_hooks& hooks, event_pool& events, orphaned_tombstones& orphans);
+                 trace_ring& trace, const allocator_hooks& hooks, event_pool& events, orphaned_tombstones& orphans,
+                 std::mutex& region_handoff);
   segment_source(const segment_source&) = delete;
   segment_source& operator=(const segment_source&) = delete;
 
@@ -179,6 +180,10 @@ class segment_source {
   event_pool& events_;  // where a released segment's hazard events go (debug mode)
   // Tombstones of destroyed private pools: a new segment over one keeps it.
   orphaned_tombstones& orphans_;
+  // allocator_core's region hand-off lock: a segment's tombstones become
+  // orphans again only under it, so a late free between its looks (which
+  // holds it) never sees one go back.
+  std::mutex& region_handoff_;
   std::atomic<std::size_t> limit_;
   // The highest limit set_limit has replaced (0 while none was lowered).
   std::atomic<std::size_t> highest_earlier_limit_{0};

@@ -166,8 +166,9 @@ bool access_policy::allows(uid_t uid, gid_t gid) const noexcept {
 
 struct connection::state {
   unique_fd socket;
-  // Replaced by /dev/null in a fork() child, so the peer sees this end close
-  // when this process does; declared after the socket: released first.
+  // Replaced by a closed peer's socket in a fork() child, so the peer sees
+  // this end close when this process does; declared after the socket:
+  // released first.
   std::optional<shoal::detail::fork_released_socket> released_in_children;
   peer_credentials peer;
   std::size_t max_payload = 0;
@@ -273,6 +274,11 @@ connection connection::identify_peer(unique_fd socket, const access_policy& poli
 
 connection connection::checked_peer(unique_fd socket, const ucred& credentials, const access_policy& policy,
                                     std::size_t max_payload, const std::string& side) {
+  // Owned (and registered for fork() children) before the checks, which may
+  // take a while (/proc): a throw releases the registration, then closes it.
+  auto s = std::make_unique<state>();
+  s->socket = std::move(socket);
+  s->released_in_children.emplace(s->socket.get());
   const std::string who = "pid " + std::to_string(credentials.pid) + " (uid " + std::to_string(credentials.uid) +
                           ", gid " + std::to_string(credentials.gid) + ")";
   if (!policy.allows(credentials.uid, credentials.gid)) {
@@ -285,9 +291,6 @@ connection connection::checked_peer(unique_fd socket, const ucred& credentials, 
   // reuses a pid only after handing out the others up to pid_max.
   const std::optional<process_identity> process = identify_process(credentials.pid);
   if (!process) throw connection_closed(side + ": the peer " + who + " exited before it could be identified");
-  auto s = std::make_unique<state>();
-  s->socket = std::move(socket);
-  s->released_in_children.emplace(s->socket.get());
   s->peer = {*process, credentials.uid, credentials.gid};
   s->max_payload = max_payload;
   return connection(std::move(s));
@@ -365,15 +368,17 @@ connection connection::adopt_pair_end(unique_fd socket_pair_end, const access_po
   const auto until = shoal::detail::deadline_after(shoal::detail::channel_timeout(timeout));
   // adopt() checks the socket's kind; its SO_PEERCRED answer is replaced.
   connection checked = adopt(std::move(socket_pair_end), policy, max_payload);
-  checked.state_->released_in_children.reset();
-  unique_fd socket = std::move(checked.state_->socket);
   ucred theirs{};
+  unique_fd socket;
   {
     // Registered while the greeting waits (it may take seconds), so that a
-    // fork by another thread meanwhile lets go of it too; no longer once
-    // checked_peer owns the socket (which registers it again): a throw
-    // there closes it, and a closed number must not stay registered.
-    const shoal::detail::fork_released_socket during_greeting(socket.get());
+    // fork by another thread meanwhile lets go of it too (a number
+    // registered twice is released once per registration, harmlessly); no
+    // longer once checked_peer owns the socket and registers it again: a
+    // throw there closes it, and a closed number must not stay registered.
+    const shoal::detail::fork_released_socket during_greeting(checked.state_->socket.get());
+    checked.state_->released_in_children.reset();
+    socket = std::move(checked.state_->socket);
     theirs = detail::exchange_credentials(socket.get(), until);
   }
   return checked_peer(std::move(socket), theirs, policy, max_payload, "connection::adopt_pair_end");

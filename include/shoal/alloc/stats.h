@@ -62,7 +62,9 @@ struct allocator_stats {
   /// Tombstones a forced clear left (block_state::invalidated): blocks taken
   /// from their owners whose late frees are still owed, in the private pool,
   /// or in a stream pool's segment the device placed at such an address
-  /// after the pool was destroyed. Counted in neither allocations nor active.
+  /// after the pool was destroyed (giving such a segment back leaves them
+  /// owed by address only, counted nowhere). Counted in neither allocations
+  /// nor active.
   stat_by_pool invalidated;
   stat_by_pool invalidated_bytes;
   std::int64_t retries = 0;         ///< allocations that freed cache and tried again

@@ -472,8 +472,9 @@ class listener {
   std::unique_ptr<detail::private_directory> directory_;  // a path's directory, opened once; null for an abstract name
   std::string file_name_;                                 // the socket file's name in it
   unique_fd socket_;
-  // Replaced by /dev/null in a fork() child, so that an abstract name is
-  // unbound once this process closes it; declared after the socket: released first.
+  // Replaced by a closed peer's socket in a fork() child, so that an abstract
+  // name is unbound once this process closes it; declared after the socket:
+  // released first.
   std::unique_ptr<shoal::detail::fork_released_socket> released_in_children_;
   // The socket file's identity, so the destructor removes only its own file.
   dev_t file_device_ = 0;
