@@ -38,12 +38,6 @@ std::size_t orphaned_tombstones::count_within(std::uintptr_t low, std::uintptr_t
   }));
 }
 
-bool orphaned_tombstones::any_within(std::uintptr_t low, std::uintptr_t high) const noexcept {
-  if (count_.load(std::memory_order_relaxed) == 0) return false;
-  std::lock_guard lock(mutex_);
-  return std::any_of(addresses_.begin(), addresses_.end(), [&](std::uintptr_t a) { return a >= low && a < high; });
-}
-
 std::vector<std::uintptr_t> orphaned_tombstones::within(std::uintptr_t low, std::uintptr_t high) const {
   std::lock_guard lock(mutex_);
   std::vector<std::uintptr_t> found;
@@ -66,15 +60,12 @@ std::size_t orphaned_tombstones::take_within(std::uintptr_t low, std::uintptr_t 
                                              std::span<std::uintptr_t> into) noexcept {
   std::lock_guard lock(mutex_);
   std::size_t n = 0;
-  for (auto a : addresses_) {  // the lowest into.size() of them, kept in order
-    if (a < low || a >= high || (a - low) % step != 0) continue;
-    if (n == into.size() && (n == 0 || a > into[n - 1])) continue;
-    std::size_t at = n < into.size() ? n++ : n - 1;
-    for (; at > 0 && into[at - 1] > a; --at) into[at] = into[at - 1];
-    into[at] = a;
+  for (auto a : addresses_) {
+    if (n < into.size() && a >= low && a < high && (a - low) % step == 0) into[n++] = a;
   }
   if (n == 0) return 0;
   const auto taken = into.first(n);
+  std::sort(taken.begin(), taken.end());
   std::erase_if(addresses_, [&](std::uintptr_t a) { return std::binary_search(taken.begin(), taken.end(), a); });
   count_.store(addresses_.size(), std::memory_order_relaxed);
   return n;

@@ -28,15 +28,13 @@ class orphaned_tombstones {
   bool forget(std::uintptr_t address);
   /// True when one is at `address`.
   [[nodiscard]] bool contains(std::uintptr_t address) const;
-  /// True when one is in [low, high).
-  [[nodiscard]] bool any_within(std::uintptr_t low, std::uintptr_t high) const noexcept;
   /// Those in [low, high), in address order.
   [[nodiscard]] std::vector<std::uintptr_t> within(std::uintptr_t low, std::uintptr_t high) const;
   /// Forgets each of `addresses` there is.
   void forget_all(const std::vector<std::uintptr_t>& addresses) noexcept;
   /// Forgets those in [low, high) a multiple of `step` past `low`, at most
-  /// into.size() (the lowest), and writes them to `into` in address order;
-  /// returns how many.
+  /// into.size() of them (size it with count_within), and writes them to
+  /// `into` in address order; returns how many.
   std::size_t take_within(std::uintptr_t low, std::uintptr_t high, std::size_t step,
                           std::span<std::uintptr_t> into) noexcept;
   /// How many of them lie in [low, high) a multiple of `step` past `low`.

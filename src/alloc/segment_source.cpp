@@ -263,7 +263,7 @@ void* segment_source::reserve_clear_of_orphans(std::size_t span) {
     while (held < aside.size()) {
       void* range = device_.reserve_range(span);
       const auto low = reinterpret_cast<std::uintptr_t>(range);
-      if (!orphans_.any_within(low, low + span)) {
+      if (orphans_.count_within(low, low + span, 1) == 0) {
         base = range;
         break;
       }
@@ -414,10 +414,11 @@ std::size_t segment_source::give_back(block_pool& pool, std::size_t budget, cons
   // pool lock is held here (pool_directory.h); while a late free is between
   // its looks, such segments stay this time.
   std::unique_lock<std::mutex> handoff(region_handoff_, std::defer_lock);
+  const bool tombstones_here = pool.counters.invalidated.current > 0;  // else no segment is walked
   for (auto& s : pool.segments) {
     if (unused_bytes >= budget) break;
     if (s->expandable || std::find(held.begin(), held.end(), s.get()) != held.end()) continue;
-    const bool unused_but_for_tombstones = !s->unused() && free_but_for_tombstones(*s);
+    const bool unused_but_for_tombstones = tombstones_here && !s->unused() && free_but_for_tombstones(*s);
     if (!s->unused() && !unused_but_for_tombstones) continue;
     if (unused_but_for_tombstones && !handoff.owns_lock() && !handoff.try_lock()) continue;
     unused.push_back(s.get());
