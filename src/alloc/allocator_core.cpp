@@ -553,7 +553,12 @@ SHOAL_HOT_INLINE void allocator_core::prepare_free(block_pool& pool, block* b, s
 }
 
 void allocator_core::prepare_settling_free(block_pool& pool, block* b, std::size_t more_waits) {
-  if (config.debug) device.fill(b->stream, reinterpret_cast<void*>(b->address), poison_byte, b->size);
+  if (config.debug) {
+    // Queued work on the pool's memory, as a free's last uses are: a forced
+    // clear that waited for the device before it waits again (frees).
+    device.fill(b->stream, reinterpret_cast<void*>(b->address), poison_byte, b->size);
+    ++pool.frees;
+  }
   make_room_to_settle(b, pool.is_private ? 1 : 0, more_waits);  // make_free adds b's stream in a private pool
 }
 

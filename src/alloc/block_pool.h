@@ -86,9 +86,10 @@ struct alignas(64) block_pool {
   std::array<block*, quick_capacity> quick{};
   std::size_t quick_count = 0;
   pool_counters counters;
-  /// Frees so far (deallocate, a tombstone's late free included); only ever
-  /// grows. A forced clear compares it before and after its device-wide
-  /// wait: a free that came meanwhile may leave work of its stream queued.
+  /// Frees so far (deallocate, a tombstone's late free included), and debug
+  /// mode's poison fills of collected frees; only ever grows. A forced clear
+  /// compares it before and after its device-wide wait: a free or a poison
+  /// that came meanwhile may leave work of its stream queued on the memory.
   std::uint64_t frees = 0;
   /// Stream pools: the same stream's pool of the other size class (growth
   /// past the reserved peak may take its idle memory; see segment_source).

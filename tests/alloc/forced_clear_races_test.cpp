@@ -179,6 +179,54 @@ TEST(forced_clear_races_host, debug_mode_takes_and_poisons_blocks_whose_stream_w
   }
 }
 
+// Debug mode poisons a collected free on the block's stream. One collected
+// by a hand-out during the clear's device wait queues that poison after the
+// wait: the clear's own poison of the region (on the default stream) must
+// not start before it is done, or two fills write the same bytes at once.
+TEST(forced_clear_races_host, a_poison_queued_during_the_device_wait_is_done_before_the_clear_poisons) {
+  struct poison_watching_device : hooked_device {
+    using hooked_device::hooked_device;
+    void fill(backend::stream_ref stream, void* dst, std::uint8_t value, std::size_t bytes) override {
+      if (stream.is_default() && dst == region) owner_idle_at_poison.push_back(query(owner));
+      hooked_device::fill(stream, dst, value, bytes);
+    }
+    void* region = nullptr;
+    backend::stream_ref owner{};
+    std::vector<bool> owner_idle_at_poison;
+  };
+  for (const bool destroy : {false, true}) {
+    SCOPED_TRACE(destroy ? "destroy_private_pool" : "clear_private_pool");
+    backend::host_device host({.capacity_bytes = 64 * mib});
+    poison_watching_device dev(host);
+    backend::stream owner(dev), side(dev), next(dev);
+    alloc::caching_allocator a(dev, alloc::allocator_config::parse("debug:true"));
+    region_pool r(dev, a, 2 * mib);
+    dev.region = r.base;
+    dev.owner = owner;
+    void* p = r.allocate(mib, owner);
+    a.record_stream(p, side);
+    a.deallocate(p, owner);  // pending: waits for `side`
+    dev.synchronize_device();
+    void* whole = nullptr;
+    dev.during_next_wait = [&] {
+      dev.delay(owner, 200ms);
+      whole = r.allocate(2 * mib, next);  // collects p: its poison queued on `owner`, behind the delay
+    };
+    const auto taken = destroy ? a.destroy_private_pool(r.id, live_blocks::invalidate)
+                               : a.clear_private_pool(r.id, "", live_blocks::invalidate);
+    ASSERT_EQ(taken.blocks.size(), 1u);
+    EXPECT_EQ(taken.blocks[0].address, reinterpret_cast<std::uintptr_t>(whole));
+    ASSERT_FALSE(dev.owner_idle_at_poison.empty()) << "the clear poisoned nothing on the default stream";
+    for (const bool idle : dev.owner_idle_at_poison) {
+      EXPECT_TRUE(idle) << "the clear poisoned the region while a collected free's poison was still queued";
+    }
+    EXPECT_NO_THROW(a.check_invariants());
+    if (destroy) continue;
+    a.deallocate(whole, {});
+    a.destroy_private_pool(r.id);
+  }
+}
+
 // A private pool's free block remembers the streams that last used it; one
 // destroyed since makes the hand-out's wait for it fail. The refused
 // allocation changes nothing (the block stays free, in its place), and a
