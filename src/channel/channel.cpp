@@ -298,9 +298,14 @@ connection connection::checked_peer(unique_fd socket, const ucred& credentials, 
 
 connection connection::connect(const channel_address& address, const access_policy& policy, std::size_t max_payload,
                                std::chrono::milliseconds timeout) {
-  unique_fd s = new_unix_socket(0);
-  // Registered while the connect may wait (a full backlog), as in adopt_pair_end.
-  std::optional<shoal::detail::fork_released_socket> while_connecting(std::in_place, s.get());
+  unique_fd s;
+  // Registered from its opening on (a fork() cannot come between), while
+  // the connect may wait (a full backlog), until the connection's own
+  // registration took over.
+  const shoal::detail::fork_released_socket while_connecting([&] {
+    s = new_unix_socket(0);
+    return s.get();
+  });
   const socket_address target = to_socket_address(address);
   const auto until = shoal::detail::deadline_after(shoal::detail::channel_timeout(timeout));
   int rc;
@@ -334,7 +339,6 @@ connection connection::connect(const channel_address& address, const access_poli
   if (::setsockopt(s.get(), SOL_SOCKET, SO_SNDTIMEO, &none, sizeof none) != 0) {
     throw backend_error("setsockopt(SO_SNDTIMEO)", errno_text());
   }
-  while_connecting.reset();
   return identify_peer(std::move(s), policy, max_payload, "connection::connect to " + address.to_string());
 }
 
@@ -368,19 +372,11 @@ connection connection::adopt_pair_end(unique_fd socket_pair_end, const access_po
   const auto until = shoal::detail::deadline_after(shoal::detail::channel_timeout(timeout));
   // adopt() checks the socket's kind; its SO_PEERCRED answer is replaced.
   connection checked = adopt(std::move(socket_pair_end), policy, max_payload);
-  ucred theirs{};
-  unique_fd socket;
-  {
-    // Registered while the greeting waits (it may take seconds), so that a
-    // fork by another thread meanwhile lets go of it too (a number
-    // registered twice is released once per registration, harmlessly); no
-    // longer once checked_peer owns the socket and registers it again: a
-    // throw there closes it, and a closed number must not stay registered.
-    const shoal::detail::fork_released_socket during_greeting(checked.state_->socket.get());
-    checked.state_->released_in_children.reset();
-    socket = std::move(checked.state_->socket);
-    theirs = detail::exchange_credentials(socket.get(), until);
-  }
+  // `checked` keeps the socket registered for fork() children while the
+  // greeting waits (it may take seconds) and until checked_peer registered
+  // it again.
+  unique_fd socket = std::move(checked.state_->socket);
+  const ucred theirs = detail::exchange_credentials(socket.get(), until);
   return checked_peer(std::move(socket), theirs, policy, max_payload, "connection::adopt_pair_end");
 }
 
@@ -980,8 +976,10 @@ listener::listener(const channel_address& address, access_policy policy, std::si
   }
   // Non-blocking, so that a connection another thread took first cannot
   // leave accept() blocked after poll() said one was waiting.
-  socket_ = new_unix_socket(SOCK_NONBLOCK);
-  released_in_children_ = std::make_unique<shoal::detail::fork_released_socket>(socket_.get());
+  released_in_children_ = std::make_unique<shoal::detail::fork_released_socket>([&] {
+    socket_ = new_unix_socket(SOCK_NONBLOCK);
+    return socket_.get();
+  });
   // A path is bound through the directory's descriptor: the one checked.
   const socket_address local = directory_ ? directory_->address_of(file_name_) : to_socket_address(address_);
   const auto bind_here = [&] {
@@ -1039,7 +1037,13 @@ std::optional<connection> listener::accept_until(deadline until) {
       throw backend_error("poll", errno_text());
     }
     if (ready == 0) return std::nullopt;
-    unique_fd accepted(::accept4(socket_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    // Registered for fork() children from its opening on, until the
+    // connection's own registration took over.
+    unique_fd accepted;
+    const shoal::detail::fork_released_socket while_identifying([&] {
+      accepted.reset(::accept4(socket_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      return accepted.get();
+    });
     if (!accepted) {
       // Another thread took it, a signal came, or the peer gave up: wait again.
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) continue;

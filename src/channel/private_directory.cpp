@@ -12,6 +12,7 @@
 #include <memory>
 #include <utility>
 
+#include "core/fork_released_sockets.h"
 #include "shoal/channel/listener_test_hook.h"
 #include "shoal/core/error.h"
 
@@ -126,7 +127,13 @@ bool private_directory::someone_listens(const std::string& name) const {
     throw invalid_argument("listener: " + path_ + "/" + name +
                            " exists and is not a socket; remove it or choose another path");
   }
-  const unique_fd probe(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  // Registered for fork() children: a child's copy would hold the
+  // listener's side of the probe's connection open.
+  unique_fd probe;
+  const shoal::detail::fork_released_socket while_probing([&] {
+    probe.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    return probe.get();
+  });
   if (!probe) throw backend_error("socket(AF_UNIX)", errno_text());
   const socket_address target = address_of(name);
   if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length) == 0) return true;

@@ -3,9 +3,11 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -14,9 +16,24 @@ namespace shoal::detail {
 
 namespace {
 
+// A registered descriptor and the file it was then: after a close, its
+// number may name another file.
+struct registered_socket {
+  int fd;
+  dev_t device;
+  ino_t inode;
+};
+
+bool is_still(const registered_socket& s) noexcept {
+  struct stat now {};
+  return ::fstat(s.fd, &now) == 0 && now.st_dev == s.device && now.st_ino == s.inode;
+}
+
+// Its lock is held across fork(), and by openings (socket() or accept4()
+// and their registration), so that no fork() comes between the two.
 struct registry {
   std::mutex mutex;
-  std::vector<int> sockets;  // guarded by mutex
+  std::vector<registered_socket> sockets;  // guarded by mutex
 };
 
 registry& sockets_to_release() {
@@ -47,12 +64,14 @@ void unlock_in_parent() noexcept {
 }
 void release_in_child() noexcept {
   registry& r = sockets_to_release();
-  // open, dup3 and close are async-signal-safe. Without a dead socket,
-  // /dev/null (end of file too, though poll() calls it readable for ever);
-  // without either (no descriptor left) the sockets stay as they were.
+  // open, fstat, dup3 and close are async-signal-safe. Without a dead
+  // socket, /dev/null (end of file too, though poll() calls it readable for
+  // ever); without either (no descriptor left) the sockets stay as they were.
   const int placeholder = dead_socket >= 0 ? std::exchange(dead_socket, -1) : ::open("/dev/null", O_RDWR | O_CLOEXEC);
   if (placeholder >= 0) {
-    for (const int fd : r.sockets) (void)::dup3(placeholder, fd, O_CLOEXEC);
+    for (const registered_socket& s : r.sockets) {
+      if (is_still(s)) (void)::dup3(placeholder, s.fd, O_CLOEXEC);
+    }
     ::close(placeholder);
   }
   r.sockets.clear();  // keeps its capacity: no allocation here
@@ -65,18 +84,37 @@ void release_in_child() noexcept {
 [[maybe_unused]] const bool registered_at_load =
     (sockets_to_release(), ::pthread_atfork(&lock_before_fork, &unlock_in_parent, &release_in_child) == 0);
 
+// Under the registry's lock.
+int register_socket(registry& r, int fd) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return -1;
+  r.sockets.push_back({fd, st.st_dev, st.st_ino});
+  return fd;
+}
+
 }  // namespace
 
-fork_released_socket::fork_released_socket(int fd) : fd_(fd) {
+fork_released_socket::fork_released_socket(int fd) {
   registry& r = sockets_to_release();
   std::lock_guard lock(r.mutex);
-  r.sockets.push_back(fd);
+  fd_ = register_socket(r, fd);
+}
+
+fork_released_socket::fork_released_socket(const std::function<int()>& open) {
+  registry& r = sockets_to_release();
+  std::lock_guard lock(r.mutex);
+  const int fd = open();
+  if (fd < 0) return;
+  const int opened_errno = errno;
+  fd_ = register_socket(r, fd);
+  errno = opened_errno;
 }
 
 fork_released_socket::~fork_released_socket() {
+  if (fd_ < 0) return;
   registry& r = sockets_to_release();
   std::lock_guard lock(r.mutex);
-  const auto it = std::find(r.sockets.begin(), r.sockets.end(), fd_);
+  const auto it = std::find_if(r.sockets.begin(), r.sockets.end(), [&](const registered_socket& s) { return s.fd == fd_; });
   if (it == r.sockets.end()) return;  // in a fork() child: released already
   *it = r.sockets.back();
   r.sockets.pop_back();

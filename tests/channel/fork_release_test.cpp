@@ -3,19 +3,26 @@
 // the parent closes it, and an abstract name is free once the parent closes
 // its listener, while the child lives on; the child's drop of an inherited
 // connection closes the placeholder, never a descriptor it opened since, and
-// its reads of one find it closed.
+// its reads of one find it closed. A socket is registered before any fork
+// can copy it, and a registration that outlived its socket leaves the file
+// that took the number alone.
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <future>
 #include <memory>
 #include <optional>
 #include <thread>
 
 #include "channel_fixtures.h"
+#include "core/fork_released_sockets.h"
 #include "shoal/channel/channel.h"
 #include "shoal/core/error.h"
 #include "support/processes.h"
@@ -156,6 +163,61 @@ TEST(fork_release, a_childs_read_of_an_inherited_connection_finds_it_closed) {
   });
   EXPECT_EQ(child.wait_for(10s), std::optional<int>(0))
       << "1: poll saw no hang-up, 2: it read a frame, 3: another error than connection_closed";
+}
+
+// Another thread's fork() between a socket's opening and its registration
+// would copy it live into the child: the fork waits for the registration.
+TEST(fork_release, a_fork_during_an_opening_waits_for_its_registration) {
+  unique_fd mine, peer;
+  std::atomic<bool> opening{false};
+  std::promise<void> forked;
+  std::thread opener([&, child_made = forked.get_future()] {
+    const shoal::detail::fork_released_socket registration([&] {
+      int ends[2];
+      if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends) != 0) return -1;
+      mine.reset(ends[0]);
+      peer.reset(ends[1]);
+      opening = true;
+      std::this_thread::sleep_for(300ms);  // as if accept4() had just returned
+      return mine.get();
+    });
+    child_made.wait();  // still registered when the child was made
+  });
+  while (!opening) std::this_thread::sleep_for(1ms);
+  const int number = mine.get();
+  forked_child child([&] {
+    char c;
+    return ::recv(number, &c, 1, MSG_DONTWAIT) == 0 ? 0 : 1;  // a live socket: EAGAIN
+  });
+  forked.set_value();
+  opener.join();
+  EXPECT_EQ(child.wait_for(10s), std::optional<int>(0)) << "1: the child copied the socket live";
+}
+
+// A registration may outlive its socket's close for a moment (a connection
+// refused after its opening); the number may then name another file, which
+// a child keeps as it is.
+TEST(fork_release, a_registration_left_after_its_socket_closed_replaces_nothing_in_a_child) {
+  int number = -1;
+  std::optional<shoal::detail::fork_released_socket> left;
+  {
+    socket_pair pair;
+    number = pair.a.get();
+    left.emplace(number);
+  }
+  int ends[2];
+  ASSERT_EQ(::pipe2(ends, O_CLOEXEC), 0);
+  const unique_fd read_end(ends[0]), write_end(ends[1]);
+  unique_fd taken_over;  // the number names a pipe now
+  if (read_end.get() != number) {
+    ASSERT_EQ(::dup3(read_end.get(), number, O_CLOEXEC), number);
+    taken_over.reset(number);
+  }
+  forked_child child([&] {
+    struct stat st {};
+    return ::fstat(number, &st) == 0 && S_ISFIFO(st.st_mode) ? 0 : 1;
+  });
+  EXPECT_EQ(child.wait_for(10s), std::optional<int>(0)) << "1: the child's pipe was replaced by a socket";
 }
 
 }  // namespace

@@ -27,7 +27,8 @@
 // spinning. Frame types 0xFFF0 and 0xFFF1 are the channel's own for this.
 //
 // In a fork() child, every listener's and connection's socket the parent had
-// (and one a connect or a greeting was waiting on) is replaced at once by a
+// (and one a connect, an accept or a greeting was working on; a fork waits
+// for a socket shoal is opening to be registered) is replaced at once by a
 // socket whose peer is gone, under the same descriptor number: the parent's
 // peers see end of stream when the parent closes its end or exits, and an
 // abstract name is unbound then, however long the child lives; the child's
