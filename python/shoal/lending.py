@@ -559,7 +559,8 @@ class Lender:
     """Lends ``device``'s memory (default: the default device) at ``address``, on a
     thread of its own: at most ``capacity_bytes`` in all (1 GiB unless given) and
     ``quota_bytes`` per borrower connection, to at most ``max_borrowers`` connected at
-    once (besides up to ``max_observers`` observer connections, ``Borrower(observer=True)``),
+    once of this process's uid and root, and as many of all other uids together (besides
+    up to ``max_observers`` observer connections of each, ``Borrower(observer=True)``),
     each holding at most ``max_regions_per_borrower`` regions; every wait on a
     borrower ends after ``peer_timeout`` seconds. Borrowers of this process's uid and of
     ``allowed_uids`` are admitted. ``reuse``: ``"same_uid"`` lends given-back memory

@@ -407,8 +407,8 @@ class lender::state {
     }
     if (!accepted) return;
     // Connections of the lender's own uid and root are bounded apart from
-    // the others', so connections of another admitted uid cannot keep the
-    // operator out.
+    // the others' (and so are their borrowers and observers), so another
+    // admitted uid cannot keep the operator out.
     const bool operator_uid = is_operator(accepted->peer().uid);
     const std::size_t of_class = connections_of(operator_uid);
     const std::size_t most = config_.max_borrowers > SIZE_MAX - config_.max_observers
@@ -428,7 +428,7 @@ class lender::state {
     // Otherwise held back: its hello is read first, and it is served only if
     // its kind has room, or turned away before any hello (peer_refused at
     // connect).
-    const bool held_back = counted_borrowers() >= config_.max_borrowers ||
+    const bool held_back = counted_borrowers(operator_uid) >= config_.max_borrowers ||
                            observers_of(operator_uid) + unannounced_of(operator_uid) >= config_.max_observers;
     // The hello is sent (under the peer timeout), not posted: a fresh
     // socket has room for it. Every later answer is posted.
@@ -467,10 +467,12 @@ class lender::state {
     return live_count([&](const borrower_entry& b) { return b.operator_uid == operator_uid; });
   }
 
-  // Borrowers, and connections greeted at once whose hello has not come
-  // (each may be one): all but observers and the held back.
-  std::size_t counted_borrowers() const noexcept {
-    return live_count([](const borrower_entry& b) { return !b.observer && !b.held_back; });
+  // A class's borrowers, and its connections greeted at once whose hello has
+  // not come (each may be one): all but observers and the held back.
+  std::size_t counted_borrowers(bool operator_uid) const noexcept {
+    return live_count([&](const borrower_entry& b) {
+      return !b.observer && !b.held_back && b.operator_uid == operator_uid;
+    });
   }
 
   std::size_t observers_of(bool operator_uid) const noexcept {
@@ -513,7 +515,8 @@ class lender::state {
     }
     // One greeted at once had room for either kind when it was accepted (and
     // is among those counted as borrowers): only a held-back one can find none.
-    const std::size_t now = observer ? observers_of(b.operator_uid) : counted_borrowers() - (b.held_back ? 0 : 1);
+    const std::size_t now =
+        observer ? observers_of(b.operator_uid) : counted_borrowers(b.operator_uid) - (b.held_back ? 0 : 1);
     const std::size_t most = observer ? config_.max_observers : config_.max_borrowers;
     if (now >= most) {
       const std::string why = "already " + std::to_string(now) +

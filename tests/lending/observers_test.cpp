@@ -294,5 +294,30 @@ TEST(lending_observers, another_uids_observers_cannot_keep_the_operator_out) {
   EXPECT_EQ(l.status().observers, 2u);
 }
 
+// Borrowers are bounded per class too: another uid's idle borrowers (a
+// region each, or none) leave the operator's borrowers their places.
+TEST(lending_observers, another_uids_idle_borrowers_cannot_keep_the_operator_out) {
+  if (::geteuid() != 0) GTEST_SKIP() << "borrowers of another uid (setresuid to 65534) need root";
+  const std::string name = "shoal-observers-test-" + std::to_string(::getpid());
+  auto& dev = backend::host_device_instance();
+  lender_config config = limits(1, 1);
+  config.policy = channel::access_policy{{65534}, {}};
+  lender l(dev, channel::channel_address::abstract(name), config);
+  const auto borrower_as_nobody = [&] {
+    return std::make_unique<child_process>(
+        SHOAL_TEST_BORROWER, std::vector<std::string>{"wait-borrow", "host", "@" + name, "4096", "0", "nobody"});
+  };
+  auto first = borrower_as_nobody();
+  EXPECT_EQ(line_from(*first).rfind("lent", 0), 0u);
+  auto second = borrower_as_nobody();
+  const std::string refused = line_from(*second);
+  EXPECT_NE(refused.find("closed the connection before its hello"), std::string::npos)
+      << "a second borrower of uid 65534: " << refused;
+  borrower operator_(dev, l.address(), {}, 2000ms);  // root: a place of its own
+  const auto region = operator_.borrow(4096, "operator");
+  EXPECT_GE(region.size(), 4096u);
+  EXPECT_EQ(l.status().borrowers, 2u);
+}
+
 }  // namespace
 }  // namespace shoal::testing

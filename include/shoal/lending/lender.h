@@ -133,7 +133,8 @@ struct lender_config {
   /// regions included (a borrower cannot pass quota_bytes by opening more
   /// connections); 0: no such limit.
   std::size_t quota_bytes_per_uid = 0;
-  /// Borrowers connected at once; one more is refused at once.
+  /// Borrowers connected at once, of each class (the lender's own uid and
+  /// root; the other uids: see max_observers); one more is refused at once.
   std::size_t max_borrowers = 64;
   /// Observer connections (borrower_options::observer: metrics and revokes,
   /// never a region) at once, counted apart from max_borrowers, so that an
@@ -145,8 +146,9 @@ struct lender_config {
   /// counts as a borrower until its hello says otherwise. 0: none.
   /// Connections of the lender's own uid and root are bounded apart from the
   /// others' — each class to max_borrowers + max_observers connections (those
-  /// whose hello has not come included) and max_observers observers at once —
-  /// so another admitted uid cannot keep the operator out.
+  /// whose hello has not come included), max_borrowers borrowers and
+  /// max_observers observers at once — so another admitted uid, idle
+  /// borrowers of its own included, cannot keep the operator out.
   std::size_t max_observers = 4;
   /// Regions one borrower may hold at once.
   std::size_t max_regions_per_borrower = 1024;
