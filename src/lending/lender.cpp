@@ -24,6 +24,7 @@
 #include "lending/lendable_memory.h"
 #include "lending/messages.h"
 #include "lending/metrics.h"
+#include "lending/orphan_checks.h"
 #include "lending/preemption.h"
 #include "lending/prepared_chunks.h"
 #include "lending/spare_pool.h"
@@ -41,8 +42,10 @@ using detail::message_type;
 using detail::refusal;
 using clock_type = std::chrono::steady_clock;
 
-// How often orphaned regions are checked for a borrower that has exited.
+// How often orphaned regions are checked for a borrower that has exited,
+// and how many of their processes a check looks up at most (orphan_checks.h).
 constexpr std::chrono::milliseconds orphan_check_interval{50};
+constexpr std::size_t orphan_lookups_per_check = 64;
 // The longest peer_timeout taken.
 constexpr std::chrono::milliseconds longest_peer_timeout = std::chrono::hours(24);
 // How long the lender stops accepting after the system refused an accept.
@@ -1452,40 +1455,52 @@ class lender::state {
     for (auto it = regions_.begin(); it != regions_.end();) {
       region_entry& r = it->second;
       r.chunk.drop_keeper(b.serial);
-      for (auto h = r.holds.begin(); h != r.holds.end();) {
-        if (h->borrower != b.serial) {
-          ++h;
-          continue;
-        }
-        // A process that still runs keeps one orphaned hold of the region
-        // however many of its connections held it: a process looping on
-        // connect, borrow, hang up would otherwise grow the list (and the
-        // loop's walks of it) without end.
-        const bool orphaned_already = alive && std::any_of(r.holds.begin(), r.holds.end(), [&](const hold& o) {
-          return o.borrower == 0 && o.process == h->process;
-        });
-        if (orphaned_already) {
-          h = r.holds.erase(h);
-          continue;
-        }
-        note(events, [&] {
-          return lender_event{alive ? lender_event::kind::orphaned : lender_event::kind::reclaimed,
-                              h->process,
-                              h->uid,
-                              r.info.id,
-                              r.info.bytes,
-                              r.info.purpose};
-        });
-        if (alive) {
-          h->borrower = 0;
-          ++h;
-        } else {
-          ++counters_.reclaimed;
-          h = r.holds.erase(h);
-        }
-      }
+      drop_holds_of(b.serial, alive, r, events);
       it = release_if_unheld(it);
     }
+  }
+
+  // Orphans (its process alive) or drops `serial`'s holds of `r`, in one
+  // pass over its holds: many connections' many holds of one shared region
+  // cost each hang-up the list once. Under mutex_.
+  void drop_holds_of(std::uint64_t serial, bool alive, region_entry& r, std::vector<lender_event>& events) noexcept {
+    auto& holds = r.holds;
+    auto h = std::find_if(holds.begin(), holds.end(), [&](const hold& o) { return o.borrower == serial; });
+    if (h == holds.end()) return;
+    // A process that still runs keeps one orphaned hold of the region
+    // however many of its connections held it: a process looping on
+    // connect, borrow, hang up would otherwise grow the list (and the
+    // loop's walks of it) without end. Its process (one per connection)
+    // holds an orphaned hold of it already, or not.
+    const process_identity process = h->process;
+    bool orphaned_already =
+        alive && std::any_of(holds.begin(), holds.end(), [&](const hold& o) { return o.borrower == 0 && o.process == process; });
+    auto kept = h;
+    for (; h != holds.end(); ++h) {
+      if (h->borrower != serial) {
+        if (kept != h) *kept = std::move(*h);
+        ++kept;
+        continue;
+      }
+      if (orphaned_already) continue;  // dropped
+      note(events, [&] {
+        return lender_event{alive ? lender_event::kind::orphaned : lender_event::kind::reclaimed,
+                            h->process,
+                            h->uid,
+                            r.info.id,
+                            r.info.bytes,
+                            r.info.purpose};
+      });
+      if (alive) {
+        h->borrower = 0;
+        orphaned_already = true;
+        if (kept != h) *kept = std::move(*h);
+        ++kept;
+      } else {
+        ++counters_.reclaimed;  // dropped
+      }
+    }
+    holds.erase(kept, holds.end());
   }
 
   // Erases the region at `it` when it has no hold left (returning the next
@@ -1687,28 +1702,33 @@ class lender::state {
     for (const auto& e : events) emit(e);
   }
 
-  // Drops the orphaned holds whose process has exited (each process looked
-  // up once a pass, however many regions it holds).
+  // Drops the orphaned holds whose process has exited. A pass looks up
+  // each process once however many regions it holds, at most
+  // orphan_lookups_per_check of them (orphan_checks.h), without the lock.
+  // No room for the lists: nothing is dropped this pass.
   void reclaim_orphans() noexcept {
     std::vector<lender_event> events;
-    {
+    try {
+      std::vector<process_identity> holders;
+      {
+        std::lock_guard lock(mutex_);
+        for (const auto& [id, r] : regions_) {
+          for (const hold& h : r.holds) {
+            if (h.borrower == 0) holders.push_back(h.process);
+          }
+        }
+      }
+      std::vector<process_identity> gone;
+      for (const process_identity& p : orphan_checks_.next(holders)) {
+        if (!alive_or_unknown(p)) gone.push_back(p);
+      }
+      if (gone.empty()) return;
+      // A process that has exited stays so (its identity has its start time).
       std::lock_guard lock(mutex_);
-      std::vector<std::pair<process_identity, bool>> seen;
-      const auto gone = [&](const process_identity& process) noexcept {
-        for (const auto& [p, alive] : seen) {
-          if (p == process) return !alive;
-        }
-        const bool alive = alive_or_unknown(process);
-        try {
-          seen.emplace_back(process, alive);
-        } catch (...) {  // NOLINT(bugprone-empty-catch): no room to remember it: asked again next time
-        }
-        return !alive;
-      };
       for (auto it = regions_.begin(); it != regions_.end();) {
         const region_info& info = it->second.info;
         std::erase_if(it->second.holds, [&](const hold& h) noexcept {
-          if (h.borrower != 0 || !gone(h.process)) return false;
+          if (h.borrower != 0 || std::find(gone.begin(), gone.end(), h.process) == gone.end()) return false;
           note(events, [&] {
             return lender_event{lender_event::kind::reclaimed, h.process, h.uid, info.id, info.bytes, info.purpose};
           });
@@ -1717,6 +1737,7 @@ class lender::state {
         });
         it = release_if_unheld(it);
       }
+    } catch (...) {  // NOLINT(bugprone-empty-catch): std::bad_alloc; the next pass tries again
     }
     for (const auto& e : events) emit(e);
   }
@@ -1789,6 +1810,7 @@ class lender::state {
   detail::prepared_chunks prepared_;
   lender_status counters_;
   detail::waiting_borrows waiting_;  // borrows that wait for memory, in the order they are served
+  detail::orphan_checks orphan_checks_{orphan_lookups_per_check};  // serving thread only
   // Serving thread only: memory may have come free since the head of
   // waiting_ was last tried (a region released, a new head, the periodic
   // check after the device refused the head: it may have memory back).

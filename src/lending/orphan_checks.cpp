@@ -1,0 +1,30 @@
+#include "lending/orphan_checks.h"
+
+#include <algorithm>
+#include <tuple>
+
+namespace shoal::lending::detail {
+
+namespace {
+
+bool earlier(const process_identity& a, const process_identity& b) noexcept {
+  return std::tie(a.pid, a.start_time) < std::tie(b.pid, b.start_time);
+}
+
+}  // namespace
+
+std::vector<process_identity> orphan_checks::next(std::vector<process_identity>& holders) {
+  std::sort(holders.begin(), holders.end(), earlier);
+  holders.erase(std::unique(holders.begin(), holders.end()), holders.end());
+  const std::size_t n = holders.size();
+  const std::size_t from =
+      last_ ? static_cast<std::size_t>(std::upper_bound(holders.begin(), holders.end(), *last_, earlier) - holders.begin())
+            : 0;
+  std::vector<process_identity> out;
+  out.reserve(std::min(n, per_pass_));
+  for (std::size_t i = 0; i < std::min(n, per_pass_); ++i) out.push_back(holders[(from + i) % n]);
+  if (!out.empty()) last_ = out.back();
+  return out;
+}
+
+}  // namespace shoal::lending::detail

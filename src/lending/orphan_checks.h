@@ -1,0 +1,36 @@
+// Which processes a pass of the lender's reclaim looks up in /proc: a process
+// that hung up while it runs keeps its orphaned holds until it exits, and
+// each pass asks whether it has. Many live processes with orphaned holds
+// (an admitted uid's sleeping children, each having borrowed and hung up)
+// must not make each pass, on the serving thread, as long as their count:
+// a pass looks up at most `per_pass` of them, the next ones in (pid, start
+// time) order after the last pass's last, wrapping around. So every process
+// is looked up within ceil(n / per_pass) passes, once a pass at most.
+//
+// Thread-safety: none; the lender's serving thread alone uses it.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <vector>
+
+#include "shoal/core/process_identity.h"
+
+namespace shoal::lending::detail {
+
+class orphan_checks {
+ public:
+  /// per_pass > 0.
+  explicit orphan_checks(std::size_t per_pass) noexcept : per_pass_(per_pass) {}
+
+  /// The processes to look up this pass, out of `holders` (the processes of
+  /// every orphaned hold now, in any order, repeats allowed; sorted and
+  /// made unique in place). May throw std::bad_alloc.
+  [[nodiscard]] std::vector<process_identity> next(std::vector<process_identity>& holders);
+
+ private:
+  std::size_t per_pass_;
+  std::optional<process_identity> last_;  // the last one the previous pass looked up
+};
+
+}  // namespace shoal::lending::detail
