@@ -582,6 +582,12 @@ bool connection::start_ring(std::size_t bytes) {
 
 void connection::allow_peer_ring() { usable("allow_peer_ring").ring_allowed.store(true, std::memory_order_relaxed); }
 
+void connection::refuse_descriptors() {
+  state& s = usable("refuse_descriptors");
+  const std::lock_guard lock(s.receive_mutex);
+  s.partial.most_descriptors = 0;
+}
+
 void connection::post(std::uint16_t type, std::span<const std::byte> payload, int fd) {
   const outgoing_frame one{type, payload, fd};
   post(std::span(&one, 1));

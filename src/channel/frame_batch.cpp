@@ -83,9 +83,10 @@ struct read_wait {
   bool only_ready = false;
 };
 
-// One recvmsg of at most `bytes`, keeping every descriptor that came with it.
+// One recvmsg of at most `bytes`, keeping every descriptor that came with it
+// (at most `most_descriptors` in the whole batch: more is a protocol error).
 std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read_wait& wait,
-                      std::vector<unique_fd>& descriptors, bool batch_started) {
+                      std::vector<unique_fd>& descriptors, std::size_t most_descriptors, bool batch_started) {
   const auto spin = wait.spin;
   const auto& until = wait.until;
   iovec part{into, bytes};
@@ -93,7 +94,8 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
   // in case the socket has SO_PASSCRED on: more than a batch may carry, over
   // however many reads, and the kernel closes the rest (MSG_CTRUNC).
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * max_batch_descriptors) + CMSG_SPACE(sizeof(ucred))];
-  const std::size_t room = max_batch_descriptors - std::min(descriptors.size(), max_batch_descriptors);
+  most_descriptors = std::min(most_descriptors, max_batch_descriptors);
+  const std::size_t room = most_descriptors - std::min(descriptors.size(), most_descriptors);
   msghdr header{};
   header.msg_iov = &part;
   header.msg_iovlen = 1;
@@ -120,8 +122,11 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
     }
   }
   take_descriptors(header, descriptors);
-  if ((header.msg_flags & MSG_CTRUNC) != 0 || descriptors.size() > max_batch_descriptors) {
-    throw protocol_error("a batch came with more than " + std::to_string(max_batch_descriptors) +
+  if (most_descriptors == 0 && ((header.msg_flags & MSG_CTRUNC) != 0 || !descriptors.empty())) {
+    throw protocol_error("a batch came with a descriptor, and this connection takes none (closed unused)");
+  }
+  if ((header.msg_flags & MSG_CTRUNC) != 0 || descriptors.size() > most_descriptors) {
+    throw protocol_error("a batch came with more than " + std::to_string(most_descriptors) +
                          " descriptors, or this process has no descriptor free to take one (the kernel closed "
                          "the ones that did not fit)");
   }
@@ -359,7 +364,7 @@ std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::
     (void)assemble(partial, max_payload, [&](std::byte* into, std::size_t bytes, bool started) {
       // Only the batch's first read spins.
       return read_some(socket, into, bytes, {started ? std::chrono::nanoseconds(0) : spin, until}, partial.descriptors,
-                       started);
+                       partial.most_descriptors, started);
     });
     return take_frames(partial, max_payload);
   } catch (...) {
@@ -371,7 +376,8 @@ std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::
 std::optional<std::vector<frame>> read_batch_if_ready(int socket, std::size_t max_payload, partial_batch& partial) {
   try {
     const bool whole = assemble(partial, max_payload, [&](std::byte* into, std::size_t bytes, bool started) {
-      return read_some(socket, into, bytes, {{}, std::nullopt, true}, partial.descriptors, started);
+      return read_some(socket, into, bytes, {{}, std::nullopt, true}, partial.descriptors, partial.most_descriptors,
+                       started);
     });
     if (!whole) return std::nullopt;
     return take_frames(partial, max_payload);

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "core/deadline.h"
+#include "core/descriptor_limit.h"
 #include "core/fork_epoch.h"
 #include "lending/automatic_spin.h"
 #include "lending/lendable_memory.h"
@@ -436,6 +437,9 @@ class lender::state {
     // The hello is sent (under the peer timeout), not posted: a fresh
     // socket has room for it. Every later answer is posted.
     accepted->set_send_timeout(shoal::detail::channel_timeout(config_.peer_timeout));
+    // No borrower or observer ever sends a descriptor: one that does cannot
+    // hold any here while its batch stalls (the lender's table is its chunks').
+    accepted->refuse_descriptors();
     fds_.reserve(borrowers_.size() + 3);  // its place in the next poll set, made now
     borrowers_.push_back({last_serial_ + 1, std::move(*accepted), clock_type::now()});
     ++last_serial_;
@@ -1830,10 +1834,12 @@ void test_hook::set_before_publish_commits(std::function<void(std::uint64_t regi
 }
 
 lender::lender(backend::device& device, const channel::channel_address& address, lender_config config) {
-  if (config.capacity_bytes == 0 || config.quota_bytes == 0 || config.max_borrowers == 0 ||
-      config.max_regions_per_borrower == 0 || config.peer_timeout <= std::chrono::milliseconds(0)) {
-    throw invalid_argument(
-        "lender: capacity_bytes, quota_bytes, max_borrowers, max_regions_per_borrower and peer_timeout must be > 0");
+  for (const auto& [name, zero] : {std::pair{"capacity_bytes", config.capacity_bytes == 0},
+                                    std::pair{"quota_bytes", config.quota_bytes == 0},
+                                    std::pair{"max_borrowers", config.max_borrowers == 0},
+                                    std::pair{"max_regions_per_borrower", config.max_regions_per_borrower == 0},
+                                    std::pair{"peer_timeout", config.peer_timeout <= std::chrono::milliseconds(0)}}) {
+    if (zero) throw invalid_argument(std::string("lender: ") + name + " must be > 0");
   }
   // Compared with clock differences in nanoseconds: a longer one would
   // overflow there and hang up on every borrower at once.
@@ -1864,6 +1870,10 @@ lender::lender(backend::device& device, const channel::channel_address& address,
                            std::to_string(device.granularity()) + " bytes" +
                            (prepared ? "; they hold " + std::to_string(*prepared) : std::string()));
   }
+  // Every chunk it may lend again keeps its exported handle open (a
+  // descriptor on every backend): the default soft limit (1024) would stop
+  // it, its accepts and its /proc checks near a thousand regions.
+  shoal::detail::raise_descriptor_limit();
   state_ = std::make_unique<state>(device, address, std::move(config));
 }
 

@@ -117,6 +117,36 @@ TEST(channel_protocol, more_descriptors_than_a_batch_carries_are_refused_over_se
   EXPECT_EQ(open_descriptor_count(), descriptors_before - 1) << "every descriptor that came was closed (and the writer's end)";
 }
 
+// A connection that takes no descriptors (refuse_descriptors) refuses the
+// first bytes of a batch that bring one, at once: nothing is kept while the
+// peer stalls, not even the descriptor (the kernel closed it).
+TEST(channel_protocol, a_connection_that_refuses_descriptors_keeps_none_of_a_stalled_batch) {
+  for (const bool refusing : {true, false}) {
+    SCOPED_TRACE(refusing ? "refuse_descriptors" : "default");
+    socket_pair pair;
+    connection victim = connection::adopt(std::move(pair.b), {});
+    if (refusing) victim.refuse_descriptors();
+    pipe_ends pipe;
+    const std::size_t descriptors_before = open_descriptor_count();
+    const auto batch = raw_batch("SHOL", 2, {{1, std::vector<std::byte>(64), 1}});
+    write_raw(pair.a.get(), {batch[0]}, {pipe.write.get()});  // one byte, then nothing
+    if (!refusing) {
+      EXPECT_FALSE(victim.try_receive().has_value());
+      EXPECT_EQ(open_descriptor_count(), descriptors_before + 1) << "the stalled batch's descriptor is kept";
+      continue;
+    }
+    try {
+      (void)victim.try_receive();
+      ADD_FAILURE() << "a descriptor was taken";
+    } catch (const protocol_error& e) {
+      EXPECT_NE(std::string(e.what()).find("takes none"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(victim.broken());
+    EXPECT_EQ(open_descriptor_count(), descriptors_before) << "a descriptor that came is open";
+    EXPECT_TRUE(reads_end_of_stream(pair.a.get())) << "the peer sees its connection closed";
+  }
+}
+
 // Random and mutated byte strings, written raw with stray descriptors, give
 // frames, protocol_error or connection_closed, and nothing else: no crash, no
 // hang, no leaked descriptor.

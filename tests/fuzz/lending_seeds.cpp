@@ -117,7 +117,8 @@ std::vector<lending_seed> lending_seeds() {
     w.op(lending_op::frame).u16(static_cast<std::uint16_t>(d::message_type::borrow)).u8(payload.size());
     for (const std::byte b : payload) w.u8(static_cast<std::uint8_t>(b));
     w.u8(pipe).u8(0);
-    seeds.push_back({"lender_borrow_with_a_descriptor", w.bytes(), 1, "closed"});
+    // The lender's connections take no descriptor: closed before the borrow is read.
+    seeds.push_back({"lender_borrow_with_a_descriptor", w.bytes(), 0, "this connection takes none"});
   }
   {
     lending_writer w = lending_writer().u8(lender_side).op(lending_op::hello).u8(3);

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "channel/channel_fixtures.h"
 #include "lending/lending_fixture.h"
 #include "lending/messages.h"
 #include "shoal/backend/host_device.h"
@@ -314,6 +315,28 @@ TEST(lending_hostile_peers, a_lender_out_of_descriptors_does_not_spin) {
   }
   EXPECT_LT(spent, 150ms) << "the lender spun on a listener it could not accept from";
   EXPECT_NO_THROW(borrower(dev, l.address(), {}, 2000ms)) << "it accepts again once descriptors are free";
+}
+
+// No borrower sends a descriptor: one that sends the first byte of a batch
+// with 16 and stalls is closed at once, and the lender keeps none of them
+// (they were kept until the peer timeout: 63 such connections filled a
+// lender's descriptor table, and honest borrowers could not connect).
+TEST(lending_hostile_peers, descriptors_a_borrower_sends_are_refused_not_kept) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  lender_config config;
+  config.peer_timeout = 10000ms;
+  lender l(dev, channel::channel_address::at_path(dir / "l.sock"), config);
+  auto raw = raw_borrower(l.address());
+  pipe_ends pipe;
+  const std::size_t descriptors_before = open_descriptor_count();
+  write_raw(raw.native_handle(), {std::byte{'S'}}, std::vector<int>(16, pipe.write.get()));
+  EXPECT_THROW((void)raw.receive_for(3000ms), connection_closed) << "the lender kept the connection open";
+  // Its end of the connection closed, and none of the 16 kept.
+  EXPECT_TRUE(eventually([&] { return open_descriptor_count() == descriptors_before - 1; }, 2000ms))
+      << "the lender holds descriptors a borrower sent: " << open_descriptor_count() << " open, " << descriptors_before
+      << " before";
+  EXPECT_NO_THROW(borrower(dev, l.address(), {}, 2000ms)) << "an honest borrower connects";
 }
 
 // A peer timeout past a day is refused: compared with clock differences in

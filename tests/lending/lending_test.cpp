@@ -7,6 +7,7 @@
 // In-process borrowers run on the host backend only (CUDA refuses to import
 // memory in the process that exported it); borrower processes run on both.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -746,10 +747,40 @@ TEST(lender_config, out_of_range_settings_are_refused) {
   temp_dir dir;
   auto& dev = backend::host_device_instance();
   const auto address = channel::channel_address::at_path(dir / "l.sock");
-  EXPECT_THROW(lender(dev, address, {.capacity_bytes = 0}), invalid_argument);
-  EXPECT_THROW(lender(dev, address, {.quota_bytes = 0}), invalid_argument);
-  EXPECT_THROW(lender(dev, address, {.max_borrowers = 0}), invalid_argument);
-  EXPECT_THROW(lender(dev, address, {.peer_timeout = 0ms}), invalid_argument);
+  // Each refusal names the one setting at fault.
+  const auto refusal = [&](const lender_config& config) {
+    try {
+      lender l(dev, address, config);
+    } catch (const invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(refusal({.capacity_bytes = 0}), "lender: capacity_bytes must be > 0");
+  EXPECT_EQ(refusal({.quota_bytes = 0}), "lender: quota_bytes must be > 0");
+  EXPECT_EQ(refusal({.max_borrowers = 0}), "lender: max_borrowers must be > 0");
+  EXPECT_EQ(refusal({.max_regions_per_borrower = 0}), "lender: max_regions_per_borrower must be > 0");
+  EXPECT_EQ(refusal({.peer_timeout = 0ms}), "lender: peer_timeout must be > 0");
+}
+
+// Each chunk a lender may lend again keeps a descriptor open: it raises a
+// low soft limit to the hard one, on any backend, as the host backend does.
+TEST(lender_config, a_lender_raises_the_soft_descriptor_limit) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();  // made before: its own raise is done
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  if (saved.rlim_max < 2048) GTEST_SKIP() << "the hard limit is " << saved.rlim_max;
+  rlimit low = saved;
+  low.rlim_cur = 1024;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  {
+    lender l(dev, channel::channel_address::at_path(dir / "l.sock"));
+    rlimit now{};
+    ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &now), 0);
+    EXPECT_EQ(now.rlim_cur, saved.rlim_max);
+  }
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
 }
 
 }  // namespace

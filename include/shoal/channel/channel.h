@@ -267,6 +267,14 @@ class connection {
   /// before the peer's ring can arrive (say, before the first receive).
   void allow_peer_ring();
 
+  /// Takes no descriptor from the peer from now on: a batch that brings one
+  /// is a protocol_error (the kernel closes the descriptors unread), so a
+  /// peer that should never send one cannot fill this process's descriptor
+  /// table with descriptors kept while its batch stalls (up to 16 a batch).
+  /// A peer's ring (allow_peer_ring) comes as a descriptor too. Call it
+  /// before the first receive.
+  void refuse_descriptors();
+
   /// Sends `frames` in order, packed into as few batches as the limits allow
   /// (max_batch_frames, max_batch_descriptors, batch_packing_bytes), each
   /// batch one sendmsg (more only when the socket takes part of it): a

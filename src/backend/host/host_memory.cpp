@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -12,6 +11,7 @@
 #include <string>
 
 #include "core/address_text.h"
+#include "core/descriptor_limit.h"
 #include "core/sealed_memfd.h"
 #include "shoal/core/error.h"
 
@@ -109,13 +109,8 @@ struct host_memory::chunk {
 
 host_memory::host_memory(std::size_t capacity_bytes)
     : capacity_(capacity_bytes), used_(std::make_shared<std::atomic<std::size_t>>(0)) {
-  // Each segment and chunk keeps a memfd open (it must stay exportable), so
-  // the soft descriptor limit (often 1024) is raised to the hard one.
-  rlimit limit{};
-  if (::getrlimit(RLIMIT_NOFILE, &limit) == 0 && limit.rlim_cur < limit.rlim_max) {
-    limit.rlim_cur = limit.rlim_max;
-    ::setrlimit(RLIMIT_NOFILE, &limit);
-  }
+  // Each segment and chunk keeps a memfd open (it must stay exportable).
+  shoal::detail::raise_descriptor_limit();
 }
 
 host_memory::~host_memory() {
