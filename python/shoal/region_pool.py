@@ -62,6 +62,10 @@ class RegionPool:
             _shoal._segment_source_mem_pool_gone(slot)
             raise
         self._slot: int | None = slot
+        # Kept after close() for stats(): the slot stays this pool's while it
+        # is bound (a segment out, or the MemPool object alive).
+        self._closed_slot: int | None = None
+        self._base = int(_shoal._segment_source_stats(slot)["base"])
         # The slot goes to no other pool while PyTorch's MemPool object lives
         # (it may still call the slot's functions), nor while this pool is open.
         weakref.finalize(self.mem_pool, _shoal._segment_source_mem_pool_gone, slot)
@@ -84,11 +88,17 @@ class RegionPool:
         ``capacity_bytes`` it may hold, ``base`` the first address it carves from, and whether the
         pool is ``open`` and still ``bound`` to the storage (a closed pool stays bound while a
         segment is out or its MemPool object lives)."""
-        slot = self._slot
-        if slot is None:
-            return {"open": False, "bound": False, "segments": 0, "segment_bytes": 0,
-                    "capacity_bytes": 0, "base": 0}
-        return dict(_shoal._segment_source_stats(slot))
+        with self._lock:
+            slot, closed = self._slot, self._closed_slot
+        if slot is not None:
+            return dict(_shoal._segment_source_stats(slot))
+        if closed is not None:
+            # Once unbound, the slot may serve another pool: then it is not this one's.
+            s = dict(_shoal._segment_source_stats(closed))
+            if s["bound"] and not s["open"] and s["base"] == self._base:
+                return s
+        return {"open": False, "bound": False, "segments": 0, "segment_bytes": 0,
+                "capacity_bytes": 0, "base": 0}
 
     def close(self) -> None:
         """No more allocations from the pool. PyTorch's cuBLAS workspaces are cleared (one made
@@ -102,6 +112,7 @@ class RegionPool:
             slot, self._slot = self._slot, None
             if slot is None:
                 return
+            self._closed_slot = slot
             self.mem_pool = None  # PyTorch releases the pool once no one else holds it
             if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
                 torch._C._cuda_clearCublasWorkspaces()

@@ -287,7 +287,9 @@ class Producer:
         consumer this producer ended (Consumer.batches counts one that put
         nothing). Raises PeerTimeoutError when
         the consumer had not taken every batch in time, StreamError when the
-        work failed; the connection is closed either way."""
+        work failed, ProtocolError when the address was not a Consumer's (an
+        endpoint of another protocol hangs up at once: what put() sent is
+        lost); the connection is closed either way."""
         taken = True
         try:
             for stream in self._streams:
@@ -300,9 +302,16 @@ class Producer:
                 # Arrays of puts taken back after the last batch need no wait.
                 last_end = self._ends[-1] if self._ends else 0
                 try:
-                    self._peer.wait_taken(timeout, at_most=self._arrays_sent - last_end)
+                    gone = not self._peer.wait_taken(timeout, at_most=self._arrays_sent - last_end)
                 except _shoal.PeerTimeoutError:
                     taken = False
+                else:
+                    if gone:
+                        # An endpoint of another protocol (a lender greets as it
+                        # accepts) hangs up at once, its greeting sent first: a
+                        # ProtocolError naming both, not a consumer that went away.
+                        with contextlib.suppress(_shoal.ConnectionClosedError):
+                            self._peer.check_greeting()
         finally:
             self._streams.clear()
             pid = None if self._peer.closed else self._peer.peer_pid

@@ -443,6 +443,20 @@ def test_a_sharing_producer_pointed_at_a_lender_is_told_at_once(address):
             producer.close()
 
 
+def test_a_producer_that_put_before_a_lenders_greeting_came_is_told_at_close(address):
+    # put() finds no greeting yet when it runs first; the lender then hangs up, and close()
+    # must say why rather than take it for a consumer that went away (the batch is lost).
+    allocator = shoal.Allocator()
+    with shoal.lending.Lender(address):
+        for _ in range(40):  # put() finds the greeting there in most
+            producer = shoal.sharing.Producer(address, allocator=allocator, ring_bytes=0)
+            with pytest.raises(shoal.ProtocolError, match="wrong socket"):
+                try:
+                    producer.put({"x": allocator.allocate(64).view()})
+                finally:
+                    producer.close(timeout=5)
+
+
 def test_a_borrower_pointed_at_a_sharing_consumer_is_told_what_it_found():
     with shoal.sharing.Consumer() as consumer:
         outcome: list[BaseException] = []

@@ -8,13 +8,16 @@ import ctypes
 import gc
 import os
 import pathlib
+import sys
 import tempfile
 import time
+import types
 
 import pytest
 
 import shoal
 import shoal.lending
+import shoal.torch
 from shoal import _shoal
 from test_lending import eventually  # the lending tests' wait for the lender's books
 
@@ -125,6 +128,44 @@ def test_slots_are_bounded_and_reused(lent):
     _shoal._segment_source_mem_pool_gone(slot)
     with pytest.raises(shoal.InvalidArgumentError):
         _shoal._segment_source_functions(16)
+
+
+class _StandInMemPool:
+    """What RegionPool needs of torch.cuda.MemPool: an object that holds the allocator."""
+
+    def __init__(self, allocator: object) -> None:
+        self.allocator = allocator
+
+
+def _stand_in_torch() -> types.ModuleType:
+    """torch as far as RegionPool's open and close use it (no PyTorch on the host CI)."""
+    torch = types.ModuleType("torch")
+    torch._C = types.SimpleNamespace(_cuda_customAllocator=lambda allocate, free: (allocate, free))  # type: ignore[attr-defined]
+    torch.cuda = types.SimpleNamespace(MemPool=_StandInMemPool, empty_cache=lambda: None)  # type: ignore[attr-defined]
+    return torch
+
+
+def test_a_closed_pool_reports_the_segments_it_still_holds(lent, monkeypatch):
+    """stats() after close(): still bound, with PyTorch's segments, until the last comes back."""
+    if shoal.torch.is_enabled():
+        pytest.skip("shoal is PyTorch's allocator in this process")
+    monkeypatch.setitem(sys.modules, "torch", _stand_in_torch())
+    lender, borrower = lent
+    region = borrower.borrow(8 * MIB, "model F")
+    pool = shoal.torch.RegionPool(region)
+    allocate_address, free_address = pool.mem_pool.allocator
+    allocate, free = ALLOCATE(allocate_address), FREE(free_address)
+    segment = allocate(2 * MIB, 0, None)
+    assert segment is not None
+    pool.close()
+    gc.collect()  # the MemPool object is gone: only the segment keeps the storage
+    stats = pool.stats()
+    assert not stats["open"] and stats["bound"], f"a closed pool with a segment out reads {stats}"
+    assert (stats["segments"], stats["segment_bytes"]) == (1, 2 * MIB)
+    assert "segments=1" in repr(pool)
+    free(segment, 2 * MIB, 0, None)
+    assert not pool.stats()["bound"], "the storage is let go once the last segment is back"
+    assert pool.stats()["segments"] == 0
 
 
 def test_a_segment_of_another_cuda_device_is_refused():
