@@ -70,6 +70,20 @@ def test_a_forked_child_is_refused_the_parents_allocator_and_streams():
     del kept, more
 
 
+def test_a_forked_child_is_refused_memory_of_the_parents_device_through_a_new_allocator():
+    shoal.allocate(16)  # the default device is open before the fork
+
+    def child() -> int:
+        fresh = shoal.Allocator(use_environment=False)  # made here, over the parent's device
+        if not refused(lambda: fresh.allocate(4096)):
+            return 1
+        if not refused(lambda: shoal.allocate(4096)):
+            return 2
+        return 0
+
+    assert run_in_child(child) == 0, "1: a new allocator handed out memory no stream here can use, 2: shoal.allocate did"
+
+
 def test_a_forked_child_ends_with_the_parents_sharing_context_and_transfer_engine_alive():
     context = shoal.SharingContext(shoal.default_allocator())
     engine = shoal.transfer.Engine()

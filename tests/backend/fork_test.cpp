@@ -35,7 +35,7 @@ bool refused_as_unavailable(const Call& call) {
   return false;
 }
 
-TEST(host_device_fork, a_forked_child_is_refused_stream_work_and_can_destroy_the_parents_device) {
+TEST(host_device_fork, a_forked_child_is_refused_stream_work_and_memory_and_can_destroy_the_parents_device) {
   auto dev = std::make_unique<backend::host_device>();
   void* buffer = dev->allocate_segment(4096);
   const backend::stream_ref side = dev->create_stream();
@@ -52,6 +52,11 @@ TEST(host_device_fork, a_forked_child_is_refused_stream_work_and_can_destroy_the
     if (!refused_as_unavailable([&] { dev->synchronize(side); })) return 2;
     if (!refused_as_unavailable([&] { (void)dev->create_stream(); })) return 3;
     if (!refused_as_unavailable([&] { dev->synchronize_event(pending); })) return 4;
+    // An allocator made in the child would hand out memory no stream there can use.
+    if (!refused_as_unavailable([&] { (void)dev->allocate_segment(4096); })) return 6;
+    if (!refused_as_unavailable([&] { (void)dev->allocate_pinned_host(4096); })) return 7;
+    if (!refused_as_unavailable([&] { (void)dev->reserve_range(dev->granularity()); })) return 8;
+    if (!refused_as_unavailable([&] { (void)dev->create_physical(dev->granularity()); })) return 9;
     try {
       dev->synchronize(backend::stream_ref{});  // nothing was queued there: nothing to wait for
     } catch (...) {
@@ -63,7 +68,8 @@ TEST(host_device_fork, a_forked_child_is_refused_stream_work_and_can_destroy_the
   const std::optional<int> status = child.wait_for(10s);
   ASSERT_TRUE(status.has_value()) << "the child hung (waiting for the parent's stream threads)";
   EXPECT_EQ(*status, 0) << "1: fill enqueued, 2: synchronize passed, 3: a stream was made, 4: the event wait "
-                           "passed, 5: an idle stream's synchronize failed";
+                           "passed, 5: an idle stream's synchronize failed, 6-9: memory was made (segment, pinned, "
+                           "range, chunk)";
 
   // The parent's device goes on as before.
   open.store(true);

@@ -119,15 +119,29 @@ host_device::host_device(host_device_options options)
 host_device::~host_device() = default;
 
 memory_info host_device::memory() const { return state_->memory.info(); }
-void* host_device::allocate_segment(std::size_t bytes) { return state_->memory.allocate_segment(bytes); }
+// Memory of the device in a fork() child would be usable by no stream there
+// (and counted against the parent's capacity): refused, as streams are.
+void* host_device::allocate_segment(std::size_t bytes) {
+  if (state_->epoch.forked_since()) detail::host_executor::throw_forked("allocate memory");
+  return state_->memory.allocate_segment(bytes);
+}
 void host_device::free_segment(void* base) { state_->memory.free_segment(base); }
-void* host_device::allocate_pinned_host(std::size_t bytes) { return state_->memory.allocate_pinned_host(bytes); }
+void* host_device::allocate_pinned_host(std::size_t bytes) {
+  if (state_->epoch.forked_since()) detail::host_executor::throw_forked("allocate pinned memory");
+  return state_->memory.allocate_pinned_host(bytes);
+}
 void host_device::free_pinned_host(void* base) { state_->memory.free_pinned_host(base); }
 
 std::size_t host_device::granularity() const noexcept { return detail::host_memory::chunk_granularity; }
-void* host_device::reserve_range(std::size_t bytes) { return state_->memory.reserve_range(bytes); }
+void* host_device::reserve_range(std::size_t bytes) {
+  if (state_->epoch.forked_since()) detail::host_executor::throw_forked("reserve an address range");
+  return state_->memory.reserve_range(bytes);
+}
 void host_device::release_range(void* base) { state_->memory.release_range(base); }
-physical_ref host_device::create_physical(std::size_t bytes) { return state_->memory.create_physical(bytes); }
+physical_ref host_device::create_physical(std::size_t bytes) {
+  if (state_->epoch.forked_since()) detail::host_executor::throw_forked("allocate memory");
+  return state_->memory.create_physical(bytes);
+}
 void host_device::release_physical(physical_ref chunk) { state_->memory.release_physical(chunk); }
 void host_device::map(void* address, physical_ref chunk) { state_->memory.map(address, chunk); }
 void host_device::unmap(void* address) { state_->memory.unmap(address); }
