@@ -452,12 +452,14 @@ bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool even
     // free, unless a pool made on its region since holds it again.
     std::lock_guard handoff(region_handoff_mutex_);
     if (!run_on_block<true>(address, free_block)) {
+      run_late_free_hook(test_hook::late_free_step::before_orphans);
       if (orphans_.forget(address)) {
         note_tombstone_removed(address, stream);
-      } else if (!run_on_block<true>(address, free_block)) {
-        // Neither: a new segment made the orphan its tombstone since the look
-        // above, under its pool's lock, which this look waits for.
-        throw_not_allocated(address, "deallocate");
+      } else {
+        // Neither: a new segment may have made the orphan its tombstone since
+        // the look above, under its pool's lock, which this look waits for.
+        run_late_free_hook(test_hook::late_free_step::before_last_look);
+        if (!run_on_block<true>(address, free_block)) throw_not_allocated(address, "deallocate");
       }
     }
   }

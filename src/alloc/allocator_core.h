@@ -36,12 +36,15 @@
 #include "shoal/alloc/allocator_types.h"
 #include "shoal/alloc/config.h"
 #include "shoal/alloc/invariant_test_hook.h"
+#include "shoal/alloc/late_free_test_hook.h"
 #include "shoal/alloc/stats.h"
 #include "shoal/backend/device.h"
 
 namespace shoal::alloc::detail {
 
 [[noreturn]] void throw_not_allocated(std::uintptr_t address, const char* op);
+/// Runs the tests' late free hook, when one is set (late_free_test_hook.cpp).
+void run_late_free_hook(test_hook::late_free_step step);
 /// Throws invalid_argument when `b` is a tombstone (a forced clear took it):
 /// only its free is still accepted.
 void require_not_invalidated(const block* b, const char* op);

@@ -9,10 +9,13 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "shoal/alloc/caching_allocator.h"
+#include "shoal/alloc/late_free_test_hook.h"
 #include "shoal/backend/host_device.h"
 #include "shoal/core/error.h"
 #include "support/forwarding_device.h"
@@ -21,6 +24,7 @@ namespace shoal::testing {
 namespace {
 
 using alloc::live_blocks;
+using alloc::test_hook::late_free_step;
 constexpr std::size_t kib = 1024, mib = kib * kib;
 
 // Hands the allocator, once, an address the test gave up (as a device does
@@ -181,6 +185,62 @@ TEST(orphans_in_new_segments, a_growable_range_over_a_taken_blocks_address_is_no
   EXPECT_EQ(a.stats().allocations.aggregate.current, 1);
   a.deallocate(newer, {});
   EXPECT_NO_THROW(a.check_invariants());
+}
+
+// Sets the late free hook for a test's lifetime.
+class late_free_hook {
+ public:
+  explicit late_free_hook(std::function<void(late_free_step)> hook) {
+    alloc::test_hook::set_late_free_hook(std::move(hook));
+  }
+  ~late_free_hook() { alloc::test_hook::set_late_free_hook({}); }
+  late_free_hook(const late_free_hook&) = delete;
+  late_free_hook& operator=(const late_free_hook&) = delete;
+};
+
+// Runs `work` on another thread and waits for it: the freeing thread holds
+// the region hand-off lock, which the other thread's give-back tries.
+void on_another_thread(const std::function<void()>& work) { std::thread(work).join(); }
+
+// A growth that takes the orphan between the late free's look under the
+// lock and its look among the orphans: the free's last look finds the
+// tombstone the new segment keeps.
+TEST(orphans_in_new_segments, a_late_free_finds_the_tombstone_a_growth_made_of_its_orphan_between_its_looks) {
+  segment_over_an_orphan over(2 * mib);
+  auto& [host, dev, a, region, stale] = over;
+  void* newer = nullptr;
+  const late_free_hook hook([&](late_free_step step) {
+    if (step == late_free_step::before_orphans && newer == nullptr) {
+      on_another_thread([&] { newer = a.allocate(4 * kib, {}); });
+    }
+  });
+  EXPECT_NO_THROW(a.deallocate(stale, {})) << "the late free missed the tombstone";
+  ASSERT_TRUE(dev.reused_segment) << "the test's premise: the growth's segment lies over the orphan";
+  EXPECT_EQ(a.stats().invalidated.aggregate.current, 0) << "the tombstone stayed";
+  EXPECT_NO_THROW((void)a.block_size(newer));
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(newer, {});
+}
+
+// Then, before the last look, a give-back of that segment (free but for the
+// tombstone) would turn the tombstone back into an orphan, which the free
+// no longer looks for: the give-back leaves such a segment while a late free
+// holds the hand-off lock.
+TEST(orphans_in_new_segments, a_give_back_leaves_a_tombstone_alone_while_a_late_free_is_between_its_looks) {
+  segment_over_an_orphan over(2 * mib);
+  auto& [host, dev, a, region, stale] = over;
+  const late_free_hook hook([&](late_free_step step) {
+    on_another_thread([&] {
+      if (step == late_free_step::before_orphans) a.deallocate(a.allocate(4 * kib, {}), {});
+      if (step == late_free_step::before_last_look) a.empty_cache();
+    });
+  });
+  EXPECT_NO_THROW(a.deallocate(stale, {})) << "the tombstone went back to the orphans between the free's looks";
+  ASSERT_TRUE(dev.reused_segment);
+  EXPECT_EQ(a.stats().invalidated.aggregate.current, 0);
+  EXPECT_NO_THROW(a.check_invariants());
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0) << "the segment goes back once the free is done";
 }
 
 }  // namespace
