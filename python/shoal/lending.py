@@ -57,7 +57,7 @@ import weakref
 from types import TracebackType
 from typing import Callable, NamedTuple, Optional, Protocol, Sequence, Union
 
-from . import _shoal, default_allocator
+from . import _checks, _shoal, default_allocator
 
 __all__ = ["Borrower", "CancelEvent", "Entry", "Lender", "RevocationWatcher", "SharedRegion"]
 
@@ -200,6 +200,9 @@ class Borrower:
         kept_mapping_bytes: int = 16 << 30,
         observer: bool = False,
     ) -> None:
+        _checks.whole_number("shoal.lending.Borrower", "kept_mapping_bytes", kept_mapping_bytes)
+        for uid in allowed_uids:
+            _checks.whole_number("shoal.lending.Borrower", "allowed_uids", uid, bits=32)
         self._address = address
         self._allocator = allocator if allocator is not None else default_allocator()
         self._watch_lock = threading.Lock()  # the one-reader rule: a watcher, or revocations() calls
@@ -254,9 +257,11 @@ class Borrower:
         ``OutOfMemoryError`` with ``reason`` ``"stopped_waiting"``: the lender ended the wait
         because this borrower's own regions were preempted for a borrow ahead of it (see
         :meth:`revocations`)."""
-        if type(nbytes) is not int or nbytes < 1:
+        if type(nbytes) is not int or not 1 <= nbytes < 1 << 64:
             raise _shoal.InvalidArgumentError(
-                f"shoal.lending.Borrower.borrow: nbytes must be a whole number of bytes >= 1, not {nbytes!r}")
+                f"shoal.lending.Borrower.borrow: nbytes must be a whole number of bytes from 1 to 2**64 - 1, "
+                f"not {nbytes!r}")
+        _checks.cancel_event("shoal.lending.Borrower.borrow", cancel)
         if not isinstance(purpose, str):
             raise _shoal.InvalidArgumentError(
                 f"shoal.lending.Borrower.borrow: purpose must be a str of 1 to 64 printable ASCII characters, "
@@ -316,6 +321,7 @@ class Borrower:
 
         ``InvalidArgumentError`` while a :class:`RevocationWatcher` watches this borrower (one
         of the two would miss revokes the other read)."""
+        _checks.cancel_event("shoal.lending.Borrower.revocations", cancel)
         counted = False
         try:
             with self._watch_lock:
@@ -602,6 +608,14 @@ class Lender:
         preempt_deadline: float = 10.0,
         max_observers: int = 4,
     ) -> None:
+        for name, value in (("capacity_bytes", capacity_bytes), ("quota_bytes", quota_bytes),
+                            ("max_borrowers", max_borrowers), ("max_regions_per_borrower", max_regions_per_borrower),
+                            ("max_observers", max_observers)):
+            _checks.whole_number("shoal.lending.Lender", name, value)
+        for uid in allowed_uids:
+            _checks.whole_number("shoal.lending.Lender", "allowed_uids", uid, bits=32)
+        for chunk in prepared_chunks:
+            _checks.whole_number("shoal.lending.Lender", "prepared_chunks", chunk)
         self._address = address
         self._native = _shoal.Lender(
             address, device, capacity_bytes, quota_bytes, max_borrowers, max_regions_per_borrower, peer_timeout,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional, Union
 
-from . import _shoal, default_allocator
+from . import _checks, _shoal, default_allocator
 
 __all__ = ["Engine", "MAX_ARRAYS_PER_BATCH", "MAX_NESTING"]
 
@@ -202,6 +202,13 @@ class Engine:
         staging_stores: str = "automatic",
         max_coalesced_bytes: int = 4 << 20,
     ) -> None:
+        for name, value in (("max_batches_in_flight", max_batches_in_flight),
+                            ("max_bytes_in_flight", max_bytes_in_flight),
+                            ("max_pinned_bytes", max_pinned_bytes),
+                            ("staging_chunk_bytes", staging_chunk_bytes),
+                            ("max_coalesced_bytes", max_coalesced_bytes)):
+            _checks.whole_number("shoal.transfer.Engine", name, value)
+        _checks.whole_number("shoal.transfer.Engine", "staging_helpers", staging_helpers, allow_none=True)
         self._engine = _shoal.TransferEngine(
             allocator if allocator is not None else _default_engine_allocator(),
             max_batches_in_flight,

@@ -395,3 +395,10 @@ def test_a_batch_that_outlives_its_engine_allocator_and_sources_goes_without_a_c
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == "released\n", (done.returncode, done.stdout, done.stderr)
+
+
+def test_engine_counts_out_of_range_are_named_not_left_to_the_binding():
+    for name in ("max_batches_in_flight", "max_bytes_in_flight", "max_pinned_bytes", "staging_chunk_bytes",
+                 "max_coalesced_bytes", "staging_helpers"):
+        with pytest.raises(shoal.InvalidArgumentError, match=name):
+            shoal.transfer.Engine(**{name: -1})

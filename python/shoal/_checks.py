@@ -1,0 +1,25 @@
+"""Argument checks of the Python layer, so that a value the native layer cannot hold (a
+negative count, a size past 64 bits) is told as an InvalidArgumentError naming the argument,
+not as the binding's "incompatible function arguments"."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from . import _shoal
+
+
+def whole_number(where: str, name: str, value: Any, *, bits: int = 64, allow_none: bool = False) -> None:
+    """Raises InvalidArgumentError unless `value` is an int from 0 to 2**bits - 1 (or None when
+    `allow_none`)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << bits:
+        raise _shoal.InvalidArgumentError(
+            f"{where}: {name} must be a whole number from 0 to {(1 << bits) - 1}, not {value!r}")
+
+
+def cancel_event(where: str, cancel: Optional[Any]) -> None:
+    """Raises TypeError unless `cancel` is None or has is_set() (a threading.Event)."""
+    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+        raise TypeError(f"{where}: cancel must be a threading.Event (anything with is_set()) or None, not {cancel!r}")
