@@ -56,8 +56,8 @@ def _host_buffer(leaf: Any) -> tuple[tuple[int, int, bool, Any], str, tuple[int,
         leaf = numpy.asarray(leaf)
     if not isinstance(leaf, numpy.ndarray):
         raise TypeError(
-            f"shoal.transfer: cannot transfer a {type(leaf).__name__}: a batch holds numpy arrays or torch "
-            "CPU tensors, in lists, tuples and dicts"
+            f"shoal.transfer: cannot transfer an object of type {type(leaf).__name__}: a batch holds numpy arrays "
+            "or torch CPU tensors, in lists, tuples and dicts"
         )
     shape = tuple(leaf.shape)  # ascontiguousarray makes a 0-d array 1-d
     array = numpy.ascontiguousarray(leaf)

@@ -347,7 +347,7 @@ void register_lending(nb::module_& m) {
   m.def(
       "_region_id",
       [](const py_storage& storage) -> std::optional<std::uint64_t> {
-        const auto* owner = dynamic_cast<const region_owner*>(storage.handle.get().owner().get());
+        const region_owner* owner = region_behind(storage);  // an emptied storage (published) has none
         if (owner == nullptr) return std::nullopt;
         return owner->id();
       },

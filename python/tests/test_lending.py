@@ -363,6 +363,7 @@ def test_publishing_is_refused_while_views_of_the_region_live(address):
         with pytest.raises(shoal.InvalidArgumentError, match="not a dtype"):
             writer.publish(region, [("weights", 0, 64, "complex64", (8,))])
         assert writer.publish(region, layout).layout[0].name == "weights", "the refusals left the region as it was"
+        assert writer.region_id(region) is None, "a storage emptied by publish() is no region's"
 
 
 def test_a_reader_expecting_another_hash_is_refused_with_content_mismatch(address):
