@@ -808,7 +808,9 @@ def _segment_source_functions(slot: int) -> tuple[int, int]:
     """
 
 def _segment_source_stats(slot: int) -> dict:
-    """What the slot's source has carved out."""
+    """
+    What the slot's source has carved out, and its `binding`: which opening of the slot (a slot serves another pool once unbound).
+    """
 
 def _segment_source_close(slot: int) -> None:
     """

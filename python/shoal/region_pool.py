@@ -65,7 +65,7 @@ class RegionPool:
         # Kept after close() for stats(): the slot stays this pool's while it
         # is bound (a segment out, or the MemPool object alive).
         self._closed_slot: int | None = None
-        self._base = int(_shoal._segment_source_stats(slot)["base"])
+        self._binding = int(_shoal._segment_source_stats(slot)["binding"])
         # The slot goes to no other pool while PyTorch's MemPool object lives
         # (it may still call the slot's functions), nor while this pool is open.
         weakref.finalize(self.mem_pool, _shoal._segment_source_mem_pool_gone, slot)
@@ -90,12 +90,11 @@ class RegionPool:
         segment is out or its MemPool object lives)."""
         with self._lock:
             slot, closed = self._slot, self._closed_slot
-        if slot is not None:
-            return dict(_shoal._segment_source_stats(slot))
-        if closed is not None:
-            # Once unbound, the slot may serve another pool: then it is not this one's.
-            s = dict(_shoal._segment_source_stats(closed))
-            if s["bound"] and not s["open"] and s["base"] == self._base:
+        # Once unbound, the slot may serve another pool (another binding).
+        which = slot if slot is not None else closed
+        if which is not None:
+            s = dict(_shoal._segment_source_stats(which))
+            if s.pop("binding") == self._binding and s["bound"]:
                 return s
         return {"open": False, "bound": False, "segments": 0, "segment_bytes": 0,
                 "capacity_bytes": 0, "base": 0}

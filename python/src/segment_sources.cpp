@@ -122,6 +122,7 @@ struct slot {
   std::unique_ptr<segment_source> source;  // guarded by mutex
   bool open = false;                       // guarded by mutex: its RegionPool has not closed it
   bool mem_pool_alive = false;             // guarded by mutex: PyTorch's MemPool object may still call
+  std::uint64_t binding = 0;               // guarded by mutex: which binding of the slot (one per open)
 };
 
 std::array<slot, slot_count>& slots() {
@@ -196,6 +197,7 @@ void register_segment_sources(nb::module_& m) {
           s.source = std::move(source);
           s.open = true;
           s.mem_pool_alive = true;
+          ++s.binding;
           return i;
         }
         throw invalid_argument("shoal.torch.RegionPool: " + std::to_string(slot_count) +
@@ -226,9 +228,12 @@ void register_segment_sources(nb::module_& m) {
         d["segment_bytes"] = s.source ? s.source->segment_bytes() : 0;
         d["capacity_bytes"] = s.source ? s.source->capacity() : 0;
         d["base"] = s.source ? s.source->base() : 0;
+        d["binding"] = s.binding;
         return d;
       },
-      nb::arg("slot"), "What the slot's source has carved out.");
+      nb::arg("slot"),
+      "What the slot's source has carved out, and its `binding`: which opening of the slot (a slot serves "
+      "another pool once unbound).");
   const auto end = [](std::size_t index, bool closing) {
     slot& s = slot_at(index);
     std::unique_ptr<segment_source> done;

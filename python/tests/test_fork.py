@@ -81,7 +81,8 @@ def test_a_forked_child_is_refused_memory_of_the_parents_device_through_a_new_al
             return 2
         return 0
 
-    assert run_in_child(child) == 0, "1: a new allocator handed out memory no stream here can use, 2: shoal.allocate did"
+    assert run_in_child(child) == 0, (
+        "1: a new allocator handed out memory no stream here can use, 2: shoal.allocate did")
 
 
 def test_a_forked_child_ends_with_the_parents_sharing_context_and_transfer_engine_alive():

@@ -140,7 +140,8 @@ class _StandInMemPool:
 def _stand_in_torch() -> types.ModuleType:
     """torch as far as RegionPool's open and close use it (no PyTorch on the host CI)."""
     torch = types.ModuleType("torch")
-    torch._C = types.SimpleNamespace(_cuda_customAllocator=lambda allocate, free: (allocate, free))  # type: ignore[attr-defined]
+    make_allocator = lambda allocate, free: (allocate, free)  # noqa: E731 - what the pool keeps of it
+    torch._C = types.SimpleNamespace(_cuda_customAllocator=make_allocator)  # type: ignore[attr-defined]
     torch.cuda = types.SimpleNamespace(MemPool=_StandInMemPool, empty_cache=lambda: None)  # type: ignore[attr-defined]
     return torch
 
@@ -166,6 +167,16 @@ def test_a_closed_pool_reports_the_segments_it_still_holds(lent, monkeypatch):
     free(segment, 2 * MIB, 0, None)
     assert not pool.stats()["bound"], "the storage is let go once the last segment is back"
     assert pool.stats()["segments"] == 0
+    # The slot now serves another pool over the same storage, closed with a segment out:
+    # its figures are not the first pool's.
+    second = shoal.torch.RegionPool(region)
+    allocate_address, free_address = second.mem_pool.allocator
+    other = ALLOCATE(allocate_address)(4 * MIB, 0, None)
+    second.close()
+    gc.collect()
+    assert second.stats()["segments"] == 1
+    assert not pool.stats()["bound"] and pool.stats()["segments"] == 0, f"another pool's figures: {pool.stats()}"
+    FREE(free_address)(other, 4 * MIB, 0, None)
 
 
 def test_a_segment_of_another_cuda_device_is_refused():

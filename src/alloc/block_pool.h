@@ -87,7 +87,8 @@ struct alignas(64) block_pool {
   std::size_t quick_count = 0;
   pool_counters counters;
   /// Frees so far (deallocate, a tombstone's late free included), and debug
-  /// mode's poison fills of collected frees; only ever grows. A forced clear
+  /// mode's poison fills of frees as they settle (a free that settles at once
+  /// counts twice); only ever grows. A forced clear
   /// compares it before and after its device-wide wait: a free or a poison
   /// that came meanwhile may leave work of its stream queued on the memory.
   std::uint64_t frees = 0;

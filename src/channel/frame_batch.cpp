@@ -92,7 +92,10 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
   iovec part{into, bytes};
   // Room for the descriptors the batch may still bring, and for credentials
   // in case the socket has SO_PASSCRED on: more than a batch may carry, over
-  // however many reads, and the kernel closes the rest (MSG_CTRUNC).
+  // however many reads, and the kernel closes the rest (MSG_CTRUNC). A
+  // connection that takes none (SO_PASSCRED off: refuse_descriptors) has no
+  // room at all, so the kernel installs none here: a descriptor installed and
+  // then closed would drop this process's POSIX locks on its file.
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * max_batch_descriptors) + CMSG_SPACE(sizeof(ucred))];
   most_descriptors = std::min(most_descriptors, max_batch_descriptors);
   const std::size_t room = most_descriptors - std::min(descriptors.size(), most_descriptors);
@@ -100,7 +103,8 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
   header.msg_iov = &part;
   header.msg_iovlen = 1;
   header.msg_control = control;
-  header.msg_controllen = (room > 0 ? CMSG_SPACE(sizeof(int) * room) : 0) + CMSG_SPACE(sizeof(ucred));
+  header.msg_controllen =
+      most_descriptors == 0 ? 0 : (room > 0 ? CMSG_SPACE(sizeof(int) * room) : 0) + CMSG_SPACE(sizeof(ucred));
   const auto spin_until = std::chrono::steady_clock::now() + spin;
   // Without a deadline, a blocking recvmsg once spinning is over; with one,
   // non-blocking calls between polls.
@@ -123,7 +127,7 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
   }
   take_descriptors(header, descriptors);
   if (most_descriptors == 0 && ((header.msg_flags & MSG_CTRUNC) != 0 || !descriptors.empty())) {
-    throw protocol_error("a batch came with a descriptor, and this connection takes none (closed unused)");
+    throw protocol_error("a batch came with a descriptor, and this connection takes none (the kernel closed it)");
   }
   if ((header.msg_flags & MSG_CTRUNC) != 0 || descriptors.size() > most_descriptors) {
     throw protocol_error("a batch came with more than " + std::to_string(most_descriptors) +

@@ -68,8 +68,9 @@ struct partial_batch {
   std::size_t size = 0;  // the whole batch's size once its header is read; 0 before
   std::vector<unique_fd> descriptors;
   /// Descriptors a batch may bring: max_batch_descriptors, or 0 for a peer
-  /// that never sends one (connection::refuse_descriptors); past it, the
-  /// kernel closes them at once and the read throws protocol_error.
+  /// that never sends one (connection::refuse_descriptors: its reads leave
+  /// no room for any, so the kernel installs none); past it, the read
+  /// throws protocol_error.
   std::size_t most_descriptors = max_batch_descriptors;
 
   [[nodiscard]] bool started() const noexcept { return got > 0; }

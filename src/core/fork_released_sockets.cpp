@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <mutex>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -84,12 +85,13 @@ void release_in_child() noexcept {
 [[maybe_unused]] const bool registered_at_load =
     (sockets_to_release(), ::pthread_atfork(&lock_before_fork, &unlock_in_parent, &release_in_child) == 0);
 
-// Under the registry's lock.
-int register_socket(registry& r, int fd) {
+// Under the registry's lock. Nothing when `fd` is no open descriptor.
+std::optional<registered_socket> register_socket(registry& r, int fd) {
   struct stat st {};
-  if (::fstat(fd, &st) != 0) return -1;
-  r.sockets.push_back({fd, st.st_dev, st.st_ino});
-  return fd;
+  if (::fstat(fd, &st) != 0) return std::nullopt;
+  const registered_socket entry{fd, st.st_dev, st.st_ino};
+  r.sockets.push_back(entry);
+  return entry;
 }
 
 }  // namespace
@@ -97,7 +99,11 @@ int register_socket(registry& r, int fd) {
 fork_released_socket::fork_released_socket(int fd) {
   registry& r = sockets_to_release();
   std::lock_guard lock(r.mutex);
-  fd_ = register_socket(r, fd);
+  if (const auto entry = register_socket(r, fd)) {
+    fd_ = entry->fd;
+    device_ = entry->device;
+    inode_ = entry->inode;
+  }
 }
 
 fork_released_socket::fork_released_socket(const std::function<int()>& open) {
@@ -106,7 +112,11 @@ fork_released_socket::fork_released_socket(const std::function<int()>& open) {
   const int fd = open();
   if (fd < 0) return;
   const int opened_errno = errno;
-  fd_ = register_socket(r, fd);
+  if (const auto entry = register_socket(r, fd)) {
+    fd_ = entry->fd;
+    device_ = entry->device;
+    inode_ = entry->inode;
+  }
   errno = opened_errno;
 }
 
@@ -114,7 +124,9 @@ fork_released_socket::~fork_released_socket() {
   if (fd_ < 0) return;
   registry& r = sockets_to_release();
   std::lock_guard lock(r.mutex);
-  const auto it = std::find_if(r.sockets.begin(), r.sockets.end(), [&](const registered_socket& s) { return s.fd == fd_; });
+  const auto it = std::find_if(r.sockets.begin(), r.sockets.end(), [&](const registered_socket& s) {
+    return s.fd == fd_ && s.device == device_ && s.inode == inode_;
+  });
   if (it == r.sockets.end()) return;  // in a fork() child: released already
   *it = r.sockets.back();
   r.sockets.pop_back();

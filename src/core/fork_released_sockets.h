@@ -15,6 +15,8 @@
 // Thread-safety: every member may be called from any thread at once.
 #pragma once
 
+#include <sys/types.h>
+
 #include <functional>
 
 namespace shoal::detail {
@@ -37,7 +39,11 @@ class fork_released_socket {
   fork_released_socket& operator=(const fork_released_socket&) = delete;
 
  private:
+  // What was registered: the number and the file it named then (a stale
+  // registration must never take a newer one's entry away).
   int fd_ = -1;  // -1: nothing registered
+  dev_t device_ = 0;
+  ino_t inode_ = 0;
 };
 
 }  // namespace shoal::detail

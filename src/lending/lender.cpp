@@ -527,8 +527,8 @@ class lender::state {
     const std::size_t most = observer ? config_.max_observers : config_.max_borrowers;
     if (now >= most) {
       const std::string why = "already " + std::to_string(now) +
-                              (observer ? " observers" : " borrowers (and connections yet to say which)") +
-                              ", the most allowed";
+                              (observer ? " observers" : " borrowers (and connections yet to say which)") + " of " +
+                              (b.operator_uid ? "the lender's uid and root" : "other uids") + ", the most allowed";
       if (!b.held_back) throw peer_refused("lender: " + why);  // not expected: closed rather than past a bound
       b.failed = true;  // hung up on before any hello of the lender's: its connect is refused
       emit(lender_event::kind::refused, b.link.peer(), 0, 0, why);
@@ -1477,8 +1477,9 @@ class lender::state {
     // loop's walks of it) without end. Its process (one per connection)
     // holds an orphaned hold of it already, or not.
     const process_identity process = h->process;
-    bool orphaned_already =
-        alive && std::any_of(holds.begin(), holds.end(), [&](const hold& o) { return o.borrower == 0 && o.process == process; });
+    bool orphaned_already = alive && std::any_of(holds.begin(), holds.end(), [&](const hold& o) {
+                              return o.borrower == 0 && o.process == process;
+                            });
     auto kept = h;
     for (; h != holds.end(); ++h) {
       if (h->borrower != serial) {

@@ -17,9 +17,8 @@ std::vector<process_identity> orphan_checks::next(std::vector<process_identity>&
   std::sort(holders.begin(), holders.end(), earlier);
   holders.erase(std::unique(holders.begin(), holders.end()), holders.end());
   const std::size_t n = holders.size();
-  const std::size_t from =
-      last_ ? static_cast<std::size_t>(std::upper_bound(holders.begin(), holders.end(), *last_, earlier) - holders.begin())
-            : 0;
+  const auto after_last = last_ ? std::upper_bound(holders.begin(), holders.end(), *last_, earlier) : holders.begin();
+  const auto from = static_cast<std::size_t>(after_last - holders.begin());
   std::vector<process_identity> out;
   out.reserve(std::min(n, per_pass_));
   for (std::size_t i = 0; i < std::min(n, per_pass_); ++i) out.push_back(holders[(from + i) % n]);

@@ -5,7 +5,8 @@
 // must not make each pass, on the serving thread, as long as their count:
 // a pass looks up at most `per_pass` of them, the next ones in (pid, start
 // time) order after the last pass's last, wrapping around. So every process
-// is looked up within ceil(n / per_pass) passes, once a pass at most.
+// is looked up within ceil(n / per_pass) passes (one more when new ones come
+// ahead of it meanwhile), once a pass at most.
 //
 // Thread-safety: none; the lender's serving thread alone uses it.
 #pragma once

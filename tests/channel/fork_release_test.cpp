@@ -220,5 +220,34 @@ TEST(fork_release, a_registration_left_after_its_socket_closed_replaces_nothing_
   EXPECT_EQ(child.wait_for(10s), std::optional<int>(0)) << "1: the child's pipe was replaced by a socket";
 }
 
+// A stale registration's end takes its own entry away, never that of a
+// newer socket under the same number (which a child must still let go of),
+// whatever order the entries are in.
+TEST(fork_release, a_stale_registrations_end_leaves_a_newer_sockets_registration) {
+  auto earlier = std::make_unique<socket_pair>();
+  auto earlier_registration = std::make_unique<shoal::detail::fork_released_socket>(earlier->a.get());
+  int number = -1;
+  std::optional<shoal::detail::fork_released_socket> stale;
+  {
+    socket_pair gone;
+    number = gone.a.get();
+    stale.emplace(number);
+  }
+  socket_pair newer;  // a live socket at the stale number
+  unique_fd moved;
+  if (newer.a.get() != number) {
+    ASSERT_EQ(::dup3(newer.a.get(), number, O_CLOEXEC), number);
+    moved.reset(number);
+  }
+  const shoal::detail::fork_released_socket registration(number);
+  earlier_registration.reset();  // the last entry (the newer one) moves ahead of the stale one
+  stale.reset();
+  forked_child child([&] {
+    char c;
+    return ::recv(number, &c, 1, MSG_DONTWAIT) == 0 ? 0 : 1;  // a live socket: EAGAIN
+  });
+  EXPECT_EQ(child.wait_for(10s), std::optional<int>(0)) << "1: the child kept the newer socket live";
+}
+
 }  // namespace
 }  // namespace shoal::testing

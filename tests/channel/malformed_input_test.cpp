@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -119,7 +120,7 @@ TEST(channel_protocol, more_descriptors_than_a_batch_carries_are_refused_over_se
 
 // A connection that takes no descriptors (refuse_descriptors) refuses the
 // first bytes of a batch that bring one, at once: nothing is kept while the
-// peer stalls, not even the descriptor (the kernel closed it).
+// peer stalls, not even the descriptor (the kernel closed it unread).
 TEST(channel_protocol, a_connection_that_refuses_descriptors_keeps_none_of_a_stalled_batch) {
   for (const bool refusing : {true, false}) {
     SCOPED_TRACE(refusing ? "refuse_descriptors" : "default");
@@ -145,6 +146,36 @@ TEST(channel_protocol, a_connection_that_refuses_descriptors_keeps_none_of_a_sta
     EXPECT_EQ(open_descriptor_count(), descriptors_before) << "a descriptor that came is open";
     EXPECT_TRUE(reads_end_of_stream(pair.a.get())) << "the peer sees its connection closed";
   }
+}
+
+// The refused descriptors are never installed in the receiving process: a
+// descriptor installed and closed there would drop the process's POSIX lock
+// on its file (a peer could make a server lose its locks that way).
+TEST(channel_protocol, descriptors_refused_are_never_installed_so_the_receivers_locks_hold) {
+  const std::string path = "/tmp/shoal-refused-lock-" + std::to_string(::getpid());
+  const unique_fd locked(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));
+  ASSERT_TRUE(locked);
+  ::unlink(path.c_str());
+  struct flock whole {};
+  whole.l_type = F_WRLCK;
+  whole.l_whence = SEEK_SET;
+  ASSERT_EQ(::fcntl(locked.get(), F_SETLK, &whole), 0);
+  socket_pair pair;
+  connection victim = connection::adopt(std::move(pair.b), {});
+  victim.refuse_descriptors();
+  const auto batch = raw_batch("SHOL", 2, {{1, std::vector<std::byte>(64), 1}});
+  write_raw(pair.a.get(), {batch[0]}, {locked.get()});  // a descriptor of the locked file
+  EXPECT_THROW((void)victim.try_receive(), protocol_error);
+  // Another process asks who holds the lock: still this one.
+  forked_child probe([&] {
+    struct flock asked {};
+    asked.l_type = F_WRLCK;
+    asked.l_whence = SEEK_SET;
+    if (::fcntl(locked.get(), F_GETLK, &asked) != 0) return 2;
+    return asked.l_type != F_UNLCK ? 0 : 1;
+  });
+  EXPECT_EQ(probe.wait_for(10s), std::optional<int>(0))
+      << "1: the process lost its lock (a refused descriptor was closed here)";
 }
 
 // Random and mutated byte strings, written raw with stray descriptors, give

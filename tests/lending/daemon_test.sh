@@ -19,9 +19,19 @@ fail() {
   [ -f "$dir/log" ] && sed 's/^/  log: /' "$dir/log"
   exit 1
 }
-answers() {  # waits up to 5 s for the daemon at $1 to answer `status`
+answers() {  # answers <socket> [<log>|-]: waits up to 5 s for the daemon to answer `status`, and for
+             # the first record of its log (default $dir/log; - when it logs elsewhere)
+  local log=${2:-$dir/log}
   for _ in $(seq 100); do
-    "$shoal" daemon status --socket "$1" --device host > "$dir/status" 2>/dev/null && return 0
+    if "$shoal" daemon status --socket "$1" --device host > "$dir/status" 2>/dev/null; then
+      [ "$log" = - ] && return 0
+      # The log is written by a thread of its own: the record may come a moment later.
+      for _ in $(seq 100); do
+        grep -qE 'event=started|"event":"started"' "$log" 2>/dev/null && return 0
+        sleep 0.05
+      done
+      return 1
+    fi
     sleep 0.05
   done
   return 1
@@ -179,7 +189,7 @@ refused "prepare" --prepare lots
 refused "over a day" --peer-timeout-ms 99999999999  # past a day overflowed into no timeout at all
 refused "not in range" status --timeout 1e300
 refused "prepare" --prepare 0x1MiB
-refused "prepared_chunks" --capacity 8MiB --prepare 3x4MiB
+refused "more than the capacity" --capacity 8MiB --prepare 3x4MiB
 refused "max_wait must be" --max-wait-ms 0
 refused "preempt-deadline-ms" --preempt-deadline-ms 0
 refused "preempt_after must be" --preempt-after-ms 99999999999
@@ -194,8 +204,8 @@ mkfifo "$dir/logpipe"
 head -c 1 < "$dir/logpipe" > /dev/null &
 "$shoal" daemon --socket "$dir/c.sock" --device host 2> "$dir/logpipe" &
 pid=$!
-answers "$dir/c.sock" || fail "the daemon did not answer status"
-answers "$dir/c.sock" || fail "the daemon died when the reader of its log went away"
+answers "$dir/c.sock" - || fail "the daemon did not answer status"
+answers "$dir/c.sock" - || fail "the daemon died when the reader of its log went away"
 stop
 
 # With no daemon at the address, status says so and no more.
@@ -341,6 +351,59 @@ waiter.wait(timeout=30)
 EOF
 grep -q 'preempted for the borrow of 4194304 bytes' "$dir/log" || fail "the log does not name the preemption: $(cat "$dir/log")"
 stop
+
+# A log reader that stops reading (a full pipe: a paused terminal, a stuck
+# journal) while a borrower floods the log: borrowers and status are still
+# served, and SIGTERM still stops the daemon (its log waits 2 s at most).
+mkfifo "$dir/stuck"
+sleep 120 < "$dir/stuck" &  # holds the pipe's read end and reads nothing
+reader=$!
+"$shoal" daemon --socket "$dir/s.sock" --device host --capacity 64MiB 2> "$dir/stuck" &
+pid=$!
+python3 - "$test_borrower" "$dir/s.sock" "$shoal" <<'EOF' || { kill "$reader"; fail "a stuck log reader stalled the daemon"; }
+import os, socket, subprocess, sys, time
+test_borrower, address, shoal = sys.argv[1:]
+for _ in range(100):
+    if os.path.exists(address):
+        break
+    time.sleep(0.05)
+parent, child = socket.socketpair()
+end = child.fileno()
+# 1,000 borrows and give-backs: two lines of about 100 bytes each, past a pipe's 64 KiB.
+cycler = subprocess.Popen([test_borrower, "cycle", "host", address, "4096", "1000", "self"],
+                          pass_fds=(3, end), preexec_fn=lambda: os.dup2(end, 3))
+child.close()
+parent.settimeout(100)
+line = parent.makefile().readline().strip()
+assert line.startswith("cycled "), line
+status = subprocess.run([shoal, "daemon", "status", "--socket", address, "--device", "host", "--timeout", "3"],
+                        capture_output=True, text=True, timeout=30)
+assert status.returncode == 0, status.stderr
+parent.close()
+cycler.wait(10)
+EOF
+kill -TERM "$pid"
+for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
+kill -0 "$pid" 2>/dev/null && { kill "$reader"; fail "the daemon did not stop within 5 s of SIGTERM with its log stuck"; }
+wait "$pid" || { kill "$reader"; fail "exit status $? after SIGTERM with its log stuck"; }
+pid=
+kill "$reader"
+wait "$reader" 2>/dev/null
+
+# Settings a daemon cannot honour are refused before it starts: users of
+# another uid cannot reach a socket path (its directory is 0700), counts
+# below 1 or past 2^32 (CLI11 reads -1 into an unsigned number as its
+# largest), NaN seconds, and prepared chunks past the capacity.
+"$shoal" daemon --socket "$dir/u.sock" --device host --allow-uid 65534 2> "$dir/refusal"
+[ $? -eq 2 ] && grep -q "abstract socket" "$dir/refusal" || fail "--allow-uid with a socket path: $(cat "$dir/refusal")"
+"$shoal" daemon --socket "$dir/u.sock" --device host --max-borrowers -1 2> "$dir/refusal"
+[ $? -eq 2 ] || fail "--max-borrowers -1 was taken"
+"$shoal" daemon --socket "$dir/u.sock" --device host --max-observers 0 2> "$dir/refusal"
+[ $? -eq 2 ] || fail "--max-observers 0 was taken (the config file refuses it too)"
+"$shoal" daemon status --socket "$dir/u.sock" --device host --timeout nan 2> "$dir/refusal"
+[ $? -eq 2 ] && grep -q "finite" "$dir/refusal" || fail "--timeout nan: $(cat "$dir/refusal")"
+"$shoal" daemon --socket "$dir/u.sock" --device host --capacity 64MiB --prepare 1000000x1 2> "$dir/refusal"
+[ $? -eq 2 ] && grep -q "more than the capacity" "$dir/refusal" || fail "--prepare past the capacity: $(cat "$dir/refusal")"
 
 # Status with no daemon there: exit 1.
 "$shoal" daemon status --socket "$dir/none.sock" --device host --timeout 1 > /dev/null 2>&1

@@ -194,12 +194,27 @@ def main():
             check(answer is not None and answer[0] == 200, "after the hostile clients, /metrics is not served")
             check(daemon.process.poll() is None, "the daemon exited")
 
-            # The port is taken: a second daemon says so and exits 1.
-            second = subprocess.run([SHOAL, "daemon", "--socket", f"{folder}/e.sock", "--device", "host",
-                                     "--metrics-port", str(port)], capture_output=True, text=True, timeout=10)
-            check(second.returncode == 1, f"a second daemon on port {port} exited {second.returncode}")
-            check(f"cannot listen on 127.0.0.1:{port}" in second.stderr, "the refusal does not name the address: "
-                  + second.stderr)
+            # Two Host fields: which site was meant is not guessed.
+            twice = exchange(port, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nHost: evil.example\r\n\r\n")
+            check(twice is not None and twice[0] == 400, f"two Host fields answered {twice and twice[0]}")
+
+            # The port is taken (any local user may take one first): a second
+            # daemon says so in its log and lends all the same.
+            with open(os.path.join(folder, "log3"), "w") as log:
+                second = subprocess.Popen([SHOAL, "daemon", "--socket", f"{folder}/e.sock", "--device", "host",
+                                           "--metrics-port", str(port)], stderr=log)
+                until = time.monotonic() + 5
+                while time.monotonic() < until and "metrics_unavailable" not in open(log.name).read():
+                    time.sleep(0.05)
+                served = subprocess.run([SHOAL, "daemon", "status", "--socket", f"{folder}/e.sock", "--device",
+                                         "host", "--timeout", "3"], capture_output=True, text=True, timeout=10)
+                second.send_signal(signal.SIGTERM)
+                check(second.wait(5) == 0, "the second daemon did not exit 0 after SIGTERM")
+            said = open(os.path.join(folder, "log3")).read()
+            check(f"cannot listen on 127.0.0.1:{port}" in said and "metrics=unavailable" in said,
+                  "the second daemon's log does not name the taken address: " + said)
+            check(served.returncode == 0 and "shoal_lending_capacity_bytes" in served.stdout,
+                  "the second daemon did not serve: " + served.stderr)
             bad = subprocess.run([SHOAL, "daemon", "--socket", f"{folder}/e.sock", "--device", "host",
                                   "--metrics-port", "70000"], capture_output=True, text=True, timeout=10)
             check(bad.returncode == 2, f"--metrics-port 70000 exited {bad.returncode}")

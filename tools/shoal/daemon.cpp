@@ -1,16 +1,22 @@
 #include "tools/shoal/daemon.h"
 
 #include <signal.h>
-#include <spdlog/sinks/stdout_sinks.h>
+#include <spdlog/async.h>
+#include <spdlog/details/null_mutex.h>
+#include <spdlog/sinks/base_sink.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <thread>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -67,19 +73,76 @@ struct log_field {
 
 log_field number(const char* key, std::uint64_t value) { return {key, std::to_string(value), true}; }
 
+/// Writes formatted records to standard error, counting them. Only the
+/// async logger's one worker thread calls it.
+class counted_stderr_sink final : public spdlog::sinks::base_sink<spdlog::details::null_mutex> {
+ public:
+  [[nodiscard]] std::uint64_t written() const noexcept { return written_.load(std::memory_order_acquire); }
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    spdlog::memory_buf_t line;
+    formatter_->format(msg, line);
+    // write(2), not stdio: a write blocked on a reader that stopped reading
+    // then holds no stdio lock that the process's exit would wait for. A
+    // reader that went away (EPIPE) loses the record, as it would any other.
+    for (std::size_t done = 0; done < line.size();) {
+      const ssize_t n = ::write(STDERR_FILENO, line.data() + done, line.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      done += static_cast<std::size_t>(n);
+    }
+    written_.fetch_add(1, std::memory_order_release);
+  }
+  void flush_() override {}  // nothing is buffered here
+
+ private:
+  std::atomic<std::uint64_t> written_{0};
+};
+
 /// Logs to standard error, one line per record: `time level key=value ...`
-/// (text) or one JSON object per line (json).
+/// (text) or one JSON object per line (json). The lender's serving thread
+/// logs each event, so a record is queued, never written on the caller's
+/// thread: a reader of the log that stops reading (a full pipe, a paused
+/// terminal, a slow journal) cannot stall the lender, nor the stop after a
+/// signal. The queue holds log_queue_records; past that the oldest records
+/// are dropped, and counted (dropped()).
 class daemon_log {
  public:
-  explicit daemon_log(bool json) : json_(json), logger_(spdlog::stderr_logger_mt("shoal-daemon")) {
+  static constexpr std::size_t log_queue_records = 8192;
+  /// How long the end waits for the queued records to be written.
+  static constexpr std::chrono::seconds drain_deadline{2};
+
+  explicit daemon_log(bool json)
+      : json_(json),
+        workers_(std::make_shared<spdlog::details::thread_pool>(log_queue_records, 1)),
+        sink_(std::make_shared<counted_stderr_sink>()),
+        logger_(std::make_shared<spdlog::async_logger>("shoal-daemon", sink_, workers_,
+                                                       spdlog::async_overflow_policy::overrun_oldest)) {
     logger_->set_pattern(json ? R"({"time":"%Y-%m-%dT%H:%M:%S.%e%z","level":"%l",%v})"
                               : "%Y-%m-%dT%H:%M:%S.%e%z %l %v");
     logger_->flush_on(spdlog::level::info);
   }
 
+  /// Waits up to drain_deadline for the queued records to be written. When
+  /// they are not (the reader stopped reading), the writer thread is left
+  /// blocked where it is, never joined, and ends with the process.
+  ~daemon_log() {
+    const auto until = std::chrono::steady_clock::now() + drain_deadline;
+    while (!drained() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (drained()) return;
+    (void)new std::shared_ptr<spdlog::async_logger>(logger_);  // NOLINT: never freed on purpose
+    (void)new std::shared_ptr<spdlog::details::thread_pool>(workers_);  // NOLINT: never joined on purpose
+  }
+  daemon_log(const daemon_log&) = delete;
+  daemon_log& operator=(const daemon_log&) = delete;
+
   /// A record of `fields`: in JSON, numbers as numbers and the rest as strings.
   void info(std::initializer_list<log_field> fields) { write(spdlog::level::info, fields); }
   void warn(std::initializer_list<log_field> fields) { write(spdlog::level::warn, fields); }
+
+  /// Records dropped so far, the queue being full.
+  [[nodiscard]] std::uint64_t dropped() const { return workers_->overrun_counter(); }
 
  private:
   void write(spdlog::level::level_enum level, std::initializer_list<log_field> fields) {
@@ -92,15 +155,20 @@ class daemon_log {
         line += std::string(key) + "=" + quoted(value);
       }
     }
+    queued_.fetch_add(1, std::memory_order_relaxed);
     logger_->log(level, "{}", line);
   }
+  [[nodiscard]] bool drained() const { return sink_->written() + dropped() >= queued_.load(std::memory_order_relaxed); }
   static std::string quoted(const std::string& value) {
     return value.find_first_of(" \"=") == std::string::npos && !value.empty() ? value
                                                                               : "\"" + json_escaped(value) + "\"";
   }
 
   bool json_;
-  std::shared_ptr<spdlog::logger> logger_;
+  std::shared_ptr<spdlog::details::thread_pool> workers_;
+  std::shared_ptr<counted_stderr_sink> sink_;
+  std::shared_ptr<spdlog::async_logger> logger_;
+  std::atomic<std::uint64_t> queued_{0};
 };
 
 void log_event(daemon_log& log, const lending::lender_event& e) {
@@ -129,6 +197,18 @@ int serve(const daemon_settings& settings) {
   backend::device& device = settings.resolve_device();
   const auto address = settings.resolve_address();
   lending::lender_config config = settings.lender_config(device);
+  // A socket path lies in a 0700 directory of the daemon's user: no other
+  // user but root can reach it, whatever the access policy admits.
+  const bool others_admitted =
+      !config.policy.allowed_gids.empty() ||
+      std::any_of(config.policy.allowed_uids.begin(), config.policy.allowed_uids.end(),
+                  [](uid_t uid) { return uid != 0 && uid != ::geteuid(); });
+  if (!address.is_abstract() && others_admitted) {
+    throw invalid_argument("allowed_uids/allowed_gids: the socket " + address.name() +
+                           " lies in a directory only this user can enter (mode 0700), so the users admitted cannot "
+                           "reach it; for a daemon that other users connect to, name an abstract socket "
+                           "(--socket @NAME), which the access policy alone guards");
+  }
   daemon_log log(settings.log_format == "json");
   // The lender serves from its construction on: its events wait for the
   // "started" record, which can only be written once the listener exists.
@@ -140,16 +220,19 @@ int serve(const daemon_settings& settings) {
   };
   const lending::lender lender(device, address, config);
   std::string metrics_url = "off";
+  std::string metrics_failure;
 #if defined(SHOAL_HAVE_METRICS_HTTP)
   std::optional<metrics_endpoint> endpoint;  // destroyed before the lender it reads
-  try {
-    if (settings.metrics_port >= 0) {
+  if (settings.metrics_port >= 0) {
+    // Lending goes on without it: any local user may take a port first, and
+    // must not keep the daemon from starting that way.
+    try {
       endpoint.emplace(static_cast<std::uint16_t>(settings.metrics_port), [&lender] { return lender.metrics_text(); });
       metrics_url = "http://127.0.0.1:" + std::to_string(endpoint->port()) + "/metrics";
+    } catch (const error& e) {
+      metrics_url = "unavailable";
+      metrics_failure = e.what();
     }
-  } catch (...) {
-    starting.unlock();  // the lender's events may be waiting for it while it stops
-    throw;
   }
 #endif
   log.info({{"event", "started"},
@@ -168,6 +251,9 @@ int serve(const daemon_settings& settings) {
             number("prepared_chunks", config.prepared_chunks.size()),
             number("prepared_bytes", lender.status().prepared_bytes),
             {"metrics", metrics_url}});
+  if (!metrics_failure.empty()) {
+    log.warn({{"event", "metrics_unavailable"}, {"detail", metrics_failure + "; lending goes on without it"}});
+  }
   starting.unlock();
   int signal = 0;
   sigwait(&stop, &signal);
@@ -176,7 +262,8 @@ int serve(const daemon_settings& settings) {
   log.info({{"event", "stopping"},
             number("signal", static_cast<std::uint64_t>(signal)),
             number("regions", s.regions.size()),
-            number("lent_bytes", s.lent_bytes)});
+            number("lent_bytes", s.lent_bytes),
+            number("log_records_dropped", log.dropped())});
   return 0;
 }
 
@@ -193,6 +280,10 @@ struct daemon_request {
 // service account say, is named; any other is refused).
 template <class Ask>
 int ask_daemon(const daemon_settings& settings, const daemon_request& request, Ask&& ask) {
+  // CLI11's range checks let NaN through (every comparison with it is false).
+  if (!std::isfinite(request.timeout_seconds) || !std::isfinite(request.deadline_seconds)) {
+    throw invalid_argument("--timeout and --deadline take a finite number of seconds");
+  }
   channel::access_policy daemon_policy;
   daemon_policy.allowed_uids = request.daemon_uids;
   const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(request.timeout_seconds * 1000));
@@ -225,7 +316,8 @@ int ask_daemon(const daemon_settings& settings, const daemon_request& request, A
 
 int status(const daemon_settings& settings, const daemon_request& request) {
   return ask_daemon(settings, request, [](lending::borrower& b, std::chrono::milliseconds timeout) {
-    std::fputs(b.metrics(timeout).c_str(), stdout);
+    const std::string text = b.metrics(timeout);
+    (void)std::fwrite(text.data(), 1, text.size(), stdout);  // all of it, a NUL byte included
   });
 }
 
@@ -257,11 +349,19 @@ int run_daemon(int argc, char** argv) {
                                       "limit below the capacity)");
   auto* quota_per_uid = app.add_option("--quota-per-uid", settings.quota_per_uid.text,
                                        "bytes one uid may hold over all its connections (default: no such limit)");
-  auto* borrowers = app.add_option("--max-borrowers", settings.max_borrowers, "borrowers connected at once")->capture_default_str();
+  // Checked as signed numbers: CLI11 reads "-1" into an unsigned one as its largest value.
+  const auto count_range = CLI::Range(std::int64_t{1}, std::int64_t{1} << 32);
+  auto* borrowers = app.add_option("--max-borrowers", settings.max_borrowers,
+                                   "borrowers connected at once, of each class (the daemon's uid and root; other uids)")
+                        ->check(count_range)
+                        ->capture_default_str();
   auto* observers = app.add_option("--max-observers", settings.max_observers,
                                    "observer connections (status, revoke) served besides the borrowers")
+                        ->check(count_range)
                         ->capture_default_str();
-  auto* regions = app.add_option("--max-regions", settings.max_regions_per_borrower, "regions one borrower may hold")->capture_default_str();
+  auto* regions = app.add_option("--max-regions", settings.max_regions_per_borrower, "regions one borrower may hold")
+                      ->check(count_range)
+                      ->capture_default_str();
   auto* timeout = app.add_option("--peer-timeout-ms", settings.peer_timeout_ms, "deadline of every wait on a borrower")->capture_default_str();
   auto* max_wait = app.add_option("--max-wait-ms", settings.max_wait_ms,
                                   "the longest a borrow may wait for memory (a longer wait is cut to this)")

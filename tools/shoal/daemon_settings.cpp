@@ -2,6 +2,7 @@
 
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <limits>
@@ -26,8 +27,12 @@ constexpr unit units[] = {{"KiB", std::size_t{1} << 10},
   throw invalid_argument(std::string(what) + ": '" + text + "' is not " + expected);
 }
 
-// The chunk sizes of one prepare entry: SIZE, or COUNTxSIZE.
-void add_prepared(const std::string& entry, backend::device& device, std::vector<std::size_t>& sizes) {
+// The chunk sizes of one prepare entry: SIZE, or COUNTxSIZE. Refused before
+// they are listed when all entries so far (`granules`, each chunk rounded up
+// to the device's granularity) would hold more than `capacity`, so the list
+// stays that short however many entries a file has.
+void add_prepared(const std::string& entry, backend::device& device, std::size_t capacity, std::size_t& granules,
+                  std::vector<std::size_t>& sizes) {
   const auto times = entry.find('x');
   std::uint64_t count = 1;
   if (times != std::string::npos) {
@@ -38,6 +43,15 @@ void add_prepared(const std::string& entry, backend::device& device, std::vector
   }
   const size_setting size{entry.substr(times == std::string::npos ? 0 : times + 1)};
   const std::size_t bytes = size.bytes(device, "prepare");
+  const std::size_t granularity = std::max<std::size_t>(device.granularity(), 1);
+  const auto rounded = [&](std::size_t b) { return b / granularity + (b % granularity != 0 ? 1 : 0); };
+  const std::size_t room = capacity / granularity - std::min(granules, capacity / granularity);
+  if (rounded(bytes) == 0 || count > room / rounded(bytes)) {
+    throw invalid_argument("prepare: '" + entry + "' with the entries before it holds more than the capacity (" +
+                           std::to_string(capacity) + " bytes, each chunk rounded up to " +
+                           std::to_string(granularity) + ")");
+  }
+  granules += count * rounded(bytes);
   sizes.insert(sizes.end(), count, bytes);
 }
 
@@ -204,7 +218,8 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
   }
   c.quota_bytes = quota.bytes(d, "quota");
   c.quota_bytes_per_uid = quota_per_uid.text.empty() ? 0 : quota_per_uid.bytes(d, "quota_per_uid");
-  for (const auto& entry : prepare) add_prepared(entry, d, c.prepared_chunks);
+  std::size_t granules = 0;  // the prepared chunks', in the device's granularity
+  for (const auto& entry : prepare) add_prepared(entry, d, c.capacity_bytes, granules, c.prepared_chunks);
   c.max_borrowers = static_cast<std::size_t>(max_borrowers);
   c.max_observers = static_cast<std::size_t>(max_observers);
   c.max_regions_per_borrower = static_cast<std::size_t>(max_regions_per_borrower);

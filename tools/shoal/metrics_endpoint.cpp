@@ -184,6 +184,12 @@ class metrics_endpoint::state::session : public std::enable_shared_from_this<ses
       return;
     }
     const auto& request = parser_.get();
+    // Two Host fields name two sites (RFC 9112, 3.2): which one it meant is
+    // not for this endpoint to guess.
+    if (request.count(http::field::host) > 1) {
+      write(text(http::status::bad_request, "bad request: more than one Host field\n"));
+      return;
+    }
     const auto host = request[http::field::host];
     write(owner_.answer(request.method(), std::string_view(request.target().data(), request.target().size()),
                         std::string_view(host.data(), host.size())));

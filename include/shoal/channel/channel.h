@@ -268,11 +268,13 @@ class connection {
   void allow_peer_ring();
 
   /// Takes no descriptor from the peer from now on: a batch that brings one
-  /// is a protocol_error (the kernel closes the descriptors unread), so a
-  /// peer that should never send one cannot fill this process's descriptor
-  /// table with descriptors kept while its batch stalls (up to 16 a batch).
-  /// A peer's ring (allow_peer_ring) comes as a descriptor too. Call it
-  /// before the first receive.
+  /// is a protocol_error, and the kernel closes the descriptors without ever
+  /// installing them here (SO_PASSCRED is turned off: no control message is
+  /// read at all), so a peer that should never send one cannot fill this
+  /// process's descriptor table with descriptors kept while its batch stalls
+  /// (up to 16 a batch), nor make it close a file of its own (which would
+  /// drop its POSIX locks). A peer's ring (allow_peer_ring) comes as a
+  /// descriptor too. Call it before the first receive.
   void refuse_descriptors();
 
   /// Sends `frames` in order, packed into as few batches as the limits allow

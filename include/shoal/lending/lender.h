@@ -216,7 +216,10 @@ class lender {
   /// regions come from `device`. invalid_argument for a config out of range;
   /// the listener's errors (channel.h) when the address cannot be used; the
   /// device's (out_of_memory when it has not that much) when a prepared
-  /// chunk cannot be made.
+  /// chunk cannot be made. Raises the process's soft limit of open
+  /// descriptors to its hard one first (each chunk it may lend again keeps
+  /// one open), for the whole process and its children, whether or not it
+  /// then throws.
   lender(backend::device& device, const channel::channel_address& address, lender_config config = {});
   ~lender();
   lender(const lender&) = delete;
