@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union, cast
 
-from . import _shoal
+from . import _checks, _shoal
 
 __all__ = [
     "CopyCost",
@@ -80,6 +80,7 @@ def _layer_tuples(layers: Sequence[Any]) -> list[tuple[int, float]]:
     out = []
     for layer in layers:
         nbytes, seconds = (layer.bytes, layer.compute_seconds) if isinstance(layer, LayerProfile) else layer
+        _checks.whole_number("shoal.loading", "a layer's bytes", int(nbytes))
         out.append((int(nbytes), float(seconds)))
     return out
 

@@ -69,12 +69,19 @@ void register_grouped_load(nb::module_& m) {
           "Work enqueued on ``stream`` (default: the current stream) from now on sees groups 0..group: a "
           "GPU-side wait, the caller does not block.")
       .def(
-          "is_ready", [](const py_grouped_load& l, std::size_t k) { return l.load.is_group_ready(k); },
+          "is_ready",
+          [](const py_grouped_load& l, std::int64_t k) {
+            if (k < 0) throw invalid_argument("GroupedLoad.is_ready: group must be >= 0, got " + std::to_string(k));
+            return l.load.is_group_ready(static_cast<std::size_t>(k));
+          },
           nb::arg("group"), "True once groups 0..group have been copied.")
       .def(
           "synchronize_group",
-          [](const py_grouped_load& l, std::size_t k) {
-            const auto event = l.load.group_ready(k);
+          [](const py_grouped_load& l, std::int64_t k) {
+            if (k < 0) {
+              throw invalid_argument("GroupedLoad.synchronize_group: group must be >= 0, got " + std::to_string(k));
+            }
+            const auto event = l.load.group_ready(static_cast<std::size_t>(k));
             released_gil release;
             l.copy_stream->device().synchronize_event(event);
           },

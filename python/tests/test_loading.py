@@ -106,6 +106,9 @@ def test_bad_groups_are_refused_with_clear_errors():
     load = shoal.loading.load_groups([[(storage, numpy.zeros(4096, "uint8"))]])
     with pytest.raises(shoal.InvalidArgumentError, match="does not exist"):
         load.wait(1)
+    for negative in (load.is_ready, load.synchronize_group, load.wait):
+        with pytest.raises(shoal.InvalidArgumentError, match="must be >= 0"):
+            negative(-1)
     load.synchronize_group(0)
     assert load.is_ready(0)
 
@@ -128,6 +131,8 @@ def test_the_plan_follows_the_copy_and_compute_timeline():
         shoal.loading.evaluate_grouping(layers, cost, [2, 1])
     with pytest.raises(shoal.InvalidArgumentError):  # an end past the layers is never read
         shoal.loading.evaluate_grouping(layers, cost, [2_000_000, 2])
+    with pytest.raises(shoal.InvalidArgumentError, match="a layer's bytes"):
+        shoal.loading.plan_groups([(-5, 0.1)], cost)
 
 
 def test_the_measured_copy_cost_is_a_plausible_link():
