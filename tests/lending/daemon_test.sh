@@ -310,8 +310,8 @@ assert lent.startswith("lent "), lent
 waiter_parent.close()
 waiter.wait(timeout=30)
 EOF
+stop  # its log is written out by then
 grep -q 'event=waiting' "$dir/log" || fail "the daemon's log has no waiting event: $(cat "$dir/log")"
-stop
 
 # Preemption: with --preempt-after-ms 0 a borrow that waits gets the holder
 # process's region revoked at once, named in status and in the log.
@@ -349,8 +349,8 @@ assert lent.startswith("lent "), lent
 waiter_link.close()
 waiter.wait(timeout=30)
 EOF
+stop  # its log is written out by then
 grep -q 'preempted for the borrow of 4194304 bytes' "$dir/log" || fail "the log does not name the preemption: $(cat "$dir/log")"
-stop
 
 # A log reader that stops reading (a full pipe: a paused terminal, a stuck
 # journal) while a borrower floods the log: borrowers and status are still
@@ -394,15 +394,16 @@ wait "$reader" 2>/dev/null
 # another uid cannot reach a socket path (its directory is 0700), counts
 # below 1 or past 2^32 (CLI11 reads -1 into an unsigned number as its
 # largest), NaN seconds, and prepared chunks past the capacity.
-"$shoal" daemon --socket "$dir/u.sock" --device host --allow-uid 65534 2> "$dir/refusal"
+# (timeout: a daemon that took them would serve until stopped)
+timeout 10 "$shoal" daemon --socket "$dir/u.sock" --device host --allow-uid 65534 2> "$dir/refusal"
 [ $? -eq 2 ] && grep -q "abstract socket" "$dir/refusal" || fail "--allow-uid with a socket path: $(cat "$dir/refusal")"
-"$shoal" daemon --socket "$dir/u.sock" --device host --max-borrowers -1 2> "$dir/refusal"
+timeout 10 "$shoal" daemon --socket "$dir/u.sock" --device host --max-borrowers -1 2> "$dir/refusal"
 [ $? -eq 2 ] || fail "--max-borrowers -1 was taken"
-"$shoal" daemon --socket "$dir/u.sock" --device host --max-observers 0 2> "$dir/refusal"
+timeout 10 "$shoal" daemon --socket "$dir/u.sock" --device host --max-observers 0 2> "$dir/refusal"
 [ $? -eq 2 ] || fail "--max-observers 0 was taken (the config file refuses it too)"
-"$shoal" daemon status --socket "$dir/u.sock" --device host --timeout nan 2> "$dir/refusal"
+timeout 10 "$shoal" daemon status --socket "$dir/u.sock" --device host --timeout nan 2> "$dir/refusal"
 [ $? -eq 2 ] && grep -q "finite" "$dir/refusal" || fail "--timeout nan: $(cat "$dir/refusal")"
-"$shoal" daemon --socket "$dir/u.sock" --device host --capacity 64MiB --prepare 1000000x1 2> "$dir/refusal"
+timeout 10 "$shoal" daemon --socket "$dir/u.sock" --device host --capacity 64MiB --prepare 1000000x1 2> "$dir/refusal"
 [ $? -eq 2 ] && grep -q "more than the capacity" "$dir/refusal" || fail "--prepare past the capacity: $(cat "$dir/refusal")"
 
 # Status with no daemon there: exit 1.

@@ -206,10 +206,15 @@ def main():
                 until = time.monotonic() + 5
                 while time.monotonic() < until and "metrics_unavailable" not in open(log.name).read():
                     time.sleep(0.05)
-                served = subprocess.run([SHOAL, "daemon", "status", "--socket", f"{folder}/e.sock", "--device",
-                                         "host", "--timeout", "3"], capture_output=True, text=True, timeout=10)
-                second.send_signal(signal.SIGTERM)
-                check(second.wait(5) == 0, "the second daemon did not exit 0 after SIGTERM")
+                try:
+                    served = subprocess.run([SHOAL, "daemon", "status", "--socket", f"{folder}/e.sock", "--device",
+                                             "host", "--timeout", "3"], capture_output=True, text=True, timeout=10)
+                    second.send_signal(signal.SIGTERM)
+                    check(second.wait(5) == 0, "the second daemon did not exit 0 after SIGTERM")
+                finally:
+                    if second.poll() is None:
+                        second.kill()
+                        second.wait()
             said = open(os.path.join(folder, "log3")).read()
             check(f"cannot listen on 127.0.0.1:{port}" in said and "metrics=unavailable" in said,
                   "the second daemon's log does not name the taken address: " + said)

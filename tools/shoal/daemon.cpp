@@ -1,5 +1,6 @@
 #include "tools/shoal/daemon.h"
 
+#include <poll.h>
 #include <signal.h>
 #include <spdlog/async.h>
 #include <spdlog/details/null_mutex.h>
@@ -16,11 +17,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
-#include <thread>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "shoal/core/error.h"
@@ -73,31 +75,41 @@ struct log_field {
 
 log_field number(const char* key, std::uint64_t value) { return {key, std::to_string(value), true}; }
 
-/// Writes formatted records to standard error, counting them. Only the
-/// async logger's one worker thread calls it.
-class counted_stderr_sink final : public spdlog::sinks::base_sink<spdlog::details::null_mutex> {
+/// Writes formatted records to standard error. Only the async logger's one
+/// worker thread calls it, and it may block there (never elsewhere).
+class stderr_writer_sink final : public spdlog::sinks::base_sink<spdlog::details::null_mutex> {
  public:
-  [[nodiscard]] std::uint64_t written() const noexcept { return written_.load(std::memory_order_acquire); }
+  /// Whether a record is being written now.
+  [[nodiscard]] bool busy() const noexcept { return busy_.load(std::memory_order_acquire); }
 
  protected:
   void sink_it_(const spdlog::details::log_msg& msg) override {
+    busy_.store(true, std::memory_order_release);
     spdlog::memory_buf_t line;
     formatter_->format(msg, line);
     // write(2), not stdio: a write blocked on a reader that stopped reading
     // then holds no stdio lock that the process's exit would wait for. A
-    // reader that went away (EPIPE) loses the record, as it would any other.
+    // non-blocking stderr is waited for, so no line is cut; a reader that
+    // went away (EPIPE) loses the record, as it would any other.
     for (std::size_t done = 0; done < line.size();) {
       const ssize_t n = ::write(STDERR_FILENO, line.data() + done, line.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) break;
-      done += static_cast<std::size_t>(n);
+      if (n > 0) {
+        done += static_cast<std::size_t>(n);
+      } else if (n < 0 && errno == EAGAIN) {
+        pollfd writable{STDERR_FILENO, POLLOUT, 0};
+        (void)::poll(&writable, 1, -1);
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else {
+        break;
+      }
     }
-    written_.fetch_add(1, std::memory_order_release);
+    busy_.store(false, std::memory_order_release);
   }
   void flush_() override {}  // nothing is buffered here
 
  private:
-  std::atomic<std::uint64_t> written_{0};
+  std::atomic<bool> busy_{false};
 };
 
 /// Logs to standard error, one line per record: `time level key=value ...`
@@ -106,7 +118,8 @@ class counted_stderr_sink final : public spdlog::sinks::base_sink<spdlog::detail
 /// thread: a reader of the log that stops reading (a full pipe, a paused
 /// terminal, a slow journal) cannot stall the lender, nor the stop after a
 /// signal. The queue holds log_queue_records; past that the oldest records
-/// are dropped, and counted (dropped()).
+/// are dropped, counted (dropped()), and said in a record of their own at
+/// the next record after a drop.
 class daemon_log {
  public:
   static constexpr std::size_t log_queue_records = 8192;
@@ -116,12 +129,15 @@ class daemon_log {
   explicit daemon_log(bool json)
       : json_(json),
         workers_(std::make_shared<spdlog::details::thread_pool>(log_queue_records, 1)),
-        sink_(std::make_shared<counted_stderr_sink>()),
+        sink_(std::make_shared<stderr_writer_sink>()),
         logger_(std::make_shared<spdlog::async_logger>("shoal-daemon", sink_, workers_,
                                                        spdlog::async_overflow_policy::overrun_oldest)) {
     logger_->set_pattern(json ? R"({"time":"%Y-%m-%dT%H:%M:%S.%e%z","level":"%l",%v})"
                               : "%Y-%m-%dT%H:%M:%S.%e%z %l %v");
-    logger_->flush_on(spdlog::level::info);
+    // spdlog's own handler writes to stderr under a lock: it could block the
+    // caller where the log was to be queued. A failed record is counted.
+    logger_->set_error_handler(
+        [failed = failed_](const std::string&) { failed->fetch_add(1, std::memory_order_relaxed); });
   }
 
   /// Waits up to drain_deadline for the queued records to be written. When
@@ -129,10 +145,13 @@ class daemon_log {
   /// blocked where it is, never joined, and ends with the process.
   ~daemon_log() {
     const auto until = std::chrono::steady_clock::now() + drain_deadline;
-    while (!drained() && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    while (!drained() && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
     if (drained()) return;
-    (void)new std::shared_ptr<spdlog::async_logger>(logger_);  // NOLINT: never freed on purpose
-    (void)new std::shared_ptr<spdlog::details::thread_pool>(workers_);  // NOLINT: never joined on purpose
+    // Kept where a leak check sees them (the writer's pool would join it).
+    static const auto* const kept = new std::pair(logger_, workers_);
+    (void)kept;
   }
   daemon_log(const daemon_log&) = delete;
   daemon_log& operator=(const daemon_log&) = delete;
@@ -141,11 +160,21 @@ class daemon_log {
   void info(std::initializer_list<log_field> fields) { write(spdlog::level::info, fields); }
   void warn(std::initializer_list<log_field> fields) { write(spdlog::level::warn, fields); }
 
-  /// Records dropped so far, the queue being full.
-  [[nodiscard]] std::uint64_t dropped() const { return workers_->overrun_counter(); }
+  /// Records lost so far: dropped, the queue being full, or failed.
+  [[nodiscard]] std::uint64_t dropped() const {
+    return workers_->overrun_counter() + failed_->load(std::memory_order_relaxed);
+  }
 
  private:
   void write(spdlog::level::level_enum level, std::initializer_list<log_field> fields) {
+    if (const std::uint64_t lost = dropped(); reported_.exchange(lost) != lost) {
+      logger_->log(spdlog::level::warn, "{}",
+                   line_of({{"event", "log_records_dropped"}, number("records", lost),
+                            {"detail", "the log's reader fell behind; the oldest records were dropped"}}));
+    }
+    logger_->log(level, "{}", line_of(fields));
+  }
+  [[nodiscard]] std::string line_of(std::initializer_list<log_field> fields) const {
     std::string line;
     for (const auto& [key, value, is_number] : fields) {
       if (!line.empty()) line += json_ ? "," : " ";
@@ -155,10 +184,16 @@ class daemon_log {
         line += std::string(key) + "=" + quoted(value);
       }
     }
-    queued_.fetch_add(1, std::memory_order_relaxed);
-    logger_->log(level, "{}", line);
+    return line;
   }
-  [[nodiscard]] bool drained() const { return sink_->written() + dropped() >= queued_.load(std::memory_order_relaxed); }
+  // Nothing queued and nothing being written, seen twice a moment apart (the
+  // writer takes a record off the queue a moment before it starts on it).
+  [[nodiscard]] bool drained() const {
+    const auto idle = [&] { return workers_->queue_size() == 0 && !sink_->busy(); };
+    if (!idle()) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return idle();
+  }
   static std::string quoted(const std::string& value) {
     return value.find_first_of(" \"=") == std::string::npos && !value.empty() ? value
                                                                               : "\"" + json_escaped(value) + "\"";
@@ -166,9 +201,11 @@ class daemon_log {
 
   bool json_;
   std::shared_ptr<spdlog::details::thread_pool> workers_;
-  std::shared_ptr<counted_stderr_sink> sink_;
+  std::shared_ptr<stderr_writer_sink> sink_;
   std::shared_ptr<spdlog::async_logger> logger_;
-  std::atomic<std::uint64_t> queued_{0};
+  // Shared with the error handler, which a kept logger may call after this is gone.
+  std::shared_ptr<std::atomic<std::uint64_t>> failed_ = std::make_shared<std::atomic<std::uint64_t>>(0);
+  std::atomic<std::uint64_t> reported_{0};  // dropped() when last said in the log
 };
 
 void log_event(daemon_log& log, const lending::lender_event& e) {
@@ -232,6 +269,9 @@ int serve(const daemon_settings& settings) {
     } catch (const error& e) {
       metrics_url = "unavailable";
       metrics_failure = e.what();
+    } catch (...) {
+      starting.unlock();  // the lender's events may be waiting for it while it stops
+      throw;
     }
   }
 #endif
