@@ -295,6 +295,12 @@ class Producer:
             for stream in self._streams:
                 stream.synchronize()
             if not self._peer.closed:
+                # An endpoint of another protocol (a lender greets as it
+                # accepts) hangs up at once, its greeting sent first: found out
+                # here, before a send there fails and the connection can no
+                # longer be read (ProtocolError naming both).
+                with contextlib.suppress(_shoal.ConnectionClosedError):
+                    self._peer.check_greeting()
                 # Counts this producer as ended in a Consumer's batches() even
                 # when it put nothing. A consumer gone already needs nothing.
                 with contextlib.suppress(_shoal.ConnectionClosedError, _shoal.PeerTimeoutError):
@@ -306,10 +312,7 @@ class Producer:
                 except _shoal.PeerTimeoutError:
                     taken = False
                 else:
-                    if gone:
-                        # An endpoint of another protocol (a lender greets as it
-                        # accepts) hangs up at once, its greeting sent first: a
-                        # ProtocolError naming both, not a consumer that went away.
+                    if gone:  # its greeting may have come during the wait
                         with contextlib.suppress(_shoal.ConnectionClosedError):
                             self._peer.check_greeting()
         finally:

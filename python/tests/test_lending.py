@@ -10,6 +10,8 @@ import os
 import pathlib
 import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -444,19 +446,30 @@ def test_a_sharing_producer_pointed_at_a_lender_is_told_at_once(address):
             producer.close()
 
 
-def test_a_producer_pointed_at_a_lender_never_loses_a_batch_silently(address):
-    # put() finds no greeting yet when it runs first; the lender then hangs up, and close()
-    # must say why rather than take it for a consumer that went away (the batch is lost).
-    # put() itself may find the greeting (ProtocolError) or the hang-up (its send fails).
+def test_a_producer_whose_put_came_before_another_protocols_greeting_is_told_at_close(tmp_path):
+    # An endpoint that greets with another protocol only after put() ran (a lender busy when
+    # the connection came), then hangs up: close() must say so rather than take it for a
+    # consumer that went away (the batch is lost).
+    address = str(tmp_path / "other.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(address)
+    server.listen(1)
     allocator = shoal.Allocator()
-    with shoal.lending.Lender(address):
-        for _ in range(100):
-            producer = shoal.sharing.Producer(address, allocator=allocator, ring_bytes=0)
-            with pytest.raises((shoal.ProtocolError, shoal.ConnectionClosedError)):
-                try:
-                    producer.put({"x": allocator.allocate(64).view()})
-                finally:
-                    producer.close(timeout=5)
+    producer = shoal.sharing.Producer(address, allocator=allocator, ring_bytes=0)
+    try:
+        producer.put({"x": allocator.allocate(64).view()})  # no greeting has come: sent
+        accepted, _ = server.accept()
+        name = b"shoal.other"
+        payload = struct.pack("<I", len(name)) + name + struct.pack("<H", 1)
+        frame = struct.pack("<HHI", 0xFFFF, 0, len(payload)) + payload
+        batch = b"SHOL" + struct.pack("<HH", 2, 1) + struct.pack("<I", max(len(frame), 256 - 12)) + frame
+        accepted.sendall(batch + bytes(max(0, 256 - len(batch) - 0)))
+        accepted.close()
+        with pytest.raises(shoal.ProtocolError, match="shoal.other"):
+            producer.close(timeout=5)
+    finally:
+        producer.close(timeout=0)
+        server.close()
 
 
 def test_a_borrower_pointed_at_a_sharing_consumer_is_told_what_it_found():
