@@ -1,17 +1,10 @@
 #include "tools/shoal/daemon.h"
 
-#include <poll.h>
 #include <signal.h>
-#include <spdlog/async.h>
-#include <spdlog/details/null_mutex.h>
-#include <spdlog/sinks/base_sink.h>
-#include <spdlog/spdlog.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -21,13 +14,12 @@
 #include <optional>
 #include <string>
 #include <string_view>
-#include <thread>
-#include <utility>
 #include <vector>
 
 #include "shoal/core/error.h"
 #include "shoal/lending/borrower.h"
 #include "shoal/lending/lender.h"
+#include "tools/shoal/daemon_log.h"
 #include "tools/shoal/daemon_settings.h"
 #if defined(SHOAL_HAVE_METRICS_HTTP)
 #include "tools/shoal/metrics_endpoint.h"
@@ -35,185 +27,7 @@
 
 namespace shoal::tools {
 
-/// A log writer that could not write out its queue when the daemon stopped
-/// (its reader stopped reading): kept for the rest of the process, blocked
-/// where it is. Outside the anonymous namespace, so that it is a global a
-/// leak check scans.
-using kept_writer = std::pair<std::shared_ptr<spdlog::async_logger>, std::shared_ptr<spdlog::details::thread_pool>>;
-kept_writer* volatile kept_log_writer = nullptr;  // NOLINT(cppcoreguidelines-avoid-non-const-global-variables)
-
 namespace {
-
-/// `text` as the body of a JSON string, in ASCII: a peer's bytes (a protocol
-/// name in a refused hello) may be anything, and a log line must stay one
-/// valid line, with no terminal control sequence in it.
-std::string json_escaped(const std::string& text) {
-  std::string out;
-  for (const char c : text) {
-    switch (c) {
-      case '"':
-        out += "\\\"";
-        break;
-      case '\\':
-        out += "\\\\";
-        break;
-      case '\n':
-        out += "\\n";
-        break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) {
-          char escaped[8];
-          std::snprintf(escaped, sizeof escaped, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
-          out += escaped;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out;
-}
-
-/// One field of a log record; a number is written unquoted in JSON.
-struct log_field {
-  const char* key;
-  std::string value;
-  bool number = false;
-};
-
-log_field number(const char* key, std::uint64_t value) { return {key, std::to_string(value), true}; }
-
-/// Writes formatted records to standard error. Only the async logger's one
-/// worker thread calls it, and it may block there (never elsewhere).
-class stderr_writer_sink final : public spdlog::sinks::base_sink<spdlog::details::null_mutex> {
- public:
-  /// Whether a record is being written now.
-  [[nodiscard]] bool busy() const noexcept { return busy_.load(std::memory_order_acquire); }
-
- protected:
-  void sink_it_(const spdlog::details::log_msg& msg) override {
-    busy_.store(true, std::memory_order_release);
-    spdlog::memory_buf_t line;
-    formatter_->format(msg, line);
-    // write(2), not stdio: a write blocked on a reader that stopped reading
-    // then holds no stdio lock that the process's exit would wait for. A
-    // non-blocking stderr is waited for, so no line is cut; a reader that
-    // went away (EPIPE) loses the record, as it would any other.
-    for (std::size_t done = 0; done < line.size();) {
-      const ssize_t n = ::write(STDERR_FILENO, line.data() + done, line.size() - done);
-      if (n > 0) {
-        done += static_cast<std::size_t>(n);
-      } else if (n < 0 && errno == EAGAIN) {
-        pollfd writable{STDERR_FILENO, POLLOUT, 0};
-        (void)::poll(&writable, 1, -1);
-      } else if (n < 0 && errno == EINTR) {
-        continue;
-      } else {
-        break;
-      }
-    }
-    busy_.store(false, std::memory_order_release);
-  }
-  void flush_() override {}  // nothing is buffered here
-
- private:
-  std::atomic<bool> busy_{false};
-};
-
-/// Logs to standard error, one line per record: `time level key=value ...`
-/// (text) or one JSON object per line (json). The lender's serving thread
-/// logs each event, so a record is queued, never written on the caller's
-/// thread: a reader of the log that stops reading (a full pipe, a paused
-/// terminal, a slow journal) cannot stall the lender, nor the stop after a
-/// signal. The queue holds log_queue_records; past that the oldest records
-/// are dropped, counted (dropped()), and said in a record of their own at
-/// the next record after a drop.
-class daemon_log {
- public:
-  static constexpr std::size_t log_queue_records = 8192;
-  /// How long the end waits for the queued records to be written.
-  static constexpr std::chrono::seconds drain_deadline{2};
-
-  explicit daemon_log(bool json)
-      : json_(json),
-        workers_(std::make_shared<spdlog::details::thread_pool>(log_queue_records, 1)),
-        sink_(std::make_shared<stderr_writer_sink>()),
-        logger_(std::make_shared<spdlog::async_logger>("shoal-daemon", sink_, workers_,
-                                                       spdlog::async_overflow_policy::overrun_oldest)) {
-    logger_->set_pattern(json ? R"({"time":"%Y-%m-%dT%H:%M:%S.%e%z","level":"%l",%v})"
-                              : "%Y-%m-%dT%H:%M:%S.%e%z %l %v");
-    // spdlog's own handler writes to stderr under a lock: it could block the
-    // caller where the log was to be queued. A failed record is counted.
-    logger_->set_error_handler(
-        [failed = failed_](const std::string&) { failed->fetch_add(1, std::memory_order_relaxed); });
-  }
-
-  /// Waits up to drain_deadline for the queued records to be written. When
-  /// they are not (the reader stopped reading), the writer thread is left
-  /// blocked where it is, never joined, and ends with the process.
-  ~daemon_log() {
-    const auto until = std::chrono::steady_clock::now() + drain_deadline;
-    while (!drained() && std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    if (drained()) return;
-    // Never joined: its pool's destructor would. A volatile store, which no
-    // compiler drops, so a leak check finds the writer reachable at exit.
-    kept_log_writer = new kept_writer(logger_, workers_);
-  }
-  daemon_log(const daemon_log&) = delete;
-  daemon_log& operator=(const daemon_log&) = delete;
-
-  /// A record of `fields`: in JSON, numbers as numbers and the rest as strings.
-  void info(std::initializer_list<log_field> fields) { write(spdlog::level::info, fields); }
-  void warn(std::initializer_list<log_field> fields) { write(spdlog::level::warn, fields); }
-
-  /// Records lost so far: dropped, the queue being full, or failed.
-  [[nodiscard]] std::uint64_t dropped() const {
-    return workers_->overrun_counter() + failed_->load(std::memory_order_relaxed);
-  }
-
- private:
-  void write(spdlog::level::level_enum level, std::initializer_list<log_field> fields) {
-    if (const std::uint64_t lost = dropped(); reported_.exchange(lost) != lost) {
-      logger_->log(spdlog::level::warn, "{}",
-                   line_of({{"event", "log_records_dropped"}, number("records", lost),
-                            {"detail", "the log's reader fell behind; the oldest records were dropped"}}));
-    }
-    logger_->log(level, "{}", line_of(fields));
-  }
-  [[nodiscard]] std::string line_of(std::initializer_list<log_field> fields) const {
-    std::string line;
-    for (const auto& [key, value, is_number] : fields) {
-      if (!line.empty()) line += json_ ? "," : " ";
-      if (json_) {
-        line += "\"" + std::string(key) + "\":" + (is_number ? value : "\"" + json_escaped(value) + "\"");
-      } else {
-        line += std::string(key) + "=" + quoted(value);
-      }
-    }
-    return line;
-  }
-  // Nothing queued and nothing being written, seen twice a moment apart (the
-  // writer takes a record off the queue a moment before it starts on it).
-  [[nodiscard]] bool drained() const {
-    const auto idle = [&] { return workers_->queue_size() == 0 && !sink_->busy(); };
-    if (!idle()) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    return idle();
-  }
-  static std::string quoted(const std::string& value) {
-    return value.find_first_of(" \"=") == std::string::npos && !value.empty() ? value
-                                                                              : "\"" + json_escaped(value) + "\"";
-  }
-
-  bool json_;
-  std::shared_ptr<spdlog::details::thread_pool> workers_;
-  std::shared_ptr<stderr_writer_sink> sink_;
-  std::shared_ptr<spdlog::async_logger> logger_;
-  // Shared with the error handler, which a kept logger may call after this is gone.
-  std::shared_ptr<std::atomic<std::uint64_t>> failed_ = std::make_shared<std::atomic<std::uint64_t>>(0);
-  std::atomic<std::uint64_t> reported_{0};  // dropped() when last said in the log
-};
 
 void log_event(daemon_log& log, const lending::lender_event& e) {
   const bool warning =
@@ -241,18 +55,6 @@ int serve(const daemon_settings& settings) {
   backend::device& device = settings.resolve_device();
   const auto address = settings.resolve_address();
   lending::lender_config config = settings.lender_config(device);
-  // A socket path lies in a 0700 directory of the daemon's user: no other
-  // user but root can reach it, whatever the access policy admits.
-  const bool others_admitted =
-      !config.policy.allowed_gids.empty() ||
-      std::any_of(config.policy.allowed_uids.begin(), config.policy.allowed_uids.end(),
-                  [](uid_t uid) { return uid != 0 && uid != ::geteuid(); });
-  if (!address.is_abstract() && others_admitted) {
-    throw invalid_argument("allowed_uids/allowed_gids: the socket " + address.name() +
-                           " lies in a directory only this user can enter (mode 0700), so the users admitted cannot "
-                           "reach it; for a daemon that other users connect to, name an abstract socket "
-                           "(--socket @NAME), which the access policy alone guards");
-  }
   daemon_log log(settings.log_format == "json");
   // The lender serves from its construction on: its events wait for the
   // "started" record, which can only be written once the listener exists.

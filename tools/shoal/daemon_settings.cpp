@@ -1,6 +1,7 @@
 #include "tools/shoal/daemon_settings.h"
 
 #include <toml++/toml.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
@@ -194,9 +195,11 @@ backend::device& daemon_settings::resolve_device() const {
   throw invalid_argument("device: '" + device + "' is not default, host, cuda or cuda:N");
 }
 
+bool daemon_settings::abstract_socket() const { return !socket.empty() && socket.front() == '@'; }
+
 channel::channel_address daemon_settings::resolve_address() const {
   if (socket.empty()) return channel::channel_address::in_runtime_dir("lender.sock");
-  if (socket.front() == '@') return channel::channel_address::abstract(socket.substr(1));
+  if (abstract_socket()) return channel::channel_address::abstract(socket.substr(1));
   return channel::channel_address::at_path(socket);
 }
 
@@ -233,6 +236,17 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
       std::chrono::milliseconds(static_cast<std::int64_t>(std::min<std::uint64_t>(preempt_deadline_ms, UINT64_C(1) << 40)));
   for (auto uid : allowed_uids) c.policy.allowed_uids.push_back(static_cast<uid_t>(uid));
   for (auto gid : allowed_gids) c.policy.allowed_gids.push_back(static_cast<gid_t>(gid));
+  // A socket path lies in a 0700 directory of the daemon's user: no other
+  // user but root can reach it, whatever the access policy admits.
+  const bool others_admitted =
+      !allowed_gids.empty() ||
+      std::any_of(allowed_uids.begin(), allowed_uids.end(), [](std::uint32_t uid) { return uid != 0 && uid != ::geteuid(); });
+  if (!abstract_socket() && others_admitted) {
+    throw invalid_argument("allowed_uids/allowed_gids: the socket " + (socket.empty() ? "lender.sock" : socket) +
+                           " lies in a directory only this user can enter (mode 0700), so the users admitted cannot "
+                           "reach it; for a daemon that other users connect to, name an abstract socket "
+                           "(--socket @NAME), which the access policy alone guards");
+  }
   return c;
 }
 

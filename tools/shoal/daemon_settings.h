@@ -57,9 +57,12 @@ struct daemon_settings {
   void read_file(const std::string& path);
 
   [[nodiscard]] backend::device& resolve_device() const;
+  /// Whether `socket` names an abstract socket ("@name").
+  [[nodiscard]] bool abstract_socket() const;
   [[nodiscard]] channel::channel_address resolve_address() const;
   /// The lender's config (without on_event). Throws invalid_argument for a
-  /// value out of range.
+  /// value out of range, and for other users admitted at a socket path
+  /// (its 0700 directory keeps them out: an abstract socket serves them).
   [[nodiscard]] lending::lender_config lender_config(backend::device& device) const;
 };
 

@@ -1,0 +1,158 @@
+#include "tools/shoal/daemon_log.h"
+
+#include <poll.h>
+#include <spdlog/details/null_mutex.h>
+#include <spdlog/sinks/base_sink.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <thread>
+#include <utility>
+
+namespace shoal::tools {
+
+/// A log writer that could not write out its queue when the daemon stopped
+/// (its reader stopped reading): kept for the rest of the process, blocked
+/// where it is. A global with external linkage, so that a leak check scans it.
+using kept_writer = std::pair<std::shared_ptr<spdlog::async_logger>, std::shared_ptr<spdlog::details::thread_pool>>;
+kept_writer* volatile kept_log_writer = nullptr;  // NOLINT(cppcoreguidelines-avoid-non-const-global-variables)
+
+namespace {
+
+/// `text` as the body of a JSON string, in ASCII: a peer's bytes (a protocol
+/// name in a refused hello) may be anything, and a log line must stay one
+/// valid line, with no terminal control sequence in it.
+std::string json_escaped(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    switch (c) {
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) {
+          char escaped[8];
+          std::snprintf(escaped, sizeof escaped, "\\u%04x", static_cast<unsigned>(static_cast<unsigned char>(c)));
+          out += escaped;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+/// Writes formatted records to standard error. Only the async logger's one
+/// worker thread calls it, and it may block there (never elsewhere).
+class stderr_writer_sink final : public spdlog::sinks::base_sink<spdlog::details::null_mutex> {
+ public:
+  /// Whether a record is being written now.
+  [[nodiscard]] bool busy() const noexcept { return busy_.load(std::memory_order_acquire); }
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    busy_.store(true, std::memory_order_release);
+    spdlog::memory_buf_t line;
+    formatter_->format(msg, line);
+    // write(2), not stdio: a write blocked on a reader that stopped reading
+    // then holds no stdio lock that the process's exit would wait for. A
+    // non-blocking stderr is waited for, so no line is cut; a reader that
+    // went away (EPIPE) loses the record, as it would any other.
+    for (std::size_t done = 0; done < line.size();) {
+      const ssize_t n = ::write(STDERR_FILENO, line.data() + done, line.size() - done);
+      if (n > 0) {
+        done += static_cast<std::size_t>(n);
+      } else if (n < 0 && errno == EAGAIN) {
+        pollfd writable{STDERR_FILENO, POLLOUT, 0};
+        (void)::poll(&writable, 1, -1);
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else {
+        break;
+      }
+    }
+    busy_.store(false, std::memory_order_release);
+  }
+  void flush_() override {}  // nothing is buffered here
+
+ private:
+  std::atomic<bool> busy_{false};
+};
+
+log_field number(const char* key, std::uint64_t value) { return {key, std::to_string(value), true}; }
+
+daemon_log::daemon_log(bool json)
+    : json_(json),
+      workers_(std::make_shared<spdlog::details::thread_pool>(log_queue_records, 1)),
+      sink_(std::make_shared<stderr_writer_sink>()),
+      logger_(std::make_shared<spdlog::async_logger>("shoal-daemon", sink_, workers_,
+                                                     spdlog::async_overflow_policy::overrun_oldest)) {
+  logger_->set_pattern(json ? R"({"time":"%Y-%m-%dT%H:%M:%S.%e%z","level":"%l",%v})"
+                            : "%Y-%m-%dT%H:%M:%S.%e%z %l %v");
+  // spdlog's own handler writes to stderr under a lock: it could block the
+  // caller where the log was to be queued. A failed record is counted.
+  logger_->set_error_handler(
+      [failed = failed_](const std::string&) { failed->fetch_add(1, std::memory_order_relaxed); });
+}
+
+daemon_log::~daemon_log() {
+  const auto until = std::chrono::steady_clock::now() + drain_deadline;
+  while (!drained() && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (drained()) return;
+  // Never joined: its pool's destructor would. A volatile store, which no
+  // compiler drops, so a leak check finds the writer reachable at exit.
+  kept_log_writer = new kept_writer(logger_, workers_);
+}
+
+std::uint64_t daemon_log::dropped() const {
+  return workers_->overrun_counter() + failed_->load(std::memory_order_relaxed);
+}
+
+void daemon_log::write(spdlog::level::level_enum level, std::initializer_list<log_field> fields) {
+  if (const std::uint64_t lost = dropped(); reported_.exchange(lost) != lost) {
+    logger_->log(spdlog::level::warn, "{}",
+                 line_of({{"event", "log_records_dropped"}, number("records", lost),
+                          {"detail", "the log's reader fell behind; the oldest records were dropped"}}));
+  }
+  logger_->log(level, "{}", line_of(fields));
+}
+
+std::string daemon_log::line_of(std::initializer_list<log_field> fields) const {
+  // A value bare in text unless it is empty or holds a space, a quote or '='.
+  const auto quoted = [](const std::string& value) {
+    return value.find_first_of(" \"=") == std::string::npos && !value.empty() ? value
+                                                                              : "\"" + json_escaped(value) + "\"";
+  };
+  std::string line;
+  for (const auto& [key, value, is_number] : fields) {
+    if (!line.empty()) line += json_ ? "," : " ";
+    if (json_) {
+      line += "\"" + std::string(key) + "\":" + (is_number ? value : "\"" + json_escaped(value) + "\"");
+    } else {
+      line += std::string(key) + "=" + quoted(value);
+    }
+  }
+  return line;
+}
+
+bool daemon_log::drained() const {
+  // Seen twice a moment apart: the writer takes a record off the queue a
+  // moment before it starts on it.
+  const auto idle = [&] { return workers_->queue_size() == 0 && !sink_->busy(); };
+  if (!idle()) return false;
+  std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return idle();
+}
+
+}  // namespace shoal::tools
