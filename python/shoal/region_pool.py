@@ -61,10 +61,10 @@ class RegionPool:
             _shoal._segment_source_close(slot)
             _shoal._segment_source_mem_pool_gone(slot)
             raise
-        self._slot: int | None = slot
-        # Kept after close() for stats(): the slot stays this pool's while it
-        # is bound (a segment out, or the MemPool object alive).
-        self._closed_slot: int | None = None
+        self._slot: int | None = slot  # None once closed
+        # stats() after close() too: the slot stays this pool's while this
+        # binding of it holds (a segment out, or the MemPool object alive).
+        self._index = slot
         self._binding = int(_shoal._segment_source_stats(slot)["binding"])
         # The slot goes to no other pool while PyTorch's MemPool object lives
         # (it may still call the slot's functions), nor while this pool is open.
@@ -88,14 +88,10 @@ class RegionPool:
         ``capacity_bytes`` it may hold, ``base`` the first address it carves from, and whether the
         pool is ``open`` and still ``bound`` to the storage (a closed pool stays bound while a
         segment is out or its MemPool object lives)."""
-        with self._lock:
-            slot, closed = self._slot, self._closed_slot
         # Once unbound, the slot may serve another pool (another binding).
-        which = slot if slot is not None else closed
-        if which is not None:
-            s = dict(_shoal._segment_source_stats(which))
-            if s.pop("binding") == self._binding and s["bound"]:
-                return s
+        s = dict(_shoal._segment_source_stats(self._index))
+        if s.pop("binding") == self._binding and s["bound"]:
+            return s
         return {"open": False, "bound": False, "segments": 0, "segment_bytes": 0,
                 "capacity_bytes": 0, "base": 0}
 
@@ -111,7 +107,6 @@ class RegionPool:
             slot, self._slot = self._slot, None
             if slot is None:
                 return
-            self._closed_slot = slot
             self.mem_pool = None  # PyTorch releases the pool once no one else holds it
             if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
                 torch._C._cuda_clearCublasWorkspaces()

@@ -585,8 +585,8 @@ void connection::allow_peer_ring() { usable("allow_peer_ring").ring_allowed.stor
 void connection::refuse_descriptors() {
   state& s = usable("refuse_descriptors");
   const std::lock_guard lock(s.receive_mutex);
-  // Credentials would need room for a control message, where the kernel
-  // would then install descriptors too.
+  // With no room for a control message, credentials (SO_PASSCRED) would cut
+  // every read short (MSG_CTRUNC), refused as if a descriptor had come.
   const int off = 0;
   if (::setsockopt(s.socket.get(), SOL_SOCKET, SO_PASSCRED, &off, sizeof off) != 0) {
     throw backend_error("setsockopt(SO_PASSCRED)", errno_text());

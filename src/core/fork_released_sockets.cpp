@@ -9,21 +9,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <mutex>
-#include <optional>
 #include <utility>
 #include <vector>
 
 namespace shoal::detail {
 
 namespace {
-
-// A registered descriptor and the file it was then: after a close, its
-// number may name another file.
-struct registered_socket {
-  int fd;
-  dev_t device;
-  ino_t inode;
-};
 
 bool is_still(const registered_socket& s) noexcept {
   struct stat now {};
@@ -85,10 +76,10 @@ void release_in_child() noexcept {
 [[maybe_unused]] const bool registered_at_load =
     (sockets_to_release(), ::pthread_atfork(&lock_before_fork, &unlock_in_parent, &release_in_child) == 0);
 
-// Under the registry's lock. Nothing when `fd` is no open descriptor.
-std::optional<registered_socket> register_socket(registry& r, int fd) {
+// Under the registry's lock. Nothing (fd -1) when `fd` is no open descriptor.
+registered_socket register_socket(registry& r, int fd) {
   struct stat st {};
-  if (::fstat(fd, &st) != 0) return std::nullopt;
+  if (::fstat(fd, &st) != 0) return {};
   const registered_socket entry{fd, st.st_dev, st.st_ino};
   r.sockets.push_back(entry);
   return entry;
@@ -99,11 +90,7 @@ std::optional<registered_socket> register_socket(registry& r, int fd) {
 fork_released_socket::fork_released_socket(int fd) {
   registry& r = sockets_to_release();
   std::lock_guard lock(r.mutex);
-  if (const auto entry = register_socket(r, fd)) {
-    fd_ = entry->fd;
-    device_ = entry->device;
-    inode_ = entry->inode;
-  }
+  registered_ = register_socket(r, fd);
 }
 
 fork_released_socket::fork_released_socket(const std::function<int()>& open) {
@@ -112,21 +99,15 @@ fork_released_socket::fork_released_socket(const std::function<int()>& open) {
   const int fd = open();
   if (fd < 0) return;
   const int opened_errno = errno;
-  if (const auto entry = register_socket(r, fd)) {
-    fd_ = entry->fd;
-    device_ = entry->device;
-    inode_ = entry->inode;
-  }
+  registered_ = register_socket(r, fd);
   errno = opened_errno;
 }
 
 fork_released_socket::~fork_released_socket() {
-  if (fd_ < 0) return;
+  if (registered_.fd < 0) return;
   registry& r = sockets_to_release();
   std::lock_guard lock(r.mutex);
-  const auto it = std::find_if(r.sockets.begin(), r.sockets.end(), [&](const registered_socket& s) {
-    return s.fd == fd_ && s.device == device_ && s.inode == inode_;
-  });
+  const auto it = std::find(r.sockets.begin(), r.sockets.end(), registered_);
   if (it == r.sockets.end()) return;  // in a fork() child: released already
   *it = r.sockets.back();
   r.sockets.pop_back();

@@ -21,6 +21,15 @@
 
 namespace shoal::detail {
 
+/// A registered descriptor and the file it named then: after a close, its
+/// number may name another file. fd -1: nothing registered.
+struct registered_socket {
+  int fd = -1;
+  dev_t device = 0;
+  ino_t inode = 0;
+  friend bool operator==(const registered_socket&, const registered_socket&) = default;
+};
+
 /// Keeps a socket registered for its lifetime. May throw std::bad_alloc.
 class fork_released_socket {
  public:
@@ -39,11 +48,8 @@ class fork_released_socket {
   fork_released_socket& operator=(const fork_released_socket&) = delete;
 
  private:
-  // What was registered: the number and the file it named then (a stale
-  // registration must never take a newer one's entry away).
-  int fd_ = -1;  // -1: nothing registered
-  dev_t device_ = 0;
-  ino_t inode_ = 0;
+  // The file too: a stale registration must never take a newer one's entry away.
+  registered_socket registered_;
 };
 
 }  // namespace shoal::detail

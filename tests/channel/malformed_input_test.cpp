@@ -178,6 +178,20 @@ TEST(channel_protocol, descriptors_refused_are_never_installed_so_the_receivers_
       << "1: the process lost its lock (a refused descriptor was closed here)";
 }
 
+// A socket that had SO_PASSCRED on (a socketpair's greeting turns it on for
+// a while) still takes batches without descriptors once it refuses them:
+// credentials, with no room left for them, would cut every read short.
+TEST(channel_protocol, a_connection_that_refuses_descriptors_still_reads_batches_on_a_credentials_socket) {
+  socket_pair pair;
+  const int on = 1;
+  ASSERT_EQ(::setsockopt(pair.b.get(), SOL_SOCKET, SO_PASSCRED, &on, sizeof on), 0);
+  connection victim = connection::adopt(std::move(pair.b), {});
+  victim.refuse_descriptors();
+  connection sender = connection::adopt(std::move(pair.a), {});
+  sender.send(7, bytes_of("no descriptor"));
+  EXPECT_EQ(text_of(victim.receive_for(2s).payload), "no descriptor");
+}
+
 // Random and mutated byte strings, written raw with stray descriptors, give
 // frames, protocol_error or connection_closed, and nothing else: no crash, no
 // hang, no leaked descriptor.

@@ -271,19 +271,33 @@ TEST(lending_observers, a_silent_connection_gets_no_hello_and_holds_its_place_on
   EXPECT_EQ(o.l.status().borrowers, 1u);
 }
 
+// A lender of one borrower and one observer a class, at an abstract name,
+// that admits uid 65534 too; `as_nobody` starts a test borrower process as
+// that uid with `command` and its arguments.
+struct lender_admitting_nobody {
+  std::string name = "shoal-observers-test-" + std::to_string(::getpid());
+  backend::device& dev = backend::host_device_instance();
+  lender l{dev, channel::channel_address::abstract(name), [] {
+             lender_config config = limits(1, 1);
+             config.policy = channel::access_policy{{65534}, {}};
+             return config;
+           }()};
+  [[nodiscard]] std::unique_ptr<child_process> as_nobody(const std::string& command,
+                                                         const std::vector<std::string>& arguments = {}) const {
+    std::vector<std::string> all{command, "host", "@" + name};
+    all.insert(all.end(), arguments.begin(), arguments.end());
+    all.push_back("nobody");
+    return std::make_unique<child_process>(SHOAL_TEST_BORROWER, all);
+  }
+};
+
 // Connections of another admitted uid cannot take the operator's places:
 // observers of the lender's uid and root are counted apart.
 TEST(lending_observers, another_uids_observers_cannot_keep_the_operator_out) {
   if (::geteuid() != 0) GTEST_SKIP() << "observers of another uid (setresuid to 65534) need root";
-  const std::string name = "shoal-observers-test-" + std::to_string(::getpid());
-  auto& dev = backend::host_device_instance();
-  lender_config config = limits(1, 1);
-  config.policy = channel::access_policy{{65534}, {}};
-  lender l(dev, channel::channel_address::abstract(name), config);
-  const auto observer_as_nobody = [&] {
-    return std::make_unique<child_process>(SHOAL_TEST_BORROWER,
-                                           std::vector<std::string>{"observe", "host", "@" + name, "nobody"});
-  };
+  lender_admitting_nobody o;
+  auto& [name, dev, l] = o;
+  const auto observer_as_nobody = [&] { return o.as_nobody("observe"); };
   auto first = observer_as_nobody();
   EXPECT_EQ(line_from(*first), "observing");
   auto second = observer_as_nobody();
@@ -298,15 +312,9 @@ TEST(lending_observers, another_uids_observers_cannot_keep_the_operator_out) {
 // region each, or none) leave the operator's borrowers their places.
 TEST(lending_observers, another_uids_idle_borrowers_cannot_keep_the_operator_out) {
   if (::geteuid() != 0) GTEST_SKIP() << "borrowers of another uid (setresuid to 65534) need root";
-  const std::string name = "shoal-observers-test-" + std::to_string(::getpid());
-  auto& dev = backend::host_device_instance();
-  lender_config config = limits(1, 1);
-  config.policy = channel::access_policy{{65534}, {}};
-  lender l(dev, channel::channel_address::abstract(name), config);
-  const auto borrower_as_nobody = [&] {
-    return std::make_unique<child_process>(
-        SHOAL_TEST_BORROWER, std::vector<std::string>{"wait-borrow", "host", "@" + name, "4096", "0", "nobody"});
-  };
+  lender_admitting_nobody o;
+  auto& [name, dev, l] = o;
+  const auto borrower_as_nobody = [&] { return o.as_nobody("wait-borrow", {"4096", "0"}); };
   auto first = borrower_as_nobody();
   EXPECT_EQ(line_from(*first).rfind("lent", 0), 0u);
   auto second = borrower_as_nobody();

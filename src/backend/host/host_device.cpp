@@ -42,7 +42,8 @@ struct host_state {
         default_stream(std::make_shared<host_executor>(event_page->lease())) {}
 
   // Streams made in a fork() child would take slots of the parent's
-  // shared event page; a child may not make them (see create_stream).
+  // shared event page, and its memory no stream there could use: a child
+  // may make neither (refuse_in_fork_child).
   const shoal::detail::fork_epoch epoch;
   host_memory memory;
   // Where every stream publishes its progress for other processes; streams
@@ -61,6 +62,11 @@ struct host_state {
   // them lives: synchronize_device waits for them too. Expired ones are
   // dropped at the next destroy_stream.
   std::vector<std::weak_ptr<host_executor>> destroyed_streams;
+
+  // device_unavailable in a fork() child of the process that opened the device.
+  void refuse_in_fork_child(const char* what) const {
+    if (epoch.forked_since()) host_executor::throw_forked(what);
+  }
 
   std::shared_ptr<host_executor> find(stream_ref s) {
     if (s.is_default()) return default_stream;
@@ -122,24 +128,24 @@ memory_info host_device::memory() const { return state_->memory.info(); }
 // Memory of the device in a fork() child would be usable by no stream there
 // (and counted against the parent's capacity): refused, as streams are.
 void* host_device::allocate_segment(std::size_t bytes) {
-  if (state_->epoch.forked_since()) detail::host_executor::throw_forked("allocate memory");
+  state_->refuse_in_fork_child("allocate memory");
   return state_->memory.allocate_segment(bytes);
 }
 void host_device::free_segment(void* base) { state_->memory.free_segment(base); }
 void* host_device::allocate_pinned_host(std::size_t bytes) {
-  if (state_->epoch.forked_since()) detail::host_executor::throw_forked("allocate pinned memory");
+  state_->refuse_in_fork_child("allocate pinned memory");
   return state_->memory.allocate_pinned_host(bytes);
 }
 void host_device::free_pinned_host(void* base) { state_->memory.free_pinned_host(base); }
 
 std::size_t host_device::granularity() const noexcept { return detail::host_memory::chunk_granularity; }
 void* host_device::reserve_range(std::size_t bytes) {
-  if (state_->epoch.forked_since()) detail::host_executor::throw_forked("reserve an address range");
+  state_->refuse_in_fork_child("reserve an address range");
   return state_->memory.reserve_range(bytes);
 }
 void host_device::release_range(void* base) { state_->memory.release_range(base); }
 physical_ref host_device::create_physical(std::size_t bytes) {
-  if (state_->epoch.forked_since()) detail::host_executor::throw_forked("allocate memory");
+  state_->refuse_in_fork_child("allocate memory");
   return state_->memory.create_physical(bytes);
 }
 void host_device::release_physical(physical_ref chunk) { state_->memory.release_physical(chunk); }
@@ -147,7 +153,7 @@ void host_device::map(void* address, physical_ref chunk) { state_->memory.map(ad
 void host_device::unmap(void* address) { state_->memory.unmap(address); }
 
 stream_ref host_device::create_stream() {
-  if (state_->epoch.forked_since()) detail::host_executor::throw_forked("create a stream");
+  state_->refuse_in_fork_child("create a stream");
   auto executor = std::make_shared<detail::host_executor>(state_->event_page->lease());
   void* key = executor.get();
   std::unique_lock lock(state_->registry_mutex);
