@@ -6,15 +6,22 @@
 
 namespace shoal::backend::detail {
 
-void make_current(int ordinal) {
-  // cudaGetDevice reports 0 on a thread that never chose a device, without
-  // making a context current there; the driver calls need one. So each
-  // thread sets the device once, and again when it finds it changed.
-  thread_local int set_on_this_thread = -1;
-  int current = -1;
-  if (set_on_this_thread == ordinal && cudaGetDevice(&current) == cudaSuccess && current == ordinal) return;
+device_scope::device_scope(int ordinal) {
+  const cuda_driver& d = driver();
+  CUcontext current = nullptr;
+  check(d.ctx_get_current(&current), "cuCtxGetCurrent");
+  // With no context current, cudaGetDevice reports 0 without making one
+  // current: only a current context's device counts as chosen.
+  int device = -1;
+  if (current != nullptr && cudaGetDevice(&device) == cudaSuccess && device == ordinal) return;
   check(cudaSetDevice(ordinal), "cudaSetDevice");
-  set_on_this_thread = ordinal;
+  previous_ = current;
+  switched_ = true;
+}
+
+device_scope::~device_scope() {
+  // A failure leaves this device current; a destructor has no one to tell.
+  if (switched_) (void)driver().ctx_set_current(previous_);
 }
 
 std::string cuda_label(int ordinal) { return "cuda device " + std::to_string(ordinal); }

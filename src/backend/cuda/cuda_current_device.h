@@ -1,18 +1,35 @@
 // Which CUDA device the calling thread talks to, and how a device is named in
 // error messages. Shared by every part of the CUDA backend.
 //
-// Thread-safety: both functions may be called from any thread; make_current
-// keeps one record per thread.
+// Thread-safety: every function may be called from any thread; a
+// device_scope belongs to the thread that made it.
 #pragma once
+
+#include <cuda.h>
 
 #include <string>
 
 namespace shoal::backend::detail {
 
-/// Makes device `ordinal` current on the calling thread (cudaSetDevice), once
-/// per thread and again whenever the thread's current device changed.
-/// Throws shoal::backend_error when cudaSetDevice fails.
-void make_current(int ordinal);
+/// Makes device `ordinal` current on the calling thread for the scope's life
+/// (its primary context, as cudaSetDevice does), then puts back the context
+/// the thread had — none included. A caller's current device is the
+/// caller's: PyTorch, for one, takes `device="cuda"` to mean it, and a
+/// thread that had no context must not be left with one (its next runtime
+/// call would otherwise land on this device instead of device 0).
+/// Does nothing, and restores nothing, when the device is current already.
+/// Throws shoal::backend_error when the device cannot be made current.
+class device_scope {
+ public:
+  explicit device_scope(int ordinal);
+  ~device_scope();
+  device_scope(const device_scope&) = delete;
+  device_scope& operator=(const device_scope&) = delete;
+
+ private:
+  CUcontext previous_ = nullptr;
+  bool switched_ = false;
+};
 
 /// "cuda device <ordinal>", as error messages name a device.
 [[nodiscard]] std::string cuda_label(int ordinal);

@@ -3,6 +3,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <optional>
+
 #include "backend/cuda/cuda_current_device.h"
 #include "backend/cuda/cuda_driver.h"
 #include "shoal/core/error.h"
@@ -11,9 +13,9 @@ namespace shoal::backend::detail {
 
 namespace {
 
-// Makes device `ordinal` current on this thread and returns its name.
-std::string current_device_name(int ordinal) {
-  make_current(ordinal);
+// The name of device `ordinal` (made current meanwhile: its context starts).
+std::string device_name(int ordinal) {
+  const device_scope on_device(ordinal);
   cudaDeviceProp properties{};
   check(cudaGetDeviceProperties(&properties, ordinal), "cudaGetDeviceProperties");
   return properties.name;
@@ -49,14 +51,18 @@ std::string unavailable_reason(cudaError_t result, int count) {
 cuda_device::cuda_device(int ordinal)
     : ordinal_(ordinal),
       streams_(ordinal),
-      name_(current_device_name(ordinal)),
+      name_(device_name(ordinal)),
       memory_(ordinal),
       sharing_(ordinal) {}
 
 cuda_device::~cuda_device() {
   // Errors are ignored: at process exit the runtime may already be gone.
   // The driver table was loaded by the constructor, so driver() cannot throw.
-  cudaSetDevice(ordinal_);
+  std::optional<device_scope> on_device;
+  try {
+    on_device.emplace(ordinal_);
+  } catch (const error&) {  // NOLINT(bugprone-empty-catch): the teardown's calls fail alike, and are ignored
+  }
   const cuda_driver& d = driver();
   memory_.teardown_imports(d);
   streams_.teardown();       // streams, then events

@@ -68,7 +68,7 @@ void cuda_device::host_task(stream_ref stream, std::function<void()> task) {
 // ---- ordering across processes ---------------------------------------------------------
 
 event_point cuda_device::export_event(stream_ref stream) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto s = streams_.lock_stream(stream, "export_event");  // held: the stream lives through the export
   return sharing_.export_event(s.native);
 }
@@ -87,7 +87,7 @@ std::optional<process_identity> cuda_device::event_source_exporter(imported_even
 }
 
 void cuda_device::wait_imported(stream_ref stream, imported_event_ref source, const event_point& point) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto s = streams_.lock_stream(stream, "wait_imported");  // held: the stream lives through the wait
   sharing_.wait_imported(s.native, source, point);
 }

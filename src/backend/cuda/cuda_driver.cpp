@@ -67,6 +67,8 @@ cuda_driver load_all() {
   load(d.device_get_attribute, "cuDeviceGetAttribute");
   load(d.get_error_string, "cuGetErrorString");
   load(d.get_error_name, "cuGetErrorName");
+  load(d.ctx_get_current, "cuCtxGetCurrent");
+  load(d.ctx_set_current, "cuCtxSetCurrent");
   return d;
 }
 

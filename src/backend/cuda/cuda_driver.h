@@ -19,7 +19,7 @@
 namespace shoal::backend::detail {
 
 /// The driver functions the CUDA backend uses (virtual memory management,
-/// device attributes and error text). Every pointer is non-null once driver() has returned.
+/// device attributes, error text and the calling thread's context). Every pointer is non-null once driver() has returned.
 struct cuda_driver {
   PFN_cuMemCreate_v10020 mem_create = nullptr;
   PFN_cuMemRelease_v10020 mem_release = nullptr;
@@ -37,6 +37,8 @@ struct cuda_driver {
   PFN_cuDeviceGetAttribute_v2000 device_get_attribute = nullptr;
   PFN_cuGetErrorString_v6000 get_error_string = nullptr;
   PFN_cuGetErrorName_v6000 get_error_name = nullptr;
+  PFN_cuCtxGetCurrent_v4000 ctx_get_current = nullptr;
+  PFN_cuCtxSetCurrent_v4000 ctx_set_current = nullptr;
 };
 
 /// The process-wide table, fetched on first use. Throws

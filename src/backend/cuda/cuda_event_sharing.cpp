@@ -65,7 +65,7 @@ imported_event_ref cuda_event_sharing::open_event_source(const event_source& sou
                            std::string(to_string(source.device)) + " device; " + cuda_label(ordinal_) +
                            " opens CUDA IPC events only");
   }
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   cudaIpcEventHandle_t handle{};
   std::memcpy(&handle, source.opaque.data(), sizeof handle);
   cudaEvent_t event = nullptr;
@@ -109,7 +109,7 @@ void cuda_event_sharing::check_imported(imported_event_ref source) {
 }
 
 void cuda_event_sharing::close_event_source(imported_event_ref source) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto event = static_cast<cudaEvent_t>(source.native);
   {
     std::unique_lock lock(imported_events_mutex_);

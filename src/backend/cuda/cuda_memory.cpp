@@ -140,7 +140,7 @@ void cuda_memory::teardown_rest(const cuda_driver& d) noexcept {
 // ---- plain segments ------------------------------------------------------------
 
 memory_info cuda_memory::info() const {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   memory_info info;
   check(cudaMemGetInfo(&info.free_bytes, &info.total_bytes), "cudaMemGetInfo");
   return info;
@@ -148,7 +148,7 @@ memory_info cuda_memory::info() const {
 
 void* cuda_memory::allocate_segment(std::size_t bytes) {
   if (bytes == 0) throw invalid_argument("cuda_device::allocate_segment: bytes must be > 0");
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   void* base = nullptr;
   check(cudaMalloc(&base, bytes), "cudaMalloc", bytes);
   std::lock_guard lock(mutex_);
@@ -157,7 +157,7 @@ void* cuda_memory::allocate_segment(std::size_t bytes) {
 }
 
 void cuda_memory::free_segment(void* base) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   {
     std::lock_guard lock(mutex_);
     if (segments_.erase(reinterpret_cast<std::uintptr_t>(base)) == 0) {
@@ -172,7 +172,7 @@ void cuda_memory::free_segment(void* base) {
 
 void* cuda_memory::allocate_pinned_host(std::size_t bytes) {
   if (bytes == 0) throw invalid_argument("cuda_device::allocate_pinned_host: bytes must be > 0");
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   void* base = nullptr;
   // Portable: pinned for every CUDA context of the process, not only this
   // device's, so a copy to another device runs at full speed too.
@@ -183,7 +183,7 @@ void* cuda_memory::allocate_pinned_host(std::size_t bytes) {
 }
 
 void cuda_memory::free_pinned_host(void* base) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   {
     std::lock_guard lock(mutex_);
     if (pinned_.erase(reinterpret_cast<std::uintptr_t>(base)) == 0) {
@@ -207,7 +207,7 @@ void cuda_memory::require_growable(const char* op) const {
 void* cuda_memory::reserve_range(std::size_t bytes) {
   size_must_fit(bytes, granularity_, "reserve_range");
   require_growable("reserve_range");
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   CUdeviceptr base = 0;
   check(driver().mem_address_reserve(&base, bytes, granularity_, 0, 0), "cuMemAddressReserve", bytes);
   std::lock_guard lock(mutex_);
@@ -216,7 +216,7 @@ void* cuda_memory::reserve_range(std::size_t bytes) {
 }
 
 void cuda_memory::release_range(void* base) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto start = reinterpret_cast<std::uintptr_t>(base);
   std::size_t size = 0;
   {
@@ -242,7 +242,7 @@ void cuda_memory::release_range(void* base) {
 physical_ref cuda_memory::create_physical(std::size_t bytes) {
   size_must_fit(bytes, granularity_, "create_physical");
   require_growable("create_physical");
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const CUmemAllocationProp properties = chunk_properties(ordinal_, growable_.shareable);
   CUmemGenericAllocationHandle chunk = 0;
   check(driver().mem_create(&chunk, bytes, &properties, 0), "cuMemCreate", bytes);
@@ -252,7 +252,7 @@ physical_ref cuda_memory::create_physical(std::size_t bytes) {
 }
 
 void cuda_memory::release_physical(physical_ref chunk) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   {
     std::lock_guard lock(mutex_);
     if (chunks_.erase(chunk.native) == 0) {
@@ -316,7 +316,7 @@ std::size_t cuda_memory::claim_mapping(std::uintptr_t start, const sized_chunk& 
 
 void cuda_memory::map_chunks(void* address, std::span<const sized_chunk> chunks) {
   if (chunks.empty()) return;
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto start = reinterpret_cast<std::uintptr_t>(address);
   std::uintptr_t end = start;
   {
@@ -356,7 +356,7 @@ void cuda_memory::map_chunks(void* address, std::span<const sized_chunk> chunks)
 }
 
 void cuda_memory::unmap(void* address) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto start = reinterpret_cast<std::uintptr_t>(address);
   std::size_t size = 0;
   {
@@ -376,7 +376,7 @@ void cuda_memory::unmap(void* address) {
 
 shareable_handle cuda_memory::export_memory(const void* ptr) const {
   static_assert(sizeof(cudaIpcMemHandle_t) == shareable_handle::opaque_bytes);
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
   shareable_handle handle;
   handle.device = device_kind::cuda;
@@ -463,7 +463,7 @@ void* cuda_memory::import_memory(std::span<const shareable_handle> chunks, memor
 }
 
 void* cuda_memory::import_ipc(const shareable_handle& handle) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   cudaIpcMemHandle_t ipc{};
   std::memcpy(&ipc, handle.opaque.data(), sizeof ipc);
   void* base = nullptr;
@@ -502,7 +502,7 @@ void* cuda_memory::import_vmm(std::span<const shareable_handle> chunks, memory_a
     }
     total += handle.size;
   }
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const cuda_driver& d = driver();
   CUdeviceptr base = 0;
   check(d.mem_address_reserve(&base, total, granularity_, 0, 0), "cuMemAddressReserve", total);
@@ -527,7 +527,7 @@ void* cuda_memory::import_vmm(std::span<const shareable_handle> chunks, memory_a
 }
 
 void cuda_memory::close_import(void* ptr) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   import_record import{};
   {
     std::lock_guard lock(mutex_);

@@ -74,7 +74,7 @@ cuda_streams::locked<cudaStream_t> cuda_streams::lock_stream(stream_ref stream, 
 }
 
 stream_ref cuda_streams::create_stream() {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   cudaStream_t stream = nullptr;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
   // A host task of a destroyed stream at the same address may have failed
@@ -92,7 +92,7 @@ stream_ref cuda_streams::adopt_external_stream(void* native) {
     std::shared_lock lock(streams_mutex_);
     if (streams_.contains(s) || external_.contains(s)) return stream_ref{native};
   }
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   // A capturing stream refuses cudaStreamQuery, and the refusal invalidates
   // its capture: asking whether it captures (legal during a capture) is the
   // only check then, and its device goes unchecked: on the H200, a stream
@@ -122,7 +122,7 @@ stream_ref cuda_streams::adopt_external_stream(void* native) {
 void cuda_streams::destroy_stream(stream_ref stream,
                                   const std::function<void(cudaStream_t)>& while_unregistering) {
   if (stream.is_default()) throw invalid_argument("cuda_device::destroy_stream: the default stream cannot be destroyed");
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto native = static_cast<cudaStream_t>(stream.native);
   {
     std::unique_lock lock(streams_mutex_);
@@ -137,7 +137,7 @@ void cuda_streams::destroy_stream(stream_ref stream,
 }
 
 void cuda_streams::synchronize(stream_ref stream) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   // The registry lock is not held while waiting, so waiting never blocks
   // creating or destroying other streams.
   const cudaStream_t native = lock_stream(stream, "synchronize").native;
@@ -146,12 +146,12 @@ void cuda_streams::synchronize(stream_ref stream) {
 }
 
 void cuda_streams::synchronize_device() {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   check_work(cudaDeviceSynchronize(), "cudaDeviceSynchronize", ordinal_);
 }
 
 bool cuda_streams::query(stream_ref stream) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto locked = lock_stream(stream, "query");
   const cudaError_t result = cudaStreamQuery(locked.native);
   if (result == cudaErrorNotReady) return false;
@@ -173,7 +173,7 @@ cuda_streams::locked<cudaEvent_t> cuda_streams::lock_event(event_ref event, cons
 }
 
 event_ref cuda_streams::create_event() {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   cudaEvent_t event = nullptr;
   check(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreateWithFlags");
   std::unique_lock lock(events_mutex_);
@@ -182,7 +182,7 @@ event_ref cuda_streams::create_event() {
 }
 
 void cuda_streams::destroy_event(event_ref event) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto native = static_cast<cudaEvent_t>(event.native);
   {
     std::unique_lock lock(events_mutex_);
@@ -195,14 +195,14 @@ void cuda_streams::destroy_event(event_ref event) {
 }
 
 void cuda_streams::record(event_ref event, stream_ref stream) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto s = lock_stream(stream, "record");
   const auto e = lock_event(event, "record");
   check(cudaEventRecord(e.native, s.native), "cudaEventRecord");
 }
 
 bool cuda_streams::query_event(event_ref event) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto locked = lock_event(event, "query_event");
   const cudaError_t result = cudaEventQuery(locked.native);
   if (result == cudaErrorNotReady) return false;
@@ -211,13 +211,13 @@ bool cuda_streams::query_event(event_ref event) {
 }
 
 void cuda_streams::synchronize_event(event_ref event) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const cudaEvent_t native = lock_event(event, "synchronize_event").native;  // not held while waiting
   check_work(cudaEventSynchronize(native), "cudaEventSynchronize", ordinal_);
 }
 
 void cuda_streams::wait(stream_ref stream, event_ref event) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto s = lock_stream(stream, "wait");
   const auto e = lock_event(event, "wait");
   check(cudaStreamWaitEvent(s.native, e.native, 0), "cudaStreamWaitEvent");
@@ -231,7 +231,7 @@ void cuda_streams::copy(stream_ref stream, void* dst, const void* src, std::size
     throw invalid_argument("cuda_device::copy: null " + std::string(dst == nullptr ? "dst" : "src") + " with " +
                            std::to_string(bytes) + " bytes to copy");
   }
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto s = lock_stream(stream, "copy");
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s.native), "cudaMemcpyAsync");
 }
@@ -241,20 +241,20 @@ void cuda_streams::fill(stream_ref stream, void* dst, std::uint8_t value, std::s
   if (dst == nullptr) {
     throw invalid_argument("cuda_device::fill: null dst with " + std::to_string(bytes) + " bytes to fill");
   }
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto s = lock_stream(stream, "fill");
   check(cudaMemsetAsync(dst, value, bytes, s.native), "cudaMemsetAsync");
 }
 
 void cuda_streams::delay(stream_ref stream, std::chrono::microseconds duration) {
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto s = lock_stream(stream, "delay");
   launch_spin(s.native, std::max(duration, std::chrono::microseconds::zero()));  // negative: no wait, as sleep_for
 }
 
 void cuda_streams::host_task(stream_ref stream, std::function<void()> task) {
   if (!task) throw invalid_argument("cuda_device::host_task: the task is empty");
-  make_current(ordinal_);
+  const device_scope on_device(ordinal_);
   const auto s = lock_stream(stream, "host_task");
   launch_host_task(s.native, std::move(task), task_failures_);
 }
