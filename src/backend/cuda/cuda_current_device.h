@@ -17,7 +17,9 @@ namespace shoal::backend::detail {
 /// caller's: PyTorch, for one, takes `device="cuda"` to mean it, and a
 /// thread that had no context must not be left with one (its next runtime
 /// call would otherwise land on this device instead of device 0).
-/// Does nothing, and restores nothing, when the device is current already.
+/// Does nothing, and restores nothing, when the device's primary context is
+/// current already (another context of the device, a program's own, is put
+/// aside: shoal's streams and memory are the primary context's).
 /// Throws shoal::backend_error when the device cannot be made current.
 class device_scope {
  public:
