@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -73,6 +74,19 @@ class torch_allocators {
     (void)of(ordinal);
     std::lock_guard lock(mutex_);
     return *shared_[ordinal];
+  }
+
+  /// The allocator of CUDA device `ordinal` when one was made; null otherwise.
+  [[nodiscard]] allocator_state* made(int ordinal) const {
+    if (ordinal < 0 || ordinal >= max_devices) {
+      throw invalid_argument("shoal.torch: CUDA device " + std::to_string(ordinal) + " is out of range");
+    }
+    return slots_[ordinal].load(std::memory_order_acquire);
+  }
+
+  [[nodiscard]] double configured_memory_fraction() const {
+    std::lock_guard lock(mutex_);
+    return config_ ? config_->memory_fraction : 0.0;
   }
 
   template <class Fn>
@@ -230,8 +244,10 @@ void copy_stats(const alloc::stat_by_pool& from, shoal_torch_stat (&to)[3]) {
 
 int api_get_stats(int device, shoal_torch_stats* out) {
   return guarded([&] {
-    const alloc::allocator_stats s = allocators().of(device).allocator().stats();
     *out = {};
+    allocator_state* made = allocators().made(device);
+    if (made == nullptr) return;
+    const alloc::allocator_stats s = made->allocator().stats();
     copy_stats(s.allocations, out->allocation);
     copy_stats(s.segments, out->segment);
     copy_stats(s.active, out->active);
@@ -249,11 +265,15 @@ int api_get_stats(int device, shoal_torch_stats* out) {
 }
 
 int api_reset_peak_stats(int device) {
-  return guarded([&] { allocators().of(device).allocator().reset_peak_stats(); });
+  return guarded([&] {
+    if (allocator_state* made = allocators().made(device)) made->allocator().reset_peak_stats();
+  });
 }
 
 int api_reset_accumulated_stats(int device) {
-  return guarded([&] { allocators().of(device).allocator().reset_accumulated_stats(); });
+  return guarded([&] {
+    if (allocator_state* made = allocators().made(device)) made->allocator().reset_accumulated_stats();
+  });
 }
 
 const char* api_last_error() { return last_error_text.c_str(); }
@@ -308,6 +328,59 @@ int api_graph_pool_allocated_blocks(uint64_t pool, int device, void** out, size_
   });
 }
 
+int api_largest_free_block(int device, size_t* out) {
+  return guarded([&] {
+    *out = 0;
+    allocator_state* made = allocators().made(device);
+    if (made == nullptr) return;
+    for (const alloc::segment_snapshot& segment : made->allocator().take_snapshot().segments) {
+      for (const alloc::block_snapshot& block : segment.blocks) {
+        if (block.state == alloc::block_state::free) *out = std::max(*out, block.size);
+      }
+    }
+  });
+}
+
+// What torch.multiprocessing needs to share a tensor's block the way
+// PyTorch's allocator does: its cudaMalloc allocation, exported whole.
+int api_block_segment(void* ptr, int device, void** base, size_t* size) {
+  return guarded([&] {
+    allocator_state* made = allocators().made(device);
+    const auto address = reinterpret_cast<std::uintptr_t>(ptr);
+    char hex_address[24];
+    std::snprintf(hex_address, sizeof hex_address, "%#zx", static_cast<std::size_t>(address));
+    const std::string where = std::string("shoal.torch: the CUDA block at ") + hex_address;
+    if (made != nullptr) {
+      for (const alloc::segment_snapshot& segment : made->allocator().take_snapshot().segments) {
+        if (address < segment.address || address - segment.address >= segment.size) continue;
+        const bool starts_a_block = std::any_of(segment.blocks.begin(), segment.blocks.end(), [&](const auto& b) {
+          return b.address == address && b.state == alloc::block_state::allocated;
+        });
+        if (!starts_a_block) break;
+        if (segment.expandable) {
+          throw invalid_argument(where + " lies in a growable segment (expandable_segments, shoal.torch.enable()'s "
+                                 "default), which CUDA IPC cannot export: share it with shoal.torch.share() or "
+                                 "shoal.sharing (no ref-count files, faster), or enable shoal with "
+                                 "expandable_segments=False for torch.multiprocessing");
+        }
+        if (segment.external) {
+          throw invalid_argument(where + " lies in memory handed to a private pool, which shoal did not allocate "
+                                 "and CUDA IPC cannot export as a whole");
+        }
+        *base = reinterpret_cast<void*>(segment.address);
+        *size = segment.size;
+        return;
+      }
+    }
+    throw invalid_argument(where + " is not the start of a block shoal allocated on CUDA device " +
+                           std::to_string(device));
+  });
+}
+
+int api_configured_memory_fraction(double* out) {
+  return guarded([&] { *out = allocators().configured_memory_fraction(); });
+}
+
 const shoal_torch_api api_table = {
     SHOAL_TORCH_API_VERSION,
     sizeof(shoal_torch_api),
@@ -326,6 +399,9 @@ const shoal_torch_api api_table = {
     api_settle_graph_pool,
     api_destroy_graph_pool,
     api_graph_pool_allocated_blocks,
+    api_largest_free_block,
+    api_block_segment,
+    api_configured_memory_fraction,
 };
 
 }  // namespace

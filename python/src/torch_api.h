@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SHOAL_TORCH_API_VERSION 2
+#define SHOAL_TORCH_API_VERSION 3
 
 enum shoal_torch_status {
   SHOAL_TORCH_OK = 0,
@@ -57,6 +57,9 @@ struct shoal_torch_api {
   int (*empty_cache)(void);
   /// The share of `device`'s memory its allocator may reserve (0: no share limit).
   int (*set_memory_fraction)(double fraction, int device);
+  /// The counters, reset_peak_stats and reset_accumulated_stats of a device
+  /// no allocation has reached yet are zeros and nothing: they make no
+  /// allocator (and start no CUDA context) there.
   int (*get_stats)(int device, struct shoal_torch_stats* out);
   int (*reset_peak_stats)(int device);
   int (*reset_accumulated_stats)(int device);
@@ -85,6 +88,18 @@ struct shoal_torch_api {
   /// The starts of the pool's allocated blocks: the first `capacity` go to
   /// `out`, *count = how many there are.
   int (*graph_pool_allocated_blocks)(uint64_t pool, int device, void** out, size_t capacity, size_t* count);
+
+  /// *out = the largest free block cached for `device` (0 when none, or no
+  /// allocation reached the device yet).
+  int (*largest_free_block)(int device, size_t* out);
+  /// The plain segment (one cudaMalloc allocation) holding the allocated
+  /// block that starts at `ptr`: *base and *size. Refused
+  /// (SHOAL_TORCH_INVALID_ARGUMENT, saying why) for a block of a growable
+  /// segment or of memory handed in, and for a pointer that starts no
+  /// allocated block.
+  int (*block_segment)(void* ptr, int device, void** base, size_t* size);
+  /// *out = the memory_fraction the allocators were configured with (0: none).
+  int (*configured_memory_fraction)(double* out);
 };
 
 #ifdef __cplusplus

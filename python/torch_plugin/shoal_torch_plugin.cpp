@@ -9,7 +9,9 @@
 //     the model's stream has passed its last use. This is shoal's allocator
 //     invariant applied to PyTorch tensors; no record_stream is needed.
 //   - Tensor.record_stream, torch.cuda.empty_cache,
-//     set_per_process_memory_fraction and torch.cuda.memory_stats reach shoal.
+//     set_per_process_memory_fraction and torch.cuda.memory_stats reach shoal;
+//     cacheInfo (cuDNN's benchmark mode sizes its workspaces with it) too.
+//   - torch.multiprocessing sends and receives CUDA tensors (ipc_handles.h).
 //   - Out of memory is torch.cuda.OutOfMemoryError with shoal's message.
 //   - CUDA graph capture (torch.cuda.graph) and torch.cuda.MemPool /
 //     use_mem_pool allocate from shoal's growing private pools through
@@ -17,10 +19,14 @@
 // Loaded with ctypes by shoal.torch.enable(); its one entry point is
 // shoal_torch_install (shoal_torch_built_for says which PyTorch it was built for).
 #include <c10/core/Allocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -32,6 +38,7 @@
 #include <unordered_set>
 
 #include "graph_pools.h"
+#include "ipc_handles.h"
 #include "plugin_status.h"
 #include "torch_api.h"
 
@@ -102,7 +109,9 @@ constexpr const char* checkpoint_refusal =
 
 class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
  public:
-  shoal_allocator() : CUDAPluggableAllocator(allocate_block, free_block) {}
+  /// `previous`: the allocator PyTorch had before (see getIpcDevPtr).
+  explicit shoal_allocator(c10::cuda::CUDACachingAllocator::CUDAAllocator* previous)
+      : CUDAPluggableAllocator(allocate_block, free_block), previous_(previous) {}
 
   std::string name() override { return "shoal"; }
 
@@ -127,9 +136,36 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
     check(status, "record_stream");
   }
 
-  void emptyCache(c10::cuda::MempoolId_t /*pool*/) override {
+  // torch.cuda.empty_cache() names no pool: everything cached goes back.
+  // PyTorch's ~MemPool names its pool after releasing it: only a released
+  // pool's memory goes, never the rest of the cache.
+  void emptyCache(c10::cuda::MempoolId_t pool) override {
     (void)graphs->destroy_released();
+    if (pool.first != 0 || pool.second != 0) return;
     check(api->empty_cache(), "empty_cache");
+  }
+
+  // As PyTorch's allocator answers: the largest of a first guess (the
+  // device's free memory when the caller gives none) and the cached free
+  // blocks of the device.
+  void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
+    if (*largest == 0) {
+      const c10::cuda::CUDAGuard on_device(device);
+      size_t total = 0;
+      C10_CUDA_CHECK(cudaMemGetInfo(largest, &total));
+    }
+    size_t cached = 0;
+    check(api->largest_free_block(device, &cached), "cacheInfo");
+    *largest = std::max(*largest, cached);
+  }
+
+  // PyTorch's sharing sets the storage's device current before it asks.
+  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
+    return shoal_torch::share_ipc_handle(*api, ptr, c10::cuda::current_device());
+  }
+
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    return shoal_torch::open_ipc_handle(handle, previous_);
   }
 
   void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
@@ -141,7 +177,10 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
   double getMemoryFraction(c10::DeviceIndex device) override {
     std::lock_guard lock(fractions_mutex_);
     const auto found = fractions_.find(device);
-    return found == fractions_.end() ? 1.0 : found->second;
+    if (found != fractions_.end()) return found->second;
+    double configured = 0;  // memory_fraction in SHOAL_ALLOC_CONF or enable()'s settings
+    check(api->configured_memory_fraction(&configured), "get_per_process_memory_fraction");
+    return configured > 0 ? configured : 1.0;
   }
 
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
@@ -219,6 +258,7 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
   }
 
  private:
+  c10::cuda::CUDACachingAllocator::CUDAAllocator* const previous_;
   std::mutex fractions_mutex_;
   std::unordered_map<c10::DeviceIndex, double> fractions_;  // guarded by fractions_mutex_
 };
@@ -240,7 +280,7 @@ extern "C" __attribute__((visibility("default"))) int shoal_torch_install(const 
   try {
     api = table;
     graphs = new shoal_torch::graph_pools(*table);
-    pluggable::changeCurrentAllocator(std::make_shared<shoal_allocator>());
+    pluggable::changeCurrentAllocator(std::make_shared<shoal_allocator>(c10::cuda::CUDACachingAllocator::get()));
     return 0;
   } catch (const std::exception& e) {
     return fail(e.what());

@@ -1,0 +1,112 @@
+"""What PyTorch asks of its allocator beyond allocations, with shoal in its
+place: cuDNN's benchmark mode (cacheInfo), torch.multiprocessing's CUDA
+tensors (shareIpcHandle, getIpcDevPtr), a MemPool's end (emptyCache of one
+pool) and the memory fraction. Needs PyTorch with CUDA and a GPU; each case
+runs in a fresh interpreter (test_torch.run)."""
+
+import pytest
+
+from test_torch import run, run_program  # noqa: F401 (skips this module where test_torch is skipped)
+
+pytestmark = pytest.mark.torch
+
+
+def test_cudnn_benchmark_mode_runs_convolutions():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        torch.backends.cudnn.benchmark = True
+        conv = torch.nn.Conv2d(3, 16, 3, padding=1).cuda()
+        x = torch.randn(8, 3, 64, 64, device="cuda")
+        y = conv(x)
+        y.sum().backward()
+        expected = torch.nn.functional.conv2d(x.cpu(), conv.weight.cpu(), conv.bias.cpu(), padding=1)
+        print(json.dumps({"shape": list(y.shape),
+                          "close": bool(torch.allclose(y.cpu(), expected, atol=1e-3, rtol=1e-3)),
+                          "grad": conv.weight.grad is not None,
+                          "backend": torch.cuda.get_allocator_backend()}))
+        """
+    )
+    assert out["backend"] == "shoal"
+    assert out["shape"] == [8, 16, 64, 64] and out["close"] and out["grad"]
+
+
+@pytest.mark.parametrize(
+    "producer, consumer",
+    [("native", "shoal"), ("shoal-plain", "native"), ("shoal-plain", "shoal"), ("native-expandable", "shoal")],
+)
+def test_torch_multiprocessing_sends_cuda_tensors_either_way(producer, consumer):
+    out = run_program("mp_share.py", producer, consumer)
+    assert "refused" not in out, out
+    assert out["numel"] == 2000
+    assert out["first"] == 1000.0, "the handle's offset: the view starts at element 1000 of its block"
+    assert out["sum"] == out["expected_sum"]
+    assert out["released"] == "released" and out["exitcode"] == 0
+    assert out["backend"] == ("shoal" if consumer == "shoal" else "native")
+
+
+def test_a_tensor_of_a_growable_segment_is_refused_with_the_way_out():
+    out = run_program("mp_share.py", "shoal", "native")
+    assert "growable segment" in out.get("refused", ""), out
+    assert "shoal.torch.share" in out["refused"] and "expandable_segments=False" in out["refused"]
+
+
+def test_a_mem_pool_that_ends_leaves_the_rest_of_the_cache():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        del x  # cached, not given back
+        cached = torch.cuda.memory_reserved()
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            y = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        del y
+        del pool  # PyTorch releases the pool, then empties its cache (that pool's alone)
+        after = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()
+        print(json.dumps({"cached": cached, "after": after, "emptied": torch.cuda.memory_reserved()}))
+        """
+    )
+    assert out["cached"] >= 64 << 20
+    assert out["after"] >= out["cached"], "a MemPool's end gave back memory that was not its own"
+    assert out["emptied"] == 0
+
+
+def test_the_memory_fraction_reads_as_configured_and_as_set():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False, memory_fraction=0.5)
+        configured = torch.cuda.get_per_process_memory_fraction(0)
+        torch.cuda.set_per_process_memory_fraction(0.25, 0)
+        print(json.dumps({"configured": configured, "set": torch.cuda.get_per_process_memory_fraction(0)}))
+        """
+    )
+    assert out == {"configured": 0.5, "set": 0.25}
+
+
+def test_calls_for_another_device_leave_the_current_device():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        last = torch.cuda.device_count() - 1
+        torch.cuda.set_device(0)
+        torch.ones(1, device="cuda")
+        before = torch.cuda.memory_allocated(last)
+        torch.cuda.reset_peak_memory_stats(last)
+        after_stats = torch.cuda.current_device()
+        torch.cuda.empty_cache()
+        y = torch.ones(1, device=f"cuda:{last}")
+        del y
+        torch.cuda.empty_cache()
+        print(json.dumps({"devices": last + 1, "before": before, "after_stats": after_stats,
+                          "after_other_device": torch.cuda.current_device(),
+                          "where": torch.ones(1, device="cuda").device.index}))
+        """
+    )
+    assert out["after_stats"] == 0 and out["after_other_device"] == 0 and out["where"] == 0
+    assert out["before"] == 0 or out["devices"] == 1
