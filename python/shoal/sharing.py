@@ -23,7 +23,10 @@ for the work the producer enqueued before put(); the memory is freed only
 when every process has dropped it, and the references of a process that dies
 (SIGKILL included) are reclaimed. Arrays to send must be shoal memory of the
 producer's allocator: copy others in first (e.g. ``shoal.from_dlpack`` then a
-copy, or ``Storage.write``).
+copy, or ``Storage.write``). Without ``allocator=`` or ``device=``, a
+Producer sends memory of the device of its first put's CUDA tensors, and
+both sides otherwise take PyTorch's current CUDA device where the process
+initialized CUDA in PyTorch (a DDP rank's), else shoal's default device.
 
 Trust: a producer is admitted by its uid (this user, or ``allowed_uids``)
 and is still untrusted. Everything it sends — the layout of every array, the
@@ -44,6 +47,8 @@ import math
 import os
 import secrets
 import selectors
+import sys
+import threading
 import time
 from typing import Any, Union
 
@@ -64,15 +69,125 @@ _END_NOTE = json.dumps({"v": _VERSION, "end": True}, separators=(",", ":")).enco
 _MESSAGES_PER_TURN = 256  # a producer's messages read in one turn (a batch may span turns)
 
 
-def _default_allocator() -> _shoal.Allocator:
-    """PyTorch's allocator when shoal backs it (its tensors can then be sent),
-    else the package's default one."""
+_device_allocators: dict[tuple[str, int], _shoal.Allocator] = {}
+_device_allocators_lock = threading.Lock()
+
+
+def _device_text(device: _shoal.Device) -> str:
+    """A device as PyTorch writes it ("cuda:3"), or "host"."""
+    return f"cuda:{device.ordinal}" if device.kind == "cuda" else "host"
+
+
+def _torch_with_cuda() -> Any:
+    """torch when this process imported it and initialized CUDA in it, else None
+    (the device then is shoal's default: nothing here initializes CUDA)."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch if torch is not None and torch.cuda.is_initialized() else None
+    except Exception:  # a torch without CUDA, or a stand-in
+        return None
+
+
+def _default_device() -> _shoal.Device:
+    """PyTorch's current CUDA device where this process uses PyTorch on CUDA
+    (a DDP rank on cuda:3 calls torch.cuda.set_device(3)), else the default
+    allocator's device."""
     from . import default_allocator  # the package imports this module lazily: no cycle
+
+    device = default_allocator().device
+    torch = _torch_with_cuda()
+    if device.kind == "cuda" and torch is not None:
+        ordinal = torch.cuda.current_device()
+        if ordinal != device.ordinal:
+            return _shoal.cuda_device(ordinal)
+    return device
+
+
+def _device_of(where: str, device: Any) -> _shoal.Device:
+    """`device=` as a shoal Device: a Device, a CUDA ordinal, "cuda:N", "cuda",
+    "host" or a torch.device."""
+    if isinstance(device, _shoal.Device):
+        return device
+    if type(device) is int:
+        if device < 0:
+            raise _shoal.InvalidArgumentError(f"{where}: device must be a CUDA ordinal >= 0, not {device!r}")
+        return _shoal.cuda_device(device)
+    if type(device).__module__.split(".")[0] == "torch" and hasattr(device, "type"):
+        device = str(device)  # a torch.device: "cuda:3", "cuda" or "cpu"
+    if isinstance(device, str):
+        kind, _, ordinal = device.partition(":")
+        if kind == "host" and not ordinal:
+            return _shoal.host_device()
+        if kind == "cuda" and not ordinal:
+            default = _default_device()
+            return default if default.kind == "cuda" else _shoal.cuda_device(0)
+        if kind == "cuda" and ordinal.isdigit():
+            return _shoal.cuda_device(int(ordinal))
+        raise _shoal.InvalidArgumentError(
+            f"{where}: device must be 'cuda:N', 'cuda' or 'host' (or a CUDA ordinal, a torch.device, a "
+            f"shoal.Device), not {device!r}"
+        )
+    raise TypeError(
+        f"{where}: device must be a shoal.Device, a CUDA ordinal, a torch.device or a str such as 'cuda:1', "
+        f"not {type(device).__name__}"
+    )
+
+
+def _allocator_on(device: _shoal.Device) -> _shoal.Allocator:
+    """The allocator sharing uses on `device` by default: PyTorch's when shoal
+    backs it (its tensors can then be sent), else the package's default one
+    for its device, else one of this module's made on first use (settings
+    from SHOAL_ALLOC_CONF)."""
+    from . import default_allocator
     from . import torch as shoal_torch
 
-    if shoal_torch.is_enabled() and default_allocator().device.kind == "cuda":
-        return shoal_torch.allocator(default_allocator().device.ordinal)
-    return default_allocator()
+    if device.kind == "cuda" and shoal_torch.is_enabled():
+        return shoal_torch.allocator(device.ordinal)
+    default = default_allocator()
+    if default.device == device:
+        return default
+    with _device_allocators_lock:
+        key = (device.kind, device.ordinal)
+        if key not in _device_allocators:
+            _device_allocators[key] = _shoal.Allocator(device)
+        return _device_allocators[key]
+
+
+def _allocator_for(where: str, allocator: _shoal.Allocator | None, device: Any) -> _shoal.Allocator:
+    """`allocator=` or `device=` as an allocator; without either, that of
+    PyTorch's current CUDA device (see _default_device)."""
+    if allocator is not None and not isinstance(allocator, _shoal.Allocator):
+        raise TypeError(f"{where}: allocator must be a shoal.Allocator or None, not {type(allocator).__name__}")
+    wanted = _device_of(where, device) if device is not None else None
+    if allocator is not None:
+        if wanted is not None and allocator.device != wanted:
+            raise _shoal.InvalidArgumentError(
+                f"{where}: allocator= is on {_device_text(allocator.device)} but device= names "
+                f"{_device_text(wanted)}; pass one of them"
+            )
+        return allocator
+    return _allocator_on(wanted if wanted is not None else _default_device())
+
+
+def _torch_stream(ordinal: int) -> _shoal.Stream:
+    """PyTorch's current stream on CUDA device `ordinal`, as a shoal Stream."""
+    import torch
+
+    return _shoal.Stream.from_handle(torch.cuda.current_stream(ordinal).cuda_stream, _shoal.cuda_device(ordinal))
+
+
+class _Leaf:
+    """An array of a batch being sent: where it is in the batch, and for a
+    torch tensor its device's ordinal and PyTorch's current stream there."""
+
+    __slots__ = ("view", "path", "torch_ordinal", "torch_stream")
+
+    def __init__(self, view: _shoal.ArrayView, path: str, torch_ordinal: int | None = None,
+                 torch_stream: _shoal.Stream | None = None) -> None:
+        self.view = view
+        self.path = path
+        self.torch_ordinal = torch_ordinal
+        self.torch_stream = torch_stream
 
 
 def _leaf_header(view: _shoal.ArrayView) -> bytes:
@@ -89,28 +204,38 @@ def _leaf_header(view: _shoal.ArrayView) -> bytes:
     ).encode()
 
 
-def _flatten(batch: Any, leaves: list, depth: int) -> Any:
-    """The batch's structure with leaves replaced by their index in `leaves`."""
+def _flatten(batch: Any, leaves: list, depth: int, path: str = "batch") -> Any:
+    """The batch's structure with leaves replaced by their index in `leaves` (_Leaf objects)."""
     if depth > MAX_NESTING:
         raise ValueError(f"shoal.sharing: a batch nests deeper than {MAX_NESTING} levels")
+    torch_ordinal = torch_stream = None
     if isinstance(batch, _shoal.Storage):
         batch = batch.view("uint8")
     elif type(batch).__module__.split(".")[0] == "torch":
         from . import torch as shoal_torch  # a CUDA tensor allocated on shoal: its own memory, no copy
 
-        batch = shoal_torch.share(batch)
+        view = shoal_torch.share(batch)
+        # Its writes were enqueued on PyTorch's current stream of its device
+        # (shoal.torch.share records the block's use there): the consumer waits for that stream.
+        torch_ordinal = batch.device.index
+        torch_stream = _torch_stream(torch_ordinal)
+        batch = view
     if isinstance(batch, _shoal.ArrayView):
         if len(leaves) >= MAX_ARRAYS_PER_BATCH:
             raise ValueError(f"shoal.sharing: a batch holds more than {MAX_ARRAYS_PER_BATCH} arrays")
-        leaves.append(batch)
+        leaves.append(_Leaf(batch, path, torch_ordinal, torch_stream))
         return {"a": len(leaves) - 1}
     if isinstance(batch, (list, tuple)):
-        return {"l" if isinstance(batch, list) else "t": [_flatten(x, leaves, depth + 1) for x in batch]}
+        return {
+            "l" if isinstance(batch, list) else "t": [
+                _flatten(x, leaves, depth + 1, f"{path}[{i}]") for i, x in enumerate(batch)
+            ]
+        }
     if isinstance(batch, dict):
         for key in batch:
             if not isinstance(key, str):
                 raise TypeError(f"shoal.sharing: dict keys must be str, not {type(key).__name__}")
-        return {"d": [[key, _flatten(value, leaves, depth + 1)] for key, value in batch.items()]}
+        return {"d": [[key, _flatten(value, leaves, depth + 1, f"{path}[{key!r}]")] for key, value in batch.items()]}
     raise TypeError(
         f"shoal.sharing: cannot send a {type(batch).__name__}: a batch holds shoal ArrayViews or Storages, "
         "or CUDA tensors allocated on shoal (shoal.torch.enable) "
@@ -182,13 +307,26 @@ class Producer:
     its batches with arrays are ever sent and not yet received by the
     consumer process: put() waits for room first, so a producer faster than
     its consumer does not pile up batches (what the consumer took stays held
-    while it keeps it). None: no limit."""
+    while it keeps it). None: no limit.
+
+    The arrays it sends are memory of `allocator` (``Producer.allocator``).
+    `device` (a CUDA ordinal, ``"cuda:1"``, a torch.device, ``"host"`` or a
+    shoal.Device) names the device instead, for its default allocator:
+    PyTorch's there when ``shoal.torch.enable()`` made shoal PyTorch's
+    allocator, else the package's. With neither, the first put() that holds
+    CUDA tensors takes their device; until then (and for a first put of
+    shoal memory alone) it is PyTorch's current CUDA device where this process
+    initialized CUDA in PyTorch (``torch.cuda.set_device``), else shoal's
+    default device. An array on another device, or of another allocator, is
+    refused by put() with an InvalidArgumentError saying which argument to
+    pass."""
 
     def __init__(
         self,
         address: str,
         *,
         allocator: _shoal.Allocator | None = None,
+        device: Any = None,
         allowed_uids: tuple[int, ...] = (),
         max_ahead: int | None = None,
         **options: int,
@@ -196,9 +334,14 @@ class Producer:
         if max_ahead is not None and (type(max_ahead) is not int or max_ahead < 1):
             raise ValueError(f"shoal.sharing.Producer: max_ahead must be a whole number of at least 1 or None, not {max_ahead!r}")
         self.max_ahead = max_ahead
-        self.allocator = allocator if allocator is not None else _default_allocator()
+        self.allocator = _allocator_for("shoal.sharing.Producer", allocator, device)
         self.context = _shoal.SharingContext(self.allocator, **options)
-        self._peer = _shoal.Peer(self.context, _shoal.connect(address, list(allowed_uids)))
+        self._options = options
+        # Chosen by default: the first put's tensors may still choose (until the Peer is made).
+        self._follows_tensors = allocator is None and device is None
+        self._connection: _shoal.Connection | None = _shoal.connect(address, list(allowed_uids))
+        # The Peer, made at the first put (or close): it binds the context's allocator for good.
+        self._link: _shoal.Peer | None = None
         self._streams: set[_shoal.Stream] = set()  # what sent batches wait on
         # Arrays sent on the connection, those of puts taken back included, and
         # where each of the newest whole batches ended in that count. The
@@ -209,7 +352,9 @@ class Producer:
 
     def put(self, batch: Batch, stream: _shoal.Stream | None = None, timeout: float | None = 60.0) -> None:
         """Sends `batch`; the consumer's stream waits for the work enqueued on
-        `stream` (default: the current stream) before it uses the arrays.
+        `stream` before it uses the arrays (default: for a tensor, PyTorch's
+        current stream of its device, as ``torch.cuda.stream(s)`` sets it; for
+        shoal memory, shoal's current stream, as ``shoal.stream(s)`` sets it).
         With `max_ahead`, first waits until fewer than that many batches sent
         before are untaken, for at most `timeout` seconds (None: no limit):
         PeerTimeoutError then, and nothing of `batch` is sent (a Consumer in
@@ -222,9 +367,12 @@ class Producer:
         ProtocolError naming both protocols once that endpoint's greeting has
         come (a lender greets as it accepts), or ConnectionClosedError when it
         hung up first."""
-        leaves: list = []
+        leaves: list[_Leaf] = []
         structure = _flatten(batch, leaves, 0)
-        headers = [_leaf_header(view) for view in leaves]  # built before any array is sent
+        if self._link is None and self._follows_tensors:
+            self._follow(leaves)
+        self._check_devices(leaves)
+        headers = [_leaf_header(leaf.view) for leaf in leaves]  # built before any array is sent
         # An endpoint of another protocol (a lender greets as it accepts) is
         # found out here: ProtocolError naming both.
         self._peer.check_greeting()
@@ -232,19 +380,82 @@ class Producer:
             self._wait_for_room(timeout)
         note = json.dumps({"v": _VERSION, "arrays": len(leaves), "batch": structure}, separators=(",", ":"))
         sent = 0
+        waited: set[_shoal.Stream] = set()
         try:
-            for view, header in zip(leaves, headers):
-                self._peer.send(view, header, stream)
+            for leaf, header in zip(leaves, headers):
+                # A tensor's writes are on PyTorch's current stream, shoal memory's on shoal's.
+                on = stream if stream is not None else leaf.torch_stream
+                try:
+                    self._peer.send(leaf.view, header, on)
+                except _shoal.InvalidArgumentError as e:
+                    if "another allocator" not in str(e):
+                        raise
+                    raise self._foreign(leaf) from None
                 sent += 1
                 self._arrays_sent += 1
+                waited.add(on if on is not None else _shoal.current_stream(self.allocator.device))
             self._peer.send_note(note.encode())
         except BaseException:
             if sent:
                 self._take_back()
             raise
-        self._streams.add(stream if stream is not None else _shoal.current_stream(self.allocator.device))
+        self._streams |= waited or {stream if stream is not None else _shoal.current_stream(self.allocator.device)}
         if leaves:
             self._ends.append(self._arrays_sent)
+
+    @property
+    def _peer(self) -> _shoal.Peer:
+        if self._link is None:
+            self._link = _shoal.Peer(self.context, self._connection)
+            self._connection = None
+        return self._link
+
+    def _follow(self, leaves: list[_Leaf]) -> None:
+        """A Producer made without allocator= or device= takes the device of
+        the first put's first CUDA tensor (its Peer is not made yet)."""
+        ordinal = next((leaf.torch_ordinal for leaf in leaves if leaf.torch_ordinal is not None), None)
+        if ordinal is None:
+            return
+        allocator = _allocator_on(_shoal.cuda_device(ordinal))
+        if allocator is not self.allocator:
+            self.context = _shoal.SharingContext(allocator, **self._options)
+            self.allocator = allocator
+        self._follows_tensors = False
+
+    def _what(self, leaf: _Leaf) -> str:
+        on = _device_text(leaf.view.storage.device)
+        return f"a tensor on {on}" if leaf.torch_ordinal is not None else f"shoal memory on {on}"
+
+    def _check_devices(self, leaves: list[_Leaf]) -> None:
+        """An array on another device than the allocator's cannot be sent: said
+        in Python terms, with the argument that fits it."""
+        mine = self.allocator.device
+        for leaf in leaves:
+            device = leaf.view.storage.device
+            if device == mine:
+                continue
+            on = _device_text(device)
+            if leaf.torch_ordinal is not None:
+                fix = f"device='{on}' (or allocator=shoal.torch.allocator({device.ordinal}))"
+            else:
+                fix = f"allocator= the shoal.Allocator it came from (or device='{on}' for that device's default one)"
+            raise _shoal.InvalidArgumentError(
+                f"shoal.sharing.Producer.put: {leaf.path} is {self._what(leaf)}, but this Producer sends memory "
+                f"of an allocator on {_device_text(mine)} (one Producer, one device); for {on}, make a Producer "
+                f"with {fix}"
+            )
+
+    def _foreign(self, leaf: _Leaf) -> _shoal.InvalidArgumentError:
+        """The error for an array of this device that another allocator handed out."""
+        if leaf.torch_ordinal is not None:
+            fix = f"allocator=shoal.torch.allocator({leaf.torch_ordinal}) (or device='cuda:{leaf.torch_ordinal}')"
+        else:
+            fix = "allocator= the shoal.Allocator it came from"
+        return _shoal.InvalidArgumentError(
+            f"shoal.sharing.Producer.put: {leaf.path} is {self._what(leaf)} from another allocator than this "
+            f"Producer's (Producer.allocator, on {_device_text(self.allocator.device)}); send memory of "
+            f"Producer.allocator, or make the Producer with {fix}"
+        )
 
     def _wait_for_room(self, timeout: float | None) -> None:
         """Waits until the oldest of the max_ahead newest batches is taken (a
@@ -328,12 +539,13 @@ class Producer:
     @property
     def closed(self) -> bool:
         """True once closed (by close(), the with block, or the connection's end)."""
-        return self._peer.closed
+        return self._link is not None and self._link.closed
 
     def __repr__(self) -> str:
-        if self._peer.closed:
+        if self.closed:
             return "shoal.sharing.Producer(closed)"
-        return f"shoal.sharing.Producer(to pid {self._peer.peer_pid})"
+        pid = self._connection.peer_pid if self._link is None else self._link.peer_pid
+        return f"shoal.sharing.Producer(to pid {pid})"
 
     def __enter__(self) -> "Producer":
         return self
@@ -376,13 +588,18 @@ class Consumer:
     finds nothing waits no time), so a producer held back while this
     process works elsewhere is not cut off. None: no limit.
     Listens at `address` (default: a fresh name in the runtime directory, see
-    shoal.runtime_dir_address). Not for use from several threads at once."""
+    shoal.runtime_dir_address). Batches arrive as memory of `allocator`'s
+    device; `device` names it instead, for its default allocator (as
+    Producer's); with neither, PyTorch's current CUDA device where this
+    process initialized CUDA in PyTorch, else shoal's default device. Not for
+    use from several threads at once."""
 
     def __init__(
         self,
         address: str | None = None,
         *,
         allocator: _shoal.Allocator | None = None,
+        device: Any = None,
         allowed_uids: tuple[int, ...] = (),
         max_producers: int = 256,
         batch_timeout: float | None = 10.0,
@@ -396,7 +613,7 @@ class Consumer:
             )
         self.max_producers = max_producers
         self.batch_timeout = batch_timeout
-        self.allocator = allocator if allocator is not None else _default_allocator()
+        self.allocator = _allocator_for("shoal.sharing.Consumer", allocator, device)
         self.context = _shoal.SharingContext(self.allocator, **options)
         chosen = address is None
         if address is None:

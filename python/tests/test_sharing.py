@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -816,3 +817,84 @@ def test_a_new_consumer_removes_socket_files_killed_consumers_left():
         for path in (stale, ours, not_a_socket):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_device_and_allocator_arguments_are_checked_by_name():
+    for make in (sharing.Consumer, lambda **kw: sharing.Producer("unused", **kw)):
+        with pytest.raises(TypeError, match="device must be a shoal.Device"):
+            make(device=object())
+        with pytest.raises(shoal.InvalidArgumentError, match="device must be 'cuda:N', 'cuda' or 'host'"):
+            make(device="gpu:1")
+        with pytest.raises(shoal.InvalidArgumentError, match="device must be a CUDA ordinal >= 0"):
+            make(device=-1)
+        with pytest.raises(TypeError, match="allocator must be a shoal.Allocator"):
+            make(allocator="cuda:0")
+    with sharing.Consumer(device="host") as consumer:
+        assert consumer.allocator.device == shoal.host_device()
+    with sharing.Consumer(allocator=HOST, device=shoal.host_device()) as consumer:
+        assert consumer.allocator is HOST
+    if shoal.cuda_device_count() > 0:
+        with pytest.raises(shoal.InvalidArgumentError, match="allocator= is on host but device= names cuda:0"):
+            sharing.Consumer(allocator=HOST, device="cuda:0")
+
+
+def test_memory_of_another_allocator_is_refused_in_python_terms_naming_the_argument_to_pass():
+    other = shoal.Allocator(shoal.host_device())
+    with sharing.Consumer(allocator=HOST) as consumer, host_producer(consumer) as producer:
+        with pytest.raises(shoal.InvalidArgumentError) as refused:
+            producer.put({"a": HOST.allocate(16), "b": [other.allocate(16)]})
+        message = str(refused.value)
+        assert "batch['b'][0] is shoal memory on host from another allocator" in message, message
+        assert "allocator= the shoal.Allocator it came from" in message, message
+        assert "peer::send" not in message and "sharing context" not in message, message
+
+
+class FakeTensor:
+    """What Producer.put reads of a CUDA tensor (shoal.torch.share is replaced): its device."""
+
+    def __init__(self, ordinal: int, view) -> None:
+        self.device = type("device", (), {"index": ordinal, "type": "cuda"})()
+        self.view = view
+
+
+FakeTensor.__module__ = "torch"  # put takes it for a tensor
+
+
+@pytest.fixture
+def torch_stand_in(monkeypatch):
+    """shoal.torch enabled as far as sharing sees it, on a host "GPU" per ordinal: its
+    allocators, PyTorch's current stream per device (a host stream), share()."""
+    import shoal.torch as shoal_torch
+
+    allocators = {ordinal: shoal.Allocator(shoal.host_device()) for ordinal in (0, 2, 3)}
+    streams = {ordinal: shoal.Stream(shoal.host_device()) for ordinal in (2, 3)}
+    asked: list = []
+    monkeypatch.setattr(shoal_torch, "is_enabled", lambda: True)
+    monkeypatch.setattr(shoal_torch, "allocator", lambda ordinal: allocators[ordinal])
+    monkeypatch.setattr(shoal_torch, "share", lambda tensor: tensor.view)
+    monkeypatch.setattr(shoal._shoal, "cuda_device", lambda ordinal: types.SimpleNamespace(kind="cuda", ordinal=ordinal))
+    monkeypatch.setattr(sharing, "_torch_stream", lambda ordinal: asked.append(ordinal) or streams[ordinal])
+    return allocators, streams, asked
+
+
+def test_a_producer_made_without_allocator_takes_its_first_tensors_device_and_waits_on_torchs_stream(
+    torch_stand_in,
+):
+    allocators, streams, asked = torch_stand_in
+    memory = allocators[3].allocate(4096, streams[3])
+    streams[3].delay(0.5)  # the tensor's writes, enqueued on PyTorch's current stream of its device
+    memory.fill(1, streams[3])
+    with sharing.Consumer(allocator=HOST) as consumer, sharing.Producer(consumer.address) as producer:
+        producer.put({"x": FakeTensor(3, memory.view("uint8"))})
+        assert producer.allocator is allocators[3], "the producer did not take its first tensor's device"
+        assert asked == [3], "put did not order after PyTorch's current stream of the tensor's device"
+        batch = consumer.get(timeout=WAIT)
+        assert batch["x"].storage.read() == b"\x01" * 4096, "the consumer read before the tensor's writes ran"
+        # Its device is chosen now: a tensor of another device's allocator is refused by name.
+        with pytest.raises(shoal.InvalidArgumentError) as refused:
+            producer.put({"y": FakeTensor(2, allocators[2].allocate(64).view("uint8"))})
+        message = str(refused.value)
+        assert "batch['y'] is a tensor on host from another allocator" in message, message
+        assert "allocator=shoal.torch.allocator(2) (or device='cuda:2')" in message, message
+        del batch
+    streams[3].synchronize()
