@@ -7,7 +7,7 @@ import threading
 import weakref
 from typing import Any, Iterator
 
-from . import _shoal
+from . import _checks, _shoal
 
 
 class RegionPool:
@@ -42,6 +42,8 @@ class RegionPool:
     """
 
     def __init__(self, storage: _shoal.Storage) -> None:
+        hint = " (an ArrayView's is its .storage)" if isinstance(storage, _shoal.ArrayView) else ""
+        _checks.instance_of("shoal.torch.RegionPool", "storage", storage, _shoal.Storage, "a shoal.Storage", hint=hint)
         import torch
 
         from . import torch as shoal_torch
@@ -52,11 +54,15 @@ class RegionPool:
                 "(shoal.torch.enable()); PyTorch's MemPool needs its own caching allocator"
             )
         self._lock = threading.Lock()
+        # PyTorch's pools are per device: the MemPool is made, and use() routes, on the
+        # storage's device, whatever the current device is.
+        self.device: int = storage.device.ordinal
         slot = _shoal._segment_source_open(storage)
         try:
             allocate, free = _shoal._segment_source_functions(slot)
             self._allocator = torch._C._cuda_customAllocator(allocate, free)
-            self.mem_pool: Any = torch.cuda.MemPool(self._allocator)
+            with torch.cuda.device(self.device):  # a MemPool belongs to the device current as it is made
+                self.mem_pool: Any = torch.cuda.MemPool(self._allocator)
         except BaseException:
             _shoal._segment_source_close(slot)
             _shoal._segment_source_mem_pool_gone(slot)
@@ -73,14 +79,15 @@ class RegionPool:
 
     @contextlib.contextmanager
     def use(self) -> Iterator[RegionPool]:
-        """Within it, this thread's CUDA allocations on the storage's device come from the pool
-        (``torch.cuda.use_mem_pool``)."""
+        """Within it, this thread's CUDA allocations on the storage's device (``self.device``)
+        come from the pool (``torch.cuda.use_mem_pool(pool, device=self.device)``), whichever
+        device is current; those on other devices do not."""
         import torch
 
         pool = self.mem_pool
         if pool is None:
             raise _shoal.InvalidArgumentError("shoal.torch.RegionPool.use: the pool is closed")
-        with torch.cuda.use_mem_pool(pool):
+        with torch.cuda.use_mem_pool(pool, device=self.device):
             yield self
 
     def stats(self) -> dict[str, Any]:

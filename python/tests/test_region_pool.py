@@ -4,6 +4,7 @@ torch.cuda.MemPool route itself runs on the GPU machine (test_torch.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -131,18 +132,41 @@ def test_slots_are_bounded_and_reused(lent):
 
 
 class _StandInMemPool:
-    """What RegionPool needs of torch.cuda.MemPool: an object that holds the allocator."""
+    """What RegionPool needs of torch.cuda.MemPool: an object that holds the allocator, and
+    the device that was current as it was made (a real MemPool belongs to that device)."""
+
+    made_on: list = []
 
     def __init__(self, allocator: object) -> None:
         self.allocator = allocator
+        self.device = _StandInMemPool.made_on[-1]
 
 
-def _stand_in_torch() -> types.ModuleType:
-    """torch as far as RegionPool's open and close use it (no PyTorch on the host CI)."""
+def _stand_in_torch(current_device: int = 0) -> types.ModuleType:
+    """torch as far as RegionPool uses it (no PyTorch on the host CI), with `current_device`
+    current: ``torch.cuda.device(i)`` makes i current inside it, and ``use_mem_pool`` records
+    the device it routes (the current one when none is given, as PyTorch's does)."""
     torch = types.ModuleType("torch")
     make_allocator = lambda allocate, free: (allocate, free)  # noqa: E731 - what the pool keeps of it
     torch._C = types.SimpleNamespace(_cuda_customAllocator=make_allocator)  # type: ignore[attr-defined]
-    torch.cuda = types.SimpleNamespace(MemPool=_StandInMemPool, empty_cache=lambda: None)  # type: ignore[attr-defined]
+    _StandInMemPool.made_on = [current_device]
+    routed: list = []
+
+    @contextlib.contextmanager
+    def device(index: int):
+        _StandInMemPool.made_on.append(index)
+        try:
+            yield
+        finally:
+            _StandInMemPool.made_on.pop()
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool: _StandInMemPool, device: object = None):
+        routed.append((pool, _StandInMemPool.made_on[-1] if device is None else device))
+        yield
+
+    torch.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
+        MemPool=_StandInMemPool, empty_cache=lambda: None, device=device, use_mem_pool=use_mem_pool, routed=routed)
     return torch
 
 
@@ -195,3 +219,31 @@ def test_a_segment_of_another_cuda_device_is_refused():
     finally:
         _shoal._segment_source_close(slot)
         _shoal._segment_source_mem_pool_gone(slot)
+
+
+def test_a_pool_is_made_and_routes_on_its_storages_device_whatever_device_is_current(monkeypatch):
+    """PyTorch's pools are per device: a region on device 0, with device 1 current, gets a
+    MemPool of device 0, and use() routes device 0's allocations (not device 1's) to it."""
+    if shoal.torch.is_enabled():
+        pytest.skip("shoal is PyTorch's allocator in this process")
+    torch = _stand_in_torch(current_device=1)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    region = shoal.Allocator(shoal.host_device()).allocate(4 * MIB)  # a host storage: device ordinal 0
+    pool = shoal.torch.RegionPool(region)
+    try:
+        assert pool.device == region.device.ordinal == 0
+        assert pool.mem_pool.device == 0, "the MemPool was made on the current device, not the storage's"
+        with pool.use():
+            pass
+        assert torch.cuda.routed == [(pool.mem_pool, 0)], "use() routed another device than the storage's"
+    finally:
+        pool.close()
+
+
+def test_a_region_pool_of_anything_but_a_storage_is_a_type_error_naming_the_argument():
+    memory = shoal.Allocator(shoal.host_device()).allocate(MIB)
+    with pytest.raises(TypeError, match=r"RegionPool: storage must be a shoal.Storage, not ArrayView "
+                                        r"\(an ArrayView's is its .storage\)"):
+        shoal.torch.RegionPool(memory.view("uint8"))
+    with pytest.raises(TypeError, match="RegionPool: storage must be a shoal.Storage, not int"):
+        shoal.torch.RegionPool(1 << 30)
