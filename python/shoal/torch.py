@@ -15,7 +15,12 @@ no ``record_stream`` call and no batches held back.
 ``torch.cuda.set_per_process_memory_fraction()``, ``torch.cuda.memory_stats()``
 (and the functions built on it) reach shoal; so do the functions of this
 module, in PyTorch's names. Out of memory raises ``torch.cuda.OutOfMemoryError``
-with shoal's message.
+with shoal's message. Three differences from PyTorch's own allocator: its
+settings come from ``SHOAL_ALLOC_CONF`` and enable()'s arguments, never from
+``PYTORCH_CUDA_ALLOC_CONF`` (enable() warns when that is set); enable() is
+one-way, with no disable, for the rest of the process; and
+``set_per_process_memory_fraction(0)`` sets no limit where PyTorch allows 0
+bytes.
 
 CUDA tensors go to other processes through ``shoal.sharing`` as they are:
 ``Producer.put`` takes them (or ``share(tensor)``, an ArrayView on the
@@ -59,11 +64,13 @@ says so.
 from __future__ import annotations
 
 import ctypes
+import os
 import pathlib
 import threading
+import warnings
 from typing import Any
 
-from . import _shoal
+from . import _checks, _shoal
 from .region_pool import RegionPool
 
 __all__ = [
@@ -84,6 +91,8 @@ __all__ = [
 
 _lock = threading.Lock()
 _enabled = False
+_warned = False  # of PyTorch's settings, once (_warn_of_pytorch_settings)
+_PYTORCH_SETTINGS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 _plugin: ctypes.CDLL | None = None
 
 
@@ -103,13 +112,32 @@ def enable(*, conf: str | None = None, use_environment: bool = True, **settings:
     them off, and ``memory="pinned_host"`` goes without them. Plain segments
     serve where the device has no growable ranges.
 
+    ``PYTORCH_CUDA_ALLOC_CONF`` (and ``PYTORCH_ALLOC_CONF``) is not read
+    once shoal is PyTorch's allocator: its settings come from
+    ``SHOAL_ALLOC_CONF`` and this function's arguments alone (the same
+    ``key:value,...`` text). enable() warns once (UserWarning) when either
+    PyTorch variable is set, as it would otherwise be ignored silently.
+
+    It is one-way: there is no disable(). Once enabled, shoal stays PyTorch's
+    CUDA allocator until the process ends (PyTorch cannot swap allocators
+    while tensors of the first one live).
+
+    ``torch.cuda.set_per_process_memory_fraction(0)`` differs: under PyTorch's
+    own allocator a fraction of 0 allows 0 bytes (every allocation is out of
+    memory); under shoal 0 means no share limit (the device's whole memory).
+    To forbid a device's allocations, use a fraction small enough instead.
+
     Call it before PyTorch initializes CUDA (before the first CUDA tensor,
     stream or ``torch.cuda`` query that creates a context). Calling it again
     with the same settings does nothing; with other settings, or after CUDA
     was initialized, it raises RuntimeError. Raises RuntimeError too when
-    PyTorch has no CUDA or the plugin was not built.
+    PyTorch has no CUDA or the plugin was not built; TypeError when ``conf``
+    is not a str (or None) or ``use_environment`` not a bool.
     """
     global _enabled, _plugin
+    # Checked before PyTorch is touched: the settings' own checks name _torch_configure().
+    _checks.instance_of("shoal.torch.enable()", "conf", conf, str, "a str ('key:value,...')", allow_none=True)
+    _checks.instance_of("shoal.torch.enable()", "use_environment", use_environment, bool, "a bool")
     import torch
 
     with _lock:
@@ -150,6 +178,22 @@ def enable(*, conf: str | None = None, use_environment: bool = True, **settings:
             raise RuntimeError(f"shoal.torch.enable(): {error.value.decode(errors='replace')}")
         _plugin = plugin
         _enabled = True
+    _warn_of_pytorch_settings()
+
+
+def _warn_of_pytorch_settings() -> None:
+    """Says, once, that PyTorch's allocator settings are set and not read."""
+    global _warned
+    names = [n for n in _PYTORCH_SETTINGS if os.environ.get(n)]
+    if _warned or not names:
+        return
+    _warned = True
+    warnings.warn(
+        f"shoal.torch.enable(): {' and '.join(names)} is set but not read: shoal is PyTorch's CUDA allocator "
+        "now, its settings come from SHOAL_ALLOC_CONF and enable()'s arguments",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def is_enabled() -> bool:

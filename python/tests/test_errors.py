@@ -98,3 +98,21 @@ def test_every_error_type_of_the_cpp_header_is_mapped():
     assert "out_of_memory" in cpp_types
     mapped = {kind for kind, _, _ in MAPPING}
     assert set(cpp_types) == mapped
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"conf": 1}, r"shoal.torch.enable\(\): conf must be a str \('key:value,...'\) or None, not int"),
+        ({"conf": b"expandable_segments:false"}, r"conf must be a str .* not bytes"),
+        ({"use_environment": "no"}, r"shoal.torch.enable\(\): use_environment must be a bool, not str"),
+        ({"use_environment": 0}, r"use_environment must be a bool, not int"),
+    ],
+)
+def test_enable_names_an_argument_of_the_wrong_type_before_touching_pytorch(arguments, message):
+    import shoal.torch
+
+    with pytest.raises(TypeError, match=message) as raised:
+        shoal.torch.enable(**arguments)
+    assert "_torch_configure" not in str(raised.value)
+    assert not shoal.torch.is_enabled()
