@@ -477,7 +477,8 @@ class Producer:
 
     @property
     def peer(self) -> _shoal.Peer:
-        """The connection (for stats, or notes both ways)."""
+        """The connection (for stats, or notes both ways). Made on first use,
+        by put() or here: from then on the Producer's allocator is fixed."""
         return self._peer
 
     def close(self, timeout: float | None = 60.0) -> None:
