@@ -75,6 +75,22 @@ def test_a_lazy_clone_keeps_its_data_when_the_source_is_written(allocator):
     del source, clone
 
 
+def test_a_lazy_clone_read_on_its_own_stream_sees_the_source_s_writes_on_another_stream(allocator):
+    # The source's fill waits behind half a second on `writer`; the clone is made for
+    # `reader` and read there at once: the read must wait for the fill, not overtake it.
+    source = allocator.allocate(1 << 20)
+    source.fill(0)
+    shoal.synchronize()
+    writer, reader = shoal.Stream(allocator.device), shoal.Stream(allocator.device)
+    writer.delay(0.5)
+    source.fill(0x5A, stream=writer)
+    clone = source.lazy_clone(stream=reader)
+    assert clone.is_lazy, "the lazy path, not an eager copy"
+    assert clone.read((1 << 20) - 4, 4, stream=reader) == b"\x5a" * 4, "the read overtook the source's fill"
+    assert source.read(stream=writer)[:4] == b"\x5a" * 4
+    del source, clone
+
+
 def test_writing_a_lazy_clone_materializes_it_and_leaves_the_source(allocator):
     source = allocator.allocate(32)
     source.write(b"a" * 32)

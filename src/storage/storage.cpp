@@ -268,6 +268,11 @@ storage lazy_clone(const storage& source, backend::stream_ref stream) {
     s.record_use_locked(stream);  // the source's release waits for the copy's read
     return copy;
   }
+  // The clone's reads on `stream` see the source's writes enqueued so far on
+  // its other streams (the eager copy above waits for them too). Before the
+  // context changes, so that a throw leaves everything as it was; no device
+  // call when the source was used on `stream` alone, the common case.
+  detail::order_after(s.allocator_.device(), stream, s.streams_.view());
   if (s.cow_ == nullptr) {
     s.cow_ = new detail::cow_context(s.allocator_, s.data_.load(), s.size_, stream);
     s.lazy_.store(true, std::memory_order_release);

@@ -194,6 +194,25 @@ TYPED_TEST(storage_test, a_clone_made_without_a_stream_waits_for_the_source_s_la
   dev.synchronize(writer);
 }
 
+TYPED_TEST(storage_test, a_lazy_clone_read_on_its_own_stream_waits_for_the_source_s_writes_on_other_streams) {
+  auto& dev = this->device();
+  this->make();
+  const backend::stream_ref writer = this->new_stream(), reader = this->new_stream();
+  auto a = this->filled(0);
+  // The write waits until the reader has run past its read of the clone (or
+  // 200 ms): a read not ordered after the write reads the old bytes, always.
+  std::atomic<bool> read{false};
+  hold(dev, writer, read, 200ms);
+  dev.fill(writer, a.mutable_data(writer), 0x5A, bytes);
+  auto b = lazy_clone(a, reader);
+  EXPECT_TRUE(b.is_lazy()) << "the lazy path, not an eager copy";
+  auto seen = this->queued_copy(b, reader);  // reads b's shared data on reader, copying nothing into b
+  dev.host_task(reader, [&read] { read.store(true); });
+  EXPECT_TRUE(this->holds(seen, 0x5A, reader)) << "the clone's read on its own stream overtook the source's write";
+  EXPECT_EQ(b.data(), a.data()) << "the read did not materialize the clone";
+  dev.synchronize(writer);
+}
+
 TYPED_TEST(storage_test, a_storage_is_freed_after_every_stream_it_was_used_on_wherever_it_is_dropped) {
   auto& dev = this->device();
   auto& alloc = this->make();

@@ -35,7 +35,9 @@
 //     clone family, until the family's final free (the last member gone),
 //     since the shared block's free waits for the streams of every member
 //     (the allocator's rule: a stream outlives every free recorded on it).
-// Stream order of lazy clones: the materializing copy is enqueued on the
+// Stream order of lazy clones: the clone's stream waits, when the clone is
+// made, for every other stream the source was used on (the clone's reads on
+// it see the source's earlier writes); the materializing copy is enqueued on the
 // caller's stream after an event on the clone's stream and on every stream
 // the source was used on when the clone was made (the data's writes before
 // the clone are passed first);
@@ -211,7 +213,10 @@ class storage {
 /// A new storage sharing `source`'s data copy-on-write, in O(1); cloning a
 /// clone joins its context. The clone is for use on `stream`; its data is
 /// what the source holds once `stream` and every stream the source was used
-/// on have passed the work enqueued so far.
+/// on have passed the work enqueued so far: `stream` is made to wait (on the
+/// GPU, an event each) for the source's other streams, so reads of the
+/// clone on `stream` never overtake the source's earlier writes. No device
+/// call when the source was used on `stream` alone.
 [[nodiscard]] storage lazy_clone(const storage& source, backend::stream_ref stream);
 /// lazy_clone on the stream the source was last used on (last_used_on()).
 [[nodiscard]] storage lazy_clone(const storage& source);
