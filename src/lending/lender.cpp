@@ -1723,8 +1723,10 @@ class lender::state {
           }
         }
       }
+      const std::vector<process_identity> chosen = orphan_checks_.next(holders);
+      if (!chosen.empty() && detail::before_orphan_lookups()) detail::before_orphan_lookups()(chosen);
       std::vector<process_identity> gone;
-      for (const process_identity& p : orphan_checks_.next(holders)) {
+      for (const process_identity& p : chosen) {
         if (!alive_or_unknown(p)) gone.push_back(p);
       }
       if (gone.empty()) return;

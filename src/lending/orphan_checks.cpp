@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <utility>
 
 namespace shoal::lending::detail {
 
@@ -9,6 +10,11 @@ namespace {
 
 bool earlier(const process_identity& a, const process_identity& b) noexcept {
   return std::tie(a.pid, a.start_time) < std::tie(b.pid, b.start_time);
+}
+
+std::function<void(std::span<const process_identity>)>& lookups_hook() noexcept {
+  static std::function<void(std::span<const process_identity>)> hook;
+  return hook;
 }
 
 }  // namespace
@@ -24,6 +30,14 @@ std::vector<process_identity> orphan_checks::next(std::vector<process_identity>&
   for (std::size_t i = 0; i < std::min(n, per_pass_); ++i) out.push_back(holders[(from + i) % n]);
   if (!out.empty()) last_ = out.back();
   return out;
+}
+
+void set_before_orphan_lookups(std::function<void(std::span<const process_identity>)> hook) {
+  lookups_hook() = std::move(hook);
+}
+
+const std::function<void(std::span<const process_identity>)>& before_orphan_lookups() noexcept {
+  return lookups_hook();
 }
 
 }  // namespace shoal::lending::detail

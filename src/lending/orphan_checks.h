@@ -12,7 +12,9 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "shoal/core/process_identity.h"
@@ -33,5 +35,16 @@ class orphan_checks {
   std::size_t per_pass_;
   std::optional<process_identity> last_;  // the last one the previous pass looked up
 };
+
+/// For tests of the lender only (never use it elsewhere): runs `hook` in
+/// every later reclaim pass of every lender that has processes to look up,
+/// on its serving thread, outside its locks, with the processes the pass
+/// chose, before it looks them up — so that a test sees how many a pass
+/// looks up, and can make each lookup as slow as /proc on a loaded machine.
+/// An empty function clears it. Thread-safety: set it while no lender serves.
+void set_before_orphan_lookups(std::function<void(std::span<const process_identity>)> hook);
+
+/// What set_before_orphan_lookups set (the lender calls it, when not empty).
+[[nodiscard]] const std::function<void(std::span<const process_identity>)>& before_orphan_lookups() noexcept;
 
 }  // namespace shoal::lending::detail
