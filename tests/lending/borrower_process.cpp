@@ -38,6 +38,11 @@
 //       give-backs of a region it does not hold (their refusals fill the
 //       lender's socket to it) and one more borrow of <bytes>, reads none of
 //       the answers, says "deaf" and waits to be killed.
+//   shoal_test_borrower refusals <host|cuda> <socket path> <count>
+//       Speaks the protocol by hand: gives back <count> times a region it
+//       does not hold (a window of 64 sent before their answers are read),
+//       each refused (one record in a daemon's log each), says "refused
+//       <count>" (or what went wrong) and waits until the parent hangs up.
 //   shoal_test_borrower cycle <host|cuda> <socket path or @abstract name> <bytes> <rounds> <as>
 //       As <as> ("self", or "nobody": it drops to uid and gid 65534 first and
 //       admits a lender of uid 0),
@@ -64,6 +69,7 @@
 //       then waits until the parent hangs up.
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -270,6 +276,31 @@ int deaf(const std::string& path, std::size_t bytes, std::size_t fill) {
   return 0;
 }
 
+int refusals(const std::string& path, std::size_t count) {
+  using lending::detail::message_type;
+  auto link = channel::connection::connect(channel::channel_address::at_path(path), {},
+                                           lending::detail::max_frame_payload);
+  channel::send_hello(link, lending::detail::lending_protocol);
+  channel::check_hello(link.receive(), lending::detail::lending_protocol);
+  const auto bogus = lending::detail::encode(lending::detail::give_back_message{1'000'000'000, false});
+  constexpr std::size_t window = 64;
+  for (std::size_t done = 0; done < count;) {
+    const std::size_t n = std::min(window, count - done);
+    for (std::size_t i = 0; i < n; ++i) link.send(static_cast<std::uint16_t>(message_type::give_back), bogus);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (const auto answer = link.receive_for(std::chrono::seconds(30));
+          answer.type != static_cast<std::uint16_t>(message_type::refused)) {
+        say("error answer " + std::to_string(answer.type) + " to give-back " + std::to_string(done + i + 1));
+        return 1;
+      }
+    }
+    done += n;
+  }
+  say("refused " + std::to_string(count));
+  wait_for_parent();
+  return 0;
+}
+
 // A borrower on `dev` of the lender at `where` (a path or @abstract name),
 // as `as`: "self", or "nobody" — it drops to uid and gid 65534 first and
 // admits the lender's uid (root's) explicitly. Nothing when it cannot drop.
@@ -381,7 +412,7 @@ int main(int argc, char** argv) {
   try {
     const std::vector<std::string> args(argv + 1, argv + argc);
     if (args.size() < 4) {
-      std::fprintf(stderr, "usage: shoal_test_borrower hold|yield|wait-borrow|hang-up|publish|read|write-shared|deaf|cycle|revoke|observe|older-lender <host|cuda> "
+      std::fprintf(stderr, "usage: shoal_test_borrower hold|yield|wait-borrow|hang-up|publish|read|write-shared|deaf|refusals|cycle|revoke|observe|older-lender <host|cuda> "
                    "<socket path> ...\n");
       return 2;
     }
@@ -398,6 +429,7 @@ int main(int argc, char** argv) {
                          args.size() == 6 ? args[5] : "self");
     if (args[0] == "hang-up") return hang_up(dev, args[2], bytes);
     if (args[0] == "deaf" && args.size() == 5) return deaf(args[2], bytes, std::stoull(args[4]));
+    if (args[0] == "refusals" && args.size() == 4) return refusals(args[2], std::stoull(args[3]));
     if (args[0] == "publish" && args.size() == 6)
       return publish(dev, args[2], bytes, args[4], static_cast<std::uint8_t>(std::stoi(args[5])));
     if (args[0] == "read" && args.size() == 6)

@@ -390,6 +390,66 @@ pid=
 kill "$reader"
 wait "$reader" 2>/dev/null
 
+# A log reader that stops reading and then reads again: what does not fit
+# the pipe and the log's queue (8192 records) meanwhile is dropped, oldest
+# first, and the log says so once it is read again (log_records_dropped,
+# with the count so far), as does the stopping record. 12,000 refused
+# give-backs are 12,000 records, past the queue and a 64 KiB pipe.
+python3 - "$shoal" "$test_borrower" "$dir/o.sock" <<'EOF' || fail "the records dropped while the log's reader stalled"
+import os, re, signal, socket, subprocess, sys, threading, time
+shoal, test_borrower, address = sys.argv[1:]
+read_end, write_end = os.pipe()  # read by no one until the flood is answered
+daemon = subprocess.Popen([shoal, "daemon", "--socket", address, "--device", "host", "--capacity", "64MiB"],
+                          stderr=write_end)
+os.close(write_end)
+flood = None
+try:
+    for _ in range(200):
+        if os.path.exists(address):
+            break
+        time.sleep(0.05)
+    parent, child = socket.socketpair()
+    end = child.fileno()
+    flood = subprocess.Popen([test_borrower, "refusals", "host", address, "12000"],
+                             pass_fds=(3, end), preexec_fn=lambda: os.dup2(end, 3))  # it talks on fd 3
+    child.close()
+    parent.settimeout(60)
+    line = parent.makefile().readline().strip()
+    assert line == "refused 12000", "the flood of refusals: " + line
+    parent.close()  # it ends when its parent hangs up
+    flood.wait(timeout=30)
+    # The reader reads again.
+    log = bytearray()
+    def read():
+        while chunk := os.read(read_end, 1 << 16):
+            log.extend(chunk)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    said = re.compile(rb"event=log_records_dropped records=[0-9]+ ")
+    for _ in range(200):
+        if said.search(bytes(log)):
+            break
+        time.sleep(0.05)
+    daemon.send_signal(signal.SIGTERM)
+    assert daemon.wait(timeout=30) == 0, "the daemon's exit status"
+    reader.join(timeout=30)
+    assert not reader.is_alive(), "the log did not end with the daemon"
+    text = bytes(log).decode()
+    dropped = [int(n) for n in re.findall(r"event=log_records_dropped records=([0-9]+) ", text)]
+    assert dropped and min(dropped) > 0, "no log_records_dropped record with a count:\n" + text[-2000:]
+    stopping = re.findall(r"event=stopping .*log_records_dropped=([0-9]+)", text)
+    assert len(stopping) == 1, "one stopping record:\n" + text[-2000:]
+    assert int(stopping[0]) >= max(dropped), (stopping, max(dropped))
+    refused = text.count("event=refused ")
+    assert 0 < refused < 12000, f"{refused} of the 12000 refusals are in the log"
+    assert "event=started" in text.split("\n")[0], "the first record, written before the pipe filled"
+finally:
+    for process in (flood, daemon):
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+EOF
+
 # Settings a daemon cannot honour are refused before it starts: users of
 # another uid cannot reach a socket path (its directory is 0700), counts
 # below 1 or past 2^32 (CLI11 reads -1 into an unsigned number as its
