@@ -11,6 +11,7 @@ Prints one JSON object: what the consumer read, or the producer's refusal."""
 
 import json
 import sys
+import time
 
 import torch
 import torch.multiprocessing as mp
@@ -61,9 +62,13 @@ def main() -> None:
     process = context.Process(target=consume, args=(consumer, inbox, outbox))
     process.start()
     to_consumer.send(reduced)
-    if not from_consumer.poll(120):
-        process.kill()
-        raise TimeoutError("the consumer did not answer in 120 s")
+    deadline = time.monotonic() + 120
+    while not from_consumer.poll(0.5):
+        if not process.is_alive():
+            raise RuntimeError(f"the consumer ended (exit code {process.exitcode}) without an answer")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise TimeoutError("the consumer did not answer in 120 s")
     read = from_consumer.recv()
     released = from_consumer.recv() if from_consumer.poll(60) else None
     process.join(60)
