@@ -290,7 +290,7 @@ class Storage:
 
     def lazy_clone(self, stream: Stream | None = None) -> Storage:
         """
-        A new storage sharing this one's data copy-on-write, in O(1), for use on `stream` (default: the current stream); its data is what this storage holds once `stream` and every stream it was used on have passed the work enqueued so far. Data exported writable through DLPack is copied at once instead. A read-only export does not stop sharing: it shows the memory the storage had when exported, and the first write of either storage after the clone moves the writer to a copy, so the export no longer follows a storage that wrote (export again after writing, or export writable).
+        A new storage sharing this one's data copy-on-write, in O(1), for use on `stream` (default: the current stream); its data is what this storage holds once `stream` and every stream it was used on have passed the work enqueued so far (`stream` waits for those other streams on the GPU, so reads of the clone on it see this storage's earlier writes). Data exported writable through DLPack is copied at once instead. A read-only export does not stop sharing: it shows the memory the storage had when exported, and the first write of either storage after the clone moves the writer to a copy, so the export no longer follows a storage that wrote (export again after writing, or export writable).
         """
 
     def record_stream(self, stream: Stream) -> None:
@@ -631,12 +631,12 @@ class TransferEngine:
 
     def submit(self, buffers: Sequence[tuple[int, int, bool, object]], timeout: float | None = None) -> int:
         """
-        Queues a batch of (address, nbytes, pinned, owner) host buffers; ``owner`` is kept alive while the engine reads the memory. Returns the batch's sequence number. Blocks while the batch does not fit within max_batches_in_flight and max_bytes_in_flight (a larger batch: while any is in flight); PeerTimeoutError after ``timeout`` seconds. The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).
+        Queues a batch of (address, nbytes, pinned, owner) host buffers; ``owner`` is kept alive while the engine reads the memory. Returns the batch's sequence number. Blocks while the batch does not fit within max_batches_in_flight and max_bytes_in_flight; past max_bytes_in_flight a batch still goes while at most one other batch is in flight (so two are always allowed, whatever their bytes). PeerTimeoutError after ``timeout`` seconds. The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).
         """
 
-    def next(self, timeout: float | None = None) -> TransferredBatch:
+    def next(self, timeout: float | None = None, *, on_failure: object | None = None) -> TransferredBatch:
         """
-        The next batch in submission order once its copies are enqueued; raises the batch's own error when it failed, PeerTimeoutError after ``timeout`` seconds. The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).
+        The next batch in submission order once its copies are enqueued; raises the batch's own error when it failed (after calling ``on_failure(sequence)`` with the failed batch's sequence number, when given: the batch is taken all the same), PeerTimeoutError after ``timeout`` seconds (no batch taken). The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).
         """
 
     def stats(self) -> dict:

@@ -106,17 +106,21 @@ def evaluate_grouping(layers: Sequence[Any], cost: CopyCost, group_ends: Sequenc
     return GroupPlan(tuple(ends), first, last)
 
 
-def _host_address(source: Any) -> tuple[int, int]:
-    """(address, nbytes) of a contiguous host array: a numpy array or a torch CPU tensor."""
+def _host_address(source: Any) -> tuple[int, int, Any]:
+    """(address, nbytes, owner) of a contiguous host array: a numpy array or a torch CPU
+    tensor. ``owner`` holds the bytes: the source, or for a torch tensor with the conjugate
+    or negative bit (``x.conj()``, ``x.conj().imag``) a tensor of the values as read (the
+    view's own bytes are the values before the bit)."""
     if type(source).__module__.split(".")[0] == "torch":
         if source.device.type != "cpu" or not source.is_contiguous():
             raise ValueError("shoal.loading: a source tensor must be a contiguous CPU tensor")
-        return source.data_ptr(), source.numel() * source.element_size()
+        source = source.resolve_conj().resolve_neg()
+        return source.data_ptr(), source.numel() * source.element_size(), source
     import numpy
 
     if not isinstance(source, numpy.ndarray) or not source.flags.c_contiguous:
         raise TypeError("shoal.loading: a source is a C-contiguous numpy array or a contiguous torch CPU tensor")
-    return source.ctypes.data, source.nbytes
+    return source.ctypes.data, source.nbytes, source
 
 
 def _device_address(destination: Any, stream: _shoal.Stream) -> tuple[int, int]:
@@ -142,6 +146,12 @@ def _device_address(destination: Any, stream: _shoal.Stream) -> tuple[int, int]:
     if type(destination).__module__.split(".")[0] == "torch":
         if destination.device.type != "cuda" or not destination.is_contiguous():
             raise ValueError("shoal.loading: a destination tensor must be a contiguous CUDA tensor")
+        if destination.is_conj() or destination.is_neg():
+            # Bytes written under the bit would read back conjugated or negated.
+            raise ValueError(
+                "shoal.loading: a destination tensor with the conjugate or negative bit (x.conj()) would read "
+                "the bytes copied into it changed; load into a tensor without it"
+            )
         return destination.data_ptr(), destination.numel() * destination.element_size()
     raise TypeError("shoal.loading: a destination is a shoal Storage, an ArrayView or a torch CUDA tensor")
 
@@ -179,7 +189,7 @@ def load_groups(groups: Sequence[Sequence[tuple[Any, Any]]], stream: Optional[_s
         copies, owners = [], []
         for destination, source in group:
             dst, dst_bytes = _device_address(destination, copy_stream)
-            src, src_bytes = _host_address(source)
+            src, src_bytes, source = _host_address(source)
             if dst_bytes != src_bytes:
                 raise ValueError(
                     f"shoal.loading: group {g}: a {src_bytes}-byte source does not fill a {dst_bytes}-byte destination"

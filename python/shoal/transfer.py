@@ -19,7 +19,8 @@ so the model may drop the batch the moment its kernels are enqueued: the memory 
 only after that stream has passed them. No need to keep the last few batches alive.
 
 Backpressure: ``submit`` blocks while ``max_batches_in_flight`` batches, or
-``max_bytes_in_flight`` bytes, are submitted and not yet taken; pinned staging memory never
+``max_bytes_in_flight`` bytes, are submitted and not yet taken (two batches may always be,
+whatever their bytes); pinned staging memory never
 exceeds ``max_pinned_bytes``. A batch that
 cannot be transferred (out of memory) raises its error from ``get`` alone; later batches
 are unaffected.
@@ -27,10 +28,12 @@ are unaffected.
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from typing import Any, Optional, Union
 
-from . import _checks, _shoal, default_allocator
+from . import _checks, _shoal, _torch_device, default_allocator
 
 __all__ = ["Engine", "MAX_ARRAYS_PER_BATCH", "MAX_NESTING"]
 
@@ -46,7 +49,9 @@ def _host_buffer(leaf: Any) -> tuple[tuple[int, int, bool, Any], str, tuple[int,
     if module == "torch":
         if leaf.device.type != "cpu":
             raise ValueError(f"shoal.transfer: a tensor on {leaf.device} is not host memory; submit CPU tensors")
-        tensor = leaf.contiguous()
+        # A conjugate or negative view (x.conj(), x.conj().imag) holds its values unchanged and
+        # a bit that says how to read them: the device gets the values as read.
+        tensor = leaf.resolve_conj().resolve_neg().contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         dtype = str(tensor.dtype).removeprefix("torch.")
         return (tensor.data_ptr(), nbytes, bool(tensor.is_pinned()), tensor), dtype, tuple(tensor.shape)
@@ -72,7 +77,9 @@ def _flatten(batch: Any, leaves: list, depth: int) -> Any:
         raise ValueError(f"shoal.transfer: a batch nests deeper than {MAX_NESTING} levels")
     if isinstance(batch, (list, tuple)):
         items = [_flatten(x, leaves, depth + 1) for x in batch]
-        return items if isinstance(batch, list) else tuple(items)
+        if isinstance(batch, list):
+            return items
+        return _Named(type(batch), items) if _is_namedtuple(batch) else tuple(items)
     if isinstance(batch, dict):
         return {key: _flatten(value, leaves, depth + 1) for key, value in batch.items()}
     if len(leaves) >= MAX_ARRAYS_PER_BATCH:
@@ -123,7 +130,23 @@ class _Source:
 
 
 class _Leaf(int):
-    """An array's index in a flattened batch (an int, told apart from the batch's own ints)."""
+    """An array's index in a flattened batch. Every leaf of a batch is an array (an int in
+    a batch is refused by _host_buffer, as any object that is not an array), so nothing
+    else in a flattened structure is a _Leaf."""
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields") and hasattr(type(value), "_make")
+
+
+class _Named:
+    """A namedtuple's place in a flattened batch: its type and its flattened items."""
+
+    __slots__ = ("kind", "items")
+
+    def __init__(self, kind: Any, items: list) -> None:
+        self.kind = kind
+        self.items = items
 
 
 def _rebuild(node: Any, views: list) -> Any:
@@ -133,17 +156,49 @@ def _rebuild(node: Any, views: list) -> Any:
         return [_rebuild(x, views) for x in node]
     if isinstance(node, tuple):
         return tuple(_rebuild(x, views) for x in node)
+    if isinstance(node, _Named):
+        return node.kind._make(_rebuild(x, views) for x in node.items)
     return {key: _rebuild(value, views) for key, value in node.items()}
 
 
+_cuda_allocators: dict[int, _shoal.Allocator] = {}  # engines' allocators of other GPUs, by ordinal
+_cuda_allocators_lock = threading.Lock()
+
+
 def _default_engine_allocator() -> _shoal.Allocator:
-    """PyTorch's allocator when shoal backs it (so batches count in torch.cuda's stats),
-    else the package's default one."""
+    """On PyTorch's current CUDA device where this process uses PyTorch on CUDA (a DDP
+    rank on cuda:3 gets its batches on cuda:3), else on the default allocator's device:
+    PyTorch's allocator there when shoal backs it (so batches count in torch.cuda's stats),
+    else the package's default one, or one made for that device on first use (settings
+    from SHOAL_ALLOC_CONF)."""
     from . import torch as shoal_torch
 
-    if shoal_torch.is_enabled() and default_allocator().device.kind == "cuda":
-        return shoal_torch.allocator(default_allocator().device.ordinal)
-    return default_allocator()
+    default = default_allocator()
+    if default.device.kind != "cuda":
+        return default
+    ordinal = _torch_device.current_cuda_ordinal()
+    if ordinal is None:
+        ordinal = default.device.ordinal
+    if shoal_torch.is_enabled():
+        return shoal_torch.allocator(ordinal)
+    if ordinal == default.device.ordinal:
+        return default
+    with _cuda_allocators_lock:
+        if ordinal not in _cuda_allocators:
+            _cuda_allocators[ordinal] = _shoal.Allocator(_shoal.cuda_device(ordinal))
+        return _cuda_allocators[ordinal]
+
+
+def _checked_timeout(where: str, timeout: Optional[float]) -> Optional[float]:
+    """`timeout` when it is None or a finite number of seconds >= 0, else InvalidArgumentError
+    (checked here, before the engine is asked: a refusal then changes nothing)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"{where}: timeout must be a number of seconds or None, not {type(timeout).__name__}")
+    if not (timeout >= 0 and math.isfinite(timeout)):
+        raise _shoal.InvalidArgumentError(f"{where}: timeout must be a finite number of seconds >= 0, not {timeout!r}")
+    return timeout
 
 
 def _as_torch(view: _shoal.ArrayView) -> Any:
@@ -155,8 +210,12 @@ def _as_torch(view: _shoal.ArrayView) -> Any:
 class Engine:
     """A thread and a stream that copy submitted host batches to the device.
 
-    ``allocator``: where device memory comes from (default: the allocator PyTorch uses when
-    ``shoal.torch`` is enabled, else ``shoal.default_allocator()``). Give it a memory limit
+    ``allocator``: where device memory comes from (default: on PyTorch's current CUDA device
+    where this process has initialized CUDA in PyTorch — a DDP rank that called
+    ``torch.cuda.set_device(3)`` gets its batches on cuda:3 — else on the default
+    allocator's device; there the allocator PyTorch uses when ``shoal.torch`` is enabled,
+    else ``shoal.default_allocator()`` on its own device, or an allocator of this module's
+    for another GPU, made on first use with the settings of SHOAL_ALLOC_CONF). Give it a memory limit
     (``shoal.Allocator(memory_limit_mb=...)``) to bound the device memory batches take: a
     consumer whose stream lags keeps dropped batches' memory until the stream passes their
     reads, and at the limit the engine's thread waits for that instead of growing.
@@ -219,10 +278,11 @@ class Engine:
             max_coalesced_bytes,
             max_bytes_in_flight,
         )
-        # Each batch's structure and leaf types, by sequence number, until taken. Submits
-        # are serialized so that the number is known before the engine can hand the
-        # batch out (a producer blocked by backpressure holds the others back, as the
-        # engine would).
+        # Each batch's structure and leaf types, by sequence number, until taken (the
+        # engine names the batch it hands out, or the one that failed). Submits are
+        # serialized so that the number is known before the engine can hand the batch out
+        # (a producer blocked by backpressure holds the others back, as the engine would;
+        # a submit with a timeout waits for them no longer than that).
         self._layouts: dict[int, tuple[Any, list[tuple[str, tuple[int, ...]]]]] = {}
         self._submit_lock = threading.Lock()
         self._layouts_lock = threading.Lock()
@@ -233,9 +293,11 @@ class Engine:
 
         Pageable arrays are copied into staging memory by the engine's threads; pinned torch
         tensors are read directly and kept alive until their copy has run. Blocks while the
-        batch does not fit within ``max_batches_in_flight`` and ``max_bytes_in_flight`` (a
-        larger batch: while any is in flight); PeerTimeoutError after ``timeout`` seconds
-        (nothing queued then).
+        batch does not fit within ``max_batches_in_flight`` and ``max_bytes_in_flight``
+        (past ``max_bytes_in_flight`` a batch still goes while at most one other batch is in
+        flight: two may always be, whatever their bytes), and while another thread's submit
+        waits so; PeerTimeoutError after ``timeout`` seconds of both waits together (nothing
+        queued then).
 
         The engine reads the arrays after ``submit`` returns: do not write them until it has
         (a write before that may reach the device copy). A loader that refills one buffer
@@ -246,6 +308,8 @@ class Engine:
         arrays has no limit. Ctrl-C (KeyboardInterrupt) during that wait leaves the batch
         queued and its arrays still being read.
         """
+        timeout = _checked_timeout("shoal.transfer.Engine.submit", timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         leaves: list = []
         structure = _flatten(batch, leaves, 0)
         if not leaves:
@@ -256,18 +320,29 @@ class Engine:
                       for (address, nbytes, pinned, owner), dtype, shape in leaves]
         buffers = [buffer for buffer, _, _ in leaves]
         types = [(dtype, shape) for _, dtype, shape in leaves]
-        with self._submit_lock:
+        if not self._submit_lock.acquire(timeout=-1 if timeout is None else timeout):
+            stats = self._engine.stats()
+            raise _shoal.PeerTimeoutError(
+                f"shoal.transfer.Engine.submit: no room for the batch within {timeout} s: another thread's "
+                f"submit is still waiting for room ({stats['in_flight']} batches of {stats['bytes_in_flight']} "
+                "bytes in all are in flight); take batches or raise max_batches_in_flight or "
+                "max_bytes_in_flight (nothing was queued)"
+            )
+        try:
             sequence = self._next_sequence
             with self._layouts_lock:
                 self._layouts[sequence] = (structure, types)
             try:
-                submitted = self._engine.submit(buffers, timeout)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                submitted = self._engine.submit(buffers, left)
             except BaseException:
                 with self._layouts_lock:
                     self._layouts.pop(sequence, None)
                 raise
             assert submitted == sequence, "shoal.transfer: the engine numbered a batch out of order"
             self._next_sequence += 1
+        finally:
+            self._submit_lock.release()
         del buffers, leaves  # the engine's holds are the last ones on the sources
         if read is not None:
             read.wait()
@@ -278,18 +353,18 @@ class Engine:
         return self._take(timeout)[0]
 
     def _take(self, timeout: Optional[float]) -> tuple[_shoal.TransferredBatch, tuple[Any, list]]:
-        """The next batch and its layout, which leaves ``_layouts`` (with the batch's own error too)."""
-        try:
-            transferred = self._engine.next(timeout)
-        except _shoal.ShoalError as error:
-            if not isinstance(error, _shoal.PeerTimeoutError):
-                # The batch that failed was the oldest not yet taken.
-                with self._layouts_lock:
-                    if self._layouts:
-                        self._layouts.pop(min(self._layouts))
-            raise
+        """The next batch and its layout, which leaves ``_layouts`` once the engine has handed
+        the batch out: by the sequence the engine names, also for a batch that failed (its
+        own error, whatever its type, follows). A call that takes no batch (a bad timeout, a
+        timeout, Ctrl-C, close()) leaves every layout."""
+        timeout = _checked_timeout("shoal.transfer.Engine.get", timeout)
+        transferred = self._engine.next(timeout, on_failure=self._forget_layout)
         with self._layouts_lock:
             return transferred, self._layouts.pop(transferred.sequence)
+
+    def _forget_layout(self, sequence: int) -> None:
+        with self._layouts_lock:
+            self._layouts.pop(sequence, None)
 
     def get(
         self, timeout: Optional[float] = None, stream: Optional[_shoal.Stream] = None, *, as_torch: bool = False
@@ -298,7 +373,9 @@ class Engine:
         tensors with ``as_torch``, on the same memory).
 
         ``stream`` (default: the current stream) waits for the batch's copies on the GPU and
-        is recorded as a user of its memory. Raises the batch's own error when it failed;
+        is recorded as a user of its memory. With ``as_torch``, PyTorch's current stream is
+        then made to wait for ``stream`` (and recorded as a user too), so the tensors' uses
+        there come after the copies. Raises the batch's own error when it failed;
         PeerTimeoutError after ``timeout`` seconds. Ctrl-C (KeyboardInterrupt) ends the wait, as
         it does ``submit``'s; so does ``close()`` from another thread (InvalidArgumentError).
         """
@@ -308,7 +385,15 @@ class Engine:
         transferred.wait(stream)
         views = [storage.view(dtype, shape) for storage, (dtype, shape) in zip(transferred.storages, types)]
         if as_torch:
-            views = [_as_torch(view) for view in views]
+            # The export orders PyTorch's stream after shoal's current stream: `stream`
+            # here, the one that waited for the copies.
+            if stream is not None:
+                _shoal._push_stream(stream)
+            try:
+                views = [_as_torch(view) for view in views]
+            finally:
+                if stream is not None:
+                    _shoal._pop_stream()
         return _rebuild(structure, views)
 
     def stats(self) -> dict:

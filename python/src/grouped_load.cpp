@@ -30,8 +30,10 @@ namespace shoal::python {
 namespace {
 
 struct py_grouped_load {
+  // Declared first, destroyed last: the load's destruction waits for its
+  // copies on this stream, which must still be alive then.
+  std::shared_ptr<stream_state> copy_stream;
   transfer::grouped_load load;
-  std::shared_ptr<stream_state> copy_stream;  // outlives the load (declared first, destroyed last)
 };
 
 using copy_tuple = std::tuple<std::uintptr_t, std::uintptr_t, std::size_t>;  // destination, source, bytes
@@ -112,7 +114,7 @@ void register_grouped_load(nb::module_& m) {
         }
         auto& device = stream.state->device();
         released_gil release;
-        return py_grouped_load{transfer::load_groups(device, stream.state->ref(), std::move(native)), stream.state};
+        return py_grouped_load{stream.state, transfer::load_groups(device, stream.state->ref(), std::move(native))};
       },
       nb::arg("groups"), nb::arg("stream"),
       "Enqueues groups of (destination, source, nbytes) copies on ``stream``, each group with an owner "

@@ -3,9 +3,10 @@
 // API on top.
 //
 // GIL: every call that may wait (submit under backpressure, next, close,
-// synchronize) releases it; the engine's thread lets go of source objects by
-// taking the GIL for the decref, so nothing that holds the GIL ever waits
-// for that thread.
+// synchronize) releases it, and so does every call that takes the engine's
+// lock (stats, __repr__, the timeout errors' counts); the engine's thread
+// lets go of source objects by taking the GIL for the decref, never under
+// its lock, so nothing that holds the GIL ever waits for that thread.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -40,6 +41,14 @@ std::shared_ptr<const void> hold(nb::handle object) {
 namespace {
 
 using transfer::transfer_engine;
+
+/// The engine's counters, read with the GIL released: stats() takes the
+/// engine's lock, which a thread that waits for the GIL may hold.
+transfer::transfer_stats stats_without_gil(const transfer_engine& engine) {
+  transfer::transfer_stats s;
+  detail::without_gil([&] { s = engine.stats(); });
+  return s;
+}
 
 /// The stream an engine copies on, lent by its allocator for the engine's
 /// life (allocator_state::take_copy_stream) and given back after it.
@@ -173,7 +182,7 @@ void register_transfer(nb::module_& m) {
                   }
                 });
             if (!sequence) {
-              const auto s = engine->engine.stats();
+              const auto s = stats_without_gil(engine->engine);
               throw timeout_error("shoal.transfer.Engine.submit: no room for the batch within " + seconds_text(*timeout) +
                                   " s: " + std::to_string(s.in_flight) + " batches of " +
                                   std::to_string(s.bytes_in_flight) +
@@ -185,37 +194,44 @@ void register_transfer(nb::module_& m) {
           nb::arg("buffers"), nb::arg("timeout").none() = nb::none(),
           "Queues a batch of (address, nbytes, pinned, owner) host buffers; ``owner`` is kept alive while "
           "the engine reads the memory. Returns the batch's sequence number. Blocks while the batch does "
-          "not fit within max_batches_in_flight and max_bytes_in_flight (a larger batch: while any is in "
-          "flight); PeerTimeoutError after ``timeout`` seconds. The wait ends on Ctrl-C (KeyboardInterrupt) and "
-          "on close() from another thread (InvalidArgumentError).")
+          "not fit within max_batches_in_flight and max_bytes_in_flight; past max_bytes_in_flight a batch "
+          "still goes while at most one other batch is in flight (so two are always allowed, whatever "
+          "their bytes). PeerTimeoutError after ``timeout`` seconds. The wait ends on Ctrl-C "
+          "(KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).")
       .def(
           "next",
-          [](const py_transfer_engine& e, std::optional<double> timeout) {
+          [](const py_transfer_engine& e, std::optional<double> timeout, const nb::object& on_failure) {
             const auto until = until_of(timeout, "shoal.transfer.Engine (get, next)");
             const auto engine = e.engine.enter();
-            auto batch = wait_in_slices(
+            auto taken = wait_in_slices(
                 engine, e.engine, until,
-                [&](std::chrono::milliseconds slice) -> std::optional<transfer::transferred_batch> {
+                [&](std::chrono::milliseconds slice) -> std::optional<transfer_engine::taken_batch> {
                   try {
-                    return engine->engine.next(slice);
+                    return engine->engine.take(slice);
                   } catch (const timeout_error&) {
                     return std::nullopt;
                   }
                 });
-            if (!batch) {
+            if (!taken) {
               throw timeout_error("shoal.transfer.Engine: no batch came within " + seconds_text(*timeout) + " s (" +
-                                  std::to_string(engine->engine.stats().in_flight) + " in flight)");
+                                  std::to_string(stats_without_gil(engine->engine).in_flight) + " in flight)");
             }
-            return py_transferred_batch{e.allocator, std::move(*batch)};
+            if (taken->error) {
+              if (!on_failure.is_none()) on_failure(taken->sequence);
+              std::rethrow_exception(taken->error);
+            }
+            return py_transferred_batch{e.allocator, std::move(*taken->batch)};
           },
-          nb::arg("timeout").none() = nb::none(),
+          nb::arg("timeout").none() = nb::none(), nb::kw_only(), nb::arg("on_failure").none() = nb::none(),
           "The next batch in submission order once its copies are enqueued; raises the batch's own error "
-          "when it failed, PeerTimeoutError after ``timeout`` seconds. The wait ends on Ctrl-C "
-          "(KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).")
+          "when it failed (after calling ``on_failure(sequence)`` with the failed batch's sequence number, "
+          "when given: the batch is taken all the same), PeerTimeoutError after ``timeout`` seconds (no batch "
+          "taken). The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread "
+          "(InvalidArgumentError).")
       .def(
           "stats",
           [](const py_transfer_engine& e) {
-            const auto s = e.engine.enter()->engine.stats();
+            const auto s = stats_without_gil(e.engine.enter()->engine);
             nb::dict d;
             d["batches_submitted"] = s.batches_submitted;
             d["batches_transferred"] = s.batches_transferred;
@@ -246,7 +262,7 @@ void register_transfer(nb::module_& m) {
       .def("__repr__", [](const py_transfer_engine& e) -> std::string {
         const auto engine = e.engine.try_enter();
         if (!engine) return "shoal.TransferEngine(closed)";
-        const auto s = (*engine)->engine.stats();
+        const auto s = stats_without_gil((*engine)->engine);
         return "shoal.TransferEngine(" + std::to_string(s.batches_submitted) + " batches submitted, " +
                std::to_string(s.in_flight) + " in flight, " + std::to_string(s.bytes_copied) + " bytes copied)";
       });

@@ -146,3 +146,29 @@ def test_a_foreign_stream_handle_is_refused_where_there_are_none():
         pytest.skip("the host backend has no foreign streams; CUDA handles are exercised by the torch tests")
     with pytest.raises(shoal.InvalidArgumentError):
         shoal.Stream.from_handle(12345)
+
+
+@pytest.mark.torch
+def test_a_torch_source_with_the_conjugate_or_negative_bit_is_loaded_as_it_reads():
+    torch = pytest.importorskip("torch")
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    # The conjugate bit and the negative bit (as z.conj().imag has, contiguous here): the
+    # tensors' bytes hold the values before the bit.
+    sources = [z.conj(), torch.tensor([2.0, -4.0])._neg_view()]
+    assert sources[0].is_conj() and sources[1].is_neg()
+    expected = [bytes(s.resolve_conj().resolve_neg().numpy().tobytes()) for s in sources]
+    targets = [shoal.allocate(s.numel() * s.element_size()) for s in sources]
+    load = shoal.loading.load_groups([[(targets[0], sources[0])], [(targets[1], sources[1])]])
+    load.synchronize()
+    assert [t.read() for t in targets] == expected, "the bit was dropped: the raw bytes were copied"
+    del load, targets
+
+
+@pytest.mark.torch
+def test_a_torch_destination_with_the_conjugate_bit_is_refused():
+    torch = pytest.importorskip("torch")
+    if shoal.default_device().kind != "cuda" or not torch.cuda.is_available():
+        pytest.skip("torch destinations are CUDA tensors")
+    destination = torch.zeros(2, dtype=torch.complex64, device="cuda").conj()
+    with pytest.raises(ValueError, match="conjugate or negative bit"):
+        shoal.loading.load_groups([[(destination, torch.zeros(2, dtype=torch.complex64))]])

@@ -397,6 +397,209 @@ def test_a_batch_that_outlives_its_engine_allocator_and_sources_goes_without_a_c
     assert done.returncode == 0 and done.stdout == "released\n", (done.returncode, done.stdout, done.stderr)
 
 
+def test_stats_while_the_engine_lets_go_of_pinned_sources_never_deadlocks():
+    # The engine's thread lets go of a pinned source's owner once its copy has run, taking
+    # the GIL for the decref; stats() under the GIL takes the engine's lock. Letting go
+    # under that lock deadlocked a loop of submit and stats() against a consumer thread.
+    # In a child with a deadline: a deadlock fails the test instead of hanging it.
+    script = (
+        "import threading, numpy, shoal\n"
+        "from shoal import _shoal\n"
+        "engine = _shoal.TransferEngine(shoal.default_allocator(), 4)\n"
+        "arrays = [numpy.full(4096, i, 'uint8') for i in range(8)]\n"
+        "rounds = 20000\n"
+        "def consume():\n"
+        "    for _ in range(rounds):\n"
+        "        engine.next(timeout=30).synchronize()\n"
+        "consumer = threading.Thread(target=consume)\n"
+        "consumer.start()\n"
+        "for i in range(rounds):\n"
+        "    a = arrays[i % 8]\n"
+        "    engine.submit([(a.ctypes.data, a.nbytes, True, a)], timeout=30)\n"
+        "    engine.stats()\n"
+        "    repr(engine)\n"
+        "consumer.join(30)\n"
+        "assert not consumer.is_alive()\n"
+        "engine.close()\n"
+        "print('done', flush=True)\n"
+    )
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("submit and stats() against a consumer thread deadlocked (still running after 60 s)")
+    assert done.returncode == 0 and done.stdout == "done\n", (done.returncode, done.stdout, done.stderr)
+
+
+def test_a_get_refused_for_its_arguments_takes_no_batch_and_drops_no_layout(engine):
+    engine.submit({"x": numpy.full((4,), 9, "int32")})
+    with pytest.raises(shoal.InvalidArgumentError, match="timeout"):
+        engine.get(timeout=-1)
+    with pytest.raises(shoal.InvalidArgumentError, match="timeout"):
+        engine.next(timeout=float("nan"))
+    with pytest.raises(TypeError, match="timeout"):
+        engine.get(timeout="soon")
+    assert engine.stats()["batches_taken"] == 0
+    out = engine.get(timeout=10)
+    assert list(out) == ["x"], "the batch kept its layout"
+    numpy.testing.assert_array_equal(host_copy(out["x"]), numpy.full((4,), 9, "int32"))
+    assert engine._layouts == {}
+
+
+def test_a_failed_batch_taken_by_one_thread_drops_its_own_layout_while_others_take_theirs():
+    # Two consumers take batches at once, the second batch of each pair failing: each
+    # failure drops the layout of the batch the engine names, so no consumer finds another
+    # batch's layout gone (a KeyError) or its own left behind.
+    allocator = shoal.Allocator(memory_limit_mb=4)
+    with shoal.transfer.Engine(allocator, max_batches_in_flight=4) as engine:
+        results: list = []
+        lock = threading.Lock()
+
+        def consume() -> None:
+            for _ in range(10):
+                try:
+                    out = engine.get(timeout=30)
+                    with lock:
+                        results.append(int(host_copy(out["v"])[0]))
+                except shoal.OutOfMemoryError:
+                    with lock:
+                        results.append("failed")
+
+        consumers = [threading.Thread(target=consume) for _ in range(2)]
+        for c in consumers:
+            c.start()
+        for i in range(10):
+            engine.submit({"v": numpy.full((4,), i, "int32")}, timeout=30)
+            engine.submit({"v": numpy.zeros(8 << 20, "uint8")}, timeout=30)  # past the allocator's limit
+        for c in consumers:
+            c.join(60)
+        assert not any(c.is_alive() for c in consumers), "a consumer is still waiting after 60 s"
+        assert sorted(r for r in results if r != "failed") == list(range(10))
+        assert results.count("failed") == 10
+        assert engine._layouts == {}
+
+
+def test_a_submit_with_a_timeout_waits_no_longer_than_that_behind_another_threads_submit():
+    with shoal.transfer.Engine(max_batches_in_flight=1) as engine:
+        engine.submit([numpy.full(16, 1, "uint8")])
+        blocked = threading.Thread(target=lambda: engine.submit([numpy.full(16, 2, "uint8")]))
+        blocked.start()  # waits for room, holding the engine's submit order
+        deadline = time.monotonic() + 10
+        while not engine._submit_lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert engine._submit_lock.locked(), "the other thread's submit never began"
+        outcome: dict = {}
+
+        def timed() -> None:
+            started = time.monotonic()
+            try:
+                engine.submit([numpy.full(16, 3, "uint8")], timeout=0.2)
+                outcome["queued"] = True
+            except shoal.PeerTimeoutError as error:
+                outcome["error"] = error
+            outcome["waited"] = time.monotonic() - started
+
+        waiter = threading.Thread(target=timed)
+        waiter.start()
+        waiter.join(5)
+        stuck = waiter.is_alive()
+        # Let every submit through whatever happened, so that no thread stays blocked.
+        values = [int(host_copy(engine.get(timeout=10)[0])[0]) for _ in range(2)]
+        blocked.join(10)
+        waiter.join(10)
+        if outcome.get("queued"):
+            engine.get(timeout=10)
+        assert not stuck, "submit(timeout=0.2) was still waiting 5 s later, behind another thread's submit"
+        assert isinstance(outcome.get("error"), shoal.PeerTimeoutError)
+        assert "no room for the batch within 0.2 s" in str(outcome["error"])
+        assert 0.15 <= outcome["waited"] < 2
+        assert values == [1, 2]
+        assert engine.stats()["batches_submitted"] == 2
+
+
+def test_namedtuples_come_back_as_namedtuples(engine):
+    import collections
+
+    Pair = collections.namedtuple("Pair", ["image", "label"])
+    engine.submit({"batch": Pair(numpy.full((3,), 2.5, "float32"), numpy.array([7], "int64")), "plain": (numpy.ones(1),)})
+    out = engine.get(timeout=10)
+    assert type(out["batch"]) is Pair
+    assert out["batch"]._fields == ("image", "label")
+    numpy.testing.assert_array_equal(host_copy(out["batch"].image), numpy.full((3,), 2.5, "float32"))
+    numpy.testing.assert_array_equal(host_copy(out["batch"].label), numpy.array([7], "int64"))
+    assert type(out["plain"]) is tuple
+
+
+@pytest.mark.torch
+def test_torch_tensors_with_the_negative_or_conjugate_bit_arrive_as_they_read():
+    torch = pytest.importorskip("torch")
+    # The negative bit, as z.conj().imag has (contiguous here, so that no copy resolves it
+    # on the way): the tensor's bytes hold 2, -4.
+    negative = torch.tensor([2.0, -4.0])._neg_view()
+    assert negative.is_neg() and negative.is_contiguous()
+    real_conj = torch.tensor([1.5, -2.5]).conj()  # the conjugate of a real tensor: the same tensor
+    with shoal.transfer.Engine() as engine:
+        engine.submit([negative, real_conj])
+        neg_out, real_out = engine.get(timeout=10)
+        assert host_copy(neg_out).tolist() == [-2.0, 4.0], "the negative bit was dropped"
+        assert host_copy(real_out).tolist() == [1.5, -2.5]
+
+
+@pytest.mark.torch
+def test_get_with_a_stream_orders_torchs_stream_after_the_copies():
+    # A pinned 512 MiB batch takes tens of milliseconds to copy; torch reads it at once on
+    # its current stream. Ordered after `stream` (which waited for the copy) it sees every
+    # byte; ordered after shoal's current stream alone it overtook the copy.
+    torch = pytest.importorskip("torch")
+    if shoal.default_device().kind != "cuda" or not torch.cuda.is_available():
+        pytest.skip("needs CUDA and torch with CUDA")
+    device = shoal.default_device()
+    stream = shoal.Stream(device)
+    n = 512 << 20
+    with shoal.transfer.Engine(max_bytes_in_flight=2 * n) as engine:
+        for value in (1, 2, 3):
+            source = torch.full((n,), value, dtype=torch.uint8).pin_memory()
+            engine.submit([source])
+            (out,) = engine.get(timeout=60, stream=stream, as_torch=True)
+            seen = int((out == value).sum().item())  # on torch's current stream, right away
+            assert seen == n, f"torch read {n - seen} bytes before the copy wrote them"
+            del out
+            torch.cuda.synchronize()
+
+
+@pytest.mark.torch
+def test_an_engine_made_without_a_device_follows_torchs_current_device():
+    torch = pytest.importorskip("torch")
+    if shoal.default_device().kind != "cuda" or not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices and torch with CUDA")
+    previous = torch.cuda.current_device()
+    torch.cuda.set_device(1)
+    try:
+        torch.zeros(1, device="cuda")  # CUDA initialised in torch, as a DDP rank's would be
+        with shoal.transfer.Engine() as engine:
+            engine.submit([numpy.full(64, 5, "uint8")])
+            (out,) = engine.get(timeout=10, stream=shoal.Stream(shoal.cuda_device(1)))
+            assert out.storage.device.ordinal == 1, "the batch went to shoal's default device, not torch's"
+            assert torch.from_dlpack(out).device == torch.device("cuda", 1)
+            del out
+    finally:
+        torch.cuda.set_device(previous)
+
+
+def test_torchs_current_cuda_device_is_read_only_where_torch_initialised_cuda(monkeypatch):
+    import types
+
+    from shoal import _torch_device
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert _torch_device.current_cuda_ordinal() is None, "without torch imported, nothing is read"
+    initialised = {"value": False}
+    cuda = types.SimpleNamespace(is_initialized=lambda: initialised["value"], current_device=lambda: 3)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    assert _torch_device.current_cuda_ordinal() is None, "torch without CUDA initialised: shoal's default"
+    initialised["value"] = True
+    assert _torch_device.current_cuda_ordinal() == 3
+
+
 def test_engine_counts_out_of_range_are_named_not_left_to_the_binding():
     for name in ("max_batches_in_flight", "max_bytes_in_flight", "max_pinned_bytes", "staging_chunk_bytes",
                  "max_coalesced_bytes", "staging_helpers"):

@@ -149,6 +149,10 @@ transfer_engine::~transfer_engine() {
 
 std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chrono::milliseconds timeout) {
   const std::size_t bytes = checked_bytes(batch);
+  // Made before the lock, so that a batch not queued (a timeout, a failed
+  // push) lets go of its sources after the lock: a source's release may run
+  // its owner's deleter, which must never run under mutex_ (see run()).
+  job queued{0, std::move(batch)};
   std::unique_lock lock(mutex_);
   // Within both bounds, or with at most one other batch whatever the bytes:
   // a producer may always have one batch in flight beside the one it is
@@ -167,8 +171,10 @@ std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chron
                         std::to_string(config_.max_bytes_in_flight) + " bytes; this batch: " + std::to_string(bytes) +
                         "); take batches with next() or raise max_batches_in_flight or max_bytes_in_flight");
   }
-  const std::uint64_t sequence = next_sequence_++;
-  jobs_.push_back({sequence, std::move(batch)});
+  const std::uint64_t sequence = next_sequence_;
+  queued.sequence = sequence;
+  jobs_.push_back(std::move(queued));  // on a throw (no memory) nothing changed: `queued` goes after the lock
+  ++next_sequence_;
   ++counters_.batches_submitted;
   counters_.peak_in_flight = std::max(counters_.peak_in_flight, ++counters_.in_flight);
   counters_.bytes_in_flight += bytes;
@@ -178,7 +184,24 @@ std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chron
   return sequence;
 }
 
-transferred_batch transfer_engine::next(std::chrono::milliseconds timeout) {
+namespace {
+
+transferred_batch batch_or_error(transfer_engine::taken_batch taken) {
+  if (taken.error) std::rethrow_exception(taken.error);
+  return std::move(*taken.batch);
+}
+
+}  // namespace
+
+transferred_batch transfer_engine::next(std::chrono::milliseconds timeout) { return batch_or_error(take(timeout)); }
+
+std::optional<transferred_batch> transfer_engine::try_next() {
+  std::unique_lock lock(mutex_);
+  if (outcomes_.empty()) return std::nullopt;
+  return batch_or_error(take_locked(lock));
+}
+
+transfer_engine::taken_batch transfer_engine::take(std::chrono::milliseconds timeout) {
   std::unique_lock lock(mutex_);
   if (!wait_until(wake_->outcome_ready, lock, timeout, [&] { return !outcomes_.empty(); })) {
     throw timeout_error("transfer_engine::next: no batch was transferred within " + std::to_string(timeout.count()) +
@@ -187,13 +210,7 @@ transferred_batch transfer_engine::next(std::chrono::milliseconds timeout) {
   return take_locked(lock);
 }
 
-std::optional<transferred_batch> transfer_engine::try_next() {
-  std::unique_lock lock(mutex_);
-  if (outcomes_.empty()) return std::nullopt;
-  return take_locked(lock);
-}
-
-transferred_batch transfer_engine::take_locked(std::unique_lock<std::mutex>& lock) {
+transfer_engine::taken_batch transfer_engine::take_locked(std::unique_lock<std::mutex>& lock) {
   outcome o = std::move(outcomes_.front());
   outcomes_.pop_front();
   ++counters_.batches_taken;
@@ -201,8 +218,8 @@ transferred_batch transfer_engine::take_locked(std::unique_lock<std::mutex>& loc
   counters_.bytes_in_flight -= o.bytes;
   lock.unlock();
   wake_->room_ready.notify_all();  // the room made may fit several smaller batches, or not the first waiter's
-  if (o.error) std::rethrow_exception(o.error);
-  return transferred_batch(std::move(o.batch));
+  if (o.error) return {o.sequence, std::nullopt, std::move(o.error)};
+  return {o.sequence, transferred_batch(std::move(o.batch)), nullptr};
 }
 
 transfer_stats transfer_engine::stats() const {
@@ -222,11 +239,16 @@ void transfer_engine::run() noexcept {
   std::vector<job> group;
   for (;;) {
     {
+      // Without the lock: letting go of a source may run its owner's deleter
+      // (the Python bindings' takes the GIL), and a thread holding what that
+      // deleter waits for may be waiting for mutex_ (stats() under the GIL).
+      // Only this thread touches the copier's held sources.
+      const bool holding = copier_->release_finished();
       std::unique_lock lock(mutex_);
       // With sources still held, look at their copies every millisecond;
       // otherwise sleep until there is work.
       const auto has_work = [&] { return stopping_ || !jobs_.empty(); };
-      if (copier_->release_finished()) {
+      if (holding) {
         wake_->work_ready.wait_for(lock, std::chrono::milliseconds(1), has_work);
       } else {
         wake_->work_ready.wait(lock, has_work);

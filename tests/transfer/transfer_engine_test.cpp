@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <limits>
 #include <string>
 #include <thread>
@@ -214,6 +215,47 @@ TYPED_TEST(transfer_engine_test, a_pinned_source_is_held_until_the_copy_reading_
   pinned_memory.deallocate(block, s);
 }
 
+// A source's owner may need something that another thread holds while that
+// thread waits for the engine's lock: in Python, the GIL, held through
+// stats(). Here the source's deleter asks another thread for stats() and
+// waits (at most 2 s) for the answer, which never comes while the deleter
+// runs under the engine's lock.
+TYPED_TEST(transfer_engine_test, a_source_is_let_go_outside_the_engines_lock) {
+  auto& dev = this->device();
+  auto& a = this->make_allocator();
+  alloc::caching_allocator pinned_memory(dev, alloc::allocator_config::parse("memory:pinned_host"));
+  transfer_engine engine(a, this->copy_stream());
+  const backend::stream_ref s = this->consumer();
+  void* block = pinned_memory.allocate(64 * kib, s);
+  std::memset(block, 0x5A, 64 * kib);
+  std::promise<bool> answered_in_deleter;  // whether stats() answered while the deleter waited
+  std::atomic<bool> gave_up{false};         // the test ended first: the deleter asks nothing
+  std::thread asker;
+  std::shared_ptr<const void> keep(block, [&](const void*) {
+    if (gave_up) return;
+    auto answered = std::make_shared<std::promise<void>>();
+    auto answer = answered->get_future();
+    asker = std::thread([&engine, answered] {
+      (void)engine.stats();
+      answered->set_value();
+    });
+    answered_in_deleter.set_value(answer.wait_for(2s) == std::future_status::ready);
+  });
+  engine.submit({host_buffer{block, 64 * kib, true, std::move(keep)}});
+  auto batch = engine.next(10s);
+  batch.synchronize();
+  auto result = answered_in_deleter.get_future();
+  if (result.wait_for(10s) != std::future_status::ready) {
+    gave_up = true;
+    FAIL() << "the source was not let go within 10 s of its copy";
+  }
+  asker.join();
+  EXPECT_TRUE(result.get()) << "the source's deleter ran under the engine's lock: stats() waited for it";
+  batch.wait_on(s);
+  EXPECT_TRUE(all_equal(this->read(batch.storages()[0].data(), 64 * kib, s), 0x5A));
+  pinned_memory.deallocate(block, s);
+}
+
 // A fast producer of `bytes`-byte batches against a slow consumer, at most
 // `in_flight` batches in flight (max_batches_in_flight, or fewer when
 // `bytes_in_flight` bounds them first). The engine's copies wait behind a
@@ -346,6 +388,28 @@ TYPED_TEST(transfer_engine_test, a_batch_that_cannot_be_transferred_fails_alone)
   EXPECT_EQ(stats.batches_failed, 1u);
   EXPECT_EQ(stats.batches_transferred, 1u);
   EXPECT_EQ(stats.in_flight, 0u);
+}
+
+TYPED_TEST(transfer_engine_test, take_hands_back_a_failed_batchs_error_with_its_sequence) {
+  auto& a = this->make_allocator("memory_limit_mb:8");
+  transfer_engine engine(a, this->copy_stream());
+  engine.submit({pageable(64 * kib, 1)});
+  engine.submit({pageable(16 * mib, 2)});  // past the device allocator's limit
+  engine.submit({pageable(64 * kib, 3)});
+  auto first = engine.take(10s);
+  EXPECT_EQ(first.sequence, 0u);
+  EXPECT_TRUE(first.batch.has_value() && first.error == nullptr);
+  auto failed = engine.take(10s);
+  EXPECT_EQ(failed.sequence, 1u) << "the failed batch is named";
+  EXPECT_FALSE(failed.batch.has_value());
+  ASSERT_NE(failed.error, nullptr);
+  EXPECT_THROW(std::rethrow_exception(failed.error), out_of_memory);
+  auto last = engine.take(10s);
+  EXPECT_EQ(last.sequence, 2u);
+  ASSERT_TRUE(last.batch.has_value());
+  EXPECT_EQ(last.batch->sequence(), 2u);
+  EXPECT_EQ(engine.stats().batches_taken, 3u);
+  EXPECT_THROW((void)engine.take(10ms), timeout_error);
 }
 
 // Holds the engine's thread before the test submits: one batch a chunk

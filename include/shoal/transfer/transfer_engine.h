@@ -49,8 +49,8 @@
 // of the engine's stream, or of making or recording the group's ready event,
 // fails every batch of the group (each throws that error from next()).
 //
-// Thread-safety: submit, next, try_next and stats may be called from any
-// threads at once. Batches come out of next() in submission order (one
+// Thread-safety: submit, next, try_next, take and stats may be called from
+// any threads at once. Batches come out of next() in submission order (one
 // sequence across all producers). transferred_batch is a value shared by its
 // copies; wait_on and synchronize may be called from any thread.
 //
@@ -245,6 +245,18 @@ class transfer_engine {
   /// next() without waiting: nothing when the next batch is not done yet.
   [[nodiscard]] std::optional<transferred_batch> try_next();
 
+  /// What take() took: one batch, transferred or failed.
+  struct taken_batch {
+    std::uint64_t sequence = 0;              ///< the batch's place in submission order
+    std::optional<transferred_batch> batch;  ///< set unless the batch failed
+    std::exception_ptr error;                ///< the batch's own error, set when it failed
+  };
+  /// next() that hands a failed batch's error back, with the batch's
+  /// sequence, instead of throwing it: a caller that keeps something per
+  /// batch (the Python layer, its structure) learns which batch failed even
+  /// while other threads take batches too. timeout_error as next().
+  [[nodiscard]] taken_batch take(std::chrono::milliseconds timeout = forever);
+
   [[nodiscard]] transfer_stats stats() const;
   /// The stream the copies run on.
   [[nodiscard]] backend::stream_ref stream() const noexcept { return stream_; }
@@ -261,7 +273,7 @@ class transfer_engine {
   /// The copier's outcomes for `group`, or, should the copier itself throw
   /// (host memory for its bookkeeping), that error for each of its batches.
   std::vector<outcome> copy_or_fail(std::span<job> group) noexcept;
-  transferred_batch take_locked(std::unique_lock<std::mutex>& lock);
+  taken_batch take_locked(std::unique_lock<std::mutex>& lock);
 
   alloc::caching_allocator& device_allocator_;
   const transfer_config config_;
