@@ -464,3 +464,146 @@ def test_two_models_take_turns_in_one_region_through_preemption_and_a_revocation
         assert server["watcher_error"] == "None"
     assert out["preemptions"] in (4, 5), out
     assert (out["revocations_missed"], out["lent_after"]) == (0, 0), out
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+def run_pair(tmp_path: pathlib.Path, code: str, timeout: float = 300) -> dict:
+    """Runs `code` as a program file (so that it can start itself again, as
+    `python FILE producer ...`, for a producer process); returns its JSON."""
+    program = tmp_path / "program.py"
+    program.write_text(textwrap.dedent(code))
+    return json_of([sys.executable, str(program)], timeout)
+
+
+def test_a_tensor_put_on_a_side_stream_is_read_only_after_its_writes_ran(tmp_path):
+    out = run_pair(
+        tmp_path,
+        """
+        import json, subprocess, sys
+        import shoal.sharing, torch
+        N = 1 << 22
+        if sys.argv[1:2] == ["producer"]:
+            import shoal.torch
+            shoal.torch.enable(use_environment=False)
+            with shoal.sharing.Producer(sys.argv[2]) as p:
+                side = torch.cuda.Stream()
+                with torch.cuda.stream(side):
+                    x = torch.zeros(N, device="cuda")
+                    torch.cuda._sleep(2_000_000_000)  # about a second of the GPU's time
+                    x.fill_(1)
+                    p.put({"x": x})  # no stream given: PyTorch's current one, `side`
+            sys.exit(0)
+        with shoal.sharing.Consumer() as c:
+            child = subprocess.Popen([sys.executable, __file__, "producer", c.address])
+            batch = c.get(timeout=60)
+            x = torch.from_dlpack(batch["x"])
+            ones = int((x == 1).sum())
+            del x, batch
+            child.wait(timeout=60)
+            print(json.dumps({"ones": ones, "n": N, "exit": child.returncode}))
+        """,
+    )
+    assert out["exit"] == 0, out
+    assert out["ones"] == out["n"], f"the consumer read the tensor before its side stream's writes ran: {out}"
+
+
+@two_gpus
+def test_sharing_on_a_second_gpu_follows_pytorchs_device_and_a_mismatch_names_the_argument(tmp_path):
+    out = run_pair(
+        tmp_path,
+        """
+        import json, subprocess, sys
+        import shoal.sharing, torch
+        if sys.argv[1:2] == ["producer"]:
+            import shoal.torch
+            shoal.torch.enable(use_environment=False)
+            rank = sys.argv[3] == "rank"
+            if rank:
+                torch.cuda.set_device(1)  # a DDP rank on cuda:1
+            with shoal.sharing.Producer(sys.argv[2]) as p:
+                made_on = p.allocator.device.ordinal
+                x = torch.full((1024,), 3.0 if rank else 4.0, device="cuda:1")
+                p.put({"x": x})
+                try:
+                    p.put({"z": torch.ones(8, device="cuda:0")})
+                    refused = "sent"
+                except shoal.InvalidArgumentError as e:
+                    refused = str(e)
+                print(json.dumps({"made_on": made_on, "sends_from": p.allocator.device.ordinal,
+                                  "refused": refused}), flush=True)
+            sys.exit(0)
+        torch.cuda.set_device(1)
+        with shoal.sharing.Consumer() as c:
+            results = {"consumer_on": c.allocator.device.ordinal}
+            for case in ("rank", "follow"):
+                child = subprocess.Popen([sys.executable, __file__, "producer", c.address, case],
+                                         stdout=subprocess.PIPE, text=True)
+                batch = c.get(timeout=60)
+                x = torch.from_dlpack(batch["x"])
+                results[case] = {"device": str(x.device), "values": sorted(set(x.tolist()))}
+                del x, batch
+                out, _ = child.communicate(timeout=60)
+                results[case].update(json.loads(out.strip().splitlines()[-1]), exit=child.returncode)
+            print(json.dumps(results))
+        """,
+    )
+    assert out["consumer_on"] == 1, f"the consumer did not take PyTorch's current device: {out}"
+    rank, follow = out["rank"], out["follow"]
+    assert rank["exit"] == 0 and follow["exit"] == 0, out
+    assert rank["made_on"] == 1, f"a producer on a rank's device made its context on another: {out}"
+    assert follow["made_on"] == 0 and follow["sends_from"] == 1, f"the producer did not follow its tensor: {out}"
+    assert (rank["device"], rank["values"]) == ("cuda:1", [3.0]), out
+    assert (follow["device"], follow["values"]) == ("cuda:1", [4.0]), out
+    for case in (rank, follow):
+        assert "batch['z'] is a tensor on cuda:0" in case["refused"], out
+        assert "device='cuda:0' (or allocator=shoal.torch.allocator(0))" in case["refused"], out
+        assert "peer::send" not in case["refused"], out
+
+
+@two_gpus
+def test_a_region_pool_on_the_second_gpu_serves_that_device_while_the_first_is_current():
+    out = run(
+        """
+        import json, shoal, shoal.torch, torch
+        torch.cuda.set_device(0)
+        region = shoal.Allocator(shoal.cuda_device(1)).allocate(64 << 20)
+        base, end = region.ptr, region.ptr + (64 << 20)
+        pool = shoal.torch.RegionPool(region)
+        with pool.use():
+            y = torch.empty(8 << 20, dtype=torch.uint8, device="cuda:1")
+            try:
+                x = torch.empty(8 << 20, dtype=torch.uint8, device="cuda:0")
+                x_error = None
+            except torch.cuda.OutOfMemoryError as e:
+                x, x_error = None, str(e)
+        result = {"pool_device": pool.device, "y_in_region": base <= y.data_ptr() < end,
+                  "x_error": x_error, "x_in_region": x is not None and base <= x.data_ptr() < end,
+                  "segments": pool.stats()["segments"]}
+        del x, y
+        pool.close()
+        print(json.dumps(result))
+        """
+    )
+    assert out["pool_device"] == 1, out
+    assert out["y_in_region"], f"an allocation on the region's device inside use() bypassed the region: {out}"
+    assert out["x_error"] is None, f"an allocation on the current device inside use() was refused: {out}"
+    assert not out["x_in_region"] and out["segments"] >= 1, out
+
+
+def test_enable_warns_once_that_pytorchs_allocator_settings_are_not_read():
+    out = run(
+        """
+        import json, os, warnings
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        import shoal.torch
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            shoal.torch.enable(use_environment=False)
+            shoal.torch.enable(use_environment=False)
+        print(json.dumps([str(w.message) for w in caught if str(w.message).startswith("shoal.torch.enable()")]))
+        """
+    )
+    assert len(out) == 1, f"one warning, once: {out}"
+    assert "PYTORCH_CUDA_ALLOC_CONF is set but not read" in out[0] and "SHOAL_ALLOC_CONF" in out[0], out
