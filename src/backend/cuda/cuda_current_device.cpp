@@ -1,22 +1,43 @@
 #include "backend/cuda/cuda_current_device.h"
 
-#include <cuda_runtime_api.h>
-
 #include <array>
 #include <atomic>
+#include <mutex>
 
 #include "backend/cuda/cuda_driver.h"
+#include "shoal/core/error.h"
 
 namespace shoal::backend::detail {
 
 namespace {
 
-constexpr int cached_devices = 64;
+constexpr int most_devices = 64;
 
-// Each device's primary context, learned at its first switch: later
-// switches are one driver store each way (a thread with no context, such
-// as a program's own threads, switches on every call).
-std::array<std::atomic<CUcontext>, cached_devices> primary_contexts{};
+// Each device's primary context, retained at its first switch for the
+// process's life (the devices live as long). Switching is then one driver
+// store each way: a thread with no context — a program's own threads —
+// switches on every call. The driver alone: cudaSetDevice would also record
+// the device as the thread's choice in the runtime, which putting the
+// previous context back does not undo.
+std::mutex retaining;
+std::array<std::atomic<CUcontext>, most_devices> primary_contexts{};  // each stored once, under `retaining`
+
+CUcontext primary_context(const cuda_driver& d, int ordinal) {
+  if (ordinal < 0 || ordinal >= most_devices) {
+    throw invalid_argument("cuda device " + std::to_string(ordinal) + ": shoal serves the first " +
+                           std::to_string(most_devices) + " CUDA devices");
+  }
+  if (CUcontext known = primary_contexts[ordinal].load(std::memory_order_acquire)) return known;
+  std::lock_guard lock(retaining);
+  CUcontext context = primary_contexts[ordinal].load(std::memory_order_relaxed);
+  if (context == nullptr) {
+    CUdevice device = 0;
+    check(d.device_get(&device, ordinal), "cuDeviceGet");
+    check(d.primary_ctx_retain(&context, device), "cuDevicePrimaryCtxRetain");
+    primary_contexts[ordinal].store(context, std::memory_order_release);
+  }
+  return context;
+}
 
 }  // namespace
 
@@ -24,16 +45,9 @@ device_scope::device_scope(int ordinal) {
   const cuda_driver& d = driver();
   CUcontext current = nullptr;
   check(d.ctx_get_current(&current), "cuCtxGetCurrent");
-  const bool cached = ordinal >= 0 && ordinal < cached_devices;
-  CUcontext primary = cached ? primary_contexts[ordinal].load(std::memory_order_acquire) : nullptr;
-  if (primary != nullptr && current == primary) return;
-  if (primary != nullptr) {
-    check(d.ctx_set_current(primary), "cuCtxSetCurrent");
-  } else {
-    check(cudaSetDevice(ordinal), "cudaSetDevice");  // starts the primary context on first use
-    check(d.ctx_get_current(&primary), "cuCtxGetCurrent");
-    if (cached) primary_contexts[ordinal].store(primary, std::memory_order_release);
-  }
+  const CUcontext primary = primary_context(d, ordinal);
+  if (current == primary) return;
+  check(d.ctx_set_current(primary), "cuCtxSetCurrent");
   previous_ = current;
   switched_ = true;
 }

@@ -69,6 +69,7 @@ cuda_driver load_all() {
   load(d.get_error_name, "cuGetErrorName");
   load(d.ctx_get_current, "cuCtxGetCurrent");
   load(d.ctx_set_current, "cuCtxSetCurrent");
+  load(d.primary_ctx_retain, "cuDevicePrimaryCtxRetain");
   return d;
 }
 

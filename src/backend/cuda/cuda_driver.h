@@ -39,6 +39,7 @@ struct cuda_driver {
   PFN_cuGetErrorName_v6000 get_error_name = nullptr;
   PFN_cuCtxGetCurrent_v4000 ctx_get_current = nullptr;
   PFN_cuCtxSetCurrent_v4000 ctx_set_current = nullptr;
+  PFN_cuDevicePrimaryCtxRetain_v7000 primary_ctx_retain = nullptr;
 };
 
 /// The process-wide table, fetched on first use. Throws
