@@ -110,3 +110,26 @@ def test_calls_for_another_device_leave_the_current_device():
     )
     assert out["after_stats"] == 0 and out["after_other_device"] == 0 and out["where"] == 0
     assert out["before"] == 0 or out["devices"] == 1
+
+
+def test_a_handle_from_a_newer_or_unknown_format_is_refused_in_words():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        torch.ones(1, device="cuda")
+        errors = {}
+        for name, handle in {"future_version": b"\\x80c" + bytes(64), "unknown_type": b"\\x02z" + bytes(64),
+                             "short": b"\\x02c" + bytes(10), "one_byte": b"\\x02"}.items():
+            try:
+                torch.UntypedStorage._new_shared_cuda(0, handle, 4, 0, b"", 0, b"", False)
+                errors[name] = None
+            except RuntimeError as e:
+                errors[name] = str(e)
+        print(json.dumps(errors))
+        """
+    )
+    assert "newer PyTorch" in (out["future_version"] or ""), out
+    assert "type 'z'" in (out["unknown_type"] or ""), out
+    assert "not 10" in (out["short"] or ""), out
+    assert "1 bytes" in (out["one_byte"] or ""), out

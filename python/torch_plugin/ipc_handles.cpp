@@ -10,6 +10,7 @@
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 
 #include "plugin_status.h"
 
@@ -22,30 +23,55 @@ constexpr char expandable_segment_type = 'e';
 // Written with 'c' handles: PyTorch up to 2.12 writes 2 and refuses newer
 // versions; 2.13 writes 3 with the same 'c' payload, and reads 2.
 constexpr char written_version = 2;
-constexpr char newest_read_version = 3;
+constexpr unsigned char newest_read_version = 3;
 
 // Allocations opened here, by their handle's bytes: each is opened once
-// while any tensor of it lives (CUDA opens a handle once per context).
+// while any tensor of it lives, as PyTorch's allocator does.
 std::mutex opened_mutex;
 std::unordered_map<std::string, std::weak_ptr<void>> opened;  // guarded by opened_mutex
 
-std::shared_ptr<void> open_cuda_malloc(const std::string& handle, const cudaIpcMemHandle_t& ipc_handle) {
-  std::lock_guard lock(opened_mutex);
-  if (const auto found = opened.find(handle); found != opened.end()) {
-    if (std::shared_ptr<void> mapped = found->second.lock()) return mapped;
-  }
-  void* mapped = nullptr;
-  C10_CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, ipc_handle, cudaIpcMemLazyEnablePeerAccess));
-  const c10::DeviceIndex device = c10::cuda::current_device();
-  std::shared_ptr<void> held(mapped, [handle, device](void* ptr) {
-    const c10::cuda::CUDAGuard on_device(device);
-    std::lock_guard lock(opened_mutex);
-    // A later open of the same handle waits for this close (the lock).
-    if (const auto found = opened.find(handle); found != opened.end() && found->second.expired()) opened.erase(found);
+// One opened allocation: closed when the last tensor over it goes.
+struct ipc_mapping {
+  ipc_mapping(std::string handle_bytes, c10::DeviceIndex on) : handle(std::move(handle_bytes)), device(on) {}
+  ipc_mapping(const ipc_mapping&) = delete;
+  ipc_mapping& operator=(const ipc_mapping&) = delete;
+  ~ipc_mapping() {
+    if (ptr == nullptr) return;  // never opened
+    {
+      std::lock_guard lock(opened_mutex);
+      // An open of the same handle since then (CUDA counts a handle's opens
+      // in a context) keeps its own entry.
+      if (const auto found = opened.find(handle); found != opened.end() && found->second.expired()) opened.erase(found);
+    }
+    int current = -1;
+    const bool switch_device = cudaGetDevice(&current) == cudaSuccess && current != device;
+    if (switch_device) (void)cudaSetDevice(device);
     (void)cudaIpcCloseMemHandle(ptr);  // at exit the runtime may be gone: nothing to do then
+    if (switch_device) (void)cudaSetDevice(current);
     (void)cudaGetLastError();
-  });
-  opened[handle] = held;
+  }
+
+  const std::string handle;
+  const c10::DeviceIndex device;
+  void* ptr = nullptr;
+};
+
+std::shared_ptr<void> open_cuda_malloc(const std::string& handle, const cudaIpcMemHandle_t& ipc_handle) {
+  // Made before the lock, and destroyed after it (declared first): its
+  // destructor takes the lock, and nothing that can throw runs once it is open.
+  auto mapping = std::make_shared<ipc_mapping>(handle, c10::cuda::current_device());
+  std::unique_lock lock(opened_mutex);
+  std::weak_ptr<void>& entry = opened[handle];
+  if (std::shared_ptr<void> mapped = entry.lock()) return mapped;
+  const cudaError_t status = cudaIpcOpenMemHandle(&mapping->ptr, ipc_handle, cudaIpcMemLazyEnablePeerAccess);
+  if (status != cudaSuccess) {
+    mapping->ptr = nullptr;
+    opened.erase(handle);
+    lock.unlock();
+    C10_CUDA_CHECK(status);
+  }
+  std::shared_ptr<void> held(mapping, mapping->ptr);
+  entry = held;
   return held;
 }
 
@@ -89,7 +115,8 @@ std::shared_ptr<void> open_ipc_handle(const std::string& handle,
   }
   TORCH_CHECK(type == cuda_malloc_type, "shoal: a CUDA IPC handle of type '", type,
               "' is not one this PyTorch's sharing writes ('c' or 'e')");
-  TORCH_CHECK(handle[0] <= newest_read_version, "shoal: a CUDA IPC handle of version ", static_cast<int>(handle[0]),
+  const auto version = static_cast<unsigned char>(handle[0]);
+  TORCH_CHECK(version <= newest_read_version, "shoal: a CUDA IPC handle of version ", static_cast<int>(version),
               " comes from a newer PyTorch than any whose format shoal knows (", static_cast<int>(newest_read_version),
               ")");
   TORCH_CHECK(handle.size() == 2 + sizeof ipc_handle, "shoal: a CUDA IPC handle of type 'c' has ",

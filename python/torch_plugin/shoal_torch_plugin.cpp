@@ -280,7 +280,11 @@ extern "C" __attribute__((visibility("default"))) int shoal_torch_install(const 
   try {
     api = table;
     graphs = new shoal_torch::graph_pools(*table);
-    pluggable::changeCurrentAllocator(std::make_shared<shoal_allocator>(c10::cuda::CUDACachingAllocator::get()));
+    // PyTorch's own allocators live as long as the process; one a program
+    // installed itself is freed once replaced, so it opens nothing later.
+    c10::cuda::CUDACachingAllocator::CUDAAllocator* previous = c10::cuda::CUDACachingAllocator::get();
+    if (previous != nullptr && previous->name() != "native" && previous->name() != "cudaMallocAsync") previous = nullptr;
+    pluggable::changeCurrentAllocator(std::make_shared<shoal_allocator>(previous));
     return 0;
   } catch (const std::exception& e) {
     return fail(e.what());
