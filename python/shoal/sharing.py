@@ -24,9 +24,10 @@ when every process has dropped it, and the references of a process that dies
 (SIGKILL included) are reclaimed. Arrays to send must be shoal memory of the
 producer's allocator: copy others in first (e.g. ``shoal.from_dlpack`` then a
 copy, or ``Storage.write``). Without ``allocator=`` or ``device=``, a
-Producer sends memory of the device of its first put's CUDA tensors, and
-both sides otherwise take PyTorch's current CUDA device where the process
-initialized CUDA in PyTorch (a DDP rank's), else shoal's default device.
+Producer whose first put holds CUDA tensors sends memory of their device,
+and both sides otherwise take PyTorch's current CUDA device where the
+process initialized CUDA in PyTorch (a DDP rank's), else shoal's default
+device (see Producer).
 
 Trust: a producer is admitted by its uid (this user, or ``allowed_uids``)
 and is still untrusted. Everything it sends — the layout of every array, the
@@ -47,12 +48,10 @@ import math
 import os
 import secrets
 import selectors
-import sys
-import threading
 import time
 from typing import Any, Union
 
-from . import _shoal
+from . import _device_defaults, _shoal
 
 __all__ = ["Producer", "Consumer", "Batches", "Batch", "MAX_ARRAYS_PER_BATCH", "MAX_NESTING"]
 
@@ -69,43 +68,14 @@ _END_NOTE = json.dumps({"v": _VERSION, "end": True}, separators=(",", ":")).enco
 _MESSAGES_PER_TURN = 256  # a producer's messages read in one turn (a batch may span turns)
 
 
-_device_allocators: dict[tuple[str, int], _shoal.Allocator] = {}
-_device_allocators_lock = threading.Lock()
-
-
 def _device_text(device: _shoal.Device) -> str:
     """A device as PyTorch writes it ("cuda:3"), or "host"."""
     return f"cuda:{device.ordinal}" if device.kind == "cuda" else "host"
 
 
-def _torch_with_cuda() -> Any:
-    """torch when this process imported it and initialized CUDA in it, else None
-    (the device then is shoal's default: nothing here initializes CUDA)."""
-    torch = sys.modules.get("torch")
-    try:
-        return torch if torch is not None and torch.cuda.is_initialized() else None
-    except Exception:  # a torch without CUDA, or a stand-in
-        return None
-
-
-def _default_device() -> _shoal.Device:
-    """PyTorch's current CUDA device where this process uses PyTorch on CUDA
-    (a DDP rank on cuda:3 calls torch.cuda.set_device(3)), else the default
-    allocator's device."""
-    from . import default_allocator  # the package imports this module lazily: no cycle
-
-    device = default_allocator().device
-    torch = _torch_with_cuda()
-    if device.kind == "cuda" and torch is not None:
-        ordinal = torch.cuda.current_device()
-        if ordinal != device.ordinal:
-            return _shoal.cuda_device(ordinal)
-    return device
-
-
 def _device_of(where: str, device: Any) -> _shoal.Device:
     """`device=` as a shoal Device: a Device, a CUDA ordinal, "cuda:N", "cuda",
-    "host" or a torch.device."""
+    "host" (or "cpu": host memory) or a torch.device."""
     if isinstance(device, _shoal.Device):
         return device
     if type(device) is int:
@@ -116,16 +86,16 @@ def _device_of(where: str, device: Any) -> _shoal.Device:
         device = str(device)  # a torch.device: "cuda:3", "cuda" or "cpu"
     if isinstance(device, str):
         kind, _, ordinal = device.partition(":")
-        if kind == "host" and not ordinal:
+        if kind in ("host", "cpu") and not ordinal:  # shoal's host device serves host memory
             return _shoal.host_device()
         if kind == "cuda" and not ordinal:
-            default = _default_device()
+            default = _device_defaults.default_device()
             return default if default.kind == "cuda" else _shoal.cuda_device(0)
         if kind == "cuda" and ordinal.isdigit():
             return _shoal.cuda_device(int(ordinal))
         raise _shoal.InvalidArgumentError(
-            f"{where}: device must be 'cuda:N', 'cuda' or 'host' (or a CUDA ordinal, a torch.device, a "
-            f"shoal.Device), not {device!r}"
+            f"{where}: device must be 'cuda:N', 'cuda', 'host' or 'cpu' (or a CUDA ordinal, a torch.device, "
+            f"a shoal.Device), not {device!r}"
         )
     raise TypeError(
         f"{where}: device must be a shoal.Device, a CUDA ordinal, a torch.device or a str such as 'cuda:1', "
@@ -133,29 +103,10 @@ def _device_of(where: str, device: Any) -> _shoal.Device:
     )
 
 
-def _allocator_on(device: _shoal.Device) -> _shoal.Allocator:
-    """The allocator sharing uses on `device` by default: PyTorch's when shoal
-    backs it (its tensors can then be sent), else the package's default one
-    for its device, else one of this module's made on first use (settings
-    from SHOAL_ALLOC_CONF)."""
-    from . import default_allocator
-    from . import torch as shoal_torch
-
-    if device.kind == "cuda" and shoal_torch.is_enabled():
-        return shoal_torch.allocator(device.ordinal)
-    default = default_allocator()
-    if default.device == device:
-        return default
-    with _device_allocators_lock:
-        key = (device.kind, device.ordinal)
-        if key not in _device_allocators:
-            _device_allocators[key] = _shoal.Allocator(device)
-        return _device_allocators[key]
-
-
 def _allocator_for(where: str, allocator: _shoal.Allocator | None, device: Any) -> _shoal.Allocator:
     """`allocator=` or `device=` as an allocator; without either, that of
-    PyTorch's current CUDA device (see _default_device)."""
+    PyTorch's current CUDA device, else shoal's default device (see
+    _device_defaults: shoal's CUDA device 0 is not made where PyTorch names another)."""
     if allocator is not None and not isinstance(allocator, _shoal.Allocator):
         raise TypeError(f"{where}: allocator must be a shoal.Allocator or None, not {type(allocator).__name__}")
     wanted = _device_of(where, device) if device is not None else None
@@ -166,7 +117,7 @@ def _allocator_for(where: str, allocator: _shoal.Allocator | None, device: Any) 
                 f"{_device_text(wanted)}; pass one of them"
             )
         return allocator
-    return _allocator_on(wanted if wanted is not None else _default_device())
+    return _device_defaults.allocator_on(wanted if wanted is not None else _device_defaults.default_device())
 
 
 def _torch_stream(ordinal: int) -> _shoal.Stream:
@@ -311,15 +262,19 @@ class Producer:
 
     The arrays it sends are memory of `allocator` (``Producer.allocator``).
     `device` (a CUDA ordinal, ``"cuda:1"``, a torch.device, ``"host"`` or a
-    shoal.Device) names the device instead, for its default allocator:
-    PyTorch's there when ``shoal.torch.enable()`` made shoal PyTorch's
-    allocator, else the package's. With neither, the first put() that holds
-    CUDA tensors takes their device; until then (and for a first put of
-    shoal memory alone) it is PyTorch's current CUDA device where this process
-    initialized CUDA in PyTorch (``torch.cuda.set_device``), else shoal's
-    default device. An array on another device, or of another allocator, is
-    refused by put() with an InvalidArgumentError saying which argument to
-    pass."""
+    shoal.Device; ``"cpu"`` and ``torch.device("cpu")`` name the host device,
+    whose memory is host memory) names the device instead, for its default
+    allocator: PyTorch's there when ``shoal.torch.enable()`` made shoal
+    PyTorch's allocator, else the package's. With neither, the allocator is
+    that of PyTorch's current CUDA device where this process initialized CUDA
+    in PyTorch (``torch.cuda.set_device``), else of shoal's default device;
+    but when the Producer's first put() holds CUDA tensors, that put takes
+    the device of the first of them instead. The first put that sends
+    anything — a batch without arrays, or of shoal memory alone, included —
+    or the first read of ``peer`` fixes the allocator for good: the tensors
+    of a later put do not move it. An array on another device, or of
+    another allocator, is refused by put() with an InvalidArgumentError
+    saying which argument to pass."""
 
     def __init__(
         self,
@@ -388,7 +343,9 @@ class Producer:
                 try:
                     self._peer.send(leaf.view, header, on)
                 except _shoal.InvalidArgumentError as e:
-                    if "another allocator" not in str(e):
+                    # Refused: said in Python terms where its memory is not this
+                    # Producer's allocator's (found by address, not by the message).
+                    if isinstance(e, _shoal.ProtocolError) or self._allocator_holds(leaf.view.storage):
                         raise
                     raise self._foreign(leaf) from None
                 sent += 1
@@ -406,6 +363,7 @@ class Producer:
     @property
     def _peer(self) -> _shoal.Peer:
         if self._link is None:
+            assert self._connection is not None  # handed to the Peer alone, when it is made
             self._link = _shoal.Peer(self.context, self._connection)
             self._connection = None
         return self._link
@@ -416,7 +374,7 @@ class Producer:
         ordinal = next((leaf.torch_ordinal for leaf in leaves if leaf.torch_ordinal is not None), None)
         if ordinal is None:
             return
-        allocator = _allocator_on(_shoal.cuda_device(ordinal))
+        allocator = _device_defaults.allocator_on(_shoal.cuda_device(ordinal))
         if allocator is not self.allocator:
             self.context = _shoal.SharingContext(allocator, **self._options)
             self.allocator = allocator
@@ -444,6 +402,15 @@ class Producer:
                 f"of an allocator on {_device_text(mine)} (one Producer, one device); for {on}, make a Producer "
                 f"with {fix}"
             )
+
+    def _allocator_holds(self, storage: _shoal.Storage) -> bool:
+        """Whether `storage`'s data lies in a segment of this Producer's allocator
+        (asked once a send was refused: a snapshot lists every segment)."""
+        start = storage.ptr
+        return any(
+            segment["address"] <= start < segment["address"] + segment["total_size"]
+            for segment in self.allocator.snapshot()["segments"]
+        )
 
     def _foreign(self, leaf: _Leaf) -> _shoal.InvalidArgumentError:
         """The error for an array of this device that another allocator handed out."""
@@ -545,7 +512,7 @@ class Producer:
     def __repr__(self) -> str:
         if self.closed:
             return "shoal.sharing.Producer(closed)"
-        pid = self._connection.peer_pid if self._link is None else self._link.peer_pid
+        pid = self._peer.peer_pid if self._connection is None else self._connection.peer_pid
         return f"shoal.sharing.Producer(to pid {pid})"
 
     def __enter__(self) -> "Producer":

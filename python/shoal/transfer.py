@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Optional, Union
 
-from . import _checks, _shoal, _torch_device, default_allocator
+from . import _checks, _device_defaults, _shoal
 
 __all__ = ["Engine", "MAX_ARRAYS_PER_BATCH", "MAX_NESTING"]
 
@@ -161,37 +161,19 @@ def _rebuild(node: Any, views: list) -> Any:
     return {key: _rebuild(value, views) for key, value in node.items()}
 
 
-_cuda_allocators: dict[int, _shoal.Allocator] = {}  # engines' allocators of other GPUs, by ordinal
-_cuda_allocators_lock = threading.Lock()
-
-
 def _default_engine_allocator() -> _shoal.Allocator:
     """On PyTorch's current CUDA device where this process uses PyTorch on CUDA (a DDP
-    rank on cuda:3 gets its batches on cuda:3), else on the default allocator's device:
-    PyTorch's allocator there when shoal backs it (so batches count in torch.cuda's stats),
-    else the package's default one, or one made for that device on first use (settings
-    from SHOAL_ALLOC_CONF)."""
-    from . import torch as shoal_torch
-
-    default = default_allocator()
-    if default.device.kind != "cuda":
-        return default
-    ordinal = _torch_device.current_cuda_ordinal()
-    if ordinal is None:
-        ordinal = default.device.ordinal
-    if shoal_torch.is_enabled():
-        return shoal_torch.allocator(ordinal)
-    if ordinal == default.device.ordinal:
-        return default
-    with _cuda_allocators_lock:
-        if ordinal not in _cuda_allocators:
-            _cuda_allocators[ordinal] = _shoal.Allocator(_shoal.cuda_device(ordinal))
-        return _cuda_allocators[ordinal]
+    rank on cuda:3 gets its batches on cuda:3, and makes nothing on cuda:0), else on
+    shoal's default device: PyTorch's allocator there when shoal backs it (so batches
+    count in torch.cuda's stats), else the package's default one where it is on that
+    device, else the one shoal.sharing uses there too (see _device_defaults)."""
+    return _device_defaults.allocator_on(_device_defaults.default_device())
 
 
 def _checked_timeout(where: str, timeout: Optional[float]) -> Optional[float]:
     """`timeout` when it is None or a finite number of seconds >= 0, else InvalidArgumentError
-    (checked here, before the engine is asked: a refusal then changes nothing)."""
+    (checked here, before the engine is asked: a refusal then changes nothing). One past
+    threading.TIMEOUT_MAX is kept: lock waits take it as no limit (_lock_wait)."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
@@ -199,6 +181,13 @@ def _checked_timeout(where: str, timeout: Optional[float]) -> Optional[float]:
     if not (timeout >= 0 and math.isfinite(timeout)):
         raise _shoal.InvalidArgumentError(f"{where}: timeout must be a finite number of seconds >= 0, not {timeout!r}")
     return timeout
+
+
+def _lock_wait(timeout: Optional[float]) -> float:
+    """`timeout` as threading's lock waits take it: -1 (no limit) for None and for one past
+    threading.TIMEOUT_MAX (which raises OverflowError there; some 292 years on Linux), else
+    itself."""
+    return -1 if timeout is None or timeout > threading.TIMEOUT_MAX else timeout
 
 
 def _as_torch(view: _shoal.ArrayView) -> Any:
@@ -212,10 +201,11 @@ class Engine:
 
     ``allocator``: where device memory comes from (default: on PyTorch's current CUDA device
     where this process has initialized CUDA in PyTorch — a DDP rank that called
-    ``torch.cuda.set_device(3)`` gets its batches on cuda:3 — else on the default
-    allocator's device; there the allocator PyTorch uses when ``shoal.torch`` is enabled,
-    else ``shoal.default_allocator()`` on its own device, or an allocator of this module's
-    for another GPU, made on first use with the settings of SHOAL_ALLOC_CONF). Give it a memory limit
+    ``torch.cuda.set_device(3)`` gets its batches on cuda:3, and nothing of shoal's on
+    cuda:0 — else on shoal's default device; there the allocator PyTorch uses when
+    ``shoal.torch`` is enabled, else ``shoal.default_allocator()`` where it is on that
+    device, else one allocator per device that ``shoal.sharing`` uses too, made on first use
+    with the settings of SHOAL_ALLOC_CONF). Give it a memory limit
     (``shoal.Allocator(memory_limit_mb=...)``) to bound the device memory batches take: a
     consumer whose stream lags keeps dropped batches' memory until the stream passes their
     reads, and at the limit the engine's thread waits for that instead of growing.
@@ -320,7 +310,7 @@ class Engine:
                       for (address, nbytes, pinned, owner), dtype, shape in leaves]
         buffers = [buffer for buffer, _, _ in leaves]
         types = [(dtype, shape) for _, dtype, shape in leaves]
-        if not self._submit_lock.acquire(timeout=-1 if timeout is None else timeout):
+        if not self._submit_lock.acquire(timeout=_lock_wait(timeout)):
             stats = self._engine.stats()
             raise _shoal.PeerTimeoutError(
                 f"shoal.transfer.Engine.submit: no room for the batch within {timeout} s: another thread's "

@@ -823,7 +823,7 @@ def test_device_and_allocator_arguments_are_checked_by_name():
     for make in (sharing.Consumer, lambda **kw: sharing.Producer("unused", **kw)):
         with pytest.raises(TypeError, match="device must be a shoal.Device"):
             make(device=object())
-        with pytest.raises(shoal.InvalidArgumentError, match="device must be 'cuda:N', 'cuda' or 'host'"):
+        with pytest.raises(shoal.InvalidArgumentError, match="device must be 'cuda:N', 'cuda', 'host' or 'cpu'"):
             make(device="gpu:1")
         with pytest.raises(shoal.InvalidArgumentError, match="device must be a CUDA ordinal >= 0"):
             make(device=-1)
@@ -836,6 +836,112 @@ def test_device_and_allocator_arguments_are_checked_by_name():
     if shoal.cuda_device_count() > 0:
         with pytest.raises(shoal.InvalidArgumentError, match="allocator= is on host but device= names cuda:0"):
             sharing.Consumer(allocator=HOST, device="cuda:0")
+
+
+class TorchDevice:
+    """What device= reads of a torch.device: its module, its type, its text."""
+
+    def __init__(self, text: str) -> None:
+        self.type = text.partition(":")[0]
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+TorchDevice.__module__ = "torch"
+
+
+def test_cpu_names_the_host_device_as_a_str_and_as_a_torch_device():
+    for cpu in ("cpu", TorchDevice("cpu")):
+        with sharing.Consumer(device=cpu) as consumer:
+            assert consumer.allocator.device == shoal.host_device(), f"device={cpu} did not name the host"
+        with sharing.Consumer() as consumer, sharing.Producer(consumer.address, device=cpu) as producer:
+            assert producer.allocator.device == shoal.host_device(), f"device={cpu} did not name the host"
+    with pytest.raises(shoal.InvalidArgumentError, match="'cpu:0'"):
+        sharing.Consumer(device="cpu:0")
+
+
+@pytest.fixture
+def rank_on_gpu_1(monkeypatch):
+    """This process as shoal's defaults see a DDP rank on cuda:1: torch imported, CUDA
+    initialised in it, device 1 current, two CUDA devices. Making shoal's CUDA device 0
+    (shoal.default_allocator() or shoal.default_device(), which create GPU 0's context) fails
+    the test. The "cuda:1" made is the host device (this machine may have no GPU); the
+    ordinals asked for are returned."""
+    from shoal import _device_defaults
+
+    def no_device_0(*args, **kwargs):
+        raise AssertionError("shoal's default device was made: a context on GPU 0 in a rank on cuda:1")
+
+    asked: list = []
+    cuda = types.SimpleNamespace(is_initialized=lambda: True, current_device=lambda: 1)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.delenv("SHOAL_BACKEND", raising=False)
+    monkeypatch.setattr(shoal._shoal, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(shoal._shoal, "cuda_device", lambda ordinal=0: asked.append(ordinal) or shoal.host_device())
+    monkeypatch.setattr(shoal._shoal, "default_device", no_device_0)
+    monkeypatch.setattr(shoal, "default_allocator", no_device_0)
+    monkeypatch.setattr(shoal, "_default_allocator", None)  # not made yet, as in a fresh rank
+    monkeypatch.setattr(_device_defaults, "_allocators", {})
+    return asked
+
+
+def test_a_rank_on_another_gpu_makes_nothing_on_gpu_0_by_default(rank_on_gpu_1):
+    import shoal.transfer
+
+    with sharing.Consumer() as consumer, sharing.Producer(consumer.address) as producer:
+        assert consumer.allocator.device == producer.allocator.device == shoal.host_device()
+    shoal.transfer._default_engine_allocator()  # what Engine() with no allocator takes
+    assert rank_on_gpu_1 and set(rank_on_gpu_1) == {1}, f"devices made: {rank_on_gpu_1}, not torch's current one"
+
+
+def test_sharing_and_transfer_keep_one_allocator_per_device(rank_on_gpu_1):
+    import shoal.transfer
+
+    with sharing.Consumer() as consumer, sharing.Producer(consumer.address) as producer:
+        assert producer.allocator is consumer.allocator, "a Producer and a Consumer on one device: two caches"
+        assert shoal.transfer._default_engine_allocator() is consumer.allocator, (
+            "an Engine on the device sharing uses: a second cache of that device's memory")
+        with sharing.Consumer(device="cuda:1") as named:
+            assert named.allocator is consumer.allocator, "device= named the same device: another allocator"
+
+
+def test_a_torch_whose_current_device_fails_leaves_shoals_default_device(monkeypatch):
+    def torn_down():
+        raise RuntimeError("CUDA driver shutting down")
+
+    cuda = types.SimpleNamespace(is_initialized=lambda: True, current_device=torn_down)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    with sharing.Consumer() as consumer:
+        assert consumer.allocator.device == shoal.default_device()
+
+
+class RewordedPeer:
+    """A Peer whose send refuses every array in other words than the binding's today (as a
+    reworded C++ message would): put must tell memory of another allocator by itself."""
+
+    def __init__(self, peer: shoal.Peer) -> None:
+        self._peer = peer
+
+    def send(self, *args, **kwargs):
+        raise shoal.InvalidArgumentError("peer::send: refused")
+
+    def __getattr__(self, name: str):
+        return getattr(self._peer, name)
+
+
+def test_memory_of_another_allocator_is_told_by_its_address_not_by_the_bindings_words():
+    other = shoal.Allocator(shoal.host_device())
+    with sharing.Consumer(allocator=HOST) as consumer, host_producer(consumer) as producer:
+        producer._link = RewordedPeer(producer.peer)
+        with pytest.raises(shoal.InvalidArgumentError) as refused:
+            producer.put({"a": other.allocate(16)})
+        message = str(refused.value)
+        assert "batch['a'] is shoal memory on host from another allocator" in message, message
+        # Its own memory, refused for another reason: the binding's words, not a wrong guess.
+        with pytest.raises(shoal.InvalidArgumentError, match=r"^peer::send: refused$"):
+            producer.put({"b": HOST.allocate(16)})
 
 
 def test_memory_of_another_allocator_is_refused_in_python_terms_naming_the_argument_to_pass():
@@ -898,3 +1004,16 @@ def test_a_producer_made_without_allocator_takes_its_first_tensors_device_and_wa
         assert "allocator=shoal.torch.allocator(2) (or device='cuda:2')" in message, message
         del batch
     streams[3].synchronize()
+
+
+def test_a_first_put_without_tensors_fixes_a_default_producers_allocator(torch_stand_in):
+    allocators, streams, asked = torch_stand_in
+    with sharing.Consumer(allocator=HOST) as consumer, sharing.Producer(consumer.address) as producer:
+        chosen = producer.allocator
+        producer.put({})  # a note alone: it makes the connection's Peer, which binds the allocator
+        with pytest.raises(shoal.InvalidArgumentError) as refused:
+            producer.put({"x": FakeTensor(3, allocators[3].allocate(64).view("uint8"))})
+        assert producer.allocator is chosen, "a later put's tensors moved the allocator"
+        message = str(refused.value)
+        assert "batch['x'] is a tensor on host from another allocator" in message, message
+        assert consumer.get(timeout=WAIT) == {}

@@ -588,16 +588,26 @@ def test_an_engine_made_without_a_device_follows_torchs_current_device():
 def test_torchs_current_cuda_device_is_read_only_where_torch_initialised_cuda(monkeypatch):
     import types
 
-    from shoal import _torch_device
+    from shoal import _device_defaults
 
     monkeypatch.delitem(sys.modules, "torch", raising=False)
-    assert _torch_device.current_cuda_ordinal() is None, "without torch imported, nothing is read"
+    assert _device_defaults.current_cuda_ordinal() is None, "without torch imported, nothing is read"
     initialised = {"value": False}
     cuda = types.SimpleNamespace(is_initialized=lambda: initialised["value"], current_device=lambda: 3)
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
-    assert _torch_device.current_cuda_ordinal() is None, "torch without CUDA initialised: shoal's default"
+    assert _device_defaults.current_cuda_ordinal() is None, "torch without CUDA initialised: shoal's default"
     initialised["value"] = True
-    assert _torch_device.current_cuda_ordinal() == 3
+    assert _device_defaults.current_cuda_ordinal() == 3
+
+
+def test_a_timeout_past_threadings_limit_is_no_limit(engine):
+    # threading's lock waits refuse one past threading.TIMEOUT_MAX with OverflowError.
+    engine.submit([numpy.full(8, 3, "uint8")], timeout=1e10)
+    engine.submit([numpy.full(8, 4, "uint8")], timeout=float(threading.TIMEOUT_MAX) * 2)
+    for value in (3, 4):
+        (out,) = engine.get(timeout=1e10)
+        assert host_copy(out).tolist() == [value] * 8
+        del out
 
 
 def test_engine_counts_out_of_range_are_named_not_left_to_the_binding():

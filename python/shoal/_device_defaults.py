@@ -1,0 +1,105 @@
+"""The device, and the allocator there, that shoal's modules use when the caller names neither.
+
+A process that runs PyTorch on one GPU of several (a DDP rank on cuda:3 calls
+``torch.cuda.set_device(3)``) expects what it makes without naming a device (a
+``sharing.Producer`` or ``Consumer``, a ``transfer.Engine``) to land on that GPU, and
+nothing of it on another. Making shoal's CUDA device 0 — what ``shoal.default_allocator()``
+and ``shoal.default_device()`` do on a GPU machine — creates GPU 0's context (some
+0.3-0.5 GiB there, in every rank), so PyTorch's current device is read first, and shoal's
+default allocator is asked for only where PyTorch does not decide the device, or where that
+allocator would be (or already is) on the device decided.
+
+Where the process never imported torch, or imported it without initializing CUDA in it,
+nothing here imports torch or initializes CUDA: shoal's own default device decides.
+
+One allocator per device serves every module here: a process that both shares and
+transfers on cuda:1 keeps one cache of cuda:1's memory, not one per module.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any, Optional
+
+from . import _shoal
+
+_allocators: dict[tuple[str, int], _shoal.Allocator] = {}  # made here, by (kind, ordinal)
+_allocators_lock = threading.Lock()
+
+
+def torch_with_cuda() -> Any:
+    """The torch module when this process imported it and initialized CUDA in it, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        return torch if torch.cuda.is_initialized() else None
+    except Exception:  # a torch without CUDA, or a stand-in module
+        return None
+
+
+def current_cuda_ordinal() -> Optional[int]:
+    """``torch.cuda.current_device()`` where this process uses PyTorch on CUDA (see
+    torch_with_cuda), else None."""
+    torch = torch_with_cuda()
+    if torch is None:
+        return None
+    try:
+        return int(torch.cuda.current_device())
+    except Exception:  # a stand-in module, or CUDA torn down at exit
+        return None
+
+
+def _backend_choice() -> str:
+    return os.environ.get("SHOAL_BACKEND", "")
+
+
+def torch_ordinal() -> Optional[int]:
+    """PyTorch's current CUDA device where it decides shoal's default device: this process
+    uses PyTorch on CUDA, SHOAL_BACKEND does not force another backend than CUDA, and this
+    build of shoal sees that device. Else None: shoal's default device decides."""
+    ordinal = current_cuda_ordinal()
+    if ordinal is None or _backend_choice() not in ("", "cuda"):
+        return None
+    return ordinal if 0 <= ordinal < _shoal.cuda_device_count() else None
+
+
+def default_device() -> _shoal.Device:
+    """PyTorch's current CUDA device where it decides (torch_ordinal), else shoal's default
+    device (which, on a GPU machine, makes CUDA device 0: its context)."""
+    ordinal = torch_ordinal()
+    return _shoal.default_device() if ordinal is None else _shoal.cuda_device(ordinal)
+
+
+def _is_shoal_default(device: _shoal.Device) -> bool:
+    """Whether ``shoal.default_device()`` is `device`, found without making CUDA device 0."""
+    choice = _backend_choice()
+    if device.kind == "cuda":
+        return device.ordinal == 0 and choice in ("", "cuda")
+    return choice == "host" or (choice == "" and _shoal.cuda_device_count() == 0)
+
+
+def allocator_on(device: _shoal.Device) -> _shoal.Allocator:
+    """The allocator for `device` when the caller names none: PyTorch's there when
+    ``shoal.torch.enable()`` made shoal PyTorch's CUDA allocator (so its memory counts in
+    torch.cuda's stats and tensors of it can be shared), else ``shoal.default_allocator()``
+    where it is on `device` (asked for only where it exists already or would be made on
+    `device`), else one made here for `device` on first use (settings from
+    SHOAL_ALLOC_CONF), the same one for every module that asks."""
+    from . import torch as shoal_torch
+
+    if device.kind == "cuda" and shoal_torch.is_enabled():
+        return shoal_torch.allocator(device.ordinal)
+    from . import _default_allocator as default, default_allocator  # the package's, made or not yet
+
+    if default is None and _is_shoal_default(device):
+        default = default_allocator()
+    if default is not None and default.device == device:
+        return default
+    key = (device.kind, device.ordinal)
+    with _allocators_lock:
+        if key not in _allocators:
+            _allocators[key] = _shoal.Allocator(device)
+        return _allocators[key]
