@@ -43,12 +43,14 @@ struct ipc_mapping {
       // in a context) keeps its own entry.
       if (const auto found = opened.find(handle); found != opened.end() && found->second.expired()) opened.erase(found);
     }
-    int current = -1;
-    const bool switch_device = cudaGetDevice(&current) == cudaSuccess && current != device;
-    if (switch_device) (void)cudaSetDevice(device);
-    (void)cudaIpcCloseMemHandle(ptr);  // at exit the runtime may be gone: nothing to do then
-    if (switch_device) (void)cudaSetDevice(current);
-    (void)cudaGetLastError();
+    // PyTorch's guard puts the thread's device back without making a
+    // context there (a thread with none would otherwise get device 0's).
+    try {
+      const c10::cuda::CUDAGuard on_device(device);
+      (void)cudaIpcCloseMemHandle(ptr);  // at exit the runtime may be gone: nothing to do then
+      (void)cudaGetLastError();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor has no one to tell
+    }
   }
 
   const std::string handle;

@@ -20,7 +20,9 @@ namespace shoal::backend::detail {
 /// Does nothing, and restores nothing, when the device's primary context is
 /// current already (another context of the device, a program's own, is put
 /// aside: shoal's streams and memory are the primary context's).
-/// Throws shoal::backend_error when the device cannot be made current.
+/// Throws shoal::backend_error when the device cannot be made current, and
+/// invalid_argument for an ordinal past the 64 devices served (devices.h
+/// refuses those first).
 class device_scope {
  public:
   explicit device_scope(int ordinal);
