@@ -9,6 +9,11 @@ and ``shoal.default_device()`` do on a GPU machine — creates GPU 0's context (
 default allocator is asked for only where PyTorch does not decide the device, or where that
 allocator would be (or already is) on the device decided.
 
+PyTorch's current device is per thread (a thread that never called set_device is on
+device 0), so it is the calling thread's that decides: a Consumer and an Engine read it
+where they are made, a default Producer at its first put. A rank that makes them in a
+thread of its own must set that thread's device too, or they land on GPU 0.
+
 Where the process never imported torch, or imported it without initializing CUDA in it,
 nothing here imports torch or initializes CUDA: shoal's own default device decides.
 
@@ -18,6 +23,7 @@ transfers on cuda:1 keeps one cache of cuda:1's memory, not one per module.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -41,8 +47,8 @@ def torch_with_cuda() -> Any:
 
 
 def current_cuda_ordinal() -> Optional[int]:
-    """``torch.cuda.current_device()`` where this process uses PyTorch on CUDA (see
-    torch_with_cuda), else None."""
+    """``torch.cuda.current_device()`` — the calling thread's: PyTorch keeps one per
+    thread — where this process uses PyTorch on CUDA (see torch_with_cuda), else None."""
     torch = torch_with_cuda()
     if torch is None:
         return None
@@ -57,9 +63,10 @@ def _backend_choice() -> str:
 
 
 def torch_ordinal() -> Optional[int]:
-    """PyTorch's current CUDA device where it decides shoal's default device: this process
-    uses PyTorch on CUDA, SHOAL_BACKEND does not force another backend than CUDA, and this
-    build of shoal sees that device. Else None: shoal's default device decides."""
+    """The calling thread's current CUDA device in PyTorch where it decides shoal's default
+    device: this process uses PyTorch on CUDA, SHOAL_BACKEND does not force another backend
+    than CUDA, and this build of shoal sees that device. Else None: shoal's default device
+    decides."""
     ordinal = current_cuda_ordinal()
     if ordinal is None or _backend_choice() not in ("", "cuda"):
         return None
@@ -103,3 +110,11 @@ def allocator_on(device: _shoal.Device) -> _shoal.Allocator:
         if key not in _allocators:
             _allocators[key] = _shoal.Allocator(device)
         return _allocators[key]
+
+
+@atexit.register
+def _drop_allocators() -> None:
+    # As shoal's _default_allocator: the Python objects go at exit, before the interpreter
+    # tears modules down in no set order; storages still alive keep their C++ state.
+    with _allocators_lock:
+        _allocators.clear()

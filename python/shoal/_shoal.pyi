@@ -271,6 +271,11 @@ class Storage:
         Address of the data for reading (never copies; a lazy clone shows the shared data).
         """
 
+    def same_allocator(self, allocator: Allocator) -> bool:
+        """
+        Whether this storage's memory is `allocator`'s: allocated by it, or adopted by it (received from another process, imported through DLPack). Compares the allocators themselves, not addresses: reads nothing of either.
+        """
+
     @property
     def is_lazy(self) -> bool:
         """

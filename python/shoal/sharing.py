@@ -25,9 +25,11 @@ when every process has dropped it, and the references of a process that dies
 producer's allocator: copy others in first (e.g. ``shoal.from_dlpack`` then a
 copy, or ``Storage.write``). Without ``allocator=`` or ``device=``, a
 Producer whose first put holds CUDA tensors sends memory of their device,
-and both sides otherwise take PyTorch's current CUDA device where the
+and both sides otherwise take the calling thread's current CUDA device in
+PyTorch (``torch.cuda.current_device()``, which is per thread) where the
 process initialized CUDA in PyTorch (a DDP rank's), else shoal's default
-device (see Producer).
+device: a Consumer in the thread that makes it, a Producer in the thread of
+its first put (see Producer).
 
 Trust: a producer is admitted by its uid (this user, or ``allowed_uids``)
 and is still untrusted. Everything it sends — the layout of every array, the
@@ -75,7 +77,7 @@ def _device_text(device: _shoal.Device) -> str:
 
 def _device_of(where: str, device: Any) -> _shoal.Device:
     """`device=` as a shoal Device: a Device, a CUDA ordinal, "cuda:N", "cuda",
-    "host" (or "cpu": host memory) or a torch.device."""
+    "host" (or "cpu", "host:0", "cpu:0": host memory) or a torch.device."""
     if isinstance(device, _shoal.Device):
         return device
     if type(device) is int:
@@ -86,7 +88,7 @@ def _device_of(where: str, device: Any) -> _shoal.Device:
         device = str(device)  # a torch.device: "cuda:3", "cuda" or "cpu"
     if isinstance(device, str):
         kind, _, ordinal = device.partition(":")
-        if kind in ("host", "cpu") and not ordinal:  # shoal's host device serves host memory
+        if kind in ("host", "cpu") and ordinal in ("", "0"):  # shoal's one host device serves host memory
             return _shoal.host_device()
         if kind == "cuda" and not ordinal:
             default = _device_defaults.default_device()
@@ -104,9 +106,9 @@ def _device_of(where: str, device: Any) -> _shoal.Device:
 
 
 def _allocator_for(where: str, allocator: _shoal.Allocator | None, device: Any) -> _shoal.Allocator:
-    """`allocator=` or `device=` as an allocator; without either, that of
-    PyTorch's current CUDA device, else shoal's default device (see
-    _device_defaults: shoal's CUDA device 0 is not made where PyTorch names another)."""
+    """`allocator=` or `device=` as an allocator; without either, that of the
+    calling thread's current CUDA device in PyTorch, else shoal's default device
+    (see _device_defaults: shoal's CUDA device 0 is not made where PyTorch names another)."""
     if allocator is not None and not isinstance(allocator, _shoal.Allocator):
         raise TypeError(f"{where}: allocator must be a shoal.Allocator or None, not {type(allocator).__name__}")
     wanted = _device_of(where, device) if device is not None else None
@@ -265,16 +267,20 @@ class Producer:
     shoal.Device; ``"cpu"`` and ``torch.device("cpu")`` name the host device,
     whose memory is host memory) names the device instead, for its default
     allocator: PyTorch's there when ``shoal.torch.enable()`` made shoal
-    PyTorch's allocator, else the package's. With neither, the allocator is
-    that of PyTorch's current CUDA device where this process initialized CUDA
-    in PyTorch (``torch.cuda.set_device``), else of shoal's default device;
-    but when the Producer's first put() holds CUDA tensors, that put takes
-    the device of the first of them instead. The first put that sends
-    anything — a batch without arrays, or of shoal memory alone, included —
-    or the first read of ``peer`` fixes the allocator for good: the tensors
-    of a later put do not move it. An array on another device, or of
-    another allocator, is refused by put() with an InvalidArgumentError
-    saying which argument to pass."""
+    PyTorch's allocator, else the package's. With neither, nothing is chosen
+    when the Producer is made: its first put() takes the device of the first
+    CUDA tensor it holds, else the calling thread's current CUDA device in
+    PyTorch where this process initialized CUDA in PyTorch
+    (``torch.cuda.set_device``; PyTorch's current device is per thread, and
+    a thread that set none has device 0), else shoal's default device. That
+    first put — a batch without arrays, or of shoal memory alone, included —
+    or the first read of ``context`` or ``peer`` (``close()`` included)
+    fixes the allocator for good, and makes the SharingContext (its
+    options are checked then): the tensors of a later put do not move it.
+    Until then ``allocator`` is the one a put of this thread without tensors
+    would take. An array on another device, or of another allocator, is
+    refused by put() with an InvalidArgumentError saying which argument to
+    pass."""
 
     def __init__(
         self,
@@ -289,11 +295,13 @@ class Producer:
         if max_ahead is not None and (type(max_ahead) is not int or max_ahead < 1):
             raise ValueError(f"shoal.sharing.Producer: max_ahead must be a whole number of at least 1 or None, not {max_ahead!r}")
         self.max_ahead = max_ahead
-        self.allocator = _allocator_for("shoal.sharing.Producer", allocator, device)
-        self.context = _shoal.SharingContext(self.allocator, **options)
         self._options = options
-        # Chosen by default: the first put's tensors may still choose (until the Peer is made).
-        self._follows_tensors = allocator is None and device is None
+        # Both None until fixed: a Producer made without allocator= or device= chooses its
+        # device at its first put (its tensors', else the putting thread's; see _fix).
+        self._allocator: _shoal.Allocator | None = None
+        self._context: _shoal.SharingContext | None = None
+        if allocator is not None or device is not None:
+            self._fix(_allocator_for("shoal.sharing.Producer", allocator, device))
         self._connection: _shoal.Connection | None = _shoal.connect(address, list(allowed_uids))
         # The Peer, made at the first put (or close): it binds the context's allocator for good.
         self._link: _shoal.Peer | None = None
@@ -324,8 +332,8 @@ class Producer:
         hung up first."""
         leaves: list[_Leaf] = []
         structure = _flatten(batch, leaves, 0)
-        if self._link is None and self._follows_tensors:
-            self._follow(leaves)
+        if self._context is None:
+            self._choose(leaves)
         self._check_devices(leaves)
         headers = [_leaf_header(leaf.view) for leaf in leaves]  # built before any array is sent
         # An endpoint of another protocol (a lender greets as it accepts) is
@@ -343,9 +351,11 @@ class Producer:
                 try:
                     self._peer.send(leaf.view, header, on)
                 except _shoal.InvalidArgumentError as e:
-                    # Refused: said in Python terms where its memory is not this
-                    # Producer's allocator's (found by address, not by the message).
-                    if isinstance(e, _shoal.ProtocolError) or self._allocator_holds(leaf.view.storage):
+                    # Refused: said in Python terms where its memory is another
+                    # allocator's (told by the allocator itself, not by the message);
+                    # the allocator's own memory (adopted: received, imported) keeps
+                    # the binding's words, which say to copy it.
+                    if isinstance(e, _shoal.ProtocolError) or leaf.view.storage.same_allocator(self.allocator):
                         raise
                     raise self._foreign(leaf) from None
                 sent += 1
@@ -368,17 +378,40 @@ class Producer:
             self._connection = None
         return self._link
 
-    def _follow(self, leaves: list[_Leaf]) -> None:
-        """A Producer made without allocator= or device= takes the device of
-        the first put's first CUDA tensor (its Peer is not made yet)."""
+    @property
+    def allocator(self) -> _shoal.Allocator:
+        """The allocator whose memory this Producer sends. For one made without
+        allocator= or device=, until its first put (or a read of ``context`` or
+        ``peer``) fixes it: the one a put of the calling thread without tensors
+        would take now."""
+        if self._allocator is not None:
+            return self._allocator
+        return _allocator_for("shoal.sharing.Producer", None, None)
+
+    @property
+    def context(self) -> _shoal.SharingContext:
+        """The SharingContext of the allocator: made, for a Producer made without
+        allocator= or device=, at its first put or by this read, which fixes
+        the allocator (on the calling thread's device, see Producer)."""
+        if self._context is None:
+            return self._fix(_allocator_for("shoal.sharing.Producer", None, None))
+        return self._context
+
+    def _fix(self, allocator: _shoal.Allocator) -> _shoal.SharingContext:
+        """Fixes the allocator and makes its context (which checks the options)."""
+        context = _shoal.SharingContext(allocator, **self._options)
+        self._allocator, self._context = allocator, context
+        return context
+
+    def _choose(self, leaves: list[_Leaf]) -> None:
+        """The first put of a Producer made without allocator= or device=: the
+        device of its first CUDA tensor, else the calling thread's default
+        device (PyTorch's current one of this thread, else shoal's)."""
         ordinal = next((leaf.torch_ordinal for leaf in leaves if leaf.torch_ordinal is not None), None)
         if ordinal is None:
-            return
-        allocator = _device_defaults.allocator_on(_shoal.cuda_device(ordinal))
-        if allocator is not self.allocator:
-            self.context = _shoal.SharingContext(allocator, **self._options)
-            self.allocator = allocator
-        self._follows_tensors = False
+            self._fix(_allocator_for("shoal.sharing.Producer", None, None))
+        else:
+            self._fix(_device_defaults.allocator_on(_shoal.cuda_device(ordinal)))
 
     def _what(self, leaf: _Leaf) -> str:
         on = _device_text(leaf.view.storage.device)
@@ -402,15 +435,6 @@ class Producer:
                 f"of an allocator on {_device_text(mine)} (one Producer, one device); for {on}, make a Producer "
                 f"with {fix}"
             )
-
-    def _allocator_holds(self, storage: _shoal.Storage) -> bool:
-        """Whether `storage`'s data lies in a segment of this Producer's allocator
-        (asked once a send was refused: a snapshot lists every segment)."""
-        start = storage.ptr
-        return any(
-            segment["address"] <= start < segment["address"] + segment["total_size"]
-            for segment in self.allocator.snapshot()["segments"]
-        )
 
     def _foreign(self, leaf: _Leaf) -> _shoal.InvalidArgumentError:
         """The error for an array of this device that another allocator handed out."""
@@ -558,9 +582,10 @@ class Consumer:
     Listens at `address` (default: a fresh name in the runtime directory, see
     shoal.runtime_dir_address). Batches arrive as memory of `allocator`'s
     device; `device` names it instead, for its default allocator (as
-    Producer's); with neither, PyTorch's current CUDA device where this
-    process initialized CUDA in PyTorch, else shoal's default device. Not for
-    use from several threads at once."""
+    Producer's); with neither, the current CUDA device in PyTorch of the
+    thread that makes it (per thread) where this process initialized CUDA in
+    PyTorch, else shoal's default device. Not for use from several threads at
+    once."""
 
     def __init__(
         self,

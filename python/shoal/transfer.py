@@ -162,8 +162,9 @@ def _rebuild(node: Any, views: list) -> Any:
 
 
 def _default_engine_allocator() -> _shoal.Allocator:
-    """On PyTorch's current CUDA device where this process uses PyTorch on CUDA (a DDP
-    rank on cuda:3 gets its batches on cuda:3, and makes nothing on cuda:0), else on
+    """On the calling thread's current CUDA device in PyTorch where this process uses
+    PyTorch on CUDA (a DDP rank on cuda:3 that makes its Engine in a thread on cuda:3 gets
+    its batches on cuda:3, and makes nothing on cuda:0), else on
     shoal's default device: PyTorch's allocator there when shoal backs it (so batches
     count in torch.cuda's stats), else the package's default one where it is on that
     device, else the one shoal.sharing uses there too (see _device_defaults)."""
@@ -199,10 +200,11 @@ def _as_torch(view: _shoal.ArrayView) -> Any:
 class Engine:
     """A thread and a stream that copy submitted host batches to the device.
 
-    ``allocator``: where device memory comes from (default: on PyTorch's current CUDA device
-    where this process has initialized CUDA in PyTorch — a DDP rank that called
-    ``torch.cuda.set_device(3)`` gets its batches on cuda:3, and nothing of shoal's on
-    cuda:0 — else on shoal's default device; there the allocator PyTorch uses when
+    ``allocator``: where device memory comes from (default: on the current CUDA device in
+    PyTorch of the thread that makes the Engine — per thread: a thread that set none has
+    device 0 — where this process has initialized CUDA in PyTorch; a DDP rank that called
+    ``torch.cuda.set_device(3)`` in that thread gets its batches on cuda:3, and nothing of
+    shoal's on cuda:0 — else on shoal's default device; there the allocator PyTorch uses when
     ``shoal.torch`` is enabled, else ``shoal.default_allocator()`` where it is on that
     device, else one allocator per device that ``shoal.sharing`` uses too, made on first use
     with the settings of SHOAL_ALLOC_CONF). Give it a memory limit

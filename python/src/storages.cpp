@@ -86,6 +86,15 @@ void register_storages(nb::module_& m) {
           "ptr", [](const py_storage& s) { return reinterpret_cast<std::uintptr_t>(s.handle.get().data()); },
           "Address of the data for reading (never copies; a lazy clone shows "
           "the shared data).")
+      .def(
+          "same_allocator",
+          [](const py_storage& s, const py_allocator& a) {
+            return &s.handle.get().allocator() == &a.state->allocator();
+          },
+          nb::arg("allocator"),
+          "Whether this storage's memory is `allocator`'s: allocated by it, or adopted "
+          "by it (received from another process, imported through DLPack). Compares the "
+          "allocators themselves, not addresses: reads nothing of either.")
       .def_prop_ro(
           "is_lazy", [](const py_storage& s) { return s.handle.get().is_lazy(); },
           "True while the storage reads data shared copy-on-write: until its "

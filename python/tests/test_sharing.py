@@ -11,9 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 
+import numpy
 import pytest
 
 import shoal
@@ -858,8 +860,13 @@ def test_cpu_names_the_host_device_as_a_str_and_as_a_torch_device():
             assert consumer.allocator.device == shoal.host_device(), f"device={cpu} did not name the host"
         with sharing.Consumer() as consumer, sharing.Producer(consumer.address, device=cpu) as producer:
             assert producer.allocator.device == shoal.host_device(), f"device={cpu} did not name the host"
-    with pytest.raises(shoal.InvalidArgumentError, match="'cpu:0'"):
-        sharing.Consumer(device="cpu:0")
+    # The one host device is ordinal 0: "cpu:0" is what str(torch.device("cpu", 0)) gives.
+    for cpu in ("cpu:0", "host:0", TorchDevice("cpu:0")):
+        with sharing.Consumer(device=cpu) as consumer:
+            assert consumer.allocator.device == shoal.host_device(), f"device={cpu} did not name the host"
+    for other in ("cpu:1", "host:1", TorchDevice("cpu:1")):
+        with pytest.raises(shoal.InvalidArgumentError, match=f"not '{other}'"):
+            sharing.Consumer(device=other)
 
 
 @pytest.fixture
@@ -894,6 +901,46 @@ def test_a_rank_on_another_gpu_makes_nothing_on_gpu_0_by_default(rank_on_gpu_1):
         assert consumer.allocator.device == producer.allocator.device == shoal.host_device()
     shoal.transfer._default_engine_allocator()  # what Engine() with no allocator takes
     assert rank_on_gpu_1 and set(rank_on_gpu_1) == {1}, f"devices made: {rank_on_gpu_1}, not torch's current one"
+
+
+def test_a_default_producer_takes_the_device_of_the_thread_of_its_first_put(rank_on_gpu_1):
+    # PyTorch's current device is per thread: a thread that set none is on device 0. A
+    # Producer made in such a thread and used in the rank's thread on cuda:1 makes nothing
+    # on device 0.
+    rank_thread = threading.local()
+    sys.modules["torch"].cuda.current_device = lambda: getattr(rank_thread, "device", 0)
+    with sharing.Consumer(allocator=HOST) as consumer:
+        producer = sharing.Producer(consumer.address)
+        failed: list = []
+
+        def rank() -> None:
+            rank_thread.device = 1  # torch.cuda.set_device(1) in this thread
+            try:
+                producer.put({})
+            except BaseException as e:  # noqa: BLE001 - reported below
+                failed.append(e)
+
+        worker = threading.Thread(target=rank)
+        worker.start()
+        worker.join(WAIT)
+        assert not failed, failed
+        producer.close()
+        assert consumer.get(timeout=WAIT) == {}
+    assert rank_on_gpu_1 == [1], f"devices made: {rank_on_gpu_1}, not the putting thread's current one"
+
+
+def test_drops_its_allocators_at_exit_as_the_package_drops_its_default_one():
+    # An atexit handler registered before shoal's runs after it (last in, first out).
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('left', len(sys.modules['shoal._device_defaults']._allocators)))\n"
+        "import shoal\n"
+        "from shoal import _device_defaults\n"
+        "_device_defaults._allocators[('host', 0)] = shoal.Allocator(shoal.host_device())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "left 0", done.stdout
 
 
 def test_sharing_and_transfer_keep_one_allocator_per_device(rank_on_gpu_1):
@@ -931,7 +978,7 @@ class RewordedPeer:
         return getattr(self._peer, name)
 
 
-def test_memory_of_another_allocator_is_told_by_its_address_not_by_the_bindings_words():
+def test_memory_of_another_allocator_is_told_by_its_allocator_not_by_the_bindings_words():
     other = shoal.Allocator(shoal.host_device())
     with sharing.Consumer(allocator=HOST) as consumer, host_producer(consumer) as producer:
         producer._link = RewordedPeer(producer.peer)
@@ -942,6 +989,25 @@ def test_memory_of_another_allocator_is_told_by_its_address_not_by_the_bindings_
         # Its own memory, refused for another reason: the binding's words, not a wrong guess.
         with pytest.raises(shoal.InvalidArgumentError, match=r"^peer::send: refused$"):
             producer.put({"b": HOST.allocate(16)})
+
+
+def test_memory_the_producers_allocator_adopted_keeps_the_bindings_advice_to_copy_it():
+    # A relay: what a Consumer received is adopted by its allocator, not allocated by it; sent
+    # on through a Producer of that same allocator, it is refused with the binding's words
+    # (copy it), not told to make the Producer with allocator= (it has that allocator).
+    imported = shoal.from_dlpack(numpy.arange(4, dtype="int32"), HOST)
+    with sharing.Consumer(allocator=HOST) as first, host_producer(first) as source:
+        source.put({"x": HOST.allocate(16)})
+        received = first.get(timeout=WAIT)
+        assert received["x"].storage.same_allocator(HOST), "a received storage is not its consumer allocator's"
+        with sharing.Consumer(allocator=HOST) as second, host_producer(second) as relay:
+            for name, array in (("received", received["x"]), ("imported", imported)):
+                with pytest.raises(shoal.InvalidArgumentError) as refused:
+                    relay.put({name: array})
+                message = str(refused.value)
+                assert "belongs to another owner" in message and "copy it" in message, message
+                assert "allocator=" not in message, message
+        del received
 
 
 def test_memory_of_another_allocator_is_refused_in_python_terms_naming_the_argument_to_pass():
