@@ -38,11 +38,14 @@
 //       give-backs of a region it does not hold (their refusals fill the
 //       lender's socket to it) and one more borrow of <bytes>, reads none of
 //       the answers, says "deaf" and waits to be killed.
-//   shoal_test_borrower refusals <host|cuda> <socket path> <count>
+//   shoal_test_borrower refusals <host|cuda> <socket path> <count> [then-bad]
 //       Speaks the protocol by hand: gives back <count> times a region it
 //       does not hold (a window of 64 sent before their answers are read),
 //       each refused (one record in a daemon's log each), says "refused
 //       <count>" (or what went wrong) and waits until the parent hangs up.
+//       With then-bad it sends a frame of no known type after the last
+//       answer, before it says so: the lender closes the connection for it
+//       (a closed_for_error record, a warning).
 //   shoal_test_borrower cycle <host|cuda> <socket path or @abstract name> <bytes> <rounds> <as>
 //       As <as> ("self", or "nobody": it drops to uid and gid 65534 first and
 //       admits a lender of uid 0),
@@ -276,7 +279,7 @@ int deaf(const std::string& path, std::size_t bytes, std::size_t fill) {
   return 0;
 }
 
-int refusals(const std::string& path, std::size_t count) {
+int refusals(const std::string& path, std::size_t count, bool then_bad) {
   using lending::detail::message_type;
   auto link = channel::connection::connect(channel::channel_address::at_path(path), {},
                                            lending::detail::max_frame_payload);
@@ -296,6 +299,7 @@ int refusals(const std::string& path, std::size_t count) {
     }
     done += n;
   }
+  if (then_bad) link.send(0x7777, {});  // no frame type the lender knows
   say("refused " + std::to_string(count));
   wait_for_parent();
   return 0;
@@ -429,7 +433,8 @@ int main(int argc, char** argv) {
                          args.size() == 6 ? args[5] : "self");
     if (args[0] == "hang-up") return hang_up(dev, args[2], bytes);
     if (args[0] == "deaf" && args.size() == 5) return deaf(args[2], bytes, std::stoull(args[4]));
-    if (args[0] == "refusals" && args.size() == 4) return refusals(args[2], std::stoull(args[3]));
+    if (args[0] == "refusals" && (args.size() == 4 || (args.size() == 5 && args[4] == "then-bad")))
+      return refusals(args[2], std::stoull(args[3]), args.size() == 5);
     if (args[0] == "publish" && args.size() == 6)
       return publish(dev, args[2], bytes, args[4], static_cast<std::uint8_t>(std::stoi(args[5])));
     if (args[0] == "read" && args.size() == 6)

@@ -85,6 +85,7 @@ max_wait_ms = 60000
 max_observers = 2
 preempt_after_ms = 0
 preempt_deadline_ms = 2500
+log_rate = 7
 EOF
 "$shoal" daemon --config "$dir/conf.toml" --quota 16MiB 2> "$dir/log" &
 pid=$!
@@ -96,6 +97,7 @@ grep -q 'max_wait_ms=60000' "$dir/log" || fail "max_wait_ms from the file"
 grep -q 'max_observers=2 ' "$dir/log" || fail "max_observers from the file"
 grep -q 'preempt_after_ms=0 ' "$dir/log" || fail "preempt_after_ms from the file"
 grep -q 'preempt_deadline_ms=2500' "$dir/log" || fail "preempt_deadline_ms from the file"
+grep -q 'log_rate=7$' "$dir/log" || fail "log_rate from the file"
 stop
 "$shoal" daemon --config "$dir/conf.toml" --quota-per-uid 12MiB 2> "$dir/log" &
 pid=$!
@@ -117,6 +119,7 @@ stop
 pid=$!
 answers "$dir/b.sock" || fail "the daemon with default settings did not answer"
 grep -q 'preempt_after_ms=off' "$dir/log" || fail "preemption is on by default: $(cat "$dir/log")"
+grep -q 'log_rate=20$' "$dir/log" || fail "the log's rate limit is not 20 a second by default: $(cat "$dir/log")"
 stop
 
 # --reuse reaches the lender (the log names the lender's own setting): the
@@ -197,6 +200,12 @@ refused "must be below max_wait" --preempt-after-ms 60000 --max-wait-ms 60000
 refused "excludes" --preempt-after-ms 0 --no-preempt
 echo 'preempt_after_ms = -1' > "$dir/bad.toml"
 refused "preempt_after_ms' must be an integer >= 0" --config "$dir/bad.toml"
+refused "log-rate" --log-rate -1
+refused "log-rate" --log-rate 1000001
+echo 'log_rate = -5' > "$dir/bad.toml"
+refused "log_rate' must be an integer 0 to 1000000" --config "$dir/bad.toml"
+echo 'log_rate = "fast"' > "$dir/bad.toml"
+refused "log_rate' must be an integer 0 to 1000000" --config "$dir/bad.toml"
 
 # The reader of the daemon's log goes away (`shoal daemon 2>&1 | head`, a
 # tee that died): the daemon goes on serving, and stops cleanly on SIGTERM.
@@ -355,10 +364,11 @@ grep -q 'preempted for the borrow of 4194304 bytes' "$dir/log" || fail "the log 
 # A log reader that stops reading (a full pipe: a paused terminal, a stuck
 # journal) while a borrower floods the log: borrowers and status are still
 # served, and SIGTERM still stops the daemon (its log waits 2 s at most).
+# (--log-rate 0: every record of the flood is written, none left out.)
 mkfifo "$dir/stuck"
 sleep 120 < "$dir/stuck" &  # holds the pipe's read end and reads nothing
 reader=$!
-"$shoal" daemon --socket "$dir/s.sock" --device host --capacity 64MiB 2> "$dir/stuck" &
+"$shoal" daemon --socket "$dir/s.sock" --device host --capacity 64MiB --log-rate 0 2> "$dir/stuck" &
 pid=$!
 python3 - "$test_borrower" "$dir/s.sock" "$shoal" <<'EOF' || { kill "$reader"; fail "a stuck log reader stalled the daemon"; }
 import os, socket, subprocess, sys, time
@@ -394,13 +404,14 @@ wait "$reader" 2>/dev/null
 # the pipe and the log's queue (8192 records) meanwhile is dropped, oldest
 # first, and the log says so once it is read again (log_records_dropped,
 # with the count so far), as does the stopping record. 12,000 refused
-# give-backs are 12,000 records, past the queue and a 64 KiB pipe.
+# give-backs are 12,000 records, past the queue and a 64 KiB pipe
+# (--log-rate 0: none of them left out by the rate limit).
 python3 - "$shoal" "$test_borrower" "$dir/o.sock" <<'EOF' || fail "the records dropped while the log's reader stalled"
 import os, re, signal, socket, subprocess, sys, threading, time
 shoal, test_borrower, address = sys.argv[1:]
 read_end, write_end = os.pipe()  # read by no one until the flood is answered
-daemon = subprocess.Popen([shoal, "daemon", "--socket", address, "--device", "host", "--capacity", "64MiB"],
-                          stderr=write_end)
+daemon = subprocess.Popen([shoal, "daemon", "--socket", address, "--device", "host", "--capacity", "64MiB",
+                           "--log-rate", "0"], stderr=write_end)
 os.close(write_end)
 flood = None
 try:
@@ -445,6 +456,97 @@ try:
     assert "event=started" in text.split("\n")[0], "the first record, written before the pipe filled"
 finally:
     for process in (flood, daemon):
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+EOF
+
+# A borrower that floods the log (5,000 refused give-backs as fast as the
+# lender answers, then a frame of no known type) under the default rate
+# limit of 20 records a second after a burst of 200: most of its records are
+# left out and counted; log_records_suppressed records say how many, by
+# event, so that records written and records counted add up to what the
+# lender did for it, exactly; the stopping record counts them too; and the
+# warning (closed_for_error) is written past the limit. A second one floods
+# and stays connected: its summary comes within 5 s all the same.
+python3 - "$shoal" "$test_borrower" "$dir/f.sock" "$dir/flood" <<'EOF' || fail "the log's rate limit"
+import os, re, signal, socket, subprocess, sys, time
+shoal, test_borrower, address, log_path = sys.argv[1:]
+def text():
+    with open(log_path, encoding="ascii") as f:
+        return f.read()
+def wait_for(pattern, what, seconds=30):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if found := re.search(pattern, text(), re.M):
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not in the log within {seconds} s:\n" + text()[-3000:])
+with open(log_path, "wb") as log:
+    daemon = subprocess.Popen([shoal, "daemon", "--socket", address, "--device", "host", "--capacity", "64MiB"],
+                              stderr=log)
+flood = quiet = None
+try:
+    wait_for(r"event=started .*log_rate=20$", "the started record, with log_rate=20")
+    def start(*args):
+        parent, child = socket.socketpair()
+        end = child.fileno()
+        process = subprocess.Popen([test_borrower, "refusals", "host", address, *args],
+                                   pass_fds=(3, end), preexec_fn=lambda: os.dup2(end, 3))  # it talks on fd 3
+        child.close()
+        parent.settimeout(120)
+        return process, parent
+    began = time.monotonic()
+    flood, parent = start("5000", "then-bad")
+    line = parent.makefile().readline().strip()
+    took = time.monotonic() - began
+    assert line == "refused 5000", "the flood of refusals: " + line
+    # Its last records: the warning, then its disconnection (the lender
+    # closed the connection), written or, past the limit, counted in a
+    # summary of its own.
+    wait_for(rf"event=closed_for_error pid={flood.pid} ", "the warning past the limit")
+    wait_for(rf"event=disconnected pid={flood.pid} |event=log_records_suppressed pid={flood.pid} .*reason=disconnected",
+             "its disconnection")
+    parent.close()  # it ends when its parent hangs up
+    flood.wait(timeout=30)
+    # A borrower that floods, then stays connected and quiet: its summary
+    # comes all the same, within 5 s of the first record left out (the
+    # daemon looks each second).
+    quiet, quiet_parent = start("5000")
+    line = quiet_parent.makefile().readline().strip()
+    assert line == "refused 5000", "the quiet borrower's refusals: " + line
+    wait_for(rf"event=log_records_suppressed pid={quiet.pid} .*reason=interval", "the quiet borrower's summary", 15)
+    quiet_parent.close()
+    quiet.wait(timeout=30)
+    wait_for(rf"event=disconnected pid={quiet.pid} |event=log_records_suppressed pid={quiet.pid} .*reason=disconnected",
+             "the quiet borrower's disconnection")
+    daemon.send_signal(signal.SIGTERM)
+    assert daemon.wait(timeout=30) == 0, "the daemon's exit status"
+    log = text()
+    for pid in (flood.pid, quiet.pid):
+        written = re.findall(rf"^\S+ \w+ event=(\w+) pid={pid} ", log, re.M)
+        summaries = [(int(records), reason, {k: int(n) for k, n in re.findall(r"(\w+)=([0-9]+)", rest)})
+                     for records, reason, rest in
+                     re.findall(rf"event=log_records_suppressed pid={pid} uid=[0-9]+ records=([0-9]+) reason=(\w+)(.*)$",
+                                log, re.M)]
+        routine = [e for e in written if e not in ("closed_for_error", "log_records_suppressed")]
+        refused = written.count("refused")
+        left_out = sum(records for records, _, _ in summaries)
+        refused_left_out = sum(by_event.get("refused", 0) for _, _, by_event in summaries)
+        assert summaries and left_out > 0, f"no log_records_suppressed record for {pid}:\n" + log[-3000:]
+        assert all(records == sum(by_event.values()) for records, _, by_event in summaries), summaries
+        assert refused + refused_left_out == 5000, f"{pid}: {refused} written + {refused_left_out} left out != 5000"
+        # connected, 5,000 refused, disconnected
+        assert len(routine) + left_out == 5002, f"{pid}: {len(routine)} written + {left_out} left out != 5002: {summaries}"
+        if pid == flood.pid:
+            # At most the burst and 20 a second while it flooded (+1: a token refills meanwhile).
+            assert refused <= 200 + 20 * took + 1, f"{refused} refusals written in {took:.1f} s"
+            assert "closed_for_error" in written, "the warning"
+    stopping = re.findall(r"event=stopping .*log_records_suppressed=([0-9]+)", log)
+    every = sum(int(n) for n in re.findall(r"event=log_records_suppressed .*records=([0-9]+) ", log))
+    assert stopping == [str(every)], f"stopping says {stopping}, the summaries {every}"
+finally:
+    for process in (flood, quiet, daemon):
         if process is not None and process.poll() is None:
             process.kill()
             process.wait()

@@ -29,18 +29,6 @@ namespace shoal::tools {
 
 namespace {
 
-void log_event(daemon_log& log, const lending::lender_event& e) {
-  const bool warning =
-      e.what == lending::lender_event::kind::closed_for_error || e.what == lending::lender_event::kind::orphaned;
-  const std::initializer_list<log_field> fields{{"event", lending::to_string(e.what)},
-                                                number("pid", static_cast<std::uint64_t>(e.borrower.pid)),
-                                                number("uid", e.uid),
-                                                number("region", e.region),
-                                                number("bytes", e.bytes),
-                                                {"detail", e.detail}};
-  warning ? log.warn(fields) : log.info(fields);
-}
-
 int serve(const daemon_settings& settings) {
   // First of all: every thread made from here on (the device's too) inherits
   // this mask, so the signals reach sigwait alone.
@@ -56,13 +44,14 @@ int serve(const daemon_settings& settings) {
   const auto address = settings.resolve_address();
   lending::lender_config config = settings.lender_config(device);
   daemon_log log(settings.log_format == "json");
+  log_rate_limit limit(log, settings.log_rate);  // used under log_order
   // The lender serves from its construction on: its events wait for the
   // "started" record, which can only be written once the listener exists.
   std::mutex log_order;
   std::unique_lock starting(log_order);
-  config.on_event = [&log, &log_order](const lending::lender_event& e) {
+  config.on_event = [&limit, &log_order](const lending::lender_event& e) {
     std::lock_guard in_order(log_order);
-    log_event(log, e);
+    limit.record(e, log_rate_limit::clock::now());
   };
   const lending::lender lender(device, address, config);
   std::string metrics_url = "off";
@@ -99,20 +88,32 @@ int serve(const daemon_settings& settings) {
             {"reuse", config.reuse == lending::reuse_policy::never ? "never" : "same_uid"},  // what the lender got
             number("prepared_chunks", config.prepared_chunks.size()),
             number("prepared_bytes", lender.status().prepared_bytes),
-            {"metrics", metrics_url}});
+            {"metrics", metrics_url},
+            number("log_rate", settings.log_rate)});
   if (!metrics_failure.empty()) {
     log.warn({{"event", "metrics_unavailable"}, {"detail", metrics_failure + "; lending goes on without it"}});
   }
   starting.unlock();
-  int signal = 0;
-  sigwait(&stop, &signal);
+  // Each second the rate limit writes the summaries that are due (a
+  // borrower that went quiet gets its own) and forgets idle borrowers.
+  int signal = -1;
+  while (signal < 0) {
+    const timespec second{1, 0};
+    signal = sigtimedwait(&stop, nullptr, &second);
+    if (signal < 0) {
+      const std::lock_guard in_order(log_order);
+      limit.tick(log_rate_limit::clock::now());
+    }
+  }
   const auto s = lender.status();
   const std::lock_guard in_order(log_order);
+  limit.flush();
   log.info({{"event", "stopping"},
             number("signal", static_cast<std::uint64_t>(signal)),
             number("regions", s.regions.size()),
             number("lent_bytes", s.lent_bytes),
-            number("log_records_dropped", log.dropped())});
+            number("log_records_dropped", log.dropped()),
+            number("log_records_suppressed", limit.suppressed())});
   return 0;
 }
 
@@ -242,6 +243,13 @@ int run_daemon(int argc, char** argv) {
                                       "serve GET /metrics over HTTP on 127.0.0.1 at this port (0: a free one, "
                                       "named in the log); off by default")
                            ->check(CLI::Range(0, 65535));
+  auto* log_rate = app.add_option("--log-rate", settings.log_rate,
+                                  "routine log records per second per borrower process, after a burst of " +
+                                      std::to_string(log_rate_limit::burst_seconds) +
+                                      " s of them; past it they are counted (log_records_suppressed) and not "
+                                      "written; warnings always are (0: no limit)")
+                       ->check(CLI::Range(std::int64_t{0}, std::int64_t{daemon_settings::max_log_rate}))
+                       ->capture_default_str();
   daemon_request request;
   // What both subcommands take: where the daemon is comes from the options above.
   const auto asks_the_daemon = [&](CLI::App* command, const char* name) {
@@ -293,6 +301,7 @@ int run_daemon(int argc, char** argv) {
       if (reuse->count() > 0) settings.reuse = flags.reuse;
       if (prepare->count() > 0) settings.prepare = flags.prepare;
       if (metrics_port->count() > 0) settings.metrics_port = flags.metrics_port;
+      if (log_rate->count() > 0) settings.log_rate = flags.log_rate;
     }
     if (status_command->parsed()) return status(settings, request);
     if (revoke_command->parsed()) return revoke(settings, request);

@@ -5,10 +5,13 @@
 #include <spdlog/sinks/base_sink.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <iterator>
 #include <thread>
 #include <utility>
+#include <vector>
 
 namespace shoal::tools {
 
@@ -119,16 +122,16 @@ std::uint64_t daemon_log::dropped() const {
   return workers_->overrun_counter() + failed_->load(std::memory_order_relaxed);
 }
 
-void daemon_log::write(spdlog::level::level_enum level, std::initializer_list<log_field> fields) {
+void daemon_log::write(spdlog::level::level_enum level, std::span<const log_field> fields) {
   if (const std::uint64_t lost = dropped(); reported_.exchange(lost) != lost) {
-    logger_->log(spdlog::level::warn, "{}",
-                 line_of({{"event", "log_records_dropped"}, number("records", lost),
-                          {"detail", "the log's reader fell behind; the oldest records were dropped"}}));
+    const log_field said[] = {{"event", "log_records_dropped"}, number("records", lost),
+                              {"detail", "the log's reader fell behind; the oldest records were dropped"}};
+    logger_->log(spdlog::level::warn, "{}", line_of(said));
   }
   logger_->log(level, "{}", line_of(fields));
 }
 
-std::string daemon_log::line_of(std::initializer_list<log_field> fields) const {
+std::string daemon_log::line_of(std::span<const log_field> fields) const {
   // A value bare in text unless it is empty or holds a space, a quote or '='.
   const auto quoted = [](const std::string& value) {
     return value.find_first_of(" \"=") == std::string::npos && !value.empty() ? value
@@ -153,6 +156,109 @@ bool daemon_log::drained() const {
   if (!idle()) return false;
   std::this_thread::sleep_for(std::chrono::milliseconds(1));
   return idle();
+}
+
+void log_lender_event(daemon_log& log, const lending::lender_event& e) {
+  const bool warning =
+      e.what == lending::lender_event::kind::closed_for_error || e.what == lending::lender_event::kind::orphaned;
+  const std::initializer_list<log_field> fields{{"event", lending::to_string(e.what)},
+                                                number("pid", static_cast<std::uint64_t>(e.borrower.pid)),
+                                                number("uid", e.uid),
+                                                number("region", e.region),
+                                                number("bytes", e.bytes),
+                                                {"detail", e.detail}};
+  warning ? log.warn(fields) : log.info(fields);
+}
+
+log_rate_limit::log_rate_limit(daemon_log& log, std::uint64_t records_per_second)
+    : log_(log),
+      rate_(static_cast<double>(records_per_second)),
+      burst_(static_cast<double>(records_per_second) * static_cast<double>(burst_seconds)) {}
+
+void log_rate_limit::refill(entry& e, clock::time_point now) const {
+  if (now <= e.refilled) return;
+  e.tokens = std::min(burst_, e.tokens + std::chrono::duration<double>(now - e.refilled).count() * rate_);
+  e.refilled = now;
+}
+
+void log_rate_limit::summarize(pid_t pid, entry& e, const char* reason) {
+  if (e.pending == 0) return;
+  std::vector<log_field> fields{{"event", "log_records_suppressed"},
+                                number("pid", static_cast<std::uint64_t>(pid)),
+                                number("uid", e.uid),
+                                number("records", e.pending),
+                                {"reason", reason}};
+  for (std::size_t k = 0; k < kinds; ++k) {
+    if (e.left_out[k] != 0) {
+      fields.push_back(number(lending::to_string(static_cast<lending::lender_event::kind>(k)), e.left_out[k]));
+    }
+  }
+  // Counted as said before it is written: were the write to throw (no
+  // memory), the count would not be said twice.
+  e.pending = 0;
+  std::fill(std::begin(e.left_out), std::end(e.left_out), 0);
+  log_.warn(fields);
+}
+
+std::map<log_rate_limit::key, log_rate_limit::entry>::iterator log_rate_limit::find_or_add(
+    const lending::lender_event& e, clock::time_point now) {
+  const key k{e.borrower.pid, e.borrower.start_time};
+  if (const auto it = entries_.find(k); it != entries_.end()) return it;
+  if (entries_.size() >= max_tracked) tick(now);
+  if (entries_.size() >= max_tracked) {
+    // A crowd of borrowers each with a record left out or a bucket not yet
+    // full: the one seen longest ago goes, its count said first. It starts
+    // afresh if it comes back.
+    const auto oldest = std::min_element(entries_.begin(), entries_.end(), [](const auto& a, const auto& b) {
+      return a.second.seen < b.second.seen;
+    });
+    summarize(oldest->first.first, oldest->second, "evicted");
+    entries_.erase(oldest);
+  }
+  entry fresh;
+  fresh.tokens = burst_;
+  fresh.refilled = now;
+  return entries_.emplace(k, fresh).first;
+}
+
+void log_rate_limit::record(const lending::lender_event& e, clock::time_point now) {
+  using kind = lending::lender_event::kind;
+  if (rate_ == 0 || e.what == kind::closed_for_error || e.what == kind::orphaned) {
+    log_lender_event(log_, e);
+    return;
+  }
+  const auto it = find_or_add(e, now);
+  entry& b = it->second;
+  b.seen = now;
+  b.uid = e.uid;
+  refill(b, now);
+  if (b.pending != 0 && now - b.first_left_out >= summary_interval) summarize(e.borrower.pid, b, "interval");
+  if (b.tokens >= 1) {
+    b.tokens -= 1;
+    // Its summary first when it disconnects: the last of its records then.
+    if (e.what == kind::disconnected) summarize(e.borrower.pid, b, "disconnected");
+    log_lender_event(log_, e);
+    return;
+  }
+  if (b.pending == 0) b.first_left_out = now;
+  ++b.pending;
+  ++suppressed_;
+  if (const auto k = static_cast<std::size_t>(e.what); k < kinds) ++b.left_out[k];
+  if (e.what == kind::disconnected) summarize(e.borrower.pid, b, "disconnected");
+}
+
+void log_rate_limit::tick(clock::time_point now) {
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    entry& b = it->second;
+    refill(b, now);
+    if (b.pending != 0 && now - b.first_left_out >= summary_interval) summarize(it->first.first, b, "interval");
+    // Full and with nothing to say: no different from no entry at all.
+    it = b.pending == 0 && b.tokens >= burst_ ? entries_.erase(it) : std::next(it);
+  }
+}
+
+void log_rate_limit::flush() {
+  for (auto& [k, b] : entries_) summarize(k.first, b, "stopping");
 }
 
 }  // namespace shoal::tools

@@ -159,6 +159,13 @@ void daemon_settings::read_file(const std::string& path) {
         throw invalid_argument(where(name) + " must be a port (an integer 0 to 65535; 0: a free one)");
       }
       metrics_port = static_cast<std::int32_t>(port->get());
+    } else if (name == "log_rate") {
+      const auto* rate = node.as_integer();
+      if (rate == nullptr || rate->get() < 0 || static_cast<std::uint64_t>(rate->get()) > max_log_rate) {
+        throw invalid_argument(where(name) + " must be an integer 0 to " + std::to_string(max_log_rate) +
+                               " (records a second per borrower; 0: no limit)");
+      }
+      log_rate = static_cast<std::uint64_t>(rate->get());
     } else if (name == "allowed_uids" || name == "allowed_gids") {
       const auto* list = node.as_array();
       if (list == nullptr) throw invalid_argument(where(name) + " must be a list of ids");
@@ -174,8 +181,9 @@ void daemon_settings::read_file(const std::string& path) {
     } else {
       throw invalid_argument(where(name) +
                              " is not a setting (socket, device, capacity, quota, quota_per_uid, max_borrowers, "
-                             "max_observers, max_regions_per_borrower, peer_timeout_ms, max_wait_ms, allowed_uids, allowed_gids, log_format, "
-                             "metrics_port, reuse, prepare)");
+                             "max_observers, max_regions_per_borrower, peer_timeout_ms, max_wait_ms, preempt_after_ms, "
+                             "preempt_deadline_ms, allowed_uids, allowed_gids, log_format, log_rate, metrics_port, "
+                             "reuse, prepare)");
     }
   }
 }
@@ -206,6 +214,9 @@ channel::channel_address daemon_settings::resolve_address() const {
 lending::lender_config daemon_settings::lender_config(backend::device& d) const {
   if (log_format != "text" && log_format != "json") {
     throw invalid_argument("log_format: '" + log_format + "' is not text or json");
+  }
+  if (log_rate > max_log_rate) {
+    throw invalid_argument("log_rate: " + std::to_string(log_rate) + " is past " + std::to_string(max_log_rate));
   }
   if (reuse != "same_uid" && reuse != "never") {
     throw invalid_argument("reuse: '" + reuse + "' is not same_uid or never");

@@ -47,10 +47,17 @@ struct daemon_settings {
   /// The loopback HTTP metrics endpoint's port on 127.0.0.1 (0: a free one,
   /// named in the log); -1: no endpoint.
   std::int32_t metrics_port = -1;
+  /// Routine log records a second per borrower process (log_rate_limit,
+  /// daemon_log.h); 0: no limit. 20 a second is ~3 KB/s of text for a
+  /// borrower that floods without end (~250 MB a day, against ~2 MB/s
+  /// unlimited), and more than a borrower that works needs: a training
+  /// loop borrowing and giving back each step at 10 steps a second.
+  std::uint64_t log_rate = 20;
+  static constexpr std::uint64_t max_log_rate = 1'000'000;
 
   /// Reads a TOML file's keys (socket, device, capacity, quota,
   /// quota_per_uid, max_borrowers, max_observers, max_regions_per_borrower, peer_timeout_ms,
-  /// max_wait_ms, preempt_after_ms, preempt_deadline_ms, allowed_uids, allowed_gids, log_format, metrics_port, reuse, prepare: a
+  /// max_wait_ms, preempt_after_ms, preempt_deadline_ms, allowed_uids, allowed_gids, log_format, log_rate, metrics_port, reuse, prepare: a
   /// string or a list of them) into these
   /// settings. Throws
   /// invalid_argument naming the file, the key and what was wrong.
