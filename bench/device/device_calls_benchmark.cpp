@@ -4,17 +4,23 @@
 // access granted (map_chunks), unmapped and released — for chunks of
 // several sizes, and k chunks mapped side by side in one map_chunks call.
 // These are the costs a replay's device-call counts are multiplied by
-// (shoal_replay's device allocs / frees and VMM columns).
+// (shoal_replay's device allocs / frees and VMM columns). First, the
+// cheapest call (an idle stream's query) from a thread with no current
+// context and from one with the device's primary context current: what the
+// backend's device scope adds to every call of such a thread.
 //
 //   shoal_bench_device [--backend host|cuda] [--rounds N]
 //
 // Prints µs per call, median (min–max) over the rounds.
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/common/spread.h"
@@ -66,6 +72,43 @@ void chunk_round(device& dev, void* range, std::size_t bytes, std::size_t k, chu
   double released = 0;
   for (auto& c : chunks) released += micros([&] { dev.release_physical(c.chunk); });
   t.release.push_back(released / static_cast<double>(k));
+}
+
+// Nanoseconds per query of an idle stream, over `calls` calls on a new
+// thread; `primary_current`: the thread first makes device 0's primary
+// context current through the driver (as a CUDA runtime call would).
+double query_ns(device& dev, shoal::backend::stream_ref stream, int calls, bool primary_current) {
+  double ns = 0;
+  std::thread caller([&] {
+    if (primary_current) {
+      void* library = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+      using retain_fn = int (*)(void**, int);
+      using set_fn = int (*)(void*);
+      auto retain = library ? reinterpret_cast<retain_fn>(::dlsym(library, "cuDevicePrimaryCtxRetain_v2")) : nullptr;
+      auto set = library ? reinterpret_cast<set_fn>(::dlsym(library, "cuCtxSetCurrent")) : nullptr;
+      void* context = nullptr;
+      if (retain == nullptr || set == nullptr || retain(&context, 0) != 0 || set(context) != 0) return;
+    }
+    (void)dev.query(stream);
+    const auto start = clock_type::now();
+    for (int i = 0; i < calls; ++i) (void)dev.query(stream);
+    ns = std::chrono::duration<double, std::nano>(clock_type::now() - start).count() / calls;
+  });
+  caller.join();
+  return ns;
+}
+
+void quick_call_rows(device& dev, int rounds) {
+  const shoal::backend::stream_ref stream = dev.create_stream();
+  std::vector<double> none, primary;
+  for (int r = 0; r < rounds; ++r) {
+    none.push_back(query_ns(dev, stream, 20000, false));
+    primary.push_back(query_ns(dev, stream, 20000, true));
+  }
+  dev.destroy_stream(stream);
+  std::printf("| idle stream's query, ns | no current context | device's primary context current |\n| --- | --- | --- |\n");
+  std::printf("| per call | %s | %s |\n\n", text(summarize(none)).c_str(), text(summarize(primary)).c_str());
+  std::fflush(stdout);
 }
 
 void growable_rows(device& dev, int rounds) {
@@ -126,6 +169,7 @@ int main(int argc, char** argv) {
     device& dev = backend == "host" ? shoal::backend::host_device_instance() : shoal::backend::cuda_device_instance(0);
     std::printf("device calls on %s (%s backend), µs, median (min–max) over %d rounds\n\n", dev.name().c_str(),
                 backend.c_str(), rounds);
+    if (backend == "cuda") quick_call_rows(dev, rounds);
     plain_rows(dev, rounds);
     if (dev.growable().supported) growable_rows(dev, rounds);
   } catch (const std::exception& e) {
