@@ -96,6 +96,10 @@ void log_lender_event(daemon_log& log, const lending::lender_event& e);
 /// disconnects, and when the daemon stops: records written and records
 /// counted in summaries add up to the records the lender made.
 ///
+/// Events of no borrower (a connection refused before its hello, a spare
+/// chunk released) share one bucket, said as pid 0: a flood of connection
+/// attempts is bounded like any borrower's records.
+///
 /// Never suppressed: warnings (closed_for_error, orphaned), which an operator
 /// must see and which a borrower cannot repeat quickly (its connection
 /// closes), and the daemon's own records, which do not pass here.
