@@ -330,14 +330,8 @@ int api_graph_pool_allocated_blocks(uint64_t pool, int device, void** out, size_
 
 int api_largest_free_block(int device, size_t* out) {
   return guarded([&] {
-    *out = 0;
     allocator_state* made = allocators().made(device);
-    if (made == nullptr) return;
-    for (const alloc::segment_snapshot& segment : made->allocator().take_snapshot().segments) {
-      for (const alloc::block_snapshot& block : segment.blocks) {
-        if (block.state == alloc::block_state::free) *out = std::max(*out, block.size);
-      }
-    }
+    *out = made == nullptr ? 0 : made->allocator().largest_free_block();
   });
 }
 
@@ -346,34 +340,32 @@ int api_largest_free_block(int device, size_t* out) {
 int api_block_segment(void* ptr, int device, void** base, size_t* size) {
   return guarded([&] {
     allocator_state* made = allocators().made(device);
-    const auto address = reinterpret_cast<std::uintptr_t>(ptr);
-    char hex_address[24];
-    std::snprintf(hex_address, sizeof hex_address, "%#zx", static_cast<std::size_t>(address));
-    const std::string where = std::string("shoal.torch: the CUDA block at ") + hex_address;
-    if (made != nullptr) {
-      for (const alloc::segment_snapshot& segment : made->allocator().take_snapshot().segments) {
-        if (address < segment.address || address - segment.address >= segment.size) continue;
-        const bool starts_a_block = std::any_of(segment.blocks.begin(), segment.blocks.end(), [&](const auto& b) {
-          return b.address == address && b.state == alloc::block_state::allocated;
-        });
-        if (!starts_a_block) break;
-        if (segment.expandable) {
-          throw invalid_argument(where + " lies in a growable segment (expandable_segments, shoal.torch.enable()'s "
-                                 "default), which CUDA IPC cannot export: share it with shoal.torch.share() or "
-                                 "shoal.sharing (no ref-count files, faster), or enable shoal with "
-                                 "expandable_segments=False for torch.multiprocessing");
-        }
-        if (segment.external) {
-          throw invalid_argument(where + " lies in memory handed to a private pool, which shoal did not allocate "
-                                 "and CUDA IPC cannot export as a whole");
-        }
-        *base = reinterpret_cast<void*>(segment.address);
-        *size = segment.size;
-        return;
-      }
+    const std::optional<alloc::block_segment> segment =
+        made == nullptr ? std::nullopt : made->allocator().segment_of_allocated_block(ptr);
+    const auto where = [&] {
+      char hex_address[24];
+      const auto address = static_cast<std::size_t>(reinterpret_cast<std::uintptr_t>(ptr));
+      std::snprintf(hex_address, sizeof hex_address, "%#zx", address);
+      return std::string("shoal.torch: the CUDA block at ") + hex_address;
+    };
+    if (!segment) {
+      throw invalid_argument(where() + " is not the start of a block shoal allocated on CUDA device " +
+                             std::to_string(device));
     }
-    throw invalid_argument(where + " is not the start of a block shoal allocated on CUDA device " +
-                           std::to_string(device));
+    switch (segment->kind) {
+      case alloc::segment_kind::growable:
+        throw invalid_argument(where() + " lies in a growable segment (expandable_segments, shoal.torch.enable()'s "
+                               "default), which CUDA IPC cannot export: share it with shoal.torch.share() or "
+                               "shoal.sharing (no ref-count files, faster), or enable shoal with "
+                               "expandable_segments=False for torch.multiprocessing");
+      case alloc::segment_kind::handed_in:
+        throw invalid_argument(where() + " lies in memory handed to a private pool, which shoal did not allocate "
+                               "and CUDA IPC cannot export as a whole");
+      case alloc::segment_kind::plain:
+        break;
+    }
+    *base = reinterpret_cast<void*>(segment->base);
+    *size = segment->size;
   });
 }
 

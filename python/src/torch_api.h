@@ -89,8 +89,10 @@ struct shoal_torch_api {
   /// `out`, *count = how many there are.
   int (*graph_pool_allocated_blocks)(uint64_t pool, int device, void** out, size_t capacity, size_t* count);
 
-  /// *out = the largest free block cached for `device` (0 when none, or no
-  /// allocation reached the device yet).
+  /// *out = the largest free block cached for `device` in its ordinary
+  /// pools, which any allocation outside a graph pool may use (0 when none,
+  /// or no allocation reached the device yet); graph pools' free blocks are
+  /// not counted (caching_allocator::largest_free_block).
   int (*largest_free_block)(int device, size_t* out);
   /// The plain segment (one cudaMalloc allocation) holding the allocated
   /// block that starts at `ptr`: *base and *size. Refused

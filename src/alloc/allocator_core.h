@@ -21,6 +21,7 @@
 #include <functional>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -89,6 +90,7 @@ class allocator_core {
   bool deallocate(void* ptr, backend::stream_ref stream, bool events_allowed = true);
   void record_stream(void* ptr, backend::stream_ref stream);
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
+  [[nodiscard]] std::optional<block_segment> segment_of_allocated_block(const void* ptr) const;  // cache_queries.cpp
   void mark_held_outside(void* ptr);
   void unmark_held_outside(void* ptr);
   void claim(void* ptr);
@@ -103,6 +105,7 @@ class allocator_core {
   void reset_peak_stats();
   void reset_accumulated_stats();
   [[nodiscard]] snapshot take_snapshot();
+  [[nodiscard]] std::size_t largest_free_block() const;  // cache_queries.cpp
   [[nodiscard]] std::vector<trace_entry> trace() const;
   void add_oom_observer(std::function<void(const oom_report&)> observer);
 

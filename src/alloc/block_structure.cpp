@@ -200,4 +200,18 @@ std::pair<stat, stat> settled_split_stats(const block_pool& pool) noexcept {
   return {blocks, bytes};
 }
 
+std::size_t largest_free_when_settled(const block_pool& pool) noexcept {
+  std::size_t largest = pool.bins.largest();
+  // Settled blocks are never neighbours, so a run around parked blocks
+  // holds at most 2 * quick_capacity + 1 blocks.
+  for (std::size_t i = 0; i < pool.quick_count; ++i) {
+    const block* first = pool.quick[i];
+    while (merges_with_prev_when_settled(first)) first = first->prev;
+    std::size_t run = first->size;
+    for (const block* b = first->next; b != nullptr && merges_with_prev_when_settled(b); b = b->next) run += b->size;
+    largest = std::max(largest, run);
+  }
+  return largest;
+}
+
 }  // namespace shoal::alloc::detail

@@ -85,5 +85,9 @@ void settle_quick(block_pool& pool);
   const auto free_and_mapped = [](const block* x) { return x->state == block_state::free && x->mapped; };
   return b->prev != nullptr && free_and_mapped(b) && free_and_mapped(b->prev);
 }
+/// The size of the pool's largest free block as settle_quick would leave
+/// it (0: none), computed without settling: the largest bin's, or a run of
+/// free mapped blocks around a parked one.
+[[nodiscard]] std::size_t largest_free_when_settled(const block_pool& pool) noexcept;
 
 }  // namespace shoal::alloc::detail

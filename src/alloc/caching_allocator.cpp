@@ -28,6 +28,9 @@ bool caching_allocator::deallocate_without_events(void* ptr, backend::stream_ref
 }
 void caching_allocator::record_stream(void* ptr, backend::stream_ref stream) { core_->record_stream(ptr, stream); }
 std::size_t caching_allocator::block_size(const void* ptr) const { return core_->block_size(ptr); }
+std::optional<block_segment> caching_allocator::segment_of_allocated_block(const void* ptr) const {
+  return core_->segment_of_allocated_block(ptr);
+}
 void caching_allocator::mark_held_outside(void* ptr) { core_->mark_held_outside(ptr); }
 void caching_allocator::unmark_held_outside(void* ptr) { core_->unmark_held_outside(ptr); }
 void caching_allocator::claim(void* ptr) { core_->claim(ptr); }
@@ -41,6 +44,7 @@ allocator_stats caching_allocator::stats() const { return core_->stats(); }
 void caching_allocator::reset_peak_stats() { core_->reset_peak_stats(); }
 void caching_allocator::reset_accumulated_stats() { core_->reset_accumulated_stats(); }
 snapshot caching_allocator::take_snapshot() const { return core_->take_snapshot(); }
+std::size_t caching_allocator::largest_free_block() const { return core_->largest_free_block(); }
 std::vector<trace_entry> caching_allocator::trace() const { return core_->trace(); }
 void caching_allocator::check_invariants() const { core_->check_invariants(); }
 void caching_allocator::add_oom_observer(std::function<void(const oom_report&)> observer) {

@@ -136,6 +136,10 @@ class pool_directory {
   /// Runs fn(pool) for every live pool, one at a time, with no lock held.
   template <class Fn>
   void for_each_pool(Fn&& fn) const;
+  /// Runs fn(pool) for every stream pool (not private sub-pools), one at a
+  /// time, with no lock held.
+  template <class Fn>
+  void for_each_stream_pool(Fn&& fn) const;
   /// Runs fn(pool) for every pool ever made, emptied sub-pools of destroyed
   /// private pools too.
   /// Teardown only: no other call may run.
@@ -225,6 +229,19 @@ void pool_directory::for_each_pool(Fn&& fn) const {
     }
     for (auto& [id, p] : private_pools_) {
       for (auto& part : p->parts) pools.push_back(part.get());
+    }
+  }
+  for (block_pool* p : pools) fn(*p);
+}
+
+template <class Fn>
+void pool_directory::for_each_stream_pool(Fn&& fn) const {
+  std::vector<block_pool*> pools;
+  {
+    std::shared_lock lock(directory_mutex_);
+    for (auto& [stream, p] : stream_pools_) {
+      pools.push_back(&p->small);
+      pools.push_back(&p->large);
     }
   }
   for (block_pool* p : pools) fn(*p);

@@ -20,6 +20,21 @@ struct oom_report {
   backend::stream_ref stream;
 };
 
+/// What a segment of the allocator's is.
+enum class segment_kind : std::uint8_t {
+  plain,      ///< one allocation from the device (a growing private pool's included)
+  growable,   ///< a growable range (expandable_segments)
+  handed_in,  ///< memory handed to create_private_pool, which the allocator never frees
+};
+
+/// The segment that holds an allocated block
+/// (caching_allocator::segment_of_allocated_block).
+struct block_segment {
+  std::uintptr_t base = 0;
+  std::size_t size = 0;  ///< the whole range; a growable one's reserved range, mapped or not
+  segment_kind kind = segment_kind::plain;
+};
+
 /// A private pool: memory handed in from outside, split into named
 /// sub-pools. Identified by the id create_private_pool returns.
 struct private_pool_id {

@@ -52,6 +52,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -123,6 +124,12 @@ class caching_allocator {
   void record_stream(void* ptr, backend::stream_ref stream);
   /// Bytes of the block that holds `ptr` (the rounded size).
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
+  /// The segment holding the allocated block that starts at `ptr`; nullopt
+  /// when `ptr` starts no allocated block (a pointer inside one, a block
+  /// freed or pending free, a tombstone, memory that is not the
+  /// allocator's). Takes the lock of the one pool whose segment covers
+  /// `ptr` (found through the segment directory) and copies nothing.
+  [[nodiscard]] std::optional<block_segment> segment_of_allocated_block(const void* ptr) const;
   /// The allocated block at `ptr` is held outside this process (exported to
   /// another one): a forced clear of its private pool refuses to take it
   /// back. The mark lasts until unmark_held_outside or the block's free.
@@ -168,6 +175,17 @@ class caching_allocator {
   void reset_peak_stats();
   void reset_accumulated_stats();
   [[nodiscard]] snapshot take_snapshot() const;
+  /// Bytes of the largest free block cached in the ordinary pools (every
+  /// stream's, both size classes): the most one allocation outside a
+  /// private pool gets without asking the device. 0 when none is cached.
+  /// Counted as take_snapshot shows free blocks, merged with their free
+  /// neighbours; blocks pending free, unbacked stretches of growable
+  /// segments and private pools' free blocks (which serve only their own
+  /// pool) are not counted. Takes each ordinary pool's lock in turn (never
+  /// two at once), looks at its largest free-size bin and its at most
+  /// quick_capacity parked blocks, and copies nothing; the figure may be
+  /// stale by the time it returns.
+  [[nodiscard]] std::size_t largest_free_block() const;
   /// The trace ring, oldest first (empty unless config().trace_entries > 0).
   [[nodiscard]] std::vector<trace_entry> trace() const;
 
