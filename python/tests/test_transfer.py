@@ -478,6 +478,52 @@ def test_a_failed_batch_taken_by_one_thread_drops_its_own_layout_while_others_ta
         assert engine._layouts == {}
 
 
+def test_a_failed_batch_drops_its_own_layout_while_an_earlier_batch_is_being_taken():
+    # The schedule the test above leaves to chance, made certain: one consumer has taken
+    # batch 0 from the engine but not yet its layout when another takes batch 1, which
+    # failed. The failure must drop batch 1's layout, not the oldest one.
+    allocator = shoal.Allocator(memory_limit_mb=4)
+    with shoal.transfer.Engine(allocator) as engine:
+        engine_itself = engine._engine
+        first_taken = threading.Event()
+        second_failed = threading.Event()
+
+        class first_take_held:  # the first take returns only once the second has failed
+            def next(self, timeout, on_failure):  # noqa: ANN001, ANN202
+                first = not first_taken.is_set()
+                transferred = engine_itself.next(timeout, on_failure=on_failure)
+                if first:
+                    first_taken.set()
+                    second_failed.wait(30)
+                return transferred
+
+            def __getattr__(self, name: str):  # noqa: ANN204
+                return getattr(engine_itself, name)
+
+        engine._engine = first_take_held()
+        engine.submit({"v": numpy.full((4,), 7, "int32")})
+        engine.submit({"v": numpy.zeros(8 << 20, "uint8")})  # past the allocator's limit
+        taken: dict = {}
+
+        def take_first() -> None:
+            try:
+                taken["batch"] = engine.get(timeout=30)
+            except Exception as e:  # noqa: BLE001 (reported below)
+                taken["error"] = e
+
+        consumer = threading.Thread(target=take_first)
+        consumer.start()
+        assert first_taken.wait(30), "the first batch was never taken"
+        with pytest.raises(shoal.OutOfMemoryError):
+            engine.get(timeout=30)
+        second_failed.set()
+        consumer.join(30)
+        assert "error" not in taken, f"the first batch's layout was dropped by the second's failure: {taken}"
+        assert int(host_copy(taken["batch"]["v"])[0]) == 7
+        assert engine._layouts == {}
+        engine._engine = engine_itself
+
+
 def test_a_submit_with_a_timeout_waits_no_longer_than_that_behind_another_threads_submit():
     with shoal.transfer.Engine(max_batches_in_flight=1) as engine:
         engine.submit([numpy.full(16, 1, "uint8")])

@@ -190,14 +190,31 @@ TYPED_TEST(transfer_engine_test, control_without_the_use_recorded_the_engine_ove
       << "the race did not show with groups read on two streams: the safe test would prove nothing";
 }
 
+// A 64 KiB source in pinned host memory of an allocator of its own, filled
+// with 0x5A: the engine copies it directly, with no staging.
+struct pinned_source {
+  pinned_source(backend::device& dev, backend::stream_ref stream)
+      : memory(dev, alloc::allocator_config::parse("memory:pinned_host")),
+        stream(stream),
+        block(memory.allocate(64 * kib, stream)) {
+    std::memset(block, 0x5A, 64 * kib);
+  }
+  ~pinned_source() { memory.deallocate(block, stream); }
+  pinned_source(const pinned_source&) = delete;
+  pinned_source& operator=(const pinned_source&) = delete;
+
+  alloc::caching_allocator memory;
+  backend::stream_ref stream;
+  void* block;
+};
+
 TYPED_TEST(transfer_engine_test, a_pinned_source_is_held_until_the_copy_reading_it_has_run) {
   auto& dev = this->device();
   auto& a = this->make_allocator();
-  alloc::caching_allocator pinned_memory(dev, alloc::allocator_config::parse("memory:pinned_host"));
-  transfer_engine engine(a, this->copy_stream());
   const backend::stream_ref s = this->consumer();
-  void* block = pinned_memory.allocate(64 * kib, s);
-  std::memset(block, 0x5A, 64 * kib);
+  pinned_source source(dev, s);
+  void* block = source.block;
+  transfer_engine engine(a, this->copy_stream());
   std::atomic<bool> released{false};
   std::shared_ptr<const void> keep(block, [&](const void*) { released = true; });
   dev.delay(engine.stream(), 200ms);  // the engine's copies run late
@@ -212,7 +229,6 @@ TYPED_TEST(transfer_engine_test, a_pinned_source_is_held_until_the_copy_reading_
   batch.wait_on(s);
   EXPECT_TRUE(all_equal(this->read(batch.storages()[0].data(), 64 * kib, s), 0x5A));
   EXPECT_EQ(engine.stats().bytes_staged, 0u) << "a pinned source is copied directly";
-  pinned_memory.deallocate(block, s);
 }
 
 // A source's owner may need something that another thread holds while that
@@ -221,13 +237,11 @@ TYPED_TEST(transfer_engine_test, a_pinned_source_is_held_until_the_copy_reading_
 // waits (at most 2 s) for the answer, which never comes while the deleter
 // runs under the engine's lock.
 TYPED_TEST(transfer_engine_test, a_source_is_let_go_outside_the_engines_lock) {
-  auto& dev = this->device();
   auto& a = this->make_allocator();
-  alloc::caching_allocator pinned_memory(dev, alloc::allocator_config::parse("memory:pinned_host"));
-  transfer_engine engine(a, this->copy_stream());
   const backend::stream_ref s = this->consumer();
-  void* block = pinned_memory.allocate(64 * kib, s);
-  std::memset(block, 0x5A, 64 * kib);
+  pinned_source source(this->device(), s);
+  void* block = source.block;
+  transfer_engine engine(a, this->copy_stream());
   std::promise<bool> answered_in_deleter;  // whether stats() answered while the deleter waited
   std::atomic<bool> gave_up{false};         // the test ended first: the deleter asks nothing
   std::thread asker;
@@ -253,7 +267,6 @@ TYPED_TEST(transfer_engine_test, a_source_is_let_go_outside_the_engines_lock) {
   EXPECT_TRUE(result.get()) << "the source's deleter ran under the engine's lock: stats() waited for it";
   batch.wait_on(s);
   EXPECT_TRUE(all_equal(this->read(batch.storages()[0].data(), 64 * kib, s), 0x5A));
-  pinned_memory.deallocate(block, s);
 }
 
 // A fast producer of `bytes`-byte batches against a slow consumer, at most
