@@ -19,6 +19,8 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "bindings.h"
 #include "shoal/backend/devices.h"
@@ -373,6 +375,66 @@ int api_configured_memory_fraction(double* out) {
   return guarded([&] { *out = allocators().configured_memory_fraction(); });
 }
 
+shoal_torch_block_state torch_state(alloc::block_state state) {
+  switch (state) {
+    case alloc::block_state::allocated: return SHOAL_TORCH_BLOCK_ALLOCATED;
+    case alloc::block_state::pending_free: return SHOAL_TORCH_BLOCK_PENDING_FREE;
+    case alloc::block_state::free: return SHOAL_TORCH_BLOCK_FREE;
+    case alloc::block_state::invalidated: return SHOAL_TORCH_BLOCK_INVALIDATED;
+  }
+  return SHOAL_TORCH_BLOCK_INVALIDATED;  // unreachable: every state is named above
+}
+
+/// The blocks of each stretch of `segment` that memory backs, as [first,
+/// last) indices of its runs of contiguous blocks: a plain segment's blocks
+/// cover it, one run; a growable segment's snapshot lists only its mapped
+/// blocks, one run per stretch (none when nothing is mapped).
+std::vector<std::pair<std::size_t, std::size_t>> mapped_runs(const alloc::segment_snapshot& segment) {
+  const auto& blocks = segment.blocks;
+  std::vector<std::pair<std::size_t, std::size_t>> runs;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const bool continues = i > 0 && blocks[i - 1].address + blocks[i - 1].size == blocks[i].address;
+    if (!continues) runs.emplace_back(i, i);
+    runs.back().second = i + 1;
+  }
+  return runs;
+}
+
+/// Gives `visit` each stretch of `segment`; false when a visit stopped the walk.
+bool visit_segment(int device, const alloc::segment_snapshot& segment, void* context,
+                   shoal_torch_segment_visitor visit) {
+  std::vector<shoal_torch_block> blocks;
+  blocks.reserve(segment.blocks.size());
+  for (const alloc::block_snapshot& b : segment.blocks) blocks.push_back({b.size, b.requested, torch_state(b.state)});
+  for (const auto& [first, last] : mapped_runs(segment)) {
+    shoal_torch_segment out{};
+    out.device = device;
+    out.address = segment.blocks[first].address;
+    for (std::size_t i = first; i < last; ++i) out.total_size += blocks[i].size;
+    out.stream = segment.stream.native;
+    out.is_large = segment.pool == alloc::pool_kind::large;
+    out.is_expandable = segment.expandable;
+    out.graph_pool = segment.owner.value;
+    if (visit(context, &out, blocks.data() + first, last - first) != 0) return false;
+  }
+  return true;
+}
+
+int api_snapshot(void* context, shoal_torch_segment_visitor visit) {
+  return guarded([&] {
+    std::vector<std::pair<int, alloc::snapshot>> taken;  // all of them before the first visit
+    for (int device = 0; device < max_devices; ++device) {
+      allocator_state* made = allocators().made(device);
+      if (made != nullptr) taken.emplace_back(device, made->allocator().take_snapshot());
+    }
+    for (const auto& [device, snap] : taken) {
+      for (const alloc::segment_snapshot& segment : snap.segments) {
+        if (!visit_segment(device, segment, context, visit)) throw error("shoal.torch: the snapshot's reader stopped");
+      }
+    }
+  });
+}
+
 const shoal_torch_api api_table = {
     SHOAL_TORCH_API_VERSION,
     sizeof(shoal_torch_api),
@@ -394,6 +456,7 @@ const shoal_torch_api api_table = {
     api_largest_free_block,
     api_block_segment,
     api_configured_memory_fraction,
+    api_snapshot,
 };
 
 }  // namespace

@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SHOAL_TORCH_API_VERSION 3
+#define SHOAL_TORCH_API_VERSION 4
 
 enum shoal_torch_status {
   SHOAL_TORCH_OK = 0,
@@ -41,6 +41,40 @@ struct shoal_torch_stats {
   struct shoal_torch_stat requested_bytes[3];
   int64_t num_alloc_retries, num_ooms, num_device_alloc, num_device_free;
 };
+
+/// A block's state in a snapshot.
+enum shoal_torch_block_state {
+  SHOAL_TORCH_BLOCK_ALLOCATED = 0,     ///< handed out
+  SHOAL_TORCH_BLOCK_PENDING_FREE = 1,  ///< freed, waiting for a stream to pass its last use
+  SHOAL_TORCH_BLOCK_FREE = 2,          ///< cached, reusable
+  /// A forced clear's tombstone (512 bytes): taken from its owner, whose
+  /// free is still owed; neither in use nor reusable.
+  SHOAL_TORCH_BLOCK_INVALIDATED = 3,
+};
+
+struct shoal_torch_block {
+  size_t size;
+  size_t requested_size;  ///< bytes asked for; 0 unless allocated
+  int state;              ///< enum shoal_torch_block_state
+};
+
+/// A segment as PyTorch's snapshot shows one: a plain segment whole; a
+/// growable segment one per stretch of it that memory backs, as PyTorch
+/// shows its expandable segments. Its blocks cover it, in address order.
+struct shoal_torch_segment {
+  int device;
+  uintptr_t address;
+  size_t total_size;
+  void* stream;        ///< its pool's cudaStream_t (NULL: the legacy default stream, or a graph pool's)
+  int is_large;        ///< of the large pool (blocks over 1 MiB) rather than the small one
+  int is_expandable;   ///< a stretch of a growable segment
+  uint64_t graph_pool; ///< the graph pool (create_graph_pool's handle) it belongs to; 0: none
+};
+
+/// Called for each segment with its `count` blocks; returns 0 to go on,
+/// anything else to stop. Must not throw.
+typedef int (*shoal_torch_segment_visitor)(void* context, const struct shoal_torch_segment* segment,
+                                           const struct shoal_torch_block* blocks, size_t count);
 
 struct shoal_torch_api {
   uint32_t version;     ///< SHOAL_TORCH_API_VERSION
@@ -102,6 +136,12 @@ struct shoal_torch_api {
   int (*block_segment)(void* ptr, int device, void** base, size_t* size);
   /// *out = the memory_fraction the allocators were configured with (0: none).
   int (*configured_memory_fraction)(double* out);
+  /// Every segment of every device that has an allocator, each given to
+  /// `visit` with `context`: one snapshot per device, all taken before the
+  /// first visit (allocations meanwhile change none of it), and no lock held
+  /// while `visit` runs. A visit that returns nonzero stops the walk, and
+  /// this returns SHOAL_TORCH_ERROR.
+  int (*snapshot)(void* context, shoal_torch_segment_visitor visit);
 };
 
 #ifdef __cplusplus

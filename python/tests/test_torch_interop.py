@@ -1,7 +1,7 @@
 """What PyTorch asks of its allocator beyond allocations, with shoal in its
 place: cuDNN's benchmark mode (cacheInfo), torch.multiprocessing's CUDA
 tensors (shareIpcHandle, getIpcDevPtr), a MemPool's end (emptyCache of one
-pool) and the memory fraction. Needs PyTorch with CUDA and a GPU; each case
+pool), the memory fraction and PyTorch's memory snapshots (snapshot). Needs PyTorch with CUDA and a GPU; each case
 runs in a fresh interpreter (test_torch.run)."""
 
 import pytest
@@ -133,3 +133,73 @@ def test_a_handle_from_a_newer_or_unknown_format_is_refused_in_words():
     assert "type 'z'" in (out["unknown_type"] or ""), out
     assert "not 10" in (out["short"] or ""), out
     assert "1 bytes" in (out["one_byte"] or ""), out
+
+
+def test_torch_memory_snapshot_shows_shoals_segments_and_blocks():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        small = torch.empty(1000, dtype=torch.uint8, device="cuda")     # the small pool's
+        large = torch.empty(24 << 20, dtype=torch.uint8, device="cuda")  # the large pool's
+        freed = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+        freed_ptr = freed.data_ptr()
+        del freed  # on its own stream: free at once
+        theirs = torch.cuda.memory_snapshot()
+        ours = shoal.torch.memory_snapshot()["segments"]
+        viewer = torch.cuda.memory._snapshot()
+        def segments(snapshot):
+            return sorted([s["address"], s["total_size"], s["segment_type"], s["is_expandable"]] for s in snapshot)
+        def blocks(snapshot):
+            return {b["address"]: [b["size"], b["requested_size"], b["state"]] for s in snapshot for b in s["blocks"]}
+        print(json.dumps({"theirs": segments(theirs), "ours": segments(ours),
+                          "their_blocks": blocks(theirs), "our_blocks": blocks(ours),
+                          "small": small.data_ptr(), "large": large.data_ptr(), "freed": freed_ptr,
+                          "allocated": torch.cuda.memory_allocated(),
+                          "sums": [[s["allocated_size"], s["active_size"], s["total_size"]] for s in theirs],
+                          "block_sums": [[sum(b["size"] for b in s["blocks"] if b["state"] == "active_allocated"),
+                                          sum(b["size"] for b in s["blocks"])] for s in theirs],
+                          "viewer_keys": sorted(viewer), "viewer": segments(viewer["segments"]),
+                          "traces": viewer["device_traces"], "devices": torch.cuda.device_count()}))
+        """
+    )
+    assert out["theirs"], "PyTorch's snapshot lists shoal's segments"
+    assert out["theirs"] == out["ours"], "the segments of shoal.torch.memory_snapshot(), stretch by stretch"
+    blocks = {int(address): block for address, block in out["their_blocks"].items()}
+    assert blocks == {int(address): block for address, block in out["our_blocks"].items()}
+    for name, requested in (("small", 1000), ("large", 24 << 20)):
+        size, asked, state = blocks[out[name]]
+        assert state == "active_allocated" and asked == requested and size >= requested, (name, blocks[out[name]])
+    (freed,) = [b for a, b in blocks.items() if a <= out["freed"] < a + b[0]]
+    assert freed[2] == "inactive", freed
+    assert sum(size for size, _, state in blocks.values() if state == "active_allocated") == out["allocated"]
+    for (allocated, active, total), (allocated_blocks, covered) in zip(out["sums"], out["block_sums"]):
+        assert allocated == allocated_blocks and allocated <= active <= total == covered
+    assert {"segments", "device_traces"} <= set(out["viewer_keys"])
+    assert out["viewer"] == out["theirs"]
+    assert out["traces"] == [[] for _ in range(out["devices"])], "no history is kept: one empty trace per device"
+
+
+def test_torch_memory_snapshot_of_a_mem_pool_shows_its_segments_alone():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        outside = torch.empty(2 << 20, dtype=torch.uint8, device="cuda")
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            inside = torch.empty(2 << 20, dtype=torch.uint8, device="cuda")
+        def starts(snapshot):
+            return [b["address"] for s in snapshot for b in s["blocks"] if b["state"] == "active_allocated"]
+        of_pool = torch.cuda.memory_snapshot(pool.id)
+        every = torch.cuda.memory_snapshot()
+        print(json.dumps({"pool": list(pool.id), "of_pool": starts(of_pool), "every": starts(every),
+                          "owners": [list(s["segment_pool_id"]) for s in of_pool],
+                          "every_owners": sorted(list(s["segment_pool_id"]) for s in every),
+                          "inside": inside.data_ptr(), "outside": outside.data_ptr()}))
+        """
+    )
+    assert out["of_pool"] == [out["inside"]], out
+    assert out["owners"] and all(owner == out["pool"] for owner in out["owners"]), out
+    assert out["inside"] in out["every"] and out["outside"] in out["every"]
+    assert [0, 0] in out["every_owners"] and out["pool"] in out["every_owners"]

@@ -123,6 +123,7 @@ void graph_pools::release(c10::DeviceIndex device, mempool_id id) {
     TORCH_CHECK(it != pools_.end(), "shoal: memory pool (", id.first, ", ", id.second, ") does not exist");
     if (--it->second.uses > 0) return;
     released_.emplace_back(device, it->second.handle);
+    released_ids_.emplace(std::pair<int, std::uint64_t>{device, it->second.handle}, id);
     pools_.erase(it);
   }
   (void)destroy_released();
@@ -170,7 +171,7 @@ bool graph_pools::destroy_released() {
     candidates.swap(released_);
   }
   if (candidates.empty()) return false;
-  std::vector<std::pair<int, std::uint64_t>> kept;
+  std::vector<std::pair<int, std::uint64_t>> kept, gone;
   bool any = false;
   {
     relaxed_capture_mode mode{relaxed};
@@ -184,6 +185,7 @@ bool graph_pools::destroy_released() {
       }
       if (destroyed != 0) {
         any = true;
+        gone.emplace_back(device, handle);
       } else {
         kept.emplace_back(device, handle);  // a block of it is still allocated: later
       }
@@ -191,7 +193,15 @@ bool graph_pools::destroy_released() {
   }
   std::lock_guard lock(mutex_);
   released_.insert(released_.end(), kept.begin(), kept.end());
+  for (const auto& pool : gone) released_ids_.erase(pool);
   return any;
+}
+
+std::map<std::pair<int, std::uint64_t>, mempool_id> graph_pools::ids() {
+  std::lock_guard lock(mutex_);
+  std::map<std::pair<int, std::uint64_t>, mempool_id> out = released_ids_;
+  for (const auto& [k, p] : pools_) out.emplace(std::pair<int, std::uint64_t>{k.first, p.handle}, k.second);
+  return out;
 }
 
 }  // namespace shoal_torch

@@ -69,6 +69,9 @@ class graph_pools {
   /// Destroys the released pools none of whose blocks is allocated any
   /// more; true when one was.
   bool destroy_released();
+  /// The MempoolId of each of shoal's pools, by (device, shoal's handle):
+  /// pools in use, and released pools whose memory is not back yet.
+  [[nodiscard]] std::map<std::pair<int, std::uint64_t>, mempool_id> ids();
 
  private:
   using key = std::pair<c10::DeviceIndex, mempool_id>;
@@ -94,6 +97,8 @@ class graph_pools {
   std::vector<route> routes_;                                 // guarded by mutex_
   std::vector<deferred_free> deferred_;                       // guarded by mutex_
   std::vector<std::pair<int, std::uint64_t>> released_;       // (device, handle); guarded by mutex_
+  /// The MempoolId each of released_ had, also while destroy_released holds it.
+  std::map<std::pair<int, std::uint64_t>, mempool_id> released_ids_;  // guarded by mutex_
   std::atomic<int> routes_count_{0};                          // routes_.size()
 };
 

@@ -10,7 +10,8 @@
 //     invariant applied to PyTorch tensors; no record_stream is needed.
 //   - Tensor.record_stream, torch.cuda.empty_cache,
 //     set_per_process_memory_fraction and torch.cuda.memory_stats reach shoal;
-//     cacheInfo (cuDNN's benchmark mode sizes its workspaces with it) too.
+//     cacheInfo (cuDNN's benchmark mode sizes its workspaces with it) and
+//     torch.cuda.memory_snapshot (shoal's segments and blocks) too.
 //   - torch.multiprocessing sends and receives CUDA tensors (ipc_handles.h).
 //   - Out of memory is torch.cuda.OutOfMemoryError with shoal's message.
 //   - CUDA graph capture (torch.cuda.graph) and torch.cuda.MemPool /
@@ -31,11 +32,15 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "graph_pools.h"
 #include "ipc_handles.h"
@@ -99,6 +104,111 @@ void copy(const shoal_torch_stat (&from)[3], c10::CachingAllocator::StatArray& t
     to[i].allocated = from[i].allocated;
     to[i].freed = from[i].freed;
   }
+}
+
+// PyTorch's snapshot structs moved between namespaces and changed their
+// field types across versions (int64_t or size_t sizes, cudaStream_t or
+// void* streams): they are named through SnapshotInfo, and every field is
+// set by a cast to its own type.
+using snapshot_info = c10::cuda::CUDACachingAllocator::SnapshotInfo;
+using segment_info = decltype(snapshot_info::segments)::value_type;
+using block_info = decltype(segment_info::blocks)::value_type;
+using pool_ids = std::map<std::pair<int, std::uint64_t>, c10::cuda::MempoolId_t>;
+
+template <class Field, class Value>
+void set(Field& field, Value value) {
+  field = static_cast<Field>(value);
+}
+
+// As PyTorch's allocator fills a block's info: active while the block may
+// not be handed out (allocated, or freed and waiting for a stream). A forced
+// clear's tombstone is neither in use nor reusable: active, not allocated.
+block_info block_info_of(const shoal_torch_block& block) {
+  block_info out{};
+  set(out.size, block.size);
+  set(out.requested_size, block.requested_size);
+  out.gc_counter = 0;
+  out.allocated = block.state == SHOAL_TORCH_BLOCK_ALLOCATED;
+  out.active = block.state != SHOAL_TORCH_BLOCK_FREE;
+  return out;
+}
+
+// As PyTorch's allocator fills a segment's info: its sizes are sums over
+// its blocks (requested over the active ones). Its pool is named later.
+segment_info segment_info_of(const shoal_torch_segment& segment, const shoal_torch_block* blocks, size_t count) {
+  segment_info out{};
+  set(out.device, segment.device);
+  set(out.address, segment.address);
+  set(out.total_size, segment.total_size);
+  set(out.stream, segment.stream);
+  out.is_large = segment.is_large != 0;
+  out.is_expandable = segment.is_expandable != 0;
+  size_t allocated = 0, active = 0, requested = 0;
+  for (size_t i = 0; i < count; ++i) {
+    block_info block = block_info_of(blocks[i]);
+    if (block.allocated) allocated += blocks[i].size;
+    if (block.active) {
+      active += blocks[i].size;
+      requested += blocks[i].requested_size;
+    }
+    out.blocks.push_back(std::move(block));
+  }
+  set(out.allocated_size, allocated);
+  set(out.active_size, active);
+  set(out.requested_size, requested);
+  return out;
+}
+
+struct read_segment_info {
+  int device;
+  std::uint64_t graph_pool;  ///< shoal's handle (0: none)
+  segment_info info;
+};
+
+// What the table's snapshot gives each segment to.
+struct snapshot_reader {
+  std::vector<read_segment_info> segments;
+  std::exception_ptr failure;  ///< the first one; the walk stops at it
+};
+
+int read_segment(void* context, const shoal_torch_segment* segment, const shoal_torch_block* blocks,
+                 size_t count) noexcept {
+  auto& reader = *static_cast<snapshot_reader*>(context);
+  try {
+    reader.segments.push_back({segment->device, segment->graph_pool, segment_info_of(*segment, blocks, count)});
+    return 0;
+  } catch (...) {
+    reader.failure = std::current_exception();
+    return 1;
+  }
+}
+
+/// Every segment of every device, as PyTorch's segment infos (no pool named yet).
+std::vector<read_segment_info> read_snapshot() {
+  snapshot_reader reader;
+  const int status = api->snapshot(&reader, &read_segment);
+  if (reader.failure) std::rethrow_exception(reader.failure);
+  check(status, "memory_snapshot");
+  return std::move(reader.segments);
+}
+
+/// The segments of memory pool `only` ({0, 0}: every pool), each named by
+/// its pool's MempoolId, sorted as PyTorch's allocator sorts them (by
+/// device, then address). `ids` must be read after the snapshot: every graph
+/// pool a segment names was made before it, so it is there.
+std::vector<segment_info> segments_of_pool(std::vector<read_segment_info> read, const pool_ids& ids,
+                                           c10::cuda::MempoolId_t only) {
+  const bool every_pool = only.first == 0 && only.second == 0;
+  std::vector<segment_info> out;
+  for (read_segment_info& r : read) {
+    const auto owner = ids.find({r.device, r.graph_pool});
+    if (r.graph_pool != 0 && owner != ids.end()) r.info.owner_private_pool_id = owner->second;
+    if (every_pool || r.info.owner_private_pool_id == only) out.push_back(std::move(r.info));
+  }
+  std::sort(out.begin(), out.end(), [](const segment_info& a, const segment_info& b) {
+    return std::pair(a.device, a.address) < std::pair(b.device, b.address);
+  });
+  return out;
 }
 
 constexpr const char* checkpoint_refusal =
@@ -200,6 +310,18 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
     out.num_ooms = s.num_ooms;
     out.num_device_alloc = s.num_device_alloc;
     out.num_device_free = s.num_device_free;
+    return out;
+  }
+
+  // torch.cuda.memory_snapshot() and torch.cuda.memory._snapshot(): every
+  // device's segments and blocks (of one memory pool when `mempool_id` names
+  // one), with no stack frames. No history is kept (recordHistory is not
+  // served): each device's trace is empty, whatever include_traces says.
+  snapshot_info snapshot(c10::cuda::MempoolId_t mempool_id, bool /*include_traces*/) override {
+    std::vector<read_segment_info> read = read_snapshot();
+    snapshot_info out{};
+    out.segments = segments_of_pool(std::move(read), graphs->ids(), mempool_id);
+    out.device_traces.resize(static_cast<size_t>(c10::cuda::device_count()));
     return out;
   }
 

@@ -61,6 +61,8 @@ struct alignas(64) block_pool {
   /// refused even once the sub-pool serves a later private pool.
   std::uint64_t service_generation = 0;
   std::string part_name;  ///< private sub-pools
+  /// Private sub-pools in service: their pool's id (set under `lock`).
+  private_pool_id owner;
 
   free_bins bins;
   block_index allocated;  ///< blocks in state allocated or invalidated (tombstones), by address

@@ -43,6 +43,7 @@ void empty_for_reuse(block_pool& part) noexcept {
   part.segments.clear();
   part.counters = {};
   part.part_name.clear();
+  part.owner = {};
   part.grows = false;
   part.in_service = false;  // a stale per-thread cache entry finds nothing here
 }
@@ -154,6 +155,7 @@ private_pool_id pool_directory::add_private_pool(std::unique_ptr<private_pool>& 
     for (auto& part : added->second->parts) {
       std::lock_guard part_lock(part->lock);
       part->in_service = true;
+      part->owner = private_pool_id{id};
       ++part->service_generation;
     }
     return private_pool_id{id};

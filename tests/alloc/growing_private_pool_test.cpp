@@ -4,6 +4,7 @@
 // last used on (between captures).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -176,6 +177,36 @@ TYPED_TEST(growing_private_pool, out_of_memory_elsewhere_gives_none_of_it_back) 
   a.destroy_private_pool(pool);
   void* p = a.allocate(16 * mib, {});  // the pool's memory went back: it fits now
   a.deallocate(p, {});
+}
+
+// A snapshot names the private pool of each segment (a PyTorch snapshot of
+// one memory pool lists its segments alone), also once a destroyed pool's
+// sub-pool serves the next one, and no pool for the stream pools'.
+TYPED_TEST(growing_private_pool, a_snapshot_names_each_segments_pool) {
+  auto& a = this->make();
+  const auto owners = [&] {
+    std::vector<std::uint64_t> out;
+    for (const auto& s : a.take_snapshot().segments) out.push_back(s.owner.value);
+    std::sort(out.begin(), out.end());
+    return out;
+  };
+  const auto first = a.create_growing_private_pool();
+  {
+    alloc::private_pool_scope scope(a, first);
+    a.deallocate(a.allocate(4 * mib, {}), {});
+  }
+  void* outside = a.allocate(4 * mib, {});
+  EXPECT_EQ(owners(), (std::vector<std::uint64_t>{0, first.value}));
+  a.destroy_private_pool(first);
+  const auto second = a.create_growing_private_pool();
+  ASSERT_NE(second.value, first.value);
+  {
+    alloc::private_pool_scope scope(a, second);
+    a.deallocate(a.allocate(4 * mib, {}), {});
+  }
+  EXPECT_EQ(owners(), (std::vector<std::uint64_t>{0, second.value})) << "the reused sub-pool names its new pool";
+  a.deallocate(outside, {});
+  a.destroy_private_pool(second);
 }
 
 // A destroy whose release observer throws still gives every segment back

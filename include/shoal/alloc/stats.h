@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "shoal/alloc/allocator_types.h"
 #include "shoal/backend/types.h"
 
 namespace shoal::alloc {
@@ -108,6 +109,7 @@ struct segment_snapshot {
   bool expandable = false;
   bool external = false;          ///< memory handed in (a private pool), never freed by the allocator
   std::string private_pool;       ///< its name, for external memory
+  private_pool_id owner;          ///< the private pool it belongs to (value 0: none)
   std::vector<block_snapshot> blocks;
 };
 
