@@ -4,9 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <optional>
+#include <random>
+#include <thread>
+#include <vector>
 
 #include "shoal/backend/stream.h"
 #include "support/allocators.h"
@@ -165,6 +170,63 @@ TYPED_TEST(cache_queries, private_pools_blocks_name_memory_handed_in_or_the_devi
   EXPECT_FALSE(a.segment_of_allocated_block(handed)) << "a tombstone is no allocated block";
   a.deallocate(handed, {});  // the late free
   (void)a.destroy_private_pool(region.id);
+}
+
+// Four threads allocate and free on streams of their own, on seeded random
+// schedules, asking for their own blocks' segments, while a fifth asks for
+// the largest free block and for the segments of pointers the others publish
+// (live, freed or reused by then): every answer is whole and true of the
+// moment it was taken — a live block's segment holds it, any block's
+// segment holds the pointer asked about. ThreadSanitizer runs it too.
+TYPED_TEST(cache_queries, queries_answer_truly_while_other_threads_allocate_and_free) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  constexpr int workers = 4;
+  constexpr int steps = 1500;
+  constexpr std::size_t sizes[] = {512, 8 * kib, 1 * mib, 3 * mib, 24 * mib};
+  std::array<std::atomic<std::uintptr_t>, 64> published{};
+  std::atomic<int> running{workers};
+  std::atomic<int> wrong{0};
+  const auto holds = [](const alloc::block_segment& s, std::uintptr_t p) { return s.base <= p && p - s.base < s.size; };
+
+  std::vector<std::thread> threads;
+  for (int w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      std::mt19937 random(static_cast<unsigned>(w) + 1);
+      stream own(dev);
+      std::vector<void*> live;
+      for (int step = 0; step < steps; ++step) {
+        if (live.size() < 16 && (live.empty() || random() % 3 != 0)) {
+          void* p = a.allocate(sizes[random() % std::size(sizes)], own);
+          live.push_back(p);
+          published[random() % published.size()].store(address(p), std::memory_order_relaxed);
+          const auto segment = a.segment_of_allocated_block(p);
+          if (!segment || !holds(*segment, address(p))) ++wrong;
+        } else {
+          const std::size_t i = random() % live.size();
+          a.deallocate(live[i], own);
+          live[i] = live.back();
+          live.pop_back();
+        }
+      }
+      for (void* p : live) a.deallocate(p, own);
+      dev.synchronize(own);
+      --running;
+    });
+  }
+  threads.emplace_back([&] {
+    std::mt19937 random(99);
+    while (running > 0) {
+      if (a.largest_free_block() % 512 != 0) ++wrong;  // blocks are whole multiples of 512 bytes
+      const std::uintptr_t p = published[random() % published.size()].load(std::memory_order_relaxed);
+      if (p == 0) continue;
+      const auto segment = a.segment_of_allocated_block(reinterpret_cast<const void*>(p));
+      if (segment && !holds(*segment, p)) ++wrong;
+    }
+  });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(wrong.load(), 0) << "a query answered with a segment that did not hold its pointer";
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 0);
 }
 
 }  // namespace
