@@ -38,7 +38,7 @@ const driver_calls& driver() {
     find(d.ctx_get_current, "cuCtxGetCurrent");
     find(d.ctx_set_current, "cuCtxSetCurrent");
     find(d.device_get, "cuDeviceGet");
-    find(d.primary_ctx_retain, "cuDevicePrimaryCtxRetain_v2");
+    find(d.primary_ctx_retain, "cuDevicePrimaryCtxRetain");  // no _v2 of this one
     find(d.primary_ctx_release, "cuDevicePrimaryCtxRelease_v2");
     find(d.init, "cuInit");
     if (d.init == nullptr || d.init(0) != 0) d.init = nullptr;
