@@ -414,7 +414,7 @@ bool visit_segment(int device, const alloc::segment_snapshot& segment, void* con
     out.stream = segment.stream.native;
     out.is_large = segment.pool == alloc::pool_kind::large;
     out.is_expandable = segment.expandable;
-    out.graph_pool = segment.owner.value;
+    out.private_pool = segment.owner.value;
     if (visit(context, &out, blocks.data() + first, last - first) != 0) return false;
   }
   return true;

@@ -68,7 +68,8 @@ struct shoal_torch_segment {
   void* stream;        ///< its pool's cudaStream_t (NULL: the legacy default stream, or a graph pool's)
   int is_large;        ///< of the large pool (blocks over 1 MiB) rather than the small one
   int is_expandable;   ///< a stretch of a growable segment
-  uint64_t graph_pool; ///< the graph pool (create_graph_pool's handle) it belongs to; 0: none
+  uint64_t private_pool; ///< the private pool it belongs to (a graph pool's create_graph_pool handle, or a
+                        ///< region pool's id); 0: the ordinary pools
 };
 
 /// Called for each segment with its `count` blocks; returns 0 to go on,

@@ -89,7 +89,7 @@ def test_the_torch_tables_snapshot_entry_hands_over_plain_structs():
     class Segment(ctypes.Structure):
         _fields_ = [("device", ctypes.c_int), ("address", ctypes.c_size_t), ("total_size", ctypes.c_size_t),
                     ("stream", ctypes.c_void_p), ("is_large", ctypes.c_int), ("is_expandable", ctypes.c_int),
-                    ("graph_pool", ctypes.c_uint64)]
+                    ("private_pool", ctypes.c_uint64)]
 
     visitor_type = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(Segment), ctypes.POINTER(Block),
                                     ctypes.c_size_t)

@@ -122,14 +122,15 @@ void set(Field& field, Value value) {
 
 // As PyTorch's allocator fills a block's info: active while the block may
 // not be handed out (allocated, or freed and waiting for a stream). A forced
-// clear's tombstone is neither in use nor reusable: active, not allocated.
+// clear's tombstone, neither in use nor reusable, is counted as memory_stats
+// counts it: not active (so segments' active sizes add up to active_bytes).
 block_info block_info_of(const shoal_torch_block& block) {
   block_info out{};
   set(out.size, block.size);
   set(out.requested_size, block.requested_size);
   out.gc_counter = 0;
   out.allocated = block.state == SHOAL_TORCH_BLOCK_ALLOCATED;
-  out.active = block.state != SHOAL_TORCH_BLOCK_FREE;
+  out.active = block.state == SHOAL_TORCH_BLOCK_ALLOCATED || block.state == SHOAL_TORCH_BLOCK_PENDING_FREE;
   return out;
 }
 
@@ -161,7 +162,7 @@ segment_info segment_info_of(const shoal_torch_segment& segment, const shoal_tor
 
 struct read_segment_info {
   int device;
-  std::uint64_t graph_pool;  ///< shoal's handle (0: none)
+  std::uint64_t private_pool;  ///< shoal's handle (0: none)
   segment_info info;
 };
 
@@ -175,7 +176,7 @@ int read_segment(void* context, const shoal_torch_segment* segment, const shoal_
                  size_t count) noexcept {
   auto& reader = *static_cast<snapshot_reader*>(context);
   try {
-    reader.segments.push_back({segment->device, segment->graph_pool, segment_info_of(*segment, blocks, count)});
+    reader.segments.push_back({segment->device, segment->private_pool, segment_info_of(*segment, blocks, count)});
     return 0;
   } catch (...) {
     reader.failure = std::current_exception();
@@ -194,15 +195,17 @@ std::vector<read_segment_info> read_snapshot() {
 
 /// The segments of memory pool `only` ({0, 0}: every pool), each named by
 /// its pool's MempoolId, sorted as PyTorch's allocator sorts them (by
-/// device, then address). `ids` must be read after the snapshot: every graph
-/// pool a segment names was made before it, so it is there.
+/// device, then address). `ids` must hold the ids read both before and after
+/// the snapshot: a pool a segment names was made before the snapshot, and if
+/// its memory went back (its id forgotten) before the second read, the first
+/// one has it.
 std::vector<segment_info> segments_of_pool(std::vector<read_segment_info> read, const pool_ids& ids,
                                            c10::cuda::MempoolId_t only) {
   const bool every_pool = only.first == 0 && only.second == 0;
   std::vector<segment_info> out;
   for (read_segment_info& r : read) {
-    const auto owner = ids.find({r.device, r.graph_pool});
-    if (r.graph_pool != 0 && owner != ids.end()) r.info.owner_private_pool_id = owner->second;
+    const auto owner = ids.find({r.device, r.private_pool});
+    if (r.private_pool != 0 && owner != ids.end()) r.info.owner_private_pool_id = owner->second;
     if (every_pool || r.info.owner_private_pool_id == only) out.push_back(std::move(r.info));
   }
   std::sort(out.begin(), out.end(), [](const segment_info& a, const segment_info& b) {
@@ -316,12 +319,15 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
   // torch.cuda.memory_snapshot() and torch.cuda.memory._snapshot(): every
   // device's segments and blocks (of one memory pool when `mempool_id` names
   // one), with no stack frames. No history is kept (recordHistory is not
-  // served): each device's trace is empty, whatever include_traces says.
-  snapshot_info snapshot(c10::cuda::MempoolId_t mempool_id, bool /*include_traces*/) override {
+  // served): each device's trace is empty when traces are asked for, and
+  // there are none otherwise, as PyTorch's own allocator answers.
+  snapshot_info snapshot(c10::cuda::MempoolId_t mempool_id, bool include_traces) override {
+    pool_ids ids = graphs->ids();
     std::vector<read_segment_info> read = read_snapshot();
+    ids.merge(graphs->ids());  // the pools made meanwhile; those already known keep their entry
     snapshot_info out{};
-    out.segments = segments_of_pool(std::move(read), graphs->ids(), mempool_id);
-    out.device_traces.resize(static_cast<size_t>(c10::cuda::device_count()));
+    out.segments = segments_of_pool(std::move(read), ids, mempool_id);
+    if (include_traces) out.device_traces.resize(static_cast<size_t>(c10::cuda::device_count()));
     return out;
   }
 

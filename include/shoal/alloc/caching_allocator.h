@@ -127,8 +127,10 @@ class caching_allocator {
   /// The segment holding the allocated block that starts at `ptr`; nullopt
   /// when `ptr` starts no allocated block (a pointer inside one, a block
   /// freed or pending free, a tombstone, memory that is not the
-  /// allocator's). Takes the lock of the one pool whose segment covers
-  /// `ptr` (found through the segment directory) and copies nothing.
+  /// allocator's). Finds the pool as a free does — the one the calling
+  /// thread's cache of recent segments names for `ptr`, else the segment
+  /// directory's (then cached) — takes that one pool's lock, and copies
+  /// nothing.
   [[nodiscard]] std::optional<block_segment> segment_of_allocated_block(const void* ptr) const;
   /// The allocated block at `ptr` is held outside this process (exported to
   /// another one): a forced clear of its private pool refuses to take it
@@ -176,8 +178,9 @@ class caching_allocator {
   void reset_accumulated_stats();
   [[nodiscard]] snapshot take_snapshot() const;
   /// Bytes of the largest free block cached in the ordinary pools (every
-  /// stream's, both size classes): the most one allocation outside a
-  /// private pool gets without asking the device. 0 when none is cached.
+  /// stream's, both size classes): the most that an allocation outside a
+  /// private pool, on that block's stream, gets without asking the device
+  /// (on another stream it may get less). 0 when none is cached.
   /// Counted as take_snapshot shows free blocks, merged with their free
   /// neighbours; blocks pending free, unbacked stretches of growable
   /// segments and private pools' free blocks (which serve only their own
