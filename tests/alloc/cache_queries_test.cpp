@@ -172,6 +172,36 @@ TYPED_TEST(cache_queries, private_pools_blocks_name_memory_handed_in_or_the_devi
   (void)a.destroy_private_pool(region.id);
 }
 
+// On seeded random schedules of allocations and frees on two streams (parked
+// blocks beside free neighbours, splits, settles, an empty cache now and
+// then), the query agrees with a snapshot after every step.
+TYPED_TEST(cache_queries, the_largest_free_block_agrees_with_a_snapshot_over_random_schedules) {
+  auto& dev = this->device();
+  constexpr std::size_t sizes[] = {512, 4 * kib, 8 * kib, 96 * kib, 1 * mib, 3 * mib, 12 * mib};
+  for (const unsigned seed : {1U, 2U, 3U, 4U}) {
+    auto& a = this->make();
+    std::mt19937 random(seed);
+    stream one(dev), two(dev);
+    std::vector<std::pair<void*, backend::stream_ref>> live;
+    for (int step = 0; step < 600; ++step) {
+      const unsigned dice = random() % 100;
+      if (dice < 2) {
+        a.empty_cache();
+      } else if (live.size() < 40 && (live.empty() || dice < 55)) {
+        const backend::stream_ref on = random() % 2 ? one.ref() : two.ref();
+        live.emplace_back(a.allocate(sizes[random() % std::size(sizes)], on), on);
+      } else {
+        const std::size_t i = random() % live.size();
+        a.deallocate(live[i].first, live[i].second);
+        live[i] = live.back();
+        live.pop_back();
+      }
+      ASSERT_EQ(a.largest_free_block(), largest_free_in_snapshot(a)) << "seed " << seed << ", step " << step;
+    }
+    for (const auto& [p, on] : live) a.deallocate(p, on);
+  }
+}
+
 // Four threads allocate and free on streams of their own, on seeded random
 // schedules, asking for their own blocks' segments, while a fifth asks for
 // the largest free block and for the segments of pointers the others publish
