@@ -165,8 +165,7 @@ std::pair<stat, stat> settled_split_stats(const block_pool& pool) noexcept {
   std::array<const block*, block_pool::quick_capacity> firsts{};
   std::size_t run_count = 0;
   for (std::size_t i = 0; i < pool.quick_count; ++i) {
-    const block* first = pool.quick[i];
-    while (merges_with_prev_when_settled(first)) first = first->prev;
+    const block* first = first_of_settled_run(pool.quick[i]);
     const auto seen = firsts.begin() + static_cast<std::ptrdiff_t>(run_count);
     if (std::find(firsts.begin(), seen, first) != seen) continue;  // replayed from another parked block of the run
     firsts[run_count++] = first;
@@ -205,8 +204,7 @@ std::size_t largest_free_when_settled(const block_pool& pool) noexcept {
   // Settled blocks are never neighbours, so a run around parked blocks
   // holds at most 2 * quick_capacity + 1 blocks.
   for (std::size_t i = 0; i < pool.quick_count; ++i) {
-    const block* first = pool.quick[i];
-    while (merges_with_prev_when_settled(first)) first = first->prev;
+    const block* first = first_of_settled_run(pool.quick[i]);
     std::size_t run = first->size;
     for (const block* b = first->next; b != nullptr && merges_with_prev_when_settled(b); b = b->next) run += b->size;
     largest = std::max(largest, run);

@@ -85,6 +85,12 @@ void settle_quick(block_pool& pool);
   const auto free_and_mapped = [](const block* x) { return x->state == block_state::free && x->mapped; };
   return b->prev != nullptr && free_and_mapped(b) && free_and_mapped(b->prev);
 }
+/// The first block of the run `b` would be part of had every parked block
+/// been settled (`b` itself when it would merge with nothing before it).
+[[nodiscard]] inline const block* first_of_settled_run(const block* b) noexcept {
+  while (merges_with_prev_when_settled(b)) b = b->prev;
+  return b;
+}
 /// The size of the pool's largest free block as settle_quick would leave
 /// it (0: none), computed without settling: the largest bin's, or a run of
 /// free mapped blocks around a parked one.
