@@ -113,7 +113,7 @@ def _host_address(source: Any) -> tuple[int, int, Any]:
     view's own bytes are the values before the bit)."""
     if type(source).__module__.split(".")[0] == "torch":
         if source.device.type != "cpu" or not source.is_contiguous():
-            raise ValueError("shoal.loading: a source tensor must be a contiguous CPU tensor")
+            raise _shoal.InvalidArgumentError("shoal.loading: a source tensor must be a contiguous CPU tensor")
         source = source.resolve_conj().resolve_neg()
         return source.data_ptr(), source.numel() * source.element_size(), source
     import numpy
@@ -139,16 +139,16 @@ def _device_address(destination: Any, stream: _shoal.Stream) -> tuple[int, int]:
             expected.insert(0, step // destination.itemsize)
             step *= extent
         if destination.readonly or list(destination.strides) != expected:
-            raise ValueError("shoal.loading: a destination view must be writable and C-contiguous")
+            raise _shoal.InvalidArgumentError("shoal.loading: a destination view must be writable and C-contiguous")
         storage = destination.storage
         storage.record_stream(stream)
         return storage.mutable_ptr(stream) + destination.offset, count * destination.itemsize
     if type(destination).__module__.split(".")[0] == "torch":
         if destination.device.type != "cuda" or not destination.is_contiguous():
-            raise ValueError("shoal.loading: a destination tensor must be a contiguous CUDA tensor")
+            raise _shoal.InvalidArgumentError("shoal.loading: a destination tensor must be a contiguous CUDA tensor")
         if destination.is_conj() or destination.is_neg():
             # Bytes written under the bit would read back conjugated or negated.
-            raise ValueError(
+            raise _shoal.InvalidArgumentError(
                 "shoal.loading: a destination tensor with the conjugate or negative bit (x.conj()) would read "
                 "the bytes copied into it changed; load into a tensor without it"
             )
@@ -191,11 +191,11 @@ def load_groups(groups: Sequence[Sequence[tuple[Any, Any]]], stream: Optional[_s
             dst, dst_bytes = _device_address(destination, copy_stream)
             src, src_bytes, source = _host_address(source)
             if dst_bytes != src_bytes:
-                raise ValueError(
+                raise _shoal.InvalidArgumentError(
                     f"shoal.loading: group {g}: a {src_bytes}-byte source does not fill a {dst_bytes}-byte destination"
                 )
             if src_bytes == 0:
-                raise ValueError(f"shoal.loading: group {g} has an empty copy; leave it out")
+                raise _shoal.InvalidArgumentError(f"shoal.loading: group {g} has an empty copy; leave it out")
             copies.append((dst, src, src_bytes))
             owners.append((destination, source))
         native.append((copies, tuple(owners)))
@@ -302,14 +302,14 @@ class ModuleLoader:
         self.module = module
         self.device = torch.device(device if device is not None else "cuda")
         if self.device.type != "cuda":
-            raise ValueError(f"shoal.loading.ModuleLoader: loads onto a CUDA device, not {self.device}")
+            raise _shoal.InvalidArgumentError(f"shoal.loading.ModuleLoader: loads onto a CUDA device, not {self.device}")
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._shoal_device = _shoal.cuda_device(self.device.index)
         # Layers: modules holding tensors directly; registration order until profiled.
         self._layers = [(name, m) for name, m in module.named_modules() if _own_tensors(m)]
         if not self._layers:
-            raise ValueError("shoal.loading.ModuleLoader: the module holds no parameters or buffers")
+            raise _shoal.InvalidArgumentError("shoal.loading.ModuleLoader: the module holds no parameters or buffers")
         self._entries: list[list[tuple[str, str, int]]] = []  # per layer: (kind, name, tensor index)
         self._originals: list[Any] = []  # distinct tensors (Parameter objects or buffers), by index
         index_of: dict[int, int] = {}
@@ -317,7 +317,7 @@ class ModuleLoader:
             own = []
             for kind, name, tensor in _own_tensors(layer):
                 if tensor.device.type != "cpu":
-                    raise ValueError("shoal.loading.ModuleLoader: the module's tensors must start on the CPU")
+                    raise _shoal.InvalidArgumentError("shoal.loading.ModuleLoader: the module's tensors must start on the CPU")
                 if id(tensor) not in index_of:
                     index_of[id(tensor)] = len(self._originals)
                     self._originals.append(tensor)
@@ -418,7 +418,7 @@ class ModuleLoader:
         unloaded."""
         torch = _torch()
         if rounds < 1:
-            raise ValueError("shoal.loading: rounds must be >= 1")
+            raise _shoal.InvalidArgumentError("shoal.loading: rounds must be >= 1")
         self.load("whole").synchronize()
         marks: list[tuple[int, Any]] = []
         handles = []
@@ -488,7 +488,7 @@ class ModuleLoader:
         profile = profile if profile is not None else self._profile
         layers = list(profile) if profile is not None else [(b, 0.0) for _, b in self.layer_bytes()]
         if len(layers) != len(self._layers):
-            raise ValueError(f"shoal.loading: the profile has {len(layers)} layers, the module {len(self._layers)}")
+            raise _shoal.InvalidArgumentError(f"shoal.loading: the profile has {len(layers)} layers, the module {len(self._layers)}")
         if cost is None:
             if self._cost is None:
                 self._cost = measure_copy_cost(self._shoal_copy_stream)
@@ -509,7 +509,7 @@ class ModuleLoader:
             plan = self.plan(grouping="per_layer" if plan == "optimal" and self._profile is None else plan)
         ends = list(plan.group_ends)
         if not ends or ends[-1] != len(self._layers) or any(b <= a for a, b in zip([0] + ends, ends)):
-            raise ValueError(f"shoal.loading: a plan for {len(self._layers)} layers must end there, increasing")
+            raise _shoal.InvalidArgumentError(f"shoal.loading: a plan for {len(self._layers)} layers must end there, increasing")
         target = torch.empty(self._host_buffer.numel(), dtype=torch.uint8, device=self.device)
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # target was allocated there
         target.record_stream(self._copy_stream)

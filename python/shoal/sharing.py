@@ -160,7 +160,7 @@ def _leaf_header(view: _shoal.ArrayView) -> bytes:
 def _flatten(batch: Any, leaves: list, depth: int, path: str = "batch") -> Any:
     """The batch's structure with leaves replaced by their index in `leaves` (_Leaf objects)."""
     if depth > MAX_NESTING:
-        raise ValueError(f"shoal.sharing: a batch nests deeper than {MAX_NESTING} levels")
+        raise _shoal.InvalidArgumentError(f"shoal.sharing: a batch nests deeper than {MAX_NESTING} levels")
     torch_ordinal = torch_stream = None
     if isinstance(batch, _shoal.Storage):
         batch = batch.view("uint8")
@@ -175,7 +175,7 @@ def _flatten(batch: Any, leaves: list, depth: int, path: str = "batch") -> Any:
         batch = view
     if isinstance(batch, _shoal.ArrayView):
         if len(leaves) >= MAX_ARRAYS_PER_BATCH:
-            raise ValueError(f"shoal.sharing: a batch holds more than {MAX_ARRAYS_PER_BATCH} arrays")
+            raise _shoal.InvalidArgumentError(f"shoal.sharing: a batch holds more than {MAX_ARRAYS_PER_BATCH} arrays")
         leaves.append(_Leaf(batch, path, torch_ordinal, torch_stream))
         return {"a": len(leaves) - 1}
     if isinstance(batch, (list, tuple)):
@@ -293,7 +293,7 @@ class Producer:
         **options: int,
     ) -> None:
         if max_ahead is not None and (type(max_ahead) is not int or max_ahead < 1):
-            raise ValueError(f"shoal.sharing.Producer: max_ahead must be a whole number of at least 1 or None, not {max_ahead!r}")
+            raise _shoal.InvalidArgumentError(f"shoal.sharing.Producer: max_ahead must be a whole number of at least 1 or None, not {max_ahead!r}")
         self.max_ahead = max_ahead
         self._options = options
         # Both None until fixed: a Producer made without allocator= or device= chooses its
@@ -599,9 +599,9 @@ class Consumer:
         **options: int,
     ) -> None:
         if max_producers < 1:
-            raise ValueError("shoal.sharing.Consumer: max_producers must be at least 1")
+            raise _shoal.InvalidArgumentError("shoal.sharing.Consumer: max_producers must be at least 1")
         if batch_timeout is not None and not (batch_timeout > 0 and math.isfinite(batch_timeout)):
-            raise ValueError(
+            raise _shoal.InvalidArgumentError(
                 "shoal.sharing.Consumer: batch_timeout must be a finite number of seconds above 0, or None"
             )
         self.max_producers = max_producers

@@ -210,7 +210,7 @@ def _device_index(device: Any) -> int:
         return device
     d = torch.device(device)
     if d.type != "cuda":
-        raise ValueError(f"shoal.torch: {device!r} is not a CUDA device")
+        raise _shoal.InvalidArgumentError(f"shoal.torch: {device!r} is not a CUDA device")
     return d.index if d.index is not None else torch.cuda.current_device()
 
 
@@ -245,14 +245,14 @@ def share(tensor: Any) -> _shoal.ArrayView:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"shoal.torch.share: expected a torch.Tensor, not {type(tensor).__name__}")
     if tensor.device.type != "cuda":
-        raise ValueError(f"shoal.torch.share: the tensor is on {tensor.device}, not a CUDA device")
+        raise _shoal.InvalidArgumentError(f"shoal.torch.share: the tensor is on {tensor.device}, not a CUDA device")
     untyped = tensor.untyped_storage()
     device = tensor.device.index
     stream = torch.cuda.current_stream(device).cuda_stream
     try:
         storage = _shoal._torch_share(untyped.data_ptr(), untyped.nbytes(), device, stream)
     except ValueError as e:
-        raise ValueError(
+        raise _shoal.InvalidArgumentError(
             "shoal.torch.share: the tensor's memory is not a block shoal's allocator handed to PyTorch "
             f"(allocated before enable(), or by another allocator): {e}"
         ) from e

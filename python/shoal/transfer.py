@@ -48,7 +48,7 @@ def _host_buffer(leaf: Any) -> tuple[tuple[int, int, bool, Any], str, tuple[int,
     module = type(leaf).__module__.split(".")[0]
     if module == "torch":
         if leaf.device.type != "cpu":
-            raise ValueError(f"shoal.transfer: a tensor on {leaf.device} is not host memory; submit CPU tensors")
+            raise _shoal.InvalidArgumentError(f"shoal.transfer: a tensor on {leaf.device} is not host memory; submit CPU tensors")
         # A conjugate or negative view (x.conj(), x.conj().imag) holds its values unchanged and
         # a bit that says how to read them: the device gets the values as read.
         tensor = leaf.resolve_conj().resolve_neg().contiguous()
@@ -74,7 +74,7 @@ def _host_buffer(leaf: Any) -> tuple[tuple[int, int, bool, Any], str, tuple[int,
 def _flatten(batch: Any, leaves: list, depth: int) -> Any:
     """The batch's structure with each array replaced by its index in ``leaves``."""
     if depth > MAX_NESTING:
-        raise ValueError(f"shoal.transfer: a batch nests deeper than {MAX_NESTING} levels")
+        raise _shoal.InvalidArgumentError(f"shoal.transfer: a batch nests deeper than {MAX_NESTING} levels")
     if isinstance(batch, (list, tuple)):
         items = [_flatten(x, leaves, depth + 1) for x in batch]
         if isinstance(batch, list):
@@ -83,7 +83,7 @@ def _flatten(batch: Any, leaves: list, depth: int) -> Any:
     if isinstance(batch, dict):
         return {key: _flatten(value, leaves, depth + 1) for key, value in batch.items()}
     if len(leaves) >= MAX_ARRAYS_PER_BATCH:
-        raise ValueError(f"shoal.transfer: a batch holds more than {MAX_ARRAYS_PER_BATCH} arrays")
+        raise _shoal.InvalidArgumentError(f"shoal.transfer: a batch holds more than {MAX_ARRAYS_PER_BATCH} arrays")
     buffer, dtype, shape = _host_buffer(batch)
     if dtype not in _VIEW_DTYPES:  # refused now: get() could not give it back as an array
         raise TypeError(
@@ -91,7 +91,7 @@ def _flatten(batch: Any, leaves: list, depth: int) -> Any:
             + ", ".join(_shoal.view_dtypes())
         )
     if buffer[1] == 0:
-        raise ValueError("shoal.transfer: an empty array has nothing to transfer; leave it out of the batch")
+        raise _shoal.InvalidArgumentError("shoal.transfer: an empty array has nothing to transfer; leave it out of the batch")
     leaves.append((buffer, dtype, shape))
     return _Leaf(len(leaves) - 1)
 
@@ -305,7 +305,7 @@ class Engine:
         leaves: list = []
         structure = _flatten(batch, leaves, 0)
         if not leaves:
-            raise ValueError("shoal.transfer: the batch holds no arrays")
+            raise _shoal.InvalidArgumentError("shoal.transfer: the batch holds no arrays")
         read = _SourcesRead(len(leaves)) if reuse_sources else None
         if read is not None:
             leaves = [((address, nbytes, pinned, _Source(owner, read)), dtype, shape)

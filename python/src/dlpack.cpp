@@ -142,14 +142,14 @@ consumer consumer_of(nb::handle stream, const backend::device& device) {
   }
   const auto value = nb::cast<std::int64_t>(stream);
   if (value == 0) {
-    throw nb::value_error(
+    throw invalid_argument(
         "__dlpack__: stream=0 is ambiguous and not allowed; "
         "pass 1 (legacy default stream), "
         "2 (per-thread default stream), a stream handle, or "
         "-1 (no synchronization)");
   }
   if (value == -1) return {};
-  if (value < -1) throw nb::value_error(("__dlpack__: stream=" + std::to_string(value) + " is not a stream").c_str());
+  if (value < -1) throw invalid_argument("__dlpack__: stream=" + std::to_string(value) + " is not a stream");
   if (value == 1 || (value == 2 && host)) return {false, backend::stream_ref{}};
   return {false, backend::stream_ref{reinterpret_cast<void*>(static_cast<std::uintptr_t>(value))}};
 }

@@ -116,3 +116,32 @@ def test_enable_names_an_argument_of_the_wrong_type_before_touching_pytorch(argu
         shoal.torch.enable(**arguments)
     assert "_torch_configure" not in str(raised.value)
     assert not shoal.torch.is_enabled()
+
+
+def test_the_packages_own_argument_checks_raise_shoal_errors_that_are_value_errors():
+    # README: errors arrive as shoal.ShoalError subclasses; a bad value is also a ValueError.
+    import shoal.sharing
+    import shoal.transfer
+
+    view = shoal.allocate(64).view("uint8", (64,))
+    deep: list = [view]
+    for _ in range(shoal.sharing.MAX_NESTING + 1):
+        deep = [deep]
+    def submit_nothing() -> None:
+        with shoal.transfer.Engine() as engine:
+            engine.submit([])
+
+    for bad in (
+        lambda: shoal.sharing.Consumer(max_producers=0),
+        lambda: shoal.sharing.Consumer(batch_timeout=-1),
+        lambda: view.__dlpack__(stream=0),
+        lambda: view.__dlpack__(stream=-5),
+        submit_nothing,
+    ):
+        with pytest.raises(shoal.InvalidArgumentError) as raised:
+            bad()
+        assert isinstance(raised.value, ValueError)
+        assert isinstance(raised.value, shoal.ShoalError)
+    with shoal.sharing.Consumer() as consumer, shoal.sharing.Producer(consumer.address) as producer:
+        with pytest.raises(shoal.InvalidArgumentError, match="nests deeper"):
+            producer.put(deep)

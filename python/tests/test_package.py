@@ -38,7 +38,7 @@ USAGE = """
 import shoal
 
 allocator = shoal.default_allocator()
-allocated: int = allocator.stats()["allocated_bytes"]["current"]
+allocated: int = allocator.stats()["allocated_bytes"]["all"]["current"]
 segments: list[dict[str, int]] = allocator.snapshot()["segments"]
 kinds = [event["action"] for event in allocator.trace()]
 storage = allocator.allocate(64)
