@@ -1,8 +1,11 @@
 """What PyTorch asks of its allocator beyond allocations, with shoal in its
 place: cuDNN's benchmark mode (cacheInfo), torch.multiprocessing's CUDA
 tensors (shareIpcHandle, getIpcDevPtr), a MemPool's end (emptyCache of one
-pool), the memory fraction and PyTorch's memory snapshots (snapshot). Needs PyTorch with CUDA and a GPU; each case
+pool), the memory fraction, PyTorch's memory snapshots (snapshot) and its
+memory history (recordHistory). Needs PyTorch with CUDA and a GPU; each case
 runs in a fresh interpreter (test_torch.run)."""
+
+import pickle
 
 import pytest
 
@@ -203,3 +206,102 @@ def test_torch_memory_snapshot_of_a_mem_pool_shows_its_segments_alone():
     assert out["owners"] and all(owner == out["pool"] for owner in out["owners"]), out
     assert out["inside"] in out["every"] and out["outside"] in out["every"]
     assert [0, 0] in out["every_owners"] and out["pool"] in out["every_owners"]
+
+
+def test_memory_history_records_allocations_frees_and_their_stacks(tmp_path):
+    pickled = tmp_path / "s.pickle"
+    out = run(
+        """
+        import json, time, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        torch.cuda.memory._record_memory_history(stacks="python")
+        def shoal_history_allocates_here():
+            return [torch.empty(3 << 20, dtype=torch.uint8, device="cuda"),
+                    torch.empty(5000, dtype=torch.uint8, device="cuda")]
+        def shoal_history_frees_here(tensors):
+            tensors.pop()  # the last reference: freed here
+        kept, dropped = tensors = shoal_history_allocates_here()
+        dropped_ptr = dropped.data_ptr()
+        del dropped
+        shoal_history_frees_here(tensors)
+        try:
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        except torch.cuda.OutOfMemoryError:
+            pass
+        recording = torch._C._cuda_isHistoryEnabled()
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._dump_snapshot(PICKLED)
+        def names(entry):
+            return [frame["name"] for frame in entry.get("frames", [])]
+        trace = snapshot["device_traces"][torch.cuda.current_device()]
+        print(json.dumps({
+            "entries": [[e["action"], e.get("addr"), e["size"], names(e)] for e in trace
+                        if e["action"] in ("alloc", "free_requested", "free_completed")],
+            "ooms": [[e["size"], e["device_free"]] for e in trace if e["action"] == "oom"],
+            "times": [e["time_us"] for e in trace], "now": time.time(),
+            "blocks": [[b["address"], b["state"], names(b)] for s in snapshot["segments"] for b in s["blocks"]],
+            "kept": kept.data_ptr(), "dropped": dropped_ptr, "recording": recording}))
+        """.replace("PICKLED", repr(str(pickled)))
+    )
+    assert out["recording"]
+    entries = out["entries"]
+    allocs = [e for e in entries if e[0] == "alloc"]
+    assert [e[1:3] for e in allocs] == [[out["kept"], 3 << 20], [out["dropped"], 5000]], entries
+    assert all("shoal_history_allocates_here" in e[3] for e in allocs), "an alloc entry's stack names its caller"
+    frees = [e for e in entries if e[0] != "alloc"]
+    assert [e[:3] for e in frees] == [[action, out["dropped"], 5000] for action in ("free_requested", "free_completed")]
+    assert all("shoal_history_frees_here" in e[3] for e in frees), "context='all': a free's own stack"
+    assert out["ooms"] and out["ooms"][0][0] == 1 << 50, out["ooms"]
+    assert all(abs(t / 1e6 - out["now"]) < 600 for t in out["times"]), "times are microseconds since the epoch"
+    (kept,) = [b for b in out["blocks"] if b[0] == out["kept"]]
+    assert kept[1] == "active_allocated" and "shoal_history_allocates_here" in kept[2], kept
+    with open(pickled, "rb") as f:
+        dumped = pickle.load(f)
+    assert {"segments", "device_traces"} <= set(dumped)
+    assert any(e["action"] == "alloc" and e.get("addr") == out["kept"] for t in dumped["device_traces"] for e in t)
+
+
+def test_memory_history_stops_when_asked():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        torch.cuda.memory._record_memory_history(stacks="python")
+        before = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        torch.cuda.memory._record_memory_history(enabled=None)
+        stopped = torch._C._cuda_isHistoryEnabled()
+        def shoal_history_while_stopped():
+            return torch.empty(2 << 20, dtype=torch.uint8, device="cuda")
+        during = shoal_history_while_stopped()
+        del before  # freed while stopped
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(stacks="python")
+        after = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+        restarted = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        print(json.dumps({
+            "stopped": stopped, "traces": [len(t) for t in snapshot["device_traces"]],
+            "framed": [f["name"] for s in snapshot["segments"] for b in s["blocks"] for f in b.get("frames", [])],
+            "restarted": [[e["action"], e.get("addr")] for e in restarted], "after": after.data_ptr()}))
+        """
+    )
+    assert out["stopped"] is False
+    assert out["traces"] and set(out["traces"]) == {0}, "stopping clears the history, as PyTorch's allocator does"
+    assert "shoal_history_while_stopped" not in out["framed"], "an allocation while stopped is not recorded"
+    assert out["restarted"] == [["alloc", out["after"]]], "nothing recorded while stopped"
+
+
+def test_memory_history_keeps_the_newest_max_entries():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=10)
+        for i in range(20):
+            x = torch.empty(1000 + i, dtype=torch.uint8, device="cuda")
+            del x
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        print(json.dumps({"trace": [[e["action"], e["size"]] for e in trace]}))
+        """
+    )["trace"]
+    assert len(out) == 10, out
+    assert out[-3:] == [["alloc", 1019], ["free_requested", 1019], ["free_completed", 1019]], "the newest, oldest first"

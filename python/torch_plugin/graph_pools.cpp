@@ -29,13 +29,14 @@ graph_pools::pool& graph_pools::pool_of(const key& k) {
   return it->second;
 }
 
-void* graph_pools::allocate(size_t bytes, int device, cudaStream_t stream) {
+void* graph_pools::allocate(size_t bytes, int device, cudaStream_t stream, mempool_id* pool) {
   std::uint64_t handle = 0;
   {
     std::lock_guard lock(mutex_);
     for (const route& r : routes_) {
       if (r.of.first == device && r.filter(stream)) {
         handle = r.handle;
+        if (pool != nullptr) *pool = r.of.second;
         break;
       }
     }

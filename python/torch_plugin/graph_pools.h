@@ -51,8 +51,10 @@ class graph_pools {
   /// True while some allocations are routed to a pool: one load.
   [[nodiscard]] bool routing() const noexcept { return routes_count_.load(std::memory_order_acquire) > 0; }
   /// An allocation while routing: from the pool of the route that accepts
-  /// `stream` on `device`, else from the ordinary pools. Throws PyTorch's errors.
-  void* allocate(size_t bytes, int device, cudaStream_t stream);
+  /// `stream` on `device`, else from the ordinary pools. `pool` (may be
+  /// null) receives that route's MempoolId (left as it is when none accepts),
+  /// also when the allocation fails. Throws PyTorch's errors.
+  void* allocate(size_t bytes, int device, cudaStream_t stream, mempool_id* pool);
   /// A free while routing (see the file comment). Returns the table's
   /// status; throws PyTorch's error when the capture mode cannot be switched.
   int deallocate(void* ptr, int device, cudaStream_t stream);

@@ -17,6 +17,9 @@
 //   - CUDA graph capture (torch.cuda.graph) and torch.cuda.MemPool /
 //     use_mem_pool allocate from shoal's growing private pools through
 //     PyTorch's pool hooks (graph_pools.h).
+//   - torch.cuda.memory._record_memory_history records allocations and
+//     frees with their stacks, for torch.cuda.memory._snapshot and the
+//     memory viewer (memory_history.h).
 // Loaded with ctypes by shoal.torch.enable(); its one entry point is
 // shoal_torch_install (shoal_torch_built_for says which PyTorch it was built for).
 #include <c10/core/Allocator.h>
@@ -44,6 +47,7 @@
 
 #include "graph_pools.h"
 #include "ipc_handles.h"
+#include "memory_history.h"
 #include "plugin_status.h"
 #include "torch_api.h"
 
@@ -54,12 +58,14 @@ using c10::CachingDeviceAllocator::DeviceStats;
 
 const shoal_torch_api* api = nullptr;
 shoal_torch::graph_pools* graphs = nullptr;  // made at install, never destroyed (tensors outlive modules)
+shoal_torch::memory_history* history = nullptr;  // made at install, never destroyed (it holds Python stacks)
 
 void check(int status, const char* what) { shoal_torch::check(*api, status, what); }
 
-void* allocate_block(size_t bytes, int device, cudaStream_t stream) {
-  if (bytes == 0) return nullptr;
-  if (graphs->routing()) return graphs->allocate(bytes, device, stream);
+/// A block from shoal; `pool`, when given, receives the MempoolId of the
+/// graph pool it comes from ({0, 0}: the ordinary pools).
+void* allocate_from_shoal(size_t bytes, int device, cudaStream_t stream, c10::cuda::MempoolId_t* pool) {
+  if (graphs->routing()) return graphs->allocate(bytes, device, stream, pool);
   void* ptr = nullptr;
   int status = api->allocate(bytes, device, stream, &ptr);
   // Memory pools released while blocks of them were allocated go back now.
@@ -70,10 +76,45 @@ void* allocate_block(size_t bytes, int device, cudaStream_t stream) {
   return ptr;
 }
 
+/// The device's free memory as the driver reports it (0 when it cannot say).
+size_t device_free_memory(int device) noexcept {
+  try {
+    const c10::cuda::CUDAGuard on_device(static_cast<c10::DeviceIndex>(device));
+    size_t free = 0, total = 0;
+    if (cudaMemGetInfo(&free, &total) == cudaSuccess) return free;
+    (void)cudaGetLastError();
+  } catch (...) {
+  }
+  return 0;
+}
+
+// While memory history is recorded: the allocation and its "alloc" entry, or
+// the "oom" entry of a refusal. The context is gathered first, with no lock
+// held (the recorder may take the GIL).
+void* allocate_recorded(size_t bytes, int device, cudaStream_t stream) {
+  shoal_torch::allocation block{nullptr, bytes, device, stream, {0, 0}};
+  shoal_torch::context context = history->allocation_context();
+  try {
+    block.ptr = allocate_from_shoal(bytes, device, stream, &block.pool);
+  } catch (const c10::OutOfMemoryError&) {
+    history->out_of_memory(block, device_free_memory(device), std::move(context));
+    throw;
+  }
+  history->allocated(block, std::move(context));
+  return block.ptr;
+}
+
+void* allocate_block(size_t bytes, int device, cudaStream_t stream) {
+  if (bytes == 0) return nullptr;
+  if (history->recording()) return allocate_recorded(bytes, device, stream);
+  return allocate_from_shoal(bytes, device, stream, nullptr);
+}
+
 // Runs in tensors' deleters, which must not throw: a failure is reported on
 // stderr and the block stays allocated.
 void free_block(void* ptr, size_t /*bytes*/, int device, cudaStream_t /*allocation_stream*/) noexcept {
   if (ptr == nullptr) return;
+  if (history->recording()) history->freed(ptr);  // before shoal takes the block back (memory_history.h)
   try {
     const cudaStream_t current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
     const int status = graphs->routing() ? graphs->deallocate(ptr, device, current) : api->deallocate(ptr, device, current);
@@ -318,18 +359,30 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
 
   // torch.cuda.memory_snapshot() and torch.cuda.memory._snapshot(): every
   // device's segments and blocks (of one memory pool when `mempool_id` names
-  // one), with no stack frames. No history is kept (recordHistory is not
-  // served): each device's trace is empty when traces are asked for, and
-  // there are none otherwise, as PyTorch's own allocator answers.
+  // one); the blocks allocated while history was recorded carry their stack.
+  // With traces asked for, each device's recorded history (empty when none
+  // is recorded); none otherwise, as PyTorch's own allocator answers. A
+  // block freed and allocated again between the segments' read and the
+  // stacks' shows the newer allocation's stack.
   snapshot_info snapshot(c10::cuda::MempoolId_t mempool_id, bool include_traces) override {
     pool_ids ids = graphs->ids();
     std::vector<read_segment_info> read = read_snapshot();
     ids.merge(graphs->ids());  // the pools made meanwhile; those already known keep their entry
     snapshot_info out{};
     out.segments = segments_of_pool(std::move(read), ids, mempool_id);
-    if (include_traces) out.device_traces.resize(static_cast<size_t>(c10::cuda::device_count()));
+    history->add_contexts(out.segments);
+    if (include_traces) out.device_traces = history->traces(static_cast<size_t>(c10::cuda::device_count()));
     return out;
   }
+
+  // torch.cuda.memory._record_memory_history (memory_history.h).
+  void recordHistory(bool enabled, c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, c10::cuda::CUDACachingAllocator::RecordContext when,
+                     bool clear_history, const std::vector<std::string>& skip_actions) override {
+    history->configure(enabled, context_recorder, alloc_trace_max_entries, when, clear_history, skip_actions);
+  }
+
+  bool isHistoryEnabled() override { return history->recording(); }
 
   void resetPeakStats(c10::DeviceIndex device) override { check(api->reset_peak_stats(device), "reset_peak_memory_stats"); }
 
@@ -408,6 +461,7 @@ extern "C" __attribute__((visibility("default"))) int shoal_torch_install(const 
   try {
     api = table;
     graphs = new shoal_torch::graph_pools(*table);
+    history = new shoal_torch::memory_history();
     // PyTorch's own allocators live as long as the process; one a program
     // installed itself is freed once replaced, so it opens nothing later.
     c10::cuda::CUDACachingAllocator::CUDAAllocator* previous = c10::cuda::CUDACachingAllocator::get();

@@ -1,0 +1,139 @@
+#include "memory_history.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <exception>
+#include <utility>
+
+namespace shoal_torch {
+
+namespace {
+
+std::unordered_set<int> parse_actions(const std::vector<std::string>& names) {
+  std::unordered_set<int> out;
+  for (const std::string& name : names) out.insert(c10::CachingDeviceAllocator::parseTraceEntryAction(name));
+  return out;
+}
+
+void report(const char* what, const std::exception* e) noexcept {
+  std::fprintf(stderr, "shoal: recording %s in the memory history failed: %s\n", what,
+               e != nullptr ? e->what() : "unknown error");
+}
+
+}  // namespace
+
+void memory_history::configure(bool enabled, context_recorder recorder, size_t max_entries, record_context when,
+                               bool clear_history, const std::vector<std::string>& skip_actions) {
+  TORCH_CHECK(when == record_context::NEVER || recorder != nullptr,
+              "shoal: recording memory history with stack contexts needs a context recorder");
+  std::unordered_set<int> skipped = parse_actions(skip_actions);
+  std::lock_guard lock(mutex_);
+  max_entries_ = std::max<size_t>(1, max_entries);
+  skipped_ = std::move(skipped);
+  for (std::deque<trace_entry>& ring : rings_) {
+    if (!enabled || clear_history) ring.clear();
+    while (ring.size() > max_entries_) ring.pop_front();
+  }
+  if (!enabled) live_.clear();
+  recorder_.store(enabled ? recorder : nullptr);
+  when_.store(enabled ? when : record_context::NEVER);
+  recording_.store(enabled, std::memory_order_relaxed);
+}
+
+context memory_history::gather(record_context level) const {
+  const context_recorder recorder = recorder_.load();
+  if (recorder == nullptr || when_.load() < level) return nullptr;
+  return recorder();
+}
+
+context memory_history::allocation_context() const { return gather(record_context::STATE); }
+
+void memory_history::record(trace_entry::Action action, size_t addr, const allocation& of, const context& in) {
+  if (skipped_.count(action) != 0) return;
+  if (rings_.size() <= static_cast<size_t>(of.device)) rings_.resize(static_cast<size_t>(of.device) + 1);
+  std::deque<trace_entry>& ring = rings_[static_cast<size_t>(of.device)];
+  ring.emplace_back(action, static_cast<c10::DeviceIndex>(of.device), addr, of.bytes, static_cast<void*>(of.stream),
+                    of.pool, c10::getApproximateTime(), when_.load() >= record_context::ALLOC ? in : nullptr);
+  if (ring.size() > max_entries_) ring.pop_front();
+}
+
+void memory_history::allocated(const allocation& block, context allocated_in) noexcept {
+  try {
+    const auto address = reinterpret_cast<std::uintptr_t>(block.ptr);
+    std::lock_guard lock(mutex_);
+    if (!recording_.load(std::memory_order_relaxed)) return;  // stopped meanwhile: nothing is remembered
+    record(trace_entry::ALLOC, address, block, allocated_in);
+    live_.insert_or_assign(address,
+                           live_block{block.bytes, block.device, block.stream, block.pool, std::move(allocated_in)});
+  } catch (const std::exception& e) {
+    report("an allocation", &e);
+  } catch (...) {
+    report("an allocation", nullptr);
+  }
+}
+
+void memory_history::out_of_memory(const allocation& refused, size_t device_free, context refused_in) noexcept {
+  try {
+    std::lock_guard lock(mutex_);
+    if (!recording_.load(std::memory_order_relaxed)) return;
+    record(trace_entry::OOM, device_free, refused, refused_in);
+  } catch (const std::exception& e) {
+    report("an out of memory", &e);
+  } catch (...) {
+    report("an out of memory", nullptr);
+  }
+}
+
+void memory_history::freed(void* ptr) noexcept {
+  try {
+    const context freed_in = gather(record_context::ALL);
+    const auto address = reinterpret_cast<std::uintptr_t>(ptr);
+    std::lock_guard lock(mutex_);
+    const auto found = live_.find(address);
+    if (found == live_.end()) return;  // allocated before recording began (or stopped meanwhile)
+    const live_block& b = found->second;
+    const allocation block{ptr, b.bytes, b.device, b.stream, b.pool};
+    const context& in = freed_in != nullptr ? freed_in : b.allocated_in;
+    // Both at once: shoal completes the free later, unseen here (see the file comment).
+    record(trace_entry::FREE_REQUESTED, address, block, in);
+    record(trace_entry::FREE_COMPLETED, address, block, in);
+    live_.erase(found);
+  } catch (const std::exception& e) {
+    report("a free", &e);
+  } catch (...) {
+    report("a free", nullptr);
+  }
+}
+
+std::vector<std::vector<trace_entry>> memory_history::traces(size_t devices) {
+  const auto to_ns = clock_.makeConverter();  // measures for a while: before the lock
+  std::vector<std::vector<trace_entry>> out(devices);
+  {
+    std::lock_guard lock(mutex_);
+    for (size_t d = 0; d < std::min(devices, rings_.size()); ++d) out[d].assign(rings_[d].begin(), rings_[d].end());
+  }
+  for (std::vector<trace_entry>& trace : out) {
+    for (trace_entry& e : trace) e.time_.t_ = to_ns(e.time_.approx_t_) / 1000;
+  }
+  return out;
+}
+
+void memory_history::add_contexts(std::vector<segment_info>& segments) {
+  std::lock_guard lock(mutex_);
+  if (live_.empty()) return;
+  for (segment_info& segment : segments) {
+    // A snapshot's blocks carry no address: they cover their segment in address order.
+    auto address = static_cast<std::uintptr_t>(segment.address);
+    for (auto& block : segment.blocks) {
+      const auto found = block.allocated ? live_.find(address) : live_.end();
+      if (found != live_.end() && found->second.device == segment.device) {
+        block.context_when_allocated = found->second.allocated_in;
+      }
+      address += static_cast<std::uintptr_t>(block.size);
+    }
+  }
+}
+
+}  // namespace shoal_torch

@@ -1,0 +1,136 @@
+// PyTorch's memory history for the PyTorch plugin: what
+// torch.cuda.memory._record_memory_history asks of an allocator
+// (recordHistory), kept as PyTorch's own allocator keeps it, for
+// torch.cuda.memory._snapshot and _dump_snapshot (pytorch.org/memory_viz).
+//
+// While recording, each device has a ring of its newest trace entries (the
+// recorder's alloc_trace_max_entries): "alloc" at each allocation, "oom" at
+// each allocation refused for want of memory, and "free_requested" then
+// "free_completed" at each free. Each block allocated while recording is
+// remembered by its address (its requested size, stream, device, pool and
+// context) until it is freed: a free (whose size PyTorch's tensor deleter
+// does not pass) takes its size from there, and a snapshot gives the block
+// its context_when_allocated. `when` says which entries carry a context from
+// the recorder (NEVER: none; STATE: the blocks alone; ALLOC: the trace
+// entries too; ALL: frees gather their own). Stopping (enabled = false)
+// clears the entries, as PyTorch's allocator does, and forgets the blocks.
+//
+// Not as PyTorch's allocator records it:
+//   - "free_completed" is recorded with "free_requested", at the free call:
+//     shoal completes a free inside its allocator, once the freeing stream
+//     (and every stream record_stream named) has passed the block's last
+//     use, and the plugin does not see that moment.
+//   - No segment entries (segment_alloc, segment_free, segment_map,
+//     segment_unmap) and no snapshot entries: segments come and go inside
+//     shoal, unseen by the plugin. A snapshot's segments carry no context.
+//   - A block allocated before recording began has no entry when it is freed
+//     while recording (its size is not known), and blocks lose their context
+//     when recording stops (so that, stopped, the free path costs one load).
+//
+// Thread-safety: every member may be called from any thread at once. The
+// recorder (which may take the GIL) is called with no lock of this class
+// held, as PyTorch's allocator calls it.
+#pragma once
+
+#include <c10/core/Allocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/ApproximateClock.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+namespace shoal_torch {
+
+using context = std::shared_ptr<c10::GatheredContext>;
+using trace_entry = c10::cuda::CUDACachingAllocator::TraceEntry;
+using record_context = c10::cuda::CUDACachingAllocator::RecordContext;
+using context_recorder = c10::cuda::CUDACachingAllocator::CreateContextFn;
+using segment_info = decltype(c10::cuda::CUDACachingAllocator::SnapshotInfo::segments)::value_type;
+
+/// One allocation, as its trace entry names it.
+struct allocation {
+  void* ptr = nullptr;
+  size_t bytes = 0;  ///< requested
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  c10::cuda::MempoolId_t pool{0, 0};  ///< of a graph pool's route; {0, 0}: the ordinary pools
+};
+
+class memory_history {
+ public:
+  /// True while recording: one relaxed load, all that the allocate and free
+  /// paths pay while not recording.
+  [[nodiscard]] bool recording() const noexcept { return recording_.load(std::memory_order_relaxed); }
+
+  /// recordHistory's arguments, as PyTorch's allocator takes them. Throws
+  /// PyTorch's error (an unknown action in `skip_actions`, a `when` other than
+  /// NEVER without a recorder) with nothing changed.
+  void configure(bool enabled, context_recorder recorder, size_t max_entries, record_context when,
+                 bool clear_history, const std::vector<std::string>& skip_actions);
+
+  /// The context an allocation keeps (null unless `when` is STATE or more).
+  /// Calls the recorder: call it with no lock held.
+  [[nodiscard]] context allocation_context() const;
+
+  /// A block handed out while recording, called after shoal hands it out:
+  /// its "alloc" entry, and it is remembered until freed. Never throws (a
+  /// failure to record is reported on stderr; the allocation stands).
+  void allocated(const allocation& block, context allocated_in) noexcept;
+
+  /// An allocation refused for want of memory: its "oom" entry, whose addr
+  /// is the device's free memory, as PyTorch's allocator records it.
+  void out_of_memory(const allocation& refused, size_t device_free, context refused_in) noexcept;
+
+  /// A free while recording, called before shoal takes the block back: its
+  /// "free_requested" and "free_completed" entries, and the block is
+  /// forgotten. Calls the recorder when `when` is ALL. Never throws.
+  void freed(void* ptr) noexcept;
+
+  /// Each of `devices` devices' entries, oldest first, their times in
+  /// microseconds since the epoch (SnapshotInfo::device_traces).
+  [[nodiscard]] std::vector<std::vector<trace_entry>> traces(size_t devices);
+
+  /// Gives each allocated block of `segments` that was allocated while
+  /// recording its context_when_allocated.
+  void add_contexts(std::vector<segment_info>& segments);
+
+ private:
+  struct live_block {
+    size_t bytes;
+    int device;
+    cudaStream_t stream;
+    c10::cuda::MempoolId_t pool;
+    context allocated_in;
+  };
+
+  [[nodiscard]] context gather(record_context level) const;
+  /// Appends an entry to its device's ring, dropping the oldest past
+  /// max_entries_; its context only when `when` is ALLOC or more. mutex_ held.
+  void record(trace_entry::Action action, size_t addr, const allocation& of, const context& in);
+
+  // Read outside mutex_ (the fast paths and the recorder's call), written under it.
+  std::atomic<bool> recording_{false};
+  std::atomic<context_recorder> recorder_{nullptr};
+  std::atomic<record_context> when_{record_context::NEVER};
+
+  std::mutex mutex_;
+  size_t max_entries_ = 1;                              // guarded by mutex_
+  std::unordered_set<int> skipped_;                     // trace_entry::Action values; guarded by mutex_
+  std::vector<std::deque<trace_entry>> rings_;          // by device; guarded by mutex_
+  /// The blocks allocated while recording and not freed yet, by address. An
+  /// address is added after shoal hands it out and removed before shoal
+  /// takes it back, so no two blocks of one address are ever here at once.
+  std::unordered_map<std::uintptr_t, live_block> live_;  // guarded by mutex_
+  c10::ApproximateClockToUnixTimeConverter clock_;      // its start, measured once; makeConverter only reads it
+};
+
+}  // namespace shoal_torch
