@@ -205,6 +205,9 @@ class pool_directory {
   [[nodiscard]] pool_direction scoped_direction() const noexcept;
   void keep_for_reuse(std::unique_ptr<block_pool> part) noexcept;  // directory_mutex_ held
   [[nodiscard]] block_pool& find_private_part(private_pool_id id, const std::string& part) const;  // directory_mutex_ held
+  /// Every stream pool's two pools, and with `private_too` every private
+  /// pool's sub-pools: listed under the directory's lock, used after it.
+  [[nodiscard]] std::vector<block_pool*> live_pools(bool private_too) const;
 
   const std::uint64_t serial_;  // tells this directory's thread-local cache entries apart
 
@@ -218,33 +221,29 @@ class pool_directory {
   std::uint64_t next_private_id_ = 1;                                     // guarded by directory_mutex_
 };
 
-template <class Fn>
-void pool_directory::for_each_pool(Fn&& fn) const {
+inline std::vector<block_pool*> pool_directory::live_pools(bool private_too) const {
   std::vector<block_pool*> pools;
-  {
-    std::shared_lock lock(directory_mutex_);
-    for (auto& [stream, p] : stream_pools_) {
-      pools.push_back(&p->small);
-      pools.push_back(&p->large);
-    }
+  std::shared_lock lock(directory_mutex_);
+  for (auto& [stream, p] : stream_pools_) {
+    pools.push_back(&p->small);
+    pools.push_back(&p->large);
+  }
+  if (private_too) {
     for (auto& [id, p] : private_pools_) {
       for (auto& part : p->parts) pools.push_back(part.get());
     }
   }
-  for (block_pool* p : pools) fn(*p);
+  return pools;
+}
+
+template <class Fn>
+void pool_directory::for_each_pool(Fn&& fn) const {
+  for (block_pool* p : live_pools(true)) fn(*p);
 }
 
 template <class Fn>
 void pool_directory::for_each_stream_pool(Fn&& fn) const {
-  std::vector<block_pool*> pools;
-  {
-    std::shared_lock lock(directory_mutex_);
-    for (auto& [stream, p] : stream_pools_) {
-      pools.push_back(&p->small);
-      pools.push_back(&p->large);
-    }
-  }
-  for (block_pool* p : pools) fn(*p);
+  for (block_pool* p : live_pools(false)) fn(*p);
 }
 
 template <class Fn>
