@@ -45,7 +45,15 @@ void memory_history::configure(bool enabled, context_recorder recorder, size_t m
 context memory_history::gather(record_context level) const {
   const context_recorder recorder = recorder_.load();
   if (recorder == nullptr || when_.load() < level) return nullptr;
-  return recorder();
+  // A recorder that fails costs the entry its stack, never the allocation or the free.
+  try {
+    return recorder();
+  } catch (const std::exception& e) {
+    report("a stack", &e);
+  } catch (...) {
+    report("a stack", nullptr);
+  }
+  return nullptr;
 }
 
 context memory_history::allocation_context() const { return gather(record_context::STATE); }
@@ -64,9 +72,9 @@ void memory_history::allocated(const allocation& block, context allocated_in) no
     const auto address = reinterpret_cast<std::uintptr_t>(block.ptr);
     std::lock_guard lock(mutex_);
     if (!recording_.load(std::memory_order_relaxed)) return;  // stopped meanwhile: nothing is remembered
+    // Remembered first: were the entry's record to fail, the free still finds the block.
+    live_.insert_or_assign(address, live_block{block.bytes, block.device, block.stream, block.pool, allocated_in});
     record(trace_entry::ALLOC, address, block, allocated_in);
-    live_.insert_or_assign(address,
-                           live_block{block.bytes, block.device, block.stream, block.pool, std::move(allocated_in)});
   } catch (const std::exception& e) {
     report("an allocation", &e);
   } catch (...) {
@@ -91,15 +99,14 @@ void memory_history::freed(void* ptr) noexcept {
     const context freed_in = gather(record_context::ALL);
     const auto address = reinterpret_cast<std::uintptr_t>(ptr);
     std::lock_guard lock(mutex_);
-    const auto found = live_.find(address);
-    if (found == live_.end()) return;  // allocated before recording began (or stopped meanwhile)
-    const live_block& b = found->second;
+    auto node = live_.extract(address);  // forgotten first: a failed record leaves no stale entry
+    if (node.empty()) return;  // allocated before recording began (or stopped meanwhile)
+    const live_block& b = node.mapped();
     const allocation block{ptr, b.bytes, b.device, b.stream, b.pool};
     const context& in = freed_in != nullptr ? freed_in : b.allocated_in;
     // Both at once: shoal completes the free later, unseen here (see the file comment).
     record(trace_entry::FREE_REQUESTED, address, block, in);
     record(trace_entry::FREE_COMPLETED, address, block, in);
-    live_.erase(found);
   } catch (const std::exception& e) {
     report("a free", &e);
   } catch (...) {
