@@ -586,6 +586,11 @@ def _torch_settings() -> str | None:
     The settings given to _torch_configure, as SHOAL_ALLOC_CONF text, or None.
     """
 
+def _torch_table_on_host() -> None:
+    """
+    Tests only: the table's allocators (made from now on) are the host backend's, so that its entries run where no GPU is. Refused once one exists.
+    """
+
 def _torch_api() -> int:
     """
     The address of the C table (python/src/torch_api.h) the PyTorch plugin calls.

@@ -47,6 +47,14 @@ class torch_allocators {
     config_ = config;
   }
 
+  /// Tests only: the allocators made from now on are the host backend's, so
+  /// that the table's entries run where no GPU is (_torch_table_on_host).
+  void serve_host_for_tests() {
+    std::lock_guard lock(mutex_);
+    if (made_) throw invalid_argument("shoal.torch: PyTorch's allocators exist already, on CUDA");
+    host_for_tests_ = true;
+  }
+
   [[nodiscard]] std::optional<std::string> settings() const {
     std::lock_guard lock(mutex_);
     if (!config_) return std::nullopt;
@@ -65,7 +73,8 @@ class torch_allocators {
     // Never destroyed (see the file comment): held by a shared_ptr that is
     // itself never released, so Python Allocator objects can share it.
     auto* held = new std::shared_ptr<allocator_state>(
-        std::make_shared<allocator_state>(backend::cuda_device_instance(ordinal), *config_));
+        std::make_shared<allocator_state>(
+            host_for_tests_ ? backend::host_device_instance() : backend::cuda_device_instance(ordinal), *config_));
     made_ = true;
     slots_[ordinal].store(held->get(), std::memory_order_release);
     shared_[ordinal] = held;
@@ -102,6 +111,7 @@ class torch_allocators {
   mutable std::mutex mutex_;
   std::optional<alloc::allocator_config> config_;  // guarded by mutex_
   bool made_ = false;                              // guarded by mutex_
+  bool host_for_tests_ = false;                    // guarded by mutex_
   std::array<std::atomic<allocator_state*>, max_devices> slots_{};
   std::array<std::shared_ptr<allocator_state>*, max_devices> shared_{};  // guarded by mutex_
 };
@@ -498,6 +508,10 @@ void register_torch_api(nb::module_& m) {
   m.def(
       "_torch_settings", [] { return allocators().settings(); },
       "The settings given to _torch_configure, as SHOAL_ALLOC_CONF text, or None.");
+  m.def(
+      "_torch_table_on_host", [] { allocators().serve_host_for_tests(); },
+      "Tests only: the table's allocators (made from now on) are the host backend's, so that its entries "
+      "run where no GPU is. Refused once one exists.");
   m.def(
       "_torch_api", [] { return reinterpret_cast<std::uintptr_t>(&api_table); },
       "The address of the C table (python/src/torch_api.h) the PyTorch plugin calls.");

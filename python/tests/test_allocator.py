@@ -76,43 +76,6 @@ def test_pytorch_layout_shows_a_growable_segment_as_the_stretches_memory_backs()
     del x
 
 
-def test_the_torch_tables_snapshot_entry_hands_over_plain_structs():
-    # The PyTorch plugin's way to the snapshot (python/src/torch_api.h): the
-    # table's last entry walks every device's segments with a C visitor.
-    # Here no PyTorch allocator need exist (they are CUDA devices'): each
-    # segment that does is checked, and a walk of none still answers.
-    import ctypes
-
-    class Block(ctypes.Structure):
-        _fields_ = [("size", ctypes.c_size_t), ("requested_size", ctypes.c_size_t), ("state", ctypes.c_int)]
-
-    class Segment(ctypes.Structure):
-        _fields_ = [("device", ctypes.c_int), ("address", ctypes.c_size_t), ("total_size", ctypes.c_size_t),
-                    ("stream", ctypes.c_void_p), ("is_large", ctypes.c_int), ("is_expandable", ctypes.c_int),
-                    ("private_pool", ctypes.c_uint64)]
-
-    visitor_type = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(Segment), ctypes.POINTER(Block),
-                                    ctypes.c_size_t)
-    table = shoal._shoal._torch_api()
-    version, size = (ctypes.c_uint32 * 2).from_address(table)
-    assert version == 4
-    entry = ctypes.c_void_p.from_address(table + size - ctypes.sizeof(ctypes.c_void_p)).value
-    snapshot = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, visitor_type)(entry)
-    seen = []
-
-    def visit(_context, segment, blocks, count):
-        s = segment.contents
-        seen.append((s.total_size, sum(blocks[i].size for i in range(count)), [blocks[i].state for i in range(count)]))
-        return 0
-
-    assert snapshot(None, visitor_type(visit)) == 0  # SHOAL_TORCH_OK
-    for total, covered, states in seen:
-        assert total == covered > 0, "a segment's blocks cover it"
-        assert set(states) <= {0, 1, 2, 3}
-    if seen:
-        assert snapshot(None, visitor_type(lambda *_: 1)) == 3, "a visitor that stops it: SHOAL_TORCH_ERROR"
-
-
 def test_a_bad_setting_is_refused_with_its_name():
     with pytest.raises(shoal.InvalidArgumentError, match="expandable_segments"):
         shoal.Allocator(use_environment=False, expandable_segments="maybe")

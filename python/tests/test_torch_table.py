@@ -1,0 +1,156 @@
+"""The C table the PyTorch plugin calls (python/src/torch_api.h), driven
+through ctypes on the host backend (_torch_table_on_host), so that its
+entries run where no GPU is: the layout, allocation, the direct queries
+(largest free block, a block's segment) and the snapshot walk. Each case
+runs in a fresh interpreter: the table's allocators live as long as the
+process."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+PRELUDE = textwrap.dedent(
+    """
+    import ctypes, json, shoal
+    from shoal import _shoal
+
+    OK, INVALID_ARGUMENT, ERROR = 0, 2, 3
+    ALLOCATED, PENDING_FREE, FREE = 0, 1, 2
+
+    class Block(ctypes.Structure):
+        _fields_ = [("size", ctypes.c_size_t), ("requested_size", ctypes.c_size_t), ("state", ctypes.c_int)]
+
+    class Segment(ctypes.Structure):
+        _fields_ = [("device", ctypes.c_int), ("address", ctypes.c_size_t), ("total_size", ctypes.c_size_t),
+                    ("stream", ctypes.c_void_p), ("is_large", ctypes.c_int), ("is_expandable", ctypes.c_int),
+                    ("private_pool", ctypes.c_uint64)]
+
+    Visitor = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(Segment), ctypes.POINTER(Block),
+                               ctypes.c_size_t)
+    F = ctypes.CFUNCTYPE
+    i, sz, vp, u64 = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64
+
+    class Table(ctypes.Structure):  # torch_api.h's shoal_torch_api, entry by entry
+        _fields_ = [
+            ("version", ctypes.c_uint32), ("struct_size", ctypes.c_uint32),
+            ("allocate", F(i, sz, i, vp, ctypes.POINTER(vp))), ("deallocate", F(i, vp, i, vp)),
+            ("record_stream", vp), ("empty_cache", F(i)), ("set_memory_fraction", vp), ("get_stats", vp),
+            ("reset_peak_stats", vp), ("reset_accumulated_stats", vp), ("last_error", F(ctypes.c_char_p)),
+            ("create_graph_pool", F(i, i, ctypes.POINTER(u64))),
+            ("allocate_in_pool", F(i, u64, sz, i, vp, ctypes.POINTER(vp))),
+            ("deallocate_without_events", vp), ("settle_graph_pool", vp), ("destroy_graph_pool", vp),
+            ("graph_pool_allocated_blocks", vp),
+            ("largest_free_block", F(i, i, ctypes.POINTER(sz))),
+            ("block_segment", F(i, vp, i, ctypes.POINTER(vp), ctypes.POINTER(sz))),
+            ("configured_memory_fraction", vp),
+            ("snapshot", F(i, vp, Visitor)),
+        ]
+
+    api = Table.from_address(_shoal._torch_api())
+    out = {"version": api.version, "size_matches": api.struct_size == ctypes.sizeof(Table)}
+
+    def allocate(n, pool=0):
+        p = vp()
+        status = api.allocate(n, 0, None, ctypes.byref(p)) if pool == 0 else \\
+            api.allocate_in_pool(pool, n, 0, None, ctypes.byref(p))
+        assert status == OK, api.last_error()
+        return p.value
+
+    def segment_of(ptr):
+        base, size = vp(), sz()
+        status = api.block_segment(ptr, 0, ctypes.byref(base), ctypes.byref(size))
+        return [base.value, size.value] if status == OK else [status, api.last_error().decode()]
+
+    def largest():
+        n = sz()
+        assert api.largest_free_block(0, ctypes.byref(n)) == OK, api.last_error()
+        return n.value
+
+    def walk(stop=False):
+        seen = []
+        def visit(_context, segment, blocks, count):
+            s = segment.contents
+            address, listed = s.address, []
+            for k in range(count):  # blocks cover their segment in address order
+                listed.append([address, blocks[k].size, blocks[k].requested_size, blocks[k].state])
+                address += blocks[k].size
+            seen.append({"address": s.address, "total": s.total_size, "large": s.is_large,
+                         "expandable": s.is_expandable, "pool": s.private_pool, "blocks": listed})
+            return 1 if stop else 0
+        status = api.snapshot(None, Visitor(visit))
+        return status, seen
+    """
+)
+
+
+def run(body: str) -> dict:
+    code = PRELUDE + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_tables_entries_answer_on_plain_segments():
+    out = run(
+        """
+        _shoal._torch_configure(conf="expandable_segments:false", use_environment=False)
+        _shoal._torch_table_on_host()
+        small, kept, freed = allocate(1000), allocate(3 << 20), allocate(5 << 20)
+        assert api.deallocate(freed, 0, None) == OK, api.last_error()
+        status, seen = walk()
+        free_sizes = [b[1] for s in seen for b in s["blocks"] if b[3] == FREE]
+        out.update(small=small, kept=kept, freed=freed, status=status, seen=seen,
+                   largest=largest(), largest_in_walk=max(free_sizes, default=0),
+                   kept_segment=segment_of(kept), inside=segment_of(kept + 512), freed_segment=segment_of(freed),
+                   stopped=walk(stop=True)[0])
+        """
+    )
+    assert out["version"] == 4 and out["size_matches"], "the table's layout is torch_api.h's"
+    assert out["status"] == 0 and out["seen"], "a walk of the host allocator's segments"
+    blocks = {b[0]: b for s in out["seen"] for b in s["blocks"]}
+    for s in out["seen"]:
+        assert sum(b[1] for b in s["blocks"]) == s["total"] and not s["expandable"] and s["pool"] == 0
+    assert blocks[out["small"]][2:] == [1000, 0] and blocks[out["kept"]][2:] == [3 << 20, 0], "requested, allocated"
+    assert blocks[out["freed"]][3] in (1, 2), "the freed block is pending or free"
+    assert out["largest"] == out["largest_in_walk"] >= 5 << 20, "largest_free_block agrees with the walk"
+    base, size = out["kept_segment"]
+    assert base <= out["kept"] < base + size, "block_segment names the segment that holds the block"
+    assert out["inside"][0] == 2 and out["freed_segment"][0] == 2, (out["inside"], out["freed_segment"])
+    assert out["stopped"] == 3, "a visitor that stops the walk: SHOAL_TORCH_ERROR"
+
+
+def test_a_growable_segments_block_is_refused_and_a_graph_pools_segments_are_named():
+    out = run(
+        """
+        _shoal._torch_configure(use_environment=False)  # PyTorch's default: growable segments
+        _shoal._torch_table_on_host()
+        grown = allocate(3 << 20)
+        pool = u64()
+        assert api.create_graph_pool(0, ctypes.byref(pool)) == OK, api.last_error()
+        in_pool = allocate(1 << 20, pool.value)
+        status, seen = walk()
+        out.update(grown=grown, refused=segment_of(grown), status=status, seen=seen, pool=pool.value,
+                   in_pool=in_pool)
+        """
+    )
+    assert out["refused"][0] == 2 and "growable segment" in out["refused"][1], out["refused"]
+    owner = {b[0]: s for s in out["seen"] for b in s["blocks"]}
+    assert owner[out["grown"]]["expandable"] == 1 and owner[out["grown"]]["pool"] == 0
+    assert owner[out["in_pool"]]["pool"] == out["pool"] != 0, "a graph pool's segment names its pool"
+
+
+def test_the_host_table_is_refused_once_cuda_allocators_could_exist():
+    out = run(
+        """
+        _shoal._torch_configure(conf="expandable_segments:false", use_environment=False)
+        _shoal._torch_table_on_host()
+        allocate(512)
+        try:
+            _shoal._torch_table_on_host()
+            out["again"] = "accepted"
+        except shoal.InvalidArgumentError as e:
+            out["again"] = str(e)
+        """
+    )
+    assert "exist already" in out["again"], out
