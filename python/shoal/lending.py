@@ -57,7 +57,7 @@ import weakref
 from types import TracebackType
 from typing import Callable, NamedTuple, Optional, Protocol, Sequence, Union
 
-from . import _checks, _shoal, default_allocator
+from . import _checks, _device_defaults, _shoal, default_allocator
 
 __all__ = ["Borrower", "CancelEvent", "Entry", "Lender", "RevocationWatcher", "SharedRegion"]
 
@@ -173,6 +173,18 @@ class SharedRegion:
         return f"shoal.lending.SharedRegion(id={self._id}, nbytes={self._nbytes}, entries={len(self._layout)})"
 
 
+def _allocator_on(where: str, device: Optional[_shoal.Device], allocator: Optional[_shoal.Allocator]) -> _shoal.Allocator:
+    """`allocator=`, or `device=`'s allocator, or the default device's."""
+    if device is not None and not isinstance(device, _shoal.Device):
+        raise TypeError(f"{where}: device must be a shoal.Device or None, not {type(device).__name__}")
+    if allocator is None:
+        return default_allocator() if device is None else _device_defaults.allocator_on(device)
+    if device is not None and allocator.device != device:
+        raise _shoal.InvalidArgumentError(f"{where}: allocator= is on {allocator.device} but device= names {device}; "
+                                          "pass one of them")
+    return allocator
+
+
 class Borrower:
     """A connection to the lender at ``address`` (a socket path, or ``@name`` for an
     abstract name); the lender's uid must be this process's or in ``allowed_uids``.
@@ -187,12 +199,16 @@ class Borrower:
     ``observer=True`` connects as an observer: :meth:`metrics` and :meth:`revoke` only
     (borrowing raises ``InvalidArgumentError``), never counted among the lender's borrowers
     and served while it has all the borrowers it admits (up to its ``max_observers``
-    observers) — how a dashboard or an operator's script looks at a full lender."""
+    observers) — how a dashboard or an operator's script looks at a full lender.
+
+    Regions are mapped on ``device`` (the lender's; default: the default device, as for
+    :class:`Lender`) through ``allocator`` (default: one of that device's); pass either."""
 
     def __init__(
         self,
         address: str,
         *,
+        device: Optional[_shoal.Device] = None,
         allocator: Optional[_shoal.Allocator] = None,
         allowed_uids: Sequence[int] = (),
         timeout: float = 5.0,
@@ -204,7 +220,7 @@ class Borrower:
         for uid in allowed_uids:
             _checks.whole_number("shoal.lending.Borrower", "allowed_uids", uid, bits=32)
         self._address = address
-        self._allocator = allocator if allocator is not None else default_allocator()
+        self._allocator = _allocator_on("shoal.lending.Borrower", device, allocator)
         self._watch_lock = threading.Lock()  # the one-reader rule: a watcher, or revocations() calls
         self._watcher: Optional[weakref.ref[RevocationWatcher]] = None
         self._reading = 0  # revocations() calls in progress

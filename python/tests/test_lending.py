@@ -63,6 +63,20 @@ def eventually(done, limit: float = 5.0) -> bool:
     return True
 
 
+def test_a_borrower_maps_on_the_device_it_is_given_or_its_allocators(address):
+    in_process_only()
+    device = shoal.default_device()
+    with shoal.lending.Lender(address, device=device), shoal.lending.Borrower(address, device=device) as borrower:
+        region = borrower.borrow(MIB, "on a named device")
+        assert region.device == device
+        del region
+    with pytest.raises(TypeError, match="device must be a shoal.Device"):
+        shoal.lending.Borrower(address, device="cuda:0")
+    if shoal.cuda_device_count() > 0 and device.kind == "host":
+        with pytest.raises(shoal.InvalidArgumentError, match="pass one of them"):
+            shoal.lending.Borrower(address, device=shoal.cuda_device(0), allocator=shoal.default_allocator())
+
+
 def test_a_region_is_a_storage_given_back_when_its_last_view_is_gone(address):
     in_process_only()
     with shoal.lending.Lender(address) as lender, shoal.lending.Borrower(address) as borrower:
