@@ -1,7 +1,8 @@
 // A CUDA device's calls leave the calling thread's current device as they
-// found it: PyTorch, for one, reads `device="cuda"` as that device, and a
-// thread that had none must not be handed one. Observed through the driver's
-// own cuCtxGetCurrent, opened with dlopen (the tests never link libcuda).
+// found it: PyTorch, for one, reads `device="cuda"` as that device. A thread
+// that had none is handed none, but device 0's primary context (the one its
+// first runtime call would make current). Observed through the driver's own
+// cuCtxGetCurrent, opened with dlopen (the tests never link libcuda).
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 
@@ -23,6 +24,8 @@ struct driver_calls {
   int (*device_get)(int*, int) = nullptr;
   int (*primary_ctx_retain)(void**, int) = nullptr;
   int (*primary_ctx_release)(int) = nullptr;
+  int (*ctx_create)(void**, unsigned, int) = nullptr;
+  int (*ctx_destroy)(void*) = nullptr;
 
   [[nodiscard]] bool loaded() const { return init != nullptr; }
 };
@@ -40,6 +43,8 @@ const driver_calls& driver() {
     find(d.device_get, "cuDeviceGet");
     find(d.primary_ctx_retain, "cuDevicePrimaryCtxRetain");  // no _v2 of this one
     find(d.primary_ctx_release, "cuDevicePrimaryCtxRelease_v2");
+    find(d.ctx_create, "cuCtxCreate_v2");
+    find(d.ctx_destroy, "cuCtxDestroy_v2");
     find(d.init, "cuInit");
     if (d.init == nullptr || d.init(0) != 0) d.init = nullptr;
     return d;
@@ -68,11 +73,20 @@ void use(backend::device& device) {
   (void)device.memory();
 }
 
-TEST(cuda_current_device, a_thread_with_no_context_is_left_with_none) {
+// The primary context of `ordinal`, retained for the test's life.
+void* primary_context(int ordinal) {
+  int device = 0;
+  void* context = nullptr;
+  EXPECT_EQ(driver().device_get(&device, ordinal), 0);
+  EXPECT_EQ(driver().primary_ctx_retain(&context, device), 0);
+  return context;
+}
+
+TEST(cuda_current_device, a_thread_with_no_context_is_left_with_device_0s_primary_context) {
   if (backend::cuda_device_count() == 0 || !driver().loaded()) GTEST_SKIP() << "no CUDA device";
   backend::device& device = backend::cuda_device_instance(0);
   void* before = reinterpret_cast<void*>(1);
-  void* after = reinterpret_cast<void*>(1);
+  void* after = nullptr;
   std::thread fresh([&] {
     before = current_context();
     use(device);
@@ -80,7 +94,36 @@ TEST(cuda_current_device, a_thread_with_no_context_is_left_with_none) {
   });
   fresh.join();
   EXPECT_EQ(before, nullptr) << "a new thread starts with no current context";
-  EXPECT_EQ(after, nullptr) << "the device's calls left their context current on the caller's thread";
+  EXPECT_EQ(after, primary_context(0)) << "not the context the thread's first runtime call would make current";
+}
+
+TEST(cuda_current_device, a_programs_own_context_stays_current) {
+  if (backend::cuda_device_count() == 0 || !driver().loaded() || driver().ctx_create == nullptr) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  backend::device& device = backend::cuda_device_instance(0);
+  std::thread caller([&] {
+    int ordinal_0 = 0;
+    ASSERT_EQ(driver().device_get(&ordinal_0, 0), 0);
+    void* own = nullptr;
+    ASSERT_EQ(driver().ctx_create(&own, 0, ordinal_0), 0);  // current from here on
+    use(device);
+    EXPECT_EQ(current_context(), own) << "device 0's calls left their context current over the program's own";
+    (void)driver().ctx_destroy(own);
+  });
+  caller.join();
+}
+
+TEST(cuda_current_device, a_thread_with_no_context_is_left_with_none_by_another_device) {
+  if (backend::cuda_device_count() < 2 || !driver().loaded()) GTEST_SKIP() << "needs two CUDA devices";
+  backend::device& second = backend::cuda_device_instance(1);
+  void* after = reinterpret_cast<void*>(1);
+  std::thread fresh([&] {
+    use(second);
+    after = current_context();
+  });
+  fresh.join();
+  EXPECT_EQ(after, nullptr) << "device 1's calls left their context current: the thread's runtime device moved";
 }
 
 TEST(cuda_current_device, another_device_current_stays_current) {

@@ -15,8 +15,8 @@ constexpr int most_devices = 64;
 
 // Each device's primary context, retained at its first switch for the
 // process's life (the devices live as long). Switching is then one driver
-// store each way: a thread with no context — a program's own threads —
-// switches on every call. The driver alone: cudaSetDevice would also record
+// store each way: a thread with no context switches on every call of a
+// device other than 0. The driver alone: cudaSetDevice would also record
 // the device as the thread's choice in the runtime, which putting the
 // previous context back does not undo.
 std::mutex retaining;
@@ -48,6 +48,12 @@ device_scope::device_scope(int ordinal) {
   const CUcontext primary = primary_context(d, ordinal);
   if (current == primary) return;
   check(d.ctx_set_current(primary), "cuCtxSetCurrent");
+  // A thread with no context keeps device 0's primary context: the one the
+  // CUDA runtime makes current at such a thread's first call, so its runtime
+  // device stays 0 — and its later calls here switch nothing. Any other
+  // device's would move the thread's runtime device (or start a context on
+  // device 0 when put back), so it goes back to none.
+  if (current == nullptr && ordinal == 0) return;
   previous_ = current;
   switched_ = true;
 }

@@ -13,10 +13,11 @@ namespace shoal::backend::detail {
 
 /// Makes device `ordinal` current on the calling thread for the scope's life
 /// (its primary context, as cudaSetDevice does), then puts back the context
-/// the thread had — none included. A caller's current device is the
-/// caller's: PyTorch, for one, takes `device="cuda"` to mean it, and a
-/// thread that had no context must not be left with one (its next runtime
-/// call would otherwise land on this device instead of device 0).
+/// the thread had. A caller's current device is the caller's: PyTorch, for
+/// one, takes `device="cuda"` to mean it. A thread that had no context is
+/// left with none, except by device 0, whose primary context stays current:
+/// the context the runtime gives such a thread at its first call (its
+/// runtime device is 0 either way), and no switch on its later calls.
 /// Does nothing, and restores nothing, when the device's primary context is
 /// current already (another context of the device, a program's own, is put
 /// aside: shoal's streams and memory are the primary context's).
