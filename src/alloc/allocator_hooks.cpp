@@ -30,12 +30,21 @@ std::uint64_t allocator_hooks::add_release_observer(release_observer observer) {
   return id;
 }
 
+std::uint64_t allocator_hooks::add_segment_observer(segment_observer observer) {
+  std::unique_lock lock(mutex_);
+  const std::uint64_t id = next_id_++;
+  segment_observers_.emplace_back(id, std::move(observer));
+  segment_count_.store(segment_observers_.size(), std::memory_order_relaxed);
+  return id;
+}
+
 void allocator_hooks::remove(std::uint64_t id) {
   std::unique_lock lock(mutex_);
   auto has_id = [id](const auto& entry) { return entry.first == id; };
   const std::size_t erased = std::erase_if(miss_hooks_, has_id) + std::erase_if(forced_clear_hooks_, has_id) +
-                             std::erase_if(release_observers_, has_id);
+                             std::erase_if(release_observers_, has_id) + std::erase_if(segment_observers_, has_id);
   miss_count_.store(miss_hooks_.size(), std::memory_order_relaxed);
+  segment_count_.store(segment_observers_.size(), std::memory_order_relaxed);
   if (erased == 0) {
     throw invalid_argument("caching_allocator::remove_hook: no hook or observer has id " + std::to_string(id) +
                            " (already removed, or from another allocator)");
@@ -55,6 +64,16 @@ void allocator_hooks::run_forced_clear_hooks() const {
 void allocator_hooks::notify_release(std::uintptr_t base, std::size_t bytes) const {
   std::shared_lock lock(mutex_);
   for (const auto& [id, observer] : release_observers_) observer(base, bytes);
+}
+
+void allocator_hooks::notify_segment(const segment_event& event) const noexcept {
+  std::shared_lock lock(mutex_);
+  for (const auto& [id, observer] : segment_observers_) {
+    try {
+      observer(event);
+    } catch (...) {  // dropped: see the header
+    }
+  }
 }
 
 }  // namespace shoal::alloc::detail

@@ -1,7 +1,8 @@
 // Callbacks other layers register with an allocator: cache-miss hooks (run
 // before the device is asked for more memory), forced-clear hooks (run
 // before a forced clear looks for blocks held outside) and release
-// observers (told when device memory is given back).
+// observers (told when device memory is given back) and segment observers
+// (told of every segment event: memory taken from the device or given back).
 //
 // Thread-safety: every member may be called from any thread. A callback
 // runs under a shared lock, so remove() waits for calls in progress and a
@@ -16,16 +17,20 @@
 #include <utility>
 #include <vector>
 
+#include "shoal/alloc/stats.h"
+
 namespace shoal::alloc::detail {
 
 class allocator_hooks {
  public:
   using miss_hook = std::function<void()>;
   using release_observer = std::function<void(std::uintptr_t base, std::size_t bytes)>;
+  using segment_observer = std::function<void(const segment_event&)>;
 
   std::uint64_t add_miss_hook(miss_hook hook);
   std::uint64_t add_forced_clear_hook(miss_hook hook);
   std::uint64_t add_release_observer(release_observer observer);
+  std::uint64_t add_segment_observer(segment_observer observer);
   /// Removes a hook or observer; an unknown id gives invalid_argument.
   void remove(std::uint64_t id);
 
@@ -34,6 +39,13 @@ class allocator_hooks {
   void run_miss_hooks() const;
   void run_forced_clear_hooks() const;
   void notify_release(std::uintptr_t base, std::size_t bytes) const;
+  /// True when segment events have observers (one relaxed load).
+  [[nodiscard]] bool has_segment_observers() const noexcept {
+    return segment_count_.load(std::memory_order_relaxed) != 0;
+  }
+  /// Tells every segment observer; what one throws is dropped (an observer
+  /// only watches: the event has happened).
+  void notify_segment(const segment_event& event) const noexcept;
 
  private:
   mutable std::shared_mutex mutex_;
@@ -41,7 +53,9 @@ class allocator_hooks {
   std::vector<std::pair<std::uint64_t, miss_hook>> miss_hooks_;                // guarded by mutex_
   std::vector<std::pair<std::uint64_t, miss_hook>> forced_clear_hooks_;        // guarded by mutex_
   std::vector<std::pair<std::uint64_t, release_observer>> release_observers_;  // guarded by mutex_
+  std::vector<std::pair<std::uint64_t, segment_observer>> segment_observers_;  // guarded by mutex_
   std::atomic<std::size_t> miss_count_{0};
+  std::atomic<std::size_t> segment_count_{0};
 };
 
 }  // namespace shoal::alloc::detail

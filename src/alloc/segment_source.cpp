@@ -147,7 +147,7 @@ block* segment_source::grow_plain(block_pool& pool, std::size_t size, bool right
   pool.segments.push_back(std::move(s));  // within the room reserved above
   pool_counters::add(pool.counters.segments, 1);
   pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
-  if (trace_.enabled()) trace_.note(trace_action::segment_alloc, added.base, bytes, pool.stream);
+  note_segment(trace_action::segment_alloc, added.base, bytes, pool.stream);
   return keep_orphans_as_tombstones(pool, added, covered);
 }
 
@@ -352,7 +352,7 @@ block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
   s->mapped_bytes += need;
   note_reserved_peak();
   pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(need));
-  if (trace_.enabled()) trace_.note(trace_action::segment_map, at, need, pool.stream);
+  note_segment(trace_action::segment_map, at, need, pool.stream);
   if (u->size > need) {  // the rest stays unbacked
     block* rest = split(pool, u, at == u->address ? need : u->size - need);
     if (at != u->address) u = rest;
@@ -389,7 +389,7 @@ void segment_source::free_detached_segments(const std::vector<std::pair<std::uin
       unreserve_bytes(size);
       detached_bytes_ -= size;
     }
-    if (trace_.enabled()) trace_.note(trace_action::segment_free, base, size, {});
+    note_segment(trace_action::segment_free, base, size, {});
   }
   if (first) std::rethrow_exception(first);
 }
@@ -489,7 +489,7 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
   device_frees_.fetch_add(1, std::memory_order_relaxed);
   pool_counters::sub(pool.counters.segments, 1);
   pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(s->size));
-  if (trace_.enabled()) trace_.note(trace_action::segment_free, s->base, s->size, pool.stream);
+  note_segment(trace_action::segment_free, s->base, s->size, pool.stream);
   for (block* b = s->first; b != nullptr;) {
     block* next = b->next;
     if (b->state == block_state::invalidated) {
@@ -540,7 +540,7 @@ std::size_t segment_source::unmap_free_chunks(block_pool& pool, segment* s, std:
     unreserve_bytes(bytes);
     s->mapped_bytes -= bytes;
     pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
-    if (trace_.enabled()) trace_.note(trace_action::segment_unmap, lo, bytes, pool.stream);
+    note_segment(trace_action::segment_unmap, lo, bytes, pool.stream);
     // [b: mapped head][hole][mapped tail], heads and tails possibly empty.
     block* hole = lo > b->address ? split(pool, b, lo - b->address) : b;
     if (hi < hole->address + hole->size) {
@@ -596,6 +596,12 @@ std::size_t segment_source::over_peak(std::size_t bytes) const noexcept {
 }
 
 void segment_source::reset_reserved_peak() noexcept { reserved_peak_ = reserved_total(); }
+
+void segment_source::note_segment(trace_action action, std::uintptr_t address, std::size_t size,
+                                  backend::stream_ref stream) const {
+  if (trace_.enabled()) trace_.note(action, address, size, stream);
+  if (hooks_.has_segment_observers()) hooks_.notify_segment({action, address, size, stream});
+}
 
 void segment_source::unreserve_bytes(std::size_t bytes) noexcept {
   reserved_total_.fetch_sub(bytes, std::memory_order_relaxed);

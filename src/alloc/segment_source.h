@@ -171,6 +171,8 @@ class segment_source {
   /// How far taking `bytes` more would raise reserved_peak() (0: not at all).
   [[nodiscard]] std::size_t over_peak(std::size_t bytes) const noexcept;
   void unreserve_bytes(std::size_t bytes) noexcept;
+  /// A segment event into the trace (when on) and to the segment observers.
+  void note_segment(trace_action action, std::uintptr_t address, std::size_t size, backend::stream_ref stream) const;
 
   backend::device& device_;
   const allocator_config& config_;

@@ -229,6 +229,13 @@ class caching_allocator {
   /// it must be quick and must not call the allocator. Returns an id for
   /// remove_hook.
   std::uint64_t add_release_observer(std::function<void(std::uintptr_t base, std::size_t bytes)> observer);
+  /// `observer` is told of every segment event (segment_event) after it
+  /// happened, on the thread that made it and possibly under an allocator
+  /// lock: it must be quick and must not call the allocator; what it throws
+  /// is dropped. The allocator's destruction, which gives everything back,
+  /// tells none. With none registered, an event costs one relaxed load.
+  /// Returns an id for remove_hook.
+  std::uint64_t add_segment_observer(std::function<void(const segment_event&)> observer);
   /// Removes a hook or observer; waits for calls of it in progress. An
   /// unknown id gives invalid_argument.
   void remove_hook(std::uint64_t id);

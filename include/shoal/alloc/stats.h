@@ -139,4 +139,16 @@ struct trace_entry {
 
 [[nodiscard]] std::string to_json(const std::vector<trace_entry>& trace);
 
+/// A change of the device memory an allocator holds, as its segment
+/// observers are told of it (caching_allocator::add_segment_observer):
+/// segment_alloc / segment_free, a plain segment taken from the device or
+/// given back whole; segment_map / segment_unmap, a stretch [address,
+/// address + size) of a growable segment backed by memory or unbacked.
+struct segment_event {
+  trace_action action = trace_action::segment_alloc;
+  std::uintptr_t address = 0;
+  std::size_t size = 0;
+  backend::stream_ref stream;  ///< its pool's stream (none: a destroyed growing private pool's segment)
+};
+
 }  // namespace shoal::alloc

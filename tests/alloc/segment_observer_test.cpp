@@ -1,0 +1,196 @@
+// Segment observers (caching_allocator::add_segment_observer): every time the
+// allocator takes memory from the device or gives it back, the observers are
+// told what, where and how much, so a layer above (PyTorch's memory history)
+// can follow the segments as the allocator's own trace does.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <map>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "shoal/backend/stream.h"
+#include "support/allocators.h"
+
+namespace shoal::testing {
+namespace {
+
+constexpr std::size_t kib = 1024, mib = kib * kib;
+
+template <class Param>
+using segment_observer = allocator_test<Param>;
+TYPED_TEST_SUITE(segment_observer, backend_config_types, backend_config_names);
+
+/// Records every event it is told of.
+struct event_log {
+  std::vector<alloc::segment_event> events;
+  std::uint64_t id = 0;
+
+  explicit event_log(alloc::caching_allocator& a)
+      : id(a.add_segment_observer([this](const alloc::segment_event& e) { events.push_back(e); })) {}
+
+  /// Bytes taken from the device less bytes given back.
+  [[nodiscard]] std::int64_t held() const {
+    std::int64_t sum = 0;
+    for (const auto& e : events) {
+      const bool takes = e.action == alloc::trace_action::segment_alloc || e.action == alloc::trace_action::segment_map;
+      sum += takes ? static_cast<std::int64_t>(e.size) : -static_cast<std::int64_t>(e.size);
+    }
+    return sum;
+  }
+
+  /// The plain segments taken and not given back, by address.
+  [[nodiscard]] std::map<std::uintptr_t, std::size_t> live_plain_segments() const {
+    std::map<std::uintptr_t, std::size_t> live;
+    for (const auto& e : events) {
+      if (e.action == alloc::trace_action::segment_alloc) live[e.address] = e.size;
+      if (e.action == alloc::trace_action::segment_free) live.erase(e.address);
+    }
+    return live;
+  }
+};
+
+std::map<std::uintptr_t, std::size_t> plain_segments_of(const alloc::snapshot& s) {
+  std::map<std::uintptr_t, std::size_t> out;
+  for (const auto& seg : s.segments) {
+    if (!seg.expandable) out[seg.address] = seg.size;
+  }
+  return out;
+}
+
+std::size_t mapped_growable_bytes(const alloc::snapshot& s) {
+  std::size_t out = 0;
+  for (const auto& seg : s.segments) out += seg.expandable ? seg.mapped_bytes : 0;
+  return out;
+}
+
+// Over seeded random schedules on two streams (blocks of 512 B to 40 MiB,
+// frees, now and then an empty cache), after every step: the events add up
+// to the reserved bytes, the plain segments they leave live are the
+// snapshot's, the growable stretches they leave mapped are its mapped bytes,
+// and they are the segment entries of the allocator's own trace, in order.
+TYPED_TEST(segment_observer, the_events_follow_every_segment_as_the_snapshot_and_the_trace_show_it) {
+  auto& a = this->make("trace_entries:100000");
+  event_log log(a);
+  backend::stream first(this->device()), second(this->device());
+  const backend::stream_ref streams[] = {first, second};
+  for (std::uint32_t seed = 1; seed <= 3; ++seed) {
+    std::mt19937 random(seed);
+    std::vector<std::pair<void*, backend::stream_ref>> live;
+    for (int step = 0; step < 120; ++step) {
+      const auto choice = random() % 10;
+      if (choice < 5 || live.empty()) {
+        const std::size_t bytes = random() % 2 == 0 ? 512 + random() % (64 * kib) : mib + random() % (40 * mib);
+        const backend::stream_ref on = streams[random() % 2];
+        live.emplace_back(a.allocate(bytes, on), on);
+      } else if (choice < 9) {
+        const std::size_t i = random() % live.size();
+        a.deallocate(live[i].first, live[i].second);
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+      } else {
+        this->device().synchronize(first);
+        this->device().synchronize(second);
+        a.empty_cache();
+      }
+      const std::string where = "seed " + std::to_string(seed) + ", step " + std::to_string(step);
+      ASSERT_EQ(log.held(), a.stats().reserved_bytes.aggregate.current) << where;
+      const alloc::snapshot snap = a.take_snapshot();
+      ASSERT_EQ(log.live_plain_segments(), plain_segments_of(snap)) << where;
+      ASSERT_EQ(static_cast<std::size_t>(log.held()) - [&] {
+        std::size_t plain = 0;
+        for (const auto& [address, size] : log.live_plain_segments()) plain += size;
+        return plain;
+      }(), mapped_growable_bytes(snap)) << where;
+    }
+    for (const auto& [p, on] : live) a.deallocate(p, on);
+    this->device().synchronize(first);
+    this->device().synchronize(second);
+    a.empty_cache();
+  }
+  EXPECT_EQ(log.held(), a.stats().reserved_bytes.aggregate.current);
+  std::vector<alloc::segment_event> traced;
+  for (const alloc::trace_entry& e : a.trace()) {
+    if (e.action != alloc::trace_action::alloc && e.action != alloc::trace_action::free_requested &&
+        e.action != alloc::trace_action::free_completed && e.action != alloc::trace_action::oom) {
+      traced.push_back({e.action, e.address, e.size, e.stream});
+    }
+  }
+  ASSERT_EQ(traced.size(), log.events.size()) << "every segment entry of the trace, and no other event";
+  for (std::size_t i = 0; i < traced.size(); ++i) {
+    EXPECT_EQ(traced[i].action, log.events[i].action) << "event " << i;
+    EXPECT_EQ(traced[i].address, log.events[i].address) << "event " << i;
+    EXPECT_EQ(traced[i].size, log.events[i].size) << "event " << i;
+    EXPECT_EQ(traced[i].stream, log.events[i].stream) << "event " << i;
+  }
+  EXPECT_FALSE(log.events.empty());
+}
+
+TYPED_TEST(segment_observer, an_event_names_the_stream_of_the_pool_that_grew) {
+  auto& a = this->make();
+  event_log log(a);
+  backend::stream s(this->device());
+  void* p = a.allocate(30 * mib, s);
+  ASSERT_FALSE(log.events.empty());
+  for (const auto& e : log.events) {
+    EXPECT_EQ(e.stream, s.ref());
+    EXPECT_EQ(e.action, TestFixture::expandable_segments ? alloc::trace_action::segment_map
+                                                         : alloc::trace_action::segment_alloc);
+  }
+  const auto at = reinterpret_cast<std::uintptr_t>(p);
+  EXPECT_LE(log.events.back().address, at);
+  EXPECT_GE(log.events.back().address + log.events.back().size, at + 30 * mib) << "the event covers the block";
+  const std::size_t taken = log.events.size();
+  a.deallocate(p, s);
+  this->device().synchronize(s);
+  a.empty_cache();
+  ASSERT_GT(log.events.size(), taken);
+  for (std::size_t i = taken; i < log.events.size(); ++i) {
+    EXPECT_EQ(log.events[i].action, TestFixture::expandable_segments ? alloc::trace_action::segment_unmap
+                                                                     : alloc::trace_action::segment_free);
+    EXPECT_EQ(log.events[i].stream, s.ref());
+  }
+  EXPECT_EQ(log.held(), 0);
+}
+
+TYPED_TEST(segment_observer, a_removed_observer_is_told_nothing_and_a_throwing_one_harms_nothing) {
+  auto& a = this->make();
+  int removed_calls = 0, throwing_calls = 0;
+  const auto removed = a.add_segment_observer([&](const alloc::segment_event&) { ++removed_calls; });
+  (void)a.add_segment_observer([&](const alloc::segment_event&) {
+    ++throwing_calls;
+    throw std::runtime_error("an observer that fails");
+  });
+  event_log log(a);
+  a.remove_hook(removed);
+  void* p = nullptr;
+  EXPECT_NO_THROW(p = a.allocate(30 * mib, {})) << "what an observer throws is dropped";
+  EXPECT_EQ(removed_calls, 0);
+  EXPECT_GT(throwing_calls, 0);
+  EXPECT_EQ(log.held(), a.stats().reserved_bytes.aggregate.current) << "the observers after it are told too";
+  a.deallocate(p, {});
+  EXPECT_NO_THROW(a.empty_cache());
+  EXPECT_EQ(log.held(), 0);
+  a.check_invariants();
+}
+
+TYPED_TEST(segment_observer, a_destroyed_growing_pools_segments_are_told_given_back) {
+  auto& a = this->make();
+  event_log log(a);
+  const auto pool = a.create_growing_private_pool();
+  {
+    alloc::private_pool_scope scope(a, pool);
+    void* p = a.allocate(3 * mib, {});
+    a.deallocate(p, {});
+  }
+  EXPECT_GT(log.held(), 0);
+  this->device().synchronize({});
+  a.destroy_private_pool(pool);
+  EXPECT_EQ(log.held(), 0) << "every byte the pool took is told given back";
+  EXPECT_EQ(log.held(), a.stats().reserved_bytes.aggregate.current);
+}
+
+}  // namespace
+}  // namespace shoal::testing
