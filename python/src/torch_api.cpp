@@ -34,6 +34,26 @@ namespace {
 
 constexpr int max_devices = 64;
 
+// The plugin's segment observer (observe_segments); every allocator made
+// here tells it of its segment events.
+std::atomic<shoal_torch_segment_observer> segment_observer{nullptr};
+
+shoal_torch_segment_action torch_action(alloc::trace_action action) {
+  switch (action) {
+    case alloc::trace_action::segment_free: return SHOAL_TORCH_SEGMENT_FREE;
+    case alloc::trace_action::segment_map: return SHOAL_TORCH_SEGMENT_MAP;
+    case alloc::trace_action::segment_unmap: return SHOAL_TORCH_SEGMENT_UNMAP;
+    default: return SHOAL_TORCH_SEGMENT_ALLOC;
+  }
+}
+
+void tell_segment_observer(int device, const alloc::segment_event& e) noexcept {
+  const shoal_torch_segment_observer observe = segment_observer.load(std::memory_order_acquire);
+  if (observe == nullptr) return;
+  const shoal_torch_segment_event event{device, torch_action(e.action), e.address, e.size, e.stream.native};
+  observe(&event);
+}
+
 class torch_allocators {
  public:
   /// Settings for the allocators made from now on; refused once one exists
@@ -75,6 +95,8 @@ class torch_allocators {
     auto* held = new std::shared_ptr<allocator_state>(
         std::make_shared<allocator_state>(
             host_for_tests_ ? backend::host_device_instance() : backend::cuda_device_instance(ordinal), *config_));
+    (*held)->allocator().add_segment_observer(
+        [ordinal](const alloc::segment_event& e) { tell_segment_observer(ordinal, e); });
     made_ = true;
     slots_[ordinal].store(held->get(), std::memory_order_release);
     shared_[ordinal] = held;
@@ -430,6 +452,11 @@ bool visit_segment(int device, const alloc::segment_snapshot& segment, void* con
   return true;
 }
 
+int api_observe_segments(shoal_torch_segment_observer observe) {
+  segment_observer.store(observe, std::memory_order_release);
+  return SHOAL_TORCH_OK;
+}
+
 int api_snapshot(void* context, shoal_torch_segment_visitor visit) {
   return guarded([&] {
     std::vector<std::pair<int, alloc::snapshot>> taken;  // all of them before the first visit
@@ -467,6 +494,7 @@ const shoal_torch_api api_table = {
     api_block_segment,
     api_configured_memory_fraction,
     api_snapshot,
+    api_observe_segments,
 };
 
 }  // namespace

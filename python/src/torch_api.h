@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SHOAL_TORCH_API_VERSION 4
+#define SHOAL_TORCH_API_VERSION 5
 
 enum shoal_torch_status {
   SHOAL_TORCH_OK = 0,
@@ -76,6 +76,24 @@ struct shoal_torch_segment {
 /// anything else to stop. Must not throw.
 typedef int (*shoal_torch_segment_visitor)(void* context, const struct shoal_torch_segment* segment,
                                            const struct shoal_torch_block* blocks, size_t count);
+
+/// What a segment event did (caching_allocator::add_segment_observer).
+enum shoal_torch_segment_action {
+  SHOAL_TORCH_SEGMENT_ALLOC = 0,  ///< a plain segment taken from the device
+  SHOAL_TORCH_SEGMENT_FREE = 1,   ///< a plain segment given back, whole
+  SHOAL_TORCH_SEGMENT_MAP = 2,    ///< a stretch of a growable segment backed by memory
+  SHOAL_TORCH_SEGMENT_UNMAP = 3,  ///< a stretch of a growable segment given back
+};
+struct shoal_torch_segment_event {
+  int device;
+  int action;  ///< enum shoal_torch_segment_action
+  uintptr_t address;
+  size_t size;
+  void* stream;  ///< its pool's cudaStream_t (NULL: the legacy default stream, or none)
+};
+/// Told of a segment event on the thread that made it, possibly under an
+/// allocator lock: it must be quick, must not call this table and must not throw.
+typedef void (*shoal_torch_segment_observer)(const struct shoal_torch_segment_event* event);
 
 struct shoal_torch_api {
   uint32_t version;     ///< SHOAL_TORCH_API_VERSION
@@ -143,6 +161,9 @@ struct shoal_torch_api {
   /// while `visit` runs. A visit that returns nonzero stops the walk, and
   /// this returns SHOAL_TORCH_ERROR.
   int (*snapshot)(void* context, shoal_torch_segment_visitor visit);
+  /// `observe` (NULL: none) is told of every segment event of every
+  /// device's allocator from now on, in place of the one set before.
+  int (*observe_segments)(shoal_torch_segment_observer observe);
 };
 
 #ifdef __cplusplus

@@ -281,13 +281,54 @@ def test_memory_history_stops_when_asked():
         print(json.dumps({
             "stopped": stopped, "traces": [len(t) for t in snapshot["device_traces"]],
             "framed": [f["name"] for s in snapshot["segments"] for b in s["blocks"] for f in b.get("frames", [])],
-            "restarted": [[e["action"], e.get("addr")] for e in restarted], "after": after.data_ptr()}))
+            "restarted": [[e["action"], e.get("addr"), e["size"]] for e in restarted], "after": after.data_ptr()}))
         """
     )
     assert out["stopped"] is False
     assert out["traces"] and set(out["traces"]) == {0}, "stopping clears the history, as PyTorch's allocator does"
     assert "shoal_history_while_stopped" not in out["framed"], "an allocation while stopped is not recorded"
-    assert out["restarted"] == [["alloc", out["after"]]], "nothing recorded while stopped"
+    blocks = [e for e in out["restarted"] if not e[0].startswith("segment_")]
+    assert blocks == [["alloc", out["after"], 3 << 20]], "nothing recorded while stopped"
+    for action, address, size in out["restarted"][:-1]:  # memory mapped for `after` alone
+        assert action == "segment_map" and address <= out["after"] < address + size, out["restarted"]
+
+
+@pytest.mark.parametrize("growable", [True, False])
+def test_memory_history_records_segments_as_they_come_and_go(growable):
+    out = run(
+        f"""
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False, expandable_segments={growable})
+        """
+        + """
+        torch.cuda.memory._record_memory_history(stacks="python")
+        def shoal_history_grows_here():
+            return torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+        x = shoal_history_grows_here()
+        ptr = x.data_ptr()
+        snapshot = torch.cuda.memory._snapshot()
+        del x
+        torch.cuda.empty_cache()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        def names(entry):
+            return [frame["name"] for frame in entry.get("frames", [])]
+        print(json.dumps({
+            "entries": [[e["action"], e["addr"], e["size"], names(e)] for e in trace],
+            "segments": [[s["address"], s["total_size"], names(s)] for s in snapshot["segments"]],
+            "ptr": ptr}))
+        """
+    )
+    taken, given_back = ("segment_map", "segment_unmap") if growable else ("segment_alloc", "segment_free")
+    entries, ptr = out["entries"], out["ptr"]
+    assert [e[0] for e in entries] == [taken, "alloc", "free_requested", "free_completed", given_back], entries
+    (_, base, size, stack), (_, freed_base, freed_size, freed_stack) = entries[0], entries[-1]
+    assert base <= ptr and ptr + (40 << 20) <= base + size, "the segment entry covers the tensor"
+    assert (freed_base, freed_size) == (base, size), "given back, the same memory"
+    assert "shoal_history_grows_here" in stack, "a segment taken for an allocation carries its stack"
+    if not growable:
+        assert "shoal_history_grows_here" in freed_stack, "given back outside an allocation: the stack it was taken with"
+        (segment,) = [s for s in out["segments"] if s[0] == base]
+        assert segment[1] == size and "shoal_history_grows_here" in segment[2], "the snapshot's segment has its stack"
 
 
 def test_memory_history_keeps_the_newest_max_entries():

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 PRELUDE = textwrap.dedent(
     """
     import ctypes, json, shoal
@@ -28,6 +30,11 @@ PRELUDE = textwrap.dedent(
 
     Visitor = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(Segment), ctypes.POINTER(Block),
                                ctypes.c_size_t)
+    class SegmentEvent(ctypes.Structure):
+        _fields_ = [("device", ctypes.c_int), ("action", ctypes.c_int), ("address", ctypes.c_size_t),
+                    ("size", ctypes.c_size_t), ("stream", ctypes.c_void_p)]
+
+    Observer = ctypes.CFUNCTYPE(None, ctypes.POINTER(SegmentEvent))
     F = ctypes.CFUNCTYPE
     i, sz, vp, u64 = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64
 
@@ -45,6 +52,7 @@ PRELUDE = textwrap.dedent(
             ("block_segment", F(i, vp, i, ctypes.POINTER(vp), ctypes.POINTER(sz))),
             ("configured_memory_fraction", vp),
             ("snapshot", F(i, vp, Visitor)),
+            ("observe_segments", F(i, Observer)),
         ]
 
     api = Table.from_address(_shoal._torch_api())
@@ -106,7 +114,7 @@ def test_the_tables_entries_answer_on_plain_segments():
                    stopped=walk(stop=True)[0])
         """
     )
-    assert out["version"] == 4 and out["size_matches"], "the table's layout is torch_api.h's"
+    assert out["version"] == 5 and out["size_matches"], "the table's layout is torch_api.h's"
     assert out["status"] == 0 and out["seen"], "a walk of the host allocator's segments"
     blocks = {b[0]: b for s in out["seen"] for b in s["blocks"]}
     for s in out["seen"]:
@@ -154,3 +162,33 @@ def test_the_host_table_is_refused_once_cuda_allocators_could_exist():
         """
     )
     assert "exist already" in out["again"], out
+
+
+@pytest.mark.parametrize("growable", [False, True])
+def test_segment_events_reach_the_observer_the_table_was_given(growable):
+    out = run(
+        f"""
+        _shoal._torch_configure(conf="expandable_segments:{str(growable).lower()}", use_environment=False)
+        _shoal._torch_table_on_host()
+        """
+        + """
+        events = []
+        observer = Observer(lambda e: events.append([e.contents.device, e.contents.action, e.contents.address,
+                                                     e.contents.size]))
+        assert api.observe_segments(observer) == OK
+        p = allocate(30 << 20)
+        assert api.deallocate(p, 0, None) == OK, api.last_error()
+        assert api.empty_cache() == OK, api.last_error()
+        told = list(events)
+        assert api.observe_segments(ctypes.cast(None, Observer)) == OK
+        q = allocate(30 << 20)
+        out.update(told=told, after_none=len(events) - len(told), p=p)
+        """
+    )
+    taken, given_back = (2, 3) if growable else (0, 1)  # MAP, UNMAP or ALLOC, FREE
+    assert [e[1] for e in out["told"]] == [taken, given_back], out["told"]
+    (_, _, base, size), (_, _, freed_base, freed_size) = out["told"]
+    assert all(e[0] == 0 for e in out["told"]), "device 0"
+    assert base <= out["p"] < base + size and size >= 30 << 20, "the memory that holds the block"
+    assert (freed_base, freed_size) == (base, size), "given back whole"
+    assert out["after_none"] == 0, "a NULL observer is told nothing"

@@ -17,6 +17,9 @@ std::unordered_set<int> parse_actions(const std::vector<std::string>& names) {
   return out;
 }
 
+// The context of the allocation this thread is making (memory_history::allocating).
+thread_local const context* allocating_in = nullptr;
+
 void report(const char* what, const std::exception* e) noexcept {
   std::fprintf(stderr, "shoal: recording %s in the memory history failed: %s\n", what,
                e != nullptr ? e->what() : "unknown error");
@@ -36,7 +39,10 @@ void memory_history::configure(bool enabled, context_recorder recorder, size_t m
     if (!enabled || clear_history) ring.clear();
     while (ring.size() > max_entries_) ring.pop_front();
   }
-  if (!enabled) live_.clear();
+  if (!enabled) {
+    live_.clear();
+    segments_.clear();
+  }
   recorder_.store(enabled ? recorder : nullptr);
   when_.store(enabled ? when : record_context::NEVER);
   recording_.store(enabled, std::memory_order_relaxed);
@@ -114,6 +120,30 @@ void memory_history::freed(void* ptr) noexcept {
   }
 }
 
+memory_history::allocating::allocating(const context& in) noexcept { allocating_in = &in; }
+
+memory_history::allocating::~allocating() { allocating_in = nullptr; }
+
+void memory_history::segment_changed(trace_entry::Action action, int device, std::uintptr_t address, size_t size,
+                                     cudaStream_t stream) noexcept {
+  try {
+    std::lock_guard lock(mutex_);
+    if (!recording_.load(std::memory_order_relaxed)) return;
+    context in = allocating_in != nullptr ? *allocating_in : nullptr;
+    if (action == trace_entry::SEGMENT_ALLOC) {
+      segments_.insert_or_assign(address, std::pair{device, in});
+    } else if (action == trace_entry::SEGMENT_FREE) {
+      auto taken = segments_.extract(address);
+      if (in == nullptr && !taken.empty() && taken.mapped().first == device) in = std::move(taken.mapped().second);
+    }
+    record(action, address, allocation{nullptr, size, device, stream, {0, 0}}, in);
+  } catch (const std::exception& e) {
+    report("a segment", &e);
+  } catch (...) {
+    report("a segment", nullptr);
+  }
+}
+
 std::vector<std::vector<trace_entry>> memory_history::traces(size_t devices) {
   const auto to_ns = clock_.makeConverter();  // measures for a while: before the lock
   std::vector<std::vector<trace_entry>> out(devices);
@@ -129,8 +159,12 @@ std::vector<std::vector<trace_entry>> memory_history::traces(size_t devices) {
 
 void memory_history::add_contexts(std::vector<segment_info>& segments) {
   std::lock_guard lock(mutex_);
-  if (live_.empty()) return;
+  if (live_.empty() && segments_.empty()) return;
   for (segment_info& segment : segments) {
+    const auto taken = segments_.find(static_cast<std::uintptr_t>(segment.address));
+    if (taken != segments_.end() && taken->second.first == segment.device && !segment.is_expandable) {
+      segment.context_when_allocated = taken->second.second;
+    }
     // A snapshot's blocks carry no address: they cover their segment in address order.
     auto address = static_cast<std::uintptr_t>(segment.address);
     for (auto& block : segment.blocks) {

@@ -15,14 +15,21 @@
 // entries too; ALL: frees gather their own). Stopping (enabled = false)
 // clears the entries, as PyTorch's allocator does, and forgets the blocks.
 //
+// Segment entries come from shoal's segment observer (observe_segments):
+// "segment_alloc" / "segment_free" as a plain segment is taken from the
+// device or given back, "segment_map" / "segment_unmap" as a stretch of a
+// growable segment is backed or given back. A segment taken or mapped for
+// an allocation carries that allocation's context (an `allocating` scope
+// names it); a plain segment given back outside one carries the context it
+// was taken with, as PyTorch's allocator records them.
+//
 // Not as PyTorch's allocator records it:
 //   - "free_completed" is recorded with "free_requested", at the free call:
 //     shoal completes a free inside its allocator, once the freeing stream
 //     (and every stream record_stream named) has passed the block's last
 //     use, and the plugin does not see that moment.
-//   - No segment entries (segment_alloc, segment_free, segment_map,
-//     segment_unmap) and no snapshot entries: segments come and go inside
-//     shoal, unseen by the plugin. A snapshot's segments carry no context.
+//   - Segment entries name no memory pool ({0, 0}), and there are no
+//     snapshot entries.
 //   - A block allocated before recording began has no entry when it is freed
 //     while recording (its size is not known), and blocks lose their context
 //     when recording stops (so that, stopped, the free path costs one load).
@@ -95,12 +102,29 @@ class memory_history {
   /// forgotten. Calls the recorder when `when` is ALL. Never throws.
   void freed(void* ptr) noexcept;
 
+  /// While alive, this thread's segment events carry `in`, the context of
+  /// the allocation the thread is making. One per thread at a time.
+  class allocating {
+   public:
+    explicit allocating(const context& in) noexcept;
+    ~allocating();
+    allocating(const allocating&) = delete;
+    allocating& operator=(const allocating&) = delete;
+  };
+
+  /// A segment event while recording (one of the SEGMENT_ actions): its
+  /// entry. Called from shoal's segment observer, under shoal's allocator
+  /// locks: takes only this class's lock and calls no recorder. Never throws.
+  void segment_changed(trace_entry::Action action, int device, std::uintptr_t address, size_t size,
+                       cudaStream_t stream) noexcept;
+
   /// Each of `devices` devices' entries, oldest first, their times in
   /// microseconds since the epoch (SnapshotInfo::device_traces).
   [[nodiscard]] std::vector<std::vector<trace_entry>> traces(size_t devices);
 
   /// Gives each allocated block of `segments` that was allocated while
-  /// recording its context_when_allocated.
+  /// recording its context_when_allocated, and each plain segment taken
+  /// while recording the context it was taken with.
   void add_contexts(std::vector<segment_info>& segments);
 
  private:
@@ -130,6 +154,9 @@ class memory_history {
   /// address is added after shoal hands it out and removed before shoal
   /// takes it back, so no two blocks of one address are ever here at once.
   std::unordered_map<std::uintptr_t, live_block> live_;  // guarded by mutex_
+  /// The contexts plain segments taken while recording were taken with, by
+  /// device and address, until given back.
+  std::unordered_map<std::uintptr_t, std::pair<int, context>> segments_;  // guarded by mutex_
   c10::ApproximateClockToUnixTimeConverter clock_;      // its start, measured once; makeConverter only reads it
 };
 

@@ -95,6 +95,7 @@ void* allocate_recorded(size_t bytes, int device, cudaStream_t stream) {
   shoal_torch::allocation block{nullptr, bytes, device, stream, {0, 0}};
   shoal_torch::context context = history->allocation_context();
   try {
+    const shoal_torch::memory_history::allocating segments_made_for(context);
     block.ptr = allocate_from_shoal(bytes, device, stream, &block.pool);
   } catch (const c10::OutOfMemoryError&) {
     history->out_of_memory(block, device_free_memory(device), std::move(context));
@@ -102,6 +103,21 @@ void* allocate_recorded(size_t bytes, int device, cudaStream_t stream) {
   }
   history->allocated(block, std::move(context));
   return block.ptr;
+}
+
+// shoal's segment observer (observe_segments): a segment event while
+// memory history is recorded is its entry. Runs under shoal's locks.
+void segment_changed(const shoal_torch_segment_event* event) noexcept {
+  if (!history->recording()) return;
+  using entry = shoal_torch::trace_entry;
+  entry::Action action = entry::SEGMENT_ALLOC;
+  switch (event->action) {
+    case SHOAL_TORCH_SEGMENT_FREE: action = entry::SEGMENT_FREE; break;
+    case SHOAL_TORCH_SEGMENT_MAP: action = entry::SEGMENT_MAP; break;
+    case SHOAL_TORCH_SEGMENT_UNMAP: action = entry::SEGMENT_UNMAP; break;
+    default: break;
+  }
+  history->segment_changed(action, event->device, event->address, event->size, static_cast<cudaStream_t>(event->stream));
 }
 
 void* allocate_block(size_t bytes, int device, cudaStream_t stream) {
@@ -462,6 +478,7 @@ extern "C" __attribute__((visibility("default"))) int shoal_torch_install(const 
     api = table;
     graphs = new shoal_torch::graph_pools(*table);
     history = new shoal_torch::memory_history();
+    check(table->observe_segments(&segment_changed), "observe_segments");
     // PyTorch's own allocators live as long as the process; one a program
     // installed itself is freed once replaced, so it opens nothing later.
     c10::cuda::CUDACachingAllocator::CUDAAllocator* previous = c10::cuda::CUDACachingAllocator::get();
