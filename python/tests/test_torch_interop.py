@@ -309,11 +309,14 @@ def test_memory_history_records_segments_as_they_come_and_go(growable):
         snapshot = torch.cuda.memory._snapshot()
         del x
         torch.cuda.empty_cache()
-        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        after = torch.cuda.memory._snapshot()
+        trace = after["device_traces"][torch.cuda.current_device()]
         def names(entry):
             return [frame["name"] for frame in entry.get("frames", [])]
+        import torch.cuda._memory_viz as viz
         print(json.dumps({
             "entries": [[e["action"], e["addr"], e["size"], names(e)] for e in trace],
+            "plot": len(viz.trace_plot(after)),
             "segments": [[s["address"], s["total_size"], names(s)] for s in snapshot["segments"]],
             "ptr": ptr}))
         """
@@ -325,6 +328,7 @@ def test_memory_history_records_segments_as_they_come_and_go(growable):
     assert base <= ptr and ptr + (40 << 20) <= base + size, "the segment entry covers the tensor"
     assert (freed_base, freed_size) == (base, size), "given back, the same memory"
     assert "shoal_history_grows_here" in stack, "a segment taken for an allocation carries its stack"
+    assert out["plot"] > 0, "PyTorch's memory viewer draws the trace"
     if not growable:
         assert "shoal_history_grows_here" in freed_stack, "given back outside an allocation: the stack it was taken with"
         (segment,) = [s for s in out["segments"] if s[0] == base]
