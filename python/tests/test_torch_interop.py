@@ -289,8 +289,9 @@ def test_memory_history_stops_when_asked():
     assert "shoal_history_while_stopped" not in out["framed"], "an allocation while stopped is not recorded"
     blocks = [e for e in out["restarted"] if not e[0].startswith("segment_")]
     assert blocks == [["alloc", out["after"], 3 << 20]], "nothing recorded while stopped"
-    for action, address, size in out["restarted"][:-1]:  # memory mapped for `after` alone
-        assert action == "segment_map" and address <= out["after"] < address + size, out["restarted"]
+    # Before it, only segment entries: idle memory given back before growing, the stretch mapped for it.
+    assert all(e[0].startswith("segment_") for e in out["restarted"][:-1]), out["restarted"]
+    assert any(e[0] == "segment_map" and e[1] <= out["after"] < e[1] + e[2] for e in out["restarted"]), out["restarted"]
 
 
 @pytest.mark.parametrize("growable", [True, False])
