@@ -27,7 +27,7 @@ import atexit
 import os
 import sys
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from . import _shoal
 
@@ -86,6 +86,29 @@ def _is_shoal_default(device: _shoal.Device) -> bool:
     if device.kind == "cuda":
         return device.ordinal == 0 and choice in ("", "cuda")
     return choice == "host" or (choice == "" and _shoal.cuda_device_count() == 0)
+
+
+def device_text(device: _shoal.Device) -> str:
+    """A device as PyTorch writes it ("cuda:3"), or "host"."""
+    return f"cuda:{device.ordinal}" if device.kind == "cuda" else "host"
+
+
+def allocator_for(
+    where: str,
+    allocator: Optional[_shoal.Allocator],
+    device: Optional[_shoal.Device],
+    otherwise: Callable[[], _shoal.Allocator],
+) -> _shoal.Allocator:
+    """`allocator=` when given (refused when `device=` names another device), else
+    `device`'s allocator (allocator_on), else `otherwise()`."""
+    if allocator is None:
+        return otherwise() if device is None else allocator_on(device)
+    if device is not None and allocator.device != device:
+        raise _shoal.InvalidArgumentError(
+            f"{where}: allocator= is on {device_text(allocator.device)} but device= names {device_text(device)}; "
+            "pass one of them"
+        )
+    return allocator
 
 
 def allocator_on(device: _shoal.Device) -> _shoal.Allocator:

@@ -177,12 +177,7 @@ def _allocator_on(where: str, device: Optional[_shoal.Device], allocator: Option
     """`allocator=`, or `device=`'s allocator, or the default device's."""
     if device is not None and not isinstance(device, _shoal.Device):
         raise TypeError(f"{where}: device must be a shoal.Device or None, not {type(device).__name__}")
-    if allocator is None:
-        return default_allocator() if device is None else _device_defaults.allocator_on(device)
-    if device is not None and allocator.device != device:
-        raise _shoal.InvalidArgumentError(f"{where}: allocator= is on {allocator.device} but device= names {device}; "
-                                          "pass one of them")
-    return allocator
+    return _device_defaults.allocator_for(where, allocator, device, default_allocator)
 
 
 class Borrower:

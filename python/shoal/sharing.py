@@ -70,11 +70,6 @@ _END_NOTE = json.dumps({"v": _VERSION, "end": True}, separators=(",", ":")).enco
 _MESSAGES_PER_TURN = 256  # a producer's messages read in one turn (a batch may span turns)
 
 
-def _device_text(device: _shoal.Device) -> str:
-    """A device as PyTorch writes it ("cuda:3"), or "host"."""
-    return f"cuda:{device.ordinal}" if device.kind == "cuda" else "host"
-
-
 def _device_of(where: str, device: Any) -> _shoal.Device:
     """`device=` as a shoal Device: a Device, a CUDA ordinal, "cuda:N", "cuda",
     "host" (or "cpu", "host:0", "cpu:0": host memory) or a torch.device."""
@@ -112,14 +107,9 @@ def _allocator_for(where: str, allocator: _shoal.Allocator | None, device: Any) 
     if allocator is not None and not isinstance(allocator, _shoal.Allocator):
         raise TypeError(f"{where}: allocator must be a shoal.Allocator or None, not {type(allocator).__name__}")
     wanted = _device_of(where, device) if device is not None else None
-    if allocator is not None:
-        if wanted is not None and allocator.device != wanted:
-            raise _shoal.InvalidArgumentError(
-                f"{where}: allocator= is on {_device_text(allocator.device)} but device= names "
-                f"{_device_text(wanted)}; pass one of them"
-            )
-        return allocator
-    return _device_defaults.allocator_on(wanted if wanted is not None else _device_defaults.default_device())
+    return _device_defaults.allocator_for(
+        where, allocator, wanted, lambda: _device_defaults.allocator_on(_device_defaults.default_device())
+    )
 
 
 def _torch_stream(ordinal: int) -> _shoal.Stream:
@@ -414,7 +404,7 @@ class Producer:
             self._fix(_device_defaults.allocator_on(_shoal.cuda_device(ordinal)))
 
     def _what(self, leaf: _Leaf) -> str:
-        on = _device_text(leaf.view.storage.device)
+        on = _device_defaults.device_text(leaf.view.storage.device)
         return f"a tensor on {on}" if leaf.torch_ordinal is not None else f"shoal memory on {on}"
 
     def _check_devices(self, leaves: list[_Leaf]) -> None:
@@ -425,14 +415,14 @@ class Producer:
             device = leaf.view.storage.device
             if device == mine:
                 continue
-            on = _device_text(device)
+            on = _device_defaults.device_text(device)
             if leaf.torch_ordinal is not None:
                 fix = f"device='{on}' (or allocator=shoal.torch.allocator({device.ordinal}))"
             else:
                 fix = f"allocator= the shoal.Allocator it came from (or device='{on}' for that device's default one)"
             raise _shoal.InvalidArgumentError(
                 f"shoal.sharing.Producer.put: {leaf.path} is {self._what(leaf)}, but this Producer sends memory "
-                f"of an allocator on {_device_text(mine)} (one Producer, one device); for {on}, make a Producer "
+                f"of an allocator on {_device_defaults.device_text(mine)} (one Producer, one device); for {on}, make a Producer "
                 f"with {fix}"
             )
 
@@ -444,7 +434,7 @@ class Producer:
             fix = "allocator= the shoal.Allocator it came from"
         return _shoal.InvalidArgumentError(
             f"shoal.sharing.Producer.put: {leaf.path} is {self._what(leaf)} from another allocator than this "
-            f"Producer's (Producer.allocator, on {_device_text(self.allocator.device)}); send memory of "
+            f"Producer's (Producer.allocator, on {_device_defaults.device_text(self.allocator.device)}); send memory of "
             f"Producer.allocator, or make the Producer with {fix}"
         )
 
