@@ -6,7 +6,9 @@
 //
 // Thread-safety: every member may be called from any thread. A callback
 // runs under a shared lock, so remove() waits for calls in progress and a
-// removed callback is never called afterwards.
+// removed callback is never called afterwards. A hook must not take device
+// memory or give it back (allocate into growth, empty the cache): the
+// observers it would set off take that shared lock again on its thread.
 #pragma once
 
 #include <atomic>

@@ -378,6 +378,7 @@ void segment_source::free_detached_segments(const std::vector<std::pair<std::uin
     } catch (...) {
       remember();
     }
+    note_segment(trace_action::segment_free, base, size, {});  // before another pool can be given its address
     try {
       free_plain_segment(base);
       device_frees_.fetch_add(1, std::memory_order_relaxed);
@@ -389,7 +390,6 @@ void segment_source::free_detached_segments(const std::vector<std::pair<std::uin
       unreserve_bytes(size);
       detached_bytes_ -= size;
     }
-    note_segment(trace_action::segment_free, base, size, {});
   }
   if (first) std::rethrow_exception(first);
 }
@@ -477,10 +477,16 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
   // observers (the memory is still there for them to act on), then back to
   // the device — only then can another pool be given the same address.
   directory_.unregister_segment(*s);
+  bool told_free = false;
   try {
     hooks_.notify_release(s->base, s->size);
+    // Told before the device has it back: from then on another pool may be
+    // given the same address and tell its segment_alloc first.
+    note_segment(trace_action::segment_free, s->base, s->size, pool.stream);
+    told_free = true;
     free_plain_segment(s->base);
   } catch (...) {
+    if (told_free) note_segment(trace_action::segment_alloc, s->base, s->size, pool.stream);  // it stayed after all
     directory_.register_segment(*s);  // nothing went back: the segment stays cached as it was
     if (!tombstones.empty()) orphans_.forget_all(tombstones);
     throw;
@@ -489,7 +495,6 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
   device_frees_.fetch_add(1, std::memory_order_relaxed);
   pool_counters::sub(pool.counters.segments, 1);
   pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(s->size));
-  note_segment(trace_action::segment_free, s->base, s->size, pool.stream);
   for (block* b = s->first; b != nullptr;) {
     block* next = b->next;
     if (b->state == block_state::invalidated) {

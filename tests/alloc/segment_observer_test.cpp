@@ -4,16 +4,21 @@
 // can follow the segments as the allocator's own trace does.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <random>
+#include <set>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "shoal/backend/stream.h"
 #include "support/allocators.h"
+#include "support/forwarding_device.h"
 
 namespace shoal::testing {
 namespace {
@@ -190,6 +195,140 @@ TYPED_TEST(segment_observer, a_destroyed_growing_pools_segments_are_told_given_b
   a.destroy_private_pool(pool);
   EXPECT_EQ(log.held(), 0) << "every byte the pool took is told given back";
   EXPECT_EQ(log.held(), a.stats().reserved_bytes.aggregate.current);
+}
+
+/// Knows which segments are given back to the device (until it hands the
+/// address out again).
+class freeing_device : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+  void* allocate_segment(std::size_t bytes) override {
+    void* base = forwarding_device::allocate_segment(bytes);
+    std::lock_guard lock(mutex_);
+    freed_.erase(reinterpret_cast<std::uintptr_t>(base));
+    return base;
+  }
+  void free_segment(void* base) override {
+    forwarding_device::free_segment(base);
+    std::lock_guard lock(mutex_);
+    freed_.insert(reinterpret_cast<std::uintptr_t>(base));
+  }
+  bool freed(std::uintptr_t base) {
+    std::lock_guard lock(mutex_);
+    return freed_.count(base) != 0;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::set<std::uintptr_t> freed_;
+};
+
+// A plain segment is told given back while the device still has not got it:
+// once it has, it may give the address to another pool, whose segment_alloc
+// must come after this segment_free.
+TYPED_TEST(segment_observer, a_segment_is_told_given_back_before_the_device_has_it) {
+  if (TestFixture::expandable_segments) GTEST_SKIP() << "plain segments";
+  freeing_device dev(this->device());
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse(TestFixture::configured_text("")));
+  std::vector<std::pair<std::uintptr_t, bool>> told;  // a segment_free's base, and whether the device had it
+  const auto id = a.add_segment_observer([&](const alloc::segment_event& e) {
+    if (e.action == alloc::trace_action::segment_free) told.emplace_back(e.address, dev.freed(e.address));
+  });
+  for (const std::size_t bytes : {512 * kib, 3 * mib, 30 * mib}) {
+    void* p = a.allocate(bytes, {});
+    a.deallocate(p, {});
+  }
+  dev.synchronize({});
+  a.empty_cache();
+  ASSERT_EQ(told.size(), 3u);
+  for (const auto& [base, device_had_it] : told) EXPECT_FALSE(device_had_it) << base;
+  const auto pool = a.create_growing_private_pool();
+  {
+    alloc::private_pool_scope scope(a, pool);
+    a.deallocate(a.allocate(3 * mib, {}), {});
+  }
+  dev.synchronize({});
+  a.destroy_private_pool(pool);
+  ASSERT_EQ(told.size(), 4u) << "a destroyed growing pool's segment";
+  EXPECT_FALSE(told.back().second);
+  a.remove_hook(id);
+}
+
+// Threads on their own streams take segments and give them back at once,
+// so the device hands one thread's given-back address to another. In the
+// order the observers are told: a plain segment's address is taken and given
+// back in turn, never taken twice; a growable segment's granules are mapped
+// and unmapped in turn. Fails when a segment is told given back only after
+// the device has it back (another pool's segment_alloc of the address can
+// come first).
+TYPED_TEST(segment_observer, events_from_threads_come_in_an_order_that_can_be_replayed) {
+  auto& a = this->make();
+  std::mutex mutex;
+  std::vector<alloc::segment_event> events;  // guarded by mutex
+  const auto id = a.add_segment_observer([&](const alloc::segment_event& e) {
+    std::lock_guard lock(mutex);
+    events.push_back(e);
+  });
+  constexpr int threads = 4, rounds = 50;
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      backend::stream own(this->device());
+      std::mt19937 random(static_cast<std::uint32_t>(t + 1));
+      for (int i = 0; i < rounds; ++i) {
+        void* p = a.allocate(mib + random() % (24 * mib), own);
+        a.deallocate(p, own);
+        this->device().synchronize(own);
+        a.empty_cache();
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+  a.remove_hook(id);
+  const std::size_t granule = this->device().granularity();
+  std::set<std::uintptr_t> taken;  // plain segments' bases; growable granules
+  for (std::size_t i = 0; i < events.size(); ++i) {
+    const auto& e = events[i];
+    const bool plain = e.action == alloc::trace_action::segment_alloc || e.action == alloc::trace_action::segment_free;
+    const bool takes = e.action == alloc::trace_action::segment_alloc || e.action == alloc::trace_action::segment_map;
+    const std::size_t step = plain ? e.size : granule;
+    for (std::uintptr_t at = e.address; at < e.address + e.size; at += step) {
+      if (takes) {
+        ASSERT_TRUE(taken.insert(at).second) << "event " << i << ": " << at << " taken again before it was given back";
+      } else {
+        ASSERT_EQ(taken.erase(at), 1u) << "event " << i << ": " << at << " given back but not taken";
+      }
+    }
+  }
+  EXPECT_TRUE(taken.empty()) << "every segment was given back";
+}
+
+// Observers come and go while other threads' segments come and go: a removed
+// observer is never told anything after remove_hook returns.
+TYPED_TEST(segment_observer, observers_come_and_go_while_events_fire) {
+  auto& a = this->make();
+  std::atomic<bool> done{false};
+  std::thread worker([&] {
+    backend::stream own(this->device());
+    while (!done) {
+      void* p = a.allocate(3 * mib, own);
+      a.deallocate(p, own);
+      this->device().synchronize(own);
+      a.empty_cache();
+    }
+  });
+  for (int i = 0; i < 200; ++i) {
+    std::atomic<int> calls{0};
+    const auto id = a.add_segment_observer([&](const alloc::segment_event&) { ++calls; });
+    std::this_thread::yield();
+    a.remove_hook(id);
+    const int at_removal = calls.load();
+    std::this_thread::yield();
+    ASSERT_EQ(calls.load(), at_removal) << "told after remove_hook returned";
+  }
+  done = true;
+  worker.join();
+  a.check_invariants();
 }
 
 }  // namespace
