@@ -295,29 +295,29 @@ def test_memory_history_stops_when_asked():
 
 
 @pytest.mark.parametrize("growable", [True, False])
-def test_memory_history_records_segments_as_they_come_and_go(growable):
+@pytest.mark.parametrize("context", ["alloc", "all"])
+def test_memory_history_records_segments_as_they_come_and_go(growable, context):
     out = run(
         f"""
         import json, shoal.torch, torch
         shoal.torch.enable(use_environment=False, expandable_segments={growable})
+        torch.cuda.memory._record_memory_history(stacks="python", context="{context}")
         """
         + """
-        torch.cuda.memory._record_memory_history(stacks="python")
         def shoal_history_grows_here():
             return torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+        def shoal_history_empties_here():
+            torch.cuda.empty_cache()
         x = shoal_history_grows_here()
         ptr = x.data_ptr()
         snapshot = torch.cuda.memory._snapshot()
         del x
-        torch.cuda.empty_cache()
-        after = torch.cuda.memory._snapshot()
-        trace = after["device_traces"][torch.cuda.current_device()]
+        shoal_history_empties_here()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
         def names(entry):
             return [frame["name"] for frame in entry.get("frames", [])]
-        import torch.cuda._memory_viz as viz
         print(json.dumps({
             "entries": [[e["action"], e["addr"], e["size"], names(e)] for e in trace],
-            "plot": len(viz.trace_plot(after)),
             "segments": [[s["address"], s["total_size"], names(s)] for s in snapshot["segments"]],
             "ptr": ptr}))
         """
@@ -329,9 +329,13 @@ def test_memory_history_records_segments_as_they_come_and_go(growable):
     assert base <= ptr and ptr + (40 << 20) <= base + size, "the segment entry covers the tensor"
     assert (freed_base, freed_size) == (base, size), "given back, the same memory"
     assert "shoal_history_grows_here" in stack, "a segment taken for an allocation carries its stack"
-    assert out["plot"] > 0, "PyTorch's memory viewer draws the trace"
+    if context == "all":
+        assert "shoal_history_empties_here" in freed_stack, "context='all': empty_cache's own stack"
+    elif growable:
+        assert freed_stack == [], "a growable stretch given back outside an allocation: none (documented)"
+    else:
+        assert "shoal_history_grows_here" in freed_stack, "a plain segment given back: the stack it was taken with"
     if not growable:
-        assert "shoal_history_grows_here" in freed_stack, "given back outside an allocation: the stack it was taken with"
         (segment,) = [s for s in out["segments"] if s[0] == base]
         assert segment[1] == size and "shoal_history_grows_here" in segment[2], "the snapshot's segment has its stack"
 

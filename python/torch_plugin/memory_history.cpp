@@ -17,8 +17,8 @@ std::unordered_set<int> parse_actions(const std::vector<std::string>& names) {
   return out;
 }
 
-// The context of the allocation this thread is making (memory_history::allocating).
-thread_local const context* allocating_in = nullptr;
+// The context of the call this thread is making (memory_history::segments_for).
+thread_local const context* segments_in = nullptr;
 
 void report(const char* what, const std::exception* e) noexcept {
   std::fprintf(stderr, "shoal: recording %s in the memory history failed: %s\n", what,
@@ -120,16 +120,18 @@ void memory_history::freed(void* ptr) noexcept {
   }
 }
 
-memory_history::allocating::allocating(const context& in) noexcept { allocating_in = &in; }
+memory_history::segments_for::segments_for(const context& in) noexcept : outer_(segments_in) { segments_in = &in; }
 
-memory_history::allocating::~allocating() { allocating_in = nullptr; }
+memory_history::segments_for::~segments_for() { segments_in = outer_; }
+
+context memory_history::release_context() const { return gather(record_context::ALL); }
 
 void memory_history::segment_changed(trace_entry::Action action, int device, std::uintptr_t address, size_t size,
                                      cudaStream_t stream) noexcept {
   try {
     std::lock_guard lock(mutex_);
     if (!recording_.load(std::memory_order_relaxed)) return;
-    context in = allocating_in != nullptr ? *allocating_in : nullptr;
+    context in = segments_in != nullptr ? *segments_in : nullptr;
     if (action == trace_entry::SEGMENT_ALLOC) {
       segments_.insert_or_assign(address, std::pair{device, in});
     } else if (action == trace_entry::SEGMENT_FREE) {

@@ -18,9 +18,10 @@
 // Segment entries come from shoal's segment observer (observe_segments):
 // "segment_alloc" / "segment_free" as a plain segment is taken from the
 // device or given back, "segment_map" / "segment_unmap" as a stretch of a
-// growable segment is backed or given back. A segment taken or mapped for
-// an allocation carries that allocation's context (an `allocating` scope
-// names it); a plain segment given back outside one carries the context it
+// growable segment is backed or given back. Each carries the context of the
+// call that made it (a `segments_for` scope names it): an allocation's, or
+// torch.cuda.empty_cache's at context='all'; a plain segment given back
+// outside such a call, or where that call has none, carries the context it
 // was taken with, as PyTorch's allocator records them.
 //
 // Not as PyTorch's allocator records it:
@@ -28,8 +29,12 @@
 //     shoal completes a free inside its allocator, once the freeing stream
 //     (and every stream record_stream named) has passed the block's last
 //     use, and the plugin does not see that moment.
-//   - Segment entries name no memory pool ({0, 0}), and there are no
-//     snapshot entries.
+//   - A growable segment's stretch given back outside such a call (or by
+//     empty_cache below context='all') carries no context, and a growable
+//     segment's snapshot entry has none (PyTorch keeps the context of its
+//     first map).
+//   - Segment entries name no memory pool ({0, 0}), a destroyed graph pool's
+//     "segment_free" names no stream, and there are no snapshot entries.
 //   - A block allocated before recording began has no entry when it is freed
 //     while recording (its size is not known), and blocks lose their context
 //     when recording stops (so that, stopped, the free path costs one load).
@@ -103,14 +108,23 @@ class memory_history {
   void freed(void* ptr) noexcept;
 
   /// While alive, this thread's segment events carry `in`, the context of
-  /// the allocation the thread is making. One per thread at a time.
-  class allocating {
+  /// the call the thread is making (an allocation, an empty_cache). Scopes
+  /// nest: the outer one's context is back when an inner one ends.
+  class segments_for {
    public:
-    explicit allocating(const context& in) noexcept;
-    ~allocating();
-    allocating(const allocating&) = delete;
-    allocating& operator=(const allocating&) = delete;
+    explicit segments_for(const context& in) noexcept;
+    ~segments_for();
+    segments_for(const segments_for&) = delete;
+    segments_for& operator=(const segments_for&) = delete;
+
+   private:
+    const context* outer_;
   };
+
+  /// The context the segments an empty_cache gives back carry: the caller's
+  /// stack at context='all', none below, as PyTorch's allocator gathers it.
+  /// Calls the recorder: call it with no lock held.
+  [[nodiscard]] context release_context() const;
 
   /// A segment event while recording (one of the SEGMENT_ actions): its
   /// entry. Called from shoal's segment observer, under shoal's allocator

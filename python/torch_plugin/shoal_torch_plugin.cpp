@@ -95,7 +95,7 @@ void* allocate_recorded(size_t bytes, int device, cudaStream_t stream) {
   shoal_torch::allocation block{nullptr, bytes, device, stream, {0, 0}};
   shoal_torch::context context = history->allocation_context();
   try {
-    const shoal_torch::memory_history::allocating segments_made_for(context);
+    const shoal_torch::memory_history::segments_for segments_made_for(context);
     block.ptr = allocate_from_shoal(bytes, device, stream, &block.pool);
   } catch (const c10::OutOfMemoryError&) {
     history->out_of_memory(block, device_free_memory(device), std::move(context));
@@ -309,7 +309,11 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
   // torch.cuda.empty_cache() names no pool: everything cached goes back.
   // PyTorch's ~MemPool names its pool after releasing it: only a released
   // pool's memory goes, never the rest of the cache.
+  // While history is recorded, the segments given back carry the caller's
+  // stack at context='all', as PyTorch's allocator records them.
   void emptyCache(c10::cuda::MempoolId_t pool) override {
+    const shoal_torch::context caller = history->recording() ? history->release_context() : nullptr;
+    const shoal_torch::memory_history::segments_for given_back_for(caller);
     (void)graphs->destroy_released();
     if (pool.first != 0 || pool.second != 0) return;
     check(api->empty_cache(), "empty_cache");
