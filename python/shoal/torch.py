@@ -345,7 +345,11 @@ def memory_snapshot(device: Any = None) -> dict[str, Any]:
     ``"invalidated"`` and count in no active size; each segment's
     ``invalidated_size`` sums them. A growable segment (expandable_segments)
     shows as one segment per stretch of it that memory backs, as PyTorch's
-    own expandable segments do."""
+    own expandable segments do. Under ``enable()``, PyTorch's own
+    ``torch.cuda.memory._snapshot()`` shows the same segments with more: each
+    MemPool's segments named by its id, and the memory history's entries and
+    stacks (``torch.cuda.memory._record_memory_history``); this one names no
+    pool and has no history."""
     index = _device_index(device)
     return _torch_layout_snapshot(allocator(index).snapshot(), index)
 

@@ -92,7 +92,9 @@ struct shoal_torch_segment_event {
   void* stream;  ///< its pool's cudaStream_t (NULL: the legacy default stream, or none)
 };
 /// Told of a segment event on the thread that made it, possibly under an
-/// allocator lock: it must be quick, must not call this table and must not throw.
+/// allocator lock: it must be quick, must not call this table, must not throw
+/// and must not wait for another thread (the GIL included: the tests' ctypes
+/// observer takes it, which is safe only while one thread allocates).
 typedef void (*shoal_torch_segment_observer)(const struct shoal_torch_segment_event* event);
 
 struct shoal_torch_api {
