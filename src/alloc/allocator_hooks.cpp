@@ -8,34 +8,32 @@
 
 namespace shoal::alloc::detail {
 
-std::uint64_t allocator_hooks::add_miss_hook(miss_hook hook) {
+template <class Callback>
+std::uint64_t allocator_hooks::add(std::vector<std::pair<std::uint64_t, Callback>>& to, Callback callback) {
   std::unique_lock lock(mutex_);
   const std::uint64_t id = next_id_++;
-  miss_hooks_.emplace_back(id, std::move(hook));
-  miss_count_.store(miss_hooks_.size(), std::memory_order_relaxed);
+  to.emplace_back(id, std::move(callback));
+  count_callbacks();
   return id;
 }
 
+void allocator_hooks::count_callbacks() noexcept {
+  miss_count_.store(miss_hooks_.size(), std::memory_order_relaxed);
+  segment_count_.store(segment_observers_.size(), std::memory_order_relaxed);
+}
+
+std::uint64_t allocator_hooks::add_miss_hook(miss_hook hook) { return add(miss_hooks_, std::move(hook)); }
+
 std::uint64_t allocator_hooks::add_forced_clear_hook(miss_hook hook) {
-  std::unique_lock lock(mutex_);
-  const std::uint64_t id = next_id_++;
-  forced_clear_hooks_.emplace_back(id, std::move(hook));
-  return id;
+  return add(forced_clear_hooks_, std::move(hook));
 }
 
 std::uint64_t allocator_hooks::add_release_observer(release_observer observer) {
-  std::unique_lock lock(mutex_);
-  const std::uint64_t id = next_id_++;
-  release_observers_.emplace_back(id, std::move(observer));
-  return id;
+  return add(release_observers_, std::move(observer));
 }
 
 std::uint64_t allocator_hooks::add_segment_observer(segment_observer observer) {
-  std::unique_lock lock(mutex_);
-  const std::uint64_t id = next_id_++;
-  segment_observers_.emplace_back(id, std::move(observer));
-  segment_count_.store(segment_observers_.size(), std::memory_order_relaxed);
-  return id;
+  return add(segment_observers_, std::move(observer));
 }
 
 void allocator_hooks::remove(std::uint64_t id) {
@@ -43,8 +41,7 @@ void allocator_hooks::remove(std::uint64_t id) {
   auto has_id = [id](const auto& entry) { return entry.first == id; };
   const std::size_t erased = std::erase_if(miss_hooks_, has_id) + std::erase_if(forced_clear_hooks_, has_id) +
                              std::erase_if(release_observers_, has_id) + std::erase_if(segment_observers_, has_id);
-  miss_count_.store(miss_hooks_.size(), std::memory_order_relaxed);
-  segment_count_.store(segment_observers_.size(), std::memory_order_relaxed);
+  count_callbacks();
   if (erased == 0) {
     throw invalid_argument("caching_allocator::remove_hook: no hook or observer has id " + std::to_string(id) +
                            " (already removed, or from another allocator)");

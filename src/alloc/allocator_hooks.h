@@ -50,6 +50,12 @@ class allocator_hooks {
   void notify_segment(const segment_event& event) const noexcept;
 
  private:
+  /// Appends `callback` under a new id. Takes mutex_.
+  template <class Callback>
+  std::uint64_t add(std::vector<std::pair<std::uint64_t, Callback>>& to, Callback callback);
+  /// The relaxed counts from the lists. mutex_ held.
+  void count_callbacks() noexcept;
+
   mutable std::shared_mutex mutex_;
   std::uint64_t next_id_ = 1;  // guarded by mutex_
   std::vector<std::pair<std::uint64_t, miss_hook>> miss_hooks_;                // guarded by mutex_
