@@ -346,10 +346,11 @@ def memory_snapshot(device: Any = None) -> dict[str, Any]:
     ``invalidated_size`` sums them. A growable segment (expandable_segments)
     shows as one segment per stretch of it that memory backs, as PyTorch's
     own expandable segments do. Under ``enable()``, PyTorch's own
-    ``torch.cuda.memory._snapshot()`` shows the same segments with more: each
-    MemPool's segments named by its id, and the memory history's entries and
-    stacks (``torch.cuda.memory._record_memory_history``); this one names no
-    pool and has no history."""
+    ``torch.cuda.memory._snapshot()`` shows the same segments with each
+    MemPool's segments named by its id and the memory history's entries and
+    stacks (``torch.cuda.memory._record_memory_history``), which this one
+    lacks; there a tombstone is an ``"inactive"`` block, as PyTorch's layout
+    has no invalidated state."""
     index = _device_index(device)
     return _torch_layout_snapshot(allocator(index).snapshot(), index)
 

@@ -603,7 +603,7 @@ std::size_t segment_source::over_peak(std::size_t bytes) const noexcept {
 void segment_source::reset_reserved_peak() noexcept { reserved_peak_ = reserved_total(); }
 
 void segment_source::note_segment(trace_action action, std::uintptr_t address, std::size_t size,
-                                  backend::stream_ref stream) const {
+                                  backend::stream_ref stream) const noexcept {
   if (trace_.enabled()) trace_.note(action, address, size, stream);
   if (hooks_.has_segment_observers()) hooks_.notify_segment({action, address, size, stream});
 }

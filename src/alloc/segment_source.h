@@ -172,7 +172,8 @@ class segment_source {
   [[nodiscard]] std::size_t over_peak(std::size_t bytes) const noexcept;
   void unreserve_bytes(std::size_t bytes) noexcept;
   /// A segment event into the trace (when on) and to the segment observers.
-  void note_segment(trace_action action, std::uintptr_t address, std::size_t size, backend::stream_ref stream) const;
+  void note_segment(trace_action action, std::uintptr_t address, std::size_t size,
+                    backend::stream_ref stream) const noexcept;
 
   backend::device& device_;
   const allocator_config& config_;

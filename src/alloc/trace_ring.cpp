@@ -13,7 +13,8 @@ std::uint64_t now_ns() {
 
 }  // namespace
 
-void trace_ring::note(trace_action action, std::uintptr_t address, std::size_t size, backend::stream_ref stream) {
+void trace_ring::note(trace_action action, std::uintptr_t address, std::size_t size,
+                      backend::stream_ref stream) noexcept {
   std::lock_guard lock(mutex_);
   entries_[next_] = trace_entry{action, address, size, stream, now_ns()};
   if (++next_ == entries_.size()) {

@@ -25,7 +25,7 @@ class trace_ring {
   /// False when the trace is off (N = 0): callers skip note() altogether.
   [[nodiscard]] bool enabled() const noexcept { return !entries_.empty(); }
   /// Records an event now (enabled() only).
-  void note(trace_action action, std::uintptr_t address, std::size_t size, backend::stream_ref stream);
+  void note(trace_action action, std::uintptr_t address, std::size_t size, backend::stream_ref stream) noexcept;
   /// The ring, oldest first.
   [[nodiscard]] std::vector<trace_entry> entries() const;
 

@@ -5,6 +5,8 @@
 // lock left held — so later allocations work.
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include <atomic>
 #include <chrono>
 #include <future>
@@ -122,6 +124,13 @@ TEST(growth_errors, a_segment_whose_free_fails_stays_cached_and_goes_back_later)
     std::atomic<bool> refuse_free{false};
   } dev(backend::host_device_instance());
   alloc::caching_allocator a(dev, alloc::allocator_config{});
+  std::vector<alloc::trace_action> told;  // segment events
+  std::int64_t held = 0;                  // bytes they say the allocator holds
+  (void)a.add_segment_observer([&](const alloc::segment_event& e) {
+    told.push_back(e.action);
+    held += e.action == alloc::trace_action::segment_alloc ? static_cast<std::int64_t>(e.size)
+                                                           : -static_cast<std::int64_t>(e.size);
+  });
   void* p = a.allocate(4 * mib, {});
   a.deallocate(p, {});
   const auto reserved = a.stats().reserved_bytes.aggregate.current;
@@ -130,6 +139,9 @@ TEST(growth_errors, a_segment_whose_free_fails_stays_cached_and_goes_back_later)
   EXPECT_THROW(a.empty_cache(), backend_error);
   EXPECT_NO_THROW(a.check_invariants()) << "the segment's free block left out of its bins or the directory";
   EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, reserved);
+  using enum alloc::trace_action;
+  EXPECT_EQ(told, (std::vector{segment_alloc, segment_free, segment_alloc})) << "told given back, then taken again";
+  EXPECT_EQ(held, reserved) << "the observers' count agrees: the segment stayed";
   void* again = a.allocate(4 * mib, {});
   EXPECT_EQ(again, p) << "the cached segment serves the request again";
   a.deallocate(again, {});

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -317,14 +318,17 @@ TYPED_TEST(segment_observer, observers_come_and_go_while_events_fire) {
       a.empty_cache();
     }
   });
-  for (int i = 0; i < 200; ++i) {
+  int told = 0;
+  for (int i = 0; i < 200 || told == 0; ++i) {
     std::atomic<int> calls{0};
     const auto id = a.add_segment_observer([&](const alloc::segment_event&) { ++calls; });
-    std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
     a.remove_hook(id);
     const int at_removal = calls.load();
     std::this_thread::yield();
     ASSERT_EQ(calls.load(), at_removal) << "told after remove_hook returned";
+    told += at_removal;
+    ASSERT_LT(i, 20000) << "no observer was ever told anything";
   }
   done = true;
   worker.join();
