@@ -54,7 +54,7 @@ enum shoal_torch_block_state {
 
 struct shoal_torch_block {
   size_t size;
-  size_t requested_size;  ///< bytes asked for; 0 unless allocated
+  size_t requested_size;  ///< bytes asked for; 0 unless allocated or pending free
   int state;              ///< enum shoal_torch_block_state
 };
 

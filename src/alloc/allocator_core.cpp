@@ -529,8 +529,6 @@ SHOAL_HOT_INLINE void allocator_core::count_free(block_pool& pool, block* b) noe
   auto& c = pool.counters;
   pool_counters::sub(c.allocations, 1);
   pool_counters::sub(c.allocated_bytes, static_cast<std::int64_t>(b->size));
-  pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
-  b->requested = 0;
   b->used_on.clear();
   b->held_outside = false;
   b->claimed = false;
@@ -568,6 +566,9 @@ SHOAL_HOT_INLINE void allocator_core::make_free(block_pool& pool, block* b) {
   auto& c = pool.counters;
   pool_counters::sub(c.active, 1);
   pool_counters::sub(c.active_bytes, static_cast<std::int64_t>(b->size));
+  // Requested bytes count while the block is active, as PyTorch counts them.
+  pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
+  b->requested = 0;
   if (pool.is_private) add_unique(b->last_streams, b->stream);  // within prepare_free's room
   b->state = block_state::free;
   if (trace_.enabled()) trace_.note(trace_action::free_completed, b->address, b->size, b->stream);

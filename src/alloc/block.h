@@ -30,7 +30,7 @@ struct segment;
 struct alignas(64) block {
   std::uintptr_t address = 0;
   std::size_t size = 0;
-  std::size_t requested = 0;  ///< bytes asked for; 0 unless allocated
+  std::size_t requested = 0;  ///< bytes asked for; 0 unless allocated or pending_free (active)
   segment* owner = nullptr;
   block* prev = nullptr;  ///< address-order neighbours in the segment
   block* next = nullptr;

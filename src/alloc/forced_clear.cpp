@@ -69,6 +69,8 @@ void allocator_core::take_back_live_blocks(block_pool& part, invalidated_blocks_
     b->waits.clear();
     pool_counters::sub(c.active, 1);
     pool_counters::sub(c.active_bytes, static_cast<std::int64_t>(b->size));
+    pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
+    b->requested = 0;
     b->state = block_state::free;
     if (trace_.enabled()) trace_.note(trace_action::free_completed, b->address, b->size, b->stream);
     part.bins.insert(b);  // unmerged: the layout is reset next

@@ -192,7 +192,8 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
         fail("states", block_name(b) + where +
                            (pending.contains(b) ? " is in the pending list" : " is missing from the pending list"));
       }
-      if (b->state != block_state::allocated && b->requested != 0) {
+      const bool active_state = b->state == block_state::allocated || b->state == block_state::pending_free;
+      if (!active_state && b->requested != 0) {
         fail("states", block_name(b) + where + " still records " + std::to_string(b->requested) + " requested bytes");
       }
       // counters
@@ -203,11 +204,11 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
       if (b->state == block_state::allocated) {
         ++allocations;
         allocated_bytes += size;
-        requested_bytes += static_cast<std::int64_t>(b->requested);
       }
-      if (b->state == block_state::allocated || b->state == block_state::pending_free) {
+      if (active_state) {
         ++active;
         active_bytes += size;
+        requested_bytes += static_cast<std::int64_t>(b->requested);
       }
       if (b->state == block_state::invalidated) {
         ++invalidated;

@@ -73,6 +73,29 @@ TYPED_TEST(allocator_streams_safe, a_block_freed_on_another_stream_waits_for_tha
   EXPECT_TRUE(nothing_in_use(a.stats()));
 }
 
+// As PyTorch counts them: a block's requested bytes count while it is
+// active, its free waiting for a stream included, and its snapshot keeps them.
+TYPED_TEST(allocator_streams_safe, a_pending_free_keeps_its_requested_bytes_until_it_completes) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  stream mine(dev), other(dev);
+  void* p = a.allocate(1000, mine);
+  dev.delay(other, 300ms);
+  a.deallocate(p, other);
+  EXPECT_EQ(a.stats().requested_bytes.aggregate.current, 1000);
+  EXPECT_EQ(a.stats().allocated_bytes.aggregate.current, 0);
+  const auto pending = a.take_snapshot().segments[0].blocks[0];
+  EXPECT_EQ(pending.state, alloc::block_state::pending_free);
+  EXPECT_EQ(pending.requested, 1000u);
+  a.check_invariants();
+  dev.synchronize(other);
+  a.process_pending_frees();
+  EXPECT_EQ(a.stats().requested_bytes.aggregate.current, 0);
+  EXPECT_EQ(a.take_snapshot().segments[0].blocks[0].requested, 0u);
+  EXPECT_TRUE(nothing_in_use(a.stats()));
+  a.check_invariants();
+}
+
 TYPED_TEST(allocator_streams_safe, free_defaults_to_the_threads_current_stream) {
   auto& dev = this->device();
   auto& a = this->make();

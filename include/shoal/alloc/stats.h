@@ -59,7 +59,7 @@ struct allocator_stats {
   stat_by_pool reserved_bytes;      ///< bytes of device memory held (aggregate peak: exact, not a sum of peaks)
   stat_by_pool active_bytes;        ///< bytes of active blocks
   stat_by_pool inactive_split_bytes;
-  stat_by_pool requested_bytes;     ///< bytes the callers asked for (unrounded)
+  stat_by_pool requested_bytes;     ///< bytes the callers asked for (unrounded) of active blocks, as PyTorch counts them
   /// Tombstones a forced clear left (block_state::invalidated): blocks taken
   /// from their owners whose late frees are still owed, in the private pool,
   /// or in a stream pool's segment the device placed at such an address
@@ -96,7 +96,7 @@ enum class block_state : std::uint8_t {
 struct block_snapshot {
   std::uintptr_t address = 0;
   std::size_t size = 0;
-  std::size_t requested = 0;  ///< 0 unless allocated
+  std::size_t requested = 0;  ///< 0 unless allocated or pending_free
   block_state state = block_state::free;
 };
 
