@@ -340,6 +340,37 @@ def test_memory_history_records_segments_as_they_come_and_go(growable, context):
         assert segment[1] == size and "shoal_history_grows_here" in segment[2], "the snapshot's segment has its stack"
 
 
+def test_an_out_of_memory_observer_is_told_and_may_take_a_snapshot():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        seen = []
+        def observer(device, allocated, device_total, device_free):  # PyTorch's documented use: dump a snapshot
+            seen.append({"device": device, "allocated": allocated, "total": device_total, "free": device_free,
+                         "segments": len(torch.cuda.memory._snapshot()["segments"])})
+        torch._C._cuda_attach_out_of_memory_observer(observer)
+        kept = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        raised = []
+        for fraction in (None, 0.5):
+            if fraction is not None:
+                torch.cuda.set_per_process_memory_fraction(fraction)
+            try:
+                torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+            except torch.cuda.OutOfMemoryError:
+                raised.append(len(seen))
+        print(json.dumps({"seen": seen, "raised": raised,
+                          "total": torch.cuda.get_device_properties(0).total_memory}))
+        """
+    )
+    assert out["raised"] == [1, 2], "each refusal told once, before the error"
+    whole, half = out["seen"]
+    assert whole["device"] == 0 and whole["allocated"] == 1 << 50
+    assert whole["segments"] >= 1, "a snapshot taken inside the observer shows the live tensor's segment"
+    assert 0 < whole["free"] <= whole["total"] and abs(whole["total"] - out["total"]) <= out["total"] // 100
+    assert half["total"] == int(0.5 * whole["total"]), "the share a memory fraction allows, as PyTorch reports it"
+
+
 def test_memory_history_keeps_the_newest_max_entries():
     out = run(
         """

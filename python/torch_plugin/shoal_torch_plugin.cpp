@@ -13,7 +13,9 @@
 //     cacheInfo (cuDNN's benchmark mode sizes its workspaces with it) and
 //     torch.cuda.memory_snapshot (shoal's segments and blocks) too.
 //   - torch.multiprocessing sends and receives CUDA tensors (ipc_handles.h).
-//   - Out of memory is torch.cuda.OutOfMemoryError with shoal's message.
+//   - Out of memory is torch.cuda.OutOfMemoryError with shoal's message,
+//     told first to the observers torch._C._cuda_attach_out_of_memory_observer
+//     attached (oom_observers.h).
 //   - CUDA graph capture (torch.cuda.graph) and torch.cuda.MemPool /
 //     use_mem_pool allocate from shoal's growing private pools through
 //     PyTorch's pool hooks (graph_pools.h).
@@ -48,6 +50,7 @@
 #include "graph_pools.h"
 #include "ipc_handles.h"
 #include "memory_history.h"
+#include "oom_observers.h"
 #include "plugin_status.h"
 #include "torch_api.h"
 
@@ -59,6 +62,7 @@ using c10::CachingDeviceAllocator::DeviceStats;
 const shoal_torch_api* api = nullptr;
 shoal_torch::graph_pools* graphs = nullptr;  // made at install, never destroyed (tensors outlive modules)
 shoal_torch::memory_history* history = nullptr;  // made at install, never destroyed (it holds Python stacks)
+shoal_torch::oom_observers* ooms = nullptr;  // made at install, never destroyed (it holds Python callables)
 
 void check(int status, const char* what) { shoal_torch::check(*api, status, what); }
 
@@ -120,10 +124,26 @@ void segment_changed(const shoal_torch_segment_event* event) noexcept {
   history->segment_changed(action, event->device, event->address, event->size, static_cast<cudaStream_t>(event->stream));
 }
 
+/// The share of `device`'s memory its allocator may reserve (0 when it cannot say).
+double memory_fraction_of(int device) noexcept {
+  try {
+    return c10::cuda::CUDACachingAllocator::get()->getMemoryFraction(static_cast<c10::DeviceIndex>(device));
+  } catch (...) {
+    return 0;
+  }
+}
+
+// A refusal is told to the out-of-memory observers (after history's "oom"
+// entry, as PyTorch's allocator orders them) before the error goes on.
 void* allocate_block(size_t bytes, int device, cudaStream_t stream) {
   if (bytes == 0) return nullptr;
-  if (history->recording()) return allocate_recorded(bytes, device, stream);
-  return allocate_from_shoal(bytes, device, stream, nullptr);
+  try {
+    if (history->recording()) return allocate_recorded(bytes, device, stream);
+    return allocate_from_shoal(bytes, device, stream, nullptr);
+  } catch (const c10::OutOfMemoryError&) {
+    ooms->notify(device, bytes, memory_fraction_of(device));
+    throw;
+  }
 }
 
 // Runs in tensors' deleters, which must not throw: a failure is reported on
@@ -404,6 +424,11 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
 
   bool isHistoryEnabled() override { return history->recording(); }
 
+  // torch._C._cuda_attach_out_of_memory_observer (oom_observers.h).
+  void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
+    ooms->attach(std::move(observer));
+  }
+
   void resetPeakStats(c10::DeviceIndex device) override { check(api->reset_peak_stats(device), "reset_peak_memory_stats"); }
 
   void resetAccumulatedStats(c10::DeviceIndex device) override {
@@ -482,6 +507,7 @@ extern "C" __attribute__((visibility("default"))) int shoal_torch_install(const 
     api = table;
     graphs = new shoal_torch::graph_pools(*table);
     history = new shoal_torch::memory_history();
+    ooms = new shoal_torch::oom_observers();
     check(table->observe_segments(&segment_changed), "observe_segments");
     // PyTorch's own allocators live as long as the process; one a program
     // installed itself is freed once replaced, so it opens nothing later.
