@@ -71,6 +71,30 @@ void BM_pair_with_live_blocks(benchmark::State& state) {
 }
 BENCHMARK(BM_pair_with_live_blocks)->Repetitions(5)->ReportAggregatesOnly(true);
 
+// A free on another stream than the block's, as a tensor used on a side
+// stream is freed: an event recorded there, the block pending until an
+// allocation that misses finds the event passed. Arg 1 registers a
+// free-wait observer (as the PyTorch plugin does), told twice a pair: what
+// telling one costs beside the event.
+void BM_free_on_another_stream(benchmark::State& state) {
+  caching_allocator allocator(bench_device(), allocator_config::from_environment());
+  std::size_t told = 0;
+  if (state.range(0) != 0) {
+    (void)allocator.add_free_wait_observer([&told](const shoal::alloc::free_wait_event&) { ++told; });
+  }
+  backend::stream other(bench_device());
+  for (auto _ : state) {
+    void* p = allocator.allocate(4096);
+    benchmark::DoNotOptimize(p);
+    allocator.deallocate(p, other);
+  }
+  state.SetItemsProcessed(state.iterations());
+  benchmark::DoNotOptimize(told);
+  bench_device().synchronize(other);
+  allocator.process_pending_frees();
+}
+BENCHMARK(BM_free_on_another_stream)->Arg(0)->Arg(1)->Repetitions(5)->ReportAggregatesOnly(true);
+
 // The anchor's loop: allocate 10,000 mixed blocks, then free them all.
 // An item is one pair.
 void BM_mixed_alloc_all_free_all(benchmark::State& state) {

@@ -54,6 +54,18 @@ void tell_segment_observer(int device, const alloc::segment_event& e) noexcept {
   observe(&event);
 }
 
+// The plugin's free-wait observer (observe_free_waits), told as the segment
+// observer is.
+std::atomic<shoal_torch_free_wait_observer> free_wait_observer{nullptr};
+
+void tell_free_wait_observer(int device, const alloc::free_wait_event& e) noexcept {
+  const shoal_torch_free_wait_observer observe = free_wait_observer.load(std::memory_order_acquire);
+  if (observe == nullptr) return;
+  const int action = e.what == alloc::free_wait_event::action::held ? SHOAL_TORCH_FREE_HELD : SHOAL_TORCH_FREE_COMPLETED;
+  const shoal_torch_free_wait_event event{device, action, e.address, e.size, e.stream.native};
+  observe(&event);
+}
+
 class torch_allocators {
  public:
   /// Settings for the allocators made from now on; refused once one exists
@@ -97,6 +109,8 @@ class torch_allocators {
             host_for_tests_ ? backend::host_device_instance() : backend::cuda_device_instance(ordinal), *config_));
     (*held)->allocator().add_segment_observer(
         [ordinal](const alloc::segment_event& e) { tell_segment_observer(ordinal, e); });
+    (*held)->allocator().add_free_wait_observer(
+        [ordinal](const alloc::free_wait_event& e) { tell_free_wait_observer(ordinal, e); });
     made_ = true;
     slots_[ordinal].store(held->get(), std::memory_order_release);
     shared_[ordinal] = held;
@@ -457,6 +471,11 @@ int api_observe_segments(shoal_torch_segment_observer observe) {
   return SHOAL_TORCH_OK;
 }
 
+int api_observe_free_waits(shoal_torch_free_wait_observer observe) {
+  free_wait_observer.store(observe, std::memory_order_release);
+  return SHOAL_TORCH_OK;
+}
+
 int api_snapshot(void* context, shoal_torch_segment_visitor visit) {
   return guarded([&] {
     std::vector<std::pair<int, alloc::snapshot>> taken;  // all of them before the first visit
@@ -495,6 +514,7 @@ const shoal_torch_api api_table = {
     api_configured_memory_fraction,
     api_snapshot,
     api_observe_segments,
+    api_observe_free_waits,
 };
 
 }  // namespace

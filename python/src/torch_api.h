@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SHOAL_TORCH_API_VERSION 5
+#define SHOAL_TORCH_API_VERSION 6
 
 enum shoal_torch_status {
   SHOAL_TORCH_OK = 0,
@@ -97,6 +97,25 @@ struct shoal_torch_segment_event {
 /// observer takes it, which is safe only while one thread allocates).
 typedef void (*shoal_torch_segment_observer)(const struct shoal_torch_segment_event* event);
 
+/// What became of a free that waits for streams (caching_allocator::
+/// add_free_wait_observer).
+enum shoal_torch_free_wait_action {
+  SHOAL_TORCH_FREE_HELD = 0,       ///< the free was called; the block waits for streams
+  SHOAL_TORCH_FREE_COMPLETED = 1,  ///< the wait is over: the block is free again
+};
+struct shoal_torch_free_wait_event {
+  int device;
+  int action;  ///< enum shoal_torch_free_wait_action
+  uintptr_t address;
+  size_t size;   ///< the block's size (not the bytes asked for)
+  void* stream;  ///< the block's own cudaStream_t (NULL: the legacy default stream)
+};
+/// Told of a free that waits: "held" on the freeing thread, within
+/// deallocate (record_stream's or the freeing stream's wait); "completed" on
+/// any thread, under an allocator lock, before the block is handed out
+/// again. The same rules as a segment observer.
+typedef void (*shoal_torch_free_wait_observer)(const struct shoal_torch_free_wait_event* event);
+
 struct shoal_torch_api {
   uint32_t version;     ///< SHOAL_TORCH_API_VERSION
   uint32_t struct_size; ///< sizeof(struct shoal_torch_api)
@@ -166,6 +185,9 @@ struct shoal_torch_api {
   /// `observe` (NULL: none) is told of every segment event of every
   /// device's allocator from now on, in place of the one set before.
   int (*observe_segments)(shoal_torch_segment_observer observe);
+  /// `observe` (NULL: none) is told of every free that waits for streams,
+  /// of every device's allocator, from now on, in place of the one set before.
+  int (*observe_free_waits)(shoal_torch_free_wait_observer observe);
 };
 
 #ifdef __cplusplus

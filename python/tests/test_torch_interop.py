@@ -340,6 +340,45 @@ def test_memory_history_records_segments_as_they_come_and_go(growable, context):
         assert segment[1] == size and "shoal_history_grows_here" in segment[2], "the snapshot's segment has its stack"
 
 
+@pytest.mark.parametrize("allocator", ["shoal", "pytorch"])
+def test_memory_history_completes_a_free_once_the_stream_it_waits_for_passed(allocator):
+    out = run(
+        f"""
+        import json, shoal.torch, torch
+        if "{allocator}" == "shoal":
+            shoal.torch.enable(use_environment=False)
+        """
+        + """
+        torch.cuda.memory._record_memory_history(stacks="python")
+        side = torch.cuda.Stream()
+        def shoal_history_allocates_here():
+            return torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+        def shoal_history_finds_the_wait_over_here():
+            return torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # misses the cache
+        x = shoal_history_allocates_here()
+        ptr = x.data_ptr()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(500_000_000)
+            x.add_(1)
+        x.record_stream(side)
+        del x  # freed on the current stream: its memory waits for `side`
+        def entries():
+            trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+            return [[e["action"], [f["name"] for f in e.get("frames", [])]] for e in trace
+                    if e.get("addr") == ptr and not e["action"].startswith("segment_")]
+        while_waiting = entries()
+        torch.cuda.synchronize()
+        y = shoal_history_finds_the_wait_over_here()
+        print(json.dumps({"while_waiting": while_waiting, "after": entries()}))
+        """
+    )
+    assert [e[0] for e in out["while_waiting"]] == ["alloc", "free_requested"], out["while_waiting"]
+    after = out["after"]
+    assert [e[0] for e in after[:3]] == ["alloc", "free_requested", "free_completed"], after
+    assert "shoal_history_finds_the_wait_over_here" in after[2][1], "the stack of the call that found the wait over"
+
+
 def test_an_out_of_memory_observer_is_told_and_may_take_a_snapshot():
     out = run(
         """

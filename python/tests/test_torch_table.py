@@ -35,6 +35,7 @@ PRELUDE = textwrap.dedent(
                     ("size", ctypes.c_size_t), ("stream", ctypes.c_void_p)]
 
     Observer = ctypes.CFUNCTYPE(None, ctypes.POINTER(SegmentEvent))
+    FreeWaitObserver = ctypes.CFUNCTYPE(None, ctypes.POINTER(SegmentEvent))  # the same layout
     F = ctypes.CFUNCTYPE
     i, sz, vp, u64 = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64
 
@@ -42,7 +43,7 @@ PRELUDE = textwrap.dedent(
         _fields_ = [
             ("version", ctypes.c_uint32), ("struct_size", ctypes.c_uint32),
             ("allocate", F(i, sz, i, vp, ctypes.POINTER(vp))), ("deallocate", F(i, vp, i, vp)),
-            ("record_stream", vp), ("empty_cache", F(i)), ("set_memory_fraction", vp), ("get_stats", vp),
+            ("record_stream", F(i, vp, i, vp)), ("empty_cache", F(i)), ("set_memory_fraction", vp), ("get_stats", vp),
             ("reset_peak_stats", vp), ("reset_accumulated_stats", vp), ("last_error", F(ctypes.c_char_p)),
             ("create_graph_pool", F(i, i, ctypes.POINTER(u64))),
             ("allocate_in_pool", F(i, u64, sz, i, vp, ctypes.POINTER(vp))),
@@ -53,6 +54,7 @@ PRELUDE = textwrap.dedent(
             ("configured_memory_fraction", vp),
             ("snapshot", F(i, vp, Visitor)),
             ("observe_segments", F(i, Observer)),
+            ("observe_free_waits", F(i, FreeWaitObserver)),
         ]
 
     api = Table.from_address(_shoal._torch_api())
@@ -114,7 +116,7 @@ def test_the_tables_entries_answer_on_plain_segments():
                    stopped=walk(stop=True)[0])
         """
     )
-    assert out["version"] == 5 and out["size_matches"], "the table's layout is torch_api.h's"
+    assert out["version"] == 6 and out["size_matches"], "the table's layout is torch_api.h's"
     assert out["status"] == 0 and out["seen"], "a walk of the host allocator's segments"
     blocks = {b[0]: b for s in out["seen"] for b in s["blocks"]}
     for s in out["seen"]:
@@ -191,4 +193,38 @@ def test_segment_events_reach_the_observer_the_table_was_given(growable):
     assert all(e[0] == 0 for e in out["told"]), "device 0"
     assert base <= out["p"] < base + size and size >= 30 << 20, "the memory that holds the block"
     assert (freed_base, freed_size) == (base, size), "given back whole"
+    assert out["after_none"] == 0, "a NULL observer is told nothing"
+
+
+def test_a_free_that_waits_for_a_stream_reaches_the_free_wait_observer():
+    out = run(
+        """
+        _shoal._torch_configure(conf="expandable_segments:false", use_environment=False)
+        _shoal._torch_table_on_host()
+        side = shoal.Stream(shoal.host_device())
+        events = []
+        observer = FreeWaitObserver(lambda e: events.append([e.contents.device, e.contents.action,
+                                                             e.contents.address, e.contents.size]))
+        assert api.observe_free_waits(observer) == OK
+        at_once = allocate(4096)
+        assert api.deallocate(at_once, 0, None) == OK, api.last_error()
+        told_at_once = len(events)
+        p = allocate(64 << 10)
+        assert api.record_stream(p, 0, side.handle) == OK, api.last_error()
+        assert api.deallocate(p, 0, None) == OK, api.last_error()
+        held = list(events)
+        side.synchronize()
+        assert api.empty_cache() == OK, api.last_error()  # finds the wait over
+        completed = list(events)
+        assert api.observe_free_waits(ctypes.cast(None, FreeWaitObserver)) == OK
+        q = allocate(64 << 10)
+        assert api.record_stream(q, 0, side.handle) == OK and api.deallocate(q, 0, None) == OK
+        out.update(told_at_once=told_at_once, held=held, completed=completed, after_none=len(events) - len(completed),
+                   p=p)
+        """
+    )
+    assert out["told_at_once"] == 0, "a free that waits for nothing is told nothing"
+    assert [e[:3] for e in out["held"]] == [[0, 0, out["p"]]], out["held"]  # device 0, HELD, the block
+    assert [e[:3] for e in out["completed"][1:]] == [[0, 1, out["p"]]], out["completed"]  # then COMPLETED
+    assert out["completed"][1][3] == out["held"][0][3] >= 64 << 10, "the block's size, both times"
     assert out["after_none"] == 0, "a NULL observer is told nothing"

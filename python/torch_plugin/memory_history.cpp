@@ -20,6 +20,14 @@ std::unordered_set<int> parse_actions(const std::vector<std::string>& names) {
 // The context of the call this thread is making (memory_history::segments_for).
 thread_local const context* segments_in = nullptr;
 
+// The free this thread is making (memory_history::free_scope).
+thread_local memory_history::free_scope* freeing_here = nullptr;
+
+/// The trace entry's view of a block recorded at `address`.
+allocation as_allocation(std::uintptr_t address, const auto& block) {
+  return allocation{reinterpret_cast<void*>(address), block.bytes, block.device, block.stream, block.pool};
+}
+
 void report(const char* what, const std::exception* e) noexcept {
   std::fprintf(stderr, "shoal: recording %s in the memory history failed: %s\n", what,
                e != nullptr ? e->what() : "unknown error");
@@ -41,6 +49,7 @@ void memory_history::configure(bool enabled, context_recorder recorder, size_t m
   }
   if (!enabled) {
     live_.clear();
+    waiting_.clear();
     segments_.clear();
   }
   recorder_.store(enabled ? recorder : nullptr);
@@ -100,19 +109,65 @@ void memory_history::out_of_memory(const allocation& refused, size_t device_free
   }
 }
 
-void memory_history::freed(void* ptr) noexcept {
+memory_history::free_scope::free_scope(memory_history& history, void* ptr) noexcept
+    : history_(history), address_(reinterpret_cast<std::uintptr_t>(ptr)), outer_(freeing_here) {
+  freeing_here = this;
   try {
-    const context freed_in = gather(record_context::ALL);
-    const auto address = reinterpret_cast<std::uintptr_t>(ptr);
-    std::lock_guard lock(mutex_);
-    auto node = live_.extract(address);  // forgotten first: a failed record leaves no stale entry
+    freed_in_ = history_.gather(record_context::ALL);
+    std::lock_guard lock(history_.mutex_);
+    auto node = history_.live_.extract(address_);  // forgotten first: a failed record leaves no stale entry
     if (node.empty()) return;  // allocated before recording began (or stopped meanwhile)
+    freed_ = std::move(node.mapped());
+    history_.record(trace_entry::FREE_REQUESTED, address_, as_allocation(address_, *freed_),
+                    freed_in_ != nullptr ? freed_in_ : freed_->allocated_in);
+  } catch (const std::exception& e) {
+    report("a free", &e);
+  } catch (...) {
+    report("a free", nullptr);
+  }
+}
+
+memory_history::free_scope::~free_scope() {
+  freeing_here = outer_;
+  if (!freed_ || held_) return;
+  try {
+    std::lock_guard lock(history_.mutex_);
+    if (!history_.recording_.load(std::memory_order_relaxed)) return;
+    history_.record(trace_entry::FREE_COMPLETED, address_, as_allocation(address_, *freed_),
+                    freed_in_ != nullptr ? freed_in_ : freed_->allocated_in);
+  } catch (const std::exception& e) {
+    report("a free", &e);
+  } catch (...) {
+    report("a free", nullptr);
+  }
+}
+
+void memory_history::free_held(int device, std::uintptr_t address) noexcept {
+  free_scope* const scope = freeing_here;
+  if (scope == nullptr || scope->address_ != address || !scope->freed_ || scope->freed_->device != device) return;
+  try {
+    std::lock_guard lock(mutex_);
+    if (!recording_.load(std::memory_order_relaxed)) return;
+    waiting_.insert_or_assign(address, *scope->freed_);
+    scope->held_ = true;
+  } catch (const std::exception& e) {
+    report("a free", &e);
+  } catch (...) {
+    report("a free", nullptr);
+  }
+}
+
+void memory_history::free_wait_over(int device, std::uintptr_t address) noexcept {
+  try {
+    std::lock_guard lock(mutex_);
+    auto node = waiting_.extract(address);
+    if (node.empty() || node.mapped().device != device) return;  // held before recording began, or stopped since
     const live_block& b = node.mapped();
-    const allocation block{ptr, b.bytes, b.device, b.stream, b.pool};
-    const context& in = freed_in != nullptr ? freed_in : b.allocated_in;
-    // Both at once: shoal completes the free later, unseen here (see the file comment).
-    record(trace_entry::FREE_REQUESTED, address, block, in);
-    record(trace_entry::FREE_COMPLETED, address, block, in);
+    // As PyTorch's allocator records a free its stream events delayed: with
+    // the context of the call that found the wait over (an allocation, an
+    // empty_cache at context='all'), else the block's own.
+    const context& in = segments_in != nullptr && *segments_in != nullptr ? *segments_in : b.allocated_in;
+    record(trace_entry::FREE_COMPLETED, address, as_allocation(address, b), in);
   } catch (const std::exception& e) {
     report("a free", &e);
   } catch (...) {

@@ -5,8 +5,14 @@
 //
 // While recording, each device has a ring of its newest trace entries (the
 // recorder's alloc_trace_max_entries): "alloc" at each allocation, "oom" at
-// each allocation refused for want of memory, and "free_requested" then
-// "free_completed" at each free. Each block allocated while recording is
+// each allocation refused for want of memory, "free_requested" at each free
+// and "free_completed" when the block is free again: at the free, or, for a
+// free that waits for streams (freed on another stream, or record_stream
+// named one), when shoal finds its wait over (observe_free_waits), with the
+// context of the call that found it (an allocation; an empty_cache at
+// context='all') or else the one the block was allocated with, as PyTorch's
+// allocator records a free its stream events delayed. Each block allocated
+// while recording is
 // remembered by its address (its requested size, stream, device, pool and
 // context) until it is freed: a free (whose size PyTorch's tensor deleter
 // does not pass) takes its size from there, and a snapshot gives the block
@@ -25,10 +31,12 @@
 // was taken with, as PyTorch's allocator records them.
 //
 // Not as PyTorch's allocator records it:
-//   - "free_completed" is recorded with "free_requested", at the free call:
-//     shoal completes a free inside its allocator, once the freeing stream
-//     (and every stream record_stream named) has passed the block's last
-//     use, and the plugin does not see that moment.
+//   - A delayed free's "free_completed" comes when shoal looks at its wait:
+//     an allocation that misses its pool's cache, or empty_cache — not at
+//     every allocation, as PyTorch's allocator looks, so it may come well
+//     after the stream passed, and never before shoal could reuse the memory.
+//   - A free deferred while a CUDA graph is captured (graph_pools) records
+//     "free_completed" at the free call, not when the capture ends.
 //   - A growable segment's stretch given back outside such a call (or by
 //     empty_cache below context='all') carries no context, and a growable
 //     segment's snapshot entry has none (PyTorch keeps the context of its
@@ -55,6 +63,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -78,6 +87,14 @@ struct allocation {
 };
 
 class memory_history {
+  struct live_block {
+    size_t bytes;
+    int device;
+    cudaStream_t stream;
+    c10::cuda::MempoolId_t pool;
+    context allocated_in;
+  };
+
  public:
   /// True while recording: one relaxed load, all that the allocate and free
   /// paths pay while not recording.
@@ -102,10 +119,41 @@ class memory_history {
   /// is the device's free memory, as PyTorch's allocator records it.
   void out_of_memory(const allocation& refused, size_t device_free, context refused_in) noexcept;
 
-  /// A free while recording, called before shoal takes the block back: its
-  /// "free_requested" and "free_completed" entries, and the block is
-  /// forgotten. Calls the recorder when `when` is ALL. Never throws.
-  void freed(void* ptr) noexcept;
+  /// A free while recording, made from before shoal takes the block back
+  /// until shoal's deallocate returned: its "free_requested" entry at once
+  /// (the block is forgotten), its "free_completed" entry when the scope
+  /// ends — unless shoal told the free held meanwhile (free_held, on this
+  /// thread), which free_wait_over completes. Calls the recorder when `when`
+  /// is ALL. Never throws. Scopes nest (only the innermost is told held).
+  class free_scope {
+   public:
+    free_scope(memory_history& history, void* ptr) noexcept;
+    ~free_scope();
+    free_scope(const free_scope&) = delete;
+    free_scope& operator=(const free_scope&) = delete;
+
+   private:
+    friend class memory_history;
+    memory_history& history_;
+    std::uintptr_t address_;
+    std::optional<live_block> freed_;  ///< the block whose free was recorded (none: not allocated while recording)
+    context freed_in_;
+    bool held_ = false;  ///< told held: its completion is free_wait_over's
+    free_scope* outer_;
+  };
+
+  /// Shoal's free of the block at `address` waits for streams (told within
+  /// its deallocate, on the freeing thread, under shoal's locks): when this
+  /// thread's free_scope frees it, its "free_completed" waits for
+  /// free_wait_over. Takes only this class's lock. Never throws.
+  void free_held(int device, std::uintptr_t address) noexcept;
+
+  /// The wait of a free told held is over (on any thread, under shoal's
+  /// locks, before the block is handed out again): its "free_completed"
+  /// entry, with the context of this thread's segments_for scope, or else
+  /// the one the block was allocated with. Takes only this class's lock.
+  /// Never throws.
+  void free_wait_over(int device, std::uintptr_t address) noexcept;
 
   /// While alive, this thread's segment events carry `in`, the context of
   /// the call the thread is making (an allocation, an empty_cache). Scopes
@@ -142,14 +190,6 @@ class memory_history {
   void add_contexts(std::vector<segment_info>& segments);
 
  private:
-  struct live_block {
-    size_t bytes;
-    int device;
-    cudaStream_t stream;
-    c10::cuda::MempoolId_t pool;
-    context allocated_in;
-  };
-
   [[nodiscard]] context gather(record_context level) const;
   /// Appends an entry to its device's ring, dropping the oldest past
   /// max_entries_; its context only when `when` is ALLOC or more. mutex_ held.
@@ -168,6 +208,8 @@ class memory_history {
   /// address is added after shoal hands it out and removed before shoal
   /// takes it back, so no two blocks of one address are ever here at once.
   std::unordered_map<std::uintptr_t, live_block> live_;  // guarded by mutex_
+  /// The blocks whose frees were told held and not completed yet, by address.
+  std::unordered_map<std::uintptr_t, live_block> waiting_;  // guarded by mutex_
   /// The contexts plain segments taken while recording were taken with, by
   /// device and address, until given back.
   std::unordered_map<std::uintptr_t, std::pair<int, context>> segments_;  // guarded by mutex_

@@ -41,6 +41,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -124,6 +125,18 @@ void segment_changed(const shoal_torch_segment_event* event) noexcept {
   history->segment_changed(action, event->device, event->address, event->size, static_cast<cudaStream_t>(event->stream));
 }
 
+// shoal's free-wait observer (observe_free_waits): a free that waits for
+// streams completes in the history when its wait is over. Runs under
+// shoal's locks.
+void free_wait_changed(const shoal_torch_free_wait_event* event) noexcept {
+  if (!history->recording()) return;
+  if (event->action == SHOAL_TORCH_FREE_HELD) {
+    history->free_held(event->device, event->address);
+  } else {
+    history->free_wait_over(event->device, event->address);
+  }
+}
+
 /// The share of `device`'s memory its allocator may reserve (0 when it cannot say).
 double memory_fraction_of(int device) noexcept {
   try {
@@ -150,7 +163,8 @@ void* allocate_block(size_t bytes, int device, cudaStream_t stream) {
 // stderr and the block stays allocated.
 void free_block(void* ptr, size_t /*bytes*/, int device, cudaStream_t /*allocation_stream*/) noexcept {
   if (ptr == nullptr) return;
-  if (history->recording()) history->freed(ptr);  // before shoal takes the block back (memory_history.h)
+  std::optional<shoal_torch::memory_history::free_scope> recorded;  // until shoal took the block back
+  if (history->recording()) recorded.emplace(*history, ptr);
   try {
     const cudaStream_t current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
     const int status = graphs->routing() ? graphs->deallocate(ptr, device, current) : api->deallocate(ptr, device, current);
@@ -509,6 +523,7 @@ extern "C" __attribute__((visibility("default"))) int shoal_torch_install(const 
     history = new shoal_torch::memory_history();
     ooms = new shoal_torch::oom_observers();
     check(table->observe_segments(&segment_changed), "observe_segments");
+    check(table->observe_free_waits(&free_wait_changed), "observe_free_waits");
     // PyTorch's own allocators live as long as the process; one a program
     // installed itself is freed once replaced, so it opens nothing later.
     c10::cuda::CUDACachingAllocator::CUDAAllocator* previous = c10::cuda::CUDACachingAllocator::get();

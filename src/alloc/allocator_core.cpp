@@ -518,6 +518,7 @@ bool allocator_core::free_waiting(block_pool& pool, block* b, backend::stream_re
   if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
   if (hold) {
     b->state = block_state::pending_free;
+    note_free_wait({free_wait_event::action::held, address, b->size, b->stream});
     if (awaits) await_free(pool, b, device, events_);
   } else {
     make_reusable(pool, b);
@@ -536,15 +537,19 @@ SHOAL_HOT_INLINE void allocator_core::count_free(block_pool& pool, block* b) noe
 }
 
 void allocator_core::make_reusable(block_pool& pool, block* b) {
-  if (b->state == block_state::pending_free) {
-    if (std::exchange(b->wait_shared, false)) {
-      release_shared_wait(pool, b->waits.front(), events_);
-    } else {
-      for (auto e : b->waits) events_.give_back(e);
-    }
-    b->waits.clear();
+  if (b->state != block_state::pending_free) {
+    make_free(pool, b);
+    return;
   }
-  make_free(pool, b);
+  if (std::exchange(b->wait_shared, false)) {
+    release_shared_wait(pool, b->waits.front(), events_);
+  } else {
+    for (auto e : b->waits) events_.give_back(e);
+  }
+  b->waits.clear();
+  const free_wait_event over{free_wait_event::action::completed, b->address, b->size, b->stream};
+  make_free(pool, b);  // may settle b into a neighbour: the event was taken first
+  note_free_wait(over);
 }
 
 SHOAL_HOT_INLINE void allocator_core::prepare_free(block_pool& pool, block* b, std::size_t more_waits) {

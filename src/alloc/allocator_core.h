@@ -229,6 +229,10 @@ class allocator_core {
   /// A late free of a tombstone on `stream`: its memory goes back to the
   /// sub-pool, last used on `stream`.
   void remove_tombstone(block_pool& part, block* b, backend::stream_ref stream);
+  /// Tells the free-wait observers (one relaxed load when none); pool locked.
+  void note_free_wait(const free_wait_event& event) const noexcept {
+    if (hooks.has_free_wait_observers()) [[unlikely]] hooks.notify_free_wait(event);
+  }
   /// Traces a tombstone's removal by its late free (forced_clear.cpp).
   void note_tombstone_removed(std::uintptr_t address, backend::stream_ref stream);
 

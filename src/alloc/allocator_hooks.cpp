@@ -20,6 +20,7 @@ std::uint64_t allocator_hooks::add(std::vector<std::pair<std::uint64_t, Callback
 void allocator_hooks::count_callbacks() noexcept {
   miss_count_.store(miss_hooks_.size(), std::memory_order_relaxed);
   segment_count_.store(segment_observers_.size(), std::memory_order_relaxed);
+  free_wait_count_.store(free_wait_observers_.size(), std::memory_order_relaxed);
 }
 
 std::uint64_t allocator_hooks::add_miss_hook(miss_hook hook) { return add(miss_hooks_, std::move(hook)); }
@@ -36,11 +37,16 @@ std::uint64_t allocator_hooks::add_segment_observer(segment_observer observer) {
   return add(segment_observers_, std::move(observer));
 }
 
+std::uint64_t allocator_hooks::add_free_wait_observer(free_wait_observer observer) {
+  return add(free_wait_observers_, std::move(observer));
+}
+
 void allocator_hooks::remove(std::uint64_t id) {
   std::unique_lock lock(mutex_);
   auto has_id = [id](const auto& entry) { return entry.first == id; };
   const std::size_t erased = std::erase_if(miss_hooks_, has_id) + std::erase_if(forced_clear_hooks_, has_id) +
-                             std::erase_if(release_observers_, has_id) + std::erase_if(segment_observers_, has_id);
+                             std::erase_if(release_observers_, has_id) + std::erase_if(segment_observers_, has_id) +
+                             std::erase_if(free_wait_observers_, has_id);
   count_callbacks();
   if (erased == 0) {
     throw invalid_argument("caching_allocator::remove_hook: no hook or observer has id " + std::to_string(id) +
@@ -63,14 +69,22 @@ void allocator_hooks::notify_release(std::uintptr_t base, std::size_t bytes) con
   for (const auto& [id, observer] : release_observers_) observer(base, bytes);
 }
 
-void allocator_hooks::notify_segment(const segment_event& event) const noexcept {
+template <class Observer, class Event>
+void allocator_hooks::tell(const std::vector<std::pair<std::uint64_t, Observer>>& observers,
+                           const Event& event) const noexcept {
   std::shared_lock lock(mutex_);
-  for (const auto& [id, observer] : segment_observers_) {
+  for (const auto& [id, observer] : observers) {
     try {
       observer(event);
-    } catch (...) {  // dropped: see the header
+    } catch (...) {  // dropped: an observer only watches, the event has happened
     }
   }
+}
+
+void allocator_hooks::notify_segment(const segment_event& event) const noexcept { tell(segment_observers_, event); }
+
+void allocator_hooks::notify_free_wait(const free_wait_event& event) const noexcept {
+  tell(free_wait_observers_, event);
 }
 
 }  // namespace shoal::alloc::detail

@@ -65,6 +65,9 @@ std::uint64_t caching_allocator::add_release_observer(
 std::uint64_t caching_allocator::add_segment_observer(std::function<void(const segment_event&)> observer) {
   return core_->hooks.add_segment_observer(std::move(observer));
 }
+std::uint64_t caching_allocator::add_free_wait_observer(std::function<void(const free_wait_event&)> observer) {
+  return core_->hooks.add_free_wait_observer(std::move(observer));
+}
 void caching_allocator::remove_hook(std::uint64_t id) { core_->hooks.remove(id); }
 
 private_pool_id caching_allocator::create_private_pool(void* base, std::size_t bytes,

@@ -73,6 +73,7 @@ void allocator_core::take_back_live_blocks(block_pool& part, invalidated_blocks_
     b->requested = 0;
     b->state = block_state::free;
     if (trace_.enabled()) trace_.note(trace_action::free_completed, b->address, b->size, b->stream);
+    note_free_wait({free_wait_event::action::completed, b->address, b->size, b->stream});
     part.bins.insert(b);  // unmerged: the layout is reset next
   }
   part.pending.clear();

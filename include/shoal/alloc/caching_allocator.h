@@ -236,6 +236,16 @@ class caching_allocator {
   /// tells none. With none registered, an event costs one relaxed load.
   /// Returns an id for remove_hook.
   std::uint64_t add_segment_observer(std::function<void(const segment_event&)> observer);
+  /// `observer` is told when a free starts to wait for streams and when
+  /// that wait is over (free_wait_event): `held` on the freeing thread,
+  /// within deallocate, before the block can complete; `completed` on
+  /// whichever thread finds the wait over (an allocation, a free,
+  /// process_pending_frees, empty_cache), under the block's pool lock, before
+  /// the block can be handed out again. Same rules as a segment observer:
+  /// quick, no call of the allocator, what it throws dropped, none told at
+  /// the allocator's destruction, one relaxed load when none is registered.
+  /// Returns an id for remove_hook.
+  std::uint64_t add_free_wait_observer(std::function<void(const free_wait_event&)> observer);
   /// Removes a hook or observer; waits for calls of it in progress. An
   /// unknown id gives invalid_argument.
   void remove_hook(std::uint64_t id);

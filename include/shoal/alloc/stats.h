@@ -151,4 +151,19 @@ struct segment_event {
   backend::stream_ref stream;  ///< its pool's stream (none: a destroyed growing private pool's segment)
 };
 
+/// A free that waits for streams (a pending free: the block was freed on
+/// another stream than its own, or record_stream named one), as free-wait
+/// observers are told of it (caching_allocator::add_free_wait_observer):
+/// `held` when the free is called and the block starts to wait, `completed`
+/// when every stream it waits for has passed its last use and the block is
+/// free again (early under memory pressure, or at a forced clear, which
+/// waited for the device). A free that waits for nothing is told neither.
+struct free_wait_event {
+  enum class action : std::uint8_t { held, completed };
+  action what = action::held;
+  std::uintptr_t address = 0;
+  std::size_t size = 0;
+  backend::stream_ref stream;  ///< the block's own stream
+};
+
 }  // namespace shoal::alloc
