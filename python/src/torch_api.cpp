@@ -109,8 +109,7 @@ class torch_allocators {
             host_for_tests_ ? backend::host_device_instance() : backend::cuda_device_instance(ordinal), *config_));
     (*held)->allocator().add_segment_observer(
         [ordinal](const alloc::segment_event& e) { tell_segment_observer(ordinal, e); });
-    (*held)->allocator().add_free_wait_observer(
-        [ordinal](const alloc::free_wait_event& e) { tell_free_wait_observer(ordinal, e); });
+    if (free_wait_observer.load(std::memory_order_acquire) != nullptr) set_free_wait_hook(**held, ordinal, true);
     made_ = true;
     slots_[ordinal].store(held->get(), std::memory_order_release);
     shared_[ordinal] = held;
@@ -136,6 +135,19 @@ class torch_allocators {
     return config_ ? config_->memory_fraction : 0.0;
   }
 
+  /// While `observe` is set, every allocator (and each made later) tells it
+  /// of its frees that wait for streams; unset, none has a free-wait
+  /// observer, so such a free pays one relaxed load for it.
+  void forward_free_waits(shoal_torch_free_wait_observer observe) {
+    std::lock_guard lock(mutex_);
+    free_wait_observer.store(observe, std::memory_order_release);
+    for (int ordinal = 0; ordinal < max_devices; ++ordinal) {
+      if (allocator_state* s = slots_[ordinal].load(std::memory_order_acquire)) {
+        set_free_wait_hook(*s, ordinal, observe != nullptr);
+      }
+    }
+  }
+
   template <class Fn>
   void for_each_made(Fn&& fn) {
     for (auto& slot : slots_) {
@@ -144,10 +156,22 @@ class torch_allocators {
   }
 
  private:
+  /// Adds or removes the forwarder of device `ordinal`'s frees that wait. mutex_ held.
+  void set_free_wait_hook(allocator_state& s, int ordinal, bool on) {
+    std::uint64_t& id = free_wait_hooks_[static_cast<std::size_t>(ordinal)];
+    if (on && id == 0) {
+      id = s.allocator().add_free_wait_observer(
+          [ordinal](const alloc::free_wait_event& e) { tell_free_wait_observer(ordinal, e); });
+    } else if (!on && id != 0) {
+      s.allocator().remove_hook(std::exchange(id, 0));
+    }
+  }
+
   mutable std::mutex mutex_;
   std::optional<alloc::allocator_config> config_;  // guarded by mutex_
   bool made_ = false;                              // guarded by mutex_
   bool host_for_tests_ = false;                    // guarded by mutex_
+  std::array<std::uint64_t, max_devices> free_wait_hooks_{};  // hook ids (0: none); guarded by mutex_
   std::array<std::atomic<allocator_state*>, max_devices> slots_{};
   std::array<std::shared_ptr<allocator_state>*, max_devices> shared_{};  // guarded by mutex_
 };
@@ -472,8 +496,7 @@ int api_observe_segments(shoal_torch_segment_observer observe) {
 }
 
 int api_observe_free_waits(shoal_torch_free_wait_observer observe) {
-  free_wait_observer.store(observe, std::memory_order_release);
-  return SHOAL_TORCH_OK;
+  return guarded([&] { allocators().forward_free_waits(observe); });
 }
 
 int api_snapshot(void* context, shoal_torch_segment_visitor visit) {

@@ -186,7 +186,9 @@ struct shoal_torch_api {
   /// device's allocator from now on, in place of the one set before.
   int (*observe_segments)(shoal_torch_segment_observer observe);
   /// `observe` (NULL: none) is told of every free that waits for streams,
-  /// of every device's allocator, from now on, in place of the one set before.
+  /// of every device's allocator, from now on, in place of the one set
+  /// before. With none, such a free pays nothing for it: set one only while
+  /// it is wanted (the plugin's, while memory history records).
   int (*observe_free_waits)(shoal_torch_free_wait_observer observe);
 };
 

@@ -202,6 +202,7 @@ def test_a_free_that_waits_for_a_stream_reaches_the_free_wait_observer():
         _shoal._torch_configure(conf="expandable_segments:false", use_environment=False)
         _shoal._torch_table_on_host()
         side = shoal.Stream(shoal.host_device())
+        warm = allocate(512)  # the allocator exists before the observer: it is added to it
         events = []
         observer = FreeWaitObserver(lambda e: events.append([e.contents.device, e.contents.action,
                                                              e.contents.address, e.contents.size]))

@@ -434,6 +434,8 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
                      size_t alloc_trace_max_entries, c10::cuda::CUDACachingAllocator::RecordContext when,
                      bool clear_history, const std::vector<std::string>& skip_actions) override {
     history->configure(enabled, context_recorder, alloc_trace_max_entries, when, clear_history, skip_actions);
+    // Told only while recording: a free that waits pays nothing for it otherwise.
+    check(api->observe_free_waits(enabled ? &free_wait_changed : nullptr), "memory history");
   }
 
   bool isHistoryEnabled() override { return history->recording(); }
@@ -523,7 +525,6 @@ extern "C" __attribute__((visibility("default"))) int shoal_torch_install(const 
     history = new shoal_torch::memory_history();
     ooms = new shoal_torch::oom_observers();
     check(table->observe_segments(&segment_changed), "observe_segments");
-    check(table->observe_free_waits(&free_wait_changed), "observe_free_waits");
     // PyTorch's own allocators live as long as the process; one a program
     // installed itself is freed once replaced, so it opens nothing later.
     c10::cuda::CUDACachingAllocator::CUDAAllocator* previous = c10::cuda::CUDACachingAllocator::get();
