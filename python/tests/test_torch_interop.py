@@ -410,6 +410,38 @@ def test_an_out_of_memory_observer_is_told_and_may_take_a_snapshot():
     assert half["total"] == int(0.5 * whole["total"]), "the share a memory fraction allows, as PyTorch reports it"
 
 
+def test_an_out_of_memory_observer_that_raises_is_reported_and_the_error_goes_on():
+    out = run(
+        """
+        import json, os, tempfile, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        told = []
+        def failing(device, allocated, device_total, device_free):
+            raise ValueError("an observer failing on purpose")
+        torch._C._cuda_attach_out_of_memory_observer(failing)
+        torch._C._cuda_attach_out_of_memory_observer(lambda *args: told.append(list(args)))
+        with tempfile.TemporaryFile() as err:
+            saved = os.dup(2)
+            os.dup2(err.fileno(), 2)  # the report goes to stderr
+            try:
+                torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+                raised = False
+            except torch.cuda.OutOfMemoryError:
+                raised = True
+            finally:
+                os.dup2(saved, 2)
+            err.seek(0)
+            reported = err.read().decode(errors="replace")
+        after = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")  # the allocator still serves
+        print(json.dumps({"raised": raised, "told": told, "reported": reported}))
+        """
+    )
+    assert out["raised"], "the out-of-memory error goes on"
+    assert [t[:2] for t in out["told"]] == [[0, 1 << 50]], "the observer after the failing one is told"
+    assert "out-of-memory observer failed" in out["reported"], out["reported"]
+    assert "failing on purpose" in out["reported"], out["reported"]
+
+
 def test_memory_history_keeps_the_newest_max_entries():
     out = run(
         """
