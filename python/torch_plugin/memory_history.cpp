@@ -148,7 +148,7 @@ void memory_history::free_held(int device, std::uintptr_t address) noexcept {
   try {
     std::lock_guard lock(mutex_);
     if (!recording_.load(std::memory_order_relaxed)) return;
-    waiting_.insert_or_assign(address, *scope->freed_);
+    waiting_.insert_or_assign(address, std::move(*scope->freed_));  // a failed insert moves nothing
     scope->held_ = true;
   } catch (const std::exception& e) {
     report("a free", &e);
@@ -160,8 +160,9 @@ void memory_history::free_held(int device, std::uintptr_t address) noexcept {
 void memory_history::free_wait_over(int device, std::uintptr_t address) noexcept {
   try {
     std::lock_guard lock(mutex_);
-    auto node = waiting_.extract(address);
-    if (node.empty() || node.mapped().device != device) return;  // held before recording began, or stopped since
+    const auto found = waiting_.find(address);
+    if (found == waiting_.end() || found->second.device != device) return;  // held before recording, or stopped since
+    const auto node = waiting_.extract(found);  // forgotten first: a failed record leaves no stale entry
     const live_block& b = node.mapped();
     // As PyTorch's allocator records a free its stream events delayed: with
     // the context of the call that found the wait over (an allocation, an

@@ -31,10 +31,12 @@
 // was taken with, as PyTorch's allocator records them.
 //
 // Not as PyTorch's allocator records it:
-//   - A delayed free's "free_completed" comes when shoal looks at its wait:
-//     an allocation that misses its pool's cache, or empty_cache — not at
-//     every allocation, as PyTorch's allocator looks, so it may come well
-//     after the stream passed, and never before shoal could reuse the memory.
+//   - A delayed free's "free_completed" comes when shoal makes the memory
+//     reusable: it finds the wait over at an allocation that misses its
+//     pool's cache or at empty_cache (not at every allocation, as PyTorch's
+//     allocator looks, so it may come well after the stream passed), or,
+//     short of memory, an allocation has its stream wait on the device;
+//     also when a graph pool is settled before a capture or destroyed.
 //   - A free deferred while a CUDA graph is captured (graph_pools) records
 //     "free_completed" at the free call, not when the capture ends.
 //   - A growable segment's stretch given back outside such a call (or by

@@ -433,9 +433,17 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
   void recordHistory(bool enabled, c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
                      size_t alloc_trace_max_entries, c10::cuda::CUDACachingAllocator::RecordContext when,
                      bool clear_history, const std::vector<std::string>& skip_actions) override {
+    // One switch at a time, so recording and shoal's telling of frees that
+    // wait (only while recording: such a free pays nothing for it otherwise)
+    // go on and off together.
+    static std::mutex switching;
+    const std::lock_guard lock(switching);
     history->configure(enabled, context_recorder, alloc_trace_max_entries, when, clear_history, skip_actions);
-    // Told only while recording: a free that waits pays nothing for it otherwise.
-    check(api->observe_free_waits(enabled ? &free_wait_changed : nullptr), "memory history");
+    const int status = api->observe_free_waits(enabled ? &free_wait_changed : nullptr);
+    if (status != SHOAL_TORCH_OK && enabled) {
+      history->configure(false, nullptr, 1, c10::cuda::CUDACachingAllocator::RecordContext::NEVER, true, {});
+    }
+    check(status, "memory history");
   }
 
   bool isHistoryEnabled() override { return history->recording(); }

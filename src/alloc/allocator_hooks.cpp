@@ -8,6 +8,47 @@
 
 namespace shoal::alloc::detail {
 
+namespace {
+
+// The shared holds this thread has, innermost first: a hook may free a
+// block (a miss hook collecting limbo) whose free is told to this
+// allocator's free-wait observers, on the same thread, while the hook's
+// hold is still taken. A std::shared_mutex taken twice by one thread is
+// undefined behaviour (and a writer waiting in between would deadlock a
+// writer-preferring one), so the inner call takes no second hold.
+struct held_by_thread {
+  const void* hooks;
+  const held_by_thread* outer;
+};
+thread_local const held_by_thread* innermost_hold = nullptr;
+
+}  // namespace
+
+/// The hooks' shared lock, unless this thread holds it already.
+class allocator_hooks::shared_hold {
+ public:
+  explicit shared_hold(const allocator_hooks& hooks) : hooks_(hooks), entry_{&hooks, innermost_hold} {
+    for (const held_by_thread* h = innermost_hold; h != nullptr; h = h->outer) {
+      if (h->hooks == &hooks) return;
+    }
+    hooks_.mutex_.lock_shared();
+    locked_ = true;
+    innermost_hold = &entry_;
+  }
+  ~shared_hold() {
+    if (!locked_) return;
+    innermost_hold = entry_.outer;
+    hooks_.mutex_.unlock_shared();
+  }
+  shared_hold(const shared_hold&) = delete;
+  shared_hold& operator=(const shared_hold&) = delete;
+
+ private:
+  const allocator_hooks& hooks_;
+  held_by_thread entry_;
+  bool locked_ = false;
+};
+
 template <class Callback>
 std::uint64_t allocator_hooks::add(std::vector<std::pair<std::uint64_t, Callback>>& to, Callback callback) {
   std::unique_lock lock(mutex_);
@@ -55,24 +96,24 @@ void allocator_hooks::remove(std::uint64_t id) {
 }
 
 void allocator_hooks::run_miss_hooks() const {
-  std::shared_lock lock(mutex_);
+  const shared_hold hold(*this);
   for (const auto& [id, hook] : miss_hooks_) hook();
 }
 
 void allocator_hooks::run_forced_clear_hooks() const {
-  std::shared_lock lock(mutex_);
+  const shared_hold hold(*this);
   for (const auto& [id, hook] : forced_clear_hooks_) hook();
 }
 
 void allocator_hooks::notify_release(std::uintptr_t base, std::size_t bytes) const {
-  std::shared_lock lock(mutex_);
+  const shared_hold hold(*this);
   for (const auto& [id, observer] : release_observers_) observer(base, bytes);
 }
 
 template <class Observer, class Event>
 void allocator_hooks::tell(const std::vector<std::pair<std::uint64_t, Observer>>& observers,
                            const Event& event) const noexcept {
-  std::shared_lock lock(mutex_);
+  const shared_hold hold(*this);
   for (const auto& [id, observer] : observers) {
     try {
       observer(event);

@@ -8,9 +8,11 @@
 //
 // Thread-safety: every member may be called from any thread. A callback
 // runs under a shared lock, so remove() waits for calls in progress and a
-// removed callback is never called afterwards. A hook must not take device
-// memory or give it back (allocate into growth, empty the cache): the
-// observers it would set off take that shared lock again on its thread.
+// removed callback is never called afterwards. A hook may free blocks: the
+// observers a free sets off on the hook's thread run under the hold that
+// thread has (a std::shared_mutex must not be taken twice by one thread). A
+// hook must not take device memory or give it back (allocate into growth,
+// empty the cache), nor call remove(), which would wait for itself.
 #pragma once
 
 #include <atomic>
@@ -60,6 +62,7 @@ class allocator_hooks {
   void notify_free_wait(const free_wait_event& event) const noexcept;
 
  private:
+  class shared_hold;
   /// Appends `callback` under a new id. Takes mutex_.
   template <class Callback>
   std::uint64_t add(std::vector<std::pair<std::uint64_t, Callback>>& to, Callback callback);

@@ -208,6 +208,36 @@ TYPED_TEST(free_wait_observer, the_frees_told_waiting_are_the_snapshots_pending_
   EXPECT_EQ(log.count(held_or_completed::held), log.count(held_or_completed::completed));
 }
 
+// A cache-miss hook may free blocks (limbo collection does); a free that
+// waits is told on the hook's thread, under the hold the hook runs with.
+// (glibc's reader-preferring rwlock would tolerate a second hold too; a
+// writer-preferring std::shared_mutex deadlocks on one while remove_hook
+// waits, which is why the inner call takes none.)
+TYPED_TEST(free_wait_observer, a_free_that_waits_made_by_a_cache_miss_hook_is_told) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  wait_log log(a);
+  backend::stream mine(dev), other(dev);
+  void* kept = a.allocate(64 * kib, mine);
+  dev.delay(other, 100ms);
+  void* freed_by_hook = nullptr;
+  const auto hook = a.add_cache_miss_hook([&] {
+    if (kept == nullptr) return;
+    a.deallocate(kept, other);  // waits for `other`: told held, from inside the hook
+    freed_by_hook = std::exchange(kept, nullptr);
+  });
+  void* grown = a.allocate(30 * mib, mine);  // misses the cache
+  ASSERT_NE(freed_by_hook, nullptr) << "the hook ran";
+  ASSERT_EQ(log.events.size(), 1u);
+  EXPECT_EQ(log.events[0].what, held_or_completed::held);
+  EXPECT_EQ(log.events[0].address, reinterpret_cast<std::uintptr_t>(freed_by_hook));
+  a.remove_hook(hook);
+  a.deallocate(grown, mine);
+  dev.synchronize(other);
+  a.process_pending_frees();
+  EXPECT_EQ(log.count(held_or_completed::completed), 1u);
+}
+
 TYPED_TEST(free_wait_observer, a_removed_observer_is_told_nothing_and_a_throwing_one_harms_nothing) {
   auto& dev = this->device();
   auto& a = this->make();

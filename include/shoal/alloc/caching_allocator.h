@@ -239,9 +239,11 @@ class caching_allocator {
   /// `observer` is told when a free starts to wait for streams and when
   /// that wait is over (free_wait_event): `held` on the freeing thread,
   /// within deallocate, before the block can complete; `completed` on
-  /// whichever thread finds the wait over (an allocation, a free,
-  /// process_pending_frees, empty_cache), under the block's pool lock, before
-  /// the block can be handed out again. Same rules as a segment observer:
+  /// whichever thread finds the wait over (an allocation that misses its
+  /// pool's cache, or one under memory pressure that has the pool's stream
+  /// wait for it on the device; process_pending_frees, empty_cache; a
+  /// private pool's drain, forget_last_streams, forced clear or destroy),
+  /// under the block's pool lock, before the block can be handed out again. Same rules as a segment observer:
   /// quick, no call of the allocator, what it throws dropped, none told at
   /// the allocator's destruction, one relaxed load when none is registered.
   /// Returns an id for remove_hook.
