@@ -442,6 +442,59 @@ def test_an_out_of_memory_observer_that_raises_is_reported_and_the_error_goes_on
     assert "failing on purpose" in out["reported"], out["reported"]
 
 
+# PyTorch's own code attaches allocator trace trackers from C++ (no Python
+# call does): a probe built against the installed PyTorch attaches one.
+TRACKER_PROBE = r"""
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <mutex>
+#include <tuple>
+#include <vector>
+namespace {
+std::mutex seen_mutex;
+std::vector<std::tuple<int64_t, int64_t, int64_t>> seen;
+}
+void attach() {
+  c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker(
+      [](const c10::cuda::CUDACachingAllocator::TraceEntry& te) {
+        std::lock_guard<std::mutex> lock(seen_mutex);
+        seen.emplace_back(static_cast<int64_t>(te.action_), static_cast<int64_t>(te.addr_),
+                          static_cast<int64_t>(te.size_));
+      });
+}
+std::vector<std::tuple<int64_t, int64_t, int64_t>> entries() {
+  std::lock_guard<std::mutex> lock(seen_mutex);
+  return seen;
+}
+"""
+
+
+@pytest.mark.parametrize("growable", [True, False])
+def test_an_allocator_trace_tracker_is_told_each_segment_as_it_comes_and_goes(growable, tmp_path):
+    out = run(
+        f"""
+        import json, shoal.torch, torch
+        from torch.utils.cpp_extension import load_inline
+        shoal.torch.enable(use_environment=False, expandable_segments={growable})
+        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r}, functions=["attach", "entries"],
+                            with_cuda=True, build_directory={str(tmp_path)!r})
+        probe.attach()  # PyTorch's pluggable allocator refuses this ("only used inside Pytorch")
+        x = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+        ptr = x.data_ptr()
+        del x
+        torch.cuda.empty_cache()
+        print(json.dumps({{"entries": [list(e) for e in probe.entries()], "ptr": ptr}}))
+        """,
+        timeout=600,
+    )
+    names = {3: "segment_alloc", 4: "segment_free", 5: "segment_map", 6: "segment_unmap"}
+    entries = [[names.get(a, a), addr, size] for a, addr, size in out["entries"]]
+    taken, given_back = ("segment_map", "segment_unmap") if growable else ("segment_alloc", "segment_free")
+    assert [e[0] for e in entries] == [taken, given_back], entries
+    (_, base, size), (_, freed_base, freed_size) = entries
+    assert base <= out["ptr"] and out["ptr"] + (40 << 20) <= base + size, "the segment that holds the tensor"
+    assert (freed_base, freed_size) == (base, size), "given back, the same memory"
+
+
 def test_memory_history_keeps_the_newest_max_entries():
     out = run(
         """

@@ -53,6 +53,7 @@
 #include "memory_history.h"
 #include "oom_observers.h"
 #include "plugin_status.h"
+#include "trace_trackers.h"
 #include "torch_api.h"
 
 namespace {
@@ -64,6 +65,7 @@ const shoal_torch_api* api = nullptr;
 shoal_torch::graph_pools* graphs = nullptr;  // made at install, never destroyed (tensors outlive modules)
 shoal_torch::memory_history* history = nullptr;  // made at install, never destroyed (it holds Python stacks)
 shoal_torch::oom_observers* ooms = nullptr;  // made at install, never destroyed (it holds Python callables)
+shoal_torch::trace_trackers* trackers = nullptr;  // made at install, never destroyed (as ooms)
 
 void check(int status, const char* what) { shoal_torch::check(*api, status, what); }
 
@@ -113,7 +115,8 @@ void* allocate_recorded(size_t bytes, int device, cudaStream_t stream) {
 // shoal's segment observer (observe_segments): a segment event while
 // memory history is recorded is its entry. Runs under shoal's locks.
 void segment_changed(const shoal_torch_segment_event* event) noexcept {
-  if (!history->recording()) return;
+  const bool recording = history->recording();
+  if (!recording && !trackers->any()) return;
   using entry = shoal_torch::trace_entry;
   entry::Action action = entry::SEGMENT_ALLOC;
   switch (event->action) {
@@ -122,7 +125,12 @@ void segment_changed(const shoal_torch_segment_event* event) noexcept {
     case SHOAL_TORCH_SEGMENT_UNMAP: action = entry::SEGMENT_UNMAP; break;
     default: break;
   }
-  history->segment_changed(action, event->device, event->address, event->size, static_cast<cudaStream_t>(event->stream));
+  const auto stream = static_cast<cudaStream_t>(event->stream);
+  if (trackers->any()) {
+    trackers->notify(entry(action, static_cast<c10::DeviceIndex>(event->device), event->address, event->size,
+                           static_cast<void*>(stream), {0, 0}, c10::getApproximateTime(), nullptr));
+  }
+  if (recording) history->segment_changed(action, event->device, event->address, event->size, stream);
 }
 
 // shoal's free-wait observer (observe_free_waits): a free that waits for
@@ -448,6 +456,11 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
 
   bool isHistoryEnabled() override { return history->recording(); }
 
+  // ProcessGroupNCCL's segment registration, among PyTorch's own users (trace_trackers.h).
+  void attachAllocatorTraceTracker(c10::cuda::CUDACachingAllocator::AllocatorTraceTracker tracker) override {
+    trackers->attach(std::move(tracker));
+  }
+
   // torch._C._cuda_attach_out_of_memory_observer (oom_observers.h).
   void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
     ooms->attach(std::move(observer));
@@ -532,6 +545,7 @@ extern "C" __attribute__((visibility("default"))) int shoal_torch_install(const 
     graphs = new shoal_torch::graph_pools(*table);
     history = new shoal_torch::memory_history();
     ooms = new shoal_torch::oom_observers();
+    trackers = new shoal_torch::trace_trackers();
     check(table->observe_segments(&segment_changed), "observe_segments");
     // PyTorch's own allocators live as long as the process; one a program
     // installed itself is freed once replaced, so it opens nothing later.
