@@ -135,6 +135,9 @@ class allocator_core {
   invalidated_blocks_report clear_private_pool(private_pool_id id, const std::string& part, live_blocks live);
   void drain_private_pool(private_pool_id id, const std::string& part);
   invalidated_blocks_report destroy_private_pool(private_pool_id id, live_blocks live);
+  // Checkpoints of growing private pools (pool_checkpoints.cpp).
+  [[nodiscard]] pool_checkpoint checkpoint_private_pool(private_pool_id id);
+  pool_restore_result restore_private_pool(private_pool_id id, const pool_checkpoint& checkpoint);
   /// Where this thread's allocations are directed (part nullptr: nowhere).
   [[nodiscard]] pool_direction directed_pool() const noexcept { return directory_.directed_pool(); }
   /// Directs this thread's allocations to `to`; returns the previous one.

@@ -76,6 +76,12 @@ private_pool_id caching_allocator::create_private_pool(void* base, std::size_t b
 }
 private_pool_id caching_allocator::create_growing_private_pool() { return core_->create_growing_private_pool(); }
 void caching_allocator::forget_last_streams(private_pool_id pool) { core_->forget_last_streams(pool); }
+pool_checkpoint caching_allocator::checkpoint_private_pool(private_pool_id pool) {
+  return core_->checkpoint_private_pool(pool);
+}
+pool_restore_result caching_allocator::restore_private_pool(private_pool_id pool, const pool_checkpoint& checkpoint) {
+  return core_->restore_private_pool(pool, checkpoint);
+}
 std::vector<void*> caching_allocator::private_pool_allocated_blocks(private_pool_id pool) const {
   return core_->private_pool_allocated_blocks(pool);
 }

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "shoal/backend/types.h"
@@ -40,6 +41,36 @@ struct block_segment {
 struct private_pool_id {
   std::uint64_t value = 0;
   friend bool operator==(private_pool_id, private_pool_id) = default;
+};
+
+/// A growing private pool's layout at one moment
+/// (caching_allocator::checkpoint_private_pool): each segment's blocks in
+/// address order, tiling it, and which of them were allocated, for whom.
+struct pool_checkpoint {
+  struct block_state {
+    std::uintptr_t address = 0;
+    std::size_t size = 0;
+    bool allocated = false;      ///< handed out and not freed (a free waiting for a stream is freed)
+    std::size_t requested = 0;   ///< allocated: the bytes asked for
+    backend::stream_ref stream;  ///< allocated: the stream it was handed out on
+  };
+  struct segment_state {
+    std::uintptr_t base = 0;
+    std::size_t size = 0;
+    std::vector<block_state> blocks;
+  };
+  private_pool_id pool;
+  std::vector<segment_state> segments;  ///< by base address
+};
+
+/// What restoring a checkpoint did (caching_allocator::restore_private_pool).
+struct pool_restore_result {
+  /// Blocks that were allocated and are not any more: their owners must not
+  /// free them (a free would free whatever holds the address now).
+  std::vector<std::uintptr_t> freed;
+  /// The checkpoint's allocated blocks, allocated again (address, size): each
+  /// is its new owner's to free. A block in both lists changed owner.
+  std::vector<std::pair<std::uintptr_t, std::size_t>> allocated;
 };
 
 /// What clearing or destroying a private pool does with blocks still

@@ -317,6 +317,28 @@ class caching_allocator {
   /// allocated stay so (clear_private_pool then names them). Nobody should
   /// allocate from the sub-pool meanwhile.
   void drain_private_pool(private_pool_id pool, const std::string& part = "");
+  /// The layout of a growing private pool now: every segment's blocks and
+  /// which are allocated (pool_checkpoint). For CUDA graph trees, which
+  /// return a graph pool to the layout it had after an earlier capture
+  /// (PyTorch's getCheckpointState).
+  [[nodiscard]] pool_checkpoint checkpoint_private_pool(private_pool_id pool);
+  /// Lays the growing private pool out as `checkpoint` says (PyTorch's
+  /// setCheckpointPoolState): waits on the host for its pending frees
+  /// (drain_private_pool), frees every block allocated in it now (listed in
+  /// `freed`: their owners must not free them), then splits each of the
+  /// checkpoint's segments at its blocks' boundaries and allocates its
+  /// allocated blocks again, with their requested sizes and streams (listed
+  /// in `allocated`); segments taken since the checkpoint are left free. The
+  /// streams of the allocated blocks wait on the device for every stream
+  /// that used the pool's memory before (the old owners' queued work), and
+  /// its free blocks remember those streams as their last. Throws
+  /// invalid_argument, changing nothing, for a checkpoint of another pool,
+  /// one whose segments the pool no longer has or whose blocks do not tile
+  /// them, a pool that is not growing, and a block shared with another
+  /// process (mark_held_outside); a device error while making the streams
+  /// wait also leaves the layout as it was. Nobody should allocate from
+  /// or free to the pool meanwhile.
+  pool_restore_result restore_private_pool(private_pool_id pool, const pool_checkpoint& checkpoint);
 
  private:
   friend class private_pool_scope;

@@ -1,0 +1,262 @@
+// Checkpoints of growing private pools: a pool's layout taken, and laid out
+// again later (CUDA graph trees return a graph pool to the layout an earlier
+// capture left, PyTorch's getCheckpointState / setCheckpointPoolState).
+//
+// A restore runs in two phases under the pool's lock, as a forced clear
+// does: everything that may throw comes first (the checks, block objects
+// with room for their last streams, room in the index, the device waits)
+// and changes nothing; then the layout is rebuilt by steps that throw
+// nothing, so a failure never leaves half a layout.
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "alloc/allocator_core.h"
+#include "alloc/block_structure.h"
+#include "alloc/core_util.h"
+#include "alloc/size_policy.h"
+#include "shoal/core/error.h"
+
+namespace shoal::alloc::detail {
+
+namespace {
+
+void require_growing(const block_pool& part, private_pool_id id, const char* op) {
+  if (part.grows) return;
+  throw invalid_argument(std::string(op) + ": private pool " + std::to_string(id.value) +
+                         " is memory handed in, not a growing private pool (create_growing_private_pool)");
+}
+
+// The checkpoint's segments, each matched to the pool's segment at its base;
+// throws unless every one is there, with its size, and its blocks tile it.
+std::map<const segment*, const pool_checkpoint::segment_state*> match_segments(const block_pool& part,
+                                                                              const pool_checkpoint& checkpoint,
+                                                                              const char* op) {
+  std::map<std::uintptr_t, const segment*> by_base;
+  for (const auto& s : part.segments) by_base.emplace(s->base, s.get());
+  std::map<const segment*, const pool_checkpoint::segment_state*> matched;
+  for (const auto& saved : checkpoint.segments) {
+    const auto found = by_base.find(saved.base);
+    if (found == by_base.end() || found->second->size != saved.size) {
+      throw invalid_argument(std::string(op) + ": the pool has no segment of " + std::to_string(saved.size) +
+                             " bytes at " + hex(saved.base) + " as the checkpoint has");
+    }
+    if (!matched.emplace(found->second, &saved).second) {
+      throw invalid_argument(std::string(op) + ": the checkpoint lists the segment at " + hex(saved.base) + " twice");
+    }
+    std::uintptr_t at = saved.base;
+    for (const auto& b : saved.blocks) {
+      if (b.address != at || b.size == 0 || b.size % min_block != 0 || b.size > saved.base + saved.size - at) {
+        throw invalid_argument(std::string(op) + ": the checkpoint's blocks do not tile its segment at " +
+                               hex(saved.base) + " (a block of " + std::to_string(b.size) + " bytes at " +
+                               hex(b.address) + ")");
+      }
+      at += b.size;
+    }
+    if (at != saved.base + saved.size) {
+      throw invalid_argument(std::string(op) + ": the checkpoint's blocks do not cover its segment at " +
+                             hex(saved.base));
+    }
+  }
+  return matched;
+}
+
+// The blocks a rebuilt segment will have: the checkpoint's, with neighbouring
+// free ones counted as one (they merge), or one free block.
+std::size_t blocks_after(const pool_checkpoint::segment_state* saved) {
+  if (saved == nullptr) return 1;
+  std::size_t n = 0;
+  bool after_free = false;
+  for (const auto& b : saved->blocks) {
+    if (b.allocated || !after_free) ++n;
+    after_free = !b.allocated;
+  }
+  return n;
+}
+
+}  // namespace
+
+pool_checkpoint allocator_core::checkpoint_private_pool(private_pool_id id) {
+  block_pool& part = private_part(id, "");
+  require_growing(part, id, "checkpoint_private_pool");
+  pool_checkpoint out;
+  out.pool = id;
+  {
+    std::lock_guard lock(part.lock);
+    out.segments.reserve(part.segments.size());
+    for (const auto& s : part.segments) {
+      auto& saved = out.segments.emplace_back();
+      saved.base = s->base;
+      saved.size = s->size;
+      for (const block* b = s->first; b != nullptr; b = b->next) {
+        const bool allocated = b->state == block_state::allocated;
+        saved.blocks.push_back({b->address, b->size, allocated, allocated ? b->requested : 0,
+                                allocated ? b->stream : backend::stream_ref{}});
+      }
+    }
+  }
+  std::sort(out.segments.begin(), out.segments.end(), [](const auto& a, const auto& b) { return a.base < b.base; });
+  return out;
+}
+
+pool_restore_result allocator_core::restore_private_pool(private_pool_id id, const pool_checkpoint& checkpoint) {
+  constexpr const char* op = "restore_private_pool";
+  if (checkpoint.pool != id) {
+    throw invalid_argument(std::string(op) + ": the checkpoint is of private pool " +
+                           std::to_string(checkpoint.pool.value) + ", not " + std::to_string(id.value));
+  }
+  block_pool& part = private_part(id, "");
+  require_growing(part, id, op);
+  // Its pending frees complete first (waited for without the lock); a free
+  // that came meanwhile sends us round again.
+  std::unique_lock lock(part.lock, std::defer_lock);
+  for (;;) {
+    drain_private_pool(id, "");
+    lock.lock();
+    collect_pending(part, false);
+    if (part.pending.empty()) break;
+    lock.unlock();
+  }
+
+  // ---- phase 1: everything that may throw; nothing changes
+  const auto matched = match_segments(part, checkpoint, op);
+  std::vector<backend::stream_ref> used;  // every stream that may still touch the pool's memory
+  std::size_t live = 0;
+  for (const auto& s : part.segments) {
+    for (const block* b = s->first; b != nullptr; b = b->next) {
+      if (b->state == block_state::allocated) {
+        if (b->held_outside) {
+          throw invalid_argument(std::string(op) + ": block " + hex(b->address) + " (" + std::to_string(b->size) +
+                                 " bytes) is shared with another process, which may still use it; nothing was "
+                                 "changed");
+        }
+        ++live;
+        add_unique(used, b->stream);
+        for (auto on : b->used_on) add_unique(used, on);
+      } else {
+        for (auto on : b->last_streams) add_unique(used, on);
+      }
+    }
+  }
+  std::vector<backend::stream_ref> owners;  // the streams of the checkpoint's allocated blocks
+  std::size_t restored = 0;
+  for (const auto& saved : checkpoint.segments) {
+    for (const auto& b : saved.blocks) {
+      if (!b.allocated) continue;
+      ++restored;
+      add_unique(owners, b.stream);
+    }
+  }
+  std::size_t needed = 0;
+  for (const auto& s : part.segments) {
+    const auto found = matched.find(s.get());
+    needed += blocks_after(found == matched.end() ? nullptr : found->second);
+  }
+  pool_restore_result result;
+  result.freed.reserve(live);
+  result.allocated.reserve(restored);
+  part.allocated.reserve(restored);
+  part.reserve_blocks(needed);
+  std::vector<block*> fresh;  // taken from the spare list now, so that phase 2 allocates nothing
+  fresh.reserve(needed);
+  try {
+    for (std::size_t i = 0; i < needed; ++i) {
+      fresh.push_back(part.new_block());
+      fresh.back()->last_streams.reserve(used.size());
+    }
+    // The new owners' streams wait for the old users' work on the device.
+    for (auto owner : owners) {
+      for (auto s : used) {
+        if (s == owner) continue;
+        const backend::event_ref e = events_.take();
+        try {
+          device.record(e, s);
+          device.wait(owner, e);
+        } catch (...) {
+          events_.give_back(e);
+          throw;
+        }
+        events_.give_back(e);
+      }
+    }
+  } catch (...) {
+    for (block* b : fresh) part.recycle(b);
+    throw;
+  }
+
+  // ---- phase 2: the layout rebuilt; nothing throws
+  auto& c = part.counters;
+  std::size_t next_fresh = 0;
+  for (auto& s : part.segments) {
+    for (block* b = s->first; b != nullptr;) {
+      block* const next = b->next;
+      if (b->state == block_state::allocated) {
+        (void)part.allocated.take(b->address);
+        pool_counters::sub(c.allocations, 1);
+        pool_counters::sub(c.allocated_bytes, static_cast<std::int64_t>(b->size));
+        pool_counters::sub(c.active, 1);
+        pool_counters::sub(c.active_bytes, static_cast<std::int64_t>(b->size));
+        pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
+        result.freed.push_back(b->address);
+        if (trace_.enabled()) {
+          trace_.note(trace_action::free_requested, b->address, b->size, b->stream);
+          trace_.note(trace_action::free_completed, b->address, b->size, b->stream);
+        }
+      } else {
+        part.bins.remove(b);  // free and settled: private pools park nothing
+        give_back_waits(b, events_);
+      }
+      recycle(part, b);
+      b = next;
+    }
+    s->first = nullptr;
+    const auto found = matched.find(s.get());
+    const pool_checkpoint::block_state whole{s->base, s->size, false, 0, {}};  // a segment taken since: free
+    const std::span<const pool_checkpoint::block_state> layout =
+        found != matched.end() ? std::span(found->second->blocks) : std::span(&whole, 1);
+    block* last = nullptr;
+    for (const auto& saved : layout) {
+      if (!saved.allocated && last != nullptr && last->state == block_state::free) {
+        last->size += saved.size;  // free neighbours are one block
+        continue;
+      }
+      block* b = fresh[next_fresh++];
+      b->address = saved.address;
+      b->size = saved.size;
+      b->owner = s.get();
+      b->prev = last;
+      (last != nullptr ? last->next : s->first) = b;
+      last = b;
+      if (saved.allocated) {
+        b->state = block_state::allocated;
+        b->requested = saved.requested;
+        b->stream = saved.stream;
+        part.allocated.insert(b);  // within the room reserved above
+        pool_counters::add(c.allocations, 1);
+        pool_counters::add(c.allocated_bytes, static_cast<std::int64_t>(b->size));
+        pool_counters::add(c.active, 1);
+        pool_counters::add(c.active_bytes, static_cast<std::int64_t>(b->size));
+        pool_counters::add(c.requested_bytes, static_cast<std::int64_t>(b->requested));
+        result.allocated.emplace_back(b->address, b->size);
+        if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, b->stream);
+      } else {
+        b->last_streams.assign(used.begin(), used.end());  // within the room reserved above
+      }
+    }
+    for (block* b = s->first; b != nullptr; b = b->next) {  // once its neighbours are linked
+      if (b->state != block_state::free) continue;
+      part.bins.insert(b);
+      refresh_split_stat(part, b);
+    }
+  }
+  // blocks_after counted exactly what the loop above took.
+  while (next_fresh < fresh.size()) part.recycle(fresh[next_fresh++]);
+  lock.unlock();
+  check_step();
+  return result;
+}
+
+}  // namespace shoal::alloc::detail
