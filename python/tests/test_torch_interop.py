@@ -495,6 +495,36 @@ def test_an_allocator_trace_tracker_is_told_each_segment_as_it_comes_and_goes(gr
     assert (freed_base, freed_size) == (base, size), "given back, the same memory"
 
 
+def test_nccl_registers_shoals_segments_through_its_allocator_hook():
+    out = run(
+        """
+        import json, os, torch, torch.distributed as dist, shoal.torch
+        if not dist.is_available() or not dist.is_nccl_available():
+            print(json.dumps({"skip": "no NCCL in this PyTorch"}))
+            raise SystemExit
+        os.environ["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"] = "1"  # attaches a trace tracker
+        shoal.torch.enable(use_environment=False, expandable_segments=False)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=torch.device("cuda:0"))
+        x = torch.full((1 << 20,), 2.0, device="cuda")
+        dist.all_reduce(x)
+        y = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # a segment taken while the hook is attached
+        y.fill_(1)
+        dist.all_reduce(y)
+        torch.cuda.synchronize()
+        ok = bool((x == 2.0).all()) and bool((y == 1).all())
+        del y
+        torch.cuda.empty_cache()  # its segment deregistered before it goes back
+        dist.destroy_process_group()
+        print(json.dumps({"ok": ok, "allocator": torch.cuda.memory.get_allocator_backend()}))
+        """,
+        timeout=300,
+    )
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    assert out == {"ok": True, "allocator": "shoal"}, out
+
+
 def test_memory_history_keeps_the_newest_max_entries():
     out = run(
         """
