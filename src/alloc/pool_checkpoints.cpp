@@ -110,15 +110,18 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
   }
   block_pool& part = private_part(id, "");
   require_growing(part, id, op);
-  // Its pending frees complete first (waited for without the lock); a free
-  // that came meanwhile sends us round again.
-  std::unique_lock lock(part.lock, std::defer_lock);
+  // Its pending frees complete first, waited for on the host without the
+  // lock (a free that came meanwhile sends us round again). Only those: the
+  // streams that used its free blocks are waited for on the device below.
+  std::unique_lock lock(part.lock);
   for (;;) {
-    drain_private_pool(id, "");
-    lock.lock();
     collect_pending(part, false);
     if (part.pending.empty()) break;
+    std::vector<backend::event_ref> waits;
+    for (const block* b : part.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
     lock.unlock();
+    for (auto e : waits) device.synchronize_event(e);
+    lock.lock();
   }
 
   // ---- phase 1: everything that may throw; nothing changes
@@ -127,6 +130,12 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
   std::size_t live = 0;
   for (const auto& s : part.segments) {
     for (const block* b = s->first; b != nullptr; b = b->next) {
+      if (b->state == block_state::invalidated) {
+        // An orphaned tombstone a new segment kept (forced_clear.cpp): its
+        // owner's late free is owed, and no block may start at its address.
+        throw invalid_argument(std::string(op) + ": a tombstone lies at " + hex(b->address) +
+                               " in the pool's memory until its owner's late free; nothing was changed");
+      }
       if (b->state == block_state::allocated) {
         if (b->held_outside) {
           throw invalid_argument(std::string(op) + ": block " + hex(b->address) + " (" + std::to_string(b->size) +
@@ -201,6 +210,7 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
         pool_counters::sub(c.active_bytes, static_cast<std::int64_t>(b->size));
         pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
         result.freed.push_back(b->address);
+        ++part.frees;  // a free, for those who watch for frees while they wait (forget_last_streams)
         if (trace_.enabled()) {
           trace_.note(trace_action::free_requested, b->address, b->size, b->stream);
           trace_.note(trace_action::free_completed, b->address, b->size, b->stream);

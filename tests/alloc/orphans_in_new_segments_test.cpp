@@ -137,6 +137,32 @@ TEST(orphans_in_new_segments, a_segment_kept_only_by_a_tombstone_goes_back_and_t
   EXPECT_THROW(a.deallocate(stale, {}), invalid_argument) << "a second late free is an unknown pointer";
 }
 
+// A growing private pool's new segment keeps an orphan as a tombstone too; a
+// restore of the pool's layout refuses while it lies there (a block could
+// start at its address) and changes nothing, and goes ahead after the late free.
+TEST(orphans_in_new_segments, a_growing_pools_restore_waits_for_the_late_free_of_a_tombstone_in_its_memory) {
+  segment_over_an_orphan over(2 * mib);
+  auto& [host, dev, a, region, stale] = over;
+  const auto pool = a.create_growing_private_pool();
+  const auto saved = a.checkpoint_private_pool(pool);  // nothing yet
+  void* newer = nullptr;
+  {
+    alloc::private_pool_scope scope(a, pool);
+    newer = a.allocate(4 * kib, {});
+  }
+  ASSERT_TRUE(dev.reused_segment) << "the test's premise: the pool's segment lies at the region's address";
+  ASSERT_EQ(a.stats().invalidated.aggregate.current, 1);
+  EXPECT_THROW(a.restore_private_pool(pool, saved), invalid_argument);
+  EXPECT_NO_THROW((void)a.block_size(newer)) << "nothing changed";
+  EXPECT_EQ(a.stats().invalidated.aggregate.current, 1);
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(stale, {});  // the owner's late free
+  const auto result = a.restore_private_pool(pool, saved);
+  EXPECT_EQ(result.freed, std::vector{reinterpret_cast<std::uintptr_t>(newer)});
+  EXPECT_NO_THROW(a.check_invariants());
+  a.destroy_private_pool(pool);
+}
+
 TEST(orphans_in_new_segments, a_request_no_stretch_around_the_tombstone_fits_takes_another_segment) {
   segment_over_an_orphan over(20 * mib);
   auto& [host, dev, a, region, stale] = over;

@@ -13,9 +13,11 @@
 #include <utility>
 #include <vector>
 
+#include "shoal/backend/host_device.h"
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 #include "support/allocators.h"
+#include "support/forwarding_device.h"
 #include "support/region_pool.h"
 
 namespace shoal::testing {
@@ -233,6 +235,83 @@ TYPED_TEST(pool_checkpoints, a_free_waiting_for_a_stream_completes_before_the_re
   a.check_invariants();
   a.deallocate(p, mine);
   dev.synchronize(mine);
+  a.destroy_private_pool(pool);
+}
+
+// A checkpoint whose free blocks lie side by side (none the allocator takes
+// has them: they merge) is laid out with them merged.
+TYPED_TEST(pool_checkpoints, free_neighbours_in_a_checkpoint_become_one_free_block) {
+  auto& a = this->make();
+  const auto pool = a.create_growing_private_pool();
+  (void)allocate_in(a, pool, 64 * kib);  // freed by the restore
+  auto saved = a.checkpoint_private_pool(pool);
+  ASSERT_EQ(saved.segments.size(), 1u);
+  auto& blocks = saved.segments[0].blocks;
+  ASSERT_EQ(blocks.size(), 2u);  // p, then the free rest
+  ASSERT_TRUE(blocks[0].allocated);
+  const auto rest = blocks[1];
+  const std::size_t half = rest.size / 2 / 512 * 512;
+  // [free 16 KiB, free 48 KiB, allocated: the rest's first half, free, free]
+  const auto p_address = blocks[0].address;
+  blocks = {{p_address, 16 * kib, false, 0, {}},
+            {p_address + 16 * kib, 48 * kib, false, 0, {}},
+            {rest.address, half, true, 1000, {}},
+            {rest.address + half, 512, false, 0, {}},
+            {rest.address + half + 512, rest.size - half - 512, false, 0, {}}};
+  const auto result = a.restore_private_pool(pool, saved);
+  ASSERT_EQ(result.allocated.size(), 1u);
+  EXPECT_EQ(result.allocated[0], std::make_pair(rest.address, half));
+  const auto after = a.checkpoint_private_pool(pool).segments[0].blocks;
+  ASSERT_EQ(after.size(), 3u) << "free neighbours merged";
+  EXPECT_EQ(after[0].size, 64 * kib);
+  EXPECT_TRUE(after[1].allocated);
+  EXPECT_EQ(after[2].size, rest.size - half);
+  a.check_invariants();
+  a.deallocate(reinterpret_cast<void*>(rest.address), {});
+  a.destroy_private_pool(pool);
+}
+
+TYPED_TEST(pool_checkpoints, a_pool_over_memory_handed_in_is_refused) {
+  auto& a = this->make();
+  region_pool region(this->device(), a, 4 * mib);
+  alloc::pool_checkpoint made;
+  made.pool = region.id;
+  EXPECT_THROW(a.restore_private_pool(region.id, made), shoal::invalid_argument);
+  a.destroy_private_pool(region.id);
+}
+
+// A device that refuses to make a stream wait, once asked to.
+class refusing_waits : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+  void wait(backend::stream_ref stream, backend::event_ref event) override {
+    if (refuse) throw backend_error("cudaStreamWaitEvent", "refused by the test");
+    forwarding_device::wait(stream, event);
+  }
+  bool refuse = false;
+};
+
+TEST(pool_checkpoints_errors, a_device_error_while_the_streams_wait_leaves_the_layout_as_it_was) {
+  backend::host_device host;
+  refusing_waits dev(host);
+  alloc::caching_allocator a(dev, alloc::allocator_config{});
+  backend::stream owner(dev), other(dev);
+  const auto pool = a.create_growing_private_pool();
+  void* p = allocate_in(a, pool, 64 * kib, owner);
+  const auto saved = a.checkpoint_private_pool(pool);
+  a.deallocate(p, owner);
+  void* q = allocate_in(a, pool, 64 * kib, other);  // the restored owner will have to wait for `other`
+  const auto before = a.checkpoint_private_pool(pool);
+  dev.refuse = true;
+  EXPECT_THROW(a.restore_private_pool(pool, saved), backend_error);
+  dev.refuse = false;
+  EXPECT_EQ(difference(before, a.checkpoint_private_pool(pool)), "") << "nothing changed";
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 1);
+  a.check_invariants();
+  const auto result = a.restore_private_pool(pool, saved);  // the same restore, once the device agrees
+  EXPECT_EQ(result.freed, std::vector{at(q)});
+  a.deallocate(p, owner);
+  dev.synchronize(owner);
   a.destroy_private_pool(pool);
 }
 

@@ -323,8 +323,8 @@ class caching_allocator {
   /// (PyTorch's getCheckpointState).
   [[nodiscard]] pool_checkpoint checkpoint_private_pool(private_pool_id pool);
   /// Lays the growing private pool out as `checkpoint` says (PyTorch's
-  /// setCheckpointPoolState): waits on the host for its pending frees
-  /// (drain_private_pool), frees every block allocated in it now (listed in
+  /// setCheckpointPoolState): waits on the host for its pending frees (only
+  /// those), frees every block allocated in it now (listed in
   /// `freed`: their owners must not free them), then splits each of the
   /// checkpoint's segments at its blocks' boundaries and allocates its
   /// allocated blocks again, with their requested sizes and streams (listed
@@ -334,10 +334,12 @@ class caching_allocator {
   /// its free blocks remember those streams as their last. Throws
   /// invalid_argument, changing nothing, for a checkpoint of another pool,
   /// one whose segments the pool no longer has or whose blocks do not tile
-  /// them, a pool that is not growing, and a block shared with another
-  /// process (mark_held_outside); a device error while making the streams
-  /// wait also leaves the layout as it was. Nobody should allocate from
-  /// or free to the pool meanwhile.
+  /// them, a pool that is not growing, a block shared with another process
+  /// (mark_held_outside) and a tombstone in its memory (an orphan a new
+  /// segment kept, until its late free); a device error while making the
+  /// streams wait also leaves the layout as it was. Debug mode does not
+  /// poison the memory a restore frees. Nobody should allocate from or free
+  /// to the pool meanwhile.
   pool_restore_result restore_private_pool(private_pool_id pool, const pool_checkpoint& checkpoint);
 
  private:
