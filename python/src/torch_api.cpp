@@ -130,6 +130,11 @@ class torch_allocators {
     return slots_[ordinal].load(std::memory_order_acquire);
   }
 
+  [[nodiscard]] bool configured_growable_segments() const {
+    std::lock_guard lock(mutex_);
+    return config_ && config_->expandable_segments;
+  }
+
   [[nodiscard]] double configured_memory_fraction() const {
     std::lock_guard lock(mutex_);
     return config_ ? config_->memory_fraction : 0.0;
@@ -445,6 +450,10 @@ int api_configured_memory_fraction(double* out) {
   return guarded([&] { *out = allocators().configured_memory_fraction(); });
 }
 
+int api_configured_growable_segments(int* out) {
+  return guarded([&] { *out = allocators().configured_growable_segments() ? 1 : 0; });
+}
+
 shoal_torch_block_state torch_state(alloc::block_state state) {
   switch (state) {
     case alloc::block_state::allocated: return SHOAL_TORCH_BLOCK_ALLOCATED;
@@ -538,6 +547,7 @@ const shoal_torch_api api_table = {
     api_snapshot,
     api_observe_segments,
     api_observe_free_waits,
+    api_configured_growable_segments,
 };
 
 }  // namespace

@@ -190,6 +190,9 @@ struct shoal_torch_api {
   /// before. With none, such a free pays nothing for it: set one only while
   /// it is wanted (the plugin's, while memory history records).
   int (*observe_free_waits)(shoal_torch_free_wait_observer observe);
+  /// *out = 1 when the allocators were configured with growable segments
+  /// (expandable_segments), else 0.
+  int (*configured_growable_segments)(int* out);
 };
 
 #ifdef __cplusplus

@@ -468,13 +468,12 @@ std::vector<std::tuple<int64_t, int64_t, int64_t>> entries() {
 """
 
 
-@pytest.mark.parametrize("growable", [True, False])
-def test_an_allocator_trace_tracker_is_told_each_segment_as_it_comes_and_goes(growable, tmp_path):
+def test_an_allocator_trace_tracker_is_told_each_segment_as_it_comes_and_goes(tmp_path):
     out = run(
         f"""
         import json, shoal.torch, torch
         from torch.utils.cpp_extension import load_inline
-        shoal.torch.enable(use_environment=False, expandable_segments={growable})
+        shoal.torch.enable(use_environment=False, expandable_segments=False)
         probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r}, functions=["attach", "entries"],
                             with_cuda=True, build_directory={str(tmp_path)!r})
         probe.attach()  # PyTorch's pluggable allocator refuses this ("only used inside Pytorch")
@@ -488,11 +487,32 @@ def test_an_allocator_trace_tracker_is_told_each_segment_as_it_comes_and_goes(gr
     )
     names = {3: "segment_alloc", 4: "segment_free", 5: "segment_map", 6: "segment_unmap"}
     entries = [[names.get(a, a), addr, size] for a, addr, size in out["entries"]]
-    taken, given_back = ("segment_map", "segment_unmap") if growable else ("segment_alloc", "segment_free")
-    assert [e[0] for e in entries] == [taken, given_back], entries
+    assert [e[0] for e in entries] == ["segment_alloc", "segment_free"], entries
     (_, base, size), (_, freed_base, freed_size) = entries
     assert base <= out["ptr"] and out["ptr"] + (40 << 20) <= base + size, "the segment that holds the tensor"
     assert (freed_base, freed_size) == (base, size), "given back, the same memory"
+
+
+def test_an_allocator_trace_tracker_is_refused_over_growable_segments_with_the_way_out(tmp_path):
+    out = run(
+        f"""
+        import json, shoal.torch, torch
+        from torch.utils.cpp_extension import load_inline
+        shoal.torch.enable(use_environment=False)  # growable segments, the default
+        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r}, functions=["attach", "entries"],
+                            with_cuda=True, build_directory={str(tmp_path)!r})
+        try:
+            probe.attach()
+            refused = None
+        except RuntimeError as e:
+            refused = str(e)
+        x = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")  # the process goes on
+        print(json.dumps({{"refused": refused, "entries": len(probe.entries())}}))
+        """,
+        timeout=600,
+    )
+    assert out["refused"] is not None and "expandable_segments=False" in out["refused"], out
+    assert out["entries"] == 0
 
 
 def test_nccl_registers_shoals_segments_through_its_allocator_hook():

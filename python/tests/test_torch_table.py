@@ -55,6 +55,7 @@ PRELUDE = textwrap.dedent(
             ("snapshot", F(i, vp, Visitor)),
             ("observe_segments", F(i, Observer)),
             ("observe_free_waits", F(i, FreeWaitObserver)),
+            ("configured_growable_segments", F(i, ctypes.POINTER(i))),
         ]
 
     api = Table.from_address(_shoal._torch_api())
@@ -229,3 +230,18 @@ def test_a_free_that_waits_for_a_stream_reaches_the_free_wait_observer():
     assert [e[:3] for e in out["completed"][1:]] == [[0, 1, out["p"]]], out["completed"]  # then COMPLETED
     assert out["completed"][1][3] == out["held"][0][3] >= 64 << 10, "the block's size, both times"
     assert out["after_none"] == 0, "a NULL observer is told nothing"
+
+
+@pytest.mark.parametrize("growable", [False, True])
+def test_the_table_says_whether_the_allocators_use_growable_segments(growable):
+    out = run(
+        f"""
+        _shoal._torch_configure(conf="expandable_segments:{str(growable).lower()}", use_environment=False)
+        """
+        + """
+        flag = i()
+        assert api.configured_growable_segments(ctypes.byref(flag)) == OK, api.last_error()
+        out["growable"] = flag.value
+        """
+    )
+    assert out["growable"] == int(growable)

@@ -457,7 +457,17 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
   bool isHistoryEnabled() override { return history->recording(); }
 
   // ProcessGroupNCCL's segment registration, among PyTorch's own users (trace_trackers.h).
+  // PyTorch turns NCCL's hook off under its own expandable segments (it
+  // registers whole segments and ignores segment_map / segment_unmap); it
+  // cannot see shoal's, so the tracker is refused there rather than leave
+  // NCCL registrations of memory given back.
   void attachAllocatorTraceTracker(c10::cuda::CUDACachingAllocator::AllocatorTraceTracker tracker) override {
+    int growable = 0;
+    check(api->configured_growable_segments(&growable), "attachAllocatorTraceTracker");
+    TORCH_CHECK(growable == 0,
+                "shoal: an allocator trace tracker (NCCL's TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK) cannot follow "
+                "shoal's growable segments, as PyTorch's own allocator does not follow its expandable segments; "
+                "call shoal.torch.enable(expandable_segments=False) to use it");
     trackers->attach(std::move(tracker));
   }
 

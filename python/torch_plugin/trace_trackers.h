@@ -8,7 +8,10 @@
 //
 // Each tracker is told every segment entry (shoal's segment observer:
 // memory taken from the device or given back), whether or not memory
-// history records, with no context. Not as PyTorch's allocator tells them:
+// history records, with no context. Over growable segments the plugin
+// refuses trackers: PyTorch turns NCCL's hook off under its own expandable
+// segments (the hook registers whole segments and ignores segment_map /
+// segment_unmap), and cannot see shoal's. Not as PyTorch's allocator tells them:
 // the entries of single allocations and frees are not told (no tracker
 // inside PyTorch reads them, and they would cost every allocation).
 //
