@@ -187,11 +187,12 @@ struct shoal_torch_api {
   int (*observe_segments)(shoal_torch_segment_observer observe);
   /// `observe` (NULL: none) is told of every free that waits for streams,
   /// of every device's allocator, from now on, in place of the one set
-  /// before. With none, such a free pays nothing for it: set one only while
-  /// it is wanted (the plugin's, while memory history records).
+  /// before. With none, such a free pays one relaxed load for it: set one
+  /// only while it is wanted (the plugin's, while memory history records).
   int (*observe_free_waits)(shoal_torch_free_wait_observer observe);
   /// *out = 1 when the allocators were configured with growable segments
-  /// (expandable_segments), else 0.
+  /// (expandable_segments), else 0: the setting, also where a device without
+  /// growable ranges falls back to plain segments.
   int (*configured_growable_segments)(int* out);
 };
 

@@ -18,7 +18,8 @@
 // Thread-safety: attach and notify may be called from any thread at once.
 // Trackers are called on the thread that took or gave back the memory, under
 // shoal's allocator locks (as PyTorch's allocator calls them under its own):
-// a tracker must not allocate from or free to PyTorch's CUDA allocator.
+// a tracker must not call PyTorch's CUDA allocator at all (allocate, free,
+// snapshot, empty_cache). Entries name no memory pool ({0, 0}).
 #pragma once
 
 #include <c10/cuda/CUDACachingAllocator.h>

@@ -242,7 +242,8 @@ class caching_allocator {
   /// whichever thread finds the wait over (an allocation that misses its
   /// pool's cache, or one under memory pressure that has the pool's stream
   /// wait for it on the device; process_pending_frees, empty_cache; a
-  /// private pool's drain, forget_last_streams, forced clear or destroy),
+  /// private pool's drain, forget_last_streams, forced clear, destroy or
+  /// restore_private_pool),
   /// under the block's pool lock, before the block can be handed out again. Same rules as a segment observer:
   /// quick, no call of the allocator, what it throws dropped, none told at
   /// the allocator's destruction, one relaxed load when none is registered.
@@ -318,9 +319,11 @@ class caching_allocator {
   /// allocate from the sub-pool meanwhile.
   void drain_private_pool(private_pool_id pool, const std::string& part = "");
   /// The layout of a growing private pool now: every segment's blocks and
-  /// which are allocated (pool_checkpoint). For CUDA graph trees, which
-  /// return a graph pool to the layout it had after an earlier capture
-  /// (PyTorch's getCheckpointState).
+  /// which are allocated (pool_checkpoint; a free waiting for a stream and
+  /// a tombstone count as free). For CUDA graph trees, which return a graph
+  /// pool to the layout it had after an earlier capture (PyTorch's
+  /// getCheckpointState). invalid_argument for a pool over memory handed in.
+  /// Thread-safe; takes the pool's lock.
   [[nodiscard]] pool_checkpoint checkpoint_private_pool(private_pool_id pool);
   /// Lays the growing private pool out as `checkpoint` says (PyTorch's
   /// setCheckpointPoolState): waits on the host for its pending frees (only
@@ -332,7 +335,8 @@ class caching_allocator {
   /// streams of the allocated blocks wait on the device for every stream
   /// that used the pool's memory before (the old owners' queued work), and
   /// its free blocks remember those streams as their last. Throws
-  /// invalid_argument, changing nothing, for a checkpoint of another pool,
+  /// invalid_argument before any block is freed or allocated (pending frees
+  /// may have completed already) for a checkpoint of another pool,
   /// one whose segments the pool no longer has or whose blocks do not tile
   /// them, a pool that is not growing, a block shared with another process
   /// (mark_held_outside) and a tombstone in its memory (an orphan a new
