@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
-#include <span>
 #include <string>
 #include <vector>
 
@@ -64,17 +63,21 @@ std::map<const segment*, const pool_checkpoint::segment_state*> match_segments(c
   return matched;
 }
 
-// The blocks a rebuilt segment will have: the checkpoint's, with neighbouring
-// free ones counted as one (they merge), or one free block.
-std::size_t blocks_after(const pool_checkpoint::segment_state* saved) {
-  if (saved == nullptr) return 1;
-  std::size_t n = 0;
-  bool after_free = false;
+// The blocks a segment is rebuilt with: the checkpoint's, neighbouring free
+// ones as one (free blocks never lie side by side), or one free block for a
+// segment taken since the checkpoint.
+std::vector<pool_checkpoint::block_state> layout_after(const segment& s, const pool_checkpoint::segment_state* saved) {
+  if (saved == nullptr) return {{s.base, s.size, false, 0, {}}};
+  std::vector<pool_checkpoint::block_state> out;
+  out.reserve(saved->blocks.size());
   for (const auto& b : saved->blocks) {
-    if (b.allocated || !after_free) ++n;
-    after_free = !b.allocated;
+    if (!b.allocated && !out.empty() && !out.back().allocated) {
+      out.back().size += b.size;
+      continue;
+    }
+    out.push_back(b);
   }
-  return n;
+  return out;
 }
 
 }  // namespace
@@ -159,17 +162,19 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
       add_unique(owners, b.stream);
     }
   }
+  std::vector<std::vector<pool_checkpoint::block_state>> layouts;  // one per segment, in part.segments' order
+  layouts.reserve(part.segments.size());
   std::size_t needed = 0;
   for (const auto& s : part.segments) {
     const auto found = matched.find(s.get());
-    needed += blocks_after(found == matched.end() ? nullptr : found->second);
+    needed += layouts.emplace_back(layout_after(*s, found == matched.end() ? nullptr : found->second)).size();
   }
   pool_restore_result result;
   result.freed.reserve(live);
   result.allocated.reserve(restored);
   part.allocated.reserve(restored);
   part.reserve_blocks(needed);
-  std::vector<block*> fresh;  // taken from the spare list now, so that phase 2 allocates nothing
+  std::vector<block*> fresh;  // one per layout entry, taken now so that phase 2 allocates nothing
   fresh.reserve(needed);
   try {
     for (std::size_t i = 0; i < needed; ++i) {
@@ -199,6 +204,7 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
   // ---- phase 2: the layout rebuilt; nothing throws
   auto& c = part.counters;
   std::size_t next_fresh = 0;
+  auto layout = layouts.begin();
   for (auto& s : part.segments) {
     for (block* b = s->first; b != nullptr;) {
       block* const next = b->next;
@@ -223,16 +229,8 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
       b = next;
     }
     s->first = nullptr;
-    const auto found = matched.find(s.get());
-    const pool_checkpoint::block_state whole{s->base, s->size, false, 0, {}};  // a segment taken since: free
-    const std::span<const pool_checkpoint::block_state> layout =
-        found != matched.end() ? std::span(found->second->blocks) : std::span(&whole, 1);
     block* last = nullptr;
-    for (const auto& saved : layout) {
-      if (!saved.allocated && last != nullptr && last->state == block_state::free) {
-        last->size += saved.size;  // free neighbours are one block
-        continue;
-      }
+    for (const auto& saved : *layout++) {
       block* b = fresh[next_fresh++];
       b->address = saved.address;
       b->size = saved.size;
@@ -262,8 +260,6 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
       refresh_split_stat(part, b);
     }
   }
-  // blocks_after counted exactly what the loop above took.
-  while (next_fresh < fresh.size()) part.recycle(fresh[next_fresh++]);
   lock.unlock();
   check_step();
   return result;
