@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <new>
 #include <random>
 #include <set>
 #include <string>
@@ -18,6 +19,7 @@
 #include "shoal/core/error.h"
 #include "support/allocators.h"
 #include "support/forwarding_device.h"
+#include "support/refused_allocations.h"
 #include "support/region_pool.h"
 
 namespace shoal::testing {
@@ -312,6 +314,56 @@ TEST(pool_checkpoints_errors, a_device_error_while_the_streams_wait_leaves_the_l
   EXPECT_EQ(result.freed, std::vector{at(q)});
   a.deallocate(p, owner);
   dev.synchronize(owner);
+  a.destroy_private_pool(pool);
+}
+
+// Phase 1 takes every piece of host memory a restore needs (block objects,
+// room for their last streams, the index, the result's lists): refused any
+// one of them, the restore throws std::bad_alloc and the layout, the
+// counters and the blocks' owners are as they were.
+TEST(pool_checkpoints_errors, a_restore_refused_host_memory_at_any_step_changes_nothing) {
+  backend::host_device dev;
+  alloc::caching_allocator a(dev, alloc::allocator_config{});
+  std::vector<backend::stream> streams;  // more than any block object's room for last streams so far
+  for (int i = 0; i < 6; ++i) streams.emplace_back(dev);
+  const auto on = [&](std::size_t i) -> backend::stream_ref { return streams[i % streams.size()]; };
+  const auto pool = a.create_growing_private_pool();
+  std::vector<void*> first;
+  for (std::size_t i = 0; i < 6; ++i) first.push_back(allocate_in(a, pool, (i + 1) * 64 * kib, on(i)));
+  a.deallocate(first[1], on(1));
+  a.deallocate(first[2], on(2));  // free neighbours: merged in the checkpoint's layout
+  const auto saved = a.checkpoint_private_pool(pool);
+  for (std::size_t i : {0, 3, 4, 5}) a.deallocate(first[i], on(i));
+  for (std::size_t i = 0; i < 40; ++i) (void)allocate_in(a, pool, 4 * kib, on(i));  // the index grows
+  (void)allocate_in(a, pool, 40 * mib, on(1));  // a segment taken since
+  const auto before = a.checkpoint_private_pool(pool);
+  const auto stats_before = a.stats().to_json();
+
+  int refusals = 0;
+  for (int nth = 1;; ++nth) {
+    bool threw = false;
+    bool refused = false;
+    {
+      refusing_one_allocation refuse(nth, [] {});
+      try {
+        (void)a.restore_private_pool(pool, saved);  // frees the blocks allocated since: no one's to free
+      } catch (const std::bad_alloc&) {
+        threw = true;
+      }
+      refused = refuse.refused();
+    }
+    ASSERT_EQ(threw, refused) << "allocation " << nth << ": only a refusal makes the restore fail";
+    if (!refused) break;  // the restore made fewer allocations: it went through
+    ++refusals;
+    ASSERT_EQ(difference(before, a.checkpoint_private_pool(pool)), "") << "refused at allocation " << nth;
+    ASSERT_EQ(a.stats().to_json(), stats_before) << "refused at allocation " << nth;
+    ASSERT_NO_THROW(a.check_invariants());
+  }
+  EXPECT_GE(refusals, 5) << "the restore took host memory in fewer steps than the test names";
+  EXPECT_EQ(difference(saved, a.checkpoint_private_pool(pool)), "");
+  a.check_invariants();
+  for (std::size_t i : {0, 3, 4, 5}) a.deallocate(first[i], {});
+  for (auto& s : streams) dev.synchronize(s);
   a.destroy_private_pool(pool);
 }
 
