@@ -447,6 +447,7 @@ def test_an_out_of_memory_observer_that_raises_is_reported_and_the_error_goes_on
 TRACKER_PROBE = r"""
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <mutex>
+#include <stdexcept>
 #include <tuple>
 #include <vector>
 namespace {
@@ -459,6 +460,12 @@ void attach() {
         std::lock_guard<std::mutex> lock(seen_mutex);
         seen.emplace_back(static_cast<int64_t>(te.action_), static_cast<int64_t>(te.addr_),
                           static_cast<int64_t>(te.size_));
+      });
+}
+void attach_failing() {
+  c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker(
+      [](const c10::cuda::CUDACachingAllocator::TraceEntry&) {
+        throw std::runtime_error("a tracker failing on purpose");
       });
 }
 std::vector<std::tuple<int64_t, int64_t, int64_t>> entries() {
@@ -474,7 +481,7 @@ def test_an_allocator_trace_tracker_is_told_each_segment_as_it_comes_and_goes(tm
         import json, shoal.torch, torch
         from torch.utils.cpp_extension import load_inline
         shoal.torch.enable(use_environment=False, expandable_segments=False)
-        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r}, functions=["attach", "entries"],
+        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r}, functions=["attach", "attach_failing", "entries"],
                             with_cuda=True, build_directory={str(tmp_path)!r})
         probe.attach()  # PyTorch's pluggable allocator refuses this ("only used inside Pytorch")
         x = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
@@ -493,13 +500,45 @@ def test_an_allocator_trace_tracker_is_told_each_segment_as_it_comes_and_goes(tm
     assert (freed_base, freed_size) == (base, size), "given back, the same memory"
 
 
+def test_an_allocator_trace_tracker_that_throws_is_reported_and_the_next_one_is_told(tmp_path):
+    out = run(
+        f"""
+        import json, os, tempfile, shoal.torch, torch
+        from torch.utils.cpp_extension import load_inline
+        shoal.torch.enable(use_environment=False, expandable_segments=False)
+        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r},
+                            functions=["attach", "attach_failing", "entries"], with_cuda=True,
+                            build_directory={str(tmp_path)!r})
+        probe.attach_failing()
+        probe.attach()
+        with tempfile.TemporaryFile() as err:
+            saved = os.dup(2)
+            os.dup2(err.fileno(), 2)  # the report goes to stderr
+            try:
+                x = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+                del x
+                torch.cuda.empty_cache()
+            finally:
+                os.dup2(saved, 2)
+            err.seek(0)
+            reported = err.read().decode(errors="replace")
+        after = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")  # the allocator still serves
+        print(json.dumps({{"actions": [e[0] for e in probe.entries()], "reported": reported}}))
+        """,
+        timeout=600,
+    )
+    assert out["actions"][:2] == [3, 4], "the tracker after the failing one saw segment_alloc, segment_free"
+    assert out["reported"].count("allocator trace tracker failed") >= 2, out["reported"]
+    assert "failing on purpose" in out["reported"], out["reported"]
+
+
 def test_an_allocator_trace_tracker_is_refused_over_growable_segments_with_the_way_out(tmp_path):
     out = run(
         f"""
         import json, shoal.torch, torch
         from torch.utils.cpp_extension import load_inline
         shoal.torch.enable(use_environment=False)  # growable segments, the default
-        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r}, functions=["attach", "entries"],
+        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r}, functions=["attach", "attach_failing", "entries"],
                             with_cuda=True, build_directory={str(tmp_path)!r})
         try:
             probe.attach()
