@@ -50,7 +50,8 @@ shoal_torch_segment_action torch_action(alloc::trace_action action) {
 void tell_segment_observer(int device, const alloc::segment_event& e) noexcept {
   const shoal_torch_segment_observer observe = segment_observer.load(std::memory_order_acquire);
   if (observe == nullptr) return;
-  const shoal_torch_segment_event event{device, torch_action(e.action), e.address, e.size, e.stream.native};
+  const shoal_torch_segment_event event{device, torch_action(e.action), e.address, e.size, e.stream.native,
+                                        e.pool.value};
   observe(&event);
 }
 

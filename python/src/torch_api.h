@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SHOAL_TORCH_API_VERSION 6
+#define SHOAL_TORCH_API_VERSION 7
 
 enum shoal_torch_status {
   SHOAL_TORCH_OK = 0,
@@ -90,6 +90,7 @@ struct shoal_torch_segment_event {
   uintptr_t address;
   size_t size;
   void* stream;  ///< its pool's cudaStream_t (NULL: the legacy default stream, or none)
+  uint64_t private_pool;  ///< the graph pool it belongs to (create_graph_pool's handle); 0: the ordinary pools
 };
 /// Told of a segment event on the thread that made it, possibly under an
 /// allocator lock: it must be quick, must not call this table, must not throw

@@ -453,6 +453,7 @@ TRACKER_PROBE = r"""
 namespace {
 std::mutex seen_mutex;
 std::vector<std::tuple<int64_t, int64_t, int64_t>> seen;
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> pools_seen;  // action, address, the pool's id
 }
 void attach() {
   c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker(
@@ -460,6 +461,8 @@ void attach() {
         std::lock_guard<std::mutex> lock(seen_mutex);
         seen.emplace_back(static_cast<int64_t>(te.action_), static_cast<int64_t>(te.addr_),
                           static_cast<int64_t>(te.size_));
+        pools_seen.emplace_back(static_cast<int64_t>(te.action_), static_cast<int64_t>(te.addr_),
+                                static_cast<int64_t>(te.mempool_.first), static_cast<int64_t>(te.mempool_.second));
       });
 }
 void attach_failing() {
@@ -472,6 +475,10 @@ std::vector<std::tuple<int64_t, int64_t, int64_t>> entries() {
   std::lock_guard<std::mutex> lock(seen_mutex);
   return seen;
 }
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> pools() {
+  std::lock_guard<std::mutex> lock(seen_mutex);
+  return pools_seen;
+}
 """
 
 
@@ -481,7 +488,7 @@ def test_an_allocator_trace_tracker_is_told_each_segment_as_it_comes_and_goes(tm
         import json, shoal.torch, torch
         from torch.utils.cpp_extension import load_inline
         shoal.torch.enable(use_environment=False, expandable_segments=False)
-        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r}, functions=["attach", "attach_failing", "entries"],
+        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r}, functions=["attach", "attach_failing", "entries", "pools"],
                             with_cuda=True, build_directory={str(tmp_path)!r})
         probe.attach()  # PyTorch's pluggable allocator refuses this ("only used inside Pytorch")
         x = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
@@ -500,6 +507,46 @@ def test_an_allocator_trace_tracker_is_told_each_segment_as_it_comes_and_goes(tm
     assert (freed_base, freed_size) == (base, size), "given back, the same memory"
 
 
+def test_trace_tracker_entries_name_the_mem_pool_whose_segment_they_are(tmp_path):
+    out = run(
+        f"""
+        import json, shoal.torch, torch
+        from torch.utils.cpp_extension import load_inline
+        shoal.torch.enable(use_environment=False, expandable_segments=False)
+        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r},
+                            functions=["attach", "attach_failing", "entries", "pools"], with_cuda=True,
+                            build_directory={str(tmp_path)!r})
+        probe.attach()
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            inside = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+        outside = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+        ptrs = {{"inside": inside.data_ptr(), "outside": outside.data_ptr()}}
+        del inside, outside
+        torch.cuda.empty_cache()
+        pool_id = list(pool.id)
+        del pool  # released: its segment goes back under its name
+        torch.cuda.empty_cache()
+        print(json.dumps({{"pools": [list(e) for e in probe.pools()], "ptrs": ptrs, "pool": pool_id}}))
+        """,
+        timeout=600,
+    )
+    names = {3: "segment_alloc", 4: "segment_free"}
+    entries = [(names.get(a, a), addr, [first, second]) for a, addr, first, second in out["pools"]]
+    taken = [(addr, pool) for action, addr, pool in entries if action == "segment_alloc"]
+    assert len(taken) == 2, entries
+    def holding(ptr):  # the segment whose base is the nearest at or below the block
+        return max((t for t in taken if t[0] <= ptr), key=lambda t: t[0])
+    (inside_base, inside_pool), (outside_base, outside_pool) = holding(out["ptrs"]["inside"]), holding(
+        out["ptrs"]["outside"])
+    assert inside_base != outside_base
+    assert inside_pool == out["pool"] and out["pool"] != [0, 0], "the MemPool's segment names it"
+    assert outside_pool == [0, 0], "an ordinary segment names no pool"
+    freed = {addr: pool for action, addr, pool in entries if action == "segment_free"}
+    assert freed.get(inside_base) == out["pool"], entries
+    assert freed.get(outside_base) == [0, 0], entries
+
+
 def test_an_allocator_trace_tracker_that_throws_is_reported_and_the_next_one_is_told(tmp_path):
     out = run(
         f"""
@@ -507,7 +554,7 @@ def test_an_allocator_trace_tracker_that_throws_is_reported_and_the_next_one_is_
         from torch.utils.cpp_extension import load_inline
         shoal.torch.enable(use_environment=False, expandable_segments=False)
         probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r},
-                            functions=["attach", "attach_failing", "entries"], with_cuda=True,
+                            functions=["attach", "attach_failing", "entries", "pools"], with_cuda=True,
                             build_directory={str(tmp_path)!r})
         probe.attach_failing()
         probe.attach()
@@ -538,7 +585,7 @@ def test_an_allocator_trace_tracker_is_refused_over_growable_segments_with_the_w
         import json, shoal.torch, torch
         from torch.utils.cpp_extension import load_inline
         shoal.torch.enable(use_environment=False)  # growable segments, the default
-        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r}, functions=["attach", "attach_failing", "entries"],
+        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r}, functions=["attach", "attach_failing", "entries", "pools"],
                             with_cuda=True, build_directory={str(tmp_path)!r})
         try:
             probe.attach()

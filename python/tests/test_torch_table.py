@@ -30,12 +30,15 @@ PRELUDE = textwrap.dedent(
 
     Visitor = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(Segment), ctypes.POINTER(Block),
                                ctypes.c_size_t)
-    class SegmentEvent(ctypes.Structure):
+    class FreeWaitEvent(ctypes.Structure):
         _fields_ = [("device", ctypes.c_int), ("action", ctypes.c_int), ("address", ctypes.c_size_t),
                     ("size", ctypes.c_size_t), ("stream", ctypes.c_void_p)]
 
+    class SegmentEvent(ctypes.Structure):
+        _fields_ = FreeWaitEvent._fields_ + [("private_pool", ctypes.c_uint64)]
+
     Observer = ctypes.CFUNCTYPE(None, ctypes.POINTER(SegmentEvent))
-    FreeWaitObserver = ctypes.CFUNCTYPE(None, ctypes.POINTER(SegmentEvent))  # the same layout
+    FreeWaitObserver = ctypes.CFUNCTYPE(None, ctypes.POINTER(FreeWaitEvent))
     F = ctypes.CFUNCTYPE
     i, sz, vp, u64 = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64
 
@@ -47,7 +50,8 @@ PRELUDE = textwrap.dedent(
             ("reset_peak_stats", vp), ("reset_accumulated_stats", vp), ("last_error", F(ctypes.c_char_p)),
             ("create_graph_pool", F(i, i, ctypes.POINTER(u64))),
             ("allocate_in_pool", F(i, u64, sz, i, vp, ctypes.POINTER(vp))),
-            ("deallocate_without_events", vp), ("settle_graph_pool", vp), ("destroy_graph_pool", vp),
+            ("deallocate_without_events", vp), ("settle_graph_pool", vp),
+            ("destroy_graph_pool", F(i, u64, i, ctypes.POINTER(i))),
             ("graph_pool_allocated_blocks", vp),
             ("largest_free_block", F(i, i, ctypes.POINTER(sz))),
             ("block_segment", F(i, vp, i, ctypes.POINTER(vp), ctypes.POINTER(sz))),
@@ -117,7 +121,7 @@ def test_the_tables_entries_answer_on_plain_segments():
                    stopped=walk(stop=True)[0])
         """
     )
-    assert out["version"] == 6 and out["size_matches"], "the table's layout is torch_api.h's"
+    assert out["version"] == 7 and out["size_matches"], "the table's layout is torch_api.h's"
     assert out["status"] == 0 and out["seen"], "a walk of the host allocator's segments"
     blocks = {b[0]: b for s in out["seen"] for b in s["blocks"]}
     for s in out["seen"]:
@@ -195,6 +199,37 @@ def test_segment_events_reach_the_observer_the_table_was_given(growable):
     assert base <= out["p"] < base + size and size >= 30 << 20, "the memory that holds the block"
     assert (freed_base, freed_size) == (base, size), "given back whole"
     assert out["after_none"] == 0, "a NULL observer is told nothing"
+
+
+def test_segment_events_name_the_graph_pool_whose_memory_they_are():
+    out = run(
+        """
+        _shoal._torch_configure(conf="", use_environment=False)
+        _shoal._torch_table_on_host()
+        events = []
+        observer = Observer(lambda e: events.append([e.contents.action, e.contents.size, e.contents.private_pool]))
+        assert api.observe_segments(observer) == OK
+        ordinary = allocate(30 << 20)
+        pool = u64()
+        assert api.create_graph_pool(0, ctypes.byref(pool)) == OK, api.last_error()
+        p = allocate(30 << 20, pool.value)
+        assert api.deallocate(p, 0, None) == OK, api.last_error()
+        destroyed = i()
+        assert api.destroy_graph_pool(pool.value, 0, ctypes.byref(destroyed)) == OK, api.last_error()
+        assert api.deallocate(ordinary, 0, None) == OK, api.last_error()
+        assert api.empty_cache() == OK, api.last_error()
+        assert api.observe_segments(ctypes.cast(None, Observer)) == OK
+        out.update(events=events, pool=pool.value, destroyed=destroyed.value)
+        """
+    )
+    assert out["destroyed"] == 1 and out["pool"] != 0
+    named = [e[2] for e in out["events"]]
+    assert named.count(out["pool"]) >= 2, out["events"]  # the pool's memory taken and given back
+    assert set(named) == {0, out["pool"]}, "the ordinary pools' segments name none"
+    held = {}
+    for action, size, pool in out["events"]:
+        held[pool] = held.get(pool, 0) + (size if action in (0, 2) else -size)
+    assert held == {0: 0, out["pool"]: 0}, "each pool's memory is given back under its own name"
 
 
 def test_a_free_that_waits_for_a_stream_reaches_the_free_wait_observer():

@@ -24,7 +24,22 @@ graph_pools::pool& graph_pools::pool_of(const key& k) {
   if (it == pools_.end()) {
     pool made;
     check(api_, api_.create_graph_pool(k.first, &made.handle), "graph pool");
-    it = pools_.emplace(k, made).first;
+    const std::pair<int, std::uint64_t> named{k.first, made.handle};
+    try {
+      {
+        std::lock_guard ids(ids_mutex_);
+        ids_.emplace(named, k.second);
+      }
+      it = pools_.emplace(k, made).first;
+    } catch (...) {  // out of host memory: the new pool, empty, goes back
+      {
+        std::lock_guard ids(ids_mutex_);
+        ids_.erase(named);
+      }
+      int destroyed = 0;
+      (void)api_.destroy_graph_pool(made.handle, k.first, &destroyed);
+      throw;
+    }
   }
   return it->second;
 }
@@ -124,7 +139,6 @@ void graph_pools::release(c10::DeviceIndex device, mempool_id id) {
     TORCH_CHECK(it != pools_.end(), "shoal: memory pool (", id.first, ", ", id.second, ") does not exist");
     if (--it->second.uses > 0) return;
     released_.emplace_back(device, it->second.handle);
-    released_ids_.emplace(std::pair<int, std::uint64_t>{device, it->second.handle}, id);
     pools_.erase(it);
   }
   (void)destroy_released();
@@ -192,17 +206,24 @@ bool graph_pools::destroy_released() {
       }
     }
   }
+  {
+    std::lock_guard ids(ids_mutex_);
+    for (const auto& pool : gone) ids_.erase(pool);
+  }
   std::lock_guard lock(mutex_);
   released_.insert(released_.end(), kept.begin(), kept.end());
-  for (const auto& pool : gone) released_ids_.erase(pool);
   return any;
 }
 
-std::map<std::pair<int, std::uint64_t>, mempool_id> graph_pools::ids() {
-  std::lock_guard lock(mutex_);
-  std::map<std::pair<int, std::uint64_t>, mempool_id> out = released_ids_;
-  for (const auto& [k, p] : pools_) out.emplace(std::pair<int, std::uint64_t>{k.first, p.handle}, k.second);
-  return out;
+std::map<std::pair<int, std::uint64_t>, mempool_id> graph_pools::ids() const {
+  std::lock_guard ids(ids_mutex_);
+  return ids_;
+}
+
+mempool_id graph_pools::id_of(int device, std::uint64_t handle) const noexcept {
+  std::lock_guard ids(ids_mutex_);
+  const auto found = ids_.find({device, handle});
+  return found == ids_.end() ? mempool_id{0, 0} : found->second;
 }
 
 }  // namespace shoal_torch

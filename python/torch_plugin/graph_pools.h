@@ -73,7 +73,12 @@ class graph_pools {
   bool destroy_released();
   /// The MempoolId of each of shoal's pools, by (device, shoal's handle):
   /// pools in use, and released pools whose memory is not back yet.
-  [[nodiscard]] std::map<std::pair<int, std::uint64_t>, mempool_id> ids();
+  [[nodiscard]] std::map<std::pair<int, std::uint64_t>, mempool_id> ids() const;
+  /// The MempoolId of shoal's pool `handle` on `device` ({0, 0}: none of
+  /// these pools). Takes only a lock nothing else is called under: safe in
+  /// a segment observer, under shoal's locks, while a member of this class
+  /// calls shoal.
+  [[nodiscard]] mempool_id id_of(int device, std::uint64_t handle) const noexcept;
 
  private:
   using key = std::pair<c10::DeviceIndex, mempool_id>;
@@ -99,8 +104,11 @@ class graph_pools {
   std::vector<route> routes_;                                 // guarded by mutex_
   std::vector<deferred_free> deferred_;                       // guarded by mutex_
   std::vector<std::pair<int, std::uint64_t>> released_;       // (device, handle); guarded by mutex_
-  /// The MempoolId each of released_ had, also while destroy_released holds it.
-  std::map<std::pair<int, std::uint64_t>, mempool_id> released_ids_;  // guarded by mutex_
+  /// The MempoolId of every shoal pool made here until it is destroyed (a
+  /// released one's too). Named before its first allocation, forgotten after
+  /// its destroy: every segment event of a pool finds its name.
+  mutable std::mutex ids_mutex_;  // a leaf: taken under mutex_ and shoal's locks, nothing called under it
+  std::map<std::pair<int, std::uint64_t>, mempool_id> ids_;  // guarded by ids_mutex_
   std::atomic<int> routes_count_{0};                          // routes_.size()
 };
 

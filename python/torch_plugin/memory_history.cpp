@@ -183,7 +183,7 @@ memory_history::segments_for::~segments_for() { segments_in = outer_; }
 context memory_history::release_context() const { return gather(record_context::ALL); }
 
 void memory_history::segment_changed(trace_entry::Action action, int device, std::uintptr_t address, size_t size,
-                                     cudaStream_t stream) noexcept {
+                                     cudaStream_t stream, c10::cuda::MempoolId_t pool) noexcept {
   try {
     std::lock_guard lock(mutex_);
     if (!recording_.load(std::memory_order_relaxed)) return;
@@ -194,7 +194,7 @@ void memory_history::segment_changed(trace_entry::Action action, int device, std
       auto taken = segments_.extract(address);
       if (in == nullptr && !taken.empty() && taken.mapped().first == device) in = std::move(taken.mapped().second);
     }
-    record(action, address, allocation{nullptr, size, device, stream, {0, 0}}, in);
+    record(action, address, allocation{nullptr, size, device, stream, pool}, in);
   } catch (const std::exception& e) {
     report("a segment", &e);
   } catch (...) {

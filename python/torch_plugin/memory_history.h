@@ -43,8 +43,8 @@
 //     empty_cache below context='all') carries no context, and a growable
 //     segment's snapshot entry has none (PyTorch keeps the context of its
 //     first map).
-//   - Segment entries name no memory pool ({0, 0}), a destroyed graph pool's
-//     "segment_free" names no stream, and there are no snapshot entries.
+//   - A destroyed graph pool's "segment_free" names no stream, and there are
+//     no snapshot entries.
 //   - A block allocated before recording began has no entry when it is freed
 //     while recording (its size is not known), and blocks lose their context
 //     when recording stops (so that, stopped, the free path costs one load).
@@ -177,10 +177,10 @@ class memory_history {
   [[nodiscard]] context release_context() const;
 
   /// A segment event while recording (one of the SEGMENT_ actions): its
-  /// entry. Called from shoal's segment observer, under shoal's allocator
+  /// entry, naming the segment's pool as PyTorch's allocator does. Called from shoal's segment observer, under shoal's allocator
   /// locks: takes only this class's lock and calls no recorder. Never throws.
   void segment_changed(trace_entry::Action action, int device, std::uintptr_t address, size_t size,
-                       cudaStream_t stream) noexcept;
+                       cudaStream_t stream, c10::cuda::MempoolId_t pool) noexcept;
 
   /// Each of `devices` devices' entries, oldest first, their times in
   /// microseconds since the epoch (SnapshotInfo::device_traces).

@@ -126,11 +126,14 @@ void segment_changed(const shoal_torch_segment_event* event) noexcept {
     default: break;
   }
   const auto stream = static_cast<cudaStream_t>(event->stream);
+  // NCCL's hook registers a MemPool's later segments by this name (register_mem_pool).
+  const shoal_torch::mempool_id pool =
+      event->private_pool != 0 ? graphs->id_of(event->device, event->private_pool) : shoal_torch::mempool_id{0, 0};
   if (trackers->any()) {
     trackers->notify(entry(action, static_cast<c10::DeviceIndex>(event->device), event->address, event->size,
-                           static_cast<void*>(stream), {0, 0}, c10::getApproximateTime(), nullptr));
+                           static_cast<void*>(stream), pool, c10::getApproximateTime(), nullptr));
   }
-  if (recording) history->segment_changed(action, event->device, event->address, event->size, stream);
+  if (recording) history->segment_changed(action, event->device, event->address, event->size, stream, pool);
 }
 
 // shoal's free-wait observer (observe_free_waits): a free that waits for

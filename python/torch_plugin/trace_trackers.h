@@ -19,7 +19,8 @@
 // Trackers are called on the thread that took or gave back the memory, under
 // shoal's allocator locks (as PyTorch's allocator calls them under its own):
 // a tracker must not call PyTorch's CUDA allocator at all (allocate, free,
-// snapshot, empty_cache). Entries name no memory pool ({0, 0}).
+// snapshot, empty_cache). A graph pool's or MemPool's segment entries name
+// its MempoolId (NCCL's register_mem_pool follows a pool's segments by it).
 #pragma once
 
 #include <c10/cuda/CUDACachingAllocator.h>

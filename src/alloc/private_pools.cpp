@@ -398,7 +398,7 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
             }
           });
     }
-    source_.free_detached_segments(grown);
+    source_.free_detached_segments(id, grown);
     check_step();
     return taken;
   }

@@ -147,7 +147,7 @@ block* segment_source::grow_plain(block_pool& pool, std::size_t size, bool right
   pool.segments.push_back(std::move(s));  // within the room reserved above
   pool_counters::add(pool.counters.segments, 1);
   pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
-  note_segment(trace_action::segment_alloc, added.base, bytes, pool.stream);
+  note_segment(trace_action::segment_alloc, added.base, bytes, pool);
   return keep_orphans_as_tombstones(pool, added, covered);
 }
 
@@ -352,7 +352,7 @@ block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
   s->mapped_bytes += need;
   note_reserved_peak();
   pool_counters::add(pool.counters.reserved_bytes, static_cast<std::int64_t>(need));
-  note_segment(trace_action::segment_map, at, need, pool.stream);
+  note_segment(trace_action::segment_map, at, need, pool);
   if (u->size > need) {  // the rest stays unbacked
     block* rest = split(pool, u, at == u->address ? need : u->size - need);
     if (at != u->address) u = rest;
@@ -363,7 +363,8 @@ block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
 
 void segment_source::release_cached(block_pool& pool) { give_back(pool, ~std::size_t{0}, nullptr, nullptr); }
 
-void segment_source::free_detached_segments(const std::vector<std::pair<std::uintptr_t, std::size_t>>& segments) {
+void segment_source::free_detached_segments(private_pool_id pool,
+                                            const std::vector<std::pair<std::uintptr_t, std::size_t>>& segments) {
   // Out of the directory already, so nobody can reach them again: each is
   // freed and unreserved whatever an observer or the device says, and the
   // first error goes on afterwards (a failed free's memory is the driver's
@@ -378,7 +379,7 @@ void segment_source::free_detached_segments(const std::vector<std::pair<std::uin
     } catch (...) {
       remember();
     }
-    note_segment(trace_action::segment_free, base, size, {});  // before another pool can be given its address
+    note_segment(trace_action::segment_free, base, size, {}, pool);  // before another pool can be given its address
     try {
       free_plain_segment(base);
       device_frees_.fetch_add(1, std::memory_order_relaxed);
@@ -482,11 +483,11 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
     hooks_.notify_release(s->base, s->size);
     // Told before the device has it back: from then on another pool may be
     // given the same address and tell its segment_alloc first.
-    note_segment(trace_action::segment_free, s->base, s->size, pool.stream);
+    note_segment(trace_action::segment_free, s->base, s->size, pool);
     told_free = true;
     free_plain_segment(s->base);
   } catch (...) {
-    if (told_free) note_segment(trace_action::segment_alloc, s->base, s->size, pool.stream);  // it stayed after all
+    if (told_free) note_segment(trace_action::segment_alloc, s->base, s->size, pool);  // it stayed after all
     directory_.register_segment(*s);  // nothing went back: the segment stays cached as it was
     if (!tombstones.empty()) orphans_.forget_all(tombstones);
     throw;
@@ -545,7 +546,7 @@ std::size_t segment_source::unmap_free_chunks(block_pool& pool, segment* s, std:
     unreserve_bytes(bytes);
     s->mapped_bytes -= bytes;
     pool_counters::sub(pool.counters.reserved_bytes, static_cast<std::int64_t>(bytes));
-    note_segment(trace_action::segment_unmap, lo, bytes, pool.stream);
+    note_segment(trace_action::segment_unmap, lo, bytes, pool);
     // [b: mapped head][hole][mapped tail], heads and tails possibly empty.
     block* hole = lo > b->address ? split(pool, b, lo - b->address) : b;
     if (hi < hole->address + hole->size) {
@@ -603,9 +604,14 @@ std::size_t segment_source::over_peak(std::size_t bytes) const noexcept {
 void segment_source::reset_reserved_peak() noexcept { reserved_peak_ = reserved_total(); }
 
 void segment_source::note_segment(trace_action action, std::uintptr_t address, std::size_t size,
-                                  backend::stream_ref stream) const noexcept {
+                                  backend::stream_ref stream, private_pool_id pool) const noexcept {
   if (trace_.enabled()) trace_.note(action, address, size, stream);
-  if (hooks_.has_segment_observers()) hooks_.notify_segment({action, address, size, stream});
+  if (hooks_.has_segment_observers()) hooks_.notify_segment({action, address, size, stream, pool});
+}
+
+void segment_source::note_segment(trace_action action, std::uintptr_t address, std::size_t size,
+                                  const block_pool& pool) const noexcept {
+  note_segment(action, address, size, pool.stream, pool.is_private ? pool.owner : private_pool_id{});
 }
 
 void segment_source::unreserve_bytes(std::size_t bytes) noexcept {

@@ -63,12 +63,12 @@ class segment_source {
   /// Gives the pool's wholly free segments, and the whole free chunks of its
   /// growable segment, back to the device (after its stream has passed them).
   void release_cached(block_pool& pool);
-  /// Gives back the plain segments [base, base + size) of a growing private
-  /// pool that left the directory with it (destroy_private_pool): observers
+  /// Gives back the plain segments [base, base + size) of growing private
+  /// pool `pool`, which left the directory with them (destroy_private_pool): observers
   /// told, memory freed, the reserved total lowered. Goes on past a failing
   /// free (that segment's memory is lost to the allocator) and then throws
   /// the first error.
-  void free_detached_segments(const std::vector<std::pair<std::uintptr_t, std::size_t>>& segments);
+  void free_detached_segments(private_pool_id pool, const std::vector<std::pair<std::uintptr_t, std::size_t>>& segments);
   /// Counts `bytes` of a growing pool's segments as detached: called while
   /// the pool leaves the directory (every lock of it held), before
   /// free_detached_segments gives them back.
@@ -172,8 +172,10 @@ class segment_source {
   [[nodiscard]] std::size_t over_peak(std::size_t bytes) const noexcept;
   void unreserve_bytes(std::size_t bytes) noexcept;
   /// A segment event into the trace (when on) and to the segment observers.
-  void note_segment(trace_action action, std::uintptr_t address, std::size_t size,
-                    backend::stream_ref stream) const noexcept;
+  void note_segment(trace_action action, std::uintptr_t address, std::size_t size, backend::stream_ref stream,
+                    private_pool_id pool) const noexcept;
+  /// The same, of a segment of `pool`.
+  void note_segment(trace_action action, std::uintptr_t address, std::size_t size, const block_pool& pool) const noexcept;
 
   backend::device& device_;
   const allocator_config& config_;

@@ -198,6 +198,37 @@ TYPED_TEST(segment_observer, a_destroyed_growing_pools_segments_are_told_given_b
   EXPECT_EQ(log.held(), a.stats().reserved_bytes.aggregate.current);
 }
 
+// NCCL's per-pool buffer registration follows a pool's later segments by the
+// pool their events name.
+TYPED_TEST(segment_observer, an_event_names_the_growing_private_pool_whose_segment_it_is) {
+  auto& a = this->make();
+  event_log log(a);
+  void* ordinary = a.allocate(3 * mib, {});
+  const std::size_t ordinary_events = log.events.size();
+  ASSERT_GT(ordinary_events, 0u);
+  for (const auto& e : log.events) EXPECT_EQ(e.pool.value, 0u) << "the stream pools' segments name no pool";
+  const auto first = a.create_growing_private_pool();
+  const auto second = a.create_growing_private_pool();
+  for (const auto pool : {first, second}) {
+    alloc::private_pool_scope scope(a, pool);
+    a.deallocate(a.allocate(30 * mib, {}), {});
+  }
+  this->device().synchronize({});
+  a.destroy_private_pool(first);
+  a.destroy_private_pool(second);
+  std::map<std::uint64_t, std::int64_t> held_by;  // taken less given back, by pool
+  for (std::size_t i = ordinary_events; i < log.events.size(); ++i) {
+    const auto& e = log.events[i];
+    const bool takes = e.action == alloc::trace_action::segment_alloc || e.action == alloc::trace_action::segment_map;
+    held_by[e.pool.value] += takes ? static_cast<std::int64_t>(e.size) : -static_cast<std::int64_t>(e.size);
+    EXPECT_TRUE(e.pool == first || e.pool == second) << "event " << i << " names pool " << e.pool.value;
+  }
+  EXPECT_EQ(held_by.count(first.value) + held_by.count(second.value), 2u) << "each pool's segments name it";
+  EXPECT_EQ(held_by[first.value], 0) << "the destroyed pool's segments are told given back under its name";
+  EXPECT_EQ(held_by[second.value], 0);
+  a.deallocate(ordinary, {});
+}
+
 /// Knows which segments are given back to the device (until it hands the
 /// address out again).
 class freeing_device : public forwarding_device {
