@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -388,6 +389,33 @@ int api_settle_graph_pool(uint64_t pool, int device) {
   return guarded([&] { allocators().of(device).allocator().forget_last_streams(pool_id(pool)); });
 }
 
+int api_checkpoint_graph_pool(uint64_t pool, int device, void** out) {
+  return guarded([&] {
+    auto checkpoint = std::make_unique<alloc::pool_checkpoint>(
+        allocators().of(device).allocator().checkpoint_private_pool(pool_id(pool)));
+    *out = checkpoint.release();
+  });
+}
+
+int api_free_graph_pool_checkpoint(void* checkpoint) {
+  delete static_cast<alloc::pool_checkpoint*>(checkpoint);
+  return SHOAL_TORCH_OK;
+}
+
+int api_restore_graph_pool(uint64_t pool, int device, const void* checkpoint, void* context,
+                           shoal_torch_restored_visitor visit) {
+  alloc::pool_restore_result result;
+  const int status = guarded([&] {
+    if (checkpoint == nullptr) throw invalid_argument("shoal.torch: no checkpoint was given");
+    result = allocators().of(device).allocator().restore_private_pool(
+        pool_id(pool), *static_cast<const alloc::pool_checkpoint*>(checkpoint));
+  });
+  if (status != SHOAL_TORCH_OK) return status;
+  for (const std::uintptr_t address : result.freed) visit(context, SHOAL_TORCH_RESTORE_FREED, address, 0);
+  for (const auto& [address, size] : result.allocated) visit(context, SHOAL_TORCH_RESTORE_ALLOCATED, address, size);
+  return SHOAL_TORCH_OK;
+}
+
 int api_destroy_graph_pool(uint64_t pool, int device, int* destroyed) {
   return guarded([&] {
     auto& allocator = allocators().of(device).allocator();
@@ -549,6 +577,9 @@ const shoal_torch_api api_table = {
     api_observe_segments,
     api_observe_free_waits,
     api_configured_growable_segments,
+    api_checkpoint_graph_pool,
+    api_free_graph_pool_checkpoint,
+    api_restore_graph_pool,
 };
 
 }  // namespace

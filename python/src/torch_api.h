@@ -117,6 +117,15 @@ struct shoal_torch_free_wait_event {
 /// again. The same rules as a segment observer.
 typedef void (*shoal_torch_free_wait_observer)(const struct shoal_torch_free_wait_event* event);
 
+/// A block a graph pool's restore changed (restore_graph_pool).
+enum shoal_torch_restored_action {
+  SHOAL_TORCH_RESTORE_FREED = 0,      ///< was allocated, is not: its owner must not free it
+  SHOAL_TORCH_RESTORE_ALLOCATED = 1,  ///< allocated again, as the checkpoint had it: the caller's to free
+};
+/// Told of each block a restore changed, after the restore, with no lock
+/// held; returns nothing and must not throw.
+typedef void (*shoal_torch_restored_visitor)(void* context, int action, uintptr_t address, size_t size);
+
 struct shoal_torch_api {
   uint32_t version;     ///< SHOAL_TORCH_API_VERSION
   uint32_t struct_size; ///< sizeof(struct shoal_torch_api)
@@ -195,6 +204,16 @@ struct shoal_torch_api {
   /// (expandable_segments), else 0: the setting, also where a device without
   /// growable ranges falls back to plain segments.
   int (*configured_growable_segments)(int* out);
+
+  // Checkpoints of a graph pool's layout (caching_allocator::
+  // checkpoint_private_pool / restore_private_pool), for CUDA graph trees.
+  /// *out = a new checkpoint of the pool, to give to free_graph_pool_checkpoint.
+  int (*checkpoint_graph_pool)(uint64_t pool, int device, void** out);
+  int (*free_graph_pool_checkpoint)(void* checkpoint);
+  /// Lays the pool out as `checkpoint` (of this pool) says, then tells
+  /// `visit` each block it freed and each it allocated again.
+  int (*restore_graph_pool)(uint64_t pool, int device, const void* checkpoint, void* context,
+                            shoal_torch_restored_visitor visit);
 };
 
 #ifdef __cplusplus

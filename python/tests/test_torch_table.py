@@ -39,6 +39,7 @@ PRELUDE = textwrap.dedent(
 
     Observer = ctypes.CFUNCTYPE(None, ctypes.POINTER(SegmentEvent))
     FreeWaitObserver = ctypes.CFUNCTYPE(None, ctypes.POINTER(FreeWaitEvent))
+    Restored = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t)
     F = ctypes.CFUNCTYPE
     i, sz, vp, u64 = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64
 
@@ -60,6 +61,9 @@ PRELUDE = textwrap.dedent(
             ("observe_segments", F(i, Observer)),
             ("observe_free_waits", F(i, FreeWaitObserver)),
             ("configured_growable_segments", F(i, ctypes.POINTER(i))),
+            ("checkpoint_graph_pool", F(i, u64, i, ctypes.POINTER(vp))),
+            ("free_graph_pool_checkpoint", F(i, vp)),
+            ("restore_graph_pool", F(i, u64, i, vp, vp, Restored)),
         ]
 
     api = Table.from_address(_shoal._torch_api())
@@ -280,3 +284,33 @@ def test_the_table_says_whether_the_allocators_use_growable_segments(growable):
         """
     )
     assert out["growable"] == int(growable)
+
+
+def test_a_graph_pools_checkpoint_is_restored_through_the_table():
+    out = run(
+        """
+        _shoal._torch_configure(conf="expandable_segments:false", use_environment=False)
+        _shoal._torch_table_on_host()
+        pool = u64()
+        assert api.create_graph_pool(0, ctypes.byref(pool)) == OK, api.last_error()
+        a, b = allocate(4096, pool.value), allocate(1 << 20, pool.value)
+        saved = vp()
+        assert api.checkpoint_graph_pool(pool.value, 0, ctypes.byref(saved)) == OK, api.last_error()
+        assert api.deallocate(a, 0, None) == OK, api.last_error()
+        c = allocate(8192, pool.value)
+        told = []
+        visit = Restored(lambda _context, action, address, size: told.append([action, address, size]))
+        assert api.restore_graph_pool(pool.value, 0, saved, None, visit) == OK, api.last_error()
+        other = u64()
+        assert api.create_graph_pool(0, ctypes.byref(other)) == OK, api.last_error()
+        refused = api.restore_graph_pool(other.value, 0, saved, None, visit)
+        out.update(a=a, b=b, c=c, told=told, refused=[refused, api.last_error().decode()],
+                   freed=api.free_graph_pool_checkpoint(saved))
+        """
+    )
+    freed = sorted(t[1] for t in out["told"] if t[0] == 0)
+    allocated = {t[1]: t[2] for t in out["told"] if t[0] == 1}
+    assert freed == sorted([out["b"], out["c"]]), out["told"]
+    assert set(allocated) == {out["a"], out["b"]} and allocated[out["b"]] >= 1 << 20, out["told"]
+    assert out["refused"][0] == 2 and "checkpoint is of private pool" in out["refused"][1], out["refused"]
+    assert out["freed"] == 0

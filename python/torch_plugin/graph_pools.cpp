@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 
 #include "plugin_status.h"
 
@@ -142,6 +143,79 @@ void graph_pools::release(c10::DeviceIndex device, mempool_id id) {
     pools_.erase(it);
   }
   (void)destroy_released();
+}
+
+namespace {
+
+// A checkpoint of shoal's, held by PyTorch between getCheckpointState and
+// setCheckpointPoolState (and longer: CUDA graph trees keep one per graph).
+struct pool_checkpoint final : c10::cuda::CUDACachingAllocator::AllocatorState {
+  pool_checkpoint(const shoal_torch_api& api, c10::DeviceIndex device, mempool_id id, void* taken)
+      : api(api), device(device), id(id), taken(taken) {}
+  ~pool_checkpoint() override { (void)api.free_graph_pool_checkpoint(taken); }
+  pool_checkpoint(const pool_checkpoint&) = delete;
+  pool_checkpoint& operator=(const pool_checkpoint&) = delete;
+
+  const shoal_torch_api& api;
+  c10::DeviceIndex device;
+  mempool_id id;
+  void* taken;  ///< the table's checkpoint
+};
+
+struct restore_visit {
+  const std::function<void(void*)>& freed;
+  const std::function<void(void*, size_t)>& allocated;
+  std::exception_ptr failed;  ///< what a callback threw: the visitor must not throw
+
+  static void visit(void* context, int action, uintptr_t address, size_t size) {
+    auto* self = static_cast<restore_visit*>(context);
+    if (self->failed) return;
+    try {
+      if (action == SHOAL_TORCH_RESTORE_FREED) {
+        self->freed(reinterpret_cast<void*>(address));
+      } else {
+        self->allocated(reinterpret_cast<void*>(address), size);
+      }
+    } catch (...) {
+      self->failed = std::current_exception();
+    }
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> graph_pools::checkpoint(c10::DeviceIndex device,
+                                                                                         mempool_id id) {
+  std::uint64_t handle = 0;
+  {
+    std::lock_guard lock(mutex_);
+    const auto it = pools_.find({device, id});
+    TORCH_CHECK(it != pools_.end(), "shoal: memory pool (", id.first, ", ", id.second, ") does not exist");
+    handle = it->second.handle;
+  }
+  void* taken = nullptr;
+  check(api_, api_.checkpoint_graph_pool(handle, device, &taken), "checkpoint of a memory pool");
+  return std::make_shared<pool_checkpoint>(api_, device, id, taken);
+}
+
+void graph_pools::restore(c10::DeviceIndex device, const c10::cuda::CUDACachingAllocator::AllocatorState& state,
+                          const std::function<void(void*)>& freed,
+                          const std::function<void(void*, size_t)>& allocated) {
+  const auto* saved = dynamic_cast<const pool_checkpoint*>(&state);
+  TORCH_CHECK(saved != nullptr, "shoal: this allocator state is no checkpoint of shoal's memory pools");
+  TORCH_CHECK(saved->device == device, "shoal: a checkpoint of device ", saved->device, " given for device ", device);
+  std::uint64_t handle = 0;
+  {
+    std::lock_guard lock(mutex_);
+    const auto it = pools_.find({device, saved->id});
+    TORCH_CHECK(it != pools_.end(), "shoal: the checkpoint's memory pool (", saved->id.first, ", ", saved->id.second,
+                ") was released");
+    handle = it->second.handle;
+  }
+  restore_visit visit{freed, allocated, nullptr};
+  check(api_, api_.restore_graph_pool(handle, device, saved->taken, &visit, &restore_visit::visit),
+        "restore of a memory pool");
+  if (visit.failed) std::rethrow_exception(visit.failed);
 }
 
 int graph_pools::use_count(c10::DeviceIndex device, mempool_id id) {

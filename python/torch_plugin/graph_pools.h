@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <unordered_set>
 #include <utility>
@@ -79,6 +80,18 @@ class graph_pools {
   /// a segment observer, under shoal's locks, while a member of this class
   /// calls shoal.
   [[nodiscard]] mempool_id id_of(int device, std::uint64_t handle) const noexcept;
+
+  /// A checkpoint of the pool's layout (getCheckpointState), for CUDA graph
+  /// trees. Throws PyTorch's error for a pool that does not exist.
+  [[nodiscard]] std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> checkpoint(c10::DeviceIndex device,
+                                                                                          mempool_id id);
+  /// Lays the checkpoint's pool out again (setCheckpointPoolState): each
+  /// block it freed goes to `freed`, each it allocated again to `allocated`
+  /// (address, size). Throws PyTorch's error for a state that is no
+  /// checkpoint of shoal's, of a pool released since, or that the pool
+  /// refuses (restore_private_pool).
+  void restore(c10::DeviceIndex device, const c10::cuda::CUDACachingAllocator::AllocatorState& state,
+               const std::function<void(void*)>& freed, const std::function<void(void*, size_t)>& allocated);
 
  private:
   using key = std::pair<c10::DeviceIndex, mempool_id>;

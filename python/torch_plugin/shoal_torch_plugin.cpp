@@ -316,12 +316,6 @@ std::vector<segment_info> segments_of_pool(std::vector<read_segment_info> read, 
   return out;
 }
 
-constexpr const char* checkpoint_refusal =
-    "shoal: checkpoints of a memory pool's state (getCheckpointState, setCheckpointPoolState), which the CUDA "
-    "graph trees of torch.compile(mode='reduce-overhead') take, are not implemented while shoal is PyTorch's "
-    "allocator. Set torch._inductor.config.triton.cudagraph_trees = False: reduce-overhead then captures through "
-    "torch.cuda.graph, which runs on shoal";
-
 class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
  public:
   /// `previous`: the allocator PyTorch had before (see getIpcDevPtr).
@@ -516,16 +510,63 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
                 "a pool's memory serves only the allocations routed to it");
   }
 
-  // Checkpoints of a pool's state, which torch.compile(mode="reduce-overhead")
-  // takes and restores between the graphs of its CUDA graph trees.
+  // Checkpoints of a pool's layout, which the CUDA graph trees of
+  // torch.compile(mode="reduce-overhead") take after each capture and
+  // restore before another path of graphs runs (graph_pools.h).
   std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
-      c10::DeviceIndex /*device*/, at::cuda::MempoolId_t /*id*/) override {
-    TORCH_CHECK(false, checkpoint_refusal);
+      c10::DeviceIndex device, at::cuda::MempoolId_t id) override {
+    return graphs->checkpoint(device, id);
   }
 
+  // The blocks the restore freed are no one's any more (PyTorch swaps their
+  // storages' deleters for none); those it allocated again come back as
+  // DataPtrs of tensors (PyTorch gives them to the storages that hold them,
+  // and frees the rest with raw_delete).
   c10::cuda::CUDACachingAllocator::CheckpointDelta setCheckpointPoolState(
-      c10::DeviceIndex /*device*/, std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> /*state*/) override {
-    TORCH_CHECK(false, checkpoint_refusal);
+      c10::DeviceIndex device, std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> state) override {
+    TORCH_CHECK(state != nullptr, "shoal: setCheckpointPoolState was given no checkpoint");
+    c10::cuda::CUDACachingAllocator::CheckpointDelta delta;
+    const c10::Device where(c10::DeviceType::CUDA, device);
+    graphs->restore(
+        device, *state,
+        [&](void* freed) {
+          if (history->recording()) shoal_torch::memory_history::free_scope recorded(*history, freed);
+          delta.ptrs_freed.push_back(freed);
+        },
+        [&](void* allocated, size_t bytes) {
+          const auto bits = reinterpret_cast<std::uintptr_t>(allocated);
+          delta.dataptrs_allocd.emplace_back(allocated, reinterpret_cast<void*>(bits | static_cast<std::uintptr_t>(device)),
+                                             &free_tensor_block, where);
+          if (history->recording()) {
+            history->allocated({allocated, bytes, device, nullptr, {0, 0}}, history->allocation_context());
+          }
+        });
+    return delta;
+  }
+
+  // What PyTorch compares a storage's deleter with before it swaps it (CUDA
+  // graph trees) or calls it a standard one: a tensor's, allocate()'s.
+  c10::DeleterFnPtr raw_deleter() const override { return &free_tensor_block; }
+
+  // raw_alloc's pointers are in the pluggable wrapper's map; any other is a
+  // tensor's block (CUDA graph trees free those a restore allocated again
+  // and no storage took), on the device its address belongs to.
+  void raw_delete(void* ptr) override {
+    if (ptr == nullptr) return;
+    bool raw = false;
+    {
+      std::lock_guard lock(allocator_mutex_);
+      raw = allocation_metadata_.count(ptr) != 0;
+    }
+    if (raw) {
+      CUDAPluggableAllocator::raw_delete(ptr);
+      return;
+    }
+    cudaPointerAttributes attributes{};
+    C10_CUDA_CHECK(cudaPointerGetAttributes(&attributes, ptr));
+    TORCH_CHECK(attributes.type == cudaMemoryTypeDevice, "shoal: raw_delete of ", ptr,
+                ", which is not CUDA device memory");
+    free_block(ptr, 0, attributes.device, nullptr);
   }
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t id,
