@@ -163,21 +163,26 @@ struct pool_checkpoint final : c10::cuda::CUDACachingAllocator::AllocatorState {
 };
 
 struct restore_visit {
+  const shoal_torch_api& api;
+  int device;
+  mempool_id id;
   const std::function<void(void*)>& freed;
-  const std::function<void(void*, size_t)>& allocated;
-  std::exception_ptr failed;  ///< what a callback threw: the visitor must not throw
+  const std::function<void(void*, size_t, mempool_id)>& allocated;
+  std::exception_ptr failed;  ///< the first error of a callback: the visitor must not throw
 
-  static void visit(void* context, int action, uintptr_t address, size_t size) {
+  static void visit(void* context, int action, uintptr_t address, size_t size) noexcept {
     auto* self = static_cast<restore_visit*>(context);
-    if (self->failed) return;
+    void* const ptr = reinterpret_cast<void*>(address);
     try {
       if (action == SHOAL_TORCH_RESTORE_FREED) {
-        self->freed(reinterpret_cast<void*>(address));
+        self->freed(ptr);
       } else {
-        self->allocated(reinterpret_cast<void*>(address), size);
+        self->allocated(ptr, size, self->id);
       }
     } catch (...) {
-      self->failed = std::current_exception();
+      if (!self->failed) self->failed = std::current_exception();
+      // A block allocated again that nobody took would be lost: it goes back.
+      if (action != SHOAL_TORCH_RESTORE_FREED) (void)self->api.deallocate(ptr, self->device, nullptr);
     }
   }
 };
@@ -200,7 +205,7 @@ std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> graph_pools::ch
 
 void graph_pools::restore(c10::DeviceIndex device, const c10::cuda::CUDACachingAllocator::AllocatorState& state,
                           const std::function<void(void*)>& freed,
-                          const std::function<void(void*, size_t)>& allocated) {
+                          const std::function<void(void*, size_t, mempool_id)>& allocated) {
   const auto* saved = dynamic_cast<const pool_checkpoint*>(&state);
   TORCH_CHECK(saved != nullptr, "shoal: this allocator state is no checkpoint of shoal's memory pools");
   TORCH_CHECK(saved->device == device, "shoal: a checkpoint of device ", saved->device, " given for device ", device);
@@ -212,7 +217,7 @@ void graph_pools::restore(c10::DeviceIndex device, const c10::cuda::CUDACachingA
                 ") was released");
     handle = it->second.handle;
   }
-  restore_visit visit{freed, allocated, nullptr};
+  restore_visit visit{api_, device, saved->id, freed, allocated, nullptr};
   check(api_, api_.restore_graph_pool(handle, device, saved->taken, &visit, &restore_visit::visit),
         "restore of a memory pool");
   if (visit.failed) std::rethrow_exception(visit.failed);

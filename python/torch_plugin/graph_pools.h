@@ -87,11 +87,14 @@ class graph_pools {
                                                                                           mempool_id id);
   /// Lays the checkpoint's pool out again (setCheckpointPoolState): each
   /// block it freed goes to `freed`, each it allocated again to `allocated`
-  /// (address, size). Throws PyTorch's error for a state that is no
-  /// checkpoint of shoal's, of a pool released since, or that the pool
-  /// refuses (restore_private_pool).
+  /// (address, size, the pool's MempoolId). Throws PyTorch's error for a
+  /// state that is no checkpoint of shoal's, of a pool released since, or
+  /// that the pool refuses (restore_private_pool), and the first error of a
+  /// callback, after the others were told; a block allocated again whose
+  /// callback threw is freed (it has no owner).
   void restore(c10::DeviceIndex device, const c10::cuda::CUDACachingAllocator::AllocatorState& state,
-               const std::function<void(void*)>& freed, const std::function<void(void*, size_t)>& allocated);
+               const std::function<void(void*)>& freed,
+               const std::function<void(void*, size_t, mempool_id)>& allocated);
 
  private:
   using key = std::pair<c10::DeviceIndex, mempool_id>;

@@ -172,14 +172,19 @@ void* allocate_block(size_t bytes, int device, cudaStream_t stream) {
 
 // Runs in tensors' deleters, which must not throw: a failure is reported on
 // stderr and the block stays allocated.
-void free_block(void* ptr, size_t /*bytes*/, int device, cudaStream_t /*allocation_stream*/) noexcept {
-  if (ptr == nullptr) return;
+// A block's free on the current stream of its device: the table's status.
+// Throws PyTorch's error when the capture mode cannot be switched.
+int release_block(void* ptr, int device) {
   std::optional<shoal_torch::memory_history::free_scope> recorded;  // until shoal took the block back
   if (history->recording()) recorded.emplace(*history, ptr);
+  const cudaStream_t current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+  return graphs->routing() ? graphs->deallocate(ptr, device, current) : api->deallocate(ptr, device, current);
+}
+
+void free_block(void* ptr, size_t /*bytes*/, int device, cudaStream_t /*allocation_stream*/) noexcept {
+  if (ptr == nullptr) return;
   try {
-    const cudaStream_t current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-    const int status = graphs->routing() ? graphs->deallocate(ptr, device, current) : api->deallocate(ptr, device, current);
-    if (status != SHOAL_TORCH_OK) {
+    if (release_block(ptr, device) != SHOAL_TORCH_OK) {
       std::fprintf(stderr, "shoal: freeing a PyTorch block failed: %s\n", api->last_error());
     }
   } catch (const std::exception& e) {
@@ -533,12 +538,12 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
           if (history->recording()) shoal_torch::memory_history::free_scope recorded(*history, freed);
           delta.ptrs_freed.push_back(freed);
         },
-        [&](void* allocated, size_t bytes) {
+        [&](void* allocated, size_t bytes, at::cuda::MempoolId_t pool) {
           const auto bits = reinterpret_cast<std::uintptr_t>(allocated);
           delta.dataptrs_allocd.emplace_back(allocated, reinterpret_cast<void*>(bits | static_cast<std::uintptr_t>(device)),
                                              &free_tensor_block, where);
           if (history->recording()) {
-            history->allocated({allocated, bytes, device, nullptr, {0, 0}}, history->allocation_context());
+            history->allocated({allocated, bytes, device, nullptr, pool}, history->allocation_context());
           }
         });
     return delta;
@@ -566,7 +571,7 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
     C10_CUDA_CHECK(cudaPointerGetAttributes(&attributes, ptr));
     TORCH_CHECK(attributes.type == cudaMemoryTypeDevice, "shoal: raw_delete of ", ptr,
                 ", which is not CUDA device memory");
-    free_block(ptr, 0, attributes.device, nullptr);
+    check(release_block(ptr, attributes.device), "raw_delete");  // an unknown pointer raises, as PyTorch's allocator
   }
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, c10::cuda::MempoolId_t id,
