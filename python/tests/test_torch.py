@@ -384,43 +384,104 @@ def test_torch_compile_reduce_overhead_runs_on_cuda_graph_trees_and_without():
     out = run(
         """
         import json, shoal.torch, torch, torch._inductor.config as inductor
-        from torch._inductor import cudagraph_trees
         shoal.torch.enable(use_environment=False)
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256)).cuda()
-        head = torch.nn.Linear(256, 16).cuda()
         x = torch.randn(32, 256, device="cuda")
         with torch.no_grad():
-            ref, ref_head = model(x), head(model(x))
+            ref = model(x)
         same = []
-        for trees in (True, False):  # graph trees (the default) checkpoint and restore the pool's layout
+        for trees in (True, False):
             torch._dynamo.reset()
             inductor.triton.cudagraph_trees = trees
             f = torch.compile(model, mode="reduce-overhead")
-            h = torch.compile(head, mode="reduce-overhead")
             with torch.no_grad():
-                for _ in range(4):
-                    y = f(x).clone()
-                    same.append(bool(torch.allclose(y, ref, atol=1e-4, rtol=1e-4)))
-                    # another function while the first one's path runs: its warm-up restores a checkpoint
-                    same.append(bool(torch.allclose(h(f(x)).clone(), ref_head, atol=1e-4, rtol=1e-4)))
+                for _ in range(4):  # warm-up, recording, replays
+                    same.append(bool(torch.allclose(f(x).clone(), ref, atol=1e-4, rtol=1e-4)))
             g = torch.compile(model, mode="reduce-overhead")
             for _ in range(4):
                 g(x).square().mean().backward()
             torch.cuda.synchronize()
-            if trees:
-                manager = cudagraph_trees.get_container(0).tree_manager
-                restores = 0 if manager is None else manager.debug_checkpointing_counter
         grad = bool(torch.isfinite(model[0].weight.grad).all().item())
-        print(json.dumps({"same": same, "grad": grad, "restores": restores,
-                          "allocator": torch.cuda.memory.get_allocator_backend()}))
+        print(json.dumps({"same": same, "grad": grad, "allocator": torch.cuda.memory.get_allocator_backend()}))
         """,
         timeout=600,
     )
     assert out["allocator"] == "shoal"
-    assert out["same"] and all(out["same"]), "graph replays give the eager result, with and without trees"
+    assert len(out["same"]) == 8 and all(out["same"]), "graph replays give the eager result, with and without trees"
     assert out["grad"]
-    assert out["restores"] > 0, "the trees restored a checkpoint of the pool's layout"
+
+
+# A graph tree's child recorded while its parent's path replays: the tree
+# restores the pool's layout after the parent's recording (getCheckpointState
+# then setCheckpointPoolState), hands the live output its block back and
+# frees the outputs that died since. The same program on PyTorch's allocator
+# is the reference.
+CHECKPOINT_RESTORE = """
+    import json, sys, torch, torch._inductor.config as inductor
+    from torch._inductor import cudagraph_trees
+    if sys.argv[1] == "shoal":
+        import shoal.torch
+        shoal.torch.enable(use_environment=False)
+    inductor.triton.skip_cudagraph_warmup = True
+
+    def tree(fn, inputs):
+        return cudagraph_trees.cudagraphify_impl(fn, inputs, (), device_index=0, is_backward=False,
+                                                 is_inference=True)
+
+    def live_graph_blocks():
+        return sum(b["state"] == "active_allocated" for s in torch.cuda.memory_snapshot()
+                   if tuple(s["segment_pool_id"]) != (0, 0) for b in s["blocks"])
+
+    def parent(args):
+        x = args[0]
+        args.clear()
+        y = x + 2
+        return x + 1, y, y * 3
+
+    inp = torch.rand(1 << 16, device="cuda")
+    parent_graph = tree(parent, [inp])
+    parent_graph([inp])  # records
+    parent_graph([inp])  # replays
+    kept, dead, dead_too = parent_graph([inp])
+    kept_ptr = kept.untyped_storage().data_ptr()
+    held = [kept]
+    del kept, dead, dead_too  # the parent's outputs die; `held` keeps one alive
+
+    def child(args):
+        x = args[0]
+        args.clear()
+        return [x * x]
+
+    manager = cudagraph_trees.get_container(0).tree_manager
+    before = manager.debug_checkpointing_counter
+    child_graph = tree(child, held)
+    out = child_graph(held)[0]  # recorded as the parent's child: a restore first
+    torch.cuda.synchronize()
+    restores = manager.debug_checkpointing_counter - before
+    right = bool(torch.allclose(out, (inp + 1) * (inp + 1)))
+    live_after = live_graph_blocks()
+    del out
+    again = child_graph([parent_graph([inp])[0]])[0]  # the whole path replays
+    torch.cuda.synchronize()
+    right_again = bool(torch.allclose(again, (inp + 1) * (inp + 1)))
+    del again
+    torch.cuda.synchronize()
+    print(json.dumps({"restores": restores, "right": right, "right_again": right_again,
+                      "live_after_restore": live_after, "live_at_end": live_graph_blocks(),
+                      "allocator": torch.cuda.memory.get_allocator_backend()}))
+"""
+
+
+def test_cuda_graph_trees_restore_a_checkpoint_as_on_pytorchs_allocator():
+    program = textwrap.dedent(CHECKPOINT_RESTORE)
+    ours = json_of([sys.executable, "-c", program, "shoal"], 600)
+    theirs = json_of([sys.executable, "-c", program, "native"], 600)
+    assert ours["allocator"] == "shoal" and theirs["allocator"] == "native"
+    assert ours["restores"] == 1, "recording the child restored the parent's checkpoint once"
+    assert ours["right"] and ours["right_again"], "the live output kept its contents through the restore"
+    assert ours["live_after_restore"] == theirs["live_after_restore"] == 1, "only the child's output lives"
+    assert ours == {**theirs, "allocator": "shoal"}, "the same program as on PyTorch's allocator"
 
 
 @pytest.mark.parametrize("model", ["resnet", "bert", "gpt2"])
