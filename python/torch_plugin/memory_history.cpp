@@ -33,6 +33,19 @@ void report(const char* what, const std::exception* e) noexcept {
                e != nullptr ? e->what() : "unknown error");
 }
 
+// Runs `record` and reports what it throws: the history never fails the
+// allocation, free or segment event it records.
+template <typename Record>
+void guarded(const char* what, Record&& record) noexcept {
+  try {
+    record();
+  } catch (const std::exception& e) {
+    report(what, &e);
+  } catch (...) {
+    report(what, nullptr);
+  }
+}
+
 }  // namespace
 
 void memory_history::configure(bool enabled, context_recorder recorder, size_t max_entries, record_context when,
@@ -61,14 +74,9 @@ context memory_history::gather(record_context level) const {
   const context_recorder recorder = recorder_.load();
   if (recorder == nullptr || when_.load() < level) return nullptr;
   // A recorder that fails costs the entry its stack, never the allocation or the free.
-  try {
-    return recorder();
-  } catch (const std::exception& e) {
-    report("a stack", &e);
-  } catch (...) {
-    report("a stack", nullptr);
-  }
-  return nullptr;
+  context out;
+  guarded("a stack", [&] { out = recorder(); });
+  return out;
 }
 
 context memory_history::allocation_context() const { return gather(record_context::STATE); }
@@ -83,82 +91,61 @@ void memory_history::record(trace_entry::Action action, size_t addr, const alloc
 }
 
 void memory_history::allocated(const allocation& block, context allocated_in) noexcept {
-  try {
+  guarded("an allocation", [&] {
     const auto address = reinterpret_cast<std::uintptr_t>(block.ptr);
     std::lock_guard lock(mutex_);
     if (!recording_.load(std::memory_order_relaxed)) return;  // stopped meanwhile: nothing is remembered
     // Remembered first: were the entry's record to fail, the free still finds the block.
     live_.insert_or_assign(address, live_block{block.bytes, block.device, block.stream, block.pool, allocated_in});
     record(trace_entry::ALLOC, address, block, allocated_in);
-  } catch (const std::exception& e) {
-    report("an allocation", &e);
-  } catch (...) {
-    report("an allocation", nullptr);
-  }
+  });
 }
 
 void memory_history::out_of_memory(const allocation& refused, size_t device_free, context refused_in) noexcept {
-  try {
+  guarded("an out of memory", [&] {
     std::lock_guard lock(mutex_);
     if (!recording_.load(std::memory_order_relaxed)) return;
     record(trace_entry::OOM, device_free, refused, refused_in);
-  } catch (const std::exception& e) {
-    report("an out of memory", &e);
-  } catch (...) {
-    report("an out of memory", nullptr);
-  }
+  });
 }
 
 memory_history::free_scope::free_scope(memory_history& history, void* ptr) noexcept
     : history_(history), address_(reinterpret_cast<std::uintptr_t>(ptr)), outer_(freeing_here) {
   freeing_here = this;
-  try {
+  guarded("a free", [&] {
     freed_in_ = history_.gather(record_context::ALL);
     std::lock_guard lock(history_.mutex_);
     auto node = history_.live_.extract(address_);  // forgotten first: a failed record leaves no stale entry
     if (node.empty()) return;  // allocated before recording began (or stopped meanwhile)
     freed_ = std::move(node.mapped());
-    history_.record(trace_entry::FREE_REQUESTED, address_, as_allocation(address_, *freed_),
-                    freed_in_ != nullptr ? freed_in_ : freed_->allocated_in);
-  } catch (const std::exception& e) {
-    report("a free", &e);
-  } catch (...) {
-    report("a free", nullptr);
-  }
+    if (freed_in_ == nullptr) freed_in_ = freed_->allocated_in;
+    history_.record(trace_entry::FREE_REQUESTED, address_, as_allocation(address_, *freed_), freed_in_);
+  });
 }
 
 memory_history::free_scope::~free_scope() {
   freeing_here = outer_;
   if (!freed_ || held_) return;
-  try {
+  guarded("a free", [&] {
     std::lock_guard lock(history_.mutex_);
     if (!history_.recording_.load(std::memory_order_relaxed)) return;
-    history_.record(trace_entry::FREE_COMPLETED, address_, as_allocation(address_, *freed_),
-                    freed_in_ != nullptr ? freed_in_ : freed_->allocated_in);
-  } catch (const std::exception& e) {
-    report("a free", &e);
-  } catch (...) {
-    report("a free", nullptr);
-  }
+    history_.record(trace_entry::FREE_COMPLETED, address_, as_allocation(address_, *freed_), freed_in_);
+  });
 }
 
 void memory_history::free_held(int device, std::uintptr_t address) noexcept {
   free_scope* const scope = freeing_here;
   if (scope == nullptr || scope->address_ != address || !scope->freed_ || scope->freed_->device != device) return;
-  try {
+  guarded("a free", [&] {
     std::lock_guard lock(mutex_);
     if (!recording_.load(std::memory_order_relaxed)) return;
     waiting_.insert_or_assign(address, std::move(*scope->freed_));  // a failed insert moves nothing
     scope->held_ = true;
-  } catch (const std::exception& e) {
-    report("a free", &e);
-  } catch (...) {
-    report("a free", nullptr);
-  }
+  });
 }
 
 void memory_history::free_wait_over(int device, std::uintptr_t address) noexcept {
-  try {
+  guarded("a free", [&] {
     std::lock_guard lock(mutex_);
     const auto found = waiting_.find(address);
     if (found == waiting_.end() || found->second.device != device) return;  // held before recording, or stopped since
@@ -169,11 +156,7 @@ void memory_history::free_wait_over(int device, std::uintptr_t address) noexcept
     // empty_cache at context='all'), else the block's own.
     const context& in = segments_in != nullptr && *segments_in != nullptr ? *segments_in : b.allocated_in;
     record(trace_entry::FREE_COMPLETED, address, as_allocation(address, b), in);
-  } catch (const std::exception& e) {
-    report("a free", &e);
-  } catch (...) {
-    report("a free", nullptr);
-  }
+  });
 }
 
 memory_history::segments_for::segments_for(const context& in) noexcept : outer_(segments_in) { segments_in = &in; }
@@ -184,7 +167,7 @@ context memory_history::release_context() const { return gather(record_context::
 
 void memory_history::segment_changed(trace_entry::Action action, int device, std::uintptr_t address, size_t size,
                                      cudaStream_t stream, c10::cuda::MempoolId_t pool) noexcept {
-  try {
+  guarded("a segment", [&] {
     std::lock_guard lock(mutex_);
     if (!recording_.load(std::memory_order_relaxed)) return;
     context in = segments_in != nullptr ? *segments_in : nullptr;
@@ -195,11 +178,7 @@ void memory_history::segment_changed(trace_entry::Action action, int device, std
       if (in == nullptr && !taken.empty() && taken.mapped().first == device) in = std::move(taken.mapped().second);
     }
     record(action, address, allocation{nullptr, size, device, stream, pool}, in);
-  } catch (const std::exception& e) {
-    report("a segment", &e);
-  } catch (...) {
-    report("a segment", nullptr);
-  }
+  });
 }
 
 std::vector<std::vector<trace_entry>> memory_history::traces(size_t devices) {

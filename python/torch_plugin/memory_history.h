@@ -139,7 +139,7 @@ class memory_history {
     memory_history& history_;
     std::uintptr_t address_;
     std::optional<live_block> freed_;  ///< the block whose free was recorded (none: not allocated while recording)
-    context freed_in_;
+    context freed_in_;  ///< the free's stack, else the allocation's
     bool held_ = false;  ///< told held: its completion is free_wait_over's
     free_scope* outer_;
   };
