@@ -40,13 +40,14 @@ capturing stream), and every free that would wait for another stream (a tensor
 dropped on another stream than its own, or one ``record_stream`` named) takes
 effect when the last one ends, so ``memory_allocated`` counts it until then.
 
-``torch.compile(mode="reduce-overhead")`` runs on shoal with
-``torch._inductor.config.triton.cudagraph_trees = False`` (it then captures
-through ``torch.cuda.graph``). Its default CUDA graph trees checkpoint and
-restore a pool's state, which shoal does not implement: they raise an error
-saying so on their first recording. A ``torch.cuda.MemPool`` with an allocator
-of its own, or with ``use_on_oom=True``, is refused while shoal is PyTorch's
-allocator.
+``torch.compile(mode="reduce-overhead")`` runs on shoal with its CUDA graph
+trees (the default), which checkpoint a graph pool's layout and restore it
+when a new graph is warmed up or recorded while a path of graphs replays, and
+without them (``torch._inductor.config.triton.cudagraph_trees = False``). A
+restore raises RuntimeError when a block of the pool is shared with another
+process, and waits on the host for the pool's pending frees. A
+``torch.cuda.MemPool`` with an allocator of its own, or with
+``use_on_oom=True``, is refused while shoal is PyTorch's allocator.
 
 Without ``enable()``, PyTorch keeps its own allocator and :class:`RegionPool` makes
 shoal memory — a region borrowed from a lender — the segment source of a

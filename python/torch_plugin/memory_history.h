@@ -43,8 +43,9 @@
 //     empty_cache below context='all') carries no context, and a growable
 //     segment's snapshot entry has none (PyTorch keeps the context of its
 //     first map).
-//   - A destroyed graph pool's "segment_free" names no stream, and there are
-//     no snapshot entries.
+//   - A destroyed graph pool's "segment_free" names no stream, and no
+//     "snapshot" entry is recorded when a snapshot is taken (PyTorch's
+//     allocator records one).
 //   - A block allocated before recording began has no entry when it is freed
 //     while recording (its size is not known), and blocks lose their context
 //     when recording stops (so that, stopped, the free path costs one load).

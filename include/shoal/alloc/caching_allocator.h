@@ -229,8 +229,11 @@ class caching_allocator {
   /// it must be quick and must not call the allocator. Returns an id for
   /// remove_hook.
   std::uint64_t add_release_observer(std::function<void(std::uintptr_t base, std::size_t bytes)> observer);
-  /// `observer` is told of every segment event (segment_event) after it
-  /// happened, on the thread that made it and possibly under an allocator
+  /// `observer` is told of every segment event (segment_event) — a
+  /// segment_alloc or segment_map once the memory is there, a segment_unmap
+  /// once it is unmapped, a segment_free before the device has the memory
+  /// back (still mapped; then another pool may be given the address) — on
+  /// the thread that made it and possibly under an allocator
   /// lock: it must be quick and must not call the allocator; what it throws
   /// is dropped. The allocator's destruction, which gives everything back,
   /// tells none. With none registered, an event costs one relaxed load.
@@ -341,7 +344,8 @@ class caching_allocator {
   /// them, a pool that is not growing, a block shared with another process
   /// (mark_held_outside) and a tombstone in its memory (an orphan a new
   /// segment kept, until its late free); a device error while making the
-  /// streams wait also leaves the layout as it was. Debug mode does not
+  /// streams wait, and std::bad_alloc, also leave the layout as it was.
+  /// Debug mode does not
   /// poison the memory a restore frees. Nobody should allocate from or free
   /// to the pool meanwhile.
   pool_restore_result restore_private_pool(private_pool_id pool, const pool_checkpoint& checkpoint);

@@ -149,7 +149,7 @@ struct segment_event {
   std::uintptr_t address = 0;
   std::size_t size = 0;
   backend::stream_ref stream;  ///< its pool's stream (none: a destroyed growing private pool's segment)
-  private_pool_id pool;        ///< the growing private pool it belongs to (0: the stream pools)
+  private_pool_id pool;        ///< the growing private pool it belongs to, destroyed too (0: the stream pools)
 };
 
 /// A free that waits for streams (a pending free: the block was freed on
