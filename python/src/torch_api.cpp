@@ -389,10 +389,15 @@ int api_settle_graph_pool(uint64_t pool, int device) {
   return guarded([&] { allocators().of(device).allocator().forget_last_streams(pool_id(pool)); });
 }
 
-int api_checkpoint_graph_pool(uint64_t pool, int device, void** out) {
+int api_checkpoint_graph_pool(uint64_t pool, int device, void** out, size_t* allocated_blocks) {
   return guarded([&] {
     auto checkpoint = std::make_unique<alloc::pool_checkpoint>(
         allocators().of(device).allocator().checkpoint_private_pool(pool_id(pool)));
+    size_t allocated = 0;
+    for (const auto& s : checkpoint->segments) {
+      for (const auto& b : s.blocks) allocated += b.allocated ? 1 : 0;
+    }
+    *allocated_blocks = allocated;
     *out = checkpoint.release();
   });
 }
@@ -407,6 +412,7 @@ int api_restore_graph_pool(uint64_t pool, int device, const void* checkpoint, vo
   alloc::pool_restore_result result;
   const int status = guarded([&] {
     if (checkpoint == nullptr) throw invalid_argument("shoal.torch: no checkpoint was given");
+    if (visit == nullptr) throw invalid_argument("shoal.torch: a restore needs a visitor to tell what it changed");
     result = allocators().of(device).allocator().restore_private_pool(
         pool_id(pool), *static_cast<const alloc::pool_checkpoint*>(checkpoint));
   });

@@ -207,11 +207,14 @@ struct shoal_torch_api {
 
   // Checkpoints of a graph pool's layout (caching_allocator::
   // checkpoint_private_pool / restore_private_pool), for CUDA graph trees.
-  /// *out = a new checkpoint of the pool, to give to free_graph_pool_checkpoint.
-  int (*checkpoint_graph_pool)(uint64_t pool, int device, void** out);
+  /// *out = a new checkpoint of the pool, to give to free_graph_pool_checkpoint;
+  /// *allocated_blocks = how many of its blocks are allocated (what a
+  /// restore allocates again).
+  int (*checkpoint_graph_pool)(uint64_t pool, int device, void** out, size_t* allocated_blocks);
   int (*free_graph_pool_checkpoint)(void* checkpoint);
   /// Lays the pool out as `checkpoint` (of this pool) says, then tells
-  /// `visit` each block it freed and each it allocated again.
+  /// `visit` (not NULL: refused before anything changes) each block it
+  /// freed and each it allocated again.
   int (*restore_graph_pool)(uint64_t pool, int device, const void* checkpoint, void* context,
                             shoal_torch_restored_visitor visit);
 };

@@ -61,7 +61,7 @@ PRELUDE = textwrap.dedent(
             ("observe_segments", F(i, Observer)),
             ("observe_free_waits", F(i, FreeWaitObserver)),
             ("configured_growable_segments", F(i, ctypes.POINTER(i))),
-            ("checkpoint_graph_pool", F(i, u64, i, ctypes.POINTER(vp))),
+            ("checkpoint_graph_pool", F(i, u64, i, ctypes.POINTER(vp), ctypes.POINTER(sz))),
             ("free_graph_pool_checkpoint", F(i, vp)),
             ("restore_graph_pool", F(i, u64, i, vp, vp, Restored)),
         ]
@@ -294,10 +294,13 @@ def test_a_graph_pools_checkpoint_is_restored_through_the_table():
         pool = u64()
         assert api.create_graph_pool(0, ctypes.byref(pool)) == OK, api.last_error()
         a, b = allocate(4096, pool.value), allocate(1 << 20, pool.value)
-        saved = vp()
-        assert api.checkpoint_graph_pool(pool.value, 0, ctypes.byref(saved)) == OK, api.last_error()
+        saved, counted = vp(), sz()
+        assert api.checkpoint_graph_pool(pool.value, 0, ctypes.byref(saved), ctypes.byref(counted)) == OK, \
+            api.last_error()
         assert api.deallocate(a, 0, None) == OK, api.last_error()
         c = allocate(8192, pool.value)
+        no_visitor = [api.restore_graph_pool(pool.value, 0, saved, None, ctypes.cast(None, Restored)),
+                      api.last_error().decode()]
         told = []
         visit = Restored(lambda _context, action, address, size: told.append([action, address, size]))
         assert api.restore_graph_pool(pool.value, 0, saved, None, visit) == OK, api.last_error()
@@ -305,12 +308,14 @@ def test_a_graph_pools_checkpoint_is_restored_through_the_table():
         assert api.create_graph_pool(0, ctypes.byref(other)) == OK, api.last_error()
         refused = api.restore_graph_pool(other.value, 0, saved, None, visit)
         out.update(a=a, b=b, c=c, told=told, refused=[refused, api.last_error().decode()],
-                   freed=api.free_graph_pool_checkpoint(saved))
+                   freed=api.free_graph_pool_checkpoint(saved), counted=counted.value, no_visitor=no_visitor)
         """
     )
     freed = sorted(t[1] for t in out["told"] if t[0] == 0)
     allocated = {t[1]: t[2] for t in out["told"] if t[0] == 1}
-    assert freed == sorted([out["b"], out["c"]]), out["told"]
+    assert freed == sorted([out["b"], out["c"]]), out["told"]  # so the refused restore changed nothing
     assert set(allocated) == {out["a"], out["b"]} and allocated[out["b"]] >= 1 << 20, out["told"]
     assert out["refused"][0] == 2 and "checkpoint is of private pool" in out["refused"][1], out["refused"]
     assert out["freed"] == 0
+    assert out["counted"] == 2, "the checkpoint's allocated blocks"
+    assert out["no_visitor"][0] == 2 and "visitor" in out["no_visitor"][1], out["no_visitor"]

@@ -150,8 +150,9 @@ namespace {
 // A checkpoint of shoal's, held by PyTorch between getCheckpointState and
 // setCheckpointPoolState (and longer: CUDA graph trees keep one per graph).
 struct pool_checkpoint final : c10::cuda::CUDACachingAllocator::AllocatorState {
-  pool_checkpoint(const shoal_torch_api& api, c10::DeviceIndex device, mempool_id id, void* taken)
-      : api(api), device(device), id(id), taken(taken) {}
+  pool_checkpoint(const shoal_torch_api& api, c10::DeviceIndex device, mempool_id id, void* taken,
+                  size_t allocated_blocks)
+      : api(api), device(device), id(id), taken(taken), allocated_blocks(allocated_blocks) {}
   ~pool_checkpoint() override { (void)api.free_graph_pool_checkpoint(taken); }
   pool_checkpoint(const pool_checkpoint&) = delete;
   pool_checkpoint& operator=(const pool_checkpoint&) = delete;
@@ -160,6 +161,7 @@ struct pool_checkpoint final : c10::cuda::CUDACachingAllocator::AllocatorState {
   c10::DeviceIndex device;
   mempool_id id;
   void* taken;  ///< the table's checkpoint
+  size_t allocated_blocks;  ///< what a restore allocates again
 };
 
 struct restore_visit {
@@ -199,12 +201,16 @@ std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> graph_pools::ch
     handle = it->second.handle;
   }
   void* taken = nullptr;
-  check(api_, api_.checkpoint_graph_pool(handle, device, &taken), "checkpoint of a memory pool");
-  return std::make_shared<pool_checkpoint>(api_, device, id, taken);
+  size_t allocated = 0;
+  check(api_, api_.checkpoint_graph_pool(handle, device, &taken, &allocated), "checkpoint of a memory pool");
+  std::unique_ptr<void, int (*)(void*)> held(taken, api_.free_graph_pool_checkpoint);  // until the state owns it
+  auto state = std::make_shared<pool_checkpoint>(api_, device, id, taken, allocated);
+  (void)held.release();
+  return state;
 }
 
 void graph_pools::restore(c10::DeviceIndex device, const c10::cuda::CUDACachingAllocator::AllocatorState& state,
-                          const std::function<void(void*)>& freed,
+                          const std::function<void(size_t, size_t)>& prepare, const std::function<void(void*)>& freed,
                           const std::function<void(void*, size_t, mempool_id)>& allocated) {
   const auto* saved = dynamic_cast<const pool_checkpoint*>(&state);
   TORCH_CHECK(saved != nullptr, "shoal: this allocator state is no checkpoint of shoal's memory pools");
@@ -215,8 +221,14 @@ void graph_pools::restore(c10::DeviceIndex device, const c10::cuda::CUDACachingA
     const auto it = pools_.find({device, saved->id});
     TORCH_CHECK(it != pools_.end(), "shoal: the checkpoint's memory pool (", saved->id.first, ", ", saved->id.second,
                 ") was released");
+    // A capture's frees wait in deferred_ (the restore would free their
+    // blocks again) and its streams must not wait for others meanwhile.
+    TORCH_CHECK(routes_.empty(), "shoal: a memory pool's checkpoint cannot be restored during a CUDA graph capture");
     handle = it->second.handle;
   }
+  size_t live = 0;
+  check(api_, api_.graph_pool_allocated_blocks(handle, device, nullptr, 0, &live), "pool blocks");
+  prepare(live, saved->allocated_blocks);  // room for what the restore tells: its callbacks then allocate nothing
   restore_visit visit{api_, device, saved->id, freed, allocated, nullptr};
   check(api_, api_.restore_graph_pool(handle, device, saved->taken, &visit, &restore_visit::visit),
         "restore of a memory pool");

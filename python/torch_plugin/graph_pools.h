@@ -85,14 +85,19 @@ class graph_pools {
   /// trees. Throws PyTorch's error for a pool that does not exist.
   [[nodiscard]] std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> checkpoint(c10::DeviceIndex device,
                                                                                           mempool_id id);
-  /// Lays the checkpoint's pool out again (setCheckpointPoolState): each
-  /// block it freed goes to `freed`, each it allocated again to `allocated`
+  /// Lays the checkpoint's pool out again (setCheckpointPoolState):
+  /// `prepare` is told first how many blocks the pool has allocated now and
+  /// how many the checkpoint allocates again (to make room, so that the
+  /// callbacks need no memory once the layout changed); then each block the
+  /// restore freed goes to `freed`, each it allocated again to `allocated`
   /// (address, size, the pool's MempoolId). Throws PyTorch's error for a
-  /// state that is no checkpoint of shoal's, of a pool released since, or
-  /// that the pool refuses (restore_private_pool), and the first error of a
+  /// state that is no checkpoint of shoal's, of a pool released since, during
+  /// a capture (deferred frees and stream waits would clash), or that the
+  /// pool refuses (restore_private_pool), and the first error of a
   /// callback, after the others were told; a block allocated again whose
   /// callback threw is freed (it has no owner).
   void restore(c10::DeviceIndex device, const c10::cuda::CUDACachingAllocator::AllocatorState& state,
+               const std::function<void(size_t freed, size_t allocated)>& prepare,
                const std::function<void(void*)>& freed,
                const std::function<void(void*, size_t, mempool_id)>& allocated);
 

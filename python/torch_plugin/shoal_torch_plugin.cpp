@@ -517,7 +517,8 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
 
   // Checkpoints of a pool's layout, which the CUDA graph trees of
   // torch.compile(mode="reduce-overhead") take after each capture and
-  // restore before another path of graphs runs (graph_pools.h).
+  // restore when a new graph is warmed up or recorded while a path replays
+  // (graph_pools.h).
   std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
       c10::DeviceIndex device, at::cuda::MempoolId_t id) override {
     return graphs->checkpoint(device, id);
@@ -534,6 +535,10 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
     const c10::Device where(c10::DeviceType::CUDA, device);
     graphs->restore(
         device, *state,
+        [&](size_t freed, size_t allocated) {
+          delta.ptrs_freed.reserve(freed);
+          delta.dataptrs_allocd.reserve(allocated);
+        },
         [&](void* freed) {
           if (history->recording()) shoal_torch::memory_history::free_scope recorded(*history, freed);
           delta.ptrs_freed.push_back(freed);
