@@ -482,21 +482,33 @@ std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> pools() {
 """
 
 
+def with_tracker_probe(tmp_path, body: str, growable: bool = False) -> str:
+    """A program that enables shoal (plain segments unless `growable`), builds
+    the tracker probe as `probe`, then runs `body` (indented as this is)."""
+    enable = "" if growable else ", expandable_segments=False"
+    return f"""
+        import json, os, tempfile, shoal.torch, torch
+        from torch.utils.cpp_extension import load_inline
+        shoal.torch.enable(use_environment=False{enable})
+        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r},
+                            functions=["attach", "attach_failing", "entries", "pools"], with_cuda=True,
+                            build_directory={str(tmp_path)!r})
+        """ + body
+
+
 def test_an_allocator_trace_tracker_is_told_each_segment_as_it_comes_and_goes(tmp_path):
     out = run(
-        f"""
-        import json, shoal.torch, torch
-        from torch.utils.cpp_extension import load_inline
-        shoal.torch.enable(use_environment=False, expandable_segments=False)
-        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r}, functions=["attach", "attach_failing", "entries", "pools"],
-                            with_cuda=True, build_directory={str(tmp_path)!r})
+        with_tracker_probe(
+            tmp_path,
+            """
         probe.attach()  # PyTorch's pluggable allocator refuses this ("only used inside Pytorch")
         x = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
         ptr = x.data_ptr()
         del x
         torch.cuda.empty_cache()
-        print(json.dumps({{"entries": [list(e) for e in probe.entries()], "ptr": ptr}}))
+        print(json.dumps({"entries": [list(e) for e in probe.entries()], "ptr": ptr}))
         """,
+        ),
         timeout=600,
     )
     names = {3: "segment_alloc", 4: "segment_free", 5: "segment_map", 6: "segment_unmap"}
@@ -509,26 +521,23 @@ def test_an_allocator_trace_tracker_is_told_each_segment_as_it_comes_and_goes(tm
 
 def test_trace_tracker_entries_name_the_mem_pool_whose_segment_they_are(tmp_path):
     out = run(
-        f"""
-        import json, shoal.torch, torch
-        from torch.utils.cpp_extension import load_inline
-        shoal.torch.enable(use_environment=False, expandable_segments=False)
-        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r},
-                            functions=["attach", "attach_failing", "entries", "pools"], with_cuda=True,
-                            build_directory={str(tmp_path)!r})
+        with_tracker_probe(
+            tmp_path,
+            """
         probe.attach()
         pool = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(pool):
             inside = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
         outside = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
-        ptrs = {{"inside": inside.data_ptr(), "outside": outside.data_ptr()}}
+        ptrs = {"inside": inside.data_ptr(), "outside": outside.data_ptr()}
         del inside, outside
         torch.cuda.empty_cache()
         pool_id = list(pool.id)
         del pool  # released: its segment goes back under its name
         torch.cuda.empty_cache()
-        print(json.dumps({{"pools": [list(e) for e in probe.pools()], "ptrs": ptrs, "pool": pool_id}}))
+        print(json.dumps({"pools": [list(e) for e in probe.pools()], "ptrs": ptrs, "pool": pool_id}))
         """,
+        ),
         timeout=600,
     )
     names = {3: "segment_alloc", 4: "segment_free"}
@@ -549,13 +558,9 @@ def test_trace_tracker_entries_name_the_mem_pool_whose_segment_they_are(tmp_path
 
 def test_an_allocator_trace_tracker_that_throws_is_reported_and_the_next_one_is_told(tmp_path):
     out = run(
-        f"""
-        import json, os, tempfile, shoal.torch, torch
-        from torch.utils.cpp_extension import load_inline
-        shoal.torch.enable(use_environment=False, expandable_segments=False)
-        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r},
-                            functions=["attach", "attach_failing", "entries", "pools"], with_cuda=True,
-                            build_directory={str(tmp_path)!r})
+        with_tracker_probe(
+            tmp_path,
+            """
         probe.attach_failing()
         probe.attach()
         with tempfile.TemporaryFile() as err:
@@ -570,8 +575,9 @@ def test_an_allocator_trace_tracker_that_throws_is_reported_and_the_next_one_is_
             err.seek(0)
             reported = err.read().decode(errors="replace")
         after = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")  # the allocator still serves
-        print(json.dumps({{"actions": [e[0] for e in probe.entries()], "reported": reported}}))
+        print(json.dumps({"actions": [e[0] for e in probe.entries()], "reported": reported}))
         """,
+        ),
         timeout=600,
     )
     assert out["actions"][:2] == [3, 4], "the tracker after the failing one saw segment_alloc, segment_free"
@@ -581,20 +587,18 @@ def test_an_allocator_trace_tracker_that_throws_is_reported_and_the_next_one_is_
 
 def test_an_allocator_trace_tracker_is_refused_over_growable_segments_with_the_way_out(tmp_path):
     out = run(
-        f"""
-        import json, shoal.torch, torch
-        from torch.utils.cpp_extension import load_inline
-        shoal.torch.enable(use_environment=False)  # growable segments, the default
-        probe = load_inline("shoal_tracker_probe", cpp_sources={TRACKER_PROBE!r}, functions=["attach", "attach_failing", "entries", "pools"],
-                            with_cuda=True, build_directory={str(tmp_path)!r})
+        with_tracker_probe(
+            tmp_path,
+            """
         try:
             probe.attach()
             refused = None
         except RuntimeError as e:
             refused = str(e)
         x = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")  # the process goes on
-        print(json.dumps({{"refused": refused, "entries": len(probe.entries())}}))
-        """,
+        print(json.dumps({"refused": refused, "entries": len(probe.entries())}))
+        """, growable=True,
+        ),
         timeout=600,
     )
     assert out["refused"] is not None and "expandable_segments=False" in out["refused"], out
