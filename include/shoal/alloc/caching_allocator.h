@@ -326,7 +326,8 @@ class caching_allocator {
   /// a tombstone count as free). For CUDA graph trees, which return a graph
   /// pool to the layout it had after an earlier capture (PyTorch's
   /// getCheckpointState). invalid_argument for a pool over memory handed in.
-  /// Thread-safe; takes the pool's lock.
+  /// Thread-safe; takes the pool's lock. Nobody should destroy the pool
+  /// meanwhile.
   [[nodiscard]] pool_checkpoint checkpoint_private_pool(private_pool_id pool);
   /// Lays the growing private pool out as `checkpoint` says (PyTorch's
   /// setCheckpointPoolState): waits on the host for its pending frees (only
@@ -346,8 +347,8 @@ class caching_allocator {
   /// segment kept, until its late free); a device error while making the
   /// streams wait, and std::bad_alloc, also leave the layout as it was.
   /// Debug mode does not
-  /// poison the memory a restore frees. Nobody should allocate from or free
-  /// to the pool meanwhile.
+  /// poison the memory a restore frees. Nobody should allocate from, free
+  /// to or destroy the pool meanwhile.
   pool_restore_result restore_private_pool(private_pool_id pool, const pool_checkpoint& checkpoint);
 
  private:
