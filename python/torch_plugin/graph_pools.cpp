@@ -221,9 +221,12 @@ void graph_pools::restore(c10::DeviceIndex device, const c10::cuda::CUDACachingA
     const auto it = pools_.find({device, saved->id});
     TORCH_CHECK(it != pools_.end(), "shoal: the checkpoint's memory pool (", saved->id.first, ", ", saved->id.second,
                 ") was released");
-    // A capture's frees wait in deferred_ (the restore would free their
-    // blocks again) and its streams must not wait for others meanwhile.
-    TORCH_CHECK(routes_.empty(), "shoal: a memory pool's checkpoint cannot be restored during a CUDA graph capture");
+    // While a route is active, frees wait in deferred_ (the restore would
+    // free their blocks again), and a capture's streams must not wait for
+    // others.
+    TORCH_CHECK(routes_.empty(),
+                "shoal: a memory pool's checkpoint cannot be restored while allocations are routed to a memory pool "
+                "(a CUDA graph capture, or torch.cuda.use_mem_pool)");
     handle = it->second.handle;
   }
   size_t live = 0;

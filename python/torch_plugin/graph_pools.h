@@ -91,8 +91,9 @@ class graph_pools {
   /// callbacks need no memory once the layout changed); then each block the
   /// restore freed goes to `freed`, each it allocated again to `allocated`
   /// (address, size, the pool's MempoolId). Throws PyTorch's error for a
-  /// state that is no checkpoint of shoal's, of a pool released since, during
-  /// a capture (deferred frees and stream waits would clash), or that the
+  /// state that is no checkpoint of shoal's, of a pool released since, while
+  /// a route is active (a capture or use_mem_pool: deferred frees and
+  /// stream waits would clash), or that the
   /// pool refuses (restore_private_pool), and the first error of a
   /// callback, after the others were told; a block allocated again whose
   /// callback threw is freed (it has no owner).
