@@ -45,7 +45,8 @@ trees (the default), which checkpoint a graph pool's layout and restore it
 when a new graph is warmed up or recorded while a path of graphs replays, and
 without them (``torch._inductor.config.triton.cudagraph_trees = False``). A
 restore raises RuntimeError when a block of the pool is shared with another
-process, and waits on the host for the pool's pending frees. A
+process or while allocations are routed to a pool (``use_mem_pool``, a
+capture), and waits on the host for the pool's pending frees. A
 ``torch.cuda.MemPool`` with an allocator of its own, or with
 ``use_on_oom=True``, is refused while shoal is PyTorch's allocator.
 

@@ -346,9 +346,8 @@ class caching_allocator {
   /// (mark_held_outside) and a tombstone in its memory (an orphan a new
   /// segment kept, until its late free); a device error while making the
   /// streams wait, and std::bad_alloc, also leave the layout as it was.
-  /// Debug mode does not
-  /// poison the memory a restore frees. Nobody should allocate from, free
-  /// to or destroy the pool meanwhile.
+  /// Debug mode does not poison the memory a restore frees. Nobody should
+  /// allocate from, free to or destroy the pool meanwhile.
   pool_restore_result restore_private_pool(private_pool_id pool, const pool_checkpoint& checkpoint);
 
  private:
