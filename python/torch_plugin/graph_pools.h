@@ -92,11 +92,10 @@ class graph_pools {
   /// restore freed goes to `freed`, each it allocated again to `allocated`
   /// (address, size, the pool's MempoolId). Throws PyTorch's error for a
   /// state that is no checkpoint of shoal's, of a pool released since, while
-  /// a route is active (a capture or use_mem_pool: deferred frees and
-  /// stream waits would clash), or that the
-  /// pool refuses (restore_private_pool), and the first error of a
-  /// callback, after the others were told; a block allocated again whose
-  /// callback threw is freed (it has no owner).
+  /// a route is active (a capture or use_mem_pool: deferred frees and stream
+  /// waits would clash), or that the pool refuses (restore_private_pool),
+  /// and the first error of a callback, after the others were told; a block
+  /// allocated again whose callback threw is freed (it has no owner).
   void restore(c10::DeviceIndex device, const c10::cuda::CUDACachingAllocator::AllocatorState& state,
                const std::function<void(size_t freed, size_t allocated)>& prepare,
                const std::function<void(void*)>& freed,

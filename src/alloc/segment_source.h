@@ -64,10 +64,10 @@ class segment_source {
   /// growable segment, back to the device (after its stream has passed them).
   void release_cached(block_pool& pool);
   /// Gives back the plain segments [base, base + size) of growing private
-  /// pool `pool`, which left the directory with them (destroy_private_pool): observers
-  /// told, memory freed, the reserved total lowered. Goes on past a failing
-  /// free (that segment's memory is lost to the allocator) and then throws
-  /// the first error.
+  /// pool `pool`, which left the directory with them (destroy_private_pool):
+  /// observers told (the events name `pool`), memory freed, the reserved
+  /// total lowered. Goes on past a failing free (that segment's memory is
+  /// lost to the allocator) and then throws the first error.
   void free_detached_segments(private_pool_id pool, const std::vector<std::pair<std::uintptr_t, std::size_t>>& segments);
   /// Counts `bytes` of a growing pool's segments as detached: called while
   /// the pool leaves the directory (every lock of it held), before
