@@ -512,6 +512,52 @@ def test_cuda_graph_trees_restore_a_checkpoint_as_on_pytorchs_allocator():
     assert ours == {**theirs, "allocator": "shoal"}, "the same program as on PyTorch's allocator"
 
 
+def test_a_checkpoint_is_not_restored_while_allocations_go_to_a_mem_pool():
+    # A free while allocations are routed to a pool may wait for the route to
+    # end (here: a block another stream used, whose free records an event).
+    # A restore then would free that block a second time when the route
+    # ends: it is refused, and outside the route the same restore succeeds.
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        N = 1 << 18
+
+        def live(pool):
+            return sum(b["state"] == "active_allocated" for s in torch.cuda.memory_snapshot()
+                       if tuple(s["segment_pool_id"]) == tuple(pool.id) for b in s["blocks"])
+
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            kept = torch.full((N,), 2.0, device="cuda")
+        state = torch._C._cuda_getCheckpointState(0, pool.id)  # the layout: `kept` alone
+        side = torch.cuda.Stream()
+        with torch.cuda.use_mem_pool(pool):
+            extra = torch.ones(N, device="cuda")
+            doomed = torch.ones(N, device="cuda")
+            doomed.record_stream(side)
+            del doomed  # its free waits for the route's end
+            try:
+                torch._C._cuda_setCheckpointPoolState(0, state, [extra.untyped_storage()._cdata], [])
+                refused = None
+            except RuntimeError as e:
+                refused = str(e)
+        live_after_route = live(pool)
+        torch._C._cuda_setCheckpointPoolState(0, state, [extra.untyped_storage()._cdata], [])
+        live_after_restore = live(pool)
+        del extra  # the restore freed its block; PyTorch took its deleter away
+        torch.cuda.synchronize()
+        print(json.dumps({"refused": refused, "live_after_route": live_after_route,
+                          "live_after_restore": live_after_restore, "kept": bool((kept == 2).all()),
+                          "live_at_end": live(pool)}))
+        """
+    )
+    assert out["refused"] is not None and "routed to a memory pool" in out["refused"], out
+    assert out["live_after_route"] == 2, "the refusal changed nothing; the waiting free ran at the route's end"
+    assert (out["live_after_restore"], out["live_at_end"]) == (1, 1), "outside the route the restore freed `extra`"
+    assert out["kept"], out
+
+
 @pytest.mark.parametrize("model", ["resnet", "bert", "gpt2"])
 def test_real_models_give_identical_outputs_on_both_allocators(model):
     theirs = run_program("models.py", "--allocator", "torch", "--model", model, "--steps", "3")

@@ -6,10 +6,12 @@ memory history (recordHistory). Needs PyTorch with CUDA and a GPU; each case
 runs in a fresh interpreter (test_torch.run)."""
 
 import pickle
+import sys
+import textwrap
 
 import pytest
 
-from test_torch import run, run_program  # noqa: F401 (skips this module where test_torch is skipped)
+from test_torch import json_of, run, run_program  # noqa: F401 (skips this module where test_torch is skipped)
 
 pytestmark = pytest.mark.torch
 
@@ -633,6 +635,72 @@ def test_nccl_registers_shoals_segments_through_its_allocator_hook():
     if "skip" in out:
         pytest.skip(out["skip"])
     assert out == {"ok": True, "allocator": "shoal"}, out
+
+
+# ProcessGroupNCCL.register_mem_pool registers the pool's segments with NCCL
+# (from a snapshot of the pool) and, through its trace-tracker hook, every
+# segment the pool grows by later (the entry's pool id says whose it is).
+# NCCL's REG log names each buffer registered. The same program on PyTorch's
+# allocator is the reference.
+REGISTER_MEM_POOL = """
+    import json, os, re, sys, torch, torch.distributed as dist
+    if not dist.is_available() or not dist.is_nccl_available():
+        print(json.dumps({"skip": "no NCCL in this PyTorch"}))
+        raise SystemExit
+    log = sys.argv[2]
+    os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="REG", NCCL_DEBUG_FILE=log)
+    os.environ.pop("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", None)  # only registered pools' segments
+    if sys.argv[1] == "shoal":
+        import shoal.torch
+        shoal.torch.enable(use_environment=False, expandable_segments=False)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda:0"))
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda:0"))
+    MiB = 1 << 20
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        before = torch.full((8 * MiB,), 1.0, device="cuda")  # a segment the pool had before
+    outside = torch.full((8 * MiB,), 1.0, device="cuda")  # an ordinary segment
+    backend.register_mem_pool(pool)
+    with torch.cuda.use_mem_pool(pool):
+        after = torch.full((64 * MiB,), 2.0, device="cuda")  # a segment the pool grows by
+    for t in (before, outside, after):
+        dist.all_reduce(t)
+    torch.cuda.synchronize()
+    right = bool((before == 1).all()) and bool((outside == 1).all()) and bool((after == 2).all())
+
+    def segments(pool_id):
+        return {s["address"] for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == pool_id}
+
+    pool_segments, ordinary = segments(tuple(pool.id)), segments((0, 0))
+    if hasattr(backend, "deregister_mem_pool"):
+        backend.deregister_mem_pool(pool)
+    del before, outside, after
+    dist.destroy_process_group()
+    with open(log) as f:
+        registered = {int(a, 16) for a in re.findall(r"buffer (0x[0-9a-f]+) size", f.read())}
+    print(json.dumps({"right": right, "pool_segments": len(pool_segments),
+                      "pool_segments_registered": pool_segments <= registered,
+                      "ordinary_registered": len(ordinary & registered),
+                      "others_registered": len(registered - pool_segments),
+                      "allocator": torch.cuda.memory.get_allocator_backend()}))
+"""
+
+
+def test_nccl_register_mem_pool_registers_the_pools_segments_now_and_as_it_grows(tmp_path):
+    program = textwrap.dedent(REGISTER_MEM_POOL)
+    results = {}
+    for allocator in ("shoal", "native"):
+        results[allocator] = json_of([sys.executable, "-c", program, allocator, str(tmp_path / f"{allocator}.log")],
+                                     300)
+        if "skip" in results[allocator]:
+            pytest.skip(results[allocator]["skip"])
+    ours, theirs = results["shoal"], results["native"]
+    assert (ours["allocator"], theirs["allocator"]) == ("shoal", "native")
+    assert ours["right"] and ours["pool_segments"] >= 2, ours
+    assert ours["pool_segments_registered"], "a segment of the pool, before or after registration, was not registered"
+    assert ours["ordinary_registered"] == ours["others_registered"] == 0, ours
+    assert {**ours, "pool_segments": 0} == {**theirs, "pool_segments": 0, "allocator": "shoal"}, (ours, theirs)
 
 
 def test_memory_history_keeps_the_newest_max_entries():
