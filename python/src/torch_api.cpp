@@ -529,6 +529,7 @@ bool visit_segment(int device, const alloc::segment_snapshot& segment, void* con
     out.is_large = segment.pool == alloc::pool_kind::large;
     out.is_expandable = segment.expandable;
     out.private_pool = segment.owner.value;
+    out.sequence = segment.sequence;
     if (visit(context, &out, blocks.data() + first, last - first) != 0) return false;
   }
   return true;

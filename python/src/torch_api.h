@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SHOAL_TORCH_API_VERSION 8
+#define SHOAL_TORCH_API_VERSION 9
 
 enum shoal_torch_status {
   SHOAL_TORCH_OK = 0,
@@ -70,6 +70,8 @@ struct shoal_torch_segment {
   int is_expandable;   ///< a stretch of a growable segment
   uint64_t private_pool; ///< the private pool it belongs to (a graph pool's create_graph_pool handle, or a
                         ///< region pool's id); 0: the ordinary pools
+  uint64_t sequence;     ///< the order its allocator took its segments in (1: the first; a growable
+                        ///< segment's stretches share their segment's)
 };
 
 /// Called for each segment with its `count` blocks; returns 0 to go on,

@@ -26,7 +26,7 @@ PRELUDE = textwrap.dedent(
     class Segment(ctypes.Structure):
         _fields_ = [("device", ctypes.c_int), ("address", ctypes.c_size_t), ("total_size", ctypes.c_size_t),
                     ("stream", ctypes.c_void_p), ("is_large", ctypes.c_int), ("is_expandable", ctypes.c_int),
-                    ("private_pool", ctypes.c_uint64)]
+                    ("private_pool", ctypes.c_uint64), ("sequence", ctypes.c_uint64)]
 
     Visitor = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(Segment), ctypes.POINTER(Block),
                                ctypes.c_size_t)
@@ -95,7 +95,8 @@ PRELUDE = textwrap.dedent(
                 listed.append([address, blocks[k].size, blocks[k].requested_size, blocks[k].state])
                 address += blocks[k].size
             seen.append({"address": s.address, "total": s.total_size, "large": s.is_large,
-                         "expandable": s.is_expandable, "pool": s.private_pool, "blocks": listed})
+                         "expandable": s.is_expandable, "pool": s.private_pool, "sequence": s.sequence,
+                         "blocks": listed})
             return 1 if stop else 0
         status = api.snapshot(None, Visitor(visit))
         return status, seen
@@ -125,11 +126,14 @@ def test_the_tables_entries_answer_on_plain_segments():
                    stopped=walk(stop=True)[0])
         """
     )
-    assert out["version"] == 8 and out["size_matches"], "the table's layout is torch_api.h's"
+    assert out["version"] == 9 and out["size_matches"], "the table's layout is torch_api.h's"
     assert out["status"] == 0 and out["seen"], "a walk of the host allocator's segments"
     blocks = {b[0]: b for s in out["seen"] for b in s["blocks"]}
     for s in out["seen"]:
         assert sum(b[1] for b in s["blocks"]) == s["total"] and not s["expandable"] and s["pool"] == 0
+    taken = {b[0]: s["sequence"] for s in out["seen"] for b in s["blocks"]}
+    assert 0 < taken[out["small"]] < taken[out["kept"]], "segments are numbered in the order they were taken"
+    assert len({s["sequence"] for s in out["seen"]}) == len(out["seen"]), "a number per plain segment"
     assert blocks[out["small"]][2:] == [1000, 0] and blocks[out["kept"]][2:] == [3 << 20, 0], "requested, allocated"
     assert blocks[out["freed"]][3] in (1, 2), "the freed block is pending or free"
     assert out["largest"] == out["largest_in_walk"] >= 5 << 20, "largest_free_block agrees with the walk"

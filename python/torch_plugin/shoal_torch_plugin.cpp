@@ -38,6 +38,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -251,6 +252,13 @@ segment_info segment_info_of(const shoal_torch_segment& segment, const shoal_tor
   set(out.stream, segment.stream);
   out.is_large = segment.is_large != 0;
   out.is_expandable = segment.is_expandable != 0;
+  // The order segments were taken in, where PyTorch has it (its NCCL
+  // register_mem_pool refuses a segment without one, and walks a pool's
+  // segments in that order on every rank).
+  if constexpr (requires { out.registration_counter; }) {
+    using counter = decltype(out.registration_counter);
+    set(out.registration_counter, std::min<std::uint64_t>(segment.sequence, std::numeric_limits<counter>::max()));
+  }
   size_t allocated = 0, active = 0, requested = 0;
   for (size_t i = 0; i < count; ++i) {
     block_info block = block_info_of(blocks[i]);

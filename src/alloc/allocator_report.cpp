@@ -134,6 +134,7 @@ snapshot allocator_core::take_snapshot() {
       seg.external = s->external;
       seg.private_pool = s->part_name;
       seg.owner = p.owner;
+      seg.sequence = s->sequence;
       for (const block* b = s->first; b != nullptr; b = b->next) {
         if (!b->mapped) continue;  // unbacked stretches of growable segments hold nothing
         if (merges_with_prev_when_settled(b)) {  // shown as settling would leave it

@@ -71,6 +71,9 @@ struct segment {
   bool expandable = false;
   bool external = false;
   std::string part_name;  ///< private pools: the sub-pool's name
+  /// The order the allocator took it in (pool_directory::
+  /// next_segment_sequence): a segment taken later has a larger number.
+  std::uint64_t sequence = 0;
 
   // Growable segments only: slot i covers [base + i*g, base + (i+1)*g). A
   // growth maps one physical chunk over slots [h, h + mapping_slots[h]):

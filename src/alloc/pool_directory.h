@@ -48,6 +48,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -199,6 +200,11 @@ class pool_directory {
   [[nodiscard]] block_pool* directory_pool(std::uintptr_t address) const;
   void register_segment(const segment& s);
   void unregister_segment(const segment& s);
+  /// The next number in the order this allocator takes its segments in
+  /// (segment::sequence): 1 for the first, and on.
+  [[nodiscard]] std::uint64_t next_segment_sequence() noexcept {
+    return segments_taken_.fetch_add(1, std::memory_order_relaxed) + 1;
+  }
 
  private:
   block_pool& pool_for_uncached(backend::stream_ref stream, pool_kind kind);
@@ -210,6 +216,7 @@ class pool_directory {
   [[nodiscard]] std::vector<block_pool*> live_pools(bool private_too) const;
 
   const std::uint64_t serial_;  // tells this directory's thread-local cache entries apart
+  std::atomic<std::uint64_t> segments_taken_{0};
 
   mutable std::shared_mutex segments_mutex_;
   segment_map segments_by_base_;  // guarded by segments_mutex_

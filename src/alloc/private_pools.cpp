@@ -185,6 +185,7 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
       s.pool = &part;
       s.external = true;
       s.part_name = name;
+      s.sequence = directory_.next_segment_sequence();
       block* last = nullptr;
       for (; orphan != orphans.end() && *orphan < at + size; ++orphan) {
         block* t = part.new_block();

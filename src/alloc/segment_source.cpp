@@ -114,6 +114,7 @@ block* segment_source::grow_plain(block_pool& pool, std::size_t size, bool right
   s->base = reinterpret_cast<std::uintptr_t>(base);
   s->size = s->mapped_bytes = bytes;
   s->pool = &pool;
+  s->sequence = directory_.next_segment_sequence();
   std::vector<std::uintptr_t> covered;
   try {
     // Room for the tombstones of the orphans it covers: two block objects
@@ -223,6 +224,7 @@ bool segment_source::reserve_growable(block_pool& pool, std::size_t size) {
   s->size = span;
   s->pool = &pool;
   s->expandable = true;
+  s->sequence = directory_.next_segment_sequence();
   try {
     directory_.register_segment(*s);  // the one step after the device's that may throw
   } catch (...) {

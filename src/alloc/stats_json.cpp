@@ -99,6 +99,7 @@ std::string snapshot::to_json() const {
         << ",\"mapped_size\":" << s.mapped_bytes << ",\"pool\":\"" << (s.pool == pool_kind::small ? "small" : "large")
         << "\",\"stream\":" << stream_id(s.stream) << ",\"expandable\":" << (s.expandable ? "true" : "false")
         << ",\"external\":" << (s.external ? "true" : "false") << ",\"private_pool\":" << quoted(s.private_pool)
+        << ",\"sequence\":" << s.sequence
         << ",\"blocks\":[";
     for (std::size_t j = 0; j < s.blocks.size(); ++j) {
       const auto& b = s.blocks[j];

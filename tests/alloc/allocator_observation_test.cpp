@@ -159,5 +159,39 @@ TYPED_TEST(allocator_observation, the_inactive_split_counters_read_are_those_set
   }
 }
 
+// The snapshot numbers segments in the order they were taken (what
+// PyTorch's NCCL registration walks a pool's segments by, the same on every
+// rank): a segment keeps its number, and a number is not used again.
+TYPED_TEST(allocator_observation, segments_are_numbered_in_the_order_they_were_taken) {
+  auto& a = this->make("expandable_segments:false");  // one segment per growth, in every configuration
+  const auto number_of = [&](void* p) -> std::uint64_t {
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    for (const auto& s : a.take_snapshot().segments) {
+      if (s.address <= at && at < s.address + s.size) return s.sequence;
+    }
+    ADD_FAILURE() << "no segment holds " << p;
+    return 0;
+  };
+  void* small = a.allocate(1 * kib, {});
+  void* large = a.allocate(30 * mib, {});
+  const std::uint64_t first = number_of(small), second = number_of(large);
+  EXPECT_GT(first, 0U);
+  EXPECT_LT(first, second);
+  a.deallocate(large, {});
+  a.empty_cache();  // the large segment goes back
+  const auto pool = a.create_growing_private_pool();
+  void* pooled = nullptr;
+  {
+    alloc::private_pool_scope scope(a, pool);
+    pooled = a.allocate(30 * mib, {});
+  }
+  void* later = a.allocate(30 * mib, {});
+  EXPECT_GT(number_of(pooled), second) << "the number of a segment given back is not used again";
+  EXPECT_GT(number_of(later), number_of(pooled));
+  EXPECT_EQ(number_of(small), first) << "a segment keeps its number";
+  for (void* p : {small, pooled, later}) a.deallocate(p, {});
+  (void)a.destroy_private_pool(pool);
+}
+
 }  // namespace
 }  // namespace shoal::testing

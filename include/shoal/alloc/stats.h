@@ -110,6 +110,10 @@ struct segment_snapshot {
   bool external = false;          ///< memory handed in (a private pool), never freed by the allocator
   std::string private_pool;       ///< its name, for external memory
   private_pool_id owner;          ///< the private pool it belongs to (value 0: none)
+  /// The order the allocator took its segments in: 1 for its first, larger
+  /// for each one taken later (stable for the segment's life; the numbers
+  /// of segments given back are not used again).
+  std::uint64_t sequence = 0;
   std::vector<block_snapshot> blocks;
 };
 
