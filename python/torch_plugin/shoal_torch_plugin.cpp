@@ -242,6 +242,17 @@ block_info block_info_of(const shoal_torch_block& block) {
   return out;
 }
 
+// The order segments were taken in, where PyTorch's segment info has it
+// (NCCL's register_mem_pool refuses a segment without one, and walks a
+// pool's segments in that order on every rank).
+template <class Info>
+void set_registration_counter(Info& out, std::uint64_t sequence) {
+  if constexpr (requires { out.registration_counter; }) {
+    using counter = decltype(out.registration_counter);
+    set(out.registration_counter, std::min<std::uint64_t>(sequence, std::numeric_limits<counter>::max()));
+  }
+}
+
 // As PyTorch's allocator fills a segment's info: its sizes are sums over
 // its blocks (requested over the active ones). Its pool is named later.
 segment_info segment_info_of(const shoal_torch_segment& segment, const shoal_torch_block* blocks, size_t count) {
@@ -252,13 +263,7 @@ segment_info segment_info_of(const shoal_torch_segment& segment, const shoal_tor
   set(out.stream, segment.stream);
   out.is_large = segment.is_large != 0;
   out.is_expandable = segment.is_expandable != 0;
-  // The order segments were taken in, where PyTorch has it (its NCCL
-  // register_mem_pool refuses a segment without one, and walks a pool's
-  // segments in that order on every rank).
-  if constexpr (requires { out.registration_counter; }) {
-    using counter = decltype(out.registration_counter);
-    set(out.registration_counter, std::min<std::uint64_t>(segment.sequence, std::numeric_limits<counter>::max()));
-  }
+  set_registration_counter(out, segment.sequence);
   size_t allocated = 0, active = 0, requested = 0;
   for (size_t i = 0; i < count; ++i) {
     block_info block = block_info_of(blocks[i]);
