@@ -45,8 +45,11 @@ trees (the default), which checkpoint a graph pool's layout and restore it
 when a new graph is warmed up or recorded while a path of graphs replays, and
 without them (``torch._inductor.config.triton.cudagraph_trees = False``). A
 restore raises RuntimeError when a block of the pool is shared with another
-process or while allocations are routed to a pool (``use_mem_pool``, a
-capture), and waits on the host for the pool's pending frees. A
+process, while allocations are routed to that pool (its ``use_mem_pool``, a
+capture into it) or while a free of one of its blocks waits for the routes to
+end (a block another stream used, freed inside any ``use_mem_pool`` or
+capture): call compiled functions outside ``use_mem_pool`` blocks. It waits
+on the host for the pool's pending frees. A
 ``torch.cuda.MemPool`` with an allocator of its own, or with
 ``use_on_oom=True``, is refused while shoal is PyTorch's allocator.
 
@@ -112,7 +115,11 @@ def enable(*, conf: str | None = None, use_environment: bool = True, **settings:
     ``shoal.Allocator``'s: growable segments (``expandable_segments:true``),
     which pack a model's weights tighter; any of the three sources can turn
     them off, and ``memory="pinned_host"`` goes without them. Plain segments
-    serve where the device has no growable ranges.
+    serve where the device has no growable ranges. Turn growable segments off
+    (``expandable_segments=False``) to use NCCL's allocator hook
+    (``ProcessGroupNCCL.register_mem_pool``,
+    ``TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK``) or to send tensors with
+    ``torch.multiprocessing`` (CUDA IPC exports plain segments only).
 
     ``PYTORCH_CUDA_ALLOC_CONF`` (and ``PYTORCH_ALLOC_CONF``) is not read
     once shoal is PyTorch's allocator: its settings come from

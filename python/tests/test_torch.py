@@ -512,11 +512,12 @@ def test_cuda_graph_trees_restore_a_checkpoint_as_on_pytorchs_allocator():
     assert ours == {**theirs, "allocator": "shoal"}, "the same program as on PyTorch's allocator"
 
 
-def test_a_checkpoint_is_not_restored_while_allocations_go_to_a_mem_pool():
-    # A free while allocations are routed to a pool may wait for the route to
-    # end (here: a block another stream used, whose free records an event).
-    # A restore then would free that block a second time when the route
-    # ends: it is refused, and outside the route the same restore succeeds.
+def test_a_checkpoint_is_restored_beside_another_pools_route_but_not_into_its_own_or_over_a_waiting_free():
+    # A free while allocations are routed to any pool may wait for the last
+    # route to end (here: a block another stream used, whose free records an
+    # event). A restore of that block's pool then would free it a second
+    # time at that end: refused, as is a restore while allocations go to the
+    # pool itself. A route to another pool alone does not stop it.
     out = run(
         """
         import json, shoal.torch, torch
@@ -527,35 +528,44 @@ def test_a_checkpoint_is_not_restored_while_allocations_go_to_a_mem_pool():
             return sum(b["state"] == "active_allocated" for s in torch.cuda.memory_snapshot()
                        if tuple(s["segment_pool_id"]) == tuple(pool.id) for b in s["blocks"])
 
-        pool = torch.cuda.MemPool()
+        def restore(state, stale):
+            try:
+                torch._C._cuda_setCheckpointPoolState(0, state, [t.untyped_storage()._cdata for t in stale], [])
+                return None
+            except RuntimeError as e:
+                return str(e)
+
+        pool, other = torch.cuda.MemPool(), torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(pool):
             kept = torch.full((N,), 2.0, device="cuda")
         state = torch._C._cuda_getCheckpointState(0, pool.id)  # the layout: `kept` alone
-        side = torch.cuda.Stream()
         with torch.cuda.use_mem_pool(pool):
             extra = torch.ones(N, device="cuda")
             doomed = torch.ones(N, device="cuda")
-            doomed.record_stream(side)
+            into_its_own = restore(state, [extra])
+        doomed.record_stream(torch.cuda.Stream())
+        with torch.cuda.use_mem_pool(other):
+            elsewhere = torch.ones(N, device="cuda")
             del doomed  # its free waits for the route's end
-            try:
-                torch._C._cuda_setCheckpointPoolState(0, state, [extra.untyped_storage()._cdata], [])
-                refused = None
-            except RuntimeError as e:
-                refused = str(e)
+            over_a_waiting_free = restore(state, [extra])
         live_after_route = live(pool)
-        torch._C._cuda_setCheckpointPoolState(0, state, [extra.untyped_storage()._cdata], [])
-        live_after_restore = live(pool)
+        with torch.cuda.use_mem_pool(other):
+            beside_another_route = restore(state, [extra])
+            live_after_restore = live(pool)
         del extra  # the restore freed its block; PyTorch took its deleter away
         torch.cuda.synchronize()
-        print(json.dumps({"refused": refused, "live_after_route": live_after_route,
+        print(json.dumps({"into_its_own": into_its_own, "over_a_waiting_free": over_a_waiting_free,
+                          "beside_another_route": beside_another_route, "live_after_route": live_after_route,
                           "live_after_restore": live_after_restore, "kept": bool((kept == 2).all()),
-                          "live_at_end": live(pool)}))
+                          "elsewhere": bool((elsewhere == 1).all()), "live_at_end": live(pool)}))
         """
     )
-    assert out["refused"] is not None and "routed to a memory pool" in out["refused"], out
-    assert out["live_after_route"] == 2, "the refusal changed nothing; the waiting free ran at the route's end"
-    assert (out["live_after_restore"], out["live_at_end"]) == (1, 1), "outside the route the restore freed `extra`"
-    assert out["kept"], out
+    assert out["into_its_own"] is not None and "routed to that pool" in out["into_its_own"], out
+    assert out["over_a_waiting_free"] is not None and "waits" in out["over_a_waiting_free"], out
+    assert out["live_after_route"] == 2, "the refusals changed nothing; the waiting free ran at the route's end"
+    assert out["beside_another_route"] is None, out
+    assert (out["live_after_restore"], out["live_at_end"]) == (1, 1), "the restore freed `extra`"
+    assert out["kept"] and out["elsewhere"], out
 
 
 @pytest.mark.parametrize("model", ["resnet", "bert", "gpt2"])

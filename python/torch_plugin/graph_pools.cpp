@@ -215,23 +215,33 @@ void graph_pools::restore(c10::DeviceIndex device, const c10::cuda::CUDACachingA
   const auto* saved = dynamic_cast<const pool_checkpoint*>(&state);
   TORCH_CHECK(saved != nullptr, "shoal: this allocator state is no checkpoint of shoal's memory pools");
   TORCH_CHECK(saved->device == device, "shoal: a checkpoint of device ", saved->device, " given for device ", device);
+  const key k{device, saved->id};
   std::uint64_t handle = 0;
+  std::unordered_set<void*> waiting;  // this device's frees deferred until no route is left
   {
     std::lock_guard lock(mutex_);
-    const auto it = pools_.find({device, saved->id});
+    const auto it = pools_.find(k);
     TORCH_CHECK(it != pools_.end(), "shoal: the checkpoint's memory pool (", saved->id.first, ", ", saved->id.second,
                 ") was released");
-    // While a route is active, frees wait in deferred_ (the restore would
-    // free their blocks again), and a capture's streams must not wait for
-    // others.
-    TORCH_CHECK(routes_.empty(),
-                "shoal: a memory pool's checkpoint cannot be restored while allocations are routed to a memory pool "
-                "(a CUDA graph capture, or torch.cuda.use_mem_pool)");
+    // Its allocations would land in the layout being rebuilt.
+    TORCH_CHECK(std::none_of(routes_.begin(), routes_.end(), [&](const route& r) { return r.of == k; }),
+                "shoal: a memory pool's checkpoint cannot be restored while allocations are routed to that pool "
+                "(inside its torch.cuda.use_mem_pool or a CUDA graph capture into it): restore it after that block");
+    for (const deferred_free& f : deferred_) {
+      if (f.device == device) waiting.insert(f.ptr);
+    }
     handle = it->second.handle;
   }
-  size_t live = 0;
-  check(api_, api_.graph_pool_allocated_blocks(handle, device, nullptr, 0, &live), "pool blocks");
-  prepare(live, saved->allocated_blocks);  // room for what the restore tells: its callbacks then allocate nothing
+  // Another thread's capture in global mode would refuse the restore's event
+  // calls, and be invalidated by them.
+  relaxed_capture_mode mode{relaxed};
+  const std::vector<void*> live = allocated_blocks(handle, device, waiting.size());
+  // The restore would free such a block, and the routes' end again.
+  TORCH_CHECK(std::none_of(live.begin(), live.end(), [&](void* p) { return waiting.count(p) != 0; }),
+              "shoal: a memory pool's checkpoint cannot be restored while a free of one of its blocks waits for the "
+              "allocations routed to memory pools to end (a block another stream used, freed inside "
+              "torch.cuda.use_mem_pool or a CUDA graph capture): restore it after those blocks");
+  prepare(live.size(), saved->allocated_blocks);  // room for what the restore tells: its callbacks then allocate nothing
   restore_visit visit{api_, device, saved->id, freed, allocated, nullptr};
   check(api_, api_.restore_graph_pool(handle, device, saved->taken, &visit, &restore_visit::visit),
         "restore of a memory pool");
@@ -255,20 +265,25 @@ bool graph_pools::live_blocks_are(c10::DeviceIndex device, mempool_id id,
     handle = it->second.handle;
     for (const deferred_free& f : deferred_) deferred.insert(f.ptr);
   }
-  std::vector<void*> blocks(expected.size() + deferred.size() + 16);
+  size_t live = 0;
+  for (void* block : allocated_blocks(handle, device, expected.size() + deferred.size())) {
+    if (deferred.count(block) != 0) continue;
+    if (expected.count(block) == 0) return false;
+    ++live;
+  }
+  return live == expected.size();
+}
+
+std::vector<void*> graph_pools::allocated_blocks(std::uint64_t handle, int device, size_t expected) {
+  std::vector<void*> blocks(expected + 16);
   size_t count = 0;
   for (;;) {
     check(api_, api_.graph_pool_allocated_blocks(handle, device, blocks.data(), blocks.size(), &count), "pool blocks");
     if (count <= blocks.size()) break;
     blocks.resize(count);
   }
-  size_t live = 0;
-  for (size_t i = 0; i < count; ++i) {
-    if (deferred.count(blocks[i]) != 0) continue;
-    if (expected.count(blocks[i]) == 0) return false;
-    ++live;
-  }
-  return live == expected.size();
+  blocks.resize(count);
+  return blocks;
 }
 
 bool graph_pools::destroy_released() {

@@ -92,10 +92,12 @@ class graph_pools {
   /// restore freed goes to `freed`, each it allocated again to `allocated`
   /// (address, size, the pool's MempoolId). Throws PyTorch's error for a
   /// state that is no checkpoint of shoal's, of a pool released since, while
-  /// a route is active (a capture or use_mem_pool: deferred frees and stream
-  /// waits would clash), or that the pool refuses (restore_private_pool),
-  /// and the first error of a callback, after the others were told; a block
-  /// allocated again whose callback threw is freed (it has no owner).
+  /// allocations are routed to this pool, while a free of one of its blocks
+  /// is deferred (the restore would free that block, and the routes' end
+  /// again), or that the pool refuses (restore_private_pool), and the first
+  /// error of a callback, after the others were told; a block allocated
+  /// again whose callback threw is freed (it has no owner). Routes to other
+  /// pools do not stop it: it runs in relaxed capture mode.
   void restore(c10::DeviceIndex device, const c10::cuda::CUDACachingAllocator::AllocatorState& state,
                const std::function<void(size_t freed, size_t allocated)>& prepare,
                const std::function<void(void*)>& freed,
@@ -118,6 +120,9 @@ class graph_pools {
     cudaStream_t stream;
   };
   pool& pool_of(const key& k);  // made on first use; mutex_ held
+  /// The blocks of shoal's pool `handle` allocated now (room for `expected`
+  /// first); mutex_ not held.
+  std::vector<void*> allocated_blocks(std::uint64_t handle, int device, size_t expected);
 
   const shoal_torch_api& api_;
   std::mutex mutex_;

@@ -480,9 +480,10 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
     int growable = 0;
     check(api->configured_growable_segments(&growable), "attachAllocatorTraceTracker");
     TORCH_CHECK(growable == 0,
-                "shoal: an allocator trace tracker (NCCL's TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK) cannot follow "
-                "shoal's growable segments, as PyTorch's own allocator does not follow its expandable segments; "
-                "call shoal.torch.enable(expandable_segments=False) to use it");
+                "shoal: an allocator trace tracker (NCCL's allocator hook: ProcessGroupNCCL.register_mem_pool, "
+                "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK) cannot follow shoal's growable segments, as "
+                "PyTorch's own allocator does not follow its expandable segments; call "
+                "shoal.torch.enable(expandable_segments=False) first, before anything starts CUDA, to use it");
     trackers->attach(std::move(tracker));
   }
 
