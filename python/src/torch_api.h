@@ -70,8 +70,10 @@ struct shoal_torch_segment {
   int is_expandable;   ///< a stretch of a growable segment
   uint64_t private_pool; ///< the private pool it belongs to (a graph pool's create_graph_pool handle, or a
                         ///< region pool's id); 0: the ordinary pools
-  uint64_t sequence;     ///< the order its allocator took its segments in (1: the first; a growable
-                        ///< segment's stretches share their segment's)
+  uint64_t sequence;     ///< the order its allocator took its segments in (segment_snapshot::sequence).
+                        ///< A growable segment's stretches share their segment's: no tie reaches
+                        ///< NCCL's register_mem_pool, which sorts by it, as graph pools and MemPools
+                        ///< take plain segments and its hook is refused over growable ones.
 };
 
 /// Called for each segment with its `count` blocks; returns 0 to go on,

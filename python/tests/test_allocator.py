@@ -110,6 +110,19 @@ def test_snapshot_shows_each_block_and_its_state(allocator):
     del s
 
 
+def test_snapshot_numbers_segments_in_the_order_they_were_taken(allocator):
+    small = allocator.allocate(4096)
+    large = allocator.allocate(30 << 20)  # a segment of the large pool, taken second
+
+    def number(block):
+        (found,) = [s["sequence"] for s in allocator.snapshot()["segments"]
+                    if s["address"] <= block.ptr < s["address"] + s["total_size"]]
+        return found
+
+    assert 0 < number(small) < number(large)
+    del small, large
+
+
 def test_trace_records_alloc_and_free(allocator):
     s = allocator.allocate(512)
     ptr = s.ptr

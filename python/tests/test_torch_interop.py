@@ -690,11 +690,13 @@ REGISTER_MEM_POOL = """
 def test_nccl_register_mem_pool_registers_the_pools_segments_now_and_as_it_grows(tmp_path):
     program = textwrap.dedent(REGISTER_MEM_POOL)
     results = {}
-    for allocator in ("shoal", "native"):
+    for allocator in ("native", "shoal"):  # one rank: the registrations, not a collective, are what is shown
         results[allocator] = json_of([sys.executable, "-c", program, allocator, str(tmp_path / f"{allocator}.log")],
                                      300)
         if "skip" in results[allocator]:
             pytest.skip(results[allocator]["skip"])
+        if allocator == "native" and not results[allocator]["pool_segments_registered"]:
+            pytest.skip(f"this NCCL's REG log names no buffer as expected (see {tmp_path}/native.log)")
     ours, theirs = results["shoal"], results["native"]
     assert (ours["allocator"], theirs["allocator"]) == ("shoal", "native")
     assert ours["right"] and ours["pool_segments"] >= 2, ours

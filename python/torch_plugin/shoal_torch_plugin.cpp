@@ -243,10 +243,11 @@ block_info block_info_of(const shoal_torch_block& block) {
 }
 
 // The order segments were taken in, where PyTorch's segment info has it
-// (NCCL's register_mem_pool refuses a segment without one, and walks a
-// pool's segments in that order on every rank).
+// (NCCL's register_mem_pool refuses a segment without one, and sorts a
+// pool's segments by it). Sequence 0 (none) leaves PyTorch's "unset".
 template <class Info>
 void set_registration_counter(Info& out, std::uint64_t sequence) {
+  if (sequence == 0) return;
   if constexpr (requires { out.registration_counter; }) {
     using counter = decltype(out.registration_counter);
     set(out.registration_counter, std::min<std::uint64_t>(sequence, std::numeric_limits<counter>::max()));

@@ -272,11 +272,20 @@ void check_allocator_invariants(const pool_directory& directory, const segment_s
   directory.with_every_pool_locked([&](const std::vector<block_pool*>& pools, const segment_map& segments) {
     std::size_t segment_count = 0;
     std::size_t reserved = 0, growable_mapped = 0;
+    std::unordered_set<std::uint64_t> numbers;
     for (const block_pool* pool : pools) {
       check_pool(*pool, granularity);
       if (!pool->is_private || pool->grows) reserved += static_cast<std::size_t>(pool->counters.reserved_bytes.current);
+      std::uint64_t previous = 0;
       for (const auto& s : pool->segments) {
         ++segment_count;
+        if (s->sequence <= previous || !numbers.insert(s->sequence).second) {
+          fail("numbers", segment_name(*s) + " of the " + pool_name(*pool) + " has number " +
+                              std::to_string(s->sequence) + (s->sequence == 0 ? " (none)" : "") +
+                              ", after a segment numbered " + std::to_string(previous) +
+                              " in its pool or the same as another's");
+        }
+        previous = s->sequence;
         if (s->expandable) growable_mapped += s->mapped_bytes;
         const auto it = segments.find(s->base);
         if (it == segments.end()) {

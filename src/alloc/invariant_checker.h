@@ -25,6 +25,8 @@
 //   directory   the segment directory holds exactly the live pools'
 //               segments, each with its size and pool; every live pool
 //               is in service (its blocks can be found by address);
+//   numbers     every segment has a number (segment::sequence), no two the
+//               same, and each pool lists its segments in the order taken;
 //   orphans     no orphaned tombstone lies where a block of a segment taken
 //               from the device may start (its 512-byte grid; anywhere in
 //               a growable range).

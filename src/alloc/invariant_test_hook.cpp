@@ -44,6 +44,9 @@ void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_brea
       case invariant_breakage::out_of_service:
         pool.in_service = false;
         return;
+      case invariant_breakage::unnumbered:
+        b->owner->sequence = 0;
+        return;
       case invariant_breakage::tombstone_unindexed:
         if (b->state != block_state::invalidated) break;
         (void)pool.allocated.take(b->address);

@@ -194,6 +194,16 @@ TYPED_TEST(invariant_checker, a_segment_missing_from_the_directory_is_caught) {
   EXPECT_NE(what.find("missing from the segment directory"), std::string::npos) << what;
 }
 
+TYPED_TEST(invariant_checker, a_segment_without_its_number_is_caught) {
+  void* block = nullptr;
+  auto& a = broken(*this, invariant_breakage::unnumbered, block);
+  const auto e = caught(a);
+  EXPECT_EQ(e.invariant(), "numbers") << e.what();
+  const std::string what = e.what();
+  EXPECT_NE(what.find("segment " + hex(block)), std::string::npos) << what;
+  EXPECT_NE(what.find("number 0 (none)"), std::string::npos) << what;
+}
+
 TYPED_TEST(invariant_checker, a_pool_in_the_directory_but_out_of_service_is_caught) {
   void* block = nullptr;
   auto& a = broken(*this, invariant_breakage::out_of_service, block);

@@ -23,6 +23,7 @@ enum class invariant_breakage : std::uint8_t {
   counter,              ///< its pool's allocated_bytes counter is 512 too high
   unregistered,         ///< its segment leaves the segment directory
   out_of_service,       ///< its pool goes out of service (lookups by address find nothing there)
+  unnumbered,           ///< its segment loses its number (segment_snapshot::sequence)
   /// `ptr` is a tombstone (a forced clear took its block): it leaves its
   /// pool's index, where its owner's late free would look for it
   tombstone_unindexed,

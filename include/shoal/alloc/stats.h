@@ -110,9 +110,11 @@ struct segment_snapshot {
   bool external = false;          ///< memory handed in (a private pool), never freed by the allocator
   std::string private_pool;       ///< its name, for external memory
   private_pool_id owner;          ///< the private pool it belongs to (value 0: none)
-  /// The order the allocator took its segments in: 1 for its first, larger
-  /// for each one taken later (stable for the segment's life; the numbers
-  /// of segments given back are not used again).
+  /// The order this allocator took its segments in: unique among its
+  /// segments, never 0, kept for the segment's life and not used again
+  /// after it is given back (numbers may be skipped). A segment taken later
+  /// into the same pool has a larger number; across pools growing on
+  /// different threads, it is the order they drew their numbers in.
   std::uint64_t sequence = 0;
   std::vector<block_snapshot> blocks;
 };
