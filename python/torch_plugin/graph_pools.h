@@ -97,7 +97,9 @@ class graph_pools {
   /// again), or that the pool refuses (restore_private_pool), and the first
   /// error of a callback, after the others were told; a block allocated
   /// again whose callback threw is freed (it has no owner). Routes to other
-  /// pools do not stop it: it runs in relaxed capture mode.
+  /// pools do not stop it: it runs in relaxed capture mode. No allocation
+  /// from or free to the pool may race it (its checks come first; CUDA
+  /// graph trees restore on the thread that uses the pool).
   void restore(c10::DeviceIndex device, const c10::cuda::CUDACachingAllocator::AllocatorState& state,
                const std::function<void(size_t freed, size_t allocated)>& prepare,
                const std::function<void(void*)>& freed,
