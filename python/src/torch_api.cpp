@@ -417,8 +417,10 @@ int api_restore_graph_pool(uint64_t pool, int device, const void* checkpoint, vo
         pool_id(pool), *static_cast<const alloc::pool_checkpoint*>(checkpoint));
   });
   if (status != SHOAL_TORCH_OK) return status;
-  for (const std::uintptr_t address : result.freed) visit(context, SHOAL_TORCH_RESTORE_FREED, address, 0);
-  for (const auto& [address, size] : result.allocated) visit(context, SHOAL_TORCH_RESTORE_ALLOCATED, address, size);
+  for (const std::uintptr_t address : result.freed) visit(context, SHOAL_TORCH_RESTORE_FREED, address, 0, nullptr);
+  for (const auto& b : result.allocated) {
+    visit(context, SHOAL_TORCH_RESTORE_ALLOCATED, b.address, b.size, b.stream.native);
+  }
   return SHOAL_TORCH_OK;
 }
 

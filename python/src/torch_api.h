@@ -127,8 +127,11 @@ enum shoal_torch_restored_action {
   SHOAL_TORCH_RESTORE_ALLOCATED = 1,  ///< allocated again, as the checkpoint had it: the caller's to free
 };
 /// Told of each block a restore changed, after the restore, with no lock
-/// held; returns nothing and must not throw.
-typedef void (*shoal_torch_restored_visitor)(void* context, int action, uintptr_t address, size_t size);
+/// held; returns nothing and must not throw. `size` and `stream` (the
+/// cudaStream_t it was handed out on; NULL: the legacy default stream) only
+/// for a block allocated again (0 and NULL for a freed one).
+typedef void (*shoal_torch_restored_visitor)(void* context, int action, uintptr_t address, size_t size,
+                                             void* stream);
 
 struct shoal_torch_api {
   uint32_t version;     ///< SHOAL_TORCH_API_VERSION

@@ -705,6 +705,30 @@ def test_nccl_register_mem_pool_registers_the_pools_segments_now_and_as_it_grows
     assert {**ours, "pool_segments": 0} == {**theirs, "pool_segments": 0, "allocator": "shoal"}, (ours, theirs)
 
 
+def test_memory_history_names_the_stream_of_a_block_a_restore_allocates_again():
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        pool, side = torch.cuda.MemPool(), torch.cuda.Stream()
+        with torch.cuda.use_mem_pool(pool), torch.cuda.stream(side):
+            kept = torch.full((1 << 18,), 3.0, device="cuda")
+        side.synchronize()
+        state = torch._C._cuda_getCheckpointState(0, pool.id)
+        torch.cuda.memory._record_memory_history(stacks="python")
+        # The same layout again: `kept`'s block is freed and allocated again, and its storage takes it.
+        torch._C._cuda_setCheckpointPoolState(0, state, [], [kept.untyped_storage()._cdata])
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        entries = [[e["action"], e["stream"]] for e in trace if e["addr"] == kept.data_ptr()]
+        print(json.dumps({"entries": entries, "side": side.cuda_stream, "kept": bool((kept == 3).all())}))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        """
+    )
+    assert out["kept"], out
+    allocs = [stream for action, stream in out["entries"] if action == "alloc"]
+    assert allocs == [out["side"]], f"the restore's allocation names the stream the checkpoint has: {out}"
+
+
 def test_memory_history_keeps_the_newest_max_entries():
     out = run(
         """

@@ -39,7 +39,7 @@ PRELUDE = textwrap.dedent(
 
     Observer = ctypes.CFUNCTYPE(None, ctypes.POINTER(SegmentEvent))
     FreeWaitObserver = ctypes.CFUNCTYPE(None, ctypes.POINTER(FreeWaitEvent))
-    Restored = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t)
+    Restored = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p)
     F = ctypes.CFUNCTYPE
     i, sz, vp, u64 = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64
 
@@ -69,10 +69,10 @@ PRELUDE = textwrap.dedent(
     api = Table.from_address(_shoal._torch_api())
     out = {"version": api.version, "size_matches": api.struct_size == ctypes.sizeof(Table)}
 
-    def allocate(n, pool=0):
+    def allocate(n, pool=0, stream=None):
         p = vp()
-        status = api.allocate(n, 0, None, ctypes.byref(p)) if pool == 0 else \\
-            api.allocate_in_pool(pool, n, 0, None, ctypes.byref(p))
+        status = api.allocate(n, 0, stream, ctypes.byref(p)) if pool == 0 else \\
+            api.allocate_in_pool(pool, n, 0, stream, ctypes.byref(p))
         assert status == OK, api.last_error()
         return p.value
 
@@ -297,7 +297,8 @@ def test_a_graph_pools_checkpoint_is_restored_through_the_table():
         _shoal._torch_table_on_host()
         pool = u64()
         assert api.create_graph_pool(0, ctypes.byref(pool)) == OK, api.last_error()
-        a, b = allocate(4096, pool.value), allocate(1 << 20, pool.value)
+        side = shoal.Stream(shoal.host_device())
+        a, b = allocate(4096, pool.value), allocate(1 << 20, pool.value, side.handle)
         saved, counted = vp(), sz()
         assert api.checkpoint_graph_pool(pool.value, 0, ctypes.byref(saved), ctypes.byref(counted)) == OK, \
             api.last_error()
@@ -306,12 +307,13 @@ def test_a_graph_pools_checkpoint_is_restored_through_the_table():
         no_visitor = [api.restore_graph_pool(pool.value, 0, saved, None, ctypes.cast(None, Restored)),
                       api.last_error().decode()]
         told = []
-        visit = Restored(lambda _context, action, address, size: told.append([action, address, size]))
+        visit = Restored(lambda _context, action, address, size, stream: told.append([action, address, size, stream]))
         assert api.restore_graph_pool(pool.value, 0, saved, None, visit) == OK, api.last_error()
         other = u64()
         assert api.create_graph_pool(0, ctypes.byref(other)) == OK, api.last_error()
         refused = api.restore_graph_pool(other.value, 0, saved, None, visit)
-        out.update(a=a, b=b, c=c, told=told, refused=[refused, api.last_error().decode()],
+        side.synchronize()
+        out.update(a=a, b=b, c=c, side=side.handle, told=told, refused=[refused, api.last_error().decode()],
                    freed=api.free_graph_pool_checkpoint(saved), counted=counted.value, no_visitor=no_visitor)
         """
     )
@@ -319,6 +321,9 @@ def test_a_graph_pools_checkpoint_is_restored_through_the_table():
     allocated = {t[1]: t[2] for t in out["told"] if t[0] == 1}
     assert freed == sorted([out["b"], out["c"]]), out["told"]  # so the refused restore changed nothing
     assert set(allocated) == {out["a"], out["b"]} and allocated[out["b"]] >= 1 << 20, out["told"]
+    streams = {t[1]: t[3] for t in out["told"] if t[0] == 1}
+    assert streams == {out["a"]: None, out["b"]: out["side"]}, "each allocated again on its own stream"
+    assert all(t[2:] == [0, None] for t in out["told"] if t[0] == 0), "a freed block has no size or stream told"
     assert out["refused"][0] == 2 and "checkpoint is of private pool" in out["refused"][1], out["refused"]
     assert out["freed"] == 0
     assert out["counted"] == 2, "the checkpoint's allocated blocks"

@@ -169,22 +169,22 @@ struct restore_visit {
   int device;
   mempool_id id;
   const std::function<void(void*)>& freed;
-  const std::function<void(void*, size_t, mempool_id)>& allocated;
+  const std::function<void(void*, size_t, cudaStream_t, mempool_id)>& allocated;
   std::exception_ptr failed;  ///< the first error of a callback: the visitor must not throw
 
-  static void visit(void* context, int action, uintptr_t address, size_t size) noexcept {
+  static void visit(void* context, int action, uintptr_t address, size_t size, void* stream) noexcept {
     auto* self = static_cast<restore_visit*>(context);
     void* const ptr = reinterpret_cast<void*>(address);
     try {
       if (action == SHOAL_TORCH_RESTORE_FREED) {
         self->freed(ptr);
       } else {
-        self->allocated(ptr, size, self->id);
+        self->allocated(ptr, size, static_cast<cudaStream_t>(stream), self->id);
       }
     } catch (...) {
       if (!self->failed) self->failed = std::current_exception();
       // A block allocated again that nobody took would be lost: it goes back.
-      if (action != SHOAL_TORCH_RESTORE_FREED) (void)self->api.deallocate(ptr, self->device, nullptr);
+      if (action != SHOAL_TORCH_RESTORE_FREED) (void)self->api.deallocate(ptr, self->device, stream);
     }
   }
 };
@@ -211,7 +211,7 @@ std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> graph_pools::ch
 
 void graph_pools::restore(c10::DeviceIndex device, const c10::cuda::CUDACachingAllocator::AllocatorState& state,
                           const std::function<void(size_t, size_t)>& prepare, const std::function<void(void*)>& freed,
-                          const std::function<void(void*, size_t, mempool_id)>& allocated) {
+                          const std::function<void(void*, size_t, cudaStream_t, mempool_id)>& allocated) {
   const auto* saved = dynamic_cast<const pool_checkpoint*>(&state);
   TORCH_CHECK(saved != nullptr, "shoal: this allocator state is no checkpoint of shoal's memory pools");
   TORCH_CHECK(saved->device == device, "shoal: a checkpoint of device ", saved->device, " given for device ", device);

@@ -90,7 +90,7 @@ class graph_pools {
   /// how many the checkpoint allocates again (to make room, so that the
   /// callbacks need no memory once the layout changed); then each block the
   /// restore freed goes to `freed`, each it allocated again to `allocated`
-  /// (address, size, the pool's MempoolId). Throws PyTorch's error for a
+  /// (address, size, the stream it was handed out on, the pool's MempoolId). Throws PyTorch's error for a
   /// state that is no checkpoint of shoal's, of a pool released since, while
   /// allocations are routed to this pool, while a free of one of its blocks
   /// is deferred (the restore would free that block, and the routes' end
@@ -103,7 +103,7 @@ class graph_pools {
   void restore(c10::DeviceIndex device, const c10::cuda::CUDACachingAllocator::AllocatorState& state,
                const std::function<void(size_t freed, size_t allocated)>& prepare,
                const std::function<void(void*)>& freed,
-               const std::function<void(void*, size_t, mempool_id)>& allocated);
+               const std::function<void(void*, size_t, cudaStream_t, mempool_id)>& allocated);
 
  private:
   using key = std::pair<c10::DeviceIndex, mempool_id>;

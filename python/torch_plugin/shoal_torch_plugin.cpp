@@ -558,12 +558,12 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
           if (history->recording()) shoal_torch::memory_history::free_scope recorded(*history, freed);
           delta.ptrs_freed.push_back(freed);
         },
-        [&](void* allocated, size_t bytes, at::cuda::MempoolId_t pool) {
+        [&](void* allocated, size_t bytes, cudaStream_t stream, at::cuda::MempoolId_t pool) {
           const auto bits = reinterpret_cast<std::uintptr_t>(allocated);
           delta.dataptrs_allocd.emplace_back(allocated, reinterpret_cast<void*>(bits | static_cast<std::uintptr_t>(device)),
                                              &free_tensor_block, where);
           if (history->recording()) {
-            history->allocated({allocated, bytes, device, nullptr, pool}, history->allocation_context());
+            history->allocated({allocated, bytes, device, stream, pool}, history->allocation_context());
           }
         });
     return delta;

@@ -248,7 +248,7 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
         pool_counters::add(c.active, 1);
         pool_counters::add(c.active_bytes, static_cast<std::int64_t>(b->size));
         pool_counters::add(c.requested_bytes, static_cast<std::int64_t>(b->requested));
-        result.allocated.emplace_back(b->address, b->size);
+        result.allocated.push_back({b->address, b->size, b->stream});  // within the room reserved above
         if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, b->stream);
       } else {
         b->last_streams.assign(used.begin(), used.end());  // within the room reserved above

@@ -92,7 +92,7 @@ TYPED_TEST(pool_checkpoints, a_restore_lays_the_pool_out_again_and_allocates_its
 
   EXPECT_EQ(std::set(result.freed.begin(), result.freed.end()), (std::set{at(kept), at(later), at(small)}));
   std::set<std::uintptr_t> made;
-  for (const auto& [address, size] : result.allocated) made.insert(address);
+  for (const auto& b : result.allocated) made.insert(b.address);
   EXPECT_EQ(made, (std::set{at(first), at(kept)}));
   EXPECT_EQ(difference(saved, a.checkpoint_private_pool(pool)), "");
   EXPECT_EQ(a.stats().allocated_bytes.aggregate.current, bytes_then);
@@ -185,7 +185,8 @@ TYPED_TEST(pool_checkpoints, the_restored_owners_stream_waits_for_the_old_users_
   dev.fill(old_user, taken, 0x22, bytes);  // the old user's late write, queued
   const auto result = a.restore_private_pool(pool, saved);
   ASSERT_EQ(result.allocated.size(), 1u);
-  ASSERT_EQ(result.allocated[0].first, at(p));
+  ASSERT_EQ(result.allocated[0].address, at(p));
+  EXPECT_EQ(result.allocated[0].stream, owner) << "allocated again on the stream the checkpoint names";
   dev.fill(owner, p, 0x33, bytes);
   dev.synchronize(old_user);  // the late write has landed, before or after the new owner's
   EXPECT_TRUE(all_equal(this->read(p, bytes, owner), 0x33)) << "the old user's late write overtook the new owner's";
@@ -262,7 +263,7 @@ TYPED_TEST(pool_checkpoints, free_neighbours_in_a_checkpoint_become_one_free_blo
             {rest.address + half + 512, rest.size - half - 512, false, 0, {}}};
   const auto result = a.restore_private_pool(pool, saved);
   ASSERT_EQ(result.allocated.size(), 1u);
-  EXPECT_EQ(result.allocated[0], std::make_pair(rest.address, half));
+  EXPECT_EQ(result.allocated[0], (alloc::pool_restore_result::allocated_block{rest.address, half, {}}));
   const auto after = a.checkpoint_private_pool(pool).segments[0].blocks;
   ASSERT_EQ(after.size(), 3u) << "free neighbours merged";
   EXPECT_EQ(after[0].size, 64 * kib);

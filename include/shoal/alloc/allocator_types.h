@@ -68,9 +68,15 @@ struct pool_restore_result {
   /// Blocks that were allocated and are not any more: their owners must not
   /// free them (a free would free whatever holds the address now).
   std::vector<std::uintptr_t> freed;
-  /// The checkpoint's allocated blocks, allocated again (address, size): each
-  /// is its new owner's to free. A block in both lists changed owner.
-  std::vector<std::pair<std::uintptr_t, std::size_t>> allocated;
+  struct allocated_block {
+    std::uintptr_t address = 0;
+    std::size_t size = 0;
+    backend::stream_ref stream;  ///< the stream it was handed out on, as the checkpoint has it
+    friend bool operator==(const allocated_block&, const allocated_block&) = default;
+  };
+  /// The checkpoint's allocated blocks, allocated again: each is its new
+  /// owner's to free. A block in both lists changed owner.
+  std::vector<allocated_block> allocated;
 };
 
 /// What clearing or destroying a private pool does with blocks still
