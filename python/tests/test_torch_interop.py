@@ -716,8 +716,9 @@ def test_memory_history_names_the_stream_of_a_block_a_restore_allocates_again():
         side.synchronize()
         state = torch._C._cuda_getCheckpointState(0, pool.id)
         torch.cuda.memory._record_memory_history(stacks="python")
-        # The same layout again: `kept`'s block is freed and allocated again, and its storage takes it.
-        torch._C._cuda_setCheckpointPoolState(0, state, [], [kept.untyped_storage()._cdata])
+        # The same layout again: `kept`'s block is freed (its storage frees nothing from now on)
+        # and allocated again, with no owner: the pool holds it until the end.
+        torch._C._cuda_setCheckpointPoolState(0, state, [kept.untyped_storage()._cdata], [])
         trace = torch.cuda.memory._snapshot()["device_traces"][0]
         entries = [[e["action"], e["stream"]] for e in trace if e["addr"] == kept.data_ptr()]
         print(json.dumps({"entries": entries, "side": side.cuda_stream, "kept": bool((kept == 3).all())}))
