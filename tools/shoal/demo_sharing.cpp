@@ -3,6 +3,7 @@
 // writes an answer into it and drops it; the parent sees the reference
 // released and reads the child's write.
 #include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -78,8 +79,16 @@ void show_sharing(backend::device& dev, alloc::caching_allocator& allocator) {
 
   shared = {};  // the parent drops its handle first: the block must wait for the child
   const ipc::sharing_stats in_limbo = context.stats();
-  to_child.send_note(text("drop"));
-  (void)next_note(to_child);  // "dropped"
+  try {
+    to_child.send_note(text("drop"));
+    (void)next_note(to_child);  // "dropped"
+  } catch (const error& e) {
+    // The connection ended early: say how the child ended (waited for
+    // once both ends of the socket are shut, so a child still reading exits).
+    ::shutdown(to_child.native_handle(), SHUT_RDWR);
+    throw error("demo: " + std::string(e.what()) + "; the child process ended with status " +
+                std::to_string(child.wait()));
+  }
   const auto until = std::chrono::steady_clock::now() + answer_deadline;
   ipc::sharing_stats after;
   for (;;) {
