@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SHOAL_TORCH_API_VERSION 9
+#define SHOAL_TORCH_API_VERSION 10
 
 enum shoal_torch_status {
   SHOAL_TORCH_OK = 0,
