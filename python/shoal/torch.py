@@ -47,8 +47,9 @@ without them (``torch._inductor.config.triton.cudagraph_trees = False``). A
 restore raises RuntimeError when a block of the pool is shared with another
 process, while allocations are routed to that pool (its ``use_mem_pool``, a
 capture into it) or while a free of one of its blocks waits for the routes to
-end (a block another stream used, freed inside any ``use_mem_pool`` or
-capture): call compiled functions outside ``use_mem_pool`` blocks. It waits
+end (a block freed on another stream than its own, or one ``record_stream``
+named, while any ``use_mem_pool`` or capture is active on any thread): call
+compiled functions outside ``use_mem_pool`` blocks. It waits
 on the host for the pool's pending frees. A
 ``torch.cuda.MemPool`` with an allocator of its own, or with
 ``use_on_oom=True``, is refused while shoal is PyTorch's allocator.
