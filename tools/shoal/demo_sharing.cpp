@@ -83,8 +83,9 @@ void show_sharing(backend::device& dev, alloc::caching_allocator& allocator) {
     to_child.send_note(text("drop"));
     (void)next_note(to_child);  // "dropped"
   } catch (const error& e) {
-    // The connection ended early: say how the child ended (waited for
-    // once both ends of the socket are shut, so a child still reading exits).
+    // The connection ended early: say how the child ended (waited for once
+    // both ends of the socket are shut, so a child still reading exits; its
+    // own error is on stderr).
     ::shutdown(to_child.native_handle(), SHUT_RDWR);
     throw error("demo: " + std::string(e.what()) + "; the child process ended with status " +
                 std::to_string(child.wait()));
@@ -131,6 +132,7 @@ int run_demo_child(const std::string& backend_name) {
     parent.send_note(text("dropped"));
     return 0;
   } catch (const std::exception& e) {
+    std::fprintf(stderr, "shoal demo-child: %s\n", e.what());  // seen even when the parent stopped reading
     try {
       parent.send_note(text(std::string("FAILED: ") + e.what()));
     } catch (const error&) {  // NOLINT(bugprone-empty-catch): the parent is gone; the exit status says it
