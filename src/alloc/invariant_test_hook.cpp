@@ -47,6 +47,10 @@ void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_brea
       case invariant_breakage::unnumbered:
         b->owner->sequence = 0;
         return;
+      case invariant_breakage::numbered_as_first:
+        if (pool.segments.front().get() == b->owner) break;
+        b->owner->sequence = pool.segments.front()->sequence;
+        return;
       case invariant_breakage::tombstone_unindexed:
         if (b->state != block_state::invalidated) break;
         (void)pool.allocated.take(b->address);
@@ -54,7 +58,7 @@ void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_brea
     }
     throw invalid_argument("unsafe_break_invariant: the block at " + hex(b->address) +
                            " has no block after it, or not the settled free block of at least 1024 bytes this needs, "
-                           "or is not the tombstone this needs");
+                           "or is not the tombstone this needs, or is in its pool's first segment");
   });
 }
 

@@ -204,6 +204,20 @@ TYPED_TEST(invariant_checker, a_segment_without_its_number_is_caught) {
   EXPECT_NE(what.find("number 0 (none)"), std::string::npos) << what;
 }
 
+TYPED_TEST(invariant_checker, a_segment_numbered_as_an_earlier_one_is_caught) {
+  auto& a = this->make("expandable_segments:false");  // a second segment in the same pool
+  [[maybe_unused]] void* first = a.allocate(mib, {});
+  [[maybe_unused]] void* second = a.allocate(mib, {});
+  void* third = a.allocate(mib, {});  // the small pool's 2 MiB segment is full: a second one
+  EXPECT_NO_THROW(a.check_invariants()) << "sound before it is broken";
+  alloc::test_hook::unsafe_break_invariant(a, third, invariant_breakage::numbered_as_first);
+  const auto e = caught(a);
+  EXPECT_EQ(e.invariant(), "numbers") << e.what();
+  const std::string what = e.what();
+  EXPECT_NE(what.find("segment " + hex(third)), std::string::npos) << what;
+  EXPECT_NE(what.find("the same as another's"), std::string::npos) << what;
+}
+
 TYPED_TEST(invariant_checker, a_pool_in_the_directory_but_out_of_service_is_caught) {
   void* block = nullptr;
   auto& a = broken(*this, invariant_breakage::out_of_service, block);

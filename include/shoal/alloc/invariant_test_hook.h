@@ -24,6 +24,8 @@ enum class invariant_breakage : std::uint8_t {
   unregistered,         ///< its segment leaves the segment directory
   out_of_service,       ///< its pool goes out of service (lookups by address find nothing there)
   unnumbered,           ///< its segment loses its number (segment_snapshot::sequence)
+  /// its segment, not its pool's first, takes the number of its pool's first
+  numbered_as_first,
   /// `ptr` is a tombstone (a forced clear took its block): it leaves its
   /// pool's index, where its owner's late free would look for it
   tombstone_unindexed,
