@@ -235,7 +235,7 @@ void graph_pools::restore(c10::DeviceIndex device, const c10::cuda::CUDACachingA
   // Another thread's capture in global mode would refuse the restore's event
   // calls, and be invalidated by them.
   relaxed_capture_mode mode{relaxed};
-  const std::vector<void*> live = allocated_blocks(handle, device, waiting.size());
+  const std::vector<void*> live = allocated_blocks(handle, device, saved->allocated_blocks);
   // The restore would free such a block, and the routes' end again.
   TORCH_CHECK(std::none_of(live.begin(), live.end(), [&](void* p) { return waiting.count(p) != 0; }),
               "shoal: a memory pool's checkpoint cannot be restored while a free of one of its blocks waits for the "

@@ -90,8 +90,9 @@ class graph_pools {
   /// how many the checkpoint allocates again (to make room, so that the
   /// callbacks need no memory once the layout changed); then each block the
   /// restore freed goes to `freed`, each it allocated again to `allocated`
-  /// (address, size, the stream it was handed out on, the pool's MempoolId). Throws PyTorch's error for a
-  /// state that is no checkpoint of shoal's, of a pool released since, while
+  /// (address, size, the stream it was handed out on, the pool's
+  /// MempoolId). Throws PyTorch's error for a state that is no checkpoint
+  /// of shoal's, of a pool released since, while
   /// allocations are routed to this pool, while a free of one of its blocks
   /// is deferred (the restore would free that block, and the routes' end
   /// again), or that the pool refuses (restore_private_pool), and the first
