@@ -4,8 +4,8 @@
 //
 // A restore runs in two phases under the pool's lock, as a forced clear
 // does: everything that may throw comes first (the checks, block objects
-// with room for their last streams, room in the index, the device waits)
-// and changes nothing; then the layout is rebuilt by steps that throw
+// with room for their last streams, room in the index, the device waits,
+// debug mode's poison of what it leaves free) and changes no block; then the layout is rebuilt by steps that throw
 // nothing, so a failure never leaves half a layout.
 #include <algorithm>
 #include <map>
@@ -16,6 +16,7 @@
 #include "alloc/allocator_core.h"
 #include "alloc/block_structure.h"
 #include "alloc/core_util.h"
+#include "alloc/event_pool.h"
 #include "alloc/size_policy.h"
 #include "shoal/core/error.h"
 
@@ -78,6 +79,35 @@ std::vector<pool_checkpoint::block_state> layout_after(const segment& s, const p
     out.push_back(b);
   }
   return out;
+}
+
+// `later` waits on the device for the work queued on `earlier` so far.
+void order_after(backend::device& device, event_pool& events, backend::stream_ref later, backend::stream_ref earlier) {
+  const backend::event_ref e = events.take();
+  try {
+    device.record(e, earlier);
+    device.wait(later, e);
+  } catch (...) {
+    events.give_back(e);
+    throw;
+  }
+  events.give_back(e);
+}
+
+// Debug mode: the poison of what a restore leaves free, as every free is
+// poisoned. Filled on the first old user's stream once the others' work is
+// passed; every old user is a free block's last stream, so whoever takes
+// that memory next waits for the fill too.
+void poison_left_free(backend::device& device, event_pool& events,
+                      const std::vector<std::vector<pool_checkpoint::block_state>>& layouts,
+                      const std::vector<backend::stream_ref>& used) {
+  const backend::stream_ref on = used.front();
+  for (std::size_t i = 1; i < used.size(); ++i) order_after(device, events, on, used[i]);
+  for (const auto& layout : layouts) {
+    for (const auto& b : layout) {
+      if (!b.allocated) device.fill(on, reinterpret_cast<void*>(b.address), poison_byte, b.size);
+    }
+  }
 }
 
 }  // namespace
@@ -184,18 +214,12 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
     // The new owners' streams wait for the old users' work on the device.
     for (auto owner : owners) {
       for (auto s : used) {
-        if (s == owner) continue;
-        const backend::event_ref e = events_.take();
-        try {
-          device.record(e, s);
-          device.wait(owner, e);
-        } catch (...) {
-          events_.give_back(e);
-          throw;
-        }
-        events_.give_back(e);
+        if (s != owner) order_after(device, events_, owner, s);
       }
     }
+    // Last: a fill that fails changes no block (though memory the restore
+    // would have freed may hold the poison by then).
+    if (config.debug && !used.empty()) poison_left_free(device, events_, layouts, used);
   } catch (...) {
     for (block* b : fresh) part.recycle(b);
     throw;

@@ -222,6 +222,54 @@ TYPED_TEST(pool_checkpoints, memory_a_restore_leaves_free_waits_for_the_old_user
   a.destroy_private_pool(pool);
 }
 
+// Debug mode poisons what a restore frees, as it poisons every free; the
+// blocks it allocates again keep their bytes.
+TYPED_TEST(pool_checkpoints, debug_mode_poisons_what_a_restore_leaves_free_but_not_what_it_allocates_again) {
+  auto& dev = this->device();
+  auto& a = this->make("debug:true");
+  backend::stream mine(dev), other(dev);
+  const auto pool = a.create_growing_private_pool();
+  constexpr std::size_t bytes = 64 * kib;
+  void* kept = allocate_in(a, pool, bytes, mine);
+  const auto saved = a.checkpoint_private_pool(pool);
+  void* freed = allocate_in(a, pool, bytes, other);
+  dev.fill(mine, kept, 0x11, bytes);
+  dev.delay(other, 200ms);
+  dev.fill(other, freed, 0x22, bytes);  // the old user's late write, queued
+  (void)a.restore_private_pool(pool, saved);
+  dev.synchronize(mine);
+  dev.synchronize(other);
+  EXPECT_TRUE(all_equal(this->read(freed, bytes, other), 0xDB))
+      << "memory the restore freed does not hold the poison pattern, after its old user's write";
+  EXPECT_TRUE(all_equal(this->read(kept, bytes, mine), 0x11)) << "a block the restore allocated again lost its bytes";
+  a.deallocate(kept, mine);
+  dev.synchronize(mine);
+  a.destroy_private_pool(pool);
+}
+
+// The poison comes after the work of every stream that used the memory,
+// though no block the restore allocates makes the streams wait (an empty
+// checkpoint) and the fill's stream is not the late writer's.
+TYPED_TEST(pool_checkpoints, debug_mode_poisons_what_a_restore_leaves_free_after_every_old_user) {
+  auto& dev = this->device();
+  auto& a = this->make("debug:true");
+  backend::stream mine(dev), other(dev);
+  const auto pool = a.create_growing_private_pool();
+  const auto saved = a.checkpoint_private_pool(pool);  // no segment yet
+  constexpr std::size_t bytes = 64 * kib;
+  void* first = allocate_in(a, pool, bytes, mine);
+  void* late = allocate_in(a, pool, bytes, other);
+  dev.delay(other, 200ms);
+  dev.fill(other, late, 0x22, bytes);  // the old user's late write, queued
+  const auto result = a.restore_private_pool(pool, saved);
+  EXPECT_EQ(std::set(result.freed.begin(), result.freed.end()), (std::set{at(first), at(late)}));
+  dev.synchronize(mine);
+  dev.synchronize(other);
+  EXPECT_TRUE(all_equal(this->read(late, bytes, other), 0xDB)) << "the old user's late write overtook the poison";
+  a.check_invariants();
+  a.destroy_private_pool(pool);
+}
+
 TYPED_TEST(pool_checkpoints, a_free_waiting_for_a_stream_completes_before_the_restore) {
   auto& dev = this->device();
   auto& a = this->make();

@@ -346,7 +346,9 @@ class caching_allocator {
   /// (mark_held_outside) and a tombstone in its memory (an orphan a new
   /// segment kept, until its late free); a device error while making the
   /// streams wait, and std::bad_alloc, also leave the layout as it was.
-  /// Debug mode does not poison the memory a restore frees. Nobody should
+  /// Debug mode poisons what the restore leaves free, after every old user's
+  /// work (a device error there leaves the layout as it was too, though
+  /// memory it would have freed may hold the poison). Nobody should
   /// allocate from, free to or destroy the pool meanwhile.
   pool_restore_result restore_private_pool(private_pool_id pool, const pool_checkpoint& checkpoint);
 
