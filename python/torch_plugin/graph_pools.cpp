@@ -73,7 +73,7 @@ int graph_pools::deallocate(void* ptr, int device, cudaStream_t stream) {
     if (status != SHOAL_TORCH_OK || freed != 0) return status;
     std::lock_guard lock(mutex_);
     if (!routes_.empty()) {
-      deferred_.push_back({ptr, device, stream});
+      deferred_.push_back({ptr, device, stream, 0});
       return SHOAL_TORCH_OK;
     }
   }
@@ -116,19 +116,33 @@ void graph_pools::begin(c10::DeviceIndex device, mempool_id id, std::function<bo
 void graph_pools::end(c10::DeviceIndex device, mempool_id id) {
   const key k{device, id};
   std::vector<deferred_free> flush;
+  std::uint64_t ticket = 0;
   {
     std::lock_guard lock(mutex_);
     const auto it = std::find_if(routes_.begin(), routes_.end(), [&](const route& r) { return r.of == k; });
     TORCH_CHECK(it != routes_.end(), "shoal: no allocations go to memory pool (", id.first, ", ", id.second, ")");
+    if (routes_.size() == 1) {  // no capture left after this: the deferred frees' events may be recorded now
+      flush.reserve(deferred_.size());  // before anything changes
+      ticket = ++flushes_;
+      for (deferred_free& f : deferred_) {
+        if (f.flush != 0) continue;  // another end carries it out
+        f.flush = ticket;
+        flush.push_back(f);
+      }
+    }
     routes_.erase(it);
     routes_count_.store(static_cast<int>(routes_.size()), std::memory_order_release);
-    if (routes_.empty()) flush.swap(deferred_);  // no capture left: their events may be recorded now
   }
   if (flush.empty()) return;
   for (const deferred_free& f : flush) {
     if (api_.deallocate(f.ptr, f.device, f.stream) != SHOAL_TORCH_OK) {
       std::fprintf(stderr, "shoal: freeing a PyTorch block after a capture failed: %s\n", api_.last_error());
     }
+  }
+  {
+    // Listed until freed: a restore meanwhile sees them waiting.
+    std::lock_guard lock(mutex_);
+    std::erase_if(deferred_, [&](const deferred_free& f) { return f.flush == ticket; });
   }
   (void)destroy_released();  // those frees may have been a released pool's last blocks
 }
@@ -242,9 +256,23 @@ void graph_pools::restore(c10::DeviceIndex device, const c10::cuda::CUDACachingA
               "allocations routed to memory pools to end (a block another stream used, freed inside "
               "torch.cuda.use_mem_pool or a CUDA graph capture): restore it after those blocks");
   prepare(live.size(), saved->allocated_blocks);  // room for what the restore tells: its callbacks then allocate nothing
-  restore_visit visit{api_, device, saved->id, freed, allocated, nullptr};
+  std::vector<void*> freed_here;
+  freed_here.reserve(live.size());
+  const std::function<void(void*)> note_freed = [&](void* p) {
+    freed_here.push_back(p);  // within the room reserved above
+    freed(p);
+  };
+  restore_visit visit{api_, device, saved->id, note_freed, allocated, nullptr};
   check(api_, api_.restore_graph_pool(handle, device, saved->taken, &visit, &restore_visit::visit),
         "restore of a memory pool");
+  {
+    // A free of such a block deferred after the check above (a free racing
+    // the restore, which the header forbids) must not free it again.
+    std::lock_guard lock(mutex_);
+    std::erase_if(deferred_, [&](const deferred_free& f) {
+      return f.flush == 0 && f.device == device && std::find(freed_here.begin(), freed_here.end(), f.ptr) != freed_here.end();
+    });
+  }
   if (visit.failed) std::rethrow_exception(visit.failed);
 }
 

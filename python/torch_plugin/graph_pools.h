@@ -121,6 +121,7 @@ class graph_pools {
     void* ptr;
     int device;
     cudaStream_t stream;
+    std::uint64_t flush;  ///< 0 while waiting; then the ticket of the end that carries it out (listed until freed)
   };
   pool& pool_of(const key& k);  // made on first use; mutex_ held
   /// The blocks of shoal's pool `handle` allocated now (room for `expected`
@@ -132,6 +133,7 @@ class graph_pools {
   std::map<key, pool> pools_;                                 // guarded by mutex_
   std::vector<route> routes_;                                 // guarded by mutex_
   std::vector<deferred_free> deferred_;                       // guarded by mutex_
+  std::uint64_t flushes_ = 0;                                 // the last flush's ticket; guarded by mutex_
   std::vector<std::pair<int, std::uint64_t>> released_;       // (device, handle); guarded by mutex_
   /// The MempoolId of every shoal pool made here until it is destroyed (a
   /// released one's too). Named before its first allocation, forgotten after
