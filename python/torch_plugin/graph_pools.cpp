@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <utility>
 
 #include "plugin_status.h"
 
@@ -153,7 +154,7 @@ void graph_pools::release(c10::DeviceIndex device, mempool_id id) {
     const auto it = pools_.find({device, id});
     TORCH_CHECK(it != pools_.end(), "shoal: memory pool (", id.first, ", ", id.second, ") does not exist");
     if (--it->second.uses > 0) return;
-    released_.emplace_back(device, it->second.handle);
+    released_.push_back({device, it->second.handle, false});
     pools_.erase(it);
   }
   (void)destroy_released();
@@ -317,29 +318,28 @@ std::vector<void*> graph_pools::allocated_blocks(std::uint64_t handle, int devic
 bool graph_pools::destroy_released() {
   // Not while a capture may be underway: a destroy waits for streams.
   if (routing()) return false;
-  std::vector<std::pair<int, std::uint64_t>> candidates;
+  std::vector<released_pool> candidates;
   {
     std::lock_guard lock(mutex_);
     candidates.swap(released_);
   }
   if (candidates.empty()) return false;
-  std::vector<std::pair<int, std::uint64_t>> kept, gone;
-  bool any = false;
+  std::vector<released_pool> kept;
+  std::vector<std::pair<int, std::uint64_t>> gone;
   {
     relaxed_capture_mode mode{relaxed};
-    for (const auto& [device, handle] : candidates) {
+    for (released_pool& pool : candidates) {
       int destroyed = 0;
-      if (api_.destroy_graph_pool(handle, device, &destroyed) != SHOAL_TORCH_OK) {
-        std::fprintf(stderr, "shoal: giving a released memory pool back failed (tried again later): %s\n",
-                     api_.last_error());
-        kept.emplace_back(device, handle);
-        continue;
-      }
-      if (destroyed != 0) {
-        any = true;
-        gone.emplace_back(device, handle);
+      if (api_.destroy_graph_pool(pool.handle, pool.device, &destroyed) != SHOAL_TORCH_OK) {
+        if (!std::exchange(pool.failed, true)) {
+          std::fprintf(stderr, "shoal: giving a released memory pool back failed (tried again later, silently): %s\n",
+                       api_.last_error());
+        }
+        kept.push_back(pool);
+      } else if (destroyed != 0) {
+        gone.emplace_back(pool.device, pool.handle);
       } else {
-        kept.emplace_back(device, handle);  // a block of it is still allocated: later
+        kept.push_back(pool);  // a block of it is still allocated: later
       }
     }
   }
@@ -349,7 +349,7 @@ bool graph_pools::destroy_released() {
   }
   std::lock_guard lock(mutex_);
   released_.insert(released_.end(), kept.begin(), kept.end());
-  return any;
+  return !gone.empty();
 }
 
 std::map<std::pair<int, std::uint64_t>, mempool_id> graph_pools::ids() const {

@@ -134,7 +134,12 @@ class graph_pools {
   std::vector<route> routes_;                                 // guarded by mutex_
   std::vector<deferred_free> deferred_;                       // guarded by mutex_
   std::uint64_t flushes_ = 0;                                 // the last flush's ticket; guarded by mutex_
-  std::vector<std::pair<int, std::uint64_t>> released_;       // (device, handle); guarded by mutex_
+  struct released_pool {
+    int device;
+    std::uint64_t handle;
+    bool failed;  ///< its destroy failed once (said on stderr then, not at every retry)
+  };
+  std::vector<released_pool> released_;                       // guarded by mutex_
   /// The MempoolId of every shoal pool made here until it is destroyed (a
   /// released one's too). Named before its first allocation, forgotten after
   /// its destroy: every segment event of a pool finds its name.
