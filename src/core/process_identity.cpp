@@ -1,11 +1,13 @@
 #include "shoal/core/process_identity.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <charconv>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <string_view>
 
@@ -50,6 +52,21 @@ std::optional<stat_fields> parse_stat(std::string_view text) {
 
 bool has_exited(char state) { return state == 'Z' || state == 'X' || state == 'x'; }
 
+// True if a thread of `pid`'s group other than its leader is listed: a
+// leader that left by pthread_exit() shows as a zombie while the process
+// runs on in its other threads (which leave no zombies of their own).
+bool other_threads_run(pid_t pid) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/task";
+  const std::unique_ptr<DIR, int (*)(DIR*)> tasks(::opendir(path.c_str()), &::closedir);
+  if (!tasks) return false;  // gone meanwhile
+  const std::string leader = std::to_string(pid);
+  while (const dirent* entry = ::readdir(tasks.get())) {
+    const std::string_view name = entry->d_name;
+    if (name != "." && name != ".." && name != leader) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 process_identity process_identity::self() {
@@ -80,7 +97,7 @@ std::optional<process_identity> identify_process(pid_t pid) {
   if (got == 0) return std::nullopt;
   const std::optional<stat_fields> fields = parse_stat(std::string_view(buffer, static_cast<std::size_t>(got)));
   if (!fields) throw backend_error("parse " + path, "no state and start time (fields 3 and 22) after the command name");
-  if (has_exited(fields->state)) return std::nullopt;
+  if (has_exited(fields->state) && !other_threads_run(pid)) return std::nullopt;
   return process_identity{pid, fields->start_time};
 }
 

@@ -2,12 +2,15 @@
 // reads as the process that held it before.
 #include <gtest/gtest.h>
 
+#include <pthread.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <optional>
@@ -66,6 +69,46 @@ TEST(process_identity, a_child_reads_as_dead_once_it_exits_whether_reaped_or_not
   EXPECT_EQ(child.wait(), 0);
   EXPECT_EQ(shoal::identify_process(running->pid), std::nullopt);
   EXPECT_FALSE(shoal::is_alive(*running));
+}
+
+// A leader that left by pthread_exit() is a zombie in /proc while the
+// process runs on in another thread: that process is alive (its memory
+// and connections are), until its last thread ends.
+TEST(process_identity, a_process_whose_main_thread_exited_lives_while_another_thread_runs) {
+  pipe_ends go;
+  forked_child child([&]() -> int {
+    ::close(go.write.get());
+    pthread_t worker;
+    const int read_end = go.read.get();
+    if (::pthread_create(&worker, nullptr, [](void* fd) -> void* {
+          char c;
+          std::_Exit(::read(static_cast<int>(reinterpret_cast<std::intptr_t>(fd)), &c, 1) == 0 ? 0 : 1);
+        }, reinterpret_cast<void*>(static_cast<std::intptr_t>(read_end))) != 0) {
+      return 2;
+    }
+    ::syscall(SYS_exit, 0);  // this thread alone, as pthread_exit() ends it (which would unwind gtest's frames)
+    return 3;
+  });
+  go.read.reset();
+  const std::optional<process_identity> running = shoal::identify_process(child.pid());
+  ASSERT_TRUE(running.has_value());
+  const std::string stat_path = "/proc/" + std::to_string(child.pid()) + "/stat";
+  const auto leader_state = [&] {
+    std::string line;
+    std::getline(std::ifstream(stat_path), line);
+    const std::size_t end = line.rfind(')');
+    return end == std::string::npos || end + 2 >= line.size() ? '?' : line[end + 2];
+  };
+  for (int i = 0; i < 500 && leader_state() != 'Z'; ++i) ::usleep(10'000);
+  ASSERT_EQ(leader_state(), 'Z') << "the leader did not exit";
+  EXPECT_EQ(shoal::identify_process(child.pid()), running) << "a process with a running thread was taken for dead";
+  EXPECT_TRUE(shoal::is_alive(*running));
+
+  go.write.reset();
+  siginfo_t info{};
+  ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(child.pid()), &info, WEXITED | WNOWAIT), 0) << "a zombie now";
+  EXPECT_FALSE(shoal::is_alive(*running)) << "its last thread ended";
+  EXPECT_EQ(child.wait(), 0);
 }
 
 TEST(process_identity, a_command_name_with_spaces_and_parentheses_is_parsed) {

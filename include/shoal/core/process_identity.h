@@ -28,7 +28,10 @@ struct process_identity {
 
 /// The running process with this pid, or nullopt when there is none: the pid
 /// was never used, its process was reaped, or its process has exited and
-/// waits for its parent (a zombie). Throws backend_error if /proc cannot be
+/// waits for its parent (a zombie). A process whose main thread exited
+/// (pthread_exit) while another of its threads runs is running: /proc shows
+/// its leader as a zombie, but its memory and connections live on. Throws
+/// backend_error if /proc cannot be
 /// read for another reason (not mounted, say).
 [[nodiscard]] std::optional<process_identity> identify_process(pid_t pid);
 
