@@ -151,8 +151,10 @@ def from_dlpack(source: Any, allocator: Optional[Allocator] = None) -> ArrayView
 def stream(s: Stream) -> Iterator[Stream]:
     """Makes ``s`` this thread's current stream on its device inside the ``with`` block.
 
-    Allocations and frees without a stream, and every ``stream=None`` argument, use it.
-    Scopes nest; leaving one restores the previous current stream.
+    Allocations without a stream, and every ``stream=None`` argument, use it; the memory of a
+    ``Storage`` or ``ArrayView`` dropped inside the block is freed only once the work enqueued
+    on ``s`` by then has passed (recorded as a use, as ``record_stream(s)`` does). Scopes nest;
+    leaving one restores the previous current stream.
     """
     _shoal._push_stream(s)
     try:

@@ -53,6 +53,9 @@ class stream_state {
 /// `with shoal.stream(s)` scope of this thread for that device, else its
 /// default stream.
 std::shared_ptr<stream_state> current_stream_state(backend::device& device);
+/// The stream of this thread's innermost `with shoal.stream(s)` scope that is
+/// current on `device`, or null outside every such scope.
+std::shared_ptr<stream_state> scoped_stream_state(backend::device& device);
 
 /// A caching allocator and the streams it must outlive. Thread-safe.
 class allocator_state {
@@ -101,6 +104,10 @@ class storage_handle {
         read_only_(access == storage_access::read_only) {}
   storage_handle(const storage_handle&) = default;
   storage_handle& operator=(const storage_handle&) = default;
+  /// Dropped inside a `shoal.stream` scope: the memory's free (the last
+  /// handle's) waits for the work enqueued on the scope's stream too, as a
+  /// free on the current stream does in C++ (recorded as a use).
+  ~storage_handle();
   /// The storage (its handle operations, mutable_data included, are
   /// thread-safe and change no handle, hence usable through a const handle).
   [[nodiscard]] storage::storage& get() const noexcept { return storage_; }

@@ -5,6 +5,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -50,6 +51,25 @@ void check_range(const py_storage& s, std::int64_t offset, std::size_t bytes, co
 }
 
 }  // namespace
+
+storage_handle::~storage_handle() {
+  if (storage_.handles() == 0) return;  // moved from
+  std::shared_ptr<stream_state> scoped;
+  try {
+    scoped = scoped_stream_state(storage_.device());
+    if (scoped == nullptr) return;
+    allocator_->keep(scoped);  // a stream recorded outlives the memory's release
+    if (!record_stream_on_import(storage_, scoped)) storage_.record_stream(scoped->ref());
+  } catch (...) {
+    // No room to record it: the work enqueued there is waited for here.
+    if (scoped == nullptr) return;
+    try {
+      scoped->device().synchronize(scoped->ref());
+    } catch (...) {
+      std::fprintf(stderr, "shoal: a storage dropped inside a stream scope could not wait for its stream\n");
+    }
+  }
+}
 
 void storage_handle::require_writable(const char* what) const {
   if (!read_only_) return;

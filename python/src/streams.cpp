@@ -71,11 +71,17 @@ std::shared_ptr<stream_state> stream_state::default_of(backend::device& device) 
   return cached;
 }
 
-std::shared_ptr<stream_state> current_stream_state(backend::device& device) {
+std::shared_ptr<stream_state> scoped_stream_state(backend::device& device) {
+  if (scopes.empty()) return nullptr;
   const backend::stream_ref current = backend::current_stream(device);
   for (auto it = scopes.rbegin(); it != scopes.rend(); ++it) {
     if (&it->stream->device() == &device && it->stream->ref() == current) return it->stream;
   }
+  return nullptr;
+}
+
+std::shared_ptr<stream_state> current_stream_state(backend::device& device) {
+  if (auto scoped = scoped_stream_state(device)) return scoped;
   return stream_state::default_of(device);
 }
 

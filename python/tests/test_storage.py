@@ -117,6 +117,37 @@ def test_record_stream_holds_the_free_for_that_stream(allocator):
     user.synchronize()
 
 
+def test_a_storage_dropped_inside_a_stream_scope_is_freed_after_that_streams_work(allocator):
+    side, model = shoal.Stream(), shoal.Stream()
+    with shoal.stream(side):
+        batch = allocator.allocate(1 << 20)
+        view = allocator.allocate(1 << 20).view()
+    ptrs = {batch.ptr, view.storage.ptr}
+    model.delay(0.5)  # the model's kernel reading both through their pointers
+    with shoal.stream(model):
+        del batch, view
+        gc.collect()
+    states = [b["state"] for seg in allocator.snapshot()["segments"] for b in seg["blocks"] if b["address"] in ptrs]
+    assert states == ["pending_free", "pending_free"], "a free in the model's scope did not wait for the model"
+    with shoal.stream(side):
+        later = [allocator.allocate(1 << 20) for _ in range(2)]
+    assert not ptrs & {s.ptr for s in later} or model.query(), "memory handed out again before the model passed"
+    model.synchronize()
+    del later
+
+
+def test_a_storage_dropped_outside_any_stream_scope_waits_for_its_own_streams_only(allocator):
+    side, model = shoal.Stream(), shoal.Stream()
+    s = allocator.allocate(4096, side)
+    ptr = s.ptr
+    model.delay(0.5)
+    del s
+    gc.collect()
+    states = [b["state"] for seg in allocator.snapshot()["segments"] for b in seg["blocks"] if b["address"] == ptr]
+    assert states == ["free"]
+    model.synchronize()
+
+
 def test_a_stream_of_another_device_is_refused(allocator):
     if shoal.cuda_device_count() == 0:
         pytest.skip("needs a second device")
