@@ -44,6 +44,19 @@ constexpr std::size_t max_name_bytes = sizeof(sockaddr_un::sun_path) - 1;
 
 std::string errno_text() { return std::strerror(errno); }
 
+// SO_PASSRIGHTS (Linux 6.16 on; libc headers may not name it yet).
+constexpr int so_passrights = 83;
+
+// Off, a peer's sendmsg with descriptors fails (EPERM): none is ever queued
+// on `socket`, where the kernel would close a refused one on the receiving
+// thread. Kernels without the option (ENOPROTOOPT) leave the refusal to the
+// reads.
+void refuse_descriptors_in_kernel(int socket) {
+  const int off = 0;
+  if (::setsockopt(socket, SOL_SOCKET, so_passrights, &off, sizeof off) == 0 || errno == ENOPROTOOPT) return;
+  throw backend_error("setsockopt(SO_PASSRIGHTS)", errno_text());
+}
+
 socket_address to_socket_address(const channel_address& where) {
   socket_address out;
   out.address.sun_family = AF_UNIX;
@@ -591,6 +604,7 @@ void connection::refuse_descriptors() {
   if (::setsockopt(s.socket.get(), SOL_SOCKET, SO_PASSCRED, &off, sizeof off) != 0) {
     throw backend_error("setsockopt(SO_PASSCRED)", errno_text());
   }
+  refuse_descriptors_in_kernel(s.socket.get());
   s.partial.most_descriptors = 0;
 }
 
@@ -1034,6 +1048,8 @@ connection listener::accept() { return *accept_until(std::nullopt); }
 std::optional<connection> listener::accept_for(std::chrono::milliseconds timeout) {
   return accept_until(std::chrono::steady_clock::now() + std::max(timeout, std::chrono::milliseconds(0)));
 }
+
+void listener::refuse_descriptors() { refuse_descriptors_in_kernel(socket_.get()); }
 
 std::optional<connection> listener::accept_until(deadline until) {
   for (;;) {

@@ -207,6 +207,9 @@ class lender::state {
         poll_spin_(detail::spin_or_automatic(config_.poll_spin, lender_config::automatic_poll_spin)),
         spinning_borrowers_limit_(detail::spinning_borrowers_limit()),
         listener_(address, config_.policy, detail::max_frame_payload) {
+    // No borrower or observer sends descriptors: from Linux 6.16 on none can
+    // (a lingering socket's close would hold the serving thread).
+    listener_.refuse_descriptors();
     fds_.reserve(3);  // the loop's poll set never grows past what accept_one made room for
     wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (!wake_) throw backend_error("eventfd", std::strerror(errno));

@@ -27,6 +27,7 @@
 #include "shoal/channel/channel.h"
 #include "shoal/core/unique_fd.h"
 #include "support/descriptors.h"
+#include "support/passrights.h"
 #include "support/processes.h"
 
 namespace shoal::testing {
@@ -73,7 +74,8 @@ inline unique_fd raw_connect(const channel::channel_address& where) {
 }
 
 // Writes `bytes` as one sendmsg with `fds` attached (SCM_RIGHTS).
-inline void write_raw(int socket, const std::vector<std::byte>& bytes, const std::vector<int>& fds = {}) {
+/// One sendmsg of `bytes` with `fds`: 0 when it all went, else its errno.
+inline int send_raw(int socket, const std::vector<std::byte>& bytes, const std::vector<int>& fds = {}) {
   iovec part{const_cast<std::byte*>(bytes.data()), bytes.size()};
   msghdr header{};
   header.msg_iov = &part;
@@ -88,7 +90,23 @@ inline void write_raw(int socket, const std::vector<std::byte>& bytes, const std
     c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
     std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
   }
-  ASSERT_EQ(::sendmsg(socket, &header, MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size())) << std::strerror(errno);
+  const ssize_t sent = ::sendmsg(socket, &header, MSG_NOSIGNAL);
+  if (sent < 0) return errno;
+  return static_cast<std::size_t>(sent) == bytes.size() ? 0 : EMSGSIZE;
+}
+
+inline void write_raw(int socket, const std::vector<std::byte>& bytes, const std::vector<int>& fds = {}) {
+  const int error = send_raw(socket, bytes, fds);
+  ASSERT_EQ(error, 0) << std::strerror(error);
+}
+
+/// Lets descriptors reach `socket` again, as kernels before 6.16 do whatever
+/// refuse_descriptors asks: the reads' own refusal is what stands then.
+inline void allow_descriptors_in_kernel(int socket) {
+  const int on = 1;
+  if (::setsockopt(socket, SOL_SOCKET, so_passrights, &on, sizeof on) != 0) {
+    ASSERT_EQ(errno, ENOPROTOOPT) << std::strerror(errno);
+  }
 }
 
 struct raw_frame {

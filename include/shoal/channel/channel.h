@@ -273,8 +273,13 @@ class connection {
   /// read at all), so a peer that should never send one cannot fill this
   /// process's descriptor table with descriptors kept while its batch stalls
   /// (up to 16 a batch), nor make it close a file of its own (which would
-  /// drop its POSIX locks). A peer's ring (allow_peer_ring) comes as a
-  /// descriptor too. Call it before the first receive.
+  /// drop its POSIX locks). From Linux 6.16 on, the kernel refuses them at
+  /// the peer's send (SO_PASSRIGHTS off: its sendmsg fails with EPERM), so
+  /// none is queued here to be closed on this thread (a peer's socket set to
+  /// linger would hold that close for its linger time); descriptors queued
+  /// before this call still come (listener::refuse_descriptors leaves none).
+  /// A peer's ring (allow_peer_ring) comes as a descriptor too. Call it
+  /// before the first receive.
   void refuse_descriptors();
 
   /// Sends `frames` in order, packed into as few batches as the limits allow
@@ -457,6 +462,14 @@ class listener {
   [[nodiscard]] connection accept();
   /// As accept(), but gives up after `timeout` and returns nullopt.
   [[nodiscard]] std::optional<connection> accept_for(std::chrono::milliseconds timeout);
+
+  /// For a server none of whose peers sends descriptors: from Linux 6.16
+  /// on, connections made from now on refuse them in the kernel from their
+  /// first byte (SO_PASSRIGHTS off, which they inherit: a peer's sendmsg
+  /// with one fails), even before accept(). Each accepted connection still
+  /// needs connection::refuse_descriptors (older kernels, and the reads).
+  /// Call it before peers connect.
+  void refuse_descriptors();
 
   /// Removes from this listener's directory the socket files that listeners
   /// killed before they could clean up (SIGKILL) left, of a server that
