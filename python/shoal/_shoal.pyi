@@ -5,6 +5,8 @@
 from collections.abc import Callable, Sequence
 from typing import Any, Self, overload
 
+from typing_extensions import CapsuleType
+
 class ShoalError(RuntimeError):
     """Base of every error shoal raises."""
 
@@ -375,7 +377,7 @@ class ArrayView:
     def storage(self) -> Storage:
         """The storage viewed (aliases it)."""
 
-    def __dlpack__(self, *, stream: object | None = None, max_version: object | None = None, dl_device: object | None = None, copy: object | None = None) -> object:
+    def __dlpack__(self, *, stream: int | None = None, max_version: tuple[int, int] | None = None, dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> CapsuleType:
         """
         A DLPack capsule of this view (array API). `stream`: the consumer's stream (None: the host reads it on the host backend, 1 or 2: the default stream, a stream handle, or -1: no synchronization; 0 is refused); the consumer's stream waits for the work enqueued on the current stream. A versioned capsule ('dltensor_versioned') when max_version >= (1, 0); strides are always set.
         """

@@ -57,6 +57,8 @@ from . import _device_defaults, _shoal
 
 __all__ = ["Producer", "Consumer", "Batches", "Batch", "MAX_ARRAYS_PER_BATCH", "MAX_NESTING"]
 
+# What a producer puts. What a consumer gets is typed Any: the batch's shape is
+# whatever the producer put (say a dict of views), which the consumer knows.
 Batch = Union[_shoal.ArrayView, list, tuple, dict]
 
 MAX_ARRAYS_PER_BATCH = 4096
@@ -634,7 +636,7 @@ class Consumer:
         `max_producers` or for its uid) are not counted."""
         return self._ended
 
-    def get(self, timeout: float | None = None, stream: _shoal.Stream | None = None) -> Batch:
+    def get(self, timeout: float | None = None, stream: _shoal.Stream | None = None) -> Any:
         """The next whole batch from any producer, its arrays ready for work
         enqueued on `stream` (default: the current stream). Accepts producers
         as they connect. Raises PeerTimeoutError when `timeout` seconds pass
@@ -891,7 +893,7 @@ class Batches:
     def __iter__(self) -> "Batches":
         return self
 
-    def __next__(self) -> Batch:
+    def __next__(self) -> Any:
         if self._done:
             raise StopIteration
         batch = self._consumer._next("batches", self._timeout, self._stream, self._until)

@@ -360,7 +360,7 @@ class Engine:
 
     def get(
         self, timeout: Optional[float] = None, stream: Optional[_shoal.Stream] = None, *, as_torch: bool = False
-    ) -> Batch:
+    ) -> Any:
         """The next batch in submission order, as ArrayViews in the structure submitted (torch
         tensors with ``as_torch``, on the same memory).
 

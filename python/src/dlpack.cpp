@@ -129,6 +129,15 @@ struct consumer {
   std::optional<backend::stream_ref> stream;
 };
 
+// `value` as a T, or a TypeError saying what the argument must be (a bare
+// nb::cast would raise std::bad_cast as a RuntimeError).
+template <class T>
+T argument_as(nb::handle value, const char* must_be) {
+  T out{};
+  if (!nb::try_cast<T>(value, out)) throw nb::type_error(must_be);
+  return out;
+}
+
 consumer consumer_of(nb::handle stream, const backend::device& device) {
   const bool host = device.kind() == backend::device_kind::host;
   if (stream.is_none()) {
@@ -140,7 +149,7 @@ consumer consumer_of(nb::handle stream, const backend::device& device) {
         "__dlpack__: stream must be None or an int (1, 2, a "
         "stream handle, or -1)");
   }
-  const auto value = nb::cast<std::int64_t>(stream);
+  const auto value = argument_as<std::int64_t>(stream, "__dlpack__: stream must be an int of 64 bits (1, 2, a stream handle, or -1)");
   if (value == 0) {
     throw invalid_argument(
         "__dlpack__: stream=0 is ambiguous and not allowed; "
@@ -156,7 +165,8 @@ consumer consumer_of(nb::handle stream, const backend::device& device) {
 
 void check_dl_device(nb::handle dl_device, const backend::device& device) {
   if (dl_device.is_none()) return;
-  const auto [type, id] = nb::cast<std::tuple<int, int>>(dl_device);
+  const auto [type, id] =
+      argument_as<std::tuple<int, int>>(dl_device, "__dlpack__: dl_device must be None or a (device type, device id) tuple of ints");
   const auto ours = dl_device_of(device);
   if (type != ours.device_type || id != ours.device_id) {
     throw nb::buffer_error(("__dlpack__: dl_device=(" + std::to_string(type) + ", " + std::to_string(id) +
@@ -168,7 +178,8 @@ void check_dl_device(nb::handle dl_device, const backend::device& device) {
 
 bool wants_versioned(nb::handle max_version) {
   if (max_version.is_none()) return false;
-  const auto [major, minor] = nb::cast<std::tuple<int, int>>(max_version);
+  const auto [major, minor] =
+      argument_as<std::tuple<int, int>>(max_version, "__dlpack__: max_version must be None or a (major, minor) tuple of ints");
   (void)minor;
   return major >= 1;
 }
@@ -183,7 +194,7 @@ nb::object export_view(const py_array_view& view, nb::handle stream, nb::handle 
         "not device memory; DLPack export of it is not supported");
   }
   check_dl_device(dl_device, device);
-  if (!copy.is_none() && nb::cast<bool>(copy)) {
+  if (!copy.is_none() && argument_as<bool>(copy, "__dlpack__: copy must be None, True or False")) {
     throw nb::buffer_error(
         "__dlpack__: copy=True is not supported; shoal "
         "exports its memory without copying");
@@ -354,6 +365,9 @@ void register_dlpack(nb::module_& m) {
       .def("__dlpack__", &export_view, nb::kw_only(), nb::arg("stream").none() = nb::none(),
            nb::arg("max_version").none() = nb::none(), nb::arg("dl_device").none() = nb::none(),
            nb::arg("copy").none() = nb::none(),
+           nb::sig("def __dlpack__(self, *, stream: int | None = None, max_version: tuple[int, int] | None = None, "
+                   "dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> "
+                   "typing_extensions.CapsuleType"),
            "A DLPack capsule of this view (array API). `stream`: the "
            "consumer's stream (None: the host reads it "
            "on the host backend, 1 or 2: the default stream, a stream handle, "

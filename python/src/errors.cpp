@@ -18,6 +18,7 @@
 
 #include <functional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -59,9 +60,63 @@ PyObject* new_type(nb::module_& m, const char* name, const char* doc, std::vecto
   return type;
 }
 
-/// Raises `type(message)` with the given attributes set on the instance.
+// The library's messages start with the C++ operation that failed; a Python
+// user reads the Python name of what they called instead. Longest names
+// first where one begins another.
+constexpr std::pair<std::string_view, std::string_view> python_names[] = {
+    {"connection::adopt_pair_end", "Connection"},
+    {"connection::connect", "shoal.connect"},
+    {"connection::adopt", "Connection"},
+    {"connection::start_ring", "Connection"},
+    {"connection::receive", "receiving"},
+    {"connection::send", "sending"},
+    {"listener", "Listener"},
+    {"channel_address", "address"},
+    {"caching_allocator::allocate", "Allocator.allocate"},
+    {"caching_allocator", "Allocator"},
+    {"lender::revoke", "Lender.revoke"},
+    {"lender", "Lender"},
+    {"borrower::borrow_shared", "Borrower.borrow_shared"},
+    {"borrower::borrow", "Borrower.borrow"},
+    {"borrower::publish", "Borrower.publish"},
+    {"borrower::give_back", "Borrower (giving memory back)"},
+    {"borrower::revoke", "Borrower.revoke"},
+    {"borrower", "Borrower"},
+    {"peer::send_note", "Peer.send_note"},
+    {"peer::send", "Peer.send"},
+    {"peer::receive_for", "Peer.receive"},
+    {"peer::try_receive", "Peer.receive"},
+    {"peer::receive", "Peer.receive"},
+    {"transfer_engine::submit", "transfer.Engine.submit"},
+    {"transfer_engine::next", "transfer.Engine.get"},
+    {"transfer_engine", "transfer.Engine"},
+    {"cuda_device::adopt_external_stream", "Stream.from_handle"},
+    {"adopt_external_stream", "Stream.from_handle"},
+};
+
+// A Storage whose memory went to a region (Borrower.publish) says so in
+// Python's words; the C++ text speaks of handles.
+constexpr std::string_view empty_storage = "storage: this handle is empty";
+
+std::string in_python_words(std::string_view message) {
+  if (message.starts_with(empty_storage)) {
+    return "Storage: this Storage has no memory any more: it was handed on (a Storage given to Borrower.publish "
+           "belongs to the region now; use the Storage publish returned)";
+  }
+  for (const auto& [cpp, python] : python_names) {
+    if (!message.starts_with(cpp)) continue;
+    const std::string_view rest = message.substr(cpp.size());
+    if (!rest.empty() && rest.front() != ':' && rest.front() != ' ' && rest.front() != '(') continue;
+    return std::string(python) + std::string(rest);
+  }
+  return std::string(message);
+}
+
+/// Raises `type(message)` with the given attributes set on the instance, the
+/// message's leading C++ name put in Python's words.
 void raise(PyObject* type, const char* message, std::vector<std::pair<const char*, nb::object>> attributes = {}) {
-  nb::object instance = nb::steal(PyObject_CallOneArg(type, nb::str(message).ptr()));
+  const std::string text = in_python_words(message);
+  nb::object instance = nb::steal(PyObject_CallOneArg(type, nb::str(text.c_str()).ptr()));
   if (!instance.is_valid()) return;  // the call itself raised; that error stands
   for (auto& [name, value] : attributes) nb::setattr(instance, name, value);
   PyErr_SetObject(type, instance.ptr());

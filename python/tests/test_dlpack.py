@@ -83,6 +83,19 @@ def test_a_view_outside_the_storage_is_refused(allocator, kwargs, message):
     del s
 
 
+@pytest.mark.parametrize("kwargs, named", [
+    ({"stream": 2**70}, "stream must be an int of 64 bits"),
+    ({"max_version": "x"}, "max_version must be"),
+    ({"max_version": (1,)}, "max_version must be"),
+    ({"dl_device": "cpu"}, "dl_device must be"),
+    ({"copy": "no"}, "copy must be"),
+])
+def test_arguments_of_the_wrong_type_are_a_type_error_naming_them(kwargs, named):
+    v = shoal.allocate(16).view()
+    with pytest.raises(TypeError, match=named):
+        v.__dlpack__(**kwargs)
+
+
 def test_stream_zero_and_bad_stream_values_are_refused():
     s = shoal.allocate(16)
     v = s.view()

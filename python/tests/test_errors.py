@@ -1,5 +1,6 @@
 """Every C++ error type arrives as its Python exception class, with the same message."""
 
+import os
 import pathlib
 import re
 
@@ -48,6 +49,32 @@ def test_errors_carry_their_fields():
         shoal._shoal._throw_cpp_error("out_of_memory", "no room")
     assert own.value.reason is None
     assert shoal.OutOfMemoryError("made in Python").reason is None
+
+
+@pytest.mark.parametrize("said, read", [
+    ("caching_allocator::allocate: too much", "Allocator.allocate: too much"),
+    ("connection::connect: no one listens at @x", "shoal.connect: no one listens at @x"),
+    ("connection::receive from pid 7: recvmsg: closed", "receiving from pid 7: recvmsg: closed"),
+    ("lender::revoke: region 9 is not lent", "Lender.revoke: region 9 is not lent"),
+    ("peer::send_note: too long", "Peer.send_note: too long"),
+    ("cuda_device::adopt_external_stream: not a stream", "Stream.from_handle: not a stream"),
+    ("lender's own words", "lender's own words"),
+    ("listeners: not a name", "listeners: not a name"),
+])
+def test_messages_name_the_python_api_not_the_cpp_operation(said, read):
+    with pytest.raises(shoal.InvalidArgumentError) as raised:
+        shoal._shoal._throw_cpp_error("invalid_argument", said)
+    assert str(raised.value) == read
+
+
+def test_a_storage_handed_to_a_region_says_so_in_python_words():
+    with pytest.raises(shoal.InvalidArgumentError, match="given to Borrower.publish belongs to the region"):
+        shoal._shoal._throw_cpp_error("invalid_argument", "storage: this handle is empty (default-constructed)")
+
+
+def test_a_failed_connect_names_shoal_connect():
+    with pytest.raises(shoal.ConnectionClosedError, match=r"^shoal\.connect: "):
+        shoal.connect("@shoal-no-one-listens-here-%d" % os.getpid())
 
 
 def test_a_real_invalid_argument_is_a_value_error():

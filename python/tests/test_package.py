@@ -35,7 +35,9 @@ def test_the_stub_matches_the_module():
 # What a user's type checker sees: the stub must check, and the README's usage must check
 # against it (context managers give their own type, the counters are a dict).
 USAGE = """
+import numpy
 import shoal
+import shoal.sharing
 
 allocator = shoal.default_allocator()
 allocated: int = allocator.stats()["allocated_bytes"]["all"]["current"]
@@ -43,6 +45,10 @@ segments: list[dict[str, int]] = allocator.snapshot()["segments"]
 kinds = [event["action"] for event in allocator.trace()]
 storage = allocator.allocate(64)
 is_host: bool = storage.device == shoal.default_device()
+if is_host:
+    array = numpy.from_dlpack(storage.view("float32", (16,)))  # the array API's protocol, as numpy types it
+def first_images(consumer: shoal.sharing.Consumer) -> object:
+    return consumer.get()["images"]  # a batch is what the producer put: a dict here
 with shoal.Listener("@shoal-typing-example") as listener:
     connection = listener.accept(timeout=0.1)
     if connection is not None:
