@@ -9,14 +9,15 @@ from typing import Any, Optional
 from . import _shoal
 
 
-def whole_number(where: str, name: str, value: Any, *, bits: int = 64, allow_none: bool = False) -> None:
-    """Raises InvalidArgumentError unless `value` is an int from 0 to 2**bits - 1 (or None when
-    `allow_none`)."""
+def whole_number(where: str, name: str, value: Any, *, bits: int = 64, least: int = 0,
+                 allow_none: bool = False) -> None:
+    """Raises InvalidArgumentError unless `value` is an int from `least` to 2**bits - 1 (or None
+    when `allow_none`)."""
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << bits:
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value < 1 << bits:
         raise _shoal.InvalidArgumentError(
-            f"{where}: {name} must be a whole number from 0 to {(1 << bits) - 1}, not {value!r}")
+            f"{where}: {name} must be a whole number from {least} to {(1 << bits) - 1}, not {value!r}")
 
 
 def cancel_event(where: str, cancel: Optional[Any]) -> None:

@@ -141,7 +141,9 @@ class Stream:
         """
 
     def synchronize(self) -> None:
-        """Blocks until all work enqueued so far has run (GIL released)."""
+        """
+        Blocks until all work enqueued so far has run (GIL released). It waits as the device does, with no deadline: Ctrl-C is seen once the work has run (poll query() to stay interruptible).
+        """
 
     def query(self) -> bool:
         """True when all work enqueued so far has run."""

@@ -170,7 +170,8 @@ class SharedRegion:
         self.close()
 
     def __repr__(self) -> str:
-        return f"shoal.lending.SharedRegion(id={self._id}, nbytes={self._nbytes}, entries={len(self._layout)})"
+        closed = ", closed" if self.closed else ""
+        return f"shoal.lending.SharedRegion(id={self._id}, nbytes={self._nbytes}, entries={len(self._layout)}{closed})"
 
 
 def _allocator_on(where: str, device: Optional[_shoal.Device], allocator: Optional[_shoal.Allocator]) -> _shoal.Allocator:
@@ -620,9 +621,9 @@ class Lender:
         max_observers: int = 4,
     ) -> None:
         for name, value in (("capacity_bytes", capacity_bytes), ("quota_bytes", quota_bytes),
-                            ("max_borrowers", max_borrowers), ("max_regions_per_borrower", max_regions_per_borrower),
-                            ("max_observers", max_observers)):
-            _checks.whole_number("shoal.lending.Lender", name, value)
+                            ("max_borrowers", max_borrowers), ("max_regions_per_borrower", max_regions_per_borrower)):
+            _checks.whole_number("shoal.lending.Lender", name, value, least=1)
+        _checks.whole_number("shoal.lending.Lender", "max_observers", max_observers)
         for uid in allowed_uids:
             _checks.whole_number("shoal.lending.Lender", "allowed_uids", uid, bits=32)
         for chunk in prepared_chunks:

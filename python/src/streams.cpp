@@ -165,7 +165,10 @@ void register_streams(nb::module_& m) {
           "passed as `stream=`.")
       .def(
           "synchronize", [](const py_stream& s) { s.state->device().synchronize(s.state->ref()); },
-          nb::call_guard<released_gil>(), "Blocks until all work enqueued so far has run (GIL released).")
+          nb::call_guard<released_gil>(),
+          "Blocks until all work enqueued so far has run (GIL released). It waits as the device "
+          "does, with no deadline: Ctrl-C is seen once the work has run (poll query() to stay "
+          "interruptible).")
       .def(
           "query", [](const py_stream& s) { return s.state->device().query(s.state->ref()); },
           "True when all work enqueued so far has run.")

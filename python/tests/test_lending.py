@@ -357,7 +357,9 @@ def test_a_published_region_is_read_by_name_through_read_only_entry_views(addres
         assert [h["pid"] for h in region["holders"]] == [os.getpid(), os.getpid()]
         assert lender.status()["lent_bytes"] == region["bytes"], "one copy, counted once"
         del weights, bias, memory
+        assert not repr(shared).endswith(", closed)")
         shared.close()
+        assert repr(shared).endswith(", closed)"), "a closed region looked open"
         published.close()
         gc.collect()
         assert eventually(lambda: lender.status()["regions"] == []), "not released with its last holder"
@@ -631,8 +633,10 @@ def test_a_wait_out_of_range_is_named(address):
 def test_counts_out_of_range_are_named_not_left_to_the_binding(address):
     # A negative count or a size past 64 bits is InvalidArgumentError naming the argument
     # (the binding's "incompatible function arguments" told nothing).
-    for name, value in (("capacity_bytes", -1), ("max_borrowers", -1), ("quota_bytes", 1 << 64)):
-        with pytest.raises(shoal.InvalidArgumentError, match=name):
+    for name, value in (("capacity_bytes", -1), ("max_borrowers", -1), ("quota_bytes", 1 << 64),
+                        ("capacity_bytes", 0), ("max_regions_per_borrower", 0)):
+        # The range the message gives is the one taken: 0 is refused as it says.
+        with pytest.raises(shoal.InvalidArgumentError, match=f"{name} must be a whole number from 1 to"):
             shoal.lending.Lender(address, **{name: value})
     with pytest.raises(shoal.InvalidArgumentError, match="allowed_uids"):
         shoal.lending.Lender(address, allowed_uids=[-1])
