@@ -104,9 +104,10 @@ class storage_handle {
         read_only_(access == storage_access::read_only) {}
   storage_handle(const storage_handle&) = default;
   storage_handle& operator=(const storage_handle&) = default;
-  /// Dropped inside a `shoal.stream` scope: the memory's free (the last
-  /// handle's) waits for the work enqueued on the scope's stream too, as a
-  /// free on the current stream does in C++ (recorded as a use).
+  /// The last handle dropped inside a `shoal.stream` scope: the memory's free
+  /// waits for the work enqueued on the scope's stream too, as a free on the
+  /// current stream does in C++ (recorded as a use). A copy dropped while
+  /// other handles live records nothing.
   ~storage_handle();
   /// The storage (its handle operations, mutable_data included, are
   /// thread-safe and change no handle, hence usable through a const handle).

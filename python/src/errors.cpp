@@ -106,6 +106,7 @@ std::string in_python_words(std::string_view message) {
   for (const auto& [cpp, python] : python_names) {
     if (!message.starts_with(cpp)) continue;
     const std::string_view rest = message.substr(cpp.size());
+    if (rest.starts_with("::")) continue;  // a method this table does not name: left whole
     if (!rest.empty() && rest.front() != ':' && rest.front() != ' ' && rest.front() != '(') continue;
     return std::string(python) + std::string(rest);
   }

@@ -53,7 +53,10 @@ void check_range(const py_storage& s, std::int64_t offset, std::size_t bytes, co
 }  // namespace
 
 storage_handle::~storage_handle() {
-  if (storage_.handles() == 0) return;  // moved from
+  // The last handle only: a copy dropped while others live (a temporary
+  // `view.storage`, a slice) would move last_used_on() and make the free
+  // wait for a stream the memory's last user never named.
+  if (storage_.handles() != 1) return;
   std::shared_ptr<stream_state> scoped;
   try {
     scoped = scoped_stream_state(storage_.device());

@@ -60,6 +60,7 @@ def test_errors_carry_their_fields():
     ("cuda_device::adopt_external_stream: not a stream", "Stream.from_handle: not a stream"),
     ("lender's own words", "lender's own words"),
     ("listeners: not a name", "listeners: not a name"),
+    ("borrower::close: x", "borrower::close: x"),  # a method the table does not name: not half-rewritten
 ])
 def test_messages_name_the_python_api_not_the_cpp_operation(said, read):
     with pytest.raises(shoal.InvalidArgumentError) as raised:

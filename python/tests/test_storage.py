@@ -136,6 +136,21 @@ def test_a_storage_dropped_inside_a_stream_scope_is_freed_after_that_streams_wor
     del later
 
 
+def test_a_copy_dropped_in_a_scope_while_the_storage_lives_on_records_nothing(allocator):
+    side, model = shoal.Stream(), shoal.Stream()
+    s = allocator.allocate(4096, side)
+    ptr = s.ptr
+    model.delay(0.5)
+    with shoal.stream(model):
+        view = s.view()  # another handle, dropped here while `s` lives
+        del view
+    del s  # the last handle, outside any scope: its own stream only
+    gc.collect()
+    states = [b["state"] for seg in allocator.snapshot()["segments"] for b in seg["blocks"] if b["address"] == ptr]
+    assert states == ["free"], "a copy dropped in the model's scope made the free wait for the model"
+    model.synchronize()
+
+
 def test_a_storage_dropped_outside_any_stream_scope_waits_for_its_own_streams_only(allocator):
     side, model = shoal.Stream(), shoal.Stream()
     s = allocator.allocate(4096, side)

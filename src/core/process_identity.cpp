@@ -58,12 +58,21 @@ bool has_exited(char state) { return state == 'Z' || state == 'X' || state == 'x
 bool other_threads_run(pid_t pid) {
   const std::string path = "/proc/" + std::to_string(pid) + "/task";
   const std::unique_ptr<DIR, int (*)(DIR*)> tasks(::opendir(path.c_str()), &::closedir);
-  if (!tasks) return false;  // gone meanwhile
+  if (!tasks) {
+    // Gone meanwhile; anything else (out of descriptors, say) is no answer,
+    // and an unknown process must not read as dead (its memory would go).
+    if (errno == ENOENT || errno == ESRCH) return false;
+    throw backend_error("opendir(" + path + ")", std::strerror(errno));
+  }
   const std::string leader = std::to_string(pid);
-  while (const dirent* entry = ::readdir(tasks.get())) {
+  for (;;) {
+    errno = 0;
+    const dirent* entry = ::readdir(tasks.get());
+    if (entry == nullptr) break;
     const std::string_view name = entry->d_name;
     if (name != "." && name != ".." && name != leader) return true;
   }
+  if (errno != 0 && errno != ENOENT && errno != ESRCH) throw backend_error("readdir(" + path + ")", std::strerror(errno));
   return false;
 }
 

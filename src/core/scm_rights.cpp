@@ -1,7 +1,5 @@
 #include "core/scm_rights.h"
 
-#include <sys/stat.h>
-
 #include <cstring>
 #include <string>
 
@@ -24,20 +22,6 @@ void attach_descriptors(msghdr& header, std::span<const int> fds, std::span<char
   std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
 }
 
-namespace {
-
-// A close of a socket with SO_LINGER set waits, up to the linger time, for
-// its unsent data to go: off, the close returns at once (the data goes on
-// in the background).
-void never_linger(int fd) noexcept {
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) return;
-  const linger off{0, 0};
-  (void)::setsockopt(fd, SOL_SOCKET, SO_LINGER, &off, sizeof off);
-}
-
-}  // namespace
-
 void take_descriptors(msghdr& header, std::vector<unique_fd>& into) {
   std::size_t total = into.size();
   for (cmsghdr* c = CMSG_FIRSTHDR(&header); c != nullptr; c = CMSG_NXTHDR(&header, c)) {
@@ -51,7 +35,6 @@ void take_descriptors(msghdr& header, std::vector<unique_fd>& into) {
       int fd;
       std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
       into.emplace_back(fd);
-      never_linger(fd);
     }
   }
 }

@@ -24,10 +24,7 @@ struct descriptor_space {
 void attach_descriptors(msghdr& header, std::span<const int> fds, std::span<char> space);
 
 /// Appends every descriptor that came with `header` to `into`, owned, so
-/// none leaks whatever is done with the message. A socket among them has its
-/// linger turned off: a peer's socket set to linger with data it cannot send
-/// would hold whoever closes it here for the peer's linger time (any close
-/// of the last reference, a refused descriptor's too).
+/// none leaks whatever is done with the message.
 void take_descriptors(msghdr& header, std::vector<unique_fd>& into);
 
 }  // namespace shoal::detail
