@@ -5,8 +5,9 @@
 // A restore runs in two phases under the pool's lock, as a forced clear
 // does: everything that may throw comes first (the checks, block objects
 // with room for their last streams, room in the index, the device waits,
-// debug mode's poison of what it leaves free) and changes no block; then the layout is rebuilt by steps that throw
-// nothing, so a failure never leaves half a layout.
+// debug mode's poison of what it leaves free) and changes no block; then
+// the layout is rebuilt by steps that throw nothing, so a failure never
+// leaves half a layout.
 #include <algorithm>
 #include <map>
 #include <mutex>

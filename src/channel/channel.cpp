@@ -31,6 +31,7 @@
 #include "channel/shared_ring.h"
 #include "core/deadline.h"
 #include "core/fork_released_sockets.h"
+#include "core/scm_rights.h"
 #include "shoal/core/error.h"
 
 namespace shoal::channel {
@@ -44,16 +45,15 @@ constexpr std::size_t max_name_bytes = sizeof(sockaddr_un::sun_path) - 1;
 
 std::string errno_text() { return std::strerror(errno); }
 
-// SO_PASSRIGHTS (Linux 6.16 on; libc headers may not name it yet).
-constexpr int so_passrights = 83;
-
 // Off, a peer's sendmsg with descriptors fails (EPERM): none is ever queued
 // on `socket`, where the kernel would close a refused one on the receiving
 // thread. Kernels without the option (ENOPROTOOPT) leave the refusal to the
 // reads.
 void refuse_descriptors_in_kernel(int socket) {
   const int off = 0;
-  if (::setsockopt(socket, SOL_SOCKET, so_passrights, &off, sizeof off) == 0 || errno == ENOPROTOOPT) return;
+  if (::setsockopt(socket, SOL_SOCKET, shoal::detail::so_passrights, &off, sizeof off) == 0 || errno == ENOPROTOOPT) {
+    return;
+  }
   throw backend_error("setsockopt(SO_PASSRIGHTS)", errno_text());
 }
 

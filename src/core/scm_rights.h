@@ -13,6 +13,10 @@
 
 namespace shoal::detail {
 
+/// SO_PASSRIGHTS (Linux 6.16 on; libc headers may not name it yet): off, a
+/// peer's sendmsg with descriptors to the socket fails with EPERM.
+inline constexpr int so_passrights = 83;
+
 /// Control space for up to N descriptors, aligned for cmsghdr.
 template <std::size_t N>
 struct descriptor_space {

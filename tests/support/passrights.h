@@ -5,12 +5,12 @@
 
 #include <sys/socket.h>
 
+#include "core/scm_rights.h"
 #include "shoal/core/unique_fd.h"
 
 namespace shoal::testing {
 
-/// The option's number (libc headers may not name it yet).
-inline constexpr int so_passrights = 83;
+using shoal::detail::so_passrights;
 
 /// Whether this kernel has SO_PASSRIGHTS.
 inline bool kernel_refuses_descriptors() {
