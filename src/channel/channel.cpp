@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
@@ -30,6 +32,8 @@
 #include "channel/send_queue.h"
 #include "channel/shared_ring.h"
 #include "core/deadline.h"
+#include "core/descriptor_closer.h"
+#include "core/fork_epoch.h"
 #include "core/fork_released_sockets.h"
 #include "core/scm_rights.h"
 #include "shoal/core/error.h"
@@ -55,6 +59,22 @@ void refuse_descriptors_in_kernel(int socket) {
     return;
   }
   throw backend_error("setsockopt(SO_PASSRIGHTS)", errno_text());
+}
+
+// Connections not yet accepted may hold a peer's descriptors, which closing
+// the listener would close on this thread (see unique_fd::from_peer): no
+// more are let in (shutdown), and those waiting go to the closer thread.
+void hand_waiting_connections_to_closer(int listening) noexcept {
+  if (listening < 0) return;
+  ::shutdown(listening, SHUT_RDWR);
+  for (;;) {
+    const int waiting = ::accept4(listening, nullptr, nullptr, SOCK_CLOEXEC);  // the listener does not block
+    if (waiting >= 0) {
+      shoal::detail::close_off_thread(waiting);
+    } else if (errno != EINTR && errno != ECONNABORTED) {
+      return;
+    }
+  }
 }
 
 socket_address to_socket_address(const channel_address& where) {
@@ -179,6 +199,7 @@ bool access_policy::allows(uid_t uid, gid_t gid) const noexcept {
 
 struct connection::state {
   unique_fd socket;
+  shoal::detail::fork_epoch made;  // shutdown() in a fork() child would end the parent's connection
   // Replaced by a closed peer's socket in a fork() child, so the peer sees
   // this end close when this process does; declared after the socket:
   // released first.
@@ -217,6 +238,19 @@ struct connection::state {
   mutable std::mutex broken_mutex;
   std::string broken_reason;  // empty while usable; guarded by broken_mutex
   std::atomic<bool> is_broken{false};  // set once broken_reason is, for a check without the lock
+
+  // A peer's descriptors still queued on the socket would be closed with it,
+  // on this thread (see unique_fd::from_peer): shut down first, so that no
+  // more come, the socket goes to the closer thread if any bytes wait.
+  ~state() {
+    if (!socket || partial.most_descriptors == 0 || made.forked_since()) return;
+    ::shutdown(socket.get(), SHUT_RDWR);
+    int waiting = 0;
+    if (::ioctl(socket.get(), SIOCINQ, &waiting) != 0 || waiting > 0) socket = unique_fd::from_peer(socket.release());
+  }
+  state() = default;
+  state(const state&) = delete;
+  state& operator=(const state&) = delete;
 
   void break_with(const std::string& reason) {
     const std::lock_guard lock(broken_mutex);
@@ -1026,8 +1060,8 @@ listener::listener(const channel_address& address, access_policy policy, std::si
     if (!st) throw backend_error("fstatat(" + address_.name() + ")", "the socket file was removed as it was made");
     file_device_ = st->st_dev;
     file_inode_ = st->st_ino;
-    owner_pid_ = ::getpid();
   }
+  owner_pid_ = ::getpid();
   if (::listen(socket_.get(), SOMAXCONN) != 0) {
     throw backend_error("listen(" + address_.to_string() + ")", errno_text());
   }
@@ -1035,7 +1069,9 @@ listener::listener(const channel_address& address, access_policy policy, std::si
 
 listener::~listener() {
   // A forked child shares the socket with its parent, which still listens.
-  if (!directory_ || ::getpid() != owner_pid_) return;
+  if (::getpid() != owner_pid_) return;
+  hand_waiting_connections_to_closer(socket_.get());
+  if (!directory_) return;
   try {
     const std::optional<struct stat> st = directory_->entry(file_name_);
     if (st && st->st_dev == file_device_ && st->st_ino == file_inode_) directory_->remove(file_name_);

@@ -182,8 +182,6 @@ std::vector<frame> split_frames(const std::vector<std::byte>& batch, std::size_t
                                 std::vector<unique_fd>& descriptors) {
   const auto count = get<std::uint16_t>(batch, 6);
   std::vector<frame> frames(count);
-  std::vector<std::size_t> carrying;  // the frames that carry a descriptor, in order
-  carrying.reserve(descriptors.size());
   std::size_t at = batch_header_bytes, claimed = 0;
   for (std::size_t i = 0; i < count; ++i) {
     if (batch.size() - at < frame_header_bytes) {
@@ -214,8 +212,7 @@ std::vector<frame> split_frames(const std::vector<std::byte>& batch, std::size_t
         throw protocol_error("the batch's frames claim more descriptors than the " +
                              std::to_string(descriptors.size()) + " that came with it");
       }
-      carrying.push_back(i);
-      ++claimed;
+      frames[i].fd = std::move(descriptors[claimed++]);
     }
   }
   if (claimed != descriptors.size()) {
@@ -229,10 +226,6 @@ std::vector<frame> split_frames(const std::vector<std::byte>& batch, std::size_t
   if (padding != std::byte{0}) {
     throw protocol_error("the padding after the batch's last frame is not all zero bytes");
   }
-  // Handed out only now: a refused batch leaves every descriptor with the
-  // partial batch, which refuses them (partial_batch::refuse).
-  for (std::size_t k = 0; k < carrying.size(); ++k) frames[carrying[k]].fd = std::move(descriptors[k]);
-  descriptors.clear();
   return frames;
 }
 
@@ -334,13 +327,6 @@ void partial_batch::clear() noexcept {
   descriptors.clear();
 }
 
-void partial_batch::refuse() noexcept {
-  // No fstat first (a peer's FUSE file could hold it): ENOTSOCK tells.
-  const linger off{0, 0};
-  for (const unique_fd& fd : descriptors) (void)::setsockopt(fd.get(), SOL_SOCKET, SO_LINGER, &off, sizeof off);
-  clear();
-}
-
 namespace {
 
 // Reads toward the end of the batch in `p` with `read(into, bytes,
@@ -386,7 +372,7 @@ std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::
     });
     return take_frames(partial, max_payload);
   } catch (...) {
-    partial.refuse();
+    partial.clear();
     throw;
   }
 }
@@ -400,7 +386,7 @@ std::optional<std::vector<frame>> read_batch_if_ready(int socket, std::size_t ma
     if (!whole) return std::nullopt;
     return take_frames(partial, max_payload);
   } catch (...) {
-    partial.refuse();
+    partial.clear();
     throw;
   }
 }

@@ -74,12 +74,9 @@ struct partial_batch {
   std::size_t most_descriptors = max_batch_descriptors;
 
   [[nodiscard]] bool started() const noexcept { return got > 0; }
-  /// Drops what was read (closing its descriptors): nothing has begun.
+  /// Drops what was read (its descriptors, a peer's, go to the closer
+  /// thread): nothing has begun.
   void clear() noexcept;
-  /// clear() for a batch refused: a socket among its descriptors has its
-  /// linger turned off first, so that its close (the last reference, in
-  /// this thread) does not wait out a linger time the peer set.
-  void refuse() noexcept;
 };
 
 /// Reads the rest of the batch `partial` holds (the next one when it holds

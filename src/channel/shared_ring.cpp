@@ -180,6 +180,7 @@ ring_reader::ring_reader(unique_fd memfd, std::uint64_t announced_capacity) {
                          std::to_string(capacity) + " takes " + std::to_string(ring_header_bytes + capacity));
   }
   map_ = ring_mapping(map_ring(memfd.get(), capacity), capacity);
+  memfd.mark_safe_to_close();  // a memfd on tmpfs
 }
 
 bool ring_reader::has_entries() const noexcept { return map_.load_tail() != head_.load(std::memory_order_relaxed); }

@@ -34,7 +34,7 @@ void take_descriptors(msghdr& header, std::vector<unique_fd>& into) {
     for (std::size_t i = 0; i < count; ++i) {
       int fd;
       std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-      into.emplace_back(fd);
+      into.push_back(unique_fd::from_peer(fd));
     }
   }
 }

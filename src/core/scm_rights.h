@@ -28,7 +28,8 @@ struct descriptor_space {
 void attach_descriptors(msghdr& header, std::span<const int> fds, std::span<char> space);
 
 /// Appends every descriptor that came with `header` to `into`, owned, so
-/// none leaks whatever is done with the message.
+/// none leaks whatever is done with the message; each a peer's
+/// (unique_fd::from_peer), closed off the caller's thread until checked.
 void take_descriptors(msghdr& header, std::vector<unique_fd>& into);
 
 }  // namespace shoal::detail

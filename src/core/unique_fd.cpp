@@ -6,20 +6,29 @@
 #include <cerrno>
 #include <cstring>
 
+#include "core/descriptor_closer.h"
 #include "shoal/core/error.h"
 
 namespace shoal {
 
 void unique_fd::reset(int fd) noexcept {
-  if (fd_ >= 0 && fd_ != fd) ::close(fd_);
+  if (fd == fd_) return;
+  if (fd_ >= 0) {
+    if (from_peer_) {
+      detail::close_off_thread(fd_);
+    } else {
+      ::close(fd_);
+    }
+  }
   fd_ = fd;
+  from_peer_ = false;
 }
 
 unique_fd unique_fd::duplicate() const {
   if (fd_ < 0) throw invalid_argument("unique_fd::duplicate: there is no descriptor to duplicate");
   const int copy = ::fcntl(fd_, F_DUPFD_CLOEXEC, 0);
   if (copy < 0) throw backend_error("fcntl(F_DUPFD_CLOEXEC)", std::strerror(errno));
-  return unique_fd(copy);
+  return from_peer_ ? from_peer(copy) : unique_fd(copy);
 }
 
 }  // namespace shoal

@@ -1,12 +1,12 @@
 // Descriptors a peer should not send, and descriptors whose close could hold
 // the receiver: refused at the peer's send where the kernel can (SO_PASSRIGHTS,
-// Linux 6.16 on), and a peer's socket set to linger closed at once.
+// Linux 6.16 on); otherwise closed on the closer thread, whether the batch is
+// refused, the connection closes with them unread, or the listener does
+// before accepting theirs.
 #include <gtest/gtest.h>
 
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "channel/channel_fixtures.h"
+#include "core/descriptor_closer.h"
+#include "support/lingering_socket.h"
 #include "shoal/channel/channel.h"
 #include "shoal/core/error.h"
 
@@ -24,37 +26,10 @@ using namespace std::chrono_literals;
 using channel::connection;
 using channel::listener;
 
-// A TCP socket whose close lingers `seconds`: its peer (`server`, never
-// read) advertises no room and data waits in its send buffer.
-struct lingering_socket {
-  unique_fd listening, server, client;
-  explicit lingering_socket(int seconds) {
-    listening.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    sockaddr_in at{};
-    at.sin_family = AF_INET;
-    at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t length = sizeof at;
-    const int small = 4096;
-    EXPECT_EQ(::setsockopt(listening.get(), SOL_SOCKET, SO_RCVBUF, &small, sizeof small), 0);
-    EXPECT_EQ(::bind(listening.get(), reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
-    EXPECT_EQ(::listen(listening.get(), 1), 0);
-    EXPECT_EQ(::getsockname(listening.get(), reinterpret_cast<sockaddr*>(&at), &length), 0);
-    client.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    EXPECT_EQ(::setsockopt(client.get(), SOL_SOCKET, SO_SNDBUF, &small, sizeof small), 0);
-    EXPECT_EQ(::connect(client.get(), reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
-    server.reset(::accept4(listening.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    ::fcntl(client.get(), F_SETFL, O_NONBLOCK);
-    const std::vector<char> junk(4096);
-    while (::send(client.get(), junk.data(), junk.size(), MSG_NOSIGNAL) > 0) {
-    }
-    const linger on{1, seconds};
-    EXPECT_EQ(::setsockopt(client.get(), SOL_SOCKET, SO_LINGER, &on, sizeof on), 0);
-  }
-};
-
 // A frame that says it carries nothing, with a lingering socket attached: the
-// receive refuses the batch and closes the socket (the in-flight message held
-// its last reference) at once, not after the peer's 4 s of linger.
+// receive refuses the batch at once, and the closer closes the socket (the
+// in-flight message held its last reference) with its linger turned off, not
+// after the peer's 4 s.
 TEST(refused_descriptors, a_peers_lingering_socket_is_closed_at_once) {
   socket_pair pair;
   connection victim = connection::adopt(std::move(pair.b), {});
@@ -65,7 +40,56 @@ TEST(refused_descriptors, a_peers_lingering_socket_is_closed_at_once) {
     const auto start = std::chrono::steady_clock::now();
     EXPECT_THROW((void)victim.receive_for(100ms), protocol_error);
     EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the receive waited out the socket's linger";
+    EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(1s)) << "the closer waited out the socket's linger";
   }
+}
+
+// A close that waits whatever the receiver does to the descriptor first: it
+// happens on the closer thread, and the receive still returns at once.
+TEST(refused_descriptors, a_refused_socket_holding_a_lingering_one_is_closed_off_the_receivers_thread) {
+  socket_pair pair;
+  connection victim = connection::adopt(std::move(pair.b), {});
+  socket_holding_a_lingering_one held(2);
+  write_raw(pair.a.get(), raw_batch("SHOL", 2, {{1, bytes_of("x"), 0}}), {held.holder.get()});
+  held.holder.reset();
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW((void)victim.receive_for(100ms), protocol_error);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the receive waited out the inner socket's linger";
+  EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms) << "the close did not linger: this test shows nothing";
+}
+
+// A batch no one read when the connection closes: the close returns at once,
+// and the peer sees the hang-up at once too.
+TEST(refused_descriptors, a_closing_connection_leaves_a_peers_unread_descriptors_to_the_closer) {
+  socket_pair pair;
+  auto victim = std::make_unique<connection>(connection::adopt(std::move(pair.b), {}));
+  socket_holding_a_lingering_one held(2);
+  write_raw(pair.a.get(), raw_batch("SHOL", 2, {{1, bytes_of("x"), 1}}), {held.holder.get()});
+  held.holder.reset();
+  const auto start = std::chrono::steady_clock::now();
+  victim.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the close waited out the inner socket's linger";
+  char byte = 0;
+  EXPECT_EQ(::read(pair.a.get(), &byte, 1), 0) << "the peer did not see the hang-up";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the peer saw the hang-up only after the linger";
+  EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms) << "the close did not linger: this test shows nothing";
+}
+
+// A connection the listener never accepted, with descriptors queued on it.
+TEST(refused_descriptors, a_closing_listener_leaves_a_waiting_connections_descriptors_to_the_closer) {
+  const auto where = fresh_abstract_name();
+  auto l = std::make_unique<listener>(where, channel::access_policy{});
+  const unique_fd raw = raw_connect(where);
+  socket_holding_a_lingering_one held(2);
+  write_raw(raw.get(), raw_batch("SHOL", 2, {{1, bytes_of("x"), 1}}), {held.holder.get()});
+  held.holder.reset();
+  const auto start = std::chrono::steady_clock::now();
+  l.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the listener's close waited out the inner socket's linger";
+  EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms) << "the close did not linger: this test shows nothing";
 }
 
 TEST(refused_descriptors, a_refusing_connection_has_the_kernel_refuse_them_at_the_peers_send) {

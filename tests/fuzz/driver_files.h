@@ -4,6 +4,7 @@
 // on the command line (folders and files).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -11,9 +12,14 @@
 #include <iterator>
 #include <vector>
 
+#include "core/descriptor_closer.h"
+
 namespace shoal::fuzz {
 
+// Counted once the closer thread has closed what it was handed (a peer's
+// descriptors close there).
 inline std::size_t open_fds() {
+  (void)shoal::detail::off_thread_closes_done_within(std::chrono::seconds(30));
   std::size_t n = 0;
   for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/fd")) ++n;
   return n;

@@ -26,7 +26,9 @@
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
 #include "shoal/ipc/sharing.h"
+#include "core/descriptor_closer.h"
 #include "ipc/captured_exchange.h"
+#include "support/lingering_socket.h"
 
 namespace shoal::testing {
 namespace {
@@ -94,6 +96,32 @@ TEST(hostile_producer, a_segment_sealed_against_writes_is_a_protocol_error) {
   segment.fd = std::move(sealed);
   const std::string why = x.refusal_of(frames);
   EXPECT_NE(why.find("cannot be mapped for writing"), std::string::npos) << why;
+}
+
+// In place of the counter file or the segment, a descriptor whose last close
+// waits (a socket whose queue holds a lingering one): refused, and neither
+// the consumer's receive nor its teardown (a segment's handle is kept until
+// then) waits; the close happens on the closer thread.
+TEST(hostile_producer, a_descriptor_whose_close_lingers_is_refused_without_waiting) {
+  for (const std::uint16_t type : {counter_file_type, segment_type}) {
+    SCOPED_TRACE("frame type " + std::to_string(type));
+    auto x = std::make_unique<captured_exchange>();
+    auto frames = x->capture_share(8 * kib);
+    socket_holding_a_lingering_one held(2);
+    frame_of_type(frames, type).fd = std::move(held.holder);
+    const auto start = std::chrono::steady_clock::now();
+    {
+      auto [from, to] = connected_pair();
+      ipc::peer receiver(x->consumer, std::move(to));
+      for (const auto& f : frames) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
+      frames.clear();  // the consumer's copy is the last one now
+      EXPECT_THROW((void)receiver.receive({}), protocol_error);
+    }
+    x.reset();
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the consumer waited out the inner socket's linger";
+    EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
+    EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms) << "the close did not linger: this test shows nothing";
+  }
 }
 
 /// `frames` with the frame of `type` announced `copies` times more, each

@@ -70,6 +70,7 @@ TEST(fd_transport, more_than_one_descriptor_is_refused_and_none_leaks) {
   const int next_free = ::fcntl(0, F_DUPFD_CLOEXEC, 0);
   ::close(next_free);
   EXPECT_THROW((void)testing::receive_message(pair.b.get(), 64), invalid_argument);
+  wait_for_the_closer();  // a peer's descriptors close there
   EXPECT_FALSE(is_open(next_free)) << "a received descriptor was left open";
 }
 

@@ -154,7 +154,10 @@ struct outgoing_frame {
 struct frame {
   std::uint16_t type = 0;
   std::vector<std::byte> payload;
-  unique_fd fd;  ///< the descriptor sent with the frame, if any
+  /// The descriptor sent with the frame, if any: the peer's choice of file,
+  /// so unique_fd::from_peer (closed on the closer thread until a check
+  /// calls mark_safe_to_close()).
+  unique_fd fd;
 };
 
 class listener;
@@ -229,6 +232,9 @@ class connection {
 
   connection(connection&& other) noexcept;
   connection& operator=(connection&& other) noexcept;
+  /// Closes the socket; on a connection that takes descriptors with any
+  /// bytes still unread, on the closer thread (a peer's descriptors queued
+  /// there would be closed with it), after a shutdown the peer sees at once.
   ~connection();
 
   /// Sends one frame of `type` with `payload` and, when `fd` >= 0, a copy of
@@ -451,7 +457,9 @@ class listener {
   listener& operator=(const listener&) = delete;
   /// Removes the socket file (a path's), when it is still this listener's
   /// own and this is the process that made the listener: a child forked
-  /// since, ending, leaves the parent's socket where it is.
+  /// since, ending, leaves the parent's socket where it is. In the process
+  /// that made it, connections still waiting to be accepted are refused,
+  /// closed on the closer thread (they may hold a peer's descriptors).
   ~listener();
 
   /// Waits for the next connection and checks its peer. Throws peer_refused
@@ -503,7 +511,7 @@ class listener {
   // The socket file's identity, so the destructor removes only its own file.
   dev_t file_device_ = 0;
   ino_t file_inode_ = 0;
-  pid_t owner_pid_ = 0;  // the process that made it, which alone removes its file
+  pid_t owner_pid_ = 0;  // the process that made it, which alone removes its file and drops who waits
 };
 
 }  // namespace shoal::channel

@@ -3,6 +3,13 @@
 // Not thread-safe: one unique_fd is used by one thread at a time, like any
 // value. Invariant: get() is either -1 or an open descriptor this object owns
 // and closes exactly once.
+//
+// A descriptor a peer process passed (from_peer) may be of any kind the peer
+// chose, and closing some kinds can block for as long as the peer likes (a
+// socket set to linger with data it cannot send, a FUSE file whose flush the
+// peer's daemon never answers). Such a descriptor is closed on the process's
+// closer thread, never on the owner's, until mark_safe_to_close() says a
+// check found it of a kind whose close cannot block (a memfd).
 #pragma once
 
 #include <utility>
@@ -14,11 +21,25 @@ class unique_fd {
   unique_fd() noexcept = default;
   /// Takes ownership of `fd` (-1 for none).
   explicit unique_fd(int fd) noexcept : fd_(fd) {}
+  /// Takes ownership of `fd`, a descriptor a peer passed: its close happens
+  /// off the owner's thread (see above).
+  [[nodiscard]] static unique_fd from_peer(int fd) noexcept {
+    unique_fd owned(fd);
+    owned.from_peer_ = fd >= 0;
+    return owned;
+  }
   unique_fd(const unique_fd&) = delete;
   unique_fd& operator=(const unique_fd&) = delete;
-  unique_fd(unique_fd&& other) noexcept : fd_(other.release()) {}
+  unique_fd(unique_fd&& other) noexcept : fd_(other.fd_), from_peer_(other.from_peer_) {
+    other.fd_ = -1;
+    other.from_peer_ = false;
+  }
   unique_fd& operator=(unique_fd&& other) noexcept {
-    if (this != &other) reset(other.release());
+    if (this != &other) {
+      const bool peers = other.from_peer_;
+      reset(other.release());
+      from_peer_ = peers && fd_ >= 0;
+    }
     return *this;
   }
   ~unique_fd() { reset(); }
@@ -26,17 +47,28 @@ class unique_fd {
   [[nodiscard]] int get() const noexcept { return fd_; }
   [[nodiscard]] bool valid() const noexcept { return fd_ >= 0; }
   explicit operator bool() const noexcept { return valid(); }
+  /// Whether closing it is left to the closer thread: a peer passed it and
+  /// no check has found it safe to close in place.
+  [[nodiscard]] bool closes_off_thread() const noexcept { return from_peer_; }
+  /// Says a check found the descriptor of a kind whose close cannot block
+  /// (a memfd, a driver's export): from now on it is closed in place.
+  void mark_safe_to_close() noexcept { from_peer_ = false; }
 
-  /// Gives up ownership and returns the descriptor.
-  int release() noexcept { return std::exchange(fd_, -1); }
-  /// Closes the owned descriptor, if any, and takes `fd`.
+  /// Gives up ownership and returns the descriptor; whoever takes it closes it.
+  int release() noexcept {
+    from_peer_ = false;
+    return std::exchange(fd_, -1);
+  }
+  /// Closes the owned descriptor, if any (off this thread for a peer's), and
+  /// takes `fd`, the caller's own.
   void reset(int fd = -1) noexcept;
-  /// A new descriptor for the same open file (dup with close-on-exec).
-  /// Throws backend_error when the system refuses.
+  /// A new descriptor for the same open file (dup with close-on-exec), a
+  /// peer's if this is. Throws backend_error when the system refuses.
   [[nodiscard]] unique_fd duplicate() const;
 
  private:
   int fd_ = -1;
+  bool from_peer_ = false;
 };
 
 }  // namespace shoal

@@ -140,12 +140,12 @@ host_imported_page::host_imported_page(const event_source& source) {
                            std::string(to_string(source.device)) + " device");
   }
   if (!source.fd) throw invalid_argument("open_event_source: the source has no file descriptor (closed, or moved from)");
-  struct stat st {};
-  if (::fstat(source.fd.get(), &st) != 0) {
-    throw invalid_argument(std::string("open_event_source: the descriptor is not open: ") + std::strerror(errno));
-  }
+  // The seals first: only a memfd has them, and asking a file of another
+  // kind (a peer's FUSE file) could wait on its file system.
   const int seals = ::fcntl(source.fd.get(), F_GET_SEALS);
-  if (!S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0 || !shoal::detail::on_tmpfs(source.fd.get())) {
+  struct stat st {};
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0 || ::fstat(source.fd.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
+      !shoal::detail::on_tmpfs(source.fd.get())) {
     refuse("the descriptor is not a sealed memfd on tmpfs");
   }
   if (static_cast<std::uint64_t>(st.st_size) != page_bytes) {

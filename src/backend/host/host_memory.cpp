@@ -67,10 +67,12 @@ std::size_t importable_bytes(std::span<const shareable_handle> chunks, memory_ac
                              std::to_string(host_memory::chunk_granularity) +
                              "-byte granularity; only chunks of growable ranges are imported together");
     }
-    struct stat st {};
-    if (::fstat(h.fd.get(), &st) != 0) throw invalid_argument(which + ": the descriptor is not open: " + std::strerror(errno));
+    // The seals first: only a memfd has them, and asking a file of another
+    // kind (a peer's FUSE file) could wait on its file system.
     const int seals = ::fcntl(h.fd.get(), F_GET_SEALS);
-    if (!S_ISREG(st.st_mode) || seals < 0 || (seals & F_SEAL_SHRINK) == 0 || !shoal::detail::on_tmpfs(h.fd.get())) {
+    struct stat st {};
+    if (seals < 0 || (seals & F_SEAL_SHRINK) == 0 || ::fstat(h.fd.get(), &st) != 0 || !S_ISREG(st.st_mode) ||
+        !shoal::detail::on_tmpfs(h.fd.get())) {
       throw invalid_argument(which + ": the descriptor is not a sealed shoal memfd (on tmpfs)");
     }
     // A read-write mapping of a read-only descriptor or of a write-sealed

@@ -118,6 +118,7 @@ counter_file counter_file::open(unique_fd fd, std::uint32_t slots) {
     ::munmap(mapping, bytes);
     throw protocol_error("counter file: bad header (magic, version or slot count do not match)");
   }
+  fd.mark_safe_to_close();  // a memfd on tmpfs
   return counter_file(std::move(fd), mapping, bytes, slots);
 }
 

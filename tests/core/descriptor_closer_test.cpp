@@ -1,0 +1,87 @@
+// A peer's descriptor is closed on the closer thread: the thread that drops
+// it goes on at once, however long the close takes; a descriptor checked
+// safe closes in place; a fork() child closes through its own closer.
+#include <gtest/gtest.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <utility>
+
+#include "core/descriptor_closer.h"
+#include "shoal/core/unique_fd.h"
+#include "support/lingering_socket.h"
+#include "support/processes.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+using shoal::detail::off_thread_closes_done_within;
+
+bool is_open(int fd) { return ::fcntl(fd, F_GETFD) != -1; }
+
+TEST(descriptor_closer, a_peers_descriptor_is_closed_off_the_thread_that_drops_it) {
+  socket_holding_a_lingering_one held(2);
+  const auto start = std::chrono::steady_clock::now();
+  { const unique_fd dropped = unique_fd::from_peer(held.holder.release()); }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the drop waited out the inner socket's linger";
+  EXPECT_TRUE(off_thread_closes_done_within(30s));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms) << "the close did not linger: this test shows nothing";
+}
+
+// While the closer is held by a lingering close, a peer's descriptor waits
+// behind it, and one checked safe is closed in place at once.
+TEST(descriptor_closer, a_descriptor_checked_safe_closes_in_place_while_the_closer_is_held) {
+  socket_holding_a_lingering_one held(2);
+  unique_fd::from_peer(held.holder.release()).reset();
+  pipe_ends queued, checked;
+  const int queued_fd = queued.read.get(), checked_fd = checked.read.get();
+  unique_fd::from_peer(queued.read.release()).reset();
+  unique_fd safe = unique_fd::from_peer(checked.read.release());
+  safe.mark_safe_to_close();
+  safe.reset();
+  EXPECT_FALSE(is_open(checked_fd)) << "the checked descriptor was left to the closer";
+  EXPECT_TRUE(is_open(queued_fd)) << "the peer's descriptor was closed in place";
+  EXPECT_TRUE(off_thread_closes_done_within(30s));
+  EXPECT_FALSE(is_open(queued_fd));
+}
+
+TEST(descriptor_closer, a_peers_mark_moves_with_the_descriptor_and_its_copies) {
+  pipe_ends pipe;
+  unique_fd peers = unique_fd::from_peer(pipe.read.release());
+  EXPECT_TRUE(peers.closes_off_thread());
+  unique_fd copy = peers.duplicate();
+  EXPECT_TRUE(copy.closes_off_thread()) << "a copy of a peer's file is the peer's too";
+  unique_fd moved = std::move(peers);
+  EXPECT_TRUE(moved.closes_off_thread());
+  EXPECT_FALSE(peers.closes_off_thread());  // NOLINT(bugprone-use-after-move): a moved-from one owns nothing
+  unique_fd assigned;
+  assigned = std::move(moved);
+  EXPECT_TRUE(assigned.closes_off_thread());
+  assigned.reset(::dup(pipe.write.get()));
+  EXPECT_FALSE(assigned.closes_off_thread()) << "a descriptor of the caller's own took the peer's mark";
+  const int raw = copy.release();
+  EXPECT_FALSE(copy.closes_off_thread());
+  ::close(raw);
+  EXPECT_FALSE(unique_fd(::dup(pipe.write.get())).closes_off_thread());
+}
+
+// The parent's closer thread is not in the child: the child starts its own.
+TEST(descriptor_closer, a_fork_child_closes_through_its_own_closer) {
+  if (!forked_child_may_start_threads) GTEST_SKIP() << "a forked child may not start threads under the sanitizers";
+  pipe_ends started;
+  unique_fd::from_peer(started.read.release()).reset();  // the parent's closer runs
+  ASSERT_TRUE(off_thread_closes_done_within(30s));
+  forked_child child([] {
+    pipe_ends pipe;
+    const int fd = pipe.read.get();
+    unique_fd::from_peer(pipe.read.release()).reset();
+    return off_thread_closes_done_within(10s) && !is_open(fd) ? 0 : 1;
+  });
+  EXPECT_EQ(child.wait(), 0) << "the child's close never happened";
+}
+
+}  // namespace
+}  // namespace shoal::testing

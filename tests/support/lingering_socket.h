@@ -1,0 +1,67 @@
+// Descriptors whose last close waits as long as their maker likes, as a
+// hostile peer would pass them: a TCP socket set to linger with data its
+// peer never reads, and a unix socket whose own queue holds the last
+// reference to one (closing it closes that one too, whatever was done to
+// its own options first).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <cstddef>
+#include <utility>
+#include <vector>
+
+#include "support/descriptors.h"
+#include "support/fd_transport.h"
+#include "shoal/core/unique_fd.h"
+
+namespace shoal::testing {
+
+// A TCP socket (`client`) whose close lingers `seconds`: its peer (`server`,
+// never read, kept open) advertises no room and data waits in its send buffer.
+struct lingering_socket {
+  unique_fd listening, server, client;
+  explicit lingering_socket(int seconds) {
+    listening.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_in at{};
+    at.sin_family = AF_INET;
+    at.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof at;
+    const int small = 4096;
+    EXPECT_EQ(::setsockopt(listening.get(), SOL_SOCKET, SO_RCVBUF, &small, sizeof small), 0);
+    EXPECT_EQ(::bind(listening.get(), reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
+    EXPECT_EQ(::listen(listening.get(), 1), 0);
+    EXPECT_EQ(::getsockname(listening.get(), reinterpret_cast<sockaddr*>(&at), &length), 0);
+    client.reset(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    EXPECT_EQ(::setsockopt(client.get(), SOL_SOCKET, SO_SNDBUF, &small, sizeof small), 0);
+    EXPECT_EQ(::connect(client.get(), reinterpret_cast<sockaddr*>(&at), sizeof at), 0);
+    server.reset(::accept4(listening.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    ::fcntl(client.get(), F_SETFL, O_NONBLOCK);
+    const std::vector<char> junk(4096);
+    while (::send(client.get(), junk.data(), junk.size(), MSG_NOSIGNAL) > 0) {
+    }
+    const linger on{1, seconds};
+    EXPECT_EQ(::setsockopt(client.get(), SOL_SOCKET, SO_LINGER, &on, sizeof on), 0);
+  }
+};
+
+// `holder`: a unix socket whose receive queue holds the last reference to a
+// socket lingering `seconds`. Turning off the holder's own linger changes
+// nothing: its close waits out the inner one's.
+struct socket_holding_a_lingering_one {
+  lingering_socket inner;
+  socket_pair pair;
+  unique_fd& holder = pair.b;
+  explicit socket_holding_a_lingering_one(int seconds) : inner(seconds) {
+    const std::byte one{1};
+    send_message(pair.a.get(), std::span(&one, 1), inner.client.get());
+    inner.client.reset();  // the message in holder's queue holds the last reference now
+  }
+};
+
+}  // namespace shoal::testing
