@@ -141,3 +141,9 @@ def _drop_allocators() -> None:
     # tears modules down in no set order; storages still alive keep their C++ state.
     with _allocators_lock:
         _allocators.clear()
+
+
+def device_named(kind: str, ordinal: int) -> _shoal.Device:
+    """The device of `kind` ('host' or 'cuda') and `ordinal` in this process: how a pickled
+    Device is made again (Device.__reduce__)."""
+    return _shoal.host_device() if kind == "host" else _shoal.cuda_device(ordinal)

@@ -95,6 +95,8 @@ class Device:
 
     def __hash__(self) -> int: ...
 
+    def __reduce__(self) -> tuple: ...
+
     def __repr__(self) -> str: ...
 
 def default_device() -> Device:
@@ -413,11 +415,24 @@ def runtime_dir_address(name: str) -> str:
 
 class Connection:
     """
-    A checked connection to another process (from Listener.accept or connect); give it to Peer to share storages over it.
+    A checked connection to another process (from Listener.accept or connect); give it to Peer to share storages over it. A context manager: leaving the block (or close()) closes a connection not given to a Peer; one given to a Peer is the Peer's.
     """
 
     @property
     def peer_pid(self) -> int: ...
+
+    def close(self) -> None:
+        """
+        Closes the connection, unless it was given to a Peer (then the Peer's close() does). Closing twice is harmless.
+        """
+
+    @property
+    def closed(self) -> bool:
+        """True once close() closed it (not when it was given to a Peer)."""
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *args) -> None: ...
 
     def __repr__(self) -> str: ...
 

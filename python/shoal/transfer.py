@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from . import _checks, _device_defaults, _shoal
 
@@ -90,8 +90,8 @@ def _flatten(batch: Any, leaves: list, depth: int) -> Any:
             f"shoal.transfer: arrays of {dtype} cannot be transferred; the element types are "
             + ", ".join(_shoal.view_dtypes())
         )
-    if buffer[1] == 0:
-        raise _shoal.InvalidArgumentError("shoal.transfer: an empty array has nothing to transfer; leave it out of the batch")
+    if buffer[1] == 0:  # nothing to copy: get() gives an empty view in its place
+        return _Empty(dtype, shape)
     leaves.append((buffer, dtype, shape))
     return _Leaf(len(leaves) - 1)
 
@@ -139,6 +139,16 @@ def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(type(value), "_fields") and hasattr(type(value), "_make")
 
 
+class _Empty:
+    """An array with no elements in a flattened batch: its dtype and shape, nothing copied."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...]) -> None:
+        self.dtype = dtype
+        self.shape = shape
+
+
 class _Named:
     """A namedtuple's place in a flattened batch: its type and its flattened items."""
 
@@ -149,16 +159,18 @@ class _Named:
         self.items = items
 
 
-def _rebuild(node: Any, views: list) -> Any:
+def _rebuild(node: Any, views: list, empty: Callable[[_Empty], Any]) -> Any:
     if isinstance(node, _Leaf):
         return views[node]
+    if isinstance(node, _Empty):
+        return empty(node)
     if isinstance(node, list):
-        return [_rebuild(x, views) for x in node]
+        return [_rebuild(x, views, empty) for x in node]
     if isinstance(node, tuple):
-        return tuple(_rebuild(x, views) for x in node)
+        return tuple(_rebuild(x, views, empty) for x in node)
     if isinstance(node, _Named):
-        return node.kind._make(_rebuild(x, views) for x in node.items)
-    return {key: _rebuild(value, views) for key, value in node.items()}
+        return node.kind._make(_rebuild(x, views, empty) for x in node.items)
+    return {key: _rebuild(value, views, empty) for key, value in node.items()}
 
 
 def _default_engine_allocator() -> _shoal.Allocator:
@@ -283,6 +295,11 @@ class Engine:
     def submit(self, batch: Any, timeout: Optional[float] = None, *, reuse_sources: bool = False) -> int:
         """Queues a batch (an array, or a list/tuple/dict of them, nested) and returns its sequence number.
 
+        An array with no elements (an image's empty box list) copies nothing and comes back as
+        an empty view of its dtype and shape; a batch must hold at least one array with
+        elements (InvalidArgumentError otherwise). Dict keys may be any hashable value: the
+        structure stays in this process (``shoal.sharing`` sends it, so there they are str).
+
         Pageable arrays are copied into staging memory by the engine's threads; pinned torch
         tensors are read directly and kept alive until their copy has run. Blocks while the
         batch does not fit within ``max_batches_in_flight`` and ``max_bytes_in_flight``
@@ -305,7 +322,9 @@ class Engine:
         leaves: list = []
         structure = _flatten(batch, leaves, 0)
         if not leaves:
-            raise _shoal.InvalidArgumentError("shoal.transfer: the batch holds no arrays")
+            raise _shoal.InvalidArgumentError(
+                "shoal.transfer: the batch holds no array with any elements; there is nothing to transfer"
+            )
         read = _SourcesRead(len(leaves)) if reuse_sources else None
         if read is not None:
             leaves = [((address, nbytes, pinned, _Source(owner, read)), dtype, shape)
@@ -376,6 +395,10 @@ class Engine:
         transferred, (structure, types) = self._take(timeout)
         transferred.wait(stream)
         views = [storage.view(dtype, shape) for storage, (dtype, shape) in zip(transferred.storages, types)]
+
+        def empty(node: _Empty) -> _shoal.ArrayView:
+            """An array with no elements: a view of none of the batch's memory (which it keeps)."""
+            return transferred.storages[0].view(node.dtype, node.shape)
         if as_torch:
             # The export orders PyTorch's stream after shoal's current stream: `stream`
             # here, the one that waited for the copies.
@@ -383,10 +406,11 @@ class Engine:
                 _shoal._push_stream(stream)
             try:
                 views = [_as_torch(view) for view in views]
+                return _rebuild(structure, views, lambda node: _as_torch(empty(node)))
             finally:
                 if stream is not None:
                     _shoal._pop_stream()
-        return _rebuild(structure, views)
+        return _rebuild(structure, views, empty)
 
     def stats(self) -> dict:
         """Counters: batches submitted, transferred, failed and taken; ``coalesced_groups``, the

@@ -53,7 +53,8 @@ struct py_listener {
 };
 
 struct py_connection {
-  std::optional<channel::connection> connection;
+  std::optional<channel::connection> connection;  // empty once closed or given to a Peer
+  bool given_to_peer = false;
 };
 
 /// A sharing context and the allocator it belongs to.
@@ -186,14 +187,35 @@ void register_sharing(nb::module_& m) {
 
   nb::class_<py_connection>(m, "Connection",
                             "A checked connection to another process (from Listener.accept or connect); "
-                            "give it to Peer to share storages over it.")
+                            "give it to Peer to share storages over it. A context manager: leaving the block (or "
+                            "close()) closes a connection not given to a Peer; one given to a Peer is the Peer's.")
       .def_prop_ro("peer_pid",
                    [](const py_connection& c) {
-                     if (!c.connection) throw invalid_argument("Connection: already given to a Peer");
+                     if (c.given_to_peer) throw invalid_argument("Connection: already given to a Peer");
+                     if (!c.connection) throw invalid_argument("Connection: closed");
                      return c.connection->peer().process.pid;
                    })
+      .def(
+          "close",
+          [](py_connection& c) {
+            if (c.given_to_peer) return;
+            c.connection.reset();
+          },
+          "Closes the connection, unless it was given to a Peer (then the Peer's close() does). Closing "
+          "twice is harmless.")
+      .def_prop_ro(
+          "closed", [](const py_connection& c) { return !c.connection && !c.given_to_peer; },
+          "True once close() closed it (not when it was given to a Peer).")
+      .def("__enter__", [](nb::handle self) { return self; }, nb::sig("def __enter__(self) -> Self"))
+      .def(
+          "__exit__",
+          [](py_connection& c, nb::args) {
+            if (!c.given_to_peer) c.connection.reset();
+          },
+          nb::arg("args"))
       .def("__repr__", [](const py_connection& c) -> std::string {
-        if (!c.connection) return "shoal.Connection(given to a Peer)";
+        if (c.given_to_peer) return "shoal.Connection(given to a Peer)";
+        if (!c.connection) return "shoal.Connection(closed)";
         return "shoal.Connection(pid " + std::to_string(c.connection->peer().process.pid) + ")";
       });
 
@@ -331,9 +353,11 @@ void register_sharing(nb::module_& m) {
       .def(
           "__init__",
           [](py_peer* self, const py_sharing_context& context, py_connection& connection) {
-            if (!connection.connection) throw invalid_argument("Peer: this Connection was given to a Peer already");
+            if (connection.given_to_peer) throw invalid_argument("Peer: this Connection was given to a Peer already");
+            if (!connection.connection) throw invalid_argument("Peer: this Connection was closed");
             channel::connection c = std::move(*connection.connection);
             connection.connection.reset();
+            connection.given_to_peer = true;
             std::unique_ptr<ipc::peer> p;
             {
               released_gil release;

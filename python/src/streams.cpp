@@ -117,6 +117,13 @@ void register_streams(nb::module_& m) {
       // Against anything else: not equal, as Python objects compare (None, a string).
       .def("__eq__", [](const backend::device&, nb::handle) { return false; }, nb::arg("other").none())
       .def("__hash__", [](const backend::device& d) { return d.serial(); })
+      // Pickled (to a worker process, say) as what names it: the same kind
+      // and ordinal in the process that unpickles it.
+      .def("__reduce__",
+           [](const backend::device& d) {
+             return nb::make_tuple(nb::module_::import_("shoal._device_defaults").attr("device_named"),
+                                   nb::make_tuple(std::string(backend::to_string(d.kind())), d.ordinal()));
+           })
       .def("__repr__", [](const backend::device& d) {
         return "shoal.Device(" + std::string(backend::to_string(d.kind())) + ":" + std::to_string(d.ordinal()) + ")";
       });

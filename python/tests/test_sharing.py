@@ -423,6 +423,25 @@ def test_a_closed_peer_raises_connection_closed():
             shoal.Peer(context, connection)
 
 
+def test_a_connection_not_given_to_a_peer_closes_with_its_block_and_the_listener_sees_it_go():
+    address = f"@shoal-connection-close-{os.getpid()}"
+    with shoal.Listener(address) as listener:
+        with shoal.connect(address, timeout=WAIT) as connection:
+            accepted = listener.accept(timeout=WAIT)
+            assert accepted is not None and not connection.closed
+        assert connection.closed and repr(connection) == "shoal.Connection(closed)"
+        connection.close()  # twice: harmless
+        with pytest.raises(ValueError, match="closed"):
+            connection.peer_pid
+        with pytest.raises(ValueError, match="closed"):
+            shoal.Peer(shoal.SharingContext(shoal.default_allocator()), connection)
+        with shoal.Peer(shoal.SharingContext(shoal.default_allocator()), accepted) as peer:
+            with pytest.raises(shoal.ConnectionClosedError):  # the other end is gone
+                peer.receive(timeout=WAIT)
+        accepted.close()  # the Peer's: closing it changes nothing
+        assert not accepted.closed and repr(accepted) == "shoal.Connection(given to a Peer)"
+
+
 def test_connecting_where_no_one_listens_says_so_by_type(tmp_path):
     with pytest.raises(shoal.ConnectionClosedError) as nobody:
         shoal.connect(str(tmp_path / "nobody.sock"), timeout=WAIT)

@@ -1,5 +1,7 @@
 """Devices, streams, events and the `with shoal.stream(s)` scope."""
 
+import copy
+import pickle
 import threading
 import time
 
@@ -98,6 +100,12 @@ def test_synchronize_releases_the_gil():
     worker.join(timeout=10)
     assert still_blocked
     assert woke_after < 0.6, f"the main thread waited {woke_after:.2f} s for the GIL"
+
+
+def test_a_device_pickles_as_the_same_device():
+    for device in {shoal.host_device(), shoal.default_device()}:
+        assert pickle.loads(pickle.dumps(device)) is device
+        assert copy.deepcopy(device) is device
 
 
 def test_streams_and_devices_are_unequal_to_other_kinds_of_object():

@@ -153,8 +153,8 @@ def test_bad_batches_are_refused_before_anything_is_queued(engine):
         engine.submit(["not an array"])
     with pytest.raises(ValueError):
         engine.submit([])
-    with pytest.raises(ValueError):
-        engine.submit([numpy.zeros(0, "float32")])
+    with pytest.raises(ValueError, match="no array with any elements"):
+        engine.submit([numpy.zeros(0, "float32"), {"boxes": numpy.zeros((0, 4), "float32")}])
     nested = [numpy.zeros(1)]
     for _ in range(40):
         nested = [nested]
@@ -171,6 +171,28 @@ def test_a_zero_dimensional_array_comes_back_with_no_dimensions(engine):
     view = engine.get(timeout=10)["scalar"]
     assert view.shape == ()
     assert host_copy(view).item() == 7.5
+
+
+def test_an_array_with_no_elements_comes_back_empty_with_its_dtype_and_shape(engine):
+    # A detection loader's image with no boxes: the batch's other arrays carry its bytes.
+    image = numpy.arange(12, dtype="uint8").reshape(3, 4)
+    engine.submit({"image": image, "boxes": numpy.zeros((0, 4), "float32"), "labels": numpy.zeros(0, "int64")})
+    out = engine.get(timeout=10)
+    assert out["boxes"].dtype == "float32" and tuple(out["boxes"].shape) == (0, 4)
+    assert out["labels"].dtype == "int64" and tuple(out["labels"].shape) == (0,)
+    assert host_copy(out["boxes"]).shape == (0, 4)
+    numpy.testing.assert_array_equal(host_copy(out["image"]), image)
+
+
+def test_empty_arrays_come_back_as_empty_torch_tensors():
+    torch = pytest.importorskip("torch")
+    if shoal.default_device().kind != "cuda" or not torch.cuda.is_available():
+        pytest.skip("torch CUDA tensors need CUDA")
+    with shoal.transfer.Engine() as engine:
+        engine.submit({"x": torch.ones(3), "none": torch.empty(0, 5, dtype=torch.int32)})
+        out = engine.get(timeout=10, as_torch=True)
+    assert out["none"].is_cuda and out["none"].shape == (0, 5) and out["none"].dtype == torch.int32
+    assert torch.equal(out["x"].cpu(), torch.ones(3))
 
 
 def test_a_batch_asked_for_as_torch_without_torch_stays_queued(engine):

@@ -63,16 +63,18 @@ void refuse_descriptors_in_kernel(int socket) {
 
 // Connections not yet accepted may hold a peer's descriptors, which closing
 // the listener would close on this thread (see unique_fd::from_peer): no
-// more are let in (shutdown), and those waiting go to the closer thread.
-void hand_waiting_connections_to_closer(int listening) noexcept {
-  if (listening < 0) return;
+// more are let in (shutdown), and those waiting go to the closer threads.
+// Whether all went; if not (no descriptor free to accept one), the listener
+// itself must go there.
+bool hand_waiting_connections_to_closer(int listening) noexcept {
+  if (listening < 0) return true;
   ::shutdown(listening, SHUT_RDWR);
   for (;;) {
     const int waiting = ::accept4(listening, nullptr, nullptr, SOCK_CLOEXEC);  // the listener does not block
     if (waiting >= 0) {
       shoal::detail::close_off_thread(waiting);
     } else if (errno != EINTR && errno != ECONNABORTED) {
-      return;
+      return errno == EAGAIN || errno == EWOULDBLOCK;
     }
   }
 }
@@ -239,14 +241,21 @@ struct connection::state {
   std::string broken_reason;  // empty while usable; guarded by broken_mutex
   std::atomic<bool> is_broken{false};  // set once broken_reason is, for a check without the lock
 
-  // A peer's descriptors still queued on the socket would be closed with it,
-  // on this thread (see unique_fd::from_peer): shut down first, so that no
-  // more come, the socket goes to the closer thread if any bytes wait.
+  // The socket is marked a peer's from its connect or accept on: until it is
+  // known empty, a peer's descriptors may be queued on it, and closing it
+  // would close them in this thread (see unique_fd::from_peer). Shut down
+  // first, so that no more come (the peer sees the hang-up at once), it is
+  // closed here only when no byte waits; else on the closer threads. In a
+  // fork() child it is a placeholder, or the parent's still open: no last close.
   ~state() {
-    if (!socket || partial.most_descriptors == 0 || made.forked_since()) return;
+    if (!socket) return;
+    if (made.forked_since()) {
+      socket.mark_safe_to_close();
+      return;
+    }
     ::shutdown(socket.get(), SHUT_RDWR);
     int waiting = 0;
-    if (::ioctl(socket.get(), SIOCINQ, &waiting) != 0 || waiting > 0) socket = unique_fd::from_peer(socket.release());
+    if (::ioctl(socket.get(), SIOCINQ, &waiting) == 0 && waiting == 0) socket.mark_safe_to_close();
   }
   state() = default;
   state(const state&) = delete;
@@ -311,6 +320,7 @@ connection::~connection() = default;
 
 connection connection::identify_peer(unique_fd socket, const access_policy& policy, std::size_t max_payload,
                                      const std::string& side) {
+  socket = unique_fd::from_peer(socket.release());  // connected: the peer may have queued descriptors (state::~state)
   ucred credentials{};
   socklen_t length = sizeof credentials;
   if (::getsockopt(socket.get(), SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0) {
@@ -324,8 +334,15 @@ connection connection::checked_peer(unique_fd socket, const ucred& credentials, 
   // Owned (and registered for fork() children) before the checks, which may
   // take a while (/proc): a throw releases the registration, then closes it.
   auto s = std::make_unique<state>();
-  s->socket = std::move(socket);
+  s->socket = unique_fd::from_peer(socket.release());
   s->released_in_children.emplace(s->socket.get());
+  // An out-of-band byte (unix sockets have them from Linux 5.15 on) is read
+  // in line, so a descriptor sent with one comes to read_some, which refuses
+  // it, rather than being dropped by the read that passes it, in this thread.
+  const int on = 1;
+  if (::setsockopt(s->socket.get(), SOL_SOCKET, SO_OOBINLINE, &on, sizeof on) != 0) {
+    throw backend_error("setsockopt(SO_OOBINLINE)", errno_text());
+  }
   const std::string who = "pid " + std::to_string(credentials.pid) + " (uid " + std::to_string(credentials.uid) +
                           ", gid " + std::to_string(credentials.gid) + ")";
   if (!policy.allows(credentials.uid, credentials.gid)) {
@@ -382,6 +399,7 @@ connection connection::connect(const channel_address& address, const access_poli
     }
     throw backend_error("connect(" + address.to_string() + ")", errno_text());
   }
+  s = unique_fd::from_peer(s.release());  // connected: the peer may have queued descriptors (state::~state)
   const timeval none{};
   if (::setsockopt(s.get(), SOL_SOCKET, SO_SNDTIMEO, &none, sizeof none) != 0) {
     throw backend_error("setsockopt(SO_SNDTIMEO)", errno_text());
@@ -1070,7 +1088,7 @@ listener::listener(const channel_address& address, access_policy policy, std::si
 listener::~listener() {
   // A forked child shares the socket with its parent, which still listens.
   if (::getpid() != owner_pid_) return;
-  hand_waiting_connections_to_closer(socket_.get());
+  if (!hand_waiting_connections_to_closer(socket_.get())) socket_ = unique_fd::from_peer(socket_.release());
   if (!directory_) return;
   try {
     const std::optional<struct stat> st = directory_->entry(file_name_);

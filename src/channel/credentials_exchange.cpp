@@ -79,7 +79,11 @@ ucred receive_greeting(int socket, std::chrono::steady_clock::time_point until) 
   std::vector<unique_fd> descriptors;  // never part of a greeting: owned here so each is closed
   ucred theirs{};
   while (have < got.size()) {
-    alignas(cmsghdr) std::array<char, CMSG_SPACE(sizeof(ucred)) + CMSG_SPACE(sizeof(int) * 4)> control{};
+    // Room for every descriptor a message can carry: those that did not fit
+    // the kernel would close in this thread (see read_some).
+    alignas(cmsghdr) std::array<char, CMSG_SPACE(sizeof(ucred)) +
+                                          CMSG_SPACE(sizeof(int) * shoal::detail::max_descriptors_per_message)>
+        control{};
     iovec part{got.data() + have, got.size() - have};
     msghdr m{};
     m.msg_iov = &part;

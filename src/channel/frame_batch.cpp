@@ -12,6 +12,7 @@
 #include <cstring>
 #include <string>
 
+#include "core/descriptor_closer.h"
 #include "core/scm_rights.h"
 #include "shoal/core/error.h"
 
@@ -90,21 +91,23 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
   const auto spin = wait.spin;
   const auto& until = wait.until;
   iovec part{into, bytes};
-  // Room for the descriptors the batch may still bring, and for credentials
-  // in case the socket has SO_PASSCRED on: more than a batch may carry, over
-  // however many reads, and the kernel closes the rest (MSG_CTRUNC). A
-  // connection that takes none (SO_PASSCRED off: refuse_descriptors) has no
-  // room at all, so the kernel installs none here: a descriptor installed and
-  // then closed would drop this process's POSIX locks on its file.
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * max_batch_descriptors) + CMSG_SPACE(sizeof(ucred))];
+  // Room for every descriptor one message can carry, and for credentials in
+  // case the socket has SO_PASSCRED on: the kernel would close those that
+  // did not fit in this thread (a peer's lingering socket could hold it),
+  // where those taken past the batch's are refused below and closed on the
+  // closer threads. A connection that takes none (SO_PASSCRED off:
+  // refuse_descriptors) has no room at all, so the kernel installs none: a
+  // descriptor installed and then closed would drop this process's POSIX
+  // locks on its file (from Linux 6.16 on the kernel refuses them at the
+  // peer's send; before, it closes them here).
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * shoal::detail::max_descriptors_per_message) +
+                                CMSG_SPACE(sizeof(ucred))];
   most_descriptors = std::min(most_descriptors, max_batch_descriptors);
-  const std::size_t room = most_descriptors - std::min(descriptors.size(), most_descriptors);
   msghdr header{};
   header.msg_iov = &part;
   header.msg_iovlen = 1;
   header.msg_control = control;
-  header.msg_controllen =
-      most_descriptors == 0 ? 0 : (room > 0 ? CMSG_SPACE(sizeof(int) * room) : 0) + CMSG_SPACE(sizeof(ucred));
+  header.msg_controllen = most_descriptors == 0 ? 0 : sizeof control;
   const auto spin_until = std::chrono::steady_clock::now() + spin;
   // Without a deadline, a blocking recvmsg once spinning is over; with one,
   // non-blocking calls between polls.
@@ -129,16 +132,30 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
   if (most_descriptors == 0 && ((header.msg_flags & MSG_CTRUNC) != 0 || !descriptors.empty())) {
     throw protocol_error("a batch came with a descriptor, and this connection takes none (the kernel closed it)");
   }
-  if ((header.msg_flags & MSG_CTRUNC) != 0 || descriptors.size() > most_descriptors) {
-    throw protocol_error("a batch came with more than " + std::to_string(most_descriptors) +
-                         " descriptors, or this process has no descriptor free to take one (the kernel closed "
-                         "the ones that did not fit)");
+  if (descriptors.size() > most_descriptors) {
+    throw protocol_error("a batch came with more than " + std::to_string(most_descriptors) + " descriptors");
+  }
+  if ((header.msg_flags & MSG_CTRUNC) != 0) {
+    throw protocol_error("a batch came with descriptors and this process has no descriptor free to take them "
+                         "(the kernel closed them)");
   }
   if (got == 0) {
     throw connection_closed(batch_started ? "recvmsg: the peer closed the connection in the middle of a batch"
                                           : "recvmsg: the peer closed the connection");
   }
   return static_cast<std::size_t>(got);
+}
+
+// While the closer threads are backlogged (a peer holds their closes, and the
+// descriptors behind pile up in this process's table), nothing is read that
+// could install more: backend_error, and the connection is the caller's to
+// drop. A connection that takes none installs none.
+void check_closers_keep_up(const partial_batch& p) {
+  if (p.most_descriptors == 0 || !shoal::detail::closer_backlogged()) return;
+  throw backend_error("recvmsg", "more than " + std::to_string(shoal::detail::closer_backlog_limit()) +
+                                     " descriptors from peers wait to be closed (a peer holds their closes: a socket "
+                                     "set to linger, a FUSE file); nothing is read from a peer that may send more "
+                                     "until they are");
 }
 
 // Checks the batch header at the start of `buffer` and returns the batch's
@@ -366,6 +383,7 @@ std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::
                               partial_batch& partial) {
   try {
     (void)assemble(partial, max_payload, [&](std::byte* into, std::size_t bytes, bool started) {
+      check_closers_keep_up(partial);
       // Only the batch's first read spins.
       return read_some(socket, into, bytes, {started ? std::chrono::nanoseconds(0) : spin, until}, partial.descriptors,
                        partial.most_descriptors, started);
@@ -380,6 +398,7 @@ std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::
 std::optional<std::vector<frame>> read_batch_if_ready(int socket, std::size_t max_payload, partial_batch& partial) {
   try {
     const bool whole = assemble(partial, max_payload, [&](std::byte* into, std::size_t bytes, bool started) {
+      check_closers_keep_up(partial);
       return read_some(socket, into, bytes, {{}, std::nullopt, true}, partial.descriptors, partial.most_descriptors,
                        started);
     });

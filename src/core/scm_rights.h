@@ -17,6 +17,12 @@ namespace shoal::detail {
 /// peer's sendmsg with descriptors to the socket fails with EPERM.
 inline constexpr int so_passrights = 83;
 
+/// The most descriptors one message can carry (the kernel's SCM_MAX_FD).
+/// A receive with room for them all is never cut short for descriptors: the
+/// kernel closes those that do not fit, in the receiving thread, where a
+/// peer's file could hold that close (see unique_fd::from_peer).
+inline constexpr std::size_t max_descriptors_per_message = 253;
+
 /// Control space for up to N descriptors, aligned for cmsghdr.
 template <std::size_t N>
 struct descriptor_space {

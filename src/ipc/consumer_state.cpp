@@ -210,6 +210,7 @@ void consumer_state::add_event_source(backend::event_source source) {
   } catch (const invalid_argument& e) {
     throw protocol_error(std::string("event_source message: ") + e.what());
   }
+  source.fd.mark_safe_to_close();  // opened: the device's own kind (a sealed memfd page)
   // A page naming another process could tie this process's waits to that
   // process's life (device::event_source_exporter).
   if (const auto exporter = allocator.device().event_source_exporter(opened); exporter && *exporter != producer) {
@@ -319,6 +320,10 @@ std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uin
   } catch (const backend_error& e) {  // the driver refused the peer's handle
     throw protocol_error(std::string("storage message: its segments cannot be mapped: ") + e.what());
   }
+  // Imported, so each is the device's own kind of descriptor (a sealed
+  // memfd, a driver's export), whose close cannot block: closed in place.
+  for (auto& c : chunks) c.fd.mark_safe_to_close();
+  for (auto id : ids) segments_.find(id)->second.fd.mark_safe_to_close();
   // What was mapped from the returned pointer on: the chunks side by side,
   // less the first one's offset (a hostile producer may announce one).
   for (const auto& c : chunks) m->bytes += c.size;

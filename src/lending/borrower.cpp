@@ -677,7 +677,11 @@ struct borrowed_region::link {
                            "; the lender said " + std::to_string(lent.bytes) + " from 0");
     }
     try {
-      return {lent, device.import_memory(chunks, access)};
+      void* mapped = device.import_memory(chunks, access);
+      // Imported, so each is the device's own kind of descriptor (a sealed
+      // memfd, a driver's export), whose close cannot block: closed in place.
+      for (auto& c : chunks) c.fd.mark_safe_to_close();
+      return {lent, mapped};
     } catch (...) {
       give_back_unmapped(lent.region, deadline, operation);  // not mapped: given back at once
       throw;
@@ -745,7 +749,8 @@ borrower::borrower(backend::device& device, const channel::channel_address& addr
   } catch (const timeout_error&) {
     throw timeout_error("borrower: the lender at " + address_text(address) + " took the connection but did not greet "
                         "within " + std::to_string(timeout.count()) + " ms (a lender stopped or too busy, or a "
-                        "process that is no lender)");
+                        "process that is no lender: a sharing consumer, for one, answers only while it takes "
+                        "batches)");
   }
   link_ = std::make_shared<borrowed_region::link>(device, std::move(conn), options);
 }

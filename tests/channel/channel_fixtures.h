@@ -75,7 +75,7 @@ inline unique_fd raw_connect(const channel::channel_address& where) {
 
 // Writes `bytes` as one sendmsg with `fds` attached (SCM_RIGHTS).
 /// One sendmsg of `bytes` with `fds`: 0 when it all went, else its errno.
-inline int send_raw(int socket, const std::vector<std::byte>& bytes, const std::vector<int>& fds = {}) {
+inline int send_raw(int socket, const std::vector<std::byte>& bytes, const std::vector<int>& fds = {}, int flags = 0) {
   iovec part{const_cast<std::byte*>(bytes.data()), bytes.size()};
   msghdr header{};
   header.msg_iov = &part;
@@ -90,7 +90,7 @@ inline int send_raw(int socket, const std::vector<std::byte>& bytes, const std::
     c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
     std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
   }
-  const ssize_t sent = ::sendmsg(socket, &header, MSG_NOSIGNAL);
+  const ssize_t sent = ::sendmsg(socket, &header, MSG_NOSIGNAL | flags);
   if (sent < 0) return errno;
   return static_cast<std::size_t>(sent) == bytes.size() ? 0 : EMSGSIZE;
 }

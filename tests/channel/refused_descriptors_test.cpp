@@ -5,11 +5,14 @@
 // before accepting theirs.
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
 #include <chrono>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -90,6 +93,106 @@ TEST(refused_descriptors, a_closing_listener_leaves_a_waiting_connections_descri
   EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the listener's close waited out the inner socket's linger";
   EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
   EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms) << "the close did not linger: this test shows nothing";
+}
+
+// However many descriptors one message brings (up to the kernel's 253), the
+// read has room for them all: none is closed by the kernel in the reading
+// thread, the lingering one last included.
+TEST(refused_descriptors, more_descriptors_than_a_batch_takes_are_closed_off_the_readers_thread) {
+  for (const std::size_t count : {std::size_t{25}, shoal::detail::max_descriptors_per_message}) {
+    SCOPED_TRACE(std::to_string(count) + " descriptors");
+    socket_pair pair;
+    connection victim = connection::adopt(std::move(pair.b), {});
+    pipe_ends pipe;
+    socket_holding_a_lingering_one held(2);
+    std::vector<int> fds(count - 1, pipe.read.get());
+    fds.push_back(held.holder.get());
+    write_raw(pair.a.get(), raw_batch("SHOL", 2, {{1, bytes_of("x"), 1}}), fds);
+    held.holder.reset();
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_THROW((void)victim.receive_for(100ms), protocol_error);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the kernel closed the last ones in the reading thread";
+    EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
+    EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms) << "the close did not linger: this test shows nothing";
+  }
+}
+
+// A descriptor sent with an out-of-band byte is read in line and refused,
+// not dropped (and closed) by the read that passes the byte.
+TEST(refused_descriptors, a_descriptor_sent_out_of_band_is_closed_off_the_readers_thread) {
+  socket_pair pair;
+  connection victim = connection::adopt(std::move(pair.b), {});
+  socket_holding_a_lingering_one held(2);
+  write_raw(pair.a.get(), bytes_of("abc"));
+  const int oob = send_raw(pair.a.get(), bytes_of("X"), {held.holder.get()}, MSG_OOB);
+  if (oob == EOPNOTSUPP) GTEST_SKIP() << "this kernel has no out-of-band data on unix sockets (Linux 5.15 on)";
+  ASSERT_EQ(oob, 0) << std::strerror(oob);
+  write_raw(pair.a.get(), bytes_of("def, and more than a batch header"));
+  held.holder.reset();
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW((void)victim.receive_for(100ms), protocol_error);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the read dropped the out-of-band byte's descriptor in place";
+  EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms) << "the close did not linger: this test shows nothing";
+}
+
+// A socket pair end whose greeting is refused, with a descriptor queued
+// behind it: dropped off the adopting thread.
+TEST(refused_descriptors, a_pair_end_refused_at_its_greeting_is_closed_off_the_adopting_thread) {
+  socket_pair pair;
+  socket_holding_a_lingering_one held(2);
+  write_raw(pair.a.get(), bytes_of("NOT A GREETING, NOT AT ALL"));
+  write_raw(pair.a.get(), bytes_of("x"), {held.holder.get()});
+  held.holder.reset();
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_ANY_THROW((void)connection::adopt_pair_end(std::move(pair.b), {}, connection::default_max_payload, 500ms));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the adopting thread closed the queued descriptor";
+  EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms) << "the close did not linger: this test shows nothing";
+}
+
+// Every closer thread held, and more descriptors waiting than the backlog
+// limit: connections that may take descriptors read nothing more (each read
+// could install more) until the closers catch up; one that takes none (it
+// installs none) reads on.
+TEST(refused_descriptors, while_peers_hold_every_closer_no_read_takes_more_descriptors) {
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  low.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 128);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  ASSERT_EQ(shoal::detail::closer_backlog_limit(), 32u);
+  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
+  for (std::size_t i = 0; i < shoal::detail::max_closer_threads; ++i) {
+    held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
+    unique_fd::from_peer(held.back()->holder.release()).reset();
+  }
+  pipe_ends pipe;
+  for (int i = 0; i < 40; ++i) unique_fd::from_peer(::dup(pipe.read.get())).reset();
+  EXPECT_TRUE(shoal::detail::closer_backlogged());
+  const auto batch = raw_batch("SHOL", 2, {{1, bytes_of("plain")}});
+  {
+    socket_pair pair;
+    connection stopped = connection::adopt(std::move(pair.b), {});
+    write_raw(pair.a.get(), batch);
+    EXPECT_THROW((void)stopped.receive_for(1s), backend_error);
+  }
+  {
+    socket_pair pair;
+    connection calm = connection::adopt(std::move(pair.b), {});
+    calm.refuse_descriptors();
+    write_raw(pair.a.get(), batch);
+    EXPECT_EQ(text_of(calm.receive_for(1s).payload), "plain") << "a connection that takes no descriptor stopped too";
+  }
+  EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
+  EXPECT_FALSE(shoal::detail::closer_backlogged());
+  {
+    socket_pair pair;
+    connection again = connection::adopt(std::move(pair.b), {});
+    write_raw(pair.a.get(), batch);
+    EXPECT_EQ(text_of(again.receive_for(1s).payload), "plain") << "reads did not resume once the closers caught up";
+  }
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
 }
 
 TEST(refused_descriptors, a_refusing_connection_has_the_kernel_refuse_them_at_the_peers_send) {

@@ -7,7 +7,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <memory>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include "core/descriptor_closer.h"
 #include "shoal/core/unique_fd.h"
@@ -31,11 +34,29 @@ TEST(descriptor_closer, a_peers_descriptor_is_closed_off_the_thread_that_drops_i
   EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms) << "the close did not linger: this test shows nothing";
 }
 
-// While the closer is held by a lingering close, a peer's descriptor waits
-// behind it, and one checked safe is closed in place at once.
-TEST(descriptor_closer, a_descriptor_checked_safe_closes_in_place_while_the_closer_is_held) {
+// A close that does not return holds one closer thread; the next descriptor
+// is closed by another.
+TEST(descriptor_closer, a_held_close_holds_one_thread_not_the_descriptors_behind_it) {
   socket_holding_a_lingering_one held(2);
+  const auto start = std::chrono::steady_clock::now();
   unique_fd::from_peer(held.holder.release()).reset();
+  pipe_ends behind;
+  const int behind_fd = behind.read.get();
+  unique_fd::from_peer(behind.read.release()).reset();
+  while (is_open(behind_fd) && std::chrono::steady_clock::now() - start < 1500ms) std::this_thread::sleep_for(1ms);
+  EXPECT_FALSE(is_open(behind_fd)) << "the descriptor waited for the held close";
+  EXPECT_TRUE(off_thread_closes_done_within(30s));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms) << "the close did not linger: this test shows nothing";
+}
+
+// While every closer thread is held by a lingering close, a peer's
+// descriptor waits behind them, and one checked safe is closed in place.
+TEST(descriptor_closer, a_descriptor_checked_safe_closes_in_place_while_the_closers_are_held) {
+  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
+  for (std::size_t i = 0; i < shoal::detail::max_closer_threads; ++i) {
+    held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
+    unique_fd::from_peer(held.back()->holder.release()).reset();
+  }
   pipe_ends queued, checked;
   const int queued_fd = queued.read.get(), checked_fd = checked.read.get();
   unique_fd::from_peer(queued.read.release()).reset();

@@ -155,7 +155,7 @@ struct frame {
   std::uint16_t type = 0;
   std::vector<std::byte> payload;
   /// The descriptor sent with the frame, if any: the peer's choice of file,
-  /// so unique_fd::from_peer (closed on the closer thread until a check
+  /// so unique_fd::from_peer (closed on the closer threads until a check
   /// calls mark_safe_to_close()).
   unique_fd fd;
 };
@@ -232,9 +232,9 @@ class connection {
 
   connection(connection&& other) noexcept;
   connection& operator=(connection&& other) noexcept;
-  /// Closes the socket; on a connection that takes descriptors with any
-  /// bytes still unread, on the closer thread (a peer's descriptors queued
-  /// there would be closed with it), after a shutdown the peer sees at once.
+  /// Shuts the socket down (the peer sees the hang-up at once) and closes
+  /// it: with any bytes still unread (a peer's descriptors may be queued
+  /// there, and would be closed with it), on the closer threads.
   ~connection();
 
   /// Sends one frame of `type` with `payload` and, when `fd` >= 0, a copy of
@@ -274,18 +274,18 @@ class connection {
   void allow_peer_ring();
 
   /// Takes no descriptor from the peer from now on: a batch that brings one
-  /// is a protocol_error, and the kernel closes the descriptors without ever
-  /// installing them here (SO_PASSCRED is turned off: no control message is
-  /// read at all), so a peer that should never send one cannot fill this
-  /// process's descriptor table with descriptors kept while its batch stalls
-  /// (up to 16 a batch), nor make it close a file of its own (which would
-  /// drop its POSIX locks). From Linux 6.16 on, the kernel refuses them at
-  /// the peer's send (SO_PASSRIGHTS off: its sendmsg fails with EPERM), so
-  /// none is queued here to be closed on this thread (a peer's socket set to
-  /// linger would hold that close for its linger time); descriptors queued
-  /// before this call still come (listener::refuse_descriptors leaves none).
-  /// A peer's ring (allow_peer_ring) comes as a descriptor too. Call it
-  /// before the first receive.
+  /// is a protocol_error, and the descriptors are never installed here
+  /// (SO_PASSCRED is turned off: no control message is read at all), so a
+  /// peer that should never send one cannot fill this process's descriptor
+  /// table with descriptors kept while its batch stalls, nor make it close a
+  /// file of its own (which would drop its POSIX locks). From Linux 6.16 on,
+  /// the kernel refuses them at the peer's send (SO_PASSRIGHTS off: its
+  /// sendmsg fails with EPERM); before, the kernel closes them in the read,
+  /// on the reading thread, where a peer's socket set to linger would hold
+  /// it (see unique_fd::from_peer). Descriptors queued before this call still
+  /// come (listener::refuse_descriptors leaves none). A peer's ring
+  /// (allow_peer_ring) comes as a descriptor too. Call it before the first
+  /// receive.
   void refuse_descriptors();
 
   /// Sends `frames` in order, packed into as few batches as the limits allow
@@ -459,7 +459,7 @@ class listener {
   /// own and this is the process that made the listener: a child forked
   /// since, ending, leaves the parent's socket where it is. In the process
   /// that made it, connections still waiting to be accepted are refused,
-  /// closed on the closer thread (they may hold a peer's descriptors).
+  /// closed on the closer threads (they may hold a peer's descriptors).
   ~listener();
 
   /// Waits for the next connection and checks its peer. Throws peer_refused

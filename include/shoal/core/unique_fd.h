@@ -8,7 +8,7 @@
 // chose, and closing some kinds can block for as long as the peer likes (a
 // socket set to linger with data it cannot send, a FUSE file whose flush the
 // peer's daemon never answers). Such a descriptor is closed on the process's
-// closer thread, never on the owner's, until mark_safe_to_close() says a
+// closer threads, never on the owner's, until mark_safe_to_close() says a
 // check found it of a kind whose close cannot block (a memfd).
 #pragma once
 
@@ -47,7 +47,7 @@ class unique_fd {
   [[nodiscard]] int get() const noexcept { return fd_; }
   [[nodiscard]] bool valid() const noexcept { return fd_ >= 0; }
   explicit operator bool() const noexcept { return valid(); }
-  /// Whether closing it is left to the closer thread: a peer passed it and
+  /// Whether closing it is left to the closer threads: a peer passed it and
   /// no check has found it safe to close in place.
   [[nodiscard]] bool closes_off_thread() const noexcept { return from_peer_; }
   /// Says a check found the descriptor of a kind whose close cannot block
