@@ -115,7 +115,9 @@ void close_off_thread(int fd) noexcept {
     c.queue.push_back(fd);
     ++c.handed;
     count_backlog(c);
-    if (c.idle == 0 && c.threads < max_closer_threads) {
+    // More waiting than threads free to take them (one notified may not
+    // have woken yet: it is still counted idle, and takes the first).
+    if (c.queue.size() > c.idle && c.threads < max_closer_threads) {
       try {
         start_thread(c);
       } catch (...) {

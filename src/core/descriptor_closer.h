@@ -3,8 +3,9 @@
 // drops one goes on at once.
 //
 // Up to max_closer_threads threads per process, the first started at the
-// first hand-over, another whenever a hand-over finds every one busy (a
-// close that does not return holds one thread, not the ones behind it);
+// first hand-over, another whenever a hand-over finds more descriptors
+// waiting than threads free (a close that does not return holds one thread,
+// not the ones behind it);
 // then asleep when they have nothing to close. Before each close a socket's
 // linger is turned off, so the plain lingering socket closes at once; a peer
 // can still hold a close (a unix socket whose own queue holds a lingering
