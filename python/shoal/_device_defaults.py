@@ -146,4 +146,8 @@ def _drop_allocators() -> None:
 def device_named(kind: str, ordinal: int) -> _shoal.Device:
     """The device of `kind` ('host' or 'cuda') and `ordinal` in this process: how a pickled
     Device is made again (Device.__reduce__)."""
-    return _shoal.host_device() if kind == "host" else _shoal.cuda_device(ordinal)
+    if kind == "host" and ordinal == 0:
+        return _shoal.host_device()
+    if kind == "cuda":
+        return _shoal.cuda_device(ordinal)
+    raise _shoal.InvalidArgumentError(f"shoal: no device of kind {kind!r} and ordinal {ordinal}; the kinds are 'host' (0) and 'cuda'")

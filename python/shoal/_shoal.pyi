@@ -70,7 +70,9 @@ _capsule_type: type
 
 
 class Device:
-    """A device: the host backend or a CUDA GPU. Lives for the whole process."""
+    """
+    A device: the host backend or a CUDA GPU. Lives for the whole process. Pickles as its kind and ordinal: unpickled, it is that device of the receiving process (another GPU there under another CUDA_VISIBLE_DEVICES; DeviceUnavailableError where it has none).
+    """
 
     @property
     def kind(self) -> str:

@@ -769,7 +769,7 @@ class Consumer:
                     f"shoal.sharing: pid {connection.peer_pid} refused: {self.max_producers} producers are connected"
                 )
             )
-            del connection  # closes it: that producer's next put raises ConnectionClosedError
+            connection.close()  # that producer's next put raises ConnectionClosedError
             return
         try:
             peer = _shoal.Peer(self.context, connection)

@@ -42,6 +42,8 @@ MAX_ARRAYS_PER_BATCH = 4096
 
 Batch = Union[_shoal.ArrayView, list, tuple, dict]
 
+_EMPTY_STORAGE_BYTES = 64  # what an array with no elements views: aligned for every element type
+
 _VIEW_DTYPES = frozenset(_shoal.view_dtypes())  # looked up once per array submitted
 def _host_buffer(leaf: Any) -> tuple[tuple[int, int, bool, Any], str, tuple[int, ...]]:
     """(address, nbytes, pinned, owner), dtype name and shape of one host array."""
@@ -272,8 +274,12 @@ class Engine:
                             ("max_coalesced_bytes", max_coalesced_bytes)):
             _checks.whole_number("shoal.transfer.Engine", name, value)
         _checks.whole_number("shoal.transfer.Engine", "staging_helpers", staging_helpers, allow_none=True)
+        self._allocator = allocator if allocator is not None else _default_engine_allocator()
+        # What arrays with no elements are views of: a few bytes of the engine's device,
+        # made at the first one, so that such a view keeps no batch's memory alive.
+        self._empty_storage: Optional[_shoal.Storage] = None
         self._engine = _shoal.TransferEngine(
-            allocator if allocator is not None else _default_engine_allocator(),
+            self._allocator,
             max_batches_in_flight,
             max_pinned_bytes,
             staging_chunk_bytes,
@@ -298,7 +304,7 @@ class Engine:
         An array with no elements (an image's empty box list) copies nothing and comes back as
         an empty view of its dtype and shape; a batch must hold at least one array with
         elements (InvalidArgumentError otherwise). Dict keys may be any hashable value: the
-        structure stays in this process (``shoal.sharing`` sends it, so there they are str).
+        structure stays in this process (``shoal.sharing`` sends it, so there they must be str).
 
         Pageable arrays are copied into staging memory by the engine's threads; pinned torch
         tensors are read directly and kept alive until their copy has run. Blocks while the
@@ -397,8 +403,11 @@ class Engine:
         views = [storage.view(dtype, shape) for storage, (dtype, shape) in zip(transferred.storages, types)]
 
         def empty(node: _Empty) -> _shoal.ArrayView:
-            """An array with no elements: a view of none of the batch's memory (which it keeps)."""
-            return transferred.storages[0].view(node.dtype, node.shape)
+            """An array with no elements: a view of none of the engine's few bytes for them."""
+            storage = self._empty_storage
+            if storage is None:  # two threads may each make one: either serves
+                storage = self._empty_storage = self._allocator.allocate(_EMPTY_STORAGE_BYTES)
+            return storage.view(node.dtype, node.shape)
         if as_torch:
             # The export orders PyTorch's stream after shoal's current stream: `stream`
             # here, the one that waited for the copies.
@@ -426,6 +435,7 @@ class Engine:
         the batches submitted, waits for their copies and stops the thread."""
         self._engine.close()
         self._layouts.clear()
+        self._empty_storage = None
 
     @property
     def closed(self) -> bool:

@@ -355,14 +355,16 @@ void register_sharing(nb::module_& m) {
           [](py_peer* self, const py_sharing_context& context, py_connection& connection) {
             if (connection.given_to_peer) throw invalid_argument("Peer: this Connection was given to a Peer already");
             if (!connection.connection) throw invalid_argument("Peer: this Connection was closed");
+            // Taken from the Connection once the Peer is made (the make may fail: the
+            // connection is then closed, and says so).
             channel::connection c = std::move(*connection.connection);
             connection.connection.reset();
-            connection.given_to_peer = true;
             std::unique_ptr<ipc::peer> p;
             {
               released_gil release;
               p = std::make_unique<ipc::peer>(context.state->context(), std::move(c));
             }
+            connection.given_to_peer = true;
             // A send still waiting on a peer that stopped reading when close()
             // has waited two slices ends with the connection shut down.
             auto shut_down = [](ipc::peer& peer) { ::shutdown(peer.native_handle(), SHUT_RDWR); };

@@ -100,7 +100,10 @@ struct py_event {
 };
 
 void register_streams(nb::module_& m) {
-  nb::class_<backend::device>(m, "Device", "A device: the host backend or a CUDA GPU. Lives for the whole process.")
+  nb::class_<backend::device>(m, "Device",
+                              "A device: the host backend or a CUDA GPU. Lives for the whole process. Pickles as its "
+                              "kind and ordinal: unpickled, it is that device of the receiving process (another GPU "
+                              "there under another CUDA_VISIBLE_DEVICES; DeviceUnavailableError where it has none).")
       .def_prop_ro(
           "kind", [](const backend::device& d) { return std::string(backend::to_string(d.kind())); },
           "'host' or 'cuda'.")

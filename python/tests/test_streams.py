@@ -106,6 +106,11 @@ def test_a_device_pickles_as_the_same_device():
     for device in {shoal.host_device(), shoal.default_device()}:
         assert pickle.loads(pickle.dumps(device)) is device
         assert copy.deepcopy(device) is device
+    from shoal import _device_defaults  # what unpickling calls: a kind or ordinal no device has is refused
+
+    for kind, ordinal in (("gpu", 0), ("host", 5)):
+        with pytest.raises(shoal.InvalidArgumentError, match="no device of kind"):
+            _device_defaults.device_named(kind, ordinal)
 
 
 def test_streams_and_devices_are_unequal_to_other_kinds_of_object():

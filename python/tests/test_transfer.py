@@ -175,13 +175,15 @@ def test_a_zero_dimensional_array_comes_back_with_no_dimensions(engine):
 
 def test_an_array_with_no_elements_comes_back_empty_with_its_dtype_and_shape(engine):
     # A detection loader's image with no boxes: the batch's other arrays carry its bytes.
-    image = numpy.arange(12, dtype="uint8").reshape(3, 4)
+    image = numpy.arange(4096, dtype="uint8").reshape(64, 64)
     engine.submit({"image": image, "boxes": numpy.zeros((0, 4), "float32"), "labels": numpy.zeros(0, "int64")})
     out = engine.get(timeout=10)
     assert out["boxes"].dtype == "float32" and tuple(out["boxes"].shape) == (0, 4)
     assert out["labels"].dtype == "int64" and tuple(out["labels"].shape) == (0,)
     assert host_copy(out["boxes"]).shape == (0, 4)
     numpy.testing.assert_array_equal(host_copy(out["image"]), image)
+    # Kept alone, an empty array keeps none of the batch's memory alive.
+    assert out["boxes"].storage.nbytes < image.nbytes
 
 
 def test_empty_arrays_come_back_as_empty_torch_tensors():

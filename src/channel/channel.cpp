@@ -324,7 +324,9 @@ connection connection::identify_peer(unique_fd socket, const access_policy& poli
   ucred credentials{};
   socklen_t length = sizeof credentials;
   if (::getsockopt(socket.get(), SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0) {
-    throw backend_error("getsockopt(SO_PEERCRED)", errno_text());
+    const std::string why = errno_text();
+    ::shutdown(socket.get(), SHUT_RDWR);  // the peer sees the hang-up now, not when the closer gets to it
+    throw backend_error("getsockopt(SO_PEERCRED)", why);
   }
   return checked_peer(std::move(socket), credentials, policy, max_payload, side);
 }
@@ -402,7 +404,9 @@ connection connection::connect(const channel_address& address, const access_poli
   s = unique_fd::from_peer(s.release());  // connected: the peer may have queued descriptors (state::~state)
   const timeval none{};
   if (::setsockopt(s.get(), SOL_SOCKET, SO_SNDTIMEO, &none, sizeof none) != 0) {
-    throw backend_error("setsockopt(SO_SNDTIMEO)", errno_text());
+    const std::string why = errno_text();
+    ::shutdown(s.get(), SHUT_RDWR);  // the peer sees the hang-up now, not when the closer gets to it
+    throw backend_error("setsockopt(SO_SNDTIMEO)", why);
   }
   return identify_peer(std::move(s), policy, max_payload, "connection::connect to " + address.to_string());
 }
@@ -440,8 +444,10 @@ connection connection::adopt_pair_end(unique_fd socket_pair_end, const access_po
   // `checked` keeps the socket registered for fork() children while the
   // greeting waits (it may take seconds) and until checked_peer registered
   // it again.
+  // A refused greeting leaves the socket with `checked`, whose end shuts it
+  // down and closes it as a connection's (anything queued: off this thread).
+  const ucred theirs = detail::exchange_credentials(checked.state_->socket.get(), until);
   unique_fd socket = std::move(checked.state_->socket);
-  const ucred theirs = detail::exchange_credentials(socket.get(), until);
   return checked_peer(std::move(socket), theirs, policy, max_payload, "connection::adopt_pair_end");
 }
 

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "core/descriptor_closer.h"
 #include "core/scm_rights.h"
@@ -147,15 +148,27 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
 }
 
 // While the closer threads are backlogged (a peer holds their closes, and the
-// descriptors behind pile up in this process's table), nothing is read that
-// could install more: backend_error, and the connection is the caller's to
-// drop. A connection that takes none installs none.
-void check_closers_keep_up(const partial_batch& p) {
-  if (p.most_descriptors == 0 || !shoal::detail::closer_backlogged()) return;
-  throw backend_error("recvmsg", "more than " + std::to_string(shoal::detail::closer_backlog_limit()) +
-                                     " descriptors from peers wait to be closed (a peer holds their closes: a socket "
-                                     "set to linger, a FUSE file); nothing is read from a peer that may send more "
-                                     "until they are");
+// descriptors behind pile up in this process's table), no new batch is begun
+// from a peer that may send descriptors: it could install more. A batch
+// begun is read on (at most 16 more). A connection that takes none installs
+// none.
+bool closers_hold_new_batches(const partial_batch& p, bool batch_started) noexcept {
+  return !batch_started && p.most_descriptors > 0 && shoal::detail::closer_backlogged();
+}
+
+// Waits, in short sleeps, until the closers no longer hold new batches, or
+// throws timeout_error (nothing read: the connection stays usable) once
+// `until` passes.
+void wait_for_the_closers(const partial_batch& p, deadline until) {
+  while (closers_hold_new_batches(p, false)) {
+    if (until && std::chrono::steady_clock::now() >= *until) {
+      throw timeout_error("the deadline passed before the next batch was read: more than " +
+                          std::to_string(shoal::detail::closer_backlog_limit()) +
+                          " descriptors from peers wait to be closed (a peer holds their closes: a socket set to "
+                          "linger, a FUSE file), and no batch that may bring more is begun until they are");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
 }
 
 // Checks the batch header at the start of `buffer` and returns the batch's
@@ -383,7 +396,7 @@ std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::
                               partial_batch& partial) {
   try {
     (void)assemble(partial, max_payload, [&](std::byte* into, std::size_t bytes, bool started) {
-      check_closers_keep_up(partial);
+      if (closers_hold_new_batches(partial, started)) wait_for_the_closers(partial, until);
       // Only the batch's first read spins.
       return read_some(socket, into, bytes, {started ? std::chrono::nanoseconds(0) : spin, until}, partial.descriptors,
                        partial.most_descriptors, started);
@@ -398,7 +411,7 @@ std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::
 std::optional<std::vector<frame>> read_batch_if_ready(int socket, std::size_t max_payload, partial_batch& partial) {
   try {
     const bool whole = assemble(partial, max_payload, [&](std::byte* into, std::size_t bytes, bool started) {
-      check_closers_keep_up(partial);
+      if (closers_hold_new_batches(partial, started)) return std::size_t{0};  // as if nothing had come
       return read_some(socket, into, bytes, {{}, std::nullopt, true}, partial.descriptors, partial.most_descriptors,
                        started);
     });

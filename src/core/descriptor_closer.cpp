@@ -33,8 +33,19 @@ struct closers {
   std::deque<int> queue;      // handed over, not yet taken; guarded by mutex
   std::uint64_t handed = 0;   // descriptors handed over; guarded by mutex
   std::uint64_t closed = 0;   // of those, closed; guarded by mutex
-  std::atomic<bool> backlogged{false};  // queue.size() > closer_backlog_limit(), as last counted
+  std::atomic<bool> over_limit{false};  // queue.size() > closer_backlog_limit(), as last counted
+  std::atomic<std::int64_t> last_close_ns{0};  // steady clock, when a close last returned
 };
+
+std::int64_t steady_ns() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// A queue over the limit is a backlog only once no close has returned for
+// this long: a burst the threads work through (a producer's segments retired
+// at once) is none.
+constexpr std::int64_t stalled_after_ns = 100'000'000;
 
 std::atomic<closers*> current{nullptr};
 
@@ -47,7 +58,7 @@ void close_now(int fd) noexcept {
 
 // Under c.mutex.
 void count_backlog(closers& c) noexcept {
-  c.backlogged.store(c.queue.size() > closer_backlog_limit(), std::memory_order_relaxed);
+  c.over_limit.store(c.queue.size() > closer_backlog_limit(), std::memory_order_relaxed);
 }
 
 void run(closers* c) noexcept {
@@ -61,6 +72,7 @@ void run(closers* c) noexcept {
     count_backlog(*c);
     lock.unlock();
     close_now(fd);
+    c->last_close_ns.store(steady_ns(), std::memory_order_relaxed);
     lock.lock();
     ++c->closed;
     c->made_progress.notify_all();
@@ -104,8 +116,9 @@ std::size_t closer_backlog_limit() noexcept {
 bool closer_backlogged() noexcept {
   const closers* c = current.load(std::memory_order_acquire);
   // A fork() child's are its own (none until its first hand-over).
-  return c != nullptr && c->backlogged.load(std::memory_order_relaxed) &&
-         c->fork_generation == fork_counting::forks.load(std::memory_order_relaxed);
+  return c != nullptr && c->over_limit.load(std::memory_order_relaxed) &&
+         c->fork_generation == fork_counting::forks.load(std::memory_order_relaxed) &&
+         steady_ns() - c->last_close_ns.load(std::memory_order_relaxed) > stalled_after_ns;
 }
 
 void close_off_thread(int fd) noexcept {

@@ -12,9 +12,10 @@
 // socket, a linger turned on again from the peer's copy, a FUSE file's flush
 // its daemon never answers). While every thread is held, descriptors wait
 // in the queue, open, counted in the process's descriptor table: once more
-// wait than closer_backlog_limit(), closer_backlogged() says so, and the
-// channel reads nothing more from peers that may send descriptors (they
-// would come on top) until the closers catch up. In a fork() child the parent's queue is left as
+// wait than closer_backlog_limit() and no close has returned for 100 ms,
+// closer_backlogged() says so, and the channel starts no new batch from
+// peers that may send descriptors (they would come on top) until the
+// closers catch up. In a fork() child the parent's queue is left as
 // it was (its descriptors are close-on-exec); the child starts its own
 // closers at its first hand-over.
 //
@@ -37,8 +38,9 @@ void close_off_thread(int fd) noexcept;
 /// a quarter of the process's soft descriptor limit, at most 4096.
 [[nodiscard]] std::size_t closer_backlog_limit() noexcept;
 
-/// Whether more descriptors wait than closer_backlog_limit(). One relaxed
-/// load: read before each read from a peer.
+/// Whether more descriptors wait than closer_backlog_limit() and no close
+/// has returned for 100 ms. One relaxed load while there is no such queue:
+/// read before each batch from a peer.
 [[nodiscard]] bool closer_backlogged() noexcept;
 
 /// Waits until every descriptor handed over before the call is closed, at

@@ -12,6 +12,7 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <chrono>
 #include <cstddef>
 #include <utility>
 #include <vector>
@@ -63,5 +64,19 @@ struct socket_holding_a_lingering_one {
     inner.client.reset();  // the message in holder's queue holds the last reference now
   }
 };
+
+/// Runs `drop`, which drops the last reference to a lingering close (its
+/// own EXPECTs say what it should raise), and checks that it returned within
+/// 1 s, `waited` otherwise, while the close itself, on the closer threads,
+/// took the linger's time (or the test would show nothing).
+template <class Drop>
+void expect_returns_while_the_close_lingers(Drop drop, const char* waited) {
+  using namespace std::chrono_literals;
+  const auto start = std::chrono::steady_clock::now();
+  drop();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << waited;
+  wait_for_the_closer();
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms) << "the close did not linger: this test shows nothing";
+}
 
 }  // namespace shoal::testing
