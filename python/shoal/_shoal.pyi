@@ -33,6 +33,10 @@ class BackendError(ShoalError):
     call: str
     detail: str
 
+class SystemCallError(BackendError, OSError):
+    """An operating-system call failed (an address already in use, a directory that does not
+    exist, a descriptor limit reached): `errno` holds its code, `strerror` the whole message."""
+
 class StreamError(ShoalError):
     """Work enqueued on a stream failed after the call returned."""
 

@@ -38,7 +38,7 @@ from . import _checks, _device_defaults, _shoal
 __all__ = ["Engine", "MAX_ARRAYS_PER_BATCH", "MAX_NESTING"]
 
 MAX_NESTING = 32
-MAX_ARRAYS_PER_BATCH = 4096
+MAX_ARRAYS_PER_BATCH = 4096  # arrays in one batch, those with no elements included
 
 Batch = Union[_shoal.ArrayView, list, tuple, dict]
 
@@ -73,29 +73,43 @@ def _host_buffer(leaf: Any) -> tuple[tuple[int, int, bool, Any], str, tuple[int,
     return (array.ctypes.data, array.nbytes, False, array), array.dtype.name, shape
 
 
-def _flatten(batch: Any, leaves: list, depth: int) -> Any:
-    """The batch's structure with each array replaced by its index in ``leaves``."""
-    if depth > MAX_NESTING:
-        raise _shoal.InvalidArgumentError(f"shoal.transfer: a batch nests deeper than {MAX_NESTING} levels")
-    if isinstance(batch, (list, tuple)):
-        items = [_flatten(x, leaves, depth + 1) for x in batch]
-        if isinstance(batch, list):
-            return items
-        return _Named(type(batch), items) if _is_namedtuple(batch) else tuple(items)
-    if isinstance(batch, dict):
-        return {key: _flatten(value, leaves, depth + 1) for key, value in batch.items()}
-    if len(leaves) >= MAX_ARRAYS_PER_BATCH:
-        raise _shoal.InvalidArgumentError(f"shoal.transfer: a batch holds more than {MAX_ARRAYS_PER_BATCH} arrays")
-    buffer, dtype, shape = _host_buffer(batch)
-    if dtype not in _VIEW_DTYPES:  # refused now: get() could not give it back as an array
-        raise TypeError(
-            f"shoal.transfer: arrays of {dtype} cannot be transferred; the element types are "
-            + ", ".join(_shoal.view_dtypes())
-        )
-    if buffer[1] == 0:  # nothing to copy: get() gives an empty view in its place
-        return _Empty(dtype, shape)
-    leaves.append((buffer, dtype, shape))
-    return _Leaf(len(leaves) - 1)
+class _Flattening:
+    """One batch taken apart: ``leaves`` holds the arrays with elements to copy (buffer, dtype,
+    shape); ``arrays`` counts every array found, those with no elements included, against
+    MAX_ARRAYS_PER_BATCH."""
+
+    __slots__ = ("leaves", "arrays")
+
+    def __init__(self) -> None:
+        self.leaves: list = []
+        self.arrays = 0
+
+    def structure_of(self, batch: Any, depth: int = 0) -> Any:
+        """The batch's structure with each array replaced by its index in ``leaves``."""
+        if depth > MAX_NESTING:
+            raise _shoal.InvalidArgumentError(f"shoal.transfer: a batch nests deeper than {MAX_NESTING} levels")
+        if isinstance(batch, (list, tuple)):
+            items = [self.structure_of(x, depth + 1) for x in batch]
+            if isinstance(batch, list):
+                return items
+            return _Named(type(batch), items) if _is_namedtuple(batch) else tuple(items)
+        if isinstance(batch, dict):
+            return {key: self.structure_of(value, depth + 1) for key, value in batch.items()}
+        if self.arrays >= MAX_ARRAYS_PER_BATCH:
+            raise _shoal.InvalidArgumentError(
+                f"shoal.transfer: a batch holds more than {MAX_ARRAYS_PER_BATCH} arrays (those with no elements "
+                "included)")
+        self.arrays += 1
+        buffer, dtype, shape = _host_buffer(batch)
+        if dtype not in _VIEW_DTYPES:  # refused now: get() could not give it back as an array
+            raise TypeError(
+                f"shoal.transfer: arrays of {dtype} cannot be transferred; the element types are "
+                + ", ".join(_shoal.view_dtypes())
+            )
+        if buffer[1] == 0:  # nothing to copy: get() gives an empty view in its place
+            return _Empty(dtype, shape)
+        self.leaves.append((buffer, dtype, shape))
+        return _Leaf(len(self.leaves) - 1)
 
 
 class _SourcesRead:
@@ -325,8 +339,9 @@ class Engine:
         """
         timeout = _checked_timeout("shoal.transfer.Engine.submit", timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        leaves: list = []
-        structure = _flatten(batch, leaves, 0)
+        flattening = _Flattening()
+        structure = flattening.structure_of(batch)
+        leaves = flattening.leaves
         if not leaves:
             raise _shoal.InvalidArgumentError(
                 "shoal.transfer: the batch holds no array with any elements; there is nothing to transfer"

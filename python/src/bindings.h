@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -29,6 +30,14 @@
 namespace shoal::python {
 
 namespace nb = nanobind;
+
+/// A Python int, or anything with __index__ (numpy's integers), taken whole
+/// for whole_number_of to check by name: nanobind's own conversion to a C++
+/// integer answers a negative or huge one with "incompatible function
+/// arguments", naming no argument.
+struct python_int {
+  nb::object value;
+};
 
 /// A stream of a device: one this package created (and owns), the device's
 /// default stream, or one another library made and keeps alive.
@@ -166,7 +175,7 @@ alloc::allocator_config config_from_python(const std::optional<std::string>& con
 
 /// Allocator.allocate: a storage of `nbytes` for use on `stream` (default:
 /// the current stream).
-py_storage allocate_storage(const py_allocator& allocator, std::int64_t nbytes, const py_stream* stream);
+py_storage allocate_storage(const py_allocator& allocator, const python_int& nbytes, const py_stream* stream);
 
 /// Storage.record_stream for memory imported through from_dlpack: its
 /// release to the producer also waits for `stream`. False for other memory.
@@ -182,8 +191,13 @@ std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> secon
 /// A channel address from its text: a path, or "@name" for an abstract name.
 channel::channel_address address_of(const std::string& text);
 std::string text_of(const channel::channel_address& address);
-/// The calling user plus `allowed_uids`.
-channel::access_policy policy_of(const std::vector<std::uint32_t>& allowed_uids);
+/// `value` as a size, count or id, from 0 to `most`: anything else is
+/// invalid_argument naming `who` and the argument (`what`).
+std::uint64_t whole_number_of(const python_int& value, const char* who, const char* what,
+                              std::uint64_t most = std::numeric_limits<std::int64_t>::max());
+/// The calling user plus `allowed_uids`, each refused by name (`who`) unless
+/// a uid (0 .. 2^32 - 2).
+channel::access_policy policy_of(const std::vector<python_int>& allowed_uids, const char* who);
 
 /// Keeps a Python object alive from C++; the last owner may be any thread
 /// (it takes the GIL to let go).
@@ -206,3 +220,31 @@ void register_lending(nb::module_& m);
 void register_segment_sources(nb::module_& m);
 
 }  // namespace shoal::python
+
+namespace nanobind::detail {
+
+template <>
+struct type_caster<shoal::python::python_int> {
+  NB_TYPE_CASTER(shoal::python::python_int, const_name("int"))
+  // The flags' type differs between nanobind releases.
+  template <class Flags>
+  bool from_python(handle src, Flags flags, cleanup_list*) noexcept {
+    if (PyLong_Check(src.ptr())) {
+      value.value = borrow(src);
+      return true;
+    }
+    if ((flags & static_cast<Flags>(cast_flags::convert)) == 0 || PyIndex_Check(src.ptr()) == 0) return false;
+    PyObject* whole = PyNumber_Index(src.ptr());
+    if (whole == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    value.value = steal(whole);
+    return true;
+  }
+  static handle from_cpp(const shoal::python::python_int& v, rv_policy, cleanup_list*) noexcept {
+    return v.value.inc_ref();
+  }
+};
+
+}  // namespace nanobind::detail

@@ -1,21 +1,28 @@
 // Every C++ error type of shoal/core/error.h as a Python exception class with
 // the same message, most derived C++ type first:
-//   ShoalError(RuntimeError)                       shoal::error
-//   InvalidArgumentError(ShoalError, ValueError)   invalid_argument
-//   ProtocolError(InvalidArgumentError)            protocol_error
-//   OutOfMemoryError(ShoalError, MemoryError)      out_of_memory
-//   (.requested_bytes) DeviceUnavailableError(ShoalError) device_unavailable
-//   BackendError(ShoalError)                       backend_error (.call,
-//   .detail) StreamError(ShoalError)                        stream_error
-//   OrderingViolationError(ShoalError)             ordering_violation
-//   InvariantViolationError(ShoalError)            invariant_violation
-//   (.invariant) ConnectionClosedError(ShoalError, ConnectionError)
-//   connection_closed (.no_listener) PeerRefusedError(ShoalError, ConnectionRefusedError)
-//   peer_refused ContentMismatchError(ShoalError) content_mismatch
+//
+// clang-format off
+//   ShoalError(RuntimeError)                           error
+//   InvalidArgumentError(ShoalError, ValueError)       invalid_argument
+//   ProtocolError(InvalidArgumentError)                protocol_error
+//   OutOfMemoryError(ShoalError, MemoryError)          out_of_memory (.requested_bytes, .reason)
+//   DeviceUnavailableError(ShoalError)                 device_unavailable
+//   BackendError(ShoalError)                           backend_error (.call, .detail)
+//   SystemCallError(BackendError, OSError)             os_error (.errno, .strerror too)
+//   StreamError(ShoalError)                            stream_error
+//   OrderingViolationError(ShoalError)                 ordering_violation
+//   InvariantViolationError(ShoalError)                invariant_violation (.invariant)
+//   ConnectionClosedError(ShoalError, ConnectionError) connection_closed (.no_listener)
+//   PeerRefusedError(ShoalError, ConnectionRefusedError) peer_refused
+//   PeerTimeoutError(ShoalError, TimeoutError)         timeout_error
+//   ContentMismatchError(ShoalError)                   content_mismatch
+// clang-format on
+//
 // and one with no C++ type: CancelledError(ShoalError), a wait its caller's
 // cancel event ended (raise_cancelled).
 #include <nanobind/stl/string.h>
 
+#include <cerrno>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -37,6 +44,7 @@ struct exception_types {
   PyObject* out_of_memory = nullptr;
   PyObject* device_unavailable = nullptr;
   PyObject* backend_error = nullptr;
+  PyObject* os_error = nullptr;
   PyObject* stream_error = nullptr;
   PyObject* ordering_violation = nullptr;
   PyObject* invariant_violation = nullptr;
@@ -137,6 +145,13 @@ void translate(const std::exception_ptr& p, void*) {
     raise(types.out_of_memory, e.what(), {{"requested_bytes", nb::int_(e.requested_bytes())}, {"reason", nb::none()}});
   } catch (const device_unavailable& e) {
     raise(types.device_unavailable, e.what());
+  } catch (const os_error& e) {
+    // OSError's own fields: str() reads "[Errno N] <message>", as Python's own calls do.
+    raise(types.os_error, e.what(),
+          {{"call", nb::str(e.call().c_str())},
+           {"detail", nb::str(e.detail().c_str())},
+           {"errno", nb::int_(e.code())},
+           {"strerror", nb::str(in_python_words(e.what()).c_str())}});
   } catch (const backend_error& e) {
     raise(types.backend_error, e.what(),
           {{"call", nb::str(e.call().c_str())}, {"detail", nb::str(e.detail().c_str())}});
@@ -170,6 +185,7 @@ void throw_cpp_error(const std::string& kind, const std::string& message) {
       {"memory_refused", [&] { throw lending::memory_refused(message, 4096, lending::shortage::wait_expired); }},
       {"device_unavailable", [&] { throw device_unavailable(message); }},
       {"backend_error", [&] { throw backend_error("a_call", message); }},
+      {"os_error", [&] { throw os_error(EADDRINUSE, "a_call", message); }},
       {"stream_error", [&] { throw stream_error(message); }},
       {"ordering_violation", [&] { throw ordering_violation(message); }},
       {"invariant_violation", [&] { throw invariant_violation("an_invariant", message); }},
@@ -214,6 +230,11 @@ void register_errors(nb::module_& m) {
                                  "failed; `call` names it, `detail` "
                                  "holds its own error text.",
                                  {types.error});
+  types.os_error = new_type(m, "SystemCallError",
+                            "An operating-system call failed (an address already in use, a directory that does not "
+                            "exist, a descriptor limit reached); an OSError too: `errno` holds its code, `strerror` "
+                            "the whole message; `call` and `detail` as for BackendError.",
+                            {types.backend_error, PyExc_OSError});
   types.stream_error =
       new_type(m, "StreamError", "Work enqueued on a stream failed after the call returned.", {types.error});
   types.ordering_violation = new_type(m, "OrderingViolationError",

@@ -268,7 +268,7 @@ void register_lending(nb::module_& m) {
           "__init__",
           [](py_lender* self, const std::string& address, backend::device* device, std::size_t capacity_bytes,
              std::size_t quota_bytes, std::size_t max_borrowers, std::size_t max_regions_per_borrower,
-             double peer_timeout, const std::vector<std::uint32_t>& allowed_uids, const std::string& reuse,
+             double peer_timeout, const std::vector<python_int>& allowed_uids, const std::string& reuse,
              const std::vector<std::size_t>& prepared_chunks, double max_wait, std::optional<double> preempt_after,
              double preempt_deadline, std::size_t max_observers) {
             if (reuse != "same_uid" && reuse != "never") {
@@ -297,7 +297,7 @@ void register_lending(nb::module_& m) {
                   "Lender: preempt_deadline must be a finite number of seconds from 0.001 to about 49 days");
             }
             config.preempt_deadline = timeout_of(preempt_deadline, "Lender", "preempt_deadline");
-            config.policy = policy_of(allowed_uids);
+            config.policy = policy_of(allowed_uids, "Lender");
             config.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
             config.prepared_chunks = prepared_chunks;
             auto& d = device != nullptr ? *device : backend::default_device();
@@ -307,7 +307,7 @@ void register_lending(nb::module_& m) {
           nb::arg("address"), nb::arg("device").none() = nb::none(), nb::arg("capacity_bytes") = std::size_t{1} << 30,
           nb::arg("quota_bytes") = std::size_t{1} << 30, nb::arg("max_borrowers") = 64,
           nb::arg("max_regions_per_borrower") = 1024, nb::arg("peer_timeout") = 1.0,
-          nb::arg("allowed_uids") = std::vector<std::uint32_t>{}, nb::arg("reuse") = "same_uid",
+          nb::arg("allowed_uids") = std::vector<int>{}, nb::arg("reuse") = "same_uid",
           nb::arg("prepared_chunks") = std::vector<std::size_t>{}, nb::arg("max_wait") = 300.0,
           nb::arg("preempt_after").none() = nb::none(), nb::arg("preempt_deadline") = 10.0,
           nb::arg("max_observers") = lending::lender_config{}.max_observers,
@@ -329,8 +329,9 @@ void register_lending(nb::module_& m) {
           "waits_expired, ...), as a dict.")
       .def(
           "revoke",
-          [](const py_lender& l, std::uint64_t region, double deadline) {
-            l.lender.enter()->revoke(region, timeout_of(deadline, "Lender.revoke", "deadline"));
+          [](const py_lender& l, const python_int& region, double deadline) {
+            const auto id = whole_number_of(region, "Lender.revoke", "region");
+            l.lender.enter()->revoke(id, timeout_of(deadline, "Lender.revoke", "deadline"));
           },
           nb::arg("region"), nb::arg("deadline"),
           "Asks the region's borrower to give it back within ``deadline`` seconds; returns at once.")
@@ -387,11 +388,11 @@ void register_lending(nb::module_& m) {
       .def(
           "__init__",
           [](py_borrower* self, const std::string& address, backend::device* device,
-             const std::vector<std::uint32_t>& allowed_uids, double timeout, bool keep_mappings,
+             const std::vector<python_int>& allowed_uids, double timeout, bool keep_mappings,
              std::size_t kept_mapping_bytes, bool observer) {
             auto& d = device != nullptr ? *device : backend::default_device();
             const auto a = address_of(address);
-            const auto policy = policy_of(allowed_uids);
+            const auto policy = policy_of(allowed_uids, "Borrower");
             const auto t = timeout_of(timeout, "Borrower");
             lending::borrower_options options;
             options.keep_mappings = keep_mappings;
@@ -405,7 +406,7 @@ void register_lending(nb::module_& m) {
             new (self) py_borrower{{"Borrower", closed_error::connection_closed, std::move(b)}};
           },
           nb::arg("address"), nb::arg("device").none() = nb::none(),
-          nb::arg("allowed_uids") = std::vector<std::uint32_t>{}, nb::arg("timeout") = 5.0,
+          nb::arg("allowed_uids") = std::vector<int>{}, nb::arg("timeout") = 5.0,
           nb::arg("keep_mappings") = true, nb::arg("kept_mapping_bytes") = lending::borrower_options{}.kept_mapping_bytes,
           nb::arg("observer") = false)
       .def(
@@ -585,12 +586,13 @@ void register_lending(nb::module_& m) {
           nb::arg("timeout") = 5.0, "The lender's status in the Prometheus text format.")
       .def(
           "revoke",
-          [](const py_borrower& b, std::uint64_t region, double deadline, double timeout) {
+          [](const py_borrower& b, const python_int& region, double deadline, double timeout) {
+            const auto id = whole_number_of(region, "Borrower.revoke", "region");
             const auto d = timeout_of(deadline, "Borrower.revoke", "deadline");
             const auto t = timeout_of(timeout, "Borrower.revoke");
             const auto borrower = b.borrower.enter();
             released_gil release;
-            borrower->revoke(region, d, t);
+            borrower->revoke(id, d, t);
           },
           nb::arg("region"), nb::arg("deadline"), nb::arg("timeout") = 5.0,
           "Asks the lender to revoke ``region`` (any borrower's: its id as the status and the metrics name it), "

@@ -15,7 +15,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <memory>
 #include <optional>
 #include <span>
@@ -38,12 +37,6 @@ channel::channel_address address_of(const std::string& text) {
 
 std::string text_of(const channel::channel_address& address) {
   return address.is_abstract() ? "@" + address.name() : address.name();
-}
-
-channel::access_policy policy_of(const std::vector<std::uint32_t>& allowed_uids) {
-  channel::access_policy policy;
-  for (auto uid : allowed_uids) policy.allowed_uids.push_back(static_cast<uid_t>(uid));
-  return policy;
 }
 
 namespace {
@@ -226,11 +219,12 @@ void register_sharing(nb::module_& m) {
                           "when collected; a context manager.")
       .def(
           "__init__",
-          [](py_listener* self, const std::string& address, const std::vector<std::uint32_t>& allowed_uids) {
+          [](py_listener* self, const std::string& address, const std::vector<python_int>& allowed_uids) {
             new (self) py_listener{{"Listener", closed_error::invalid_argument,
-                                    std::make_unique<channel::listener>(address_of(address), policy_of(allowed_uids))}};
+                                    std::make_unique<channel::listener>(address_of(address),
+                                                                        policy_of(allowed_uids, "Listener"))}};
           },
-          nb::arg("address"), nb::arg("allowed_uids") = std::vector<std::uint32_t>{})
+          nb::arg("address"), nb::arg("allowed_uids") = std::vector<int>{})
       .def(
           "accept",
           [](const py_listener& l, std::optional<double> timeout) -> std::optional<py_connection> {
@@ -277,14 +271,14 @@ void register_sharing(nb::module_& m) {
 
   m.def(
       "connect",
-      [](const std::string& address, const std::vector<std::uint32_t>& allowed_uids, std::optional<double> timeout) {
+      [](const std::string& address, const std::vector<python_int>& allowed_uids, std::optional<double> timeout) {
         const auto a = address_of(address);
-        const auto policy = policy_of(allowed_uids);
+        const auto policy = policy_of(allowed_uids, "connect");
         const auto t = deadline_of(timeout, "connect").value_or(std::chrono::milliseconds::max());
         released_gil release;
         return py_connection{channel::connection::connect(a, policy, channel::connection::default_max_payload, t)};
       },
-      nb::arg("address"), nb::arg("allowed_uids") = std::vector<std::uint32_t>{},
+      nb::arg("address"), nb::arg("allowed_uids") = std::vector<int>{},
       nb::arg("timeout").none() = 60.0,
       "Connects to the Listener at `address`; the listening process must run as this user or one of "
       "`allowed_uids` (PeerRefusedError otherwise). ConnectionClosedError when no one listens there; "
@@ -458,7 +452,8 @@ void register_sharing(nb::module_& m) {
           "accepts). How a Peer that only sends finds out it reached the wrong endpoint.")
       .def(
           "wait_taken",
-          [](const py_peer& p, std::optional<double> timeout, std::size_t at_most) {
+          [](const py_peer& p, std::optional<double> timeout, const python_int& at_most_given) {
+            const auto at_most = static_cast<std::size_t>(whole_number_of(at_most_given, "Peer.wait_taken", "at_most"));
             const auto until = until_of(timeout, "Peer.wait_taken");
             const auto peer = p.peer.enter();
             const auto state = wait_in_slices(
@@ -537,16 +532,6 @@ void register_sharing(nb::module_& m) {
         const auto& who = (*peer)->credentials();
         return "shoal.Peer(pid " + std::to_string(who.process.pid) + ", uid " + std::to_string(who.uid) + ")";
       });
-}
-
-std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> seconds, const char* who,
-                                                     const char* what) {
-  if (!seconds) return std::nullopt;
-  if (!(*seconds >= 0) || !std::isfinite(*seconds)) {
-    throw invalid_argument(std::string(who) + ": " + what + " must be a finite number of seconds >= 0");
-  }
-  constexpr double century = 100.0 * 365.25 * 24 * 3600;
-  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(std::min(*seconds, century) * 1000.0)));
 }
 
 }  // namespace shoal::python

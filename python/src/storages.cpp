@@ -35,13 +35,6 @@ class buffer_view {
   Py_buffer buffer_{};
 };
 
-std::size_t checked_size(std::int64_t nbytes) {
-  if (nbytes <= 0) {
-    throw invalid_argument("allocate: nbytes must be positive, got " + std::to_string(nbytes));
-  }
-  return static_cast<std::size_t>(nbytes);
-}
-
 void check_range(const py_storage& s, std::int64_t offset, std::size_t bytes, const char* what) {
   const std::size_t size = s.handle.get().size();
   if (offset < 0 || static_cast<std::size_t>(offset) > size || bytes > size - static_cast<std::size_t>(offset)) {
@@ -81,8 +74,9 @@ void storage_handle::require_writable(const char* what) const {
                          "imported read-only stays so); write to a copy instead: lazy_clone() makes one");
 }
 
-py_storage allocate_storage(const py_allocator& a, std::int64_t nbytes, const py_stream* stream) {
-  const std::size_t bytes = checked_size(nbytes);
+py_storage allocate_storage(const py_allocator& a, const python_int& nbytes, const py_stream* stream) {
+  const auto bytes = static_cast<std::size_t>(whole_number_of(nbytes, "Allocator.allocate", "nbytes"));
+  if (bytes == 0) throw invalid_argument("Allocator.allocate: nbytes must be positive, got 0");
   auto s = stream_or_current(stream, a.state->allocator().device());
   a.state->keep(s);
   storage::storage st;

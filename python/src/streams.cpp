@@ -157,8 +157,9 @@ void register_streams(nb::module_& m) {
           nb::arg("device").none() = nb::none(), "The default stream of `device`.")
       .def_static(
           "from_handle",
-          [](std::uintptr_t handle, backend::device* device) {
-            return py_stream{stream_state::adopt(device_or_default(device), reinterpret_cast<void*>(handle))};
+          [](const python_int& handle, backend::device* device) {
+            const auto native = whole_number_of(handle, "Stream.from_handle", "handle", UINTPTR_MAX);
+            return py_stream{stream_state::adopt(device_or_default(device), reinterpret_cast<void*>(native))};
           },
           nb::arg("handle"), nb::arg("device").none() = nb::none(),
           "A stream another library made, by its native handle (e.g. "

@@ -1,5 +1,6 @@
 """Every C++ error type arrives as its Python exception class, with the same message."""
 
+import errno
 import os
 import pathlib
 import re
@@ -15,6 +16,7 @@ MAPPING = [
     ("out_of_memory", shoal.OutOfMemoryError, MemoryError),
     ("device_unavailable", shoal.DeviceUnavailableError, RuntimeError),
     ("backend_error", shoal.BackendError, RuntimeError),
+    ("os_error", shoal.SystemCallError, OSError),
     ("stream_error", shoal.StreamError, RuntimeError),
     ("ordering_violation", shoal.OrderingViolationError, RuntimeError),
     ("invariant_violation", shoal.InvariantViolationError, RuntimeError),
@@ -39,6 +41,13 @@ def test_errors_carry_their_fields():
     with pytest.raises(shoal.BackendError) as backend:
         shoal._shoal._throw_cpp_error("backend_error", "boom")
     assert (backend.value.call, backend.value.detail) == ("a_call", "boom")
+    with pytest.raises(shoal.SystemCallError) as system:
+        shoal._shoal._throw_cpp_error("os_error", "taken")
+    assert (system.value.call, system.value.detail) == ("a_call", "taken")
+    assert system.value.errno == errno.EADDRINUSE
+    assert system.value.strerror == "a_call failed: taken"
+    assert str(system.value) == f"[Errno {errno.EADDRINUSE}] a_call failed: taken"
+    assert isinstance(system.value, shoal.BackendError)
     with pytest.raises(shoal.InvariantViolationError) as invariant:
         shoal._shoal._throw_cpp_error("invariant_violation", "broken")
     assert invariant.value.invariant == "an_invariant"
@@ -76,6 +85,59 @@ def test_a_storage_handed_to_a_region_says_so_in_python_words():
 def test_a_failed_connect_names_shoal_connect():
     with pytest.raises(shoal.ConnectionClosedError, match=r"^shoal\.connect: "):
         shoal.connect("@shoal-no-one-listens-here-%d" % os.getpid())
+
+
+def test_an_address_in_use_is_an_os_error_with_its_errno(tmp_path):
+    for address in (str(tmp_path / "in-use.sock"), f"@shoal-in-use-{os.getpid()}"):
+        with shoal.Listener(address):
+            with pytest.raises(OSError, match="already in use") as raised:
+                shoal.Listener(address)
+        assert isinstance(raised.value, shoal.SystemCallError)
+        assert raised.value.errno == errno.EADDRINUSE
+        assert str(raised.value).startswith(f"[Errno {errno.EADDRINUSE}] Listener failed: ")
+
+
+def test_a_socket_path_whose_parent_does_not_exist_is_an_os_error_with_enoent(tmp_path):
+    with pytest.raises(OSError, match="parent does not exist") as raised:
+        shoal.Listener(str(tmp_path / "missing" / "deeper" / "x.sock"))
+    assert isinstance(raised.value, shoal.SystemCallError)
+    assert raised.value.errno == errno.ENOENT
+
+
+def test_numbers_out_of_range_are_refused_by_the_argument_they_were_given_as():
+    import numpy
+    import shoal.lending
+
+    address = f"@shoal-numbers-{os.getpid()}"
+    allocator = shoal.Allocator(use_environment=False)
+    listener = shoal.Listener(address)
+    client = shoal.connect(address)
+    peer = shoal.Peer(shoal.SharingContext(allocator), listener.accept())
+    lending_address = f"@shoal-numbers-lender-{os.getpid()}"
+    with shoal.lending.Lender(lending_address) as lender, shoal.lending.Borrower(lending_address) as borrower:
+        for call, message in (
+            (lambda: shoal.Listener(address + "-2", allowed_uids=[-1]), "Listener: allowed_uids must be >= 0, got -1"),
+            (lambda: shoal.Listener(address + "-2", allowed_uids=[2**32 - 1]),
+             "Listener: allowed_uids must be at most 4294967294, got 4294967295"),
+            (lambda: shoal.connect(address, allowed_uids=[2**70]), "connect: allowed_uids must be at most"),
+            (lambda: allocator.allocate(2**70), "Allocator.allocate: nbytes must be at most 9223372036854775807"),
+            (lambda: allocator.allocate(-(2**70)), "Allocator.allocate: nbytes must be >= 0, got -1180591620717411303424"),
+            (lambda: shoal.Stream.from_handle(-1), "Stream.from_handle: handle must be >= 0, got -1"),
+            (lambda: peer.wait_taken(0.1, at_most=-1), "Peer.wait_taken: at_most must be >= 0, got -1"),
+            (lambda: lender.revoke(-1, 1.0), "Lender.revoke: region must be >= 0, got -1"),
+            (lambda: borrower.revoke(-1, 1.0), "Borrower.revoke: region must be >= 0, got -1"),
+        ):
+            with pytest.raises(shoal.InvalidArgumentError, match="^" + re.escape(message)):
+                call()
+    # numpy's integers are whole numbers too, as any object with __index__.
+    assert allocator.allocate(numpy.int64(64)).nbytes == 64
+    with pytest.raises(shoal.InvalidArgumentError, match="at_most must be >= 0, got -2"):
+        peer.wait_taken(0.1, at_most=numpy.int32(-2))
+    with pytest.raises(TypeError):
+        allocator.allocate(64.0)  # not a whole number: nanobind's own TypeError
+    peer.close()
+    client.close()
+    listener.close()
 
 
 def test_a_real_invalid_argument_is_a_value_error():

@@ -701,7 +701,7 @@ def test_connections_that_send_nothing_are_not_counted_and_a_producer_that_put_n
         batches = consumer.batches(producers=1, timeout=0.5)
         with socket.socket(socket.AF_UNIX) as probe:  # connects and hangs up
             probe.connect(consumer.address)
-        with pytest.raises(shoal.InvalidArgumentError):
+        with pytest.raises(shoal.SystemCallError, match="already in use"):
             sharing.Consumer(consumer.address, allocator=HOST)  # probes the address: in use
         with pytest.raises(shoal.PeerTimeoutError):
             next(batches)

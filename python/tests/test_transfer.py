@@ -186,6 +186,17 @@ def test_an_array_with_no_elements_comes_back_empty_with_its_dtype_and_shape(eng
     assert out["boxes"].storage.nbytes < image.nbytes
 
 
+def test_a_batch_holds_at_most_max_arrays_per_batch_arrays_empty_ones_counted(engine):
+    limit = shoal.transfer.MAX_ARRAYS_PER_BATCH
+    one = numpy.ones(1, "uint8")
+    empty = numpy.zeros(0, "uint8")
+    engine.submit([one] + [empty] * (limit - 1))
+    assert len(engine.get(timeout=10)) == limit
+    for too_many in ([one] * (limit + 1), [one] + [empty] * limit):
+        with pytest.raises(shoal.InvalidArgumentError, match=f"more than {limit} arrays"):
+            engine.submit(too_many)
+
+
 def test_empty_arrays_come_back_as_empty_torch_tensors():
     torch = pytest.importorskip("torch")
     if shoal.default_device().kind != "cuda" or not torch.cuda.is_available():

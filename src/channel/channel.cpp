@@ -58,7 +58,7 @@ void refuse_descriptors_in_kernel(int socket) {
   if (::setsockopt(socket, SOL_SOCKET, shoal::detail::so_passrights, &off, sizeof off) == 0 || errno == ENOPROTOOPT) {
     return;
   }
-  throw backend_error("setsockopt(SO_PASSRIGHTS)", errno_text());
+  throw os_error{errno, "setsockopt(SO_PASSRIGHTS)"};
 }
 
 // Connections not yet accepted may hold a peer's descriptors, which closing
@@ -92,7 +92,7 @@ socket_address to_socket_address(const channel_address& where) {
 
 unique_fd new_unix_socket(int flags) {
   unique_fd s(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | flags, 0));
-  if (!s) throw backend_error("socket(AF_UNIX)", errno_text());
+  if (!s) throw os_error{errno, "socket(AF_UNIX)"};
   return s;
 }
 
@@ -151,8 +151,8 @@ class deadline_mutex {
 };
 
 [[noreturn]] void throw_in_use(const channel_address& where) {
-  throw invalid_argument("listener: " + where.to_string() +
-                         " is already in use by a listening process; stop that process or choose another address");
+  throw os_error{EADDRINUSE, "listener",
+                 where.to_string() + " is already in use by a listening process; stop that process or choose another address"};
 }
 
 }  // namespace
@@ -324,9 +324,9 @@ connection connection::identify_peer(unique_fd socket, const access_policy& poli
   ucred credentials{};
   socklen_t length = sizeof credentials;
   if (::getsockopt(socket.get(), SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0) {
-    const std::string why = errno_text();
+    const int code = errno;
     ::shutdown(socket.get(), SHUT_RDWR);  // the peer sees the hang-up now, not when the closer gets to it
-    throw backend_error("getsockopt(SO_PEERCRED)", why);
+    throw os_error{code, "getsockopt(SO_PEERCRED)"};
   }
   return checked_peer(std::move(socket), credentials, policy, max_payload, side);
 }
@@ -343,7 +343,7 @@ connection connection::checked_peer(unique_fd socket, const ucred& credentials, 
   // it, rather than being dropped by the read that passes it, in this thread.
   const int on = 1;
   if (::setsockopt(s->socket.get(), SOL_SOCKET, SO_OOBINLINE, &on, sizeof on) != 0) {
-    throw backend_error("setsockopt(SO_OOBINLINE)", errno_text());
+    throw os_error{errno, "setsockopt(SO_OOBINLINE)"};
   }
   const std::string who = "pid " + std::to_string(credentials.pid) + " (uid " + std::to_string(credentials.uid) +
                           ", gid " + std::to_string(credentials.gid) + ")";
@@ -385,7 +385,7 @@ connection connection::connect(const channel_address& address, const access_poli
                                std::chrono::microseconds(1));
     const timeval wait{static_cast<time_t>(left.count() / 1'000'000), static_cast<suseconds_t>(left.count() % 1'000'000)};
     if (::setsockopt(s.get(), SOL_SOCKET, SO_SNDTIMEO, &wait, sizeof wait) != 0) {
-      throw backend_error("setsockopt(SO_SNDTIMEO)", errno_text());
+      throw os_error{errno, "setsockopt(SO_SNDTIMEO)"};
     }
     rc = ::connect(s.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length);
   } while (rc != 0 && (errno == EINTR || errno == EAGAIN) && std::chrono::steady_clock::now() < until);
@@ -399,14 +399,14 @@ connection connection::connect(const channel_address& address, const access_poli
                           " took no connection within " + std::to_string(shoal::detail::channel_timeout(timeout).count()) +
                           " ms (its backlog stayed full: a server that stopped accepting)");
     }
-    throw backend_error("connect(" + address.to_string() + ")", errno_text());
+    throw os_error{errno, "connect(" + address.to_string() + ")"};
   }
   s = unique_fd::from_peer(s.release());  // connected: the peer may have queued descriptors (state::~state)
   const timeval none{};
   if (::setsockopt(s.get(), SOL_SOCKET, SO_SNDTIMEO, &none, sizeof none) != 0) {
-    const std::string why = errno_text();
+    const int code = errno;
     ::shutdown(s.get(), SHUT_RDWR);  // the peer sees the hang-up now, not when the closer gets to it
-    throw backend_error("setsockopt(SO_SNDTIMEO)", why);
+    throw os_error{code, "setsockopt(SO_SNDTIMEO)"};
   }
   return identify_peer(std::move(s), policy, max_payload, "connection::connect to " + address.to_string());
 }
@@ -421,7 +421,7 @@ connection connection::adopt(unique_fd connected_socket, const access_policy& po
   }
   length = sizeof type;
   if (::getsockopt(connected_socket.get(), SOL_SOCKET, SO_TYPE, &type, &length) != 0) {
-    throw backend_error("getsockopt(SO_TYPE)", errno_text());
+    throw os_error{errno, "getsockopt(SO_TYPE)"};
   }
   if (domain != AF_UNIX || type != SOCK_STREAM) {
     throw invalid_argument("connection::adopt: the socket is of domain " + std::to_string(domain) + " and type " +
@@ -431,7 +431,7 @@ connection connection::adopt(unique_fd connected_socket, const access_policy& po
   length = sizeof peer_address;
   if (::getpeername(connected_socket.get(), reinterpret_cast<sockaddr*>(&peer_address), &length) != 0) {
     if (errno == ENOTCONN) throw invalid_argument("connection::adopt: the socket is not connected");
-    throw backend_error("getpeername", errno_text());
+    throw os_error{errno, "getpeername"};
   }
   return identify_peer(std::move(connected_socket), policy, max_payload, "connection::adopt");
 }
@@ -660,7 +660,7 @@ void connection::refuse_descriptors() {
   // every read short (MSG_CTRUNC), refused as if a descriptor had come.
   const int off = 0;
   if (::setsockopt(s.socket.get(), SOL_SOCKET, SO_PASSCRED, &off, sizeof off) != 0) {
-    throw backend_error("setsockopt(SO_PASSCRED)", errno_text());
+    throw os_error{errno, "setsockopt(SO_PASSCRED)"};
   }
   refuse_descriptors_in_kernel(s.socket.get());
   s.partial.most_descriptors = 0;
@@ -1070,13 +1070,13 @@ listener::listener(const channel_address& address, access_policy policy, std::si
     return ::bind(socket_.get(), reinterpret_cast<const sockaddr*>(&local.address), local.length);
   };
   if (bind_here() != 0) {
-    if (errno != EADDRINUSE) throw backend_error("bind(" + address_.to_string() + ")", errno_text());
+    if (errno != EADDRINUSE) throw os_error{errno, "bind(" + address_.to_string() + ")"};
     if (!directory_ || directory_->someone_listens(file_name_)) throw_in_use(address_);
     // A socket file no one listens on is left from a process that died.
     directory_->remove(file_name_);
     if (bind_here() != 0) {
       if (errno == EADDRINUSE) throw_in_use(address_);
-      throw backend_error("bind(" + address_.to_string() + ")", errno_text());
+      throw os_error{errno, "bind(" + address_.to_string() + ")"};
     }
   }
   if (directory_) {
@@ -1087,7 +1087,7 @@ listener::listener(const channel_address& address, access_policy policy, std::si
   }
   owner_pid_ = ::getpid();
   if (::listen(socket_.get(), SOMAXCONN) != 0) {
-    throw backend_error("listen(" + address_.to_string() + ")", errno_text());
+    throw os_error{errno, "listen(" + address_.to_string() + ")"};
   }
 }
 
@@ -1122,7 +1122,7 @@ std::optional<connection> listener::accept_until(deadline until) {
     const int ready = ::poll(&waiting, 1, timeout_ms);
     if (ready < 0) {
       if (errno == EINTR) continue;
-      throw backend_error("poll", errno_text());
+      throw os_error{errno, "poll"};
     }
     if (ready == 0) return std::nullopt;
     // Registered for fork() children from its opening on, until the
@@ -1135,7 +1135,7 @@ std::optional<connection> listener::accept_until(deadline until) {
     if (!accepted) {
       // Another thread took it, a signal came, or the peer gave up: wait again.
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) continue;
-      throw backend_error("accept4(" + address_.to_string() + ")", errno_text());
+      throw os_error{errno, "accept4(" + address_.to_string() + ")"};
     }
     return connection::identify_peer(std::move(accepted), policy_, max_payload_, "listener at " + address_.to_string());
   }

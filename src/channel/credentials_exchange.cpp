@@ -25,7 +25,7 @@ constexpr std::array<char, 8> greeting{'S', 'H', 'O', 'L', 'C', 'R', 'E', 'D'};
   if (errno == EPIPE || errno == ECONNRESET) {
     throw connection_closed(std::string(call) + ": the other end closed the socket before it introduced itself");
   }
-  throw backend_error(call, std::strerror(errno));
+  throw os_error{errno, call};
 }
 
 void set_passcred(int socket, int on) {

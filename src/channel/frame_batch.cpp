@@ -42,7 +42,7 @@ T get(const std::vector<std::byte>& in, std::size_t at) {
 [[noreturn]] void throw_socket_error(const char* call) {
   const int error = errno;
   if (error == EPIPE || error == ECONNRESET) throw connection_closed(std::string(call) + ": the peer closed the connection");
-  throw backend_error(call, std::strerror(error));
+  throw os_error{error, call};
 }
 
 std::string hex_bytes(std::span<const std::byte> bytes) {
@@ -67,7 +67,7 @@ void wait_for_socket(int socket, short events, std::chrono::steady_clock::time_p
     const int ready =
         ::poll(&waiting, 1, static_cast<int>(std::min<std::chrono::milliseconds::rep>(left.count(), INT_MAX)));
     if (ready > 0) return;
-    if (ready < 0 && errno != EINTR) throw backend_error("poll", std::strerror(errno));
+    if (ready < 0 && errno != EINTR) throw os_error{errno, "poll"};
   }
   if (started) {
     throw timeout_mid_batch(std::string("the deadline passed in the middle of a batch, waiting for the peer to ") +

@@ -25,8 +25,6 @@ std::function<void(const std::string&)>& after_directory_check() {
   return hook;
 }
 
-std::string errno_text() { return std::strerror(errno); }
-
 std::string octal_mode(mode_t mode) {
   char text[8];
   std::snprintf(text, sizeof text, "0%03o", static_cast<unsigned>(mode & 07777));
@@ -47,10 +45,11 @@ private_directory::private_directory(std::string path) : path_(std::move(path)) 
   if (::mkdir(path_.c_str(), 0700) == 0) {
     created_ = true;
   } else if (errno == ENOENT) {
-    throw invalid_argument("listener: cannot create the directory " + path_ +
-                           " because its parent does not exist; create the parent first or choose another path");
+    throw os_error{ENOENT, "listener",
+                   "cannot create the directory " + path_ +
+                       " because its parent does not exist; create the parent first or choose another path"};
   } else if (errno != EEXIST) {
-    throw backend_error("mkdir(" + path_ + ")", errno_text());
+    throw os_error{errno, "mkdir(" + path_ + ")"};
   }
   // From here on only the descriptor: whatever the path names later, the
   // directory checked is the one bound in.
@@ -61,10 +60,10 @@ private_directory::private_directory(std::string path) : path_(std::move(path)) 
                              " is not a directory (a symbolic link is refused too); a channel's socket must lie in a "
                              "real directory of its own user with mode 0700");
     }
-    throw backend_error("open(" + path_ + ")", errno_text());
+    throw os_error{errno, "open(" + path_ + ")"};
   }
   struct stat st{};
-  if (::fstat(fd_.get(), &st) != 0) throw backend_error("fstat(" + path_ + ")", errno_text());
+  if (::fstat(fd_.get(), &st) != 0) throw os_error{errno, "fstat(" + path_ + ")"};
   if (st.st_uid != ::geteuid()) {
     throw invalid_argument("listener: the directory " + path_ + " belongs to uid " + std::to_string(st.st_uid) +
                            ", not to this process's uid " + std::to_string(::geteuid()) +
@@ -72,7 +71,7 @@ private_directory::private_directory(std::string path) : path_(std::move(path)) 
   }
   if (created_ && (st.st_mode & 07777) != 0700) {
     // The umask may have taken bits away; the owner needs all three.
-    if (::fchmod(fd_.get(), 0700) != 0) throw backend_error("fchmod(" + path_ + ")", errno_text());
+    if (::fchmod(fd_.get(), 0700) != 0) throw os_error{errno, "fchmod(" + path_ + ")"};
     st.st_mode = (st.st_mode & ~07777) | 0700;
   }
   if ((st.st_mode & 077) != 0) {
@@ -111,12 +110,12 @@ std::optional<struct stat> private_directory::entry(const std::string& name) con
   struct stat st{};
   if (::fstatat(fd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0) return st;
   if (errno == ENOENT) return std::nullopt;
-  throw backend_error("fstatat(" + path_ + "/" + name + ")", errno_text());
+  throw os_error{errno, "fstatat(" + path_ + "/" + name + ")"};
 }
 
 void private_directory::remove(const std::string& name) const {
   if (::unlinkat(fd_.get(), name.c_str(), 0) != 0 && errno != ENOENT) {
-    throw backend_error("unlinkat(" + path_ + "/" + name + ")", errno_text());
+    throw os_error{errno, "unlinkat(" + path_ + "/" + name + ")"};
   }
 }
 
@@ -134,22 +133,22 @@ bool private_directory::someone_listens(const std::string& name) const {
     probe.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     return probe.get();
   });
-  if (!probe) throw backend_error("socket(AF_UNIX)", errno_text());
+  if (!probe) throw os_error{errno, "socket(AF_UNIX)"};
   const socket_address target = address_of(name);
   if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length) == 0) return true;
   if (errno == EAGAIN) return true;  // a listener whose backlog is full
   if (errno == ECONNREFUSED) return false;
-  throw backend_error("connect(" + path_ + "/" + name + ")", errno_text());
+  throw os_error{errno, "connect(" + path_ + "/" + name + ")"};
 }
 
 std::vector<std::string> private_directory::names() const {
   // A directory stream of its own (readdir moves the descriptor's offset).
   const int copy = ::openat(fd_.get(), ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (copy < 0) throw backend_error("openat(" + path_ + ")", errno_text());
+  if (copy < 0) throw os_error{errno, "openat(" + path_ + ")"};
   const std::unique_ptr<DIR, int (*)(DIR*)> stream(::fdopendir(copy), ::closedir);
   if (!stream) {
     ::close(copy);
-    throw backend_error("fdopendir(" + path_ + ")", errno_text());
+    throw os_error{errno, "fdopendir(" + path_ + ")"};
   }
   std::vector<std::string> out;
   while (const dirent* e = ::readdir(stream.get())) {

@@ -27,7 +27,7 @@ void send_queue::queue(std::span<const std::byte> batch, std::size_t written, st
   e.batch.assign(batch.begin() + static_cast<std::ptrdiff_t>(written), batch.end());
   for (const int fd : descriptors) {
     unique_fd copy(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
-    if (!copy) throw backend_error("fcntl(F_DUPFD_CLOEXEC)", std::strerror(errno));
+    if (!copy) throw os_error{errno, "fcntl(F_DUPFD_CLOEXEC)"};
     e.descriptors.push_back(std::move(copy));
   }
   e.posted = std::chrono::steady_clock::now();
@@ -66,7 +66,7 @@ bool send_queue::drain(int socket, deadline until) {
       timeout_ms = static_cast<int>(std::min<std::chrono::milliseconds::rep>(left.count(), INT_MAX));
     }
     pollfd waiting{socket, POLLOUT, 0};
-    if (::poll(&waiting, 1, timeout_ms) < 0 && errno != EINTR) throw backend_error("poll", std::strerror(errno));
+    if (::poll(&waiting, 1, timeout_ms) < 0 && errno != EINTR) throw os_error{errno, "poll"};
   }
 }
 

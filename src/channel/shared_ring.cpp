@@ -35,7 +35,7 @@ std::byte* map_ring(int fd, std::size_t capacity) {
   if (p == MAP_FAILED) {
     // The file's own modes or seals refuse the mapping: the sender's doing.
     if (errno == EACCES || errno == EPERM) throw protocol_error("the ring's file cannot be mapped for writing (" + errno_text() + ")");
-    throw backend_error("mmap(ring, " + std::to_string(ring_header_bytes + capacity) + " bytes)", errno_text());
+    throw os_error{errno, "mmap(ring, " + std::to_string(ring_header_bytes + capacity) + " bytes)"};
   }
   return static_cast<std::byte*>(p);
 }

@@ -17,7 +17,7 @@ namespace shoal {
 
 child_process::child_process(const std::string& program, const std::vector<std::string>& arguments) {
   int ends[2];
-  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends) != 0) throw backend_error("socketpair", std::strerror(errno));
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends) != 0) throw os_error{errno, "socketpair"};
   socket_.reset(ends[0]);
   unique_fd child_end(ends[1]);
 
@@ -35,7 +35,7 @@ child_process::child_process(const std::string& program, const std::vector<std::
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) {
     pid_ = -1;
-    throw backend_error("posix_spawn(" + program + ")", std::strerror(rc));
+    throw os_error{rc, "posix_spawn(" + program + ")"};
   }
 }
 
@@ -57,7 +57,7 @@ int child_process::wait() {
   do {
     r = ::waitpid(pid_, &status, 0);
   } while (r < 0 && errno == EINTR);
-  if (r < 0) throw backend_error("waitpid", std::strerror(errno));
+  if (r < 0) throw os_error{errno, "waitpid"};
   pid_ = -1;
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }

@@ -62,7 +62,7 @@ bool other_threads_run(pid_t pid) {
     // Gone meanwhile; anything else (out of descriptors, say) is no answer,
     // and an unknown process must not read as dead (its memory would go).
     if (errno == ENOENT || errno == ESRCH) return false;
-    throw backend_error("opendir(" + path + ")", std::strerror(errno));
+    throw os_error{errno, "opendir(" + path + ")"};
   }
   const std::string leader = std::to_string(pid);
   for (;;) {
@@ -72,7 +72,7 @@ bool other_threads_run(pid_t pid) {
     const std::string_view name = entry->d_name;
     if (name != "." && name != ".." && name != leader) return true;
   }
-  if (errno != 0 && errno != ENOENT && errno != ESRCH) throw backend_error("readdir(" + path + ")", std::strerror(errno));
+  if (errno != 0 && errno != ENOENT && errno != ESRCH) throw os_error{errno, "readdir(" + path + ")"};
   return false;
 }
 
@@ -91,7 +91,7 @@ std::optional<process_identity> identify_process(pid_t pid) {
   const unique_fd file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!file) {
     if (errno == ENOENT || errno == ESRCH) return std::nullopt;
-    throw backend_error("open(" + path + ")", std::strerror(errno));
+    throw os_error{errno, "open(" + path + ")"};
   }
   // The line is a few hundred bytes; field 22 comes well within the first 512.
   char buffer[2048];
@@ -101,7 +101,7 @@ std::optional<process_identity> identify_process(pid_t pid) {
   } while (got < 0 && errno == EINTR);
   if (got < 0) {
     if (errno == ESRCH) return std::nullopt;  // reaped between open and read
-    throw backend_error("read(" + path + ")", std::strerror(errno));
+    throw os_error{errno, "read(" + path + ")"};
   }
   if (got == 0) return std::nullopt;
   const std::optional<stat_fields> fields = parse_stat(std::string_view(buffer, static_cast<std::size_t>(got)));

@@ -16,7 +16,7 @@ namespace shoal::detail {
 
 namespace {
 
-[[noreturn]] void fail(const std::string& call) { throw backend_error(call, std::strerror(errno)); }
+[[noreturn]] void fail(const std::string& call) { throw os_error{errno, call}; }
 
 }  // namespace
 

@@ -27,7 +27,7 @@ void unique_fd::reset(int fd) noexcept {
 unique_fd unique_fd::duplicate() const {
   if (fd_ < 0) throw invalid_argument("unique_fd::duplicate: there is no descriptor to duplicate");
   const int copy = ::fcntl(fd_, F_DUPFD_CLOEXEC, 0);
-  if (copy < 0) throw backend_error("fcntl(F_DUPFD_CLOEXEC)", std::strerror(errno));
+  if (copy < 0) throw os_error{errno, "fcntl(F_DUPFD_CLOEXEC)"};
   return from_peer_ ? from_peer(copy) : unique_fd(copy);
 }
 

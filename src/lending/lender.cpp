@@ -212,7 +212,7 @@ class lender::state {
     listener_.refuse_descriptors();
     fds_.reserve(3);  // the loop's poll set never grows past what accept_one made room for
     wake_.reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-    if (!wake_) throw backend_error("eventfd", std::strerror(errno));
+    if (!wake_) throw os_error{errno, "eventfd"};
     for (const std::size_t size : config_.prepared_chunks) {
       const std::size_t bytes = detail::round_up(size, device_.granularity());
       prepared_.put({std::make_unique<detail::lendable_memory>(device_, bytes, next_memory_++), {}});

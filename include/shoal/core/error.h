@@ -60,6 +60,22 @@ class backend_error : public error {
   std::string detail_;
 };
 
+/// A call into the operating system failed with `code()`, an errno value.
+/// `detail()` is its strerror text, or a fuller account of the same condition
+/// (an address already in use, a parent directory that does not exist).
+/// The code comes first so that `throw os_error{errno, "open(" + path + ")"}`
+/// reads errno before the call's name is built: a braced list is evaluated
+/// left to right.
+class os_error : public backend_error {
+ public:
+  os_error(int code, std::string call);
+  os_error(int code, std::string call, std::string detail);
+  [[nodiscard]] int code() const noexcept { return code_; }
+
+ private:
+  int code_;
+};
+
 /// Work enqueued on a stream failed after the call that enqueued it returned
 /// (a host task threw, a kernel faulted). Reported by the next synchronize.
 class stream_error : public error {

@@ -44,7 +44,7 @@ static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 constexpr auto liveness_period = std::chrono::milliseconds(10);
 constexpr auto longest_nap = std::chrono::microseconds(500);
 
-[[noreturn]] void throw_errno(const std::string& call) { throw backend_error(call, std::strerror(errno)); }
+[[noreturn]] void throw_errno(const std::string& call) { throw os_error{errno, call}; }
 
 std::atomic<std::uint64_t>* counters_in(void* mapping) {
   return reinterpret_cast<std::atomic<std::uint64_t>*>(static_cast<std::byte*>(mapping) + counters_offset);

@@ -19,7 +19,7 @@ namespace shoal::backend::detail {
 
 namespace {
 
-[[noreturn]] void throw_errno(const std::string& call) { throw backend_error(call, std::strerror(errno)); }
+[[noreturn]] void throw_errno(const std::string& call) { throw os_error{errno, call}; }
 
 std::size_t page_round(std::size_t bytes) {
   const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));

@@ -28,7 +28,7 @@ constexpr std::uint64_t pack(std::uint32_t generation, slot_state state) noexcep
   return (static_cast<std::uint64_t>(generation) << 2) | static_cast<std::uint64_t>(state);
 }
 
-[[noreturn]] void fail(const char* call) { throw backend_error(call, std::strerror(errno)); }
+[[noreturn]] void fail(const char* call) { throw os_error{errno, call}; }
 
 }  // namespace
 

@@ -1,0 +1,48 @@
+// Checks of the numbers the Python API takes, each refused by name: a
+// negative size, id or uid would otherwise meet nanobind's own conversion
+// and read "incompatible function arguments", naming no argument.
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "bindings.h"
+#include "shoal/core/error.h"
+
+namespace shoal::python {
+
+std::uint64_t whole_number_of(const python_int& value, const char* who, const char* what, std::uint64_t most) {
+  int overflow = 0;
+  const long long number = PyLong_AsLongLongAndOverflow(value.value.ptr(), &overflow);
+  if (number == -1 && PyErr_Occurred() != nullptr) throw nb::python_error();
+  const std::string text = nb::str(value.value).c_str();
+  if (overflow < 0 || (overflow == 0 && number < 0)) {
+    throw invalid_argument(std::string(who) + ": " + what + " must be >= 0, got " + text);
+  }
+  if (overflow > 0 || static_cast<std::uint64_t>(number) > most) {
+    throw invalid_argument(std::string(who) + ": " + what + " must be at most " + std::to_string(most) + ", got " +
+                           text);
+  }
+  return static_cast<std::uint64_t>(number);
+}
+
+channel::access_policy policy_of(const std::vector<python_int>& allowed_uids, const char* who) {
+  // (uid_t)-1 means "no uid" to the kernel: no process runs as it.
+  constexpr std::uint64_t largest_uid = std::numeric_limits<std::uint32_t>::max() - 1;
+  channel::access_policy policy;
+  for (const auto& uid : allowed_uids) {
+    policy.allowed_uids.push_back(static_cast<uid_t>(whole_number_of(uid, who, "allowed_uids", largest_uid)));
+  }
+  return policy;
+}
+
+std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> seconds, const char* who,
+                                                     const char* what) {
+  if (!seconds) return std::nullopt;
+  if (!(*seconds >= 0) || !std::isfinite(*seconds)) {
+    throw invalid_argument(std::string(who) + ": " + what + " must be a finite number of seconds >= 0");
+  }
+  constexpr double century = 100.0 * 365.25 * 24 * 3600;
+  return std::chrono::milliseconds(static_cast<std::int64_t>(std::ceil(std::min(*seconds, century) * 1000.0)));
+}
+
+}  // namespace shoal::python
