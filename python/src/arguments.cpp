@@ -10,19 +10,21 @@
 
 namespace shoal::python {
 
-std::uint64_t whole_number_of(const python_int& value, const char* who, const char* what, std::uint64_t most) {
+std::uint64_t whole_number_of(const python_int& value, const char* who, const char* what, std::uint64_t most,
+                              bool positive) {
   int overflow = 0;
   const long long number = PyLong_AsLongLongAndOverflow(value.value.ptr(), &overflow);
   if (number == -1 && PyErr_Occurred() != nullptr) throw nb::python_error();
-  const std::string text = nb::str(value.value).c_str();
-  if (overflow < 0 || (overflow == 0 && number < 0)) {
-    throw invalid_argument(std::string(who) + ": " + what + " must be >= 0, got " + text);
+  const long long least = positive ? 1 : 0;
+  if (overflow == 0 && number >= least && static_cast<std::uint64_t>(number) <= most) {
+    return static_cast<std::uint64_t>(number);
   }
-  if (overflow > 0 || static_cast<std::uint64_t>(number) > most) {
-    throw invalid_argument(std::string(who) + ": " + what + " must be at most " + std::to_string(most) + ", got " +
-                           text);
+  const std::string given = nb::str(value.value).c_str();
+  if (overflow < 0 || (overflow == 0 && number < least)) {
+    throw invalid_argument(std::string(who) + ": " + what + (positive ? " must be positive" : " must be >= 0") +
+                           ", got " + given);
   }
-  return static_cast<std::uint64_t>(number);
+  throw invalid_argument(std::string(who) + ": " + what + " must be at most " + std::to_string(most) + ", got " + given);
 }
 
 channel::access_policy policy_of(const std::vector<python_int>& allowed_uids, const char* who) {

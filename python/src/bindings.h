@@ -191,10 +191,10 @@ std::optional<std::chrono::milliseconds> deadline_of(std::optional<double> secon
 /// A channel address from its text: a path, or "@name" for an abstract name.
 channel::channel_address address_of(const std::string& text);
 std::string text_of(const channel::channel_address& address);
-/// `value` as a size, count or id, from 0 to `most`: anything else is
-/// invalid_argument naming `who` and the argument (`what`).
+/// `value` as a size, count or id, from 0 (1 when `positive`) to `most`:
+/// anything else is invalid_argument naming `who` and the argument (`what`).
 std::uint64_t whole_number_of(const python_int& value, const char* who, const char* what,
-                              std::uint64_t most = std::numeric_limits<std::int64_t>::max());
+                              std::uint64_t most = std::numeric_limits<std::int64_t>::max(), bool positive = false);
 /// The calling user plus `allowed_uids`, each refused by name (`who`) unless
 /// a uid (0 .. 2^32 - 2).
 channel::access_policy policy_of(const std::vector<python_int>& allowed_uids, const char* who);

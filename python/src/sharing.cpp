@@ -453,7 +453,8 @@ void register_sharing(nb::module_& m) {
       .def(
           "wait_taken",
           [](const py_peer& p, std::optional<double> timeout, const python_int& at_most_given) {
-            const auto at_most = static_cast<std::size_t>(whole_number_of(at_most_given, "Peer.wait_taken", "at_most"));
+            const auto at_most =
+                static_cast<std::size_t>(whole_number_of(at_most_given, "Peer.wait_taken", "at_most"));
             const auto until = until_of(timeout, "Peer.wait_taken");
             const auto peer = p.peer.enter();
             const auto state = wait_in_slices(

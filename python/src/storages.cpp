@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -75,8 +76,8 @@ void storage_handle::require_writable(const char* what) const {
 }
 
 py_storage allocate_storage(const py_allocator& a, const python_int& nbytes, const py_stream* stream) {
-  const auto bytes = static_cast<std::size_t>(whole_number_of(nbytes, "Allocator.allocate", "nbytes"));
-  if (bytes == 0) throw invalid_argument("Allocator.allocate: nbytes must be positive, got 0");
+  constexpr std::uint64_t most = std::numeric_limits<std::int64_t>::max();
+  const auto bytes = static_cast<std::size_t>(whole_number_of(nbytes, "Allocator.allocate", "nbytes", most, true));
   auto s = stream_or_current(stream, a.state->allocator().device());
   a.state->keep(s);
   storage::storage st;

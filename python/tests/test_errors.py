@@ -121,7 +121,7 @@ def test_numbers_out_of_range_are_refused_by_the_argument_they_were_given_as():
              "Listener: allowed_uids must be at most 4294967294, got 4294967295"),
             (lambda: shoal.connect(address, allowed_uids=[2**70]), "connect: allowed_uids must be at most"),
             (lambda: allocator.allocate(2**70), "Allocator.allocate: nbytes must be at most 9223372036854775807"),
-            (lambda: allocator.allocate(-(2**70)), "Allocator.allocate: nbytes must be >= 0, got -1180591620717411303424"),
+            (lambda: allocator.allocate(-(2**70)), "Allocator.allocate: nbytes must be positive, got -1180591620717411303424"),
             (lambda: shoal.Stream.from_handle(-1), "Stream.from_handle: handle must be >= 0, got -1"),
             (lambda: peer.wait_taken(0.1, at_most=-1), "Peer.wait_taken: at_most must be >= 0, got -1"),
             (lambda: lender.revoke(-1, 1.0), "Lender.revoke: region must be >= 0, got -1"),
