@@ -5,6 +5,7 @@
 // before accepting theirs.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -93,6 +94,35 @@ TEST(refused_descriptors, a_closing_listener_leaves_a_waiting_connections_descri
   held.holder.reset();
   expect_returns_while_the_close_lingers([&] { l.reset(); },
                                          "the listener's close waited out the inner socket's linger");
+}
+
+// The descriptor table full as the listener closes: it cannot accept the
+// waiting connection to hand it over, so it hands itself over, and closing it
+// (which drops the waiting connection and what is queued on it) lingers on
+// the closer, not in the thread that dropped the listener.
+TEST(refused_descriptors, a_closing_listener_that_cannot_accept_hands_itself_to_the_closer) {
+  const auto where = fresh_abstract_name();
+  auto l = std::make_unique<listener>(where, channel::access_policy{});
+  const unique_fd raw = raw_connect(where);
+  socket_holding_a_lingering_one held(2);
+  write_raw(raw.get(), raw_batch("SHOL", 2, {{1, bytes_of("x"), 1}}), {held.holder.get()});
+  held.holder.reset();
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  const unique_fd lowest_free(::fcntl(raw.get(), F_DUPFD_CLOEXEC, 0));
+  low.rlim_cur = std::min<rlim_t>(saved.rlim_cur, static_cast<rlim_t>(lowest_free.get()) + 8);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  std::vector<unique_fd> filling;  // every number under the limit taken: accept4 fails with EMFILE
+  for (unique_fd copy(::dup(raw.get())); copy; copy.reset(::dup(raw.get()))) filling.push_back(std::move(copy));
+  ASSERT_EQ(errno, EMFILE);
+  expect_returns_while_the_close_lingers(
+      [&] {
+        l.reset();
+        filling.clear();
+        ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+      },
+      "the listener that could not accept closed itself in place");
 }
 
 // However many descriptors one message brings (up to the kernel's 253), the

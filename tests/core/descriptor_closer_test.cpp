@@ -1,6 +1,7 @@
 // A peer's descriptor is closed on the closer thread: the thread that drops
 // it goes on at once, however long the close takes; a descriptor checked
-// safe closes in place; a fork() child closes through its own closer.
+// safe closes in place; a fork() child closes through its own closer; with
+// no thread to be had, the dropping thread closes it.
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
@@ -16,6 +17,7 @@
 #include "shoal/core/unique_fd.h"
 #include "support/lingering_socket.h"
 #include "support/processes.h"
+#include "support/refused_threads.h"
 
 namespace shoal::testing {
 namespace {
@@ -99,6 +101,21 @@ TEST(descriptor_closer, a_fork_child_closes_through_its_own_closer) {
     return off_thread_closes_done_within(10s) && !is_open(fd) ? 0 : 1;
   });
   EXPECT_EQ(child.wait(), 0) << "the child's close never happened";
+}
+
+// With no thread to be had (a pids cgroup at its limit), the thread that
+// drops a peer's descriptor closes it itself: it is never left open.
+TEST(descriptor_closer, a_drop_with_no_closer_thread_to_be_had_closes_in_place) {
+  if (!forked_child_may_start_threads) GTEST_SKIP() << "a forked child may not start threads under the sanitizers";
+  forked_child child([] {  // a fresh process: its closers have no thread yet
+    const refusing_threads none(0);
+    pipe_ends pipe;
+    const int fd = pipe.read.get();
+    unique_fd::from_peer(pipe.read.release()).reset();
+    if (none.refused() != 1) return 2;
+    return is_open(fd) ? 1 : 0;
+  });
+  EXPECT_EQ(child.wait(), 0) << "1: the descriptor was left open; 2: no closer thread was tried";
 }
 
 }  // namespace
