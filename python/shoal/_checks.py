@@ -4,20 +4,32 @@ not as the binding's "incompatible function arguments"."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
 from . import _shoal
 
 
-def whole_number(where: str, name: str, value: Any, *, bits: int = 64, least: int = 0,
+UID_MAX = (1 << 32) - 2  # (uid_t)-1 means "no uid": no process runs as it
+
+
+def whole_number(where: str, name: str, value: Any, *, most: int = (1 << 64) - 1, least: int = 0,
                  allow_none: bool = False) -> None:
-    """Raises InvalidArgumentError unless `value` is an int from `least` to 2**bits - 1 (or None
-    when `allow_none`)."""
+    """Raises InvalidArgumentError unless `value` is a whole number (an int, or anything with
+    __index__ such as numpy's integers; not a bool) from `least` to `most` (or None when
+    `allow_none`)."""
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or not least <= value < 1 << bits:
-        raise _shoal.InvalidArgumentError(
-            f"{where}: {name} must be a whole number from {least} to {(1 << bits) - 1}, not {value!r}")
+    number = None
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            pass
+    if number is None or not least <= number <= most:
+        # An int past 64 bits is named by its size: Python prints none of more than 4300 digits.
+        said = f"a number of {number.bit_length()} bits" if number is not None and number.bit_length() > 64 else repr(value)
+        raise _shoal.InvalidArgumentError(f"{where}: {name} must be a whole number from {least} to {most}, not {said}")
 
 
 def cancel_event(where: str, cancel: Optional[Any]) -> None:

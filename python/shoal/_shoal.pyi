@@ -33,9 +33,11 @@ class BackendError(ShoalError):
     call: str
     detail: str
 
-class SystemCallError(BackendError, OSError):
+class SystemCallError(OSError, BackendError):
     """An operating-system call failed (an address already in use, a directory that does not
-    exist, a descriptor limit reached): `errno` holds its code, `strerror` the whole message."""
+    exist, a descriptor limit reached): an OSError made as OSError(errno, message) is, and a
+    BackendError (`call`, `detail`). Not the per-errno subclasses (FileNotFoundError...):
+    compare `errno`."""
 
 class StreamError(ShoalError):
     """Work enqueued on a stream failed after the call returned."""

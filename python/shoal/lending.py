@@ -214,7 +214,7 @@ class Borrower:
     ) -> None:
         _checks.whole_number("shoal.lending.Borrower", "kept_mapping_bytes", kept_mapping_bytes)
         for uid in allowed_uids:
-            _checks.whole_number("shoal.lending.Borrower", "allowed_uids", uid, bits=32)
+            _checks.whole_number("shoal.lending.Borrower", "allowed_uids", uid, most=_checks.UID_MAX)
         self._address = address
         self._allocator = _allocator_on("shoal.lending.Borrower", device, allocator)
         self._watch_lock = threading.Lock()  # the one-reader rule: a watcher, or revocations() calls
@@ -269,10 +269,7 @@ class Borrower:
         ``OutOfMemoryError`` with ``reason`` ``"stopped_waiting"``: the lender ended the wait
         because this borrower's own regions were preempted for a borrow ahead of it (see
         :meth:`revocations`)."""
-        if type(nbytes) is not int or not 1 <= nbytes < 1 << 64:
-            raise _shoal.InvalidArgumentError(
-                f"shoal.lending.Borrower.borrow: nbytes must be a whole number of bytes from 1 to 2**64 - 1, "
-                f"not {nbytes!r}")
+        _checks.whole_number("shoal.lending.Borrower.borrow", "nbytes", nbytes, least=1)
         _checks.cancel_event("shoal.lending.Borrower.borrow", cancel)
         if not isinstance(purpose, str):
             raise _shoal.InvalidArgumentError(
@@ -625,7 +622,7 @@ class Lender:
             _checks.whole_number("shoal.lending.Lender", name, value, least=1)
         _checks.whole_number("shoal.lending.Lender", "max_observers", max_observers)
         for uid in allowed_uids:
-            _checks.whole_number("shoal.lending.Lender", "allowed_uids", uid, bits=32)
+            _checks.whole_number("shoal.lending.Lender", "allowed_uids", uid, most=_checks.UID_MAX)
         for chunk in prepared_chunks:
             _checks.whole_number("shoal.lending.Lender", "prepared_chunks", chunk)
         self._address = address

@@ -3,6 +3,7 @@
 // and read "incompatible function arguments", naming no argument.
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "bindings.h"
@@ -12,15 +13,36 @@ namespace shoal::python {
 
 std::uint64_t whole_number_of(const python_int& value, const char* who, const char* what, std::uint64_t most,
                               bool positive) {
-  int overflow = 0;
-  const long long number = PyLong_AsLongLongAndOverflow(value.value.ptr(), &overflow);
+  // Read as an exact int, never through a subclass's own methods.
+  PyObject* const object = value.value.ptr();
+  int overflow = 0;  // -1: below int64, 1: above
+  const long long number = PyLong_AsLongLongAndOverflow(object, &overflow);
   if (number == -1 && PyErr_Occurred() != nullptr) throw nb::python_error();
-  const long long least = positive ? 1 : 0;
-  if (overflow == 0 && number >= least && static_cast<std::uint64_t>(number) <= most) {
-    return static_cast<std::uint64_t>(number);
+  const bool negative = overflow < 0 || (overflow == 0 && number < 0);
+  std::optional<std::uint64_t> whole;  // the value, when from 0 to 2^64 - 1
+  if (overflow == 0 && number >= 0) {
+    whole = static_cast<std::uint64_t>(number);
+  } else if (overflow > 0) {
+    const unsigned long long big = PyLong_AsUnsignedLongLong(object);
+    if (big == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) {
+      PyErr_Clear();  // past 2^64 - 1 as well
+    } else {
+      whole = big;
+    }
   }
-  const std::string given = nb::str(value.value).c_str();
-  if (overflow < 0 || (overflow == 0 && number < least)) {
+  const std::uint64_t least = positive ? 1 : 0;
+  if (whole && *whole >= least && *whole <= most) return *whole;
+  // The value in the message from C++, not from the object's __str__ (a
+  // subclass's may raise, and Python prints no int of more than 4300 digits).
+  std::string given;
+  if (whole) {
+    given = std::to_string(*whole);
+  } else if (overflow == 0) {
+    given = std::to_string(number);
+  } else {
+    given = negative ? "a negative number of more than 64 bits" : "a number of more than 64 bits";
+  }
+  if (negative || (whole && *whole < least)) {
     throw invalid_argument(std::string(who) + ": " + what + (positive ? " must be positive" : " must be >= 0") +
                            ", got " + given);
   }

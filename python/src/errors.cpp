@@ -8,7 +8,7 @@
 //   OutOfMemoryError(ShoalError, MemoryError)          out_of_memory (.requested_bytes, .reason)
 //   DeviceUnavailableError(ShoalError)                 device_unavailable
 //   BackendError(ShoalError)                           backend_error (.call, .detail)
-//   SystemCallError(BackendError, OSError)             os_error (.errno, .strerror too)
+//   SystemCallError(OSError, BackendError)             os_error (.errno, .strerror too)
 //   StreamError(ShoalError)                            stream_error
 //   OrderingViolationError(ShoalError)                 ordering_violation
 //   InvariantViolationError(ShoalError)                invariant_violation (.invariant)
@@ -131,6 +131,17 @@ void raise(PyObject* type, const char* message, std::vector<std::pair<const char
   PyErr_SetObject(type, instance.ptr());
 }
 
+// Made as OSError(errno, message) is, so that errno and strerror are its
+// arguments (str() reads "[Errno N] <message>"; pickle and copy keep them).
+void raise_os_error(const os_error& e) {
+  const std::string text = in_python_words(e.what());
+  nb::object instance = nb::steal(PyObject_CallFunction(types.os_error, "is", e.code(), text.c_str()));
+  if (!instance.is_valid()) return;  // the call itself raised; that error stands
+  nb::setattr(instance, "call", nb::str(in_python_words(e.call()).c_str()));
+  nb::setattr(instance, "detail", nb::str(e.detail().c_str()));
+  PyErr_SetObject(types.os_error, instance.ptr());
+}
+
 void translate(const std::exception_ptr& p, void*) {
   try {
     std::rethrow_exception(p);
@@ -146,12 +157,7 @@ void translate(const std::exception_ptr& p, void*) {
   } catch (const device_unavailable& e) {
     raise(types.device_unavailable, e.what());
   } catch (const os_error& e) {
-    // OSError's own fields: str() reads "[Errno N] <message>", as Python's own calls do.
-    raise(types.os_error, e.what(),
-          {{"call", nb::str(e.call().c_str())},
-           {"detail", nb::str(e.detail().c_str())},
-           {"errno", nb::int_(e.code())},
-           {"strerror", nb::str(in_python_words(e.what()).c_str())}});
+    raise_os_error(e);
   } catch (const backend_error& e) {
     raise(types.backend_error, e.what(),
           {{"call", nb::str(e.call().c_str())}, {"detail", nb::str(e.detail().c_str())}});
@@ -232,9 +238,10 @@ void register_errors(nb::module_& m) {
                                  {types.error});
   types.os_error = new_type(m, "SystemCallError",
                             "An operating-system call failed (an address already in use, a directory that does not "
-                            "exist, a descriptor limit reached); an OSError too: `errno` holds its code, `strerror` "
-                            "the whole message; `call` and `detail` as for BackendError.",
-                            {types.backend_error, PyExc_OSError});
+                            "exist, a descriptor limit reached): an OSError made as OSError(errno, message) is, and a "
+                            "BackendError (`call`, `detail`). Not the per-errno subclasses (FileNotFoundError...): "
+                            "compare `errno`.",
+                            {PyExc_OSError, types.backend_error});  // OSError first: its constructor
   types.stream_error =
       new_type(m, "StreamError", "Work enqueued on a stream failed after the call returned.", {types.error});
   types.ordering_violation = new_type(m, "OrderingViolationError",

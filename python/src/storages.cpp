@@ -189,7 +189,9 @@ void register_storages(nb::module_& m) {
           "read",
           [](const py_storage& s, std::int64_t offset, std::optional<std::int64_t> nbytes, const py_stream* stream) {
             const std::int64_t size = static_cast<std::int64_t>(s.handle.get().size());
-            const std::int64_t count = nbytes.value_or(size - std::max<std::int64_t>(offset, 0));
+            // Without nbytes, to the end: an offset past the end is named as such by check_range.
+            const std::int64_t count =
+                nbytes.value_or(std::max<std::int64_t>(size - std::max<std::int64_t>(offset, 0), 0));
             if (count < 0) throw invalid_argument("Storage.read: nbytes must be >= 0, got " + std::to_string(count));
             check_range(s, offset, static_cast<std::size_t>(count), "Storage.read");
             auto st = stream_or_current(stream, s.handle.get().device());

@@ -1,7 +1,9 @@
 """Every C++ error type arrives as its Python exception class, with the same message."""
 
+import copy
 import errno
 import os
+import pickle
 import pathlib
 import re
 
@@ -48,6 +50,10 @@ def test_errors_carry_their_fields():
     assert system.value.strerror == "a_call failed: taken"
     assert str(system.value) == f"[Errno {errno.EADDRINUSE}] a_call failed: taken"
     assert isinstance(system.value, shoal.BackendError)
+    for copied in (pickle.loads(pickle.dumps(system.value)), copy.copy(system.value), copy.deepcopy(system.value)):
+        assert type(copied) is shoal.SystemCallError
+        assert (copied.errno, copied.strerror, str(copied)) == (errno.EADDRINUSE, system.value.strerror, str(system.value))
+    assert shoal.SystemCallError(errno.ENOENT, "made in Python").errno == errno.ENOENT
     with pytest.raises(shoal.InvariantViolationError) as invariant:
         shoal._shoal._throw_cpp_error("invariant_violation", "broken")
     assert invariant.value.invariant == "an_invariant"
@@ -121,7 +127,7 @@ def test_numbers_out_of_range_are_refused_by_the_argument_they_were_given_as():
              "Listener: allowed_uids must be at most 4294967294, got 4294967295"),
             (lambda: shoal.connect(address, allowed_uids=[2**70]), "connect: allowed_uids must be at most"),
             (lambda: allocator.allocate(2**70), "Allocator.allocate: nbytes must be at most 9223372036854775807"),
-            (lambda: allocator.allocate(-(2**70)), "Allocator.allocate: nbytes must be positive, got -1180591620717411303424"),
+            (lambda: allocator.allocate(-5), "Allocator.allocate: nbytes must be positive, got -5"),
             (lambda: shoal.Stream.from_handle(-1), "Stream.from_handle: handle must be >= 0, got -1"),
             (lambda: peer.wait_taken(0.1, at_most=-1), "Peer.wait_taken: at_most must be >= 0, got -1"),
             (lambda: lender.revoke(-1, 1.0), "Lender.revoke: region must be >= 0, got -1"),
@@ -129,8 +135,32 @@ def test_numbers_out_of_range_are_refused_by_the_argument_they_were_given_as():
         ):
             with pytest.raises(shoal.InvalidArgumentError, match="^" + re.escape(message)):
                 call()
+    # A value past 64 bits, or of an int subclass, is named without Python printing it.
+    class Loud(int):
+        def __str__(self) -> str:
+            raise RuntimeError("__str__ ran")
+
+        __repr__ = __str__
+
+    for call, message in (
+        (lambda: allocator.allocate(10**5000), "nbytes must be at most 9223372036854775807, got a number of more than"),
+        (lambda: allocator.allocate(-(10**5000)), "nbytes must be positive, got a negative number of more than 64 bits"),
+        (lambda: allocator.allocate(Loud(-5)), "nbytes must be positive, got -5"),
+        (lambda: shoal.Stream.from_handle(2**64), "handle must be at most 18446744073709551615, got a number of"),
+        (lambda: shoal.lending.Lender(lending_address, allowed_uids=[2**32 - 1]),
+         "shoal.lending.Lender: allowed_uids must be a whole number from 0 to 4294967294, not 4294967295"),
+        (lambda: shoal.lending.Borrower(lending_address, allowed_uids=[10**5000]), "not a number of 16610 bits"),
+    ):
+        with pytest.raises(shoal.InvalidArgumentError, match=re.escape(message)):
+            call()
+    # A handle anywhere in 64 bits is looked at (the host backend has no streams to find).
+    with pytest.raises(shoal.InvalidArgumentError, match="is not a stream"):
+        shoal.Stream.from_handle(2**63)
     # numpy's integers are whole numbers too, as any object with __index__.
     assert allocator.allocate(numpy.int64(64)).nbytes == 64
+    with shoal.lending.Lender(lending_address + "-numpy", allowed_uids=[numpy.int64(os.getuid())]) as lender:
+        with shoal.lending.Borrower(lending_address + "-numpy", allowed_uids=[numpy.uint32(os.getuid())]) as borrower:
+            assert borrower.borrow(numpy.int64(4096), "numpy").nbytes >= 4096  # regions are whole chunks
     with pytest.raises(shoal.InvalidArgumentError, match="at_most must be >= 0, got -2"):
         peer.wait_taken(0.1, at_most=numpy.int32(-2))
     with pytest.raises(TypeError):

@@ -31,6 +31,13 @@ def test_a_size_that_is_not_positive_is_refused(allocator, nbytes):
         allocator.allocate(nbytes)
 
 
+def test_a_read_from_past_the_end_names_the_offset(allocator):
+    s = allocator.allocate(64)
+    with pytest.raises(shoal.InvalidArgumentError, match=r"Storage.read: 0 bytes at offset 65 do not fit"):
+        s.read(offset=65)
+    assert s.read(offset=64) == b""
+
+
 def test_write_then_read_round_trips(allocator):
     s = allocator.allocate(64)
     s.write(b"shoal" * 4, offset=8)

@@ -7,31 +7,24 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
 #include <string>
 
 #include "shoal/core/error.h"
 
 namespace shoal::detail {
 
-namespace {
-
-[[noreturn]] void fail(const std::string& call) { throw os_error{errno, call}; }
-
-}  // namespace
-
 unique_fd make_unsealed_memfd(const char* name, std::size_t bytes) {
   unique_fd fd(::memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (!fd) fail(std::string("memfd_create(") + name + ")");
+  if (!fd) throw os_error{errno, std::string("memfd_create(") + name + ")"};
   if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) {
-    fail(std::string("ftruncate(") + name + ", " + std::to_string(bytes) + ")");
+    throw os_error{errno, std::string("ftruncate(") + name + ", " + std::to_string(bytes) + ")"};
   }
   return fd;
 }
 
 void seal_memfd(int fd, const char* name, int extra) {
   if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | extra | F_SEAL_SEAL) != 0) {
-    fail(std::string("fcntl(F_ADD_SEALS, ") + name + ")");
+    throw os_error{errno, std::string("fcntl(F_ADD_SEALS, ") + name + ")"};
   }
 }
 

@@ -207,6 +207,21 @@ refused "log_rate' must be an integer 0 to 1000000" --config "$dir/bad.toml"
 echo 'log_rate = "fast"' > "$dir/bad.toml"
 refused "log_rate' must be an integer 0 to 1000000" --config "$dir/bad.toml"
 
+# A socket below a directory that does not exist is a bad setting (2); an
+# address another daemon serves means this one cannot start (1). Each says why.
+"$shoal" daemon --socket "$dir/missing/deeper/d.sock" --device host > /dev/null 2> "$dir/log"
+status=$?
+[ "$status" -eq 2 ] || fail "a socket below a missing directory exited $status, not 2"
+grep -q "parent does not exist" "$dir/log" || fail "a socket below a missing directory: the message does not say so"
+"$shoal" daemon --socket "$dir/u.sock" --device host 2> "$dir/log" &
+pid=$!
+answers "$dir/u.sock" || fail "the daemon did not answer status"
+"$shoal" daemon --socket "$dir/u.sock" --device host > /dev/null 2> "$dir/second.log"
+status=$?
+[ "$status" -eq 1 ] || fail "a second daemon at a served address exited $status, not 1"
+grep -q "already in use" "$dir/second.log" || fail "a second daemon at a served address: the message does not say so"
+stop
+
 # The reader of the daemon's log goes away (`shoal daemon 2>&1 | head`, a
 # tee that died): the daemon goes on serving, and stops cleanly on SIGTERM.
 mkfifo "$dir/logpipe"

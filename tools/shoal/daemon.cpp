@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -318,6 +319,11 @@ int run_daemon(int argc, char** argv) {
   } catch (const invalid_argument& e) {
     std::fprintf(stderr, "shoal daemon: %s\n", e.what());
     return 2;
+  } catch (const os_error& e) {
+    // A socket path below a directory that does not exist is a bad setting;
+    // an address in use (another daemon there) and the rest: cannot start.
+    std::fprintf(stderr, "shoal daemon: %s\n", e.what());
+    return e.code() == ENOENT || e.code() == ENOTDIR ? 2 : 1;
   }
 }
 

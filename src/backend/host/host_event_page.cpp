@@ -44,8 +44,6 @@ static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
 constexpr auto liveness_period = std::chrono::milliseconds(10);
 constexpr auto longest_nap = std::chrono::microseconds(500);
 
-[[noreturn]] void throw_errno(const std::string& call) { throw os_error{errno, call}; }
-
 std::atomic<std::uint64_t>* counters_in(void* mapping) {
   return reinterpret_cast<std::atomic<std::uint64_t>*>(static_cast<std::byte*>(mapping) + counters_offset);
 }
@@ -86,7 +84,7 @@ std::shared_ptr<host_event_page> host_event_page::create() {
   const process_identity self = process_identity::self();
   unique_fd fd = shoal::detail::make_unsealed_memfd("shoal-event-page", page_bytes);
   void* mapping = ::mmap(nullptr, page_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
-  if (mapping == MAP_FAILED) throw_errno("mmap(event page)");
+  if (mapping == MAP_FAILED) throw os_error{errno, "mmap(event page)"};
   const std::uint64_t id = shoal::detail::next_process_wide_id();
   new (mapping) page_header{page_magic, page_version, slot_count, id, self.pid, self.start_time};
   std::atomic<std::uint64_t>* counters = counters_in(mapping);
@@ -152,7 +150,7 @@ host_imported_page::host_imported_page(const event_source& source) {
     refuse("the page holds " + std::to_string(st.st_size) + " bytes, not " + std::to_string(page_bytes));
   }
   void* mapping = ::mmap(nullptr, page_bytes, PROT_READ, MAP_SHARED, source.fd.get(), 0);
-  if (mapping == MAP_FAILED) throw_errno("mmap(imported event page)");
+  if (mapping == MAP_FAILED) throw os_error{errno, "mmap(imported event page)"};
   page_header header{};
   std::memcpy(&header, mapping, sizeof header);  // read once: the exporter could change it later
   if (const char* fault = header_fault(header, source.source_id)) {

@@ -19,8 +19,6 @@ namespace shoal::backend::detail {
 
 namespace {
 
-[[noreturn]] void throw_errno(const std::string& call) { throw os_error{errno, call}; }
-
 std::size_t page_round(std::size_t bytes) {
   const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
   return (bytes + page - 1) / page * page;
@@ -30,7 +28,7 @@ void* map_shared(int fd, std::size_t bytes, void* fixed_address, memory_access a
   const int flags = MAP_SHARED | (fixed_address != nullptr ? MAP_FIXED : 0);
   const int protection = access == memory_access::read_only ? PROT_READ : PROT_READ | PROT_WRITE;
   void* p = ::mmap(fixed_address, bytes, protection, flags, fd, 0);
-  if (p == MAP_FAILED) throw_errno("mmap(memfd, " + std::to_string(bytes) + " bytes)");
+  if (p == MAP_FAILED) throw os_error{errno, "mmap(memfd, " + std::to_string(bytes) + " bytes)"};
   return p;
 }
 
@@ -38,7 +36,7 @@ void* map_shared(int fd, std::size_t bytes, void* fixed_address, memory_access a
 void* map_hole(void* address, std::size_t bytes) {
   const int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | (address != nullptr ? MAP_FIXED : 0);
   void* p = ::mmap(address, bytes, PROT_NONE, flags, -1, 0);
-  if (p == MAP_FAILED) throw_errno("mmap(PROT_NONE, " + std::to_string(bytes) + " bytes)");
+  if (p == MAP_FAILED) throw os_error{errno, "mmap(PROT_NONE, " + std::to_string(bytes) + " bytes)"};
   return p;
 }
 
