@@ -84,15 +84,22 @@ TEST(refused_descriptors, a_closing_connection_leaves_a_peers_unread_descriptors
   EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms) << "the close did not linger: this test shows nothing";
 }
 
-// A connection the listener never accepted, with descriptors queued on it.
-TEST(refused_descriptors, a_closing_listener_leaves_a_waiting_connections_descriptors_to_the_closer) {
-  const auto where = fresh_abstract_name();
-  auto l = std::make_unique<listener>(where, channel::access_policy{});
+// A listener with a connection it never accepted, whose queue holds the last
+// reference to a socket whose close lingers 2 s.
+struct listener_with_a_lingering_connection_waiting {
+  const channel::channel_address where = fresh_abstract_name();
+  std::unique_ptr<listener> l = std::make_unique<listener>(where, channel::access_policy{});
   const unique_fd raw = raw_connect(where);
-  socket_holding_a_lingering_one held(2);
-  write_raw(raw.get(), raw_batch("SHOL", 2, {{1, bytes_of("x"), 1}}), {held.holder.get()});
-  held.holder.reset();
-  expect_returns_while_the_close_lingers([&] { l.reset(); },
+  socket_holding_a_lingering_one held{2};
+  listener_with_a_lingering_connection_waiting() {
+    write_raw(raw.get(), raw_batch("SHOL", 2, {{1, bytes_of("x"), 1}}), {held.holder.get()});
+    held.holder.reset();
+  }
+};
+
+TEST(refused_descriptors, a_closing_listener_leaves_a_waiting_connections_descriptors_to_the_closer) {
+  listener_with_a_lingering_connection_waiting waiting;
+  expect_returns_while_the_close_lingers([&] { waiting.l.reset(); },
                                          "the listener's close waited out the inner socket's linger");
 }
 
@@ -101,24 +108,20 @@ TEST(refused_descriptors, a_closing_listener_leaves_a_waiting_connections_descri
 // (which drops the waiting connection and what is queued on it) lingers on
 // the closer, not in the thread that dropped the listener.
 TEST(refused_descriptors, a_closing_listener_that_cannot_accept_hands_itself_to_the_closer) {
-  const auto where = fresh_abstract_name();
-  auto l = std::make_unique<listener>(where, channel::access_policy{});
-  const unique_fd raw = raw_connect(where);
-  socket_holding_a_lingering_one held(2);
-  write_raw(raw.get(), raw_batch("SHOL", 2, {{1, bytes_of("x"), 1}}), {held.holder.get()});
-  held.holder.reset();
+  listener_with_a_lingering_connection_waiting waiting;
+  const int raw = waiting.raw.get();
   rlimit saved{};
   ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
   rlimit low = saved;
-  const unique_fd lowest_free(::fcntl(raw.get(), F_DUPFD_CLOEXEC, 0));
+  const unique_fd lowest_free(::fcntl(raw, F_DUPFD_CLOEXEC, 0));
   low.rlim_cur = std::min<rlim_t>(saved.rlim_cur, static_cast<rlim_t>(lowest_free.get()) + 8);
   ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
   std::vector<unique_fd> filling;  // every number under the limit taken: accept4 fails with EMFILE
-  for (unique_fd copy(::dup(raw.get())); copy; copy.reset(::dup(raw.get()))) filling.push_back(std::move(copy));
+  for (unique_fd copy(::dup(raw)); copy; copy.reset(::dup(raw))) filling.push_back(std::move(copy));
   ASSERT_EQ(errno, EMFILE);
   expect_returns_while_the_close_lingers(
       [&] {
-        l.reset();
+        waiting.l.reset();
         filling.clear();
         ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
       },
