@@ -121,11 +121,23 @@ std::string in_python_words(std::string_view message) {
   return std::string(message);
 }
 
+// Messages may quote what a peer sent: bytes that are no UTF-8 are kept as
+// \xNN escapes rather than fail the conversion (and lose the error).
+// (Out of memory even for that: an empty text, so that the error itself still comes.)
+nb::str python_text(std::string_view message) {
+  PyObject* text = PyUnicode_DecodeUTF8(message.data(), static_cast<Py_ssize_t>(message.size()), "backslashreplace");
+  if (text == nullptr) {
+    PyErr_Clear();
+    return nb::str("");
+  }
+  return nb::steal<nb::str>(text);
+}
+
 /// Raises `type(message)` with the given attributes set on the instance, the
 /// message's leading C++ name put in Python's words.
 void raise(PyObject* type, const char* message, std::vector<std::pair<const char*, nb::object>> attributes = {}) {
-  const std::string text = in_python_words(message);
-  nb::object instance = nb::steal(PyObject_CallOneArg(type, nb::str(text.c_str()).ptr()));
+  const nb::str text = python_text(in_python_words(message));
+  nb::object instance = nb::steal(PyObject_CallOneArg(type, text.ptr()));
   if (!instance.is_valid()) return;  // the call itself raised; that error stands
   for (auto& [name, value] : attributes) nb::setattr(instance, name, value);
   PyErr_SetObject(type, instance.ptr());
@@ -134,11 +146,11 @@ void raise(PyObject* type, const char* message, std::vector<std::pair<const char
 // Made as OSError(errno, message) is, so that errno and strerror are its
 // arguments (str() reads "[Errno N] <message>"; pickle and copy keep them).
 void raise_os_error(const os_error& e) {
-  const std::string text = in_python_words(e.what());
-  nb::object instance = nb::steal(PyObject_CallFunction(types.os_error, "is", e.code(), text.c_str()));
+  const nb::str text = python_text(in_python_words(e.what()));
+  nb::object instance = nb::steal(PyObject_CallFunction(types.os_error, "iO", e.code(), text.ptr()));
   if (!instance.is_valid()) return;  // the call itself raised; that error stands
-  nb::setattr(instance, "call", nb::str(in_python_words(e.call()).c_str()));
-  nb::setattr(instance, "detail", nb::str(e.detail().c_str()));
+  nb::setattr(instance, "call", python_text(in_python_words(e.call())));
+  nb::setattr(instance, "detail", python_text(e.detail()));
   PyErr_SetObject(types.os_error, instance.ptr());
 }
 
@@ -160,13 +172,13 @@ void translate(const std::exception_ptr& p, void*) {
     raise_os_error(e);
   } catch (const backend_error& e) {
     raise(types.backend_error, e.what(),
-          {{"call", nb::str(e.call().c_str())}, {"detail", nb::str(e.detail().c_str())}});
+          {{"call", python_text(e.call())}, {"detail", python_text(e.detail())}});
   } catch (const stream_error& e) {
     raise(types.stream_error, e.what());
   } catch (const ordering_violation& e) {
     raise(types.ordering_violation, e.what());
   } catch (const invariant_violation& e) {
-    raise(types.invariant_violation, e.what(), {{"invariant", nb::str(e.invariant().c_str())}});
+    raise(types.invariant_violation, e.what(), {{"invariant", python_text(e.invariant())}});
   } catch (const connection_closed& e) {
     raise(types.connection_closed, e.what(), {{"no_listener", nb::bool_(e.no_listener())}});
   } catch (const peer_refused& e) {
@@ -182,7 +194,12 @@ void translate(const std::exception_ptr& p, void*) {
 
 /// Throws the C++ error named `kind` with `message`: lets the tests check the
 /// translation of errors no Python call can provoke yet (peer errors).
-void throw_cpp_error(const std::string& kind, const std::string& message) {
+void throw_cpp_error(const std::string& kind, const nb::object& given) {
+  // bytes as they are (a message that is no UTF-8, as a peer's may be), or a str's UTF-8
+  const std::string message = PyBytes_Check(given.ptr()) != 0
+                                  ? std::string(PyBytes_AS_STRING(given.ptr()),
+                                                static_cast<std::size_t>(PyBytes_GET_SIZE(given.ptr())))
+                                  : nb::cast<std::string>(given);
   const std::vector<std::pair<std::string, std::function<void()>>> throwers = {
       {"error", [&] { throw error(message); }},
       {"invalid_argument", [&] { throw invalid_argument(message); }},
@@ -275,7 +292,7 @@ void register_errors(nb::module_& m) {
   nb::register_exception_translator(translate);
   m.def("_throw_cpp_error", &throw_cpp_error, nb::arg("kind"), nb::arg("message"),
         "Test hook: throws the C++ error type `kind` (e.g. 'out_of_memory') "
-        "with `message`.");
+        "with `message` (a str, or bytes taken as they are).");
 }
 
 }  // namespace shoal::python

@@ -83,6 +83,43 @@ def test_messages_name_the_python_api_not_the_cpp_operation(said, read):
     assert str(raised.value) == read
 
 
+def test_a_message_that_is_no_utf8_still_raises_its_error_with_escapes():
+    # A message may quote what a peer sent: the error comes, its odd bytes as \xNN.
+    with pytest.raises(shoal.ProtocolError) as raised:
+        shoal._shoal._throw_cpp_error("protocol_error", b"the peer said \xff\xfe")
+    assert str(raised.value) == "the peer said \\xff\\xfe"
+    with pytest.raises(shoal.BackendError) as backend:
+        shoal._shoal._throw_cpp_error("backend_error", b"lender: \xc3")
+    assert backend.value.detail == "lender: \\xc3"
+
+
+def test_a_peer_greeting_with_a_name_that_is_no_text_is_a_protocol_error(tmp_path):
+    import socket
+    import struct
+
+    import shoal.sharing
+
+    address = str(tmp_path / "other.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+        server.bind(address)
+        server.listen(1)
+        allocator = shoal.Allocator(use_environment=False)
+        producer = shoal.sharing.Producer(address, allocator=allocator, ring_bytes=0)
+        try:
+            producer.put({"x": allocator.allocate(64).view()})
+            accepted, _ = server.accept()
+            name = b"shoal.\xff\x00bad"
+            payload = struct.pack("<I", len(name)) + name + struct.pack("<H", 1)
+            frame = struct.pack("<HHI", 0xFFFF, 0, len(payload)) + payload
+            batch = b"SHOL" + struct.pack("<HH", 2, 1) + struct.pack("<I", max(len(frame), 256 - 12)) + frame
+            accepted.sendall(batch + bytes(max(0, 256 - len(batch))))
+            accepted.close()
+            with pytest.raises(shoal.ProtocolError, match=re.escape(r"'shoal.\xff\x00bad' version 1")):
+                producer.close(timeout=5)
+        finally:
+            producer.close(timeout=0)
+
+
 def test_a_storage_handed_to_a_region_says_so_in_python_words():
     with pytest.raises(shoal.InvalidArgumentError, match="given to Borrower.publish belongs to the region"):
         shoal._shoal._throw_cpp_error("invalid_argument", "storage: this handle is empty (default-constructed)")

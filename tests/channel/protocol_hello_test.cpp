@@ -66,6 +66,15 @@ TEST(protocol_hello, a_peer_of_another_version_is_told_both_versions) {
   EXPECT_NE(why.find("matching shoal versions"), std::string::npos) << why;
 }
 
+// A hostile peer's name is bytes: the message writes those outside printable
+// ASCII as \xNN, so that a NUL does not cut it short and it stays text.
+TEST(protocol_hello, a_name_that_is_no_text_is_written_as_escapes) {
+  const std::string name("ev\xff\x00\x1b[31m\\", 10);
+  const std::string why = refusal(hello_frame(channel::encode_hello({name, 1})), sharing_v1);
+  EXPECT_NE(why.find("the peer speaks 'ev\\xff\\x00\\x1b[31m\\x5c' version 1"), std::string::npos) << why;
+  EXPECT_NE(why.find("wrong socket"), std::string::npos) << "the message was cut short: " << why;
+}
+
 TEST(protocol_hello, a_first_frame_that_is_not_a_hello_is_refused) {
   channel::frame f;
   f.type = 7;

@@ -69,7 +69,8 @@ import json, sys
 records = [json.loads(line) for line in open(sys.argv[1], encoding="ascii")]
 events = [r["event"] for r in records]
 assert events[0] == "started" and events[-1] == "stopping" and "connected" in events, events
-assert any("ev\xff\xfe\x7f" in r.get("detail", "") for r in records), "the bad hello's record"
+# The name's bytes outside printable ASCII are written as \xNN escapes.
+assert any(r"'ev\xff\xfe\x7f\xc2\x9b31m'" in r.get("detail", "") for r in records), "the bad hello's record"
 assert records[0]["capacity_bytes"] == 67108864, "numbers are JSON numbers: " + repr(records[0])
 assert all(type(r["pid"]) is int and type(r["bytes"]) is int for r in records if r["event"] == "connected")
 EOF
