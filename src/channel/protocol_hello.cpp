@@ -1,35 +1,14 @@
 #include <string>
-#include <string_view>
 
+#include "core/printable_text.h"
 #include "core/wire.h"
 #include "shoal/channel/protocol.h"
 #include "shoal/core/error.h"
 
 namespace shoal::channel {
 
-namespace {
-
-// A name as a peer may send it, its bytes outside printable ASCII written
-// \xNN: it goes into messages that logs and other languages print whole
-// (a NUL would cut it short, bytes that are no UTF-8 make Python's text fail).
-std::string printable(std::string_view bytes) {
-  static constexpr char digits[] = "0123456789abcdef";
-  std::string out;
-  for (const char c : bytes) {
-    const auto byte = static_cast<unsigned char>(c);
-    if (byte >= 0x20 && byte < 0x7f && byte != '\\') {
-      out += c;
-    } else {
-      out += {'\\', 'x', digits[byte >> 4], digits[byte & 0xf]};
-    }
-  }
-  return out;
-}
-
-}  // namespace
-
 std::string protocol_id::to_string() const {
-  return "'" + printable(name) + "' version " + std::to_string(version);
+  return "'" + shoal::detail::printable(name) + "' version " + std::to_string(version);  // a peer's name
 }
 
 std::vector<std::byte> encode_hello(const protocol_id& ours) {

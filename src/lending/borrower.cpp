@@ -991,6 +991,17 @@ std::string borrower::metrics(std::chrono::milliseconds timeout) {
     throw protocol_error("borrower::metrics: the lender answered with frame type " + std::to_string(f.type) + " of " +
                          std::to_string(f.payload.size()) + " bytes");
   }
+  // Prometheus text is printable ASCII in lines: anything else (a NUL, a
+  // terminal escape) would reach the operator's terminal or log as it is.
+  const auto odd = std::find_if(f.payload.begin(), f.payload.end(), [](std::byte b) {
+    const auto c = static_cast<unsigned char>(b);
+    return c != '\n' && (c < 0x20 || c >= 0x7f);
+  });
+  if (odd != f.payload.end()) {
+    throw protocol_error("borrower::metrics: the lender's metrics hold byte " +
+                         std::to_string(static_cast<unsigned>(*odd)) + " at offset " +
+                         std::to_string(odd - f.payload.begin()) + ", which is no printable text");
+  }
   return std::string(reinterpret_cast<const char*>(f.payload.data()), f.payload.size());
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/printable_text.h"
 #include "core/wire.h"
 
 namespace shoal::lending::detail {
@@ -110,7 +111,7 @@ refused_message decode_refused(std::span<const std::byte> payload) {
     r.fail("reason", "unknown reason " + std::to_string(reason));
   }
   m.reason = static_cast<refusal>(reason);
-  m.why = as_text(r.get_bytes("why", max_refusal_text));
+  m.why = shoal::detail::printable(as_text(r.get_bytes("why", max_refusal_text)));  // quoted in errors
   r.finish();
   return m;
 }

@@ -365,5 +365,48 @@ TEST(lending_hostile_peers, a_peer_timeout_past_a_day_is_refused) {
   EXPECT_NO_THROW(lender(backend::host_device_instance(), channel::channel_address::at_path(dir / "l.sock"), config));
 }
 
+// A lender that answers with text no terminal or log should get as it is: a
+// refusal's reason is quoted with escapes (the part after a NUL kept), and
+// metrics that are no printable text are refused.
+TEST(lending_hostile_peers, a_lenders_text_reaches_no_message_or_caller_raw) {
+  temp_dir dir;
+  const auto address = channel::channel_address::at_path(dir / "odd.sock");
+  channel::listener odd(address, {});
+  auto server = std::async(std::launch::async, [&] {
+    auto link = odd.accept();
+    channel::send_hello(link, lending::detail::lending_protocol);
+    (void)link.receive_for(5s);  // the hello
+    const auto borrow = lending::detail::decode_borrow(link.receive_for(5s).payload);
+    lending::detail::refused_message no;
+    no.request = borrow.request;
+    no.reason = lending::detail::refusal::bad_request;
+    no.why = std::string("cut\0here\x1b[31m\nlevel=error\\", 26);
+    link.send(static_cast<std::uint16_t>(message_type::refused), lending::detail::encode(no));
+    (void)link.receive_for(5s);  // the metrics query
+    const std::string text = "shoal_lending_regions 1\n\x1b[2J";
+    link.send(static_cast<std::uint16_t>(message_type::metrics),
+              std::vector<std::byte>(reinterpret_cast<const std::byte*>(text.data()),
+                                     reinterpret_cast<const std::byte*>(text.data()) + text.size()));
+    EXPECT_THROW((void)link.receive_for(5s), connection_closed);  // the borrower hangs up
+  });
+  {
+    borrower b(backend::host_device_instance(), address, {}, 2s);
+    try {
+      (void)b.borrow(4096, "odd", lending::region_mode::exclusive, 2s);
+      ADD_FAILURE() << "the refusal did not come";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("cut\\x00here\\x1b[31m\\x0alevel=error\\x5c"), std::string::npos)
+          << e.what();
+    }
+    try {
+      (void)b.metrics(2s);
+      ADD_FAILURE() << "metrics holding a terminal escape were handed on";
+    } catch (const protocol_error& e) {
+      EXPECT_NE(std::string(e.what()).find("byte 27 at offset 24"), std::string::npos) << e.what();
+    }
+  }
+  server.get();
+}
+
 }  // namespace
 }  // namespace shoal::testing

@@ -132,10 +132,13 @@ void daemon_log::write(spdlog::level::level_enum level, std::span<const log_fiel
 }
 
 std::string daemon_log::line_of(std::span<const log_field> fields) const {
-  // A value bare in text unless it is empty or holds a space, a quote or '='.
+  // A value bare in text only when it is printable ASCII with no space, quote
+  // or '=' (and not empty); else quoted and escaped.
   const auto quoted = [](const std::string& value) {
-    return value.find_first_of(" \"=") == std::string::npos && !value.empty() ? value
-                                                                              : "\"" + json_escaped(value) + "\"";
+    const bool bare = !value.empty() && std::all_of(value.begin(), value.end(), [](char c) {
+      return c > 0x20 && c < 0x7f && c != '"' && c != '=';
+    });
+    return bare ? value : "\"" + json_escaped(value) + "\"";
   };
   std::string line;
   for (const auto& [key, value, is_number] : fields) {
