@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/deadline.h"
+#include "core/printable_text.h"
 #include "lending/automatic_spin.h"
 #include "lending/mapping_cache.h"
 #include "lending/messages.h"
@@ -517,7 +518,9 @@ struct borrowed_region::link {
   }
 
   [[noreturn]] static void throw_refusal(const detail::refused_message& m, std::size_t bytes) {
-    const std::string why = "the lender refused: " + m.why;
+    // The lender's text, its bytes outside printable ASCII as \xNN escapes.
+    const std::string said = shoal::detail::printable(m.why);
+    const std::string why = "the lender refused: " + said;
     switch (m.reason) {
       case refusal::capacity:
         throw memory_refused(why, bytes, shortage::capacity);
@@ -533,7 +536,7 @@ struct borrowed_region::link {
       case refusal::not_permitted:
         throw peer_refused(why);
       case refusal::device_error:
-        throw backend_error("the lender's device", m.why);
+        throw backend_error("the lender's device", said);
       case refusal::hash_mismatch:
       case refusal::writer_mismatch:
         throw content_mismatch(why);

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 
-#include "core/printable_text.h"
 #include "core/wire.h"
 
 namespace shoal::lending::detail {
@@ -111,7 +110,7 @@ refused_message decode_refused(std::span<const std::byte> payload) {
     r.fail("reason", "unknown reason " + std::to_string(reason));
   }
   m.reason = static_cast<refusal>(reason);
-  m.why = shoal::detail::printable(as_text(r.get_bytes("why", max_refusal_text)));  // quoted in errors
+  m.why = as_text(r.get_bytes("why", max_refusal_text));  // the lender's bytes: quoted with escapes where used
   r.finish();
   return m;
 }
