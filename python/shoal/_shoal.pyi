@@ -117,7 +117,7 @@ def host_device() -> Device:
 
 def cuda_device(ordinal: int = 0) -> Device:
     """
-    CUDA device `ordinal`; raises DeviceUnavailableError when there is none.
+    CUDA device `ordinal` (>= 0); raises DeviceUnavailableError when there is none.
     """
 
 def cuda_device_count() -> int:

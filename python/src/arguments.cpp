@@ -11,42 +11,61 @@
 
 namespace shoal::python {
 
-std::uint64_t whole_number_of(const python_int& value, const char* who, const char* what, std::uint64_t most,
-                              bool positive) {
-  // Read as an exact int, never through a subclass's own methods.
-  PyObject* const object = value.value.ptr();
-  int overflow = 0;  // -1: below int64, 1: above
-  const long long number = PyLong_AsLongLongAndOverflow(object, &overflow);
-  if (number == -1 && PyErr_Occurred() != nullptr) throw nb::python_error();
-  const bool negative = overflow < 0 || (overflow == 0 && number < 0);
+namespace {
+
+// An int read exactly, never through a subclass's own methods.
+struct int_read {
+  long long number = 0;
+  int overflow = 0;                    // -1: below int64, 1: above
   std::optional<std::uint64_t> whole;  // the value, when from 0 to 2^64 - 1
-  if (overflow == 0 && number >= 0) {
-    whole = static_cast<std::uint64_t>(number);
-  } else if (overflow > 0) {
+
+  [[nodiscard]] bool negative() const noexcept { return overflow < 0 || (overflow == 0 && number < 0); }
+  // The value for a message, from C++, not from the object's __str__ (a
+  // subclass's may raise, and Python prints no int of more than 4300 digits).
+  [[nodiscard]] std::string text() const {
+    if (whole) return std::to_string(*whole);
+    if (overflow == 0) return std::to_string(number);
+    return negative() ? "a negative number of more than 64 bits" : "a number of more than 64 bits";
+  }
+};
+
+int_read read_int(const python_int& value) {
+  PyObject* const object = value.value.ptr();
+  int_read read;
+  read.number = PyLong_AsLongLongAndOverflow(object, &read.overflow);
+  if (read.number == -1 && PyErr_Occurred() != nullptr) throw nb::python_error();
+  if (read.overflow == 0 && read.number >= 0) {
+    read.whole = static_cast<std::uint64_t>(read.number);
+  } else if (read.overflow > 0) {
     const unsigned long long big = PyLong_AsUnsignedLongLong(object);
     if (big == static_cast<unsigned long long>(-1) && PyErr_Occurred() != nullptr) {
       PyErr_Clear();  // past 2^64 - 1 as well
     } else {
-      whole = big;
+      read.whole = big;
     }
   }
+  return read;
+}
+
+}  // namespace
+
+std::uint64_t whole_number_of(const python_int& value, const char* who, const char* what, std::uint64_t most,
+                              bool positive) {
+  const int_read read = read_int(value);
   const std::uint64_t least = positive ? 1 : 0;
-  if (whole && *whole >= least && *whole <= most) return *whole;
-  // The value in the message from C++, not from the object's __str__ (a
-  // subclass's may raise, and Python prints no int of more than 4300 digits).
-  std::string given;
-  if (whole) {
-    given = std::to_string(*whole);
-  } else if (overflow == 0) {
-    given = std::to_string(number);
-  } else {
-    given = negative ? "a negative number of more than 64 bits" : "a number of more than 64 bits";
-  }
-  if (negative || (whole && *whole < least)) {
+  if (read.whole && *read.whole >= least && *read.whole <= most) return *read.whole;
+  if (read.negative() || (read.whole && *read.whole < least)) {
     throw invalid_argument(std::string(who) + ": " + what + (positive ? " must be positive" : " must be >= 0") +
-                           ", got " + given);
+                           ", got " + read.text());
   }
-  throw invalid_argument(std::string(who) + ": " + what + " must be at most " + std::to_string(most) + ", got " + given);
+  throw invalid_argument(std::string(who) + ": " + what + " must be at most " + std::to_string(most) + ", got " +
+                         read.text());
+}
+
+std::int64_t signed_number_of(const python_int& value, const char* who, const char* what) {
+  const int_read read = read_int(value);
+  if (read.overflow == 0) return read.number;
+  throw invalid_argument(std::string(who) + ": " + what + " must lie from -2^63 to 2^63 - 1, got " + read.text());
 }
 
 channel::access_policy policy_of(const std::vector<python_int>& allowed_uids, const char* who) {

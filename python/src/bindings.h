@@ -195,6 +195,9 @@ std::string text_of(const channel::channel_address& address);
 /// anything else is invalid_argument naming `who` and the argument (`what`).
 std::uint64_t whole_number_of(const python_int& value, const char* who, const char* what,
                               std::uint64_t most = std::numeric_limits<std::int64_t>::max(), bool positive = false);
+/// `value` as a signed 64-bit number (an offset or stride the caller checks
+/// further): anything past that is invalid_argument naming `who` and `what`.
+std::int64_t signed_number_of(const python_int& value, const char* who, const char* what);
 /// The calling user plus `allowed_uids`, each refused by name (`who`) unless
 /// a uid (0 .. 2^32 - 2).
 channel::access_policy policy_of(const std::vector<python_int>& allowed_uids, const char* who);

@@ -62,8 +62,8 @@ void register_grouped_load(nb::module_& m) {
           "groups", [](const py_grouped_load& l) { return l.load.groups(); }, "Number of groups.")
       .def(
           "wait",
-          [](const py_grouped_load& l, std::int64_t k, const py_stream* stream) {
-            if (k < 0) throw invalid_argument("GroupedLoad.wait: group must be >= 0, got " + std::to_string(k));
+          [](const py_grouped_load& l, const python_int& group, const py_stream* stream) {
+            const auto k = whole_number_of(group, "GroupedLoad.wait", "group");
             auto s = stream_or_current(stream, l.copy_stream->device());
             l.load.wait_for_group(static_cast<std::size_t>(k), s->ref());
           },
@@ -72,17 +72,15 @@ void register_grouped_load(nb::module_& m) {
           "GPU-side wait, the caller does not block.")
       .def(
           "is_ready",
-          [](const py_grouped_load& l, std::int64_t k) {
-            if (k < 0) throw invalid_argument("GroupedLoad.is_ready: group must be >= 0, got " + std::to_string(k));
+          [](const py_grouped_load& l, const python_int& group) {
+            const auto k = whole_number_of(group, "GroupedLoad.is_ready", "group");
             return l.load.is_group_ready(static_cast<std::size_t>(k));
           },
           nb::arg("group"), "True once groups 0..group have been copied.")
       .def(
           "synchronize_group",
-          [](const py_grouped_load& l, std::int64_t k) {
-            if (k < 0) {
-              throw invalid_argument("GroupedLoad.synchronize_group: group must be >= 0, got " + std::to_string(k));
-            }
+          [](const py_grouped_load& l, const python_int& group) {
+            const auto k = whole_number_of(group, "GroupedLoad.synchronize_group", "group");
             const auto event = l.load.group_ready(static_cast<std::size_t>(k));
             released_gil release;
             l.copy_stream->device().synchronize_event(event);

@@ -169,7 +169,8 @@ void register_storages(nb::module_& m) {
           nb::arg("other"), "True iff both name the same storage object.")
       .def(
           "write",
-          [](const py_storage& s, nb::handle data, std::int64_t offset, const py_stream* stream) {
+          [](const py_storage& s, nb::handle data, const python_int& offset_given, const py_stream* stream) {
+            const std::int64_t offset = signed_number_of(offset_given, "Storage.write", "offset");
             s.handle.require_writable("Storage.write");
             buffer_view buffer(data);
             check_range(s, offset, buffer.size(), "Storage.write");
@@ -187,7 +188,11 @@ void register_storages(nb::module_& m) {
           "(GIL released meanwhile). InvalidArgumentError for read-only memory.")
       .def(
           "read",
-          [](const py_storage& s, std::int64_t offset, std::optional<std::int64_t> nbytes, const py_stream* stream) {
+          [](const py_storage& s, const python_int& offset_given, const std::optional<python_int>& nbytes_given,
+             const py_stream* stream) {
+            const std::int64_t offset = signed_number_of(offset_given, "Storage.read", "offset");
+            std::optional<std::int64_t> nbytes;
+            if (nbytes_given) nbytes = signed_number_of(*nbytes_given, "Storage.read", "nbytes");
             const std::int64_t size = static_cast<std::int64_t>(s.handle.get().size());
             // Without nbytes, to the end: an offset past the end is named as such by check_range.
             const std::int64_t count =
@@ -215,9 +220,9 @@ void register_storages(nb::module_& m) {
           "enqueued there; never materializes a lazy clone.")
       .def(
           "fill",
-          [](const py_storage& s, int value, const py_stream* stream) {
+          [](const py_storage& s, const python_int& value_given, const py_stream* stream) {
+            const auto value = whole_number_of(value_given, "Storage.fill", "value (a byte)", 255);
             s.handle.require_writable("Storage.fill");
-            if (value < 0 || value > 255) throw invalid_argument("Storage.fill: value must be a byte (0..255)");
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
             released_gil release;
@@ -229,9 +234,18 @@ void register_storages(nb::module_& m) {
           "wait), materializing a lazy clone first. InvalidArgumentError for read-only memory.")
       .def(
           "view",
-          [](const py_storage& s, nb::handle dtype, std::optional<std::vector<std::int64_t>> shape,
-             std::optional<std::vector<std::int64_t>> strides, std::int64_t offset, std::optional<bool> readonly) {
-            return make_view(s, dtype, std::move(shape), std::move(strides), offset,
+          [](const py_storage& s, nb::handle dtype, const std::optional<std::vector<python_int>>& shape,
+             const std::optional<std::vector<python_int>>& strides, const python_int& offset,
+             std::optional<bool> readonly) {
+            const auto numbers = [](const std::optional<std::vector<python_int>>& given, const char* what) {
+              std::optional<std::vector<std::int64_t>> out;
+              if (!given) return out;
+              out.emplace();
+              for (const auto& n : *given) out->push_back(signed_number_of(n, "Storage.view", what));
+              return out;
+            };
+            return make_view(s, dtype, numbers(shape, "shape"), numbers(strides, "strides"),
+                             signed_number_of(offset, "Storage.view", "offset"),
                              readonly.value_or(s.handle.read_only()));
           },
           nb::arg("dtype") = "uint8", nb::arg("shape").none() = nb::none(), nb::arg("strides").none() = nb::none(),

@@ -9,6 +9,7 @@
 #include <nanobind/stl/tuple.h>
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "bindings.h"
@@ -137,9 +138,15 @@ void register_streams(nb::module_& m) {
         "('cuda' raises DeviceUnavailableError where there is none).");
   m.def("host_device", &backend::host_device_instance, nb::rv_policy::reference,
         "The host device: host memory, executor threads as streams.");
-  m.def("cuda_device", &backend::cuda_device_instance, nb::arg("ordinal") = 0, nb::rv_policy::reference,
-        "CUDA device `ordinal`; raises DeviceUnavailableError when there is "
-        "none.");
+  m.def(
+      "cuda_device",
+      [](const python_int& ordinal) -> backend::device& {
+        const auto n = whole_number_of(ordinal, "cuda_device", "ordinal", std::numeric_limits<int>::max());
+        return backend::cuda_device_instance(static_cast<int>(n));
+      },
+      nb::arg("ordinal") = 0, nb::rv_policy::reference,
+      "CUDA device `ordinal` (>= 0); raises DeviceUnavailableError when there is "
+      "none.");
   m.def("cuda_device_count", &backend::cuda_device_count, "Number of usable CUDA devices (0 without driver or GPU).");
 
   nb::class_<py_stream>(m, "Stream",

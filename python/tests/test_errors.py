@@ -207,6 +207,43 @@ def test_numbers_out_of_range_are_refused_by_the_argument_they_were_given_as():
     listener.close()
 
 
+def test_a_storages_offsets_shapes_and_bytes_past_64_bits_are_refused_by_name():
+    import numpy
+    import shoal.loading
+
+    storage = shoal.allocate(4096)
+    load = shoal.loading.load_groups([[(storage, numpy.zeros(4096, "uint8"))]])
+    load.synchronize()
+    for call, message in (
+        (lambda: storage.read(2**64 - 1), "Storage.read: offset must lie from -2^63 to 2^63 - 1, got 18446744073709551615"),
+        (lambda: storage.read(0, 2**63), "Storage.read: nbytes must lie from -2^63 to 2^63 - 1, got 9223372036854775808"),
+        (lambda: storage.read(-(2**70)), "Storage.read: offset must lie from -2^63 to 2^63 - 1, got a negative number of"),
+        (lambda: storage.write(b"x", 2**63), "Storage.write: offset must lie from -2^63 to 2^63 - 1"),
+        (lambda: storage.fill(256), "Storage.fill: value (a byte) must be at most 255, got 256"),
+        (lambda: storage.fill(2**31), "Storage.fill: value (a byte) must be at most 255, got 2147483648"),
+        (lambda: storage.fill(-1), "Storage.fill: value (a byte) must be >= 0, got -1"),
+        (lambda: storage.view("uint8", (2**63,)), "Storage.view: shape must lie from -2^63 to 2^63 - 1"),
+        (lambda: storage.view("uint8", (4,), (2**64,)), "Storage.view: strides must lie from -2^63 to 2^63 - 1"),
+        (lambda: storage.view("uint8", offset=2**64), "Storage.view: offset must lie from -2^63 to 2^63 - 1"),
+        (lambda: shoal.cuda_device(2**31), "cuda_device: ordinal must be at most 2147483647, got 2147483648"),
+        (lambda: shoal.cuda_device(-1), "cuda_device: ordinal must be >= 0, got -1"),
+        (lambda: load.wait(2**63), "GroupedLoad.wait: group must be at most 9223372036854775807"),
+        (lambda: load.is_ready(-1), "GroupedLoad.is_ready: group must be >= 0, got -1"),
+        (lambda: load.synchronize_group(2**64), "GroupedLoad.synchronize_group: group must be at most"),
+    ):
+        with pytest.raises(shoal.InvalidArgumentError, match="^" + re.escape(message)):
+            call()
+    # Within 64 bits, the storage's own range checks answer as before; numpy integers pass.
+    with pytest.raises(shoal.InvalidArgumentError, match="do not fit the storage's 4096 bytes"):
+        storage.read(2**62)
+    with pytest.raises(shoal.InvalidArgumentError, match="negative extent -1"):
+        storage.view("uint8", (-1,))
+    storage.fill(numpy.uint8(7))
+    assert storage.read(numpy.int64(4095)) == b"\x07"
+    assert storage.view("uint8", (numpy.int64(2),), (numpy.int32(-1),), offset=numpy.int64(1)).shape == (2,)
+    assert load.is_ready(numpy.int64(0))
+
+
 def test_a_real_invalid_argument_is_a_value_error():
     with pytest.raises(ValueError, match="unknown_key"):
         shoal.Allocator(use_environment=False, unknown_key=1)
