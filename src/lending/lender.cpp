@@ -13,6 +13,7 @@
 #include <list>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <new>
 #include <string_view>
 #include <thread>
@@ -269,26 +270,34 @@ class lender::state {
   const channel::channel_address& address() const noexcept { return listener_.address(); }
 
   void revoke(std::uint64_t id, std::chrono::milliseconds deadline) {
+    if (auto why = start_revoke(id, deadline)) throw invalid_argument("lender::revoke: " + *why);
+  }
+
+  // Marks region `id` to be revoked within `deadline` and wakes the serving
+  // thread; else says, in words that name no function (a borrower's revoke
+  // request is answered with them), why it cannot be.
+  std::optional<std::string> start_revoke(std::uint64_t id, std::chrono::milliseconds deadline) {
     if (deadline <= std::chrono::milliseconds(0) || deadline.count() > std::numeric_limits<std::uint32_t>::max()) {
-      throw invalid_argument("lender::revoke: the deadline must be 1 ms to about 49 days");
+      return "the deadline must be 1 ms to about 49 days";
     }
     {
       std::lock_guard lock(mutex_);
       const auto it = regions_.find(id);
       if (it != regions_.end() && it->second.info.mode == region_mode::shared) {
-        throw invalid_argument("lender::revoke: region " + std::to_string(id) + " ('" + it->second.info.purpose +
-                               "') is shared: each of its holders gives its own hold back, and it goes with the last; "
-                               "revoke exclusive regions only");
+        return "region " + std::to_string(id) + " ('" + it->second.info.purpose +
+               "') is shared: each of its holders gives its own hold back, and it goes with the last; "
+               "revoke exclusive regions only";
       }
       if (it == regions_.end() || it->second.info.state != region_state::lent) {
-        throw invalid_argument("lender::revoke: region " + std::to_string(id) + " is not lent to a connected borrower" +
-                               (it == regions_.end() ? "" : " (it is being revoked, or its borrower hung up)"));
+        return "region " + std::to_string(id) + " is not lent to a connected borrower" +
+               (it == regions_.end() ? "" : " (it is being revoked, or its borrower hung up)");
       }
       revocations_.push_back({id, deadline, {}});  // first: when memory runs out the region stays lent
       mark_revoking(it->second, deadline);
     }
     const std::uint64_t one = 1;
     (void)!::write(wake_.get(), &one, sizeof one);
+    return std::nullopt;
   }
 
  private:
@@ -1418,10 +1427,8 @@ class lender::state {
                           "only a process of the lender's own uid (" + std::to_string(own) +
                               ") or root may revoke regions; this one is of uid " + std::to_string(b.link.peer().uid));
     }
-    try {
-      revoke(m.region, std::chrono::milliseconds(m.deadline_ms));
-    } catch (const invalid_argument& e) {
-      return send_refusal(b, m.request, refusal::bad_request, e.what());
+    if (auto why = start_revoke(m.region, std::chrono::milliseconds(m.deadline_ms))) {
+      return send_refusal(b, m.request, refusal::bad_request, *why);
     }
     const auto accepted = detail::encode_revoke_accepted(m.request);
     post(b, {{static_cast<std::uint16_t>(message_type::revoke_accepted), view(accepted)}});

@@ -41,7 +41,13 @@ TEST(lending_operator_revoke, a_region_that_cannot_be_revoked_is_a_bad_request_a
   auto& dev = backend::host_device_instance();
   lender l(dev, channel::channel_address::at_path(dir / "l.sock"));
   borrower writer(dev, l.address()), operator_(dev, l.address());
-  EXPECT_THROW(operator_.revoke(12345, std::chrono::seconds(1)), invalid_argument) << "no such region";
+  try {
+    operator_.revoke(12345, std::chrono::seconds(1));
+    ADD_FAILURE() << "a region that does not exist was revoked";
+  } catch (const invalid_argument& e) {
+    // In the lender's words, naming none of its functions: the borrower called none.
+    EXPECT_STREQ(e.what(), "the lender refused: region 12345 is not lent to a connected borrower");
+  }
   auto region = writer.borrow(2 * mib, "weights");
   lending::region_layout layout;
   layout.entries = {{"w", 0, region.size(), lending::dtype::uint8, {region.size()}}};
