@@ -72,7 +72,7 @@ bool hand_waiting_connections_to_closer(int listening) noexcept {
   for (;;) {
     const int waiting = ::accept4(listening, nullptr, nullptr, SOCK_CLOEXEC);  // the listener does not block
     if (waiting >= 0) {
-      shoal::detail::close_off_thread(waiting);
+      shoal::detail::close_off_thread(waiting, shoal::detail::peer_uid_of(waiting));
     } else if (errno != EINTR && errno != ECONNABORTED) {
       return errno == EAGAIN || errno == EWOULDBLOCK;
     }
@@ -336,7 +336,8 @@ connection connection::checked_peer(unique_fd socket, const ucred& credentials, 
   // Owned (and registered for fork() children) before the checks, which may
   // take a while (/proc): a throw releases the registration, then closes it.
   auto s = std::make_unique<state>();
-  s->socket = unique_fd::from_peer(socket.release());
+  s->socket = unique_fd::from_peer(socket.release(), credentials.uid);
+  s->partial.peer_uid = credentials.uid;
   s->released_in_children.emplace(s->socket.get());
   // An out-of-band byte (unix sockets have them from Linux 5.15 on) is read
   // in line, so a descriptor sent with one comes to read_some, which refuses

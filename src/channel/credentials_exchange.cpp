@@ -94,7 +94,7 @@ ucred receive_greeting(int socket, std::chrono::steady_clock::time_point until) 
     const ssize_t n = ::recvmsg(socket, &m, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
     if (n < 0) fail("recvmsg");
-    shoal::detail::take_descriptors(m, descriptors);
+    shoal::detail::take_descriptors(m, descriptors, shoal::detail::peer_uid_of(socket));
     truncated = truncated || (m.msg_flags & MSG_CTRUNC) != 0;
     if (n == 0) throw connection_closed("recvmsg: the other end closed the socket before it introduced itself");
     for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {

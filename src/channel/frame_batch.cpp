@@ -88,7 +88,8 @@ struct read_wait {
 // One recvmsg of at most `bytes`, keeping every descriptor that came with it
 // (at most `most_descriptors` in the whole batch: more is a protocol error).
 std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read_wait& wait,
-                      std::vector<unique_fd>& descriptors, std::size_t most_descriptors, bool batch_started) {
+                      std::vector<unique_fd>& descriptors, std::size_t most_descriptors, std::uint32_t peer_uid,
+                      bool batch_started) {
   const auto spin = wait.spin;
   const auto& until = wait.until;
   iovec part{into, bytes};
@@ -129,7 +130,7 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
       flags &= ~MSG_DONTWAIT;  // spun enough: block
     }
   }
-  take_descriptors(header, descriptors);
+  take_descriptors(header, descriptors, peer_uid);
   if (most_descriptors == 0 && ((header.msg_flags & MSG_CTRUNC) != 0 || !descriptors.empty())) {
     throw protocol_error("a batch came with a descriptor, and this connection takes none (the kernel closed it)");
   }
@@ -147,13 +148,13 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
   return static_cast<std::size_t>(got);
 }
 
-// While the closer threads are backlogged (a peer holds their closes, and the
-// descriptors behind pile up in this process's table), no new batch is begun
-// from a peer that may send descriptors: it could install more. A batch
-// begun is read on (at most 16 more). A connection that takes none installs
-// none.
+// While the closers are backlogged for this peer's uid (it holds its own
+// closes and its descriptors pile up in this process's table, or the peers
+// together passed the process-wide limit), no new batch is begun from a peer
+// that may send descriptors: it could install more. A batch begun is read on
+// (at most 16 more). A connection that takes none installs none.
 bool closers_hold_new_batches(const partial_batch& p, bool batch_started) noexcept {
-  return !batch_started && p.most_descriptors > 0 && shoal::detail::closer_backlogged();
+  return !batch_started && p.most_descriptors > 0 && shoal::detail::closer_backlogged(p.peer_uid);
 }
 
 // Waits, in short sleeps, until the closers no longer hold new batches, or
@@ -163,9 +164,11 @@ void wait_for_the_closers(const partial_batch& p, deadline until) {
   while (closers_hold_new_batches(p, false)) {
     if (until && std::chrono::steady_clock::now() >= *until) {
       throw timeout_error("the deadline passed before the next batch was read: more than " +
+                          std::to_string(shoal::detail::closer_owner_backlog_limit()) +
+                          " descriptors from peers of uid " + std::to_string(p.peer_uid) + " (or more than " +
                           std::to_string(shoal::detail::closer_backlog_limit()) +
-                          " descriptors from peers wait to be closed (a peer holds their closes: a socket set to "
-                          "linger, a FUSE file), and no batch that may bring more is begun until they are");
+                          " from all peers) wait to be closed (a peer holds their closes: a socket set to linger, a "
+                          "FUSE file), and no batch that may bring more is begun until they are");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
@@ -399,7 +402,7 @@ std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::
       if (closers_hold_new_batches(partial, started)) wait_for_the_closers(partial, until);
       // Only the batch's first read spins.
       return read_some(socket, into, bytes, {started ? std::chrono::nanoseconds(0) : spin, until}, partial.descriptors,
-                       partial.most_descriptors, started);
+                       partial.most_descriptors, partial.peer_uid, started);
     });
     return take_frames(partial, max_payload);
   } catch (...) {
@@ -413,7 +416,7 @@ std::optional<std::vector<frame>> read_batch_if_ready(int socket, std::size_t ma
     const bool whole = assemble(partial, max_payload, [&](std::byte* into, std::size_t bytes, bool started) {
       if (closers_hold_new_batches(partial, started)) return std::size_t{0};  // as if nothing had come
       return read_some(socket, into, bytes, {{}, std::nullopt, true}, partial.descriptors, partial.most_descriptors,
-                       started);
+                       partial.peer_uid, started);
     });
     if (!whole) return std::nullopt;
     return take_frames(partial, max_payload);

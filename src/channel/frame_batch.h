@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <span>
 #include <vector>
@@ -72,6 +73,8 @@ struct partial_batch {
   /// no room for any, so the kernel installs none); past it, the read
   /// throws protocol_error.
   std::size_t most_descriptors = max_batch_descriptors;
+  /// The peer's uid: its descriptors are charged to it at the closer.
+  std::uint32_t peer_uid = unique_fd::no_one_peer;
 
   [[nodiscard]] bool started() const noexcept { return got > 0; }
   /// Drops what was read (its descriptors, a peer's, go to the closer

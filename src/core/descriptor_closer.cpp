@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -21,6 +22,21 @@ namespace shoal::detail {
 
 namespace {
 
+std::int64_t steady_ns() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// One owner's descriptors: erased once none waits and none is being closed.
+struct owner_queue {
+  std::deque<int> waiting;      // handed over, not yet taken
+  std::size_t closing = 0;      // taken by a thread, its close not returned
+  bool ready = false;           // listed in closers::ready
+  bool over_own_limit = false;  // waiting.size() > closer_owner_backlog_limit(), as last counted
+  std::size_t counted = 0;      // what it adds to closers::within_limits_waiting
+  std::int64_t progress_ns = steady_ns();  // made, or one of its closes last returned
+};
+
 // One process's closers. Never destroyed: their detached threads may still
 // run while the process exits, and in a fork() child the parent's, whose
 // mutex a vanished thread may hold, is left untouched.
@@ -28,21 +44,21 @@ struct closers {
   std::uint64_t fork_generation = forks_so_far();
   std::mutex mutex;
   std::condition_variable has_work, made_progress;
-  std::size_t threads = 0;    // started; guarded by mutex
-  std::size_t idle = 0;       // of those, waiting for work; guarded by mutex
-  std::deque<int> queue;      // handed over, not yet taken; guarded by mutex
-  std::uint64_t handed = 0;   // descriptors handed over; guarded by mutex
-  std::uint64_t closed = 0;   // of those, closed; guarded by mutex
-  std::atomic<bool> over_limit{false};  // queue.size() > closer_backlog_limit(), as last counted
-  std::atomic<std::int64_t> last_close_ns{0};  // steady clock, when a close last returned
+  std::size_t threads = 0;  // started; guarded by mutex
+  std::size_t idle = 0;     // of those, waiting for work; guarded by mutex
+  std::map<closer_owner, owner_queue> owners;  // guarded by mutex
+  // Owners with a descriptor waiting and fewer than max_closes_per_owner
+  // being closed, in turn; each once. Guarded by mutex.
+  std::deque<closer_owner> ready;
+  std::size_t within_limits_waiting = 0;  // waiting, of owners within their own limit; guarded by mutex
+  std::uint64_t handed = 0;               // descriptors handed over; guarded by mutex
+  std::uint64_t closed = 0;               // of those, closed; guarded by mutex
+  std::atomic<bool> over_limit{false};    // within_limits_waiting > closer_backlog_limit(), as last counted
+  std::atomic<std::size_t> owners_over_limit{0};  // owners with over_own_limit
+  std::atomic<std::int64_t> last_close_ns{0};     // steady clock, when any close last returned
 };
 
-std::int64_t steady_ns() noexcept {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-// A queue over the limit is a backlog only once no close has returned for
+// A queue over a limit is a backlog only once no close has returned for
 // this long: a burst the threads work through (a producer's segments retired
 // at once) is none.
 constexpr std::int64_t stalled_after_ns = 100'000'000;
@@ -56,24 +72,69 @@ void close_now(int fd) noexcept {
   (void)::close(fd);
 }
 
-// Under c.mutex.
-void count_backlog(closers& c) noexcept {
-  c.over_limit.store(c.queue.size() > closer_backlog_limit(), std::memory_order_relaxed);
+// Brings the counts of `o`'s waiting descriptors up to date. Under c.mutex.
+void count_backlog(closers& c, owner_queue& o) noexcept {
+  const bool over = o.waiting.size() > closer_owner_backlog_limit();
+  if (over != o.over_own_limit) {
+    o.over_own_limit = over;
+    if (over) {
+      c.owners_over_limit.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      c.owners_over_limit.fetch_sub(1, std::memory_order_relaxed);
+    }
+  }
+  const std::size_t counts = over ? 0 : o.waiting.size();
+  c.within_limits_waiting = c.within_limits_waiting - o.counted + counts;
+  o.counted = counts;
+  c.over_limit.store(c.within_limits_waiting > closer_backlog_limit(), std::memory_order_relaxed);
+}
+
+// Lists `owner` in its turn when it has a descriptor waiting and room for
+// another close. Under c.mutex.
+void list_if_ready(closers& c, closer_owner owner, owner_queue& o) {
+  if (o.ready || o.waiting.empty() || o.closing >= max_closes_per_owner) return;
+  c.ready.push_back(owner);
+  o.ready = true;
+}
+
+void start_thread(closers& c);
+
+// Starts a thread when an owner's turn would find none free. Under c.mutex;
+// throws when none can be started.
+void start_thread_if_wanted(closers& c) {
+  // One notified may not have woken yet: it is still counted idle, and takes the first.
+  if (c.ready.size() > c.idle && c.threads < max_closer_threads) start_thread(c);
 }
 
 void run(closers* c) noexcept {
   std::unique_lock lock(c->mutex);
   for (;;) {
     ++c->idle;
-    c->has_work.wait(lock, [c] { return !c->queue.empty(); });
+    c->has_work.wait(lock, [c] { return !c->ready.empty(); });
     --c->idle;
-    const int fd = c->queue.front();
-    c->queue.pop_front();
-    count_backlog(*c);
+    const closer_owner owner = c->ready.front();
+    c->ready.pop_front();
+    owner_queue* const o = &c->owners.find(owner)->second;  // a ready owner is listed
+    o->ready = false;
+    const int fd = o->waiting.front();
+    o->waiting.pop_front();
+    ++o->closing;
+    count_backlog(*c, *o);
+    list_if_ready(*c, owner, *o);  // at the back: the other owners' turns come first
+    try {
+      start_thread_if_wanted(*c);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): this thread goes on with the others
+    }
     lock.unlock();
     close_now(fd);
-    c->last_close_ns.store(steady_ns(), std::memory_order_relaxed);
+    const std::int64_t now = steady_ns();
+    c->last_close_ns.store(now, std::memory_order_relaxed);
     lock.lock();
+    --o->closing;  // still listed: an owner goes once nothing of it is closing (map nodes stay put)
+    o->progress_ns = now;
+    list_if_ready(*c, owner, *o);
+    if (o->waiting.empty() && o->closing == 0) c->owners.erase(owner);
+    if (!c->ready.empty()) c->has_work.notify_one();
     ++c->closed;
     c->made_progress.notify_all();
   }
@@ -105,6 +166,8 @@ closers& this_process_closers() {
   return *made.release();
 }
 
+bool stalled_since(std::int64_t ns) noexcept { return steady_ns() - ns > stalled_after_ns; }
+
 }  // namespace
 
 std::size_t closer_backlog_limit() noexcept {
@@ -113,33 +176,42 @@ std::size_t closer_backlog_limit() noexcept {
   return std::clamp<std::size_t>(static_cast<std::size_t>(limit.rlim_cur / 4), 16, 4096);
 }
 
-bool closer_backlogged() noexcept {
-  const closers* c = current.load(std::memory_order_acquire);
+std::size_t closer_owner_backlog_limit() noexcept { return std::max<std::size_t>(closer_backlog_limit() / 4, 4); }
+
+bool closer_backlogged(closer_owner owner) noexcept {
+  closers* c = current.load(std::memory_order_acquire);
   // A fork() child's are its own (none until its first hand-over).
-  return c != nullptr && c->over_limit.load(std::memory_order_relaxed) &&
-         c->fork_generation == fork_counting::forks.load(std::memory_order_relaxed) &&
-         steady_ns() - c->last_close_ns.load(std::memory_order_relaxed) > stalled_after_ns;
+  if (c == nullptr || c->fork_generation != fork_counting::forks.load(std::memory_order_relaxed)) return false;
+  if (c->over_limit.load(std::memory_order_relaxed) && stalled_since(c->last_close_ns.load(std::memory_order_relaxed))) {
+    return true;
+  }
+  if (c->owners_over_limit.load(std::memory_order_relaxed) == 0) return false;
+  const std::lock_guard lock(c->mutex);
+  const auto found = c->owners.find(owner);
+  return found != c->owners.end() && found->second.over_own_limit && stalled_since(found->second.progress_ns);
 }
 
-void close_off_thread(int fd) noexcept {
+void close_off_thread(int fd, closer_owner owner) noexcept {
   try {
     closers& c = this_process_closers();
     const std::lock_guard lock(c.mutex);
-    c.queue.push_back(fd);
+    owner_queue& o = c.owners[owner];
+    o.waiting.push_back(fd);
     ++c.handed;
-    count_backlog(c);
-    // More waiting than threads free to take them (one notified may not
-    // have woken yet: it is still counted idle, and takes the first).
-    if (c.queue.size() > c.idle && c.threads < max_closer_threads) {
-      try {
-        start_thread(c);
-      } catch (...) {
-        if (c.threads == 0) {  // none to close it: taken back, closed here
-          c.queue.pop_back();
-          --c.handed;
-          count_backlog(c);
-          throw;
+    count_backlog(c, o);
+    list_if_ready(c, owner, o);
+    try {
+      start_thread_if_wanted(c);
+    } catch (...) {
+      if (c.threads == 0) {  // none to close it: taken back, closed here
+        o.waiting.pop_back();
+        --c.handed;
+        count_backlog(c, o);
+        if (o.waiting.empty()) {
+          std::erase(c.ready, owner);
+          c.owners.erase(owner);
         }
+        throw;
       }
     }
     c.has_work.notify_one();

@@ -22,7 +22,7 @@ void attach_descriptors(msghdr& header, std::span<const int> fds, std::span<char
   std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
 }
 
-void take_descriptors(msghdr& header, std::vector<unique_fd>& into) {
+void take_descriptors(msghdr& header, std::vector<unique_fd>& into, std::uint32_t peer_uid) {
   std::size_t total = into.size();
   for (cmsghdr* c = CMSG_FIRSTHDR(&header); c != nullptr; c = CMSG_NXTHDR(&header, c)) {
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) total += (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
@@ -34,9 +34,16 @@ void take_descriptors(msghdr& header, std::vector<unique_fd>& into) {
     for (std::size_t i = 0; i < count; ++i) {
       int fd;
       std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-      into.push_back(unique_fd::from_peer(fd));
+      into.push_back(unique_fd::from_peer(fd, peer_uid));
     }
   }
+}
+
+std::uint32_t peer_uid_of(int socket) noexcept {
+  ucred credentials{};
+  socklen_t length = sizeof credentials;
+  if (::getsockopt(socket, SOL_SOCKET, SO_PEERCRED, &credentials, &length) != 0) return unique_fd::no_one_peer;
+  return credentials.uid;
 }
 
 }  // namespace shoal::detail

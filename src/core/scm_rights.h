@@ -6,6 +6,7 @@
 
 #include <sys/socket.h>
 
+#include <cstdint>
 #include <span>
 #include <vector>
 
@@ -34,8 +35,13 @@ struct descriptor_space {
 void attach_descriptors(msghdr& header, std::span<const int> fds, std::span<char> space);
 
 /// Appends every descriptor that came with `header` to `into`, owned, so
-/// none leaks whatever is done with the message; each a peer's
-/// (unique_fd::from_peer), closed off the caller's thread until checked.
-void take_descriptors(msghdr& header, std::vector<unique_fd>& into);
+/// none leaks whatever is done with the message; each the peer's, of uid
+/// `peer_uid` (unique_fd::from_peer), closed off the caller's thread until
+/// checked.
+void take_descriptors(msghdr& header, std::vector<unique_fd>& into, std::uint32_t peer_uid);
+
+/// The uid of the process at the other end of unix socket `socket` when it
+/// connected (SO_PEERCRED); unique_fd::no_one_peer when the kernel does not say.
+[[nodiscard]] std::uint32_t peer_uid_of(int socket) noexcept;
 
 }  // namespace shoal::detail

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -184,27 +185,49 @@ TEST(refused_descriptors, a_pair_end_refused_at_its_greeting_is_closed_off_the_a
       "the adopting thread closed the queued descriptor");
 }
 
-// Every closer thread held, and more descriptors waiting than the backlog
-// limit: connections that may take descriptors begin no batch (each could
-// install more) until the closers catch up, and then read on, unbroken; one
-// that takes none (it installs none) reads on throughout.
-TEST(refused_descriptors, while_peers_hold_every_closer_no_batch_that_may_bring_more_is_begun) {
+// A peer of this process's uid holds its closes (the channel charges a
+// connection's descriptors to its peer's uid), and more of its descriptors
+// wait than its limit: its connections that may take descriptors begin no
+// batch (each could install more) until the closes catch up, and then read
+// on, unbroken; one that takes none (it installs none) reads on throughout,
+// as does a peer of another uid.
+TEST(refused_descriptors, while_a_peer_holds_its_closes_its_connections_begin_no_batch_that_may_bring_more) {
   rlimit saved{};
   ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
   rlimit low = saved;
   low.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 128);
   ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
-  ASSERT_EQ(shoal::detail::closer_backlog_limit(), 32u);
+  ASSERT_EQ(shoal::detail::closer_owner_backlog_limit(), 8u);
+  const auto batch = raw_batch("SHOL", 2, {{1, bytes_of("plain")}});
+  // A peer of another uid, connected and with its batch sent before the pause.
+  const auto address = fresh_abstract_name();
+  std::optional<listener> server;
+  std::optional<forked_child> other_uid;
+  if (::geteuid() == 0) {
+    server.emplace(address, channel::access_policy{{nobody}});
+    const raw_address target = raw_address_of(address);
+    other_uid.emplace([&] {
+      const int switched = become_nobody();
+      if (switched != 0) return switched;
+      const int s = ::socket(AF_UNIX, SOCK_STREAM, 0);
+      if (s < 0 || ::connect(s, reinterpret_cast<const sockaddr*>(&target.address), target.length) != 0) return 3;
+      if (::write(s, batch.data(), batch.size()) != static_cast<ssize_t>(batch.size())) return 4;
+      char c;
+      while (::read(s, &c, 1) > 0) {
+      }
+      return 0;
+    });
+  }
+  const std::uint32_t own = ::geteuid();
   std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
-  for (std::size_t i = 0; i < shoal::detail::max_closer_threads; ++i) {
+  for (std::size_t i = 0; i < shoal::detail::max_closes_per_owner; ++i) {
     held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
-    unique_fd::from_peer(held.back()->holder.release()).reset();
+    unique_fd::from_peer(held.back()->holder.release(), own).reset();
   }
   pipe_ends pipe;
-  for (int i = 0; i < 40; ++i) unique_fd::from_peer(::dup(pipe.read.get())).reset();
-  std::this_thread::sleep_for(150ms);  // no close has returned for 100 ms: a backlog, not a burst
-  EXPECT_TRUE(shoal::detail::closer_backlogged());
-  const auto batch = raw_batch("SHOL", 2, {{1, bytes_of("plain")}});
+  for (int i = 0; i < 12; ++i) unique_fd::from_peer(::dup(pipe.read.get()), own).reset();
+  std::this_thread::sleep_for(150ms);  // none of its closes has returned for 100 ms: a backlog, not a burst
+  EXPECT_TRUE(shoal::detail::closer_backlogged(own));
   socket_pair paused_pair;
   connection paused = connection::adopt(std::move(paused_pair.b), {});
   write_raw(paused_pair.a.get(), batch);
@@ -218,10 +241,17 @@ TEST(refused_descriptors, while_peers_hold_every_closer_no_batch_that_may_bring_
     write_raw(pair.a.get(), batch);
     EXPECT_EQ(text_of(calm.receive_for(1s).payload), "plain") << "a connection that takes no descriptor stopped too";
   }
+  if (server) {
+    connection other = server->accept();
+    EXPECT_EQ(other.peer().uid, nobody);
+    EXPECT_EQ(text_of(other.receive_for(1s).payload), "plain") << "a peer of another uid paid for the held closes";
+  }
   EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
-  EXPECT_FALSE(shoal::detail::closer_backlogged());
-  EXPECT_EQ(text_of(paused.receive_for(1s).payload), "plain") << "reads did not resume once the closers caught up";
+  EXPECT_FALSE(shoal::detail::closer_backlogged(own));
+  EXPECT_EQ(text_of(paused.receive_for(1s).payload), "plain") << "reads did not resume once the closes caught up";
   ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+  server.reset();  // the other peer's connection closed: it exits
+  if (other_uid) EXPECT_EQ(other_uid->wait(), 0);
 }
 
 TEST(refused_descriptors, a_refusing_connection_has_the_kernel_refuse_them_at_the_peers_send) {

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -48,11 +49,11 @@ TEST(descriptor_closer, a_held_close_holds_one_thread_not_the_descriptors_behind
   EXPECT_GE(std::chrono::steady_clock::now() - start, 1500ms) << "the close did not linger: this test shows nothing";
 }
 
-// While every closer thread is held by a lingering close, a peer's
+// While a peer's closes hold every closer thread it may have, its next
 // descriptor waits behind them, and one checked safe is closed in place.
 TEST(descriptor_closer, a_descriptor_checked_safe_closes_in_place_while_the_closers_are_held) {
   std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
-  for (std::size_t i = 0; i < shoal::detail::max_closer_threads; ++i) {
+  for (std::size_t i = 0; i < shoal::detail::max_closes_per_owner; ++i) {
     held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
     unique_fd::from_peer(held.back()->holder.release()).reset();
   }
@@ -86,6 +87,58 @@ TEST(descriptor_closer, a_peers_mark_moves_with_the_descriptor_and_its_copies) {
   EXPECT_FALSE(copy.closes_off_thread());
   ::close(raw);
   EXPECT_FALSE(unique_fd(::dup(pipe.write.get())).closes_off_thread());
+}
+
+// The uids of two peers, as the channel charges their descriptors.
+constexpr std::uint32_t peer_a = 1001, peer_b = 1002;
+
+// One peer's closes hold at most max_closes_per_owner threads: its further
+// descriptors wait their turn, and another peer's are closed at once.
+TEST(descriptor_closer, one_peers_held_closes_hold_a_few_threads_and_others_close_at_once) {
+  constexpr std::size_t handed = shoal::detail::max_closes_per_owner + 2;
+  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
+  std::vector<int> numbers;
+  for (std::size_t i = 0; i < handed; ++i) held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
+  pipe_ends others;
+  const int others_fd = others.read.get();
+  const auto start = std::chrono::steady_clock::now();
+  for (auto& h : held) {
+    numbers.push_back(h->holder.get());
+    unique_fd::from_peer(h->holder.release(), peer_a).reset();
+  }
+  unique_fd::from_peer(others.read.release(), peer_b).reset();
+  while (is_open(others_fd) && std::chrono::steady_clock::now() - start < 1500ms) std::this_thread::sleep_for(1ms);
+  EXPECT_FALSE(is_open(others_fd)) << "another peer's descriptor waited for the held closes";
+  std::this_thread::sleep_for(300ms);
+  // A descriptor leaves the table when its close begins: the first ones are
+  // being closed, those past the peer's share wait, open.
+  for (std::size_t i = 0; i < handed; ++i) {
+    EXPECT_EQ(is_open(numbers[i]), i >= shoal::detail::max_closes_per_owner) << "descriptor " << i;
+  }
+  EXPECT_TRUE(off_thread_closes_done_within(30s));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, 3500ms) << "the peer's closes did not take turns";
+}
+
+// A peer whose closes are held and whose descriptors wait past its limit is
+// backlogged (its connections begin no batch that may bring more); another
+// peer is not; and neither once the closes are done.
+TEST(descriptor_closer, a_peer_whose_held_descriptors_pile_up_is_backlogged_alone) {
+  using shoal::detail::closer_backlogged;
+  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
+  for (std::size_t i = 0; i < shoal::detail::max_closes_per_owner; ++i) {
+    held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
+    unique_fd::from_peer(held.back()->holder.release(), peer_a).reset();
+  }
+  pipe_ends pipe;
+  const std::size_t limit = shoal::detail::closer_owner_backlog_limit();
+  for (std::size_t i = 0; i < limit; ++i) unique_fd::from_peer(::dup(pipe.read.get()), peer_a).reset();
+  std::this_thread::sleep_for(150ms);
+  EXPECT_FALSE(closer_backlogged(peer_a)) << "backlogged at its limit, not past it";
+  unique_fd::from_peer(::dup(pipe.read.get()), peer_a).reset();
+  EXPECT_TRUE(closer_backlogged(peer_a));
+  EXPECT_FALSE(closer_backlogged(peer_b)) << "another peer paid for the held closes";
+  EXPECT_TRUE(off_thread_closes_done_within(30s));
+  EXPECT_FALSE(closer_backlogged(peer_a));
 }
 
 // The parent's closer thread is not in the child: the child starts its own.

@@ -90,7 +90,7 @@ message receive_message(int socket, std::size_t max_payload) {
 
   // Take ownership of every descriptor that came, so none leaks on error.
   std::vector<unique_fd> received;
-  shoal::detail::take_descriptors(header, received);
+  shoal::detail::take_descriptors(header, received, shoal::detail::peer_uid_of(socket));
   if ((header.msg_flags & MSG_CTRUNC) != 0 || received.size() > 1) {
     throw invalid_argument("receive_message: more than one file descriptor came with a message");
   }

@@ -9,9 +9,12 @@
 // socket set to linger with data it cannot send, a FUSE file whose flush the
 // peer's daemon never answers). Such a descriptor is closed on the process's
 // closer threads, never on the owner's, until mark_safe_to_close() says a
-// check found it of a kind whose close cannot block (a memfd).
+// check found it of a kind whose close cannot block (a memfd). It carries
+// the uid of the peer that passed it: the closers let one peer's closes hold
+// only a few of their threads.
 #pragma once
 
+#include <cstdint>
 #include <utility>
 
 namespace shoal {
@@ -21,24 +24,32 @@ class unique_fd {
   unique_fd() noexcept = default;
   /// Takes ownership of `fd` (-1 for none).
   explicit unique_fd(int fd) noexcept : fd_(fd) {}
-  /// Takes ownership of `fd`, a descriptor a peer passed: its close happens
-  /// off the owner's thread (see above).
-  [[nodiscard]] static unique_fd from_peer(int fd) noexcept {
+  /// Peer uid of a descriptor no one peer passed; (uid_t)-1, which no
+  /// process runs as.
+  static constexpr std::uint32_t no_one_peer = UINT32_MAX;
+
+  /// Takes ownership of `fd`, a descriptor a peer of uid `peer_uid` passed
+  /// (or one at whose other end it is): its close happens off the owner's
+  /// thread (see above).
+  [[nodiscard]] static unique_fd from_peer(int fd, std::uint32_t peer_uid = no_one_peer) noexcept {
     unique_fd owned(fd);
     owned.from_peer_ = fd >= 0;
+    owned.peer_uid_ = peer_uid;
     return owned;
   }
   unique_fd(const unique_fd&) = delete;
   unique_fd& operator=(const unique_fd&) = delete;
-  unique_fd(unique_fd&& other) noexcept : fd_(other.fd_), from_peer_(other.from_peer_) {
+  unique_fd(unique_fd&& other) noexcept : fd_(other.fd_), from_peer_(other.from_peer_), peer_uid_(other.peer_uid_) {
     other.fd_ = -1;
     other.from_peer_ = false;
   }
   unique_fd& operator=(unique_fd&& other) noexcept {
     if (this != &other) {
       const bool peers = other.from_peer_;
+      const std::uint32_t peer_uid = other.peer_uid_;
       reset(other.release());
       from_peer_ = peers && fd_ >= 0;
+      peer_uid_ = peer_uid;
     }
     return *this;
   }
@@ -69,6 +80,7 @@ class unique_fd {
  private:
   int fd_ = -1;
   bool from_peer_ = false;
+  std::uint32_t peer_uid_ = no_one_peer;  // whose, while from_peer_
 };
 
 }  // namespace shoal
