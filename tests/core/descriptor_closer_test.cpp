@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -139,6 +141,34 @@ TEST(descriptor_closer, a_peer_whose_held_descriptors_pile_up_is_backlogged_alon
   EXPECT_FALSE(closer_backlogged(peer_b)) << "another peer paid for the held closes";
   EXPECT_TRUE(off_thread_closes_done_within(30s));
   EXPECT_FALSE(closer_backlogged(peer_a));
+}
+
+// Many peers, each within its share, whose held descriptors together pass
+// the process-wide limit: every peer is backlogged, one with none waiting too.
+TEST(descriptor_closer, peers_within_their_shares_that_fill_the_process_limit_backlog_everyone) {
+  using shoal::detail::closer_backlogged;
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  low.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 128);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  ASSERT_EQ(shoal::detail::closer_backlog_limit(), 32u);
+  ASSERT_EQ(shoal::detail::closer_owner_backlog_limit(), 8u);
+  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
+  pipe_ends pipe;
+  for (std::uint32_t peer = 2001; peer <= 2005; ++peer) {
+    for (std::size_t i = 0; i < shoal::detail::max_closes_per_owner; ++i) {
+      held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
+      unique_fd::from_peer(held.back()->holder.release(), peer).reset();
+    }
+    for (int i = 0; i < 7; ++i) unique_fd::from_peer(::dup(pipe.read.get()), peer).reset();  // within its 8
+  }
+  std::this_thread::sleep_for(150ms);  // no close has returned for 100 ms anywhere
+  EXPECT_TRUE(closer_backlogged(2001));
+  EXPECT_TRUE(closer_backlogged(peer_b)) << "35 descriptors wait, past the process's 32, and a new peer was let on";
+  EXPECT_TRUE(off_thread_closes_done_within(30s));
+  EXPECT_FALSE(closer_backlogged(peer_b));
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
 }
 
 // The parent's closer thread is not in the child: the child starts its own.
