@@ -4,6 +4,8 @@ not as the binding's "incompatible function arguments"."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from typing import Any, Optional
 
@@ -30,6 +32,20 @@ def whole_number(where: str, name: str, value: Any, *, most: int = (1 << 64) - 1
         # An int past 64 bits is named by its size: Python prints none of more than 4300 digits.
         said = f"a number of {number.bit_length()} bits" if number is not None and number.bit_length() > 64 else repr(value)
         raise _shoal.InvalidArgumentError(f"{where}: {name} must be a whole number from {least} to {most}, not {said}")
+
+
+def timeout_seconds(where: str, timeout: Any) -> Optional[float]:
+    """`timeout` as seconds when it is None or a finite number >= 0 (an int, a float, or
+    numpy's; not a bool); TypeError for anything else that is no number, InvalidArgumentError
+    for a number that is no wait."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{where}: timeout must be a number of seconds or None, not {type(timeout).__name__}")
+    seconds = float(timeout)
+    if not (seconds >= 0 and math.isfinite(seconds)):
+        raise _shoal.InvalidArgumentError(f"{where}: timeout must be a finite number of seconds >= 0, not {timeout!r}")
+    return seconds
 
 
 def cancel_event(where: str, cancel: Optional[Any]) -> None:

@@ -147,7 +147,7 @@ class Stream:
     @property
     def handle(self) -> int:
         """
-        The native stream handle as an integer (0 for the default stream): what a DLPack producer is passed as `stream=`.
+        The native stream handle as an integer (0 for the default stream, cudaStream_t's null). As a DLPack `stream=` the array API names the default stream 1 (legacy) or 2 (per-thread) and refuses 0: pass ``handle or 1``.
         """
 
     def synchronize(self) -> None:

@@ -156,6 +156,7 @@ class SharedRegion:
 
     @property
     def closed(self) -> bool:
+        """True once close() has dropped this object's reference."""
         return self._storage is None
 
     def _open(self) -> _shoal.Storage:
@@ -414,6 +415,7 @@ class Borrower:
 
     @property
     def closed(self) -> bool:
+        """True once close() has begun."""
         return self._native.closed
 
     def __repr__(self) -> str:
@@ -657,6 +659,7 @@ class Lender:
 
     @property
     def closed(self) -> bool:
+        """True once close() has begun."""
         return self._native.closed
 
     def __repr__(self) -> str:

@@ -53,7 +53,7 @@ import selectors
 import time
 from typing import Any, Union
 
-from . import _device_defaults, _shoal
+from . import _checks, _device_defaults, _shoal
 
 __all__ = ["Producer", "Consumer", "Batches", "Batch", "MAX_ARRAYS_PER_BATCH", "MAX_NESTING"]
 
@@ -322,6 +322,9 @@ class Producer:
         ProtocolError naming both protocols once that endpoint's greeting has
         come (a lender greets as it accepts), or ConnectionClosedError when it
         hung up first."""
+        timeout = _checks.timeout_seconds("shoal.sharing.Producer.put", timeout)
+        _checks.instance_of("shoal.sharing.Producer.put", "stream", stream, _shoal.Stream, "a shoal.Stream",
+                            allow_none=True)
         leaves: list[_Leaf] = []
         structure = _flatten(batch, leaves, 0)
         if self._context is None:
@@ -484,7 +487,9 @@ class Producer:
         the consumer had not taken every batch in time, StreamError when the
         work failed, ProtocolError when the address was not a Consumer's (an
         endpoint of another protocol hangs up at once: what put() sent is
-        lost); the connection is closed either way."""
+        lost); the connection is closed either way (a timeout that is no
+        wait is refused first: the producer stays open)."""
+        timeout = _checks.timeout_seconds("shoal.sharing.Producer.close", timeout)
         taken = True
         try:
             for stream in self._streams:
@@ -670,20 +675,19 @@ class Consumer:
         Producers beyond `producers` may have batches left at the end."""
         return Batches(self, producers, timeout, stream)
 
-    def _check_call(self, caller: str, timeout: float | None) -> None:
-        """InvalidArgumentError for a call on a closed consumer or with a timeout that is no wait."""
+    def _check_call(self, caller: str, timeout: float | None) -> float | None:
+        """`timeout` in seconds; InvalidArgumentError for a call on a closed consumer or with a
+        timeout that is no wait."""
         if self._closed:
             raise _shoal.InvalidArgumentError(f"shoal.sharing.Consumer.{caller}: the consumer is closed")
-        if timeout is not None and not timeout >= 0:
-            raise _shoal.InvalidArgumentError(
-                f"shoal.sharing.Consumer.{caller}: timeout must be a number of seconds >= 0 or None, got {timeout}")
+        return _checks.timeout_seconds(f"shoal.sharing.Consumer.{caller}", timeout)
 
     def _next(
         self, caller: str, timeout: float | None, stream: _shoal.Stream | None, until_ended: int | None
     ) -> Batch | None:
         """The next whole batch; None once `producers_ended` reaches
         `until_ended` (a connection's batches come before its end)."""
-        self._check_call(caller, timeout)
+        timeout = self._check_call(caller, timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if until_ended is not None and self._ended >= until_ended:
@@ -723,8 +727,11 @@ class Consumer:
                 raise _shoal.PeerTimeoutError(f"shoal.sharing: no batch within {timeout} s")
 
     def _wait_bound(self, left: float | None) -> float | None:
-        """How long get() may wait in select: `left`, or less when a partial
-        batch's producer would reach batch_timeout first."""
+        """How long get() may wait in select: `left` (at most _MAX_SELECT_WAIT: the loop
+        waits again for the rest), or less when a partial batch's producer would reach
+        batch_timeout first."""
+        if left is not None:
+            left = min(left, _MAX_SELECT_WAIT)
         if self.batch_timeout is None or not self._partial:
             return left
         first = max(0.0, min(self.batch_timeout - incoming.stalled for incoming in self._partial.values()))
@@ -854,6 +861,7 @@ class Consumer:
 
     @property
     def closed(self) -> bool:
+        """True once close() has begun."""
         return self._closed
 
     def __repr__(self) -> str:

@@ -199,19 +199,6 @@ def _default_engine_allocator() -> _shoal.Allocator:
     return _device_defaults.allocator_on(_device_defaults.default_device())
 
 
-def _checked_timeout(where: str, timeout: Optional[float]) -> Optional[float]:
-    """`timeout` when it is None or a finite number of seconds >= 0, else InvalidArgumentError
-    (checked here, before the engine is asked: a refusal then changes nothing). One past
-    threading.TIMEOUT_MAX is kept: lock waits take it as no limit (_lock_wait)."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{where}: timeout must be a number of seconds or None, not {type(timeout).__name__}")
-    if not (timeout >= 0 and math.isfinite(timeout)):
-        raise _shoal.InvalidArgumentError(f"{where}: timeout must be a finite number of seconds >= 0, not {timeout!r}")
-    return timeout
-
-
 def _lock_wait(timeout: Optional[float]) -> float:
     """`timeout` as threading's lock waits take it: -1 (no limit) for None and for one past
     threading.TIMEOUT_MAX (which raises OverflowError there; some 292 years on Linux), else
@@ -337,7 +324,7 @@ class Engine:
         arrays has no limit. Ctrl-C (KeyboardInterrupt) during that wait leaves the batch
         queued and its arrays still being read.
         """
-        timeout = _checked_timeout("shoal.transfer.Engine.submit", timeout)
+        timeout = _checks.timeout_seconds("shoal.transfer.Engine.submit", timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         flattening = _Flattening()
         structure = flattening.structure_of(batch)
@@ -389,7 +376,7 @@ class Engine:
         the batch out: by the sequence the engine names, also for a batch that failed (its
         own error, whatever its type, follows). A call that takes no batch (a bad timeout, a
         timeout, Ctrl-C, close()) leaves every layout."""
-        timeout = _checked_timeout("shoal.transfer.Engine.get", timeout)
+        timeout = _checks.timeout_seconds("shoal.transfer.Engine.get", timeout)
         transferred = self._engine.next(timeout, on_failure=self._forget_layout)
         with self._layouts_lock:
             return transferred, self._layouts.pop(transferred.sequence)
@@ -413,6 +400,13 @@ class Engine:
         """
         if as_torch:
             import torch  # noqa: F401 (before a batch is taken: without torch it stays queued)
+        # Checked before a batch is taken: a refusal leaves it queued.
+        _checks.instance_of("shoal.transfer.Engine.get", "stream", stream, _shoal.Stream, "a shoal.Stream",
+                            allow_none=True, hint=" (shoal.Stream.from_handle adopts another library's stream)")
+        if stream is not None and stream.device != self._allocator.device:
+            raise _shoal.InvalidArgumentError(
+                f"shoal.transfer.Engine.get: stream is of {stream.device}, and the engine's storages of "
+                f"{self._allocator.device}")
         transferred, (structure, types) = self._take(timeout)
         transferred.wait(stream)
         views = [storage.view(dtype, shape) for storage, (dtype, shape) in zip(transferred.storages, types)]
@@ -454,6 +448,7 @@ class Engine:
 
     @property
     def closed(self) -> bool:
+        """True once close() has begun."""
         return self._engine.closed
 
     def __repr__(self) -> str:

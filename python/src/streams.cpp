@@ -178,9 +178,10 @@ void register_streams(nb::module_& m) {
           "device", [](const py_stream& s) -> backend::device& { return s.state->device(); }, nb::rv_policy::reference)
       .def_prop_ro(
           "handle", [](const py_stream& s) { return reinterpret_cast<std::uintptr_t>(s.state->ref().native); },
-          "The native stream handle as an integer (0 for the default stream): "
-          "what a DLPack producer is "
-          "passed as `stream=`.")
+          "The native stream handle as an integer (0 for the default stream, "
+          "cudaStream_t's null). As a DLPack `stream=` the array API names the "
+          "default stream 1 (legacy) or 2 (per-thread) and refuses 0: pass "
+          "``handle or 1``.")
       .def(
           "synchronize", [](const py_stream& s) { s.state->device().synchronize(s.state->ref()); },
           nb::call_guard<released_gil>(),

@@ -101,6 +101,25 @@ def test_a_forked_child_ends_with_the_parents_sharing_context_and_transfer_engin
     engine.close()
 
 
+def test_a_forked_child_is_refused_the_parents_transfer_engine():
+    import numpy
+
+    engine = shoal.transfer.Engine()
+
+    def child() -> int:
+        # A forking data loader's worker: never a batch accepted that no thread copies.
+        if not refused(lambda: engine.submit(numpy.ones(4))):
+            return 1
+        if not refused(lambda: engine.get(timeout=1)):
+            return 2
+        return 0
+
+    assert run_in_child(child) == 0, "1: submit, 2: get was not refused"
+    engine.submit(numpy.ones(4))
+    assert engine.get(timeout=10).nbytes == 32, "the parent's engine goes on"
+    engine.close()
+
+
 def test_a_forked_child_closing_an_inherited_peer_leaves_the_parents_messages():
     # Host memory on every backend: both peers are in this process, and CUDA
     # does not open its own process's IPC handles.

@@ -5,6 +5,7 @@ reclaim, hostile producers and deadlines. Every wait has a deadline."""
 import gc
 import contextlib
 import json
+import math
 import multiprocessing
 import os
 import signal
@@ -274,6 +275,38 @@ def test_close_gives_up_at_its_timeout_when_the_consumer_takes_nothing():
             producer.close(timeout=0.2)
         assert 0.2 <= time.monotonic() - started < 5
         assert producer.peer.closed
+
+
+def test_a_close_or_put_with_a_timeout_that_is_no_wait_is_refused_first_and_changes_nothing():
+    with sharing.Consumer(allocator=HOST) as consumer:
+        producer = sharing.Producer(consumer.address, allocator=HOST)
+        producer.put({"x": HOST.allocate(64).view("uint8")})
+        for wrong, error in ((-1, shoal.InvalidArgumentError), (math.inf, shoal.InvalidArgumentError),
+                             ("x", TypeError)):
+            with pytest.raises(error, match="^shoal.sharing.Producer.close: timeout must be"):
+                producer.close(timeout=wrong)
+            with pytest.raises(error, match="^shoal.sharing.Producer.put: timeout must be"):
+                producer.put({"x": HOST.allocate(64).view("uint8")}, timeout=wrong)
+        with pytest.raises(TypeError, match="^shoal.sharing.Producer.put: stream must be a shoal.Stream"):
+            producer.put({"x": HOST.allocate(64).view("uint8")}, stream=5)
+        assert not producer.closed and not producer.peer.closed, "a refused close closed the connection"
+        batch = consumer.get(timeout=WAIT)
+        assert batch["x"].nbytes == 64
+        producer.close(timeout=numpy.float64(WAIT))  # waits for the batch taken: returns at once
+
+
+def test_get_takes_any_timeout_a_finite_number_of_seconds_long():
+    # Past epoll's int milliseconds (some 24.8 days): the wait is made in parts.
+    with sharing.Consumer(allocator=HOST) as consumer:
+        with sharing.Producer(consumer.address, allocator=HOST) as producer:
+            producer.put({"x": HOST.allocate(64).view("uint8")})
+            assert consumer.get(timeout=30 * 86400)["x"].nbytes == 64
+            producer.put({"x": HOST.allocate(64).view("uint8")})
+            assert next(iter(consumer.batches(producers=1, timeout=1e9)))["x"].nbytes == 64
+        with pytest.raises(shoal.InvalidArgumentError, match="^shoal.sharing.Consumer.get: timeout must be a finite"):
+            consumer.get(timeout=math.inf)
+        with pytest.raises(TypeError, match="^shoal.sharing.Consumer.get: timeout must be a number"):
+            consumer.get(timeout="x")
 
 
 def test_close_returns_once_the_consumer_took_the_batch_or_went_away():
@@ -757,12 +790,17 @@ def test_a_peer_that_never_stops_sending_cannot_hold_get_past_its_deadline(clean
         flooder = ctx.Process(target=flooding_producer_main, args=(consumer.address, stop))
         flooder.start()
         try:
+            # Its start (a forkserver child) may take seconds on a loaded machine: accepted first.
+            deadline = time.monotonic() + WAIT
+            while consumer.producers == 0 and time.monotonic() < deadline:
+                with contextlib.suppress(shoal.PeerTimeoutError):
+                    consumer.get(timeout=0.2)
+            assert consumer.producers == 1
             for _ in range(5):
                 started = time.monotonic()
                 with pytest.raises(shoal.PeerTimeoutError):
                     consumer.get(timeout=0.2)
                 assert time.monotonic() - started < 0.7, "a turn without end held get() past its deadline"
-            assert consumer.producers == 1
         finally:
             stop.set()
             consumer.close()  # a send waiting for room ends at once

@@ -317,7 +317,7 @@ def lagging_consumer_peak(allocator: shoal.Allocator) -> int:
         producer.start()
         for i in range(40):
             (view,) = engine.get(timeout=30, stream=consumer)
-            consumer.delay(0.002)  # a slow read of the batch, enqueued; the batch dropped at once
+            consumer.delay(0.01)  # a slow read of the batch, enqueued; the batch dropped at once
             del view
         producer.join()
         consumer.synchronize()
@@ -473,6 +473,8 @@ def test_a_get_refused_for_its_arguments_takes_no_batch_and_drops_no_layout(engi
         engine.next(timeout=float("nan"))
     with pytest.raises(TypeError, match="timeout"):
         engine.get(timeout="soon")
+    with pytest.raises(TypeError, match="^shoal.transfer.Engine.get: stream must be a shoal.Stream"):
+        engine.get(stream=0)  # a raw handle: Stream.from_handle adopts one
     assert engine.stats()["batches_taken"] == 0
     out = engine.get(timeout=10)
     assert list(out) == ["x"], "the batch kept its layout"

@@ -147,7 +147,21 @@ transfer_engine::~transfer_engine() {
   copier_.reset();    // waits for every copy, then lets go of the sources
 }
 
+namespace {
+
+// Before any lock: in a fork() child the parent's worker may have held it.
+void refuse_in_fork_child(const shoal::detail::fork_epoch& epoch, const char* call) {
+  if (!epoch.forked_since()) return;
+  throw device_unavailable(std::string("transfer_engine::") + call +
+                           ": this engine was made in the parent process, and this is a fork() child; its thread "
+                           "stayed with the parent, so nothing would be copied. Start child processes with spawn or "
+                           "forkserver, or make the engine only after fork()");
+}
+
+}  // namespace
+
 std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chrono::milliseconds timeout) {
+  refuse_in_fork_child(wake_->epoch, "submit");
   const std::size_t bytes = checked_bytes(batch);
   // Made before the lock, so that a batch not queued (a timeout, a failed
   // push) lets go of its sources after the lock: a source's release may run
@@ -196,12 +210,14 @@ transferred_batch batch_or_error(transfer_engine::taken_batch taken) {
 transferred_batch transfer_engine::next(std::chrono::milliseconds timeout) { return batch_or_error(take(timeout)); }
 
 std::optional<transferred_batch> transfer_engine::try_next() {
+  refuse_in_fork_child(wake_->epoch, "try_next");
   std::unique_lock lock(mutex_);
   if (outcomes_.empty()) return std::nullopt;
   return batch_or_error(take_locked(lock));
 }
 
 transfer_engine::taken_batch transfer_engine::take(std::chrono::milliseconds timeout) {
+  refuse_in_fork_child(wake_->epoch, "next");
   std::unique_lock lock(mutex_);
   if (!wait_until(wake_->outcome_ready, lock, timeout, [&] { return !outcomes_.empty(); })) {
     throw timeout_error("transfer_engine::next: no batch was transferred within " + std::to_string(timeout.count()) +

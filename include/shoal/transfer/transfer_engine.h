@@ -50,7 +50,9 @@
 // fails every batch of the group (each throws that error from next()).
 //
 // Thread-safety: submit, next, try_next, take and stats may be called from
-// any threads at once. Batches come out of next() in submission order (one
+// any threads at once; in a fork() child of the process that made the
+// engine, submit, next, try_next and take throw device_unavailable (the
+// engine's thread stayed with the parent). Batches come out of next() in submission order (one
 // sequence across all producers). transferred_batch is a value shared by its
 // copies; wait_on and synchronize may be called from any thread.
 //
