@@ -130,7 +130,9 @@ def from_dlpack(source: Any, allocator: Optional[Allocator] = None) -> ArrayView
     capsule, which is consumed (a capsule consumed already raises BufferError). The memory
     stays the producer's: it is handed back when the view's storage is gone and the current
     stream has passed shoal's work on it. Imported memory is never lazily shared. The array
-    must live on ``allocator``'s device (default: default_allocator()).
+    must live on ``allocator``'s device (default: default_allocator()), and have at least
+    one element (BufferError otherwise: there is no memory to share; ``shoal.transfer.Engine``
+    takes arrays with none).
     """
     if allocator is None:
         allocator = default_allocator()

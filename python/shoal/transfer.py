@@ -268,12 +268,12 @@ class Engine:
         staging_stores: str = "automatic",
         max_coalesced_bytes: int = 4 << 20,
     ) -> None:
-        for name, value in (("max_batches_in_flight", max_batches_in_flight),
-                            ("max_bytes_in_flight", max_bytes_in_flight),
-                            ("max_pinned_bytes", max_pinned_bytes),
-                            ("staging_chunk_bytes", staging_chunk_bytes),
-                            ("max_coalesced_bytes", max_coalesced_bytes)):
-            _checks.whole_number("shoal.transfer.Engine", name, value)
+        for name, value, least in (("max_batches_in_flight", max_batches_in_flight, 1),
+                                   ("max_bytes_in_flight", max_bytes_in_flight, 1),
+                                   ("max_pinned_bytes", max_pinned_bytes, 0),
+                                   ("staging_chunk_bytes", staging_chunk_bytes, 1),
+                                   ("max_coalesced_bytes", max_coalesced_bytes, 0)):
+            _checks.whole_number("shoal.transfer.Engine", name, value, least=least)
         _checks.whole_number("shoal.transfer.Engine", "staging_helpers", staging_helpers, allow_none=True)
         self._allocator = allocator if allocator is not None else _default_engine_allocator()
         # What arrays with no elements are views of: a few bytes of the engine's device,

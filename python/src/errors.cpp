@@ -95,9 +95,11 @@ constexpr std::pair<std::string_view, std::string_view> python_names[] = {
     {"peer::receive_for", "Peer.receive"},
     {"peer::try_receive", "Peer.receive"},
     {"peer::receive", "Peer.receive"},
-    {"transfer_engine::submit", "transfer.Engine.submit"},
-    {"transfer_engine::next", "transfer.Engine.get"},
-    {"transfer_engine", "transfer.Engine"},
+    {"transfer_engine::submit", "shoal.transfer.Engine.submit"},
+    {"transfer_engine::try_next", "shoal.transfer.Engine.get"},
+    {"transfer_engine::next", "shoal.transfer.Engine.get"},
+    {"transfer_engine", "shoal.transfer.Engine"},
+    {"grouped_load", "GroupedLoad"},
     {"cuda_device::adopt_external_stream", "Stream.from_handle"},
     {"adopt_external_stream", "Stream.from_handle"},
 };
@@ -244,8 +246,10 @@ void register_errors(nb::module_& m) {
                                  "refused a borrow ('capacity', 'wait_expired', 'others_waiting', 'cannot_fit', "
                                  "'stopped_waiting'), None for this process's own device or limit.",
                                  {types.error, PyExc_MemoryError});
-  // An instance made in Python (not from a C++ error) reads reason None too.
-  if (PyObject_SetAttrString(types.out_of_memory, "reason", Py_None) != 0) throw nb::python_error();
+  // An instance made in Python (a test double, not from a C++ error) has
+  // every attribute the stubs promise: the class holds a default.
+  nb::setattr(nb::handle(types.out_of_memory), "reason", nb::none());
+  nb::setattr(nb::handle(types.out_of_memory), "requested_bytes", nb::int_(0));
   types.device_unavailable =
       new_type(m, "DeviceUnavailableError", "The requested backend or device does not exist here.", {types.error});
   types.backend_error = new_type(m, "BackendError",
@@ -253,6 +257,8 @@ void register_errors(nb::module_& m) {
                                  "failed; `call` names it, `detail` "
                                  "holds its own error text.",
                                  {types.error});
+  nb::setattr(nb::handle(types.backend_error), "call", nb::str(""));
+  nb::setattr(nb::handle(types.backend_error), "detail", nb::str(""));
   types.os_error = new_type(m, "SystemCallError",
                             "An operating-system call failed (an address already in use, a directory that does not "
                             "exist, a descriptor limit reached): an OSError made as OSError(errno, message) is, and a "
@@ -269,6 +275,7 @@ void register_errors(nb::module_& m) {
                                        "An invariant of shoal's own state does not hold (a bug in shoal); "
                                        "`invariant` names it.",
                                        {types.error});
+  nb::setattr(nb::handle(types.invariant_violation), "invariant", nb::str(""));
   types.connection_closed =
       new_type(m, "ConnectionClosedError", "The process at the other end of a connection closed it or died.",
                {types.error, PyExc_ConnectionError});

@@ -244,6 +244,24 @@ def test_a_storages_offsets_shapes_and_bytes_past_64_bits_are_refused_by_name():
     assert load.is_ready(numpy.int64(0))
 
 
+def test_an_error_made_in_python_has_every_attribute_the_stubs_promise():
+    # A test double raised in place of shoal's own error meets the same handler.
+    assert shoal.OutOfMemoryError("x").requested_bytes == 0
+    assert shoal.OutOfMemoryError("x").reason is None
+    assert shoal.BackendError("x").call == "" and shoal.BackendError("x").detail == ""
+    made = shoal.SystemCallError(2, "x")
+    assert (made.errno, made.call, made.detail) == (2, "", "")
+    assert shoal.InvariantViolationError("x").invariant == ""
+    assert shoal.ConnectionClosedError("x").no_listener is False
+
+    import numpy
+    from shoal import loading
+
+    load = loading.load_groups([[(shoal.allocate(64), numpy.zeros(64, "uint8"))]])
+    with pytest.raises(shoal.InvalidArgumentError, match="^GroupedLoad: group 2 does not exist"):
+        load.wait(2)
+
+
 def test_a_real_invalid_argument_is_a_value_error():
     with pytest.raises(ValueError, match="unknown_key"):
         shoal.Allocator(use_environment=False, unknown_key=1)

@@ -698,3 +698,10 @@ def test_engine_counts_out_of_range_are_named_not_left_to_the_binding():
                  "max_coalesced_bytes", "staging_helpers"):
         with pytest.raises(shoal.InvalidArgumentError, match=name):
             shoal.transfer.Engine(**{name: -1})
+    for name in ("max_batches_in_flight", "max_bytes_in_flight", "staging_chunk_bytes"):
+        with pytest.raises(shoal.InvalidArgumentError, match=f"^shoal.transfer.Engine: {name} must be a whole number from 1 to"):
+            shoal.transfer.Engine(**{name: 0})
+    with pytest.raises(shoal.InvalidArgumentError,
+                       match=r"^shoal.transfer.Engine: staging_chunk_bytes \(9223372036854775808\) is more than one "
+                             r"allocation may ask for"):
+        shoal.transfer.Engine(staging_chunk_bytes=2**63)

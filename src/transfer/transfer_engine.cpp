@@ -6,6 +6,7 @@
 #include <system_error>
 #include <utility>
 
+#include "alloc/size_policy.h"
 #include "core/deadline.h"
 #include "core/fork_epoch.h"
 #include "shoal/core/error.h"
@@ -24,6 +25,11 @@ const transfer_config& checked(const transfer_config& c) {
     throw invalid_argument("transfer_engine: max_bytes_in_flight is 0; allow at least one byte in flight");
   }
   if (c.staging_chunk_bytes == 0) throw invalid_argument("transfer_engine: staging_chunk_bytes is 0");
+  if (c.staging_chunk_bytes > alloc::detail::max_request) {
+    throw invalid_argument("transfer_engine: staging_chunk_bytes (" + std::to_string(c.staging_chunk_bytes) +
+                           ") is more than one allocation may ask for (" +
+                           std::to_string(alloc::detail::max_request) + " bytes)");
+  }
   if (c.staging_helpers > 64 && c.staging_helpers != transfer_config::automatic_staging_helpers) {
     throw invalid_argument("transfer_engine: staging_helpers is " + std::to_string(c.staging_helpers) +
                            "; more than 64 helper threads only contend for memory bandwidth");
