@@ -47,6 +47,8 @@ import collections
 import contextlib
 import json
 import math
+import numbers
+import operator
 import os
 import secrets
 import selectors
@@ -77,7 +79,8 @@ def _device_of(where: str, device: Any) -> _shoal.Device:
     "host" (or "cpu", "host:0", "cpu:0": host memory) or a torch.device."""
     if isinstance(device, _shoal.Device):
         return device
-    if type(device) is int:
+    if isinstance(device, numbers.Integral) and not isinstance(device, bool):  # numpy's integers too
+        device = operator.index(device)
         if device < 0:
             raise _shoal.InvalidArgumentError(f"{where}: device must be a CUDA ordinal >= 0, not {device!r}")
         return _shoal.cuda_device(device)
@@ -284,9 +287,8 @@ class Producer:
         max_ahead: int | None = None,
         **options: int,
     ) -> None:
-        if max_ahead is not None and (type(max_ahead) is not int or max_ahead < 1):
-            raise _shoal.InvalidArgumentError(f"shoal.sharing.Producer: max_ahead must be a whole number of at least 1 or None, not {max_ahead!r}")
-        self.max_ahead = max_ahead
+        _checks.whole_number("shoal.sharing.Producer", "max_ahead", max_ahead, least=1, allow_none=True)
+        self.max_ahead = None if max_ahead is None else operator.index(max_ahead)
         self._options = options
         # Both None until fixed: a Producer made without allocator= or device= chooses its
         # device at its first put (its tensors', else the putting thread's; see _fix).
@@ -303,7 +305,7 @@ class Producer:
         # consumer takes a connection's arrays in order: a batch is taken once
         # no more than the arrays sent after it are untaken.
         self._arrays_sent = 0
-        self._ends: collections.deque[int] = collections.deque(maxlen=max_ahead or 1)
+        self._ends: collections.deque[int] = collections.deque(maxlen=self.max_ahead or 1)
 
     def put(self, batch: Batch, stream: _shoal.Stream | None = None, timeout: float | None = 60.0) -> None:
         """Sends `batch`; the consumer's stream waits for the work enqueued on
@@ -595,8 +597,11 @@ class Consumer:
         batch_timeout: float | None = 10.0,
         **options: int,
     ) -> None:
-        if max_producers < 1:
-            raise _shoal.InvalidArgumentError("shoal.sharing.Consumer: max_producers must be at least 1")
+        _checks.whole_number("shoal.sharing.Consumer", "max_producers", max_producers, least=1)
+        max_producers = operator.index(max_producers)
+        if batch_timeout is not None and (isinstance(batch_timeout, bool) or not isinstance(batch_timeout, numbers.Real)):
+            raise TypeError(f"shoal.sharing.Consumer: batch_timeout must be a number of seconds or None, "
+                            f"not {type(batch_timeout).__name__}")
         if batch_timeout is not None and not (batch_timeout > 0 and math.isfinite(batch_timeout)):
             raise _shoal.InvalidArgumentError(
                 "shoal.sharing.Consumer: batch_timeout must be a finite number of seconds above 0, or None"
@@ -882,10 +887,8 @@ class Batches:
     def __init__(
         self, consumer: Consumer, producers: int, timeout: float | None, stream: _shoal.Stream | None
     ) -> None:
-        if type(producers) is not int or producers < 0:
-            raise _shoal.InvalidArgumentError(
-                f"shoal.sharing.Consumer.batches: producers must be a whole number >= 0, not {producers!r}"
-            )
+        _checks.whole_number("shoal.sharing.Consumer.batches", "producers", producers)
+        producers = operator.index(producers)
         consumer._check_call("batches", timeout)
         self._consumer = consumer
         self._until = consumer.producers_ended + producers

@@ -295,6 +295,17 @@ def test_a_close_or_put_with_a_timeout_that_is_no_wait_is_refused_first_and_chan
         producer.close(timeout=numpy.float64(WAIT))  # waits for the batch taken: returns at once
 
 
+def test_numpy_numbers_are_taken_wherever_a_number_is():
+    with sharing.Consumer(allocator=HOST, max_producers=numpy.int64(2), batch_timeout=numpy.float32(5)) as consumer:
+        with sharing.Producer(consumer.address, allocator=HOST, max_ahead=numpy.int64(2)) as producer:
+            producer.put({"x": HOST.allocate(64).view("uint8")}, timeout=numpy.int64(5))
+            assert next(iter(consumer.batches(producers=numpy.int64(1), timeout=numpy.int64(WAIT))))["x"].nbytes == 64
+    with pytest.raises(shoal.InvalidArgumentError, match="^shoal.sharing.Consumer: max_producers must be a whole"):
+        sharing.Consumer(allocator=HOST, max_producers=1.5)
+    with pytest.raises(TypeError, match="^shoal.sharing.Consumer: batch_timeout must be a number"):
+        sharing.Consumer(allocator=HOST, batch_timeout="x")
+
+
 def test_get_takes_any_timeout_a_finite_number_of_seconds_long():
     # Past epoll's int milliseconds (some 24.8 days): the wait is made in parts.
     with sharing.Consumer(allocator=HOST) as consumer:
