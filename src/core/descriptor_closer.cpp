@@ -90,11 +90,21 @@ void count_backlog(closers& c, owner_queue& o) noexcept {
 }
 
 // Lists `owner` in its turn when it has a descriptor waiting and room for
-// another close. Under c.mutex.
+// another close. Under c.mutex; throws (nothing changed) when the list has
+// no memory to grow.
 void list_if_ready(closers& c, closer_owner owner, owner_queue& o) {
   if (o.ready || o.waiting.empty() || o.closing >= max_closes_per_owner) return;
   c.ready.push_back(owner);
   o.ready = true;
+}
+
+// list_if_ready on a closer thread, which must not throw: out of memory, the
+// owner stays unlisted until its next hand-over or returned close lists it.
+void list_if_ready_on_thread(closers& c, closer_owner owner, owner_queue& o) noexcept {
+  try {
+    list_if_ready(c, owner, o);
+  } catch (...) {  // NOLINT(bugprone-empty-catch): listed at its next hand-over or close
+  }
 }
 
 void start_thread(closers& c);
@@ -120,7 +130,7 @@ void run(closers* c) noexcept {
     o->waiting.pop_front();
     ++o->closing;
     count_backlog(*c, *o);
-    list_if_ready(*c, owner, *o);  // at the back: the other owners' turns come first
+    list_if_ready_on_thread(*c, owner, *o);  // at the back: the other owners' turns come first
     try {
       start_thread_if_wanted(*c);
     } catch (...) {  // NOLINT(bugprone-empty-catch): this thread goes on with the others
@@ -132,7 +142,7 @@ void run(closers* c) noexcept {
     lock.lock();
     --o->closing;  // still listed: an owner goes once nothing of it is closing (map nodes stay put)
     o->progress_ns = now;
-    list_if_ready(*c, owner, *o);
+    list_if_ready_on_thread(*c, owner, *o);
     if (o->waiting.empty() && o->closing == 0) c->owners.erase(owner);
     if (!c->ready.empty()) c->has_work.notify_one();
     ++c->closed;
@@ -197,9 +207,15 @@ void close_off_thread(int fd, closer_owner owner) noexcept {
     const std::lock_guard lock(c.mutex);
     owner_queue& o = c.owners[owner];
     o.waiting.push_back(fd);
+    try {
+      list_if_ready(c, owner, o);
+    } catch (...) {  // queued and not listed: taken back, so that only the close below closes it
+      o.waiting.pop_back();
+      if (o.waiting.empty() && o.closing == 0) c.owners.erase(owner);
+      throw;
+    }
     ++c.handed;
     count_backlog(c, o);
-    list_if_ready(c, owner, o);
     try {
       start_thread_if_wanted(c);
     } catch (...) {
