@@ -19,13 +19,23 @@ namespace shoal::python {
 
 namespace {
 
-/// "key:value" for one keyword setting, as SHOAL_ALLOC_CONF writes it.
+/// "key:value" for one keyword setting, as SHOAL_ALLOC_CONF writes it. numpy's
+/// scalars are taken as the bools and numbers they are.
 std::string setting_text(const std::string& key, nb::handle value) {
+  const char numpy_kind = numpy_scalar_kind(value);
   std::string text;
-  if (PyBool_Check(value.ptr())) {
-    text = value.ptr() == Py_True ? "true" : "false";
-  } else if (nb::isinstance<nb::int_>(value) || nb::isinstance<nb::float_>(value) || nb::isinstance<nb::str>(value)) {
-    text = nb::cast<std::string>(nb::str(value));
+  if (PyBool_Check(value.ptr()) != 0 || numpy_kind == 'b') {
+    const int truth = PyObject_IsTrue(value.ptr());
+    if (truth < 0) throw nb::python_error();
+    text = truth != 0 ? "true" : "false";
+  } else if (const std::optional<python_int> whole = index_of(value)) {
+    text = nb::cast<std::string>(nb::str(whole->value));
+  } else if (PyFloat_Check(value.ptr()) != 0 || numpy_kind == 'f') {
+    PyObject* const number = PyNumber_Float(value.ptr());
+    if (number == nullptr) throw nb::python_error();
+    text = nb::cast<std::string>(nb::str(nb::steal(number)));
+  } else if (nb::isinstance<nb::str>(value)) {
+    text = nb::cast<std::string>(value);
   } else {
     throw invalid_argument("Allocator: setting " + key + " must be a bool, a number or a string, not " +
                            nb::cast<std::string>(nb::str(value.type().attr("__name__"))));

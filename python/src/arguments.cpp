@@ -1,6 +1,11 @@
 // Checks of the numbers the Python API takes, each refused by name: a
 // negative size, id or uid would otherwise meet nanobind's own conversion
 // and read "incompatible function arguments", naming no argument.
+// Every file that casts to std::string includes its caster: without it the
+// cast compiles to the generic one, and the linker may keep that copy for
+// every file (each cast to std::string would then raise std::bad_cast).
+#include <nanobind/stl/string.h>
+
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -60,6 +65,25 @@ std::uint64_t whole_number_of(const python_int& value, const char* who, const ch
   }
   throw invalid_argument(std::string(who) + ": " + what + " must be at most " + std::to_string(most) + ", got " +
                          read.text());
+}
+
+std::optional<python_int> index_of(nb::handle value) {
+  if (PyBool_Check(value.ptr()) != 0 || PyIndex_Check(value.ptr()) == 0) return std::nullopt;
+  PyObject* const whole = PyNumber_Index(value.ptr());
+  if (whole == nullptr) {  // its __index__ refused (an array of more than one value)
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  return python_int{nb::steal(whole)};
+}
+
+char numpy_scalar_kind(nb::handle value) {
+  const nb::object ndim = nb::getattr(value, "ndim", nb::none());
+  if (!nb::isinstance<nb::int_>(ndim) || !ndim.equal(nb::int_(0))) return 0;
+  const nb::object kind = nb::getattr(nb::getattr(value, "dtype", nb::none()), "kind", nb::none());
+  if (!nb::isinstance<nb::str>(kind)) return 0;
+  const auto text = nb::cast<std::string>(kind);
+  return text.size() == 1 ? text[0] : 0;
 }
 
 std::int64_t signed_number_of(const python_int& value, const char* who, const char* what) {

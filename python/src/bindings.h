@@ -195,6 +195,13 @@ std::string text_of(const channel::channel_address& address);
 /// anything else is invalid_argument naming `who` and the argument (`what`).
 std::uint64_t whole_number_of(const python_int& value, const char* who, const char* what,
                               std::uint64_t most = std::numeric_limits<std::int64_t>::max(), bool positive = false);
+/// `value` as a whole number when it is an int or has __index__ (numpy's
+/// integers); nullopt for anything else: a bool, or an object whose
+/// __index__ refuses (a numpy array of more than one value).
+std::optional<python_int> index_of(nb::handle value);
+/// The dtype kind ('b', 'i', 'f', ...) of a numpy scalar or 0-d array (or
+/// anything shaped like one); 0 for anything else.
+char numpy_scalar_kind(nb::handle value);
 /// `value` as a signed 64-bit number (an offset or stride the caller checks
 /// further): anything past that is invalid_argument naming `who` and `what`.
 std::int64_t signed_number_of(const python_int& value, const char* who, const char* what);

@@ -108,9 +108,10 @@ std::optional<ipc::received> receive_in_slices(const closable<ipc::peer>::use& p
 // invalid_argument naming the option (not nanobind's bare std::bad_cast).
 template <class T>
 T option_value(const std::string& key, nb::handle value) {
+  // An int or numpy's integer (never a bool), from 0 to T's largest.
+  const std::optional<python_int> whole = index_of(value);
   T out{};
-  if (!nb::isinstance<nb::int_>(value) || nb::isinstance<nb::bool_>(value) || !nb::try_cast<T>(value, out) ||
-      out < T{}) {
+  if (!whole || !nb::try_cast<T>(whole->value, out) || out < T{}) {
     throw invalid_argument("SharingContext: " + key + " takes a whole number of at least 0, not " +
                            nb::cast<std::string>(nb::repr(value)));
   }

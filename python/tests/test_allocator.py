@@ -17,6 +17,24 @@ def test_keyword_settings_reach_the_allocator():
     assert "trace_entries:8" in a.config
 
 
+def test_numpys_bools_integers_and_floats_are_taken_as_settings():
+    np = pytest.importorskip("numpy")
+    a = shoal.Allocator(
+        use_environment=False,
+        expandable_segments=np.bool_(True),
+        trace_entries=np.int64(7),
+        memory_fraction=np.float32(0.5),
+        debug=np.bool_(False),
+    )
+    assert "expandable_segments:true" in a.config
+    assert "trace_entries:7" in a.config
+    assert "memory_fraction:0.5" in a.config
+    assert "debug:false" in a.config
+    # An array of more than one value is no setting.
+    with pytest.raises(shoal.InvalidArgumentError, match="setting trace_entries must be a bool, a number or a string"):
+        shoal.Allocator(use_environment=False, trace_entries=np.array([1, 2]))
+
+
 def test_shoal_alloc_conf_is_read_and_keywords_override_it(monkeypatch):
     monkeypatch.setenv("SHOAL_ALLOC_CONF", "max_split_size_mb:64,trace_entries:5")
     a = shoal.Allocator(trace_entries=9)

@@ -852,6 +852,17 @@ def test_a_sharing_option_of_the_wrong_kind_is_refused_by_name(value):
         sharing.Consumer(ring_bytes=value)
 
 
+def test_numpys_integers_are_taken_as_sharing_options_and_its_bools_are_not():
+    np = pytest.importorskip("numpy")
+    with sharing.Consumer(ring_bytes=np.int64(65536), allocator=HOST) as consumer:
+        assert consumer.address
+    shoal.SharingContext(shoal.default_allocator(), slots_per_file=np.uint32(64), receive_spin_us=np.int16(0))
+    with pytest.raises(shoal.InvalidArgumentError, match="ring_bytes takes a whole number"):
+        shoal.SharingContext(shoal.default_allocator(), ring_bytes=np.bool_(True))
+    with pytest.raises(shoal.InvalidArgumentError, match="slots_per_file takes a whole number"):
+        shoal.SharingContext(shoal.default_allocator(), slots_per_file=np.int64(2**40))
+
+
 def test_producers_and_consumers_print_what_they_are():
     with sharing.Consumer(allocator=HOST) as consumer, host_producer(consumer) as producer:
         assert repr(consumer) == f"shoal.sharing.Consumer({consumer.address!r}, 0 producers, 0 errors)"
