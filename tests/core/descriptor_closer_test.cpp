@@ -4,6 +4,7 @@
 // no thread to be had, the dropping thread closes it.
 #include <gtest/gtest.h>
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -20,6 +21,7 @@
 #include "shoal/core/unique_fd.h"
 #include "support/lingering_socket.h"
 #include "support/processes.h"
+#include "support/refused_allocations.h"
 #include "support/refused_threads.h"
 
 namespace shoal::testing {
@@ -199,6 +201,64 @@ TEST(descriptor_closer, a_drop_with_no_closer_thread_to_be_had_closes_in_place) 
     return is_open(fd) ? 1 : 0;
   });
   EXPECT_EQ(child.wait(), 0) << "1: the descriptor was left open; 2: no closer thread was tried";
+}
+
+int open_descriptors() {
+  int count = 0;
+  DIR* const listing = ::opendir("/proc/self/fd");
+  if (listing == nullptr) return -1;
+  while (::readdir(listing) != nullptr) ++count;
+  ::closedir(listing);
+  return count;
+}
+
+// Whichever allocation of a hand-over fails (the owner's entry, its queue,
+// its turn in the list of turns), the descriptor is closed once: in place or
+// by a closer thread, never both, and never left open. Every closer thread
+// is held meanwhile, so that what was queued stays queued; a number closed
+// in place gets a stand-in descriptor at once, and a last hand-over of each
+// owner lists whatever of its own was left queued: the stand-in, were the
+// descriptor closed in place and queued as well.
+TEST(descriptor_closer, a_hand_over_that_runs_out_of_memory_closes_its_descriptor_once) {
+  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
+  while (held.size() < shoal::detail::max_closer_threads) held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
+  pipe_ends spare;
+  const int before = open_descriptors();  // the holders among them, closed below
+  for (std::size_t i = 0; i < held.size(); ++i) {
+    unique_fd::from_peer(held[i]->holder.release(), 3000 + i / shoal::detail::max_closes_per_owner).reset();
+  }
+  std::vector<int> stand_ins;
+  int refused_making = 0, refused_listing = 0;
+  // A new owner's hand-over makes its entry and queue (three allocations,
+  // refused in turn in the first hundred), and lists it: the list takes a
+  // new block every 128 owners, the fourth allocation then (refused in the
+  // rest).
+  constexpr std::uint32_t owners = 600;
+  for (std::uint32_t owner = 0; owner < owners; ++owner) {
+    pipe_ends pipe;
+    const int fd = pipe.read.release();
+    {
+      const refusing_one_allocation refusal(owner < 100 ? static_cast<int>(owner % 3) + 1 : 4, [] {});
+      shoal::detail::close_off_thread(fd, 5000 + owner);
+      (owner < 100 ? refused_making : refused_listing) += refusal.refused() ? 1 : 0;
+    }
+    if (!is_open(fd)) {
+      ASSERT_EQ(::dup2(spare.read.get(), fd), fd);
+      stand_ins.push_back(fd);
+    }
+  }
+  for (std::uint32_t owner = 0; owner < owners; ++owner) {
+    pipe_ends last;
+    shoal::detail::close_off_thread(last.read.release(), 5000 + owner);
+  }
+  EXPECT_EQ(refused_making, 100) << "a new owner's hand-over made fewer allocations than this test refuses";
+  EXPECT_GE(refused_listing, 3) << "the list of turns grew fewer times than this test needs";
+  EXPECT_TRUE(off_thread_closes_done_within(30s));
+  for (const int fd : stand_ins) {
+    EXPECT_TRUE(is_open(fd)) << "descriptor " << fd << " was closed in place and by the closer as well";
+    ::close(fd);
+  }
+  EXPECT_EQ(open_descriptors(), before - static_cast<int>(held.size())) << "a handed-over descriptor was left open";
 }
 
 }  // namespace
