@@ -2,6 +2,7 @@
 # the Device class on, python/generate_stubs.py regenerates it (nanobind's stubgen), and a
 # test checks it is current.
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Self, overload
 
@@ -258,7 +259,7 @@ class Allocator:
         Calls observer(report: dict) before OutOfMemoryError is raised (on the allocating thread). An exception it raises is reported as unraisable and does not replace the OutOfMemoryError. The allocator holds the observer until remove_oom_observer: one that refers to the allocator (a lambda using it) keeps both alive until then, which the garbage collector cannot see.
         """
 
-    def remove_oom_observer(self, observer: object) -> bool:
+    def remove_oom_observer(self, observer: object | None) -> bool:
         """
         Stops calling `observer` (the object given to add_oom_observer, once per time it was added) and lets it go; False when it is not an observer of this allocator.
         """
@@ -320,7 +321,7 @@ class Storage:
     def aliases(self, other: Storage) -> bool:
         """True iff both name the same storage object."""
 
-    def write(self, data: object, offset: int = 0, stream: Stream | None = None) -> None:
+    def write(self, data: object | None, offset: int = 0, stream: Stream | None = None) -> None:
         """
         Copies a bytes-like object into the storage at `offset`, on `stream` (default: the current stream), materializing a lazy clone first; returns once the copy has run (GIL released meanwhile). InvalidArgumentError for read-only memory.
         """
@@ -335,9 +336,9 @@ class Storage:
         Sets every byte to `value` in stream order (enqueued; does not wait), materializing a lazy clone first. InvalidArgumentError for read-only memory.
         """
 
-    def view(self, dtype: object = 'uint8', shape: Sequence[int] | None = None, strides: Sequence[int] | None = None, offset: int = 0, readonly: bool | None = None) -> ArrayView:
+    def view(self, dtype: object | None = 'uint8', shape: Sequence[int] | None = None, strides: Sequence[int] | None = None, offset: int = 0, readonly: bool | None = None) -> ArrayView:
         """
-        A typed ArrayView of the storage without copying: `dtype` a name ('float32', 'int64', 'bool', ...) or a numpy dtype; `shape` (default: as many elements as fit after `offset`); `strides` in elements (default: C order); `offset` in bytes. The view must lie inside the storage. A readonly view is exported without materializing a lazy clone (to DLPack 1.x consumers only), and shows the memory the storage has then: after a lazy_clone, a write moves the writing storage to a copy that the export does not follow (see lazy_clone); `readonly` defaults to whether the storage's memory is read-only, and a writable view of read-only memory is refused.
+        A typed ArrayView of the storage without copying: `dtype` a name ('float32', 'int64', 'bool', ...) or a numpy dtype (None: 'uint8'); `shape` (default: as many elements as fit after `offset`); `strides` in elements (default: C order); `offset` in bytes. The view must lie inside the storage. A readonly view is exported without materializing a lazy clone (to DLPack 1.x consumers only), and shows the memory the storage has then: after a lazy_clone, a write moves the writing storage to a copy that the export does not follow (see lazy_clone); `readonly` defaults to whether the storage's memory is read-only, and a writable view of read-only memory is refused.
         """
 
     def __repr__(self) -> str: ...
@@ -449,7 +450,7 @@ class Listener:
     Listens for connections at an address (see runtime_dir_address). A socket path's directory is created with mode 0700 or must be one. Only processes of this user, and of `allowed_uids`, are admitted. Closes (and removes its socket file) on close() or when collected; a context manager.
     """
 
-    def __init__(self, address: str, allowed_uids: Sequence[int] = []) -> None: ...
+    def __init__(self, address: str | os.PathLike[str], allowed_uids: Sequence[int] = []) -> None: ...
 
     def accept(self, timeout: float | None = None) -> Connection | None:
         """
@@ -482,7 +483,7 @@ class Listener:
 
     def __repr__(self) -> str: ...
 
-def connect(address: str, allowed_uids: Sequence[int] = [], timeout: float | None = 60.0) -> Connection:
+def connect(address: str | os.PathLike[str], allowed_uids: Sequence[int] = [], timeout: float | None = 60.0) -> Connection:
     """
     Connects to the Listener at `address`; the listening process must run as this user or one of `allowed_uids` (PeerRefusedError otherwise). ConnectionClosedError when no one listens there; PeerTimeoutError when the listener takes no connection within `timeout` seconds (a server that stopped accepting; None waits without a deadline).
     """
@@ -524,7 +525,7 @@ class Peer:
 
     def __init__(self, context: SharingContext, connection: Connection) -> None: ...
 
-    def send(self, data: object, metadata: bytes = ..., stream: Stream | None = None) -> None:
+    def send(self, data: object | None, metadata: bytes = ..., stream: Stream | None = None) -> None:
         """
         Shares a Storage (or an ArrayView's storage) of this context's allocator with the other process, with `metadata` attached; it waits for the work enqueued on `stream` (default: the current stream) before using it. The memory is freed only when every process has dropped it.
         """
@@ -740,7 +741,7 @@ class Lender:
     Lends regions of this process's device memory to borrower processes over a UNIX socket (the memory daemon's core, serving on its own thread).
     """
 
-    def __init__(self, address: str, device: Device | None = None, capacity_bytes: int = 1073741824, quota_bytes: int = 1073741824, max_borrowers: int = 64, max_regions_per_borrower: int = 1024, peer_timeout: float = 1.0, allowed_uids: Sequence[int] = [], reuse: str = 'same_uid', prepared_chunks: Sequence[int] = [], max_wait: float = 300.0, preempt_after: float | None = None, preempt_deadline: float = 10.0, max_observers: int = 4) -> None:
+    def __init__(self, address: str | os.PathLike[str], device: Device | None = None, capacity_bytes: int = 1073741824, quota_bytes: int = 1073741824, max_borrowers: int = 64, max_regions_per_borrower: int = 1024, peer_timeout: float = 1.0, allowed_uids: Sequence[int] = [], reuse: str = 'same_uid', prepared_chunks: Sequence[int] = [], max_wait: float = 300.0, preempt_after: float | None = None, preempt_deadline: float = 10.0, max_observers: int = 4) -> None:
         """
         Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` in all and ``quota_bytes`` per borrower. ``reuse``: 'same_uid' lends given-back memory again to borrowers of the same uid (borrowers keep their mappings); 'never' makes every region fresh memory. ``prepared_chunks``: sizes in bytes of chunks made now (each rounded up to the device's granularity, their sum at most ``capacity_bytes``); a region of one of those sizes is lent from one with no device call at borrow time (``shoal daemon --prepare``). ``max_wait``: the longest a borrow may wait for memory; ``preempt_after``: seconds the borrow first in line waits before the lender revokes other borrowers' regions for it (None: never), each to be given back within ``preempt_deadline`` seconds (see shoal.lending.Lender). Raises the device's error (``OutOfMemoryError``) when they cannot be made.
         """
@@ -794,7 +795,7 @@ class _StopFlag:
 class Borrower:
     """A connection to a lender, through which regions are borrowed."""
 
-    def __init__(self, address: str, device: Device | None = None, allowed_uids: Sequence[int] = [], timeout: float = 5.0, keep_mappings: bool = True, kept_mapping_bytes: int = 17179869184, observer: bool = False) -> None: ...
+    def __init__(self, address: str | os.PathLike[str], device: Device | None = None, allowed_uids: Sequence[int] = [], timeout: float = 5.0, keep_mappings: bool = True, kept_mapping_bytes: int = 17179869184, observer: bool = False) -> None: ...
 
     def kept(self) -> tuple[int, int]:
         """

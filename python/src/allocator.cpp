@@ -242,7 +242,7 @@ void register_allocator(nb::module_& m) {
             held.erase(found);
             return true;
           },
-          nb::arg("observer"),
+          nb::arg("observer").none(),
           "Stops calling `observer` (the object given to add_oom_observer, "
           "once per time it was added) and lets it go; False when it is not "
           "an observer of this allocator.")

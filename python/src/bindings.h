@@ -19,6 +19,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "shoal/alloc/caching_allocator.h"
@@ -37,6 +38,17 @@ namespace nb = nanobind;
 /// arguments", naming no argument.
 struct python_int {
   nb::object value;
+};
+
+/// A bool, or numpy's bool (which nanobind's own caster refuses).
+struct python_bool {
+  bool value = false;
+};
+
+/// A socket address as Python gives it: a str, or an os.PathLike whose path
+/// is a str (pathlib.Path); a bytes path is no address.
+struct address_text {
+  std::string text;
 };
 
 /// A stream of a device: one this package created (and owns), the device's
@@ -254,6 +266,64 @@ struct type_caster<shoal::python::python_int> {
   }
   static handle from_cpp(const shoal::python::python_int& v, rv_policy, cleanup_list*) noexcept {
     return v.value.inc_ref();
+  }
+};
+
+template <>
+struct type_caster<shoal::python::python_bool> {
+  NB_TYPE_CASTER(shoal::python::python_bool, const_name("bool"))
+  template <class Flags>
+  bool from_python(handle src, Flags flags, cleanup_list*) noexcept {
+    if (src.ptr() == Py_True || src.ptr() == Py_False) {
+      value.value = src.ptr() == Py_True;
+      return true;
+    }
+    // numpy.bool (numpy 2) or numpy.bool_ (numpy 1), known by its type's name.
+    const std::string_view type_name = Py_TYPE(src.ptr())->tp_name;
+    if ((flags & static_cast<Flags>(cast_flags::convert)) == 0 || (type_name != "numpy.bool" && type_name != "numpy.bool_")) {
+      return false;
+    }
+    const int truth = PyObject_IsTrue(src.ptr());
+    if (truth < 0) {
+      PyErr_Clear();
+      return false;
+    }
+    value.value = truth != 0;
+    return true;
+  }
+  static handle from_cpp(const shoal::python::python_bool& v, rv_policy, cleanup_list*) noexcept {
+    return handle(v.value ? Py_True : Py_False).inc_ref();
+  }
+};
+
+template <>
+struct type_caster<shoal::python::address_text> {
+  NB_TYPE_CASTER(shoal::python::address_text, const_name("str | os.PathLike[str]"))
+  template <class Flags>
+  bool from_python(handle src, Flags flags, cleanup_list*) noexcept {
+    object text;
+    if (PyUnicode_Check(src.ptr())) {
+      text = borrow(src);
+    } else if ((flags & static_cast<Flags>(cast_flags::convert)) != 0 && PyObject_HasAttrString(src.ptr(), "__fspath__")) {
+      text = steal(PyOS_FSPath(src.ptr()));
+      if (!text.is_valid() || !PyUnicode_Check(text.ptr())) {
+        PyErr_Clear();
+        return false;
+      }
+    } else {
+      return false;
+    }
+    Py_ssize_t size = 0;
+    const char* utf8 = PyUnicode_AsUTF8AndSize(text.ptr(), &size);
+    if (utf8 == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    value.text.assign(utf8, static_cast<std::size_t>(size));
+    return true;
+  }
+  static handle from_cpp(const shoal::python::address_text& v, rv_policy, cleanup_list*) noexcept {
+    return PyUnicode_FromStringAndSize(v.text.data(), static_cast<Py_ssize_t>(v.text.size()));
   }
 };
 

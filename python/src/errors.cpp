@@ -79,6 +79,7 @@ constexpr std::pair<std::string_view, std::string_view> python_names[] = {
     {"connection::receive", "receiving"},
     {"connection::send", "sending"},
     {"listener", "Listener"},
+    {"channel_address::in_runtime_dir", "runtime_dir_address"},
     {"channel_address", "address"},
     {"caching_allocator::allocate", "Allocator.allocate"},
     {"caching_allocator", "Allocator"},
@@ -100,6 +101,7 @@ constexpr std::pair<std::string_view, std::string_view> python_names[] = {
     {"transfer_engine::next", "shoal.transfer.Engine.get"},
     {"transfer_engine", "shoal.transfer.Engine"},
     {"grouped_load", "GroupedLoad"},
+    {"sharing_options::max_metadata_bytes", "SharingContext's max_metadata_bytes"},
     {"cuda_device::adopt_external_stream", "Stream.from_handle"},
     {"adopt_external_stream", "Stream.from_handle"},
 };
@@ -108,19 +110,42 @@ constexpr std::pair<std::string_view, std::string_view> python_names[] = {
 // Python's words; the C++ text speaks of handles.
 constexpr std::string_view empty_storage = "storage: this handle is empty";
 
+// Whether what follows a name ends it as a word: not a longer name, not a
+// method of it ("::") that the table does not name.
+bool ends_a_name(std::string_view rest) {
+  if (rest.starts_with("::")) return false;
+  return rest.empty() || rest.front() == ':' || rest.front() == ' ' || rest.front() == '(' || rest.front() == ')';
+}
+
+// A qualified name ("connection::receive") also stands in the middle of a
+// message (after a peer's "peer pid N (uid U): ", or in parentheses): never
+// prose, so each is put in Python's words wherever it stands as a word.
+std::string qualified_names_in_python_words(std::string text) {
+  for (const auto& [cpp, python] : python_names) {
+    if (cpp.find("::") == std::string_view::npos) continue;
+    for (std::size_t at = text.find(cpp); at != std::string::npos; at = text.find(cpp, at)) {
+      const bool starts = at == 0 || text[at - 1] == ' ' || text[at - 1] == '(';
+      if (starts && ends_a_name(std::string_view(text).substr(at + cpp.size()))) {
+        text.replace(at, cpp.size(), python);
+        at += python.size();
+      } else {
+        at += cpp.size();
+      }
+    }
+  }
+  return text;
+}
+
 std::string in_python_words(std::string_view message) {
   if (message.starts_with(empty_storage)) {
     return "Storage: this Storage has no memory any more: it was handed on (a Storage given to Borrower.publish "
            "belongs to the region now; use the Storage publish returned)";
   }
   for (const auto& [cpp, python] : python_names) {
-    if (!message.starts_with(cpp)) continue;
-    const std::string_view rest = message.substr(cpp.size());
-    if (rest.starts_with("::")) continue;  // a method this table does not name: left whole
-    if (!rest.empty() && rest.front() != ':' && rest.front() != ' ' && rest.front() != '(') continue;
-    return std::string(python) + std::string(rest);
+    if (!message.starts_with(cpp) || !ends_a_name(message.substr(cpp.size()))) continue;
+    return qualified_names_in_python_words(std::string(python) + std::string(message.substr(cpp.size())));
   }
-  return std::string(message);
+  return qualified_names_in_python_words(std::string(message));
 }
 
 // Messages may quote what a peer sent: bytes that are no UTF-8 are kept as

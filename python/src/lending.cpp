@@ -266,7 +266,7 @@ void register_lending(nb::module_& m) {
                         "(the memory daemon's core, serving on its own thread).")
       .def(
           "__init__",
-          [](py_lender* self, const std::string& address, backend::device* device, std::size_t capacity_bytes,
+          [](py_lender* self, const address_text& address, backend::device* device, std::size_t capacity_bytes,
              std::size_t quota_bytes, std::size_t max_borrowers, std::size_t max_regions_per_borrower,
              double peer_timeout, const std::vector<python_int>& allowed_uids, const std::string& reuse,
              const std::vector<std::size_t>& prepared_chunks, double max_wait, std::optional<double> preempt_after,
@@ -302,7 +302,7 @@ void register_lending(nb::module_& m) {
             config.prepared_chunks = prepared_chunks;
             auto& d = device != nullptr ? *device : backend::default_device();
             new (self) py_lender{{"Lender", closed_error::invalid_argument,
-                                  std::make_unique<lending::lender>(d, address_of(address), config)}};
+                                  std::make_unique<lending::lender>(d, address_of(address.text), config)}};
           },
           nb::arg("address"), nb::arg("device").none() = nb::none(), nb::arg("capacity_bytes") = std::size_t{1} << 30,
           nb::arg("quota_bytes") = std::size_t{1} << 30, nb::arg("max_borrowers") = 64,
@@ -387,11 +387,11 @@ void register_lending(nb::module_& m) {
   nb::class_<py_borrower>(m, "Borrower", "A connection to a lender, through which regions are borrowed.")
       .def(
           "__init__",
-          [](py_borrower* self, const std::string& address, backend::device* device,
+          [](py_borrower* self, const address_text& address, backend::device* device,
              const std::vector<python_int>& allowed_uids, double timeout, bool keep_mappings,
              std::size_t kept_mapping_bytes, bool observer) {
             auto& d = device != nullptr ? *device : backend::default_device();
-            const auto a = address_of(address);
+            const auto a = address_of(address.text);
             const auto policy = policy_of(allowed_uids, "Borrower");
             const auto t = timeout_of(timeout, "Borrower");
             lending::borrower_options options;

@@ -220,9 +220,9 @@ void register_sharing(nb::module_& m) {
                           "when collected; a context manager.")
       .def(
           "__init__",
-          [](py_listener* self, const std::string& address, const std::vector<python_int>& allowed_uids) {
+          [](py_listener* self, const address_text& address, const std::vector<python_int>& allowed_uids) {
             new (self) py_listener{{"Listener", closed_error::invalid_argument,
-                                    std::make_unique<channel::listener>(address_of(address),
+                                    std::make_unique<channel::listener>(address_of(address.text),
                                                                         policy_of(allowed_uids, "Listener"))}};
           },
           nb::arg("address"), nb::arg("allowed_uids") = std::vector<int>{})
@@ -272,8 +272,8 @@ void register_sharing(nb::module_& m) {
 
   m.def(
       "connect",
-      [](const std::string& address, const std::vector<python_int>& allowed_uids, std::optional<double> timeout) {
-        const auto a = address_of(address);
+      [](const address_text& address, const std::vector<python_int>& allowed_uids, std::optional<double> timeout) {
+        const auto a = address_of(address.text);
         const auto policy = policy_of(allowed_uids, "connect");
         const auto t = deadline_of(timeout, "connect").value_or(std::chrono::milliseconds::max());
         released_gil release;
@@ -385,7 +385,7 @@ void register_sharing(nb::module_& m) {
             released_gil release;
             peer->send(handle->get(), bytes, st->ref());
           },
-          nb::arg("data"), nb::arg("metadata") = nb::bytes(""), nb::arg("stream").none() = nb::none(),
+          nb::arg("data").none(), nb::arg("metadata") = nb::bytes(""), nb::arg("stream").none() = nb::none(),
           "Shares a Storage (or an ArrayView's storage) of this context's allocator with the other process, "
           "with `metadata` attached; it waits for the work enqueued on `stream` (default: the current stream) "
           "before using it. The memory is freed only when every process has dropped it.")

@@ -23,8 +23,15 @@ namespace {
 /// memoryview, a C-contiguous numpy array, ...).
 class buffer_view {
  public:
-  explicit buffer_view(nb::handle object) {
-    if (PyObject_GetBuffer(object.ptr(), &buffer_, PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
+  /// TypeError naming `who` for an object with no buffer; Python's own error
+  /// (BufferError, ValueError) for one that is not C-contiguous.
+  buffer_view(nb::handle object, const char* who) {
+    if (PyObject_GetBuffer(object.ptr(), &buffer_, PyBUF_C_CONTIGUOUS) == 0) return;
+    if (PyErr_ExceptionMatches(PyExc_TypeError) == 0) throw nb::python_error();
+    PyErr_Clear();
+    throw nb::type_error((std::string(who) + ": data must be a bytes-like object (bytes, bytearray, memoryview, a "
+                          "numpy array), not " + nb::cast<std::string>(nb::str(object.type().attr("__name__"))))
+                             .c_str());
   }
   buffer_view(const buffer_view&) = delete;
   buffer_view& operator=(const buffer_view&) = delete;
@@ -172,7 +179,7 @@ void register_storages(nb::module_& m) {
           [](const py_storage& s, nb::handle data, const python_int& offset_given, const py_stream* stream) {
             const std::int64_t offset = signed_number_of(offset_given, "Storage.write", "offset");
             s.handle.require_writable("Storage.write");
-            buffer_view buffer(data);
+            buffer_view buffer(data, "Storage.write");
             check_range(s, offset, buffer.size(), "Storage.write");
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
@@ -181,7 +188,7 @@ void register_storages(nb::module_& m) {
             st->device().copy(st->ref(), dst, buffer.data(), buffer.size());
             st->device().synchronize(st->ref());  // the source buffer is the caller's
           },
-          nb::arg("data"), nb::arg("offset") = 0, nb::arg("stream").none() = nb::none(),
+          nb::arg("data").none(), nb::arg("offset") = 0, nb::arg("stream").none() = nb::none(),
           "Copies a bytes-like object into the storage at `offset`, on "
           "`stream` (default: the current stream), "
           "materializing a lazy clone first; returns once the copy has run "
@@ -236,7 +243,7 @@ void register_storages(nb::module_& m) {
           "view",
           [](const py_storage& s, nb::handle dtype, const std::optional<std::vector<python_int>>& shape,
              const std::optional<std::vector<python_int>>& strides, const python_int& offset,
-             std::optional<bool> readonly) {
+             std::optional<python_bool> readonly) {
             const auto numbers = [](const std::optional<std::vector<python_int>>& given, const char* what) {
               std::optional<std::vector<std::int64_t>> out;
               if (!given) return out;
@@ -244,15 +251,16 @@ void register_storages(nb::module_& m) {
               for (const auto& n : *given) out->push_back(signed_number_of(n, "Storage.view", what));
               return out;
             };
-            return make_view(s, dtype, numbers(shape, "shape"), numbers(strides, "strides"),
+            const nb::object chosen = dtype.is_none() ? nb::object(nb::str("uint8")) : nb::borrow<nb::object>(dtype);
+            return make_view(s, chosen, numbers(shape, "shape"), numbers(strides, "strides"),
                              signed_number_of(offset, "Storage.view", "offset"),
-                             readonly.value_or(s.handle.read_only()));
+                             readonly ? readonly->value : s.handle.read_only());
           },
-          nb::arg("dtype") = "uint8", nb::arg("shape").none() = nb::none(), nb::arg("strides").none() = nb::none(),
+          nb::arg("dtype").none() = "uint8", nb::arg("shape").none() = nb::none(), nb::arg("strides").none() = nb::none(),
           nb::arg("offset") = 0, nb::arg("readonly").none() = nb::none(),
            "A typed ArrayView of the storage without copying: `dtype` a name "
            "('float32', 'int64', 'bool', ...) "
-           "or a numpy dtype; `shape` (default: as many elements as fit after "
+           "or a numpy dtype (None: 'uint8'); `shape` (default: as many elements as fit after "
            "`offset`); `strides` in elements "
            "(default: C order); `offset` in bytes. The view must lie inside "
            "the storage. A readonly view is "

@@ -211,6 +211,7 @@ def test_a_removed_oom_observer_is_not_called_and_is_let_go():
     a.add_oom_observer(observer)
     assert a.remove_oom_observer(observer) is True
     assert a.remove_oom_observer(observer) is False
+    assert a.remove_oom_observer(None) is False
     with pytest.raises(shoal.OutOfMemoryError):
         a.allocate(4 << 20)
     assert observer.calls == 0

@@ -76,6 +76,14 @@ def test_errors_carry_their_fields():
     ("lender's own words", "lender's own words"),
     ("listeners: not a name", "listeners: not a name"),
     ("borrower::close: x", "borrower::close: x"),  # a method the table does not name: not half-rewritten
+    # Qualified names in the middle of a message, as words only.
+    ("peer pid 7 (uid 0): connection::receive from pid 7: recvmsg: closed",
+     "peer pid 7 (uid 0): receiving from pid 7: recvmsg: closed"),
+    ("peer::send: 70000 bytes over the limit of 65536 (sharing_options::max_metadata_bytes)",
+     "Peer.send: 70000 bytes over the limit of 65536 (SharingContext's max_metadata_bytes)"),
+    ('channel_address::in_runtime_dir: ".." is not a file name', 'runtime_dir_address: ".." is not a file name'),
+    ("a peer said xconnection::receive and connection::receive_more", "a peer said xconnection::receive and "
+     "connection::receive_more"),
 ])
 def test_messages_name_the_python_api_not_the_cpp_operation(said, read):
     with pytest.raises(shoal.InvalidArgumentError) as raised:

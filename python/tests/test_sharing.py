@@ -8,6 +8,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -463,6 +464,10 @@ def test_a_closed_peer_raises_connection_closed():
             with pytest.raises(shoal.ConnectionClosedError) as closed:
                 peer.receive(timeout=WAIT)
             assert not closed.value.no_listener
+            assert "connection::" not in str(closed.value), "no C++ name in the middle of the message"
+            with pytest.raises(shoal.InvalidArgumentError, match="Peer.send: expected a Storage or an ArrayView, "
+                                                                 "not NoneType"):
+                peer.send(None)
         with pytest.raises(ValueError, match="given to a Peer"):
             shoal.Peer(context, connection)
 
@@ -869,6 +874,23 @@ def test_producers_and_consumers_print_what_they_are():
         assert repr(producer) == f"shoal.sharing.Producer(to pid {os.getpid()})"
     assert repr(consumer).endswith("closed, 0 errors)") and repr(producer) == "shoal.sharing.Producer(closed)"
 
+
+
+def test_a_pathlike_address_is_taken_and_a_bytes_path_is_not(tmp_path):
+    import pathlib
+    path = pathlib.Path(tmp_path) / "pathlike.sock"
+    with shoal.Listener(path) as listener:
+        assert listener.address == str(path)
+        with shoal.connect(path):
+            assert listener.accept(timeout=WAIT) is not None
+    with pytest.raises(TypeError, match="address: str \\| os.PathLike\\[str\\]"):
+        shoal.Listener(os.fsencode(path))
+
+
+@pytest.mark.parametrize("name", [".", "..", "", "a/b"])
+def test_a_runtime_dir_name_that_is_no_file_name_is_refused(name):
+    with pytest.raises(shoal.InvalidArgumentError, match=f'runtime_dir_address: "{re.escape(name)}" is not a file name'):
+        shoal.runtime_dir_address(name)
 
 
 def test_a_new_consumer_removes_socket_files_killed_consumers_left():

@@ -38,6 +38,22 @@ def test_a_read_from_past_the_end_names_the_offset(allocator):
     assert s.read(offset=64) == b""
 
 
+def test_none_means_the_default_dtype_and_data_that_is_no_buffer_is_named(allocator):
+    s = allocator.allocate(64)
+    assert (s.view(None).dtype, s.view(dtype=None).shape) == ("uint8", (64,))
+    with pytest.raises(TypeError, match="Storage.write: data must be a bytes-like object .*, not NoneType"):
+        s.write(None)
+    with pytest.raises(TypeError, match="Storage.write: data must be a bytes-like object .*, not int"):
+        s.write(5)
+
+
+def test_numpys_bool_is_taken_for_readonly(allocator):
+    numpy = pytest.importorskip("numpy")
+    s = allocator.allocate(64)
+    assert s.view(readonly=numpy.bool_(True)).readonly
+    assert not s.view(readonly=numpy.bool_(False)).readonly
+
+
 def test_write_then_read_round_trips(allocator):
     s = allocator.allocate(64)
     s.write(b"shoal" * 4, offset=8)

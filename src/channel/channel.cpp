@@ -172,9 +172,10 @@ channel_address channel_address::at_path(std::string path) {
 }
 
 channel_address channel_address::in_runtime_dir(const std::string& name) {
-  if (name.empty() || name.find('/') != std::string::npos) {
+  // "." and ".." name the directory or its parent, no file in it.
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string::npos) {
     throw invalid_argument("channel_address::in_runtime_dir: \"" + name +
-                           "\" is not a file name (empty, or holds a '/')");
+                           "\" is not a file name (empty, '.', '..', or holds a '/')");
   }
   const char* runtime = std::getenv("XDG_RUNTIME_DIR");
   const std::string directory =

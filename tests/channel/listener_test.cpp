@@ -160,6 +160,8 @@ TEST(listener_directory, the_runtime_dir_is_the_recommended_home) {
   if (saved != nullptr) ::setenv("XDG_RUNTIME_DIR", saved_value.c_str(), 1);
   EXPECT_THROW((void)channel_address::in_runtime_dir("a/b"), invalid_argument);
   EXPECT_THROW((void)channel_address::in_runtime_dir(""), invalid_argument);
+  EXPECT_THROW((void)channel_address::in_runtime_dir("."), invalid_argument);
+  EXPECT_THROW((void)channel_address::in_runtime_dir(".."), invalid_argument);
 }
 
 TEST(listener_directory, a_name_too_long_to_bind_through_the_directory_is_refused) {

@@ -97,7 +97,7 @@ class channel_address {
   /// directory first gets the listener refused, never connected to). Both
   /// ends must see the same environment. Reads the environment: not safe
   /// against a concurrent setenv. Throws invalid_argument when `name` is
-  /// empty or holds a '/', or the path is too long.
+  /// empty, "." or "..", or holds a '/', or the path is too long.
   [[nodiscard]] static channel_address in_runtime_dir(const std::string& name);
   /// A name in the abstract socket namespace of this network namespace (at
   /// most 107 bytes): no file to clean up and no permission bits, so any
