@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
@@ -16,8 +17,10 @@
 #include <optional>
 #include <string>
 
+#include "shoal/core/error.h"
 #include "shoal/core/process_identity.h"
 #include "support/processes.h"
+#include "support/refused_opendir.h"
 
 namespace shoal::testing {
 namespace {
@@ -108,6 +111,39 @@ TEST(process_identity, a_process_whose_main_thread_exited_lives_while_another_th
   siginfo_t info{};
   ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(child.pid()), &info, WEXITED | WNOWAIT), 0) << "a zombie now";
   EXPECT_FALSE(shoal::is_alive(*running)) << "its last thread ended";
+  EXPECT_EQ(child.wait(), 0);
+}
+
+// A zombie leader's threads are read from /proc/<pid>/task: a listing that
+// fails for want of descriptors is no answer (the process may run on in
+// another thread, and its memory must not go), one of a process gone
+// meanwhile reads as dead.
+TEST(process_identity, a_zombie_leader_whose_threads_cannot_be_listed_is_an_error_not_a_death) {
+  pipe_ends go;
+  forked_child child([&] {
+    ::close(go.write.get());
+    char c;
+    return ::read(go.read.get(), &c, 1) == 0 ? 0 : 1;
+  });
+  go.read.reset();
+  go.write.reset();
+  siginfo_t info{};
+  ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(child.pid()), &info, WEXITED | WNOWAIT), 0) << "a zombie now";
+  {
+    const refusing_opendir no_descriptors(EMFILE);
+    try {
+      (void)shoal::identify_process(child.pid());
+      ADD_FAILURE() << "a listing that failed for want of descriptors read as an answer";
+    } catch (const os_error& e) {
+      EXPECT_EQ(e.code(), EMFILE);
+    }
+    EXPECT_EQ(no_descriptors.refused(), 1);
+  }
+  {
+    const refusing_opendir gone(ENOENT);
+    EXPECT_EQ(shoal::identify_process(child.pid()), std::nullopt);
+    EXPECT_EQ(gone.refused(), 1);
+  }
   EXPECT_EQ(child.wait(), 0);
 }
 
