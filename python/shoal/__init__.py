@@ -56,7 +56,7 @@ from ._shoal import (
     runtime_dir_address,
     synchronize,
 )
-from . import _shoal
+from . import _checks, _shoal
 
 __all__ = [
     "Allocator",
@@ -134,6 +134,7 @@ def from_dlpack(source: Any, allocator: Optional[Allocator] = None) -> ArrayView
     one element (BufferError otherwise: there is no memory to share; ``shoal.transfer.Engine``
     takes arrays with none).
     """
+    _checks.instance_of("shoal.from_dlpack", "allocator", allocator, Allocator, "a shoal.Allocator", allow_none=True)
     if allocator is None:
         allocator = default_allocator()
     if type(source) is not _shoal._capsule_type:
@@ -160,6 +161,8 @@ def stream(s: Stream) -> Iterator[Stream]:
     on ``s`` by then has passed (recorded as a use, as ``record_stream(s)`` does). Scopes nest;
     leaving one restores the previous current stream.
     """
+    _checks.instance_of("shoal.stream", "s", s, Stream, "a shoal.Stream",
+                        hint=" (shoal.Stream.from_handle adopts another library's stream)")
     _shoal._push_stream(s)
     try:
         yield s

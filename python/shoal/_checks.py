@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import Any, Optional
+import os
+from typing import Any, Optional, Union
 
 from . import _shoal
 
@@ -34,18 +35,38 @@ def whole_number(where: str, name: str, value: Any, *, most: int = (1 << 64) - 1
         raise _shoal.InvalidArgumentError(f"{where}: {name} must be a whole number from {least} to {most}, not {said}")
 
 
+def real_number(where: str, name: str, value: Any, what: str, *, allow_none: bool = False) -> None:
+    """Raises TypeError naming `name` unless `value` is a real number (an int, a float, or
+    numpy's; not a bool), or None when `allow_none`; `what` says the number in the message
+    ("a number of seconds"). Its range is the caller's to check."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        none = " or None" if allow_none else ""
+        raise TypeError(f"{where}: {name} must be {what}{none}, not {type(value).__name__}")
+
+
 def timeout_seconds(where: str, timeout: Any) -> Optional[float]:
     """`timeout` as seconds when it is None or a finite number >= 0 (an int, a float, or
     numpy's; not a bool); TypeError for anything else that is no number, InvalidArgumentError
     for a number that is no wait."""
+    real_number(where, "timeout", timeout, "a number of seconds", allow_none=True)
     if timeout is None:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise TypeError(f"{where}: timeout must be a number of seconds or None, not {type(timeout).__name__}")
     seconds = float(timeout)
     if not (seconds >= 0 and math.isfinite(seconds)):
         raise _shoal.InvalidArgumentError(f"{where}: timeout must be a finite number of seconds >= 0, not {timeout!r}")
     return seconds
+
+
+def socket_address(where: str, address: Any) -> str:
+    """`address` as the str the native layer takes: a str, or an os.PathLike naming a str path
+    (a pathlib.Path); TypeError for anything else, bytes paths included."""
+    path = os.fspath(address) if isinstance(address, os.PathLike) else address
+    if not isinstance(path, str):
+        said = "a bytes path" if isinstance(path, bytes) else type(address).__name__
+        raise TypeError(f"{where}: address must be a str or a pathlib.Path (a socket path, or '@name'), not {said}")
+    return path
 
 
 def cancel_event(where: str, cancel: Optional[Any]) -> None:
@@ -54,10 +75,11 @@ def cancel_event(where: str, cancel: Optional[Any]) -> None:
         raise TypeError(f"{where}: cancel must be a threading.Event (anything with is_set()) or None, not {cancel!r}")
 
 
-def instance_of(where: str, name: str, value: Any, kind: type, what: str, *, allow_none: bool = False,
-                hint: str = "") -> None:
-    """Raises TypeError naming `name` unless `value` is a `kind` (or None when `allow_none`);
-    `what` says the kind in the message, `hint` may say how to get one."""
+def instance_of(where: str, name: str, value: Any, kind: Union[type, tuple[type, ...]], what: str, *,
+                allow_none: bool = False, hint: str = "") -> None:
+    """Raises TypeError naming `name` unless `value` is a `kind` (a type, or a tuple of types as
+    isinstance takes) or None when `allow_none`; `what` says the kind in the message, `hint`
+    may say how to get one."""
     if value is None and allow_none:
         return
     if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):

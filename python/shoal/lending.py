@@ -51,6 +51,9 @@ reader it has the model it asked for, not that the writer is honest.
 
 from __future__ import annotations
 
+import collections.abc
+import operator
+import os
 import threading
 import time
 import weakref
@@ -88,14 +91,45 @@ class Entry(NamedTuple):
     shape: tuple[int, ...]
 
 
-def _entries(layout: Sequence[Union[Entry, tuple]]) -> list[tuple]:
-    return [(e[0], int(e[1]), int(e[2]), str(e[3]), [int(x) for x in e[4]]) for e in layout]
+def _entries(where: str, layout: Sequence[Union[Entry, tuple]]) -> list[tuple]:
+    """The layout as the native layer takes it, each field checked by name."""
+    _checks.instance_of(where, "layout", layout, collections.abc.Iterable, "a sequence of Entry")
+    out = []
+    for i, e in enumerate(layout):
+        said = f"layout[{i}]"
+        _checks.instance_of(where, said, e, tuple, "an Entry (or a tuple of its fields)")
+        if len(e) != len(Entry._fields):
+            raise _shoal.InvalidArgumentError(
+                f"{where}: {said} must have the {len(Entry._fields)} fields of an Entry {Entry._fields}, not {e!r}")
+        name, offset, nbytes, dtype, shape = e
+        _checks.instance_of(where, f"{said}.name", name, str, "a str")
+        _checks.whole_number(where, f"{said}.offset", offset)
+        _checks.whole_number(where, f"{said}.nbytes", nbytes)
+        _checks.instance_of(where, f"{said}.shape", shape, collections.abc.Iterable, "a sequence of whole numbers")
+        shape = list(shape)
+        for k, extent in enumerate(shape):
+            _checks.whole_number(where, f"{said}.shape[{k}]", extent)
+        out.append((name, operator.index(offset), operator.index(nbytes), str(dtype), [operator.index(x) for x in shape]))
+    return out
 
 
-def _hash_bytes(hash: Union[bytes, str, None]) -> Optional[bytes]:
-    if hash is None or isinstance(hash, bytes):
-        return hash
-    return bytes.fromhex(hash)
+_HASH_BYTES = 32  # SHA-256
+
+
+def _hash_bytes(where: str, name: str, hash: Union[bytes, str, None]) -> Optional[bytes]:
+    """A content hash given as bytes or hex digits (or None), as bytes."""
+    _checks.instance_of(where, name, hash, (bytes, str), "bytes (or their hex digits as a str)", allow_none=True)
+    if hash is None:
+        return None
+    try:
+        digest: Optional[bytes] = hash if isinstance(hash, bytes) else bytes.fromhex(hash)
+    except ValueError:
+        digest = None
+    if digest is None or len(digest) != _HASH_BYTES:
+        raise _shoal.InvalidArgumentError(
+            f"{where}: {name} must be {_HASH_BYTES} bytes (SHA-256) or their {2 * _HASH_BYTES} hex digits, "
+            f"not {hash!r}")
+    return digest
 
 
 class SharedRegion:
@@ -148,7 +182,8 @@ class SharedRegion:
     def verify(self) -> bool:
         """Whether the entries' bytes as mapped here hash to the committed hash (reads every
         entry: device memory is copied to the host piece by piece)."""
-        return _shoal._content_hash(self._open(), _entries(self._layout)) == self._hash
+        entries = _entries("shoal.lending.SharedRegion.verify", self._layout)
+        return _shoal._content_hash(self._open(), entries) == self._hash
 
     def close(self) -> None:
         """Drops this object's reference: the hold is given back once every view is gone too."""
@@ -183,8 +218,8 @@ def _allocator_on(where: str, device: Optional[_shoal.Device], allocator: Option
 
 
 class Borrower:
-    """A connection to the lender at ``address`` (a socket path, or ``@name`` for an
-    abstract name); the lender's uid must be this process's or in ``allowed_uids``.
+    """A connection to the lender at ``address`` (a socket path, a str or a pathlib.Path, or
+    ``@name`` for an abstract name); the lender's uid must be this process's or in ``allowed_uids``.
 
     Kept mappings: a region given back stays mapped in this process (up to
     ``kept_mapping_bytes`` at once) when ``keep_mappings`` is on, so that the same memory lent
@@ -203,7 +238,7 @@ class Borrower:
 
     def __init__(
         self,
-        address: str,
+        address: Union[str, os.PathLike[str]],
         *,
         device: Optional[_shoal.Device] = None,
         allocator: Optional[_shoal.Allocator] = None,
@@ -213,6 +248,7 @@ class Borrower:
         kept_mapping_bytes: int = 16 << 30,
         observer: bool = False,
     ) -> None:
+        address = _checks.socket_address("shoal.lending.Borrower", address)
         _checks.whole_number("shoal.lending.Borrower", "kept_mapping_bytes", kept_mapping_bytes)
         for uid in allowed_uids:
             _checks.whole_number("shoal.lending.Borrower", "allowed_uids", uid, most=_checks.UID_MAX)
@@ -271,6 +307,8 @@ class Borrower:
         because this borrower's own regions were preempted for a borrow ahead of it (see
         :meth:`revocations`)."""
         _checks.whole_number("shoal.lending.Borrower.borrow", "nbytes", nbytes, least=1)
+        _checks.real_number("shoal.lending.Borrower.borrow", "timeout", timeout, "a number of seconds")
+        _checks.real_number("shoal.lending.Borrower.borrow", "wait", wait, "a number of seconds", allow_none=True)
         _checks.cancel_event("shoal.lending.Borrower.borrow", cancel)
         if not isinstance(purpose, str):
             raise _shoal.InvalidArgumentError(
@@ -293,8 +331,12 @@ class Borrower:
         is emptied; using it raises) and the region comes back read-only. ``InvalidArgumentError``
         for live views or a malformed layout (the region left as it was); when the lender refuses
         (the name is published already) the region is given back and the refusal raised."""
-        storage = self._native._publish(self._allocator, region, _entries(layout), _hash_bytes(hash), timeout)
-        return SharedRegion(storage)
+        where = "shoal.lending.Borrower.publish"
+        _checks.instance_of(where, "region", region, _shoal.Storage, "a shoal.Storage (a region borrow() returned)")
+        entries = _entries(where, layout)
+        digest = _hash_bytes(where, "hash", hash)
+        _checks.real_number(where, "timeout", timeout, "a number of seconds")
+        return SharedRegion(self._native._publish(self._allocator, region, entries, digest, timeout))
 
     def borrow_shared(
         self,
@@ -308,11 +350,12 @@ class Borrower:
         that hash; with ``expected_writer_uid``, ``ContentMismatchError`` unless a process of
         that uid published it (names are first come among the uids the lender admits). Its
         bytes count in full against this borrower's quota."""
-        return SharedRegion(
-            self._native._borrow_shared(
-                self._allocator, name, _hash_bytes(expected_hash), expected_writer_uid, timeout
-            )
-        )
+        where = "shoal.lending.Borrower.borrow_shared"
+        _checks.instance_of(where, "name", name, str, "a str")
+        expected = _hash_bytes(where, "expected_hash", expected_hash)
+        _checks.real_number(where, "timeout", timeout, "a number of seconds")
+        _checks.whole_number(where, "expected_writer_uid", expected_writer_uid, most=_checks.UID_MAX, allow_none=True)
+        return SharedRegion(self._native._borrow_shared(self._allocator, name, expected, expected_writer_uid, timeout))
 
     def revocations(self, wait: float = 0.0, *, cancel: Optional[CancelEvent] = None) -> list[tuple[int, float]]:
         """The lender's requests to give regions back, as (region id, seconds left), waiting up to
@@ -390,6 +433,7 @@ class Borrower:
     def region_id(storage: _shoal.Storage) -> Optional[int]:
         """The id of the borrowed region behind ``storage`` (what ``revocations`` names), or
         None for a storage that is not a borrowed region."""
+        _checks.instance_of("shoal.lending.Borrower.region_id", "storage", storage, _shoal.Storage, "a shoal.Storage")
         return _shoal._region_id(storage)
 
     def metrics(self, timeout: float = 5.0) -> str:
@@ -573,8 +617,8 @@ class RevocationWatcher:
 
 
 class Lender:
-    """Lends ``device``'s memory (default: the default device) at ``address``, on a
-    thread of its own: at most ``capacity_bytes`` in all (1 GiB unless given) and
+    """Lends ``device``'s memory (default: the default device) at ``address`` (a str or a
+    pathlib.Path), on a thread of its own: at most ``capacity_bytes`` in all (1 GiB unless given) and
     ``quota_bytes`` per borrower connection, to at most ``max_borrowers`` connected at
     once of this process's uid and root, and as many of all other uids together (besides
     up to ``max_observers`` observer connections of each, ``Borrower(observer=True)``),
@@ -603,7 +647,7 @@ class Lender:
 
     def __init__(
         self,
-        address: str,
+        address: Union[str, os.PathLike[str]],
         *,
         device: Optional[_shoal.Device] = None,
         capacity_bytes: int = 1 << 30,
@@ -619,6 +663,7 @@ class Lender:
         preempt_deadline: float = 10.0,
         max_observers: int = 4,
     ) -> None:
+        address = _checks.socket_address("shoal.lending.Lender", address)
         for name, value in (("capacity_bytes", capacity_bytes), ("quota_bytes", quota_bytes),
                             ("max_borrowers", max_borrowers), ("max_regions_per_borrower", max_regions_per_borrower)):
             _checks.whole_number("shoal.lending.Lender", name, value, least=1)

@@ -24,6 +24,9 @@ tensors and hands back a ``GroupedLoad`` whose ``wait(k, stream)`` is the GPU-si
 
 from __future__ import annotations
 
+import collections.abc
+import math
+import operator
 import threading
 from typing import Any, Callable, NamedTuple, Optional, Sequence, Union, cast
 
@@ -76,33 +79,69 @@ class GroupPlan(NamedTuple):
         return len(self.group_ends)
 
 
-def _layer_tuples(layers: Sequence[Any]) -> list[tuple[int, float]]:
+def _finite(where: str, name: str, value: Any, *, above_zero: bool = False) -> float:
+    """`value` as a float, when it is a finite number >= 0 (> 0 when `above_zero`)."""
+    _checks.real_number(where, name, value, "a number")
+    number = float(value)
+    if not (math.isfinite(number) and (number > 0 if above_zero else number >= 0)):
+        raise _shoal.InvalidArgumentError(
+            f"{where}: {name} must be a finite number {'>' if above_zero else '>='} 0, not {value!r}")
+    return number
+
+
+def _layer_tuples(where: str, layers: Sequence[Any]) -> list[tuple[int, float]]:
+    _checks.instance_of(where, "layers", layers, collections.abc.Iterable, "a sequence of layers")
     out = []
     for layer in layers:
-        nbytes, seconds = (layer.bytes, layer.compute_seconds) if isinstance(layer, LayerProfile) else layer
-        _checks.whole_number("shoal.loading", "a layer's bytes", int(nbytes))
-        out.append((int(nbytes), float(seconds)))
+        try:
+            nbytes, seconds = (layer.bytes, layer.compute_seconds) if isinstance(layer, LayerProfile) else layer
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"{where}: a layer must be a LayerProfile or a (bytes, compute_seconds) pair, not {layer!r}") from None
+        _checks.whole_number(where, "a layer's bytes", nbytes)
+        out.append((operator.index(nbytes), _finite(where, "a layer's compute_seconds", seconds)))
+    if not out:
+        raise _shoal.InvalidArgumentError(f"{where}: layers is empty")
     return out
+
+
+def _cost_pair(where: str, cost: CopyCost) -> tuple[float, float]:
+    _checks.instance_of(where, "cost", cost, CopyCost, "a shoal.loading.CopyCost",
+                        hint=" (CopyCost(per_group_seconds, bytes_per_second) or measure_copy_cost() makes one)")
+    return (_finite(where, "cost.per_group_seconds", cost.per_group_seconds),
+            _finite(where, "cost.bytes_per_second", cost.bytes_per_second, above_zero=True))
 
 
 def measure_copy_cost(stream: Optional[_shoal.Stream] = None) -> CopyCost:
     """Measures the per-group cost and the host-to-device bandwidth on ``stream``'s device
     (default: a new stream of the default device), from page-locked memory."""
+    _checks.instance_of("shoal.loading.measure_copy_cost", "stream", stream, _shoal.Stream, "a shoal.Stream",
+                        allow_none=True)
     return CopyCost(*_shoal._measure_copy_cost(stream if stream is not None else _shoal.Stream()))
 
 
 def plan_groups(layers: Sequence[Any], cost: CopyCost, grouping: str = "optimal") -> GroupPlan:
     """Groups for ``layers`` (LayerProfile or (bytes, compute_seconds), in execution order):
     ``"optimal"`` (earliest completion of the last layer), ``"per_layer"`` or ``"whole"``."""
-    ends, first, last = _shoal._plan_groups(_layer_tuples(layers), cost.per_group_seconds, cost.bytes_per_second, grouping)
+    where = "shoal.loading.plan_groups"
+    native_layers = _layer_tuples(where, layers)
+    per_group, bandwidth = _cost_pair(where, cost)
+    _checks.instance_of(where, "grouping", grouping, str, f"one of {GROUPINGS}")
+    ends, first, last = _shoal._plan_groups(native_layers, per_group, bandwidth, grouping)
     return GroupPlan(tuple(ends), first, last)
 
 
 def evaluate_grouping(layers: Sequence[Any], cost: CopyCost, group_ends: Sequence[int]) -> GroupPlan:
     """The predicted timeline of a given grouping."""
-    ends, first, last = _shoal._evaluate_grouping(
-        _layer_tuples(layers), cost.per_group_seconds, cost.bytes_per_second, list(group_ends)
-    )
+    where = "shoal.loading.evaluate_grouping"
+    native_layers = _layer_tuples(where, layers)
+    per_group, bandwidth = _cost_pair(where, cost)
+    _checks.instance_of(where, "group_ends", group_ends, collections.abc.Iterable, "a sequence of whole numbers")
+    given = list(group_ends)
+    for g, end in enumerate(given):
+        _checks.whole_number(where, f"group_ends[{g}]", end)
+    given = [operator.index(end) for end in given]
+    ends, first, last = _shoal._evaluate_grouping(native_layers, per_group, bandwidth, given)
     return GroupPlan(tuple(ends), first, last)
 
 
@@ -167,6 +206,8 @@ def load_groups(groups: Sequence[Sequence[tuple[Any, Any]]], stream: Optional[_s
     and destinations are kept alive until the load is gone, which waits for its copies;
     nothing else may write a destination before its group is ready.
     """
+    _checks.instance_of("shoal.loading.load_groups", "stream", stream, _shoal.Stream, "a shoal.Stream",
+                        allow_none=True, hint=" (shoal.Stream.from_handle adopts another library's stream)")
     copy_stream = stream if stream is not None else _shoal.Stream()
     # The destinations may have been allocated on the current stream (shoal's, or torch's
     # for torch tensors) right after a free whose work is still queued there: the copies

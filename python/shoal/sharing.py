@@ -279,7 +279,7 @@ class Producer:
 
     def __init__(
         self,
-        address: str,
+        address: str | os.PathLike[str],
         *,
         allocator: _shoal.Allocator | None = None,
         device: Any = None,
@@ -287,6 +287,7 @@ class Producer:
         max_ahead: int | None = None,
         **options: int,
     ) -> None:
+        address = _checks.socket_address("shoal.sharing.Producer", address)
         _checks.whole_number("shoal.sharing.Producer", "max_ahead", max_ahead, least=1, allow_none=True)
         self.max_ahead = None if max_ahead is None else operator.index(max_ahead)
         self._options = options
@@ -578,17 +579,17 @@ class Consumer:
     sent are let go. Only the waiting in get() and batches() counts (a get(timeout=0) that
     finds nothing waits no time), so a producer held back while this
     process works elsewhere is not cut off. None: no limit.
-    Listens at `address` (default: a fresh name in the runtime directory, see
-    shoal.runtime_dir_address). Batches arrive as memory of `allocator`'s
-    device; `device` names it instead, for its default allocator (as
-    Producer's); with neither, the current CUDA device in PyTorch of the
-    thread that makes it (per thread) where this process initialized CUDA in
-    PyTorch, else shoal's default device. Not for use from several threads at
-    once."""
+    Listens at `address` (a str or a pathlib.Path; default: a fresh name in
+    the runtime directory, see shoal.runtime_dir_address). Batches arrive as
+    memory of `allocator`'s device; `device` names it instead, for its
+    default allocator (as Producer's); with neither, the current CUDA device
+    in PyTorch of the thread that makes it (per thread) where this process
+    initialized CUDA in PyTorch, else shoal's default device. Not for use
+    from several threads at once."""
 
     def __init__(
         self,
-        address: str | None = None,
+        address: str | os.PathLike[str] | None = None,
         *,
         allocator: _shoal.Allocator | None = None,
         device: Any = None,
@@ -597,11 +598,12 @@ class Consumer:
         batch_timeout: float | None = 10.0,
         **options: int,
     ) -> None:
+        if address is not None:
+            address = _checks.socket_address("shoal.sharing.Consumer", address)
         _checks.whole_number("shoal.sharing.Consumer", "max_producers", max_producers, least=1)
         max_producers = operator.index(max_producers)
-        if batch_timeout is not None and (isinstance(batch_timeout, bool) or not isinstance(batch_timeout, numbers.Real)):
-            raise TypeError(f"shoal.sharing.Consumer: batch_timeout must be a number of seconds or None, "
-                            f"not {type(batch_timeout).__name__}")
+        _checks.real_number("shoal.sharing.Consumer", "batch_timeout", batch_timeout, "a number of seconds",
+                            allow_none=True)
         if batch_timeout is not None and not (batch_timeout > 0 and math.isfinite(batch_timeout)):
             raise _shoal.InvalidArgumentError(
                 "shoal.sharing.Consumer: batch_timeout must be a finite number of seconds above 0, or None"

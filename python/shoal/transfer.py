@@ -275,6 +275,10 @@ class Engine:
                                    ("max_coalesced_bytes", max_coalesced_bytes, 0)):
             _checks.whole_number("shoal.transfer.Engine", name, value, least=least)
         _checks.whole_number("shoal.transfer.Engine", "staging_helpers", staging_helpers, allow_none=True)
+        _checks.instance_of("shoal.transfer.Engine", "staging_stores", staging_stores, str,
+                            "'automatic', 'streaming' or 'cached'")
+        _checks.instance_of("shoal.transfer.Engine", "allocator", allocator, _shoal.Allocator, "a shoal.Allocator",
+                            allow_none=True)
         self._allocator = allocator if allocator is not None else _default_engine_allocator()
         # What arrays with no elements are views of: a few bytes of the engine's device,
         # made at the first one, so that such a view keeps no batch's memory alive.
@@ -340,13 +344,7 @@ class Engine:
         buffers = [buffer for buffer, _, _ in leaves]
         types = [(dtype, shape) for _, dtype, shape in leaves]
         if not self._submit_lock.acquire(timeout=_lock_wait(timeout)):
-            stats = self._engine.stats()
-            raise _shoal.PeerTimeoutError(
-                f"shoal.transfer.Engine.submit: no room for the batch within {timeout} s: another thread's "
-                f"submit is still waiting for room ({stats['in_flight']} batches of {stats['bytes_in_flight']} "
-                "bytes in all are in flight); take batches or raise max_batches_in_flight or "
-                "max_bytes_in_flight (nothing was queued)"
-            )
+            raise self._no_room(timeout, "another thread's submit is still waiting for room (")
         try:
             sequence = self._next_sequence
             with self._layouts_lock:
@@ -354,9 +352,12 @@ class Engine:
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 submitted = self._engine.submit(buffers, left)
-            except BaseException:
+            except BaseException as failed:
                 with self._layouts_lock:
                     self._layouts.pop(sequence, None)
+                if isinstance(failed, _shoal.PeerTimeoutError):
+                    # The engine was given what was left of the timeout; say what the caller gave.
+                    raise self._no_room(timeout, "") from None
                 raise
             assert submitted == sequence, "shoal.transfer: the engine numbered a batch out of order"
             self._next_sequence += 1
@@ -366,6 +367,15 @@ class Engine:
         if read is not None:
             read.wait()
         return submitted
+
+    def _no_room(self, timeout: Optional[float], why: str) -> _shoal.PeerTimeoutError:
+        stats = self._engine.stats()
+        return _shoal.PeerTimeoutError(
+            f"shoal.transfer.Engine.submit: no room for the batch within {timeout} s: {why}"
+            f"{stats['in_flight']} batches of {stats['bytes_in_flight']} bytes in all are in flight"
+            f"{')' if why else ''}; take batches or raise max_batches_in_flight or max_bytes_in_flight "
+            "(nothing was queued)"
+        )
 
     def next(self, timeout: Optional[float] = None) -> _shoal.TransferredBatch:
         """The next batch as the engine hands it out (storages and ready state), without waiting on a stream."""

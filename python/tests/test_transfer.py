@@ -110,9 +110,12 @@ def test_a_full_engine_makes_submit_wait_and_time_out(engine):
     for i in range(3):
         engine.submit([numpy.zeros(16, "uint8")])
     started = time.monotonic()
-    with pytest.raises(shoal.PeerTimeoutError):
+    with pytest.raises(shoal.PeerTimeoutError) as timed_out:
         engine.submit([numpy.zeros(16, "uint8")], timeout=0.1)
     assert time.monotonic() - started >= 0.09
+    # The timeout the caller gave, not what was left of it when the engine began waiting.
+    assert "no room for the batch within 0.1 s: 3 batches of 48 bytes in all are in flight; take batches" in str(
+        timed_out.value)
     assert engine.stats()["peak_in_flight"] == 3
     for _ in range(3):
         engine.get(timeout=10)
