@@ -250,6 +250,7 @@ class Borrower:
     ) -> None:
         address = _checks.socket_address("shoal.lending.Borrower", address)
         _checks.whole_number("shoal.lending.Borrower", "kept_mapping_bytes", kept_mapping_bytes)
+        _checks.real_number("shoal.lending.Borrower", "timeout", timeout, "a number of seconds")
         for uid in allowed_uids:
             _checks.whole_number("shoal.lending.Borrower", "allowed_uids", uid, most=_checks.UID_MAX)
         self._address = address
@@ -374,6 +375,7 @@ class Borrower:
 
         ``InvalidArgumentError`` while a :class:`RevocationWatcher` watches this borrower (one
         of the two would miss revokes the other read)."""
+        _checks.real_number("shoal.lending.Borrower.revocations", "wait", wait, "a number of seconds")
         _checks.cancel_event("shoal.lending.Borrower.revocations", cancel)
         counted = False
         try:
@@ -439,6 +441,7 @@ class Borrower:
     def metrics(self, timeout: float = 5.0) -> str:
         """The lender's status in the Prometheus text format (this connection counted in
         ``shoal_lending_borrowers``, or in ``shoal_lending_observers`` for an observer)."""
+        _checks.real_number("shoal.lending.Borrower.metrics", "timeout", timeout, "a number of seconds")
         return self._native.metrics(timeout)
 
     def revoke(self, region: int, deadline: float, timeout: float = 5.0) -> None:
@@ -449,6 +452,8 @@ class Borrower:
         lender accepted. ``PeerRefusedError`` unless this process runs as the lender's uid or
         root; ``InvalidArgumentError`` for a region not lent to a connected borrower, or a
         shared one."""
+        for name, seconds in (("deadline", deadline), ("timeout", timeout)):
+            _checks.real_number("shoal.lending.Borrower.revoke", name, seconds, "a number of seconds")
         self._native.revoke(region, deadline, timeout)
 
     def close(self) -> None:
@@ -672,6 +677,12 @@ class Lender:
             _checks.whole_number("shoal.lending.Lender", "allowed_uids", uid, most=_checks.UID_MAX)
         for chunk in prepared_chunks:
             _checks.whole_number("shoal.lending.Lender", "prepared_chunks", chunk)
+        # Types here, ranges in the native layer (its messages name each setting too).
+        for name, seconds, may_be_none in (("peer_timeout", peer_timeout, False), ("max_wait", max_wait, False),
+                                           ("preempt_after", preempt_after, True),
+                                           ("preempt_deadline", preempt_deadline, False)):
+            _checks.real_number("shoal.lending.Lender", name, seconds, "a number of seconds", allow_none=may_be_none)
+        _checks.instance_of("shoal.lending.Lender", "reuse", reuse, str, "'same_uid' or 'never'")
         self._address = address
         self._native = _shoal.Lender(
             address, device, capacity_bytes, quota_bytes, max_borrowers, max_regions_per_borrower, peer_timeout,
@@ -692,6 +703,7 @@ class Lender:
         next model's turn); returns at once. A borrower that lets the time pass keeps the
         region until it gives it back or exits; ``status()`` counts it in
         ``revocations_missed`` and shows the region ``revoking`` meanwhile."""
+        _checks.real_number("shoal.lending.Lender.revoke", "deadline", deadline, "a number of seconds")
         self._native.revoke(region, deadline)
 
     def metrics(self) -> str:

@@ -136,7 +136,7 @@ void register_grouped_load(nb::module_& m) {
         if (g == "optimal") return tuple_of(transfer::plan_groups(native, cost));
         if (g == "per_layer") return tuple_of(transfer::one_group_per_layer(native, cost));
         if (g == "whole") return tuple_of(transfer::one_group_for_all(native, cost));
-        throw invalid_argument("plan_groups: grouping must be 'optimal', 'per_layer' or 'whole'");
+        throw invalid_argument("shoal.loading.plan_groups: grouping must be 'optimal', 'per_layer' or 'whole'");
       },
       nb::arg("layers"), nb::arg("per_group_seconds"), nb::arg("bytes_per_second"), nb::arg("grouping"),
       "(group_ends, first_layer_start, last_layer_end) for layers of (bytes, compute_seconds).");

@@ -125,11 +125,15 @@ class cancel_event {
 /// A layout entry as Python sees it: (name, offset, nbytes, dtype, shape).
 using py_entry = std::tuple<std::string, std::uint64_t, std::uint64_t, std::string, std::vector<std::uint64_t>>;
 
-lending::region_layout layout_of(const std::vector<py_entry>& entries) {
+/// The layout of `entries`; an unknown dtype is invalid_argument naming `who`.
+lending::region_layout layout_of(const std::vector<py_entry>& entries, const char* who) {
   lending::region_layout layout;
   for (const auto& [name, offset, bytes, type, shape] : entries) {
     const auto known = lending::dtype_named(type);
-    if (!known) throw invalid_argument("layout entry '" + name + "': '" + type + "' is not a dtype shoal knows");
+    if (!known) {
+      throw invalid_argument(std::string(who) + ": layout entry '" + name + "': '" + type +
+                             "' is not a dtype shoal knows");
+    }
     layout.entries.push_back({name, offset, bytes, *known, shape});
   }
   return layout;
@@ -366,7 +370,7 @@ void register_lending(nb::module_& m) {
   m.def(
       "_content_hash",
       [](const py_storage& storage, const std::vector<py_entry>& entries) {
-        const auto layout = layout_of(entries);
+        const auto layout = layout_of(entries, "SharedRegion.verify");
         const auto& st = storage.handle.get();
         lending::content_hash hash;
         {
@@ -474,7 +478,7 @@ void register_lending(nb::module_& m) {
                                      " other handles of the region (views, DLPack exports, tensors) are alive; drop "
                                      "them first: publishing unmaps the writable mapping under them");
             }
-            auto layout = layout_of(entries);
+            auto layout = layout_of(entries, "Borrower.publish");
             const auto& region = owner->region();
             if (auto problem = lending::layout_problem(layout, region.size()); !problem.empty()) {
               throw invalid_argument("Borrower.publish: the layout is malformed: " + problem);

@@ -133,6 +133,10 @@ def test_publish_names_each_field_of_the_layout_and_leaves_the_region_as_it_was(
         arguments = dict(region=region, layout=[good], hash=None, timeout=5.0) | changed
         with pytest.raises(error, match=where + message):
             borrower.publish(**arguments)
+    # The dtype's name is checked natively, in the words its other checks use.
+    with pytest.raises(shoal.InvalidArgumentError,
+                       match=r"^Borrower\.publish: layout entry 'e': 'float99' is not a dtype shoal knows"):
+        borrower.publish(region, [good._replace(dtype="float99")])
     assert region.nbytes >= MIB and borrower.region_id(region) is not None, "a refusal took the region"
     published = borrower.publish(region, [good._replace(offset=numpy.int64(0), shape=(numpy.int64(16),))])
     assert published.layout == [good]
@@ -180,6 +184,8 @@ def test_plan_groups_names_its_cost_and_grouping():
     with pytest.raises(TypeError,
                        match=where + r"grouping must be one of \('optimal', 'per_layer', 'whole'\), not NoneType"):
         shoal.loading.plan_groups(layers, shoal.loading.CopyCost(1e-5, 1e10), None)  # type: ignore[arg-type]
+    with pytest.raises(shoal.InvalidArgumentError, match=where + "grouping must be 'optimal', 'per_layer' or 'whole'"):
+        shoal.loading.plan_groups(layers, shoal.loading.CopyCost(1e-5, 1e10), "best")
 
 
 def test_evaluate_grouping_names_its_group_ends_and_cost():
@@ -249,3 +255,27 @@ def test_an_engine_names_its_allocator_and_staging_stores():
         shoal.transfer.Engine(allocator=5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=where + "staging_stores must be 'automatic', 'streaming' or 'cached', not int"):
         shoal.transfer.Engine(staging_stores=5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("setting, value", [
+    ("peer_timeout", "x"), ("max_wait", None), ("preempt_after", "x"), ("preempt_deadline", [1]), ("reuse", 5),
+])
+def test_a_lender_names_a_setting_of_the_wrong_type(directory, setting, value):
+    with pytest.raises(TypeError, match=rf"^shoal\.lending\.Lender: {setting} must be "):
+        shoal.lending.Lender(directory / "typed.sock", **{setting: value})
+
+
+def test_a_borrowers_waits_and_timeouts_are_named(directory):
+    with pytest.raises(TypeError, match=r"^shoal\.lending\.Borrower: timeout must be a number of seconds, not str"):
+        shoal.lending.Borrower(directory / "nobody.sock", timeout="5")
+    with shoal.lending.Lender(directory / "lender.sock") as lender, \
+            shoal.lending.Borrower(directory / "lender.sock") as borrower:
+        with pytest.raises(TypeError, match=r"^shoal\.lending\.Borrower\.revocations: wait must be a number"):
+            borrower.revocations(wait="1")
+        with pytest.raises(TypeError, match=r"^shoal\.lending\.Borrower\.metrics: timeout must be a number"):
+            borrower.metrics(timeout=None)
+        with pytest.raises(TypeError, match=r"^shoal\.lending\.Borrower\.revoke: deadline must be a number"):
+            borrower.revoke(1, deadline="soon")
+        with pytest.raises(TypeError, match=r"^shoal\.lending\.Lender\.revoke: deadline must be a number"):
+            lender.revoke(1, deadline=None)
+        assert borrower.revocations(wait=numpy.float64(0.0)) == [], "the borrower works on, numpy numbers taken"
