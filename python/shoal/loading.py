@@ -195,6 +195,23 @@ def _device_address(destination: Any, stream: _shoal.Stream) -> tuple[int, int]:
     raise TypeError("shoal.loading: a destination is a shoal Storage, an ArrayView or a torch CUDA tensor")
 
 
+def _copy_groups(where: str, groups: Any) -> list[list[tuple[Any, Any]]]:
+    """`groups` as lists of (destination, source) pairs, each checked by its place (and read
+    once: a generator is walked twice below)."""
+    _checks.instance_of(where, "groups", groups, collections.abc.Iterable,
+                        "a sequence of groups of (destination, source) pairs")
+    out = []
+    for g, group in enumerate(groups):
+        _checks.instance_of(where, f"groups[{g}]", group, collections.abc.Iterable,
+                            "a sequence of (destination, source) pairs")
+        pairs = list(group)
+        for i, pair in enumerate(pairs):
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise TypeError(f"{where}: groups[{g}][{i}] must be a (destination, source) pair, not {pair!r}")
+        out.append(pairs)
+    return out
+
+
 def load_groups(groups: Sequence[Sequence[tuple[Any, Any]]], stream: Optional[_shoal.Stream] = None) -> GroupedLoad:
     """Enqueues groups of ``(destination, source)`` copies on ``stream`` (default: a new
     stream of the default device), an event after each group, and returns at once.
@@ -206,8 +223,10 @@ def load_groups(groups: Sequence[Sequence[tuple[Any, Any]]], stream: Optional[_s
     and destinations are kept alive until the load is gone, which waits for its copies;
     nothing else may write a destination before its group is ready.
     """
-    _checks.instance_of("shoal.loading.load_groups", "stream", stream, _shoal.Stream, "a shoal.Stream",
+    where = "shoal.loading.load_groups"
+    _checks.instance_of(where, "stream", stream, _shoal.Stream, "a shoal.Stream",
                         allow_none=True, hint=" (shoal.Stream.from_handle adopts another library's stream)")
+    groups = _copy_groups(where, groups)
     copy_stream = stream if stream is not None else _shoal.Stream()
     # The destinations may have been allocated on the current stream (shoal's, or torch's
     # for torch tensors) right after a free whose work is still queued there: the copies
@@ -233,10 +252,10 @@ def load_groups(groups: Sequence[Sequence[tuple[Any, Any]]], stream: Optional[_s
             src, src_bytes, source = _host_address(source)
             if dst_bytes != src_bytes:
                 raise _shoal.InvalidArgumentError(
-                    f"shoal.loading: group {g}: a {src_bytes}-byte source does not fill a {dst_bytes}-byte destination"
+                    f"{where}: group {g}: a {src_bytes}-byte source does not fill a {dst_bytes}-byte destination"
                 )
             if src_bytes == 0:
-                raise _shoal.InvalidArgumentError(f"shoal.loading: group {g} has an empty copy; leave it out")
+                raise _shoal.InvalidArgumentError(f"{where}: group {g} has an empty copy; leave it out")
             copies.append((dst, src, src_bytes))
             owners.append((destination, source))
         native.append((copies, tuple(owners)))

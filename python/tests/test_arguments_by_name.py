@@ -213,6 +213,21 @@ def test_load_groups_and_measure_copy_cost_name_their_stream():
         shoal.loading.measure_copy_cost(5)  # type: ignore[arg-type]
 
 
+def test_load_groups_names_each_group_and_pair_and_reads_a_generator_once():
+    where = r"^shoal\.loading\.load_groups: "
+    with pytest.raises(TypeError, match=where + r"groups must be a sequence of groups of \(destination, source\) pairs"):
+        shoal.loading.load_groups(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=where + r"groups\[0\] must be a sequence of \(destination, source\) pairs"):
+        shoal.loading.load_groups([5])  # type: ignore[list-item]
+    source = numpy.arange(16, dtype=numpy.uint8)
+    with pytest.raises(TypeError, match=where + r"groups\[0\]\[1\] must be a \(destination, source\) pair, not 5"):
+        shoal.loading.load_groups([[(shoal.allocate(16), source), 5]])  # type: ignore[list-item]
+    destination = shoal.allocate(16)
+    load = shoal.loading.load_groups(([(destination, source)] for _ in range(1)))  # a generator of groups
+    load.synchronize()
+    assert destination.read() == source.tobytes(), "a generator's groups were copied"
+
+
 @pytest.mark.parametrize("address, said", [(None, "NoneType"), (5, "int"), (b"/tmp/x.sock", "a bytes path"),
                                            (BytesPath(), "a bytes path")])
 def test_producer_and_consumer_name_their_address(address, said):
