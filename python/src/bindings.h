@@ -280,9 +280,8 @@ struct type_caster<shoal::python::python_bool> {
     }
     // numpy.bool (numpy 2) or numpy.bool_ (numpy 1), known by its type's name.
     const std::string_view type_name = Py_TYPE(src.ptr())->tp_name;
-    if ((flags & static_cast<Flags>(cast_flags::convert)) == 0 || (type_name != "numpy.bool" && type_name != "numpy.bool_")) {
-      return false;
-    }
+    const bool converting = (flags & static_cast<Flags>(cast_flags::convert)) != 0;
+    if (!converting || (type_name != "numpy.bool" && type_name != "numpy.bool_")) return false;
     const int truth = PyObject_IsTrue(src.ptr());
     if (truth < 0) {
       PyErr_Clear();
@@ -304,7 +303,8 @@ struct type_caster<shoal::python::address_text> {
     object text;
     if (PyUnicode_Check(src.ptr())) {
       text = borrow(src);
-    } else if ((flags & static_cast<Flags>(cast_flags::convert)) != 0 && PyObject_HasAttrString(src.ptr(), "__fspath__")) {
+    } else if ((flags & static_cast<Flags>(cast_flags::convert)) != 0 &&
+               PyObject_HasAttrString(src.ptr(), "__fspath__") != 0) {
       text = steal(PyOS_FSPath(src.ptr()));
       if (!text.is_valid() || !PyUnicode_Check(text.ptr())) {
         PyErr_Clear();

@@ -256,7 +256,8 @@ void register_storages(nb::module_& m) {
                              signed_number_of(offset, "Storage.view", "offset"),
                              readonly ? readonly->value : s.handle.read_only());
           },
-          nb::arg("dtype").none() = "uint8", nb::arg("shape").none() = nb::none(), nb::arg("strides").none() = nb::none(),
+          nb::arg("dtype").none() = "uint8", nb::arg("shape").none() = nb::none(),
+          nb::arg("strides").none() = nb::none(),
           nb::arg("offset") = 0, nb::arg("readonly").none() = nb::none(),
            "A typed ArrayView of the storage without copying: `dtype` a name "
            "('float32', 'int64', 'bool', ...) "

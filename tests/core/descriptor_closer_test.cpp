@@ -221,7 +221,9 @@ int open_descriptors() {
 // descriptor closed in place and queued as well.
 TEST(descriptor_closer, a_hand_over_that_runs_out_of_memory_closes_its_descriptor_once) {
   std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
-  while (held.size() < shoal::detail::max_closer_threads) held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
+  while (held.size() < shoal::detail::max_closer_threads) {
+    held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
+  }
   pipe_ends spare;
   const int before = open_descriptors();  // the holders among them, closed below
   for (std::size_t i = 0; i < held.size(); ++i) {
