@@ -76,6 +76,42 @@ void wait_for_socket(int socket, short events, std::chrono::steady_clock::time_p
   throw timeout_error(std::string("the deadline passed waiting for the peer to ") + waiting_for);
 }
 
+// While the closers are backlogged for this peer's uid (it holds its own
+// closes and its descriptors pile up in this process's table, or the peers
+// together passed the process-wide limit), no new batch is begun from a peer
+// that may send descriptors: it could install more. A batch begun is read on
+// (at most 16 more). A connection that takes none installs none.
+bool closers_hold_new_batches(std::uint32_t peer_uid, std::size_t most_descriptors, bool batch_started) noexcept {
+  return !batch_started && most_descriptors > 0 && shoal::detail::closer_backlogged(peer_uid);
+}
+
+// Waits, in short sleeps, until the closers no longer hold new batches, or
+// throws timeout_error (nothing read: the connection stays usable) once
+// `until` passes.
+void wait_for_the_closers(std::uint32_t peer_uid, std::size_t most_descriptors, deadline until) {
+  while (closers_hold_new_batches(peer_uid, most_descriptors, false)) {
+    if (until && std::chrono::steady_clock::now() >= *until) {
+      throw timeout_error("the deadline passed before the next batch was read: more than " +
+                          std::to_string(shoal::detail::closer_owner_backlog_limit()) +
+                          " descriptors from peers of uid " + std::to_string(peer_uid) + " (or more than " +
+                          std::to_string(shoal::detail::closer_backlog_limit()) +
+                          " from all peers) wait to be closed (a peer holds their closes: a socket set to linger, a "
+                          "FUSE file), and no batch that may bring more is begun until they are");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+// Waits until `socket` reports `events` (or a hang-up or error), without a deadline.
+void wait_for_socket(int socket, short events) {
+  for (;;) {
+    pollfd waiting{socket, events, 0};
+    const int ready = ::poll(&waiting, 1, -1);
+    if (ready > 0) return;
+    if (ready < 0 && errno != EINTR) throw os_error{errno, "poll"};
+  }
+}
+
 // How read_some waits for bytes: `spin` > 0: tries without sleeping until
 // it has passed, then blocks (until `until`, when there is one);
 // `only_ready`: never waits, and returns 0 when the socket has nothing.
@@ -111,23 +147,26 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
   header.msg_control = control;
   header.msg_controllen = most_descriptors == 0 ? 0 : sizeof control;
   const auto spin_until = std::chrono::steady_clock::now() + spin;
-  // Without a deadline, a blocking recvmsg once spinning is over; with one,
-  // non-blocking calls between polls.
-  int flags = spin.count() > 0 || until || wait.only_ready ? MSG_CMSG_CLOEXEC | MSG_DONTWAIT : MSG_CMSG_CLOEXEC;
+  // Non-blocking calls, between polls once spinning is over: never parked in
+  // recvmsg, so that the closers' hold on new batches (checked before the
+  // batch began) is checked again after each wait; a read parked past it
+  // could install a whole message's descriptors once the hold had begun.
   ssize_t got;
   for (;;) {
-    got = ::recvmsg(socket, &header, flags);
+    got = ::recvmsg(socket, &header, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     if (got >= 0) break;
     if (errno == EINTR) continue;
-    const bool would_block = errno == EAGAIN || errno == EWOULDBLOCK;
-    if (!would_block || (flags & MSG_DONTWAIT) == 0) throw_socket_error("recvmsg");
+    if (errno != EAGAIN && errno != EWOULDBLOCK) throw_socket_error("recvmsg");
     if (wait.only_ready) return 0;
     const auto now = std::chrono::steady_clock::now();
     if (now < spin_until && (!until || now < *until)) continue;  // still spinning
     if (until) {
       wait_for_socket(socket, POLLIN, *until, batch_started, batch_started ? "send the rest of it" : "send a batch");
     } else {
-      flags &= ~MSG_DONTWAIT;  // spun enough: block
+      wait_for_socket(socket, POLLIN);
+    }
+    if (closers_hold_new_batches(peer_uid, most_descriptors, batch_started)) {
+      wait_for_the_closers(peer_uid, most_descriptors, until);
     }
   }
   take_descriptors(header, descriptors, peer_uid);
@@ -148,31 +187,6 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
   return static_cast<std::size_t>(got);
 }
 
-// While the closers are backlogged for this peer's uid (it holds its own
-// closes and its descriptors pile up in this process's table, or the peers
-// together passed the process-wide limit), no new batch is begun from a peer
-// that may send descriptors: it could install more. A batch begun is read on
-// (at most 16 more). A connection that takes none installs none.
-bool closers_hold_new_batches(const partial_batch& p, bool batch_started) noexcept {
-  return !batch_started && p.most_descriptors > 0 && shoal::detail::closer_backlogged(p.peer_uid);
-}
-
-// Waits, in short sleeps, until the closers no longer hold new batches, or
-// throws timeout_error (nothing read: the connection stays usable) once
-// `until` passes.
-void wait_for_the_closers(const partial_batch& p, deadline until) {
-  while (closers_hold_new_batches(p, false)) {
-    if (until && std::chrono::steady_clock::now() >= *until) {
-      throw timeout_error("the deadline passed before the next batch was read: more than " +
-                          std::to_string(shoal::detail::closer_owner_backlog_limit()) +
-                          " descriptors from peers of uid " + std::to_string(p.peer_uid) + " (or more than " +
-                          std::to_string(shoal::detail::closer_backlog_limit()) +
-                          " from all peers) wait to be closed (a peer holds their closes: a socket set to linger, a "
-                          "FUSE file), and no batch that may bring more is begun until they are");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-}
 
 // Checks the batch header at the start of `buffer` and returns the batch's
 // whole size (header, frames, padding).
@@ -399,7 +413,9 @@ std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::
                               partial_batch& partial) {
   try {
     (void)assemble(partial, max_payload, [&](std::byte* into, std::size_t bytes, bool started) {
-      if (closers_hold_new_batches(partial, started)) wait_for_the_closers(partial, until);
+      if (closers_hold_new_batches(partial.peer_uid, partial.most_descriptors, started)) {
+        wait_for_the_closers(partial.peer_uid, partial.most_descriptors, until);
+      }
       // Only the batch's first read spins.
       return read_some(socket, into, bytes, {started ? std::chrono::nanoseconds(0) : spin, until}, partial.descriptors,
                        partial.most_descriptors, partial.peer_uid, started);
@@ -414,7 +430,9 @@ std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::
 std::optional<std::vector<frame>> read_batch_if_ready(int socket, std::size_t max_payload, partial_batch& partial) {
   try {
     const bool whole = assemble(partial, max_payload, [&](std::byte* into, std::size_t bytes, bool started) {
-      if (closers_hold_new_batches(partial, started)) return std::size_t{0};  // as if nothing had come
+      if (closers_hold_new_batches(partial.peer_uid, partial.most_descriptors, started)) {
+        return std::size_t{0};  // as if nothing had come
+      }
       return read_some(socket, into, bytes, {{}, std::nullopt, true}, partial.descriptors, partial.most_descriptors,
                        partial.peer_uid, started);
     });

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -252,6 +253,44 @@ TEST(refused_descriptors, while_a_peer_holds_its_closes_its_connections_begin_no
   ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
   server.reset();  // the other peer's connection closed: it exits
   if (other_uid) EXPECT_EQ(other_uid->wait(), 0);
+}
+
+// A reader already waiting when the hold begins checks it again once bytes
+// come: parked in the read itself, it would install a whole message's
+// descriptors past the hold.
+TEST(refused_descriptors, a_reader_waiting_when_the_closers_hold_new_batches_begins_none_either) {
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  low.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 128);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  const std::uint32_t own = ::geteuid();
+  socket_pair pair;
+  connection waiting = connection::adopt(std::move(pair.b), {});
+  std::atomic<bool> returned{false};
+  std::optional<channel::frame> got;
+  std::thread reader([&] {
+    got = waiting.receive();  // no deadline: once spinning is over, it waits for bytes
+    returned = true;
+  });
+  std::this_thread::sleep_for(100ms);  // waiting for bytes by now
+  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
+  for (std::size_t i = 0; i < shoal::detail::max_closes_per_owner; ++i) {
+    held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
+    unique_fd::from_peer(held.back()->holder.release(), own).reset();
+  }
+  pipe_ends pipe;
+  for (int i = 0; i < 12; ++i) unique_fd::from_peer(::dup(pipe.read.get()), own).reset();
+  std::this_thread::sleep_for(150ms);
+  ASSERT_TRUE(shoal::detail::closer_backlogged(own));
+  EXPECT_EQ(send_raw(pair.a.get(), raw_batch("SHOL", 2, {{1, bytes_of("with one"), 1}}), {pipe.write.get()}), 0);
+  std::this_thread::sleep_for(300ms);
+  EXPECT_FALSE(returned) << "a reader waiting since before the hold read a batch that brought a descriptor";
+  EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
+  reader.join();
+  ASSERT_TRUE(got.has_value());
+  EXPECT_EQ(text_of(got->payload), "with one") << "the batch was read once the closes caught up";
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
 }
 
 TEST(refused_descriptors, a_refusing_connection_has_the_kernel_refuse_them_at_the_peers_send) {
