@@ -198,7 +198,11 @@ bool closer_backlogged(closer_owner owner) noexcept {
   if (c->owners_over_limit.load(std::memory_order_relaxed) == 0) return false;
   const std::lock_guard lock(c->mutex);
   const auto found = c->owners.find(owner);
-  return found != c->owners.end() && found->second.over_own_limit && stalled_since(found->second.progress_ns);
+  if (found == c->owners.end() || !found->second.over_own_limit) return false;
+  // A burst the threads work through is no backlog; a queue past twice the
+  // limit is, however often one of its closes returns.
+  return stalled_since(found->second.progress_ns) ||
+         found->second.waiting.size() > 2 * closer_owner_backlog_limit();
 }
 
 void close_off_thread(int fd, closer_owner owner) noexcept {

@@ -3,8 +3,9 @@
 // drops one goes on at once.
 //
 // Each descriptor is handed over with its owner: the uid of the peer that
-// passed it (or is at its other end), unknown_owner when no one peer is
-// known (a listener's queue of connections). Each owner's descriptors are
+// passed it (or is at its other end: a listener's waiting connections are
+// each charged to its own), unknown_owner when no one peer is known. Each
+// owner's descriptors are
 // closed in the order they came, by at most max_closes_per_owner threads at
 // once, owners taking turns; a thread is started whenever an owner with
 // work finds none free, up to max_closer_threads per process, and sleeps
@@ -18,7 +19,8 @@
 // Held descriptors wait in their owner's queue, open, counted in the
 // process's descriptor table. Once an owner has more waiting than
 // closer_owner_backlog_limit() and none of its closes has returned for
-// 100 ms, closer_backlogged(owner) says so, and the channel starts no new
+// 100 ms, or more than twice that whatever returns, closer_backlogged(owner)
+// says so, and the channel starts no new
 // batch from that owner's connections that may send descriptors (they would
 // come on top) until its closes catch up; its queue is bounded so. The
 // process-wide limit, closer_backlog_limit(), counts the descriptors of
@@ -62,9 +64,11 @@ void close_off_thread(int fd, closer_owner owner = unknown_owner) noexcept;
 
 /// Whether `owner`'s connections should begin no batch that may bring
 /// descriptors: more of its descriptors wait than its limit and none of its
-/// closes has returned for 100 ms, or the process-wide limit is passed and no
-/// close has returned for 100 ms. One relaxed load while no queue is over a
-/// limit: read before each batch from a peer.
+/// closes has returned for 100 ms, or more than twice its limit wait (closes
+/// returned now and then do not let a queue grow without end), or the
+/// process-wide limit is passed and no close has returned for 100 ms. One
+/// relaxed load while no queue is over a limit: read before each batch from
+/// a peer.
 [[nodiscard]] bool closer_backlogged(closer_owner owner) noexcept;
 
 /// Waits until every descriptor handed over before the call is closed, at

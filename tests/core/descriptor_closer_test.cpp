@@ -145,6 +145,26 @@ TEST(descriptor_closer, a_peer_whose_held_descriptors_pile_up_is_backlogged_alon
   EXPECT_FALSE(closer_backlogged(peer_a));
 }
 
+// A queue past its limit whose closes return now and then is a burst for
+// 100 ms; past twice the limit it is a backlog at once: a peer that lets one
+// close return every so often cannot grow it without end.
+TEST(descriptor_closer, a_peers_queue_past_twice_its_limit_is_backlogged_at_once) {
+  using shoal::detail::closer_backlogged;
+  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
+  for (std::size_t i = 0; i < shoal::detail::max_closes_per_owner; ++i) {
+    held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
+    unique_fd::from_peer(held.back()->holder.release(), peer_a).reset();
+  }
+  pipe_ends pipe;
+  const std::size_t limit = shoal::detail::closer_owner_backlog_limit();
+  for (std::size_t i = 0; i < 2 * limit; ++i) unique_fd::from_peer(::dup(pipe.read.get()), peer_a).reset();
+  EXPECT_FALSE(closer_backlogged(peer_a)) << "a burst within twice the limit, just begun, was a backlog";
+  unique_fd::from_peer(::dup(pipe.read.get()), peer_a).reset();
+  EXPECT_TRUE(closer_backlogged(peer_a)) << "past twice its limit, the queue was no backlog until no close had returned for 100 ms";
+  EXPECT_TRUE(off_thread_closes_done_within(30s));
+  EXPECT_FALSE(closer_backlogged(peer_a));
+}
+
 // Many peers, each within its share, whose held descriptors together pass
 // the process-wide limit: every peer is backlogged, one with none waiting too.
 TEST(descriptor_closer, peers_within_their_shares_that_fill_the_process_limit_backlog_everyone) {
