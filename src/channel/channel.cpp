@@ -23,6 +23,7 @@
 #include <deque>
 #include <iterator>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "channel/credentials_exchange.h"
@@ -448,7 +449,15 @@ connection connection::adopt_pair_end(unique_fd socket_pair_end, const access_po
   // it again.
   // A refused greeting leaves the socket with `checked`, whose end shuts it
   // down and closes it as a connection's (anything queued: off this thread).
-  const ucred theirs = detail::exchange_credentials(checked.state_->socket.get(), until);
+  std::optional<uid_t> sender;
+  ucred theirs{};
+  try {
+    theirs = detail::exchange_credentials(checked.state_->socket.get(), until, sender);
+  } catch (...) {
+    // What waits on the socket is its writer's, to be charged to it, not to the pair's maker.
+    if (sender) checked.state_->socket = unique_fd::from_peer(checked.state_->socket.release(), *sender);
+    throw;
+  }
   unique_fd socket = std::move(checked.state_->socket);
   return checked_peer(std::move(socket), theirs, policy, max_payload, "connection::adopt_pair_end");
 }

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -72,10 +73,10 @@ void wait_readable(int socket, std::chrono::steady_clock::time_point until) {
   }
 }
 
-ucred receive_greeting(int socket, std::chrono::steady_clock::time_point until) {
+ucred receive_greeting(int socket, std::chrono::steady_clock::time_point until, std::optional<uid_t>& sender_uid) {
   std::array<char, greeting.size()> got{};
   std::size_t have = 0;
-  bool found = false, truncated = false;
+  bool found = false;
   std::vector<unique_fd> descriptors;  // never part of a greeting: owned here so each is closed
   ucred theirs{};
   while (have < got.size()) {
@@ -94,19 +95,29 @@ ucred receive_greeting(int socket, std::chrono::steady_clock::time_point until) 
     const ssize_t n = ::recvmsg(socket, &m, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
     if (n < 0) fail("recvmsg");
-    shoal::detail::take_descriptors(m, descriptors, shoal::detail::peer_uid_of(socket));
-    truncated = truncated || (m.msg_flags & MSG_CTRUNC) != 0;
-    if (n == 0) throw connection_closed("recvmsg: the other end closed the socket before it introduced itself");
+    // The kernel's word on who sent this very message: a socketpair's own
+    // peer credentials name the process that made the pair, which may not
+    // be the one writing to it.
+    std::optional<ucred> sender;
     for (cmsghdr* c = CMSG_FIRSTHDR(&m); c != nullptr; c = CMSG_NXTHDR(&m, c)) {
-      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS && have == 0) {
-        std::memcpy(&theirs, CMSG_DATA(c), sizeof theirs);
-        found = true;
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_CREDENTIALS) {
+        sender.emplace();
+        std::memcpy(&*sender, CMSG_DATA(c), sizeof *sender);
       }
     }
+    if (sender) sender_uid = sender->uid;
+    shoal::detail::take_descriptors(m, descriptors, sender ? sender->uid : shoal::detail::peer_uid_of(socket));
+    // Refused at the first read that brings any: each further read could
+    // install a message's worth more.
+    if (!descriptors.empty() || (m.msg_flags & MSG_CTRUNC) != 0) {
+      throw protocol_error("socketpair greeting: descriptors came with it; a greeting carries credentials only");
+    }
+    if (n == 0) throw connection_closed("recvmsg: the other end closed the socket before it introduced itself");
+    if (sender && have == 0) {
+      theirs = *sender;
+      found = true;
+    }
     have += static_cast<std::size_t>(n);
-  }
-  if (!descriptors.empty() || truncated) {
-    throw protocol_error("socketpair greeting: descriptors came with it; a greeting carries credentials only");
   }
   if (got != greeting || !found) {
     throw protocol_error("socketpair greeting: the other end did not introduce itself (expected \"SHOLCRED\" with its "
@@ -117,10 +128,10 @@ ucred receive_greeting(int socket, std::chrono::steady_clock::time_point until) 
 
 }  // namespace
 
-ucred exchange_credentials(int socket, std::chrono::steady_clock::time_point until) {
+ucred exchange_credentials(int socket, std::chrono::steady_clock::time_point until, std::optional<uid_t>& sender) {
   set_passcred(socket, 1);
   send_greeting(socket);
-  const ucred theirs = receive_greeting(socket, until);
+  const ucred theirs = receive_greeting(socket, until, sender);
   set_passcred(socket, 0);
   return theirs;
 }

@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 
 #include <chrono>
+#include <optional>
 
 namespace shoal::channel::detail {
 
@@ -17,7 +18,8 @@ namespace shoal::channel::detail {
 /// end's. Both ends must call it. Throws protocol_error when the greeting is
 /// not one, connection_closed when the other end goes, timeout_error when
 /// its greeting has not come whole by `until`, backend_error when the system
-/// refuses.
-ucred exchange_credentials(int socket, std::chrono::steady_clock::time_point until);
+/// refuses. `sender` gets the uid of whoever wrote what was read (the
+/// kernel's credentials of each message), also when it throws.
+ucred exchange_credentials(int socket, std::chrono::steady_clock::time_point until, std::optional<uid_t>& sender);
 
 }  // namespace shoal::channel::detail

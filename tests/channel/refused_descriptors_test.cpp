@@ -186,6 +186,62 @@ TEST(refused_descriptors, a_pair_end_refused_at_its_greeting_is_closed_off_the_a
       "the adopting thread closed the queued descriptor");
 }
 
+// A greeting is refused at the first read that brings a descriptor, not
+// after as many reads as its bytes take (each could bring a message's worth).
+TEST(refused_descriptors, a_greeting_that_brings_a_descriptor_is_refused_at_that_read) {
+  socket_pair pair;
+  pipe_ends pipe;
+  EXPECT_EQ(send_raw(pair.a.get(), bytes_of("S"), {pipe.read.get()}), 0);  // the rest of the greeting never comes
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW((void)connection::adopt_pair_end(std::move(pair.b), {}, connection::default_max_payload, 2s),
+               protocol_error);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the greeting's other reads were waited for";
+}
+
+// The descriptors a greeting brings are charged to the uid that sent them
+// (the kernel's credentials of that message), not to the process that made
+// the pair: another uid that holds its closes pauses its own reads only.
+TEST(refused_descriptors, a_greetings_descriptors_are_charged_to_the_uid_that_sent_them) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to send as another uid";
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  low.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 128);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  ASSERT_EQ(shoal::detail::closer_owner_backlog_limit(), 8u);
+  socket_pair pair;
+  pipe_ends done;
+  forked_child sender([&] {
+    pair.b.reset();
+    done.write.reset();
+    const int switched = become_nobody();
+    if (switched != 0) return switched;
+    // Two closes held (the lingering sockets' other ends stay open here
+    // until the test is done) and twelve more descriptors.
+    socket_holding_a_lingering_one first(3), second(3);
+    pipe_ends pipe;
+    std::vector<int> fds{first.holder.get(), second.holder.get()};
+    fds.insert(fds.end(), 12, pipe.read.get());
+    if (send_raw(pair.a.get(), bytes_of("S"), fds) != 0) return 3;
+    first.holder.reset();  // the receiver's copies are the last
+    second.holder.reset();
+    char c;
+    (void)::read(done.read.get(), &c, 1);
+    return 0;
+  });
+  pair.a.reset();
+  done.read.reset();
+  EXPECT_THROW((void)connection::adopt_pair_end(std::move(pair.b), {}, connection::default_max_payload, 5s),
+               protocol_error);
+  std::this_thread::sleep_for(150ms);
+  EXPECT_TRUE(shoal::detail::closer_backlogged(nobody)) << "the sender's uid was not charged";
+  EXPECT_FALSE(shoal::detail::closer_backlogged(::geteuid())) << "the pair's maker paid for another uid's closes";
+  done.write.reset();
+  EXPECT_EQ(sender.wait(), 0);
+  EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+}
+
 // A peer of this process's uid holds its closes (the channel charges a
 // connection's descriptors to its peer's uid), and more of its descriptors
 // wait than its limit: its connections that may take descriptors begin no
