@@ -1136,6 +1136,11 @@ std::optional<connection> listener::accept_until(deadline until) {
       throw os_error{errno, "poll"};
     }
     if (ready == 0) return std::nullopt;
+    if (shoal::detail::closer_holds_accepts()) {  // the connection waits in the kernel's queue meanwhile
+      if (until && std::chrono::steady_clock::now() >= *until) return std::nullopt;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      continue;
+    }
     // Registered for fork() children from its opening on, until the
     // connection's own registration took over.
     unique_fd accepted;

@@ -56,6 +56,7 @@ struct closers {
   std::atomic<bool> over_limit{false};    // within_limits_waiting > closer_backlog_limit(), as last counted
   std::atomic<std::size_t> owners_over_limit{0};  // owners with over_own_limit
   std::atomic<std::int64_t> last_close_ns{0};     // steady clock, when any close last returned
+  std::atomic<std::size_t> waiting_total{0};      // descriptors waiting, of every owner
 };
 
 // A queue over a limit is a backlog only once no close has returned for
@@ -128,6 +129,7 @@ void run(closers* c) noexcept {
     o->ready = false;
     const int fd = o->waiting.front();
     o->waiting.pop_front();
+    c->waiting_total.fetch_sub(1, std::memory_order_relaxed);
     ++o->closing;
     count_backlog(*c, *o);
     list_if_ready_on_thread(*c, owner, *o);  // at the back: the other owners' turns come first
@@ -205,6 +207,12 @@ bool closer_backlogged(closer_owner owner) noexcept {
          found->second.waiting.size() > 2 * closer_owner_backlog_limit();
 }
 
+bool closer_holds_accepts() noexcept {
+  closers* c = current.load(std::memory_order_acquire);
+  if (c == nullptr || c->fork_generation != fork_counting::forks.load(std::memory_order_relaxed)) return false;
+  return c->waiting_total.load(std::memory_order_relaxed) > 2 * closer_backlog_limit();
+}
+
 void close_off_thread(int fd, closer_owner owner) noexcept {
   try {
     closers& c = this_process_closers();
@@ -219,6 +227,7 @@ void close_off_thread(int fd, closer_owner owner) noexcept {
       throw;
     }
     ++c.handed;
+    c.waiting_total.fetch_add(1, std::memory_order_relaxed);
     count_backlog(c, o);
     try {
       start_thread_if_wanted(c);
@@ -226,6 +235,7 @@ void close_off_thread(int fd, closer_owner owner) noexcept {
       if (c.threads == 0) {  // none to close it: taken back, closed here
         o.waiting.pop_back();
         --c.handed;
+        c.waiting_total.fetch_sub(1, std::memory_order_relaxed);
         count_backlog(c, o);
         if (o.waiting.empty()) {
           std::erase(c.ready, owner);

@@ -71,6 +71,14 @@ void close_off_thread(int fd, closer_owner owner = unknown_owner) noexcept;
 /// a peer.
 [[nodiscard]] bool closer_backlogged(closer_owner owner) noexcept;
 
+/// Whether listeners should accept no connection for now: more than twice
+/// closer_backlog_limit() descriptors wait, of every owner together, however
+/// often a close returns. A connection refused at its accept may have
+/// descriptors queued, which go to the closers with it: peers of uids no
+/// listener admits (an abstract name) could otherwise fill the descriptor
+/// table by connecting again and again. One relaxed load.
+[[nodiscard]] bool closer_holds_accepts() noexcept;
+
 /// Waits until every descriptor handed over before the call is closed, at
 /// most `timeout`; whether they all were.
 [[nodiscard]] bool off_thread_closes_done_within(std::chrono::nanoseconds timeout);

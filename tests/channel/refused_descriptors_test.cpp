@@ -349,6 +349,37 @@ TEST(refused_descriptors, a_reader_waiting_when_the_closers_hold_new_batches_beg
   ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
 }
 
+// While more than twice the process-wide limit of peers' descriptors wait
+// to be closed, listeners accept no connection (one refused at its accept
+// brings its queued descriptors along: peers of uids the policy refuses
+// could fill the table by connecting again and again); the connections wait
+// in the kernel's queue and are accepted once the closes catch up.
+TEST(refused_descriptors, while_the_closers_are_far_behind_listeners_accept_no_connection) {
+  rlimit saved{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  low.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 128);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  const std::size_t limit = shoal::detail::closer_backlog_limit();
+  ASSERT_EQ(limit, 32u);
+  const auto address = fresh_abstract_name();
+  listener server(address, {});
+  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
+  for (std::size_t i = 0; i < shoal::detail::max_closes_per_owner; ++i) {
+    held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
+    unique_fd::from_peer(held.back()->holder.release(), nobody).reset();
+  }
+  pipe_ends pipe;
+  for (std::size_t i = 0; i < 2 * limit; ++i) unique_fd::from_peer(::dup(pipe.read.get()), nobody).reset();
+  EXPECT_FALSE(shoal::detail::closer_holds_accepts()) << "held at twice the limit, not past it";
+  unique_fd::from_peer(::dup(pipe.read.get()), nobody).reset();
+  const connection client = connection::connect(address, {});
+  EXPECT_FALSE(server.accept_for(300ms).has_value()) << "a connection was accepted while the closers were far behind";
+  EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
+  EXPECT_TRUE(server.accept_for(1s).has_value()) << "accepts did not resume once the closes caught up";
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
+}
+
 TEST(refused_descriptors, a_refusing_connection_has_the_kernel_refuse_them_at_the_peers_send) {
   if (!kernel_refuses_descriptors()) GTEST_SKIP() << "this kernel has no SO_PASSRIGHTS (Linux 6.16 on)";
   socket_pair pair;
