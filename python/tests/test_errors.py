@@ -198,9 +198,11 @@ def test_numbers_out_of_range_are_refused_by_the_argument_they_were_given_as():
     ):
         with pytest.raises(shoal.InvalidArgumentError, match=re.escape(message)):
             call()
-    # A handle anywhere in 64 bits is looked at (the host backend has no streams to find).
-    with pytest.raises(shoal.InvalidArgumentError, match="is not a stream"):
-        shoal.Stream.from_handle(2**63)
+    # A handle anywhere in 64 bits is looked at: on the host backend, which has no streams to
+    # find (CUDA would read a stream at that address: no handle of a live stream, no call).
+    if shoal.default_device().kind != "cuda":
+        with pytest.raises(shoal.InvalidArgumentError, match="is not a stream"):
+            shoal.Stream.from_handle(2**63)
     # numpy's integers are whole numbers too, as any object with __index__.
     assert allocator.allocate(numpy.int64(64)).nbytes == 64
     with shoal.lending.Lender(lending_address + "-numpy", allowed_uids=[numpy.int64(os.getuid())]) as lender:
