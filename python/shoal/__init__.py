@@ -123,6 +123,9 @@ def allocate(nbytes: int, stream: Optional[Stream] = None) -> Storage:
     return default_allocator().allocate(nbytes, stream)
 
 
+_DLPACK_CPU = 1  # DLPack's device type of host memory
+
+
 def from_dlpack(source: Any, allocator: Optional[Allocator] = None) -> ArrayView:
     """An ArrayView over another library's array, without copying.
 
@@ -141,6 +144,9 @@ def from_dlpack(source: Any, allocator: Optional[Allocator] = None) -> ArrayView
         if not hasattr(source, "__dlpack__"):
             raise TypeError("from_dlpack: the object has no __dlpack__ and is not a DLPack capsule")
         stream = _shoal._dlpack_consumer_stream(allocator)
+        device_of = getattr(source, "__dlpack_device__", None)
+        if callable(device_of) and device_of()[0] == _DLPACK_CPU:
+            stream = None  # DLPack takes no stream for host memory (numpy refuses one); the device check below speaks
         versioned = True
         try:
             capsule = source.__dlpack__(stream=stream, max_version=(1, 0))

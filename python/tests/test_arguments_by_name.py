@@ -70,7 +70,12 @@ def test_from_dlpack_names_its_allocator():
     array = numpy.arange(4, dtype="float32")
     with pytest.raises(TypeError, match=r"^shoal\.from_dlpack: allocator must be a shoal\.Allocator or None, not int"):
         shoal.from_dlpack(array, allocator=-1)  # type: ignore[arg-type]
-    assert shoal.from_dlpack(array).shape == (4,)
+    assert shoal.from_dlpack(array, allocator=HOST).shape == (4,)
+    if shoal.default_device().kind == "cuda":
+        # A host array for a CUDA allocator is asked for no stream (numpy refuses one) and
+        # refused by its device, in shoal's words.
+        with pytest.raises(BufferError, match="^from_dlpack: the array lives on DLPack device \\(1, 0\\)"):
+            shoal.from_dlpack(array)
 
 
 def test_borrow_names_its_timeout_and_wait(borrower):
