@@ -203,11 +203,7 @@ TEST(refused_descriptors, a_greeting_that_brings_a_descriptor_is_refused_at_that
 // the pair: another uid that holds its closes pauses its own reads only.
 TEST(refused_descriptors, a_greetings_descriptors_are_charged_to_the_uid_that_sent_them) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root, to send as another uid";
-  rlimit saved{};
-  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
-  rlimit low = saved;
-  low.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 128);
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  const lowered_descriptor_limit low(128);
   ASSERT_EQ(shoal::detail::closer_owner_backlog_limit(), 8u);
   socket_pair pair;
   pipe_ends done;
@@ -239,7 +235,6 @@ TEST(refused_descriptors, a_greetings_descriptors_are_charged_to_the_uid_that_se
   done.write.reset();
   EXPECT_EQ(sender.wait(), 0);
   EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
 }
 
 // A peer of this process's uid holds its closes (the channel charges a
@@ -249,11 +244,7 @@ TEST(refused_descriptors, a_greetings_descriptors_are_charged_to_the_uid_that_se
 // on, unbroken; one that takes none (it installs none) reads on throughout,
 // as does a peer of another uid.
 TEST(refused_descriptors, while_a_peer_holds_its_closes_its_connections_begin_no_batch_that_may_bring_more) {
-  rlimit saved{};
-  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
-  rlimit low = saved;
-  low.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 128);
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  const lowered_descriptor_limit low(128);
   ASSERT_EQ(shoal::detail::closer_owner_backlog_limit(), 8u);
   const auto batch = raw_batch("SHOL", 2, {{1, bytes_of("plain")}});
   // A peer of another uid, connected and with its batch sent before the pause.
@@ -276,11 +267,7 @@ TEST(refused_descriptors, while_a_peer_holds_its_closes_its_connections_begin_no
     });
   }
   const std::uint32_t own = ::geteuid();
-  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
-  for (std::size_t i = 0; i < shoal::detail::max_closes_per_owner; ++i) {
-    held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
-    unique_fd::from_peer(held.back()->holder.release(), own).reset();
-  }
+  const auto held = held_closes(own, shoal::detail::max_closes_per_owner, 2);
   pipe_ends pipe;
   for (int i = 0; i < 12; ++i) unique_fd::from_peer(::dup(pipe.read.get()), own).reset();
   std::this_thread::sleep_for(150ms);  // none of its closes has returned for 100 ms: a backlog, not a burst
@@ -306,7 +293,6 @@ TEST(refused_descriptors, while_a_peer_holds_its_closes_its_connections_begin_no
   EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
   EXPECT_FALSE(shoal::detail::closer_backlogged(own));
   EXPECT_EQ(text_of(paused.receive_for(1s).payload), "plain") << "reads did not resume once the closes caught up";
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
   server.reset();  // the other peer's connection closed: it exits
   if (other_uid) EXPECT_EQ(other_uid->wait(), 0);
 }
@@ -315,11 +301,7 @@ TEST(refused_descriptors, while_a_peer_holds_its_closes_its_connections_begin_no
 // come: parked in the read itself, it would install a whole message's
 // descriptors past the hold.
 TEST(refused_descriptors, a_reader_waiting_when_the_closers_hold_new_batches_begins_none_either) {
-  rlimit saved{};
-  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
-  rlimit low = saved;
-  low.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 128);
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  const lowered_descriptor_limit low(128);
   const std::uint32_t own = ::geteuid();
   socket_pair pair;
   connection waiting = connection::adopt(std::move(pair.b), {});
@@ -330,11 +312,7 @@ TEST(refused_descriptors, a_reader_waiting_when_the_closers_hold_new_batches_beg
     returned = true;
   });
   std::this_thread::sleep_for(100ms);  // waiting for bytes by now
-  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
-  for (std::size_t i = 0; i < shoal::detail::max_closes_per_owner; ++i) {
-    held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
-    unique_fd::from_peer(held.back()->holder.release(), own).reset();
-  }
+  const auto held = held_closes(own, shoal::detail::max_closes_per_owner, 2);
   pipe_ends pipe;
   for (int i = 0; i < 12; ++i) unique_fd::from_peer(::dup(pipe.read.get()), own).reset();
   std::this_thread::sleep_for(150ms);
@@ -346,7 +324,6 @@ TEST(refused_descriptors, a_reader_waiting_when_the_closers_hold_new_batches_beg
   reader.join();
   ASSERT_TRUE(got.has_value());
   EXPECT_EQ(text_of(got->payload), "with one") << "the batch was read once the closes caught up";
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
 }
 
 // While more than twice the process-wide limit of peers' descriptors wait
@@ -355,20 +332,12 @@ TEST(refused_descriptors, a_reader_waiting_when_the_closers_hold_new_batches_beg
 // could fill the table by connecting again and again); the connections wait
 // in the kernel's queue and are accepted once the closes catch up.
 TEST(refused_descriptors, while_the_closers_are_far_behind_listeners_accept_no_connection) {
-  rlimit saved{};
-  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
-  rlimit low = saved;
-  low.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 128);
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  const lowered_descriptor_limit low(128);
   const std::size_t limit = shoal::detail::closer_backlog_limit();
   ASSERT_EQ(limit, 32u);
   const auto address = fresh_abstract_name();
   listener server(address, {});
-  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
-  for (std::size_t i = 0; i < shoal::detail::max_closes_per_owner; ++i) {
-    held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
-    unique_fd::from_peer(held.back()->holder.release(), nobody).reset();
-  }
+  const auto held = held_closes(nobody, shoal::detail::max_closes_per_owner, 2);
   pipe_ends pipe;
   for (std::size_t i = 0; i < 2 * limit; ++i) unique_fd::from_peer(::dup(pipe.read.get()), nobody).reset();
   EXPECT_FALSE(shoal::detail::closer_holds_accepts()) << "held at twice the limit, not past it";
@@ -377,7 +346,6 @@ TEST(refused_descriptors, while_the_closers_are_far_behind_listeners_accept_no_c
   EXPECT_FALSE(server.accept_for(300ms).has_value()) << "a connection was accepted while the closers were far behind";
   EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
   EXPECT_TRUE(server.accept_for(1s).has_value()) << "accepts did not resume once the closes caught up";
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
 }
 
 TEST(refused_descriptors, a_refusing_connection_has_the_kernel_refuse_them_at_the_peers_send) {

@@ -128,11 +128,7 @@ TEST(descriptor_closer, one_peers_held_closes_hold_a_few_threads_and_others_clos
 // peer is not; and neither once the closes are done.
 TEST(descriptor_closer, a_peer_whose_held_descriptors_pile_up_is_backlogged_alone) {
   using shoal::detail::closer_backlogged;
-  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
-  for (std::size_t i = 0; i < shoal::detail::max_closes_per_owner; ++i) {
-    held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
-    unique_fd::from_peer(held.back()->holder.release(), peer_a).reset();
-  }
+  const auto held = held_closes(peer_a, shoal::detail::max_closes_per_owner, 2);
   pipe_ends pipe;
   const std::size_t limit = shoal::detail::closer_owner_backlog_limit();
   for (std::size_t i = 0; i < limit; ++i) unique_fd::from_peer(::dup(pipe.read.get()), peer_a).reset();
@@ -150,11 +146,7 @@ TEST(descriptor_closer, a_peer_whose_held_descriptors_pile_up_is_backlogged_alon
 // close return every so often cannot grow it without end.
 TEST(descriptor_closer, a_peers_queue_past_twice_its_limit_is_backlogged_at_once) {
   using shoal::detail::closer_backlogged;
-  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
-  for (std::size_t i = 0; i < shoal::detail::max_closes_per_owner; ++i) {
-    held.push_back(std::make_unique<socket_holding_a_lingering_one>(2));
-    unique_fd::from_peer(held.back()->holder.release(), peer_a).reset();
-  }
+  const auto held = held_closes(peer_a, shoal::detail::max_closes_per_owner, 2);
   pipe_ends pipe;
   const std::size_t limit = shoal::detail::closer_owner_backlog_limit();
   for (std::size_t i = 0; i < 2 * limit; ++i) unique_fd::from_peer(::dup(pipe.read.get()), peer_a).reset();
@@ -169,11 +161,7 @@ TEST(descriptor_closer, a_peers_queue_past_twice_its_limit_is_backlogged_at_once
 // the process-wide limit: every peer is backlogged, one with none waiting too.
 TEST(descriptor_closer, peers_within_their_shares_that_fill_the_process_limit_backlog_everyone) {
   using shoal::detail::closer_backlogged;
-  rlimit saved{};
-  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &saved), 0);
-  rlimit low = saved;
-  low.rlim_cur = std::min<rlim_t>(saved.rlim_cur, 128);
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &low), 0);
+  const lowered_descriptor_limit low(128);
   ASSERT_EQ(shoal::detail::closer_backlog_limit(), 32u);
   ASSERT_EQ(shoal::detail::closer_owner_backlog_limit(), 8u);
   std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
@@ -190,7 +178,6 @@ TEST(descriptor_closer, peers_within_their_shares_that_fill_the_process_limit_ba
   EXPECT_TRUE(closer_backlogged(peer_b)) << "35 descriptors wait, past the process's 32, and a new peer was let on";
   EXPECT_TRUE(off_thread_closes_done_within(30s));
   EXPECT_FALSE(closer_backlogged(peer_b));
-  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
 }
 
 // The parent's closer thread is not in the child: the child starts its own.

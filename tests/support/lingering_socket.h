@@ -14,6 +14,8 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -64,6 +66,19 @@ struct socket_holding_a_lingering_one {
     inner.client.reset();  // the message in holder's queue holds the last reference now
   }
 };
+
+/// `count` closes of `owner`'s (a peer's uid) handed to the closer, each
+/// held `seconds` by a lingering socket; what holds them lives as long as the
+/// returned sockets.
+inline std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held_closes(std::uint32_t owner,
+                                                                                 std::size_t count, int seconds) {
+  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
+  for (std::size_t i = 0; i < count; ++i) {
+    held.push_back(std::make_unique<socket_holding_a_lingering_one>(seconds));
+    unique_fd::from_peer(held.back()->holder.release(), owner).reset();
+  }
+  return held;
+}
 
 /// Runs `drop`, which drops the last reference to a lingering close (its
 /// own EXPECTs say what it should raise), and checks that it returned within
