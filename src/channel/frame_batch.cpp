@@ -113,7 +113,7 @@ void wait_for_socket(int socket, short events) {
 }
 
 // How read_some waits for bytes: `spin` > 0: tries without sleeping until
-// it has passed, then blocks (until `until`, when there is one);
+// it has passed, then waits in poll (until `until`, when there is one);
 // `only_ready`: never waits, and returns 0 when the socket has nothing.
 struct read_wait {
   std::chrono::nanoseconds spin{0};
@@ -186,7 +186,6 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
   }
   return static_cast<std::size_t>(got);
 }
-
 
 // Checks the batch header at the start of `buffer` and returns the batch's
 // whole size (header, frames, padding).
