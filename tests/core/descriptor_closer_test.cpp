@@ -146,6 +146,10 @@ TEST(descriptor_closer, a_peer_whose_held_descriptors_pile_up_is_backlogged_alon
 // close return every so often cannot grow it without end.
 TEST(descriptor_closer, a_peers_queue_past_twice_its_limit_is_backlogged_at_once) {
   using shoal::detail::closer_backlogged;
+  // A low limit keeps the burst short: it must stay within the 100 ms after
+  // the peer's first hand-over, under the sanitizers too.
+  const lowered_descriptor_limit low(128);
+  ASSERT_EQ(shoal::detail::closer_owner_backlog_limit(), 8u);
   const auto held = held_closes(peer_a, shoal::detail::max_closes_per_owner, 2);
   pipe_ends pipe;
   const std::size_t limit = shoal::detail::closer_owner_backlog_limit();
