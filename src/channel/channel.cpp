@@ -1142,10 +1142,12 @@ std::optional<connection> listener::accept_until(deadline until) {
       continue;
     }
     // Registered for fork() children from its opening on, until the
-    // connection's own registration took over.
+    // connection's own registration took over; a peer's from the start (the
+    // peer may have queued descriptors), so that running out of memory
+    // before identify_peer leaves its close to the closer too.
     unique_fd accepted;
     const shoal::detail::fork_released_socket while_identifying([&] {
-      accepted.reset(::accept4(socket_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      accepted = unique_fd::from_peer(::accept4(socket_.get(), nullptr, nullptr, SOCK_CLOEXEC));
       return accepted.get();
     });
     if (!accepted) {

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <optional>
 #include <string>
 #include <thread>
@@ -24,6 +25,7 @@
 #include "channel/channel_fixtures.h"
 #include "core/descriptor_closer.h"
 #include "support/lingering_socket.h"
+#include "support/refused_allocations.h"
 #include "shoal/channel/channel.h"
 #include "shoal/core/error.h"
 
@@ -134,6 +136,35 @@ TEST(refused_descriptors, a_closing_listener_that_cannot_accept_hands_itself_to_
         ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &saved), 0);
       },
       "the listener that could not accept closed itself in place");
+}
+
+// Out of memory between accept4 and the peer's identification (the fork
+// registration, the error text's name of the listener): the accepted
+// socket, whose queue may hold the last reference to a peer's lingering
+// socket, is closed on the closer like any peer's, not in the accepting
+// thread.
+TEST(refused_descriptors, an_accept_that_runs_out_of_memory_leaves_the_socket_to_the_closer) {
+  const auto where = fresh_abstract_name();
+  listener l(where, {});
+  for (int nth = 1; nth <= 4; ++nth) {
+    SCOPED_TRACE("allocation " + std::to_string(nth));
+    const unique_fd raw = raw_connect(where);
+    socket_holding_a_lingering_one held(1);
+    write_raw(raw.get(), raw_batch("SHOL", 2, {{1, bytes_of("x"), 1}}), {held.holder.get()});
+    held.holder.reset();
+    const auto start = std::chrono::steady_clock::now();
+    bool refused = false;
+    try {
+      const refusing_one_allocation refusal(nth, [] {});
+      (void)l.accept_for(1s);
+      refused = refusal.refused();
+    } catch (const std::bad_alloc&) {
+      refused = true;
+    }
+    EXPECT_TRUE(refused) << "the accept made fewer allocations than this test refuses";
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 500ms) << "the accepted socket was closed in place";
+  }
+  EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
 }
 
 // However many descriptors one message brings (up to the kernel's 253), the
