@@ -26,7 +26,10 @@ void send_queue::queue(std::span<const std::byte> batch, std::size_t written, st
   entry e;
   e.batch.assign(batch.begin() + static_cast<std::ptrdiff_t>(written), batch.end());
   for (const int fd : descriptors) {
-    unique_fd copy(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+    // Closed off the thread that drops it, as a peer's: the caller may have
+    // posted one a peer passed and closed its own, leaving this copy the
+    // last reference to what the peer queued on it.
+    unique_fd copy = unique_fd::from_peer(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
     if (!copy) throw os_error{errno, "fcntl(F_DUPFD_CLOEXEC)"};
     e.descriptors.push_back(std::move(copy));
   }

@@ -6,7 +6,8 @@
 // the whole batch, or the rest of one the socket took in part when it was
 // posted, with copies of the descriptors that have not gone yet. They go with
 // the entry's first byte written: an entry keeps them until that byte is
-// written, and drops them after. Each entry remembers when it was posted.
+// written, and drops them after (closed off the dropping thread, as a
+// peer's descriptors are). Each entry remembers when it was posted.
 // Invariants:
 //   bytes() = sum over the entries of (batch.size() - written);
 //   only the front entry may have written > 0, and an entry with

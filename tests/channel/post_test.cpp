@@ -14,10 +14,12 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
 #include "channel/channel_fixtures.h"
+#include "support/lingering_socket.h"
 #include "shoal/channel/channel.h"
 #include "shoal/core/error.h"
 
@@ -213,6 +215,19 @@ TEST(channel_post, destroying_a_connection_closes_the_descriptor_copies_its_queu
     ASSERT_GE(open_descriptor_count(), before + with_descriptors) << "the queue holds no copies of descriptors";
   }
   EXPECT_EQ(open_descriptor_count(), before - 1) << "copies of queued descriptors outlived their connection";
+}
+
+// A descriptor posted behind a full socket whose last reference is the
+// queue's copy (one a peer passed, say, holding a socket that lingers):
+// dropping the connection leaves its close to the closer thread.
+TEST(channel_post, a_queued_copy_whose_close_lingers_is_closed_off_the_dropping_thread) {
+  socket_pair pair;
+  auto sender = std::make_unique<connection>(connection::adopt(std::move(pair.a), {}));
+  (void)post_past_a_full_socket(*sender);
+  socket_holding_a_lingering_one held(2);
+  sender->post(numbered_type, numbered(0), held.holder.get());
+  held.holder.reset();  // the queue's copy holds the last reference now
+  expect_returns_while_the_close_lingers([&] { sender.reset(); }, "dropping the connection closed the queued copy in place");
 }
 
 TEST(channel_post, a_post_behind_queued_bytes_waits_its_turn_when_the_socket_has_room_again) {

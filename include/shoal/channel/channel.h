@@ -299,7 +299,8 @@ class connection {
   /// send() that never waits for the peer, for a server that must not be
   /// held up by a client that stops reading: what the socket takes now goes,
   /// and the rest is queued — with copies of the descriptors not yet sent,
-  /// each going with its own batch's first byte — and goes out, after
+  /// each going with its own batch's first byte and closed, once sent or
+  /// dropped, on the closer thread — and goes out, after
   /// everything queued before it and before anything sent later, on later
   /// flush() calls (or a send(), which writes the queue out first). Poll
   /// native_handle() for POLLOUT while unsent_bytes() > 0. The queue has no
