@@ -85,11 +85,24 @@ bool closers_hold_new_batches(std::uint32_t peer_uid, std::size_t most_descripto
   return !batch_started && most_descriptors > 0 && shoal::detail::closer_backlogged(peer_uid);
 }
 
-// Waits, in short sleeps, until the closers no longer hold new batches, or
+// Whether the peer on `socket` has hung up with nothing left to read. A
+// peek without room for control data installs none of the descriptors
+// queued (the kernel drops its copies of them at once).
+bool hung_up_with_nothing_queued(int socket) noexcept {
+  std::byte first{};
+  return ::recv(socket, &first, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+}
+
+// Waits, in short sleeps, until the closers no longer hold new batches;
 // throws timeout_error (nothing read: the connection stays usable) once
-// `until` passes.
-void wait_for_the_closers(std::uint32_t peer_uid, std::size_t most_descriptors, deadline until) {
+// `until` passes, and connection_closed once the peer has hung up with
+// nothing queued (what the read would say, were it not held).
+void wait_for_the_closers(int socket, std::uint32_t peer_uid, std::size_t most_descriptors, deadline until) {
   while (closers_hold_new_batches(peer_uid, most_descriptors, false)) {
+    if (hung_up_with_nothing_queued(socket)) {
+      throw connection_closed("recvmsg: the peer closed the connection (while this process waited to read on "
+                              "until the descriptors its peers sent were closed)");
+    }
     if (until && std::chrono::steady_clock::now() >= *until) {
       throw timeout_error("the deadline passed before the next batch was read: more than " +
                           std::to_string(shoal::detail::closer_owner_backlog_limit()) +
@@ -166,7 +179,7 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
       wait_for_socket(socket, POLLIN);
     }
     if (closers_hold_new_batches(peer_uid, most_descriptors, batch_started)) {
-      wait_for_the_closers(peer_uid, most_descriptors, until);
+      wait_for_the_closers(socket, peer_uid, most_descriptors, until);
     }
   }
   take_descriptors(header, descriptors, peer_uid);
@@ -413,7 +426,7 @@ std::vector<frame> read_batch(int socket, std::size_t max_payload, std::chrono::
   try {
     (void)assemble(partial, max_payload, [&](std::byte* into, std::size_t bytes, bool started) {
       if (closers_hold_new_batches(partial.peer_uid, partial.most_descriptors, started)) {
-        wait_for_the_closers(partial.peer_uid, partial.most_descriptors, until);
+        wait_for_the_closers(socket, partial.peer_uid, partial.most_descriptors, until);
       }
       // Only the batch's first read spins.
       return read_some(socket, into, bytes, {started ? std::chrono::nanoseconds(0) : spin, until}, partial.descriptors,

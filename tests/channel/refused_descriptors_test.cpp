@@ -357,6 +357,37 @@ TEST(refused_descriptors, a_reader_waiting_when_the_closers_hold_new_batches_beg
   EXPECT_EQ(text_of(got->payload), "with one") << "the batch was read once the closes caught up";
 }
 
+// A receive held while the closers are behind learns of the peer's hang-up
+// at once (nothing left to read): it does not wait for the closes.
+TEST(refused_descriptors, a_receive_held_for_the_closers_sees_the_peer_hang_up) {
+  const lowered_descriptor_limit low(128);
+  const std::uint32_t own = ::geteuid();
+  const auto held = held_closes(own, shoal::detail::max_closes_per_owner, 2);
+  pipe_ends pipe;
+  for (int i = 0; i < 12; ++i) unique_fd::from_peer(::dup(pipe.read.get()), own).reset();
+  std::this_thread::sleep_for(150ms);
+  ASSERT_TRUE(shoal::detail::closer_backlogged(own));
+  for (const bool with_deadline : {false, true}) {
+    SCOPED_TRACE(with_deadline ? "receive_for" : "receive");
+    socket_pair hanging;
+    connection c = connection::adopt(std::move(hanging.b), {});
+    std::thread hang_up([&] {
+      std::this_thread::sleep_for(100ms);
+      hanging.a.reset();
+    });
+    const auto start = std::chrono::steady_clock::now();
+    if (with_deadline) {
+      EXPECT_THROW((void)c.receive_for(5s), connection_closed);
+    } else {
+      EXPECT_THROW((void)c.receive(), connection_closed);
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 600ms) << "the receive waited for the closes";
+    hang_up.join();
+  }
+  EXPECT_TRUE(shoal::detail::closer_backlogged(own)) << "the closes were done before the receives: this test shows nothing";
+  EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
+}
+
 // While more than twice the process-wide limit of peers' descriptors wait
 // to be closed, listeners accept no connection (one refused at its accept
 // brings its queued descriptors along: peers of uids the policy refuses
