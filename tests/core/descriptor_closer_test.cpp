@@ -141,6 +141,43 @@ TEST(descriptor_closer, a_peer_whose_held_descriptors_pile_up_is_backlogged_alon
   EXPECT_FALSE(closer_backlogged(peer_a));
 }
 
+// Reads everything `lingering`'s peer holds: the data its close waited to
+// send goes, and the close returns.
+void let_the_close_return(lingering_socket& lingering) {
+  ::fcntl(lingering.server.get(), F_SETFL, O_NONBLOCK);
+  std::vector<char> sink(65536);
+  const auto until = std::chrono::steady_clock::now() + 50ms;
+  while (std::chrono::steady_clock::now() < until) {
+    if (::read(lingering.server.get(), sink.data(), sink.size()) <= 0) std::this_thread::sleep_for(1ms);
+  }
+}
+
+// A queue past its limit (within twice it) whose closes keep returning, one
+// every 60 ms, is a burst the threads work through, not a backlog; once none
+// has returned for 100 ms, it is one.
+TEST(descriptor_closer, a_queue_past_its_limit_whose_closes_keep_returning_is_no_backlog) {
+  using shoal::detail::closer_backlogged;
+  const lowered_descriptor_limit low(128);
+  ASSERT_EQ(shoal::detail::closer_owner_backlog_limit(), 8u);
+  constexpr std::size_t waiting = 15;  // past 8, within 16
+  std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
+  for (std::size_t i = 0; i < shoal::detail::max_closes_per_owner + waiting; ++i) {
+    held.push_back(std::make_unique<socket_holding_a_lingering_one>(30));
+  }
+  for (auto& h : held) unique_fd::from_peer(h->holder.release(), peer_a).reset();
+  for (std::size_t returned = 0; returned < 6; ++returned) {  // 15 waiting down to 9: past the limit throughout
+    std::this_thread::sleep_for(10ms);
+    let_the_close_return(held[returned]->inner);
+    EXPECT_FALSE(closer_backlogged(peer_a)) << "a queue whose closes returned every 60 ms was a backlog, after "
+                                            << returned + 1 << " returned";
+  }
+  std::this_thread::sleep_for(150ms);
+  EXPECT_TRUE(closer_backlogged(peer_a)) << "no close returned for 150 ms, and the queue was no backlog";
+  for (auto& h : held) let_the_close_return(h->inner);
+  EXPECT_TRUE(off_thread_closes_done_within(30s));
+  EXPECT_FALSE(closer_backlogged(peer_a));
+}
+
 // A queue past its limit whose closes return now and then is a burst for
 // 100 ms; past twice the limit it is a backlog at once: a peer that lets one
 // close return every so often cannot grow it without end.

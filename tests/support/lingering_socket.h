@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -67,16 +68,29 @@ struct socket_holding_a_lingering_one {
   }
 };
 
-/// `count` closes of `owner`'s (a peer's uid) handed to the closer, each
-/// held `seconds` by a lingering socket; what holds them lives as long as the
-/// returned sockets.
+/// `count` closes of `owner`'s (a peer's uid, with no other descriptor
+/// waiting: at most max_closes_per_owner) handed to the closer and begun,
+/// each held `seconds` by a lingering socket; what holds them lives as long
+/// as the returned sockets.
 inline std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held_closes(std::uint32_t owner,
                                                                                  std::size_t count, int seconds) {
+  using namespace std::chrono_literals;
   std::vector<std::unique_ptr<socket_holding_a_lingering_one>> held;
   for (std::size_t i = 0; i < count; ++i) held.push_back(std::make_unique<socket_holding_a_lingering_one>(seconds));
   // Made first, handed after: the owner's queue starts its clock at the first
   // hand-over, and a slow build must not spend its 100 ms making sockets.
-  for (auto& h : held) unique_fd::from_peer(h->holder.release(), owner).reset();
+  std::vector<int> numbers;
+  for (auto& h : held) {
+    numbers.push_back(h->holder.get());
+    unique_fd::from_peer(h->holder.release(), owner).reset();
+  }
+  // A descriptor leaves the table when its close begins: until then it
+  // still counts as waiting (a closer thread may not have started yet).
+  const auto until = std::chrono::steady_clock::now() + 5s;
+  for (const int fd : numbers) {
+    while (::fcntl(fd, F_GETFD) != -1 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+    EXPECT_EQ(::fcntl(fd, F_GETFD), -1) << "a held close did not begin within 5 s";
+  }
   return held;
 }
 
