@@ -251,6 +251,33 @@ TEST(descriptor_closer, a_drop_with_no_closer_thread_to_be_had_closes_in_place) 
   EXPECT_EQ(child.wait(), 0) << "1: the descriptor was left open; 2: no closer thread was tried";
 }
 
+// No new thread to be had while every closer thread is held: a descriptor
+// handed over waits for one of them (never closed in place, where its close
+// could hold the dropping thread) and is closed once that one is free.
+TEST(descriptor_closer, a_drop_while_every_closer_is_held_and_none_can_start_waits_for_one) {
+  if (!forked_child_may_start_threads) GTEST_SKIP() << "a forked child may not start threads under the sanitizers";
+  forked_child child([] {  // a fresh process: its closers have no thread yet
+    const refusing_threads one(1);
+    socket_holding_a_lingering_one held(1);
+    const int holder = held.holder.get();
+    unique_fd::from_peer(held.holder.release(), peer_a).reset();  // the one thread, held for 1 s
+    // Begun (the number leaves the table): the thread would otherwise find
+    // the next descriptor waiting as it takes this one, and start another.
+    for (int waited_ms = 0; is_open(holder) && waited_ms < 5000; ++waited_ms) std::this_thread::sleep_for(1ms);
+    if (is_open(holder)) return 5;
+    pipe_ends pipe;
+    const int fd = pipe.read.get();
+    const auto start = std::chrono::steady_clock::now();
+    unique_fd::from_peer(pipe.read.release(), peer_b).reset();
+    if (one.refused() != 1) return 2;
+    if (std::chrono::steady_clock::now() - start > 500ms || !is_open(fd)) return 3;
+    if (!off_thread_closes_done_within(10s)) return 4;
+    return is_open(fd) ? 1 : 0;
+  });
+  EXPECT_EQ(child.wait(), 0) << "1: the descriptor was left open; 2: no second thread was tried; 3: it was closed "
+                                "in place; 5: the held close never began";
+}
+
 int open_descriptors() {
   int count = 0;
   DIR* const listing = ::opendir("/proc/self/fd");
