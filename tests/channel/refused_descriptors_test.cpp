@@ -229,40 +229,95 @@ TEST(refused_descriptors, a_greeting_that_brings_a_descriptor_is_refused_at_that
   EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the greeting's other reads were waited for";
 }
 
-// The descriptors a greeting brings are charged to the uid that sent them
-// (the kernel's credentials of that message), not to the process that made
-// the pair: another uid that holds its closes pauses its own reads only.
+// The descriptors a greeting brings, and the refused socket with what is
+// queued on it, are charged to the uid that sent them (the kernel's
+// credentials of that message), not to the process that made the pair:
+// another uid that holds its closes pauses its own reads only. Its share is
+// 8: the 8 waiting behind its 2 held closes reach it, the socket passes it.
 TEST(refused_descriptors, a_greetings_descriptors_are_charged_to_the_uid_that_sent_them) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root, to send as another uid";
   const lowered_descriptor_limit low(128);
   ASSERT_EQ(shoal::detail::closer_owner_backlog_limit(), 8u);
   socket_pair pair;
-  pipe_ends done;
+  pipe_ends sent, done;
   forked_child sender([&] {
     pair.b.reset();
+    sent.read.reset();
     done.write.reset();
     const int switched = become_nobody();
     if (switched != 0) return switched;
+    // Two closes held (the lingering sockets' other ends stay open here
+    // until the test is done) and eight more descriptors; then a message
+    // left queued, so that the refused socket is not closed in place.
+    socket_holding_a_lingering_one first(3), second(3);
+    pipe_ends pipe;
+    std::vector<int> fds{first.holder.get(), second.holder.get()};
+    fds.insert(fds.end(), 8, pipe.read.get());
+    if (send_raw(pair.a.get(), bytes_of("S"), fds) != 0) return 3;
+    if (send_raw(pair.a.get(), bytes_of("x"), {pipe.read.get()}) != 0) return 4;
+    first.holder.reset();  // the receiver's copies are the last
+    second.holder.reset();
+    sent.write.reset();
+    char c;
+    (void)::read(done.read.get(), &c, 1);
+    return 0;
+  });
+  pair.a.reset();
+  sent.write.reset();
+  done.read.reset();
+  char c;
+  ASSERT_EQ(::read(sent.read.get(), &c, 1), 0) << "the sender did not finish sending";
+  EXPECT_THROW((void)connection::adopt_pair_end(std::move(pair.b), {}, connection::default_max_payload, 5s),
+               protocol_error);
+  std::this_thread::sleep_for(150ms);
+  EXPECT_TRUE(shoal::detail::closer_backlogged(nobody)) << "the sender's uid was not charged";
+  EXPECT_FALSE(shoal::detail::closer_backlogged(::geteuid())) << "the pair's maker paid for another uid's closes";
+  done.write.reset();
+  EXPECT_EQ(sender.wait(), 0);
+  EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
+}
+
+// The descriptors a connection's batch brings are charged to its peer's uid
+// (the kernel's, at the connection): a peer of another uid that holds their
+// closes pauses its own connections, not those of this process's uid.
+TEST(refused_descriptors, a_connections_descriptors_are_charged_to_its_peers_uid) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to connect as another uid";
+  const lowered_descriptor_limit low(128);
+  ASSERT_EQ(shoal::detail::closer_owner_backlog_limit(), 8u);
+  const auto address = fresh_abstract_name();
+  listener server(address, channel::access_policy{{nobody}});
+  const raw_address target = raw_address_of(address);
+  pipe_ends done;
+  forked_child sender([&] {
+    done.write.reset();
+    const int switched = become_nobody();
+    if (switched != 0) return switched;
+    const int s = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    if (s < 0 || ::connect(s, reinterpret_cast<const sockaddr*>(&target.address), target.length) != 0) return 3;
     // Two closes held (the lingering sockets' other ends stay open here
     // until the test is done) and twelve more descriptors.
     socket_holding_a_lingering_one first(3), second(3);
     pipe_ends pipe;
     std::vector<int> fds{first.holder.get(), second.holder.get()};
     fds.insert(fds.end(), 12, pipe.read.get());
-    if (send_raw(pair.a.get(), bytes_of("S"), fds) != 0) return 3;
+    if (send_raw(s, raw_batch("SHOL", 2, {{1, bytes_of("x"), 14}}), fds) != 0) return 4;
     first.holder.reset();  // the receiver's copies are the last
     second.holder.reset();
     char c;
     (void)::read(done.read.get(), &c, 1);
     return 0;
   });
-  pair.a.reset();
   done.read.reset();
-  EXPECT_THROW((void)connection::adopt_pair_end(std::move(pair.b), {}, connection::default_max_payload, 5s),
-               protocol_error);
+  std::optional<connection> accepted = server.accept_for(5s);
+  ASSERT_TRUE(accepted.has_value());
+  EXPECT_EQ(accepted->peer().uid, nobody);
+  try {
+    (void)accepted->receive_for(5s);  // one frame with 14 descriptors: refused or taken, they are dropped
+  } catch (const error&) {  // NOLINT(bugprone-empty-catch): either way the descriptors went to the closer
+  }
   std::this_thread::sleep_for(150ms);
-  EXPECT_TRUE(shoal::detail::closer_backlogged(nobody)) << "the sender's uid was not charged";
-  EXPECT_FALSE(shoal::detail::closer_backlogged(::geteuid())) << "the pair's maker paid for another uid's closes";
+  EXPECT_TRUE(shoal::detail::closer_backlogged(nobody)) << "the peer's uid was not charged";
+  EXPECT_FALSE(shoal::detail::closer_backlogged(::geteuid())) << "this process's uid paid for another uid's closes";
   done.write.reset();
   EXPECT_EQ(sender.wait(), 0);
   EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
