@@ -39,7 +39,8 @@ struct owner_queue {
 
 // One process's closers. Never destroyed: their detached threads may still
 // run while the process exits, and in a fork() child the parent's, whose
-// mutex a vanished thread may hold, is left untouched.
+// mutex a vanished thread may hold, is only ever try-locked
+// (take_over_inherited).
 struct closers {
   std::uint64_t fork_generation = forks_so_far();
   std::mutex mutex;
@@ -168,14 +169,48 @@ void start_thread(closers& c) {
   ++c.threads;
 }
 
+// In a fork() child, takes over what the parent's closers (`inherited`)
+// held queued at the fork: open in the child too, those descriptors would
+// otherwise stay open until it exits or execs. Only when their mutex is
+// free: one held at the fork belongs to a thread the child does not have,
+// and the queues it guards may be half changed (then they stay as they
+// were). Each descriptor is queued here before it leaves the inherited
+// queue: out of memory, the rest stay there, none in both.
+void take_over_inherited(closers& inherited, closers& mine) {
+  if (!inherited.mutex.try_lock()) return;
+  const std::lock_guard inherited_lock(inherited.mutex, std::adopt_lock);
+  const std::lock_guard lock(mine.mutex);
+  for (auto& [owner, theirs] : inherited.owners) {
+    while (!theirs.waiting.empty()) {
+      owner_queue& o = mine.owners[owner];
+      o.waiting.push_back(theirs.waiting.front());
+      try {
+        list_if_ready(mine, owner, o);
+      } catch (...) {
+        o.waiting.pop_back();
+        throw;
+      }
+      theirs.waiting.pop_front();
+      ++mine.handed;
+      mine.waiting_total.fetch_add(1, std::memory_order_relaxed);
+      count_backlog(mine, o);
+    }
+  }
+  // A thread for them: the caller's hand-over starts one too, if this fails.
+  start_thread_if_wanted(mine);
+  mine.has_work.notify_one();
+}
+
 // This process's closers, made at the first call here and in each fork()
-// child.
+// child (which takes over what its parent's held queued).
 closers& this_process_closers() {
   closers* c = current.load(std::memory_order_acquire);
   if (c != nullptr && c->fork_generation == forks_so_far()) return *c;
   auto made = std::make_unique<closers>();
   if (!current.compare_exchange_strong(c, made.get(), std::memory_order_acq_rel)) return *c;  // another thread's won
-  return *made.release();
+  closers& mine = *made.release();
+  if (c != nullptr) take_over_inherited(*c, mine);
+  return mine;
 }
 
 bool stalled_since(std::int64_t ns) noexcept { return steady_ns() - ns > stalled_after_ns; }

@@ -236,6 +236,28 @@ TEST(descriptor_closer, a_fork_child_closes_through_its_own_closer) {
   EXPECT_EQ(child.wait(), 0) << "the child's close never happened";
 }
 
+// What the parent's closers held queued at the fork is open in the child
+// too: the child's first hand-over takes it over, and the child closes it.
+TEST(descriptor_closer, a_fork_child_closes_the_descriptors_its_parent_held_queued) {
+  if (!forked_child_may_start_threads) GTEST_SKIP() << "a forked child may not start threads under the sanitizers";
+  const auto held = held_closes(peer_a, shoal::detail::max_closes_per_owner, 2);
+  pipe_ends queued;
+  const int queued_fd = queued.read.get();
+  unique_fd::from_peer(queued.read.release(), peer_a).reset();  // waits behind the held closes
+  ASSERT_TRUE(is_open(queued_fd));
+  forked_child child([&] {
+    if (!is_open(queued_fd)) return 2;
+    pipe_ends pipe;
+    unique_fd::from_peer(pipe.read.release(), peer_b).reset();  // the child's first hand-over
+    if (!off_thread_closes_done_within(10s)) return 3;
+    return is_open(queued_fd) ? 1 : 0;
+  });
+  EXPECT_EQ(child.wait(), 0) << "1: the parent's queued descriptor stayed open in the child; 2: it was not "
+                                "inherited; 3: the child's closes did not finish";
+  EXPECT_TRUE(off_thread_closes_done_within(30s));
+  EXPECT_FALSE(is_open(queued_fd));
+}
+
 // With no thread to be had (a pids cgroup at its limit), the thread that
 // drops a peer's descriptor closes it itself: it is never left open.
 TEST(descriptor_closer, a_drop_with_no_closer_thread_to_be_had_closes_in_place) {
