@@ -29,9 +29,15 @@ std::int64_t steady_ns() noexcept {
 
 // One owner's descriptors: erased once none waits and none is being closed.
 struct owner_queue {
+  closer_owner owner = unknown_owner;  // its key in closers::owners
   std::deque<int> waiting;      // handed over, not yet taken
   std::size_t closing = 0;      // taken by a thread, its close not returned
-  bool ready = false;           // listed in closers::ready
+  bool ready = false;           // in closers' list of turns
+  // Its neighbours in the list of turns, while ready: linked through the
+  // owners themselves (map nodes stay put), so that listing one never
+  // allocates, and never fails.
+  owner_queue* previous_turn = nullptr;
+  owner_queue* next_turn = nullptr;
   bool over_own_limit = false;  // waiting.size() > closer_owner_backlog_limit(), as last counted
   std::size_t counted = 0;      // what it adds to closers::within_limits_waiting
   std::int64_t progress_ns = steady_ns();  // made, or one of its closes last returned
@@ -48,9 +54,11 @@ struct closers {
   std::size_t threads = 0;  // started; guarded by mutex
   std::size_t idle = 0;     // of those, waiting for work; guarded by mutex
   std::map<closer_owner, owner_queue> owners;  // guarded by mutex
-  // Owners with a descriptor waiting and fewer than max_closes_per_owner
-  // being closed, in turn; each once. Guarded by mutex.
-  std::deque<closer_owner> ready;
+  // The list of turns: owners with a descriptor waiting and fewer than
+  // max_closes_per_owner being closed, in turn; each once. Guarded by mutex.
+  owner_queue* first_turn = nullptr;
+  owner_queue* last_turn = nullptr;
+  std::size_t turns = 0;
   std::size_t within_limits_waiting = 0;  // waiting, of owners within their own limit; guarded by mutex
   std::uint64_t handed = 0;               // descriptors handed over; guarded by mutex
   std::uint64_t closed = 0;               // of those, closed; guarded by mutex
@@ -91,22 +99,26 @@ void count_backlog(closers& c, owner_queue& o) noexcept {
   c.over_limit.store(c.within_limits_waiting > closer_backlog_limit(), std::memory_order_relaxed);
 }
 
-// Lists `owner` in its turn when it has a descriptor waiting and room for
-// another close. Under c.mutex; throws (nothing changed) when the list has
-// no memory to grow.
-void list_if_ready(closers& c, closer_owner owner, owner_queue& o) {
+// Lists `o` at the back of the turns when it has a descriptor waiting and
+// room for another close. Under c.mutex.
+void list_if_ready(closers& c, owner_queue& o) noexcept {
   if (o.ready || o.waiting.empty() || o.closing >= max_closes_per_owner) return;
-  c.ready.push_back(owner);
+  o.previous_turn = c.last_turn;
+  o.next_turn = nullptr;
+  (c.last_turn != nullptr ? c.last_turn->next_turn : c.first_turn) = &o;
+  c.last_turn = &o;
+  ++c.turns;
   o.ready = true;
 }
 
-// list_if_ready on a closer thread, which must not throw: out of memory, the
-// owner stays unlisted until its next hand-over or returned close lists it.
-void list_if_ready_on_thread(closers& c, closer_owner owner, owner_queue& o) noexcept {
-  try {
-    list_if_ready(c, owner, o);
-  } catch (...) {  // NOLINT(bugprone-empty-catch): listed at its next hand-over or close
-  }
+// Takes `o` out of the turns, if it is in them. Under c.mutex.
+void unlist(closers& c, owner_queue& o) noexcept {
+  if (!o.ready) return;
+  (o.previous_turn != nullptr ? o.previous_turn->next_turn : c.first_turn) = o.next_turn;
+  (o.next_turn != nullptr ? o.next_turn->previous_turn : c.last_turn) = o.previous_turn;
+  o.previous_turn = o.next_turn = nullptr;
+  --c.turns;
+  o.ready = false;
 }
 
 void start_thread(closers& c);
@@ -115,25 +127,23 @@ void start_thread(closers& c);
 // throws when none can be started.
 void start_thread_if_wanted(closers& c) {
   // One notified may not have woken yet: it is still counted idle, and takes the first.
-  if (c.ready.size() > c.idle && c.threads < max_closer_threads) start_thread(c);
+  if (c.turns > c.idle && c.threads < max_closer_threads) start_thread(c);
 }
 
 void run(closers* c) noexcept {
   std::unique_lock lock(c->mutex);
   for (;;) {
     ++c->idle;
-    c->has_work.wait(lock, [c] { return !c->ready.empty(); });
+    c->has_work.wait(lock, [c] { return c->first_turn != nullptr; });
     --c->idle;
-    const closer_owner owner = c->ready.front();
-    c->ready.pop_front();
-    owner_queue* const o = &c->owners.find(owner)->second;  // a ready owner is listed
-    o->ready = false;
+    owner_queue* const o = c->first_turn;
+    unlist(*c, *o);
     const int fd = o->waiting.front();
     o->waiting.pop_front();
     c->waiting_total.fetch_sub(1, std::memory_order_relaxed);
     ++o->closing;
     count_backlog(*c, *o);
-    list_if_ready_on_thread(*c, owner, *o);  // at the back: the other owners' turns come first
+    list_if_ready(*c, *o);  // at the back: the other owners' turns come first
     try {
       start_thread_if_wanted(*c);
     } catch (...) {  // NOLINT(bugprone-empty-catch): this thread goes on with the others
@@ -145,9 +155,9 @@ void run(closers* c) noexcept {
     lock.lock();
     --o->closing;  // still listed: an owner goes once nothing of it is closing (map nodes stay put)
     o->progress_ns = now;
-    list_if_ready_on_thread(*c, owner, *o);
-    if (o->waiting.empty() && o->closing == 0) c->owners.erase(owner);
-    if (!c->ready.empty()) c->has_work.notify_one();
+    list_if_ready(*c, *o);
+    if (o->waiting.empty() && o->closing == 0) c->owners.erase(o->owner);
+    if (c->first_turn != nullptr) c->has_work.notify_one();
     ++c->closed;
     c->made_progress.notify_all();
   }
@@ -183,13 +193,9 @@ void take_over_inherited(closers& inherited, closers& mine) {
   for (auto& [owner, theirs] : inherited.owners) {
     while (!theirs.waiting.empty()) {
       owner_queue& o = mine.owners[owner];
+      o.owner = owner;
       o.waiting.push_back(theirs.waiting.front());
-      try {
-        list_if_ready(mine, owner, o);
-      } catch (...) {
-        o.waiting.pop_back();
-        throw;
-      }
+      list_if_ready(mine, o);
       theirs.waiting.pop_front();
       ++mine.handed;
       mine.waiting_total.fetch_add(1, std::memory_order_relaxed);
@@ -253,14 +259,14 @@ void close_off_thread(int fd, closer_owner owner) noexcept {
     closers& c = this_process_closers();
     const std::lock_guard lock(c.mutex);
     owner_queue& o = c.owners[owner];
-    o.waiting.push_back(fd);
+    o.owner = owner;
     try {
-      list_if_ready(c, owner, o);
-    } catch (...) {  // queued and not listed: taken back, so that only the close below closes it
-      o.waiting.pop_back();
+      o.waiting.push_back(fd);
+    } catch (...) {  // not queued: closed below; a new owner's entry goes again
       if (o.waiting.empty() && o.closing == 0) c.owners.erase(owner);
       throw;
     }
+    list_if_ready(c, o);
     ++c.handed;
     c.waiting_total.fetch_add(1, std::memory_order_relaxed);
     count_backlog(c, o);
@@ -273,7 +279,7 @@ void close_off_thread(int fd, closer_owner owner) noexcept {
         c.waiting_total.fetch_sub(1, std::memory_order_relaxed);
         count_backlog(c, o);
         if (o.waiting.empty()) {
-          std::erase(c.ready, owner);
+          unlist(c, o);
           c.owners.erase(owner);
         }
         throw;
