@@ -185,7 +185,8 @@ void start_thread(closers& c) {
 // free: one held at the fork belongs to a thread the child does not have,
 // and the queues it guards may be half changed (then they stay as they
 // were). Each descriptor is queued here before it leaves the inherited
-// queue: out of memory, the rest stay there, none in both.
+// queue: out of memory, the rest stay there, none in both. Called only by
+// the hand-over that made `mine`, before it is listed itself.
 void take_over_inherited(closers& inherited, closers& mine) {
   if (!inherited.mutex.try_lock()) return;
   const std::lock_guard inherited_lock(inherited.mutex, std::adopt_lock);
@@ -202,9 +203,7 @@ void take_over_inherited(closers& inherited, closers& mine) {
       count_backlog(mine, o);
     }
   }
-  // A thread for them: the caller's hand-over starts one too, if this fails.
-  start_thread_if_wanted(mine);
-  mine.has_work.notify_one();
+  // The hand-over that made `mine` starts a thread for them.
 }
 
 // This process's closers, made at the first call here and in each fork()
