@@ -323,8 +323,16 @@ TEST(descriptor_closer, a_hand_over_that_runs_out_of_memory_closes_its_descripto
   }
   pipe_ends spare;
   const int before = open_descriptors();  // the holders among them, closed below
+  std::vector<int> holders;
   for (std::size_t i = 0; i < held.size(); ++i) {
+    holders.push_back(held[i]->holder.get());
     unique_fd::from_peer(held[i]->holder.release(), 3000 + i / shoal::detail::max_closes_per_owner).reset();
+  }
+  // Every close begun (its number leaves the table): every thread there may
+  // be is started and held, and no hand-over below starts another.
+  for (const int fd : holders) {
+    for (int waited_ms = 0; is_open(fd) && waited_ms < 5000; ++waited_ms) std::this_thread::sleep_for(1ms);
+    ASSERT_FALSE(is_open(fd)) << "a held close did not begin within 5 s";
   }
   std::vector<int> stand_ins;
   int refused_making = 0, made_a_fourth = 0;
