@@ -45,8 +45,8 @@ struct owner_queue {
 
 // One process's closers. Never destroyed: their detached threads may still
 // run while the process exits, and in a fork() child the parent's, whose
-// mutex a vanished thread may hold, is only ever try-locked
-// (take_over_inherited).
+// mutex a vanished thread may hold, is left untouched (its queues hold
+// numbers, which the child may have closed and reused since).
 struct closers {
   std::uint64_t fork_generation = forks_so_far();
   std::mutex mutex;
@@ -179,43 +179,14 @@ void start_thread(closers& c) {
   ++c.threads;
 }
 
-// In a fork() child, takes over what the parent's closers (`inherited`)
-// held queued at the fork: open in the child too, those descriptors would
-// otherwise stay open until it exits or execs. Only when their mutex is
-// free: one held at the fork belongs to a thread the child does not have,
-// and the queues it guards may be half changed (then they stay as they
-// were). Each descriptor is queued here before it leaves the inherited
-// queue: out of memory, the rest stay there, none in both. Called only by
-// the hand-over that made `mine`, before it is listed itself.
-void take_over_inherited(closers& inherited, closers& mine) {
-  if (!inherited.mutex.try_lock()) return;
-  const std::lock_guard inherited_lock(inherited.mutex, std::adopt_lock);
-  const std::lock_guard lock(mine.mutex);
-  for (auto& [owner, theirs] : inherited.owners) {
-    while (!theirs.waiting.empty()) {
-      owner_queue& o = mine.owners[owner];
-      o.owner = owner;
-      o.waiting.push_back(theirs.waiting.front());
-      list_if_ready(mine, o);
-      theirs.waiting.pop_front();
-      ++mine.handed;
-      mine.waiting_total.fetch_add(1, std::memory_order_relaxed);
-      count_backlog(mine, o);
-    }
-  }
-  // The hand-over that made `mine` starts a thread for them.
-}
-
 // This process's closers, made at the first call here and in each fork()
-// child (which takes over what its parent's held queued).
+// child.
 closers& this_process_closers() {
   closers* c = current.load(std::memory_order_acquire);
   if (c != nullptr && c->fork_generation == forks_so_far()) return *c;
   auto made = std::make_unique<closers>();
   if (!current.compare_exchange_strong(c, made.get(), std::memory_order_acq_rel)) return *c;  // another thread's won
-  closers& mine = *made.release();
-  if (c != nullptr) take_over_inherited(*c, mine);
-  return mine;
+  return *made.release();
 }
 
 bool stalled_since(std::int64_t ns) noexcept { return steady_ns() - ns > stalled_after_ns; }

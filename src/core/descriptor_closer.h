@@ -26,10 +26,10 @@
 // process-wide limit, closer_backlog_limit(), counts the descriptors of
 // owners within their own limit: past it, with no close returned for 100 ms
 // anywhere, every owner's new batches wait (many owners, each within its
-// limit, filling the table). A fork() child starts its own closers at its
-// first hand-over, which take over the descriptors its parent's held queued
-// (open in the child too) unless a parent thread held their lock at the
-// fork; those stay open in the child, close-on-exec.
+// limit, filling the table). In a fork() child the parent's queue is left as
+// it was (its descriptors are close-on-exec; the child may have closed their
+// numbers and opened its own files there, which closing them would close);
+// the child starts its own closers at its first hand-over.
 //
 // Thread-safety: every function may be called from any thread at once.
 // Internal (not installed).

@@ -236,9 +236,10 @@ TEST(descriptor_closer, a_fork_child_closes_through_its_own_closer) {
   EXPECT_EQ(child.wait(), 0) << "the child's close never happened";
 }
 
-// What the parent's closers held queued at the fork is open in the child
-// too: the child's first hand-over takes it over, and the child closes it.
-TEST(descriptor_closer, a_fork_child_closes_the_descriptors_its_parent_held_queued) {
+// What the parent's closers held queued at the fork is a number in the
+// child, which the child may close and reuse for a file of its own (as
+// closefrom() then open() does): its closers never close it.
+TEST(descriptor_closer, a_fork_child_never_closes_a_number_its_parent_held_queued) {
   if (!forked_child_may_start_threads) GTEST_SKIP() << "a forked child may not start threads under the sanitizers";
   const auto held = held_closes(peer_a, shoal::detail::max_closes_per_owner, 2);
   pipe_ends queued;
@@ -246,14 +247,16 @@ TEST(descriptor_closer, a_fork_child_closes_the_descriptors_its_parent_held_queu
   unique_fd::from_peer(queued.read.release(), peer_a).reset();  // waits behind the held closes
   ASSERT_TRUE(is_open(queued_fd));
   forked_child child([&] {
-    if (!is_open(queued_fd)) return 2;
+    const int own = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (own < 0 || ::dup2(own, queued_fd) != queued_fd) return 2;  // the number is the child's own file now
+    ::close(own);
     pipe_ends pipe;
-    unique_fd::from_peer(pipe.read.release(), peer_b).reset();  // the child's first hand-over
+    unique_fd::from_peer(pipe.read.release(), peer_a).reset();  // the child's first hand-over
     if (!off_thread_closes_done_within(10s)) return 3;
-    return is_open(queued_fd) ? 1 : 0;
+    return is_open(queued_fd) ? 0 : 1;
   });
-  EXPECT_EQ(child.wait(), 0) << "1: the parent's queued descriptor stayed open in the child; 2: it was not "
-                                "inherited; 3: the child's closes did not finish";
+  EXPECT_EQ(child.wait(), 0) << "1: the child's closers closed a file of the child's own; 2: setup; 3: the "
+                                "child's closes did not finish";
   EXPECT_TRUE(off_thread_closes_done_within(30s));
   EXPECT_FALSE(is_open(queued_fd));
 }
