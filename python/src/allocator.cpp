@@ -22,15 +22,14 @@ namespace {
 /// "key:value" for one keyword setting, as SHOAL_ALLOC_CONF writes it. numpy's
 /// scalars are taken as the bools and numbers they are.
 std::string setting_text(const std::string& key, nb::handle value) {
-  const char numpy_kind = numpy_scalar_kind(value);
   std::string text;
-  if (PyBool_Check(value.ptr()) != 0 || numpy_kind == 'b') {
+  if (PyBool_Check(value.ptr()) != 0 || is_numpy_bool(value)) {
     const int truth = PyObject_IsTrue(value.ptr());
     if (truth < 0) throw nb::python_error();
     text = truth != 0 ? "true" : "false";
   } else if (const std::optional<python_int> whole = index_of(value)) {
     text = nb::cast<std::string>(nb::str(whole->value));
-  } else if (PyFloat_Check(value.ptr()) != 0 || numpy_kind == 'f') {
+  } else if (PyFloat_Check(value.ptr()) != 0 || numpy_scalar_kind(value) == 'f') {
     PyObject* const number = PyNumber_Float(value.ptr());
     if (number == nullptr) throw nb::python_error();
     text = nb::cast<std::string>(nb::str(nb::steal(number)));

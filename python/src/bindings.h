@@ -45,6 +45,13 @@ struct python_bool {
   bool value = false;
 };
 
+/// Whether `value` is numpy's bool scalar: numpy.bool (numpy 2) or
+/// numpy.bool_ (numpy 1), known by its type's name (numpy need not be loaded).
+inline bool is_numpy_bool(nb::handle value) noexcept {
+  const std::string_view type_name = Py_TYPE(value.ptr())->tp_name;
+  return type_name == "numpy.bool" || type_name == "numpy.bool_";
+}
+
 /// A socket address as Python gives it: a str, or an os.PathLike whose path
 /// is a str (pathlib.Path); a bytes path is no address.
 struct address_text {
@@ -278,10 +285,8 @@ struct type_caster<shoal::python::python_bool> {
       value.value = src.ptr() == Py_True;
       return true;
     }
-    // numpy.bool (numpy 2) or numpy.bool_ (numpy 1), known by its type's name.
-    const std::string_view type_name = Py_TYPE(src.ptr())->tp_name;
     const bool converting = (flags & static_cast<Flags>(cast_flags::convert)) != 0;
-    if (!converting || (type_name != "numpy.bool" && type_name != "numpy.bool_")) return false;
+    if (!converting || !shoal::python::is_numpy_bool(src)) return false;
     const int truth = PyObject_IsTrue(src.ptr());
     if (truth < 0) {
       PyErr_Clear();
