@@ -1,6 +1,8 @@
 #include "channel/frame_batch.h"
 
+#include <linux/sockios.h>
 #include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -85,12 +87,14 @@ bool closers_hold_new_batches(std::uint32_t peer_uid, std::size_t most_descripto
   return !batch_started && most_descriptors > 0 && shoal::detail::closer_backlogged(peer_uid);
 }
 
-// Whether the peer on `socket` has hung up with nothing left to read. A
-// peek without room for control data installs none of the descriptors
-// queued (the kernel drops its copies of them at once).
+// Whether the peer on `socket` has hung up with nothing left to read. Asked
+// without reading (no descriptor installed) and without peeking (a peek
+// moves an SO_PEEK_OFF offset the application may have set).
 bool hung_up_with_nothing_queued(int socket) noexcept {
-  std::byte first{};
-  return ::recv(socket, &first, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+  pollfd hang_up{socket, POLLRDHUP, 0};
+  if (::poll(&hang_up, 1, 0) <= 0 || (hang_up.revents & (POLLRDHUP | POLLHUP)) == 0) return false;
+  int queued = 0;
+  return ::ioctl(socket, SIOCINQ, &queued) == 0 && queued == 0;
 }
 
 // Waits, in short sleeps, until the closers no longer hold new batches;

@@ -443,6 +443,28 @@ TEST(refused_descriptors, a_receive_held_for_the_closers_sees_the_peer_hang_up) 
   EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
 }
 
+// A peer that sent a whole batch and hung up: the held receive waits for the
+// closes and then reads the batch (its bytes were still queued), even with
+// SO_PEEK_OFF set on the socket, where each peek would move on by a byte.
+TEST(refused_descriptors, a_receive_held_for_the_closers_reads_what_a_peer_sent_before_it_hung_up) {
+  const lowered_descriptor_limit low(128);
+  const std::uint32_t own = ::geteuid();
+  socket_pair pair;
+  connection c = connection::adopt(std::move(pair.b), {});
+  const int peek_from = 0;
+  ASSERT_EQ(::setsockopt(c.native_handle(), SOL_SOCKET, SO_PEEK_OFF, &peek_from, sizeof peek_from), 0);
+  const auto held = held_closes(own, shoal::detail::max_closes_per_owner, 2);
+  pipe_ends pipe;
+  for (int i = 0; i < 12; ++i) unique_fd::from_peer(::dup(pipe.read.get()), own).reset();
+  std::this_thread::sleep_for(150ms);
+  ASSERT_TRUE(shoal::detail::closer_backlogged(own));
+  write_raw(pair.a.get(), raw_batch("SHOL", 2, {{1, bytes_of("sent before the hang-up")}}));
+  pair.a.reset();
+  EXPECT_EQ(text_of(c.receive_for(10s).payload), "sent before the hang-up");
+  EXPECT_FALSE(shoal::detail::closer_backlogged(own)) << "read before the closes caught up";
+  EXPECT_TRUE(shoal::detail::off_thread_closes_done_within(30s));
+}
+
 // While more than twice the process-wide limit of peers' descriptors wait
 // to be closed, listeners accept no connection (one refused at its accept
 // brings its queued descriptors along: peers of uids the policy refuses
