@@ -287,8 +287,9 @@ TEST(refused_descriptors, a_connections_descriptors_are_charged_to_its_peers_uid
   const auto address = fresh_abstract_name();
   listener server(address, channel::access_policy{{nobody}});
   const raw_address target = raw_address_of(address);
-  pipe_ends done;
+  pipe_ends sent, done;
   forked_child sender([&] {
+    sent.read.reset();
     done.write.reset();
     const int switched = become_nobody();
     if (switched != 0) return switched;
@@ -301,13 +302,17 @@ TEST(refused_descriptors, a_connections_descriptors_are_charged_to_its_peers_uid
     std::vector<int> fds{first.holder.get(), second.holder.get()};
     fds.insert(fds.end(), 12, pipe.read.get());
     if (send_raw(s, raw_batch("SHOL", 2, {{1, bytes_of("x"), 14}}), fds) != 0) return 4;
-    first.holder.reset();  // the receiver's copies are the last
+    first.holder.reset();  // the receiver's copies are the last (it reads only once this is done)
     second.holder.reset();
+    sent.write.reset();
     char c;
     (void)::read(done.read.get(), &c, 1);
     return 0;
   });
+  sent.write.reset();
   done.read.reset();
+  char c;
+  ASSERT_EQ(::read(sent.read.get(), &c, 1), 0) << "the sender did not finish sending";
   std::optional<connection> accepted = server.accept_for(5s);
   ASSERT_TRUE(accepted.has_value());
   EXPECT_EQ(accepted->peer().uid, nobody);
