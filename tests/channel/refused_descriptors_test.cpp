@@ -229,6 +229,27 @@ TEST(refused_descriptors, a_greeting_that_brings_a_descriptor_is_refused_at_that
   EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the greeting's other reads were waited for";
 }
 
+// In a sender child: sends `bytes` on `socket` with two descriptors whose
+// closes are held 3 s and `more` others (then `then`, with one more, when
+// given), drops its own copies of the held ones (the receiver's are the last
+// once it reads), closes `sent`, and keeps the held sockets' other ends open
+// until `done` is closed. 0 when it all went.
+int send_held_closes_then_wait(int socket, const std::vector<std::byte>& bytes, std::size_t more, pipe_ends& sent,
+                               pipe_ends& done, const std::vector<std::byte>& then = {}) {
+  socket_holding_a_lingering_one first(3), second(3);
+  pipe_ends pipe;
+  std::vector<int> fds{first.holder.get(), second.holder.get()};
+  fds.insert(fds.end(), more, pipe.read.get());
+  if (send_raw(socket, bytes, fds) != 0) return 3;
+  if (!then.empty() && send_raw(socket, then, {pipe.read.get()}) != 0) return 4;
+  first.holder.reset();
+  second.holder.reset();
+  sent.write.reset();
+  char c;
+  (void)::read(done.read.get(), &c, 1);
+  return 0;
+}
+
 // The descriptors a greeting brings, and the refused socket with what is
 // queued on it, are charged to the uid that sent them (the kernel's
 // credentials of that message), not to the process that made the pair:
@@ -246,21 +267,8 @@ TEST(refused_descriptors, a_greetings_descriptors_are_charged_to_the_uid_that_se
     done.write.reset();
     const int switched = become_nobody();
     if (switched != 0) return switched;
-    // Two closes held (the lingering sockets' other ends stay open here
-    // until the test is done) and eight more descriptors; then a message
-    // left queued, so that the refused socket is not closed in place.
-    socket_holding_a_lingering_one first(3), second(3);
-    pipe_ends pipe;
-    std::vector<int> fds{first.holder.get(), second.holder.get()};
-    fds.insert(fds.end(), 8, pipe.read.get());
-    if (send_raw(pair.a.get(), bytes_of("S"), fds) != 0) return 3;
-    if (send_raw(pair.a.get(), bytes_of("x"), {pipe.read.get()}) != 0) return 4;
-    first.holder.reset();  // the receiver's copies are the last
-    second.holder.reset();
-    sent.write.reset();
-    char c;
-    (void)::read(done.read.get(), &c, 1);
-    return 0;
+    // Then a message left queued, so that the refused socket is not closed in place.
+    return send_held_closes_then_wait(pair.a.get(), bytes_of("S"), 8, sent, done, bytes_of("x"));
   });
   pair.a.reset();
   sent.write.reset();
@@ -295,19 +303,7 @@ TEST(refused_descriptors, a_connections_descriptors_are_charged_to_its_peers_uid
     if (switched != 0) return switched;
     const int s = ::socket(AF_UNIX, SOCK_STREAM, 0);
     if (s < 0 || ::connect(s, reinterpret_cast<const sockaddr*>(&target.address), target.length) != 0) return 3;
-    // Two closes held (the lingering sockets' other ends stay open here
-    // until the test is done) and twelve more descriptors.
-    socket_holding_a_lingering_one first(3), second(3);
-    pipe_ends pipe;
-    std::vector<int> fds{first.holder.get(), second.holder.get()};
-    fds.insert(fds.end(), 12, pipe.read.get());
-    if (send_raw(s, raw_batch("SHOL", 2, {{1, bytes_of("x"), 14}}), fds) != 0) return 4;
-    first.holder.reset();  // the receiver's copies are the last (it reads only once this is done)
-    second.holder.reset();
-    sent.write.reset();
-    char c;
-    (void)::read(done.read.get(), &c, 1);
-    return 0;
+    return send_held_closes_then_wait(s, raw_batch("SHOL", 2, {{1, bytes_of("x"), 14}}), 12, sent, done);
   });
   sent.write.reset();
   done.read.reset();
@@ -317,7 +313,7 @@ TEST(refused_descriptors, a_connections_descriptors_are_charged_to_its_peers_uid
   ASSERT_TRUE(accepted.has_value());
   EXPECT_EQ(accepted->peer().uid, nobody);
   try {
-    (void)accepted->receive_for(5s);  // one frame with 14 descriptors: refused or taken, they are dropped
+    (void)accepted->receive_for(5s);  // a frame carries at most one descriptor: refused, its 14 dropped
   } catch (const error&) {  // NOLINT(bugprone-empty-catch): either way the descriptors went to the closer
   }
   std::this_thread::sleep_for(150ms);
