@@ -104,8 +104,8 @@ bool hung_up_with_nothing_queued(int socket) noexcept {
 void wait_for_the_closers(int socket, std::uint32_t peer_uid, std::size_t most_descriptors, deadline until) {
   while (closers_hold_new_batches(peer_uid, most_descriptors, false)) {
     if (hung_up_with_nothing_queued(socket)) {
-      throw connection_closed("recvmsg: the peer closed the connection (while this process waited to read on "
-                              "until the descriptors its peers sent were closed)");
+      throw connection_closed("the peer closed the connection (seen while reads waited for the closer threads to "
+                              "close the descriptors peers sent)");
     }
     if (until && std::chrono::steady_clock::now() >= *until) {
       throw timeout_error("the deadline passed before the next batch was read: more than " +
