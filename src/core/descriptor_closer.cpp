@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cassert>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -114,6 +115,7 @@ void list_if_ready(closers& c, owner_queue& o) noexcept {
 // Takes `o` out of the turns, if it is in them. Under c.mutex.
 void unlist(closers& c, owner_queue& o) noexcept {
   if (!o.ready) return;
+  assert(c.turns > 0 && (o.previous_turn != nullptr || c.first_turn == &o));
   (o.previous_turn != nullptr ? o.previous_turn->next_turn : c.first_turn) = o.next_turn;
   (o.next_turn != nullptr ? o.next_turn->previous_turn : c.last_turn) = o.previous_turn;
   o.previous_turn = o.next_turn = nullptr;
@@ -156,7 +158,10 @@ void run(closers* c) noexcept {
     --o->closing;  // still listed: an owner goes once nothing of it is closing (map nodes stay put)
     o->progress_ns = now;
     list_if_ready(*c, *o);
-    if (o->waiting.empty() && o->closing == 0) c->owners.erase(o->owner);
+    if (o->waiting.empty() && o->closing == 0) {
+      assert(!o->ready);  // a listed owner erased would leave the turns pointing at freed memory
+      c->owners.erase(o->owner);
+    }
     if (c->first_turn != nullptr) c->has_work.notify_one();
     ++c->closed;
     c->made_progress.notify_all();
