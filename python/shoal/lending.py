@@ -509,7 +509,8 @@ class RevocationWatcher:
         self._on_revoke: Optional[Callable[[int, float], object]] = on_revoke
         self._stop = _shoal._StopFlag()  # read by the wait without the GIL
         self._borrower_gone = weakref.finalize(borrower, self._stop.set)
-        self._borrower_gone.atexit = False
+        # A writable attribute; typeshed before mypy 2 also declares an empty __slots__ on finalize.
+        self._borrower_gone.atexit = False  # type: ignore[misc]
         self._error: Optional[BaseException] = None
         self._traceback: Optional[TracebackType] = None
         self._active = False  # set by the borrower as it registers this watcher
