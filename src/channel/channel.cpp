@@ -2,8 +2,6 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <linux/sockios.h>
-#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/time.h>
@@ -256,8 +254,7 @@ struct connection::state {
       return;
     }
     ::shutdown(socket.get(), SHUT_RDWR);
-    int waiting = 0;
-    if (::ioctl(socket.get(), SIOCINQ, &waiting) == 0 && waiting == 0) socket.mark_safe_to_close();
+    if (detail::nothing_queued_to_read(socket.get())) socket.mark_safe_to_close();
   }
   state() = default;
   state(const state&) = delete;

@@ -87,14 +87,12 @@ bool closers_hold_new_batches(std::uint32_t peer_uid, std::size_t most_descripto
   return !batch_started && most_descriptors > 0 && shoal::detail::closer_backlogged(peer_uid);
 }
 
-// Whether the peer on `socket` has hung up with nothing left to read. Asked
-// without reading (no descriptor installed) and without peeking (a peek
-// moves an SO_PEEK_OFF offset the application may have set).
+// Whether the peer on `socket` has hung up with nothing left to read (no
+// descriptor installed to find out).
 bool hung_up_with_nothing_queued(int socket) noexcept {
   pollfd hang_up{socket, POLLRDHUP, 0};
   if (::poll(&hang_up, 1, 0) <= 0 || (hang_up.revents & (POLLRDHUP | POLLHUP)) == 0) return false;
-  int queued = 0;
-  return ::ioctl(socket, SIOCINQ, &queued) == 0 && queued == 0;
+  return nothing_queued_to_read(socket);
 }
 
 // Waits, in short sleeps, until the closers no longer hold new batches;
@@ -340,6 +338,11 @@ std::vector<int> encode_batch(std::span<const outgoing_frame> frames, std::vecto
     if (f.fd >= 0) descriptors.push_back(f.fd);
   }
   return descriptors;
+}
+
+bool nothing_queued_to_read(int socket) noexcept {
+  int queued = 0;
+  return ::ioctl(socket, SIOCINQ, &queued) == 0 && queued == 0;
 }
 
 void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<std::byte>& out, deadline until) {

@@ -56,6 +56,11 @@ class timeout_mid_batch : public timeout_error {
 /// when it passed after some did.
 void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<std::byte>& out, deadline until);
 
+/// True when no byte waits to be read on `socket` (so no descriptor a peer
+/// sent is queued on it either); false also when the kernel cannot say.
+/// Asked without reading or peeking: a peek moves an SO_PEEK_OFF offset.
+[[nodiscard]] bool nothing_queued_to_read(int socket) noexcept;
+
 /// The largest batch body (what follows the batch header) a receiver whose
 /// frames carry at most `max_payload` bytes accepts.
 [[nodiscard]] std::size_t max_batch_body(std::size_t max_payload) noexcept;
