@@ -68,7 +68,7 @@ class ContentMismatchError(ShoalError):
     """Memory's content is not what the caller expected: a published region's content hash is not the one asked for."""
 
 class CancelledError(ShoalError):
-    """A wait was ended by its caller's cancel event (e.g. Borrower.borrow(cancel=...)); nothing it asked for is held."""
+    """A wait was ended by its caller's cancel event (e.g. shoal.lending.Borrower.borrow(cancel=...)); nothing it asked for is held."""
 
 # The package's own helpers (functions with a leading underscore below, and
 # this attribute) are not part of the API.

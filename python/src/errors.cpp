@@ -83,14 +83,14 @@ constexpr std::pair<std::string_view, std::string_view> python_names[] = {
     {"channel_address", "address"},
     {"caching_allocator::allocate", "Allocator.allocate"},
     {"caching_allocator", "Allocator"},
-    {"lender::revoke", "Lender.revoke"},
-    {"lender", "Lender"},
-    {"borrower::borrow_shared", "Borrower.borrow_shared"},
-    {"borrower::borrow", "Borrower.borrow"},
-    {"borrower::publish", "Borrower.publish"},
-    {"borrower::give_back", "Borrower (giving memory back)"},
-    {"borrower::revoke", "Borrower.revoke"},
-    {"borrower", "Borrower"},
+    {"lender::revoke", "shoal.lending.Lender.revoke"},
+    {"lender", "shoal.lending.Lender"},
+    {"borrower::borrow_shared", "shoal.lending.Borrower.borrow_shared"},
+    {"borrower::borrow", "shoal.lending.Borrower.borrow"},
+    {"borrower::publish", "shoal.lending.Borrower.publish"},
+    {"borrower::give_back", "shoal.lending.Borrower (giving memory back)"},
+    {"borrower::revoke", "shoal.lending.Borrower.revoke"},
+    {"borrower", "shoal.lending.Borrower"},
     {"peer::send_note", "Peer.send_note"},
     {"peer::send", "Peer.send"},
     {"peer::receive_for", "Peer.receive"},
@@ -138,7 +138,7 @@ std::string qualified_names_in_python_words(std::string text) {
 
 std::string in_python_words(std::string_view message) {
   if (message.starts_with(empty_storage)) {
-    return "Storage: this Storage has no memory any more: it was handed on (a Storage given to Borrower.publish "
+    return "Storage: this Storage has no memory any more: it was handed on (a Storage given to shoal.lending.Borrower.publish "
            "belongs to the region now; use the Storage publish returned)";
   }
   for (const auto& [cpp, python] : python_names) {
@@ -318,7 +318,7 @@ void register_errors(nb::module_& m) {
                                     "hash is not the one asked for.",
                                     {types.error});
   types.cancelled = new_type(m, "CancelledError",
-                             "A wait was ended by its caller's cancel event (e.g. Borrower.borrow(cancel=...)); "
+                             "A wait was ended by its caller's cancel event (e.g. shoal.lending.Borrower.borrow(cancel=...)); "
                              "nothing it asked for is held.",
                              {types.error});
   nb::register_exception_translator(translate);

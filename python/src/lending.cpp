@@ -276,7 +276,7 @@ void register_lending(nb::module_& m) {
              const std::vector<std::size_t>& prepared_chunks, double max_wait, std::optional<double> preempt_after,
              double preempt_deadline, std::size_t max_observers) {
             if (reuse != "same_uid" && reuse != "never") {
-              throw invalid_argument("Lender: reuse='" + reuse + "' is not 'same_uid' or 'never'");
+              throw invalid_argument("shoal.lending.Lender: reuse='" + reuse + "' is not 'same_uid' or 'never'");
             }
             lending::lender_config config;
             config.capacity_bytes = capacity_bytes;
@@ -284,28 +284,28 @@ void register_lending(nb::module_& m) {
             config.max_borrowers = max_borrowers;
             config.max_observers = max_observers;
             config.max_regions_per_borrower = max_regions_per_borrower;
-            config.peer_timeout = timeout_of(peer_timeout, "Lender", "peer_timeout");
+            config.peer_timeout = timeout_of(peer_timeout, "shoal.lending.Lender", "peer_timeout");
             if (!(max_wait <= max_wait_seconds)) {
-              throw invalid_argument("Lender: max_wait must be a finite number of seconds from 0.001 to about 49 days");
+              throw invalid_argument("shoal.lending.Lender: max_wait must be a finite number of seconds from 0.001 to about 49 days");
             }
-            config.max_wait = timeout_of(max_wait, "Lender", "max_wait");
+            config.max_wait = timeout_of(max_wait, "shoal.lending.Lender", "max_wait");
             if (preempt_after) {
               if (!(*preempt_after >= 0 && *preempt_after <= max_wait_seconds)) {
                 throw invalid_argument(
-                    "Lender: preempt_after must be None or a finite number of seconds from 0 to about 49 days");
+                    "shoal.lending.Lender: preempt_after must be None or a finite number of seconds from 0 to about 49 days");
               }
               config.preempt_after = std::chrono::milliseconds(std::llround(*preempt_after * 1000.0));
             }
             if (!(preempt_deadline <= max_wait_seconds)) {
               throw invalid_argument(
-                  "Lender: preempt_deadline must be a finite number of seconds from 0.001 to about 49 days");
+                  "shoal.lending.Lender: preempt_deadline must be a finite number of seconds from 0.001 to about 49 days");
             }
-            config.preempt_deadline = timeout_of(preempt_deadline, "Lender", "preempt_deadline");
-            config.policy = policy_of(allowed_uids, "Lender");
+            config.preempt_deadline = timeout_of(preempt_deadline, "shoal.lending.Lender", "preempt_deadline");
+            config.policy = policy_of(allowed_uids, "shoal.lending.Lender");
             config.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
             config.prepared_chunks = prepared_chunks;
             auto& d = device != nullptr ? *device : backend::default_device();
-            new (self) py_lender{{"Lender", closed_error::invalid_argument,
+            new (self) py_lender{{"shoal.lending.Lender", closed_error::invalid_argument,
                                   std::make_unique<lending::lender>(d, address_of(address.text), config)}};
           },
           nb::arg("address"), nb::arg("device").none() = nb::none(), nb::arg("capacity_bytes") = std::size_t{1} << 30,
@@ -334,8 +334,8 @@ void register_lending(nb::module_& m) {
       .def(
           "revoke",
           [](const py_lender& l, const python_int& region, double deadline) {
-            const auto id = whole_number_of(region, "Lender.revoke", "region");
-            l.lender.enter()->revoke(id, timeout_of(deadline, "Lender.revoke", "deadline"));
+            const auto id = whole_number_of(region, "shoal.lending.Lender.revoke", "region");
+            l.lender.enter()->revoke(id, timeout_of(deadline, "shoal.lending.Lender.revoke", "deadline"));
           },
           nb::arg("region"), nb::arg("deadline"),
           "Asks the region's borrower to give it back within ``deadline`` seconds; returns at once.")
@@ -370,7 +370,7 @@ void register_lending(nb::module_& m) {
   m.def(
       "_content_hash",
       [](const py_storage& storage, const std::vector<py_entry>& entries) {
-        const auto layout = layout_of(entries, "SharedRegion.verify");
+        const auto layout = layout_of(entries, "shoal.lending.SharedRegion.verify");
         const auto& st = storage.handle.get();
         lending::content_hash hash;
         {
@@ -396,8 +396,8 @@ void register_lending(nb::module_& m) {
              std::size_t kept_mapping_bytes, bool observer) {
             auto& d = device != nullptr ? *device : backend::default_device();
             const auto a = address_of(address.text);
-            const auto policy = policy_of(allowed_uids, "Borrower");
-            const auto t = timeout_of(timeout, "Borrower");
+            const auto policy = policy_of(allowed_uids, "shoal.lending.Borrower");
+            const auto t = timeout_of(timeout, "shoal.lending.Borrower");
             lending::borrower_options options;
             options.keep_mappings = keep_mappings;
             options.kept_mapping_bytes = kept_mapping_bytes;
@@ -407,7 +407,7 @@ void register_lending(nb::module_& m) {
               released_gil release;
               b = std::make_unique<lending::borrower>(d, a, policy, t, options);
             }
-            new (self) py_borrower{{"Borrower", closed_error::connection_closed, std::move(b)}};
+            new (self) py_borrower{{"shoal.lending.Borrower", closed_error::connection_closed, std::move(b)}};
           },
           nb::arg("address"), nb::arg("device").none() = nb::none(),
           nb::arg("allowed_uids") = std::vector<int>{}, nb::arg("timeout") = 5.0,
@@ -430,16 +430,16 @@ void register_lending(nb::module_& m) {
           [](const py_borrower& b, const py_allocator& allocator, std::size_t nbytes, const std::string& purpose,
              double timeout, double wait, nb::object cancel) {
             auto& device = allocator.state->allocator().device();
-            const auto t = timeout_of(timeout, "Borrower.borrow");
+            const auto t = timeout_of(timeout, "shoal.lending.Borrower.borrow");
             if (!(wait >= 0) || !std::isfinite(wait) || wait > max_wait_seconds) {
-              throw invalid_argument("Borrower.borrow: wait must be a finite number of seconds from 0 to about 49 days");
+              throw invalid_argument("shoal.lending.Borrower.borrow: wait must be a finite number of seconds from 0 to about 49 days");
             }
             const auto borrower = b.borrower.enter();
             // While the borrow waits: Ctrl-C (KeyboardInterrupt), close() from
             // another thread and the cancel event end it; a region lent later
             // is given back.
             const cancel_event cancelled(cancel);
-            if (cancelled()) raise_cancelled("Borrower.borrow: cancelled before it was sent (its cancel event was set)");
+            if (cancelled()) raise_cancelled("shoal.lending.Borrower.borrow: cancelled before it was sent (its cancel event was set)");
             const released_gil* released = nullptr;  // set below, before the borrow calls the check
             // Rounded to the millisecond; a wait above 0 is at least 1 ms.
             const auto wait_ms = std::max<std::int64_t>(std::llround(wait * 1000.0), wait > 0 ? 1 : 0);
@@ -448,7 +448,7 @@ void register_lending(nb::module_& m) {
                   if (PyErr_CheckSignals() != 0) throw nb::python_error();
                   if (borrower.closing()) b.borrower.throw_closed();
                   if (cancelled()) {
-                    raise_cancelled("Borrower.borrow: cancelled while it waited for memory (its cancel event was "
+                    raise_cancelled("shoal.lending.Borrower.borrow: cancelled while it waited for memory (its cancel event was "
                                     "set); the lender was told");
                   }
                 }};
@@ -466,22 +466,22 @@ void register_lending(nb::module_& m) {
           "_publish",
           [](const py_borrower& b, const py_allocator& allocator, py_storage& storage,
              const std::vector<py_entry>& entries, std::optional<nb::bytes> hash, double timeout) {
-            const auto t = timeout_of(timeout, "Borrower.publish");
+            const auto t = timeout_of(timeout, "shoal.lending.Borrower.publish");
             const auto borrower = b.borrower.enter();
             region_owner* owner = region_behind(storage);
             if (owner == nullptr || !owner->region().valid() ||
                 owner->region().mode() != lending::region_mode::exclusive) {
-              throw invalid_argument("Borrower.publish: the storage is not an exclusive borrowed region");
+              throw invalid_argument("shoal.lending.Borrower.publish: the storage is not an exclusive borrowed region");
             }
             if (const long others = storage.handle.get().handles() - 1; others > 0) {
-              throw invalid_argument("Borrower.publish: " + std::to_string(others) +
+              throw invalid_argument("shoal.lending.Borrower.publish: " + std::to_string(others) +
                                      " other handles of the region (views, DLPack exports, tensors) are alive; drop "
                                      "them first: publishing unmaps the writable mapping under them");
             }
-            auto layout = layout_of(entries, "Borrower.publish");
+            auto layout = layout_of(entries, "shoal.lending.Borrower.publish");
             const auto& region = owner->region();
             if (auto problem = lending::layout_problem(layout, region.size()); !problem.empty()) {
-              throw invalid_argument("Borrower.publish: the layout is malformed: " + problem);
+              throw invalid_argument("shoal.lending.Borrower.publish: the layout is malformed: " + problem);
             }
             std::optional<lending::content_hash> given;
             if (hash) given = hash_of(*hash);
@@ -505,7 +505,7 @@ void register_lending(nb::module_& m) {
           "_borrow_shared",
           [](const py_borrower& b, const py_allocator& allocator, const std::string& name,
              std::optional<nb::bytes> expected, std::optional<std::uint32_t> writer_uid, double timeout) {
-            const auto t = timeout_of(timeout, "Borrower.borrow_shared");
+            const auto t = timeout_of(timeout, "shoal.lending.Borrower.borrow_shared");
             const auto borrower = b.borrower.enter();
             std::optional<lending::content_hash> want;
             if (expected) want = hash_of(*expected);
@@ -526,7 +526,7 @@ void register_lending(nb::module_& m) {
             // In slices, so that Ctrl-C, a close() and the cancel event end a
             // long wait; revokes that came already are returned whatever the
             // event says (it ends the wait, it does not hide them).
-            const auto until = until_of(wait, "Borrower.revocations", "wait");
+            const auto until = until_of(wait, "shoal.lending.Borrower.revocations", "wait");
             // A stop flag is looked at every 10 ms without the GIL (set, the
             // wait ends with nothing read); a Python event between slices of
             // 10 ms, with the GIL.
@@ -582,7 +582,7 @@ void register_lending(nb::module_& m) {
       .def(
           "metrics",
           [](const py_borrower& b, double timeout) {
-            const auto t = timeout_of(timeout, "Borrower.metrics");
+            const auto t = timeout_of(timeout, "shoal.lending.Borrower.metrics");
             const auto borrower = b.borrower.enter();
             released_gil release;
             return borrower->metrics(t);
@@ -591,9 +591,9 @@ void register_lending(nb::module_& m) {
       .def(
           "revoke",
           [](const py_borrower& b, const python_int& region, double deadline, double timeout) {
-            const auto id = whole_number_of(region, "Borrower.revoke", "region");
-            const auto d = timeout_of(deadline, "Borrower.revoke", "deadline");
-            const auto t = timeout_of(timeout, "Borrower.revoke");
+            const auto id = whole_number_of(region, "shoal.lending.Borrower.revoke", "region");
+            const auto d = timeout_of(deadline, "shoal.lending.Borrower.revoke", "deadline");
+            const auto t = timeout_of(timeout, "shoal.lending.Borrower.revoke");
             const auto borrower = b.borrower.enter();
             released_gil release;
             borrower->revoke(id, d, t);

@@ -140,7 +140,7 @@ def test_publish_names_each_field_of_the_layout_and_leaves_the_region_as_it_was(
             borrower.publish(**arguments)
     # The dtype's name is checked natively, in the words its other checks use.
     with pytest.raises(shoal.InvalidArgumentError,
-                       match=r"^Borrower\.publish: layout entry 'e': 'float99' is not a dtype shoal knows"):
+                       match=r"^shoal\.lending\.Borrower\.publish: layout entry 'e': 'float99' is not a dtype shoal knows"):
         borrower.publish(region, [good._replace(dtype="float99")])
     assert region.nbytes >= MIB and borrower.region_id(region) is not None, "a refusal took the region"
     published = borrower.publish(region, [good._replace(offset=numpy.int64(0), shape=(numpy.int64(16),))])

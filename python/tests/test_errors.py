@@ -70,7 +70,7 @@ def test_errors_carry_their_fields():
     ("caching_allocator::allocate: too much", "Allocator.allocate: too much"),
     ("connection::connect: no one listens at @x", "shoal.connect: no one listens at @x"),
     ("connection::receive from pid 7: recvmsg: closed", "receiving from pid 7: recvmsg: closed"),
-    ("lender::revoke: region 9 is not lent", "Lender.revoke: region 9 is not lent"),
+    ("lender::revoke: region 9 is not lent", "shoal.lending.Lender.revoke: region 9 is not lent"),
     ("peer::send_note: too long", "Peer.send_note: too long"),
     ("cuda_device::adopt_external_stream: not a stream", "Stream.from_handle: not a stream"),
     ("lender's own words", "lender's own words"),
@@ -129,7 +129,7 @@ def test_a_peer_greeting_with_a_name_that_is_no_text_is_a_protocol_error(tmp_pat
 
 
 def test_a_storage_handed_to_a_region_says_so_in_python_words():
-    with pytest.raises(shoal.InvalidArgumentError, match="given to Borrower.publish belongs to the region"):
+    with pytest.raises(shoal.InvalidArgumentError, match="given to shoal.lending.Borrower.publish belongs to the region"):
         shoal._shoal._throw_cpp_error("invalid_argument", "storage: this handle is empty (default-constructed)")
 
 
@@ -175,8 +175,8 @@ def test_numbers_out_of_range_are_refused_by_the_argument_they_were_given_as():
             (lambda: allocator.allocate(-5), "Allocator.allocate: nbytes must be positive, got -5"),
             (lambda: shoal.Stream.from_handle(-1), "Stream.from_handle: handle must be >= 0, got -1"),
             (lambda: peer.wait_taken(0.1, at_most=-1), "Peer.wait_taken: at_most must be >= 0, got -1"),
-            (lambda: lender.revoke(-1, 1.0), "Lender.revoke: region must be >= 0, got -1"),
-            (lambda: borrower.revoke(-1, 1.0), "Borrower.revoke: region must be >= 0, got -1"),
+            (lambda: lender.revoke(-1, 1.0), "shoal.lending.Lender.revoke: region must be >= 0, got -1"),
+            (lambda: borrower.revoke(-1, 1.0), "shoal.lending.Borrower.revoke: region must be >= 0, got -1"),
         ):
             with pytest.raises(shoal.InvalidArgumentError, match="^" + re.escape(message)):
                 call()
