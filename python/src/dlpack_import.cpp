@@ -96,11 +96,11 @@ constexpr dtype_name_entry dtype_names[] = {
 };
 
 const char* dtype_name_of(const dlpack::DLDataType& t) {
-  if (t.lanes != 1) throw nb::buffer_error("from_dlpack: vector dtypes (lanes != 1) are not supported");
+  if (t.lanes != 1) throw nb::buffer_error("shoal.from_dlpack: vector dtypes (lanes != 1) are not supported");
   for (const auto& e : dtype_names) {
     if (e.code == t.code && e.bits == t.bits) return e.name;
   }
-  throw nb::buffer_error(("from_dlpack: dtype code " + std::to_string(t.code) + " with " + std::to_string(t.bits) +
+  throw nb::buffer_error(("shoal.from_dlpack: dtype code " + std::to_string(t.code) + " with " + std::to_string(t.bits) +
                           " bits is not supported")
                              .c_str());
 }
@@ -120,25 +120,25 @@ nb::object consumer_stream(const py_allocator& allocator) {
 py_array_view import_dlpack(const py_allocator& allocator, nb::handle capsule) {
   backend::device& device = allocator.state->allocator().device();
   const bool host = device.kind() == backend::device_kind::host;
-  if (!PyCapsule_CheckExact(capsule.ptr())) throw nb::type_error("from_dlpack: __dlpack__ did not return a capsule");
+  if (!PyCapsule_CheckExact(capsule.ptr())) throw nb::type_error("shoal.from_dlpack: __dlpack__ did not return a capsule");
   const char* name = PyCapsule_GetName(capsule.ptr());
   if (name == nullptr) throw nb::python_error();
   const std::string capsule_name = name;
   if (capsule_name == "used_dltensor" || capsule_name == "used_dltensor_versioned") {
     throw nb::buffer_error(
-        "from_dlpack: this DLPack capsule was consumed "
+        "shoal.from_dlpack: this DLPack capsule was consumed "
         "already; ask its producer for a new one");
   }
   const bool versioned = capsule_name == "dltensor_versioned";
   if (!versioned && capsule_name != "dltensor") {
-    throw nb::type_error(("from_dlpack: a capsule named '" + capsule_name + "' is not a DLPack tensor").c_str());
+    throw nb::type_error(("shoal.from_dlpack: a capsule named '" + capsule_name + "' is not a DLPack tensor").c_str());
   }
   void* pointer = PyCapsule_GetPointer(capsule.ptr(), name);
   if (pointer == nullptr) throw nb::python_error();
   auto* managed_versioned = versioned ? static_cast<dlpack::DLManagedTensorVersioned*>(pointer) : nullptr;
   auto* managed_legacy = versioned ? nullptr : static_cast<dlpack::DLManagedTensor*>(pointer);
   if (versioned && managed_versioned->version.major != dlpack::major_version) {
-    throw nb::buffer_error(("from_dlpack: DLPack version " + std::to_string(managed_versioned->version.major) +
+    throw nb::buffer_error(("shoal.from_dlpack: DLPack version " + std::to_string(managed_versioned->version.major) +
                             " is not supported (shoal reads version 1)")
                                .c_str());
   }
@@ -149,20 +149,20 @@ py_array_view import_dlpack(const py_allocator& allocator, nb::handle capsule) {
   // producer's (its destructor releases it).
   const std::int32_t wanted_type = host ? dlpack::kDLCPU : dlpack::kDLCUDA;
   if (t.device.device_type != wanted_type || (!host && t.device.device_id != device.ordinal())) {
-    throw nb::buffer_error(("from_dlpack: the array lives on DLPack device (" + std::to_string(t.device.device_type) +
+    throw nb::buffer_error(("shoal.from_dlpack: the array lives on DLPack device (" + std::to_string(t.device.device_type) +
                             ", " + std::to_string(t.device.device_id) + "), not on the allocator's device " +
                             device.name())
                                .c_str());
   }
   const char* dtype = dtype_name_of(t.dtype);
   if (t.ndim < 0 || t.ndim > 64 || (t.ndim > 0 && t.shape == nullptr)) {
-    throw nb::buffer_error("from_dlpack: the tensor's ndim or shape is malformed");
+    throw nb::buffer_error("shoal.from_dlpack: the tensor's ndim or shape is malformed");
   }
   std::vector<std::int64_t> shape(t.shape, t.shape + t.ndim);
   std::vector<std::int64_t> strides(shape.size());
   std::int64_t step = 1;
   for (std::size_t i = shape.size(); i-- > 0;) {
-    if (shape[i] < 0) throw nb::buffer_error("from_dlpack: the tensor has a negative extent");
+    if (shape[i] < 0) throw nb::buffer_error("shoal.from_dlpack: the tensor has a negative extent");
     strides[i] = t.strides != nullptr ? t.strides[i] : step;
     step *= std::max<std::int64_t>(shape[i], 1);
   }
@@ -176,9 +176,9 @@ py_array_view import_dlpack(const py_allocator& allocator, nb::handle capsule) {
     const __int128 reach = static_cast<__int128>(shape[i] == 0 ? 0 : shape[i] - 1) * strides[i];
     (reach < 0 ? lowest : highest) += reach;
   }
-  if (empty) throw nb::buffer_error("from_dlpack: arrays without elements are not imported");
+  if (empty) throw nb::buffer_error("shoal.from_dlpack: arrays without elements are not imported");
   const __int128 span = (highest - lowest + 1) * itemsize;
-  if (span > INT64_MAX) throw nb::buffer_error("from_dlpack: the tensor spans too many bytes");
+  if (span > INT64_MAX) throw nb::buffer_error("shoal.from_dlpack: the tensor spans too many bytes");
   auto* first = static_cast<std::byte*>(t.data) + t.byte_offset + static_cast<std::int64_t>(lowest * itemsize);
   const auto offset = static_cast<std::int64_t>(-lowest * itemsize);
 

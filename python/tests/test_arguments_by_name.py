@@ -74,7 +74,7 @@ def test_from_dlpack_names_its_allocator():
     if shoal.default_device().kind == "cuda":
         # A host array for a CUDA allocator is asked for no stream (numpy refuses one) and
         # refused by its device, in shoal's words.
-        with pytest.raises(BufferError, match="^from_dlpack: the array lives on DLPack device \\(1, 0\\)"):
+        with pytest.raises(BufferError, match="^shoal\\.from_dlpack: the array lives on DLPack device \\(1, 0\\)"):
             shoal.from_dlpack(array)
 
 
