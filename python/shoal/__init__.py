@@ -142,7 +142,7 @@ def from_dlpack(source: Any, allocator: Optional[Allocator] = None) -> ArrayView
         allocator = default_allocator()
     if type(source) is not _shoal._capsule_type:
         if not hasattr(source, "__dlpack__"):
-            raise TypeError("from_dlpack: the object has no __dlpack__ and is not a DLPack capsule")
+            raise TypeError("shoal.from_dlpack: the object has no __dlpack__ and is not a DLPack capsule")
         stream = _shoal._dlpack_consumer_stream(allocator)
         device_of = getattr(source, "__dlpack_device__", None)
         if callable(device_of) and device_of()[0] == _DLPACK_CPU:

@@ -142,7 +142,7 @@ class SharedRegion:
         layout = _shoal._region_layout(storage)
         region = _shoal._region_id(storage)
         if layout is None or region is None:
-            raise _shoal.InvalidArgumentError("SharedRegion: the storage is not a shared region")
+            raise _shoal.InvalidArgumentError("shoal.lending.SharedRegion: the storage is not a shared region")
         self._storage: Optional[_shoal.Storage] = storage
         self._layout = [Entry(n, o, b, d, tuple(s)) for (n, o, b, d, s) in layout[0]]
         self._hash: bytes = layout[1]
@@ -176,7 +176,7 @@ class SharedRegion:
             if e.name == name:
                 return self._open().view(e.dtype, list(e.shape), offset=e.offset, readonly=True)
         raise _shoal.InvalidArgumentError(
-            f"SharedRegion.entry: no entry is named {name!r}; the layout has {[e.name for e in self._layout]}"
+            f"shoal.lending.SharedRegion.entry: no entry is named {name!r}; the layout has {[e.name for e in self._layout]}"
         )
 
     def verify(self) -> bool:
@@ -196,7 +196,7 @@ class SharedRegion:
 
     def _open(self) -> _shoal.Storage:
         if self._storage is None:
-            raise _shoal.InvalidArgumentError("SharedRegion: closed")
+            raise _shoal.InvalidArgumentError("shoal.lending.SharedRegion: closed")
         return self._storage
 
     def __enter__(self) -> "SharedRegion":
@@ -509,8 +509,9 @@ class RevocationWatcher:
         self._on_revoke: Optional[Callable[[int, float], object]] = on_revoke
         self._stop = _shoal._StopFlag()  # read by the wait without the GIL
         self._borrower_gone = weakref.finalize(borrower, self._stop.set)
-        # A writable attribute; typeshed before mypy 2 also declares an empty __slots__ on finalize.
-        self._borrower_gone.atexit = False  # type: ignore[misc]
+        # A writable attribute: mypy 2's typeshed makes it a property with a setter; older ones
+        # declare a plain attribute beside finalize's empty __slots__, which mypy refuses.
+        self._borrower_gone.atexit = False  # type: ignore[misc, unused-ignore]
         self._error: Optional[BaseException] = None
         self._traceback: Optional[TracebackType] = None
         self._active = False  # set by the borrower as it registers this watcher

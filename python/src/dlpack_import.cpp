@@ -100,8 +100,8 @@ const char* dtype_name_of(const dlpack::DLDataType& t) {
   for (const auto& e : dtype_names) {
     if (e.code == t.code && e.bits == t.bits) return e.name;
   }
-  throw nb::buffer_error(("shoal.from_dlpack: dtype code " + std::to_string(t.code) + " with " + std::to_string(t.bits) +
-                          " bits is not supported")
+  throw nb::buffer_error(("shoal.from_dlpack: dtype code " + std::to_string(t.code) + " with " +
+                          std::to_string(t.bits) + " bits is not supported")
                              .c_str());
 }
 
@@ -120,7 +120,9 @@ nb::object consumer_stream(const py_allocator& allocator) {
 py_array_view import_dlpack(const py_allocator& allocator, nb::handle capsule) {
   backend::device& device = allocator.state->allocator().device();
   const bool host = device.kind() == backend::device_kind::host;
-  if (!PyCapsule_CheckExact(capsule.ptr())) throw nb::type_error("shoal.from_dlpack: __dlpack__ did not return a capsule");
+  if (!PyCapsule_CheckExact(capsule.ptr())) {
+    throw nb::type_error("shoal.from_dlpack: __dlpack__ did not return a capsule");
+  }
   const char* name = PyCapsule_GetName(capsule.ptr());
   if (name == nullptr) throw nb::python_error();
   const std::string capsule_name = name;
@@ -149,9 +151,9 @@ py_array_view import_dlpack(const py_allocator& allocator, nb::handle capsule) {
   // producer's (its destructor releases it).
   const std::int32_t wanted_type = host ? dlpack::kDLCPU : dlpack::kDLCUDA;
   if (t.device.device_type != wanted_type || (!host && t.device.device_id != device.ordinal())) {
-    throw nb::buffer_error(("shoal.from_dlpack: the array lives on DLPack device (" + std::to_string(t.device.device_type) +
-                            ", " + std::to_string(t.device.device_id) + "), not on the allocator's device " +
-                            device.name())
+    throw nb::buffer_error(("shoal.from_dlpack: the array lives on DLPack device (" +
+                            std::to_string(t.device.device_type) + ", " + std::to_string(t.device.device_id) +
+                            "), not on the allocator's device " + device.name())
                                .c_str());
   }
   const char* dtype = dtype_name_of(t.dtype);

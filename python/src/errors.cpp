@@ -90,6 +90,8 @@ constexpr std::pair<std::string_view, std::string_view> python_names[] = {
     {"borrower::publish", "shoal.lending.Borrower.publish"},
     {"borrower::give_back", "shoal.lending.Borrower (giving memory back)"},
     {"borrower::revoke", "shoal.lending.Borrower.revoke"},
+    {"borrower::revocations", "shoal.lending.Borrower.revocations"},
+    {"borrower::metrics", "shoal.lending.Borrower.metrics"},
     {"borrower", "shoal.lending.Borrower"},
     {"peer::send_note", "Peer.send_note"},
     {"peer::send", "Peer.send"},
@@ -138,8 +140,8 @@ std::string qualified_names_in_python_words(std::string text) {
 
 std::string in_python_words(std::string_view message) {
   if (message.starts_with(empty_storage)) {
-    return "Storage: this Storage has no memory any more: it was handed on (a Storage given to shoal.lending.Borrower.publish "
-           "belongs to the region now; use the Storage publish returned)";
+    return "Storage: this Storage has no memory any more: it was handed on (a Storage given to "
+           "shoal.lending.Borrower.publish belongs to the region now; use the Storage publish returned)";
   }
   for (const auto& [cpp, python] : python_names) {
     if (!message.starts_with(cpp) || !ends_a_name(message.substr(cpp.size()))) continue;
@@ -317,10 +319,11 @@ void register_errors(nb::module_& m) {
                                     "Memory's content is not what the caller expected: a published region's content "
                                     "hash is not the one asked for.",
                                     {types.error});
-  types.cancelled = new_type(m, "CancelledError",
-                             "A wait was ended by its caller's cancel event (e.g. shoal.lending.Borrower.borrow(cancel=...)); "
-                             "nothing it asked for is held.",
-                             {types.error});
+  types.cancelled =
+      new_type(m, "CancelledError",
+               "A wait was ended by its caller's cancel event (e.g. shoal.lending.Borrower.borrow(cancel=...)); "
+               "nothing it asked for is held.",
+               {types.error});
   nb::register_exception_translator(translate);
   m.def("_throw_cpp_error", &throw_cpp_error, nb::arg("kind"), nb::arg("message"),
         "Test hook: throws the C++ error type `kind` (e.g. 'out_of_memory') "

@@ -286,19 +286,22 @@ void register_lending(nb::module_& m) {
             config.max_regions_per_borrower = max_regions_per_borrower;
             config.peer_timeout = timeout_of(peer_timeout, "shoal.lending.Lender", "peer_timeout");
             if (!(max_wait <= max_wait_seconds)) {
-              throw invalid_argument("shoal.lending.Lender: max_wait must be a finite number of seconds from 0.001 to about 49 days");
+              throw invalid_argument(
+                  "shoal.lending.Lender: max_wait must be a finite number of seconds from 0.001 to about 49 days");
             }
             config.max_wait = timeout_of(max_wait, "shoal.lending.Lender", "max_wait");
             if (preempt_after) {
               if (!(*preempt_after >= 0 && *preempt_after <= max_wait_seconds)) {
                 throw invalid_argument(
-                    "shoal.lending.Lender: preempt_after must be None or a finite number of seconds from 0 to about 49 days");
+                    "shoal.lending.Lender: preempt_after must be None or a finite number of seconds from 0 to about 49 "
+                    "days");
               }
               config.preempt_after = std::chrono::milliseconds(std::llround(*preempt_after * 1000.0));
             }
             if (!(preempt_deadline <= max_wait_seconds)) {
               throw invalid_argument(
-                  "shoal.lending.Lender: preempt_deadline must be a finite number of seconds from 0.001 to about 49 days");
+                  "shoal.lending.Lender: preempt_deadline must be a finite number of seconds from 0.001 to about 49 "
+                  "days");
             }
             config.preempt_deadline = timeout_of(preempt_deadline, "shoal.lending.Lender", "preempt_deadline");
             config.policy = policy_of(allowed_uids, "shoal.lending.Lender");
@@ -409,10 +412,9 @@ void register_lending(nb::module_& m) {
             }
             new (self) py_borrower{{"shoal.lending.Borrower", closed_error::connection_closed, std::move(b)}};
           },
-          nb::arg("address"), nb::arg("device").none() = nb::none(),
-          nb::arg("allowed_uids") = std::vector<int>{}, nb::arg("timeout") = 5.0,
-          nb::arg("keep_mappings") = true, nb::arg("kept_mapping_bytes") = lending::borrower_options{}.kept_mapping_bytes,
-          nb::arg("observer") = false)
+          nb::arg("address"), nb::arg("device").none() = nb::none(), nb::arg("allowed_uids") = std::vector<int>{},
+          nb::arg("timeout") = 5.0, nb::arg("keep_mappings") = true,
+          nb::arg("kept_mapping_bytes") = lending::borrower_options{}.kept_mapping_bytes, nb::arg("observer") = false)
       .def(
           "kept",
           [](const py_borrower& b) {
@@ -432,14 +434,17 @@ void register_lending(nb::module_& m) {
             auto& device = allocator.state->allocator().device();
             const auto t = timeout_of(timeout, "shoal.lending.Borrower.borrow");
             if (!(wait >= 0) || !std::isfinite(wait) || wait > max_wait_seconds) {
-              throw invalid_argument("shoal.lending.Borrower.borrow: wait must be a finite number of seconds from 0 to about 49 days");
+              throw invalid_argument(
+                  "shoal.lending.Borrower.borrow: wait must be a finite number of seconds from 0 to about 49 days");
             }
             const auto borrower = b.borrower.enter();
             // While the borrow waits: Ctrl-C (KeyboardInterrupt), close() from
             // another thread and the cancel event end it; a region lent later
             // is given back.
             const cancel_event cancelled(cancel);
-            if (cancelled()) raise_cancelled("shoal.lending.Borrower.borrow: cancelled before it was sent (its cancel event was set)");
+            if (cancelled()) {
+              raise_cancelled("shoal.lending.Borrower.borrow: cancelled before it was sent (its cancel event was set)");
+            }
             const released_gil* released = nullptr;  // set below, before the borrow calls the check
             // Rounded to the millisecond; a wait above 0 is at least 1 ms.
             const auto wait_ms = std::max<std::int64_t>(std::llround(wait * 1000.0), wait > 0 ? 1 : 0);
@@ -448,8 +453,9 @@ void register_lending(nb::module_& m) {
                   if (PyErr_CheckSignals() != 0) throw nb::python_error();
                   if (borrower.closing()) b.borrower.throw_closed();
                   if (cancelled()) {
-                    raise_cancelled("shoal.lending.Borrower.borrow: cancelled while it waited for memory (its cancel event was "
-                                    "set); the lender was told");
+                    raise_cancelled(
+                        "shoal.lending.Borrower.borrow: cancelled while it waited for memory (its cancel event was "
+                        "set); the lender was told");
                   }
                 }};
             std::optional<lending::borrowed_region> region;
@@ -534,9 +540,11 @@ void register_lending(nb::module_& m) {
                 -> std::optional<std::vector<lending::borrower::revocation>> {
               const auto end = std::chrono::steady_clock::now() + slice;
               for (;;) {
-                const auto left = std::max(std::chrono::ceil<std::chrono::milliseconds>(end - std::chrono::steady_clock::now()),
-                                           std::chrono::milliseconds(0));
-                auto got = borrower->revocations(cancelled.is_flag() ? std::min(left, std::chrono::milliseconds(10)) : left);
+                const auto left =
+                    std::max(std::chrono::ceil<std::chrono::milliseconds>(end - std::chrono::steady_clock::now()),
+                             std::chrono::milliseconds(0));
+                auto got =
+                    borrower->revocations(cancelled.is_flag() ? std::min(left, std::chrono::milliseconds(10)) : left);
                 if (!got.empty()) return got;
                 if (cancelled.set_without_gil()) return std::vector<lending::borrower::revocation>{};
                 if (std::chrono::steady_clock::now() >= end) return std::nullopt;
@@ -604,8 +612,7 @@ void register_lending(nb::module_& m) {
           "PeerRefusedError unless this process runs as the lender's uid or root; InvalidArgumentError for a region "
           "not lent to a connected borrower, or a shared one.")
       .def(
-          "close",
-          [](py_borrower& b) { b.borrower.close(); },
+          "close", [](py_borrower& b) { b.borrower.close(); },
           "Closes the connection; regions already borrowed stay mapped until their storages are gone.")
       .def_prop_ro(
           "closed", [](const py_borrower& b) { return b.borrower.closed(); }, "True once close() has begun.");
