@@ -102,7 +102,7 @@ constexpr std::pair<std::string_view, std::string_view> python_names[] = {
     {"transfer_engine::try_next", "shoal.transfer.Engine.get"},
     {"transfer_engine::next", "shoal.transfer.Engine.get"},
     {"transfer_engine", "shoal.transfer.Engine"},
-    {"grouped_load", "GroupedLoad"},
+    {"grouped_load", "shoal.loading.GroupedLoad"},
     {"sharing_options::max_metadata_bytes", "SharingContext's max_metadata_bytes"},
     {"cuda_device::adopt_external_stream", "Stream.from_handle"},
     {"adopt_external_stream", "Stream.from_handle"},

@@ -63,7 +63,7 @@ void register_grouped_load(nb::module_& m) {
       .def(
           "wait",
           [](const py_grouped_load& l, const python_int& group, const py_stream* stream) {
-            const auto k = whole_number_of(group, "GroupedLoad.wait", "group");
+            const auto k = whole_number_of(group, "shoal.loading.GroupedLoad.wait", "group");
             auto s = stream_or_current(stream, l.copy_stream->device());
             l.load.wait_for_group(static_cast<std::size_t>(k), s->ref());
           },
@@ -73,14 +73,14 @@ void register_grouped_load(nb::module_& m) {
       .def(
           "is_ready",
           [](const py_grouped_load& l, const python_int& group) {
-            const auto k = whole_number_of(group, "GroupedLoad.is_ready", "group");
+            const auto k = whole_number_of(group, "shoal.loading.GroupedLoad.is_ready", "group");
             return l.load.is_group_ready(static_cast<std::size_t>(k));
           },
           nb::arg("group"), "True once groups 0..group have been copied.")
       .def(
           "synchronize_group",
           [](const py_grouped_load& l, const python_int& group) {
-            const auto k = whole_number_of(group, "GroupedLoad.synchronize_group", "group");
+            const auto k = whole_number_of(group, "shoal.loading.GroupedLoad.synchronize_group", "group");
             const auto event = l.load.group_ready(static_cast<std::size_t>(k));
             released_gil release;
             l.copy_stream->device().synchronize_event(event);
@@ -93,7 +93,7 @@ void register_grouped_load(nb::module_& m) {
         const std::size_t groups = l.load.groups();
         std::size_t ready = 0;
         while (ready < groups && l.load.is_group_ready(ready)) ++ready;
-        return "shoal.GroupedLoad(" + std::to_string(groups) + " groups, " + std::to_string(ready) + " copied)";
+        return "shoal.loading.GroupedLoad(" + std::to_string(groups) + " groups, " + std::to_string(ready) + " copied)";
       });
 
   m.def(

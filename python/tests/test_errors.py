@@ -240,9 +240,9 @@ def test_a_storages_offsets_shapes_and_bytes_past_64_bits_are_refused_by_name():
         (lambda: storage.view("uint8", offset=2**64), "Storage.view: offset must lie from -2^63 to 2^63 - 1"),
         (lambda: shoal.cuda_device(2**31), "cuda_device: ordinal must be at most 2147483647, got 2147483648"),
         (lambda: shoal.cuda_device(-1), "cuda_device: ordinal must be >= 0, got -1"),
-        (lambda: load.wait(2**63), "GroupedLoad.wait: group must be at most 9223372036854775807"),
-        (lambda: load.is_ready(-1), "GroupedLoad.is_ready: group must be >= 0, got -1"),
-        (lambda: load.synchronize_group(2**64), "GroupedLoad.synchronize_group: group must be at most"),
+        (lambda: load.wait(2**63), "shoal.loading.GroupedLoad.wait: group must be at most 9223372036854775807"),
+        (lambda: load.is_ready(-1), "shoal.loading.GroupedLoad.is_ready: group must be >= 0, got -1"),
+        (lambda: load.synchronize_group(2**64), "shoal.loading.GroupedLoad.synchronize_group: group must be at most"),
     ):
         with pytest.raises(shoal.InvalidArgumentError, match="^" + re.escape(message)):
             call()
@@ -271,7 +271,7 @@ def test_an_error_made_in_python_has_every_attribute_the_stubs_promise():
     from shoal import loading
 
     load = loading.load_groups([[(shoal.allocate(64), numpy.zeros(64, "uint8"))]])
-    with pytest.raises(shoal.InvalidArgumentError, match="^GroupedLoad: group 2 does not exist"):
+    with pytest.raises(shoal.InvalidArgumentError, match="^shoal\\.loading\\.GroupedLoad: group 2 does not exist"):
         load.wait(2)
 
 

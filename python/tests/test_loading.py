@@ -80,6 +80,8 @@ def test_array_views_are_destinations_and_sources_live_until_the_load_is_gone():
     gc.collect()
     assert watch() is not None, "a source was let go of while the load exists"
     load.wait(0)
+    load.synchronize_group(0)
+    assert repr(load) == "shoal.loading.GroupedLoad(1 groups, 1 copied)"  # named where users find it
     with pytest.raises(shoal.InvalidArgumentError, match="group must be >= 0"):
         load.wait(-1)
     del load
