@@ -8,9 +8,10 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cassert>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <memory>
@@ -22,6 +23,22 @@
 namespace shoal::detail {
 
 namespace {
+
+// The list of turns' own checks run in Debug builds and in builds with
+// SHOAL_CHECK_INVARIANTS (the sanitizer builds, which define NDEBUG): a
+// breach is a bug in this file, never a caller's or a peer's doing, and going
+// on would follow a pointer into an owner already erased.
+#if defined(SHOAL_CHECK_INVARIANTS) || !defined(NDEBUG)
+constexpr bool check_turns = true;
+#else
+constexpr bool check_turns = false;
+#endif
+
+void check_turns_invariant(bool holds, const char* invariant) noexcept {
+  if (!check_turns || holds) return;
+  std::fprintf(stderr, "shoal: the descriptor closer's list of turns is broken: %s\n", invariant);
+  std::abort();
+}
 
 std::int64_t steady_ns() noexcept {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -115,7 +132,8 @@ void list_if_ready(closers& c, owner_queue& o) noexcept {
 // Takes `o` out of the turns, if it is in them. Under c.mutex.
 void unlist(closers& c, owner_queue& o) noexcept {
   if (!o.ready) return;
-  assert(c.turns > 0 && (o.previous_turn != nullptr || c.first_turn == &o));
+  check_turns_invariant(c.turns > 0 && (o.previous_turn != nullptr || c.first_turn == &o),
+                        "a listed owner is counted and linked");
   (o.previous_turn != nullptr ? o.previous_turn->next_turn : c.first_turn) = o.next_turn;
   (o.next_turn != nullptr ? o.next_turn->previous_turn : c.last_turn) = o.previous_turn;
   o.previous_turn = o.next_turn = nullptr;
@@ -159,7 +177,8 @@ void run(closers* c) noexcept {
     o->progress_ns = now;
     list_if_ready(*c, *o);
     if (o->waiting.empty() && o->closing == 0) {
-      assert(!o->ready);  // a listed owner erased would leave the turns pointing at freed memory
+      // A listed owner erased would leave the turns pointing at freed memory.
+      check_turns_invariant(!o->ready, "an owner erased is not listed");
       c->owners.erase(o->owner);
     }
     if (c->first_turn != nullptr) c->has_work.notify_one();
