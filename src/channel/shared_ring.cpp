@@ -183,7 +183,11 @@ ring_reader::ring_reader(unique_fd memfd, std::uint64_t announced_capacity) {
   memfd.mark_safe_to_close();  // a memfd on tmpfs
 }
 
-bool ring_reader::has_entries() const noexcept { return map_.load_tail() != head_.load(std::memory_order_relaxed); }
+bool ring_reader::has_entries() noexcept {
+  const std::uint64_t tail = map_.load_tail();
+  tail_seen_ = std::max(tail_seen_, tail);
+  return tail != head_.load(std::memory_order_relaxed);
+}
 bool ring_reader::seems_to_have_entries() const noexcept {
   return map_.load_tail() != head_.load(std::memory_order_acquire);
 }
@@ -191,6 +195,14 @@ bool ring_reader::seems_to_have_entries() const noexcept {
 std::optional<ring_entry> ring_reader::take(std::size_t max_payload) {
   const std::uint64_t head = head_.load(std::memory_order_relaxed);
   const std::uint64_t tail = map_.load_tail();
+  // An honest tail only moves on. One moved back to the head would let a
+  // peer that flips it keep has_entries() and take() disagreeing, and a
+  // receive looping between them.
+  if (tail < tail_seen_) {
+    throw protocol_error("the sender's ring tail moved back from " + std::to_string(tail_seen_) + " to " +
+                         std::to_string(tail));
+  }
+  tail_seen_ = tail;
   if (tail == head) return std::nullopt;
   const std::uint64_t published = tail - head;
   if (published > map_.capacity() || published % 8 != 0) {

@@ -604,6 +604,28 @@ TEST(channel_ring_hostile_sender, a_tail_past_the_capacity_is_refused) {
   expect_refused(r.b, "not a whole number of entries within 4096 bytes");
 }
 
+// A peer flipping its tail between the head and past it, in time with the
+// receiver's looks, would keep has_entries() saying yes and take() no, and a
+// receive looping between them with no deadline looked at.
+TEST(channel_ring_hostile_sender, a_tail_moved_back_after_the_receiver_saw_it_is_refused) {
+  channel::detail::ring_writer writer(4096);
+  channel::detail::ring_reader reader(unique_fd(::fcntl(writer.fd(), F_DUPFD_CLOEXEC, 0)), writer.capacity());
+  void* header = ::mmap(nullptr, header_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, writer.fd(), 0);
+  ASSERT_NE(header, MAP_FAILED);
+  std::atomic_ref<std::uint64_t> tail(*static_cast<std::uint64_t*>(header));
+  writer.write(1, bytes_of("1"), false);
+  (void)writer.publish();
+  ASSERT_TRUE(reader.has_entries());
+  tail.store(0);  // back to the head
+  try {
+    (void)reader.take(1024);
+    ADD_FAILURE() << "a tail moved back to the head was taken as an empty ring";
+  } catch (const protocol_error& e) {
+    EXPECT_NE(std::string(e.what()).find("ring tail moved back from 16 to 0"), std::string::npos) << e.what();
+  }
+  ::munmap(header, header_bytes);
+}
+
 TEST(channel_ring_hostile_sender, an_entry_that_runs_past_the_tail_is_refused) {
   ring_receiver r;
   hand_made_ring ring(4096);
