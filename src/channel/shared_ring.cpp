@@ -108,17 +108,8 @@ void ring_mapping::copy_in(std::uint64_t at, std::span<const std::byte> in) noex
 
 ring_writer::ring_writer(std::size_t capacity) {
   capacity = std::bit_ceil(std::clamp(capacity, min_ring_capacity, max_ring_capacity));
-  const std::size_t bytes = ring_header_bytes + capacity;
-  fd_ = shoal::detail::make_unsealed_memfd("shoal-channel-ring", bytes);
-  // Not F_SEAL_SEAL: the receiver adds its own seals once it has mapped the file.
-  if (::fcntl(fd_.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
-    throw os_error{errno, "fcntl(F_ADD_SEALS, shoal-channel-ring)"};
-  }
-  std::byte* base = map_ring(fd_.get(), capacity);
-  map_ = ring_mapping(base, capacity);
-  // Every page written once, here: the pages are this process's, and the
-  // receiver, which refuses a ring with a hole, never allocates one by reading.
-  std::memset(base, 0, bytes);
+  fd_ = shoal::detail::make_sealed_memfd("shoal-channel-ring", ring_header_bytes + capacity);
+  map_ = ring_mapping(map_ring(fd_.get(), capacity), capacity);
 }
 
 bool ring_writer::fits_inline(std::size_t payload) const noexcept {
@@ -189,23 +180,6 @@ ring_reader::ring_reader(unique_fd memfd, std::uint64_t announced_capacity) {
                          std::to_string(capacity) + " takes " + std::to_string(ring_header_bytes + capacity));
   }
   map_ = ring_mapping(map_ring(memfd.get(), capacity), capacity);
-  // Both sides have mapped it now: sealed against new writes and growth, the
-  // file's pages can no longer be freed by either (no hole punching, no
-  // MADV_REMOVE; the two mappings still write), so a page found here stays.
-  if (::fcntl(memfd.get(), F_ADD_SEALS, F_SEAL_FUTURE_WRITE | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-    if (errno == EPERM) {
-      throw protocol_error("the ring's memfd takes no more seals (F_SEAL_SEAL); the receiver seals it against hole punching");
-    }
-    throw os_error{errno, "fcntl(F_ADD_SEALS, ring)"};
-  }
-  // A hole would be allocated by this side's first read of it, and charged
-  // to this process: a sender writes its whole ring before it announces it.
-  const off_t hole = ::lseek(memfd.get(), 0, SEEK_HOLE);
-  if (hole < 0) throw os_error{errno, "lseek(ring, SEEK_HOLE)"};
-  if (static_cast<std::uint64_t>(hole) < ring_header_bytes + capacity) {
-    throw protocol_error("the ring's file has a hole at byte " + std::to_string(hole) + " of its " +
-                         std::to_string(ring_header_bytes + capacity) + "; a sender writes its whole ring first");
-  }
   memfd.mark_safe_to_close();  // a memfd on tmpfs
 }
 

@@ -97,9 +97,7 @@ class ring_mapping {
 class ring_writer {
  public:
   /// A new ring of `capacity` data bytes (rounded up to a power of two in
-  /// [min_ring_capacity, max_ring_capacity]), its file written whole (every
-  /// page this process's) and sealed against shrinking and growing only, so
-  /// that the receiver can add its seals. Throws backend_error when the
+  /// [min_ring_capacity, max_ring_capacity]). Throws backend_error when the
   /// system refuses.
   explicit ring_writer(std::size_t capacity);
 
@@ -149,11 +147,8 @@ class ring_reader {
   /// Maps the ring a ring_announce frame brought: `announced_capacity` from
   /// its payload, `memfd` its descriptor. protocol_error when the capacity is
   /// not one a ring has, or the descriptor is not a writable memfd on tmpfs
-  /// sealed against shrinking (and not against writes) of exactly that size,
-  /// or once mapped it takes no more seals or has a hole; backend_error when
-  /// the system refuses the mapping otherwise. Once mapped, seals the file
-  /// against new writes, growth and more seals: neither side can free a page
-  /// of it after the check for holes, so this side never allocates one.
+  /// sealed against shrinking (and not against writes) of exactly that size;
+  /// backend_error when the system refuses the mapping otherwise.
   ring_reader(unique_fd memfd, std::uint64_t announced_capacity);
 
   /// Whether entries wait; for the receiving thread.
