@@ -184,9 +184,11 @@ ring_reader::ring_reader(unique_fd memfd, std::uint64_t announced_capacity) {
 }
 
 bool ring_reader::has_entries() noexcept {
+  const std::uint64_t head = head_.load(std::memory_order_relaxed);
   const std::uint64_t tail = map_.load_tail();
-  tail_seen_ = std::max(tail_seen_, tail);
-  return tail != head_.load(std::memory_order_relaxed);
+  if (tail == head) return false;
+  promised_ = promise{head, tail};
+  return true;
 }
 bool ring_reader::seems_to_have_entries() const noexcept {
   return map_.load_tail() != head_.load(std::memory_order_acquire);
@@ -195,15 +197,17 @@ bool ring_reader::seems_to_have_entries() const noexcept {
 std::optional<ring_entry> ring_reader::take(std::size_t max_payload) {
   const std::uint64_t head = head_.load(std::memory_order_relaxed);
   const std::uint64_t tail = map_.load_tail();
-  // An honest tail only moves on. One moved back to the head would let a
-  // peer that flips it keep has_entries() and take() disagreeing, and a
-  // receive looping between them.
-  if (tail < tail_seen_) {
-    throw protocol_error("the sender's ring tail moved back from " + std::to_string(tail_seen_) + " to " +
-                         std::to_string(tail));
+  if (tail == head) {
+    // An honest tail only moves on: once has_entries() saw it away from this
+    // head, it cannot be back. A peer flipping it in time with this side's
+    // looks would keep the two disagreeing, and a receive looping between
+    // them without looking at its deadline.
+    if (promised_ && promised_->head == head) {
+      throw protocol_error("the sender's ring tail went from " + std::to_string(promised_->tail) +
+                           " back to the head " + std::to_string(head));
+    }
+    return std::nullopt;
   }
-  tail_seen_ = tail;
-  if (tail == head) return std::nullopt;
   const std::uint64_t published = tail - head;
   if (published > map_.capacity() || published % 8 != 0) {
     throw protocol_error("the sender's ring tail " + std::to_string(tail) + " is not a whole number of entries within " +

@@ -156,9 +156,8 @@ class ring_reader {
   /// has_entries() for any thread.
   [[nodiscard]] bool seems_to_have_entries() const noexcept;
   /// The next entry, or nullopt when none is published. protocol_error when
-  /// the tail or the entry breaks the layout, the tail is below one this side
-  /// saw before (here or in has_entries()), or a payload exceeds
-  /// `max_payload`.
+  /// the tail or the entry breaks the layout, the tail is back at a head
+  /// has_entries() saw it away from, or a payload exceeds `max_payload`.
   [[nodiscard]] std::optional<ring_entry> take(std::size_t max_payload);
   /// Tells the sender whether this side spins (no wake-up needed). Ordered
   /// with has_entries()/take() after it as publish() is on the other side.
@@ -180,7 +179,12 @@ class ring_reader {
   // This side's own count (the shared one is only written): atomic, since
   // seems_to_have_entries() reads it from other threads.
   std::atomic<std::uint64_t> head_{0};
-  std::uint64_t tail_seen_ = 0;  // the highest tail the receiving thread loaded
+  // The last time has_entries() said yes: the head, and the tail it saw away
+  // from it. Receiving thread only.
+  struct promise {
+    std::uint64_t head = 0, tail = 0;
+  };
+  std::optional<promise> promised_;
   std::uint64_t wakes_read_ = 0;
   std::array<std::uint64_t, 2> tail_at_wakes_{};  // the tail when the last two wake-ups were read, older first
 };

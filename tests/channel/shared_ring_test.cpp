@@ -604,26 +604,49 @@ TEST(channel_ring_hostile_sender, a_tail_past_the_capacity_is_refused) {
   expect_refused(r.b, "not a whole number of entries within 4096 bytes");
 }
 
-// A peer flipping its tail between the head and past it, in time with the
+// A peer flipping its tail away from the head and back, in time with the
 // receiver's looks, would keep has_entries() saying yes and take() no, and a
 // receive looping between them with no deadline looked at.
-TEST(channel_ring_hostile_sender, a_tail_moved_back_after_the_receiver_saw_it_is_refused) {
+TEST(channel_ring_hostile_sender, a_tail_back_at_the_head_after_the_receiver_saw_it_away_is_refused) {
   channel::detail::ring_writer writer(4096);
-  channel::detail::ring_reader reader(unique_fd(::fcntl(writer.fd(), F_DUPFD_CLOEXEC, 0)), writer.capacity());
   void* header = ::mmap(nullptr, header_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, writer.fd(), 0);
   ASSERT_NE(header, MAP_FAILED);
+  channel::detail::ring_reader reader(unique_fd(::fcntl(writer.fd(), F_DUPFD_CLOEXEC, 0)), writer.capacity());
   std::atomic_ref<std::uint64_t> tail(*static_cast<std::uint64_t*>(header));
+  const auto expect_refused_take = [&](const std::string& expected) {
+    try {
+      (void)reader.take(1024);
+      ADD_FAILURE() << "a tail back at the head was taken as an empty ring";
+    } catch (const protocol_error& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  };
   writer.write(1, bytes_of("1"), false);
   (void)writer.publish();
   ASSERT_TRUE(reader.has_entries());
-  tail.store(0);  // back to the head
-  try {
-    (void)reader.take(1024);
-    ADD_FAILURE() << "a tail moved back to the head was taken as an empty ring";
-  } catch (const protocol_error& e) {
-    EXPECT_NE(std::string(e.what()).find("ring tail moved back from 16 to 0"), std::string::npos) << e.what();
-  }
+  tail.store(0);  // past the head, then back at it
+  expect_refused_take("went from 16 back to the head 0");
+  // Below the head, then back at it: past an entry taken, the tail said 8.
+  tail.store(16);
+  ASSERT_TRUE(reader.take(1024).has_value());
+  tail.store(8);
+  ASSERT_TRUE(reader.has_entries());
+  tail.store(16);
+  expect_refused_take("went from 8 back to the head 16");
   ::munmap(header, header_bytes);
+}
+
+TEST(channel_ring, an_empty_ring_after_its_entries_were_taken_is_no_protocol_error) {
+  channel::detail::ring_writer writer(4096);
+  channel::detail::ring_reader reader(unique_fd(::fcntl(writer.fd(), F_DUPFD_CLOEXEC, 0)), writer.capacity());
+  writer.write(1, bytes_of("1"), false);
+  writer.write(2, bytes_of("2"), false);
+  (void)writer.publish();
+  ASSERT_TRUE(reader.has_entries());
+  ASSERT_TRUE(reader.take(1024).has_value());
+  ASSERT_TRUE(reader.take(1024).has_value());
+  EXPECT_FALSE(reader.has_entries());
+  EXPECT_FALSE(reader.take(1024).has_value()) << "the honest tail was at the head, where the reader took it to";
 }
 
 TEST(channel_ring_hostile_sender, an_entry_that_runs_past_the_tail_is_refused) {
