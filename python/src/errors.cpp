@@ -104,6 +104,7 @@ constexpr std::pair<std::string_view, std::string_view> python_names[] = {
     {"transfer_engine", "shoal.transfer.Engine"},
     {"grouped_load", "shoal.loading.GroupedLoad"},
     {"sharing_options::max_metadata_bytes", "SharingContext's max_metadata_bytes"},
+    {"sharing_options::max_peer_ring_bytes", "SharingContext's max_peer_ring_bytes"},
     {"cuda_device::adopt_external_stream", "Stream.from_handle"},
     {"adopt_external_stream", "Stream.from_handle"},
 };

@@ -137,10 +137,12 @@ ipc::sharing_options options_of(const nb::kwargs& settings) {
       o.slots_per_file = option_value<std::uint32_t>(key, value);
     } else if (key == "ring_bytes") {
       o.ring_bytes = option_value<std::size_t>(key, value);
+    } else if (key == "max_peer_ring_bytes") {
+      o.max_peer_ring_bytes = option_value<std::size_t>(key, value);
     } else {
       throw invalid_argument("SharingContext: unknown option " + key +
                              " (collect_interval_ms, send_timeout_ms, teardown_timeout_ms, receive_spin_us, "
-                             "max_metadata_bytes, slots_per_file, ring_bytes)");
+                             "max_metadata_bytes, slots_per_file, ring_bytes, max_peer_ring_bytes)");
     }
   }
   return o;
@@ -299,7 +301,8 @@ void register_sharing(nb::module_& m) {
           nb::arg("allocator"), nb::arg("options"),
           "Options (keywords): collect_interval_ms (100), send_timeout_ms (10000), teardown_timeout_ms (100), "
           "receive_spin_us (50), max_metadata_bytes (65536), slots_per_file (4096), ring_bytes (65536; 0: the "
-          "socket alone).")
+          "socket alone), max_peer_ring_bytes (4194304: the largest ring taken from a peer, whose unwritten pages "
+          "this process's reads would allocate; raise it on both sides with ring_bytes).")
       .def_prop_ro("allocator", [](const py_sharing_context& c) { return py_allocator{c.state->allocator()}; })
       .def(
           "collect", [](const py_sharing_context& c) { return c.state->context().collect(); },

@@ -1184,3 +1184,21 @@ def test_a_first_put_without_tensors_fixes_a_default_producers_allocator(torch_s
         message = str(refused.value)
         assert "batch['x'] is a tensor on host from another allocator" in message, message
         assert consumer.get(timeout=WAIT) == {}
+
+
+def test_a_peer_ring_over_max_peer_ring_bytes_is_refused_naming_the_option_to_raise():
+    producer = shoal.SharingContext(shoal.default_allocator(), collect_interval_ms=0, ring_bytes=1 << 20)
+    consumer = shoal.SharingContext(shoal.default_allocator(), collect_interval_ms=0, max_peer_ring_bytes=65536)
+    with shoal.Listener(shoal.runtime_dir_address(f"ring-bound-{os.getpid()}.sock")) as listener:
+        sender = shoal.Peer(producer, shoal.connect(listener.address))
+        receiver = shoal.Peer(consumer, listener.accept(timeout=WAIT))
+        with sender, receiver:
+            sender.send_note(b"through the ring")
+            with pytest.raises(shoal.ProtocolError, match="a ring of 1048576 bytes, over the 65536 this side takes"):
+                receiver.receive(timeout=WAIT)
+    with pytest.raises(shoal.InvalidArgumentError, match="SharingContext's max_peer_ring_bytes is 4095"):
+        shoal.SharingContext(shoal.default_allocator(), max_peer_ring_bytes=4095)
+    with sharing.Consumer(max_peer_ring_bytes=1 << 20, allocator=HOST) as bounded:
+        with sharing.Producer(bounded.address, allocator=HOST, ring_bytes=1 << 20) as big_ring:
+            big_ring.put({"x": HOST.allocate(8)})
+            assert bounded.get(timeout=WAIT)["x"].shape[0] == 8

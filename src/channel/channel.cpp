@@ -234,7 +234,7 @@ struct connection::state {
   // whose frame has not come whole yet.
   std::unique_ptr<detail::ring_reader> in_ring;
   std::atomic<const detail::ring_reader*> in_ring_view{nullptr};
-  std::atomic<bool> ring_allowed{false};  // allow_peer_ring() was called
+  std::atomic<std::size_t> peer_ring_max{0};  // allow_peer_ring()'s bound; 0: no ring taken
   detail::frames_ahead_of_markers socket_frames;
   std::atomic<bool> marker_taken{false};  // pending() reads it
   mutable std::mutex broken_mutex;
@@ -659,7 +659,16 @@ bool connection::start_ring(std::size_t bytes) {
   return true;
 }
 
-void connection::allow_peer_ring() { usable("allow_peer_ring").ring_allowed.store(true, std::memory_order_relaxed); }
+static_assert(connection::max_ring_bytes == detail::max_ring_capacity);
+
+void connection::allow_peer_ring(std::size_t max_bytes) {
+  state& s = usable("allow_peer_ring");
+  if (max_bytes < detail::min_ring_capacity) {
+    throw invalid_argument("connection::allow_peer_ring: max_bytes " + std::to_string(max_bytes) +
+                           " is below the smallest ring, " + std::to_string(detail::min_ring_capacity) + " bytes");
+  }
+  s.peer_ring_max.store(max_bytes, std::memory_order_relaxed);
+}
 
 void connection::refuse_descriptors() {
   state& s = usable("refuse_descriptors");
@@ -803,7 +812,7 @@ namespace {
 
 // What the receive side keeps of a connection's state, for the helpers below.
 struct receive_side {
-  bool ring_allowed;
+  std::size_t peer_ring_max;  // 0: no ring taken
   std::deque<frame>& unread;
   std::unique_ptr<detail::ring_reader>& in_ring;
   std::atomic<const detail::ring_reader*>& in_ring_view;
@@ -822,7 +831,7 @@ constexpr int max_batches_per_try = 64;
 void route(receive_side r, std::vector<frame> batch) {
   for (frame& f : batch) {
     if (f.type == detail::ring_announce_type) {
-      if (!r.ring_allowed) {
+      if (r.peer_ring_max == 0) {
         throw protocol_error(
             "the peer announced a shared-memory ring, which this connection's protocol does not use "
             "(allow_peer_ring): it is likely an endpoint of another protocol, such as a sharing peer");
@@ -831,6 +840,10 @@ void route(receive_side r, std::vector<frame> batch) {
       std::uint64_t capacity = 0;
       if (f.payload.size() != sizeof capacity) throw protocol_error("a ring announce of " + std::to_string(f.payload.size()) + " bytes; it holds 8");
       std::memcpy(&capacity, f.payload.data(), sizeof capacity);
+      if (capacity > r.peer_ring_max) {
+        throw protocol_error("the peer announced a ring of " + std::to_string(capacity) + " bytes, over the " +
+                             std::to_string(r.peer_ring_max) + " this side takes (allow_peer_ring)");
+      }
       r.in_ring = std::make_unique<detail::ring_reader>(std::move(f.fd), capacity);
       r.in_ring_view.store(r.in_ring.get(), std::memory_order_release);
     } else if (f.type == detail::ring_wake_type) {
@@ -931,7 +944,7 @@ frame connection::receive_until(std::optional<std::chrono::steady_clock::time_po
   state& s = usable("receive");
   const auto lock = s.lock_by(s.receive_mutex, until, "receive");
   s.throw_if_broken("receive");
-  const receive_side r{s.ring_allowed.load(std::memory_order_relaxed), s.unread, s.in_ring, s.in_ring_view,
+  const receive_side r{s.peer_ring_max.load(std::memory_order_relaxed), s.unread, s.in_ring, s.in_ring_view,
                        s.socket_frames, s.marker_taken, s.max_payload};
   const auto spin = std::chrono::nanoseconds(s.spin_ns.load(std::memory_order_relaxed));
   int reads_past_deadline = 0;
@@ -999,7 +1012,7 @@ std::optional<frame> connection::try_receive(std::chrono::nanoseconds spin) {
 }
 
 std::optional<frame> connection::take_ready(state& s) {
-  const receive_side r{s.ring_allowed.load(std::memory_order_relaxed), s.unread, s.in_ring, s.in_ring_view,
+  const receive_side r{s.peer_ring_max.load(std::memory_order_relaxed), s.unread, s.in_ring, s.in_ring_view,
                        s.socket_frames, s.marker_taken, s.max_payload};
   // At most max_batches_per_try batches a call, wherever they are read.
   int batches = 0;

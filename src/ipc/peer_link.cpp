@@ -25,7 +25,7 @@ peer_link::peer_link(std::shared_ptr<producer_state> state, channel::connection 
   limits_.max_segments_per_storage = link_.max_payload() / sizeof(std::uint64_t);
   link_.set_receive_spin(state_->options.receive_spin);
   link_.set_send_timeout(shoal::detail::channel_timeout(state_->options.send_timeout));
-  link_.allow_peer_ring();  // a peer of any ring_bytes may send through one
+  link_.allow_peer_ring(state_->options.max_peer_ring_bytes);
   // Before this link is registered anywhere: when the system refuses the
   // ring, nothing is left to undo. A peer gone already gets no ring; what it
   // sent before it went is received all the same.

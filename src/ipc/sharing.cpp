@@ -52,8 +52,20 @@ class sharing_context::collector {
   std::thread thread_;     // last: starts after the members it uses
 };
 
+namespace {
+
+sharing_options checked(sharing_options options) {
+  if (options.max_peer_ring_bytes < 4096) {
+    throw invalid_argument("sharing_options::max_peer_ring_bytes is " + std::to_string(options.max_peer_ring_bytes) +
+                           "; the smallest ring a peer sends through is 4096 bytes");
+  }
+  return options;
+}
+
+}  // namespace
+
 sharing_context::sharing_context(alloc::caching_allocator& allocator, sharing_options options)
-    : state_(std::make_shared<detail::producer_state>(allocator, options)) {
+    : state_(std::make_shared<detail::producer_state>(allocator, checked(options))) {
   state_->attach();
   if (options.collect_interval.count() > 0) {
     collector_ = std::make_unique<collector>(state_, options.collect_interval);

@@ -575,6 +575,30 @@ TEST(channel_ring_hostile_sender, entries_behind_a_marker_whose_frame_never_came
   EXPECT_EQ(text_of(r.b.receive_for(1s).payload), "behind");
 }
 
+TEST(channel_ring_hostile_sender, a_ring_over_the_receivers_bound_is_refused_and_one_at_it_taken) {
+  {
+    ring_receiver r;
+    r.b.allow_peer_ring(8192);
+    hand_made_ring ring(8192);
+    ring.announce(r.sender());
+    ring.put(7, bytes_of("at the bound"));
+    write_raw(r.sender(), raw_batch("SHOL", 2, {{wake_type, {}}}));
+    EXPECT_EQ(text_of(r.b.receive_for(1s).payload), "at the bound");
+  }
+  ring_receiver r;
+  r.b.allow_peer_ring(8192);
+  hand_made_ring ring(16384);
+  ring.announce(r.sender());
+  expect_refused(r.b, "a ring of 16384 bytes, over the 8192 this side takes");
+}
+
+TEST(channel_ring, a_bound_below_the_smallest_ring_is_refused) {
+  socket_pair pair;
+  connection b = connection::adopt(std::move(pair.b), {});
+  EXPECT_THROW(b.allow_peer_ring(4095), invalid_argument);
+  EXPECT_NO_THROW(b.allow_peer_ring(4096));
+}
+
 TEST(channel_ring_hostile_sender, a_ring_file_that_could_shrink_is_refused) {
   ring_receiver r;
   hand_made_ring ring(4096, 0, /*seal=*/false);

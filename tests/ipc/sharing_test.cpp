@@ -1032,6 +1032,33 @@ TEST(sharing_ring, a_peer_made_after_the_other_process_sent_and_hung_up_receives
   EXPECT_THROW((void)receiver.receive_for(1s, {}), connection_closed);
 }
 
+// A peer's ring is memory whose unwritten pages this side's reads allocate:
+// a ring over max_peer_ring_bytes is refused, one within it taken.
+TEST(sharing_rings, a_peer_ring_over_max_peer_ring_bytes_is_refused_and_one_within_it_taken) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context producer(allocator, {.collect_interval = 0ms, .ring_bytes = 1 << 20});
+  for (const std::size_t bound : {std::size_t{1} << 20, std::size_t{64} << 10}) {
+    ipc::sharing_context consumer(allocator, {.collect_interval = 0ms, .max_peer_ring_bytes = bound});
+    auto [to_consumer, to_producer] = connected_pair();
+    ipc::peer sender(producer, std::move(to_consumer));
+    ipc::peer receiver(consumer, std::move(to_producer));
+    sender.send_note(text("through the ring"));
+    if (bound >= (std::size_t{1} << 20)) {
+      EXPECT_EQ(text_of(receiver.receive_for(1s, {}).metadata), "through the ring");
+      continue;
+    }
+    try {
+      (void)receiver.receive_for(1s, {});
+      ADD_FAILURE() << "a ring of 1 MiB was taken by a side that takes 64 KiB";
+    } catch (const protocol_error& e) {
+      EXPECT_NE(std::string(e.what()).find("a ring of 1048576 bytes, over the 65536 this side takes"), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_THROW(ipc::sharing_context(allocator, {.max_peer_ring_bytes = 4095}), invalid_argument);
+}
+
 TEST(sharing_poll, without_a_ring_every_message_ends_its_batch) {
   backend::device& dev = backend::host_device_instance();
   alloc::caching_allocator allocator(dev, {});

@@ -267,11 +267,17 @@ class connection {
   bool start_ring(std::size_t bytes);
 
   /// Lets the peer send through a ring of its own (its start_ring()): this
-  /// side then maps the memory the peer names, up to 64 MiB, and checks all
-  /// it reads there. Until called, a peer's ring is a protocol_error, so a
-  /// server takes no memory from clients that did not ask for it. Call it
-  /// before the peer's ring can arrive (say, before the first receive).
-  void allow_peer_ring();
+  /// side then maps the memory the peer names, of up to `max_bytes` (a
+  /// larger ring is a protocol_error; rings hold a power of two of at most
+  /// max_ring_bytes), and checks all it reads there. Until called, a peer's
+  /// ring is a protocol_error, so a server takes no memory from clients that
+  /// did not ask for it. Call it before the peer's ring can arrive (say,
+  /// before the first receive). The bound matters: a page of the peer's
+  /// ring that the peer left unwritten is allocated by this side's first
+  /// read of it, and charged to this process's memory cgroup.
+  void allow_peer_ring(std::size_t max_bytes = max_ring_bytes);
+  /// The largest ring a connection makes or takes.
+  static constexpr std::size_t max_ring_bytes = std::size_t{64} << 20;
 
   /// Takes no descriptor from the peer from now on: a batch that brings one
   /// is a protocol_error, and the descriptors are never installed here

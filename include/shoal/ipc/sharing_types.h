@@ -72,6 +72,11 @@ struct sharing_options {
   std::size_t max_peer_event_sources = 1024;
   /// Slots in one announced counter file (32 bytes each).
   std::uint32_t max_peer_slots_per_file = 1u << 16;
+  /// Bytes of the ring a peer sends through (its ring_bytes, rounded up to a
+  /// power of two): a page of it the peer left unwritten is allocated by
+  /// this side's first read, charged to this process. Raise it on both
+  /// sides with ring_bytes past 4 MiB. At least 4096 (invalid_argument).
+  std::size_t max_peer_ring_bytes = std::size_t{4} << 20;
 };
 
 struct sharing_stats {
