@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -41,7 +42,7 @@ struct options {
 ipc::sharing_options sharing_with_ring(std::size_t ring_bytes) {
   ipc::sharing_options o;
   o.ring_bytes = ring_bytes;
-  o.max_peer_ring_bytes = std::max(o.max_peer_ring_bytes, ring_bytes);  // both sides run with --ring-bytes
+  o.max_peer_ring_bytes = std::max(o.max_peer_ring_bytes, std::bit_ceil(ring_bytes));  // both sides run with --ring-bytes
   return o;
 }
 

@@ -842,7 +842,7 @@ void route(receive_side r, std::vector<frame> batch) {
       std::memcpy(&capacity, f.payload.data(), sizeof capacity);
       if (capacity > r.peer_ring_max) {
         throw protocol_error("the peer announced a ring of " + std::to_string(capacity) + " bytes, over the " +
-                             std::to_string(r.peer_ring_max) + " this side takes (allow_peer_ring)");
+                             std::to_string(r.peer_ring_max) + " this side takes (allow_peer_ring; for a sharing peer, max_peer_ring_bytes)");
       }
       r.in_ring = std::make_unique<detail::ring_reader>(std::move(f.fd), capacity);
       r.in_ring_view.store(r.in_ring.get(), std::memory_order_release);

@@ -74,8 +74,9 @@ struct sharing_options {
   std::uint32_t max_peer_slots_per_file = 1u << 16;
   /// Bytes of the ring a peer sends through (its ring_bytes, rounded up to a
   /// power of two): a page of it the peer left unwritten is allocated by
-  /// this side's first read, charged to this process. Raise it on both
-  /// sides with ring_bytes past 4 MiB. At least 4096 (invalid_argument).
+  /// this side's first read, charged to this process. With ring_bytes past
+  /// 4 MiB, raise it on both sides to at least ring_bytes rounded up to a
+  /// power of two. At least 4096 (invalid_argument).
   std::size_t max_peer_ring_bytes = std::size_t{4} << 20;
 };
 
