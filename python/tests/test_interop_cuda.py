@@ -45,6 +45,7 @@ def test_torch_waits_for_shoals_pending_writes(torch_stream):
     with shoal.stream(s), torch.cuda.stream(consumer):
         x = torch.from_dlpack(view)  # torch's stream (a foreign one for shoal) waits on shoal's
         ok = torch.all(x == expected_float(0x3F))
+    consumer.synchronize()  # item() reads on the current stream, which does not wait for a side stream
     assert x.data_ptr() == view.storage.ptr, "zero-copy"
     assert ok.item()
 

@@ -83,14 +83,19 @@ def check_batch(batch: dict, tag: int) -> None:
 
 
 def shm_entries() -> set:
-    """/dev/shm entries, less the CUDA driver's own per-process files.
+    """/dev/shm entries, less the CUDA driver's own per-process files and PyTorch's
+    files of other processes.
 
     The driver names them cuda.shm.<device>.<pid>; a multiprocessing child ends with
-    os._exit, and the driver may remove its file after join returns. shoal itself
-    uses memfd only, so any other new entry is a leak."""
+    os._exit, and the driver may remove its file after join returns. PyTorch names its
+    torch_<pid>_...: another test file's processes make them when the suite runs in
+    parallel (SHOAL_PYTEST_JOBS). shoal itself uses memfd only, so any other new entry
+    is a leak."""
     if not os.path.isdir("/dev/shm"):
         return set()
-    return {name for name in os.listdir("/dev/shm") if not name.startswith("cuda.shm.")}
+    ours = f"torch_{os.getpid()}_"
+    return {name for name in os.listdir("/dev/shm")
+            if not name.startswith("cuda.shm.") and (not name.startswith("torch_") or name.startswith(ours))}
 
 
 @pytest.fixture
