@@ -659,6 +659,7 @@ bool connection::start_ring(std::size_t bytes) {
   return true;
 }
 
+static_assert(connection::min_ring_bytes == detail::min_ring_capacity);
 static_assert(connection::max_ring_bytes == detail::max_ring_capacity);
 
 void connection::allow_peer_ring(std::size_t max_bytes) {

@@ -55,9 +55,10 @@ class sharing_context::collector {
 namespace {
 
 sharing_options checked(sharing_options options) {
-  if (options.max_peer_ring_bytes < 4096) {
+  if (options.max_peer_ring_bytes < channel::connection::min_ring_bytes) {
     throw invalid_argument("sharing_options::max_peer_ring_bytes is " + std::to_string(options.max_peer_ring_bytes) +
-                           "; the smallest ring a peer sends through is 4096 bytes");
+                           "; the smallest ring a peer sends through is " +
+                           std::to_string(channel::connection::min_ring_bytes) + " bytes");
   }
   return options;
 }

@@ -276,7 +276,8 @@ class connection {
   /// ring that the peer left unwritten is allocated by this side's first
   /// read of it, and charged to this process's memory cgroup.
   void allow_peer_ring(std::size_t max_bytes = max_ring_bytes);
-  /// The largest ring a connection makes or takes.
+  /// The smallest and the largest ring a connection makes or takes.
+  static constexpr std::size_t min_ring_bytes = 4096;
   static constexpr std::size_t max_ring_bytes = std::size_t{64} << 20;
 
   /// Takes no descriptor from the peer from now on: a batch that brings one
