@@ -301,8 +301,8 @@ void register_sharing(nb::module_& m) {
           nb::arg("allocator"), nb::arg("options"),
           "Options (keywords): collect_interval_ms (100), send_timeout_ms (10000), teardown_timeout_ms (100), "
           "receive_spin_us (50), max_metadata_bytes (65536), slots_per_file (4096), ring_bytes (65536; 0: the "
-          "socket alone), max_peer_ring_bytes (4194304: the largest ring taken from a peer, whose unwritten pages "
-          "this process's reads would allocate; raise it on both sides to at least ring_bytes rounded up to a power of two).")
+          "socket alone), max_peer_ring_bytes (4194304: the largest ring taken from a peer; a peer of another user "
+          "could leave its pages unallocated for this process's reads to allocate; raise it on both sides to at least ring_bytes rounded up to a power of two).")
       .def_prop_ro("allocator", [](const py_sharing_context& c) { return py_allocator{c.state->allocator()}; })
       .def(
           "collect", [](const py_sharing_context& c) { return c.state->context().collect(); },

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cerrno>
@@ -643,10 +644,12 @@ bool connection::start_ring(std::size_t bytes) {
   const std::uint64_t capacity = ring->capacity();
   std::byte payload[sizeof capacity];
   std::memcpy(payload, &capacity, sizeof capacity);
-  const outgoing_frame announce{detail::ring_announce_type, payload, ring->fd()};
+  // One batch: the receiver takes the ring from the two frames together.
+  const std::array<outgoing_frame, 2> announce{outgoing_frame{detail::ring_announce_type, payload, ring->ring_fd()},
+                                               outgoing_frame{detail::ring_fields_type, {}, ring->fields_fd()}};
   try {
     bool started = false;
-    send_on_socket(s.socket.get(), std::span(&announce, 1), s.send_buffer, until, started);
+    send_on_socket(s.socket.get(), announce, s.send_buffer, until, started);
   } catch (const connection_closed&) {
     // The peer hung up: it reads nothing more, but what it sent before is
     // still to be received, so the connection is not closed here (a later
@@ -830,7 +833,8 @@ constexpr int max_batches_per_try = 64;
 // they are the stream; its announce brings the ring; after it, wake-ups are
 // dropped and the rest wait for their markers.
 void route(receive_side r, std::vector<frame> batch) {
-  for (frame& f : batch) {
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    frame& f = batch[i];
     if (f.type == detail::ring_announce_type) {
       if (r.peer_ring_max == 0) {
         throw protocol_error(
@@ -845,8 +849,14 @@ void route(receive_side r, std::vector<frame> batch) {
         throw protocol_error("the peer announced a ring of " + std::to_string(capacity) + " bytes, over the " +
                              std::to_string(r.peer_ring_max) + " this side takes (allow_peer_ring; for a sharing peer, max_peer_ring_bytes)");
       }
-      r.in_ring = std::make_unique<detail::ring_reader>(std::move(f.fd), capacity);
+      if (i + 1 == batch.size() || batch[i + 1].type != detail::ring_fields_type || !batch[i + 1].payload.empty()) {
+        throw protocol_error("a ring announce without its fields file in the frame after it, in the same batch");
+      }
+      frame& fields = batch[++i];
+      r.in_ring = std::make_unique<detail::ring_reader>(std::move(f.fd), std::move(fields.fd), capacity);
       r.in_ring_view.store(r.in_ring.get(), std::memory_order_release);
+    } else if (f.type == detail::ring_fields_type) {
+      throw protocol_error("a ring's fields file without its announce before it");
     } else if (f.type == detail::ring_wake_type) {
       if (!r.in_ring) throw protocol_error("a ring wake-up before any ring was announced");
       if (!f.payload.empty() || f.fd) throw protocol_error("a ring wake-up that carries a payload or a descriptor");

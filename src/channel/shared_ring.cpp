@@ -12,16 +12,23 @@
 #include <cstring>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "core/sealed_memfd.h"
 #include "shoal/core/error.h"
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older C libraries lack the name
+#endif
 
 namespace shoal::channel::detail {
 
 namespace {
 
-constexpr std::size_t tail_offset = 0, head_offset = 64, spinning_offset = 72, wakes_read_offset = 80,
-                      wakes_sent_offset = 128;
+// In the ring file (the sender's lines).
+constexpr std::size_t tail_offset = 0, wakes_sent_offset = 64;
+// In the fields file (the receiver's).
+constexpr std::size_t head_offset = 0, spinning_offset = 8, wakes_read_offset = 16;
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -30,14 +37,78 @@ std::atomic_ref<T> field(std::byte* base, std::size_t offset) noexcept {
   return std::atomic_ref<T>(*reinterpret_cast<T*>(base + offset));
 }
 
-std::byte* map_ring(int fd, std::size_t capacity) {
-  void* p = ::mmap(nullptr, ring_header_bytes + capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+std::byte* map_file(int fd, std::size_t bytes, int protection, const char* what) {
+  void* p = ::mmap(nullptr, bytes, protection, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     // The file's own modes or seals refuse the mapping: the sender's doing.
-    if (errno == EACCES || errno == EPERM) throw protocol_error("the ring's file cannot be mapped for writing (" + errno_text() + ")");
-    throw os_error{errno, "mmap(ring, " + std::to_string(ring_header_bytes + capacity) + " bytes)"};
+    if (errno == EACCES || errno == EPERM) {
+      throw protocol_error(std::string("the ring's ") + what + " cannot be mapped (" + errno_text() + ")");
+    }
+    throw os_error{errno, std::string("mmap(ring's ") + what + ", " + std::to_string(bytes) + " bytes)"};
   }
   return static_cast<std::byte*>(p);
+}
+
+// Maps a new memfd of `bytes` read-write and allocates each of its pages
+// (charged to this side) with a write fault, which leaves them up to date:
+// what the reader's check of its pages looks for. A page merely fallocated
+// is not up to date until touched, and would fail that check.
+std::byte* map_allocated_memfd(const unique_fd& fd, std::size_t bytes, const char* name) {
+  std::byte* base = map_file(fd.get(), bytes, PROT_READ | PROT_WRITE, name);
+  if (::madvise(base, bytes, MADV_POPULATE_WRITE) != 0) {
+    if (errno != EINVAL) {  // EINVAL: a kernel before 5.14, without it; the loop does the same
+      const int error = errno;
+      ::munmap(base, bytes);
+      throw os_error{error, std::string("madvise(MADV_POPULATE_WRITE, ") + name + ")"};
+    }
+    const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    for (std::size_t at = 0; at < bytes; at += page) {
+      std::atomic_ref<std::byte>(base[at]).store(std::byte{0}, std::memory_order_relaxed);
+    }
+  }
+  return base;
+}
+
+// Checks a file the peer sent as one of a ring's: a memfd on tmpfs, sealed
+// against shrinking (checked before its size is read, so that the size
+// holds), of exactly `bytes`; returns its seals and owner.
+struct ring_file_facts {
+  int seals;
+  uid_t owner;
+};
+ring_file_facts check_ring_file(int fd, std::size_t bytes, const char* what) {
+  const int seals = fd >= 0 ? ::fcntl(fd, F_GET_SEALS) : -1;
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+    throw protocol_error(std::string("the ring's ") + what + " is not a memfd sealed against shrinking");
+  }
+  struct stat st {};
+  if (!shoal::detail::on_tmpfs(fd) || ::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    throw protocol_error(std::string("the ring's ") + what + " is not a memfd on tmpfs");
+  }
+  if (static_cast<std::uint64_t>(st.st_size) != bytes) {
+    throw protocol_error(std::string("the ring's ") + what + " holds " + std::to_string(st.st_size) +
+                         " bytes; it takes " + std::to_string(bytes));
+  }
+  return {seals, st.st_uid};
+}
+
+// Throws protocol_error when a page of the mapping at `base` is not in
+// memory: one its sender never allocated (a hole), which this side's first
+// read would allocate and have charged to it. mincore() takes no lock of
+// the file (lseek's SEEK_HOLE would take its inode lock, which the sender
+// can hold without end: a write() into the file from a buffer whose page
+// fault never completes). A page swapped out reads as missing too.
+void check_every_page_in_memory(std::byte* base, std::size_t bytes) {
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident((bytes + page - 1) / page);
+  if (::mincore(base, bytes, resident.data()) != 0) throw os_error{errno, "mincore(ring)"};
+  const auto missing = static_cast<std::size_t>(
+      std::count_if(resident.begin(), resident.end(), [](unsigned char r) { return (r & 1) == 0; }));
+  if (missing != 0) {
+    throw protocol_error("the ring's file has " + std::to_string(missing) + " of its " + std::to_string(resident.size()) +
+                         " pages out of memory (never allocated by its sender, or swapped out): reading them would "
+                         "allocate them, charged to this side");
+  }
 }
 
 }  // namespace
@@ -45,52 +116,60 @@ std::byte* map_ring(int fd, std::size_t capacity) {
 // ring_mapping ---------------------------------------------------------------
 
 ring_mapping::ring_mapping(ring_mapping&& other) noexcept
-    : base_(std::exchange(other.base_, nullptr)), capacity_(std::exchange(other.capacity_, 0)) {}
+    : ring_(std::exchange(other.ring_, nullptr)),
+      fields_(std::exchange(other.fields_, nullptr)),
+      capacity_(std::exchange(other.capacity_, 0)) {}
 
 ring_mapping& ring_mapping::operator=(ring_mapping&& other) noexcept {
   if (this != &other) {
-    if (base_ != nullptr) ::munmap(base_, ring_header_bytes + capacity_);
-    base_ = std::exchange(other.base_, nullptr);
+    unmap();
+    ring_ = std::exchange(other.ring_, nullptr);
+    fields_ = std::exchange(other.fields_, nullptr);
     capacity_ = std::exchange(other.capacity_, 0);
   }
   return *this;
 }
 
-ring_mapping::~ring_mapping() {
-  if (base_ != nullptr) ::munmap(base_, ring_header_bytes + capacity_);
+ring_mapping::~ring_mapping() { unmap(); }
+
+void ring_mapping::unmap() noexcept {
+  if (ring_ != nullptr) ::munmap(ring_, ring_header_bytes + capacity_);
+  if (fields_ != nullptr) ::munmap(fields_, ring_fields_bytes);
 }
 
-std::uint64_t ring_mapping::load_tail() const noexcept { return field<std::uint64_t>(base_, tail_offset).load(); }
+std::uint64_t ring_mapping::load_tail() const noexcept { return field<std::uint64_t>(ring_, tail_offset).load(); }
 std::uint64_t ring_mapping::load_head() const noexcept {
-  return field<std::uint64_t>(base_, head_offset).load(std::memory_order_acquire);
+  return field<std::uint64_t>(fields_, head_offset).load(std::memory_order_acquire);
 }
-void ring_mapping::store_tail(std::uint64_t v) noexcept { field<std::uint64_t>(base_, tail_offset).store(v); }
+void ring_mapping::store_tail(std::uint64_t v) noexcept { field<std::uint64_t>(ring_, tail_offset).store(v); }
 void ring_mapping::store_head(std::uint64_t v) noexcept {
-  field<std::uint64_t>(base_, head_offset).store(v, std::memory_order_release);
+  field<std::uint64_t>(fields_, head_offset).store(v, std::memory_order_release);
 }
 bool ring_mapping::receiver_spinning() const noexcept {
-  return field<std::uint32_t>(base_, spinning_offset).load() != 0;
+  return field<std::uint32_t>(fields_, spinning_offset).load() != 0;
 }
 void ring_mapping::set_receiver_spinning(bool spinning) noexcept {
-  field<std::uint32_t>(base_, spinning_offset).store(spinning ? 1 : 0);
+  field<std::uint32_t>(fields_, spinning_offset).store(spinning ? 1 : 0);
 }
 
 std::uint64_t ring_mapping::load_wakes_sent() const noexcept {
-  return field<std::uint64_t>(base_, wakes_sent_offset).load(std::memory_order_relaxed);
+  return field<std::uint64_t>(ring_, wakes_sent_offset).load(std::memory_order_relaxed);
 }
 void ring_mapping::store_wakes_sent(std::uint64_t v) noexcept {
-  field<std::uint64_t>(base_, wakes_sent_offset).store(v, std::memory_order_relaxed);
+  field<std::uint64_t>(ring_, wakes_sent_offset).store(v, std::memory_order_relaxed);
 }
 std::uint64_t ring_mapping::load_wakes_read() const noexcept {
-  return field<std::uint64_t>(base_, wakes_read_offset).load();
+  return field<std::uint64_t>(fields_, wakes_read_offset).load();
 }
-void ring_mapping::store_wakes_read(std::uint64_t v) noexcept { field<std::uint64_t>(base_, wakes_read_offset).store(v); }
+void ring_mapping::store_wakes_read(std::uint64_t v) noexcept {
+  field<std::uint64_t>(fields_, wakes_read_offset).store(v);
+}
 
 void ring_mapping::copy_out(std::uint64_t at, std::span<std::byte> out) const noexcept {
   if (out.empty()) return;  // (an empty span's data may be null, which memcpy may not take)
   const std::size_t start = at & (capacity_ - 1);
   const std::size_t first = std::min(out.size(), capacity_ - start);
-  const std::byte* data = base_ + ring_header_bytes;
+  const std::byte* data = ring_ + ring_header_bytes;
   std::memcpy(out.data(), data + start, first);
   std::memcpy(out.data() + first, data, out.size() - first);
 }
@@ -99,7 +178,7 @@ void ring_mapping::copy_in(std::uint64_t at, std::span<const std::byte> in) noex
   if (in.empty()) return;
   const std::size_t start = at & (capacity_ - 1);
   const std::size_t first = std::min(in.size(), capacity_ - start);
-  std::byte* data = base_ + ring_header_bytes;
+  std::byte* data = ring_ + ring_header_bytes;
   std::memcpy(data + start, in.data(), first);
   std::memcpy(data, in.data() + first, in.size() - first);
 }
@@ -108,8 +187,23 @@ void ring_mapping::copy_in(std::uint64_t at, std::span<const std::byte> in) noex
 
 ring_writer::ring_writer(std::size_t capacity) {
   capacity = std::bit_ceil(std::clamp(capacity, min_ring_capacity, max_ring_capacity));
-  fd_ = shoal::detail::make_sealed_memfd("shoal-channel-ring", ring_header_bytes + capacity);
-  map_ = ring_mapping(map_ring(fd_.get(), capacity), capacity);
+  constexpr const char* ring_name = "shoal-channel-ring";
+  constexpr const char* fields_name = "shoal-channel-ring-fields";
+  ring_fd_ = shoal::detail::make_unsealed_memfd(ring_name, ring_header_bytes + capacity);
+  fields_fd_ = shoal::detail::make_unsealed_memfd(fields_name, ring_fields_bytes);
+  std::byte* ring = map_allocated_memfd(ring_fd_, ring_header_bytes + capacity, ring_name);
+  std::byte* fields = nullptr;
+  try {
+    fields = map_allocated_memfd(fields_fd_, ring_fields_bytes, fields_name);
+  } catch (...) {
+    ::munmap(ring, ring_header_bytes + capacity);
+    throw;
+  }
+  map_ = ring_mapping(ring, fields, capacity);
+  // Mapped first: the seal forbids writable mappings made after it (and
+  // punching holes), and keeps this one.
+  shoal::detail::seal_memfd(ring_fd_.get(), ring_name, F_SEAL_FUTURE_WRITE);
+  shoal::detail::seal_memfd(fields_fd_.get(), fields_name);
 }
 
 bool ring_writer::fits_inline(std::size_t payload) const noexcept {
@@ -154,33 +248,42 @@ void ring_writer::count_wake() noexcept { map_.store_wakes_sent(++wakes_); }
 
 // ring_reader ----------------------------------------------------------------
 
-ring_reader::ring_reader(unique_fd memfd, std::uint64_t announced_capacity) {
+ring_reader::ring_reader(unique_fd ring_file, unique_fd fields_file, std::uint64_t announced_capacity) {
   if (announced_capacity < min_ring_capacity || announced_capacity > max_ring_capacity ||
       !std::has_single_bit(announced_capacity)) {
     throw protocol_error("a ring of " + std::to_string(announced_capacity) + " bytes; a ring holds a power of two from " +
                          std::to_string(min_ring_capacity) + " to " + std::to_string(max_ring_capacity));
   }
-  // The seals first: once it cannot shrink, the size read next holds.
-  const int seals = memfd ? ::fcntl(memfd.get(), F_GET_SEALS) : -1;
-  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-    throw protocol_error("the ring's descriptor is not a memfd sealed against shrinking");
-  }
-  if ((seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) {
-    throw protocol_error("the ring's memfd is sealed against writes; the receiver writes its head into it");
-  }
-  const int mode = ::fcntl(memfd.get(), F_GETFL);
-  if (mode < 0 || (mode & O_ACCMODE) != O_RDWR) throw protocol_error("the ring's descriptor is not open for reading and writing");
-  struct stat st {};
-  if (!shoal::detail::on_tmpfs(memfd.get()) || ::fstat(memfd.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
-    throw protocol_error("the ring's descriptor is not a memfd on tmpfs");
-  }
   const std::size_t capacity = announced_capacity;
-  if (static_cast<std::uint64_t>(st.st_size) != ring_header_bytes + capacity) {
-    throw protocol_error("the ring's file holds " + std::to_string(st.st_size) + " bytes; a ring of " +
-                         std::to_string(capacity) + " takes " + std::to_string(ring_header_bytes + capacity));
+  const ring_file_facts ring_facts = check_ring_file(ring_file.get(), ring_header_bytes + capacity, "file");
+  if ((ring_facts.seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) == 0) {
+    throw protocol_error("the ring's file is not sealed against writes; only its sender may write it");
   }
-  map_ = ring_mapping(map_ring(memfd.get(), capacity), capacity);
-  memfd.mark_safe_to_close();  // a memfd on tmpfs
+  const ring_file_facts field_facts = check_ring_file(fields_file.get(), ring_fields_bytes, "fields file");
+  if ((field_facts.seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0) {
+    throw protocol_error("the ring's fields file is sealed against writes; the receiver writes its head into it");
+  }
+  const int mode = ::fcntl(fields_file.get(), F_GETFL);
+  if (mode < 0 || (mode & O_ACCMODE) != O_RDWR) {
+    throw protocol_error("the ring's fields file is not open for reading and writing");
+  }
+  std::byte* ring = map_file(ring_file.get(), ring_header_bytes + capacity, PROT_READ, "file");
+  std::byte* fields = nullptr;
+  try {
+    // Sealed against writes, the ring file can lose no page after this
+    // check. mincore() tells the truth only of a file this side owns (of
+    // another's, unless it grants this side writing — a mode its owner can
+    // change at any moment — it says every page is in): a peer of another
+    // user is bounded by allow_peer_ring's size alone.
+    if (ring_facts.owner == ::geteuid()) check_every_page_in_memory(ring, ring_header_bytes + capacity);
+    fields = map_file(fields_file.get(), ring_fields_bytes, PROT_READ | PROT_WRITE, "fields file");
+  } catch (...) {
+    ::munmap(ring, ring_header_bytes + capacity);
+    throw;
+  }
+  map_ = ring_mapping(ring, fields, capacity);
+  ring_file.mark_safe_to_close();  // memfds on tmpfs
+  fields_file.mark_safe_to_close();
 }
 
 bool ring_reader::has_entries() noexcept {

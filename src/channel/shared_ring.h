@@ -2,35 +2,48 @@
 // without a system call while the receiver is spinning for them
 // (connection::start_ring).
 //
-// The sender makes the ring: a sealed memfd (it can never shrink, so the
-// receiver's mapping never faults) holding a header and `capacity` data
-// bytes, and sends its descriptor over the socket in a ring_announce frame.
-// From then on every frame of that direction is an entry in the ring, in
-// order; a frame with a descriptor, or too large for the ring, goes on the
-// socket and leaves a marker entry where it belongs in the order. The
-// socket also carries wake-ups: after publishing, the sender sends a
-// ring_wake frame unless the receiver is spinning, has taken everything
-// already, or has not read the last wake-up yet (its socket is readable).
+// The sender makes the ring's two files and sends their descriptors over
+// the socket, in one batch: a ring_announce frame (payload: the capacity;
+// descriptor: the ring file) and a ring_fields frame right after it
+// (descriptor: the receiver's fields file). From then on every frame of
+// that direction is an entry in the ring, in order; a frame with a
+// descriptor, or too large for the ring, goes on the socket and leaves a
+// marker entry where it belongs in the order. The socket also carries
+// wake-ups: after publishing, the sender sends a ring_wake frame unless the
+// receiver is spinning, has taken everything already, or has not read the
+// last wake-up yet (its socket is readable).
 //
-// Header (64-byte lines; each line written by one side only):
-//   line 0: tail u64 — bytes published (the sender's)
-//   line 1: head u64 — bytes consumed; spinning u32 at +8 — 1 while the
-//           receiver polls the ring; wakes read u64 at +16 (the receiver's)
-//   line 2: wakes sent u64 — counted before each goes (the sender's)
+// The ring file (memfd, ring_header_bytes + capacity) is the sender's alone
+// to write: it maps it, allocates every page, then seals it against
+// shrinking, growing and writes through any later mapping or write()
+// (F_SEAL_FUTURE_WRITE, which also forbids punching holes); its own
+// mapping stays writable. The receiver maps it read-only.
+//   line 0: tail u64 — bytes published
+//   line 1: wakes sent u64 — counted before each goes
+//   data from ring_header_bytes on
+// The fields file (memfd, ring_fields_bytes; sealed against shrinking and
+// growing, not writes) holds what the receiver writes:
+//   head u64 at 0 — bytes consumed; spinning u32 at 8 — 1 while the
+//   receiver polls the ring; wakes read u64 at 16
 // Entry, 8-byte aligned, wrapping at the end of the data:
 //   payload bytes u32 | type u16 | kind u16 (0: payload follows, 1: the frame
 //   is the next one on the socket) | payload | zero padding to 8
 //
-// Both sides treat what the other writes as hostile: the reader maps only a
-// memfd sealed against shrinking (checked before its size is read, so the
-// mapping can never run past the file) on tmpfs, checks that the tail stays
-// within capacity of its head and every entry within what is published, and
-// copies a payload out before anything reads it; the writer checks that the
-// reader's head moves forward and never past the tail. A violation is a
-// protocol_error. Either side can still punch holes in the file
-// (fallocate), which read back as zeros here: empty entries of type 0, no
-// more than the peer could have written itself; under strict overcommit,
-// refaulting such a page could fail.
+// Both sides treat what the other writes as hostile: the reader maps only
+// memfds on tmpfs sealed against shrinking (checked before their sizes are
+// read, so a mapping can never run past its file), of exactly the sizes a
+// ring has; the ring file sealed against writes, read-only, and — when its
+// owner is this process's user, for whom mincore() tells the truth — with
+// every page in memory,
+// so that no read of it allocates memory charged to the receiver (the seal
+// keeps any page from being taken out after the check; a page the sender's
+// system swaps out comes back charged to the sender's memory cgroup, or to
+// the reader's when that cgroup is gone). The sender can punch the fields
+// file's one page out, which only makes the receiver's next store allocate
+// that page again. The reader checks that the tail stays within capacity of
+// its head and every entry within what is published, and copies a payload
+// out before anything reads it; the writer checks that the reader's head
+// moves forward and never past the tail. A violation is a protocol_error.
 //
 // Not thread-safe: the connection serializes each side (its send and
 // receive locks), except a reader's seems_to_have_entries(), which any
@@ -50,10 +63,12 @@
 namespace shoal::channel::detail {
 
 /// Frame types the connection keeps to itself (a protocol's frames use others).
-inline constexpr std::uint16_t ring_announce_type = 0xFFF0;  // payload: capacity u64; descriptor: the memfd
+inline constexpr std::uint16_t ring_announce_type = 0xFFF0;  // payload: capacity u64; descriptor: the ring file
 inline constexpr std::uint16_t ring_wake_type = 0xFFF1;      // no payload: the ring has entries
+inline constexpr std::uint16_t ring_fields_type = 0xFFF2;    // no payload; descriptor: the fields file (after the announce)
 
-inline constexpr std::size_t ring_header_bytes = 192;
+inline constexpr std::size_t ring_header_bytes = 128;
+inline constexpr std::size_t ring_fields_bytes = 64;
 inline constexpr std::size_t ring_entry_header_bytes = 8;
 /// Capacities a receiver accepts: a power of two in this range.
 inline constexpr std::size_t min_ring_capacity = 4096;
@@ -64,11 +79,12 @@ inline constexpr std::size_t max_ring_capacity = 64 << 20;
   return ring_entry_header_bytes + (payload + 7) / 8 * 8;
 }
 
-/// The mapping of a ring's memfd; unmapped when destroyed.
+/// The mappings of a ring's two files; unmapped when destroyed.
 class ring_mapping {
  public:
   ring_mapping() = default;
-  ring_mapping(std::byte* base, std::size_t capacity) : base_(base), capacity_(capacity) {}
+  ring_mapping(std::byte* ring, std::byte* fields, std::size_t capacity)
+      : ring_(ring), fields_(fields), capacity_(capacity) {}
   ring_mapping(ring_mapping&& other) noexcept;
   ring_mapping& operator=(ring_mapping&& other) noexcept;
   ~ring_mapping();
@@ -89,7 +105,10 @@ class ring_mapping {
   void copy_in(std::uint64_t at, std::span<const std::byte> in) noexcept;
 
  private:
-  std::byte* base_ = nullptr;
+  void unmap() noexcept;
+
+  std::byte* ring_ = nullptr;    // the ring file: header and data
+  std::byte* fields_ = nullptr;  // the receiver's fields
   std::size_t capacity_ = 0;
 };
 
@@ -101,7 +120,9 @@ class ring_writer {
   /// system refuses.
   explicit ring_writer(std::size_t capacity);
 
-  [[nodiscard]] int fd() const noexcept { return fd_.get(); }
+  /// The descriptors a ring_announce and a ring_fields frame carry.
+  [[nodiscard]] int ring_fd() const noexcept { return ring_fd_.get(); }
+  [[nodiscard]] int fields_fd() const noexcept { return fields_fd_.get(); }
   [[nodiscard]] std::size_t capacity() const noexcept { return map_.capacity(); }
   /// Whether a frame of `payload` bytes goes in the ring itself (else on the
   /// socket, with a marker): at most a quarter of the ring.
@@ -126,7 +147,9 @@ class ring_writer {
   void discard_unpublished() noexcept { written_ = published_; }
 
  private:
-  unique_fd fd_;
+  friend struct ring_writer_steps;  // tests: publish()'s steps one at a time
+
+  unique_fd ring_fd_, fields_fd_;
   ring_mapping map_;
   std::uint64_t written_ = 0;    // the end of the last entry written
   std::uint64_t published_ = 0;  // the tail stored
@@ -144,12 +167,15 @@ struct ring_entry {
 /// The receiver's side.
 class ring_reader {
  public:
-  /// Maps the ring a ring_announce frame brought: `announced_capacity` from
-  /// its payload, `memfd` its descriptor. protocol_error when the capacity is
-  /// not one a ring has, or the descriptor is not a writable memfd on tmpfs
-  /// sealed against shrinking (and not against writes) of exactly that size;
-  /// backend_error when the system refuses the mapping otherwise.
-  ring_reader(unique_fd memfd, std::uint64_t announced_capacity);
+  /// Maps the ring a ring_announce and its ring_fields frame brought:
+  /// `announced_capacity` from the announce's payload, `ring_file` its
+  /// descriptor, `fields_file` the other's. protocol_error when the capacity
+  /// is not one a ring has, or a descriptor is not a memfd on tmpfs sealed
+  /// against shrinking, of exactly its size — the ring file sealed against
+  /// writes and, when its owner is this process's user, with every page in memory; the
+  /// fields file open for writing and not sealed against it; backend_error
+  /// when the system refuses a mapping otherwise.
+  ring_reader(unique_fd ring_file, unique_fd fields_file, std::uint64_t announced_capacity);
 
   /// Whether entries wait; for the receiving thread.
   [[nodiscard]] bool has_entries() noexcept;

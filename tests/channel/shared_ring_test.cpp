@@ -26,14 +26,22 @@
 #include "shoal/channel/channel.h"
 #include "shoal/core/error.h"
 
+namespace shoal::channel::detail {
+// publish()'s first step alone (the tail's store), or a tail no honest
+// writer stores: for tests that play the two sides' steps by hand.
+struct ring_writer_steps {
+  static void store_tail(ring_writer& writer, std::uint64_t tail) { writer.map_.store_tail(tail); }
+};
+}  // namespace shoal::channel::detail
+
 namespace shoal::testing {
 namespace {
 
 using namespace std::chrono_literals;
 using channel::connection;
 
-constexpr std::uint16_t announce_type = 0xFFF0, wake_type = 0xFFF1;
-constexpr std::size_t header_bytes = 192;
+constexpr std::uint16_t announce_type = 0xFFF0, wake_type = 0xFFF1, fields_type = 0xFFF2;
+constexpr std::size_t header_bytes = 128, fields_bytes = 64;
 
 std::pair<connection, connection> ring_pair(std::size_t ring_bytes = 4096) {
   socket_pair pair;
@@ -54,6 +62,12 @@ std::pair<connection, connection> two_way_ring_pair(std::size_t ring_bytes) {
   a.start_ring(ring_bytes);
   b.start_ring(ring_bytes);
   return {std::move(a), std::move(b)};
+}
+
+// The reader's side of `writer`'s ring, in this process.
+channel::detail::ring_reader reader_of(const channel::detail::ring_writer& writer) {
+  return channel::detail::ring_reader(unique_fd(::fcntl(writer.ring_fd(), F_DUPFD_CLOEXEC, 0)),
+                                      unique_fd(::fcntl(writer.fields_fd(), F_DUPFD_CLOEXEC, 0)), writer.capacity());
 }
 
 std::size_t bytes_waiting(int socket) {
@@ -129,17 +143,17 @@ TEST(channel_ring, a_spinning_receiver_takes_frames_without_a_wake_up) {
   EXPECT_EQ(bytes_waiting(b.native_handle()), 0u) << "a wake-up went to a receiver that was spinning";
 }
 
-// The wake-ups the sender counted, read from its ring's header (the one
-// ring this process has open).
+// The wake-ups the sender counted, read from its ring file's header (the
+// one ring this process has open).
 std::uint64_t wakes_sent() {
   for (int fd = 0; fd < 1024; ++fd) {
     char target[256] = {};
     const std::string link = "/proc/self/fd/" + std::to_string(fd);
     if (::readlink(link.c_str(), target, sizeof target - 1) <= 0) continue;
-    if (std::string(target).find("memfd:shoal-channel-ring") == std::string::npos) continue;
+    if (std::string(target).find("memfd:shoal-channel-ring (") == std::string::npos) continue;
     void* header = ::mmap(nullptr, header_bytes, PROT_READ, MAP_SHARED, fd, 0);
     if (header == MAP_FAILED) continue;
-    const std::uint64_t wakes = std::atomic_ref<std::uint64_t>(static_cast<std::uint64_t*>(header)[16]).load();  // wakes sent: byte 128
+    const std::uint64_t wakes = std::atomic_ref<std::uint64_t>(static_cast<std::uint64_t*>(header)[8]).load();  // wakes sent: byte 64
     ::munmap(header, header_bytes);
     return wakes;
   }
@@ -291,22 +305,18 @@ TEST(channel_ring, starting_twice_or_after_post_and_sending_a_reserved_type_are_
 // wake-up 2, for the tail the receiver already saw with wake-up 1.
 TEST(channel_ring, a_wake_up_for_a_tail_the_receiver_saw_with_the_last_one_is_accepted) {
   channel::detail::ring_writer writer(4096);
-  channel::detail::ring_reader reader(unique_fd(::fcntl(writer.fd(), F_DUPFD_CLOEXEC, 0)), writer.capacity());
-  void* header = ::mmap(nullptr, header_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, writer.fd(), 0);
-  ASSERT_NE(header, MAP_FAILED);
-  std::atomic_ref<std::uint64_t> tail(*static_cast<std::uint64_t*>(header));
+  channel::detail::ring_reader reader = reader_of(writer);
   const std::vector<std::byte> one = bytes_of("1");
   writer.write(1, one, false);
   ASSERT_TRUE(writer.publish()) << "the receiver neither spins nor took it: wake-up 1 goes";
   writer.count_wake();
   writer.write(2, one, false);
-  tail.store(2 * channel::detail::ring_entry_bytes(one.size()));  // the second publish's first step
-  reader.note_wake();                                     // wake-up 1 read, seeing both entries
+  channel::detail::ring_writer_steps::store_tail(writer, 2 * channel::detail::ring_entry_bytes(one.size()));  // the second publish's first step
+  reader.note_wake();  // wake-up 1 read, seeing both entries
   ASSERT_TRUE(writer.publish()) << "wake-up 1 read, entry 2 not taken: wake-up 2 goes";
   writer.count_wake();
   EXPECT_NO_THROW(reader.note_wake()) << "an honest sender refused";
   EXPECT_THROW(reader.note_wake(), protocol_error) << "a third wake-up for the same tail";
-  ::munmap(header, header_bytes);
 }
 
 // try_receive in a loop takes ring entries before their wake-ups are read,
@@ -389,35 +399,62 @@ TEST(channel_ring, a_send_that_meets_the_end_says_whether_part_of_it_went) {
   }
 }
 
-// Announces `fd` as a ring of `capacity` bytes, as the wire layout says.
-void announce_by_hand(int socket, int fd, std::uint64_t capacity) {
+// Announces `ring_fd` as a ring of `capacity` bytes with `fields_fd` its
+// fields file, as the wire layout says.
+void announce_by_hand(int socket, int ring_fd, int fields_fd, std::uint64_t capacity) {
   std::vector<std::byte> payload(8);
   std::memcpy(payload.data(), &capacity, 8);
-  write_raw(socket, raw_batch("SHOL", 2, {{announce_type, payload, 1}}), {fd});
+  write_raw(socket, raw_batch("SHOL", 2, {{announce_type, payload, 1}, {fields_type, {}, 1}}), {ring_fd, fields_fd});
 }
 
-// A ring made by hand, as a hostile sender would: the layout the header
+// A memfd of `bytes`, mapped read-write (unmapped with the struct).
+struct mapped_memfd {
+  mapped_memfd(const char* name, std::size_t bytes) : bytes(bytes) {
+    fd = unique_fd(::memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    EXPECT_EQ(::ftruncate(fd.get(), static_cast<off_t>(bytes)), 0);
+    base = static_cast<std::byte*>(::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
+    EXPECT_NE(base, MAP_FAILED);
+  }
+  ~mapped_memfd() { ::munmap(base, bytes); }
+  void touch_every_page() const {
+    for (std::size_t at = 0; at < bytes; at += 4096) base[at] = std::byte{0};
+  }
+  unique_fd fd;
+  std::byte* base = nullptr;
+  std::size_t bytes;
+};
+
+// What a hand-made ring leaves out of what an honest sender does.
+struct hand_made_options {
+  std::size_t file_bytes = 0;  // the ring file's size, when not the layout's
+  bool seal_size = true;       // against shrinking and growing
+  bool seal_writes = true;     // F_SEAL_FUTURE_WRITE, once mapped
+  bool allocate = true;        // every page of the ring file
+};
+
+// A ring made by hand, as a hostile sender would: the two files the header
 // documents, with each field at its place.
 struct hand_made_ring {
-  explicit hand_made_ring(std::size_t capacity, std::size_t file_bytes = 0, bool seal = true) : capacity(capacity) {
-    fd = unique_fd(::memfd_create("hand-made-ring", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-    const std::size_t size = file_bytes != 0 ? file_bytes : header_bytes + capacity;
-    EXPECT_EQ(::ftruncate(fd.get(), static_cast<off_t>(size)), 0);
-    if (seal) EXPECT_EQ(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
-    base = static_cast<std::byte*>(::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0));
-    mapped = size;
+  explicit hand_made_ring(std::size_t capacity, hand_made_options o = {})
+      : capacity(capacity),
+        ring("hand-made-ring", o.file_bytes != 0 ? o.file_bytes : header_bytes + capacity),
+        fields("hand-made-ring-fields", fields_bytes) {
+    if (o.allocate) ring.touch_every_page();
+    fields.touch_every_page();
+    if (o.seal_size) EXPECT_EQ(::fcntl(ring.fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+    if (o.seal_writes) EXPECT_EQ(::fcntl(ring.fd.get(), F_ADD_SEALS, F_SEAL_FUTURE_WRITE), 0);
+    EXPECT_EQ(::fcntl(fields.fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
   }
-  ~hand_made_ring() { ::munmap(base, mapped); }
   void announce(int socket, std::uint64_t announced = 0) const {
-    announce_by_hand(socket, fd.get(), announced != 0 ? announced : capacity);
+    announce_by_hand(socket, ring.fd.get(), fields.fd.get(), announced != 0 ? announced : capacity);
   }
-  std::uint64_t& tail() const { return *reinterpret_cast<std::uint64_t*>(base); }
-  std::uint64_t& head() const { return *reinterpret_cast<std::uint64_t*>(base + 64); }
+  std::uint64_t& tail() const { return *reinterpret_cast<std::uint64_t*>(ring.base); }
+  std::uint64_t& head() const { return *reinterpret_cast<std::uint64_t*>(fields.base); }
   // Writes an entry at the tail and publishes it (with `claimed` bytes in its header, when given).
   void put(std::uint16_t type, const std::vector<std::byte>& payload, std::uint16_t kind = 0,
            std::uint32_t claimed = UINT32_MAX) {
     const std::uint32_t bytes = claimed != UINT32_MAX ? claimed : static_cast<std::uint32_t>(payload.size());
-    std::byte* at = base + header_bytes + tail() % capacity;
+    std::byte* at = ring.base + header_bytes + tail() % capacity;
     std::memcpy(at, &bytes, 4);
     std::memcpy(at + 4, &type, 2);
     std::memcpy(at + 6, &kind, 2);
@@ -426,9 +463,7 @@ struct hand_made_ring {
   }
 
   std::size_t capacity;
-  unique_fd fd;
-  std::byte* base = nullptr;
-  std::size_t mapped = 0;
+  mapped_memfd ring, fields;
 };
 
 // A receiver that takes rings, and the raw socket of its (hostile) sender.
@@ -463,7 +498,7 @@ TEST(channel_ring_hostile_sender, a_hand_made_ring_that_keeps_the_layout_is_read
   ring.put(7, bytes_of("by hand"));
   write_raw(r.sender(), raw_batch("SHOL", 2, {{wake_type, {}}}));
   EXPECT_EQ(text_of(r.b.receive_for(1s).payload), "by hand");
-  EXPECT_EQ(ring.head(), 16u) << "the receiver stores how far it read";
+  EXPECT_EQ(ring.head(), 16u) << "the receiver stores how far it read, in the fields file";
 }
 
 TEST(channel_ring_hostile_sender, a_ring_on_a_connection_that_takes_none_is_refused) {
@@ -474,22 +509,84 @@ TEST(channel_ring_hostile_sender, a_ring_on_a_connection_that_takes_none_is_refu
   expect_refused(b, "another protocol");
 }
 
-TEST(channel_ring_hostile_sender, a_ring_file_sealed_against_writes_or_opened_read_only_is_refused) {
+TEST(channel_ring_hostile_sender, a_ring_file_the_sender_could_still_write_through_a_new_mapping_is_refused) {
+  ring_receiver r;
+  hand_made_ring ring(4096, {.seal_writes = false});
+  ring.announce(r.sender());
+  expect_refused(r.b, "the ring's file is not sealed against writes");
+}
+
+TEST(channel_ring_hostile_sender, a_fields_file_sealed_against_writes_or_opened_read_only_is_refused) {
   {
     ring_receiver r;
     hand_made_ring ring(4096);
-    ASSERT_EQ(::fcntl(ring.fd.get(), F_ADD_SEALS, F_SEAL_FUTURE_WRITE), 0);
+    ASSERT_EQ(::fcntl(ring.fields.fd.get(), F_ADD_SEALS, F_SEAL_FUTURE_WRITE), 0);
     ring.announce(r.sender());
-    expect_refused(r.b, "sealed against writes");
+    expect_refused(r.b, "fields file is sealed against writes");
   }
   {
     ring_receiver r;
     hand_made_ring ring(4096);
-    const unique_fd read_only(::open(("/proc/self/fd/" + std::to_string(ring.fd.get())).c_str(), O_RDONLY | O_CLOEXEC));
+    const unique_fd read_only(
+        ::open(("/proc/self/fd/" + std::to_string(ring.fields.fd.get())).c_str(), O_RDONLY | O_CLOEXEC));
     ASSERT_TRUE(read_only.valid());
-    announce_by_hand(r.sender(), read_only.get(), 4096);
-    expect_refused(r.b, "not open for reading and writing");
+    announce_by_hand(r.sender(), ring.ring.fd.get(), read_only.get(), 4096);
+    expect_refused(r.b, "fields file is not open for reading and writing");
   }
+}
+
+TEST(channel_ring_hostile_sender, a_ring_file_opened_read_only_is_read) {
+  ring_receiver r;
+  hand_made_ring ring(4096);
+  const unique_fd read_only(::open(("/proc/self/fd/" + std::to_string(ring.ring.fd.get())).c_str(), O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(read_only.valid());
+  announce_by_hand(r.sender(), read_only.get(), ring.fields.fd.get(), 4096);
+  ring.put(7, bytes_of("read only"));
+  write_raw(r.sender(), raw_batch("SHOL", 2, {{wake_type, {}}}));
+  EXPECT_EQ(text_of(r.b.receive_for(1s).payload), "read only") << "the receiver never writes the ring file";
+}
+
+// A page the sender never allocated would be allocated by the receiver's
+// first read of it, charged to the receiver, and kept while the sender keeps
+// the file: a sender reconnecting with sparse rings would grow the
+// receiver's memory without end.
+TEST(channel_ring_hostile_sender, a_ring_file_with_pages_its_sender_never_allocated_is_refused) {
+  ring_receiver r;
+  hand_made_ring ring(16384, {.allocate = false});
+  ring.tail() = 0;  // the header's page only
+  ring.announce(r.sender());
+  expect_refused(r.b, "4 of its 5 pages out of memory");
+}
+
+TEST(channel_ring_hostile_sender, a_ring_announce_without_its_fields_file_or_a_fields_file_alone_is_refused) {
+  {
+    ring_receiver r;
+    hand_made_ring ring(4096);
+    std::vector<std::byte> payload(8);
+    const std::uint64_t capacity = 4096;
+    std::memcpy(payload.data(), &capacity, 8);
+    write_raw(r.sender(), raw_batch("SHOL", 2, {{announce_type, payload, 1}}), {ring.ring.fd.get()});
+    expect_refused(r.b, "a ring announce without its fields file");
+  }
+  {
+    ring_receiver r;
+    hand_made_ring ring(4096);
+    write_raw(r.sender(), raw_batch("SHOL", 2, {{fields_type, {}, 1}}), {ring.fields.fd.get()});
+    expect_refused(r.b, "a ring's fields file without its announce");
+  }
+}
+
+TEST(channel_ring, a_senders_ring_file_can_lose_no_page_nor_be_written_but_through_its_own_mapping) {
+  channel::detail::ring_writer writer(4096);
+  EXPECT_EQ(::fallocate(writer.ring_fd(), FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096), -1);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, writer.ring_fd(), 0), MAP_FAILED);
+  EXPECT_EQ(::pwrite(writer.ring_fd(), "x", 1, 0), -1);
+  channel::detail::ring_reader reader = reader_of(writer);
+  writer.write(1, bytes_of("still"), false);
+  (void)writer.publish();
+  ASSERT_TRUE(reader.has_entries());
+  EXPECT_EQ(text_of(reader.take(1024)->payload), "still");
 }
 
 TEST(channel_ring_hostile_sender, a_file_that_is_no_memfd_is_refused) {
@@ -499,7 +596,8 @@ TEST(channel_ring_hostile_sender, a_file_that_is_no_memfd_is_refused) {
   ASSERT_TRUE(file.valid());
   ::unlink(name);
   ASSERT_EQ(::ftruncate(file.get(), static_cast<off_t>(header_bytes + 4096)), 0);
-  announce_by_hand(r.sender(), file.get(), 4096);
+  hand_made_ring ring(4096);
+  announce_by_hand(r.sender(), file.get(), ring.fields.fd.get(), 4096);
   expect_refused(r.b, "not a memfd sealed against shrinking");
 }
 
@@ -508,7 +606,8 @@ TEST(channel_ring_hostile_sender, a_file_that_is_no_memfd_is_refused) {
 TEST(channel_ring_hostile_sender, a_ring_descriptor_whose_close_lingers_is_refused_without_waiting) {
   ring_receiver r;
   socket_holding_a_lingering_one held(2);
-  announce_by_hand(r.sender(), held.holder.get(), 4096);
+  hand_made_ring ring(4096);
+  announce_by_hand(r.sender(), held.holder.get(), ring.fields.fd.get(), 4096);
   held.holder.reset();
   expect_returns_while_the_close_lingers([&] { expect_refused(r.b, "not a memfd sealed against shrinking"); },
                                          "the receive waited out the inner socket's linger");
@@ -601,21 +700,21 @@ TEST(channel_ring, a_bound_below_the_smallest_ring_is_refused) {
 
 TEST(channel_ring_hostile_sender, a_ring_file_that_could_shrink_is_refused) {
   ring_receiver r;
-  hand_made_ring ring(4096, 0, /*seal=*/false);
+  hand_made_ring ring(4096, {.seal_size = false, .seal_writes = false});
   ring.announce(r.sender());
   expect_refused(r.b, "not a memfd sealed against shrinking");
 }
 
 TEST(channel_ring_hostile_sender, a_ring_smaller_than_announced_is_refused) {
   ring_receiver r;
-  hand_made_ring ring(4096, header_bytes + 2048);
+  hand_made_ring ring(4096, {.file_bytes = header_bytes + 2048});
   ring.announce(r.sender());
   expect_refused(r.b, "holds " + std::to_string(header_bytes + 2048) + " bytes");
 }
 
 TEST(channel_ring_hostile_sender, a_capacity_that_is_no_power_of_two_is_refused) {
   ring_receiver r;
-  hand_made_ring ring(4096, header_bytes + 5000);
+  hand_made_ring ring(4096, {.file_bytes = header_bytes + 5000});
   ring.announce(r.sender(), 5000);
   expect_refused(r.b, "a ring of 5000 bytes");
 }
@@ -633,10 +732,8 @@ TEST(channel_ring_hostile_sender, a_tail_past_the_capacity_is_refused) {
 // receive looping between them with no deadline looked at.
 TEST(channel_ring_hostile_sender, a_tail_back_at_the_head_after_the_receiver_saw_it_away_is_refused) {
   channel::detail::ring_writer writer(4096);
-  void* header = ::mmap(nullptr, header_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, writer.fd(), 0);
-  ASSERT_NE(header, MAP_FAILED);
-  channel::detail::ring_reader reader(unique_fd(::fcntl(writer.fd(), F_DUPFD_CLOEXEC, 0)), writer.capacity());
-  std::atomic_ref<std::uint64_t> tail(*static_cast<std::uint64_t*>(header));
+  channel::detail::ring_reader reader = reader_of(writer);
+  const auto store_tail = [&](std::uint64_t t) { channel::detail::ring_writer_steps::store_tail(writer, t); };
   const auto expect_refused_take = [&](const std::string& expected) {
     try {
       (void)reader.take(1024);
@@ -648,21 +745,20 @@ TEST(channel_ring_hostile_sender, a_tail_back_at_the_head_after_the_receiver_saw
   writer.write(1, bytes_of("1"), false);
   (void)writer.publish();
   ASSERT_TRUE(reader.has_entries());
-  tail.store(0);  // past the head, then back at it
+  store_tail(0);  // past the head, then back at it
   expect_refused_take("went from 16 back to the head 0");
   // Below the head, then back at it: past an entry taken, the tail said 8.
-  tail.store(16);
+  store_tail(16);
   ASSERT_TRUE(reader.take(1024).has_value());
-  tail.store(8);
+  store_tail(8);
   ASSERT_TRUE(reader.has_entries());
-  tail.store(16);
+  store_tail(16);
   expect_refused_take("went from 8 back to the head 16");
-  ::munmap(header, header_bytes);
 }
 
 TEST(channel_ring, an_empty_ring_after_its_entries_were_taken_is_no_protocol_error) {
   channel::detail::ring_writer writer(4096);
-  channel::detail::ring_reader reader(unique_fd(::fcntl(writer.fd(), F_DUPFD_CLOEXEC, 0)), writer.capacity());
+  channel::detail::ring_reader reader = reader_of(writer);
   writer.write(1, bytes_of("1"), false);
   writer.write(2, bytes_of("2"), false);
   (void)writer.publish();
@@ -718,35 +814,47 @@ TEST(channel_ring_hostile_sender, wake_ups_without_a_ring_a_second_ring_and_rese
   }
 }
 
-// Reads the announce a real sender sent and maps its ring, as a hostile receiver would.
+// Reads the announce a real sender sent and maps its ring, as a hostile
+// receiver would: the ring file read-only (all its seal allows), the fields
+// file read-write.
 struct ring_seen_by_hand {
   explicit ring_seen_by_hand(int socket) {
     std::vector<std::byte> batch(256);
     iovec part{batch.data(), batch.size()};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+    alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))];
     msghdr header{};
     header.msg_iov = &part;
     header.msg_iovlen = 1;
     header.msg_control = control;
     header.msg_controllen = sizeof control;
     EXPECT_EQ(::recvmsg(socket, &header, MSG_CMSG_CLOEXEC), 256);
-    std::uint16_t type = 0;
+    std::uint16_t type = 0, second_type = 0;
     std::memcpy(&type, batch.data() + 12, 2);
     EXPECT_EQ(type, announce_type);
     std::memcpy(&capacity, batch.data() + 20, 8);
-    int fd = -1;
-    std::memcpy(&fd, CMSG_DATA(CMSG_FIRSTHDR(&header)), sizeof fd);
-    memfd = unique_fd(fd);
-    base = static_cast<std::byte*>(
-        ::mmap(nullptr, header_bytes + capacity, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0));
+    std::memcpy(&second_type, batch.data() + 28, 2);
+    EXPECT_EQ(second_type, fields_type);
+    int fds[2] = {-1, -1};
+    std::memcpy(fds, CMSG_DATA(CMSG_FIRSTHDR(&header)), sizeof fds);
+    ring_file = unique_fd(fds[0]);
+    fields_file = unique_fd(fds[1]);
+    EXPECT_EQ(::mmap(nullptr, header_bytes + capacity, PROT_READ | PROT_WRITE, MAP_SHARED, ring_file.get(), 0), MAP_FAILED)
+        << "the ring file's seal lets a receiver write it";
+    ring = static_cast<std::byte*>(::mmap(nullptr, header_bytes + capacity, PROT_READ, MAP_SHARED, ring_file.get(), 0));
+    fields = static_cast<std::byte*>(
+        ::mmap(nullptr, fields_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fields_file.get(), 0));
   }
-  ~ring_seen_by_hand() { ::munmap(base, header_bytes + capacity); }
-  std::uint64_t& head() const { return *reinterpret_cast<std::uint64_t*>(base + 64); }
-  std::uint64_t tail() const { return *reinterpret_cast<const std::uint64_t*>(base); }
+  ~ring_seen_by_hand() {
+    ::munmap(ring, header_bytes + capacity);
+    ::munmap(fields, fields_bytes);
+  }
+  std::uint64_t& head() const { return *reinterpret_cast<std::uint64_t*>(fields); }
+  std::uint64_t tail() const { return *reinterpret_cast<const std::uint64_t*>(ring); }
 
   std::uint64_t capacity = 0;
-  unique_fd memfd;
-  std::byte* base = nullptr;
+  unique_fd ring_file, fields_file;
+  std::byte* ring = nullptr;
+  std::byte* fields = nullptr;
 };
 
 // A real sender, its ring started and one frame in it, and its ring as a

@@ -1032,8 +1032,9 @@ TEST(sharing_ring, a_peer_made_after_the_other_process_sent_and_hung_up_receives
   EXPECT_THROW((void)receiver.receive_for(1s, {}), connection_closed);
 }
 
-// A peer's ring is memory whose unwritten pages this side's reads allocate:
-// a ring over max_peer_ring_bytes is refused, one within it taken.
+// A peer's ring is memory this side maps (and, from a peer of another user,
+// may have to allocate): a ring over max_peer_ring_bytes is refused, one
+// within it taken.
 TEST(sharing_rings, a_peer_ring_over_max_peer_ring_bytes_is_refused_and_one_within_it_taken) {
   backend::device& dev = backend::host_device_instance();
   alloc::caching_allocator allocator(dev, {});

@@ -22,9 +22,9 @@
 //
 // A side that calls start_ring() sends its later frames through a ring in
 // shared memory instead (src/channel/shared_ring.h has its layout): the
-// socket then carries the ring's descriptor once, frames with a descriptor
+// socket then carries the ring's two descriptors once, frames with a descriptor
 // or too large for the ring, and wake-ups for a receiver that is not
-// spinning. Frame types 0xFFF0 and 0xFFF1 are the channel's own for this.
+// spinning. Frame types 0xFFF0 to 0xFFF2 are the channel's own for this.
 //
 // In a fork() child, every listener's and connection's socket the parent had
 // (and one a connect, an accept or a greeting was working on; a fork waits
@@ -75,7 +75,7 @@ inline constexpr std::size_t batch_packing_bytes = 16 * 1024;
 /// The frame types a connection keeps to itself (start_ring); send() and
 /// post() refuse them.
 inline constexpr std::uint16_t first_reserved_frame_type = 0xFFF0;
-inline constexpr std::uint16_t last_reserved_frame_type = 0xFFF1;
+inline constexpr std::uint16_t last_reserved_frame_type = 0xFFF2;
 
 /// Where a listener listens: a socket file or an abstract name.
 ///
@@ -272,9 +272,11 @@ class connection {
   /// max_ring_bytes), and checks all it reads there. Until called, a peer's
   /// ring is a protocol_error, so a server takes no memory from clients that
   /// did not ask for it. Call it before the peer's ring can arrive (say,
-  /// before the first receive). The bound matters: a page of the peer's
-  /// ring that the peer left unwritten is allocated by this side's first
-  /// read of it, and charged to this process's memory cgroup.
+  /// before the first receive). The bound matters for a peer of another
+  /// user: a page of its ring that it never allocated would be allocated by
+  /// this side's first read of it, and charged to this process's memory
+  /// cgroup (a peer of this process's user whose ring lacks a page is
+  /// refused: the system tells of its pages only to their owner's user).
   void allow_peer_ring(std::size_t max_bytes = max_ring_bytes);
   /// The smallest and the largest ring a connection makes or takes.
   static constexpr std::size_t min_ring_bytes = 4096;

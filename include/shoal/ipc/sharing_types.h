@@ -73,8 +73,10 @@ struct sharing_options {
   /// Slots in one announced counter file (32 bytes each).
   std::uint32_t max_peer_slots_per_file = 1u << 16;
   /// Bytes of the ring a peer sends through (its ring_bytes, rounded up to a
-  /// power of two): a page of it the peer left unwritten is allocated by
-  /// this side's first read, charged to this process. With ring_bytes past
+  /// power of two). A peer of another user can make this side allocate up
+  /// to this much, charged to this process: a page of its ring it never
+  /// allocated is allocated by this side's first read (one of this user's
+  /// with such a page is refused). With ring_bytes past
   /// 4 MiB, raise it on both sides to at least ring_bytes rounded up to a
   /// power of two. At least 4096 (invalid_argument).
   std::size_t max_peer_ring_bytes = std::size_t{4} << 20;
