@@ -1,11 +1,14 @@
 #include "channel/shared_ring.h"
 
 #include <fcntl.h>
+#include <linux/capability.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <bit>
 #include <cerrno>
@@ -55,6 +58,7 @@ std::byte* map_file(int fd, std::size_t bytes, int protection, const char* what)
 // is not up to date until touched, and would fail that check.
 std::byte* map_allocated_memfd(const unique_fd& fd, std::size_t bytes, const char* name) {
   std::byte* base = map_file(fd.get(), bytes, PROT_READ | PROT_WRITE, name);
+  (void)::madvise(base, bytes, MADV_NOHUGEPAGE);  // small pages, which the reader's lock keeps
   if (::madvise(base, bytes, MADV_POPULATE_WRITE) != 0) {
     if (errno != EINVAL) {  // EINVAL: a kernel before 5.14, without it; the loop does the same
       const int error = errno;
@@ -66,6 +70,9 @@ std::byte* map_allocated_memfd(const unique_fd& fd, std::size_t bytes, const cha
       std::atomic_ref<std::byte>(base[at]).store(std::byte{0}, std::memory_order_relaxed);
     }
   }
+  // Locked (best effort) so that an honest ring is not swapped out before
+  // its reader checks its pages, which would refuse it.
+  (void)::mlock(base, bytes);
   return base;
 }
 
@@ -75,6 +82,7 @@ std::byte* map_allocated_memfd(const unique_fd& fd, std::size_t bytes, const cha
 struct ring_file_facts {
   int seals;
   uid_t owner;
+  gid_t group;
 };
 ring_file_facts check_ring_file(int fd, std::size_t bytes, const char* what) {
   const int seals = fd >= 0 ? ::fcntl(fd, F_GET_SEALS) : -1;
@@ -89,7 +97,35 @@ ring_file_facts check_ring_file(int fd, std::size_t bytes, const char* what) {
     throw protocol_error(std::string("the ring's ") + what + " holds " + std::to_string(st.st_size) +
                          " bytes; it takes " + std::to_string(bytes));
   }
-  return {seals, st.st_uid};
+  return {seals, st.st_uid, st.st_gid};
+}
+
+// Whether mincore() tells this process the truth of a file of `facts`: it
+// does to its owner's user, and to a holder of CAP_FOWNER whose user
+// namespace maps the owner and the group (else fstat shows them as the
+// overflow ids, 65534). Of anyone else's file it tells the truth only while
+// the file grants this process writing — a mode the owner can change at
+// any moment — and says every page is in otherwise.
+bool mincore_tells_the_truth(const ring_file_facts& facts) {
+  if (facts.owner == ::geteuid()) return true;
+  constexpr std::uint32_t overflow_id = 65534;
+  if (facts.owner == overflow_id || facts.group == overflow_id) return false;
+  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+  std::array<__user_cap_data_struct, _LINUX_CAPABILITY_U32S_3> capabilities{};
+  if (::syscall(SYS_capget, &header, capabilities.data()) != 0) return false;
+  return (capabilities[CAP_FOWNER / 32].effective & (1u << (CAP_FOWNER % 32))) != 0;
+}
+
+// Keeps the pages of a ring mapping where they are, as far as this process
+// may: no huge page made of them by khugepaged (which charges it to the
+// mapping's process: the reader), and, with `lock` (pages known to be in
+// memory: locking a missing one would allocate it), no swapping out (a page
+// swapped in again is charged to its cgroup, or to the reader's when that
+// cgroup is gone). The lock is best effort: RLIMIT_MEMLOCK bounds it, and a
+// ring that cannot be locked works all the same.
+void keep_pages_in_place(std::byte* base, std::size_t bytes, bool lock) noexcept {
+  (void)::madvise(base, bytes, MADV_NOHUGEPAGE);  // EINVAL where the kernel has no huge pages
+  if (lock) (void)::mlock(base, bytes);
 }
 
 // Throws protocol_error when a page of the mapping at `base` is not in
@@ -270,13 +306,14 @@ ring_reader::ring_reader(unique_fd ring_file, unique_fd fields_file, std::uint64
   std::byte* ring = map_file(ring_file.get(), ring_header_bytes + capacity, PROT_READ, "file");
   std::byte* fields = nullptr;
   try {
-    // Sealed against writes, the ring file can lose no page after this
-    // check. mincore() tells the truth only of a file this side owns (of
-    // another's, unless it grants this side writing — a mode its owner can
-    // change at any moment — it says every page is in): a peer of another
-    // user is bounded by allow_peer_ring's size alone.
-    if (ring_facts.owner == ::geteuid()) check_every_page_in_memory(ring, ring_header_bytes + capacity);
+    // Sealed against writes, the ring file can lose no page to a hole after
+    // this check, and the lock keeps them from swap. Where mincore() may lie,
+    // the peer is bounded by allow_peer_ring's size alone.
+    const bool checked = mincore_tells_the_truth(ring_facts);
+    if (checked) check_every_page_in_memory(ring, ring_header_bytes + capacity);
+    keep_pages_in_place(ring, ring_header_bytes + capacity, checked);
     fields = map_file(fields_file.get(), ring_fields_bytes, PROT_READ | PROT_WRITE, "fields file");
+    keep_pages_in_place(fields, ring_fields_bytes, false);
   } catch (...) {
     ::munmap(ring, ring_header_bytes + capacity);
     throw;

@@ -32,18 +32,18 @@
 // Both sides treat what the other writes as hostile: the reader maps only
 // memfds on tmpfs sealed against shrinking (checked before their sizes are
 // read, so a mapping can never run past its file), of exactly the sizes a
-// ring has; the ring file sealed against writes, read-only, and — when its
-// owner is this process's user, for whom mincore() tells the truth — with
-// every page in memory,
-// so that no read of it allocates memory charged to the receiver (the seal
-// keeps any page from being taken out after the check; a page the sender's
-// system swaps out comes back charged to the sender's memory cgroup, or to
-// the reader's when that cgroup is gone). The sender can punch the fields
-// file's one page out, which only makes the receiver's next store allocate
-// that page again. The reader checks that the tail stays within capacity of
-// its head and every entry within what is published, and copies a payload
-// out before anything reads it; the writer checks that the reader's head
-// moves forward and never past the tail. A violation is a protocol_error.
+// ring has; the ring file sealed against writes and read-only, and — where
+// mincore() tells the truth: for the file's owner's user, or a holder of
+// CAP_FOWNER — with every page in memory, then locked there (best effort),
+// so that no read of it allocates memory charged to the receiver: the seal
+// keeps any page from being punched out after the check, the lock from
+// being swapped out. The sender can punch the fields file's one page out,
+// which only makes the receiver's next store allocate that page again. The
+// reader checks that the tail stays within capacity of its head and every
+// entry within what is published, and copies a payload out before anything
+// reads it; the writer checks that the reader's head moves forward and
+// never past the tail. A violation is a protocol_error. (docs/architecture.md
+// has the reasoning and the limits.)
 //
 // Not thread-safe: the connection serializes each side (its send and
 // receive locks), except a reader's seems_to_have_entries(), which any
@@ -172,7 +172,7 @@ class ring_reader {
   /// descriptor, `fields_file` the other's. protocol_error when the capacity
   /// is not one a ring has, or a descriptor is not a memfd on tmpfs sealed
   /// against shrinking, of exactly its size — the ring file sealed against
-  /// writes and, when its owner is this process's user, with every page in memory; the
+  /// writes and, where mincore() tells the truth, with every page in memory; the
   /// fields file open for writing and not sealed against it; backend_error
   /// when the system refuses a mapping otherwise.
   ring_reader(unique_fd ring_file, unique_fd fields_file, std::uint64_t announced_capacity);

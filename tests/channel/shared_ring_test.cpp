@@ -9,12 +9,14 @@
 #include <poll.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <optional>
 #include <string>
 #include <thread>
@@ -558,6 +560,42 @@ TEST(channel_ring_hostile_sender, a_ring_file_with_pages_its_sender_never_alloca
   expect_refused(r.b, "4 of its 5 pages out of memory");
 }
 
+// fallocate() allocates a page but leaves it not up to date, which mincore()
+// reports as out of memory: a sender must write its pages in.
+TEST(channel_ring_hostile_sender, a_ring_file_whose_pages_were_only_fallocated_is_refused) {
+  ring_receiver r;
+  hand_made_ring ring(16384, {.allocate = false});
+  ASSERT_EQ(::fallocate(ring.ring.fd.get(), 0, 0, static_cast<off_t>(header_bytes + 16384)), 0);
+  ring.tail() = 0;  // the header's page written
+  ring.announce(r.sender());
+  expect_refused(r.b, "4 of its 5 pages out of memory");
+}
+
+// The bytes of locked memory this process has (VmLck), or nullopt.
+std::optional<std::size_t> locked_bytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmLck:", 0) == 0) return std::stoull(line.substr(6)) * 1024;  // "VmLck:   68 kB"
+  }
+  return std::nullopt;
+}
+
+// Locked, the ring's pages cannot be swapped out: a sender that swapped
+// them out after the reader's check would have them swapped in again,
+// charged to the reader, once its own cgroup is gone.
+TEST(channel_ring, both_sides_lock_the_rings_pages_in_memory) {
+  rlimit limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_MEMLOCK, &limit), 0);
+  if (::geteuid() != 0 && limit.rlim_cur < (std::size_t{1} << 20)) GTEST_SKIP() << "RLIMIT_MEMLOCK under 1 MiB here";
+  const std::optional<std::size_t> before = locked_bytes();
+  if (!before) GTEST_SKIP() << "no VmLck in /proc/self/status";
+  channel::detail::ring_writer writer(65536);
+  const std::size_t after_writer = locked_bytes().value_or(0);
+  EXPECT_GE(after_writer - *before, header_bytes + 65536) << "the sender locks its ring file";
+  channel::detail::ring_reader reader = reader_of(writer);
+  EXPECT_GE(locked_bytes().value_or(0) - after_writer, header_bytes + 65536) << "the receiver locks the ring file it checked";
+}
+
 TEST(channel_ring_hostile_sender, a_ring_announce_without_its_fields_file_or_a_fields_file_alone_is_refused) {
   {
     ring_receiver r;
@@ -566,6 +604,16 @@ TEST(channel_ring_hostile_sender, a_ring_announce_without_its_fields_file_or_a_f
     const std::uint64_t capacity = 4096;
     std::memcpy(payload.data(), &capacity, 8);
     write_raw(r.sender(), raw_batch("SHOL", 2, {{announce_type, payload, 1}}), {ring.ring.fd.get()});
+    expect_refused(r.b, "a ring announce without its fields file");
+  }
+  {
+    ring_receiver r;
+    hand_made_ring ring(4096);
+    std::vector<std::byte> payload(8);
+    const std::uint64_t capacity = 4096;
+    std::memcpy(payload.data(), &capacity, 8);
+    write_raw(r.sender(), raw_batch("SHOL", 2, {{announce_type, payload, 1}, {7, {}, 1}}),
+              {ring.ring.fd.get(), ring.fields.fd.get()});
     expect_refused(r.b, "a ring announce without its fields file");
   }
   {
