@@ -850,7 +850,9 @@ void route(receive_side r, std::vector<frame> batch) {
                              std::to_string(r.peer_ring_max) + " this side takes (allow_peer_ring; for a sharing peer, max_peer_ring_bytes)");
       }
       if (i + 1 == batch.size() || batch[i + 1].type != detail::ring_fields_type || !batch[i + 1].payload.empty()) {
-        throw protocol_error("a ring announce without its fields file in the frame after it, in the same batch");
+        throw protocol_error(
+            "a ring announce without its fields file in the frame after it, in the same batch (a shoal from "
+            "before 2026-12-04 sends none: run the same shoal version at both ends)");
       }
       frame& fields = batch[++i];
       r.in_ring = std::make_unique<detail::ring_reader>(std::move(f.fd), std::move(fields.fd), capacity);
