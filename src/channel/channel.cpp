@@ -514,6 +514,11 @@ void connection::sending(state& s, const char* operation, Body body) {
     const connection_closed closed(to() + e.what(), started);
     s.break_with(closed.what());
     throw closed;
+  } catch (const detail::descriptors_refused& e) {
+    if (!started) throw protocol_error(to() + e.what() + "; the connection stays usable");
+    const protocol_error late(to() + e.what() + " after part of this call's frames went; the connection is closed");
+    s.break_with(late.what());
+    throw late;
   } catch (const std::exception& e) {  // part of a batch may have gone: the stream is out of step
     s.break_with(e.what());
     throw;

@@ -47,6 +47,17 @@ T get(const std::vector<std::byte>& in, std::size_t at) {
   throw os_error{error, call};
 }
 
+// throw_socket_error() for the call that would have passed `descriptors`
+// with a batch's first byte. EPERM there is the peer's SO_PASSRIGHTS off.
+[[noreturn]] void throw_first_send_error(const char* call, std::span<const int> descriptors) {
+  if (errno == EPERM && !descriptors.empty()) {
+    throw descriptors_refused(std::string(call) + ": the peer takes no descriptors (SO_PASSRIGHTS is off at its "
+                              "end: an endpoint of a protocol that passes none, or one that refuses them) and " +
+                              std::to_string(descriptors.size()) + " were to go; nothing of the batch went");
+  }
+  throw_socket_error(call);
+}
+
 std::string hex_bytes(std::span<const std::byte> bytes) {
   std::string out;
   char text[4];
@@ -367,7 +378,8 @@ void send_batch(int socket, std::span<const outgoing_frame> frames, std::vector<
       wait_for_socket(socket, POLLOUT, *until, done > 0, "read what was sent to it");
       continue;
     }
-    throw_socket_error(done == 0 ? "sendmsg" : "send");
+    if (done == 0) throw_first_send_error("sendmsg", descriptors);
+    throw_socket_error("send");
   }
 }
 
@@ -383,7 +395,7 @@ std::size_t write_ready(int socket, std::span<const std::byte> bytes, std::span<
     if (sent >= 0) return static_cast<std::size_t>(sent);
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-    throw_socket_error("sendmsg");
+    throw_first_send_error("sendmsg", descriptors);
   }
 }
 

@@ -32,6 +32,14 @@ class timeout_mid_batch : public timeout_error {
   using timeout_error::timeout_error;
 };
 
+/// The peer takes no descriptors (SO_PASSRIGHTS off at its end, Linux 6.16
+/// on: connection::refuse_descriptors, or an endpoint of a protocol that
+/// passes none) and the batch brought one: nothing of it went.
+class descriptors_refused : public protocol_error {
+ public:
+  using protocol_error::protocol_error;
+};
+
 /// How many of `frames`, from the first, the next batch holds: at least one,
 /// and as many more as fit max_batch_frames, max_batch_descriptors and
 /// batch_packing_bytes of payload.
@@ -45,12 +53,14 @@ class timeout_mid_batch : public timeout_error {
 /// One write of `bytes` that never waits, with `descriptors` going with its
 /// first byte: how many bytes the socket took, 0 when it is full (and then
 /// the descriptors did not go either). Throws connection_closed when the
-/// peer is gone, backend_error otherwise.
+/// peer is gone, descriptors_refused when it takes no descriptors,
+/// backend_error otherwise.
 [[nodiscard]] std::size_t write_ready(int socket, std::span<const std::byte> bytes, std::span<const int> descriptors);
 
 /// Writes the wire form of `frames` as one batch into `out` (replacing what
 /// it held) and sends it with their descriptors, waiting for room in the
 /// socket until `until`. Throws connection_closed when the peer is gone,
+/// descriptors_refused (nothing went) when it takes no descriptors,
 /// backend_error otherwise (part of the batch may have gone then);
 /// timeout_error when `until` passed before any byte went, timeout_mid_batch
 /// when it passed after some did.

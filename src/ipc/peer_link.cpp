@@ -29,7 +29,17 @@ peer_link::peer_link(std::shared_ptr<producer_state> state, channel::connection 
   // Before this link is registered anywhere: when the system refuses the
   // ring, nothing is left to undo. A peer gone already gets no ring; what it
   // sent before it went is received all the same.
-  if (state_->options.ring_bytes > 0) (void)link_.start_ring(state_->options.ring_bytes);
+  if (state_->options.ring_bytes > 0) {
+    try {
+      (void)link_.start_ring(state_->options.ring_bytes);
+    } catch (const protocol_error& e) {
+      // The peer takes no descriptors, which every sharing peer passes: an
+      // endpoint of another protocol, whose greeting, if it came (a lender
+      // greets as it accepts), names it.
+      check_greeting();
+      throw protocol_error(std::string(e.what()) + (hello_checked_ ? "" : "; its greeting has not come to say what it is"));
+    }
+  }
   state_->add_outbox(outbox_);
   state_->add_receiver(receiver_);
   state_->connect(link_.peer().process);

@@ -516,3 +516,45 @@ TEST(refused_descriptors, a_refusing_listener_has_them_refused_before_accept) {
 
 }  // namespace
 }  // namespace shoal::testing
+
+namespace shoal::testing {
+namespace {
+
+// The sender's side of the same refusal: a typed error that says what
+// happened, and a stream still in step when nothing of the call went.
+TEST(refused_descriptors, a_send_of_a_descriptor_to_a_refusing_peer_is_a_protocol_error_and_the_connection_goes_on) {
+  if (!kernel_refuses_descriptors()) GTEST_SKIP() << "this kernel has no SO_PASSRIGHTS (Linux 6.16 on)";
+  socket_pair pair;
+  connection sender = connection::adopt(std::move(pair.a), {});
+  connection victim = connection::adopt(std::move(pair.b), {});
+  victim.refuse_descriptors();
+  pipe_ends pipe;
+  try {
+    sender.send(1, bytes_of("with one"), pipe.write.get());
+    ADD_FAILURE() << "the send of a descriptor to a refusing peer went";
+  } catch (const protocol_error& e) {
+    EXPECT_NE(std::string(e.what()).find("takes no descriptors"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("stays usable"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW((void)sender.start_ring(4096), protocol_error) << "a ring's files are descriptors too";
+  sender.send(1, bytes_of("without"));
+  EXPECT_EQ(text_of(victim.receive_for(2s).payload), "without") << "the refused send left the stream out of step";
+}
+
+// A refusal after an earlier batch of the same call went leaves half of it
+// with the peer: the connection is closed.
+TEST(refused_descriptors, a_refusal_after_part_of_a_send_went_closes_the_connection) {
+  if (!kernel_refuses_descriptors()) GTEST_SKIP() << "this kernel has no SO_PASSRIGHTS (Linux 6.16 on)";
+  socket_pair pair;
+  connection sender = connection::adopt(std::move(pair.a), {});
+  connection victim = connection::adopt(std::move(pair.b), {});
+  victim.refuse_descriptors();
+  pipe_ends pipe;
+  std::vector<channel::outgoing_frame> frames(channel::max_batch_frames, channel::outgoing_frame{1, {}, -1});
+  frames.push_back({1, {}, pipe.write.get()});  // the second batch's only frame
+  EXPECT_THROW(sender.send(frames), protocol_error);
+  EXPECT_THROW(sender.send(1, bytes_of("after")), connection_closed) << "a stream out of step stayed usable";
+}
+
+}  // namespace
+}  // namespace shoal::testing

@@ -179,10 +179,13 @@ class private_directory;
 /// connection_closed, or any other error, since the stream may then be out of
 /// step) the connection is broken: the socket is shut down both ways, so the
 /// peer sees end of stream and a blocked receive() returns, and every later
-/// send or receive throws connection_closed. The one exception is a
+/// send or receive throws connection_closed. The exceptions are a
 /// timeout_error before any byte moved (nothing arrived within
-/// receive_for's deadline; a send found no room at all before its own): the
-/// stream is still in step and the connection stays usable. A timeout in the
+/// receive_for's deadline; a send found no room at all before its own) and
+/// a send() refused before any byte went because it passed a descriptor to
+/// a peer that takes none (protocol_error; SO_PASSRIGHTS off at its end,
+/// Linux 6.16 on): the stream is still in step and the connection stays
+/// usable. A timeout in the
 /// middle of a batch, a peer that sent part of one and stalls or stopped
 /// reading part-way, breaks it. The descriptor itself is closed
 /// only by the destructor, so native_handle() never names a reused descriptor;
@@ -243,7 +246,9 @@ class connection {
   /// until the send timeout (set_send_timeout) passes: then timeout_error,
   /// and the connection is broken unless nothing of this call had gone.
   /// Throws connection_closed when the peer is gone or the connection is broken;
-  /// invalid_argument when the payload does not fit a frame (4 GiB less the
+  /// protocol_error when a descriptor was to go to a peer that takes none
+  /// (refuse_descriptors there; the connection stays usable when nothing of
+  /// this call had gone, and is closed otherwise); invalid_argument when the payload does not fit a frame (4 GiB less the
   /// headers) or `fd` is not an open descriptor (nothing is sent and the
   /// connection stays usable); backend_error when the system refuses.
   void send(std::uint16_t type, std::span<const std::byte> payload, int fd = -1);
@@ -289,9 +294,10 @@ class connection {
   /// table with descriptors kept while its batch stalls, nor make it close a
   /// file of its own (which would drop its POSIX locks). From Linux 6.16 on,
   /// the kernel refuses them at the peer's send (SO_PASSRIGHTS off: its
-  /// sendmsg fails with EPERM); before, the kernel closes them in the read,
-  /// on the reading thread, where a peer's socket set to linger would hold
-  /// it (see unique_fd::from_peer). Descriptors queued before this call still
+  /// sendmsg fails with EPERM, a shoal peer's send() with protocol_error);
+  /// before, the kernel closes them in the read, on the reading thread,
+  /// where a peer's socket set to linger would hold it (see
+  /// unique_fd::from_peer). Descriptors queued before this call still
   /// come (listener::refuse_descriptors leaves none). A peer's ring
   /// (allow_peer_ring) comes as a descriptor too. Call it before the first
   /// receive.
