@@ -223,6 +223,17 @@ class Allocator:
         An allocator on `device` (default: default_device()). Settings come from SHOAL_ALLOC_CONF (unless use_environment is False), then `conf` (the same 'key:value,...' text), then keyword arguments with the same keys, e.g. Allocator(max_split_size_mb=256, expandable_segments=True, trace_entries=1000). An unknown key or a bad value raises InvalidArgumentError.
         """
 
+    @overload
+    def __eq__(self, arg: Allocator, /) -> bool:
+        """
+        True for two objects of one allocator (SharingContext.allocator gives a new object each time).
+        """
+
+    @overload
+    def __eq__(self, other: object | None) -> bool: ...
+
+    def __hash__(self) -> int: ...
+
     def allocate(self, nbytes: int, stream: Stream | None = None) -> Storage:
         """
         A Storage of `nbytes` (> 0) for use on `stream` (default: the current stream). Raises OutOfMemoryError when neither the cache nor the device can provide it. The GIL is released meanwhile.
@@ -527,7 +538,7 @@ class Peer:
 
     def send(self, data: object | None, metadata: bytes = ..., stream: Stream | None = None) -> None:
         """
-        Shares a Storage (or an ArrayView's storage) of this context's allocator with the other process, with `metadata` attached; it waits for the work enqueued on `stream` (default: the current stream) before using it. The memory is freed only when every process has dropped it.
+        Shares a Storage (or an ArrayView's storage) of this context's allocator with the other process, with `metadata` attached; it waits for the work enqueued on `stream` (default: the current stream) before using it. The memory is freed only when every process has dropped it. A storage belongs to the first SharingContext that sends it: another context refuses it (InvalidArgumentError), as it refuses one received from another process or adopted; send a copy.
         """
 
     def send_note(self, metadata: bytes) -> None:

@@ -52,7 +52,9 @@ import operator
 import os
 import secrets
 import selectors
+import threading
 import time
+import weakref
 from typing import Any, Union
 
 from . import _checks, _device_defaults, _shoal
@@ -72,6 +74,29 @@ _VERSION = 1
 _MAX_SELECT_WAIT = 3600.0  # seconds: one select's wait, so a long batch_timeout never overflows it
 _END_NOTE = json.dumps({"v": _VERSION, "end": True}, separators=(",", ":")).encode()
 _MESSAGES_PER_TURN = 256  # a producer's messages read in one turn (a batch may span turns)
+
+
+# Producers of one allocator and options in one process share a context while any
+# of them lives: a storage belongs to the first context that sends it, so one
+# sent through one Producer can then be sent through another (to a second
+# consumer, or to one that restarted). The pid keeps a forked child, whose
+# inherited contexts belong to its parent, from finding them.
+_producer_contexts: "weakref.WeakValueDictionary[tuple, _shoal.SharingContext]" = weakref.WeakValueDictionary()
+_producer_contexts_lock = threading.Lock()
+
+
+def _producer_context(allocator: _shoal.Allocator, options: dict[str, int]) -> _shoal.SharingContext:
+    key = (os.getpid(), allocator, tuple(sorted(options.items())))
+    try:
+        hash(key)
+    except TypeError:  # an option of a type no context takes: its own says which
+        return _shoal.SharingContext(allocator, **options)
+    with _producer_contexts_lock:
+        context = _producer_contexts.get(key)
+        if context is None:
+            context = _shoal.SharingContext(allocator, **options)
+            _producer_contexts[key] = context
+        return context
 
 
 def _device_of(where: str, device: Any) -> _shoal.Device:
@@ -371,10 +396,20 @@ class Producer:
     @property
     def _peer(self) -> _shoal.Peer:
         if self._link is None:
-            assert self._connection is not None  # handed to the Peer alone, when it is made
-            self._link = _shoal.Peer(self.context, self._connection)
-            self._connection = None
+            if self._connection is None:
+                raise _shoal.ConnectionClosedError(
+                    "shoal.sharing.Producer: closed (the connection failed as its first put began)"
+                )
+            # The Peer takes the connection whether or not it is made: one that
+            # failed (an endpoint of another protocol) leaves this Producer closed.
+            connection, self._connection = self._connection, None
+            self._link = _shoal.Peer(self.context, connection)
         return self._link
+
+    @property
+    def _gone(self) -> bool:
+        """No connection is left: closed, or lost as the Peer was made."""
+        return self._connection is None and (self._link is None or self._link.closed)
 
     @property
     def allocator(self) -> _shoal.Allocator:
@@ -388,7 +423,9 @@ class Producer:
 
     @property
     def context(self) -> _shoal.SharingContext:
-        """The SharingContext of the allocator: made, for a Producer made without
+        """The SharingContext of the allocator, shared by this process's Producers of
+        that allocator and these options (so that what one sent another may send
+        too; its stats and holders count them all): made, for a Producer made without
         allocator= or device=, at its first put or by this read, which fixes
         the allocator (on the calling thread's device, see Producer)."""
         if self._context is None:
@@ -396,8 +433,8 @@ class Producer:
         return self._context
 
     def _fix(self, allocator: _shoal.Allocator) -> _shoal.SharingContext:
-        """Fixes the allocator and makes its context (which checks the options)."""
-        context = _shoal.SharingContext(allocator, **self._options)
+        """Fixes the allocator and takes its context (made at the first: it checks the options)."""
+        context = _producer_context(allocator, self._options)
         self._allocator, self._context = allocator, context
         return context
 
@@ -493,6 +530,9 @@ class Producer:
         lost); the connection is closed either way (a timeout that is no
         wait is refused first: the producer stays open)."""
         timeout = _checks.timeout_seconds("shoal.sharing.Producer.close", timeout)
+        if self._gone:
+            self._streams.clear()
+            return
         taken = True
         try:
             for stream in self._streams:
@@ -531,7 +571,7 @@ class Producer:
     @property
     def closed(self) -> bool:
         """True once closed (by close(), the with block, or the connection's end)."""
-        return self._link is not None and self._link.closed
+        return self._gone
 
     def __repr__(self) -> str:
         if self.closed:
@@ -552,7 +592,8 @@ class Producer:
             self.close()
             return
         self._streams.clear()
-        self._peer.close()
+        if not self._gone:
+            self._peer.close()
 
 
 class _Incoming:
@@ -695,6 +736,8 @@ class Consumer:
         """The next whole batch; None once `producers_ended` reaches
         `until_ended` (a connection's batches come before its end)."""
         timeout = self._check_call(caller, timeout)
+        _checks.instance_of(f"shoal.sharing.Consumer.{caller}", "stream", stream, _shoal.Stream, "a shoal.Stream",
+                            allow_none=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if until_ended is not None and self._ended >= until_ended:
@@ -892,6 +935,8 @@ class Batches:
         _checks.whole_number("shoal.sharing.Consumer.batches", "producers", producers)
         producers = operator.index(producers)
         consumer._check_call("batches", timeout)
+        _checks.instance_of("shoal.sharing.Consumer.batches", "stream", stream, _shoal.Stream, "a shoal.Stream",
+                            allow_none=True)
         self._consumer = consumer
         self._until = consumer.producers_ended + producers
         self._timeout = timeout

@@ -235,7 +235,9 @@ class Engine:
     the defaults (32 batches, 64 MiB) let small batches form large groups, and keep batches
     of 16 MiB and more at 4 in flight or fewer.
     ``max_pinned_bytes``: the pinned staging memory the engine may hold, a ring that pageable
-    arrays are staged through.
+    arrays are staged through: at least 2 MiB, the least pinned memory staging reserves, and at
+    least what one staging chunk takes (its bytes rounded up to a 2 MiB segment), else
+    InvalidArgumentError.
     ``staging_chunk_bytes``: pageable arrays are staged in pieces this large.
     ``staging_stores``: how staging writes the ring: ``"automatic"`` (the default:
     non-temporal stores for a copy on up to 8 threads, ordinary stores for one on more, which

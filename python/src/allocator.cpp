@@ -151,6 +151,11 @@ void register_allocator(nb::module_& m) {
           "the same keys, e.g. Allocator(max_split_size_mb=256, "
           "expandable_segments=True, trace_entries=1000). "
           "An unknown key or a bad value raises InvalidArgumentError.")
+      .def(
+          "__eq__", [](const py_allocator& a, const py_allocator& b) { return a.state == b.state; },
+          "True for two objects of one allocator (SharingContext.allocator gives a new object each time).")
+      .def("__eq__", [](const py_allocator&, nb::handle) { return false; }, nb::arg("other").none())
+      .def("__hash__", [](const py_allocator& a) { return reinterpret_cast<std::uintptr_t>(a.state.get()); })
       .def("allocate", &allocate_storage, nb::arg("nbytes"), nb::arg("stream").none() = nb::none(),
            "A Storage of `nbytes` (> 0) for use on `stream` (default: the "
            "current stream). Raises "

@@ -37,12 +37,15 @@ namespace {
 /// The longest wait for memory a borrow may ask (the protocol's 32-bit milliseconds).
 constexpr double max_wait_seconds = 4294967.295;
 
-/// `seconds` of the argument `what` of `who` as a duration; refused unless finite and > 0.
+/// `seconds` of the argument `what` of `who` as a duration; refused unless
+/// finite and > 0. One past a century is a century, as sharing's waits take
+/// it (deadline_of): "forever" written as sys.maxsize must not overflow.
 std::chrono::milliseconds timeout_of(double seconds, const char* who, const char* what = "timeout") {
   if (!(seconds > 0) || !std::isfinite(seconds)) {
     throw invalid_argument(std::string(who) + ": " + what + " must be a finite number of seconds > 0");
   }
-  return std::chrono::milliseconds(static_cast<std::int64_t>(seconds * 1000.0 + 0.5));
+  constexpr double century = 100.0 * 365.25 * 24 * 3600;
+  return std::chrono::milliseconds(static_cast<std::int64_t>(std::min(seconds, century) * 1000.0 + 0.5));
 }
 
 /// A borrowed region behind a storage: given back (unmapped, then the lender

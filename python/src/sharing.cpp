@@ -288,7 +288,7 @@ void register_sharing(nb::module_& m) {
       "PeerTimeoutError when the listener takes no connection within `timeout` seconds (a server that stopped "
       "accepting; None waits without a deadline).");
 
-  nb::class_<py_sharing_context>(m, "SharingContext",
+  nb::class_<py_sharing_context>(m, "SharingContext", nb::is_weak_referenceable(),
                                  "What sharing storages with other processes needs, for one Allocator: "
                                  "reference counters, the limbo of blocks other processes still hold, and a "
                                  "collector that frees them and reclaims the references of processes that "
@@ -391,7 +391,9 @@ void register_sharing(nb::module_& m) {
           nb::arg("data").none(), nb::arg("metadata") = nb::bytes(""), nb::arg("stream").none() = nb::none(),
           "Shares a Storage (or an ArrayView's storage) of this context's allocator with the other process, "
           "with `metadata` attached; it waits for the work enqueued on `stream` (default: the current stream) "
-          "before using it. The memory is freed only when every process has dropped it.")
+          "before using it. The memory is freed only when every process has dropped it. A storage belongs to "
+          "the first SharingContext that sends it: another context refuses it (InvalidArgumentError), as it "
+          "refuses one received from another process or adopted; send a copy.")
       .def(
           "send_note",
           [](const py_peer& p, const nb::bytes& metadata) {

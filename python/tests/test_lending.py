@@ -1160,3 +1160,45 @@ def test_a_borrower_process_gives_a_region_back_when_its_watcher_is_called(addre
         finally:
             child.kill()
             child.wait()
+
+
+def test_a_huge_finite_timeout_waits_like_a_century_instead_of_running_out_at_once(address):
+    in_process_only()
+    forever = float(sys.maxsize)  # how a user writes "as long as it takes" where inf is refused
+    with pytest.raises(shoal.InvalidArgumentError, match="over a day"):  # its own bound, not an overflow's
+        shoal.lending.Lender(address, peer_timeout=1e300)
+    with shoal.lending.Lender(address, capacity_bytes=4 * MIB) as lender, \
+            shoal.lending.Borrower(address, timeout=1e16) as borrower:
+        region = borrower.borrow(2 * MIB, "forever", timeout=forever)
+        assert region.nbytes == 2 * MIB
+        assert "shoal_lending_" in borrower.metrics(timeout=1e300)
+        assert lender.status()["lent_bytes"] == 2 * MIB
+        del region
+
+
+def kernel_refuses_descriptors_at_the_send() -> bool:
+    """Whether this kernel has SO_PASSRIGHTS (Linux 6.16 on): a lender turns it off, so a
+    peer's send of a descriptor fails there instead of reaching it."""
+    so_passrights = 83
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, so_passrights, 1)
+        except OSError:
+            return False
+    return True
+
+
+def test_a_producer_with_its_ring_pointed_at_a_lender_is_told_and_left_closed(address):
+    if not kernel_refuses_descriptors_at_the_send():
+        pytest.skip("this kernel has no SO_PASSRIGHTS: the lender hangs up on the ring's descriptors instead")
+    allocator = shoal.Allocator()
+    with shoal.lending.Lender(address):
+        producer = shoal.sharing.Producer(address, allocator=allocator)  # the default ring
+        time.sleep(0.3)  # the lender's greeting comes as it accepts
+        with pytest.raises(shoal.ProtocolError, match="wrong socket"):
+            with producer:
+                producer.put({"x": allocator.allocate(64).view()})
+        assert producer.closed, "the connection went with the failed Peer"
+        producer.close()  # nothing left to close: no error
+        with pytest.raises(shoal.ConnectionClosedError, match="closed"):
+            producer.put({"x": allocator.allocate(64).view()})

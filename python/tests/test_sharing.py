@@ -1207,3 +1207,44 @@ def test_a_peer_ring_over_max_peer_ring_bytes_is_refused_naming_the_option_to_ra
         with sharing.Producer(bounded.address, allocator=HOST, ring_bytes=1 << 20) as big_ring:
             big_ring.put({"x": HOST.allocate(8)})
             assert bounded.get(timeout=WAIT)["x"].shape[0] == 8
+
+
+def test_a_storage_one_producer_sent_another_producer_of_its_allocator_sends_too():
+    # One process sending the same weights to two consumers, each through a Producer of its
+    # own, and again to a consumer that restarted after the first Producer closed.
+    weights = HOST.allocate(16)
+    weights.fill(9)
+    with sharing.Consumer(allocator=HOST) as first, sharing.Consumer(allocator=HOST) as second:
+        with host_producer(first) as to_first, host_producer(second) as to_second:
+            to_first.put({"w": weights.view("uint8")})
+            to_second.put({"w": weights.view("uint8")})
+            assert to_first.context is to_second.context
+            for consumer in (first, second):
+                assert consumer.get(timeout=WAIT)["w"].storage.read() == bytes([9]) * 16
+    with sharing.Consumer(allocator=HOST) as restarted, host_producer(restarted) as again:
+        again.put({"w": weights.view("uint8")})
+        assert restarted.get(timeout=WAIT)["w"].storage.read() == bytes([9]) * 16
+
+
+def test_producers_of_other_options_or_allocators_have_contexts_of_their_own_and_a_second_context_says_why_it_refuses():
+    other = shoal.Allocator(shoal.host_device())
+    with sharing.Consumer(allocator=HOST) as consumer:
+        with host_producer(consumer) as plain, \
+                sharing.Producer(consumer.address, allocator=HOST, ring_bytes=0) as no_ring, \
+                sharing.Producer(consumer.address, allocator=other) as elsewhere:
+            assert plain.context is not no_ring.context
+            assert plain.context is not elsewhere.context
+            storage = HOST.allocate(16)
+            plain.put({"x": storage.view("uint8")})
+            with pytest.raises(shoal.InvalidArgumentError, match="another sharing context first") as refused:
+                no_ring.put({"x": storage.view("uint8")})
+            assert "another Producer or SharingContext" in str(refused.value)
+            assert consumer.get(timeout=WAIT)["x"].storage.read() == storage.read()
+
+
+def test_two_objects_of_one_allocator_are_equal_and_hash_alike():
+    context = shoal.SharingContext(HOST)
+    assert context.allocator == HOST and hash(context.allocator) == hash(HOST)
+    assert context.allocator is not HOST
+    assert shoal.Allocator(shoal.host_device()) != HOST
+    assert HOST != "an allocator"

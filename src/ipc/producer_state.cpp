@@ -76,7 +76,15 @@ producer_state::share producer_state::share_storage(const storage::storage& st, 
       [this](void* data, std::size_t size) { return std::make_shared<sent_data>(shared_from_this(), data, size); },
       stream);
   auto* sent = dynamic_cast<sent_data*>(owner.get());
-  if (sent == nullptr || sent->state() != this) {
+  if (sent != nullptr && sent->state() != this) {
+    // Its block is freed through the first context's limbo, once every
+    // holder that context counts has let it go: a second context's holders
+    // would not be counted.
+    throw invalid_argument(
+        "peer::send: this storage was sent through another sharing context first (in Python, another Producer or "
+        "SharingContext), which its memory belongs to from then on: send it again through that one, or send a copy");
+  }
+  if (sent == nullptr) {
     throw invalid_argument(
         "peer::send: this storage's memory belongs to another owner (it was received from another process, "
         "adopted, or is a part of a block shared with other storages, as the transfer engine's are); such a storage "

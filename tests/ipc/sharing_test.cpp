@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "support/descriptors.h"
+#include "support/passrights.h"
 #include "shoal/backend/devices.h"
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
@@ -754,6 +755,57 @@ TEST(sharing_protocol, check_greeting_reads_the_hello_alone_and_names_another_pr
   const ipc::received first = sender.receive({});
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(first.metadata.data()), first.metadata.size()), "first")
       << "the greeting check took a message";
+}
+
+// An endpoint that takes no descriptors (a lender) refuses the ring's at the
+// send (Linux 6.16 on): the peer is not made, and says what it reached.
+TEST(sharing_protocol, a_peer_made_toward_an_endpoint_that_takes_no_descriptors_names_it) {
+  if (!kernel_refuses_descriptors()) GTEST_SKIP() << "this kernel has no SO_PASSRIGHTS (Linux 6.16 on)";
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context context(allocator, {.collect_interval = 0ms});
+  const auto refused_with = [&](bool greets) -> std::string {
+    auto [lender, to_lender] = connected_pair();
+    lender.refuse_descriptors();
+    if (greets) channel::send_hello(lender, {"shoal.lending", 1});
+    try {
+      ipc::peer sender(context, std::move(to_lender));
+    } catch (const protocol_error& e) {
+      return e.what();
+    }
+    return "made";
+  };
+  const std::string greeted = refused_with(true);
+  EXPECT_NE(greeted.find("'shoal.lending' version 1"), std::string::npos) << greeted;
+  const std::string silent = refused_with(false);
+  EXPECT_NE(silent.find("takes no descriptors"), std::string::npos) << silent;
+  EXPECT_NE(silent.find("greeting has not come"), std::string::npos) << silent;
+}
+
+// A storage's block is freed through the limbo of the context that first
+// sent it: a second context refuses it, saying so.
+TEST(sharing_protocol, a_storage_sent_through_one_context_is_refused_by_another_which_says_why) {
+  backend::device& dev = backend::host_device_instance();
+  alloc::caching_allocator allocator(dev, {});
+  ipc::sharing_context first(allocator, {.collect_interval = 0ms});
+  ipc::sharing_context second(allocator, {.collect_interval = 0ms});
+  ipc::sharing_context consumer(allocator, {.collect_interval = 0ms});
+  auto [a, to_a] = connected_pair();
+  auto [b, to_b] = connected_pair();
+  ipc::peer through_first(first, std::move(a));
+  ipc::peer through_second(second, std::move(b));
+  ipc::peer reading_first(consumer, std::move(to_a));
+  const storage_t st = storage_t::allocate(allocator, 64, {});
+  through_first.send(st, {}, {});
+  try {
+    through_second.send(st, {}, {});
+    ADD_FAILURE() << "a storage went through a second context";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("another sharing context first"), std::string::npos) << e.what();
+  }
+  through_first.send(st, {}, {});  // the first context sends it again
+  EXPECT_TRUE(reading_first.receive({}).storage.valid());
+  EXPECT_TRUE(reading_first.receive({}).storage.valid());
 }
 
 TEST(sharing_protocol, a_peer_that_sends_a_message_before_its_hello_is_refused) {
