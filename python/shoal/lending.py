@@ -468,6 +468,8 @@ class Borrower:
         return self._native.closed
 
     def __repr__(self) -> str:
+        if "_native" not in vars(self):  # its __init__ raised (a traceback shows it)
+            return "shoal.lending.Borrower(not made)"
         try:
             count, nbytes = self.kept()
         except _shoal.ConnectionClosedError:  # closed, now or by another thread meanwhile
@@ -722,6 +724,8 @@ class Lender:
         return self._native.closed
 
     def __repr__(self) -> str:
+        if "_native" not in vars(self):  # its __init__ raised (a traceback shows it)
+            return "shoal.lending.Lender(not made)"
         try:
             s = self.status()
         except _shoal.InvalidArgumentError:  # closed, now or by another thread meanwhile

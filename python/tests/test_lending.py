@@ -1202,3 +1202,10 @@ def test_a_producer_with_its_ring_pointed_at_a_lender_is_told_and_left_closed(ad
         producer.close()  # nothing left to close: no error
         with pytest.raises(shoal.ConnectionClosedError, match="closed"):
             producer.put({"x": allocator.allocate(64).view()})
+
+
+def test_a_lender_or_borrower_whose_making_failed_has_a_repr_for_the_traceback(address):
+    lender = shoal.lending.Lender.__new__(shoal.lending.Lender)
+    assert repr(lender) == "shoal.lending.Lender(not made)"
+    borrower = shoal.lending.Borrower.__new__(shoal.lending.Borrower)
+    assert repr(borrower) == "shoal.lending.Borrower(not made)"
