@@ -1,5 +1,6 @@
 #include "bench/replay/random_mix.h"
 
+#include <ostream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -43,40 +44,81 @@ struct live_block {
   std::uint32_t stream;
 };
 
-}  // namespace
-
-trace generate_mix(const mix_options& options) {
+void check(const mix_options& options) {
   if (options.events == 0) throw invalid_argument("a random mix needs at least one event");
   if (options.streams == 0 || options.streams > max_trace_streams) {
     throw invalid_argument("a random mix has 1.." + std::to_string(max_trace_streams) + " streams, not " +
                            std::to_string(options.streams));
   }
   if (options.live_target_bytes == 0) throw invalid_argument("a random mix needs a live target above 0 bytes");
+}
 
+/// The note that says how the mix was made.
+std::string describe(const mix_options& options) {
+  return "random-size mix: events " + std::to_string(options.events) + ", seed " + std::to_string(options.seed) +
+         ", streams " + std::to_string(options.streams) + ", live target " + std::to_string(options.live_target_bytes) +
+         " bytes";
+}
+
+/// The mix's events, in order, one per next(); `options` have passed check().
+class mix_walk {
+ public:
+  explicit mix_walk(const mix_options& options) : options_(options), rng_(options.seed) {}
+
+  trace_event next() {
+    const std::uint64_t alloc_percent = live_bytes_ < options_.live_target_bytes ? 60 : 40;
+    return live_.empty() || rng_.below(100) < alloc_percent ? alloc() : free_random_block();
+  }
+
+ private:
+  // ids are allocation ordinals, so an event's block is its id.
+  trace_event alloc() {
+    const live_block b{next_id_++, random_size(rng_), static_cast<std::uint32_t>(rng_.below(options_.streams))};
+    live_.push_back(b);
+    live_bytes_ += b.bytes;
+    return {trace_op::alloc, b.id, b.bytes, b.stream, static_cast<std::size_t>(b.id)};
+  }
+
+  trace_event free_random_block() {
+    const std::size_t victim = rng_.below(live_.size());
+    std::swap(live_[victim], live_.back());
+    const live_block b = live_.back();
+    live_.pop_back();
+    live_bytes_ -= b.bytes;
+    return {trace_op::free, b.id, b.bytes, b.stream, static_cast<std::size_t>(b.id)};
+  }
+
+  mix_options options_;
+  splitmix64 rng_;
+  std::vector<live_block> live_;
+  std::uint64_t live_bytes_ = 0;
+  std::uint64_t next_id_ = 0;
+};
+
+}  // namespace
+
+trace generate_mix(const mix_options& options) {
+  check(options);
   trace t;
-  t.add_note("random-size mix: events " + std::to_string(options.events) + ", seed " + std::to_string(options.seed) +
-             ", streams " + std::to_string(options.streams) + ", live target " +
-             std::to_string(options.live_target_bytes) + " bytes");
-  splitmix64 rng(options.seed);
-  std::vector<live_block> live;
-  std::uint64_t live_bytes = 0;
-  std::uint64_t next_id = 0;
-  while (t.events().size() < options.events) {
-    const std::uint64_t alloc_percent = live_bytes < options.live_target_bytes ? 60 : 40;
-    if (live.empty() || rng.below(100) < alloc_percent) {
-      const live_block b{next_id++, random_size(rng), static_cast<std::uint32_t>(rng.below(options.streams))};
-      t.alloc(b.id, b.bytes, b.stream);
-      live.push_back(b);
-      live_bytes += b.bytes;
+  t.add_note(describe(options));
+  mix_walk walk(options);
+  for (std::size_t made = 0; made < options.events; ++made) {
+    const trace_event e = walk.next();
+    if (e.op == trace_op::alloc) {
+      t.alloc(e.id, e.bytes, e.stream);
     } else {
-      const std::size_t victim = rng.below(live.size());
-      std::swap(live[victim], live.back());
-      t.free(live.back().id, live.back().stream);
-      live_bytes -= live.back().bytes;
-      live.pop_back();
+      t.free(e.id, e.stream);
     }
   }
   return t;
+}
+
+void write_mix(std::ostream& out, const mix_options& options) {
+  check(options);
+  write_trace_start(out, {describe(options)});
+  mix_walk walk(options);
+  // A stream that failed (a full disk) takes no more: stop there.
+  for (std::size_t made = 0; made < options.events && out; ++made) write_trace_event(out, walk.next());
 }
 
 }  // namespace shoal::bench

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <iosfwd>
 
 #include "bench/replay/trace.h"
 
@@ -30,5 +31,10 @@ struct mix_options {
 /// Throws shoal::invalid_argument for 0 events, 0 streams or more than
 /// max_trace_streams, or a live target of 0.
 [[nodiscard]] trace generate_mix(const mix_options& options);
+/// Writes generate_mix(options) as write_trace would, each event as it is
+/// made: memory holds the live blocks only, however many events there are.
+/// Stops at the first event `out` fails to take (its state says so). Throws
+/// as generate_mix does, before writing anything.
+void write_mix(std::ostream& out, const mix_options& options);
 
 }  // namespace shoal::bench

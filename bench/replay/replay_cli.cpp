@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <new>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -32,7 +33,6 @@ std::string trace_name(const std::filesystem::path& path) {
   if (name.extension() == ".trace") name = name.stem();
   return name.string();
 }
-
 
 void usage(std::FILE* out, const char* program) {
   std::fprintf(out,
@@ -69,12 +69,8 @@ int generate(const std::vector<std::string>& args, const char* program) {
     std::fprintf(stderr, "%s: --generate-mix takes non-negative integers: <events> <seed> [<streams>]\n", program);
     return 2;
   }
-  write_trace(std::cout, generate_mix({.events = *events, .seed = *seed, .streams = *streams}));
-  std::cout.flush();
-  if (!std::cout) {
-    std::fprintf(stderr, "%s: writing the trace to standard output failed\n", program);
-    return 1;
-  }
+  // Whether it all reached standard output is checked on the way out (replay_main).
+  write_mix(std::cout, {.events = *events, .seed = *seed, .streams = *streams});
   return 0;
 }
 
@@ -123,22 +119,64 @@ int replay_all(const std::vector<named_trace>& traces, const std::vector<adapter
   return status;
 }
 
-void print_waste(const std::vector<named_trace>& traces, const std::vector<shoal_conf>& confs,
-                 backend::device& device) {
+int print_waste(const std::vector<named_trace>& traces, const std::vector<shoal_conf>& confs, backend::device& device) {
+  int status = 0;
   std::printf("\nWhere the peak reserved memory went (MiB):\n\n%s", waste_header().c_str());
   for (const auto& t : traces) {
     for (const auto& c : confs) {
-      std::printf("%s", waste_rows(t.name + " | " + c.name, analyse_peak(t.data, c.config, device)).c_str());
+      try {
+        std::printf("%s", waste_rows(t.name + " | " + c.name, analyse_peak(t.data, c.config, device)).c_str());
+      } catch (const std::exception& e) {
+        // As in the main table: one replay failing must not hide the others' rows.
+        std::printf("| %s | %s | failed: %s | | | | | | | | | | |\n", t.name.c_str(), c.name.c_str(), e.what());
+        status = 1;
+      }
       std::fflush(stdout);
     }
   }
+  return status;
 }
 
-}  // namespace
+/// Whether everything written to standard output reached it (not so on a
+/// full disk, say).
+bool output_complete() {
+  std::cout.flush();
+  return std::cout && std::fflush(stdout) == 0 && std::ferror(stdout) == 0;
+}
 
-int replay_main(int argc, char** argv, const std::vector<adapter_factory>& others) {
-  const char* program = argc > 0 ? argv[0] : "shoal_replay";
-  const std::vector<std::string> args(argv + std::min(argc, 1), argv + argc);
+/// Replays each trace through shoal once per conf, then through `others`;
+/// prints the table (and with `waste`, the waste table). Returns the exit status.
+int replay_traces(const std::vector<std::string>& confs, const std::vector<std::filesystem::path>& paths, bool waste,
+                  const std::vector<adapter_factory>& others) {
+  std::vector<named_trace> traces;
+  for (const auto& path : paths) traces.push_back({trace_name(path), read_trace_file(path)});
+
+  backend::device& device = backend::default_device();
+  std::printf("device: %s:%d (%s)\n", std::string(backend::to_string(device.kind())).c_str(), device.ordinal(),
+              device.name().c_str());
+  std::vector<adapter_factory> allocators;
+  std::vector<shoal_conf> shoal_confs;
+  const auto add_shoal = [&](std::string name, const alloc::allocator_config& config) {
+    std::printf("%s: %s\n", name.c_str(), config.to_string().c_str());
+    shoal_confs.push_back({name, config});
+    allocators.push_back(
+        {std::move(name), [&device, config] { return std::make_unique<shoal_adapter>(device, config); }});
+  };
+  if (confs.empty()) {
+    add_shoal("shoal", alloc::allocator_config::from_environment());
+  } else {
+    for (const auto& conf : confs)
+      add_shoal("shoal " + (conf.empty() ? "(defaults)" : conf), alloc::allocator_config::parse(conf));
+  }
+  allocators.insert(allocators.end(), others.begin(), others.end());
+  std::printf("\n");
+  const int table_status = replay_all(traces, allocators);
+  const int waste_status = waste ? print_waste(traces, shoal_confs, device) : 0;
+  return std::max(table_status, waste_status);
+}
+
+/// The command line, with the program name taken off; returns the exit status.
+int run(const std::vector<std::string>& args, const char* program, const std::vector<adapter_factory>& others) {
   if (args.empty()) {
     usage(stderr, program);
     return 2;
@@ -147,63 +185,59 @@ int replay_main(int argc, char** argv, const std::vector<adapter_factory>& other
     usage(stdout, program);
     return 0;
   }
-  try {
-    if (args[0] == "--generate-mix") return generate(args, program);
+  if (args[0] == "--generate-mix") return generate(args, program);
 
-    std::vector<std::string> confs;
-    std::vector<std::filesystem::path> paths;
-    bool waste = false;
-    for (std::size_t i = 0; i < args.size(); ++i) {
-      if (args[i] == "--waste") {
-        waste = true;
-      } else if (args[i] == "--conf") {
-        if (i + 1 == args.size()) {
-          std::fprintf(stderr, "%s: --conf needs a value, e.g. --conf expandable_segments:true\n", program);
-          return 2;
-        }
-        confs.push_back(args[++i]);
-      } else if (args[i].starts_with("-")) {
-        std::fprintf(stderr, "%s: unknown option '%s'\n", program, args[i].c_str());
-        usage(stderr, program);
+  std::vector<std::string> confs;
+  std::vector<std::filesystem::path> paths;
+  bool waste = false;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--waste") {
+      waste = true;
+    } else if (args[i] == "--conf") {
+      if (i + 1 == args.size()) {
+        std::fprintf(stderr, "%s: --conf needs a value, e.g. --conf expandable_segments:true\n", program);
         return 2;
-      } else {
-        paths.emplace_back(args[i]);
       }
-    }
-    if (paths.empty()) {
+      confs.push_back(args[++i]);
+    } else if (args[i].starts_with("-")) {
+      std::fprintf(stderr, "%s: unknown option '%s'\n", program, args[i].c_str());
       usage(stderr, program);
       return 2;
-    }
-
-    std::vector<named_trace> traces;
-    for (const auto& path : paths) traces.push_back({trace_name(path), read_trace_file(path)});
-
-    backend::device& device = backend::default_device();
-    std::printf("device: %s:%d (%s)\n", std::string(backend::to_string(device.kind())).c_str(), device.ordinal(),
-                device.name().c_str());
-    std::vector<adapter_factory> allocators;
-    std::vector<shoal_conf> shoal_confs;
-    const auto add_shoal = [&](std::string name, const alloc::allocator_config& config) {
-      std::printf("%s: %s\n", name.c_str(), config.to_string().c_str());
-      shoal_confs.push_back({name, config});
-      allocators.push_back(
-          {std::move(name), [&device, config] { return std::make_unique<shoal_adapter>(device, config); }});
-    };
-    if (confs.empty()) {
-      add_shoal("shoal", alloc::allocator_config::from_environment());
     } else {
-      for (const auto& conf : confs)
-        add_shoal("shoal " + (conf.empty() ? "(defaults)" : conf), alloc::allocator_config::parse(conf));
+      paths.emplace_back(args[i]);
     }
-    allocators.insert(allocators.end(), others.begin(), others.end());
-    std::printf("\n");
-    const int status = replay_all(traces, allocators);
-    if (waste) print_waste(traces, shoal_confs, device);
-    return status;
-  } catch (const shoal::error& e) {
+  }
+  if (paths.empty()) {
+    usage(stderr, program);
+    return 2;
+  }
+
+  return replay_traces(confs, paths, waste, others);
+}
+
+/// run, with an error that ends it (an unreadable trace, out of memory)
+/// printed, and exit status 1.
+int run_reporting_errors(int argc, char** argv, const char* program, const std::vector<adapter_factory>& others) {
+  try {
+    return run({argv + std::min(argc, 1), argv + argc}, program, others);
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "%s: out of memory (is a trace too large for this machine's memory?)\n", program);
+  } catch (const std::exception& e) {
     std::fprintf(stderr, "%s: %s\n", program, e.what());
+  }
+  return 1;
+}
+
+}  // namespace
+
+int replay_main(int argc, char** argv, const std::vector<adapter_factory>& others) {
+  const char* program = argc > 0 ? argv[0] : "shoal_replay";
+  const int status = run_reporting_errors(argc, argv, program, others);
+  if (!output_complete()) {
+    std::fprintf(stderr, "%s: writing to standard output failed; what it holds is incomplete\n", program);
     return 1;
   }
+  return status;
 }
 
 }  // namespace shoal::bench

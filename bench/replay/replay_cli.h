@@ -28,8 +28,9 @@ struct adapter_factory {
 };
 
 /// Runs the command line above; `others` are replayed after shoal. Returns
-/// the exit status: 0, 1 when a trace could not be read or a replay failed
-/// (the table says which), 2 for a usage error.
+/// the exit status: 0; 1 when a trace could not be read, a replay failed
+/// (the table says which), memory ran out, or standard output could not
+/// take everything (a full disk); 2 for a usage error.
 int replay_main(int argc, char** argv, const std::vector<adapter_factory>& others);
 
 }  // namespace shoal::bench

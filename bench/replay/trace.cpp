@@ -1,16 +1,21 @@
 #include "bench/replay/trace.h"
 
 #include <algorithm>
+#include <array>
+#include <cerrno>
 #include <charconv>
-#include <fstream>
+#include <cstring>
 #include <istream>
 #include <ostream>
 #include <set>
-#include <sstream>
+#include <streambuf>
+#include <system_error>
 #include <vector>
 
 #if defined(SHOAL_REPLAY_HAVE_ZLIB)
 #include <zlib.h>
+#else
+#include <fstream>
 #endif
 
 #include "shoal/core/error.h"
@@ -28,40 +33,66 @@ void check_stream(std::uint64_t stream) {
   }
 }
 
-bool starts_with_gzip_magic(std::istream& in) {
-  const int first = in.get();
-  const int second = in.get();
-  in.clear();
-  in.seekg(0);
-  return first == 0x1f && second == 0x8b;
+std::string cannot_open(const std::filesystem::path& path) {
+  return "cannot open trace file '" + path.string() + "': " + std::strerror(errno);
 }
 
-/// The decompressed bytes of a gzip file (several concatenated members included).
-std::string gunzip_file(const std::filesystem::path& path) {
 #if defined(SHOAL_REPLAY_HAVE_ZLIB)
-  gzFile file = gzopen(path.c_str(), "rb");
-  if (file == nullptr) throw invalid_argument("cannot open trace file '" + path.string() + "'");
-  std::string out;
-  std::vector<char> chunk(std::size_t{1} << 20);
-  for (;;) {
-    const int n = gzread(file, chunk.data(), static_cast<unsigned>(chunk.size()));
-    if (n < 0) {
-      int code = 0;
-      const std::string why = gzerror(file, &code);
-      gzclose(file);
-      throw invalid_argument(path.string() + ": not a readable gzip file (" + why + ")");
-    }
-    if (n == 0) break;
-    out.append(chunk.data(), static_cast<std::size_t>(n));
+/// A file read through zlib, as a std::streambuf: gzip-compressed (several
+/// concatenated members included) or plain, which zlib passes through as it
+/// is. zlib needs no seek, so pipes work. A read error, or a gzip stream
+/// that ends before its trailer, is invalid_argument (read_trace adds the
+/// file and line).
+class gzip_file_buffer final : public std::streambuf {
+ public:
+  explicit gzip_file_buffer(const std::filesystem::path& path)
+      : path_(path.string()), file_(gzopen(path_.c_str(), "rb")) {
+    if (file_ == nullptr) throw invalid_argument(cannot_open(path));
   }
-  gzclose(file);
-  return out;
+  ~gzip_file_buffer() override { gzclose(file_); }
+  gzip_file_buffer(const gzip_file_buffer&) = delete;
+  gzip_file_buffer& operator=(const gzip_file_buffer&) = delete;
+
+ protected:
+  int_type underflow() override {
+    const int n = gzread(file_, buffer_.data(), static_cast<unsigned>(buffer_.size()));
+    if (n > 0) {
+      setg(buffer_.data(), buffer_.data(), buffer_.data() + n);
+      return traits_type::to_int_type(buffer_[0]);
+    }
+    int code = Z_OK;
+    const std::string why = zlib_message(code);
+    // At a premature end gzread returns 0, not -1: only gzerror tells it
+    // from the real end.
+    if (code == Z_OK) return traits_type::eof();
+    if (code == Z_BUF_ERROR) {
+      throw invalid_argument("the file ends before its gzip trailer: it is truncated (an interrupted write or copy?)");
+    }
+    throw invalid_argument("reading failed: " + why);
+  }
+
+ private:
+  /// gzerror's message, without the path zlib puts first.
+  std::string zlib_message(int& code) {
+    const std::string message = gzerror(file_, &code);
+    const std::string prefix = path_ + ": ";
+    return message.starts_with(prefix) ? message.substr(prefix.size()) : message;
+  }
+
+  std::string path_;
+  gzFile file_;
+  std::array<char, std::size_t{64} << 10> buffer_{};
+};
 #else
-  throw invalid_argument(path.string() +
-                         " is gzip-compressed, and this build has no zlib: decompress it (gunzip) or rebuild "
-                         "with zlib's headers installed (zlib1g-dev)");
-#endif
+/// Without zlib a gzip file is refused by its magic bytes, looked at with
+/// peek rather than a seek back, so that pipes work. Taking the first byte
+/// when it is 0x1f changes no verdict: no trace starts with it.
+bool starts_with_gzip_magic(std::istream& in) {
+  if (in.peek() != 0x1f) return false;
+  in.get();
+  return in.peek() == 0x8b;
 }
+#endif
 
 std::string_view trim(std::string_view s) {
   constexpr std::string_view space = " \t\r";
@@ -118,6 +149,40 @@ void parse_event(trace& t, std::string_view line) {
   }
 }
 
+void check_header(std::string_view text) {
+  if (text != header) {
+    throw invalid_argument("expected the header '" + std::string(header) + "', found '" +
+                           std::string(text.substr(0, 40)) + "'; is this a shoal trace?");
+  }
+}
+
+/// Adds what a line after the header holds to `t`: an event, a note, or
+/// nothing (a blank line).
+void parse_line(trace& t, std::string_view text) {
+  if (text.empty()) return;
+  if (text.front() == '#') {
+    const std::string_view note = text.substr(1);
+    t.add_note(std::string(note.starts_with(' ') ? note.substr(1) : note));
+  } else {
+    parse_event(t, text);
+  }
+}
+
+/// Reads the next line, without its '\n', into `line`; false at the end of
+/// the input. A line longer than max_trace_line_bytes is invalid_argument.
+bool next_line(std::streambuf& in, std::string& line) {
+  line.clear();
+  for (auto c = in.sbumpc(); c != std::streambuf::traits_type::eof(); c = in.sbumpc()) {
+    if (c == '\n') return true;
+    if (line.size() == max_trace_line_bytes) {
+      throw invalid_argument("the line is longer than " + std::to_string(max_trace_line_bytes) +
+                             " bytes; is this a shoal trace?");
+    }
+    line.push_back(static_cast<char>(c));
+  }
+  return !line.empty();
+}
+
 }  // namespace
 
 void trace::alloc(std::uint64_t id, std::uint64_t bytes, std::uint32_t stream) {
@@ -161,58 +226,61 @@ std::vector<std::uint32_t> trace::streams() const {
 }
 
 trace read_trace(std::istream& in, std::string_view source) {
-  const auto located = [&](std::size_t line_number, const std::string& what) {
-    return invalid_argument(std::string(source) + ":" + std::to_string(line_number) + ": " + what);
-  };
   trace t;
   std::string line;
-  std::size_t line_number = 0;
-  while (std::getline(in, line)) {
-    ++line_number;
-    const std::string_view text = trim(line);
-    if (line_number == 1) {
-      if (text != header) {
-        throw located(1, "expected the header '" + std::string(header) + "', found '" +
-                             std::string(text.substr(0, 40)) + "'; is this a shoal trace?");
-      }
-      continue;
-    }
-    if (text.empty()) continue;
-    if (text.front() == '#') {
-      const std::string_view note = text.substr(1);
-      t.add_note(std::string(note.starts_with(' ') ? note.substr(1) : note));
-      continue;
-    }
+  for (std::size_t line_number = 1;; ++line_number) {
     try {
-      parse_event(t, text);
+      if (!next_line(*in.rdbuf(), line)) {
+        if (line_number > 1) return t;
+        throw invalid_argument("the input is empty; expected the header '" + std::string(header) + "'");
+      }
+      const std::string_view text = trim(line);
+      if (line_number == 1) {
+        check_header(text);
+      } else {
+        parse_line(t, text);
+      }
     } catch (const invalid_argument& e) {
-      throw located(line_number, e.what());
+      throw invalid_argument(std::string(source) + ":" + std::to_string(line_number) + ": " + e.what());
     }
   }
-  if (in.bad())
-    throw invalid_argument(std::string(source) + ": reading failed after line " + std::to_string(line_number));
-  if (line_number == 0) throw located(1, "the input is empty; expected the header '" + std::string(header) + "'");
-  return t;
 }
 
 trace read_trace_file(const std::filesystem::path& path) {
+  std::error_code ignored;
+  if (std::filesystem::is_directory(path, ignored)) {
+    throw invalid_argument("'" + path.string() + "' is a directory; give the trace files in it");
+  }
+#if defined(SHOAL_REPLAY_HAVE_ZLIB)
+  gzip_file_buffer buffer(path);
+  std::istream in(&buffer);
+#else
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw invalid_argument("cannot open trace file '" + path.string() + "'");
-  if (!starts_with_gzip_magic(in)) return read_trace(in, path.string());
-  in.close();
-  std::istringstream text(gunzip_file(path));
-  return read_trace(text, path.string());
+  if (!in) throw invalid_argument(cannot_open(path));
+  if (starts_with_gzip_magic(in)) {
+    throw invalid_argument(path.string() +
+                           " is gzip-compressed, and this build has no zlib: decompress it (gunzip) or rebuild "
+                           "with zlib's headers installed (zlib1g-dev)");
+  }
+#endif
+  return read_trace(in, path.string());
 }
 
 void write_trace(std::ostream& out, const trace& t) {
+  write_trace_start(out, t.notes());
+  for (const auto& e : t.events()) write_trace_event(out, e);
+}
+
+void write_trace_start(std::ostream& out, const std::vector<std::string>& notes) {
   out << header << '\n';
-  for (const auto& note : t.notes()) out << "# " << note << '\n';
-  for (const auto& e : t.events()) {
-    if (e.op == trace_op::alloc) {
-      out << "a " << e.id << ' ' << e.bytes << ' ' << e.stream << '\n';
-    } else {
-      out << "f " << e.id << ' ' << e.stream << '\n';
-    }
+  for (const auto& note : notes) out << "# " << note << '\n';
+}
+
+void write_trace_event(std::ostream& out, const trace_event& e) {
+  if (e.op == trace_op::alloc) {
+    out << "a " << e.id << ' ' << e.bytes << ' ' << e.stream << '\n';
+  } else {
+    out << "f " << e.id << ' ' << e.stream << '\n';
   }
 }
 

@@ -33,6 +33,10 @@ inline constexpr std::uint32_t max_trace_streams = 1024;
 /// No single request is larger than this (256 TiB): a guard against junk
 /// that would overflow byte sums.
 inline constexpr std::uint64_t max_trace_bytes = std::uint64_t{1} << 48;
+/// No line of a trace is longer than this (without its line break): a reader
+/// holds one line at a time, so an input with no line breaks (/dev/zero, a
+/// gzip bomb) is refused instead of filling memory.
+inline constexpr std::size_t max_trace_line_bytes = 4096;
 
 enum class trace_op : std::uint8_t { alloc, free };
 
@@ -80,14 +84,23 @@ class trace {
   std::size_t allocations_ = 0;
 };
 
-/// Parses the text format. `source` names the input in error messages.
-/// Throws shoal::invalid_argument naming "<source>:<line>" for a missing or
-/// unknown header, a malformed line, or an event that breaks the invariants.
+/// Parses the text format, one line at a time. `source` names the input in
+/// error messages. Throws shoal::invalid_argument naming "<source>:<line>"
+/// for a missing or unknown header, a malformed line, a line longer than
+/// max_trace_line_bytes, an event that breaks the invariants, or an input
+/// the stream cannot read (read_trace_file: a truncated gzip file).
 [[nodiscard]] trace read_trace(std::istream& in, std::string_view source);
-/// read_trace on a file; a file that cannot be opened is invalid_argument.
+/// read_trace on a file, plain or gzip-compressed, read as a stream: a pipe
+/// (/dev/stdin, a shell's <(...)) works. A file that cannot be opened, or a
+/// directory, is invalid_argument.
 [[nodiscard]] trace read_trace_file(const std::filesystem::path& path);
 /// Writes the header, the notes as comments, then one line per event.
 /// read_trace gives back an equal trace.
 void write_trace(std::ostream& out, const trace& t);
+/// write_trace in pieces, for a writer that makes events as it goes and
+/// keeps no trace (random_mix.h's write_mix): the header and the notes,
+/// then each event's line.
+void write_trace_start(std::ostream& out, const std::vector<std::string>& notes);
+void write_trace_event(std::ostream& out, const trace_event& e);
 
 }  // namespace shoal::bench

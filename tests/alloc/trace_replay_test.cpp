@@ -1,13 +1,18 @@
 // Allocation traces (bench/replay): the reader's validation, round trips,
-// the random-size mix, and replays through a recording adapter and through
-// shoal's caching allocator on the host backend.
+// the random-size mix, replays through a recording adapter and through
+// shoal's caching allocator on the host backend, and shoal_replay's command
+// line (replay_main, run in this process).
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <stdio_ext.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <set>
@@ -18,11 +23,14 @@
 
 #include "bench/common/shoal_adapter.h"
 #include "bench/replay/random_mix.h"
+#include "bench/replay/replay_cli.h"
 #include "bench/replay/replayer.h"
 #include "bench/replay/trace.h"
 #include "shoal/alloc/config.h"
 #include "shoal/backend/devices.h"
 #include "shoal/core/error.h"
+#include "support/processes.h"
+#include "support/refused_allocations.h"
 
 #if defined(SHOAL_REPLAY_HAVE_ZLIB)
 #include <zlib.h>
@@ -43,6 +51,19 @@ std::string to_text(const trace& t) {
   std::ostringstream out;
   bench::write_trace(out, t);
   return out.str();
+}
+
+/// The message of the invalid_argument that `read` throws (a test failure
+/// when it throws none).
+template <typename Read>
+std::string refusal(Read read) {
+  try {
+    (void)read();
+  } catch (const invalid_argument& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "the input was accepted";
+  return {};
 }
 
 // The most bytes live at once, computed straight from the events.
@@ -149,6 +170,20 @@ TEST(trace_format, a_refused_event_changes_nothing) {
   EXPECT_EQ(t.allocation_count(), 2u);
 }
 
+TEST(trace_format, a_note_with_a_carriage_return_names_its_line) {
+  const std::string what = refusal([] { return parse("shoal-trace v1\na 1 512 0\n# note\rwith cr\n"); });
+  EXPECT_EQ(what.rfind("test:3: ", 0), 0u) << what;
+  EXPECT_NE(what.find("one line"), std::string::npos) << what;
+}
+
+TEST(trace_format, a_line_longer_than_the_limit_is_refused_naming_its_line) {
+  const std::string longest = "# " + std::string(bench::max_trace_line_bytes - 2, 'x');
+  EXPECT_EQ(parse("shoal-trace v1\n" + longest + "\n").notes().size(), 1u) << "a line at the limit is read";
+  const std::string what = refusal([&] { return parse("shoal-trace v1\n" + longest + "x\na 1 512 0\n"); });
+  EXPECT_EQ(what.rfind("test:2: ", 0), 0u) << what;
+  EXPECT_NE(what.find("longer than " + std::to_string(bench::max_trace_line_bytes)), std::string::npos) << what;
+}
+
 TEST(random_mix, is_deterministic_and_valid) {
   const bench::mix_options options{.events = 5000, .seed = 11, .streams = 4};
   const trace a = bench::generate_mix(options);
@@ -164,6 +199,16 @@ TEST(random_mix, is_deterministic_and_valid) {
   EXPECT_LT(*sizes.rbegin(), std::uint64_t{256} << 20);
   EXPECT_THROW((void)bench::generate_mix({.events = 0}), invalid_argument);
   EXPECT_THROW((void)bench::generate_mix({.streams = 0}), invalid_argument);
+}
+
+TEST(random_mix, written_as_it_is_made_equals_the_generated_trace) {
+  const bench::mix_options options{.events = 3000, .seed = 7, .streams = 3};
+  std::ostringstream streamed;
+  bench::write_mix(streamed, options);
+  EXPECT_EQ(streamed.str(), to_text(bench::generate_mix(options)));
+  std::ostringstream unused;
+  EXPECT_THROW(bench::write_mix(unused, {.events = 0}), invalid_argument);
+  EXPECT_TRUE(unused.str().empty()) << "bad options are refused before anything is written";
 }
 
 // Records what the replayer asks of it; fails the allocate numbered fail_at.
@@ -323,6 +368,174 @@ TEST(trace_format, a_gzip_compressed_trace_reads_as_the_same_trace) {
     EXPECT_NE(std::string(e.what()).find("no zlib"), std::string::npos) << e.what();
   }
 #endif
+}
+
+std::string file_bytes(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_file(const std::filesystem::path& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+#if defined(SHOAL_REPLAY_HAVE_ZLIB)
+/// `text` gzip-compressed, as one complete gzip member.
+std::string gzip(const std::string& text) {
+  z_stream z{};
+  EXPECT_EQ(deflateInit2(&z, Z_DEFAULT_COMPRESSION, Z_DEFLATED, 15 + 16 /* gzip */, 8, Z_DEFAULT_STRATEGY), Z_OK);
+  std::string out(deflateBound(&z, text.size()), '\0');
+  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(text.data()));
+  z.avail_in = static_cast<uInt>(text.size());
+  z.next_out = reinterpret_cast<Bytef*>(out.data());
+  z.avail_out = static_cast<uInt>(out.size());
+  EXPECT_EQ(deflate(&z, Z_FINISH), Z_STREAM_END);
+  out.resize(z.total_out);
+  deflateEnd(&z);
+  return out;
+}
+#endif
+
+TEST(trace_file, a_truncated_gzip_trace_is_refused_naming_the_file) {
+#if !defined(SHOAL_REPLAY_HAVE_ZLIB)
+  GTEST_SKIP() << "built without zlib";
+#else
+  const std::string whole = gzip(file_bytes(SHOAL_REPLAY_SAMPLE_TRACE));
+  const temp_dir dir;
+  const std::string path = dir / "cut.trace.gz";
+  // Cut in the middle of the compressed data, inside the trailer (CRC and
+  // length), and right after the two magic bytes.
+  for (const std::size_t kept : {whole.size() / 2, whole.size() - 4, std::size_t{2}}) {
+    write_file(path, whole.substr(0, kept));
+    const std::string what = refusal([&] { return bench::read_trace_file(path); });
+    EXPECT_EQ(what.rfind(path + ":", 0), 0u) << what;
+    EXPECT_NE(what.find("truncated"), std::string::npos) << kept << " bytes kept: " << what;
+  }
+  write_file(path, whole);
+  EXPECT_EQ(to_text(bench::read_trace_file(path)), file_bytes(SHOAL_REPLAY_SAMPLE_TRACE)) << "whole, it reads";
+#endif
+}
+
+/// Reads `bytes` as a trace file through a pipe (/dev/fd/<n>): a file that
+/// cannot seek, as a shell's <(...) or /dev/stdin gives.
+trace read_through_pipe(const std::string& bytes) {
+  pipe_ends pipe;
+  // The whole input fits in the pipe's buffer, so this thread writes it all first.
+  EXPECT_EQ(::write(pipe.write.get(), bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+  pipe.write.reset();
+  return bench::read_trace_file("/dev/fd/" + std::to_string(pipe.read.get()));
+}
+
+TEST(trace_file, a_pipe_is_read_like_a_file) {
+  const trace plain = bench::read_trace_file(SHOAL_REPLAY_SAMPLE_TRACE);
+  EXPECT_EQ(read_through_pipe(file_bytes(SHOAL_REPLAY_SAMPLE_TRACE)).events(), plain.events());
+#if defined(SHOAL_REPLAY_HAVE_ZLIB)
+  EXPECT_EQ(read_through_pipe(gzip(file_bytes(SHOAL_REPLAY_SAMPLE_TRACE))).events(), plain.events());
+#endif
+}
+
+TEST(trace_file, a_directory_is_refused_as_a_directory) {
+  const temp_dir dir;
+  const std::string what = refusal([&] { return bench::read_trace_file(dir.path()); });
+  EXPECT_NE(what.find(dir.path()), std::string::npos) << what;
+  EXPECT_NE(what.find("is a directory"), std::string::npos) << what;
+}
+
+TEST(trace_file, an_input_without_line_breaks_is_refused_at_the_line_limit) {
+  // /dev/zero never ends: a reader that kept whole lines (or whole files)
+  // would fill memory.
+  const std::string what = refusal([] { return bench::read_trace_file("/dev/zero"); });
+  EXPECT_EQ(what.rfind("/dev/zero:1: ", 0), 0u) << what;
+  EXPECT_NE(what.find("longer than"), std::string::npos) << what;
+}
+
+/// Points a standard stream (its descriptor and its stdio buffer) at `path`
+/// while it lasts.
+class redirected_stream {
+ public:
+  redirected_stream(std::FILE* stream, const std::string& path) : stream_(stream), fd_(::fileno(stream)) {
+    std::fflush(stream_);
+    saved_ = ::dup(fd_);
+    const int target = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    EXPECT_GE(target, 0) << path;
+    ::dup2(target, fd_);
+    ::close(target);
+  }
+  ~redirected_stream() {
+    std::fflush(stream_);
+    __fpurge(stream_);  // what a write that failed (/dev/full) left in the buffer
+    std::clearerr(stream_);
+    ::dup2(saved_, fd_);
+    ::close(saved_);
+  }
+  redirected_stream(const redirected_stream&) = delete;
+  redirected_stream& operator=(const redirected_stream&) = delete;
+
+ private:
+  std::FILE* stream_;
+  int fd_;
+  int saved_;
+};
+
+struct cli_run {
+  int status = 0;
+  std::string out;  ///< standard output, unless it went elsewhere
+  std::string err;  ///< standard error
+};
+
+/// shoal_replay with `args`, run in this process. Standard output goes to
+/// `stdout_path` when given (then `out` stays empty).
+cli_run run_shoal_replay(std::vector<std::string> args, const std::string& stdout_path = {}) {
+  const temp_dir dir;
+  args.insert(args.begin(), "shoal_replay");
+  std::vector<char*> argv;
+  for (auto& arg : args) argv.push_back(arg.data());
+  cli_run run;
+  {
+    const redirected_stream out(stdout, stdout_path.empty() ? dir / "out" : stdout_path);
+    const redirected_stream err(stderr, dir / "err");
+    run.status = bench::replay_main(static_cast<int>(argv.size()), argv.data(), {});
+  }
+  if (stdout_path.empty()) run.out = file_bytes(dir / "out");
+  run.err = file_bytes(dir / "err");
+  return run;
+}
+
+TEST(replay_cli, out_of_memory_is_an_error_with_exit_status_1) {
+  const temp_dir dir;
+  std::string text = "shoal-trace v1\n";
+  for (int id = 0; id < 1000; ++id) text += "a " + std::to_string(id) + " 512 0\n";
+  write_file(dir / "big.trace", text);
+  // Reading the trace makes an allocation or more per event: the 200th
+  // falls well inside it.
+  const refusing_one_allocation refuse(200, [] {});
+  const cli_run run = run_shoal_replay({dir / "big.trace"});
+  ASSERT_TRUE(refuse.refused());
+  EXPECT_EQ(run.status, 1);
+  EXPECT_NE(run.err.find("out of memory"), std::string::npos) << run.err;
+  EXPECT_EQ(run.out, "") << "it stopped while reading, before the table";
+}
+
+TEST(replay_cli, output_that_cannot_be_written_is_an_error) {
+  const cli_run replayed = run_shoal_replay({SHOAL_REPLAY_SAMPLE_TRACE}, "/dev/full");
+  EXPECT_EQ(replayed.status, 1);
+  EXPECT_NE(replayed.err.find("writing to standard output failed"), std::string::npos) << replayed.err;
+  const cli_run generated = run_shoal_replay({"--generate-mix", "1000", "1"}, "/dev/full");
+  EXPECT_EQ(generated.status, 1);
+  EXPECT_NE(generated.err.find("writing to standard output failed"), std::string::npos) << generated.err;
+}
+
+TEST(replay_cli, a_trace_that_fails_keeps_the_later_traces_waste_rows) {
+  const temp_dir dir;
+  write_file(dir / "too_big.trace", "shoal-trace v1\na 1 " + std::to_string(bench::max_trace_bytes) + " 0\n");
+  const cli_run run = run_shoal_replay({"--waste", dir / "too_big.trace", SHOAL_REPLAY_SAMPLE_TRACE});
+  EXPECT_EQ(run.status, 1);
+  const std::size_t waste_table = run.out.find("Where the peak reserved memory went");
+  ASSERT_NE(waste_table, std::string::npos) << run.out << run.err;
+  const std::string waste = run.out.substr(waste_table);
+  EXPECT_NE(waste.find("| too_big | shoal | failed: "), std::string::npos) << waste;
+  EXPECT_NE(waste.find("| sample | shoal | small |"), std::string::npos) << waste;
+  EXPECT_NE(waste.find("| sample | shoal | large |"), std::string::npos) << waste;
 }
 
 class replay_through_shoal : public ::testing::TestWithParam<const char*> {};
