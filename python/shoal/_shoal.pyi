@@ -465,7 +465,7 @@ class Listener:
 
     def accept(self, timeout: float | None = None) -> Connection | None:
         """
-        The next connection, its peer's uid checked; None when `timeout` seconds pass first. Raises PeerRefusedError for a peer of another user (the listener keeps working). The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).
+        The next connection, its peer's uid checked; None when `timeout` seconds pass first. A client whose process ended before it could be identified (another Listener's check that this address is in use, say) is dropped and the wait goes on. Raises PeerRefusedError for a peer of another user (the listener keeps working). The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).
         """
 
     def remove_abandoned_sockets(self, prefix: str) -> int:

@@ -240,8 +240,10 @@ void register_sharing(nb::module_& m) {
             return py_connection{std::move(*c)};
           },
           nb::arg("timeout").none() = nb::none(),
-          "The next connection, its peer's uid checked; None when `timeout` seconds pass first. Raises "
-          "PeerRefusedError for a peer of another user (the listener keeps working). The wait ends on Ctrl-C "
+          "The next connection, its peer's uid checked; None when `timeout` seconds pass first. A client "
+          "whose process ended before it could be identified (another Listener's check that this address is "
+          "in use, say) is dropped and the wait goes on. Raises PeerRefusedError for a peer of another user "
+          "(the listener keeps working). The wait ends on Ctrl-C "
           "(KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).")
       .def(
           "remove_abandoned_sockets",

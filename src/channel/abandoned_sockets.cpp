@@ -45,6 +45,7 @@ std::size_t listener::remove_abandoned_sockets(std::string_view prefix) const {
     // dead one's pid: not this sweep's to judge either way.
     if (!pid || runs(*pid) || name == file_name_) continue;
     try {
+      const detail::start_lock starting(*directory_, name);  // no listener replaces the file meanwhile
       const std::optional<struct stat> st = directory_->entry(name);
       // Another user's file (root may put one here) is not this sweep's; nor
       // a fresh one, which may be a listener's between its bind and its listen

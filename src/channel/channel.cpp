@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <iterator>
 #include <mutex>
 #include <optional>
@@ -36,6 +37,7 @@
 #include "core/fork_epoch.h"
 #include "core/fork_released_sockets.h"
 #include "core/scm_rights.h"
+#include "shoal/channel/listener_test_hook.h"
 #include "shoal/core/error.h"
 
 namespace shoal::channel {
@@ -149,6 +151,11 @@ class deadline_mutex {
   std::atomic<bool> held_{false};
   std::atomic<int> waiters_{0};
 };
+
+std::function<void(const std::string&)>& between_bind_and_listen() {
+  static std::function<void(const std::string&)> hook;
+  return hook;
+}
 
 [[noreturn]] void throw_in_use(const channel_address& where) {
   throw os_error{EADDRINUSE, "listener",
@@ -1089,6 +1096,10 @@ bool connection::broken() const {
 
 // listener -------------------------------------------------------------------
 
+void test_hook::set_between_bind_and_listen(std::function<void(const std::string& address)> hook) {
+  between_bind_and_listen() = std::move(hook);
+}
+
 listener::listener(const channel_address& address, access_policy policy, std::size_t max_payload)
     : address_(address), policy_(std::move(policy)), max_payload_(max_payload) {
   if (!address_.is_abstract()) {
@@ -1108,6 +1119,14 @@ listener::listener(const channel_address& address, access_policy policy, std::si
   const auto bind_here = [&] {
     return ::bind(socket_.get(), reinterpret_cast<const sockaddr*>(&local.address), local.length);
   };
+  // Choice: a lock beside the socket file, held from the look for a stale
+  // file to listen(). A connect between another listener's bind and listen
+  // is refused as at a dead one's file, so without it this one would take a
+  // live socket for stale and replace it. Binding a temporary name and
+  // link()ing it into place keeps the name atomically, but not the window
+  // between a stale file's probe and its removal, which the lock closes too.
+  std::optional<detail::start_lock> starting;
+  if (directory_) starting.emplace(*directory_, file_name_);
   if (bind_here() != 0) {
     if (errno != EADDRINUSE) throw os_error{errno, "bind(" + address_.to_string() + ")"};
     if (!directory_ || directory_->someone_listens(file_name_)) throw_in_use(address_);
@@ -1125,6 +1144,7 @@ listener::listener(const channel_address& address, access_policy policy, std::si
     file_inode_ = st->st_ino;
   }
   owner_pid_ = ::getpid();
+  if (between_bind_and_listen()) between_bind_and_listen()(address_.to_string());
   if (::listen(socket_.get(), SOMAXCONN) != 0) {
     throw os_error{errno, "listen(" + address_.to_string() + ")"};
   }
@@ -1136,9 +1156,10 @@ listener::~listener() {
   if (!hand_waiting_connections_to_closer(socket_.get())) socket_ = unique_fd::from_peer(socket_.release());
   if (!directory_) return;
   try {
+    const detail::start_lock starting(*directory_, file_name_);  // no listener replaces the file meanwhile
     const std::optional<struct stat> st = directory_->entry(file_name_);
     if (st && st->st_dev == file_device_ && st->st_ino == file_inode_) directory_->remove(file_name_);
-  } catch (const error&) {  // NOLINT(bugprone-empty-catch): a destructor cannot report; the file stays
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor cannot report (the lock may find no memory); the file stays
   }
 }
 
@@ -1183,7 +1204,13 @@ std::optional<connection> listener::accept_until(deadline until) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) continue;
       throw os_error{errno, "accept4(" + address_.to_string() + ")"};
     }
-    return connection::identify_peer(std::move(accepted), policy_, max_payload_, "listener at " + address_.to_string());
+    try {
+      return connection::identify_peer(std::move(accepted), policy_, max_payload_, "listener at " + address_.to_string());
+    } catch (const connection_closed&) {
+      // Its process is gone (a listener's check that someone listens, a
+      // client that gave up): no server should end for it. Wait for the next.
+      if (until && std::chrono::steady_clock::now() >= *until) return std::nullopt;
+    }
   }
 }
 

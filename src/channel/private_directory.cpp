@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -156,6 +157,35 @@ std::vector<std::string> private_directory::names() const {
     if (name != "." && name != "..") out.push_back(name);
   }
   return out;
+}
+
+start_lock::start_lock(const private_directory& directory, const std::string& name)
+    : directory_(directory), file_name_("." + name + ".lock") {
+  while (!lock_the_file_named()) {
+  }
+}
+
+bool start_lock::lock_the_file_named() {
+  // Registered as a socket is (any descriptor works): a fork() child's copy
+  // is replaced, so a child that lives on never keeps the lock held.
+  released_in_children_ = std::make_unique<shoal::detail::fork_released_socket>([&] {
+    file_.reset(::openat(directory_.fd_.get(), file_name_.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600));
+    return file_.get();
+  });
+  const std::string path = directory_.path_ + "/" + file_name_;
+  if (!file_) throw os_error{errno, "openat(" + path + ")"};
+  while (::flock(file_.get(), LOCK_EX) != 0) {
+    if (errno != EINTR) throw os_error{errno, "flock(" + path + ")"};
+  }
+  struct stat locked{};
+  if (::fstat(file_.get(), &locked) != 0) throw os_error{errno, "fstat(" + path + ")"};
+  const std::optional<struct stat> named = directory_.entry(file_name_);
+  return named && named->st_dev == locked.st_dev && named->st_ino == locked.st_ino;
+}
+
+start_lock::~start_lock() {
+  // Removed before it is unlocked (closed): one who locks it later sees it gone.
+  ::unlinkat(directory_.fd_.get(), file_name_.c_str(), 0);
 }
 
 }  // namespace detail

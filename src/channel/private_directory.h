@@ -11,10 +11,12 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "core/fork_released_sockets.h"
 #include "shoal/core/unique_fd.h"
 
 namespace shoal::channel::detail {
@@ -54,9 +56,37 @@ class private_directory {
   [[nodiscard]] const std::string& path() const noexcept { return path_; }
 
  private:
+  friend class start_lock;
+
   std::string path_;
   unique_fd fd_;
   bool created_ = false;
+};
+
+/// While it lives, no other listener (of any process) starts at `name` in
+/// the directory, nor judges the socket file there stale: an exclusive flock
+/// on the file `.<name>.lock` beside it, held by listeners from their look
+/// for a stale socket file to their listen() (and while they remove one).
+/// The lock file is removed, still locked, as the lock goes; a listener that
+/// waited on a removed file locks the file the name holds then. A fork()
+/// child's copy of the descriptor is released, so no child holds the lock.
+class start_lock {
+ public:
+  /// Waits for the lock. backend_error when the system refuses.
+  start_lock(const private_directory& directory, const std::string& name);
+  ~start_lock();
+  start_lock(const start_lock&) = delete;
+  start_lock& operator=(const start_lock&) = delete;
+
+ private:
+  /// Opens the lock file and waits for its lock; whether the name still
+  /// holds the file locked.
+  bool lock_the_file_named();
+
+  const private_directory& directory_;
+  std::string file_name_;
+  unique_fd file_;
+  std::unique_ptr<shoal::detail::fork_released_socket> released_in_children_;
 };
 
 }  // namespace shoal::channel::detail

@@ -418,7 +418,7 @@ class lender::state {
       count_refusal();
       return;
     } catch (const error&) {
-      count_refusal();  // a uid not allowed, or a peer gone before it was identified
+      count_refusal();  // a uid not allowed (accept drops a peer gone before it was identified)
       return;
     }
     if (!accepted) return;

@@ -12,12 +12,18 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <future>
 #include <memory>
+#include <optional>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "channel/channel_fixtures.h"
 #include "shoal/channel/channel.h"
@@ -36,9 +42,12 @@ using namespace std::chrono_literals;
 
 bool exists(const std::string& path) { return ::access(path.c_str(), F_OK) == 0; }
 
-// Clears the listener's test hook when it goes, whatever the test did.
+// Clears the listener's test hooks when it goes, whatever the test did.
 struct hook_cleared_after {
-  ~hook_cleared_after() { channel::test_hook::set_after_directory_check({}); }
+  ~hook_cleared_after() {
+    channel::test_hook::set_after_directory_check({});
+    channel::test_hook::set_between_bind_and_listen({});
+  }
 };
 
 TEST(listener_directory, a_missing_directory_is_created_with_mode_0700) {
@@ -285,6 +294,118 @@ TEST(listener_file, an_address_in_use_is_refused_and_its_listener_keeps_working)
     client.send(1, bytes_of("still here"));
     EXPECT_EQ(text_of(accepted.receive().payload), "still here");
   }
+}
+
+// What starting a listener at `address` came to: "started" (it is closed
+// again at once), "in use", or the error.
+std::string start_of(const channel_address& address) {
+  try {
+    const listener l(address, {});
+    return "started";
+  } catch (const os_error& e) {
+    return e.code() == EADDRINUSE ? "in use" : e.what();
+  }
+}
+
+// Between bind() and listen() a connect is refused as at a dead listener's
+// file: a second listener that probed then would take the first's socket
+// file for stale, replace it, and leave the first listening on a removed file.
+TEST(listener_file, a_listener_started_while_another_is_between_bind_and_listen_is_refused) {
+  temp_dir dir;
+  const auto address = channel_address::at_path(dir / "sock");
+  const hook_cleared_after cleared;
+  std::atomic<bool> paused{false};
+  std::future<std::string> second;
+  channel::test_hook::set_between_bind_and_listen([&](const std::string&) {
+    if (paused.exchange(true)) return;  // the first listener alone pauses
+    second = std::async(std::launch::async, [&] { return start_of(address); });
+    // Time enough for the second to probe, remove and bind, were it let.
+    (void)second.wait_for(500ms);
+  });
+  listener first(address, {});
+  EXPECT_EQ(second.get(), "in use");
+  connection client = connection::connect(address, {}, connection::default_max_payload, 2s);
+  connection probe = first.accept();  // the second's check that someone listens
+  connection accepted = first.accept();
+  client.send(1, bytes_of("reachable"));
+  EXPECT_EQ(text_of(accepted.receive().payload), "reachable") << "the first listener is the one at the path";
+}
+
+// Listeners started at once over one stale socket file: one starts, and it
+// is the one at the path; the others are refused.
+TEST(listener_file, of_listeners_racing_over_a_stale_socket_file_one_starts_and_is_reachable) {
+  constexpr int racers = 6;
+  for (int round = 0; round < 20; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    temp_dir dir;
+    const auto address = channel_address::at_path(dir / "sock");
+    {  // a listener that died without removing its file
+      const unique_fd dead(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+      const raw_address local = raw_address_of(address);
+      ASSERT_EQ(::bind(dead.get(), reinterpret_cast<const sockaddr*>(&local.address), local.length), 0);
+    }
+    std::vector<std::optional<listener>> started(racers);
+    std::atomic<int> ready{0};
+    std::vector<std::thread> threads;
+    for (auto& slot : started) {
+      threads.emplace_back([&] {
+        ready.fetch_add(1);
+        while (ready.load() < racers) {
+        }
+        try {
+          slot.emplace(address, channel::access_policy{});
+        } catch (const os_error& e) {
+          EXPECT_EQ(e.code(), EADDRINUSE) << e.what();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    ASSERT_EQ(std::count_if(started.begin(), started.end(), [](const auto& l) { return l.has_value(); }), 1);
+    listener& winner = **std::find_if(started.begin(), started.end(), [](const auto& l) { return l.has_value(); });
+    connection client = connection::connect(address, {}, connection::default_max_payload, 2s);
+    client.send(1, bytes_of("reachable"));
+    bool reached = false;  // the others' probes wait in its backlog too
+    for (int i = 0; i < racers && !reached; ++i) {
+      std::optional<connection> accepted = winner.accept_for(2s);
+      ASSERT_TRUE(accepted.has_value()) << "the winner is not the listener at the path";
+      try {
+        reached = text_of(accepted->receive_for(2s).payload) == "reachable";
+      } catch (const connection_closed&) {  // NOLINT(bugprone-empty-catch): a probe
+      }
+    }
+    EXPECT_TRUE(reached);
+  }
+}
+
+// A client that hangs up before it is identified (another process's check
+// that someone listens, which then ended) costs the server nothing: accept()
+// drops it and waits for the next within its deadline.
+TEST(listener_file, a_client_gone_before_it_was_identified_is_dropped_and_accept_goes_on) {
+  temp_dir dir;
+  const auto address = channel_address::at_path(dir / "sock");
+  listener server(address, {});
+  const raw_address target = raw_address_of(address);
+  const auto connect_and_exit = [&] {
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      const int s = ::socket(AF_UNIX, SOCK_STREAM, 0);
+      ::_exit(s >= 0 && ::connect(s, reinterpret_cast<const sockaddr*>(&target.address), target.length) == 0 ? 0 : 3);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child could not connect";
+  };
+  connect_and_exit();
+  std::optional<connection> none;
+  EXPECT_NO_THROW(none = server.accept_for(200ms));
+  EXPECT_FALSE(none.has_value()) << "a connection of a process that is gone was handed out";
+  connect_and_exit();
+  const connection client = connection::connect(address, {});
+  std::optional<connection> accepted;
+  EXPECT_NO_THROW(accepted.emplace(server.accept()));
+  ASSERT_TRUE(accepted.has_value());
+  EXPECT_EQ(accepted->peer().process, process_identity::self()) << "the next client's, the gone one's dropped";
 }
 
 TEST(listener_file, a_file_that_is_not_a_socket_is_refused_and_kept) {

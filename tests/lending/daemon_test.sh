@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `shoal daemon` as a user runs it: flags, a config file (flags win), bad
 # settings refused with a message naming them, `shoal daemon status`, JSON
-# logs, and a clean exit on SIGTERM that leaves no socket file behind.
+# logs, and a clean exit on SIGTERM or SIGHUP that leaves no socket file behind.
 #   daemon_test.sh <path of the shoal program> <path of shoal_test_borrower>
 set -uo pipefail
 shoal=$1
@@ -36,10 +36,11 @@ answers() {  # answers <socket> [<log>|-]: waits up to 5 s for the daemon to ans
   done
   return 1
 }
-stop() {  # SIGTERM, then the exit status must be 0 within 5 s
-  kill -TERM "$pid"
+stop() {  # stop [<signal>]: SIGTERM unless named, then the exit status must be 0 within 5 s
+  local signal=${1:-TERM}
+  kill -"$signal" "$pid"
   for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.05; done
-  wait "$pid" || fail "exit status $? after SIGTERM"
+  wait "$pid" || fail "exit status $? after SIG$signal"
   pid=
 }
 
@@ -74,6 +75,15 @@ assert any(r"'ev\xff\xfe\x7f\xc2\x9b31m'" in r.get("detail", "") for r in record
 assert records[0]["capacity_bytes"] == 67108864, "numbers are JSON numbers: " + repr(records[0])
 assert all(type(r["pid"]) is int and type(r["bytes"]) is int for r in records if r["event"] == "connected")
 EOF
+
+# SIGHUP (its terminal closed) stops it as cleanly as SIGTERM: a stopping
+# record, and neither the socket file nor the directory it made is left.
+"$shoal" daemon --socket "$dir/hup/h.sock" --device host 2> "$dir/log" &
+pid=$!
+answers "$dir/hup/h.sock" || fail "the daemon did not answer status"
+stop HUP
+grep -q 'event=stopping signal=1 ' "$dir/log" || fail "no stopping record after SIGHUP"
+[ ! -e "$dir/hup" ] || fail "the socket file or its directory was left after SIGHUP: $(ls -A "$dir/hup")"
 
 # A config file, and a flag that wins over it.
 cat > "$dir/conf.toml" <<EOF
@@ -171,7 +181,8 @@ stop
 refused() {  # refused <text the message must hold> <daemon arguments...>
   local expected=$1
   shift
-  "$shoal" daemon --socket "$dir/c.sock" --device host "$@" > /dev/null 2> "$dir/log"
+  # (timeout: a daemon that took them would serve until stopped)
+  timeout 10 "$shoal" daemon --socket "$dir/c.sock" --device host "$@" > /dev/null 2> "$dir/log"
   local status=$?
   [ "$status" -eq 2 ] || fail "'$*' exited $status, not 2"
   grep -q -- "$expected" "$dir/log" || fail "'$*' did not say '$expected'"
@@ -184,6 +195,17 @@ refused "'colour' is not a setting" --config "$dir/bad.toml"
 echo 'capacity = ' > "$dir/bad.toml"
 refused "config file" --config "$dir/bad.toml"
 refused "fraction" --capacity 2.5
+# Less than one chunk of the device (2 MiB on the host) would refuse every
+# borrow: the message names the smallest value taken. A TOML float is
+# quoted as written, and read as a fraction however it is written.
+refused "'1' is 1 bytes, less than one chunk of the device (2097152 bytes).*the smallest accepted value is 2MiB" \
+  --capacity 1
+refused "quota: '1' is 1 bytes.*smallest accepted value is 2MiB" --quota 1
+refused "quota_per_uid: '2097151'.*smallest accepted value is 2MiB" --quota-per-uid 2097151
+echo 'quota = 1' > "$dir/bad.toml"
+refused "quota: '1' is 1 bytes.*smallest accepted value is 2MiB" --config "$dir/bad.toml"
+echo 'capacity = 1e-10' > "$dir/bad.toml"
+refused "capacity: '1e-10' is [0-9]* bytes, less than one chunk" --config "$dir/bad.toml"
 refused "quota_per_uid" --quota-per-uid 0
 refused "not in {text,json}" --log-format xml
 refused "same_uid" --reuse sometimes

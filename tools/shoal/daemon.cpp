@@ -32,11 +32,13 @@ namespace {
 
 int serve(const daemon_settings& settings) {
   // First of all: every thread made from here on (the device's too) inherits
-  // this mask, so the signals reach sigwait alone.
+  // this mask, so the signals reach sigwait alone. SIGHUP too: a daemon whose
+  // terminal closed stops as cleanly as one told to (its socket file removed).
   sigset_t stop;
   sigemptyset(&stop);
   sigaddset(&stop, SIGINT);
   sigaddset(&stop, SIGTERM);
+  sigaddset(&stop, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &stop, nullptr);
   // A reader of the log that went away (`shoal daemon 2>&1 | head`) must not
   // end the daemon: its writes then fail with EPIPE, which the log ignores.

@@ -5,7 +5,7 @@
 namespace shoal::tools {
 
 /// `argv[0]` is "daemon". Returns the exit status: 0 after a shutdown signal
-/// (SIGINT, SIGTERM), 1 when the daemon cannot start or the status cannot be
+/// (SIGINT, SIGTERM, SIGHUP), 1 when the daemon cannot start or the status cannot be
 /// read, 2 for bad flags or settings.
 int run_daemon(int argc, char** argv);
 

@@ -28,6 +28,37 @@ constexpr unit units[] = {{"KiB", std::size_t{1} << 10},
   throw invalid_argument(std::string(what) + ": '" + text + "' is not " + expected);
 }
 
+// `bytes` in the largest unit that holds it whole ("2MiB"), else in bytes.
+std::string size_text(std::size_t bytes) {
+  for (auto u = std::rbegin(units); u != std::rend(units); ++u) {
+    if (bytes != 0 && bytes % u->bytes == 0) return std::to_string(bytes / u->bytes) + u->suffix;
+  }
+  return std::to_string(bytes);
+}
+
+// A capacity or quota must hold one chunk of the device (its granularity):
+// the lender rounds every region up to whole chunks, so a smaller one would
+// refuse every borrow.
+std::size_t lendable(std::size_t bytes, const size_setting& setting, backend::device& device, const char* what) {
+  const std::size_t chunk = std::max<std::size_t>(device.granularity(), 1);
+  if (bytes < chunk) {
+    throw invalid_argument(std::string(what) + ": '" + setting.text + "' is " + std::to_string(bytes) +
+                           " bytes, less than one chunk of the device (" + std::to_string(chunk) +
+                           " bytes), which would refuse every borrow; the smallest accepted value is " +
+                           size_text(chunk) + " (a fraction of the device's memory is written with a point, like 1.0)");
+  }
+  return bytes;
+}
+
+// A TOML float as its shortest exact text ("1e-10", not to_string's
+// "0.000000"), always read as a fraction: 1.0 is the whole device, not 1 byte.
+std::string fraction_text(double value) {
+  char text[32];  // holds any double's shortest text
+  std::string out(std::begin(text), std::to_chars(std::begin(text), std::end(text), value).ptr);
+  if (std::isfinite(value) && out.find_first_of(".e") == std::string::npos) out += ".0";
+  return out;
+}
+
 // The chunk sizes of one prepare entry: SIZE, or COUNTxSIZE. Refused before
 // they are listed when all entries so far (`granules`, each chunk rounded up
 // to the device's granularity) would hold more than `capacity`, so the list
@@ -60,7 +91,7 @@ void add_prepared(const std::string& entry, backend::device& device, std::size_t
 
 std::size_t size_setting::bytes(backend::device& device, const char* what) const {
   constexpr const char* forms = "a size: bytes, a number with KiB, MiB, GiB or TiB, or a fraction like 0.8";
-  if (text.find('.') != std::string::npos) {
+  if (text.find_first_of(".eE") != std::string::npos) {  // 0.8, 5e-1; no unit holds an e
     double fraction = 0;
     const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), fraction);
     if (ec != std::errc() || end != text.data() + text.size() || !(fraction > 0) || fraction > 1) {
@@ -98,7 +129,7 @@ void daemon_settings::read_file(const std::string& path) {
     const auto text = [&]() {
       if (const auto* s = node.as_string()) return s->get();
       if (const auto* i = node.as_integer()) return std::to_string(i->get());
-      if (const auto* f = node.as_floating_point()) return std::to_string(f->get());
+      if (const auto* f = node.as_floating_point()) return fraction_text(f->get());
       throw invalid_argument(where(name) + " must be a string or a number");
     };
     const auto count = [&]() -> std::uint64_t {
@@ -223,15 +254,16 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
   }
   lending::lender_config c;
   c.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
-  c.capacity_bytes = capacity.bytes(d, "capacity");
+  c.capacity_bytes = lendable(capacity.bytes(d, "capacity"), capacity, d, "capacity");
   if (const std::size_t total = d.memory().total_bytes; c.capacity_bytes > total) {
     // Lending what the device does not have fails later, borrow by borrow.
     throw invalid_argument("capacity: " + capacity.text + " is " + std::to_string(c.capacity_bytes) +
                            " bytes, more than the device's memory of " + std::to_string(total) +
                            "; give at most that, or a fraction like 0.9");
   }
-  c.quota_bytes = quota.bytes(d, "quota");
-  c.quota_bytes_per_uid = quota_per_uid.text.empty() ? 0 : quota_per_uid.bytes(d, "quota_per_uid");
+  c.quota_bytes = lendable(quota.bytes(d, "quota"), quota, d, "quota");
+  c.quota_bytes_per_uid =
+      quota_per_uid.text.empty() ? 0 : lendable(quota_per_uid.bytes(d, "quota_per_uid"), quota_per_uid, d, "quota_per_uid");
   std::size_t granules = 0;  // the prepared chunks', in the device's granularity
   for (const auto& entry : prepare) add_prepared(entry, d, c.capacity_bytes, granules, c.prepared_chunks);
   c.max_borrowers = static_cast<std::size_t>(max_borrowers);

@@ -15,7 +15,8 @@
 namespace shoal::tools {
 
 /// A size as written by a person: bytes ("1048576"), with a unit ("512MiB",
-/// "12GiB", "2TiB", "64KiB"), or a fraction of the device's memory ("0.8").
+/// "12GiB", "2TiB", "64KiB"), or a fraction of the device's memory ("0.8",
+/// "5e-1").
 struct size_setting {
   std::string text;
   /// The bytes it stands for on `device`. Throws invalid_argument naming

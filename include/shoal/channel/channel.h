@@ -463,7 +463,12 @@ class listener {
   /// fit sockaddr_un), and a
   /// leftover socket file that no one listens on is replaced. To tell whether
   /// a listener is there, it connects once: a live listener sees that probe
-  /// as a connection that closes at once. Throws invalid_argument when the
+  /// as a connection that closes at once (its accept() drops it once the
+  /// probing process has ended). Listeners starting at one path take turns
+  /// (an flock on `.<name>.lock` beside the socket file, held from that check
+  /// to listen() and removed after): one never takes another's socket, bound
+  /// and not yet listening, for a leftover, and of several starting over a
+  /// leftover one starts. Throws invalid_argument when the
   /// directory is not this uid's own 0700 directory, when the address is in
   /// use, or when a file that is not a socket is in the way; backend_error
   /// when the system refuses.
@@ -478,13 +483,15 @@ class listener {
   /// closed on the closer threads (they may hold a peer's descriptors).
   ~listener();
 
-  /// Waits for the next connection and checks its peer. Throws peer_refused
-  /// when the peer's uid is not allowed (its socket is closed), or
-  /// connection_closed when the peer exited before it could be identified;
-  /// either way the listener keeps working. backend_error when the system
-  /// refuses (out of descriptors, say).
+  /// Waits for the next connection and checks its peer. A connection whose
+  /// process exited before it could be identified (another listener's probe,
+  /// a client that gave up at once) is closed and the wait goes on. Throws
+  /// peer_refused when the peer's uid is not allowed (its socket is closed;
+  /// the listener keeps working); backend_error when the system refuses (out
+  /// of descriptors, say).
   [[nodiscard]] connection accept();
-  /// As accept(), but gives up after `timeout` and returns nullopt.
+  /// As accept(), but gives up after `timeout` and returns nullopt (also
+  /// when the time runs out while it closes a connection of a process gone).
   [[nodiscard]] std::optional<connection> accept_for(std::chrono::milliseconds timeout);
 
   /// For a server none of whose peers sends descriptors: from Linux 6.16

@@ -1,12 +1,13 @@
-// For tests of the listener only: a hook that runs after a listener has
+// For tests of the listener only: hooks that run after a listener has
 // checked its directory and before it binds there, so that a test can swap
 // directories in between and show that the socket still lands in the one
-// that was checked. Never use it elsewhere. It is a public header, as
+// that was checked; and between its bind and its listen, so that a test can
+// start another listener there meanwhile. Never use them elsewhere. It is a public header, as
 // alloc/invariant_test_hook.h is, because the test programs build against
 // the public headers only (src/ is not on their include path, and the
 // layering check keeps it so); the test_hook namespace marks it.
 //
-// Thread-safety: none; set it while no listener is being made.
+// Thread-safety: none; set them while no listener is being made.
 #pragma once
 
 #include <functional>
@@ -17,5 +18,10 @@ namespace shoal::channel::test_hook {
 /// Runs `hook` with the directory's path in every later listener made on a
 /// path, between its directory check and its bind; an empty function clears it.
 void set_after_directory_check(std::function<void(const std::string& directory)> hook);
+
+/// Runs `hook` with the address's text in every later listener, between its
+/// bind and its listen (a connect there is refused meanwhile); an empty
+/// function clears it. The hook may run on several threads at once.
+void set_between_bind_and_listen(std::function<void(const std::string& address)> hook);
 
 }  // namespace shoal::channel::test_hook
