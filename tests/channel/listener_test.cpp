@@ -189,15 +189,19 @@ TEST(listener_directory, a_name_too_long_to_bind_through_the_directory_is_refuse
   EXPECT_EQ(::rmdir(dir.c_str()), 0);
 }
 
+// Leaves at `address` the socket file of a listener that died without
+// removing it: no one listens there.
+void leave_a_dead_listeners_file(const channel_address& address) {
+  const unique_fd dead(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  const raw_address local = raw_address_of(address);
+  ASSERT_EQ(::bind(dead.get(), reinterpret_cast<const sockaddr*>(&local.address), local.length), 0);
+  ASSERT_EQ(::listen(dead.get(), 1), 0);
+}
+
 TEST(listener_file, a_stale_socket_file_is_replaced) {
   temp_dir dir;
   const auto address = channel_address::at_path(dir / "sock");
-  {  // a listener that died without removing its file
-    const unique_fd dead(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    const raw_address local = raw_address_of(address);
-    ASSERT_EQ(::bind(dead.get(), reinterpret_cast<const sockaddr*>(&local.address), local.length), 0);
-    ASSERT_EQ(::listen(dead.get(), 1), 0);
-  }
+  leave_a_dead_listeners_file(address);
   ASSERT_EQ(::access((dir / "sock").c_str(), F_OK), 0) << "the stale file is there";
   listener server(address, {});
   const connection client = connection::connect(address, {});
@@ -339,11 +343,8 @@ TEST(listener_file, of_listeners_racing_over_a_stale_socket_file_one_starts_and_
     SCOPED_TRACE("round " + std::to_string(round));
     temp_dir dir;
     const auto address = channel_address::at_path(dir / "sock");
-    {  // a listener that died without removing its file
-      const unique_fd dead(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-      const raw_address local = raw_address_of(address);
-      ASSERT_EQ(::bind(dead.get(), reinterpret_cast<const sockaddr*>(&local.address), local.length), 0);
-    }
+    leave_a_dead_listeners_file(address);
+    ASSERT_EQ(::access((dir / "sock").c_str(), F_OK), 0) << "the stale file is there";
     std::vector<std::optional<listener>> started(racers);
     std::atomic<int> ready{0};
     std::vector<std::thread> threads;

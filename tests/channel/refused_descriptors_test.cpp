@@ -514,23 +514,28 @@ TEST(refused_descriptors, a_refusing_listener_has_them_refused_before_accept) {
   EXPECT_TRUE(l.accept_for(2s).has_value());
 }
 
-}  // namespace
-}  // namespace shoal::testing
-
-namespace shoal::testing {
-namespace {
+// A connection's two ends, the receiving one refusing descriptors, and a
+// descriptor to send: the sender's side of a refusal.
+struct refusing_pair {
+  refusing_pair() {
+    socket_pair pair;
+    sender = connection::adopt(std::move(pair.a), {});
+    victim = connection::adopt(std::move(pair.b), {});
+    victim->refuse_descriptors();
+  }
+  std::optional<connection> sender;
+  std::optional<connection> victim;
+  pipe_ends pipe;
+};
 
 // The sender's side of the same refusal: a typed error that says what
 // happened, and a stream still in step when nothing of the call went.
 TEST(refused_descriptors, a_send_of_a_descriptor_to_a_refusing_peer_is_a_protocol_error_and_the_connection_goes_on) {
   if (!kernel_refuses_descriptors()) GTEST_SKIP() << "this kernel has no SO_PASSRIGHTS (Linux 6.16 on)";
-  socket_pair pair;
-  connection sender = connection::adopt(std::move(pair.a), {});
-  connection victim = connection::adopt(std::move(pair.b), {});
-  victim.refuse_descriptors();
-  pipe_ends pipe;
+  refusing_pair ends;
+  connection& sender = *ends.sender;
   try {
-    sender.send(1, bytes_of("with one"), pipe.write.get());
+    sender.send(1, bytes_of("with one"), ends.pipe.write.get());
     ADD_FAILURE() << "the send of a descriptor to a refusing peer went";
   } catch (const protocol_error& e) {
     EXPECT_NE(std::string(e.what()).find("takes no descriptors"), std::string::npos) << e.what();
@@ -538,22 +543,18 @@ TEST(refused_descriptors, a_send_of_a_descriptor_to_a_refusing_peer_is_a_protoco
   }
   EXPECT_THROW((void)sender.start_ring(4096), protocol_error) << "a ring's files are descriptors too";
   sender.send(1, bytes_of("without"));
-  EXPECT_EQ(text_of(victim.receive_for(2s).payload), "without") << "the refused send left the stream out of step";
+  EXPECT_EQ(text_of(ends.victim->receive_for(2s).payload), "without") << "the refused send left the stream out of step";
 }
 
 // A refusal after an earlier batch of the same call went leaves half of it
 // with the peer: the connection is closed.
 TEST(refused_descriptors, a_refusal_after_part_of_a_send_went_closes_the_connection) {
   if (!kernel_refuses_descriptors()) GTEST_SKIP() << "this kernel has no SO_PASSRIGHTS (Linux 6.16 on)";
-  socket_pair pair;
-  connection sender = connection::adopt(std::move(pair.a), {});
-  connection victim = connection::adopt(std::move(pair.b), {});
-  victim.refuse_descriptors();
-  pipe_ends pipe;
+  refusing_pair ends;
   std::vector<channel::outgoing_frame> frames(channel::max_batch_frames, channel::outgoing_frame{1, {}, -1});
-  frames.push_back({1, {}, pipe.write.get()});  // the second batch's only frame
-  EXPECT_THROW(sender.send(frames), protocol_error);
-  EXPECT_THROW(sender.send(1, bytes_of("after")), connection_closed) << "a stream out of step stayed usable";
+  frames.push_back({1, {}, ends.pipe.write.get()});  // the second batch's only frame
+  EXPECT_THROW(ends.sender->send(frames), protocol_error);
+  EXPECT_THROW(ends.sender->send(1, bytes_of("after")), connection_closed) << "a stream out of step stayed usable";
 }
 
 }  // namespace

@@ -36,20 +36,6 @@ std::string size_text(std::size_t bytes) {
   return std::to_string(bytes);
 }
 
-// A capacity or quota must hold one chunk of the device (its granularity):
-// the lender rounds every region up to whole chunks, so a smaller one would
-// refuse every borrow.
-std::size_t lendable(std::size_t bytes, const size_setting& setting, backend::device& device, const char* what) {
-  const std::size_t chunk = std::max<std::size_t>(device.granularity(), 1);
-  if (bytes < chunk) {
-    throw invalid_argument(std::string(what) + ": '" + setting.text + "' is " + std::to_string(bytes) +
-                           " bytes, less than one chunk of the device (" + std::to_string(chunk) +
-                           " bytes), which would refuse every borrow; the smallest accepted value is " +
-                           size_text(chunk) + " (a fraction of the device's memory is written with a point, like 1.0)");
-  }
-  return bytes;
-}
-
 // A TOML float as its shortest exact text ("1e-10", not to_string's
 // "0.000000"), always read as a fraction: 1.0 is the whole device, not 1 byte.
 std::string fraction_text(double value) {
@@ -113,6 +99,18 @@ std::size_t size_setting::bytes(backend::device& device, const char* what) const
   }
   if (number > std::numeric_limits<std::size_t>::max() / scale) bad(what, text, "a size that fits in 64 bits");
   return static_cast<std::size_t>(number) * scale;
+}
+
+std::size_t size_setting::lendable_bytes(backend::device& device, const char* what) const {
+  const std::size_t given = bytes(device, what);
+  const std::size_t chunk = std::max<std::size_t>(device.granularity(), 1);
+  if (given < chunk) {
+    throw invalid_argument(std::string(what) + ": '" + text + "' is " + std::to_string(given) +
+                           " bytes, less than one chunk of the device (" + std::to_string(chunk) +
+                           " bytes), which would refuse every borrow; the smallest accepted value is " +
+                           size_text(chunk) + " (a fraction of the device's memory is written with a point, like 1.0)");
+  }
+  return given;
 }
 
 void daemon_settings::read_file(const std::string& path) {
@@ -254,16 +252,15 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
   }
   lending::lender_config c;
   c.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
-  c.capacity_bytes = lendable(capacity.bytes(d, "capacity"), capacity, d, "capacity");
+  c.capacity_bytes = capacity.lendable_bytes(d, "capacity");
   if (const std::size_t total = d.memory().total_bytes; c.capacity_bytes > total) {
     // Lending what the device does not have fails later, borrow by borrow.
     throw invalid_argument("capacity: " + capacity.text + " is " + std::to_string(c.capacity_bytes) +
                            " bytes, more than the device's memory of " + std::to_string(total) +
                            "; give at most that, or a fraction like 0.9");
   }
-  c.quota_bytes = lendable(quota.bytes(d, "quota"), quota, d, "quota");
-  c.quota_bytes_per_uid =
-      quota_per_uid.text.empty() ? 0 : lendable(quota_per_uid.bytes(d, "quota_per_uid"), quota_per_uid, d, "quota_per_uid");
+  c.quota_bytes = quota.lendable_bytes(d, "quota");
+  c.quota_bytes_per_uid = quota_per_uid.text.empty() ? 0 : quota_per_uid.lendable_bytes(d, "quota_per_uid");
   std::size_t granules = 0;  // the prepared chunks', in the device's granularity
   for (const auto& entry : prepare) add_prepared(entry, d, c.capacity_bytes, granules, c.prepared_chunks);
   c.max_borrowers = static_cast<std::size_t>(max_borrowers);

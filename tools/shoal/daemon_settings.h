@@ -22,6 +22,10 @@ struct size_setting {
   /// The bytes it stands for on `device`. Throws invalid_argument naming
   /// `what` when the text is none of the forms above.
   [[nodiscard]] std::size_t bytes(backend::device& device, const char* what) const;
+  /// bytes(), refused as well (invalid_argument) below one chunk of the
+  /// device: the lender rounds regions up to whole chunks, so a capacity or
+  /// quota smaller than one would refuse every borrow.
+  [[nodiscard]] std::size_t lendable_bytes(backend::device& device, const char* what) const;
 };
 
 struct daemon_settings {
