@@ -725,6 +725,11 @@ void connection::post(std::span<const outgoing_frame> frames) {
     const connection_closed closed("connection::post to pid " + std::to_string(s.peer.process.pid) + ": " + e.what());
     s.break_with(closed.what());
     throw closed;
+  } catch (const detail::descriptors_refused& e) {  // frames queued before it may have gone: out of step
+    const protocol_error refused("connection::post to pid " + std::to_string(s.peer.process.pid) + ": " + e.what() +
+                                 "; the connection is closed");
+    s.break_with(refused.what());
+    throw refused;
   } catch (const std::exception& e) {  // part of a batch may have gone: the stream is out of step
     s.break_with(e.what());
     throw;
@@ -742,6 +747,11 @@ std::size_t connection::flush() {
     const connection_closed closed("connection::flush to pid " + std::to_string(s.peer.process.pid) + ": " + e.what());
     s.break_with(closed.what());
     throw closed;
+  } catch (const detail::descriptors_refused& e) {  // frames queued before it may have gone: out of step
+    const protocol_error refused("connection::flush to pid " + std::to_string(s.peer.process.pid) + ": " + e.what() +
+                                 "; the connection is closed");
+    s.break_with(refused.what());
+    throw refused;
   } catch (const std::exception& e) {
     s.break_with(e.what());
     throw;

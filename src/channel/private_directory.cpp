@@ -9,7 +9,11 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
+#include <chrono>
 #include <functional>
+#include <string>
+#include <thread>
 #include <memory>
 #include <utility>
 
@@ -26,6 +30,11 @@ std::function<void(const std::string&)>& after_directory_check() {
   return hook;
 }
 
+std::chrono::milliseconds& configured_start_lock_wait() noexcept {
+  static std::chrono::milliseconds wait{2'000};
+  return wait;
+}
+
 std::string octal_mode(mode_t mode) {
   char text[8];
   std::snprintf(text, sizeof text, "0%03o", static_cast<unsigned>(mode & 07777));
@@ -37,6 +46,8 @@ std::string octal_mode(mode_t mode) {
 void test_hook::set_after_directory_check(std::function<void(const std::string& directory)> hook) {
   after_directory_check() = std::move(hook);
 }
+
+void test_hook::set_start_lock_wait(std::chrono::milliseconds wait) { configured_start_lock_wait() = wait; }
 
 namespace detail {
 
@@ -159,13 +170,16 @@ std::vector<std::string> private_directory::names() const {
   return out;
 }
 
+std::chrono::milliseconds start_lock_wait() noexcept { return configured_start_lock_wait(); }
+
 start_lock::start_lock(const private_directory& directory, const std::string& name)
     : directory_(directory), file_name_("." + name + ".lock") {
-  while (!lock_the_file_named()) {
+  const auto until = std::chrono::steady_clock::now() + start_lock_wait();
+  while (!lock_the_file_named(until)) {
   }
 }
 
-bool start_lock::lock_the_file_named() {
+bool start_lock::lock_the_file_named(std::chrono::steady_clock::time_point until) {
   // Registered as a socket is (any descriptor works): a fork() child's copy
   // is replaced, so a child that lives on never keeps the lock held.
   released_in_children_ = std::make_unique<shoal::detail::fork_released_socket>([&] {
@@ -174,8 +188,19 @@ bool start_lock::lock_the_file_named() {
   });
   const std::string path = directory_.path_ + "/" + file_name_;
   if (!file_) throw os_error{errno, "openat(" + path + ")"};
-  while (::flock(file_.get(), LOCK_EX) != 0) {
-    if (errno != EINTR) throw os_error{errno, "flock(" + path + ")"};
+  // Polled, not waited for in flock(): a wait there has no deadline.
+  auto pause = std::chrono::microseconds(50);
+  while (::flock(file_.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EINTR) continue;
+    if (errno != EWOULDBLOCK) throw os_error{errno, "flock(" + path + ")"};
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= until) {
+      throw timeout_error("flock(" + path + "): another process held the lock past " +
+                          std::to_string(start_lock_wait().count()) +
+                          " ms (a listener stopped between its bind and its listen?)");
+    }
+    std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(pause, until - now));
+    pause = std::min(pause * 2, std::chrono::microseconds(10'000));
   }
   struct stat locked{};
   if (::fstat(file_.get(), &locked) != 0) throw os_error{errno, "fstat(" + path + ")"};

@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
@@ -70,18 +71,25 @@ class private_directory {
 /// The lock file is removed, still locked, as the lock goes; a listener that
 /// waited on a removed file locks the file the name holds then. A fork()
 /// child's copy of the descriptor is released, so no child holds the lock.
+/// The wait has a deadline (start_lock_wait): a process of this uid stopped,
+/// or hostile, while it holds the lock holds no listener's start or end.
+/// How long a start_lock waits: 2 s unless a test set another
+/// (test_hook::set_start_lock_wait). Holders keep it for microseconds.
+[[nodiscard]] std::chrono::milliseconds start_lock_wait() noexcept;
+
 class start_lock {
  public:
-  /// Waits for the lock. backend_error when the system refuses.
+  /// Waits for the lock up to start_lock_wait(). timeout_error when another
+  /// process held it all that time; backend_error when the system refuses.
   start_lock(const private_directory& directory, const std::string& name);
   ~start_lock();
   start_lock(const start_lock&) = delete;
   start_lock& operator=(const start_lock&) = delete;
 
  private:
-  /// Opens the lock file and waits for its lock; whether the name still
-  /// holds the file locked.
-  bool lock_the_file_named();
+  /// Opens the lock file and waits for its lock until `until`; whether the
+  /// name still holds the file locked.
+  bool lock_the_file_named(std::chrono::steady_clock::time_point until);
 
   const private_directory& directory_;
   std::string file_name_;

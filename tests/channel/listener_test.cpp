@@ -5,6 +5,7 @@
 // removed.
 #include <gtest/gtest.h>
 
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <fcntl.h>
@@ -333,6 +334,63 @@ TEST(listener_file, a_listener_started_while_another_is_between_bind_and_listen_
   connection accepted = first.accept();
   client.send(1, bytes_of("reachable"));
   EXPECT_EQ(text_of(accepted.receive().payload), "reachable") << "the first listener is the one at the path";
+}
+
+// Holds the start lock of the socket file `name` in `dir` as another
+// process would (flock on an open file description of its own) while it lives.
+struct start_lock_held_elsewhere {
+  start_lock_held_elsewhere(const std::string& dir, const std::string& name)
+      : file(::open((dir + "/." + name + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600)) {
+    EXPECT_TRUE(file) << "the lock file could not be made";
+    EXPECT_EQ(::flock(file.get(), LOCK_EX | LOCK_NB), 0) << "the lock was taken";
+  }
+  unique_fd file;
+};
+
+// Sets the start lock's wait for one test, and the default back after.
+struct start_lock_wait_for_test {
+  explicit start_lock_wait_for_test(std::chrono::milliseconds wait) { channel::test_hook::set_start_lock_wait(wait); }
+  ~start_lock_wait_for_test() { channel::test_hook::set_start_lock_wait(2s); }
+};
+
+// A process of this uid stopped (or hostile) while it holds a socket file's
+// start lock holds no listener's start, end or sweep past the lock's wait.
+// Waited for in flock() as before, each of these hung.
+TEST(listener_file, a_start_lock_held_elsewhere_is_waited_for_only_until_its_deadline) {
+  temp_dir dir;
+  const auto address = channel_address::at_path(dir / "sock");
+  const start_lock_wait_for_test wait(200ms);
+  {
+    const start_lock_held_elsewhere held(dir.path(), "sock");
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      const listener blocked(address, {});
+      ADD_FAILURE() << "a listener started while another process held the start lock";
+    } catch (const timeout_error& e) {
+      EXPECT_NE(std::string(e.what()).find(".sock.lock"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("another process held the lock past 200 ms"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  }
+  auto server = std::make_optional<listener>(address, channel::access_policy{});  // the lock is free again
+  {
+    const start_lock_held_elsewhere held(dir.path(), "sock");
+    const auto start = std::chrono::steady_clock::now();
+    server.reset();
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+    EXPECT_TRUE(exists(dir / "sock")) << "the socket file was removed without the lock";
+  }
+  const listener later(address, {});  // a later start replaces the file left as a leftover
+  const std::string dead = std::to_string(a_dead_pid());
+  bound_socket(dir / ("srv-" + dead + "-abandoned.sock"));
+  {
+    const start_lock_held_elsewhere held(dir.path(), "srv-" + dead + "-abandoned.sock");
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_EQ(later.remove_abandoned_sockets("srv-"), 0u);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+    EXPECT_TRUE(exists(dir / ("srv-" + dead + "-abandoned.sock"))) << "removed without the lock";
+  }
+  EXPECT_EQ(later.remove_abandoned_sockets("srv-"), 1u) << "once the lock is free";
 }
 
 // Listeners started at once over one stale socket file: one starts, and it

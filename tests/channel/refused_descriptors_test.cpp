@@ -557,5 +557,24 @@ TEST(refused_descriptors, a_refusal_after_part_of_a_send_went_closes_the_connect
   EXPECT_THROW(ends.sender->send(1, bytes_of("after")), connection_closed) << "a stream out of step stayed usable";
 }
 
+// post() queues what the socket does not take: a refusal met there, or by a
+// later flush(), may follow frames that went, so it closes the connection,
+// saying which call and peer it was.
+TEST(refused_descriptors, a_posted_descriptor_to_a_refusing_peer_closes_the_connection_and_says_so) {
+  if (!kernel_refuses_descriptors()) GTEST_SKIP() << "this kernel has no SO_PASSRIGHTS (Linux 6.16 on)";
+  refusing_pair ends;
+  try {
+    ends.sender->post(1, bytes_of("with one"), ends.pipe.write.get());
+    (void)ends.sender->flush();
+    ADD_FAILURE() << "a posted descriptor went to a refusing peer";
+  } catch (const protocol_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("connection::post to pid " + std::to_string(::getpid())), std::string::npos) << what;
+    EXPECT_NE(what.find("takes no descriptors"), std::string::npos) << what;
+    EXPECT_NE(what.find("the connection is closed"), std::string::npos) << what;
+  }
+  EXPECT_THROW(ends.sender->post(1, bytes_of("after")), connection_closed);
+}
+
 }  // namespace
 }  // namespace shoal::testing

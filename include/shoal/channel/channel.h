@@ -468,17 +468,20 @@ class listener {
   /// (an flock on `.<name>.lock` beside the socket file, held from that check
   /// to listen() and removed after): one never takes another's socket, bound
   /// and not yet listening, for a leftover, and of several starting over a
-  /// leftover one starts. Throws invalid_argument when the
-  /// directory is not this uid's own 0700 directory, when the address is in
-  /// use, or when a file that is not a socket is in the way; backend_error
-  /// when the system refuses.
+  /// leftover one starts; a lock another process holds past 2 s (stopped,
+  /// or hostile: one of this uid) is a timeout_error. Throws invalid_argument
+  /// when the directory is not this uid's own 0700 directory, when the
+  /// address is in use, or when a file that is not a socket is in the way;
+  /// backend_error when the system refuses.
   listener(const channel_address& address, access_policy policy,
            std::size_t max_payload = connection::default_max_payload);
   listener(const listener&) = delete;
   listener& operator=(const listener&) = delete;
   /// Removes the socket file (a path's), when it is still this listener's
   /// own and this is the process that made the listener: a child forked
-  /// since, ending, leaves the parent's socket where it is. In the process
+  /// since, ending, leaves the parent's socket where it is; so is it left
+  /// when another process holds the start lock past 2 s (a later listener
+  /// replaces it as a leftover). In the process
   /// that made it, connections still waiting to be accepted are refused,
   /// closed on the closer threads (they may hold a peer's descriptors).
   ~listener();
@@ -508,7 +511,8 @@ class listener {
   /// shoal-<pid>-<hex>.sock): named for a pid that no longer runs, sockets
   /// of this uid (links are not followed), at least 10 s old (a younger one
   /// may be a listener's between bind and listen), with no one listening. Anything
-  /// else, and an entry that cannot be judged, is left. Returns how many it
+  /// else, and an entry that cannot be judged (its start lock held past 2 s
+  /// included), is left. Returns how many it
   /// removed; 0 for an abstract name. backend_error when the directory
   /// cannot be read.
   std::size_t remove_abandoned_sockets(std::string_view prefix) const;
