@@ -10,7 +10,14 @@
 // blocks, with the GIL released), and is recorded as a user of the block,
 // so the allocator's free waits for it too. A writable export materializes
 // a lazy clone and marks the data shared outside the process (never lazily
-// shared again); a read-only one (DLPack 1.x, flagged read-only) does neither.
+// shared again); a read-only one (DLPack 1.x, flagged read-only) does neither:
+// it exports a lazy clone of the storage, made for it and held by the
+// capsule, so the memory it shows stays allocated and unchanged whatever the
+// storage and its clones write later (a write moves the writer to a copy
+// while the export lives). A storage that cannot be lazily shared (shared
+// outside the process, memory with an owner) keeps its data at one address
+// for its life: that read-only export shows the memory itself, held by the
+// storage's handle, later writes included.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -90,7 +97,11 @@ dlpack::DLDevice dl_device_of(const backend::device& device) {
 /// destructor, when never consumed) drops it. No Python objects: the
 /// deleter may run on any thread without the GIL.
 struct export_context {
-  storage_handle handle;
+  storage_handle handle;  // the storage viewed
+  // A read-only export's lazy clone of it (see the top), whose data is the
+  // one exported; empty for a writable export and for a storage that cannot
+  // be lazily shared.
+  std::optional<storage_handle> snapshot;
   std::vector<std::int64_t> shape;
   std::vector<std::int64_t> strides;
   std::unique_ptr<backend::event> ready;  // the producer point the consumer waits for
@@ -186,7 +197,7 @@ bool wants_versioned(nb::handle max_version) {
 
 nb::object export_view(const py_array_view& view, nb::handle stream, nb::handle max_version, nb::handle dl_device,
                        nb::handle copy) {
-  storage::storage& st = view.handle.get();
+  const storage::storage& st = view.handle.get();
   backend::device& device = st.device();
   if (st.allocator().config().memory == alloc::allocator_memory::pinned_host) {
     throw nb::buffer_error(
@@ -214,15 +225,32 @@ nb::object export_view(const py_array_view& view, nb::handle stream, nb::handle 
   const auto producer = current_stream_state(device);
   view.handle.allocator()->keep(producer);
 
-  auto context = std::make_unique<export_context>(export_context{view.handle, view.shape, view.strides, nullptr});
+  auto context = std::make_unique<export_context>(
+      export_context{view.handle, std::nullopt, view.shape, view.strides, nullptr});
   void* data = nullptr;
   {
     released_gil release;
+    // The storage whose data is exported: the context's own (never the
+    // view's handle, which other threads may share).
+    storage::storage exported = context->handle.get();
     if (view.readonly) {
-      data = const_cast<void*>(st.data());
+      // A snapshot that keeps its memory: the storage's data alone could be
+      // freed under the consumer once a write moves the storage to a copy
+      // and the family's last other member goes.
+      storage::storage clone = storage::try_lazy_clone(exported, producer->ref());
+      if (clone.valid()) {
+        exported = clone;
+        context->snapshot.emplace(std::move(clone), view.handle.allocator());
+      }
+      data = const_cast<void*>(exported.data());
     } else {
-      data = st.mutable_data(producer->ref());
-      st.mark_shared_outside_process();
+      // Marked first, in one locked step with any materialization: from then
+      // on a lazy_clone on another thread is an eager copy, so the pointer
+      // taken next is never shared with a clone (taken first, a clone made
+      // between the two steps would share it and never see the consumer's
+      // writes coming).
+      exported.mark_shared_outside_process(producer->ref());
+      data = exported.mutable_data(producer->ref());
     }
     if (to.host_reads || (to.stream && *to.stream != producer->ref())) {
       context->ready = std::make_unique<backend::event>(device);
@@ -231,7 +259,7 @@ nb::object export_view(const py_array_view& view, nb::handle stream, nb::handle 
         context->ready->synchronize();
       } else {
         device.wait(*to.stream, context->ready->ref());
-        st.record_stream(*to.stream);  // memory of the allocator or imported: the release waits for it
+        exported.record_stream(*to.stream);  // memory of the allocator or imported: the release waits for it
       }
     }
   }

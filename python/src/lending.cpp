@@ -377,7 +377,7 @@ void register_lending(nb::module_& m) {
       "_content_hash",
       [](const py_storage& storage, const std::vector<py_entry>& entries) {
         const auto layout = layout_of(entries, "shoal.lending.SharedRegion.verify");
-        const auto& st = storage.handle.get();
+        const storage::storage st = storage.handle.get();  // a copy, with the GIL: _publish may assign the handle
         lending::content_hash hash;
         {
           released_gil release;
@@ -495,14 +495,19 @@ void register_lending(nb::module_& m) {
             std::optional<lending::content_hash> given;
             if (hash) given = hash_of(*hash);
             std::optional<lending::borrowed_region> shared;
+            // The handle is assigned with the GIL held (other threads read it
+            // with the GIL, then use a copy); the storage it held goes below,
+            // without the GIL, since its release may wait.
+            std::optional<storage_handle> old(storage.handle);
+            storage.handle = storage_handle(storage::storage(), allocator.state);
             {
               released_gil release;
               // Keeps the owner while the storage goes: its release waits for
               // the streams that used the region, so the hash reads what they
               // wrote; then the region is taken out (and given back if
               // anything below fails).
-              const auto keep = storage.handle.get().owner();
-              storage.handle = storage_handle(storage::storage(), allocator.state);
+              const auto keep = old->get().owner();
+              old.reset();
               auto& device = allocator.state->allocator().device();
               layout.hash = given ? *given : lending::hash_entries(device, region.data(), region.size(), layout);
               shared.emplace(borrower->publish(owner->take(), layout, t));

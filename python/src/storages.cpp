@@ -135,8 +135,9 @@ void register_storages(nb::module_& m) {
             s.handle.require_writable("Storage.mutable_ptr");
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
+            storage::storage held = s.handle.get();  // with the GIL: another thread may assign s.handle
             released_gil release;
-            return reinterpret_cast<std::uintptr_t>(s.handle.get().mutable_data(st->ref()));
+            return reinterpret_cast<std::uintptr_t>(held.mutable_data(st->ref()));
           },
           nb::arg("stream").none() = nb::none(),
           "Address of the data for writing on `stream`: materializes a lazy "
@@ -146,7 +147,13 @@ void register_storages(nb::module_& m) {
           [](const py_storage& s, const py_stream* stream) {
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
-            return py_storage{storage_handle(storage::lazy_clone(s.handle.get(), st->ref()), s.handle.allocator())};
+            storage::storage held = s.handle.get();  // with the GIL: another thread may assign s.handle
+            storage::storage clone;
+            {
+              released_gil release;  // an eager copy's allocation may wait for pending frees
+              clone = storage::lazy_clone(held, st->ref());
+            }
+            return py_storage{storage_handle(std::move(clone), s.handle.allocator())};
           },
           nb::arg("stream").none() = nb::none(),
           "A new storage sharing this one's data copy-on-write, in O(1), for use "
@@ -154,12 +161,15 @@ void register_storages(nb::module_& m) {
           "storage holds once `stream` and every stream it was used on have "
           "passed the work enqueued so far (`stream` waits for those other "
           "streams on the GPU, so reads of the clone on it see this storage's "
-          "earlier writes). Data exported writable through "
+          "earlier writes). The first write of either storage moves the "
+          "writer to a copy while the other still shares the data; once the "
+          "other storage is gone, the one left takes the data over and writes "
+          "in place. Data exported writable through "
           "DLPack is copied at once instead. A read-only export does not stop "
-          "sharing: it shows the memory the storage had when exported, and "
-          "the first write of either storage after the clone moves the writer "
-          "to a copy, so the export no longer follows a storage that wrote "
-          "(export again after writing, or export writable).")
+          "sharing: it is a snapshot of the data the storage had when exported, "
+          "kept alive and unchanged while the consumer holds it, whatever "
+          "either storage writes later (export again after writing to see "
+          "the new data).")
       .def(
           "record_stream",
           [](const py_storage& s, const py_stream& stream) {
@@ -183,8 +193,9 @@ void register_storages(nb::module_& m) {
             check_range(s, offset, buffer.size(), "Storage.write");
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
+            storage::storage held = s.handle.get();  // with the GIL: another thread may assign s.handle
             released_gil release;
-            auto* dst = static_cast<std::byte*>(s.handle.get().mutable_data(st->ref())) + offset;
+            auto* dst = static_cast<std::byte*>(held.mutable_data(st->ref())) + offset;
             st->device().copy(st->ref(), dst, buffer.data(), buffer.size());
             st->device().synchronize(st->ref());  // the source buffer is the caller's
           },
@@ -211,10 +222,11 @@ void register_storages(nb::module_& m) {
             nb::bytes out = nb::steal<nb::bytes>(PyBytes_FromStringAndSize(nullptr, count));
             if (!out.is_valid()) throw nb::python_error();
             char* dst = PyBytes_AsString(out.ptr());
+            const storage::storage held = s.handle.get();  // with the GIL: another thread may assign s.handle
             {
               released_gil release;
               if (count > 0) {
-                const auto* src = static_cast<const std::byte*>(s.handle.get().data()) + offset;
+                const auto* src = static_cast<const std::byte*>(held.data()) + offset;
                 st->device().copy(st->ref(), dst, src, static_cast<std::size_t>(count));
               }
               st->device().synchronize(st->ref());
@@ -232,9 +244,10 @@ void register_storages(nb::module_& m) {
             s.handle.require_writable("Storage.fill");
             auto st = stream_or_current(stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
+            storage::storage held = s.handle.get();  // with the GIL: another thread may assign s.handle
             released_gil release;
-            void* dst = s.handle.get().mutable_data(st->ref());
-            st->device().fill(st->ref(), dst, static_cast<std::uint8_t>(value), s.handle.get().size());
+            void* dst = held.mutable_data(st->ref());
+            st->device().fill(st->ref(), dst, static_cast<std::uint8_t>(value), held.size());
           },
           nb::arg("value"), nb::arg("stream").none() = nb::none(),
           "Sets every byte to `value` in stream order (enqueued; does not "
@@ -266,9 +279,12 @@ void register_storages(nb::module_& m) {
            "(default: C order); `offset` in bytes. The view must lie inside "
            "the storage. A readonly view is "
            "exported without materializing a lazy clone (to DLPack 1.x "
-           "consumers only), and shows the memory the storage has then: "
-           "after a lazy_clone, a write moves the writing storage to a copy "
-           "that the export does not follow (see lazy_clone); `readonly` "
+           "consumers only), as a snapshot: the consumer sees the data the "
+           "storage has at export, kept alive and unchanged while it holds it "
+           "(a later write moves the writing storage to a copy, see "
+           "lazy_clone), except for memory that is never lazily shared "
+           "(exported writable, shared with another process, imported, a "
+           "region), which the export shows itself, later writes included; `readonly` "
            "defaults to whether the storage's "
            "memory is read-only, and a writable view of read-only memory is refused.")
       .def("__repr__", [](const py_storage& s) -> std::string {

@@ -192,3 +192,85 @@ def test_a_stream_of_another_device_is_refused(allocator):
     other = shoal.Stream(shoal.cuda_device(0) if allocator.device.kind == "host" else shoal.host_device())
     with pytest.raises(ValueError, match="use a stream of the memory's device"):
         allocator.allocate(16, other)
+
+
+# A read-only DLPack export is a snapshot that holds its memory. The host
+# backend hands a freed block straight to the next allocation of its size on
+# the stream, so `overwrite_any_freed_block` writes other bytes into any block
+# an export still reads but no longer holds: the read then sees them.
+def overwrite_any_freed_block(allocator, nbytes):
+    gc.collect()
+    reuse = allocator.allocate(nbytes)
+    reuse.fill(0xEE)
+    shoal.synchronize()
+    return reuse
+
+
+def host_numpy(allocator):
+    if allocator.device.kind != "host":
+        pytest.skip("numpy reads host memory only")
+    return pytest.importorskip("numpy")
+
+
+def test_a_readonly_export_of_a_clone_keeps_the_shared_data_once_the_clone_wrote_and_the_source_went(allocator):
+    numpy = host_numpy(allocator)
+    n = 4096
+    a = allocator.allocate(n)
+    a.fill(1)
+    b = a.lazy_clone()
+    shown = numpy.from_dlpack(b.view(readonly=True))
+    b.fill(2)  # b moves to a copy of its own
+    del a  # the last other holder of the shared data
+    reuse = overwrite_any_freed_block(allocator, n)
+    assert (shown == 1).all(), "the export read memory freed and handed out again"
+    assert b.read() == b"\x02" * n
+    del shown, b, reuse
+
+
+def test_a_readonly_export_keeps_its_data_once_the_storage_wrote_and_a_clone_made_after_went(allocator):
+    numpy = host_numpy(allocator)
+    n = 4096
+    a = allocator.allocate(n)
+    a.fill(1)
+    shown = numpy.from_dlpack(a.view(readonly=True))
+    c = a.lazy_clone()
+    a.fill(3)  # a moves to a copy; c holds the data the export shows
+    del c
+    reuse = overwrite_any_freed_block(allocator, n)
+    assert (shown == 1).all(), "the export read memory freed and handed out again"
+    assert a.read() == b"\x03" * n
+    del shown, a, reuse
+
+
+def test_a_readonly_export_is_a_snapshot_and_its_storage_writes_in_place_once_it_is_gone(allocator):
+    numpy = host_numpy(allocator)
+    a = allocator.allocate(64)
+    a.fill(1)
+    shown = numpy.from_dlpack(a.view(readonly=True))
+    a.fill(5)  # while the export lives: a copy, the export keeps its bytes
+    shoal.synchronize()
+    assert (shown == 1).all() and a.read() == b"\x05" * 64
+    del shown
+    gc.collect()
+    b = allocator.allocate(64)
+    ptr = b.ptr
+    shown = numpy.from_dlpack(b.view(readonly=True))
+    del shown
+    gc.collect()
+    b.fill(7)  # the export went: nothing shares the data, no copy
+    assert b.ptr == ptr and not b.is_lazy
+    assert b.read() == b"\x07" * 64
+    del a, b
+
+
+def test_a_readonly_export_of_memory_never_lazily_shared_shows_the_memory_itself(allocator):
+    numpy = host_numpy(allocator)
+    s = allocator.allocate(64)
+    s.fill(1)
+    writable = numpy.from_dlpack(s.view())  # marks it shared outside the process
+    shown = numpy.from_dlpack(s.view(readonly=True))
+    assert shown.ctypes.data == s.ptr
+    s.fill(4)  # written in place: the export, of the same memory, sees it
+    shoal.synchronize()
+    assert (shown == 4).all() and (writable == 4).all()
+    del writable, shown, s

@@ -11,7 +11,14 @@ cow_context::cow_context(alloc::caching_allocator& allocator, void* data, std::s
     : allocator_(allocator), data_(data), size_(size), created_on_(written_on), written_on_{written_on} {}
 
 cow_context::~cow_context() {
-  for (auto e : copies_done_) allocator_.device().destroy_event(e);
+  // Each on its own: a device in a sticky error state may refuse one, and
+  // a destructor that threw would terminate the process.
+  for (const auto& done : copies_done_) {
+    try {
+      allocator_.device().destroy_event(done.event);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): a refused destroy leaks one event, nothing worse
+    }
+  }
 }
 
 void cow_context::note_clone(backend::stream_ref cloned_on, std::span<const backend::stream_ref> source_used_on) {
@@ -50,7 +57,7 @@ void cow_context::order_before_steal(backend::stream_ref stream) {
   order_after_clone_writes(stream);
   std::lock_guard lock(streams_mutex_);
   order_after(allocator_.device(), stream, read_on_);  // the uses of the storages that went
-  for (auto e : copies_done_) allocator_.device().wait(stream, e);  // they read what the stealer will overwrite
+  for (const auto& done : copies_done_) allocator_.device().wait(stream, done.event);  // they read what the stealer will overwrite
 }
 
 cow_context::written cow_context::release_for_write(backend::stream_ref stream,
@@ -82,15 +89,26 @@ void* cow_context::copy_out(backend::stream_ref stream, std::span<const backend:
 
 void cow_context::note_copy_done(backend::stream_ref stream) {
   backend::device& device = allocator_.device();
+  // One event per stream, recorded again by each copy there: a stream runs
+  // in order, so its newest record covers every earlier copy on it, and a
+  // family cloned and written again and again keeps as many events as it
+  // has copying streams, not one per copy. Recorded under the lock: a
+  // concurrent copier on the same stream re-records the same event.
+  std::lock_guard lock(streams_mutex_);
+  const auto known = std::ranges::find(copies_done_, stream, &copy_done::stream);
+  if (known != copies_done_.end()) {
+    device.record(known->event, stream);
+    return;
+  }
+  copies_done_.reserve(copies_done_.size() + 1);  // room first: a new event is never lost
   const backend::event_ref done = device.create_event();
   try {
     device.record(done, stream);
-    std::lock_guard lock(streams_mutex_);
-    copies_done_.push_back(done);
   } catch (...) {
     device.destroy_event(done);
     throw;
   }
+  copies_done_.push_back({stream, done});
 }
 
 bool cow_context::release_for_drop(std::span<const backend::stream_ref> used_on) {

@@ -94,7 +94,13 @@ class cow_context {
   std::mutex streams_mutex_;
   std::vector<backend::stream_ref> written_on_;  // guarded by streams_mutex_
   std::vector<backend::stream_ref> read_on_;     // guarded by streams_mutex_: the used_on of storages gone
-  std::vector<backend::event_ref> copies_done_;  // guarded by streams_mutex_
+  // The end of the newest copy on each stream that copied the data (one
+  // event per stream, recorded again by each copy there).
+  struct copy_done {
+    backend::stream_ref stream;
+    backend::event_ref event;
+  };
+  std::vector<copy_done> copies_done_;  // guarded by streams_mutex_
 };
 
 }  // namespace shoal::storage::detail

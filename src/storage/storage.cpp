@@ -34,10 +34,8 @@ class storage_impl {
       void* data = data_.load();
       if (owner_) {
         // A block handed over stays the allocator's until its owner frees it.
-        if (handed_over_) {
-          for (auto s : streams_.view()) allocator_.record_stream(data, s);
-        }
-        owner_->storage_released(streams_.view());
+        if (handed_over_) record_on_block_or_wait(data);
+        owner_->storage_released(streams_.view());  // always: the owner gives the memory back only then
       } else if (cow_ == nullptr) {
         // Every stream, its own included: after a steal the own stream is
         // not the block's, and with cross_stream_safety off a free waits for
@@ -52,6 +50,23 @@ class storage_impl {
       // to wait for was destroyed first, or recording one ran out of host
       // memory), and the block stays allocated, visible in the allocator's
       // statistics, rather than reused unsafely or the process terminated.
+    }
+  }
+
+  // The block's free waits for every stream this storage used. A stream the
+  // allocator has no room to remember is waited for here instead (as
+  // shared_block::storage_released does), so that neither the free overtakes
+  // it nor the owner is left untold.
+  void record_on_block_or_wait(void* data) noexcept {
+    for (auto s : streams_.view()) {
+      try {
+        allocator_.record_stream(data, s);
+      } catch (...) {
+        try {
+          allocator_.device().synchronize(s);
+        } catch (...) {  // NOLINT(bugprone-empty-catch): a failed stream reads nothing more
+        }
+      }
     }
   }
 
@@ -228,6 +243,13 @@ void storage::mark_shared_outside_process() {
   s.shared_outside_ = true;
 }
 
+void storage::mark_shared_outside_process(backend::stream_ref stream) {
+  detail::storage_impl& s = impl();
+  std::lock_guard lock(s.mutex_);
+  if (s.cow_ != nullptr) s.materialize(stream);
+  s.shared_outside_ = true;
+}
+
 bool storage::shared_outside_process() const {
   detail::storage_impl& s = impl();
   std::lock_guard lock(s.mutex_);
@@ -254,22 +276,17 @@ std::shared_ptr<storage_owner> storage::hand_over(
   return s.owner_;
 }
 
-storage lazy_clone(const storage& source, backend::stream_ref stream) {
-  detail::storage_impl& s = source.impl();
-  std::lock_guard lock(s.mutex_);
-  if (s.shared_outside_ || s.owner_) {
-    // Memory another process or framework may write: a lazy clone could not
-    // see those writes coming. Memory an owner gives back (a part of a
-    // shared block among them): a copy-on-write context would free it as a
-    // block of the allocator. Either way the clone is an eager copy, made now.
-    storage copy = storage::allocate(s.allocator_, s.size_, stream);
-    detail::order_after(s.allocator_.device(), stream, s.streams_.view());
-    s.allocator_.device().copy(stream, copy.impl().data_.load(), s.data_.load(), s.size_);
-    s.record_use_locked(stream);  // the source's release waits for the copy's read
-    return copy;
-  }
+namespace {
+
+// Whether `s` may be lazily shared (mutex_ held). Once false, false for good:
+// shared_outside_ and owner_ are never unset, and both are set only once the
+// storage is not lazy, so its data then stays at one address for its life.
+bool may_share_lazily(const detail::storage_impl& s) { return !s.shared_outside_ && !s.owner_; }
+
+// The clone lazy_clone makes of a storage that may be lazily shared (mutex_ held).
+std::shared_ptr<detail::storage_impl> lazy_clone_locked(detail::storage_impl& s, backend::stream_ref stream) {
   // The clone's reads on `stream` see the source's writes enqueued so far on
-  // its other streams (the eager copy above waits for them too). Before the
+  // its other streams (the eager copy waits for them too). Before the
   // context changes, so that a throw leaves everything as it was; no device
   // call when the source was used on `stream` alone, the common case.
   detail::order_after(s.allocator_.device(), stream, s.streams_.view());
@@ -281,7 +298,36 @@ storage lazy_clone(const storage& source, backend::stream_ref stream) {
   auto clone = std::make_shared<detail::storage_impl>(s.allocator_, s.size_, s.data_.load(), s.cow_, stream);
   s.cow_->add_reference();  // only once the clone exists: a clone not made holds none
   clone->lazy_.store(true, std::memory_order_relaxed);
-  return storage(std::move(clone));
+  return clone;
+}
+
+}  // namespace
+
+storage lazy_clone(const storage& source, backend::stream_ref stream) {
+  detail::storage_impl& s = source.impl();
+  std::lock_guard lock(s.mutex_);
+  if (!may_share_lazily(s)) {
+    // Memory another process or framework may write: a lazy clone could not
+    // see those writes coming. Memory an owner gives back (a part of a
+    // shared block among them): a copy-on-write context would free it as a
+    // block of the allocator. Either way the clone is an eager copy, made now.
+    // Room first: once the copy is enqueued, recording its read on the
+    // source must not fail, or the source's free would not wait for it.
+    s.streams_.make_room_for({stream});
+    storage copy = storage::allocate(s.allocator_, s.size_, stream);
+    detail::order_after(s.allocator_.device(), stream, s.streams_.view());
+    s.allocator_.device().copy(stream, copy.impl().data_.load(), s.data_.load(), s.size_);
+    s.record_use_locked(stream);  // the source's release waits for the copy's read; cannot throw now
+    return copy;
+  }
+  return storage(lazy_clone_locked(s, stream));
+}
+
+storage try_lazy_clone(const storage& source, backend::stream_ref stream) {
+  detail::storage_impl& s = source.impl();
+  std::lock_guard lock(s.mutex_);
+  if (!may_share_lazily(s)) return storage();
+  return storage(lazy_clone_locked(s, stream));
 }
 
 storage lazy_clone(const storage& source) { return lazy_clone(source, source.last_used_on()); }

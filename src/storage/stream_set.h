@@ -68,10 +68,22 @@ inline void order_after(backend::device& device, backend::stream_ref waiter,
                         std::span<const backend::stream_ref> streams) {
   for (auto s : streams) {
     if (s == waiter) continue;  // same stream: already in order
-    const backend::event_ref e = device.create_event();
-    device.record(e, s);
-    device.wait(waiter, e);
-    device.destroy_event(e);
+    // Destroyed however record or wait ends (a throw included): never leaked.
+    struct owned_event {
+      explicit owned_event(backend::device& d) : device(d), event(d.create_event()) {}
+      owned_event(const owned_event&) = delete;
+      owned_event& operator=(const owned_event&) = delete;
+      ~owned_event() {
+        try {
+          device.destroy_event(event);
+        } catch (...) {  // NOLINT(bugprone-empty-catch): a refused destroy leaks one event, nothing worse
+        }
+      }
+      backend::device& device;
+      const backend::event_ref event;
+    } e(device);
+    device.record(e.event, s);
+    device.wait(waiter, e.event);
   }
 }
 

@@ -41,13 +41,28 @@ class refusing_device final : public forwarding_device {
     if (during_copy) std::exchange(during_copy, nullptr)();
     if (refuse_copy.exchange(false)) throw backend_error("copy", "refused by the test");
     forwarding_device::copy(s, dst, src, n);
+    ++copies;
   }
   backend::event_ref create_event() override {
     if (refuse_event.exchange(false)) throw backend_error("create_event", "refused by the test");
-    return forwarding_device::create_event();
+    const auto e = forwarding_device::create_event();
+    ++live_events;
+    return e;
+  }
+  void record(backend::event_ref e, stream_ref s) override {
+    if (refuse_record.exchange(false)) throw backend_error("record", "refused by the test");
+    forwarding_device::record(e, s);
+  }
+  void destroy_event(backend::event_ref e) override {
+    // As CUDA in a sticky error state: every destroy refused while set.
+    if (refuse_destroy) throw backend_error("destroy_event", "refused by the test");
+    forwarding_device::destroy_event(e);
+    --live_events;
   }
 
-  std::atomic<bool> refuse_copy{false}, refuse_event{false};
+  std::atomic<bool> refuse_copy{false}, refuse_event{false}, refuse_record{false}, refuse_destroy{false};
+  std::atomic<int> copies{0};       // copies enqueued
+  std::atomic<int> live_events{0};  // events made and not destroyed
   std::function<void()> during_copy;  // set and run on the test's thread
 };
 
@@ -167,6 +182,120 @@ TEST_F(cow_failures, a_lazy_clone_refused_host_memory_at_any_step_leaves_the_fam
     second = storage_t();
     EXPECT_EQ(in_use(), 0) << "the family outlived its storages";
   }
+}
+
+TEST_F(cow_failures, a_family_whose_event_destroys_are_refused_is_still_freed_without_terminating) {
+  const stream_ref own = new_stream(), writer = new_stream();
+  auto source = filled(0xAB, own);
+  auto clone = lazy_clone(source, own);
+  device_.fill(writer, clone.mutable_data(writer), 0xCD, bytes);  // a copy: the context keeps its event
+  clone = storage_t();
+  device_.refuse_destroy = true;  // a device in a sticky error state
+  source = storage_t();           // the last of the family: the context goes, its events with it
+  device_.refuse_destroy = false;
+  EXPECT_EQ(in_use(), 0);
+}
+
+TEST_F(cow_failures, an_ordering_event_whose_record_is_refused_is_not_leaked) {
+  const stream_ref own = new_stream(), other = new_stream(), third = new_stream();
+  auto source = filled(0xAB, own);
+  source.record_stream(other);  // a clone on `third` waits for `own` and `other`, an event each
+  const int events = device_.live_events.load();
+  device_.refuse_record = true;
+  EXPECT_THROW((void)lazy_clone(source, third), backend_error);
+  EXPECT_EQ(device_.live_events.load(), events) << "the event made for the ordering was leaked";
+  EXPECT_FALSE(source.is_lazy());
+  source = storage_t();
+  EXPECT_EQ(in_use(), 0);
+}
+
+// A storage cloned and its clone written again and again (say, a model's
+// weights cloned each step): its family keeps one copy event per stream,
+// not one per copy.
+TEST_F(cow_failures, a_family_written_by_copies_again_and_again_keeps_one_event_per_stream) {
+  const stream_ref own = new_stream(), writer = new_stream();
+  auto source = filled(0xAB, own);
+  const int events = device_.live_events.load();
+  for (int i = 0; i < 50; ++i) {
+    auto clone = lazy_clone(source, own);
+    device_.fill(writer, clone.mutable_data(i % 2 == 0 ? writer : own), 0xCD, bytes);
+  }
+  EXPECT_TRUE(source.is_lazy()) << "the family lives on with the source";
+  EXPECT_LE(device_.live_events.load(), events + 2) << "the copies' events grow with the number of copies";
+  device_.fill(own, source.mutable_data(own), 0x11, bytes);  // the steal waits for every copy
+  EXPECT_TRUE(holds(source, 0x11, own));
+  source = storage_t();
+  EXPECT_EQ(in_use(), 0);
+}
+
+// Each heap allocation an eager lazy_clone makes (of memory shared outside
+// the process), refused in turn: a copy enqueued from the source is always
+// recorded on it, so that the source's free waits for the copy's read.
+TEST_F(cow_failures, an_eager_clone_refused_host_memory_never_leaves_its_copy_unrecorded) {
+  const stream_ref own = new_stream(), other = new_stream(), third = new_stream();
+  bool refused = true;
+  for (int nth = 1; refused; ++nth) {
+    SCOPED_TRACE(::testing::Message() << "allocation " << nth << " refused");
+    auto source = filled(0xAB, own);
+    source.record_stream(other);  // two streams: a third one spills to the heap
+    source.mark_shared_outside_process();
+    const int copies = device_.copies.load();
+    storage_t copy;
+    {
+      refusing_one_allocation refuse(nth, [] {});
+      try {
+        copy = lazy_clone(source, third);
+      } catch (const std::bad_alloc&) {  // NOLINT(bugprone-empty-catch): what is left is checked below
+      }
+      refused = refuse.refused();
+    }
+    if (device_.copies.load() > copies) {
+      EXPECT_EQ(source.last_used_on(), third) << "a copy was enqueued, its read not recorded on the source";
+    }
+    if (copy.valid()) EXPECT_TRUE(holds(copy, 0xAB, third));
+    source = storage_t();
+    copy = storage_t();
+    EXPECT_EQ(in_use(), 0);
+  }
+}
+
+// An owner that frees the block it was handed and counts the calls it gets.
+class counting_owner final : public storage::storage_owner {
+ public:
+  counting_owner(alloc::caching_allocator& a, void* data) : a_(a), data_(data) {}
+  ~counting_owner() override { a_.deallocate(data_); }
+  void storage_released(std::span<const stream_ref> used_on) noexcept override {
+    ++released;
+    streams = used_on.size();
+  }
+  int released = 0;
+  std::size_t streams = 0;
+
+ private:
+  alloc::caching_allocator& a_;
+  void* data_;
+};
+
+TEST_F(cow_failures, a_handed_over_storage_whose_streams_cannot_be_recorded_still_tells_its_owner) {
+  const stream_ref own = new_stream(), other = new_stream();
+  auto st = filled(0xAB, own);
+  st.record_stream(other);  // the allocator needs heap memory to remember it on the block
+  std::shared_ptr<counting_owner> owner;
+  (void)st.hand_over(
+      [&](void* data, std::size_t) {
+        owner = std::make_shared<counting_owner>(*allocator_, data);
+        return owner;
+      },
+      own);
+  {
+    refusing_allocations refuse;
+    st = storage_t();
+    EXPECT_GT(refusing_allocations::refused(), 0) << "the test refused nothing";
+  }
+  EXPECT_EQ(owner->released, 1) << "the owner was never told its storage went";
+  EXPECT_EQ(owner->streams, 2u);
+  owner.reset();
+  EXPECT_EQ(in_use(), 0);
 }
 
 }  // namespace

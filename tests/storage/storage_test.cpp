@@ -386,6 +386,50 @@ class counting_owner final : public storage::storage_owner {
   int& released_;
 };
 
+TYPED_TEST(storage_test, marking_with_a_stream_materializes_on_that_stream_and_every_later_clone_is_a_copy) {
+  this->make();
+  const backend::stream_ref own = this->new_stream(), producer = this->new_stream();
+  auto a = this->filled(5, own);
+  auto lazy = lazy_clone(a, own);  // `lazy` is used on `own` alone
+  lazy.mark_shared_outside_process(producer);
+  EXPECT_FALSE(lazy.is_lazy()) << "marking materializes first";
+  EXPECT_EQ(lazy.last_used_on(), producer) << "the copy was made on the stream named, where the consumer waits";
+  void* exported = lazy.mutable_data(producer);
+  EXPECT_NE(exported, a.data()) << "the pointer taken after the mark is the storage's own";
+  auto later = lazy_clone(lazy, own);
+  EXPECT_FALSE(later.is_lazy()) << "a clone made after the mark is an eager copy";
+  EXPECT_NE(later.data(), exported);
+  EXPECT_TRUE(this->holds(lazy, 5, producer));
+  EXPECT_TRUE(this->holds(later, 5, own));
+}
+
+TYPED_TEST(storage_test, try_lazy_clone_clones_what_may_be_lazily_shared_and_copies_nothing_else) {
+  auto& a = this->make();
+  auto plain = this->filled(3);
+  auto clone = storage::try_lazy_clone(plain, {});
+  ASSERT_TRUE(clone.valid());
+  EXPECT_TRUE(clone.is_lazy());
+  EXPECT_EQ(clone.data(), plain.data());
+
+  auto marked = this->filled(4);
+  marked.mark_shared_outside_process();
+  int released = 0;
+  void* p = a.allocate(bytes, {});
+  auto adopted = storage_t::adopt(a, p, bytes, std::make_shared<counting_owner>(a, p, released));
+  const std::size_t sizes[] = {64, 64};
+  auto parts = storage_t::allocate_parts(a, sizes, {});
+  const auto before = this->allocations();
+  for (const storage_t* st : {&marked, &adopted, &parts[1]}) {
+    const void* data = st->data();
+    EXPECT_FALSE(storage::try_lazy_clone(*st, {}).valid()) << "no clone of memory that may not be lazily shared";
+    EXPECT_EQ(st->data(), data) << "nor a copy: that memory stays where it is";
+    EXPECT_FALSE(st->is_lazy());
+  }
+  EXPECT_EQ(this->allocations(), before) << "nothing was copied";
+  adopted = storage_t();
+  EXPECT_EQ(released, 1);
+}
+
 TYPED_TEST(storage_test, adopted_memory_is_given_back_by_its_owner_once_and_copied_eagerly) {
   auto& a = this->make();
   int released = 0;

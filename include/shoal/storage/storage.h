@@ -14,8 +14,14 @@
 //     once the copy is enqueued, so the data outlives the copy and a copy
 //     that fails (the call throws) leaves the storage lazy, as it was; the
 //     reference count and the steal decision are atomic;
-//   - while shared, the data is never written in place, so it stays as it
-//     was at clone time.
+//   - while shared, the data is never written in place through shoal, so it
+//     stays as it was at clone time: a pointer mutable_data returned before
+//     a lazy_clone must not be written after it (take a new one, which
+//     materializes), and a pointer data() returned is no longer this
+//     storage's data once a write materializes it by a copy (the storage
+//     moves to the copy; the old pointer shows the shared data, and only
+//     while another storage of the family holds it). Once the others are
+//     gone, the one left takes the data over and writes in place.
 // Streams a storage was used on (one rule for every kind of storage):
 //   - a storage remembers the streams its data was used on: its own stream
 //     (the one it was allocated, adopted or received on, or its clone's or
@@ -45,9 +51,10 @@
 // the family's storages complete, and a stealer's stream waits for every
 // copy, and for every stream a storage of the family that went (dropped or
 // materialized) used the data on, before writing in place.
-// Memory that has left the process (shared over IPC, exported through
-// DLPack) is never lazily shared: lazy_clone of such a storage makes an
-// eager copy at once, ordered after the source's streams.
+// Memory that has left the process (shared over IPC, exported writable
+// through DLPack) is never lazily shared: lazy_clone of such a storage makes
+// an eager copy at once, ordered after the source's streams. (A read-only
+// export is a reader, not a writer: it holds a try_lazy_clone, a snapshot.)
 //
 // Thread-safety: different storage objects may be used from any threads at
 // once, including clones of one family and parts of one block. One storage object's mutable_data
@@ -189,6 +196,13 @@ class storage {
   /// it is never lazily shared. Materializes it first if it is lazy, on
   /// last_used_on().
   void mark_shared_outside_process();
+  /// mark_shared_outside_process, materializing a lazy storage on `stream`
+  /// (then a use of `stream`). One step under the storage's lock: a
+  /// lazy_clone on another thread comes wholly before it (the mark
+  /// materializes this storage away from the clone) or wholly after (an
+  /// eager copy). So a writable export marks first, then takes
+  /// mutable_data: the pointer it gets is never shared with a lazy clone.
+  void mark_shared_outside_process(backend::stream_ref stream);
   [[nodiscard]] bool shared_outside_process() const;
   /// The owner of this storage's memory, or nullptr when its allocator
   /// owns it.
@@ -204,6 +218,7 @@ class storage {
 
  private:
   friend storage lazy_clone(const storage& source, backend::stream_ref stream);
+  friend storage try_lazy_clone(const storage& source, backend::stream_ref stream);
   explicit storage(std::shared_ptr<detail::storage_impl> impl) : impl_(std::move(impl)) {}
   [[nodiscard]] detail::storage_impl& impl() const;
 
@@ -220,5 +235,14 @@ class storage {
 [[nodiscard]] storage lazy_clone(const storage& source, backend::stream_ref stream);
 /// lazy_clone on the stream the source was last used on (last_used_on()).
 [[nodiscard]] storage lazy_clone(const storage& source);
+/// lazy_clone when `source` may be lazily shared; otherwise (shared outside
+/// the process, or its memory has an owner) an empty handle, with no copy
+/// and no device call. Decided under the source's lock, so it cannot race a
+/// mark. What a reader that must keep a snapshot alive wants (a read-only
+/// DLPack export): a clone keeps the data it shows allocated whatever the
+/// family writes; a storage that may not be lazily shared keeps its data at
+/// one address for its life (written in place, never moved to a copy), so
+/// holding the storage itself keeps that memory alive.
+[[nodiscard]] storage try_lazy_clone(const storage& source, backend::stream_ref stream);
 
 }  // namespace shoal::storage
