@@ -321,7 +321,7 @@ class Storage:
 
     def lazy_clone(self, stream: Stream | None = None) -> Storage:
         """
-        A new storage sharing this one's data copy-on-write, in O(1), for use on `stream` (default: the current stream); its data is what this storage holds once `stream` and every stream it was used on have passed the work enqueued so far (`stream` waits for those other streams on the GPU, so reads of the clone on it see this storage's earlier writes). Data exported writable through DLPack is copied at once instead. A read-only export does not stop sharing: it shows the memory the storage had when exported, and the first write of either storage after the clone moves the writer to a copy, so the export no longer follows a storage that wrote (export again after writing, or export writable).
+        A new storage sharing this one's data copy-on-write, in O(1), for use on `stream` (default: the current stream); its data is what this storage holds once `stream` and every stream it was used on have passed the work enqueued so far (`stream` waits for those other streams on the GPU, so reads of the clone on it see this storage's earlier writes). The first write of either storage moves the writer to a copy while the other still shares the data; once the other storage is gone, the one left takes the data over and writes in place. Data exported writable through DLPack is copied at once instead. A read-only export does not stop sharing: it is a snapshot of the data the storage had when exported, kept alive and unchanged while the consumer holds it, whatever either storage writes later (export again after writing to see the new data).
         """
 
     def record_stream(self, stream: Stream) -> None:
@@ -349,7 +349,7 @@ class Storage:
 
     def view(self, dtype: object | None = 'uint8', shape: Sequence[int] | None = None, strides: Sequence[int] | None = None, offset: int = 0, readonly: bool | None = None) -> ArrayView:
         """
-        A typed ArrayView of the storage without copying: `dtype` a name ('float32', 'int64', 'bool', ...) or a numpy dtype (None: 'uint8'); `shape` (default: as many elements as fit after `offset`); `strides` in elements (default: C order); `offset` in bytes. The view must lie inside the storage. A readonly view is exported without materializing a lazy clone (to DLPack 1.x consumers only), and shows the memory the storage has then: after a lazy_clone, a write moves the writing storage to a copy that the export does not follow (see lazy_clone); `readonly` defaults to whether the storage's memory is read-only, and a writable view of read-only memory is refused.
+        A typed ArrayView of the storage without copying: `dtype` a name ('float32', 'int64', 'bool', ...) or a numpy dtype (None: 'uint8'); `shape` (default: as many elements as fit after `offset`); `strides` in elements (default: C order); `offset` in bytes. The view must lie inside the storage. A readonly view is exported without materializing a lazy clone (to DLPack 1.x consumers only), as a snapshot: the consumer sees the data the storage has at export, kept alive and unchanged while it holds it (a later write moves the writing storage to a copy, see lazy_clone), except for memory that is never lazily shared (exported writable, shared with another process, imported, a region), which the export shows itself, later writes included; `readonly` defaults to whether the storage's memory is read-only, and a writable view of read-only memory is refused.
         """
 
     def __repr__(self) -> str: ...
@@ -678,14 +678,25 @@ class TransferEngine:
 
     def __init__(self, allocator: Allocator, max_batches_in_flight: int = 32, max_pinned_bytes: int = 33554432, staging_chunk_bytes: int = 4194304, staging_helpers: int | None = None, staging_stores: str = 'automatic', max_coalesced_bytes: int = 4194304, max_bytes_in_flight: int = 67108864) -> None: ...
 
-    def submit(self, buffers: Sequence[tuple[int, int, bool, object]], timeout: float | None = None) -> int:
+    def submit(self, buffers: Sequence[tuple[int, int, bool, object]], timeout: float | None = None, layout: object | None = None) -> int:
         """
-        Queues a batch of (address, nbytes, pinned, owner) host buffers; ``owner`` is kept alive while the engine reads the memory. Returns the batch's sequence number. Blocks while the batch does not fit within max_batches_in_flight and max_bytes_in_flight; past max_bytes_in_flight a batch still goes while at most one other batch is in flight (so two are always allowed, whatever their bytes). PeerTimeoutError after ``timeout`` seconds. The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).
+        Queues a batch of (address, nbytes, pinned, owner) host buffers; ``owner`` is kept alive while the engine reads the memory, ``layout`` until the batch is taken (next() hands it back with the batch). Returns the batch's sequence number. A Ctrl-C that comes as the batch is queued is raised after: the batch stays queued. Blocks while the batch does not fit within max_batches_in_flight and max_bytes_in_flight; past max_bytes_in_flight a batch still goes while at most one other batch is in flight (so two are always allowed, whatever their bytes). PeerTimeoutError after ``timeout`` seconds. The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).
         """
 
-    def next(self, timeout: float | None = None, *, on_failure: object | None = None) -> TransferredBatch:
+    def next(self, into: list, timeout: float | None = None) -> None:
         """
-        The next batch in submission order once its copies are enqueued; raises the batch's own error when it failed (after calling ``on_failure(sequence)`` with the failed batch's sequence number, when given: the batch is taken all the same), PeerTimeoutError after ``timeout`` seconds (no batch taken). The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).
+        Appends (batch, layout) to ``into``: the next batch in submission order once its copies are enqueued, and the layout submit gave with it — first any batch put back (put_back) — and returns None. Raises the batch's own error when it failed (the batch is taken all the same), PeerTimeoutError after ``timeout`` seconds (no batch taken). The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError). A Ctrl-C that comes as a batch is taken is raised after the call: the batch is in ``into`` then.
+        """
+
+    def put_back(self, item: tuple) -> None:
+        """
+        Gives back a (batch, layout) that next() appended and the caller could not deliver: the next next() hands it out first (batches put back go in sequence order). Dropped once closed.
+        """
+
+    @property
+    def waiting(self) -> int:
+        """
+        Batches submitted and not yet delivered: in flight in the engine, and put back.
         """
 
     def stats(self) -> dict:

@@ -581,6 +581,10 @@ class ModuleLoader:
                 copies.append(([(device_base + low, host_base + low, high - low)], None))
             group_of_position += [max(len(copies) - 1, 0)] * (end - begin)
             begin = end
+        if not copies:
+            # Every tensor is empty: nothing to copy but the buffer's padding, which stands
+            # for the load, so that the Loading has a group to wait for like any other.
+            copies.append(([(device_base, host_base, self._host_buffer.numel())], None))
         # The source is kept until the load is gone; the device buffer is the module's (its
         # use on the copy stream recorded above), freed by unload() even while the Loading lives.
         copies[0] = (copies[0][0], self._host_buffer)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from typing import Any, Callable, Optional, Union
 
 from . import _checks, _device_defaults, _shoal
@@ -199,13 +198,6 @@ def _default_engine_allocator() -> _shoal.Allocator:
     return _device_defaults.allocator_on(_device_defaults.default_device())
 
 
-def _lock_wait(timeout: Optional[float]) -> float:
-    """`timeout` as threading's lock waits take it: -1 (no limit) for None and for one past
-    threading.TIMEOUT_MAX (which raises OverflowError there; some 292 years on Linux), else
-    itself."""
-    return -1 if timeout is None or timeout > threading.TIMEOUT_MAX else timeout
-
-
 def _as_torch(view: _shoal.ArrayView) -> Any:
     import torch
 
@@ -295,15 +287,9 @@ class Engine:
             max_coalesced_bytes,
             max_bytes_in_flight,
         )
-        # Each batch's structure and leaf types, by sequence number, until taken (the
-        # engine names the batch it hands out, or the one that failed). Submits are
-        # serialized so that the number is known before the engine can hand the batch out
-        # (a producer blocked by backpressure holds the others back, as the engine would;
-        # a submit with a timeout waits for them no longer than that).
-        self._layouts: dict[int, tuple[Any, list[tuple[str, tuple[int, ...]]]]] = {}
-        self._submit_lock = threading.Lock()
-        self._layouts_lock = threading.Lock()
-        self._next_sequence = 0
+        # Each batch's layout (its structure and leaf types) goes into the engine with the
+        # batch and comes back with it: nothing here pairs them, so nothing raised between
+        # a native call's return and the next line (Ctrl-C) can part them.
 
     def submit(self, batch: Any, timeout: Optional[float] = None, *, reuse_sources: bool = False) -> int:
         """Queues a batch (an array, or a list/tuple/dict of them, nested) and returns its sequence number.
@@ -317,9 +303,12 @@ class Engine:
         tensors are read directly and kept alive until their copy has run. Blocks while the
         batch does not fit within ``max_batches_in_flight`` and ``max_bytes_in_flight``
         (past ``max_bytes_in_flight`` a batch still goes while at most one other batch is in
-        flight: two may always be, whatever their bytes), and while another thread's submit
-        waits so; PeerTimeoutError after ``timeout`` seconds of both waits together (nothing
-        queued then).
+        flight: two may always be, whatever their bytes); PeerTimeoutError after ``timeout``
+        seconds (nothing queued then). Producers waiting at once are let in as room allows, not
+        in the order they came: a batch that fits goes ahead of a larger one still waiting.
+        Ctrl-C (KeyboardInterrupt) ends the wait with nothing queued — unless it comes as the
+        batch is queued: then it is raised after, and the batch is queued with its structure
+        (``get`` delivers it as any other).
 
         The engine reads the arrays after ``submit`` returns: do not write them until it has
         (a write before that may reach the device copy). A loader that refills one buffer
@@ -331,7 +320,6 @@ class Engine:
         queued and its arrays still being read.
         """
         timeout = _checks.timeout_seconds("shoal.transfer.Engine.submit", timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
         flattening = _Flattening()
         structure = flattening.structure_of(batch)
         leaves = flattening.leaves
@@ -345,57 +333,30 @@ class Engine:
                       for (address, nbytes, pinned, owner), dtype, shape in leaves]
         buffers = [buffer for buffer, _, _ in leaves]
         types = [(dtype, shape) for _, dtype, shape in leaves]
-        if not self._submit_lock.acquire(timeout=_lock_wait(timeout)):
-            raise self._no_room(timeout, "another thread's submit is still waiting for room (")
-        try:
-            sequence = self._next_sequence
-            with self._layouts_lock:
-                self._layouts[sequence] = (structure, types)
-            try:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                submitted = self._engine.submit(buffers, left)
-            except BaseException as failed:
-                with self._layouts_lock:
-                    self._layouts.pop(sequence, None)
-                if isinstance(failed, _shoal.PeerTimeoutError):
-                    # The engine was given what was left of the timeout; say what the caller gave.
-                    raise self._no_room(timeout, "") from None
-                raise
-            assert submitted == sequence, "shoal.transfer: the engine numbered a batch out of order"
-            self._next_sequence += 1
-        finally:
-            self._submit_lock.release()
+        submitted = self._engine.submit(buffers, timeout, (structure, types))
         del buffers, leaves  # the engine's holds are the last ones on the sources
         if read is not None:
             read.wait()
         return submitted
 
-    def _no_room(self, timeout: Optional[float], why: str) -> _shoal.PeerTimeoutError:
-        stats = self._engine.stats()
-        return _shoal.PeerTimeoutError(
-            f"shoal.transfer.Engine.submit: no room for the batch within {timeout} s: {why}"
-            f"{stats['in_flight']} batches of {stats['bytes_in_flight']} bytes in all are in flight"
-            f"{')' if why else ''}; take batches or raise max_batches_in_flight or max_bytes_in_flight "
-            "(nothing was queued)"
-        )
-
     def next(self, timeout: Optional[float] = None) -> _shoal.TransferredBatch:
-        """The next batch as the engine hands it out (storages and ready state), without waiting on a stream."""
-        return self._take(timeout)[0]
+        """The next batch as the engine hands it out (storages and ready state), without waiting
+        on a stream. Errors and Ctrl-C as ``get``."""
+        timeout = _checks.timeout_seconds("shoal.transfer.Engine.next", timeout)
+        taken: list = []
+        try:
+            self._engine.next(taken, timeout)
+            return taken[0][0]
+        except BaseException:
+            self._put_back(taken)
+            raise
 
-    def _take(self, timeout: Optional[float]) -> tuple[_shoal.TransferredBatch, tuple[Any, list]]:
-        """The next batch and its layout, which leaves ``_layouts`` once the engine has handed
-        the batch out: by the sequence the engine names, also for a batch that failed (its
-        own error, whatever its type, follows). A call that takes no batch (a bad timeout, a
-        timeout, Ctrl-C, close()) leaves every layout."""
-        timeout = _checks.timeout_seconds("shoal.transfer.Engine.get", timeout)
-        transferred = self._engine.next(timeout, on_failure=self._forget_layout)
-        with self._layouts_lock:
-            return transferred, self._layouts.pop(transferred.sequence)
-
-    def _forget_layout(self, sequence: int) -> None:
-        with self._layouts_lock:
-            self._layouts.pop(sequence, None)
+    def _put_back(self, taken: list) -> None:
+        """Gives the batch in ``taken``, if any, back to the engine: a call that took it raises
+        instead of delivering it (Ctrl-C as the native call returned, an error building the
+        result), and the next ``get`` or ``next`` delivers it."""
+        if taken:
+            self._engine.put_back(taken[0])
 
     def get(
         self, timeout: Optional[float] = None, stream: Optional[_shoal.Stream] = None, *, as_torch: bool = False
@@ -409,6 +370,8 @@ class Engine:
         there come after the copies. Raises the batch's own error when it failed;
         PeerTimeoutError after ``timeout`` seconds. Ctrl-C (KeyboardInterrupt) ends the wait, as
         it does ``submit``'s; so does ``close()`` from another thread (InvalidArgumentError).
+        A call that raises delivers no batch and loses none: one it had taken (Ctrl-C as the
+        batch came, ``as_torch`` refused by torch) is the next ``get``'s or ``next``'s.
         """
         if as_torch:
             import torch  # noqa: F401 (before a batch is taken: without torch it stays queued)
@@ -419,17 +382,22 @@ class Engine:
             raise _shoal.InvalidArgumentError(
                 f"shoal.transfer.Engine.get: stream is of {stream.device}, and the engine's storages of "
                 f"{self._allocator.device}")
-        transferred, (structure, types) = self._take(timeout)
-        transferred.wait(stream)
-        views = [storage.view(dtype, shape) for storage, (dtype, shape) in zip(transferred.storages, types)]
+        timeout = _checks.timeout_seconds("shoal.transfer.Engine.get", timeout)
+        taken: list = []
+        try:
+            self._engine.next(taken, timeout)
+            transferred, (structure, types) = taken[0]
+            transferred.wait(stream)
+            views = [storage.view(dtype, shape) for storage, (dtype, shape) in zip(transferred.storages, types)]
 
-        def empty(node: _Empty) -> _shoal.ArrayView:
-            """An array with no elements: a view of none of the engine's few bytes for them."""
-            storage = self._empty_storage
-            if storage is None:  # two threads may each make one: either serves
-                storage = self._empty_storage = self._allocator.allocate(_EMPTY_STORAGE_BYTES)
-            return storage.view(node.dtype, node.shape)
-        if as_torch:
+            def empty(node: _Empty) -> _shoal.ArrayView:
+                """An array with no elements: a view of none of the engine's few bytes for them."""
+                storage = self._empty_storage
+                if storage is None:  # two threads may each make one: either serves
+                    storage = self._empty_storage = self._allocator.allocate(_EMPTY_STORAGE_BYTES)
+                return storage.view(node.dtype, node.shape)
+            if not as_torch:
+                return _rebuild(structure, views, empty)
             # The export orders PyTorch's stream after shoal's current stream: `stream`
             # here, the one that waited for the copies.
             if stream is not None:
@@ -437,10 +405,16 @@ class Engine:
             try:
                 views = [_as_torch(view) for view in views]
                 return _rebuild(structure, views, lambda node: _as_torch(empty(node)))
+            except Exception as refused:
+                refused.add_note("shoal.transfer.Engine.get: the batch stays queued; get(as_torch=False) returns "
+                                 "it as ArrayViews")
+                raise
             finally:
                 if stream is not None:
                     _shoal._pop_stream()
-        return _rebuild(structure, views, empty)
+        except BaseException:
+            self._put_back(taken)
+            raise
 
     def stats(self) -> dict:
         """Counters: batches submitted, transferred, failed and taken; ``coalesced_groups``, the
@@ -455,7 +429,6 @@ class Engine:
         """Ends other threads' waits in ``submit`` and ``get`` (InvalidArgumentError), finishes
         the batches submitted, waits for their copies and stops the thread."""
         self._engine.close()
-        self._layouts.clear()
         self._empty_storage = None
 
     @property
@@ -466,8 +439,12 @@ class Engine:
     def __repr__(self) -> str:
         if self.closed:
             return "shoal.transfer.Engine(closed)"
-        with self._layouts_lock:
-            waiting = len(self._layouts)
+        try:
+            waiting = self._engine.waiting
+        except _shoal.DeviceUnavailableError:
+            return "shoal.transfer.Engine(the parent process's: this is a fork() child)"
+        except _shoal.InvalidArgumentError:  # closed meanwhile
+            return "shoal.transfer.Engine(closed)"
         return f"shoal.transfer.Engine({waiting} batches submitted and not taken)"
 
     def __enter__(self) -> "Engine":

@@ -2,8 +2,9 @@
 // builds the array and module API on top), GroupedLoad, and the group
 // planner.
 //
-// GIL: enqueueing the copies, synchronizing and measuring release it; a load
-// lets go of its sources (held Python objects) by taking the GIL.
+// GIL: enqueueing the copies, synchronizing, measuring and a load's end
+// (which waits for its copies) release it; a load lets go of its sources
+// (held Python objects) by taking the GIL.
 #include "shoal/transfer/grouped_load.h"
 
 #include <nanobind/stl/optional.h>
@@ -14,6 +15,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -30,6 +32,22 @@ namespace shoal::python {
 namespace {
 
 struct py_grouped_load {
+  py_grouped_load(std::shared_ptr<stream_state> stream, transfer::grouped_load l)
+      : copy_stream(std::move(stream)), load(std::move(l)) {}
+  py_grouped_load(py_grouped_load&&) = default;
+  py_grouped_load& operator=(py_grouped_load&&) = delete;
+  py_grouped_load(const py_grouped_load&) = delete;
+  py_grouped_load& operator=(const py_grouped_load&) = delete;
+  // The load's end waits for its copies (grouped_load.h): with the GIL
+  // released, which nanobind's dealloc holds, so that dropping a load does
+  // not stop every other Python thread until they have run. Its sources'
+  // owners are let go of by taking the GIL back (hold()).
+  ~py_grouped_load() {
+    std::optional<released_gil> unlocked;
+    if (PyGILState_Check() != 0) unlocked.emplace();
+    const transfer::grouped_load gone = std::move(load);
+  }
+
   // Declared first, destroyed last: the load's destruction waits for its
   // copies on this stream, which must still be alive then.
   std::shared_ptr<stream_state> copy_stream;

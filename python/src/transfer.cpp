@@ -7,13 +7,25 @@
 // lock (stats, __repr__, the timeout errors' counts); the engine's thread
 // lets go of source objects by taking the GIL for the decref, never under
 // its lock, so nothing that holds the GIL ever waits for that thread.
+//
+// A batch and its layout (what shoal.transfer keeps of it: its structure)
+// never part: submit hands the layout to the engine with the batch (its
+// tag), and next hands both back together, appended to the caller's list
+// before it returns. CPython runs a signal's handler (Ctrl-C's
+// KeyboardInterrupt) at the next bytecode boundary, so one that arrives
+// while the call waits is raised as the call returns, before the caller can
+// store what it returned: the caller finds the batch in its list all the
+// same, and puts back what it could not deliver (put_back), which the next
+// next() hands out first.
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -80,7 +92,19 @@ struct engine_on_lent_stream {
 struct py_transfer_engine {
   std::shared_ptr<allocator_state> allocator;
   closable<engine_on_lent_stream> engine;
+  // Batches taken from the engine that a call could not deliver (Ctrl-C,
+  // an error building the result), put back in sequence order: (sequence,
+  // (TransferredBatch, layout)). Read and written with the GIL held only,
+  // never released in between; close() empties it.
+  std::deque<std::pair<std::uint64_t, nb::object>> undelivered;
 };
+
+/// What submit gave the engine with a batch, as Python sees it (None when
+/// nothing was given).
+nb::object layout_of(const std::shared_ptr<const void>& tag) {
+  if (!tag) return nb::none();
+  return nb::borrow(static_cast<PyObject*>(const_cast<void*>(tag.get())));
+}
 
 transfer::transfer_config::stores parse_staging_stores(const std::string& name) {
   using stores = transfer::transfer_config::stores;
@@ -165,18 +189,19 @@ void register_transfer(nb::module_& m) {
           "submit",
           [](const py_transfer_engine& e, const std::vector<std::tuple<std::uintptr_t, std::size_t, bool, nb::object>>&
                                               buffers,
-             std::optional<double> timeout) {
+             std::optional<double> timeout, const nb::object& layout) {
             std::vector<transfer::host_buffer> batch;
             batch.reserve(buffers.size());
             for (const auto& [address, nbytes, pinned, owner] : buffers) {
               batch.push_back({reinterpret_cast<const void*>(address), nbytes, pinned, hold(owner)});
             }
+            const std::shared_ptr<const void> tag = layout.is_none() ? nullptr : hold(layout);
             const auto until = until_of(timeout, "shoal.transfer.Engine.submit");
             const auto engine = e.engine.enter();
             const auto sequence = wait_in_slices(
                 engine, e.engine, until, [&](std::chrono::milliseconds slice) -> std::optional<std::uint64_t> {
                   try {
-                    return engine->engine.submit(batch, slice);
+                    return engine->engine.submit(batch, slice, tag);
                   } catch (const timeout_error&) {
                     return std::nullopt;
                   }
@@ -191,18 +216,25 @@ void register_transfer(nb::module_& m) {
             }
             return *sequence;
           },
-          nb::arg("buffers"), nb::arg("timeout").none() = nb::none(),
+          nb::arg("buffers"), nb::arg("timeout").none() = nb::none(), nb::arg("layout").none() = nb::none(),
           "Queues a batch of (address, nbytes, pinned, owner) host buffers; ``owner`` is kept alive while "
-          "the engine reads the memory. Returns the batch's sequence number. Blocks while the batch does "
+          "the engine reads the memory, ``layout`` until the batch is taken (next() hands it back with the "
+          "batch). Returns the batch's sequence number. A Ctrl-C that comes as the batch is queued is "
+          "raised after: the batch stays queued. Blocks while the batch does "
           "not fit within max_batches_in_flight and max_bytes_in_flight; past max_bytes_in_flight a batch "
           "still goes while at most one other batch is in flight (so two are always allowed, whatever "
           "their bytes). PeerTimeoutError after ``timeout`` seconds. The wait ends on Ctrl-C "
           "(KeyboardInterrupt) and on close() from another thread (InvalidArgumentError).")
       .def(
           "next",
-          [](const py_transfer_engine& e, std::optional<double> timeout, const nb::object& on_failure) {
+          [](py_transfer_engine& e, nb::list into, std::optional<double> timeout) {
             const auto until = until_of(timeout, "shoal.transfer.Engine (get, next)");
             const auto engine = e.engine.enter();
+            if (!e.undelivered.empty()) {  // one an interrupted call took: first, in sequence order
+              into.append(std::move(e.undelivered.front().second));
+              e.undelivered.pop_front();
+              return;
+            }
             auto taken = wait_in_slices(
                 engine, e.engine, until,
                 [&](std::chrono::milliseconds slice) -> std::optional<transfer_engine::taken_batch> {
@@ -216,18 +248,39 @@ void register_transfer(nb::module_& m) {
               throw timeout_error("shoal.transfer.Engine: no batch came within " + seconds_text(*timeout) + " s (" +
                                   std::to_string(stats_without_gil(engine->engine).in_flight) + " in flight)");
             }
-            if (taken->error) {
-              if (!on_failure.is_none()) on_failure(taken->sequence);
-              std::rethrow_exception(taken->error);
-            }
-            return py_transferred_batch{e.allocator, std::move(*taken->batch)};
+            if (taken->error) std::rethrow_exception(taken->error);  // its layout goes with it
+            // From here to the append no Python code runs, so no signal's handler: the batch
+            // is in `into` when the call returns, whatever is raised then.
+            nb::object layout = layout_of(taken->tag);
+            into.append(nb::make_tuple(py_transferred_batch{e.allocator, std::move(*taken->batch)}, layout));
           },
-          nb::arg("timeout").none() = nb::none(), nb::kw_only(), nb::arg("on_failure").none() = nb::none(),
-          "The next batch in submission order once its copies are enqueued; raises the batch's own error "
-          "when it failed (after calling ``on_failure(sequence)`` with the failed batch's sequence number, "
-          "when given: the batch is taken all the same), PeerTimeoutError after ``timeout`` seconds (no batch "
-          "taken). The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread "
-          "(InvalidArgumentError).")
+          nb::arg("into"), nb::arg("timeout").none() = nb::none(),
+          "Appends (batch, layout) to ``into``: the next batch in submission order once its copies are "
+          "enqueued, and the layout submit gave with it — first any batch put back (put_back) — and "
+          "returns None. Raises the batch's own error when it failed (the batch is taken all the same), "
+          "PeerTimeoutError after ``timeout`` seconds (no batch taken). The wait ends on Ctrl-C "
+          "(KeyboardInterrupt) and on close() from another thread (InvalidArgumentError). A Ctrl-C that "
+          "comes as a batch is taken is raised after the call: the batch is in ``into`` then.")
+      .def(
+          "put_back",
+          [](py_transfer_engine& e, const nb::tuple& item) {
+            if (item.size() != 2) throw invalid_argument("shoal.TransferEngine.put_back: expected (batch, layout)");
+            const std::uint64_t sequence = nb::cast<const py_transferred_batch&>(item[0]).batch.sequence();
+            if (e.engine.closed()) return;  // close() dropped the others: this one goes too
+            const auto at = std::find_if(e.undelivered.begin(), e.undelivered.end(),
+                                         [&](const auto& u) { return u.first > sequence; });
+            e.undelivered.emplace(at, sequence, item);
+          },
+          nb::arg("item"),
+          "Gives back a (batch, layout) that next() appended and the caller could not deliver: the next "
+          "next() hands it out first (batches put back go in sequence order). Dropped once closed.")
+      .def_prop_ro(
+          "waiting",
+          [](const py_transfer_engine& e) {
+            const auto engine = e.engine.enter();
+            return stats_without_gil(engine->engine).in_flight + e.undelivered.size();
+          },
+          "Batches submitted and not yet delivered: in flight in the engine, and put back.")
       .def(
           "stats",
           [](const py_transfer_engine& e) {
@@ -254,7 +307,12 @@ void register_transfer(nb::module_& m) {
           "failed ones count), bytes copied and staged, copies (host-to-device copies enqueued: a run of "
           "small pageable buffers packed together is one), batches and their bytes in flight (now and at "
           "the peak), pinned staging memory (now and at the peak).")
-      .def("close", [](py_transfer_engine& e) { e.engine.close(); },
+      .def(
+          "close",
+          [](py_transfer_engine& e) {
+            e.engine.close();
+            e.undelivered.clear();  // under the GIL, as every use of it
+          },
            "Ends the waits of other threads' submit() and next() (InvalidArgumentError), finishes the batches "
            "submitted, waits for their copies and stops the thread. Idempotent.")
       .def_prop_ro(
@@ -262,7 +320,12 @@ void register_transfer(nb::module_& m) {
       .def("__repr__", [](const py_transfer_engine& e) -> std::string {
         const auto engine = e.engine.try_enter();
         if (!engine) return "shoal.TransferEngine(closed)";
-        const auto s = stats_without_gil((*engine)->engine);
+        transfer::transfer_stats s;
+        try {
+          s = stats_without_gil((*engine)->engine);
+        } catch (const device_unavailable&) {
+          return "shoal.TransferEngine(the parent process's: this is a fork() child)";
+        }
         return "shoal.TransferEngine(" + std::to_string(s.batches_submitted) + " batches submitted, " +
                std::to_string(s.in_flight) + " in flight, " + std::to_string(s.bytes_copied) + " bytes copied)";
       });

@@ -5,6 +5,8 @@ the group planner, and (on the GPU machine) a torch module loaded group by group
 from __future__ import annotations
 
 import gc
+import threading
+import time
 import weakref
 
 import numpy
@@ -38,6 +40,37 @@ def model_memory(groups: int = GROUPS, nbytes: int = 4 * MIB) -> tuple[list, lis
     shoal.synchronize()
     sources = [[host_array(nbytes, g + 1) for _ in range(2)] for g in range(groups)]
     return targets, sources
+
+
+def test_dropping_a_load_whose_copies_are_queued_lets_other_python_threads_run():
+    # The load's end waits for its copies; with the GIL held there, every other Python
+    # thread would stand still until they had run.
+    targets, sources = model_memory(groups=1, nbytes=4096)
+    copy = shoal.Stream()
+    copy.delay(0.5)
+    load = shoal.loading.load_groups([list(zip(targets[0], sources[0]))], copy)
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.002)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        time.sleep(0.05)
+        started = time.monotonic()
+        del load  # the last reference: waits for the copies
+        ended = time.monotonic()
+    finally:
+        stop.set()
+        ticker.join(10)
+    assert ended - started >= 0.2, "the load's end did not wait for its copies (the test's premise)"
+    during = [t for t in ticks if started < t < ended]
+    assert len(during) >= 10, f"another Python thread ran {len(during)} times in {ended - started:.2f} s of the drop"
+    assert all(bytes(storage.read(0, 4096)) == bytes([1]) * 4096 for storage in targets[0])
 
 
 def last_bytes_seen(wait: bool) -> list[int]:

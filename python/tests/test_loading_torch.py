@@ -150,6 +150,18 @@ def test_a_module_without_tensors_is_refused(torch):
         shoal.loading.ModuleLoader(torch.nn.ReLU())
 
 
+def test_a_module_whose_tensors_are_all_empty_loads_with_nothing_to_copy(torch):
+    model = torch.nn.Sequential(torch.nn.Linear(0, 0), torch.nn.Linear(0, 0))
+    loader = shoal.loading.ModuleLoader(model)
+    loading = loader.load("per_layer")
+    out = model(torch.ones(3, 0, device="cuda"))
+    loading.synchronize()
+    assert loading.done() and out.shape == (3, 0)
+    assert all(p.is_cuda and p.numel() == 0 for p in model.parameters())
+    loader.unload()
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
 def test_a_layer_that_reads_a_child_it_never_calls_waits_for_the_childs_group(torch):
     # nn.MultiheadAttention reads out_proj's weight itself and never calls out_proj.
     torch.manual_seed(3)

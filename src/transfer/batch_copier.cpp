@@ -270,9 +270,24 @@ void transfer_engine::batch_copier::hold_until_now(std::vector<std::shared_ptr<c
   }
 }
 
-bool transfer_engine::batch_copier::release_finished() {
-  while (!held_.empty() && held_.front().done->query()) held_.pop_front();
-  return !held_.empty();
+bool transfer_engine::batch_copier::release_finished() noexcept {
+  try {
+    while (!held_.empty() && held_.front().done->query()) held_.pop_front();
+    return !held_.empty();
+  } catch (...) {
+    // The event cannot be queried: the stream failed (CUDA reports an
+    // earlier asynchronous failure so). As in release_all: once the stream
+    // has stopped (at once when it failed) no copy reads a source any more.
+    // The consumer learns of the failure from the batches (their
+    // synchronize and is_ready) and from the next group's make_room, which
+    // fails each of its batches with it (queued_ is left for that).
+    try {
+      device_.synchronize(stream_);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): a failed stream reads nothing more
+    }
+    held_.clear();
+    return false;
+  }
 }
 
 void transfer_engine::batch_copier::release_all() noexcept {

@@ -47,7 +47,9 @@ class transfer_engine::batch_copier {
   /// group's copies have run.
   std::vector<outcome> copy(std::span<job> jobs);
   /// Lets go of the sources whose copies have run. True while some remain.
-  bool release_finished();
+  /// An event that cannot be queried (a failed stream) counts as done, as
+  /// in release_all: this runs in the engine thread's noexcept loop.
+  bool release_finished() noexcept;
   /// Waits for every copy, then lets go of every source.
   void release_all() noexcept;
 

@@ -32,6 +32,9 @@ struct transferred_batch::state {
 struct transfer_engine::job {
   std::uint64_t sequence = 0;
   std::vector<host_buffer> buffers;
+  /// submit's tag: moved into the batch's outcome once the copier is done
+  /// with the job, so that it travels with its batch to take().
+  std::shared_ptr<const void> tag;
 
   /// At most PTRDIFF_MAX (submit checks), so the sum does not wrap.
   [[nodiscard]] std::size_t bytes() const noexcept {
@@ -47,6 +50,7 @@ struct transfer_engine::outcome {
   std::size_t bytes = 0;  ///< the job's, counted in flight until it is taken
   std::shared_ptr<const transferred_batch::state> batch;
   std::exception_ptr error;
+  std::shared_ptr<const void> tag;  ///< the job's, whichever of batch and error is set
 };
 
 }  // namespace shoal::transfer

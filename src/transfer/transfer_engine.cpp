@@ -166,23 +166,25 @@ void refuse_in_fork_child(const shoal::detail::fork_epoch& epoch, const char* ca
 
 }  // namespace
 
-std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chrono::milliseconds timeout) {
+std::uint64_t transfer_engine::submit(std::vector<host_buffer> batch, std::chrono::milliseconds timeout,
+                                      std::shared_ptr<const void> tag) {
   refuse_in_fork_child(wake_->epoch, "submit");
   const std::size_t bytes = checked_bytes(batch);
   // Made before the lock, so that a batch not queued (a timeout, a failed
-  // push) lets go of its sources after the lock: a source's release may run
-  // its owner's deleter, which must never run under mutex_ (see run()).
-  job queued{0, std::move(batch)};
+  // push) lets go of its sources and tag after the lock: their release may
+  // run their owners' deleters, which must never run under mutex_ (see run()).
+  job queued{0, std::move(batch), std::move(tag)};
   std::unique_lock lock(mutex_);
   // Within both bounds, or with at most one other batch whatever the bytes:
   // a producer may always have one batch in flight beside the one it is
   // about to take (submitting one ahead from the consumer's own thread would
   // otherwise wait for ever once two batches pass max_bytes_in_flight).
+  // (No call is in progress while the engine is destroyed, so this wait
+  // never sees it stop.)
   const bool room = wait_until(wake_->room_ready, lock, timeout, [&] {
-    return stopping_ || (counters_.in_flight < config_.max_batches_in_flight &&
-                         (counters_.in_flight < 2 || fits_beside(counters_.bytes_in_flight, bytes, config_.max_bytes_in_flight)));
+    return counters_.in_flight < config_.max_batches_in_flight &&
+           (counters_.in_flight < 2 || fits_beside(counters_.bytes_in_flight, bytes, config_.max_bytes_in_flight));
   });
-  if (stopping_) throw invalid_argument("transfer_engine::submit: the engine is shutting down");
   if (!room) {
     throw timeout_error("transfer_engine::submit: " + std::to_string(counters_.in_flight) + " batches of " +
                         std::to_string(counters_.bytes_in_flight) + " bytes in all are still in flight after " +
@@ -213,8 +215,6 @@ transferred_batch batch_or_error(transfer_engine::taken_batch taken) {
 
 }  // namespace
 
-transferred_batch transfer_engine::next(std::chrono::milliseconds timeout) { return batch_or_error(take(timeout)); }
-
 std::optional<transferred_batch> transfer_engine::try_next() {
   refuse_in_fork_child(wake_->epoch, "try_next");
   std::unique_lock lock(mutex_);
@@ -222,11 +222,17 @@ std::optional<transferred_batch> transfer_engine::try_next() {
   return batch_or_error(take_locked(lock));
 }
 
-transfer_engine::taken_batch transfer_engine::take(std::chrono::milliseconds timeout) {
-  refuse_in_fork_child(wake_->epoch, "next");
+transferred_batch transfer_engine::next(std::chrono::milliseconds timeout) {
+  return batch_or_error(take(timeout, "next"));
+}
+
+transfer_engine::taken_batch transfer_engine::take(std::chrono::milliseconds timeout) { return take(timeout, "take"); }
+
+transfer_engine::taken_batch transfer_engine::take(std::chrono::milliseconds timeout, const char* call) {
+  refuse_in_fork_child(wake_->epoch, call);
   std::unique_lock lock(mutex_);
   if (!wait_until(wake_->outcome_ready, lock, timeout, [&] { return !outcomes_.empty(); })) {
-    throw timeout_error("transfer_engine::next: no batch was transferred within " + std::to_string(timeout.count()) +
+    throw timeout_error(std::string("transfer_engine::") + call + ": no batch was transferred within " + std::to_string(timeout.count()) +
                         " ms (" + std::to_string(counters_.in_flight) + " in flight)");
   }
   return take_locked(lock);
@@ -238,13 +244,14 @@ transfer_engine::taken_batch transfer_engine::take_locked(std::unique_lock<std::
   ++counters_.batches_taken;
   --counters_.in_flight;
   counters_.bytes_in_flight -= o.bytes;
-  lock.unlock();
+  lock.unlock();  // `o` (its tag, its batch) goes without the lock
   wake_->room_ready.notify_all();  // the room made may fit several smaller batches, or not the first waiter's
-  if (o.error) return {o.sequence, std::nullopt, std::move(o.error)};
-  return {o.sequence, transferred_batch(std::move(o.batch)), nullptr};
+  if (o.error) return {o.sequence, std::nullopt, std::move(o.error), std::move(o.tag)};
+  return {o.sequence, transferred_batch(std::move(o.batch)), nullptr, std::move(o.tag)};
 }
 
 transfer_stats transfer_engine::stats() const {
+  refuse_in_fork_child(wake_->epoch, "stats");
   transfer_stats s;
   {
     std::lock_guard lock(mutex_);
@@ -282,6 +289,9 @@ void transfer_engine::run() noexcept {
       take_group_locked(group);
     }
     std::vector<outcome> done = copy_or_fail(group);
+    // One outcome per job, in their order (copy and copy_or_fail promise
+    // it): each tag goes with its own batch.
+    for (std::size_t i = 0; i < done.size(); ++i) done[i].tag = std::move(group[i].tag);
     group.clear();  // sources staged or held by the copier: let go of the rest outside the lock
     {
       std::lock_guard lock(mutex_);

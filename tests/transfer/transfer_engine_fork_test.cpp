@@ -57,8 +57,9 @@ TEST(transfer_engine_fork, a_forked_child_can_destroy_the_parents_engine) {
 }
 
 // A forking data loader's worker that uses the parent's engine: refused at
-// once, never a batch accepted that no thread will copy.
-TEST(transfer_engine_fork, a_forked_child_is_refused_submit_and_next) {
+// once, never a batch accepted that no thread will copy, and stats() too
+// (the parent's thread may have held the engine's lock at the fork).
+TEST(transfer_engine_fork, a_forked_child_is_refused_submit_next_and_stats) {
   backend::device& dev = backend::host_device_instance();
   backend::stream copies(dev);
   alloc::caching_allocator allocator(dev, {});
@@ -80,11 +81,16 @@ TEST(transfer_engine_fork, a_forked_child_is_refused_submit_and_next) {
       return 3;
     } catch (const device_unavailable&) {
     }
+    try {
+      (void)engine.stats();
+      return 4;
+    } catch (const device_unavailable&) {
+    }
     return 0;
   });
   const std::optional<int> status = child.wait_for(10s);
   ASSERT_TRUE(status.has_value()) << "the child hung in the parent's engine";
-  EXPECT_EQ(*status, 0) << "1: submit, 2: next, 3: try_next was not refused";
+  EXPECT_EQ(*status, 0) << "1: submit, 2: next, 3: try_next, 4: stats was not refused";
 }
 
 }  // namespace

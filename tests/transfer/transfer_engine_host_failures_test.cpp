@@ -116,5 +116,53 @@ TYPED_TEST(transfer_engine_host_failures, a_pinned_source_stays_held_when_host_m
   }
 }
 
+// Throws from every event query while armed, as CUDA does for each query
+// after an earlier asynchronous failure of the context.
+class failing_queries_device : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+
+  [[nodiscard]] bool query_event(backend::event_ref event) override {
+    if (failing_) throw stream_error("cudaEventQuery: an earlier asynchronous launch failed (injected)");
+    return forwarding_device::query_event(event);
+  }
+  void fail_queries(bool fail) { failing_ = fail; }
+
+ private:
+  std::atomic<bool> failing_{false};
+};
+
+TYPED_TEST(transfer_engine_host_failures, an_event_query_that_throws_lets_go_of_the_sources_and_ends_no_process) {
+  failing_queries_device dev(this->device());
+  {
+    stream copy_stream(dev), consumer(dev);
+    alloc::caching_allocator a(dev, {});
+    alloc::caching_allocator pinned_memory(dev, alloc::allocator_config::parse("memory:pinned_host"));
+    void* block = pinned_memory.allocate(64 * kib, consumer.ref());
+    std::memset(block, 0x5A, 64 * kib);
+    {
+      transfer_engine engine(a, copy_stream.ref());
+      std::atomic<bool> released{false};
+      std::shared_ptr<const void> keep(block, [&](const void*) { released = true; });
+      dev.fail_queries(true);  // the engine thread's next look at its held sources throws
+      engine.submit({host_buffer{block, 64 * kib, true, std::move(keep)}});
+      const auto deadline = std::chrono::steady_clock::now() + 10s;
+      while (!released && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+      EXPECT_TRUE(released) << "the source read directly was never let go of";
+      dev.fail_queries(false);
+      const transfer::transferred_batch batch = engine.next(10s);
+      batch.wait_on(consumer.ref());
+      EXPECT_TRUE(all_equal(this->read(batch.storages()[0].data(), 64 * kib, consumer.ref()), 0x5A));
+      // The engine goes on.
+      std::shared_ptr<const void> again(block, [](const void*) {});
+      engine.submit({host_buffer{block, 64 * kib, true, std::move(again)}});
+      const transfer::transferred_batch second = engine.next(10s);
+      second.synchronize();
+    }
+    pinned_memory.deallocate(block, consumer.ref());
+    dev.synchronize(consumer.ref());
+  }
+}
+
 }  // namespace
 }  // namespace shoal::testing

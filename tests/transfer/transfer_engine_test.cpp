@@ -425,6 +425,40 @@ TYPED_TEST(transfer_engine_test, take_hands_back_a_failed_batchs_error_with_its_
   EXPECT_THROW((void)engine.take(10ms), timeout_error);
 }
 
+TYPED_TEST(transfer_engine_test, each_batchs_tag_comes_back_with_it_failed_or_not_and_the_rest_go_with_the_engine) {
+  auto& a = this->make_allocator("memory_limit_mb:8");
+  std::atomic<int> let_go{0};
+  // A tag whose end is counted: the engine must let go of each exactly once.
+  const auto tag = [&](int value) {
+    return std::shared_ptr<const void>(new int(value), [&](const void* p) {
+      delete static_cast<const int*>(p);
+      ++let_go;
+    });
+  };
+  const auto value_of = [](const std::shared_ptr<const void>& t) { return *static_cast<const int*>(t.get()); };
+  {
+    transfer_engine engine(a, this->copy_stream(), {.max_coalesced_bytes = 64 * mib});
+    engine.submit({pageable(64 * kib, 1)}, transfer_engine::forever, tag(10));
+    engine.submit({pageable(16 * mib, 2)}, transfer_engine::forever, tag(11));  // past the limit: fails
+    engine.submit({pageable(64 * kib, 3)}, transfer_engine::forever, tag(12));
+    engine.submit({pageable(64 * kib, 4)});  // no tag
+    engine.submit({pageable(64 * kib, 5)}, transfer_engine::forever, tag(14));  // never taken
+    for (int i = 0; i < 4; ++i) {
+      auto taken = engine.take(10s);
+      EXPECT_EQ(taken.sequence, static_cast<std::uint64_t>(i));
+      if (i == 3) {
+        EXPECT_EQ(taken.tag, nullptr);
+        continue;
+      }
+      ASSERT_NE(taken.tag, nullptr) << "batch " << i;
+      EXPECT_EQ(value_of(taken.tag), 10 + i) << "a batch came back with another's tag";
+      EXPECT_EQ(taken.error != nullptr, i == 1);
+    }
+    EXPECT_EQ(let_go, 3) << "a taken batch's tag was kept by the engine";
+  }
+  EXPECT_EQ(let_go, 4) << "the tag of a batch never taken outlived the engine";
+}
+
 // Holds the engine's thread before the test submits: one batch a chunk
 // larger than the staging ring, its copies behind `stall` on the engine's
 // stream. Once the ring is full (awaited here) the thread is inside that

@@ -40,19 +40,29 @@
 // the bound is reached the engine waits for earlier copies. So a fast
 // producer and a slow consumer cannot exhaust memory.
 //
-// Errors: a batch that cannot be transferred (device out of memory, a
-// buffer larger than the staging bound allows) fails with its own typed
+// Errors: a batch that cannot be transferred (device out of memory, host
+// memory for its bookkeeping, a failed copy) fails with its own typed
 // error from next(), in its group too, and the other batches of its group
 // and later batches go on; what it allocated goes back after its copies (a
 // part of its group's block, with the group's last storage). A failed copy
 // of packed small buffers fails every batch with a buffer in it. A failure
 // of the engine's stream, or of making or recording the group's ready event,
 // fails every batch of the group (each throws that error from next()).
+// (A buffer of any size can be staged: one larger than a staging chunk goes
+// through the pinned ring chunk by chunk.) A stream whose events can no
+// longer be queried (CUDA reports an earlier asynchronous failure so) ends
+// no engine: its sources are let go of once the stream has stopped, and the
+// failure reaches the consumer through the batches (their synchronize and
+// is_ready, and each later group's error from next()).
 //
 // Thread-safety: submit, next, try_next, take and stats may be called from
-// any threads at once; in a fork() child of the process that made the
-// engine, submit, next, try_next and take throw device_unavailable (the
-// engine's thread stayed with the parent). Batches come out of next() in submission order (one
+// any threads at once, but none may be in progress (or begin) while the
+// engine is destroyed: a caller that may be waiting in submit or next ends
+// that wait first (its deadline, or a wrapper's own close, as the Python
+// bindings' closable does). In a fork() child of the process that made the
+// engine, submit, next, try_next, take and stats throw device_unavailable
+// (the engine's thread stayed with the parent, and the locks it may have
+// held at the fork stay taken). Batches come out of next() in submission order (one
 // sequence across all producers). transferred_batch is a value shared by its
 // copies; wait_on and synchronize may be called from any thread.
 //
@@ -238,7 +248,14 @@ class transfer_engine {
   /// waiting, so a thread that both submits and takes never waits behind
   /// another thread's batch, but other threads' small batches can keep a
   /// large one waiting until its timeout.
-  std::uint64_t submit(std::vector<host_buffer> batch, std::chrono::milliseconds timeout = forever);
+  /// `tag`, when given, is whatever the caller keeps with the batch (the
+  /// Python layer: its structure): take() hands it back with the batch,
+  /// transferred or failed, so the pairing holds whatever happens between
+  /// the two calls on the caller's side. The engine lets go of it without
+  /// its lock held (its deleter may take other locks): with the batch taken,
+  /// with submit's throw, or as the engine is destroyed.
+  std::uint64_t submit(std::vector<host_buffer> batch, std::chrono::milliseconds timeout = forever,
+                       std::shared_ptr<const void> tag = nullptr);
   /// The next batch in submission order, once its copies are enqueued (wait
   /// for them with wait_on or synchronize). Throws the batch's own error
   /// when it failed (the batch is taken all the same); timeout_error when
@@ -252,6 +269,7 @@ class transfer_engine {
     std::uint64_t sequence = 0;              ///< the batch's place in submission order
     std::optional<transferred_batch> batch;  ///< set unless the batch failed
     std::exception_ptr error;                ///< the batch's own error, set when it failed
+    std::shared_ptr<const void> tag;         ///< what submit was given with the batch
   };
   /// next() that hands a failed batch's error back, with the batch's
   /// sequence, instead of throwing it: a caller that keeps something per
@@ -259,6 +277,8 @@ class transfer_engine {
   /// while other threads take batches too. timeout_error as next().
   [[nodiscard]] taken_batch take(std::chrono::milliseconds timeout = forever);
 
+  /// The counters now. device_unavailable in a fork() child (see
+  /// Thread-safety).
   [[nodiscard]] transfer_stats stats() const;
   /// The stream the copies run on.
   [[nodiscard]] backend::stream_ref stream() const noexcept { return stream_; }
@@ -276,6 +296,8 @@ class transfer_engine {
   /// (host memory for its bookkeeping), that error for each of its batches.
   std::vector<outcome> copy_or_fail(std::span<job> group) noexcept;
   taken_batch take_locked(std::unique_lock<std::mutex>& lock);
+  // take(), its errors naming `call` (next or take).
+  taken_batch take(std::chrono::milliseconds timeout, const char* call);
 
   alloc::caching_allocator& device_allocator_;
   const transfer_config config_;
@@ -291,7 +313,7 @@ class transfer_engine {
   std::deque<job> jobs_;          // submitted, not yet picked up by the worker
   std::deque<outcome> outcomes_;  // done (transferred or failed), not yet taken, in sequence order
   std::uint64_t next_sequence_ = 0;
-  bool stopping_ = false;
+  bool stopping_ = false;         // set by the destructor: the worker finishes the jobs and returns
   transfer_stats counters_;       // every field but `pinned`
   std::thread worker_;            // last: started once everything above exists
 };
