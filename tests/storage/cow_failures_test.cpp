@@ -218,7 +218,8 @@ TEST_F(cow_failures, a_family_written_by_copies_again_and_again_keeps_one_event_
   const int events = device_.live_events.load();
   for (int i = 0; i < 50; ++i) {
     auto clone = lazy_clone(source, own);
-    device_.fill(writer, clone.mutable_data(i % 2 == 0 ? writer : own), 0xCD, bytes);
+    const stream_ref on = i % 2 == 0 ? writer : own;  // copies on both streams
+    device_.fill(on, clone.mutable_data(on), 0xCD, bytes);
   }
   EXPECT_TRUE(source.is_lazy()) << "the family lives on with the source";
   EXPECT_LE(device_.live_events.load(), events + 2) << "the copies' events grow with the number of copies";
