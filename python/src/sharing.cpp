@@ -387,8 +387,11 @@ void register_sharing(nb::module_& m) {
             handle->allocator()->keep(st);
             const auto peer = p.peer.enter();
             const auto bytes = bytes_of(metadata);
+            // Copied with the GIL held: Borrower.publish swaps a storage's handle under the GIL,
+            // and refuses while this copy exists.
+            const auto held = handle->get();
             released_gil release;
-            peer->send(handle->get(), bytes, st->ref());
+            peer->send(held, bytes, st->ref());
           },
           nb::arg("data").none(), nb::arg("metadata") = nb::bytes(""), nb::arg("stream").none() = nb::none(),
           "Shares a Storage (or an ArrayView's storage) of this context's allocator with the other process, "

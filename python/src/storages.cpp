@@ -284,7 +284,8 @@ void register_storages(nb::module_& m) {
            "(a later write moves the writing storage to a copy, see "
            "lazy_clone), except for memory that is never lazily shared "
            "(exported writable, shared with another process, imported, a "
-           "region), which the export shows itself, later writes included; `readonly` "
+           "region, a part of one block such as a transfer batch's storages), "
+           "which the export shows itself, later writes included; `readonly` "
            "defaults to whether the storage's "
            "memory is read-only, and a writable view of read-only memory is refused.")
       .def("__repr__", [](const py_storage& s) -> std::string {

@@ -30,6 +30,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "bindings.h"
@@ -310,8 +311,11 @@ void register_transfer(nb::module_& m) {
       .def(
           "close",
           [](py_transfer_engine& e) {
+            // Taken out first (under the GIL, as every use of it): dropped even when close()
+            // raises (Ctrl-C while it waits for the copies).
+            const auto dropped = std::move(e.undelivered);
+            e.undelivered.clear();
             e.engine.close();
-            e.undelivered.clear();  // under the GIL, as every use of it
           },
            "Ends the waits of other threads' submit() and next() (InvalidArgumentError), finishes the batches "
            "submitted, waits for their copies and stops the thread. Idempotent.")
