@@ -57,7 +57,8 @@ void cow_context::order_before_steal(backend::stream_ref stream) {
   order_after_clone_writes(stream);
   std::lock_guard lock(streams_mutex_);
   order_after(allocator_.device(), stream, read_on_);  // the uses of the storages that went
-  for (const auto& done : copies_done_) allocator_.device().wait(stream, done.event);  // they read what the stealer will overwrite
+  // The copies read what the stealer will overwrite.
+  for (const auto& done : copies_done_) allocator_.device().wait(stream, done.event);
 }
 
 cow_context::written cow_context::release_for_write(backend::stream_ref stream,

@@ -232,8 +232,8 @@ transfer_engine::taken_batch transfer_engine::take(std::chrono::milliseconds tim
   refuse_in_fork_child(wake_->epoch, call);
   std::unique_lock lock(mutex_);
   if (!wait_until(wake_->outcome_ready, lock, timeout, [&] { return !outcomes_.empty(); })) {
-    throw timeout_error(std::string("transfer_engine::") + call + ": no batch was transferred within " + std::to_string(timeout.count()) +
-                        " ms (" + std::to_string(counters_.in_flight) + " in flight)");
+    throw timeout_error(std::string("transfer_engine::") + call + ": no batch was transferred within " +
+                        std::to_string(timeout.count()) + " ms (" + std::to_string(counters_.in_flight) + " in flight)");
   }
   return take_locked(lock);
 }
