@@ -393,3 +393,24 @@ def test_the_objects_that_hold_connections_and_memory_print_what_they_are(lender
     assert repr(borrower) == f"shoal.lending.Borrower({address!r}, closed)"
     lender.close()
     assert repr(lender) == f"shoal.lending.Lender({address!r}, closed)"
+
+
+def test_an_oom_observer_may_use_the_storage_whose_write_ran_out_of_memory(tmp_path):
+    """A write's copy is allocated with no lock of the storage held: an observer reading that
+    storage (on the writing thread, or one holding the GIL while it waits for the storage) does
+    not wait for a lock held across the very allocation it interrupts. In a child: a regression
+    hangs, and the child's deadline ends it."""
+    script = tmp_path / "observer.py"
+    script.write_text(
+        CHILD_PREFIX + "small = shoal.Allocator(shoal.host_device(), use_environment=False, memory_limit_mb=4)\n"
+        "source = small.allocate(3 << 20)\n"  # a segment of 4 MiB: no room for a copy
+        "clone = source.lazy_clone()\n"
+        "seen = []\n"
+        "small.add_oom_observer(lambda report: seen.append((clone.shared_outside_process, clone.is_lazy)))\n"
+        "try:\n"
+        "    clone.fill(1)\n"
+        "except shoal.OutOfMemoryError:\n"
+        "    print('refused', seen, flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=WAIT)
+    assert done.returncode == 0 and done.stdout == "refused [(False, True)]\n", (done.returncode, done.stdout, done.stderr)

@@ -1,6 +1,7 @@
 #include "storage/cow_context.h"
 
 #include <algorithm>
+#include <cassert>
 
 #include "storage/stream_set.h"
 
@@ -62,30 +63,24 @@ void cow_context::order_before_steal(backend::stream_ref stream) {
 }
 
 cow_context::written cow_context::release_for_write(backend::stream_ref stream,
-                                                    std::span<const backend::stream_ref> used_on) {
+                                                    std::span<const backend::stream_ref> used_on, void* block) {
   // Only a holder adds a reference: at 1 the caller's is the last and stays
   // so, the count untouched while the steal is ordered (a throw changes nothing).
-  if (refcount_.load(std::memory_order_acquire) == 1) {
+  if (sole_holder()) {
     order_before_steal(stream);
     return {data_, true, true};
   }
-  void* copy = copy_out(stream, used_on);
-  return {copy, release(), false};  // the last one if the others went meanwhile
+  assert(block != nullptr && "a copy needs the caller's block");
+  copy_out(stream, used_on, block);
+  return {block, release(), false};  // the last one if the others went meanwhile
 }
 
-void* cow_context::copy_out(backend::stream_ref stream, std::span<const backend::stream_ref> used_on) {
-  void* destination = allocator_.allocate_claimed(size_, stream);  // the materialized storage owns it
-  try {
-    record_uses(used_on);
-    order_after_clone_writes(stream);
-    allocator_.device().copy(stream, destination, data_, size_);
-    allocator_.record_stream(data_, stream);  // whoever frees the data waits for this copy
-    note_copy_done(stream);
-  } catch (...) {
-    allocator_.deallocate(destination, stream);  // after the copy, if it was enqueued: same stream
-    throw;
-  }
-  return destination;
+void cow_context::copy_out(backend::stream_ref stream, std::span<const backend::stream_ref> used_on, void* block) {
+  record_uses(used_on);
+  order_after_clone_writes(stream);
+  allocator_.device().copy(stream, block, data_, size_);
+  allocator_.record_stream(data_, stream);  // whoever frees the data waits for this copy
+  note_copy_done(stream);
 }
 
 void cow_context::note_copy_done(backend::stream_ref stream) {

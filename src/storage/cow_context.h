@@ -55,12 +55,20 @@ class cow_context {
     bool last;    // the caller held the last reference: it deletes the context
     bool stolen;  // data is data(); else a copy, and the context may be gone unless `last`
   };
+  /// Whether the caller's reference is the only one: its write steals the
+  /// data and needs no block. Stays true while the caller's storage is
+  /// locked (only a holder adds a reference).
+  [[nodiscard]] bool sole_holder() const noexcept { return refcount_.load(std::memory_order_acquire) == 1; }
   /// The caller's storage, which used the data on `used_on`, gives up the
-  /// shared data to write on `stream`. Gives its own copy, made on `stream`;
-  /// or, when it holds the last reference, data() itself (steal): its
-  /// storage's release must then wait for created_on() too. On a throw the
-  /// caller still holds its reference and nothing is allocated.
-  written release_for_write(backend::stream_ref stream, std::span<const backend::stream_ref> used_on);
+  /// shared data to write on `stream`. Gives its own copy, made on `stream`
+  /// into `block` (size() bytes the caller allocated on `stream`, with no
+  /// lock held: an allocation may call out-of-memory observers, which may
+  /// take any lock); or, when it holds the last reference, data() itself
+  /// (steal): its storage's release must then wait for created_on() too.
+  /// `block` may be null only when sole_holder(). The caller frees `block`
+  /// unless a copy went there (not stolen), and on a throw, which leaves
+  /// its reference whole.
+  written release_for_write(backend::stream_ref stream, std::span<const backend::stream_ref> used_on, void* block);
   /// The caller's storage, which used the data on `used_on`, is gone: frees
   /// the data if it was the last one. Returns true when the context must be
   /// deleted by the caller.
@@ -75,8 +83,8 @@ class cow_context {
   void order_after_clone_writes(backend::stream_ref stream);
   // Makes a stealer's `stream` wait for everything that read the data.
   void order_before_steal(backend::stream_ref stream);
-  // A copy of the data on `stream`, in a block the caller owns.
-  void* copy_out(backend::stream_ref stream, std::span<const backend::stream_ref> used_on);
+  // Copies the data into `block`, a block of the caller's, on `stream`.
+  void copy_out(backend::stream_ref stream, std::span<const backend::stream_ref> used_on, void* block);
   void note_copy_done(backend::stream_ref stream);
   void note_written_on(backend::stream_ref stream);
   // The data's free and a steal wait for `used_on`.

@@ -17,6 +17,33 @@ namespace detail {
 
 static_assert(std::atomic<backend::stream_ref>::is_always_lock_free, "mutable_data's fast path is one atomic load");
 
+// A block of one storage's size, allocated on one stream for a
+// materializing copy; freed on that stream unless released to its storage
+// (a copy enqueued into it runs before the free, on the same stream).
+class spare_block {
+ public:
+  spare_block(alloc::caching_allocator& allocator, backend::stream_ref stream)
+      : allocator_(allocator), stream_(stream) {}
+  spare_block(const spare_block&) = delete;
+  spare_block& operator=(const spare_block&) = delete;
+  ~spare_block() {
+    if (data_ == nullptr) return;
+    try {
+      allocator_.deallocate(data_, stream_);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): a refused free leaves the block allocated, counted
+    }
+  }
+  // Claimed: the materialized storage owns it, and a take_over of it is refused.
+  void allocate(std::size_t bytes) { data_ = allocator_.allocate_claimed(bytes, stream_); }
+  [[nodiscard]] void* get() const noexcept { return data_; }
+  void release() noexcept { data_ = nullptr; }
+
+ private:
+  alloc::caching_allocator& allocator_;
+  const backend::stream_ref stream_;
+  void* data_ = nullptr;
+};
+
 // One storage object. It owns its data outright (cow_ == nullptr and no
 // owner_), holds one reference to a copy-on-write context whose data it
 // reads, or leaves its data to an owner (owner_ set; never lazy then).
@@ -81,15 +108,36 @@ class storage_impl {
     last_used_.store(stream, std::memory_order_release);
   }
 
-  // Gives this storage data of its own to write on `stream` (mutex_ held).
-  void materialize(backend::stream_ref stream) {
+  // Gives this storage data of its own to write on `stream`, unless another
+  // thread did meanwhile; `lock` holds mutex_ on entry and on return. A copy's
+  // block is allocated with the lock let go: an allocation may call
+  // out-of-memory observers, which may take any lock (this storage's, or
+  // Python's GIL while a thread holding it waits for this storage's).
+  void materialize(std::unique_lock<std::mutex>& lock, backend::stream_ref stream) {
+    spare_block block(allocator_, stream);
+    while (cow_ != nullptr) {
+      // Under the lock the family only shrinks: a sole holder stays one, and
+      // a block allocated for a copy is used or freed below.
+      if (cow_->sole_holder() || block.get() != nullptr) {
+        materialize_locked(stream, block);
+        return;
+      }
+      lock.unlock();
+      block.allocate(size_);
+      lock.lock();
+    }
+  }
+
+  // materialize's step with mutex_ held: steals, or copies into `block`.
+  void materialize_locked(backend::stream_ref stream, spare_block& block) {
     streams_.make_room_for({cow_->created_on(), stream});  // nothing below throws once the data is ours
     // A throw changes nothing. After a copy, cow_ is not read again unless
     // `last`: the reference is given up, and the others may delete it.
-    const auto [data, last, stolen] = cow_->release_for_write(stream, streams_.view());
+    const auto [data, last, stolen] = cow_->release_for_write(stream, streams_.view(), block.get());
     if (stolen) {
       streams_.add(cow_->created_on());  // stolen: the family's uses there were left to the final free
     } else {
+      block.release();         // the copy is this storage's data now
       streams_.reset(stream);  // a new block of `stream`; the old uses went with the shared data
     }
     if (last) delete cow_;
@@ -221,10 +269,9 @@ void* storage::mutable_data(backend::stream_ref stream) {
     s.record_use(stream);
     return s.data_.load(std::memory_order_relaxed);
   }
-  std::lock_guard lock(s.mutex_);
-  if (s.cow_ != nullptr) {
-    s.materialize(stream);
-  } else {
+  std::unique_lock lock(s.mutex_);
+  if (s.cow_ != nullptr) s.materialize(lock, stream);
+  if (s.last_used_.load(std::memory_order_relaxed) != stream) {
     s.record_use_locked(stream);  // another thread materialized it meanwhile
   }
   return s.data_.load(std::memory_order_relaxed);
@@ -238,15 +285,15 @@ backend::stream_ref storage::last_used_on() const { return impl().last_used_.loa
 
 void storage::mark_shared_outside_process() {
   detail::storage_impl& s = impl();
-  std::lock_guard lock(s.mutex_);
-  if (s.cow_ != nullptr) s.materialize(s.last_used_.load(std::memory_order_relaxed));
+  std::unique_lock lock(s.mutex_);
+  if (s.cow_ != nullptr) s.materialize(lock, s.last_used_.load(std::memory_order_relaxed));
   s.shared_outside_ = true;
 }
 
 void storage::mark_shared_outside_process(backend::stream_ref stream) {
   detail::storage_impl& s = impl();
-  std::lock_guard lock(s.mutex_);
-  if (s.cow_ != nullptr) s.materialize(stream);
+  std::unique_lock lock(s.mutex_);
+  if (s.cow_ != nullptr) s.materialize(lock, stream);
   s.shared_outside_ = true;
 }
 
@@ -266,9 +313,9 @@ std::shared_ptr<storage_owner> storage::hand_over(
     const std::function<std::shared_ptr<storage_owner>(void* data, std::size_t bytes)>& make_owner,
     backend::stream_ref stream) const {
   detail::storage_impl& s = impl();
-  std::lock_guard lock(s.mutex_);
-  if (s.owner_) return s.owner_;
-  if (s.cow_ != nullptr) s.materialize(stream);
+  std::unique_lock lock(s.mutex_);
+  if (s.cow_ != nullptr) s.materialize(lock, stream);
+  if (s.owner_) return s.owner_;  // handed over before, or while materialize let the lock go
   s.owner_ = make_owner(s.data_.load(), s.size_);
   if (!s.owner_) throw invalid_argument("storage::hand_over: make_owner returned no owner");
   s.handed_over_ = true;
@@ -305,16 +352,20 @@ std::shared_ptr<detail::storage_impl> lazy_clone_locked(detail::storage_impl& s,
 
 storage lazy_clone(const storage& source, backend::stream_ref stream) {
   detail::storage_impl& s = source.impl();
-  std::lock_guard lock(s.mutex_);
+  std::unique_lock lock(s.mutex_);
   if (!may_share_lazily(s)) {
     // Memory another process or framework may write: a lazy clone could not
     // see those writes coming. Memory an owner gives back (a part of a
     // shared block among them): a copy-on-write context would free it as a
-    // block of the allocator. Either way the clone is an eager copy, made now.
+    // block of the allocator. Either way the clone is an eager copy, made now,
+    // into memory allocated with the lock let go (as materialize does): for
+    // good not lazily shared, the source keeps its data at one address.
+    lock.unlock();
+    storage copy = storage::allocate(s.allocator_, s.size_, stream);
+    lock.lock();
     // Room first: once the copy is enqueued, recording its read on the
     // source must not fail, or the source's free would not wait for it.
     s.streams_.make_room_for({stream});
-    storage copy = storage::allocate(s.allocator_, s.size_, stream);
     detail::order_after(s.allocator_.device(), stream, s.streams_.view());
     s.allocator_.device().copy(stream, copy.impl().data_.load(), s.data_.load(), s.size_);
     s.record_use_locked(stream);  // the source's release waits for the copy's read; cannot throw now

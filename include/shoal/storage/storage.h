@@ -59,7 +59,11 @@
 // Thread-safety: different storage objects may be used from any threads at
 // once, including clones of one family and parts of one block. One storage object's mutable_data
 // and record_stream may be called from several threads at once; they
-// materialize it once and record every stream.
+// materialize it once and record every stream. No storage lock is held
+// while memory is allocated (a materializing copy, an eager clone): the
+// allocator's out-of-memory observers may use any storage, this one included;
+// writers racing to materialize one storage may each allocate a block for a
+// moment, and one is kept.
 #pragma once
 
 #include <cstddef>
