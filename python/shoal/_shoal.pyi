@@ -685,12 +685,12 @@ class TransferEngine:
 
     def next(self, into: list, timeout: float | None = None) -> None:
         """
-        Appends (batch, layout) to ``into``: the next batch in submission order once its copies are enqueued, and the layout submit gave with it — first any batch put back (put_back) — and returns None. Raises the batch's own error when it failed (the batch is taken all the same), PeerTimeoutError after ``timeout`` seconds (no batch taken). The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError). A Ctrl-C that comes as a batch is taken is raised after the call: the batch is in ``into`` then.
+        Appends (batch, layout) to ``into``: the next batch in submission order once its copies are enqueued, and the layout submit gave with it — first any batch put back (put_back), also one put back by another thread while this call waits (seen within one wait slice, 0.1 s) — and returns None. Raises the batch's own error when it failed (the batch is taken all the same), PeerTimeoutError after ``timeout`` seconds (no batch taken). The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError). A Ctrl-C that comes as a batch is taken is raised after the call: the batch is in ``into`` then.
         """
 
     def put_back(self, item: tuple) -> None:
         """
-        Gives back a (batch, layout) that next() appended and the caller could not deliver: the next next() hands it out first (batches put back go in sequence order). Dropped once closed.
+        Gives back a (batch, layout) that next() appended and the caller could not deliver: the next next() hands it out first (batches put back go in sequence order), and a next() already waiting in another thread within one wait slice (0.1 s). Dropped once closed.
         """
 
     @property

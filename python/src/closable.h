@@ -16,9 +16,10 @@
 // itself using it (a signal handler or a __del__ run inside a call), where
 // waiting could never end: there it returns at once, and the call's end
 // destroys the object; and in a fork() child while uses its parent's threads
-// held at the fork remain (they never end there): the object is left. Inside an out-of-memory observer it is refused: the
-// observer may run on the object's own thread (a transfer engine's), which
-// its destruction joins.
+// held at the fork remain (they never end there): the object is left.
+// Inside an out-of-memory observer it is refused: the observer may run on
+// the object's own thread (a transfer engine's), which its destruction
+// joins.
 //
 // Thread-safety: every member may be called from any thread. enter() and
 // close() are called with the GIL held; a use may end without it.
@@ -234,13 +235,20 @@ inline std::string seconds_text(double seconds) {
   return text.str();
 }
 
+/// What wait_in_slices is given when nothing but `until` ends a wait early.
+struct never_done {
+  bool operator()() const noexcept { return false; }
+};
+
 /// Calls attempt(slice) with the GIL released until it returns a value, each
 /// call waiting at most `slice` (and no later than `until`); between calls,
-/// with the GIL held, handles signals (raising KeyboardInterrupt) and stops
-/// when `u` is closing (the closed error). nullopt when `until` passed first.
-template <class T, class Attempt>
+/// with the GIL held, handles signals (raising KeyboardInterrupt), stops
+/// when `u` is closing (the closed error), and returns nullopt when done()
+/// is true (something the caller waits for besides the attempt: it tells
+/// this from `until` passing, nullopt too, by asking again).
+template <class T, class Attempt, class Done = never_done>
 auto wait_in_slices(const typename closable<T>::use& u, const closable<T>& owner,
-                    std::optional<std::chrono::steady_clock::time_point> until, Attempt attempt)
+                    std::optional<std::chrono::steady_clock::time_point> until, Attempt attempt, Done done = {})
     -> decltype(attempt(std::chrono::milliseconds{})) {
   for (;;) {
     auto slice = wait_slice;
@@ -253,6 +261,7 @@ auto wait_in_slices(const typename closable<T>::use& u, const closable<T>& owner
     if (got) return got;
     if (PyErr_CheckSignals() != 0) throw nanobind::python_error();
     if (u.closing()) owner.throw_closed();
+    if (done()) return {};
     if (until && std::chrono::steady_clock::now() >= *until) return {};
   }
 }

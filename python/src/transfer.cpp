@@ -16,7 +16,9 @@
 // while the call waits is raised as the call returns, before the caller can
 // store what it returned: the caller finds the batch in its list all the
 // same, and puts back what it could not deliver (put_back), which the next
-// next() hands out first.
+// next() hands out first (one already waiting in another thread, at the end
+// of its wait slice: from the put-back queue to the caller's list nothing
+// releases the GIL).
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -209,8 +211,8 @@ void register_transfer(nb::module_& m) {
                 });
             if (!sequence) {
               const auto s = stats_without_gil(engine->engine);
-              throw timeout_error("shoal.transfer.Engine.submit: no room for the batch within " + seconds_text(*timeout) +
-                                  " s: " + std::to_string(s.in_flight) + " batches of " +
+              throw timeout_error("shoal.transfer.Engine.submit: no room for the batch within " +
+                                  seconds_text(*timeout) + " s: " + std::to_string(s.in_flight) + " batches of " +
                                   std::to_string(s.bytes_in_flight) +
                                   " bytes in all are in flight; take batches or raise max_batches_in_flight or "
                                   "max_bytes_in_flight (nothing was queued)");
@@ -231,20 +233,27 @@ void register_transfer(nb::module_& m) {
           [](py_transfer_engine& e, nb::list into, std::optional<double> timeout) {
             const auto until = until_of(timeout, "shoal.transfer.Engine (get, next)");
             const auto engine = e.engine.enter();
-            if (!e.undelivered.empty()) {  // one an interrupted call took: first, in sequence order
+            const auto put_back = [&] { return !e.undelivered.empty(); };
+            // No wait when a batch was put back (one an interrupted call took); one that another
+            // thread puts back meanwhile ends the wait at the slice's end.
+            std::optional<transfer_engine::taken_batch> taken;
+            if (!put_back()) {
+              taken = wait_in_slices(
+                  engine, e.engine, until,
+                  [&](std::chrono::milliseconds slice) -> std::optional<transfer_engine::taken_batch> {
+                    try {
+                      return engine->engine.take(slice);
+                    } catch (const timeout_error&) {
+                      return std::nullopt;
+                    }
+                  },
+                  put_back);
+            }
+            if (!taken && put_back()) {  // the GIL held since the check: first, in sequence order
               into.append(std::move(e.undelivered.front().second));
               e.undelivered.pop_front();
               return;
             }
-            auto taken = wait_in_slices(
-                engine, e.engine, until,
-                [&](std::chrono::milliseconds slice) -> std::optional<transfer_engine::taken_batch> {
-                  try {
-                    return engine->engine.take(slice);
-                  } catch (const timeout_error&) {
-                    return std::nullopt;
-                  }
-                });
             if (!taken) {
               throw timeout_error("shoal.transfer.Engine: no batch came within " + seconds_text(*timeout) + " s (" +
                                   std::to_string(stats_without_gil(engine->engine).in_flight) + " in flight)");
@@ -257,7 +266,8 @@ void register_transfer(nb::module_& m) {
           },
           nb::arg("into"), nb::arg("timeout").none() = nb::none(),
           "Appends (batch, layout) to ``into``: the next batch in submission order once its copies are "
-          "enqueued, and the layout submit gave with it — first any batch put back (put_back) — and "
+          "enqueued, and the layout submit gave with it — first any batch put back (put_back), also one "
+          "put back by another thread while this call waits (seen within one wait slice, 0.1 s) — and "
           "returns None. Raises the batch's own error when it failed (the batch is taken all the same), "
           "PeerTimeoutError after ``timeout`` seconds (no batch taken). The wait ends on Ctrl-C "
           "(KeyboardInterrupt) and on close() from another thread (InvalidArgumentError). A Ctrl-C that "
@@ -274,7 +284,8 @@ void register_transfer(nb::module_& m) {
           },
           nb::arg("item"),
           "Gives back a (batch, layout) that next() appended and the caller could not deliver: the next "
-          "next() hands it out first (batches put back go in sequence order). Dropped once closed.")
+          "next() hands it out first (batches put back go in sequence order), and a next() already waiting "
+          "in another thread within one wait slice (0.1 s). Dropped once closed.")
       .def_prop_ro(
           "waiting",
           [](const py_transfer_engine& e) {

@@ -22,6 +22,8 @@ import shoal.transfer
 
 pytestmark = pytest.mark.python
 
+WAIT = 10  # seconds: a call that has not ended within this has failed
+
 
 def host_copy(view: shoal.ArrayView) -> numpy.ndarray:
     """The bytes of ``view`` on the host, whatever the backend."""
@@ -110,10 +112,15 @@ def test_batches_from_several_producer_threads_come_out_in_submission_order(engi
 def test_a_full_engine_makes_submit_wait_and_time_out(engine):
     for i in range(3):
         engine.submit([numpy.zeros(16, "uint8")])
+    before = engine.stats()
     started = time.monotonic()
     with pytest.raises(shoal.PeerTimeoutError) as timed_out:
         engine.submit([numpy.zeros(16, "uint8")], timeout=0.1)
-    assert time.monotonic() - started >= 0.09
+    assert 0.09 <= time.monotonic() - started < 2, "submit did not wait for about its timeout"
+    after = engine.stats()
+    assert after["batches_submitted"] == before["batches_submitted"] == 3, "the batch that timed out was queued"
+    assert after["in_flight"] == 3 and after["bytes_in_flight"] == before["bytes_in_flight"] == 48
+    assert engine._engine.waiting == 3
     # The timeout the caller gave, not what was left of it when the engine began waiting.
     assert "no room for the batch within 0.1 s: 3 batches of 48 bytes in all are in flight; take batches" in str(
         timed_out.value)
@@ -672,22 +679,98 @@ def test_ctrl_c_as_submit_queues_its_batch_keeps_the_batch_with_its_layout_and_l
 def test_close_from_another_thread_as_get_takes_a_batch_delivers_that_batch(engine):
     engine.submit({"v": numpy.full((4,), 8, "int32")})
     engine_itself = engine._engine
+    taken = threading.Event()
+    closed = threading.Event()
 
-    class closed_as_taken:  # another thread's close() runs between the native call and the rest of get()
+    class closed_as_taken:  # get() waits between the native call and the rest while another thread closes
         def next(self, *args: Any, **kwargs: Any) -> Any:
-            taken = engine_itself.next(*args, **kwargs)
-            engine.close()
-            return taken
+            engine_itself.next(*args, **kwargs)
+            taken.set()
+            assert closed.wait(WAIT), "the other thread's close() did not return"
 
         def __getattr__(self, name: str):  # noqa: ANN204
             return getattr(engine_itself, name)
 
+    def close_once_taken() -> None:
+        assert taken.wait(WAIT), "get() took no batch"
+        engine.close()
+        closed.set()
+
+    closer = threading.Thread(target=close_once_taken)
+    closer.start()
     engine._engine = closed_as_taken()
-    out = engine.get(timeout=10)
-    engine._engine = engine_itself
-    assert engine.closed
+    try:
+        out = engine.get(timeout=WAIT)
+    finally:
+        engine._engine = engine_itself
+        closer.join(WAIT)
+    assert not closer.is_alive() and engine.closed
     numpy.testing.assert_array_equal(host_copy(out["v"]), numpy.full((4,), 8, "int32"))
     del out
+
+
+@pytest.mark.parametrize("call", ["next", "submit"])
+def test_close_from_another_thread_ends_a_waiting_call_within_a_wait_slice(engine, call):
+    if call == "submit":
+        for _ in range(3):  # the engine's max_batches_in_flight: the next submit waits for room
+            engine.submit([numpy.zeros(16, "uint8")])
+    waiting = {"next": lambda: engine.next(timeout=60),
+               "submit": lambda: engine.submit([numpy.zeros(16, "uint8")], timeout=60)}[call]
+    outcome: dict = {}
+
+    def wait() -> None:
+        try:
+            waiting()
+            outcome["returned"] = True
+        except BaseException as error:  # noqa: BLE001 (the error is the result)
+            outcome["error"] = error
+        outcome["ended"] = time.monotonic()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive() and not outcome, f"{call}() did not wait: {outcome}"
+    closer = threading.Thread(target=engine.close)
+    closing = time.monotonic()
+    closer.start()
+    closer.join(WAIT)
+    waiter.join(WAIT)
+    assert not closer.is_alive(), "close() did not return"
+    assert not waiter.is_alive(), f"{call}() still waits after close() from another thread"
+    assert isinstance(outcome.get("error"), shoal.InvalidArgumentError), outcome
+    assert "shoal.transfer.Engine: closed" in str(outcome["error"])
+    assert outcome["ended"] - closing < 2, f"{call}() ended {outcome['ended'] - closing:.2f} s after close()"
+
+
+def test_a_batch_put_back_by_another_thread_reaches_a_get_already_waiting(engine):
+    # The only batch was taken by a call that could not deliver it (as a get() interrupted by
+    # Ctrl-C) while another thread waits in get(): put back, it reaches that get() at the end of
+    # its wait slice, not after its timeout.
+    engine.submit({"v": numpy.full((4,), 6, "int32")})
+    taken: list = []
+    engine._engine.next(taken, WAIT)
+    outcome: dict = {}
+
+    def wait() -> None:
+        try:
+            outcome["batch"] = engine.get(timeout=WAIT)
+        except BaseException as error:  # noqa: BLE001 (reported below)
+            outcome["error"] = error
+        outcome["ended"] = time.monotonic()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive() and not outcome, f"get() did not wait: {outcome}"
+    put_back = time.monotonic()
+    engine._engine.put_back(taken.pop())
+    waiter.join(WAIT + 5)
+    assert "error" not in outcome, f"the waiting get() never saw the batch put back: {outcome['error']!r}"
+    assert outcome["ended"] - put_back < 2, f"the batch put back came {outcome['ended'] - put_back:.2f} s later"
+    assert list(outcome["batch"]) == ["v"], "the batch put back lost its layout"
+    numpy.testing.assert_array_equal(host_copy(outcome["batch"]["v"]), numpy.full((4,), 6, "int32"))
+    assert engine._engine.waiting == 0
+    del outcome
 
 
 def test_a_batch_torch_refuses_stays_queued_for_get_without_as_torch(engine, monkeypatch):
@@ -716,8 +799,9 @@ def test_a_submit_with_a_timeout_waits_no_longer_than_that_behind_another_thread
     with shoal.transfer.Engine(max_batches_in_flight=1) as engine:
         engine.submit([numpy.full(16, 1, "uint8")])
         blocked = threading.Thread(target=lambda: engine.submit([numpy.full(16, 2, "uint8")]))
-        blocked.start()  # waits for room
+        blocked.start()
         time.sleep(0.1)
+        assert blocked.is_alive(), "the other thread's submit did not wait for room"
         outcome: dict = {}
 
         def timed() -> None:
@@ -733,6 +817,8 @@ def test_a_submit_with_a_timeout_waits_no_longer_than_that_behind_another_thread
         waiter.start()
         waiter.join(5)
         stuck = waiter.is_alive()
+        # Read before the batches are taken: the timed-out submit queued nothing.
+        submitted_meanwhile, waiting_meanwhile = engine.stats()["batches_submitted"], engine._engine.waiting
         # Let every submit through whatever happened, so that no thread stays blocked.
         values = [int(host_copy(engine.get(timeout=10)[0])[0]) for _ in range(2)]
         blocked.join(10)
@@ -743,6 +829,7 @@ def test_a_submit_with_a_timeout_waits_no_longer_than_that_behind_another_thread
         assert isinstance(outcome.get("error"), shoal.PeerTimeoutError)
         assert "no room for the batch within 0.2 s" in str(outcome["error"])
         assert 0.15 <= outcome["waited"] < 2
+        assert (submitted_meanwhile, waiting_meanwhile) == (1, 1), "the submit that timed out queued its batch"
         assert values == [1, 2]
         assert engine.stats()["batches_submitted"] == 2
 

@@ -1,7 +1,10 @@
 #include "shoal/transfer/transfer_engine.h"
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
+#include <list>
+#include <new>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -233,7 +236,8 @@ transfer_engine::taken_batch transfer_engine::take(std::chrono::milliseconds tim
   std::unique_lock lock(mutex_);
   if (!wait_until(wake_->outcome_ready, lock, timeout, [&] { return !outcomes_.empty(); })) {
     throw timeout_error(std::string("transfer_engine::") + call + ": no batch was transferred within " +
-                        std::to_string(timeout.count()) + " ms (" + std::to_string(counters_.in_flight) + " in flight)");
+                        std::to_string(timeout.count()) + " ms (" + std::to_string(counters_.in_flight) +
+                        " in flight)");
   }
   return take_locked(lock);
 }
@@ -266,6 +270,10 @@ transfer_stats transfer_engine::stats() const {
 
 void transfer_engine::run() noexcept {
   std::vector<job> group;
+  // The group's outcomes, made before its jobs leave jobs_ (take_group_locked)
+  // and spliced into outcomes_ once copied: nothing after the take allocates,
+  // so every batch taken reaches outcomes_. Nodes left over serve later groups.
+  std::list<outcome> room;
   for (;;) {
     {
       // Without the lock: letting go of a source may run its owner's deleter
@@ -286,53 +294,78 @@ void transfer_engine::run() noexcept {
         if (stopping_) return;
         continue;
       }
-      take_group_locked(group);
+      if (!take_group_locked(group, room)) {
+        // No host memory for even one batch's room: the jobs stay queued
+        // until some comes back. As the engine is destroyed they are dropped
+        // with it (nothing could take them any more).
+        if (stopping_) return;
+        wake_->work_ready.wait_for(lock, std::chrono::milliseconds(1), [&] { return stopping_; });
+        continue;
+      }
     }
-    std::vector<outcome> done = copy_or_fail(group);
+    copy_or_fail(group, room);
     // One outcome per job, in their order (copy and copy_or_fail promise
     // it): each tag goes with its own batch.
-    for (std::size_t i = 0; i < done.size(); ++i) done[i].tag = std::move(group[i].tag);
+    auto done_end = room.begin();
+    for (job& j : group) {
+      done_end->tag = std::move(j.tag);
+      ++done_end;
+    }
     group.clear();  // sources staged or held by the copier: let go of the rest outside the lock
     {
       std::lock_guard lock(mutex_);
       ++counters_.coalesced_groups;
-      for (outcome& o : done) {
-        ++(o.error ? counters_.batches_failed : counters_.batches_transferred);
-        outcomes_.push_back(std::move(o));
+      for (auto o = room.begin(); o != done_end; ++o) {
+        ++(o->error ? counters_.batches_failed : counters_.batches_transferred);
       }
+      outcomes_.splice(outcomes_.end(), room, room.begin(), done_end);
     }
     wake_->outcome_ready.notify_all();
   }
 }
 
-std::vector<transfer_engine::outcome> transfer_engine::copy_or_fail(std::span<job> group) noexcept {
+void transfer_engine::copy_or_fail(std::span<job> group, std::list<outcome>& room) noexcept {
   try {
-    return copier_->copy(group);
+    std::vector<outcome> done = copier_->copy(group);
+    std::move(done.begin(), done.end(), room.begin());
   } catch (...) {
     // Host memory for the copier's own bookkeeping ran out: each batch of
     // the group fails with that error rather than ending the process.
-    // (Should not even these few outcomes fit, the exception leaves this
-    // noexcept function: there is no batch left to report it on.)
-    std::vector<outcome> failed;
-    failed.reserve(group.size());
-    for (const job& j : group) failed.push_back({j.sequence, j.bytes(), nullptr, std::current_exception()});
-    return failed;
+    auto node = room.begin();
+    for (const job& j : group) *node++ = outcome{j.sequence, j.bytes(), nullptr, std::current_exception(), nullptr};
   }
 }
 
-void transfer_engine::take_group_locked(std::vector<job>& group) {
+bool transfer_engine::take_group_locked(std::vector<job>& group, std::list<outcome>& room) {
   // The first job goes whatever its size; the next while the group stays
   // within max_coalesced_bytes. jobs_ holds at most max_batches_in_flight
   // jobs and max_bytes_in_flight bytes (each is in flight), or one job, so a
   // group holds no more (the copier's queue bound needs that).
+  std::size_t count = 0;
   std::size_t bytes = 0;
-  do {
-    const std::size_t next_bytes = jobs_.front().bytes();
-    if (!group.empty() && bytes + next_bytes > config_.max_coalesced_bytes) break;
+  for (const job& j : jobs_) {
+    const std::size_t next_bytes = j.bytes();
+    if (count > 0 && bytes + next_bytes > config_.max_coalesced_bytes) break;
     bytes += next_bytes;
-    group.push_back(std::move(jobs_.front()));
+    ++count;
+  }
+  // Room first, while every job is still in jobs_; short of host memory, as
+  // many as there is room for (the others go in a later group).
+  try {
+    group.reserve(count);
+  } catch (const std::bad_alloc&) {  // NOLINT(bugprone-empty-catch): the capacity it has bounds the group
+  }
+  count = std::min(count, group.capacity());
+  try {
+    while (room.size() < count) room.emplace_back();
+  } catch (const std::bad_alloc&) {
+    count = room.size();
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    group.push_back(std::move(jobs_.front()));  // within the capacity reserved: no allocation
     jobs_.pop_front();
-  } while (!jobs_.empty());
+  }
+  return count > 0;
 }
 
 }  // namespace shoal::transfer

@@ -1,17 +1,21 @@
 // The engine when the host refuses it something: threads it cannot start
 // (a pids cgroup limit, RLIMIT_NPROC) are a typed error from its
 // constructor, not the end of the process; host memory that runs out once
-// a copy is enqueued leaves the copy's source held until the copy has run.
+// a copy is enqueued leaves the copy's source held until the copy has run;
+// host memory that runs out anywhere in the engine's thread fails or delays
+// batches, never loses one nor ends the process.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <new>
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
@@ -162,6 +166,72 @@ TYPED_TEST(transfer_engine_host_failures, an_event_query_that_throws_lets_go_of_
     pinned_memory.deallocate(block, consumer.ref());
     dev.synchronize(consumer.ref());
   }
+}
+
+// Joins the thread that enqueues copies (the engine's) to
+// refusing_allocations_elsewhere, so that a scope of it refuses that
+// thread's allocations, wherever in its loop they come.
+class joining_copier_device : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+
+  void copy(backend::stream_ref s, void* dst, const void* src, std::size_t bytes) override {
+    refusing_allocations_elsewhere::join();
+    forwarding_device::copy(s, dst, src, bytes);
+  }
+};
+
+TYPED_TEST(transfer_engine_host_failures, host_memory_that_runs_out_in_the_engine_thread_loses_no_batch) {
+  joining_copier_device dev(this->device());
+  stream copy_stream(dev), consumer(dev);
+  alloc::caching_allocator a(dev, {});
+  transfer_engine engine(a, copy_stream.ref(), {.max_batches_in_flight = 8});
+  const std::vector<std::uint8_t> source(4 * kib, 0x2B);
+  const auto submit = [&] { engine.submit({host_buffer{source.data(), source.size(), false, nullptr}}); };
+  submit();
+  engine.next(10s).synchronize();  // its copy joined the engine's thread
+  std::uint64_t expected = 1;
+  int refused = 0, failed = 0;
+  // Each period refuses other allocations of the thread's loop: the group's
+  // room, its outcomes' room, the copier's bookkeeping, the allocator's.
+  for (int period = 1; period <= 40; ++period) {
+    const std::uint64_t before = engine.stats().batches_submitted;
+    {
+      refusing_allocations_elsewhere refusal(period);
+      for (int i = 0; i < 4; ++i) submit();  // grouped together when the thread was busy
+      const auto deadline = std::chrono::steady_clock::now() + 50ms;
+      while (std::chrono::steady_clock::now() < deadline) {
+        const transfer::transfer_stats s = engine.stats();
+        if (s.batches_transferred + s.batches_failed == before + 4) break;
+        std::this_thread::sleep_for(1ms);
+      }
+      refused += refusing_allocations_elsewhere::refused();
+    }
+    // Every batch comes, once and in order: transferred, or failed with
+    // its own error (later, once memory came back, for those held back).
+    for (int i = 0; i < 4; ++i, ++expected) {
+      transfer_engine::taken_batch taken = engine.take(10s);
+      ASSERT_EQ(taken.sequence, expected) << "period " << period;
+      if (taken.batch) {
+        taken.batch->wait_on(consumer.ref());
+        EXPECT_TRUE(all_equal(this->read(taken.batch->storages()[0].data(), 4 * kib, consumer.ref()), 0x2B));
+      } else {
+        ASSERT_TRUE(taken.error) << "a batch came with neither its storages nor an error";
+        ++failed;
+      }
+    }
+  }
+  EXPECT_GT(refused, 0) << "no allocation of the engine's thread was refused: the test proves nothing";
+  EXPECT_FALSE(engine.try_next().has_value()) << "a batch was delivered twice";
+  const transfer::transfer_stats s = engine.stats();
+  EXPECT_EQ(s.in_flight, 0u);
+  EXPECT_EQ(s.batches_failed, static_cast<std::uint64_t>(failed));
+  EXPECT_EQ(s.batches_taken, s.batches_submitted);
+  // The engine goes on.
+  submit();
+  const transfer::transferred_batch last = engine.next(10s);
+  last.wait_on(consumer.ref());
+  EXPECT_TRUE(all_equal(this->read(last.storages()[0].data(), 4 * kib, consumer.ref()), 0x2B));
 }
 
 }  // namespace

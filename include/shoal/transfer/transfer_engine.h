@@ -53,7 +53,11 @@
 // longer be queried (CUDA reports an earlier asynchronous failure so) ends
 // no engine: its sources are let go of once the stream has stopped, and the
 // failure reaches the consumer through the batches (their synchronize and
-// is_ready, and each later group's error from next()).
+// is_ready, and each later group's error from next()). Host memory that
+// runs out in the engine's own thread ends no process either: before the
+// thread takes a group, the group's batches stay queued until memory comes
+// back (dropped should the engine be destroyed first); after, they fail
+// with that error from next(), as above.
 //
 // Thread-safety: submit, next, try_next, take and stats may be called from
 // any threads at once, but none may be in progress (or begin) while the
@@ -78,6 +82,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -290,11 +295,15 @@ class transfer_engine {
   class batch_copier;
 
   void run() noexcept;
-  // Moves the next group of jobs from jobs_ into `group` (empty, jobs_ not).
-  void take_group_locked(std::vector<job>& group);
-  /// The copier's outcomes for `group`, or, should the copier itself throw
-  /// (host memory for its bookkeeping), that error for each of its batches.
-  std::vector<outcome> copy_or_fail(std::span<job> group) noexcept;
+  // Moves the next group of jobs from jobs_ into `group` (empty, jobs_ not),
+  // with a node in `room` made for each one's outcome first. Short of host
+  // memory the group is smaller; false, nothing moved, when not even one
+  // job has room.
+  bool take_group_locked(std::vector<job>& group, std::list<outcome>& room);
+  /// Writes the outcomes for `group` into the first nodes of `room` (one per
+  /// job, in order): the copier's, or, should the copier itself throw (host
+  /// memory for its bookkeeping), that error for each of its batches.
+  void copy_or_fail(std::span<job> group, std::list<outcome>& room) noexcept;
   taken_batch take_locked(std::unique_lock<std::mutex>& lock);
   // take(), its errors naming `call` (next or take).
   taken_batch take(std::chrono::milliseconds timeout, const char* call);
@@ -311,7 +320,11 @@ class transfer_engine {
   struct wake_ups;
   std::unique_ptr<wake_ups> wake_;
   std::deque<job> jobs_;          // submitted, not yet picked up by the worker
-  std::deque<outcome> outcomes_;  // done (transferred or failed), not yet taken, in sequence order
+  // Done (transferred or failed), not yet taken, in sequence order. A list:
+  // the worker makes a group's nodes before it takes the group's jobs and
+  // splices them in after its copies (splicing cannot throw), so no batch is
+  // lost for want of host memory once its copies are enqueued.
+  std::list<outcome> outcomes_;
   std::uint64_t next_sequence_ = 0;
   bool stopping_ = false;         // set by the destructor: the worker finishes the jobs and returns
   transfer_stats counters_;       // every field but `pinned`
