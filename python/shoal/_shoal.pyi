@@ -316,7 +316,7 @@ class Storage:
 
     def mutable_ptr(self, stream: Stream | None = None) -> int:
         """
-        Address of the data for writing on `stream`: materializes a lazy clone first (in stream order). InvalidArgumentError for read-only memory.
+        Address of the data for writing on `stream`: materializes a lazy clone first (in stream order). An address taken before a lazy_clone() or a read-only export (a readonly view's DLPack) must not be written after it: they share that data; take a new address, which gives this storage a copy of its own. InvalidArgumentError for read-only memory.
         """
 
     def lazy_clone(self, stream: Stream | None = None) -> Storage:

@@ -141,7 +141,10 @@ void register_storages(nb::module_& m) {
           },
           nb::arg("stream").none() = nb::none(),
           "Address of the data for writing on `stream`: materializes a lazy "
-          "clone first (in stream order). InvalidArgumentError for read-only memory.")
+          "clone first (in stream order). An address taken before a lazy_clone() or a "
+          "read-only export (a readonly view's DLPack) must not be written after it: they "
+          "share that data; take a new address, which gives this storage a copy of its own. "
+          "InvalidArgumentError for read-only memory.")
       .def(
           "lazy_clone",
           [](const py_storage& s, const py_stream* stream) {
