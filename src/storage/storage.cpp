@@ -123,7 +123,15 @@ class storage_impl {
         return;
       }
       lock.unlock();
-      block.allocate(size_);
+      try {
+        block.allocate(size_);
+      } catch (const out_of_memory&) {
+        // No room for a copy of its own is no error when a racing writer
+        // made one meanwhile, or the family's others went: no block needed.
+        lock.lock();
+        if (cow_ == nullptr || cow_->sole_holder()) continue;
+        throw;
+      }
       lock.lock();
     }
   }

@@ -31,7 +31,7 @@ using storage::lazy_clone;
 using storage_t = storage::storage;
 constexpr std::size_t mib = std::size_t{1} << 20;
 constexpr std::size_t bytes = 12 * mib;  // a segment of its own: each allocation of it misses the cache
-constexpr auto deadline = 2s;
+constexpr auto deadline = 20s;  // a regression deadlocks: any deadline finds it
 
 // Runs `use` on a thread of its own and tells whether it ended within the
 // deadline; the thread is joined by the caller's finish() whatever happened.
@@ -159,6 +159,31 @@ TYPED_TEST(storage_allocation_unlocked,
   EXPECT_NE(ours, source.data());
   EXPECT_FALSE(clone.is_lazy());
   EXPECT_EQ(this->in_use(own.ref()), 2) << "the first thread's block was kept (or the copy lost)";
+  EXPECT_TRUE(this->holds(clone, 0xAB, own.ref()));
+}
+
+// Memory for one copy only: a writer whose allocation fails because another
+// writer's copy took the room writes to that copy instead of failing.
+TYPED_TEST(storage_allocation_unlocked, a_writer_left_no_memory_by_another_writers_copy_writes_to_that_copy) {
+  auto& a = this->make("memory_limit_mb:40");
+  backend::stream own(this->device());
+  auto source = this->filled(0xAB, own.ref());
+  auto clone = lazy_clone(source, own.ref());
+  auto filler = storage_t::allocate(a, bytes, own.ref());  // 24 of 40 MiB: room for one copy
+  use_elsewhere elsewhere;
+  std::atomic<bool> hooked{false};
+  bool in_time = false;
+  void* theirs = nullptr;
+  a.add_cache_miss_hook([&] {
+    if (hooked.exchange(true)) return;
+    in_time = elsewhere.ran_in_time([&] { theirs = clone.mutable_data(own.ref()); });
+  });
+  void* ours = nullptr;
+  EXPECT_NO_THROW(ours = clone.mutable_data(own.ref())) << "out of memory although the clone has a copy";
+  elsewhere.finish();
+  EXPECT_TRUE(in_time);
+  EXPECT_EQ(ours, theirs);
+  EXPECT_EQ(this->in_use(own.ref()), 3);
   EXPECT_TRUE(this->holds(clone, 0xAB, own.ref()));
 }
 

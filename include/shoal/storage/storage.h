@@ -63,7 +63,8 @@
 // while memory is allocated (a materializing copy, an eager clone): the
 // allocator's out-of-memory observers may use any storage, this one included;
 // writers racing to materialize one storage may each allocate a block for a
-// moment, and one is kept.
+// moment, and one is kept (one that finds no memory for its block writes to
+// the copy another made, though the out-of-memory observers saw it fail).
 #pragma once
 
 #include <cstddef>
