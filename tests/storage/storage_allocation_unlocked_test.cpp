@@ -31,7 +31,7 @@ using storage::lazy_clone;
 using storage_t = storage::storage;
 constexpr std::size_t mib = std::size_t{1} << 20;
 constexpr std::size_t bytes = 12 * mib;  // a segment of its own: each allocation of it misses the cache
-constexpr auto deadline = 20s;  // a regression deadlocks: any deadline finds it
+constexpr auto deadline = 20s;           // a regression deadlocks: any deadline finds it
 
 // Runs `use` on a thread of its own and tells whether it ended within the
 // deadline; the thread is joined by the caller's finish() whatever happened.
@@ -64,11 +64,26 @@ class storage_allocation_unlocked : public allocator_test<Param> {
     this->device().fill(s, st.mutable_data(s), value, bytes);
     return st;
   }
-  bool holds(const storage_t &st, std::uint8_t value, backend::stream_ref s) {
+  bool holds(const storage_t& st, std::uint8_t value, backend::stream_ref s) {
     std::vector<std::uint8_t> out(st.size());
     this->device().copy(s, out.data(), st.data(), st.size());
     this->device().synchronize(s);
     return std::ranges::all_of(out, [value](std::uint8_t b) { return b == value; });
+  }
+  /// An out-of-memory observer of `a` that, when first called, runs `use` on
+  /// another thread; observed() counts its calls, used_in_time() tells whether
+  /// `use` ended within the deadline.
+  template <class Use>
+  void observe_with(alloc::caching_allocator& a, Use use) {
+    a.add_oom_observer([this, use](const alloc::oom_report&) {
+      if (observed_++ > 0) return;
+      in_time_ = elsewhere_.ran_in_time(use);
+    });
+  }
+  int observed() const { return observed_.load(); }
+  bool used_in_time() {
+    elsewhere_.finish();
+    return in_time_;
   }
   /// Blocks in use once the stream has passed what was enqueued.
   std::int64_t in_use(backend::stream_ref s) {
@@ -76,31 +91,28 @@ class storage_allocation_unlocked : public allocator_test<Param> {
     this->allocator_->process_pending_frees();
     return this->allocator_->stats().allocations.aggregate.current;
   }
+
+ private:
+  use_elsewhere elsewhere_;
+  std::atomic<int> observed_{0};
+  bool in_time_ = false;
 };
 TYPED_TEST_SUITE(storage_allocation_unlocked, backend_config_types, backend_config_names);
 
 TYPED_TEST(storage_allocation_unlocked, an_oom_observer_may_use_the_clone_whose_copy_ran_out_of_memory) {
-  auto &a = this->make("memory_limit_mb:40");
+  auto& a = this->make("memory_limit_mb:40");
   backend::stream own(this->device()), other(this->device());
   auto source = this->filled(0xAB, own.ref());
   auto clone = lazy_clone(source, own.ref());
   auto filler = storage_t::allocate(a, 2 * bytes, own.ref());  // 36 of 40 MiB: no room for the copy
-  use_elsewhere elsewhere;
-  std::atomic<int> observed{0};
-  bool in_time = false;
-  a.add_oom_observer([&](const alloc::oom_report &) {
-    if (observed++ > 0) return;
-    in_time = elsewhere.ran_in_time([&] {
-      EXPECT_FALSE(clone.shared_outside_process());
-      clone.record_stream(other.ref());
-      (void)lazy_clone(clone, other.ref());  // dropped at once
-    });
+  this->observe_with(a, [&] {
+    EXPECT_FALSE(clone.shared_outside_process());
+    clone.record_stream(other.ref());
+    (void)lazy_clone(clone, other.ref());  // dropped at once
   });
   EXPECT_THROW((void)clone.mutable_data(own.ref()), out_of_memory);
-  elsewhere.finish();
-  EXPECT_EQ(observed.load(), 1);
-  EXPECT_TRUE(in_time) << "the observer's use of the clone waited for the lock "
-                          "its allocation held";
+  EXPECT_TRUE(this->used_in_time()) << "the observer's use of the clone waited for the lock its allocation held";
+  EXPECT_EQ(this->observed(), 1);
   EXPECT_TRUE(clone.is_lazy()) << "a copy that ran out of memory changes nothing";
   EXPECT_EQ(this->in_use(own.ref()), 2) << "a block was lost or kept";
   filler = storage_t();
@@ -110,25 +122,17 @@ TYPED_TEST(storage_allocation_unlocked, an_oom_observer_may_use_the_clone_whose_
 }
 
 TYPED_TEST(storage_allocation_unlocked, an_oom_observer_may_use_the_storage_whose_eager_clone_ran_out_of_memory) {
-  auto &a = this->make("memory_limit_mb:40");
+  auto& a = this->make("memory_limit_mb:40");
   backend::stream own(this->device()), other(this->device());
   auto source = this->filled(0xAB, own.ref());
   source.mark_shared_outside_process(own.ref());  // its clones are eager copies
   auto filler = storage_t::allocate(a, 2 * bytes, own.ref());
-  use_elsewhere elsewhere;
-  std::atomic<int> observed{0};
-  bool in_time = false;
-  a.add_oom_observer([&](const alloc::oom_report &) {
-    if (observed++ > 0) return;
-    in_time = elsewhere.ran_in_time([&] {
-      EXPECT_TRUE(source.shared_outside_process());
-      source.record_stream(other.ref());
-    });
+  this->observe_with(a, [&] {
+    EXPECT_TRUE(source.shared_outside_process());
+    source.record_stream(other.ref());
   });
   EXPECT_THROW((void)lazy_clone(source, own.ref()), out_of_memory);
-  elsewhere.finish();
-  EXPECT_TRUE(in_time) << "the observer's use of the source waited for the "
-                          "lock its clone's allocation held";
+  EXPECT_TRUE(this->used_in_time()) << "the observer's use of the source waited for the lock of its clone's allocation";
   EXPECT_EQ(this->in_use(own.ref()), 2);
   filler = storage_t();
   auto copy = lazy_clone(source, own.ref());
@@ -140,19 +144,19 @@ TYPED_TEST(storage_allocation_unlocked, an_oom_observer_may_use_the_storage_whos
 // the first finds it done, gives its block back and writes to the same data.
 TYPED_TEST(storage_allocation_unlocked,
            a_materialization_by_another_thread_during_the_copys_allocation_leaves_one_copy) {
-  auto &a = this->make();
+  auto& a = this->make();
   backend::stream own(this->device());
   auto source = this->filled(0xAB, own.ref());
   auto clone = lazy_clone(source, own.ref());
   use_elsewhere elsewhere;
   std::atomic<bool> hooked{false};
   bool in_time = false;
-  void *theirs = nullptr;
+  void* theirs = nullptr;
   a.add_cache_miss_hook([&] {
     if (hooked.exchange(true)) return;  // the other thread's own miss
     in_time = elsewhere.ran_in_time([&] { theirs = clone.mutable_data(own.ref()); });
   });
-  void *ours = clone.mutable_data(own.ref());
+  void* ours = clone.mutable_data(own.ref());
   elsewhere.finish();
   EXPECT_TRUE(in_time) << "the other thread waited for the lock the first one's allocation held";
   EXPECT_EQ(ours, theirs) << "two copies of one clone";
@@ -190,13 +194,13 @@ TYPED_TEST(storage_allocation_unlocked, a_writer_left_no_memory_by_another_write
 // While the copy's block is allocated, the family's other member goes: the
 // clone is the last holder then, and takes the data over instead of copying.
 TYPED_TEST(storage_allocation_unlocked, a_clone_left_alone_during_the_copys_allocation_takes_the_data_over) {
-  auto &a = this->make();
+  auto& a = this->make();
   backend::stream own(this->device());
   auto source = this->filled(0xAB, own.ref());
-  const void *shared = source.data();
+  const void* shared = source.data();
   auto clone = lazy_clone(source, own.ref());
   a.add_cache_miss_hook([&] { source = storage_t(); });
-  void *ours = clone.mutable_data(own.ref());
+  void* ours = clone.mutable_data(own.ref());
   EXPECT_EQ(ours, shared) << "copied although it was the last holder";
   EXPECT_FALSE(clone.is_lazy());
   EXPECT_EQ(this->in_use(own.ref()), 1) << "the block allocated for the copy was kept";
