@@ -100,6 +100,13 @@ struct py_transfer_engine {
   // (TransferredBatch, layout)). Read and written with the GIL held only,
   // never released in between; close() empties it.
   std::deque<std::pair<std::uint64_t, nb::object>> undelivered;
+
+  /// Keeps `item`, a (TransferredBatch, layout) of batch `sequence`, for the next next().
+  void keep_undelivered(std::uint64_t sequence, nb::object item) {
+    const auto at =
+        std::find_if(undelivered.begin(), undelivered.end(), [&](const auto& u) { return u.first > sequence; });
+    undelivered.emplace(at, sequence, std::move(item));
+  }
 };
 
 /// What submit gave the engine with a batch, as Python sees it (None when
@@ -249,8 +256,16 @@ void register_transfer(nb::module_& m) {
                   },
                   put_back);
             }
+            if (taken && !taken->error && put_back()) {
+              // Put back by another thread as this slice took a later batch: that one goes first,
+              // this one waits behind it. (A failed batch's error is raised at once.)
+              const std::uint64_t sequence = taken->batch->sequence();
+              e.keep_undelivered(sequence, nb::make_tuple(py_transferred_batch{e.allocator, std::move(*taken->batch)},
+                                                          layout_of(taken->tag)));
+              taken.reset();
+            }
             if (!taken && put_back()) {  // the GIL held since the check: first, in sequence order
-              into.append(std::move(e.undelivered.front().second));
+              into.append(e.undelivered.front().second);  // a failed append leaves it queued
               e.undelivered.pop_front();
               return;
             }
@@ -268,7 +283,8 @@ void register_transfer(nb::module_& m) {
           "Appends (batch, layout) to ``into``: the next batch in submission order once its copies are "
           "enqueued, and the layout submit gave with it — first any batch put back (put_back), also one "
           "put back by another thread while this call waits (seen within one wait slice, 0.1 s) — and "
-          "returns None. Raises the batch's own error when it failed (the batch is taken all the same), "
+          "returns None. Raises the batch's own error when it failed (the batch is taken all the same; "
+          "before a batch put back by another thread during the call), "
           "PeerTimeoutError after ``timeout`` seconds (no batch taken). The wait ends on Ctrl-C "
           "(KeyboardInterrupt) and on close() from another thread (InvalidArgumentError). A Ctrl-C that "
           "comes as a batch is taken is raised after the call: the batch is in ``into`` then.")
@@ -278,9 +294,7 @@ void register_transfer(nb::module_& m) {
             if (item.size() != 2) throw invalid_argument("shoal.TransferEngine.put_back: expected (batch, layout)");
             const std::uint64_t sequence = nb::cast<const py_transferred_batch&>(item[0]).batch.sequence();
             if (e.engine.closed()) return;  // close() dropped the others: this one goes too
-            const auto at = std::find_if(e.undelivered.begin(), e.undelivered.end(),
-                                         [&](const auto& u) { return u.first > sequence; });
-            e.undelivered.emplace(at, sequence, item);
+            e.keep_undelivered(sequence, item);
           },
           nb::arg("item"),
           "Gives back a (batch, layout) that next() appended and the caller could not deliver: the next "

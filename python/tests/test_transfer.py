@@ -717,9 +717,11 @@ def test_close_from_another_thread_ends_a_waiting_call_within_a_wait_slice(engin
     waiting = {"next": lambda: engine.next(timeout=60),
                "submit": lambda: engine.submit([numpy.zeros(16, "uint8")], timeout=60)}[call]
     outcome: dict = {}
+    calling = threading.Event()
 
     def wait() -> None:
         try:
+            calling.set()
             waiting()
             outcome["returned"] = True
         except BaseException as error:  # noqa: BLE001 (the error is the result)
@@ -728,7 +730,8 @@ def test_close_from_another_thread_ends_a_waiting_call_within_a_wait_slice(engin
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.3)
+    assert calling.wait(WAIT)
+    time.sleep(0.3)  # inside the call by now: a close() before it would end it at its start instead
     assert waiter.is_alive() and not outcome, f"{call}() did not wait: {outcome}"
     closer = threading.Thread(target=engine.close)
     closing = time.monotonic()
@@ -771,6 +774,25 @@ def test_a_batch_put_back_by_another_thread_reaches_a_get_already_waiting(engine
     numpy.testing.assert_array_equal(host_copy(outcome["batch"]["v"]), numpy.full((4,), 6, "int32"))
     assert engine._engine.waiting == 0
     del outcome
+
+
+def test_a_batch_put_back_as_a_waiting_get_takes_a_later_one_is_delivered_first(engine):
+    # Another thread puts batch 0 back, then submits batch 1, which the waiting get() takes in the
+    # same wait slice: batch 0 comes first all the same, and batch 1 with the next get().
+    engine.submit({"v": numpy.full((4,), 0, "int32")})
+    taken: list = []
+    engine._engine.next(taken, WAIT)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(engine.get(timeout=WAIT)))
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive() and not got, "get() did not wait"
+    engine._engine.put_back(taken.pop())
+    engine.submit({"v": numpy.full((4,), 1, "int32")})
+    waiter.join(WAIT + 5)
+    got.append(engine.get(timeout=WAIT))
+    assert [int(host_copy(batch["v"])[0]) for batch in got] == [0, 1], "a later batch overtook one put back"
+    assert engine._engine.waiting == 0
 
 
 def test_a_batch_torch_refuses_stays_queued_for_get_without_as_torch(engine, monkeypatch):
