@@ -59,10 +59,14 @@ class ConnectionClosedError(ShoalError, ConnectionError):
     no_listener: bool
 
 class PeerRefusedError(ShoalError, ConnectionRefusedError):
-    """A peer process was refused (credentials not allowed)."""
+    """A peer process was refused (credentials not allowed, a peer revoked), or refused this one (a lender
+    turning a borrower away, or a borrow past its quota)."""
 
 class PeerTimeoutError(ShoalError, TimeoutError):
-    """A wait on another process ran past its deadline."""
+    """A wait ran past its deadline, whether on another process or within this one: for a peer's
+    message, a lender's answer, a batch (shoal.sharing.Consumer.get, shoal.transfer.Engine.get), room
+    to submit (Engine.submit), another call of the same Borrower to end. The operation says whether
+    its connection, where it has one, is still usable."""
 
 class ContentMismatchError(ShoalError):
     """Memory's content is not what the caller expected: a published region's content hash is not the one asked for."""
@@ -126,7 +130,7 @@ def cuda_device_count() -> int:
 
 class Stream:
     """
-    An in-order queue of device work. Stream(device) creates a new stream; Stream.default(device) names the device's default stream.
+    An in-order queue of device work. Stream(device) creates a new stream; Stream.default(device) names the device's default stream. Usable from several threads at once: work runs in the order the threads enqueue it.
     """
 
     def __init__(self, device: Device | None = None) -> None:
@@ -179,7 +183,7 @@ class Stream:
 
 class Event:
     """
-    A marker recorded into a stream; complete once the stream has passed it.
+    A marker recorded into a stream; complete once the stream has passed it. Usable from several threads at once: a query or wait sees the last record() made before it.
     """
 
     def __init__(self, device: Device | None = None) -> None: ...
@@ -236,7 +240,7 @@ class Allocator:
 
     def allocate(self, nbytes: int, stream: Stream | None = None) -> Storage:
         """
-        A Storage of `nbytes` (> 0) for use on `stream` (default: the current stream). Raises OutOfMemoryError when neither the cache nor the device can provide it. The GIL is released meanwhile.
+        A Storage of `nbytes` (> 0) for use on `stream` (default: the current stream). Short of memory it may wait on the host for pending frees (blocks freed while another stream still used them) and give the cache back before it raises OutOfMemoryError, when neither the cache nor the device can provide it. The GIL is released meanwhile.
         """
 
     @property
@@ -279,7 +283,7 @@ class Allocator:
 
 class Storage:
     """
-    A reference-counted block of device memory from an Allocator. Copies of this object alias; lazy_clone() makes a copy-on-write clone that copies nothing until written.
+    A reference-counted block of device memory from an Allocator. Copies of this object alias; lazy_clone() makes a copy-on-write clone that copies nothing until written. Usable from several threads at once: each call takes its own reference to the memory with the GIL held and lets the GIL go while it waits (order the threads' writes with streams and events).
     """
 
     @property
@@ -339,7 +343,7 @@ class Storage:
 
     def read(self, offset: int = 0, nbytes: int | None = None, stream: Stream | None = None) -> bytes:
         """
-        The bytes at [offset, offset + nbytes) (default: to the end), copied on `stream` after the work enqueued there; never materializes a lazy clone.
+        The bytes at [offset, offset + nbytes) (default: to the end), copied on `stream` after the work enqueued there; never materializes a lazy clone. Blocks until `stream` has run the copy (GIL released meanwhile).
         """
 
     def fill(self, value: int, stream: Stream | None = None) -> None:
@@ -359,7 +363,7 @@ def view_dtypes() -> tuple:
 
 class ArrayView:
     """
-    A typed view (shape, dtype, strides, offset) of a Storage, made by Storage.view(); exported zero-copy through DLPack, e.g. numpy.from_dlpack(view).
+    A typed view (shape, dtype, strides, offset) of a Storage, made by Storage.view(); exported zero-copy through DLPack, e.g. numpy.from_dlpack(view). Immutable: usable (read, exported) from several threads at once.
     """
 
     @property
@@ -435,7 +439,7 @@ def runtime_dir_address(name: str) -> str:
 
 class Connection:
     """
-    A checked connection to another process (from Listener.accept or connect); give it to Peer to share storages over it. A context manager: leaving the block (or close()) closes a connection not given to a Peer; one given to a Peer is the Peer's.
+    A checked connection to another process (from Listener.accept or connect); give it to Peer to share storages over it. A context manager: leaving the block (or close()) closes a connection not given to a Peer; one given to a Peer is the Peer's. Its calls hold the GIL and never wait, so several threads may use it.
     """
 
     @property
@@ -458,7 +462,7 @@ class Connection:
 
 class Listener:
     """
-    Listens for connections at an address (see runtime_dir_address). A socket path's directory is created with mode 0700 or must be one. Only processes of this user, and of `allowed_uids`, are admitted. Closes (and removes its socket file) on close() or when collected; a context manager.
+    Listens for connections at an address (see runtime_dir_address). A socket path's directory is created with mode 0700 or must be one. Only processes of this user, and of `allowed_uids`, are admitted. Closes (and removes its socket file) on close() or when collected; a context manager. Usable from several threads at once: each connection goes to one accept() call, and close() from another thread ends their waits.
     """
 
     def __init__(self, address: str | os.PathLike[str], allowed_uids: Sequence[int] = []) -> None: ...
@@ -685,7 +689,7 @@ class TransferEngine:
 
     def next(self, into: list, timeout: float | None = None) -> None:
         """
-        Appends (batch, layout) to ``into``: the next batch in submission order once its copies are enqueued, and the layout submit gave with it — first any batch put back (put_back), also one put back by another thread while this call waits (seen within one wait slice, 0.1 s) — and returns None. Raises the batch's own error when it failed (the batch is taken all the same), PeerTimeoutError after ``timeout`` seconds (no batch taken). The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError). A Ctrl-C that comes as a batch is taken is raised after the call: the batch is in ``into`` then.
+        Appends (batch, layout) to ``into``: the next batch in submission order once its copies are enqueued, and the layout submit gave with it — first any batch put back (put_back), also one put back by another thread while this call waits (seen within one wait slice, 0.1 s) — and returns None. Raises the batch's own error when it failed (the batch is taken all the same; before a batch put back by another thread during the call), PeerTimeoutError after ``timeout`` seconds (no batch taken). The wait ends on Ctrl-C (KeyboardInterrupt) and on close() from another thread (InvalidArgumentError). A Ctrl-C that comes as a batch is taken is raised after the call: the batch is in ``into`` then.
         """
 
     def put_back(self, item: tuple) -> None:
@@ -760,7 +764,7 @@ def _evaluate_grouping(layers: Sequence[tuple[int, float]], per_group_seconds: f
 
 class Lender:
     """
-    Lends regions of this process's device memory to borrower processes over a UNIX socket (the memory daemon's core, serving on its own thread).
+    Lends regions of this process's device memory to borrower processes over a UNIX socket (the memory daemon's core, serving on its own thread). Usable from several threads at once: status(), metrics() and revoke() answer at once, close() from any thread.
     """
 
     def __init__(self, address: str | os.PathLike[str], device: Device | None = None, capacity_bytes: int = 1073741824, quota_bytes: int = 1073741824, max_borrowers: int = 64, max_regions_per_borrower: int = 1024, peer_timeout: float = 1.0, allowed_uids: Sequence[int] = [], reuse: str = 'same_uid', prepared_chunks: Sequence[int] = [], max_wait: float = 300.0, preempt_after: float | None = None, preempt_deadline: float = 10.0, max_observers: int = 4) -> None:
@@ -815,7 +819,9 @@ class _StopFlag:
         """Whether it is set."""
 
 class Borrower:
-    """A connection to a lender, through which regions are borrowed."""
+    """
+    A connection to a lender, through which regions are borrowed. Usable from several threads: its requests go one at a time, each call waiting behind the one in progress up to its own timeout (revocations() waits without a turn), and close() from another thread ends a waiting call.
+    """
 
     def __init__(self, address: str | os.PathLike[str], device: Device | None = None, allowed_uids: Sequence[int] = [], timeout: float = 5.0, keep_mappings: bool = True, kept_mapping_bytes: int = 17179869184, observer: bool = False) -> None: ...
 

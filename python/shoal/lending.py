@@ -34,13 +34,15 @@ writer borrows a region under the model's name, fills it, and publishes it with 
 entries: offset, size, dtype, shape); from then on it is immutable. Readers ask for it by name
 and get a :class:`SharedRegion`, whose entries are read-only array views::
 
-    region = writer.borrow(nbytes, "llama-7b@v3")
-    np.from_dlpack(region.view("float16", (4096, 4096))) [...] = weights      # fill
-    del ...                                                                    # drop every view
+    # sketch: writer and reader are Borrowers, embed a float16 CUDA tensor of 4096 x 4096
+    from shoal.lending import Entry
+
+    region = writer.borrow(4096 * 4096 * 2, "llama-7b@v3")
+    torch.from_dlpack(region.view("float16", (4096, 4096))).copy_(embed)   # fill; the view goes at once
     shared = writer.publish(region, [Entry("embed", 0, 4096 * 4096 * 2, "float16", (4096, 4096))])
     # in each reader process:
     weights = reader.borrow_shared("llama-7b@v3", expected_hash=shared.hash)
-    embed = torch.from_dlpack(weights.entry("embed"))                        # read-only
+    embed = torch.from_dlpack(weights.entry("embed"))                       # read-only
 
 Every holder maps a shared region read-only (a write through it faults). The content hash is
 SHA-256 of the entries' bytes in offset order, computed by the writer; a reader that asks with
@@ -136,7 +138,8 @@ class SharedRegion:
     """A published region mapped read-only in this process, with its layout. Its entries come
     out as read-only :class:`shoal.ArrayView` s (DLPack 1.x consumers see them read-only); this
     process's hold is given back once ``close()`` was called (or this object is gone) and every
-    view of it is gone."""
+    view of it is gone. Usable from several threads at once; after ``close()``, :meth:`entry` and
+    :meth:`verify` raise ``InvalidArgumentError`` and views taken before stay valid."""
 
     def __init__(self, storage: _shoal.Storage) -> None:
         layout = _shoal._region_layout(storage)
@@ -234,7 +237,11 @@ class Borrower:
     observers) — how a dashboard or an operator's script looks at a full lender.
 
     Regions are mapped on ``device`` (the lender's; default: the default device, as for
-    :class:`Lender`) through ``allocator`` (default: one of that device's); pass either."""
+    :class:`Lender`) through ``allocator`` (default: one of that device's); pass either.
+
+    Usable from several threads: its requests go to the lender one at a time, each call waiting
+    behind the one in progress up to its own timeout (:meth:`revocations` waits without a turn),
+    and ``close()`` from another thread ends a waiting call."""
 
     def __init__(
         self,
@@ -396,9 +403,10 @@ class Borrower:
         ``with`` block) or this borrower closes. One watcher for the borrower's life is the
         pattern: a turn's end is an event the serving loop looks at between batches::
 
+            # sketch: nbytes, serve and next_batch are yours
             turn_over = threading.Event()
             with borrower.watch_revocations(lambda region, left: turn_over.set()) as watcher:
-                for turn in itertools.count():
+                while True:                      # one turn after another
                     turn_over.clear()
                     weights = borrower.borrow(nbytes, "model A", wait=60.0)
                     while watcher.watching and not turn_over.is_set():
@@ -652,7 +660,10 @@ class Lender:
     other uid holds more than the waiting borrow's uid (holdings evened out at most). A borrower that lets the deadline
     pass keeps its region (named in the log) and is not asked again, and the lender revokes
     others' regions if there are any to take.
-    (``shoal daemon`` runs one as a program.)"""
+    (``shoal daemon`` runs one as a program.)
+
+    Usable from several threads at once: :meth:`status`, :meth:`metrics` and :meth:`revoke`
+    answer at once, and ``close()`` may come from any thread."""
 
     def __init__(
         self,

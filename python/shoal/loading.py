@@ -9,6 +9,7 @@ with the earliest completion of the last layer (docs/architecture.md, "Grouped l
 
 For a PyTorch module (its parameters on the CPU)::
 
+    # sketch: model, example_input and batch are yours
     import shoal.loading
 
     loader = shoal.loading.ModuleLoader(model)        # pins a host copy of every tensor once
@@ -288,7 +289,8 @@ def _own_tensors(module: Any) -> list[tuple[str, str, Any]]:
 
 class Loading:
     """A module's tensors on their way to the GPU. The module's forward waits per group
-    (pre-forward hooks) until every group is copied; then the hooks take themselves off."""
+    (pre-forward hooks) until every group is copied; then the hooks take themselves off.
+    Usable from several threads at once, as forwards on any thread run its hooks."""
 
     def __init__(self, load: GroupedLoad, plan: GroupPlan, last_group: int, torch_stream: Callable[[], Any]) -> None:
         self.load = load

@@ -15,7 +15,8 @@ class RegionPool:
     typically a region borrowed from a lender — while PyTorch keeps its own allocator, so a
     process puts a model's tensors into memory it borrowed without patching PyTorch::
 
-        region = borrower.borrow(4 << 30, "model A")      # shoal.lending.Borrower
+        # sketch: borrower (a shoal.lending.Borrower) and build_model are yours
+        region = borrower.borrow(4 << 30, "model A")
         pool = shoal.torch.RegionPool(region)
         with pool.use():
             model = build_model().cuda()                   # its tensors live in the region

@@ -1,15 +1,16 @@
 """Batches of arrays shared between processes, zero-copy.
 
+    # sketch: start_producers and labels (an ArrayView) are yours
     # consumer process
     with shoal.sharing.Consumer() as consumer:        # listens at consumer.address
         start_producers(consumer.address, workers=4)   # a str: pass it to the producer processes
         for batch in consumer.batches(producers=4, timeout=60):  # {"x": ArrayView, "y": [...]}
             images = torch.from_dlpack(batch["x"])     # or numpy / CuPy / JAX: no copy
 
-    # producer process (spawn / forkserver)
+    # producer process (spawn / forkserver), given consumer.address as address
     with shoal.sharing.Producer(address) as producer:
-        view = shoal.allocate(nbytes).view("float32", (64, 3, 224, 224))
-        ... fill it (DLPack, Storage.write) ...
+        view = shoal.allocate(64 * 3 * 224 * 224 * 4).view("float32", (64, 3, 224, 224))
+        ...                                            # fill it (DLPack, Storage.write)
         producer.put({"x": view, "y": [labels]})
     # leaving the block waits for the queued writes to run, then (60 s at most)
     # until the consumer took every batch
@@ -708,6 +709,7 @@ class Consumer:
         `producers_ended`), every batch each sent before its end yielded:
         the loop of a consumer that started that many producers.
 
+            # sketch: start_producers and train_step are yours
             with shoal.sharing.Consumer() as consumer:
                 start_producers(consumer.address, workers=4)
                 for batch in consumer.batches(producers=4, timeout=60):

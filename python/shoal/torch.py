@@ -58,6 +58,7 @@ Without ``enable()``, PyTorch keeps its own allocator and :class:`RegionPool` ma
 shoal memory — a region borrowed from a lender — the segment source of a
 ``torch.cuda.MemPool``, so a model's tensors go into borrowed memory::
 
+    # sketch: borrower (a shoal.lending.Borrower) and build_model are yours
     pool = shoal.torch.RegionPool(borrower.borrow(4 << 30, "model A"))
     with pool.use():
         model = build_model().cuda()
@@ -226,7 +227,9 @@ def _device_index(device: Any) -> int:
 
 def _require_enabled() -> None:
     if not _enabled:
-        raise RuntimeError("shoal.torch: enable() has not run in this process")
+        raise _shoal.InvalidArgumentError(
+            "shoal.torch: shoal is not PyTorch's allocator in this process: call shoal.torch.enable() first "
+            "(before PyTorch touches CUDA)")
 
 
 def allocator(device: Any = None) -> _shoal.Allocator:
@@ -361,6 +364,7 @@ def memory_snapshot(device: Any = None) -> dict[str, Any]:
     stacks (``torch.cuda.memory._record_memory_history``), which this one
     lacks; there a tombstone is an ``"inactive"`` block, as PyTorch's layout
     has no invalidated state."""
+    _require_enabled()
     index = _device_index(device)
     return _torch_layout_snapshot(allocator(index).snapshot(), index)
 

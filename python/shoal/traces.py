@@ -3,6 +3,7 @@
 A trace is every allocation and free a program made, with sizes and streams, in order
 (the format: docs/traces.md). Record one from your own PyTorch program::
 
+    # sketch: train_one_epoch, model and loader are yours
     import shoal.traces
 
     with shoal.traces.record("train.trace.gz") as recording:
@@ -11,13 +12,13 @@ A trace is every allocation and free a program made, with sizes and streams, in 
 
 or without touching the program::
 
-    python -m shoal.traces train.trace.gz -- train.py --epochs 1
+    $ python -m shoal.traces train.trace.gz -- train.py --epochs 1
 
 then replay it through shoal's settings (any machine; a GPU gives the device's own costs),
 and through PyTorch's allocator, cudaMallocAsync and RMM with the comparison build::
 
-    shoal_replay train.trace.gz
-    shoal_replay --conf "" --conf expandable_segments:true train.trace.gz
+    $ shoal_replay train.trace.gz
+    $ shoal_replay --conf "" --conf expandable_segments:true train.trace.gz
 
 The recording uses PyTorch's memory history (``torch.cuda.memory._record_memory_history``),
 so the program must run on PyTorch's own caching allocator while it is recorded (not on

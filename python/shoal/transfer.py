@@ -9,7 +9,7 @@ it hands to torch, CuPy or JAX through DLPack::
     import numpy, shoal.transfer, torch
 
     with shoal.transfer.Engine() as engine:
-        engine.submit({"x": numpy.ones((64, 3, 224, 224), "float32"), "y": labels})
+        engine.submit({"x": numpy.ones((64, 3, 224, 224), "float32"), "y": numpy.arange(64)})
         batch = engine.get()                    # {"x": ArrayView, "y": ArrayView}
         x = torch.from_dlpack(batch["x"])       # on the current stream, after the copy
 

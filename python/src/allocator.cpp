@@ -158,8 +158,9 @@ void register_allocator(nb::module_& m) {
       .def("__hash__", [](const py_allocator& a) { return reinterpret_cast<std::uintptr_t>(a.state.get()); })
       .def("allocate", &allocate_storage, nb::arg("nbytes"), nb::arg("stream").none() = nb::none(),
            "A Storage of `nbytes` (> 0) for use on `stream` (default: the "
-           "current stream). Raises "
-           "OutOfMemoryError when neither the cache nor the device can provide "
+           "current stream). Short of memory it may wait on the host for pending frees (blocks freed "
+           "while another stream still used them) and give the cache back before it raises "
+           "OutOfMemoryError, when neither the cache nor the device can provide "
            "it. The GIL is released meanwhile.")
       .def_prop_ro(
           "device", [](const py_allocator& a) -> backend::device& { return a.state->allocator().device(); },

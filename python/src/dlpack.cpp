@@ -362,7 +362,8 @@ void register_dlpack(nb::module_& m) {
   nb::class_<py_array_view>(m, "ArrayView",
                             "A typed view (shape, dtype, strides, offset) of a Storage, made by "
                             "Storage.view(); "
-                            "exported zero-copy through DLPack, e.g. numpy.from_dlpack(view).")
+                            "exported zero-copy through DLPack, e.g. numpy.from_dlpack(view). Immutable: usable "
+                            "(read, exported) from several threads at once.")
       .def_prop_ro(
           "dtype", [](const py_array_view& v) { return v.dtype; }, "The element type's name.")
       .def_prop_ro(

@@ -142,7 +142,8 @@ std::string qualified_names_in_python_words(std::string text) {
 std::string in_python_words(std::string_view message) {
   if (message.starts_with(empty_storage)) {
     return "Storage: this Storage has no memory any more: it was handed on (a Storage given to "
-           "shoal.lending.Borrower.publish belongs to the region now; use the Storage publish returned)";
+           "shoal.lending.Borrower.publish belongs to the region now; read it through the SharedRegion "
+           "publish returned: its entry() views)";
   }
   for (const auto& [cpp, python] : python_names) {
     if (!message.starts_with(cpp) || !ends_a_name(message.substr(cpp.size()))) continue;
@@ -310,11 +311,16 @@ void register_errors(nb::module_& m) {
   // False unless a connect found no one listening (set on the instance):
   // one raised in Python has it too.
   nb::setattr(nb::handle(types.connection_closed), "no_listener", nb::bool_(false));
-  types.peer_refused = new_type(m, "PeerRefusedError", "A peer process was refused (credentials not allowed).",
+  types.peer_refused = new_type(m, "PeerRefusedError",
+                                "A peer process was refused (credentials not allowed, a peer revoked), or refused "
+                                "this one (a lender turning a borrower away, or a borrow past its quota).",
                                 {types.error, PyExc_ConnectionRefusedError});
   types.timeout = new_type(m, "PeerTimeoutError",
-                           "A wait on another process ran past its deadline; the operation says whether the "
-                           "connection is still usable.",
+                           "A wait ran past its deadline, whether on another process or within this one: for a "
+                           "peer's message, a lender's answer, a batch (shoal.sharing.Consumer.get, "
+                           "shoal.transfer.Engine.get), room to submit (Engine.submit), another call of the same "
+                           "Borrower to end. The operation says whether its connection, where it has one, is still "
+                           "usable.",
                            {types.error, PyExc_TimeoutError});
   types.content_mismatch = new_type(m, "ContentMismatchError",
                                     "Memory's content is not what the caller expected: a published region's content "

@@ -270,7 +270,8 @@ nb::dict status_dict(const lending::lender_status& s) {
 void register_lending(nb::module_& m) {
   nb::class_<py_lender>(m, "Lender",
                         "Lends regions of this process's device memory to borrower processes over a UNIX socket "
-                        "(the memory daemon's core, serving on its own thread).")
+                        "(the memory daemon's core, serving on its own thread). Usable from several threads at "
+                        "once: status(), metrics() and revoke() answer at once, close() from any thread.")
       .def(
           "__init__",
           [](py_lender* self, const address_text& address, backend::device* device, std::size_t capacity_bytes,
@@ -394,7 +395,11 @@ void register_lending(nb::module_& m) {
       .def(nb::init<>())
       .def("set", [](stop_flag& f) { f.set.store(true); }, "Sets it.")
       .def("is_set", [](const stop_flag& f) { return f.set.load(); }, "Whether it is set.");
-  nb::class_<py_borrower>(m, "Borrower", "A connection to a lender, through which regions are borrowed.")
+  nb::class_<py_borrower>(m, "Borrower",
+                          "A connection to a lender, through which regions are borrowed. Usable from several "
+                          "threads: its requests go one at a time, each call waiting behind the one in progress "
+                          "up to its own timeout (revocations() waits without a turn), and close() from another "
+                          "thread ends a waiting call.")
       .def(
           "__init__",
           [](py_borrower* self, const address_text& address, backend::device* device,

@@ -184,7 +184,8 @@ void register_sharing(nb::module_& m) {
   nb::class_<py_connection>(m, "Connection",
                             "A checked connection to another process (from Listener.accept or connect); "
                             "give it to Peer to share storages over it. A context manager: leaving the block (or "
-                            "close()) closes a connection not given to a Peer; one given to a Peer is the Peer's.")
+                            "close()) closes a connection not given to a Peer; one given to a Peer is the Peer's. "
+                            "Its calls hold the GIL and never wait, so several threads may use it.")
       .def_prop_ro("peer_pid",
                    [](const py_connection& c) {
                      if (c.given_to_peer) throw invalid_argument("Connection: already given to a Peer");
@@ -219,7 +220,8 @@ void register_sharing(nb::module_& m) {
                           "Listens for connections at an address (see runtime_dir_address). A socket path's "
                           "directory is created with mode 0700 or must be one. Only processes of this user, and "
                           "of `allowed_uids`, are admitted. Closes (and removes its socket file) on close() or "
-                          "when collected; a context manager.")
+                          "when collected; a context manager. Usable from several threads at once: each connection "
+                          "goes to one accept() call, and close() from another thread ends their waits.")
       .def(
           "__init__",
           [](py_listener* self, const address_text& address, const std::vector<python_int>& allowed_uids) {

@@ -100,7 +100,9 @@ void register_storages(nb::module_& m) {
                          "A reference-counted block of device memory from an "
                          "Allocator. Copies of this object "
                          "alias; lazy_clone() makes a copy-on-write clone that "
-                         "copies nothing until written.")
+                         "copies nothing until written. Usable from several threads at once: each call takes "
+                         "its own reference to the memory with the GIL held and lets the GIL go while it waits "
+                         "(order the threads' writes with streams and events).")
       .def_prop_ro(
           "nbytes", [](const py_storage& s) { return s.handle.get().size(); }, "Size in bytes.")
       .def("__len__", [](const py_storage& s) { return s.handle.get().size(); })
@@ -239,7 +241,8 @@ void register_storages(nb::module_& m) {
           nb::arg("offset") = 0, nb::arg("nbytes").none() = nb::none(), nb::arg("stream").none() = nb::none(),
           "The bytes at [offset, offset + nbytes) (default: to the end), "
           "copied on `stream` after the work "
-          "enqueued there; never materializes a lazy clone.")
+          "enqueued there; never materializes a lazy clone. Blocks until `stream` has run the copy "
+          "(GIL released meanwhile).")
       .def(
           "fill",
           [](const py_storage& s, const python_int& value_given, const py_stream* stream) {

@@ -151,7 +151,8 @@ void register_streams(nb::module_& m) {
 
   nb::class_<py_stream>(m, "Stream",
                         "An in-order queue of device work. Stream(device) creates a new stream; "
-                        "Stream.default(device) names the device's default stream.")
+                        "Stream.default(device) names the device's default stream. Usable from several threads "
+                        "at once: work runs in the order the threads enqueue it.")
       .def(
           "__init__",
           [](py_stream* self, backend::device* device) {
@@ -223,7 +224,8 @@ void register_streams(nb::module_& m) {
 
   nb::class_<py_event>(m, "Event",
                        "A marker recorded into a stream; complete once the "
-                       "stream has passed it.")
+                       "stream has passed it. Usable from several threads at once: a query or wait sees the "
+                       "last record() made before it.")
       .def(
           "__init__",
           [](py_event* self, backend::device* device) {

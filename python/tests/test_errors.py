@@ -132,7 +132,8 @@ def test_a_peer_greeting_with_a_name_that_is_no_text_is_a_protocol_error(tmp_pat
 
 
 def test_a_storage_handed_to_a_region_says_so_in_python_words():
-    with pytest.raises(shoal.InvalidArgumentError, match="given to shoal.lending.Borrower.publish belongs to the region"):
+    with pytest.raises(shoal.InvalidArgumentError, match="given to shoal.lending.Borrower.publish belongs to the region"
+                       r" now; read it through the SharedRegion publish returned: its entry\(\) views\)$"):
         shoal._shoal._throw_cpp_error("invalid_argument", "storage: this handle is empty (default-constructed)")
 
 
@@ -341,6 +342,18 @@ def test_enable_names_an_argument_of_the_wrong_type_before_touching_pytorch(argu
         shoal.torch.enable(**arguments)
     assert "_torch_configure" not in str(raised.value)
     assert not shoal.torch.is_enabled()
+
+
+@pytest.mark.parametrize("call", ["allocator", "memory_stats", "memory_allocated", "reset_peak_memory_stats",
+                                  "memory_snapshot", "empty_cache"])
+def test_shoal_torch_before_enable_is_a_shoal_error_that_says_to_enable_first(call):
+    # Checked before PyTorch is imported: this runs without it too.
+    import shoal.torch
+
+    if shoal.torch.is_enabled():
+        pytest.skip("shoal.torch is enabled in this process")
+    with pytest.raises(shoal.InvalidArgumentError, match=r"call shoal\.torch\.enable\(\) first"):
+        getattr(shoal.torch, call)()
 
 
 def test_the_packages_own_argument_checks_raise_shoal_errors_that_are_value_errors():

@@ -323,7 +323,7 @@ def publish_model(borrower, name: str, nbytes: int = 2 * MIB) -> shoal.lending.S
         shoal.lending.Entry("bias", nbytes // 2, 1024, "float16", (2, 256)),
     ]
     shared = borrower.publish(region, layout)
-    with pytest.raises(shoal.InvalidArgumentError):
+    with pytest.raises(shoal.InvalidArgumentError, match="read it through the SharedRegion publish returned"):
         region.nbytes  # emptied: its writable mapping was given up
     assert repr(region) == "shoal.Storage(released: its memory was handed on, as by publish)"
     return shared

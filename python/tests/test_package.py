@@ -1,6 +1,9 @@
-"""The package ships type stubs for everything the extension module offers."""
+"""The package ships type stubs for everything the extension module offers, and its documented examples are
+Python."""
 
+import ast
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -77,3 +80,50 @@ def test_the_stub_and_its_usage_type_check(tmp_path):
         "--no-incremental", "--cache-dir", str(tmp_path / "cache"), "--ignore-missing-imports",
         str(package / "_shoal.pyi"), str(package / "__init__.py"), str(usage)])
     assert status == 0, report + errors
+
+
+REPOSITORY = pathlib.Path(__file__).parents[2]
+
+
+def readme_examples():
+    """The README's ```python blocks, as (where, code)."""
+    text = (REPOSITORY / "README.md").read_text()
+    for block in re.finditer(r"^```python\n(.*?)^```$", text, re.DOTALL | re.MULTILINE):
+        yield f"README.md:{text.count(chr(10), 0, block.start()) + 2}", block.group(1)
+
+
+def docstring_examples():
+    """The examples in the package's docstrings, as (where, code): every block indented under its
+    text after a blank line (reST literal blocks after "::", and plain indented ones). A block of
+    "$ " lines is a shell session, not Python."""
+    for path in sorted((REPOSITORY / "python" / "shoal").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            lines = (ast.get_docstring(node) or "").splitlines()
+            i = 0
+            while i < len(lines):
+                if not (lines[i].startswith(" ") and i > 0 and not lines[i - 1].strip()):
+                    i += 1
+                    continue
+                start = i
+                while i < len(lines) and (lines[i].startswith(" ") or not lines[i].strip()):
+                    i += 1
+                code = textwrap.dedent("\n".join(lines[start:i]))
+                if not code.startswith("$ "):
+                    yield f"{path.name}, {getattr(node, 'name', 'module')} docstring, line {start + 1}", code
+
+
+def test_every_documented_example_is_python():
+    # Syntax only: a sketch may name the reader's own objects (it says so in a first comment line).
+    readme = list(readme_examples())
+    assert len(readme) == (REPOSITORY / "README.md").read_text().count("```python")
+    docstrings = list(docstring_examples())
+    assert len(docstrings) >= 10, "the docstrings' examples were not found"
+    broken = []
+    for where, code in readme + docstrings:
+        try:
+            compile(code, where, "exec")
+        except SyntaxError as error:
+            broken.append(f"{where}: {error.msg} (line {error.lineno} of the block)")
+    assert not broken, "\n".join(broken)

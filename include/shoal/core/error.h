@@ -126,9 +126,11 @@ class connection_closed : public error {
   bool no_listener_ = false;
 };
 
-/// A wait on another process ran past its deadline: no message came in
-/// time, or the peer stopped reading what was sent to it. The operation that
-/// throws it says whether the connection is still usable.
+/// A wait ran past its deadline: no message came in time, the peer stopped
+/// reading what was sent to it, or a wait within this process (a transfer
+/// engine's batch or room, a borrower's call queued behind another) ended.
+/// The operation that throws it says whether its connection, if any, is
+/// still usable.
 class timeout_error : public error {
  public:
   using error::error;
@@ -143,7 +145,8 @@ class protocol_error : public invalid_argument {
 };
 
 /// A peer was refused: its credentials (uid) are neither the owner's nor on
-/// the allow-list, or it is not the process it claims to be.
+/// the allow-list, it is not the process it claims to be, or it was revoked;
+/// or a lender refused this borrower (turned away, or past its quota).
 class peer_refused : public error {
  public:
   using error::error;
