@@ -66,6 +66,8 @@ nb::dict oom_report_dict(const alloc::oom_report& r) {
   d["reserved_bytes"] = r.reserved_bytes;
   d["allocated_bytes"] = r.allocated_bytes;
   d["largest_free_block"] = r.largest_free_block;
+  d["limit_bytes"] =
+      r.limit_bytes == alloc::allocator_config::no_limit ? nb::object(nb::none()) : nb::object(nb::int_(r.limit_bytes));
   d["stream"] = reinterpret_cast<std::uintptr_t>(r.stream.native);
   return d;
 }
@@ -230,7 +232,10 @@ void register_allocator(nb::module_& m) {
           },
           nb::arg("observer"),
           "Calls observer(report: dict) before OutOfMemoryError is raised (on "
-          "the allocating thread). An "
+          "the allocating thread, with no lock of shoal's held: it may use the allocator and its storages). "
+          "The report: requested_bytes, device_free_bytes, reserved_bytes, allocated_bytes, "
+          "largest_free_block (bytes), limit_bytes (the configured limit on reserved bytes, None when none) "
+          "and stream (the native handle of the allocation's stream). An "
           "exception it raises is reported as unraisable and does not replace "
           "the OutOfMemoryError. The allocator holds the observer until "
           "remove_oom_observer: one that refers to the allocator (a lambda "

@@ -175,7 +175,13 @@ def test_out_of_memory_observers_are_called_with_a_report():
         a.allocate(4 << 20)
     assert len(reports) == 1
     assert reports[0]["requested_bytes"] == 4 << 20
+    assert reports[0]["limit_bytes"] == 2 << 20
     assert a.stats()["num_ooms"] == 1
+    unlimited = shoal.Allocator(use_environment=False)
+    unlimited.add_oom_observer(reports.append)
+    with pytest.raises(shoal.OutOfMemoryError):
+        unlimited.allocate(1 << 62)
+    assert reports[1]["limit_bytes"] is None
 
 
 def test_an_observer_that_raises_does_not_replace_the_out_of_memory_error(monkeypatch):

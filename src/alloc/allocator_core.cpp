@@ -381,6 +381,7 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
   ooms_.fetch_add(1, std::memory_order_relaxed);
   oom_report report;
   report.requested_bytes = bytes;
+  report.limit_bytes = source_.limit();
   report.stream = stream;
   try {
     report.device_free_bytes = device.memory().free_bytes;
@@ -421,7 +422,9 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
     << " bytes free; this allocator holds " << report.reserved_bytes << " bytes reserved, of which "
     << report.allocated_bytes << " are allocated; the largest free cached block is " << report.largest_free_block
     << " bytes";
-  if (source_.limit() != allocator_config::no_limit) m << "; the configured limit is " << source_.limit() << " bytes";
+  if (report.limit_bytes != allocator_config::no_limit) {
+    m << "; the configured limit is " << report.limit_bytes << " bytes";
+  }
   m << ". Free memory you hold, lower the request, or raise the limit; expandable_segments:true reduces fragmentation";
   throw out_of_memory(m.str(), bytes);
 }

@@ -91,6 +91,7 @@ TYPED_TEST(allocator_memory, a_memory_limit_fails_cleanly_and_frees_cache_before
   EXPECT_EQ(reports[0].requested_bytes, 8 * mib);
   EXPECT_EQ(reports[0].reserved_bytes, 36 * mib);
   EXPECT_EQ(reports[0].allocated_bytes, 36 * mib);
+  EXPECT_EQ(reports[0].limit_bytes, 40 * mib);
   EXPECT_EQ(a.stats().ooms, 1);
   a.deallocate(big, {});
   void* after = a.allocate(8 * mib, {});  // the allocator is still fine

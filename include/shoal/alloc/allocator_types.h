@@ -18,6 +18,9 @@ struct oom_report {
   std::size_t reserved_bytes = 0;
   std::size_t allocated_bytes = 0;
   std::size_t largest_free_block = 0;
+  /// The configured limit on reserved bytes (memory_limit or memory_fraction,
+  /// the smaller); allocator_config::no_limit when none is set.
+  std::size_t limit_bytes = ~std::size_t{0};
   backend::stream_ref stream;
 };
 
