@@ -271,7 +271,7 @@ class Allocator:
 
     def add_oom_observer(self, observer: Callable) -> None:
         """
-        Calls observer(report: dict) before OutOfMemoryError is raised (on the allocating thread, with no lock of shoal's held: it may use the allocator and its storages). The report: requested_bytes, device_free_bytes, reserved_bytes, allocated_bytes, largest_free_block (bytes), limit_bytes (the configured limit on reserved bytes, None when none) and stream (the native handle of the allocation's stream). An exception it raises is reported as unraisable and does not replace the OutOfMemoryError. The allocator holds the observer until remove_oom_observer: one that refers to the allocator (a lambda using it) keeps both alive until then, which the garbage collector cannot see.
+        Calls observer(report: dict) before OutOfMemoryError is raised (on the allocating thread, holding none of the allocator's locks, nor that of a storage whose write or clone asked for the memory: it may use both). The report: requested_bytes, device_free_bytes, reserved_bytes, allocated_bytes, largest_free_block (bytes), limit_bytes (the configured limit on reserved bytes, None when none) and stream (the native handle of the allocation's stream). An exception it raises is reported as unraisable and does not replace the OutOfMemoryError. The allocator holds the observer until remove_oom_observer: one that refers to the allocator (a lambda using it) keeps both alive until then, which the garbage collector cannot see.
         """
 
     def remove_oom_observer(self, observer: object | None) -> bool:

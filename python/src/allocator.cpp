@@ -232,7 +232,8 @@ void register_allocator(nb::module_& m) {
           },
           nb::arg("observer"),
           "Calls observer(report: dict) before OutOfMemoryError is raised (on "
-          "the allocating thread, with no lock of shoal's held: it may use the allocator and its storages). "
+          "the allocating thread, holding none of the allocator's locks, nor that of a storage whose write or "
+          "clone asked for the memory: it may use both). "
           "The report: requested_bytes, device_free_bytes, reserved_bytes, allocated_bytes, "
           "largest_free_block (bytes), limit_bytes (the configured limit on reserved bytes, None when none) "
           "and stream (the native handle of the allocation's stream). An "
