@@ -1,6 +1,7 @@
 """Argument checks of the Python layer, so that a value the native layer cannot hold (a
 negative count, a size past 64 bits) is told as an InvalidArgumentError naming the argument,
-not as the binding's "incompatible function arguments"."""
+and a value of the wrong type as a TypeError naming it, not as the binding's "incompatible
+function arguments"."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ UID_MAX = (1 << 32) - 2  # (uid_t)-1 means "no uid": no process runs as it
 
 def whole_number(where: str, name: str, value: Any, *, most: int = (1 << 64) - 1, least: int = 0,
                  allow_none: bool = False) -> None:
-    """Raises InvalidArgumentError unless `value` is a whole number (an int, or anything with
-    __index__ such as numpy's integers; not a bool) from `least` to `most` (or None when
-    `allow_none`)."""
+    """Raises TypeError unless `value` is a whole number (an int, or anything with __index__
+    such as numpy's integers; not a bool) or None when `allow_none`, as the native layer does
+    for a value of the wrong type; InvalidArgumentError unless it lies from `least` to `most`."""
     if value is None and allow_none:
         return
     number = None
@@ -29,9 +30,12 @@ def whole_number(where: str, name: str, value: Any, *, most: int = (1 << 64) - 1
             number = operator.index(value)
         except TypeError:
             pass
-    if number is None or not least <= number <= most:
+    if number is None:
+        none = " or None" if allow_none else ""
+        raise TypeError(f"{where}: {name} must be a whole number from {least} to {most}{none}, not {value!r}")
+    if not least <= number <= most:
         # An int past 64 bits is named by its size: Python prints none of more than 4300 digits.
-        said = f"a number of {number.bit_length()} bits" if number is not None and number.bit_length() > 64 else repr(value)
+        said = f"a number of {number.bit_length()} bits" if number.bit_length() > 64 else repr(value)
         raise _shoal.InvalidArgumentError(f"{where}: {name} must be a whole number from {least} to {most}, not {said}")
 
 
