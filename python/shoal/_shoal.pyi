@@ -271,7 +271,7 @@ class Allocator:
 
     def add_oom_observer(self, observer: Callable) -> None:
         """
-        Calls observer(report: dict) before OutOfMemoryError is raised (on the allocating thread, holding none of the allocator's locks, nor that of a storage whose write or clone asked for the memory: it may use both). The report: requested_bytes, device_free_bytes, reserved_bytes, allocated_bytes, largest_free_block (bytes), limit_bytes (the configured limit on reserved bytes, None when none) and stream (the native handle of the allocation's stream). An exception it raises is reported as unraisable and does not replace the OutOfMemoryError. The allocator holds the observer until remove_oom_observer: one that refers to the allocator (a lambda using it) keeps both alive until then, which the garbage collector cannot see.
+        Calls observer(report: dict) before OutOfMemoryError is raised (on the allocating thread, holding none of the allocator's locks, nor that of a storage whose write or clone asked for the memory: it may use both). The report: requested_bytes, device_free_bytes, reserved_bytes, allocated_bytes, largest_free_block (bytes), limit_bytes (the configured limit on reserved bytes, None when none) and stream (the native handle of the allocation's stream). The allocation may still succeed without an error: a storage whose write found no memory for its copy uses the copy another thread's write made meanwhile. An exception it raises is reported as unraisable and does not replace the OutOfMemoryError. The allocator holds the observer until remove_oom_observer: one that refers to the allocator (a lambda using it) keeps both alive until then, which the garbage collector cannot see.
         """
 
     def remove_oom_observer(self, observer: object | None) -> bool:
@@ -283,7 +283,7 @@ class Allocator:
 
 class Storage:
     """
-    A reference-counted block of device memory from an Allocator. Copies of this object alias; lazy_clone() makes a copy-on-write clone that copies nothing until written. Usable from several threads at once: each call takes its own reference to the memory with the GIL held and lets the GIL go while it waits (order the threads' writes with streams and events).
+    A reference-counted block of device memory from an Allocator. Copies of this object alias; lazy_clone() makes a copy-on-write clone that copies nothing until written. Usable from several threads at once: each call takes its own reference to the memory with the GIL held, and lets the GIL go for what may wait long (allocation, copies, synchronization); order the threads' writes with streams and events.
     """
 
     @property
@@ -700,7 +700,7 @@ class TransferEngine:
     @property
     def waiting(self) -> int:
         """
-        Batches submitted and not yet delivered: in flight in the engine, and put back.
+        Batches submitted and not yet delivered: in flight in the engine, and put back (a snapshot: while another thread's next() moves a batch from one to the other it may count it twice).
         """
 
     def stats(self) -> dict:

@@ -35,6 +35,7 @@ entries: offset, size, dtype, shape); from then on it is immutable. Readers ask 
 and get a :class:`SharedRegion`, whose entries are read-only array views::
 
     # sketch: writer and reader are Borrowers, embed a float16 CUDA tensor of 4096 x 4096
+    import torch
     from shoal.lending import Entry
 
     region = writer.borrow(4096 * 4096 * 2, "llama-7b@v3")

@@ -1,6 +1,8 @@
 """Batches of arrays shared between processes, zero-copy.
 
     # sketch: start_producers and labels (an ArrayView) are yours
+    import shoal, shoal.sharing, torch
+
     # consumer process
     with shoal.sharing.Consumer() as consumer:        # listens at consumer.address
         start_producers(consumer.address, workers=4)   # a str: pass it to the producer processes

@@ -361,12 +361,16 @@ void register_sharing(nb::module_& m) {
             // connection is then closed, and says so).
             channel::connection c = std::move(*connection.connection);
             connection.connection.reset();
+            // Given before the GIL goes: meanwhile another thread sees it given, not closed.
+            connection.given_to_peer = true;
             std::unique_ptr<ipc::peer> p;
-            {
+            try {
               released_gil release;
               p = std::make_unique<ipc::peer>(context.state->context(), std::move(c));
+            } catch (...) {
+              connection.given_to_peer = false;  // closed, as it says
+              throw;
             }
-            connection.given_to_peer = true;
             // A send still waiting on a peer that stopped reading when close()
             // has waited two slices ends with the connection shut down.
             auto shut_down = [](ipc::peer& peer) { ::shutdown(peer.native_handle(), SHUT_RDWR); };

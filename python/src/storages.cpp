@@ -101,8 +101,9 @@ void register_storages(nb::module_& m) {
                          "Allocator. Copies of this object "
                          "alias; lazy_clone() makes a copy-on-write clone that "
                          "copies nothing until written. Usable from several threads at once: each call takes "
-                         "its own reference to the memory with the GIL held and lets the GIL go while it waits "
-                         "(order the threads' writes with streams and events).")
+                         "its own reference to the memory with the GIL held, and lets the GIL go for what may "
+                         "wait long (allocation, copies, synchronization); order the threads' writes with "
+                         "streams and events.")
       .def_prop_ro(
           "nbytes", [](const py_storage& s) { return s.handle.get().size(); }, "Size in bytes.")
       .def("__len__", [](const py_storage& s) { return s.handle.get().size(); })

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <new>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -256,28 +257,33 @@ void register_transfer(nb::module_& m) {
                   },
                   put_back);
             }
-            if (taken && !taken->error && put_back()) {
-              // Put back by another thread as this slice took a later batch: that one goes first,
-              // this one waits behind it. (A failed batch's error is raised at once.)
-              const std::uint64_t sequence = taken->batch->sequence();
-              e.keep_undelivered(sequence, nb::make_tuple(py_transferred_batch{e.allocator, std::move(*taken->batch)},
-                                                          layout_of(taken->tag)));
-              taken.reset();
+            if (!taken && !put_back()) {
+              throw timeout_error("shoal.transfer.Engine: no batch came within " + seconds_text(*timeout) + " s (" +
+                                  std::to_string(stats_without_gil(engine->engine).in_flight) + " in flight)");
             }
-            if (!taken && put_back()) {  // the GIL held since the check: first, in sequence order
+            if (taken && taken->error) std::rethrow_exception(taken->error);  // its layout goes with it
+            // From here to the append no Python code runs, so no signal's handler: the batch
+            // is in `into` when the call returns, whatever is raised then.
+            nb::object item;
+            if (taken) {
+              item = nb::make_tuple(py_transferred_batch{e.allocator, std::move(*taken->batch)}, layout_of(taken->tag));
+            }
+            if (item && put_back()) {
+              // Put back by another thread as this slice took a later batch: that one goes first,
+              // this one waits behind it. (A failed batch's error is raised at once, above; with no
+              // room to keep it, it goes now, out of order rather than lost.)
+              try {
+                e.keep_undelivered(nb::cast<const py_transferred_batch&>(item[0]).batch.sequence(), item);
+                item = nb::object();
+              } catch (const std::bad_alloc&) {  // NOLINT(bugprone-empty-catch): delivered below
+              }
+            }
+            if (!item) {  // the GIL held since the check: first, in sequence order
               into.append(e.undelivered.front().second);  // a failed append leaves it queued
               e.undelivered.pop_front();
               return;
             }
-            if (!taken) {
-              throw timeout_error("shoal.transfer.Engine: no batch came within " + seconds_text(*timeout) + " s (" +
-                                  std::to_string(stats_without_gil(engine->engine).in_flight) + " in flight)");
-            }
-            if (taken->error) std::rethrow_exception(taken->error);  // its layout goes with it
-            // From here to the append no Python code runs, so no signal's handler: the batch
-            // is in `into` when the call returns, whatever is raised then.
-            nb::object layout = layout_of(taken->tag);
-            into.append(nb::make_tuple(py_transferred_batch{e.allocator, std::move(*taken->batch)}, layout));
+            into.append(item);
           },
           nb::arg("into"), nb::arg("timeout").none() = nb::none(),
           "Appends (batch, layout) to ``into``: the next batch in submission order once its copies are "
@@ -306,7 +312,8 @@ void register_transfer(nb::module_& m) {
             const auto engine = e.engine.enter();
             return stats_without_gil(engine->engine).in_flight + e.undelivered.size();
           },
-          "Batches submitted and not yet delivered: in flight in the engine, and put back.")
+          "Batches submitted and not yet delivered: in flight in the engine, and put back (a snapshot: "
+          "while another thread's next() moves a batch from one to the other it may count it twice).")
       .def(
           "stats",
           [](const py_transfer_engine& e) {

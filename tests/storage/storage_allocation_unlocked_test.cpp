@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <thread>
 #include <vector>
@@ -54,6 +55,20 @@ class use_elsewhere {
 
  private:
   std::thread thread_;
+};
+
+// A cache-miss hook, removed as this goes (before the locals it uses, made earlier).
+class miss_hook {
+ public:
+  miss_hook(alloc::caching_allocator& a, std::function<void()> hook)
+      : allocator_(a), id_(a.add_cache_miss_hook(std::move(hook))) {}
+  miss_hook(const miss_hook&) = delete;
+  miss_hook& operator=(const miss_hook&) = delete;
+  ~miss_hook() { allocator_.remove_hook(id_); }
+
+ private:
+  alloc::caching_allocator& allocator_;
+  const std::uint64_t id_;
 };
 
 template <class Param>
@@ -152,7 +167,7 @@ TYPED_TEST(storage_allocation_unlocked,
   std::atomic<bool> hooked{false};
   bool in_time = false;
   void* theirs = nullptr;
-  a.add_cache_miss_hook([&] {
+  const miss_hook hook(a, [&] {
     if (hooked.exchange(true)) return;  // the other thread's own miss
     in_time = elsewhere.ran_in_time([&] { theirs = clone.mutable_data(own.ref()); });
   });
@@ -178,7 +193,7 @@ TYPED_TEST(storage_allocation_unlocked, a_writer_left_no_memory_by_another_write
   std::atomic<bool> hooked{false};
   bool in_time = false;
   void* theirs = nullptr;
-  a.add_cache_miss_hook([&] {
+  const miss_hook hook(a, [&] {
     if (hooked.exchange(true)) return;
     in_time = elsewhere.ran_in_time([&] { theirs = clone.mutable_data(own.ref()); });
   });
@@ -199,7 +214,7 @@ TYPED_TEST(storage_allocation_unlocked, a_clone_left_alone_during_the_copys_allo
   auto source = this->filled(0xAB, own.ref());
   const void* shared = source.data();
   auto clone = lazy_clone(source, own.ref());
-  a.add_cache_miss_hook([&] { source = storage_t(); });
+  const miss_hook hook(a, [&] { source = storage_t(); });
   void* ours = clone.mutable_data(own.ref());
   EXPECT_EQ(ours, shared) << "copied although it was the last holder";
   EXPECT_FALSE(clone.is_lazy());
