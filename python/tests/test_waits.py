@@ -397,9 +397,10 @@ def test_the_objects_that_hold_connections_and_memory_print_what_they_are(lender
 
 def test_an_oom_observer_may_use_the_storage_whose_write_ran_out_of_memory(tmp_path):
     """A write's copy is allocated with no lock of the storage held: an observer reading that
-    storage (on the writing thread, or one holding the GIL while it waits for the storage) does
-    not wait for a lock held across the very allocation it interrupts. In a child: a regression
-    hangs, and the child's deadline ends it."""
+    storage on the writing thread does not wait for a lock held across the very allocation it
+    interrupts (the lock a thread holding the GIL would wait for too: that case, another thread,
+    is tests/storage/storage_allocation_unlocked_test.cpp's). In a child: a regression hangs,
+    and the child's deadline ends it."""
     script = tmp_path / "observer.py"
     script.write_text(
         CHILD_PREFIX + "small = shoal.Allocator(shoal.host_device(), use_environment=False, memory_limit_mb=4)\n"
