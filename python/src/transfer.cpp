@@ -265,7 +265,9 @@ void register_transfer(nb::module_& m) {
             // From here to the append no Python code runs, so no signal's handler: the batch
             // is in `into` when the call returns, whatever is raised then.
             nb::object item;
+            std::uint64_t sequence = 0;
             if (taken) {
+              sequence = taken->batch->sequence();
               item = nb::make_tuple(py_transferred_batch{e.allocator, std::move(*taken->batch)}, layout_of(taken->tag));
             }
             if (item && put_back()) {
@@ -273,7 +275,7 @@ void register_transfer(nb::module_& m) {
               // this one waits behind it. (A failed batch's error is raised at once, above; with no
               // room to keep it, it goes now, out of order rather than lost.)
               try {
-                e.keep_undelivered(nb::cast<const py_transferred_batch&>(item[0]).batch.sequence(), item);
+                e.keep_undelivered(sequence, item);
                 item = nb::object();
               } catch (const std::bad_alloc&) {  // NOLINT(bugprone-empty-catch): delivered below
               }
