@@ -169,6 +169,14 @@ CHILD_PREFIX = (
     "HOST = shoal.Allocator(shoal.host_device())\n"
 )
 
+
+def run_child(tmp_path: pathlib.Path, name: str, source: str) -> subprocess.CompletedProcess:
+    """Runs CHILD_PREFIX + `source` as the script tmp_path/name, for WAIT seconds at most."""
+    script = tmp_path / name
+    script.write_text(CHILD_PREFIX + source)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=WAIT)
+
+
 WAITS = {
     "Peer.receive": (
         "listener = shoal.Listener(f'@ctrl-c-{os.getpid()}')\n"
@@ -200,7 +208,6 @@ def test_a_signal_handler_that_closes_the_waiting_object_ends_the_wait(call, tmp
     """close() on the thread whose call holds the object (a SIGTERM handler, a __del__) returns
     at once; the call then ends with the closed error and the object goes with it."""
     target = "receiver" if call == "Peer.receive" else "listener"
-    script = tmp_path / "handler.py"
     body = WAITS[call].splitlines()
     last = body[-1]  # the waiting call
     lines = body[:-2] + [
@@ -212,8 +219,7 @@ def test_a_signal_handler_that_closes_the_waiting_object_ends_the_wait(call, tmp
         "    print(type(e).__name__, e, flush=True)",
         f"print('closed', {target}.closed, flush=True)",
     ]
-    script.write_text(CHILD_PREFIX + "\n".join(lines) + "\n")
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=WAIT)
+    done = run_child(tmp_path, "handler.py", "\n".join(lines) + "\n")
     assert done.returncode == 0, done.stderr
     name = "Peer" if call == "Peer.receive" else "Listener"
     kind = "ConnectionClosedError" if call == "Peer.receive" else "InvalidArgumentError"
@@ -234,10 +240,8 @@ def test_a_daemon_thread_waiting_at_exit_lets_the_process_end_cleanly(call, tmp_
     else:
         lines = body[:-2] + [f"threading.Thread(target=lambda: {body[-1]}, daemon=True).start()"]
     lines += ["import time; time.sleep(0.3)", "print('exiting', flush=True)"]
-    script = tmp_path / "daemon.py"
-    script.write_text(CHILD_PREFIX + "\n".join(lines) + "\n")
     for _ in range(5):  # the end of a thread caught mid-call is a race: several exits show it
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=WAIT)
+        done = run_child(tmp_path, "daemon.py", "\n".join(lines) + "\n")
         assert done.returncode == 0 and done.stdout == "exiting\n", (done.returncode, done.stdout, done.stderr)
 
 
@@ -278,9 +282,8 @@ DAEMON_LOOPS = {
 
 @pytest.mark.parametrize("loop", sorted(DAEMON_LOOPS))
 def test_daemon_threads_looping_on_a_call_let_the_process_end_cleanly(loop, tmp_path):
-    script = tmp_path / "loop.py"
-    script.write_text(
-        CHILD_PREFIX + "import time\n" + DAEMON_LOOPS[loop] + "def forever():\n"
+    source = (
+        "import time\n" + DAEMON_LOOPS[loop] + "def forever():\n"
         "    while True:\n"
         "        work()\n"
         "for _ in range(4):\n"
@@ -289,15 +292,15 @@ def test_daemon_threads_looping_on_a_call_let_the_process_end_cleanly(loop, tmp_
         "print('exiting', flush=True)\n"
     )
     for _ in range(3):
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=WAIT)
+        done = run_child(tmp_path, "loop.py", source)
         assert done.returncode == 0 and done.stdout == "exiting\n", (done.returncode, done.stdout, done.stderr)
 
 
 def test_an_observer_still_running_when_the_interpreter_finalizes_lets_the_process_end(tmp_path):
     """Past the exit gate's second of waiting, the observer's thread is ended inside its Python code."""
-    script = tmp_path / "observer.py"
-    script.write_text(
-        CHILD_PREFIX + "import time\n"
+    done = run_child(
+        tmp_path, "observer.py",
+        "import time\n"
         "small = shoal.Allocator(shoal.host_device(), use_environment=False, memory_limit_mb=2)\n"
         "started = threading.Event()\n"
         "def observer(report):\n"
@@ -316,7 +319,6 @@ def test_an_observer_still_running_when_the_interpreter_finalizes_lets_the_proce
         "started.wait()\n"
         "print('exiting', flush=True)\n"
     )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=WAIT)
     assert done.returncode == 0 and done.stdout == "exiting\n", (done.returncode, done.stdout, done.stderr)
 
 
@@ -401,9 +403,9 @@ def test_an_oom_observer_may_use_the_storage_whose_write_ran_out_of_memory(tmp_p
     interrupts (the lock a thread holding the GIL would wait for too: that case, another thread,
     is tests/storage/storage_allocation_unlocked_test.cpp's). In a child: a regression hangs,
     and the child's deadline ends it."""
-    script = tmp_path / "observer.py"
-    script.write_text(
-        CHILD_PREFIX + "small = shoal.Allocator(shoal.host_device(), use_environment=False, memory_limit_mb=4)\n"
+    done = run_child(
+        tmp_path, "observer.py",
+        "small = shoal.Allocator(shoal.host_device(), use_environment=False, memory_limit_mb=4)\n"
         "source = small.allocate(3 << 20)\n"  # a segment of 4 MiB: no room for a copy
         "clone = source.lazy_clone()\n"
         "seen = []\n"
@@ -413,5 +415,4 @@ def test_an_oom_observer_may_use_the_storage_whose_write_ran_out_of_memory(tmp_p
         "except shoal.OutOfMemoryError:\n"
         "    print('refused', seen, flush=True)\n"
     )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=WAIT)
     assert done.returncode == 0 and done.stdout == "refused [(False, True)]\n", (done.returncode, done.stdout, done.stderr)
