@@ -206,6 +206,25 @@ TYPED_TEST(storage_allocation_unlocked, a_writer_left_no_memory_by_another_write
   EXPECT_TRUE(this->holds(clone, 0xAB, own.ref()));
 }
 
+// No memory for a copy, and the family's other member goes during the failed
+// allocation: the clone, the last holder now, takes the data over instead of
+// failing.
+TYPED_TEST(storage_allocation_unlocked, a_writer_left_no_memory_whose_family_went_meanwhile_takes_the_data_over) {
+  auto& a = this->make("memory_limit_mb:40");
+  backend::stream own(this->device());
+  auto source = this->filled(0xAB, own.ref());
+  const void* shared = source.data();
+  auto clone = lazy_clone(source, own.ref());
+  auto filler = storage_t::allocate(a, 2 * bytes, own.ref());  // 36 of 40 MiB: no room for the copy
+  const miss_hook hook(a, [&] { source = storage_t(); });       // the shared data stays: the clone holds it
+  void* ours = nullptr;
+  EXPECT_NO_THROW(ours = clone.mutable_data(own.ref())) << "out of memory although the clone is the last holder";
+  EXPECT_EQ(ours, shared);
+  EXPECT_FALSE(clone.is_lazy());
+  EXPECT_EQ(this->in_use(own.ref()), 2);
+  EXPECT_TRUE(this->holds(clone, 0xAB, own.ref()));
+}
+
 // While the copy's block is allocated, the family's other member goes: the
 // clone is the last holder then, and takes the data over instead of copying.
 TYPED_TEST(storage_allocation_unlocked, a_clone_left_alone_during_the_copys_allocation_takes_the_data_over) {
