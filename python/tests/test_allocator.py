@@ -184,6 +184,18 @@ def test_out_of_memory_observers_are_called_with_a_report():
     assert reports[1]["limit_bytes"] is None
 
 
+def test_an_out_of_memory_report_gives_memory_fractions_share_of_the_device_as_its_limit():
+    fraction = 2.0**-10  # exact in binary: the share is total * fraction, whole
+    a = shoal.Allocator(use_environment=False, memory_fraction=fraction)
+    limit = int(a.device.memory()[1] * fraction)
+    reports = []
+    a.add_oom_observer(reports.append)
+    with pytest.raises(shoal.OutOfMemoryError):
+        a.allocate(limit + (2 << 20))  # the device has room for it: only the limit refuses it
+    assert len(reports) == 1
+    assert reports[0]["limit_bytes"] == limit
+
+
 def test_an_observer_that_raises_does_not_replace_the_out_of_memory_error(monkeypatch):
     a = shoal.Allocator(use_environment=False, memory_limit_mb=2)
     unraisable = []  # messages only: the exceptions' frames would hold `a` in a cycle

@@ -580,6 +580,32 @@ TEST(allocator_memory_host, set_memory_fraction_moves_the_limit_at_run_time) {
   EXPECT_THROW(a.set_memory_fraction(-0.1), invalid_argument);
 }
 
+// Every refusal below is the limit's alone: the device has room for it.
+TEST(allocator_memory_host, an_out_of_memory_report_gives_the_memory_fraction_s_share_of_the_device_as_its_limit) {
+  backend::host_device dev({.capacity_bytes = 100 * mib});
+  const std::size_t total = dev.memory().total_bytes;
+  ASSERT_EQ(total, 100 * mib);
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("memory_fraction:0.25,memory_limit_mb:80"));
+  std::vector<alloc::oom_report> reports;
+  a.add_oom_observer([&](const alloc::oom_report& r) { reports.push_back(r); });
+  void* held = a.allocate(20 * mib, {});
+  EXPECT_THROW((void)a.allocate(20 * mib, {}), out_of_memory);
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_EQ(reports[0].limit_bytes, total / 4) << "the configured fraction's share, below memory_limit_mb";
+
+  a.set_memory_fraction(0.5);
+  EXPECT_THROW((void)a.allocate(40 * mib, {}), out_of_memory);
+  ASSERT_EQ(reports.size(), 2u);
+  EXPECT_EQ(reports[1].limit_bytes, total / 2) << "the share set at run time";
+
+  a.set_memory_fraction(0.9);
+  EXPECT_THROW((void)a.allocate(70 * mib, {}), out_of_memory);
+  ASSERT_EQ(reports.size(), 3u);
+  EXPECT_EQ(reports[2].limit_bytes, 80 * mib) << "memory_limit_mb, now below the share";
+  EXPECT_EQ(a.stats().ooms, 3);
+  a.deallocate(held, {});
+}
+
 TEST(allocator_memory_host, cache_miss_hooks_run_before_the_device_is_asked_and_may_free) {
   backend::host_device dev({.capacity_bytes = 64 * mib});
   alloc::caching_allocator a(dev, {});

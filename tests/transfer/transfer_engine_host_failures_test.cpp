@@ -234,5 +234,50 @@ TYPED_TEST(transfer_engine_host_failures, host_memory_that_runs_out_in_the_engin
   EXPECT_TRUE(all_equal(this->read(last.storages()[0].data(), 4 * kib, consumer.ref()), 0x2B));
 }
 
+// No host memory for even one batch's outcome: the engine's thread takes no
+// job, and each retry (every millisecond) is refused again until memory
+// comes back; then every batch is copied, none failed for the wait.
+TYPED_TEST(transfer_engine_host_failures, batches_with_no_room_for_one_outcome_stay_queued_until_memory_comes_back) {
+  using clock = std::chrono::steady_clock;
+  joining_copier_device dev(this->device());
+  stream copy_stream(dev), consumer(dev);
+  alloc::caching_allocator a(dev, {});
+  transfer_engine engine(a, copy_stream.ref(), {.max_batches_in_flight = 8});
+  const std::vector<std::uint8_t> source(4 * kib, 0x6E);
+  const auto submit = [&] { return engine.submit({host_buffer{source.data(), source.size(), false, nullptr}}); };
+  submit();
+  engine.next(20s).synchronize();  // its copy joined the engine's thread; no outcome node is left over
+  const transfer::transfer_stats before = engine.stats();
+  std::vector<std::uint64_t> sequences;
+  {
+    refusing_allocations_elsewhere refusal(1);  // every allocation of the engine's thread
+    for (int i = 0; i < 3; ++i) sequences.push_back(submit());
+    // Several refusals: the thread came back for the jobs and was refused again.
+    const auto deadline = clock::now() + 20s;
+    while (refusing_allocations_elsewhere::refused() < 5 && clock::now() < deadline) std::this_thread::sleep_for(1ms);
+    ASSERT_GE(refusing_allocations_elsewhere::refused(), 5) << "the engine's thread did not retry the queued jobs";
+    const transfer::transfer_stats held = engine.stats();
+    EXPECT_EQ(held.batches_submitted, before.batches_submitted + 3);
+    EXPECT_EQ(held.in_flight, 3u) << "a queued batch was lost";
+    EXPECT_EQ(held.batches_transferred, before.batches_transferred) << "copied with no room for its outcome";
+    EXPECT_EQ(held.batches_failed, before.batches_failed) << "a batch failed for want of room it may wait for";
+    EXPECT_EQ(held.copies, before.copies);
+    EXPECT_FALSE(engine.try_next().has_value()) << "an outcome was delivered while memory was refused";
+  }
+  // Memory is back: the next retry takes the jobs.
+  for (const std::uint64_t expected : sequences) {
+    transfer_engine::taken_batch taken = engine.take(20s);
+    ASSERT_EQ(taken.sequence, expected);
+    ASSERT_TRUE(taken.batch) << "batch " << expected << " failed after its wait";
+    taken.batch->wait_on(consumer.ref());
+    EXPECT_TRUE(all_equal(this->read(taken.batch->storages()[0].data(), 4 * kib, consumer.ref()), 0x6E));
+  }
+  const transfer::transfer_stats after = engine.stats();
+  EXPECT_EQ(after.batches_transferred, before.batches_transferred + 3);
+  EXPECT_EQ(after.batches_failed, before.batches_failed);
+  EXPECT_EQ(after.in_flight, 0u);
+  EXPECT_FALSE(engine.try_next().has_value()) << "a batch was delivered twice";
+}
+
 }  // namespace
 }  // namespace shoal::testing
