@@ -637,7 +637,9 @@ class RevocationWatcher:
 class Lender:
     """Lends ``device``'s memory (default: the default device) at ``address`` (a str or a
     pathlib.Path), on a thread of its own: at most ``capacity_bytes`` in all (1 GiB unless given) and
-    ``quota_bytes`` per borrower connection, to at most ``max_borrowers`` connected at
+    ``quota_bytes`` per borrower connection (memory it gave back and keeps mapped included: a
+    borrow past it has the lender tell it to forget kept mappings first, or is refused when that
+    is not enough), to at most ``max_borrowers`` connected at
     once of this process's uid and root, and as many of all other uids together (besides
     up to ``max_observers`` observer connections of each, ``Borrower(observer=True)``),
     each holding at most ``max_regions_per_borrower`` regions; every wait on a
@@ -646,7 +648,10 @@ class Lender:
     again within one uid, ``"never"`` makes every region fresh memory.
     ``prepared_chunks``: sizes of chunks made now, from which regions of those sizes are
     lent with no device call at borrow time. ``max_wait``: the longest a borrow may wait
-    for memory, in seconds (a longer ``wait`` is cut to it).
+    for memory, in seconds (a longer ``wait`` is cut to it). ``max_connections_per_uid`` (0: no
+    cap) bounds the connections at once of any one uid other than this process's and root, so
+    that one admitted uid cannot take every place the other uids share (idle connections
+    included) and keep them out; one more is turned away as it connects.
 
     ``preempt_after`` (seconds, off when None): once the borrow first in the waiting line
     has waited this long (0: at once) and does not fit, the lender revokes regions of other
@@ -683,12 +688,14 @@ class Lender:
         preempt_after: Optional[float] = None,
         preempt_deadline: float = 10.0,
         max_observers: int = 4,
+        max_connections_per_uid: int = 0,
     ) -> None:
         address = _checks.socket_address("shoal.lending.Lender", address)
         for name, value in (("capacity_bytes", capacity_bytes), ("quota_bytes", quota_bytes),
                             ("max_borrowers", max_borrowers), ("max_regions_per_borrower", max_regions_per_borrower)):
             _checks.whole_number("shoal.lending.Lender", name, value, least=1)
         _checks.whole_number("shoal.lending.Lender", "max_observers", max_observers)
+        _checks.whole_number("shoal.lending.Lender", "max_connections_per_uid", max_connections_per_uid)
         for uid in allowed_uids:
             _checks.whole_number("shoal.lending.Lender", "allowed_uids", uid, most=_checks.UID_MAX)
         for chunk in prepared_chunks:
@@ -703,7 +710,7 @@ class Lender:
         self._native = _shoal.Lender(
             address, device, capacity_bytes, quota_bytes, max_borrowers, max_regions_per_borrower, peer_timeout,
             list(allowed_uids), reuse, list(prepared_chunks), max_wait, preempt_after, preempt_deadline,
-            max_observers)
+            max_observers, max_connections_per_uid)
 
     def status(self) -> dict:
         """Regions lent (``regions``: id, memory, bytes, purpose, mode, state, pid, uid,

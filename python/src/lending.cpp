@@ -278,7 +278,7 @@ void register_lending(nb::module_& m) {
              std::size_t quota_bytes, std::size_t max_borrowers, std::size_t max_regions_per_borrower,
              double peer_timeout, const std::vector<python_int>& allowed_uids, const std::string& reuse,
              const std::vector<std::size_t>& prepared_chunks, double max_wait, std::optional<double> preempt_after,
-             double preempt_deadline, std::size_t max_observers) {
+             double preempt_deadline, std::size_t max_observers, std::size_t max_connections_per_uid) {
             if (reuse != "same_uid" && reuse != "never") {
               throw invalid_argument("shoal.lending.Lender: reuse='" + reuse + "' is not 'same_uid' or 'never'");
             }
@@ -287,6 +287,7 @@ void register_lending(nb::module_& m) {
             config.quota_bytes = quota_bytes;
             config.max_borrowers = max_borrowers;
             config.max_observers = max_observers;
+            config.max_connections_per_uid = max_connections_per_uid;
             config.max_regions_per_borrower = max_regions_per_borrower;
             config.peer_timeout = timeout_of(peer_timeout, "shoal.lending.Lender", "peer_timeout");
             if (!(max_wait <= max_wait_seconds)) {
@@ -322,6 +323,7 @@ void register_lending(nb::module_& m) {
           nb::arg("prepared_chunks") = std::vector<std::size_t>{}, nb::arg("max_wait") = 300.0,
           nb::arg("preempt_after").none() = nb::none(), nb::arg("preempt_deadline") = 10.0,
           nb::arg("max_observers") = lending::lender_config{}.max_observers,
+          nb::arg("max_connections_per_uid") = lending::lender_config{}.max_connections_per_uid,
           "Listens at ``address`` (a path in a 0700 directory, or '@name'); lends at most ``capacity_bytes`` "
           "in all and ``quota_bytes`` per borrower. ``reuse``: 'same_uid' lends given-back memory again to "
           "borrowers of the same uid (borrowers keep their mappings); 'never' makes every region fresh memory. "
@@ -330,7 +332,8 @@ void register_lending(nb::module_& m) {
           "call at borrow time (``shoal daemon --prepare``). ``max_wait``: the longest a borrow may wait for memory; "
           "``preempt_after``: seconds the borrow first in line waits before the lender revokes other borrowers' "
           "regions for it (None: never), each to be given back within ``preempt_deadline`` seconds (see "
-          "shoal.lending.Lender). Raises the device's error (``OutOfMemoryError``) when they cannot be made.")
+          "shoal.lending.Lender). ``max_connections_per_uid``: connections at once of any one uid other than this "
+          "process's and root (0: no cap). Raises the device's error (``OutOfMemoryError``) when they cannot be made.")
       .def(
           "status", [](const py_lender& l) { return status_dict(l.lender.enter()->status()); },
           "Regions lent (``regions``: id, memory, bytes, purpose, mode, state, pid, uid, age_seconds, and a shared "

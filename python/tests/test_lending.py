@@ -187,6 +187,17 @@ def test_an_observer_reads_a_full_lender_is_not_counted_and_borrows_nothing(addr
         assert holder.borrow(MIB, "still served").nbytes >= MIB
 
 
+def test_max_connections_per_uid_leaves_this_processs_uid_uncapped_and_refuses_a_negative_one(address):
+    # The cap bounds each uid but this process's and root (tests/lending/observers_test.cpp
+    # makes borrowers of two other uids); those are bounded apart and never capped by it.
+    with pytest.raises(shoal.InvalidArgumentError, match="max_connections_per_uid must be a whole number"):
+        shoal.lending.Lender(address, max_connections_per_uid=-1)
+    with shoal.lending.Lender(address, max_connections_per_uid=1), shoal.lending.Borrower(address) as first, \
+            shoal.lending.Borrower(address) as second:
+        assert first.metrics()
+        assert second.borrow(MIB, "a second connection of this uid").nbytes >= MIB
+
+
 def test_the_operator_revokes_one_borrowers_region_for_anothers_turn(address):
     in_process_only()
     unit = 2 * MIB

@@ -8,6 +8,8 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <list>
@@ -15,6 +17,7 @@
 #include <mutex>
 #include <optional>
 #include <new>
+#include <span>
 #include <string_view>
 #include <thread>
 #include <utility>
@@ -47,6 +50,16 @@ using clock_type = std::chrono::steady_clock;
 // How often orphaned regions are checked for a borrower that has exited,
 // and how many of their processes a check looks up at most (orphan_checks.h).
 constexpr std::chrono::milliseconds orphan_check_interval{50};
+
+// The lender's books (each connection's held and kept counts against the
+// regions and spares that name it) are checked after every turn of its loop
+// in Debug builds and in builds with SHOAL_CHECK_INVARIANTS (the sanitizer
+// builds, which define NDEBUG).
+#if defined(SHOAL_CHECK_INVARIANTS) || !defined(NDEBUG)
+constexpr bool check_books_each_turn = true;
+#else
+constexpr bool check_books_each_turn = false;
+#endif
 constexpr std::size_t orphan_lookups_per_check = 64;
 // The longest peer_timeout taken.
 constexpr std::chrono::milliseconds longest_peer_timeout = std::chrono::hours(24);
@@ -77,7 +90,9 @@ struct hold {
 //   a borrower's held_bytes = sum of info.bytes over its holds, held_regions
 //   = how many holds it has (a shared region counts in full for each);
 //   chunk.keepers never names the connection that holds the region (its
-//   kept mapping became the region's when it was lent to it).
+//   kept mapping became the region's when it was lent to it);
+//   a borrower's kept_bytes = sum of chunk.memory->size() over the chunks,
+//   spares and regions, whose keepers name it.
 struct region_entry {
   detail::chunk_record chunk;
   region_info info;  // info.holders is filled by status()
@@ -117,6 +132,9 @@ struct borrower_entry {
   const char* failed_why = nullptr;
   std::size_t held_bytes = 0;
   std::size_t held_regions = 0;
+  // Memory it gave back and still maps (it may write it until told to
+  // forget it): counted against its quota with held_bytes.
+  std::size_t kept_bytes = 0;
   // Its borrow waits for memory (the lender's waiting_); anything it sends
   // meanwhile ends that wait first.
   bool waiting = false;
@@ -377,6 +395,7 @@ class lender::state {
       store_counts();
       serve_waiting();
       preempt_for_head();
+      check_books();
     }
     std::lock_guard lock(mutex_);
     std::vector<lender_event> ignored;  // the lender is going: no more events
@@ -438,6 +457,19 @@ class lender::state {
       count_refusal();  // after: when the text above cannot be made, accept_one counts it
       return;  // closed at once: the client sees end of stream instead of a hello
     }
+    // The other uids share that bound: one of them could fill it with idle
+    // connections (a greeted one is never timed out) and keep the rest out.
+    if (const std::size_t cap = config_.max_connections_per_uid; cap != 0 && !operator_uid) {
+      const uid_t uid = accepted->peer().uid;
+      const std::size_t of_uid = live_count([&](const borrower_entry& b) { return b.link.peer().uid == uid; });
+      if (of_uid >= cap) {
+        emit(lender_event::kind::refused, accepted->peer(), 0, 0,
+             "already " + std::to_string(of_uid) + " connections of uid " + std::to_string(uid) +
+                 ", the most one uid may have (max_connections_per_uid)");
+        count_refusal();
+        return;
+      }
+    }
     // Greeted at once while both kinds have room for it and every other
     // connection greeted at once whose hello has not come (a client of
     // another protocol then learns what it reached before it sends).
@@ -466,6 +498,38 @@ class lender::state {
         borrowers_.pop_back();
         store_counts();
       }
+    }
+  }
+
+  // Checked builds: every connection's counts match the holds and kept
+  // mappings that name it (the quotas read the counts). A breach is a bug
+  // in this file, never a borrower's doing; going on would refuse or lend
+  // against wrong books.
+  void check_books() const noexcept {
+    if constexpr (!check_books_each_turn) return;
+    std::lock_guard lock(mutex_);
+    for (const auto& b : borrowers_) {
+      std::size_t held = 0;
+      std::size_t regions = 0;
+      std::size_t kept = 0;
+      for (const auto& [id, r] : regions_) {
+        for (const auto& h : r.holds) {
+          if (h.borrower != b.serial) continue;
+          held += r.info.bytes;
+          ++regions;
+        }
+        if (r.chunk.kept_by(b.serial)) kept += r.chunk.memory->size();
+      }
+      for (const auto& spare : spares_.chunks()) {
+        if (spare.chunk.kept_by(b.serial)) kept += spare.chunk.memory->size();
+      }
+      if (held == b.held_bytes && regions == b.held_regions && kept == b.kept_bytes) continue;
+      std::fprintf(stderr,
+                   "shoal: the lender's books are broken: connection %llu counts %zu bytes in %zu regions held and "
+                   "%zu kept mapped, its holds and kept mappings add up to %zu, %zu and %zu\n",
+                   static_cast<unsigned long long>(b.serial), b.held_bytes, b.held_regions, b.kept_bytes, held,
+                   regions, kept);
+      std::abort();
     }
   }
 
@@ -648,12 +712,14 @@ class lender::state {
     }
   }
 
-  // Under mutex_: the connections in `keepers` keep mapped memory that is
+  // Under mutex_: the keepers of `chunk` keep mapped memory that is
   // released without their being told (no memory left to tell them): each
   // is failed, and the loop hangs up on it.
-  void fail_keepers_locked(const std::vector<std::uint64_t>& keepers) noexcept {
+  void fail_keepers_locked(const detail::chunk_record& chunk) noexcept {
     for (auto& b : borrowers_) {
-      if (b.failed || std::find(keepers.begin(), keepers.end(), b.serial) == keepers.end()) continue;
+      if (!chunk.kept_by(b.serial)) continue;
+      b.kept_bytes -= chunk.memory->size();
+      if (b.failed) continue;
       b.failed = true;
       b.failed_why = "memory it keeps mapped was released when the lender ran out of memory to keep it as a spare";
     }
@@ -793,16 +859,21 @@ class lender::state {
     if (!others_wait) head_refused_by_device_ = refused_by_device;
   }
 
-  // Why `b` may not hold `bytes` more (its region count, its quota, its
-  // uid's quota); nullopt when it may.
-  std::optional<refused_request> quota_refusal(const borrower_entry& b, std::size_t bytes) const {
+  // Why `b` may not hold an exclusive region of `bytes` more (its region
+  // count, its quota, its uid's quota); nullopt when it may. Memory kept
+  // mapped counts (forget_kept_for makes room by dropping it where that is
+  // enough).
+  std::optional<refused_request> quota_refusal(borrower_entry& b, std::size_t bytes) {
     if (b.held_regions >= config_.max_regions_per_borrower) {
       return refused_request{refusal::quota,
                              "this borrower holds " + std::to_string(b.held_regions) + " regions, the most it may"};
     }
-    if (b.held_bytes + bytes > config_.quota_bytes) {
-      return refused_request{refusal::quota, "this borrower holds " + std::to_string(b.held_bytes) + " bytes; " +
-                                                 std::to_string(bytes) + " more would pass its quota of " +
+    const hold_cost cost = exclusive_cost(b, bytes);
+    forget_kept_for(b, cost);
+    if (b.held_bytes + b.kept_bytes + cost.to_borrower > config_.quota_bytes) {
+      return refused_request{refusal::quota, "this borrower holds " + std::to_string(b.held_bytes) + " bytes" +
+                                                 kept_note(b) + "; " + std::to_string(bytes) +
+                                                 " more would pass its quota of " +
                                                  std::to_string(config_.quota_bytes)};
     }
     if (config_.quota_bytes_per_uid != 0) {
@@ -811,16 +882,111 @@ class lender::state {
       const uid_t uid = b.link.peer().uid;
       const std::size_t held = held_by_uid(uid);
       const std::size_t waits = waiting_by_uid(uid, b.serial);
-      if (held + waits + bytes > config_.quota_bytes_per_uid) {
+      if (held + waits + cost.to_uid > config_.quota_bytes_per_uid) {
         return refused_request{
             refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held) +
-                                " bytes over all its connections and orphaned regions" +
+                                " bytes over all its connections, orphaned regions and memory they keep mapped" +
                                 (waits > 0 ? " and waits for " + std::to_string(waits) + " more" : "") + "; " +
                                 std::to_string(bytes) + " more would pass its per-uid quota of " +
                                 std::to_string(config_.quota_bytes_per_uid)};
       }
     }
     return std::nullopt;
+  }
+
+  // What `b` keeps mapped, for a quota refusal: empty when nothing.
+  static std::string kept_note(const borrower_entry& b) {
+    if (b.kept_bytes == 0) return {};
+    return " and keeps " + std::to_string(b.kept_bytes) + " more mapped (given back, kept for reuse)";
+  }
+
+  // What a new hold adds to what its borrower counts against its quota and
+  // to what its uid counts against the per-uid quota: its bytes, or nothing
+  // where the count has its memory already (a spare lent again to a
+  // connection that keeps it mapped; for the uid, one any of its
+  // connections keeps mapped).
+  struct hold_cost {
+    std::size_t to_borrower = 0;
+    std::size_t to_uid = 0;
+    const detail::lendable_memory* reused = nullptr;  // the spare it would be lent, if any
+  };
+
+  // An exclusive region of `bytes` for `b`: acquire() lends it the spare
+  // spares_.find() names, when reuse is on and one fits.
+  hold_cost exclusive_cost(const borrower_entry& b, std::size_t bytes) const {
+    hold_cost cost{bytes, bytes, nullptr};
+    if (config_.reuse != reuse_policy::same_uid) return cost;
+    std::lock_guard lock(mutex_);
+    const detail::spare_chunk* spare = spares_.find(bytes, b.link.peer().uid, b.serial);
+    if (spare == nullptr) return cost;
+    cost.reused = spare->chunk.memory.get();
+    if (spare->chunk.kept_by(b.serial)) cost.to_borrower = 0;
+    if (!spare->chunk.keepers.empty()) cost.to_uid = 0;
+    return cost;
+  }
+
+  // Makes room for `cost` within `b`'s quota and its uid's by dropping kept
+  // mappings, oldest first, as many as it takes: `b`'s own for its quota
+  // (spares, then regions lent to its uid's other connections), every
+  // keeper of its uid's spares for the uid's. Each keeper dropped is told to
+  // forget the memory, as when a spare is released; the spare stays, and is
+  // lent again with its chunk. Drops none when dropping all would not make
+  // the room (the quota check refuses), and never the spare the hold gets.
+  void forget_kept_for(borrower_entry& b, const hold_cost& cost) {
+    const auto over = [](std::size_t count, std::size_t quota) { return count > quota ? count - quota : 0; };
+    const uid_t uid = b.link.peer().uid;
+    const std::size_t borrower_over = over(b.held_bytes + b.kept_bytes + cost.to_borrower, config_.quota_bytes);
+    const std::size_t uid_over =
+        config_.quota_bytes_per_uid == 0
+            ? 0
+            : over(held_by_uid(uid) + waiting_by_uid(uid, b.serial) + cost.to_uid, config_.quota_bytes_per_uid);
+    if (borrower_over == 0 && uid_over == 0) return;
+    struct dropped {
+      const detail::lendable_memory* memory;
+      std::vector<std::uint64_t> keepers;  // empty: `b` alone
+    };
+    std::vector<dropped> forgotten;
+    {
+      std::lock_guard lock(mutex_);
+      const std::size_t reused_by_b = cost.reused != nullptr && cost.to_borrower == 0 ? cost.reused->size() : 0;
+      std::size_t uid_may_drop = 0;  // its spares kept mapped, but the one reused
+      for (const auto& spare : spares_.chunks()) {
+        const bool counted = spare.uid == uid && !spare.chunk.keepers.empty();
+        uid_may_drop += counted && spare.chunk.memory.get() != cost.reused ? spare.chunk.memory->size() : 0;
+      }
+      if (b.kept_bytes - reused_by_b < borrower_over || uid_may_drop < uid_over) return;
+      // Made first: nothing changes unless every drop can be told.
+      forgotten.reserve(spares_.chunks().size() + regions_.size());
+      std::size_t borrower_freed = 0;
+      std::size_t uid_freed = 0;
+      spares_.visit_keepers([&](const detail::spare_chunk& spare, std::vector<std::uint64_t>& keepers) {
+        if (borrower_freed >= borrower_over && uid_freed >= uid_over) return false;
+        const std::size_t size = spare.chunk.memory->size();
+        if (spare.chunk.memory.get() == cost.reused || keepers.empty()) return true;
+        const bool kept_by_b = spare.chunk.kept_by(b.serial);  // then it is of b's uid
+        if (uid_freed < uid_over && spare.uid == uid) {
+          forgotten.push_back({spare.chunk.memory.get(), std::move(keepers)});
+          keepers.clear();
+        } else if (borrower_freed < borrower_over && kept_by_b) {
+          forgotten.push_back({spare.chunk.memory.get(), {}});
+          std::erase(keepers, b.serial);
+        } else {
+          return true;
+        }
+        borrower_freed += kept_by_b ? size : 0;
+        uid_freed += keepers.empty() ? size : 0;
+        return true;
+      });
+      for (auto& [id, r] : regions_) {
+        if (borrower_freed >= borrower_over) break;
+        if (!r.chunk.drop_keeper(b.serial)) continue;
+        forgotten.push_back({r.chunk.memory.get(), {}});
+        borrower_freed += r.chunk.memory->size();
+      }
+    }
+    for (const auto& d : forgotten) {
+      tell_to_forget(d.keepers.empty() ? std::span<const std::uint64_t>(&b.serial, 1) : d.keepers, *d.memory);
+    }
   }
 
   // Lends `bytes` for `m` to `b` when memory allows (the answer posted, a
@@ -853,6 +1019,7 @@ class lender::state {
     // The connection's kept mapping, if it has one, becomes the region's.
     const bool kept = chunk->drop_keeper(b.serial);
     const detail::lendable_memory& memory = *chunk->memory;
+    if (kept) b.kept_bytes -= memory.size();  // counted in held_bytes below instead
     const std::uint64_t id = next_region_++;
     {
       std::lock_guard lock(mutex_);
@@ -867,7 +1034,7 @@ class lender::state {
       } catch (const std::bad_alloc&) {
         // Not lent: its memory goes with r (b is closed for the error), and
         // whoever kept it mapped as a spare cannot be told to forget it.
-        fail_keepers_locked(r.chunk.keepers);
+        fail_keepers_locked(r.chunk);
         throw;
       }
       lent_bytes_ += bytes;
@@ -1119,7 +1286,7 @@ class lender::state {
   void release_spare(detail::spare_chunk spare, const std::string& why) noexcept {
     const std::uint64_t memory = spare.chunk.memory->id();
     const std::size_t size = spare.chunk.memory->size();
-    tell_to_forget(spare.chunk.keepers, memory);
+    tell_to_forget(spare.chunk.keepers, *spare.chunk.memory);
     spare.chunk.memory.reset();
     try {
       emit(lender_event{lender_event::kind::spare_released, {}, spare.uid, 0, size,
@@ -1143,11 +1310,14 @@ class lender::state {
     }
   }
 
-  // Sends forget for `memory` to each connection in `keepers`. On the
-  // serving thread; a broken link is hung up on by the loop.
-  void tell_to_forget(const std::vector<std::uint64_t>& keepers, std::uint64_t memory) noexcept {
+  // Sends forget for `memory` to each connection in `keepers`, which keep
+  // it mapped no more (taken out of its keepers already). On the serving
+  // thread; a broken link is hung up on by the loop.
+  void tell_to_forget(std::span<const std::uint64_t> keepers, const detail::lendable_memory& chunk) noexcept {
+    const std::uint64_t memory = chunk.id();
     for (auto& b : borrowers_) {
       if (std::find(keepers.begin(), keepers.end(), b.serial) == keepers.end()) continue;
+      b.kept_bytes -= chunk.size();
       try {
         const auto forget = detail::encode_forget(memory);
         post(b, {{static_cast<std::uint16_t>(message_type::forget), view(forget)}});
@@ -1240,7 +1410,7 @@ class lender::state {
     if (!why.empty()) return refuse(refusal::bad_request, why);
     // Shared memory is never lent again: whoever of the writer's uid kept a
     // writable mapping of it drops it (the region is read-only from now on).
-    tell_to_forget(keepers, memory->id());
+    tell_to_forget(keepers, *memory);
     emit(lender_event::kind::published, b.link.peer(), m.region, bytes,
          "'" + name + "', content hash " + to_hex(m.layout.hash));
     send_region(b, m.request, m.region, *memory, &memory->handle(), nullptr);
@@ -1280,24 +1450,26 @@ class lender::state {
       return refuse(refusal::quota,
                     "this borrower holds " + std::to_string(b.held_regions) + " regions, the most it may");
     }
-    if (b.held_bytes + bytes > config_.quota_bytes) {
-      return refuse(refusal::quota, "this borrower holds " + std::to_string(b.held_bytes) + " bytes; shared region '" +
-                                        m.name + "' (" + std::to_string(bytes) +
+    const uid_t uid = b.link.peer().uid;
+    bool uid_holds_it = false;  // then this hold adds nothing to what the uid holds
+    {
+      std::lock_guard lock(mutex_);
+      const auto& holds = regions_.at(id).holds;
+      uid_holds_it = std::any_of(holds.begin(), holds.end(), [&](const hold& h) { return h.uid == uid; });
+    }
+    forget_kept_for(b, {bytes, uid_holds_it ? 0 : bytes, nullptr});
+    if (b.held_bytes + b.kept_bytes + bytes > config_.quota_bytes) {
+      return refuse(refusal::quota, "this borrower holds " + std::to_string(b.held_bytes) + " bytes" + kept_note(b) +
+                                        "; shared region '" + m.name + "' (" + std::to_string(bytes) +
                                         " bytes, counted in full for each holder) would pass its quota of " +
                                         std::to_string(config_.quota_bytes));
     }
     if (config_.quota_bytes_per_uid != 0) {
-      const uid_t uid = b.link.peer().uid;
       const std::size_t held = held_by_uid(uid);
-      bool uid_holds_it = false;  // then this hold adds nothing to what the uid holds
-      {
-        std::lock_guard lock(mutex_);
-        const auto& holds = regions_.at(id).holds;
-        uid_holds_it = std::any_of(holds.begin(), holds.end(), [&](const hold& h) { return h.uid == uid; });
-      }
       if (!uid_holds_it && held + bytes > config_.quota_bytes_per_uid) {
         return refuse(refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held) +
-                                          " bytes over all its connections and orphaned regions; shared region '" +
+                                          " bytes over all its connections, orphaned regions and memory they keep "
+                                          "mapped; shared region '" +
                                           m.name + "' (" + std::to_string(bytes) +
                                           " bytes) would pass its per-uid quota of " +
                                           std::to_string(config_.quota_bytes_per_uid));
@@ -1325,8 +1497,6 @@ class lender::state {
     return 0;
   }
 
-  // Bytes of the regions `uid`'s borrowers hold (lent, revoking or orphaned;
-  // a shared region once, however many of its holds are the uid's).
   // Bytes uid's connections other than `except` wait for. On the serving
   // thread (the line's only writer: read unlocked).
   std::size_t waiting_by_uid(uid_t uid, std::uint64_t except) const {
@@ -1365,9 +1535,17 @@ class lender::state {
     return held;
   }
 
+  // Bytes `uid` counts against its quota, as held_by_each_uid_locked: the
+  // regions its borrowers hold (lent, revoking or orphaned; a shared region
+  // once, however many of its holds are the uid's) and its spares that a
+  // connection keeps mapped (a region's keepers are of its holder's uid:
+  // counted with it).
   std::size_t held_by_uid(uid_t uid) const {
     std::lock_guard lock(mutex_);
     std::size_t held = 0;
+    for (const auto& spare : spares_.chunks()) {
+      held += spare.uid == uid && !spare.chunk.keepers.empty() ? spare.chunk.memory->size() : 0;
+    }
     for (const auto& [id, r] : regions_) {
       const bool holds = std::any_of(r.holds.begin(), r.holds.end(), [&](const hold& h) { return h.uid == uid; });
       held += holds ? r.info.bytes : 0;
@@ -1377,7 +1555,12 @@ class lender::state {
 
   // Drops one of `b`'s holds of region m.region; the region goes with its
   // last hold. b keeps its mapping when it asked to and the memory becomes
-  // a spare (an exclusive region, reuse on).
+  // a spare (an exclusive region, reuse on). A kept mapping still counts
+  // against b's quota and its uid's, so a keep needs no quota check of its
+  // own: its bytes move from what b holds to what it keeps, and for the uid
+  // from a region to a spare kept mapped, neither count rising. The room a
+  // later borrow needs is made then, by dropping kept mappings
+  // (forget_kept_for).
   void take_back(borrower_entry& b, const detail::give_back_message& m) {
     const std::uint64_t id = m.region;
     bool held = false;
@@ -1394,6 +1577,7 @@ class lender::state {
           // The one step that can fail (for memory) first, before anything changed.
           kept = m.keep_mapping && holds.size() == 1 && reusable(it->second);
           if (kept) it->second.chunk.keepers.push_back(b.serial);
+          b.kept_bytes += kept ? it->second.chunk.memory->size() : 0;
           bytes = it->second.info.bytes;
           b.held_bytes -= bytes;
           --b.held_regions;
@@ -1532,7 +1716,7 @@ class lender::state {
         try {
           spares_.put(std::move(it->second.chunk), it->second.info.uid, clock_type::now());
         } catch (const std::bad_alloc&) {
-          fail_keepers_locked(it->second.chunk.keepers);
+          fail_keepers_locked(it->second.chunk);
         }
       }
       return regions_.erase(it);

@@ -3,6 +3,19 @@
 #include <algorithm>
 
 namespace shoal::lending::detail {
+namespace {
+
+// Where take() looks: the spare of `bytes` and `uid` that connection
+// `serial` keeps mapped, else the oldest of them; end() when none fits.
+template <class Chunks>
+auto where(Chunks& chunks, std::size_t bytes, uid_t uid, std::uint64_t serial) {
+  auto fits = [&](const spare_chunk& s) { return s.uid == uid && s.chunk.memory->size() == bytes; };
+  auto kept = [&](const spare_chunk& s) { return fits(s) && s.chunk.kept_by(serial); };
+  auto it = std::find_if(chunks.begin(), chunks.end(), kept);
+  return it != chunks.end() ? it : std::find_if(chunks.begin(), chunks.end(), fits);
+}
+
+}  // namespace
 
 bool chunk_record::kept_by(std::uint64_t serial) const noexcept {
   return std::find(keepers.begin(), keepers.end(), serial) != keepers.end();
@@ -21,12 +34,14 @@ void spare_pool::put(chunk_record&& chunk, uid_t uid, std::chrono::steady_clock:
 }
 
 std::optional<spare_chunk> spare_pool::take(std::size_t bytes, uid_t uid, std::uint64_t serial) {
-  auto fits = [&](const spare_chunk& s) { return s.uid == uid && s.chunk.memory->size() == bytes; };
-  auto it = std::find_if(chunks_.begin(), chunks_.end(),
-                         [&](const spare_chunk& s) { return fits(s) && s.chunk.kept_by(serial); });
-  if (it == chunks_.end()) it = std::find_if(chunks_.begin(), chunks_.end(), fits);
+  const auto it = where(chunks_, bytes, uid, serial);
   if (it == chunks_.end()) return std::nullopt;
   return remove(it);
+}
+
+const spare_chunk* spare_pool::find(std::size_t bytes, uid_t uid, std::uint64_t serial) const noexcept {
+  const auto it = where(chunks_, bytes, uid, serial);
+  return it != chunks_.end() ? &*it : nullptr;
 }
 
 std::optional<spare_chunk> spare_pool::take_oldest() {

@@ -56,10 +56,20 @@ class spare_pool {
   /// `serial` keeps mapped when there is one, else the oldest that fits;
   /// nullopt when none does.
   [[nodiscard]] std::optional<spare_chunk> take(std::size_t bytes, uid_t uid, std::uint64_t serial);
+  /// The spare take() would return, left in the pool; nullptr when none fits.
+  [[nodiscard]] const spare_chunk* find(std::size_t bytes, uid_t uid, std::uint64_t serial) const noexcept;
   /// The oldest spare (to release it); nullopt when there is none.
   [[nodiscard]] std::optional<spare_chunk> take_oldest();
   /// Connection `serial` keeps nothing mapped any more (it hung up).
   void drop_keeper(std::uint64_t serial) noexcept;
+  /// Calls visit(spare, keepers) for each spare, oldest first, until it
+  /// returns false: a caller may change who keeps a spare mapped, nothing else.
+  template <class Visit>
+  void visit_keepers(Visit&& visit) {
+    for (auto& s : chunks_) {
+      if (!visit(static_cast<const spare_chunk&>(s), s.chunk.keepers)) return;
+    }
+  }
   /// Releases every spare (the lender is going).
   void clear() noexcept;
 

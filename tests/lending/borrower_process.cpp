@@ -47,8 +47,9 @@
 //       answer, before it says so: the lender closes the connection for it
 //       (a closed_for_error record, a warning).
 //   shoal_test_borrower cycle <host|cuda> <socket path or @abstract name> <bytes> <rounds> <as>
-//       As <as> ("self", or "nobody": it drops to uid and gid 65534 first and
-//       admits a lender of uid 0),
+//       As <as> ("self"; "nobody", or a uid's number: it drops to that uid,
+//       65534 for nobody, and the gid of that number first and admits a
+//       lender of uid 0),
 //       borrows a region of <bytes> and gives it back (keeping its mapping
 //       when the lender lets it), <rounds> times, writing the round's
 //       number into it and checking that a region lent again reads the
@@ -306,19 +307,23 @@ int refusals(const std::string& path, std::size_t count, bool then_bad) {
 }
 
 // A borrower on `dev` of the lender at `where` (a path or @abstract name),
-// as `as`: "self", or "nobody" — it drops to uid and gid 65534 first and
-// admits the lender's uid (root's) explicitly. Nothing when it cannot drop.
+// as `as`: "self", "nobody" (uid 65534) or a uid's number — it drops to
+// that uid and the gid of that number first and admits the lender's uid
+// (root's) explicitly. Nothing when it cannot drop.
 std::optional<lending::borrower> borrower_as(backend::device& dev, const std::string& where, const std::string& as,
                                              const lending::borrower_options& options = {}) {
-  constexpr uid_t nobody = 65534;
-  if (as == "nobody" && (::setresgid(nobody, nobody, nobody) != 0 || ::setresuid(nobody, nobody, nobody) != 0)) {
-    say("error cannot become uid 65534");
-    return std::nullopt;
+  const bool self = as == "self";
+  if (!self) {
+    const auto uid = static_cast<uid_t>(as == "nobody" ? 65534 : std::stoul(as));
+    if (::setresgid(uid, uid, uid) != 0 || ::setresuid(uid, uid, uid) != 0) {
+      say("error cannot become uid " + std::to_string(uid));
+      return std::nullopt;
+    }
   }
   const auto address = where.starts_with('@') ? channel::channel_address::abstract(where.substr(1))
                                               : channel::channel_address::at_path(where);
   return std::optional<lending::borrower>(std::in_place, dev, address,
-                                          as == "nobody" ? channel::access_policy{{0}, {}} : channel::access_policy{},
+                                          self ? channel::access_policy{} : channel::access_policy{{0}, {}},
                                           lending::borrower::default_timeout, options);
 }
 

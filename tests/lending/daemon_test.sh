@@ -94,6 +94,7 @@ quota = "8MiB"
 quota_per_uid = "24MiB"
 max_wait_ms = 60000
 max_observers = 2
+max_connections_per_uid = 3
 preempt_after_ms = 0
 preempt_deadline_ms = 2500
 log_rate = 7
@@ -106,14 +107,16 @@ grep -q 'quota_bytes=16777216' "$dir/log" || fail "the --quota flag did not win 
 grep -q 'quota_bytes_per_uid=25165824' "$dir/log" || fail "quota_per_uid from the file"
 grep -q 'max_wait_ms=60000' "$dir/log" || fail "max_wait_ms from the file"
 grep -q 'max_observers=2 ' "$dir/log" || fail "max_observers from the file"
+grep -q 'max_connections_per_uid=3 ' "$dir/log" || fail "max_connections_per_uid from the file"
 grep -q 'preempt_after_ms=0 ' "$dir/log" || fail "preempt_after_ms from the file"
 grep -q 'preempt_deadline_ms=2500' "$dir/log" || fail "preempt_deadline_ms from the file"
 grep -q 'log_rate=7$' "$dir/log" || fail "log_rate from the file"
 stop
-"$shoal" daemon --config "$dir/conf.toml" --quota-per-uid 12MiB 2> "$dir/log" &
+"$shoal" daemon --config "$dir/conf.toml" --quota-per-uid 12MiB --max-connections-per-uid 0 2> "$dir/log" &
 pid=$!
 answers "$dir/b.sock" || fail "the daemon with --quota-per-uid did not answer"
 grep -q 'quota_bytes_per_uid=12582912' "$dir/log" || fail "the --quota-per-uid flag did not win over the file"
+grep -q 'max_connections_per_uid=0 ' "$dir/log" || fail "the --max-connections-per-uid flag did not win over the file"
 stop
 "$shoal" daemon --config "$dir/conf.toml" --no-preempt 2> "$dir/log" &
 pid=$!
@@ -601,6 +604,8 @@ timeout 10 "$shoal" daemon --socket "$dir/u.sock" --device host --max-borrowers 
 [ $? -eq 2 ] || fail "--max-borrowers -1 was taken"
 timeout 10 "$shoal" daemon --socket "$dir/u.sock" --device host --max-observers 0 2> "$dir/refusal"
 [ $? -eq 2 ] || fail "--max-observers 0 was taken (the config file refuses it too)"
+timeout 10 "$shoal" daemon --socket "$dir/u.sock" --device host --max-connections-per-uid -1 2> "$dir/refusal"
+[ $? -eq 2 ] || fail "--max-connections-per-uid -1 was taken"
 timeout 10 "$shoal" daemon status --socket "$dir/u.sock" --device host --timeout nan 2> "$dir/refusal"
 [ $? -eq 2 ] && grep -q "finite" "$dir/refusal" || fail "--timeout nan: $(cat "$dir/refusal")"
 timeout 10 "$shoal" daemon --socket "$dir/u.sock" --device host --capacity 64MiB --prepare 1000000x1 2> "$dir/refusal"

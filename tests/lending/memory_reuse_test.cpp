@@ -191,6 +191,129 @@ TYPED_TEST(memory_reuse_test, capacity_pressure_releases_spares_and_their_keeper
   }));
 }
 
+// What the lender's books say a connection maps: the regions lent and the
+// spares it keeps mapped (the only connection that keeps any).
+std::size_t mapped_by_the_one_keeper(const lending::lender_status& s) {
+  std::size_t bytes = s.lent_bytes;
+  for (const auto& spare : s.spares) bytes += spare.kept_by > 0 ? spare.bytes : 0;
+  return bytes;
+}
+
+// The attack: borrow, give back keeping the mapping, borrow another size,
+// again and again. Kept mappings count against the quota, so a borrow that
+// needs the room has the lender drop older kept mappings (forget) first: the
+// borrower never maps more than its quota, by the lender's books or its own
+// (without it, 60 MiB kept and 4 MiB lent under a quota of 16).
+TYPED_TEST(memory_reuse_test, a_borrower_cycling_sizes_with_kept_mappings_never_maps_past_its_quota) {
+  if (this->in_process_only()) return;
+  auto& l = this->start({.capacity_bytes = 64 * mib, .quota_bytes = 16 * mib});
+  borrower b(this->device(), l.address());
+  for (const std::size_t size : {16 * mib, 14 * mib, 12 * mib, 10 * mib, 8 * mib, 4 * mib}) {
+    auto r = b.borrow(size, "cycling sizes");
+    EXPECT_LE(mapped_by_the_one_keeper(l.status()), 16 * mib) << "lent " << size << " past the quota";
+    EXPECT_LE(b.kept().bytes + r.size(), 16 * mib) << "the borrower maps past its quota";
+    b.give_back(std::move(r));
+  }
+  auto s = l.status();
+  EXPECT_EQ(s.forgets, 4u) << "each borrow from 14 to 8 MiB drops the mapping kept before it; 8 + 4 fit";
+  EXPECT_EQ(s.spare_bytes, 64 * mib) << "the spares stay, kept mapped no more";
+  EXPECT_EQ(b.kept().bytes, 12 * mib);
+  auto again = b.borrow(4 * mib, "the kept one again");
+  auto rest = b.borrow(12 * mib, "the room of the 8 MiB kept mapping");
+  s = l.status();
+  EXPECT_EQ(s.forgets, 5u);
+  EXPECT_EQ(s.kept_mappings_used, 1u);
+  EXPECT_EQ(s.lent_bytes, 16 * mib);
+  EXPECT_EQ(b.kept().bytes, 0u);
+  EXPECT_THROW((void)b.borrow(2 * mib, "past the quota"), peer_refused);
+}
+
+// A borrow that would not fit even with every mapping its borrower keeps
+// dropped is refused, and drops none; the refusal says what is kept.
+TYPED_TEST(memory_reuse_test, a_borrow_that_dropping_every_kept_mapping_would_not_fit_is_refused_and_drops_none) {
+  if (this->in_process_only()) return;
+  auto& l = this->start({.capacity_bytes = 64 * mib, .quota_bytes = 16 * mib});
+  borrower b(this->device(), l.address());
+  auto held = b.borrow(12 * mib, "held");
+  b.give_back(b.borrow(4 * mib, "kept"));
+  try {
+    (void)b.borrow(8 * mib, "past the quota however much is dropped");
+    ADD_FAILURE() << "lent past the quota";
+  } catch (const peer_refused& e) {
+    EXPECT_NE(std::string(e.what()).find("keeps " + std::to_string(4 * mib) + " more mapped"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(l.status().forgets, 0u);
+  EXPECT_EQ(b.kept().bytes, 4 * mib);
+  EXPECT_NO_THROW(b.give_back(b.borrow(4 * mib, "the kept one again"))) << "its kept mapping fits as it is";
+  EXPECT_EQ(l.status().kept_mappings_used, 1u);
+}
+
+// A spare two connections of one uid keep mapped counts once for the uid
+// (and in full for each connection); when the uid's quota needs its room,
+// both are told to forget it.
+TYPED_TEST(memory_reuse_test, a_spare_two_connections_keep_mapped_counts_once_for_their_uid_and_both_forget_it) {
+  if (this->in_process_only()) return;
+  auto& l = this->start({.capacity_bytes = 64 * mib, .quota_bytes = 16 * mib, .quota_bytes_per_uid = 16 * mib});
+  borrower a(this->device(), l.address()), c(this->device(), l.address());
+  a.give_back(a.borrow(16 * mib, "first"));
+  auto r = c.borrow(16 * mib, "the same memory");  // a's kept spare: the uid maps nothing more
+  EXPECT_EQ(l.status().forgets, 0u);
+  c.give_back(std::move(r));
+  ASSERT_EQ(l.status().spares.size(), 1u);
+  ASSERT_EQ(l.status().spares[0].kept_by, 2u);
+  auto small = a.borrow(4 * mib, "another size");
+  EXPECT_TRUE(c.revocations(200ms).empty());
+  EXPECT_EQ(a.kept().count, 0u);
+  EXPECT_EQ(c.kept().count, 0u) << "the uid maps 20 MiB under a quota of 16";
+  const auto s = l.status();
+  EXPECT_EQ(s.forgets, 2u);
+  ASSERT_EQ(s.spares.size(), 1u);
+  EXPECT_EQ(s.spares[0].kept_by, 0u);
+}
+
+// A kept mapping of memory lent to another connection of the uid still
+// counts for its keeper: the keeper's next borrow that needs the room has
+// it forgotten first.
+TYPED_TEST(memory_reuse_test, memory_kept_mapped_while_another_connection_holds_it_counts_for_its_keeper) {
+  if (this->in_process_only()) return;
+  auto& l = this->start({.capacity_bytes = 64 * mib, .quota_bytes = 16 * mib});
+  borrower a(this->device(), l.address()), c(this->device(), l.address());
+  a.give_back(a.borrow(16 * mib, "first"));
+  auto theirs = c.borrow(16 * mib, "the same memory");
+  ASSERT_EQ(theirs.memory_id(), l.status().regions.at(0).memory);
+  auto mine = a.borrow(8 * mib, "another size");
+  EXPECT_EQ(a.kept().count, 0u) << "a maps 24 MiB under a quota of 16";
+  EXPECT_EQ(l.status().forgets, 1u);
+  c.give_back(std::move(theirs));
+  const auto s = l.status();
+  ASSERT_EQ(s.spares.size(), 1u);
+  EXPECT_EQ(s.spares[0].kept_by, 1u) << "c keeps it; a keeps it no more";
+}
+
+// A connection that hangs up keeps nothing mapped: what it kept no longer
+// counts for its uid, whose whole quota is there again with no forget.
+TYPED_TEST(memory_reuse_test, memory_a_connection_kept_mapped_stops_counting_for_its_uid_when_it_hangs_up) {
+  if (this->in_process_only()) return;
+  auto& l = this->start({.capacity_bytes = 64 * mib, .quota_bytes_per_uid = 16 * mib});
+  borrower c(this->device(), l.address());
+  {
+    borrower a(this->device(), l.address());
+    a.give_back(a.borrow(12 * mib, "kept, then hung up"));
+    ASSERT_EQ(l.status().spares.at(0).kept_by, 1u);
+  }
+  ASSERT_TRUE(eventually([&] { return l.status().spares.at(0).kept_by == 0; }));
+  auto whole = c.borrow(16 * mib, "the uid's whole quota");
+  EXPECT_EQ(l.status().forgets, 0u);
+  try {
+    (void)c.borrow(4 * mib, "past the uid's quota");
+    ADD_FAILURE() << "lent past the uid's quota";
+  } catch (const peer_refused& e) {
+    EXPECT_NE(std::string(e.what()).find("holds " + std::to_string(16 * mib) + " bytes"), std::string::npos)
+        << e.what();
+  }
+}
+
 TYPED_TEST(memory_reuse_test, a_killed_borrowers_kept_mappings_are_forgotten_and_the_spare_stays) {
   auto& l = this->start();
   auto child = cycle_process(TypeParam::name, this->socket_path(), 2 * mib, 1, "self");

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -325,6 +326,48 @@ TEST(lending_observers, another_uids_idle_borrowers_cannot_keep_the_operator_out
   const auto region = operator_.borrow(4096, "operator");
   EXPECT_GE(region.size(), 4096u);
   EXPECT_EQ(l.status().borrowers, 2u);
+}
+
+// Every uid but the lender's and root shares one bound: with
+// max_connections_per_uid, one uid's idle connections (a borrower holding a
+// region, an observer) cannot take all the places. Past its cap the next is
+// refused at once, naming the option, while another uid still gets in; a
+// place comes back when one of its connections goes.
+TEST(lending_observers, past_max_connections_per_uid_a_uid_is_refused_and_another_uid_still_gets_in) {
+  if (::geteuid() != 0) GTEST_SKIP() << "borrowers of other uids (setresuid to 65534 and 65533) need root";
+  const std::string name = "shoal-uid-cap-test-" + std::to_string(::getpid());
+  event_recorder log;
+  lender_config config = limits(3, 2);  // room in the class for a third connection of one uid
+  config.max_connections_per_uid = 2;
+  config.policy = channel::access_policy{{65534, 65533}, {}};
+  log.attach(config);
+  lender l(backend::host_device_instance(), channel::channel_address::abstract(name), config);
+  const auto as = [&](const std::string& uid, const std::string& command, std::vector<std::string> arguments = {}) {
+    std::vector<std::string> all{command, "host", "@" + name};
+    all.insert(all.end(), arguments.begin(), arguments.end());
+    all.push_back(uid);
+    return std::make_unique<child_process>(SHOAL_TEST_BORROWER, all);
+  };
+  auto holder = as("nobody", "wait-borrow", {"4096", "0"});
+  EXPECT_EQ(line_from(*holder).rfind("lent", 0), 0u);
+  auto idle = as("nobody", "observe");
+  EXPECT_EQ(line_from(*idle), "observing");
+  auto third = as("nobody", "observe");
+  const std::string refused = line_from(*third);
+  EXPECT_EQ(refused.rfind("refused", 0), 0u) << "a third connection of uid 65534: " << refused;
+  {
+    std::lock_guard lock(*log.guard);
+    EXPECT_TRUE(std::any_of(log.events->begin(), log.events->end(), [](const lending::lender_event& e) {
+      return e.what == lending::lender_event::kind::refused && e.uid == 65534 &&
+             e.detail.find("max_connections_per_uid") != std::string::npos;
+    })) << "no refusal naming max_connections_per_uid";
+  }
+  auto other = as("65533", "observe");
+  EXPECT_EQ(line_from(*other), "observing") << "uid 65533 was kept out by uid 65534's connections";
+  idle.reset();
+  ASSERT_TRUE(eventually([&] { return l.status().connections == 2; }));
+  auto again = as("nobody", "observe");
+  EXPECT_EQ(line_from(*again), "observing") << "its place did not come back";
 }
 
 }  // namespace

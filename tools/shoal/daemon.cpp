@@ -84,6 +84,7 @@ int serve(const daemon_settings& settings) {
             number("quota_bytes_per_uid", config.quota_bytes_per_uid),
             number("max_borrowers", config.max_borrowers),
             number("max_observers", config.max_observers),
+            number("max_connections_per_uid", config.max_connections_per_uid),
             number("max_wait_ms", static_cast<std::uint64_t>(config.max_wait.count())),
             config.preempt_after ? number("preempt_after_ms", static_cast<std::uint64_t>(config.preempt_after->count()))
                                  : log_field{"preempt_after_ms", "off", false},
@@ -212,6 +213,11 @@ int run_daemon(int argc, char** argv) {
                                    "observer connections (status, revoke) served besides the borrowers")
                         ->check(count_range)
                         ->capture_default_str();
+  auto* per_uid = app.add_option("--max-connections-per-uid", settings.max_connections_per_uid,
+                                 "connections one uid other than the daemon's and root may have at once, so that "
+                                 "one cannot fill the places all other uids share (0: no cap)")
+                      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 32))
+                      ->capture_default_str();
   auto* regions = app.add_option("--max-regions", settings.max_regions_per_borrower, "regions one borrower may hold")
                       ->check(count_range)
                       ->capture_default_str();
@@ -292,6 +298,7 @@ int run_daemon(int argc, char** argv) {
       if (quota_per_uid->count() > 0) settings.quota_per_uid = flags.quota_per_uid;
       if (borrowers->count() > 0) settings.max_borrowers = flags.max_borrowers;
       if (observers->count() > 0) settings.max_observers = flags.max_observers;
+      if (per_uid->count() > 0) settings.max_connections_per_uid = flags.max_connections_per_uid;
       if (regions->count() > 0) settings.max_regions_per_borrower = flags.max_regions_per_borrower;
       if (timeout->count() > 0) settings.peer_timeout_ms = flags.peer_timeout_ms;
       if (max_wait->count() > 0) settings.max_wait_ms = flags.max_wait_ms;

@@ -149,6 +149,10 @@ void daemon_settings::read_file(const std::string& path) {
       max_borrowers = count();
     } else if (name == "max_observers") {
       max_observers = count();
+    } else if (name == "max_connections_per_uid") {
+      const auto* i = node.as_integer();
+      if (i == nullptr || i->get() < 0) throw invalid_argument(where(name) + " must be an integer >= 0 (0: no cap)");
+      max_connections_per_uid = static_cast<std::uint64_t>(i->get());
     } else if (name == "max_regions_per_borrower") {
       max_regions_per_borrower = count();
     } else if (name == "peer_timeout_ms") {
@@ -210,7 +214,8 @@ void daemon_settings::read_file(const std::string& path) {
     } else {
       throw invalid_argument(where(name) +
                              " is not a setting (socket, device, capacity, quota, quota_per_uid, max_borrowers, "
-                             "max_observers, max_regions_per_borrower, peer_timeout_ms, max_wait_ms, preempt_after_ms, "
+                             "max_observers, max_connections_per_uid, max_regions_per_borrower, peer_timeout_ms, "
+                             "max_wait_ms, preempt_after_ms, "
                              "preempt_deadline_ms, allowed_uids, allowed_gids, log_format, log_rate, metrics_port, "
                              "reuse, prepare)");
     }
@@ -265,6 +270,7 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
   for (const auto& entry : prepare) add_prepared(entry, d, c.capacity_bytes, granules, c.prepared_chunks);
   c.max_borrowers = static_cast<std::size_t>(max_borrowers);
   c.max_observers = static_cast<std::size_t>(max_observers);
+  c.max_connections_per_uid = static_cast<std::size_t>(max_connections_per_uid);
   c.max_regions_per_borrower = static_cast<std::size_t>(max_regions_per_borrower);
   c.peer_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(peer_timeout_ms));
   c.max_wait = std::chrono::milliseconds(static_cast<std::int64_t>(std::min<std::uint64_t>(max_wait_ms, UINT64_C(1) << 40)));

@@ -36,6 +36,7 @@ struct daemon_settings {
   size_setting quota_per_uid;  ///< empty: no per-uid quota
   std::uint64_t max_borrowers = 64;
   std::uint64_t max_observers = 4;  ///< lender_config::max_observers
+  std::uint64_t max_connections_per_uid = 0;  ///< lender_config::max_connections_per_uid (0: no cap)
   std::uint64_t max_regions_per_borrower = 1024;
   std::uint64_t peer_timeout_ms = 1000;
   std::uint64_t max_wait_ms = 300000;  ///< lender_config::max_wait
@@ -61,7 +62,7 @@ struct daemon_settings {
   static constexpr std::uint64_t max_log_rate = 1'000'000;
 
   /// Reads a TOML file's keys (socket, device, capacity, quota,
-  /// quota_per_uid, max_borrowers, max_observers, max_regions_per_borrower, peer_timeout_ms,
+  /// quota_per_uid, max_borrowers, max_observers, max_connections_per_uid, max_regions_per_borrower, peer_timeout_ms,
   /// max_wait_ms, preempt_after_ms, preempt_deadline_ms, allowed_uids, allowed_gids, log_format, log_rate, metrics_port, reuse, prepare: a
   /// string or a list of them) into these
   /// settings. Throws

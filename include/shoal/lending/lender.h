@@ -19,7 +19,12 @@
 // it again the lender sends no chunk (the borrower uses its kept mapping).
 // Since the lender cannot unmap another process's mapping, spare memory goes
 // only to the uid every earlier borrower of it had: a borrower of another
-// uid always gets memory no other uid has mapped. Spare bytes count against
+// uid always gets memory no other uid has mapped. Memory a borrower keeps
+// mapped counts against its quota and its uid's until it lets it go (a
+// forget, a hang-up, or the memory lent to it again); a borrow that would
+// pass a quota has the lender drop kept mappings — oldest first, as many as
+// make the room, each keeper sent forget — or is refused when dropping all
+// would not be enough. Spare bytes count against
 // the capacity (lent + spare <= capacity); when a fresh region would not
 // fit, spares are released oldest first and the connections keeping them
 // mapped are sent forget (an idle borrower unmaps only when it next reads
@@ -127,11 +132,13 @@ enum class reuse_policy : std::uint8_t {
 struct lender_config {
   /// Bytes the lender may lend at once, over all borrowers (> 0).
   std::size_t capacity_bytes = std::size_t{1} << 30;
-  /// Bytes one borrower (one connection) may hold at once (> 0).
+  /// Bytes one borrower (one connection) may hold at once (> 0), counting
+  /// the memory it gave back and keeps mapped (see the contract above).
   std::size_t quota_bytes = std::size_t{1} << 30;
   /// Bytes one uid may hold at once over all its connections, its orphaned
-  /// regions included (a borrower cannot pass quota_bytes by opening more
-  /// connections); 0: no such limit.
+  /// regions and the spares its connections keep mapped included (a
+  /// borrower cannot pass quota_bytes by opening more connections); 0: no
+  /// such limit.
   std::size_t quota_bytes_per_uid = 0;
   /// Borrowers connected at once, of each class (the lender's own uid and
   /// root; the other uids: see max_observers); one more is refused at once.
@@ -150,6 +157,14 @@ struct lender_config {
   /// max_observers observers at once — so another admitted uid, idle
   /// borrowers of its own included, cannot keep the operator out.
   std::size_t max_observers = 4;
+  /// Connections at once of any one uid other than the lender's own and
+  /// root (borrowers, observers and those whose hello has not come); one
+  /// more is refused at once, as past max_borrowers. The other uids share
+  /// one bound (above), and a greeted connection is never timed out, however
+  /// idle: without this cap one admitted uid can take every place and keep
+  /// the others out. 0: no cap beyond that bound (the default: most
+  /// deployments run every borrower as one uid).
+  std::size_t max_connections_per_uid = 0;
   /// Regions one borrower may hold at once.
   std::size_t max_regions_per_borrower = 1024;
   /// Deadline of every wait on a borrower: its hello (from when it was
