@@ -126,6 +126,11 @@ struct borrower_entry {
   // Accepted while borrowers or observers had no room: the lender's hello
   // waits for this one's, and goes only if its kind has room by then.
   bool held_back = false;
+  // Held back, its hello a borrower's, and no room but for connections
+  // greeted at once whose hello has not come (each may turn out an
+  // observer): its answer waits for them until this time at most
+  // (admit_awaiting_room). Nothing more is read from it meanwhile.
+  std::optional<clock_type::time_point> room_awaited_until = std::nullopt;
   bool failed = false;   // broke the protocol: hung up on by the loop
   // Why, when it was failed where no event could be sent (under the lock):
   // the loop names it as it hangs up.
@@ -269,10 +274,10 @@ class lender::state {
       s.spares.push_back({spare.chunk.memory->id(), spare.chunk.memory->size(), spare.uid, spare.chunk.keepers.size(),
                           now - spare.since});
     }
-    for (const auto& w : waiting_.line()) {
+    waiting_.visit([&](const detail::waiting_borrow& w) {
       s.waiting.push_back({w.process, w.uid, w.bytes, w.request.purpose, now - w.since,
                            std::max(w.until - now, clock_type::duration::zero())});
-    }
+    });
     for (const auto& [id, region] : regions_) {
       s.regions.push_back(region.info);
       s.regions.back().age = now - region.since;
@@ -341,7 +346,9 @@ class lender::state {
       for (const auto& b : borrowers_) {
         const bool answers_wait = b.link.unsent_bytes() > 0;
         pending = pending || (!answers_wait && b.link.pending() > 0);
-        fds_.push_back({b.link.native_handle(), answers_wait ? short{POLLOUT} : short{POLLIN}, 0});
+        // One awaiting room is polled for nothing: only its hang-up wakes the loop.
+        const short events = b.room_awaited_until ? short{0} : answers_wait ? short{POLLOUT} : short{POLLIN};
+        fds_.push_back({b.link.native_handle(), events, 0});
       }
       const auto now = clock_type::now();
       const auto until_check = std::chrono::ceil<std::chrono::milliseconds>(next_check - now);
@@ -369,6 +376,10 @@ class lender::state {
       auto b = borrowers_.begin();
       for (std::size_t i = 0; i < polled; ++i, ++b) {
         const short revents = fds_[i + 2].revents;
+        if (b->room_awaited_until) {
+          if (revents != 0) b->failed = true;  // it hung up while its answer waited: no error of its
+          continue;
+        }
         if (revents != 0 && b->link.unsent_bytes() > 0) flush_one(*b);  // a hang-up makes the flush fail
         if (b->link.unsent_bytes() > 0) continue;  // its answers go first
         if ((revents & ~POLLOUT) != 0 || b->link.pending() > 0) {
@@ -392,6 +403,7 @@ class lender::state {
         hang_up(e);
         return true;
       });
+      admit_awaiting_room();
       store_counts();
       serve_waiting();
       preempt_for_head();
@@ -602,22 +614,67 @@ class lender::state {
         observer ? observers_of(b.operator_uid) : counted_borrowers(b.operator_uid) - (b.held_back ? 0 : 1);
     const std::size_t most = observer ? config_.max_observers : config_.max_borrowers;
     if (now >= most) {
-      const std::string why = "already " + std::to_string(now) +
-                              (observer ? " observers" : " borrowers (and connections yet to say which)") + " of " +
-                              (b.operator_uid ? "the lender's uid and root" : "other uids") + ", the most allowed";
-      if (!b.held_back) throw peer_refused("lender: " + why);  // not expected: closed rather than past a bound
-      b.failed = true;  // hung up on before any hello of the lender's: its connect is refused
-      emit(lender_event::kind::refused, b.link.peer(), 0, 0, why);
-      count_refusal();
+      if (!b.held_back) throw peer_refused("lender: " + class_full(b, observer, now));  // not expected: past a bound
+      // A borrower with no room but for connections whose hello has not come
+      // waits for them: any may turn out an observer, and each says which,
+      // or is hung up on, within the peer timeout.
+      if (!observer && now - unannounced_of(b.operator_uid) < most) {
+        b.room_awaited_until = clock_type::now() + config_.peer_timeout;
+        return;
+      }
+      turn_away(b, class_full(b, observer, now));
       return;
     }
-    if (b.held_back) channel::send_hello(b.link, lending_protocol);  // a fresh socket has room for it
+    welcome(b, observer);
+  }
+
+  std::string class_full(const borrower_entry& b, bool observer, std::size_t now) const {
+    return "already " + std::to_string(now) +
+           (observer ? " observers" : " borrowers (and connections yet to say which)") + " of " +
+           (b.operator_uid ? "the lender's uid and root" : "other uids") + ", the most allowed";
+  }
+
+  // Hangs up on held-back `b` before any hello of the lender's: its connect is refused.
+  void turn_away(borrower_entry& b, const std::string& why) {
+    b.failed = true;
+    emit(lender_event::kind::refused, b.link.peer(), 0, 0, why);
+    count_refusal();
+  }
+
+  // Takes `b` on as an observer or a borrower; a held-back one is sent the
+  // lender's hello now (a fresh socket has room for it).
+  void welcome(borrower_entry& b, bool observer) {
+    if (b.held_back) channel::send_hello(b.link, lending_protocol);
     b.held_back = false;
     b.greeted = true;
     b.observer = observer;
     store_counts();
     // Connected once its hello said which it is: the log tells observers apart.
     emit_noted(lender_event::kind::connected, b.link.peer(), observer ? observer_note : "");
+  }
+
+  // Held-back borrowers whose answer waits for room (greet), in the order
+  // they came: each is taken on once its class has room, and turned away
+  // once no connection whose hello has not come is left to make room, or
+  // its wait is over. Once a turn, after the hang-ups.
+  void admit_awaiting_room() {
+    const auto now = clock_type::now();
+    for (auto& b : borrowers_) {
+      if (!b.room_awaited_until || b.failed) continue;
+      const std::size_t counted = counted_borrowers(b.operator_uid);
+      const bool may_come = counted - unannounced_of(b.operator_uid) < config_.max_borrowers;
+      if (counted >= config_.max_borrowers && may_come && now < *b.room_awaited_until) continue;
+      b.room_awaited_until.reset();
+      if (counted >= config_.max_borrowers) {
+        turn_away(b, class_full(b, false, counted));
+        continue;
+      }
+      try {
+        welcome(b, false);
+      } catch (const error&) {
+        b.failed = true;  // it hung up while its answer waited: no error of its
+      }
+    }
   }
 
   // The frames of `b` that have come whole (at most one batch's worth, so
@@ -659,10 +716,10 @@ class lender::state {
         waiting_request = w != nullptr ? w->request.request : 0;
       }
       // A cancel for a borrow answered already crossed its answer: dropped.
-      if (b.waiting && request == waiting_request) end_wait(b, "its borrower stopped waiting");
+      if (b.waiting && request == waiting_request) end_wait(b, "its borrower stopped waiting", true);
       return;
     }
-    if (b.waiting) end_wait(b, "its borrower sent another request behind it");  // answers stay in order
+    if (b.waiting) end_wait(b, "its borrower sent another request behind it", true);  // answers stay in order
     switch (static_cast<message_type>(f.type)) {
       case message_type::borrow:
         return lend(b, detail::decode_borrow(f.payload));
@@ -782,7 +839,7 @@ class lender::state {
     const auto timeout_ms = [&] { return std::to_string(config_.peer_timeout.count()); };
     for (auto& b : borrowers_) {
       if (b.failed) continue;
-      if (!b.greeted && now - b.accepted >= config_.peer_timeout && !readable(b.link)) {
+      if (!b.greeted && !b.room_awaited_until && now - b.accepted >= config_.peer_timeout && !readable(b.link)) {
         close_for_error_saying(b, "it sent no hello within the peer timeout", [&] {
           return "it sent no hello within the peer timeout of " + timeout_ms() + " ms";
         });
@@ -829,7 +886,9 @@ class lender::state {
                               "waits)");
     }
     if (auto refused = quota_refusal(b, bytes)) return send_refusal(b, m.request, refused->reason, refused->why);
-    const bool others_wait = !waiting_.empty();  // the serving thread, the line's only writer, reads it unlocked
+    // The serving thread, the line's only writer, reads it unlocked. Borrows
+    // waiting behind hold up only their own uid's.
+    const bool others_wait = waiting_.first_waits() || (!waiting_.empty() && behind(b.link.peer().uid));
     if (others_wait && m.wait_ms == 0) {
       return send_refusal(b, m.request, refusal::others_waiting,
                           "borrows wait for memory ahead of this one, which does not wait: memory given back goes "
@@ -853,9 +912,10 @@ class lender::state {
                               "connection while its borrow waits)");
     }
     wait_for_room(b, m, bytes);
-    // With no one ahead it is the head: when the device (not the capacity)
-    // refused it, no give back would bring it round again, so the periodic
-    // check tries it (other processes may free the device's memory).
+    // With no one ahead (borrows behind at most) it is the head: when the
+    // device (not the capacity) refused it, no give back would bring it round
+    // again, so the periodic check tries it (other processes may free the
+    // device's memory).
     if (!others_wait) head_refused_by_device_ = refused_by_device;
   }
 
@@ -1054,25 +1114,52 @@ class lender::state {
     return std::nullopt;
   }
 
-  // Puts `b`'s borrow last in line: the loop reads `b` no further until it
-  // is answered (serve_waiting).
-  // Puts `b`'s borrow last in line, its wait cut to config_.max_wait.
+  // Puts `b`'s borrow last in line, its wait cut to config_.max_wait — behind
+  // the other uids' when its uid is behind: the loop reads `b` no further
+  // until it is answered (serve_waiting).
   void wait_for_room(borrower_entry& b, const detail::borrow_message& m, std::size_t bytes) {
     const auto now = clock_type::now();
     const auto wait = std::min(std::chrono::milliseconds(m.wait_ms), config_.max_wait);
+    const bool goes_behind = behind(b.link.peer().uid);
     {
       std::lock_guard lock(mutex_);
-      waiting_.push({b.serial, b.link.peer().process, b.link.peer().uid, m, bytes, now, now + wait});
+      waiting_.push({b.serial, b.link.peer().process, b.link.peer().uid, m, bytes, now, now + wait}, goes_behind);
       ++counters_.waits;
     }
     b.waiting = true;
     emit(lender_event::kind::waiting, b.link.peer(), 0, bytes,
-         m.purpose + ": waits up to " + std::to_string(wait.count()) + " ms for memory to be given back");
+         m.purpose + ": waits up to " + std::to_string(wait.count()) + " ms for memory to be given back" +
+             (goes_behind ? ", behind other uids' borrows (a wait of its uid ran out lately)" : ""));
+  }
+
+  // Whether `uid`'s borrows go behind the other uids' now: a wait of its ran
+  // out within as long as that wait lasted. Serving thread only.
+  bool behind(uid_t uid) noexcept {
+    drop_lapsed_behind(clock_type::now());
+    return behind_until_.contains(uid);
+  }
+
+  // A wait of `uid`'s that lasted `waited` ended unserved (it ran out, or
+  // its borrower ended it): its borrows go behind the other uids' for as long.
+  void put_behind(uid_t uid, clock_type::duration waited) noexcept {
+    const auto now = clock_type::now();
+    drop_lapsed_behind(now);
+    try {
+      auto& until = behind_until_[uid];
+      until = std::max(until, now + waited);
+    } catch (const std::bad_alloc&) {  // NOLINT(bugprone-empty-catch): no memory: the uid keeps its place
+    }
+  }
+
+  void drop_lapsed_behind(clock_type::time_point now) noexcept {
+    std::erase_if(behind_until_, [&](const auto& entry) { return entry.second <= now; });
   }
 
   // Refuses `b`'s waiting borrow now and takes it out of the line: it
-  // stopped waiting (`why`).
-  void end_wait(borrower_entry& b, const char* why) {
+  // stopped waiting (`why`). One its borrower ended (`by_borrower`) puts its
+  // uid behind as one that ran out would: else ending each wait just before
+  // it runs out and asking again would keep a uid at the head for good.
+  void end_wait(borrower_entry& b, const char* why, bool by_borrower) {
     std::optional<detail::waiting_borrow> w;
     {
       std::lock_guard lock(mutex_);
@@ -1080,6 +1167,7 @@ class lender::state {
       w = waiting_.take(b.serial);
       note_head_change(head);
     }
+    if (w && by_borrower) put_behind(w->uid, clock_type::now() - w->since);
     b.waiting = false;
     if (w) send_refusal(b, w->request.request, refusal::stopped_waiting, std::string("stopped waiting for memory: ") + why);
   }
@@ -1102,6 +1190,7 @@ class lender::state {
       note_head_change(head);
     }
     for (auto& w : expired) {
+      put_behind(w.uid, w.until - w.since);
       borrower_entry* b = connected(w.serial);
       if (b == nullptr) continue;
       b->waiting = false;
@@ -1501,9 +1590,9 @@ class lender::state {
   // thread (the line's only writer: read unlocked).
   std::size_t waiting_by_uid(uid_t uid, std::uint64_t except) const {
     std::size_t bytes = 0;
-    for (const auto& w : waiting_.line()) {
+    waiting_.visit([&](const detail::waiting_borrow& w) {
       if (w.uid == uid && w.serial != except) bytes += w.bytes;
-    }
+    });
     return bytes;
   }
 
@@ -1647,7 +1736,8 @@ class lender::state {
     spares_.drop_keeper(b.serial);
     if (!waiting_.empty()) {
       const std::uint64_t head = waiting_.head().serial;
-      (void)waiting_.take(b.serial);
+      // A hang-up ends a wait as the borrower's cancel does (end_wait).
+      if (auto w = waiting_.take(b.serial)) put_behind(w->uid, clock_type::now() - w->since);
       note_head_change(head);
     }
     for (auto it = regions_.begin(); it != regions_.end();) {
@@ -1750,7 +1840,7 @@ class lender::state {
     std::string why;  // made while `head` is valid: ending waits below may move the line
     try {
       std::vector<std::uint64_t> waiting_serials;
-      for (const auto& w : waiting_.line()) waiting_serials.push_back(w.serial);
+      waiting_.visit([&](const detail::waiting_borrow& w) { waiting_serials.push_back(w.serial); });
       std::sort(waiting_serials.begin(), waiting_serials.end());
       const auto waits = [&](std::uint64_t serial) {
         return std::binary_search(waiting_serials.begin(), waiting_serials.end(), serial);
@@ -1798,7 +1888,7 @@ class lender::state {
     // ends first (refused, stopped_waiting), then the revoke goes.
     for (const std::uint64_t serial : waits_to_end) {
       if (borrower_entry* b = connected(serial)) {
-        answer_waiting(*b, [&] { end_wait(*b, "its regions are preempted for the borrow first in line"); });
+        answer_waiting(*b, [&] { end_wait(*b, "its regions are preempted for the borrow first in line", false); });
       }
     }
     try {
@@ -2011,6 +2101,9 @@ class lender::state {
   detail::prepared_chunks prepared_;
   lender_status counters_;
   detail::waiting_borrows waiting_;  // borrows that wait for memory, in the order they are served
+  // Serving thread only: until when each uid's new borrows wait behind the
+  // other uids' (put_behind); no entry in the past once looked at.
+  std::map<uid_t, clock_type::time_point> behind_until_;
   detail::orphan_checks orphan_checks_{orphan_lookups_per_check};  // serving thread only
   // Serving thread only: memory may have come free since the head of
   // waiting_ was last tried (a region released, a new head, the periodic

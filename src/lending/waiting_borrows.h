@@ -9,9 +9,15 @@
 // borrow sent without a wait is refused at once (the memory given back goes
 // to the waiting ones first).
 //
+// But two lines, served one after the other: a borrow of a uid whose wait
+// ran out lately (the lender decides, when it comes) waits behind every
+// borrow of the first line, and holds up only its own uid's borrows without
+// a wait. So a uid that keeps asking for more than will come free holds the
+// other uids up for one wait, then waits behind them.
+//
 // Invariants, next to the data:
-//   a connection (serial) appears at most once: anything it sends while its
-//   borrow waits ends that wait first (the lender refuses it);
+//   a connection (serial) appears at most once over both lines: anything it
+//   sends while its borrow waits ends that wait first (the lender refuses it);
 //   until >= since for every entry.
 //
 // Not thread-safe: the lender guards it with its mutex.
@@ -43,12 +49,17 @@ struct waiting_borrow {
 
 class waiting_borrows {
  public:
-  /// Keeps `w` last in line. When memory runs out (bad_alloc) nothing changed.
-  void push(waiting_borrow&& w) { line_.push_back(std::move(w)); }
-  [[nodiscard]] bool empty() const noexcept { return line_.empty(); }
+  /// Keeps `w` last in the first line, or last behind it when `behind`. When
+  /// memory runs out (bad_alloc) nothing changed.
+  void push(waiting_borrow&& w, bool behind) { (behind ? behind_ : first_).push_back(std::move(w)); }
+  [[nodiscard]] bool empty() const noexcept { return first_.empty() && behind_.empty(); }
+  /// Whether a borrow waits in the first line.
+  [[nodiscard]] bool first_waits() const noexcept { return !first_.empty(); }
   /// The borrow served next; empty() must be false.
-  [[nodiscard]] const waiting_borrow& head() const noexcept { return line_.front(); }
-  void pop_head() noexcept { line_.pop_front(); }
+  [[nodiscard]] const waiting_borrow& head() const noexcept {
+    return first_.empty() ? behind_.front() : first_.front();
+  }
+  void pop_head() noexcept { (first_.empty() ? behind_ : first_).pop_front(); }
   /// Connection `serial`'s waiting borrow, or nullptr.
   [[nodiscard]] const waiting_borrow* find(std::uint64_t serial) const noexcept;
   /// Takes connection `serial`'s borrow out of the line (it hung up, or
@@ -58,10 +69,16 @@ class waiting_borrows {
   [[nodiscard]] std::vector<waiting_borrow> take_expired(std::chrono::steady_clock::time_point now);
   /// When the first wait runs out; nullopt when none waits.
   [[nodiscard]] std::optional<std::chrono::steady_clock::time_point> next_expiry() const noexcept;
-  [[nodiscard]] const std::deque<waiting_borrow>& line() const noexcept { return line_; }
+  /// Calls `visit` with each waiting borrow, in the order they are served.
+  template <class Visit>
+  void visit(Visit&& visit) const {
+    for (const auto& w : first_) visit(w);
+    for (const auto& w : behind_) visit(w);
+  }
 
  private:
-  std::deque<waiting_borrow> line_;
+  std::deque<waiting_borrow> first_;
+  std::deque<waiting_borrow> behind_;  // served once first_ is empty
 };
 
 }  // namespace shoal::lending::detail

@@ -250,6 +250,44 @@ TEST(lending_observers, a_place_freed_in_the_same_turn_serves_the_held_back_borr
       << "turned away while the place of a borrower that left was free";
 }
 
+// A borrower held back while a connection greeted at once has not said which
+// it is waits for that one's hello (or its hang-up), not turned away for a
+// place an observer turns out not to take.
+TEST(lending_observers, a_held_back_borrower_waits_for_a_connection_yet_to_say_which_and_is_served_if_it_observes) {
+  lender_config config = limits(1, 1);
+  config.peer_timeout = 5000ms;
+  observed_lender o(config);
+  auto unannounced = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+  channel::check_hello(unannounced.receive_for(2000ms), lending::detail::lending_protocol);  // greeted at once
+  auto waiting = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+  EXPECT_THROW((void)waiting.receive_for(100ms), timeout_error) << "greeted while the borrowers' place was taken";
+  ASSERT_TRUE(eventually([&] { return o.l.status().connections == 2; }));
+  channel::send_hello(waiting, lending::detail::lending_protocol);
+  EXPECT_THROW((void)waiting.receive_for(300ms), timeout_error) << "answered before the other said which it is";
+  channel::send_hello(unannounced, lending::detail::observer_protocol);
+  EXPECT_NO_THROW(channel::check_hello(waiting.receive_for(2000ms), lending::detail::lending_protocol))
+      << "turned away for the place of a connection that turned out an observer";
+  EXPECT_TRUE(eventually([&] { return o.l.status().borrowers == 1 && o.l.status().observers == 1; }));
+  EXPECT_EQ(o.l.status().refusals, 0u);
+}
+
+TEST(lending_observers, a_held_back_borrower_waiting_for_a_connection_yet_to_say_which_is_refused_if_it_borrows) {
+  lender_config config = limits(1, 1);
+  config.peer_timeout = 5000ms;
+  observed_lender o(config);
+  auto unannounced = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+  channel::check_hello(unannounced.receive_for(2000ms), lending::detail::lending_protocol);
+  auto waiting = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+  ASSERT_TRUE(eventually([&] { return o.l.status().connections == 2; }));
+  channel::send_hello(waiting, lending::detail::lending_protocol);
+  EXPECT_THROW((void)waiting.receive_for(300ms), timeout_error) << "answered before the other said which it is";
+  const auto asked = std::chrono::steady_clock::now();
+  channel::send_hello(unannounced, lending::detail::lending_protocol);  // a borrower: the place is taken
+  EXPECT_THROW((void)waiting.receive_for(4000ms), connection_closed) << "served past max_borrowers";
+  EXPECT_LT(std::chrono::steady_clock::now() - asked, 2000ms) << "turned away only at the end of its wait";
+  EXPECT_TRUE(eventually([&] { return o.l.status().borrowers == 1 && o.l.status().refusals == 1; }));
+}
+
 // The lender's hello waits for the connection's: one that says nothing gets
 // nothing, holds a place of its uid's class only until the peer timeout,
 // and is then hung up on.

@@ -416,6 +416,116 @@ TEST(lending_waiting_borrow, what_a_uid_waits_for_counts_against_its_quota) {
   EXPECT_EQ(lent.rfind("lent ", 0), 0u) << lent;
 }
 
+// Borrows `bytes` without a wait: "lent" (the region kept in `kept`), or the refusal's reason.
+std::string borrow_at_once(borrower& b, std::size_t bytes, std::vector<borrowed_region>& kept) {
+  try {
+    kept.push_back(b.borrow(bytes, "at once"));
+    return "lent";
+  } catch (const lending::memory_refused& e) {
+    return std::string(lending::to_string(e.reason()));
+  }
+}
+
+// A lender of 8 MiB, 5 MiB of it held by this process (uid 0), that admits
+// borrowers of uid nobody (child processes).
+struct two_uids {
+  static constexpr uid_t nobody = 65534;
+  std::string name = "shoal-behind-test-" + std::to_string(::getpid());
+  backend::device& dev = backend::host_device_instance();
+  lender l{dev, channel::channel_address::abstract(name),
+           {.capacity_bytes = 8 * mib, .policy = channel::access_policy{{nobody}, {}}}};
+  borrower holder{dev, l.address()};
+  borrowed_region held = holder.borrow(5 * mib, "held");  // 3 MiB stay free
+
+  // A borrower of uid nobody whose borrow of `bytes` waits up to `wait`; it
+  // says "lent <id>" or "refused <why>".
+  std::unique_ptr<child_process> nobody_waiting(std::size_t bytes, std::chrono::milliseconds wait) {
+    auto child = std::make_unique<child_process>(
+        SHOAL_TEST_BORROWER, std::vector<std::string>{"wait-borrow", "host", "@" + name, std::to_string(bytes),
+                                                      std::to_string(wait.count()), "nobody"});
+    EXPECT_TRUE(eventually([&] { return l.status().waiting.size() == 1; }));
+    return child;
+  }
+};
+
+TEST(lending_waiting_borrow, a_uid_whose_wait_ran_out_waits_behind_the_other_uids_for_as_long_as_it_waited) {
+  if (::geteuid() != 0) GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root";
+  two_uids f;
+  borrower other(f.dev, f.l.address()), other_waiting(f.dev, f.l.address());
+  std::vector<borrowed_region> kept;
+  // Uid nobody asks for more than will come free; its wait runs out, and it asks again at once.
+  auto first = f.nobody_waiting(4 * mib, 1s);
+  EXPECT_EQ(borrow_at_once(other, mib, kept), "others_waiting") << "during uid nobody's first wait";
+  const std::string expired = line_from(*first);
+  EXPECT_NE(expired.find("waited 1000 ms"), std::string::npos) << expired;
+  auto again = f.nobody_waiting(4 * mib, 10s);
+  EXPECT_EQ(borrow_at_once(other, mib, kept), "lent") << "uid nobody's second wait held another uid's borrow up";
+  auto ahead = std::async(std::launch::async, [&] {
+    return other_waiting.borrow(4 * mib, "ahead", region_mode::exclusive, answer_timeout, borrow_wait{10s, {}});
+  });
+  ASSERT_TRUE(eventually([&] { return f.l.status().waiting.size() == 2; }));
+  const auto line = f.l.status().waiting;
+  EXPECT_EQ(line[0].uid, 0u) << "the status lists the line in the order it is served";
+  EXPECT_EQ(line[1].uid, two_uids::nobody);
+  f.holder.give_back(std::move(f.held));  // 7 MiB free: room for one of the two 4 MiB borrows
+  ASSERT_EQ(ahead.wait_for(2s), std::future_status::ready) << "uid nobody's borrow waiting behind went first";
+  auto region = ahead.get();
+  EXPECT_TRUE(eventually([&] { return f.l.status().waiting.size() == 1; }));
+  other_waiting.give_back(std::move(region));
+  const std::string lent = line_from(*again);
+  EXPECT_EQ(lent.rfind("lent ", 0), 0u) << "a borrow waiting behind is served in its turn: " << lent;
+}
+
+// Ending a wait just before it runs out (here by hanging up) and asking
+// again keeps no uid ahead: a wait its borrower ends puts its uid behind too.
+TEST(lending_waiting_borrow, a_uid_whose_borrower_ended_its_wait_waits_behind_the_other_uids_as_after_one_ran_out) {
+  if (::geteuid() != 0) GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root";
+  two_uids f;
+  borrower other(f.dev, f.l.address());
+  std::vector<borrowed_region> kept;
+  auto first = f.nobody_waiting(4 * mib, 10s);
+  EXPECT_EQ(borrow_at_once(other, mib, kept), "others_waiting") << "during uid nobody's first wait";
+  std::this_thread::sleep_for(1500ms);
+  first.reset();  // killed with its borrow waiting: its connection hangs up
+  ASSERT_TRUE(eventually([&] { return f.l.status().waiting.empty(); }));
+  auto again = f.nobody_waiting(4 * mib, 10s);
+  EXPECT_EQ(borrow_at_once(other, mib, kept), "lent") << "uid nobody's wait after a hang-up held another uid's borrow up";
+}
+
+TEST(lending_waiting_borrow, a_uid_waits_behind_the_others_no_longer_than_its_wait_lasted) {
+  if (::geteuid() != 0) GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root";
+  two_uids f;
+  borrower other(f.dev, f.l.address());
+  std::vector<borrowed_region> kept;
+  auto first = f.nobody_waiting(4 * mib, 300ms);
+  const std::string expired = line_from(*first);
+  EXPECT_EQ(expired.rfind("refused", 0), 0u) << expired;
+  std::this_thread::sleep_for(500ms);  // past the 300 ms it waited
+  auto again = f.nobody_waiting(4 * mib, 10s);
+  EXPECT_EQ(borrow_at_once(other, mib, kept), "others_waiting") << "uid nobody still waits behind the others";
+}
+
+TEST(lending_waiting_borrow, within_one_uid_the_line_stays_in_order_after_a_wait_runs_out) {
+  waiting_fixture f(8 * mib);  // every borrower of one uid, as most deployments run
+  borrower holder(f.dev, f.l->address()), model_a(f.dev, f.l->address()), model_b(f.dev, f.l->address()),
+      model_c(f.dev, f.l->address());
+  auto held = holder.borrow(5 * mib, "held");  // 3 MiB stay free
+  EXPECT_THROW((void)model_a.borrow(4 * mib, "model A", region_mode::exclusive, answer_timeout, borrow_wait{300ms, {}}),
+               out_of_memory);
+  auto a = f.borrow_waiting(model_a, 4 * mib, "model A again", 10s);
+  ASSERT_TRUE(f.waiting(1));
+  std::vector<borrowed_region> kept;
+  EXPECT_EQ(borrow_at_once(model_b, mib, kept), "others_waiting");
+  auto c = f.borrow_waiting(model_c, 2 * mib, "model C", 10s);
+  ASSERT_TRUE(f.waiting(2));
+  EXPECT_EQ(c.wait_for(200ms), std::future_status::timeout) << "model C fits the free 3 MiB but went ahead of model A";
+  holder.give_back(std::move(held));
+  ASSERT_EQ(a.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(c.wait_for(2s), std::future_status::ready);
+  EXPECT_TRUE(a.get().valid());
+  EXPECT_TRUE(c.get().valid());
+}
+
 TEST(lending_waiting_borrow, the_borrowers_other_calls_give_up_at_their_timeout_and_revokes_still_reach_it) {
   waiting_fixture f(8 * mib);
   borrower holder(f.dev, f.l->address()), b(f.dev, f.l->address()), operator_(f.dev, f.l->address());

@@ -58,8 +58,10 @@
 // Waiting borrows: a borrow that does not fit and was sent with a wait
 // (borrow_wait) is kept in a line and lent as memory is given back, the
 // line served strictly in order; one whose wait runs out is refused
-// (capacity). While any borrow waits, a borrow without a wait is refused at
-// once; a waiting borrower that sends anything (cancel_wait, or another
+// (capacity), and its uid's borrows then wait behind the other uids' for as
+// long as it waited, as after a wait its borrower ended (config.max_wait). While any borrow waits, a borrow without a wait is
+// refused at once (while only borrows behind wait, only one of their uids);
+// a waiting borrower that sends anything (cancel_wait, or another
 // request) has its borrow refused first, and one that hangs up leaves the
 // line. What waiting cannot make fit (past the capacity or a quota) is
 // refused at once. With config.preempt_after set, the lender also asks other
@@ -150,7 +152,9 @@ struct lender_config {
   /// room, the lender reads a new connection's hello before it sends its
   /// own, and turns it away (closed before its hello: peer_refused at
   /// connect) when its kind has no room by then; a connection greeted at once
-  /// counts as a borrower until its hello says otherwise. 0: none.
+  /// counts as a borrower until its hello says otherwise (a borrower held
+  /// back for such connections alone waits for their hellos, up to
+  /// peer_timeout, and is taken on if one turns out an observer). 0: none.
   /// Connections of the lender's own uid and root are bounded apart from the
   /// others' — each class to max_borrowers + max_observers connections (those
   /// whose hello has not come included), max_borrowers borrowers and
@@ -174,7 +178,16 @@ struct lender_config {
   /// The longest a borrow may wait for memory (above 0, at most the
   /// protocol's ~49 days): a longer wait is cut to this. Bounds how long one
   /// borrower at the head of the line, asking for more than will come free,
-  /// holds every later borrow up.
+  /// holds every later borrow up. A uid whose wait ends unserved (it runs
+  /// out, or its borrower cancels it or hangs up) then waits behind the
+  /// other uids for as long as it waited: its waits begun meanwhile are
+  /// served after theirs and hold up none of theirs. So a uid that keeps
+  /// asking for more than will come free holds the others up for one wait,
+  /// then waits behind them as long: with one wait at a time, at most half
+  /// the time even when it pauses between waits, never while it re-asks at
+  /// once. Within one uid the line stays strictly in order (most deployments
+  /// run every borrower as one uid: nothing changes for them).
+  /// docs/architecture.md, "What bounds one borrower's hold on the line".
   std::chrono::milliseconds max_wait{std::chrono::minutes(5)};
   /// Preemption, off when empty: once the first borrow in the waiting line
   /// has waited this long (zero: at once) and the capacity has no room for
