@@ -345,7 +345,7 @@ class lender::state {
       bool pending = false;
       for (const auto& b : borrowers_) {
         const bool answers_wait = b.link.unsent_bytes() > 0;
-        pending = pending || (!answers_wait && b.link.pending() > 0);
+        pending = pending || (!answers_wait && !b.room_awaited_until && b.link.pending() > 0);
         // One awaiting room is polled for nothing: only its hang-up wakes the loop.
         const short events = b.room_awaited_until ? short{0} : answers_wait ? short{POLLOUT} : short{POLLIN};
         fds_.push_back({b.link.native_handle(), events, 0});
@@ -625,7 +625,17 @@ class lender::state {
       turn_away(b, class_full(b, observer, now));
       return;
     }
+    // Room comes to those awaiting it first, in the order they came.
+    if (!observer && b.held_back && awaiting_room(b.operator_uid)) {
+      b.room_awaited_until = clock_type::now() + config_.peer_timeout;
+      return;
+    }
     welcome(b, observer);
+  }
+
+  bool awaiting_room(bool operator_uid) const noexcept {
+    return live_count([&](const borrower_entry& e) { return e.room_awaited_until && e.operator_uid == operator_uid; }) >
+           0;
   }
 
   std::string class_full(const borrower_entry& b, bool observer, std::size_t now) const {
@@ -683,7 +693,9 @@ class lender::state {
   // ends up failed or broken, and the loop hangs up on it.
   void serve_one(borrower_entry& b) {
     try {
-      for (std::size_t served = 0; served < channel::max_batch_frames && !b.failed; ++served) {
+      // Nothing more is read from one awaiting room (frames after its hello wait).
+      for (std::size_t served = 0; served < channel::max_batch_frames && !b.failed && !b.room_awaited_until;
+           ++served) {
         // Once its batch's frames are handled, the socket is polled again
         // rather than read at once: no read that finds nothing. Once an
         // answer waits, the rest wait for it to go.
@@ -888,7 +900,9 @@ class lender::state {
     if (auto refused = quota_refusal(b, bytes)) return send_refusal(b, m.request, refused->reason, refused->why);
     // The serving thread, the line's only writer, reads it unlocked. Borrows
     // waiting behind hold up only their own uid's.
-    const bool others_wait = waiting_.first_waits() || (!waiting_.empty() && behind(b.link.peer().uid));
+    refresh_behind();
+    const bool others_wait =
+        waiting_.first_waits() || (!waiting_.empty() && behind(b.link.peer().uid, clock_type::now()));
     if (others_wait && m.wait_ms == 0) {
       return send_refusal(b, m.request, refusal::others_waiting,
                           "borrows wait for memory ahead of this one, which does not wait: memory given back goes "
@@ -1120,10 +1134,10 @@ class lender::state {
   void wait_for_room(borrower_entry& b, const detail::borrow_message& m, std::size_t bytes) {
     const auto now = clock_type::now();
     const auto wait = std::min(std::chrono::milliseconds(m.wait_ms), config_.max_wait);
-    const bool goes_behind = behind(b.link.peer().uid);
+    const bool goes_behind = behind(b.link.peer().uid, now);
     {
       std::lock_guard lock(mutex_);
-      waiting_.push({b.serial, b.link.peer().process, b.link.peer().uid, m, bytes, now, now + wait}, goes_behind);
+      waiting_.push({b.serial, b.link.peer().process, b.link.peer().uid, m, bytes, now, now + wait, goes_behind});
       ++counters_.waits;
     }
     b.waiting = true;
@@ -1132,27 +1146,52 @@ class lender::state {
              (goes_behind ? ", behind other uids' borrows (a wait of its uid ran out lately)" : ""));
   }
 
-  // Whether `uid`'s borrows go behind the other uids' now: a wait of its ran
-  // out within as long as that wait lasted. Serving thread only.
-  bool behind(uid_t uid) noexcept {
-    drop_lapsed_behind(clock_type::now());
-    return behind_until_.contains(uid);
+  // Whether `uid`'s borrows wait behind the other uids' at `now`. Serving
+  // thread only.
+  bool behind(uid_t uid, clock_type::time_point now) const noexcept {
+    const auto it = behind_.find(uid);
+    return it != behind_.end() && now < it->second.until;
   }
 
-  // A wait of `uid`'s that lasted `waited` ended unserved (it ran out, or
-  // its borrower ended it): its borrows go behind the other uids' for as long.
-  void put_behind(uid_t uid, clock_type::duration waited) noexcept {
+  // Waiting borrow `w` ended unserved at `end` (it ran out, its borrower
+  // ended it, or it was refused at its turn): its uid's borrows go behind
+  // the other uids' for as long as it held the line — its wait less the time
+  // its uid already waited behind meanwhile (the last such stretch; earlier
+  // ones count as held, which errs against the uid). Serving thread only.
+  void put_behind(const detail::waiting_borrow& w, clock_type::time_point end) noexcept {
     const auto now = clock_type::now();
-    drop_lapsed_behind(now);
+    // A stretch over for longer than any wait lasts overlaps no wait again.
+    std::erase_if(behind_, [&](const auto& entry) { return entry.second.until + config_.max_wait <= now; });
+    clock_type::duration held = end - w.since;
+    const auto it = behind_.find(w.uid);
+    if (it != behind_.end()) {
+      const auto from = std::max(w.since, it->second.start);
+      const auto to = std::min(end, it->second.until);
+      if (to > from) held -= to - from;
+    }
+    if (held <= clock_type::duration::zero()) return;
     try {
-      auto& until = behind_until_[uid];
-      until = std::max(until, now + waited);
+      behind_period& p = behind_[w.uid];
+      if (now < p.until) {
+        p.until = std::max(p.until, now + held);
+      } else {
+        p = {now, now + held};
+      }
     } catch (const std::bad_alloc&) {  // NOLINT(bugprone-empty-catch): no memory: the uid keeps its place
     }
   }
 
-  void drop_lapsed_behind(clock_type::time_point now) noexcept {
-    std::erase_if(behind_until_, [&](const auto& entry) { return entry.second <= now; });
+  // Marks the waiting borrows behind or not as their uids are now (a
+  // stretch behind may have begun or lapsed); a new head may fit. Under
+  // mutex_ (status reads the marks), on the serving thread.
+  void mark_behind_locked() noexcept {
+    const auto now = clock_type::now();
+    if (waiting_.mark_behind([&](uid_t uid) { return behind(uid, now); })) room_changed_ = true;
+  }
+  void refresh_behind() noexcept {
+    if (waiting_.empty()) return;  // the serving thread, the line's only writer, reads it unlocked
+    std::lock_guard lock(mutex_);
+    mark_behind_locked();
   }
 
   // Refuses `b`'s waiting borrow now and takes it out of the line: it
@@ -1167,7 +1206,10 @@ class lender::state {
       w = waiting_.take(b.serial);
       note_head_change(head);
     }
-    if (w && by_borrower) put_behind(w->uid, clock_type::now() - w->since);
+    if (w && by_borrower) {
+      put_behind(*w, clock_type::now());
+      refresh_behind();
+    }
     b.waiting = false;
     if (w) send_refusal(b, w->request.request, refusal::stopped_waiting, std::string("stopped waiting for memory: ") + why);
   }
@@ -1189,8 +1231,9 @@ class lender::state {
       counters_.waits_expired += expired.size();
       note_head_change(head);
     }
+    for (const auto& w : expired) put_behind(w, w.until);
+    refresh_behind();
     for (auto& w : expired) {
-      put_behind(w.uid, w.until - w.since);
       borrower_entry* b = connected(w.serial);
       if (b == nullptr) continue;
       b->waiting = false;
@@ -1213,6 +1256,9 @@ class lender::state {
       if (b != nullptr) {
         answer_waiting(*b, [&] {
           if (auto refused = quota_refusal(*b, head.bytes)) {
+            // Ended unserved at its turn, as one that ran out (else a uid could
+            // have its head wait refused so, just before it runs out).
+            put_behind(head, clock_type::now());
             send_refusal(*b, head.request.request, refused->reason, refused->why);
             served = true;
             return;
@@ -1233,7 +1279,8 @@ class lender::state {
       if (b != nullptr) b->waiting = false;
       head_refused_by_device_ = false;
       std::lock_guard lock(mutex_);
-      waiting_.pop_head();  // `head` is gone from here on
+      (void)waiting_.take(serial);  // `head` is gone from here on
+      mark_behind_locked();         // a refusal above may have put its uid behind
     }
   }
 
@@ -1555,10 +1602,13 @@ class lender::state {
     }
     if (config_.quota_bytes_per_uid != 0) {
       const std::size_t held = held_by_uid(uid);
-      if (!uid_holds_it && held + bytes > config_.quota_bytes_per_uid) {
+      const std::size_t waits = waiting_by_uid(uid, b.serial);  // as an exclusive borrow counts them
+      if (!uid_holds_it && held + waits + bytes > config_.quota_bytes_per_uid) {
         return refuse(refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held) +
                                           " bytes over all its connections, orphaned regions and memory they keep "
-                                          "mapped; shared region '" +
+                                          "mapped" +
+                                          (waits > 0 ? " and waits for " + std::to_string(waits) + " more" : "") +
+                                          "; shared region '" +
                                           m.name + "' (" + std::to_string(bytes) +
                                           " bytes) would pass its per-uid quota of " +
                                           std::to_string(config_.quota_bytes_per_uid));
@@ -1737,7 +1787,10 @@ class lender::state {
     if (!waiting_.empty()) {
       const std::uint64_t head = waiting_.head().serial;
       // A hang-up ends a wait as the borrower's cancel does (end_wait).
-      if (auto w = waiting_.take(b.serial)) put_behind(w->uid, clock_type::now() - w->since);
+      if (auto w = waiting_.take(b.serial)) {
+        put_behind(*w, clock_type::now());
+        mark_behind_locked();
+      }
       note_head_change(head);
     }
     for (auto it = regions_.begin(); it != regions_.end();) {
@@ -2101,9 +2154,14 @@ class lender::state {
   detail::prepared_chunks prepared_;
   lender_status counters_;
   detail::waiting_borrows waiting_;  // borrows that wait for memory, in the order they are served
-  // Serving thread only: until when each uid's new borrows wait behind the
-  // other uids' (put_behind); no entry in the past once looked at.
-  std::map<uid_t, clock_type::time_point> behind_until_;
+  // Serving thread only: each uid's last stretch behind the other uids
+  // (put_behind); kept max_wait past its end, to tell how long a wait of it
+  // held the line.
+  struct behind_period {
+    clock_type::time_point start;
+    clock_type::time_point until;
+  };
+  std::map<uid_t, behind_period> behind_;
   detail::orphan_checks orphan_checks_{orphan_lookups_per_check};  // serving thread only
   // Serving thread only: memory may have come free since the head of
   // waiting_ was last tried (a region released, a new head, the periodic

@@ -9,15 +9,18 @@
 // borrow sent without a wait is refused at once (the memory given back goes
 // to the waiting ones first).
 //
-// But two lines, served one after the other: a borrow of a uid whose wait
-// ran out lately (the lender decides, when it comes) waits behind every
-// borrow of the first line, and holds up only its own uid's borrows without
-// a wait. So a uid that keeps asking for more than will come free holds the
-// other uids up for one wait, then waits behind them.
+// But a uid whose wait ended unserved lately waits behind the other uids
+// (the lender marks its borrows `behind` while that lasts, and clears the
+// mark when it lapses): the line is served first-class borrows first, in
+// the order they came, then the borrows behind, in the order they came; a
+// borrow behind holds up only its own uid's borrows without a wait. So a uid
+// that keeps asking for more than will come free holds the other uids up
+// for one wait, then waits behind them. Within one uid the order is the
+// order the borrows came (its borrows share one mark).
 //
 // Invariants, next to the data:
-//   a connection (serial) appears at most once over both lines: anything it
-//   sends while its borrow waits ends that wait first (the lender refuses it);
+//   a connection (serial) appears at most once: anything it sends while its
+//   borrow waits ends that wait first (the lender refuses it);
 //   until >= since for every entry.
 //
 // Not thread-safe: the lender guards it with its mutex.
@@ -45,25 +48,32 @@ struct waiting_borrow {
   std::size_t bytes = 0;  ///< request.bytes rounded up to the device's granularity
   std::chrono::steady_clock::time_point since;
   std::chrono::steady_clock::time_point until;  ///< refused once this passes
+  bool behind = false;                          ///< its uid waits behind the others now (mark_behind)
 };
 
 class waiting_borrows {
  public:
-  /// Keeps `w` last in the first line, or last behind it when `behind`. When
-  /// memory runs out (bad_alloc) nothing changed.
-  void push(waiting_borrow&& w, bool behind) { (behind ? behind_ : first_).push_back(std::move(w)); }
-  [[nodiscard]] bool empty() const noexcept { return first_.empty() && behind_.empty(); }
-  /// Whether a borrow waits in the first line.
-  [[nodiscard]] bool first_waits() const noexcept { return !first_.empty(); }
-  /// The borrow served next; empty() must be false.
-  [[nodiscard]] const waiting_borrow& head() const noexcept {
-    return first_.empty() ? behind_.front() : first_.front();
+  /// Keeps `w` last in line. When memory runs out (bad_alloc) nothing changed.
+  void push(waiting_borrow&& w) { line_.push_back(std::move(w)); }
+  [[nodiscard]] bool empty() const noexcept { return line_.empty(); }
+  /// Whether a borrow not behind waits.
+  [[nodiscard]] bool first_waits() const noexcept;
+  /// The borrow served next: the first not behind, else the first; empty()
+  /// must be false.
+  [[nodiscard]] const waiting_borrow& head() const noexcept;
+  /// Marks each borrow behind or not as `behind(uid)` says; whether the
+  /// head changed.
+  template <class Behind>
+  bool mark_behind(Behind&& behind) noexcept {
+    if (line_.empty()) return false;
+    const std::uint64_t before = head().serial;
+    for (auto& w : line_) w.behind = behind(w.uid);
+    return head().serial != before;
   }
-  void pop_head() noexcept { (first_.empty() ? behind_ : first_).pop_front(); }
   /// Connection `serial`'s waiting borrow, or nullptr.
   [[nodiscard]] const waiting_borrow* find(std::uint64_t serial) const noexcept;
-  /// Takes connection `serial`'s borrow out of the line (it hung up, or
-  /// stopped waiting); nullopt when it had none.
+  /// Takes connection `serial`'s borrow out of the line (it was served, hung
+  /// up, or stopped waiting); nullopt when it had none.
   std::optional<waiting_borrow> take(std::uint64_t serial) noexcept;
   /// Takes out every borrow whose wait has run out by `now`, in line order.
   [[nodiscard]] std::vector<waiting_borrow> take_expired(std::chrono::steady_clock::time_point now);
@@ -72,13 +82,16 @@ class waiting_borrows {
   /// Calls `visit` with each waiting borrow, in the order they are served.
   template <class Visit>
   void visit(Visit&& visit) const {
-    for (const auto& w : first_) visit(w);
-    for (const auto& w : behind_) visit(w);
+    for (const auto& w : line_) {
+      if (!w.behind) visit(w);
+    }
+    for (const auto& w : line_) {
+      if (w.behind) visit(w);
+    }
   }
 
  private:
-  std::deque<waiting_borrow> first_;
-  std::deque<waiting_borrow> behind_;  // served once first_ is empty
+  std::deque<waiting_borrow> line_;  // in the order the borrows came
 };
 
 }  // namespace shoal::lending::detail

@@ -454,10 +454,11 @@ TEST(lending_waiting_borrow, a_uid_whose_wait_ran_out_waits_behind_the_other_uid
   borrower other(f.dev, f.l.address()), other_waiting(f.dev, f.l.address());
   std::vector<borrowed_region> kept;
   // Uid nobody asks for more than will come free; its wait runs out, and it asks again at once.
-  auto first = f.nobody_waiting(4 * mib, 1s);
+  // 3 s: it waits behind as long, past every step below.
+  auto first = f.nobody_waiting(4 * mib, 3s);
   EXPECT_EQ(borrow_at_once(other, mib, kept), "others_waiting") << "during uid nobody's first wait";
   const std::string expired = line_from(*first);
-  EXPECT_NE(expired.find("waited 1000 ms"), std::string::npos) << expired;
+  EXPECT_NE(expired.find("waited 3000 ms"), std::string::npos) << expired;
   auto again = f.nobody_waiting(4 * mib, 10s);
   EXPECT_EQ(borrow_at_once(other, mib, kept), "lent") << "uid nobody's second wait held another uid's borrow up";
   auto ahead = std::async(std::launch::async, [&] {
@@ -485,11 +486,41 @@ TEST(lending_waiting_borrow, a_uid_whose_borrower_ended_its_wait_waits_behind_th
   std::vector<borrowed_region> kept;
   auto first = f.nobody_waiting(4 * mib, 10s);
   EXPECT_EQ(borrow_at_once(other, mib, kept), "others_waiting") << "during uid nobody's first wait";
-  std::this_thread::sleep_for(1500ms);
-  first.reset();  // killed with its borrow waiting: its connection hangs up
+  std::this_thread::sleep_for(3s);  // it waits behind as long, past every step below
+  first.reset();                    // killed with its borrow waiting: its connection hangs up
   ASSERT_TRUE(eventually([&] { return f.l.status().waiting.empty(); }));
   auto again = f.nobody_waiting(4 * mib, 10s);
   EXPECT_EQ(borrow_at_once(other, mib, kept), "lent") << "uid nobody's wait after a hang-up held another uid's borrow up";
+}
+
+// A uid behind for a short while (a wait it ended at once) goes back to its
+// place in line when that lapses: its wait, begun earlier, is served before a
+// later wait of another uid.
+TEST(lending_waiting_borrow, a_wait_begun_behind_takes_its_place_in_line_once_its_uids_stretch_behind_lapses) {
+  if (::geteuid() != 0) GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root";
+  two_uids f;
+  borrower other_waiting(f.dev, f.l.address());
+  auto first = f.nobody_waiting(4 * mib, 10s);
+  std::this_thread::sleep_for(500ms);
+  first.reset();  // ended by a hang-up: behind for about as long as it waited
+  ASSERT_TRUE(eventually([&] { return f.l.status().waiting.empty(); }));
+  auto again = f.nobody_waiting(4 * mib, 10s);
+  std::vector<borrowed_region> kept;
+  EXPECT_EQ(borrow_at_once(other_waiting, mib, kept), "lent") << "uid nobody's new wait did not begin behind";
+  std::this_thread::sleep_for(1s);  // past the stretch behind; nothing stays free (2 MiB granules), 6 MiB once the
+                                    // holder gives back
+  auto later = std::async(std::launch::async, [&] {
+    return other_waiting.borrow(4 * mib, "later", region_mode::exclusive, answer_timeout, borrow_wait{10s, {}});
+  });
+  ASSERT_TRUE(eventually([&] { return f.l.status().waiting.size() == 2; }));
+  EXPECT_EQ(f.l.status().waiting[0].uid, two_uids::nobody) << "uid nobody's earlier wait stayed behind a later one";
+  f.holder.give_back(std::move(f.held));  // room for one of the two 4 MiB borrows
+  const std::string lent = line_from(*again);
+  EXPECT_EQ(lent.rfind("lent ", 0), 0u) << "uid nobody's earlier wait was not served first: " << lent;
+  EXPECT_EQ(later.wait_for(200ms), std::future_status::timeout) << "the later wait went first";
+  again.reset();  // uid nobody's process goes, and its region with it: the later wait's turn
+  ASSERT_EQ(later.wait_for(5s), std::future_status::ready);
+  EXPECT_TRUE(later.get().valid());
 }
 
 TEST(lending_waiting_borrow, a_uid_waits_behind_the_others_no_longer_than_its_wait_lasted) {

@@ -59,7 +59,8 @@
 // (borrow_wait) is kept in a line and lent as memory is given back, the
 // line served strictly in order; one whose wait runs out is refused
 // (capacity), and its uid's borrows then wait behind the other uids' for as
-// long as it waited, as after a wait its borrower ended (config.max_wait). While any borrow waits, a borrow without a wait is
+// long as it held the line, as after a wait its borrower ended
+// (config.max_wait). While any borrow waits, a borrow without a wait is
 // refused at once (while only borrows behind wait, only one of their uids);
 // a waiting borrower that sends anything (cancel_wait, or another
 // request) has its borrow refused first, and one that hangs up leaves the
@@ -179,9 +180,10 @@ struct lender_config {
   /// protocol's ~49 days): a longer wait is cut to this. Bounds how long one
   /// borrower at the head of the line, asking for more than will come free,
   /// holds every later borrow up. A uid whose wait ends unserved (it runs
-  /// out, or its borrower cancels it or hangs up) then waits behind the
-  /// other uids for as long as it waited: its waits begun meanwhile are
-  /// served after theirs and hold up none of theirs. So a uid that keeps
+  /// out, its borrower cancels it or hangs up, or it is refused at its turn)
+  /// then waits behind the other uids for as long as that wait held the
+  /// line: meanwhile its waits are served after theirs and hold up none of
+  /// theirs, and take back their places by arrival once that lapses. So a uid that keeps
   /// asking for more than will come free holds the others up for one wait,
   /// then waits behind them as long: with one wait at a time, at most half
   /// the time even when it pauses between waits, never while it re-asks at
