@@ -901,8 +901,9 @@ class lender::state {
     // The serving thread, the line's only writer, reads it unlocked. Borrows
     // waiting behind hold up only their own uid's.
     refresh_behind();
-    const bool others_wait =
-        waiting_.first_waits() || (!waiting_.empty() && behind(b.link.peer().uid, clock_type::now()));
+    // Read once: the borrow goes in line marked as it was weighed here.
+    const bool asker_behind = behind(b.link.peer().uid, clock_type::now());
+    const bool others_wait = waiting_.first_waits() || (!waiting_.empty() && asker_behind);
     if (others_wait && m.wait_ms == 0) {
       return send_refusal(b, m.request, refusal::others_waiting,
                           "borrows wait for memory ahead of this one, which does not wait: memory given back goes "
@@ -925,7 +926,7 @@ class lender::state {
                               " back; it may not wait for memory until it has (nothing is given back on a "
                               "connection while its borrow waits)");
     }
-    wait_for_room(b, m, bytes);
+    wait_for_room(b, m, bytes, asker_behind);
     // With no one ahead (borrows behind at most) it is the head: when the
     // device (not the capacity) refused it, no give back would bring it round
     // again, so the periodic check tries it (other processes may free the
@@ -1131,14 +1132,17 @@ class lender::state {
   // Puts `b`'s borrow last in line, its wait cut to config_.max_wait — behind
   // the other uids' when its uid is behind: the loop reads `b` no further
   // until it is answered (serve_waiting).
-  void wait_for_room(borrower_entry& b, const detail::borrow_message& m, std::size_t bytes) {
+  void wait_for_room(borrower_entry& b, const detail::borrow_message& m, std::size_t bytes, bool goes_behind) {
     const auto now = clock_type::now();
     const auto wait = std::min(std::chrono::milliseconds(m.wait_ms), config_.max_wait);
-    const bool goes_behind = behind(b.link.peer().uid, now);
     {
       std::lock_guard lock(mutex_);
+      const std::uint64_t head = waiting_.empty() ? 0 : waiting_.head().serial;
       waiting_.push({b.serial, b.link.peer().process, b.link.peer().uid, m, bytes, now, now + wait, goes_behind});
       ++counters_.waits;
+      // Ahead of the borrows marked behind (its uid's stretch lapsed since they
+      // came): it was not tried, so it is. (Into an empty line it just was.)
+      if (head != 0) note_head_change(head);
     }
     b.waiting = true;
     emit(lender_event::kind::waiting, b.link.peer(), 0, bytes,
@@ -1162,7 +1166,7 @@ class lender::state {
     const auto now = clock_type::now();
     // A stretch over for longer than any wait lasts overlaps no wait again.
     std::erase_if(behind_, [&](const auto& entry) { return entry.second.until + config_.max_wait <= now; });
-    clock_type::duration held = end - w.since;
+    clock_type::duration held = std::min(end, w.until) - w.since;  // a wait lasts until its `until` at most
     const auto it = behind_.find(w.uid);
     if (it != behind_.end()) {
       const auto from = std::max(w.since, it->second.start);

@@ -501,14 +501,14 @@ TEST(lending_waiting_borrow, a_wait_begun_behind_takes_its_place_in_line_once_it
   two_uids f;
   borrower other_waiting(f.dev, f.l.address());
   auto first = f.nobody_waiting(4 * mib, 10s);
-  std::this_thread::sleep_for(500ms);
-  first.reset();  // ended by a hang-up: behind for about as long as it waited
+  std::this_thread::sleep_for(2s);  // behind as long, past starting the next borrower process
+  first.reset();                    // ended by a hang-up
   ASSERT_TRUE(eventually([&] { return f.l.status().waiting.empty(); }));
   auto again = f.nobody_waiting(4 * mib, 10s);
   std::vector<borrowed_region> kept;
   EXPECT_EQ(borrow_at_once(other_waiting, mib, kept), "lent") << "uid nobody's new wait did not begin behind";
-  std::this_thread::sleep_for(1s);  // past the stretch behind; nothing stays free (2 MiB granules), 6 MiB once the
-                                    // holder gives back
+  std::this_thread::sleep_for(2500ms);  // past the stretch behind; nothing stays free (2 MiB granules), 6 MiB
+                                        // once the holder gives back
   auto later = std::async(std::launch::async, [&] {
     return other_waiting.borrow(4 * mib, "later", region_mode::exclusive, answer_timeout, borrow_wait{10s, {}});
   });
