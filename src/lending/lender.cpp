@@ -633,9 +633,11 @@ class lender::state {
     welcome(b, observer);
   }
 
+  // Whether a borrower of the class waits for room (admit_awaiting_room).
   bool awaiting_room(bool operator_uid) const noexcept {
-    return live_count([&](const borrower_entry& e) { return e.room_awaited_until && e.operator_uid == operator_uid; }) >
-           0;
+    return std::any_of(borrowers_.begin(), borrowers_.end(), [&](const borrower_entry& e) {
+      return live(e) && e.room_awaited_until && e.operator_uid == operator_uid;
+    });
   }
 
   std::string class_full(const borrower_entry& b, bool observer, std::size_t now) const {
