@@ -938,35 +938,32 @@ class lender::state {
 
   // Why `b` may not hold an exclusive region of `bytes` more (its region
   // count, its quota, its uid's quota); nullopt when it may. Memory kept
-  // mapped counts (forget_kept_for makes room by dropping it where that is
-  // enough).
-  std::optional<refused_request> quota_refusal(borrower_entry& b, std::size_t bytes) {
+  // mapped counts, but only as far as dropping it could not make the room:
+  // it is dropped when the region is lent (forget_kept_for, from try_lend),
+  // not for a borrow that is refused or waits.
+  std::optional<refused_request> quota_refusal(const borrower_entry& b, std::size_t bytes) const {
     if (b.held_regions >= config_.max_regions_per_borrower) {
       return refused_request{refusal::quota,
                              "this borrower holds " + std::to_string(b.held_regions) + " regions, the most it may"};
     }
-    const hold_cost cost = exclusive_cost(b, bytes);
-    forget_kept_for(b, cost);
-    if (b.held_bytes + b.kept_bytes + cost.to_borrower > config_.quota_bytes) {
+    const kept_room room = room_in_kept(b, exclusive_cost(b, bytes));
+    if (room.borrower_over > room.borrower_may_drop) {
       return refused_request{refusal::quota, "this borrower holds " + std::to_string(b.held_bytes) + " bytes" +
                                                  kept_note(b) + "; " + std::to_string(bytes) +
                                                  " more would pass its quota of " +
                                                  std::to_string(config_.quota_bytes)};
     }
-    if (config_.quota_bytes_per_uid != 0) {
+    if (room.uid_over > room.uid_may_drop) {
       // What its other connections wait for counts too: a uid cannot fill
       // the line past its quota.
       const uid_t uid = b.link.peer().uid;
-      const std::size_t held = held_by_uid(uid);
       const std::size_t waits = waiting_by_uid(uid, b.serial);
-      if (held + waits + cost.to_uid > config_.quota_bytes_per_uid) {
-        return refused_request{
-            refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held) +
-                                " bytes over all its connections, orphaned regions and memory they keep mapped" +
-                                (waits > 0 ? " and waits for " + std::to_string(waits) + " more" : "") + "; " +
-                                std::to_string(bytes) + " more would pass its per-uid quota of " +
-                                std::to_string(config_.quota_bytes_per_uid)};
-      }
+      return refused_request{
+          refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held_by_uid(uid)) +
+                              " bytes over all its connections, orphaned regions and memory they keep mapped" +
+                              (waits > 0 ? " and waits for " + std::to_string(waits) + " more" : "") + "; " +
+                              std::to_string(bytes) + " more would pass its per-uid quota of " +
+                              std::to_string(config_.quota_bytes_per_uid)};
     }
     return std::nullopt;
   }
@@ -1002,22 +999,50 @@ class lender::state {
     return cost;
   }
 
+  // How far a new hold of `cost` would take `b` past its quota and its uid
+  // past the per-uid quota, and how much of each count dropping kept
+  // mappings could free (never the spare the hold gets).
+  struct kept_room {
+    std::size_t borrower_over = 0;
+    std::size_t uid_over = 0;
+    std::size_t borrower_may_drop = 0;  // what b keeps mapped
+    std::size_t uid_may_drop = 0;       // its uid's spares kept mapped
+  };
+  kept_room room_in_kept(const borrower_entry& b, const hold_cost& cost) const {
+    const auto over = [](std::size_t count, std::size_t quota) { return count > quota ? count - quota : 0; };
+    const uid_t uid = b.link.peer().uid;
+    kept_room room;
+    room.borrower_over = over(b.held_bytes + b.kept_bytes + cost.to_borrower, config_.quota_bytes);
+    // A hold that adds nothing to what its uid counts passes the per-uid quota.
+    if (config_.quota_bytes_per_uid != 0 && cost.to_uid != 0) {
+      room.uid_over =
+          over(held_by_uid(uid) + waiting_by_uid(uid, b.serial) + cost.to_uid, config_.quota_bytes_per_uid);
+    }
+    std::lock_guard lock(mutex_);
+    const std::size_t reused_by_b = cost.reused != nullptr && cost.to_borrower == 0 ? cost.reused->size() : 0;
+    room.borrower_may_drop = b.kept_bytes - reused_by_b;
+    for (const auto& spare : spares_.chunks()) {
+      const bool counted = spare.uid == uid && !spare.chunk.keepers.empty();
+      room.uid_may_drop += counted && spare.chunk.memory.get() != cost.reused ? spare.chunk.memory->size() : 0;
+    }
+    return room;
+  }
+
   // Makes room for `cost` within `b`'s quota and its uid's by dropping kept
   // mappings, oldest first, as many as it takes: `b`'s own for its quota
   // (spares, then regions lent to its uid's other connections), every
   // keeper of its uid's spares for the uid's. Each keeper dropped is told to
   // forget the memory, as when a spare is released; the spare stays, and is
   // lent again with its chunk. Drops none when dropping all would not make
-  // the room (the quota check refuses), and never the spare the hold gets.
+  // the room (quota_refusal refuses such a hold), and never the spare the
+  // hold gets.
   void forget_kept_for(borrower_entry& b, const hold_cost& cost) {
-    const auto over = [](std::size_t count, std::size_t quota) { return count > quota ? count - quota : 0; };
-    const uid_t uid = b.link.peer().uid;
-    const std::size_t borrower_over = over(b.held_bytes + b.kept_bytes + cost.to_borrower, config_.quota_bytes);
-    const std::size_t uid_over =
-        config_.quota_bytes_per_uid == 0
-            ? 0
-            : over(held_by_uid(uid) + waiting_by_uid(uid, b.serial) + cost.to_uid, config_.quota_bytes_per_uid);
+    const kept_room room = room_in_kept(b, cost);
+    const std::size_t borrower_over = room.borrower_over;
+    const std::size_t uid_over = room.uid_over;
     if (borrower_over == 0 && uid_over == 0) return;
+    if (room.borrower_may_drop < borrower_over || room.uid_may_drop < uid_over) return;
+    const uid_t uid = b.link.peer().uid;
     struct dropped {
       const detail::lendable_memory* memory;
       std::vector<std::uint64_t> keepers;  // empty: `b` alone
@@ -1025,13 +1050,6 @@ class lender::state {
     std::vector<dropped> forgotten;
     {
       std::lock_guard lock(mutex_);
-      const std::size_t reused_by_b = cost.reused != nullptr && cost.to_borrower == 0 ? cost.reused->size() : 0;
-      std::size_t uid_may_drop = 0;  // its spares kept mapped, but the one reused
-      for (const auto& spare : spares_.chunks()) {
-        const bool counted = spare.uid == uid && !spare.chunk.keepers.empty();
-        uid_may_drop += counted && spare.chunk.memory.get() != cost.reused ? spare.chunk.memory->size() : 0;
-      }
-      if (b.kept_bytes - reused_by_b < borrower_over || uid_may_drop < uid_over) return;
       // Made first: nothing changes unless every drop can be told.
       forgotten.reserve(spares_.chunks().size() + regions_.size());
       std::size_t borrower_freed = 0;
@@ -1097,6 +1115,16 @@ class lender::state {
     const bool kept = chunk->drop_keeper(b.serial);
     const detail::lendable_memory& memory = *chunk->memory;
     if (kept) b.kept_bytes -= memory.size();  // counted in held_bytes below instead
+    // The room quota_refusal found within the quotas is made now that the
+    // region is lent: its chunk, out of the pools, counts in full. (The
+    // chunk's release on an error forgets for its keepers, as below.)
+    try {
+      forget_kept_for(b, {bytes, bytes, nullptr});
+    } catch (const std::bad_alloc&) {
+      std::lock_guard lock(mutex_);
+      fail_keepers_locked(*chunk);
+      throw;
+    }
     const std::uint64_t id = next_region_++;
     {
       std::lock_guard lock(mutex_);
@@ -1599,27 +1627,26 @@ class lender::state {
       const auto& holds = regions_.at(id).holds;
       uid_holds_it = std::any_of(holds.begin(), holds.end(), [&](const hold& h) { return h.uid == uid; });
     }
-    forget_kept_for(b, {bytes, uid_holds_it ? 0 : bytes, nullptr});
-    if (b.held_bytes + b.kept_bytes + bytes > config_.quota_bytes) {
+    const hold_cost cost{bytes, uid_holds_it ? 0 : bytes, nullptr};
+    const kept_room room = room_in_kept(b, cost);
+    if (room.borrower_over > room.borrower_may_drop) {
       return refuse(refusal::quota, "this borrower holds " + std::to_string(b.held_bytes) + " bytes" + kept_note(b) +
                                         "; shared region '" + m.name + "' (" + std::to_string(bytes) +
                                         " bytes, counted in full for each holder) would pass its quota of " +
                                         std::to_string(config_.quota_bytes));
     }
-    if (config_.quota_bytes_per_uid != 0) {
+    if (room.uid_over > room.uid_may_drop) {
       const std::size_t held = held_by_uid(uid);
       const std::size_t waits = waiting_by_uid(uid, b.serial);  // as an exclusive borrow counts them
-      if (!uid_holds_it && held + waits + bytes > config_.quota_bytes_per_uid) {
-        return refuse(refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held) +
-                                          " bytes over all its connections, orphaned regions and memory they keep "
-                                          "mapped" +
-                                          (waits > 0 ? " and waits for " + std::to_string(waits) + " more" : "") +
-                                          "; shared region '" +
-                                          m.name + "' (" + std::to_string(bytes) +
-                                          " bytes) would pass its per-uid quota of " +
-                                          std::to_string(config_.quota_bytes_per_uid));
-      }
+      return refuse(refusal::quota, "uid " + std::to_string(uid) + " holds " + std::to_string(held) +
+                                        " bytes over all its connections, orphaned regions and memory they keep "
+                                        "mapped" +
+                                        (waits > 0 ? " and waits for " + std::to_string(waits) + " more" : "") +
+                                        "; shared region '" + m.name + "' (" + std::to_string(bytes) +
+                                        " bytes) would pass its per-uid quota of " +
+                                        std::to_string(config_.quota_bytes_per_uid));
     }
+    forget_kept_for(b, cost);
     const detail::lendable_memory* memory = nullptr;
     {
       std::lock_guard lock(mutex_);

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <future>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -247,6 +248,35 @@ TYPED_TEST(memory_reuse_test, a_borrow_that_dropping_every_kept_mapping_would_no
   EXPECT_EQ(b.kept().bytes, 4 * mib);
   EXPECT_NO_THROW(b.give_back(b.borrow(4 * mib, "the kept one again"))) << "its kept mapping fits as it is";
   EXPECT_EQ(l.status().kept_mappings_used, 1u);
+}
+
+// Kept mappings are dropped for a borrow's room only when it is lent (the
+// cycling test above): a borrow that waits for capacity and runs out, or is
+// refused because others wait, leaves them mapped (a drop costs its keeper
+// a re-map).
+TYPED_TEST(memory_reuse_test, a_borrow_that_waits_in_vain_or_is_refused_drops_no_kept_mapping) {
+  if (this->in_process_only()) return;
+  auto& l = this->start({.capacity_bytes = 32 * mib, .quota_bytes = 24 * mib});
+  borrower b(this->device(), l.address());
+  borrower other(this->device(), l.address());
+  borrower waiter(this->device(), l.address());
+  auto held = b.borrow(12 * mib, "held");
+  b.give_back(b.borrow(4 * mib, "kept"));
+  auto rest = other.borrow(16 * mib, "the capacity's rest");  // lent 28 of 32, the 4 MiB spare beside it
+  // 12 held + 4 kept + 10 pass the quota of 24 unless the 4 go; 28 + 10 pass the capacity.
+  EXPECT_THROW((void)b.borrow(10 * mib, "waits and runs out", lending::borrow_wait{.for_memory = 50ms}),
+               lending::memory_refused);
+  EXPECT_EQ(l.status().forgets, 0u) << "dropped a kept mapping for a borrow that waited in vain";
+  EXPECT_EQ(b.kept().bytes, 4 * mib);
+  auto waits = std::async(std::launch::async, [&] {
+    return waiter.borrow(10 * mib, "waits for the capacity", lending::borrow_wait{.for_memory = 10s});
+  });
+  ASSERT_TRUE(eventually([&] { return l.status().waiting.size() == 1; }));
+  EXPECT_THROW((void)b.borrow(10 * mib, "others wait ahead"), lending::memory_refused);
+  EXPECT_EQ(l.status().forgets, 0u) << "dropped a kept mapping for a borrow refused because others wait";
+  EXPECT_EQ(b.kept().bytes, 4 * mib);
+  other.give_back(std::move(rest));
+  EXPECT_EQ(waits.get().size(), 10 * mib);
 }
 
 // A spare two connections of one uid keep mapped counts once for the uid

@@ -22,9 +22,10 @@
 // uid always gets memory no other uid has mapped. Memory a borrower keeps
 // mapped counts against its quota and its uid's until it lets it go (a
 // forget, a hang-up, or the memory lent to it again); a borrow that would
-// pass a quota has the lender drop kept mappings — oldest first, as many as
-// make the room, each keeper sent forget — or is refused when dropping all
-// would not be enough. Spare bytes count against
+// pass a quota has the lender drop kept mappings as it lends — oldest first,
+// as many as make the room, each keeper sent forget; none for a borrow that
+// waits or is refused — or is refused when dropping all would not be enough.
+// Spare bytes count against
 // the capacity (lent + spare <= capacity); when a fresh region would not
 // fit, spares are released oldest first and the connections keeping them
 // mapped are sent forget (an idle borrower unmaps only when it next reads
