@@ -35,6 +35,17 @@ struct observed_lender {
   lender l;
   explicit observed_lender(lender_config config)
       : l(backend::host_device_instance(), channel::channel_address::at_path(dir / "l.sock"), std::move(config)) {}
+  /// A raw connection to the lender that has said nothing yet.
+  [[nodiscard]] channel::connection connect() const {
+    return channel::connection::connect(l.address(), {}, lending::detail::max_frame_payload);
+  }
+  /// A raw connection the lender greeted at once (a place was free), that has
+  /// not said yet whether it borrows or observes.
+  [[nodiscard]] channel::connection greeted_at_once() const {
+    auto c = connect();
+    channel::check_hello(c.receive_for(2000ms), lending::detail::lending_protocol);
+    return c;
+  }
 };
 
 lender_config limits(std::size_t borrowers, std::size_t observers) {
@@ -109,7 +120,7 @@ TEST(lending_observers, an_observer_borrows_nothing_and_a_borrow_frame_from_one_
   EXPECT_FALSE(observer.metrics().empty()) << "the observer is still usable";
 
   // By hand: an observer's hello, then a borrow the library would not send.
-  auto raw = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+  auto raw = o.connect();
   channel::send_hello(raw, lending::detail::observer_protocol);
   channel::check_hello(raw.receive_for(2000ms), lending::detail::lending_protocol);
   raw.send(static_cast<std::uint16_t>(lending::detail::message_type::borrow),
@@ -118,7 +129,7 @@ TEST(lending_observers, an_observer_borrows_nothing_and_a_borrow_frame_from_one_
   EXPECT_EQ(o.l.status().connections_closed_for_errors, 1u);
   EXPECT_EQ(o.l.status().lent_bytes, 0u);
   // Nor a cancel_wait, which the lender reads before any other message.
-  auto canceller = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+  auto canceller = o.connect();
   channel::send_hello(canceller, lending::detail::observer_protocol);
   channel::check_hello(canceller.receive_for(2000ms), lending::detail::lending_protocol);
   canceller.send(static_cast<std::uint16_t>(lending::detail::message_type::cancel_wait),
@@ -180,7 +191,7 @@ TEST(lending_observers, a_held_back_connection_is_served_by_the_room_its_kind_ha
   observed_lender o(limits(1, 1));
   std::optional<borrower> holder(std::in_place, dev, o.l.address(), channel::access_policy{}, 2000ms);
   const auto held_back = [&] {
-    auto c = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+    auto c = o.connect();
     EXPECT_THROW((void)c.receive_for(100ms), timeout_error) << "greeted while the borrowers were full";
     return c;
   };
@@ -205,7 +216,7 @@ TEST(lending_observers, a_held_back_connection_is_served_by_the_room_its_kind_ha
 TEST(lending_observers, observers_connecting_at_once_past_the_limit_are_refused_before_any_hello) {
   observed_lender o(limits(8, 2));
   std::vector<channel::connection> links;
-  for (int i = 0; i < 3; ++i) links.push_back(channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload));
+  for (int i = 0; i < 3; ++i) links.push_back(o.connect());
   ASSERT_TRUE(eventually([&] { return o.l.status().connections == 3; }));
   for (auto& link : links) channel::send_hello(link, lending::detail::observer_protocol);
   int greeted = 0, turned_away = 0;
@@ -230,7 +241,7 @@ TEST(lending_observers, a_place_freed_in_the_same_turn_serves_the_held_back_borr
   observed_lender o(limits(2, 1));
   borrower writer(dev, o.l.address());
   std::optional<borrower> leaving(std::in_place, dev, o.l.address(), channel::access_policy{}, 2000ms);
-  auto waiting = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+  auto waiting = o.connect();
   ASSERT_TRUE(eventually([&] { return o.l.status().connections == 3; }));
   auto region = writer.borrow(2 * mib, "model");
   lending::region_layout layout;
@@ -257,9 +268,8 @@ TEST(lending_observers, a_held_back_borrower_waits_for_a_connection_yet_to_say_w
   lender_config config = limits(1, 1);
   config.peer_timeout = 5000ms;
   observed_lender o(config);
-  auto unannounced = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
-  channel::check_hello(unannounced.receive_for(2000ms), lending::detail::lending_protocol);  // greeted at once
-  auto waiting = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+  auto unannounced = o.greeted_at_once();
+  auto waiting = o.connect();
   EXPECT_THROW((void)waiting.receive_for(100ms), timeout_error) << "greeted while the borrowers' place was taken";
   ASSERT_TRUE(eventually([&] { return o.l.status().connections == 2; }));
   channel::send_hello(waiting, lending::detail::lending_protocol);
@@ -275,9 +285,8 @@ TEST(lending_observers, a_held_back_borrower_waiting_for_a_connection_yet_to_say
   lender_config config = limits(1, 1);
   config.peer_timeout = 5000ms;
   observed_lender o(config);
-  auto unannounced = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
-  channel::check_hello(unannounced.receive_for(2000ms), lending::detail::lending_protocol);
-  auto waiting = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+  auto unannounced = o.greeted_at_once();
+  auto waiting = o.connect();
   ASSERT_TRUE(eventually([&] { return o.l.status().connections == 2; }));
   channel::send_hello(waiting, lending::detail::lending_protocol);
   EXPECT_THROW((void)waiting.receive_for(300ms), timeout_error) << "answered before the other said which it is";
@@ -286,6 +295,72 @@ TEST(lending_observers, a_held_back_borrower_waiting_for_a_connection_yet_to_say
   EXPECT_THROW((void)waiting.receive_for(4000ms), connection_closed) << "served past max_borrowers";
   EXPECT_LT(std::chrono::steady_clock::now() - asked, 2000ms) << "turned away only at the end of its wait";
   EXPECT_TRUE(eventually([&] { return o.l.status().borrowers == 1 && o.l.status().refusals == 1; }));
+}
+
+// A borrower awaiting room is read no further: a borrow it sent in the same
+// batch as its hello is not answered (nor taken for a second hello) until it
+// is admitted, and is answered then.
+TEST(lending_observers, a_borrower_awaiting_room_is_not_read_further_until_it_is_admitted) {
+  lender_config config = limits(1, 1);
+  config.peer_timeout = 5000ms;
+  observed_lender o(config);
+  auto unannounced = o.greeted_at_once();
+  auto waiting = o.connect();
+  ASSERT_TRUE(eventually([&] { return o.l.status().connections == 2; }));
+  const auto hello = channel::encode_hello(lending::detail::lending_protocol);
+  const auto borrow = lending::detail::encode(
+      lending::detail::borrow_message{7, 2 * mib, lending::region_mode::exclusive, "sent with its hello"});
+  const std::vector<channel::outgoing_frame> batch{
+      {channel::hello_frame_type, hello}, {static_cast<std::uint16_t>(lending::detail::message_type::borrow), borrow}};
+  waiting.send(batch);  // one batch: both frames come in one read
+  EXPECT_THROW((void)waiting.receive_for(300ms), timeout_error) << "answered while it awaited room";
+  EXPECT_EQ(o.l.status().requests, 0u) << "its borrow was read while it awaited room";
+  channel::send_hello(unannounced, lending::detail::observer_protocol);  // room: it is admitted
+  EXPECT_NO_THROW(channel::check_hello(waiting.receive_for(2000ms), lending::detail::lending_protocol));
+  const channel::frame answer = waiting.receive_for(2000ms);
+  ASSERT_EQ(answer.type, static_cast<std::uint16_t>(lending::detail::message_type::lent)) << "its borrow not answered";
+  EXPECT_EQ(lending::detail::decode_lent(answer.payload).request, 7u);
+  EXPECT_EQ(o.l.status().connections_closed_for_errors, 0u);
+}
+
+// A held-back borrower whose hello finds room while another awaits it joins
+// that wait: room goes in arrival order. Here one place comes free (a
+// connection turns out an observer) in the same turn as the later borrower's
+// hello: the earlier is admitted, and the later once the next place comes.
+TEST(lending_observers, a_later_held_back_borrower_joins_the_wait_and_room_goes_in_arrival_order) {
+  auto& dev = backend::host_device_instance();
+  lender_config config = limits(3, 2);
+  config.peer_timeout = 5000ms;
+  observed_lender o(config);
+  borrower writer(dev, o.l.address());
+  auto unannounced = o.greeted_at_once();  // two connections yet to say which: the borrowers' places are taken
+  auto unannounced_too = o.greeted_at_once();
+  auto first = o.connect();
+  ASSERT_TRUE(eventually([&] { return o.l.status().connections == 4; }));
+  channel::send_hello(first, lending::detail::lending_protocol);  // awaits room, read before the writer's borrow
+  auto second = o.connect();
+  ASSERT_TRUE(eventually([&] { return o.l.status().connections == 5; }));
+  auto region = writer.borrow(2 * mib, "model");
+  lending::region_layout layout;
+  layout.entries = {{"w", 0, region.size() / 2, lending::dtype::float32, {region.size() / 8}}};
+  layout.hash = lending::hash_entries(dev, region.data(), region.size(), layout);
+  {
+    // While the loop is busy with the publish, a place comes free and the
+    // second borrower says hello: the loop reads both in its next turn.
+    const publish_hook both_at_once([&](std::uint64_t) {
+      channel::send_hello(unannounced, lending::detail::observer_protocol);
+      channel::send_hello(second, lending::detail::lending_protocol);
+    });
+    region = writer.publish(std::move(region), layout);
+  }
+  EXPECT_NO_THROW(channel::check_hello(first.receive_for(2000ms), lending::detail::lending_protocol))
+      << "the place went past the borrower that awaited it first";
+  EXPECT_THROW((void)second.receive_for(300ms), timeout_error) << "the later borrower was served past the wait";
+  channel::send_hello(unannounced_too, lending::detail::observer_protocol);  // the next place
+  EXPECT_NO_THROW(channel::check_hello(second.receive_for(2000ms), lending::detail::lending_protocol))
+      << "the later borrower left the wait unserved";
+  EXPECT_TRUE(eventually([&] { return o.l.status().borrowers == 3 && o.l.status().observers == 2; }));
+  EXPECT_EQ(o.l.status().refusals, 0u);
 }
 
 // The lender's hello waits for the connection's: one that says nothing gets
@@ -297,7 +372,7 @@ TEST(lending_observers, a_silent_connection_gets_no_hello_and_holds_its_place_on
   config.peer_timeout = 3000ms;
   observed_lender o(config);
   borrower holder(dev, o.l.address());
-  auto silent = channel::connection::connect(o.l.address(), {}, lending::detail::max_frame_payload);
+  auto silent = o.connect();
   EXPECT_THROW((void)silent.receive_for(100ms), timeout_error) << "the lender greeted a connection that said nothing";
   EXPECT_TRUE(eventually([&] { return o.l.status().connections == 2; }))
       << "the silent connection is not in the count of connections";

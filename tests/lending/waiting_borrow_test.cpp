@@ -536,6 +536,69 @@ TEST(lending_waiting_borrow, a_uid_waits_behind_the_others_no_longer_than_its_wa
   EXPECT_EQ(borrow_at_once(other, mib, kept), "others_waiting") << "uid nobody still waits behind the others";
 }
 
+// A head refused at its turn for its uid's quota puts its uid behind the
+// other uids, as a wait that ran out does. Its way there: the head passed
+// uid 0's quota only by a mapping its sibling keeps (dropped as the head's
+// memory is lent), then the sibling waits for that very memory — a hold
+// that adds nothing to the uid's count passes at once — and at the head's
+// turn the sibling's wait counts too, past what dropping could make room for.
+TEST(lending_waiting_borrow, a_head_refused_for_its_uids_quota_at_its_turn_puts_its_uid_behind_the_other_uids) {
+  if (::geteuid() != 0) GTEST_SKIP() << "borrowers of other uids (setresuid to 65534 and 65533) need root";
+  const std::string name = "shoal-head-quota-test-" + std::to_string(::getpid());
+  auto& dev = backend::host_device_instance();
+  lender l(dev, channel::channel_address::abstract(name),
+           {.capacity_bytes = 6 * mib,
+            .quota_bytes_per_uid = 4 * mib,
+            .policy = channel::access_policy{{two_uids::nobody, 65533}, {}}});
+  // A borrower process of `uid` whose borrow of `bytes` waits up to `wait`; it says "lent <id>" or "refused <why>".
+  const auto borrower_of = [&](const std::string& uid, std::size_t bytes, std::chrono::milliseconds wait) {
+    return std::make_unique<child_process>(
+        SHOAL_TEST_BORROWER, std::vector<std::string>{"wait-borrow", "host", "@" + name, std::to_string(bytes),
+                                                      std::to_string(wait.count()), uid});
+  };
+  const auto in_line = [&](std::size_t count) {
+    return eventually([&] { return l.status().waiting.size() == count; });
+  };
+  const auto borrow_waiting = [&](borrower& b, std::size_t bytes, const char* purpose) {
+    return std::async(std::launch::async, [&b, bytes, purpose] {
+      return b.borrow(bytes, purpose, region_mode::exclusive, answer_timeout, borrow_wait{10s, {}});
+    });
+  };
+  borrower sibling(dev, l.address()), head(dev, l.address());
+  sibling.give_back(sibling.borrow(2 * mib, "kept"));
+  ASSERT_EQ(l.status().spares.at(0).kept_by, 1u) << "the sibling keeps 2 MiB of uid 0's 4 mapped";
+  auto holder = borrower_of("nobody", 4 * mib, 0ms);  // the rest of the capacity
+  ASSERT_EQ(line_from(*holder).rfind("lent ", 0), 0u);
+  auto first = borrow_waiting(head, 4 * mib, "head");  // within the quota once the kept mapping goes
+  ASSERT_TRUE(in_line(1));
+  auto reused = borrow_waiting(sibling, 2 * mib, "what it keeps mapped");
+  ASSERT_TRUE(in_line(2));
+  std::this_thread::sleep_for(2s);  // the head holds the line as long: uid 0 waits behind as long, past the steps below
+  holder.reset();                   // its memory comes back: the head's turn
+  try {
+    (void)first.get();
+    ADD_FAILURE() << "lent past uid 0's quota";
+  } catch (const peer_refused& e) {
+    EXPECT_NE(std::string(e.what()).find("per-uid quota"), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(reused.wait_for(2s), std::future_status::ready);
+  auto kept = reused.get();
+  auto holder_again = borrower_of("nobody", 4 * mib, 0ms);  // the capacity taken again
+  ASSERT_EQ(line_from(*holder_again).rfind("lent ", 0), 0u);
+  auto later = borrow_waiting(head, 2 * mib, "later");  // uid 0 first, then uid 65533
+  ASSERT_TRUE(in_line(1));
+  auto other = borrower_of("65533", 2 * mib, 5s);
+  ASSERT_TRUE(in_line(2));
+  EXPECT_EQ(l.status().waiting[0].uid, 65533u) << "uid 0's head refused at its turn left its uid ahead of the others";
+  sibling.give_back(std::move(kept));  // room for one of the two 2 MiB borrows
+  const std::string lent = line_from(*other);
+  EXPECT_EQ(lent.rfind("lent ", 0), 0u) << "uid 65533's later wait was not served first: " << lent;
+  EXPECT_EQ(later.wait_for(200ms), std::future_status::timeout) << "uid 0's wait went first";
+  holder_again.reset();  // room for uid 0's wait in its turn
+  ASSERT_EQ(later.wait_for(5s), std::future_status::ready);
+  EXPECT_TRUE(later.get().valid());
+}
+
 TEST(lending_waiting_borrow, within_one_uid_the_line_stays_in_order_after_a_wait_runs_out) {
   waiting_fixture f(8 * mib);  // every borrower of one uid, as most deployments run
   borrower holder(f.dev, f.l->address()), model_a(f.dev, f.l->address()), model_b(f.dev, f.l->address()),
