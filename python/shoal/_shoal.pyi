@@ -283,7 +283,7 @@ class Allocator:
 
 class Storage:
     """
-    A reference-counted block of device memory from an Allocator. Copies of this object alias; lazy_clone() makes a copy-on-write clone that copies nothing until written. Usable from several threads at once: each call takes its own reference to the memory with the GIL held, and lets the GIL go for what may wait long (allocation, copies, synchronization); order the threads' writes with streams and events.
+    A reference-counted block of device memory from an Allocator. Copies of this object alias; lazy_clone() makes a copy-on-write clone that copies nothing until written. Usable from several threads at once: each call takes its own reference to the memory with the GIL held, and lets the GIL go for what may wait long (allocation, copies, synchronization, the storage's own lock, which another thread materializing or cloning it holds); order the threads' writes with streams and events.
     """
 
     @property
@@ -330,7 +330,7 @@ class Storage:
 
     def record_stream(self, stream: Stream) -> None:
         """
-        The memory is also used on `stream`: its free (for imported memory, its release to the producer) waits for the work enqueued there until then.
+        The memory is also used on `stream`: its free (for imported memory, its release to the producer) waits for the work enqueued there until then. The GIL is released meanwhile (it takes the storage's lock).
         """
 
     def aliases(self, other: Storage) -> bool:

@@ -29,7 +29,8 @@ are unaffected.
 from __future__ import annotations
 
 import math
-import threading
+import queue
+import weakref
 from typing import Any, Callable, Optional, Union
 
 from . import _checks, _device_defaults, _shoal
@@ -112,36 +113,44 @@ class _Flattening:
 
 
 class _SourcesRead:
-    """Counts a batch's arrays the engine has let go of (``submit(reuse_sources=True)``)."""
+    """Counts a batch's arrays the engine has let go of (``submit(reuse_sources=True)``).
+
+    Each source is watched through a weak reference whose callback is a SimpleQueue's put, a
+    C function: no Python code runs as a source goes. A ``__del__`` would run some, on the
+    thread that drops the last reference — the caller's own when the engine has let go before
+    ``submit`` drops its lists — and a Ctrl-C that comes then is raised inside it, where Python
+    only prints it: the KeyboardInterrupt was lost, and so was the count, leaving ``wait``
+    waiting for a release that had happened. With the callback, the signal's handler runs in
+    the caller, and the count is whole."""
 
     def __init__(self, count: int) -> None:
         self._left = count
-        self._lock = threading.Lock()
-        self._done = threading.Event()
+        self._released: queue.SimpleQueue[weakref.ref[_Source]] = queue.SimpleQueue()
+        self._watches: list[weakref.ref[_Source]] = []  # alive while counted: a dead one calls nothing
 
-    def one_released(self) -> None:
-        with self._lock:
-            self._left -= 1
-            if self._left == 0:
-                self._done.set()
+    def watch(self, source: _Source) -> None:
+        """Counts ``source`` as read once it is gone."""
+        self._watches.append(weakref.ref(source, self._released.put))
 
     def wait(self) -> None:
-        # In slices, so that Ctrl-C ends the wait.
-        while not self._done.wait(0.1):
-            pass
+        """Returns once every source watched is gone. In slices, so that Ctrl-C ends the wait."""
+        while self._left > 0:
+            try:
+                self._released.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self._left -= 1
 
 
 class _Source:
-    """One array of a batch, held by the engine while it reads it; tells ``read`` when let go."""
+    """One array of a batch, held by the engine while it reads it; ``read`` counts it once the
+    engine has let it go (it has no ``__del__``: see _SourcesRead)."""
 
-    __slots__ = ("array", "read")
+    __slots__ = ("array", "__weakref__")
 
     def __init__(self, array: Any, read: _SourcesRead) -> None:
         self.array = array
-        self.read = read
-
-    def __del__(self) -> None:
-        self.read.one_released()
+        read.watch(self)
 
 
 class _Leaf(int):

@@ -72,6 +72,20 @@ nb::dict oom_report_dict(const alloc::oom_report& r) {
   return d;
 }
 
+/// What `read` makes of the allocator (JSON text), read without the GIL: the
+/// reports take every pool's lock, which a thread growing or shrinking a pool
+/// holds across the device's call (cudaMalloc; cudaFree, which waits for the
+/// device) while it has let the GIL go.
+template <class Read>
+std::string report_without_gil(const py_allocator& a, Read read) {
+  std::string json;
+  {
+    released_gil release;
+    json = read(a.state->allocator());
+  }
+  return json;
+}
+
 }  // namespace
 
 alloc::allocator_config config_from_python(const std::optional<std::string>& conf, bool use_environment,
@@ -98,7 +112,16 @@ alloc::allocator_config config_from_python(const std::optional<std::string>& con
 allocator_state::allocator_state(backend::device& device, const alloc::allocator_config& config)
     : allocator_(std::make_unique<alloc::caching_allocator>(device, config)) {}
 
-allocator_state::~allocator_state() { allocator_.reset(); }
+allocator_state::~allocator_state() {
+  // The last Allocator (or storage) dropped from Python: the allocator's end
+  // waits for pending frees, and a host stream's for its queued work. The
+  // observers go after, with the GIL as they were (each takes it to go).
+  detail::waiting_without_gil([&] {
+    allocator_.reset();
+    idle_copy_streams_.clear();
+    streams_.clear();
+  });
+}
 
 void allocator_state::keep(const std::shared_ptr<stream_state>& stream) {
   if (stream->ref().is_default()) return;  // default streams live as long as their device
@@ -171,7 +194,10 @@ void register_allocator(nb::module_& m) {
           "config", [](const py_allocator& a) { return a.state->allocator().config().to_string(); },
           "The settings in force, as SHOAL_ALLOC_CONF text.")
       .def(
-          "stats", [](const py_allocator& a) { return parse_json(a.state->allocator().stats().to_json()); },
+          "stats",
+          [](const py_allocator& a) {
+            return parse_json(report_without_gil(a, [](auto& x) { return x.stats().to_json(); }));
+          },
           nb::sig("def stats(self) -> dict[str, Any]"),
           "Counters as a dict: allocations, segments, active, allocated_bytes, "
           "reserved_bytes, ... each with "
@@ -182,11 +208,17 @@ void register_allocator(nb::module_& m) {
           "(True when expandable_segments was asked for but the device has no "
           "growable segments, so plain ones serve and config says false).")
       .def(
-          "snapshot", [](const py_allocator& a) { return parse_json(a.state->allocator().take_snapshot().to_json()); },
+          "snapshot",
+          [](const py_allocator& a) {
+            return parse_json(report_without_gil(a, [](auto& x) { return x.take_snapshot().to_json(); }));
+          },
           nb::sig("def snapshot(self) -> dict[str, Any]"),
           "Every segment and block as a dict.")
       .def(
-          "trace", [](const py_allocator& a) { return parse_json(alloc::to_json(a.state->allocator().trace())); },
+          "trace",
+          [](const py_allocator& a) {
+            return parse_json(report_without_gil(a, [](auto& x) { return alloc::to_json(x.trace()); }));
+          },
           nb::sig("def trace(self) -> list[dict[str, Any]]"),
           "The trace ring, oldest first (empty unless trace_entries > 0).")
       .def(
@@ -196,7 +228,7 @@ void register_allocator(nb::module_& m) {
           "device (GIL released).")
       .def(
           "reset_peak_stats", [](const py_allocator& a) { a.state->allocator().reset_peak_stats(); },
-          "Sets every peak to its current value.")
+          nb::call_guard<released_gil>(), "Sets every peak to its current value.")
       .def(
           "add_oom_observer",
           [](const py_allocator& a, nb::callable observer) {
@@ -261,7 +293,11 @@ void register_allocator(nb::module_& m) {
           "an observer of this allocator.")
       .def("__repr__", [](const py_allocator& a) {
         auto& allocator = a.state->allocator();
-        const auto s = allocator.stats();
+        alloc::allocator_stats s;
+        {
+          released_gil release;  // the pools' locks, as stats()
+          s = allocator.stats();
+        }
         return "shoal.Allocator(" + allocator.device().name() + ", " +
                std::to_string(s.allocations.aggregate.current) + " allocations, " +
                std::to_string(s.allocated_bytes.aggregate.current) + " bytes allocated, " +

@@ -66,6 +66,11 @@ class stream_state {
   static std::shared_ptr<stream_state> default_of(backend::device& device);
   /// A stream another library made (a native handle), which it keeps alive.
   static std::shared_ptr<stream_state> adopt(backend::device& device, void* native);
+  /// A stream this package created is destroyed without the GIL: the host
+  /// backend's runs the work still queued on it first, which may take long.
+  ~stream_state();
+  stream_state(const stream_state&) = delete;
+  stream_state& operator=(const stream_state&) = delete;
   [[nodiscard]] backend::device& device() const noexcept { return *device_; }
   [[nodiscard]] backend::stream_ref ref() const noexcept { return ref_; }
 
@@ -89,7 +94,8 @@ std::shared_ptr<stream_state> scoped_stream_state(backend::device& device);
 class allocator_state {
  public:
   allocator_state(backend::device& device, const alloc::allocator_config& config);
-  /// Destroys the allocator first, then the streams it used.
+  /// Destroys the allocator first (it waits for pending frees), then the
+  /// streams it used, without the GIL; then the observers, with it.
   ~allocator_state();
   [[nodiscard]] alloc::caching_allocator& allocator() noexcept { return *allocator_; }
   /// Keeps `stream` alive as long as the allocator.

@@ -64,15 +64,6 @@ inline thread_local std::vector<const void*> uses_of_this_thread;
 /// Above zero while this thread runs an out-of-memory observer.
 inline thread_local int observer_depth = 0;
 
-/// Runs `fn` with the GIL released when this thread holds it (taken back
-/// as gil.h says, so a daemon thread here at exit sleeps, not aborts).
-template <class Fn>
-void without_gil(Fn&& fn) {
-  std::optional<released_gil> unlocked;
-  if (PyGILState_Check() != 0) unlocked.emplace();
-  fn();
-}
-
 }  // namespace detail
 
 /// Marks the calling thread as running an out-of-memory observer for its

@@ -33,11 +33,15 @@ class imported_tensor final : public storage::storage_owner {
   imported_tensor(const imported_tensor&) = delete;
   imported_tensor& operator=(const imported_tensor&) = delete;
   /// Waits for the current stream and every recorded stream to pass the
-  /// work enqueued on them so far, then hands the tensor back.
+  /// work enqueued on them so far (the GIL released: the last view dropped
+  /// from Python must not stop the other threads meanwhile), then hands the
+  /// tensor back.
   ~imported_tensor() override {
-    wait_for(backend::current_stream(device_));
-    for (const auto& s : streams_) wait_for(s->ref());
-    for (const auto s : used_on_) wait_for(s);
+    detail::waiting_without_gil([&] {
+      wait_for(backend::current_stream(device_));
+      for (const auto& s : streams_) wait_for(s->ref());
+      for (const auto s : used_on_) wait_for(s);
+    });
     // A producer's deleter may take the GIL (numpy's does): not once the
     // process exits (gil.h); the tensor goes with the process then.
     (void)detail::python_work([this] {

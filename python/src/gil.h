@@ -26,6 +26,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <optional>
 #include <thread>
 
 namespace shoal::python {
@@ -120,6 +121,36 @@ class retaken_gil {
   retaken_gil(const retaken_gil&) = delete;
   retaken_gil& operator=(const retaken_gil&) = delete;
 };
+
+namespace detail {
+
+/// Runs `fn` with the GIL released when this thread holds it (taken back as
+/// released_gil does, so a daemon thread here at exit sleeps, not aborts).
+template <class Fn>
+void without_gil(Fn&& fn) {
+  std::optional<released_gil> unlocked;
+  if (PyGILState_Check() != 0) unlocked.emplace();
+  fn();
+}
+
+/// For a destructor that may wait — a host stream's queued work, pending
+/// frees, the streams a DLPack producer's memory was used on — when the last
+/// reference is dropped from Python (a dealloc, with the GIL held): `fn` runs
+/// with the GIL released, so the wait does not stop every other Python
+/// thread. Once the interpreter finalizes (the objects it collects then, C++
+/// statics after it) `fn` runs as called: after finalization the GIL cannot be
+/// let go, and no other thread waits for it. Call it holding no lock that a
+/// thread holding the GIL may wait for: the GIL is taken back at its end.
+template <class Fn>
+void waiting_without_gil(Fn&& fn) {
+  if (Py_IsInitialized() == 0) {
+    fn();
+    return;
+  }
+  without_gil(fn);
+}
+
+}  // namespace detail
 
 /// The atexit hook: closes the exit gate and waits (the GIL released, at
 /// most a second) for the Python work in flight on other threads.

@@ -5,7 +5,9 @@
 // regions come back as Storages too, mapped read-only; shoal/lending.py
 // wraps them so that only read-only views of them are made.
 //
-// GIL: every call that waits on the other side releases it.
+// GIL: every call that waits on the other side releases it, and so does every
+// call that takes a lock another thread holds meanwhile (the lender's, which
+// its serving thread takes; a storage's, for the region behind it).
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/pair.h>
@@ -162,10 +164,23 @@ nb::bytes bytes_of(const lending::content_hash& hash) {
   return nb::bytes(reinterpret_cast<const char*>(hash.data()), hash.size());
 }
 
-/// The region behind `storage`, or nullptr.
-region_owner* region_behind(const py_storage& storage) {
-  if (!storage.handle.get().valid()) return nullptr;
-  return dynamic_cast<region_owner*>(storage.handle.get().owner().get());
+/// The owner of `storage`'s memory — with the GIL released: owner() takes the storage's lock,
+/// which a thread materializing or cloning it holds across device calls with the GIL let go
+/// — and the region behind it (nullptr when it is none). The owner keeps the region alive.
+struct region_of_storage {
+  std::shared_ptr<storage::storage_owner> owner;
+  region_owner* region = nullptr;
+};
+region_of_storage region_behind(const py_storage& storage) {
+  const storage::storage held = storage.handle.get();  // with the GIL: _publish may assign the handle
+  if (!held.valid()) return {};
+  region_of_storage found;
+  {
+    released_gil release;
+    found.owner = held.owner();
+  }
+  found.region = dynamic_cast<region_owner*>(found.owner.get());
+  return found;
 }
 
 py_storage storage_of(const py_allocator& allocator, lending::borrowed_region region) {
@@ -313,8 +328,13 @@ void register_lending(nb::module_& m) {
             config.reuse = reuse == "never" ? lending::reuse_policy::never : lending::reuse_policy::same_uid;
             config.prepared_chunks = prepared_chunks;
             auto& d = device != nullptr ? *device : backend::default_device();
-            new (self) py_lender{{"shoal.lending.Lender", closed_error::invalid_argument,
-                                  std::make_unique<lending::lender>(d, address_of(address.text), config)}};
+            const auto a = address_of(address.text);
+            std::unique_ptr<lending::lender> lender;
+            {
+              released_gil release;  // makes the prepared chunks on the device, binds the socket
+              lender = std::make_unique<lending::lender>(d, a, config);
+            }
+            new (self) py_lender{{"shoal.lending.Lender", closed_error::invalid_argument, std::move(lender)}};
           },
           nb::arg("address"), nb::arg("device").none() = nb::none(), nb::arg("capacity_bytes") = std::size_t{1} << 30,
           nb::arg("quota_bytes") = std::size_t{1} << 30, nb::arg("max_borrowers") = 64,
@@ -335,7 +355,16 @@ void register_lending(nb::module_& m) {
           "shoal.lending.Lender). ``max_connections_per_uid``: connections at once of any one uid other than this "
           "process's and root (0: no cap). Raises the device's error (``OutOfMemoryError``) when they cannot be made.")
       .def(
-          "status", [](const py_lender& l) { return status_dict(l.lender.enter()->status()); },
+          "status",
+          [](const py_lender& l) {
+            const auto lender = l.lender.enter();
+            lending::lender_status s;
+            {
+              released_gil release;  // the lender's lock, which its serving thread takes
+              s = lender->status();
+            }
+            return status_dict(s);
+          },
           "Regions lent (``regions``: id, memory, bytes, purpose, mode, state, pid, uid, age_seconds, and a shared "
           "region's holders), spare chunks (``spares``: memory, bytes, uid, kept_by, age_seconds), borrows waiting "
           "for memory in the order they are served (``waiting``: bytes, purpose, pid, uid, waited_seconds, "
@@ -345,12 +374,20 @@ void register_lending(nb::module_& m) {
           "revoke",
           [](const py_lender& l, const python_int& region, double deadline) {
             const auto id = whole_number_of(region, "shoal.lending.Lender.revoke", "region");
-            l.lender.enter()->revoke(id, timeout_of(deadline, "shoal.lending.Lender.revoke", "deadline"));
+            const auto d = timeout_of(deadline, "shoal.lending.Lender.revoke", "deadline");
+            const auto lender = l.lender.enter();
+            released_gil release;  // the lender's lock, as status()
+            lender->revoke(id, d);
           },
           nb::arg("region"), nb::arg("deadline"),
           "Asks the region's borrower to give it back within ``deadline`` seconds; returns at once.")
       .def(
-          "metrics", [](const py_lender& l) { return l.lender.enter()->metrics_text(); },
+          "metrics",
+          [](const py_lender& l) {
+            const auto lender = l.lender.enter();
+            released_gil release;  // the lender's lock, as status()
+            return lender->metrics_text();
+          },
           "The status in the Prometheus text format.")
       .def(
           "close",
@@ -362,16 +399,17 @@ void register_lending(nb::module_& m) {
   m.def(
       "_region_id",
       [](const py_storage& storage) -> std::optional<std::uint64_t> {
-        const region_owner* owner = region_behind(storage);  // an emptied storage (published) has none
-        if (owner == nullptr) return std::nullopt;
-        return owner->id();
+        const auto behind = region_behind(storage);  // an emptied storage (published) has none
+        if (behind.region == nullptr) return std::nullopt;
+        return behind.region->id();
       },
       nb::arg("storage"), "The id of the borrowed region behind ``storage``, or None.");
 
   m.def(
       "_region_layout",
       [](const py_storage& storage) -> std::optional<std::pair<std::vector<py_entry>, nb::bytes>> {
-        const region_owner* owner = region_behind(storage);
+        const auto behind = region_behind(storage);
+        const region_owner* owner = behind.region;
         if (owner == nullptr || owner->region().layout() == nullptr) return std::nullopt;
         const auto& layout = *owner->region().layout();
         return std::make_pair(entries_of(layout), bytes_of(layout.hash));
@@ -485,7 +523,8 @@ void register_lending(nb::module_& m) {
              const std::vector<py_entry>& entries, std::optional<nb::bytes> hash, double timeout) {
             const auto t = timeout_of(timeout, "shoal.lending.Borrower.publish");
             const auto borrower = b.borrower.enter();
-            region_owner* owner = region_behind(storage);
+            const auto behind = region_behind(storage);
+            region_owner* owner = behind.region;
             if (owner == nullptr || !owner->region().valid() ||
                 owner->region().mode() != lending::region_mode::exclusive) {
               throw invalid_argument("shoal.lending.Borrower.publish: the storage is not an exclusive borrowed region");

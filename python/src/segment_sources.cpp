@@ -189,7 +189,11 @@ void register_segment_sources(nb::module_& m) {
   m.def(
       "_segment_source_open",
       [](const py_storage& storage) {
-        auto source = std::make_unique<segment_source>(storage.handle);
+        const storage_handle memory = storage.handle;  // with the GIL: another thread may assign the handle
+        // Without the GIL: marking the storage (its lock) may materialize it, which allocates and may
+        // wait for pending frees; and a slot's lock is held across PyTorch's allocations from it.
+        released_gil release;
+        auto source = std::make_unique<segment_source>(memory);
         for (std::size_t i = 0; i < slot_count; ++i) {
           slot& s = slots()[i];
           std::lock_guard lock(s.mutex);
@@ -220,15 +224,34 @@ void register_segment_sources(nb::module_& m) {
       "_segment_source_stats",
       [](std::size_t index) -> nb::dict {
         slot& s = slot_at(index);
-        std::lock_guard lock(s.mutex);
+        bool open = false;
+        bool bound = false;
+        std::size_t segments = 0;
+        std::size_t segment_bytes = 0;
+        std::size_t capacity_bytes = 0;
+        std::uintptr_t base = 0;
+        std::uint64_t binding = 0;
+        {
+          // Without the GIL: an allocation from the slot (PyTorch's, on any thread) holds its lock
+          // while it waits for pending frees.
+          released_gil release;
+          std::lock_guard lock(s.mutex);
+          open = s.open;
+          bound = static_cast<bool>(s.source);
+          segments = s.source ? s.source->segments() : 0;
+          segment_bytes = s.source ? s.source->segment_bytes() : 0;
+          capacity_bytes = s.source ? s.source->capacity() : 0;
+          base = s.source ? s.source->base() : 0;
+          binding = s.binding;
+        }
         nb::dict d;
-        d["open"] = s.open;
-        d["bound"] = static_cast<bool>(s.source);
-        d["segments"] = s.source ? s.source->segments() : 0;
-        d["segment_bytes"] = s.source ? s.source->segment_bytes() : 0;
-        d["capacity_bytes"] = s.source ? s.source->capacity() : 0;
-        d["base"] = s.source ? s.source->base() : 0;
-        d["binding"] = s.binding;
+        d["open"] = open;
+        d["bound"] = bound;
+        d["segments"] = segments;
+        d["segment_bytes"] = segment_bytes;
+        d["capacity_bytes"] = capacity_bytes;
+        d["base"] = base;
+        d["binding"] = binding;
         return d;
       },
       nb::arg("slot"),
@@ -236,14 +259,15 @@ void register_segment_sources(nb::module_& m) {
       "another pool once unbound).");
   const auto end = [](std::size_t index, bool closing) {
     slot& s = slot_at(index);
+    // Without the GIL: the slot's lock, as _segment_source_stats; and the drain (outside the
+    // lock) waits for streams.
+    released_gil unlocked;
     std::unique_ptr<segment_source> done;
     {
       std::lock_guard lock(s.mutex);
       (closing ? s.open : s.mem_pool_alive) = false;
       done = unbind_if_done(s);
     }
-    // Drained outside the lock (waits for streams) and without the GIL.
-    released_gil unlocked;
     done.reset();
   };
   m.def(

@@ -5,7 +5,8 @@
 // Lifetimes follow sharing.h: a context keeps its allocator, a peer keeps
 // its context, and a storage received on a peer keeps that context (and so
 // its allocator) alive. Every call that may wait on another process runs
-// with the GIL released.
+// with the GIL released, and so does every call that takes a lock another
+// thread holds meanwhile (the context's collector, a receive mapping memory).
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -57,7 +58,11 @@ class sharing_state {
       : allocator_(std::move(allocator)),
         context_(std::make_unique<ipc::sharing_context>(allocator_->allocator(), options)),
         receive_spin_(options.receive_spin) {}
-  ~sharing_state() { context_.reset(); }  // before the allocator
+  // Before the allocator, and without the GIL: the context's end joins its
+  // collector thread and collects once more.
+  ~sharing_state() {
+    detail::waiting_without_gil([&] { context_.reset(); });
+  }
   [[nodiscard]] ipc::sharing_context& context() const noexcept { return *context_; }
   [[nodiscard]] const std::shared_ptr<allocator_state>& allocator() const noexcept { return allocator_; }
   /// How long a receive polls before it sleeps (sharing_options::receive_spin).
@@ -225,9 +230,16 @@ void register_sharing(nb::module_& m) {
       .def(
           "__init__",
           [](py_listener* self, const address_text& address, const std::vector<python_int>& allowed_uids) {
-            new (self) py_listener{{"Listener", closed_error::invalid_argument,
-                                    std::make_unique<channel::listener>(address_of(address.text),
-                                                                        policy_of(allowed_uids, "Listener"))}};
+            const auto a = address_of(address.text);
+            const auto policy = policy_of(allowed_uids, "Listener");
+            std::unique_ptr<channel::listener> listener;
+            {
+              // The socket file's start lock (another process's listener starting there holds it),
+              // and a probe of a file left there: whether someone listens.
+              released_gil release;
+              listener = std::make_unique<channel::listener>(a, policy);
+            }
+            new (self) py_listener{{"Listener", closed_error::invalid_argument, std::move(listener)}};
           },
           nb::arg("address"), nb::arg("allowed_uids") = std::vector<int>{})
       .def(
@@ -251,6 +263,7 @@ void register_sharing(nb::module_& m) {
           "remove_abandoned_sockets",
           [](const py_listener& l, const std::string& prefix) {
             const auto listener = l.listener.enter();
+            released_gil release;  // probes each candidate socket: whether someone listens there
             return listener->remove_abandoned_sockets(prefix);
           },
           nb::arg("prefix"),
@@ -315,7 +328,11 @@ void register_sharing(nb::module_& m) {
       .def(
           "stats",
           [](const py_sharing_context& c) {
-            const auto s = c.state->context().stats();
+            ipc::sharing_stats s;
+            {
+              released_gil release;  // the context's locks, which its collector holds while it collects
+              s = c.state->context().stats();
+            }
             nb::dict d;
             d["limbo_blocks"] = s.limbo_blocks;
             d["limbo_bytes"] = s.limbo_bytes;
@@ -332,14 +349,23 @@ void register_sharing(nb::module_& m) {
       .def(
           "holders",
           [](const py_sharing_context& c) {
+            std::vector<ipc::holder_stats> holders;
+            {
+              released_gil release;  // the context's locks, as stats()
+              holders = c.state->context().holders();
+            }
             nb::list out;
-            for (const auto& h : c.state->context().holders()) out.append(holder_dict(h));
+            for (const auto& h : holders) out.append(holder_dict(h));
             return out;
           },
           "Per process holding references to this context's memory or connected to it: pid, references, "
           "pinned_bytes, limbo_blocks, limbo_bytes, connections, revoked.")
       .def("__repr__", [](const py_sharing_context& c) {
-        const auto s = c.state->context().stats();
+        ipc::sharing_stats s;
+        {
+          released_gil release;  // the context's locks, as stats()
+          s = c.state->context().stats();
+        }
         return "shoal.SharingContext(" + c.state->allocator()->allocator().device().name() + ", " +
                std::to_string(s.storages_sent) + " storages sent, " + std::to_string(s.limbo_blocks) +
                " blocks held by other processes)";
@@ -522,7 +548,12 @@ void register_sharing(nb::module_& m) {
       .def(
           "stats",
           [](const py_peer& p) {
-            const auto s = p.peer.enter()->stats();
+            const auto peer = p.peer.enter();
+            ipc::peer_stats s;
+            {
+              released_gil release;  // the receiving side's lock, which a receive holds as it maps memory
+              s = peer->stats();
+            }
             nb::dict d;
             d["open_mappings"] = s.open_mappings;
             d["counter_files"] = s.counter_files;

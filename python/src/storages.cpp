@@ -63,12 +63,14 @@ storage_handle::~storage_handle() {
     scoped = scoped_stream_state(storage_.device());
     if (scoped == nullptr) return;
     allocator_->keep(scoped);  // a stream recorded outlives the memory's release
-    if (!record_stream_on_import(storage_, scoped)) storage_.record_stream(scoped->ref());
+    detail::waiting_without_gil([&] {  // the storage's lock, as Storage.record_stream
+      if (!record_stream_on_import(storage_, scoped)) storage_.record_stream(scoped->ref());
+    });
   } catch (...) {
     // No room to record it: the work enqueued there is waited for here.
     if (scoped == nullptr) return;
     try {
-      scoped->device().synchronize(scoped->ref());
+      detail::waiting_without_gil([&] { scoped->device().synchronize(scoped->ref()); });
     } catch (...) {
       std::fprintf(stderr, "shoal: a storage dropped inside a stream scope could not wait for its stream\n");
     }
@@ -102,8 +104,9 @@ void register_storages(nb::module_& m) {
                          "alias; lazy_clone() makes a copy-on-write clone that "
                          "copies nothing until written. Usable from several threads at once: each call takes "
                          "its own reference to the memory with the GIL held, and lets the GIL go for what may "
-                         "wait long (allocation, copies, synchronization); order the threads' writes with "
-                         "streams and events.")
+                         "wait long (allocation, copies, synchronization, the storage's own lock, which another "
+                         "thread materializing or cloning it holds); order the threads' writes with streams and "
+                         "events.")
       .def_prop_ro(
           "nbytes", [](const py_storage& s) { return s.handle.get().size(); }, "Size in bytes.")
       .def("__len__", [](const py_storage& s) { return s.handle.get().size(); })
@@ -129,7 +132,12 @@ void register_storages(nb::module_& m) {
           "first write, which copies it (or takes it over when no other storage "
           "shares it any more).")
       .def_prop_ro(
-          "shared_outside_process", [](const py_storage& s) { return s.handle.get().shared_outside_process(); },
+          "shared_outside_process",
+          [](const py_storage& s) {
+            const storage::storage held = s.handle.get();  // with the GIL: another thread may assign s.handle
+            released_gil release;  // the storage's lock, which a thread materializing or cloning it holds
+            return held.shared_outside_process();
+          },
           "True once the data was exported (DLPack, IPC): it is never lazily "
           "shared from then on.")
       .def(
@@ -181,12 +189,17 @@ void register_storages(nb::module_& m) {
           [](const py_storage& s, const py_stream& stream) {
             auto st = stream_or_current(&stream, s.handle.get().device());
             s.handle.allocator()->keep(st);
-            if (record_stream_on_import(s.handle.get(), st)) return;
-            s.handle.get().record_stream(st->ref());
+            const storage::storage held = s.handle.get();  // with the GIL: another thread may assign s.handle
+            // The storage's lock (and an import's), which a thread materializing or cloning it holds
+            // across device calls with the GIL let go.
+            released_gil release;
+            if (record_stream_on_import(held, st)) return;
+            held.record_stream(st->ref());
           },
           nb::arg("stream"),
           "The memory is also used on `stream`: its free (for imported memory, its release to the producer) "
-          "waits for the work enqueued there until then.")
+          "waits for the work enqueued there until then. The GIL is released meanwhile (it takes the "
+          "storage's lock).")
       .def(
           "aliases", [](const py_storage& a, const py_storage& b) { return a.handle.get().aliases(b.handle.get()); },
           nb::arg("other"), "True iff both name the same storage object.")

@@ -51,6 +51,13 @@ stream_state::stream_state(backend::device& device, std::unique_ptr<backend::str
 
 stream_state::stream_state(backend::device& device, backend::stream_ref adopted) : device_(&device), ref_(adopted) {}
 
+stream_state::~stream_state() {
+  if (owned_ == nullptr) return;  // the default stream, another library's: nothing to destroy
+  // A dropped Stream (the dealloc holds the GIL) with work still queued: the
+  // host backend runs it before the stream goes.
+  detail::waiting_without_gil([&] { owned_.reset(); });
+}
+
 std::shared_ptr<stream_state> stream_state::adopt(backend::device& device, void* native) {
   return std::shared_ptr<stream_state>(new stream_state(device, device.adopt_external_stream(native)));
 }

@@ -177,20 +177,21 @@ void register_transfer(nb::module_& m) {
           [](py_transfer_engine* self, const py_allocator& allocator, std::size_t max_batches_in_flight,
              std::size_t max_pinned_bytes, std::size_t staging_chunk_bytes, std::optional<std::size_t> staging_helpers,
              const std::string& staging_stores, std::size_t max_coalesced_bytes, std::size_t max_bytes_in_flight) {
+            const transfer::transfer_config config{
+                .max_batches_in_flight = max_batches_in_flight,
+                .max_bytes_in_flight = max_bytes_in_flight,
+                .max_pinned_bytes = max_pinned_bytes,
+                .staging_chunk_bytes = staging_chunk_bytes,
+                .staging_helpers = staging_helpers.value_or(transfer::transfer_config::automatic_staging_helpers),
+                .staging_stores = parse_staging_stores(staging_stores),
+                .max_coalesced_bytes = max_coalesced_bytes};
+            std::unique_ptr<engine_on_lent_stream> engine;
+            {
+              released_gil release;  // starts the engine's threads, may reserve pinned staging memory
+              engine = std::make_unique<engine_on_lent_stream>(allocator.state, config);
+            }
             new (self) py_transfer_engine{
-                allocator.state,
-                {"shoal.transfer.Engine", closed_error::invalid_argument,
-                 std::make_unique<engine_on_lent_stream>(
-                    allocator.state,
-                    transfer::transfer_config{
-                        .max_batches_in_flight = max_batches_in_flight,
-                        .max_bytes_in_flight = max_bytes_in_flight,
-                        .max_pinned_bytes = max_pinned_bytes,
-                        .staging_chunk_bytes = staging_chunk_bytes,
-                        .staging_helpers =
-                            staging_helpers.value_or(transfer::transfer_config::automatic_staging_helpers),
-                        .staging_stores = parse_staging_stores(staging_stores),
-                        .max_coalesced_bytes = max_coalesced_bytes})}};
+                allocator.state, {"shoal.transfer.Engine", closed_error::invalid_argument, std::move(engine)}};
           },
           nb::arg("allocator"), nb::arg("max_batches_in_flight") = 32, nb::arg("max_pinned_bytes") = 32u << 20,
           nb::arg("staging_chunk_bytes") = 4u << 20, nb::arg("staging_helpers").none() = nb::none(),

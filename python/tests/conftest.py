@@ -1,6 +1,9 @@
 """Fixtures shared by the shoal pytest suite (host backend in CI)."""
 
 import gc
+import threading
+import time
+from typing import Callable
 
 import pytest
 
@@ -9,6 +12,32 @@ import shoal
 
 def live_allocations(allocator: shoal.Allocator) -> int:
     return allocator.stats()["allocations"]["all"]["current"]
+
+
+def ticks_during(call: Callable[[], object]) -> tuple[float, int]:
+    """Runs call() on this thread while another Python thread ticks every 2 ms; returns how
+    long the call took and how many times the other thread ticked meanwhile. A call that
+    holds the GIL while it waits stops the ticks until it returns (one may slip in as it
+    begins): a call that lets the GIL go gets one tick per 2 ms or so."""
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.002)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        time.sleep(0.05)
+        started = time.monotonic()
+        call()
+        ended = time.monotonic()
+    finally:
+        stop.set()
+        ticker.join(10)
+    return ended - started, sum(started < t < ended for t in ticks)
 
 
 @pytest.fixture

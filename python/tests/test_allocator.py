@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import shoal
+from conftest import ticks_during
 
 
 def test_keyword_settings_reach_the_allocator():
@@ -269,3 +270,19 @@ def test_a_program_that_exits_with_an_observer_registered_prints_nothing():
     result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
                             env=environment)
     assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+def test_dropping_an_allocator_with_a_pending_free_lets_other_python_threads_run():
+    # The allocator's end waits for its pending frees (a block whose free waits for a busy
+    # stream): the dealloc of the last reference (with the GIL) lets the GIL go for that wait.
+    a = shoal.Allocator(shoal.host_device(), use_environment=False)
+    busy = shoal.Stream(shoal.host_device())
+    storage = a.allocate(1 << 20)
+    storage.record_stream(busy)
+    busy.delay(0.5)
+    del storage  # freed once `busy` has run its delay
+    allocators = [a]
+    del a
+    took, ticks = ticks_during(allocators.clear)  # the last reference goes
+    assert took >= 0.2, "the allocator's end did not wait for the pending free (the test's premise)"
+    assert ticks >= 10, f"another Python thread ran {ticks} times in {took:.2f} s of the drop"

@@ -8,6 +8,7 @@ import numpy
 import pytest
 
 import shoal
+from conftest import ticks_during
 
 pytestmark = pytest.mark.skipif(shoal.default_device().kind != "host", reason="numpy consumes host memory only")
 
@@ -381,3 +382,19 @@ def test_numpy_asarray_reads_a_host_view_in_place(allocator):
     if numpy.lib.NumpyVersion(numpy.__version__) >= "2.0.0":
         with pytest.raises(ValueError):
             numpy.array(view, dtype=numpy.float64, copy=False)
+
+
+def test_dropping_an_import_used_on_a_busy_stream_lets_other_python_threads_run():
+    # Imported memory goes back to its producer once the streams it was used on have passed
+    # their work, waited for on the host as its last view goes: with the GIL let go.
+    array = numpy.arange(1024, dtype=numpy.uint8)
+    view = shoal.from_dlpack(array)
+    busy = shoal.Stream(shoal.host_device())
+    busy.delay(0.5)
+    view.storage.record_stream(busy)
+    views = [view]
+    del view
+    took, ticks = ticks_during(views.clear)  # the last view goes: the memory goes back to numpy
+    assert took >= 0.2, "the release did not wait for the stream (the test's premise)"
+    assert ticks >= 10, f"another Python thread ran {ticks} times in {took:.2f} s of the drop"
+    assert array[1023] == 255  # numpy's array is whole and its own again

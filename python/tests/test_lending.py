@@ -198,6 +198,72 @@ def test_max_connections_per_uid_leaves_this_processs_uid_uncapped_and_refuses_a
         assert second.borrow(MIB, "a second connection of this uid").nbytes >= MIB
 
 
+CONNECT_AS_SCRIPT = """
+import os, sys, shoal, shoal.lending
+address, uid = sys.argv[1], int(sys.argv[2])
+allocator = shoal.Allocator(shoal.host_device())  # made as root: nothing is looked up once the uid has dropped
+os.setgroups([])
+os.setgid(uid)
+os.setuid(uid)
+try:
+    borrower = shoal.lending.Borrower(address, allocator=allocator, allowed_uids=[0], timeout=10.0)  # root's lender
+except shoal.PeerRefusedError as e:
+    print("refused", e, flush=True)
+    sys.exit(0)
+print("connected", flush=True)
+sys.stdin.read()  # holds the connection until the parent closes stdin
+"""
+
+
+def test_max_connections_per_uid_caps_one_uid_and_still_lets_another_in():
+    # The lender runs as root here; each borrower is a child that drops to another uid
+    # before it connects. With the cap at 2 a third connection of one uid is turned away
+    # (PeerRefusedError) though the lender has room for more borrowers and observers, while
+    # a connection of another uid still gets in; a place comes back when one of the first
+    # uid's connections goes. Without the cap (the argument not passed on) the third gets in.
+    if os.geteuid() != 0:
+        pytest.skip("borrowers of other uids (a child that drops to them) need root")
+    address = f"@shoal-uid-cap-{os.getpid()}"  # abstract: no socket file the other uids must reach
+    nobody, other = 65534, 65533
+    children: list[subprocess.Popen] = []
+
+    def connect_as(uid: int) -> str:
+        child = subprocess.Popen([sys.executable, "-c", CONNECT_AS_SCRIPT, address, str(uid)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        children.append(child)
+        assert child.stdout is not None
+        return child.stdout.readline().strip()
+
+    with shoal.lending.Lender(address, device=shoal.host_device(), allowed_uids=[nobody, other], max_borrowers=8,
+                              max_connections_per_uid=2) as lender:
+        try:
+            assert connect_as(nobody) == "connected"
+            assert connect_as(nobody) == "connected"
+            third = connect_as(nobody)
+            assert third.startswith("refused") and "turned this borrower away" in third, \
+                f"a third connection of uid {nobody} past max_connections_per_uid=2: {third!r}"
+            assert connect_as(other) == "connected", f"uid {other} was kept out by uid {nobody}'s connections"
+            status = lender.status()
+            assert (status["borrowers"], status["refusals"]) == (3, 1), status
+            first = children[0]
+            assert first.stdin is not None
+            first.stdin.close()  # its borrower goes with the process
+            assert first.wait(10) == 0
+            assert eventually(lambda: lender.status()["borrowers"] == 2)
+            assert connect_as(nobody) == "connected", "the place of a connection gone did not come back"
+        finally:
+            for child in children:
+                if child.stdin is not None and not child.stdin.closed:
+                    child.stdin.close()
+                try:
+                    child.wait(10)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+                if child.stdout is not None:
+                    child.stdout.close()
+
+
 def test_the_operator_revokes_one_borrowers_region_for_anothers_turn(address):
     in_process_only()
     unit = 2 * MIB

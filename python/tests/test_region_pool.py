@@ -11,6 +11,7 @@ import os
 import pathlib
 import sys
 import tempfile
+import threading
 import time
 import types
 
@@ -20,6 +21,7 @@ import shoal
 import shoal.lending
 import shoal.torch
 from shoal import _shoal
+from conftest import ticks_during
 from test_lending import eventually  # the lending tests' wait for the lender's books
 
 pytestmark = pytest.mark.python
@@ -247,3 +249,33 @@ def test_a_region_pool_of_anything_but_a_storage_is_a_type_error_naming_the_argu
         shoal.torch.RegionPool(memory.view("uint8"))
     with pytest.raises(TypeError, match="RegionPool: storage must be a shoal.Storage, not int"):
         shoal.torch.RegionPool(1 << 30)
+
+
+def test_a_slots_stats_wait_for_an_allocation_in_flight_without_the_gil():
+    # PyTorch allocates from a slot on any thread; the allocation holds the slot's lock while
+    # it waits for a pending free (here: the only segment, freed on a stream kept busy). A
+    # stats() call meanwhile waits for that lock with the GIL let go, so other Python threads
+    # run on.
+    allocator = shoal.Allocator(shoal.host_device(), use_environment=False)
+    slot = _shoal._segment_source_open(allocator.allocate(4 * MIB))
+    try:
+        allocate, free = functions(slot)
+        capacity = _shoal._segment_source_stats(slot)["capacity_bytes"]
+        busy = shoal.Stream(shoal.host_device())
+        segment = allocate(capacity, 0, None)
+        assert segment is not None
+        busy.delay(1.0)
+        free(segment, capacity, 0, busy.handle)  # given back once `busy` has run its delay
+        again: list = []
+        allocating = threading.Thread(target=lambda: again.append(allocate(capacity, 0, None)))  # ctypes: no GIL
+        allocating.start()
+        time.sleep(0.1)  # it waits for the free, the slot's lock held
+        took, ticks = ticks_during(lambda: _shoal._segment_source_stats(slot))
+        allocating.join(10)
+        assert again == [segment], "the allocation did not get the segment freed"
+        free(segment, capacity, 0, None)
+        assert took >= 0.2, "stats() did not wait for the allocation (the test's premise)"
+        assert ticks >= 10, f"another Python thread ran {ticks} times in {took:.2f} s of stats()"
+    finally:
+        _shoal._segment_source_close(slot)
+        _shoal._segment_source_mem_pool_gone(slot)

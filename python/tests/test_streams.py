@@ -8,6 +8,7 @@ import time
 import pytest
 
 import shoal
+from conftest import ticks_during
 
 
 def test_the_default_device_follows_shoal_backend():
@@ -100,6 +101,18 @@ def test_synchronize_releases_the_gil():
     worker.join(timeout=10)
     assert still_blocked
     assert woke_after < 0.6, f"the main thread waited {woke_after:.2f} s for the GIL"
+
+
+def test_dropping_a_stream_with_work_queued_lets_other_python_threads_run():
+    # A host stream runs the work queued on it before it goes: the dealloc of the last
+    # reference (with the GIL) lets the GIL go for that wait.
+    s = shoal.Stream(shoal.host_device())
+    s.delay(0.5)
+    streams = [s]
+    del s
+    took, ticks = ticks_during(streams.clear)  # the last reference goes
+    assert took >= 0.2, "the stream's end did not wait for its work (the test's premise)"
+    assert ticks >= 10, f"another Python thread ran {ticks} times in {took:.2f} s of the drop"
 
 
 def test_a_device_pickles_as_the_same_device():
