@@ -5,8 +5,6 @@ the group planner, and (on the GPU machine) a torch module loaded group by group
 from __future__ import annotations
 
 import gc
-import threading
-import time
 import weakref
 
 import numpy
@@ -14,6 +12,7 @@ import pytest
 
 import shoal
 import shoal.loading
+from conftest import ticks_during
 
 pytestmark = pytest.mark.python
 
@@ -48,28 +47,10 @@ def test_dropping_a_load_whose_copies_are_queued_lets_other_python_threads_run()
     targets, sources = model_memory(groups=1, nbytes=4096)
     copy = shoal.Stream()
     copy.delay(0.5)
-    load = shoal.loading.load_groups([list(zip(targets[0], sources[0]))], copy)
-    ticks: list[float] = []
-    stop = threading.Event()
-
-    def tick() -> None:
-        while not stop.is_set():
-            ticks.append(time.monotonic())
-            time.sleep(0.002)
-
-    ticker = threading.Thread(target=tick)
-    ticker.start()
-    try:
-        time.sleep(0.05)
-        started = time.monotonic()
-        del load  # the last reference: waits for the copies
-        ended = time.monotonic()
-    finally:
-        stop.set()
-        ticker.join(10)
-    assert ended - started >= 0.2, "the load's end did not wait for its copies (the test's premise)"
-    during = [t for t in ticks if started < t < ended]
-    assert len(during) >= 10, f"another Python thread ran {len(during)} times in {ended - started:.2f} s of the drop"
+    loads = [shoal.loading.load_groups([list(zip(targets[0], sources[0]))], copy)]
+    took, ticks = ticks_during(loads.clear)  # the last reference: waits for the copies
+    assert took >= 0.2, "the load's end did not wait for its copies (the test's premise)"
+    assert ticks >= 10, f"another Python thread ran {ticks} times in {took:.2f} s of the drop"
     assert all(bytes(storage.read(0, 4096)) == bytes([1]) * 4096 for storage in targets[0])
 
 
