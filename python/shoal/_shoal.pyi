@@ -812,8 +812,10 @@ class _StopFlag:
 
     def __init__(self) -> None: ...
 
-    def set(self) -> None:
-        """Sets it."""
+    def set(self, reference: object | None = None) -> None:
+        """
+        Sets it. Takes an argument it ignores: the weak reference whose callback it is (a C call, which no Ctrl-C interrupts).
+        """
 
     def is_set(self) -> bool:
         """Whether it is set."""
@@ -878,14 +880,14 @@ def _segment_source_stats(slot: int) -> dict:
     What the slot's source has carved out, and its `binding`: which opening of the slot (a slot serves another pool once unbound).
     """
 
-def _segment_source_close(slot: int) -> None:
+def _segment_source_close(slot: int, binding: int | None = None, reference: object | None = None) -> None:
     """
-    No more segments from the slot; it is unbound (its storage dropped) once every segment is back and its MemPool is gone.
+    No more segments from the slot (from its opening `binding`, when given); it is unbound (its storage dropped) once every segment is back and its MemPool is gone.
     """
 
-def _segment_source_mem_pool_gone(slot: int) -> None:
+def _segment_source_mem_pool_gone(slot: int, binding: int | None = None, reference: object | None = None) -> None:
     """
-    The slot's MemPool object is gone (a finalizer calls this): nothing calls the slot's functions any more.
+    The slot's MemPool object is gone (a weak reference's callback calls this): nothing calls the slot's functions any more.
     """
 
 def _close_exit_gate() -> None: ...

@@ -514,15 +514,13 @@ class RevocationWatcher:
     def __init__(self, borrower: Borrower, on_revoke: Callable[[int, float], object]) -> None:
         if not callable(on_revoke):
             raise TypeError(f"shoal.lending.RevocationWatcher: on_revoke must be callable, not {on_revoke!r}")
-        # The borrower weakly: once it is dropped the stop flag is set, the thread's wait ends
-        # within 10 ms and lets go of the connection, which closes.
-        self._borrower = weakref.ref(borrower)
-        self._on_revoke: Optional[Callable[[int, float], object]] = on_revoke
         self._stop = _shoal._StopFlag()  # read by the wait without the GIL
-        self._borrower_gone = weakref.finalize(borrower, self._stop.set)
-        # A writable attribute: mypy 2's typeshed makes it a property with a setter; older ones
-        # declare a plain attribute beside finalize's empty __slots__, which mypy refuses.
-        self._borrower_gone.atexit = False  # type: ignore[misc, unused-ignore]
+        # The borrower weakly: once it is dropped the stop flag is set, the thread's wait ends
+        # within 10 ms and lets go of the connection, which closes. The callback is the flag's
+        # set, a C call: a finalizer would run Python code, where a Ctrl-C that came as the
+        # borrower went would be printed and lost, and the flag never set.
+        self._borrower = weakref.ref(borrower, self._stop.set)
+        self._on_revoke: Optional[Callable[[int, float], object]] = on_revoke
         self._error: Optional[BaseException] = None
         self._traceback: Optional[TracebackType] = None
         self._active = False  # set by the borrower as it registers this watcher
@@ -574,7 +572,6 @@ class RevocationWatcher:
         finally:
             self._active = False
             self._on_revoke = None  # what it holds is let go with the watcher's end
-            self._borrower_gone.detach()
 
     def _put_back(self, unhandled: list[tuple[int, float]], read_at: float) -> None:
         """Returns revokes read and not passed on to the borrower, for its next reader."""

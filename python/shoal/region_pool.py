@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from typing import Any, Iterator
 
 from . import _checks, _shoal
+
+# Per slot, the weak references that end its current binding as its MemPool and
+# its RegionPool go (RegionPool.__init__); a later opening of the slot replaces them.
+_slot_watches: dict[int, tuple[weakref.ref[Any], weakref.ref[Any]]] = {}
 
 
 class RegionPool:
@@ -75,8 +80,15 @@ class RegionPool:
         self._binding = int(_shoal._segment_source_stats(slot)["binding"])
         # The slot goes to no other pool while PyTorch's MemPool object lives
         # (it may still call the slot's functions), nor while this pool is open.
-        weakref.finalize(self.mem_pool, _shoal._segment_source_mem_pool_gone, slot)
-        self._finalizer = weakref.finalize(self, _shoal._segment_source_close, slot)
+        # Weak references whose callbacks are C calls (partials of the bindings,
+        # which end this binding only): a finalizer would run Python code, where a
+        # Ctrl-C that came as the object went would be printed and lost, and the
+        # slot held for good. Kept here, not on the pool: a reference that is
+        # itself garbage when its referent is collected calls nothing.
+        _slot_watches[slot] = (
+            weakref.ref(self.mem_pool, functools.partial(_shoal._segment_source_mem_pool_gone, slot, self._binding)),
+            weakref.ref(self, functools.partial(_shoal._segment_source_close, slot, self._binding)),
+        )
 
     @contextlib.contextmanager
     def use(self) -> Iterator[RegionPool]:
@@ -119,7 +131,7 @@ class RegionPool:
             if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
                 torch._C._cuda_clearCublasWorkspaces()
             torch.cuda.empty_cache()
-            self._finalizer()  # closes the slot, once
+            _shoal._segment_source_close(slot, self._binding)
 
     def __enter__(self) -> RegionPool:
         return self

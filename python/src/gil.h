@@ -54,6 +54,25 @@ inline std::atomic<bool> exit_gate_closed{false};
 inline std::atomic<std::thread::id> exit_gate_closer{};
 inline std::atomic<int> python_work_in_flight{0};
 
+/// Above zero while this thread keeps the GIL as it has it, whatever it
+/// waits for: it runs inside another library's lock (PyTorch's allocator,
+/// calling a region pool's slot, holds its mutex; a Python thread holding
+/// the GIL may wait for that mutex, so a GIL let go there could not be taken
+/// back), or it is a thread that took the GIL for a moment through
+/// python_work (taken back after the exit gate's wait, the finalizing
+/// interpreter would park it while the interpreter's teardown joins it).
+/// without_gil and waiting_without_gil run their work as called then.
+inline thread_local int gil_kept = 0;
+
+/// Keeps the GIL as it is on this thread for its life (gil_kept).
+class keeping_the_gil {
+ public:
+  keeping_the_gil() noexcept { ++gil_kept; }
+  ~keeping_the_gil() { --gil_kept; }
+  keeping_the_gil(const keeping_the_gil&) = delete;
+  keeping_the_gil& operator=(const keeping_the_gil&) = delete;
+};
+
 /// Runs `work` — which takes the GIL itself (or holds it), for a short
 /// while — unless the exit gate is closed and this is another thread than
 /// the one that closed it; false when it did not run (a reference then
@@ -66,6 +85,7 @@ bool python_work(Work&& work) {
   } const left;
   if (Py_IsInitialized() == 0) return false;
   if (exit_gate_closed.load() && std::this_thread::get_id() != exit_gate_closer.load()) return false;
+  const keeping_the_gil kept;
   work();
   return true;
 }
@@ -125,11 +145,12 @@ class retaken_gil {
 namespace detail {
 
 /// Runs `fn` with the GIL released when this thread holds it (taken back as
-/// released_gil does, so a daemon thread here at exit sleeps, not aborts).
+/// released_gil does, so a daemon thread here at exit sleeps, not aborts),
+/// unless the thread keeps it (gil_kept).
 template <class Fn>
 void without_gil(Fn&& fn) {
   std::optional<released_gil> unlocked;
-  if (PyGILState_Check() != 0) unlocked.emplace();
+  if (gil_kept == 0 && PyGILState_Check() != 0) unlocked.emplace();
   fn();
 }
 
@@ -140,7 +161,8 @@ void without_gil(Fn&& fn) {
 /// thread. Once the interpreter finalizes (the objects it collects then, C++
 /// statics after it) `fn` runs as called: after finalization the GIL cannot be
 /// let go, and no other thread waits for it. Call it holding no lock that a
-/// thread holding the GIL may wait for: the GIL is taken back at its end.
+/// thread holding the GIL may wait for (the GIL is taken back at its end); a
+/// thread inside another library's lock keeps the GIL (keeping_the_gil).
 template <class Fn>
 void waiting_without_gil(Fn&& fn) {
   if (Py_IsInitialized() == 0) {

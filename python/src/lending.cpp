@@ -434,7 +434,11 @@ void register_lending(nb::module_& m) {
                         "A flag set once, read without the GIL by a revocations() wait it is the cancel of "
                         "(shoal.lending.RevocationWatcher's).")
       .def(nb::init<>())
-      .def("set", [](stop_flag& f) { f.set.store(true); }, "Sets it.")
+      .def(
+          "set", [](stop_flag& f, const nb::object& /*reference*/) { f.set.store(true); },
+          nb::arg("reference").none() = nb::none(),
+          "Sets it. Takes an argument it ignores: the weak reference whose callback it is (a C call, which no "
+          "Ctrl-C interrupts).")
       .def("is_set", [](const stop_flag& f) { return f.set.load(); }, "Whether it is set.");
   nb::class_<py_borrower>(m, "Borrower",
                           "A connection to a lender, through which regions are borrowed. Usable from several "

@@ -17,6 +17,7 @@
 //
 // Thread-safety: the slot functions may be called from any thread, with or
 // without the GIL (they never touch Python); each slot has its own lock.
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 
 #include <array>
@@ -24,6 +25,7 @@
 #include <cstdio>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -146,6 +148,7 @@ std::unique_ptr<segment_source> unbind_if_done(slot& s) {
 
 template <std::size_t K>
 void* slot_allocate(std::size_t bytes, int device, void* stream) noexcept {
+  const detail::keeping_the_gil kept;  // PyTorch's allocator mutex is held around this call
   slot& s = slots()[K];
   try {
     std::lock_guard lock(s.mutex);
@@ -159,6 +162,7 @@ void* slot_allocate(std::size_t bytes, int device, void* stream) noexcept {
 
 template <std::size_t K>
 void slot_free(void* ptr, std::size_t /*bytes*/, int /*device*/, void* stream) noexcept {
+  const detail::keeping_the_gil kept;  // PyTorch's allocator mutex is held: a GIL let go could not come back
   slot& s = slots()[K];
   try {
     std::unique_ptr<segment_source> done;
@@ -257,7 +261,9 @@ void register_segment_sources(nb::module_& m) {
       nb::arg("slot"),
       "What the slot's source has carved out, and its `binding`: which opening of the slot (a slot serves "
       "another pool once unbound).");
-  const auto end = [](std::size_t index, bool closing) {
+  // `binding`: the opening of the slot the caller ends (a weak reference's
+  // callback may come after the slot serves another); None: whichever.
+  const auto end = [](std::size_t index, std::optional<std::uint64_t> binding, bool closing) {
     slot& s = slot_at(index);
     // Without the GIL: the slot's lock, as _segment_source_stats; and the drain (outside the
     // lock) waits for streams.
@@ -265,18 +271,28 @@ void register_segment_sources(nb::module_& m) {
     std::unique_ptr<segment_source> done;
     {
       std::lock_guard lock(s.mutex);
+      if (binding && *binding != s.binding) return;
       (closing ? s.open : s.mem_pool_alive) = false;
       done = unbind_if_done(s);
     }
     done.reset();
   };
+  // Each takes a last argument it ignores: the weak reference whose callback it is
+  // (shoal.torch.RegionPool's, a C call that runs no Python code a Ctrl-C could interrupt).
   m.def(
-      "_segment_source_close", [end](std::size_t index) { end(index, true); }, nb::arg("slot"),
-      "No more segments from the slot; it is unbound (its storage dropped) once every segment is back and its "
-      "MemPool is gone.");
+      "_segment_source_close",
+      [end](std::size_t index, std::optional<std::uint64_t> binding, const nb::object&) { end(index, binding, true); },
+      nb::arg("slot"), nb::arg("binding").none() = nb::none(), nb::arg("reference").none() = nb::none(),
+      "No more segments from the slot (from its opening `binding`, when given); it is unbound (its storage "
+      "dropped) once every segment is back and its MemPool is gone.");
   m.def(
-      "_segment_source_mem_pool_gone", [end](std::size_t index) { end(index, false); }, nb::arg("slot"),
-      "The slot's MemPool object is gone (a finalizer calls this): nothing calls the slot's functions any more.");
+      "_segment_source_mem_pool_gone",
+      [end](std::size_t index, std::optional<std::uint64_t> binding, const nb::object&) {
+        end(index, binding, false);
+      },
+      nb::arg("slot"), nb::arg("binding").none() = nb::none(), nb::arg("reference").none() = nb::none(),
+      "The slot's MemPool object is gone (a weak reference's callback calls this): nothing calls the slot's "
+      "functions any more.");
 }
 
 }  // namespace shoal::python

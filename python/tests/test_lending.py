@@ -4,8 +4,10 @@ borrower, metrics."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import gc
+import operator
 import os
 import pathlib
 import select
@@ -1161,6 +1163,28 @@ def test_a_dropped_borrower_closes_its_connection_though_a_watcher_watches(addre
         assert eventually(lambda: lender.status()["borrowers"] == 0), "the watcher kept the connection open"
         assert time.monotonic() - start < 0.5, "the watcher held the connection past its wait's 10 ms look"
         assert eventually(lambda: not watcher.watching)
+        assert watcher.error is None
+
+
+def test_a_ctrl_c_as_a_watched_borrower_goes_reaches_the_caller_and_the_watcher_still_stops(address):
+    # The watcher learns of its borrower's end through a weak reference whose callback is a C
+    # call: a Ctrl-C pending as the last reference goes is raised where the code dropped it,
+    # and the watcher stops (a finalizer, Python code, printed the interrupt as unraisable and
+    # never set the stop: the connection stayed open).
+    in_process_only()
+    with shoal.lending.Lender(address) as lender:
+        borrowers = [shoal.lending.Borrower(address)]
+        watcher = borrowers[0].watch_revocations(lambda region, left: None)
+        assert eventually(lambda: lender.status()["borrowers"] == 1)
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                # Back to back in C: the interrupt is pending as the last reference goes.
+                list(map(operator.methodcaller("__call__"), [_thread.interrupt_main, borrowers.clear]))
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        assert eventually(lambda: not watcher.watching), "the watcher did not learn its borrower was gone"
+        assert eventually(lambda: lender.status()["borrowers"] == 0), "the connection stayed open"
         assert watcher.error is None
 
 

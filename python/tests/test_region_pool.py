@@ -4,16 +4,22 @@ torch.cuda.MemPool route itself runs on the GPU machine (test_torch.py)."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ctypes
+import functools
 import gc
+import operator
 import os
 import pathlib
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import types
+import weakref
 
 import pytest
 
@@ -269,7 +275,7 @@ def test_a_slots_stats_wait_for_an_allocation_in_flight_without_the_gil():
         again: list = []
         allocating = threading.Thread(target=lambda: again.append(allocate(capacity, 0, None)))  # ctypes: no GIL
         allocating.start()
-        time.sleep(0.1)  # it waits for the free, the slot's lock held
+        time.sleep(0.3)  # it waits for the free, the slot's lock held
         took, ticks = ticks_during(lambda: _shoal._segment_source_stats(slot))
         allocating.join(10)
         assert again == [segment], "the allocation did not get the segment freed"
@@ -279,3 +285,80 @@ def test_a_slots_stats_wait_for_an_allocation_in_flight_without_the_gil():
     finally:
         _shoal._segment_source_close(slot)
         _shoal._segment_source_mem_pool_gone(slot)
+
+
+def test_a_weak_references_callback_ends_only_its_binding_and_a_ctrl_c_as_it_runs_reaches_the_caller():
+    # RegionPool ends a slot's binding through weak references whose callbacks are partials of
+    # the bindings (C calls): a Ctrl-C that comes as the MemPool goes reaches the code that
+    # dropped it, and the slot is let go all the same. A callback that comes after the slot
+    # serves another opening ends nothing.
+    class Referent:
+        pass
+
+    allocator = shoal.Allocator(shoal.host_device(), use_environment=False)
+    slot = _shoal._segment_source_open(allocator.allocate(2 * MIB))
+    binding = _shoal._segment_source_stats(slot)["binding"]
+    pool = [Referent()]
+    watch = weakref.ref(pool[0], functools.partial(_shoal._segment_source_mem_pool_gone, slot, binding))
+    _shoal._segment_source_close(slot, binding + 1)  # another opening's: not this one's to end
+    assert _shoal._segment_source_stats(slot)["open"], "a callback of another binding closed the slot"
+    _shoal._segment_source_close(slot, binding)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            # Back to back in C: the interrupt is pending as the last reference goes.
+            list(map(operator.methodcaller("__call__"), [_thread.interrupt_main, pool.clear]))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert watch() is None
+    assert not _shoal._segment_source_stats(slot)["bound"], "the MemPool's end was lost to the Ctrl-C"
+
+
+DROP_UNDER_A_LOCK = """
+import ctypes, faulthandler, sys, threading
+import shoal
+from shoal import _shoal
+faulthandler.dump_traceback_later(20, exit=True)  # a deadlock: the stacks, and a failure
+# PyTorch's allocator takes its mutex on a thread that may hold the GIL (a tensor's dealloc) and
+# holds it across a RegionPool slot's free function. PyDLL / PYFUNCTYPE calls keep the GIL, as
+# PyTorch's do.
+libc = ctypes.PyDLL(None)
+mutex = ctypes.create_string_buffer(64)  # PTHREAD_MUTEX_INITIALIZER: zeros
+ALLOCATE = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+FREE = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
+allocator = shoal.Allocator(shoal.host_device(), use_environment=False)
+storage = allocator.allocate(4 << 20)
+busy = shoal.Stream(shoal.host_device())
+storage.record_stream(busy)
+busy.delay(0.5)  # the storage's free waits for it: the allocator's end waits for that
+slot = _shoal._segment_source_open(storage)
+allocate, free = (kind(address) for kind, address in zip((ALLOCATE, FREE), _shoal._segment_source_functions(slot)))
+segment = allocate(1 << 20, 0, None)
+_shoal._segment_source_close(slot)
+_shoal._segment_source_mem_pool_gone(slot)
+del storage, allocator  # the slot's source holds the last references
+go = threading.Event()
+
+def freeing_elsewhere():  # another thread frees a tensor: the mutex, with the GIL
+    go.wait()
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_unlock(mutex)
+
+other = threading.Thread(target=freeing_elsewhere, daemon=True)
+other.start()
+sys.setswitchinterval(1000)  # this thread lets the GIL go only where shoal does
+go.set()
+libc.pthread_mutex_lock(mutex)
+free(segment, 1 << 20, 0, None)  # the last segment: the source, its storage and allocator go
+libc.pthread_mutex_unlock(mutex)
+other.join()
+print("no deadlock", flush=True)
+"""
+
+
+def test_a_slot_freed_under_another_librarys_lock_keeps_the_gil_through_the_waits_it_causes():
+    # The slot's free function may end the region's storage and its allocator, whose ends wait
+    # (pending frees): with the GIL let go there, a Python thread waiting for PyTorch's mutex
+    # with the GIL would hold it for good, and the free could never take it back.
+    done = subprocess.run([sys.executable, "-c", DROP_UNDER_A_LOCK], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "no deadlock" in done.stdout, done.stderr

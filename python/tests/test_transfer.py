@@ -318,6 +318,32 @@ def test_ctrl_c_as_a_source_goes_on_the_callers_thread_reaches_the_caller_and_th
     assert not waiting.is_alive(), "the array let go of was not counted: the wait for it would never end"
 
 
+EXIT_WHILE_THE_ENGINE_LETS_GO = """
+import sys, time, numpy, shoal, shoal.transfer
+engine = shoal.transfer.Engine(shoal.Allocator(shoal.host_device(), use_environment=False))
+array = numpy.ones(1 << 20, dtype=numpy.uint8)
+stream = shoal.Stream(shoal.host_device())
+stream.delay(2.0)  # queued work: the stream's end waits for it
+owner = [array, stream]  # the engine's hold of the source is its last reference
+engine._engine.submit([(array.ctypes.data, array.nbytes, False, owner)], None, None)
+del owner, stream, array
+time.sleep(0.3)  # the engine's thread lets go: its decref ends the stream, which waits
+print("exiting with the engine open", flush=True)
+"""
+
+
+def test_the_process_exits_while_the_engines_thread_drops_a_source_whose_end_waits():
+    # The engine's thread takes the GIL for a moment to drop a source; an end that waits
+    # there (a stream with work queued) keeps the GIL rather than letting it go: let go,
+    # it could only be taken back after the interpreter began to finalize, which parks the
+    # thread, and the teardown then joined the parked thread for good. Twice: whether the
+    # teardown reached the engine first depended on the order modules were torn down.
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", EXIT_WHILE_THE_ENGINE_LETS_GO], capture_output=True, text=True,
+                              timeout=30)
+        assert done.returncode == 0 and "exiting" in done.stdout, done.stderr
+
+
 @pytest.mark.torch
 def test_torch_cpu_tensors_pinned_ones_read_directly_and_pageable_ones_staged(engine):
     torch = pytest.importorskip("torch")
