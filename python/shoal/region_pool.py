@@ -64,31 +64,33 @@ class RegionPool:
         # storage's device, whatever the current device is.
         self.device: int = storage.device.ordinal
         slot = _shoal._segment_source_open(storage)
+        binding: int | None = None  # this opening of the slot, once read
         try:
+            binding = int(_shoal._segment_source_stats(slot)["binding"])
             allocate, free = _shoal._segment_source_functions(slot)
             self._allocator = torch._C._cuda_customAllocator(allocate, free)
             with torch.cuda.device(self.device):  # a MemPool belongs to the device current as it is made
                 self.mem_pool: Any = torch.cuda.MemPool(self._allocator)
+            # The slot goes to no other pool while PyTorch's MemPool object lives
+            # (it may still call the slot's functions), nor while this pool is open.
+            # Weak references whose callbacks are C calls (partials of the bindings,
+            # which end this binding only): a finalizer would run Python code, where a
+            # Ctrl-C that came as the object went would be printed and lost, and the
+            # slot held for good. Kept here, not on the pool: a reference that is
+            # itself garbage when its referent is collected calls nothing.
+            _slot_watches[slot] = (
+                weakref.ref(self.mem_pool, functools.partial(_shoal._segment_source_mem_pool_gone, slot, binding)),
+                weakref.ref(self, functools.partial(_shoal._segment_source_close, slot, binding)),
+            )
         except BaseException:
-            _shoal._segment_source_close(slot)
-            _shoal._segment_source_mem_pool_gone(slot)
+            _shoal._segment_source_close(slot, binding)
+            _shoal._segment_source_mem_pool_gone(slot, binding)
             raise
         self._slot: int | None = slot  # None once closed
         # stats() after close() too: the slot stays this pool's while this
         # binding of it holds (a segment out, or the MemPool object alive).
         self._index = slot
-        self._binding = int(_shoal._segment_source_stats(slot)["binding"])
-        # The slot goes to no other pool while PyTorch's MemPool object lives
-        # (it may still call the slot's functions), nor while this pool is open.
-        # Weak references whose callbacks are C calls (partials of the bindings,
-        # which end this binding only): a finalizer would run Python code, where a
-        # Ctrl-C that came as the object went would be printed and lost, and the
-        # slot held for good. Kept here, not on the pool: a reference that is
-        # itself garbage when its referent is collected calls nothing.
-        _slot_watches[slot] = (
-            weakref.ref(self.mem_pool, functools.partial(_shoal._segment_source_mem_pool_gone, slot, self._binding)),
-            weakref.ref(self, functools.partial(_shoal._segment_source_close, slot, self._binding)),
-        )
+        self._binding: int | None = binding
 
     @contextlib.contextmanager
     def use(self) -> Iterator[RegionPool]:

@@ -58,11 +58,17 @@ inline std::atomic<int> python_work_in_flight{0};
 /// waits for: it runs inside another library's lock (PyTorch's allocator,
 /// calling a region pool's slot, holds its mutex; a Python thread holding
 /// the GIL may wait for that mutex, so a GIL let go there could not be taken
-/// back), or it is a thread that took the GIL for a moment through
-/// python_work (taken back after the exit gate's wait, the finalizing
-/// interpreter would park it while the interpreter's teardown joins it).
-/// without_gil and waiting_without_gil run their work as called then.
+/// back). without_gil and waiting_without_gil run their work as called then.
 inline thread_local int gil_kept = 0;
+
+/// Above zero while this thread runs python_work: a destructor's wait
+/// there (waiting_without_gil) keeps the GIL. Let go, it could be taken back
+/// only after the exit gate's wait, and the finalizing interpreter would
+/// park the thread while the interpreter's teardown joins it (a transfer
+/// engine's thread dropping a source whose stream has work queued). Waits
+/// on a peer (without_gil) still let it go: one that kept it would stall
+/// every Python thread, or deadlock with one that needs the GIL to end it.
+inline thread_local int in_python_work = 0;
 
 /// Keeps the GIL as it is on this thread for its life (gil_kept).
 class keeping_the_gil {
@@ -85,7 +91,10 @@ bool python_work(Work&& work) {
   } const left;
   if (Py_IsInitialized() == 0) return false;
   if (exit_gate_closed.load() && std::this_thread::get_id() != exit_gate_closer.load()) return false;
-  const keeping_the_gil kept;
+  ++in_python_work;
+  struct done {
+    ~done() { --in_python_work; }
+  } const working;
   work();
   return true;
 }
@@ -160,12 +169,13 @@ void without_gil(Fn&& fn) {
 /// with the GIL released, so the wait does not stop every other Python
 /// thread. Once the interpreter finalizes (the objects it collects then, C++
 /// statics after it) `fn` runs as called: after finalization the GIL cannot be
-/// let go, and no other thread waits for it. Call it holding no lock that a
-/// thread holding the GIL may wait for (the GIL is taken back at its end); a
-/// thread inside another library's lock keeps the GIL (keeping_the_gil).
+/// let go, and no other thread waits for it; nor inside python_work
+/// (in_python_work). Call it holding no lock that a thread holding the GIL
+/// may wait for (the GIL is taken back at its end); a thread inside another
+/// library's lock keeps the GIL (keeping_the_gil).
 template <class Fn>
 void waiting_without_gil(Fn&& fn) {
-  if (Py_IsInitialized() == 0) {
+  if (Py_IsInitialized() == 0 || in_python_work > 0) {
     fn();
     return;
   }

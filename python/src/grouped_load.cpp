@@ -43,9 +43,7 @@ struct py_grouped_load {
   // not stop every other Python thread until they have run. Its sources'
   // owners are let go of by taking the GIL back (hold()).
   ~py_grouped_load() {
-    std::optional<released_gil> unlocked;
-    if (PyGILState_Check() != 0) unlocked.emplace();
-    const transfer::grouped_load gone = std::move(load);
+    detail::waiting_without_gil([&] { const transfer::grouped_load gone = std::move(load); });
   }
 
   // Declared first, destroyed last: the load's destruction waits for its

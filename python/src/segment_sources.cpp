@@ -267,15 +267,16 @@ void register_segment_sources(nb::module_& m) {
     slot& s = slot_at(index);
     // Without the GIL: the slot's lock, as _segment_source_stats; and the drain (outside the
     // lock) waits for streams.
-    released_gil unlocked;
-    std::unique_ptr<segment_source> done;
-    {
-      std::lock_guard lock(s.mutex);
-      if (binding && *binding != s.binding) return;
-      (closing ? s.open : s.mem_pool_alive) = false;
-      done = unbind_if_done(s);
-    }
-    done.reset();
+    detail::waiting_without_gil([&] {
+      std::unique_ptr<segment_source> done;
+      {
+        std::lock_guard lock(s.mutex);
+        if (binding && *binding != s.binding) return;
+        (closing ? s.open : s.mem_pool_alive) = false;
+        done = unbind_if_done(s);
+      }
+      done.reset();
+    });
   };
   // Each takes a last argument it ignores: the weak reference whose callback it is
   // (shoal.torch.RegionPool's, a C call that runs no Python code a Ctrl-C could interrupt).

@@ -1176,6 +1176,9 @@ def test_a_ctrl_c_as_a_watched_borrower_goes_reaches_the_caller_and_the_watcher_
         borrowers = [shoal.lending.Borrower(address)]
         watcher = borrowers[0].watch_revocations(lambda region, left: None)
         assert eventually(lambda: lender.status()["borrowers"] == 1)
+        # The watcher's thread takes the borrower from its weak reference for a moment
+        # between waits: the list's reference (and getrefcount's) must be the only ones.
+        assert eventually(lambda: sys.getrefcount(borrowers[0]) == 2)
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             with pytest.raises(KeyboardInterrupt):

@@ -535,12 +535,18 @@ class lender::state {
       for (const auto& spare : spares_.chunks()) {
         if (spare.chunk.kept_by(b.serial)) kept += spare.chunk.memory->size();
       }
-      if (held == b.held_bytes && regions == b.held_regions && kept == b.kept_bytes) continue;
+      // What a connection holds and keeps mapped stays within its quota: a
+      // borrow is weighed against both, and a keep moves bytes from one to
+      // the other.
+      if (held == b.held_bytes && regions == b.held_regions && kept == b.kept_bytes &&
+          held + kept <= config_.quota_bytes) {
+        continue;
+      }
       std::fprintf(stderr,
                    "shoal: the lender's books are broken: connection %llu counts %zu bytes in %zu regions held and "
-                   "%zu kept mapped, its holds and kept mappings add up to %zu, %zu and %zu\n",
+                   "%zu kept mapped, its holds and kept mappings add up to %zu, %zu and %zu (quota %zu)\n",
                    static_cast<unsigned long long>(b.serial), b.held_bytes, b.held_regions, b.kept_bytes, held,
-                   regions, kept);
+                   regions, kept, config_.quota_bytes);
       std::abort();
     }
   }
@@ -1028,6 +1034,21 @@ class lender::state {
     return room;
   }
 
+  // A kept mapping forget_kept_for drops: its memory, and the connections
+  // told to forget it (empty: the borrower alone).
+  struct kept_drop {
+    const detail::lendable_memory* memory;
+    std::vector<std::uint64_t> keepers;
+  };
+  // Room for every drop forget_kept_for could make (a spare's or a region's
+  // each): the pools only shrink until it runs.
+  std::vector<kept_drop> room_for_drops() const {
+    std::vector<kept_drop> drops;
+    std::lock_guard lock(mutex_);
+    drops.reserve(spares_.chunks().size() + regions_.size());
+    return drops;
+  }
+
   // Makes room for `cost` within `b`'s quota and its uid's by dropping kept
   // mappings, oldest first, as many as it takes: `b`'s own for its quota
   // (spares, then regions lent to its uid's other connections), every
@@ -1036,22 +1057,18 @@ class lender::state {
   // lent again with its chunk. Drops none when dropping all would not make
   // the room (quota_refusal refuses such a hold), and never the spare the
   // hold gets.
-  void forget_kept_for(borrower_entry& b, const hold_cost& cost) {
+  // `forgotten`: room_for_drops(), taken before the hold's memory was (the
+  // drops allocate nothing, so memory running out cannot part a lend from
+  // its drops).
+  void forget_kept_for(borrower_entry& b, const hold_cost& cost, std::vector<kept_drop>& forgotten) {
     const kept_room room = room_in_kept(b, cost);
     const std::size_t borrower_over = room.borrower_over;
     const std::size_t uid_over = room.uid_over;
     if (borrower_over == 0 && uid_over == 0) return;
     if (room.borrower_may_drop < borrower_over || room.uid_may_drop < uid_over) return;
     const uid_t uid = b.link.peer().uid;
-    struct dropped {
-      const detail::lendable_memory* memory;
-      std::vector<std::uint64_t> keepers;  // empty: `b` alone
-    };
-    std::vector<dropped> forgotten;
     {
       std::lock_guard lock(mutex_);
-      // Made first: nothing changes unless every drop can be told.
-      forgotten.reserve(spares_.chunks().size() + regions_.size());
       std::size_t borrower_freed = 0;
       std::size_t uid_freed = 0;
       spares_.visit_keepers([&](const detail::spare_chunk& spare, std::vector<std::uint64_t>& keepers) {
@@ -1092,6 +1109,7 @@ class lender::state {
     bool device_refused = false;  // the device, not the capacity
   };
   std::optional<no_room> try_lend(borrower_entry& b, const detail::borrow_message& m, std::size_t bytes) {
+    std::vector<kept_drop> drops = room_for_drops();
     std::optional<detail::chunk_record> chunk;
     try {
       chunk = acquire(b, bytes);
@@ -1111,20 +1129,17 @@ class lender::state {
                      " left of the lender's capacity of " + std::to_string(config_.capacity_bytes) +
                      " (after releasing the given-back memory it kept for reuse)"};
     }
+    // A spare a connection of the uid keeps mapped counted for the uid
+    // already: lent again, it adds nothing there (as exclusive_cost weighed it).
+    const bool uid_keeps = !chunk->keepers.empty();
     // The connection's kept mapping, if it has one, becomes the region's.
     const bool kept = chunk->drop_keeper(b.serial);
     const detail::lendable_memory& memory = *chunk->memory;
     if (kept) b.kept_bytes -= memory.size();  // counted in held_bytes below instead
     // The room quota_refusal found within the quotas is made now that the
-    // region is lent: its chunk, out of the pools, counts in full. (The
-    // chunk's release on an error forgets for its keepers, as below.)
-    try {
-      forget_kept_for(b, {bytes, bytes, nullptr});
-    } catch (const std::bad_alloc&) {
-      std::lock_guard lock(mutex_);
-      fail_keepers_locked(*chunk);
-      throw;
-    }
+    // region is lent: its chunk, out of the pools, counts for the borrower in
+    // full, and for the uid unless the uid kept it mapped.
+    forget_kept_for(b, {bytes, uid_keeps ? 0 : bytes, nullptr}, drops);
     const std::uint64_t id = next_region_++;
     {
       std::lock_guard lock(mutex_);
@@ -1628,6 +1643,7 @@ class lender::state {
       uid_holds_it = std::any_of(holds.begin(), holds.end(), [&](const hold& h) { return h.uid == uid; });
     }
     const hold_cost cost{bytes, uid_holds_it ? 0 : bytes, nullptr};
+    std::vector<kept_drop> drops = room_for_drops();
     const kept_room room = room_in_kept(b, cost);
     if (room.borrower_over > room.borrower_may_drop) {
       return refuse(refusal::quota, "this borrower holds " + std::to_string(b.held_bytes) + " bytes" + kept_note(b) +
@@ -1646,7 +1662,7 @@ class lender::state {
                                         " bytes) would pass its per-uid quota of " +
                                         std::to_string(config_.quota_bytes_per_uid));
     }
-    forget_kept_for(b, cost);
+    forget_kept_for(b, cost, drops);
     const detail::lendable_memory* memory = nullptr;
     {
       std::lock_guard lock(mutex_);
