@@ -63,12 +63,13 @@ class region_owner final : public storage::storage_owner {
   [[nodiscard]] lending::borrowed_region take() noexcept { return std::move(region_); }
   // Both without the GIL: the give back may wait (up to a second) for the
   // borrower's connection, which a borrow waiting for memory holds while it
-  // takes the GIL to check for signals.
+  // takes the GIL to check for signals; the streams' wait is a destructor's
+  // device wait (waiting_without_gil: kept inside python_work).
   ~region_owner() override {
     detail::without_gil([&] { region_ = {}; });
   }
   void storage_released(std::span<const backend::stream_ref> used_on) noexcept override {
-    detail::without_gil([&] {
+    detail::waiting_without_gil([&] {
       for (auto stream : used_on) {
         try {
           device_.synchronize(stream);

@@ -1040,12 +1040,17 @@ class lender::state {
     const detail::lendable_memory* memory;
     std::vector<std::uint64_t> keepers;
   };
-  // Room for every drop forget_kept_for could make (a spare's or a region's
-  // each): the pools only shrink until it runs.
-  std::vector<kept_drop> room_for_drops() const {
+  // Room for every drop forget_kept_for could make for `b`: its uid's spares
+  // kept mapped and the regions `b` keeps mapped (keepers only go until it
+  // runs, and no spare or region comes).
+  std::vector<kept_drop> room_for_drops(const borrower_entry& b) const {
     std::vector<kept_drop> drops;
     std::lock_guard lock(mutex_);
-    drops.reserve(spares_.chunks().size() + regions_.size());
+    const uid_t uid = b.link.peer().uid;
+    std::size_t candidates = 0;
+    for (const auto& spare : spares_.chunks()) candidates += spare.uid == uid && !spare.chunk.keepers.empty() ? 1 : 0;
+    for (const auto& [id, r] : regions_) candidates += r.chunk.kept_by(b.serial) ? 1 : 0;
+    drops.reserve(candidates);
     return drops;
   }
 
@@ -1109,7 +1114,7 @@ class lender::state {
     bool device_refused = false;  // the device, not the capacity
   };
   std::optional<no_room> try_lend(borrower_entry& b, const detail::borrow_message& m, std::size_t bytes) {
-    std::vector<kept_drop> drops = room_for_drops();
+    std::vector<kept_drop> drops = room_for_drops(b);
     std::optional<detail::chunk_record> chunk;
     try {
       chunk = acquire(b, bytes);
@@ -1643,7 +1648,7 @@ class lender::state {
       uid_holds_it = std::any_of(holds.begin(), holds.end(), [&](const hold& h) { return h.uid == uid; });
     }
     const hold_cost cost{bytes, uid_holds_it ? 0 : bytes, nullptr};
-    std::vector<kept_drop> drops = room_for_drops();
+    std::vector<kept_drop> drops = room_for_drops(b);
     const kept_room room = room_in_kept(b, cost);
     if (room.borrower_over > room.borrower_may_drop) {
       return refuse(refusal::quota, "this borrower holds " + std::to_string(b.held_bytes) + " bytes" + kept_note(b) +
