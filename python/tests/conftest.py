@@ -1,6 +1,9 @@
 """Fixtures shared by the shoal pytest suite (host backend in CI)."""
 
+import _thread
 import gc
+import operator
+import signal
 import threading
 import time
 from typing import Callable
@@ -38,6 +41,20 @@ def ticks_during(call: Callable[[], object]) -> tuple[float, int]:
         stop.set()
         ticker.join(10)
     return ended - started, sum(started < t < ended for t in ticks)
+
+
+def ctrl_c_reaches_the_caller_of(drop: Callable[[], object]) -> None:
+    """Runs drop() with a Ctrl-C pending: _thread.interrupt_main trips SIGINT's flag as a
+    real Ctrl-C does (Python's own handler raises KeyboardInterrupt at the next check), and
+    drop() runs in the C calls right after it, with no Python code of the test between them.
+    Fails unless the KeyboardInterrupt reaches this caller (raised in a __del__ or a
+    finalizer's Python code, Python prints it and goes on)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            list(map(operator.methodcaller("__call__"), [_thread.interrupt_main, drop]))
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

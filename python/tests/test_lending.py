@@ -4,10 +4,8 @@ borrower, metrics."""
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import gc
-import operator
 import os
 import pathlib
 import select
@@ -28,6 +26,7 @@ import pytest
 import shoal
 import shoal.lending
 import shoal.sharing
+from conftest import ctrl_c_reaches_the_caller_of
 
 pytestmark = pytest.mark.python
 
@@ -1179,13 +1178,7 @@ def test_a_ctrl_c_as_a_watched_borrower_goes_reaches_the_caller_and_the_watcher_
         # The watcher's thread takes the borrower from its weak reference for a moment
         # between waits: the list's reference (and getrefcount's) must be the only ones.
         assert eventually(lambda: sys.getrefcount(borrowers[0]) == 2)
-        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                # Back to back in C: the interrupt is pending as the last reference goes.
-                list(map(operator.methodcaller("__call__"), [_thread.interrupt_main, borrowers.clear]))
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        ctrl_c_reaches_the_caller_of(borrowers.clear)
         assert eventually(lambda: not watcher.watching), "the watcher did not learn its borrower was gone"
         assert eventually(lambda: lender.status()["borrowers"] == 0), "the connection stayed open"
         assert watcher.error is None

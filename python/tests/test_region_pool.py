@@ -4,15 +4,12 @@ torch.cuda.MemPool route itself runs on the GPU machine (test_torch.py)."""
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import ctypes
 import functools
 import gc
-import operator
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +24,7 @@ import shoal
 import shoal.lending
 import shoal.torch
 from shoal import _shoal
-from conftest import ticks_during
+from conftest import ctrl_c_reaches_the_caller_of, ticks_during
 from test_lending import eventually  # the lending tests' wait for the lender's books
 
 pytestmark = pytest.mark.python
@@ -304,13 +301,7 @@ def test_a_weak_references_callback_ends_only_its_binding_and_a_ctrl_c_as_it_run
         _shoal._segment_source_close(slot, binding + 1)  # another opening's: not this one's to end
         assert _shoal._segment_source_stats(slot)["open"], "a callback of another binding closed the slot"
         _shoal._segment_source_close(slot, binding)
-        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                # Back to back in C: the interrupt is pending as the last reference goes.
-                list(map(operator.methodcaller("__call__"), [_thread.interrupt_main, pool.clear]))
-        finally:
-            signal.signal(signal.SIGINT, previous)
+        ctrl_c_reaches_the_caller_of(pool.clear)
         assert watch() is None
         assert not _shoal._segment_source_stats(slot)["bound"], "the MemPool's end was lost to the Ctrl-C"
     finally:
@@ -334,13 +325,7 @@ def test_a_region_pool_dropped_with_a_ctrl_c_pending_lets_its_slot_go_and_the_ct
     slot = pools[0]._index
     references = sys.getrefcount(pools[0])  # (outside the assert: pytest's rewriting would hold one)
     assert references == 2, "something else holds the pool: its end would not come here"
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            # Back to back in C: the interrupt is pending as the last reference goes.
-            list(map(operator.methodcaller("__call__"), [_thread.interrupt_main, pools.clear]))
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    ctrl_c_reaches_the_caller_of(pools.clear)
     assert not unraisable, f"the Ctrl-C was raised where Python only prints it: {unraisable!r}"
     assert not _shoal._segment_source_stats(slot)["bound"], "the slot stays bound: its pool's end was lost"
 

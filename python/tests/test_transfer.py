@@ -6,9 +6,7 @@ machine, where torch reads them (and supplies pinned CPU tensors).
 
 from __future__ import annotations
 
-import _thread
 import gc
-import operator
 import os
 import signal
 import subprocess
@@ -22,6 +20,7 @@ import pytest
 
 import shoal
 import shoal.transfer
+from conftest import ctrl_c_reaches_the_caller_of
 
 pytestmark = pytest.mark.python
 
@@ -298,19 +297,12 @@ def test_ctrl_c_as_a_source_goes_on_the_callers_thread_reaches_the_caller_and_th
     # reference to one may go on the caller's own thread (submit drops its lists once the
     # engine let go first). A Ctrl-C that comes then must reach the caller, not be raised in
     # a __del__ (Python prints it there and goes on), and the array must still be counted, or
-    # the wait for it would never end. _thread.interrupt_main trips SIGINT's flag as a real
-    # Ctrl-C does (its handler runs at the next check), and the last reference goes in the C
-    # calls right after it, with none of the test's Python code between them.
+    # the wait for it would never end.
     unraisable: list = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(u.exc_value))
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     read = shoal.transfer._SourcesRead(1)
     sources = [shoal.transfer._Source(numpy.ones(4), read)]
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            list(map(operator.methodcaller("__call__"), [_thread.interrupt_main, sources.clear]))
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    ctrl_c_reaches_the_caller_of(sources.clear)
     assert not unraisable, f"the Ctrl-C was raised where Python only prints it: {unraisable!r}"
     waiting = threading.Thread(target=read.wait, daemon=True)
     waiting.start()
