@@ -1069,8 +1069,10 @@ class lender::state {
     const kept_room room = room_in_kept(b, cost);
     const std::size_t borrower_over = room.borrower_over;
     const std::size_t uid_over = room.uid_over;
-    if (borrower_over == 0 && uid_over == 0) return;
-    if (room.borrower_may_drop < borrower_over || room.uid_may_drop < uid_over) return;
+    if ((borrower_over == 0 && uid_over == 0) || room.borrower_may_drop < borrower_over ||
+        room.uid_may_drop < uid_over) {
+      return;
+    }
     const uid_t uid = b.link.peer().uid;
     {
       std::lock_guard lock(mutex_);
@@ -1648,7 +1650,6 @@ class lender::state {
       uid_holds_it = std::any_of(holds.begin(), holds.end(), [&](const hold& h) { return h.uid == uid; });
     }
     const hold_cost cost{bytes, uid_holds_it ? 0 : bytes, nullptr};
-    std::vector<kept_drop> drops = room_for_drops(b);
     const kept_room room = room_in_kept(b, cost);
     if (room.borrower_over > room.borrower_may_drop) {
       return refuse(refusal::quota, "this borrower holds " + std::to_string(b.held_bytes) + " bytes" + kept_note(b) +
@@ -1667,6 +1668,7 @@ class lender::state {
                                         " bytes) would pass its per-uid quota of " +
                                         std::to_string(config_.quota_bytes_per_uid));
     }
+    std::vector<kept_drop> drops = room_for_drops(b);  // nothing has changed yet if memory runs out here
     forget_kept_for(b, cost, drops);
     const detail::lendable_memory* memory = nullptr;
     {

@@ -48,10 +48,12 @@ struct observed_lender {
   }
 };
 
-lender_config limits(std::size_t borrowers, std::size_t observers) {
+lender_config limits(std::size_t borrowers, std::size_t observers,
+                     std::chrono::milliseconds peer_timeout = lender_config{}.peer_timeout) {
   lender_config config;
   config.max_borrowers = borrowers;
   config.max_observers = observers;
+  config.peer_timeout = peer_timeout;
   return config;
 }
 
@@ -265,9 +267,7 @@ TEST(lending_observers, a_place_freed_in_the_same_turn_serves_the_held_back_borr
 // it is waits for that one's hello (or its hang-up), not turned away for a
 // place an observer turns out not to take.
 TEST(lending_observers, a_held_back_borrower_waits_for_a_connection_yet_to_say_which_and_is_served_if_it_observes) {
-  lender_config config = limits(1, 1);
-  config.peer_timeout = 5000ms;
-  observed_lender o(config);
+  observed_lender o(limits(1, 1, 5000ms));
   auto unannounced = o.greeted_at_once();
   auto waiting = o.connect();
   EXPECT_THROW((void)waiting.receive_for(100ms), timeout_error) << "greeted while the borrowers' place was taken";
@@ -282,9 +282,7 @@ TEST(lending_observers, a_held_back_borrower_waits_for_a_connection_yet_to_say_w
 }
 
 TEST(lending_observers, a_held_back_borrower_waiting_for_a_connection_yet_to_say_which_is_refused_if_it_borrows) {
-  lender_config config = limits(1, 1);
-  config.peer_timeout = 5000ms;
-  observed_lender o(config);
+  observed_lender o(limits(1, 1, 5000ms));
   auto unannounced = o.greeted_at_once();
   auto waiting = o.connect();
   ASSERT_TRUE(eventually([&] { return o.l.status().connections == 2; }));
@@ -301,9 +299,7 @@ TEST(lending_observers, a_held_back_borrower_waiting_for_a_connection_yet_to_say
 // batch as its hello is not answered (nor taken for a second hello) until it
 // is admitted, and is answered then.
 TEST(lending_observers, a_borrower_awaiting_room_is_not_read_further_until_it_is_admitted) {
-  lender_config config = limits(1, 1);
-  config.peer_timeout = 5000ms;
-  observed_lender o(config);
+  observed_lender o(limits(1, 1, 5000ms));
   auto unannounced = o.greeted_at_once();
   auto waiting = o.connect();
   ASSERT_TRUE(eventually([&] { return o.l.status().connections == 2; }));
@@ -329,9 +325,7 @@ TEST(lending_observers, a_borrower_awaiting_room_is_not_read_further_until_it_is
 // hello: the earlier is admitted, and the later once the next place comes.
 TEST(lending_observers, a_later_held_back_borrower_joins_the_wait_and_room_goes_in_arrival_order) {
   auto& dev = backend::host_device_instance();
-  lender_config config = limits(3, 2);
-  config.peer_timeout = 5000ms;
-  observed_lender o(config);
+  observed_lender o(limits(3, 2, 5000ms));
   borrower writer(dev, o.l.address());
   auto unannounced = o.greeted_at_once();  // two connections yet to say which: the borrowers' places are taken
   auto unannounced_too = o.greeted_at_once();
@@ -368,9 +362,7 @@ TEST(lending_observers, a_later_held_back_borrower_joins_the_wait_and_room_goes_
 // and is then hung up on.
 TEST(lending_observers, a_silent_connection_gets_no_hello_and_holds_its_place_only_until_the_peer_timeout) {
   auto& dev = backend::host_device_instance();
-  lender_config config = limits(1, 1);
-  config.peer_timeout = 3000ms;
-  observed_lender o(config);
+  observed_lender o(limits(1, 1, 3000ms));
   borrower holder(dev, o.l.address());
   auto silent = o.connect();
   EXPECT_THROW((void)silent.receive_for(100ms), timeout_error) << "the lender greeted a connection that said nothing";
