@@ -86,15 +86,15 @@ class keeping_the_gil {
 template <class Work>
 bool python_work(Work&& work) {
   ++python_work_in_flight;
+  ++in_python_work;
   struct leaves {
-    ~leaves() { --python_work_in_flight; }
+    ~leaves() {
+      --python_work_in_flight;
+      --in_python_work;
+    }
   } const left;
   if (Py_IsInitialized() == 0) return false;
   if (exit_gate_closed.load() && std::this_thread::get_id() != exit_gate_closer.load()) return false;
-  ++in_python_work;
-  struct done {
-    ~done() { --in_python_work; }
-  } const working;
   work();
   return true;
 }
