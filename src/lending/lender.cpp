@@ -357,7 +357,8 @@ class lender::state {
       const bool spinning = now - last_served < poll_spin_ && borrower_count_.load() <= spinning_borrowers_limit_;
       auto wait =
           pending || spinning ? 0 : std::clamp<std::int64_t>(until_check.count(), 0, orphan_check_interval.count());
-      for (const auto due : {next_wait_expiry().value_or(clock_type::time_point::max()), next_preemption_check()}) {
+      for (const auto due : {next_wait_expiry().value_or(clock_type::time_point::max()), next_preemption_check(),
+                             next_behind_lapse(now)}) {
         if (due == clock_type::time_point::max()) continue;
         wait = std::min<std::int64_t>(wait, std::max<std::int64_t>(
                                                 std::chrono::ceil<std::chrono::milliseconds>(due - now).count(), 0));
@@ -1375,6 +1376,18 @@ class lender::state {
     if (waiting_.empty()) return std::nullopt;  // the serving thread, its only writer, reads it unlocked
     std::lock_guard lock(mutex_);
     return waiting_.next_expiry();
+  }
+
+  // When the first stretch behind that a waiting borrow is marked with
+  // lapses (serve_waiting then marks it first-class: it may be the new
+  // head); time_point::max() when none. Serving thread only.
+  clock_type::time_point next_behind_lapse(clock_type::time_point now) const noexcept {
+    auto first = clock_type::time_point::max();
+    if (waiting_.empty()) return first;  // the serving thread, the line's only writer, reads it unlocked
+    for (const auto& [uid, period] : behind_) {
+      if (period.until > now && waiting_.marked_behind(uid)) first = std::min(first, period.until);
+    }
+    return first;
   }
 
   // The capacity's state, for a refusal.

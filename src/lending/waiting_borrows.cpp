@@ -21,6 +21,10 @@ const waiting_borrow& waiting_borrows::head() const noexcept {
   return it != line_.end() ? *it : line_.front();
 }
 
+bool waiting_borrows::marked_behind(uid_t uid) const noexcept {
+  return std::any_of(line_.begin(), line_.end(), [uid](const waiting_borrow& w) { return w.behind && w.uid == uid; });
+}
+
 const waiting_borrow* waiting_borrows::find(std::uint64_t serial) const noexcept {
   const auto it = std::find_if(line_.begin(), line_.end(), of(serial));
   return it != line_.end() ? &*it : nullptr;

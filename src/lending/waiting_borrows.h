@@ -70,6 +70,8 @@ class waiting_borrows {
     for (auto& w : line_) w.behind = behind(w.uid);
     return head().serial != before;
   }
+  /// Whether a borrow of `uid` waits marked behind.
+  [[nodiscard]] bool marked_behind(uid_t uid) const noexcept;
   /// Connection `serial`'s waiting borrow, or nullptr.
   [[nodiscard]] const waiting_borrow* find(std::uint64_t serial) const noexcept;
   /// Takes connection `serial`'s borrow out of the line (it was served, hung
