@@ -865,9 +865,14 @@ class Borrower:
     def closed(self) -> bool:
         """True once close() has begun."""
 
-def _segment_source_open(storage: Storage) -> int:
+def _segment_source_new_binding() -> int:
     """
-    Binds a free slot to `storage`'s memory as a segment source; returns the slot.
+    A number no opening of a slot has had: what shoal.torch.RegionPool opens its slot under, known before the opening (a Ctrl-C as _segment_source_open returns loses the slot's number, not the binding).
+    """
+
+def _segment_source_open(storage: Storage, binding: int | None = None) -> int:
+    """
+    Binds a free slot to `storage`'s memory as a segment source, under `binding` (from _segment_source_new_binding; a new one when None); returns the slot.
     """
 
 def _segment_source_functions(slot: int) -> tuple[int, int]:
@@ -878,6 +883,11 @@ def _segment_source_functions(slot: int) -> tuple[int, int]:
 def _segment_source_stats(slot: int) -> dict:
     """
     What the slot's source has carved out, and its `binding`: which opening of the slot (a slot serves another pool once unbound).
+    """
+
+def _segment_source_abandon(binding: int) -> None:
+    """
+    Ends opening `binding` of whichever slot it bound, as closing it and dropping its MemPool do (a RegionPool that failed as it was made, perhaps before it learnt its slot); nothing if none.
     """
 
 def _segment_source_close(slot: int, binding: int | None = None, reference: object | None = None) -> None:

@@ -63,10 +63,11 @@ class RegionPool:
         # PyTorch's pools are per device: the MemPool is made, and use() routes, on the
         # storage's device, whatever the current device is.
         self.device: int = storage.device.ordinal
-        slot = _shoal._segment_source_open(storage)
-        binding: int | None = None  # this opening of the slot, once read
+        # The opening's number comes first: a Ctrl-C as _segment_source_open returns loses the
+        # slot's number, and the except clause below still ends the opening.
+        binding = _shoal._segment_source_new_binding()
         try:
-            binding = int(_shoal._segment_source_stats(slot)["binding"])
+            slot = _shoal._segment_source_open(storage, binding)
             allocate, free = _shoal._segment_source_functions(slot)
             self._allocator = torch._C._cuda_customAllocator(allocate, free)
             with torch.cuda.device(self.device):  # a MemPool belongs to the device current as it is made
@@ -83,14 +84,13 @@ class RegionPool:
                 weakref.ref(self, functools.partial(_shoal._segment_source_close, slot, binding)),
             )
         except BaseException:
-            _shoal._segment_source_close(slot, binding)
-            _shoal._segment_source_mem_pool_gone(slot, binding)
+            _shoal._segment_source_abandon(binding)
             raise
         self._slot: int | None = slot  # None once closed
         # stats() after close() too: the slot stays this pool's while this
         # binding of it holds (a segment out, or the MemPool object alive).
         self._index = slot
-        self._binding: int | None = binding
+        self._binding = binding
 
     @contextlib.contextmanager
     def use(self) -> Iterator[RegionPool]:

@@ -21,6 +21,7 @@
 #include <nanobind/stl/pair.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -124,8 +125,11 @@ struct slot {
   std::unique_ptr<segment_source> source;  // guarded by mutex
   bool open = false;                       // guarded by mutex: its RegionPool has not closed it
   bool mem_pool_alive = false;             // guarded by mutex: PyTorch's MemPool object may still call
-  std::uint64_t binding = 0;               // guarded by mutex: which binding of the slot (one per open)
+  std::uint64_t binding = 0;               // guarded by mutex: which opening bound it (unique in the process)
 };
+
+// The bindings handed out (_segment_source_new_binding); 0 is none.
+std::atomic<std::uint64_t> last_binding{0};
 
 std::array<slot, slot_count>& slots() {
   // Never destroyed: PyTorch may free segments from its static destructors.
@@ -191,8 +195,17 @@ constexpr auto slot_functions = make_functions(std::make_index_sequence<slot_cou
 
 void register_segment_sources(nb::module_& m) {
   m.def(
+      "_segment_source_new_binding", [] { return last_binding.fetch_add(1) + 1; },
+      "A number no opening of a slot has had: what shoal.torch.RegionPool opens its slot under, known before "
+      "the opening (a Ctrl-C as _segment_source_open returns loses the slot's number, not the binding).");
+  m.def(
       "_segment_source_open",
-      [](const py_storage& storage) {
+      [](const py_storage& storage, std::optional<std::uint64_t> binding) {
+        if (!binding) binding = last_binding.fetch_add(1) + 1;
+        if (*binding == 0 || *binding > last_binding.load()) {
+          throw invalid_argument("_segment_source_open: binding " + std::to_string(*binding) +
+                                 " was not handed out by _segment_source_new_binding");
+        }
         const storage_handle memory = storage.handle;  // with the GIL: another thread may assign the handle
         // Without the GIL: marking the storage (its lock) may materialize it, which allocates and may
         // wait for pending frees; and a slot's lock is held across PyTorch's allocations from it.
@@ -205,15 +218,16 @@ void register_segment_sources(nb::module_& m) {
           s.source = std::move(source);
           s.open = true;
           s.mem_pool_alive = true;
-          ++s.binding;
+          s.binding = *binding;
           return i;
         }
         throw invalid_argument("shoal.torch.RegionPool: " + std::to_string(slot_count) +
                                " region pools are open, still hold segments or still have their MemPool; close one, "
                                "free its tensors and drop its MemPool first");
       },
-      nb::arg("storage"),
-      "Binds a free slot to `storage`'s memory as a segment source; returns the slot.");
+      nb::arg("storage"), nb::arg("binding").none() = nb::none(),
+      "Binds a free slot to `storage`'s memory as a segment source, under `binding` (from "
+      "_segment_source_new_binding; a new one when None); returns the slot.");
   m.def(
       "_segment_source_functions",
       [](std::size_t index) {
@@ -278,6 +292,17 @@ void register_segment_sources(nb::module_& m) {
       done.reset();
     });
   };
+  m.def(
+      "_segment_source_abandon",
+      [end](std::uint64_t binding) {
+        for (std::size_t i = 0; i < slot_count; ++i) {
+          end(i, binding, true);
+          end(i, binding, false);
+        }
+      },
+      nb::arg("binding"),
+      "Ends opening `binding` of whichever slot it bound, as closing it and dropping its MemPool do (a "
+      "RegionPool that failed as it was made, perhaps before it learnt its slot); nothing if none.");
   // Each takes a last argument it ignores: the weak reference whose callback it is
   // (shoal.torch.RegionPool's, a C call that runs no Python code a Ctrl-C could interrupt).
   m.def(

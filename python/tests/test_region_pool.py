@@ -330,6 +330,37 @@ def test_a_region_pool_dropped_with_a_ctrl_c_pending_lets_its_slot_go_and_the_ct
     assert not _shoal._segment_source_stats(slot)["bound"], "the slot stays bound: its pool's end was lost"
 
 
+def test_a_ctrl_c_as_a_region_pool_opens_its_slot_lets_the_slot_go(monkeypatch):
+    # A Ctrl-C that comes as _segment_source_open returns is raised before its result is
+    # stored: the pool never learns its slot. It ends its opening by the binding it drew first.
+    if shoal.torch.is_enabled():
+        pytest.skip("shoal is PyTorch's allocator in this process")
+    monkeypatch.setitem(sys.modules, "torch", _stand_in_torch())
+    opened: list[int] = []
+    real_open = _shoal._segment_source_open
+
+    def opened_then_interrupted(storage, binding=None):
+        opened.append(real_open(storage, binding))
+        raise KeyboardInterrupt  # as Python's check for signals right after the call would
+
+    monkeypatch.setattr(_shoal, "_segment_source_open", opened_then_interrupted)
+    allocator = shoal.Allocator(shoal.host_device(), use_environment=False)
+    with pytest.raises(KeyboardInterrupt):
+        shoal.torch.RegionPool(allocator.allocate(2 * MIB))
+    assert len(opened) == 1
+    assert not _shoal._segment_source_stats(opened[0])["bound"], "the slot stays bound for good"
+
+
+def test_an_opening_under_a_binding_never_handed_out_is_refused():
+    allocator = shoal.Allocator(shoal.host_device(), use_environment=False)
+    storage = allocator.allocate(2 * MIB)
+    unknown = _shoal._segment_source_new_binding() + 1000
+    for binding in (0, unknown):
+        with pytest.raises(shoal.InvalidArgumentError, match="not handed out"):
+            _shoal._segment_source_open(storage, binding)
+    _shoal._segment_source_abandon(unknown)  # ends nothing, refuses nothing
+
+
 DROP_UNDER_A_LOCK = """
 import ctypes, faulthandler, sys, threading
 import shoal
