@@ -3,6 +3,7 @@
 import _thread
 import gc
 import operator
+import os
 import signal
 import threading
 import time
@@ -41,6 +42,23 @@ def ticks_during(call: Callable[[], object]) -> tuple[float, int]:
         stop.set()
         ticker.join(10)
     return ended - started, sum(started < t < ended for t in ticks)
+
+
+def may_act_as(*ids: int) -> bool:
+    """Whether a test may switch a child to these uids (and gids of the same numbers): root,
+    with each mapped in this user namespace (a container that maps only root refuses them)."""
+    if os.geteuid() != 0:
+        return False
+
+    def mapped(map_file: str, number: int) -> bool:
+        try:
+            with open(map_file) as ranges:
+                rows = [tuple(int(field) for field in line.split()) for line in ranges if line.strip()]
+        except FileNotFoundError:
+            return True  # no user namespaces here: every id is the system's
+        return any(inside <= number < inside + count for inside, _, count in rows)
+
+    return all(mapped("/proc/self/uid_map", n) and mapped("/proc/self/gid_map", n) for n in ids)
 
 
 def ctrl_c_reaches_the_caller_of(drop: Callable[[], object]) -> None:

@@ -14,6 +14,7 @@
 #include "channel/channel_fixtures.h"
 #include "shoal/channel/channel.h"
 #include "shoal/core/error.h"
+#include "support/other_uids.h"
 
 namespace shoal::testing {
 namespace {
@@ -24,10 +25,11 @@ using channel::channel_address;
 using channel::connection;
 using channel::listener;
 
-constexpr const char* needs_root = "running a peer as uid 65534 (nobody) needs root";
+constexpr const char* needs_root =
+    "running a peer as uid 65534 (nobody) needs root and the uid mapped";
 
 TEST(channel_uid, a_client_of_another_uid_is_refused_and_the_listener_keeps_working) {
-  if (::geteuid() != 0) GTEST_SKIP() << needs_root;
+  if (!may_act_as({65534})) GTEST_SKIP() << needs_root;
   const auto address = fresh_abstract_name();
   listener server(address, {});
   const raw_address target = raw_address_of(address);
@@ -50,7 +52,7 @@ TEST(channel_uid, a_client_of_another_uid_is_refused_and_the_listener_keeps_work
 }
 
 TEST(channel_uid, a_client_of_an_allowed_uid_is_accepted) {
-  if (::geteuid() != 0) GTEST_SKIP() << needs_root;
+  if (!may_act_as({65534})) GTEST_SKIP() << needs_root;
   const auto address = fresh_abstract_name();
   listener server(address, access_policy{{nobody}});
   const raw_address target = raw_address_of(address);
@@ -68,7 +70,7 @@ TEST(channel_uid, a_client_of_an_allowed_uid_is_accepted) {
 }
 
 TEST(channel_uid, a_client_of_an_allowed_group_is_accepted) {
-  if (::geteuid() != 0) GTEST_SKIP() << needs_root;
+  if (!may_act_as({65534})) GTEST_SKIP() << needs_root;
   const auto address = fresh_abstract_name();
   listener server(address, access_policy{{}, {nobody}});  // its uid is not listed, its gid is
   const raw_address target = raw_address_of(address);
@@ -84,7 +86,7 @@ TEST(channel_uid, a_client_of_an_allowed_group_is_accepted) {
 }
 
 TEST(channel_uid, a_server_of_another_uid_is_refused) {
-  if (::geteuid() != 0) GTEST_SKIP() << needs_root;
+  if (!may_act_as({65534})) GTEST_SKIP() << needs_root;
   const auto address = fresh_abstract_name();
   const raw_address local = raw_address_of(address);
   pipe_ends ready;
@@ -99,7 +101,7 @@ TEST(channel_uid, a_server_of_another_uid_is_refused) {
 }
 
 TEST(channel_uid, a_path_in_a_0700_directory_keeps_other_users_out) {
-  if (::geteuid() != 0) GTEST_SKIP() << needs_root;
+  if (!may_act_as({65534})) GTEST_SKIP() << needs_root;
   temp_dir dir;
   ASSERT_EQ(::chmod(dir.path().c_str(), 0711), 0) << "so that only the 0700 directory stands in the way";
   const auto address = channel_address::at_path(dir / "private/sock");

@@ -25,6 +25,7 @@
 #include "channel/channel_fixtures.h"
 #include "core/descriptor_closer.h"
 #include "support/lingering_socket.h"
+#include "support/other_uids.h"
 #include "support/refused_allocations.h"
 #include "shoal/channel/channel.h"
 #include "shoal/core/error.h"
@@ -256,7 +257,7 @@ int send_held_closes_then_wait(int socket, const std::vector<std::byte>& bytes, 
 // another uid that holds its closes pauses its own reads only. Its share is
 // 8: the 8 waiting behind its 2 held closes reach it, the socket passes it.
 TEST(refused_descriptors, a_greetings_descriptors_are_charged_to_the_uid_that_sent_them) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to send as another uid";
+  if (!may_act_as({65534})) GTEST_SKIP() << "needs root, to send as another uid (mapped here)";
   const lowered_descriptor_limit low(128);
   ASSERT_EQ(shoal::detail::closer_owner_backlog_limit(), 8u);
   socket_pair pair;
@@ -289,7 +290,7 @@ TEST(refused_descriptors, a_greetings_descriptors_are_charged_to_the_uid_that_se
 // (the kernel's, at the connection): a peer of another uid that holds their
 // closes pauses its own connections, not those of this process's uid.
 TEST(refused_descriptors, a_connections_descriptors_are_charged_to_its_peers_uid) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root, to connect as another uid";
+  if (!may_act_as({65534})) GTEST_SKIP() << "needs root, to connect as another uid (mapped here)";
   const lowered_descriptor_limit low(128);
   ASSERT_EQ(shoal::detail::closer_owner_backlog_limit(), 8u);
   const auto address = fresh_abstract_name();
@@ -339,7 +340,7 @@ TEST(refused_descriptors, while_a_peer_holds_its_closes_its_connections_begin_no
   const auto address = fresh_abstract_name();
   std::optional<listener> server;
   std::optional<forked_child> other_uid;
-  if (::geteuid() == 0) {
+  if (may_act_as({nobody})) {
     server.emplace(address, channel::access_policy{{nobody}});
     const raw_address target = raw_address_of(address);
     other_uid.emplace([&] {

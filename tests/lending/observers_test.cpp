@@ -20,6 +20,7 @@
 #include "shoal/core/child_process.h"
 #include "shoal/core/error.h"
 #include "shoal/lending/layout.h"
+#include "support/other_uids.h"
 
 namespace shoal::testing {
 namespace {
@@ -400,7 +401,8 @@ struct lender_admitting_nobody {
 // Connections of another admitted uid cannot take the operator's places:
 // observers of the lender's uid and root are counted apart.
 TEST(lending_observers, another_uids_observers_cannot_keep_the_operator_out) {
-  if (::geteuid() != 0) GTEST_SKIP() << "observers of another uid (setresuid to 65534) need root";
+  if (!may_act_as({65534}))
+    GTEST_SKIP() << "observers of another uid (setresuid to 65534) need root and the uid mapped";
   lender_admitting_nobody o;
   auto& [name, dev, l] = o;
   const auto observer_as_nobody = [&] { return o.as_nobody("observe"); };
@@ -417,7 +419,8 @@ TEST(lending_observers, another_uids_observers_cannot_keep_the_operator_out) {
 // Borrowers are bounded per class too: another uid's idle borrowers (a
 // region each, or none) leave the operator's borrowers their places.
 TEST(lending_observers, another_uids_idle_borrowers_cannot_keep_the_operator_out) {
-  if (::geteuid() != 0) GTEST_SKIP() << "borrowers of another uid (setresuid to 65534) need root";
+  if (!may_act_as({65534}))
+    GTEST_SKIP() << "borrowers of another uid (setresuid to 65534) need root and the uid mapped";
   lender_admitting_nobody o;
   auto& [name, dev, l] = o;
   const auto borrower_as_nobody = [&] { return o.as_nobody("wait-borrow", {"4096", "0"}); };
@@ -439,7 +442,8 @@ TEST(lending_observers, another_uids_idle_borrowers_cannot_keep_the_operator_out
 // refused at once, naming the option, while another uid still gets in; a
 // place comes back when one of its connections goes.
 TEST(lending_observers, past_max_connections_per_uid_a_uid_is_refused_and_another_uid_still_gets_in) {
-  if (::geteuid() != 0) GTEST_SKIP() << "borrowers of other uids (setresuid to 65534 and 65533) need root";
+  if (!may_act_as({65534, 65533}))
+    GTEST_SKIP() << "borrowers of other uids (setresuid to 65534 and 65533) need root and the uid mapped";
   const std::string name = "shoal-uid-cap-test-" + std::to_string(::getpid());
   event_recorder log;
   lender_config config = limits(3, 2);  // room in the class for a third connection of one uid

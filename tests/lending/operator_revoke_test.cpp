@@ -14,6 +14,7 @@
 #include "shoal/backend/host_device.h"
 #include "shoal/core/error.h"
 #include "shoal/lending/layout.h"
+#include "support/other_uids.h"
 
 namespace shoal::testing {
 namespace {
@@ -64,7 +65,8 @@ TEST(lending_operator_revoke, a_region_that_cannot_be_revoked_is_a_bad_request_a
 }
 
 TEST(lending_operator_revoke, a_borrower_of_another_uid_may_not_revoke) {
-  if (::geteuid() != 0) GTEST_SKIP() << "making a borrower of another uid (setresuid to 65534) needs root";
+  if (!may_act_as({65534}))
+    GTEST_SKIP() << "making a borrower of another uid (setresuid to 65534) needs root and the uid mapped";
   const std::string name = "shoal-revoke-test-" + std::to_string(::getpid());
   constexpr uid_t nobody = 65534;
   auto& dev = backend::host_device_instance();

@@ -26,6 +26,7 @@
 #include "shoal/backend/host_device.h"
 #include "shoal/core/child_process.h"
 #include "shoal/core/error.h"
+#include "support/other_uids.h"
 #include "support/refused_allocations.h"
 
 namespace shoal::testing {
@@ -316,7 +317,8 @@ struct lender_with_another_uid {
 };
 
 TEST(lending_preemption, takes_from_another_uid_only_while_it_holds_more) {
-  if (::geteuid() != 0) GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root";
+  if (!may_act_as({65534}))
+    GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root and the uid mapped";
   lender_with_another_uid f;
   lender& l = f.l;
   ASSERT_EQ(f.lent.rfind("lent ", 0), 0u) << f.lent;
@@ -343,7 +345,8 @@ TEST(lending_preemption, takes_from_another_uid_only_while_it_holds_more) {
 // uid's 2 MiB, so its region is taken rather than this uid's own (which is
 // what the choice falls back to were the spare left out).
 TEST(lending_preemption, counts_the_spares_a_uid_keeps_mapped_as_what_it_holds) {
-  if (::geteuid() != 0) GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root";
+  if (!may_act_as({65534}))
+    GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root and the uid mapped";
   lender_with_another_uid f;
   lender& l = f.l;
   auto& dev = f.dev;

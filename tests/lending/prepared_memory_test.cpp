@@ -19,6 +19,7 @@
 #include "lending/lending_fixture.h"
 #include "shoal/backend/host_device.h"
 #include "shoal/core/error.h"
+#include "support/other_uids.h"
 
 namespace shoal::testing {
 namespace {
@@ -71,7 +72,8 @@ TYPED_TEST(prepared_memory_test, prepared_chunks_are_made_at_start_and_lent_with
 }
 
 TYPED_TEST(prepared_memory_test, a_prepared_chunk_goes_to_any_uid_and_once_lent_to_that_uid_only) {
-  if (::geteuid() != 0) GTEST_SKIP() << "making a borrower of another uid (setresuid to 65534) needs root";
+  if (!may_act_as({65534}))
+    GTEST_SKIP() << "making a borrower of another uid (setresuid to 65534) needs root and the uid mapped";
   const std::string name = "shoal-prepared-test-" + std::to_string(::getpid());
   constexpr uid_t nobody = 65534;
   lender l(this->device(), channel::channel_address::abstract(name),

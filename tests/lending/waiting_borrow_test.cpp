@@ -21,6 +21,7 @@
 #include "lending/lending_fixture.h"
 #include "lending/messages.h"
 #include "support/forwarding_device.h"
+#include "support/other_uids.h"
 #include "support/refused_allocations.h"
 #include "shoal/backend/host_device.h"
 #include "shoal/channel/protocol.h"
@@ -391,7 +392,8 @@ TEST(lending_waiting_borrow, deferred_give_backs_survive_refused_host_memory_at_
 }
 
 TEST(lending_waiting_borrow, what_a_uid_waits_for_counts_against_its_quota) {
-  if (::geteuid() != 0) GTEST_SKIP() << "borrowers of another uid (setresuid to 65534) need root";
+  if (!may_act_as({65534}))
+    GTEST_SKIP() << "borrowers of another uid (setresuid to 65534) need root and the uid mapped";
   const std::string name = "shoal-waiting-test-" + std::to_string(::getpid());
   constexpr uid_t nobody = 65534;
   auto& dev = backend::host_device_instance();
@@ -449,7 +451,8 @@ struct two_uids {
 };
 
 TEST(lending_waiting_borrow, a_uid_whose_wait_ran_out_waits_behind_the_other_uids_for_as_long_as_it_waited) {
-  if (::geteuid() != 0) GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root";
+  if (!may_act_as({65534}))
+    GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root and the uid mapped";
   two_uids f;
   borrower other(f.dev, f.l.address()), other_waiting(f.dev, f.l.address());
   std::vector<borrowed_region> kept;
@@ -480,7 +483,8 @@ TEST(lending_waiting_borrow, a_uid_whose_wait_ran_out_waits_behind_the_other_uid
 // Ending a wait just before it runs out (here by hanging up) and asking
 // again keeps no uid ahead: a wait its borrower ends puts its uid behind too.
 TEST(lending_waiting_borrow, a_uid_whose_borrower_ended_its_wait_waits_behind_the_other_uids_as_after_one_ran_out) {
-  if (::geteuid() != 0) GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root";
+  if (!may_act_as({65534}))
+    GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root and the uid mapped";
   two_uids f;
   borrower other(f.dev, f.l.address());
   std::vector<borrowed_region> kept;
@@ -497,7 +501,8 @@ TEST(lending_waiting_borrow, a_uid_whose_borrower_ended_its_wait_waits_behind_th
 // place in line when that lapses: its wait, begun earlier, is served before a
 // later wait of another uid.
 TEST(lending_waiting_borrow, a_wait_begun_behind_takes_its_place_in_line_once_its_uids_stretch_behind_lapses) {
-  if (::geteuid() != 0) GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root";
+  if (!may_act_as({65534}))
+    GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root and the uid mapped";
   two_uids f;
   borrower other_waiting(f.dev, f.l.address());
   auto first = f.nobody_waiting(4 * mib, 10s);
@@ -524,7 +529,8 @@ TEST(lending_waiting_borrow, a_wait_begun_behind_takes_its_place_in_line_once_it
 }
 
 TEST(lending_waiting_borrow, a_uid_waits_behind_the_others_no_longer_than_its_wait_lasted) {
-  if (::geteuid() != 0) GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root";
+  if (!may_act_as({65534}))
+    GTEST_SKIP() << "a borrower of another uid (setresuid to 65534) needs root and the uid mapped";
   two_uids f;
   borrower other(f.dev, f.l.address());
   std::vector<borrowed_region> kept;
@@ -543,7 +549,8 @@ TEST(lending_waiting_borrow, a_uid_waits_behind_the_others_no_longer_than_its_wa
 // that adds nothing to the uid's count passes at once — and at the head's
 // turn the sibling's wait counts too, past what dropping could make room for.
 TEST(lending_waiting_borrow, a_head_refused_for_its_uids_quota_at_its_turn_puts_its_uid_behind_the_other_uids) {
-  if (::geteuid() != 0) GTEST_SKIP() << "borrowers of other uids (setresuid to 65534 and 65533) need root";
+  if (!may_act_as({65534, 65533}))
+    GTEST_SKIP() << "borrowers of other uids (setresuid to 65534 and 65533) need root and the uid mapped";
   const std::string name = "shoal-head-quota-test-" + std::to_string(::getpid());
   auto& dev = backend::host_device_instance();
   lender l(dev, channel::channel_address::abstract(name),
