@@ -15,9 +15,18 @@ namespace shoal::alloc::detail {
 namespace {
 
 // The settings that cannot work, refused before anything is built: a limit
-// below the smallest segment (no allocation could ever succeed), and those
-// that do not apply to pinned host memory.
+// below the smallest segment (no allocation could ever succeed), a
+// max_split_size no larger than a large request's segment (the rest of each
+// new one would be oversize: kept whole, and serving only requests within
+// 1 MiB of it, so nearly every request took a new segment), and those that
+// do not apply to pinned host memory.
 allocator_config checked(allocator_config config) {
+  if (config.max_split_size <= large_segment) {
+    throw invalid_argument("caching_allocator: max_split_size_mb " + std::to_string(config.max_split_size >> 20) +
+                           " is not more than " + std::to_string(large_segment >> 20) +
+                           " MiB, the segment a large request gets: the rest of each would be too large to split, "
+                           "and nearly every request would take a new segment (PyTorch refuses it too)");
+  }
   if (config.memory_limit < small_segment) {
     throw invalid_argument("caching_allocator: the memory limit (" + std::to_string(config.memory_limit) +
                            " bytes) is below " + std::to_string(small_segment >> 20) +
@@ -289,7 +298,7 @@ block* allocator_core::take_cached(block_pool& pool, std::size_t size) {
 
 block* allocator_core::take_free(block_pool& pool, std::size_t size) const {
   block* b = pool.bins.best_fit(size);
-  return b != nullptr && fits(b->size, size, config) ? b : nullptr;
+  return b != nullptr && fits(b->size, size, splits_oversize(pool.kind, pool.is_private, config), config) ? b : nullptr;
 }
 
 SHOAL_HOT_INLINE void allocator_core::count_hand_out(block_pool& pool, const block* b, std::size_t requested) noexcept {

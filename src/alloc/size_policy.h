@@ -79,14 +79,23 @@ inline constexpr std::size_t max_request = std::size_t{1} << 60;
   return round_up(block_size, large_rounding);
 }
 
-/// Whether a free block of `block_size` may serve a request of `size`.
-/// Oversize blocks (>= max_split_size) are never split, so one serves a
-/// request only if little of it goes unused: no more than a split would
-/// have left behind for requests under max_split_size, no more than
-/// max_non_split_rounding for larger ones.
-[[nodiscard]] inline bool fits(std::size_t block_size, std::size_t size, const allocator_config& config) noexcept {
+/// Whether the pool's blocks of max_split_size or more are split like any
+/// other: a private pool's (its memory is all it has), and every pool's with
+/// expandable segments (growth maps what a block lacks, so none stays whole
+/// for a large request to come).
+[[nodiscard]] inline bool splits_oversize(pool_kind kind, bool is_private, const allocator_config& config) noexcept {
+  return kind == pool_kind::small || is_private || config.expandable_segments;
+}
+
+/// Whether a free block of `block_size` may serve a request of `size` in a
+/// pool that splits_oversize() says of. Where oversize blocks (>=
+/// max_split_size) are never split, one serves a request only if little of
+/// it goes unused: no more than a split would have left behind for requests
+/// under max_split_size, no more than max_non_split_rounding for larger ones.
+[[nodiscard]] inline bool fits(std::size_t block_size, std::size_t size, bool oversize_split,
+                               const allocator_config& config) noexcept {
   if (block_size < size) return false;
-  if (block_size < config.max_split_size) return true;
+  if (oversize_split || block_size < config.max_split_size) return true;
   const std::size_t waste = block_size - size;
   return size < config.max_split_size ? waste <= small_limit : waste < config.max_non_split_rounding;
 }
@@ -95,9 +104,7 @@ inline constexpr std::size_t max_request = std::size_t{1} << 60;
 /// splits the rest off as a free block of its own.
 [[nodiscard]] inline bool can_split(std::size_t block_size, std::size_t size, pool_kind kind, bool is_private,
                                     const allocator_config& config) noexcept {
-  if (kind == pool_kind::large && !is_private && !config.expandable_segments && size >= config.max_split_size) {
-    return false;
-  }
+  if (!splits_oversize(kind, is_private, config) && size >= config.max_split_size) return false;
   return block_size - size >= min_block;
 }
 

@@ -142,20 +142,20 @@ TYPED_TEST(allocator_basic, the_best_fitting_free_block_is_chosen) {
 }
 
 TYPED_TEST(allocator_fixed_segments, oversize_blocks_are_never_split_and_serve_only_near_sizes) {
-  auto& a = this->make("max_split_size_mb:4,max_non_split_rounding_mb:2,release_idle_before_grow:false");
-  void* big = a.allocate(8 * mib, {});
+  auto& a = this->make("max_split_size_mb:32,max_non_split_rounding_mb:2,release_idle_before_grow:false");
+  void* big = a.allocate(40 * mib, {});
   a.deallocate(big, {});
   void* small = a.allocate(2 * mib, {});
   EXPECT_NE(small, big) << "a request under max_split_size never takes an oversize block";
-  void* far = a.allocate(5 * mib, {});
-  EXPECT_NE(far, big) << "8 MiB is more than 2 MiB larger than 5 MiB";
-  void* near = a.allocate(7 * mib, {});
+  void* far = a.allocate(37 * mib, {});
+  EXPECT_NE(far, big) << "40 MiB is more than 2 MiB larger than 37 MiB";
+  void* near = a.allocate(39 * mib, {});
   EXPECT_EQ(near, big);
-  EXPECT_EQ(a.block_size(near), 8 * mib) << "handed out whole, not split";
+  EXPECT_EQ(a.block_size(near), 40 * mib) << "handed out whole, not split";
   for (void* v : {small, far, near}) a.deallocate(v, {});
   const auto snap = a.take_snapshot();
   for (const auto& s : snap.segments) {
-    if (s.size == 8 * mib) EXPECT_EQ(s.blocks.size(), 1u) << "its own segment, exactly its size";
+    if (s.size == 40 * mib) EXPECT_EQ(s.blocks.size(), 1u) << "its own segment, exactly its size";
   }
 }
 

@@ -154,6 +154,43 @@ TYPED_TEST(allocator_memory, a_memory_limit_below_the_smallest_segment_is_refuse
   EXPECT_THROW((void)a.allocate(4 * mib, {}), out_of_memory);
 }
 
+// A max_split_size no larger than a large request's 20 MiB segment would
+// leave the rest of each new segment oversize (kept whole, serving only
+// requests within 1 MiB of it): refused, as PyTorch refuses it.
+TYPED_TEST(allocator_memory, a_max_split_size_of_20_mib_or_less_is_refused_and_one_past_it_splits_segments) {
+  try {
+    alloc::caching_allocator refused(this->device(), alloc::allocator_config::parse("max_split_size_mb:20"));
+    FAIL() << "max_split_size_mb:20 was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("max_split_size_mb 20 is not more than 20 MiB"), std::string::npos)
+        << e.what();
+  }
+  auto& a = this->make("max_split_size_mb:21");
+  void* p = a.allocate(2 * mib, {});
+  void* q = a.allocate(2 * mib, {});
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, static_cast<std::int64_t>(20 * mib))
+      << "the second request is carved from the first one's segment";
+  for (void* v : {p, q}) a.deallocate(v, {});
+}
+
+// A private pool's region is all it has: its blocks of max_split_size or
+// more are split for smaller requests like any other.
+TYPED_TEST(allocator_memory, a_private_pool_past_max_split_size_serves_small_requests) {
+  auto& dev = this->device();
+  auto& a = this->make("max_split_size_mb:32");
+  auto* region = static_cast<char*>(dev.allocate_segment(64 * mib));
+  const auto pool = a.create_private_pool(region, 64 * mib);
+  void* p = nullptr;
+  {
+    alloc::private_pool_scope scope(a, pool);
+    p = a.allocate(mib, {});
+  }
+  EXPECT_EQ(p, region);
+  a.deallocate(p, {});
+  a.destroy_private_pool(pool);
+  dev.free_segment(region);
+}
+
 // Under every allocator configuration.
 template <class Param>
 using allocator_memory_configured = allocator_test<Param>;
@@ -456,17 +493,31 @@ TEST(allocator_memory_host, a_growable_block_s_rest_is_split_off_however_small) 
 }
 
 TEST(allocator_memory_host, an_oversize_request_grown_onto_a_free_neighbour_gets_only_its_size) {
-  // Growth joins the free 10 MiB block before the unbacked tail and maps
-  // 2 MiB more; the merged 12 MiB must not all go to an 11 MiB request
-  // because 11 MiB is past max_split_size.
+  // Growth joins the free 34 MiB block before the unbacked tail and maps
+  // 2 MiB more; the merged 36 MiB must not all go to a 35 MiB request
+  // because 35 MiB is past max_split_size.
   backend::host_device dev({.capacity_bytes = 256 * mib});
-  alloc::caching_allocator a(dev, alloc::allocator_config::parse("expandable_segments:true,max_split_size_mb:8"));
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("expandable_segments:true,max_split_size_mb:32"));
   void* x = a.allocate(4 * mib, {});
-  a.deallocate(a.allocate(10 * mib, {}), {});
-  void* z = a.allocate(11 * mib, {});
-  EXPECT_EQ(a.block_size(z), 11 * mib);
+  a.deallocate(a.allocate(34 * mib, {}), {});
+  void* z = a.allocate(35 * mib, {});
+  EXPECT_EQ(a.block_size(z), 35 * mib);
   a.check_invariants();
   for (void* p : {x, z}) a.deallocate(p, {});
+}
+
+// With expandable segments a free block of max_split_size or more is split
+// for smaller requests: kept whole, each would map more memory beside it.
+TEST(allocator_memory_host, with_expandable_segments_a_free_oversize_block_serves_smaller_requests) {
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("expandable_segments:true,max_split_size_mb:64"));
+  a.deallocate(a.allocate(100 * mib, {}), {});
+  std::vector<void*> held;
+  for (int i = 0; i < 10; ++i) held.push_back(a.allocate(4 * mib, {}));
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, static_cast<std::int64_t>(100 * mib))
+      << "the requests were not carved from the free 100 MiB";
+  a.check_invariants();
+  for (void* p : held) a.deallocate(p, {});
 }
 
 TEST(allocator_memory_host, growth_past_the_peak_unmaps_free_chunks_first) {

@@ -218,7 +218,7 @@ TYPED_TEST(allocator_stress_own_config, random_schedules_with_expandable_segment
 template <class Backend>
 void churn_segments(allocator_test<Backend>& t, unsigned seed, int operations) {
   auto& dev = t.device();
-  auto& a = t.make("max_split_size_mb:10,max_non_split_rounding_mb:1");
+  auto& a = t.make("max_split_size_mb:24,max_non_split_rounding_mb:1");
   constexpr int threads = 4;
   std::vector<stream> streams;
   for (int id = 0; id < threads; ++id) streams.emplace_back(dev);
@@ -270,7 +270,7 @@ void churn_segments(allocator_test<Backend>& t, unsigned seed, int operations) {
         if (held.empty() || (held.size() < 2 && random() % 2 == 0)) {
           // Mostly blocks of max_split_size or more, in segments of their
           // own size; some small-pool ones.
-          const std::size_t bytes = random() % 8 == 0 ? 1 + random() % (1 << 20) : (10 << 20) + random() % (30 << 20);
+          const std::size_t bytes = random() % 8 == 0 ? 1 + random() % (1 << 20) : (24 << 20) + random() % (16 << 20);
           held.emplace_back(a.allocate(bytes, mine), bytes);
           track(held.back().first, true);
         } else {

@@ -3,7 +3,8 @@
 // SHOAL_ALLOC_CONF is a comma-separated list of key:value pairs, e.g.
 //   SHOAL_ALLOC_CONF="max_split_size_mb:256,expandable_segments:true,debug:false"
 // Keys (sizes in MiB unless the key says otherwise):
-//   max_split_size_mb          blocks at least this large are never split (default: none)
+//   max_split_size_mb          blocks at least this large are never split, more than 20 (default:
+//                              none); private pools and expandable segments split them all the same
 //   max_non_split_rounding_mb  how much larger than asked an unsplittable block may be (default 20)
 //   roundup_power2_divisions   N, or [size_mb:N,size_mb:N,>:N]: round requests up to
 //                              one of N steps inside their power-of-two interval
