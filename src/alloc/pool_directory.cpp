@@ -113,6 +113,14 @@ void pool_directory::register_segment(const segment& s) {
   segments_by_base_[s.base] = {s.size, s.pool};
 }
 
+segment_map::const_iterator pool_directory::overlapping_locked(std::uintptr_t base, std::size_t size) const {
+  // Segments never overlap: only the last one that begins before the end may.
+  auto it = segments_by_base_.lower_bound(base + size);
+  if (it == segments_by_base_.begin()) return segments_by_base_.end();
+  --it;
+  return it->first + it->second.first > base ? it : segments_by_base_.end();
+}
+
 void pool_directory::unregister_segment(const segment& s) {
   std::unique_lock lock(segments_mutex_);
   segments_by_base_.erase(s.base);
@@ -142,10 +150,26 @@ private_pool_id pool_directory::add_private_pool(std::unique_ptr<private_pool>& 
   for (auto& part : pool->parts) segments += part->segments.size();
   registered.reserve(segments);
   try {
-    for (auto& part : pool->parts) {
-      for (auto& s : part->segments) {
-        register_segment(*s);
-        registered.push_back(s.get());
+    {
+      // Checked and entered under one hold: two pools over one region, or a
+      // region inside a segment (a block of this allocator), would hand the
+      // same bytes out twice and leave the directory naming one of them.
+      std::unique_lock segments_lock(segments_mutex_);
+      for (auto& part : pool->parts) {
+        for (auto& s : part->segments) {
+          if (const auto it = overlapping_locked(s->base, s->size); it != segments_by_base_.end()) {
+            throw invalid_argument("create_private_pool: the region [" + hex(s->base) + ", " +
+                                   hex(s->base + s->size) + ") overlaps memory this allocator manages already, [" +
+                                   hex(it->first) + ", " + hex(it->first + it->second.first) +
+                                   ") (another private pool's region, or a segment its blocks come from)");
+          }
+        }
+      }
+      for (auto& part : pool->parts) {
+        for (auto& s : part->segments) {
+          segments_by_base_[s->base] = {s->size, s->pool};
+          registered.push_back(s.get());
+        }
       }
     }
     const std::uint64_t id = next_private_id_;

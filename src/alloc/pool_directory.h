@@ -200,6 +200,9 @@ class pool_directory {
   [[nodiscard]] block_pool* directory_pool(std::uintptr_t address) const;
   void register_segment(const segment& s);
   void unregister_segment(const segment& s);
+  /// The registered segment that overlaps [base, base + size), or end().
+  /// Under segments_mutex_.
+  [[nodiscard]] segment_map::const_iterator overlapping_locked(std::uintptr_t base, std::size_t size) const;
   /// The next number in the order this allocator takes its segments in
   /// (segment::sequence): 1 for the first, and on.
   [[nodiscard]] std::uint64_t next_segment_sequence() noexcept {

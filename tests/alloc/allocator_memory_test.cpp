@@ -329,6 +329,36 @@ TYPED_TEST(allocator_memory, a_private_pool_serves_scoped_allocations_from_its_r
   EXPECT_TRUE(nothing_in_use(a.stats()));
 }
 
+// A region the allocator manages already — another private pool's, or a
+// block of one of its segments — is refused: both would hand the same bytes
+// out. A region right beside one is not.
+TYPED_TEST(allocator_memory, a_private_pool_over_memory_the_allocator_manages_is_refused) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  auto* region = static_cast<char*>(dev.allocate_segment(8 * mib));
+  const auto first = a.create_private_pool(region, 4 * mib);
+  for (char* start : {region, region + 2 * mib}) {
+    try {
+      (void)a.create_private_pool(start, 4 * mib);
+      ADD_FAILURE() << "a region overlapping another pool's was accepted";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("overlaps memory this allocator manages already"), std::string::npos)
+          << e.what();
+    }
+  }
+  const auto beside = a.create_private_pool(region + 4 * mib, 4 * mib);
+  void* block = a.allocate(4 * mib, {});
+  EXPECT_THROW((void)a.create_private_pool(block, mib), invalid_argument) << "a region inside a live block";
+  void* after = a.allocate(4 * mib, {});
+  a.check_invariants();
+  for (void* p : {block, after}) a.deallocate(p, {});
+  a.destroy_private_pool(beside);
+  a.destroy_private_pool(first);
+  a.empty_cache();
+  dev.free_segment(region);
+  EXPECT_TRUE(nothing_in_use(a.stats()));
+}
+
 // Destroyed private pools' bookkeeping serves the next one (inserting a
 // region again costs no new pages): nothing of the old pool may show.
 TYPED_TEST(allocator_memory, a_region_inserted_again_after_destroy_starts_from_a_clean_pool) {

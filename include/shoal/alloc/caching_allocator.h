@@ -35,7 +35,11 @@
 //
 // Streams: a stream must outlive every block allocated on it and every free
 // recorded on it (as on CUDA, where using a destroyed stream is undefined);
-// the allocator keeps a pool per stream for its own life.
+// the allocator keeps a pool per stream for its own life. Its pool's cached
+// memory is given back after the stream is synchronized, and a private-pool
+// block last freed on it waits for it when handed out on another: so a
+// stream the allocator used must outlive the allocator (the Python package
+// keeps every one), not only its blocks.
 //
 // Processes: an allocator belongs to the process that made it. In a fork()
 // child, allocate throws device_unavailable (its cached blocks are the
@@ -260,7 +264,9 @@ class caching_allocator {
   /// Inserts [base, base + bytes) of this device's memory, owned by the
   /// caller, as a private pool split into consecutive named sub-pools of the
   /// given sizes (one sub-pool named "" spanning all when `parts` is empty).
-  /// The allocator never frees this memory.
+  /// The allocator never frees this memory. A region that overlaps memory
+  /// the allocator manages already (another private pool's region, a
+  /// segment its blocks come from) gives invalid_argument.
   private_pool_id create_private_pool(void* base, std::size_t bytes,
                                       const std::vector<std::pair<std::string, std::size_t>>& parts = {});
   /// A private pool of one sub-pool named "" that takes its memory from the
