@@ -60,7 +60,12 @@ bool chunk_mapper::map(segment& s, std::uintptr_t at, std::size_t bytes, spare_c
   // go back to the device before any new chunk is made.
   const std::size_t most = round_up(growable_mapping_max, g);
   std::vector<backend::sized_chunk> pieces;
-  pieces.reserve(bytes / most + 1);  // no allocation between a create and its record
+  try {
+    pieces.reserve(bytes / most + 1);  // no allocation between a create and its record
+  } catch (...) {
+    release_all_quietly(std::exchange(spare, {}));  // no room to record them: they go back
+    throw;
+  }
   for (std::size_t left = bytes; left > 0; left -= pieces.back().bytes) {
     const std::size_t piece = std::min(left, most);
     const auto same = std::ranges::find(spare, piece, &backend::sized_chunk::bytes);

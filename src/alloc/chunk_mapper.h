@@ -42,8 +42,9 @@ class chunk_mapper {
   /// unmapped) in one map_chunks call (one access grant for the range), cut
   /// into chunks of growable_mapping_max and a last one for the rest; a
   /// chunk of `spare` of a piece's exact size serves it, new chunks the
-  /// others. Leaves `spare` empty: the spares not used are released before
-  /// any chunk is created. False, with nothing mapped and nothing kept, when
+  /// others. Leaves `spare` empty whatever happens (std::bad_alloc and
+  /// device errors included): the spares not used are released before any
+  /// chunk is created. False, with nothing mapped and nothing kept, when
   /// the device is out of memory.
   bool map(segment& s, std::uintptr_t at, std::size_t bytes, spare_chunks& spare);
   /// Unmaps the mappings of `s` that start at or after `lo` and end at or

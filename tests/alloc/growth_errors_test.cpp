@@ -296,5 +296,41 @@ TEST(growth_errors, a_growable_segment_s_growth_refused_host_memory_strands_no_c
   refuse_each_allocation_of_a_first_growth(expandable());
 }
 
+// A growth past the peak unmaps free whole chunks to map them again where
+// the request goes; refused host memory at each of its heap allocations in
+// turn (every later one too), it keeps no chunk unmapped: the physical
+// memory held is the memory mapped, and all of it goes back with the cache.
+TEST(growth_errors, a_growth_past_the_peak_refused_host_memory_keeps_no_unmapped_chunk) {
+  int refusals = 0;
+  for (int nth = 1; nth < 200; ++nth) {
+    SCOPED_TRACE("the growth's heap allocation " + std::to_string(nth) + " refused");
+    backend::host_device dev({.capacity_bytes = 256 * mib});
+    const auto free_before = dev.memory().free_bytes;
+    alloc::caching_allocator a(dev, expandable());
+    void* first = a.allocate(30 * mib, {});
+    void* second = a.allocate(30 * mib, {});
+    a.deallocate(first, {});  // 30 MiB of free chunks before `second`: too few for 40
+    bool refused = false;
+    void* p = nullptr;
+    {
+      std::optional<refusing_allocations> all_after;
+      const refusing_one_allocation refuse(nth, [&] { all_after.emplace(); });
+      try {
+        p = a.allocate(40 * mib, {});
+      } catch (const std::bad_alloc&) {  // NOLINT(bugprone-empty-catch): what the test brings about
+      }
+      refused = refuse.refused();
+    }
+    if (p != nullptr) a.deallocate(p, {});
+    if (!refused) break;
+    ++refusals;
+    EXPECT_NO_THROW(a.check_invariants());
+    a.deallocate(second, {});
+    a.empty_cache();
+    EXPECT_EQ(dev.memory().free_bytes, free_before) << "a chunk was kept unmapped";
+  }
+  EXPECT_GT(refusals, 0) << "the growth allocated nothing: the test no longer reaches what it names";
+}
+
 }  // namespace
 }  // namespace shoal::testing
