@@ -160,7 +160,7 @@ class closable {
             lock.unlock();
           });
       if (done) return;
-      if (PyGILState_Check() != 0 && PyErr_CheckSignals() != 0) throw nanobind::python_error();
+      if (detail::holds_gil() && PyErr_CheckSignals() != 0) throw nanobind::python_error();
       lock.lock();
     }
   }

@@ -153,13 +153,24 @@ class retaken_gil {
 
 namespace detail {
 
+/// Whether this thread holds the GIL: it has a thread state attached.
+/// (PyGILState_Check says yes on every thread once a subinterpreter was ever
+/// made, and releasing a GIL the thread does not hold is fatal.)
+inline bool holds_gil() noexcept {
+#if PY_VERSION_HEX >= 0x030D0000
+  return PyThreadState_GetUnchecked() != nullptr;
+#else
+  return _PyThreadState_UncheckedGet() != nullptr;
+#endif
+}
+
 /// Runs `fn` with the GIL released when this thread holds it (taken back as
 /// released_gil does, so a daemon thread here at exit sleeps, not aborts),
 /// unless the thread keeps it (gil_kept).
 template <class Fn>
 void without_gil(Fn&& fn) {
   std::optional<released_gil> unlocked;
-  if (gil_kept == 0 && PyGILState_Check() != 0) unlocked.emplace();
+  if (gil_kept == 0 && holds_gil()) unlocked.emplace();
   fn();
 }
 

@@ -416,3 +416,39 @@ def test_an_oom_observer_may_use_the_storage_whose_write_ran_out_of_memory(tmp_p
         "    print('refused', seen, flush=True)\n"
     )
     assert done.returncode == 0 and done.stdout == "refused [(False, True)]\n", (done.returncode, done.stdout, done.stderr)
+
+
+DROP_WITHOUT_THE_GIL_AFTER_A_SUBINTERPRETER = """
+import ctypes, faulthandler
+import shoal
+faulthandler.enable()
+try:
+    import _interpreters as subinterpreters  # Python 3.13 on
+except ImportError:
+    import _xxsubinterpreters as subinterpreters
+subinterpreters.destroy(subinterpreters.create())  # PyGILState_Check says yes on every thread from now on
+allocator = shoal.Allocator(shoal.host_device(), use_environment=False)
+capsule = allocator.allocate(4096).view("uint8", shape=[4096]).__dlpack__()
+del allocator  # the export holds the storage, and the storage its allocator: the last of each
+get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+set_name = ctypes.pythonapi.PyCapsule_SetName
+set_name.restype, set_name.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
+tensor = get_pointer(capsule, b"dltensor")
+set_name(capsule, b"used_dltensor")  # consumed: the deleter is the consumer's to call
+deleter = ctypes.c_void_p.from_address(tensor + 56).value  # DLManagedTensor: a 48-byte DLTensor, manager_ctx
+# A consumer's deleter called on a thread without the GIL (a CFUNCTYPE call lets it go): the
+# allocator's end, which lets the GIL go where the thread holds it, must see that it does not.
+ctypes.CFUNCTYPE(None, ctypes.c_void_p)(deleter)(tensor)
+print("dropped", flush=True)
+"""
+
+
+def test_a_drop_on_a_thread_without_the_gil_after_a_subinterpreter_was_made_does_not_release_it_again():
+    try:
+        import _interpreters  # noqa: F401
+    except ImportError:
+        pytest.importorskip("_xxsubinterpreters")
+    done = subprocess.run([sys.executable, "-c", DROP_WITHOUT_THE_GIL_AFTER_A_SUBINTERPRETER],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "dropped", done.stderr[-2000:]
