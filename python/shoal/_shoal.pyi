@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, Self, overload
 
-from typing_extensions import CapsuleType
+from typing_extensions import Buffer, CapsuleType
 
 class ShoalError(RuntimeError):
     """Base of every error shoal raises."""
@@ -130,7 +130,7 @@ def cuda_device_count() -> int:
 
 class Stream:
     """
-    An in-order queue of device work. Stream(device) creates a new stream; Stream.default(device) names the device's default stream. Usable from several threads at once: work runs in the order the threads enqueue it.
+    An in-order queue of device work. Stream(device) creates a new stream; Stream.default(device) names the device's default stream. Usable from several threads at once: work runs in the order the threads enqueue it. Make streams once and reuse them (as PyTorch's stream pool does): an Allocator keeps every stream it served, with the memory it caches for that stream, for as long as the Allocator lives, so a new stream per request grows without end.
     """
 
     def __init__(self, device: Device | None = None) -> None:
@@ -271,7 +271,7 @@ class Allocator:
 
     def add_oom_observer(self, observer: Callable) -> None:
         """
-        Calls observer(report: dict) before OutOfMemoryError is raised (on the allocating thread, holding none of the allocator's locks, nor that of a storage whose write or clone asked for the memory: it may use both). The report: requested_bytes, device_free_bytes, reserved_bytes, allocated_bytes, largest_free_block (bytes), limit_bytes (the configured limit on reserved bytes, None when none) and stream (the native handle of the allocation's stream). The allocation may still succeed without an error: a storage whose write found no memory for its copy uses the copy another thread's write made meanwhile. An exception it raises is reported as unraisable and does not replace the OutOfMemoryError. The allocator holds the observer until remove_oom_observer: one that refers to the allocator (a lambda using it) keeps both alive until then, which the garbage collector cannot see.
+        Calls observer(report: dict) before OutOfMemoryError is raised (on the allocating thread, holding none of the allocator's locks, nor that of a storage whose write or clone asked for the memory: it may use both). The report: requested_bytes, device_free_bytes, reserved_bytes, allocated_bytes, largest_free_block (bytes), limit_bytes (the configured limit on reserved bytes, None when none) and stream (the native handle of the allocation's stream). The allocation may still succeed without an error: a storage whose write found no memory for its copy uses the copy another thread's write made meanwhile. An exception it raises is reported as unraisable and does not replace the OutOfMemoryError. The allocator holds the observer until remove_oom_observer. A cycle through it (an object that holds this Allocator and observes with a method of its own) is collected by the garbage collector while this Allocator object is the allocator's one holder; a Storage of it, a view or export of one, or another object of the allocator alive keeps the cycle until remove_oom_observer.
         """
 
     def remove_oom_observer(self, observer: object | None) -> bool:
@@ -336,7 +336,7 @@ class Storage:
     def aliases(self, other: Storage) -> bool:
         """True iff both name the same storage object."""
 
-    def write(self, data: object | None, offset: int = 0, stream: Stream | None = None) -> None:
+    def write(self, data: Buffer, offset: int = 0, stream: Stream | None = None) -> None:
         """
         Copies a bytes-like object into the storage at `offset`, on `stream` (default: the current stream), materializing a lazy clone first; returns once the copy has run (GIL released meanwhile). InvalidArgumentError for read-only memory.
         """
@@ -407,7 +407,7 @@ class ArrayView:
 
     def __dlpack__(self, *, stream: int | None = None, max_version: tuple[int, int] | None = None, dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> CapsuleType:
         """
-        A DLPack capsule of this view (array API). `stream`: the consumer's stream (None: the host reads it on the host backend, 1 or 2: the default stream, a stream handle, or -1: no synchronization; 0 is refused); the consumer's stream waits for the work enqueued on the current stream. A versioned capsule ('dltensor_versioned') when max_version >= (1, 0); strides are always set.
+        A DLPack capsule of this view (array API). `stream`: the consumer's stream (None: the host reads it on the host backend, 1 or 2: the default stream, a stream handle, or -1: no synchronization; 0 is refused); the consumer's stream waits for the work enqueued on the current stream, and the memory's release waits for the consumer's stream, so a stream handle must stay a live stream until the storage's memory is released. A versioned capsule ('dltensor_versioned') when max_version >= (1, 0); strides are always set.
         """
 
     def __array__(self, dtype: object | None = None, copy: object | None = None) -> object:

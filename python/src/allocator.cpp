@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "bindings.h"
 #include "gil.h"
@@ -86,6 +88,37 @@ std::string report_without_gil(const py_allocator& a, Read read) {
   return json;
 }
 
+// The garbage collector's view of an Allocator object: the out-of-memory
+// observers its state holds (so that a cycle through one, such as an object
+// holding the Allocator and observing with a method of its own, is
+// collected), seen only while this object is the state's one holder. A state
+// that storages, exports or other Allocator objects share holds the
+// observers for them too, and the collector must see each reference once.
+int allocator_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(self));
+  if (!nb::inst_ready(self)) return 0;  // before or during __init__
+  const std::shared_ptr<allocator_state>& state = nb::inst_ptr<py_allocator>(self)->state;
+  if (state.use_count() != 1) return 0;
+  for (const auto& observer : state->oom_observers) Py_VISIT(observer->ptr());
+  return 0;
+}
+
+// Breaks a cycle the collector found through the observers traverse showed:
+// each is removed as remove_oom_observer does.
+int allocator_clear(PyObject* self) {
+  if (!nb::inst_ready(self)) return 0;
+  const std::shared_ptr<allocator_state>& state = nb::inst_ptr<py_allocator>(self)->state;
+  if (state.use_count() != 1) return 0;  // not shown by traverse: not this object's to clear
+  std::vector<std::shared_ptr<nb::object>> observers;
+  observers.swap(state->oom_observers);  // the callables' ends may run Python code: the list is left first
+  for (auto& observer : observers) *observer = nb::none();
+  return 0;
+}
+
+PyType_Slot allocator_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(allocator_traverse)},
+                                 {Py_tp_clear, reinterpret_cast<void*>(allocator_clear)},
+                                 {0, nullptr}};
+
 }  // namespace
 
 alloc::allocator_config config_from_python(const std::optional<std::string>& conf, bool use_environment,
@@ -158,7 +191,8 @@ void register_allocator(nb::module_& m) {
                            "The stream-ordered caching allocator of one "
                            "device. A freed block is handed out again "
                            "only once every stream that may touch it has "
-                           "passed its last use. Thread-safe.")
+                           "passed its last use. Thread-safe.",
+                           nb::type_slots(allocator_slots))
       .def(
           "__init__",
           [](py_allocator* self, backend::device* device, const std::optional<std::string>& conf, bool use_environment,
@@ -273,9 +307,10 @@ void register_allocator(nb::module_& m) {
           "write made meanwhile. An "
           "exception it raises is reported as unraisable and does not replace "
           "the OutOfMemoryError. The allocator holds the observer until "
-          "remove_oom_observer: one that refers to the allocator (a lambda "
-          "using it) keeps both alive until then, which the garbage collector "
-          "cannot see.")
+          "remove_oom_observer. A cycle through it (an object that holds this Allocator and observes "
+          "with a method of its own) is collected by the garbage collector while this Allocator object "
+          "is the allocator's one holder; a Storage of it, a view or export of one, or another object of "
+          "the allocator alive keeps the cycle until remove_oom_observer.")
       .def(
           "remove_oom_observer",
           [](const py_allocator& a, nb::handle observer) {

@@ -18,6 +18,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -109,7 +110,9 @@ class allocator_state {
   void give_back_copy_stream(std::shared_ptr<stream_state> stream) noexcept;
   /// The callables given to add_oom_observer, as each registration holds
   /// them: remove_oom_observer sets one to None (its registration then
-  /// calls nothing) and lets it go. Touched with the GIL held.
+  /// calls nothing) and lets it go, as does the garbage collector breaking a
+  /// cycle through one (allocator.cpp: seen while one Allocator object is
+  /// this state's only holder). Touched with the GIL held.
   std::vector<std::shared_ptr<nb::object>> oom_observers;
 
  private:
@@ -182,6 +185,21 @@ struct py_array_view {
   std::int64_t offset;
   bool readonly;
 };
+
+/// The C-order strides (in elements) of `shape`; nullopt when one passes 64 bits.
+std::optional<std::vector<std::int64_t>> c_order_strides(std::span<const std::int64_t> shape);
+/// Where an array's elements lie, in bytes from its first element's:
+/// [lowest, end), lowest <= 0 < end; and `total`, the bytes of its elements
+/// (their number times the item size). All 0 when an extent is 0.
+struct element_bytes {
+  std::int64_t lowest = 0;
+  std::int64_t end = 0;
+  std::int64_t total = 0;
+};
+/// element_bytes of `shape` with `strides` (in elements, one per extent);
+/// nullopt when any of them, or a step toward them, passes 64 bits.
+std::optional<element_bytes> element_bytes_of(std::span<const std::int64_t> shape,
+                                              std::span<const std::int64_t> strides, std::int64_t itemsize);
 
 /// Storage.view(dtype, shape=None, strides=None, offset=0, readonly=False).
 py_array_view make_view(const py_storage& storage, nb::handle dtype, std::optional<std::vector<std::int64_t>> shape,

@@ -23,6 +23,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -291,16 +292,41 @@ nb::object export_view(const py_array_view& view, nb::handle stream, nb::handle 
   return nb::steal(capsule);
 }
 
-std::int64_t element_count(const std::vector<std::int64_t>& shape) {
-  __int128 n = 1;
-  for (const auto extent : shape) {
-    n *= extent;
-    if (n > INT64_MAX) throw invalid_argument("Storage.view: the shape has too many elements");
+}  // namespace
+
+std::optional<std::vector<std::int64_t>> c_order_strides(std::span<const std::int64_t> shape) {
+  std::vector<std::int64_t> strides(shape.size());
+  std::int64_t step = 1;
+  bool past = false;  // step passed 64 bits: an error once a stride takes it
+  for (std::size_t i = shape.size(); i-- > 0;) {
+    if (past) return std::nullopt;
+    strides[i] = step;
+    past = __builtin_mul_overflow(step, std::max<std::int64_t>(shape[i], 1), &step);
   }
-  return static_cast<std::int64_t>(n);
+  return strides;
 }
 
-}  // namespace
+std::optional<element_bytes> element_bytes_of(std::span<const std::int64_t> shape,
+                                              std::span<const std::int64_t> strides, std::int64_t itemsize) {
+  if (std::ranges::find(shape, 0) != shape.end()) return element_bytes{};
+  // Each step checked: a product that wraps could land inside the storage.
+  std::int64_t lowest = 0;
+  std::int64_t highest = 0;
+  std::int64_t count = 1;
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    std::int64_t reach = 0;
+    if (__builtin_mul_overflow(shape[i] - 1, strides[i], &reach) || __builtin_mul_overflow(reach, itemsize, &reach) ||
+        __builtin_add_overflow(reach < 0 ? lowest : highest, reach, reach < 0 ? &lowest : &highest) ||
+        __builtin_mul_overflow(count, shape[i], &count)) {
+      return std::nullopt;
+    }
+  }
+  element_bytes out{lowest, 0, 0};
+  if (__builtin_add_overflow(highest, itemsize, &out.end) || __builtin_mul_overflow(count, itemsize, &out.total)) {
+    return std::nullopt;
+  }
+  return out;
+}
 
 py_array_view make_view(const py_storage& s, nb::handle dtype, std::optional<std::vector<std::int64_t>> shape,
                         std::optional<std::vector<std::int64_t>> strides, std::int64_t offset, bool readonly) {
@@ -323,26 +349,21 @@ py_array_view make_view(const py_storage& s, nb::handle dtype, std::optional<std
   }
   if (shape->size() > 64) throw invalid_argument("Storage.view: more than 64 dimensions");
   if (!strides) {
-    strides = std::vector<std::int64_t>(shape->size());
-    std::int64_t step = 1;
-    for (std::size_t i = shape->size(); i-- > 0;) {
-      (*strides)[i] = step;
-      step *= std::max<std::int64_t>((*shape)[i], 1);
-    }
+    strides = c_order_strides(*shape);
+    if (!strides) throw invalid_argument("Storage.view: the C-order strides of that shape pass 2**63 - 1 elements");
   }
   if (strides->size() != shape->size()) {
     throw invalid_argument("Storage.view: " + std::to_string(strides->size()) + " strides for " +
                            std::to_string(shape->size()) + " dimensions");
   }
-  // The elements reached span [lowest, highest] in items from the offset.
-  __int128 lowest = 0;
-  __int128 highest = 0;
-  for (std::size_t i = 0; i < shape->size(); ++i) {
-    const __int128 reach = static_cast<__int128>((*shape)[i] == 0 ? 0 : (*shape)[i] - 1) * (*strides)[i];
-    (reach < 0 ? lowest : highest) += reach;
+  const std::optional<element_bytes> reach = element_bytes_of(*shape, *strides, itemsize);
+  if (!reach) {
+    throw invalid_argument("Storage.view: a " + name + " view of that shape and strides counts more than 2**63 - 1 " +
+                           "bytes (its elements', or those from its lowest element to its highest): no storage " +
+                           "holds it, this one has " + std::to_string(size));
   }
-  if (element_count(*shape) > 0 &&
-      (offset + lowest * itemsize < 0 || offset + (highest + 1) * itemsize > static_cast<__int128>(size))) {
+  // offset lies in [0, size] and lowest <= 0 < end: neither side overflows.
+  if (reach->total > 0 && (offset + reach->lowest < 0 || reach->end > size - offset)) {
     throw invalid_argument("Storage.view: a " + name + " view of that shape and strides at offset " +
                            std::to_string(offset) + " reaches outside the storage's " + std::to_string(size) +
                            " bytes");
@@ -371,7 +392,9 @@ void register_dlpack(nb::module_& m) {
       .def_prop_ro(
           "ndim", [](const py_array_view& v) { return v.shape.size(); }, "The number of dimensions.")
       .def_prop_ro(
-          "nbytes", [](const py_array_view& v) { return element_count(v.shape) * (v.bits / 8); },
+          "nbytes",
+          // make_view refused any view whose bytes pass 64 bits
+          [](const py_array_view& v) { return element_bytes_of(v.shape, v.strides, v.bits / 8).value().total; },
           "The bytes of its elements (itemsize times their number).")
       .def(
           "__len__",
@@ -402,7 +425,8 @@ void register_dlpack(nb::module_& m) {
            "on the host backend, 1 or 2: the default stream, a stream handle, "
            "or -1: no synchronization; 0 is "
            "refused); the consumer's stream waits for the work enqueued on the "
-           "current stream. A versioned "
+           "current stream, and the memory's release waits for the consumer's stream, so a stream handle "
+           "must stay a live stream until the storage's memory is released. A versioned "
            "capsule ('dltensor_versioned') when max_version >= (1, 0); strides "
            "are always set.")
       .def(

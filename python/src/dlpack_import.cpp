@@ -9,8 +9,10 @@
 // Imported memory counts as shared outside the process: never lazily shared.
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -164,29 +166,24 @@ py_array_view import_dlpack(const py_allocator& allocator, nb::handle capsule) {
   if (t.ndim < 0 || t.ndim > 64 || (t.ndim > 0 && t.shape == nullptr)) {
     throw nb::buffer_error("shoal.from_dlpack: the tensor's ndim or shape is malformed");
   }
-  std::vector<std::int64_t> shape(t.shape, t.shape + t.ndim);
-  std::vector<std::int64_t> strides(shape.size());
-  std::int64_t step = 1;
-  for (std::size_t i = shape.size(); i-- > 0;) {
-    if (shape[i] < 0) throw nb::buffer_error("shoal.from_dlpack: the tensor has a negative extent");
-    strides[i] = t.strides != nullptr ? t.strides[i] : step;
-    step *= std::max<std::int64_t>(shape[i], 1);
+  const std::vector<std::int64_t> shape(t.shape, t.shape + t.ndim);
+  if (std::ranges::any_of(shape, [](std::int64_t extent) { return extent < 0; })) {
+    throw nb::buffer_error("shoal.from_dlpack: the tensor has a negative extent");
   }
+  if (std::ranges::find(shape, 0) != shape.end()) {
+    throw nb::buffer_error("shoal.from_dlpack: arrays without elements are not imported");
+  }
+  const std::optional<std::vector<std::int64_t>> strides =
+      t.strides != nullptr ? std::vector<std::int64_t>(t.strides, t.strides + t.ndim) : c_order_strides(shape);
   // The bytes the elements reach, from the lowest to past the highest.
   const std::int64_t itemsize = t.dtype.bits / 8;
-  __int128 lowest = 0;
-  __int128 highest = 0;
-  bool empty = false;
-  for (std::size_t i = 0; i < shape.size(); ++i) {
-    if (shape[i] == 0) empty = true;
-    const __int128 reach = static_cast<__int128>(shape[i] == 0 ? 0 : shape[i] - 1) * strides[i];
-    (reach < 0 ? lowest : highest) += reach;
+  const std::optional<element_bytes> reach = strides ? element_bytes_of(shape, *strides, itemsize) : std::nullopt;
+  std::int64_t span = 0;
+  if (!reach || __builtin_sub_overflow(reach->end, reach->lowest, &span)) {
+    throw nb::buffer_error("shoal.from_dlpack: the tensor spans more than 2**63 - 1 bytes");
   }
-  if (empty) throw nb::buffer_error("shoal.from_dlpack: arrays without elements are not imported");
-  const __int128 span = (highest - lowest + 1) * itemsize;
-  if (span > INT64_MAX) throw nb::buffer_error("shoal.from_dlpack: the tensor spans too many bytes");
-  auto* first = static_cast<std::byte*>(t.data) + t.byte_offset + static_cast<std::int64_t>(lowest * itemsize);
-  const auto offset = static_cast<std::int64_t>(-lowest * itemsize);
+  auto* first = static_cast<std::byte*>(t.data) + t.byte_offset + reach->lowest;
+  const std::int64_t offset = -reach->lowest;
 
   // Consumed from here on: the storage's owner releases it.
   if (PyCapsule_SetName(capsule.ptr(), versioned ? "used_dltensor_versioned" : "used_dltensor") != 0) {
@@ -197,7 +194,7 @@ py_array_view import_dlpack(const py_allocator& allocator, nb::handle capsule) {
       storage::storage::adopt(allocator.state->allocator(), first, static_cast<std::size_t>(span), std::move(owner));
   const auto access = readonly ? storage_access::read_only : storage_access::read_write;
   return make_view(py_storage{storage_handle(std::move(adopted), allocator.state, nullptr, access)}, nb::str(dtype),
-                   shape, strides, offset, readonly);
+                   shape, *strides, offset, readonly);
 }
 
 bool record_stream_on_import(const storage::storage& storage, const std::shared_ptr<stream_state>& stream) {

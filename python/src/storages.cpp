@@ -214,11 +214,16 @@ void register_storages(nb::module_& m) {
             s.handle.allocator()->keep(st);
             storage::storage held = s.handle.get();  // with the GIL: another thread may assign s.handle
             released_gil release;
-            auto* dst = static_cast<std::byte*>(held.mutable_data(st->ref())) + offset;
-            st->device().copy(st->ref(), dst, buffer.data(), buffer.size());
+            // One step with taking the pointer: a read-only export's clone made meanwhile never shares it.
+            held.enqueue_write(st->ref(), [&](void* data) {
+              st->device().copy(st->ref(), static_cast<std::byte*>(data) + offset, buffer.data(), buffer.size());
+            });
             st->device().synchronize(st->ref());  // the source buffer is the caller's
           },
+          // None reaches buffer_view, which names what a write takes; the signature says it.
           nb::arg("data").none(), nb::arg("offset") = 0, nb::arg("stream").none() = nb::none(),
+          nb::sig("def write(self, data: typing_extensions.Buffer, offset: int = 0, stream: Stream | None = None) "
+                  "-> None"),
           "Copies a bytes-like object into the storage at `offset`, on "
           "`stream` (default: the current stream), "
           "materializing a lazy clone first; returns once the copy has run "
@@ -266,8 +271,9 @@ void register_storages(nb::module_& m) {
             s.handle.allocator()->keep(st);
             storage::storage held = s.handle.get();  // with the GIL: another thread may assign s.handle
             released_gil release;
-            void* dst = held.mutable_data(st->ref());
-            st->device().fill(st->ref(), dst, static_cast<std::uint8_t>(value), held.size());
+            held.enqueue_write(st->ref(), [&](void* data) {  // as write's
+              st->device().fill(st->ref(), data, static_cast<std::uint8_t>(value), held.size());
+            });
           },
           nb::arg("value"), nb::arg("stream").none() = nb::none(),
           "Sets every byte to `value` in stream order (enqueued; does not "

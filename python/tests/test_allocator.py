@@ -4,6 +4,7 @@ import gc
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 
@@ -215,7 +216,7 @@ def test_a_removed_oom_observer_is_not_called_and_is_let_go():
     a = shoal.Allocator(use_environment=False, memory_limit_mb=2)
     released = []
 
-    class Observer:  # refers to the allocator: a cycle through C++ the collector cannot see
+    class Observer:  # refers to the allocator: a cycle through the C++ allocator
         def __init__(self):
             self.allocator = a
             self.calls = 0
@@ -237,6 +238,39 @@ def test_a_removed_oom_observer_is_not_called_and_is_let_go():
     del observer
     gc.collect()
     assert released == [True], "the allocator still holds the removed observer"
+
+
+def test_a_cycle_through_an_oom_observer_is_collected():
+    class Server:  # holds its allocator and observes it with a method of its own
+        def __init__(self):
+            self.allocator = shoal.Allocator(use_environment=False)
+            self.allocator.add_oom_observer(self.on_oom)
+            self.allocator.add_oom_observer(lambda report: self.allocator.empty_cache())
+
+        def on_oom(self, report):
+            self.allocator.empty_cache()
+
+    server = Server()
+    server.allocator.allocate(1 << 20)  # dropped: cached memory, which the cycle kept
+    gone = weakref.ref(server)
+    del server
+    gc.collect()
+    assert gone() is None, "the allocator's observer kept its owner, and the allocator, alive"
+
+
+def test_the_collector_leaves_the_observers_of_an_allocator_held_elsewhere_in_place():
+    a = shoal.Allocator(use_environment=False, memory_limit_mb=2)
+    reports = []
+    a.add_oom_observer(reports.append)
+    kept = a.allocate(1024)  # a second holder of the allocator: its observers are not the object's alone
+    gc.collect()
+    with pytest.raises(shoal.OutOfMemoryError):
+        a.allocate(4 << 20)
+    del kept
+    gc.collect()
+    with pytest.raises(shoal.OutOfMemoryError):
+        a.allocate(4 << 20)
+    assert len(reports) == 2
 
 
 def test_the_default_allocator_is_one_per_process():

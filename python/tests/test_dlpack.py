@@ -1,5 +1,6 @@
 """Typed views of storages and their zero-copy DLPack export, consumed by numpy (host backend)."""
 
+import ctypes
 import gc
 import sys
 import weakref
@@ -75,6 +76,11 @@ def test_an_unknown_dtype_is_refused(allocator, dtype):
         ({"shape": (2, 2), "strides": (1,)}, "strides for 2 dimensions"),
         ({"shape": (2,), "strides": (-1,)}, "reaches outside"),
         ({"offset": 17}, "outside"),
+        # Byte counts past 64 bits, which once wrapped into a view accepted.
+        ({"dtype": "float64", "shape": (2**62,), "strides": (2**63 - 1,)}, r"2\*\*63 - 1"),
+        ({"shape": (2, 2), "strides": (2**62, 2**62)}, r"2\*\*63 - 1"),
+        ({"dtype": "float64", "shape": (2**62,), "strides": (0,)}, r"2\*\*63 - 1"),
+        ({"shape": (0, 2**62, 2**62)}, r"C-order strides .* 2\*\*63 - 1"),
     ],
 )
 def test_a_view_outside_the_storage_is_refused(allocator, kwargs, message):
@@ -327,6 +333,44 @@ def test_a_capsule_consumed_twice_is_refused(allocator):
     with pytest.raises(BufferError, match="consumed already"):
         shoal.from_dlpack(source.capsule, allocator)
     del first
+
+
+class HostileCapsule:
+    """A legacy DLPack capsule over 64 bytes of host memory, with whatever
+    shape and strides (None: C order) a producer may claim."""
+
+    class Tensor(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32),
+                    ("ndim", ctypes.c_int32), ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8),
+                    ("lanes", ctypes.c_uint16), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                    ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64),
+                    ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+    def __init__(self, shape, strides, bits):
+        self.memory = numpy.zeros(64, dtype=numpy.uint8)
+        self.shape = (ctypes.c_int64 * len(shape))(*shape)
+        self.strides = None if strides is None else (ctypes.c_int64 * len(strides))(*strides)
+        kDLCPU, kDLUInt = 1, 1
+        self.tensor = self.Tensor(self.memory.ctypes.data, kDLCPU, 0, len(shape), kDLUInt, bits, 1, self.shape,
+                                  self.strides, 0, None, None)  # no deleter: the memory is this object's
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        self.capsule = new(ctypes.addressof(self.tensor), b"dltensor", None)
+
+    def __dlpack__(self, stream=None):
+        return self.capsule
+
+
+@pytest.mark.parametrize("shape, strides, bits", [
+    ((2**62,), (2**63 - 1,), 64),  # its bytes wrapped to a small span once
+    ((4,), (2**62,), 8),
+    ((2**32, 2**32), None, 8),  # C order: a stride past 64 bits
+])
+def test_from_dlpack_refuses_a_tensor_whose_bytes_pass_64_bits(allocator, shape, strides, bits):
+    hostile = HostileCapsule(shape, strides, bits)
+    for _ in range(2):  # refused before it is consumed: the same answer again
+        with pytest.raises(BufferError, match=r"spans more than 2\*\*63 - 1 bytes"):
+            shoal.from_dlpack(hostile, allocator)
 
 
 def test_from_dlpack_refuses_what_it_cannot_import(allocator):

@@ -1,6 +1,8 @@
 """Storages: allocation, reads and writes in stream order, lazy clones, record_stream."""
 
 import gc
+import threading
+import time
 
 import pytest
 
@@ -261,6 +263,44 @@ def test_a_readonly_export_is_a_snapshot_and_its_storage_writes_in_place_once_it
     assert b.ptr == ptr and not b.is_lazy
     assert b.read() == b"\x07" * 64
     del a, b
+
+
+@pytest.mark.parametrize("how", ["fill", "write"])
+def test_a_readonly_export_made_while_another_thread_writes_stays_a_snapshot(allocator, how):
+    # The export's clone once came between a write's taking its pointer and
+    # enqueueing the write, which then landed in the snapshot: found within a
+    # few hundred exports, so two seconds of them find it again.
+    numpy = host_numpy(allocator)
+    s = allocator.allocate(4096)
+    stream = shoal.Stream()
+    stop = threading.Event()
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            i = i % 250 + 1
+            if how == "fill":
+                s.fill(i, stream=stream)
+            else:
+                s.write(bytes([i]) * 64, stream=stream)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    changed = None
+    try:
+        until = time.monotonic() + 2
+        while changed is None and time.monotonic() < until:
+            shown = numpy.from_dlpack(s.view(readonly=True))
+            before = int(shown[0])
+            stream.synchronize()  # every write enqueued so far has run
+            if int(shown[0]) != before:
+                changed = (before, int(shown[0]))
+    finally:
+        stop.set()
+        thread.join()
+    stream.synchronize()
+    assert changed is None, f"a write after the export landed in it: {changed[0]} became {changed[1]}"
+    del shown, s
 
 
 def test_a_readonly_export_of_memory_never_lazily_shared_shows_the_memory_itself(allocator):

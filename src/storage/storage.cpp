@@ -136,6 +136,15 @@ class storage_impl {
     }
   }
 
+  // This storage's own data, for a write on `stream` recorded as a use; `lock`
+  // holds mutex_ on entry and on return (materialize lets it go only to
+  // allocate, and checks again after).
+  void* data_for_write(std::unique_lock<std::mutex>& lock, backend::stream_ref stream) {
+    if (cow_ != nullptr) materialize(lock, stream);
+    if (last_used_.load(std::memory_order_relaxed) != stream) record_use_locked(stream);
+    return data_.load(std::memory_order_relaxed);
+  }
+
   // materialize's step with mutex_ held: steals, or copies into `block`.
   void materialize_locked(backend::stream_ref stream, spare_block& block) {
     streams_.make_room_for({cow_->created_on(), stream});  // nothing below throws once the data is ours
@@ -278,14 +287,18 @@ void* storage::mutable_data(backend::stream_ref stream) {
     return s.data_.load(std::memory_order_relaxed);
   }
   std::unique_lock lock(s.mutex_);
-  if (s.cow_ != nullptr) s.materialize(lock, stream);
-  if (s.last_used_.load(std::memory_order_relaxed) != stream) {
-    s.record_use_locked(stream);  // another thread materialized it meanwhile
-  }
-  return s.data_.load(std::memory_order_relaxed);
+  return s.data_for_write(lock, stream);
 }
 
 void* storage::mutable_data() { return mutable_data(backend::current_stream(device())); }
+
+void storage::enqueue_write(backend::stream_ref stream, const std::function<void(void*)>& enqueue) {
+  detail::storage_impl& s = impl();
+  std::unique_lock lock(s.mutex_);
+  // Held from taking the data to enqueueing the write: a clone (which takes
+  // this lock) cannot share the data between the two.
+  enqueue(s.data_for_write(lock, stream));
+}
 
 void storage::record_stream(backend::stream_ref stream) const { impl().record_use(stream); }
 

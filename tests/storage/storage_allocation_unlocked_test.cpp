@@ -241,5 +241,34 @@ TYPED_TEST(storage_allocation_unlocked, a_clone_left_alone_during_the_copys_allo
   EXPECT_TRUE(this->holds(clone, 0xAB, own.ref()));
 }
 
+// A clone made while an enqueued write allocates its copy (the storage's
+// lock let go) keeps the data it had: the write, enqueued once the lock is
+// taken again, goes to the copy, though the writer was about to be the last
+// holder when the allocation began.
+TYPED_TEST(storage_allocation_unlocked, a_clone_made_while_an_enqueued_write_allocates_its_copy_keeps_its_data) {
+  auto& a = this->make();
+  backend::stream own(this->device());
+  auto source = this->filled(0xAB, own.ref());
+  auto writer = lazy_clone(source, own.ref());
+  use_elsewhere elsewhere;
+  std::atomic<bool> hooked{false};
+  bool in_time = false;
+  storage_t theirs;
+  const miss_hook hook(a, [&] {
+    if (hooked.exchange(true)) return;
+    in_time = elsewhere.ran_in_time([&] {
+      source = storage_t();                                 // the writer would hold the data alone,
+      theirs = storage::try_lazy_clone(writer, own.ref());  // but for this clone
+    });
+  });
+  writer.enqueue_write(own.ref(), [&](void* data) { this->device().fill(own.ref(), data, 0xCD, bytes); });
+  elsewhere.finish();
+  EXPECT_TRUE(in_time) << "the clone waited for the lock the write's allocation held";
+  ASSERT_TRUE(theirs.valid());
+  EXPECT_TRUE(this->holds(theirs, 0xAB, own.ref())) << "the write landed in the clone's data";
+  EXPECT_TRUE(this->holds(writer, 0xCD, own.ref()));
+  EXPECT_EQ(this->in_use(own.ref()), 2) << "the copy's block was lost or one too many kept";
+}
+
 }  // namespace
 }  // namespace shoal::testing

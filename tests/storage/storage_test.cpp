@@ -430,6 +430,48 @@ TYPED_TEST(storage_test, try_lazy_clone_clones_what_may_be_lazily_shared_and_cop
   EXPECT_EQ(released, 1);
 }
 
+// The schedule a read-only export racing a write had: another thread clones
+// the storage between the write's taking its pointer and enqueueing the
+// write. enqueue_write makes the clone wait for the lock until the write is
+// enqueued (or have come before the pointer was taken), so the clone holds
+// either the data from before the write or the data written, never a write
+// landing in it after it was made.
+TYPED_TEST(storage_test, a_clone_racing_an_enqueued_write_comes_wholly_before_or_wholly_after_it) {
+  auto& dev = this->device();
+  this->make();
+  const backend::stream_ref writer = this->new_stream(), other = this->new_stream();
+  auto source = this->filled(1, writer);
+  std::atomic<bool> open{false};
+  hold(dev, writer, open, 2000ms);  // the write stays queued while the clone is made
+  std::atomic<bool> clone_now{false}, cloned{false};
+  storage_t clone;
+  std::thread cloner([&] {
+    while (!clone_now.load()) std::this_thread::yield();
+    clone = storage::try_lazy_clone(source, other);  // as a read-only export does
+    cloned = true;
+  });
+  bool cloned_in_between = false;
+  source.enqueue_write(writer, [&](void* data) {
+    clone_now = true;
+    // Room for the clone to come in between; with the lock held it comes after.
+    const auto until = std::chrono::steady_clock::now() + 200ms;
+    while (!cloned.load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    cloned_in_between = cloned.load();
+    dev.fill(writer, data, 2, bytes);
+  });
+  cloner.join();
+  EXPECT_FALSE(cloned_in_between) << "a clone was made between the write's pointer and its enqueue";
+  ASSERT_TRUE(clone.valid());
+  const std::uint8_t snapshot = cloned_in_between ? 1 : 2;
+  open = true;
+  EXPECT_TRUE(this->holds(clone, snapshot, other)) << "the clone's stream was not ordered after the write";
+  dev.synchronize(writer);
+  EXPECT_TRUE(this->holds(clone, snapshot, other)) << "the write landed in the clone's data";
+  source.enqueue_write(writer, [&](void* data) { dev.fill(writer, data, 3, bytes); });
+  EXPECT_TRUE(this->holds(source, 3, writer));
+  EXPECT_TRUE(this->holds(clone, snapshot, other)) << "a later write moves the writer to a copy";
+}
+
 TYPED_TEST(storage_test, adopted_memory_is_given_back_by_its_owner_once_and_copied_eagerly) {
   auto& a = this->make();
   int released = 0;

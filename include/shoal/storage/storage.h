@@ -17,11 +17,13 @@
 //   - while shared, the data is never written in place through shoal, so it
 //     stays as it was at clone time: a pointer mutable_data returned before
 //     a lazy_clone must not be written after it (take a new one, which
-//     materializes), and a pointer data() returned is no longer this
-//     storage's data once a write materializes it by a copy (the storage
-//     moves to the copy; the old pointer shows the shared data, and only
-//     while another storage of the family holds it). Once the others are
-//     gone, the one left takes the data over and writes in place.
+//     materializes; or enqueue_write, which no clone can come between
+//     taking the pointer and enqueueing the write), and a pointer data()
+//     returned is no longer this storage's data once a write materializes
+//     it by a copy (the storage moves to the copy; the old pointer shows the
+//     shared data, and only while another storage of the family holds it).
+//     Once the others are gone, the one left takes the data over and writes
+//     in place.
 // Streams a storage was used on (one rule for every kind of storage):
 //   - a storage remembers the streams its data was used on: its own stream
 //     (the one it was allocated, adopted or received on, or its clone's or
@@ -57,9 +59,12 @@
 // export is a reader, not a writer: it holds a try_lazy_clone, a snapshot.)
 //
 // Thread-safety: different storage objects may be used from any threads at
-// once, including clones of one family and parts of one block. One storage object's mutable_data
-// and record_stream may be called from several threads at once; they
-// materialize it once and record every stream. No storage lock is held
+// once, including clones of one family and parts of one block. One storage
+// object's mutable_data, enqueue_write and record_stream may be called from
+// several threads at once; they materialize it once and record every
+// stream. enqueue_write holds the storage's lock across its caller's
+// enqueue step (an allocation for its copy comes before, with the lock let
+// go). No storage lock is held
 // while memory is allocated (a materializing copy, an eager clone): the
 // allocator's out-of-memory observers may use any storage, this one included;
 // writers racing to materialize one storage may each allocate a block for a
@@ -180,6 +185,19 @@ class storage {
   [[nodiscard]] void* mutable_data(backend::stream_ref stream);
   /// Write access on the calling thread's current stream.
   [[nodiscard]] void* mutable_data();
+  /// A write enqueued on `stream` in one step with taking its pointer: as
+  /// mutable_data(stream), then `enqueue(data)` with the storage's lock held,
+  /// so a lazy_clone or try_lazy_clone on another thread comes wholly before
+  /// (the write then materializes this storage away from the clone, which
+  /// keeps the data it had) or wholly after (the clone is ordered after the
+  /// write, a use of `stream`). mutable_data and an enqueue after it could
+  /// write into a clone made between the two (a read-only export's snapshot).
+  /// `enqueue` only enqueues work on `stream` (a copy, a fill): it allocates
+  /// nothing from an allocator, synchronizes nothing and calls nothing on
+  /// this storage (a copy from pageable host memory, which CUDA may run
+  /// before it returns, holds the lock meanwhile). A throw from it leaves the
+  /// storage materialized and `stream` recorded as a use.
+  void enqueue_write(backend::stream_ref stream, const std::function<void(void*)>& enqueue);
   /// Records a use of the data on `stream` (a read, or a write through a
   /// pointer taken earlier): the memory's release waits for the work
   /// enqueued there until then, lazy clones made afterwards are ordered
