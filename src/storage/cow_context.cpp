@@ -107,8 +107,21 @@ void cow_context::note_copy_done(backend::stream_ref stream) {
   copies_done_.push_back({stream, done});
 }
 
-bool cow_context::release_for_drop(std::span<const backend::stream_ref> used_on) {
-  record_uses(used_on);  // while this reference keeps the data allocated
+bool cow_context::release_for_drop(std::span<const backend::stream_ref> used_on) noexcept {
+  try {
+    record_uses(used_on);  // while this reference keeps the data allocated
+  } catch (...) {
+    // No room to remember a stream (or its record refused): the uses are
+    // waited for here instead, and the reference goes all the same (kept, it
+    // would hold the family's data for good, and every other member would
+    // copy to write).
+    for (const auto s : used_on) {
+      try {
+        allocator_.device().synchronize(s);
+      } catch (...) {  // NOLINT(bugprone-empty-catch): a failed stream reads nothing more
+      }
+    }
+  }
   return release();
 }
 

@@ -71,8 +71,10 @@ class cow_context {
   written release_for_write(backend::stream_ref stream, std::span<const backend::stream_ref> used_on, void* block);
   /// The caller's storage, which used the data on `used_on`, is gone: frees
   /// the data if it was the last one. Returns true when the context must be
-  /// deleted by the caller.
-  bool release_for_drop(std::span<const backend::stream_ref> used_on);
+  /// deleted by the caller. A use it cannot record (no host memory, the
+  /// record refused) is waited for on the host instead: the reference always
+  /// goes.
+  bool release_for_drop(std::span<const backend::stream_ref> used_on) noexcept;
 
   [[nodiscard]] void* data() const noexcept { return data_; }
   [[nodiscard]] std::size_t size() const noexcept { return size_; }

@@ -277,6 +277,26 @@ class counting_owner final : public storage::storage_owner {
   void* data_;
 };
 
+// A lazy clone dropped with a stream it cannot record (no host memory for
+// it) waits for that stream instead and still lets its reference go: the
+// family's last member then writes in place, and its data is freed once.
+TEST_F(cow_failures, a_lazy_clone_dropped_without_memory_to_record_its_streams_still_lets_its_reference_go) {
+  const stream_ref own = new_stream(), reader = new_stream();
+  auto source = filled(0xAB, own);
+  auto clone = lazy_clone(source, own);
+  clone.record_stream(reader);  // the drop must remember it on the shared data
+  {
+    refusing_allocations refuse;
+    clone = storage_t();
+    EXPECT_GT(refusing_allocations::refused(), 0) << "the test refused nothing";
+  }
+  const void* shared = source.data();
+  EXPECT_EQ(source.mutable_data(own), shared) << "the last member copied: the dropped clone's reference stayed";
+  EXPECT_TRUE(holds(source, 0xAB, own));
+  source = storage_t();
+  EXPECT_EQ(in_use(), 0) << "the family's data was never freed";
+}
+
 TEST_F(cow_failures, a_handed_over_storage_whose_streams_cannot_be_recorded_still_tells_its_owner) {
   const stream_ref own = new_stream(), other = new_stream();
   auto st = filled(0xAB, own);
