@@ -163,9 +163,10 @@ std::string allocator_config::to_string() const {
   if (memory_limit != no_limit) out << ",memory_limit_mb:" << (memory_limit >> 20);
   if (memory_fraction > 0) out << ",memory_fraction:" << memory_fraction;
   if (memory == allocator_memory::pinned_host) out << ",memory:pinned_host";
-  // Divisions as a list over the intervals where they change.
+  // Divisions as a list over the intervals where they change; bounds are
+  // whole MiB, so those below 1 MiB share one count (the interval before it).
   std::vector<std::string> parts;
-  for (std::size_t i = 20; i < 64; ++i) {
+  for (std::size_t i = 19; i < 64; ++i) {
     if (i + 1 == 64 || roundup_power2_divisions[i + 1] != roundup_power2_divisions[i]) {
       parts.push_back((i + 1 == 64 ? std::string(">") : std::to_string(std::size_t{1} << (i + 1 - 20))) + ":" +
                       std::to_string(roundup_power2_divisions[i]));

@@ -1,6 +1,6 @@
 // The lending protocol's messages, with their wire forms (core's codec).
 //
-// After the hellos ("shoal.lending" version 5), a borrower sends borrow,
+// After the hellos ("shoal.lending" version 6), a borrower sends borrow,
 // give_back, query_metrics, publish and borrow_shared; the lender answers
 // each borrow with lent (followed by one chunk frame per chunk, each with its
 // descriptor where the handle kind has one) or refused, each give_back with

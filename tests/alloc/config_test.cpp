@@ -51,11 +51,15 @@ TEST(allocator_config, roundup_divisions_as_one_number_or_a_list) {
 }
 
 TEST(allocator_config, text_round_trips) {
-  const auto c = allocator_config::parse("max_split_size_mb:64,roundup_power2_divisions:[2:4,>:2],debug:true");
-  const auto back = allocator_config::parse(c.to_string());
-  EXPECT_EQ(back.max_split_size, c.max_split_size);
-  EXPECT_EQ(back.roundup_power2_divisions, c.roundup_power2_divisions);
-  EXPECT_EQ(back.debug, c.debug);
+  for (const char* divisions : {"[2:4,>:2]", "[1:4,>:8]", "[1:1,>:8]", "[1:2,4:4,>:1]", "8"}) {
+    SCOPED_TRACE(divisions);
+    const auto c = allocator_config::parse(std::string("max_split_size_mb:64,debug:true,roundup_power2_divisions:") +
+                                           divisions);
+    const auto back = allocator_config::parse(c.to_string());
+    EXPECT_EQ(back.max_split_size, c.max_split_size);
+    EXPECT_EQ(back.roundup_power2_divisions, c.roundup_power2_divisions) << c.to_string();
+    EXPECT_EQ(back.debug, c.debug);
+  }
 }
 
 TEST(allocator_config, unknown_keys_and_bad_values_are_named) {
