@@ -153,14 +153,20 @@ class retaken_gil {
 
 namespace detail {
 
-/// Whether this thread holds the GIL: it has a thread state attached.
-/// (PyGILState_Check says yes on every thread once a subinterpreter was ever
-/// made, and releasing a GIL the thread does not hold is fatal.)
+/// Whether this thread holds the GIL: its own thread state is the one
+/// attached. (PyGILState_Check says yes on every thread once a
+/// subinterpreter was ever made, and releasing a GIL the thread does not
+/// hold is fatal.) From 3.12 the attached state is per thread; before, it is
+/// the process's, whichever thread holds the GIL, so it is compared with this
+/// thread's own (a thread Python does not know has none: it holds nothing).
 inline bool holds_gil() noexcept {
 #if PY_VERSION_HEX >= 0x030D0000
   return PyThreadState_GetUnchecked() != nullptr;
-#else
+#elif PY_VERSION_HEX >= 0x030C0000
   return _PyThreadState_UncheckedGet() != nullptr;
+#else
+  PyThreadState* const own = PyGILState_GetThisThreadState();
+  return own != nullptr && own == _PyThreadState_UncheckedGet();
 #endif
 }
 

@@ -419,7 +419,7 @@ def test_an_oom_observer_may_use_the_storage_whose_write_ran_out_of_memory(tmp_p
 
 
 DROP_WITHOUT_THE_GIL_AFTER_A_SUBINTERPRETER = """
-import ctypes, faulthandler
+import ctypes, faulthandler, threading
 import shoal
 faulthandler.enable()
 try:
@@ -427,19 +427,33 @@ try:
 except ImportError:
     import _xxsubinterpreters as subinterpreters
 subinterpreters.destroy(subinterpreters.create())  # PyGILState_Check says yes on every thread from now on
-allocator = shoal.Allocator(shoal.host_device(), use_environment=False)
-capsule = allocator.allocate(4096).view("uint8", shape=[4096]).__dlpack__()
-del allocator  # the export holds the storage, and the storage its allocator: the last of each
 get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 get_pointer.restype, get_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
 set_name = ctypes.pythonapi.PyCapsule_SetName
 set_name.restype, set_name.argtypes = ctypes.c_int, [ctypes.py_object, ctypes.c_char_p]
-tensor = get_pointer(capsule, b"dltensor")
-set_name(capsule, b"used_dltensor")  # consumed: the deleter is the consumer's to call
-deleter = ctypes.c_void_p.from_address(tensor + 56).value  # DLManagedTensor: a 48-byte DLTensor, manager_ctx
-# A consumer's deleter called on a thread without the GIL (a CFUNCTYPE call lets it go): the
-# allocator's end, which lets the GIL go where the thread holds it, must see that it does not.
-ctypes.CFUNCTYPE(None, ctypes.c_void_p)(deleter)(tensor)
+stop = threading.Event()
+
+def busy():  # holds the GIL whenever this thread lets it go: another thread's is not this one's
+    while not stop.is_set():
+        sum(range(100))
+
+spinners = [threading.Thread(target=busy, daemon=True) for _ in range(2)]
+for spinner in spinners:
+    spinner.start()
+for _ in range(100):
+    allocator = shoal.Allocator(shoal.host_device(), use_environment=False)
+    capsule = allocator.allocate(4096).view("uint8", shape=[4096]).__dlpack__()
+    del allocator  # the export holds the storage, and the storage its allocator: the last of each
+    tensor = get_pointer(capsule, b"dltensor")
+    set_name(capsule, b"used_dltensor")  # consumed: the deleter is the consumer's to call
+    deleter = ctypes.c_void_p.from_address(tensor + 56).value  # DLManagedTensor: a 48-byte DLTensor, manager_ctx
+    # A consumer's deleter called on a thread without the GIL (a CFUNCTYPE call lets it go) while
+    # other threads take it: the allocator's end, which lets the GIL go where this thread holds
+    # it, must see that it does not.
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(deleter)(tensor)
+stop.set()
+for spinner in spinners:
+    spinner.join()
 print("dropped", flush=True)
 """
 
