@@ -211,6 +211,18 @@ void register_segment_sources(nb::module_& m) {
         // wait for pending frees; and a slot's lock is held across PyTorch's allocations from it.
         released_gil release;
         auto source = std::make_unique<segment_source>(memory);
+        // One opening at a time from the check to the binding: no two slots ever share a binding
+        // (_segment_source_abandon would end both).
+        static std::mutex opening;
+        std::lock_guard one_at_a_time(opening);
+        for (std::size_t i = 0; i < slot_count; ++i) {
+          slot& s = slots()[i];
+          std::lock_guard lock(s.mutex);
+          if (s.binding == *binding) {
+            throw invalid_argument("_segment_source_open: binding " + std::to_string(*binding) +
+                                   " opened a slot already; draw a new one");
+          }
+        }
         for (std::size_t i = 0; i < slot_count; ++i) {
           slot& s = slots()[i];
           std::lock_guard lock(s.mutex);

@@ -351,7 +351,7 @@ def test_a_ctrl_c_as_a_region_pool_opens_its_slot_lets_the_slot_go(monkeypatch):
     assert not _shoal._segment_source_stats(opened[0])["bound"], "the slot stays bound for good"
 
 
-def test_an_opening_under_a_binding_never_handed_out_is_refused():
+def test_an_opening_under_a_binding_never_handed_out_or_used_already_is_refused():
     allocator = shoal.Allocator(shoal.host_device(), use_environment=False)
     storage = allocator.allocate(2 * MIB)
     unknown = _shoal._segment_source_new_binding() + 1000
@@ -359,6 +359,14 @@ def test_an_opening_under_a_binding_never_handed_out_is_refused():
         with pytest.raises(shoal.InvalidArgumentError, match="not handed out"):
             _shoal._segment_source_open(storage, binding)
     _shoal._segment_source_abandon(unknown)  # ends nothing, refuses nothing
+    binding = _shoal._segment_source_new_binding()
+    slot = _shoal._segment_source_open(storage, binding)
+    try:
+        with pytest.raises(shoal.InvalidArgumentError, match="opened a slot already"):
+            _shoal._segment_source_open(storage, binding)  # two slots under one binding: abandon would end both
+    finally:
+        _shoal._segment_source_abandon(binding)
+    assert not _shoal._segment_source_stats(slot)["bound"]
 
 
 DROP_UNDER_A_LOCK = """

@@ -142,6 +142,7 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
   const auto start = reinterpret_cast<std::uintptr_t>(base);
   if (base == nullptr || bytes == 0) throw invalid_argument("create_private_pool: the region is empty or null");
   if (start % min_block != 0) throw invalid_argument("create_private_pool: the region must be 512-byte aligned");
+  if (bytes > UINTPTR_MAX - start) throw invalid_argument("create_private_pool: the region wraps past the end of memory");
   std::vector<std::pair<std::string, std::size_t>> layout = parts;
   if (layout.empty()) layout.emplace_back("", bytes);
   std::size_t total = 0;
@@ -154,7 +155,9 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
       if (&other != &name && other == name)
         throw invalid_argument("create_private_pool: two sub-pools are named '" + name + "'");
     }
-    total += size;
+    if (__builtin_add_overflow(total, size, &total)) {
+      throw invalid_argument("create_private_pool: the sub-pools' sizes add up past 2**64 bytes");
+    }
   }
   if (total > bytes) {
     throw invalid_argument("create_private_pool: the sub-pools need " + std::to_string(total) +

@@ -347,6 +347,10 @@ TYPED_TEST(allocator_memory, a_private_pool_over_memory_the_allocator_manages_is
     }
   }
   const auto beside = a.create_private_pool(region + 4 * mib, 4 * mib);
+  // Ranges that wrap past the end of memory would pass any overlap check.
+  EXPECT_THROW((void)a.create_private_pool(reinterpret_cast<void*>(UINTPTR_MAX - 511), 1024), invalid_argument);
+  EXPECT_THROW((void)a.create_private_pool(region, 4 * mib, {{"a", 2 * mib}, {"b", SIZE_MAX - 511}}),
+               invalid_argument);
   void* block = a.allocate(4 * mib, {});
   EXPECT_THROW((void)a.create_private_pool(block, mib), invalid_argument) << "a region inside a live block";
   void* after = a.allocate(4 * mib, {});
