@@ -58,13 +58,15 @@ class received_data final : public storage::storage_owner {
     };
     backend::device& dev = receiver_->allocator.device();
     // One count per host task and one for this destructor: the last to count
-    // down releases. A stream that is gone counts as passed: its work
-    // completes regardless (device.h).
+    // down releases. A stream that is gone (its user broke the rule that it
+    // outlives its uses) is waited for with the whole device: on CUDA its
+    // work goes on after cudaStreamDestroy returns.
     std::shared_ptr<std::atomic<std::size_t>> pending;
     auto wait_for = [&](backend::stream_ref stream) {
       try {
         if (dev.query(stream)) return;  // every use there has run: no host task needed
       } catch (const error&) {
+        wait_for_the_device();
         return;
       }
       try {
@@ -80,6 +82,7 @@ class received_data final : public storage::storage_owner {
         });
       } catch (const error&) {
         pending->fetch_sub(1, std::memory_order_relaxed);  // gone meanwhile
+        wait_for_the_device();
       } catch (const std::bad_alloc&) {
         pending->fetch_sub(1, std::memory_order_relaxed);
         wait_on_host(stream);
@@ -91,10 +94,18 @@ class received_data final : public storage::storage_owner {
   }
 
  private:
-  // A stream that is gone counts as passed: its work completes regardless.
   void wait_on_host(backend::stream_ref stream) noexcept {
     try {
       receiver_->allocator.device().synchronize(stream);
+    } catch (...) {
+      wait_for_the_device();  // a stream that is gone: as in the destructor
+    }
+  }
+  // Everything enqueued on the device so far, destroyed streams' work
+  // included; a device that fails it has no work left that reads the view.
+  void wait_for_the_device() noexcept {
+    try {
+      receiver_->allocator.device().synchronize_device();
     } catch (...) {  // NOLINT(bugprone-empty-catch)
     }
   }

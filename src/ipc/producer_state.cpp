@@ -319,8 +319,13 @@ void producer_state::free_blocks(const std::vector<ready_block>& blocks) noexcep
     try {
       allocator.deallocate(b.data, b.stream);
     } catch (const error&) {
-      // The stream it was dropped on is gone: every slot is released, so
-      // only this process's own finished work could still touch it.
+      // The stream it was dropped on is gone: every slot is released, so only
+      // this process's own work could still touch it, the gone stream's
+      // included (on CUDA it runs on after cudaStreamDestroy returns).
+      try {
+        allocator.device().synchronize_device();
+      } catch (const error&) {  // NOLINT(bugprone-empty-catch): failed work reads nothing more
+      }
       try {
         allocator.deallocate(b.data, backend::stream_ref{});
       } catch (const error&) {  // NOLINT(bugprone-empty-catch): stays allocated, visible in the stats

@@ -19,6 +19,7 @@
 #include "shoal/channel/protocol.h"
 #include "shoal/ipc/sharing.h"
 #include "support/deadlines.h"
+#include "support/forwarding_device.h"
 
 namespace shoal::testing {
 namespace {
@@ -206,6 +207,41 @@ TEST(stalling_peer, the_destructor_does_not_wait_for_a_ready_point_the_producer_
   dev.synchronize(producer_stream);
   dev.synchronize({});
   dev.destroy_stream(producer_stream);
+}
+
+// The host device, counting synchronize_device calls.
+class device_wait_counting final : public forwarding_device {
+ public:
+  device_wait_counting() : forwarding_device(backend::host_device_instance()) {}
+  void synchronize_device() override {
+    ++device_waits;
+    forwarding_device::synchronize_device();
+  }
+  std::atomic<int> device_waits{0};
+};
+
+// A received storage used on a stream its user destroyed before dropping it
+// (against the rule that a stream outlives its uses): the release waits for
+// the whole device, since on CUDA the stream's work runs on after
+// cudaStreamDestroy returns; it does not count the stream as passed.
+TEST(stalling_peer, a_received_storage_used_on_a_stream_destroyed_first_is_released_after_the_device_is_waited_for) {
+  backend::device& dev = backend::host_device_instance();
+  device_wait_counting consumer_device;
+  alloc::caching_allocator producer_allocator{dev, {}}, consumer_allocator{consumer_device, {}};
+  ipc::sharing_context producer{producer_allocator, {.collect_interval = 0ms}},
+      consumer{consumer_allocator, {.collect_interval = 0ms}};
+  auto [from, to] = connected_pair();
+  ipc::peer sender(producer, std::move(from));
+  ipc::peer receiver(consumer, std::move(to));
+  sender.send(storage::storage::allocate(producer_allocator, 4096, {}), {}, {});
+  {
+    const ipc::received r = receiver.receive_for(10s, {});
+    ASSERT_TRUE(r.storage.valid());
+    const backend::stream_ref used = consumer_device.create_stream();
+    r.storage.record_stream(used);
+    consumer_device.destroy_stream(used);
+  }
+  EXPECT_GE(consumer_device.device_waits.load(), 1) << "a destroyed stream's uses were taken as passed";
 }
 
 TEST(huge_timeouts, saturate_instead_of_expiring_at_once) {
