@@ -192,6 +192,27 @@ TYPED_TEST(memory_test, map_chunks_maps_back_to_back_and_all_or_nothing) {
   dev.release_range(base);
 }
 
+// CUDA hands back memory with whatever it held; the host's new memory reads
+// zero unless marked, so a test could take zeros for granted and pass only
+// here. New segments and chunks hold a pattern at their first and last page.
+TEST(host_device, new_segments_and_chunks_are_not_zero_at_their_edges) {
+  backend::host_device dev({.capacity_bytes = 16 << 20});
+  constexpr std::size_t size = 4 << 20;
+  auto* segment = static_cast<const unsigned char*>(dev.allocate_segment(size));
+  EXPECT_NE(segment[0], 0) << "a new segment's first byte";
+  EXPECT_NE(segment[size - 1], 0) << "a new segment's last byte";
+  const auto chunk = dev.create_physical(2 << 20);
+  void* range = dev.reserve_range(2 << 20);
+  dev.map(range, chunk);
+  const auto* mapped = static_cast<const unsigned char*>(range);
+  EXPECT_NE(mapped[0], 0) << "a new chunk's first byte";
+  EXPECT_NE(mapped[(2 << 20) - 1], 0) << "a new chunk's last byte";
+  dev.unmap(range);
+  dev.release_physical(chunk);
+  dev.release_range(range);
+  dev.free_segment(const_cast<unsigned char*>(segment));
+}
+
 TEST(host_device, capacity_is_enforced_and_given_back) {
   backend::host_device dev({.capacity_bytes = 8 << 20});
   void* a = dev.allocate_segment(6 << 20);

@@ -5,6 +5,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <limits>
@@ -138,6 +140,35 @@ void host_memory::charge(std::size_t bytes, const char* what) {
   } while (!used_->compare_exchange_weak(used, used + bytes));
 }
 
+namespace {
+
+// New device memory on CUDA holds whatever was there (memory this process
+// freed, say): a pattern at the first and last page of each new segment and
+// chunk keeps a host test from taking zeros for granted. Only their edges:
+// filling all of it would touch every page the suites reserve.
+constexpr unsigned char fresh_memory_pattern = 0xDB;
+constexpr std::size_t pattern_edge = 4096;
+
+void mark_fresh(void* base, std::size_t size) noexcept {
+  auto* p = static_cast<unsigned char*>(base);
+  std::memset(p, fresh_memory_pattern, std::min(size, pattern_edge));
+  if (size > pattern_edge) std::memset(p + size - pattern_edge, fresh_memory_pattern, pattern_edge);
+}
+
+// mark_fresh for memory not mapped yet (a chunk's file); best effort.
+void mark_fresh_file(int fd, std::size_t size) noexcept {
+  static const std::array<unsigned char, pattern_edge> pattern = [] {
+    std::array<unsigned char, pattern_edge> p{};
+    p.fill(fresh_memory_pattern);
+    return p;
+  }();
+  const std::size_t edge = std::min(size, pattern_edge);
+  (void)!::pwrite(fd, pattern.data(), edge, 0);
+  if (size > pattern_edge) (void)!::pwrite(fd, pattern.data(), pattern_edge, static_cast<off_t>(size - pattern_edge));
+}
+
+}  // namespace
+
 void* host_memory::allocate_segment(std::size_t bytes) {
   if (bytes == 0) throw invalid_argument("allocate_segment: size is 0; ask for at least one byte");
   if (bytes > capacity_) charge(bytes, "allocate a segment");  // throws before rounding can overflow
@@ -146,6 +177,7 @@ void* host_memory::allocate_segment(std::size_t bytes) {
   try {
     unique_fd fd = shoal::detail::make_sealed_memfd("shoal-segment", size);
     void* base = map_shared(fd.get(), size, nullptr);
+    mark_fresh(base, size);
     std::lock_guard lock(mutex_);
     segments_.emplace(reinterpret_cast<std::uintptr_t>(base), segment{size, std::move(fd)});
     return base;
@@ -238,6 +270,7 @@ physical_ref host_memory::create_physical(std::size_t bytes) {
   std::shared_ptr<chunk> c;
   try {
     c = std::make_shared<chunk>(shoal::detail::make_sealed_memfd("shoal-chunk", bytes), bytes, used_);
+    mark_fresh_file(c->fd.get(), bytes);
   } catch (...) {
     used_->fetch_sub(bytes);
     throw;
