@@ -472,6 +472,25 @@ TYPED_TEST(storage_test, a_clone_racing_an_enqueued_write_comes_wholly_before_or
   EXPECT_TRUE(this->holds(clone, snapshot, other)) << "a later write moves the writer to a copy";
 }
 
+// An enqueue step that throws leaves what enqueue_write promises: the
+// storage materialized away from its clone, the stream recorded as a use,
+// and the lock let go (the next write goes through).
+TYPED_TEST(storage_test, an_enqueue_step_that_throws_leaves_the_storage_materialized_and_its_stream_recorded) {
+  auto& dev = this->device();
+  this->make();
+  const backend::stream_ref writer = this->new_stream(), other = this->new_stream();
+  auto source = this->filled(1, other);
+  auto clone = lazy_clone(source, other);
+  ASSERT_TRUE(source.is_lazy());
+  EXPECT_THROW(source.enqueue_write(writer, [](void*) { throw invalid_argument("refused by the test"); }),
+               invalid_argument);
+  EXPECT_FALSE(source.is_lazy()) << "the throw left the storage sharing its clone's data";
+  EXPECT_EQ(source.last_used_on(), writer) << "the write's stream was not recorded";
+  source.enqueue_write(writer, [&](void* data) { dev.fill(writer, data, 2, bytes); });
+  EXPECT_TRUE(this->holds(source, 2, writer));
+  EXPECT_TRUE(this->holds(clone, 1, other)) << "the clone saw the write";
+}
+
 TYPED_TEST(storage_test, adopted_memory_is_given_back_by_its_owner_once_and_copied_eagerly) {
   auto& a = this->make();
   int released = 0;
