@@ -65,6 +65,7 @@ allocator_core::allocator_core(backend::device& dev, allocator_config cfg)
     : device(dev),
       expandable_segments_fallback(cfg.expandable_segments && !dev.growable().supported),
       config(effective(checked(std::move(cfg)), expandable_segments_fallback)),
+      directory_(dev),
       trace_(config.trace_entries),
       events_(dev),
       source_(dev, config, directory_, trace_, hooks, events_, orphans_, region_handoff_mutex_) {}
@@ -74,6 +75,7 @@ allocator_core::~allocator_core() {
   // the parent's: nothing to wait for or give back here.
   if (epoch_.forked_since()) return;
   directory_.for_each_pool_ever([&](block_pool& pool) { source_.release_at_teardown(pool, events_); });
+  directory_.release_stream_holds();  // last: the pools above synchronized their streams
 }
 
 void allocator_core::check_invariants() const {
@@ -144,6 +146,7 @@ void* allocator_core::allocate_general(std::size_t bytes, backend::stream_ref st
   // not locked here, and may be stale).
   if (bytes > max_request) out_of_memory_error(directory_.pool_for(stream, pool_kind::large), bytes, stream);
   const std::size_t size = block_size_for(bytes, config);
+  if (directed.part != nullptr) directory_.hold_stream(stream);  // its blocks will remember the stream
   block_pool& pool = directed.part != nullptr ? *directed.part : directory_.pool_for(stream, pool_kind_for(size));
   const request r{size, bytes, stream, claim, directed.generation};
   const bool hooks_first = first_try_leaves_growth_to_hooks();

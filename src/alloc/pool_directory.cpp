@@ -57,7 +57,17 @@ block_pool* private_pool::part(const std::string& name) {
   return nullptr;
 }
 
-pool_directory::pool_directory() : serial_(next_directory_serial.fetch_add(1)) {}
+pool_directory::pool_directory(backend::device& device)
+    : device_(device), serial_(next_directory_serial.fetch_add(1)) {}
+
+void pool_directory::release_stream_holds() noexcept {
+  for (auto& [native, pools] : stream_pools_) {
+    try {
+      device_.release_stream(pools->small.stream);
+    } catch (const error&) {  // NOLINT(bugprone-empty-catch): teardown goes on; the device may be gone
+    }
+  }
+}
 
 block_pool& pool_directory::pool_for_uncached(backend::stream_ref stream, pool_kind kind) {
   stream_pools* pools = nullptr;
@@ -74,8 +84,20 @@ block_pool& pool_directory::pool_for_uncached(backend::stream_ref stream, pool_k
     made->small.stream = made->large.stream = stream;
     made->small.sibling = &made->large;
     made->large.sibling = &made->small;
-    std::unique_lock lock(directory_mutex_);
-    pools = stream_pools_.try_emplace(stream.native, std::move(made)).first->second.get();  // another thread's, if first
+    // Held first (no device call runs under the directory's lock), let go
+    // when another thread's pools hold it already or the map refuses.
+    device_.hold_stream(stream);
+    bool made_here = false;
+    try {
+      std::unique_lock lock(directory_mutex_);
+      const auto [it, inserted] = stream_pools_.try_emplace(stream.native, std::move(made));
+      pools = it->second.get();  // another thread's, if first
+      made_here = inserted;
+    } catch (...) {
+      device_.release_stream(stream);
+      throw;
+    }
+    if (!made_here) device_.release_stream(stream);  // theirs still holds it: this destroys nothing
   }
   thread_cache::last_pools = {serial_, stream.native, pools};
   return pools->of(kind);

@@ -3,6 +3,10 @@
 // segment's range to its pool.
 //
 // Invariants:
+//   every stream with pools here is held on the device (hold_stream) until
+//     release_stream_holds at teardown, so it is not destroyed, nor its
+//     handle reused, while a pool may still synchronize it or a block
+//     remember it;
 //   a pool, once made, lives as long as the directory (a destroyed private
 //     pool's sub-pools are emptied and kept in reusable_parts_ to serve a
 //     later private pool), so a stale per-thread cache entry never points
@@ -62,6 +66,7 @@
 
 #include "alloc/block_pool.h"
 #include "shoal/alloc/allocator_types.h"
+#include "shoal/backend/device.h"
 
 namespace shoal::alloc::detail {
 
@@ -117,7 +122,7 @@ inline thread_local range_cache recent_segments;
 
 class pool_directory {
  public:
-  pool_directory();
+  explicit pool_directory(backend::device& device);
   pool_directory(const pool_directory&) = delete;
   pool_directory& operator=(const pool_directory&) = delete;
 
@@ -128,12 +133,19 @@ class pool_directory {
     const auto& last = thread_cache::last_pools;
     return last.directory == serial_ && last.stream == stream.native ? last.pools : nullptr;
   }
-  /// The stream's pool of `kind`, made on first use.
+  /// The stream's pool of `kind`, made on first use (and the stream held).
   [[nodiscard]] block_pool& pool_for(backend::stream_ref stream, pool_kind kind) {
     const auto& last = thread_cache::last_pools;
     if (last.directory == serial_ && last.stream == stream.native) [[likely]] return last.pools->of(kind);
     return pool_for_uncached(stream, kind);
   }
+  /// Makes the stream's pools when it has none, so that it is held: for a
+  /// private pool's block, which remembers the stream it was used on.
+  void hold_stream(backend::stream_ref stream) { (void)pool_for(stream, pool_kind::small); }
+  /// Ends the holds on every stream with pools here (the streams destroyed
+  /// meanwhile go now). Teardown only, after the pools' last device calls;
+  /// errors are dropped (the device may be gone).
+  void release_stream_holds() noexcept;
   /// Runs fn(pool) for every live pool, one at a time, with no lock held.
   template <class Fn>
   void for_each_pool(Fn&& fn) const;
@@ -218,6 +230,7 @@ class pool_directory {
   /// pool's sub-pools: listed under the directory's lock, used after it.
   [[nodiscard]] std::vector<block_pool*> live_pools(bool private_too) const;
 
+  backend::device& device_;
   const std::uint64_t serial_;  // tells this directory's thread-local cache entries apart
   std::atomic<std::uint64_t> segments_taken_{0};
 

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "core/address_text.h"
 #include "shoal/core/error.h"
 
 namespace shoal::backend {
@@ -20,6 +21,44 @@ void device::synchronize_device() {
                           "override synchronize_device); what needs one, such as a forced clear of a private pool "
                           "(live_blocks::invalidate), is refused and changes nothing: free the blocks instead, or "
                           "implement synchronize_device");
+}
+
+void device::destroy_stream(stream_ref stream) {
+  if (stream.is_default()) throw invalid_argument("destroy_stream: the default stream cannot be destroyed");
+  {
+    std::lock_guard lock(holds_mutex_);
+    if (const auto it = holds_.find(stream.native); it != holds_.end()) {
+      if (it->second.destroy_pending) {
+        throw invalid_argument("destroy_stream: " + shoal::detail::hex(stream.native) +
+                               " was destroyed already (its destroy waits for the last release_stream of the "
+                               "holds on it, such as an allocator's that used it)");
+      }
+      it->second.destroy_pending = true;
+      return;
+    }
+  }
+  destroy_stream_now(stream);
+}
+
+void device::hold_stream(stream_ref stream) {
+  std::lock_guard lock(holds_mutex_);
+  ++holds_[stream.native].count;
+}
+
+void device::release_stream(stream_ref stream) {
+  {
+    std::lock_guard lock(holds_mutex_);
+    const auto it = holds_.find(stream.native);
+    if (it == holds_.end()) {
+      throw invalid_argument("release_stream: " + shoal::detail::hex(stream.native) +
+                             " has no hold on it (each hold_stream is ended by one release_stream)");
+    }
+    if (--it->second.count > 0) return;
+    const bool destroy = it->second.destroy_pending;
+    holds_.erase(it);
+    if (!destroy) return;
+  }
+  destroy_stream_now(stream);
 }
 
 void device::map_chunks(void* address, std::span<const sized_chunk> chunks) {

@@ -227,20 +227,32 @@ TEST(forced_clear_races_host, a_poison_queued_during_the_device_wait_is_done_bef
   }
 }
 
-// A private pool's free block remembers the streams that last used it; one
-// destroyed since makes the hand-out's wait for it fail. The refused
-// allocation changes nothing (the block stays free, in its place), and a
-// forced clear, which forgets those streams, makes the memory usable again.
-TEST(forced_clear_races_host, a_hand_out_refused_for_a_destroyed_last_stream_changes_nothing) {
-  backend::host_device dev({.capacity_bytes = 64 * mib});
+// A device that refuses to record events on one stream.
+class refusing_records_on final : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+  void record(backend::event_ref event, backend::stream_ref stream) override {
+    if (stream == refused) throw backend_error("record", "refused on this stream by the test");
+    forwarding_device::record(event, stream);
+  }
+  backend::stream_ref refused;
+};
+
+// A private pool's free block remembers the streams that last used it; a
+// hand-out on another stream waits for them, and a refused wait fails it.
+// The refused allocation changes nothing (the block stays free, in its
+// place), and a forced clear, which forgets those streams, makes the memory
+// usable again.
+TEST(forced_clear_races_host, a_hand_out_refused_for_its_last_stream_changes_nothing) {
+  backend::host_device host({.capacity_bytes = 64 * mib});
+  refusing_records_on dev(host);
   alloc::caching_allocator a(dev, {});
   region_pool r(dev, a, 2 * mib);
-  std::optional<backend::stream> gone(std::in_place, dev);
-  backend::stream next(dev);
-  void* p = r.allocate(mib, *gone);
-  a.deallocate(p, *gone);
-  gone.reset();
-  EXPECT_THROW((void)r.allocate(mib, next), invalid_argument);
+  backend::stream last(dev), next(dev);
+  void* p = r.allocate(mib, last);
+  a.deallocate(p, last);
+  dev.refused = last;
+  EXPECT_THROW((void)r.allocate(mib, next), backend_error);
   EXPECT_NO_THROW(a.check_invariants());
   EXPECT_TRUE(nothing_in_use(a.stats())) << a.stats().to_json();
   EXPECT_TRUE(a.clear_private_pool(r.id, "", live_blocks::invalidate).blocks.empty());

@@ -115,30 +115,42 @@ TYPED_TEST(growing_private_pool, refuses_to_take_live_blocks_back) {
 }
 
 // Without forget_last_streams, a hand-out on another stream waits for the
-// stream that last used the block: when that stream is gone, it fails.
-// After it, the hand-out waits for nothing.
+// stream that last used the block — destroyed by its owner meanwhile, its
+// work still queued: the allocator holds it. After it, the hand-out waits
+// for nothing.
 TYPED_TEST(growing_private_pool, forgetting_last_streams_lets_a_hand_out_wait_for_none) {
+  using namespace std::chrono_literals;
   auto& dev = this->device();
   auto& a = this->make();
   backend::stream second(dev);
   for (const bool forget : {false, true}) {
     const auto pool = a.create_growing_private_pool();
     alloc::private_pool_scope scope(a, pool);
+    std::atomic<bool> go{false}, ran_after{false};
     void* p;
     {
       backend::stream first(dev);
       p = a.allocate(mib, first);
       a.deallocate(p, first);
-      if (forget) a.forget_last_streams(pool);
-    }  // `first` is destroyed: nothing can be recorded on it any more
-    if (!forget) {
-      EXPECT_ANY_THROW((void)a.allocate(mib, second)) << "the hand-out waits for the destroyed stream";
-      continue;  // the block stays free, tied to that stream; the allocator's teardown frees it
-    }
+      if (forget) a.forget_last_streams(pool);  // waits for the streams it forgets: before the blocking task
+      dev.host_task(first, [&go] {
+        while (!go.load()) std::this_thread::sleep_for(1ms);
+      });
+    }  // `first` is destroyed by its owner with its work still queued
     void* q = a.allocate(mib, second);
-    EXPECT_EQ(q, p) << "the same memory, handed out with no wait";
+    EXPECT_EQ(q, p) << "the same memory";
+    dev.host_task(second, [&ran_after] { ran_after = true; });
+    if (forget) {
+      dev.synchronize(second);
+      EXPECT_TRUE(ran_after.load()) << "handed out with no wait, ahead of the first stream's queued work";
+    } else {
+      std::this_thread::sleep_for(50ms);
+      EXPECT_FALSE(ran_after.load()) << "the hand-out waits for the destroyed stream's queued work";
+    }
+    go = true;
     a.deallocate(q, second);
     dev.synchronize(second);
+    EXPECT_TRUE(ran_after.load());
   }
 }
 

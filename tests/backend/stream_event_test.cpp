@@ -208,6 +208,43 @@ TYPED_TEST(stream_event, destroyed_or_foreign_streams_and_events_are_refused) {
   EXPECT_THROW(dev.wait({}, e), invalid_argument);
 }
 
+// A held stream outlives its destroy_stream until the last release: it stays
+// usable, a second destroy is refused as for a destroyed stream, and the
+// last release destroys it.
+TYPED_TEST(stream_event, a_held_stream_is_destroyed_at_its_last_release) {
+  auto& dev = this->device();
+  const backend::stream_ref s = dev.create_stream();
+  dev.hold_stream(s);
+  dev.hold_stream(s);
+  dev.destroy_stream(s);
+  EXPECT_THROW(dev.destroy_stream(s), invalid_argument) << "destroyed already, if later";
+  dev.fill(s, this->buffer_, 0x5A, this->bytes);
+  dev.synchronize(s);
+  EXPECT_TRUE(all_equal(this->read(this->buffer_, this->bytes), 0x5A)) << "still a stream: its work runs";
+  dev.release_stream(s);
+  EXPECT_TRUE(dev.query(s)) << "one hold left";
+  dev.release_stream(s);
+  EXPECT_THROW(dev.synchronize(s), invalid_argument) << "the last release destroyed it";
+  EXPECT_THROW(dev.release_stream(s), invalid_argument) << "no hold is left";
+}
+
+// A hold with no destroy meanwhile changes nothing at its release: the stream
+// lives on until its owner destroys it, at once. The default stream can be
+// held too, and is never destroyed.
+TYPED_TEST(stream_event, a_stream_released_before_its_destroy_is_destroyed_at_once) {
+  auto& dev = this->device();
+  const backend::stream_ref s = dev.create_stream();
+  dev.hold_stream(s);
+  dev.release_stream(s);
+  dev.synchronize(s);
+  dev.destroy_stream(s);
+  EXPECT_THROW(dev.synchronize(s), invalid_argument);
+  dev.hold_stream({});
+  EXPECT_THROW(dev.destroy_stream(backend::stream_ref{}), invalid_argument) << "the default stream, held or not";
+  dev.release_stream({});
+  dev.synchronize({});
+}
+
 TYPED_TEST(stream_event, many_threads_enqueue_and_wait_at_once) {
   // Each thread owns a stream and hands its buffer region to the next
   // thread's stream through an event; run under TSan in CI.

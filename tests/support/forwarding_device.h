@@ -36,7 +36,6 @@ class forwarding_device : public backend::device {
 
   backend::stream_ref create_stream() override { return target_.create_stream(); }
   backend::stream_ref adopt_external_stream(void* native) override { return target_.adopt_external_stream(native); }
-  void destroy_stream(backend::stream_ref stream) override { target_.destroy_stream(stream); }
   void synchronize(backend::stream_ref stream) override { target_.synchronize(stream); }
   void synchronize_device() override { target_.synchronize_device(); }
   [[nodiscard]] bool query(backend::stream_ref stream) override { return target_.query(stream); }
@@ -83,6 +82,9 @@ class forwarding_device : public backend::device {
     target_.wait_imported(stream, source, point);
   }
   void close_event_source(backend::imported_event_ref source) override { target_.close_event_source(source); }
+
+ protected:
+  void destroy_stream_now(backend::stream_ref stream) override { target_.destroy_stream(stream); }
 
  private:
   backend::device& target_;

@@ -34,12 +34,15 @@
 // reached, allocation waits for pending frees before it gives up.
 //
 // Streams: a stream must outlive every block allocated on it and every free
-// recorded on it (as on CUDA, where using a destroyed stream is undefined);
-// the allocator keeps a pool per stream for its own life. Its pool's cached
-// memory is given back after the stream is synchronized, and a private-pool
-// block last freed on it waits for it when handed out on another: so a
-// stream the allocator used must outlive the allocator (the Python package
-// keeps every one), not only its blocks.
+// recorded on it (as on CUDA, where using a destroyed stream is undefined).
+// The allocator keeps a pool per stream for its own life, and holds each
+// stream it allocated on (device::hold_stream): its owner may destroy it
+// once its blocks are freed, and the stream is destroyed when the allocator
+// is, so that giving the pool's cached memory back (which synchronizes the
+// stream) and handing a private-pool block last used on it out on another
+// stream (which waits for it) still work, and no new stream takes its handle
+// and its pool meanwhile. A stream only ever passed to deallocate or
+// record_stream is not held: it must outlive those frees.
 //
 // Processes: an allocator belongs to the process that made it. In a fork()
 // child, allocate throws device_unavailable (its cached blocks are the

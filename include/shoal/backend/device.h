@@ -14,6 +14,8 @@
 //   - an event never recorded is complete.
 // Lifetimes: a stream or event is destroyed by its device's destroy_*; using
 // it afterwards gives shoal::invalid_argument. Pending work still completes.
+// A stream something holds (hold_stream: a caching allocator holds each
+// stream it keeps a pool for) is destroyed at its last release instead.
 // Errors: bad arguments give shoal::invalid_argument, exhausted memory
 // shoal::out_of_memory, failing runtime calls shoal::backend_error.
 #pragma once
@@ -22,9 +24,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
 
 #include "shoal/backend/shareable_event.h"
 #include "shoal/backend/shareable_handle.h"
@@ -109,7 +113,23 @@ class device {
   // ---- streams ----------------------------------------------------------
   virtual stream_ref create_stream() = 0;
   /// Destroys a stream created by create_stream; its pending work completes.
-  virtual void destroy_stream(stream_ref stream) = 0;
+  /// A held stream (hold_stream) is only marked, and stays usable until its
+  /// last release_stream destroys it; a second destroy_stream meanwhile gives
+  /// shoal::invalid_argument, as for a stream destroyed already.
+  void destroy_stream(stream_ref stream);
+  /// Keeps `stream` from being destroyed until a release_stream for each
+  /// hold_stream, for an owner that uses the stream past the calls it was
+  /// given in (a caching allocator keeps a pool per stream, synchronizes it
+  /// when it gives memory back, and makes later users of a block wait for
+  /// it): the stream's user may destroy it whenever it is done with it, and
+  /// the handle is not reused for a new stream while held. A stream of this
+  /// device that is live; holding the default stream or an adopted one is
+  /// allowed and changes nothing (shoal destroys neither).
+  void hold_stream(stream_ref stream);
+  /// Ends one hold_stream of `stream`. The last one destroys the stream when
+  /// destroy_stream was called meanwhile, and throws what that destroy throws.
+  /// A stream with no hold gives shoal::invalid_argument.
+  void release_stream(stream_ref stream);
   /// A stream this device did not create — another library's, such as
   /// PyTorch's, CuPy's or JAX's — usable wherever a stream is from now on
   /// (idempotent; the default stream and this device's own streams come back
@@ -239,8 +259,21 @@ class device {
   /// still complete.
   virtual void close_event_source(imported_event_ref source) = 0;
 
+ protected:
+  /// destroy_stream's work, once no hold defers it: checks that `stream` is a
+  /// live stream this device created (shoal::invalid_argument otherwise) and
+  /// destroys it.
+  virtual void destroy_stream_now(stream_ref stream) = 0;
+
  private:
+  struct stream_holds {
+    std::size_t count = 0;
+    bool destroy_pending = false;  // destroy_stream was called while held
+  };
+
   std::uint64_t serial_;
+  std::mutex holds_mutex_;                          // a leaf lock: no device call runs under it
+  std::unordered_map<void*, stream_holds> holds_;  // guarded by holds_mutex_; entries have count > 0
 };
 
 }  // namespace shoal::backend

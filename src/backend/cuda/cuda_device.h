@@ -74,7 +74,6 @@ class cuda_device final : public device {
   void unmap(void* address) override;
 
   stream_ref create_stream() override;
-  void destroy_stream(stream_ref stream) override;
   stream_ref adopt_external_stream(void* native) override;
   void synchronize(stream_ref stream) override;
   void synchronize_device() override;
@@ -103,6 +102,9 @@ class cuda_device final : public device {
   [[nodiscard]] std::optional<process_identity> event_source_exporter(imported_event_ref source) override;
   void wait_imported(stream_ref stream, imported_event_ref source, const event_point& point) override;
   void close_event_source(imported_event_ref source) override;
+
+ protected:
+  void destroy_stream_now(stream_ref stream) override;
 
  private:
   // Declared in construction order: the streams' failure record is made

@@ -39,7 +39,7 @@ void cuda_device::close_import(void* ptr) { memory_.close_import(ptr); }
 stream_ref cuda_device::create_stream() { return streams_.create_stream(); }
 stream_ref cuda_device::adopt_external_stream(void* native) { return streams_.adopt_external_stream(native); }
 
-void cuda_device::destroy_stream(stream_ref stream) {
+void cuda_device::destroy_stream_now(stream_ref stream) {
   streams_.destroy_stream(stream, [this](cudaStream_t native) { sharing_.forget_stream(native); });
 }
 

@@ -161,8 +161,7 @@ stream_ref host_device::create_stream() {
   return stream_ref{key};
 }
 
-void host_device::destroy_stream(stream_ref s) {
-  if (s.is_default()) throw invalid_argument("destroy_stream: the default stream cannot be destroyed");
+void host_device::destroy_stream_now(stream_ref s) {
   std::shared_ptr<detail::host_executor> executor;
   {
     std::unique_lock lock(state_->registry_mutex);

@@ -1,0 +1,76 @@
+// Streams the allocator used, destroyed by their owners once their blocks
+// are freed: the allocator holds each (device::hold_stream) until its own
+// teardown, so giving cached memory back, which synchronizes the stream,
+// still works, and a new stream never takes the old one's handle and pools.
+#include <gtest/gtest.h>
+
+#include <optional>
+#include <set>
+
+#include "shoal/backend/stream.h"
+#include "shoal/core/error.h"
+#include "support/allocators.h"
+
+namespace shoal::testing {
+namespace {
+
+using backend::stream;
+constexpr std::size_t mib = 1024 * 1024;
+
+template <class Backend>
+using stream_lifetime = allocator_test<Backend>;
+TYPED_TEST_SUITE(stream_lifetime, backend_config_types, backend_config_names);
+
+TYPED_TEST(stream_lifetime, a_stream_destroyed_after_its_blocks_were_freed_leaves_the_cache_usable) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  backend::stream_ref gone_ref;
+  {
+    stream gone(dev);
+    gone_ref = gone.ref();
+    void* p = a.allocate(4 * mib, gone);
+    dev.fill(gone, p, 1, 4 * mib);
+    a.deallocate(p, gone);
+  }  // destroyed by its owner, its fill perhaps still queued
+  EXPECT_NO_THROW(a.empty_cache()) << "giving the stream's cached memory back synchronizes it";
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0);
+  EXPECT_NO_THROW(a.check_invariants());
+  this->allocator_.reset();  // its hold ends: the stream is destroyed now
+  EXPECT_THROW(dev.synchronize(gone_ref), invalid_argument) << "the allocator's teardown destroyed it";
+}
+
+// Out of memory, the allocator gives back what other streams' pools cache,
+// synchronizing each: a destroyed stream's cache too.
+TYPED_TEST(stream_lifetime, memory_cached_for_a_destroyed_stream_serves_another_stream_at_the_limit) {
+  auto& dev = this->device();
+  auto& a = this->make("memory_limit_mb:48");
+  {
+    stream gone(dev);
+    void* p = a.allocate(32 * mib, gone);
+    a.deallocate(p, gone);
+  }
+  stream next(dev);
+  void* q = nullptr;
+  ASSERT_NO_THROW(q = a.allocate(32 * mib, next)) << "the destroyed stream's 32 MiB went back first";
+  a.deallocate(q, next);
+  dev.synchronize(next);
+  EXPECT_NO_THROW(a.check_invariants());
+}
+
+// A destroyed stream's handle could name the next stream made (CUDA and the
+// host backend reuse them): that stream would take the old one's pools,
+// whose blocks the old stream's queued work may still use. Held, no handle
+// is reused while the allocator lives.
+TYPED_TEST(stream_lifetime, a_new_stream_never_takes_a_destroyed_ones_handle_while_the_allocator_lives) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  std::set<void*> handles;
+  for (int i = 0; i < 8; ++i) {
+    stream s(dev);
+    EXPECT_TRUE(handles.insert(s.ref().native).second) << "stream " << i << " took a destroyed stream's handle";
+    a.deallocate(a.allocate(mib, s), s);
+  }
+}
+
+}  // namespace
+}  // namespace shoal::testing
