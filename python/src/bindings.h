@@ -5,8 +5,10 @@
 // any thread without the GIL: nothing here holds a Python object.
 //
 // Lifetimes: an allocator keeps every stream it was used with alive for its
-// own life (the caching allocator keeps a pool per stream and requires its
-// streams to outlive it); a storage keeps its allocator alive.
+// own life (a stream given to a free or record_stream, a storage's among
+// them, must outlive that free; the caching allocator holds only those it
+// keeps pools for or a private pool's blocks remember); a storage keeps its
+// allocator alive.
 #pragma once
 
 #include <nanobind/nanobind.h>

@@ -66,6 +66,7 @@ allocator_core::allocator_core(backend::device& dev, allocator_config cfg)
       expandable_segments_fallback(cfg.expandable_segments && !dev.growable().supported),
       config(effective(checked(std::move(cfg)), expandable_segments_fallback)),
       directory_(dev),
+      held_streams_(dev),
       trace_(config.trace_entries),
       events_(dev),
       source_(dev, config, directory_, trace_, hooks, events_, orphans_, region_handoff_mutex_) {}
@@ -76,6 +77,7 @@ allocator_core::~allocator_core() {
   if (epoch_.forked_since()) return;
   directory_.for_each_pool_ever([&](block_pool& pool) { source_.release_at_teardown(pool, events_); });
   directory_.release_stream_holds();  // last: the pools above synchronized their streams
+  held_streams_.release_all();
 }
 
 void allocator_core::check_invariants() const {
@@ -208,7 +210,7 @@ block* allocator_core::try_allocate(block_pool& pool, const request& r, growth m
     // Blocks whose frees completed are parked as they become reusable:
     // looking only in the bins here would miss them, and growth would then
     // give their segment back just to take a new one. The pool's stream is
-    // in use here (alive), so its awaiting frees may be sealed.
+    // in use here, so its awaiting frees may be sealed (awaiting_frees.h).
     seal_awaiting(pool, device, events_);
     collect_pending(pool, false);
     b = take_cached(pool, r.size);
@@ -250,7 +252,7 @@ block* allocator_core::allocate_slow(block_pool& pool, const request& r) {
         std::vector<backend::event_ref> waits;
         {
           std::lock_guard lock(p.lock);
-          if (&p == &pool) seal_awaiting(p, device, events_);  // only the stream asking is known to be alive
+          if (&p == &pool) seal_awaiting(p, device, events_);  // the asking stream's only (awaiting_frees.h)
           for (block* b : p.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
         }
         for (auto e : waits) device.synchronize_event(e);  // without the lock: this may take long
@@ -281,7 +283,7 @@ block* allocator_core::wait_for_own_pending(block_pool& pool, const request& r) 
     std::vector<backend::event_ref> waits;
     {
       std::lock_guard lock(pool.lock);
-      seal_awaiting(pool, device, events_);  // the stream asking is alive
+      seal_awaiting(pool, device, events_);  // the stream asking (awaiting_frees.h)
       collect_pending(pool, false);
       if (block* b = try_allocate(pool, r, growth::none)) return b;
       // None left, or the oldest has nothing to wait for (an awaiting free

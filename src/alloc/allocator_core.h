@@ -39,6 +39,7 @@
 #include "shoal/alloc/invariant_test_hook.h"
 #include "shoal/alloc/late_free_test_hook.h"
 #include "shoal/alloc/stats.h"
+#include "alloc/held_streams.h"
 #include "shoal/backend/device.h"
 
 namespace shoal::alloc::detail {
@@ -241,6 +242,7 @@ class allocator_core {
 
   const shoal::detail::fork_epoch epoch_;  ///< allocate refuses, deallocate ignores, in a fork() child
   pool_directory directory_;
+  held_streams held_streams_;  ///< streams private pools' blocks remember that no pool holds
   orphaned_tombstones orphans_;  ///< tombstones of destroyed private pools
   // Hands a region's orphaned tombstones over whole: held by
   // create_private_pool from reading the orphans in its region until the

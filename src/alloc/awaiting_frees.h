@@ -13,11 +13,12 @@
 // waits (wait_shared set), and it goes back to the event pool with the last.
 //
 // Only calls made on the pool's own stream seal (a free, an allocation that
-// misses, the host wait of one at the limit): that stream is alive then,
-// while another thread's empty_cache or process_pending_frees may run after
-// the stream was destroyed, and recording on it would be undefined. Those
-// treat awaiting frees as not passed yet. So a stream that goes idle leaves
-// at most 1 MiB (16 blocks) of its pool held until its next call.
+// misses, the host wait of one at the limit); empty_cache and
+// process_pending_frees treat awaiting frees as not passed yet. So a stream
+// that goes idle leaves at most 1 MiB (16 blocks) of its pool held until its
+// next call. (The rule dates from when a stream could be destroyed before the
+// allocator, and recording on it then was undefined; every pool's stream is
+// held now, pool_directory.h, so those could seal too.)
 //
 // Invariant (checked): a pool's awaiting blocks are exactly its pending
 // blocks with an empty wait list, and its sealed groups' holder counts add

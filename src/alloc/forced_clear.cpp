@@ -112,8 +112,11 @@ void allocator_core::remove_tombstone(block_pool& part, block* b, backend::strea
   // Stream pools keep no last streams: their tombstones lie in segments the
   // device gave out after the owner's memory left, which nothing of the
   // owner's touches. (A growing private pool's may be either kind: waited for.)
-  make_room_to_settle(b, 1);  // the one step that may throw: first
-  if (part.is_private) add_unique(b->last_streams, stream);
+  make_room_to_settle(b, 1);  // the steps that may throw: first
+  if (part.is_private) {
+    held_streams_.hold(stream);  // a hand-out on another stream will wait for it
+    add_unique(b->last_streams, stream);
+  }
   pool_counters::sub(part.counters.invalidated, 1);
   pool_counters::sub(part.counters.invalidated_bytes, static_cast<std::int64_t>(b->size));
   ++part.frees;

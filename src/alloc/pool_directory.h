@@ -29,7 +29,9 @@
 //   a region, a free or record_stream that found no block), never both,
 //   -> directory_mutex_ -> one pool's lock -> the leaf locks: segments_mutex_,
 //   the event pool's, the trace ring's, the hooks' (release observers), the
-//   orphaned tombstones', the segment source's detached count. Leaf locks are
+//   orphaned tombstones', the segment source's detached count, the held
+//   streams' (under which only the device's hold bookkeeping runs; the
+//   directory holds a stream with no lock of its own held). Leaf locks are
 //   not held together, except under segments_mutex_ by the invariant checker
 //   (the orphaned tombstones', the detached count's; nothing takes them the
 //   other way round).

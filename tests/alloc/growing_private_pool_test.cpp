@@ -126,28 +126,27 @@ TYPED_TEST(growing_private_pool, forgetting_last_streams_lets_a_hand_out_wait_fo
   for (const bool forget : {false, true}) {
     const auto pool = a.create_growing_private_pool();
     alloc::private_pool_scope scope(a, pool);
-    std::atomic<bool> go{false}, ran_after{false};
+    std::atomic<bool> ran_after{false};
     void* p;
     {
       backend::stream first(dev);
       p = a.allocate(mib, first);
       a.deallocate(p, first);
-      if (forget) a.forget_last_streams(pool);  // waits for the streams it forgets: before the blocking task
-      dev.host_task(first, [&go] {
-        while (!go.load()) std::this_thread::sleep_for(1ms);
-      });
+      if (forget) a.forget_last_streams(pool);  // waits for the streams it forgets: before the delay
+      dev.delay(first, 1s);
     }  // `first` is destroyed by its owner with its work still queued
+    const auto start = std::chrono::steady_clock::now();
     void* q = a.allocate(mib, second);
     EXPECT_EQ(q, p) << "the same memory";
     dev.host_task(second, [&ran_after] { ran_after = true; });
     if (forget) {
       dev.synchronize(second);
-      EXPECT_TRUE(ran_after.load()) << "handed out with no wait, ahead of the first stream's queued work";
+      EXPECT_LT(std::chrono::steady_clock::now() - start, 900ms)
+          << "handed out with no wait, ahead of the first stream's queued second";
     } else {
-      std::this_thread::sleep_for(50ms);
+      std::this_thread::sleep_for(100ms);
       EXPECT_FALSE(ran_after.load()) << "the hand-out waits for the destroyed stream's queued work";
     }
-    go = true;
     a.deallocate(q, second);
     dev.synchronize(second);
     EXPECT_TRUE(ran_after.load());

@@ -7,9 +7,11 @@
 #include <optional>
 #include <set>
 
+#include "shoal/backend/host_device.h"
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 #include "support/allocators.h"
+#include "support/region_pool.h"
 
 namespace shoal::testing {
 namespace {
@@ -70,6 +72,56 @@ TYPED_TEST(stream_lifetime, a_new_stream_never_takes_a_destroyed_ones_handle_whi
     EXPECT_TRUE(handles.insert(s.ref().native).second) << "stream " << i << " took a destroyed stream's handle";
     a.deallocate(a.allocate(mib, s), s);
   }
+}
+
+// Streams a private pool's free block remembers that no allocation named:
+// a tombstone's late free's, and record_stream's carried by a restore. A
+// hand-out on another stream waits for them after their owners destroyed
+// them.
+TEST(stream_lifetime_host, a_tombstones_late_free_stream_is_held) {
+  backend::host_device dev({.capacity_bytes = 64 * mib});
+  alloc::caching_allocator a(dev, {});
+  region_pool r(dev, a, 2 * mib);
+  stream owner(dev), next(dev);
+  void* p = r.allocate(mib, owner);
+  (void)a.clear_private_pool(r.id, "", alloc::live_blocks::invalidate);
+  {
+    stream freer(dev);
+    a.deallocate(p, freer);  // the late free, on a stream only passed to deallocate
+  }  // destroyed by its owner after the free
+  void* q = nullptr;
+  EXPECT_NO_THROW(q = r.allocate(mib, next)) << "the hand-out waits for the late free's stream";
+  if (q != nullptr) a.deallocate(q, next);
+  dev.synchronize(next);
+}
+
+TEST(stream_lifetime_host, record_streams_a_restore_keeps_as_last_streams_are_held) {
+  backend::host_device dev({.capacity_bytes = 64 * mib});
+  alloc::caching_allocator a(dev, {});
+  const auto pool = a.create_growing_private_pool();
+  stream owner(dev), next(dev);
+  void* kept;
+  {
+    alloc::private_pool_scope scope(a, pool);
+    kept = a.allocate(mib, owner);
+  }
+  const auto checkpoint = a.checkpoint_private_pool(pool);
+  {
+    alloc::private_pool_scope scope(a, pool);
+    void* p = a.allocate(mib, owner);
+    stream reader(dev);
+    a.record_stream(p, reader);
+    (void)a.restore_private_pool(pool, checkpoint);  // frees p, remembering `reader`
+  }  // `reader` destroyed by its owner
+  void* q = nullptr;
+  {
+    alloc::private_pool_scope scope(a, pool);
+    EXPECT_NO_THROW(q = a.allocate(mib, next)) << "the hand-out waits for the record_stream stream";
+  }
+  if (q != nullptr) a.deallocate(q, next);
+  a.deallocate(kept, owner);
+  dev.synchronize(next);
+  dev.synchronize(owner);
 }
 
 }  // namespace

@@ -41,8 +41,12 @@
 // is, so that giving the pool's cached memory back (which synchronizes the
 // stream) and handing a private-pool block last used on it out on another
 // stream (which waits for it) still work, and no new stream takes its handle
-// and its pool meanwhile. A stream only ever passed to deallocate or
-// record_stream is not held: it must outlive those frees.
+// and its pool meanwhile. So are the streams a private pool's free blocks
+// remember (a tombstone's late free's, record_stream's a restore keeps). A
+// stream otherwise only passed to deallocate or record_stream is not held:
+// it must outlive those frees. Held streams pile up for the allocator's life
+// with their pools (on the host backend each keeps its executor thread; on
+// CUDA its cudaStream_t): make streams once and reuse them.
 //
 // Processes: an allocator belongs to the process that made it. In a fork()
 // child, allocate throws device_unavailable (its cached blocks are the

@@ -122,9 +122,11 @@ class device {
   /// given in (a caching allocator keeps a pool per stream, synchronizes it
   /// when it gives memory back, and makes later users of a block wait for
   /// it): the stream's user may destroy it whenever it is done with it, and
-  /// the handle is not reused for a new stream while held. A stream of this
-  /// device that is live; holding the default stream or an adopted one is
-  /// allowed and changes nothing (shoal destroys neither).
+  /// the handle is not reused for a new stream while held. A live stream of
+  /// this device (not checked); holding the default stream or an adopted one
+  /// is allowed and defers nothing shoal does (it destroys neither), but a
+  /// destroy_stream of an adopted one while held is refused only at the last
+  /// release, by that release.
   void hold_stream(stream_ref stream);
   /// Ends one hold_stream of `stream`. The last one destroys the stream when
   /// destroy_stream was called meanwhile, and throws what that destroy throws.
