@@ -3,7 +3,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <thread>
+#include <vector>
 
 #include "shoal/backend/host_device.h"
 #include "shoal/backend/stream.h"
@@ -68,6 +70,37 @@ TEST(stream_event_host, a_pointer_that_is_no_stream_is_not_adopted) {
   int not_a_stream = 0;
   EXPECT_THROW((void)dev.adopt_external_stream(&not_a_stream), invalid_argument);
   EXPECT_THROW(dev.synchronize(backend::stream_ref{&not_a_stream}), invalid_argument) << "nor usable after";
+}
+
+// The host backend's test mode: a random pause before each work item,
+// stream order kept; SHOAL_HOST_STREAM_LAG sets it where no option does.
+TEST(stream_event_host, a_stream_lag_delays_each_work_item_and_keeps_the_order) {
+  using clock = std::chrono::steady_clock;
+  constexpr int items = 20;
+  for (const bool lagging : {false, true}) {
+    backend::host_device dev(
+        {.stream_lag = backend::host_stream_lag{.max = lagging ? 20ms : 0ms, .seed = 7}});
+    stream s(dev);
+    std::vector<int> order;
+    const auto start = clock::now();
+    for (int i = 0; i < items; ++i) dev.host_task(s, [&order, i] { order.push_back(i); });
+    dev.synchronize(s);
+    const auto took = clock::now() - start;
+    ASSERT_EQ(order.size(), static_cast<std::size_t>(items));
+    for (int i = 0; i < items; ++i) EXPECT_EQ(order[i], i);
+    // 20 pauses of 0-20 ms: 200 ms expected, under 60 ms about once in 10^8.
+    if (lagging) EXPECT_GT(took, 60ms) << "no pause before the work items";
+  }
+}
+
+TEST(stream_event_host, a_stream_lag_the_environment_names_must_parse) {
+  for (const char* bad : {"abc", "-5", "10:", "10:x", "10 "}) {
+    ::setenv("SHOAL_HOST_STREAM_LAG", bad, 1);
+    EXPECT_THROW(backend::host_device dev, invalid_argument) << bad;
+  }
+  ::setenv("SHOAL_HOST_STREAM_LAG", "0:3", 1);
+  EXPECT_NO_THROW(backend::host_device dev);
+  ::unsetenv("SHOAL_HOST_STREAM_LAG");
 }
 
 TYPED_TEST(stream_event, work_runs_after_the_call_returns_and_in_order) {

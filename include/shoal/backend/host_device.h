@@ -22,15 +22,31 @@
 #pragma once
 
 #include <cstddef>
+#include <chrono>
+#include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "shoal/backend/device.h"
 
 namespace shoal::backend {
 
+/// A test mode: a random pause before each piece of work on a stream, up to
+/// `max`, drawn from a generator seeded with `seed` and the stream's number.
+/// A GPU starts work whenever it gets to it, where a host stream starts it
+/// within microseconds, so on the host a missing wait shows only where a
+/// test delays a stream on purpose; with a lag, anywhere.
+struct host_stream_lag {
+  std::chrono::microseconds max{0};
+  std::uint64_t seed = 1;
+};
+
 struct host_device_options {
   /// Memory the device pretends to have. 0: half of the machine's memory.
   std::size_t capacity_bytes = 0;
+  /// Unset: SHOAL_HOST_STREAM_LAG, "<max microseconds>[:<seed>]", when the
+  /// environment has it (invalid_argument when it does not parse), else none.
+  std::optional<host_stream_lag> stream_lag;
 };
 
 namespace detail {

@@ -2,7 +2,10 @@
 
 #include <unistd.h>
 
+#include <charconv>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -36,15 +39,17 @@ struct recorded_point {
 };
 
 struct host_state {
-  explicit host_state(std::size_t capacity)
-      : memory(capacity),
+  host_state(std::size_t capacity, host_stream_lag lag)
+      : lag(lag),
+        memory(capacity),
         event_page(host_event_page::create()),
-        default_stream(std::make_shared<host_executor>(event_page->lease())) {}
+        default_stream(std::make_shared<host_executor>(event_page->lease(), lag)) {}
 
   // Streams made in a fork() child would take slots of the parent's
   // shared event page, and its memory no stream there could use: a child
   // may make neither (refuse_in_fork_child).
   const shoal::detail::fork_epoch epoch;
+  const host_stream_lag lag;  // every stream's, the default stream's too
   host_memory memory;
   // Where every stream publishes its progress for other processes; streams
   // created when all its slots are taken keep theirs private.
@@ -118,9 +123,32 @@ void require_pointers(const char* op, const void* a, const void* b, std::size_t 
 }  // namespace
 }  // namespace detail
 
+namespace {
+
+// SHOAL_HOST_STREAM_LAG: "<max microseconds>[:<seed>]"; none when unset.
+host_stream_lag lag_from_environment() {
+  const char* text = std::getenv("SHOAL_HOST_STREAM_LAG");
+  if (text == nullptr || *text == '\0') return {};
+  const std::string_view value(text);
+  host_stream_lag lag;
+  std::int64_t max_us = 0;
+  const char* end = value.data() + value.size();
+  std::from_chars_result read = std::from_chars(value.data(), end, max_us);
+  if (read.ec == std::errc() && read.ptr != end && *read.ptr == ':') read = std::from_chars(read.ptr + 1, end, lag.seed);
+  if (read.ec != std::errc() || read.ptr != end || max_us < 0) {
+    throw invalid_argument("host_device: SHOAL_HOST_STREAM_LAG='" + std::string(value) +
+                           "' is not '<max microseconds>[:<seed>]' (say 200 or 200:7)");
+  }
+  lag.max = std::chrono::microseconds(max_us);
+  return lag;
+}
+
+}  // namespace
+
 host_device::host_device(host_device_options options)
-    : state_(std::make_unique<detail::host_state>(options.capacity_bytes != 0 ? options.capacity_bytes
-                                                                              : detail::default_capacity())) {}
+    : state_(std::make_unique<detail::host_state>(
+          options.capacity_bytes != 0 ? options.capacity_bytes : detail::default_capacity(),
+          options.stream_lag ? *options.stream_lag : lag_from_environment())) {}
 
 host_device::~host_device() = default;
 
@@ -154,7 +182,7 @@ void host_device::unmap(void* address) { state_->memory.unmap(address); }
 
 stream_ref host_device::create_stream() {
   state_->refuse_in_fork_child("create a stream");
-  auto executor = std::make_shared<detail::host_executor>(state_->event_page->lease());
+  auto executor = std::make_shared<detail::host_executor>(state_->event_page->lease(), state_->lag);
   void* key = executor.get();
   std::unique_lock lock(state_->registry_mutex);
   state_->streams.emplace(key, std::move(executor));

@@ -1,18 +1,29 @@
 #include "backend/host/host_executor.h"
 
+#include <atomic>
+#include <chrono>
 #include <exception>
+#include <random>
 #include <utility>
 
 #include "shoal/core/error.h"
 
 namespace shoal::backend::detail {
 
-host_executor::state::state(std::optional<host_stream_slot> s)
+namespace {
+std::atomic<std::uint64_t> executors_made{0};  // each stream's number, for its lag's seed
+}
+
+host_executor::state::state(std::optional<host_stream_slot> s, const host_stream_lag& lag)
     : slot(std::move(s)),
       completed(slot ? slot->counter() : private_completed),
-      submitted(completed.load(std::memory_order_acquire)) {}
+      submitted(completed.load(std::memory_order_acquire)),
+      lag_max(lag.max.count() > 0 ? lag.max.count() : 0),
+      lag_random(static_cast<std::uint_fast32_t>(lag.seed * 0x9E3779B97F4A7C15ULL +
+                                                 executors_made.fetch_add(1, std::memory_order_relaxed))) {}
 
-host_executor::host_executor(std::optional<host_stream_slot> slot) : state_(std::make_unique<state>(std::move(slot))) {
+host_executor::host_executor(std::optional<host_stream_slot> slot, const host_stream_lag& lag)
+    : state_(std::make_unique<state>(std::move(slot), lag)) {
   state_->thread = std::thread([s = state_.get()] { run(*s); });
 }
 
@@ -84,6 +95,10 @@ void host_executor::run(state& s) {
       if (s.queue.empty()) return;  // stopping, and everything has run
       work = std::move(s.queue.front());
       s.queue.pop_front();
+    }
+    if (s.lag_max > 0) {
+      const auto pause = std::uniform_int_distribution<std::chrono::microseconds::rep>(0, s.lag_max)(s.lag_random);
+      std::this_thread::sleep_for(std::chrono::microseconds(pause));
     }
     try {
       work();

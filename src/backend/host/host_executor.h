@@ -27,10 +27,12 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 
 #include "backend/host/host_event_page.h"
+#include "shoal/backend/host_device.h"
 #include "core/fork_epoch.h"
 
 namespace shoal::backend::detail {
@@ -38,7 +40,8 @@ namespace shoal::backend::detail {
 class host_executor {
  public:
   /// `slot`: where the completed count is published; none keeps it private.
-  explicit host_executor(std::optional<host_stream_slot> slot);
+  /// `lag`: each work item waits a random time up to its max first.
+  host_executor(std::optional<host_stream_slot> slot, const host_stream_lag& lag);
   /// Runs the remaining work, then stops the thread; then gives the slot back.
   ~host_executor();
   host_executor(const host_executor&) = delete;
@@ -64,7 +67,7 @@ class host_executor {
   // Everything the thread uses, on the heap so that a fork() child can leave
   // it be.
   struct state {
-    explicit state(std::optional<host_stream_slot> s);
+    state(std::optional<host_stream_slot> s, const host_stream_lag& lag);
     const std::optional<host_stream_slot> slot;
     std::atomic<std::uint64_t> private_completed{0};
     std::atomic<std::uint64_t>& completed;  // the slot's counter, or private_completed without one
@@ -77,6 +80,8 @@ class host_executor {
     std::atomic<std::uint64_t> submitted;
     bool stopping = false;                    // guarded by mutex
     std::string first_error;                  // guarded by mutex
+    const std::chrono::microseconds::rep lag_max;  // 0: no lag
+    std::minstd_rand lag_random;                   // the thread's alone
     std::thread thread;
   };
   static void run(state& s);
