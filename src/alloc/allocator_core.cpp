@@ -75,6 +75,9 @@ allocator_core::~allocator_core() {
   // In a fork() child the segments and the streams with work on them are
   // the parent's: nothing to wait for or give back here.
   if (epoch_.forked_since()) return;
+  // The streams a private pool's blocks remember may still use its memory
+  // (each pool waits for its own stream below).
+  held_streams_.synchronize_all();
   directory_.for_each_pool_ever([&](block_pool& pool) { source_.release_at_teardown(pool, events_); });
   directory_.release_stream_holds();  // last: the pools above synchronized their streams
   held_streams_.release_all();

@@ -26,6 +26,10 @@ class held_streams {
   /// Holds `stream` unless this already does (the default stream is never
   /// destroyed: not held). std::bad_alloc leaves it as it was.
   void hold(backend::stream_ref stream);
+  /// Waits for the work queued on every held stream (errors dropped): at
+  /// teardown, before the memory goes. A stream its owner destroyed is
+  /// still there, with its work, until release_all.
+  void synchronize_all() noexcept;
   /// Ends every hold (the streams destroyed meanwhile go now). Teardown
   /// only, after the allocator's last device calls; errors are dropped.
   void release_all() noexcept;

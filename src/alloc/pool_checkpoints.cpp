@@ -212,9 +212,6 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
       fresh.push_back(part.new_block());
       fresh.back()->last_streams.reserve(used.size());
     }
-    // The free blocks remember these streams as their last (record_stream's
-    // among them): held, so that a later hand-out may wait for them.
-    for (auto s : used) held_streams_.hold(s);
     // The new owners' streams wait for the old users' work on the device.
     for (auto owner : owners) {
       for (auto s : used) {
@@ -224,6 +221,10 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
     // Last: a fill that fails changes no block (though memory the restore
     // would have freed may hold the poison by then).
     if (config.debug && !used.empty()) poison_left_free(device, events_, layouts, used);
+    // After everything else that may throw (a hold, only std::bad_alloc): the
+    // free blocks remember these streams as their last (record_stream's among
+    // them), held so that a later hand-out may wait for them.
+    for (auto s : used) held_streams_.hold(s);
   } catch (...) {
     for (block* b : fresh) part.recycle(b);
     throw;

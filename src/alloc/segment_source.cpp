@@ -630,8 +630,9 @@ void segment_source::release_at_teardown(block_pool& pool, event_pool& events) n
   // Work still queued may touch the pool's memory: what other streams do
   // before their frees (the pending frees' events) and what the pool's own
   // stream does (last uses, debug poison). Let it finish before the memory
-  // goes. A stream already destroyed has nothing queued that the allocator
-  // can wait for (its contract asks streams to outlive their blocks).
+  // goes. The pool's stream is held (pool_directory.h), so it is still
+  // there, with its work, even where its owner destroyed it; the streams a
+  // private pool's blocks remember were waited for before (held_streams).
   // Awaiting frees (no event) are on the pool's own stream, waited for below.
   for (block* b : pool.pending) {
     for (auto e : b->waits) {

@@ -127,22 +127,22 @@ TYPED_TEST(growing_private_pool, forgetting_last_streams_lets_a_hand_out_wait_fo
     const auto pool = a.create_growing_private_pool();
     alloc::private_pool_scope scope(a, pool);
     std::atomic<bool> ran_after{false};
+    backend::event first_done(dev);
     void* p;
     {
       backend::stream first(dev);
       p = a.allocate(mib, first);
       a.deallocate(p, first);
       if (forget) a.forget_last_streams(pool);  // waits for the streams it forgets: before the delay
-      dev.delay(first, 1s);
+      dev.delay(first, 2s);
+      first_done.record(first);
     }  // `first` is destroyed by its owner with its work still queued
-    const auto start = std::chrono::steady_clock::now();
     void* q = a.allocate(mib, second);
     EXPECT_EQ(q, p) << "the same memory";
     dev.host_task(second, [&ran_after] { ran_after = true; });
     if (forget) {
       dev.synchronize(second);
-      EXPECT_LT(std::chrono::steady_clock::now() - start, 900ms)
-          << "handed out with no wait, ahead of the first stream's queued second";
+      EXPECT_FALSE(dev.query_event(first_done)) << "handed out with no wait, ahead of the first stream's queued work";
     } else {
       std::this_thread::sleep_for(100ms);
       EXPECT_FALSE(ran_after.load()) << "the hand-out waits for the destroyed stream's queued work";

@@ -124,5 +124,28 @@ TEST(stream_lifetime_host, record_streams_a_restore_keeps_as_last_streams_are_he
   dev.synchronize(owner);
 }
 
+// At teardown the allocator waits for the streams a private pool's blocks
+// remember before the memory goes: a record_stream stream's queued write,
+// its stream destroyed by its owner meanwhile, lands in memory still mapped.
+TEST(stream_lifetime_host, teardown_waits_for_the_queued_work_of_streams_blocks_remember) {
+  using namespace std::chrono_literals;
+  backend::host_device dev({.capacity_bytes = 64 * mib});
+  std::optional<alloc::caching_allocator> a(std::in_place, dev, alloc::allocator_config{});
+  const auto pool = a->create_growing_private_pool();
+  stream owner(dev);
+  const auto checkpoint = a->checkpoint_private_pool(pool);
+  {
+    alloc::private_pool_scope scope(*a, pool);
+    void* p = a->allocate(mib, owner);
+    stream reader(dev);
+    dev.delay(reader, 300ms);
+    dev.fill(reader, p, 0x5A, mib);
+    a->record_stream(p, reader);
+    (void)a->restore_private_pool(pool, checkpoint);  // frees p, remembering `reader`
+  }  // `reader` destroyed by its owner, its fill still queued
+  a.reset();  // unmapped before the fill ran, the fill would fault
+  SUCCEED();
+}
+
 }  // namespace
 }  // namespace shoal::testing

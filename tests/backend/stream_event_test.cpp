@@ -4,6 +4,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -93,14 +95,39 @@ TEST(stream_event_host, a_stream_lag_delays_each_work_item_and_keeps_the_order) 
   }
 }
 
-TEST(stream_event_host, a_stream_lag_the_environment_names_must_parse) {
-  for (const char* bad : {"abc", "-5", "10:", "10:x", "10 "}) {
-    ::setenv("SHOAL_HOST_STREAM_LAG", bad, 1);
+// Sets an environment variable for its life, then puts back what was there.
+class scoped_environment {
+ public:
+  scoped_environment(const char* name, const char* value) : name_(name) {
+    if (const char* was = std::getenv(name)) was_ = was;
+    ::setenv(name, value, 1);
+  }
+  scoped_environment(const scoped_environment&) = delete;
+  scoped_environment& operator=(const scoped_environment&) = delete;
+  ~scoped_environment() {
+    if (was_) {
+      ::setenv(name_, was_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> was_;
+};
+
+TEST(stream_event_host, a_stream_lag_must_parse_and_stay_under_a_second) {
+  for (const char* bad : {"abc", "-5", "10:", "10:x", "10 ", "0x10", "1000001", "9223372036854775807",
+                          "10:99999999999999999999"}) {
+    const scoped_environment lag("SHOAL_HOST_STREAM_LAG", bad);
     EXPECT_THROW(backend::host_device dev, invalid_argument) << bad;
   }
-  ::setenv("SHOAL_HOST_STREAM_LAG", "0:3", 1);
-  EXPECT_NO_THROW(backend::host_device dev);
-  ::unsetenv("SHOAL_HOST_STREAM_LAG");
+  for (const char* good : {"", "0:3", "1000000"}) {
+    const scoped_environment lag("SHOAL_HOST_STREAM_LAG", good);
+    EXPECT_NO_THROW(backend::host_device dev) << good;
+  }
+  EXPECT_THROW(backend::host_device({.stream_lag = backend::host_stream_lag{.max = 2s}}), invalid_argument);
 }
 
 TYPED_TEST(stream_event, work_runs_after_the_call_returns_and_in_order) {

@@ -126,7 +126,8 @@ class device {
   /// this device (not checked); holding the default stream or an adopted one
   /// is allowed and defers nothing shoal does (it destroys neither), but a
   /// destroy_stream of an adopted one while held is refused only at the last
-  /// release, by that release.
+  /// release, by that release (an allocator's, at its teardown, drops the
+  /// error: destroy only streams of this device's create_stream).
   void hold_stream(stream_ref stream);
   /// Ends one hold_stream of `stream`. The last one destroys the stream when
   /// destroy_stream was called meanwhile, and throws what that destroy throws.

@@ -32,11 +32,14 @@
 namespace shoal::backend {
 
 /// A test mode: a random pause before each piece of work on a stream, up to
-/// `max`, drawn from a generator seeded with `seed` and the stream's number.
-/// A GPU starts work whenever it gets to it, where a host stream starts it
-/// within microseconds, so on the host a missing wait shows only where a
-/// test delays a stream on purpose; with a lag, anywhere.
+/// `max` (at most max_lag), drawn from a generator seeded with `seed` and the
+/// stream's number on its device (0 for the default stream, then in the
+/// order streams are made: a run that makes its streams in the same order
+/// pauses the same). A GPU starts work whenever it gets to it, where a host
+/// stream starts it within microseconds, so on the host a missing wait shows
+/// only where a test delays a stream on purpose; with a lag, anywhere.
 struct host_stream_lag {
+  static constexpr std::chrono::microseconds max_lag{1'000'000};
   std::chrono::microseconds max{0};
   std::uint64_t seed = 1;
 };
@@ -45,7 +48,9 @@ struct host_device_options {
   /// Memory the device pretends to have. 0: half of the machine's memory.
   std::size_t capacity_bytes = 0;
   /// Unset: SHOAL_HOST_STREAM_LAG, "<max microseconds>[:<seed>]", when the
-  /// environment has it (invalid_argument when it does not parse), else none.
+  /// environment has it and it is not empty (invalid_argument when it does
+  /// not parse or passes max_lag), else none. A max past max_lag given here
+  /// is invalid_argument too.
   std::optional<host_stream_lag> stream_lag;
 };
 

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
@@ -43,13 +44,14 @@ struct host_state {
       : lag(lag),
         memory(capacity),
         event_page(host_event_page::create()),
-        default_stream(std::make_shared<host_executor>(event_page->lease(), lag)) {}
+        default_stream(std::make_shared<host_executor>(event_page->lease(), lag, 0)) {}
 
   // Streams made in a fork() child would take slots of the parent's
   // shared event page, and its memory no stream there could use: a child
   // may make neither (refuse_in_fork_child).
   const shoal::detail::fork_epoch epoch;
   const host_stream_lag lag;  // every stream's, the default stream's too
+  std::atomic<std::uint64_t> streams_made{0};  // numbers the streams for their lag (the default one is 0)
   host_memory memory;
   // Where every stream publishes its progress for other processes; streams
   // created when all its slots are taken keep theirs private.
@@ -135,11 +137,21 @@ host_stream_lag lag_from_environment() {
   const char* end = value.data() + value.size();
   std::from_chars_result read = std::from_chars(value.data(), end, max_us);
   if (read.ec == std::errc() && read.ptr != end && *read.ptr == ':') read = std::from_chars(read.ptr + 1, end, lag.seed);
-  if (read.ec != std::errc() || read.ptr != end || max_us < 0) {
+  if (read.ec != std::errc() || read.ptr != end || max_us < 0 || max_us > host_stream_lag::max_lag.count()) {
     throw invalid_argument("host_device: SHOAL_HOST_STREAM_LAG='" + std::string(value) +
-                           "' is not '<max microseconds>[:<seed>]' (say 200 or 200:7)");
+                           "' is not '<max microseconds>[:<seed>]' with a max of at most " +
+                           std::to_string(host_stream_lag::max_lag.count()) + " (say 200 or 200:7)");
   }
   lag.max = std::chrono::microseconds(max_us);
+  return lag;
+}
+
+host_stream_lag checked(const host_stream_lag& lag) {
+  if (lag.max > host_stream_lag::max_lag) {
+    throw invalid_argument("host_device: a stream lag of " + std::to_string(lag.max.count()) +
+                           " microseconds passes the most allowed, " +
+                           std::to_string(host_stream_lag::max_lag.count()));
+  }
   return lag;
 }
 
@@ -148,7 +160,7 @@ host_stream_lag lag_from_environment() {
 host_device::host_device(host_device_options options)
     : state_(std::make_unique<detail::host_state>(
           options.capacity_bytes != 0 ? options.capacity_bytes : detail::default_capacity(),
-          options.stream_lag ? *options.stream_lag : lag_from_environment())) {}
+          options.stream_lag ? checked(*options.stream_lag) : lag_from_environment())) {}
 
 host_device::~host_device() = default;
 
@@ -182,7 +194,8 @@ void host_device::unmap(void* address) { state_->memory.unmap(address); }
 
 stream_ref host_device::create_stream() {
   state_->refuse_in_fork_child("create a stream");
-  auto executor = std::make_shared<detail::host_executor>(state_->event_page->lease(), state_->lag);
+  auto executor = std::make_shared<detail::host_executor>(
+      state_->event_page->lease(), state_->lag, state_->streams_made.fetch_add(1, std::memory_order_relaxed) + 1);
   void* key = executor.get();
   std::unique_lock lock(state_->registry_mutex);
   state_->streams.emplace(key, std::move(executor));

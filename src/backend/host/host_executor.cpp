@@ -1,7 +1,7 @@
 #include "backend/host/host_executor.h"
 
-#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <exception>
 #include <random>
 #include <utility>
@@ -11,19 +11,27 @@
 namespace shoal::backend::detail {
 
 namespace {
-std::atomic<std::uint64_t> executors_made{0};  // each stream's number, for its lag's seed
+
+// The seed and the stream's number mixed into 32 bits (splitmix64's
+// finalizer), the same on every platform.
+std::uint32_t lag_seed(std::uint64_t seed, std::uint64_t number) {
+  std::uint64_t z = seed + (number + 1) * 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return static_cast<std::uint32_t>(z ^ (z >> 31));
 }
 
-host_executor::state::state(std::optional<host_stream_slot> s, const host_stream_lag& lag)
+}  // namespace
+
+host_executor::state::state(std::optional<host_stream_slot> s, const host_stream_lag& lag, std::uint64_t number)
     : slot(std::move(s)),
       completed(slot ? slot->counter() : private_completed),
       submitted(completed.load(std::memory_order_acquire)),
       lag_max(lag.max.count() > 0 ? lag.max.count() : 0),
-      lag_random(static_cast<std::uint_fast32_t>(lag.seed * 0x9E3779B97F4A7C15ULL +
-                                                 executors_made.fetch_add(1, std::memory_order_relaxed))) {}
+      lag_random(lag_seed(lag.seed, number)) {}
 
-host_executor::host_executor(std::optional<host_stream_slot> slot, const host_stream_lag& lag)
-    : state_(std::make_unique<state>(std::move(slot), lag)) {
+host_executor::host_executor(std::optional<host_stream_slot> slot, const host_stream_lag& lag, std::uint64_t number)
+    : state_(std::make_unique<state>(std::move(slot), lag, number)) {
   state_->thread = std::thread([s = state_.get()] { run(*s); });
 }
 

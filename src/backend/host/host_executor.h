@@ -40,8 +40,9 @@ namespace shoal::backend::detail {
 class host_executor {
  public:
   /// `slot`: where the completed count is published; none keeps it private.
-  /// `lag`: each work item waits a random time up to its max first.
-  host_executor(std::optional<host_stream_slot> slot, const host_stream_lag& lag);
+  /// `lag`: each work item waits a random time up to its max first, drawn
+  /// from a generator seeded with the lag's seed and `number`.
+  host_executor(std::optional<host_stream_slot> slot, const host_stream_lag& lag, std::uint64_t number);
   /// Runs the remaining work, then stops the thread; then gives the slot back.
   ~host_executor();
   host_executor(const host_executor&) = delete;
@@ -67,7 +68,7 @@ class host_executor {
   // Everything the thread uses, on the heap so that a fork() child can leave
   // it be.
   struct state {
-    state(std::optional<host_stream_slot> s, const host_stream_lag& lag);
+    state(std::optional<host_stream_slot> s, const host_stream_lag& lag, std::uint64_t number);
     const std::optional<host_stream_slot> slot;
     std::atomic<std::uint64_t> private_completed{0};
     std::atomic<std::uint64_t>& completed;  // the slot's counter, or private_completed without one
