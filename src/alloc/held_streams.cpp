@@ -14,21 +14,11 @@ void held_streams::hold(backend::stream_ref stream) {
 }
 
 void held_streams::synchronize_all() noexcept {
-  std::vector<backend::stream_ref> held;
-  try {
-    std::lock_guard lock(mutex_);
-    held = streams_;
-  } catch (...) {  // no memory for the copy: wait for the whole device instead
-    try {
-      device_.synchronize_device();
-    } catch (...) {  // NOLINT(bugprone-empty-catch): teardown goes on; the device may be gone
-    }
-    return;
-  }
-  for (auto stream : held) {  // not under the lock: a wait may be long
+  std::lock_guard lock(mutex_);  // teardown: no hold can be waiting for it
+  for (auto stream : streams_) {
     try {
       device_.synchronize(stream);
-    } catch (...) {  // NOLINT(bugprone-empty-catch): as above
+    } catch (...) {  // NOLINT(bugprone-empty-catch): teardown goes on; the device may be gone
     }
   }
 }
