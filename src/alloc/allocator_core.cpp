@@ -146,6 +146,12 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream, bo
 
 void* allocator_core::allocate_general(std::size_t bytes, backend::stream_ref stream, bool claim) {
   if (bytes == 0) throw invalid_argument("caching_allocator::allocate: size is 0; ask for at least one byte");
+  // An owner destroyed a stream this allocator holds since the last look:
+  // its pools may retire now (a new stream's first allocation comes here).
+  if (device.deferred_stream_destroys() != destroys_seen_.load(std::memory_order_relaxed) && host_waits_allowed())
+      [[unlikely]] {
+    let_destroyed_streams_go(false);
+  }
   const pool_direction directed = directed_pool();
   // Past any pool: reported against the stream's (a scope's sub-pool is
   // not locked here, and may be stale).
@@ -187,7 +193,9 @@ block* allocator_core::allocate_after_miss(block_pool& pool, const request& r, b
 }
 
 block* allocator_core::try_allocate(block_pool& pool, const request& r, growth may_grow) {
-  // Stream pools are always in service, at generation 0.
+  // Stream pools are in service while they serve a stream, at generation 0
+  // (a stale cache entry that reached a retired one is not possible: the
+  // directory's pools serial changed).
   if (!pool.in_service || pool.service_generation != r.generation) [[unlikely]] {
     throw invalid_argument(
         "caching_allocator::allocate: this thread's private_pool_scope outlived its private pool (it was destroyed); "
@@ -684,7 +692,7 @@ void allocator_core::empty_cache() {
     collect_pending(p, false);
     source_.release_cached(p);
   });
-  check_step();
+  let_destroyed_streams_go(true);
 }
 
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {

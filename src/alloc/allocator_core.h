@@ -96,6 +96,8 @@ class allocator_core {
   void unmark_held_outside(void* ptr);
   void claim(void* ptr);
   void process_pending_frees();
+  /// Gives every pool's cached memory back, and lets the streams their
+  /// owners destroyed go (let_destroyed_streams_go, waiting).
   void empty_cache();
   void set_memory_fraction(double fraction);
   [[nodiscard]] std::size_t memory_limit() const noexcept { return source_.limit(); }
@@ -239,6 +241,27 @@ class allocator_core {
   }
   /// Traces a tombstone's removal by its late free (forced_clear.cpp).
   void note_tombstone_removed(std::uintptr_t address, backend::stream_ref stream);
+
+  // ---- streams their owners destroyed (destroyed_streams.cpp)
+  /// Lets go of the streams with pools here that their owners destroyed
+  /// (device::stream_destroy_pending) once their pools hold nothing but
+  /// cached memory: that memory goes back, the pools retire (their counters
+  /// to retired_, the objects kept to serve a later stream) and the hold on
+  /// the stream ends, which destroys it. With `wait` (empty_cache) it waits
+  /// for their pending frees and their work first; without (the allocation
+  /// path's, where host_waits_allowed), it skips a stream whose work still
+  /// runs or whose pending frees are not done, for a later sweep, and drops
+  /// the errors it meets (the allocation goes on). Takes no lock held.
+  void let_destroyed_streams_go(bool wait);
+  /// One pool of a destroyed stream: its awaiting frees sealed, pending
+  /// frees collected (waited for with `wait`), cached memory given back.
+  /// Returns whether it holds nothing now.
+  bool empty_destroyed_streams_pool(block_pool& pool, bool wait);
+  /// The deferred destroys (device::deferred_stream_destroys) the last sweep
+  /// saw: an allocation off the cached pair sweeps when the device's count
+  /// moved past it (one load).
+  std::atomic<std::uint64_t> destroys_seen_{0};
+  std::mutex sweep_mutex_;  ///< one sweep at a time; taken with no other allocator lock held
 
   const shoal::detail::fork_epoch epoch_;  ///< allocate refuses, deallocate ignores, in a fork() child
   pool_directory directory_;

@@ -16,9 +16,13 @@
 // misses, the host wait of one at the limit); empty_cache and
 // process_pending_frees treat awaiting frees as not passed yet. So a stream
 // that goes idle leaves at most 1 MiB (16 blocks) of its pool held until its
-// next call. (The rule dates from when a stream could be destroyed before the
-// allocator, and recording on it then was undefined; every pool's stream is
-// held now, pool_directory.h, so those could seal too.)
+// next call; a stream destroyed by its owner makes no more calls, so the
+// allocator seals its awaiting frees when it lets the stream go
+// (destroyed_streams.cpp; the stream is still held then). (The rule dates
+// from when a stream could be destroyed before the allocator, and recording
+// on it then was undefined; every pool's stream is held now,
+// pool_directory.h, so empty_cache and process_pending_frees could seal
+// too.)
 //
 // Invariant (checked): a pool's awaiting blocks are exactly its pending
 // blocks with an empty wait list, and its sealed groups' holder counts add

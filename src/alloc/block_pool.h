@@ -54,7 +54,9 @@ struct alignas(64) block_pool {
   /// and again once it left: a lookup that reaches it meanwhile (a stale
   /// per-thread cache entry, a directory entry of a creation that is
   /// failing) finds nothing and takes the locked slow path. Stream pools
-  /// are always in service.
+  /// are in service from their making until their stream's pools retire
+  /// (pool_directory::retire_stream_pools), and again once they serve a
+  /// later stream.
   bool in_service = true;
   /// Private sub-pools: how many times it was put in service. A
   /// private_pool_scope remembers it, so a scope that outlived its pool is

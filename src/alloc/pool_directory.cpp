@@ -58,7 +58,7 @@ block_pool* private_pool::part(const std::string& name) {
 }
 
 pool_directory::pool_directory(backend::device& device)
-    : device_(device), serial_(next_directory_serial.fetch_add(1)) {}
+    : device_(device), serial_(next_directory_serial.fetch_add(1)), pools_serial_(serial_) {}
 
 void pool_directory::release_stream_holds() noexcept {
   for (auto& [native, pools] : stream_pools_) {
@@ -78,29 +78,128 @@ block_pool& pool_directory::pool_for_uncached(backend::stream_ref stream, pool_k
   if (pools == nullptr) {
     // Made before the map is touched: std::bad_alloc from either leaves no
     // entry without pools (every walk of the pools would meet it).
-    auto made = std::make_unique<stream_pools>();
-    made->small.kind = pool_kind::small;
-    made->large.kind = pool_kind::large;
-    made->small.stream = made->large.stream = stream;
-    made->small.sibling = &made->large;
-    made->large.sibling = &made->small;
+    std::unique_ptr<stream_pools> made = pools_to_serve(stream);
     // Held first (no device call runs under the directory's lock), let go
     // when another thread's pools hold it already or the map refuses.
-    device_.hold_stream(stream);
-    bool made_here = false;
     try {
-      std::unique_lock lock(directory_mutex_);
-      const auto [it, inserted] = stream_pools_.try_emplace(stream.native, std::move(made));
-      pools = it->second.get();  // another thread's, if first
-      made_here = inserted;
+      device_.hold_stream(stream);
     } catch (...) {
-      device_.release_stream(stream);
+      std::unique_lock lock(directory_mutex_);
+      keep_stream_pools_for_reuse(std::move(made));
       throw;
+    }
+    bool made_here = false;
+    {
+      std::unique_lock lock(directory_mutex_);
+      try {
+        const auto [it, inserted] = stream_pools_.try_emplace(stream.native, std::move(made));
+        pools = it->second.get();  // another thread's, if first
+        made_here = inserted;
+      } catch (...) {
+        keep_stream_pools_for_reuse(std::move(made));  // try_emplace moved nothing
+        lock.unlock();
+        device_.release_stream(stream);
+        throw;
+      }
+      if (!made_here) keep_stream_pools_for_reuse(std::move(made));
     }
     if (!made_here) device_.release_stream(stream);  // theirs still holds it: this destroys nothing
   }
   thread_cache::last_pools = {serial_, stream.native, pools};
   return pools->of(kind);
+}
+
+std::unique_ptr<stream_pools> pool_directory::pools_to_serve(backend::stream_ref stream) {
+  std::unique_ptr<stream_pools> pools;
+  {
+    std::unique_lock lock(directory_mutex_);
+    if (!reusable_stream_pools_.empty()) {
+      pools = std::move(reusable_stream_pools_.back());
+      reusable_stream_pools_.pop_back();
+    }
+  }
+  if (pools == nullptr) {
+    pools = std::make_unique<stream_pools>();
+    pools->small.kind = pool_kind::small;
+    pools->large.kind = pool_kind::large;
+    pools->small.sibling = &pools->large;
+    pools->large.sibling = &pools->small;
+  }
+  // Under their locks: a walk of the pools listed before they retired may
+  // still look at them.
+  for (block_pool* p : {&pools->small, &pools->large}) {
+    std::lock_guard pool_lock(p->lock);
+    p->stream = stream;
+    p->in_service = true;
+  }
+  return pools;
+}
+
+void pool_directory::keep_stream_pools_for_reuse(std::unique_ptr<stream_pools> pools) noexcept {
+  for (block_pool* p : {&pools->small, &pools->large}) {
+    std::lock_guard pool_lock(p->lock);
+    p->in_service = false;
+    p->stream = {};
+  }
+  try {
+    reusable_stream_pools_.push_back(std::move(pools));
+  } catch (const std::bad_alloc&) {
+    // push_back moved nothing: left allocated, never freed, as a walk of
+    // the pools listed before may still lead to them.
+    (void)pools.release();
+  }
+}
+
+std::vector<backend::stream_ref> pool_directory::streams_destroyed_by_owner() const {
+  std::vector<backend::stream_ref> streams;
+  {
+    std::shared_lock lock(directory_mutex_);
+    streams.reserve(stream_pools_.size());
+    for (const auto& [native, pools] : stream_pools_) streams.push_back(pools->small.stream);
+  }
+  std::erase_if(streams, [&](backend::stream_ref s) { return !device_.stream_destroy_pending(s); });
+  return streams;
+}
+
+stream_pools* pool_directory::find_stream_pools(backend::stream_ref stream) const {
+  std::shared_lock lock(directory_mutex_);
+  const auto it = stream_pools_.find(stream.native);
+  return it == stream_pools_.end() ? nullptr : it->second.get();
+}
+
+bool pool_directory::retire_stream_pools(backend::stream_ref stream, const std::function<bool(stream_pools&)>& ready,
+                                         const std::function<void(block_pool&)>& take) {
+  {
+    std::unique_lock lock(directory_mutex_);
+    const auto it = stream_pools_.find(stream.native);
+    if (it == stream_pools_.end()) return false;
+    stream_pools& pools = *it->second;
+    {
+      std::scoped_lock pool_locks(pools.small.lock, pools.large.lock);  // the only holder of both but the checker
+      const auto holds_nothing = [](const block_pool& p) {
+        return p.segments.empty() && p.pending.empty() && p.sealed.empty() && p.quick_count == 0;
+      };
+      if (!ready(pools) || !holds_nothing(pools.small) || !holds_nothing(pools.large)) return false;
+      for (block_pool* p : {&pools.small, &pools.large}) {
+        take(*p);
+        p->counters = {};
+      }
+    }
+    // Stale from now on: a thread whose last stream this was looks again
+    // (a new stream may be given the same handle once the hold ends).
+    pools_serial_.store(next_directory_serial.fetch_add(1), std::memory_order_relaxed);
+    std::unique_ptr<stream_pools> retired = std::move(it->second);
+    stream_pools_.erase(it);
+    keep_stream_pools_for_reuse(std::move(retired));
+  }
+  return true;
+}
+
+void pool_directory::end_retired_stream_hold(backend::stream_ref stream) noexcept {
+  try {
+    device_.release_stream(stream);
+  } catch (...) {  // NOLINT(bugprone-empty-catch): the hold ended; only the destroy failed (an adopted stream)
+  }
 }
 
 pool_direction pool_directory::scoped_direction() const noexcept {

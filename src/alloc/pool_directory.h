@@ -4,16 +4,21 @@
 //
 // Invariants:
 //   every stream with pools here is held on the device (hold_stream) until
-//     release_stream_holds at teardown, so it is not destroyed, nor its
-//     handle reused, while a pool may still synchronize it or a block
-//     remember it;
+//     its pools retire (retire_stream_pools, once its owner destroyed it
+//     and they hold nothing) or release_stream_holds at teardown, so it is
+//     not destroyed, nor its handle reused, while a pool may still
+//     synchronize it or a block remember it;
 //   a pool, once made, lives as long as the directory (a destroyed private
 //     pool's sub-pools are emptied and kept in reusable_parts_ to serve a
-//     later private pool), so a stale per-thread cache entry never points
-//     at freed memory; an entry naming a sub-pool that serves another
-//     region now is caught like any stale one (the caller checks the pool);
-//   a sub-pool in reusable_parts_ holds no segment, block or count (its
-//     block objects wait in its spare list);
+//     later private pool, a retired stream's pools in
+//     reusable_stream_pools_ to serve a later stream), so a stale
+//     per-thread cache entry never points at freed memory; an entry naming
+//     a sub-pool that serves another region now is caught like any stale
+//     one (the caller checks the pool), and a retirement makes every
+//     thread's last-pools entry stale at once (pools_serial_ changes);
+//   a pool in reusable_parts_ or reusable_stream_pools_ holds no segment,
+//     block or count and is out of service (its block objects wait in its
+//     spare list);
 //   segments_by_base_ = { s.base -> (s.size, s.pool) : s a segment of a
 //     live pool }, so a pointer inside a live segment finds its pool.
 //
@@ -24,7 +29,10 @@
 // be lost (segment_source::release_segment keeps the rule).
 //
 // Lock order of the whole allocator, stated here once:
-//   allocator_core::retired_mutex_ (stats and private pool destroys only)
+//   allocator_core::sweep_mutex_ (letting destroyed streams go; taken with
+//   no other lock held, and held over the sweep's device calls)
+//   -> allocator_core::retired_mutex_ (stats, private pool destroys and
+//   stream pools' retirement only)
 //   or allocator_core::region_handoff_mutex_ (a private pool's creation over
 //   a region, a free or record_stream that found no block), never both,
 //   -> directory_mutex_ -> one pool's lock -> the leaf locks: segments_mutex_,
@@ -133,12 +141,12 @@ class pool_directory {
   /// nullptr (pool_for finds any).
   [[nodiscard]] stream_pools* cached_pools(backend::stream_ref stream) const noexcept {
     const auto& last = thread_cache::last_pools;
-    return last.directory == serial_ && last.stream == stream.native ? last.pools : nullptr;
+    return last.directory == pools_serial() && last.stream == stream.native ? last.pools : nullptr;
   }
   /// The stream's pool of `kind`, made on first use (and the stream held).
   [[nodiscard]] block_pool& pool_for(backend::stream_ref stream, pool_kind kind) {
     const auto& last = thread_cache::last_pools;
-    if (last.directory == serial_ && last.stream == stream.native) [[likely]] return last.pools->of(kind);
+    if (last.directory == pools_serial() && last.stream == stream.native) [[likely]] return last.pools->of(kind);
     return pool_for_uncached(stream, kind);
   }
   /// Makes the stream's pools when it has none, so that it is held: for a
@@ -148,6 +156,27 @@ class pool_directory {
   /// meanwhile go now). Teardown only, after the pools' last device calls;
   /// errors are dropped (the device may be gone).
   void release_stream_holds() noexcept;
+
+  // ---- streams their owners destroyed
+  /// The streams with pools here that their owners destroyed meanwhile
+  /// (device::stream_destroy_pending).
+  [[nodiscard]] std::vector<backend::stream_ref> streams_destroyed_by_owner() const;
+  /// The stream's pools, or nullptr when it has none.
+  [[nodiscard]] stream_pools* find_stream_pools(backend::stream_ref stream) const;
+  /// Retires a stream's pools, with the directory's lock and both pools'
+  /// held: ready(pools) checks them first — returning false changes nothing
+  /// (then this returns false) — then take(pool), which must not throw, runs
+  /// for each. They must hold no segment, pending free or parked block then
+  /// (else this returns false too): they leave the directory out of
+  /// service, kept to serve a later stream, and every thread's last-pools
+  /// entry goes stale. Returns true: the caller ends the stream's hold then
+  /// (end_retired_stream_hold), with no allocator lock held.
+  bool retire_stream_pools(backend::stream_ref stream, const std::function<bool(stream_pools&)>& ready,
+                           const std::function<void(block_pool&)>& take);
+  /// Ends the hold the directory had on a stream whose pools retired, which
+  /// destroys it; an error of that destroy is dropped (the hold is gone
+  /// either way: only an adopted stream's destroy fails there).
+  void end_retired_stream_hold(backend::stream_ref stream) noexcept;
   /// Runs fn(pool) for every live pool, one at a time, with no lock held.
   template <class Fn>
   void for_each_pool(Fn&& fn) const;
@@ -225,6 +254,10 @@ class pool_directory {
 
  private:
   block_pool& pool_for_uncached(backend::stream_ref stream, pool_kind kind);
+  [[nodiscard]] std::uint64_t pools_serial() const noexcept { return pools_serial_.load(std::memory_order_relaxed); }
+  /// A retired stream's pools to serve `stream`, or new ones.
+  [[nodiscard]] std::unique_ptr<stream_pools> pools_to_serve(backend::stream_ref stream);
+  void keep_stream_pools_for_reuse(std::unique_ptr<stream_pools> pools) noexcept;  // directory_mutex_ held
   [[nodiscard]] pool_direction scoped_direction() const noexcept;
   void keep_for_reuse(std::unique_ptr<block_pool> part) noexcept;  // directory_mutex_ held
   [[nodiscard]] block_pool& find_private_part(private_pool_id id, const std::string& part) const;  // directory_mutex_ held
@@ -234,6 +267,9 @@ class pool_directory {
 
   backend::device& device_;
   const std::uint64_t serial_;  // tells this directory's thread-local cache entries apart
+  // Tells its last-pools entries apart: serial_ at first, a new serial (from
+  // the same count, so never another directory's) at each retirement.
+  std::atomic<std::uint64_t> pools_serial_;
   std::atomic<std::uint64_t> segments_taken_{0};
 
   mutable std::shared_mutex segments_mutex_;
@@ -243,6 +279,7 @@ class pool_directory {
   std::unordered_map<void*, std::unique_ptr<stream_pools>> stream_pools_;  // guarded by directory_mutex_
   std::map<std::uint64_t, std::unique_ptr<private_pool>> private_pools_;   // guarded by directory_mutex_
   std::vector<std::unique_ptr<block_pool>> reusable_parts_;                // guarded by directory_mutex_
+  std::vector<std::unique_ptr<stream_pools>> reusable_stream_pools_;       // guarded by directory_mutex_
   std::uint64_t next_private_id_ = 1;                                     // guarded by directory_mutex_
 };
 

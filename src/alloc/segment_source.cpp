@@ -365,6 +365,28 @@ block* segment_source::grow_expandable(block_pool& pool, std::size_t size) {
 
 void segment_source::release_cached(block_pool& pool) { give_back(pool, ~std::size_t{0}, nullptr, nullptr); }
 
+bool segment_source::release_unmapped_growable(block_pool& pool) {
+  segment* s = pool.growable;
+  if (s == nullptr) return true;
+  block* whole = s->first;
+  if (s->mapped_bytes != 0 || whole->next != nullptr || whole->state != block_state::free) return false;
+  // The ordering rule (pool_directory.h): out of the directory before the
+  // device has the range back.
+  directory_.unregister_segment(*s);
+  try {
+    device_.release_range(reinterpret_cast<void*>(s->base));
+  } catch (...) {
+    directory_.register_segment(*s);
+    throw;
+  }
+  pool_counters::sub(pool.counters.segments, 1);
+  give_back_waits(whole, events_);
+  recycle(pool, whole);
+  pool.growable = nullptr;
+  std::erase_if(pool.segments, [&](const std::unique_ptr<segment>& p) { return p.get() == s; });
+  return true;
+}
+
 void segment_source::free_detached_segments(private_pool_id pool,
                                             const std::vector<std::pair<std::uintptr_t, std::size_t>>& segments) {
   // Out of the directory already, so nobody can reach them again: each is

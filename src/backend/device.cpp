@@ -34,6 +34,7 @@ void device::destroy_stream(stream_ref stream) {
                                "holds on it, such as an allocator's that used it)");
       }
       it->second.destroy_pending = true;
+      deferred_destroys_.fetch_add(1, std::memory_order_release);
       return;
     }
   }
@@ -43,6 +44,12 @@ void device::destroy_stream(stream_ref stream) {
 void device::hold_stream(stream_ref stream) {
   std::lock_guard lock(holds_mutex_);
   ++holds_[stream.native].count;
+}
+
+bool device::stream_destroy_pending(stream_ref stream) {
+  std::lock_guard lock(holds_mutex_);
+  const auto it = holds_.find(stream.native);
+  return it != holds_.end() && it->second.destroy_pending;
 }
 
 void device::release_stream(stream_ref stream) {

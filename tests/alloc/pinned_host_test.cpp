@@ -158,17 +158,25 @@ TYPED_TEST(pinned_host_allocator, a_refused_record_keeps_the_awaiting_frees_held
   EXPECT_NO_THROW(a.check_invariants());
 }
 
-TYPED_TEST(pinned_host_allocator, awaiting_frees_of_a_destroyed_stream_are_left_alone) {
+// Awaiting frees wait for an event that only their stream's next call would
+// record: a destroyed stream makes none, so they are sealed when the
+// allocator lets the stream go (destroyed_streams_test.cpp), and the memory
+// goes back.
+TYPED_TEST(pinned_host_allocator, awaiting_frees_of_a_destroyed_stream_are_sealed_when_it_is_let_go) {
   auto& dev = this->device();
   alloc::caching_allocator a(dev, pinned());
-  stream s(dev);  // made first, so the destroyed stream's handle is not reused for it
+  stream s(dev);
+  backend::stream_ref gone_ref;
   {
     stream gone(dev);
+    gone_ref = gone.ref();
     a.deallocate(a.allocate(64 * kib, gone), gone);  // awaiting, no event
     dev.synchronize(gone);
   }
-  EXPECT_NO_THROW(a.process_pending_frees()) << "sealed on a destroyed stream";
+  EXPECT_NO_THROW(a.process_pending_frees());
   EXPECT_NO_THROW(a.empty_cache());
+  EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0) << "sealed, waited for and given back";
+  EXPECT_THROW(dev.synchronize(gone_ref), invalid_argument) << "and the stream destroyed";
   void* p = nullptr;
   EXPECT_NO_THROW(p = a.allocate(64 * kib, s));
   a.deallocate(p, s);

@@ -44,9 +44,15 @@
 // and its pool meanwhile. So are the streams a private pool's free blocks
 // remember (a tombstone's late free's, record_stream's a restore keeps). A
 // stream otherwise only passed to deallocate or record_stream is not held:
-// it must outlive those frees. Held streams pile up for the allocator's life
-// with their pools (on the host backend each keeps its executor thread; on
-// CUDA its cudaStream_t): make streams once and reuse them.
+// it must outlive those frees. A destroyed stream is let go early once its
+// pools hold nothing but cached memory: that memory goes back, the pools
+// retire and the stream is destroyed — at the next allocation that is not a
+// cached pair when the stream is idle, or at empty_cache (which waits for
+// its work and pending frees). A stream with a live block stays held until
+// it is freed and a later sweep or empty_cache comes; the streams only a
+// private pool's blocks remember stay held until the allocator goes. So a
+// stream per request does not pile up streams (host executor threads, CUDA
+// cudaStream_t handles) and their caches.
 //
 // Processes: an allocator belongs to the process that made it. In a fork()
 // child, allocate throws device_unavailable (its cached blocks are the
@@ -165,7 +171,9 @@ class caching_allocator {
   /// the allocator itself on a cache miss.
   void process_pending_frees();
   /// Waits for pending frees, then returns every cached segment (and every
-  /// unused chunk of growable segments) to the device.
+  /// unused chunk of growable segments) to the device. The streams their
+  /// owners destroyed whose blocks are all freed go too (see Streams above):
+  /// their work and their awaiting frees are waited for first.
   void empty_cache();
 
   /// From now on, the allocator reserves at most `fraction` (0 < fraction

@@ -20,6 +20,7 @@
 // shoal::out_of_memory, failing runtime calls shoal::backend_error.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -133,6 +134,16 @@ class device {
   /// destroy_stream was called meanwhile, and throws what that destroy throws.
   /// A stream with no hold gives shoal::invalid_argument.
   void release_stream(stream_ref stream);
+  /// How many destroy_stream calls a hold deferred so far (only ever grows):
+  /// a holder compares it with what it saw last to learn, with one load, that
+  /// an owner is done with a stream it holds (stream_destroy_pending says
+  /// which), and lets that stream go early.
+  [[nodiscard]] std::uint64_t deferred_stream_destroys() const noexcept {
+    return deferred_destroys_.load(std::memory_order_acquire);
+  }
+  /// Whether destroy_stream was called on `stream` while held, and its last
+  /// release_stream has not come yet.
+  [[nodiscard]] bool stream_destroy_pending(stream_ref stream);
   /// A stream this device did not create — another library's, such as
   /// PyTorch's, CuPy's or JAX's — usable wherever a stream is from now on
   /// (idempotent; the default stream and this device's own streams come back
@@ -277,6 +288,7 @@ class device {
   std::uint64_t serial_;
   std::mutex holds_mutex_;                          // a leaf lock: no device call runs under it
   std::unordered_map<void*, stream_holds> holds_;  // guarded by holds_mutex_; entries have count > 0
+  std::atomic<std::uint64_t> deferred_destroys_{0};  // destroy_stream calls a hold deferred
 };
 
 }  // namespace shoal::backend

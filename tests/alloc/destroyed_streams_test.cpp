@@ -1,0 +1,230 @@
+// Streams their owners destroyed while the allocator held them: once their
+// pools hold nothing but cached memory, that memory goes back, the pools
+// retire and the stream is destroyed for real — at the next allocation off
+// the cached pair when the stream is idle, or at empty_cache. A stream per
+// request no longer piles up held streams (threads on the host backend,
+// cudaStream_t handles on CUDA) and their caches.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "shoal/backend/host_device.h"
+#include "shoal/backend/stream.h"
+#include "shoal/core/error.h"
+#include "support/allocators.h"
+#include "support/forwarding_device.h"
+
+namespace shoal::testing {
+namespace {
+
+using backend::stream;
+using namespace std::chrono_literals;
+constexpr std::size_t mib = 1024 * 1024;
+
+template <class Backend>
+using destroyed_streams = allocator_test<Backend>;
+TYPED_TEST_SUITE(destroyed_streams, backend_config_types, backend_config_names);
+
+bool destroyed_for_real(backend::device& dev, backend::stream_ref s) {
+  try {
+    dev.synchronize(s);
+    return false;
+  } catch (const invalid_argument&) {
+    return true;
+  }
+}
+
+TYPED_TEST(destroyed_streams, an_idle_destroyed_stream_goes_at_the_next_allocation_with_its_cache) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  backend::stream_ref gone_ref;
+  {
+    stream gone(dev);
+    gone_ref = gone.ref();
+    a.deallocate(a.allocate(4 * mib, gone), gone);
+    dev.synchronize(gone);
+  }
+  EXPECT_FALSE(destroyed_for_real(dev, gone_ref)) << "held: its destroy waits";
+  const auto before = a.stats();
+  stream next(dev);
+  void* p = a.allocate(mib, next);  // next's first allocation: off the cached pair
+  EXPECT_TRUE(destroyed_for_real(dev, gone_ref)) << "its pools retired and the hold ended";
+  const auto after = a.stats();
+  for (const auto& s : a.take_snapshot().segments) {
+    EXPECT_EQ(s.stream, next.ref()) << "the destroyed stream's cached segment went back";
+  }
+  EXPECT_EQ(after.allocations.aggregate.allocated, 2) << "its counts stay in the cumulative figures";
+  EXPECT_EQ(after.allocations.aggregate.freed, 1);
+  EXPECT_GE(after.reserved_bytes.aggregate.peak, before.reserved_bytes.aggregate.peak) << "peaks never go down";
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(p, next);
+  dev.synchronize(next);
+}
+
+TYPED_TEST(destroyed_streams, a_destroyed_stream_whose_work_still_runs_waits_for_empty_cache) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  backend::stream_ref gone_ref;
+  {
+    stream gone(dev);
+    gone_ref = gone.ref();
+    void* p = a.allocate(4 * mib, gone);
+    dev.delay(gone, 300ms);
+    dev.fill(gone, p, 0x5A, 4 * mib);
+    a.deallocate(p, gone);
+  }  // its fill still queued
+  stream next(dev);
+  void* q = a.allocate(mib, next);
+  EXPECT_FALSE(destroyed_for_real(dev, gone_ref)) << "an allocation never waits for a destroyed stream's work";
+  a.empty_cache();  // waits for it, gives its memory back
+  EXPECT_TRUE(destroyed_for_real(dev, gone_ref));
+  for (const auto& s : a.take_snapshot().segments) EXPECT_NE(s.stream, gone_ref);
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(q, next);
+  dev.synchronize(next);
+}
+
+TYPED_TEST(destroyed_streams, a_destroyed_streams_pools_stay_while_a_block_of_it_lives) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  backend::stream_ref gone_ref;
+  void* p = nullptr;
+  {
+    stream gone(dev);
+    gone_ref = gone.ref();
+    p = a.allocate(4 * mib, gone);
+    dev.synchronize(gone);
+  }
+  stream next(dev);
+  void* q = a.allocate(mib, next);
+  a.empty_cache();
+  EXPECT_FALSE(destroyed_for_real(dev, gone_ref)) << "a block of it lives: its pool stays, and the stream";
+  a.deallocate(p, gone_ref);  // freed on it: the hold keeps it usable for that
+  a.empty_cache();
+  EXPECT_TRUE(destroyed_for_real(dev, gone_ref)) << "its last block went: the pools retired";
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(q, next);
+  dev.synchronize(next);
+}
+
+// A thread's cache of its last stream's pools goes stale when they retire:
+// a new stream given the destroyed one's handle must not reach them, once
+// they serve another stream.
+TYPED_TEST(destroyed_streams, a_new_stream_on_a_retired_streams_handle_never_takes_another_streams_pools) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  backend::stream_ref gone_ref;
+  {
+    stream gone(dev);
+    gone_ref = gone.ref();
+    a.deallocate(a.allocate(mib, gone), gone);  // this thread's last pools: gone's
+    dev.synchronize(gone);
+  }
+  a.empty_cache();
+  ASSERT_TRUE(destroyed_for_real(dev, gone_ref));
+  stream other(dev);
+  std::thread([&] { a.deallocate(a.allocate(mib, other), other); }).join();  // takes the retired pools
+  // Made and destroyed until one gets the handle (the host backend frees a
+  // destroyed stream's memory at the next destroy).
+  std::optional<stream> candidate;
+  for (int i = 0; i < 16 && !(candidate && candidate->ref() == gone_ref); ++i) candidate.emplace(dev);
+  if (candidate->ref() != gone_ref) GTEST_SKIP() << "the backend gave the destroyed stream's handle to no new stream";
+  stream& reused = *candidate;
+  void* p = a.allocate(mib, reused);  // this thread's cached pair path first
+  const auto p_at = reinterpret_cast<std::uintptr_t>(p);
+  bool found = false;
+  for (const auto& s : a.take_snapshot().segments) {
+    if (p_at - s.address >= s.size) continue;
+    found = true;
+    EXPECT_EQ(s.stream, reused.ref()) << "the block came from the pool of the stream it was asked on";
+  }
+  EXPECT_TRUE(found);
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(p, reused);
+  dev.synchronize(reused);
+  dev.synchronize(other);
+}
+
+// The pile-up itself: one stream per request, each destroyed when its
+// request is done. Counted on a device that knows how many of its streams
+// are alive.
+class stream_counting_device : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+  backend::stream_ref create_stream() override {
+    ++alive;
+    return forwarding_device::create_stream();
+  }
+  std::atomic<int> alive{0};
+
+ protected:
+  void destroy_stream_now(backend::stream_ref s) override {
+    forwarding_device::destroy_stream_now(s);
+    --alive;
+  }
+};
+
+TEST(destroyed_streams_host, a_stream_per_request_leaves_at_most_the_last_one_held) {
+  backend::host_device host({.capacity_bytes = 256 * mib});
+  stream_counting_device dev(host);
+  {
+    alloc::caching_allocator a(dev, {});
+    backend::stream_ref last;
+    for (int request = 0; request < 64; ++request) {
+      stream s(dev);
+      last = s.ref();
+      void* p = a.allocate(mib + static_cast<std::size_t>(request) * 4096, s);
+      dev.fill(s, p, 1, mib);
+      a.deallocate(p, s);
+      dev.synchronize(s);
+    }
+    EXPECT_LE(dev.alive.load(), 1) << "every stream but the last was let go at the next request's allocation";
+    for (const auto& seg : a.take_snapshot().segments) {
+      EXPECT_EQ(seg.stream, last) << "their cached memory went with them";
+    }
+    EXPECT_NO_THROW(a.check_invariants());
+  }
+  EXPECT_EQ(dev.alive.load(), 0);
+}
+
+// Streams made and destroyed on some threads while others allocate on their
+// own streams and a sweep may run on any of them.
+TEST(destroyed_streams_host, streams_come_and_go_while_other_threads_allocate) {
+  backend::host_device dev({.capacity_bytes = 512 * mib});
+  alloc::caching_allocator a(dev, {});
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> steady;
+  for (int t = 0; t < 2; ++t) {
+    steady.emplace_back([&] {
+      stream mine(dev);
+      while (!stop.load()) {
+        void* p = a.allocate(256 * 1024, mine);
+        a.deallocate(p, mine);
+      }
+      dev.synchronize(mine);
+    });
+  }
+  std::vector<std::thread> churn;
+  for (int t = 0; t < 2; ++t) {
+    churn.emplace_back([&, t] {
+      for (int i = 0; i < 100; ++i) {
+        stream s(dev);
+        void* p = a.allocate(mib * static_cast<std::size_t>(1 + (i + t) % 3), s);
+        a.deallocate(p, s);
+        dev.synchronize(s);
+        if (i % 25 == 0) a.empty_cache();
+      }
+    });
+  }
+  for (auto& th : churn) th.join();
+  stop = true;
+  for (auto& th : steady) th.join();
+  EXPECT_NO_THROW(a.check_invariants());
+}
+
+}  // namespace
+}  // namespace shoal::testing
