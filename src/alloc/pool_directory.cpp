@@ -70,9 +70,14 @@ void pool_directory::release_stream_holds() noexcept {
 }
 
 block_pool& pool_directory::pool_for_uncached(backend::stream_ref stream, pool_kind kind) {
+  // The pools serial is read with the lookup, under the directory's lock
+  // (a retirement changes it under that lock, exclusive): pools that retire
+  // after the lookup leave this thread's entry stale, never current.
   stream_pools* pools = nullptr;
+  std::uint64_t serial = 0;
   {
     std::shared_lock lock(directory_mutex_);
+    serial = pools_serial();
     if (auto it = stream_pools_.find(stream.native); it != stream_pools_.end()) pools = it->second.get();
   }
   if (pools == nullptr) {
@@ -92,11 +97,15 @@ block_pool& pool_directory::pool_for_uncached(backend::stream_ref stream, pool_k
     {
       std::unique_lock lock(directory_mutex_);
       try {
+        serial = pools_serial();
+        // Room first: a rehash refused after the node took `made` would
+        // destroy it, and reused pools may still be looked at (below).
+        stream_pools_.reserve(stream_pools_.size() + 1);
         const auto [it, inserted] = stream_pools_.try_emplace(stream.native, std::move(made));
         pools = it->second.get();  // another thread's, if first
         made_here = inserted;
       } catch (...) {
-        keep_stream_pools_for_reuse(std::move(made));  // try_emplace moved nothing
+        keep_stream_pools_for_reuse(std::move(made));  // the node's allocation failed: nothing moved
         lock.unlock();
         device_.release_stream(stream);
         throw;
@@ -105,7 +114,7 @@ block_pool& pool_directory::pool_for_uncached(backend::stream_ref stream, pool_k
     }
     if (!made_here) device_.release_stream(stream);  // theirs still holds it: this destroys nothing
   }
-  thread_cache::last_pools = {serial_, stream.native, pools};
+  thread_cache::last_pools = {serial, stream.native, pools};
   return pools->of(kind);
 }
 
@@ -136,6 +145,7 @@ std::unique_ptr<stream_pools> pool_directory::pools_to_serve(backend::stream_ref
 }
 
 void pool_directory::keep_stream_pools_for_reuse(std::unique_ptr<stream_pools> pools) noexcept {
+  if (pools == nullptr) return;
   for (block_pool* p : {&pools->small, &pools->large}) {
     std::lock_guard pool_lock(p->lock);
     p->in_service = false;

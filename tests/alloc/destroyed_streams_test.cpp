@@ -149,6 +149,35 @@ TYPED_TEST(destroyed_streams, a_new_stream_on_a_retired_streams_handle_never_tak
   dev.synchronize(other);
 }
 
+// After a retirement a thread's cache of its stream's pools works again at
+// once: a cached pair (which never sweeps) still serves, so a stream
+// destroyed meanwhile is still held after it.
+TYPED_TEST(destroyed_streams, the_cached_pair_serves_again_after_a_retirement) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  stream mine(dev);
+  {
+    stream gone(dev);
+    a.deallocate(a.allocate(mib, gone), gone);
+    dev.synchronize(gone);
+  }
+  void* p = a.allocate(mib, mine);  // off the cached pair: sweeps, gone's pools retire
+  backend::stream_ref later_ref;
+  {
+    stream later(dev);
+    later_ref = later.ref();
+    std::thread([&] { a.deallocate(a.allocate(mib, later), later); }).join();  // this thread's cache stays on mine
+    dev.synchronize(later);
+  }
+  a.deallocate(p, mine);
+  p = a.allocate(mib, mine);  // the cached pair: no sweep
+  EXPECT_FALSE(destroyed_for_real(dev, later_ref)) << "the pair went the general way: its cache entry never hit";
+  a.deallocate(p, mine);
+  a.empty_cache();
+  EXPECT_TRUE(destroyed_for_real(dev, later_ref));
+  dev.synchronize(mine);
+}
+
 // The pile-up itself: one stream per request, each destroyed when its
 // request is done. Counted on a device that knows how many of its streams
 // are alive.
