@@ -157,7 +157,7 @@ void* allocator_core::allocate_general(std::size_t bytes, backend::stream_ref st
   // not locked here, and may be stale).
   if (bytes > max_request) out_of_memory_error(directory_.pool_for(stream, pool_kind::large), bytes, stream);
   const std::size_t size = block_size_for(bytes, config);
-  if (directed.part != nullptr) directory_.hold_stream(stream);  // its blocks will remember the stream
+  if (directed.part != nullptr) directory_.hold_stream_for_private_blocks(stream);  // its blocks will remember it
   block_pool& pool = directed.part != nullptr ? *directed.part : directory_.pool_for(stream, pool_kind_for(size));
   const request r{size, bytes, stream, claim, directed.generation};
   const bool hooks_first = first_try_leaves_growth_to_hooks();
@@ -697,11 +697,11 @@ void allocator_core::empty_cache() {
 
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
-  const auto note_stream = [&](block_pool&, block* b) {
+  const auto note_stream = [&](block_pool& pool, block* b) {
     // A tombstone: its owner's storage records its streams before the late
     // free, which must still come to remove it. Nothing waits for them now.
     if (b->state == block_state::invalidated) return;
-    if (stream != b->stream) add_unique(b->used_on, stream);
+    if (stream != b->stream) note_used_on(pool, b, stream);
   };
   if (run_on_block<false>(address, note_stream)) return;
   // An orphan: nothing waits for its streams (its memory may be another
@@ -728,7 +728,7 @@ bool allocator_core::record_inside_block(std::uintptr_t address, backend::stream
     for (block* b = s->first; b != nullptr; b = b->next) {
       if (address - b->address >= b->size) continue;
       if (b->state != block_state::allocated) return false;
-      if (stream != b->stream) add_unique(b->used_on, stream);
+      if (stream != b->stream) note_used_on(*pool, b, stream);
       return true;
     }
   }

@@ -28,6 +28,7 @@
 
 #include "alloc/allocator_hooks.h"
 #include "alloc/block_pool.h"
+#include "alloc/core_util.h"
 #include "alloc/event_pool.h"
 #include "alloc/orphaned_tombstones.h"
 #include "alloc/pool_directory.h"
@@ -232,6 +233,11 @@ class allocator_core {
   /// record_stream of a pointer inside an allocated block: true when it
   /// found one (and noted the stream on it).
   bool record_inside_block(std::uintptr_t address, backend::stream_ref stream);
+  /// Adds `stream` to the block's used_on (pool locked).
+  static void note_used_on(block_pool& pool, block* b, backend::stream_ref stream) {
+    add_unique(b->used_on, stream);
+    pool.streams_recorded = true;
+  }
   /// A late free of a tombstone on `stream`: its memory goes back to the
   /// sub-pool, last used on `stream`.
   void remove_tombstone(block_pool& part, block* b, backend::stream_ref stream);
@@ -253,6 +259,9 @@ class allocator_core {
   /// runs or whose pending frees are not done, for a later sweep, and drops
   /// the errors it meets (the allocation goes on). Takes no lock held.
   void let_destroyed_streams_go(bool wait);
+  /// Whether an allocated block of any pool has `stream` among the streams
+  /// record_stream noted on it (its free will record on the stream).
+  bool recorded_on_a_live_block(backend::stream_ref stream);
   /// One pool of a destroyed stream: its awaiting frees sealed, pending
   /// frees collected (waited for with `wait`), cached memory given back.
   /// Returns whether it holds nothing now.

@@ -62,6 +62,10 @@ struct alignas(64) block_pool {
   /// private_pool_scope remembers it, so a scope that outlived its pool is
   /// refused even once the sub-pool serves a later private pool.
   std::uint64_t service_generation = 0;
+  /// Some block may have streams in its used_on (record_stream set it): a
+  /// sweep for destroyed streams looks at this pool's blocks, and clears it
+  /// when none has (destroyed_streams.cpp).
+  bool streams_recorded = false;
   std::string part_name;  ///< private sub-pools
   /// Private sub-pools in service: their pool's id (set under `lock`).
   private_pool_id owner;

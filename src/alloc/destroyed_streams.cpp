@@ -3,15 +3,15 @@
 // a program ever allocated on would stay held, with its pools, until the
 // allocator's teardown: a stream per request would pile up host threads
 // (host backend) or cudaStream_t handles (CUDA).
-#include <new>
+#include <algorithm>
 
 #include "alloc/allocator_core.h"
 #include "alloc/awaiting_frees.h"
-#include "shoal/core/error.h"
 
 namespace shoal::alloc::detail {
 
 void allocator_core::let_destroyed_streams_go(bool wait) {
+  if (epoch_.forked_since()) return;  // the streams and the memory are the parent's
   std::unique_lock sweeping(sweep_mutex_, std::defer_lock);
   if (wait) {
     sweeping.lock();
@@ -24,11 +24,14 @@ void allocator_core::let_destroyed_streams_go(bool wait) {
   try {
     for (const backend::stream_ref s : directory_.streams_destroyed_by_owner()) {
       stream_pools* pools = directory_.find_stream_pools(s);
-      if (pools == nullptr) continue;
+      if (pools == nullptr || pools->private_blocks_remember.load(std::memory_order_relaxed)) continue;
       if (!wait && !device.query(s)) continue;  // its work still runs: a later sweep
+      // A live block's free will record on it (record_stream): held till then.
+      if (recorded_on_a_live_block(s)) continue;
       bool emptied = empty_destroyed_streams_pool(pools->small, wait);
       emptied = empty_destroyed_streams_pool(pools->large, wait) && emptied;
       if (!emptied) continue;  // a live block, a free not done yet, a segment kept: a later sweep
+      if (wait) device.synchronize(s);  // its last work (the pools gave nothing back, so nothing waited)
       bool retired = false;
       {
         std::lock_guard retired_lock(retired_mutex_);  // its counters move to retired_ atomically for stats()
@@ -37,12 +40,32 @@ void allocator_core::let_destroyed_streams_go(bool wait) {
       }
       if (retired) directory_.end_retired_stream_hold(s);
     }
-  } catch (const error&) {
-    if (wait) throw;  // empty_cache reports it; an allocation goes on without the sweep
-  } catch (const std::bad_alloc&) {
+  } catch (...) {
+    // empty_cache reports it; an allocation goes on without the sweep (a
+    // release observer's error, the device's, the host out of memory), and
+    // the stream waits for a later one.
     if (wait) throw;
   }
   check_step();
+}
+
+bool allocator_core::recorded_on_a_live_block(backend::stream_ref stream) {
+  bool found = false;
+  directory_.for_each_pool([&](block_pool& p) {
+    if (found) return;
+    std::lock_guard lock(p.lock);
+    if (!p.streams_recorded) return;
+    bool any = false;  // used_on is cleared at the free: only live blocks (and tombstones) have some
+    for (const auto& seg : p.segments) {
+      for (const block* b = seg->first; b != nullptr && !found; b = b->next) {
+        if (b->used_on.empty()) continue;
+        any = true;
+        found = std::find(b->used_on.begin(), b->used_on.end(), stream) != b->used_on.end();
+      }
+    }
+    if (!any) p.streams_recorded = false;  // exact: streams are noted under this lock
+  });
+  return found;
 }
 
 bool allocator_core::empty_destroyed_streams_pool(block_pool& pool, bool wait) {

@@ -327,6 +327,15 @@ void check_allocator_invariants(const pool_directory& directory, const segment_s
                            std::to_string(source.ceiling()));
     }
   });
+  directory.for_each_retired_stream_pool([](const block_pool& pool) {
+    const pool_counters& c = pool.counters;
+    if (pool.in_service || !pool.segments.empty() || !pool.pending.empty() || !pool.awaiting.empty() ||
+        !pool.sealed.empty() || pool.quick_count > 0 || pool.growable != nullptr || c.allocations.current != 0 ||
+        c.segments.current != 0 || c.reserved_bytes.current != 0 || c.allocations.allocated != 0) {
+      fail("retired", "a retired stream's " + std::string(pool.kind == pool_kind::small ? "small" : "large") +
+                          " pool, kept for reuse, is in service or holds segments, blocks or counts");
+    }
+  });
 }
 
 }  // namespace shoal::alloc::detail

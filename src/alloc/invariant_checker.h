@@ -29,7 +29,10 @@
 //               same, and each pool lists its segments in the order taken;
 //   orphans     no orphaned tombstone lies where a block of a segment taken
 //               from the device may start (its 512-byte grid; anywhere in
-//               a growable range).
+//               a growable range);
+//   retired     the pools of retired streams kept for reuse are out of
+//               service and hold no segment, pending or parked block, or
+//               count (checked after the rest, each under its own lock).
 // The first broken one is thrown as invariant_violation, naming the
 // invariant, the pool, the segment and the block.
 #pragma once

@@ -3,6 +3,7 @@
 #include "shoal/alloc/invariant_test_hook.h"
 
 #include <mutex>
+#include <utility>
 
 #include "alloc/allocator_core.h"
 #include "alloc/block_structure.h"
@@ -17,6 +18,14 @@ namespace detail {
 
 void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_breakage what) {
   using test_hook::invariant_breakage;
+  if (what == invariant_breakage::retired_pool_counted) {  // no pool lock held here: the directory's comes first
+    bool counted = false;
+    directory_.for_each_retired_stream_pool([&](block_pool& pool) {
+      if (!std::exchange(counted, true)) pool_counters::add(pool.counters.allocations, 1);
+    });
+    if (!counted) throw invalid_argument("unsafe_break_invariant: the allocator let no stream go");
+    return;
+  }
   with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "unsafe_break_invariant", [&](block_pool& pool, block* b) {
     block* next = b->next;
     const bool next_settled = settled_free(next) && next->size >= 2 * min_block;
@@ -55,6 +64,8 @@ void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_brea
         if (b->state != block_state::invalidated) break;
         (void)pool.allocated.take(b->address);
         return;
+      case invariant_breakage::retired_pool_counted:
+        break;  // above
     }
     throw invalid_argument("unsafe_break_invariant: the block at " + hex(b->address) +
                            " has no block after it, or not the settled free block of at least 1024 bytes this needs, "

@@ -69,7 +69,7 @@ void pool_directory::release_stream_holds() noexcept {
   }
 }
 
-block_pool& pool_directory::pool_for_uncached(backend::stream_ref stream, pool_kind kind) {
+stream_pools& pool_directory::pools_of_uncached(backend::stream_ref stream) {
   // The pools serial is read with the lookup, under the directory's lock
   // (a retirement changes it under that lock, exclusive): pools that retire
   // after the lookup leave this thread's entry stale, never current.
@@ -115,7 +115,7 @@ block_pool& pool_directory::pool_for_uncached(backend::stream_ref stream, pool_k
     if (!made_here) device_.release_stream(stream);  // theirs still holds it: this destroys nothing
   }
   thread_cache::last_pools = {serial, stream.native, pools};
-  return pools->of(kind);
+  return *pools;
 }
 
 std::unique_ptr<stream_pools> pool_directory::pools_to_serve(backend::stream_ref stream) {
@@ -141,6 +141,7 @@ std::unique_ptr<stream_pools> pool_directory::pools_to_serve(backend::stream_ref
     p->stream = stream;
     p->in_service = true;
   }
+  pools->private_blocks_remember.store(false, std::memory_order_relaxed);
   return pools;
 }
 
@@ -189,7 +190,10 @@ bool pool_directory::retire_stream_pools(backend::stream_ref stream, const std::
       const auto holds_nothing = [](const block_pool& p) {
         return p.segments.empty() && p.pending.empty() && p.sealed.empty() && p.quick_count == 0;
       };
-      if (!ready(pools) || !holds_nothing(pools.small) || !holds_nothing(pools.large)) return false;
+      if (pools.private_blocks_remember.load(std::memory_order_relaxed) || !holds_nothing(pools.small) ||
+          !holds_nothing(pools.large) || !ready(pools)) {
+        return false;
+      }
       for (block_pool* p : {&pools.small, &pools.large}) {
         take(*p);
         p->counters = {};
@@ -255,6 +259,16 @@ segment_map::const_iterator pool_directory::overlapping_locked(std::uintptr_t ba
 void pool_directory::unregister_segment(const segment& s) {
   std::unique_lock lock(segments_mutex_);
   segments_by_base_.erase(s.base);
+}
+
+segment_map::node_type pool_directory::take_segment_entry(const segment& s) {
+  std::unique_lock lock(segments_mutex_);
+  return segments_by_base_.extract(s.base);
+}
+
+void pool_directory::put_back_segment_entry(segment_map::node_type entry) noexcept {
+  std::unique_lock lock(segments_mutex_);
+  segments_by_base_.insert(std::move(entry));
 }
 
 std::unique_ptr<block_pool> pool_directory::new_private_part() {

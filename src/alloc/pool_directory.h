@@ -83,6 +83,13 @@ namespace shoal::alloc::detail {
 struct stream_pools {
   block_pool small;
   block_pool large;
+  /// Set once a private pool's block was handed out on the stream: such a
+  /// block remembers it (as its stream, then among its last streams once
+  /// freed), so the stream stays held until teardown (its pools never
+  /// retire). Written with no lock; read by a retirement under the
+  /// directory's lock (a race needs an allocation on a stream its owner
+  /// destroyed).
+  std::atomic<bool> private_blocks_remember{false};
   block_pool& of(pool_kind kind) { return kind == pool_kind::small ? small : large; }
 };
 
@@ -143,15 +150,21 @@ class pool_directory {
     const auto& last = thread_cache::last_pools;
     return last.directory == pools_serial() && last.stream == stream.native ? last.pools : nullptr;
   }
-  /// The stream's pool of `kind`, made on first use (and the stream held).
-  [[nodiscard]] block_pool& pool_for(backend::stream_ref stream, pool_kind kind) {
+  /// The stream's pools, made on first use (and the stream held).
+  [[nodiscard]] stream_pools& pools_of(backend::stream_ref stream) {
     const auto& last = thread_cache::last_pools;
-    if (last.directory == pools_serial() && last.stream == stream.native) [[likely]] return last.pools->of(kind);
-    return pool_for_uncached(stream, kind);
+    if (last.directory == pools_serial() && last.stream == stream.native) [[likely]] return *last.pools;
+    return pools_of_uncached(stream);
   }
-  /// Makes the stream's pools when it has none, so that it is held: for a
-  /// private pool's block, which remembers the stream it was used on.
-  void hold_stream(backend::stream_ref stream) { (void)pool_for(stream, pool_kind::small); }
+  /// The stream's pool of `kind`, made on first use (and the stream held).
+  [[nodiscard]] block_pool& pool_for(backend::stream_ref stream, pool_kind kind) { return pools_of(stream).of(kind); }
+  /// Holds the stream until teardown, by its pools (made when it has none,
+  /// then never retired): for a private pool's block handed out on it, which
+  /// remembers it.
+  void hold_stream_for_private_blocks(backend::stream_ref stream) {
+    std::atomic<bool>& mark = pools_of(stream).private_blocks_remember;
+    if (!mark.load(std::memory_order_relaxed)) [[unlikely]] mark.store(true, std::memory_order_relaxed);
+  }
   /// Ends the holds on every stream with pools here (the streams destroyed
   /// meanwhile go now). Teardown only, after the pools' last device calls;
   /// errors are dropped (the device may be gone).
@@ -166,8 +179,9 @@ class pool_directory {
   /// Retires a stream's pools, with the directory's lock and both pools'
   /// held: ready(pools) checks them first — returning false changes nothing
   /// (then this returns false) — then take(pool), which must not throw, runs
-  /// for each. They must hold no segment, pending free or parked block then
-  /// (else this returns false too): they leave the directory out of
+  /// for each. They must hold no segment, pending free or parked block, and
+  /// no private block may remember the stream (private_blocks_remember),
+  /// else this returns false too: they leave the directory out of
   /// service, kept to serve a later stream, and every thread's last-pools
   /// entry goes stale. Returns true: the caller ends the stream's hold then
   /// (end_retired_stream_hold), with no allocator lock held.
@@ -193,6 +207,18 @@ class pool_directory {
   /// segment directory's, so that nothing in the allocator changes.
   template <class Fn>
   void with_every_pool_locked(Fn&& fn) const;
+  /// Runs fn(pool) for each pool of the retired streams kept for reuse, its
+  /// lock held (the invariant checker, and its test hook).
+  template <class Fn>
+  void for_each_retired_stream_pool(Fn&& fn) const {
+    std::shared_lock directory_lock(directory_mutex_);
+    for (const auto& pools : reusable_stream_pools_) {
+      for (block_pool* p : {&pools->small, &pools->large}) {
+        std::lock_guard lock(p->lock);
+        fn(*p);
+      }
+    }
+  }
 
   // ---- private pools
   /// A sub-pool to build a new private pool from: one a destroyed private
@@ -243,6 +269,10 @@ class pool_directory {
   [[nodiscard]] block_pool* directory_pool(std::uintptr_t address) const;
   void register_segment(const segment& s);
   void unregister_segment(const segment& s);
+  /// unregister_segment, keeping the entry to put back (no allocation, so
+  /// putting it back cannot fail).
+  [[nodiscard]] segment_map::node_type take_segment_entry(const segment& s);
+  void put_back_segment_entry(segment_map::node_type entry) noexcept;
   /// The registered segment that overlaps [base, base + size), or end().
   /// Under segments_mutex_.
   [[nodiscard]] segment_map::const_iterator overlapping_locked(std::uintptr_t base, std::size_t size) const;
@@ -253,7 +283,7 @@ class pool_directory {
   }
 
  private:
-  block_pool& pool_for_uncached(backend::stream_ref stream, pool_kind kind);
+  stream_pools& pools_of_uncached(backend::stream_ref stream);
   [[nodiscard]] std::uint64_t pools_serial() const noexcept { return pools_serial_.load(std::memory_order_relaxed); }
   /// A retired stream's pools to serve `stream`, or new ones.
   [[nodiscard]] std::unique_ptr<stream_pools> pools_to_serve(backend::stream_ref stream);

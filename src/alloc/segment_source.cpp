@@ -372,11 +372,11 @@ bool segment_source::release_unmapped_growable(block_pool& pool) {
   if (s->mapped_bytes != 0 || whole->next != nullptr || whole->state != block_state::free) return false;
   // The ordering rule (pool_directory.h): out of the directory before the
   // device has the range back.
-  directory_.unregister_segment(*s);
+  auto entry = directory_.take_segment_entry(*s);
   try {
     device_.release_range(reinterpret_cast<void*>(s->base));
   } catch (...) {
-    directory_.register_segment(*s);
+    directory_.put_back_segment_entry(std::move(entry));
     throw;
   }
   pool_counters::sub(pool.counters.segments, 1);

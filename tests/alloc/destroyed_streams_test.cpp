@@ -149,6 +149,86 @@ TYPED_TEST(destroyed_streams, a_new_stream_on_a_retired_streams_handle_never_tak
   dev.synchronize(other);
 }
 
+// What a destroyed stream is still remembered by keeps it held: a private
+// pool's block handed out on it (as its stream, then as its last stream once
+// freed: the next hand-out waits for it), and a live block record_stream
+// noted it on (its free records there).
+TYPED_TEST(destroyed_streams, a_stream_a_private_pools_free_block_remembers_stays_held) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  const auto pool = a.create_growing_private_pool();
+  backend::stream_ref gone_ref;
+  {
+    stream gone(dev);
+    gone_ref = gone.ref();
+    alloc::private_pool_scope scope(a, pool);
+    a.deallocate(a.allocate(mib, gone), gone);  // the free block remembers `gone`
+    dev.synchronize(gone);
+  }
+  stream next(dev);
+  void* q0 = a.allocate(mib, next);  // off the cached pair: sweeps
+  a.empty_cache();
+  EXPECT_FALSE(destroyed_for_real(dev, gone_ref)) << "a private pool's free block remembers it";
+  void* q = nullptr;
+  {
+    alloc::private_pool_scope scope(a, pool);
+    EXPECT_NO_THROW(q = a.allocate(mib, next)) << "the hand-out waits for the remembered stream";
+  }
+  if (q != nullptr) a.deallocate(q, next);
+  a.deallocate(q0, next);
+  dev.synchronize(next);
+  a.destroy_private_pool(pool);
+}
+
+TYPED_TEST(destroyed_streams, a_stream_a_live_private_block_was_handed_out_on_stays_held) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  const auto pool = a.create_growing_private_pool();
+  backend::stream_ref gone_ref;
+  void* p = nullptr;
+  {
+    stream gone(dev);
+    gone_ref = gone.ref();
+    alloc::private_pool_scope scope(a, pool);
+    p = a.allocate(mib, gone);
+    dev.synchronize(gone);
+  }
+  stream next(dev);
+  void* q = a.allocate(mib, next);
+  a.empty_cache();
+  EXPECT_FALSE(destroyed_for_real(dev, gone_ref));
+  EXPECT_NO_THROW(a.deallocate(p, gone_ref));
+  a.deallocate(q, next);
+  dev.synchronize(next);
+  a.destroy_private_pool(pool);
+}
+
+TYPED_TEST(destroyed_streams, a_stream_recorded_on_a_live_block_stays_held_until_its_free) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  stream mine(dev);
+  void* x = a.allocate(mib, mine);
+  backend::stream_ref side_ref;
+  {
+    stream side(dev);
+    side_ref = side.ref();
+    a.deallocate(a.allocate(mib, side), side);  // side has pools: held
+    a.record_stream(x, side);                   // x is used on side too
+    dev.synchronize(side);
+  }
+  stream next(dev);
+  void* y = a.allocate(mib, next);  // sweeps
+  a.empty_cache();
+  EXPECT_FALSE(destroyed_for_real(dev, side_ref)) << "x's free will record on it";
+  EXPECT_NO_THROW(a.deallocate(x, mine)) << "the free records on side";
+  a.empty_cache();
+  EXPECT_TRUE(destroyed_for_real(dev, side_ref)) << "once x's free recorded there, side goes";
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(y, next);
+  dev.synchronize(next);
+  dev.synchronize(mine);
+}
+
 // After a retirement a thread's cache of its stream's pools works again at
 // once: a cached pair (which never sweeps) still serves, so a stream
 // destroyed meanwhile is still held after it.
@@ -221,38 +301,56 @@ TEST(destroyed_streams_host, a_stream_per_request_leaves_at_most_the_last_one_he
 }
 
 // Streams made and destroyed on some threads while others allocate on their
-// own streams and a sweep may run on any of them.
-TEST(destroyed_streams_host, streams_come_and_go_while_other_threads_allocate) {
-  backend::host_device dev({.capacity_bytes = 512 * mib});
-  alloc::caching_allocator a(dev, {});
-  std::atomic<bool> stop{false};
-  std::vector<std::thread> steady;
-  for (int t = 0; t < 2; ++t) {
-    steady.emplace_back([&] {
-      stream mine(dev);
+// own streams, and stats, snapshots and empty_cache run beside them: the
+// cumulative figures never go down, and at the end every stream made was
+// destroyed and the cache is empty.
+TEST(destroyed_streams_host, streams_come_and_go_while_other_threads_allocate_and_read_stats) {
+  backend::host_device host({.capacity_bytes = 512 * mib});
+  stream_counting_device dev(host);
+  {
+    alloc::caching_allocator a(dev, {});
+    std::atomic<bool> stop{false};
+    std::vector<std::thread> steady;
+    for (int t = 0; t < 2; ++t) {
+      steady.emplace_back([&] {
+        stream mine(dev);
+        while (!stop.load()) a.deallocate(a.allocate(256 * 1024, mine), mine);
+        dev.synchronize(mine);
+      });
+    }
+    std::thread watcher([&] {
+      std::int64_t last_allocated = 0, last_peak = 0;
       while (!stop.load()) {
-        void* p = a.allocate(256 * 1024, mine);
-        a.deallocate(p, mine);
-      }
-      dev.synchronize(mine);
-    });
-  }
-  std::vector<std::thread> churn;
-  for (int t = 0; t < 2; ++t) {
-    churn.emplace_back([&, t] {
-      for (int i = 0; i < 100; ++i) {
-        stream s(dev);
-        void* p = a.allocate(mib * static_cast<std::size_t>(1 + (i + t) % 3), s);
-        a.deallocate(p, s);
-        dev.synchronize(s);
-        if (i % 25 == 0) a.empty_cache();
+        const auto st = a.stats();
+        EXPECT_GE(st.allocations.aggregate.allocated, last_allocated);
+        EXPECT_GE(st.reserved_bytes.aggregate.peak, last_peak);
+        last_allocated = st.allocations.aggregate.allocated;
+        last_peak = st.reserved_bytes.aggregate.peak;
+        (void)a.take_snapshot();
+        a.empty_cache();
       }
     });
+    std::vector<std::thread> churn;
+    for (int t = 0; t < 2; ++t) {
+      churn.emplace_back([&, t] {
+        for (int i = 0; i < 100; ++i) {
+          stream s(dev);
+          void* p = a.allocate(mib * static_cast<std::size_t>(1 + (i + t) % 3), s);
+          a.deallocate(a.allocate(4096, s), s);
+          a.deallocate(p, s);
+          if (i % 2 == 0) dev.synchronize(s);  // the others go destroyed with work queued
+        }
+      });
+    }
+    for (auto& th : churn) th.join();
+    stop = true;
+    for (auto& th : steady) th.join();
+    watcher.join();
+    a.empty_cache();
+    EXPECT_EQ(dev.alive.load(), 0) << "every stream made was let go";
+    EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0);
+    EXPECT_NO_THROW(a.check_invariants());
   }
-  for (auto& th : churn) th.join();
-  stop = true;
-  for (auto& th : steady) th.join();
-  EXPECT_NO_THROW(a.check_invariants());
 }
 
 }  // namespace

@@ -232,6 +232,25 @@ TYPED_TEST(invariant_checker, a_pool_in_the_directory_but_out_of_service_is_caug
   EXPECT_NE(what.find("out of service"), std::string::npos) << what;
 }
 
+TYPED_TEST(invariant_checker, a_retired_streams_pool_that_counts_an_allocation_is_caught) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  backend::stream next(dev);
+  void* p = a.allocate(kib, next);
+  {
+    backend::stream gone(dev);
+    a.deallocate(a.allocate(mib, gone), gone);
+    dev.synchronize(gone);
+  }
+  a.empty_cache();  // lets `gone` go: its pools are kept for reuse
+  EXPECT_NO_THROW(a.check_invariants());
+  alloc::test_hook::unsafe_break_invariant(a, p, invariant_breakage::retired_pool_counted);
+  const auto e = caught(a);
+  EXPECT_EQ(e.invariant(), "retired") << e.what();
+  a.deallocate(p, next);
+  dev.synchronize(next);
+}
+
 TYPED_TEST(invariant_checker, the_hook_refuses_a_pointer_the_allocator_did_not_hand_out) {
   auto& a = this->make();
   int local = 0;

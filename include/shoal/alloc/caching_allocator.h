@@ -35,24 +35,26 @@
 //
 // Streams: a stream must outlive every block allocated on it and every free
 // recorded on it (as on CUDA, where using a destroyed stream is undefined).
-// The allocator keeps a pool per stream for its own life, and holds each
-// stream it allocated on (device::hold_stream): its owner may destroy it
-// once its blocks are freed, and the stream is destroyed when the allocator
-// is, so that giving the pool's cached memory back (which synchronizes the
-// stream) and handing a private-pool block last used on it out on another
-// stream (which waits for it) still work, and no new stream takes its handle
-// and its pool meanwhile. So are the streams a private pool's free blocks
-// remember (a tombstone's late free's, record_stream's a restore keeps). A
-// stream otherwise only passed to deallocate or record_stream is not held:
-// it must outlive those frees. A destroyed stream is let go early once its
-// pools hold nothing but cached memory: that memory goes back, the pools
-// retire and the stream is destroyed — at the next allocation that is not a
-// cached pair when the stream is idle, or at empty_cache (which waits for
-// its work and pending frees). A stream with a live block stays held until
-// it is freed and a later sweep or empty_cache comes; the streams only a
-// private pool's blocks remember stay held until the allocator goes. So a
-// stream per request does not pile up streams (host executor threads, CUDA
-// cudaStream_t handles) and their caches.
+// The allocator keeps a pool per stream and holds each stream it allocated
+// on (device::hold_stream): its owner may destroy it once its blocks are
+// freed, and the stream is destroyed when the allocator lets it go, so that
+// giving the pool's cached memory back (which synchronizes the stream) and
+// handing a private-pool block last used on it out on another stream (which
+// waits for it) still work, and no new stream takes its handle and its pool
+// meanwhile. So are the streams a private pool's free blocks remember (a
+// tombstone's late free's, record_stream's a restore keeps). A stream
+// otherwise only passed to deallocate or record_stream is not held: it must
+// outlive those frees.
+// A destroyed stream is let go once its pools hold nothing but cached
+// memory: that memory goes back, the pools retire and the stream is
+// destroyed — at the next allocation that is not a cached pair when the
+// stream is idle, or at empty_cache (which waits for its work and pending
+// frees). A stream with a live block, or noted on a live block by
+// record_stream, stays held until that block is freed and a later sweep or
+// empty_cache comes; a stream a private pool's block was handed out on (the
+// pool's next hand-out waits for it) stays held until the allocator goes.
+// So a stream per request does not pile up streams (host executor threads,
+// CUDA cudaStream_t handles) and their caches.
 //
 // Processes: an allocator belongs to the process that made it. In a fork()
 // child, allocate throws device_unavailable (its cached blocks are the
