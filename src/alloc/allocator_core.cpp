@@ -147,11 +147,9 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream, bo
 void* allocator_core::allocate_general(std::size_t bytes, backend::stream_ref stream, bool claim) {
   if (bytes == 0) throw invalid_argument("caching_allocator::allocate: size is 0; ask for at least one byte");
   // An owner destroyed a stream this allocator holds since the last look:
-  // its pools may retire now (a new stream's first allocation comes here).
-  if (device.deferred_stream_destroys() != destroys_seen_.load(std::memory_order_relaxed) && host_waits_allowed())
-      [[unlikely]] {
-    let_destroyed_streams_go(false);
-  }
+  // it may be let go now (a new stream's first allocation comes here), or a
+  // stream skipped before may be looked at again.
+  if (sweep_due() && host_waits_allowed()) [[unlikely]] let_destroyed_streams_go(false);
   const pool_direction directed = directed_pool();
   // Past any pool: reported against the stream's (a scope's sub-pool is
   // not locked here, and may be stale).
@@ -193,9 +191,7 @@ block* allocator_core::allocate_after_miss(block_pool& pool, const request& r, b
 }
 
 block* allocator_core::try_allocate(block_pool& pool, const request& r, growth may_grow) {
-  // Stream pools are in service while they serve a stream, at generation 0
-  // (a stale cache entry that reached a retired one is not possible: the
-  // directory's pools serial changed).
+  // Stream pools are always in service, at generation 0.
   if (!pool.in_service || pool.service_generation != r.generation) [[unlikely]] {
     throw invalid_argument(
         "caching_allocator::allocate: this thread's private_pool_scope outlived its private pool (it was destroyed); "
@@ -681,6 +677,7 @@ void allocator_core::set_memory_fraction(double fraction) {
 }
 
 void allocator_core::empty_cache() {
+  let_destroyed_streams_go(true);  // first: their vacant pools' memory goes back below
   directory_.for_each_pool([&](block_pool& p) {
     std::vector<backend::event_ref> waits;
     {
@@ -691,8 +688,9 @@ void allocator_core::empty_cache() {
     std::lock_guard lock(p.lock);
     collect_pending(p, false);
     source_.release_cached(p);
+    if (p.vacant) (void)source_.release_unmapped_growable(p);  // each range spans the device's memory
   });
-  let_destroyed_streams_go(true);
+  check_step();
 }
 
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {

@@ -250,26 +250,40 @@ class allocator_core {
 
   // ---- streams their owners destroyed (destroyed_streams.cpp)
   /// Lets go of the streams with pools here that their owners destroyed
-  /// (device::stream_destroy_pending) once their pools hold nothing but
-  /// cached memory: that memory goes back, the pools retire (their counters
-  /// to retired_, the objects kept to serve a later stream) and the hold on
-  /// the stream ends, which destroys it. With `wait` (empty_cache) it waits
-  /// for their pending frees and their work first; without (the allocation
-  /// path's, where host_waits_allowed), it skips a stream whose work still
-  /// runs or whose pending frees are not done, for a later sweep, and drops
-  /// the errors it meets (the allocation goes on). Takes no lock held.
+  /// (device::stream_destroy_pending) once nothing of the allocator needs
+  /// them: no private block remembers them, no live block's free will
+  /// record on them (record_stream), their pools hold no live block or
+  /// pending free and their work has run. Their pools are made vacant with the
+  /// memory they cached, for the next new stream (pool_directory.h), and
+  /// the hold on each ends, which destroys it. With `wait` (empty_cache) it
+  /// waits for their pending frees and their work first, and throws the
+  /// first error once every stream had its turn; without (an allocation off
+  /// the cached pair, where host_waits_allowed) it skips a stream whose
+  /// work still runs or whose pending frees are not done, and drops errors.
+  /// A skipped stream is looked at again later (schedule_sweep_retry).
+  /// Takes no lock held.
   void let_destroyed_streams_go(bool wait);
-  /// Whether an allocated block of any pool has `stream` among the streams
-  /// record_stream noted on it (its free will record on the stream).
-  bool recorded_on_a_live_block(backend::stream_ref stream);
-  /// One pool of a destroyed stream: its awaiting frees sealed, pending
-  /// frees collected (waited for with `wait`), cached memory given back.
-  /// Returns whether it holds nothing now.
-  bool empty_destroyed_streams_pool(block_pool& pool, bool wait);
+  /// Whether an allocation off the cached pair should sweep: a destroy was
+  /// deferred since the last sweep, or a skipped stream's retry is due.
+  [[nodiscard]] bool sweep_due() noexcept;
+  /// After a sweep (sweep_mutex_ held): a retry after a growing number of
+  /// allocations when it skipped a stream, none otherwise.
+  void schedule_sweep_retry(bool skipped) noexcept;
+  /// The streams record_stream noted on live blocks (their frees will
+  /// record there), from the pools whose hint says they may have some.
+  [[nodiscard]] std::vector<backend::stream_ref> streams_recorded_on_live_blocks();
+  /// One pool of a destroyed stream: its awaiting frees sealed (and waited
+  /// for), pending frees collected (waited for with `wait`). Returns whether
+  /// it holds no live block or pending free now.
+  bool quiesce_destroyed_streams_pool(block_pool& pool, bool wait);
   /// The deferred destroys (device::deferred_stream_destroys) the last sweep
   /// saw: an allocation off the cached pair sweeps when the device's count
   /// moved past it (one load).
   std::atomic<std::uint64_t> destroys_seen_{0};
+  /// Allocations off the cached pair until a skipped stream is looked at
+  /// again (0: none skipped), and the next such wait.
+  std::atomic<std::uint32_t> sweep_retry_in_{0};
+  std::uint32_t sweep_retry_interval_ = 16;  // guarded by sweep_mutex_
   std::mutex sweep_mutex_;  ///< one sweep at a time; taken with no other allocator lock held
 
   const shoal::detail::fork_epoch epoch_;  ///< allocate refuses, deallocate ignores, in a fork() child

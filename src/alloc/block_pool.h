@@ -54,14 +54,17 @@ struct alignas(64) block_pool {
   /// and again once it left: a lookup that reaches it meanwhile (a stale
   /// per-thread cache entry, a directory entry of a creation that is
   /// failing) finds nothing and takes the locked slow path. Stream pools
-  /// are in service from their making until their stream's pools retire
-  /// (pool_directory::retire_stream_pools), and again once they serve a
-  /// later stream.
+  /// are always in service, vacant ones too.
   bool in_service = true;
   /// Private sub-pools: how many times it was put in service. A
   /// private_pool_scope remembers it, so a scope that outlived its pool is
   /// refused even once the sub-pool serves a later private pool.
   std::uint64_t service_generation = 0;
+  /// Stream pools of a stream the allocator let go, kept with their cache
+  /// for the next stream that needs pools (pool_directory::vacant_pools_):
+  /// `stream` is the default one then, and nothing of theirs is queued on
+  /// any stream, so giving their memory back synchronizes nothing.
+  bool vacant = false;
   /// Some block may have streams in its used_on (record_stream set it): a
   /// sweep for destroyed streams looks at this pool's blocks, and clears it
   /// when none has (destroyed_streams.cpp).

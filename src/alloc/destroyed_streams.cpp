@@ -2,11 +2,17 @@
 // them (allocator_core::let_destroyed_streams_go). Without it, every stream
 // a program ever allocated on would stay held, with its pools, until the
 // allocator's teardown: a stream per request would pile up host threads
-// (host backend) or cudaStream_t handles (CUDA).
+// (host backend) or cudaStream_t handles (CUDA). Their pools are made vacant
+// with their cache, which the next new stream takes over: the sweep gives
+// no memory back and makes no device call but a query, a seal's record and
+// its wait (empty_cache gives vacant pools' memory back).
 #include <algorithm>
+#include <exception>
+#include <vector>
 
 #include "alloc/allocator_core.h"
 #include "alloc/awaiting_frees.h"
+#include "alloc/block_structure.h"
 
 namespace shoal::alloc::detail {
 
@@ -21,54 +27,86 @@ void allocator_core::let_destroyed_streams_go(bool wait) {
   // Read before the streams are listed: a destroy after it moves the count
   // again, and a later allocation sweeps for it.
   destroys_seen_.store(device.deferred_stream_destroys(), std::memory_order_relaxed);
+  std::exception_ptr first_error;
+  bool skipped = false;
   try {
-    for (const backend::stream_ref s : directory_.streams_destroyed_by_owner()) {
-      stream_pools* pools = directory_.find_stream_pools(s);
-      if (pools == nullptr || pools->private_blocks_remember.load(std::memory_order_relaxed)) continue;
-      if (!wait && !device.query(s)) continue;  // its work still runs: a later sweep
-      // A live block's free will record on it (record_stream): held till then.
-      if (recorded_on_a_live_block(s)) continue;
-      bool emptied = empty_destroyed_streams_pool(pools->small, wait);
-      emptied = empty_destroyed_streams_pool(pools->large, wait) && emptied;
-      if (!emptied) continue;  // a live block, a free not done yet, a segment kept: a later sweep
-      if (wait) device.synchronize(s);  // its last work (the pools gave nothing back, so nothing waited)
-      bool retired = false;
-      {
-        std::lock_guard retired_lock(retired_mutex_);  // its counters move to retired_ atomically for stats()
-        retired = directory_.retire_stream_pools(
-            s, [](stream_pools&) { return true; }, [&](block_pool& p) { retire_counters(p); });
+    const std::vector<backend::stream_ref> destroyed = directory_.streams_destroyed_by_owner();
+    const std::vector<backend::stream_ref> recorded =
+        destroyed.empty() ? std::vector<backend::stream_ref>{} : streams_recorded_on_live_blocks();
+    for (const backend::stream_ref s : destroyed) {
+      try {
+        stream_pools* pools = directory_.find_stream_pools(s);
+        // A private pool's block remembers it: held until teardown, no retry.
+        if (pools == nullptr || pools->private_blocks_remember.load(std::memory_order_relaxed)) continue;
+        const bool ready = std::find(recorded.begin(), recorded.end(), s) == recorded.end() &&  // no free to record there
+                           (wait || device.query(s)) &&  // its work has run (waited for by empty_cache)
+                           quiesce_destroyed_streams_pool(pools->small, wait) &&
+                           quiesce_destroyed_streams_pool(pools->large, wait);
+        if (ready && wait) device.synchronize(s);  // its last work
+        if (ready && directory_.vacate_stream_pools(s, [](block_pool& p) {
+              settle_quick(p);
+              return true;
+            })) {
+          directory_.end_vacated_stream_hold(s);
+        } else {
+          skipped = true;
+        }
+      } catch (...) {
+        if (!first_error) first_error = std::current_exception();
+        skipped = true;
       }
-      if (retired) directory_.end_retired_stream_hold(s);
     }
-  } catch (...) {
-    // empty_cache reports it; an allocation goes on without the sweep (a
-    // release observer's error, the device's, the host out of memory), and
-    // the stream waits for a later one.
-    if (wait) throw;
+  } catch (...) {  // the listing: no host memory
+    if (!first_error) first_error = std::current_exception();
+    skipped = true;
   }
+  schedule_sweep_retry(skipped);
   check_step();
+  // empty_cache reports the first error once every stream had its turn; an
+  // allocation goes on without (the stream waits for a later sweep).
+  if (wait && first_error) std::rethrow_exception(first_error);
 }
 
-bool allocator_core::recorded_on_a_live_block(backend::stream_ref stream) {
-  bool found = false;
+void allocator_core::schedule_sweep_retry(bool skipped) noexcept {
+  // A stream skipped (its work still running, a block of it or recorded on
+  // it still live) is looked at again after 16 allocations off the cached
+  // pair, then 32, ... up to 1024 while it stays: a stream kept for long
+  // costs a sweep per thousand such allocations, not one each.
+  constexpr std::uint32_t first = 16, most = 1024;
+  if (!skipped) {
+    sweep_retry_interval_ = first;
+    sweep_retry_in_.store(0, std::memory_order_relaxed);
+    return;
+  }
+  sweep_retry_in_.store(sweep_retry_interval_, std::memory_order_relaxed);
+  sweep_retry_interval_ = std::min(sweep_retry_interval_ * 2, most);
+}
+
+bool allocator_core::sweep_due() noexcept {
+  if (device.deferred_stream_destroys() != destroys_seen_.load(std::memory_order_relaxed)) return true;
+  if (sweep_retry_in_.load(std::memory_order_relaxed) == 0) return false;
+  return sweep_retry_in_.fetch_sub(1, std::memory_order_relaxed) == 1;
+}
+
+std::vector<backend::stream_ref> allocator_core::streams_recorded_on_live_blocks() {
+  std::vector<backend::stream_ref> recorded;
   directory_.for_each_pool([&](block_pool& p) {
-    if (found) return;
     std::lock_guard lock(p.lock);
     if (!p.streams_recorded) return;
     bool any = false;  // used_on is cleared at the free: only live blocks (and tombstones) have some
     for (const auto& seg : p.segments) {
-      for (const block* b = seg->first; b != nullptr && !found; b = b->next) {
+      for (const block* b = seg->first; b != nullptr; b = b->next) {
         if (b->used_on.empty()) continue;
         any = true;
-        found = std::find(b->used_on.begin(), b->used_on.end(), stream) != b->used_on.end();
+        for (const auto s : b->used_on) add_unique(recorded, s);
       }
     }
     if (!any) p.streams_recorded = false;  // exact: streams are noted under this lock
   });
-  return found;
+  return recorded;
 }
 
-bool allocator_core::empty_destroyed_streams_pool(block_pool& pool, bool wait) {
+bool allocator_core::quiesce_destroyed_streams_pool(block_pool& pool, bool wait) {
   std::vector<backend::event_ref> waits;
   {
     std::lock_guard lock(pool.lock);
@@ -85,9 +123,7 @@ bool allocator_core::empty_destroyed_streams_pool(block_pool& pool, bool wait) {
   for (auto e : waits) device.synchronize_event(e);  // without the lock: this may take long
   std::lock_guard lock(pool.lock);
   collect_pending(pool, false);
-  if (!pool.pending.empty()) return false;
-  source_.release_cached(pool);
-  return source_.release_unmapped_growable(pool) && pool.segments.empty();
+  return pool.pending.empty() && pool.allocated.size() == 0;
 }
 
 }  // namespace shoal::alloc::detail

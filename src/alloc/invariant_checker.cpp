@@ -154,8 +154,8 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
       }
       settled += settled_free(b) ? 1 : 0;
       if (b->quick != parked.contains(b)) {
-        fail("free bins", block_name(b) + where + (b->quick ? " is marked parked but is not in the quick list"
-                                                            : " is in the quick list but not marked parked"));
+        fail("free bins", block_name(b) + where + (b->quick ? " is marked vacant but is not in the quick list"
+                                                            : " is in the quick list but not marked vacant"));
       }
       if (b->quick && (b->state != block_state::free || !b->mapped)) {
         fail("free bins", block_name(b) + where + " is parked but not free and mapped");
@@ -327,15 +327,27 @@ void check_allocator_invariants(const pool_directory& directory, const segment_s
                            std::to_string(source.ceiling()));
     }
   });
-  directory.for_each_retired_stream_pool([](const block_pool& pool) {
-    const pool_counters& c = pool.counters;
-    if (pool.in_service || !pool.segments.empty() || !pool.pending.empty() || !pool.awaiting.empty() ||
-        !pool.sealed.empty() || pool.quick_count > 0 || pool.growable != nullptr || c.allocations.current != 0 ||
-        c.segments.current != 0 || c.reserved_bytes.current != 0 || c.allocations.allocated != 0) {
-      fail("retired", "a retired stream's " + std::string(pool.kind == pool_kind::small ? "small" : "large") +
-                          " pool, kept for reuse, is in service or holds segments, blocks or counts");
-    }
-  });
+  directory.with_stream_pools_listed(
+      [](const std::vector<stream_pools*>& serving, const std::vector<stream_pools*>& vacant) {
+        const auto check = [](block_pool& pool, bool is_vacant) {
+          std::lock_guard lock(pool.lock);
+          if (pool.vacant != is_vacant) {
+            fail("vacant", "the " + pool_name(pool) + (is_vacant ? " is vacant but not marked so" : " is marked vacant but serves a stream"));
+          }
+          if (is_vacant && (pool.allocated.size() != 0 || !pool.pending.empty() || !pool.awaiting.empty() ||
+                            !pool.sealed.empty() || pool.quick_count > 0 || !pool.stream.is_default())) {
+            fail("vacant", "the vacant " + pool_name(pool) + " holds a live, pending or parked block, or names a stream");
+          }
+        };
+        for (stream_pools* p : serving) {
+          check(p->small, false);
+          check(p->large, false);
+        }
+        for (stream_pools* p : vacant) {
+          check(p->small, true);
+          check(p->large, true);
+        }
+      });
 }
 
 }  // namespace shoal::alloc::detail

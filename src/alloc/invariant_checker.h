@@ -30,9 +30,10 @@
 //   orphans     no orphaned tombstone lies where a block of a segment taken
 //               from the device may start (its 512-byte grid; anywhere in
 //               a growable range);
-//   retired     the pools of retired streams kept for reuse are out of
-//               service and hold no segment, pending or parked block, or
-//               count (checked after the rest, each under its own lock).
+//   vacant      the pools of streams let go (kept with their cache for the
+//               next new stream) are marked vacant, name no stream and hold
+//               no live, pending or parked block; no other pool is marked
+//               (checked after the rest, each under its own lock).
 // The first broken one is thrown as invariant_violation, naming the
 // invariant, the pool, the segment and the block.
 #pragma once

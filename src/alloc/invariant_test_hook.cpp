@@ -3,7 +3,7 @@
 #include "shoal/alloc/invariant_test_hook.h"
 
 #include <mutex>
-#include <utility>
+#include <vector>
 
 #include "alloc/allocator_core.h"
 #include "alloc/block_structure.h"
@@ -18,12 +18,15 @@ namespace detail {
 
 void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_breakage what) {
   using test_hook::invariant_breakage;
-  if (what == invariant_breakage::retired_pool_counted) {  // no pool lock held here: the directory's comes first
-    bool counted = false;
-    directory_.for_each_retired_stream_pool([&](block_pool& pool) {
-      if (!std::exchange(counted, true)) pool_counters::add(pool.counters.allocations, 1);
+  if (what == invariant_breakage::vacant_unmarked) {  // no pool lock held here: the directory's comes first
+    bool broken = false;
+    directory_.with_stream_pools_listed([&](const auto&, const std::vector<stream_pools*>& vacant) {
+      if (vacant.empty()) return;
+      std::lock_guard lock(vacant.front()->small.lock);
+      vacant.front()->small.vacant = false;
+      broken = true;
     });
-    if (!counted) throw invalid_argument("unsafe_break_invariant: the allocator let no stream go");
+    if (!broken) throw invalid_argument("unsafe_break_invariant: the allocator let no stream go");
     return;
   }
   with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "unsafe_break_invariant", [&](block_pool& pool, block* b) {
@@ -64,7 +67,7 @@ void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_brea
         if (b->state != block_state::invalidated) break;
         (void)pool.allocated.take(b->address);
         return;
-      case invariant_breakage::retired_pool_counted:
+      case invariant_breakage::vacant_unmarked:
         break;  // above
     }
     throw invalid_argument("unsafe_break_invariant: the block at " + hex(b->address) +

@@ -71,8 +71,8 @@ void pool_directory::release_stream_holds() noexcept {
 
 stream_pools& pool_directory::pools_of_uncached(backend::stream_ref stream) {
   // The pools serial is read with the lookup, under the directory's lock
-  // (a retirement changes it under that lock, exclusive): pools that retire
-  // after the lookup leave this thread's entry stale, never current.
+  // (a vacating changes it under that lock, exclusive): pools made vacant after
+  // the lookup leave this thread's entry stale, never current.
   stream_pools* pools = nullptr;
   std::uint64_t serial = 0;
   {
@@ -81,36 +81,46 @@ stream_pools& pool_directory::pools_of_uncached(backend::stream_ref stream) {
     if (auto it = stream_pools_.find(stream.native); it != stream_pools_.end()) pools = it->second.get();
   }
   if (pools == nullptr) {
-    // Made before the map is touched: std::bad_alloc from either leaves no
-    // entry without pools (every walk of the pools would meet it).
-    std::unique_ptr<stream_pools> made = pools_to_serve(stream);
     // Held first (no device call runs under the directory's lock), let go
-    // when another thread's pools hold it already or the map refuses.
-    try {
-      device_.hold_stream(stream);
-    } catch (...) {
-      std::unique_lock lock(directory_mutex_);
-      keep_stream_pools_for_reuse(std::move(made));
-      throw;
-    }
+    // when another thread's pools hold it already or making them fails.
+    device_.hold_stream(stream);
     bool made_here = false;
-    {
+    try {
       std::unique_lock lock(directory_mutex_);
-      try {
-        serial = pools_serial();
-        // Room first: a rehash refused after the node took `made` would
-        // destroy it, and reused pools may still be looked at (below).
+      serial = pools_serial();
+      if (auto it = stream_pools_.find(stream.native); it != stream_pools_.end()) {
+        pools = it->second.get();  // another thread's, first
+      } else {
+        // Vacant pools first: their cache serves the new stream at once.
+        // Moved into the map under one hold of the lock, so a walk of the
+        // pools meets them in one list or the other. Room in the map first
+        // (no rehash after the entry took them); the entry's own allocation
+        // fails before it takes them, and they stay vacant.
         stream_pools_.reserve(stream_pools_.size() + 1);
-        const auto [it, inserted] = stream_pools_.try_emplace(stream.native, std::move(made));
-        pools = it->second.get();  // another thread's, if first
-        made_here = inserted;
-      } catch (...) {
-        keep_stream_pools_for_reuse(std::move(made));  // the node's allocation failed: nothing moved
-        lock.unlock();
-        device_.release_stream(stream);
-        throw;
+        if (!vacant_pools_.empty()) {
+          std::unique_ptr<stream_pools>& taken = vacant_pools_.back();
+          serve(*taken, stream, false);
+          try {
+            pools = stream_pools_.emplace(stream.native, std::move(taken)).first->second.get();
+          } catch (...) {
+            serve(*taken, {}, true);
+            throw;
+          }
+          vacant_pools_.pop_back();
+        } else {
+          auto made = std::make_unique<stream_pools>();
+          made->small.kind = pool_kind::small;
+          made->large.kind = pool_kind::large;
+          made->small.sibling = &made->large;
+          made->large.sibling = &made->small;
+          serve(*made, stream, false);
+          pools = stream_pools_.emplace(stream.native, std::move(made)).first->second.get();
+        }
+        made_here = true;
       }
-      if (!made_here) keep_stream_pools_for_reuse(std::move(made));
+    } catch (...) {
+      device_.release_stream(stream);
+      throw;
     }
     if (!made_here) device_.release_stream(stream);  // theirs still holds it: this destroys nothing
   }
@@ -118,46 +128,11 @@ stream_pools& pool_directory::pools_of_uncached(backend::stream_ref stream) {
   return *pools;
 }
 
-std::unique_ptr<stream_pools> pool_directory::pools_to_serve(backend::stream_ref stream) {
-  std::unique_ptr<stream_pools> pools;
-  {
-    std::unique_lock lock(directory_mutex_);
-    if (!reusable_stream_pools_.empty()) {
-      pools = std::move(reusable_stream_pools_.back());
-      reusable_stream_pools_.pop_back();
-    }
-  }
-  if (pools == nullptr) {
-    pools = std::make_unique<stream_pools>();
-    pools->small.kind = pool_kind::small;
-    pools->large.kind = pool_kind::large;
-    pools->small.sibling = &pools->large;
-    pools->large.sibling = &pools->small;
-  }
-  // Under their locks: a walk of the pools listed before they retired may
-  // still look at them.
-  for (block_pool* p : {&pools->small, &pools->large}) {
+void pool_directory::serve(stream_pools& pools, backend::stream_ref stream, bool vacant) noexcept {
+  for (block_pool* p : {&pools.small, &pools.large}) {
     std::lock_guard pool_lock(p->lock);
     p->stream = stream;
-    p->in_service = true;
-  }
-  pools->private_blocks_remember.store(false, std::memory_order_relaxed);
-  return pools;
-}
-
-void pool_directory::keep_stream_pools_for_reuse(std::unique_ptr<stream_pools> pools) noexcept {
-  if (pools == nullptr) return;
-  for (block_pool* p : {&pools->small, &pools->large}) {
-    std::lock_guard pool_lock(p->lock);
-    p->in_service = false;
-    p->stream = {};
-  }
-  try {
-    reusable_stream_pools_.push_back(std::move(pools));
-  } catch (const std::bad_alloc&) {
-    // push_back moved nothing: left allocated, never freed, as a walk of
-    // the pools listed before may still lead to them.
-    (void)pools.release();
+    p->vacant = vacant;
   }
 }
 
@@ -178,38 +153,34 @@ stream_pools* pool_directory::find_stream_pools(backend::stream_ref stream) cons
   return it == stream_pools_.end() ? nullptr : it->second.get();
 }
 
-bool pool_directory::retire_stream_pools(backend::stream_ref stream, const std::function<bool(stream_pools&)>& ready,
-                                         const std::function<void(block_pool&)>& take) {
+bool pool_directory::vacate_stream_pools(backend::stream_ref stream, const std::function<bool(block_pool&)>& ready) {
+  std::unique_lock lock(directory_mutex_);
+  const auto it = stream_pools_.find(stream.native);
+  if (it == stream_pools_.end()) return false;
+  stream_pools& pools = *it->second;
+  vacant_pools_.reserve(vacant_pools_.size() + 1);  // room first: nothing below throws
   {
-    std::unique_lock lock(directory_mutex_);
-    const auto it = stream_pools_.find(stream.native);
-    if (it == stream_pools_.end()) return false;
-    stream_pools& pools = *it->second;
-    {
-      std::scoped_lock pool_locks(pools.small.lock, pools.large.lock);  // the only holder of both but the checker
-      const auto holds_nothing = [](const block_pool& p) {
-        return p.segments.empty() && p.pending.empty() && p.sealed.empty() && p.quick_count == 0;
-      };
-      if (pools.private_blocks_remember.load(std::memory_order_relaxed) || !holds_nothing(pools.small) ||
-          !holds_nothing(pools.large) || !ready(pools)) {
-        return false;
-      }
-      for (block_pool* p : {&pools.small, &pools.large}) {
-        take(*p);
-        p->counters = {};
-      }
+    std::scoped_lock pool_locks(pools.small.lock, pools.large.lock);
+    const auto idle = [&](block_pool& p) {
+      return ready(p) && p.allocated.size() == 0 && p.pending.empty() && p.sealed.empty() && p.quick_count == 0;
+    };
+    if (pools.private_blocks_remember.load(std::memory_order_relaxed) || !idle(pools.small) || !idle(pools.large)) {
+      return false;
     }
-    // Stale from now on: a thread whose last stream this was looks again
-    // (a new stream may be given the same handle once the hold ends).
-    pools_serial_.store(next_directory_serial.fetch_add(1), std::memory_order_relaxed);
-    std::unique_ptr<stream_pools> retired = std::move(it->second);
-    stream_pools_.erase(it);
-    keep_stream_pools_for_reuse(std::move(retired));
+    for (block_pool* p : {&pools.small, &pools.large}) {
+      p->stream = {};
+      p->vacant = true;
+    }
   }
+  // Stale from now on: a thread whose last stream this was looks again
+  // (a new stream may be given the same handle once the hold ends).
+  pools_serial_.store(next_directory_serial.fetch_add(1), std::memory_order_relaxed);
+  vacant_pools_.push_back(std::move(it->second));  // within the room reserved above
+  stream_pools_.erase(it);
   return true;
 }
 
-void pool_directory::end_retired_stream_hold(backend::stream_ref stream) noexcept {
+void pool_directory::end_vacated_stream_hold(backend::stream_ref stream) noexcept {
   try {
     device_.release_stream(stream);
   } catch (...) {  // NOLINT(bugprone-empty-catch): the hold ended; only the destroy failed (an adopted stream)

@@ -4,21 +4,26 @@
 //
 // Invariants:
 //   every stream with pools here is held on the device (hold_stream) until
-//     its pools retire (retire_stream_pools, once its owner destroyed it
-//     and they hold nothing) or release_stream_holds at teardown, so it is
-//     not destroyed, nor its handle reused, while a pool may still
-//     synchronize it or a block remember it;
+//     its pools are made vacant (vacate_stream_pools, once its owner destroyed it
+//     and they hold nothing but free memory whose uses have all run) or
+//     release_stream_holds at teardown, so it is not destroyed, nor its
+//     handle reused, while a pool may still synchronize it or a block
+//     remember it;
 //   a pool, once made, lives as long as the directory (a destroyed private
 //     pool's sub-pools are emptied and kept in reusable_parts_ to serve a
-//     later private pool, a retired stream's pools in
-//     reusable_stream_pools_ to serve a later stream), so a stale
-//     per-thread cache entry never points at freed memory; an entry naming
-//     a sub-pool that serves another region now is caught like any stale
-//     one (the caller checks the pool), and a retirement makes every
-//     thread's last-pools entry stale at once (pools_serial_ changes);
-//   a pool in reusable_parts_ or reusable_stream_pools_ holds no segment,
-//     block or count and is out of service (its block objects wait in its
-//     spare list);
+//     later private pool), so a stale per-thread cache entry never points
+//     at freed memory; an entry naming a sub-pool that serves another
+//     region now is caught like any stale one (the caller checks the
+//     pool), and a vacating makes every thread's last-pools entry stale at
+//     once (pools_serial_ changes);
+//   a pool in reusable_parts_ holds no segment, block or count and is out
+//     of service (its block objects wait in its spare list);
+//   vacant_pools_ holds the pools of streams let go, with the memory they
+//     cached: in service, walked with the live pools (their segments stay
+//     in the segment directory, their counts in the statistics), vacant
+//     set and stream the default, and no allocated, pending or parked
+//     block — every free block's last use has run, so the next stream
+//     that needs pools takes them, cache and all, with no device call;
 //   segments_by_base_ = { s.base -> (s.size, s.pool) : s a segment of a
 //     live pool }, so a pointer inside a live segment finds its pool.
 //
@@ -31,8 +36,7 @@
 // Lock order of the whole allocator, stated here once:
 //   allocator_core::sweep_mutex_ (letting destroyed streams go; taken with
 //   no other lock held, and held over the sweep's device calls)
-//   -> allocator_core::retired_mutex_ (stats, private pool destroys and
-//   stream pools' retirement only)
+//   -> allocator_core::retired_mutex_ (stats and private pool destroys only)
 //   or allocator_core::region_handoff_mutex_ (a private pool's creation over
 //   a region, a free or record_stream that found no block), never both,
 //   -> directory_mutex_ -> one pool's lock -> the leaf locks: segments_mutex_,
@@ -47,7 +51,9 @@
 // (the invariant checker), which takes them all in one fixed order while
 // it holds directory_mutex_ shared, by remove_private_pool, which takes
 // one private pool's sub-pools in their order while it holds
-// directory_mutex_ exclusively, and by a growing pool that try_locks its
+// directory_mutex_ exclusively, by vacate_stream_pools, which takes a stream's
+// two pools with std::scoped_lock (it waits for one holding neither) while
+// it holds directory_mutex_ exclusively, and by a growing pool that try_locks its
 // sibling (segment_source::give_back_from_sibling) and never waits for it
 // (nor for the region hand-off lock, which a give-back of tombstones
 // try_locks under a pool lock);
@@ -86,7 +92,7 @@ struct stream_pools {
   /// Set once a private pool's block was handed out on the stream: such a
   /// block remembers it (as its stream, then among its last streams once
   /// freed), so the stream stays held until teardown (its pools never
-  /// retire). Written with no lock; read by a retirement under the
+  /// are never made vacant). Written with no lock; read by vacate_stream_pools under the
   /// directory's lock (a race needs an allocation on a stream its owner
   /// destroyed).
   std::atomic<bool> private_blocks_remember{false};
@@ -159,7 +165,7 @@ class pool_directory {
   /// The stream's pool of `kind`, made on first use (and the stream held).
   [[nodiscard]] block_pool& pool_for(backend::stream_ref stream, pool_kind kind) { return pools_of(stream).of(kind); }
   /// Holds the stream until teardown, by its pools (made when it has none,
-  /// then never retired): for a private pool's block handed out on it, which
+  /// then never made vacant): for a private pool's block handed out on it, which
   /// remembers it.
   void hold_stream_for_private_blocks(backend::stream_ref stream) {
     std::atomic<bool>& mark = pools_of(stream).private_blocks_remember;
@@ -176,26 +182,27 @@ class pool_directory {
   [[nodiscard]] std::vector<backend::stream_ref> streams_destroyed_by_owner() const;
   /// The stream's pools, or nullptr when it has none.
   [[nodiscard]] stream_pools* find_stream_pools(backend::stream_ref stream) const;
-  /// Retires a stream's pools, with the directory's lock and both pools'
-  /// held: ready(pools) checks them first — returning false changes nothing
-  /// (then this returns false) — then take(pool), which must not throw, runs
-  /// for each. They must hold no segment, pending free or parked block, and
-  /// no private block may remember the stream (private_blocks_remember),
-  /// else this returns false too: they leave the directory out of
-  /// service, kept to serve a later stream, and every thread's last-pools
-  /// entry goes stale. Returns true: the caller ends the stream's hold then
-  /// (end_retired_stream_hold), with no allocator lock held.
-  bool retire_stream_pools(backend::stream_ref stream, const std::function<bool(stream_pools&)>& ready,
-                           const std::function<void(block_pool&)>& take);
-  /// Ends the hold the directory had on a stream whose pools retired, which
-  /// destroys it; an error of that destroy is dropped (the hold is gone
-  /// either way: only an adopted stream's destroy fails there).
-  void end_retired_stream_hold(backend::stream_ref stream) noexcept;
-  /// Runs fn(pool) for every live pool, one at a time, with no lock held.
+  /// Makes a stream's pools vacant, with the directory's lock and both pools'
+  /// held: ready(pool) runs for each first (it may settle the quick list)
+  /// and must say that nothing of the pool is in use any more; the pools
+  /// must also hold no allocated, pending or parked block, and no private
+  /// block may remember the stream (private_blocks_remember). Else nothing
+  /// changes and this returns false. Vacant, they leave the stream's entry
+  /// for vacant_pools_ with their cached memory (see the invariants), and
+  /// every thread's last-pools entry goes stale. Returns true: the caller
+  /// ends the stream's hold then (end_vacated_stream_hold), with no
+  /// allocator lock held.
+  bool vacate_stream_pools(backend::stream_ref stream, const std::function<bool(block_pool&)>& ready);
+  /// Ends the hold the directory had on a stream whose pools were made vacant,
+  /// which destroys it; an error of that destroy is dropped (the hold is
+  /// gone either way: only an adopted stream's destroy fails there).
+  void end_vacated_stream_hold(backend::stream_ref stream) noexcept;
+  /// Runs fn(pool) for every live pool (vacant ones too), one at a time,
+  /// with no lock held.
   template <class Fn>
   void for_each_pool(Fn&& fn) const;
-  /// Runs fn(pool) for every stream pool (not private sub-pools), one at a
-  /// time, with no lock held.
+  /// Runs fn(pool) for every stream pool, vacant ones too (not private
+  /// sub-pools), one at a time, with no lock held.
   template <class Fn>
   void for_each_stream_pool(Fn&& fn) const;
   /// Runs fn(pool) for every pool ever made, emptied sub-pools of destroyed
@@ -207,17 +214,16 @@ class pool_directory {
   /// segment directory's, so that nothing in the allocator changes.
   template <class Fn>
   void with_every_pool_locked(Fn&& fn) const;
-  /// Runs fn(pool) for each pool of the retired streams kept for reuse, its
-  /// lock held (the invariant checker, and its test hook).
+  /// Runs fn(pools, vacant) with the directory's lock held: the stream
+  /// pools that serve a stream, and the vacant ones (the invariant checker,
+  /// and its test hook; no pool lock is held).
   template <class Fn>
-  void for_each_retired_stream_pool(Fn&& fn) const {
+  void with_stream_pools_listed(Fn&& fn) const {
     std::shared_lock directory_lock(directory_mutex_);
-    for (const auto& pools : reusable_stream_pools_) {
-      for (block_pool* p : {&pools->small, &pools->large}) {
-        std::lock_guard lock(p->lock);
-        fn(*p);
-      }
-    }
+    std::vector<stream_pools*> serving, vacant;
+    for (const auto& [native, p] : stream_pools_) serving.push_back(p.get());
+    for (const auto& p : vacant_pools_) vacant.push_back(p.get());
+    fn(static_cast<const std::vector<stream_pools*>&>(serving), static_cast<const std::vector<stream_pools*>&>(vacant));
   }
 
   // ---- private pools
@@ -285,9 +291,9 @@ class pool_directory {
  private:
   stream_pools& pools_of_uncached(backend::stream_ref stream);
   [[nodiscard]] std::uint64_t pools_serial() const noexcept { return pools_serial_.load(std::memory_order_relaxed); }
-  /// A retired stream's pools to serve `stream`, or new ones.
-  [[nodiscard]] std::unique_ptr<stream_pools> pools_to_serve(backend::stream_ref stream);
-  void keep_stream_pools_for_reuse(std::unique_ptr<stream_pools> pools) noexcept;  // directory_mutex_ held
+  /// Points both pools at `stream` (the default one: vacant), under their
+  /// locks: a walk of the pools listed before may be looking at them.
+  static void serve(stream_pools& pools, backend::stream_ref stream, bool vacant) noexcept;
   [[nodiscard]] pool_direction scoped_direction() const noexcept;
   void keep_for_reuse(std::unique_ptr<block_pool> part) noexcept;  // directory_mutex_ held
   [[nodiscard]] block_pool& find_private_part(private_pool_id id, const std::string& part) const;  // directory_mutex_ held
@@ -298,7 +304,7 @@ class pool_directory {
   backend::device& device_;
   const std::uint64_t serial_;  // tells this directory's thread-local cache entries apart
   // Tells its last-pools entries apart: serial_ at first, a new serial (from
-  // the same count, so never another directory's) at each retirement.
+  // the same count, so never another directory's) each time pools are made vacant.
   std::atomic<std::uint64_t> pools_serial_;
   std::atomic<std::uint64_t> segments_taken_{0};
 
@@ -309,7 +315,7 @@ class pool_directory {
   std::unordered_map<void*, std::unique_ptr<stream_pools>> stream_pools_;  // guarded by directory_mutex_
   std::map<std::uint64_t, std::unique_ptr<private_pool>> private_pools_;   // guarded by directory_mutex_
   std::vector<std::unique_ptr<block_pool>> reusable_parts_;                // guarded by directory_mutex_
-  std::vector<std::unique_ptr<stream_pools>> reusable_stream_pools_;       // guarded by directory_mutex_
+  std::vector<std::unique_ptr<stream_pools>> vacant_pools_;                // guarded by directory_mutex_
   std::uint64_t next_private_id_ = 1;                                     // guarded by directory_mutex_
 };
 
@@ -317,6 +323,10 @@ inline std::vector<block_pool*> pool_directory::live_pools(bool private_too) con
   std::vector<block_pool*> pools;
   std::shared_lock lock(directory_mutex_);
   for (auto& [stream, p] : stream_pools_) {
+    pools.push_back(&p->small);
+    pools.push_back(&p->large);
+  }
+  for (auto& p : vacant_pools_) {
     pools.push_back(&p->small);
     pools.push_back(&p->large);
   }
@@ -344,6 +354,10 @@ void pool_directory::for_each_pool_ever(Fn&& fn) {
     fn(p->small);
     fn(p->large);
   }
+  for (auto& p : vacant_pools_) {
+    fn(p->small);
+    fn(p->large);
+  }
   for (auto& [id, p] : private_pools_) {
     for (auto& part : p->parts) fn(*part);
   }
@@ -355,6 +369,10 @@ void pool_directory::with_every_pool_locked(Fn&& fn) const {
   std::shared_lock directory_lock(directory_mutex_);
   std::vector<block_pool*> pools;
   for (auto& [stream, p] : stream_pools_) {
+    pools.push_back(&p->small);
+    pools.push_back(&p->large);
+  }
+  for (auto& p : vacant_pools_) {
     pools.push_back(&p->small);
     pools.push_back(&p->large);
   }

@@ -457,7 +457,8 @@ std::size_t segment_source::give_back(block_pool& pool, std::size_t budget, cons
   // This waits under the pool's lock, so the stream's other threads wait
   // too; it happens only when memory is given back (empty_cache, out of
   // memory, growth past the peak), and only for pools that have some to give.
-  device_.synchronize(pool.stream);
+  // A vacant pool's last uses have all run (block_pool::vacant).
+  if (!pool.vacant) device_.synchronize(pool.stream);
   for (segment* s : unused) release_segment(pool, s);
   return unused_bytes +
          (unmappable ? unmap_free_chunks(pool, pool.growable, budget - unused_bytes, keep, spare) : 0);
@@ -670,7 +671,7 @@ void segment_source::release_at_teardown(block_pool& pool, event_pool& events) n
   pool.sealed.clear();
   pool.awaiting.clear();
   try {
-    device_.synchronize(pool.stream);
+    if (!pool.vacant) device_.synchronize(pool.stream);
   } catch (const error&) {  // NOLINT(bugprone-empty-catch): as above
   }
   for (auto& s : pool.segments) {

@@ -64,10 +64,10 @@ class segment_source {
   /// growable segment, back to the device (after its stream has passed them).
   void release_cached(block_pool& pool);
   /// Gives the pool's growable segment's address range back when nothing of
-  /// it is mapped (release_cached first): for a pool about to retire, which
-  /// must hold no segment. Returns whether the pool holds no growable
-  /// segment now; throws the device's error and changes nothing when the
-  /// range does not go back.
+  /// it is mapped (release_cached first): for a vacant pool (each growable
+  /// range spans the device's memory in address space). Returns whether the
+  /// pool holds no growable segment now; throws the device's error and
+  /// changes nothing when the range does not go back.
   bool release_unmapped_growable(block_pool& pool);
   /// Gives back the plain segments [base, base + size) of growing private
   /// pool `pool`, which left the directory with them (destroy_private_pool):

@@ -1,9 +1,11 @@
-// Streams their owners destroyed while the allocator held them: once their
-// pools hold nothing but cached memory, that memory goes back, the pools
-// retire and the stream is destroyed for real — at the next allocation off
-// the cached pair when the stream is idle, or at empty_cache. A stream per
-// request no longer piles up held streams (threads on the host backend,
-// cudaStream_t handles on CUDA) and their caches.
+// Streams their owners destroyed while the allocator held them: once
+// nothing of the allocator needs them, their pools are made vacant with the
+// memory they cached, the next new stream takes that cache over, and the
+// stream is destroyed for real — at the next allocation off the cached pair
+// when the stream is idle, or at empty_cache (which gives vacant pools'
+// memory back). A stream per request no longer piles up held streams
+// (threads on the host backend, cudaStream_t handles on CUDA), and each
+// request's stream starts with the last one's cache.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -38,7 +40,7 @@ bool destroyed_for_real(backend::device& dev, backend::stream_ref s) {
   }
 }
 
-TYPED_TEST(destroyed_streams, an_idle_destroyed_stream_goes_at_the_next_allocation_with_its_cache) {
+TYPED_TEST(destroyed_streams, an_idle_destroyed_stream_goes_at_the_next_allocation_and_leaves_it_its_cache) {
   auto& dev = this->device();
   auto& a = this->make();
   backend::stream_ref gone_ref;
@@ -51,18 +53,42 @@ TYPED_TEST(destroyed_streams, an_idle_destroyed_stream_goes_at_the_next_allocati
   EXPECT_FALSE(destroyed_for_real(dev, gone_ref)) << "held: its destroy waits";
   const auto before = a.stats();
   stream next(dev);
-  void* p = a.allocate(mib, next);  // next's first allocation: off the cached pair
-  EXPECT_TRUE(destroyed_for_real(dev, gone_ref)) << "its pools retired and the hold ended";
+  void* p = a.allocate(4 * mib, next);  // next's first allocation: off the cached pair
+  EXPECT_TRUE(destroyed_for_real(dev, gone_ref)) << "its pools were made vacant and the hold ended";
   const auto after = a.stats();
-  for (const auto& s : a.take_snapshot().segments) {
-    EXPECT_EQ(s.stream, next.ref()) << "the destroyed stream's cached segment went back";
-  }
-  EXPECT_EQ(after.allocations.aggregate.allocated, 2) << "its counts stay in the cumulative figures";
+  EXPECT_EQ(after.reserved_bytes.aggregate.current, before.reserved_bytes.aggregate.current)
+      << "the new stream took the destroyed one's cache over: nothing given back, nothing taken";
+  EXPECT_EQ(after.device_allocations, before.device_allocations);
+  EXPECT_EQ(after.device_frees, before.device_frees);
+  for (const auto& s : a.take_snapshot().segments) EXPECT_EQ(s.stream, next.ref());
+  EXPECT_EQ(after.allocations.aggregate.allocated, 2) << "the counts go on";
   EXPECT_EQ(after.allocations.aggregate.freed, 1);
-  EXPECT_GE(after.reserved_bytes.aggregate.peak, before.reserved_bytes.aggregate.peak) << "peaks never go down";
+  EXPECT_EQ(after.allocated_bytes.aggregate.peak, before.allocated_bytes.aggregate.peak);
   EXPECT_NO_THROW(a.check_invariants());
   a.deallocate(p, next);
   dev.synchronize(next);
+}
+
+// Nothing takes a vacant pool's cache over yet: empty_cache gives it back.
+TYPED_TEST(destroyed_streams, empty_cache_gives_a_vacant_pools_cache_back) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  stream mine(dev);
+  void* p = a.allocate(mib, mine);
+  {
+    stream gone(dev);
+    a.deallocate(a.allocate(4 * mib, gone), gone);
+    dev.synchronize(gone);
+  }
+  std::thread([&] { a.deallocate(a.allocate(mib, mine), mine); }).join();  // off the cached pair: sweeps
+  const auto held = a.stats().reserved_bytes.aggregate.current;
+  a.empty_cache();
+  const auto after = a.stats();
+  EXPECT_LT(after.reserved_bytes.aggregate.current, held);
+  for (const auto& s : a.take_snapshot().segments) EXPECT_EQ(s.stream, mine.ref()) << "only mine's live block is left";
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(p, mine);
+  dev.synchronize(mine);
 }
 
 TYPED_TEST(destroyed_streams, a_destroyed_stream_whose_work_still_runs_waits_for_empty_cache) {
@@ -88,6 +114,31 @@ TYPED_TEST(destroyed_streams, a_destroyed_stream_whose_work_still_runs_waits_for
   dev.synchronize(next);
 }
 
+// Skipped while its work ran, a stream is looked at again after 16
+// allocations off the cached pair, with no destroy or empty_cache to prompt it.
+TYPED_TEST(destroyed_streams, a_stream_skipped_while_busy_is_let_go_by_a_later_allocation) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  backend::stream_ref gone_ref;
+  {
+    stream gone(dev);
+    gone_ref = gone.ref();
+    a.deallocate(a.allocate(mib, gone), gone);
+    dev.delay(gone, 200ms);
+  }
+  stream one(dev), two(dev);
+  a.deallocate(a.allocate(mib, one), one);  // sweeps: gone is busy, skipped
+  EXPECT_FALSE(destroyed_for_real(dev, gone_ref));
+  while (!dev.query(gone_ref)) std::this_thread::sleep_for(5ms);  // held: still a stream to ask
+  for (int i = 0; i < 16; ++i) {
+    backend::stream_ref on = i % 2 == 0 ? two.ref() : one.ref();  // each a miss of the thread's last-pools entry
+    a.deallocate(a.allocate(mib, on), on);
+  }
+  EXPECT_TRUE(destroyed_for_real(dev, gone_ref)) << "the retry came";
+  dev.synchronize(one);
+  dev.synchronize(two);
+}
+
 TYPED_TEST(destroyed_streams, a_destroyed_streams_pools_stay_while_a_block_of_it_lives) {
   auto& dev = this->device();
   auto& a = this->make();
@@ -105,16 +156,16 @@ TYPED_TEST(destroyed_streams, a_destroyed_streams_pools_stay_while_a_block_of_it
   EXPECT_FALSE(destroyed_for_real(dev, gone_ref)) << "a block of it lives: its pool stays, and the stream";
   a.deallocate(p, gone_ref);  // freed on it: the hold keeps it usable for that
   a.empty_cache();
-  EXPECT_TRUE(destroyed_for_real(dev, gone_ref)) << "its last block went: the pools retired";
+  EXPECT_TRUE(destroyed_for_real(dev, gone_ref)) << "its last block went: its pools were made vacant";
   EXPECT_NO_THROW(a.check_invariants());
   a.deallocate(q, next);
   dev.synchronize(next);
 }
 
-// A thread's cache of its last stream's pools goes stale when they retire:
-// a new stream given the destroyed one's handle must not reach them, once
-// they serve another stream.
-TYPED_TEST(destroyed_streams, a_new_stream_on_a_retired_streams_handle_never_takes_another_streams_pools) {
+// A thread's cache of its last stream's pools goes stale when they are made
+// vacant: a new stream given the destroyed one's handle must not reach
+// them, once they serve another stream.
+TYPED_TEST(destroyed_streams, a_new_stream_on_a_let_go_streams_handle_never_takes_another_streams_pools) {
   auto& dev = this->device();
   auto& a = this->make();
   backend::stream_ref gone_ref;
@@ -127,7 +178,7 @@ TYPED_TEST(destroyed_streams, a_new_stream_on_a_retired_streams_handle_never_tak
   a.empty_cache();
   ASSERT_TRUE(destroyed_for_real(dev, gone_ref));
   stream other(dev);
-  std::thread([&] { a.deallocate(a.allocate(mib, other), other); }).join();  // takes the retired pools
+  std::thread([&] { a.deallocate(a.allocate(mib, other), other); }).join();  // takes the vacant pools
   // Made and destroyed until one gets the handle (the host backend frees a
   // destroyed stream's memory at the next destroy).
   std::optional<stream> candidate;
@@ -229,10 +280,10 @@ TYPED_TEST(destroyed_streams, a_stream_recorded_on_a_live_block_stays_held_until
   dev.synchronize(mine);
 }
 
-// After a retirement a thread's cache of its stream's pools works again at
-// once: a cached pair (which never sweeps) still serves, so a stream
+// After a stream was let go a thread's cache of its stream's pools works
+// again at once: a cached pair (which never sweeps) still serves, so a stream
 // destroyed meanwhile is still held after it.
-TYPED_TEST(destroyed_streams, the_cached_pair_serves_again_after_a_retirement) {
+TYPED_TEST(destroyed_streams, the_cached_pair_serves_again_after_a_stream_was_let_go) {
   auto& dev = this->device();
   auto& a = this->make();
   stream mine(dev);
@@ -241,7 +292,7 @@ TYPED_TEST(destroyed_streams, the_cached_pair_serves_again_after_a_retirement) {
     a.deallocate(a.allocate(mib, gone), gone);
     dev.synchronize(gone);
   }
-  void* p = a.allocate(mib, mine);  // off the cached pair: sweeps, gone's pools retire
+  void* p = a.allocate(mib, mine);  // off the cached pair: sweeps, gone's pools are made vacant
   backend::stream_ref later_ref;
   {
     stream later(dev);
@@ -293,8 +344,10 @@ TEST(destroyed_streams_host, a_stream_per_request_leaves_at_most_the_last_one_he
     }
     EXPECT_LE(dev.alive.load(), 1) << "every stream but the last was let go at the next request's allocation";
     for (const auto& seg : a.take_snapshot().segments) {
-      EXPECT_EQ(seg.stream, last) << "their cached memory went with them";
+      EXPECT_EQ(seg.stream, last) << "each stream's cache passed on to the next";
     }
+    EXPECT_EQ(a.stats().device_allocations, 2) << "one small segment (the first request's 1 MiB) and one large "
+                                                   "served every request";
     EXPECT_NO_THROW(a.check_invariants());
   }
   EXPECT_EQ(dev.alive.load(), 0);

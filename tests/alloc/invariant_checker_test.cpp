@@ -232,7 +232,7 @@ TYPED_TEST(invariant_checker, a_pool_in_the_directory_but_out_of_service_is_caug
   EXPECT_NE(what.find("out of service"), std::string::npos) << what;
 }
 
-TYPED_TEST(invariant_checker, a_retired_streams_pool_that_counts_an_allocation_is_caught) {
+TYPED_TEST(invariant_checker, a_vacant_pool_without_its_mark_is_caught) {
   auto& dev = this->device();
   auto& a = this->make();
   backend::stream next(dev);
@@ -242,11 +242,11 @@ TYPED_TEST(invariant_checker, a_retired_streams_pool_that_counts_an_allocation_i
     a.deallocate(a.allocate(mib, gone), gone);
     dev.synchronize(gone);
   }
-  a.empty_cache();  // lets `gone` go: its pools are kept for reuse
+  a.empty_cache();  // lets `gone` go: its pools are vacant
   EXPECT_NO_THROW(a.check_invariants());
-  alloc::test_hook::unsafe_break_invariant(a, p, invariant_breakage::retired_pool_counted);
+  alloc::test_hook::unsafe_break_invariant(a, p, invariant_breakage::vacant_unmarked);
   const auto e = caught(a);
-  EXPECT_EQ(e.invariant(), "retired") << e.what();
+  EXPECT_EQ(e.invariant(), "vacant") << e.what();
   a.deallocate(p, next);
   dev.synchronize(next);
 }

@@ -45,16 +45,20 @@
 // tombstone's late free's, record_stream's a restore keeps). A stream
 // otherwise only passed to deallocate or record_stream is not held: it must
 // outlive those frees.
-// A destroyed stream is let go once its pools hold nothing but cached
-// memory: that memory goes back, the pools retire and the stream is
-// destroyed — at the next allocation that is not a cached pair when the
-// stream is idle, or at empty_cache (which waits for its work and pending
-// frees). A stream with a live block, or noted on a live block by
-// record_stream, stays held until that block is freed and a later sweep or
-// empty_cache comes; a stream a private pool's block was handed out on (the
+// A destroyed stream is let go once nothing of the allocator needs it any
+// more: at the next allocation that is not a cached pair, when the stream
+// is idle and none of its blocks is live or pending, or at empty_cache
+// (which waits for its work and pending frees). Its pools keep the memory
+// they cached, which the next new stream takes over (empty_cache gives it
+// back), and the stream is destroyed. A stream with a live block, or noted
+// on a live block by record_stream, stays held until that block is freed;
+// a stream skipped so is looked at again after 16, 32, ... up to 1024
+// allocations that are not cached pairs, at the next destroy, and at
+// empty_cache. A stream a private pool's block was handed out on (the
 // pool's next hand-out waits for it) stays held until the allocator goes.
 // So a stream per request does not pile up streams (host executor threads,
-// CUDA cudaStream_t handles) and their caches.
+// CUDA cudaStream_t handles), and each request's stream starts with the
+// cache of one before it.
 //
 // Processes: an allocator belongs to the process that made it. In a fork()
 // child, allocate throws device_unavailable (its cached blocks are the

@@ -29,10 +29,10 @@ enum class invariant_breakage : std::uint8_t {
   /// `ptr` is a tombstone (a forced clear took its block): it leaves its
   /// pool's index, where its owner's late free would look for it
   tombstone_unindexed,
-  /// the pools of a stream the allocator let go (kept for reuse) count an
-  /// allocation (`ptr` any live block; invalid_argument when no stream was
-  /// let go)
-  retired_pool_counted,
+  /// a vacant pool (of a stream the allocator let go, kept with its cache
+  /// for the next new stream) loses its vacant mark (`ptr` any live block;
+  /// invalid_argument when no stream was let go)
+  vacant_unmarked,
 };
 
 /// Breaks `what` around the allocated block (or tombstone) at `ptr`. Throws
