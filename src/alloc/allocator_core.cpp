@@ -1,6 +1,7 @@
 #include "alloc/allocator_core.h"
 
 #include <algorithm>
+#include <exception>
 #include <sstream>
 
 #include "alloc/awaiting_frees.h"
@@ -149,7 +150,7 @@ void* allocator_core::allocate_general(std::size_t bytes, backend::stream_ref st
   // An owner destroyed a stream this allocator holds since the last look:
   // it may be let go now (a new stream's first allocation comes here), or a
   // stream skipped before may be looked at again.
-  if (sweep_due() && host_waits_allowed()) [[unlikely]] let_destroyed_streams_go(false);
+  if (sweep_due()) [[unlikely]] let_destroyed_streams_go(false);
   const pool_direction directed = directed_pool();
   // Past any pool: reported against the stream's (a scope's sub-pool is
   // not locked here, and may be stale).
@@ -677,7 +678,15 @@ void allocator_core::set_memory_fraction(double fraction) {
 }
 
 void allocator_core::empty_cache() {
-  let_destroyed_streams_go(true);  // first: their vacant pools' memory goes back below
+  // First, so that their vacant pools' memory goes back below; an error of
+  // one destroyed stream (its failed work) is reported once everything was
+  // given back.
+  std::exception_ptr sweep_error;
+  try {
+    let_destroyed_streams_go(true);
+  } catch (...) {
+    sweep_error = std::current_exception();
+  }
   directory_.for_each_pool([&](block_pool& p) {
     std::vector<backend::event_ref> waits;
     {
@@ -691,6 +700,7 @@ void allocator_core::empty_cache() {
     if (p.vacant) (void)source_.release_unmapped_growable(p);  // each range spans the device's memory
   });
   check_step();
+  if (sweep_error) std::rethrow_exception(sweep_error);
 }
 
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {

@@ -130,6 +130,7 @@ snapshot allocator_core::take_snapshot() {
       seg.mapped_bytes = s->mapped_bytes;
       seg.pool = p.kind;
       seg.stream = p.stream;
+      seg.vacant = p.vacant;
       seg.expandable = s->expandable;
       seg.external = s->external;
       seg.private_pool = s->part_name;

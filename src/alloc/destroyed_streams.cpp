@@ -7,7 +7,9 @@
 // no memory back and makes no device call but a query, a seal's record and
 // its wait (empty_cache gives vacant pools' memory back).
 #include <algorithm>
+#include <cstdint>
 #include <exception>
+#include <mutex>
 #include <vector>
 
 #include "alloc/allocator_core.h"
@@ -15,6 +17,15 @@
 #include "alloc/block_structure.h"
 
 namespace shoal::alloc::detail {
+
+namespace {
+
+std::uint64_t frees_seen(block_pool& pool) {
+  std::lock_guard lock(pool.lock);
+  return pool.frees;
+}
+
+}  // namespace
 
 void allocator_core::let_destroyed_streams_go(bool wait) {
   if (epoch_.forked_since()) return;  // the streams and the memory are the parent's
@@ -38,12 +49,25 @@ void allocator_core::let_destroyed_streams_go(bool wait) {
         stream_pools* pools = directory_.find_stream_pools(s);
         // A private pool's block remembers it: held until teardown, no retry.
         if (pools == nullptr || pools->private_blocks_remember.load(std::memory_order_relaxed)) continue;
-        const bool ready = std::find(recorded.begin(), recorded.end(), s) == recorded.end() &&  // no free to record there
-                           (wait || device.query(s)) &&  // its work has run (waited for by empty_cache)
-                           quiesce_destroyed_streams_pool(pools->small, wait) &&
-                           quiesce_destroyed_streams_pool(pools->large, wait);
-        if (ready && wait) device.synchronize(s);  // its last work
-        if (ready && directory_.vacate_stream_pools(s, [](block_pool& p) {
+        bool ready = std::find(recorded.begin(), recorded.end(), s) == recorded.end() &&  // no free to record there
+                     (wait || device.query(s)) &&  // its work has run (waited for by empty_cache)
+                     quiesce_destroyed_streams_pool(pools->small, wait) &&
+                     quiesce_destroyed_streams_pool(pools->large, wait);
+        // Collecting its pending frees may have queued work on it (debug
+        // mode's poison fills): that too must have run before another stream
+        // gets the memory. From here nothing can queue more (no block of its
+        // pools is live or pending), unless a free came meanwhile: the frees
+        // counted now must still be all at the vacating.
+        const std::uint64_t frees_small = frees_seen(pools->small), frees_large = frees_seen(pools->large);
+        if (ready) {
+          if (wait) {
+            device.synchronize(s);
+          } else {
+            ready = device.query(s);
+          }
+        }
+        if (ready && directory_.vacate_stream_pools(s, [&](block_pool& p) {
+              if (p.frees != (p.kind == pool_kind::small ? frees_small : frees_large)) return false;
               settle_quick(p);
               return true;
             })) {
@@ -83,9 +107,14 @@ void allocator_core::schedule_sweep_retry(bool skipped) noexcept {
 }
 
 bool allocator_core::sweep_due() noexcept {
+  if (!host_waits_allowed()) return false;  // a retry that falls due stays due for an allocation that may sweep
   if (device.deferred_stream_destroys() != destroys_seen_.load(std::memory_order_relaxed)) return true;
-  if (sweep_retry_in_.load(std::memory_order_relaxed) == 0) return false;
-  return sweep_retry_in_.fetch_sub(1, std::memory_order_relaxed) == 1;
+  // Counted down to 0 and no further (threads race here): the one that
+  // takes it from 1 sweeps.
+  std::uint32_t left = sweep_retry_in_.load(std::memory_order_relaxed);
+  while (left != 0 && !sweep_retry_in_.compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) {
+  }
+  return left == 1;
 }
 
 std::vector<backend::stream_ref> allocator_core::streams_recorded_on_live_blocks() {

@@ -97,7 +97,8 @@ std::string snapshot::to_json() const {
     const auto& s = segments[i];
     out << (i ? "," : "") << "{\"address\":" << s.address << ",\"total_size\":" << s.size
         << ",\"mapped_size\":" << s.mapped_bytes << ",\"pool\":\"" << (s.pool == pool_kind::small ? "small" : "large")
-        << "\",\"stream\":" << stream_id(s.stream) << ",\"expandable\":" << (s.expandable ? "true" : "false")
+        << "\",\"stream\":" << stream_id(s.stream) << ",\"vacant\":" << (s.vacant ? "true" : "false")
+        << ",\"expandable\":" << (s.expandable ? "true" : "false")
         << ",\"external\":" << (s.external ? "true" : "false") << ",\"private_pool\":" << quoted(s.private_pool)
         << ",\"sequence\":" << s.sequence
         << ",\"blocks\":[";

@@ -10,7 +10,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -307,6 +309,113 @@ TYPED_TEST(destroyed_streams, the_cached_pair_serves_again_after_a_stream_was_le
   a.empty_cache();
   EXPECT_TRUE(destroyed_for_real(dev, later_ref));
   dev.synchronize(mine);
+}
+
+// On CUDA a destroy returns at once and the stream's queued work runs
+// later: a device whose destroys are buried until the test ends, and whose
+// debug poison fills come late, shows work the sweep queued on a stream it
+// let go landing in memory a new stream took over.
+class late_destroying_device : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+  void fill(backend::stream_ref s, void* dst, std::uint8_t value, std::size_t bytes) override {
+    if (value == poison) forwarding_device::delay(s, 200ms);
+    forwarding_device::fill(s, dst, value, bytes);
+  }
+  void bury_the_destroyed() {
+    std::lock_guard lock(mutex_);
+    for (auto s : destroyed_) forwarding_device::destroy_stream_now(s);
+    destroyed_.clear();
+  }
+  static constexpr std::uint8_t poison = 0xDB;  // debug mode's fill of freed memory
+
+ protected:
+  void destroy_stream_now(backend::stream_ref s) override {
+    std::lock_guard lock(mutex_);
+    destroyed_.push_back(s);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<backend::stream_ref> destroyed_;
+};
+
+TEST(destroyed_streams_host, the_sweep_lets_a_stream_go_only_once_the_work_it_queued_there_ran) {
+  backend::host_device host({.capacity_bytes = 256 * mib});
+  late_destroying_device dev(host);
+  {
+    alloc::caching_allocator a(dev, alloc::allocator_config::parse("debug:true"));
+    stream other(dev);
+    {
+      stream gone(dev);
+      void* p = a.allocate(4 * mib, gone);
+      dev.synchronize(gone);
+      a.deallocate(p, other);  // pending on `other`'s event; collected by the sweep, which poisons it on `gone`
+      dev.synchronize(other);
+    }
+    stream next(dev);
+    // Sweeps: collecting the pending free queues its poison on `gone`, so
+    // `gone` is busy again and stays held; `next` gets new memory.
+    auto* q = static_cast<unsigned char*>(a.allocate(4 * mib, next));
+    dev.fill(next, q, 0x11, 4 * mib);
+    dev.synchronize(next);
+    std::this_thread::sleep_for(400ms);  // whatever `gone` had queued has run
+    int poisoned = 0;
+    for (std::size_t i = 0; i < 4 * mib; i += 4096) poisoned += q[i] == late_destroying_device::poison;
+    EXPECT_EQ(poisoned, 0) << "next's data was overwritten by a fill queued on the stream let go";
+    a.deallocate(q, next);
+    dev.synchronize(next);
+    dev.synchronize(other);
+  }
+  dev.bury_the_destroyed();
+}
+
+TEST(destroyed_streams_host, a_retry_is_not_lost_to_allocations_in_a_no_host_waits_scope) {
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, {});
+  backend::stream_ref gone_ref;
+  {
+    stream gone(dev);
+    gone_ref = gone.ref();
+    a.deallocate(a.allocate(mib, gone), gone);
+    dev.delay(gone, 200ms);
+  }
+  stream one(dev), two(dev);
+  a.deallocate(a.allocate(mib, one), one);  // sweeps: gone is busy, skipped
+  while (!dev.query(gone_ref)) std::this_thread::sleep_for(5ms);
+  {
+    alloc::no_host_waits_scope no_waits;  // the retry would fall due in here: no sweep
+    for (int i = 0; i < 32; ++i) {
+      const backend::stream_ref on = i % 2 == 0 ? two.ref() : one.ref();
+      a.deallocate(a.allocate(mib, on), on);
+    }
+  }
+  EXPECT_FALSE(destroyed_for_real(dev, gone_ref)) << "no sweep in a no_host_waits_scope";
+  for (int i = 0; i < 16; ++i) {  // the count to the retry goes on only where a sweep may run
+    const backend::stream_ref on = i % 2 == 0 ? two.ref() : one.ref();
+    a.deallocate(a.allocate(mib, on), on);
+  }
+  EXPECT_TRUE(destroyed_for_real(dev, gone_ref)) << "the retry was not lost";
+  dev.synchronize(one);
+  dev.synchronize(two);
+}
+
+TEST(destroyed_streams_host, empty_cache_gives_memory_back_before_it_reports_a_destroyed_streams_failed_work) {
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, {});
+  stream mine(dev);
+  a.deallocate(a.allocate(4 * mib, mine), mine);  // cached for `mine`
+  dev.synchronize(mine);
+  {
+    stream gone(dev);
+    void* p = a.allocate(mib, gone);
+    dev.host_task(gone, [] { throw std::runtime_error("work failed"); });
+    a.deallocate(p, gone);
+  }
+  EXPECT_THROW(a.empty_cache(), stream_error) << "the destroyed stream's failed work";
+  for (const auto& s : a.take_snapshot().segments) {
+    EXPECT_NE(s.stream, mine.ref()) << "mine's idle cache went back all the same";
+  }
 }
 
 // The pile-up itself: one stream per request, each destroyed when its

@@ -53,8 +53,8 @@
 // back), and the stream is destroyed. A stream with a live block, or noted
 // on a live block by record_stream, stays held until that block is freed;
 // a stream skipped so is looked at again after 16, 32, ... up to 1024
-// allocations that are not cached pairs, at the next destroy, and at
-// empty_cache. A stream a private pool's block was handed out on (the
+// allocations that are not cached pairs (outside no_host_waits_scope), at
+// the next destroy of a stream something holds, and at empty_cache. A stream a private pool's block was handed out on (the
 // pool's next hand-out waits for it) stays held until the allocator goes.
 // So a stream per request does not pile up streams (host executor threads,
 // CUDA cudaStream_t handles), and each request's stream starts with the

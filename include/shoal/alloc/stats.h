@@ -105,7 +105,11 @@ struct segment_snapshot {
   std::size_t size = 0;           ///< reserved address range
   std::size_t mapped_bytes = 0;   ///< backed by device memory (= size unless expandable)
   pool_kind pool = pool_kind::small;
-  backend::stream_ref stream;
+  backend::stream_ref stream;     ///< the stream its blocks are handed out on (none while vacant)
+  /// Cached for a stream the allocator let go (its owner destroyed it):
+  /// the next new stream takes it over; `stream` shows the default one
+  /// meanwhile, whose allocations do not use it.
+  bool vacant = false;
   bool expandable = false;
   bool external = false;          ///< memory handed in (a private pool), never freed by the allocator
   std::string private_pool;       ///< its name, for external memory
