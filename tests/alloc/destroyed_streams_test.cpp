@@ -462,6 +462,29 @@ TEST(destroyed_streams_host, a_stream_per_request_leaves_at_most_the_last_one_he
   EXPECT_EQ(dev.alive.load(), 0);
 }
 
+// Pinned host memory: the awaiting frees of a stream let go are sealed on it
+// and waited for by the allocation's sweep, so the next new stream gets that
+// memory at once, and the CPU may write it (nothing queued still reads it).
+TEST(destroyed_streams_host, a_new_stream_takes_over_a_let_go_streams_pinned_cache) {
+  backend::host_device dev({.capacity_bytes = 64 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("memory:pinned_host"));
+  void* first = nullptr;
+  {
+    stream gone(dev);
+    first = a.allocate(64 * 1024, gone);
+    a.deallocate(first, gone);  // awaiting: no event until the stream's next call (none will come)
+    dev.synchronize(gone);
+  }
+  const auto before = a.stats();
+  stream next(dev);
+  void* p = a.allocate(64 * 1024, next);  // sweeps: seals on `gone`, waits, makes its pools vacant, takes them
+  EXPECT_EQ(p, first) << "the let-go stream's block, handed out again";
+  EXPECT_EQ(a.stats().device_allocations, before.device_allocations);
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(p, next);
+  dev.synchronize(next);
+}
+
 // Streams made and destroyed on some threads while others allocate on their
 // own streams, and stats, snapshots and empty_cache run beside them: the
 // cumulative figures never go down, and at the end every stream made was
@@ -490,6 +513,7 @@ TEST(destroyed_streams_host, streams_come_and_go_while_other_threads_allocate_an
         last_peak = st.reserved_bytes.aggregate.peak;
         (void)a.take_snapshot();
         a.empty_cache();
+        EXPECT_NO_THROW(a.check_invariants());
       }
     });
     std::vector<std::thread> churn;
