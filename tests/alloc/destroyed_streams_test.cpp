@@ -42,16 +42,20 @@ bool destroyed_for_real(backend::device& dev, backend::stream_ref s) {
   }
 }
 
+// A stream that had a block of `bytes` allocated and freed on it, its work
+// waited for, then destroyed by its owner (deferred while the allocator
+// holds it): its handle.
+backend::stream_ref used_and_destroyed(backend::device& dev, alloc::caching_allocator& a, std::size_t bytes) {
+  stream gone(dev);
+  a.deallocate(a.allocate(bytes, gone), gone);
+  dev.synchronize(gone);
+  return gone.ref();
+}
+
 TYPED_TEST(destroyed_streams, an_idle_destroyed_stream_goes_at_the_next_allocation_and_leaves_it_its_cache) {
   auto& dev = this->device();
   auto& a = this->make();
-  backend::stream_ref gone_ref;
-  {
-    stream gone(dev);
-    gone_ref = gone.ref();
-    a.deallocate(a.allocate(4 * mib, gone), gone);
-    dev.synchronize(gone);
-  }
+  const backend::stream_ref gone_ref = used_and_destroyed(dev, a, 4 * mib);
   EXPECT_FALSE(destroyed_for_real(dev, gone_ref)) << "held: its destroy waits";
   const auto before = a.stats();
   stream next(dev);
@@ -77,11 +81,7 @@ TYPED_TEST(destroyed_streams, empty_cache_gives_a_vacant_pools_cache_back) {
   auto& a = this->make();
   stream mine(dev);
   void* p = a.allocate(mib, mine);
-  {
-    stream gone(dev);
-    a.deallocate(a.allocate(4 * mib, gone), gone);
-    dev.synchronize(gone);
-  }
+  (void)used_and_destroyed(dev, a, 4 * mib);
   std::thread([&] { a.deallocate(a.allocate(mib, mine), mine); }).join();  // off the cached pair: sweeps
   const auto held = a.stats().reserved_bytes.aggregate.current;
   a.empty_cache();
@@ -170,13 +170,7 @@ TYPED_TEST(destroyed_streams, a_destroyed_streams_pools_stay_while_a_block_of_it
 TYPED_TEST(destroyed_streams, a_new_stream_on_a_let_go_streams_handle_never_takes_another_streams_pools) {
   auto& dev = this->device();
   auto& a = this->make();
-  backend::stream_ref gone_ref;
-  {
-    stream gone(dev);
-    gone_ref = gone.ref();
-    a.deallocate(a.allocate(mib, gone), gone);  // this thread's last pools: gone's
-    dev.synchronize(gone);
-  }
+  const backend::stream_ref gone_ref = used_and_destroyed(dev, a, mib);  // this thread's last pools: gone's
   a.empty_cache();
   ASSERT_TRUE(destroyed_for_real(dev, gone_ref));
   stream other(dev);
@@ -212,11 +206,8 @@ TYPED_TEST(destroyed_streams, a_stream_a_private_pools_free_block_remembers_stay
   const auto pool = a.create_growing_private_pool();
   backend::stream_ref gone_ref;
   {
-    stream gone(dev);
-    gone_ref = gone.ref();
     alloc::private_pool_scope scope(a, pool);
-    a.deallocate(a.allocate(mib, gone), gone);  // the free block remembers `gone`
-    dev.synchronize(gone);
+    gone_ref = used_and_destroyed(dev, a, mib);  // the free block remembers it
   }
   stream next(dev);
   void* q0 = a.allocate(mib, next);  // off the cached pair: sweeps
@@ -289,11 +280,7 @@ TYPED_TEST(destroyed_streams, the_cached_pair_serves_again_after_a_stream_was_le
   auto& dev = this->device();
   auto& a = this->make();
   stream mine(dev);
-  {
-    stream gone(dev);
-    a.deallocate(a.allocate(mib, gone), gone);
-    dev.synchronize(gone);
-  }
+  (void)used_and_destroyed(dev, a, mib);
   void* p = a.allocate(mib, mine);  // off the cached pair: sweeps, gone's pools are made vacant
   backend::stream_ref later_ref;
   {
