@@ -4,7 +4,10 @@
 //   (a) a cached allocate+deallocate pair on one thread, by size;
 //   (b) 10,000 mixed blocks (512 B .. 1 MiB): PyTorch's anchor loop
 //       (allocate all, free all), and one pair while they all stay live;
-//   (c) N threads, each on its own stream, doing pairs: aggregate pairs/s.
+//   (c) N threads, each on its own stream, doing pairs: aggregate pairs/s;
+//   (d) a stream per request: make a stream, allocate a request's blocks on
+//       it, free them, destroy the stream; time per request and the peak
+//       reserved, beside making and destroying a stream alone.
 // Pairs are timed in batches (one clock read per batch, not per pair, so the
 // clock does not dominate a 0.1 µs pair); a figure is the median over
 // batches or repetitions. cudaMalloc takes part in (a) only, with fewer
@@ -167,6 +170,45 @@ double threads_pairs_per_s(allocator_adapter& a, const std::vector<void*>& strea
   return static_cast<double>(pairs.load()) / seconds;
 }
 
+// A request of (d): its blocks' sizes (a model step's activations).
+constexpr std::size_t request_sizes[] = {std::size_t{1} << 20, std::size_t{4} << 20, std::size_t{16} << 20};
+constexpr batch_plan request_plan{2, 21, 25};
+
+// Median over batches of one request's time, in µs, each request on a
+// stream of its own that it makes and destroys.
+double stream_per_request_us(allocator_adapter& a) {
+  std::vector<double> per_request;
+  void* blocks[std::size(request_sizes)];
+  for (int b = 0; b < request_plan.warmup_batches + request_plan.batches; ++b) {
+    const auto start = steady::now();
+    for (int k = 0; k < request_plan.pairs_per_batch; ++k) {
+      void* stream = a.create_stream();
+      for (std::size_t j = 0; j < std::size(request_sizes); ++j) blocks[j] = a.allocate(request_sizes[j], stream);
+      for (std::size_t j = 0; j < std::size(request_sizes); ++j) a.deallocate(blocks[j], request_sizes[j], stream);
+      a.destroy_stream(stream);
+    }
+    const auto end = steady::now();
+    if (b >= request_plan.warmup_batches) per_request.push_back(micros(end - start) / request_plan.pairs_per_batch);
+  }
+  return median(per_request);
+}
+
+// The anchor of (d): making and destroying a CUDA stream, nothing allocated.
+double stream_alone_us() {
+  std::vector<double> per_stream;
+  for (int b = 0; b < request_plan.warmup_batches + request_plan.batches; ++b) {
+    const auto start = steady::now();
+    for (int k = 0; k < request_plan.pairs_per_batch; ++k) {
+      cudaStream_t stream = nullptr;
+      if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) return -1;
+      cudaStreamDestroy(stream);
+    }
+    const auto end = steady::now();
+    if (b >= request_plan.warmup_batches) per_stream.push_back(micros(end - start) / request_plan.pairs_per_batch);
+  }
+  return median(per_stream);
+}
+
 // ---- the results table ------------------------------------------------------
 
 enum class better { lower, higher };
@@ -312,6 +354,11 @@ int main() {
                                        better::higher));
   }
 
+  row& request_row =
+      results.add("a stream per request (make it, 1 + 4 + 16 MiB, free, destroy it), µs per request", better::lower);
+  row& request_peak_row = results.add("peak reserved, a stream per request, MiB", better::lower);
+  row& request_calls_row = results.add("device allocations, a stream per request", better::lower);
+
   std::vector<std::string> names;
   for (const contender& c : contenders()) {
     names.push_back(c.name);
@@ -360,13 +407,25 @@ int main() {
         }
         a->synchronize();
       }
+      {  // (d)
+        auto a = c.make();
+        request_row.value[c.name] = stream_per_request_us(*a);
+        a->synchronize();
+        request_peak_row.value[c.name] = static_cast<double>(a->peak_reserved_bytes()) / (1 << 20);
+        if (const std::int64_t calls = a->device_allocations(); calls >= 0) {
+          request_calls_row.value[c.name] = static_cast<double>(calls);
+        }
+      }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "compare_allocators: %s failed: %s\n", c.name.c_str(), e.what());
       results.note_error(c.name, e.what());
     }
   }
 
-  const std::string text = header() + "\n" + results.markdown(names);
+  char anchor[192];
+  std::snprintf(anchor, sizeof anchor, "making and destroying a CUDA stream alone (the anchor of the stream-per-request rows): %.2f µs\n",
+                stream_alone_us());
+  const std::string text = header() + anchor + "\n" + results.markdown(names);
   std::fputs(("\n" + text).c_str(), stdout);
   if (const char* out = std::getenv("OUT")) {
     std::ofstream file(std::string(out) + "/compare.md");
