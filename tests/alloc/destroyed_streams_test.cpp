@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -350,6 +351,65 @@ TEST(destroyed_streams_host, the_sweep_lets_a_stream_go_only_once_the_work_it_qu
     int poisoned = 0;
     for (std::size_t i = 0; i < 4 * mib; i += 4096) poisoned += q[i] == late_destroying_device::poison;
     EXPECT_EQ(poisoned, 0) << "next's data was overwritten by a fill queued on the stream let go";
+    a.deallocate(q, next);
+    dev.synchronize(next);
+    dev.synchronize(other);
+  }
+  dev.bury_the_destroyed();
+}
+
+// A free that comes while the sweep looks at a stream (another thread
+// allocating and freeing on the destroyed stream, which stays usable while
+// held) queues its debug poison there after the stream was found idle: the
+// sweep must see the free counted and keep the stream, or the poison lands
+// in memory the next stream took over. The free is made to come between the
+// sweep's last idle query and its vacating.
+class query_hook_device : public late_destroying_device {
+ public:
+  using late_destroying_device::late_destroying_device;
+  [[nodiscard]] bool query(backend::stream_ref s) override {
+    const bool idle = late_destroying_device::query(s);
+    if (idle && s == hooked_ && ++queries_ == 2) hook_();  // the sweep's second query: after the frees were counted
+    return idle;
+  }
+  void hook_second_query(backend::stream_ref s, std::function<void()> hook) {
+    hooked_ = s;
+    hook_ = std::move(hook);
+  }
+
+ private:
+  backend::stream_ref hooked_;
+  int queries_ = 0;
+  std::function<void()> hook_;
+};
+
+TEST(destroyed_streams_host, a_free_while_the_sweep_looks_at_a_stream_keeps_it_held) {
+  backend::host_device host({.capacity_bytes = 256 * mib});
+  query_hook_device dev(host);
+  {
+    alloc::caching_allocator a(dev, alloc::allocator_config::parse("debug:true"));
+    backend::stream_ref gone_ref;
+    {
+      stream gone(dev);
+      gone_ref = gone.ref();
+      a.deallocate(a.allocate(4 * mib, gone), gone);  // its poison queued (late), then waited for
+      dev.synchronize(gone);
+    }
+    dev.hook_second_query(gone_ref, [&] {
+      std::thread([&] { a.deallocate(a.allocate(4 * mib, gone_ref), gone_ref); }).join();
+    });
+    stream other(dev);
+    // Sweeps: `gone` is idle at both queries, but a free came between them.
+    a.deallocate(a.allocate(mib, other), other);
+    EXPECT_TRUE(dev.stream_destroy_pending(gone_ref)) << "a stream freed on meanwhile stays held";
+    stream next(dev);  // would take over gone's pools, had they been made vacant
+    auto* q = static_cast<unsigned char*>(a.allocate(4 * mib, next));
+    dev.fill(next, q, 0x11, 4 * mib);
+    dev.synchronize(next);
+    std::this_thread::sleep_for(400ms);  // whatever `gone` had queued has run
+    int poisoned = 0;
+    for (std::size_t i = 0; i < 4 * mib; i += 4096) poisoned += q[i] == late_destroying_device::poison;
+    EXPECT_EQ(poisoned, 0) << "next's data was overwritten by the poison of a free on the stream let go";
     a.deallocate(q, next);
     dev.synchronize(next);
     dev.synchronize(other);
