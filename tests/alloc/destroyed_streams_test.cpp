@@ -12,6 +12,7 @@
 #include <chrono>
 #include <functional>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <thread>
@@ -22,6 +23,7 @@
 #include "shoal/core/error.h"
 #include "support/allocators.h"
 #include "support/forwarding_device.h"
+#include "support/refused_allocations.h"
 
 namespace shoal::testing {
 namespace {
@@ -512,6 +514,50 @@ TEST(destroyed_streams_host, a_stream_per_request_leaves_at_most_the_last_one_he
 // Pinned host memory: the awaiting frees of a stream let go are sealed on it
 // and waited for by the allocation's sweep, so the next new stream gets that
 // memory at once, and the CPU may write it (nothing queued still reads it).
+// The sweep an allocation runs may find no host memory (listing the
+// streams, the scan of recorded streams, the vacant pools' place): the
+// allocation goes on without it, and the streams it skipped are let go by a
+// later sweep. Each heap allocation of such an allocation is refused in turn.
+TEST(destroyed_streams_host, host_memory_refused_inside_a_sweep_fails_no_allocation_and_loses_no_stream) {
+  backend::host_device host({.capacity_bytes = 256 * mib});
+  stream_counting_device dev(host);
+  {
+    alloc::caching_allocator a(dev, {});
+    stream other(dev);
+    a.deallocate(a.allocate(mib, other), other);  // other's pools and a cached block
+    int refused_in_sweep_only = 0;
+    int nth = 1;
+    for (; nth < 200; ++nth) {
+      {
+        stream gone(dev);
+        a.deallocate(a.allocate(mib, gone), gone);
+        dev.synchronize(gone);
+      }
+      // Off the cached pair (the last stream was `gone`): sweeps for it.
+      void* p = nullptr;
+      bool refused = false;
+      {
+        const refusing_one_allocation refuse(nth, [] {});
+        try {
+          p = a.allocate(mib, other);
+        } catch (const std::bad_alloc&) {
+        }
+        refused = refuse.refused();
+      }
+      if (p != nullptr) a.deallocate(p, other);
+      if (refused && p != nullptr) ++refused_in_sweep_only;
+      EXPECT_NO_THROW(a.check_invariants()) << "allocation " << nth << " refused";
+      if (!refused) break;  // the allocation and its sweep made fewer than nth
+    }
+    EXPECT_LT(nth, 200) << "the allocation stopped asking for memory";
+    EXPECT_GT(refused_in_sweep_only, 0) << "a refusal inside the sweep failed the allocation";
+    dev.synchronize(other);
+    a.empty_cache();
+    EXPECT_EQ(dev.alive.load(), 1) << "every destroyed stream was let go in the end; only `other` is alive";
+    EXPECT_EQ(a.stats().allocated_bytes.aggregate.current, 0);
+  }
+}
+
 TEST(destroyed_streams_host, a_new_stream_takes_over_a_let_go_streams_pinned_cache) {
   backend::host_device dev({.capacity_bytes = 64 * mib});
   alloc::caching_allocator a(dev, alloc::allocator_config::parse("memory:pinned_host"));
