@@ -467,6 +467,37 @@ TEST(destroyed_streams_host, empty_cache_gives_memory_back_before_it_reports_a_d
   }
 }
 
+// A device whose queries of one stream fail (as cudaStreamQuery reports an
+// error), until told otherwise.
+class failing_query_device : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+  [[nodiscard]] bool query(backend::stream_ref s) override {
+    if (s == failing) throw backend_error("cudaStreamQuery", "an illegal memory access was encountered");
+    return forwarding_device::query(s);
+  }
+  backend::stream_ref failing;
+};
+
+TEST(destroyed_streams_host, an_allocation_goes_on_past_a_failed_query_of_a_destroyed_stream) {
+  backend::host_device host({.capacity_bytes = 256 * mib});
+  failing_query_device dev(host);
+  alloc::caching_allocator a(dev, {});
+  stream mine(dev);
+  a.deallocate(a.allocate(mib, mine), mine);
+  dev.failing = used_and_destroyed(dev, a, mib);
+  // Off the cached pair: sweeps, and the query of the destroyed stream fails.
+  void* q = nullptr;
+  EXPECT_NO_THROW(q = a.allocate(mib, mine)) << "a failure of another stream's query is not this allocation's";
+  a.deallocate(q, mine);
+  EXPECT_TRUE(dev.stream_destroy_pending(dev.failing)) << "skipped, still held";
+  const backend::stream_ref gone = dev.failing;
+  dev.failing = {};
+  EXPECT_NO_THROW(a.empty_cache());
+  EXPECT_FALSE(dev.stream_destroy_pending(gone)) << "let go once its query answers";
+  dev.synchronize(mine);
+}
+
 // The pile-up itself: one stream per request, each destroyed when its
 // request is done. Counted on a device that knows how many of its streams
 // are alive.
