@@ -93,20 +93,15 @@ stream_pools& pool_directory::pools_of_uncached(backend::stream_ref stream) {
       } else {
         // Vacant pools first: their cache serves the new stream at once.
         // Moved into the map under one hold of the lock, so a walk of the
-        // pools meets them in one list or the other. Room in the map first
-        // (no rehash after the entry took them); the entry's own allocation
-        // fails before it takes them, and they stay vacant.
-        stream_pools_.reserve(stream_pools_.size() + 1);
+        // pools meets them in one list or the other. The map's entry is made
+        // (empty) before it takes them: its allocation fails with nothing
+        // taken, and the pools stay vacant; nothing after it throws.
         if (!vacant_pools_.empty()) {
-          std::unique_ptr<stream_pools>& taken = vacant_pools_.back();
-          serve(*taken, stream, false);
-          try {
-            pools = stream_pools_.emplace(stream.native, std::move(taken)).first->second.get();
-          } catch (...) {
-            serve(*taken, {}, true);
-            throw;
-          }
+          std::unique_ptr<stream_pools>& slot = stream_pools_.try_emplace(stream.native).first->second;
+          slot = std::move(vacant_pools_.back());
           vacant_pools_.pop_back();
+          serve(*slot, stream, false);
+          pools = slot.get();
         } else {
           auto made = std::make_unique<stream_pools>();
           made->small.kind = pool_kind::small;

@@ -589,6 +589,50 @@ TEST(destroyed_streams_host, host_memory_refused_inside_a_sweep_fails_no_allocat
   }
 }
 
+// A new stream's pools refused host memory while vacant pools wait: the
+// vacant ones stay vacant, their cache whole, for the next new stream.
+TEST(destroyed_streams_host, a_vacant_pair_stays_vacant_when_a_new_streams_entry_finds_no_host_memory) {
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, {});
+  stream mine(dev);
+  a.deallocate(a.allocate(mib, mine), mine);  // mine's segment first: growing later would give gone's back
+  const backend::stream_ref gone = used_and_destroyed(dev, a, 4 * mib);
+  a.deallocate(a.allocate(mib, mine), mine);  // sweeps: gone's pools are vacant, its 4 MiB cached
+  ASSERT_FALSE(dev.stream_destroy_pending(gone));
+  ASSERT_EQ(a.stats().device_allocations, 2);
+  const auto made = a.stats().device_allocations;
+  int refusals = 0;
+  for (int nth = 1; nth < 100; ++nth) {
+    std::optional<stream> next_stream(std::in_place, dev);
+    stream& next = *next_stream;
+    void* p = nullptr;
+    bool refused = false;
+    {
+      const refusing_one_allocation refuse(nth, [] {});
+      try {
+        p = a.allocate(4 * mib, next);
+      } catch (const std::bad_alloc&) {
+      }
+      refused = refuse.refused();
+    }
+    EXPECT_NO_THROW(a.check_invariants()) << "allocation " << nth << " refused";
+    if (p == nullptr) {
+      ++refusals;
+      p = a.allocate(4 * mib, next);  // the vacant cache is still there for it
+    }
+    EXPECT_EQ(a.stats().device_allocations, made) << "the vacant pair's cache served `next` after refusal " << nth;
+    a.deallocate(p, next);
+    dev.synchronize(next);
+    const backend::stream_ref next_ref = next.ref();
+    next_stream.reset();
+    a.deallocate(a.allocate(mib, mine), mine);  // sweeps: next's pools vacant again, for the next round
+    ASSERT_FALSE(dev.stream_destroy_pending(next_ref));
+    if (!refused) break;
+  }
+  EXPECT_GT(refusals, 0) << "no allocation of the take-over was refused";
+  dev.synchronize(mine);
+}
+
 TEST(destroyed_streams_host, a_new_stream_takes_over_a_let_go_streams_pinned_cache) {
   backend::host_device dev({.capacity_bytes = 64 * mib});
   alloc::caching_allocator a(dev, alloc::allocator_config::parse("memory:pinned_host"));
