@@ -312,7 +312,7 @@ class allocator_core {
   // pool goes. Taken before directory_mutex_ (pool_directory.h): held by
   // stats() over its whole walk and by a destroy over the removal, so that a
   // pool's counters move here atomically for every reader.
-  /// Moves `part`'s counters into retired_ (retired_mutex_ held).
+  /// Moves a destroyed private pool part's counters into retired_ (retired_mutex_ held).
   void retire_counters(const block_pool& part);
   std::mutex retired_mutex_;
   std::array<pool_counters, pool_kinds> retired_{};       // guarded by retired_mutex_

@@ -65,7 +65,7 @@ void allocator_core::retire_counters(const block_pool& part) {
     to.freed += from.allocated;
     to.peak += from.peak;
   }
-  if (part.is_private && !part.grows) retired_region_reserved_peak_ += part.counters.reserved_bytes.peak;
+  if (!part.grows) retired_region_reserved_peak_ += part.counters.reserved_bytes.peak;
 }
 
 allocator_stats allocator_core::stats() {
