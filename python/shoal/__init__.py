@@ -55,6 +55,7 @@ from ._shoal import (
     host_device,
     runtime_dir_address,
     synchronize,
+    view_dtypes,
 )
 from . import _checks, _shoal
 
@@ -96,6 +97,7 @@ __all__ = [
     "runtime_dir_address",
     "stream",
     "synchronize",
+    "view_dtypes",
 ]
 
 _default_allocator: Optional[Allocator] = None

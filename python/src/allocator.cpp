@@ -162,6 +162,31 @@ void allocator_state::keep(const std::shared_ptr<stream_state>& stream) {
   streams_.insert(stream);
 }
 
+std::shared_ptr<stream_keeper> stream_keeper::by_allocator() {
+  static const auto shared = std::make_shared<stream_keeper>(true);
+  return shared;
+}
+
+void stream_keeper::keep(const std::shared_ptr<stream_state>& stream, allocator_state& allocator) {
+  if (stream->ref().is_default()) return;  // default streams live as long as their device
+  if (!by_allocator_.load(std::memory_order_acquire)) {
+    std::lock_guard lock(mutex_);
+    if (!by_allocator_.load(std::memory_order_relaxed)) {
+      if (std::ranges::find(streams_, stream) == streams_.end()) streams_.push_back(stream);
+      return;
+    }
+  }
+  allocator.keep(stream);
+}
+
+void stream_keeper::hand_to(allocator_state& allocator) {
+  std::lock_guard lock(mutex_);  // then the allocator's: never the other way
+  if (by_allocator_.load(std::memory_order_relaxed)) return;
+  for (const auto& stream : streams_) allocator.keep(stream);  // a throw leaves them all here too
+  by_allocator_.store(true, std::memory_order_release);
+  streams_.clear();
+}
+
 std::shared_ptr<stream_state> allocator_state::take_copy_stream() {
   {
     std::lock_guard lock(mutex_);

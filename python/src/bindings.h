@@ -4,15 +4,20 @@
 // capsules and arrays handed to other libraries, whose deleters may run on
 // any thread without the GIL: nothing here holds a Python object.
 //
-// Lifetimes: an allocator keeps every stream it was used with alive for its
-// own life (a stream given to a free or record_stream, a storage's among
-// them, must outlive that free; the caching allocator holds only those it
-// keeps pools for or a private pool's blocks remember); a storage keeps its
-// allocator alive.
+// Lifetimes: a storage keeps every stream it was used on alive until its
+// release (which waits for each, storage.h): its handles share a
+// stream_keeper with the storages that share its memory. A storage a part of
+// the library may hold past every handle (sent to another process, received,
+// a transfer batch's, adopted) has its streams kept by the allocator for the
+// allocator's life instead, as are transfer engines' streams. A stream per
+// request that only allocates storages thus goes when they go, and the
+// caching allocator passes its cache to the next new stream. A storage
+// keeps its allocator alive.
 #pragma once
 
 #include <nanobind/nanobind.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <limits>
@@ -124,20 +129,61 @@ class allocator_state {
   std::unique_ptr<alloc::caching_allocator> allocator_;
 };
 
+/// The streams storages sharing one memory (a storage, its handles and
+/// views, its lazy clones) were used on from Python, kept alive for their
+/// releases: each goes with the last handle of them, after their memory's
+/// release has used it. Once handed to the allocator (the memory is sent to
+/// another process, whose release may come after every handle), they and
+/// every later one are kept by the allocator for its life. Thread-safe.
+class stream_keeper {
+ public:
+  /// Kept by the storages' handles.
+  [[nodiscard]] static std::shared_ptr<stream_keeper> for_handles() {
+    return std::make_shared<stream_keeper>(false);
+  }
+  /// Kept by the allocator from the start: for storages the library may
+  /// hold past every handle (one shared keeper, nothing in it).
+  [[nodiscard]] static std::shared_ptr<stream_keeper> by_allocator();
+  explicit stream_keeper(bool by_allocator) : by_allocator_(by_allocator) {}
+  stream_keeper(const stream_keeper&) = delete;
+  stream_keeper& operator=(const stream_keeper&) = delete;
+  /// Keeps `stream` alive (the default stream needs nothing).
+  void keep(const std::shared_ptr<stream_state>& stream, allocator_state& allocator);
+  /// From now on the allocator keeps them all; a throw (no host memory)
+  /// leaves every stream kept here.
+  void hand_to(allocator_state& allocator);
+
+ private:
+  std::atomic<bool> by_allocator_;  // set once, under mutex_
+  std::mutex mutex_;
+  std::vector<std::shared_ptr<stream_state>> streams_;  // guarded by mutex_; empty once by_allocator_
+};
+
 /// Whether a storage's memory may be written from Python: read-only memory
 /// (a shared region, mapped read-only; an array imported read-only) is
 /// refused every write, where a write through the mapping would fault.
 enum class storage_access { read_write, read_only };
 
 /// One handle to a storage and the allocator it came from. The storage's
-/// release waits for the streams it was used on (storage.h), each kept
-/// alive by the allocator when it was used. `keep_alive` (say, the sharing
-/// context a storage was received through) outlives the storage too.
+/// release waits for the streams it was used on (storage.h), each kept alive
+/// by `streams` (keep_stream) when it was used. `keep_alive` (say, the
+/// sharing context a storage was received through) outlives the storage too.
 class storage_handle {
  public:
+  /// A storage whose streams the allocator keeps (the library may hold it
+  /// past every handle).
   storage_handle(storage::storage storage, std::shared_ptr<allocator_state> allocator,
                  std::shared_ptr<const void> keep_alive = nullptr, storage_access access = storage_access::read_write)
+      : storage_handle(std::move(storage), std::move(allocator), stream_keeper::by_allocator(), std::move(keep_alive),
+                       access) {}
+  /// A storage whose streams `streams` keeps: a new storage's own keeper
+  /// (stream_keeper::for_handles), or the keeper of the storage it shares
+  /// memory with.
+  storage_handle(storage::storage storage, std::shared_ptr<allocator_state> allocator,
+                 std::shared_ptr<stream_keeper> streams, std::shared_ptr<const void> keep_alive = nullptr,
+                 storage_access access = storage_access::read_write)
       : allocator_(std::move(allocator)),
+        streams_(std::move(streams)),
         keep_alive_(std::move(keep_alive)),
         storage_(std::move(storage)),
         read_only_(access == storage_access::read_only) {}
@@ -152,6 +198,14 @@ class storage_handle {
   /// thread-safe and change no handle, hence usable through a const handle).
   [[nodiscard]] storage::storage& get() const noexcept { return storage_; }
   [[nodiscard]] const std::shared_ptr<allocator_state>& allocator() const noexcept { return allocator_; }
+  /// The keeper of the streams this storage was used on (shared with the
+  /// storages sharing its memory).
+  [[nodiscard]] const std::shared_ptr<stream_keeper>& streams() const noexcept { return streams_; }
+  /// Keeps `stream`, about to be used on the storage, alive for its release.
+  void keep_stream(const std::shared_ptr<stream_state>& stream) const { streams_->keep(stream, *allocator_); }
+  /// The storage is handed to a part of the library that may hold it past
+  /// every handle: its streams are kept by the allocator from now on.
+  void hand_streams_to_allocator() const { streams_->hand_to(*allocator_); }
   [[nodiscard]] bool read_only() const noexcept { return read_only_; }
   /// Throws invalid_argument naming `what` when the memory is read-only.
   void require_writable(const char* what) const;
@@ -159,6 +213,8 @@ class storage_handle {
  private:
   // Declared first so that it is destroyed last: the storage frees into it.
   std::shared_ptr<allocator_state> allocator_;
+  // Before the storage, so destroyed after it: its release uses the streams.
+  std::shared_ptr<stream_keeper> streams_;
   std::shared_ptr<const void> keep_alive_;
   mutable storage::storage storage_;
   bool read_only_;

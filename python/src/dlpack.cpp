@@ -224,7 +224,7 @@ nb::object export_view(const py_array_view& view, nb::handle stream, nb::handle 
   // is materialized or marked.
   if (to.stream) to.stream = device.adopt_external_stream(to.stream->native);
   const auto producer = current_stream_state(device);
-  view.handle.allocator()->keep(producer);
+  view.handle.keep_stream(producer);
 
   auto context = std::make_unique<export_context>(
       export_context{view.handle, std::nullopt, view.shape, view.strides, nullptr});
@@ -241,7 +241,7 @@ nb::object export_view(const py_array_view& view, nb::handle stream, nb::handle 
       storage::storage clone = storage::try_lazy_clone(exported, producer->ref());
       if (clone.valid()) {
         exported = clone;
-        context->snapshot.emplace(std::move(clone), view.handle.allocator());
+        context->snapshot.emplace(std::move(clone), view.handle.allocator(), view.handle.streams());
       }
       data = const_cast<void*>(exported.data());
     } else {

@@ -416,7 +416,9 @@ void register_sharing(nb::module_& m) {
                                      nb::cast<std::string>(nb::str(data.type().attr("__name__"))));
             }
             auto st = stream_or_current(stream, handle->get().device());
-            handle->allocator()->keep(st);
+            // The other process's release may come after every handle here.
+            handle->hand_streams_to_allocator();
+            handle->keep_stream(st);
             const auto peer = p.peer.enter();
             const auto bytes = bytes_of(metadata);
             // Copied with the GIL held: Borrower.publish swaps a storage's handle under the GIL,

@@ -62,7 +62,7 @@ storage_handle::~storage_handle() {
   try {
     scoped = scoped_stream_state(storage_.device());
     if (scoped == nullptr) return;
-    allocator_->keep(scoped);  // a stream recorded outlives the memory's release
+    streams_->keep(scoped, *allocator_);  // a stream recorded outlives the memory's release
     detail::waiting_without_gil([&] {  // the storage's lock, as Storage.record_stream
       if (!record_stream_on_import(storage_, scoped)) storage_.record_stream(scoped->ref());
     });
@@ -88,13 +88,14 @@ py_storage allocate_storage(const py_allocator& a, const python_int& nbytes, con
   constexpr std::uint64_t most = std::numeric_limits<std::int64_t>::max();
   const auto bytes = static_cast<std::size_t>(whole_number_of(nbytes, "Allocator.allocate", "nbytes", most, true));
   auto s = stream_or_current(stream, a.state->allocator().device());
-  a.state->keep(s);
+  auto streams = stream_keeper::for_handles();
+  streams->keep(s, *a.state);
   storage::storage st;
   {
     released_gil release;  // may wait for pending frees
     st = storage::storage::allocate(a.state->allocator(), bytes, s->ref());
   }
-  return py_storage{storage_handle(std::move(st), a.state)};
+  return py_storage{storage_handle(std::move(st), a.state, std::move(streams))};
 }
 
 void register_storages(nb::module_& m) {
@@ -145,7 +146,7 @@ void register_storages(nb::module_& m) {
           [](const py_storage& s, const py_stream* stream) {
             s.handle.require_writable("Storage.mutable_ptr");
             auto st = stream_or_current(stream, s.handle.get().device());
-            s.handle.allocator()->keep(st);
+            s.handle.keep_stream(st);
             storage::storage held = s.handle.get();  // with the GIL: another thread may assign s.handle
             released_gil release;
             return reinterpret_cast<std::uintptr_t>(held.mutable_data(st->ref()));
@@ -160,14 +161,14 @@ void register_storages(nb::module_& m) {
           "lazy_clone",
           [](const py_storage& s, const py_stream* stream) {
             auto st = stream_or_current(stream, s.handle.get().device());
-            s.handle.allocator()->keep(st);
+            s.handle.keep_stream(st);
             storage::storage held = s.handle.get();  // with the GIL: another thread may assign s.handle
             storage::storage clone;
             {
               released_gil release;  // an eager copy's allocation may wait for pending frees
               clone = storage::lazy_clone(held, st->ref());
             }
-            return py_storage{storage_handle(std::move(clone), s.handle.allocator())};
+            return py_storage{storage_handle(std::move(clone), s.handle.allocator(), s.handle.streams())};
           },
           nb::arg("stream").none() = nb::none(),
           "A new storage sharing this one's data copy-on-write, in O(1), for use "
@@ -188,7 +189,7 @@ void register_storages(nb::module_& m) {
           "record_stream",
           [](const py_storage& s, const py_stream& stream) {
             auto st = stream_or_current(&stream, s.handle.get().device());
-            s.handle.allocator()->keep(st);
+            s.handle.keep_stream(st);
             const storage::storage held = s.handle.get();  // with the GIL: another thread may assign s.handle
             // The storage's lock (and an import's), which a thread materializing or cloning it holds
             // across device calls with the GIL let go.
@@ -211,7 +212,7 @@ void register_storages(nb::module_& m) {
             buffer_view buffer(data, "Storage.write");
             check_range(s, offset, buffer.size(), "Storage.write");
             auto st = stream_or_current(stream, s.handle.get().device());
-            s.handle.allocator()->keep(st);
+            s.handle.keep_stream(st);
             storage::storage held = s.handle.get();  // with the GIL: another thread may assign s.handle
             released_gil release;
             // One step with taking the pointer: a read-only export's clone made meanwhile never shares it.
@@ -242,7 +243,7 @@ void register_storages(nb::module_& m) {
             if (count < 0) throw invalid_argument("Storage.read: nbytes must be >= 0, got " + std::to_string(count));
             check_range(s, offset, static_cast<std::size_t>(count), "Storage.read");
             auto st = stream_or_current(stream, s.handle.get().device());
-            s.handle.allocator()->keep(st);
+            s.handle.keep_stream(st);
             nb::bytes out = nb::steal<nb::bytes>(PyBytes_FromStringAndSize(nullptr, count));
             if (!out.is_valid()) throw nb::python_error();
             char* dst = PyBytes_AsString(out.ptr());
@@ -268,7 +269,7 @@ void register_storages(nb::module_& m) {
             const auto value = whole_number_of(value_given, "Storage.fill", "value (a byte)", 255);
             s.handle.require_writable("Storage.fill");
             auto st = stream_or_current(stream, s.handle.get().device());
-            s.handle.allocator()->keep(st);
+            s.handle.keep_stream(st);
             storage::storage held = s.handle.get();  // with the GIL: another thread may assign s.handle
             released_gil release;
             held.enqueue_write(st->ref(), [&](void* data) {  // as write's

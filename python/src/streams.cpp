@@ -159,10 +159,11 @@ void register_streams(nb::module_& m) {
   nb::class_<py_stream>(m, "Stream",
                         "An in-order queue of device work. Stream(device) creates a new stream; "
                         "Stream.default(device) names the device's default stream. Usable from several threads "
-                        "at once: work runs in the order the threads enqueue it. Make streams once and reuse "
-                        "them (as PyTorch's stream pool does): an Allocator keeps every stream it served, with "
-                        "the memory it caches for that stream, for as long as the Allocator lives, so a new "
-                        "stream per request grows without end.")
+                        "at once: work runs in the order the threads enqueue it. A stream lives while this object "
+                        "or a storage used on it does; a new stream per request is fine when the request's "
+                        "storages go with it: once its work has run, the Allocator lets it go and the next new "
+                        "stream takes over the memory it cached. A storage sent to another process, received, "
+                        "adopted or of a transfer batch keeps its streams for the Allocator's life.")
       .def(
           "__init__",
           [](py_stream* self, backend::device* device) {

@@ -58,6 +58,14 @@ def test_versioned_capsules_when_the_consumer_asks():
     assert v.__dlpack_device__() == (1, 0)
 
 
+def test_every_dtype_the_package_lists_makes_a_view(allocator):
+    s = allocator.allocate(16)
+    assert "float32" in shoal.view_dtypes()
+    for name in shoal.view_dtypes():
+        assert s.view(name, (1,)).dtype == name
+    del s
+
+
 @pytest.mark.parametrize("dtype", ["float8", "object", 3.5])
 def test_an_unknown_dtype_is_refused(allocator, dtype):
     s = allocator.allocate(16)

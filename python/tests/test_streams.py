@@ -1,6 +1,7 @@
 """Devices, streams, events and the `with shoal.stream(s)` scope."""
 
 import copy
+import os
 import pickle
 import threading
 import time
@@ -133,3 +134,87 @@ def test_streams_and_devices_are_unequal_to_other_kinds_of_object():
     device = shoal.default_device()
     assert device != "host" and (device == None) is False  # noqa: E711
     assert device == shoal.default_device()
+
+
+def _threads():
+    return len(os.listdir("/proc/self/task"))
+
+
+def _request(allocator, work):
+    # A request's work, which it waits for before it answers.
+    stream = shoal.Stream()
+    with shoal.stream(stream):
+        storage = allocator.allocate(1 << 20)
+        work(storage, stream)
+        del storage
+    stream.synchronize()
+
+
+@pytest.mark.parametrize(
+    "work",
+    [
+        lambda st, s: st.write(b"x" * 4096),
+        lambda st, s: st.fill(7),
+        lambda st, s: st.lazy_clone().fill(1),
+        lambda st, s: st.record_stream(s),
+        lambda st, s: st.view("uint8").__dlpack__(stream=None if st.device.kind == "host" else -1, max_version=(1, 0)),
+    ],
+    ids=["write", "fill", "lazy_clone", "record_stream", "dlpack"],
+)
+def test_a_stream_per_request_goes_with_its_storages(work):
+    # Each request's stream is dropped with its storages: the allocator lets
+    # it go and passes its cache to the next request's stream, so neither
+    # streams (a thread each on the host backend) nor segments pile up.
+    allocator = shoal.Allocator()
+    _request(allocator, work)
+    threads = _threads()
+    for _ in range(40):
+        _request(allocator, work)
+    allocator.empty_cache()
+    stats = allocator.stats()
+    assert stats["num_device_alloc"] <= 4, "each request's stream took the cache of one before it"
+    assert _threads() <= threads + 2, "the requests' streams were destroyed"
+
+
+def test_a_stream_used_on_a_storage_lives_as_long_as_the_storage():
+    allocator = shoal.Allocator()
+    storage = allocator.allocate(1 << 16)
+    stream = shoal.Stream()
+    storage.write(b"y" * 16, stream=stream)
+    storage.record_stream(stream)
+    del stream  # the storage's release still waits for it
+    clone = storage.lazy_clone()
+    del storage
+    assert clone.read(0, 16) == b"y" * 16
+    del clone
+    allocator.empty_cache()
+    assert allocator.stats()["allocated_bytes"]["all"]["current"] == 0
+
+
+def test_the_streams_of_a_storage_sent_to_another_process_are_kept_by_the_allocator():
+    # The other process's release of a sent storage may come after every
+    # handle here: the storage's streams, and any used on it later, are kept
+    # by the allocator, so its release can still wait for them.
+    host = shoal.Allocator(shoal.host_device())  # CUDA refuses memory exported by the same process
+    with shoal.Listener(f"@streams-sent-{os.getpid()}") as listener:
+        dialed: list = []
+        dialer = threading.Thread(target=lambda: dialed.append(shoal.connect(listener.address)))
+        dialer.start()
+        accepted = listener.accept(timeout=10)
+        dialer.join(10)
+    with shoal.Peer(shoal.SharingContext(host), accepted) as receiver, \
+            shoal.Peer(shoal.SharingContext(host), dialed[0]) as sender:
+        storage = host.allocate(1 << 16)
+        stream = shoal.Stream(shoal.host_device())
+        storage.fill(3, stream=stream)
+        sender.send(storage, stream=stream)
+        received, _ = receiver.receive(timeout=10)
+        threads = _threads()
+        del stream, storage
+        assert _threads() == threads, "the sent storage's stream is kept while the other side holds it"
+        assert received.read(0, 4) == b"\x03" * 4
+        del received
+        deadline = time.monotonic() + 10
+        while host.stats()["allocated_bytes"]["all"]["current"] != 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert host.stats()["allocated_bytes"]["all"]["current"] == 0, "released after the kept stream"
