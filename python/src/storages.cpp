@@ -45,7 +45,11 @@ class buffer_view {
 
 void check_range(const py_storage& s, std::int64_t offset, std::size_t bytes, const char* what) {
   const std::size_t size = s.handle.get().size();
-  if (offset < 0 || static_cast<std::size_t>(offset) > size || bytes > size - static_cast<std::size_t>(offset)) {
+  if (offset < 0) {
+    throw invalid_argument(std::string(what) + ": offset " + std::to_string(offset) +
+                           " is negative; offsets count bytes from the storage's start");
+  }
+  if (static_cast<std::size_t>(offset) > size || bytes > size - static_cast<std::size_t>(offset)) {
     throw invalid_argument(std::string(what) + ": " + std::to_string(bytes) + " bytes at offset " +
                            std::to_string(offset) + " do not fit the storage's " + std::to_string(size) + " bytes");
   }

@@ -71,8 +71,12 @@ def test_reads_and_writes_outside_the_storage_are_refused(allocator):
         s.write(b"x" * 17)
     with pytest.raises(ValueError, match="do not fit"):
         s.read(10, 7)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"Storage.read: offset -1 is negative"):
         s.read(-1, 1)
+    with pytest.raises(ValueError, match=r"Storage.read: offset -1 is negative"):
+        s.read(-1)
+    with pytest.raises(ValueError, match=r"Storage.write: offset -2 is negative"):
+        s.write(b"x", offset=-2)
     with pytest.raises(ValueError):
         s.fill(256)
     del s

@@ -409,11 +409,13 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
     report.device_free_bytes = device.memory().free_bytes;
   } catch (const error&) {  // NOLINT(bugprone-empty-catch): the report goes out without it
   }
+  std::size_t largest_here = 0;  // in the pool the request draws from: all it could have used
   directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
     report.reserved_bytes += static_cast<std::size_t>(p.counters.reserved_bytes.current);
     report.allocated_bytes += static_cast<std::size_t>(p.counters.allocated_bytes.current);
     report.largest_free_block = std::max(report.largest_free_block, p.bins.largest());
+    if (&p == &pool) largest_here = p.bins.largest();
   });
   if (trace_.enabled()) trace_.note(trace_action::oom, 0, bytes, stream);
   std::vector<std::function<void(const oom_report&)>> observers;
@@ -443,11 +445,14 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
   m << " on " << to_string(device.kind()) << ':' << device.ordinal() << ": the device has " << report.device_free_bytes
     << " bytes free; this allocator holds " << report.reserved_bytes << " bytes reserved, of which "
     << report.allocated_bytes << " are allocated; the largest free cached block is " << report.largest_free_block
-    << " bytes";
+    << " bytes, " << largest_here << " in the " << (pool.kind == pool_kind::small ? "small" : "large")
+    << " pool this request draws from";
+  if (bytes <= max_request) m << " (as a block of " << block_size_for(bytes, config) << " bytes)";
   if (report.limit_bytes != allocator_config::no_limit) {
     m << "; the configured limit is " << report.limit_bytes << " bytes";
   }
-  m << ". Free memory you hold, lower the request, or raise the limit; expandable_segments:true reduces fragmentation";
+  m << ". Free memory you hold, lower the request, or raise the limit";
+  if (!config.expandable_segments) m << "; expandable_segments:true reduces fragmentation";
   throw out_of_memory(m.str(), bytes);
 }
 

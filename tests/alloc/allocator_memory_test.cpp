@@ -69,6 +69,39 @@ TYPED_TEST(allocator_memory, a_pool_gives_its_idle_segments_back_before_it_grows
   }
 }
 
+TYPED_TEST(allocator_memory, out_of_memory_names_the_free_block_of_the_pool_the_request_draws_from) {
+  // 1 MiB comes from the small pool, which grows by 2 MiB segments: a free
+  // 1 MiB block of the large pool could not serve it, and the message says so.
+  auto& a = this->make("memory_limit_mb:4");
+  void* big = a.allocate(3 * mib, {});  // a 4 MiB segment of the large pool: 1 MiB of it stays free
+  try {
+    (void)a.allocate(mib, {});
+    FAIL() << "expected out_of_memory";
+  } catch (const out_of_memory& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("the largest free cached block is 1048576 bytes, 0 in the small pool this request draws from "
+                        "(as a block of 1048576 bytes)"),
+              std::string::npos)
+        << what;
+    EXPECT_NE(what.find("expandable_segments:true"), std::string::npos) << "suggested where it is off: " << what;
+  }
+  a.deallocate(big, {});
+}
+
+TYPED_TEST(allocator_memory, out_of_memory_suggests_expandable_segments_only_where_they_are_off) {
+  if (!this->device().growable().supported) GTEST_SKIP() << "no growable segments on this device";
+  auto& a = this->make("memory_limit_mb:4,expandable_segments:true");
+  void* big = a.allocate(3 * mib, {});
+  try {
+    (void)a.allocate(2 * mib, {});
+    FAIL() << "expected out_of_memory";
+  } catch (const out_of_memory& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(what.find("expandable_segments:true"), std::string::npos) << what;
+  }
+  a.deallocate(big, {});
+}
+
 TYPED_TEST(allocator_memory, a_memory_limit_fails_cleanly_and_frees_cache_before_failing) {
   auto& a = this->make("memory_limit_mb:40,release_idle_before_grow:false");  // the cache survives growth until memory runs out
   std::vector<alloc::oom_report> reports;
