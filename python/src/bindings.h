@@ -188,7 +188,16 @@ class storage_handle {
         storage_(std::move(storage)),
         read_only_(access == storage_access::read_only) {}
   storage_handle(const storage_handle&) = default;
-  storage_handle& operator=(const storage_handle&) = default;
+  /// The handle replaced goes as a dropped one does (the destructor: its
+  /// storage released before its streams), not member by member.
+  storage_handle& operator=(storage_handle other) noexcept {
+    std::swap(allocator_, other.allocator_);
+    std::swap(streams_, other.streams_);
+    std::swap(keep_alive_, other.keep_alive_);
+    std::swap(storage_, other.storage_);
+    std::swap(read_only_, other.read_only_);
+    return *this;
+  }
   /// The last handle dropped inside a `shoal.stream` scope: the memory's free
   /// waits for the work enqueued on the scope's stream too, as a free on the
   /// current stream does in C++ (recorded as a use). A copy dropped while

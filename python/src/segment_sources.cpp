@@ -43,13 +43,15 @@ constexpr std::size_t slot_count = 16;
 /// One storage's memory lent out as segments.
 class segment_source {
  public:
-  explicit segment_source(const storage_handle& memory)
+  /// `stream` (kept by the storage's handles) is where a lazy storage is
+  /// materialized and the write access recorded.
+  segment_source(const storage_handle& memory, backend::stream_ref stream)
       : memory_(memory),
         allocator_(std::make_shared<allocator_state>(memory.get().device(), alloc::allocator_config{})) {
     memory_.require_writable("shoal.torch.RegionPool");  // PyTorch writes what it allocates
     // PyTorch writes it in place from now on: never shared lazily again.
-    memory_.get().mark_shared_outside_process();
-    const auto start = reinterpret_cast<std::uintptr_t>(memory_.get().mutable_data());
+    memory_.get().mark_shared_outside_process(stream);
+    const auto start = reinterpret_cast<std::uintptr_t>(memory_.get().mutable_data(stream));
     const std::uintptr_t aligned = (start + 511) / 512 * 512;  // private pools take whole 512-byte units
     const std::size_t skipped = aligned - start;
     if (memory_.get().size() < skipped + 512) {
@@ -207,10 +209,12 @@ void register_segment_sources(nb::module_& m) {
                                  " was not handed out by _segment_source_new_binding");
         }
         const storage_handle memory = storage.handle;  // with the GIL: another thread may assign the handle
+        const auto stream = current_stream_state(memory.get().device());
+        memory.keep_stream(stream);  // the storage's release waits for it
         // Without the GIL: marking the storage (its lock) may materialize it, which allocates and may
         // wait for pending frees; and a slot's lock is held across PyTorch's allocations from it.
         released_gil release;
-        auto source = std::make_unique<segment_source>(memory);
+        auto source = std::make_unique<segment_source>(memory, stream->ref());
         // One opening at a time from the check to the binding: no two slots ever share a binding
         // (_segment_source_abandon would end both).
         static std::mutex opening;

@@ -172,7 +172,10 @@ void register_storages(nb::module_& m) {
               released_gil release;  // an eager copy's allocation may wait for pending frees
               clone = storage::lazy_clone(held, st->ref());
             }
-            return py_storage{storage_handle(std::move(clone), s.handle.allocator(), s.handle.streams())};
+            // An eager copy shares nothing with the source: its streams are its own.
+            auto streams = clone.is_lazy() ? s.handle.streams() : stream_keeper::for_handles();
+            streams->keep(st, *s.handle.allocator());
+            return py_storage{storage_handle(std::move(clone), s.handle.allocator(), std::move(streams))};
           },
           nb::arg("stream").none() = nb::none(),
           "A new storage sharing this one's data copy-on-write, in O(1), for use "

@@ -182,7 +182,9 @@ def test_a_stream_used_on_a_storage_lives_as_long_as_the_storage():
     stream = shoal.Stream()
     storage.write(b"y" * 16, stream=stream)
     storage.record_stream(stream)
+    threads = _threads()
     del stream  # the storage's release still waits for it
+    assert _threads() >= threads, "the stream is kept while the storage lives"
     clone = storage.lazy_clone()
     del storage
     assert clone.read(0, 16) == b"y" * 16
@@ -211,7 +213,7 @@ def test_the_streams_of_a_storage_sent_to_another_process_are_kept_by_the_alloca
         received, _ = receiver.receive(timeout=10)
         threads = _threads()
         del stream, storage
-        assert _threads() == threads, "the sent storage's stream is kept while the other side holds it"
+        assert _threads() >= threads, "the sent storage's stream is kept while the other side holds it"
         assert received.read(0, 4) == b"\x03" * 4
         del received
         deadline = time.monotonic() + 10
