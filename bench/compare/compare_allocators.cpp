@@ -423,7 +423,8 @@ int main() {
   }
 
   char anchor[192];
-  std::snprintf(anchor, sizeof anchor, "making and destroying a CUDA stream alone (the anchor of the stream-per-request rows): %.2f µs\n",
+  std::snprintf(anchor, sizeof anchor,
+                "making and destroying a CUDA stream alone (the anchor of the stream-per-request rows): %.2f µs\n",
                 stream_alone_us());
   const std::string text = header() + anchor + "\n" + results.markdown(names);
   std::fputs(("\n" + text).c_str(), stdout);

@@ -330,6 +330,18 @@ class late_destroying_device : public forwarding_device {
   std::vector<backend::stream_ref> destroyed_;
 };
 
+// Writes `next`'s 4 MiB at `q`, waits for it and for whatever the streams
+// let go had queued (late poison fills), and counts the 4 KiB pages whose
+// first byte that poison overwrote.
+int pages_poisoned_late(late_destroying_device& dev, stream& next, unsigned char* q) {
+  dev.fill(next, q, 0x11, 4 * mib);
+  dev.synchronize(next);
+  std::this_thread::sleep_for(400ms);
+  int poisoned = 0;
+  for (std::size_t i = 0; i < 4 * mib; i += 4096) poisoned += q[i] == late_destroying_device::poison;
+  return poisoned;
+}
+
 TEST(destroyed_streams_host, the_sweep_lets_a_stream_go_only_once_the_work_it_queued_there_ran) {
   backend::host_device host({.capacity_bytes = 256 * mib});
   late_destroying_device dev(host);
@@ -347,12 +359,8 @@ TEST(destroyed_streams_host, the_sweep_lets_a_stream_go_only_once_the_work_it_qu
     // Sweeps: collecting the pending free queues its poison on `gone`, so
     // `gone` is busy again and stays held; `next` gets new memory.
     auto* q = static_cast<unsigned char*>(a.allocate(4 * mib, next));
-    dev.fill(next, q, 0x11, 4 * mib);
-    dev.synchronize(next);
-    std::this_thread::sleep_for(400ms);  // whatever `gone` had queued has run
-    int poisoned = 0;
-    for (std::size_t i = 0; i < 4 * mib; i += 4096) poisoned += q[i] == late_destroying_device::poison;
-    EXPECT_EQ(poisoned, 0) << "next's data was overwritten by a fill queued on the stream let go";
+    EXPECT_EQ(pages_poisoned_late(dev, next, q), 0)
+        << "next's data was overwritten by a fill queued on the stream let go";
     a.deallocate(q, next);
     dev.synchronize(next);
     dev.synchronize(other);
@@ -406,12 +414,8 @@ TEST(destroyed_streams_host, a_free_while_the_sweep_looks_at_a_stream_keeps_it_h
     EXPECT_TRUE(dev.stream_destroy_pending(gone_ref)) << "a stream freed on meanwhile stays held";
     stream next(dev);  // would take over gone's pools, had they been made vacant
     auto* q = static_cast<unsigned char*>(a.allocate(4 * mib, next));
-    dev.fill(next, q, 0x11, 4 * mib);
-    dev.synchronize(next);
-    std::this_thread::sleep_for(400ms);  // whatever `gone` had queued has run
-    int poisoned = 0;
-    for (std::size_t i = 0; i < 4 * mib; i += 4096) poisoned += q[i] == late_destroying_device::poison;
-    EXPECT_EQ(poisoned, 0) << "next's data was overwritten by the poison of a free on the stream let go";
+    EXPECT_EQ(pages_poisoned_late(dev, next, q), 0)
+        << "next's data was overwritten by the poison of a free on the stream let go";
     a.deallocate(q, next);
     dev.synchronize(next);
     dev.synchronize(other);
