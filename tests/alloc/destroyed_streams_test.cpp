@@ -398,6 +398,11 @@ TEST(destroyed_streams_host, a_free_while_the_sweep_looks_at_a_stream_keeps_it_h
   query_hook_device dev(host);
   {
     alloc::caching_allocator a(dev, alloc::allocator_config::parse("debug:true"));
+    // `other` has its pools before the sweep: a new stream's first
+    // allocation would take over the pools the sweep made vacant, leaving
+    // `next` below fresh memory the late poison cannot reach.
+    stream other(dev);
+    a.deallocate(a.allocate(mib, other), other);
     backend::stream_ref gone_ref;
     {
       stream gone(dev);
@@ -408,7 +413,6 @@ TEST(destroyed_streams_host, a_free_while_the_sweep_looks_at_a_stream_keeps_it_h
     dev.hook_second_query(gone_ref, [&] {
       std::thread([&] { a.deallocate(a.allocate(4 * mib, gone_ref), gone_ref); }).join();
     });
-    stream other(dev);
     // Sweeps: `gone` is idle at both queries, but a free came between them.
     a.deallocate(a.allocate(mib, other), other);
     EXPECT_TRUE(dev.stream_destroy_pending(gone_ref)) << "a stream freed on meanwhile stays held";
