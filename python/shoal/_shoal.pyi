@@ -356,6 +356,11 @@ class Storage:
         A typed ArrayView of the storage without copying: `dtype` a name ('float32', 'int64', 'bool', ...) or a numpy dtype (None: 'uint8'); `shape` (default: as many elements as fit after `offset`); `strides` in elements (default: C order); `offset` in bytes. The view must lie inside the storage. A readonly view is exported without materializing a lazy clone (to DLPack 1.x consumers only), as a snapshot: the consumer sees the data the storage has at export, kept alive and unchanged while it holds it (a later write moves the writing storage to a copy, see lazy_clone), except for memory that is never lazily shared (exported writable, shared with another process, imported, a region, a part of one block such as a transfer batch's storages), which the export shows itself, later writes included; `readonly` defaults to whether the storage's memory is read-only, and a writable view of read-only memory is refused.
         """
 
+    def __array__(self, dtype: object | None = None, copy: object | None = None) -> object:
+        """
+        numpy.asarray(storage) on the host backend: its bytes as a uint8 array over the same memory, no copy (unless `dtype` or `copy` asks for one; copy=False with a `dtype` other than uint8 raises ValueError), as numpy.asarray(storage.view()) gives. The export is that of a writable view (a read-only one for read-only memory): it materializes a lazy clone and marks the storage shared outside the process for good (a later lazy_clone() copies at once); numpy.from_dlpack(storage.view(readonly=True)) reads a snapshot instead. TypeError for device memory, which numpy cannot read: storage.read() copies its bytes to the host.
+        """
+
     def __repr__(self) -> str: ...
 
 def view_dtypes() -> tuple:

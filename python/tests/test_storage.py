@@ -318,3 +318,61 @@ def test_a_readonly_export_of_memory_never_lazily_shared_shows_the_memory_itself
     shoal.synchronize()
     assert (shown == 4).all() and (writable == 4).all()
     del writable, shown, s
+
+
+def test_numpy_asarray_of_a_host_storage_is_its_bytes_in_place(allocator):
+    numpy = host_numpy(allocator)
+    s = allocator.allocate(16)
+    s.write(bytes(range(16)))
+    a = numpy.asarray(s)
+    assert (a.dtype, a.shape, a.ctypes.data) == (numpy.uint8, (16,), s.ptr)
+    assert a.tolist() == list(range(16)) and a.flags.writeable
+    a[0] = 200  # numpy writes the storage's memory itself
+    assert s.read(nbytes=1) == b"\xc8"
+    assert numpy.array(s).ctypes.data != s.ptr  # numpy.array copies unless told not to
+    assert numpy.asarray(s, dtype=numpy.int16).tolist() == [200] + list(range(1, 16))  # values converted, as numpy does
+    if numpy.lib.NumpyVersion(numpy.__version__) >= "2.0.0":
+        assert numpy.asarray(s, copy=False).ctypes.data == s.ptr
+        assert numpy.asarray(s, copy=True).ctypes.data != s.ptr
+        with pytest.raises(ValueError):
+            numpy.asarray(s, dtype=numpy.float32, copy=False)  # a conversion copies: refused as numpy expects
+    del a, s
+
+
+def test_numpy_asarray_of_a_lazy_clone_materializes_it_and_marks_it_shared_as_a_view_export_does(allocator):
+    numpy = host_numpy(allocator)
+    source = allocator.allocate(64)
+    source.fill(1)
+    clone = source.lazy_clone()
+    assert clone.is_lazy and not clone.shared_outside_process
+    a = numpy.asarray(clone)
+    assert not clone.is_lazy and clone.shared_outside_process  # for good: numpy may write it any time
+    assert a.ctypes.data == clone.ptr != source.ptr
+    a[:] = 9
+    assert source.read(nbytes=2) == b"\x01\x01" and clone.read(nbytes=2) == b"\x09\x09"
+    assert not clone.lazy_clone().is_lazy  # an eager copy from now on
+    del a, clone, source
+
+
+def test_numpy_asarray_of_read_only_memory_is_a_read_only_array(allocator):
+    numpy = host_numpy(allocator)
+    if numpy.lib.NumpyVersion(numpy.__version__) < "2.1.0":
+        pytest.skip("a read-only export needs a DLPack 1.x consumer (numpy >= 2.1)")
+    imported = numpy.arange(16, dtype=numpy.uint8)
+    imported.flags.writeable = False
+    storage = shoal.from_dlpack(imported, allocator).storage
+    a = numpy.asarray(storage)
+    assert not a.flags.writeable and a.tolist() == list(range(16)) and a.ctypes.data == imported.ctypes.data
+    del a, storage
+
+
+@pytest.mark.skipif(shoal.cuda_device_count() == 0, reason="needs a CUDA device")
+def test_numpy_asarray_of_device_memory_says_numpy_cannot_read_it_and_how_to_copy_it():
+    numpy = pytest.importorskip("numpy")
+    s = shoal.Allocator(shoal.cuda_device(0), use_environment=False).allocate(16)
+    s.fill(3)
+    with pytest.raises(TypeError, match=r"cuda.* memory, which numpy cannot read; copy it to the host with "
+                                        r"storage\.read\(\)"):
+        numpy.asarray(s)
+    assert numpy.frombuffer(s.read(), numpy.uint8).tolist() == [3] * 16  # the way it names
+    assert not s.shared_outside_process  # refused before anything was exported
