@@ -307,8 +307,9 @@ void register_storages(nb::module_& m) {
           nb::arg("strides").none() = nb::none(),
           nb::arg("offset") = 0, nb::arg("readonly").none() = nb::none(),
            "A typed ArrayView of the storage without copying: `dtype` a name "
-           "('float32', 'int64', 'bool', ...) "
-           "or a numpy dtype (None: 'uint8'); `shape` (default: as many elements as fit after "
+           "('float32', 'int64', 'bool', ...: shoal.view_dtypes()), numpy's spelling of one ('f4', '<i8', "
+           "'u1', '?', 'single'), a numpy dtype or scalar type (numpy.float32), in this machine's byte "
+           "order (None: 'uint8'; anything else is a TypeError naming those taken); `shape` (default: as many elements as fit after "
            "`offset`); `strides` in elements "
            "(default: C order); `offset` in bytes. The view must lie inside "
            "the storage. A readonly view is "

@@ -3,6 +3,7 @@
 import ctypes
 import gc
 import sys
+import warnings
 import weakref
 
 import numpy
@@ -321,6 +322,38 @@ def test_a_dtype_of_the_other_byte_order_is_refused(allocator):
     with pytest.raises(TypeError, match="byte order"):
         s.view(swapped)
     assert s.view(swapped.newbyteorder("=")).dtype == "float32"
+
+
+def numpy_dtype_spellings():
+    """What numpy takes for a dtype, and near misses: its names, its type codes, kind and size
+    codes ('f4'), each also after a byte order ('<', '>', '=', '|')."""
+    names = {key for key in numpy.sctypeDict if isinstance(key, str)} | set(numpy.typecodes["All"])
+    names |= {kind + str(size) for kind in "biufcV" for size in (1, 2, 3, 4, 8, 16)}
+    return sorted(order + name for name in names for order in ("", "<", ">", "=", "|"))
+
+
+def test_a_view_reads_every_numpy_spelling_of_a_dtype_as_numpy_does(allocator):
+    s = allocator.allocate(64)
+    supported = set(shoal.view_dtypes())
+    taken = 0
+    for spelling in numpy_dtype_spellings():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                meant = numpy.dtype(spelling)
+        except (TypeError, ValueError):
+            meant = None
+        if meant is not None and meant.name in supported and meant.isnative:
+            assert s.view(spelling, (1,)).dtype == meant.name, spelling
+            assert s.view(meant.type, (1,)).dtype == meant.name, meant.type  # numpy.longlong, numpy.intc, ...
+            taken += 1
+        elif meant is not None and meant.name in supported:
+            with pytest.raises(TypeError, match="byte order"):
+                s.view(spelling)
+        else:
+            with pytest.raises(TypeError, match=r"is not supported; views take .*shoal\.view_dtypes\(\)"):
+                s.view(spelling)
+    assert taken > 100, "the spellings tried are numpy's"
 
 
 class CapsuleOnce:

@@ -1,6 +1,8 @@
 """Storages: allocation, reads and writes in stream order, lazy clones, record_stream."""
 
 import gc
+import subprocess
+import sys
 import threading
 import time
 
@@ -376,3 +378,53 @@ def test_numpy_asarray_of_device_memory_says_numpy_cannot_read_it_and_how_to_cop
         numpy.asarray(s)
     assert numpy.frombuffer(s.read(), numpy.uint8).tolist() == [3] * 16  # the way it names
     assert not s.shared_outside_process  # refused before anything was exported
+
+
+@pytest.mark.parametrize("spelling, name", [
+    ("f4", "float32"), ("<f4", "float32"), ("=f4", "float32"), ("|f4", "float32"), ("f", "float32"),
+    ("i8", "int64"), ("q", "int64"), ("u1", "uint8"), ("|u1", "uint8"), ("B", "uint8"), ("i1", "int8"),
+    ("?", "bool"), ("b1", "bool"), ("bool_", "bool"), ("e", "float16"), ("f2", "float16"), ("d", "float64"),
+    ("c8", "complex64"), ("F", "complex64"), ("u2", "uint16"), ("i4", "int32"), ("u4", "uint32"),
+    ("u8", "uint64"), ("single", "float32"), ("double", "float64"), ("half", "float16"), ("intc", "int32"),
+    ("short", "int16"), ("ubyte", "uint8"), ("longlong", "int64"), ("intp", "int64"),
+    (float, "float64"), (int, "int64"), (bool, "bool"),
+])
+def test_a_view_takes_numpys_spellings_of_a_dtype(allocator, spelling, name):
+    s = allocator.allocate(64)
+    assert s.view(spelling, (2,)).dtype == name
+
+
+def test_numpys_dtype_spellings_need_no_numpy():
+    # The package does not require numpy: its spellings are read without importing it.
+    program = (
+        "import sys\n"
+        "sys.modules['numpy'] = None  # any import of numpy fails\n"
+        "import shoal\n"
+        "s = shoal.Allocator(shoal.host_device(), use_environment=False).allocate(64)\n"
+        "assert [s.view(d).dtype for d in ('f4', '<i8', 'u1', '?')] == ['float32', 'int64', 'uint8', 'bool']\n"
+        "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.parametrize("spelling, says", [
+    ("c16", r"'c16' \(complex128\) is not supported"), ("f16", r"'f16' \(float128\) is not supported"),
+    ("D", r"'D' \(complex128\) is not supported"), ("i3", "'i3' is not supported"),
+    ("complex128", "'complex128' is not supported"), ("<float32", "'<float32' is not supported"),
+    ("", "'' is not supported"), ("<", "'<' is not supported"), ("O", "'O' is not supported"),
+    (complex, "'complex' is not supported"), (3.5, "not float"),
+])
+def test_an_unsupported_dtype_is_refused_naming_the_supported_set(allocator, spelling, says):
+    s = allocator.allocate(64)
+    with pytest.raises(TypeError, match=says + r".*views take bool, int8, .*complex64 \(shoal\.view_dtypes\(\)\)"):
+        s.view(spelling)
+
+
+def test_a_dtype_spelled_in_the_other_byte_order_is_refused_naming_the_supported_set(allocator):
+    other = ">" if sys.byteorder == "little" else "<"
+    s = allocator.allocate(64)
+    for spelling in (other + "f4", other + "i8", other + "f", other + "c8"):
+        with pytest.raises(TypeError, match=r"not in this machine's byte order.*\(shoal\.view_dtypes\(\)\)"):
+            s.view(spelling)
+    # One byte has no byte order: numpy reads '>u1' as uint8, and so do views.
+    assert [s.view(other + d).dtype for d in ("u1", "i1", "?", "b1")] == ["uint8", "int8", "bool", "bool"]
