@@ -363,7 +363,7 @@ class Storage:
 
     def __repr__(self) -> str: ...
 
-def view_dtypes() -> tuple:
+def view_dtypes() -> tuple[str, ...]:
     """The element types a view (Storage.view, ArrayView) can have, by name."""
 
 class ArrayView:
@@ -376,7 +376,7 @@ class ArrayView:
         """The element type's name."""
 
     @property
-    def shape(self) -> tuple:
+    def shape(self) -> tuple[int, ...]:
         """Extents, one per dimension."""
 
     @property
@@ -391,7 +391,7 @@ class ArrayView:
         """The first extent, as a sequence's length (TypeError for a 0-d view)."""
 
     @property
-    def strides(self) -> tuple:
+    def strides(self) -> tuple[int, ...]:
         """Strides in elements."""
 
     @property

@@ -233,6 +233,11 @@ const dtype_entry& dtype_of(nb::handle dtype) {
                            .c_str());
 }
 
+/// A tuple of ints, typed as such (tuple[int, ...]) for the stubs.
+nb::typed<nb::tuple, int, nb::ellipsis> ints_tuple(const std::vector<std::int64_t>& values) {
+  return nb::typed<nb::tuple, int, nb::ellipsis>(nb::tuple(nb::cast(values)));
+}
+
 dlpack::DLDevice dl_device_of(const backend::device& device) {
   return {device.kind() == backend::device_kind::host ? dlpack::kDLCPU : dlpack::kDLCUDA, device.ordinal()};
 }
@@ -520,7 +525,7 @@ void register_dlpack(nb::module_& m) {
       [] {
         nb::list names;
         for (const auto& entry : dtypes) names.append(nb::str(entry.name.data(), entry.name.size()));
-        return nb::tuple(names);
+        return nb::typed<nb::tuple, nb::str, nb::ellipsis>(nb::tuple(names));
       },
       "The element types a view (Storage.view, ArrayView) can have, by name.");
   nb::class_<py_array_view>(m, "ArrayView",
@@ -531,7 +536,7 @@ void register_dlpack(nb::module_& m) {
       .def_prop_ro(
           "dtype", [](const py_array_view& v) { return v.dtype; }, "The element type's name.")
       .def_prop_ro(
-          "shape", [](const py_array_view& v) { return nb::tuple(nb::cast(v.shape)); }, "Extents, one per dimension.")
+          "shape", [](const py_array_view& v) { return ints_tuple(v.shape); }, "Extents, one per dimension.")
       .def_prop_ro(
           "ndim", [](const py_array_view& v) { return v.shape.size(); }, "The number of dimensions.")
       .def_prop_ro(
@@ -547,7 +552,7 @@ void register_dlpack(nb::module_& m) {
           },
           "The first extent, as a sequence's length (TypeError for a 0-d view).")
       .def_prop_ro(
-          "strides", [](const py_array_view& v) { return nb::tuple(nb::cast(v.strides)); }, "Strides in elements.")
+          "strides", [](const py_array_view& v) { return ints_tuple(v.strides); }, "Strides in elements.")
       .def_prop_ro(
           "offset", [](const py_array_view& v) { return v.offset; }, "Offset in bytes into the storage.")
       .def_prop_ro(

@@ -428,3 +428,14 @@ def test_a_dtype_spelled_in_the_other_byte_order_is_refused_naming_the_supported
             s.view(spelling)
     # One byte has no byte order: numpy reads '>u1' as uint8, and so do views.
     assert [s.view(other + d).dtype for d in ("u1", "i1", "?", "b1")] == ["uint8", "int8", "bool", "bool"]
+
+
+def test_view_shapes_strides_and_dtypes_are_typed_tuples(allocator):
+    # What the stubs say (generated from these signatures): tuple[int, ...], not a bare tuple.
+    view = allocator.allocate(64).view("int32", (2, 4))
+    assert (view.shape, view.strides) == ((2, 4), (4, 1))
+    assert all(type(n) is int for n in view.shape + view.strides)
+    for getter in (shoal.ArrayView.shape.fget, shoal.ArrayView.strides.fget):
+        assert getter.__nb_signature__[0][0].endswith("-> tuple[int, ...]")
+    assert shoal.view_dtypes.__nb_signature__[0][0].endswith("-> tuple[str, ...]")
+    assert all(type(name) is str for name in shoal.view_dtypes())
