@@ -361,6 +361,14 @@ class Storage:
         numpy.asarray(storage) on the host backend: its bytes as a uint8 array over the same memory, no copy (unless `dtype` or `copy` asks for one; copy=False with a `dtype` other than uint8 raises ValueError), as numpy.asarray(storage.view()) gives. The export is that of a writable view (a read-only one for read-only memory): it materializes a lazy clone and marks the storage shared outside the process for good (a later lazy_clone() copies at once); numpy.from_dlpack(storage.view(readonly=True)) reads a snapshot instead. TypeError for device memory, which numpy cannot read: storage.read() copies its bytes to the host.
         """
 
+    def __eq__(self, other: object, /) -> bool:
+        """
+        Identity, as for any Python object: True only for this very Storage object. Two objects of one storage (view.storage taken twice, say) compare unequal; aliases() says whether they name the same storage, which is what sharing memory means.
+        """
+
+    def __hash__(self) -> int:
+        """Identity's hash, as for any Python object (see __eq__)."""
+
     def __repr__(self) -> str: ...
 
 def view_dtypes() -> tuple[str, ...]:

@@ -348,6 +348,19 @@ void register_storages(nb::module_& m) {
           "shared outside the process for good (a later lazy_clone() copies at once); "
           "numpy.from_dlpack(storage.view(readonly=True)) reads a snapshot instead. TypeError for device "
           "memory, which numpy cannot read: storage.read() copies its bytes to the host.")
+      .def(
+          "__eq__",
+          [](nb::handle self, nb::handle other) -> nb::object {
+            if (!nb::isinstance<py_storage>(other)) return nb::borrow(Py_NotImplemented);
+            return nb::bool_(self.is(other));
+          },
+          nb::arg("other").none(), nb::sig("def __eq__(self, other: object, /) -> bool"),
+          "Identity, as for any Python object: True only for this very Storage object. Two objects of "
+          "one storage (view.storage taken twice, say) compare unequal; aliases() says whether they name "
+          "the same storage, which is what sharing memory means.")
+      .def(
+          "__hash__", [](nb::handle self) { return PyBaseObject_Type.tp_hash(self.ptr()); },
+          "Identity's hash, as for any Python object (see __eq__).")
       .def("__repr__", [](const py_storage& s) -> std::string {
         if (!s.handle.get().valid()) return "shoal.Storage(released: its memory was handed on, as by publish)";
         return "shoal.Storage(nbytes=" + std::to_string(s.handle.get().size()) +

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import threading
 import time
+import unittest.mock
 
 import pytest
 
@@ -439,3 +440,15 @@ def test_view_shapes_strides_and_dtypes_are_typed_tuples(allocator):
         assert getter.__nb_signature__[0][0].endswith("-> tuple[int, ...]")
     assert shoal.view_dtypes.__nb_signature__[0][0].endswith("-> tuple[str, ...]")
     assert all(type(name) is str for name in shoal.view_dtypes())
+
+
+def test_storages_compare_by_identity_and_aliases_says_whether_they_share_memory(allocator):
+    s = allocator.allocate(64)
+    view = s.view()
+    a, b = view.storage, view.storage  # two objects of one storage
+    assert a.aliases(b) and a == a and a != b and not a == b
+    assert {a: 1}[a] == 1 and hash(a) == object.__hash__(a) and len({a, b}) == 2
+    assert s == unittest.mock.ANY  # anything else decides for itself, as for any Python object
+    doc = shoal.Storage.__eq__.__doc__
+    assert "Identity" in doc and "aliases()" in doc
+    del a, b, view, s
