@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <optional>
 #include <string>
 #include <thread>
@@ -72,6 +73,39 @@ TEST(stream_event_host, a_pointer_that_is_no_stream_is_not_adopted) {
   int not_a_stream = 0;
   EXPECT_THROW((void)dev.adopt_external_stream(&not_a_stream), invalid_argument);
   EXPECT_THROW(dev.synchronize(backend::stream_ref{&not_a_stream}), invalid_argument) << "nor usable after";
+}
+
+std::size_t threads_of_this_process() {
+  std::size_t n = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+// An allocator pools the events it recorded on streams: a host stream's
+// thread must not live on with them, or a stream per request leaves a thread
+// per request behind.
+TEST(stream_event_host, a_destroyed_streams_thread_ends_while_an_event_recorded_there_lives) {
+  backend::host_device dev;
+  event e(dev);
+  const std::size_t before = threads_of_this_process();
+  std::atomic<bool> ran{false};
+  {
+    stream s(dev);
+    dev.delay(s, 50ms);
+    dev.host_task(s, [&] { ran = true; });
+    e.record(s);
+    EXPECT_EQ(threads_of_this_process(), before + 1);
+  }
+  e.synchronize();
+  EXPECT_TRUE(ran.load()) << "the work queued before the destroy ran";
+  EXPECT_TRUE(e.query());
+  const auto deadline = std::chrono::steady_clock::now() + 2s;
+  while (threads_of_this_process() > before && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+  EXPECT_EQ(threads_of_this_process(), before) << "the destroyed stream's thread lives on with the event";
+  stream other(dev);
+  dev.wait(other, e);  // the event still orders other streams
+  dev.synchronize(other);
+  dev.synchronize_device();
 }
 
 // The host backend's test mode: a random pause before each work item,

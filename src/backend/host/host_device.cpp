@@ -65,8 +65,8 @@ struct host_state {
   std::unordered_map<void*, std::shared_ptr<host_executor>> streams;
   std::unordered_map<void*, std::unique_ptr<host_event>> events;
   std::unordered_map<void*, std::shared_ptr<host_imported_page>> imported_sources;
-  // Destroyed streams' executors, which run on while an event recorded on
-  // them lives: synchronize_device waits for them too. Expired ones are
+  // Destroyed streams' executors, which run their queued work out while an
+  // event recorded on them lives: synchronize_device waits for them too. Expired ones are
   // dropped at the next destroy_stream.
   std::vector<std::weak_ptr<host_executor>> destroyed_streams;
 
@@ -216,8 +216,11 @@ void host_device::destroy_stream_now(stream_ref s) {
     executor = std::move(it->second);
     state_->streams.erase(it);
   }
-  // Dropped outside the lock: the last owner's destructor runs the remaining
-  // work, which may take a while.
+  // Its thread ends once the work queued has run, though events recorded
+  // here keep the executor (their count) alive: a stream per request leaves
+  // no thread behind in the event pools of an allocator. Dropped outside the
+  // lock: the last owner's destructor waits for the remaining work.
+  executor->stop_when_drained();
   executor.reset();
 }
 

@@ -51,6 +51,15 @@ host_executor::~host_executor() {
   state_->thread.join();
 }
 
+void host_executor::stop_when_drained() {
+  if (epoch_.forked_since()) return;  // the thread is the parent's (see the destructor)
+  {
+    std::lock_guard lock(state_->mutex);
+    state_->stopping = true;
+  }
+  state_->has_work.notify_one();
+}
+
 void host_executor::throw_forked(const std::string& what) {
   throw device_unavailable("host device: cannot " + what +
                            " in a fork() child; the device and its streams were opened in the parent process, and "
@@ -67,6 +76,7 @@ std::uint64_t host_executor::submit(std::function<void()> work) {
   std::uint64_t ticket;
   {
     std::lock_guard lock(state_->mutex);
+    if (state_->stopping) throw invalid_argument("host stream: work enqueued on a stream that was destroyed");
     state_->queue.push_back(std::move(work));
     ticket = state_->submitted.load(std::memory_order_relaxed) + 1;
     state_->submitted.store(ticket, std::memory_order_release);

@@ -45,6 +45,10 @@ class host_executor {
   host_executor(std::optional<host_stream_slot> slot, const host_stream_lag& lag, std::uint64_t number);
   /// Runs the remaining work, then stops the thread; then gives the slot back.
   ~host_executor();
+  /// The stream was destroyed: the thread runs the work queued and ends,
+  /// while events recorded here (which share this object) still read and
+  /// wait for its count. Nothing may be submitted after it.
+  void stop_when_drained();
   host_executor(const host_executor&) = delete;
   host_executor& operator=(const host_executor&) = delete;
 
@@ -79,7 +83,7 @@ class host_executor {
     // Written under mutex; read without it (a fork() child must not take a
     // mutex a parent's thread may have held at the fork).
     std::atomic<std::uint64_t> submitted;
-    bool stopping = false;                    // guarded by mutex
+    bool stopping = false;                    // guarded by mutex; no submit after it
     std::string first_error;                  // guarded by mutex
     const std::chrono::microseconds::rep lag_max;  // 0: no lag
     std::minstd_rand lag_random;                   // the thread's alone
