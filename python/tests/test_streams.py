@@ -193,6 +193,27 @@ def test_a_stream_used_on_a_storage_lives_as_long_as_the_storage():
     assert allocator.stats()["allocated_bytes"]["all"]["current"] == 0
 
 
+def test_an_eager_clone_keeps_only_its_own_stream():
+    # Memory exported writable is copied at once by lazy_clone: the copy
+    # shares nothing with its source, so the streams the source was used on
+    # go with the source while the copy lives.
+    allocator = shoal.Allocator()
+    storage = allocator.allocate(1 << 16)
+    writer = shoal.Stream()
+    storage.fill(5, stream=writer)
+    writer.synchronize()
+    host = storage.device.kind == "host"  # writable: later clones copy at once
+    exported = storage.view("uint8").__dlpack__(stream=None if host else -1, max_version=(1, 0))
+    clone = storage.lazy_clone()
+    assert not clone.aliases(storage)
+    del writer
+    threads = _threads()
+    del exported, storage
+    allocator.empty_cache()
+    assert _threads() < threads, "the source's stream went with the source"
+    assert clone.read(0, 4) == b"\x05" * 4
+
+
 def test_the_streams_of_a_storage_sent_to_another_process_are_kept_by_the_allocator():
     # The other process's release of a sent storage may come after every
     # handle here: the storage's streams, and any used on it later, are kept
