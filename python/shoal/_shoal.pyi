@@ -130,7 +130,7 @@ def cuda_device_count() -> int:
 
 class Stream:
     """
-    An in-order queue of device work. Stream(device) creates a new stream; Stream.default(device) names the device's default stream. Usable from several threads at once: work runs in the order the threads enqueue it. A stream lives while this object or a storage used on it does; a new stream per request is fine when the request's storages go with it: once its work has run, the Allocator lets it go and the next new stream takes over the memory it cached. A storage sent to another process, received, adopted or of a transfer batch keeps its streams for the Allocator's life.
+    An in-order queue of device work. Stream(device) creates a new stream; Stream.default(device) names the device's default stream. Usable from several threads at once: work runs in the order the threads enqueue it. A stream lives while this object or a storage used on it does; a new stream per request is fine when the request's storages go with it: once its work has run, the Allocator lets it go and the next new stream takes over the memory it cached; so is one per receive. A storage sent to another process, adopted or of a transfer batch keeps its streams for the Allocator's life.
     """
 
     def __init__(self, device: Device | None = None) -> None:

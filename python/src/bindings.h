@@ -6,13 +6,15 @@
 //
 // Lifetimes: a storage keeps every stream it was used on alive until its
 // release (which waits for each, storage.h): its handles share a
-// stream_keeper with the storages that share its memory. A storage a part of
-// the library may hold past every handle (sent to another process, received,
-// a transfer batch's, adopted) has its streams kept by the allocator for the
+// stream_keeper with the storages that share its memory. A storage
+// received from another process is one too: its stream keeper holds the
+// receive stream as well (sharing.cpp, received_tuple). A storage a part of
+// the library may hold past every handle (sent to another process, a
+// transfer batch's, adopted) has its streams kept by the allocator for the
 // allocator's life instead, as are transfer engines' streams. A stream per
-// request that only allocates storages thus goes when they go, and the
-// caching allocator passes its cache to the next new stream. A storage
-// keeps its allocator alive.
+// request that only allocates or receives storages thus goes when they go,
+// and the caching allocator passes its cache to the next new stream. A
+// storage keeps its allocator alive.
 #pragma once
 
 #include <nanobind/nanobind.h>

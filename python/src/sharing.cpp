@@ -157,10 +157,24 @@ std::span<const std::byte> bytes_of(const nb::bytes& data) {
   return {reinterpret_cast<const std::byte*>(data.c_str()), data.size()};
 }
 
-nb::tuple received_tuple(const py_peer& p, ipc::received r) {
+// A received storage's streams, `received_on` among them, are kept by its handles
+// (stream_keeper::for_handles), not by the allocator: its release (ipc's
+// received_data, src/ipc/consumer_state.cpp) runs in the storage's
+// destructor, when the last handle drops it, and uses those streams there
+// only (a query, a host task holding no stream, or a wait); the ipc layer
+// keeps no copy of the storage or of its owner past the call that made it
+// (a received storage cannot be sent on), so the keeper, which goes after
+// the storage (storage_handle's members), outlives every use. The receive
+// stream is used in that call alone until the storage exists (its wait for
+// the producer's ready point): the caller's `received_on` keeps it meanwhile,
+// and a storage the call fails to hand out goes before it. Sending one on
+// hands its keeper to the allocator, as for any storage (Peer.send).
+nb::tuple received_tuple(const py_peer& p, ipc::received r, const std::shared_ptr<stream_state>& received_on) {
   nb::bytes metadata(reinterpret_cast<const char*>(r.metadata.data()), r.metadata.size());
   if (!r.storage.valid()) return nb::make_tuple(nb::none(), metadata);
-  storage_handle handle(std::move(r.storage), p.context->allocator(), p.context);
+  auto streams = stream_keeper::for_handles();
+  streams->keep(received_on, *p.context->allocator());
+  storage_handle handle(std::move(r.storage), p.context->allocator(), std::move(streams), p.context);
   return nb::make_tuple(py_storage{std::move(handle)}, metadata);
 }
 
@@ -448,7 +462,6 @@ void register_sharing(nb::module_& m) {
             const auto until = until_of(timeout, "Peer.receive");
             const auto peer = p.peer.enter();
             auto st = stream_or_current(stream, p.context->allocator()->allocator().device());
-            p.context->allocator()->keep(st);
             std::optional<ipc::received> r =
                 receive_in_slices(peer, p.peer, until, st->ref(), p.context->receive_spin());
             if (!r) {
@@ -456,7 +469,7 @@ void register_sharing(nb::module_& m) {
                                   std::to_string(peer->credentials().process.pid) + " within " +
                                   seconds_text(*timeout) + " s; the connection stays usable");
             }
-            return received_tuple(p, std::move(*r));
+            return received_tuple(p, std::move(*r), st);
           },
           nb::arg("timeout").none() = nb::none(), nb::arg("stream").none() = nb::none(),
           nb::sig("def receive(self, timeout: float | None = None, stream: Stream | None = None) -> "
@@ -471,14 +484,13 @@ void register_sharing(nb::module_& m) {
           [](const py_peer& p, const py_stream* stream) -> nb::object {
             const auto peer = p.peer.enter();
             auto st = stream_or_current(stream, p.context->allocator()->allocator().device());
-            p.context->allocator()->keep(st);
             std::optional<ipc::received> r;
             {
               released_gil release;
               r = peer->try_receive(st->ref());
             }
             if (!r) return nb::none();
-            return received_tuple(p, std::move(*r));
+            return received_tuple(p, std::move(*r), st);
           },
           nb::arg("stream").none() = nb::none(),
           nb::sig("def try_receive(self, stream: Stream | None = None) -> tuple[Storage | None, bytes] | None"),

@@ -162,8 +162,8 @@ void register_streams(nb::module_& m) {
                         "at once: work runs in the order the threads enqueue it. A stream lives while this object "
                         "or a storage used on it does; a new stream per request is fine when the request's "
                         "storages go with it: once its work has run, the Allocator lets it go and the next new "
-                        "stream takes over the memory it cached. A storage sent to another process, received, "
-                        "adopted or of a transfer batch keeps its streams for the Allocator's life.")
+                        "stream takes over the memory it cached; so is one per receive. A storage sent to another "
+                        "process, adopted or of a transfer batch keeps its streams for the Allocator's life.")
       .def(
           "__init__",
           [](py_stream* self, backend::device* device) {

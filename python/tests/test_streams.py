@@ -214,6 +214,63 @@ def test_an_eager_clone_keeps_only_its_own_stream():
     assert clone.read(0, 4) == b"\x05" * 4
 
 
+def _connected_pair(name):
+    # A Listener/connect pair in this process: (accepted, dialed).
+    with shoal.Listener(f"@{name}-{os.getpid()}") as listener:
+        dialed: list = []
+        dialer = threading.Thread(target=lambda: dialed.append(shoal.connect(listener.address)))
+        dialer.start()
+        accepted = listener.accept(timeout=10)
+        dialer.join(10)
+    return accepted, dialed[0]
+
+
+def _receive_on(peer, how, stream):
+    if how == "receive":
+        return peer.receive(timeout=10, stream=stream)
+    deadline = time.monotonic() + 10
+    while (message := peer.try_receive(stream=stream)) is None:
+        assert time.monotonic() < deadline, "the storage sent came"
+        time.sleep(0.001)
+    return message
+
+
+@pytest.mark.parametrize("how", ["receive", "try_receive"])
+def test_a_stream_per_receive_goes_with_the_received_storage(how):
+    # A received storage's handles keep the streams it was received and used
+    # on (its release waits for them, then they go): a consumer that receives
+    # each request on a new stream leaves neither those streams (a thread each
+    # on the host backend) nor the ones it used the storages on behind.
+    host = shoal.Allocator(shoal.host_device())  # CUDA refuses memory exported by the same process
+    accepted, dialed = _connected_pair(f"streams-received-{how}")
+    with shoal.Peer(shoal.SharingContext(host), accepted) as receiver, \
+            shoal.Peer(shoal.SharingContext(host), dialed) as sender:
+
+        def request(n):
+            storage = host.allocate(1 << 12)
+            storage.fill(n)
+            sender.send(storage)
+            del storage
+            stream, other = shoal.Stream(shoal.host_device()), shoal.Stream(shoal.host_device())
+            received, _ = _receive_on(receiver, how, stream)
+            assert received.read(0, 4, stream=stream) == bytes([n]) * 4
+            received.write(b"\x01" * 4, stream=other)
+            received.record_stream(other)
+            del received
+            stream.synchronize()
+            other.synchronize()
+
+        request(1)
+        threads = _threads()
+        for n in range(40):
+            request(n)
+        deadline = time.monotonic() + 10
+        while _threads() > threads + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _threads() <= threads + 2, "the received storages' streams went with them"
+        assert receiver.stats()["held_storages"] == 0
+
+
 def test_the_streams_of_a_storage_sent_to_another_process_are_kept_by_the_allocator():
     # The other process's release of a sent storage may come after every
     # handle here: the storage's streams, and any used on it later, are kept
