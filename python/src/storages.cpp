@@ -328,8 +328,10 @@ void register_storages(nb::module_& m) {
           [](const py_storage& s, nb::handle dtype, nb::handle copy) {
             backend::device& device = s.handle.get().device();
             if (device.kind() != backend::device_kind::host) {
-              throw nb::type_error(("numpy.asarray(storage): the storage is " + device.name() +
-                                    " memory, which numpy cannot read; copy it to the host with storage.read() "
+              throw nb::type_error(("numpy.asarray(storage): the storage is device memory of " +
+                                    std::string(backend::to_string(device.kind())) + ":" +
+                                    std::to_string(device.ordinal()) + " (" + device.name() +
+                                    "), which numpy cannot read; copy it to the host with storage.read() "
                                     "(its bytes: numpy.frombuffer(storage.read(), numpy.uint8)), or take it "
                                     "without copying with torch.from_dlpack(storage.view()) or "
                                     "cupy.from_dlpack(storage.view())")

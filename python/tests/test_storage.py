@@ -374,8 +374,8 @@ def test_numpy_asarray_of_device_memory_says_numpy_cannot_read_it_and_how_to_cop
     numpy = pytest.importorskip("numpy")
     s = shoal.Allocator(shoal.cuda_device(0), use_environment=False).allocate(16)
     s.fill(3)
-    with pytest.raises(TypeError, match=r"cuda.* memory, which numpy cannot read; copy it to the host with "
-                                        r"storage\.read\(\)"):
+    with pytest.raises(TypeError, match=r"device memory of cuda:0 \(.*\), which numpy cannot read; copy it to the "
+                                        r"host with storage\.read\(\)"):
         numpy.asarray(s)
     assert numpy.frombuffer(s.read(), numpy.uint8).tolist() == [3] * 16  # the way it names
     assert not s.shared_outside_process  # refused before anything was exported
