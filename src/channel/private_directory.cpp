@@ -138,17 +138,24 @@ bool private_directory::someone_listens(const std::string& name) const {
     throw invalid_argument("listener: " + path_ + "/" + name +
                            " exists and is not a socket; remove it or choose another path");
   }
-  // Registered for fork() children: a child's copy would hold the
-  // listener's side of the probe's connection open.
+  // Asked with a datagram socket, which connects to no stream listener: the
+  // kernel refuses it for its type (EPROTOTYPE) when a socket is bound to
+  // the file, and as at a dead one's file (ECONNREFUSED) when none is. A
+  // stream probe would be a connection the live listener's accept() hands
+  // out as a peer while the probing process runs (a server that accepts one
+  // client would serve the probe). Registered for fork() children as every
+  // socket is.
   unique_fd probe;
   const shoal::detail::fork_released_socket while_probing([&] {
-    probe.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    probe.reset(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
     return probe.get();
   });
   if (!probe) throw os_error{errno, "socket(AF_UNIX)"};
   const socket_address target = address_of(name);
-  if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length) == 0) return true;
-  if (errno == EAGAIN) return true;  // a listener whose backlog is full
+  if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length) == 0) {
+    return true;  // a datagram socket is bound there: in use all the same
+  }
+  if (errno == EPROTOTYPE) return true;  // a stream socket is bound there, listening or about to
   if (errno == ECONNREFUSED) return false;
   throw os_error{errno, "connect(" + path_ + "/" + name + ")"};
 }

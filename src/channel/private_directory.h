@@ -49,8 +49,9 @@ class private_directory {
   [[nodiscard]] std::optional<struct stat> entry(const std::string& name) const;
   /// Removes `name` from this directory (none there is no error).
   void remove(const std::string& name) const;
-  /// Whether a process listens on the socket file `name` here (a full
-  /// backlog counts). invalid_argument when `name` is there and no socket.
+  /// Whether a socket is bound to the socket file `name` here (listening,
+  /// or between its bind and listen), without connecting to it.
+  /// invalid_argument when `name` is there and no socket.
   [[nodiscard]] bool someone_listens(const std::string& name) const;
   /// The names of the entries here, "." and ".." left out.
   [[nodiscard]] std::vector<std::string> names() const;

@@ -462,17 +462,17 @@ class listener {
   /// directory and the socket file's name, as /proc/self/fd/<n>/<name>, must
   /// fit sockaddr_un), and a
   /// leftover socket file that no one listens on is replaced. To tell whether
-  /// a listener is there, it connects once: a live listener sees that probe
-  /// as a connection that closes at once (its accept() drops it once the
-  /// probing process has ended). Listeners starting at one path take turns
+  /// a listener is there, it connects a datagram socket, which the kernel
+  /// refuses for its type where a stream socket is bound: a live listener
+  /// sees no connection. Listeners starting at one path take turns
   /// (an flock on `.<name>.lock` beside the socket file, held from that check
   /// to listen() and removed after): one never takes another's socket, bound
   /// and not yet listening, for a leftover, and of several starting over a
   /// leftover one starts; a lock another process holds past 2 s (stopped,
-  /// or hostile: one of this uid) is a timeout_error. Throws invalid_argument
-  /// when the directory is not this uid's own 0700 directory, when the
-  /// address is in use, or when a file that is not a socket is in the way;
-  /// backend_error when the system refuses.
+  /// or hostile: one of this uid) is a timeout_error. Throws os_error with
+  /// code EADDRINUSE when the address is in use; invalid_argument when the
+  /// directory is not this uid's own 0700 directory or a file that is not a
+  /// socket is in the way; backend_error when the system refuses.
   listener(const channel_address& address, access_policy policy,
            std::size_t max_payload = connection::default_max_payload);
   listener(const listener&) = delete;
@@ -487,8 +487,8 @@ class listener {
   ~listener();
 
   /// Waits for the next connection and checks its peer. A connection whose
-  /// process exited before it could be identified (another listener's probe,
-  /// a client that gave up at once) is closed and the wait goes on. Throws
+  /// process exited before it could be identified (a client that gave up
+  /// at once) is closed and the wait goes on. Throws
   /// peer_refused when the peer's uid is not allowed (its socket is closed;
   /// the listener keeps working); backend_error when the system refuses (out
   /// of descriptors, say).
