@@ -79,7 +79,7 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
   } catch (...) {
     // The stream failed, or no event could be made: no batch of the group
     // can be transferred.
-    for (const job& j : jobs) outcomes.push_back({j.sequence, j.bytes(), nullptr, std::current_exception()});
+    for (const job& j : jobs) outcomes.push_back({j.sequence, j.bytes(), nullptr, std::current_exception(), nullptr});
     return outcomes;
   }
   std::vector<storage::storage> targets = group_targets(jobs);
@@ -114,7 +114,7 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
     std::size_t first_target = 0;
     for (std::size_t i = 0; i < jobs.size(); ++i) {
       job& j = jobs[i];
-      outcome o{j.sequence, j.bytes(), nullptr, nullptr};
+      outcome o{j.sequence, j.bytes(), nullptr, nullptr, nullptr};  // the tag: the engine's, set after
       const std::size_t first = first_target;
       first_target += j.buffers.size();
       try {

@@ -228,6 +228,7 @@ TYPED_TEST(allocator_basic, bad_input_gives_typed_errors_and_loses_nothing) {
   EXPECT_THROW((void)a.allocate(0, {}), invalid_argument);
   EXPECT_THROW((void)a.allocate(std::size_t{1} << 62, {}), out_of_memory);
   EXPECT_THROW(a.deallocate(&on_stack, {}), invalid_argument);
+  EXPECT_THROW(a.deallocate(nullptr, {}), invalid_argument) << "a null free is a caller's bug, not free(NULL)";
   EXPECT_THROW((void)a.block_size(&on_stack), invalid_argument);
   EXPECT_THROW(a.record_stream(&on_stack, {}), invalid_argument);
   void* p = a.allocate(4096, {});

@@ -122,8 +122,9 @@ class caching_allocator {
   /// owner that will free it (storages allocate this way).
   [[nodiscard]] void* allocate_claimed(std::size_t bytes, backend::stream_ref stream);
   /// Frees `ptr` with its last use enqueued on `stream` (see the header
-  /// comment); nothing in a fork() child. A pointer this allocator did not hand out, or one already
-  /// freed, gives invalid_argument and changes nothing. The late free of a
+  /// comment); nothing in a fork() child. A pointer this allocator did not hand out (nullptr
+  /// too: unlike free(), a null free is taken for a caller's bug), or one already freed,
+  /// gives invalid_argument and changes nothing. The late free of a
   /// block a forced clear took back (live_blocks::invalidate) removes its
   /// tombstone (even after its pool was destroyed) and frees nothing else.
   void deallocate(void* ptr, backend::stream_ref stream);

@@ -180,9 +180,9 @@ class borrowed_region {
 
  private:
   friend class borrower;
-  borrowed_region(std::shared_ptr<link> link, std::uint64_t id, std::uint64_t memory, void* data, std::size_t size,
+  borrowed_region(std::shared_ptr<link> to_lender, std::uint64_t id, std::uint64_t memory, void* data, std::size_t size,
                   std::shared_ptr<const region_layout> layout = nullptr)
-      : link_(std::move(link)), id_(id), memory_(memory), data_(data), size_(size), layout_(std::move(layout)) {}
+      : link_(std::move(to_lender)), id_(id), memory_(memory), data_(data), size_(size), layout_(std::move(layout)) {}
   void release() noexcept;
 
   std::shared_ptr<link> link_;
