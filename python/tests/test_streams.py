@@ -278,14 +278,9 @@ def test_the_streams_of_a_storage_sent_to_another_process_are_kept_by_the_alloca
     # handle here: the storage's streams, and any used on it later, are kept
     # by the allocator, so its release can still wait for them.
     host = shoal.Allocator(shoal.host_device())  # CUDA refuses memory exported by the same process
-    with shoal.Listener(f"@streams-sent-{os.getpid()}") as listener:
-        dialed: list = []
-        dialer = threading.Thread(target=lambda: dialed.append(shoal.connect(listener.address)))
-        dialer.start()
-        accepted = listener.accept(timeout=10)
-        dialer.join(10)
+    accepted, dialed = _connected_pair("streams-sent")
     with shoal.Peer(shoal.SharingContext(host), accepted) as receiver, \
-            shoal.Peer(shoal.SharingContext(host), dialed[0]) as sender:
+            shoal.Peer(shoal.SharingContext(host), dialed) as sender:
         storage = host.allocate(1 << 16)
         stream = shoal.Stream(shoal.host_device())
         storage.fill(3, stream=stream)
