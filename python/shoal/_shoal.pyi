@@ -813,7 +813,7 @@ def _region_layout(storage: Storage) -> tuple[list[tuple[str, int, int, str, lis
     The layout (entries, content hash) of the shared region behind ``storage``, or None.
     """
 
-def _content_hash(storage: Storage, entries: Sequence[tuple[str, int, int, str, Sequence[int]]]) -> bytes:
+def _content_hash(storage: Storage, entries: Sequence[tuple[str, int, int, object, Sequence[int]]]) -> bytes:
     """
     SHA-256 of the entries' bytes in offset order, read from ``storage`` (device memory included).
     """
@@ -847,7 +847,7 @@ class Borrower:
 
     def _borrow(self, allocator: Allocator, nbytes: int, purpose: str, timeout: float, wait: float, cancel: object | None) -> Storage: ...
 
-    def _publish(self, allocator: Allocator, storage: Storage, entries: Sequence[tuple[str, int, int, str, Sequence[int]]], hash: bytes | None, timeout: float) -> Storage: ...
+    def _publish(self, allocator: Allocator, storage: Storage, entries: Sequence[tuple[str, int, int, object, Sequence[int]]], hash: bytes | None, timeout: float) -> Storage: ...
 
     def _borrow_shared(self, allocator: Allocator, name: str, expected: bytes | None, writer_uid: int | None, timeout: float) -> Storage: ...
 

@@ -84,7 +84,9 @@ _FOREVER = 4294967.295
 class Entry(NamedTuple):
     """One named entry of a region's layout: ``nbytes`` bytes at ``offset`` holding a
     row-major array of ``dtype`` (a name: 'float16', 'bfloat16', 'float32', 'int64', 'bool',
-    ...) and ``shape``. ``nbytes`` must be the shape's element count times the dtype's size, and
+    ...) and ``shape``. A layout given to ``Borrower.publish`` may spell the dtype as
+    ``Storage.view`` takes it ('f4', numpy.float32, numpy.dtype('float16')): a published
+    layout's entries name it as shoal does ('float32'). ``nbytes`` must be the shape's element count times the dtype's size, and
     ``offset`` a multiple of that size."""
 
     name: str
@@ -112,7 +114,8 @@ def _entries(where: str, layout: Sequence[Union[Entry, tuple]]) -> list[tuple]:
         shape = list(shape)
         for k, extent in enumerate(shape):
             _checks.whole_number(where, f"{said}.shape[{k}]", extent)
-        out.append((name, operator.index(offset), operator.index(nbytes), str(dtype), [operator.index(x) for x in shape]))
+        # The dtype as given: the native layer reads numpy's spellings of it as a view's, and names it as shoal does.
+        out.append((name, operator.index(offset), operator.index(nbytes), dtype, [operator.index(x) for x in shape]))
     return out
 
 

@@ -25,6 +25,7 @@
 
 #include "bindings.h"
 #include "closable.h"
+#include "dtype_names.h"
 #include "gil.h"
 #include "shoal/backend/devices.h"
 #include "shoal/core/error.h"
@@ -130,15 +131,38 @@ class cancel_event {
 
 /// A layout entry as Python sees it: (name, offset, nbytes, dtype, shape).
 using py_entry = std::tuple<std::string, std::uint64_t, std::uint64_t, std::string, std::vector<std::uint64_t>>;
+/// One as Python gives it: its dtype spelled as a view's may be (dtype_names.h:
+/// 'float32', 'f4', numpy.float32, numpy.dtype('float16')).
+using py_entry_given = std::tuple<std::string, std::uint64_t, std::uint64_t, nb::object, std::vector<std::uint64_t>>;
 
-/// The layout of `entries`; an unknown dtype is invalid_argument naming `who`.
-lending::region_layout layout_of(const std::vector<py_entry>& entries, const char* who) {
+/// The dtypes a layout takes, by name.
+std::string layout_dtypes() {
+  std::string known;
+  for (int code = 1;; ++code) {
+    const auto type = static_cast<lending::dtype>(code);
+    if (lending::itemsize(type) == 0) break;
+    known += (known.empty() ? "" : ", ") + std::string(lending::to_string(type));
+  }
+  return known + ", or numpy's spellings of them ('f4', '<i8', '?', numpy.float32, numpy.dtype('float16'))";
+}
+
+/// The layout of `entries`, each dtype read as a view's and named as shoal
+/// names it; one that is no dtype of a layout is invalid_argument naming
+/// `who`. Needs the GIL.
+lending::region_layout layout_of(const std::vector<py_entry_given>& entries, const char* who) {
   lending::region_layout layout;
   for (const auto& [name, offset, bytes, type, shape] : entries) {
-    const auto known = lending::dtype_named(type);
+    const dtype_reading read = read_dtype(type);
+    const auto known = read.entry == nullptr ? std::nullopt : lending::dtype_named(read.entry->name);
     if (!known) {
-      throw invalid_argument(std::string(who) + ": layout entry '" + name + "': '" + type +
-                             "' is not a dtype shoal knows");
+      const std::string shown =
+          read.shown.empty() ? "an object of type " + nb::cast<std::string>(nb::str(type.type().attr("__name__")))
+                            : read.shown;
+      throw invalid_argument(std::string(who) + ": layout entry '" + name + "': " + shown +
+                             (read.meaning.empty() ? "" : " (" + read.meaning + ")") +
+                             (read.swapped ? " is not in this machine's byte order; a layout's dtypes are native: "
+                                           : " is not a dtype shoal knows for a layout: ") +
+                             "layouts take " + layout_dtypes());
     }
     layout.entries.push_back({name, offset, bytes, *known, shape});
   }
@@ -418,7 +442,7 @@ void register_lending(nb::module_& m) {
       nb::arg("storage"), "The layout (entries, content hash) of the shared region behind ``storage``, or None.");
   m.def(
       "_content_hash",
-      [](const py_storage& storage, const std::vector<py_entry>& entries) {
+      [](const py_storage& storage, const std::vector<py_entry_given>& entries) {
         const auto layout = layout_of(entries, "shoal.lending.SharedRegion.verify");
         const storage::storage st = storage.handle.get();  // a copy, with the GIL: _publish may assign the handle
         lending::content_hash hash;
@@ -525,7 +549,7 @@ void register_lending(nb::module_& m) {
       .def(
           "_publish",
           [](const py_borrower& b, const py_allocator& allocator, py_storage& storage,
-             const std::vector<py_entry>& entries, std::optional<nb::bytes> hash, double timeout) {
+             const std::vector<py_entry_given>& entries, std::optional<nb::bytes> hash, double timeout) {
             const auto t = timeout_of(timeout, "shoal.lending.Borrower.publish");
             const auto borrower = b.borrower.enter();
             const auto behind = region_behind(storage);

@@ -465,6 +465,33 @@ def test_publishing_is_refused_while_views_of_the_region_live(address):
         assert writer.region_id(region) is None, "a storage emptied by publish() is no region's"
 
 
+def test_a_layout_takes_numpys_spellings_of_its_dtypes_and_names_them_as_shoal_does(address):
+    in_process_only()
+    with shoal.lending.Lender(address), shoal.lending.Borrower(address) as writer:
+        region = writer.borrow(MIB, "model N")
+        with pytest.raises(shoal.InvalidArgumentError, match="'>f4' is not in this machine's byte order"):
+            writer.publish(region, [("weights", 0, 64, ">f4", (16,))])
+        with pytest.raises(shoal.InvalidArgumentError, match=r"'c16' \(complex128\) is not a dtype shoal knows"):
+            writer.publish(region, [("weights", 0, 64, "c16", (4,))])
+        with pytest.raises(shoal.InvalidArgumentError, match="an object of type object is not a dtype shoal knows"):
+            writer.publish(region, [("weights", 0, 64, object(), (16,))])
+        layout = [
+            ("f4", 0, 64, "f4", (16,)),
+            ("float16", 64, 32, numpy.float16, (16,)),
+            ("dtype", 128, 16, numpy.dtype("int64"), (2,)),
+            ("code", 144, 8, "?", (8,)),
+            ("python", 152, 8, float, (1,)),
+            ("name", 160, 4, "uint8", (4,)),
+        ]
+        published = writer.publish(region, layout)
+        assert [(e.name, e.dtype) for e in published.layout] == [
+            ("f4", "float32"), ("float16", "float16"), ("dtype", "int64"), ("code", "bool"), ("python", "float64"),
+            ("name", "uint8")]
+        assert published.verify(), "verify() reads the layout it was given back as the one published"
+        assert published.entry("f4").dtype == "float32"
+        published.close()
+
+
 def test_a_reader_expecting_another_hash_is_refused_with_content_mismatch(address):
     in_process_only()
     with shoal.lending.Lender(address), shoal.lending.Borrower(address) as writer, \
