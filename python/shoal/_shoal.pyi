@@ -356,9 +356,9 @@ class Storage:
         A typed ArrayView of the storage without copying: `dtype` a name ('float32', 'int64', 'bool', ...: shoal.view_dtypes()), numpy's spelling of one ('f4', '<i8', 'u1', '?', 'single'), a numpy dtype or scalar type (numpy.float32), in this machine's byte order (None: 'uint8'; anything else is a TypeError naming those taken); `shape` (default: as many elements as fit after `offset`); `strides` in elements (default: C order); `offset` in bytes. The view must lie inside the storage. A readonly view is exported without materializing a lazy clone (to DLPack 1.x consumers only), as a snapshot: the consumer sees the data the storage has at export, kept alive and unchanged while it holds it (a later write moves the writing storage to a copy, see lazy_clone), except for memory that is never lazily shared (exported writable, shared with another process, imported, a region, a part of one block such as a transfer batch's storages), which the export shows itself, later writes included; `readonly` defaults to whether the storage's memory is read-only, and a writable view of read-only memory is refused.
         """
 
-    def __array__(self, dtype: object | None = None, copy: object | None = None) -> object:
+    def __array__(self, dtype: object | None = None, copy: bool | None = None) -> object:
         """
-        numpy.asarray(storage) on the host backend: its bytes as a uint8 array over the same memory, no copy (unless `dtype` or `copy` asks for one; copy=False with a `dtype` other than uint8 raises ValueError), as numpy.asarray(storage.view()) gives. The export is that of a writable view (a read-only one for read-only memory): it materializes a lazy clone and marks the storage shared outside the process for good (a later lazy_clone() copies at once); numpy.from_dlpack(storage.view(readonly=True)) reads a snapshot instead. TypeError for device memory, which numpy cannot read: storage.read() copies its bytes to the host.
+        numpy.asarray(storage) on the host backend: its bytes as a uint8 array over the same memory, no copy (unless `dtype` or `copy` asks for one; copy=False with a `dtype` other than uint8 raises ValueError), as numpy.asarray(storage.view()) gives. The export is that of a writable view (a read-only one for read-only memory): it materializes a lazy clone and marks the storage shared outside the process for good (a later lazy_clone() copies at once); numpy.from_dlpack(storage.view(readonly=True)) reads a snapshot instead. TypeError for device memory, which numpy cannot read: storage.read() copies its bytes to the host (torch.from_dlpack(storage.view()) or cupy.from_dlpack(storage.view()) takes it in place). TypeError too for pinned host memory (an Allocator with memory='pinned_host'), on either backend, though the CPU reads it: DLPack names CUDA's pinned memory kDLCUDAHost, which numpy would take, but shoal's DLPack export refuses staging memory (BufferError), so storage.read() copies its bytes.
         """
 
     def __eq__(self, other: object, /) -> bool:
@@ -423,9 +423,9 @@ class ArrayView:
         A DLPack capsule of this view (array API). `stream`: the consumer's stream (None: the host reads it on the host backend, 1 or 2: the default stream, a stream handle, or -1: no synchronization; 0 is refused); the consumer's stream waits for the work enqueued on the current stream, and the memory's release waits for the consumer's stream, so a stream handle must stay a live stream until the storage's memory is released. A versioned capsule ('dltensor_versioned') when max_version >= (1, 0); strides are always set.
         """
 
-    def __array__(self, dtype: object | None = None, copy: object | None = None) -> object:
+    def __array__(self, dtype: object | None = None, copy: bool | None = None) -> object:
         """
-        numpy.asarray(view) on the host backend: the same memory, no copy (unless `dtype` or `copy` asks for one); TypeError for device memory.
+        numpy.asarray(view) on the host backend: the same memory, no copy (unless `dtype` or `copy` asks for one). TypeError for device memory, which numpy cannot read (view.storage.read() copies the storage's bytes to the host; torch.from_dlpack(view) or cupy.from_dlpack(view) takes it in place), and for pinned host memory (an Allocator with memory='pinned_host'), as Storage.__array__ says.
         """
 
     def __dlpack_device__(self) -> tuple[int, int]:

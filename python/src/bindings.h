@@ -274,6 +274,12 @@ std::optional<element_bytes> element_bytes_of(std::span<const std::int64_t> shap
 py_array_view make_view(const py_storage& storage, nb::handle dtype, std::optional<std::vector<std::int64_t>> shape,
                         std::optional<std::vector<std::int64_t>> strides, std::int64_t offset, bool readonly);
 
+/// numpy.asarray of a storage (`of_view` false) or a view of it: returns for
+/// memory numpy can take in place (the host backend's own), else raises a
+/// TypeError saying what the memory is (device memory of cuda:0, pinned host
+/// memory) and how to copy it to the host or take it without copying.
+void refuse_numpy_unless_readable(const storage::storage& storage, bool of_view);
+
 /// The stream a Python `stream=` argument names: the given Stream, or the
 /// current stream of `device` when None.
 std::shared_ptr<stream_state> stream_or_current(const py_stream* stream, backend::device& device);

@@ -359,6 +359,31 @@ py_array_view make_view(const py_storage& s, nb::handle dtype, std::optional<std
   return py_array_view{s.handle, name, entry.code, entry.bits, *shape, *strides, offset, readonly};
 }
 
+void refuse_numpy_unless_readable(const storage::storage& st, bool of_view) {
+  const backend::device& device = st.device();
+  const std::string what = of_view ? "view" : "storage";
+  const std::string reader = of_view ? "view.storage" : "storage";
+  const std::string exported = of_view ? "view" : "storage.view()";
+  const std::string place = std::string(backend::to_string(device.kind())) + ":" + std::to_string(device.ordinal());
+  // Of either backend, and a CUDA device's storage: checked first. DLPack
+  // would name CUDA's pinned memory kDLCUDAHost, which numpy reads, but the
+  // export refuses staging memory (export_view), so numpy gets none.
+  if (st.allocator().config().memory == alloc::allocator_memory::pinned_host) {
+    throw nb::type_error(("numpy.asarray(" + what + "): the " + what + " is pinned host memory of " + place +
+                          " (an Allocator with memory='pinned_host': staging memory for copies), which shoal does "
+                          "not export through DLPack, so numpy cannot take it in place; copy it with " + reader +
+                          ".read() (its bytes: numpy.frombuffer(" + reader + ".read(), numpy.uint8))")
+                             .c_str());
+  }
+  if (device.kind() == backend::device_kind::host) return;
+  throw nb::type_error(("numpy.asarray(" + what + "): the " + what + " is device memory of " + place + " (" +
+                        device.name() + "), which numpy cannot read; copy it to the host with " + reader +
+                        ".read() (" + (of_view ? "the storage's" : "its") + " bytes: numpy.frombuffer(" + reader +
+                        ".read(), numpy.uint8)), or take it without copying with torch.from_dlpack(" + exported +
+                        ") or cupy.from_dlpack(" + exported + ")")
+                           .c_str());
+}
+
 void register_dlpack(nb::module_& m) {
   m.def(
       "view_dtypes",
@@ -421,12 +446,7 @@ void register_dlpack(nb::module_& m) {
           "__array__",
           [](nb::handle self, nb::handle dtype, nb::handle copy) {
             const auto& v = nb::cast<const py_array_view&>(self);
-            if (v.handle.get().device().kind() != backend::device_kind::host) {
-              throw nb::type_error(("the view is " + v.handle.get().device().name() +
-                                    " memory, which numpy cannot read; take it with torch.from_dlpack or "
-                                    "cupy.from_dlpack, or copy it to the host")
-                                       .c_str());
-            }
+            refuse_numpy_unless_readable(v.handle.get(), true);
             nb::object array = nb::module_::import_("numpy").attr("from_dlpack")(self);
             const bool never_copy = !copy.is_none() && !nb::cast<bool>(copy);
             const bool always_copy = !copy.is_none() && nb::cast<bool>(copy);
@@ -440,8 +460,12 @@ void register_dlpack(nb::module_& m) {
             return always_copy ? array.attr("copy")() : array;
           },
           nb::arg("dtype").none() = nb::none(), nb::arg("copy").none() = nb::none(),
+          nb::sig("def __array__(self, dtype: object | None = None, copy: bool | None = None) -> object"),
           "numpy.asarray(view) on the host backend: the same memory, no copy (unless `dtype` or `copy` "
-          "asks for one); TypeError for device memory.")
+          "asks for one). TypeError for device memory, which numpy cannot read (view.storage.read() copies "
+          "the storage's bytes to the host; torch.from_dlpack(view) or cupy.from_dlpack(view) takes it in "
+          "place), and for pinned host memory (an Allocator with memory='pinned_host'), as "
+          "Storage.__array__ says.")
       .def(
           "__dlpack_device__",
           [](const py_array_view& v) {

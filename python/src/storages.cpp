@@ -326,30 +326,26 @@ void register_storages(nb::module_& m) {
       .def(
           "__array__",
           [](const py_storage& s, nb::handle dtype, nb::handle copy) {
-            backend::device& device = s.handle.get().device();
-            if (device.kind() != backend::device_kind::host) {
-              throw nb::type_error(("numpy.asarray(storage): the storage is device memory of " +
-                                    std::string(backend::to_string(device.kind())) + ":" +
-                                    std::to_string(device.ordinal()) + " (" + device.name() +
-                                    "), which numpy cannot read; copy it to the host with storage.read() "
-                                    "(its bytes: numpy.frombuffer(storage.read(), numpy.uint8)), or take it "
-                                    "without copying with torch.from_dlpack(storage.view()) or "
-                                    "cupy.from_dlpack(storage.view())")
-                                       .c_str());
-            }
+            refuse_numpy_unless_readable(s.handle.get(), false);
             // The export of storage.view(), as numpy.asarray(storage.view()) takes it.
             nb::object view = nb::cast(make_view(s, nb::str("uint8"), std::nullopt, std::nullopt, 0,
                                                  s.handle.read_only()));
             return view.attr("__array__")(dtype, copy);
           },
           nb::arg("dtype").none() = nb::none(), nb::arg("copy").none() = nb::none(),
+          nb::sig("def __array__(self, dtype: object | None = None, copy: bool | None = None) -> object"),
           "numpy.asarray(storage) on the host backend: its bytes as a uint8 array over the same memory, "
           "no copy (unless `dtype` or `copy` asks for one; copy=False with a `dtype` other than uint8 "
           "raises ValueError), as numpy.asarray(storage.view()) gives. The export is that of a writable "
           "view (a read-only one for read-only memory): it materializes a lazy clone and marks the storage "
           "shared outside the process for good (a later lazy_clone() copies at once); "
           "numpy.from_dlpack(storage.view(readonly=True)) reads a snapshot instead. TypeError for device "
-          "memory, which numpy cannot read: storage.read() copies its bytes to the host.")
+          "memory, which numpy cannot read: storage.read() copies its bytes to the host "
+          "(torch.from_dlpack(storage.view()) or cupy.from_dlpack(storage.view()) takes it in place). "
+          "TypeError too for pinned host memory (an Allocator with memory='pinned_host'), on either backend, "
+          "though the CPU reads it: DLPack names CUDA's pinned memory kDLCUDAHost, which numpy would take, "
+          "but shoal's DLPack export refuses staging memory (BufferError), so "
+          "storage.read() copies its bytes.")
       .def(
           "__eq__",
           [](nb::handle self, nb::handle other) -> nb::object {

@@ -35,6 +35,13 @@ def test_the_stub_matches_the_module():
     assert result.returncode == 0, result.stderr
 
 
+def test_the_array_protocol_is_typed_as_numpy_calls_it():
+    # numpy passes copy as a bool or None; numpy is no dependency of the package, so the return is object.
+    stub = (pathlib.Path(shoal.__file__).parent / "_shoal.pyi").read_text()
+    signature = "def __array__(self, dtype: object | None = None, copy: bool | None = None) -> object:"
+    assert stub.count(signature) == 2, "Storage.__array__ and ArrayView.__array__"
+
+
 # What a user's type checker sees: the stub must check, and the README's usage must check
 # against it (context managers give their own type, the counters are a dict).
 USAGE = """
@@ -50,6 +57,7 @@ storage = allocator.allocate(64)
 is_host: bool = storage.device == shoal.default_device()
 if is_host:
     array = numpy.from_dlpack(storage.view("float32", (16,)))  # the array API's protocol, as numpy types it
+    data = numpy.asarray(storage, copy=False)  # __array__, as numpy calls it
 def first_images(consumer: shoal.sharing.Consumer) -> object:
     return consumer.get()["images"]  # a batch is what the producer put: a dict here
 with shoal.Listener("@shoal-typing-example") as listener:

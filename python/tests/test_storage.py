@@ -381,6 +381,34 @@ def test_numpy_asarray_of_device_memory_says_numpy_cannot_read_it_and_how_to_cop
     assert not s.shared_outside_process  # refused before anything was exported
 
 
+@pytest.mark.skipif(shoal.cuda_device_count() == 0, reason="needs a CUDA device")
+def test_numpy_asarray_of_a_device_view_names_the_device_and_how_to_copy_it():
+    numpy = pytest.importorskip("numpy")
+    view = shoal.Allocator(shoal.cuda_device(0), use_environment=False).allocate(16).view("float32")
+    with pytest.raises(TypeError, match=r"numpy\.asarray\(view\): the view is device memory of cuda:0 \(.*\), which "
+                                        r"numpy cannot read; copy it to the host with view\.storage\.read\(\) .*, or "
+                                        r"take it without copying with torch\.from_dlpack\(view\) or "
+                                        r"cupy\.from_dlpack\(view\)"):
+        numpy.asarray(view)
+
+
+def test_numpy_asarray_of_pinned_host_memory_says_it_is_pinned_host_memory_and_how_to_copy_it():
+    # Of either backend: shoal's DLPack export refuses staging memory, so numpy takes none of it.
+    numpy = pytest.importorskip("numpy")
+    s = shoal.Allocator(memory="pinned_host", memory_limit_mb=64, use_environment=False).allocate(16)
+    s.write(bytes(range(16)))
+    where = f"{s.device.kind}:{s.device.ordinal}"
+    for asked, what, reader in [(s, "storage", "storage"), (s.view("float32"), "view", "view.storage")]:
+        with pytest.raises(TypeError) as refused:
+            numpy.asarray(asked)
+        said = str(refused.value)
+        assert said.startswith(f"numpy.asarray({what}): the {what} is pinned host memory of {where} (an Allocator "
+                               "with memory='pinned_host'"), said
+        assert f"copy it with {reader}.read()" in said and "device memory" not in said, said
+    assert numpy.frombuffer(s.read(), numpy.uint8).tolist() == list(range(16))  # the way it names
+    assert not s.shared_outside_process  # refused before anything was exported
+
+
 @pytest.mark.parametrize("spelling, name", [
     ("f4", "float32"), ("<f4", "float32"), ("=f4", "float32"), ("|f4", "float32"), ("f", "float32"),
     ("i8", "int64"), ("q", "int64"), ("u1", "uint8"), ("|u1", "uint8"), ("B", "uint8"), ("i1", "int8"),
