@@ -345,7 +345,8 @@ TEST(host_event_sharing, a_reused_slot_continues_from_where_its_last_stream_stop
   const auto old_stream = dev.create_stream();
   for (int i = 0; i < 3; ++i) dev.delay(old_stream, 1ms);
   const event_point old_point = dev.export_event(old_stream);
-  dev.destroy_stream(old_stream);  // runs its work, then gives its slot back
+  dev.destroy_stream(old_stream);  // its work runs on, then its slot goes back
+  dev.synchronize_device();
 
   const auto new_stream = dev.create_stream();
   const event_point new_point = dev.export_event(new_stream);

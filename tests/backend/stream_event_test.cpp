@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -105,6 +106,83 @@ TEST(stream_event_host, a_destroyed_streams_thread_ends_while_an_event_recorded_
   stream other(dev);
   dev.wait(other, e);  // the event still orders other streams
   dev.synchronize(other);
+  dev.synchronize_device();
+}
+
+// Runs `destroy` on another thread; true when it returned within 2 s. A
+// destroy that waits for its stream's work would wait for ever here (the
+// work waits for what comes after the destroy): `unblock` then lets it end.
+template <class Destroy, class Unblock>
+bool returns_at_once(Destroy destroy, Unblock unblock) {
+  std::atomic<bool> done{false};
+  std::thread destroying([&] {
+    destroy();
+    done = true;
+  });
+  const auto deadline = std::chrono::steady_clock::now() + 2s;
+  while (!done && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(1ms);
+  const bool at_once = done;
+  unblock();
+  destroying.join();
+  return at_once;
+}
+
+// As on CUDA, a destroy returns while the stream's work goes on; its work
+// still runs, and synchronize_device waits for it. (A receiver dropping a
+// stream whose wait for another process's stream has not passed must not
+// block on that process.)
+TEST(stream_event_host, a_destroy_returns_while_the_streams_work_waits_and_the_work_still_runs) {
+  backend::host_device dev;
+  std::atomic<bool> go{false}, ran{false};
+  const backend::stream_ref s = dev.create_stream();
+  dev.host_task(s, [&] {
+    while (!go) std::this_thread::sleep_for(1ms);
+    ran = true;
+  });
+  EXPECT_TRUE(returns_at_once([&] { dev.destroy_stream(s); }, [&] { go = true; }))
+      << "the destroy waited for the stream's work";
+  dev.synchronize_device();
+  EXPECT_TRUE(ran.load()) << "synchronize_device returned before a destroyed stream's work ran";
+}
+
+// Each of two streams waits for an event of the other: the one destroyed
+// first may have its last owner in the other's wait, which must not join a
+// thread that waits for that very wait to pass.
+TEST(stream_event_host, streams_waiting_on_each_other_are_destroyed_without_a_deadlock) {
+  backend::host_device dev;
+  std::atomic<bool> go{false};
+  const backend::stream_ref a = dev.create_stream(), b = dev.create_stream();
+  {
+    event on_b(dev), on_a(dev);
+    dev.host_task(b, [&] {
+      while (!go) std::this_thread::sleep_for(1ms);
+    });
+    on_b.record(b);
+    dev.wait(a, on_b);
+    on_a.record(a);
+    dev.wait(b, on_a);
+  }  // the events go: a's wait holds b's executor
+  EXPECT_TRUE(returns_at_once([&] { dev.destroy_stream(b); }, [&] { go = true; }));
+  dev.synchronize(a);
+  dev.destroy_stream(a);
+  dev.synchronize_device();
+}
+
+// A task holding the last owner of its own stream destroys it from the
+// stream's thread: that thread must not join itself.
+TEST(stream_event_host, a_task_that_holds_its_own_stream_may_destroy_it) {
+  backend::host_device dev;
+  std::atomic<bool> ran{false}, released{false};
+  {
+    auto own = std::make_shared<stream>(dev);
+    dev.host_task(*own, [&ran, &released, own] {
+      while (!released) std::this_thread::sleep_for(1ms);
+      ran = true;
+    });
+  }
+  released = true;  // the task's copy is the last owner now
+  while (!ran) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(50ms);  // holding no executor meanwhile (synchronize_device would)
   dev.synchronize_device();
 }
 

@@ -65,10 +65,21 @@ struct host_state {
   std::unordered_map<void*, std::shared_ptr<host_executor>> streams;
   std::unordered_map<void*, std::unique_ptr<host_event>> events;
   std::unordered_map<void*, std::shared_ptr<host_imported_page>> imported_sources;
-  // Destroyed streams' executors, which run their queued work out while an
-  // event recorded on them lives: synchronize_device waits for them too. Expired ones are
-  // dropped at the next destroy_stream.
-  std::vector<std::weak_ptr<host_executor>> destroyed_streams;
+  // Destroyed streams' executors, kept until their queued work ran (and
+  // their threads end): synchronize_device waits for them too, and a destroy
+  // returns at once, as CUDA's does. Held here, an executor's last owner
+  // drops it only once drained, so no thread joins one whose work waits for
+  // its own (a stream waiting on another's event, a task holding its own
+  // stream, a wait for another process's stream). Drained ones are dropped
+  // at the next create_stream or destroy_stream.
+  std::vector<std::shared_ptr<host_executor>> destroyed_streams;
+
+  // With registry_mutex held. A drained executor's thread runs nothing more:
+  // the join of its destructor (where this is its last owner) is brief and
+  // takes no lock of the registry.
+  void drop_drained_destroyed_streams() {
+    std::erase_if(destroyed_streams, [](const auto& e) { return e->completed() >= e->submitted(); });
+  }
 
   // device_unavailable in a fork() child of the process that opened the device.
   void refuse_in_fork_child(const char* what) const {
@@ -194,6 +205,10 @@ void host_device::unmap(void* address) { state_->memory.unmap(address); }
 
 stream_ref host_device::create_stream() {
   state_->refuse_in_fork_child("create a stream");
+  {
+    std::unique_lock lock(state_->registry_mutex);
+    state_->drop_drained_destroyed_streams();  // their event page slots go back first
+  }
   auto executor = std::make_shared<detail::host_executor>(
       state_->event_page->lease(), state_->lag, state_->streams_made.fetch_add(1, std::memory_order_relaxed) + 1);
   void* key = executor.get();
@@ -211,17 +226,15 @@ void host_device::destroy_stream_now(stream_ref s) {
       throw invalid_argument("destroy_stream: " + shoal::detail::hex(s.native) +
                              " is not a live stream of this host device (destroyed already?)");
     }
-    std::erase_if(state_->destroyed_streams, [](const auto& e) { return e.expired(); });
+    state_->drop_drained_destroyed_streams();
     state_->destroyed_streams.emplace_back(it->second);  // first: nothing changes if this throws
     executor = std::move(it->second);
     state_->streams.erase(it);
   }
   // Its thread ends once the work queued has run, though events recorded
   // here keep the executor (their count) alive: a stream per request leaves
-  // no thread behind in the event pools of an allocator. Dropped outside the
-  // lock: the last owner's destructor waits for the remaining work.
+  // no thread behind in the event pools of an allocator.
   executor->stop_when_drained();
-  executor.reset();
 }
 
 stream_ref host_device::adopt_external_stream(void* native) {
@@ -247,9 +260,7 @@ void host_device::synchronize_device() {
   {
     std::shared_lock lock(state_->registry_mutex);
     for (const auto& [native, executor] : state_->streams) executors.push_back(executor);
-    for (const auto& destroyed : state_->destroyed_streams) {
-      if (auto executor = destroyed.lock()) executors.push_back(std::move(executor));
-    }
+    executors.insert(executors.end(), state_->destroyed_streams.begin(), state_->destroyed_streams.end());
   }
   // Waited for without the lock, so waiting never blocks other streams' calls.
   for (const auto& executor : executors) executor->wait_for(executor->submitted());
