@@ -167,8 +167,10 @@ std::span<const std::byte> bytes_of(const nb::bytes& data) {
 // the storage (storage_handle's members), outlives every use. The receive
 // stream is used in that call alone until the storage exists (its wait for
 // the producer's ready point): the caller's `received_on` keeps it meanwhile,
-// and a storage the call fails to hand out goes before it. Sending one on
-// hands its keeper to the allocator, as for any storage (Peer.send).
+// and a storage the call fails to hand out goes before it. Peer.send hands
+// a storage's keeper to the allocator before it sends, as it must for any
+// storage, then refuses a received one: its streams stay kept for the
+// allocator's life (the price of a refused send, not of a receive).
 nb::tuple received_tuple(const py_peer& p, ipc::received r, const std::shared_ptr<stream_state>& received_on) {
   nb::bytes metadata(reinterpret_cast<const char*>(r.metadata.data()), r.metadata.size());
   if (!r.storage.valid()) return nb::make_tuple(nb::none(), metadata);

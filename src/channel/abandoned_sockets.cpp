@@ -49,7 +49,7 @@ std::size_t listener::remove_abandoned_sockets(std::string_view prefix) const {
       const std::optional<struct stat> st = directory_->entry(name);
       // Another user's file (root may put one here) is not this sweep's; nor
       // a fresh one, which may be a listener's between its bind and its listen
-      // (refused like a dead one's); what is no socket, a link included,
+      // (which a stream connect takes for a dead one's); what is no socket, a link included,
       // someone_listens refuses (kept, below).
       if (!st || st->st_uid != ::geteuid() || std::time(nullptr) - st->st_mtime < min_age_seconds ||
           directory_->someone_listens(name)) {

@@ -1130,8 +1130,9 @@ listener::listener(const channel_address& address, access_policy policy, std::si
     return ::bind(socket_.get(), reinterpret_cast<const sockaddr*>(&local.address), local.length);
   };
   // Choice: a lock beside the socket file, held from the look for a stale
-  // file to listen(). A connect between another listener's bind and listen
-  // is refused as at a dead one's file, so without it this one would take a
+  // file to listen(). Where the look is a stream connect (someone_listens'
+  // second question), one between another listener's bind and listen is
+  // refused as at a dead one's file, so without it this one would take a
   // live socket for stale and replace it. Binding a temporary name and
   // link()ing it into place keeps the name atomically, but not the window
   // between a stale file's probe and its removal, which the lock closes too.

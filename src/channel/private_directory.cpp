@@ -155,7 +155,25 @@ bool private_directory::someone_listens(const std::string& name) const {
   if (::connect(probe.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length) == 0) {
     return true;  // a datagram socket is bound there: in use all the same
   }
-  if (errno == EPROTOTYPE) return true;  // a stream socket is bound there, listening or about to
+  // A stream socket is bound there, listening or about to (EPROTOTYPE); or a
+  // datagram socket connected to another (EPERM): in use either way.
+  if (errno == EPROTOTYPE || errno == EPERM) return true;
+  if (errno != ECONNREFUSED) throw os_error{errno, "connect(" + path_ + "/" + name + ")"};
+  // Linux refuses a datagram as at a dead file only where no socket is
+  // bound; a system that answers so for a stream socket too (gVisor) is
+  // asked once more with a stream connect, which Linux refuses there as well
+  // (no connection made), and which elsewhere a live listener accepts and
+  // drops once this process ended.
+  unique_fd stream_probe;
+  const shoal::detail::fork_released_socket while_asking_again([&] {
+    stream_probe.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    return stream_probe.get();
+  });
+  if (!stream_probe) throw os_error{errno, "socket(AF_UNIX)"};
+  if (::connect(stream_probe.get(), reinterpret_cast<const sockaddr*>(&target.address), target.length) == 0) {
+    return true;
+  }
+  if (errno == EAGAIN) return true;  // a listener whose backlog is full
   if (errno == ECONNREFUSED) return false;
   throw os_error{errno, "connect(" + path_ + "/" + name + ")"};
 }

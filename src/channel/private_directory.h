@@ -50,7 +50,9 @@ class private_directory {
   /// Removes `name` from this directory (none there is no error).
   void remove(const std::string& name) const;
   /// Whether a socket is bound to the socket file `name` here (listening,
-  /// or between its bind and listen), without connecting to it.
+  /// or between its bind and listen), without connecting to it (Linux; a
+  /// system that does not answer the datagram check by type is asked with a
+  /// stream connect, as a client would).
   /// invalid_argument when `name` is there and no socket.
   [[nodiscard]] bool someone_listens(const std::string& name) const;
   /// The names of the entries here, "." and ".." left out.
