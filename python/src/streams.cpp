@@ -53,8 +53,9 @@ stream_state::stream_state(backend::device& device, backend::stream_ref adopted)
 
 stream_state::~stream_state() {
   if (owned_ == nullptr) return;  // the default stream, another library's: nothing to destroy
-  // A dropped Stream (the dealloc holds the GIL) with work still queued: the
-  // host backend runs it before the stream goes.
+  // The destroy returns while the work queued runs on, but may wait briefly
+  // for other destroyed streams' threads to end, and for the device's lock:
+  // not with the GIL (a dealloc holds it).
   detail::waiting_without_gil([&] { owned_.reset(); });
 }
 
