@@ -176,6 +176,9 @@ def test_a_stream_per_request_goes_with_its_storages(work):
     allocator.empty_cache()
     stats = allocator.stats()
     assert stats["num_device_alloc"] <= 4, "each request's stream took the cache of one before it"
+    deadline = time.monotonic() + 5  # a destroyed stream's thread ends once its work ran
+    while _threads() > threads + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert _threads() <= threads + 2, "the requests' streams were destroyed"
 
 

@@ -45,6 +45,14 @@ struct host_state {
         memory(capacity),
         event_page(host_event_page::create()),
         default_stream(std::make_shared<host_executor>(event_page->lease(), lag, 0)) {}
+  host_state(const host_state&) = delete;
+  host_state& operator=(const host_state&) = delete;
+  // The work destroyed streams still run may write this device's memory,
+  // which goes with it. (A fork() child runs none of it.)
+  ~host_state() {
+    if (epoch.forked_since()) return;
+    for (const auto& executor : destroyed_streams) executor->wait_for(executor->submitted());
+  }
 
   // Streams made in a fork() child would take slots of the parent's
   // shared event page, and its memory no stream there could use: a child
@@ -65,18 +73,17 @@ struct host_state {
   std::unordered_map<void*, std::shared_ptr<host_executor>> streams;
   std::unordered_map<void*, std::unique_ptr<host_event>> events;
   std::unordered_map<void*, std::shared_ptr<host_imported_page>> imported_sources;
-  // Destroyed streams' executors, kept until their queued work ran (and
-  // their threads end): synchronize_device waits for them too, and a destroy
-  // returns at once, as CUDA's does. Held here, an executor's last owner
-  // drops it only once drained, so no thread joins one whose work waits for
-  // its own (a stream waiting on another's event, a task holding its own
-  // stream, a wait for another process's stream). Drained ones are dropped
-  // at the next create_stream or destroy_stream.
+  // Destroyed streams' executors, whose detached threads run their queued
+  // work out: kept until it ran, so that synchronize_device and the
+  // device's end wait for it (it may write the device's memory), while a
+  // destroy returns at once, as CUDA's does, and no owner joins a thread
+  // whose work waits for it (a stream waiting on another's event, a task
+  // holding its own stream, a wait for another process's stream). Drained
+  // ones are dropped at the next create_stream or destroy_stream.
   std::vector<std::shared_ptr<host_executor>> destroyed_streams;
 
-  // With registry_mutex held. A drained executor's thread runs nothing more:
-  // the join of its destructor (where this is its last owner) is brief and
-  // takes no lock of the registry.
+  // With registry_mutex held. A drained executor's thread (detached) runs
+  // nothing more that touches the device.
   void drop_drained_destroyed_streams() {
     std::erase_if(destroyed_streams, [](const auto& e) { return e->completed() >= e->submitted(); });
   }

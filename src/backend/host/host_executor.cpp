@@ -31,8 +31,10 @@ host_executor::state::state(std::optional<host_stream_slot> s, const host_stream
       lag_random(lag_seed(lag.seed, number)) {}
 
 host_executor::host_executor(std::optional<host_stream_slot> slot, const host_stream_lag& lag, std::uint64_t number)
-    : state_(std::make_unique<state>(std::move(slot), lag, number)) {
-  state_->thread = std::thread([s = state_.get()] { run(*s); });
+    : state_(std::make_shared<state>(std::move(slot), lag, number)) {
+  // The thread owns the state too: detached (stop_when_drained), it runs its
+  // last steps on the state after the executor may be gone.
+  state_->thread = std::thread([s = state_] { run(*s); });
 }
 
 host_executor::~host_executor() {
@@ -40,9 +42,10 @@ host_executor::~host_executor() {
     // The thread is not in this process: destroying the condition variable
     // it waited on would block forever, and the slot is the parent's. The
     // state stays as it is, unused.
-    (void)state_.release();
+    (void)new std::shared_ptr<state>(std::move(state_));  // NOLINT(cppcoreguidelines-owning-memory): left on purpose
     return;
   }
+  if (!state_->thread.joinable()) return;  // detached: it ends once its work ran
   {
     std::lock_guard lock(state_->mutex);
     state_->stopping = true;
@@ -58,6 +61,10 @@ void host_executor::stop_when_drained() {
     state_->stopping = true;
   }
   state_->has_work.notify_one();
+  // No one waits for it to end: whoever drops the executor last (an
+  // event's owner, another stream's wait) must not join a thread whose work
+  // may wait for that very owner.
+  state_->thread.detach();
 }
 
 void host_executor::throw_forked(const std::string& what) {

@@ -43,11 +43,12 @@ class host_executor {
   /// `lag`: each work item waits a random time up to its max first, drawn
   /// from a generator seeded with the lag's seed and `number`.
   host_executor(std::optional<host_stream_slot> slot, const host_stream_lag& lag, std::uint64_t number);
-  /// Runs the remaining work, then stops the thread; then gives the slot back.
+  /// Runs the remaining work, then stops the thread (unless stop_when_drained
+  /// let it run on alone); the slot goes back with the state's last owner.
   ~host_executor();
-  /// The stream was destroyed: the thread runs the work queued and ends,
-  /// while events recorded here (which share this object) still read and
-  /// wait for its count. Nothing may be submitted after it.
+  /// The stream was destroyed: the thread, detached, runs the work queued and
+  /// ends, while events recorded here (which share this object) still read
+  /// and wait for its count. Nothing may be submitted after it. Once.
   void stop_when_drained();
   host_executor(const host_executor&) = delete;
   host_executor& operator=(const host_executor&) = delete;
@@ -93,7 +94,7 @@ class host_executor {
   void throw_if_forked(const char* what) const;
 
   const shoal::detail::fork_epoch epoch_;
-  std::unique_ptr<state> state_;
+  std::shared_ptr<state> state_;  // shared with the thread
 };
 
 }  // namespace shoal::backend::detail
