@@ -147,6 +147,27 @@ const dtype_entry* entry_of_type_code(std::string_view text, bool& swapped, std:
   return entry;
 }
 
+/// `name` as an error message shows it: quoted, at most 64 characters (a
+/// long string is not echoed whole), other than printable ASCII escaped (a
+/// NUL would end the message early).
+std::string quoted(std::string_view name) {
+  constexpr std::size_t most = 64;
+  std::string out = "'";
+  for (const char c : name.substr(0, most)) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte >= 0x20 && byte < 0x7F && c != '\\') {
+      out += c;
+    } else {
+      static constexpr char hex[] = "0123456789abcdef";
+      out += "\\x";
+      out += hex[byte >> 4];
+      out += hex[byte & 0xF];
+    }
+  }
+  out += name.size() > most ? "'..." : "'";
+  return out;
+}
+
 }  // namespace
 
 std::span<const dtype_entry> view_dtype_entries() { return dtypes; }
@@ -155,7 +176,19 @@ dtype_reading read_dtype(nb::handle dtype) {
   dtype_reading out;
   std::string name;
   if (nb::isinstance<nb::str>(dtype)) {
-    name = nb::cast<std::string>(dtype);
+    // A str that is no UTF-8 (a lone surrogate) names no dtype: refused as
+    // one, not as a failed conversion.
+    Py_ssize_t size = 0;
+    const char* utf8 = PyUnicode_AsUTF8AndSize(dtype.ptr(), &size);
+    if (utf8 == nullptr) {
+      PyErr_Clear();
+      out.shown = "a str that is not UTF-8";
+      return out;
+    }
+    name.assign(utf8, static_cast<std::size_t>(size));
+  } else if (nb::isinstance<nb::bytes>(dtype)) {
+    const auto bytes = nb::borrow<nb::bytes>(dtype);  // numpy takes b'f4' too
+    name.assign(bytes.c_str(), bytes.size());
   } else {
     if (nb::hasattr(dtype, "isnative") && !nb::cast<bool>(nb::bool_(dtype.attr("isnative")))) {
       out.shown = nb::cast<std::string>(nb::str(dtype));
@@ -172,7 +205,7 @@ dtype_reading read_dtype(nb::handle dtype) {
     }
     if (name.empty()) return out;
   }
-  out.shown = "'" + name + "'";
+  out.shown = quoted(name);
   out.entry = entry_named(name);
   if (out.entry == nullptr) out.entry = entry_of_numpy_name(name);
   if (out.entry == nullptr) out.entry = entry_of_type_code(name, out.swapped, out.meaning);

@@ -38,8 +38,8 @@ struct dtype_reading {
   bool swapped = false;
 };
 
-/// Reads `dtype` (a str, or an object with a str `name` or `__name__`).
-/// Needs the GIL.
+/// Reads `dtype` (a str or bytes, or an object with a str `name` or
+/// `__name__`). Needs the GIL.
 dtype_reading read_dtype(nanobind::handle dtype);
 
 }  // namespace shoal::python

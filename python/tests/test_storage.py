@@ -459,6 +459,19 @@ def test_a_dtype_spelled_in_the_other_byte_order_is_refused_naming_the_supported
     assert [s.view(other + d).dtype for d in ("u1", "i1", "?", "b1")] == ["uint8", "int8", "bool", "bool"]
 
 
+def test_dtype_spellings_numpy_reads_as_bytes_and_odd_strings_are_named_plainly(allocator):
+    s = allocator.allocate(64)
+    assert s.view(b"f4", (2,)).dtype == "float32"  # numpy takes bytes too
+    with pytest.raises(TypeError, match="a str that is not UTF-8 is not supported"):
+        s.view("\ud800")
+    with pytest.raises(TypeError) as refused:
+        s.view("f4\x00x")
+    assert r"'f4\x00x' is not supported" in str(refused.value)  # escaped, not cut at the NUL
+    with pytest.raises(TypeError) as refused:
+        s.view("f" * 100_000)
+    assert "'" + "f" * 64 + "'..." in str(refused.value) and len(str(refused.value)) < 1000
+
+
 def test_view_shapes_strides_and_dtypes_are_typed_tuples(allocator):
     # What the stubs say (generated from these signatures): tuple[int, ...], not a bare tuple.
     view = allocator.allocate(64).view("int32", (2, 4))
