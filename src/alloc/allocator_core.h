@@ -326,7 +326,7 @@ bool allocator_core::run_on_block(std::uintptr_t address, Fn&& fn) const {
   // the directory, which is always right.
   auto found_in = [&](block_pool* pool) {
     if (pool == nullptr) return false;
-    std::unique_lock lock(pool->lock);
+    std::lock_guard lock(pool->lock);
     if (!pool->in_service) return false;
     block* b = Take ? pool->allocated.take(address) : pool->allocated.find(address);
     if (b == nullptr) return false;

@@ -16,7 +16,7 @@
 #include "alloc/block.h"
 #include "alloc/block_index.h"
 #include "alloc/free_bins.h"
-#include "alloc/spin_lock.h"
+#include "alloc/biased_lock.h"
 #include "shoal/alloc/stats.h"
 
 namespace shoal::alloc::detail {
@@ -40,7 +40,7 @@ struct pool_counters {
 // Cache-line aligned (size included): each stream's pools are written by
 // its own threads on every allocation, and two pools must never share a line.
 struct alignas(64) block_pool {
-  spin_lock lock;
+  biased_lock lock;  ///< nearly always taken by one thread: biased to it
   pool_kind kind = pool_kind::small;
   backend::stream_ref stream;  ///< stream pools: the stream every block is handed out on
   bool is_private = false;

@@ -26,7 +26,7 @@ namespace shoal::alloc::detail {
 }
 
 /// Brings b's share of the inactive_split counters in line with its state.
-inline void refresh_split_stat(block_pool& pool, block* b) noexcept {
+[[gnu::always_inline]] inline void refresh_split_stat(block_pool& pool, block* b) noexcept {
   const bool wanted = counts_as_inactive_split(b);
   if (wanted == b->counted_inactive_split) return;
   const auto bytes = static_cast<std::int64_t>(b->size);

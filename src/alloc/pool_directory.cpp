@@ -362,7 +362,7 @@ bool pool_directory::remove_private_pool(private_pool_id id,
     if (it == private_pools_.end()) throw invalid_argument("private pool " + std::to_string(id.value) + " does not exist");
     std::vector<block_pool*> parts;
     for (auto& part : it->second->parts) parts.push_back(part.get());
-    std::vector<std::unique_lock<spin_lock>> part_locks;
+    std::vector<std::unique_lock<biased_lock>> part_locks;
     part_locks.reserve(parts.size());
     for (block_pool* part : parts) part_locks.emplace_back(part->lock);
     if (!ready(parts)) return false;

@@ -379,7 +379,7 @@ void pool_directory::with_every_pool_locked(Fn&& fn) const {
   for (auto& [id, p] : private_pools_) {
     for (auto& part : p->parts) pools.push_back(part.get());
   }
-  std::vector<std::unique_lock<spin_lock>> locks;
+  std::vector<std::unique_lock<biased_lock>> locks;
   locks.reserve(pools.size());
   for (block_pool* p : pools) locks.emplace_back(p->lock);
   std::shared_lock segments_lock(segments_mutex_);
