@@ -49,7 +49,9 @@ bool biased_lock::try_become_exclusive() noexcept {
   heavy_fence();
   if (owner_inside_.load(fences_are_sequential ? std::memory_order_seq_cst : std::memory_order_acquire) &&
       !test_skip_waiting_for_owner.load(std::memory_order_relaxed)) {
-    unlock();  // clears revoking_, gives others_ back; the bias stays
+    // Not unlock(): fast_hold_ is the owner's, inside now. The bias stays.
+    revoking_.store(false, std::memory_order_release);
+    others_.unlock();
     return false;
   }
   revoke(me);
