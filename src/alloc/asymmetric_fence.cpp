@@ -33,10 +33,7 @@ bool asymmetric_fences_available() noexcept {
 }
 
 void heavy_fence() noexcept {
-  if constexpr (fences_are_sequential) {
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    return;
-  }
+  if constexpr (fences_are_sequential) return;  // the handshake's own operations order it (asymmetric_fence.h)
 #if defined(__linux__) && defined(__NR_membarrier)
   if (membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0) return;
   // Once registered (a fork() child keeps it) the command is not refused;

@@ -48,7 +48,8 @@ inline void light_fence() noexcept { std::atomic_signal_fence(std::memory_order_
 /// heavy_fence may be used. Cached after the first call.
 [[nodiscard]] bool asymmetric_fences_available() noexcept;
 
-/// Only after asymmetric_fences_available() returned true. The kernel
+/// Only after asymmetric_fences_available() returned true (under
+/// ThreadSanitizer it does nothing: see fences_are_sequential). The kernel
 /// refuses the command only to an unregistered process: then it registers
 /// again, and if even a global membarrier fails the process terminates, as
 /// going on could let two threads into one critical section.

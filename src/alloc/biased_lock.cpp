@@ -1,20 +1,101 @@
 #include "alloc/biased_lock.h"
 
 #include <algorithm>
+#include <chrono>
+#include <mutex>
+#include <new>
 #include <thread>
+#include <utility>
+#include <vector>
 
 namespace shoal::alloc::detail {
 
 namespace {
 
 constexpr std::uint32_t last_threshold = std::uint32_t{1} << 20;
+constexpr std::int64_t quiet_ns = std::chrono::nanoseconds(biased_lock::quiet_interval).count();
+
+std::uintptr_t calling_thread() noexcept {
+#if defined(__x86_64__) || defined(__aarch64__)
+  return reinterpret_cast<std::uintptr_t>(__builtin_thread_pointer());
+#else
+  static thread_local char name;
+  return reinterpret_cast<std::uintptr_t>(&name);
+#endif
+}
+
+std::int64_t now_ns() noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Records of threads that ended, for the next thread that needs one. Never
+// destroyed: a thread may end after static destruction began.
+struct holder_registry {
+  std::mutex mutex;
+  std::vector<biased_lock_holder*> spare;
+};
+holder_registry& registry() {
+  static auto* r = new holder_registry;
+  return *r;
+}
+
+thread_local bool thread_ending = false;
+
+// Hands the thread's record on when the thread ends. A record still inside
+// a lock (its thread ended holding it) is kept out of circulation, so that
+// lock stays held, as a test-and-set lock would.
+struct holder_return {
+  holder_return() = default;
+  holder_return(const holder_return&) = delete;
+  holder_return& operator=(const holder_return&) = delete;
+  ~holder_return() {
+    thread_ending = true;
+    biased_lock_holder* h = std::exchange(biased_lock_threads::mine, nullptr);
+    if (h == nullptr || h->inside.load(std::memory_order_relaxed) != nullptr) return;
+    try {
+      auto& r = registry();
+      std::lock_guard lock(r.mutex);
+      r.spare.push_back(h);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): no room to keep it: it stays unused
+    }
+  }
+};
+
+// The calling thread's record, made or taken on first need; nullptr when
+// there is no memory for one, or the thread is ending (then it gets no bias).
+biased_lock_holder* this_threads_holder() noexcept {
+  if (biased_lock_threads::mine != nullptr) return biased_lock_threads::mine;
+  if (thread_ending) return nullptr;
+  try {
+    static thread_local holder_return on_thread_end;  // constructed here, once a thread
+    (void)on_thread_end;
+    biased_lock_holder* h = nullptr;
+    {
+      auto& r = registry();
+      std::lock_guard lock(r.mutex);
+      if (!r.spare.empty()) {
+        h = r.spare.back();
+        r.spare.pop_back();
+      }
+    }
+    biased_lock_threads::mine = h != nullptr ? h : new biased_lock_holder;
+    return biased_lock_threads::mine;
+  } catch (...) {
+    return nullptr;
+  }
+}
+
+bool inside(const biased_lock_holder* h, const biased_lock* lock, std::memory_order order) noexcept {
+  return h->inside.load(order) == lock;
+}
 
 // After revoking_ is set and the heavy fence passed: the owner cannot enter
 // by its fast way any more, so only one already inside is waited for.
-void wait_for_owner_to_leave(const std::atomic<bool>& owner_inside) noexcept {
+void wait_for_owner_to_leave(const biased_lock_holder* owner, const biased_lock* lock) noexcept {
   if (biased_lock::test_skip_waiting_for_owner.load(std::memory_order_relaxed)) return;
-  for (int spins = 0; owner_inside.load(fences_are_sequential ? std::memory_order_seq_cst : std::memory_order_acquire);
-       ++spins) {
+  const auto order = fences_are_sequential ? std::memory_order_seq_cst : std::memory_order_acquire;
+  for (int spins = 0; inside(owner, lock, order); ++spins) {
     if (spins > 64) std::this_thread::yield();
 #if defined(__x86_64__)
     __builtin_ia32_pause();
@@ -25,54 +106,61 @@ void wait_for_owner_to_leave(const std::atomic<bool>& owner_inside) noexcept {
 }  // namespace
 
 void biased_lock::become_exclusive() noexcept {
-  const std::uintptr_t me = calling_thread();
-  const std::uintptr_t owner = owner_.load(std::memory_order_relaxed);
-  if (owner == 0) return count_streak(me);
-  // My own bias (my fast way saw a revoking_ that gave up since): nobody
-  // else enters by the fast way, and others_ keeps the rest out.
-  if (owner == me) return;
+  biased_lock_holder* owner = owner_.load(std::memory_order_relaxed);
+  if (owner == nullptr) return count_streak();
+  // My own bias (my fast way saw a revoking_ that gave up since, or I am in
+  // another lock by the fast way): nobody else enters by the fast way, and
+  // others_ keeps the rest out.
+  if (owner == biased_lock_threads::mine) return;
   revoking_.store(true, handshake_order);
   heavy_fence();
-  wait_for_owner_to_leave(owner_inside_);
-  revoke(me);
+  wait_for_owner_to_leave(owner, this);
+  revoke();
 }
 
 bool biased_lock::try_become_exclusive() noexcept {
-  const std::uintptr_t me = calling_thread();
-  const std::uintptr_t owner = owner_.load(std::memory_order_relaxed);
-  if (owner == 0) {
-    count_streak(me);
+  biased_lock_holder* owner = owner_.load(std::memory_order_relaxed);
+  if (owner == nullptr) {
+    count_streak();
     return true;
   }
-  if (owner == me) return true;
-  revoking_.store(true, handshake_order);
-  heavy_fence();
-  if (owner_inside_.load(fences_are_sequential ? std::memory_order_seq_cst : std::memory_order_acquire) &&
-      !test_skip_waiting_for_owner.load(std::memory_order_relaxed)) {
-    // Not unlock(): fast_hold_ is the owner's, inside now. The bias stays.
-    revoking_.store(false, std::memory_order_release);
+  if (owner == biased_lock_threads::mine) return true;
+  const bool skip = test_skip_waiting_for_owner.load(std::memory_order_relaxed);
+  // Inside already: give up without the fence's cost.
+  if (!skip && inside(owner, this, std::memory_order_relaxed)) {
     others_.unlock();
     return false;
   }
-  revoke(me);
+  revoking_.store(true, handshake_order);
+  heavy_fence();
+  if (!skip && inside(owner, this, fences_are_sequential ? std::memory_order_seq_cst : std::memory_order_acquire)) {
+    revoking_.store(false, std::memory_order_release);  // the bias stays
+    others_.unlock();
+    return false;
+  }
+  revoke();
   return true;
 }
 
-void biased_lock::revoke(std::uintptr_t me) noexcept {
-  owner_.store(0, std::memory_order_relaxed);
+void biased_lock::revoke() noexcept {
+  owner_.store(nullptr, std::memory_order_relaxed);
   ++revocations_;
-  threshold_ = std::min(threshold_ * 4, last_threshold);
-  last_taker_ = me;
+  const std::int64_t now = now_ns();
+  threshold_ = now - last_revocation_ns_ > quiet_ns ? first_threshold : std::min(threshold_ * 4, last_threshold);
+  last_revocation_ns_ = now;
+  last_taker_ = calling_thread();
   streak_ = 1;
 }
 
-void biased_lock::count_streak(std::uintptr_t me) noexcept {
+void biased_lock::count_streak() noexcept {
+  const std::uintptr_t me = calling_thread();
   if (me != last_taker_) {
     last_taker_ = me;
     streak_ = 1;
     return;
   }
-  if (++streak_ >= threshold_ && asymmetric_fences_available()) owner_.store(me, std::memory_order_relaxed);
+  if (++streak_ < threshold_ || !asymmetric_fences_available()) return;
+  if (biased_lock_holder* h = this_threads_holder()) owner_.store(h, std::memory_order_relaxed);
 }
 
 }  // namespace shoal::alloc::detail

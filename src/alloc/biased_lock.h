@@ -5,41 +5,62 @@
 //
 // Each stream's pool is locked on every allocation and free, nearly always
 // by one thread; the atomic exchange of a plain spin lock was half of a
-// cached allocate/free pair.
+// cached allocate/free pair (host profile).
+//
+// Each thread that ever owns a bias has a holder record (never freed; a
+// record of a thread that ended goes to the next thread that needs one),
+// whose `inside` names the lock it is in by the fast way. Only its own
+// thread writes it: a thread that lost a bias it was about to use can only
+// clear its own record, never the flag of the thread that owns the bias now.
 //
 // The protocol (a Dekker handshake with asymmetric fences, asymmetric_fence.h):
-// - owner: owner_inside_ = true; light_fence(); enters when revoking_ is
-//   false and owner_ still names it, else clears owner_inside_ and takes the
-//   slow way like any thread.
-// - any other thread: takes others_; if owner_ names another thread,
-//   revoking_ = true; heavy_fence(); waits until owner_inside_ is false;
-//   owner_ = none (revoked); revoking_ goes back to false when it unlocks.
+// - owner: record.inside = this; light_fence(); enters when revoking_ is
+//   false and owner_ still names its record, else clears record.inside and
+//   takes the slow way like any thread. A thread already inside another
+//   lock by the fast way takes the slow way (one slot a record).
+// - any other thread: takes others_; if owner_ names another thread's
+//   record, revoking_ = true; heavy_fence(); waits until that record is not
+//   inside this lock; owner_ = none (revoked); revoking_ goes back to false
+//   when it unlocks.
 // The fences guarantee the owner sees revoking_ or the other thread sees
-// owner_inside_, so never both inside; once owner_ is none, the old owner's
-// re-check of owner_ (after its acquire load of revoking_) keeps it out.
-// - a bias is given (owner_ = the thread) under others_, to a thread that
-//   took the lock `threshold_` times in a row; each revocation multiplies
-//   threshold_ by 4, so a lock that changes hands often soon stops being
-//   biased and its revocations (a membarrier each, microseconds) stay rare.
+// its record inside, so never both inside; once owner_ is none, the old
+// owner's re-check of owner_ (after its acquire load of revoking_) keeps it out.
+// - a bias is given (owner_ = the thread's record) under others_, to a
+//   thread that took the lock `threshold_` times in a row; a revocation
+//   within 100 ms of the last one multiplies threshold_ by 4 (one later
+//   starts it again from first_threshold), so a lock that changes hands
+//   often soon stops being biased and its revocations (a membarrier each,
+//   microseconds) stay rare, while one polled now and then by another
+//   thread (statistics) is biased again soon after.
 // Without membarrier (asymmetric_fences_available) no bias is ever given:
-// a test-and-set lock with one more relaxed load.
-//
-// A thread is named by its thread pointer: unique among live threads; a new
-// thread that inherits a dead owner's name inherits the bias, which is as
-// good (the dead owner is not inside).
+// a test-and-set lock with two more relaxed loads.
 //
 // Thread-safety: lock, try_lock and unlock from any thread (a Lockable, not
-// recursive). biased_to_calling_thread and revocations read state that the
-// lock guards: call them holding it, or with no thread using the lock.
+// recursive, not for signal handlers: a handler that took the lock between
+// the owner's two steps would clear its record). biased_to_calling_thread
+// and revocations read state that the lock guards: call them holding it, or
+// with no thread using the lock.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 
 #include "alloc/asymmetric_fence.h"
 #include "alloc/spin_lock.h"
 
 namespace shoal::alloc::detail {
+
+/// One thread's record: the biased lock it is inside by the fast way.
+struct alignas(64) biased_lock_holder {
+  std::atomic<const void*> inside{nullptr};  ///< written by its thread only
+};
+
+// Constant-initialized, hidden (see pool_directory.h's thread_cache): read
+// inline on every lock and unlock.
+namespace biased_lock_threads __attribute__((visibility("hidden"))) {
+inline thread_local biased_lock_holder* mine = nullptr;
+}  // namespace biased_lock_threads
 
 class biased_lock {
  public:
@@ -56,9 +77,9 @@ class biased_lock {
   }
 
   [[gnu::always_inline]] void unlock() noexcept {
-    if (fast_hold_) [[likely]] {
-      fast_hold_ = false;
-      owner_inside_.store(false, std::memory_order_release);
+    biased_lock_holder* me = biased_lock_threads::mine;
+    if (me != nullptr && me->inside.load(std::memory_order_relaxed) == this) [[likely]] {
+      me->inside.store(nullptr, std::memory_order_release);
       return;
     }
     if (revoking_.load(std::memory_order_relaxed)) revoking_.store(false, std::memory_order_release);
@@ -66,39 +87,34 @@ class biased_lock {
   }
 
   [[nodiscard]] bool biased_to_calling_thread() const noexcept {
-    return owner_.load(std::memory_order_relaxed) == calling_thread();
+    const biased_lock_holder* me = biased_lock_threads::mine;
+    return me != nullptr && owner_.load(std::memory_order_relaxed) == me;
   }
   [[nodiscard]] std::uint32_t revocations() const noexcept { return revocations_; }
 
   /// Taken this many times in a row by one thread, an unbiased lock is
-  /// biased to it (before any revocation).
+  /// biased to it (before any revocation, or long after the last).
   static constexpr std::uint32_t first_threshold = 16;
+  /// A revocation this long after the previous one starts the streak over
+  /// at first_threshold; a closer one makes it 4 times longer.
+  static constexpr std::chrono::milliseconds quiet_interval{100};
 
   /// Tests only: a revocation no longer waits for the owner to leave (the
   /// protection a test shows is needed). Never set outside a test.
   static inline std::atomic<bool> test_skip_waiting_for_owner{false};
 
  private:
-  static std::uintptr_t calling_thread() noexcept {
-#if defined(__x86_64__) || defined(__aarch64__)
-    return reinterpret_cast<std::uintptr_t>(__builtin_thread_pointer());
-#else
-    static thread_local char name;
-    return reinterpret_cast<std::uintptr_t>(&name);
-#endif
-  }
-
   [[gnu::always_inline]] bool enter_as_owner() noexcept {
-    const std::uintptr_t me = calling_thread();
-    if (owner_.load(std::memory_order_relaxed) != me) return false;
-    owner_inside_.store(true, handshake_order);
+    biased_lock_holder* me = biased_lock_threads::mine;
+    if (me == nullptr || owner_.load(std::memory_order_relaxed) != me) return false;
+    if (me->inside.load(std::memory_order_relaxed) != nullptr) return false;  // in another lock by the fast way
+    me->inside.store(this, handshake_order);
     light_fence();
     if (!revoking_.load(fences_are_sequential ? std::memory_order_seq_cst : std::memory_order_acquire) &&
         owner_.load(std::memory_order_relaxed) == me) [[likely]] {
-      fast_hold_ = true;
       return true;
     }
-    owner_inside_.store(false, std::memory_order_release);
+    me->inside.store(nullptr, std::memory_order_release);
     return false;
   }
 
@@ -108,21 +124,19 @@ class biased_lock {
   // false rather than wait for an owner that is inside.
   [[nodiscard]] bool try_become_exclusive() noexcept;
   // Holding others_, revoking_ set and heavy_fence passed, the owner out.
-  void revoke(std::uintptr_t me) noexcept;
+  void revoke() noexcept;
   // Holding others_, no bias: counts the caller's streak, may bias to it.
-  void count_streak(std::uintptr_t me) noexcept;
+  void count_streak() noexcept;
 
-  // The owner's handshake: its own line, read by the owner on every hold.
-  alignas(16) std::atomic<std::uintptr_t> owner_{0};  ///< the biased thread, 0 for none
-  std::atomic<bool> owner_inside_{false};            ///< written by the owner only
-  std::atomic<bool> revoking_{false};                ///< written under others_ only
-  bool fast_hold_ = false;                           ///< the holder took it as owner (guarded by the lock)
-  spin_lock others_;
+  std::atomic<biased_lock_holder*> owner_{nullptr};  ///< the biased thread's record, or none
+  std::atomic<bool> revoking_{false};                             ///< written under others_ only
   // Guarded by others_.
   std::uint32_t streak_ = 0;
   std::uint32_t threshold_ = first_threshold;
   std::uint32_t revocations_ = 0;
   std::uintptr_t last_taker_ = 0;
+  std::int64_t last_revocation_ns_ = 0;
+  spin_lock others_;
 };
 
 }  // namespace shoal::alloc::detail
