@@ -142,25 +142,26 @@ TEST(biased_lock, without_waiting_for_the_owner_two_threads_are_inside) {
   EXPECT_TRUE(other_thread_enters_while_owner_holds(lock));
 }
 
+// Whether another thread's try_lock succeeds (it unlocks at once).
+bool try_lock_elsewhere(biased_lock& lock) {
+  bool got = false;
+  std::thread([&] {
+    got = lock.try_lock();
+    if (got) lock.unlock();
+  }).join();
+  return got;
+}
+
 TEST(biased_lock, try_lock_fails_while_the_owner_is_inside_and_keeps_the_bias) {
   skip_without_fences();
   biased_lock lock;
   take_many_times(lock, biased_lock::first_threshold);
   lock.lock();
-  bool got = true;
-  std::thread([&] {
-    got = lock.try_lock();
-    if (got) lock.unlock();
-  }).join();
-  EXPECT_FALSE(got);
+  EXPECT_FALSE(try_lock_elsewhere(lock));
   EXPECT_EQ(lock.revocations(), 0U);
   EXPECT_TRUE(lock.biased_to_calling_thread());
   lock.unlock();
-  std::thread([&] {
-    got = lock.try_lock();
-    if (got) lock.unlock();
-  }).join();
-  EXPECT_TRUE(got);
+  EXPECT_TRUE(try_lock_elsewhere(lock));
   EXPECT_EQ(lock.revocations(), 1U);
 }
 
@@ -169,11 +170,7 @@ TEST(biased_lock, try_lock_by_the_owner_takes_its_fast_way) {
   biased_lock lock;
   take_many_times(lock, biased_lock::first_threshold);
   ASSERT_TRUE(lock.try_lock());
-  bool other_got = true;
-  std::thread([&] {
-    other_got = lock.try_lock();
-    if (other_got) lock.unlock();
-  }).join();
+  const bool other_got = try_lock_elsewhere(lock);
   lock.unlock();
   EXPECT_FALSE(other_got);
   EXPECT_TRUE(lock.biased_to_calling_thread());
