@@ -1,5 +1,7 @@
 #include "alloc/biased_lock.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <chrono>
 #include <mutex>
@@ -39,6 +41,17 @@ holder_registry& registry() {
   static auto* r = new holder_registry;
   return *r;
 }
+
+// Held across fork(), so that a child never starts with it held by a
+// thread it does not have (its first record would wait for ever). A leaf:
+// nothing is locked under it.
+void lock_before_fork() { registry().mutex.lock(); }
+void unlock_after_fork() { registry().mutex.unlock(); }
+
+// At load, while one thread runs (as core/fork_released_sockets.cpp does).
+// pthread_atfork fails only without memory for the handlers.
+[[maybe_unused]] const bool fork_handlers_registered =
+    (registry(), ::pthread_atfork(&lock_before_fork, &unlock_after_fork, &unlock_after_fork) == 0);
 
 thread_local bool thread_ending = false;
 
@@ -159,7 +172,14 @@ void biased_lock::count_streak() noexcept {
     streak_ = 1;
     return;
   }
-  if (++streak_ < threshold_ || !asymmetric_fences_available()) return;
+  ++streak_;
+  // Long after the last revocation, the first streak long enough earns the
+  // bias again: the lock's contention has ended (an unbiased lock has no
+  // revocation that would start threshold_ over).
+  if (streak_ == first_threshold && threshold_ > first_threshold && now_ns() - last_revocation_ns_ > quiet_ns) {
+    threshold_ = first_threshold;
+  }
+  if (streak_ < threshold_ || !asymmetric_fences_available()) return;
   if (biased_lock_holder* h = this_threads_holder()) owner_.store(h, std::memory_order_relaxed);
 }
 

@@ -31,7 +31,9 @@
 //   starts it again from first_threshold), so a lock that changes hands
 //   often soon stops being biased and its revocations (a membarrier each,
 //   microseconds) stay rare, while one polled now and then by another
-//   thread (statistics) is biased again soon after.
+//   thread (statistics) is biased again soon after. A streak that reaches
+//   first_threshold 100 ms or more after the last revocation earns the
+//   bias then, whatever threshold_ had grown to.
 // Without membarrier (asymmetric_fences_available) no bias is ever given:
 // a test-and-set lock with two more relaxed loads.
 //
@@ -62,21 +64,26 @@ namespace biased_lock_threads __attribute__((visibility("hidden"))) {
 inline thread_local biased_lock_holder* mine = nullptr;
 }  // namespace biased_lock_threads
 
+// Every member function is hidden: two copies of the library in one
+// process each keep their own records, and one copy's lock must never call
+// into the other's (where `mine` is not the caller's record).
+#define SHOAL_LOCK_LOCAL __attribute__((visibility("hidden")))
+
 class biased_lock {
  public:
-  [[gnu::always_inline]] void lock() noexcept {
+  [[gnu::always_inline]] SHOAL_LOCK_LOCAL void lock() noexcept {
     if (enter_as_owner()) [[likely]] return;
     others_.lock();
     become_exclusive();
   }
 
-  [[nodiscard]] bool try_lock() noexcept {
+  [[nodiscard]] SHOAL_LOCK_LOCAL bool try_lock() noexcept {
     if (enter_as_owner()) return true;
     if (!others_.try_lock()) return false;
     return try_become_exclusive();
   }
 
-  [[gnu::always_inline]] void unlock() noexcept {
+  [[gnu::always_inline]] SHOAL_LOCK_LOCAL void unlock() noexcept {
     biased_lock_holder* me = biased_lock_threads::mine;
     if (me != nullptr && me->inside.load(std::memory_order_relaxed) == this) [[likely]] {
       me->inside.store(nullptr, std::memory_order_release);
@@ -86,7 +93,7 @@ class biased_lock {
     others_.unlock();
   }
 
-  [[nodiscard]] bool biased_to_calling_thread() const noexcept {
+  [[nodiscard]] SHOAL_LOCK_LOCAL bool biased_to_calling_thread() const noexcept {
     const biased_lock_holder* me = biased_lock_threads::mine;
     return me != nullptr && owner_.load(std::memory_order_relaxed) == me;
   }
@@ -104,11 +111,13 @@ class biased_lock {
   static inline std::atomic<bool> test_skip_waiting_for_owner{false};
 
  private:
-  [[gnu::always_inline]] bool enter_as_owner() noexcept {
+  [[gnu::always_inline]] SHOAL_LOCK_LOCAL bool enter_as_owner() noexcept {
     biased_lock_holder* me = biased_lock_threads::mine;
     if (me == nullptr || owner_.load(std::memory_order_relaxed) != me) return false;
     if (me->inside.load(std::memory_order_relaxed) != nullptr) return false;  // in another lock by the fast way
-    me->inside.store(this, handshake_order);
+    // Release (a plain store on x86): a revoker that reads this value, not
+    // the null of this thread's last unlock, still sees that hold's writes.
+    me->inside.store(this, fences_are_sequential ? std::memory_order_seq_cst : std::memory_order_release);
     light_fence();
     if (!revoking_.load(fences_are_sequential ? std::memory_order_seq_cst : std::memory_order_acquire) &&
         owner_.load(std::memory_order_relaxed) == me) [[likely]] {
@@ -119,14 +128,14 @@ class biased_lock {
   }
 
   // Holding others_: makes the hold exclusive (revokes another thread's bias).
-  void become_exclusive() noexcept;
+  SHOAL_LOCK_LOCAL void become_exclusive() noexcept;
   // Holding others_: as become_exclusive, but gives others_ back and returns
   // false rather than wait for an owner that is inside.
-  [[nodiscard]] bool try_become_exclusive() noexcept;
+  [[nodiscard]] SHOAL_LOCK_LOCAL bool try_become_exclusive() noexcept;
   // Holding others_, revoking_ set and heavy_fence passed, the owner out.
-  void revoke() noexcept;
+  SHOAL_LOCK_LOCAL void revoke() noexcept;
   // Holding others_, no bias: counts the caller's streak, may bias to it.
-  void count_streak() noexcept;
+  SHOAL_LOCK_LOCAL void count_streak() noexcept;
 
   std::atomic<biased_lock_holder*> owner_{nullptr};  ///< the biased thread's record, or none
   std::atomic<bool> revoking_{false};                             ///< written under others_ only
@@ -138,5 +147,7 @@ class biased_lock {
   std::int64_t last_revocation_ns_ = 0;
   spin_lock others_;
 };
+
+#undef SHOAL_LOCK_LOCAL
 
 }  // namespace shoal::alloc::detail

@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include "support/processes.h"
+
 namespace shoal::alloc::detail {
 namespace {
 
@@ -72,6 +74,16 @@ std::uint32_t takes_to_earn_the_bias(biased_lock& lock) {
   return n;
 }
 
+// Whether another thread's try_lock succeeds (it unlocks at once).
+bool try_lock_elsewhere(biased_lock& lock) {
+  bool got = false;
+  std::thread([&] {
+    got = lock.try_lock();
+    if (got) lock.unlock();
+  }).join();
+  return got;
+}
+
 TEST(biased_lock, revocations_close_together_make_the_next_bias_four_times_longer_to_earn) {
   skip_without_fences();
   biased_lock lock;
@@ -103,6 +115,92 @@ TEST(biased_lock, a_revocation_after_a_quiet_interval_starts_the_streak_over) {
   std::this_thread::sleep_for(biased_lock::quiet_interval + 20ms);
   taken_once_elsewhere(lock);
   EXPECT_EQ(takes_to_earn_the_bias(lock), biased_lock::first_threshold);
+}
+
+TEST(biased_lock, after_a_quiet_interval_a_short_streak_earns_the_bias_without_a_revocation) {
+  skip_without_fences();
+  biased_lock lock;
+  take_many_times(lock, biased_lock::first_threshold);
+  for (int i = 0; i < 2; ++i) {  // revocations close together: the streak grows to 64
+    taken_once_elsewhere(lock);
+    (void)takes_to_earn_the_bias(lock);
+  }
+  taken_once_elsewhere(lock);  // the third: 256, and nobody biased now
+  ASSERT_EQ(lock.revocations(), 3U);
+  std::this_thread::sleep_for(biased_lock::quiet_interval + 20ms);
+  EXPECT_EQ(takes_to_earn_the_bias(lock), biased_lock::first_threshold);
+  EXPECT_EQ(lock.revocations(), 3U);
+}
+
+TEST(biased_lock, a_thread_inside_one_lock_by_its_fast_way_holds_a_second_by_the_other) {
+  skip_without_fences();
+  biased_lock first, second;
+  take_many_times(first, biased_lock::first_threshold);
+  take_many_times(second, biased_lock::first_threshold);
+  ASSERT_TRUE(first.biased_to_calling_thread());
+  ASSERT_TRUE(second.biased_to_calling_thread());
+  first.lock();
+  second.lock();  // the record's one slot is taken: through others_
+  EXPECT_FALSE(try_lock_elsewhere(first));
+  EXPECT_FALSE(try_lock_elsewhere(second));
+  second.unlock();
+  EXPECT_FALSE(try_lock_elsewhere(first));
+  first.unlock();
+  EXPECT_EQ(first.revocations(), 0U);
+  EXPECT_EQ(second.revocations(), 0U);
+  EXPECT_TRUE(try_lock_elsewhere(second));  // revokes
+  EXPECT_TRUE(try_lock_elsewhere(first));
+  EXPECT_EQ(first.revocations() + second.revocations(), 2U);
+}
+
+TEST(biased_lock, a_bias_of_a_thread_that_ended_is_revoked_or_taken_over_safely) {
+  skip_without_fences();
+  biased_lock orphaned, other;
+  std::thread([&] {
+    take_many_times(orphaned, biased_lock::first_threshold);
+    EXPECT_TRUE(orphaned.biased_to_calling_thread());
+  }).join();
+  // The next thread to need a record takes the ended one's (the last
+  // handed back), and with it the bias.
+  bool took_over = false;
+  bool main_got_in_while_held = true;
+  std::thread([&] {
+    take_many_times(other, biased_lock::first_threshold);
+    took_over = orphaned.biased_to_calling_thread();
+    if (!took_over) return;
+    orphaned.lock();  // by the fast way
+    main_got_in_while_held = try_lock_elsewhere(orphaned);
+    orphaned.unlock();
+  }).join();
+  if (took_over) EXPECT_FALSE(main_got_in_while_held);
+  // Whoever has it now, this thread takes it by revoking.
+  orphaned.lock();
+  orphaned.unlock();
+  EXPECT_EQ(orphaned.revocations(), 1U);
+  if (!took_over) GTEST_SKIP() << "another thread's record was handed on first; revocation checked only";
+}
+
+TEST(biased_lock, a_fork_child_takes_a_lock_biased_to_a_thread_it_does_not_have) {
+  skip_without_fences();
+  if (!testing::forked_child_may_start_threads) GTEST_SKIP() << "sanitizers: a fork child starts no threads here";
+  biased_lock lock;
+  std::atomic<bool> biased{false}, done{false};
+  std::thread owner([&] {
+    take_many_times(lock, biased_lock::first_threshold);
+    biased = true;
+    while (!done) std::this_thread::sleep_for(1ms);
+  });
+  while (!biased) std::this_thread::yield();
+  testing::forked_child child([&] {
+    lock.lock();  // revokes the owner's bias: it is not in this process
+    lock.unlock();
+    biased_lock fresh;  // and a record for this child's own bias
+    take_many_times(fresh, biased_lock::first_threshold);
+    return lock.revocations() == 1 && fresh.biased_to_calling_thread() ? 0 : 1;
+  });
+  EXPECT_EQ(child.wait(), 0);
+  done = true;
+  owner.join();
 }
 
 // The owner holds the lock by its fast way; another thread asks for it.
@@ -140,16 +238,6 @@ TEST(biased_lock, without_waiting_for_the_owner_two_threads_are_inside) {
   biased_lock lock;
   skip_waiting_for_owner off;
   EXPECT_TRUE(other_thread_enters_while_owner_holds(lock));
-}
-
-// Whether another thread's try_lock succeeds (it unlocks at once).
-bool try_lock_elsewhere(biased_lock& lock) {
-  bool got = false;
-  std::thread([&] {
-    got = lock.try_lock();
-    if (got) lock.unlock();
-  }).join();
-  return got;
 }
 
 TEST(biased_lock, try_lock_fails_while_the_owner_is_inside_and_keeps_the_bias) {
