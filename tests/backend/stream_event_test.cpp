@@ -186,6 +186,22 @@ TEST(stream_event_host, a_task_that_holds_its_own_stream_may_destroy_it) {
   dev.synchronize_device();
 }
 
+// A destroyed stream's work may still write the device's memory: the
+// device's end waits for it (its thread, detached, would run on otherwise).
+TEST(stream_event_host, the_devices_end_waits_for_the_work_its_destroyed_streams_still_run) {
+  std::atomic<bool> ran{false};
+  {
+    backend::host_device dev;
+    const backend::stream_ref s = dev.create_stream();
+    dev.host_task(s, [&ran] {
+      std::this_thread::sleep_for(200ms);
+      ran = true;
+    });
+    dev.destroy_stream(s);
+  }
+  EXPECT_TRUE(ran) << "the device ended before its destroyed stream's work ran";
+}
+
 // The host backend's test mode: a random pause before each work item,
 // stream order kept; SHOAL_HOST_STREAM_LAG sets it where no option does.
 TEST(stream_event_host, a_stream_lag_delays_each_work_item_and_keeps_the_order) {

@@ -312,6 +312,27 @@ std::string start_of(const channel_address& address) {
   }
 }
 
+// A datagram socket bound at the path is in use, and so is one connected
+// to another socket (a datagram sent to it is refused with EPERM, not as at
+// a dead file): the file is kept, not taken for stale.
+TEST(listener_file, a_datagram_socket_bound_at_the_path_is_in_use_connected_elsewhere_or_not) {
+  temp_dir dir;
+  const auto bind_datagram = [&](const std::string& name) {
+    unique_fd fd(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    const raw_address at = raw_address_of(channel_address::at_path(dir / name));
+    EXPECT_EQ(::bind(fd.get(), reinterpret_cast<const sockaddr*>(&at.address), at.length), 0) << std::strerror(errno);
+    return std::make_pair(std::move(fd), at);
+  };
+  const auto alone = bind_datagram("alone");
+  EXPECT_EQ(start_of(channel_address::at_path(dir / "alone")), "in use");
+  const auto talker = bind_datagram("talker");
+  const auto peer = bind_datagram("peer");
+  ASSERT_EQ(::connect(talker.first.get(), reinterpret_cast<const sockaddr*>(&peer.second.address), peer.second.length), 0)
+      << std::strerror(errno);
+  EXPECT_EQ(start_of(channel_address::at_path(dir / "talker")), "in use");
+  EXPECT_TRUE(exists(dir / "talker"));
+}
+
 // Between bind() and listen() a stream connect is refused as at a dead
 // listener's file: a second listener that probed so then would take the
 // first's socket file for stale, replace it, and leave the first listening
