@@ -122,21 +122,14 @@ void* allocator_core::allocate(std::size_t bytes, backend::stream_ref stream, bo
     if (stream_pools* pools = directory_.cached_pools(stream)) {
       const std::size_t size = block_size_for(bytes, config);
       block_pool& pool = pools->of(pool_kind_for(size));
-      const request r{size, bytes, stream, claim, 0};
       block* b;
-      bool hooks_first = false;
       {
-        std::lock_guard lock(pool.lock);
-        pool.allocated.reserve_one();  // before the block leaves the quick list (see try_allocate)
+        const biased_lock_guard lock(pool.lock);
         b = take_quick(pool, size);
-        if (b != nullptr) [[likely]] {
-          hand_out_parked(pool, b, r);
-        } else {
-          hooks_first = first_try_leaves_growth_to_hooks();
-          b = try_allocate(pool, r, hooks_first ? growth::none : growth::standard_segment);
-        }
+        if (b != nullptr) [[likely]] hand_out_parked(pool, b, bytes, stream, claim);
       }
-      if (b == nullptr) b = allocate_after_miss(pool, r, hooks_first);
+      // The rest out of line, so that this path saves few registers.
+      if (b == nullptr) [[unlikely]] return allocate_from(pool, {size, bytes, stream, claim, 0});
       if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, stream);
       check_step();
       return reinterpret_cast<void*>(b->address);
@@ -158,7 +151,10 @@ void* allocator_core::allocate_general(std::size_t bytes, backend::stream_ref st
   const std::size_t size = block_size_for(bytes, config);
   if (directed.part != nullptr) directory_.hold_stream_for_private_blocks(stream);  // its blocks will remember it
   block_pool& pool = directed.part != nullptr ? *directed.part : directory_.pool_for(stream, pool_kind_for(size));
-  const request r{size, bytes, stream, claim, directed.generation};
+  return allocate_from(pool, {size, bytes, stream, claim, directed.generation});
+}
+
+void* allocator_core::allocate_from(block_pool& pool, const request& r) {
   const bool hooks_first = first_try_leaves_growth_to_hooks();
   block* b;
   {
@@ -166,7 +162,7 @@ void* allocator_core::allocate_general(std::size_t bytes, backend::stream_ref st
     b = try_allocate(pool, r, hooks_first ? growth::none : growth::standard_segment);
   }
   if (b == nullptr) b = allocate_after_miss(pool, r, hooks_first);
-  if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, stream);
+  if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, r.stream);
   check_step();
   return reinterpret_cast<void*>(b->address);
 }
@@ -201,16 +197,16 @@ block* allocator_core::try_allocate(block_pool& pool, const request& r, growth m
   // A parked block of exactly the size is as good a fit as any. Otherwise
   // the parked blocks settle first, so best fit sees every free block merged
   // (choosing among unmerged parked blocks was measured to fragment more).
-  // Host memory a hand-out may need is taken before a block leaves its list,
-  // so that std::bad_alloc leaves every block where it was: room in the
-  // index (a parked block may need it too: the count can pass its old peak
-  // while a pending free is parked), and a block object for a split's rest.
-  pool.allocated.reserve_one();
-  // The common case first: a block this stream freed lately, of the size.
+  // The common case first: a block this stream freed lately, of the size
+  // (still in the index: nothing to make room for).
   if (block* b = take_quick(pool, r.size)) [[likely]] {
-    hand_out_parked(pool, b, r);
+    hand_out_parked(pool, b, r.requested, r.stream, r.claim);
     return b;
   }
+  // Host memory a hand-out may need is taken before a block leaves the
+  // bins, so that std::bad_alloc leaves every block where it was: room in
+  // the index, and a block object for a split's rest.
+  pool.by_address.reserve_one();
   pool.reserve_blocks(1);
   if (pool.quick_count > 0) settle_quick(pool);  // take_cached's steps, its quick look just done
   block* b = take_free(pool, r.size);
@@ -239,7 +235,7 @@ block* allocator_core::allocate_slow(block_pool& pool, const request& r) {
     std::lock_guard lock(pool.lock);
     // Not for pinned host memory: a GPU-side wait does not hold back the CPU.
     if (!pool.pending.empty() && !pool.is_private && config.memory == allocator_memory::device) {
-      pool.allocated.reserve_one();  // the hand-out below cannot throw (as in try_allocate)
+      pool.by_address.reserve_one();  // the hand-out below cannot throw (as in try_allocate)
       pool.reserve_blocks(1);
       collect_pending(pool, true);
       if (block* b = take_cached(pool, r.size)) {
@@ -324,19 +320,19 @@ SHOAL_HOT_INLINE void allocator_core::count_hand_out(block_pool& pool, const blo
   pool_counters::add(c.requested_bytes, static_cast<std::int64_t>(requested));
 }
 
-SHOAL_HOT_INLINE void allocator_core::hand_out_parked(block_pool& pool, block* b, const request& r) noexcept {
+SHOAL_HOT_INLINE void allocator_core::hand_out_parked(block_pool& pool, block* b, std::size_t requested,
+                                                      backend::stream_ref stream, bool claim) noexcept {
   // What hand_out does, less what cannot apply to a parked block: only
   // stream pools park (no last streams to wait for), a parked block waits
   // for nothing (make_reusable gave its events back), and it has exactly
   // the size asked for (nothing to split off).
   b->quick = false;
   b->state = block_state::allocated;
-  b->requested = r.requested;
-  b->stream = r.stream;
-  b->claimed = r.claim;
-  pool.allocated.insert(b);
+  b->requested = requested;
+  b->stream = stream;
+  b->claimed = claim;  // parked blocks stay in the index: nothing to insert
   refresh_split_stat(pool, b);
-  count_hand_out(pool, b, r.requested);
+  count_hand_out(pool, b, requested);
 }
 
 void allocator_core::hand_out(block_pool& pool, block* b, const request& r) {
@@ -394,7 +390,7 @@ void allocator_core::hand_out(block_pool& pool, block* b, const request& r) {
   b->requested = r.requested;
   b->stream = r.stream;
   b->claimed = r.claim;  // false after every free (deallocate clears it)
-  pool.allocated.insert(b);
+  if (!was_parked) pool.by_address.insert(b);  // a parked block never left it
   refresh_split_stat(pool, b);
   count_hand_out(pool, b, r.requested);
 }
@@ -458,30 +454,57 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
 
 // ---- free ----------------------------------------------------------------------
 
+SHOAL_HOT_INLINE bool allocator_core::is_common_free(const block* b, backend::stream_ref stream) const noexcept {
+  return b->state == block_state::allocated && b->stream == stream && b->used_on.empty() &&
+         config.memory == allocator_memory::device;
+}
+
+SHOAL_HOT_INLINE void allocator_core::free_common(block_pool& pool, block* b) {
+  prepare_free(pool, b);  // may throw: nothing has changed yet
+  count_free(pool, b);
+  if (trace_.enabled()) trace_.note(trace_action::free_requested, b->address, b->size, b->stream);
+  make_free(pool, b);
+}
+
 bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool events_allowed) {
   // A fork() child's drop of a block it inherited: the memory is the parent's.
   if (epoch_.forked_since()) [[unlikely]] return true;
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
+  // The common free, in the pool this thread's cache names, on its own:
+  // anything else (another pool, a free that waits, a tombstone, an
+  // unknown pointer) takes the general way, out of line.
+  if (block_pool* pool = directory_.cached_pool(address)) [[likely]] {
+    bool freed = false;
+    {
+      const biased_lock_guard lock(pool->lock);
+      block* b = pool->in_service ? pool->by_address.find(address) : nullptr;
+      if (b != nullptr && is_common_free(b, stream)) [[likely]] {
+        free_common(*pool, b);
+        freed = true;
+      }
+    }
+    if (freed) [[likely]] {
+      check_step();
+      return true;
+    }
+  }
+  return deallocate_general(address, stream, events_allowed);
+}
+
+bool allocator_core::deallocate_general(std::uintptr_t address, backend::stream_ref stream, bool events_allowed) {
   bool freed = true;
   const auto free_block = [&](block_pool& pool, block* b) {
-    if (b->state == block_state::allocated && b->stream == stream && b->used_on.empty() &&
-        config.memory == allocator_memory::device) [[likely]] {
-      // The common free: on its own stream, no other stream recorded, device
-      // memory. Nothing to wait for in any mode (free_waiting holds nothing
-      // for it either).
-      prepare_free(pool, b);  // may throw: nothing has changed yet
-      count_free(pool, b);
-      if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
-      make_free(pool, b);
-      return;
+    if (is_common_free(b, stream)) {
+      free_common(pool, b);
+    } else if (!free_waiting(pool, b, stream, events_allowed)) {
+      freed = false;
     }
-    if (!free_waiting(pool, b, stream, events_allowed)) freed = false;
   };
-  if (!run_on_block<true>(address, free_block)) {
+  if (!run_on_block(address, free_block)) {
     // The late free of a tombstone whose pool was destroyed: nothing to
     // free, unless a pool made on its region since holds it again.
     std::lock_guard handoff(region_handoff_mutex_);
-    if (!run_on_block<true>(address, free_block)) {
+    if (!run_on_block(address, free_block)) {
       run_late_free_hook(test_hook::late_free_step::before_orphans);
       if (orphans_.forget(address)) {
         note_tombstone_removed(address, stream);
@@ -489,7 +512,7 @@ bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool even
         // Neither: a new segment may have made the orphan its tombstone since
         // the look above, under its pool's lock, which this look waits for.
         run_late_free_hook(test_hook::late_free_step::before_last_look);
-        if (!run_on_block<true>(address, free_block)) throw_not_allocated(address, "deallocate");
+        if (!run_on_block(address, free_block)) throw_not_allocated(address, "deallocate");
       }
     }
   }
@@ -515,12 +538,9 @@ bool allocator_core::free_waiting(block_pool& pool, block* b, backend::stream_re
   // A pinned block freed on its own stream waits for an event it shares
   // with the frees around it (awaiting_frees.h), recorded later.
   const bool awaits = host_written && !freed_elsewhere && b->used_on.empty() && !pool.is_private;
-  if (!events_allowed && (hold || mark_hazard)) {
-    pool.allocated.insert(b);  // refused: nothing happened to it
-    return false;
-  }
+  if (!events_allowed && (hold || mark_hazard)) return false;  // refused: nothing happened to it
   // Everything that may throw comes first, undone on a throw: then nothing
-  // has changed, and the caller puts the block back in the index.
+  // has changed. A held block stays in the index while it is pending.
   if (hold) pool.pending.push_back(b);
   std::vector<backend::event_ref> events;
   try {
@@ -610,6 +630,7 @@ SHOAL_HOT_INLINE void allocator_core::make_free(block_pool& pool, block* b) {
   // Debug mode and private pools settle every block at once: poison and
   // last-stream bookkeeping want every free block in the bins.
   if (config.debug || pool.is_private || !b->mapped) {
+    (void)pool.by_address.take(b->address);  // into the bins: out of the index
     settle(pool, b);
     return;
   }
@@ -716,16 +737,16 @@ void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
     if (b->state == block_state::invalidated) return;
     if (stream != b->stream) note_used_on(pool, b, stream);
   };
-  if (run_on_block<false>(address, note_stream)) return;
+  if (run_on_block(address, note_stream)) return;
   // An orphan: nothing waits for its streams (its memory may be another
   // pool's by now, inside one of its blocks: that block is not touched).
   if (orphans_.contains(address)) return;
   if (record_inside_block(address, stream)) return;
   // Again a tombstone of a pool made since, or an orphan just forgotten.
   std::lock_guard handoff(region_handoff_mutex_);
-  if (run_on_block<false>(address, note_stream) || orphans_.contains(address)) return;
+  if (run_on_block(address, note_stream) || orphans_.contains(address)) return;
   // A new segment made the orphan its tombstone between the two looks.
-  if (run_on_block<false>(address, note_stream)) return;
+  if (run_on_block(address, note_stream)) return;
   throw_not_allocated(address, "record_stream");
 }
 
@@ -750,7 +771,7 @@ bool allocator_core::record_inside_block(std::uintptr_t address, backend::stream
 
 std::size_t allocator_core::block_size(const void* ptr) const {
   std::size_t size = 0;
-  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "block_size", [&](block_pool&, block* b) {
+  with_block(reinterpret_cast<std::uintptr_t>(ptr), "block_size", [&](block_pool&, block* b) {
     require_not_invalidated(b, "block_size");
     size = b->size;
   });
@@ -758,14 +779,14 @@ std::size_t allocator_core::block_size(const void* ptr) const {
 }
 
 void allocator_core::mark_held_outside(void* ptr) {
-  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "mark_held_outside", [&](block_pool&, block* b) {
+  with_block(reinterpret_cast<std::uintptr_t>(ptr), "mark_held_outside", [&](block_pool&, block* b) {
     require_not_invalidated(b, "mark_held_outside");
     b->held_outside = true;
   });
 }
 
 void allocator_core::claim(void* ptr) {
-  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "claim", [&](block_pool&, block* b) {
+  with_block(reinterpret_cast<std::uintptr_t>(ptr), "claim", [&](block_pool&, block* b) {
     // A forced clear may take the block back between its allocation and the
     // claim: a tombstone has no owner to claim it for, and its late free is
     // accepted once, as for any block taken back.
@@ -779,7 +800,7 @@ void allocator_core::claim(void* ptr) {
 }
 
 void allocator_core::unmark_held_outside(void* ptr) {
-  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "unmark_held_outside", [&](block_pool&, block* b) {
+  with_block(reinterpret_cast<std::uintptr_t>(ptr), "unmark_held_outside", [&](block_pool&, block* b) {
     if (b->state == block_state::allocated) b->held_outside = false;  // a tombstone has no mark
   });
 }

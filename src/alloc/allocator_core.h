@@ -154,15 +154,16 @@ class allocator_core {
   }
 
  private:
-  /// Runs fn(pool, block) with the pool locked, for the allocated block at
-  /// `address`; false when there is none. With Take, the block is taken out
-  /// of the pool's index first (and goes back if fn throws).
-  template <bool Take, class Fn>
+  /// Runs fn(pool, block) with the pool locked, for the allocated block or
+  /// tombstone at `address`; false when there is none (a pending free or a
+  /// parked block is not live). The block stays in the pool's index: fn
+  /// takes it out when it settles the block into the bins.
+  template <class Fn>
   bool run_on_block(std::uintptr_t address, Fn&& fn) const;
   /// run_on_block, throwing invalid_argument naming `op` when there is none.
-  template <bool Take, class Fn>
+  template <class Fn>
   void with_block(std::uintptr_t address, const char* op, Fn&& fn) const {
-    if (!run_on_block<Take>(address, std::forward<Fn>(fn))) throw_not_allocated(address, op);
+    if (!run_on_block(address, std::forward<Fn>(fn))) throw_not_allocated(address, op);
   }
 
   // ---- the allocation path (pool locked unless said otherwise)
@@ -182,6 +183,9 @@ class allocator_core {
   };
   /// allocate past its fast path (unlocked).
   void* allocate_general(std::size_t bytes, backend::stream_ref stream, bool claim);
+  /// The request served from `pool` (unlocked): the first try, then the
+  /// misses' steps; traced and checked. Out of line: see allocate.
+  [[gnu::noinline]] void* allocate_from(block_pool& pool, const request& r);
   /// Whether the first try leaves growth to the cache-miss hooks (run
   /// before the device is asked, where host waits are allowed).
   [[nodiscard]] bool first_try_leaves_growth_to_hooks() const noexcept;
@@ -200,14 +204,21 @@ class allocator_core {
   block* take_free(block_pool& pool, std::size_t size) const;  // from the bins; not removed
   void hand_out(block_pool& pool, block* b, const request& r);
   /// hand_out of a block take_quick returned.
-  void hand_out_parked(block_pool& pool, block* b, const request& r) noexcept;
+  void hand_out_parked(block_pool& pool, block* b, std::size_t requested, backend::stream_ref stream,
+                       bool claim) noexcept;
   static void count_hand_out(block_pool& pool, const block* b, std::size_t requested) noexcept;
   [[noreturn]] void out_of_memory_error(block_pool& pool, std::size_t bytes, backend::stream_ref stream);
 
   // ---- the free path (pool locked)
   /// Every free but the common one (deallocate's fast branch): tombstones,
-  /// frees that wait for streams or events, pinned host memory. `b` is out
-  /// of the index; false when it is refused (see deallocate) and put back.
+  /// frees that wait for streams or events, pinned host memory. False when
+  /// it is refused (see deallocate): nothing happened to `b`.
+  /// The free on its own stream, no other stream recorded, device memory:
+  /// nothing to wait for in any mode (free_waiting holds nothing for it).
+  [[nodiscard]] bool is_common_free(const block* b, backend::stream_ref stream) const noexcept;
+  void free_common(block_pool& pool, block* b);
+  /// deallocate past its fast path: every pool, every kind of free.
+  [[gnu::noinline]] bool deallocate_general(std::uintptr_t address, backend::stream_ref stream, bool events_allowed);
   bool free_waiting(block_pool& pool, block* b, backend::stream_ref stream, bool events_allowed);
   /// A free's effect on the counters and the block's allocation fields.
   static void count_free(block_pool& pool, block* b) noexcept;
@@ -218,7 +229,9 @@ class allocator_core {
   /// here changes nothing. Called before make_reusable or make_free.
   void prepare_free(block_pool& pool, block* b, std::size_t more_waits = 0);
   [[gnu::noinline]] void prepare_settling_free(block_pool& pool, block* b, std::size_t more_waits);
-  /// make_reusable of a block that waits for nothing (not pending).
+  /// make_reusable of a block that waits for nothing (not pending). `b` is
+  /// in the index, as every block outside the bins is; it leaves it only
+  /// if it settles at once.
   void make_free(block_pool& pool, block* b);
   void collect_pending(block_pool& pool, bool wait_on_device);
 
@@ -319,23 +332,18 @@ class allocator_core {
   std::int64_t retired_region_reserved_peak_ = 0;        // guarded by retired_mutex_
 };
 
-template <bool Take, class Fn>
+template <class Fn>
 bool allocator_core::run_on_block(std::uintptr_t address, Fn&& fn) const {
   // A thread's cache may be stale (the segment was released and its range
   // reused elsewhere): a pool that does not hold the block sends us on to
   // the directory, which is always right.
   auto found_in = [&](block_pool* pool) {
     if (pool == nullptr) return false;
-    std::lock_guard lock(pool->lock);
+    const biased_lock_guard lock(pool->lock);
     if (!pool->in_service) return false;
-    block* b = Take ? pool->allocated.take(address) : pool->allocated.find(address);
-    if (b == nullptr) return false;
-    try {
-      fn(*pool, b);
-    } catch (...) {
-      if (Take) pool->allocated.insert(b);  // nothing happened to it
-      throw;
-    }
+    block* b = pool->by_address.find(address);
+    if (b == nullptr || (b->state != block_state::allocated && b->state != block_state::invalidated)) return false;
+    fn(*pool, b);
     return true;
   };
   return found_in(directory_.cached_pool(address)) || found_in(directory_.directory_pool(address));

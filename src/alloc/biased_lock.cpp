@@ -118,6 +118,11 @@ void wait_for_owner_to_leave(const biased_lock_holder* owner, const biased_lock*
 
 }  // namespace
 
+void biased_lock::lock_slowly() noexcept {
+  others_.lock();
+  become_exclusive();
+}
+
 void biased_lock::become_exclusive() noexcept {
   biased_lock_holder* owner = owner_.load(std::memory_order_relaxed);
   if (owner == nullptr) return count_streak();

@@ -33,12 +33,4 @@ void block_index::close_hole(std::size_t i) noexcept {
   --count_;
 }
 
-block* block_index::find(std::uintptr_t address) const noexcept {
-  const std::size_t mask = mask_;
-  for (std::size_t i = home(address); slots_[i].address != 0; i = (i + 1) & mask) {
-    if (slots_[i].address == address) return slots_[i].value;
-  }
-  return nullptr;
-}
-
 }  // namespace shoal::alloc::detail

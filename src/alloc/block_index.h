@@ -22,7 +22,6 @@ class block_index {
   void reserve(std::size_t n) {
     while (room_ - count_ < n) grow();
   }
-  // Inline: one insert and one take per allocate/free pair.
   void insert(block* b) {
     if (count_ == room_) grow();
     std::size_t i = home(b->address);
@@ -46,8 +45,13 @@ class block_index {
     }
     return found;
   }
-  /// The block at `address`, or nullptr.
-  [[nodiscard]] block* find(std::uintptr_t address) const noexcept;
+  /// The block at `address`, or nullptr. Inline: one look-up per free.
+  [[nodiscard]] block* find(std::uintptr_t address) const noexcept {
+    for (std::size_t i = home(address);; i = (i + 1) & mask_) {
+      if (slots_[i].address == address) [[likely]] return slots_[i].value;
+      if (slots_[i].address == 0) return nullptr;
+    }
+  }
   [[nodiscard]] std::size_t size() const noexcept { return count_; }
 
  private:

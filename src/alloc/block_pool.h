@@ -74,7 +74,14 @@ struct alignas(64) block_pool {
   private_pool_id owner;
 
   free_bins bins;
-  block_index allocated;  ///< blocks in state allocated or invalidated (tombstones), by address
+  /// Every block of the pool that is not in the free bins, by address:
+  /// allocated ones, tombstones (invalidated), pending frees and parked
+  /// blocks. A block leaves it only when it settles into the bins and
+  /// enters it only when it leaves them (a hand-out, a tombstone made), so a
+  /// free and the next hand-out of a parked block touch it not at all. A
+  /// look-up for a live block skips pending and parked ones
+  /// (allocator_core::run_on_block).
+  block_index by_address;
   std::vector<std::unique_ptr<segment>> segments;
   segment* growable = nullptr;  ///< expandable_segments: this pool's one growable segment
   std::deque<block*> pending;   ///< blocks in state pending_free
@@ -107,6 +114,9 @@ struct alignas(64) block_pool {
   /// past the reserved peak may take its idle memory; see segment_source).
   /// Last, so that it moves none of the fields the allocation path reads.
   block_pool* sibling = nullptr;
+
+  /// Blocks handed out and not freed, tombstones included.
+  [[nodiscard]] std::size_t handed_out() const noexcept { return by_address.size() - pending.size() - quick_count; }
 
   block_pool() = default;
   block_pool(const block_pool&) = delete;

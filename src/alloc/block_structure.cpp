@@ -109,7 +109,10 @@ void settle_quick(block_pool& pool) {
   // merged only with blocks already settled, and never merged away before
   // its own turn.
   const std::size_t count = std::exchange(pool.quick_count, 0);
-  for (std::size_t i = 0; i < count; ++i) settle(pool, pool.quick[i]);
+  for (std::size_t i = 0; i < count; ++i) {
+    (void)pool.by_address.take(pool.quick[i]->address);  // parked blocks stay indexed until they settle
+    settle(pool, pool.quick[i]);
+  }
 }
 
 namespace {

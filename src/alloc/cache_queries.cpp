@@ -20,7 +20,7 @@ std::size_t allocator_core::largest_free_block() const {
 
 std::optional<block_segment> allocator_core::segment_of_allocated_block(const void* ptr) const {
   std::optional<block_segment> found;
-  (void)run_on_block<false>(reinterpret_cast<std::uintptr_t>(ptr), [&](const block_pool&, const block* b) {
+  (void)run_on_block(reinterpret_cast<std::uintptr_t>(ptr), [&](const block_pool&, const block* b) {
     if (b->state != block_state::allocated) return;  // a tombstone
     const segment& s = *b->owner;
     const segment_kind kind = s.expandable ? segment_kind::growable

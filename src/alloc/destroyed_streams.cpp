@@ -152,7 +152,7 @@ bool allocator_core::quiesce_destroyed_streams_pool(block_pool& pool, bool wait)
   for (auto e : waits) device.synchronize_event(e);  // without the lock: this may take long
   std::lock_guard lock(pool.lock);
   collect_pending(pool, false);
-  return pool.pending.empty() && pool.allocated.size() == 0;
+  return pool.pending.empty() && pool.handed_out() == 0;
 }
 
 }  // namespace shoal::alloc::detail

@@ -4,7 +4,7 @@
 //
 // A tombstone is the first min_block bytes of a block taken back, left in
 // state invalidated at the block's address: it stays in the sub-pool's
-// index of allocated blocks (so a late free finds it) and outside the free
+// index (so a late free finds it) and outside the free
 // bins (so nothing merges with it and no newer block starts at its
 // address); the rest of the block is free again. Per sub-pool:
 //   counters.invalidated       = #{tombstones},
@@ -74,6 +74,7 @@ void allocator_core::take_back_live_blocks(block_pool& part, invalidated_blocks_
     b->state = block_state::free;
     if (trace_.enabled()) trace_.note(trace_action::free_completed, b->address, b->size, b->stream);
     note_free_wait({free_wait_event::action::completed, b->address, b->size, b->stream});
+    (void)part.by_address.take(b->address);
     part.bins.insert(b);  // unmerged: the layout is reset next
   }
   part.pending.clear();
@@ -122,6 +123,7 @@ void allocator_core::remove_tombstone(block_pool& part, block* b, backend::strea
   ++part.frees;
   b->state = block_state::free;
   note_tombstone_removed(b->address, stream);
+  (void)part.by_address.take(b->address);
   settle(part, b);
 }
 

@@ -171,12 +171,12 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
                                " are neighbouring unmapped blocks (they should have merged)");
       }
       // states
-      // Tombstones stay in the index, so their owners' late frees find them.
-      const bool indexed = b->state == block_state::allocated || b->state == block_state::invalidated;
-      if (indexed != (pool.allocated.find(b->address) == b)) {
+      // Every block outside the bins is indexed: allocated, tombstones (so
+      // their owners' late frees find them), pending and parked.
+      const bool indexed = b->state != block_state::free || b->quick;
+      if (indexed != (pool.by_address.find(b->address) == b)) {
         fail("states", block_name(b) + where +
-                           (indexed ? " is missing from the pool's index of allocated blocks"
-                                    : " is in the pool's index of allocated blocks"));
+                           (indexed ? " is missing from the pool's index" : " is settled free but in the pool's index"));
       }
       if (b->state == block_state::invalidated && (b->size != min_block || !b->mapped)) {
         fail("states", block_name(b) + where + " is a tombstone not of " + std::to_string(min_block) +
@@ -246,10 +246,11 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
     fail("states", "the " + pool_name(pool) + "'s pending list holds " + std::to_string(pool.pending.size()) +
                        " blocks but its segments have " + std::to_string(pending_found) + " pending_free blocks");
   }
-  if (pool.allocated.size() != static_cast<std::size_t>(allocations + invalidated)) {
-    fail("states", "the " + pool_name(pool) + "'s index holds " + std::to_string(pool.allocated.size()) +
-                       " blocks but its segments have " + std::to_string(allocations) + " allocated blocks and " +
-                       std::to_string(invalidated) + " tombstones");
+  if (pool.by_address.size() != static_cast<std::size_t>(allocations + invalidated) + pending_found + pool.quick_count) {
+    fail("states", "the " + pool_name(pool) + "'s index holds " + std::to_string(pool.by_address.size()) +
+                       " blocks but its segments have " + std::to_string(allocations) + " allocated blocks, " +
+                       std::to_string(invalidated) + " tombstones, " + std::to_string(pending_found) +
+                       " pending frees and " + std::to_string(pool.quick_count) + " parked blocks");
   }
   const pool_counters& c = pool.counters;
   check_counter(pool, "allocations", c.allocations, allocations);
@@ -334,7 +335,7 @@ void check_allocator_invariants(const pool_directory& directory, const segment_s
           if (pool.vacant != is_vacant) {
             fail("vacant", "the " + pool_name(pool) + (is_vacant ? " is vacant but not marked so" : " is marked vacant but serves a stream"));
           }
-          if (is_vacant && (pool.allocated.size() != 0 || !pool.pending.empty() || !pool.awaiting.empty() ||
+          if (is_vacant && (pool.by_address.size() != 0 || !pool.pending.empty() || !pool.awaiting.empty() ||
                             !pool.sealed.empty() || pool.quick_count > 0 || !pool.stream.is_default())) {
             fail("vacant", "the vacant " + pool_name(pool) + " holds a live, pending or parked block, or names a stream");
           }

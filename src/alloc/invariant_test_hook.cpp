@@ -29,7 +29,7 @@ void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_brea
     if (!broken) throw invalid_argument("unsafe_break_invariant: the allocator let no stream go");
     return;
   }
-  with_block<false>(reinterpret_cast<std::uintptr_t>(ptr), "unsafe_break_invariant", [&](block_pool& pool, block* b) {
+  with_block(reinterpret_cast<std::uintptr_t>(ptr), "unsafe_break_invariant", [&](block_pool& pool, block* b) {
     block* next = b->next;
     const bool next_settled = settled_free(next) && next->size >= 2 * min_block;
     switch (what) {
@@ -65,7 +65,7 @@ void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_brea
         return;
       case invariant_breakage::tombstone_unindexed:
         if (b->state != block_state::invalidated) break;
-        (void)pool.allocated.take(b->address);
+        (void)pool.by_address.take(b->address);
         return;
       case invariant_breakage::vacant_unmarked:
         break;  // above

@@ -203,7 +203,7 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
   pool_restore_result result;
   result.freed.reserve(live);
   result.allocated.reserve(restored);
-  part.allocated.reserve(restored);
+  part.by_address.reserve(restored);
   part.reserve_blocks(needed);
   std::vector<block*> fresh;  // one per layout entry, taken now so that phase 2 allocates nothing
   fresh.reserve(needed);
@@ -238,7 +238,7 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
     for (block* b = s->first; b != nullptr;) {
       block* const next = b->next;
       if (b->state == block_state::allocated) {
-        (void)part.allocated.take(b->address);
+        (void)part.by_address.take(b->address);
         pool_counters::sub(c.allocations, 1);
         pool_counters::sub(c.allocated_bytes, static_cast<std::int64_t>(b->size));
         pool_counters::sub(c.active, 1);
@@ -271,7 +271,7 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
         b->state = block_state::allocated;
         b->requested = saved.requested;
         b->stream = saved.stream;
-        part.allocated.insert(b);  // within the room reserved above
+        part.by_address.insert(b);  // within the room reserved above
         pool_counters::add(c.allocations, 1);
         pool_counters::add(c.allocated_bytes, static_cast<std::int64_t>(b->size));
         pool_counters::add(c.active, 1);

@@ -32,7 +32,7 @@ void empty_for_reuse(block_pool& part) noexcept {
     for (block* b = s->first; b != nullptr;) {
       block* next = b->next;
       if (b->state == block_state::invalidated) {
-        (void)part.allocated.take(b->address);  // a tombstone: its late free finds the orphan now
+        (void)part.by_address.take(b->address);  // a tombstone: its late free finds the orphan now
       } else {
         part.bins.remove(b);  // free and settled: the pool held no live block
       }
@@ -157,7 +157,7 @@ bool pool_directory::vacate_stream_pools(backend::stream_ref stream, const std::
   {
     std::scoped_lock pool_locks(pools.small.lock, pools.large.lock);
     const auto idle = [&](block_pool& p) {
-      return ready(p) && p.allocated.size() == 0 && p.pending.empty() && p.sealed.empty() && p.quick_count == 0;
+      return ready(p) && p.handed_out() == 0 && p.pending.empty() && p.sealed.empty() && p.quick_count == 0;
     };
     if (pools.private_blocks_remember.load(std::memory_order_relaxed) || !idle(pools.small) || !idle(pools.large)) {
       return false;

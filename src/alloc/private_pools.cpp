@@ -199,7 +199,7 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
         t->prev = last;
         (last != nullptr ? last->next : s.first) = t;
         last = t;
-        part.allocated.insert(t);
+        part.by_address.insert(t);
         pool_counters::add(part.counters.invalidated, 1);
         pool_counters::add(part.counters.invalidated_bytes, static_cast<std::int64_t>(min_block));
       }

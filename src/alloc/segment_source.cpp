@@ -126,7 +126,7 @@ block* segment_source::grow_plain(block_pool& pool, std::size_t size, bool right
     if (orphans > 0) {
       covered.resize(orphans);
       pool.reserve_blocks(1 + 2 * orphans);
-      pool.allocated.reserve(1 + orphans);
+      pool.by_address.reserve(1 + orphans);
     }
     directory_.register_segment(*s);  // the last step that may throw
   } catch (...) {
@@ -175,7 +175,7 @@ block* segment_source::keep_orphans_as_tombstones(block_pool& pool, segment& s,
     block* after = rest->size > min_block ? split(pool, rest, min_block) : nullptr;
     rest->state = block_state::invalidated;
     refresh_split_stat(pool, rest);
-    pool.allocated.insert(rest);  // within the room reserved by grow_plain
+    pool.by_address.insert(rest);  // within the room reserved by grow_plain
     pool_counters::add(pool.counters.invalidated, 1);
     pool_counters::add(pool.counters.invalidated_bytes, static_cast<std::int64_t>(min_block));
     rest = after;
@@ -524,7 +524,7 @@ void segment_source::release_segment(block_pool& pool, segment* s) {
   for (block* b = s->first; b != nullptr;) {
     block* next = b->next;
     if (b->state == block_state::invalidated) {
-      (void)pool.allocated.take(b->address);
+      (void)pool.by_address.take(b->address);
       pool_counters::sub(pool.counters.invalidated, 1);
       pool_counters::sub(pool.counters.invalidated_bytes, static_cast<std::int64_t>(b->size));
     } else {

@@ -1,9 +1,9 @@
 // A hand-out refused host memory for its bookkeeping — room in the pool's
-// index of allocated blocks, a block object for the rest of a split, room
-// for the rest's last streams in a private pool — throws std::bad_alloc
-// before it changes anything: the block stays free where it was (parked or
-// in the bins), so none of the pool's memory is lost and the next
-// allocation takes it.
+// index for a block leaving the bins, a block object for the rest of a
+// split, room for the rest's last streams in a private pool — throws
+// std::bad_alloc before it changes anything: the block stays in the bins,
+// so none of the pool's memory is lost and the next allocation takes it. A
+// parked block needs none of these.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -61,9 +61,10 @@ struct refused_hand_out {
   }
 };
 
-TEST(hand_out_errors, a_parked_block_whose_index_entry_finds_no_room_stays_parked) {
-  // A pending free parked after the count came back to its peak: its hand-out
-  // is the one that passes the peak, so the index must grow for it.
+TEST(hand_out_errors, a_parked_block_is_handed_out_without_any_host_memory) {
+  // A pending free parked after the count came back to its peak: its
+  // hand-out passes the peak, yet a parked block never left the index (every
+  // block outside the bins is in it), so nothing needs room.
   refused_hand_out t;
   backend::stream other(t.dev);
   for (int i = 0; i < blocks_before_index_growth; ++i) t.live.push_back(t.a.allocate(512));
@@ -74,7 +75,17 @@ TEST(hand_out_errors, a_parked_block_whose_index_entry_finds_no_room_stays_parke
   t.live.push_back(t.a.allocate(512));  // from the bins: the count is back at its peak
   t.dev.synchronize(other);
   t.a.process_pending_frees();  // `held` is parked now
-  t.check();
+  void* again = nullptr;
+  {
+    const refusing_allocations refuse;  // a throw here would end the test
+    again = t.a.allocate(512);
+  }
+  EXPECT_EQ(again, held) << "the parked block is the one handed out";
+  t.live.push_back(again);
+  EXPECT_NO_THROW(t.a.check_invariants());
+  for (void* p : t.live) t.a.deallocate(p);
+  t.a.empty_cache();
+  EXPECT_TRUE(nothing_in_use(t.a.stats()));
 }
 
 TEST(hand_out_errors, a_settled_block_whose_index_entry_finds_no_room_stays_in_the_bins) {
