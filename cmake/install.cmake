@@ -10,6 +10,9 @@ install(TARGETS shoal EXPORT shoalTargets
 install(DIRECTORY include/shoal DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
   PATTERN "*_test_hook.h" EXCLUDE)
 install(EXPORT shoalTargets NAMESPACE shoal:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/shoal)
+# The user's documentation beside the library: how to use it, the design,
+# recording and replaying traces. (benchmarks.md is the project's log.)
+install(FILES README.md docs/architecture.md docs/traces.md DESTINATION ${CMAKE_INSTALL_DOCDIR})
 
 get_target_property(shoal_library_type shoal TYPE)
 if(shoal_library_type STREQUAL "SHARED_LIBRARY")

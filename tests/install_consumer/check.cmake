@@ -12,3 +12,9 @@ foreach(step
     message(FATAL_ERROR "install consumer step failed (${rc}): ${step}")
   endif()
 endforeach()
+# The documentation comes with it.
+foreach(doc README.md architecture.md traces.md)
+  if(NOT EXISTS "${WORK}/prefix/share/doc/shoal/${doc}")
+    message(FATAL_ERROR "install consumer: ${doc} was not installed in share/doc/shoal")
+  endif()
+endforeach()
