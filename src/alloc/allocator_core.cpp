@@ -459,6 +459,10 @@ SHOAL_HOT_INLINE bool allocator_core::is_common_free(const block* b, backend::st
          config.memory == allocator_memory::device;
 }
 
+SHOAL_HOT_INLINE bool allocator_core::parks_without_a_call(const block_pool& pool, const block* b) const noexcept {
+  return !settles_at_once(pool, b) && pool.quick_count < block_pool::quick_capacity && !trace_.enabled();
+}
+
 SHOAL_HOT_INLINE void allocator_core::free_common(block_pool& pool, block* b) {
   prepare_free(pool, b);  // may throw: nothing has changed yet
   count_free(pool, b);
@@ -470,16 +474,23 @@ bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool even
   // A fork() child's drop of a block it inherited: the memory is the parent's.
   if (epoch_.forked_since()) [[unlikely]] return true;
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
-  // The common free, in the pool this thread's cache names, on its own:
-  // anything else (another pool, a free that waits, a tombstone, an
-  // unknown pointer) takes the general way, out of line.
+  // The common free that parks its block, in the pool this thread's cache
+  // names, on its own: anything else (another pool, a free that waits or
+  // settles, a tombstone, an unknown pointer, tracing) takes the general
+  // way, out of line.
   if (block_pool* pool = directory_.cached_pool(address)) [[likely]] {
     bool freed = false;
     {
       const biased_lock_guard lock(pool->lock);
       block* b = pool->in_service ? pool->by_address.find(address) : nullptr;
-      if (b != nullptr && is_common_free(b, stream)) [[likely]] {
-        free_common(*pool, b);
+      if (b != nullptr && is_common_free(b, stream) && parks_without_a_call(*pool, b)) [[likely]] {
+        // free_common, less what cannot apply: no preparation (it settles
+        // nothing), no trace, room in the quick list. No call, so this path
+        // saves few registers.
+        count_free(*pool, b);
+        count_reusable(*pool, b);
+        b->state = block_state::free;
+        park(*pool, b);
         freed = true;
       }
     }
@@ -617,25 +628,40 @@ void allocator_core::prepare_settling_free(block_pool& pool, block* b, std::size
   make_room_to_settle(b, pool.is_private ? 1 : 0, more_waits);  // make_free adds b's stream in a private pool
 }
 
-SHOAL_HOT_INLINE void allocator_core::make_free(block_pool& pool, block* b) {
+SHOAL_HOT_INLINE void allocator_core::count_reusable(block_pool& pool, block* b) noexcept {
   auto& c = pool.counters;
   pool_counters::sub(c.active, 1);
   pool_counters::sub(c.active_bytes, static_cast<std::int64_t>(b->size));
   // Requested bytes count while the block is active, as PyTorch counts them.
   pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
   b->requested = 0;
+}
+
+SHOAL_HOT_INLINE bool allocator_core::settles_at_once(const block_pool& pool, const block* b) const noexcept {
+  // Debug mode and private pools settle every block at once: poison and
+  // last-stream bookkeeping want every free block in the bins.
+  return config.debug || pool.is_private || !b->mapped;
+}
+
+SHOAL_HOT_INLINE void allocator_core::make_free(block_pool& pool, block* b) {
+  count_reusable(pool, b);
   if (pool.is_private) add_unique(b->last_streams, b->stream);  // within prepare_free's room
   b->state = block_state::free;
   if (trace_.enabled()) trace_.note(trace_action::free_completed, b->address, b->size, b->stream);
-  // Debug mode and private pools settle every block at once: poison and
-  // last-stream bookkeeping want every free block in the bins.
-  if (config.debug || pool.is_private || !b->mapped) {
+  if (settles_at_once(pool, b)) {
     (void)pool.by_address.take(b->address);  // into the bins: out of the index
     settle(pool, b);
     return;
   }
-  b->quick = true;  // first, so the settling below does not merge it
-  if (pool.quick_count == block_pool::quick_capacity) settle_quick(pool);
+  if (pool.quick_count == block_pool::quick_capacity) {
+    b->quick = true;  // first, so the settling does not merge it
+    settle_quick(pool);
+  }
+  park(pool, b);
+}
+
+SHOAL_HOT_INLINE void allocator_core::park(block_pool& pool, block* b) noexcept {
+  b->quick = true;
   pool.quick[pool.quick_count++] = b;
   refresh_split_stat(pool, b);
 }

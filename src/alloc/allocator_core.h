@@ -216,6 +216,9 @@ class allocator_core {
   /// The free on its own stream, no other stream recorded, device memory:
   /// nothing to wait for in any mode (free_waiting holds nothing for it).
   [[nodiscard]] bool is_common_free(const block* b, backend::stream_ref stream) const noexcept;
+  /// A common free of `b` would park it with no call: nothing to settle,
+  /// room in the quick list, no trace.
+  [[nodiscard]] bool parks_without_a_call(const block_pool& pool, const block* b) const noexcept;
   void free_common(block_pool& pool, block* b);
   /// deallocate past its fast path: every pool, every kind of free.
   [[gnu::noinline]] bool deallocate_general(std::uintptr_t address, backend::stream_ref stream, bool events_allowed);
@@ -233,6 +236,12 @@ class allocator_core {
   /// in the index, as every block outside the bins is; it leaves it only
   /// if it settles at once.
   void make_free(block_pool& pool, block* b);
+  /// make_free's counts: `b` is no longer active.
+  static void count_reusable(block_pool& pool, block* b) noexcept;
+  /// Whether make_free settles `b` into the bins rather than park it.
+  [[nodiscard]] bool settles_at_once(const block_pool& pool, const block* b) const noexcept;
+  /// Puts a free block (state free) in the quick list, which has room.
+  static void park(block_pool& pool, block* b) noexcept;
   void collect_pending(block_pool& pool, bool wait_on_device);
 
   // ---- forced clears (forced_clear.cpp; pool locked, device synchronized
