@@ -373,18 +373,11 @@ void allocator_core::hand_out(block_pool& pool, block* b, const request& r) {
     for (auto e : b->waits) events_.give_back(e);
     b->waits.clear();
   }
-  const bool was_parked = std::exchange(b->quick, false);  // take_quick unlinked it
+  // A parked block (take_quick unlinked it) has exactly the size: no split.
+  const bool was_parked = std::exchange(b->quick, false);
   if (!was_parked) pool.bins.remove(b);
   b->state = block_state::allocated;  // before the split: the rest must not merge back into it
-  if (can_split(b->size, r.size, pool.kind, pool.is_private, config)) {
-    block* rest = split(pool, b, r.size);
-    // A parked block may border a settled free one, which the rest joins.
-    if (was_parked) {
-      settle(pool, rest);
-    } else {
-      pool.bins.insert(rest);
-    }
-  }
+  if (can_split(b->size, r.size, pool.kind, pool.is_private, config)) pool.bins.insert(split(pool, b, r.size));
   if (pool.is_private) b->last_streams.clear();  // waited for above
   b->state = block_state::allocated;
   b->requested = r.requested;

@@ -210,9 +210,6 @@ class allocator_core {
   [[noreturn]] void out_of_memory_error(block_pool& pool, std::size_t bytes, backend::stream_ref stream);
 
   // ---- the free path (pool locked)
-  /// Every free but the common one (deallocate's fast branch): tombstones,
-  /// frees that wait for streams or events, pinned host memory. False when
-  /// it is refused (see deallocate): nothing happened to `b`.
   /// The free on its own stream, no other stream recorded, device memory:
   /// nothing to wait for in any mode (free_waiting holds nothing for it).
   [[nodiscard]] bool is_common_free(const block* b, backend::stream_ref stream) const noexcept;
@@ -222,6 +219,9 @@ class allocator_core {
   void free_common(block_pool& pool, block* b);
   /// deallocate past its fast path: every pool, every kind of free.
   [[gnu::noinline]] bool deallocate_general(std::uintptr_t address, backend::stream_ref stream, bool events_allowed);
+  /// Every free but the common one: tombstones, frees that wait for streams
+  /// or events, pinned host memory. False when it is refused (see
+  /// deallocate): nothing happened to `b`.
   bool free_waiting(block_pool& pool, block* b, backend::stream_ref stream, bool events_allowed);
   /// A free's effect on the counters and the block's allocation fields.
   static void count_free(block_pool& pool, block* b) noexcept;

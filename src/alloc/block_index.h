@@ -1,5 +1,5 @@
-// The allocated blocks of one pool, by address: open addressing with linear
-// probing and backward-shift deletion. Not thread-safe: the pool's lock
+// One pool's blocks by address (block_pool::by_address says which): open
+// addressing with linear probing and backward-shift deletion. Not thread-safe: the pool's lock
 // guards it, so the allocation path takes that one lock and no other.
 #pragma once
 

@@ -74,13 +74,13 @@ struct alignas(64) block_pool {
   private_pool_id owner;
 
   free_bins bins;
-  /// Every block of the pool that is not in the free bins, by address:
-  /// allocated ones, tombstones (invalidated), pending frees and parked
-  /// blocks. A block leaves it only when it settles into the bins and
-  /// enters it only when it leaves them (a hand-out, a tombstone made), so a
-  /// free and the next hand-out of a parked block touch it not at all. A
-  /// look-up for a live block skips pending and parked ones
-  /// (allocator_core::run_on_block).
+  /// Every block of the pool but the settled free ones (in the bins, or
+  /// unmapped in a growable segment), by address: allocated ones,
+  /// tombstones (invalidated), pending frees and parked blocks. A block
+  /// leaves it only when it settles and enters it only when it leaves the
+  /// bins (a hand-out, a tombstone made), so a free and the next hand-out of
+  /// a parked block touch it not at all. A look-up for a live block skips
+  /// pending and parked ones (allocator_core::run_on_block).
   block_index by_address;
   std::vector<std::unique_ptr<segment>> segments;
   segment* growable = nullptr;  ///< expandable_segments: this pool's one growable segment
