@@ -194,12 +194,11 @@ block* allocator_core::try_allocate(block_pool& pool, const request& r, growth m
         "caching_allocator::allocate: this thread's private_pool_scope outlived its private pool (it was destroyed); "
         "end the scope before destroying the pool");
   }
-  // A block of exactly the size is as good a fit as any: parked (the common
-  // case, first; still in the index, nothing to make room for), or settled
-  // in the bins, which leaves the parked blocks parked for their own sizes.
-  // Otherwise the parked blocks settle first, so best fit sees every free
-  // block merged (choosing among unmerged parked blocks, or best fit among
-  // the settled ones alone, was measured to fragment more).
+  // A parked block of exactly the size is as good a fit as any. Otherwise
+  // the parked blocks settle first, so best fit sees every free block merged
+  // (choosing among unmerged parked blocks was measured to fragment more).
+  // The common case first: a block this stream freed lately, of the size
+  // (still in the index: nothing to make room for).
   if (block* b = take_quick(pool, r.size)) [[likely]] {
     hand_out_parked(pool, b, r.requested, r.stream, r.claim);
     return b;
@@ -209,11 +208,8 @@ block* allocator_core::try_allocate(block_pool& pool, const request& r, growth m
   // the index, and a block object for a split's rest.
   pool.by_address.reserve_one();
   pool.reserve_blocks(1);
+  if (pool.quick_count > 0) settle_quick(pool);  // take_cached's steps, its quick look just done
   block* b = take_free(pool, r.size);
-  if ((b == nullptr || b->size != r.size) && pool.quick_count > 0) {
-    settle_quick(pool);
-    b = take_free(pool, r.size);
-  }
   if (b == nullptr && !pool.pending.empty()) {
     // Blocks whose frees completed are parked as they become reusable:
     // looking only in the bins here would miss them, and growth would then

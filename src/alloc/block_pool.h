@@ -97,10 +97,9 @@ struct alignas(64) block_pool {
 
   // The quick list: the last few blocks freed on this pool's stream, parked
   // unmerged so that the common "free, then allocate the same size again"
-  // costs no merge, no split and no bin update. A request that finds no
-  // parked block of its size and no settled one of exactly its size
-  // settles them all (merges them into the bins) before it looks again, and
-  // before more device memory is taken, so they never cause growth.
+  // costs no merge, no split and no bin update. Any miss of the quick list
+  // and the bins settles them all (merges them into the bins) before more
+  // device memory is taken, so they never cause growth.
   static constexpr std::size_t quick_capacity = 16;
   std::array<block*, quick_capacity> quick{};
   std::size_t quick_count = 0;

@@ -141,29 +141,6 @@ TYPED_TEST(allocator_basic, the_best_fitting_free_block_is_chosen) {
   for (void* v : {p, q}) a.deallocate(v, {});
 }
 
-TYPED_TEST(allocator_basic, a_settled_block_of_exactly_the_size_is_taken_before_parked_blocks_settle) {
-  // [p 4 KiB | e 8 KiB | guard]: e settled in the bins, p parked just before
-  // it. An 8 KiB request misses the quick list; e fits it exactly, so p
-  // stays parked for its own size. Settling first would merge p into e and
-  // hand out the merged block's front, p's address, cutting the pair apart.
-  auto& a = this->make();
-  void* p = a.allocate(4 * kib, {});
-  void* e = a.allocate(8 * kib, {});
-  void* guard = a.allocate(4 * kib, {});
-  a.deallocate(e, {});
-  void* other = a.allocate(12 * kib, {});  // a miss: e settles into the bins
-  a.deallocate(p, {});                     // parked
-  void* q = a.allocate(8 * kib, {});
-  void* r = a.allocate(4 * kib, {});
-  if (!this->debug) {  // debug mode parks nothing: p merged into e at its free
-    EXPECT_EQ(q, e) << "the exact fit in the bins, with p still parked";
-    EXPECT_EQ(r, p) << "p, parked, serves its own size";
-  }
-  for (void* v : {q, r, guard, other}) a.deallocate(v, {});
-  EXPECT_NO_THROW(a.check_invariants());
-  EXPECT_TRUE(nothing_in_use(a.stats()));
-}
-
 TYPED_TEST(allocator_fixed_segments, oversize_blocks_are_never_split_and_serve_only_near_sizes) {
   auto& a = this->make("max_split_size_mb:32,max_non_split_rounding_mb:2,release_idle_before_grow:false");
   void* big = a.allocate(40 * mib, {});
