@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "shoal/backend/host_device.h"
 #include "shoal/backend/shareable_event.h"
 #include "shoal/core/error.h"
 #include "shoal/core/child_process.h"
@@ -298,6 +299,42 @@ TEST(host_event_sharing, a_wait_on_a_point_of_a_process_that_died_fails_instead_
   dev.destroy_stream(other);
   dev.close_event_source(opened);
   dev.close_import(memory);
+}
+
+// A peer may live and never pass the point (stopped, or writing its page's
+// count as it likes): the wait gives up at the device's peer_wait_limit, so
+// neither the stream nor the device's end waits on it forever. The peer
+// passes the point only 60 s later: without the limit the wait would end
+// then, successfully, and this test fail.
+TEST(host_event_sharing, a_wait_on_a_live_exporter_that_does_not_pass_the_point_fails_at_the_limit) {
+  backend::host_device dev{{.peer_wait_limit = 300ms}};
+  child_process peer(SHOAL_TEST_EVENT_PEER, {"export-and-hang", "host", "4096"});
+  const shareable_handle handle = receive_handle(peer);
+  const event_source source = receive_source(peer);
+  (void)receive_point(peer);
+  const event_point never_passed = receive_point(peer);
+  const auto opened = dev.open_event_source(source);
+  const auto waiting = dev.create_stream();
+  const auto start = std::chrono::steady_clock::now();
+  dev.wait_imported(waiting, opened, never_passed);
+  try {
+    dev.synchronize(waiting);
+    ADD_FAILURE() << "the wait on a point the exporter has not passed succeeded";
+  } catch (const stream_error& e) {
+    EXPECT_NE(std::string(e.what()).find("has not passed the point in 300 ms"), std::string::npos) << e.what();
+  }
+  const auto waited = std::chrono::steady_clock::now() - start;
+  EXPECT_GE(waited, 300ms);
+  EXPECT_LT(waited, 10s);
+  EXPECT_EQ(::kill(peer.pid(), 0), 0) << "the exporter lives: the limit, not its death, ended the wait";
+  dev.destroy_stream(waiting);
+  dev.close_event_source(opened);
+  ASSERT_EQ(::kill(peer.pid(), SIGKILL), 0);
+  EXPECT_EQ(peer.wait(), 128 + SIGKILL);
+}
+
+TEST(host_event_sharing, a_peer_wait_limit_must_be_positive) {
+  EXPECT_THROW(backend::host_device({.peer_wait_limit = 0ms}), invalid_argument);
 }
 
 TEST(host_event_sharing, a_closed_source_still_completes_the_waits_enqueued_on_it) {

@@ -14,7 +14,11 @@
 // shoal::backend_error). A stream waiting on an imported point polls the
 // exporter's count, napping at most half a millisecond between looks, and
 // checks every 10 ms that the exporter lives (by pid and start time, so both
-// processes must see one another's /proc).
+// processes must see one another's /proc). The wait fails with stream_error
+// when the exporter dies before the point, or when it lives but has not
+// passed the point within peer_wait_limit (a peer that stopped, or one that
+// never advances its count: the page is its to write), so no stream, and no
+// device's end waiting for a destroyed stream's work, waits on a peer forever.
 //
 // Thread-safety: as for every device, all members may be called concurrently.
 // Invariant: used bytes (segments + live chunks) never exceed capacity_bytes;
@@ -52,6 +56,9 @@ struct host_device_options {
   /// not parse or passes max_lag), else none. A max past max_lag given here
   /// is invalid_argument too.
   std::optional<host_stream_lag> stream_lag;
+  /// How long a stream waits on a point another process exported before the
+  /// wait fails (stream_error), the exporter alive or not.
+  std::chrono::milliseconds peer_wait_limit{std::chrono::minutes(2)};
 };
 
 namespace detail {

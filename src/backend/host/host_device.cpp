@@ -40,8 +40,9 @@ struct recorded_point {
 };
 
 struct host_state {
-  host_state(std::size_t capacity, host_stream_lag lag)
+  host_state(std::size_t capacity, host_stream_lag lag, std::chrono::milliseconds peer_wait_limit)
       : lag(lag),
+        peer_wait_limit(peer_wait_limit),
         memory(capacity),
         event_page(host_event_page::create()),
         default_stream(std::make_shared<host_executor>(event_page->lease(), lag, 0)) {}
@@ -59,6 +60,7 @@ struct host_state {
   // may make neither (refuse_in_fork_child).
   const shoal::detail::fork_epoch epoch;
   const host_stream_lag lag;  // every stream's, the default stream's too
+  const std::chrono::milliseconds peer_wait_limit;  // waits on imported points
   std::atomic<std::uint64_t> streams_made{0};  // numbers the streams for their lag (the default one is 0)
   host_memory memory;
   // Where every stream publishes its progress for other processes; streams
@@ -173,12 +175,21 @@ host_stream_lag checked(const host_stream_lag& lag) {
   return lag;
 }
 
+std::chrono::milliseconds checked_peer_wait_limit(std::chrono::milliseconds limit) {
+  if (limit.count() <= 0) {
+    throw invalid_argument("host_device: a peer wait limit of " + std::to_string(limit.count()) +
+                           " ms; give a positive one (a wait on another process always has a deadline)");
+  }
+  return limit;
+}
+
 }  // namespace
 
 host_device::host_device(host_device_options options)
     : state_(std::make_unique<detail::host_state>(
           options.capacity_bytes != 0 ? options.capacity_bytes : detail::default_capacity(),
-          options.stream_lag ? checked(*options.stream_lag) : lag_from_environment())) {}
+          options.stream_lag ? checked(*options.stream_lag) : lag_from_environment(),
+          checked_peer_wait_limit(options.peer_wait_limit))) {}
 
 host_device::~host_device() = default;
 
@@ -388,7 +399,9 @@ void host_device::wait_imported(stream_ref s, imported_event_ref source, const e
   page->check(point);
   if (page->passed(point)) return;
   // The wait holds the page: closing the source does not unmap it under the wait.
-  waiter->submit([page = std::move(page), point] { page->wait_until_passed(point); });
+  waiter->submit([page = std::move(page), point, limit = state_->peer_wait_limit] {
+    page->wait_until_passed(point, limit);
+  });
 }
 
 void host_device::close_event_source(imported_event_ref source) {

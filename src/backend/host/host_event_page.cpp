@@ -190,7 +190,7 @@ bool host_imported_page::exporter_alive() const {
   return is_alive({exporter_pid_, exporter_start_time_});
 }
 
-void host_imported_page::wait_until_passed(const event_point& point) const {
+void host_imported_page::wait_until_passed(const event_point& point, std::chrono::milliseconds limit) const {
   // Points are often about to be passed when waited on: spin a little first.
   for (int spin = 0; spin < 64; ++spin) {
     if (passed(point)) return;
@@ -198,8 +198,18 @@ void host_imported_page::wait_until_passed(const event_point& point) const {
   }
   using clock = std::chrono::steady_clock;
   auto nap = std::chrono::microseconds(10);
+  const auto deadline = clock::now() + limit;
   auto next_look = clock::now() + liveness_period;
   while (!passed(point)) {
+    if (clock::now() >= deadline && !passed(point)) {
+      throw stream_error("waiting on a point exported by process " + std::to_string(exporter_pid_) +
+                         " (event source " + std::to_string(source_id_) + ", stream slot " +
+                         std::to_string(point.stream_slot) + ", ticket " + std::to_string(point.ticket) +
+                         "): that process lives but has not passed the point in " + std::to_string(limit.count()) +
+                         " ms (its stream is at " +
+                         std::to_string(counter(point.stream_slot).load(std::memory_order_acquire)) +
+                         "); the wait gives up (host_device_options::peer_wait_limit)");
+    }
     if (clock::now() >= next_look) {
       // Read once more after finding it dead: it may have passed the point
       // just before it died.

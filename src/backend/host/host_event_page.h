@@ -21,6 +21,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -108,7 +109,9 @@ class host_imported_page {
   /// Returns once `point` (checked already) is passed: spins briefly, then
   /// sleeps in growing naps, looking every ~10 ms whether the exporter still
   /// lives. Throws stream_error when it died before passing the point.
-  void wait_until_passed(const event_point& point) const;
+  /// Throws stream_error when the exporter dies before the point, or has not
+  /// passed it within `limit`.
+  void wait_until_passed(const event_point& point, std::chrono::milliseconds limit) const;
 
  private:
   [[nodiscard]] const std::atomic<std::uint64_t>& counter(std::uint32_t index) const noexcept;
