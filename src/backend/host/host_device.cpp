@@ -49,7 +49,8 @@ struct host_state {
   host_state(const host_state&) = delete;
   host_state& operator=(const host_state&) = delete;
   // The work destroyed streams still run may write this device's memory,
-  // which goes with it. (A fork() child runs none of it.)
+  // which goes with it. (A fork() child runs none of it.) A wait on another
+  // process's point in that work ends by peer_wait_limit at the latest.
   ~host_state() {
     if (epoch.forked_since()) return;
     for (const auto& executor : destroyed_streams) executor->wait_for(executor->submitted());
