@@ -222,6 +222,22 @@ TYPED_TEST(allocator_fixed_segments, snapshot_and_trace_export) {
   EXPECT_NE(a.stats().to_json().find("\"reserved_bytes\""), std::string::npos);
 }
 
+TYPED_TEST(allocator_fixed_segments, every_pair_of_the_cached_path_is_traced) {
+  // The common free and the parked hand-out have paths of their own: a trace
+  // being kept must still see each allocation and each free's two steps.
+  auto& a = this->make("trace_entries:64");
+  for (int i = 0; i < 4; ++i) a.deallocate(a.allocate(4096, {}), {});
+  std::size_t allocs = 0, requested = 0, completed = 0;
+  for (const auto& r : a.trace()) {
+    allocs += r.action == alloc::trace_action::alloc ? 1 : 0;
+    requested += r.action == alloc::trace_action::free_requested ? 1 : 0;
+    completed += r.action == alloc::trace_action::free_completed ? 1 : 0;
+  }
+  EXPECT_EQ(allocs, 4u);
+  EXPECT_EQ(requested, 4u);
+  EXPECT_EQ(completed, 4u);
+}
+
 TYPED_TEST(allocator_basic, bad_input_gives_typed_errors_and_loses_nothing) {
   auto& a = this->make();
   int on_stack = 0;
