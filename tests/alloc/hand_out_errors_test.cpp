@@ -62,9 +62,12 @@ struct refused_hand_out {
 };
 
 TEST(hand_out_errors, a_parked_block_is_handed_out_without_any_host_memory) {
-  // A pending free parked after the count came back to its peak: its
-  // hand-out passes the peak, yet a parked block never left the index (every
-  // block outside the bins is in it), so nothing needs room.
+  // A pending free parked after the allocated count came back to its peak:
+  // its hand-out passes that peak, yet the block never left the index (every
+  // block outside the bins is in it, the pending one too), so the hand-out
+  // takes no host memory (a noexcept path: an allocation refused in it would
+  // end the test) and inserts nothing (a second entry for the block would
+  // fail check_invariants' count of the index).
   refused_hand_out t;
   backend::stream other(t.dev);
   for (int i = 0; i < blocks_before_index_growth; ++i) t.live.push_back(t.a.allocate(512));
@@ -72,7 +75,7 @@ TEST(hand_out_errors, a_parked_block_is_handed_out_without_any_host_memory) {
   t.live.pop_back();
   t.a.record_stream(held, other);
   t.a.deallocate(held);  // pending, for `other`
-  t.live.push_back(t.a.allocate(512));  // from the bins: the count is back at its peak
+  t.live.push_back(t.a.allocate(512));  // from the bins: the allocated count is back at its peak
   t.dev.synchronize(other);
   t.a.process_pending_frees();  // `held` is parked now
   void* again = nullptr;
