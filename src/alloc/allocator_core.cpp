@@ -468,42 +468,45 @@ bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool even
   if (epoch_.forked_since()) [[unlikely]] return true;
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
   // The common free that parks its block, in the pool this thread's cache
-  // names, on its own: anything else (another pool, a free that waits or
-  // settles, a tombstone, an unknown pointer, tracing) takes the general
-  // way, out of line.
+  // names, inline; any other free of a block found there, out of line under
+  // the same lock (one look-up). A block not found there (another pool, a
+  // tombstone's late free, an unknown pointer) takes the general way.
   if (block_pool* pool = directory_.cached_pool(address)) [[likely]] {
-    bool freed = false;
+    enum class outcome : unsigned char { not_here, freed, refused } done = outcome::not_here;
     {
       const biased_lock_guard lock(pool->lock);
       block* b = pool->in_service ? pool->by_address.find(address) : nullptr;
       if (b != nullptr && is_common_free(b, stream) && parks_without_a_call(*pool, b)) [[likely]] {
         // free_common, less what cannot apply: no preparation (it settles
-        // nothing), no trace, room in the quick list. No call, so this path
-        // saves few registers.
+        // nothing), no trace, room in the quick list.
         count_free(*pool, b);
         count_reusable(*pool, b);
         b->state = block_state::free;
         park(*pool, b);
-        freed = true;
+        done = outcome::freed;
+      } else if (b != nullptr && (b->state == block_state::allocated || b->state == block_state::invalidated)) {
+        done = free_found(*pool, b, stream, events_allowed) ? outcome::freed : outcome::refused;
       }
     }
-    if (freed) [[likely]] {
+    if (done != outcome::not_here) [[likely]] {
       check_step();
-      return true;
+      return done == outcome::freed;
     }
   }
   return deallocate_general(address, stream, events_allowed);
 }
 
+bool allocator_core::free_found(block_pool& pool, block* b, backend::stream_ref stream, bool events_allowed) {
+  if (is_common_free(b, stream)) {
+    free_common(pool, b);
+    return true;
+  }
+  return free_waiting(pool, b, stream, events_allowed);
+}
+
 bool allocator_core::deallocate_general(std::uintptr_t address, backend::stream_ref stream, bool events_allowed) {
   bool freed = true;
-  const auto free_block = [&](block_pool& pool, block* b) {
-    if (is_common_free(b, stream)) {
-      free_common(pool, b);
-    } else if (!free_waiting(pool, b, stream, events_allowed)) {
-      freed = false;
-    }
-  };
+  const auto free_block = [&](block_pool& pool, block* b) { freed = free_found(pool, b, stream, events_allowed); };
   if (!run_on_block(address, free_block)) {
     // The late free of a tombstone whose pool was destroyed: nothing to
     // free, unless a pool made on its region since holds it again.

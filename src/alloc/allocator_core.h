@@ -217,6 +217,9 @@ class allocator_core {
   /// room in the quick list, no trace.
   [[nodiscard]] bool parks_without_a_call(const block_pool& pool, const block* b) const noexcept;
   void free_common(block_pool& pool, block* b);
+  /// The free of `b`, found allocated or a tombstone: the common one or
+  /// free_waiting. Out of line, so the fast path's registers stay few.
+  [[gnu::noinline]] bool free_found(block_pool& pool, block* b, backend::stream_ref stream, bool events_allowed);
   /// deallocate past its fast path: every pool, every kind of free.
   [[gnu::noinline]] bool deallocate_general(std::uintptr_t address, backend::stream_ref stream, bool events_allowed);
   /// Every free but the common one: tombstones, frees that wait for streams
