@@ -49,20 +49,22 @@ void allocator_core::let_destroyed_streams_go(bool wait) {
         stream_pools* pools = directory_.find_stream_pools(s);
         // A private pool's block remembers it: held until teardown, no retry.
         if (pools == nullptr || pools->private_blocks_remember.load(std::memory_order_relaxed)) continue;
+        bool queued = false;
         bool ready = std::find(recorded.begin(), recorded.end(), s) == recorded.end() &&  // no free to record there
                      (wait || device.query(s)) &&  // its work has run (waited for by empty_cache)
-                     quiesce_destroyed_streams_pool(pools->small, wait) &&
-                     quiesce_destroyed_streams_pool(pools->large, wait);
-        // Collecting its pending frees may have queued work on it (debug
-        // mode's poison fills): that too must have run before another stream
-        // gets the memory. From here nothing can queue more (no block of its
-        // pools is live or pending), unless a free came meanwhile: the frees
-        // counted now must still be all at the vacating.
+                     quiesce_destroyed_streams_pool(pools->small, wait, queued) &&
+                     quiesce_destroyed_streams_pool(pools->large, wait, queued);
+        // Quiescing may have queued work on it (a seal, debug mode's poison
+        // fills): that too must have run before another stream gets the
+        // memory (a second query, only then: a stream per request pays one).
+        // From here nothing can queue more (no block of its pools is live or
+        // pending), unless a free came meanwhile: the frees counted now must
+        // still be all at the vacating.
         const std::uint64_t frees_small = frees_seen(pools->small), frees_large = frees_seen(pools->large);
         if (ready) {
           if (wait) {
             device.synchronize(s);
-          } else {
+          } else if (queued) {
             ready = device.query(s);
           }
         }
@@ -135,10 +137,13 @@ std::vector<backend::stream_ref> allocator_core::streams_recorded_on_live_blocks
   return recorded;
 }
 
-bool allocator_core::quiesce_destroyed_streams_pool(block_pool& pool, bool wait) {
+bool allocator_core::quiesce_destroyed_streams_pool(block_pool& pool, bool wait, bool& queued) {
   std::vector<backend::event_ref> waits;
   {
     std::lock_guard lock(pool.lock);
+    // What could queue work below: a seal, or a free collected or made
+    // meanwhile (a live block now may be freed before the second lock).
+    if (config.debug || !pool.awaiting.empty() || !pool.pending.empty() || pool.handed_out() != 0) queued = true;
     // Awaiting frees (pinned memory) wait for an event on this stream that
     // only its own calls would record: none will come now. Recorded here,
     // on the stream that is still held, and waited for below.

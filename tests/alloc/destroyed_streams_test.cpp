@@ -427,6 +427,46 @@ TEST(destroyed_streams_host, a_free_while_the_sweep_looks_at_a_stream_keeps_it_h
   dev.bury_the_destroyed();
 }
 
+// Counts the queries of one stream.
+class query_counting_device : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+  [[nodiscard]] bool query(backend::stream_ref s) override {
+    if (s == watched_) queries_.fetch_add(1);
+    return forwarding_device::query(s);
+  }
+  void watch(backend::stream_ref s) { watched_ = s; }
+  [[nodiscard]] int queries() const { return queries_.load(); }
+
+ private:
+  backend::stream_ref watched_;
+  std::atomic<int> queries_{0};
+};
+
+// The sweep asks an idle destroyed stream once when its quiescing queued
+// nothing there (a stream per request pays one query, not two), and again
+// after it may have (debug mode's fills).
+TEST(destroyed_streams_host, the_sweep_queries_a_stream_again_only_after_it_may_have_queued_work_there) {
+  for (const auto& [conf, expected] : {std::pair{"", 1}, std::pair{"debug:true", 2}}) {
+    backend::host_device host({.capacity_bytes = 256 * mib});
+    query_counting_device dev(host);
+    alloc::caching_allocator a(dev, alloc::allocator_config::parse(conf));
+    backend::stream_ref gone_ref;
+    {
+      stream gone(dev);
+      gone_ref = gone.ref();
+      a.deallocate(a.allocate(4 * mib, gone), gone);
+      dev.synchronize(gone);
+    }
+    dev.watch(gone_ref);
+    stream next(dev);
+    a.deallocate(a.allocate(4 * mib, next), next);  // next's first allocation sweeps
+    EXPECT_TRUE(destroyed_for_real(dev, gone_ref)) << conf << ": let go";
+    EXPECT_EQ(dev.queries(), expected) << "'" << conf << "'";
+    dev.synchronize(next);
+  }
+}
+
 TEST(destroyed_streams_host, a_retry_is_not_lost_to_allocations_in_a_no_host_waits_scope) {
   backend::host_device dev({.capacity_bytes = 256 * mib});
   alloc::caching_allocator a(dev, {});
