@@ -259,9 +259,12 @@ class allocator_core {
   /// found one (and noted the stream on it).
   bool record_inside_block(std::uintptr_t address, backend::stream_ref stream);
   /// Adds `stream` to the block's used_on (pool locked).
-  static void note_used_on(block_pool& pool, block* b, backend::stream_ref stream) {
+  void note_used_on(block_pool& pool, block* b, backend::stream_ref stream) {
     add_unique(b->used_on, stream);
     pool.streams_recorded = true;
+    if (!streams_ever_recorded_.load(std::memory_order_relaxed)) {
+      streams_ever_recorded_.store(true, std::memory_order_release);
+    }
   }
   /// A late free of a tombstone on `stream`: its memory goes back to the
   /// sub-pool, last used on `stream`.
@@ -306,6 +309,9 @@ class allocator_core {
   /// saw: an allocation off the cached pair sweeps when the device's count
   /// moved past it (one load).
   std::atomic<std::uint64_t> destroys_seen_{0};
+  /// Set for good by the first stream record_stream notes on a block: until
+  /// then no pool's blocks need a look (a stream per request pays none).
+  std::atomic<bool> streams_ever_recorded_{false};
   /// Allocations off the cached pair until a skipped stream is looked at
   /// again (0: none skipped), and the next such wait.
   std::atomic<std::uint32_t> sweep_retry_in_{0};

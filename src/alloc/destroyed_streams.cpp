@@ -121,6 +121,9 @@ bool allocator_core::sweep_due() noexcept {
 
 std::vector<backend::stream_ref> allocator_core::streams_recorded_on_live_blocks() {
   std::vector<backend::stream_ref> recorded;
+  // A stream noted after this load is noted after the look, as it would be
+  // after a pool's look below: the listing is of the streams noted before.
+  if (!streams_ever_recorded_.load(std::memory_order_acquire)) return recorded;
   directory_.for_each_pool([&](block_pool& p) {
     std::lock_guard lock(p.lock);
     if (!p.streams_recorded) return;
@@ -144,6 +147,8 @@ bool allocator_core::quiesce_destroyed_streams_pool(block_pool& pool, bool wait,
     // What could queue work below: a seal, or a free collected or made
     // meanwhile (a live block now may be freed before the second lock).
     if (config.debug || !pool.awaiting.empty() || !pool.pending.empty() || pool.handed_out() != 0) queued = true;
+    // Nothing awaiting, pending or sealed: nothing to wait for or collect.
+    if (pool.awaiting.empty() && pool.pending.empty() && pool.sealed.empty()) return pool.handed_out() == 0;
     // Awaiting frees (pinned memory) wait for an event on this stream that
     // only its own calls would record: none will come now. Recorded here,
     // on the stream that is still held, and waited for below.
