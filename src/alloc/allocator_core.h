@@ -302,9 +302,12 @@ class allocator_core {
   [[nodiscard]] std::vector<backend::stream_ref> streams_recorded_on_live_blocks();
   /// One pool of a destroyed stream: its awaiting frees sealed (and waited
   /// for), pending frees collected (waited for with `wait`). Returns whether
-  /// it holds no live block or pending free now. Sets `queued` when it may
-  /// have queued work on the stream (a seal, a free's debug fill).
-  bool quiesce_destroyed_streams_pool(block_pool& pool, bool wait, bool& queued);
+  /// it holds no live block or pending free now.
+  bool quiesce_destroyed_streams_pool(block_pool& pool, bool wait);
+  /// One pool of a destroyed stream holds nothing to quiesce: no live block,
+  /// no pending, awaiting or sealed free (at this look; the sweep's last
+  /// query and its count of frees cover what comes after).
+  bool idle_at_a_look(block_pool& pool);
   /// The deferred destroys (device::deferred_stream_destroys) the last sweep
   /// saw: an allocation off the cached pair sweeps when the device's count
   /// moved past it (one load).

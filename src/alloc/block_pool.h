@@ -61,9 +61,10 @@ struct alignas(64) block_pool {
   /// refused even once the sub-pool serves a later private pool.
   std::uint64_t service_generation = 0;
   /// Stream pools of a stream the allocator let go, kept with their cache
-  /// for the next stream that needs pools (pool_directory::vacant_pools_):
-  /// `stream` is the default one then, and nothing of theirs is queued on
-  /// any stream, so giving their memory back synchronizes nothing.
+  /// for the next stream that needs pools (pool_directory::vacant_pools_),
+  /// parked blocks included: `stream` is the default one then, and nothing
+  /// of theirs is queued on any stream, so giving their memory back
+  /// synchronizes nothing and a parked block serves the next stream as is.
   bool vacant = false;
   /// Some block may have streams in its used_on (record_stream set it): a
   /// sweep for destroyed streams looks at this pool's blocks, and clears it

@@ -49,29 +49,32 @@ void allocator_core::let_destroyed_streams_go(bool wait) {
         stream_pools* pools = directory_.find_stream_pools(s);
         // A private pool's block remembers it: held until teardown, no retry.
         if (pools == nullptr || pools->private_blocks_remember.load(std::memory_order_relaxed)) continue;
-        bool queued = false;
+        // Pools with nothing to quiesce (a stream per request's) skip the
+        // first query: the last one below covers all their stream's work.
+        const bool nothing_to_quiesce = idle_at_a_look(pools->small) && idle_at_a_look(pools->large);
         bool ready = std::find(recorded.begin(), recorded.end(), s) == recorded.end() &&  // no free to record there
-                     (wait || device.query(s)) &&  // its work has run (waited for by empty_cache)
-                     quiesce_destroyed_streams_pool(pools->small, wait, queued) &&
-                     quiesce_destroyed_streams_pool(pools->large, wait, queued);
-        // Quiescing may have queued work on it (a seal, debug mode's poison
-        // fills): that too must have run before another stream gets the
-        // memory (a second query, only then: a stream per request pays one).
-        // From here nothing can queue more (no block of its pools is live or
-        // pending), unless a free came meanwhile: the frees counted now must
-        // still be all at the vacating.
+                     (nothing_to_quiesce ||
+                      ((wait || device.query(s)) &&  // its work has run (waited for by empty_cache)
+                       quiesce_destroyed_streams_pool(pools->small, wait) &&
+                       quiesce_destroyed_streams_pool(pools->large, wait)));
+        // Everything queued on it so far must have run before another stream
+        // gets the memory: quiescing's own work (a seal, debug mode's poison
+        // fills), and any other thread's (the stream stays usable while
+        // held). From here nothing can queue more (no block of its pools is
+        // live or pending), unless a free came meanwhile: the frees counted
+        // now, before the last look, must still be all at the vacating.
         const std::uint64_t frees_small = frees_seen(pools->small), frees_large = frees_seen(pools->large);
         if (ready) {
           if (wait) {
             device.synchronize(s);
-          } else if (queued) {
+          } else {
             ready = device.query(s);
           }
         }
         if (ready && directory_.vacate_stream_pools(s, [&](block_pool& p) {
-              if (p.frees != (p.kind == pool_kind::small ? frees_small : frees_large)) return false;
-              settle_quick(p);
-              return true;
+              // Parked blocks stay parked: the next stream's requests of
+              // the same sizes take them as they are (a stream per request).
+              return p.frees == (p.kind == pool_kind::small ? frees_small : frees_large);
             })) {
           directory_.end_vacated_stream_hold(s);
         } else {
@@ -140,13 +143,15 @@ std::vector<backend::stream_ref> allocator_core::streams_recorded_on_live_blocks
   return recorded;
 }
 
-bool allocator_core::quiesce_destroyed_streams_pool(block_pool& pool, bool wait, bool& queued) {
+bool allocator_core::idle_at_a_look(block_pool& pool) {
+  std::lock_guard lock(pool.lock);
+  return pool.awaiting.empty() && pool.pending.empty() && pool.sealed.empty() && pool.handed_out() == 0;
+}
+
+bool allocator_core::quiesce_destroyed_streams_pool(block_pool& pool, bool wait) {
   std::vector<backend::event_ref> waits;
   {
     std::lock_guard lock(pool.lock);
-    // What could queue work below: a seal, or a free collected or made
-    // meanwhile (a live block now may be freed before the second lock).
-    if (config.debug || !pool.awaiting.empty() || !pool.pending.empty() || pool.handed_out() != 0) queued = true;
     // Nothing awaiting, pending or sealed: nothing to wait for or collect.
     if (pool.awaiting.empty() && pool.pending.empty() && pool.sealed.empty()) return pool.handed_out() == 0;
     // Awaiting frees (pinned memory) wait for an event on this stream that

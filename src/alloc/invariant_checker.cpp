@@ -335,9 +335,9 @@ void check_allocator_invariants(const pool_directory& directory, const segment_s
           if (pool.vacant != is_vacant) {
             fail("vacant", "the " + pool_name(pool) + (is_vacant ? " is vacant but not marked so" : " is marked vacant but serves a stream"));
           }
-          if (is_vacant && (pool.by_address.size() != 0 || !pool.pending.empty() || !pool.awaiting.empty() ||
-                            !pool.sealed.empty() || pool.quick_count > 0 || !pool.stream.is_default())) {
-            fail("vacant", "the vacant " + pool_name(pool) + " holds a live, pending or parked block, or names a stream");
+          if (is_vacant && (pool.by_address.size() != pool.quick_count || !pool.pending.empty() ||
+                            !pool.awaiting.empty() || !pool.sealed.empty() || !pool.stream.is_default())) {
+            fail("vacant", "the vacant " + pool_name(pool) + " holds a live or pending block, or names a stream");
           }
         };
         for (stream_pools* p : serving) {

@@ -32,7 +32,7 @@
 //               a growable range);
 //   vacant      the pools of streams let go (kept with their cache for the
 //               next new stream) are marked vacant, name no stream and hold
-//               no live, pending or parked block; no other pool is marked
+//               no live or pending block (parked ones they may); no other pool is marked
 //               (checked after the rest, each under its own lock).
 // The first broken one is thrown as invariant_violation, naming the
 // invariant, the pool, the segment and the block.

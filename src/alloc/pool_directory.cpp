@@ -157,7 +157,7 @@ bool pool_directory::vacate_stream_pools(backend::stream_ref stream, const std::
   {
     std::scoped_lock pool_locks(pools.small.lock, pools.large.lock);
     const auto idle = [&](block_pool& p) {
-      return ready(p) && p.handed_out() == 0 && p.pending.empty() && p.sealed.empty() && p.quick_count == 0;
+      return ready(p) && p.handed_out() == 0 && p.pending.empty() && p.sealed.empty();  // parked blocks go along
     };
     if (pools.private_blocks_remember.load(std::memory_order_relaxed) || !idle(pools.small) || !idle(pools.large)) {
       return false;

@@ -373,58 +373,66 @@ TEST(destroyed_streams_host, the_sweep_lets_a_stream_go_only_once_the_work_it_qu
 // held) queues its debug poison there after the stream was found idle: the
 // sweep must see the free counted and keep the stream, or the poison lands
 // in memory the next stream took over. The free is made to come between the
-// sweep's last idle query and its vacating.
+// sweep's last idle query and its vacating: its only query when the pools
+// hold nothing to quiesce, its second when they hold a pending free.
 class query_hook_device : public late_destroying_device {
  public:
   using late_destroying_device::late_destroying_device;
   [[nodiscard]] bool query(backend::stream_ref s) override {
     const bool idle = late_destroying_device::query(s);
-    if (idle && s == hooked_ && ++queries_ == 2) hook_();  // the sweep's second query: after the frees were counted
+    if (idle && s == hooked_ && ++queries_ == hooked_query_) hook_();
     return idle;
   }
-  void hook_second_query(backend::stream_ref s, std::function<void()> hook) {
+  void hook_query(backend::stream_ref s, int nth, std::function<void()> hook) {
     hooked_ = s;
+    hooked_query_ = nth;
     hook_ = std::move(hook);
   }
 
  private:
   backend::stream_ref hooked_;
+  int hooked_query_ = 0;
   int queries_ = 0;
   std::function<void()> hook_;
 };
 
 TEST(destroyed_streams_host, a_free_while_the_sweep_looks_at_a_stream_keeps_it_held) {
-  backend::host_device host({.capacity_bytes = 256 * mib});
-  query_hook_device dev(host);
-  {
-    alloc::caching_allocator a(dev, alloc::allocator_config::parse("debug:true"));
-    // `other` has its pools before the sweep: a new stream's first
-    // allocation would take over the pools the sweep made vacant, leaving
-    // `next` below fresh memory the late poison cannot reach.
-    stream other(dev);
-    a.deallocate(a.allocate(mib, other), other);
-    backend::stream_ref gone_ref;
+  for (const bool pending_free : {false, true}) {
+    backend::host_device host({.capacity_bytes = 256 * mib});
+    query_hook_device dev(host);
     {
-      stream gone(dev);
-      gone_ref = gone.ref();
-      a.deallocate(a.allocate(4 * mib, gone), gone);  // its poison queued (late), then waited for
-      dev.synchronize(gone);
+      alloc::caching_allocator a(dev, alloc::allocator_config::parse("debug:true"));
+      // `other` has its pools before the sweep: a new stream's first
+      // allocation would take over the pools the sweep made vacant, leaving
+      // `next` below fresh memory the late poison cannot reach.
+      stream other(dev);
+      a.deallocate(a.allocate(mib, other), other);
+      backend::stream_ref gone_ref;
+      {
+        stream gone(dev);
+        gone_ref = gone.ref();
+        // Its poison queued (late), then waited for; freed on `other`, the
+        // block is pending (collected by the sweep, between its queries).
+        a.deallocate(a.allocate(4 * mib, gone), pending_free ? other.ref() : gone.ref());
+        dev.synchronize(gone);
+        dev.synchronize(other);
+      }
+      dev.hook_query(gone_ref, pending_free ? 2 : 1, [&] {
+        std::thread([&] { a.deallocate(a.allocate(4 * mib, gone_ref), gone_ref); }).join();
+      });
+      // Sweeps: `gone` is idle at its last query, but a free came after it.
+      a.deallocate(a.allocate(mib, other), other);
+      EXPECT_TRUE(dev.stream_destroy_pending(gone_ref)) << "a stream freed on meanwhile stays held";
+      stream next(dev);  // would take over gone's pools, had they been made vacant
+      auto* q = static_cast<unsigned char*>(a.allocate(4 * mib, next));
+      EXPECT_EQ(pages_poisoned_late(dev, next, q), 0)
+          << "next's data was overwritten by the poison of a free on the stream let go";
+      a.deallocate(q, next);
+      dev.synchronize(next);
+      dev.synchronize(other);
     }
-    dev.hook_second_query(gone_ref, [&] {
-      std::thread([&] { a.deallocate(a.allocate(4 * mib, gone_ref), gone_ref); }).join();
-    });
-    // Sweeps: `gone` is idle at both queries, but a free came between them.
-    a.deallocate(a.allocate(mib, other), other);
-    EXPECT_TRUE(dev.stream_destroy_pending(gone_ref)) << "a stream freed on meanwhile stays held";
-    stream next(dev);  // would take over gone's pools, had they been made vacant
-    auto* q = static_cast<unsigned char*>(a.allocate(4 * mib, next));
-    EXPECT_EQ(pages_poisoned_late(dev, next, q), 0)
-        << "next's data was overwritten by the poison of a free on the stream let go";
-    a.deallocate(q, next);
-    dev.synchronize(next);
-    dev.synchronize(other);
+    dev.bury_the_destroyed();
   }
-  dev.bury_the_destroyed();
 }
 
 // Counts the queries of one stream.
@@ -443,14 +451,65 @@ class query_counting_device : public forwarding_device {
   std::atomic<int> queries_{0};
 };
 
-// The sweep asks an idle destroyed stream once when its quiescing queued
-// nothing there (a stream per request pays one query, not two), and again
-// after it may have (debug mode's fills).
-TEST(destroyed_streams_host, the_sweep_queries_a_stream_again_only_after_it_may_have_queued_work_there) {
-  for (const auto& [conf, expected] : {std::pair{"", 1}, std::pair{"debug:true", 2}}) {
+// The sweep asks a destroyed stream whose pools hold nothing to quiesce
+// once (a stream per request pays one query, not two), and one with a
+// pending free twice: before it collects the free and after.
+TEST(destroyed_streams_host, the_sweep_queries_a_stream_with_nothing_to_quiesce_once) {
+  for (const bool pending_free : {false, true}) {
     backend::host_device host({.capacity_bytes = 256 * mib});
     query_counting_device dev(host);
-    alloc::caching_allocator a(dev, alloc::allocator_config::parse(conf));
+    alloc::caching_allocator a(dev, {});
+    stream other(dev);
+    backend::stream_ref gone_ref;
+    {
+      stream gone(dev);
+      gone_ref = gone.ref();
+      a.deallocate(a.allocate(4 * mib, gone), pending_free ? other.ref() : gone.ref());  // on other: pending
+      dev.synchronize(gone);
+      dev.synchronize(other);
+    }
+    dev.watch(gone_ref);
+    stream next(dev);
+    a.deallocate(a.allocate(4 * mib, next), next);  // next's first allocation sweeps
+    EXPECT_TRUE(destroyed_for_real(dev, gone_ref)) << "pending free: " << pending_free;
+    EXPECT_EQ(dev.queries(), pending_free ? 2 : 1) << "pending free: " << pending_free;
+    dev.synchronize(next);
+  }
+}
+
+// Work queued on the held stream while the sweep looks at it: another
+// thread allocates on it, queues a (late) write to the block and frees it
+// (a common free, parked), right after the sweep's first query found the
+// stream idle. Nothing of the pools is live, pending or awaiting then (no
+// debug), and no free of the sweep's own queues anything: the sweep must
+// still see the write (its last query, or the free counted) and keep the
+// stream, or the write lands in memory the next stream took over.
+class first_query_hook_device : public late_destroying_device {
+ public:
+  using late_destroying_device::late_destroying_device;
+  [[nodiscard]] bool query(backend::stream_ref s) override {
+    const bool idle = late_destroying_device::query(s);
+    if (idle && s == hooked_ && ++queries_ == 1) hook_();  // the sweep's first query, found idle
+    return idle;
+  }
+  void hook_first_query(backend::stream_ref s, std::function<void()> hook) {
+    hooked_ = s;
+    hook_ = std::move(hook);
+  }
+
+ private:
+  backend::stream_ref hooked_;
+  int queries_ = 0;
+  std::function<void()> hook_;
+};
+
+TEST(destroyed_streams_host, work_queued_while_the_sweep_looks_at_a_stream_keeps_it_held) {
+  backend::host_device host({.capacity_bytes = 256 * mib});
+  first_query_hook_device dev(host);
+  {
+    alloc::caching_allocator a(dev, {});  // no debug
+    stream other(dev);
+    a.deallocate(a.allocate(mib, other), other);
     backend::stream_ref gone_ref;
     {
       stream gone(dev);
@@ -458,13 +517,69 @@ TEST(destroyed_streams_host, the_sweep_queries_a_stream_again_only_after_it_may_
       a.deallocate(a.allocate(4 * mib, gone), gone);
       dev.synchronize(gone);
     }
-    dev.watch(gone_ref);
-    stream next(dev);
-    a.deallocate(a.allocate(4 * mib, next), next);  // next's first allocation sweeps
-    EXPECT_TRUE(destroyed_for_real(dev, gone_ref)) << conf << ": let go";
-    EXPECT_EQ(dev.queries(), expected) << "'" << conf << "'";
+    dev.hook_first_query(gone_ref, [&] {
+      std::thread([&] {
+        void* p = a.allocate(4 * mib, gone_ref);
+        dev.fill(gone_ref, p, late_destroying_device::poison, 4 * mib);  // 200 ms late (the device's fill)
+        a.deallocate(p, gone_ref);  // common free: parked, nothing queued by the allocator
+      }).join();
+    });
+    a.deallocate(a.allocate(mib, other), other);  // off the cached pair: sweeps
+    EXPECT_TRUE(dev.stream_destroy_pending(gone_ref)) << "a stream with work queued after its first query stays held";
+    stream next(dev);  // would take over gone's pools, had they been made vacant
+    auto* q = static_cast<unsigned char*>(a.allocate(4 * mib, next));
+    EXPECT_EQ(pages_poisoned_late(dev, next, q), 0)
+        << "next's data was overwritten by work still queued on the stream let go";
+    a.deallocate(q, next);
     dev.synchronize(next);
+    dev.synchronize(other);
   }
+  dev.bury_the_destroyed();
+}
+
+// The same with only the allocator's own work on the held stream: right
+// after the sweep's first query, another thread frees gone's 20 MiB block
+// on `x` (pending: x's last write to it is still queued), then allocates 20
+// MiB on gone again at the device's capacity: allocate_slow's first step
+// makes gone wait on the device for x's event (collect_pending(pool, true))
+// and hands the block out again; it is freed (parked). gone must stay held
+// while it waits for x, or `next` gets the block before x's write comes.
+TEST(destroyed_streams_host, a_device_wait_queued_while_the_sweep_looks_at_a_stream_keeps_it_held) {
+  backend::host_device host({.capacity_bytes = 32 * mib});
+  first_query_hook_device dev(host);
+  {
+    alloc::caching_allocator a(dev, {});  // no debug, cross-stream safety on
+    stream other(dev);
+    stream x(dev);
+    a.deallocate(a.allocate(mib, other), other);
+    backend::stream_ref gone_ref;
+    {
+      stream gone(dev);
+      gone_ref = gone.ref();
+      a.deallocate(a.allocate(20 * mib, gone), gone);  // a 20 MiB segment: 22 of the 32 MiB taken
+      dev.synchronize(gone);
+    }
+    dev.hook_first_query(gone_ref, [&] {
+      std::thread([&] {
+        void* p = a.allocate(20 * mib, gone_ref);
+        dev.fill(x, p, late_destroying_device::poison, 4 * mib);  // x's last use: 200 ms late
+        a.deallocate(p, x);  // pending on x's event
+        void* q = a.allocate(20 * mib, gone_ref);  // no room to grow: gone waits on the device for x
+        EXPECT_EQ(q, p);
+        a.deallocate(q, gone_ref);  // parked
+      }).join();
+    });
+    a.deallocate(a.allocate(mib, other), other);  // off the cached pair: sweeps
+    EXPECT_TRUE(dev.stream_destroy_pending(gone_ref)) << "a stream waiting on the device for x stays held";
+    stream next(dev);
+    auto* q = static_cast<unsigned char*>(a.allocate(20 * mib, next));
+    EXPECT_EQ(pages_poisoned_late(dev, next, q), 0) << "next's data was overwritten by x's last use of the memory";
+    a.deallocate(q, next);
+    dev.synchronize(next);
+    dev.synchronize(other);
+    dev.synchronize(x);
+  }
+  dev.bury_the_destroyed();
 }
 
 TEST(destroyed_streams_host, a_retry_is_not_lost_to_allocations_in_a_no_host_waits_scope) {
