@@ -582,6 +582,33 @@ TEST(destroyed_streams_host, a_device_wait_queued_while_the_sweep_looks_at_a_str
   dev.bury_the_destroyed();
 }
 
+// A stream per request: the next stream's block of a size the last one
+// freed is that parked block as it was (the pools went vacant without
+// settling it). Settled, the segment's blocks would merge into one and the
+// request be split off its start instead.
+TEST(destroyed_streams_host, a_new_stream_takes_a_let_go_streams_parked_blocks_as_they_are) {
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, {});
+  std::uintptr_t four_at = 0, eight_at = 0;
+  {
+    stream gone(dev);
+    void* four = a.allocate(4 * mib, gone);
+    void* eight = a.allocate(8 * mib, gone);  // one 20 MiB segment: 4, 8 and 8 free
+    four_at = reinterpret_cast<std::uintptr_t>(four);
+    eight_at = reinterpret_cast<std::uintptr_t>(eight);
+    ASSERT_EQ(eight_at, four_at + 4 * mib);
+    a.deallocate(four, gone);  // both parked
+    a.deallocate(eight, gone);
+    dev.synchronize(gone);
+  }
+  stream next(dev);
+  void* p = a.allocate(8 * mib, next);  // sweeps, takes the vacant pools over
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p), eight_at) << "the parked 8 MiB block, not a split of the merged segment";
+  EXPECT_NO_THROW(a.check_invariants());
+  a.deallocate(p, next);
+  dev.synchronize(next);
+}
+
 TEST(destroyed_streams_host, a_retry_is_not_lost_to_allocations_in_a_no_host_waits_scope) {
   backend::host_device dev({.capacity_bytes = 256 * mib});
   alloc::caching_allocator a(dev, {});
