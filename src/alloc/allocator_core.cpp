@@ -468,9 +468,10 @@ bool allocator_core::deallocate(void* ptr, backend::stream_ref stream, bool even
   if (epoch_.forked_since()) [[unlikely]] return true;
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
   // The common free that parks its block, in the pool this thread's cache
-  // names, inline; any other free of a block found there, out of line under
-  // the same lock (one look-up). A block not found there (another pool, a
-  // tombstone's late free, an unknown pointer) takes the general way.
+  // names, inline; any other free of a block found there allocated or a
+  // tombstone, out of line under the same lock (one look-up). The rest takes
+  // the general way: a block of another pool, an orphaned tombstone's late
+  // free, an unknown pointer, a block found pending or parked (a double free).
   if (block_pool* pool = directory_.cached_pool(address)) [[likely]] {
     enum class outcome : unsigned char { not_here, freed, refused } done = outcome::not_here;
     {
