@@ -342,6 +342,21 @@ int pages_poisoned_late(late_destroying_device& dev, stream& next, unsigned char
   return poisoned;
 }
 
+// Sweeps (an allocation on `other`, off the cached pair), then expects
+// `gone` still held and a new stream's `bytes` (which would take its pools
+// over, had they been made vacant) untouched by what was still queued.
+void expect_kept_held_after_a_sweep(alloc::caching_allocator& a, late_destroying_device& dev, stream& other,
+                                    backend::stream_ref gone, std::size_t bytes, const char* why) {
+  a.deallocate(a.allocate(mib, other), other);
+  EXPECT_TRUE(dev.stream_destroy_pending(gone)) << why;
+  stream next(dev);
+  auto* q = static_cast<unsigned char*>(a.allocate(bytes, next));
+  EXPECT_EQ(pages_poisoned_late(dev, next, q), 0) << "next's data was overwritten: " << why;
+  a.deallocate(q, next);
+  dev.synchronize(next);
+  dev.synchronize(other);
+}
+
 TEST(destroyed_streams_host, the_sweep_lets_a_stream_go_only_once_the_work_it_queued_there_ran) {
   backend::host_device host({.capacity_bytes = 256 * mib});
   late_destroying_device dev(host);
@@ -420,16 +435,8 @@ TEST(destroyed_streams_host, a_free_while_the_sweep_looks_at_a_stream_keeps_it_h
       dev.hook_query(gone_ref, pending_free ? 2 : 1, [&] {
         std::thread([&] { a.deallocate(a.allocate(4 * mib, gone_ref), gone_ref); }).join();
       });
-      // Sweeps: `gone` is idle at its last query, but a free came after it.
-      a.deallocate(a.allocate(mib, other), other);
-      EXPECT_TRUE(dev.stream_destroy_pending(gone_ref)) << "a stream freed on meanwhile stays held";
-      stream next(dev);  // would take over gone's pools, had they been made vacant
-      auto* q = static_cast<unsigned char*>(a.allocate(4 * mib, next));
-      EXPECT_EQ(pages_poisoned_late(dev, next, q), 0)
-          << "next's data was overwritten by the poison of a free on the stream let go";
-      a.deallocate(q, next);
-      dev.synchronize(next);
-      dev.synchronize(other);
+      // `gone` is idle at the sweep's last query, but a free came after it.
+      expect_kept_held_after_a_sweep(a, dev, other, gone_ref, 4 * mib, "a stream freed on meanwhile stays held");
     }
     dev.bury_the_destroyed();
   }
@@ -484,28 +491,10 @@ TEST(destroyed_streams_host, the_sweep_queries_a_stream_with_nothing_to_quiesce_
 // debug), and no free of the sweep's own queues anything: the sweep must
 // still see the write (its last query, or the free counted) and keep the
 // stream, or the write lands in memory the next stream took over.
-class first_query_hook_device : public late_destroying_device {
- public:
-  using late_destroying_device::late_destroying_device;
-  [[nodiscard]] bool query(backend::stream_ref s) override {
-    const bool idle = late_destroying_device::query(s);
-    if (idle && s == hooked_ && ++queries_ == 1) hook_();  // the sweep's first query, found idle
-    return idle;
-  }
-  void hook_first_query(backend::stream_ref s, std::function<void()> hook) {
-    hooked_ = s;
-    hook_ = std::move(hook);
-  }
-
- private:
-  backend::stream_ref hooked_;
-  int queries_ = 0;
-  std::function<void()> hook_;
-};
 
 TEST(destroyed_streams_host, work_queued_while_the_sweep_looks_at_a_stream_keeps_it_held) {
   backend::host_device host({.capacity_bytes = 256 * mib});
-  first_query_hook_device dev(host);
+  query_hook_device dev(host);
   {
     alloc::caching_allocator a(dev, {});  // no debug
     stream other(dev);
@@ -517,22 +506,15 @@ TEST(destroyed_streams_host, work_queued_while_the_sweep_looks_at_a_stream_keeps
       a.deallocate(a.allocate(4 * mib, gone), gone);
       dev.synchronize(gone);
     }
-    dev.hook_first_query(gone_ref, [&] {
+    dev.hook_query(gone_ref, 1, [&] {
       std::thread([&] {
         void* p = a.allocate(4 * mib, gone_ref);
         dev.fill(gone_ref, p, late_destroying_device::poison, 4 * mib);  // 200 ms late (the device's fill)
         a.deallocate(p, gone_ref);  // common free: parked, nothing queued by the allocator
       }).join();
     });
-    a.deallocate(a.allocate(mib, other), other);  // off the cached pair: sweeps
-    EXPECT_TRUE(dev.stream_destroy_pending(gone_ref)) << "a stream with work queued after its first query stays held";
-    stream next(dev);  // would take over gone's pools, had they been made vacant
-    auto* q = static_cast<unsigned char*>(a.allocate(4 * mib, next));
-    EXPECT_EQ(pages_poisoned_late(dev, next, q), 0)
-        << "next's data was overwritten by work still queued on the stream let go";
-    a.deallocate(q, next);
-    dev.synchronize(next);
-    dev.synchronize(other);
+    expect_kept_held_after_a_sweep(a, dev, other, gone_ref, 4 * mib,
+                                   "a stream with work queued after the sweep's first query stays held");
   }
   dev.bury_the_destroyed();
 }
@@ -546,7 +528,7 @@ TEST(destroyed_streams_host, work_queued_while_the_sweep_looks_at_a_stream_keeps
 // while it waits for x, or `next` gets the block before x's write comes.
 TEST(destroyed_streams_host, a_device_wait_queued_while_the_sweep_looks_at_a_stream_keeps_it_held) {
   backend::host_device host({.capacity_bytes = 32 * mib});
-  first_query_hook_device dev(host);
+  query_hook_device dev(host);
   {
     alloc::caching_allocator a(dev, {});  // no debug, cross-stream safety on
     stream other(dev);
@@ -559,7 +541,7 @@ TEST(destroyed_streams_host, a_device_wait_queued_while_the_sweep_looks_at_a_str
       a.deallocate(a.allocate(20 * mib, gone), gone);  // a 20 MiB segment: 22 of the 32 MiB taken
       dev.synchronize(gone);
     }
-    dev.hook_first_query(gone_ref, [&] {
+    dev.hook_query(gone_ref, 1, [&] {
       std::thread([&] {
         void* p = a.allocate(20 * mib, gone_ref);
         dev.fill(x, p, late_destroying_device::poison, 4 * mib);  // x's last use: 200 ms late
@@ -569,14 +551,7 @@ TEST(destroyed_streams_host, a_device_wait_queued_while_the_sweep_looks_at_a_str
         a.deallocate(q, gone_ref);  // parked
       }).join();
     });
-    a.deallocate(a.allocate(mib, other), other);  // off the cached pair: sweeps
-    EXPECT_TRUE(dev.stream_destroy_pending(gone_ref)) << "a stream waiting on the device for x stays held";
-    stream next(dev);
-    auto* q = static_cast<unsigned char*>(a.allocate(20 * mib, next));
-    EXPECT_EQ(pages_poisoned_late(dev, next, q), 0) << "next's data was overwritten by x's last use of the memory";
-    a.deallocate(q, next);
-    dev.synchronize(next);
-    dev.synchronize(other);
+    expect_kept_held_after_a_sweep(a, dev, other, gone_ref, 20 * mib, "a stream waiting on the device for x stays held");
     dev.synchronize(x);
   }
   dev.bury_the_destroyed();
