@@ -403,8 +403,10 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
     std::lock_guard lock(p.lock);
     report.reserved_bytes += static_cast<std::size_t>(p.counters.reserved_bytes.current);
     report.allocated_bytes += static_cast<std::size_t>(p.counters.allocated_bytes.current);
-    report.largest_free_block = std::max(report.largest_free_block, p.bins.largest());
-    if (&p == &pool) largest_here = p.bins.largest();
+    // Parked blocks counted merged, as largest_free_block() counts them.
+    const std::size_t largest = largest_free_when_settled(p);
+    report.largest_free_block = std::max(report.largest_free_block, largest);
+    if (&p == &pool) largest_here = largest;
   });
   if (trace_.enabled()) trace_.note(trace_action::oom, 0, bytes, stream);
   std::vector<std::function<void(const oom_report&)>> observers;

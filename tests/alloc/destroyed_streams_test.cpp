@@ -584,6 +584,35 @@ TEST(destroyed_streams_host, a_new_stream_takes_a_let_go_streams_parked_blocks_a
   dev.synchronize(next);
 }
 
+// An out-of-memory report counts the parked blocks of a vacant pool (and of
+// any pool) merged, as largest_free_block() does: a refusal with no host
+// waits settles nothing first.
+TEST(destroyed_streams_host, an_out_of_memory_report_counts_a_vacant_pools_parked_blocks_merged) {
+  backend::host_device dev({.capacity_bytes = 64 * mib});
+  alloc::caching_allocator a(dev, {});
+  std::size_t reported = 0;
+  a.add_oom_observer([&](const alloc::oom_report& r) { reported = r.largest_free_block; });
+  stream other(dev);
+  a.deallocate(a.allocate(64 * 1024, other), other);
+  {
+    stream gone(dev);
+    void* four = a.allocate(4 * mib, gone);
+    void* eight = a.allocate(8 * mib, gone);  // one 20 MiB segment
+    a.deallocate(four, gone);                 // both parked
+    a.deallocate(eight, gone);
+    dev.synchronize(gone);
+  }
+  a.deallocate(a.allocate(64 * 1024, other), other);  // off the cached pair: sweeps, gone's pools vacant
+  ASSERT_EQ(a.largest_free_block(), 20 * mib);
+  {
+    alloc::no_host_waits_scope no_waits;
+    EXPECT_THROW((void)a.allocate(50 * mib, other), out_of_memory);
+  }
+  EXPECT_EQ(reported, 20 * mib);
+  EXPECT_NO_THROW(a.check_invariants());
+  dev.synchronize(other);
+}
+
 TEST(destroyed_streams_host, a_retry_is_not_lost_to_allocations_in_a_no_host_waits_scope) {
   backend::host_device dev({.capacity_bytes = 256 * mib});
   alloc::caching_allocator a(dev, {});
