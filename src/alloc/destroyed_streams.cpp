@@ -152,8 +152,6 @@ bool allocator_core::quiesce_destroyed_streams_pool(block_pool& pool, bool wait)
   std::vector<backend::event_ref> waits;
   {
     std::lock_guard lock(pool.lock);
-    // Nothing awaiting, pending or sealed: nothing to wait for or collect.
-    if (pool.awaiting.empty() && pool.pending.empty() && pool.sealed.empty()) return pool.handed_out() == 0;
     // Awaiting frees (pinned memory) wait for an event on this stream that
     // only its own calls would record: none will come now. Recorded here,
     // on the stream that is still held, and waited for below.
