@@ -29,6 +29,30 @@ void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_brea
     if (!broken) throw invalid_argument("unsafe_break_invariant: the allocator let no stream go");
     return;
   }
+  if (what == invariant_breakage::vacant_block_handed_out) {
+    bool broken = false;
+    directory_.with_stream_pools_listed([&](const auto&, const std::vector<stream_pools*>& vacant) {
+      for (stream_pools* p : vacant) {
+        for (block_pool* pool : {&p->small, &p->large}) {
+          std::lock_guard lock(pool->lock);
+          if (broken || pool->quick_count == 0) continue;
+          // What hand_out_parked does (inlined on the hot path, not callable here).
+          block* b = pool->quick[--pool->quick_count];
+          b->quick = false;
+          b->state = block_state::allocated;
+          refresh_split_stat(*pool, b);
+          const auto bytes = static_cast<std::int64_t>(b->size);
+          pool_counters::add(pool->counters.allocations, 1);
+          pool_counters::add(pool->counters.allocated_bytes, bytes);
+          pool_counters::add(pool->counters.active, 1);
+          pool_counters::add(pool->counters.active_bytes, bytes);
+          broken = true;
+        }
+      }
+    });
+    if (!broken) throw invalid_argument("unsafe_break_invariant: no let-go stream's pool holds a parked block");
+    return;
+  }
   with_block(reinterpret_cast<std::uintptr_t>(ptr), "unsafe_break_invariant", [&](block_pool& pool, block* b) {
     block* next = b->next;
     const bool next_settled = settled_free(next) && next->size >= 2 * min_block;
@@ -68,6 +92,7 @@ void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_brea
         (void)pool.by_address.take(b->address);
         return;
       case invariant_breakage::vacant_unmarked:
+      case invariant_breakage::vacant_block_handed_out:
         break;  // above
     }
     throw invalid_argument("unsafe_break_invariant: the block at " + hex(b->address) +

@@ -250,6 +250,28 @@ TYPED_TEST(invariant_checker, a_vacant_pool_without_its_mark_is_caught) {
   dev.synchronize(next);  // the allocator is broken: `p` is left as it is (a free would check it again)
 }
 
+// A vacant pool keeps the blocks its stream parked (the next new stream
+// takes them as they are), and nothing else: a block handed out there is
+// caught, though the pool's own books stay consistent.
+TYPED_TEST(invariant_checker, a_vacant_pool_holding_a_handed_out_block_is_caught) {
+  auto& dev = this->device();
+  auto& a = this->make();
+  if (a.config().debug) GTEST_SKIP() << "debug mode parks no freed block";
+  backend::stream next(dev);
+  void* p = a.allocate(kib, next);
+  {
+    backend::stream gone(dev);
+    a.deallocate(a.allocate(mib, gone), gone);  // parked
+    dev.synchronize(gone);
+  }
+  a.deallocate(a.allocate(kib, next), next);  // the sweep lets `gone` go, its parked block kept
+  EXPECT_NO_THROW(a.check_invariants());
+  alloc::test_hook::unsafe_break_invariant(a, p, invariant_breakage::vacant_block_handed_out);
+  const auto e = caught(a);
+  EXPECT_EQ(e.invariant(), "vacant") << e.what();
+  dev.synchronize(next);  // the allocator is broken: `p` is left as it is (a free would check it again)
+}
+
 TYPED_TEST(invariant_checker, the_hook_refuses_a_pointer_the_allocator_did_not_hand_out) {
   auto& a = this->make();
   int local = 0;

@@ -33,6 +33,10 @@ enum class invariant_breakage : std::uint8_t {
   /// for the next new stream) loses its vacant mark (`ptr` any live block;
   /// invalid_argument when no stream was let go)
   vacant_unmarked,
+  /// a parked block of a vacant pool is handed out there, as if the pool
+  /// still served a stream (`ptr` any live block; invalid_argument when no
+  /// let-go stream's pool holds a parked block)
+  vacant_block_handed_out,
 };
 
 /// Breaks `what` around the allocated block (or tombstone) at `ptr`. Throws
