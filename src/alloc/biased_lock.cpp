@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <new>
 #include <thread>
@@ -15,6 +17,21 @@ namespace shoal::alloc::detail {
 namespace {
 
 constexpr std::uint32_t last_threshold = std::uint32_t{1} << 20;
+
+// Checked in Debug builds and with SHOAL_CHECK_INVARIANTS (the sanitizer
+// builds, which define NDEBUG), as the allocator's other invariants are.
+#if defined(SHOAL_CHECK_INVARIANTS) || !defined(NDEBUG)
+constexpr bool check_use = true;
+#else
+constexpr bool check_use = false;
+#endif
+
+// A misuse is a bug in the library's own locking, never a caller's doing:
+// going on would hang, or let a hold be given back that nobody had.
+[[noreturn]] void misused(const char* what) noexcept {
+  std::fprintf(stderr, "shoal: a pool lock was misused: %s\n", what);
+  std::abort();
+}
 constexpr std::int64_t quiet_ns = std::chrono::nanoseconds(biased_lock::quiet_interval).count();
 
 std::uintptr_t calling_thread() noexcept {
@@ -118,9 +135,30 @@ void wait_for_owner_to_leave(const biased_lock_holder* owner, const biased_lock*
 
 }  // namespace
 
+bool biased_lock::checks_misuse() noexcept { return check_use; }
+
 void biased_lock::lock_slowly() noexcept {
+  if constexpr (check_use) {
+    const biased_lock_holder* me = biased_lock_threads::mine;
+    if ((me != nullptr && me->inside.load(std::memory_order_relaxed) == this) ||
+        others_holder_.load(std::memory_order_relaxed) == calling_thread()) {
+      misused("taken again by the thread that holds it");
+    }
+  }
   others_.lock();
   become_exclusive();
+  if constexpr (check_use) others_holder_.store(calling_thread(), std::memory_order_relaxed);
+}
+
+void biased_lock::unlock_slowly() noexcept {
+  if constexpr (check_use) {
+    if (others_holder_.load(std::memory_order_relaxed) != calling_thread()) {
+      misused("given back by a thread that does not hold it");
+    }
+    others_holder_.store(0, std::memory_order_relaxed);
+  }
+  if (revoking_.load(std::memory_order_relaxed)) revoking_.store(false, std::memory_order_release);
+  others_.unlock();
 }
 
 void biased_lock::become_exclusive() noexcept {
@@ -137,6 +175,18 @@ void biased_lock::become_exclusive() noexcept {
 }
 
 bool biased_lock::try_become_exclusive() noexcept {
+  if (!try_become_exclusive_unnoted()) return false;
+  if constexpr (check_use) {
+    const biased_lock_holder* me = biased_lock_threads::mine;
+    if (me != nullptr && me->inside.load(std::memory_order_relaxed) == this) {
+      misused("taken again by the thread that holds it");
+    }
+    others_holder_.store(calling_thread(), std::memory_order_relaxed);
+  }
+  return true;
+}
+
+bool biased_lock::try_become_exclusive_unnoted() noexcept {
   biased_lock_holder* owner = owner_.load(std::memory_order_relaxed);
   if (owner == nullptr) {
     count_streak();

@@ -36,6 +36,12 @@
 //   bias then, whatever threshold_ had grown to.
 // Without membarrier (asymmetric_fences_available) no bias is ever given:
 // a test-and-set lock with two more relaxed loads.
+// Misuse is a bug in the library: in Debug builds and with
+// SHOAL_CHECK_INVARIANTS (checks_misuse()), a thread that takes the lock
+// again while it holds it, or gives back a hold it does not have, ends the
+// process with a message (going on would hang, or let two holds be given
+// back as one); in other builds a recursive hold by the fast way goes
+// through and one by the other way hangs.
 //
 // Thread-safety: lock, try_lock and unlock from any thread (a Lockable, not
 // recursive, not for signal handlers: a handler that took the lock between
@@ -79,7 +85,7 @@ class biased_lock {
   [[nodiscard]] SHOAL_LOCK_LOCAL bool try_lock() noexcept {
     if (enter_as_owner()) return true;
     if (!others_.try_lock()) return false;
-    return try_become_exclusive();
+    return try_become_exclusive();  // notes the holder
   }
 
   [[gnu::always_inline]] SHOAL_LOCK_LOCAL void unlock() noexcept {
@@ -88,8 +94,7 @@ class biased_lock {
       me->inside.store(nullptr, std::memory_order_release);
       return;
     }
-    if (revoking_.load(std::memory_order_relaxed)) revoking_.store(false, std::memory_order_release);
-    others_.unlock();
+    unlock_slowly();
   }
 
   [[nodiscard]] SHOAL_LOCK_LOCAL bool biased_to_calling_thread() const noexcept {
@@ -97,6 +102,8 @@ class biased_lock {
     return me != nullptr && owner_.load(std::memory_order_relaxed) == me;
   }
   [[nodiscard]] std::uint32_t revocations() const noexcept { return revocations_; }
+  /// Whether this build checks the lock's use (see the header's comment).
+  [[nodiscard]] static bool checks_misuse() noexcept;
 
   /// Taken this many times in a row by one thread, an unbiased lock is
   /// biased to it (before any revocation, or long after the last).
@@ -129,11 +136,15 @@ class biased_lock {
   // Out of line, so that lock() stays small where it is inlined: takes
   // others_ and becomes exclusive.
   [[gnu::noinline]] SHOAL_LOCK_LOCAL void lock_slowly() noexcept;
+  // A hold taken by the other way: gives others_ back.
+  [[gnu::noinline]] SHOAL_LOCK_LOCAL void unlock_slowly() noexcept;
   // Holding others_: makes the hold exclusive (revokes another thread's bias).
   SHOAL_LOCK_LOCAL void become_exclusive() noexcept;
   // Holding others_: as become_exclusive, but gives others_ back and returns
   // false rather than wait for an owner that is inside.
   [[nodiscard]] SHOAL_LOCK_LOCAL bool try_become_exclusive() noexcept;
+  // try_become_exclusive without noting the holder.
+  [[nodiscard]] SHOAL_LOCK_LOCAL bool try_become_exclusive_unnoted() noexcept;
   // Holding others_, revoking_ set and heavy_fence passed, the owner out.
   SHOAL_LOCK_LOCAL void revoke() noexcept;
   // Holding others_, no bias: counts the caller's streak, may bias to it.
@@ -147,6 +158,8 @@ class biased_lock {
   std::uint32_t revocations_ = 0;
   std::uintptr_t last_taker_ = 0;
   std::int64_t last_revocation_ns_ = 0;
+  // The thread holding others_ (its thread pointer), while checks_misuse().
+  std::atomic<std::uintptr_t> others_holder_{0};
   spin_lock others_;
 };
 

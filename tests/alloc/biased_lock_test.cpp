@@ -13,6 +13,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
+#include <optional>
 #include <string>
 #include <random>
 #include <thread>
@@ -397,6 +399,64 @@ stress_result run_schedule(unsigned seed, int rounds, int bursts_per_round) {
     }
   }
   return r;
+}
+
+// A misuse of the lock (a bug in the library's own locking) ends a checking
+// build with a message: run in a child, which ends by SIGABRT. Without the
+// checks the child would hang (a recursive hold by the other way) or go on.
+void expect_misuse_ends_the_process(bool bias_first, const std::function<void(biased_lock&)>& misuse) {
+  if (!biased_lock::checks_misuse()) GTEST_SKIP() << "this build does not check the lock's use (Release)";
+  if (bias_first && !asymmetric_fences_available()) GTEST_SKIP() << "no membarrier(2) here: the lock is never biased";
+  testing::forked_child child([&] {
+    biased_lock lock;
+    if (bias_first) take_many_times(lock, biased_lock::first_threshold);
+    if (lock.biased_to_calling_thread() != bias_first) return 2;
+    misuse(lock);
+    return 0;
+  });
+  const std::optional<int> status = child.wait_for(10s);
+  ASSERT_TRUE(status.has_value()) << "the misuse hung";
+  EXPECT_EQ(*status, 128 + SIGABRT);
+}
+
+TEST(biased_lock, a_thread_taking_a_lock_it_holds_by_its_fast_way_is_caught) {
+  expect_misuse_ends_the_process(true, [](biased_lock& lock) {
+    lock.lock();
+    lock.lock();
+  });
+}
+
+TEST(biased_lock, a_thread_taking_a_lock_it_holds_by_the_other_way_is_caught) {
+  expect_misuse_ends_the_process(false, [](biased_lock& lock) {
+    lock.lock();
+    lock.lock();
+  });
+}
+
+TEST(biased_lock, try_lock_of_a_lock_held_by_the_fast_way_is_caught) {
+  expect_misuse_ends_the_process(true, [](biased_lock& lock) {
+    lock.lock();
+    (void)lock.try_lock();
+  });
+}
+
+TEST(biased_lock, a_second_unlock_is_caught) {
+  for (const bool biased : {true, false}) {
+    SCOPED_TRACE(biased ? "biased" : "unbiased");
+    expect_misuse_ends_the_process(biased, [](biased_lock& lock) {
+      lock.lock();
+      lock.unlock();
+      lock.unlock();
+    });
+  }
+}
+
+TEST(biased_lock, an_unlock_by_a_thread_that_does_not_hold_it_is_caught) {
+  if (!testing::forked_child_may_start_threads) GTEST_SKIP() << "sanitizers: a fork child starts no threads here";
+  expect_misuse_ends_the_process(false, [](biased_lock& lock) {
+    lock.lock();
+    std::thread([&] { lock.unlock(); }).join();
+  });
 }
 
 TEST(biased_lock, random_schedules_never_let_two_threads_in) {
