@@ -17,6 +17,7 @@ namespace shoal::alloc::detail {
 namespace {
 
 constexpr std::uint32_t last_threshold = std::uint32_t{1} << 20;
+constexpr std::int64_t quiet_ns = std::chrono::nanoseconds(biased_lock::quiet_interval).count();
 
 // Checked in Debug builds and with SHOAL_CHECK_INVARIANTS (the sanitizer
 // builds, which define NDEBUG), as the allocator's other invariants are.
@@ -32,7 +33,6 @@ constexpr bool check_use = false;
   std::fprintf(stderr, "shoal: a pool lock was misused: %s\n", what);
   std::abort();
 }
-constexpr std::int64_t quiet_ns = std::chrono::nanoseconds(biased_lock::quiet_interval).count();
 
 std::uintptr_t calling_thread() noexcept {
 #if defined(__x86_64__) || defined(__aarch64__)
