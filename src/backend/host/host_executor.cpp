@@ -56,15 +56,20 @@ host_executor::~host_executor() {
 
 void host_executor::stop_when_drained() {
   if (epoch_.forked_since()) return;  // the thread is the parent's (see the destructor)
+  // No one waits for it to end: whoever drops the executor last (an
+  // event's owner, another stream's wait) must not join a thread whose work
+  // may wait for that very owner.
+  // Detached before it is told to stop, while it cannot end (it runs until
+  // `stopping`): glibc's pthread_detach reads the thread's descriptor again
+  // after marking it detached, and a thread that ended meanwhile has freed
+  // that descriptor with its stack (a crash seen about once in a million
+  // streams made and destroyed).
+  state_->thread.detach();
   {
     std::lock_guard lock(state_->mutex);
     state_->stopping = true;
   }
   state_->has_work.notify_one();
-  // No one waits for it to end: whoever drops the executor last (an
-  // event's owner, another stream's wait) must not join a thread whose work
-  // may wait for that very owner.
-  state_->thread.detach();
 }
 
 void host_executor::throw_forked(const std::string& what) {
