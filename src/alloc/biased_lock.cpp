@@ -137,17 +137,35 @@ void wait_for_owner_to_leave(const biased_lock_holder* owner, const biased_lock*
 
 bool biased_lock::checks_misuse() noexcept { return check_use; }
 
-void biased_lock::lock_slowly() noexcept {
-  if constexpr (check_use) {
-    const biased_lock_holder* me = biased_lock_threads::mine;
-    if ((me != nullptr && me->inside.load(std::memory_order_relaxed) == this) ||
-        others_holder_.load(std::memory_order_relaxed) == calling_thread()) {
-      misused("taken again by the thread that holds it");
-    }
+// A slow-way hold of a lock biased to its holder marks the holder's record
+// with this tag (the lock's address, never odd, plus one): the record's fast
+// way is refused while it is not empty, so a second take comes to the checks.
+const void* biased_lock::slow_hold_tag() const noexcept {
+  return reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(this) | 1U);
+}
+
+void biased_lock::check_not_held_by_caller() const noexcept {
+  const biased_lock_holder* me = biased_lock_threads::mine;
+  const void* in = me != nullptr ? me->inside.load(std::memory_order_relaxed) : nullptr;
+  if (in == this || in == slow_hold_tag() || others_holder_.load(std::memory_order_relaxed) == calling_thread()) {
+    misused("taken again by the thread that holds it");
   }
+}
+
+void biased_lock::note_slow_hold() noexcept {
+  others_holder_.store(calling_thread(), std::memory_order_relaxed);
+  biased_lock_holder* me = biased_lock_threads::mine;
+  if (me != nullptr && owner_.load(std::memory_order_relaxed) == me &&
+      me->inside.load(std::memory_order_relaxed) == nullptr) {
+    me->inside.store(slow_hold_tag(), std::memory_order_relaxed);
+  }
+}
+
+void biased_lock::lock_slowly() noexcept {
+  if constexpr (check_use) check_not_held_by_caller();
   others_.lock();
   become_exclusive();
-  if constexpr (check_use) others_holder_.store(calling_thread(), std::memory_order_relaxed);
+  if constexpr (check_use) note_slow_hold();
 }
 
 void biased_lock::unlock_slowly() noexcept {
@@ -156,6 +174,10 @@ void biased_lock::unlock_slowly() noexcept {
       misused("given back by a thread that does not hold it");
     }
     others_holder_.store(0, std::memory_order_relaxed);
+    biased_lock_holder* me = biased_lock_threads::mine;
+    if (me != nullptr && me->inside.load(std::memory_order_relaxed) == slow_hold_tag()) {
+      me->inside.store(nullptr, std::memory_order_relaxed);
+    }
   }
   if (revoking_.load(std::memory_order_relaxed)) revoking_.store(false, std::memory_order_release);
   others_.unlock();
@@ -177,11 +199,8 @@ void biased_lock::become_exclusive() noexcept {
 bool biased_lock::try_become_exclusive() noexcept {
   if (!try_become_exclusive_unnoted()) return false;
   if constexpr (check_use) {
-    const biased_lock_holder* me = biased_lock_threads::mine;
-    if (me != nullptr && me->inside.load(std::memory_order_relaxed) == this) {
-      misused("taken again by the thread that holds it");
-    }
-    others_holder_.store(calling_thread(), std::memory_order_relaxed);
+    check_not_held_by_caller();
+    note_slow_hold();
   }
   return true;
 }

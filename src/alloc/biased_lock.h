@@ -38,10 +38,13 @@
 // a test-and-set lock with two more relaxed loads.
 // Misuse is a bug in the library: in Debug builds and with
 // SHOAL_CHECK_INVARIANTS (checks_misuse()), a thread that takes the lock
-// again while it holds it, or gives back a hold it does not have, ends the
-// process with a message (going on would hang, or let two holds be given
-// back as one); in other builds a recursive hold by the fast way goes
-// through and one by the other way hangs.
+// again while it holds it (lock or try_lock over a hold by the fast way;
+// lock over one by the other way), or gives back a hold it does not have,
+// ends the process with a message (going on would hang, or let two holds be
+// given back as one). There a hold by the other way of a lock biased to its
+// holder marks the holder's record, so the record's fast way stays shut
+// until it is given back. Other builds check nothing: a second take goes
+// through or hangs, depending on the ways.
 //
 // Thread-safety: lock, try_lock and unlock from any thread (a Lockable, not
 // recursive, not for signal handlers: a handler that took the lock between
@@ -145,6 +148,12 @@ class biased_lock {
   [[nodiscard]] SHOAL_LOCK_LOCAL bool try_become_exclusive() noexcept;
   // try_become_exclusive without noting the holder.
   [[nodiscard]] SHOAL_LOCK_LOCAL bool try_become_exclusive_unnoted() noexcept;
+  // Checking builds (checks_misuse()): a take by a thread that holds the
+  // lock ends the process; a slow-way hold is noted (others_holder_, and
+  // slow_hold_tag() in the holder's record when the lock is biased to it).
+  SHOAL_LOCK_LOCAL void check_not_held_by_caller() const noexcept;
+  SHOAL_LOCK_LOCAL void note_slow_hold() noexcept;
+  [[nodiscard]] SHOAL_LOCK_LOCAL const void* slow_hold_tag() const noexcept;
   // Holding others_, revoking_ set and heavy_fence passed, the owner out.
   SHOAL_LOCK_LOCAL void revoke() noexcept;
   // Holding others_, no bias: counts the caller's streak, may bias to it.

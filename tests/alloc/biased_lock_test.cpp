@@ -433,6 +433,18 @@ TEST(biased_lock, a_thread_taking_a_lock_it_holds_by_the_other_way_is_caught) {
   });
 }
 
+// The take that earns the bias holds the lock by the other way: a second
+// take would find the fast way open but for the record's mark.
+TEST(biased_lock, a_thread_taking_again_the_lock_whose_bias_its_hold_earned_is_caught) {
+  skip_without_fences();
+  expect_misuse_ends_the_process(false, [](biased_lock& lock) {
+    take_many_times(lock, biased_lock::first_threshold - 1);
+    lock.lock();  // the streak's last take: biased to this thread now, held by the other way
+    if (!lock.biased_to_calling_thread()) std::_Exit(3);
+    lock.lock();
+  });
+}
+
 TEST(biased_lock, try_lock_of_a_lock_held_by_the_fast_way_is_caught) {
   expect_misuse_ends_the_process(true, [](biased_lock& lock) {
     lock.lock();

@@ -1,8 +1,9 @@
 // A destroyed host stream's worker thread is detached before it is told to
 // stop: glibc's pthread_detach reads the thread's descriptor again after
-// marking it detached, and a worker told to stop first could end, free that
-// descriptor with its stack and let another ending thread unmap it (a
-// segmentation fault in pthread_detach, about once in a million streams).
+// marking it detached, and a worker told to stop first could end in between,
+// free that descriptor with its stack and let another ending thread unmap it
+// (a segmentation fault in pthread_detach, about once in a million streams).
+// The test stands in "ended before the detach" for "could end during it".
 #include <gtest/gtest.h>
 
 #include <atomic>

@@ -2,8 +2,10 @@
 // pthread_detach for the whole test binary; it passes every call on to the
 // real one, and on a thread inside a watching_detach scope first gives the
 // watched thread (a kernel thread id) a while to end on its own. A thread
-// that ends in that while had been told to stop before it was detached:
-// glibc's pthread_detach may then read the descriptor the ended thread freed.
+// that ends in that while had been told to stop before it was detached, so
+// it could as well end during the real detach: glibc 2.36's pthread_detach
+// marks the thread detached and then reads its descriptor again, which a
+// thread ending in between (detached by then) frees with its stack.
 #pragma once
 
 #include <sys/types.h>
