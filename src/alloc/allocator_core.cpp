@@ -310,16 +310,6 @@ block* allocator_core::take_free(block_pool& pool, std::size_t size) const {
   return b != nullptr && fits(b->size, size, splits_oversize(pool.kind, pool.is_private, config), config) ? b : nullptr;
 }
 
-SHOAL_HOT_INLINE void allocator_core::count_hand_out(block_pool& pool, const block* b, std::size_t requested) noexcept {
-  auto& c = pool.counters;
-  const auto bytes = static_cast<std::int64_t>(b->size);
-  pool_counters::add(c.allocations, 1);
-  pool_counters::add(c.allocated_bytes, bytes);
-  pool_counters::add(c.active, 1);
-  pool_counters::add(c.active_bytes, bytes);
-  pool_counters::add(c.requested_bytes, static_cast<std::int64_t>(requested));
-}
-
 SHOAL_HOT_INLINE void allocator_core::hand_out_parked(block_pool& pool, block* b, std::size_t requested,
                                                       backend::stream_ref stream, bool claim) noexcept {
   // What hand_out does, less what cannot apply to a parked block: only

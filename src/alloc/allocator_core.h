@@ -206,7 +206,17 @@ class allocator_core {
   /// hand_out of a block take_quick returned.
   void hand_out_parked(block_pool& pool, block* b, std::size_t requested, backend::stream_ref stream,
                        bool claim) noexcept;
-  static void count_hand_out(block_pool& pool, const block* b, std::size_t requested) noexcept;
+  /// A block handed out, in its pool's counters (the invariant test hook
+  /// counts with it too).
+  SHOAL_HOT_INLINE static void count_hand_out(block_pool& pool, const block* b, std::size_t requested) noexcept {
+    auto& c = pool.counters;
+    const auto bytes = static_cast<std::int64_t>(b->size);
+    pool_counters::add(c.allocations, 1);
+    pool_counters::add(c.allocated_bytes, bytes);
+    pool_counters::add(c.active, 1);
+    pool_counters::add(c.active_bytes, bytes);
+    pool_counters::add(c.requested_bytes, static_cast<std::int64_t>(requested));
+  }
   [[noreturn]] void out_of_memory_error(block_pool& pool, std::size_t bytes, backend::stream_ref stream);
 
   // ---- the free path (pool locked)

@@ -41,11 +41,7 @@ void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_brea
           b->quick = false;
           b->state = block_state::allocated;
           refresh_split_stat(*pool, b);
-          const auto bytes = static_cast<std::int64_t>(b->size);
-          pool_counters::add(pool->counters.allocations, 1);
-          pool_counters::add(pool->counters.allocated_bytes, bytes);
-          pool_counters::add(pool->counters.active, 1);
-          pool_counters::add(pool->counters.active_bytes, bytes);
+          count_hand_out(*pool, b, 0);
           broken = true;
         }
       }
