@@ -4,8 +4,9 @@
 // storages shared and released, watching memory stay flat.
 //
 //   shoal_bench_ipc [--backend host|cuda] [--iterations N] [--million N]
-//                   [--ring-bytes N]
-// Prints one table; the consumer is this program started again. Both sides
+//                   [--ring-bytes N] [--breakdown 1]
+// Prints one table (and with --breakdown 1 one more: what a 64 MiB round
+// trip adds to a 4 KiB one); the consumer is this program started again. Both sides
 // send through shared rings of --ring-bytes (sharing_options::ring_bytes,
 // its default when not given); 0 runs the socket alone.
 #include <cstring>
@@ -17,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,6 +39,7 @@ struct options {
   int iterations = 2000;
   long million = 1000000;
   std::size_t ring_bytes = ipc::sharing_options{}.ring_bytes;
+  bool breakdown = false;
 };
 
 ipc::sharing_options sharing_with_ring(std::size_t ring_bytes) {
@@ -180,9 +183,11 @@ class producer_side {
     return text + std::string(reinterpret_cast<const char*>(answer.data()), answer.size());
   }
   std::vector<double> sends_;
-  storage::storage make(std::size_t bytes) {
+  /// A storage of `bytes` with its first `written` bytes (all when 0)
+  /// filled, the fill waited for.
+  storage::storage make(std::size_t bytes, std::size_t written = 0) {
     auto st = storage::storage::allocate(allocator_, bytes, stream_);
-    dev_.fill(stream_, st.mutable_data(stream_), 7, bytes);
+    dev_.fill(stream_, st.mutable_data(stream_), 7, written == 0 ? bytes : std::min(written, bytes));
     dev_.synchronize(stream_);
     return st;
   }
@@ -202,20 +207,56 @@ class producer_side {
   backend::stream_guard on_stream_;
 };
 
-void round_trips(producer_side& p, const options& o) {
-  for (std::size_t bytes : {std::size_t{4} << 10, std::size_t{64} << 20}) {
-    std::vector<storage::storage> keep;  // as the anchor does: the last 8 stay alive
-    std::vector<double> times;
-    for (int i = 0; i < o.iterations + 20; ++i) {
-      auto st = p.make(bytes);
-      const double us = p.round_trip_us(st);
-      if (i >= 20) times.push_back(us);
-      keep.push_back(std::move(st));
-      if (keep.size() > 8) keep.erase(keep.begin());
+// One way of timing round trips with the segment open: each storage of
+// `bytes`, `written` of it filled (0: all), the last `kept` alive (the
+// anchor keeps 8); before each send, `elsewhere` bytes of another storage
+// are filled and waited for, then the producer waits `idle` more.
+struct round_trip_case {
+  const char* name;
+  std::size_t bytes;
+  std::size_t written = 0;
+  std::size_t kept = 8;
+  std::size_t elsewhere = 0;
+  std::chrono::microseconds idle{0};
+};
+
+void round_trips(producer_side& p, const options& o, const round_trip_case& c) {
+  std::vector<storage::storage> keep;
+  std::optional<storage::storage> other;
+  if (c.elsewhere > 0) other = p.make(c.elsewhere);
+  std::vector<double> times;
+  for (int i = 0; i < o.iterations + 20; ++i) {
+    auto st = p.make(c.bytes, c.written);
+    if (other) {
+      p.dev_.fill(p.stream_, other->mutable_data(p.stream_), 1, c.elsewhere);
+      p.dev_.synchronize(p.stream_);
     }
-    const auto [median, p90] = summarize(times);
-    std::printf("| round trip, segment open, %s | %.1f | %.1f | %s |\n",
-                bytes < (1 << 20) ? "4 KiB" : "64 MiB", median, p90, p.steps().c_str());
+    for (const auto until = clock_type::now() + c.idle; clock_type::now() < until;) {
+    }
+    const double us = p.round_trip_us(st);
+    if (i >= 20) times.push_back(us);
+    keep.push_back(std::move(st));
+    if (keep.size() > c.kept) keep.erase(keep.begin());
+  }
+  const auto [median, p90] = summarize(times);
+  std::printf("| %s | %.1f | %.1f | %s |\n", c.name, median, p90, p.steps().c_str());
+}
+
+// What a 64 MiB round trip adds to a 4 KiB one, taken apart: the size of
+// the write before it, the number of segments in turn, a large write
+// elsewhere, and a longer wait between round trips.
+void round_trip_breakdown(producer_side& p, const options& o) {
+  constexpr std::size_t small = std::size_t{4} << 10, large = std::size_t{64} << 20;
+  std::printf("\n| what the 64 MiB round trip adds, same run | median us | p90 us | medians as above |\n|---|---|---|---|\n");
+  for (const round_trip_case& c : {
+           round_trip_case{"4 KiB (as above)", small},
+           round_trip_case{"64 MiB (as above)", large},
+           round_trip_case{"64 MiB, 4 KiB of it written", large, small},
+           round_trip_case{"64 MiB, one storage at a time (one segment)", large, 0, 0},
+           round_trip_case{"4 KiB, 64 MiB written elsewhere before each", small, 0, 8, large},
+           round_trip_case{"4 KiB, 30 us spent before each send", small, 0, 8, 0, std::chrono::microseconds{30}},
+       }) {
+    round_trips(p, o, c);
   }
 }
 
@@ -303,6 +344,7 @@ int main(int argc, char** argv) {
       else if (flag == "--iterations") o.iterations = std::atoi(argv[i + 1]);
       else if (flag == "--million") o.million = std::atol(argv[i + 1]);
       else if (flag == "--ring-bytes") o.ring_bytes = std::stoul(argv[i + 1]);
+      else if (flag == "--breakdown") o.breakdown = std::string(argv[i + 1]) == "1";
       else throw invalid_argument("unknown flag " + flag);
     }
     backend::device& dev = device_named(o.backend);
@@ -310,9 +352,11 @@ int main(int argc, char** argv) {
                 o.backend.c_str(), dev.name().c_str(),
                 o.ring_bytes > 0 ? ("rings of " + std::to_string(o.ring_bytes) + " bytes").c_str() : "the socket alone");
     producer_side p(dev, "/proc/self/exe", o.backend, o.ring_bytes);
-    round_trips(p, o);
+    round_trips(p, o, {"round trip, segment open, 4 KiB", std::size_t{4} << 10});
+    round_trips(p, o, {"round trip, segment open, 64 MiB", std::size_t{64} << 20});
     first_shares(p, o);
     round_trip_floor(p, o);
+    if (o.breakdown) round_trip_breakdown(p, o);
     flat_memory(p, o);
     return 0;
   } catch (const std::exception& e) {
