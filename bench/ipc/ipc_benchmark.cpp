@@ -20,6 +20,7 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "shoal/alloc/caching_allocator.h"
@@ -210,7 +211,8 @@ class producer_side {
 // One way of timing round trips with the segment open: each storage of
 // `bytes`, `written` of it filled (0: all), the last `kept` alive (the
 // anchor keeps 8); before each send, `elsewhere` bytes of another storage
-// are filled and waited for, then the producer waits `idle` more.
+// are filled and waited for (by synchronize, or by polling the stream),
+// then the producer spins or sleeps `idle` more.
 struct round_trip_case {
   const char* name;
   std::size_t bytes;
@@ -218,6 +220,8 @@ struct round_trip_case {
   std::size_t kept = 8;
   std::size_t elsewhere = 0;
   std::chrono::microseconds idle{0};
+  bool sleep = false;
+  bool poll = false;
 };
 
 void round_trips(producer_side& p, const options& o, const round_trip_case& c) {
@@ -229,9 +233,18 @@ void round_trips(producer_side& p, const options& o, const round_trip_case& c) {
     auto st = p.make(c.bytes, c.written);
     if (other) {
       p.dev_.fill(p.stream_, other->mutable_data(p.stream_), 1, c.elsewhere);
-      p.dev_.synchronize(p.stream_);
+      if (c.poll) {
+        while (!p.dev_.query(p.stream_)) {
+        }
+      } else {
+        p.dev_.synchronize(p.stream_);
+      }
     }
-    for (const auto until = clock_type::now() + c.idle; clock_type::now() < until;) {
+    if (c.sleep) {
+      std::this_thread::sleep_for(c.idle);
+    } else {
+      for (const auto until = clock_type::now() + c.idle; clock_type::now() < until;) {
+      }
     }
     const double us = p.round_trip_us(st);
     if (i >= 20) times.push_back(us);
@@ -244,7 +257,8 @@ void round_trips(producer_side& p, const options& o, const round_trip_case& c) {
 
 // What a 64 MiB round trip adds to a 4 KiB one, taken apart: the size of
 // the write before it, the number of segments in turn, a large write
-// elsewhere, and a longer wait between round trips.
+// elsewhere (waited for by synchronize or by polling), and a longer pause
+// between round trips (spinning or asleep).
 void round_trip_breakdown(producer_side& p, const options& o) {
   constexpr std::size_t small = std::size_t{4} << 10, large = std::size_t{64} << 20;
   std::printf("\n| what the 64 MiB round trip adds, same run | median us | p90 us | medians as above |\n|---|---|---|---|\n");
@@ -254,7 +268,9 @@ void round_trip_breakdown(producer_side& p, const options& o) {
            round_trip_case{"64 MiB, 4 KiB of it written", large, small},
            round_trip_case{"64 MiB, one storage at a time (one segment)", large, 0, 0},
            round_trip_case{"4 KiB, 64 MiB written elsewhere before each", small, 0, 8, large},
+           round_trip_case{"4 KiB, 64 MiB written elsewhere, waited for by polling", small, 0, 8, large, {}, false, true},
            round_trip_case{"4 KiB, 30 us spent before each send", small, 0, 8, 0, std::chrono::microseconds{30}},
+           round_trip_case{"4 KiB, 30 us asleep before each send", small, 0, 8, 0, std::chrono::microseconds{30}, true},
        }) {
     round_trips(p, o, c);
   }
