@@ -25,7 +25,11 @@ bool register_private_expedited() noexcept {
 bool register_private_expedited() noexcept { return false; }
 #endif
 
+std::atomic<std::uint64_t> heavy_fences{0};
+
 }  // namespace
+
+std::uint64_t heavy_fences_so_far() noexcept { return heavy_fences.load(std::memory_order_relaxed); }
 
 bool asymmetric_fences_available() noexcept {
   static const bool available = fences_are_sequential || register_private_expedited();
@@ -33,6 +37,7 @@ bool asymmetric_fences_available() noexcept {
 }
 
 void heavy_fence() noexcept {
+  heavy_fences.fetch_add(1, std::memory_order_relaxed);
   if constexpr (fences_are_sequential) return;  // the handshake's own operations order it (asymmetric_fence.h)
 #if defined(__linux__) && defined(__NR_membarrier)
   if (membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0) return;

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 
 namespace shoal::alloc::detail {
 
@@ -54,5 +55,9 @@ inline void light_fence() noexcept { std::atomic_signal_fence(std::memory_order_
 /// again, and if even a global membarrier fails the process terminates, as
 /// going on could let two threads into one critical section.
 void heavy_fence() noexcept;
+
+/// How many heavy fences this process asked for so far (tests, and anyone
+/// weighing what a reader of many locks costs).
+[[nodiscard]] std::uint64_t heavy_fences_so_far() noexcept;
 
 }  // namespace shoal::alloc::detail

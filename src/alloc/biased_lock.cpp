@@ -229,6 +229,69 @@ bool biased_lock::try_become_exclusive_unnoted() noexcept {
   return true;
 }
 
+bool biased_lock::begin_look() noexcept {
+  if constexpr (check_use) note_slow_hold();
+  biased_lock_holder* owner = owner_.load(std::memory_order_relaxed);
+  if (owner == nullptr || owner == biased_lock_threads::mine) return true;
+  revoking_.store(true, handshake_order);
+  return false;
+}
+
+bool biased_lock::owner_inside() const noexcept {
+  if (test_skip_waiting_for_owner.load(std::memory_order_relaxed)) return false;
+  return inside(owner_.load(std::memory_order_relaxed), this,
+                fences_are_sequential ? std::memory_order_seq_cst : std::memory_order_acquire);
+}
+
+void biased_lock::look_at_each(std::span<biased_lock* const> locks, look_function look, void* context) {
+  enum class step : std::uint8_t { busy, waiting, done };
+  std::vector<step> steps(locks.size(), step::busy);  // before any lock is taken: may throw
+  const auto look_and_leave = [&](std::size_t i) noexcept {
+    look(context, i);
+    locks[i]->unlock_slowly();
+    steps[i] = step::done;
+  };
+  // Those nobody holds by the other way, together: owner_ cannot change
+  // while others_ is held, so each waits only for its owner to go out.
+  std::size_t waiting = 0;
+  for (std::size_t i = 0; i < locks.size(); ++i) {
+    biased_lock& l = *locks[i];
+    if constexpr (check_use) l.check_not_held_by_caller();
+    if (!l.others_.try_lock()) continue;  // busy: looked at alone, below
+    if (l.begin_look()) {
+      look_and_leave(i);
+    } else {
+      steps[i] = step::waiting;
+      ++waiting;
+    }
+  }
+  if (waiting > 0) heavy_fence();
+  // An owner inside one lock may wait for another of these (with the
+  // allocator's lock order, only one it holds by neither way): each is let
+  // go as soon as its own owner is out, so no wait here holds anyone back.
+  for (int rounds = 0; waiting > 0; ++rounds) {
+    for (std::size_t i = 0; i < locks.size(); ++i) {
+      if (steps[i] != step::waiting || locks[i]->owner_inside()) continue;
+      look_and_leave(i);
+      --waiting;
+    }
+    if (rounds > 64) std::this_thread::yield();
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  for (std::size_t i = 0; i < locks.size(); ++i) {
+    if (steps[i] != step::busy) continue;
+    biased_lock& l = *locks[i];
+    l.others_.lock();
+    if (!l.begin_look()) {
+      heavy_fence();
+      wait_for_owner_to_leave(l.owner_.load(std::memory_order_relaxed), &l);
+    }
+    look_and_leave(i);
+  }
+}
+
 void biased_lock::revoke() noexcept {
   owner_.store(nullptr, std::memory_order_relaxed);
   ++revocations_;

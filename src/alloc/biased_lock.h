@@ -30,10 +30,15 @@
 //   within 100 ms of the last one multiplies threshold_ by 4 (one later
 //   starts it again from first_threshold), so a lock that changes hands
 //   often soon stops being biased and its revocations (a membarrier each,
-//   microseconds) stay rare, while one polled now and then by another
-//   thread (statistics) is biased again soon after. A streak that reaches
-//   first_threshold 100 ms or more after the last revocation earns the
-//   bias then, whatever threshold_ had grown to.
+//   microseconds) stay rare. A streak that reaches first_threshold 100 ms
+//   or more after the last revocation earns the bias then, whatever
+//   threshold_ had grown to.
+// - a look (look_at_each: statistics, read by another thread now and then)
+//   is a revocation that leaves the bias where it is: revoking_ set, the
+//   heavy fence, the owner waited out, then revoking_ cleared at the end;
+//   owner_, the streak and the threshold stay. The owner, meanwhile, takes
+//   the slow way and keeps its bias. Many locks looked at together share
+//   one heavy fence.
 // Without membarrier (asymmetric_fences_available) no bias is ever given:
 // a test-and-set lock with two more relaxed loads.
 // Misuse is a bug in the library: in Debug builds and with
@@ -55,7 +60,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
+#include <span>
+#include <type_traits>
 
 #include "alloc/asymmetric_fence.h"
 #include "alloc/spin_lock.h"
@@ -108,6 +116,24 @@ class biased_lock {
   /// Whether this build checks the lock's use (see the header's comment).
   [[nodiscard]] static bool checks_misuse() noexcept;
 
+  /// Runs look(context, i) holding locks[i], for each i, and leaves every
+  /// lock's bias with its thread: a look revokes nothing and counts toward
+  /// no bias, so a thread reading statistics now and then costs the threads
+  /// the locks are biased to only the wait. The locks nobody holds by the
+  /// other way are taken together and share one heavy fence (one membarrier
+  /// for all, not one a lock); the rest are looked at one at a time after.
+  /// The caller holds none of `locks`, each appears once, and look neither
+  /// throws nor takes a lock of the allocator. Throws std::bad_alloc before
+  /// taking any lock.
+  using look_function = void (*)(void* context, std::size_t i) noexcept;
+  SHOAL_LOCK_LOCAL static void look_at_each(std::span<biased_lock* const> locks, look_function look, void* context);
+  template <class Look>
+  SHOAL_LOCK_LOCAL static void look_at_each(std::span<biased_lock* const> locks, Look&& look) {
+    using callable = std::remove_reference_t<Look>;
+    look_at_each(locks, [](void* context, std::size_t i) noexcept { (*static_cast<callable*>(context))(i); },
+                 static_cast<void*>(&look));
+  }
+
   /// Taken this many times in a row by one thread, an unbiased lock is
   /// biased to it (before any revocation, or long after the last).
   static constexpr std::uint32_t first_threshold = 16;
@@ -156,6 +182,11 @@ class biased_lock {
   [[nodiscard]] SHOAL_LOCK_LOCAL const void* slow_hold_tag() const noexcept;
   // Holding others_, revoking_ set and heavy_fence passed, the owner out.
   SHOAL_LOCK_LOCAL void revoke() noexcept;
+  // Holding others_ for a look: true when it may run now (no bias, or the
+  // caller's); else sets revoking_, and the look waits for the heavy fence
+  // and for the owner to be out (owner_inside).
+  [[nodiscard]] SHOAL_LOCK_LOCAL bool begin_look() noexcept;
+  [[nodiscard]] SHOAL_LOCK_LOCAL bool owner_inside() const noexcept;
   // Holding others_, no bias: counts the caller's streak, may bias to it.
   SHOAL_LOCK_LOCAL void count_streak() noexcept;
 

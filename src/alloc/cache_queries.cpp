@@ -11,10 +11,7 @@ namespace shoal::alloc::detail {
 
 std::size_t allocator_core::largest_free_block() const {
   std::size_t largest = 0;
-  directory_.for_each_stream_pool([&](block_pool& p) {
-    std::lock_guard lock(p.lock);
-    largest = std::max(largest, largest_free_when_settled(p));
-  });
+  directory_.look_at_each_pool(false, [&](block_pool& p) { largest = std::max(largest, largest_free_when_settled(p)); });
   return largest;
 }
 

@@ -56,7 +56,10 @@
 // it holds directory_mutex_ exclusively, and by a growing pool that try_locks its
 // sibling (segment_source::give_back_from_sibling) and never waits for it
 // (nor for the region hand-off lock, which a give-back of tombstones
-// try_locks under a pool lock);
+// try_locks under a pool lock), and by a look at every pool
+// (look_at_each_pool: statistics), which takes them with try_lock, waits
+// only for an owner inside by the fast way (as anyone taking that lock
+// would) and lets each go as soon as its owner is out;
 // as nobody else waits for a pool lock while holding another, this cannot
 // deadlock. Cache-miss hooks run with no
 // allocator lock held. Device calls may run under a pool lock (like
@@ -205,6 +208,13 @@ class pool_directory {
   /// sub-pools), one at a time, with no lock held.
   template <class Fn>
   void for_each_stream_pool(Fn&& fn) const;
+  /// Runs fn(pool) holding that pool's lock, for every live pool (vacant
+  /// ones too; private sub-pools when private_too), through
+  /// biased_lock::look_at_each: no pool's bias goes to the reader, and one
+  /// heavy fence serves them all. For readers of counters: fn must not
+  /// throw or take a lock of the allocator.
+  template <class Fn>
+  void look_at_each_pool(bool private_too, Fn&& fn) const;
   /// Runs fn(pool) for every pool ever made, emptied sub-pools of destroyed
   /// private pools too.
   /// Teardown only: no other call may run.
@@ -346,6 +356,16 @@ void pool_directory::for_each_pool(Fn&& fn) const {
 template <class Fn>
 void pool_directory::for_each_stream_pool(Fn&& fn) const {
   for (block_pool* p : live_pools(false)) fn(*p);
+}
+
+template <class Fn>
+void pool_directory::look_at_each_pool(bool private_too, Fn&& fn) const {
+  const std::vector<block_pool*> pools = live_pools(private_too);
+  std::vector<biased_lock*> locks;
+  locks.reserve(pools.size());
+  for (block_pool* p : pools) locks.push_back(&p->lock);
+  auto look = [&](std::size_t i) noexcept { fn(*pools[i]); };
+  biased_lock::look_at_each(locks, look);
 }
 
 template <class Fn>
