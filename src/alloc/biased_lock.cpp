@@ -152,6 +152,11 @@ void biased_lock::check_not_held_by_caller() const noexcept {
   }
 }
 
+bool biased_lock::refused_try() const noexcept {
+  if constexpr (check_use) check_not_held_by_caller();
+  return false;
+}
+
 void biased_lock::note_slow_hold() noexcept {
   others_holder_.store(calling_thread(), std::memory_order_relaxed);
   biased_lock_holder* me = biased_lock_threads::mine;

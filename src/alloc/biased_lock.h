@@ -43,8 +43,8 @@
 // a test-and-set lock with two more relaxed loads.
 // Misuse is a bug in the library: in Debug builds and with
 // SHOAL_CHECK_INVARIANTS (checks_misuse()), a thread that takes the lock
-// again while it holds it (lock or try_lock over a hold by the fast way;
-// lock over one by the other way), or gives back a hold it does not have,
+// again while it holds it (by lock or try_lock, over a hold by either way),
+// or gives back a hold it does not have,
 // ends the process with a message (going on would hang, or let two holds be
 // given back as one). There a hold by the other way of a lock biased to its
 // holder marks the holder's record, so the record's fast way stays shut
@@ -95,7 +95,7 @@ class biased_lock {
 
   [[nodiscard]] SHOAL_LOCK_LOCAL bool try_lock() noexcept {
     if (enter_as_owner()) return true;
-    if (!others_.try_lock()) return false;
+    if (!others_.try_lock()) return refused_try();
     return try_become_exclusive();  // notes the holder
   }
 
@@ -178,6 +178,8 @@ class biased_lock {
   // lock ends the process; a slow-way hold is noted (others_holder_, and
   // slow_hold_tag() in the holder's record when the lock is biased to it).
   SHOAL_LOCK_LOCAL void check_not_held_by_caller() const noexcept;
+  // try_lock found others_ held: false (checked first: not by the caller).
+  [[gnu::noinline]] [[nodiscard]] SHOAL_LOCK_LOCAL bool refused_try() const noexcept;
   SHOAL_LOCK_LOCAL void note_slow_hold() noexcept;
   [[nodiscard]] SHOAL_LOCK_LOCAL const void* slow_hold_tag() const noexcept;
   // Holding others_, revoking_ set and heavy_fence passed, the owner out.

@@ -452,6 +452,13 @@ TEST(biased_lock, try_lock_of_a_lock_held_by_the_fast_way_is_caught) {
   });
 }
 
+TEST(biased_lock, try_lock_of_a_lock_held_by_the_other_way_is_caught) {
+  expect_misuse_ends_the_process(false, [](biased_lock& lock) {
+    lock.lock();
+    (void)lock.try_lock();
+  });
+}
+
 TEST(biased_lock, a_second_unlock_is_caught) {
   for (const bool biased : {true, false}) {
     SCOPED_TRACE(biased ? "biased" : "unbiased");
