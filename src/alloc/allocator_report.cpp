@@ -74,7 +74,7 @@ allocator_stats allocator_core::stats() {
   // Private pools' memory is the caller's, outside the source's total
   // (growing ones' excepted: the device's, counted there).
   std::int64_t private_reserved_peak = 0;
-  directory_.look_at_each_pool(true, [&](block_pool& p) {
+  directory_.look_at_each_pool(true, [&](block_pool& p) noexcept {
     if (p.is_private && !p.grows) private_reserved_peak += p.counters.reserved_bytes.peak;
     pool_counters c = p.counters;  // free split blocks counted merged, as settling would leave them
     std::tie(c.inactive_split, c.inactive_split_bytes) = settled_split_stats(p);
@@ -94,7 +94,7 @@ allocator_stats allocator_core::stats() {
 
 void allocator_core::reset_peak_stats() {
   std::lock_guard retired_lock(retired_mutex_);
-  directory_.look_at_each_pool(true, [](block_pool& p) {
+  directory_.look_at_each_pool(true, [](block_pool& p) noexcept {
     for_each_stat(p.counters, [](stat& s) { s.peak = s.current; });
   });
   for (pool_counters& c : retired_) for_each_stat(c, [](stat& s) { s.peak = 0; });
@@ -104,7 +104,7 @@ void allocator_core::reset_peak_stats() {
 
 void allocator_core::reset_accumulated_stats() {
   std::lock_guard retired_lock(retired_mutex_);
-  directory_.look_at_each_pool(true, [](block_pool& p) {
+  directory_.look_at_each_pool(true, [](block_pool& p) noexcept {
     for_each_stat(p.counters, [](stat& s) {
       s.allocated = s.current;  // keeps current = allocated - freed
       s.freed = 0;

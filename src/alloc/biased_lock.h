@@ -122,14 +122,16 @@ class biased_lock {
   /// the locks are biased to only the wait. The locks nobody holds by the
   /// other way are taken together and share one heavy fence (one membarrier
   /// for all, not one a lock); the rest are looked at one at a time after.
-  /// The caller holds none of `locks`, each appears once, and look neither
-  /// throws nor takes a lock of the allocator. Throws std::bad_alloc before
-  /// taking any lock.
+  /// The caller holds no pool lock (one outside `locks` too: an owner
+  /// inside one of them could be waiting for it), each lock appears once,
+  /// and look neither throws nor takes a lock of the allocator. Throws
+  /// std::bad_alloc before taking any lock.
   using look_function = void (*)(void* context, std::size_t i) noexcept;
   SHOAL_LOCK_LOCAL static void look_at_each(std::span<biased_lock* const> locks, look_function look, void* context);
   template <class Look>
   SHOAL_LOCK_LOCAL static void look_at_each(std::span<biased_lock* const> locks, Look&& look) {
     using callable = std::remove_reference_t<Look>;
+    static_assert(std::is_nothrow_invocable_v<callable&, std::size_t>, "a look runs holding locks: it must not throw");
     look_at_each(locks, [](void* context, std::size_t i) noexcept { (*static_cast<callable*>(context))(i); },
                  static_cast<void*>(&look));
   }

@@ -11,7 +11,8 @@ namespace shoal::alloc::detail {
 
 std::size_t allocator_core::largest_free_block() const {
   std::size_t largest = 0;
-  directory_.look_at_each_pool(false, [&](block_pool& p) { largest = std::max(largest, largest_free_when_settled(p)); });
+  directory_.look_at_each_pool(false,
+                               [&](block_pool& p) noexcept { largest = std::max(largest, largest_free_when_settled(p)); });
   return largest;
 }
 

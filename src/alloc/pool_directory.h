@@ -57,9 +57,10 @@
 // sibling (segment_source::give_back_from_sibling) and never waits for it
 // (nor for the region hand-off lock, which a give-back of tombstones
 // try_locks under a pool lock), and by a look at every pool
-// (look_at_each_pool: statistics), which takes them with try_lock, waits
-// only for an owner inside by the fast way (as anyone taking that lock
-// would) and lets each go as soon as its owner is out;
+// (look_at_each_pool: statistics), holding no other pool lock, which takes
+// the free ones with try_lock, waits only for an owner inside by the fast
+// way (as anyone taking that lock would) and lets each go as soon as its
+// owner is out, then takes a busy one alone, holding none of the others;
 // as nobody else waits for a pool lock while holding another, this cannot
 // deadlock. Cache-miss hooks run with no
 // allocator lock held. Device calls may run under a pool lock (like
@@ -79,6 +80,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -211,8 +213,8 @@ class pool_directory {
   /// Runs fn(pool) holding that pool's lock, for every live pool (vacant
   /// ones too; private sub-pools when private_too), through
   /// biased_lock::look_at_each: no pool's bias goes to the reader, and one
-  /// heavy fence serves them all. For readers of counters: fn must not
-  /// throw or take a lock of the allocator.
+  /// heavy fence serves them all. For readers of counters: fn is noexcept
+  /// and takes no lock of the allocator; the caller holds no pool lock.
   template <class Fn>
   void look_at_each_pool(bool private_too, Fn&& fn) const;
   /// Runs fn(pool) for every pool ever made, emptied sub-pools of destroyed
@@ -360,6 +362,7 @@ void pool_directory::for_each_stream_pool(Fn&& fn) const {
 
 template <class Fn>
 void pool_directory::look_at_each_pool(bool private_too, Fn&& fn) const {
+  static_assert(std::is_nothrow_invocable_v<Fn&, block_pool&>, "a look runs holding pool locks: it must not throw");
   const std::vector<block_pool*> pools = live_pools(private_too);
   std::vector<biased_lock*> locks;
   locks.reserve(pools.size());
