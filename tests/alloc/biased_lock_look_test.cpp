@@ -15,21 +15,15 @@
 #include <vector>
 
 #include "alloc/biased_lock.h"
+#include "alloc/biased_lock_helpers.h"
 
 namespace shoal::alloc::detail {
 namespace {
 
 using namespace std::chrono_literals;
 
-void skip_without_fences() {
-  if (!asymmetric_fences_available()) GTEST_SKIP() << "no membarrier(2) here: the lock is never biased";
-}
-
 void bias_to_this_thread(biased_lock& lock) {
-  for (std::uint32_t i = 0; i < biased_lock::first_threshold; ++i) {
-    lock.lock();
-    lock.unlock();
-  }
+  take_many_times(lock, biased_lock::first_threshold);
   ASSERT_TRUE(lock.biased_to_calling_thread());
 }
 
@@ -38,13 +32,6 @@ template <class Look>
 void look_elsewhere(std::vector<biased_lock*> locks, Look look) {
   std::thread([&] { biased_lock::look_at_each(locks, look); }).join();
 }
-
-struct skip_waiting_for_owner {
-  skip_waiting_for_owner() { biased_lock::test_skip_waiting_for_owner = true; }
-  ~skip_waiting_for_owner() { biased_lock::test_skip_waiting_for_owner = false; }
-  skip_waiting_for_owner(const skip_waiting_for_owner&) = delete;
-  skip_waiting_for_owner& operator=(const skip_waiting_for_owner&) = delete;
-};
 
 TEST(biased_lock_look, leaves_every_bias_with_its_owner) {
   skip_without_fences();

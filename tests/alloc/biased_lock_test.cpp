@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "alloc/biased_lock_helpers.h"
 #include "support/processes.h"
 
 namespace shoal::alloc::detail {
@@ -27,24 +28,6 @@ namespace {
 
 using namespace std::chrono_literals;
 
-void skip_without_fences() {
-  if (!asymmetric_fences_available()) GTEST_SKIP() << "no membarrier(2) here: the lock is never biased";
-}
-
-void take_many_times(biased_lock& lock, std::uint32_t times) {
-  for (std::uint32_t i = 0; i < times; ++i) {
-    lock.lock();
-    lock.unlock();
-  }
-}
-
-// Restores the protection even when an assertion ends the test early.
-struct skip_waiting_for_owner {
-  skip_waiting_for_owner() { biased_lock::test_skip_waiting_for_owner = true; }
-  ~skip_waiting_for_owner() { biased_lock::test_skip_waiting_for_owner = false; }
-  skip_waiting_for_owner(const skip_waiting_for_owner&) = delete;
-  skip_waiting_for_owner& operator=(const skip_waiting_for_owner&) = delete;
-};
 
 TEST(biased_lock, is_biased_to_a_thread_that_keeps_taking_it) {
   skip_without_fences();
