@@ -1,0 +1,83 @@
+// Threads that read every pool while others allocate — statistics, and the
+// sweep of destroyed streams listing the streams recorded on live blocks:
+// one heavy fence for all pools, and the pools stay with the threads that
+// use them (a read no longer costs them their bias, so a pool read every few
+// milliseconds does not fall back to the atomic lock).
+#include <gtest/gtest.h>
+
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "alloc/asymmetric_fence.h"
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/host_device.h"
+
+namespace shoal {
+namespace {
+
+constexpr std::size_t mib = std::size_t{1} << 20;
+
+// Allocates and frees on each of `streams` often enough for each pool's
+// lock to be biased to this thread (16 takes in a row: two a pair).
+void use_each_pool(alloc::caching_allocator& a, const std::vector<backend::stream_ref>& streams) {
+  for (int i = 0; i < 32; ++i) {
+    for (auto s : streams) {
+      a.deallocate(a.allocate(512, s), s);
+      a.deallocate(a.allocate(4 * mib, s), s);
+    }
+  }
+}
+
+TEST(every_pool_readers, a_stats_read_of_every_pool_takes_one_heavy_fence_and_leaves_the_pools_biased) {
+  if (!alloc::detail::asymmetric_fences_available()) GTEST_SKIP() << "no membarrier(2) here: no pool is biased";
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, {});
+  std::vector<backend::stream_ref> streams;
+  for (int i = 0; i < 4; ++i) streams.push_back(dev.create_stream());
+  use_each_pool(a, streams);  // 8 pools, small and large of 4 streams, biased to this thread
+  for (int read = 0; read < 3; ++read) {
+    SCOPED_TRACE("read " + std::to_string(read));
+    const std::uint64_t before = alloc::detail::heavy_fences_so_far();
+    alloc::allocator_stats seen;
+    std::thread([&] { seen = a.stats(); }).join();
+    // One for all eight (a read that revoked each bias would take eight,
+    // and a second read none: the biases gone).
+    EXPECT_EQ(alloc::detail::heavy_fences_so_far() - before, 1U);
+    EXPECT_EQ(seen.allocations.aggregate.allocated, static_cast<std::int64_t>(streams.size()) * 64 * (read + 1));
+    use_each_pool(a, streams);
+  }
+  for (auto s : streams) dev.destroy_stream(s);
+}
+
+TEST(every_pool_readers, a_sweep_listing_recorded_streams_takes_one_heavy_fence_for_other_threads_pools) {
+  if (!alloc::detail::asymmetric_fences_available()) GTEST_SKIP() << "no membarrier(2) here: no pool is biased";
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, {});
+  std::vector<backend::stream_ref> streams;
+  for (int i = 0; i < 4; ++i) streams.push_back(dev.create_stream());
+  use_each_pool(a, streams);  // 8 pools biased to this thread
+  void* kept = a.allocate(mib, streams[0]);
+  a.record_stream(kept, streams[1]);  // so a sweep lists the streams recorded on live blocks
+  std::uint64_t fences = 0;
+  std::thread([&] {
+    const backend::stream_ref gone = dev.create_stream();
+    a.deallocate(a.allocate(mib, gone), gone);
+    dev.destroy_stream(gone);  // held by the allocator: its sweep lets it go
+    const backend::stream_ref next = dev.create_stream();
+    const std::uint64_t before = alloc::detail::heavy_fences_so_far();
+    void* p = a.allocate(mib, next);  // a new stream's first allocation: sweeps
+    fences = alloc::detail::heavy_fences_so_far() - before;
+    a.deallocate(p, next);
+    dev.synchronize(next);
+    dev.destroy_stream(next);
+  }).join();
+  // One for the eight (a listing that took each pool's lock would revoke
+  // each bias, eight fences).
+  EXPECT_EQ(fences, 1U);
+  a.deallocate(kept, streams[0]);
+  for (auto s : streams) dev.destroy_stream(s);
+}
+
+}  // namespace
+}  // namespace shoal
