@@ -13,6 +13,8 @@
 
 namespace shoal::alloc::detail {
 
+bool library_checks_every_step() noexcept { return check_every_step; }
+
 namespace {
 
 // The settings that cannot work, refused before anything is built: a limit

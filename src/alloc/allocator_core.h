@@ -66,6 +66,9 @@ inline constexpr bool check_every_step = true;
 #else
 inline constexpr bool check_every_step = false;
 #endif
+/// check_every_step as the library was built (tests, built without the
+/// library's definitions): each step then takes every pool's lock.
+[[nodiscard]] bool library_checks_every_step() noexcept;
 
 class allocator_core {
  public:
