@@ -198,7 +198,11 @@ class caching_allocator {
   /// before a request searches them) and change nothing: reading them never
   /// changes what the allocator does next. A destroyed private pool's
   /// counts stay in the totals (as freed): cumulative figures and peaks
-  /// never go down until a reset.
+  /// never go down until a reset. stats(), the resets and
+  /// largest_free_block look at each pool under its lock without taking
+  /// the pool from the thread that uses it (one membarrier for all pools a
+  /// read, whatever their number): polling them, even every millisecond,
+  /// costs the allocating threads only the moment their pool is read.
   [[nodiscard]] allocator_stats stats() const;
   void reset_peak_stats();
   void reset_accumulated_stats();
@@ -210,10 +214,10 @@ class caching_allocator {
   /// Counted as take_snapshot shows free blocks, merged with their free
   /// neighbours; blocks pending free, unbacked stretches of growable
   /// segments and private pools' free blocks (which serve only their own
-  /// pool) are not counted. Takes each ordinary pool's lock in turn (never
-  /// two at once), looks at its largest free-size bin and its at most
-  /// quick_capacity parked blocks, and copies nothing; the figure may be
-  /// stale by the time it returns.
+  /// pool) are not counted. Looks at each ordinary pool under its lock
+  /// (several at once, each let go once read), at its largest free-size bin
+  /// and its at most quick_capacity parked blocks, and copies nothing; the
+  /// figure may be stale by the time it returns.
   [[nodiscard]] std::size_t largest_free_block() const;
   /// The trace ring, oldest first (empty unless config().trace_entries > 0).
   [[nodiscard]] std::vector<trace_entry> trace() const;
