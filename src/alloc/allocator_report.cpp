@@ -1,6 +1,8 @@
 // The allocator's reports: statistics, snapshots, the trace, OOM observers.
+#include <exception>
 #include <mutex>
 #include <tuple>
+#include <utility>
 
 #include "alloc/allocator_core.h"
 #include "alloc/block_structure.h"
@@ -50,6 +52,34 @@ void for_each_stat(pool_counters& c, Fn&& fn) {
 
 void add_counters(allocator_stats& out, pool_kind kind, const pool_counters& c) {
   for (const counter_field& f : counter_fields) accumulate(out.*f.figure, kind, c.*f.counter);
+}
+
+// Appends the pool's segments, free blocks shown merged as settling would
+// leave them. Holding the pool's lock.
+void copy_segments(const block_pool& p, snapshot& out) {
+  for (const auto& s : p.segments) {
+    segment_snapshot seg;
+    seg.address = s->base;
+    seg.size = s->size;
+    seg.mapped_bytes = s->mapped_bytes;
+    seg.pool = p.kind;
+    seg.stream = p.stream;
+    seg.vacant = p.vacant;
+    seg.expandable = s->expandable;
+    seg.external = s->external;
+    seg.private_pool = s->part_name;
+    seg.owner = p.owner;
+    seg.sequence = s->sequence;
+    for (const block* b = s->first; b != nullptr; b = b->next) {
+      if (!b->mapped) continue;  // unbacked stretches of growable segments hold nothing
+      if (merges_with_prev_when_settled(b)) {  // shown as settling would leave it
+        seg.blocks.back().size += b->size;
+        continue;
+      }
+      seg.blocks.push_back({b->address, b->size, b->requested, b->state});
+    }
+    out.segments.push_back(std::move(seg));
+  }
 }
 
 }  // namespace
@@ -118,34 +148,21 @@ void allocator_core::reset_accumulated_stats() {
 
 snapshot allocator_core::take_snapshot() {
   snapshot out;
-  directory_.for_each_pool([&](block_pool& p) {
-    std::lock_guard lock(p.lock);
-    for (const auto& s : p.segments) {
-      segment_snapshot seg;
-      seg.address = s->base;
-      seg.size = s->size;
-      seg.mapped_bytes = s->mapped_bytes;
-      seg.pool = p.kind;
-      seg.stream = p.stream;
-      seg.vacant = p.vacant;
-      seg.expandable = s->expandable;
-      seg.external = s->external;
-      seg.private_pool = s->part_name;
-      seg.owner = p.owner;
-      seg.sequence = s->sequence;
-      for (const block* b = s->first; b != nullptr; b = b->next) {
-        if (!b->mapped) continue;  // unbacked stretches of growable segments hold nothing
-        if (merges_with_prev_when_settled(b)) {  // shown as settling would leave it
-          seg.blocks.back().size += b->size;
-          continue;
-        }
-        seg.blocks.push_back({b->address, b->size, b->requested, b->state});
-      }
-      out.segments.push_back(std::move(seg));
+  // A look, not a take: a monitor taking snapshots now and then costs the
+  // allocating threads no bias.
+  std::exception_ptr no_room;  // the copy could not grow: thrown once every pool is let go
+  directory_.look_at_each_pool(true, [&](block_pool& p) noexcept {
+    if (no_room) return;
+    try {
+      copy_segments(p, out);
+    } catch (...) {
+      no_room = std::current_exception();
     }
   });
+  if (no_room) std::rethrow_exception(no_room);
   return out;
 }
+
 
 std::vector<trace_entry> allocator_core::trace() const { return trace_.entries(); }
 

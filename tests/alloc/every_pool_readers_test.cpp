@@ -5,8 +5,10 @@
 // milliseconds does not fall back to the atomic lock).
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "alloc/allocator_core.h"
@@ -47,6 +49,32 @@ TEST(every_pool_readers, a_stats_read_of_every_pool_takes_one_heavy_fence_and_le
     EXPECT_EQ(alloc::detail::heavy_fences_so_far() - before, 1U);
     EXPECT_EQ(seen.allocations.aggregate.allocated, static_cast<std::int64_t>(streams.size()) * 64 * (read + 1));
     use_each_pool(a, streams);
+  }
+  for (auto s : streams) dev.destroy_stream(s);
+}
+
+// Every reader of every pool, from another thread, after the pools were
+// biased again: one fence each (a reader that took each pool's lock would
+// revoke each bias, eight fences).
+TEST(every_pool_readers, each_reader_of_every_pool_takes_one_heavy_fence) {
+  if (!alloc::detail::asymmetric_fences_available()) GTEST_SKIP() << "no membarrier(2) here: no pool is biased";
+  backend::host_device dev({.capacity_bytes = 256 * mib});
+  alloc::caching_allocator a(dev, {});
+  std::vector<backend::stream_ref> streams;
+  for (int i = 0; i < 4; ++i) streams.push_back(dev.create_stream());
+  const std::vector<std::pair<std::string, std::function<void()>>> readers = {
+      {"stats", [&] { (void)a.stats(); }},
+      {"take_snapshot", [&] { EXPECT_FALSE(a.take_snapshot().segments.empty()); }},
+      {"largest_free_block", [&] { EXPECT_GT(a.largest_free_block(), 0U); }},
+      {"reset_peak_stats", [&] { a.reset_peak_stats(); }},
+      {"reset_accumulated_stats", [&] { a.reset_accumulated_stats(); }},
+  };
+  for (const auto& [name, read] : readers) {
+    SCOPED_TRACE(name);
+    use_each_pool(a, streams);
+    const std::uint64_t before = alloc::detail::heavy_fences_so_far();
+    std::thread(read).join();
+    EXPECT_EQ(alloc::detail::heavy_fences_so_far() - before, 1U);
   }
   for (auto s : streams) dev.destroy_stream(s);
 }
