@@ -198,7 +198,7 @@ class caching_allocator {
   /// before a request searches them) and change nothing: reading them never
   /// changes what the allocator does next. A destroyed private pool's
   /// counts stay in the totals (as freed): cumulative figures and peaks
-  /// never go down until a reset. stats(), the resets and
+  /// never go down until a reset. stats(), take_snapshot, the resets and
   /// largest_free_block look at each pool under its lock without taking
   /// the pool from the thread that uses it (one membarrier for all pools a
   /// read, whatever their number): polling them, even every millisecond,
