@@ -5,7 +5,10 @@
 // milliseconds does not fall back to the atomic lock).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <functional>
+#include <future>
+#include <new>
 #include <string>
 #include <thread>
 #include <utility>
@@ -15,6 +18,7 @@
 #include "alloc/asymmetric_fence.h"
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/backend/host_device.h"
+#include "support/refused_allocations.h"
 
 namespace shoal {
 namespace {
@@ -32,12 +36,22 @@ void use_each_pool(alloc::caching_allocator& a, const std::vector<backend::strea
   }
 }
 
-TEST(every_pool_readers, a_stats_read_of_every_pool_takes_one_heavy_fence_and_leaves_the_pools_biased) {
-  if (!alloc::detail::asymmetric_fences_available()) GTEST_SKIP() << "no membarrier(2) here: no pool is biased";
-  backend::host_device dev({.capacity_bytes = 256 * mib});
-  alloc::caching_allocator a(dev, {});
+// A host allocator with four streams of this thread's (eight pools).
+class every_pool_readers : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!alloc::detail::asymmetric_fences_available()) GTEST_SKIP() << "no membarrier(2) here: no pool is biased";
+    for (int i = 0; i < 4; ++i) streams.push_back(dev.create_stream());
+  }
+  void TearDown() override {
+    for (auto s : streams) dev.destroy_stream(s);
+  }
+  backend::host_device dev{{.capacity_bytes = 256 * mib}};
+  alloc::caching_allocator a{dev, {}};
   std::vector<backend::stream_ref> streams;
-  for (int i = 0; i < 4; ++i) streams.push_back(dev.create_stream());
+};
+
+TEST_F(every_pool_readers, a_stats_read_of_every_pool_takes_one_heavy_fence_and_leaves_the_pools_biased) {
   use_each_pool(a, streams);  // 8 pools, small and large of 4 streams, biased to this thread
   for (int read = 0; read < 3; ++read) {
     SCOPED_TRACE("read " + std::to_string(read));
@@ -50,18 +64,12 @@ TEST(every_pool_readers, a_stats_read_of_every_pool_takes_one_heavy_fence_and_le
     EXPECT_EQ(seen.allocations.aggregate.allocated, static_cast<std::int64_t>(streams.size()) * 64 * (read + 1));
     use_each_pool(a, streams);
   }
-  for (auto s : streams) dev.destroy_stream(s);
 }
 
 // Every reader of every pool, from another thread, after the pools were
 // biased again: one fence each (a reader that took each pool's lock would
 // revoke each bias, eight fences).
-TEST(every_pool_readers, each_reader_of_every_pool_takes_one_heavy_fence) {
-  if (!alloc::detail::asymmetric_fences_available()) GTEST_SKIP() << "no membarrier(2) here: no pool is biased";
-  backend::host_device dev({.capacity_bytes = 256 * mib});
-  alloc::caching_allocator a(dev, {});
-  std::vector<backend::stream_ref> streams;
-  for (int i = 0; i < 4; ++i) streams.push_back(dev.create_stream());
+TEST_F(every_pool_readers, each_reader_of_every_pool_takes_one_heavy_fence) {
   const std::vector<std::pair<std::string, std::function<void()>>> readers = {
       {"stats", [&] { (void)a.stats(); }},
       {"take_snapshot", [&] { EXPECT_FALSE(a.take_snapshot().segments.empty()); }},
@@ -76,19 +84,13 @@ TEST(every_pool_readers, each_reader_of_every_pool_takes_one_heavy_fence) {
     std::thread(read).join();
     EXPECT_EQ(alloc::detail::heavy_fences_so_far() - before, 1U);
   }
-  for (auto s : streams) dev.destroy_stream(s);
 }
 
-TEST(every_pool_readers, a_sweep_listing_recorded_streams_takes_one_heavy_fence_for_other_threads_pools) {
-  if (!alloc::detail::asymmetric_fences_available()) GTEST_SKIP() << "no membarrier(2) here: no pool is biased";
+TEST_F(every_pool_readers, a_sweep_listing_recorded_streams_takes_one_heavy_fence_for_other_threads_pools) {
   if (alloc::detail::library_checks_every_step()) {
     GTEST_SKIP() << "this build checks the invariants after every step, taking every pool's lock from the sweeping "
                     "thread too";
   }
-  backend::host_device dev({.capacity_bytes = 256 * mib});
-  alloc::caching_allocator a(dev, {});
-  std::vector<backend::stream_ref> streams;
-  for (int i = 0; i < 4; ++i) streams.push_back(dev.create_stream());
   use_each_pool(a, streams);  // 8 pools biased to this thread
   void* kept = a.allocate(mib, streams[0]);
   a.record_stream(kept, streams[1]);  // so a sweep lists the streams recorded on live blocks
@@ -109,7 +111,40 @@ TEST(every_pool_readers, a_sweep_listing_recorded_streams_takes_one_heavy_fence_
   // each bias, eight fences).
   EXPECT_EQ(fences, 1U);
   a.deallocate(kept, streams[0]);
-  for (auto s : streams) dev.destroy_stream(s);
+}
+
+// A snapshot that runs out of host memory while it copies a pool throws
+// std::bad_alloc once every pool is let go: another thread then uses each
+// pool at once, and the next snapshot is whole.
+TEST_F(every_pool_readers, a_snapshot_refused_memory_midway_lets_every_pool_go_and_throws) {
+  use_each_pool(a, streams);
+  std::vector<void*> live;
+  for (auto s : streams) live.push_back(a.allocate(mib, s));  // a segment in each large pool to copy
+  const std::size_t whole = a.take_snapshot().segments.size();
+  // A snapshot's last allocation is the copy's, inside the look (nothing
+  // after the look allocates): refuse that one.
+  int last = 0;
+  for (int nth = 1; nth < 1000; ++nth) {
+    testing::refusing_one_allocation refuse(nth, [] {});
+    try {
+      (void)a.take_snapshot();
+    } catch (const std::bad_alloc&) {
+    }
+    if (!refuse.refused()) break;
+    last = nth;
+  }
+  ASSERT_GT(last, 0);
+  {
+    testing::refusing_one_allocation refuse(last, [] {});
+    EXPECT_THROW((void)a.take_snapshot(), std::bad_alloc);
+    EXPECT_TRUE(refuse.refused());
+  }
+  auto others = std::async(std::launch::async, [&] {
+    for (auto s : streams) a.deallocate(a.allocate(512, s), s);
+  });
+  ASSERT_EQ(others.wait_for(std::chrono::seconds(10)), std::future_status::ready) << "a pool was left held";
+  EXPECT_EQ(a.take_snapshot().segments.size(), whole);
+  for (std::size_t i = 0; i < live.size(); ++i) a.deallocate(live[i], streams[i]);
 }
 
 }  // namespace
