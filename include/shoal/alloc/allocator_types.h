@@ -9,6 +9,9 @@
 
 #include "shoal/backend/types.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::alloc {
 
 /// What an out-of-memory observer is told before out_of_memory is thrown.
@@ -113,3 +116,5 @@ struct invalidated_blocks_report {
 };
 
 }  // namespace shoal::alloc
+
+#pragma GCC visibility pop

@@ -84,10 +84,13 @@
 #include "shoal/alloc/stats.h"
 #include "shoal/backend/device.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::alloc {
 
 namespace detail {
-class allocator_core;
+class __attribute__((visibility("hidden"))) allocator_core;  // hidden: the library's own
 }
 class caching_allocator;
 namespace test_hook {
@@ -423,3 +426,5 @@ class private_pool_scope {
 };
 
 }  // namespace shoal::alloc
+
+#pragma GCC visibility pop

@@ -38,6 +38,9 @@
 #include <string>
 #include <string_view>
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::alloc {
 
 /// Where an allocator's segments come from.
@@ -110,3 +113,5 @@ struct allocator_config {
 };
 
 }  // namespace shoal::alloc
+
+#pragma GCC visibility pop

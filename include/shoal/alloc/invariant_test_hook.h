@@ -8,6 +8,9 @@
 
 #include <cstdint>
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::alloc {
 
 class caching_allocator;
@@ -46,3 +49,5 @@ void unsafe_break_invariant(caching_allocator& allocator, void* ptr, invariant_b
 
 }  // namespace test_hook
 }  // namespace shoal::alloc
+
+#pragma GCC visibility pop

@@ -14,6 +14,9 @@
 #include <cstdint>
 #include <functional>
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::alloc::test_hook {
 
 /// Where a late free stands when the hook runs.
@@ -27,3 +30,5 @@ enum class late_free_step : std::uint8_t {
 void set_late_free_hook(std::function<void(late_free_step)> hook);
 
 }  // namespace shoal::alloc::test_hook
+
+#pragma GCC visibility pop

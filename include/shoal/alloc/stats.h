@@ -12,6 +12,9 @@
 #include "shoal/alloc/allocator_types.h"
 #include "shoal/backend/types.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::alloc {
 
 /// One counter: its value now, its high-water mark, and how much was added
@@ -178,3 +181,5 @@ struct free_wait_event {
 };
 
 }  // namespace shoal::alloc
+
+#pragma GCC visibility pop

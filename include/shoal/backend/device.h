@@ -36,6 +36,9 @@
 #include "shoal/backend/types.h"
 #include "shoal/core/process_identity.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::backend {
 
 class device {
@@ -292,3 +295,5 @@ class device {
 };
 
 }  // namespace shoal::backend
+
+#pragma GCC visibility pop

@@ -10,6 +10,9 @@
 
 #include "shoal/backend/device.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::backend {
 
 /// The process-wide host device (host memory, executor-thread streams).
@@ -31,3 +34,5 @@ namespace shoal::backend {
 [[nodiscard]] device& default_device();
 
 }  // namespace shoal::backend
+
+#pragma GCC visibility pop

@@ -33,6 +33,9 @@
 
 #include "shoal/backend/device.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::backend {
 
 /// A test mode: a random pause before each piece of work on a stream, up to
@@ -62,7 +65,7 @@ struct host_device_options {
 };
 
 namespace detail {
-struct host_state;
+struct __attribute__((visibility("hidden"))) host_state;  // hidden: the library's own
 }
 
 class host_device final : public device {
@@ -128,3 +131,5 @@ class host_device final : public device {
 };
 
 }  // namespace shoal::backend
+
+#pragma GCC visibility pop

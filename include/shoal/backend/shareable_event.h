@@ -28,6 +28,9 @@
 #include "shoal/backend/types.h"
 #include "shoal/core/unique_fd.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::backend {
 
 /// A point in an exporting process's stream.
@@ -86,3 +89,5 @@ struct event_source {
 };
 
 }  // namespace shoal::backend
+
+#pragma GCC visibility pop

@@ -19,6 +19,9 @@
 #include "shoal/backend/types.h"
 #include "shoal/core/unique_fd.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::backend {
 
 enum class handle_kind : std::uint8_t {
@@ -56,3 +59,5 @@ struct shareable_handle {
 };
 
 }  // namespace shoal::backend
+
+#pragma GCC visibility pop

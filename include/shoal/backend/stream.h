@@ -13,6 +13,9 @@
 
 #include "shoal/backend/device.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::backend {
 
 class stream {
@@ -80,3 +83,5 @@ class stream_guard {
 };
 
 }  // namespace shoal::backend
+
+#pragma GCC visibility pop

@@ -12,6 +12,9 @@
 #include <cstdint>
 #include <string_view>
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::backend {
 
 enum class device_kind : std::uint8_t { host = 1, cuda = 2 };
@@ -84,3 +87,5 @@ struct memory_info {
 };
 
 }  // namespace shoal::backend
+
+#pragma GCC visibility pop

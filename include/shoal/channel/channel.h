@@ -52,8 +52,11 @@
 #include "shoal/core/process_identity.h"
 #include "shoal/core/unique_fd.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::detail {
-class fork_released_socket;
+class __attribute__((visibility("hidden"))) fork_released_socket;  // hidden: the library's own
 }  // namespace shoal::detail
 
 namespace shoal::channel {
@@ -162,7 +165,7 @@ struct frame {
 
 class listener;
 namespace detail {
-class private_directory;
+class __attribute__((visibility("hidden"))) private_directory;  // hidden: the library's own
 }  // namespace detail
 
 /// One end of a connected channel.
@@ -417,7 +420,7 @@ class connection {
 
  private:
   friend class listener;
-  struct state;
+  struct __attribute__((visibility("hidden"))) state;  // hidden: the library's own
 
   explicit connection(std::unique_ptr<state> s) noexcept;
   /// Reads the peer's credentials from `socket` and checks them; `side` names
@@ -542,3 +545,5 @@ class listener {
 };
 
 }  // namespace shoal::channel
+
+#pragma GCC visibility pop

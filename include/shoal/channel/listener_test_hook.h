@@ -15,6 +15,9 @@
 #include <functional>
 #include <string>
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::channel::test_hook {
 
 /// Runs `hook` with the directory's path in every later listener made on a
@@ -32,3 +35,5 @@ void set_between_bind_and_listen(std::function<void(const std::string& address)>
 void set_start_lock_wait(std::chrono::milliseconds wait);
 
 }  // namespace shoal::channel::test_hook
+
+#pragma GCC visibility pop

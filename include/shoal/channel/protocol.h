@@ -24,6 +24,9 @@
 
 #include "shoal/channel/channel.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::channel {
 
 /// The frame type of a hello; protocols use other types for their messages.
@@ -58,3 +61,5 @@ void check_hello(const frame& first, const protocol_id& expected);
 [[nodiscard]] std::size_t check_hello_one_of(const frame& first, std::span<const protocol_id> expected);
 
 }  // namespace shoal::channel
+
+#pragma GCC visibility pop

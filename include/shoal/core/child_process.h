@@ -17,6 +17,9 @@
 
 #include "shoal/core/unique_fd.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal {
 
 class child_process {
@@ -43,3 +46,5 @@ class child_process {
 };
 
 }  // namespace shoal
+
+#pragma GCC visibility pop

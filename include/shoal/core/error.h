@@ -11,6 +11,9 @@
 #include <string>
 #include <utility>
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal {
 
 /// Base of every error shoal throws.
@@ -162,3 +165,5 @@ class content_mismatch : public error {
 };
 
 }  // namespace shoal
+
+#pragma GCC visibility pop

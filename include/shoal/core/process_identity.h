@@ -14,6 +14,9 @@
 #include <cstdint>
 #include <optional>
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal {
 
 struct process_identity {
@@ -41,3 +44,5 @@ struct process_identity {
 [[nodiscard]] bool is_alive(const process_identity& process);
 
 }  // namespace shoal
+
+#pragma GCC visibility pop

@@ -17,6 +17,9 @@
 #include <cstdint>
 #include <utility>
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal {
 
 class unique_fd {
@@ -84,3 +87,5 @@ class unique_fd {
 };
 
 }  // namespace shoal
+
+#pragma GCC visibility pop

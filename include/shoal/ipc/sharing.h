@@ -99,11 +99,14 @@
 #include "shoal/ipc/sharing_types.h"
 #include "shoal/storage/storage.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::ipc {
 
 namespace detail {
-class producer_state;
-class peer_link;
+class __attribute__((visibility("hidden"))) producer_state;  // hidden: the library's own
+class __attribute__((visibility("hidden"))) peer_link;
 }  // namespace detail
 
 class sharing_context {
@@ -128,7 +131,7 @@ class sharing_context {
  private:
   friend class peer;
   std::shared_ptr<detail::producer_state> state_;
-  class collector;
+  class __attribute__((visibility("hidden"))) collector;  // hidden: the library's own
   std::unique_ptr<collector> collector_;
 };
 
@@ -242,3 +245,5 @@ class peer {
 };
 
 }  // namespace shoal::ipc
+
+#pragma GCC visibility pop

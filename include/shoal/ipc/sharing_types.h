@@ -11,6 +11,9 @@
 #include "shoal/core/process_identity.h"
 #include "shoal/storage/storage.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::ipc {
 
 /// What a peer sends before its first message (channel/protocol.h). The
@@ -121,3 +124,5 @@ struct received {
 };
 
 }  // namespace shoal::ipc
+
+#pragma GCC visibility pop

@@ -41,6 +41,9 @@
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/lending/borrower.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::lending {
 
 class adopted_region {
@@ -81,3 +84,5 @@ class adopted_region {
 };
 
 }  // namespace shoal::lending
+
+#pragma GCC visibility pop

@@ -86,6 +86,9 @@
 #include "shoal/lending/layout.h"
 #include "shoal/lending/lending_types.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::lending {
 
 class borrower;
@@ -176,7 +179,7 @@ class borrowed_region {
   /// an exclusive region or a name the layout does not have.
   [[nodiscard]] const void* address_of(std::string_view name) const;
 
-  struct link;
+  struct __attribute__((visibility("hidden"))) link;  // hidden: the library's own
 
  private:
   friend class borrower;
@@ -303,3 +306,5 @@ class borrower {
 };
 
 }  // namespace shoal::lending
+
+#pragma GCC visibility pop

@@ -36,6 +36,9 @@
 
 #include "shoal/backend/device.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::lending {
 
 inline constexpr std::size_t max_layout_entries = 4096;
@@ -106,3 +109,5 @@ struct region_layout {
                                         const region_layout& layout);
 
 }  // namespace shoal::lending
+
+#pragma GCC visibility pop

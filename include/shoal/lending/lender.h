@@ -120,6 +120,9 @@
 #include "shoal/channel/channel.h"
 #include "shoal/lending/lending_types.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::lending {
 
 /// Whether memory given back is lent again (docs/architecture.md, "Choice:
@@ -272,10 +275,12 @@ class lender {
   /// not lent to a connected borrower, or is being revoked already.
   void revoke(std::uint64_t region, std::chrono::milliseconds deadline);
 
-  class state;
+  class __attribute__((visibility("hidden"))) state;  // hidden: the library's own
 
  private:
   std::unique_ptr<state> state_;
 };
 
 }  // namespace shoal::lending
+
+#pragma GCC visibility pop

@@ -11,6 +11,9 @@
 #include <cstdint>
 #include <functional>
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::lending::test_hook {
 
 /// Runs `hook` with the region's id in every later publish of every lender,
@@ -19,3 +22,5 @@ namespace shoal::lending::test_hook {
 void set_before_publish_commits(std::function<void(std::uint64_t region)> hook);
 
 }  // namespace shoal::lending::test_hook
+
+#pragma GCC visibility pop

@@ -14,6 +14,9 @@
 #include "shoal/core/error.h"
 #include "shoal/core/process_identity.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::lending {
 
 /// The protocol's name and version in its hello (channel/protocol.h).
@@ -192,3 +195,5 @@ struct lender_status {
 };
 
 }  // namespace shoal::lending
+
+#pragma GCC visibility pop

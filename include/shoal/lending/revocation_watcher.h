@@ -39,6 +39,9 @@
 
 #include "shoal/lending/borrower.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::lending {
 
 class revocation_watcher {
@@ -64,10 +67,12 @@ class revocation_watcher {
   [[nodiscard]] std::exception_ptr error() const;
 
  private:
-  struct state;
+  struct __attribute__((visibility("hidden"))) state;  // hidden: the library's own
   std::shared_ptr<state> state_;
   std::mutex join_mutex_;
   std::thread thread_;
 };
 
 }  // namespace shoal::lending
+
+#pragma GCC visibility pop

@@ -81,10 +81,13 @@
 #include "shoal/alloc/caching_allocator.h"
 #include "shoal/backend/types.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::storage {
 
 namespace detail {
-class storage_impl;
+class __attribute__((visibility("hidden"))) storage_impl;  // hidden: the library's own
 }
 
 /// Keeps memory alive that a storage did not take from its allocator (for
@@ -269,3 +272,5 @@ class storage {
 [[nodiscard]] storage try_lazy_clone(const storage& source, backend::stream_ref stream);
 
 }  // namespace shoal::storage
+
+#pragma GCC visibility pop

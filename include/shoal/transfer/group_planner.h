@@ -30,6 +30,9 @@
 
 #include "shoal/backend/device.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::transfer {
 
 struct layer_cost {
@@ -74,3 +77,5 @@ inline constexpr std::size_t max_planned_layers = 1024;
 [[nodiscard]] copy_cost measure_copy_cost(backend::device& device, backend::stream_ref stream);
 
 }  // namespace shoal::transfer
+
+#pragma GCC visibility pop

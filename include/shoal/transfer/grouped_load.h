@@ -29,6 +29,9 @@
 #include "shoal/backend/device.h"
 #include "shoal/backend/stream.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::transfer {
 
 /// One copy of a group: `bytes` bytes from host memory to device memory.
@@ -46,7 +49,7 @@ struct load_group {
 
 class grouped_load {
  public:
-  struct state;
+  struct __attribute__((visibility("hidden"))) state;  // hidden: the library's own
   explicit grouped_load(std::shared_ptr<const state> s) : state_(std::move(s)) {}
 
   [[nodiscard]] std::size_t groups() const noexcept;
@@ -73,3 +76,5 @@ class grouped_load {
                                        std::vector<load_group> groups);
 
 }  // namespace shoal::transfer
+
+#pragma GCC visibility pop

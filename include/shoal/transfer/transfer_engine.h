@@ -94,6 +94,9 @@
 #include "shoal/backend/stream.h"
 #include "shoal/storage/storage.h"
 
+// The public API: exported from a shared libshoal (the library's own code is hidden).
+#pragma GCC visibility push(default)
+
 namespace shoal::transfer {
 
 struct transfer_config {
@@ -178,7 +181,7 @@ struct host_buffer {
 /// A batch whose copies are enqueued: one device storage per buffer.
 class transferred_batch {
  public:
-  struct state;
+  struct __attribute__((visibility("hidden"))) state;  // hidden: the library's own
   explicit transferred_batch(std::shared_ptr<const state> s) : state_(std::move(s)) {}
 
   /// The batch's place in submission order, from 0.
@@ -290,9 +293,9 @@ class transfer_engine {
   [[nodiscard]] const transfer_config& config() const noexcept { return config_; }
 
  private:
-  struct job;
-  struct outcome;
-  class batch_copier;
+  struct __attribute__((visibility("hidden"))) job;  // hidden: the library's own
+  struct __attribute__((visibility("hidden"))) outcome;
+  class __attribute__((visibility("hidden"))) batch_copier;
 
   void run() noexcept;
   // Moves the next group of jobs from jobs_ into `group` (empty, jobs_ not),
@@ -317,7 +320,7 @@ class transfer_engine {
   mutable std::mutex mutex_;
   // What threads wait on, on the heap: a fork() child leaves it be (its
   // copies of the parent's waiters would block its destruction forever).
-  struct wake_ups;
+  struct __attribute__((visibility("hidden"))) wake_ups;  // hidden: the library's own
   std::unique_ptr<wake_ups> wake_;
   std::deque<job> jobs_;          // submitted, not yet picked up by the worker
   // Done (transferred or failed), not yet taken, in sequence order. A list:
@@ -332,3 +335,5 @@ class transfer_engine {
 };
 
 }  // namespace shoal::transfer
+
+#pragma GCC visibility pop
