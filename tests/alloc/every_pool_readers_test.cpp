@@ -147,5 +147,53 @@ TEST_F(every_pool_readers, a_snapshot_refused_memory_midway_lets_every_pool_go_a
   for (std::size_t i = 0; i < live.size(); ++i) a.deallocate(live[i], streams[i]);
 }
 
+// A sweep of destroyed streams that runs out of host memory anywhere — the
+// list of destroyed streams, the list of streams recorded on live blocks
+// (grown several times inside its look of every pool), a stream's quiescing,
+// the release of cached memory — lets every pool go: empty_cache throws
+// std::bad_alloc or completes, another thread then uses each pool at once,
+// and a sweep with memory lets every destroyed stream go.
+TEST_F(every_pool_readers, a_sweep_refused_memory_anywhere_lets_every_pool_go) {
+  if (alloc::detail::library_checks_every_step()) {
+    GTEST_SKIP() << "this build checks the invariants after every step: the checker's own allocations would be "
+                    "refused too";
+  }
+  use_each_pool(a, streams);
+  std::vector<backend::stream_ref> recorded_on;
+  for (int i = 0; i < 20; ++i) recorded_on.push_back(dev.create_stream());
+  void* kept = a.allocate(mib, streams[0]);
+  for (auto s : recorded_on) a.record_stream(kept, s);  // the listing holds 20 streams: 6 growths
+  std::vector<backend::stream_ref> destroyed;
+  int refused = 0;
+  for (int nth = 1; nth < 1000; ++nth) {
+    SCOPED_TRACE("allocation " + std::to_string(nth) + " refused");
+    const backend::stream_ref gone = dev.create_stream();
+    a.deallocate(a.allocate(512, gone), gone);
+    dev.destroy_stream(gone);  // held by the allocator until a sweep lets it go
+    destroyed.push_back(gone);
+    bool was_refused = false;
+    {
+      testing::refusing_one_allocation refuse(nth, [] {});
+      try {
+        a.empty_cache();
+      } catch (const std::bad_alloc&) {
+      }
+      was_refused = refuse.refused();
+    }
+    auto others = std::async(std::launch::async, [&] {
+      for (auto s : streams) a.deallocate(a.allocate(4 * mib, s), s);
+    });
+    ASSERT_EQ(others.wait_for(std::chrono::seconds(10)), std::future_status::ready) << "a pool was left held";
+    if (!was_refused) break;  // every allocation of a sweep was refused once
+    ++refused;
+  }
+  EXPECT_GT(refused, 6) << "fewer allocations than the listing's growths alone";
+  a.empty_cache();
+  for (auto s : destroyed) EXPECT_FALSE(dev.stream_destroy_pending(s)) << "a destroyed stream still held";
+  a.deallocate(kept, streams[0]);
+  dev.synchronize(streams[0]);
+  for (auto s : recorded_on) dev.destroy_stream(s);
+}
+
 }  // namespace
 }  // namespace shoal
