@@ -385,8 +385,21 @@ TEST(host_event_sharing, a_reused_slot_continues_from_where_its_last_stream_stop
   dev.destroy_stream(old_stream);  // its work runs on, then its slot goes back
   dev.synchronize_device();
 
-  const auto new_stream = dev.create_stream();
-  const event_point new_point = dev.export_event(new_stream);
+  // The slot goes back when the stream's thread lets go of it, which may be
+  // a moment after its last work ran: a stream made before then gets another
+  // slot. Those are kept (so none of their slots comes back first) until the
+  // freed one is the next handed out.
+  std::vector<backend::stream_ref> too_early;
+  auto new_stream = dev.create_stream();
+  event_point new_point = dev.export_event(new_stream);
+  for (const auto deadline = std::chrono::steady_clock::now() + 10s;
+       new_point.stream_slot != old_point.stream_slot && std::chrono::steady_clock::now() < deadline;) {
+    too_early.push_back(new_stream);
+    std::this_thread::sleep_for(2ms);
+    new_stream = dev.create_stream();
+    new_point = dev.export_event(new_stream);
+  }
+  for (auto s : too_early) dev.destroy_stream(s);
   ASSERT_EQ(new_point.stream_slot, old_point.stream_slot) << "the freed slot is the next one handed out";
   EXPECT_GE(new_point.ticket, old_point.ticket) << "a slot's count never goes back";
   const auto opened = dev.open_event_source(dev.describe_event_source(old_point.source_id));
