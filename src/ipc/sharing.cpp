@@ -18,8 +18,9 @@ namespace shoal::ipc {
 // The background collector: collect(reclaim) every interval until stopped.
 class sharing_context::collector {
  public:
-  collector(std::shared_ptr<detail::producer_state> state, std::chrono::milliseconds interval)
-      : thread_([this, state = std::move(state), interval] { run(*state, interval); }) {}
+  collector(std::shared_ptr<detail::producer_state> state, std::chrono::milliseconds interval) {
+    start(std::move(state), interval);
+  }
   /// In a fork() child the thread is not there, and destroying the
   /// condition variable it waited on would block forever.
   [[nodiscard]] bool forked_since() const noexcept { return epoch_.forked_since(); }
@@ -33,6 +34,7 @@ class sharing_context::collector {
   }
 
  private:
+  void start(std::shared_ptr<detail::producer_state> state, std::chrono::milliseconds interval);
   void run(detail::producer_state& state, std::chrono::milliseconds interval) {
     std::unique_lock lock(mutex_);
     while (!wake_.wait_for(lock, interval, [this] { return stopping_; })) {
@@ -49,8 +51,16 @@ class sharing_context::collector {
   std::mutex mutex_;
   std::condition_variable wake_;
   bool stopping_ = false;  // guarded by mutex_
-  std::thread thread_;     // last: starts after the members it uses
+  std::thread thread_;     // started last, in the constructor's body
 };
+
+// Out of the class body, so not inline: a lambda's closure inside an inline
+// function gets default visibility from GCC, and the thread's state type made
+// of it would be exported from a shared library.
+void sharing_context::collector::start(std::shared_ptr<detail::producer_state> state,
+                                       std::chrono::milliseconds interval) {
+  thread_ = std::thread([this, state = std::move(state), interval] { run(*state, interval); });
+}
 
 namespace {
 

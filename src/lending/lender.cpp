@@ -242,7 +242,7 @@ class lender::state {
       prepared_.put({std::make_unique<detail::lendable_memory>(device_, bytes, next_memory_++), {}});
       ++counters_.chunks_made;
     }
-    thread_ = std::thread([this] { serve(); });
+    start_serving();
   }
 
   /// In a fork() child: the serving thread stayed with the parent, and the
@@ -331,6 +331,7 @@ class lender::state {
   // room in its socket only (a hang-up is reported all the same) and read
   // no further until they have gone: however fast it asks, its queue holds
   // one answer and the revokes and forgets sent meanwhile.
+  void start_serving();
   void serve() noexcept {
     auto next_check = clock_type::now();
     auto last_served = clock_type::time_point{};
@@ -2245,6 +2246,13 @@ class lender::state {
   const shoal::detail::fork_epoch epoch_;
   std::thread thread_;  // last: started once everything above exists
 };
+
+// Out of the class body, so not inline: a lambda's closure inside an inline
+// function gets default visibility from GCC, and the thread's state type made
+// of it would be exported from a shared library.
+void lender::state::start_serving() {
+  thread_ = std::thread([this] { serve(); });
+}
 
 void test_hook::set_before_publish_commits(std::function<void(std::uint64_t region)> hook) {
   before_publish_commits() = std::move(hook);

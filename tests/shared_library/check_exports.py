@@ -4,13 +4,21 @@
 Every name of the shoal namespace that an exported symbol mentions — the
 symbol's own scope and name, and any shoal type in its template arguments or
 parameters — must be an identifier of a public header (include/shoal/, comments
-left out). An exported symbol of no namespace the library owns or the C++
-runtime instantiates (std, __gnu_cxx) is refused too: a static runtime
-linked in (CUDA's) must not interpose on the program's own.
+left out), and none may be a scope inside a class that a public header names
+only as hidden (`class __attribute__((visibility("hidden"))) state;`: the
+library's own, whatever its name). A symbol that names no shoal identifier
+must be the standard library's or the ABI's own (its qualified name in std,
+__gnu_cxx or __cxxabiv1, or operator new/delete): a static library linked in
+(CUDA's runtime) must not interpose on the program's own.
+
+And every public header declares its API inside one "#pragma GCC visibility
+push(default)" line before its first namespace and one "pop" as its last line
+(the library compiles with hidden visibility: a header without them would
+leave its functions out of the exports).
 
 Usage: check_exports.py LIBRARY INCLUDE_DIR
        check_exports.py --symbols FILE INCLUDE_DIR   (demangled names, one a line)
-Exit status 1 and one line per refused symbol.
+Exit status 1 and one line per refusal.
 """
 import pathlib
 import re
@@ -20,25 +28,43 @@ import sys
 IDENTIFIER = re.compile(r"\b[A-Za-z_]\w*\b")
 COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
 SHOAL_NAME = re.compile(r"\bshoal((?:::~?[A-Za-z_]\w*)+)")
-# What a C++ program's own exports may hold besides shoal: the standard
-# library's templates instantiated for shoal's use (named with their return
-# type first, or as typeinfo, vtables, guards), and the ABI's helpers.
-RUNTIME_NAME = re.compile(r"(?:^|[\s*&<(])(?:std|__gnu_cxx|__cxxabiv1)::|^operator (?:new|delete)")
+HIDDEN_DECLARATION = re.compile(r"\b(?:class|struct)\s+__attribute__\(\(visibility\(\"hidden\"\)\)\)\s+(\w+)")
+PUSH = "#pragma GCC visibility push(default)"
+POP = "#pragma GCC visibility pop"
+# The ABI's names for what belongs to a class (its typeinfo, vtable, ...).
+SPECIAL_PREFIX = re.compile(r"^(?:(?:typeinfo name|typeinfo|vtable|VTT|construction vtable|guard variable|"
+                            r"TLS init function|TLS wrapper function|thread-local wrapper routine|"
+                            r"(?:non-)?virtual thunk to|covariant return thunk to) for |"
+                            r"(?:non-)?virtual thunk to )+")
+OPERATOR = re.compile(r"operator(?:<<=|>>=|<<|>>|<=>|<=|>=|->\*|->|<|>|\(\)|\[\])")
+RUNTIME_SCOPES = ("std::", "__gnu_cxx::", "__cxxabiv1::")
 
 
-def public_identifiers(include_dir):
+def header_texts(include_dir):
+    return {header: COMMENT.sub(" ", header.read_text()) for header in sorted(pathlib.Path(include_dir).rglob("*.h"))}
+
+
+def public_identifiers(texts):
     words = set()
-    for header in pathlib.Path(include_dir).rglob("*.h"):
-        words.update(IDENTIFIER.findall(COMMENT.sub(" ", header.read_text())))
+    for text in texts.values():
+        words.update(IDENTIFIER.findall(text))
     return words
+
+
+def hidden_classes(texts):
+    return {name for text in texts.values() for name in HIDDEN_DECLARATION.findall(text)}
 
 
 def headers_without_default_visibility(include_dir):
     missing = []
     for header in sorted(pathlib.Path(include_dir).rglob("*.h")):
-        text = header.read_text()
-        push = text.find("#pragma GCC visibility push(default)")
-        if push < 0 or not text.rstrip().endswith("#pragma GCC visibility pop"):
+        lines = [line.strip() for line in header.read_text().splitlines()]
+        code = [line for line in lines if line]
+        pushes = [i for i, line in enumerate(lines) if line == PUSH]
+        pops = [i for i, line in enumerate(lines) if line == POP]
+        namespaces = [i for i, line in enumerate(lines) if line.startswith("namespace ")]
+        if (len(pushes) != 1 or len(pops) != 1 or not code or code[-1] != POP or not namespaces
+                or pushes[0] > namespaces[0]):
             missing.append(str(header))
     return missing
 
@@ -49,20 +75,43 @@ def exported_symbols(library):
     names = []
     for line in out.splitlines():
         parts = line.split(" ", 2)
-        if len(parts) == 3 and parts[1] not in ("A",):  # A: the version nodes
+        if len(parts) == 3 and parts[1] != "A":  # A: the version nodes
             names.append(parts[2])
     return names
 
 
-def refusals(symbols, public):
+def own_name(symbol):
+    """The symbol's qualified name without template arguments, parameters and
+    return type: "void std::vector<int>::f<x>(y) const" -> "std::vector::f"."""
+    text = OPERATOR.sub("operator", SPECIAL_PREFIX.sub("", symbol))
+    depth = 0
+    top = []
+    for ch in text:
+        if ch in "<({[":
+            depth += 1
+        elif ch in ">)}]":
+            depth = max(0, depth - 1)
+        elif depth == 0:
+            top.append(ch)
+    words = "".join(top).split()
+    while words and words[-1] in ("const", "volatile", "&", "&&", "noexcept"):
+        words.pop()
+    return words[-1] if words else ""
+
+
+def refusals(symbols, public, hidden):
     refused = []
     for symbol in symbols:
-        mentioned = SHOAL_NAME.findall(symbol)
-        internal = sorted({part.lstrip("~") for scope in mentioned for part in scope.split("::")[1:]}
-                          - public - {"operator"})
+        mentioned = [scope.split("::")[1:] for scope in SHOAL_NAME.findall(symbol)]
+        internal = {part.lstrip("~") for parts in mentioned for part in parts} - public - {"operator"}
+        # A hidden class used as a scope: its members, or its typeinfo and vtable.
+        special = SPECIAL_PREFIX.match(symbol) is not None
+        internal |= {parts[i] for parts in mentioned for i in range(len(parts))
+                     if parts[i] in hidden and (i + 1 < len(parts) or special)}
         if internal:
-            refused.append(f"{symbol}  (internal: {', '.join(internal)})")
-        elif not mentioned and not RUNTIME_NAME.search(symbol):
+            refused.append(f"{symbol}  (internal: {', '.join(sorted(internal))})")
+        elif not mentioned and not (own_name(symbol).startswith(RUNTIME_SCOPES) or
+                                    re.match(r"^operator (?:new|delete)", symbol)):
             refused.append(f"{symbol}  (not shoal's)")
     return refused
 
@@ -77,15 +126,16 @@ def main(argv):
     else:
         print(__doc__, file=sys.stderr)
         return 2
-    public = public_identifiers(include_dir)
-    unmarked = headers_without_default_visibility(include_dir)
-    for header in unmarked:
-        print("public header without visibility push(default) ... pop:", header)
-    shoal_symbols = [s for s in symbols if SHOAL_NAME.search(s)]
-    refused = refusals(symbols, public)
+    texts = header_texts(include_dir)
+    refused = refusals(symbols, public_identifiers(texts), hidden_classes(texts))
     for line in refused:
         print("exported but not public:", line)
-    print(f"check_exports: {len(symbols)} exported, {len(shoal_symbols)} name shoal, {len(refused)} refused")
+    unmarked = headers_without_default_visibility(include_dir)
+    for header in unmarked:
+        print("public header without one visibility push(default) before its namespace and a pop last:", header)
+    shoal_symbols = [s for s in symbols if SHOAL_NAME.search(s)]
+    print(f"check_exports: {len(symbols)} exported, {len(shoal_symbols)} name shoal, {len(refused)} refused, "
+          f"{len(unmarked)} headers unmarked")
     if not shoal_symbols:
         print("check_exports: the library exports none of shoal's API")
         return 1

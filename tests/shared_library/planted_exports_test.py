@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Shows that check_exports.py refuses what it exists to refuse: a list of
-exported symbols that passes, then one planted export at a time (and one
-public header without its visibility pragma), each of which must be refused
+exported symbols that passes, then one planted export at a time (and public
+headers with their visibility pragmas missing or misplaced), each of which must be refused
 (exit status 1, the planted line named). Prints one line per case."""
 import os
 import shutil
@@ -31,6 +31,21 @@ CASES = [
     ("shoal::alloc::caching_allocator::allocate(unsigned long, shoal::alloc::detail::block_pool&)",
      "a public function with an internal parameter type"),
     ("cudaMalloc", "a static runtime's C function, which would interpose on the program's"),
+    ("shoal::alloc::detail::allocator_core::allocate(unsigned long, shoal::backend::stream_ref)",
+     "a member of a class the public headers name only as hidden (its words public)"),
+    ("vtable for shoal::ipc::sharing_context::collector", "the vtable of a hidden nested class"),
+    ("fmt::v9::vformat(std::basic_string_view<char, std::char_traits<char> >, fmt::v9::format_args)",
+     "a static C++ library's function that takes standard types"),
+]
+# (what is done to core/error.h's pragmas, why it is wrong)
+HEADER_CASES = [
+    (lambda text: text.replace("#pragma GCC visibility push(default)\n", ""), "no push"),
+    (lambda text: text.replace("#pragma GCC visibility push(default)", "// #pragma GCC visibility push(default)"),
+     "a push commented out"),
+    (lambda text: text.replace("#pragma GCC visibility push(default)",
+                               "#pragma GCC visibility push(default)\n#pragma GCC visibility pop"),
+     "a pop right after the push, the declarations left hidden"),
+    (lambda text: text.rstrip().removesuffix("#pragma GCC visibility pop") + "\n", "no pop at the end"),
 ]
 
 
@@ -61,18 +76,19 @@ def main():
         failures += 1
     else:
         print("refused: a library that exports none of the API")
-    with tempfile.TemporaryDirectory() as scratch:
-        include = os.path.join(scratch, "include")
-        shutil.copytree(INCLUDE, include)
-        header = os.path.join(include, "shoal", "core", "error.h")
-        with open(header) as f:
-            text = f.read()
-        with open(header, "w") as f:
-            f.write(text.replace("#pragma GCC visibility push(default)\n", ""))
-        result = check(PUBLIC, include)
-        caught = result.returncode == 1 and "error.h" in result.stdout
-        print(("refused: " if caught else "MISSED: ") + "a public header without its visibility pragma")
-        failures += not caught
+    for change, why in HEADER_CASES:
+        with tempfile.TemporaryDirectory() as scratch:
+            include = os.path.join(scratch, "include")
+            shutil.copytree(INCLUDE, include)
+            header = os.path.join(include, "shoal", "core", "error.h")
+            with open(header) as f:
+                text = f.read()
+            with open(header, "w") as f:
+                f.write(change(text))
+            result = check(PUBLIC, include)
+            caught = result.returncode == 1 and "error.h" in result.stdout
+            print(("refused: " if caught else "MISSED: ") + "a public header with " + why)
+            failures += not caught
     return 1 if failures else 0
 
 
