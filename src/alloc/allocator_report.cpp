@@ -1,5 +1,4 @@
 // The allocator's reports: statistics, snapshots, the trace, OOM observers.
-#include <exception>
 #include <mutex>
 #include <tuple>
 #include <utility>
@@ -149,20 +148,11 @@ void allocator_core::reset_accumulated_stats() {
 snapshot allocator_core::take_snapshot() {
   snapshot out;
   // A look, not a take: a monitor taking snapshots now and then costs the
-  // allocating threads no bias.
-  std::exception_ptr no_room;  // the copy could not grow: thrown once every pool is let go
-  directory_.look_at_each_pool(true, [&](block_pool& p) noexcept {
-    if (no_room) return;
-    try {
-      copy_segments(p, out);
-    } catch (...) {
-      no_room = std::current_exception();
-    }
-  });
-  if (no_room) std::rethrow_exception(no_room);
+  // allocating threads no bias. A copy that runs out of memory is thrown
+  // once every pool is let go.
+  directory_.look_at_each_pool_or_throw(true, [&](block_pool& p) { copy_segments(p, out); });
   return out;
 }
-
 
 std::vector<trace_entry> allocator_core::trace() const { return trace_.entries(); }
 

@@ -128,25 +128,20 @@ std::vector<backend::stream_ref> allocator_core::streams_recorded_on_live_blocks
   // after a pool's look below: the listing is of the streams noted before.
   if (!streams_ever_recorded_.load(std::memory_order_acquire)) return recorded;
   // A look, not a take: the sweep runs on any thread that allocates, and
-  // must not cost the other threads' pools their bias.
-  std::exception_ptr no_room;  // the listing could not grow: thrown once every pool is let go
-  directory_.look_at_each_pool(true, [&](block_pool& p) noexcept {
-    if (!p.streams_recorded || no_room) return;
-    try {
-      bool any = false;  // used_on is cleared at the free: only live blocks (and tombstones) have some
-      for (const auto& seg : p.segments) {
-        for (const block* b = seg->first; b != nullptr; b = b->next) {
-          if (b->used_on.empty()) continue;
-          any = true;
-          for (const auto s : b->used_on) add_unique(recorded, s);
-        }
+  // must not cost the other threads' pools their bias. A listing that
+  // cannot grow is thrown once every pool is let go.
+  directory_.look_at_each_pool_or_throw(true, [&](block_pool& p) {
+    if (!p.streams_recorded) return;
+    bool any = false;  // used_on is cleared at the free: only live blocks (and tombstones) have some
+    for (const auto& seg : p.segments) {
+      for (const block* b = seg->first; b != nullptr; b = b->next) {
+        if (b->used_on.empty()) continue;
+        any = true;
+        for (const auto s : b->used_on) add_unique(recorded, s);
       }
-      if (!any) p.streams_recorded = false;  // exact: streams are noted under this lock
-    } catch (...) {
-      no_room = std::current_exception();
     }
+    if (!any) p.streams_recorded = false;  // exact: streams are noted under this lock
   });
-  if (no_room) std::rethrow_exception(no_room);
   return recorded;
 }
 

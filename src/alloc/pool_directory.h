@@ -74,6 +74,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -217,6 +218,11 @@ class pool_directory {
   /// and takes no lock of the allocator; the caller holds no pool lock.
   template <class Fn>
   void look_at_each_pool(bool private_too, Fn&& fn) const;
+  /// look_at_each_pool for an fn that may throw (a copy that may run out of
+  /// memory): the first exception skips the pools after it and is thrown
+  /// once every pool is let go.
+  template <class Fn>
+  void look_at_each_pool_or_throw(bool private_too, Fn&& fn) const;
   /// Runs fn(pool) for every pool ever made, emptied sub-pools of destroyed
   /// private pools too.
   /// Teardown only: no other call may run.
@@ -369,6 +375,20 @@ void pool_directory::look_at_each_pool(bool private_too, Fn&& fn) const {
   for (block_pool* p : pools) locks.push_back(&p->lock);
   auto look = [&](std::size_t i) noexcept { fn(*pools[i]); };
   biased_lock::look_at_each(locks, look);
+}
+
+template <class Fn>
+void pool_directory::look_at_each_pool_or_throw(bool private_too, Fn&& fn) const {
+  std::exception_ptr first;
+  look_at_each_pool(private_too, [&](block_pool& p) noexcept {
+    if (first) return;
+    try {
+      fn(p);
+    } catch (...) {
+      first = std::current_exception();
+    }
+  });
+  if (first) std::rethrow_exception(first);
 }
 
 template <class Fn>

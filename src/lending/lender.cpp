@@ -324,6 +324,8 @@ class lender::state {
   }
 
  private:
+  void start_serving();  // starts serve() on thread_
+
   // One thread reads every borrower without waiting on any: a frame is
   // handled once its batch has come whole, and a borrower that sends part of
   // one and stalls is hung up on after peer_timeout (hang_up_stalled) while
@@ -331,7 +333,6 @@ class lender::state {
   // room in its socket only (a hang-up is reported all the same) and read
   // no further until they have gone: however fast it asks, its queue holds
   // one answer and the revokes and forgets sent meanwhile.
-  void start_serving();
   void serve() noexcept {
     auto next_check = clock_type::now();
     auto last_served = clock_type::time_point{};
