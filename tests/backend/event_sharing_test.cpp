@@ -395,7 +395,7 @@ TEST(host_event_sharing, a_reused_slot_continues_from_where_its_last_stream_stop
   for (const auto deadline = std::chrono::steady_clock::now() + 10s;
        new_point.stream_slot != old_point.stream_slot && std::chrono::steady_clock::now() < deadline;) {
     too_early.push_back(new_stream);
-    std::this_thread::sleep_for(2ms);
+    std::this_thread::sleep_for(20ms);  // at most 500 streams kept
     new_stream = dev.create_stream();
     new_point = dev.export_event(new_stream);
   }
