@@ -83,6 +83,9 @@ struct segment {
   std::vector<backend::physical_ref> chunks;
   std::vector<std::size_t> mapping_slots;
   std::size_t mapped_bytes = 0;
+  /// Set at its first unmap: from then on its growths are cut into chunks
+  /// of growable_mapping_max, else of growable_ramp_mapping_max.
+  bool gave_back = false;
 
   [[nodiscard]] bool unused() const noexcept { return first->next == nullptr && first->state == block_state::free; }
 };

@@ -58,7 +58,7 @@ bool chunk_mapper::map(segment& s, std::uintptr_t at, std::size_t bytes, spare_c
   // chunks lie, and thus what can be unmapped later, does not depend on the
   // spares; a spare of a piece's exact size serves it, the spares left over
   // go back to the device before any new chunk is made.
-  const std::size_t most = round_up(growable_mapping_max, g);
+  const std::size_t most = round_up(s.gave_back ? growable_mapping_max : growable_ramp_mapping_max, g);
   std::vector<backend::sized_chunk> pieces;
   try {
     pieces.reserve(bytes / most + 1);  // no allocation between a create and its record
@@ -148,6 +148,7 @@ std::size_t chunk_mapper::unmap_at(segment& s, std::size_t i, spare_chunks* keep
   if (keep != nullptr && keep->size() == keep->capacity()) keep->reserve(std::max<std::size_t>(8, 2 * keep->size()));
   bump(unmaps_);
   device_.unmap(reinterpret_cast<void*>(s.base + i * g));  // throws: the mapping stays recorded as it is
+  s.gave_back = true;
   s.mapping_slots[i] = 0;
   std::fill_n(s.chunks.begin() + static_cast<std::ptrdiff_t>(i), slots, backend::physical_ref{});
   if (keep != nullptr) {

@@ -40,7 +40,8 @@ class chunk_mapper {
 
   /// Maps [at, at + bytes) of growable segment `s` (granularity-aligned,
   /// unmapped) in one map_chunks call (one access grant for the range), cut
-  /// into chunks of growable_mapping_max and a last one for the rest; a
+  /// into chunks of growable_mapping_max (growable_ramp_mapping_max until
+  /// `s` first gave memory back) and a last one for the rest; a
   /// chunk of `spare` of a piece's exact size serves it, new chunks the
   /// others. Leaves `spare` empty whatever happens (std::bad_alloc and
   /// device errors included): the spares not used are released before any

@@ -534,14 +534,26 @@ TEST(allocator_memory_host, growth_that_fails_half_way_takes_back_what_it_mapped
   a.deallocate(bigger, {});
 }
 
-TEST(allocator_memory_host, a_growth_maps_chunks_of_at_most_24_mib) {
-  backend::host_device dev({.capacity_bytes = 256 * mib});
+TEST(allocator_memory_host, a_growth_maps_chunks_of_128_mib_until_memory_went_back_then_of_24) {
+  // While a growable segment has given nothing back, no chunk's size decides
+  // what can go back, so a growth maps as few chunks as it can (each costs
+  // an access grant); once memory went back, growths are cut finer so that
+  // free memory can go back again.
+  backend::host_device dev({.capacity_bytes = 1024 * mib});
   alloc::caching_allocator a(dev, alloc::allocator_config::parse("expandable_segments:true"));
-  void* p = a.allocate(60 * mib, {});
-  EXPECT_EQ(a.stats().device_allocations, 3) << "24 + 24 + 12 MiB: one device call each, not one per 2 MiB";
+  void* kept = a.allocate(10 * mib, {});  // holds the segment through the empty_cache below
+  EXPECT_EQ(a.stats().device_allocations, 1);
+  void* p = a.allocate(300 * mib, {});
+  EXPECT_EQ(a.stats().device_allocations, 4) << "128 + 128 + 44 MiB: one device call each";
   a.deallocate(p, {});
   a.empty_cache();
   EXPECT_EQ(a.stats().device_frees, 3);
+  void* q = a.allocate(60 * mib, {});
+  EXPECT_EQ(a.stats().device_allocations, 7) << "24 + 24 + 12 MiB once the segment gave memory back";
+  a.deallocate(q, {});
+  a.deallocate(kept, {});
+  a.empty_cache();
+  EXPECT_EQ(a.stats().device_frees, 7);
   EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0);
 }
 

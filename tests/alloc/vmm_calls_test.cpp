@@ -44,8 +44,8 @@ TYPED_TEST_SUITE(vmm_calls, backend_types, backend_names);
 
 TYPED_TEST(vmm_calls, a_growth_maps_its_chunks_in_one_call_with_one_access_grant) {
   alloc::caching_allocator a(this->dev(), this->expandable());
-  void* p = a.allocate(60 * mib, {});  // chunks of 24, 24 and 12 MiB
-  this->fill_and_check(p, 60 * mib, 0x5A);
+  void* p = a.allocate(300 * mib, {});  // chunks of 128, 128 and 44 MiB
+  this->fill_and_check(p, 300 * mib, 0x5A);
   EXPECT_EQ(this->dev().creates, 3);
   EXPECT_EQ(this->dev().map_chunks_calls, 1) << "one call maps the whole growth";
   EXPECT_EQ(this->dev().chunks_mapped, 3);
