@@ -91,9 +91,9 @@ class sharing_test : public allocator_test<Backend> {
   /// Grows the large pool's growable segment by one chunk of granularity()
   /// per device call, `chunks` times, and frees what it took: the storages
   /// allocated next are carved from that run of separately mapped chunks,
-  /// which are exported one by one. (A growth maps chunks of up to
-  /// growable_mapping_max, 24 MiB, so a storage allocated on an empty
-  /// segment would span as few chunks as that allows.)
+  /// which are exported one by one. (A growth on a segment that has given
+  /// nothing back maps chunks of up to 128 MiB, so a storage allocated on an
+  /// empty segment would span as few chunks as that allows.)
   void map_chunk_by_chunk(std::size_t chunks) {
     auto& a = context_->allocator();
     const std::size_t g = this->device().granularity();
