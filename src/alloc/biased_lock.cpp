@@ -73,8 +73,10 @@ void unlock_after_fork() { registry().mutex.unlock(); }
 thread_local bool thread_ending = false;
 
 // Hands the thread's record on when the thread ends. A record still inside
-// a lock (its thread ended holding it) is kept out of circulation, so that
-// lock stays held, as a test-and-set lock would.
+// a lock or holding one by the other way (its thread ended holding it) is
+// kept out of circulation, so that lock stays held, as a test-and-set lock
+// would: handed on, it would give the next thread the lock's bias, and that
+// thread's fast way in beside the hold.
 struct holder_return {
   holder_return() = default;
   holder_return(const holder_return&) = delete;
@@ -82,7 +84,7 @@ struct holder_return {
   ~holder_return() {
     thread_ending = true;
     biased_lock_holder* h = std::exchange(biased_lock_threads::mine, nullptr);
-    if (h == nullptr || h->inside.load(std::memory_order_relaxed) != nullptr) return;
+    if (h == nullptr || h->inside.load(std::memory_order_relaxed) != nullptr || h->held_by_other_way != 0) return;
     try {
       auto& r = registry();
       std::lock_guard lock(r.mutex);
@@ -162,14 +164,25 @@ void biased_lock::note_slow_hold() noexcept {
   biased_lock_holder* me = biased_lock_threads::mine;
   if (me != nullptr && owner_.load(std::memory_order_relaxed) == me &&
       me->inside.load(std::memory_order_relaxed) == nullptr) {
-    me->inside.store(slow_hold_tag(), std::memory_order_relaxed);
+    // Release: a revoker of another lock that reads the tag, not the null
+    // of this thread's last fast-way unlock there, still sees that hold.
+    me->inside.store(slow_hold_tag(), std::memory_order_release);
   }
+}
+
+void biased_lock::count_hold_by_other_way() noexcept {
+  // After become_exclusive: a record it made for a bias it gave counts too.
+  biased_lock_holder* me = biased_lock_threads::mine;
+  if (me == nullptr) return;
+  ++me->held_by_other_way;
+  counted_in_ = me;
 }
 
 void biased_lock::lock_slowly() noexcept {
   if constexpr (check_use) check_not_held_by_caller();
   others_.lock();
   become_exclusive();
+  count_hold_by_other_way();
   if constexpr (check_use) note_slow_hold();
 }
 
@@ -184,6 +197,7 @@ void biased_lock::unlock_slowly() noexcept {
       me->inside.store(nullptr, std::memory_order_relaxed);
     }
   }
+  if (counted_in_ != nullptr) --std::exchange(counted_in_, nullptr)->held_by_other_way;
   if (revoking_.load(std::memory_order_relaxed)) revoking_.store(false, std::memory_order_release);
   others_.unlock();
 }
@@ -203,6 +217,7 @@ void biased_lock::become_exclusive() noexcept {
 
 bool biased_lock::try_become_exclusive() noexcept {
   if (!try_become_exclusive_unnoted()) return false;
+  count_hold_by_other_way();
   if constexpr (check_use) {
     check_not_held_by_caller();
     note_slow_hold();

@@ -8,7 +8,8 @@
 // cached allocate/free pair (host profile).
 //
 // Each thread that ever owns a bias has a holder record (never freed; a
-// record of a thread that ended goes to the next thread that needs one),
+// record of a thread that ended goes to the next thread that needs one,
+// unless its thread ended holding a lock, by either way),
 // whose `inside` names the lock it is in by the fast way. Only its own
 // thread writes it: a thread that lost a bias it was about to use can only
 // clear its own record, never the flag of the thread that owns the bias now.
@@ -70,9 +71,12 @@
 
 namespace shoal::alloc::detail {
 
-/// One thread's record: the biased lock it is inside by the fast way.
+/// One thread's record: the biased lock it is inside by the fast way, and
+/// how many it holds by the other way (a record is handed to a later thread
+/// only when both say none: a lock its thread ended holding stays held).
 struct alignas(64) biased_lock_holder {
   std::atomic<const void*> inside{nullptr};  ///< written by its thread only
+  std::uint32_t held_by_other_way = 0;       ///< read and written by its thread only
 };
 
 // Constant-initialized, hidden (see pool_directory.h's thread_cache): read
@@ -183,6 +187,9 @@ class biased_lock {
   // try_lock found others_ held: false (checked first: not by the caller).
   [[gnu::noinline]] [[nodiscard]] SHOAL_LOCK_LOCAL bool refused_try() const noexcept;
   SHOAL_LOCK_LOCAL void note_slow_hold() noexcept;
+  // A hold by the other way just taken (not a look's): counted in the
+  // calling thread's record, if it has one, until unlock_slowly.
+  SHOAL_LOCK_LOCAL void count_hold_by_other_way() noexcept;
   [[nodiscard]] SHOAL_LOCK_LOCAL const void* slow_hold_tag() const noexcept;
   // Holding others_, revoking_ set and heavy_fence passed, the owner out.
   SHOAL_LOCK_LOCAL void revoke() noexcept;
@@ -202,6 +209,7 @@ class biased_lock {
   std::uint32_t revocations_ = 0;
   std::uintptr_t last_taker_ = 0;
   std::int64_t last_revocation_ns_ = 0;
+  biased_lock_holder* counted_in_ = nullptr;  ///< the record counting this hold by the other way
   // The thread holding others_ (its thread pointer), while checks_misuse().
   std::atomic<std::uintptr_t> others_holder_{0};
   spin_lock others_;

@@ -165,6 +165,34 @@ TEST(biased_lock, a_bias_of_a_thread_that_ended_is_revoked_or_taken_over_safely)
   if (!took_over) GTEST_SKIP() << "another thread's record was handed on first; revocation checked only";
 }
 
+TEST(biased_lock, a_record_whose_thread_ended_holding_a_lock_by_the_other_way_is_not_handed_on) {
+  // The lock its thread ended holding must stay held: handed on, the record
+  // would give the next thread that lock's bias, and its fast way in beside
+  // the hold. (A thread ending inside a pool lock is a bug in the library;
+  // the lock still behaves as a test-and-set lock would.)
+  skip_without_fences();
+  biased_lock first, held;
+  std::thread([&] {
+    take_many_times(first, biased_lock::first_threshold);
+    take_many_times(held, biased_lock::first_threshold);
+    ASSERT_TRUE(first.biased_to_calling_thread());
+    ASSERT_TRUE(held.biased_to_calling_thread());
+    first.lock();  // by the fast way: the record's one slot
+    held.lock();   // by the other way
+    first.unlock();
+  }).join();
+  // The next thread to need a record would take the ended one's, the last
+  // handed back (a_bias_of_a_thread_that_ended_is_revoked_or_taken_over_safely).
+  bool inherited = true;
+  std::thread([&] {
+    biased_lock other;
+    take_many_times(other, biased_lock::first_threshold);
+    ASSERT_TRUE(other.biased_to_calling_thread());
+    inherited = held.biased_to_calling_thread();
+  }).join();
+  EXPECT_FALSE(inherited) << "the ended thread's record, still holding a lock, was handed on";
+}
+
 TEST(biased_lock, a_fork_child_takes_a_lock_biased_to_a_thread_it_does_not_have) {
   skip_without_fences();
   if (!testing::forked_child_may_start_threads) GTEST_SKIP() << "sanitizers: a fork child starts no threads here";
