@@ -37,6 +37,10 @@
 #include "core/fork_epoch.h"
 #include "shoal/alloc/allocator_types.h"
 #include "shoal/alloc/config.h"
+// Before the definition below, in every file: its declaration of
+// allocator_core carries the hidden attribute, which GCC ignores (and warns
+// about) on a declaration after the class is defined.
+#include "shoal/alloc/caching_allocator.h"
 #include "shoal/alloc/invariant_test_hook.h"
 #include "shoal/alloc/late_free_test_hook.h"
 #include "shoal/alloc/stats.h"
