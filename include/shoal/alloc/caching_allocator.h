@@ -65,6 +65,10 @@
 // parent's: on the host backend their bytes stay shared with the parent,
 // which hands them out again) and deallocate does nothing (the memory is the
 // parent's). A child makes its own allocator, on a device it opened itself.
+// The reports (stats(), take_snapshot(), ...) still read the inherited pools,
+// and, as with any lock, wait for ever for a pool that another of the
+// parent's threads was using at the fork: read them in a child only when the
+// forking thread was the allocator's only user then.
 //
 // Thread-safety: every member may be called from any thread at once. Each
 // stream's blocks have their own lock, so threads on different streams
