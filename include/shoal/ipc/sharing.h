@@ -39,8 +39,10 @@
 //     connection only (protocol_error).
 //   - Sharing exports whole segments: a consumer sent a storage can map,
 //     read and write the whole segment the storage lies in — a 2 MiB segment
-//     of the small pool, a 20 MiB or larger one of the large pool, the 2 MiB
-//     chunks of a growable segment, a whole cudaMalloc allocation on CUDA —
+//     of the small pool, a 20 MiB or larger one of the large pool, the
+//     chunks of a growable segment it spans (up to 24 MiB each, up to 128 MiB
+//     for those mapped before the segment first gave memory back), a whole
+//     cudaMalloc allocation on CUDA —
 //     including other blocks the allocator carved from it. Share only with
 //     processes trusted with that memory, or allocate shared storages from an
 //     allocator (or private pool) of their own.
