@@ -550,6 +550,10 @@ std::size_t segment_source::unmap_free_chunks(block_pool& pool, segment* s, std:
     if (b->state != block_state::free || !b->mapped || b == keep) continue;
     auto [lo, hi] = whole_mappings(*s, b, g, budget - unmapped);
     if (hi <= lo) continue;
+    // The head's and the tail's block objects, before anything changes: a
+    // split after the unmap must not throw (it would leave `b` out of the
+    // bins, marked mapped over unmapped chunks).
+    pool.reserve_blocks(2);
     hooks_.notify_release(lo, hi - lo);  // while the chunks are still mapped; may throw, nothing changed yet
     pool.bins.remove(b);
     std::exception_ptr failure;

@@ -332,5 +332,62 @@ TEST(growth_errors, a_growth_past_the_peak_refused_host_memory_keeps_no_unmapped
   EXPECT_GT(refusals, 0) << "the growth allocated nothing: the test no longer reaches what it names";
 }
 
+// Giving back free whole chunks splits the free block around them (a mapped
+// head, the hole, a mapped tail): refused host memory at each heap
+// allocation of an empty_cache in turn (every later one too), the blocks
+// stay whole and true to the mappings. The split's block objects are taken
+// before anything is unmapped; taken after, a refusal left a free block
+// marked mapped over unmapped chunks, out of the bins.
+TEST(growth_errors, a_give_back_refused_host_memory_leaves_the_blocks_true_to_the_mappings) {
+  int refusals = 0;
+  for (int nth = 1; nth < 200; ++nth) {
+    SCOPED_TRACE("the give-back's heap allocation " + std::to_string(nth) + " refused");
+    refusing_device dev(backend::host_device_instance());
+    {
+      alloc::caching_allocator a(dev, expandable());
+      // Groups of three 4 MiB mappings A, B, C, each ending as a free block
+      // [A + 2 MiB, C + 2 MiB): B whole inside, A's and C's halves beside it.
+      constexpr int groups = 8;
+      std::vector<void*> whole(3 * groups), kept;
+      for (auto& p : whole) p = a.allocate(4 * mib, {});  // one mapping each
+      std::vector<void*> freed_later;
+      for (int i = 0; i < groups; ++i) {
+        a.deallocate(whole[3 * i], {});
+        kept.push_back(a.allocate(2 * mib, {}));         // A's first half
+        freed_later.push_back(a.allocate(2 * mib, {}));  // A's second half
+        a.deallocate(whole[3 * i + 2], {});
+        freed_later.push_back(a.allocate(2 * mib, {}));  // C's first half
+        kept.push_back(a.allocate(2 * mib, {}));         // C's second half
+      }
+      ASSERT_EQ(dev.creates, 3 * groups);
+      for (void* p : freed_later) a.deallocate(p, {});
+      for (int i = 0; i < groups; ++i) a.deallocate(whole[3 * i + 1], {});
+      a.deallocate(a.allocate(200 * mib, {}), {});  // settles the parked frees
+      // Each of these splits a free block: the pool's spare block objects are
+      // used up, so the give-back's splits must make new ones.
+      for (int i = 0; i < 20; ++i) kept.push_back(a.allocate(9 * mib, {}));
+      bool refused = false;
+      {
+        std::optional<refusing_allocations> all_after;
+        const refusing_one_allocation refuse(nth, [&] { all_after.emplace(); });
+        try {
+          a.empty_cache();
+        } catch (const std::bad_alloc&) {  // NOLINT(bugprone-empty-catch): what the test brings about
+        }
+        refused = refuse.refused();
+      }
+      EXPECT_NO_THROW(a.check_invariants());
+      for (void* p : kept) a.deallocate(p, {});
+      a.empty_cache();
+      EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0);
+      if (!refused) break;
+      ++refusals;
+    }
+    EXPECT_EQ(dev.live_chunks(), 0) << "a chunk was kept";
+    if (HasFailure()) break;
+  }
+  EXPECT_GT(refusals, 0) << "the give-back allocated nothing: the test no longer reaches what it names";
+}
+
 }  // namespace
 }  // namespace shoal::testing
