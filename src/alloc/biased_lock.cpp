@@ -53,6 +53,7 @@ std::int64_t now_ns() noexcept {
 struct holder_registry {
   std::mutex mutex;
   std::vector<biased_lock_holder*> spare;
+  std::vector<biased_lock_holder*> kept_back;  ///< their threads ended holding a lock: never handed on
 };
 holder_registry& registry() {
   static auto* r = new holder_registry;
@@ -84,11 +85,12 @@ struct holder_return {
   ~holder_return() {
     thread_ending = true;
     biased_lock_holder* h = std::exchange(biased_lock_threads::mine, nullptr);
-    if (h == nullptr || h->inside.load(std::memory_order_relaxed) != nullptr || h->held_by_other_way != 0) return;
+    if (h == nullptr) return;
+    const bool holds_a_lock = h->inside.load(std::memory_order_relaxed) != nullptr || h->held_by_other_way != 0;
     try {
       auto& r = registry();
       std::lock_guard lock(r.mutex);
-      r.spare.push_back(h);
+      (holds_a_lock ? r.kept_back : r.spare).push_back(h);
     } catch (...) {  // NOLINT(bugprone-empty-catch): no room to keep it: it stays unused
     }
   }
