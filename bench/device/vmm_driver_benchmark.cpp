@@ -39,8 +39,7 @@ constexpr std::size_t mib = std::size_t{1} << 20;
 
 // A failed driver call ends the benchmark with the call's name and error.
 void check(CUresult result, const char *call) {
-  if (result == CUDA_SUCCESS)
-    return;
+  if (result == CUDA_SUCCESS) return;
   const char *name = "unknown error";
   (void)cuGetErrorString(result, &name);
   std::fprintf(stderr, "shoal_bench_vmm_driver: %s failed: %s\n", call, name);
@@ -48,13 +47,11 @@ void check(CUresult result, const char *call) {
 }
 
 double micros_since(clock_type::time_point start) {
-  return std::chrono::duration<double, std::micro>(clock_type::now() - start)
-      .count();
+  return std::chrono::duration<double, std::micro>(clock_type::now() - start).count();
 }
 
 struct row_times {
-  std::vector<double> map, access, access_again, access_each, alias, unmap_each,
-      unmap_one;
+  std::vector<double> map, access, access_again, access_each, alias, unmap_each, unmap_one;
 };
 
 struct driver_setup {
@@ -62,20 +59,15 @@ struct driver_setup {
   CUmemAccessDesc access{};
 };
 
-void one_round(const driver_setup &d, CUdeviceptr first, CUdeviceptr second,
-               std::size_t bytes, int k, row_times &t) {
+void one_round(const driver_setup &d, CUdeviceptr first, CUdeviceptr second, std::size_t bytes, int k, row_times &t) {
   const auto per_chunk = [k](double total) { return total / k; };
   std::vector<CUmemGenericAllocationHandle> chunks(static_cast<std::size_t>(k));
-  for (auto &c : chunks)
-    check(cuMemCreate(&c, bytes, &d.prop, 0), "cuMemCreate");
-  const auto at = [&](CUdeviceptr base, int i) {
-    return base + static_cast<CUdeviceptr>(i) * bytes;
-  };
+  for (auto &c : chunks) check(cuMemCreate(&c, bytes, &d.prop, 0), "cuMemCreate");
+  const auto at = [&](CUdeviceptr base, int i) { return base + static_cast<CUdeviceptr>(i) * bytes; };
   const std::size_t span = bytes * static_cast<std::size_t>(k);
 
   auto start = clock_type::now();
-  for (int i = 0; i < k; ++i)
-    check(cuMemMap(at(first, i), bytes, 0, chunks[i], 0), "cuMemMap");
+  for (int i = 0; i < k; ++i) check(cuMemMap(at(first, i), bytes, 0, chunks[i], 0), "cuMemMap");
   t.map.push_back(per_chunk(micros_since(start)));
   start = clock_type::now();
   check(cuMemSetAccess(first, span, &d.access, 1), "cuMemSetAccess");
@@ -85,8 +77,7 @@ void one_round(const driver_setup &d, CUdeviceptr first, CUdeviceptr second,
   t.access_again.push_back(per_chunk(micros_since(start)));
 
   start = clock_type::now();
-  for (int i = 0; i < k; ++i)
-    check(cuMemMap(at(second, i), bytes, 0, chunks[i], 0), "cuMemMap");
+  for (int i = 0; i < k; ++i) check(cuMemMap(at(second, i), bytes, 0, chunks[i], 0), "cuMemMap");
   check(cuMemSetAccess(second, span, &d.access, 1), "cuMemSetAccess");
   t.alias.push_back(per_chunk(micros_since(start)));
   // The alias is the same memory: a byte written through it reads back at the
@@ -95,32 +86,25 @@ void one_round(const driver_setup &d, CUdeviceptr first, CUdeviceptr second,
   unsigned char seen = 0;
   check(cuMemcpyDtoH(&seen, first, 1), "cuMemcpyDtoH");
   if (seen != 0x5a) {
-    std::fprintf(
-        stderr,
-        "shoal_bench_vmm_driver: a chunk mapped twice read back %d, not 0x5a\n",
-        seen);
+    std::fprintf(stderr, "shoal_bench_vmm_driver: a chunk mapped twice read back %d, not 0x5a\n", seen);
     std::exit(1);
   }
   start = clock_type::now();
-  for (int i = 0; i < k; ++i)
-    check(cuMemUnmap(at(second, i), bytes), "cuMemUnmap");
+  for (int i = 0; i < k; ++i) check(cuMemUnmap(at(second, i), bytes), "cuMemUnmap");
   t.unmap_each.push_back(per_chunk(micros_since(start)));
   start = clock_type::now();
   check(cuMemUnmap(first, span), "cuMemUnmap over neighbouring mappings");
   t.unmap_one.push_back(per_chunk(micros_since(start)));
 
-  for (int i = 0; i < k; ++i)
-    check(cuMemMap(at(first, i), bytes, 0, chunks[i], 0), "cuMemMap");
+  for (int i = 0; i < k; ++i) check(cuMemMap(at(first, i), bytes, 0, chunks[i], 0), "cuMemMap");
   start = clock_type::now();
-  for (int i = 0; i < k; ++i)
-    check(cuMemSetAccess(at(first, i), bytes, &d.access, 1), "cuMemSetAccess");
+  for (int i = 0; i < k; ++i) check(cuMemSetAccess(at(first, i), bytes, &d.access, 1), "cuMemSetAccess");
   t.access_each.push_back(per_chunk(micros_since(start)));
   check(cuMemUnmap(first, span), "cuMemUnmap");
-  for (auto c : chunks)
-    check(cuMemRelease(c), "cuMemRelease");
+  for (auto c : chunks) check(cuMemRelease(c), "cuMemRelease");
 }
 
-} // namespace
+}  // namespace
 
 int main(int argc, char **argv) {
   int rounds = 15;
@@ -145,37 +129,31 @@ int main(int argc, char **argv) {
   d.prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   d.prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   d.prop.location.id = device;
-  d.prop.requestedHandleTypes =
-      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR; // as shoal's chunks are made
+  d.prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;  // as shoal's chunks are made
   d.access.location = d.prop.location;
   d.access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
 
   constexpr std::size_t range_bytes = 512 * mib;
   CUdeviceptr first = 0, second = 0;
-  check(cuMemAddressReserve(&first, range_bytes, 0, 0, 0),
-        "cuMemAddressReserve");
-  check(cuMemAddressReserve(&second, range_bytes, 0, 0, 0),
-        "cuMemAddressReserve");
+  check(cuMemAddressReserve(&first, range_bytes, 0, 0, 0), "cuMemAddressReserve");
+  check(cuMemAddressReserve(&second, range_bytes, 0, 0, 0), "cuMemAddressReserve");
 
-  std::printf("growable chunks through the driver on %s (driver %d), µs per "
-              "chunk, median (min–max) over %d rounds\n\n",
-              name, driver, rounds);
-  std::printf("| chunks | map | access | access again | access each | alias "
-              "map + access | unmap each | unmap one call |\n");
+  std::printf(
+      "growable chunks through the driver on %s (driver %d), µs per "
+      "chunk, median (min–max) over %d rounds\n\n",
+      name, driver, rounds);
+  std::printf(
+      "| chunks | map | access | access again | access each | alias "
+      "map + access | unmap each | unmap one call |\n");
   std::printf("| --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (const std::size_t each : {std::size_t{2}, std::size_t{24}}) {
     for (const int k : {1, 4, 12}) {
       row_times t;
-      for (int r = 0; r < rounds; ++r)
-        one_round(d, first, second, each * mib, k, t);
-      std::printf("| %d × %zu MiB | %s | %s | %s | %s | %s | %s | %s |\n", k,
-                  each, text(summarize(t.map)).c_str(),
-                  text(summarize(t.access)).c_str(),
-                  text(summarize(t.access_again)).c_str(),
-                  text(summarize(t.access_each)).c_str(),
-                  text(summarize(t.alias)).c_str(),
-                  text(summarize(t.unmap_each)).c_str(),
-                  text(summarize(t.unmap_one)).c_str());
+      for (int r = 0; r < rounds; ++r) one_round(d, first, second, each * mib, k, t);
+      std::printf("| %d × %zu MiB | %s | %s | %s | %s | %s | %s | %s |\n", k, each, text(summarize(t.map)).c_str(),
+                  text(summarize(t.access)).c_str(), text(summarize(t.access_again)).c_str(),
+                  text(summarize(t.access_each)).c_str(), text(summarize(t.alias)).c_str(),
+                  text(summarize(t.unmap_each)).c_str(), text(summarize(t.unmap_one)).c_str());
       std::fflush(stdout);
     }
   }

@@ -4,11 +4,14 @@
 // storages shared and released, watching memory stay flat.
 //
 //   shoal_bench_ipc [--backend host|cuda] [--iterations N] [--million N]
-//                   [--ring-bytes N] [--breakdown 1]
+//                   [--ring-bytes N] [--breakdown 1] [--import-answer-spin-us N]
 // Prints one table (and with --breakdown 1 one more: what a 64 MiB round
 // trip adds to a 4 KiB one); the consumer is this program started again. Both sides
 // send through shared rings of --ring-bytes (sharing_options::ring_bytes,
-// its default when not given); 0 runs the socket alone.
+// its default when not given); 0 runs the socket alone. The producer's
+// receive after a send that brought the consumer a new segment polls for
+// --import-answer-spin-us (sharing_options::import_answer_spin, its default
+// when not given; 0: receive_spin alone).
 #include <cstring>
 #include <unistd.h>
 
@@ -41,11 +44,13 @@ struct options {
   long million = 1000000;
   std::size_t ring_bytes = ipc::sharing_options{}.ring_bytes;
   bool breakdown = false;
+  long import_answer_spin_us = ipc::sharing_options{}.import_answer_spin.count();
 };
 
-ipc::sharing_options sharing_with_ring(std::size_t ring_bytes) {
+ipc::sharing_options sharing_with_ring(std::size_t ring_bytes, long import_answer_spin_us = 0) {
   ipc::sharing_options o;
   o.ring_bytes = ring_bytes;
+  o.import_answer_spin = std::chrono::microseconds(import_answer_spin_us);
   o.max_peer_ring_bytes = std::max(o.max_peer_ring_bytes, std::bit_ceil(ring_bytes));  // both sides run with --ring-bytes
   return o;
 }
@@ -148,10 +153,10 @@ percentiles summarize(std::vector<double> v) {
 class producer_side {
  public:
   producer_side(backend::device& dev, const std::string& program, const std::string& backend_name,
-                std::size_t ring_bytes)
+                std::size_t ring_bytes, long import_answer_spin_us)
       : dev_(dev),
         allocator_(dev, {}),
-        context_(allocator_, sharing_with_ring(ring_bytes)),
+        context_(allocator_, sharing_with_ring(ring_bytes, import_answer_spin_us)),
         child_(program, {"--consume", backend_name, std::to_string(ring_bytes)}),
         peer_(context_, adopt(::dup(child_.socket()))),
         stream_(dev),
@@ -361,13 +366,15 @@ int main(int argc, char** argv) {
       else if (flag == "--million") o.million = std::atol(argv[i + 1]);
       else if (flag == "--ring-bytes") o.ring_bytes = std::stoul(argv[i + 1]);
       else if (flag == "--breakdown") o.breakdown = std::string(argv[i + 1]) == "1";
+      else if (flag == "--import-answer-spin-us") o.import_answer_spin_us = std::atol(argv[i + 1]);
       else throw invalid_argument("unknown flag " + flag);
     }
     backend::device& dev = device_named(o.backend);
-    std::printf("shoal IPC benchmark: backend %s (%s), %s\n\n| what | median us | p90 us | medians: send, then in the consumer send+receive (from the send call), touch, drop (us) |\n|---|---|---|---|\n",
+    std::printf("shoal IPC benchmark: backend %s (%s), %s, import answer spin %ld us\n\n| what | median us | p90 us | medians: send, then in the consumer send+receive (from the send call), touch, drop (us) |\n|---|---|---|---|\n",
                 o.backend.c_str(), dev.name().c_str(),
-                o.ring_bytes > 0 ? ("rings of " + std::to_string(o.ring_bytes) + " bytes").c_str() : "the socket alone");
-    producer_side p(dev, "/proc/self/exe", o.backend, o.ring_bytes);
+                o.ring_bytes > 0 ? ("rings of " + std::to_string(o.ring_bytes) + " bytes").c_str() : "the socket alone",
+                o.import_answer_spin_us);
+    producer_side p(dev, "/proc/self/exe", o.backend, o.ring_bytes, o.import_answer_spin_us);
     round_trips(p, o, {"round trip, segment open, 4 KiB", std::size_t{4} << 10});
     round_trips(p, o, {"round trip, segment open, 64 MiB", std::size_t{64} << 20});
     first_shares(p, o);

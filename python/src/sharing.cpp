@@ -136,6 +136,8 @@ ipc::sharing_options options_of(const nb::kwargs& settings) {
       o.teardown_timeout = ms();
     } else if (key == "receive_spin_us") {
       o.receive_spin = std::chrono::microseconds(option_value<std::int64_t>(key, value));
+    } else if (key == "import_answer_spin_us") {
+      o.import_answer_spin = std::chrono::microseconds(option_value<std::int64_t>(key, value));
     } else if (key == "max_metadata_bytes") {
       o.max_metadata_bytes = option_value<std::size_t>(key, value);
     } else if (key == "slots_per_file") {
@@ -147,7 +149,7 @@ ipc::sharing_options options_of(const nb::kwargs& settings) {
     } else {
       throw invalid_argument("SharingContext: unknown option " + key +
                              " (collect_interval_ms, send_timeout_ms, teardown_timeout_ms, receive_spin_us, "
-                             "max_metadata_bytes, slots_per_file, ring_bytes, max_peer_ring_bytes)");
+                             "import_answer_spin_us, max_metadata_bytes, slots_per_file, ring_bytes, max_peer_ring_bytes)");
     }
   }
   return o;
@@ -333,7 +335,8 @@ void register_sharing(nb::module_& m) {
           },
           nb::arg("allocator"), nb::arg("options"),
           "Options (keywords): collect_interval_ms (100), send_timeout_ms (10000), teardown_timeout_ms (100), "
-          "receive_spin_us (50), max_metadata_bytes (65536), slots_per_file (4096), ring_bytes (65536; 0: the "
+          "receive_spin_us (50), import_answer_spin_us (200: how long the first receive after a send that brought the peer "
+          "memory new to it polls for the answer), max_metadata_bytes (65536), slots_per_file (4096), ring_bytes (65536; 0: the "
           "socket alone), max_peer_ring_bytes (4194304: the largest ring taken from a peer; a peer of another user "
           "could leave its pages unallocated for this process's reads to allocate; raise it on both sides to at least ring_bytes rounded up to a power of two).")
       .def_prop_ro("allocator", [](const py_sharing_context& c) { return py_allocator{c.state->allocator()}; })

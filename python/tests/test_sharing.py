@@ -863,6 +863,15 @@ def test_a_sharing_option_of_the_wrong_kind_is_refused_by_name(value):
         sharing.Consumer(ring_bytes=value)
 
 
+def test_the_spin_for_an_answer_after_an_import_is_an_option_in_microseconds():
+    shoal.SharingContext(shoal.default_allocator(), import_answer_spin_us=0)
+    shoal.SharingContext(shoal.default_allocator(), import_answer_spin_us=500)
+    with pytest.raises(shoal.InvalidArgumentError, match="import_answer_spin_us takes a whole number"):
+        shoal.SharingContext(shoal.default_allocator(), import_answer_spin_us=-1)
+    with pytest.raises(shoal.InvalidArgumentError, match="import_answer_spin_us"):
+        shoal.SharingContext(shoal.default_allocator(), import_answer_spin=200)  # unknown: the list names it
+
+
 def test_numpys_integers_are_taken_as_sharing_options_and_its_bools_are_not():
     np = pytest.importorskip("numpy")
     with sharing.Consumer(ring_bytes=np.int64(65536), allocator=HOST) as consumer:

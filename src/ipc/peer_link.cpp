@@ -161,6 +161,10 @@ void peer_link::send_storage(const storage::storage& st, std::span<const std::by
     }
     link_.send(out.frames);
     sent = true;
+    if ((new_file || !new_segments.empty()) && state_->options.import_answer_spin.count() > 0) {
+      const auto due = std::chrono::steady_clock::now() + state_->options.import_answer_spin;
+      import_answer_due_.store(due.time_since_epoch().count(), std::memory_order_relaxed);
+    }
     if (new_file) files_sent_.insert(share.slot.file_id);
     segments_sent_.insert(new_segments.begin(), new_segments.end());
     if (new_source) sources_sent_.insert(new_source->source_id);
@@ -297,9 +301,25 @@ channel::frame peer_link::next_frame(const std::optional<std::chrono::steady_clo
   return link_.receive_for(shoal::detail::channel_timeout(left));
 }
 
+std::chrono::nanoseconds peer_link::take_import_spin() noexcept {
+  if (import_answer_due_.load(std::memory_order_relaxed) == 0) return {};
+  const std::chrono::steady_clock::time_point due{
+      std::chrono::steady_clock::duration(import_answer_due_.exchange(0, std::memory_order_relaxed))};
+  const std::chrono::nanoseconds left = due - std::chrono::steady_clock::now();
+  return left.count() > 0 ? left : std::chrono::nanoseconds{};
+}
+
 received peer_link::receive(backend::stream_ref stream, std::optional<std::chrono::steady_clock::time_point> until) {
   check_not_revoked();
   if (broken_) throw connection_closed("peer::receive: the connection was closed after a malformed message");
+  // The peer answers only once it has mapped what the last send brought:
+  // poll for that answer rather than sleep through it and pay a wake-up.
+  if (auto spin = take_import_spin(); spin.count() > 0) {
+    if (until) spin = std::min<std::chrono::nanoseconds>(spin, *until - std::chrono::steady_clock::now());
+    if (spin.count() > 0) {
+      if (std::optional<received> r = try_receive(stream, spin)) return std::move(*r);
+    }
+  }
   for (bool first = true;; first = false) {
     // Frames that arrive in time but end no message (announcements,
     // retirements) do not stretch the deadline: a peer that keeps sending
@@ -316,7 +336,8 @@ std::optional<received> peer_link::try_receive(backend::stream_ref stream, std::
   if (broken_) throw connection_closed("peer::try_receive: the connection was closed after a malformed message");
   // At most one batch's worth of frames, so that a peer sending
   // announcements without end cannot hold the caller; the spin is one
-  // `spin` in all.
+  // `spin` in all (longer once after a send the peer imports from).
+  if (spin.count() > 0) spin = std::max(spin, take_import_spin());
   const auto spin_end = std::chrono::steady_clock::now() + spin;
   for (std::size_t frames = 0; frames < channel::max_batch_frames; ++frames) {
     const auto left = spin_end - std::chrono::steady_clock::now();

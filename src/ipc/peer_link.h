@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <deque>
 #include <memory>
 #include <optional>
@@ -88,6 +89,10 @@ class peer_link {
   // Takes one frame in: a message, or nullopt for an announcement or a
   // retirement. Closes the connection on a protocol error.
   std::optional<received> take_frame(channel::frame f, backend::stream_ref stream);
+  // How long a receive polls beyond its own spin because the last send made
+  // the peer map memory: until import_answer_due_ (taken once); zero when
+  // no such send came or that time has passed.
+  std::chrono::nanoseconds take_import_spin() noexcept;
   // The next frame: by `until` when there is one.
   channel::frame next_frame(const std::optional<std::chrono::steady_clock::time_point>& until);
 
@@ -119,6 +124,10 @@ class peer_link {
   std::unordered_set<std::uint64_t> files_sent_, segments_sent_, sources_sent_;  // guarded by send_mutex_
   bool hello_sent_ = false;                                                       // guarded by send_mutex_
   std::atomic<bool> revoked_{false};
+  // When a send brought the peer a segment or counter file to map: that
+  // send's time plus options.import_answer_spin (steady clock, ns; 0: none).
+  // The next receive that waits takes it and polls until then.
+  std::atomic<std::int64_t> import_answer_due_{0};
   const shoal::detail::fork_epoch epoch_;  // a fork() child's teardown reads and tells nothing
   bool broken_ = false;         // a protocol error closed it; receive side only
   bool hello_checked_ = false;  // the peer's first frame named the sharing protocol; receive side only

@@ -4,7 +4,8 @@
 //       Receives storages; metadata = {expected byte, keep (0/1)}. Checks every
 //       byte, keeps or drops the storage, answers a note: "ok" or what was
 //       wrong. A note "release" drops every kept storage and answers
-//       "released"; a note "bye" ends it.
+//       "released"; a note "slow" answers "slow" and makes every later
+//       answer to a storage come 300 ms late; a note "bye" ends it.
 //   shoal_test_sharing_peer produce <host|cuda> <bytes> <byte>
 //       Sends one storage of <bytes> filled with <byte>, waits for a note,
 //       then exits at once, dropping its handle as it goes.
@@ -42,6 +43,7 @@
 #include <cstring>
 #include <exception>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -120,11 +122,16 @@ int consume(backend::device& dev) {
   ipc::sharing_context context(allocator);
   ipc::peer parent(context, parent_link());
   std::vector<storage::storage> kept;
+  std::chrono::milliseconds answer_delay{0};  // "slow": each storage is answered this late
   for (;;) {
     ipc::received r = parent.receive(backend::stream_ref{});
     if (!r.storage.valid()) {
       const std::string command = text_of(r.metadata);
       if (command == "bye") return 0;
+      if (command == "slow") {
+        answer_delay = std::chrono::milliseconds(300);
+        parent.send_note(text("slow"));
+      }
       if (command == "release") {
         kept.clear();
         dev.synchronize({});
@@ -139,6 +146,7 @@ int consume(backend::device& dev) {
     const std::string answer = check(dev, r.storage, static_cast<std::uint8_t>(r.metadata[0]));
     if (r.metadata[1] != std::byte{0}) kept.push_back(std::move(r.storage));
     r.storage = {};
+    std::this_thread::sleep_for(answer_delay);
     parent.send_note(text(answer));
   }
 }

@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -443,6 +444,47 @@ TYPED_TEST(sharing_test, segments_given_back_by_the_producer_are_retired_by_the_
   EXPECT_EQ(this->send(st, 2, false), "ok");
   EXPECT_EQ(ctx.stats().exported_segments, 1u);
   this->finish();
+}
+
+// CPU time this thread spent in `f` (a receive that polls burns it; one
+// that sleeps does not).
+template <class F>
+std::chrono::milliseconds thread_cpu_during(F&& f) {
+  const auto now = [] {
+    timespec t{};
+    ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return std::chrono::seconds(t.tv_sec) + std::chrono::nanoseconds(t.tv_nsec);
+  };
+  const auto start = now();
+  f();
+  return std::chrono::duration_cast<std::chrono::milliseconds>(now() - start);
+}
+
+TYPED_TEST(sharing_test, the_answer_to_a_send_the_peer_imports_from_is_polled_for_once) {
+  // No spin of its own: a receive sleeps unless the last send brought the
+  // peer memory to map (here: its first storage, a new segment).
+  for (const auto import_spin : {std::chrono::microseconds(1s), std::chrono::microseconds(0)}) {
+    this->context_.reset();  // before the allocator it uses goes
+    this->context_ = std::make_unique<ipc::sharing_context>(
+        this->make(),
+        ipc::sharing_options{.collect_interval = 20ms, .receive_spin = 0us, .import_answer_spin = import_spin});
+    this->start({"consume"});
+    ASSERT_EQ(this->command("slow"), "slow");  // answers come 300 ms after each storage
+    auto first = this->filled(512, 1);
+    std::string answer;
+    const auto polling = thread_cpu_during([&] { answer = this->send(first, 1, true); });
+    EXPECT_EQ(answer, "ok");
+    auto second = this->filled(512, 2);  // in the segment the peer has mapped already
+    const auto sleeping = thread_cpu_during([&] { answer = this->send(second, 2, true); });
+    EXPECT_EQ(answer, "ok");
+    EXPECT_LT(sleeping, 100ms) << "the second answer is slept on";
+    if (import_spin.count() > 0) {
+      EXPECT_GT(polling, 100ms) << "the first answer, due 300 ms after a new segment, is polled for";
+    } else {
+      EXPECT_LT(polling, 100ms) << "without import_answer_spin the first answer is slept on too";
+    }
+    this->finish();
+  }
 }
 
 TYPED_TEST(sharing_test, counter_files_come_and_go_with_their_slots) {

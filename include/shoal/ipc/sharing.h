@@ -167,6 +167,10 @@ class peer {
   /// Blocks for the next storage or note. The storage is ready for work
   /// enqueued on `stream`. Throws connection_closed when the peer has gone,
   /// protocol_error on a malformed message (the connection is closed then).
+  /// It polls for sharing_options::receive_spin before it sleeps, and once
+  /// after a send that brought the peer memory to map, until
+  /// import_answer_spin after that send (a try_receive(stream, spin) too,
+  /// for the longer of the two).
   received receive(backend::stream_ref stream);
   received receive();
   /// receive(), but gives up after `timeout` with timeout_error. The

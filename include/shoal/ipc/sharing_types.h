@@ -40,6 +40,14 @@ struct sharing_options {
   /// meanwhile saves the wake-up of a blocked thread (~5 us each way) at the
   /// cost of a busy core for that long. Zero: never spin.
   std::chrono::microseconds receive_spin{50};
+  /// After a send that brought the peer memory new to it (a segment or a
+  /// counter file, which it maps before it can answer: 50-150 us for a CUDA
+  /// IPC segment on an H100, past receive_spin), the next receive() of this
+  /// peer, and its next try_receive() that spins at all, polls until this
+  /// long after that send before it sleeps, so an answer costs no wake-up
+  /// (10-20 us). Only that one receive, and only within that time of the
+  /// send; zero: receive_spin alone. Needs the rings (ring_bytes).
+  std::chrono::microseconds import_answer_spin{200};
   /// Each peer sends its messages through a ring of this many bytes in
   /// memory shared with the other process (channel::connection::start_ring):
   /// a receive spinning for a message takes it without a system call on
