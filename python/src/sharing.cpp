@@ -95,8 +95,12 @@ std::optional<ipc::received> receive_in_slices(const closable<ipc::peer>::use& p
                                                std::chrono::microseconds spin) {
   return wait_in_slices(peer, owner, until, [&](std::chrono::milliseconds slice) -> std::optional<ipc::received> {
     const auto slice_end = std::chrono::steady_clock::now() + slice;
-    // A spin on the ring first (its sender told that no wake-up is needed).
-    if (auto r = peer->try_receive(stream, std::min<std::chrono::nanoseconds>(spin, slice))) return r;
+    // A spin on the ring first (its sender told that no wake-up is needed);
+    // at least a look, so that the answer to a send the peer imports from
+    // is polled for (sharing_options::import_answer_spin) with no spin set.
+    const auto first_spin =
+        std::max<std::chrono::nanoseconds>(std::chrono::nanoseconds(1), std::min<std::chrono::nanoseconds>(spin, slice));
+    if (auto r = peer->try_receive(stream, first_spin)) return r;
     for (;;) {
       const auto left = std::chrono::ceil<std::chrono::milliseconds>(slice_end - std::chrono::steady_clock::now());
       if (left.count() <= 0) return std::nullopt;

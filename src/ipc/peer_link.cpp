@@ -162,7 +162,9 @@ void peer_link::send_storage(const storage::storage& st, std::span<const std::by
     link_.send(out.frames);
     sent = true;
     if ((new_file || !new_segments.empty()) && state_->options.import_answer_spin.count() > 0) {
-      const auto due = std::chrono::steady_clock::now() + state_->options.import_answer_spin;
+      // At most a second: a huge setting must not overflow the clock.
+      const auto due = std::chrono::steady_clock::now() +
+                       std::min<std::chrono::microseconds>(state_->options.import_answer_spin, std::chrono::seconds(1));
       import_answer_due_.store(due.time_since_epoch().count(), std::memory_order_relaxed);
     }
     if (new_file) files_sent_.insert(share.slot.file_id);
@@ -327,7 +329,10 @@ received peer_link::receive(backend::stream_ref stream, std::optional<std::chron
     if (until && !first && std::chrono::steady_clock::now() >= *until) {
       throw timeout_error("peer::receive_for: the deadline passed while the peer sent no whole message");
     }
-    if (std::optional<received> r = take_frame(next_frame(until), stream)) return std::move(*r);
+    if (std::optional<received> r = take_frame(next_frame(until), stream)) {
+      import_answer_due_.store(0, std::memory_order_relaxed);  // answered: no later receive polls for it
+      return std::move(*r);
+    }
   }
 }
 
@@ -343,7 +348,10 @@ std::optional<received> peer_link::try_receive(backend::stream_ref stream, std::
     const auto left = spin_end - std::chrono::steady_clock::now();
     std::optional<channel::frame> f = left.count() > 0 ? link_.try_receive(left) : link_.try_receive();
     if (!f) return std::nullopt;
-    if (std::optional<received> r = take_frame(std::move(*f), stream)) return r;
+    if (std::optional<received> r = take_frame(std::move(*f), stream)) {
+      import_answer_due_.store(0, std::memory_order_relaxed);
+      return r;
+    }
   }
   return std::nullopt;
 }

@@ -167,10 +167,9 @@ class peer {
   /// Blocks for the next storage or note. The storage is ready for work
   /// enqueued on `stream`. Throws connection_closed when the peer has gone,
   /// protocol_error on a malformed message (the connection is closed then).
-  /// It polls for sharing_options::receive_spin before it sleeps, and once
-  /// after a send that brought the peer memory to map, until
-  /// import_answer_spin after that send (a try_receive(stream, spin) too,
-  /// for the longer of the two).
+  /// It polls for sharing_options::receive_spin before it sleeps; the first
+  /// receive after a send that brought the peer memory to map polls first
+  /// until import_answer_spin after that send (sharing_types.h).
   received receive(backend::stream_ref stream);
   received receive();
   /// receive(), but gives up after `timeout` with timeout_error. The
@@ -187,7 +186,9 @@ class peer {
   std::optional<received> try_receive();
   /// try_receive(), but when nothing whole has come it polls the peer's
   /// ring for up to `spin` first (connection::try_receive(spin)): for a
-  /// reader that waits on native_handle() in slices of its own.
+  /// reader that waits on native_handle() in slices of its own. After a
+  /// send that brought the peer memory to map it may poll longer, until
+  /// sharing_options::import_answer_spin after that send (at most a second).
   std::optional<received> try_receive(backend::stream_ref stream, std::chrono::nanoseconds spin);
   /// Reads the peer's protocol hello if it has come and was not read yet,
   /// without waiting and never past it: protocol_error naming both

@@ -44,9 +44,10 @@ struct sharing_options {
   /// counter file, which it maps before it can answer: 50-150 us for a CUDA
   /// IPC segment on an H100, past receive_spin), the next receive() of this
   /// peer, and its next try_receive() that spins at all, polls until this
-  /// long after that send before it sleeps, so an answer costs no wake-up
-  /// (10-20 us). Only that one receive, and only within that time of the
-  /// send; zero: receive_spin alone. Needs the rings (ring_bytes).
+  /// long after that send (at most a second) before its own receive_spin
+  /// and sleep, so an answer costs no wake-up (10-20 us). Only until a
+  /// message is received, and only within that time of the send; zero:
+  /// receive_spin alone. Needs the rings (ring_bytes).
   std::chrono::microseconds import_answer_spin{200};
   /// Each peer sends its messages through a ring of this many bytes in
   /// memory shared with the other process (channel::connection::start_ring):
