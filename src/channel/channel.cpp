@@ -566,7 +566,8 @@ void wait_for_room(int socket, detail::ring_writer& ring, std::size_t bytes, det
                    std::chrono::ceil<std::chrono::milliseconds>(*until - now).count(), 0, 1));
     pollfd hangup{socket, 0, 0};  // no events asked: poll reports only a hang-up or an error
     if (::poll(&hangup, 1, wait_ms) > 0 && (hangup.revents & (POLLHUP | POLLERR | POLLNVAL)) != 0) {
-      throw connection_closed("the peer hung up while its ring was full");
+      throw connection_closed(
+          "the connection ended while the peer's ring was full (the peer hung up, or this side closed it)");
     }
   }
 }
