@@ -477,6 +477,57 @@ def test_a_closed_peer_raises_connection_closed():
             shoal.Peer(context, connection)
 
 
+def slow_answer_main(address: str) -> None:
+    """Says b"ready", then answers each storage received with a note b"ok" 0.3 s later; ends at a note."""
+    context = shoal.SharingContext(shoal.default_allocator())
+    with shoal.Peer(context, shoal.connect(address)) as peer:
+        peer.send_note(b"ready")
+        while True:
+            storage, _ = peer.receive(timeout=WAIT)
+            if storage is None:
+                return
+            del storage
+            time.sleep(0.3)
+            peer.send_note(b"ok")
+
+
+@pytest.mark.parametrize("import_answer_spin_us", [1_000_000, 0])
+def test_the_answer_to_a_new_segment_is_polled_for_even_with_no_receive_spin(import_answer_spin_us):
+    resource = pytest.importorskip("resource")
+    context = shoal.SharingContext(
+        shoal.default_allocator(), receive_spin_us=0, import_answer_spin_us=import_answer_spin_us)
+    address = shoal.runtime_dir_address(f"slow-{os.getpid()}-{import_answer_spin_us}.sock")
+    with shoal.Listener(address) as listener:
+        child = multiprocessing.get_context("spawn").Process(target=slow_answer_main, args=(listener.address,))
+        child.start()
+        try:
+            connection = listener.accept(timeout=WAIT)
+            assert connection is not None
+            with shoal.Peer(context, connection) as peer:
+                # The spin polls the child's ring, which comes with its first message.
+                assert peer.receive(timeout=WAIT) == (None, b"ready")
+
+                def sleeps_until_answered(storage) -> int:
+                    """Times this thread slept (gave up its CPU) waiting for the answer."""
+                    peer.send(storage)
+                    before = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+                    assert peer.receive(timeout=WAIT) == (None, b"ok")
+                    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw - before
+
+                first, second = shoal.allocate(64), shoal.allocate(64)  # one segment: only the first is new there
+                first_sleeps = sleeps_until_answered(first)
+                second_sleeps = sleeps_until_answered(second)
+                peer.send_note(b"")
+        finally:
+            child.join(WAIT)
+    assert child.exitcode == 0
+    assert second_sleeps >= 1, "an answer to memory the child has mapped already is slept on"
+    if import_answer_spin_us:
+        assert first_sleeps == 0, "the answer to a new segment, 0.3 s after it, is polled for"
+    else:
+        assert first_sleeps >= 1, "without import_answer_spin_us the first answer is slept on too"
+
+
 def test_a_connection_not_given_to_a_peer_closes_with_its_block_and_the_listener_sees_it_go():
     address = f"@shoal-connection-close-{os.getpid()}"
     with shoal.Listener(address) as listener:

@@ -47,7 +47,9 @@ struct sharing_options {
   /// long after that send (at most a second) before its own receive_spin
   /// and sleep, so an answer costs no wake-up (10-20 us). Only until a
   /// message is received, and only within that time of the send; zero:
-  /// receive_spin alone. Needs the rings (ring_bytes).
+  /// receive_spin alone. It polls the peer's ring (ring_bytes), which this
+  /// side knows once it has read what the peer sent first: on a connection
+  /// where nothing was received yet, the receive sleeps as before.
   std::chrono::microseconds import_answer_spin{200};
   /// Each peer sends its messages through a ring of this many bytes in
   /// memory shared with the other process (channel::connection::start_ring):
