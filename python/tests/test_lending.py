@@ -244,8 +244,13 @@ def test_max_connections_per_uid_caps_one_uid_and_still_lets_another_in():
             assert third.startswith("refused") and "turned this borrower away" in third, \
                 f"a third connection of uid {nobody} past max_connections_per_uid=2: {third!r}"
             assert connect_as(other) == "connected", f"uid {other} was kept out by uid {nobody}'s connections"
-            status = lender.status()
-            assert (status["borrowers"], status["refusals"]) == (3, 1), status
+            # A borrower says "connected" once the lender's hello came, which the lender may
+            # send before it has read the borrower's own hello and counted it: wait for that.
+            def counted_as_expected() -> bool:
+                status = lender.status()
+                return (status["borrowers"], status["refusals"]) == (3, 1)
+
+            assert eventually(counted_as_expected), lender.status()
             first = children[0]
             assert first.stdin is not None
             first.stdin.close()  # its borrower goes with the process
