@@ -38,9 +38,9 @@ using shoal::bench::text;
 constexpr std::size_t mib = std::size_t{1} << 20;
 
 // A failed driver call ends the benchmark with the call's name and error.
-void check(CUresult result, const char *call) {
+void check(CUresult result, const char* call) {
   if (result == CUDA_SUCCESS) return;
-  const char *name = "unknown error";
+  const char* name = "unknown error";
   (void)cuGetErrorString(result, &name);
   std::fprintf(stderr, "shoal_bench_vmm_driver: %s failed: %s\n", call, name);
   std::exit(1);
@@ -59,10 +59,10 @@ struct driver_setup {
   CUmemAccessDesc access{};
 };
 
-void one_round(const driver_setup &d, CUdeviceptr first, CUdeviceptr second, std::size_t bytes, int k, row_times &t) {
+void one_round(const driver_setup& d, CUdeviceptr first, CUdeviceptr second, std::size_t bytes, int k, row_times& t) {
   const auto per_chunk = [k](double total) { return total / k; };
   std::vector<CUmemGenericAllocationHandle> chunks(static_cast<std::size_t>(k));
-  for (auto &c : chunks) check(cuMemCreate(&c, bytes, &d.prop, 0), "cuMemCreate");
+  for (auto& c : chunks) check(cuMemCreate(&c, bytes, &d.prop, 0), "cuMemCreate");
   const auto at = [&](CUdeviceptr base, int i) { return base + static_cast<CUdeviceptr>(i) * bytes; };
   const std::size_t span = bytes * static_cast<std::size_t>(k);
 
@@ -106,7 +106,7 @@ void one_round(const driver_setup &d, CUdeviceptr first, CUdeviceptr second, std
 
 }  // namespace
 
-int main(int argc, char **argv) {
+int main(int argc, char** argv) {
   int rounds = 15;
   if (argc == 3 && std::strcmp(argv[1], "--rounds") == 0) {
     rounds = std::max(1, std::atoi(argv[2]));
