@@ -509,6 +509,39 @@ TYPED_TEST(sharing_test, a_try_receive_that_spins_polls_for_the_answer_to_a_send
   this->finish();
 }
 
+TYPED_TEST(sharing_test, a_receive_for_polling_for_an_answer_after_an_import_still_ends_at_its_deadline) {
+  this->context_ = std::make_unique<ipc::sharing_context>(
+      this->make(), ipc::sharing_options{.collect_interval = 20ms, .receive_spin = 0us, .import_answer_spin = 1s});
+  auto& peer = this->start({"consume"});
+  ASSERT_EQ(this->command("slow"), "slow");  // answers come 300 ms after each storage
+  const std::byte keep[2] = {std::byte{1}, std::byte{1}};
+  auto first = this->filled(512, 1);
+  peer.send(first, keep);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW((void)peer.receive_for(50ms), timeout_error) << "the spin is cut at the receive's deadline";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 250ms) << "not held until the answer came, 300 ms after";
+  EXPECT_EQ(text_of(peer.receive_for(10s).metadata), "ok");  // with a deadline: a failed check above took it
+  this->finish();
+}
+
+TYPED_TEST(sharing_test, an_import_answer_spin_past_a_second_polls_for_a_second) {
+  // The largest setting: the due time is held a second after the send (it
+  // would overflow the clock), and the answer, 300 ms after, is polled for.
+  this->context_ = std::make_unique<ipc::sharing_context>(
+      this->make(), ipc::sharing_options{.collect_interval = 20ms,
+                                         .receive_spin = 0us,
+                                         .import_answer_spin = std::chrono::microseconds::max()});
+  auto& peer = this->start({"consume"});
+  ASSERT_EQ(this->command("slow"), "slow");
+  const std::byte keep[2] = {std::byte{1}, std::byte{1}};
+  auto first = this->filled(512, 1);
+  peer.send(first, keep);
+  std::string answer;
+  EXPECT_EQ(sleeps_during([&] { answer = text_of(peer.receive().metadata); }), 0);
+  EXPECT_EQ(answer, "ok");
+  this->finish();
+}
+
 TYPED_TEST(sharing_test, counter_files_come_and_go_with_their_slots) {
   auto& a = this->make();
   this->context_ = std::make_unique<ipc::sharing_context>(
