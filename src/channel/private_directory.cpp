@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -87,9 +88,19 @@ private_directory::private_directory(std::string path) : path_(std::move(path)) 
     st.st_mode = (st.st_mode & ~07777) | 0700;
   }
   if ((st.st_mode & 077) != 0) {
+    const std::string own_directory = (path_ == "/" ? std::string() : path_) + "/<name>/<socket>";
+    // A sticky directory (/tmp, /dev/shm) or the root is shared by design:
+    // changing its mode would break the machine, so only a directory of the
+    // socket's own is suggested there.
+    const bool shared_by_design = (st.st_mode & S_ISVTX) != 0 || path_ == "/";
     throw invalid_argument("listener: the directory " + path_ + " has mode " + octal_mode(st.st_mode) +
-                           ", which lets its group or others in; a channel's directory must have mode 0700: run "
-                           "chmod 700 " + path_ + " or choose another path");
+                           ", which lets its group or others in; a channel's directory must have mode 0700: "
+                           "give the socket a directory of its own (a path like " + own_directory +
+                           " creates <name> with mode 0700)" +
+                           (shared_by_design ? ", or use the runtime directory's address (channel_address::in_runtime_dir, Python's "
+                                                   "shoal.runtime_dir_address); " + path_ +
+                                                   " is shared by design, leave its mode alone"
+                                             : ", or run chmod 700 " + path_ + " if only your user uses it"));
   }
   if (after_directory_check()) after_directory_check()(path_);
 }

@@ -80,6 +80,30 @@ TEST(listener_directory, a_directory_open_to_its_group_is_refused) {
   EXPECT_NE(::access((shared + "/sock").c_str(), F_OK), 0) << "no socket file was made";
 }
 
+// /tmp and its kind are shared by design: the refusal must not tell the user
+// to chmod them (as it does a directory that is theirs alone), only to give
+// the socket a directory of its own.
+TEST(listener_directory, a_sticky_directory_is_refused_without_advice_to_change_its_mode) {
+  temp_dir dir;
+  const std::string sticky = dir / "sticky";
+  ASSERT_EQ(::mkdir(sticky.c_str(), 0700), 0);
+  ASSERT_EQ(::chmod(sticky.c_str(), 01777), 0);
+  try {
+    const listener server(channel_address::at_path(sticky + "/sock"), {});
+    ADD_FAILURE() << "a sticky directory open to all was accepted";
+  } catch (const invalid_argument& e) {
+    const std::string message = e.what();
+    EXPECT_EQ(message.find("chmod"), std::string::npos) << message;
+    EXPECT_NE(message.find("a path like " + sticky + "/<name>/<socket>"), std::string::npos) << message;
+    EXPECT_NE(message.find("leave its mode alone"), std::string::npos) << message;
+  }
+  // What the message advises works: a directory of its own inside it.
+  const listener server(channel_address::at_path(sticky + "/mine/sock"), {});
+  struct stat st{};
+  ASSERT_EQ(::stat((sticky + "/mine").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 07777, 0700u);
+}
+
 TEST(listener_directory, a_directory_of_another_user_is_refused) {
   if (!may_act_as({65534})) GTEST_SKIP() << "making a directory owned by another user needs root and the uid mapped";
   temp_dir dir;
