@@ -58,7 +58,7 @@ import selectors
 import threading
 import time
 import weakref
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 from . import _checks, _device_defaults, _shoal
 
@@ -66,7 +66,7 @@ __all__ = ["Producer", "Consumer", "Batches", "Batch", "MAX_ARRAYS_PER_BATCH", "
 
 # What a producer puts. What a consumer gets is typed Any: the batch's shape is
 # whatever the producer put (say a dict of views), which the consumer knows.
-Batch = Union[_shoal.ArrayView, list, tuple, dict]
+Batch = Union[_shoal.ArrayView, _shoal.Storage, list, tuple, dict]
 
 MAX_ARRAYS_PER_BATCH = 4096
 MAX_NESTING = 32
@@ -311,7 +311,7 @@ class Producer:
         *,
         allocator: _shoal.Allocator | None = None,
         device: Any = None,
-        allowed_uids: tuple[int, ...] = (),
+        allowed_uids: Sequence[int] = (),
         max_ahead: int | None = None,
         **options: int,
     ) -> None:
@@ -637,7 +637,7 @@ class Consumer:
         *,
         allocator: _shoal.Allocator | None = None,
         device: Any = None,
-        allowed_uids: tuple[int, ...] = (),
+        allowed_uids: Sequence[int] = (),
         max_producers: int = 256,
         batch_timeout: float | None = 10.0,
         **options: int,

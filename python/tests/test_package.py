@@ -60,6 +60,10 @@ if is_host:
     data = numpy.asarray(storage, copy=False)  # __array__, as numpy calls it
 def first_images(consumer: shoal.sharing.Consumer) -> object:
     return consumer.get()["images"]  # a batch is what the producer put: a dict here
+def send_bytes(producer: shoal.sharing.Producer) -> None:
+    producer.put(storage)  # a Storage is a batch too (sent as bytes)
+def trusting(address: str, uids: list[int]) -> shoal.sharing.Consumer:
+    return shoal.sharing.Consumer(address, allowed_uids=uids)  # any sequence of uids, as Listener takes
 with shoal.Listener("@shoal-typing-example") as listener:
     connection = listener.accept(timeout=0.1)
     if connection is not None:
