@@ -5,13 +5,16 @@
 //
 //   shoal_bench_ipc [--backend host|cuda] [--iterations N] [--million N]
 //                   [--ring-bytes N] [--breakdown 1] [--import-answer-spin-us N]
+//                   [--consumer-receive-spin-us N] [--consumer-collect-ms N]
 // Prints one table (and with --breakdown 1 one more: what a 64 MiB round
 // trip adds to a 4 KiB one); the consumer is this program started again. Both sides
 // send through shared rings of --ring-bytes (sharing_options::ring_bytes,
 // its default when not given); 0 runs the socket alone. The producer's
 // receive after a send that brought the consumer a new segment polls for
 // --import-answer-spin-us (sharing_options::import_answer_spin, its default
-// when not given; 0: receive_spin alone).
+// when not given; 0: receive_spin alone). The consumer's own receive_spin
+// and collect_interval can be set apart from the producer's, to see what its
+// wake-up from a sleep and its collector's closes add to a first share.
 #include <cstring>
 #include <unistd.h>
 
@@ -45,6 +48,8 @@ struct options {
   std::size_t ring_bytes = ipc::sharing_options{}.ring_bytes;
   bool breakdown = false;
   long import_answer_spin_us = ipc::sharing_options{}.import_answer_spin.count();
+  long consumer_receive_spin_us = ipc::sharing_options{}.receive_spin.count();
+  long consumer_collect_ms = ipc::sharing_options{}.collect_interval.count();
 };
 
 ipc::sharing_options sharing_with_ring(std::size_t ring_bytes, long import_answer_spin_us = 0) {
@@ -97,10 +102,13 @@ struct consumer_steps {
 // drop, acknowledge. A note "?" answers with its resident KiB; a note "s"
 // with the median microseconds of its steps since the last "s"; a note "p"
 // with an empty note at once (the message floor).
-int consume(const std::string& backend_name, std::size_t ring_bytes) {
+int consume(const std::string& backend_name, std::size_t ring_bytes, long receive_spin_us, long collect_ms) {
   backend::device& dev = device_named(backend_name);
   alloc::caching_allocator allocator(dev, {});
-  ipc::sharing_context context(allocator, sharing_with_ring(ring_bytes));
+  ipc::sharing_options sharing = sharing_with_ring(ring_bytes);
+  sharing.receive_spin = std::chrono::microseconds(receive_spin_us);
+  sharing.collect_interval = std::chrono::milliseconds(collect_ms);
+  ipc::sharing_context context(allocator, sharing);
   ipc::peer producer(context, adopt(child_process::child_socket_fd));
   backend::stream s(dev);
   backend::stream_guard on_s(dev, s);
@@ -152,12 +160,12 @@ percentiles summarize(std::vector<double> v) {
 
 class producer_side {
  public:
-  producer_side(backend::device& dev, const std::string& program, const std::string& backend_name,
-                std::size_t ring_bytes, long import_answer_spin_us)
+  producer_side(backend::device& dev, const std::string& program, const options& o)
       : dev_(dev),
         allocator_(dev, {}),
-        context_(allocator_, sharing_with_ring(ring_bytes, import_answer_spin_us)),
-        child_(program, {"--consume", backend_name, std::to_string(ring_bytes)}),
+        context_(allocator_, sharing_with_ring(o.ring_bytes, o.import_answer_spin_us)),
+        child_(program, {"--consume", o.backend, std::to_string(o.ring_bytes), std::to_string(o.consumer_receive_spin_us),
+                         std::to_string(o.consumer_collect_ms)}),
         peer_(context_, adopt(::dup(child_.socket()))),
         stream_(dev),
         on_stream_(dev, stream_) {}
@@ -357,7 +365,9 @@ void flat_memory(producer_side& p, const options& o) {
 
 int main(int argc, char** argv) {
   try {
-    if (argc == 4 && std::string(argv[1]) == "--consume") return consume(argv[2], std::stoul(argv[3]));
+    if (argc == 6 && std::string(argv[1]) == "--consume") {
+      return consume(argv[2], std::stoul(argv[3]), std::stol(argv[4]), std::stol(argv[5]));
+    }
     options o;
     for (int i = 1; i + 1 < argc; i += 2) {
       const std::string flag = argv[i];
@@ -367,14 +377,16 @@ int main(int argc, char** argv) {
       else if (flag == "--ring-bytes") o.ring_bytes = std::stoul(argv[i + 1]);
       else if (flag == "--breakdown") o.breakdown = std::string(argv[i + 1]) == "1";
       else if (flag == "--import-answer-spin-us") o.import_answer_spin_us = std::atol(argv[i + 1]);
+      else if (flag == "--consumer-receive-spin-us") o.consumer_receive_spin_us = std::atol(argv[i + 1]);
+      else if (flag == "--consumer-collect-ms") o.consumer_collect_ms = std::atol(argv[i + 1]);
       else throw invalid_argument("unknown flag " + flag);
     }
     backend::device& dev = device_named(o.backend);
-    std::printf("shoal IPC benchmark: backend %s (%s), %s, import answer spin %ld us\n\n| what | median us | p90 us | medians: send, then in the consumer send+receive (from the send call), touch, drop (us) |\n|---|---|---|---|\n",
+    std::printf("shoal IPC benchmark: backend %s (%s), %s, import answer spin %ld us, consumer receive spin %ld us, consumer collects every %ld ms\n\n| what | median us | p90 us | medians: send, then in the consumer send+receive (from the send call), touch, drop (us) |\n|---|---|---|---|\n",
                 o.backend.c_str(), dev.name().c_str(),
                 o.ring_bytes > 0 ? ("rings of " + std::to_string(o.ring_bytes) + " bytes").c_str() : "the socket alone",
-                o.import_answer_spin_us);
-    producer_side p(dev, "/proc/self/exe", o.backend, o.ring_bytes, o.import_answer_spin_us);
+                o.import_answer_spin_us, o.consumer_receive_spin_us, o.consumer_collect_ms);
+    producer_side p(dev, "/proc/self/exe", o);
     round_trips(p, o, {"round trip, segment open, 4 KiB", std::size_t{4} << 10});
     round_trips(p, o, {"round trip, segment open, 64 MiB", std::size_t{64} << 20});
     first_shares(p, o);
