@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.metadata
 import threading
 from typing import Any, Iterator, Optional
 
@@ -58,6 +59,11 @@ from ._shoal import (
     view_dtypes,
 )
 from . import _checks, _shoal
+
+try:
+    __version__: str = importlib.metadata.version("shoal")  # pyproject.toml's, as installed
+except importlib.metadata.PackageNotFoundError:  # imported from a tree that was never installed
+    __version__ = "unknown"
 
 __all__ = [
     "Allocator",

@@ -90,3 +90,18 @@ def instance_of(where: str, name: str, value: Any, kind: Union[type, tuple[type,
         return
     none = " or None" if allow_none else ""
     raise TypeError(f"{where}: {name} must be {what}{none}, not {type(value).__name__}{hint}")
+
+
+def torch_module(where: str) -> Any:
+    """PyTorch, imported; without it a ModuleNotFoundError that names `where` and says that
+    it needs PyTorch (rather than Python's bare "No module named 'torch'")."""
+    try:
+        import torch
+    except ModuleNotFoundError as missing:
+        if missing.name != "torch":
+            raise  # PyTorch is there but broken: its own error says more
+        raise ModuleNotFoundError(
+            f"{where} needs PyTorch, which is not installed in this Python ({missing}); install torch "
+            "(the CUDA build for GPU work), or use shoal's own storages, which need no PyTorch",
+            name="torch") from None
+    return torch

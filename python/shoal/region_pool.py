@@ -50,7 +50,7 @@ class RegionPool:
     def __init__(self, storage: _shoal.Storage) -> None:
         hint = " (an ArrayView's is its .storage)" if isinstance(storage, _shoal.ArrayView) else ""
         _checks.instance_of("shoal.torch.RegionPool", "storage", storage, _shoal.Storage, "a shoal.Storage", hint=hint)
-        import torch
+        torch = _checks.torch_module("shoal.torch.RegionPool")
 
         from . import torch as shoal_torch
 

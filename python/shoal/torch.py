@@ -149,7 +149,7 @@ def enable(*, conf: str | None = None, use_environment: bool = True, **settings:
     # Checked before PyTorch is touched: the settings' own checks name _torch_configure().
     _checks.instance_of("shoal.torch.enable()", "conf", conf, str, "a str ('key:value,...')", allow_none=True)
     _checks.instance_of("shoal.torch.enable()", "use_environment", use_environment, bool, "a bool")
-    import torch
+    torch = _checks.torch_module("shoal.torch.enable()")
 
     with _lock:
         if not torch.cuda.is_available():
@@ -252,8 +252,7 @@ def share(tensor: Any) -> _shoal.ArrayView:
     they used it on. ``ValueError`` for a tensor on another device type or
     memory shoal did not allocate (made before ``enable()``, or a view into
     another allocator's memory)."""
-    import torch
-
+    torch = _checks.torch_module("shoal.torch.share()")
     _require_enabled()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"shoal.torch.share: expected a torch.Tensor, not {type(tensor).__name__}")

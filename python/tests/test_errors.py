@@ -383,3 +383,19 @@ def test_the_packages_own_argument_checks_raise_shoal_errors_that_are_value_erro
     with shoal.sharing.Consumer() as consumer, shoal.sharing.Producer(consumer.address) as producer:
         with pytest.raises(shoal.InvalidArgumentError, match="nests deeper"):
             producer.put(deep)
+
+
+def test_shoal_torch_without_pytorch_says_it_needs_pytorch(monkeypatch):
+    # None in sys.modules makes `import torch` fail as a missing PyTorch does, here whether
+    # or not this Python has it.
+    import sys
+
+    import shoal.torch
+    monkeypatch.setitem(sys.modules, "torch", None)
+    for where, call in [("shoal.torch.enable()", lambda: shoal.torch.enable()),
+                        ("shoal.torch.share()", lambda: shoal.torch.share(object())),
+                        ("shoal.torch.RegionPool", lambda: shoal.torch.RegionPool(shoal.allocate(64)))]:
+        with pytest.raises(ModuleNotFoundError, match=re.escape(where) + " needs PyTorch") as caught:
+            call()
+        assert caught.value.name == "torch"
+    assert not shoal.torch.is_enabled()

@@ -139,3 +139,10 @@ def test_every_documented_example_is_python():
         except SyntaxError as error:
             broken.append(f"{where}: {error.msg} (line {error.lineno} of the block)")
     assert not broken, "\n".join(broken)
+
+
+def test_the_version_is_the_installed_distributions():
+    import importlib.metadata
+
+    assert shoal.__version__ == importlib.metadata.version("shoal")
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", shoal.__version__), shoal.__version__
