@@ -369,6 +369,11 @@ class Storage:
     def __hash__(self) -> int:
         """Identity's hash, as for any Python object (see __eq__)."""
 
+    def __reduce__(self) -> tuple:
+        """
+        Refused (TypeError): a Storage's memory belongs to this process; shoal.sharing sends it to another.
+        """
+
     def __repr__(self) -> str: ...
 
 def view_dtypes() -> tuple[str, ...]:
@@ -431,6 +436,11 @@ class ArrayView:
     def __dlpack_device__(self) -> tuple[int, int]:
         """
         (device type, device id): (1, 0) for the host backend (kDLCPU), (2, ordinal) for CUDA.
+        """
+
+    def __reduce__(self) -> tuple:
+        """
+        Refused (TypeError): a view's memory belongs to this process; shoal.sharing sends it to another.
         """
 
     def __repr__(self) -> str: ...

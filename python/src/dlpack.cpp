@@ -474,12 +474,27 @@ void register_dlpack(nb::module_& m) {
           },
           "(device type, device id): (1, 0) for the host backend (kDLCPU), (2, "
           "ordinal) for CUDA.")
+      .def(
+          "__reduce__",
+          [](nb::handle) -> nb::tuple {
+            throw nb::type_error(
+                "a shoal.ArrayView cannot be pickled: its memory belongs to this process. Send it to another "
+                "process with shoal.sharing (Producer.put), which maps the same memory there without a copy; or "
+                "pickle a copy of its values (numpy.from_dlpack(view).copy() on the host)");
+          },
+          "Refused (TypeError): a view's memory belongs to this process; shoal.sharing sends it to another.")
       .def("__repr__", [](const py_array_view& v) {
-        std::string shape;
-        for (const auto e : v.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(e);
-        if (v.shape.size() == 1) shape += ",";  // as Python writes a 1-tuple
-        return "shoal.ArrayView(dtype=" + v.dtype + ", shape=(" + shape + "), offset=" + std::to_string(v.offset) +
-               (v.readonly ? ", readonly" : "") + ")";
+        const auto tuple = [](const std::vector<std::int64_t>& values) {
+          std::string text;
+          for (const auto e : values) text += (text.empty() ? "" : ", ") + std::to_string(e);
+          return "(" + text + (values.size() == 1 ? ",)" : ")");  // as Python writes a 1-tuple
+        };
+        // Strides only where they are not the shape's C order: a reversed or
+        // broadcast view must not read like a plain one.
+        const bool c_order = c_order_strides(v.shape) == std::optional(v.strides);
+        return "shoal.ArrayView(dtype=" + v.dtype + ", shape=" + tuple(v.shape) +
+               (c_order ? "" : ", strides=" + tuple(v.strides)) + ", offset=" + std::to_string(v.offset) +
+               ", device=" + v.handle.get().device().name() + (v.readonly ? ", readonly" : "") + ")";
       });
 }
 

@@ -359,6 +359,16 @@ void register_storages(nb::module_& m) {
       .def(
           "__hash__", [](nb::handle self) { return PyBaseObject_Type.tp_hash(self.ptr()); },
           "Identity's hash, as for any Python object (see __eq__).")
+      // Refused with the way that works: pickle's own refusal names no way on.
+      .def(
+          "__reduce__",
+          [](nb::handle) -> nb::tuple {
+            throw nb::type_error(
+                "a shoal.Storage cannot be pickled: its memory belongs to this process. Send it to another "
+                "process with shoal.sharing (Producer.put, or Peer.send), which maps the same memory there "
+                "without a copy; or pickle a copy of what it holds");
+          },
+          "Refused (TypeError): a Storage's memory belongs to this process; shoal.sharing sends it to another.")
       .def("__repr__", [](const py_storage& s) -> std::string {
         if (!s.handle.get().valid()) return "shoal.Storage(released: its memory was handed on, as by publish)";
         return "shoal.Storage(nbytes=" + std::to_string(s.handle.get().size()) +

@@ -483,3 +483,26 @@ def test_dropping_an_import_used_on_a_busy_stream_lets_other_python_threads_run(
     assert took >= 0.2, "the release did not wait for the stream (the test's premise)"
     assert ticks >= 10, f"another Python thread ran {ticks} times in {took:.2f} s of the drop"
     assert array[1023] == 255  # numpy's array is whole and its own again
+
+
+def test_a_views_repr_shows_strides_that_are_not_c_order_and_its_device():
+    s = shoal.allocate(64)
+    plain = repr(s.view("int32", (4,)))
+    assert "strides" not in plain and f"device={s.device.name}" in plain, plain
+    assert repr(s.view("int64", shape=(5,), strides=(-1,), offset=32)).startswith(
+        "shoal.ArrayView(dtype=int64, shape=(5,), strides=(-1,), offset=32, device="), "a reversed view reads as one"
+    assert "strides=(0, 1)" in repr(s.view("uint8", shape=(3, 4), strides=(0, 1)))
+
+
+@pytest.mark.parametrize("make", [lambda s: s, lambda s: s.view("float32", (4,))], ids=["storage", "view"])
+def test_pickling_memory_is_refused_with_the_way_that_works(make):
+    # pickle's own refusal ("cannot pickle 'Storage' object") names no way on: a data
+    # loader's first try is a multiprocessing queue.
+    import copy
+    import pickle
+
+    thing = make(shoal.allocate(16))
+    with pytest.raises(TypeError, match=r"cannot be pickled: its memory belongs to this process.*shoal\.sharing"):
+        pickle.dumps(thing)
+    with pytest.raises(TypeError, match="shoal.sharing"):
+        copy.copy(thing)
