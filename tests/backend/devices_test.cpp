@@ -22,6 +22,20 @@ TEST(devices, a_missing_cuda_device_is_a_typed_error_with_the_reason) {
   EXPECT_EQ(backend::cuda_unavailable_reason().empty(), count > 0);
 }
 
+// The runtime reports a machine with no driver at all as one whose driver is
+// too old: the reason must say which it is, not send the user to upgrade a
+// driver that is not there.
+TEST(devices, an_insufficient_driver_says_whether_there_is_one_at_all) {
+  const std::string reason = backend::cuda_unavailable_reason();
+  if (reason.find("cudaErrorInsufficientDriver") == std::string::npos) {
+    GTEST_SKIP() << "the CUDA runtime here does not say the driver is insufficient: " << reason;
+  }
+  const bool none = reason.find("no NVIDIA driver is installed here") != std::string::npos;
+  const bool too_old = reason.find("the installed driver supports CUDA ") != std::string::npos &&
+                       reason.find("580 or newer") != std::string::npos;
+  EXPECT_TRUE(none != too_old) << reason;
+}
+
 TEST(devices, the_default_device_is_cuda_when_present_else_host) {
   ::unsetenv("SHOAL_BACKEND");
   const auto expected = backend::cuda_device_count() > 0 ? backend::device_kind::cuda : backend::device_kind::host;

@@ -33,8 +33,18 @@ cudaError_t device_count(int& count) noexcept {
 
 std::string unavailable_reason(cudaError_t result, int count) {
   if (result == cudaErrorInsufficientDriver) {
-    return "cudaGetDeviceCount failed: " + describe(result) +
-           "; install an NVIDIA driver of the CUDA 13 generation (580 or newer)";
+    // The runtime says "insufficient" for a missing driver too; the driver
+    // version (0 when none loads) tells the two apart.
+    int driver_version = 0;
+    if (cudaDriverGetVersion(&driver_version) != cudaSuccess) cudaGetLastError();
+    if (driver_version == 0) {
+      return "cudaGetDeviceCount failed: " + describe(result) +
+             "; no NVIDIA driver is installed here (none loads in this process), so there is no GPU to use: "
+             "the host backend (SHOAL_BACKEND=host) runs without one";
+    }
+    return "cudaGetDeviceCount failed: " + describe(result) + "; the installed driver supports CUDA " +
+           std::to_string(driver_version / 1000) + "." + std::to_string(driver_version % 1000 / 10) +
+           ": install an NVIDIA driver of the CUDA 13 generation (580 or newer)";
   }
   if (result == cudaErrorNoDevice) {
     return "cudaGetDeviceCount failed: " + describe(result) +
