@@ -897,7 +897,11 @@ class Consumer:
         except _shoal.ConnectionClosedError:
             self._drop(incoming)
         except _shoal.ProtocolError as e:
-            self._note_error(e)
+            # Named by its pid: with several producers, `errors` must say which was cut off.
+            said = str(e).removeprefix("shoal.sharing: ")
+            named = _shoal.ProtocolError(f"shoal.sharing: pid {incoming.peer.peer_pid} was cut off: {said}")
+            named.__cause__ = e
+            self._note_error(named)
             incoming.sent_something = True  # cut off: a producer's end all the same
             self._drop(incoming)
         return None

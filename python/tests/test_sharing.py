@@ -224,6 +224,7 @@ def test_a_malformed_batch_disconnects_its_producer_and_others_go_on(case, clean
         with pytest.raises(shoal.PeerTimeoutError):
             consumer.get(timeout=3)
         assert len(consumer.errors) == 1 and isinstance(consumer.errors[0], shoal.ProtocolError)
+        assert f"pid {bad.pid} was cut off: " in str(consumer.errors[0]), "the error names the producer"
         assert consumer.producers == 0
         bad.join(WAIT)
         assert bad.exitcode == 0
