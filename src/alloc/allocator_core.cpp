@@ -81,6 +81,22 @@ allocator_core::~allocator_core() {
   // The streams a private pool's blocks remember may still use its memory
   // (each pool waits for its own stream below).
   held_streams_.synchronize_all();
+  // Blocks still live at the end (their frees never came): the streams
+  // record_stream noted on them are waited for and let go.
+  directory_.for_each_pool_ever([&](block_pool& pool) {
+    std::lock_guard lock(pool.lock);
+    for (const auto& seg : pool.segments) {
+      for (block* b = seg->first; b != nullptr; b = b->next) {
+        for (const backend::stream_ref s : b->used_on) {
+          try {
+            device.synchronize(s);
+          } catch (...) {  // NOLINT(bugprone-empty-catch): failed work reads nothing more
+          }
+        }
+        let_used_on_go(b);
+      }
+    }
+  });
   directory_.for_each_pool_ever([&](block_pool& pool) { source_.release_at_teardown(pool, events_); });
   directory_.release_stream_holds();  // last: the pools above synchronized their streams
   held_streams_.release_all();
@@ -566,6 +582,7 @@ bool allocator_core::free_waiting(block_pool& pool, block* b, backend::stream_re
     throw;
   }
   b->waits.assign(events.begin(), events.end());  // within the room reserved above
+  let_used_on_go(b);  // their events are recorded: the free needs the streams no more
   count_free(pool, b);
   if (trace_.enabled()) trace_.note(trace_action::free_requested, address, b->size, stream);
   if (hold) {
@@ -576,6 +593,17 @@ bool allocator_core::free_waiting(block_pool& pool, block* b, backend::stream_re
     make_reusable(pool, b);
   }
   return true;
+}
+
+void allocator_core::let_used_on_go(block* b) noexcept {
+  for (const backend::stream_ref s : b->used_on) {
+    if (s.is_default()) continue;
+    try {
+      device.release_stream(s);
+    } catch (...) {  // NOLINT(bugprone-empty-catch): a refused destroy of the stream; nothing of the block's
+    }
+  }
+  b->used_on.clear();
 }
 
 SHOAL_HOT_INLINE void allocator_core::count_free(block_pool& pool, block* b) noexcept {

@@ -15,6 +15,7 @@
 // the leaf locks of the parts above).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -275,14 +276,34 @@ class allocator_core {
   /// record_stream of a pointer inside an allocated block: true when it
   /// found one (and noted the stream on it).
   bool record_inside_block(std::uintptr_t address, backend::stream_ref stream);
-  /// Adds `stream` to the block's used_on (pool locked).
+  /// Adds `stream` to the block's used_on (pool locked), and holds it on
+  /// the device (hold_stream) until the block's free has recorded its event
+  /// there (let_used_on_go): the free uses the stream after the call that
+  /// named it, so its owner may destroy it meanwhile (a stream per request
+  /// used on a transfer batch's or a sent storage's block, whose free comes
+  /// when the owner lets go). Invariant: holds of the used_on entries ==
+  /// non-default entries of every block's used_on. A throw changes nothing.
   void note_used_on(block_pool& pool, block* b, backend::stream_ref stream) {
-    add_unique(b->used_on, stream);
+    if (std::find(b->used_on.begin(), b->used_on.end(), stream) != b->used_on.end()) return;
+    b->used_on.push_back(stream);
+    if (!stream.is_default()) {
+      try {
+        device.hold_stream(stream);
+      } catch (...) {
+        b->used_on.pop_back();
+        throw;
+      }
+    }
     pool.streams_recorded = true;
     if (!streams_ever_recorded_.load(std::memory_order_relaxed)) {
       streams_ever_recorded_.store(true, std::memory_order_release);
     }
   }
+  /// Ends note_used_on's holds of the block's used_on and clears it (pool
+  /// locked): at its free, once the events are recorded, or when nothing
+  /// will wait for them any more (a forced clear's tombstone, teardown). The
+  /// last release of a stream its owner destroyed destroys it (no wait).
+  void let_used_on_go(block* b) noexcept;
   /// A late free of a tombstone on `stream`: its memory goes back to the
   /// sub-pool, last used on `stream`.
   void remove_tombstone(block_pool& part, block* b, backend::stream_ref stream);

@@ -99,7 +99,7 @@ void allocator_core::take_back_live_blocks(block_pool& part, invalidated_blocks_
       b->state = block_state::invalidated;
       b->size = min_block;
       b->requested = 0;
-      b->used_on.clear();
+      let_used_on_go(b);  // nothing waits for them now (record_stream skips tombstones)
       b->claimed = false;  // the tombstone has no owner's claim; its late free is still accepted
       pool_counters::add(c.invalidated, 1);
       pool_counters::add(c.invalidated_bytes, static_cast<std::int64_t>(min_block));

@@ -736,6 +736,67 @@ TEST(destroyed_streams_host, a_stream_per_request_leaves_at_most_the_last_one_he
   EXPECT_EQ(dev.alive.load(), 0);
 }
 
+// A stream per request that only an owner's record_stream names (a transfer
+// batch's storage waited on on it, a sent storage: the storage's release
+// records its streams on the block, and the owner frees the block later, on
+// its own stream), destroyed by its user before that free: the allocator
+// holds it from the record_stream, the free records on it, and it goes then
+// (it used to be destroyed at once, and the free then refused: the user had
+// to keep every such stream for the allocator's life, a thread each here).
+TEST(destroyed_streams_host, a_stream_per_request_only_recorded_on_a_block_goes_at_the_blocks_free) {
+  backend::host_device host({.capacity_bytes = 256 * mib});
+  stream_counting_device dev(host);
+  {
+    alloc::caching_allocator a(dev, {});
+    stream copies(dev);  // the owner's stream: every block is allocated and freed on it
+    for (int request = 0; request < 64; ++request) {
+      void* p = a.allocate(mib, copies);
+      {
+        stream s(dev);
+        dev.fill(s, p, 1, mib);  // the request's use
+        a.record_stream(p, s);   // its storage's release
+      }  // the request's stream destroyed by its user, before the block's free
+      EXPECT_LE(dev.alive.load(), 2) << "request " << request << ": only its stream is held, by its live block";
+      ASSERT_NO_THROW(a.deallocate(p, copies)) << "the free records on the held stream";
+      EXPECT_EQ(dev.alive.load(), 1) << "request " << request << ": its stream went at the free";
+    }
+    dev.synchronize(copies);
+    a.empty_cache();
+    EXPECT_EQ(a.stats().allocated_bytes.aggregate.current, 0);
+    EXPECT_NO_THROW(a.check_invariants());
+  }
+  EXPECT_EQ(dev.alive.load(), 0);
+}
+
+// The free waits for the recorded stream's work though its owner destroyed
+// it first: the block is not handed out again before that work ran.
+TEST(destroyed_streams_host, a_block_recorded_on_a_destroyed_stream_waits_for_its_work) {
+  backend::host_device host({.capacity_bytes = 256 * mib});
+  stream_counting_device dev(host);
+  alloc::caching_allocator a(dev, {});
+  stream copies(dev);
+  void* p = a.allocate(mib, copies);
+  std::atomic<bool> go{false};
+  {
+    stream s(dev);
+    dev.host_task(s, [&] {
+      while (!go.load()) std::this_thread::sleep_for(1ms);
+    });
+    dev.fill(s, p, 1, mib);
+    a.record_stream(p, s);
+  }
+  EXPECT_EQ(dev.alive.load(), 2) << "held by the live block";
+  a.deallocate(p, copies);
+  EXPECT_EQ(dev.alive.load(), 1) << "destroyed at the free (its thread ends once its work ran)";
+  void* q = a.allocate(mib, copies);
+  EXPECT_NE(q, p) << "p waits for the destroyed stream's fill";
+  go.store(true);
+  a.deallocate(q, copies);
+  dev.synchronize_device();
+  dev.synchronize(copies);
+  EXPECT_NO_THROW(a.check_invariants());
+}
+
 // Pinned host memory: the awaiting frees of a stream let go are sealed on it
 // and waited for by the allocation's sweep, so the next new stream gets that
 // memory at once, and the CPU may write it (nothing queued still reads it).
