@@ -179,14 +179,6 @@ void stream_keeper::keep(const std::shared_ptr<stream_state>& stream, allocator_
   allocator.keep(stream);
 }
 
-void stream_keeper::hand_to(allocator_state& allocator) {
-  std::lock_guard lock(mutex_);  // then the allocator's: never the other way
-  if (by_allocator_.load(std::memory_order_relaxed)) return;
-  for (const auto& stream : streams_) allocator.keep(stream);  // a throw leaves them all here too
-  by_allocator_.store(true, std::memory_order_release);
-  streams_.clear();
-}
-
 std::shared_ptr<stream_state> allocator_state::take_copy_stream() {
   {
     std::lock_guard lock(mutex_);

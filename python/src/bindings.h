@@ -8,13 +8,16 @@
 // release (which waits for each, storage.h): its handles share a
 // stream_keeper with the storages that share its memory. A storage
 // received from another process is one too: its stream keeper holds the
-// receive stream as well (sharing.cpp, received_tuple). A storage a part of
-// the library may hold past every handle (sent to another process, a
-// transfer batch's, adopted) has its streams kept by the allocator for the
-// allocator's life instead, as are transfer engines' streams. A stream per
-// request that only allocates or receives storages thus goes when they go,
-// and the caching allocator passes its cache to the next new stream. A
-// storage keeps its allocator alive.
+// receive stream as well (sharing.cpp, received_tuple). A storage sent to
+// another process or of a transfer batch (its keeper is the batch's, shared
+// with its storages' handles) keeps them the same way: a release that comes
+// after every handle (the other process's, a part's block freed with its
+// group's last storage) finds its streams held by the allocator, whose
+// record_stream holds each until the block's free. A storage adopted with
+// the by_allocator keeper (lending) has its streams kept by the allocator
+// for the allocator's life, as are transfer engines' streams. A stream per
+// request thus goes when its storages go, and the caching allocator passes
+// its cache to the next new stream. A storage keeps its allocator alive.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -134,9 +137,10 @@ class allocator_state {
 /// The streams storages sharing one memory (a storage, its handles and
 /// views, its lazy clones) were used on from Python, kept alive for their
 /// releases: each goes with the last handle of them, after their memory's
-/// release has used it. Once handed to the allocator (the memory is sent to
-/// another process, whose release may come after every handle), they and
-/// every later one are kept by the allocator for its life. Thread-safe.
+/// release has used it (a release after that, the other process's of a
+/// storage sent, finds them held by the allocator's record_stream until the
+/// block's free). The by_allocator keeper keeps them for the allocator's
+/// life instead. Thread-safe.
 class stream_keeper {
  public:
   /// Kept by the storages' handles.
@@ -151,9 +155,6 @@ class stream_keeper {
   stream_keeper& operator=(const stream_keeper&) = delete;
   /// Keeps `stream` alive (the default stream needs nothing).
   void keep(const std::shared_ptr<stream_state>& stream, allocator_state& allocator);
-  /// From now on the allocator keeps them all; a throw (no host memory)
-  /// leaves every stream kept here.
-  void hand_to(allocator_state& allocator);
 
  private:
   std::atomic<bool> by_allocator_;  // set once, under mutex_
@@ -214,9 +215,6 @@ class storage_handle {
   [[nodiscard]] const std::shared_ptr<stream_keeper>& streams() const noexcept { return streams_; }
   /// Keeps `stream`, about to be used on the storage, alive for its release.
   void keep_stream(const std::shared_ptr<stream_state>& stream) const { streams_->keep(stream, *allocator_); }
-  /// The storage is handed to a part of the library that may hold it past
-  /// every handle: its streams are kept by the allocator from now on.
-  void hand_streams_to_allocator() const { streams_->hand_to(*allocator_); }
   [[nodiscard]] bool read_only() const noexcept { return read_only_; }
   /// Throws invalid_argument naming `what` when the memory is read-only.
   void require_writable(const char* what) const;

@@ -439,8 +439,9 @@ void register_sharing(nb::module_& m) {
                                      nb::cast<std::string>(nb::str(data.type().attr("__name__"))));
             }
             auto st = stream_or_current(stream, handle->get().device());
-            // The other process's release may come after every handle here.
-            handle->hand_streams_to_allocator();
+            // The other process's release may come after every handle here:
+            // the storage's release records its streams on the block, and the
+            // allocator holds each until the block's free (record_stream).
             handle->keep_stream(st);
             const auto peer = p.peer.enter();
             const auto bytes = bytes_of(metadata);

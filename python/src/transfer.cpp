@@ -128,6 +128,12 @@ transfer::transfer_config::stores parse_staging_stores(const std::string& name) 
 
 struct py_transferred_batch {
   std::shared_ptr<allocator_state> allocator;  // first: destroyed after the batch's storages
+  // The streams the batch was waited on and its storages used on (shared
+  // with their handles and lazy clones): kept until the batch and every one
+  // of them is gone, after the storages' releases. A release that comes
+  // later still (a part's block, freed with its group's last storage) finds
+  // each stream held by the allocator (record_stream holds it until the free).
+  std::shared_ptr<stream_keeper> streams = stream_keeper::for_handles();
   transfer::transferred_batch batch;
 };
 
@@ -143,7 +149,7 @@ void register_transfer(nb::module_& m) {
           "storages",
           [](const py_transferred_batch& b) {
             std::vector<py_storage> out;
-            for (const auto& s : b.batch.storages()) out.push_back(py_storage{storage_handle(s, b.allocator)});
+            for (const auto& s : b.batch.storages()) out.push_back(py_storage{storage_handle(s, b.allocator, b.streams)});
             return out;
           },
           "The device storages, in the order of the buffers submitted.")
@@ -151,7 +157,7 @@ void register_transfer(nb::module_& m) {
           "wait",
           [](const py_transferred_batch& b, const py_stream* stream) {
             auto s = stream_or_current(stream, b.allocator->allocator().device());
-            b.allocator->keep(s);  // the storages' release may wait for it
+            b.streams->keep(s, *b.allocator);  // the storages' release waits for it
             b.batch.wait_on(s->ref());
           },
           nb::arg("stream").none() = nb::none(),
@@ -269,7 +275,7 @@ void register_transfer(nb::module_& m) {
             std::uint64_t sequence = 0;
             if (taken) {
               sequence = taken->batch->sequence();
-              item = nb::make_tuple(py_transferred_batch{e.allocator, std::move(*taken->batch)}, layout_of(taken->tag));
+              item = nb::make_tuple(py_transferred_batch{e.allocator, stream_keeper::for_handles(), std::move(*taken->batch)}, layout_of(taken->tag));
             }
             if (item && put_back()) {
               // Put back by another thread as this slice took a later batch: that one goes first,
