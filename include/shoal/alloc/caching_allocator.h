@@ -43,8 +43,10 @@
 // waits for it) still work, and no new stream takes its handle and its pool
 // meanwhile. So are the streams a private pool's free blocks remember (a
 // tombstone's late free's, record_stream's a restore keeps). A stream
-// otherwise only passed to deallocate or record_stream is not held: it must
-// outlive those frees.
+// record_stream notes on a live block is held until that block's free has
+// recorded its event there, so its owner may destroy it before that free. A
+// stream otherwise only passed to deallocate is not held: it must outlive
+// that free.
 // A destroyed stream is let go once nothing of the allocator needs it any
 // more: at the next allocation that is not a cached pair, when the stream
 // is idle and none of its blocks is live or pending, or at empty_cache
