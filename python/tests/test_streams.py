@@ -1,6 +1,7 @@
 """Devices, streams, events and the `with shoal.stream(s)` scope."""
 
 import copy
+import gc
 import os
 import pickle
 import threading
@@ -301,3 +302,68 @@ def test_the_streams_of_a_storage_sent_to_another_process_are_kept_by_the_alloca
         while host.stats()["allocated_bytes"]["all"]["current"] != 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert host.stats()["allocated_bytes"]["all"]["current"] == 0, "released after the kept stream"
+
+
+def _threads_settle_at(most: int) -> int:
+    deadline = time.monotonic() + 5  # a destroyed stream's thread ends once its work ran
+    while _threads() > most and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _threads()
+
+
+@pytest.mark.skipif(shoal.default_device().kind != "host", reason="counts host streams' threads")
+def test_a_stream_per_request_goes_after_a_transfer_batch_was_waited_on_it():
+    # A transfer batch's storages are parts of one block, freed with the last
+    # of them: each request's stream must still go once they are gone.
+    import numpy
+    import shoal.transfer
+
+    with shoal.transfer.Engine() as engine:
+        def request() -> None:
+            stream = shoal.Stream()
+            engine.submit(numpy.ones(16, "float32"))
+            batch = engine.get(timeout=10, stream=stream)
+            assert numpy.from_dlpack(batch).sum() == 16
+            del batch
+            stream.synchronize()
+
+        request()
+        gc.collect()
+        threads = _threads()
+        for _ in range(40):
+            request()
+        gc.collect()
+        assert _threads_settle_at(threads + 2) <= threads + 2, "each request left its stream's thread"
+
+
+@pytest.mark.skipif(shoal.default_device().kind != "host", reason="counts host streams' threads")
+def test_a_stream_per_request_goes_after_a_storage_sent_on_it_is_released():
+    # A storage sent to another process is freed when that process lets go,
+    # after every handle here: the stream it was used on must go then.
+    allocator = shoal.default_allocator()
+    producer = shoal.SharingContext(allocator, collect_interval_ms=0)
+    consumer = shoal.SharingContext(allocator, collect_interval_ms=0)
+    with shoal.Listener(shoal.runtime_dir_address(f"streams-{os.getpid()}.sock")) as listener:
+        sender = shoal.Peer(producer, shoal.connect(listener.address))
+        receiver = shoal.Peer(consumer, listener.accept(timeout=10))
+        with sender, receiver:
+            def request() -> None:
+                stream = shoal.Stream()
+                with shoal.stream(stream):
+                    storage = allocator.allocate(4096)
+                    storage.fill(3)
+                    sender.send(storage, b"")
+                    del storage
+                received, _ = receiver.receive(timeout=10)
+                del received
+                stream.synchronize()
+                producer.collect()
+
+            request()
+            gc.collect()
+            threads = _threads()
+            for _ in range(40):
+                request()
+            gc.collect()
+            producer.collect()
+            assert _threads_settle_at(threads + 2) <= threads + 2, "each request left its stream's thread"
