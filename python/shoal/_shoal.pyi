@@ -460,6 +460,11 @@ def runtime_dir_address(name: str) -> str:
     The recommended socket path for a channel named `name`: in $XDG_RUNTIME_DIR (this user's 0700 directory), else /tmp/shoal-<uid>. An address is that path, any absolute socket path, or '@name' for an abstract socket name (no file; the access policy alone decides who connects).
     """
 
+def _check_sharing_options(**kwargs) -> None:
+    """
+    Raises what SharingContext(allocator, **options) would for these options, making nothing: shoal.sharing.Producer checks its options when made, though its context is made at its first put.
+    """
+
 class Connection:
     """
     A checked connection to another process (from Listener.accept or connect); give it to Peer to share storages over it. A context manager: leaving the block (or close()) closes a connection not given to a Peer; one given to a Peer is the Peer's. Its calls hold the GIL and never wait, so several threads may use it.

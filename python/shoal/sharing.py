@@ -299,7 +299,8 @@ class Producer:
     first put — a batch without arrays, or of shoal memory alone, included —
     or the first read of ``context`` or ``peer`` (``close()`` included)
     fixes the allocator for good, and makes the SharingContext (its
-    options are checked then): the tensors of a later put do not move it.
+    options were checked when the Producer was made): the tensors of a later
+    put do not move it.
     Until then ``allocator`` is the one a put of this thread without tensors
     would take. An array on another device, or of another allocator, is
     refused by put() with an InvalidArgumentError saying which argument to
@@ -318,6 +319,7 @@ class Producer:
         address = _checks.socket_address("shoal.sharing.Producer", address)
         _checks.whole_number("shoal.sharing.Producer", "max_ahead", max_ahead, least=1, allow_none=True)
         self.max_ahead = None if max_ahead is None else operator.index(max_ahead)
+        _shoal._check_sharing_options(**options)  # a misspelt option fails here, not at the first put
         self._options = options
         # Both None until fixed: a Producer made without allocator= or device= chooses its
         # device at its first put (its tensors', else the putting thread's; see _fix).

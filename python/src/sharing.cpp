@@ -208,6 +208,11 @@ void register_sharing(nb::module_& m) {
       "directory), else /tmp/shoal-<uid>. An address is that path, any absolute socket path, or '@name' for "
       "an abstract socket name (no file; the access policy alone decides who connects).");
 
+  m.def(
+      "_check_sharing_options", [](const nb::kwargs& options) { (void)options_of(options); },
+      "Raises what SharingContext(allocator, **options) would for these options, making nothing: "
+      "shoal.sharing.Producer checks its options when made, though its context is made at its first put.");
+
   nb::class_<py_connection>(m, "Connection",
                             "A checked connection to another process (from Listener.accept or connect); "
                             "give it to Peer to share storages over it. A context manager: leaving the block (or "

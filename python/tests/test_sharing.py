@@ -924,6 +924,19 @@ def test_the_spin_for_an_answer_after_an_import_is_an_option_in_microseconds():
         shoal.SharingContext(shoal.default_allocator(), import_answer_spin=200)  # unknown: the list names it
 
 
+def test_a_producers_options_are_checked_when_it_is_made_not_at_its_first_put():
+    # Its context is made at the first put (which fixes its device): a misspelt
+    # option must not wait until then to show.
+    with sharing.Consumer(allocator=HOST) as consumer:
+        with pytest.raises(shoal.InvalidArgumentError, match="unknown option bogus"):
+            sharing.Producer(consumer.address, bogus=1)
+        with pytest.raises(shoal.InvalidArgumentError, match="ring_bytes takes a whole number"):
+            sharing.Producer(consumer.address, ring_bytes=-1)
+        with sharing.Producer(consumer.address, allocator=HOST, receive_spin_us=0) as producer:
+            producer.put(HOST.allocate(8))
+            assert consumer.get(timeout=WAIT).nbytes == 8
+
+
 def test_numpys_integers_are_taken_as_sharing_options_and_its_bools_are_not():
     np = pytest.importorskip("numpy")
     with sharing.Consumer(ring_bytes=np.int64(65536), allocator=HOST) as consumer:
