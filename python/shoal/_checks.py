@@ -73,6 +73,31 @@ def socket_address(where: str, address: Any) -> str:
     return path
 
 
+def absolute_address(where: str, address: str) -> str:
+    """`address` (socket_address's) unchanged, or an InvalidArgumentError naming `where` for a
+    relative path, which the native layer refuses in its own words. Called just before the
+    connection or listener is made, after the call's other arguments were checked."""
+    if address and not address.startswith(("/", "@")):
+        raise _shoal.InvalidArgumentError(
+            f"{where}: the address {address!r} is a relative path; give an absolute one, so that both ends "
+            "name the same file (shoal.runtime_dir_address(name) gives the recommended one), or '@name' for "
+            "an abstract socket")
+    return address
+
+
+def uids(where: str, allowed_uids: Any) -> list[int]:
+    """`allowed_uids` as the list of uids the native layer takes: any iterable of whole
+    numbers from 0 to UID_MAX (a TypeError for one uid given alone, an InvalidArgumentError
+    naming `where` for one out of range)."""
+    if isinstance(allowed_uids, (str, bytes)) or not hasattr(allowed_uids, "__iter__"):
+        raise TypeError(f"{where}: allowed_uids must be a sequence of uids (say [1000]), not "
+                        f"{type(allowed_uids).__name__}")
+    listed = list(allowed_uids)
+    for uid in listed:
+        whole_number(where, "allowed_uids", uid, most=UID_MAX)
+    return [operator.index(uid) for uid in listed]
+
+
 def cancel_event(where: str, cancel: Optional[Any]) -> None:
     """Raises TypeError unless `cancel` is None or has is_set() (a threading.Event)."""
     if cancel is not None and not callable(getattr(cancel, "is_set", None)):

@@ -262,8 +262,7 @@ class Borrower:
         address = _checks.socket_address("shoal.lending.Borrower", address)
         _checks.whole_number("shoal.lending.Borrower", "kept_mapping_bytes", kept_mapping_bytes)
         _checks.real_number("shoal.lending.Borrower", "timeout", timeout, "a number of seconds")
-        for uid in allowed_uids:
-            _checks.whole_number("shoal.lending.Borrower", "allowed_uids", uid, most=_checks.UID_MAX)
+        allowed_uids = _checks.uids("shoal.lending.Borrower", allowed_uids)
         self._address = address
         self._allocator = _allocator_on("shoal.lending.Borrower", device, allocator)
         self._watch_lock = threading.Lock()  # the one-reader rule: a watcher, or revocations() calls
@@ -696,8 +695,7 @@ class Lender:
             _checks.whole_number("shoal.lending.Lender", name, value, least=1)
         _checks.whole_number("shoal.lending.Lender", "max_observers", max_observers)
         _checks.whole_number("shoal.lending.Lender", "max_connections_per_uid", max_connections_per_uid)
-        for uid in allowed_uids:
-            _checks.whole_number("shoal.lending.Lender", "allowed_uids", uid, most=_checks.UID_MAX)
+        allowed_uids = _checks.uids("shoal.lending.Lender", allowed_uids)
         for chunk in prepared_chunks:
             _checks.whole_number("shoal.lending.Lender", "prepared_chunks", chunk)
         # Types here, ranges in the native layer (its messages name each setting too).

@@ -319,6 +319,7 @@ class Producer:
         address = _checks.socket_address("shoal.sharing.Producer", address)
         _checks.whole_number("shoal.sharing.Producer", "max_ahead", max_ahead, least=1, allow_none=True)
         self.max_ahead = None if max_ahead is None else operator.index(max_ahead)
+        uids = _checks.uids("shoal.sharing.Producer", allowed_uids)
         _shoal._check_sharing_options(**options)  # a misspelt option fails here, not at the first put
         self._options = options
         # Both None until fixed: a Producer made without allocator= or device= chooses its
@@ -327,7 +328,8 @@ class Producer:
         self._context: _shoal.SharingContext | None = None
         if allocator is not None or device is not None:
             self._fix(_allocator_for("shoal.sharing.Producer", allocator, device))
-        self._connection: _shoal.Connection | None = _shoal.connect(address, list(allowed_uids))
+        self._connection: _shoal.Connection | None = _shoal.connect(
+            _checks.absolute_address("shoal.sharing.Producer", address), uids)
         # The Peer, made at the first put (or close): it binds the context's allocator for good.
         self._link: _shoal.Peer | None = None
         self._streams: set[_shoal.Stream] = set()  # what sent batches wait on
@@ -358,6 +360,8 @@ class Producer:
         timeout = _checks.timeout_seconds("shoal.sharing.Producer.put", timeout)
         _checks.instance_of("shoal.sharing.Producer.put", "stream", stream, _shoal.Stream, "a shoal.Stream",
                             allow_none=True)
+        if self._link is not None and self._link.closed:
+            raise _shoal.ConnectionClosedError("shoal.sharing.Producer.put: this Producer is closed")
         leaves: list[_Leaf] = []
         structure = _flatten(batch, leaves, 0)
         if self._context is None:
@@ -646,6 +650,7 @@ class Consumer:
     ) -> None:
         if address is not None:
             address = _checks.socket_address("shoal.sharing.Consumer", address)
+        uids = _checks.uids("shoal.sharing.Consumer", allowed_uids)
         _checks.whole_number("shoal.sharing.Consumer", "max_producers", max_producers, least=1)
         max_producers = operator.index(max_producers)
         _checks.real_number("shoal.sharing.Consumer", "batch_timeout", batch_timeout, "a number of seconds",
@@ -661,7 +666,7 @@ class Consumer:
         chosen = address is None
         if address is None:
             address = _shoal.runtime_dir_address(f"shoal-{os.getpid()}-{secrets.token_hex(6)}.sock")
-        self._listener = _shoal.Listener(address, list(allowed_uids))
+        self._listener = _shoal.Listener(_checks.absolute_address("shoal.sharing.Consumer", address), uids)
         self.address: str = self._listener.address
         if chosen:  # socket files of consumers killed before they could remove them
             with contextlib.suppress(_shoal.BackendError):  # a folder that cannot be read: nothing to tidy

@@ -1323,3 +1323,17 @@ def test_two_objects_of_one_allocator_are_equal_and_hash_alike():
     assert context.allocator is not HOST
     assert shoal.Allocator(shoal.host_device()) != HOST
     assert HOST != "an allocator"
+
+
+def test_arguments_are_refused_in_the_words_of_the_call_that_took_them():
+    with pytest.raises(shoal.InvalidArgumentError, match=r"^shoal\.sharing\.Producer: the address 'rel\.sock' is a relative"):
+        sharing.Producer("rel.sock")
+    with pytest.raises(shoal.InvalidArgumentError, match=r"^shoal\.sharing\.Consumer: allowed_uids"):
+        sharing.Consumer(allowed_uids=[-1])
+    with pytest.raises(TypeError, match=r"^shoal\.sharing\.Consumer: allowed_uids must be a sequence of uids"):
+        sharing.Consumer(allowed_uids=1000)  # type: ignore[arg-type]
+    with sharing.Consumer(allocator=HOST) as consumer:
+        producer = sharing.Producer(consumer.address, allocator=HOST)
+        producer.close()
+        with pytest.raises(shoal.ConnectionClosedError, match=r"^shoal\.sharing\.Producer\.put: this Producer is closed"):
+            producer.put(HOST.allocate(8))
