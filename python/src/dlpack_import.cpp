@@ -106,8 +106,21 @@ const char* dtype_name_of(const dlpack::DLDataType& t) {
   for (const auto& e : dtype_names) {
     if (e.code == t.code && e.bits == t.bits) return e.name;
   }
-  throw nb::buffer_error(("shoal.from_dlpack: dtype code " + std::to_string(t.code) + " with " +
-                          std::to_string(t.bits) + " bits is not supported")
+  // Named as numpy names it where the code is one of DLPack's own, so the
+  // user sees which of their arrays' types it is.
+  const char* kind = t.code == dlpack::kDLInt       ? "int"
+                     : t.code == dlpack::kDLUInt    ? "uint"
+                     : t.code == dlpack::kDLFloat   ? "float"
+                     : t.code == dlpack::kDLBfloat  ? "bfloat"
+                     : t.code == dlpack::kDLComplex ? "complex"
+                     : t.code == dlpack::kDLBool    ? "bool"
+                                                    : nullptr;
+  std::string supported;
+  for (const auto& e : dtype_names) supported += std::string(supported.empty() ? "" : ", ") + e.name;
+  throw nb::buffer_error(("shoal.from_dlpack: dtype " +
+                          (kind != nullptr ? kind + std::to_string(t.bits) + " " : std::string()) + "(DLPack code " +
+                          std::to_string(t.code) + ", " + std::to_string(t.bits) +
+                          " bits) is not supported; shoal takes " + supported)
                              .c_str());
 }
 
