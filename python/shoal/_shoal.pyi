@@ -186,7 +186,10 @@ class Event:
     A marker recorded into a stream; complete once the stream has passed it. Usable from several threads at once: a query or wait sees the last record() made before it.
     """
 
-    def __init__(self, device: Device | None = None) -> None: ...
+    def __init__(self, device: Device | None = None) -> None:
+        """
+        An event of `device` (default: the default device), not yet recorded: until its first record(), query() is True and synchronize() returns at once.
+        """
 
     def record(self, stream: Stream | None = None) -> None:
         """

@@ -244,7 +244,9 @@ void register_streams(nb::module_& m) {
             backend::device& d = device_or_default(device);
             new (self) py_event{&d, std::make_shared<backend::event>(d)};
           },
-          nb::arg("device").none() = nb::none())
+          nb::arg("device").none() = nb::none(),
+          "An event of `device` (default: the default device), not yet recorded: until its first record(), "
+          "query() is True and synchronize() returns at once.")
       .def(
           "record",
           [](const py_event& e, const py_stream* s) { e.event->record(stream_or_current(s, *e.device)->ref()); },

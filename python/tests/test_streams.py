@@ -63,6 +63,8 @@ def test_an_event_completes_when_its_stream_passes_it():
     s = shoal.Stream()
     s.delay(0.2)
     e = shoal.Event()
+    assert e.query(), "an event never recorded is complete, as its docstring says"
+    e.synchronize()
     e.record(s)
     assert not e.query()
     e.synchronize()
