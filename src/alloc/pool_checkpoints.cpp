@@ -245,6 +245,9 @@ pool_restore_result allocator_core::restore_private_pool(private_pool_id id, con
         pool_counters::sub(c.active_bytes, static_cast<std::int64_t>(b->size));
         pool_counters::sub(c.requested_bytes, static_cast<std::int64_t>(b->requested));
         result.freed.push_back(b->address);
+        // Its record_stream streams are held_streams_' now (phase 1): the
+        // holds note_used_on took end here, as a free's would.
+        let_used_on_go(b);
         ++part.frees;  // a free, for those who watch for frees while they wait (forget_last_streams)
         if (trace_.enabled()) {
           trace_.note(trace_action::free_requested, b->address, b->size, b->stream);

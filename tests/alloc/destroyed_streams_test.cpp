@@ -768,6 +768,39 @@ TEST(destroyed_streams_host, a_stream_per_request_only_recorded_on_a_block_goes_
   EXPECT_EQ(dev.alive.load(), 0);
 }
 
+// A restore frees a private pool's live blocks without a free call: the
+// streams record_stream noted on them pass to the pool's held streams, and the
+// record_stream's own hold must end there, or the stream outlives the allocator.
+TEST(destroyed_streams_host, a_stream_recorded_on_a_block_a_restore_frees_goes_with_the_allocator) {
+  backend::host_device host({.capacity_bytes = 64 * mib});
+  stream_counting_device dev(host);
+  {
+    alloc::caching_allocator a(dev, {});
+    const auto pool = a.create_growing_private_pool();
+    stream owner(dev);
+    void* kept = nullptr;
+    {
+      alloc::private_pool_scope scope(a, pool);
+      kept = a.allocate(mib, owner);
+    }
+    const auto checkpoint = a.checkpoint_private_pool(pool);
+    {
+      alloc::private_pool_scope scope(a, pool);
+      void* p = a.allocate(mib, owner);
+      {
+        stream reader(dev);
+        dev.fill(reader, p, 1, mib);
+        a.record_stream(p, reader);
+      }  // destroyed by its owner while the block lives
+      (void)a.restore_private_pool(pool, checkpoint);  // frees p, remembering `reader`
+    }
+    a.deallocate(kept, owner);
+    dev.synchronize(owner);
+    EXPECT_NO_THROW(a.check_invariants());
+  }
+  EXPECT_EQ(dev.alive.load(), 0) << "a stream's hold outlived the allocator";
+}
+
 // The free waits for the recorded stream's work though its owner destroyed
 // it first: the block is not handed out again before that work ran.
 TEST(destroyed_streams_host, a_block_recorded_on_a_destroyed_stream_waits_for_its_work) {
