@@ -132,7 +132,7 @@ std::vector<backend::stream_ref> allocator_core::streams_recorded_on_live_blocks
   // cannot grow is thrown once every pool is let go.
   directory_.look_at_each_pool_or_throw(true, [&](block_pool& p) {
     if (!p.streams_recorded) return;
-    bool any = false;  // used_on is cleared at the free: only live blocks (and tombstones) have some
+    bool any = false;  // used_on is cleared at the free (and a forced clear): only live blocks have some
     for (const auto& seg : p.segments) {
       for (const block* b = seg->first; b != nullptr; b = b->next) {
         if (b->used_on.empty()) continue;
