@@ -169,14 +169,12 @@ std::shared_ptr<stream_keeper> stream_keeper::by_allocator() {
 
 void stream_keeper::keep(const std::shared_ptr<stream_state>& stream, allocator_state& allocator) {
   if (stream->ref().is_default()) return;  // default streams live as long as their device
-  if (!by_allocator_.load(std::memory_order_acquire)) {
-    std::lock_guard lock(mutex_);
-    if (!by_allocator_.load(std::memory_order_relaxed)) {
-      if (std::ranges::find(streams_, stream) == streams_.end()) streams_.push_back(stream);
-      return;
-    }
+  if (by_allocator_) {
+    allocator.keep(stream);
+    return;
   }
-  allocator.keep(stream);
+  std::lock_guard lock(mutex_);
+  if (std::ranges::find(streams_, stream) == streams_.end()) streams_.push_back(stream);
 }
 
 std::shared_ptr<stream_state> allocator_state::take_copy_stream() {

@@ -22,7 +22,6 @@
 
 #include <nanobind/nanobind.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <limits>
@@ -157,9 +156,9 @@ class stream_keeper {
   void keep(const std::shared_ptr<stream_state>& stream, allocator_state& allocator);
 
  private:
-  std::atomic<bool> by_allocator_;  // set once, under mutex_
+  const bool by_allocator_;  // fixed when made: nothing hands a keeper's streams on later
   std::mutex mutex_;
-  std::vector<std::shared_ptr<stream_state>> streams_;  // guarded by mutex_; empty once by_allocator_
+  std::vector<std::shared_ptr<stream_state>> streams_;  // guarded by mutex_; always empty when by_allocator_
 };
 
 /// Whether a storage's memory may be written from Python: read-only memory
