@@ -23,6 +23,7 @@
 #include "shoal/core/error.h"
 #include "support/allocators.h"
 #include "support/forwarding_device.h"
+#include "support/region_pool.h"
 #include "support/refused_allocations.h"
 
 namespace shoal::testing {
@@ -799,6 +800,30 @@ TEST(destroyed_streams_host, a_stream_recorded_on_a_block_a_restore_frees_goes_w
     EXPECT_NO_THROW(a.check_invariants());
   }
   EXPECT_EQ(dev.alive.load(), 0) << "a stream's hold outlived the allocator";
+}
+
+// A forced clear makes a live block a tombstone, which nothing waits on: the
+// holds its record_stream took end there, and a stream its owner destroyed
+// goes with them, not with the allocator.
+TEST(destroyed_streams_host, a_stream_recorded_on_a_block_a_forced_clear_takes_goes_at_the_clear) {
+  backend::host_device host({.capacity_bytes = 64 * mib});
+  stream_counting_device dev(host);
+  alloc::caching_allocator a(dev, {});
+  region_pool r(dev, a, 2 * mib);
+  stream owner(dev);
+  void* p = r.allocate(mib, owner);
+  {
+    stream reader(dev);
+    dev.fill(reader, p, 1, mib);
+    a.record_stream(p, reader);
+  }  // destroyed by its owner while the block lives
+  dev.synchronize_device();
+  const int before = dev.alive.load();
+  (void)a.clear_private_pool(r.id, "", alloc::live_blocks::invalidate);
+  EXPECT_EQ(dev.alive.load(), before - 1) << "the reader's hold ended with the block";
+  a.deallocate(p, owner);  // the tombstone's late free
+  dev.synchronize(owner);
+  EXPECT_NO_THROW(a.check_invariants());
 }
 
 // The free waits for the recorded stream's work though its owner destroyed
