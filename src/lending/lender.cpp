@@ -131,6 +131,7 @@ struct borrower_entry {
   // observer): its answer waits for them until this time at most
   // (admit_awaiting_room). Nothing more is read from it meanwhile.
   std::optional<clock_type::time_point> room_awaited_until = std::nullopt;
+  bool awaits_as_observer = false;  // the class whose room it awaits (its hello said)
   bool failed = false;   // broke the protocol: hung up on by the loop
   // Why, when it was failed where no event could be sent (under the lock):
   // the loop names it as it hangs up.
@@ -619,34 +620,57 @@ class lender::state {
     }
     // One greeted at once had room for either kind when it was accepted (and
     // is among those counted as borrowers): only a held-back one can find none.
-    const std::size_t now =
-        observer ? observers_of(b.operator_uid) : counted_borrowers(b.operator_uid) - (b.held_back ? 0 : 1);
+    // A held-back observer also leaves room to every connection greeted at
+    // once whose hello has not come: each was promised room for either kind.
+    const std::size_t now = class_count(b, observer);
     const std::size_t most = observer ? config_.max_observers : config_.max_borrowers;
     if (now >= most) {
       if (!b.held_back) throw peer_refused("lender: " + class_full(b, observer, now));  // not expected: past a bound
-      // A borrower with no room but for connections whose hello has not come
-      // waits for them: any may turn out an observer, and each says which,
-      // or is hung up on, within the peer timeout.
-      if (!observer && now - unannounced_of(b.operator_uid) < most) {
-        b.room_awaited_until = clock_type::now() + config_.peer_timeout;
+      // One with no room but for connections whose hello has not come waits
+      // for them: each says which it is, or is hung up on, within the peer
+      // timeout (a borrower's room comes if one turns out an observer, an
+      // observer's if one turns out a borrower).
+      if (settled_count(b, observer) < most) {
+        await_room(b, observer);
         return;
       }
       turn_away(b, class_full(b, observer, now));
       return;
     }
     // Room comes to those awaiting it first, in the order they came.
-    if (!observer && b.held_back && awaiting_room(b.operator_uid)) {
-      b.room_awaited_until = clock_type::now() + config_.peer_timeout;
+    if (b.held_back && awaiting_room(b.operator_uid, observer)) {
+      await_room(b, observer);
       return;
     }
     welcome(b, observer);
   }
 
-  // Whether a borrower of the class waits for room (admit_awaiting_room).
-  bool awaiting_room(bool operator_uid) const noexcept {
+  // Whether a connection of the class, of that kind, waits for room (admit_awaiting_room).
+  bool awaiting_room(bool operator_uid, bool observer) const noexcept {
     return std::any_of(borrowers_.begin(), borrowers_.end(), [&](const borrower_entry& e) {
-      return live(e) && e.room_awaited_until && e.operator_uid == operator_uid;
+      return live(e) && e.room_awaited_until && e.operator_uid == operator_uid && e.awaits_as_observer == observer;
     });
+  }
+
+  void await_room(borrower_entry& b, bool observer) {
+    b.room_awaited_until = clock_type::now() + config_.peer_timeout;
+    b.awaits_as_observer = observer;
+  }
+
+  // What `b`'s kind has taken of its class's room, `b` left out: a
+  // borrower's, every counted borrower (those greeted at once whose hello
+  // has not come among them); a held-back observer's, the observers and
+  // every connection greeted at once whose hello has not come; one greeted at
+  // once had its room at the accept, so only the observers count.
+  std::size_t class_count(const borrower_entry& b, bool observer) const noexcept {
+    if (!observer) return counted_borrowers(b.operator_uid) - (b.held_back ? 0 : 1);
+    return observers_of(b.operator_uid) + (b.held_back ? unannounced_of(b.operator_uid) : 0);
+  }
+
+  // What is taken of the class's room for good, for a held-back `b`: the
+  // connections whose hello has not come left out (room beyond it may yet come).
+  std::size_t settled_count(const borrower_entry& b, bool observer) const noexcept {
+    return observer ? observers_of(b.operator_uid) : counted_borrowers(b.operator_uid) - unannounced_of(b.operator_uid);
   }
 
   std::string class_full(const borrower_entry& b, bool observer, std::size_t now) const {
@@ -674,24 +698,26 @@ class lender::state {
     emit_noted(lender_event::kind::connected, b.link.peer(), observer ? observer_note : "");
   }
 
-  // Held-back borrowers whose answer waits for room (greet), in the order
-  // they came: each is taken on once its class has room, and turned away
-  // once no connection whose hello has not come is left to make room, or
-  // its wait is over. Once a turn, after the hang-ups.
+  // Held-back connections whose answer waits for room (greet), in the order
+  // they came: each is taken on once its class has room for its kind, and
+  // turned away once no connection whose hello has not come is left to make
+  // room, or its wait is over. Once a turn, after the hang-ups.
   void admit_awaiting_room() {
     const auto now = clock_type::now();
     for (auto& b : borrowers_) {
       if (!b.room_awaited_until || b.failed) continue;
-      const std::size_t counted = counted_borrowers(b.operator_uid);
-      const bool may_come = counted - unannounced_of(b.operator_uid) < config_.max_borrowers;
-      if (counted >= config_.max_borrowers && may_come && now < *b.room_awaited_until) continue;
+      const bool observer = b.awaits_as_observer;
+      const std::size_t most = observer ? config_.max_observers : config_.max_borrowers;
+      const std::size_t counted = class_count(b, observer);
+      const bool may_come = settled_count(b, observer) < most;
+      if (counted >= most && may_come && now < *b.room_awaited_until) continue;
       b.room_awaited_until.reset();
-      if (counted >= config_.max_borrowers) {
-        turn_away(b, class_full(b, false, counted));
+      if (counted >= most) {
+        turn_away(b, class_full(b, observer, counted));
         continue;
       }
       try {
-        welcome(b, false);
+        welcome(b, observer);
       } catch (const error&) {
         b.failed = true;  // it hung up while its answer waited: no error of its
       }

@@ -296,6 +296,41 @@ TEST(lending_observers, a_held_back_borrower_waiting_for_a_connection_yet_to_say
   EXPECT_TRUE(eventually([&] { return o.l.status().borrowers == 1 && o.l.status().refusals == 1; }));
 }
 
+// The same for an observer held back while a connection greeted at once has
+// not said which it is: that one was promised room for either kind, so the
+// observer waits for its hello. Taken on first, the observer left the greeted
+// connection, once it said it observes, to be closed for an error.
+TEST(lending_observers, a_held_back_observer_waits_for_a_connection_yet_to_say_which_and_is_served_if_it_borrows) {
+  observed_lender o(limits(2, 1, 5000ms));
+  auto unannounced = o.greeted_at_once();
+  auto waiting = o.connect();
+  ASSERT_TRUE(eventually([&] { return o.l.status().connections == 2; }));
+  channel::send_hello(waiting, lending::detail::observer_protocol);
+  EXPECT_THROW((void)waiting.receive_for(300ms), timeout_error) << "answered before the other said which it is";
+  channel::send_hello(unannounced, lending::detail::lending_protocol);  // a borrower: the observers' place is free
+  EXPECT_NO_THROW(channel::check_hello(waiting.receive_for(2000ms), lending::detail::lending_protocol))
+      << "turned away for the place of a connection that turned out a borrower";
+  EXPECT_TRUE(eventually([&] { return o.l.status().borrowers == 1 && o.l.status().observers == 1; }));
+  EXPECT_EQ(o.l.status().refusals, 0u);
+}
+
+TEST(lending_observers, a_held_back_observer_waiting_for_a_connection_yet_to_say_which_is_refused_if_it_observes) {
+  observed_lender o(limits(2, 1, 5000ms));
+  auto unannounced = o.greeted_at_once();
+  auto waiting = o.connect();
+  ASSERT_TRUE(eventually([&] { return o.l.status().connections == 2; }));
+  channel::send_hello(waiting, lending::detail::observer_protocol);
+  EXPECT_THROW((void)waiting.receive_for(300ms), timeout_error) << "answered before the other said which it is";
+  const auto asked = std::chrono::steady_clock::now();
+  channel::send_hello(unannounced, lending::detail::observer_protocol);  // the observers' place is its
+  unannounced.send(static_cast<std::uint16_t>(lending::detail::message_type::query_metrics), {});
+  const channel::frame answer = unannounced.receive_for(2000ms);  // served: the lender greeted it
+  EXPECT_EQ(answer.type, static_cast<std::uint16_t>(lending::detail::message_type::metrics));
+  EXPECT_THROW((void)waiting.receive_for(4000ms), connection_closed) << "served past max_observers";
+  EXPECT_LT(std::chrono::steady_clock::now() - asked, 2000ms) << "turned away only at the end of its wait";
+  EXPECT_TRUE(eventually([&] { return o.l.status().observers == 1 && o.l.status().refusals == 1; }));
+}
+
 // A borrower awaiting room is read no further: a borrow it sent in the same
 // batch as its hello is not answered (nor taken for a second hello) until it
 // is admitted, and is answered then.

@@ -157,9 +157,10 @@ struct lender_config {
   /// room, the lender reads a new connection's hello before it sends its
   /// own, and turns it away (closed before its hello: peer_refused at
   /// connect) when its kind has no room by then; a connection greeted at once
-  /// counts as a borrower until its hello says otherwise (a borrower held
-  /// back for such connections alone waits for their hellos, up to
-  /// peer_timeout, and is taken on if one turns out an observer). 0: none.
+  /// keeps room for either kind until its hello says which it is (a borrower
+  /// or observer held back for such connections alone waits for their
+  /// hellos, up to peer_timeout, and is taken on if one turns out the other
+  /// kind). 0: none.
   /// Connections of the lender's own uid and root are bounded apart from the
   /// others' — each class to max_borrowers + max_observers connections (those
   /// whose hello has not come included), max_borrowers borrowers and
