@@ -339,7 +339,9 @@ class Borrower:
         borrowed for, with ``layout`` (:class:`Entry` s or tuples of the same fields) and its
         content hash (``hash``: computed here from the entries when None). Every view, DLPack
         export and tensor of ``region`` must be gone: the writable mapping is given up (``region``
-        is emptied; using it raises) and the region comes back read-only. ``InvalidArgumentError``
+        is emptied; using it raises) and the region comes back read-only. A layout has at most one
+        entry per 16 KiB of the region (at least 128 allowed, at most 4096: the lender keeps it for
+        the region's life). ``InvalidArgumentError``
         for live views or a malformed layout (the region left as it was); when the lender refuses
         (the name is published already) the region is given back and the refusal raised."""
         where = "shoal.lending.Borrower.publish"

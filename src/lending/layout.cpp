@@ -158,6 +158,12 @@ std::string layout_problem(const region_layout& layout, std::size_t region_bytes
     return "a layout has 1 to " + std::to_string(max_layout_entries) + " entries; got " +
            std::to_string(layout.entries.size());
   }
+  if (const std::size_t most = max_entries_for(region_bytes); layout.entries.size() > most) {
+    return "a region of " + std::to_string(region_bytes) + " bytes has a layout of at most " + std::to_string(most) +
+           " entries (one per " + std::to_string(region_bytes_per_layout_entry) + " bytes, at least " +
+           std::to_string(layout_entries_floor) + "); got " + std::to_string(layout.entries.size()) +
+           ": borrow a larger region, or pack small tensors into one entry";
+  }
   std::set<std::string_view> names;
   for (const auto& e : layout.entries) {
     if (auto problem = entry_problem(e, region_bytes); !problem.empty()) return problem;

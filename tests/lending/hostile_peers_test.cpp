@@ -3,6 +3,7 @@
 // lender that stops accepting or answers what does not decode, and a
 // thread waiting for revocations while another gives a region back.
 #include <gtest/gtest.h>
+#include <malloc.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -66,6 +67,68 @@ TEST(lending_hostile_peers, a_running_process_leaves_one_orphaned_hold_of_a_regi
   const auto status = l.status();
   ASSERT_EQ(status.regions.size(), 1u);
   EXPECT_EQ(status.regions[0].holders.size(), 2u) << "the writer's hold, and one orphaned hold for this process";
+}
+
+// The lender keeps a published layout for the region's life. One borrower,
+// within its quota, published layouts of 4096 entries (64-byte names, eight
+// extents, 0 bytes each) on regions of one granule: the lender kept ~1 MB of
+// its heap per 2 MiB region, half a byte of host memory per byte lent, bounded
+// by nothing but the capacity. A layout now has at most one entry per 16 KiB
+// of its region (at least 128): such a publish is refused, the connection
+// kept, and the largest the lender takes keeps its heap within 1/32 of what
+// it lent. (The heap is glibc's count: under AddressSanitizer it reads 0.)
+TEST(lending_hostile_peers, published_layouts_keep_lender_memory_in_proportion_to_the_regions) {
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  const std::size_t unit = dev.granularity();
+  constexpr std::size_t regions = 64;
+  lender_config config;
+  config.capacity_bytes = regions * unit;
+  config.quota_bytes = regions * unit;
+  lender l(dev, channel::channel_address::at_path(dir / "l.sock"), config);
+  auto raw = raw_borrower(l.address());
+  const auto layout_of = [](std::size_t entries) {
+    lending::region_layout layout;
+    for (std::size_t i = 0; i < entries; ++i) {
+      std::string name = std::to_string(i);
+      name.resize(lending::max_entry_name_bytes, 'x');
+      layout.entries.push_back({name, 0, 0, lending::dtype::uint8, {0, 1, 1, 1, 1, 1, 1, 1}});
+    }
+    return layout;
+  };
+  const auto largest = layout_of(lending::max_layout_entries);
+  const auto allowed = layout_of(lending::max_entries_for(unit));
+  const auto heap_in_use = [] { return ::mallinfo2().uordblks; };
+  const std::size_t before = heap_in_use();
+  std::uint64_t request = 0;
+  for (std::size_t i = 0; i < regions; ++i) {
+    raw.send(static_cast<std::uint16_t>(message_type::borrow),
+             lending::detail::encode(lending::detail::borrow_message{++request, unit, lending::region_mode::exclusive,
+                                                                     "model-" + std::to_string(i), 0}));
+    const channel::frame lent_frame = raw.receive_for(2000ms);
+    ASSERT_EQ(lent_frame.type, static_cast<std::uint16_t>(message_type::lent));
+    const auto lent = lending::detail::decode_lent(lent_frame.payload);
+    (void)raw.receive_for(2000ms);  // its chunk, dropped
+    raw.send(static_cast<std::uint16_t>(message_type::publish),
+             lending::detail::encode(lending::detail::publish_message{++request, lent.region, largest}));
+    channel::frame answer = raw.receive_for(2000ms);
+    if (answer.type == static_cast<std::uint16_t>(message_type::refused)) {
+      const auto refused = lending::detail::decode_refused(answer.payload);
+      EXPECT_EQ(refused.reason, lending::detail::refusal::bad_request);
+      EXPECT_NE(refused.why.find("at most 128 entries"), std::string::npos) << refused.why;
+      raw.send(static_cast<std::uint16_t>(message_type::publish),
+               lending::detail::encode(lending::detail::publish_message{++request, lent.region, allowed}));
+      answer = raw.receive_for(2000ms);
+    } else {
+      ADD_FAILURE() << "a layout of " << largest.entries.size() << " entries published on a region of " << unit
+                    << " bytes";
+    }
+    ASSERT_EQ(answer.type, static_cast<std::uint16_t>(message_type::lent));
+    (void)raw.receive_for(2000ms);  // its chunk, dropped
+  }
+  const std::size_t kept = heap_in_use() - before;
+  EXPECT_LE(kept, config.capacity_bytes / 32) << "the lender keeps " << kept << " bytes of heap for " << regions
+                                              << " published regions of " << unit << " bytes";
 }
 
 // A connection that never says hello is hung up on after the peer timeout:

@@ -103,6 +103,28 @@ TEST(region_layout, malformed_layouts_are_named_for_what_is_wrong) {
       << "an entry of 0 bytes overlaps nothing, even at the region's end";
 }
 
+// A layout's entries are bounded by its region's size (what the lender keeps
+// for it stays in proportion to the memory lent): one per 16 KiB, at least
+// 128, at most 4096.
+TEST(region_layout, a_layout_has_at_most_one_entry_per_16_kib_of_its_region_and_at_least_128_allowed) {
+  const auto of_entries = [](std::size_t n) {
+    region_layout layout;
+    for (std::size_t i = 0; i < n; ++i) layout.entries.push_back({std::to_string(i), 0, 0, dtype::uint8, {0}});
+    return layout;
+  };
+  constexpr std::size_t mib = std::size_t{1} << 20;
+  EXPECT_EQ(lending::max_entries_for(96), 128u);
+  EXPECT_EQ(lending::max_entries_for(2 * mib), 128u);
+  EXPECT_EQ(lending::max_entries_for(8 * mib), 512u);
+  EXPECT_EQ(lending::max_entries_for(64 * mib), 4096u);
+  EXPECT_EQ(lending::max_entries_for(std::size_t{1} << 40), 4096u);
+  EXPECT_EQ(lending::layout_problem(of_entries(128), 2 * mib), "");
+  EXPECT_NE(lending::layout_problem(of_entries(129), 2 * mib).find("at most 128 entries"), std::string::npos);
+  EXPECT_EQ(lending::layout_problem(of_entries(512), 8 * mib), "");
+  EXPECT_NE(lending::layout_problem(of_entries(513), 8 * mib).find("at most 512 entries"), std::string::npos);
+  EXPECT_EQ(lending::layout_problem(of_entries(4096), 64 * mib), "");
+}
+
 TEST(region_layout, the_hash_covers_the_entries_bytes_in_offset_order_and_nothing_else) {
   auto& dev = backend::host_device_instance();
   std::vector<std::uint8_t> region(128);

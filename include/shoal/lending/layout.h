@@ -10,7 +10,8 @@
 //   layout.hash = hash_entries(device, region.data(), region.size(), layout);
 //
 // Well-formed (what layout_problem checks, and what the lender checks
-// before it accepts a layout): 1..max_layout_entries entries; names of 1 to
+// before it accepts a layout): 1..max_entries_for(region bytes) entries (at
+// most max_layout_entries); names of 1 to
 // max_entry_name_bytes printable ASCII bytes, each used once; a known
 // dtype; a shape of at most max_entry_rank extents whose element count
 // times the dtype's size is the entry's bytes (no overflow); an offset that
@@ -42,6 +43,21 @@
 namespace shoal::lending {
 
 inline constexpr std::size_t max_layout_entries = 4096;
+/// A region's layout has at most one entry per region_bytes_per_layout_entry
+/// of the region, and never fewer than layout_entries_floor allowed: the
+/// lender keeps a published layout for the region's life (~250 bytes of its
+/// heap for an entry of the longest name and shape), so what a borrower makes
+/// it keep stays within ~1.5% of the memory it holds (4096 entries take a
+/// region of 64 MiB; a region of one 2 MiB granule takes 128).
+inline constexpr std::size_t layout_entries_floor = 128;
+inline constexpr std::size_t region_bytes_per_layout_entry = std::size_t{16} << 10;
+/// The most entries a layout of a region of `region_bytes` may have.
+[[nodiscard]] constexpr std::size_t max_entries_for(std::size_t region_bytes) noexcept {
+  const std::size_t by_size = region_bytes / region_bytes_per_layout_entry;
+  return by_size < layout_entries_floor ? layout_entries_floor
+         : by_size > max_layout_entries ? max_layout_entries
+                                        : by_size;
+}
 inline constexpr std::size_t max_entry_name_bytes = 64;
 inline constexpr std::size_t max_entry_rank = 8;
 
