@@ -83,6 +83,10 @@
 // runs, it may still map them, so they stay counted as orphaned until it
 // exits. A region's memory is never lent to a borrower of another uid while
 // its borrower might map it (and with reuse == never, to no one at all).
+// The process is the one that connected: memory received on a connection a
+// helper made, or passed on in a descriptor, may stay mapped in a process
+// the books no longer count (no memory crosses to another uid; admitted uids
+// are trusted not to hoard past the capacity that way).
 //
 // Trust: a borrower is untrusted. Every frame is checked (the codec names the
 // field at fault); a malformed frame, a frame a borrower may not send, or a
