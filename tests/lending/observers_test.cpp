@@ -264,71 +264,56 @@ TEST(lending_observers, a_place_freed_in_the_same_turn_serves_the_held_back_borr
       << "turned away while the place of a borrower that left was free";
 }
 
-// A borrower held back while a connection greeted at once has not said which
-// it is waits for that one's hello (or its hang-up), not turned away for a
-// place an observer turns out not to take.
-TEST(lending_observers, a_held_back_borrower_waits_for_a_connection_yet_to_say_which_and_is_served_if_it_observes) {
-  observed_lender o(limits(1, 1, 5000ms));
+// A connection held back while one greeted at once has not said which it is
+// (that one was promised room for either kind) waits for that one's hello, or
+// its hang-up: taken on if the other turns out the other kind, turned away
+// at once if the same. `observes`: the held-back one is an observer (room for
+// one observer, two borrowers) or a borrower (room for one of each).
+// `other_observes`: what the one greeted at once then says it is.
+void held_back_waits_for_a_connection_yet_to_say_which(bool observes, bool other_observes) {
+  observed_lender o(limits(observes ? 2 : 1, 1, 5000ms));
   auto unannounced = o.greeted_at_once();
   auto waiting = o.connect();
-  EXPECT_THROW((void)waiting.receive_for(100ms), timeout_error) << "greeted while the borrowers' place was taken";
+  EXPECT_THROW((void)waiting.receive_for(100ms), timeout_error) << "greeted while its kind's place was promised";
   ASSERT_TRUE(eventually([&] { return o.l.status().connections == 2; }));
-  channel::send_hello(waiting, lending::detail::lending_protocol);
+  const auto protocol_of = [](bool observer) {
+    return observer ? lending::detail::observer_protocol : lending::detail::lending_protocol;
+  };
+  channel::send_hello(waiting, protocol_of(observes));
   EXPECT_THROW((void)waiting.receive_for(300ms), timeout_error) << "answered before the other said which it is";
-  channel::send_hello(unannounced, lending::detail::observer_protocol);
-  EXPECT_NO_THROW(channel::check_hello(waiting.receive_for(2000ms), lending::detail::lending_protocol))
-      << "turned away for the place of a connection that turned out an observer";
-  EXPECT_TRUE(eventually([&] { return o.l.status().borrowers == 1 && o.l.status().observers == 1; }));
-  EXPECT_EQ(o.l.status().refusals, 0u);
+  const auto asked = std::chrono::steady_clock::now();
+  channel::send_hello(unannounced, protocol_of(other_observes));
+  // The one greeted at once is served as what it said (before this change, a
+  // held-back observer taken on first left it to be closed for an error).
+  unannounced.send(static_cast<std::uint16_t>(lending::detail::message_type::query_metrics), {});
+  EXPECT_EQ(unannounced.receive_for(2000ms).type, static_cast<std::uint16_t>(lending::detail::message_type::metrics));
+  if (observes != other_observes) {
+    EXPECT_NO_THROW(channel::check_hello(waiting.receive_for(2000ms), lending::detail::lending_protocol))
+        << "turned away for the place of a connection that turned out the other kind";
+    EXPECT_TRUE(eventually([&] { return o.l.status().borrowers == 1 && o.l.status().observers == 1; }));
+    EXPECT_EQ(o.l.status().refusals, 0u);
+  } else {
+    EXPECT_THROW((void)waiting.receive_for(4000ms), connection_closed) << "served past its kind's limit";
+    EXPECT_LT(std::chrono::steady_clock::now() - asked, 2000ms) << "turned away only at the end of its wait";
+    EXPECT_TRUE(eventually([&] { return o.l.status().refusals == 1; }));
+    EXPECT_EQ(observes ? o.l.status().observers : o.l.status().borrowers, 1u);
+  }
+}
+
+TEST(lending_observers, a_held_back_borrower_waits_for_a_connection_yet_to_say_which_and_is_served_if_it_observes) {
+  held_back_waits_for_a_connection_yet_to_say_which(false, true);
 }
 
 TEST(lending_observers, a_held_back_borrower_waiting_for_a_connection_yet_to_say_which_is_refused_if_it_borrows) {
-  observed_lender o(limits(1, 1, 5000ms));
-  auto unannounced = o.greeted_at_once();
-  auto waiting = o.connect();
-  ASSERT_TRUE(eventually([&] { return o.l.status().connections == 2; }));
-  channel::send_hello(waiting, lending::detail::lending_protocol);
-  EXPECT_THROW((void)waiting.receive_for(300ms), timeout_error) << "answered before the other said which it is";
-  const auto asked = std::chrono::steady_clock::now();
-  channel::send_hello(unannounced, lending::detail::lending_protocol);  // a borrower: the place is taken
-  EXPECT_THROW((void)waiting.receive_for(4000ms), connection_closed) << "served past max_borrowers";
-  EXPECT_LT(std::chrono::steady_clock::now() - asked, 2000ms) << "turned away only at the end of its wait";
-  EXPECT_TRUE(eventually([&] { return o.l.status().borrowers == 1 && o.l.status().refusals == 1; }));
+  held_back_waits_for_a_connection_yet_to_say_which(false, false);
 }
 
-// The same for an observer held back while a connection greeted at once has
-// not said which it is: that one was promised room for either kind, so the
-// observer waits for its hello. Taken on first, the observer left the greeted
-// connection, once it said it observes, to be closed for an error.
 TEST(lending_observers, a_held_back_observer_waits_for_a_connection_yet_to_say_which_and_is_served_if_it_borrows) {
-  observed_lender o(limits(2, 1, 5000ms));
-  auto unannounced = o.greeted_at_once();
-  auto waiting = o.connect();
-  ASSERT_TRUE(eventually([&] { return o.l.status().connections == 2; }));
-  channel::send_hello(waiting, lending::detail::observer_protocol);
-  EXPECT_THROW((void)waiting.receive_for(300ms), timeout_error) << "answered before the other said which it is";
-  channel::send_hello(unannounced, lending::detail::lending_protocol);  // a borrower: the observers' place is free
-  EXPECT_NO_THROW(channel::check_hello(waiting.receive_for(2000ms), lending::detail::lending_protocol))
-      << "turned away for the place of a connection that turned out a borrower";
-  EXPECT_TRUE(eventually([&] { return o.l.status().borrowers == 1 && o.l.status().observers == 1; }));
-  EXPECT_EQ(o.l.status().refusals, 0u);
+  held_back_waits_for_a_connection_yet_to_say_which(true, false);
 }
 
 TEST(lending_observers, a_held_back_observer_waiting_for_a_connection_yet_to_say_which_is_refused_if_it_observes) {
-  observed_lender o(limits(2, 1, 5000ms));
-  auto unannounced = o.greeted_at_once();
-  auto waiting = o.connect();
-  ASSERT_TRUE(eventually([&] { return o.l.status().connections == 2; }));
-  channel::send_hello(waiting, lending::detail::observer_protocol);
-  EXPECT_THROW((void)waiting.receive_for(300ms), timeout_error) << "answered before the other said which it is";
-  const auto asked = std::chrono::steady_clock::now();
-  channel::send_hello(unannounced, lending::detail::observer_protocol);  // the observers' place is its
-  unannounced.send(static_cast<std::uint16_t>(lending::detail::message_type::query_metrics), {});
-  const channel::frame answer = unannounced.receive_for(2000ms);  // served: the lender greeted it
-  EXPECT_EQ(answer.type, static_cast<std::uint16_t>(lending::detail::message_type::metrics));
-  EXPECT_THROW((void)waiting.receive_for(4000ms), connection_closed) << "served past max_observers";
-  EXPECT_LT(std::chrono::steady_clock::now() - asked, 2000ms) << "turned away only at the end of its wait";
-  EXPECT_TRUE(eventually([&] { return o.l.status().observers == 1 && o.l.status().refusals == 1; }));
+  held_back_waits_for_a_connection_yet_to_say_which(true, true);
 }
 
 // A borrower awaiting room is read no further: a borrow it sent in the same
