@@ -541,7 +541,7 @@ class SharingContext:
 
     def __init__(self, allocator: Allocator, **options) -> None:
         """
-        Options (keywords): collect_interval_ms (100), send_timeout_ms (10000), teardown_timeout_ms (100), receive_spin_us (50), import_answer_spin_us (200: how long the first receive after a send that brought the peer memory new to it polls for the answer), max_metadata_bytes (65536), slots_per_file (4096), ring_bytes (65536; 0: the socket alone), max_peer_ring_bytes (4194304: the largest ring taken from a peer; a peer of another user could leave its pages unallocated for this process's reads to allocate; raise it on both sides to at least ring_bytes rounded up to a power of two).
+        Options (keywords): collect_interval_ms (100), send_timeout_ms (10000), teardown_timeout_ms (100), receive_spin_us (50), import_answer_spin_us (200: how long the first receive after a send that brought the peer memory new to it polls for the answer), max_metadata_bytes (65536), slots_per_file (4096), ring_bytes (65536; 0: the socket alone), max_peer_ring_bytes (4194304: the largest ring taken from a peer; a peer of another user could leave its pages unallocated for this process's reads to allocate; raise it on both sides to at least ring_bytes rounded up to a power of two), max_peer_mapped_bytes (1099511627776: the bytes of one producer's segments mapped here at once, and its largest segment; mappings no received storage uses are closed to make room, past it a storage is refused).
         """
 
     @property

@@ -105,6 +105,7 @@ constexpr std::pair<std::string_view, std::string_view> python_names[] = {
     {"grouped_load", "shoal.loading.GroupedLoad"},
     {"sharing_options::max_metadata_bytes", "SharingContext's max_metadata_bytes"},
     {"sharing_options::max_peer_ring_bytes", "SharingContext's max_peer_ring_bytes"},
+    {"sharing_options::max_peer_mapped_bytes", "SharingContext's max_peer_mapped_bytes"},
     {"cuda_device::adopt_external_stream", "Stream.from_handle"},
     {"adopt_external_stream", "Stream.from_handle"},
 };

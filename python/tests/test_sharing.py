@@ -1284,6 +1284,20 @@ def test_a_peer_ring_over_max_peer_ring_bytes_is_refused_naming_the_option_to_ra
             assert bounded.get(timeout=WAIT)["x"].shape[0] == 8
 
 
+def test_a_producer_segment_over_max_peer_mapped_bytes_is_refused_naming_the_option_to_raise():
+    producer = shoal.SharingContext(HOST, collect_interval_ms=0)
+    consumer = shoal.SharingContext(HOST, collect_interval_ms=0, max_peer_mapped_bytes=1 << 20)
+    with shoal.Listener(shoal.runtime_dir_address(f"mapped-bound-{os.getpid()}.sock")) as listener:
+        sender = shoal.Peer(producer, shoal.connect(listener.address))
+        receiver = shoal.Peer(consumer, listener.accept(timeout=WAIT))
+        with sender, receiver:
+            sender.send(HOST.allocate(64))  # in a segment of 2 MiB
+            with pytest.raises(shoal.ProtocolError, match=r"max_peer_mapped_bytes"):
+                receiver.receive(timeout=WAIT)
+    with pytest.raises(shoal.InvalidArgumentError, match="SharingContext's max_peer_mapped_bytes is 0"):
+        shoal.SharingContext(HOST, max_peer_mapped_bytes=0)
+
+
 def test_a_storage_one_producer_sent_another_producer_of_its_allocator_sends_too():
     # One process sending the same weights to two consumers, each through a Producer of its
     # own, and again to a consumer that restarted after the first Producer closed.

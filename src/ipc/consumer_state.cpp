@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <new>
 #include <string>
 #include <thread>
@@ -206,6 +207,11 @@ void consumer_state::add_segment(segment_message m) {
   std::lock_guard lock(mutex_);
   if (segments_.contains(m.segment_id)) return;  // as for files
   check_room(segments_.size(), options.max_peer_segments, "segments", "max_peer_segments");
+  if (m.handle.size > options.max_peer_mapped_bytes) {
+    throw protocol_error("segment message: a segment of " + std::to_string(m.handle.size) +
+                         " bytes, over the " + std::to_string(options.max_peer_mapped_bytes) +
+                         " of a producer's this process maps at once (sharing_options::max_peer_mapped_bytes)");
+  }
   segments_.emplace(m.segment_id, std::move(m.handle));
 }
 
@@ -264,16 +270,27 @@ void consumer_state::retire_files(const std::vector<std::uint64_t>& ids) {
   for (auto id : ids) files_.erase(id);  // storages still holding slots keep their mapping of it
 }
 
-void consumer_state::make_room_to_map(std::size_t chunks) {
+void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
   const std::size_t limit = options.max_peer_segments;
+  const std::size_t byte_limit = options.max_peer_mapped_bytes;
   // Retired mappings whose last view went are being closed (by the collector,
   // which may have taken them already): not counted.
   const auto finishing = [](const mapping& m) { return m.state.load(std::memory_order_acquire) == retired_bit; };
   std::size_t mapped = 0;
-  for (const auto& [ids, m] : mappings_) mapped += ids.size();
-  for (const auto& m : retired_) mapped += finishing(*m) ? 0 : m->segment_ids.size();
-  if (mapped + chunks <= limit) return;
-  // Past the bound: close what nothing uses, now. Retired mappings whose last
+  std::size_t mapped_bytes = 0;  // at most byte_limit: every mapping was made within it
+  for (const auto& [ids, m] : mappings_) {
+    mapped += ids.size();
+    mapped_bytes += m->mapped_bytes;
+  }
+  for (const auto& m : retired_) {
+    if (finishing(*m)) continue;
+    mapped += m->segment_ids.size();
+    mapped_bytes += m->mapped_bytes;
+  }
+  const auto past_bytes = [&] { return mapped_bytes > byte_limit || bytes > byte_limit - mapped_bytes; };
+  const auto past = [&] { return mapped + chunks > limit || past_bytes(); };
+  if (!past()) return;
+  // Past a bound: close what nothing uses, now. Retired mappings whose last
   // view went first (the collector would close them), then cached ones.
   std::vector<std::shared_ptr<mapping>> finished;
   {
@@ -285,12 +302,13 @@ void consumer_state::make_room_to_map(std::size_t chunks) {
     close(*m);
   }
   // Views are added under mutex_ (held): a cached mapping with none stays so.
-  for (auto it = mappings_.begin(); it != mappings_.end() && mapped + chunks > limit;) {
+  for (auto it = mappings_.begin(); it != mappings_.end() && past();) {
     if (it->second->state.load(std::memory_order_acquire) != 0) {
       ++it;
       continue;
     }
     mapped -= it->first.size();
+    mapped_bytes -= it->second->mapped_bytes;
     close(*it->second);
     it = mappings_.erase(it);
   }
@@ -298,6 +316,12 @@ void consumer_state::make_room_to_map(std::size_t chunks) {
     throw protocol_error("storage message: mapping its " + std::to_string(chunks) + " segment chunks would keep more than " +
                          std::to_string(limit) + " of this producer's mapped at once, those mapped all in use "
                          "(sharing_options::max_peer_segments)");
+  }
+  if (past_bytes()) {
+    throw protocol_error("storage message: mapping its segment chunks of " + std::to_string(bytes) +
+                         " bytes would keep more than " + std::to_string(byte_limit) +
+                         " bytes of this producer's mapped at once, those mapped all in use "
+                         "(sharing_options::max_peer_mapped_bytes)");
   }
 }
 
@@ -310,11 +334,16 @@ std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uin
   if (const auto twice = std::ranges::adjacent_find(sorted); twice != sorted.end()) {
     throw protocol_error("storage message: it names segment " + std::to_string(*twice) + " more than once");
   }
-  make_room_to_map(ids.size());
-  std::vector<backend::shareable_handle> chunks;
+  std::size_t bytes = 0;  // saturating: a bound set near SIZE_MAX leaves room for sums past it
   for (auto id : ids) {
     auto it = segments_.find(id);
     if (it == segments_.end()) throw protocol_error("storage message: segment " + std::to_string(id) + " was never announced");
+    bytes = it->second.size > SIZE_MAX - bytes ? SIZE_MAX : bytes + it->second.size;
+  }
+  make_room_to_map(ids.size(), bytes);
+  std::vector<backend::shareable_handle> chunks;
+  for (auto id : ids) {
+    auto it = segments_.find(id);
     try {
       chunks.push_back(it->second.duplicate());  // import_memory takes them side by side
     } catch (const backend_error& e) {  // out of descriptors: this connection is closed, not the process
@@ -338,6 +367,7 @@ std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uin
   // What was mapped from the returned pointer on: the chunks side by side,
   // less the first one's offset (a hostile producer may announce one).
   for (const auto& c : chunks) m->bytes += c.size;
+  m->mapped_bytes = m->bytes;
   m->bytes -= chunks.front().offset;
   m->segment_ids = ids;
   mappings_.emplace(ids, m);

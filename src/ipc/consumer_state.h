@@ -9,8 +9,8 @@
 // dropped (host tasks count down; the last releases the slot). Host tasks may not
 // call the device, so they only count down; closing happens on a user
 // thread: the sharing context's collector, collect(), or the destructor — and
-// a receive that would pass max_peer_segments mapped closes, under the lock,
-// the mappings no storage uses to make room.
+// a receive that would pass max_peer_segments or max_peer_mapped_bytes mapped
+// closes, under the lock, the mappings no storage uses to make room.
 //
 // Thread-safety: every member may be called from any thread (one mutex).
 // Storages made here keep this object alive.
@@ -36,6 +36,7 @@ namespace shoal::ipc::detail {
 struct mapping {
   void* base = nullptr;    // what import_memory returned: the first chunk's base + its offset
   std::size_t bytes = 0;   // mapped from base on: the chunks' sizes less the first one's offset
+  std::size_t mapped_bytes = 0;  // the chunks' sizes: the address space it takes (max_peer_mapped_bytes)
   std::vector<std::uint64_t> segment_ids;
   // views << 1 | retired: the storages using it (counted down after their
   // streams pass) and whether the producer retired a segment of it. The one
@@ -88,10 +89,10 @@ class consumer_state : public std::enable_shared_from_this<consumer_state> {
 
  private:
   std::shared_ptr<mapping> map_segments(const std::vector<std::uint64_t>& ids);  // mutex_ held
-  /// Room for a mapping of `chunks` more segment chunks within
-  /// options.max_peer_segments mapped at once (closing mappings no storage
-  /// uses), or protocol_error. mutex_ held.
-  void make_room_to_map(std::size_t chunks);
+  /// Room for a mapping of `chunks` more segment chunks of `bytes` within
+  /// options.max_peer_segments and max_peer_mapped_bytes mapped at once
+  /// (closing mappings no storage uses), or protocol_error. mutex_ held.
+  void make_room_to_map(std::size_t chunks, std::size_t bytes);
   void retire(const std::shared_ptr<mapping>& m);                                  // mutex_ held
   void close(mapping& m) noexcept;  // a mapping no one else refers to; mutex_ not needed
 

@@ -257,6 +257,98 @@ TEST(hostile_producer, segment_chunks_mapped_at_once_stay_within_the_limit) {
   ::munmap(counters, static_cast<std::size_t>(file.st_size));
 }
 
+// A sparse memfd of any size costs its producer nothing (ftruncate alone).
+unique_fd sparse_segment(std::size_t bytes) {
+  unique_fd fd(::memfd_create("sparse-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!fd || ::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0 ||
+      ::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+    return unique_fd{};
+  }
+  return fd;
+}
+
+// Segment message: segment id u64 | handle length u32 | handle, whose size
+// field is at byte 12 of the handle (shareable_handle.cpp's layout).
+constexpr std::size_t segment_handle_size_at = 8 + 4 + 12;
+
+// A producer announcing a segment past max_peer_mapped_bytes (1 TiB by
+// default) is refused at the announcement: a consumer mapped a sparse 64 TiB
+// segment whole for an 8 KiB storage, half its address space.
+TEST(hostile_producer, a_segment_past_max_peer_mapped_bytes_is_refused_at_its_announcement) {
+  captured_exchange x;
+  auto frames = x.capture_share(8 * kib);
+  channel::frame& segment = frame_of_type(frames, segment_type);
+  constexpr std::size_t huge = std::size_t{64} << 40;
+  segment.fd = sparse_segment(huge);
+  ASSERT_TRUE(segment.fd) << "no sparse memfd of 64 TiB here";
+  write_at<std::uint64_t>(segment.payload, segment_handle_size_at, huge);
+  try {
+    (void)x.replay(frames);
+    ADD_FAILURE() << "a storage in a 64 TiB segment was received";
+  } catch (const protocol_error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_peer_mapped_bytes"), std::string::npos) << e.what();
+  }
+}
+
+// A producer announcing many large sparse segments, a storage in each, cannot
+// make the consumer map more than max_peer_mapped_bytes of them at once: the
+// mappings of storages dropped are closed to make room (they stayed cached
+// until the producer retired the segment, which a hostile one never does),
+// and past that a storage is refused.
+TEST(hostile_producer, bytes_of_segments_mapped_at_once_stay_within_the_limit) {
+  constexpr std::size_t gib = std::size_t{1} << 30;
+  captured_exchange x({.collect_interval = 0ms, .max_peer_mapped_bytes = 3 * gib});
+  auto frames = x.capture_share(8 * kib);
+  const channel::frame& storage = frame_of_type(frames, storage_type);
+  const channel::frame& segment = frame_of_type(frames, segment_type);
+  std::vector<std::byte> tail(storage.payload.begin() + 12, storage.payload.end());
+  write_at<std::uint64_t>(tail, 0, 0);  // at offset 0 of its segment
+  std::uint32_t slot = 0, generation = 0;
+  std::memcpy(&slot, tail.data() + 24, 4);
+  std::memcpy(&generation, tail.data() + 28, 4);
+  const int counters_fd = frame_of_type(frames, counter_file_type).fd.get();
+  struct stat file {};
+  ASSERT_EQ(::fstat(counters_fd, &file), 0);
+  auto* counters = static_cast<std::byte*>(
+      ::mmap(nullptr, static_cast<std::size_t>(file.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, counters_fd, 0));
+  ASSERT_NE(counters, MAP_FAILED);
+  auto* word = reinterpret_cast<std::atomic<std::uint64_t>*>(counters + 64 + 32 * static_cast<std::size_t>(slot));
+
+  auto [from, to] = connected_pair();
+  ipc::peer receiver(x.consumer, std::move(to));
+  for (auto& f : frames) {
+    if (f.type != storage_type && f.type != segment_type) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
+  }
+  std::uint64_t id = 900000;
+  const auto share_in_a_new_segment = [&] {
+    const unique_fd sparse = sparse_segment(gib);
+    std::vector<std::byte> announce = segment.payload;
+    write_at<std::uint64_t>(announce, 0, ++id);
+    write_at<std::uint64_t>(announce, segment_handle_size_at, gib);
+    from.send(segment_type, announce, sparse.get());
+    std::vector<std::byte> payload(12);
+    write_at<std::uint32_t>(payload, 0, 1);
+    write_at<std::uint64_t>(payload, 4, id);
+    payload.insert(payload.end(), tail.begin(), tail.end());
+    word->store((std::uint64_t{generation} << 2) | 1);  // "held" again
+    from.send(storage_type, payload);
+    return receiver.receive({}).storage;
+  };
+  std::vector<storage::storage> held;
+  for (int i = 0; i < 3; ++i) held.push_back(share_in_a_new_segment());
+  EXPECT_EQ(receiver.stats().open_mappings, 3u);
+  held.erase(held.begin(), held.begin() + 2);  // two dropped: their mappings stay cached, unused
+  for (int i = 0; i < 2; ++i) held.push_back(share_in_a_new_segment());  // room made by closing those
+  EXPECT_EQ(receiver.stats().open_mappings, 3u);
+  try {
+    (void)share_in_a_new_segment();  // a fourth GiB, with three in use
+    ADD_FAILURE() << "a fourth GiB was mapped";
+  } catch (const protocol_error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_peer_mapped_bytes"), std::string::npos) << e.what();
+  }
+  ::munmap(counters, static_cast<std::size_t>(file.st_size));
+}
+
 // Connections to one producer announce into one table: announcements that
 // arrive at once on several connections still stop exactly at the limit.
 TEST(hostile_producer, announcements_at_once_on_several_connections_stop_exactly_at_the_limit) {

@@ -54,7 +54,8 @@
 //     map or touch memory beyond what it sent (every range is checked
 //     against what was mapped), truncate what it sent (segments and counter
 //     memory are sealed memfds on the host backend), or exhaust the
-//     consumer's descriptors past sharing_options::max_peer_*.
+//     consumer's descriptors or address space past sharing_options::max_peer_*
+//     (each producer process apart: the access policy bounds how many).
 //   - Waits on a peer: receive() blocks until a message or the peer's end;
 //     receive_for() has a deadline, sends have sharing_options::send_timeout,
 //     and tearing a peer down waits at most sharing_options::teardown_timeout

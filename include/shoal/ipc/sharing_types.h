@@ -80,6 +80,15 @@ struct sharing_options {
   /// descriptor on the host backend and a memory mapping: the default stays
   /// well under Linux's 65,530 mappings a process.
   std::size_t max_peer_segments = 16384;
+  /// Bytes of its segment chunks mapped here at once, counted as
+  /// max_peer_segments counts chunks (mappings no storage uses are closed to
+  /// make room; past it a storage is refused), and the largest segment it
+  /// may announce. Each mapping takes this process's address space for its
+  /// whole announced size: without a bound, a producer announcing sparse
+  /// segments of terabytes (a memfd costs it nothing) could leave this
+  /// process none for its own memory. 1 TiB by default, past any one
+  /// device's memory. At least 1 (invalid_argument).
+  std::size_t max_peer_mapped_bytes = std::size_t{1} << 40;
   /// Counter files announced.
   std::size_t max_peer_counter_files = 1024;
   /// Event sources announced (one per producer stream that sent).
