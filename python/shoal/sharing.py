@@ -272,6 +272,8 @@ def _rebuild(node: Any, arrays: list, depth: int, used: set) -> Any:
         for pair in value:
             if not isinstance(pair, list) or len(pair) != 2 or not isinstance(pair[0], str):
                 raise _protocol_error("a malformed dict entry in a batch")
+            if pair[0] in out:  # a Producer's dict has each key once: one named twice would drop an array
+                raise _protocol_error(f"a dict entry named twice in a batch ({pair[0]!r})")
             out[pair[0]] = _rebuild(pair[1], arrays, depth + 1, used)
         return out
     raise _protocol_error("a malformed batch structure")
@@ -839,10 +841,16 @@ class Consumer:
             )
             connection.close()  # that producer's next put raises ConnectionClosedError
             return
+        pid = connection.peer_pid
         try:
             peer = _shoal.Peer(self.context, connection)
         except (_shoal.ConnectionClosedError, _shoal.BackendError) as e:  # gone already, or no descriptors left
             self._note_error(e)
+            return
+        except _shoal.ProtocolError as e:  # e.g. it takes no descriptors (SO_PASSRIGHTS off): not a producer
+            named = _shoal.ProtocolError(f"shoal.sharing: pid {pid} was refused: {e}")
+            named.__cause__ = e
+            self._note_error(named)
             return
         incoming = _Incoming(peer)
         self._incoming[incoming.fd] = incoming
@@ -888,7 +896,13 @@ class Consumer:
                     continue
                 if metadata == _END_NOTE and not incoming.arrays:
                     continue  # a Producer's close(): nothing more comes
-                if not isinstance(note, dict) or note.get("v") != _VERSION or note.get("arrays") != len(incoming.arrays):
+                if (
+                    not isinstance(note, dict)
+                    or type(note.get("v")) is not int  # JSON true would equal 1
+                    or note.get("v") != _VERSION
+                    or type(note.get("arrays")) is not int
+                    or note.get("arrays") != len(incoming.arrays)
+                ):
                     raise _protocol_error("a batch note that does not match the arrays sent")
                 used: set = set()
                 batch = _rebuild(note.get("batch"), incoming.arrays, 0, used)

@@ -1351,3 +1351,66 @@ def test_arguments_are_refused_in_the_words_of_the_call_that_took_them():
         producer.close()
         with pytest.raises(shoal.ConnectionClosedError, match=r"^shoal\.sharing\.Producer\.put: this Producer is closed"):
             producer.put(HOST.allocate(8))
+
+
+SO_PASSRIGHTS = 83  # Linux 6.16 on
+
+
+def _kernel_has_passrights() -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.skipif(not _kernel_has_passrights(), reason="this kernel has no SO_PASSRIGHTS (Linux 6.16 on)")
+def test_a_connection_that_takes_no_descriptors_is_noted_in_errors_not_raised_from_get():
+    # A connection with SO_PASSRIGHTS off (a lender's client pointed at the wrong address, or a
+    # hostile one) cannot take the ring's descriptors: its Peer fails at the accept. That is one
+    # bad producer, noted with its pid; get() goes on (it raised from get(), found in review).
+    with sharing.Consumer(allocator=HOST) as consumer:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as hostile:
+            hostile.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
+            hostile.connect(consumer.address)
+            with pytest.raises(shoal.PeerTimeoutError):
+                consumer.get(timeout=0.5)
+            assert len(consumer.errors) == 1, consumer.errors
+            assert isinstance(consumer.errors[0], shoal.ProtocolError)
+            assert f"pid {os.getpid()} was refused" in str(consumer.errors[0]), consumer.errors[0]
+        with sharing.Producer(consumer.address, allocator=HOST) as producer:
+            producer.put({"x": HOST.allocate(8)})
+            assert consumer.get(timeout=WAIT)["x"].shape[0] == 8
+
+
+def test_a_batch_structure_naming_one_dict_key_twice_is_refused_not_an_array_dropped():
+    # A Producer's dict has each key once; a note naming one twice would keep the second array
+    # and drop the first without a word (each counts as used). Refused (found in review).
+    with sharing.Consumer(allocator=HOST) as consumer:
+        context = shoal.SharingContext(HOST)
+        with shoal.Peer(context, shoal.connect(consumer.address)) as peer:
+            for nbytes in (8, 16):
+                view = HOST.allocate(nbytes).view("uint8")
+                peer.send(view, sharing._leaf_header(view), None)
+            note = {"v": 1, "arrays": 2, "batch": {"d": [["x", {"a": 0}], ["x", {"a": 1}]]}}
+            peer.send_note(json.dumps(note).encode())
+            with pytest.raises(shoal.PeerTimeoutError):
+                consumer.get(timeout=2)
+            assert len(consumer.errors) == 1, consumer.errors
+            assert "a dict entry named twice in a batch ('x')" in str(consumer.errors[0]), consumer.errors[0]
+
+
+def test_a_batch_note_whose_version_or_count_is_not_a_number_is_refused():
+    # JSON true equals 1 in Python: a note saying "v": true, "arrays": true is not what a
+    # Producer sends, and is refused as one that does not match.
+    with sharing.Consumer(allocator=HOST) as consumer:
+        context = shoal.SharingContext(HOST)
+        with shoal.Peer(context, shoal.connect(consumer.address)) as peer:
+            view = HOST.allocate(8).view("uint8")
+            peer.send(view, sharing._leaf_header(view), None)
+            peer.send_note(json.dumps({"v": True, "arrays": True, "batch": {"a": 0}}).encode())
+            with pytest.raises(shoal.PeerTimeoutError):
+                consumer.get(timeout=2)
+            assert len(consumer.errors) == 1, consumer.errors
+            assert "a batch note that does not match the arrays sent" in str(consumer.errors[0]), consumer.errors[0]
