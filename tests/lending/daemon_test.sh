@@ -228,6 +228,17 @@ echo 'preempt_after_ms = -1' > "$dir/bad.toml"
 refused "preempt_after_ms' must be an integer >= 0" --config "$dir/bad.toml"
 refused "log-rate" --log-rate -1
 refused "log-rate" --log-rate 1000001
+# Numeric flags in decimal only: CLI11 read "0100" as 64 (octal), "0x100" as 256, and
+# "-18446744073709551615" as 1 (wrapped), each taken without a word.
+refused "max-wait-ms: '0100' is not a whole number in decimal" --max-wait-ms 0100
+refused "max-wait-ms: '0x100' is not a whole number in decimal" --max-wait-ms 0x100
+refused "peer-timeout-ms: '-18446744073709551615' is not a whole number in decimal" --peer-timeout-ms -18446744073709551615
+refused "max-borrowers: '010'" --max-borrowers 010
+refused "preempt-deadline-ms: '010'" --preempt-deadline-ms 010
+refused "log-rate: '010'" --log-rate 010
+refused "allow-uid: '01750'" --allow-uid 01750
+refused "metrics-port: '010'" --metrics-port 010
+refused "timeout: '0x1p4' is not a decimal number" status --timeout 0x1p4
 echo 'log_rate = -5' > "$dir/bad.toml"
 refused "log_rate' must be an integer 0 to 1000000" --config "$dir/bad.toml"
 echo 'log_rate = "fast"' > "$dir/bad.toml"
@@ -607,7 +618,7 @@ timeout 10 "$shoal" daemon --socket "$dir/u.sock" --device host --max-observers 
 timeout 10 "$shoal" daemon --socket "$dir/u.sock" --device host --max-connections-per-uid -1 2> "$dir/refusal"
 [ $? -eq 2 ] || fail "--max-connections-per-uid -1 was taken"
 timeout 10 "$shoal" daemon status --socket "$dir/u.sock" --device host --timeout nan 2> "$dir/refusal"
-[ $? -eq 2 ] && grep -q "finite" "$dir/refusal" || fail "--timeout nan: $(cat "$dir/refusal")"
+[ $? -eq 2 ] && grep -q "'nan' is not a decimal number" "$dir/refusal" || fail "--timeout nan: $(cat "$dir/refusal")"
 timeout 10 "$shoal" daemon --socket "$dir/u.sock" --device host --capacity 64MiB --prepare 1000000x1 2> "$dir/refusal"
 [ $? -eq 2 ] && grep -q "more than the capacity" "$dir/refusal" || fail "--prepare past the capacity: $(cat "$dir/refusal")"
 

@@ -22,6 +22,7 @@
 #include "shoal/lending/lender.h"
 #include "tools/shoal/daemon_log.h"
 #include "tools/shoal/daemon_settings.h"
+#include "tools/shoal/decimal_flags.h"
 #if defined(SHOAL_HAVE_METRICS_HTTP)
 #include "tools/shoal/metrics_endpoint.h"
 #endif
@@ -134,10 +135,6 @@ struct daemon_request {
 // service account say, is named; any other is refused).
 template <class Ask>
 int ask_daemon(const daemon_settings& settings, const daemon_request& request, Ask&& ask) {
-  // CLI11's range checks let NaN through (every comparison with it is false).
-  if (!std::isfinite(request.timeout_seconds) || !std::isfinite(request.deadline_seconds)) {
-    throw invalid_argument("--timeout and --deadline take a finite number of seconds");
-  }
   channel::access_policy daemon_policy;
   daemon_policy.allowed_uids = request.daemon_uids;
   const auto timeout = std::chrono::milliseconds(static_cast<std::int64_t>(request.timeout_seconds * 1000));
@@ -203,32 +200,41 @@ int run_daemon(int argc, char** argv) {
                                       "limit below the capacity)");
   auto* quota_per_uid = app.add_option("--quota-per-uid", settings.quota_per_uid.text,
                                        "bytes one uid may hold over all its connections (default: no such limit)");
-  // Checked as signed numbers: CLI11 reads "-1" into an unsigned one as its largest value.
+  // Checked as signed numbers and as decimal text (decimal_flags.h): CLI11 reads "-1" into an unsigned
+  // one as its largest value, and "010" as 8.
   const auto count_range = CLI::Range(std::int64_t{1}, std::int64_t{1} << 32);
   auto* borrowers = app.add_option("--max-borrowers", settings.max_borrowers,
                                    "borrowers connected at once, of each class (the daemon's uid and root; other uids)")
                         ->check(count_range)
+                        ->check(decimal_unsigned())
                         ->capture_default_str();
   auto* observers = app.add_option("--max-observers", settings.max_observers,
                                    "observer connections (status, revoke) served besides the borrowers")
                         ->check(count_range)
+                        ->check(decimal_unsigned())
                         ->capture_default_str();
   auto* per_uid = app.add_option("--max-connections-per-uid", settings.max_connections_per_uid,
                                  "connections one uid other than the daemon's and root may have at once, so that "
                                  "one cannot fill the places all other uids share (0: no cap)")
                       ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 32))
+                      ->check(decimal_unsigned())
                       ->capture_default_str();
   auto* regions = app.add_option("--max-regions", settings.max_regions_per_borrower, "regions one borrower may hold")
                       ->check(count_range)
+                      ->check(decimal_unsigned())
                       ->capture_default_str();
-  auto* timeout = app.add_option("--peer-timeout-ms", settings.peer_timeout_ms, "deadline of every wait on a borrower")->capture_default_str();
+  auto* timeout = app.add_option("--peer-timeout-ms", settings.peer_timeout_ms, "deadline of every wait on a borrower")
+                      ->check(decimal_unsigned())
+                      ->capture_default_str();
   auto* max_wait = app.add_option("--max-wait-ms", settings.max_wait_ms,
                                   "the longest a borrow may wait for memory (a longer wait is cut to this)")
+                       ->check(decimal_unsigned())
                        ->capture_default_str();
   auto* preempt_after = app.add_option("--preempt-after-ms", settings.preempt_after_ms,
                                        "revoke other borrowers' regions for the borrow waiting first in line once it "
                                        "has waited this long (0: at once), lent longest ago first, as many as it "
-                                       "lacks; off by default");
+                                       "lacks; off by default")
+                            ->check(decimal_unsigned());
   bool no_preempt = false;
   auto* no_preempt_flag =
       app.add_flag("--no-preempt", no_preempt, "no preemption, whatever the config file says")->excludes(preempt_after);
@@ -236,9 +242,12 @@ int run_daemon(int argc, char** argv) {
       app.add_option("--preempt-deadline-ms", settings.preempt_deadline_ms,
                      "the time a preempted region's borrower has to give it back")
           ->check(CLI::PositiveNumber)
+          ->check(decimal_unsigned())
           ->capture_default_str();
-  auto* uids = app.add_option("--allow-uid", settings.allowed_uids, "a uid allowed besides the daemon's own (repeat)");
-  auto* gids = app.add_option("--allow-gid", settings.allowed_gids, "a group whose members are allowed (repeat)");
+  auto* uids = app.add_option("--allow-uid", settings.allowed_uids, "a uid allowed besides the daemon's own (repeat)")
+                   ->check(decimal_unsigned());
+  auto* gids = app.add_option("--allow-gid", settings.allowed_gids, "a group whose members are allowed (repeat)")
+                   ->check(decimal_unsigned());
   auto* format =
       app.add_option("--log-format", settings.log_format, "text or json")->check(CLI::IsMember({"text", "json"}))->capture_default_str();
   auto* reuse = app.add_option("--reuse", settings.reuse, "lend given-back memory again: same_uid or never")
@@ -251,13 +260,15 @@ int run_daemon(int argc, char** argv) {
   auto* metrics_port = app.add_option("--metrics-port", settings.metrics_port,
                                       "serve GET /metrics over HTTP on 127.0.0.1 at this port (0: a free one, "
                                       "named in the log); off by default")
-                           ->check(CLI::Range(0, 65535));
+                           ->check(CLI::Range(0, 65535))
+                           ->check(decimal_unsigned());
   auto* log_rate = app.add_option("--log-rate", settings.log_rate,
                                   "routine log records per second per borrower process, after a burst of " +
                                       std::to_string(log_rate_limit::burst_seconds) +
                                       " s of them; past it they are counted (log_records_suppressed) and not "
                                       "written; warnings always are (0: no limit)")
                        ->check(CLI::Range(std::int64_t{0}, std::int64_t{daemon_settings::max_log_rate}))
+                       ->check(decimal_unsigned())
                        ->capture_default_str();
   daemon_request request;
   // What both subcommands take: where the daemon is comes from the options above.
@@ -267,10 +278,12 @@ int run_daemon(int argc, char** argv) {
                                 "or after `") + name + "`");
     command->add_option("--timeout", request.timeout_seconds, "seconds to wait for the daemon")
         ->check(CLI::Range(0.001, 86400.0))
+        ->check(decimal_real())
         ->capture_default_str();
     command->add_option("--daemon-uid", request.daemon_uids,
                         "the uid the daemon runs as, when it is not yours (repeat); a daemon of any other uid is "
-                        "refused");
+                        "refused")
+        ->check(decimal_unsigned());
   };
   auto* status_command = app.add_subcommand("status", "print a running daemon's metrics (Prometheus text)");
   asks_the_daemon(status_command, "status");
@@ -279,9 +292,10 @@ int run_daemon(int argc, char** argv) {
       "ask the borrower of a region (its id as `status` names it: shoal_lending_region_bytes{id=...}) to give it "
       "back, so that another borrower may take its memory; the daemon's own user or root only");
   asks_the_daemon(revoke_command, "revoke");
-  revoke_command->add_option("region", request.region, "the region's id")->required();
+  revoke_command->add_option("region", request.region, "the region's id")->required()->check(decimal_unsigned());
   revoke_command->add_option("--deadline", request.deadline_seconds, "seconds its borrower has to give it back")
       ->check(CLI::Range(0.001, 4'000'000.0))
+      ->check(decimal_real())
       ->capture_default_str();
   try {
     app.parse(argc, argv);
