@@ -76,8 +76,11 @@ class metrics_endpoint::state {
       // idle connections cannot keep a scraper out). Only when every slot
       // is answering is the newcomer closed here, unanswered.
       if (slots_ == max_connections && !reading_.empty()) evict_oldest_reading();
-      if (slots_ < max_connections) start(std::move(socket));
+      // Armed again first: a throw below (bad_alloc making the session) loses
+      // this connection only, where it left no accept pending and serve()'s
+      // run() then ended with the last connection (found in review).
       accept();
+      if (slots_ < max_connections) start(std::move(socket));
     });
   }
 
