@@ -5,6 +5,7 @@ import gc
 import operator
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Callable
@@ -12,6 +13,20 @@ from typing import Callable
 import pytest
 
 import shoal
+
+
+SO_PASSRIGHTS = 83  # socket option, Linux 6.16 on: off, the socket takes no descriptors
+
+
+def kernel_has_so_passrights() -> bool:
+    """Whether this kernel has SO_PASSRIGHTS (a lender turns it off, so a peer's send of a
+    descriptor fails there instead of reaching it)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 1)
+        except OSError:
+            return False
+    return True
 
 
 def live_allocations(allocator: shoal.Allocator) -> int:

@@ -26,7 +26,7 @@ import pytest
 import shoal
 import shoal.lending
 import shoal.sharing
-from conftest import ctrl_c_reaches_the_caller_of, may_act_as
+from conftest import ctrl_c_reaches_the_caller_of, kernel_has_so_passrights, may_act_as
 
 pytestmark = pytest.mark.python
 
@@ -1308,20 +1308,8 @@ def test_a_huge_finite_timeout_waits_like_a_century_instead_of_running_out_at_on
         del region
 
 
-def kernel_refuses_descriptors_at_the_send() -> bool:
-    """Whether this kernel has SO_PASSRIGHTS (Linux 6.16 on): a lender turns it off, so a
-    peer's send of a descriptor fails there instead of reaching it."""
-    so_passrights = 83
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.setsockopt(socket.SOL_SOCKET, so_passrights, 1)
-        except OSError:
-            return False
-    return True
-
-
 def test_a_producer_with_its_ring_pointed_at_a_lender_is_told_and_left_closed(address):
-    if not kernel_refuses_descriptors_at_the_send():
+    if not kernel_has_so_passrights():  # a lender turns it off: a descriptor's send fails there
         pytest.skip("this kernel has no SO_PASSRIGHTS: the lender hangs up on the ring's descriptors instead")
     allocator = shoal.Allocator()
     with shoal.lending.Lender(address):

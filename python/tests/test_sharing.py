@@ -22,6 +22,7 @@ import pytest
 
 import shoal
 import shoal.sharing as sharing
+from conftest import SO_PASSRIGHTS, kernel_has_so_passrights
 
 WAIT = 30  # seconds: no wait in these tests may take longer
 
@@ -1353,19 +1354,7 @@ def test_arguments_are_refused_in_the_words_of_the_call_that_took_them():
             producer.put(HOST.allocate(8))
 
 
-SO_PASSRIGHTS = 83  # Linux 6.16 on
-
-
-def _kernel_has_passrights() -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        try:
-            s.setsockopt(socket.SOL_SOCKET, SO_PASSRIGHTS, 0)
-        except OSError:
-            return False
-    return True
-
-
-@pytest.mark.skipif(not _kernel_has_passrights(), reason="this kernel has no SO_PASSRIGHTS (Linux 6.16 on)")
+@pytest.mark.skipif(not kernel_has_so_passrights(), reason="this kernel has no SO_PASSRIGHTS (Linux 6.16 on)")
 def test_a_connection_that_takes_no_descriptors_is_noted_in_errors_not_raised_from_get():
     # A connection with SO_PASSRIGHTS off (a lender's client pointed at the wrong address, or a
     # hostile one) cannot take the ring's descriptors: its Peer fails at the accept. That is one

@@ -205,6 +205,38 @@ TEST(hostile_producer, a_storage_naming_a_slot_already_received_is_refused) {
   }
 }
 
+// The counter word of the slot a captured storage message names (`tail`:
+// the message past its segment list), mapped writable as its producer keeps
+// it: a hostile producer writes it back to "held" to send that slot again.
+class rewritable_slot {
+ public:
+  rewritable_slot(const std::vector<std::byte>& tail, int counters_fd) {
+    std::memcpy(&slot_, tail.data() + 24, 4);
+    std::memcpy(&generation_, tail.data() + 28, 4);
+    struct stat file {};
+    if (::fstat(counters_fd, &file) != 0) return;
+    bytes_ = static_cast<std::size_t>(file.st_size);
+    void* mapped = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, counters_fd, 0);
+    if (mapped == MAP_FAILED) return;
+    counters_ = static_cast<std::byte*>(mapped);
+    word_ = reinterpret_cast<std::atomic<std::uint64_t>*>(counters_ + 64 + 32 * static_cast<std::size_t>(slot_));
+  }
+  ~rewritable_slot() {
+    if (counters_ != nullptr) ::munmap(counters_, bytes_);
+  }
+  rewritable_slot(const rewritable_slot&) = delete;
+  rewritable_slot& operator=(const rewritable_slot&) = delete;
+  [[nodiscard]] bool mapped() const noexcept { return word_ != nullptr; }
+  void hold_again() { word_->store((std::uint64_t{generation_} << 2) | 1); }
+
+ private:
+  std::uint32_t slot_ = 0;
+  std::uint32_t generation_ = 0;
+  std::byte* counters_ = nullptr;
+  std::size_t bytes_ = 0;
+  std::atomic<std::uint64_t>* word_ = nullptr;
+};
+
 // A producer that keeps naming new lists of its segments (each list its own
 // mapping, one per chunk it spans) cannot make the consumer map more than
 // max_peer_segments chunks at once: mappings no storage uses are closed to
@@ -216,18 +248,8 @@ TEST(hostile_producer, segment_chunks_mapped_at_once_stay_within_the_limit) {
   std::uint64_t a = 0;
   std::memcpy(&a, storage.payload.data() + 4, 8);
   const std::vector<std::byte> tail(storage.payload.begin() + 12, storage.payload.end());
-  // The slot the storage names: the producer may write its counter word
-  // back to "held" before each message (it keeps write access to it).
-  std::uint32_t slot = 0, generation = 0;
-  std::memcpy(&slot, tail.data() + 24, 4);
-  std::memcpy(&generation, tail.data() + 28, 4);
-  const int counters_fd = frame_of_type(frames, counter_file_type).fd.get();
-  struct stat file {};
-  ASSERT_EQ(::fstat(counters_fd, &file), 0);
-  auto* counters = static_cast<std::byte*>(
-      ::mmap(nullptr, static_cast<std::size_t>(file.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, counters_fd, 0));
-  ASSERT_NE(counters, MAP_FAILED);
-  auto* word = reinterpret_cast<std::atomic<std::uint64_t>*>(counters + 64 + 32 * static_cast<std::size_t>(slot));
+  rewritable_slot slot(tail, frame_of_type(frames, counter_file_type).fd.get());
+  ASSERT_TRUE(slot.mapped());
 
   auto [from, to] = connected_pair();
   ipc::peer receiver(x.consumer, std::move(to));
@@ -239,7 +261,7 @@ TEST(hostile_producer, segment_chunks_mapped_at_once_stay_within_the_limit) {
     write_at<std::uint32_t>(payload, 0, static_cast<std::uint32_t>(ids.size()));
     for (std::size_t i = 0; i < ids.size(); ++i) write_at(payload, 4 + 8 * i, ids[i]);
     payload.insert(payload.end(), tail.begin(), tail.end());
-    word->store((std::uint64_t{generation} << 2) | 1);  // "held" again
+    slot.hold_again();
     from.send(storage_type, payload);
     return receiver.receive({}).storage;
   };
@@ -254,7 +276,6 @@ TEST(hostile_producer, segment_chunks_mapped_at_once_stay_within_the_limit) {
   } catch (const protocol_error& e) {
     EXPECT_NE(std::string(e.what()).find("max_peer_segments"), std::string::npos) << e.what();
   }
-  ::munmap(counters, static_cast<std::size_t>(file.st_size));
 }
 
 // A sparse memfd of any size costs its producer nothing (ftruncate alone).
@@ -303,16 +324,8 @@ TEST(hostile_producer, bytes_of_segments_mapped_at_once_stay_within_the_limit) {
   const channel::frame& segment = frame_of_type(frames, segment_type);
   std::vector<std::byte> tail(storage.payload.begin() + 12, storage.payload.end());
   write_at<std::uint64_t>(tail, 0, 0);  // at offset 0 of its segment
-  std::uint32_t slot = 0, generation = 0;
-  std::memcpy(&slot, tail.data() + 24, 4);
-  std::memcpy(&generation, tail.data() + 28, 4);
-  const int counters_fd = frame_of_type(frames, counter_file_type).fd.get();
-  struct stat file {};
-  ASSERT_EQ(::fstat(counters_fd, &file), 0);
-  auto* counters = static_cast<std::byte*>(
-      ::mmap(nullptr, static_cast<std::size_t>(file.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, counters_fd, 0));
-  ASSERT_NE(counters, MAP_FAILED);
-  auto* word = reinterpret_cast<std::atomic<std::uint64_t>*>(counters + 64 + 32 * static_cast<std::size_t>(slot));
+  rewritable_slot slot(tail, frame_of_type(frames, counter_file_type).fd.get());
+  ASSERT_TRUE(slot.mapped());
 
   auto [from, to] = connected_pair();
   ipc::peer receiver(x.consumer, std::move(to));
@@ -330,7 +343,7 @@ TEST(hostile_producer, bytes_of_segments_mapped_at_once_stay_within_the_limit) {
     write_at<std::uint32_t>(payload, 0, 1);
     write_at<std::uint64_t>(payload, 4, id);
     payload.insert(payload.end(), tail.begin(), tail.end());
-    word->store((std::uint64_t{generation} << 2) | 1);  // "held" again
+    slot.hold_again();
     from.send(storage_type, payload);
     return receiver.receive({}).storage;
   };
@@ -346,7 +359,6 @@ TEST(hostile_producer, bytes_of_segments_mapped_at_once_stay_within_the_limit) {
   } catch (const protocol_error& e) {
     EXPECT_NE(std::string(e.what()).find("max_peer_mapped_bytes"), std::string::npos) << e.what();
   }
-  ::munmap(counters, static_cast<std::size_t>(file.st_size));
 }
 
 // Connections to one producer announce into one table: announcements that
