@@ -273,17 +273,18 @@ void consumer_state::retire_files(const std::vector<std::uint64_t>& ids) {
 void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
   const std::size_t limit = options.max_peer_segments;
   const std::size_t byte_limit = options.max_peer_mapped_bytes;
-  // Retired mappings whose last view went are being closed (by the collector,
-  // which may have taken them already): not counted.
-  const auto finishing = [](const mapping& m) { return m.state.load(std::memory_order_acquire) == retired_bit; };
+  // Every retired mapping counts, those whose last view went too: the
+  // collector closes them only every collect_interval, and a producer that
+  // retires each segment once its storage is dropped would otherwise have any
+  // number of them mapped in between (found in review). One the collector
+  // took is counted until it erases it, a moment later.
   std::size_t mapped = 0;
-  std::size_t mapped_bytes = 0;  // at most byte_limit: every mapping was made within it
+  std::size_t mapped_bytes = 0;  // within byte_limit: every mapping counted here was made within it
   for (const auto& [ids, m] : mappings_) {
     mapped += ids.size();
     mapped_bytes += m->mapped_bytes;
   }
   for (const auto& m : retired_) {
-    if (finishing(*m)) continue;
     mapped += m->segment_ids.size();
     mapped_bytes += m->mapped_bytes;
   }
@@ -299,6 +300,8 @@ void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
   }
   for (auto& m : finished) {
     std::erase(retired_, m);
+    mapped -= m->segment_ids.size();
+    mapped_bytes -= m->mapped_bytes;
     close(*m);
   }
   // Views are added under mutex_ (held): a cached mapping with none stays so.

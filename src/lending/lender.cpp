@@ -126,10 +126,10 @@ struct borrower_entry {
   // Accepted while borrowers or observers had no room: the lender's hello
   // waits for this one's, and goes only if its kind has room by then.
   bool held_back = false;
-  // Held back, its hello a borrower's, and no room but for connections
-  // greeted at once whose hello has not come (each may turn out an
-  // observer): its answer waits for them until this time at most
-  // (admit_awaiting_room). Nothing more is read from it meanwhile.
+  // Held back, and no room of its hello's kind but for connections greeted
+  // at once whose hello has not come (each may turn out the other kind): its
+  // answer waits for them until this time at most (admit_awaiting_room).
+  // Nothing more is read from it meanwhile.
   std::optional<clock_type::time_point> room_awaited_until = std::nullopt;
   bool awaits_as_observer = false;  // the class whose room it awaits (its hello said)
   bool failed = false;   // broke the protocol: hung up on by the loop

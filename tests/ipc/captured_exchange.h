@@ -25,7 +25,7 @@ namespace shoal::testing {
 
 // Message types of the sharing protocol (src/ipc/messages.h).
 inline constexpr std::uint16_t counter_file_type = 1, segment_type = 2, event_source_type = 3, storage_type = 4,
-                                note_type = 7;
+                                retire_segments_type = 5, note_type = 7;
 
 /// Two connected channel ends in this process; each takes the other's
 /// shared ring, as a peer's does, so a test reading a peer's frames raw
