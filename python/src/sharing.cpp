@@ -152,11 +152,13 @@ ipc::sharing_options options_of(const nb::kwargs& settings) {
       o.max_peer_ring_bytes = option_value<std::size_t>(key, value);
     } else if (key == "max_peer_mapped_bytes") {
       o.max_peer_mapped_bytes = option_value<std::size_t>(key, value);
+    } else if (key == "max_mapped_bytes") {
+      o.max_mapped_bytes = option_value<std::size_t>(key, value);
     } else {
       throw invalid_argument("SharingContext: unknown option " + key +
                              " (collect_interval_ms, send_timeout_ms, teardown_timeout_ms, receive_spin_us, "
                              "import_answer_spin_us, max_metadata_bytes, slots_per_file, ring_bytes, max_peer_ring_bytes, "
-                             "max_peer_mapped_bytes)");
+                             "max_peer_mapped_bytes, max_mapped_bytes)");
     }
   }
   return o;
@@ -352,7 +354,8 @@ void register_sharing(nb::module_& m) {
           "socket alone), max_peer_ring_bytes (4194304: the largest ring taken from a peer; a peer of another user "
           "could leave its pages unallocated for this process's reads to allocate; raise it on both sides to at least ring_bytes rounded up to a power of two), "
           "max_peer_mapped_bytes (1099511627776: the bytes of one producer's segments mapped here at once, and its largest "
-          "segment; mappings no received storage uses are closed to make room, past it a storage is refused).")
+          "segment; mappings no received storage uses are closed to make room, past it a storage is refused), max_mapped_bytes "
+          "(35184372088832: the same for all producers together).")
       .def_prop_ro("allocator", [](const py_sharing_context& c) { return py_allocator{c.state->allocator()}; })
       .def(
           "collect", [](const py_sharing_context& c) { return c.state->context().collect(); },

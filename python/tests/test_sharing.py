@@ -1297,6 +1297,18 @@ def test_a_producer_segment_over_max_peer_mapped_bytes_is_refused_naming_the_opt
                 receiver.receive(timeout=WAIT)
     with pytest.raises(shoal.InvalidArgumentError, match="SharingContext's max_peer_mapped_bytes is 0"):
         shoal.SharingContext(HOST, max_peer_mapped_bytes=0)
+    with pytest.raises(shoal.InvalidArgumentError, match="SharingContext's max_mapped_bytes is 0"):
+        shoal.SharingContext(HOST, max_mapped_bytes=0)
+    # All producers together: one segment of 2 MiB past a bound of 1 MiB is refused at the receive.
+    producer = shoal.SharingContext(HOST, collect_interval_ms=0)
+    consumer = shoal.SharingContext(HOST, collect_interval_ms=0, max_mapped_bytes=1 << 20)
+    with shoal.Listener(shoal.runtime_dir_address(f"all-mapped-bound-{os.getpid()}.sock")) as listener:
+        sender = shoal.Peer(producer, shoal.connect(listener.address))
+        receiver = shoal.Peer(consumer, listener.accept(timeout=WAIT))
+        with sender, receiver:
+            sender.send(HOST.allocate(64))
+            with pytest.raises(shoal.ProtocolError, match=r"max_mapped_bytes"):
+                receiver.receive(timeout=WAIT)
 
 
 def test_a_storage_one_producer_sent_another_producer_of_its_allocator_sends_too():

@@ -123,12 +123,14 @@ class received_data final : public storage::storage_owner {
 
 }  // namespace
 
-consumer_state::consumer_state(const process_identity& p, alloc::caching_allocator& a, const sharing_options& o)
-    : producer(p), allocator(a), options(o) {}
+consumer_state::consumer_state(const process_identity& p, alloc::caching_allocator& a, const sharing_options& o,
+                               std::shared_ptr<std::atomic<std::size_t>> context_mapped_bytes)
+    : producer(p), allocator(a), options(o), context_mapped_bytes_(std::move(context_mapped_bytes)) {}
 
 std::shared_ptr<consumer_state> consumer_state::for_producer(const process_identity& producer, std::uint64_t context,
                                                              alloc::caching_allocator& allocator,
-                                                             const sharing_options& options) {
+                                                             const sharing_options& options,
+                                                             std::shared_ptr<std::atomic<std::size_t>> context_mapped_bytes) {
   using key = std::tuple<pid_t, std::uint64_t, std::uint64_t>;
   static std::mutex mutex;
   static std::map<key, std::weak_ptr<consumer_state>> tables;
@@ -137,7 +139,7 @@ std::shared_ptr<consumer_state> consumer_state::for_producer(const process_ident
   auto& slot = tables[key{producer.pid, producer.start_time, context}];
   auto table = slot.lock();
   if (!table) {
-    table = std::make_shared<consumer_state>(producer, allocator, options);
+    table = std::make_shared<consumer_state>(producer, allocator, options, std::move(context_mapped_bytes));
     slot = table;
   }
   return table;
@@ -289,8 +291,15 @@ void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
     mapped_bytes += m->mapped_bytes;
   }
   const auto past_bytes = [&] { return mapped_bytes > byte_limit || bytes > byte_limit - mapped_bytes; };
-  const auto past = [&] { return mapped + chunks > limit || past_bytes(); };
-  if (!past()) return;
+  // All producers together: closes below give their bytes back to the count.
+  const auto past_context = [&] {
+    const std::size_t all = context_mapped_bytes_->load(std::memory_order_relaxed);
+    return all > options.max_mapped_bytes || bytes > options.max_mapped_bytes - all;
+  };
+  const auto past = [&] { return mapped + chunks > limit || past_bytes() || past_context(); };
+  if (!past()) {
+    if (reserve_context_bytes(bytes)) return;
+  }
   // Past a bound: close what nothing uses, now. Retired mappings whose last
   // view went first (the collector would close them), then cached ones.
   std::vector<std::shared_ptr<mapping>> finished;
@@ -326,6 +335,20 @@ void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
                          " bytes of this producer's mapped at once, those mapped all in use "
                          "(sharing_options::max_peer_mapped_bytes)");
   }
+  if (!reserve_context_bytes(bytes)) {
+    throw protocol_error("storage message: mapping its segment chunks of " + std::to_string(bytes) +
+                         " bytes would keep more than " + std::to_string(options.max_mapped_bytes) +
+                         " bytes of all producers' mapped in this process at once, those of this producer's "
+                         "mapped all in use (sharing_options::max_mapped_bytes)");
+  }
+}
+
+bool consumer_state::reserve_context_bytes(std::size_t bytes) noexcept {
+  std::size_t all = context_mapped_bytes_->load(std::memory_order_relaxed);
+  do {
+    if (all > options.max_mapped_bytes || bytes > options.max_mapped_bytes - all) return false;
+  } while (!context_mapped_bytes_->compare_exchange_weak(all, all + bytes, std::memory_order_relaxed));
+  return true;
 }
 
 std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uint64_t>& ids) {
@@ -344,6 +367,16 @@ std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uin
     bytes = it->second.size > SIZE_MAX - bytes ? SIZE_MAX : bytes + it->second.size;
   }
   make_room_to_map(ids.size(), bytes);
+  // Reserved in the context's count: given back here unless the mapping is
+  // made, and by close() once it is.
+  struct reservation {
+    std::atomic<std::size_t>& count;
+    std::size_t bytes;
+    bool kept = false;
+    ~reservation() {
+      if (!kept) count.fetch_sub(bytes, std::memory_order_relaxed);
+    }
+  } reserved{*context_mapped_bytes_, bytes};
   std::vector<backend::shareable_handle> chunks;
   for (auto id : ids) {
     auto it = segments_.find(id);
@@ -363,6 +396,8 @@ std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uin
   } catch (const backend_error& e) {  // the driver refused the peer's handle
     throw protocol_error(std::string("storage message: its segments cannot be mapped: ") + e.what());
   }
+  reserved.kept = true;
+  m->mapped_bytes = bytes;
   // Imported, so each is the device's own kind of descriptor (a sealed
   // memfd, a driver's export), whose close cannot block: closed in place.
   for (auto& c : chunks) c.fd.mark_safe_to_close();
@@ -370,7 +405,6 @@ std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uin
   // What was mapped from the returned pointer on: the chunks side by side,
   // less the first one's offset (a hostile producer may announce one).
   for (const auto& c : chunks) m->bytes += c.size;
-  m->mapped_bytes = m->bytes;
   m->bytes -= chunks.front().offset;
   m->segment_ids = ids;
   mappings_.emplace(ids, m);
@@ -455,6 +489,7 @@ void consumer_state::close(mapping& m) noexcept {
   } catch (const error&) {  // NOLINT(bugprone-empty-catch): the mapping is gone either way
   }
   m.base = nullptr;
+  context_mapped_bytes_->fetch_sub(m.mapped_bytes, std::memory_order_relaxed);
 }
 
 peer_stats consumer_state::stats() const {

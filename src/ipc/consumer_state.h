@@ -36,7 +36,7 @@ namespace shoal::ipc::detail {
 struct mapping {
   void* base = nullptr;    // what import_memory returned: the first chunk's base + its offset
   std::size_t bytes = 0;   // mapped from base on: the chunks' sizes less the first one's offset
-  std::size_t mapped_bytes = 0;  // the chunks' sizes: the address space it takes (max_peer_mapped_bytes)
+  std::size_t mapped_bytes = 0;  // the chunks' sizes: the address space it takes (max_peer_mapped_bytes, max_mapped_bytes)
   std::vector<std::uint64_t> segment_ids;
   // views << 1 | retired: the storages using it (counted down after their
   // streams pass) and whether the producer retired a segment of it. The one
@@ -54,13 +54,17 @@ struct release_sink {
 
 class consumer_state : public std::enable_shared_from_this<consumer_state> {
  public:
-  consumer_state(const process_identity& producer, alloc::caching_allocator& allocator, const sharing_options& options);
+  consumer_state(const process_identity& producer, alloc::caching_allocator& allocator, const sharing_options& options,
+                 std::shared_ptr<std::atomic<std::size_t>> context_mapped_bytes);
   /// The table of `producer`'s resources for the sharing context numbered
   /// `context` in this process (producer_state::serial), shared by every
   /// connection to that producer: each of its segments is mapped once here.
+  /// `context_mapped_bytes`: the context's count of what all its tables map
+  /// (producer_state::peers_mapped_bytes).
   static std::shared_ptr<consumer_state> for_producer(const process_identity& producer, std::uint64_t context,
                                                       alloc::caching_allocator& allocator,
-                                                      const sharing_options& options);
+                                                      const sharing_options& options,
+                                                      std::shared_ptr<std::atomic<std::size_t>> context_mapped_bytes);
   /// Waits for received storages' pending releases, then closes every
   /// mapping and event source.
   ~consumer_state();
@@ -91,8 +95,12 @@ class consumer_state : public std::enable_shared_from_this<consumer_state> {
   std::shared_ptr<mapping> map_segments(const std::vector<std::uint64_t>& ids);  // mutex_ held
   /// Room for a mapping of `chunks` more segment chunks of `bytes` within
   /// options.max_peer_segments and max_peer_mapped_bytes mapped at once
-  /// (closing mappings no storage uses), or protocol_error. mutex_ held.
+  /// (closing mappings no storage uses), and `bytes` reserved within
+  /// max_mapped_bytes of the context's count (given back by close, or by
+  /// the caller when the mapping fails), or protocol_error. mutex_ held.
   void make_room_to_map(std::size_t chunks, std::size_t bytes);
+  /// Reserves `bytes` of the context's count within options.max_mapped_bytes.
+  [[nodiscard]] bool reserve_context_bytes(std::size_t bytes) noexcept;
   void retire(const std::shared_ptr<mapping>& m);                                  // mutex_ held
   void close(mapping& m) noexcept;  // a mapping no one else refers to; mutex_ not needed
 
@@ -103,6 +111,7 @@ class consumer_state : public std::enable_shared_from_this<consumer_state> {
   std::vector<std::shared_ptr<mapping>> retired_;                             // retired, still in use
   std::map<std::uint64_t, backend::imported_event_ref> sources_;
   const std::shared_ptr<release_sink> sink_ = std::make_shared<release_sink>();
+  const std::shared_ptr<std::atomic<std::size_t>> context_mapped_bytes_;
 };
 
 }  // namespace shoal::ipc::detail

@@ -8,6 +8,7 @@
 // the allocator may call back (cache-miss hook, release observer) at any time.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -105,6 +106,10 @@ class producer_state : public std::enable_shared_from_this<producer_state> {
   /// This context's number in the process, never reused (a context made at
   /// a freed one's address must not find that one's tables: for_producer).
   const std::uint64_t serial;
+  /// Bytes of producers' segments this context's consumer tables map
+  /// (sharing_options::max_mapped_bytes): reserved before a mapping, given
+  /// back when it closes, by tables that may outlive this state.
+  const std::shared_ptr<std::atomic<std::size_t>> peers_mapped_bytes = std::make_shared<std::atomic<std::size_t>>(0);
 
  private:
   struct limbo_entry {

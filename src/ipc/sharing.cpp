@@ -65,6 +65,10 @@ void sharing_context::collector::start(std::shared_ptr<detail::producer_state> s
 namespace {
 
 sharing_options checked(sharing_options options) {
+  if (options.max_mapped_bytes == 0) {
+    throw invalid_argument("sharing_options::max_mapped_bytes is 0; this process could map no producer's memory "
+                           "(default 32 TiB)");
+  }
   if (options.max_peer_mapped_bytes == 0) {
     throw invalid_argument("sharing_options::max_peer_mapped_bytes is 0; a consumer could map no producer's memory "
                            "(give at least the largest segment a producer shares; default 1 TiB)");

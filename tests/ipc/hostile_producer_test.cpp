@@ -311,14 +311,15 @@ TEST(hostile_producer, a_segment_past_max_peer_mapped_bytes_is_refused_at_its_an
   }
 }
 
+constexpr std::size_t gib = std::size_t{1} << 30;
+
 // A hostile producer of sparse 1 GiB segments, a storage in each, against a
-// consumer whose max_peer_mapped_bytes is 3 GiB.
+// consumer whose max_peer_mapped_bytes is 3 GiB (by default).
 class sparse_segments_producer {
  public:
-  static constexpr std::size_t gib = std::size_t{1} << 30;
-
-  sparse_segments_producer()
-      : x_({.collect_interval = 0ms, .max_peer_mapped_bytes = 3 * gib}),
+  explicit sparse_segments_producer(
+      ipc::sharing_options consumer_options = {.collect_interval = 0ms, .max_peer_mapped_bytes = 3 * gib})
+      : x_(consumer_options),
         frames_(x_.capture_share(8 * kib)),
         tail_(frame_of_type(frames_, storage_type).payload.begin() + 12,
               frame_of_type(frames_, storage_type).payload.end()),
@@ -387,6 +388,24 @@ TEST(hostile_producer, bytes_of_segments_mapped_at_once_stay_within_the_limit) {
     ADD_FAILURE() << "a fourth GiB was mapped";
   } catch (const protocol_error& e) {
     EXPECT_NE(std::string(e.what()).find("max_peer_mapped_bytes"), std::string::npos) << e.what();
+  }
+}
+
+// All producers' mappings together stay within max_mapped_bytes, here under
+// one producer's own bound: its unused mappings are closed to make room, and
+// past that a storage is refused naming the bound.
+TEST(hostile_producer, bytes_of_all_producers_mapped_at_once_stay_within_the_contexts_limit) {
+  sparse_segments_producer p({.collect_interval = 0ms, .max_peer_mapped_bytes = 3 * gib, .max_mapped_bytes = 2 * gib});
+  ASSERT_TRUE(p.ready());
+  (void)p.share_in_a_new_segment();  // dropped: its mapping stays cached, unused
+  std::vector<storage::storage> held;
+  for (int i = 0; i < 2; ++i) held.push_back(p.share_in_a_new_segment());  // room made by closing it
+  EXPECT_EQ(p.receiver().stats().open_mappings, 2u);
+  try {
+    (void)p.share_in_a_new_segment();  // a third GiB, within this producer's 3 but past the context's 2
+    ADD_FAILURE() << "a third GiB was mapped";
+  } catch (const protocol_error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_mapped_bytes"), std::string::npos) << e.what();
   }
 }
 

@@ -1208,6 +1208,7 @@ TEST(sharing_rings, a_peer_ring_over_max_peer_ring_bytes_is_refused_and_one_with
   }
   EXPECT_THROW(ipc::sharing_context(allocator, {.max_peer_ring_bytes = 4095}), invalid_argument);
   EXPECT_THROW(ipc::sharing_context(allocator, {.max_peer_mapped_bytes = 0}), invalid_argument);
+  EXPECT_THROW(ipc::sharing_context(allocator, {.max_mapped_bytes = 0}), invalid_argument);
 }
 
 TEST(sharing_poll, without_a_ring_every_message_ends_its_batch) {

@@ -89,6 +89,13 @@ struct sharing_options {
   /// process none for its own memory. 1 TiB by default, past any one
   /// device's memory. At least 1 (invalid_argument).
   std::size_t max_peer_mapped_bytes = std::size_t{1} << 40;
+  /// Bytes of every producer's segments this context maps at once, all
+  /// producers together (each also within max_peer_mapped_bytes): the
+  /// address space what peers sent may take of this process's (128 TiB on
+  /// x86-64 Linux), whatever their number. Past it a storage is refused,
+  /// once its producer's mappings no storage uses are closed. 32 TiB by
+  /// default. At least 1 (invalid_argument).
+  std::size_t max_mapped_bytes = std::size_t{32} << 40;
   /// Counter files announced.
   std::size_t max_peer_counter_files = 1024;
   /// Event sources announced (one per producer stream that sent).
