@@ -1285,30 +1285,20 @@ def test_a_peer_ring_over_max_peer_ring_bytes_is_refused_naming_the_option_to_ra
             assert bounded.get(timeout=WAIT)["x"].shape[0] == 8
 
 
-def test_a_producer_segment_over_max_peer_mapped_bytes_is_refused_naming_the_option_to_raise():
+@pytest.mark.parametrize("option", ["max_peer_mapped_bytes", "max_mapped_bytes"])
+def test_a_producer_segment_over_the_mapped_bytes_bounds_is_refused_naming_the_option_to_raise(option):
+    # One producer's bound, and all producers' together: a segment of 2 MiB past 1 MiB.
     producer = shoal.SharingContext(HOST, collect_interval_ms=0)
-    consumer = shoal.SharingContext(HOST, collect_interval_ms=0, max_peer_mapped_bytes=1 << 20)
-    with shoal.Listener(shoal.runtime_dir_address(f"mapped-bound-{os.getpid()}.sock")) as listener:
+    consumer = shoal.SharingContext(HOST, collect_interval_ms=0, **{option: 1 << 20})
+    with shoal.Listener(shoal.runtime_dir_address(f"{option}-{os.getpid()}.sock")) as listener:
         sender = shoal.Peer(producer, shoal.connect(listener.address))
         receiver = shoal.Peer(consumer, listener.accept(timeout=WAIT))
         with sender, receiver:
             sender.send(HOST.allocate(64))  # in a segment of 2 MiB
-            with pytest.raises(shoal.ProtocolError, match=r"max_peer_mapped_bytes"):
+            with pytest.raises(shoal.ProtocolError, match=option):
                 receiver.receive(timeout=WAIT)
-    with pytest.raises(shoal.InvalidArgumentError, match="SharingContext's max_peer_mapped_bytes is 0"):
-        shoal.SharingContext(HOST, max_peer_mapped_bytes=0)
-    with pytest.raises(shoal.InvalidArgumentError, match="SharingContext's max_mapped_bytes is 0"):
-        shoal.SharingContext(HOST, max_mapped_bytes=0)
-    # All producers together: one segment of 2 MiB past a bound of 1 MiB is refused at the receive.
-    producer = shoal.SharingContext(HOST, collect_interval_ms=0)
-    consumer = shoal.SharingContext(HOST, collect_interval_ms=0, max_mapped_bytes=1 << 20)
-    with shoal.Listener(shoal.runtime_dir_address(f"all-mapped-bound-{os.getpid()}.sock")) as listener:
-        sender = shoal.Peer(producer, shoal.connect(listener.address))
-        receiver = shoal.Peer(consumer, listener.accept(timeout=WAIT))
-        with sender, receiver:
-            sender.send(HOST.allocate(64))
-            with pytest.raises(shoal.ProtocolError, match=r"max_mapped_bytes"):
-                receiver.receive(timeout=WAIT)
+    with pytest.raises(shoal.InvalidArgumentError, match=f"SharingContext's {option} is 0"):
+        shoal.SharingContext(HOST, **{option: 0})
 
 
 def test_a_storage_one_producer_sent_another_producer_of_its_allocator_sends_too():
