@@ -272,6 +272,15 @@ void consumer_state::retire_files(const std::vector<std::uint64_t>& ids) {
   for (auto id : ids) files_.erase(id);  // storages still holding slots keep their mapping of it
 }
 
+namespace {
+
+// Whether `more` fits under `limit` beside `used`, without overflow.
+bool fits(std::size_t used, std::size_t more, std::size_t limit) noexcept {
+  return used <= limit && more <= limit - used;
+}
+
+}  // namespace
+
 void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
   const std::size_t limit = options.max_peer_segments;
   const std::size_t byte_limit = options.max_peer_mapped_bytes;
@@ -290,11 +299,10 @@ void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
     mapped += m->segment_ids.size();
     mapped_bytes += m->mapped_bytes;
   }
-  const auto past_bytes = [&] { return mapped_bytes > byte_limit || bytes > byte_limit - mapped_bytes; };
+  const auto past_bytes = [&] { return !fits(mapped_bytes, bytes, byte_limit); };
   // All producers together: closes below give their bytes back to the count.
   const auto past_context = [&] {
-    const std::size_t all = context_mapped_bytes_->load(std::memory_order_relaxed);
-    return all > options.max_mapped_bytes || bytes > options.max_mapped_bytes - all;
+    return !fits(context_mapped_bytes_->load(std::memory_order_relaxed), bytes, options.max_mapped_bytes);
   };
   const auto past = [&] { return mapped + chunks > limit || past_bytes() || past_context(); };
   if (!past()) {
@@ -346,7 +354,7 @@ void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
 bool consumer_state::reserve_context_bytes(std::size_t bytes) noexcept {
   std::size_t all = context_mapped_bytes_->load(std::memory_order_relaxed);
   do {
-    if (all > options.max_mapped_bytes || bytes > options.max_mapped_bytes - all) return false;
+    if (!fits(all, bytes, options.max_mapped_bytes)) return false;
   } while (!context_mapped_bytes_->compare_exchange_weak(all, all + bytes, std::memory_order_relaxed));
   return true;
 }
