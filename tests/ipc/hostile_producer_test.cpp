@@ -409,6 +409,28 @@ TEST(hostile_producer, bytes_of_all_producers_mapped_at_once_stay_within_the_con
   }
 }
 
+// A mapping that fails after its bytes were reserved in the context's count
+// gives them back: a producer whose segments cannot be mapped (sealed against
+// writes here) would otherwise use up max_mapped_bytes, and every later
+// storage, of any producer, would be refused.
+TEST(hostile_producer, a_mapping_that_fails_gives_its_reserved_bytes_back) {
+  captured_exchange x({.collect_interval = 0ms, .max_mapped_bytes = 2 << 20});  // one 2 MiB segment
+  for (int round = 0; round < 3; ++round) {
+    auto frames = x.capture_share(8 * kib);
+    channel::frame& segment = frame_of_type(frames, segment_type);
+    struct stat st {};
+    ASSERT_EQ(::fstat(segment.fd.get(), &st), 0);
+    ASSERT_LE(static_cast<std::size_t>(st.st_size), std::size_t{2} << 20);
+    unique_fd sealed(::memfd_create("write-sealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+    ASSERT_EQ(::ftruncate(sealed.get(), st.st_size), 0);
+    ASSERT_EQ(::fcntl(sealed.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE), 0);
+    segment.fd = std::move(sealed);
+    const std::string why = x.refusal_of(frames);
+    EXPECT_NE(why.find("cannot be mapped for writing"), std::string::npos) << why;
+  }
+  EXPECT_EQ(x.refusal_of(x.capture_share(8 * kib)), "accepted");
+}
+
 // Retired mappings whose storages were dropped count too until they are
 // closed: left to the collector (here never: collect_interval 0), a producer
 // retiring each segment after its storage is dropped had twenty 1 GiB
