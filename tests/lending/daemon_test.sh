@@ -123,6 +123,15 @@ pid=$!
 answers "$dir/b.sock" || fail "the daemon with --no-preempt did not answer"
 grep -q 'preempt_after_ms=off' "$dir/log" || fail "--no-preempt did not turn off the file's preemption"
 stop
+# What the file turns on, a flag turns off: the per-uid quota ("none") and the HTTP endpoint.
+printf 'metrics_port = 0\n' >> "$dir/conf.toml"
+"$shoal" daemon --config "$dir/conf.toml" --quota-per-uid none --no-metrics-port 2> "$dir/log" &
+pid=$!
+answers "$dir/b.sock" || fail "the daemon with --quota-per-uid none --no-metrics-port did not answer"
+grep -q 'quota_bytes_per_uid=0 ' "$dir/log" || fail "--quota-per-uid none did not turn off the file's: $(cat "$dir/log")"
+grep -q 'metrics=off' "$dir/log" || fail "--no-metrics-port did not turn off the file's endpoint: $(cat "$dir/log")"
+stop
+sed -i '/^metrics_port = 0$/d' "$dir/conf.toml"
 sed 's/^preempt_after_ms = 0$/preempt_after_ms = "off"/' "$dir/conf.toml" > "$dir/off.toml"
 "$shoal" daemon --config "$dir/off.toml" 2> "$dir/log" &
 pid=$!
@@ -210,6 +219,20 @@ refused "quota: '1' is 1 bytes.*smallest accepted value is 2MiB" --config "$dir/
 echo 'capacity = 1e-10' > "$dir/bad.toml"
 refused "capacity: '1e-10' is [0-9]* bytes, less than one chunk" --config "$dir/bad.toml"
 refused "quota_per_uid" --quota-per-uid 0
+# A size with a unit is whole: 1.5GiB was refused as a bad fraction, which misled.
+refused "capacity: '1.5GiB' is not a size: a number with a unit is whole (write 1536MiB)" --capacity 1.5GiB
+echo 'quota = "0.5KiB"' > "$dir/bad.toml"
+refused "quota: '0.5KiB' is not a size: a number with a unit is whole (write 512)" --config "$dir/bad.toml"
+# An empty size is refused for every key ("none" turns the per-uid quota off), not read as none.
+echo 'quota_per_uid = ""' > "$dir/bad.toml"
+refused "quota_per_uid: '' is not a size" --config "$dir/bad.toml"
+refused "quota_per_uid: '' is not a size" --quota-per-uid ""
+refused "excludes" --metrics-port 0 --no-metrics-port
+# File counts stop where the flags' do (2^32).
+echo 'max_borrowers = 4294967297' > "$dir/bad.toml"
+refused "max_borrowers' must be an integer 1 to 4294967296" --config "$dir/bad.toml"
+echo 'max_connections_per_uid = 9223372036854775807' > "$dir/bad.toml"
+refused "max_connections_per_uid' must be an integer 0 to 4294967296" --config "$dir/bad.toml"
 refused "not in {text,json}" --log-format xml
 refused "same_uid" --reuse sometimes
 echo 'reuse = "sometimes"' > "$dir/bad.toml"

@@ -199,10 +199,11 @@ int run_daemon(int argc, char** argv) {
   auto* quota = app.add_option("--quota", settings.quota.text, "bytes one borrower (connection) may hold, as --capacity; default: 1.0 (no "
                                       "limit below the capacity)");
   auto* quota_per_uid = app.add_option("--quota-per-uid", settings.quota_per_uid.text,
-                                       "bytes one uid may hold over all its connections (default: no such limit)");
+                                       "bytes one uid may hold over all its connections, as --capacity, or none "
+                                       "(the default: no such limit)");
   // Checked as signed numbers and as decimal text (decimal_flags.h): CLI11 reads "-1" into an unsigned
   // one as its largest value, and "010" as 8.
-  const auto count_range = CLI::Range(std::int64_t{1}, std::int64_t{1} << 32);
+  const auto count_range = CLI::Range(std::int64_t{1}, daemon_settings::max_count);
   auto* borrowers = app.add_option("--max-borrowers", settings.max_borrowers,
                                    "borrowers connected at once, of each class (the daemon's uid and root; other uids)")
                         ->check(count_range)
@@ -216,7 +217,7 @@ int run_daemon(int argc, char** argv) {
   auto* per_uid = app.add_option("--max-connections-per-uid", settings.max_connections_per_uid,
                                  "connections one uid other than the daemon's and root may have at once, so that "
                                  "one cannot fill the places all other uids share (0: no cap)")
-                      ->check(CLI::Range(std::int64_t{0}, std::int64_t{1} << 32))
+                      ->check(CLI::Range(std::int64_t{0}, daemon_settings::max_count))
                       ->check(decimal_unsigned())
                       ->capture_default_str();
   auto* regions = app.add_option("--max-regions", settings.max_regions_per_borrower, "regions one borrower may hold")
@@ -262,6 +263,10 @@ int run_daemon(int argc, char** argv) {
                                       "named in the log); off by default")
                            ->check(CLI::Range(0, 65535))
                            ->check(decimal_unsigned());
+  bool no_metrics_port = false;
+  auto* no_metrics_port_flag =
+      app.add_flag("--no-metrics-port", no_metrics_port, "no HTTP metrics endpoint, whatever the config file says")
+          ->excludes(metrics_port);
   auto* log_rate = app.add_option("--log-rate", settings.log_rate,
                                   "routine log records per second per borrower process, after a burst of " +
                                       std::to_string(log_rate_limit::burst_seconds) +
@@ -325,6 +330,7 @@ int run_daemon(int argc, char** argv) {
       if (reuse->count() > 0) settings.reuse = flags.reuse;
       if (prepare->count() > 0) settings.prepare = flags.prepare;
       if (metrics_port->count() > 0) settings.metrics_port = flags.metrics_port;
+      if (no_metrics_port_flag->count() > 0) settings.metrics_port = -1;
       if (log_rate->count() > 0) settings.log_rate = flags.log_rate;
     }
     if (status_command->parsed()) return status(settings, request);

@@ -80,6 +80,18 @@ std::size_t size_setting::bytes(backend::device& device, const char* what) const
   if (text.find_first_of(".eE") != std::string::npos) {  // 0.8, 5e-1; no unit holds an e
     double fraction = 0;
     const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), fraction);
+    if (ec == std::errc() && end != text.data() + text.size()) {
+      for (auto u = std::begin(units); u != std::end(units); ++u) {
+        if (std::string_view(end) != u->suffix) continue;
+        // "1.5GiB": a number with a unit is whole; name the smaller unit that holds it whole.
+        std::string whole = "a whole number of a smaller unit";
+        const double smaller = fraction * 1024;
+        if (smaller > 0 && smaller < 0x1p53 && std::floor(smaller) == smaller) {
+          whole = std::to_string(static_cast<std::uint64_t>(smaller)) + (u == std::begin(units) ? "" : (u - 1)->suffix);
+        }
+        bad(what, text, ("a size: a number with a unit is whole (write " + whole + ")").c_str());
+      }
+    }
     if (ec != std::errc() || end != text.data() + text.size() || !(fraction > 0) || fraction > 1) {
       bad(what, text, "a fraction in (0, 1] of the device's memory");
     }
@@ -130,9 +142,12 @@ void daemon_settings::read_file(const std::string& path) {
       if (const auto* f = node.as_floating_point()) return fraction_text(f->get());
       throw invalid_argument(where(name) + " must be a string or a number");
     };
+    // The flags' range (the lender refuses milliseconds past its own ranges).
     const auto count = [&]() -> std::uint64_t {
       const auto* i = node.as_integer();
-      if (i == nullptr || i->get() <= 0) throw invalid_argument(where(name) + " must be a positive integer");
+      if (i == nullptr || i->get() <= 0 || i->get() > max_count) {
+        throw invalid_argument(where(name) + " must be an integer 1 to " + std::to_string(max_count));
+      }
       return static_cast<std::uint64_t>(i->get());
     };
     if (name == "socket") {
@@ -151,7 +166,9 @@ void daemon_settings::read_file(const std::string& path) {
       max_observers = count();
     } else if (name == "max_connections_per_uid") {
       const auto* i = node.as_integer();
-      if (i == nullptr || i->get() < 0) throw invalid_argument(where(name) + " must be an integer >= 0 (0: no cap)");
+      if (i == nullptr || i->get() < 0 || i->get() > max_count) {
+        throw invalid_argument(where(name) + " must be an integer 0 to " + std::to_string(max_count) + " (0: no cap)");
+      }
       max_connections_per_uid = static_cast<std::uint64_t>(i->get());
     } else if (name == "max_regions_per_borrower") {
       max_regions_per_borrower = count();
@@ -265,7 +282,7 @@ lending::lender_config daemon_settings::lender_config(backend::device& d) const 
                            "; give at most that, or a fraction like 0.9");
   }
   c.quota_bytes = quota.lendable_bytes(d, "quota");
-  c.quota_bytes_per_uid = quota_per_uid.text.empty() ? 0 : quota_per_uid.lendable_bytes(d, "quota_per_uid");
+  c.quota_bytes_per_uid = quota_per_uid.text == "none" ? 0 : quota_per_uid.lendable_bytes(d, "quota_per_uid");
   std::size_t granules = 0;  // the prepared chunks', in the device's granularity
   for (const auto& entry : prepare) add_prepared(entry, d, c.capacity_bytes, granules, c.prepared_chunks);
   c.max_borrowers = static_cast<std::size_t>(max_borrowers);

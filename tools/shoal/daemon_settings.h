@@ -33,7 +33,7 @@ struct daemon_settings {
   std::string device = "default";  ///< "default", "host", "cuda" or "cuda:N"
   size_setting capacity{"0.9"};
   size_setting quota{"1.0"};
-  size_setting quota_per_uid;  ///< empty: no per-uid quota
+  size_setting quota_per_uid{"none"};  ///< "none": no per-uid quota
   std::uint64_t max_borrowers = 64;
   std::uint64_t max_observers = 4;  ///< lender_config::max_observers
   std::uint64_t max_connections_per_uid = 0;  ///< lender_config::max_connections_per_uid (0: no cap)
@@ -60,6 +60,8 @@ struct daemon_settings {
   /// loop borrowing and giving back each step at 10 steps a second.
   std::uint64_t log_rate = 20;
   static constexpr std::uint64_t max_log_rate = 1'000'000;
+  /// The largest count or millisecond setting taken, from a flag or the file.
+  static constexpr std::int64_t max_count = std::int64_t{1} << 32;
 
   /// Reads a TOML file's keys (socket, device, capacity, quota,
   /// quota_per_uid, max_borrowers, max_observers, max_connections_per_uid, max_regions_per_borrower, peer_timeout_ms,
