@@ -772,6 +772,8 @@ class Consumer:
                     elif all(key.data is not turn for turn in turns):
                         turns.append(key.data)
                 for incoming in turns:
+                    if served > 0 and deadline is not None and time.monotonic() >= deadline:
+                        break  # the rest go first next call: many producers' turns cannot hold get() past it
                     served += 1
                     if self._incoming.get(incoming.fd) is not incoming:
                         continue  # dropped this round

@@ -881,6 +881,47 @@ def test_a_peer_that_never_stops_sending_cannot_hold_get_past_its_deadline(clean
             flooder.join(WAIT)
 
 
+def test_many_producers_turns_cannot_hold_get_past_its_deadline(monkeypatch):
+    """Each producer's turn reads up to 256 messages; the deadline is checked
+    between turns, not only after every ready producer had one, and those
+    left out go first at the next call."""
+    abort = json.dumps({"v": 1, "abort": True}).encode()
+    with sharing.Consumer(allocator=HOST) as consumer:
+        producers = [sharing.Producer(consumer.address, allocator=HOST) for _ in range(12)]
+        try:
+            deadline = time.monotonic() + WAIT
+            while consumer.producers < len(producers) and time.monotonic() < deadline:
+                with contextlib.suppress(shoal.PeerTimeoutError):
+                    consumer.get(timeout=0.05)
+            assert consumer.producers == len(producers)
+            for producer in producers:
+                producer.peer.send_note(abort)  # every socket readable, no batch to return
+            served = []
+            slow_turn = consumer._receive_from
+
+            def turn_of_50_ms(incoming, stream):
+                served.append(incoming.fd)
+                time.sleep(0.05)
+                return slow_turn(incoming, stream)
+
+            monkeypatch.setattr(consumer, "_receive_from", turn_of_50_ms)
+            started = time.monotonic()
+            with pytest.raises(shoal.PeerTimeoutError):
+                consumer.get(timeout=0.1)
+            took = time.monotonic() - started
+            # Without the check between turns: all 12 turns, 0.6 s.
+            assert len(served) <= 4 and took < 0.4, f"{len(served)} turns in {took:.2f} s past a 0.1 s deadline"
+            first_call = set(served)
+            while len(set(served)) < len(producers):
+                with pytest.raises(shoal.PeerTimeoutError):
+                    consumer.get(timeout=0.1)
+            assert sorted(served) == sorted(set(served)), "a producer served twice before each had its turn"
+            assert first_call <= set(served)
+        finally:
+            for producer in producers:
+                producer.close(timeout=WAIT)
+
+
 def test_batches_checks_its_arguments_when_called():
     with sharing.Consumer(allocator=HOST) as consumer:
         assert list(consumer.batches(producers=0)) == []
