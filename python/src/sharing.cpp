@@ -154,11 +154,13 @@ ipc::sharing_options options_of(const nb::kwargs& settings) {
       o.max_peer_mapped_bytes = option_value<std::size_t>(key, value);
     } else if (key == "max_mapped_bytes") {
       o.max_mapped_bytes = option_value<std::size_t>(key, value);
+    } else if (key == "max_producer_resources") {
+      o.max_producer_resources = option_value<std::size_t>(key, value);
     } else {
       throw invalid_argument("SharingContext: unknown option " + key +
                              " (collect_interval_ms, send_timeout_ms, teardown_timeout_ms, receive_spin_us, "
                              "import_answer_spin_us, max_metadata_bytes, slots_per_file, ring_bytes, max_peer_ring_bytes, "
-                             "max_peer_mapped_bytes, max_mapped_bytes)");
+                             "max_peer_mapped_bytes, max_mapped_bytes, max_producer_resources)");
     }
   }
   return o;
@@ -355,7 +357,9 @@ void register_sharing(nb::module_& m) {
           "could leave its pages unallocated for this process's reads to allocate; raise it on both sides to at least ring_bytes rounded up to a power of two), "
           "max_peer_mapped_bytes (1099511627776: the bytes of one producer's segments mapped here at once, and its largest "
           "segment; mappings no received storage uses are closed to make room, past it a storage is refused), max_mapped_bytes "
-          "(35184372088832: the same for all producers together).")
+          "(35184372088832: the same for all producers together), max_producer_resources (32768: descriptors and "
+          "memory mappings held for all producers together: segments and counter files announced, event sources, "
+          "segment chunks mapped; past it an announcement or a storage is refused).")
       .def_prop_ro("allocator", [](const py_sharing_context& c) { return py_allocator{c.state->allocator()}; })
       .def(
           "collect", [](const py_sharing_context& c) { return c.state->context().collect(); },

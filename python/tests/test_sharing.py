@@ -1326,11 +1326,14 @@ def test_a_peer_ring_over_max_peer_ring_bytes_is_refused_naming_the_option_to_ra
             assert bounded.get(timeout=WAIT)["x"].shape[0] == 8
 
 
-@pytest.mark.parametrize("option", ["max_peer_mapped_bytes", "max_mapped_bytes"])
-def test_a_producer_segment_over_the_mapped_bytes_bounds_is_refused_naming_the_option_to_raise(option):
-    # One producer's bound, and all producers' together: a segment of 2 MiB past 1 MiB.
+@pytest.mark.parametrize("option, limit", [("max_peer_mapped_bytes", 1 << 20), ("max_mapped_bytes", 1 << 20),
+                                           ("max_producer_resources", 2)])
+def test_a_producer_past_the_sharing_bounds_is_refused_naming_the_option_to_raise(option, limit):
+    # One producer's bytes mapped, and all producers' together: a segment of 2 MiB past 1 MiB. All
+    # producers' descriptors and mappings: a counter file and a segment announced, the segment's
+    # mapping one past 2.
     producer = shoal.SharingContext(HOST, collect_interval_ms=0)
-    consumer = shoal.SharingContext(HOST, collect_interval_ms=0, **{option: 1 << 20})
+    consumer = shoal.SharingContext(HOST, collect_interval_ms=0, **{option: limit})
     with shoal.Listener(shoal.runtime_dir_address(f"{option}-{os.getpid()}.sock")) as listener:
         sender = shoal.Peer(producer, shoal.connect(listener.address))
         receiver = shoal.Peer(consumer, listener.accept(timeout=WAIT))

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <new>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <tuple>
 
@@ -124,13 +125,13 @@ class received_data final : public storage::storage_owner {
 }  // namespace
 
 consumer_state::consumer_state(const process_identity& p, alloc::caching_allocator& a, const sharing_options& o,
-                               std::shared_ptr<std::atomic<std::size_t>> context_mapped_bytes)
-    : producer(p), allocator(a), options(o), context_mapped_bytes_(std::move(context_mapped_bytes)) {}
+                               std::shared_ptr<context_holdings> held_for_producers)
+    : producer(p), allocator(a), options(o), held_(std::move(held_for_producers)) {}
 
 std::shared_ptr<consumer_state> consumer_state::for_producer(const process_identity& producer, std::uint64_t context,
                                                              alloc::caching_allocator& allocator,
                                                              const sharing_options& options,
-                                                             std::shared_ptr<std::atomic<std::size_t>> context_mapped_bytes) {
+                                                             std::shared_ptr<context_holdings> held_for_producers) {
   using key = std::tuple<pid_t, std::uint64_t, std::uint64_t>;
   static std::mutex mutex;
   static std::map<key, std::weak_ptr<consumer_state>> tables;
@@ -139,7 +140,7 @@ std::shared_ptr<consumer_state> consumer_state::for_producer(const process_ident
   auto& slot = tables[key{producer.pid, producer.start_time, context}];
   auto table = slot.lock();
   if (!table) {
-    table = std::make_shared<consumer_state>(producer, allocator, options, std::move(context_mapped_bytes));
+    table = std::make_shared<consumer_state>(producer, allocator, options, std::move(held_for_producers));
     slot = table;
   }
   return table;
@@ -151,6 +152,9 @@ consumer_state::~consumer_state() {
   // not trusted to pass it: past the deadline, the mappings still in use stay
   // open, and so do the event sources those waits may use (host tasks cannot
   // close them; the slots are still released when the streams move on).
+  // The segments' descriptors and the counter files' mappings go with this
+  // table (files still used by storages are kept by them, as after a retire).
+  give_back(held_->resources, segments_.size() + files_.size());
   const auto until = shoal::detail::deadline_after(options.teardown_timeout);
   const auto in_use = [](const std::shared_ptr<mapping>& m) { return m->state.load() >= one_view; };
   for (;;) {
@@ -177,6 +181,7 @@ consumer_state::~consumer_state() {
     } catch (const error&) {  // NOLINT(bugprone-empty-catch): teardown goes on
     }
   }
+  give_back(held_->resources, sources_.size());
 }
 
 namespace {
@@ -197,7 +202,9 @@ void consumer_state::add_counter_file(const counter_file_message& m, unique_fd f
   std::lock_guard lock(mutex_);
   if (files_.contains(m.file_id)) return;  // another connection announced it first
   check_room(files_.size(), options.max_peer_counter_files, "counter files", "max_peer_counter_files");
+  reservation reserved = reserve_resource("counter_file message");
   files_.emplace(m.file_id, std::make_shared<counter_file>(counter_file::open(std::move(fd), m.slots)));
+  reserved.keep();
 }
 
 void consumer_state::add_segment(segment_message m) {
@@ -214,13 +221,16 @@ void consumer_state::add_segment(segment_message m) {
                          " bytes, over the " + std::to_string(options.max_peer_mapped_bytes) +
                          " of a producer's this process maps at once (sharing_options::max_peer_mapped_bytes)");
   }
+  reservation reserved = reserve_resource("segment message");
   segments_.emplace(m.segment_id, std::move(m.handle));
+  reserved.keep();
 }
 
 void consumer_state::add_event_source(backend::event_source source) {
   std::lock_guard lock(mutex_);
   if (sources_.contains(source.source_id)) return;  // as for files
   check_room(sources_.size(), options.max_peer_event_sources, "event sources", "max_peer_event_sources");
+  reservation reserved = reserve_resource("event_source message");
   backend::imported_event_ref opened;
   try {
     opened = allocator.device().open_event_source(source);
@@ -238,6 +248,7 @@ void consumer_state::add_event_source(backend::event_source source) {
                          " as its exporter, but it came from process " + std::to_string(producer.pid));
   }
   sources_.emplace(source.source_id, opened);
+  reserved.keep();
 }
 
 void consumer_state::retire_segments(const std::vector<std::uint64_t>& ids) {
@@ -246,6 +257,7 @@ void consumer_state::retire_segments(const std::vector<std::uint64_t>& ids) {
     // An id not announced (or retired already) is in no mapping: nothing to
     // look for (a peer listing thousands of them must not cost a scan each).
     if (segments_.erase(id) == 0) continue;
+    give_back(held_->resources, 1);
     for (auto it = mappings_.begin(); it != mappings_.end();) {
       if (std::ranges::find(it->first, id) == it->first.end()) {
         ++it;
@@ -269,17 +281,19 @@ void consumer_state::retire(const std::shared_ptr<mapping>& m) {
 
 void consumer_state::retire_files(const std::vector<std::uint64_t>& ids) {
   std::lock_guard lock(mutex_);
-  for (auto id : ids) files_.erase(id);  // storages still holding slots keep their mapping of it
+  for (auto id : ids) {
+    // Storages still holding slots keep their mapping of it: no longer counted (they are this process's).
+    if (files_.erase(id) != 0) give_back(held_->resources, 1);
+  }
 }
 
-namespace {
-
-// Whether `more` fits under `limit` beside `used`, without overflow.
-bool fits(std::size_t used, std::size_t more, std::size_t limit) noexcept {
-  return used <= limit && more <= limit - used;
+reservation consumer_state::reserve_resource(const char* what) {
+  if (!reserve(held_->resources, 1, options.max_producer_resources)) {
+    throw protocol_error(std::string(what) + ": this process holds " + std::to_string(options.max_producer_resources) +
+                         " descriptors and mappings for its producers already (sharing_options::max_producer_resources)");
+  }
+  return reservation(held_->resources, 1);
 }
-
-}  // namespace
 
 void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
   const std::size_t limit = options.max_peer_segments;
@@ -300,14 +314,13 @@ void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
     mapped_bytes += m->mapped_bytes;
   }
   const auto past_bytes = [&] { return !fits(mapped_bytes, bytes, byte_limit); };
-  // All producers together: closes below give their bytes back to the count.
+  // All producers together: closes below give their share back to the counts.
   const auto past_context = [&] {
-    return !fits(context_mapped_bytes_->load(std::memory_order_relaxed), bytes, options.max_mapped_bytes);
+    return !fits(held_->mapped_bytes.load(std::memory_order_relaxed), bytes, options.max_mapped_bytes) ||
+           !fits(held_->resources.load(std::memory_order_relaxed), chunks, options.max_producer_resources);
   };
   const auto past = [&] { return mapped + chunks > limit || past_bytes() || past_context(); };
-  if (!past()) {
-    if (reserve_context_bytes(bytes)) return;
-  }
+  if (!past() && reserve_in_context(chunks, bytes) == nullptr) return;
   // Past a bound: close what nothing uses, now. Retired mappings whose last
   // view went first (the collector would close them), then cached ones.
   std::vector<std::shared_ptr<mapping>> finished;
@@ -343,20 +356,25 @@ void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
                          " bytes of this producer's mapped at once, those mapped all in use "
                          "(sharing_options::max_peer_mapped_bytes)");
   }
-  if (!reserve_context_bytes(bytes)) {
-    throw protocol_error("storage message: mapping its segment chunks of " + std::to_string(bytes) +
-                         " bytes would keep more than " + std::to_string(options.max_mapped_bytes) +
-                         " bytes of all producers' mapped in this process at once, those of this producer's "
-                         "mapped all in use (sharing_options::max_mapped_bytes)");
+  if (const char* refused = reserve_in_context(chunks, bytes); refused != nullptr) {
+    const bool of_bytes = std::string_view(refused) == "max_mapped_bytes";
+    throw protocol_error("storage message: mapping its " + std::to_string(chunks) + " segment chunks of " +
+                         std::to_string(bytes) + " bytes would keep more than " +
+                         (of_bytes ? std::to_string(options.max_mapped_bytes) + " bytes of all producers' mapped"
+                                   : std::to_string(options.max_producer_resources) +
+                                         " descriptors and mappings of all producers held") +
+                         " in this process at once, those of this producer's mapped all in use (sharing_options::" +
+                         refused + ")");
   }
 }
 
-bool consumer_state::reserve_context_bytes(std::size_t bytes) noexcept {
-  std::size_t all = context_mapped_bytes_->load(std::memory_order_relaxed);
-  do {
-    if (!fits(all, bytes, options.max_mapped_bytes)) return false;
-  } while (!context_mapped_bytes_->compare_exchange_weak(all, all + bytes, std::memory_order_relaxed));
-  return true;
+const char* consumer_state::reserve_in_context(std::size_t chunks, std::size_t bytes) noexcept {
+  if (!reserve(held_->resources, chunks, options.max_producer_resources)) return "max_producer_resources";
+  if (!reserve(held_->mapped_bytes, bytes, options.max_mapped_bytes)) {
+    give_back(held_->resources, chunks);
+    return "max_mapped_bytes";
+  }
+  return nullptr;
 }
 
 std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uint64_t>& ids) {
@@ -375,16 +393,10 @@ std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uin
     bytes = it->second.size > SIZE_MAX - bytes ? SIZE_MAX : bytes + it->second.size;
   }
   make_room_to_map(ids.size(), bytes);
-  // Reserved in the context's count: given back here unless the mapping is
+  // Reserved in the context's counts: given back here unless the mapping is
   // made, and by close() once it is.
-  struct reservation {
-    std::atomic<std::size_t>& count;
-    std::size_t bytes;
-    bool kept = false;
-    ~reservation() {
-      if (!kept) count.fetch_sub(bytes, std::memory_order_relaxed);
-    }
-  } reserved{*context_mapped_bytes_, bytes};
+  reservation reserved_bytes(held_->mapped_bytes, bytes);
+  reservation reserved_chunks(held_->resources, ids.size());
   std::vector<backend::shareable_handle> chunks;
   for (auto id : ids) {
     auto it = segments_.find(id);
@@ -395,6 +407,7 @@ std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uin
     }
   }
   auto m = std::make_shared<mapping>();
+  m->segment_ids = ids;  // before it can be closed: close() gives back a chunk for each
   try {
     m->base = allocator.device().import_memory(chunks);
   } catch (const protocol_error&) {
@@ -404,7 +417,8 @@ std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uin
   } catch (const backend_error& e) {  // the driver refused the peer's handle
     throw protocol_error(std::string("storage message: its segments cannot be mapped: ") + e.what());
   }
-  reserved.kept = true;
+  reserved_bytes.keep();
+  reserved_chunks.keep();
   m->mapped_bytes = bytes;
   // Imported, so each is the device's own kind of descriptor (a sealed
   // memfd, a driver's export), whose close cannot block: closed in place.
@@ -414,7 +428,6 @@ std::shared_ptr<mapping> consumer_state::map_segments(const std::vector<std::uin
   // less the first one's offset (a hostile producer may announce one).
   for (const auto& c : chunks) m->bytes += c.size;
   m->bytes -= chunks.front().offset;
-  m->segment_ids = ids;
   mappings_.emplace(ids, m);
   return m;
 }
@@ -497,7 +510,8 @@ void consumer_state::close(mapping& m) noexcept {
   } catch (const error&) {  // NOLINT(bugprone-empty-catch): the mapping is gone either way
   }
   m.base = nullptr;
-  context_mapped_bytes_->fetch_sub(m.mapped_bytes, std::memory_order_relaxed);
+  give_back(held_->mapped_bytes, m.mapped_bytes);
+  give_back(held_->resources, m.segment_ids.size());
 }
 
 peer_stats consumer_state::stats() const {

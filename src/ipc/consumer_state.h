@@ -23,6 +23,7 @@
 #include <mutex>
 #include <vector>
 
+#include "ipc/context_holdings.h"
 #include "ipc/counters/counter_file.h"
 #include "ipc/messages.h"
 #include "shoal/alloc/caching_allocator.h"
@@ -55,16 +56,16 @@ struct release_sink {
 class consumer_state : public std::enable_shared_from_this<consumer_state> {
  public:
   consumer_state(const process_identity& producer, alloc::caching_allocator& allocator, const sharing_options& options,
-                 std::shared_ptr<std::atomic<std::size_t>> context_mapped_bytes);
+                 std::shared_ptr<context_holdings> held_for_producers);
   /// The table of `producer`'s resources for the sharing context numbered
   /// `context` in this process (producer_state::serial), shared by every
   /// connection to that producer: each of its segments is mapped once here.
-  /// `context_mapped_bytes`: the context's count of what all its tables map
-  /// (producer_state::peers_mapped_bytes).
+  /// `held_for_producers`: what all the context's tables hold
+  /// (producer_state::held_for_producers), within its limits.
   static std::shared_ptr<consumer_state> for_producer(const process_identity& producer, std::uint64_t context,
                                                       alloc::caching_allocator& allocator,
                                                       const sharing_options& options,
-                                                      std::shared_ptr<std::atomic<std::size_t>> context_mapped_bytes);
+                                                      std::shared_ptr<context_holdings> held_for_producers);
   /// Waits for received storages' pending releases, then closes every
   /// mapping and event source.
   ~consumer_state();
@@ -95,12 +96,17 @@ class consumer_state : public std::enable_shared_from_this<consumer_state> {
   std::shared_ptr<mapping> map_segments(const std::vector<std::uint64_t>& ids);  // mutex_ held
   /// Room for a mapping of `chunks` more segment chunks of `bytes` within
   /// options.max_peer_segments and max_peer_mapped_bytes mapped at once
-  /// (closing mappings no storage uses), and `bytes` reserved within
-  /// max_mapped_bytes of the context's count (given back by close, or by
-  /// the caller when the mapping fails), or protocol_error. mutex_ held.
+  /// (closing mappings no storage uses), and `bytes` and `chunks` reserved
+  /// within the context's max_mapped_bytes and max_producer_resources (given
+  /// back by close, or by the caller when the mapping fails), or
+  /// protocol_error. mutex_ held.
   void make_room_to_map(std::size_t chunks, std::size_t bytes);
-  /// Reserves `bytes` of the context's count within options.max_mapped_bytes.
-  [[nodiscard]] bool reserve_context_bytes(std::size_t bytes) noexcept;
+  /// Reserves `bytes` and `chunks` in the context's counts, both or neither;
+  /// nullptr, or the option whose limit refused.
+  [[nodiscard]] const char* reserve_in_context(std::size_t chunks, std::size_t bytes) noexcept;
+  /// One descriptor or mapping more in the context's count, or protocol_error
+  /// naming `what` (an announcement's message).
+  [[nodiscard]] reservation reserve_resource(const char* what);
   void retire(const std::shared_ptr<mapping>& m);                                  // mutex_ held
   void close(mapping& m) noexcept;  // a mapping no one else refers to; mutex_ not needed
 
@@ -111,7 +117,7 @@ class consumer_state : public std::enable_shared_from_this<consumer_state> {
   std::vector<std::shared_ptr<mapping>> retired_;                             // retired, still in use
   std::map<std::uint64_t, backend::imported_event_ref> sources_;
   const std::shared_ptr<release_sink> sink_ = std::make_shared<release_sink>();
-  const std::shared_ptr<std::atomic<std::size_t>> context_mapped_bytes_;
+  const std::shared_ptr<context_holdings> held_;
 };
 
 }  // namespace shoal::ipc::detail

@@ -19,7 +19,7 @@ peer_link::peer_link(std::shared_ptr<producer_state> state, channel::connection 
     : state_(std::move(state)),
       link_(std::move(link)),
       receiver_(consumer_state::for_producer(link_.peer().process, state_->serial, state_->allocator, state_->options,
-                                             state_->peers_mapped_bytes)),
+                                             state_->held_for_producers)),
       outbox_(std::make_shared<outbox>(link_.peer().process)) {
   limits_.max_metadata = state_->options.max_metadata_bytes;
   // A storage message must fit a frame: 8 bytes per segment id.

@@ -16,6 +16,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "ipc/context_holdings.h"
 #include "ipc/counters/counter_slots.h"
 #include "ipc/weak_list.h"
 #include "shoal/alloc/caching_allocator.h"
@@ -106,10 +107,9 @@ class producer_state : public std::enable_shared_from_this<producer_state> {
   /// This context's number in the process, never reused (a context made at
   /// a freed one's address must not find that one's tables: for_producer).
   const std::uint64_t serial;
-  /// Bytes of producers' segments this context's consumer tables map
-  /// (sharing_options::max_mapped_bytes): reserved before a mapping, given
-  /// back when it closes, by tables that may outlive this state.
-  const std::shared_ptr<std::atomic<std::size_t>> peers_mapped_bytes = std::make_shared<std::atomic<std::size_t>>(0);
+  /// What this context's consumer tables hold for all producers together
+  /// (sharing_options::max_mapped_bytes, max_producer_resources).
+  const std::shared_ptr<context_holdings> held_for_producers = std::make_shared<context_holdings>();
 
  private:
   struct limbo_entry {

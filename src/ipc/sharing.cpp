@@ -69,6 +69,10 @@ sharing_options checked(sharing_options options) {
     throw invalid_argument("sharing_options::max_mapped_bytes is 0; this process could map no producer's memory "
                            "(default 32 TiB)");
   }
+  if (options.max_producer_resources == 0) {
+    throw invalid_argument("sharing_options::max_producer_resources is 0; this process could take no producer's "
+                           "segment (default 32768)");
+  }
   if (options.max_peer_mapped_bytes == 0) {
     throw invalid_argument("sharing_options::max_peer_mapped_bytes is 0; a consumer could map no producer's memory "
                            "(give at least the largest segment a producer shares; default 1 TiB)");

@@ -431,6 +431,63 @@ TEST(hostile_producer, a_mapping_that_fails_gives_its_reserved_bytes_back) {
   EXPECT_EQ(x.refusal_of(x.capture_share(8 * kib)), "accepted");
 }
 
+// Descriptors and mappings held for all producers together stay within
+// max_producer_resources, here under one producer's own limits (many
+// producers, each within its max_peer_* limits, could take every descriptor
+// of the process). One share holds three: its counter file and segment
+// announced, the segment's chunk mapped; a busy stream's event source a fourth.
+TEST(hostile_producer, resources_held_for_all_producers_stay_within_the_contexts_limit) {
+  const auto limited_to = [](std::size_t n) {
+    return ipc::sharing_options{.collect_interval = 0ms, .max_producer_resources = n};
+  };
+  {
+    captured_exchange x(limited_to(3));
+    EXPECT_EQ(x.refusal_of(x.capture_share(8 * kib)), "accepted");
+  }
+  {
+    captured_exchange x(limited_to(2));  // the mapping is refused
+    const std::string why = x.refusal_of(x.capture_share(8 * kib));
+    EXPECT_NE(why.find("storage message"), std::string::npos) << why;
+    EXPECT_NE(why.find("max_producer_resources"), std::string::npos) << why;
+  }
+  {
+    captured_exchange x(limited_to(2));  // a second segment announced
+    const std::string why = x.refusal_of(with_more_announcements(x.capture_share(8 * kib), segment_type, 1));
+    EXPECT_NE(why.find("segment message"), std::string::npos) << why;
+    EXPECT_NE(why.find("max_producer_resources"), std::string::npos) << why;
+  }
+  {
+    captured_exchange x(limited_to(1));  // a second counter file
+    const std::string why = x.refusal_of(with_more_announcements(x.capture_share(8 * kib), counter_file_type, 1));
+    EXPECT_NE(why.find("counter_file message"), std::string::npos) << why;
+  }
+  {
+    captured_exchange x(limited_to(3));  // an event source besides
+    const std::string why = x.refusal_of(x.capture_share(8 * kib, /*busy_stream=*/true));
+    EXPECT_NE(why.find("max_producer_resources"), std::string::npos) << why;
+  }
+}
+
+// What a producer's table held is given back as it goes: a retired segment
+// and its mapping once closed, and all of it with the table. Without the
+// give-backs, the second share below (or the second round) would be refused.
+TEST(hostile_producer, resources_held_for_producers_are_given_back_as_they_go) {
+  {
+    sparse_segments_producer p({.collect_interval = 0ms, .max_producer_resources = 5});  // file + two shares
+    ASSERT_TRUE(p.ready());
+    for (int round = 0; round < 6; ++round) {
+      EXPECT_TRUE(p.share_in_a_new_segment().valid()) << "round " << round;  // dropped at once
+      p.settle();
+      p.retire_the_last();
+    }
+  }
+  captured_exchange x({.collect_interval = 0ms, .max_producer_resources = 3});
+  for (int round = 0; round < 3; ++round) {
+    EXPECT_EQ(x.refusal_of(x.capture_share(8 * kib)), "accepted") << "round " << round;
+    x.dev.synchronize({});  // the dropped storage's release, and with it the table, has gone
+  }
+}
+
 // Retired mappings whose storages were dropped count too until they are
 // closed: left to the collector (here never: collect_interval 0), a producer
 // retiring each segment after its storage is dropped had twenty 1 GiB

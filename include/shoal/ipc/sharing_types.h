@@ -96,6 +96,15 @@ struct sharing_options {
   /// once its producer's mappings no storage uses are closed. 32 TiB by
   /// default. At least 1 (invalid_argument).
   std::size_t max_mapped_bytes = std::size_t{32} << 40;
+  /// Descriptors and memory mappings this context holds for all producers
+  /// together (each also within its max_peer_* limits): segments and counter
+  /// files announced, event sources opened, segment chunks mapped. Past it
+  /// an announcement is refused, and a storage once its producer's mappings
+  /// no storage uses are closed. 32,768 by default: many producers, each
+  /// within its own limits, could otherwise take every descriptor of this
+  /// process, or the 65,530 memory mappings Linux allows it. At least 1
+  /// (invalid_argument).
+  std::size_t max_producer_resources = 32768;
   /// Counter files announced.
   std::size_t max_peer_counter_files = 1024;
   /// Event sources announced (one per producer stream that sent).

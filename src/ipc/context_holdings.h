@@ -1,0 +1,59 @@
+// What the consumer tables of one sharing context hold for all producers
+// together, within sharing_options' context-wide limits (max_mapped_bytes,
+// max_producer_resources): each share is reserved before it is taken and
+// given back as it goes, by tables that may outlive the context's state.
+//
+// Thread-safety: any thread (atomics); a reservation is not shared.
+#pragma once
+
+#include <atomic>
+#include <cassert>
+#include <cstddef>
+
+namespace shoal::ipc::detail {
+
+struct context_holdings {
+  std::atomic<std::size_t> mapped_bytes{0};  // producers' segment chunks mapped (max_mapped_bytes)
+  // Descriptors and memory mappings: segments and counter files announced,
+  // event sources opened, segment chunks mapped (max_producer_resources).
+  std::atomic<std::size_t> resources{0};
+};
+
+/// Whether `more` fits under `limit` beside `used`, without overflow.
+[[nodiscard]] inline bool fits(std::size_t used, std::size_t more, std::size_t limit) noexcept {
+  return used <= limit && more <= limit - used;
+}
+
+/// Adds `more` to `count` unless the sum would pass `limit`.
+[[nodiscard]] inline bool reserve(std::atomic<std::size_t>& count, std::size_t more, std::size_t limit) noexcept {
+  std::size_t now = count.load(std::memory_order_relaxed);
+  do {
+    if (!fits(now, more, limit)) return false;
+  } while (!count.compare_exchange_weak(now, now + more, std::memory_order_relaxed));
+  return true;
+}
+
+/// Takes back `n` reserved before.
+inline void give_back(std::atomic<std::size_t>& count, std::size_t n) noexcept {
+  [[maybe_unused]] const std::size_t before = count.fetch_sub(n, std::memory_order_relaxed);
+  assert(before >= n && "gave back more than was reserved");
+}
+
+/// `n` reserved in `count`, given back at scope exit unless kept.
+class reservation {
+ public:
+  reservation(std::atomic<std::size_t>& count, std::size_t n) noexcept : count_(count), n_(n) {}
+  ~reservation() {
+    if (!kept_) give_back(count_, n_);
+  }
+  reservation(const reservation&) = delete;
+  reservation& operator=(const reservation&) = delete;
+  void keep() noexcept { kept_ = true; }
+
+ private:
+  std::atomic<std::size_t>& count_;
+  std::size_t n_;
+  bool kept_ = false;
+};
+
+}  // namespace shoal::ipc::detail
