@@ -140,8 +140,11 @@ std::shared_ptr<consumer_state> consumer_state::for_producer(const process_ident
   auto& slot = tables[key{producer.pid, producer.start_time, context}];
   auto table = slot.lock();
   if (!table) {
-    table = std::make_shared<consumer_state>(producer, allocator, options, std::move(held_for_producers));
+    table = std::make_shared<consumer_state>(producer, allocator, options, held_for_producers);
     slot = table;
+    std::lock_guard tables_lock(held_for_producers->tables_mutex);
+    std::erase_if(held_for_producers->tables, [](const auto& t) { return t.expired(); });
+    held_for_producers->tables.push_back(table);
   }
   return table;
 }
@@ -152,9 +155,9 @@ consumer_state::~consumer_state() {
   // not trusted to pass it: past the deadline, the mappings still in use stay
   // open, and so do the event sources those waits may use (host tasks cannot
   // close them; the slots are still released when the streams move on).
-  // The segments' descriptors and the counter files' mappings go with this
-  // table (files still used by storages are kept by them, as after a retire).
-  give_back(held_->resources, segments_.size() + files_.size());
+  // The segments' descriptors go with this table (counter files give theirs
+  // back as they go: storages may keep them).
+  give_back(held_->resources, segments_.size());
   const auto until = shoal::detail::deadline_after(options.teardown_timeout);
   const auto in_use = [](const std::shared_ptr<mapping>& m) { return m->state.load() >= one_view; };
   for (;;) {
@@ -203,7 +206,14 @@ void consumer_state::add_counter_file(const counter_file_message& m, unique_fd f
   if (files_.contains(m.file_id)) return;  // another connection announced it first
   check_room(files_.size(), options.max_peer_counter_files, "counter files", "max_peer_counter_files");
   reservation reserved = reserve_resource("counter_file message");
-  files_.emplace(m.file_id, std::make_shared<counter_file>(counter_file::open(std::move(fd), m.slots)));
+  // Counted until the last storage of its slots goes: they keep it mapped
+  // after the producer retires it (a producer retiring a file per storage
+  // would otherwise keep uncounted descriptors and mappings here, found in review).
+  auto file = std::make_unique<counter_file>(counter_file::open(std::move(fd), m.slots));
+  files_.emplace(m.file_id, std::shared_ptr<counter_file>(file.release(), [held = held_](counter_file* f) {
+                   delete f;
+                   give_back(held->resources, 1);
+                 }));
   reserved.keep();
 }
 
@@ -281,14 +291,14 @@ void consumer_state::retire(const std::shared_ptr<mapping>& m) {
 
 void consumer_state::retire_files(const std::vector<std::uint64_t>& ids) {
   std::lock_guard lock(mutex_);
-  for (auto id : ids) {
-    // Storages still holding slots keep their mapping of it: no longer counted (they are this process's).
-    if (files_.erase(id) != 0) give_back(held_->resources, 1);
-  }
+  for (auto id : ids) files_.erase(id);  // storages still holding slots keep their mapping of it
 }
 
 reservation consumer_state::reserve_resource(const char* what) {
-  if (!reserve(held_->resources, 1, options.max_producer_resources)) {
+  const auto taken = [&] { return reserve(held_->resources, 1, options.max_producer_resources); };
+  if (!taken()) {
+    close_unused_in_every_table();
+    if (taken()) return reservation(held_->resources, 1);
     throw protocol_error(std::string(what) + ": this process holds " + std::to_string(options.max_producer_resources) +
                          " descriptors and mappings for its producers already (sharing_options::max_producer_resources)");
   }
@@ -345,6 +355,8 @@ void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
     close(*it->second);
     it = mappings_.erase(it);
   }
+  // Still past the context's counts: other producers' tables' unused mappings too.
+  if (past_context()) close_unused_in_every_table();
   if (mapped + chunks > limit) {
     throw protocol_error("storage message: mapping its " + std::to_string(chunks) + " segment chunks would keep more than " +
                          std::to_string(limit) + " of this producer's mapped at once, those mapped all in use "
@@ -366,6 +378,42 @@ void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
                          " in this process at once, those of this producer's mapped all in use (sharing_options::" +
                          refused + ")");
   }
+}
+
+void consumer_state::close_unused_here() {
+  std::vector<std::shared_ptr<mapping>> finished;
+  {
+    std::lock_guard lock(sink_->mutex);
+    finished.swap(sink_->finished);
+  }
+  for (auto& m : finished) {
+    std::erase(retired_, m);
+    close(*m);
+  }
+  // Views are added under mutex_ (held): a cached mapping with none stays so.
+  std::erase_if(mappings_, [this](auto& entry) {
+    if (entry.second->state.load(std::memory_order_acquire) != 0) return false;
+    close(*entry.second);
+    return true;
+  });
+}
+
+void consumer_state::try_close_unused() {
+  std::unique_lock lock(mutex_, std::try_to_lock);
+  if (lock.owns_lock()) close_unused_here();
+}
+
+void consumer_state::close_unused_in_every_table() {
+  close_unused_here();
+  std::vector<std::shared_ptr<consumer_state>> others;
+  {
+    std::lock_guard lock(held_->tables_mutex);
+    for (const auto& t : held_->tables) {
+      if (auto table = t.lock(); table && table.get() != this) others.push_back(std::move(table));
+    }
+  }
+  // Only a free lock is taken: two tables doing this at once wait for neither.
+  for (const auto& table : others) table->try_close_unused();
 }
 
 const char* consumer_state::reserve_in_context(std::size_t chunks, std::size_t bytes) noexcept {

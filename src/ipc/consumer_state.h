@@ -104,9 +104,19 @@ class consumer_state : public std::enable_shared_from_this<consumer_state> {
   /// Reserves `bytes` and `chunks` in the context's counts, both or neither;
   /// nullptr, or the option whose limit refused.
   [[nodiscard]] const char* reserve_in_context(std::size_t chunks, std::size_t bytes) noexcept;
-  /// One descriptor or mapping more in the context's count, or protocol_error
-  /// naming `what` (an announcement's message).
+  /// One descriptor or mapping more in the context's count (closing the
+  /// mappings no storage uses in every table of the context when it is
+  /// full), or protocol_error naming `what` (an announcement's message).
+  /// mutex_ held.
   [[nodiscard]] reservation reserve_resource(const char* what);
+  /// Closes the mappings no storage uses, this table's (mutex_ held) and
+  /// every other table's of the context whose lock is free (two tables'
+  /// locks are never waited for at once).
+  void close_unused_in_every_table();
+  /// Closes this table's mappings no storage uses, retired or cached. mutex_ held.
+  void close_unused_here();
+  /// close_unused_here() when mutex_ is free at once (another table's call).
+  void try_close_unused();
   void retire(const std::shared_ptr<mapping>& m);                                  // mutex_ held
   void close(mapping& m) noexcept;  // a mapping no one else refers to; mutex_ not needed
 

@@ -9,14 +9,25 @@
 #include <atomic>
 #include <cassert>
 #include <cstddef>
+#include <memory>
+#include <mutex>
+#include <vector>
 
 namespace shoal::ipc::detail {
 
+class consumer_state;
+
 struct context_holdings {
   std::atomic<std::size_t> mapped_bytes{0};  // producers' segment chunks mapped (max_mapped_bytes)
-  // Descriptors and memory mappings: segments and counter files announced,
-  // event sources opened, segment chunks mapped (max_producer_resources).
+  // Descriptors and memory mappings: segments announced, counter files
+  // until the last storage using one goes, event sources opened, segment
+  // chunks mapped (max_producer_resources).
   std::atomic<std::size_t> resources{0};
+  // The context's tables: when a count is full, the mappings no storage
+  // uses are closed in every one of them, so that one producer's idle cached
+  // mappings cannot keep another producer out.
+  std::mutex tables_mutex;
+  std::vector<std::weak_ptr<consumer_state>> tables;  // guarded by tables_mutex
 };
 
 /// Whether `more` fits under `limit` beside `used`, without overflow.

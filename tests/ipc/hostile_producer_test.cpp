@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,6 +16,8 @@
 #include <cstring>
 #include <latch>
 #include <memory>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -28,6 +31,7 @@
 #include "shoal/ipc/sharing.h"
 #include "ipc/captured_exchange.h"
 #include "support/lingering_socket.h"
+#include "support/processes.h"
 
 namespace shoal::testing {
 namespace {
@@ -537,6 +541,159 @@ TEST(hostile_producer, announcements_at_once_on_several_connections_stop_exactly
     }
     for (auto& t : threads) t.join();
     ASSERT_EQ(receivers[0]->stats().counter_files, 1u) << "round " << round << ": the limit of 1 was passed";
+  }
+}
+
+// ---- review of c74b3e1 (max_producer_resources) ----
+
+// Storage message with one segment: count u32 | id u64 | offset u64 | size u64 | file id u64 | ...
+constexpr std::size_t storage_file_id_at = 4 + 8 + 8 + 8;
+constexpr std::uint16_t retire_files_type = 6;
+
+// A counter file retired while a received storage still uses one of its
+// slots stays open here (its descriptor and mapping, kept by the storage)
+// and counts until that storage goes: a producer announcing a fresh file for
+// each storage and retiring it at once made a consumer that keeps its
+// storages hold any number of uncounted descriptors and mappings (found in
+// review).
+TEST(hostile_producer, counter_files_kept_open_by_held_storages_count_within_the_contexts_limit) {
+  captured_exchange x({.collect_interval = 0ms, .max_producer_resources = 4});
+  auto [from, to] = connected_pair();
+  ipc::peer receiver(x.consumer, std::move(to));
+  std::vector<storage::storage> held;
+  bool hello_sent = false;
+  std::string why = "accepted";
+  for (std::uint64_t round = 1; round <= 8; ++round) {
+    auto frames = x.capture_share(8 * kib);
+    const std::uint64_t file_id = 70000 + round;
+    for (auto& f : frames) {
+      if (f.type == counter_file_type) write_at(f.payload, 0, file_id);
+      if (f.type == storage_type) write_at(f.payload, storage_file_id_at, file_id);
+      const bool hello = f.type != counter_file_type && f.type != segment_type && f.type != storage_type;
+      if (hello && std::exchange(hello_sent, true)) continue;
+      from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
+    }
+    try {
+      held.push_back(receiver.receive({}).storage);  // kept, as a consumer may
+    } catch (const protocol_error& e) {
+      why = e.what();
+      break;
+    }
+    std::vector<std::byte> retire(12);
+    write_at<std::uint32_t>(retire, 0, 1);
+    write_at<std::uint64_t>(retire, 4, file_id);
+    from.send(retire_files_type, retire);  // read with the next round's frames
+  }
+  // Each held storage keeps its counter file open (one descriptor, one
+  // mapping), besides the segment and its mapped chunk: past a limit of 4 by
+  // the third round.
+  EXPECT_NE(why.find("max_producer_resources"), std::string::npos)
+      << held.size() << " storages held, each keeping its own counter file open, under max_producer_resources = 4 ("
+      << why << ")";
+  EXPECT_LE(held.size(), 2u);
+}
+
+// A connected pair whose SO_PEERCRED names a forked child, alive while this
+// lives: what comes through it is another producer's to the consumer.
+class pair_of_another_process {
+ public:
+  pair_of_another_process() {
+    int carrier[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, carrier) != 0) throw std::runtime_error("socketpair");
+    unique_fd here(carrier[0]);
+    unique_fd there(carrier[1]);
+    child_.emplace([fd = there.get()] {
+      int sv[2];
+      if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return 1;
+      char byte = 0;
+      iovec io{&byte, 1};
+      alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
+      msghdr msg{};
+      msg.msg_iov = &io;
+      msg.msg_iovlen = 1;
+      msg.msg_control = control;
+      msg.msg_controllen = sizeof control;
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(2 * sizeof(int));
+      std::memcpy(CMSG_DATA(c), sv, sizeof sv);
+      if (::sendmsg(fd, &msg, 0) != 1) return 2;
+      for (;;) ::pause();  // killed by ~forked_child
+    });
+    there.reset();
+    char byte = 0;
+    iovec io{&byte, 1};
+    alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
+    msghdr msg{};
+    msg.msg_iov = &io;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    if (::recvmsg(here.get(), &msg, MSG_CMSG_CLOEXEC) != 1) throw std::runtime_error("recvmsg");
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    if (c == nullptr || c->cmsg_type != SCM_RIGHTS) throw std::runtime_error("no descriptors");
+    int sv[2];
+    std::memcpy(sv, CMSG_DATA(c), sizeof sv);
+    sender.emplace(channel::connection::adopt(unique_fd(sv[0]), {}, 1 << 20));
+    receiver.emplace(channel::connection::adopt(unique_fd(sv[1]), {}, 1 << 20));
+    sender->allow_peer_ring();
+    receiver->allow_peer_ring();
+  }
+  [[nodiscard]] pid_t pid() const { return child_->pid(); }
+
+  std::optional<forked_child> child_;  // first: outlives the connections
+  std::optional<channel::connection> sender, receiver;
+};
+
+// One producer's mappings that no storage uses are closed to make room for
+// another producer's announcements and storages too: with the defaults'
+// proportions (max_peer_segments announced and as many chunks mapped, 2 x
+// 16,384 = max_producer_resources), one producer whose storages were all
+// dropped kept every other producer out, its cached mappings closed only for
+// its own storages, and it never needs to retire them (found in review).
+TEST(hostile_producer, one_producers_unused_mappings_do_not_keep_another_producer_out) {
+  captured_exchange x({.collect_interval = 0ms, .max_peer_segments = 2, .max_producer_resources = 6});
+  // Producer A (this process): a counter file, two segments, a storage in
+  // each, dropped at once: 5 held, the two mappings used by nothing. B's
+  // segment and chunk fit only once those are closed.
+  auto frames = with_more_announcements(x.capture_share(8 * kib), segment_type, 1);  // ids a, a + 1000
+  channel::frame& storage = frame_of_type(frames, storage_type);
+  std::uint64_t a = 0;
+  std::memcpy(&a, storage.payload.data() + 4, 8);
+  const std::vector<std::byte> tail(storage.payload.begin() + 12, storage.payload.end());
+  rewritable_slot slot(tail, frame_of_type(frames, counter_file_type).fd.get());
+  ASSERT_TRUE(slot.mapped());
+  auto [from, to] = connected_pair();
+  ipc::peer producer_a(x.consumer, std::move(to));
+  for (auto& f : frames) {
+    if (f.type != storage_type) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
+  }
+  for (const std::uint64_t id : {a, a + 1000}) {
+    std::vector<std::byte> payload(12);
+    write_at<std::uint32_t>(payload, 0, 1);
+    write_at<std::uint64_t>(payload, 4, id);
+    payload.insert(payload.end(), tail.begin(), tail.end());
+    slot.hold_again();
+    from.send(storage_type, payload);
+    EXPECT_TRUE(producer_a.receive({}).storage.valid());  // dropped at once
+  }
+  x.dev.synchronize({});
+  ASSERT_EQ(producer_a.stats().open_mappings, 2u);
+  ASSERT_EQ(producer_a.stats().held_storages, 0u);
+
+  // Producer B, another process: its first share (a counter file, a segment, a chunk).
+  auto b_frames = x.capture_share(8 * kib);
+  pair_of_another_process b;
+  ipc::peer producer_b(x.consumer, std::move(*b.receiver));
+  ASSERT_EQ(producer_b.credentials().process.pid, b.pid()) << "not another producer's table";
+  for (const auto& f : b_frames) b.sender->send(f.type, f.payload, f.fd ? f.fd.get() : -1);
+  try {
+    EXPECT_TRUE(producer_b.receive({}).storage.valid());
+  } catch (const protocol_error& e) {
+    ADD_FAILURE() << "an honest producer was refused while another's mappings that no storage uses held the "
+                     "context's budget: "
+                  << e.what();
   }
 }
 

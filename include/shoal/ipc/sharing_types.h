@@ -97,10 +97,11 @@ struct sharing_options {
   /// default. At least 1 (invalid_argument).
   std::size_t max_mapped_bytes = std::size_t{32} << 40;
   /// Descriptors and memory mappings this context holds for all producers
-  /// together (each also within its max_peer_* limits): segments and counter
-  /// files announced, event sources opened, segment chunks mapped. Past it
-  /// an announcement is refused, and a storage once its producer's mappings
-  /// no storage uses are closed. 32,768 by default: many producers, each
+  /// together (each also within its max_peer_* limits): segments announced,
+  /// counter files (until the last storage using one goes), event sources
+  /// opened, segment chunks mapped. When it is full, the mappings no storage
+  /// uses are closed, every producer's; past that an announcement or a
+  /// storage is refused. 32,768 by default: many producers, each
   /// within its own limits, could otherwise take every descriptor of this
   /// process, or the 65,530 memory mappings Linux allows it. At least 1
   /// (invalid_argument).
