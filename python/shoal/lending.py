@@ -321,10 +321,8 @@ class Borrower:
         _checks.real_number("shoal.lending.Borrower.borrow", "timeout", timeout, "a number of seconds")
         _checks.real_number("shoal.lending.Borrower.borrow", "wait", wait, "a number of seconds", allow_none=True)
         _checks.cancel_event("shoal.lending.Borrower.borrow", cancel)
-        if not isinstance(purpose, str):
-            raise _shoal.InvalidArgumentError(
-                f"shoal.lending.Borrower.borrow: purpose must be a str of 1 to 64 printable ASCII characters, "
-                f"not {purpose!r}")
+        _checks.instance_of("shoal.lending.Borrower.borrow", "purpose", purpose, str,
+                            "a str of 1 to 64 printable ASCII characters")
         return self._native._borrow(
             self._allocator, nbytes, purpose, timeout, _FOREVER if wait is None else wait, cancel)
 

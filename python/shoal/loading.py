@@ -264,9 +264,7 @@ def load_groups(groups: Sequence[Sequence[tuple[Any, Any]]], stream: Optional[_s
 
 
 def _torch() -> Any:
-    import torch
-
-    return torch
+    return _checks.torch_module("shoal.loading")
 
 
 def _current_stream_getter(device: Any) -> Callable[[], int]:

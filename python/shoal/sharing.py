@@ -48,13 +48,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import difflib
 import json
 import math
 import numbers
 import operator
 import os
+import re
 import secrets
 import selectors
+import socket
 import threading
 import time
 import weakref
@@ -74,6 +77,26 @@ MAX_ERRORS = 64
 _MAX_DIMS = 32
 _MAX_EXTENT = 1 << 48  # elements or bytes: past any device
 _VERSION = 1
+_WAKE = object()  # the selector key of Consumer's wake-up socket
+
+
+def _check_options(caller: str, own: Sequence[str], options: dict[str, int]) -> None:
+    """The SharingContext options among a Producer's or Consumer's keywords; a name that is
+    none of them is refused naming `caller`'s own keywords too, and the nearest name."""
+    try:
+        _shoal._check_sharing_options(**options)
+    except _shoal.InvalidArgumentError as e:
+        said = str(e)
+        listed = re.search(r"unknown option (\S+) \(([^)]*)\)", said)
+        if listed is None:
+            raise
+        name, context_options = listed.group(1), listed.group(2).split(", ")
+        near = difflib.get_close_matches(name, [*own, *context_options], n=1)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        raise _shoal.InvalidArgumentError(
+            f"{caller}: unknown keyword {name}{hint} (its own: {', '.join(own)}; "
+            f"the SharingContext options: {listed.group(2)})"
+        ) from None
 _MAX_SELECT_WAIT = 3600.0  # seconds: one select's wait, so a long batch_timeout never overflows it
 _END_NOTE = json.dumps({"v": _VERSION, "end": True}, separators=(",", ":")).encode()
 _MESSAGES_PER_TURN = 256  # a producer's messages read in one turn (a batch may span turns)
@@ -322,7 +345,8 @@ class Producer:
         _checks.whole_number("shoal.sharing.Producer", "max_ahead", max_ahead, least=1, allow_none=True)
         self.max_ahead = None if max_ahead is None else operator.index(max_ahead)
         uids = _checks.uids("shoal.sharing.Producer", allowed_uids)
-        _shoal._check_sharing_options(**options)  # a misspelt option fails here, not at the first put
+        # A misspelt option fails here, not at the first put.
+        _check_options("shoal.sharing.Producer", ("allocator", "device", "allowed_uids", "max_ahead"), options)
         self._options = options
         # Both None until fixed: a Producer made without allocator= or device= chooses its
         # device at its first put (its tensors', else the putting thread's; see _fix).
@@ -637,7 +661,8 @@ class Consumer:
     default allocator (as Producer's); with neither, the current CUDA device
     in PyTorch of the thread that makes it (per thread) where this process
     initialized CUDA in PyTorch, else shoal's default device. Not for use
-    from several threads at once."""
+    from several threads at once, but for close(): another thread's, or a
+    signal handler's, ends a waiting get() or batches() with the closed error."""
 
     def __init__(
         self,
@@ -664,6 +689,8 @@ class Consumer:
         self.max_producers = max_producers
         self.batch_timeout = batch_timeout
         self.allocator = _allocator_for("shoal.sharing.Consumer", allocator, device)
+        _check_options("shoal.sharing.Consumer",
+                       ("allocator", "device", "allowed_uids", "max_producers", "batch_timeout"), options)
         self.context = _shoal.SharingContext(self.allocator, **options)
         chosen = address is None
         if address is None:
@@ -675,6 +702,16 @@ class Consumer:
                 self._listener.remove_abandoned_sockets("shoal-")
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener.fileno(), selectors.EVENT_READ, None)
+        # close() from another thread, or from a signal handler inside a get(), writes
+        # here so that the get()'s select returns at once (Python resumes a select a
+        # signal interrupted).
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._wake_writer.setblocking(False)
+        self._selector.register(self._wake_reader.fileno(), selectors.EVENT_READ, _WAKE)
+        self._call_lock = threading.RLock()  # held by get() and batches() while they run
+        self._call_thread: int | None = None  # the thread of the call in flight
+        self._torn_down = False
         self._incoming: dict[int, _Incoming] = {}
         # Producers that may have more messages waiting behind a batch just
         # returned: one readable socket can stand for several messages.
@@ -747,12 +784,31 @@ class Consumer:
         self, caller: str, timeout: float | None, stream: _shoal.Stream | None, until_ended: int | None
     ) -> Batch | None:
         """The next whole batch; None once `producers_ended` reaches
-        `until_ended` (a connection's batches come before its end)."""
+        `until_ended` (a connection's batches come before its end). A close()
+        meanwhile — another thread's, or a signal handler's in this one — ends
+        it with the closed error; the consumer is torn down once it has."""
         timeout = self._check_call(caller, timeout)
         _checks.instance_of(f"shoal.sharing.Consumer.{caller}", "stream", stream, _shoal.Stream, "a shoal.Stream",
                             allow_none=True)
+        with self._call_lock:
+            self._call_thread = threading.get_ident()
+            try:
+                return self._next_in_call(caller, timeout, stream, until_ended)
+            finally:
+                self._call_thread = None
+                if self._closed:
+                    self._tear_down()
+
+    def _closed_error(self, caller: str) -> _shoal.InvalidArgumentError:
+        return _shoal.InvalidArgumentError(f"shoal.sharing.Consumer.{caller}: the consumer is closed")
+
+    def _next_in_call(
+        self, caller: str, timeout: float | None, stream: _shoal.Stream | None, until_ended: int | None
+    ) -> Batch | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
+            if self._closed:
+                raise self._closed_error(caller)
             if until_ended is not None and self._ended >= until_ended:
                 return None
             self._drop_stalled()
@@ -764,9 +820,18 @@ class Consumer:
             try:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 started = time.monotonic()
-                ready = self._selector.select(0 if turns else self._wait_bound(left))
+                try:
+                    ready = self._selector.select(0 if turns else self._wait_bound(left))
+                except (OSError, ValueError):  # closed under it (a close that found no call in flight)
+                    if self._closed:
+                        raise self._closed_error(caller) from None
+                    raise
                 self._count_waiting(time.monotonic() - started)
+                if self._closed:
+                    raise self._closed_error(caller)
                 for key, _ in ready:
+                    if key.data is _WAKE:
+                        continue  # a close() that came to nothing: the byte stays, harmless
                     if key.data is None:
                         self._accept()
                     elif all(key.data is not turn for turn in turns):
@@ -931,14 +996,30 @@ class Consumer:
 
     def close(self) -> None:
         """Disconnects every producer and stops listening; batches received
-        stay valid."""
+        stay valid. A get() or batches() waiting in another thread ends with
+        the closed error, and close() returns once it has; called from a
+        signal handler inside this thread's get(), close() returns at once
+        and that get() ends with the closed error."""
         if self._closed:
             return
         self._closed = True
+        with contextlib.suppress(OSError):  # full or closed: a wake-up is there already
+            self._wake_writer.send(b"\0")
+        if self._call_thread == threading.get_ident():
+            return  # inside this thread's call, which tears down as it ends
+        with self._call_lock:
+            self._tear_down()
+
+    def _tear_down(self) -> None:
+        if self._torn_down:
+            return
+        self._torn_down = True
         for incoming in list(self._incoming.values()):
             self._drop(incoming)
         self._selector.close()
         self._listener.close()
+        self._wake_reader.close()
+        self._wake_writer.close()
 
     @property
     def closed(self) -> bool:

@@ -208,9 +208,7 @@ def _default_engine_allocator() -> _shoal.Allocator:
 
 
 def _as_torch(view: _shoal.ArrayView) -> Any:
-    import torch
-
-    return torch.from_dlpack(view)
+    return _checks.torch_module("shoal.transfer.Engine.get(as_torch=True)").from_dlpack(view)
 
 
 class Engine:

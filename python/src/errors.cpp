@@ -108,6 +108,7 @@ constexpr std::pair<std::string_view, std::string_view> python_names[] = {
     {"sharing_options::max_peer_mapped_bytes", "SharingContext's max_peer_mapped_bytes"},
     {"sharing_options::max_mapped_bytes", "SharingContext's max_mapped_bytes"},
     {"sharing_options::max_producer_resources", "SharingContext's max_producer_resources"},
+    {"borrower_options::observer", "Borrower(observer=True)"},
     {"cuda_device::adopt_external_stream", "Stream.from_handle"},
     {"adopt_external_stream", "Stream.from_handle"},
 };

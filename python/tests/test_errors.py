@@ -390,11 +390,13 @@ def test_shoal_torch_without_pytorch_says_it_needs_pytorch(monkeypatch):
     # or not this Python has it.
     import sys
 
+    import shoal.loading
     import shoal.torch
     monkeypatch.setitem(sys.modules, "torch", None)
     for where, call in [("shoal.torch.enable()", lambda: shoal.torch.enable()),
                         ("shoal.torch.share()", lambda: shoal.torch.share(object())),
-                        ("shoal.torch.RegionPool", lambda: shoal.torch.RegionPool(shoal.allocate(64)))]:
+                        ("shoal.torch.RegionPool", lambda: shoal.torch.RegionPool(shoal.allocate(64))),
+                        ("shoal.loading", lambda: shoal.loading.ModuleLoader(object()))]:
         with pytest.raises(ModuleNotFoundError, match=re.escape(where) + " needs PyTorch") as caught:
             call()
         assert caught.value.name == "torch"

@@ -299,8 +299,9 @@ def test_wrong_arguments_are_named(address):
         for nbytes in (1.5, "64MiB", True, None):  # of a wrong type: TypeError, as the native layer's
             with pytest.raises(TypeError, match="nbytes must be a whole number"):
                 borrower.borrow(nbytes, "x")  # type: ignore[arg-type]
-        with pytest.raises(shoal.InvalidArgumentError, match="purpose must be a str"):
-            borrower.borrow(MIB, b"x")  # type: ignore[arg-type]
+        for purpose in (b"x", 5):  # TypeError too (InvalidArgumentError, a ValueError, before)
+            with pytest.raises(TypeError, match="purpose must be a str of 1 to 64 printable ASCII characters, not"):
+                borrower.borrow(MIB, purpose)  # type: ignore[arg-type]
 
 
 def test_prepared_chunks_are_made_at_start_and_lent_with_no_device_call(address):

@@ -922,6 +922,39 @@ def test_many_producers_turns_cannot_hold_get_past_its_deadline(monkeypatch):
                 producer.close(timeout=WAIT)
 
 
+def test_a_close_from_a_signal_handler_ends_a_waiting_get_with_the_closed_error():
+    # Python resumes a select that a signal interrupted: without a wake-up, get() slept
+    # on in a closed consumer's select and then failed with a bare OSError.
+    with sharing.Consumer(allocator=HOST) as consumer:
+        previous = signal.signal(signal.SIGALRM, lambda *_: consumer.close())
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            started = time.monotonic()
+            with pytest.raises(shoal.InvalidArgumentError, match="Consumer.get: the consumer is closed"):
+                consumer.get(timeout=5)
+            assert time.monotonic() - started < 2
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert consumer.closed
+        with pytest.raises(shoal.ConnectionClosedError, match="no one listens"):
+            shoal.connect(consumer.address)  # torn down as the get() ended
+
+
+@pytest.mark.parametrize("wait", [None, 5.0])
+def test_a_close_from_another_thread_ends_a_waiting_get_with_the_closed_error(wait):
+    # Without a wake-up, a get() without a timeout waited on in a select no one would end.
+    with sharing.Consumer(allocator=HOST) as consumer:
+        closer = threading.Timer(0.2, consumer.close)
+        closer.start()
+        started = time.monotonic()
+        with pytest.raises(shoal.InvalidArgumentError, match="Consumer.batches: the consumer is closed"):
+            next(consumer.batches(producers=1, timeout=wait))
+        assert time.monotonic() - started < 2
+        closer.join(WAIT)
+        assert consumer.closed
+
+
 def test_batches_checks_its_arguments_when_called():
     with sharing.Consumer(allocator=HOST) as consumer:
         assert list(consumer.batches(producers=0)) == []
@@ -966,11 +999,23 @@ def test_the_spin_for_an_answer_after_an_import_is_an_option_in_microseconds():
         shoal.SharingContext(shoal.default_allocator(), import_answer_spin=200)  # unknown: the list names it
 
 
+def test_a_misspelt_keyword_is_refused_naming_the_nearest_one_of_the_class_or_its_context():
+    # It reached SharingContext, whose error named that class and listed its options alone.
+    with pytest.raises(shoal.InvalidArgumentError,
+                       match=r"shoal.sharing.Consumer: unknown keyword max_producer; did you mean max_producers\?"):
+        sharing.Consumer(allocator=HOST, max_producer=3)
+    with pytest.raises(shoal.InvalidArgumentError, match=r"unknown keyword ring_byte; did you mean ring_bytes\?"):
+        sharing.Consumer(allocator=HOST, ring_byte=4096)
+    with sharing.Consumer(allocator=HOST) as consumer:
+        with pytest.raises(shoal.InvalidArgumentError, match=r"Producer: unknown keyword maxahead; did you mean max_ahead"):
+            sharing.Producer(consumer.address, maxahead=2)
+
+
 def test_a_producers_options_are_checked_when_it_is_made_not_at_its_first_put():
     # Its context is made at the first put (which fixes its device): a misspelt
     # option must not wait until then to show.
     with sharing.Consumer(allocator=HOST) as consumer:
-        with pytest.raises(shoal.InvalidArgumentError, match="unknown option bogus"):
+        with pytest.raises(shoal.InvalidArgumentError, match="Producer: unknown keyword bogus .its own: allocator"):
             sharing.Producer(consumer.address, bogus=1)
         with pytest.raises(shoal.InvalidArgumentError, match="ring_bytes takes a whole number"):
             sharing.Producer(consumer.address, ring_bytes=-1)

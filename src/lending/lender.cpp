@@ -1161,7 +1161,7 @@ class lender::state {
         std::lock_guard lock(mutex_);
         left = config_.capacity_bytes - lent_bytes_;
       }
-      return no_room{std::to_string(bytes) + " bytes asked, " + std::to_string(left) +
+      return no_room{std::to_string(bytes) + " bytes asked (rounded up to whole chunks), " + std::to_string(left) +
                      " left of the lender's capacity of " + std::to_string(config_.capacity_bytes) +
                      " (after releasing the given-back memory it kept for reuse)"};
     }
@@ -1326,7 +1326,8 @@ class lender::state {
         const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(w.until - w.since).count();
         const bool cut = waited < static_cast<std::int64_t>(w.request.wait_ms);
         send_refusal(*b, w.request.request, refusal::wait_expired,
-                     std::to_string(w.bytes) + " bytes asked; waited " + std::to_string(waited) + " ms" +
+                     std::to_string(w.bytes) + " bytes asked (rounded up to whole chunks); waited " +
+                         std::to_string(waited) + " ms" +
                          (cut ? " (the lender's longest wait; " + std::to_string(w.request.wait_ms) + " asked)" : "") +
                          " and not that much was given back (" + room_left() + ")");
       });
