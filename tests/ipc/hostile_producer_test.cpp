@@ -6,7 +6,6 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/uio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -30,6 +29,7 @@
 #include "shoal/core/error.h"
 #include "shoal/ipc/sharing.h"
 #include "ipc/captured_exchange.h"
+#include "support/fd_transport.h"
 #include "support/lingering_socket.h"
 #include "support/processes.h"
 
@@ -241,41 +241,70 @@ class rewritable_slot {
   std::atomic<std::uint64_t>* word_ = nullptr;
 };
 
+// A captured share's frames replayed to a consumer peer of this process, all
+// but its storage message (and its segments' unless `with_segments`);
+// share() then sends a storage message naming any list of the announced
+// segments, its slot held again, and receives it.
+class replayed_share {
+ public:
+  replayed_share(captured_exchange& x, std::vector<channel::frame> frames, bool with_segments = true)
+      : frames_(std::move(frames)),
+        tail_(frame_of_type(frames_, storage_type).payload.begin() + 12,
+              frame_of_type(frames_, storage_type).payload.end()),
+        slot_(tail_, frame_of_type(frames_, counter_file_type).fd.get()),
+        link_(connected_pair()),
+        receiver_(x.consumer, std::move(link_.second)) {
+    std::memcpy(&first_, frame_of_type(frames_, storage_type).payload.data() + 4, 8);
+    for (auto& f : frames_) {
+      if (f.type != storage_type && (with_segments || f.type != segment_type)) send(f.type, f.payload, f.fd.get());
+    }
+  }
+  [[nodiscard]] bool ready() const noexcept { return slot_.mapped(); }
+  /// The segment the captured storage was in.
+  [[nodiscard]] std::uint64_t first_segment() const noexcept { return first_; }
+  [[nodiscard]] ipc::peer& receiver() noexcept { return receiver_; }
+  [[nodiscard]] std::vector<channel::frame>& frames() noexcept { return frames_; }
+  /// The storage message past its segment list (its offset first).
+  [[nodiscard]] std::vector<std::byte>& tail() noexcept { return tail_; }
+  void send(std::uint16_t type, const std::vector<std::byte>& payload, int fd = -1) {
+    link_.first.send(type, payload, fd);
+  }
+
+  storage::storage share(const std::vector<std::uint64_t>& ids) {
+    std::vector<std::byte> payload(4 + 8 * ids.size());
+    write_at<std::uint32_t>(payload, 0, static_cast<std::uint32_t>(ids.size()));
+    for (std::size_t i = 0; i < ids.size(); ++i) write_at(payload, 4 + 8 * i, ids[i]);
+    payload.insert(payload.end(), tail_.begin(), tail_.end());
+    slot_.hold_again();
+    send(storage_type, payload);
+    return receiver_.receive({}).storage;
+  }
+
+ private:
+  std::vector<channel::frame> frames_;
+  std::vector<std::byte> tail_;
+  rewritable_slot slot_;
+  std::pair<channel::connection, channel::connection> link_;
+  ipc::peer receiver_;
+  std::uint64_t first_ = 0;
+};
+
 // A producer that keeps naming new lists of its segments (each list its own
 // mapping, one per chunk it spans) cannot make the consumer map more than
 // max_peer_segments chunks at once: mappings no storage uses are closed to
 // make room, and past that a storage is refused.
 TEST(hostile_producer, segment_chunks_mapped_at_once_stay_within_the_limit) {
   captured_exchange x({.collect_interval = 0ms, .max_peer_segments = 3});
-  auto frames = with_more_announcements(x.capture_share(8 * kib), segment_type, 2);  // ids A, A+1000, A+2000
-  channel::frame& storage = frame_of_type(frames, storage_type);
-  std::uint64_t a = 0;
-  std::memcpy(&a, storage.payload.data() + 4, 8);
-  const std::vector<std::byte> tail(storage.payload.begin() + 12, storage.payload.end());
-  rewritable_slot slot(tail, frame_of_type(frames, counter_file_type).fd.get());
-  ASSERT_TRUE(slot.mapped());
-
-  auto [from, to] = connected_pair();
-  ipc::peer receiver(x.consumer, std::move(to));
-  for (auto& f : frames) {
-    if (f.type != storage_type) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
-  }
-  const auto share = [&](const std::vector<std::uint64_t>& ids) {
-    std::vector<std::byte> payload(4 + 8 * ids.size());
-    write_at<std::uint32_t>(payload, 0, static_cast<std::uint32_t>(ids.size()));
-    for (std::size_t i = 0; i < ids.size(); ++i) write_at(payload, 4 + 8 * i, ids[i]);
-    payload.insert(payload.end(), tail.begin(), tail.end());
-    slot.hold_again();
-    from.send(storage_type, payload);
-    return receiver.receive({}).storage;
-  };
-  for (const std::uint64_t id : {a, a + 1000, a + 2000}) EXPECT_TRUE(share({id}).valid());  // dropped at once
-  EXPECT_EQ(receiver.stats().open_mappings, 3u);
-  const storage::storage held = share({a, a + 1000});  // room made: unused mappings closed
+  replayed_share p(x, with_more_announcements(x.capture_share(8 * kib), segment_type, 2));  // ids A, A+1000, A+2000
+  ASSERT_TRUE(p.ready());
+  const std::uint64_t a = p.first_segment();
+  for (const std::uint64_t id : {a, a + 1000, a + 2000}) EXPECT_TRUE(p.share({id}).valid());  // dropped at once
+  EXPECT_EQ(p.receiver().stats().open_mappings, 3u);
+  const storage::storage held = p.share({a, a + 1000});  // room made: unused mappings closed
   EXPECT_TRUE(held.valid());
-  EXPECT_LE(receiver.stats().open_mappings, 2u);
+  EXPECT_LE(p.receiver().stats().open_mappings, 2u);
   try {
-    (void)share({a + 2000, a});  // two more chunks, with two in use: past three
+    (void)p.share({a + 2000, a});  // two more chunks, with two in use: past three
     ADD_FAILURE() << "a fourth chunk was mapped";
   } catch (const protocol_error& e) {
     EXPECT_NE(std::string(e.what()).find("max_peer_segments"), std::string::npos) << e.what();
@@ -323,53 +352,34 @@ class sparse_segments_producer {
  public:
   explicit sparse_segments_producer(
       ipc::sharing_options consumer_options = {.collect_interval = 0ms, .max_peer_mapped_bytes = 3 * gib})
-      : x_(consumer_options),
-        frames_(x_.capture_share(8 * kib)),
-        tail_(frame_of_type(frames_, storage_type).payload.begin() + 12,
-              frame_of_type(frames_, storage_type).payload.end()),
-        slot_(tail_, frame_of_type(frames_, counter_file_type).fd.get()),
-        link_(connected_pair()),
-        receiver_(x_.consumer, std::move(link_.second)) {
-    write_at<std::uint64_t>(tail_, 0, 0);  // each storage at offset 0 of its segment
-    for (auto& f : frames_) {
-      if (f.type != storage_type && f.type != segment_type) link_.first.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
-    }
+      : x_(consumer_options), share_(x_, x_.capture_share(8 * kib), /*with_segments=*/false) {
+    write_at<std::uint64_t>(share_.tail(), 0, 0);  // each storage at offset 0 of its segment
   }
-  [[nodiscard]] bool ready() const noexcept { return slot_.mapped(); }
-  [[nodiscard]] ipc::peer& receiver() noexcept { return receiver_; }
+  [[nodiscard]] bool ready() const noexcept { return share_.ready(); }
+  [[nodiscard]] ipc::peer& receiver() noexcept { return share_.receiver(); }
 
   /// Announces a new sparse 1 GiB segment and sends a storage at its start.
   storage::storage share_in_a_new_segment() {
     const unique_fd sparse = sparse_segment(gib);
-    std::vector<std::byte> announce = frame_of_type(frames_, segment_type).payload;
+    std::vector<std::byte> announce = frame_of_type(share_.frames(), segment_type).payload;
     write_at<std::uint64_t>(announce, 0, ++id_);
     write_at<std::uint64_t>(announce, segment_handle_size_at, gib);
-    link_.first.send(segment_type, announce, sparse.get());
-    std::vector<std::byte> payload(12);
-    write_at<std::uint32_t>(payload, 0, 1);
-    write_at<std::uint64_t>(payload, 4, id_);
-    payload.insert(payload.end(), tail_.begin(), tail_.end());
-    slot_.hold_again();
-    link_.first.send(storage_type, payload);
-    return receiver_.receive({}).storage;
+    share_.send(segment_type, announce, sparse.get());
+    return share_.share({id_});
   }
   /// Retires the last segment announced (read with the next message).
   void retire_the_last() {
     std::vector<std::byte> payload(12);
     write_at<std::uint32_t>(payload, 0, 1);
     write_at<std::uint64_t>(payload, 4, id_);
-    link_.first.send(retire_segments_type, payload);
+    share_.send(retire_segments_type, payload);
   }
   /// Waits for the releases of storages dropped on the default stream.
   void settle() { x_.dev.synchronize({}); }
 
  private:
   captured_exchange x_;
-  std::vector<channel::frame> frames_;
-  std::vector<std::byte> tail_;
-  rewritable_slot slot_;
-  std::pair<channel::connection, channel::connection> link_;
-  ipc::peer receiver_;
+  replayed_share share_;
   std::uint64_t id_ = 900000;
 };
 
@@ -603,40 +613,15 @@ class pair_of_another_process {
     unique_fd here(carrier[0]);
     unique_fd there(carrier[1]);
     child_.emplace([fd = there.get()] {
-      int sv[2];
-      if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) return 1;
-      char byte = 0;
-      iovec io{&byte, 1};
-      alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
-      msghdr msg{};
-      msg.msg_iov = &io;
-      msg.msg_iovlen = 1;
-      msg.msg_control = control;
-      msg.msg_controllen = sizeof control;
-      cmsghdr* c = CMSG_FIRSTHDR(&msg);
-      c->cmsg_level = SOL_SOCKET;
-      c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(2 * sizeof(int));
-      std::memcpy(CMSG_DATA(c), sv, sizeof sv);
-      if (::sendmsg(fd, &msg, 0) != 1) return 2;
+      int ends[2];
+      if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends) != 0) return 1;
+      send_message(fd, {}, ends[0]);
+      send_message(fd, {}, ends[1]);
       for (;;) ::pause();  // killed by ~forked_child
     });
     there.reset();
-    char byte = 0;
-    iovec io{&byte, 1};
-    alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &io;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    if (::recvmsg(here.get(), &msg, MSG_CMSG_CLOEXEC) != 1) throw std::runtime_error("recvmsg");
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    if (c == nullptr || c->cmsg_type != SCM_RIGHTS) throw std::runtime_error("no descriptors");
-    int sv[2];
-    std::memcpy(sv, CMSG_DATA(c), sizeof sv);
-    sender.emplace(channel::connection::adopt(unique_fd(sv[0]), {}, 1 << 20));
-    receiver.emplace(channel::connection::adopt(unique_fd(sv[1]), {}, 1 << 20));
+    sender.emplace(channel::connection::adopt(receive_message(here.get(), 0).fd, {}, 1 << 20));
+    receiver.emplace(channel::connection::adopt(receive_message(here.get(), 0).fd, {}, 1 << 20));
     sender->allow_peer_ring();
     receiver->allow_peer_ring();
   }
@@ -657,30 +642,14 @@ TEST(hostile_producer, one_producers_unused_mappings_do_not_keep_another_produce
   // Producer A (this process): a counter file, two segments, a storage in
   // each, dropped at once: 5 held, the two mappings used by nothing. B's
   // segment and chunk fit only once those are closed.
-  auto frames = with_more_announcements(x.capture_share(8 * kib), segment_type, 1);  // ids a, a + 1000
-  channel::frame& storage = frame_of_type(frames, storage_type);
-  std::uint64_t a = 0;
-  std::memcpy(&a, storage.payload.data() + 4, 8);
-  const std::vector<std::byte> tail(storage.payload.begin() + 12, storage.payload.end());
-  rewritable_slot slot(tail, frame_of_type(frames, counter_file_type).fd.get());
-  ASSERT_TRUE(slot.mapped());
-  auto [from, to] = connected_pair();
-  ipc::peer producer_a(x.consumer, std::move(to));
-  for (auto& f : frames) {
-    if (f.type != storage_type) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
-  }
-  for (const std::uint64_t id : {a, a + 1000}) {
-    std::vector<std::byte> payload(12);
-    write_at<std::uint32_t>(payload, 0, 1);
-    write_at<std::uint64_t>(payload, 4, id);
-    payload.insert(payload.end(), tail.begin(), tail.end());
-    slot.hold_again();
-    from.send(storage_type, payload);
-    EXPECT_TRUE(producer_a.receive({}).storage.valid());  // dropped at once
+  replayed_share producer_a(x, with_more_announcements(x.capture_share(8 * kib), segment_type, 1));  // A, A + 1000
+  ASSERT_TRUE(producer_a.ready());
+  for (const std::uint64_t id : {producer_a.first_segment(), producer_a.first_segment() + 1000}) {
+    EXPECT_TRUE(producer_a.share({id}).valid());  // dropped at once
   }
   x.dev.synchronize({});
-  ASSERT_EQ(producer_a.stats().open_mappings, 2u);
-  ASSERT_EQ(producer_a.stats().held_storages, 0u);
+  ASSERT_EQ(producer_a.receiver().stats().open_mappings, 2u);
+  ASSERT_EQ(producer_a.receiver().stats().held_storages, 0u);
 
   // Producer B, another process: its first share (a counter file, a segment, a chunk).
   auto b_frames = x.capture_share(8 * kib);
