@@ -831,7 +831,7 @@ class Consumer:
                     raise self._closed_error(caller)
                 for key, _ in ready:
                     if key.data is _WAKE:
-                        continue  # a close() that came to nothing: the byte stays, harmless
+                        continue  # not reached while open: close() marks it closed before it writes
                     if key.data is None:
                         self._accept()
                     elif all(key.data is not turn for turn in turns):
