@@ -87,16 +87,25 @@ TEST(hostile_producer, a_read_only_segment_descriptor_is_a_protocol_error) {
   EXPECT_NE(why.find("cannot be mapped for writing"), std::string::npos) << why;
 }
 
+// A memfd of `segment`'s size sealed against writes (a producer's segment
+// that this process cannot map for writing); empty when one cannot be made.
+unique_fd write_sealed_like(const unique_fd& segment) {
+  struct stat st {};
+  if (::fstat(segment.get(), &st) != 0) return unique_fd{};
+  unique_fd sealed(::memfd_create("write-sealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+  if (!sealed || ::ftruncate(sealed.get(), st.st_size) != 0 ||
+      ::fcntl(sealed.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE) != 0) {
+    return unique_fd{};
+  }
+  return sealed;
+}
+
 TEST(hostile_producer, a_segment_sealed_against_writes_is_a_protocol_error) {
   captured_exchange x;
   auto frames = x.capture_share(8 * kib);
   channel::frame& segment = frame_of_type(frames, segment_type);
-  struct stat st {};
-  ASSERT_EQ(::fstat(segment.fd.get(), &st), 0);
-  unique_fd sealed(::memfd_create("write-sealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  ASSERT_EQ(::ftruncate(sealed.get(), st.st_size), 0);
-  ASSERT_EQ(::fcntl(sealed.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE), 0);
-  segment.fd = std::move(sealed);
+  segment.fd = write_sealed_like(segment.fd);
+  ASSERT_TRUE(segment.fd);
   const std::string why = x.refusal_of(frames);
   EXPECT_NE(why.find("cannot be mapped for writing"), std::string::npos) << why;
 }
@@ -435,10 +444,8 @@ TEST(hostile_producer, a_mapping_that_fails_gives_its_reserved_bytes_back) {
     struct stat st {};
     ASSERT_EQ(::fstat(segment.fd.get(), &st), 0);
     ASSERT_LE(static_cast<std::size_t>(st.st_size), std::size_t{2} << 20);
-    unique_fd sealed(::memfd_create("write-sealed", MFD_CLOEXEC | MFD_ALLOW_SEALING));
-    ASSERT_EQ(::ftruncate(sealed.get(), st.st_size), 0);
-    ASSERT_EQ(::fcntl(sealed.get(), F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE), 0);
-    segment.fd = std::move(sealed);
+    segment.fd = write_sealed_like(segment.fd);
+    ASSERT_TRUE(segment.fd);
     const std::string why = x.refusal_of(frames);
     EXPECT_NE(why.find("cannot be mapped for writing"), std::string::npos) << why;
   }
