@@ -509,6 +509,17 @@ TEST(hostile_producer, resources_held_for_producers_are_given_back_as_they_go) {
   }
 }
 
+// An event source opened for a producer (a busy stream's share announces
+// one) is given back with its table too: without it, the second round below
+// would be refused.
+TEST(hostile_producer, event_sources_are_given_back_with_their_table) {
+  captured_exchange x({.collect_interval = 0ms, .max_producer_resources = 4});  // file, source, segment, chunk
+  for (int round = 0; round < 3; ++round) {
+    EXPECT_EQ(x.refusal_of(x.capture_share(8 * kib, /*busy_stream=*/true)), "accepted") << "round " << round;
+    x.dev.synchronize({});
+  }
+}
+
 // Retired mappings whose storages were dropped count too until they are
 // closed: left to the collector (here never: collect_interval 0), a producer
 // retiring each segment after its storage is dropped had twenty 1 GiB
