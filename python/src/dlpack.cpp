@@ -35,6 +35,7 @@
 #include "dlpack_abi.h"
 #include "dtype_names.h"
 #include "shoal/core/error.h"
+#include "made_elsewhere.h"
 
 namespace shoal::python {
 
@@ -384,6 +385,10 @@ void refuse_numpy_unless_readable(const storage::storage& st, bool of_view) {
                            .c_str());
 }
 
+// Calling ArrayView() names these.
+constexpr char array_view_made_by[] =
+    "shoal.ArrayView is not made by calling the class: Storage.view(dtype, shape) makes one.";
+
 void register_dlpack(nb::module_& m) {
   m.def(
       "view_dtypes",
@@ -393,7 +398,7 @@ void register_dlpack(nb::module_& m) {
         return nb::typed<nb::tuple, nb::str, nb::ellipsis>(nb::tuple(names));
       },
       "The element types a view (Storage.view, ArrayView) can have, by name.");
-  nb::class_<py_array_view>(m, "ArrayView",
+  nb::class_<py_array_view>(m, "ArrayView", made_elsewhere<array_view_made_by>(),
                             "A typed view (shape, dtype, strides, offset) of a Storage, made by "
                             "Storage.view(); "
                             "exported zero-copy through DLPack, e.g. numpy.from_dlpack(view). Immutable: usable "

@@ -26,6 +26,7 @@
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 #include "shoal/transfer/group_planner.h"
+#include "made_elsewhere.h"
 
 namespace shoal::python {
 
@@ -69,8 +70,12 @@ plan_tuple tuple_of(const transfer::group_plan& plan) {
 
 }  // namespace
 
+// Calling GroupedLoad() names these.
+constexpr char grouped_load_made_by[] =
+    "shoal.loading.GroupedLoad is not made by calling the class: shoal.loading.load_groups() makes one.";
+
 void register_grouped_load(nb::module_& m) {
-  nb::class_<py_grouped_load>(m, "GroupedLoad",
+  nb::class_<py_grouped_load>(m, "GroupedLoad", made_elsewhere<grouped_load_made_by>(),
                               "Groups of host-to-device copies enqueued on a copy stream, an event after "
                               "each group. A stream waits for group k (and so for every group before it) "
                               "with wait(k, stream).")

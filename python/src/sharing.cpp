@@ -28,6 +28,7 @@
 #include "shoal/channel/channel.h"
 #include "shoal/core/error.h"
 #include "shoal/ipc/sharing.h"
+#include "made_elsewhere.h"
 
 namespace shoal::python {
 
@@ -207,6 +208,10 @@ nb::dict holder_dict(const ipc::holder_stats& h) {
 
 }  // namespace
 
+// Calling Connection() names these.
+constexpr char connection_made_by[] =
+    "shoal.Connection is not made by calling the class: shoal.connect(address) or Listener.accept() makes one.";
+
 void register_sharing(nb::module_& m) {
   m.def(
       "runtime_dir_address", [](const std::string& name) { return text_of(channel::channel_address::in_runtime_dir(name)); },
@@ -220,7 +225,7 @@ void register_sharing(nb::module_& m) {
       "Raises what SharingContext(allocator, **options) would for these options, making nothing: "
       "shoal.sharing.Producer checks its options when made, though its context is made at its first put.");
 
-  nb::class_<py_connection>(m, "Connection",
+  nb::class_<py_connection>(m, "Connection", made_elsewhere<connection_made_by>(),
                             "A checked connection to another process (from Listener.accept or connect); "
                             "give it to Peer to share storages over it. A context manager: leaving the block (or "
                             "close()) closes a connection not given to a Peer; one given to a Peer is the Peer's. "

@@ -14,6 +14,7 @@
 #include "bindings.h"
 #include "gil.h"
 #include "shoal/core/error.h"
+#include "made_elsewhere.h"
 
 namespace shoal::python {
 
@@ -102,8 +103,12 @@ py_storage allocate_storage(const py_allocator& a, const python_int& nbytes, con
   return py_storage{storage_handle(std::move(st), a.state, std::move(streams))};
 }
 
+// Calling Storage() names these.
+constexpr char storage_made_by[] =
+    "shoal.Storage is not made by calling the class: shoal.allocate(nbytes) or Allocator.allocate(nbytes) makes one, Storage.lazy_clone() copies one, and Peer.receive() or a shoal.sharing.Consumer takes one from another process.";
+
 void register_storages(nb::module_& m) {
-  nb::class_<py_storage>(m, "Storage",
+  nb::class_<py_storage>(m, "Storage", made_elsewhere<storage_made_by>(),
                          "A reference-counted block of device memory from an "
                          "Allocator. Copies of this object "
                          "alias; lazy_clone() makes a copy-on-write clone that "

@@ -16,6 +16,7 @@
 #include "gil.h"
 #include "shoal/backend/devices.h"
 #include "shoal/core/error.h"
+#include "made_elsewhere.h"
 
 namespace shoal::python {
 
@@ -108,8 +109,12 @@ struct py_event {
   std::shared_ptr<backend::event> event;
 };
 
+// Calling Device() names these.
+constexpr char device_made_by[] =
+    "shoal.Device is not made by calling the class: shoal.default_device(), shoal.cuda_device(ordinal) or shoal.host_device() names one.";
+
 void register_streams(nb::module_& m) {
-  nb::class_<backend::device>(m, "Device",
+  nb::class_<backend::device>(m, "Device", made_elsewhere<device_made_by>(),
                               "A device: the host backend or a CUDA GPU. Lives for the whole process. Pickles as its "
                               "kind and ordinal: unpickled, it is that device of the receiving process (another GPU "
                               "there under another CUDA_VISIBLE_DEVICES; DeviceUnavailableError where it has none).")

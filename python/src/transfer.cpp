@@ -41,6 +41,7 @@
 #include "gil.h"
 #include "shoal/core/error.h"
 #include "shoal/transfer/transfer_engine.h"
+#include "made_elsewhere.h"
 
 namespace shoal::python {
 
@@ -139,8 +140,12 @@ struct py_transferred_batch {
 
 }  // namespace
 
+// Calling TransferredBatch() names these.
+constexpr char transferred_batch_made_by[] =
+    "shoal.TransferredBatch is not made by calling the class: shoal.transfer.Engine.next() hands one out.";
+
 void register_transfer(nb::module_& m) {
-  nb::class_<py_transferred_batch>(m, "TransferredBatch",
+  nb::class_<py_transferred_batch>(m, "TransferredBatch", made_elsewhere<transferred_batch_made_by>(),
                                    "One batch whose host-to-device copies are enqueued: a Storage per buffer "
                                    "submitted. wait() before using them on a stream.")
       .def_prop_ro("sequence", [](const py_transferred_batch& b) { return b.batch.sequence(); },

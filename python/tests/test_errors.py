@@ -401,3 +401,23 @@ def test_shoal_torch_without_pytorch_says_it_needs_pytorch(monkeypatch):
             call()
         assert caught.value.name == "torch"
     assert not shoal.torch.is_enabled()
+
+
+@pytest.mark.parametrize(
+    "made_elsewhere, says",
+    [
+        (shoal.Storage, "shoal.allocate(nbytes)"),
+        (shoal.ArrayView, "Storage.view(dtype, shape)"),
+        (shoal.Connection, "shoal.connect(address) or Listener.accept()"),
+        (shoal.Device, "shoal.default_device()"),
+        (shoal._shoal.GroupedLoad, "shoal.loading.load_groups()"),
+        (shoal._shoal.TransferredBatch, "shoal.transfer.Engine.next()"),
+    ],
+)
+def test_a_class_whose_objects_other_calls_make_names_those_calls_when_called(made_elsewhere, says):
+    # nanobind's own refusal says only "no constructor defined"
+    with pytest.raises(TypeError, match="is not made by calling the class") as raised:
+        made_elsewhere()
+    assert says in str(raised.value)
+    with pytest.raises(TypeError, match="is not made by calling the class"):
+        made_elsewhere(1, keyword=2)
