@@ -7,7 +7,6 @@
 #pragma once
 
 #include <atomic>
-#include <cassert>
 #include <cstddef>
 #include <memory>
 #include <mutex>
@@ -44,10 +43,20 @@ struct context_holdings {
   return true;
 }
 
+/// True in Debug builds and in builds with SHOAL_CHECK_INVARIANTS (the
+/// sanitizer builds): a give_back of more than was reserved ends the process.
+[[nodiscard]] bool holdings_checked() noexcept;
+
+/// A give_back of more than was reserved: a bug in this layer's counting,
+/// never a peer's doing. Ends the process with a message where
+/// holdings_checked(); elsewhere the count wraps, and the context then
+/// refuses every share past its limits (nothing unsafe, but nothing shared).
+void gave_back_more_than_reserved(std::size_t reserved, std::size_t given_back) noexcept;
+
 /// Takes back `n` reserved before.
 inline void give_back(std::atomic<std::size_t>& count, std::size_t n) noexcept {
-  [[maybe_unused]] const std::size_t before = count.fetch_sub(n, std::memory_order_relaxed);
-  assert(before >= n && "gave back more than was reserved");
+  const std::size_t before = count.fetch_sub(n, std::memory_order_relaxed);
+  if (before < n) [[unlikely]] gave_back_more_than_reserved(before, n);
 }
 
 /// `n` reserved in `count`, given back at scope exit unless kept.
