@@ -554,7 +554,7 @@ class SharingContext:
 
     def stats(self) -> dict:
         """
-        Counters as a dict: limbo_blocks/bytes, held_slots, counter_files, exported_segments, storages_sent, limbo_freed, slots_reclaimed.
+        Counters as a dict: limbo_blocks/bytes, held_slots, counter_files, exported_segments, storages_sent, limbo_freed, slots_reclaimed; and what it holds for the producers it receives from, all together: producers_mapped_bytes (within max_mapped_bytes) and producer_resources (descriptors and mappings, within max_producer_resources).
         """
 
     def holders(self) -> list:

@@ -387,10 +387,14 @@ void register_sharing(nb::module_& m) {
             d["storages_sent"] = s.storages_sent;
             d["limbo_freed"] = s.limbo_freed;
             d["slots_reclaimed"] = s.slots_reclaimed;
+            d["producers_mapped_bytes"] = s.producers_mapped_bytes;
+            d["producer_resources"] = s.producer_resources;
             return d;
           },
           "Counters as a dict: limbo_blocks/bytes, held_slots, counter_files, exported_segments, "
-          "storages_sent, limbo_freed, slots_reclaimed.")
+          "storages_sent, limbo_freed, slots_reclaimed; and what it holds for the producers it receives from, "
+          "all together: producers_mapped_bytes (within max_mapped_bytes) and producer_resources (descriptors and "
+          "mappings, within max_producer_resources).")
       .def(
           "holders",
           [](const py_sharing_context& c) {

@@ -1390,6 +1390,26 @@ def test_a_producer_past_the_sharing_bounds_is_refused_naming_the_option_to_rais
         shoal.SharingContext(HOST, **{option: 0})
 
 
+def test_a_contexts_stats_show_what_it_holds_for_producers_until_they_go():
+    producer = shoal.SharingContext(HOST, collect_interval_ms=0)
+    consumer = shoal.SharingContext(HOST, collect_interval_ms=0)
+    assert consumer.stats()["producer_resources"] == 0 and consumer.stats()["producers_mapped_bytes"] == 0
+    with shoal.Listener(shoal.runtime_dir_address(f"held-stats-{os.getpid()}.sock")) as listener:
+        sender = shoal.Peer(producer, shoal.connect(listener.address))
+        receiver = shoal.Peer(consumer, listener.accept(timeout=WAIT))
+        with sender, receiver:
+            sender.send(HOST.allocate(64))  # in a segment of 2 MiB
+            got = receiver.receive(timeout=WAIT)
+            held = consumer.stats()
+            assert held["producer_resources"] == 3  # the counter file, the segment, its mapping
+            assert held["producers_mapped_bytes"] >= 64
+            del got
+    deadline = time.monotonic() + WAIT
+    while consumer.stats()["producer_resources"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert consumer.stats()["producer_resources"] == 0 and consumer.stats()["producers_mapped_bytes"] == 0
+
+
 def test_a_storage_one_producer_sent_another_producer_of_its_allocator_sends_too():
     # One process sending the same weights to two consumers, each through a Producer of its
     # own, and again to a consumer that restarted after the first Producer closed.

@@ -401,6 +401,8 @@ sharing_stats producer_state::stats() const {
   }
   std::lock_guard lock(exports_mutex_);
   s.exported_segments = exports_.size();
+  s.producers_mapped_bytes = held_for_producers->mapped_bytes.load(std::memory_order_relaxed);
+  s.producer_resources = held_for_producers->resources.load(std::memory_order_relaxed);
   return s;
 }
 

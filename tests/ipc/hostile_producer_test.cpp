@@ -509,6 +509,24 @@ TEST(hostile_producer, resources_held_for_producers_are_given_back_as_they_go) {
   }
 }
 
+// The context's stats show what it holds for producers, all together, and
+// none of it once they went.
+TEST(hostile_producer, the_contexts_stats_count_what_it_holds_for_producers_until_they_go) {
+  captured_exchange x({.collect_interval = 0ms});
+  EXPECT_EQ(x.consumer.stats().producer_resources, 0u);
+  EXPECT_EQ(x.consumer.stats().producers_mapped_bytes, 0u);
+  {
+    const ipc::received got = x.replay(x.capture_share(8 * kib));
+    ASSERT_TRUE(got.storage.valid());
+    const ipc::sharing_stats held = x.consumer.stats();
+    EXPECT_EQ(held.producer_resources, 3u);  // the counter file, the segment, its chunk mapped
+    EXPECT_GE(held.producers_mapped_bytes, 8 * kib);
+  }
+  x.dev.synchronize({});  // the storage's release, and with it the table, has gone
+  EXPECT_EQ(x.consumer.stats().producer_resources, 0u);
+  EXPECT_EQ(x.consumer.stats().producers_mapped_bytes, 0u);
+}
+
 // An event source opened for a producer (a busy stream's share announces
 // one) is given back with its table too: without it, the second round below
 // would be refused.

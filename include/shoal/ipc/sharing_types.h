@@ -131,6 +131,12 @@ struct sharing_stats {
   std::uint64_t storages_sent = 0;
   std::uint64_t limbo_freed = 0;        ///< limbo blocks freed so far
   std::uint64_t slots_reclaimed = 0;    ///< references of dead holders taken back
+  /// What this context holds for the producers it receives from, all of them
+  /// together: their segment chunks mapped here, in bytes (within
+  /// max_mapped_bytes), and the descriptors and mappings counted against
+  /// max_producer_resources.
+  std::size_t producers_mapped_bytes = 0;
+  std::size_t producer_resources = 0;
 };
 
 /// One process holding references to this context's memory, or connected to
