@@ -210,11 +210,14 @@ void consumer_state::add_counter_file(const counter_file_message& m, unique_fd f
   // after the producer retires it (a producer retiring a file per storage
   // would otherwise keep uncounted descriptors and mappings here, found in review).
   auto file = std::make_unique<counter_file>(counter_file::open(std::move(fd), m.slots));
+  // From here the deleter owns the count, however the file goes: a shared_ptr
+  // that cannot allocate its control block calls it too, as does a map node
+  // refused (kept after them, the count was given back twice: found in review).
+  reserved.keep();
   files_.emplace(m.file_id, std::shared_ptr<counter_file>(file.release(), [held = held_](counter_file* f) {
                    delete f;
                    give_back(held->resources, 1);
                  }));
-  reserved.keep();
 }
 
 void consumer_state::add_segment(segment_message m) {

@@ -32,6 +32,7 @@
 #include "support/fd_transport.h"
 #include "support/lingering_socket.h"
 #include "support/processes.h"
+#include "support/refused_allocations.h"
 
 namespace shoal::testing {
 namespace {
@@ -525,6 +526,35 @@ TEST(hostile_producer, the_contexts_stats_count_what_it_holds_for_producers_unti
   x.dev.synchronize({});  // the storage's release, and with it the table, has gone
   EXPECT_EQ(x.consumer.stats().producer_resources, 0u);
   EXPECT_EQ(x.consumer.stats().producers_mapped_bytes, 0u);
+}
+
+// Host memory refused anywhere in a receive leaves the context's count
+// whole: each allocation of the receive is refused in turn, and once the
+// table is gone the count is back at 0. A counter file's slot given back
+// twice (its deleter and its reservation both, when the shared_ptr or the
+// map node could not be allocated) ended a checking build and wrapped the
+// count elsewhere (found in review).
+TEST(hostile_producer, host_memory_refused_in_a_receive_gives_back_each_count_once) {
+  captured_exchange x({.collect_interval = 0ms});
+  const auto frames = x.capture_share(8 * kib);
+  bool refused = true;
+  for (int nth = 1; refused && nth < 500; ++nth) {
+    {
+      auto [from, to] = connected_pair();
+      ipc::peer receiver(x.consumer, std::move(to));
+      for (const auto& f : frames) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
+      testing::refusing_one_allocation refusal(nth, [] {});
+      try {
+        (void)receiver.receive({});
+      } catch (const std::exception&) {  // std::bad_alloc, or the error it became
+      }
+      refused = refusal.refused();
+    }
+    x.dev.synchronize({});  // a received storage's release, and with it the table, has gone
+    ASSERT_EQ(x.consumer.stats().producer_resources, 0u) << "allocation " << nth << " refused";
+    ASSERT_EQ(x.consumer.stats().producers_mapped_bytes, 0u) << "allocation " << nth << " refused";
+  }
+  EXPECT_FALSE(refused) << "the receive kept allocating";
 }
 
 // An event source opened for a producer (a busy stream's share announces
