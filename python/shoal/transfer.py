@@ -35,7 +35,9 @@ from typing import Any, Callable, Optional, Union
 
 from . import _checks, _device_defaults, _shoal
 
-__all__ = ["Engine", "MAX_ARRAYS_PER_BATCH", "MAX_NESTING"]
+__all__ = ["Engine", "TransferredBatch", "MAX_ARRAYS_PER_BATCH", "MAX_NESTING"]
+
+TransferredBatch = _shoal.TransferredBatch  # what Engine.next() hands out
 
 MAX_NESTING = 32
 MAX_ARRAYS_PER_BATCH = 4096  # arrays in one batch, those with no elements included
@@ -346,7 +348,7 @@ class Engine:
             read.wait()
         return submitted
 
-    def next(self, timeout: Optional[float] = None) -> _shoal.TransferredBatch:
+    def next(self, timeout: Optional[float] = None) -> TransferredBatch:
         """The next batch as the engine hands it out (storages and ready state), without waiting
         on a stream. Errors and Ctrl-C as ``get``."""
         timeout = _checks.timeout_seconds("shoal.transfer.Engine.next", timeout)

@@ -142,7 +142,7 @@ struct py_transferred_batch {
 
 // Calling TransferredBatch() names these.
 constexpr char transferred_batch_made_by[] =
-    "shoal.TransferredBatch is not made by calling the class: shoal.transfer.Engine.next() hands one out.";
+    "shoal.transfer.TransferredBatch is not made by calling the class: shoal.transfer.Engine.next() hands one out.";
 
 void register_transfer(nb::module_& m) {
   nb::class_<py_transferred_batch>(m, "TransferredBatch", made_elsewhere<transferred_batch_made_by>(),
@@ -175,7 +175,7 @@ void register_transfer(nb::module_& m) {
       .def("ready", [](const py_transferred_batch& b) { return b.batch.is_ready(); },
            "True once the batch's copies have run.")
       .def("__repr__", [](const py_transferred_batch& b) {
-        return "shoal.TransferredBatch(sequence=" + std::to_string(b.batch.sequence()) + ", " +
+        return "shoal.transfer.TransferredBatch(sequence=" + std::to_string(b.batch.sequence()) + ", " +
                std::to_string(b.batch.storages().size()) + " storages" + (b.batch.is_ready() ? ", ready" : "") + ")";
       });
 

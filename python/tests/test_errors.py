@@ -10,6 +10,7 @@ import re
 import pytest
 
 import shoal
+import shoal.transfer
 
 MAPPING = [
     ("error", shoal.ShoalError, RuntimeError),
@@ -411,7 +412,7 @@ def test_shoal_torch_without_pytorch_says_it_needs_pytorch(monkeypatch):
         (shoal.Connection, "shoal.connect(address) or Listener.accept()"),
         (shoal.Device, "shoal.default_device()"),
         (shoal._shoal.GroupedLoad, "shoal.loading.load_groups()"),
-        (shoal._shoal.TransferredBatch, "shoal.transfer.Engine.next()"),
+        (shoal.transfer.TransferredBatch, "shoal.transfer.Engine.next()"),
     ],
 )
 def test_a_class_whose_objects_other_calls_make_names_those_calls_when_called(made_elsewhere, says):
