@@ -75,12 +75,19 @@ struct captured_exchange {
     return frames;
   }
 
-  /// Replays `frames` to a fresh consumer peer and receives once.
-  ipc::received replay(const std::vector<channel::frame>& frames) {
+  /// Replays `frames` to a fresh consumer peer, then returns `receive(peer)`
+  /// (the peer goes when it returns).
+  template <typename Receive>
+  auto replay_then(const std::vector<channel::frame>& frames, Receive receive) {
     auto [from, to] = connected_pair();
     ipc::peer receiver(consumer, std::move(to));
     for (const auto& f : frames) from.send(f.type, f.payload, f.fd ? f.fd.get() : -1);
-    return receiver.receive({});
+    return receive(receiver);
+  }
+
+  /// Replays `frames` to a fresh consumer peer and receives once.
+  ipc::received replay(const std::vector<channel::frame>& frames) {
+    return replay_then(frames, [](ipc::peer& receiver) { return receiver.receive({}); });
   }
 
   /// The protocol error a replay of `frames` ends in, or "accepted".
