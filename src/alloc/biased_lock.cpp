@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/library_checks.h"
+
 namespace shoal::alloc::detail {
 
 namespace {
@@ -19,13 +21,8 @@ namespace {
 constexpr std::uint32_t last_threshold = std::uint32_t{1} << 20;
 constexpr std::int64_t quiet_ns = std::chrono::nanoseconds(biased_lock::quiet_interval).count();
 
-// Checked in Debug builds and with SHOAL_CHECK_INVARIANTS (the sanitizer
-// builds, which define NDEBUG), as the allocator's other invariants are.
-#if defined(SHOAL_CHECK_INVARIANTS) || !defined(NDEBUG)
-constexpr bool check_use = true;
-#else
-constexpr bool check_use = false;
-#endif
+// Checked where the library checks itself (core/library_checks.h).
+constexpr bool check_use = shoal::detail::library_checks_on;
 
 // A misuse is a bug in the library's own locking, never a caller's doing:
 // going on would hang, or let a hold be given back that nobody had.

@@ -19,20 +19,16 @@
 #include <thread>
 
 #include "core/fork_epoch.h"
+#include "core/library_checks.h"
 
 namespace shoal::detail {
 
 namespace {
 
-// The list of turns' own checks run in Debug builds and in builds with
-// SHOAL_CHECK_INVARIANTS (the sanitizer builds, which define NDEBUG): a
-// breach is a bug in this file, never a caller's or a peer's doing, and going
-// on would follow a pointer into an owner already erased.
-#if defined(SHOAL_CHECK_INVARIANTS) || !defined(NDEBUG)
-constexpr bool check_turns = true;
-#else
-constexpr bool check_turns = false;
-#endif
+// The list of turns' own checks (core/library_checks.h): a breach is a bug
+// in this file, and going on would follow a pointer into an owner already
+// erased.
+constexpr bool check_turns = library_checks_on;
 
 void check_turns_invariant(bool holds, const char* invariant) noexcept {
   if (!check_turns || holds) return;

@@ -3,15 +3,11 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "core/library_checks.h"
+
 namespace shoal::ipc::detail {
 
-bool holdings_checked() noexcept {
-#if defined(SHOAL_CHECK_INVARIANTS) || !defined(NDEBUG)
-  return true;
-#else
-  return false;
-#endif
-}
+bool holdings_checked() noexcept { return shoal::detail::library_checks_on; }
 
 void gave_back_more_than_reserved(std::size_t reserved, std::size_t given_back) noexcept {
   if (!holdings_checked()) return;

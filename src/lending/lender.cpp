@@ -25,6 +25,7 @@
 #include "core/deadline.h"
 #include "core/descriptor_limit.h"
 #include "core/fork_epoch.h"
+#include "core/library_checks.h"
 #include "lending/automatic_spin.h"
 #include "lending/lendable_memory.h"
 #include "lending/messages.h"
@@ -53,13 +54,8 @@ constexpr std::chrono::milliseconds orphan_check_interval{50};
 
 // The lender's books (each connection's held and kept counts against the
 // regions and spares that name it) are checked after every turn of its loop
-// in Debug builds and in builds with SHOAL_CHECK_INVARIANTS (the sanitizer
-// builds, which define NDEBUG).
-#if defined(SHOAL_CHECK_INVARIANTS) || !defined(NDEBUG)
-constexpr bool check_books_each_turn = true;
-#else
-constexpr bool check_books_each_turn = false;
-#endif
+// where the library checks itself (core/library_checks.h).
+constexpr bool check_books_each_turn = shoal::detail::library_checks_on;
 constexpr std::size_t orphan_lookups_per_check = 64;
 // The longest peer_timeout taken.
 constexpr std::chrono::milliseconds longest_peer_timeout = std::chrono::hours(24);
