@@ -236,6 +236,7 @@ def allocator(device: Any = None) -> _shoal.Allocator:
     """The :class:`shoal.Allocator` PyTorch allocates from on ``device``
     (default: the current CUDA device): its ``stats()``, ``snapshot()`` and
     ``trace()`` in shoal's own layout."""
+    _checks.torch_module("shoal.torch.allocator()")  # without PyTorch, "enable() first" would mislead
     _require_enabled()
     return _shoal._torch_allocator(_device_index(device))
 

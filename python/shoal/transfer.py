@@ -382,8 +382,8 @@ class Engine:
         A call that raises delivers no batch and loses none: one it had taken (Ctrl-C as the
         batch came, ``as_torch`` refused by torch) is the next ``get``'s or ``next``'s.
         """
-        if as_torch:
-            import torch  # noqa: F401 (before a batch is taken: without torch it stays queued)
+        if as_torch:  # before a batch is taken: without torch it stays queued
+            _checks.torch_module("shoal.transfer.Engine.get(as_torch=True)")
         # Checked before a batch is taken: a refusal leaves it queued.
         _checks.instance_of("shoal.transfer.Engine.get", "stream", stream, _shoal.Stream, "a shoal.Stream",
                             allow_none=True, hint=" (shoal.Stream.from_handle adopts another library's stream)")

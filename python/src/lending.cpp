@@ -560,8 +560,9 @@ void register_lending(nb::module_& m) {
             }
             if (const long others = storage.handle.get().handles() - 1; others > 0) {
               throw invalid_argument("shoal.lending.Borrower.publish: " + std::to_string(others) +
-                                     " other handles of the region (views, DLPack exports, tensors) are alive; drop "
-                                     "them first: publishing unmaps the writable mapping under them");
+                                     (others == 1 ? " other handle of the region (a view, DLPack export or tensor) is"
+                                                  : " other handles of the region (views, DLPack exports, tensors) are") +
+                                     " alive; drop them first: publishing unmaps the writable mapping under them");
             }
             auto layout = layout_of(entries, "shoal.lending.Borrower.publish");
             const auto& region = owner->region();

@@ -124,7 +124,8 @@ namespace {
   throw device_unavailable("caching_allocator::allocate(" + std::to_string(bytes) +
                            " bytes): this allocator was made in the parent process, and this is a fork() child; its "
                            "blocks are the parent's. Start child processes with spawn or forkserver, or make the "
-                           "allocator (and open its device) only after fork()");
+                           "allocator, and the process's first use of its device, only after fork() (from Python: "
+                           "the first shoal call, which makes the default allocator)");
 }
 
 }  // namespace
@@ -274,7 +275,10 @@ block* allocator_core::allocate_slow(block_pool& pool, const request& r) {
         std::vector<backend::event_ref> waits;
         {
           std::lock_guard lock(p.lock);
-          if (&p == &pool) seal_awaiting(p, device, events_);  // the asking stream's only (awaiting_frees.h)
+          // The asking stream's pools, both size classes (awaiting_frees.h): a
+          // small block's free awaiting in the other would otherwise stay
+          // held, and its segment reserved, however long this waits.
+          if (&p == &pool || &p == pool.sibling) seal_awaiting(p, device, events_);
           for (block* b : p.pending) waits.insert(waits.end(), b->waits.begin(), b->waits.end());
         }
         for (auto e : waits) device.synchronize_event(e);  // without the lock: this may take long

@@ -31,9 +31,14 @@ void seal_awaiting(block_pool& pool, backend::device& device, event_pool& events
   backend::event_ref e{};
   try {
     e = events.take();
+  } catch (...) {
+    pool.sealed.pop_back();
+    throw;
+  }
+  try {
     device.record(e, pool.stream);
   } catch (...) {
-    if (e.native != nullptr) events.give_back(e);
+    events.give_back(e);
     pool.sealed.pop_back();
     throw;
   }

@@ -60,6 +60,7 @@ transfer_engine::batch_copier::batch_copier(alloc::caching_allocator& device_all
       stream_(stream),
       chunk_bytes_(config.staging_chunk_bytes),
       pinned_(device_allocator.device(), staging_config(config)),
+      staging_frees_(pinned_, stream),
       queue_depth_(config.max_batches_in_flight),
       queue_bytes_(config.max_bytes_in_flight),
       stores_(store_kind_of(config.staging_stores)),
@@ -98,6 +99,11 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
   // would be let go of while the copy is queued.
   std::vector<std::shared_ptr<const void>> read_directly;
   read_directly.reserve(kept_sources);
+  // Per batch: a copy was enqueued straight from a pinned buffer the caller
+  // keeps valid (no keep_alive) "until the batch is ready". A failed batch
+  // is never ready, and its caller takes the buffer back at the error, so
+  // such a batch is reported failed only once those copies have run.
+  std::vector<char> reads_callers_memory(jobs.size(), 0);
   std::list<held_sources> held_entry(1);
   std::list<queued_group> queued_entry(1);
   {
@@ -108,7 +114,7 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
     // that should anything below throw, the pack's end enqueues its run
     // before they go.
     std::vector<std::vector<storage::storage>> per_batch(jobs.size());
-    staging_pack pack(pinned_, stream_, chunk_bytes_, packed_bytes, jobs.size(), memcpy_, stores_);
+    staging_pack pack(pinned_, staging_frees_, stream_, chunk_bytes_, packed_bytes, jobs.size(), memcpy_, stores_);
     // The block the storages are parts of: the group's, or each batch's own.
     const void* group_block = targets.empty() ? nullptr : targets.front().data();
     std::size_t first_target = 0;
@@ -117,15 +123,17 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
       outcome o{j.sequence, j.bytes(), nullptr, nullptr, nullptr};  // the tag: the engine's, set after
       const std::size_t first = first_target;
       first_target += j.buffers.size();
+      bool reads = false;  // set by transfer as it goes, a throw midway included
       try {
         if (!targets.empty()) {
           const auto from = targets.begin() + static_cast<std::ptrdiff_t>(first);
           per_batch[i].assign(from, from + static_cast<std::ptrdiff_t>(j.buffers.size()));
         }
-        o.batch = transfer(j, i, per_batch[i], group_block, ready, pack, read_directly);
+        o.batch = transfer(j, i, per_batch[i], group_block, ready, pack, read_directly, reads);
       } catch (...) {
         o.error = std::current_exception();
       }
+      reads_callers_memory[i] = reads;
       outcomes.push_back(std::move(o));
     }
     pack.give_back();  // the last run's copy enqueued, the last block given back after it
@@ -150,6 +158,7 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
       o.batch = nullptr;
     }
     hold_until_now(std::move(read_directly));
+    if (std::ranges::find(reads_callers_memory, 1) != reads_callers_memory.end()) wait_for_copies(nullptr);
     return outcomes;
   }
   if (!read_directly.empty()) {
@@ -160,7 +169,24 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
   queued_.splice(queued_.end(), queued_entry);
   queued_batches_ += jobs.size();
   queued_bytes_ += group_bytes;
+  for (std::size_t i = 0; i < jobs.size(); ++i) {
+    if (outcomes[i].error && reads_callers_memory[i]) {
+      wait_for_copies(ready);
+      break;
+    }
+  }
   return outcomes;
+}
+
+void transfer_engine::batch_copier::wait_for_copies(const std::shared_ptr<backend::event>& done) noexcept {
+  try {
+    if (done) {
+      done->synchronize();
+    } else {
+      device_.synchronize(stream_);
+    }
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a failed stream reads nothing more
+  }
 }
 
 // The engine thread runs ahead of its stream by no more than queue_depth_
@@ -203,7 +229,7 @@ std::vector<storage::storage> transfer_engine::batch_copier::batch_targets(const
 std::shared_ptr<const transferred_batch::state> transfer_engine::batch_copier::transfer(
     job& j, std::size_t index, std::vector<storage::storage>& targets, const void* block,
     const std::shared_ptr<backend::event>& ready, staging_pack& pack,
-    std::vector<std::shared_ptr<const void>>& read_directly) {
+    std::vector<std::shared_ptr<const void>>& read_directly, bool& reads_callers_memory) {
   auto batch = std::make_shared<transferred_batch::state>();
   batch->sequence = j.sequence;
   batch->device = &device_;
@@ -218,7 +244,11 @@ std::shared_ptr<const transferred_batch::state> transfer_engine::batch_copier::t
     if (source.pinned) {
       device_.copy(stream_, dst, source.data, source.bytes);
       copies_.fetch_add(1, std::memory_order_relaxed);
-      if (source.keep_alive) read_directly.push_back(std::move(source.keep_alive));
+      if (source.keep_alive) {
+        read_directly.push_back(std::move(source.keep_alive));
+      } else {
+        reads_callers_memory = true;
+      }
     } else {
       if (staging_pack::takes(source.bytes, chunk_bytes_)) {
         pack.stage(dst, block, source, index);
@@ -242,16 +272,17 @@ void transfer_engine::batch_copier::stage_in_chunks(void* dst, const host_buffer
     const std::size_t n = std::min(chunk_bytes_, source.bytes - offset);
     // Handed out only once the copy that last read it has run (the pinned
     // allocator's rule); past max_pinned_bytes it waits for such a copy.
+    staging_frees_.retry();  // a block whose free was refused is the ring's again first
     void* staging = pinned_.allocate(n, stream_);
-    memcpy_.copy(staging, from + offset, n, stores_);
     try {
+      memcpy_.copy(staging, from + offset, n, stores_);
       device_.copy(stream_, to + offset, staging, n);
       copies_.fetch_add(1, std::memory_order_relaxed);
     } catch (...) {
-      pinned_.deallocate(staging, stream_);
+      staging_frees_.free(staging);
       throw;
     }
-    pinned_.deallocate(staging, stream_);
+    staging_frees_.free(staging);
   }
 }
 
@@ -271,9 +302,10 @@ void transfer_engine::batch_copier::hold_until_now(std::vector<std::shared_ptr<c
 }
 
 bool transfer_engine::batch_copier::release_finished() noexcept {
+  const bool staging_kept = staging_frees_.retry();
   try {
     while (!held_.empty() && held_.front().done->query()) held_.pop_front();
-    return !held_.empty();
+    return !held_.empty() || staging_kept;
   } catch (...) {
     // The event cannot be queried: the stream failed (CUDA reports an
     // earlier asynchronous failure so). As in release_all: once the stream
@@ -286,7 +318,7 @@ bool transfer_engine::batch_copier::release_finished() noexcept {
     } catch (...) {  // NOLINT(bugprone-empty-catch): a failed stream reads nothing more
     }
     held_.clear();
-    return false;
+    return staging_kept;
   }
 }
 
@@ -298,6 +330,7 @@ void transfer_engine::batch_copier::release_all() noexcept {
   held_.clear();
   queued_.clear();
   queued_batches_ = queued_bytes_ = 0;
+  staging_frees_.retry();  // the last chance before the staging allocator goes with the copier
 }
 
 }  // namespace shoal::transfer

@@ -23,6 +23,7 @@
 #include "shoal/storage/storage.h"
 #include "transfer/batch_state.h"
 #include "transfer/parallel_memcpy.h"
+#include "transfer/staging_frees.h"
 
 namespace shoal::transfer {
 
@@ -46,7 +47,9 @@ class transfer_engine::batch_copier {
   /// order (a part, with its group's block), its sources are held until the
   /// group's copies have run.
   std::vector<outcome> copy(std::span<job> jobs);
-  /// Lets go of the sources whose copies have run. True while some remain.
+  /// Lets go of the sources whose copies have run, and frees again the
+  /// staging blocks whose frees the host refused. True while some of either
+  /// remain (the engine's thread then looks again soon).
   /// An event that cannot be queried (a failed stream) counts as done, as
   /// in release_all: this runs in the engine thread's noexcept loop.
   bool release_finished() noexcept;
@@ -80,16 +83,22 @@ class transfer_engine::batch_copier {
   // bytes enqueued or joined to the pack's run, `targets` moved into the
   // batch returned. Sources read directly go to `read_directly` (room
   // reserved: nothing throws once a copy is enqueued), kept until the
-  // group's copies have run.
+  // group's copies have run; `reads_callers_memory` is set once a copy is
+  // enqueued straight from a pinned buffer with no keep_alive.
   std::shared_ptr<const transferred_batch::state> transfer(job& j, std::size_t index,
                                                            std::vector<storage::storage>& targets, const void* block,
                                                            const std::shared_ptr<backend::event>& ready,
                                                            staging_pack& pack,
-                                                           std::vector<std::shared_ptr<const void>>& read_directly);
+                                                           std::vector<std::shared_ptr<const void>>& read_directly,
+                                                           bool& reads_callers_memory);
   void stage_in_chunks(void* dst, const host_buffer& source);
   // Waits until `batches` more batches of `bytes` in all fit in the
   // stream's queue.
   void make_room(std::size_t batches, std::size_t bytes);
+  // Waits until the work enqueued on the stream so far has run (`done`,
+  // recorded last, when there is one): a failed batch that read its
+  // caller's memory directly is reported only after that.
+  void wait_for_copies(const std::shared_ptr<backend::event>& done) noexcept;
   // Holds `sources` until the work enqueued on the stream so far has run.
   void hold_until_now(std::vector<std::shared_ptr<const void>> sources) noexcept;
 
@@ -98,6 +107,7 @@ class transfer_engine::batch_copier {
   const backend::stream_ref stream_;
   const std::size_t chunk_bytes_;
   alloc::caching_allocator pinned_;
+  staging_frees staging_frees_;  // after pinned_: it frees into it
   // Lists, not deques: a group's entries are made before its first copy is
   // enqueued and spliced in after its last (splicing cannot throw), so no
   // source is let go of for want of memory while a copy reads it.

@@ -4,10 +4,11 @@
 
 namespace shoal::transfer {
 
-staging_pack::staging_pack(alloc::caching_allocator& pinned, backend::stream_ref stream, std::size_t block_bytes,
-                           std::size_t total_bytes, std::size_t batches, parallel_memcpy& memcpy,
-                           store_kind stores)
+staging_pack::staging_pack(alloc::caching_allocator& pinned, staging_frees& frees, backend::stream_ref stream,
+                           std::size_t block_bytes, std::size_t total_bytes, std::size_t batches,
+                           parallel_memcpy& memcpy, store_kind stores)
     : pinned_(pinned),
+      frees_(frees),
       device_(pinned.device()),
       stream_(stream),
       block_bytes_(block_bytes),
@@ -31,6 +32,7 @@ void staging_pack::stage(void* dst, const void* dst_block, host_buffer& source, 
     // Handed out only once the copies that last read it have run (the
     // pinned allocator's rule); past max_pinned_bytes it waits for them.
     const std::size_t capacity = std::clamp(still_to_stage_, needed, block_bytes_);
+    frees_.retry();  // a block whose free was refused is the ring's again first
     block_ = static_cast<std::byte*>(pinned_.allocate(capacity, stream_));
     capacity_ = capacity;
   }
@@ -88,10 +90,7 @@ void staging_pack::flush() noexcept {
 void staging_pack::give_back() noexcept {
   flush();
   if (block_ == nullptr) return;
-  try {
-    pinned_.deallocate(block_, stream_);
-  } catch (...) {  // NOLINT(bugprone-empty-catch): a block the allocator refuses stays with it until it is destroyed
-  }
+  frees_.free(block_);  // after the run's copy, in stream order; kept to free again if refused
   block_ = nullptr;
   capacity_ = used_ = 0;
 }

@@ -36,6 +36,7 @@
 #include "shoal/storage/storage.h"
 #include "shoal/transfer/transfer_engine.h"
 #include "transfer/parallel_memcpy.h"
+#include "transfer/staging_frees.h"
 
 namespace shoal::transfer {
 
@@ -53,9 +54,11 @@ class staging_pack {
   /// footprint of every buffer the group will stage here (it sizes the
   /// blocks: the last one is no larger than what is left); `batches`: how
   /// many batches the group holds (their indices, 0 to batches - 1, name
-  /// the owners of buffers in stage and error).
-  staging_pack(alloc::caching_allocator& pinned, backend::stream_ref stream, std::size_t block_bytes,
-               std::size_t total_bytes, std::size_t batches, parallel_memcpy& memcpy, store_kind stores);
+  /// the owners of buffers in stage and error). Blocks go back to `pinned`
+  /// through `frees` (on `stream`).
+  staging_pack(alloc::caching_allocator& pinned, staging_frees& frees, backend::stream_ref stream,
+               std::size_t block_bytes, std::size_t total_bytes, std::size_t batches, parallel_memcpy& memcpy,
+               store_kind stores);
   /// Gives the current block back (after the run's copy).
   ~staging_pack();
   staging_pack(const staging_pack&) = delete;
@@ -84,6 +87,7 @@ class staging_pack {
 
  private:
   alloc::caching_allocator& pinned_;
+  staging_frees& frees_;
   backend::device& device_;
   const backend::stream_ref stream_;
   const std::size_t block_bytes_;

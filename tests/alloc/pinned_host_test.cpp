@@ -246,6 +246,27 @@ TYPED_TEST(pinned_host_allocator, the_limit_bounds_the_footprint_and_allocation_
   dev.synchronize(s);
 }
 
+// A small block's free awaits its shared event in the small pool; a large
+// block of the same stream at the limit needs that pool's segment back, so
+// its wait seals and waits for the other size class's awaiting frees too
+// (the transfer engine's ring of one chunk: a packed batch, then a chunked one).
+TYPED_TEST(pinned_host_allocator, at_the_limit_a_large_block_waits_for_the_small_pools_awaiting_frees_too) {
+  auto& dev = this->device();
+  alloc::caching_allocator a(dev, pinned("memory_limit_mb:4"));
+  stream s(dev);
+  device_buffer dst(dev, 300 * kib);
+  void* small = a.allocate(300 * kib, s);
+  dev.delay(s, 100ms);
+  dev.copy(s, dst.ptr, small, 300 * kib);
+  a.deallocate(small, s);  // awaiting: under 1 MiB and 16 frees, no event yet
+  ASSERT_EQ(a.stats().reserved_bytes.aggregate.current, std::int64_t{2 * mib}) << "the small pool's segment";
+  void* large = nullptr;
+  EXPECT_NO_THROW(large = a.allocate(4 * mib, s)) << "the small pool's free stayed awaiting, its segment reserved";
+  EXPECT_LE(a.stats().reserved_bytes.aggregate.peak, std::int64_t{4 * mib});
+  if (large != nullptr) a.deallocate(large, s);
+  dev.synchronize(s);
+}
+
 // A staging ring at its limit: the next block needs only the oldest copy to
 // have run. Waiting for every pending copy instead would drain the stream
 // each time the ring wraps, and the CPU's staging would stop overlapping the

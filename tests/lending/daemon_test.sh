@@ -219,6 +219,13 @@ refused "quota: '1' is 1 bytes.*smallest accepted value is 2MiB" --config "$dir/
 echo 'capacity = 1e-10' > "$dir/bad.toml"
 refused "capacity: '1e-10' is [0-9]* bytes, less than one chunk" --config "$dir/bad.toml"
 refused "quota_per_uid" --quota-per-uid 0
+# Without a GPU (or without the CUDA backend in this build), a CUDA device is
+# refused with the daemon's own way to the host backend: the flag.
+if ! nvidia-smi > /dev/null 2>&1; then
+  timeout 10 "$shoal" daemon --socket "$dir/c.sock" --device cuda:0 > /dev/null 2> "$dir/log" &&
+    fail "--device cuda:0 served without a GPU"
+  grep -q -- "for the daemon: --device host" "$dir/log" || fail "--device cuda:0 without a GPU did not name --device host"
+fi
 # A size with a unit is whole: 1.5GiB was refused as a bad fraction, which misled.
 refused "capacity: '1.5GiB' is not a size: a number with a unit is whole (write 1536MiB)" --capacity 1.5GiB
 echo 'quota = "0.5KiB"' > "$dir/bad.toml"

@@ -240,16 +240,22 @@ void daemon_settings::read_file(const std::string& path) {
 }
 
 backend::device& daemon_settings::resolve_device() const {
-  if (device == "default") return backend::default_device();
   if (device == "host") return backend::host_device_instance();
-  if (device == "cuda") return backend::cuda_device_instance(0);
-  if (device.rfind("cuda:", 0) == 0) {
-    int ordinal = -1;
-    const auto* first = device.data() + 5;
-    const auto [end, ec] = std::from_chars(first, device.data() + device.size(), ordinal);
-    if (ec == std::errc() && end == device.data() + device.size() && ordinal >= 0) {
-      return backend::cuda_device_instance(ordinal);
+  try {
+    if (device == "default") return backend::default_device();
+    if (device == "cuda") return backend::cuda_device_instance(0);
+    if (device.rfind("cuda:", 0) == 0) {
+      int ordinal = -1;
+      const auto* first = device.data() + 5;
+      const auto [end, ec] = std::from_chars(first, device.data() + device.size(), ordinal);
+      if (ec == std::errc() && end == device.data() + device.size() && ordinal >= 0) {
+        return backend::cuda_device_instance(ordinal);
+      }
     }
+  } catch (const device_unavailable& e) {
+    // The device layer's advice names the environment variable; the daemon's
+    // own setting is the flag (or the TOML key).
+    throw device_unavailable(std::string(e.what()) + " (for the daemon: --device host, or device = \"host\")");
   }
   throw invalid_argument("device: '" + device + "' is not default, host, cuda or cuda:N");
 }

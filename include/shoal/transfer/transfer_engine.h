@@ -174,7 +174,10 @@ struct host_buffer {
   /// staged.
   bool pinned = false;
   /// Keeps the memory valid while the engine needs it. May be null when the
-  /// caller keeps the memory valid until the batch is ready.
+  /// caller keeps the memory valid until the batch is ready; a batch that
+  /// fails is reported (next, take) only once every copy it enqueued
+  /// straight from such pinned memory has run, so its caller may reuse the
+  /// memory at the error.
   std::shared_ptr<const void> keep_alive;
 };
 
