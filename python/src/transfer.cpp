@@ -297,7 +297,14 @@ void register_transfer(nb::module_& m) {
               e.undelivered.pop_front();
               return;
             }
-            into.append(item);
+            try {
+              into.append(item);
+            } catch (...) {
+              // No memory for the list's room: the batch is the next call's, first (a
+              // keep refused too raises its own MemoryError, the batch lost with it).
+              e.keep_undelivered(sequence, std::move(item));
+              throw;
+            }
           },
           nb::arg("into"), nb::arg("timeout").none() = nb::none(),
           "Appends (batch, layout) to ``into``: the next batch in submission order once its copies are "

@@ -396,6 +396,7 @@ def test_shoal_torch_without_pytorch_says_it_needs_pytorch(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     for where, call in [("shoal.torch.enable()", lambda: shoal.torch.enable()),
                         ("shoal.torch.share()", lambda: shoal.torch.share(object())),
+                        ("shoal.torch.allocator()", lambda: shoal.torch.memory_stats()),
                         ("shoal.torch.RegionPool", lambda: shoal.torch.RegionPool(shoal.allocate(64))),
                         ("shoal.loading", lambda: shoal.loading.ModuleLoader(object()))]:
         with pytest.raises(ModuleNotFoundError, match=re.escape(where) + " needs PyTorch") as caught:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -221,15 +222,11 @@ def test_empty_arrays_come_back_as_empty_torch_tensors():
     assert torch.equal(out["x"].cpu(), torch.ones(3))
 
 
-def test_a_batch_asked_for_as_torch_without_torch_stays_queued(engine):
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("torch is installed")
+def test_a_batch_asked_for_as_torch_without_torch_stays_queued(engine, monkeypatch):
+    # None in sys.modules makes `import torch` fail as a missing PyTorch does.
+    monkeypatch.setitem(sys.modules, "torch", None)
     engine.submit([numpy.ones(3, "float32")])
-    with pytest.raises(ImportError):
+    with pytest.raises(ModuleNotFoundError, match=re.escape("Engine.get(as_torch=True) needs PyTorch")):
         engine.get(timeout=10, as_torch=True)
     assert host_copy(engine.get(timeout=10)[0]).tolist() == [1.0, 1.0, 1.0]
 
