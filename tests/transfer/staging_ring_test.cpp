@@ -1,16 +1,14 @@
-// The staging ring at its smallest and under refusals (transfer_engine.h:
-// "a buffer of any size can be staged"; host_buffer::keep_alive): a ring of
-// one chunk stages a buffer larger than a chunk after a small one, a staging
-// block whose free the host refused goes back to the ring, and a failed
-// batch that read a caller's pinned memory directly is reported only once
-// that copy has run. On both backends.
+// The staging ring at its smallest (transfer_engine.h: "a buffer of any size
+// can be staged"): a ring of one chunk stages a buffer larger than a chunk
+// after a small one; and a failed batch that read a caller's pinned memory
+// directly, with no keep_alive, is reported only once that copy has run
+// (host_buffer::keep_alive). On both backends; a staging block whose free
+// the host refused: transfer_engine_host_failures_test.cpp.
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <thread>
 #include <vector>
 
@@ -19,7 +17,7 @@
 #include "shoal/transfer/transfer_engine.h"
 #include "support/backends.h"
 #include "support/forwarding_device.h"
-#include "support/refused_allocations.h"
+#include "support/host_buffers.h"
 
 namespace shoal::testing {
 namespace {
@@ -29,11 +27,6 @@ using backend::stream;
 using transfer::host_buffer;
 using transfer::transfer_engine;
 constexpr std::size_t kib = 1024, mib = kib * kib;
-
-host_buffer pageable(std::size_t bytes, std::uint8_t value) {
-  auto data = std::make_shared<std::vector<std::uint8_t>>(bytes, value);
-  return host_buffer{data->data(), bytes, false, data};
-}
 
 template <class Backend>
 using staging_ring = backend_test<Backend>;
@@ -99,53 +92,6 @@ TYPED_TEST(staging_ring, random_mixes_of_small_and_chunked_buffers_stage_through
   }
 }
 
-// Refuses the engine thread's first heap allocation after it copies a whole
-// staging chunk: the free of that chunk's staging block (a pinned free takes
-// its place among the pending frees).
-class refusing_after_chunk_device : public forwarding_device {
- public:
-  refusing_after_chunk_device(backend::device& target, std::size_t chunk) : forwarding_device(target), chunk_(chunk) {}
-  void copy(backend::stream_ref s, void* dst, const void* src, std::size_t bytes) override {
-    forwarding_device::copy(s, dst, src, bytes);
-    if (bytes == chunk_ && armed_.exchange(false)) refusal_.emplace(1, [] {});
-  }
-  void record(backend::event_ref event, backend::stream_ref s) override {
-    if (refusal_ && refusal_->refused()) refused_ = true;
-    refusal_.reset();
-    forwarding_device::record(event, s);
-  }
-  void arm() { armed_ = true; }
-  [[nodiscard]] bool refused() const { return refused_; }
-
- private:
-  const std::size_t chunk_;
-  std::atomic<bool> armed_{false}, refused_{false};
-  static thread_local std::optional<refusing_one_allocation> refusal_;
-};
-thread_local std::optional<refusing_one_allocation> refusing_after_chunk_device::refusal_;
-
-TYPED_TEST(staging_ring, a_staging_block_whose_free_the_host_refused_goes_back_to_the_ring) {
-  refusing_after_chunk_device dev(this->device(), 4 * mib);
-  stream copy_stream(dev);
-  alloc::caching_allocator a(dev, {});
-  transfer_engine engine(a, copy_stream.ref(), {.max_pinned_bytes = 4 * mib, .staging_chunk_bytes = 4 * mib});
-  dev.arm();
-  engine.submit({pageable(8 * mib, 1)});
-  engine.next(10s).synchronize();  // the second chunk's block: the first's, freed again before it is taken
-  ASSERT_TRUE(dev.refused()) << "the test refused no free: it shows nothing";
-  // No batch in flight: the block whose free was refused is back with the
-  // allocator (the engine's thread frees it again as it waits).
-  const auto deadline = std::chrono::steady_clock::now() + 10s;
-  while (engine.stats().pinned.allocations.aggregate.current != 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(1ms);
-  }
-  EXPECT_EQ(engine.stats().pinned.allocations.aggregate.current, 0) << "a staging block stayed allocated";
-  for (int i = 0; i < 3; ++i) {  // a ring of one chunk: each fails with out_of_memory if the block was lost
-    engine.submit({pageable(8 * mib, 2)});
-    EXPECT_NO_THROW(engine.next(10s).synchronize());
-  }
-}
-
 // Fails every copy of exactly `fail_bytes` bytes.
 class failing_size_device : public forwarding_device {
  public:
@@ -160,43 +106,45 @@ class failing_size_device : public forwarding_device {
   const std::size_t fail_bytes_;
 };
 
+// Submits a batch of a pinned buffer (kept alive by the engine or not) and
+// a buffer whose copy fails, behind 300 ms of work on the engine's stream;
+// true when the engine's stream was still busy as next() reported the
+// failure (the pinned buffer's copy still queued).
+template <class Test>
+bool queued_when_the_failure_is_reported(Test& test, bool kept_alive) {
+  constexpr std::size_t failing = 12345;
+  failing_size_device dev(test.device(), failing);
+  stream copy_stream(dev);
+  alloc::caching_allocator a(dev, {});
+  void* pinned = dev.allocate_pinned_host(64 * kib);
+  std::shared_ptr<const void> owner;
+  if (kept_alive) owner.reset(pinned, [&dev](const void* p) { dev.free_pinned_host(const_cast<void*>(p)); });
+  bool queued = false;
+  {
+    transfer_engine engine(a, copy_stream.ref());
+    dev.delay(engine.stream(), 300ms);  // the pinned buffer's copy runs late
+    engine.submit({host_buffer{pinned, 64 * kib, true, std::move(owner)}, pageable(failing, 1)});
+    EXPECT_THROW((void)engine.next(10s), backend_error);
+    queued = !dev.query(engine.stream());
+  }
+  if (!kept_alive) dev.free_pinned_host(pinned);
+  return queued;
+}
+
 // A pinned buffer given without keep_alive is the caller's to keep valid
 // "until the batch is ready"; a failed batch is never ready, so its failure
 // is reported only once the copy reading the buffer has run: the caller may
 // free the buffer at the error.
 TYPED_TEST(staging_ring, a_failed_batch_is_reported_once_its_copy_from_the_callers_pinned_memory_has_run) {
-  constexpr std::size_t failing = 12345;
-  failing_size_device dev(this->device(), failing);
-  stream copy_stream(dev);
-  alloc::caching_allocator a(dev, {});
-  void* pinned = dev.allocate_pinned_host(64 * kib);
-  {
-    transfer_engine engine(a, copy_stream.ref());
-    dev.delay(engine.stream(), 300ms);  // the pinned buffer's copy runs late
-    engine.submit({host_buffer{pinned, 64 * kib, true, nullptr}, pageable(failing, 1)});
-    EXPECT_THROW((void)engine.next(10s), backend_error);
-    EXPECT_TRUE(dev.query(engine.stream())) << "the failure came while the copy reading the caller's buffer was queued";
-  }
-  dev.free_pinned_host(pinned);
+  EXPECT_FALSE(queued_when_the_failure_is_reported(*this, false))
+      << "the failure came while the copy reading the caller's buffer was queued";
 }
 
 // The control: a buffer with keep_alive is held by the engine until its copy
 // has run, so the failure is reported at once, the copy still queued (the
 // wait above is the engine's, not a side effect of reporting a failure).
 TYPED_TEST(staging_ring, a_failed_batch_whose_pinned_buffer_is_kept_alive_is_reported_at_once) {
-  constexpr std::size_t failing = 12345;
-  failing_size_device dev(this->device(), failing);
-  stream copy_stream(dev);
-  alloc::caching_allocator a(dev, {});
-  void* pinned = dev.allocate_pinned_host(64 * kib);
-  std::shared_ptr<const void> owner(pinned, [&dev](const void* p) { dev.free_pinned_host(const_cast<void*>(p)); });
-  {
-    transfer_engine engine(a, copy_stream.ref());
-    dev.delay(engine.stream(), 300ms);
-    engine.submit({host_buffer{pinned, 64 * kib, true, std::move(owner)}, pageable(failing, 1)});
-    EXPECT_THROW((void)engine.next(10s), backend_error);
-    EXPECT_FALSE(dev.query(engine.stream())) << "the engine waited for a copy whose source it holds";
-  }
+  EXPECT_TRUE(queued_when_the_failure_is_reported(*this, true)) << "the engine waited for a copy whose source it holds";
 }
 
 }  // namespace

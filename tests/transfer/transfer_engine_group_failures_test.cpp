@@ -20,6 +20,7 @@
 #include "shoal/transfer/transfer_engine.h"
 #include "support/backends.h"
 #include "support/forwarding_device.h"
+#include "support/host_buffers.h"
 
 namespace shoal::testing {
 namespace {
@@ -103,10 +104,6 @@ class transfer_engine_group_failures : public backend_test<Backend> {
     });
     return host_buffer{p, bytes, true, std::move(keep)};
   }
-  static host_buffer pageable(std::size_t bytes, std::uint8_t value) {
-    auto data = std::make_shared<std::vector<std::uint8_t>>(bytes, value);
-    return host_buffer{data->data(), bytes, false, data};
-  }
   /// The bytes of `batch`'s first storage, read on `s` (which must outlive
   /// the batch's free: the read is recorded on its storages).
   std::vector<std::uint8_t> read(const transfer::transferred_batch& batch, std::size_t bytes, backend::stream_ref s) {
@@ -182,8 +179,8 @@ TYPED_TEST(transfer_engine_group_failures, a_failed_packed_copy_fails_every_batc
     transfer_engine engine(a, copy_stream.ref());
     engine.submit({this->pinned(holder_bytes, 0x11)});
     dev.wait_until_held();
-    engine.submit({this->pageable(1000, 0x21)});
-    engine.submit({this->pageable(3000, 0x22)});
+    engine.submit({pageable(1000, 0x21)});
+    engine.submit({pageable(3000, 0x22)});
     engine.submit({this->pinned(8 * kib, 0x23)});
     dev.let_go();
     (void)engine.next(10s);  // the holder

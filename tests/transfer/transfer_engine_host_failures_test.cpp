@@ -22,6 +22,7 @@
 #include "shoal/transfer/transfer_engine.h"
 #include "support/backends.h"
 #include "support/forwarding_device.h"
+#include "support/host_buffers.h"
 #include "support/refused_allocations.h"
 #include "support/refused_threads.h"
 
@@ -61,15 +62,16 @@ TYPED_TEST(transfer_engine_host_failures, an_engine_thread_that_cannot_be_starte
 }
 
 // Refuses the engine thread's next heap allocation once it has enqueued a
-// copy, until it records the group's ready event: from the first copy
-// enqueued on, nothing may throw before the sources read directly are held.
+// copy (of `bytes` bytes, when arm names a size), until it records the
+// group's ready event: from the first copy enqueued on, nothing may throw
+// before the sources read directly are held.
 class refusing_after_copy_device : public forwarding_device {
  public:
   using forwarding_device::forwarding_device;
 
   void copy(backend::stream_ref s, void* dst, const void* src, std::size_t bytes) override {
     forwarding_device::copy(s, dst, src, bytes);
-    if (arm_.exchange(false)) refusal_.emplace(1, [] {});
+    if ((copy_bytes_ == 0 || bytes == copy_bytes_) && arm_.exchange(false)) refusal_.emplace(1, [] {});
   }
   void record(backend::event_ref event, backend::stream_ref s) override {
     if (refusal_ && refusal_->refused()) refused_ = true;
@@ -77,10 +79,14 @@ class refusing_after_copy_device : public forwarding_device {
     forwarding_device::record(event, s);
   }
 
-  void arm() { arm_ = true; }
+  void arm(std::size_t copy_bytes = 0) {
+    copy_bytes_ = copy_bytes;
+    arm_ = true;
+  }
   [[nodiscard]] bool refused() const { return refused_; }
 
  private:
+  std::atomic<std::size_t> copy_bytes_{0};
   std::atomic<bool> arm_{false}, refused_{false};
   static thread_local std::optional<refusing_one_allocation> refusal_;  // the engine thread's
 };
@@ -277,6 +283,32 @@ TYPED_TEST(transfer_engine_host_failures, batches_with_no_room_for_one_outcome_s
   EXPECT_EQ(after.batches_failed, before.batches_failed);
   EXPECT_EQ(after.in_flight, 0u);
   EXPECT_FALSE(engine.try_next().has_value()) << "a batch was delivered twice";
+}
+
+// A staging block's free takes host memory (its place among the pinned
+// allocator's pending frees); refused, the block is freed again later rather
+// than kept from a ring of one chunk for the engine's life.
+TYPED_TEST(transfer_engine_host_failures, a_staging_block_whose_free_the_host_refused_goes_back_to_the_ring) {
+  constexpr std::size_t mib = kib * kib;
+  refusing_after_copy_device dev(this->device());
+  stream copy_stream(dev);
+  alloc::caching_allocator a(dev, {});
+  transfer_engine engine(a, copy_stream.ref(), {.max_pinned_bytes = 4 * mib, .staging_chunk_bytes = 4 * mib});
+  dev.arm(4 * mib);  // the first chunk's copy: the allocation after it is the chunk's free
+  engine.submit({pageable(8 * mib, 1)});
+  engine.next(10s).synchronize();  // the second chunk's block: the first's, freed again before it is taken
+  ASSERT_TRUE(dev.refused()) << "the test refused no free: it shows nothing";
+  // No batch in flight: the block whose free was refused is back with the
+  // allocator (the engine's thread frees it again as it waits).
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (engine.stats().pinned.allocations.aggregate.current != 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+  }
+  EXPECT_EQ(engine.stats().pinned.allocations.aggregate.current, 0) << "a staging block stayed allocated";
+  for (int i = 0; i < 3; ++i) {  // a ring of one chunk: each fails with out_of_memory if the block was lost
+    engine.submit({pageable(8 * mib, 2)});
+    EXPECT_NO_THROW(engine.next(10s).synchronize());
+  }
 }
 
 }  // namespace

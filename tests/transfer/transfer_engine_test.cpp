@@ -19,6 +19,7 @@
 
 #include "shoal/core/error.h"
 #include "support/backends.h"
+#include "support/host_buffers.h"
 
 namespace shoal::testing {
 namespace {
@@ -29,12 +30,6 @@ using transfer::host_buffer;
 using transfer::transfer_config;
 using transfer::transfer_engine;
 constexpr std::size_t kib = 1024, mib = kib * kib;
-
-// A pageable host buffer of `bytes` bytes, each `value`, that the engine holds.
-host_buffer pageable(std::size_t bytes, std::uint8_t value) {
-  auto data = std::make_shared<std::vector<std::uint8_t>>(bytes, value);
-  return host_buffer{data->data(), bytes, false, data};
-}
 
 std::uint8_t pattern(std::uint64_t i) { return static_cast<std::uint8_t>(0x10 + i % 200); }
 
