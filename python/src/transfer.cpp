@@ -102,6 +102,11 @@ struct py_transfer_engine {
   // (TransferredBatch, layout)). Read and written with the GIL held only,
   // never released in between; close() empties it.
   std::deque<std::pair<std::uint64_t, nb::object>> undelivered;
+  // A batch taken whose (TransferredBatch, layout) could not be made (no
+  // memory for the Python objects): the next call makes it and puts it with
+  // the undelivered ones before it takes another, so there is one at most.
+  // Kept without allocating (moved in). GIL held, as undelivered.
+  std::optional<transfer_engine::taken_batch> unmade;
 
   /// Keeps `item`, a (TransferredBatch, layout) of batch `sequence`, for the next next().
   void keep_undelivered(std::uint64_t sequence, nb::object item) {
@@ -138,6 +143,29 @@ struct py_transferred_batch {
   transfer::transferred_batch batch;
 };
 
+// Test hook (_refuse_transfer_results): how many more results next() makes,
+// and appends of one to the caller's list, fail with MemoryError, as when
+// Python has no memory left. The GIL guards them.
+int refused_results = 0;
+int refused_appends = 0;
+
+[[noreturn]] void refused_by_the_test() {
+  PyErr_NoMemory();
+  throw nb::python_error();
+}
+
+/// The (TransferredBatch, layout) next() appends for `taken`, a batch that
+/// was transferred. The batch is copied (a value shared by its copies): when
+/// the Python objects cannot be made, `taken` still holds it.
+nb::object result_of(const py_transfer_engine& e, const transfer_engine::taken_batch& taken) {
+  if (refused_results > 0) {
+    --refused_results;
+    refused_by_the_test();
+  }
+  return nb::make_tuple(py_transferred_batch{e.allocator, stream_keeper::for_handles(), *taken.batch},
+                        layout_of(taken.tag));
+}
+
 }  // namespace
 
 // Calling TransferredBatch() names these.
@@ -145,6 +173,15 @@ constexpr char transferred_batch_made_by[] =
     "shoal.transfer.TransferredBatch is not made by calling the class: shoal.transfer.Engine.next() hands one out.";
 
 void register_transfer(nb::module_& m) {
+  m.def(
+      "_refuse_transfer_results",
+      [](int results, int appends) {
+        refused_results = results;
+        refused_appends = appends;
+      },
+      nb::arg("results"), nb::arg("appends"),
+      "Test hook: the next `results` (batch, layout) results shoal.transfer.Engine's next() makes, and the "
+      "next `appends` appends of one to its list, fail with MemoryError, as when Python has no memory left.");
   nb::class_<py_transferred_batch>(m, "TransferredBatch", made_elsewhere<transferred_batch_made_by>(),
                                    "One batch whose host-to-device copies are enqueued: a Storage per buffer "
                                    "submitted. wait() before using them on a stream.")
@@ -253,6 +290,11 @@ void register_transfer(nb::module_& m) {
           [](py_transfer_engine& e, nb::list into, std::optional<double> timeout) {
             const auto until = until_of(timeout, "shoal.transfer.Engine (get, next)");
             const auto engine = e.engine.enter();
+            if (e.unmade) {  // an earlier call's batch first; still unmade, it stays for the next
+              const std::uint64_t unmade_sequence = e.unmade->batch->sequence();
+              e.keep_undelivered(unmade_sequence, result_of(e, *e.unmade));
+              e.unmade.reset();
+            }
             const auto put_back = [&] { return !e.undelivered.empty(); };
             // No wait when a batch was put back (one an interrupted call took); one that another
             // thread puts back meanwhile ends the wait at the slice's end.
@@ -280,7 +322,12 @@ void register_transfer(nb::module_& m) {
             std::uint64_t sequence = 0;
             if (taken) {
               sequence = taken->batch->sequence();
-              item = nb::make_tuple(py_transferred_batch{e.allocator, stream_keeper::for_handles(), std::move(*taken->batch)}, layout_of(taken->tag));
+              try {
+                item = result_of(e, *taken);
+              } catch (...) {
+                e.unmade = std::move(*taken);  // delivered by the next call, first
+                throw;
+              }
             }
             if (item && put_back()) {
               // Put back by another thread as this slice took a later batch: that one goes first,
@@ -298,6 +345,10 @@ void register_transfer(nb::module_& m) {
               return;
             }
             try {
+              if (refused_appends > 0) {
+                --refused_appends;
+                refused_by_the_test();
+              }
               into.append(item);
             } catch (...) {
               // No memory for the list's room: the batch is the next call's, first (a
@@ -331,7 +382,7 @@ void register_transfer(nb::module_& m) {
           "waiting",
           [](const py_transfer_engine& e) {
             const auto engine = e.engine.enter();
-            return stats_without_gil(engine->engine).in_flight + e.undelivered.size();
+            return stats_without_gil(engine->engine).in_flight + e.undelivered.size() + (e.unmade ? 1 : 0);
           },
           "Batches submitted and not yet delivered: in flight in the engine, and put back (a snapshot: "
           "while another thread's next() moves a batch from one to the other it may count it twice).")
@@ -368,6 +419,8 @@ void register_transfer(nb::module_& m) {
             // raises (Ctrl-C while it waits for the copies).
             const auto dropped = std::move(e.undelivered);
             e.undelivered.clear();
+            const auto dropped_unmade = std::move(e.unmade);
+            e.unmade.reset();
             e.engine.close();
           },
            "Ends the waits of other threads' submit() and next() (InvalidArgumentError), finishes the batches "

@@ -670,6 +670,28 @@ def test_ctrl_c_as_get_takes_a_batch_loses_no_batch_and_keeps_each_layout(engine
     del first, second
 
 
+@pytest.mark.parametrize("refused", ["results", "appends"])
+def test_a_batch_taken_when_python_has_no_memory_is_the_next_gets(engine, refused):
+    # A test hook refuses the memory for get()'s (batch, layout), or for its append to the
+    # list the native call fills, as a Python out of memory would: MemoryError, and the batch
+    # taken is the next get()'s, in order, with its layout.
+    engine.submit({"first": numpy.full((4,), 1, "int32")})
+    engine.submit([numpy.full((8,), 2, "uint8")])
+    shoal._shoal._refuse_transfer_results(results=int(refused == "results"), appends=int(refused == "appends"))
+    try:
+        with pytest.raises(MemoryError):
+            engine.get(timeout=10)
+    finally:
+        shoal._shoal._refuse_transfer_results(results=0, appends=0)
+    assert engine._engine.waiting == 2, "the batch taken as the memory ran out was not kept"
+    first = engine.get(timeout=10)
+    assert list(first) == ["first"], "the next get() skipped the batch taken as the memory ran out"
+    numpy.testing.assert_array_equal(host_copy(first["first"]), numpy.full((4,), 1, "int32"))
+    second = engine.get(timeout=10)
+    numpy.testing.assert_array_equal(host_copy(second[0]), numpy.full((8,), 2, "uint8"))
+    del first, second
+
+
 def test_a_real_signal_while_get_waits_loses_no_batch(engine):
     # A signal whose handler raises (as Ctrl-C's does) arrives while get() waits, and the
     # batch a moment later: mostly within the same wait slice, so the native call takes the
