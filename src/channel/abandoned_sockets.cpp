@@ -10,8 +10,12 @@
 #include <optional>
 #include <string>
 
-#include "channel/private_directory.h"
+// The public header in a block of its own, first: its hidden forward
+// declarations must come before the definitions private_directory.h brings
+// (an attribute after a definition is ignored, with a warning).
 #include "shoal/channel/channel.h"
+
+#include "channel/private_directory.h"
 #include "shoal/core/error.h"
 
 namespace shoal::channel {

@@ -52,19 +52,12 @@
 #include "shoal/core/process_identity.h"
 #include "shoal/core/unique_fd.h"
 
-// The library's own types the API names, declared before the push below:
-// hidden in the library's translation units (its default), whichever comes
-// first there, this or their definition (an attribute here would be ignored,
-// with a warning, after a definition).
-namespace shoal::detail {
-class fork_released_socket;
-}  // namespace shoal::detail
-namespace shoal::channel::detail {
-class private_directory;
-}  // namespace shoal::channel::detail
-
 // The public API: exported from a shared libshoal (the library's own code is hidden).
 #pragma GCC visibility push(default)
+
+namespace shoal::detail {
+class __attribute__((visibility("hidden"))) fork_released_socket;  // hidden: the library's own
+}  // namespace shoal::detail
 
 namespace shoal::channel {
 
@@ -171,6 +164,9 @@ struct frame {
 };
 
 class listener;
+namespace detail {
+class __attribute__((visibility("hidden"))) private_directory;  // hidden: the library's own
+}  // namespace detail
 
 /// One end of a connected channel.
 ///
