@@ -680,6 +680,11 @@ def _torch_allocator(device: int) -> Allocator:
     The Allocator PyTorch allocates from on CUDA device `device` (made on first use).
     """
 
+def _refuse_transfer_results(results: int, appends: int) -> None:
+    """
+    Test hook: the next `results` (batch, layout) results shoal.transfer.Engine's next() makes, and the next `appends` appends of one to its list, fail with MemoryError, as when Python has no memory left.
+    """
+
 class TransferredBatch:
     """
     One batch whose host-to-device copies are enqueued: a Storage per buffer submitted. wait() before using them on a stream.
