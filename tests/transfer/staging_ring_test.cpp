@@ -6,6 +6,7 @@
 // the host refused: transfer_engine_host_failures_test.cpp.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -92,7 +93,8 @@ TYPED_TEST(staging_ring, random_mixes_of_small_and_chunked_buffers_stage_through
   }
 }
 
-// Fails every copy of exactly `fail_bytes` bytes.
+// Fails every copy of exactly `fail_bytes` bytes, and every event record
+// while `fail_records` is set.
 class failing_size_device : public forwarding_device {
  public:
   failing_size_device(backend::device& target, std::size_t fail_bytes)
@@ -101,17 +103,25 @@ class failing_size_device : public forwarding_device {
     if (bytes == fail_bytes_) throw backend_error("copy", "refused by the test");
     forwarding_device::copy(s, dst, src, bytes);
   }
+  void record(backend::event_ref event, backend::stream_ref s) override {
+    if (fail_records) throw backend_error("event record", "refused by the test");
+    forwarding_device::record(event, s);
+  }
+  std::atomic<bool> fail_records{false};
 
  private:
   const std::size_t fail_bytes_;
 };
 
-// Submits a batch of a pinned buffer (kept alive by the engine or not) and
-// a buffer whose copy fails, behind 300 ms of work on the engine's stream;
-// true when the engine's stream was still busy as next() reported the
-// failure (the pinned buffer's copy still queued).
+// What fails the batch: another buffer's copy, or the group's ready event.
+enum class failing_step { copy, ready_event };
+
+// Submits a batch of a pinned buffer (kept alive by the engine or not) and,
+// for failing_step::copy, a buffer whose copy fails, behind 300 ms of work on
+// the engine's stream; true when the engine's stream was still busy as
+// next() reported the failure (the pinned buffer's copy still queued).
 template <class Test>
-bool queued_when_the_failure_is_reported(Test& test, bool kept_alive) {
+bool queued_when_the_failure_is_reported(Test& test, bool kept_alive, failing_step step = failing_step::copy) {
   constexpr std::size_t failing = 12345;
   failing_size_device dev(test.device(), failing);
   stream copy_stream(dev);
@@ -123,8 +133,12 @@ bool queued_when_the_failure_is_reported(Test& test, bool kept_alive) {
   {
     transfer_engine engine(a, copy_stream.ref());
     dev.delay(engine.stream(), 300ms);  // the pinned buffer's copy runs late
-    engine.submit({host_buffer{pinned, 64 * kib, true, std::move(owner)}, pageable(failing, 1)});
+    std::vector<host_buffer> batch{host_buffer{pinned, 64 * kib, true, std::move(owner)}};
+    if (step == failing_step::copy) batch.push_back(pageable(failing, 1));
+    dev.fail_records = step == failing_step::ready_event;
+    engine.submit(std::move(batch));
     EXPECT_THROW((void)engine.next(10s), backend_error);
+    dev.fail_records = false;
     queued = !dev.query(engine.stream());
   }
   if (!kept_alive) dev.free_pinned_host(pinned);
@@ -137,6 +151,13 @@ bool queued_when_the_failure_is_reported(Test& test, bool kept_alive) {
 // free the buffer at the error.
 TYPED_TEST(staging_ring, a_failed_batch_is_reported_once_its_copy_from_the_callers_pinned_memory_has_run) {
   EXPECT_FALSE(queued_when_the_failure_is_reported(*this, false))
+      << "the failure came while the copy reading the caller's buffer was queued";
+}
+
+// The same where the group's ready event cannot be recorded (every batch of
+// the group fails, its transferred ones too).
+TYPED_TEST(staging_ring, a_batch_failed_by_its_ready_event_is_reported_once_its_copy_from_the_callers_memory_has_run) {
+  EXPECT_FALSE(queued_when_the_failure_is_reported(*this, false, failing_step::ready_event))
       << "the failure came while the copy reading the caller's buffer was queued";
 }
 

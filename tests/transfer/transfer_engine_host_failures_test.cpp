@@ -287,16 +287,20 @@ TYPED_TEST(transfer_engine_host_failures, batches_with_no_room_for_one_outcome_s
 
 // A staging block's free takes host memory (its place among the pinned
 // allocator's pending frees); refused, the block is freed again later rather
-// than kept from a ring of one chunk for the engine's life.
-TYPED_TEST(transfer_engine_host_failures, a_staging_block_whose_free_the_host_refused_goes_back_to_the_ring) {
+// than kept from a ring of one chunk for the engine's life. The first batch
+// is `first_bytes`; the refusal comes after its copy of `refused_after_copy_of`
+// bytes, whose block is freed next.
+template <class Test>
+void a_refused_staging_free_goes_back_to_the_ring(Test& test, std::size_t first_bytes,
+                                                  std::size_t refused_after_copy_of) {
   constexpr std::size_t mib = kib * kib;
-  refusing_after_copy_device dev(this->device());
+  refusing_after_copy_device dev(test.device());
   stream copy_stream(dev);
   alloc::caching_allocator a(dev, {});
   transfer_engine engine(a, copy_stream.ref(), {.max_pinned_bytes = 4 * mib, .staging_chunk_bytes = 4 * mib});
-  dev.arm(4 * mib);  // the first chunk's copy: the allocation after it is the chunk's free
-  engine.submit({pageable(8 * mib, 1)});
-  engine.next(10s).synchronize();  // the second chunk's block: the first's, freed again before it is taken
+  dev.arm(refused_after_copy_of);
+  engine.submit({pageable(first_bytes, 1)});
+  engine.next(10s).synchronize();
   ASSERT_TRUE(dev.refused()) << "the test refused no free: it shows nothing";
   // No batch in flight: the block whose free was refused is back with the
   // allocator (the engine's thread frees it again as it waits).
@@ -309,6 +313,18 @@ TYPED_TEST(transfer_engine_host_failures, a_staging_block_whose_free_the_host_re
     engine.submit({pageable(8 * mib, 2)});
     EXPECT_NO_THROW(engine.next(10s).synchronize());
   }
+}
+
+TYPED_TEST(transfer_engine_host_failures, a_staging_block_whose_free_the_host_refused_goes_back_to_the_ring) {
+  constexpr std::size_t mib = kib * kib;
+  a_refused_staging_free_goes_back_to_the_ring(*this, 8 * mib, 4 * mib);  // the first chunk's block
+}
+
+// The same for a packed batch's block (staging_pack::give_back frees it
+// after the run's copy): kept, it would hold the small pool's segment, and
+// with it half the ring, for good.
+TYPED_TEST(transfer_engine_host_failures, a_packed_batchs_block_whose_free_the_host_refused_goes_back_to_the_ring) {
+  a_refused_staging_free_goes_back_to_the_ring(*this, 300 * kib, 300 * kib);  // the run's one copy
 }
 
 }  // namespace
