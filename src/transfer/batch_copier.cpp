@@ -148,6 +148,14 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
     }
     copies_.fetch_add(pack.copies(), std::memory_order_relaxed);
   }
+  // A failed batch that read its caller's memory directly waits for its
+  // copies before it is reported (reads_callers_memory above).
+  const auto failed_reading_callers_memory = [&] {
+    for (std::size_t i = 0; i < jobs.size(); ++i) {
+      if (outcomes[i].error && reads_callers_memory[i]) return true;
+    }
+    return false;
+  };
   try {
     ready->record(stream_);
   } catch (...) {
@@ -158,7 +166,7 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
       o.batch = nullptr;
     }
     hold_until_now(std::move(read_directly));
-    if (std::ranges::find(reads_callers_memory, 1) != reads_callers_memory.end()) wait_for_copies(nullptr);
+    if (failed_reading_callers_memory()) wait_for_copies(nullptr);
     return outcomes;
   }
   if (!read_directly.empty()) {
@@ -169,12 +177,7 @@ std::vector<transfer_engine::outcome> transfer_engine::batch_copier::copy(std::s
   queued_.splice(queued_.end(), queued_entry);
   queued_batches_ += jobs.size();
   queued_bytes_ += group_bytes;
-  for (std::size_t i = 0; i < jobs.size(); ++i) {
-    if (outcomes[i].error && reads_callers_memory[i]) {
-      wait_for_copies(ready);
-      break;
-    }
-  }
+  if (failed_reading_callers_memory()) wait_for_copies(ready);
   return outcomes;
 }
 
