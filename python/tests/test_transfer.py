@@ -692,6 +692,23 @@ def test_a_batch_taken_when_python_has_no_memory_is_the_next_gets(engine, refuse
     del first, second
 
 
+def test_a_batch_kept_as_python_ran_out_of_memory_goes_with_close():
+    # The batch kept natively when its (batch, layout) could not be made is dropped by
+    # close(), as batches put back are: its storages go back to the allocator.
+    allocator = shoal.Allocator()
+    with shoal.transfer.Engine(allocator=allocator) as engine:
+        engine.submit([numpy.full((8,), 2, "uint8")])
+        shoal._shoal._refuse_transfer_results(results=1, appends=0)
+        try:
+            with pytest.raises(MemoryError):
+                engine.get(timeout=10)
+        finally:
+            shoal._shoal._refuse_transfer_results(results=0, appends=0)
+        assert engine._engine.waiting == 1
+    gc.collect()
+    assert allocator.stats()["allocations"]["all"]["current"] == 0, "the kept batch's storage outlived close()"
+
+
 def test_a_real_signal_while_get_waits_loses_no_batch(engine):
     # A signal whose handler raises (as Ctrl-C's does) arrives while get() waits, and the
     # batch a moment later: mostly within the same wait slice, so the native call takes the
