@@ -1,7 +1,7 @@
 #include "transfer/staging_frees.h"
 
-#include <algorithm>
 #include <new>
+#include <vector>
 
 namespace shoal::transfer {
 
