@@ -9,6 +9,7 @@
 #include "shoal/core/error.h"
 #include "storage/cow_context.h"
 #include "storage/shared_block.h"
+#include "storage/stream_fences.h"
 #include "storage/stream_set.h"
 
 namespace shoal::storage {
@@ -67,7 +68,7 @@ class storage_impl {
         // Every stream, its own included: after a steal the own stream is
         // not the block's, and with cross_stream_safety off a free waits for
         // no stream but those recorded (the allocator skips the block's own).
-        for (auto s : streams_.view()) allocator_.record_stream(data, s);
+        record_on_block_or_wait(data);
         allocator_.deallocate(data, streams_.own());
       } else if (cow_->release_for_drop(streams_.view())) {
         delete cow_;
@@ -104,6 +105,7 @@ class storage_impl {
     record_use_locked(stream);
   }
   void record_use_locked(backend::stream_ref stream) {  // mutex_ held
+    fences_.order(allocator_.device(), stream);
     streams_.add(stream);
     last_used_.store(stream, std::memory_order_release);
   }
@@ -148,6 +150,7 @@ class storage_impl {
   // materialize's step with mutex_ held: steals, or copies into `block`.
   void materialize_locked(backend::stream_ref stream, spare_block& block) {
     streams_.make_room_for({cow_->created_on(), stream});  // nothing below throws once the data is ours
+    fences_.make_room();
     // A throw changes nothing. After a copy, cow_ is not read again unless
     // `last`: the reference is given up, and the others may delete it.
     const auto [data, last, stolen] = cow_->release_for_write(stream, streams_.view(), block.get());
@@ -160,7 +163,9 @@ class storage_impl {
     if (last) delete cow_;
     cow_ = nullptr;
     // Streams first: a thread that sees the new data sees last_used_ == stream,
-    // so its record_use of another stream takes the lock and is not lost.
+    // so its record_use of another stream takes the lock and is not lost,
+    // and waits for the copy or the steal's waits on `stream`.
+    fences_.start_over(stream);
     record_use_locked(stream);
     data_.store(data, std::memory_order_release);
     lazy_.store(false, std::memory_order_release);
@@ -174,6 +179,7 @@ class storage_impl {
   std::mutex mutex_;                            // guards cow_, streams_ and ownership changes
   cow_context* cow_;
   stream_set streams_;                    // guarded by mutex_
+  stream_fences fences_;                  // guarded by mutex_
   bool shared_outside_ = false;           // guarded by mutex_
   bool handed_over_ = false;              // guarded by mutex_: owner_ frees a block of allocator_
   std::shared_ptr<storage_owner> owner_;  // guarded by mutex_; set once
@@ -387,9 +393,13 @@ storage lazy_clone(const storage& source, backend::stream_ref stream) {
     // Room first: once the copy is enqueued, recording its read on the
     // source must not fail, or the source's free would not wait for it.
     s.streams_.make_room_for({stream});
+    s.fences_.make_room();
     detail::order_after(s.allocator_.device(), stream, s.streams_.view());
     s.allocator_.device().copy(stream, copy.impl().data_.load(), s.data_.load(), s.size_);
-    s.record_use_locked(stream);  // the source's release waits for the copy's read; cannot throw now
+    // The source's later writes on other streams wait for the copy's read,
+    // and its release too; cannot throw now.
+    s.fences_.add(stream);
+    s.record_use_locked(stream);
     return copy;
   }
   return storage(lazy_clone_locked(s, stream));

@@ -53,6 +53,15 @@
 // the family's storages complete, and a stealer's stream waits for every
 // copy, and for every stream a storage of the family that went (dropped or
 // materialized) used the data on, before writing in place.
+// Work shoal enqueues on a storage's data by itself (that materializing copy,
+// a steal's waits, an eager clone's copy out of its source) comes before the
+// storage's later uses on other streams too: the first time each other
+// stream is given to mutable_data, enqueue_write or record_stream after it,
+// that stream waits (GPU-side) for the work enqueued so far on the stream
+// shoal worked on. So writes of disjoint parts on two streams, which need no
+// order between them, stay as safe on a lazy clone as on any storage; a read
+// through data() on another stream is ordered by a record_stream before it.
+// A storage shoal never worked on adds no wait between its streams.
 // Memory that has left the process (shared over IPC, exported writable
 // through DLPack) is never lazily shared: lazy_clone of such a storage makes
 // an eager copy at once, ordered after the source's streams. (A read-only
