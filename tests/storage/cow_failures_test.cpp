@@ -297,6 +297,21 @@ TEST_F(cow_failures, a_lazy_clone_dropped_without_memory_to_record_its_streams_s
   EXPECT_EQ(in_use(), 0) << "the family's data was never freed";
 }
 
+// The same for a storage that owns its block: a stream the allocator has no
+// memory to remember on the block is waited for, and the block is freed.
+TEST_F(cow_failures, a_storage_dropped_without_memory_to_record_its_streams_is_still_freed) {
+  const stream_ref own = new_stream(), a = new_stream(), b = new_stream();
+  auto st = filled(0xAB, own);
+  st.record_stream(a);
+  st.record_stream(b);  // a third stream: the storage's own list spills to the heap, before the refusal
+  {
+    refusing_allocations refuse;
+    st = storage_t();
+    EXPECT_GT(refusing_allocations::refused(), 0) << "the test refused nothing";
+  }
+  EXPECT_EQ(in_use(), 0) << "the storage's block was kept for good";
+}
+
 TEST_F(cow_failures, a_handed_over_storage_whose_streams_cannot_be_recorded_still_tells_its_owner) {
   const stream_ref own = new_stream(), other = new_stream();
   auto st = filled(0xAB, own);
