@@ -599,6 +599,14 @@ bool allocator_core::free_waiting(block_pool& pool, block* b, backend::stream_re
   return true;
 }
 
+void allocator_core::free_idle(block_pool& pool, block* b) {
+  prepare_free(pool, b, 0);  // may throw: nothing has changed yet
+  let_used_on_go(b);
+  count_free(pool, b);
+  if (trace_.enabled()) trace_.note(trace_action::free_requested, b->address, b->size, b->stream);
+  make_free(pool, b);
+}
+
 void allocator_core::let_used_on_go(block* b) noexcept {
   for (const backend::stream_ref s : b->used_on) {
     if (s.is_default()) continue;

@@ -98,6 +98,8 @@ class allocator_core {
   /// caching_allocator::deallocate_without_events) is refused: false, and
   /// the block stays allocated. True otherwise.
   bool deallocate(void* ptr, backend::stream_ref stream, bool events_allowed = true);
+  /// caching_allocator::deallocate_or_wait (free_after_host_wait.cpp).
+  void deallocate_or_wait(void* ptr, backend::stream_ref stream);
   void record_stream(void* ptr, backend::stream_ref stream);
   [[nodiscard]] std::size_t block_size(const void* ptr) const;
   [[nodiscard]] std::optional<block_segment> segment_of_allocated_block(const void* ptr) const;  // cache_queries.cpp
@@ -244,6 +246,9 @@ class allocator_core {
   /// or events, pinned host memory. False when it is refused (see
   /// deallocate): nothing happened to `b`.
   bool free_waiting(block_pool& pool, block* b, backend::stream_ref stream, bool events_allowed);
+  /// Frees `b`, every use of which has run (waited for on the host), with
+  /// no event: what deallocate_or_wait does once it waited.
+  void free_idle(block_pool& pool, block* b);
   /// A free's effect on the counters and the block's allocation fields.
   static void count_free(block_pool& pool, block* b) noexcept;
   void make_reusable(block_pool& pool, block* b);

@@ -23,6 +23,9 @@ void* caching_allocator::allocate_claimed(std::size_t bytes, backend::stream_ref
 }
 void caching_allocator::deallocate(void* ptr, backend::stream_ref stream) { core_->deallocate(ptr, stream); }
 void caching_allocator::deallocate(void* ptr) { core_->deallocate(ptr, backend::current_stream(core_->device)); }
+void caching_allocator::deallocate_or_wait(void* ptr, backend::stream_ref stream) {
+  core_->deallocate_or_wait(ptr, stream);
+}
 bool caching_allocator::deallocate_without_events(void* ptr, backend::stream_ref stream) {
   return core_->deallocate(ptr, stream, false);
 }

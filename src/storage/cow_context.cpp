@@ -128,11 +128,11 @@ bool cow_context::release_for_drop(std::span<const backend::stream_ref> used_on)
 bool cow_context::release() noexcept {
   if (refcount_.fetch_sub(1, std::memory_order_acq_rel) != 1) return false;
   try {
-    allocator_.deallocate(data_, created_on_);
+    allocator_.deallocate_or_wait(data_, created_on_);  // no host memory: waits for the data's streams instead
   } catch (...) {  // NOLINT(bugprone-empty-catch)
-    // As for a storage's own block (storage.cpp): a refused free leaves the
-    // block allocated, visible in the allocator's statistics, rather than
-    // reused unsafely.
+    // As for a storage's own block (storage.cpp): a free refused otherwise
+    // (a stream's work failed) leaves the block allocated, visible in the
+    // allocator's statistics, rather than reused unsafely.
   }
   return true;
 }

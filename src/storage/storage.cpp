@@ -69,15 +69,16 @@ class storage_impl {
         // not the block's, and with cross_stream_safety off a free waits for
         // no stream but those recorded (the allocator skips the block's own).
         record_on_block_or_wait(data);
-        allocator_.deallocate(data, streams_.own());
+        allocator_.deallocate_or_wait(data, streams_.own());
       } else if (cow_->release_for_drop(streams_.view())) {
         delete cow_;
       }
     } catch (...) {  // NOLINT(bugprone-empty-catch)
       // A destructor cannot report: the free was refused (a stream it had
-      // to wait for was destroyed first, or recording one ran out of host
-      // memory), and the block stays allocated, visible in the allocator's
-      // statistics, rather than reused unsafely or the process terminated.
+      // to wait for was destroyed first, or its work failed; no host memory
+      // is waited out instead), and the block stays allocated, visible in the
+      // allocator's statistics, rather than reused unsafely or the process
+      // terminated.
     }
   }
 

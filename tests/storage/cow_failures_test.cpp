@@ -312,6 +312,37 @@ TEST_F(cow_failures, a_storage_dropped_without_memory_to_record_its_streams_is_s
   EXPECT_EQ(in_use(), 0) << "the storage's block was kept for good";
 }
 
+// A family's final free comes on the first clone's stream, not the data's
+// own, and so takes host memory (caching_allocator::deallocate_or_wait):
+// refused, the data is freed after a wait on the host, not kept for good.
+TEST_F(cow_failures, the_last_clone_of_a_family_dropped_without_host_memory_still_frees_the_data) {
+  const stream_ref own = new_stream(), other = new_stream();
+  auto source = filled(0xAB, own);
+  auto clone = lazy_clone(source, other);
+  source = storage_t();
+  {
+    refusing_allocations refuse;
+    clone = storage_t();
+    EXPECT_GT(refusing_allocations::refused(), 0) << "the test refused nothing";
+  }
+  EXPECT_EQ(in_use(), 0) << "the family's data was kept for good";
+}
+
+// A stealer's block is freed on its own stream, which is not the block's.
+TEST_F(cow_failures, a_stealer_dropped_without_host_memory_is_still_freed) {
+  const stream_ref own = new_stream(), other = new_stream();
+  auto source = filled(0xAB, own);
+  auto clone = lazy_clone(source, other);
+  source = storage_t();
+  (void)clone.mutable_data(other);  // the last member steals the data
+  {
+    refusing_allocations refuse;
+    clone = storage_t();
+    EXPECT_GT(refusing_allocations::refused(), 0) << "the test refused nothing";
+  }
+  EXPECT_EQ(in_use(), 0) << "the stolen block was kept for good";
+}
+
 TEST_F(cow_failures, a_handed_over_storage_whose_streams_cannot_be_recorded_still_tells_its_owner) {
   const stream_ref own = new_stream(), other = new_stream();
   auto st = filled(0xAB, own);

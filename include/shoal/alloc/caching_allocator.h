@@ -139,6 +139,13 @@ class caching_allocator {
   void deallocate(void* ptr, backend::stream_ref stream);
   /// deallocate on the calling thread's current stream.
   void deallocate(void* ptr);
+  /// deallocate, for an owner that must let go (a destructor): where the
+  /// host refuses the memory the free needs for its bookkeeping (a free on
+  /// another stream than the block's, or after record_stream, takes some),
+  /// it waits on the host for every stream that free would have waited
+  /// for, then frees the block at once, instead of throwing std::bad_alloc
+  /// with the block still allocated. Other errors as deallocate's.
+  void deallocate_or_wait(void* ptr, backend::stream_ref stream);
   /// deallocate, but only when the free records no event: device memory,
   /// freed on the stream it was handed out on, with no other stream recorded
   /// on it (record_stream), or a tombstone's late free. Returns false and
