@@ -41,12 +41,12 @@ pool_waste classify(const alloc::snapshot& snap, alloc::pool_kind kind) {
 double mib(std::size_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
 std::string row(const std::string& name, const char* pool, const pool_waste& w) {
-  char line[512];
-  std::snprintf(line, sizeof line,
-                "| %s | %s | %zu | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %zu | %.1f |\n", name.c_str(), pool,
+  // The figures in a buffer of their own; the name, of any length, around them.
+  char figures[256];
+  std::snprintf(figures, sizeof figures, "%zu | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %zu | %.1f |\n",
                 w.event, mib(w.reserved), mib(w.requested), mib(w.rounding), mib(w.free_split), mib(w.free_idle),
                 mib(w.free_growable), mib(w.pending), w.segments, mib(w.largest_free));
-  return line;
+  return "| " + name + " | " + pool + " | " + figures;
 }
 
 }  // namespace

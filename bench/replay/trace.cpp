@@ -19,6 +19,7 @@
 #endif
 
 #include "shoal/core/error.h"
+#include "src/core/printable_text.h"
 
 namespace shoal::bench {
 
@@ -85,12 +86,14 @@ class gzip_file_buffer final : public std::streambuf {
 };
 #else
 /// Without zlib a gzip file is refused by its magic bytes, looked at with
-/// peek rather than a seek back, so that pipes work. Taking the first byte
-/// when it is 0x1f changes no verdict: no trace starts with it.
+/// peek rather than a seek back, so that pipes work; a first byte 0x1f not
+/// followed by 0x8b is put back, for the header check to refuse.
 bool starts_with_gzip_magic(std::istream& in) {
   if (in.peek() != 0x1f) return false;
   in.get();
-  return in.peek() == 0x8b;
+  if (in.peek() == 0x8b) return true;
+  in.unget();
+  return false;
 }
 #endif
 
@@ -117,10 +120,10 @@ std::uint64_t parse_number(std::string_view field, std::string_view what) {
   std::uint64_t value = 0;
   const auto [end, ec] = std::from_chars(field.data(), field.data() + field.size(), value);
   if (ec == std::errc::result_out_of_range) {
-    throw invalid_argument(std::string(what) + " '" + std::string(field) + "' does not fit in 64 bits");
+    throw invalid_argument(std::string(what) + " '" + detail::printable(field) + "' does not fit in 64 bits");
   }
   if (ec != std::errc{} || end != field.data() + field.size()) {
-    throw invalid_argument(std::string(what) + " '" + std::string(field) + "' is not a non-negative decimal integer");
+    throw invalid_argument(std::string(what) + " '" + detail::printable(field) + "' is not a non-negative decimal integer");
   }
   return value;
 }
@@ -145,14 +148,14 @@ void parse_event(trace& t, std::string_view line) {
     }
     t.free(parse_number(fields[1], "id"), parse_stream(fields[2]));
   } else {
-    throw invalid_argument("unknown event '" + std::string(fields[0]) + "'; events are 'a' (alloc) and 'f' (free)");
+    throw invalid_argument("unknown event '" + detail::printable(fields[0]) + "'; events are 'a' (alloc) and 'f' (free)");
   }
 }
 
 void check_header(std::string_view text) {
   if (text != header) {
     throw invalid_argument("expected the header '" + std::string(header) + "', found '" +
-                           std::string(text.substr(0, 40)) + "'; is this a shoal trace?");
+                           detail::printable(text.substr(0, 40)) + "'; is this a shoal trace?");
   }
 }
 
@@ -186,6 +189,7 @@ bool next_line(std::streambuf& in, std::string& line) {
 }  // namespace
 
 void trace::alloc(std::uint64_t id, std::uint64_t bytes, std::uint32_t stream) {
+  check_room_for_an_event();
   if (bytes == 0) throw invalid_argument("alloc of id " + std::to_string(id) + " has size 0; sizes are > 0");
   if (bytes > max_trace_bytes) {
     throw invalid_argument("alloc of id " + std::to_string(id) + " asks for " + std::to_string(bytes) +
@@ -201,6 +205,13 @@ void trace::alloc(std::uint64_t id, std::uint64_t bytes, std::uint32_t stream) {
   ++allocations_;
 }
 
+void trace::check_room_for_an_event() const {
+  if (events_.size() >= max_events_) {
+    throw invalid_argument("the trace holds more than " + std::to_string(max_events_) +
+                           " events, the most one replay holds in memory; split the recording");
+  }
+}
+
 void trace::free(std::uint64_t id, std::uint32_t stream) {
   check_stream(stream);
   const auto it = live_.find(id);
@@ -208,14 +219,25 @@ void trace::free(std::uint64_t id, std::uint32_t stream) {
     throw invalid_argument("free of id " + std::to_string(id) +
                            ", which is not live (never allocated or already freed)");
   }
+  check_room_for_an_event();
   events_.push_back({trace_op::free, id, it->second.bytes, stream, it->second.block});
   live_.erase(it);
 }
 
 void trace::add_note(std::string note) {
   if (note.find_first_of("\r\n") != std::string::npos) {
-    throw invalid_argument("a trace note is one line; split '" + note + "' into several notes");
+    throw invalid_argument("a trace note is one line; split '" + detail::printable(note) + "' into several notes");
   }
+  // "# " and the note fit a line, so that read_trace reads back what write_trace wrote.
+  if (note.size() > max_trace_note_bytes) {
+    throw invalid_argument("a trace note is at most " + std::to_string(max_trace_note_bytes) + " bytes, this one " +
+                           std::to_string(note.size()) + "; split it into several notes");
+  }
+  if (note.size() > max_trace_notes_total_bytes - notes_bytes_) {
+    throw invalid_argument("the trace's notes come to more than " + std::to_string(max_trace_notes_total_bytes) +
+                           " bytes; is this a shoal trace?");
+  }
+  notes_bytes_ += note.size();
   notes_.push_back(std::move(note));
 }
 

@@ -37,6 +37,14 @@ inline constexpr std::uint64_t max_trace_bytes = std::uint64_t{1} << 48;
 /// holds one line at a time, so an input with no line breaks (/dev/zero, a
 /// gzip bomb) is refused instead of filling memory.
 inline constexpr std::size_t max_trace_line_bytes = 4096;
+/// A note is at most this long, so that "# " and it fit a line.
+inline constexpr std::size_t max_trace_note_bytes = max_trace_line_bytes - 2;
+/// A trace's notes together are at most this long (1 MiB), and it holds at
+/// most max_trace_events events (64 Mi, 2.5 GiB in memory): a small gzip
+/// file of comments or events (a bomb) is refused before it fills memory.
+/// A recording of more events is replayed in parts.
+inline constexpr std::size_t max_trace_notes_total_bytes = std::size_t{1} << 20;
+inline constexpr std::size_t max_trace_events = std::size_t{1} << 26;
 
 enum class trace_op : std::uint8_t { alloc, free };
 
@@ -54,15 +62,20 @@ struct trace_event {
 
 class trace {
  public:
+  /// A trace of at most `max_events` events (a test's smaller bound).
+  explicit trace(std::size_t max_events = max_trace_events) : max_events_(max_events) {}
+
   /// Appends an alloc. Throws shoal::invalid_argument (changing nothing)
-  /// when `id` is live, `bytes` is 0 or too large, or `stream` is too large.
+  /// when `id` is live, `bytes` is 0 or too large, `stream` is too large, or
+  /// the trace holds its most events.
   void alloc(std::uint64_t id, std::uint64_t bytes, std::uint32_t stream);
   /// Appends a free of live block `id` on `stream`. Throws
   /// shoal::invalid_argument (changing nothing) when `id` is not live or
-  /// `stream` is too large.
+  /// `stream` is too large, or the trace holds its most events.
   void free(std::uint64_t id, std::uint32_t stream);
   /// Adds a comment line (without the leading "# "). A note holding a line
-  /// break is invalid_argument.
+  /// break, longer than max_trace_note_bytes, or past
+  /// max_trace_notes_total_bytes with the others is invalid_argument.
   void add_note(std::string note);
 
   [[nodiscard]] const std::vector<trace_event>& events() const noexcept { return events_; }
@@ -78,8 +91,13 @@ class trace {
     std::size_t block;
     std::uint64_t bytes;
   };
+  /// invalid_argument when the trace holds max_events_ already.
+  void check_room_for_an_event() const;
+
+  std::size_t max_events_;
   std::vector<trace_event> events_;
   std::vector<std::string> notes_;
+  std::size_t notes_bytes_ = 0;
   std::unordered_map<std::uint64_t, live_block> live_;
   std::size_t allocations_ = 0;
 };

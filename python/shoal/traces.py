@@ -51,6 +51,11 @@ __all__ = ["HEADER", "ConvertedTrace", "Recording", "convert", "write", "record"
 HEADER = "shoal-trace v1"
 FREE_ACTIONS = ("free_requested", "free_completed")
 MAX_STREAMS = 1024  # the format's stream ids are 0 to 1023
+# What shoal_replay reads (bench/replay/trace.h): a line is at most 4096
+# bytes, so a note ("# " and its text) at most 4094, and the notes together
+# at most 1 MiB.
+MAX_NOTE_BYTES = 4094
+MAX_NOTES_TOTAL_BYTES = 1 << 20
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -129,13 +134,30 @@ def convert(entries: Iterable[dict], free_on: str = "free_requested") -> Convert
     return out
 
 
-def _trace_text(trace: ConvertedTrace, notes: Sequence[str]) -> bytes:
-    lines = [HEADER]
+def _note_lines(notes: Sequence[str]) -> list[str]:
+    """The notes as comment lines shoal_replay reads: any text escaped to
+    ASCII (a path, an error message: never refused), each line of a note cut
+    into pieces of at most MAX_NOTE_BYTES, and the whole cut short at
+    MAX_NOTES_TOTAL_BYTES (said in a last note)."""
+    lines: list[str] = []
+    total = 0
     for note in notes:
-        lines.extend(f"# {line}" for line in str(note).splitlines() or [""])
+        for line in str(note).splitlines() or [""]:
+            text = line.encode("ascii", errors="backslashreplace").decode("ascii")
+            for start in range(0, max(len(text), 1), MAX_NOTE_BYTES):
+                piece = text[start:start + MAX_NOTE_BYTES]
+                if total + len(piece) > MAX_NOTES_TOTAL_BYTES - 64:
+                    lines.append("# (the notes were cut short here: shoal_replay reads at most 1 MiB of them)")
+                    return lines
+                total += len(piece)
+                lines.append(f"# {piece}")
+    return lines
+
+
+def _trace_text(trace: ConvertedTrace, notes: Sequence[str]) -> bytes:
+    lines = [HEADER, *_note_lines(notes)]
     lines.extend(" ".join(str(field) for field in event) for event in trace.events)
-    # Notes may hold any text (a path, an error message): escaped, never refused.
-    return ("\n".join(lines) + "\n").encode("ascii", errors="backslashreplace")
+    return ("\n".join(lines) + "\n").encode("ascii")
 
 
 def write(path: PathLike, trace: ConvertedTrace, notes: Sequence[str] = ()) -> None:

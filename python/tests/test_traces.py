@@ -255,6 +255,27 @@ def test_notes_of_any_text_are_written_escaped(tmp_path):
     assert path.read_text(encoding="ascii").splitlines()[1] == "# donn\\xe9es/\\xe9t\\xe9.py"
 
 
+def test_long_notes_are_cut_into_lines_shoal_replay_reads(tmp_path):
+    # shoal_replay reads lines of at most 4096 bytes, and at most 1 MiB of notes
+    # (bench/replay/trace.h): a long command line or error message is cut, not refused there.
+    path = tmp_path / "t.trace"
+    long_note = "program: train.py " + " ".join(f"--input=/data/shard-{i:05d}.parquet" for i in range(300))
+    escaped = "é" * 3000  # four bytes each once escaped
+    traces.write(path, traces.convert(HISTORY[:4]), [long_note, escaped])
+    lines = path.read_text(encoding="ascii").splitlines()
+    notes = [line for line in lines if line.startswith("#")]
+    assert all(len(line) <= 4096 for line in lines)
+    assert "".join(line[2:] for line in notes) == long_note + "\\xe9" * 3000
+    assert len(notes) == 3 + 3  # 10,217 bytes in three lines, 12,000 escaped in three
+    huge = ["x" * 4094] * 300  # past 1 MiB together
+    traces.write(path, traces.convert(HISTORY[:4]), huge)
+    lines = path.read_text(encoding="ascii").splitlines()
+    notes = [line for line in lines if line.startswith("#")]
+    assert sum(len(line) - 2 for line in notes) <= 1 << 20
+    assert notes[-1].startswith("# (the notes were cut short here")
+    assert lines[-1] == "a 0 1000 0", "the events follow the notes"
+
+
 def test_a_history_on_more_streams_than_a_trace_names_is_refused():
     history = [{"action": "alloc", "addr": i, "size": 8, "stream": 1000 + i} for i in range(traces.MAX_STREAMS + 1)]
     with pytest.raises(ValueError, match="streams"):

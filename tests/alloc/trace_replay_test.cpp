@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -182,6 +183,65 @@ TEST(trace_format, a_line_longer_than_the_limit_is_refused_naming_its_line) {
   const std::string what = refusal([&] { return parse("shoal-trace v1\n" + longest + "x\na 1 512 0\n"); });
   EXPECT_EQ(what.rfind("test:2: ", 0), 0u) << what;
   EXPECT_NE(what.find("longer than " + std::to_string(bench::max_trace_line_bytes)), std::string::npos) << what;
+}
+
+// What write_trace writes, read_trace reads: a note is at most a line less
+// its "# ", so "#" and 4095 bytes (a line at the limit) is refused, not
+// written back as a line past it.
+TEST(trace_format, a_note_that_would_not_fit_a_written_line_is_refused) {
+  trace t;
+  t.add_note(std::string(bench::max_trace_note_bytes, 'x'));
+  std::ostringstream out;
+  bench::write_trace(out, t);
+  EXPECT_EQ(parse(out.str()).notes(), t.notes()) << "the longest note round-trips";
+  EXPECT_THROW(t.add_note(std::string(bench::max_trace_note_bytes + 1, 'x')), invalid_argument);
+  const std::string what = refusal([] {
+    return parse("shoal-trace v1\n#" + std::string(bench::max_trace_line_bytes - 1, 'x') + "\n");
+  });
+  EXPECT_EQ(what.rfind("test:2: ", 0), 0u) << what;
+  EXPECT_NE(what.find("at most " + std::to_string(bench::max_trace_note_bytes)), std::string::npos) << what;
+}
+
+// A small gzip file of comments would otherwise fill memory: the notes
+// together are bounded.
+TEST(trace_format, notes_past_their_total_are_refused_naming_the_line) {
+  std::string text = "shoal-trace v1\n";
+  const std::string note = "# " + std::string(bench::max_trace_note_bytes, 'n') + "\n";
+  const std::size_t fitting = bench::max_trace_notes_total_bytes / bench::max_trace_note_bytes;
+  for (std::size_t i = 0; i < fitting; ++i) text += note;
+  EXPECT_EQ(parse(text).notes().size(), fitting);
+  const std::string what = refusal([&] { return parse(text + note); });
+  EXPECT_EQ(what.rfind("test:" + std::to_string(fitting + 2) + ": ", 0), 0u) << what;
+  EXPECT_NE(what.find("notes come to more than"), std::string::npos) << what;
+}
+
+TEST(trace_format, a_trace_holds_at_most_its_events) {
+  trace t(3);
+  t.alloc(1, 512, 0);
+  t.free(1, 0);
+  t.alloc(2, 512, 0);
+  EXPECT_THROW(t.free(2, 0), invalid_argument);
+  EXPECT_THROW(t.alloc(3, 512, 0), invalid_argument);
+  EXPECT_EQ(t.events().size(), 3u);
+  EXPECT_EQ(t.live_at_end(), 1u) << "a refused event changed the trace";
+}
+
+// A refusal quotes the input's bytes escaped: a terminal escape does not
+// reach the terminal, and a NUL does not cut the message short.
+TEST(trace_format, bytes_quoted_in_a_refusal_are_escaped) {
+  const std::string escape = refusal([] { return parse("shoal-trace v1\na 1 1\x1b]0;title\x07 0\n"); });
+  EXPECT_EQ(escape.find('\x1b'), std::string::npos) << escape;
+  EXPECT_NE(escape.find("\\x1b]0;title\\x07"), std::string::npos) << escape;
+  const std::string nul = refusal([] {
+    std::string text = "shoal-trace v1\na 1 1";
+    text += '\0';
+    return parse(text + "0 0\n");
+  });
+  EXPECT_EQ(nul.find('\0'), std::string::npos);
+  EXPECT_NE(nul.find("is not a non-negative decimal integer"), std::string::npos) << nul;
+  const std::string header = refusal([] { return parse(std::string("\x1f\x8b\x08\0\0\0", 6)); });
+  EXPECT_NE(header.find("\\x1f\\x8b"), std::string::npos) << header;
+  EXPECT_NE(header.find("is this a shoal trace?"), std::string::npos) << header;
 }
 
 TEST(random_mix, is_deterministic_and_valid) {
@@ -491,6 +551,7 @@ cli_run run_shoal_replay(std::vector<std::string> args, const std::string& stdou
   std::vector<char*> argv;
   for (auto& arg : args) argv.push_back(arg.data());
   cli_run run;
+  std::cout.clear();  // a run that wrote to /dev/full left the stream failed
   {
     const redirected_stream out(stdout, stdout_path.empty() ? dir / "out" : stdout_path);
     const redirected_stream err(stderr, dir / "err");
@@ -523,6 +584,22 @@ TEST(replay_cli, output_that_cannot_be_written_is_an_error) {
   const cli_run generated = run_shoal_replay({"--generate-mix", "1000", "1"}, "/dev/full");
   EXPECT_EQ(generated.status, 1);
   EXPECT_NE(generated.err.find("writing to standard output failed"), std::string::npos) << generated.err;
+}
+
+// A waste row holds the trace's name and its settings whole, however long.
+TEST(replay_cli, waste_rows_stay_whole_with_a_long_name) {
+  std::string conf = "max_split_size_mb:256";
+  for (int i = 0; i < 30; ++i) conf += ",max_split_size_mb:256";
+  const cli_run run = run_shoal_replay({"--waste", "--conf", conf, SHOAL_REPLAY_SAMPLE_TRACE});
+  ASSERT_EQ(run.status, 0) << run.err;
+  std::istringstream lines(run.out.substr(run.out.find("Where the peak reserved memory went")));
+  int rows = 0;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find(conf) == std::string::npos) continue;
+    ++rows;
+    EXPECT_EQ(std::ranges::count(line, '|'), 14) << line;  // the table's 13 columns
+  }
+  EXPECT_EQ(rows, 2) << "one row per pool\n" << run.out;
 }
 
 TEST(replay_cli, a_trace_that_fails_keeps_the_later_traces_waste_rows) {
