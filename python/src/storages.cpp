@@ -263,7 +263,9 @@ void register_storages(nb::module_& m) {
             {
               released_gil release;
               if (count > 0) {
-                const auto* src = static_cast<const std::byte*>(held.data()) + offset;
+                // Recorded with the pointer taken: a write of another thread that moves
+                // the storage, or the family's steal or free, waits for this read.
+                const auto* src = static_cast<const std::byte*>(held.data(st->ref())) + offset;
                 st->device().copy(st->ref(), dst, src, static_cast<std::size_t>(count));
               }
               st->device().synchronize(st->ref());

@@ -285,6 +285,12 @@ std::size_t storage::size() const { return impl().size_; }
 backend::device& storage::device() const { return impl().allocator_.device(); }
 alloc::caching_allocator& storage::allocator() const { return impl().allocator_; }
 const void* storage::data() const { return impl().data_.load(std::memory_order_acquire); }
+const void* storage::data(backend::stream_ref stream) const {
+  detail::storage_impl& s = impl();
+  std::lock_guard lock(s.mutex_);
+  s.record_use_locked(stream);
+  return s.data_.load(std::memory_order_relaxed);
+}
 bool storage::is_lazy() const { return impl().lazy_.load(std::memory_order_acquire); }
 
 void* storage::mutable_data(backend::stream_ref stream) {

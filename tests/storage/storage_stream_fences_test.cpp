@@ -143,6 +143,21 @@ TYPED_TEST(storage_stream_fences, an_eager_clone_does_not_see_a_later_write_of_i
       << "the clone shows a write its source had after lazy_clone returned";
 }
 
+// data(stream) records the read's stream with the pointer: a read on a
+// second stream of a clone just materialized on another waits for the copy.
+TYPED_TEST(storage_stream_fences, a_read_through_data_on_a_stream_waits_for_the_materializing_copy) {
+  const stream_ref own = this->new_stream(), x = this->new_stream(), y = this->new_stream();
+  auto source = this->filled(0x11, own);
+  auto clone = lazy_clone(source, own);
+  this->hold(x);
+  (void)clone.mutable_data(x);  // materializes: the copy waits on x
+  std::vector<std::uint8_t> seen(bytes, 0);
+  this->device().copy(y, seen.data(), clone.data(y), bytes);
+  this->settle(y);
+  this->finish();
+  EXPECT_EQ(this->count_of(seen, 0x11), bytes) << "the read on y ran before the copy into the data";
+}
+
 // The control: a storage shoal never worked on orders nothing across its
 // streams (the caller's to order), so a write on a second stream runs while
 // the first is held.

@@ -192,6 +192,14 @@ class storage {
 
   /// Read access: never copies.
   [[nodiscard]] const void* data() const;
+  /// Read access for a read enqueued on `stream`: never copies, and records
+  /// a use on `stream` in the same step as it takes the pointer (under the
+  /// storage's lock), so that whatever another thread does meanwhile — a
+  /// write that moves this storage to a copy, the family's steal or final
+  /// free — the data the pointer shows waits for the read, and the read
+  /// waits for a copy shoal made into it. data() and a record_stream after
+  /// it can be split by such a move.
+  [[nodiscard]] const void* data(backend::stream_ref stream) const;
   /// Write access on `stream`: materializes a lazily shared storage first,
   /// and records a use on `stream`.
   [[nodiscard]] void* mutable_data(backend::stream_ref stream);
