@@ -56,6 +56,7 @@ MAX_STREAMS = 1024  # the format's stream ids are 0 to 1023
 # at most 1 MiB.
 MAX_NOTE_BYTES = 4094
 MAX_NOTES_TOTAL_BYTES = 1 << 20
+_NOTES_CUT = "(the notes were cut short here: shoal_replay reads at most 1 MiB of them)"
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -146,8 +147,8 @@ def _note_lines(notes: Sequence[str]) -> list[str]:
             text = line.encode("ascii", errors="backslashreplace").decode("ascii")
             for start in range(0, max(len(text), 1), MAX_NOTE_BYTES):
                 piece = text[start:start + MAX_NOTE_BYTES]
-                if total + len(piece) > MAX_NOTES_TOTAL_BYTES - 64:
-                    lines.append("# (the notes were cut short here: shoal_replay reads at most 1 MiB of them)")
+                if total + len(piece) > MAX_NOTES_TOTAL_BYTES - len(_NOTES_CUT):
+                    lines.append(f"# {_NOTES_CUT}")
                     return lines
                 total += len(piece)
                 lines.append(f"# {piece}")

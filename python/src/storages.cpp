@@ -263,10 +263,13 @@ void register_storages(nb::module_& m) {
             {
               released_gil release;
               if (count > 0) {
-                // Recorded with the pointer taken: a write of another thread that moves
-                // the storage, or the family's steal or free, waits for this read.
-                const auto* src = static_cast<const std::byte*>(held.data(st->ref())) + offset;
-                st->device().copy(st->ref(), dst, src, static_cast<std::size_t>(count));
+                // Under the storage's lock from recording the stream to the enqueue: another
+                // thread's write that moves the storage, or the family's steal or free,
+                // comes wholly before or after this read.
+                held.enqueue_read(st->ref(), [&](const void* data) {
+                  st->device().copy(st->ref(), dst, static_cast<const std::byte*>(data) + offset,
+                                    static_cast<std::size_t>(count));
+                });
               }
               st->device().synchronize(st->ref());
             }

@@ -273,6 +273,12 @@ def test_long_notes_are_cut_into_lines_shoal_replay_reads(tmp_path):
     notes = [line for line in lines if line.startswith("#")]
     assert sum(len(line) - 2 for line in notes) <= 1 << 20
     assert notes[-1].startswith("# (the notes were cut short here")
+    # Right at the bound: the notes and the cut's own note stay within it.
+    bound = 1 << 20
+    edge = ["x" * 4094] * ((bound - 70) // 4094) + ["x" * ((bound - 70) % 4094), "y" * 10]
+    traces.write(path, traces.convert(HISTORY[:4]), edge)
+    notes = [line for line in path.read_text(encoding="ascii").splitlines() if line.startswith("#")]
+    assert sum(len(line) - 2 for line in notes) <= bound
     assert lines[-1] == "a 0 1000 0", "the events follow the notes"
 
 

@@ -599,11 +599,11 @@ bool allocator_core::free_waiting(block_pool& pool, block* b, backend::stream_re
   return true;
 }
 
-void allocator_core::free_idle(block_pool& pool, block* b) {
+void allocator_core::free_idle(block_pool& pool, block* b, backend::stream_ref stream) {
   prepare_free(pool, b, 0);  // may throw: nothing has changed yet
   let_used_on_go(b);
   count_free(pool, b);
-  if (trace_.enabled()) trace_.note(trace_action::free_requested, b->address, b->size, b->stream);
+  if (trace_.enabled()) trace_.note(trace_action::free_requested, b->address, b->size, stream);
   make_free(pool, b);
 }
 

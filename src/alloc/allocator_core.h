@@ -247,8 +247,8 @@ class allocator_core {
   /// deallocate): nothing happened to `b`.
   bool free_waiting(block_pool& pool, block* b, backend::stream_ref stream, bool events_allowed);
   /// Frees `b`, every use of which has run (waited for on the host), with
-  /// no event: what deallocate_or_wait does once it waited.
-  void free_idle(block_pool& pool, block* b);
+  /// no event: what deallocate_or_wait does once it waited (on `stream`).
+  void free_idle(block_pool& pool, block* b, backend::stream_ref stream);
   /// A free's effect on the counters and the block's allocation fields.
   static void count_free(block_pool& pool, block* b) noexcept;
   void make_reusable(block_pool& pool, block* b);

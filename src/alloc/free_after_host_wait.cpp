@@ -40,14 +40,20 @@ void allocator_core::deallocate_or_wait(void* ptr, backend::stream_ref stream) {
     if (!found) throw std::bad_alloc();  // an orphaned tombstone's late free: nothing here to free
     for (std::size_t i = 0; i < count; ++i) device.synchronize(streams[i]);
   }
-  // The owner has not let go, so the block is still its own: found again.
-  with_block(address, "deallocate_or_wait", [&](block_pool& pool, block* b) {
+  // The owner has not let go, so the block is still its own: found again —
+  // unless a forced clear and its pool's end made it an orphaned tombstone
+  // meanwhile, whose late free deallocate knows (and which needs no memory).
+  const bool freed = run_on_block(address, [&](block_pool& pool, block* b) {
     if (b->state == block_state::invalidated) {
       remove_tombstone(pool, b, stream);
     } else {
-      free_idle(pool, b);
+      free_idle(pool, b, stream);
     }
   });
+  if (!freed) {
+    deallocate(ptr, stream);
+    return;
+  }
   check_step();
 }
 

@@ -4,7 +4,7 @@ namespace shoal::storage::detail {
 
 shared_block::~shared_block() {
   try {
-    allocator_.deallocate(block_, stream_);
+    allocator_.deallocate_or_wait(block_, stream_);
   } catch (...) {  // NOLINT(bugprone-empty-catch)
     // As for a storage's own block (storage.cpp): a refused free leaves the
     // block allocated, visible in the allocator's statistics, rather than

@@ -285,11 +285,11 @@ std::size_t storage::size() const { return impl().size_; }
 backend::device& storage::device() const { return impl().allocator_.device(); }
 alloc::caching_allocator& storage::allocator() const { return impl().allocator_; }
 const void* storage::data() const { return impl().data_.load(std::memory_order_acquire); }
-const void* storage::data(backend::stream_ref stream) const {
+void storage::enqueue_read(backend::stream_ref stream, const std::function<void(const void*)>& enqueue) const {
   detail::storage_impl& s = impl();
   std::lock_guard lock(s.mutex_);
   s.record_use_locked(stream);
-  return s.data_.load(std::memory_order_relaxed);
+  enqueue(s.data_.load(std::memory_order_relaxed));
 }
 bool storage::is_lazy() const { return impl().lazy_.load(std::memory_order_acquire); }
 
@@ -401,8 +401,10 @@ storage lazy_clone(const storage& source, backend::stream_ref stream) {
     // source must not fail, or the source's free would not wait for it.
     s.streams_.make_room_for({stream});
     s.fences_.make_room();
+    copy.impl().fences_.make_room();
     detail::order_after(s.allocator_.device(), stream, s.streams_.view());
     s.allocator_.device().copy(stream, copy.impl().data_.load(), s.data_.load(), s.size_);
+    copy.impl().fences_.start_over(stream);  // the clone's uses on other streams wait for the copy into it
     // The source's later writes on other streams wait for the copy's read,
     // and its release too; cannot throw now.
     s.fences_.add(stream);

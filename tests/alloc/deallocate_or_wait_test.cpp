@@ -132,5 +132,37 @@ TEST(deallocate_or_wait, a_block_recorded_on_many_streams_waits_for_each) {
   EXPECT_NO_THROW(a.check_invariants());
 }
 
+// The documented limit: in a private pool, making the block free takes
+// memory too (the pool's last streams); refused, deallocate_or_wait throws
+// as deallocate does, with the block still allocated and the pool whole.
+TEST(deallocate_or_wait, in_a_private_pool_a_refusal_after_the_wait_keeps_the_block) {
+  backend::host_device dev({.capacity_bytes = 64 * mib});
+  alloc::caching_allocator a(dev, {});
+  backend::stream other(dev);
+  const auto pool = a.create_growing_private_pool();
+  void* p = nullptr;
+  {
+    const alloc::private_pool_scope scope(a, pool);
+    p = a.allocate(512);
+  }
+  a.record_stream(p, other.ref());
+  bool threw = false;
+  {
+    const refusing_allocations refuse;
+    try {
+      a.deallocate_or_wait(p, backend::stream_ref{});
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+  }
+  EXPECT_TRUE(threw);
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 1);
+  EXPECT_NO_THROW(a.check_invariants());
+  EXPECT_NO_THROW(a.deallocate_or_wait(p, backend::stream_ref{})) << "the block was not left allocated";
+  EXPECT_EQ(a.stats().allocations.aggregate.current, 0);
+  dev.synchronize_device();
+  (void)a.destroy_private_pool(pool);
+}
+
 }  // namespace
 }  // namespace shoal::testing

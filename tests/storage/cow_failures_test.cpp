@@ -343,6 +343,22 @@ TEST_F(cow_failures, a_stealer_dropped_without_host_memory_is_still_freed) {
   EXPECT_EQ(in_use(), 0) << "the stolen block was kept for good";
 }
 
+// The block under storages made by allocate_parts: its final free, after a
+// part recorded another stream, takes host memory too.
+TEST_F(cow_failures, the_parts_block_dropped_without_host_memory_is_still_freed) {
+  const stream_ref own = new_stream(), other = new_stream();
+  const std::size_t sizes[] = {bytes, bytes};
+  auto parts = storage_t::allocate_parts(*allocator_, sizes, own);
+  parts[0].record_stream(other);
+  parts[0] = storage_t();  // with host memory: `other` is recorded on the block
+  {
+    refusing_allocations refuse;
+    parts[1] = storage_t();  // the last part: the block's final free
+    EXPECT_GT(refusing_allocations::refused(), 0) << "the test refused nothing";
+  }
+  EXPECT_EQ(in_use(), 0) << "the parts' block was kept for good";
+}
+
 TEST_F(cow_failures, a_handed_over_storage_whose_streams_cannot_be_recorded_still_tells_its_owner) {
   const stream_ref own = new_stream(), other = new_stream();
   auto st = filled(0xAB, own);

@@ -143,19 +143,82 @@ TYPED_TEST(storage_stream_fences, an_eager_clone_does_not_see_a_later_write_of_i
       << "the clone shows a write its source had after lazy_clone returned";
 }
 
-// data(stream) records the read's stream with the pointer: a read on a
+// The eager clone's own copy is shoal's work on the clone's data too.
+TYPED_TEST(storage_stream_fences, a_write_on_another_stream_of_an_eager_clone_is_not_overwritten_by_its_copy) {
+  const stream_ref own = this->new_stream(), s = this->new_stream(), y = this->new_stream();
+  auto source = this->filled(0x11, own);
+  source.mark_shared_outside_process(own);  // lazy_clone makes an eager copy from now on
+  this->hold(s);
+  auto clone = lazy_clone(source, s);  // the copy into the clone waits on s
+  this->device().fill(y, clone.mutable_data(y), 0x77, bytes);
+  this->settle(y);
+  this->finish();
+  EXPECT_EQ(this->count_of(this->read(clone.data(), bytes, s), 0x77), bytes)
+      << "the eager clone's copy on s overwrote the write made on y";
+}
+
+// enqueue_read records the read's stream with the pointer: a read on a
 // second stream of a clone just materialized on another waits for the copy.
-TYPED_TEST(storage_stream_fences, a_read_through_data_on_a_stream_waits_for_the_materializing_copy) {
+TYPED_TEST(storage_stream_fences, a_read_on_a_stream_waits_for_the_materializing_copy) {
   const stream_ref own = this->new_stream(), x = this->new_stream(), y = this->new_stream();
   auto source = this->filled(0x11, own);
   auto clone = lazy_clone(source, own);
   this->hold(x);
   (void)clone.mutable_data(x);  // materializes: the copy waits on x
   std::vector<std::uint8_t> seen(bytes, 0);
-  this->device().copy(y, seen.data(), clone.data(y), bytes);
+  clone.enqueue_read(y, [&](const void* data) { this->device().copy(y, seen.data(), data, bytes); });
   this->settle(y);
   this->finish();
   EXPECT_EQ(this->count_of(seen, 0x11), bytes) << "the read on y ran before the copy into the data";
+}
+
+// enqueue_read holds the storage's lock to the read's enqueue: another
+// thread's write that moves the storage and drop of the family's last other
+// member (its final free) come after it, so the free waits for the read.
+// Split (the pointer, then the enqueue), the free's event on y came before
+// the read and the block went to a new owner while the read was queued.
+TYPED_TEST(storage_stream_fences, a_read_is_not_overtaken_by_a_final_free_from_another_thread) {
+  const stream_ref own = this->new_stream(), x = this->new_stream(), y = this->new_stream();
+  auto source = this->filled(0x11, own);
+  auto clone = lazy_clone(source, own);
+  std::atomic<bool> second{false};
+  this->hold(y);  // opened once the other thread is done
+  std::vector<std::uint8_t> seen(bytes, 0);
+  const void* read_from = nullptr;
+  std::thread other;
+  source.enqueue_read(y, [&](const void* data) {
+    read_from = data;
+    other = std::thread([&] {
+      (void)source.mutable_data(x);  // the source moves to a copy of its own
+      clone = storage_t();           // the family's final free
+    });
+    std::this_thread::sleep_for(50ms);  // the other thread goes through now, unless the lock holds it
+    this->device().host_task(y, [&second] {
+      const auto until = std::chrono::steady_clock::now() + 10s;
+      while (!second.load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+    });
+    this->device().copy(y, seen.data(), data, bytes);
+  });
+  other.join();
+  this->open();  // y passes its first hold; the read still waits for `second`
+  // The block's next owner, if the free let it go before the read ran.
+  std::vector<void*> taken;
+  const auto until = std::chrono::steady_clock::now() + 300ms;
+  while (std::chrono::steady_clock::now() < until) {
+    this->allocator_->process_pending_frees();
+    void* q = this->allocator_->allocate(bytes, own);
+    taken.push_back(q);
+    if (q == read_from) {
+      this->device().fill(own, q, 0x99, bytes);
+      this->device().synchronize(own);
+      break;
+    }
+    std::this_thread::sleep_for(1ms);
+  }
+  second = true;
+  this->device().synchronize(y);
+  EXPECT_EQ(this->count_of(seen, 0x11), bytes) << "the read on y saw the block's next owner's data";
+  for (void* q : taken) this->allocator_->deallocate(q, own);
 }
 
 // The control: a storage shoal never worked on orders nothing across its

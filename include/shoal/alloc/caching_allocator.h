@@ -144,7 +144,10 @@ class caching_allocator {
   /// another stream than the block's, or after record_stream, takes some),
   /// it waits on the host for every stream that free would have waited
   /// for, then frees the block at once, instead of throwing std::bad_alloc
-  /// with the block still allocated. Other errors as deallocate's.
+  /// with the block still allocated. Other errors as deallocate's. In a
+  /// private pool and in debug mode making the block free takes memory too
+  /// (the pool's last streams, the poison): refused there as well, it
+  /// throws std::bad_alloc as deallocate does, the block still allocated.
   void deallocate_or_wait(void* ptr, backend::stream_ref stream);
   /// deallocate, but only when the free records no event: device memory,
   /// freed on the stream it was handed out on, with no other stream recorded

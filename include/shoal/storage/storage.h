@@ -60,7 +60,8 @@
 // that stream waits (GPU-side) for the work enqueued so far on the stream
 // shoal worked on. So writes of disjoint parts on two streams, which need no
 // order between them, stay as safe on a lazy clone as on any storage; a read
-// through data() on another stream is ordered by a record_stream before it.
+// through data() on another stream is ordered by a record_stream before it
+// (or enqueue_read).
 // A storage shoal never worked on adds no wait between its streams.
 // Memory that has left the process (shared over IPC, exported writable
 // through DLPack) is never lazily shared: lazy_clone of such a storage makes
@@ -192,14 +193,15 @@ class storage {
 
   /// Read access: never copies.
   [[nodiscard]] const void* data() const;
-  /// Read access for a read enqueued on `stream`: never copies, and records
-  /// a use on `stream` in the same step as it takes the pointer (under the
-  /// storage's lock), so that whatever another thread does meanwhile — a
-  /// write that moves this storage to a copy, the family's steal or final
-  /// free — the data the pointer shows waits for the read, and the read
-  /// waits for a copy shoal made into it. data() and a record_stream after
-  /// it can be split by such a move.
-  [[nodiscard]] const void* data(backend::stream_ref stream) const;
+  /// Enqueues reads of the data on `stream`: `enqueue` gets the pointer and
+  /// enqueues them, with the storage's lock held from recording `stream` as
+  /// a use until it returns (as enqueue_write). Another thread's write that
+  /// moves this storage to a copy, or the family's steal or final free,
+  /// comes wholly before it (the reads wait for a copy into the data) or
+  /// wholly after (and waits for the reads); data() and a record_stream
+  /// after it can be split by them. Never copies. `enqueue` must not use
+  /// this storage.
+  void enqueue_read(backend::stream_ref stream, const std::function<void(const void*)>& enqueue) const;
   /// Write access on `stream`: materializes a lazily shared storage first,
   /// and records a use on `stream`.
   [[nodiscard]] void* mutable_data(backend::stream_ref stream);
