@@ -58,13 +58,25 @@ class storage_stream_fences : public backend_test<Backend> {
     open();
     for (auto& s : streams_) s.synchronize();
   }
+  // Device memory a read copies into: a copy into pageable host memory would
+  // return only once it ran on CUDA, so the test thread would wait out the hold.
+  void* scratch() {
+    void* p = allocator_->allocate(bytes, streams_.front().ref());
+    scratch_.push_back(p);
+    return p;
+  }
+  std::vector<std::uint8_t> read_scratch(const void* p) { return this->read(p, bytes, streams_.front().ref()); }
   static std::size_t count_of(const std::vector<std::uint8_t>& v, std::uint8_t value) {
     return static_cast<std::size_t>(std::ranges::count(v, value));
   }
-  void TearDown() override { finish(); }
+  void TearDown() override {
+    finish();
+    for (void* p : scratch_) allocator_->deallocate(p, streams_.front().ref());
+  }
 
   std::optional<alloc::caching_allocator> allocator_;  // after the base's SetUp found the device
   std::deque<backend::stream> streams_;
+  std::vector<void*> scratch_;
   std::atomic<bool> open_{false};
 };
 TYPED_TEST_SUITE(storage_stream_fences, backend_types, backend_names);
@@ -102,18 +114,18 @@ TYPED_TEST(storage_stream_fences, a_stealer_writing_on_a_second_stream_leaves_a_
 TYPED_TEST(storage_stream_fences, a_stealer_writing_on_a_second_stream_waits_for_a_dropped_clones_read) {
   const stream_ref own = this->new_stream(), reader = this->new_stream(), y = this->new_stream();
   auto source = this->filled(0x11, own);
-  std::vector<std::uint8_t> seen(bytes, 0);
+  void* seen = this->scratch();
   this->hold(reader);
   {
     auto clone = lazy_clone(source, own);
-    this->device().copy(reader, seen.data(), clone.data(), bytes);
+    this->device().copy(reader, seen, clone.data(), bytes);
     clone.record_stream(reader);
   }
   (void)source.mutable_data(own);  // steals: `own` waits for the reader
   this->device().fill(y, source.mutable_data(y), 0x77, bytes);
   this->settle(y);
   this->finish();
-  EXPECT_EQ(this->count_of(seen, 0x11), bytes) << "the dropped clone's read saw the stealer's later write";
+  EXPECT_EQ(this->count_of(this->read_scratch(seen), 0x11), bytes) << "the dropped clone's read saw the stealer's later write";
 }
 
 TYPED_TEST(storage_stream_fences, a_mark_that_steals_orders_later_writes_on_other_streams_after_a_clones_copy) {
@@ -165,11 +177,11 @@ TYPED_TEST(storage_stream_fences, a_read_on_a_stream_waits_for_the_materializing
   auto clone = lazy_clone(source, own);
   this->hold(x);
   (void)clone.mutable_data(x);  // materializes: the copy waits on x
-  std::vector<std::uint8_t> seen(bytes, 0);
-  clone.enqueue_read(y, [&](const void* data) { this->device().copy(y, seen.data(), data, bytes); });
+  void* seen = this->scratch();
+  clone.enqueue_read(y, [&](const void* data) { this->device().copy(y, seen, data, bytes); });
   this->settle(y);
   this->finish();
-  EXPECT_EQ(this->count_of(seen, 0x11), bytes) << "the read on y ran before the copy into the data";
+  EXPECT_EQ(this->count_of(this->read_scratch(seen), 0x11), bytes) << "the read on y ran before the copy into the data";
 }
 
 // enqueue_read holds the storage's lock to the read's enqueue: another
@@ -183,7 +195,7 @@ TYPED_TEST(storage_stream_fences, a_read_is_not_overtaken_by_a_final_free_from_a
   auto clone = lazy_clone(source, own);
   std::atomic<bool> second{false};
   this->hold(y);  // opened once the other thread is done
-  std::vector<std::uint8_t> seen(bytes, 0);
+  void* seen = this->scratch();
   const void* read_from = nullptr;
   std::thread other;
   source.enqueue_read(y, [&](const void* data) {
@@ -197,7 +209,7 @@ TYPED_TEST(storage_stream_fences, a_read_is_not_overtaken_by_a_final_free_from_a
       const auto until = std::chrono::steady_clock::now() + 10s;
       while (!second.load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
     });
-    this->device().copy(y, seen.data(), data, bytes);
+    this->device().copy(y, seen, data, bytes);
   });
   other.join();
   this->open();  // y passes its first hold; the read still waits for `second`
@@ -217,7 +229,7 @@ TYPED_TEST(storage_stream_fences, a_read_is_not_overtaken_by_a_final_free_from_a
   }
   second = true;
   this->device().synchronize(y);
-  EXPECT_EQ(this->count_of(seen, 0x11), bytes) << "the read on y saw the block's next owner's data";
+  EXPECT_EQ(this->count_of(this->read_scratch(seen), 0x11), bytes) << "the read on y saw the block's next owner's data";
   for (void* q : taken) this->allocator_->deallocate(q, own);
 }
 
