@@ -86,6 +86,16 @@ class cow_failures : public ::testing::Test {
     return allocator_->stats().allocations.aggregate.current;
   }
   stream_ref new_stream() { return streams_.emplace_back(device_).ref(); }
+  /// Drops `st` with every heap allocation refused (the test fails if none was asked for).
+  static void drop_without_host_memory(storage_t& st) {
+    int refused = 0;
+    {
+      const refusing_allocations refuse;
+      st = storage_t();
+      refused = refusing_allocations::refused();
+    }
+    EXPECT_GT(refused, 0) << "the test refused nothing";
+  }
 
   refusing_device device_;
   std::deque<backend::stream> streams_;  // outlive the allocator, as it requires
@@ -285,11 +295,7 @@ TEST_F(cow_failures, a_lazy_clone_dropped_without_memory_to_record_its_streams_s
   auto source = filled(0xAB, own);
   auto clone = lazy_clone(source, own);
   clone.record_stream(reader);  // the drop must remember it on the shared data
-  {
-    refusing_allocations refuse;
-    clone = storage_t();
-    EXPECT_GT(refusing_allocations::refused(), 0) << "the test refused nothing";
-  }
+  drop_without_host_memory(clone);
   const void* shared = source.data();
   EXPECT_EQ(source.mutable_data(own), shared) << "the last member copied: the dropped clone's reference stayed";
   EXPECT_TRUE(holds(source, 0xAB, own));
@@ -304,11 +310,7 @@ TEST_F(cow_failures, a_storage_dropped_without_memory_to_record_its_streams_is_s
   auto st = filled(0xAB, own);
   st.record_stream(a);
   st.record_stream(b);  // a third stream: the storage's own list spills to the heap, before the refusal
-  {
-    refusing_allocations refuse;
-    st = storage_t();
-    EXPECT_GT(refusing_allocations::refused(), 0) << "the test refused nothing";
-  }
+  drop_without_host_memory(st);
   EXPECT_EQ(in_use(), 0) << "the storage's block was kept for good";
 }
 
@@ -320,11 +322,7 @@ TEST_F(cow_failures, the_last_clone_of_a_family_dropped_without_host_memory_stil
   auto source = filled(0xAB, own);
   auto clone = lazy_clone(source, other);
   source = storage_t();
-  {
-    refusing_allocations refuse;
-    clone = storage_t();
-    EXPECT_GT(refusing_allocations::refused(), 0) << "the test refused nothing";
-  }
+  drop_without_host_memory(clone);
   EXPECT_EQ(in_use(), 0) << "the family's data was kept for good";
 }
 
@@ -335,11 +333,7 @@ TEST_F(cow_failures, a_stealer_dropped_without_host_memory_is_still_freed) {
   auto clone = lazy_clone(source, other);
   source = storage_t();
   (void)clone.mutable_data(other);  // the last member steals the data
-  {
-    refusing_allocations refuse;
-    clone = storage_t();
-    EXPECT_GT(refusing_allocations::refused(), 0) << "the test refused nothing";
-  }
+  drop_without_host_memory(clone);
   EXPECT_EQ(in_use(), 0) << "the stolen block was kept for good";
 }
 
@@ -351,11 +345,7 @@ TEST_F(cow_failures, the_parts_block_dropped_without_host_memory_is_still_freed)
   auto parts = storage_t::allocate_parts(*allocator_, sizes, own);
   parts[0].record_stream(other);
   parts[0] = storage_t();  // with host memory: `other` is recorded on the block
-  {
-    refusing_allocations refuse;
-    parts[1] = storage_t();  // the last part: the block's final free
-    EXPECT_GT(refusing_allocations::refused(), 0) << "the test refused nothing";
-  }
+  drop_without_host_memory(parts[1]);  // the last part: the block's final free
   EXPECT_EQ(in_use(), 0) << "the parts' block was kept for good";
 }
 
@@ -370,11 +360,7 @@ TEST_F(cow_failures, a_handed_over_storage_whose_streams_cannot_be_recorded_stil
         return owner;
       },
       own);
-  {
-    refusing_allocations refuse;
-    st = storage_t();
-    EXPECT_GT(refusing_allocations::refused(), 0) << "the test refused nothing";
-  }
+  drop_without_host_memory(st);
   EXPECT_EQ(owner->released, 1) << "the owner was never told its storage went";
   EXPECT_EQ(owner->streams, 2u);
   owner.reset();

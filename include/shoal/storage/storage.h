@@ -56,7 +56,8 @@
 // Work shoal enqueues on a storage's data by itself (that materializing copy,
 // a steal's waits, an eager clone's copy out of its source) comes before the
 // storage's later uses on other streams too: the first time each other
-// stream is given to mutable_data, enqueue_write or record_stream after it,
+// stream is given to mutable_data, enqueue_write, enqueue_read or
+// record_stream after it,
 // that stream waits (GPU-side) for the work enqueued so far on the stream
 // shoal worked on. So writes of disjoint parts on two streams, which need no
 // order between them, stay as safe on a lazy clone as on any storage; a read
