@@ -7,11 +7,13 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <new>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -26,6 +28,7 @@
 namespace shoal::testing {
 namespace {
 
+using namespace std::chrono_literals;
 using backend::stream_ref;
 using storage::lazy_clone;
 using storage_t = storage::storage;
@@ -286,6 +289,29 @@ class counting_owner final : public storage::storage_owner {
   alloc::caching_allocator& a_;
   void* data_;
 };
+
+// A use on another stream after a materializing copy waits for the copy
+// (stream_fences.h); the device refusing that wait's event fails the call
+// and leaves the stream unordered, so the next use orders it.
+TEST_F(cow_failures, a_use_whose_wait_for_the_copy_is_refused_waits_at_the_next_use) {
+  const stream_ref own = new_stream(), x = new_stream(), y = new_stream();
+  auto source = filled(0x11, own);
+  auto clone = lazy_clone(source, own);
+  std::atomic<bool> open{false};
+  device_.host_task(x, [&open] {
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    while (!open.load() && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  });
+  (void)clone.mutable_data(x);  // materializes: the copy waits on x
+  device_.refuse_event = true;
+  EXPECT_THROW((void)clone.mutable_data(y), backend_error);
+  device_.fill(y, clone.mutable_data(y), 0x77, bytes);  // ordered now
+  const auto until = std::chrono::steady_clock::now() + 300ms;
+  while (!device_.query(y) && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+  open = true;
+  device_.synchronize(x);
+  EXPECT_TRUE(holds(clone, 0x77, y)) << "the copy on x overwrote the write made on y";
+}
 
 // A lazy clone dropped with a stream it cannot record (no host memory for
 // it) waits for that stream instead and still lets its reference go: the
