@@ -487,6 +487,10 @@ int api_configured_memory_fraction(double* out) {
   return guarded([&] { *out = allocators().configured_memory_fraction(); });
 }
 
+int api_grant_peer_access(int device, int peer) {
+  return guarded([&] { allocators().of(device).allocator().device().grant_peer_access(peer); });
+}
+
 int api_configured_growable_segments(int* out) {
   return guarded([&] { *out = allocators().configured_growable_segments() ? 1 : 0; });
 }
@@ -589,6 +593,7 @@ const shoal_torch_api api_table = {
     api_checkpoint_graph_pool,
     api_free_graph_pool_checkpoint,
     api_restore_graph_pool,
+    api_grant_peer_access,
 };
 
 }  // namespace

@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SHOAL_TORCH_API_VERSION 10
+#define SHOAL_TORCH_API_VERSION 11
 
 enum shoal_torch_status {
   SHOAL_TORCH_OK = 0,
@@ -224,6 +224,11 @@ struct shoal_torch_api {
   /// freed and each it allocated again.
   int (*restore_graph_pool)(uint64_t pool, int device, const void* checkpoint, void* context,
                             shoal_torch_restored_visitor visit);
+
+  /// Lets CUDA device `peer` reach `device`'s growable segments, those
+  /// mapped now and later (backend::device::grant_peer_access; the runtime's
+  /// peer access, which plain segments need, is the caller's).
+  int (*grant_peer_access)(int device, int peer);
 };
 
 #ifdef __cplusplus

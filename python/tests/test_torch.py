@@ -710,6 +710,43 @@ def test_sharing_on_a_second_gpu_follows_pytorchs_device_and_a_mismatch_names_th
 
 
 @two_gpus
+def test_tensors_in_growable_segments_copy_between_gpus():
+    # Growable segments (enable()'s default) are mapped with cuMemMap: another
+    # device reaches them only where cuMemSetAccess names it, which
+    # enablePeerAccess must do for the chunks mapped before it and after; and
+    # where the devices have no peer access, a copy must take
+    # cudaMemcpyPeerAsync (memcpyAsync).
+    out = run(
+        """
+        import json, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        n = 1 << 20
+        before = torch.arange(n, dtype=torch.float32, device="cuda:0")  # mapped before any peer access
+        copied = before.to("cuda:1")  # contiguous: a copy across devices
+        after = torch.arange(n, dtype=torch.float32, device="cuda:0") * 2  # mapped after
+        strided = after[::2].to("cuda:1")  # not contiguous: a kernel reads across devices
+        converted = before.to("cuda:1", dtype=torch.float16)  # a kernel that converts as it copies
+        target = torch.empty(n, dtype=torch.float32, device="cuda:1")
+        target.copy_(before)
+        back = copied.to("cuda:0")
+        expected = torch.arange(n, dtype=torch.float32)
+        print(json.dumps({
+            "peer": torch.cuda.can_device_access_peer(1, 0),
+            "copied": bool(torch.equal(copied.cpu(), expected)),
+            "strided": bool(torch.equal(strided.cpu(), (expected * 2)[::2])),
+            "converted": bool(torch.equal(converted.cpu(), expected.half())),
+            "target": bool(torch.equal(target.cpu(), expected)),
+            "back": bool(torch.equal(back.cpu(), expected)),
+            "growable": all(s["is_expandable"] for s in shoal.torch.memory_snapshot()["segments"]),
+        }))
+        """
+    )
+    assert out["growable"], f"the tensors were not in growable segments: {out}"
+    for what in ("copied", "strided", "converted", "target", "back"):
+        assert out[what], f"{what}: a copy between the GPUs read or wrote the wrong bytes: {out}"
+
+
+@two_gpus
 def test_a_region_pool_on_the_second_gpu_serves_that_device_while_the_first_is_current():
     out = run(
         """

@@ -64,6 +64,7 @@ PRELUDE = textwrap.dedent(
             ("checkpoint_graph_pool", F(i, u64, i, ctypes.POINTER(vp), ctypes.POINTER(sz))),
             ("free_graph_pool_checkpoint", F(i, vp)),
             ("restore_graph_pool", F(i, u64, i, vp, vp, Restored)),
+            ("grant_peer_access", F(i, i, i)),
         ]
 
     api = Table.from_address(_shoal._torch_api())
@@ -126,7 +127,7 @@ def test_the_tables_entries_answer_on_plain_segments():
                    stopped=walk(stop=True)[0])
         """
     )
-    assert out["version"] == 10 and out["size_matches"], "the table's layout is torch_api.h's"
+    assert out["version"] == 11 and out["size_matches"], "the table's layout is torch_api.h's"
     assert out["status"] == 0 and out["seen"], "a walk of the host allocator's segments"
     blocks = {b[0]: b for s in out["seen"] for b in s["blocks"]}
     for s in out["seen"]:
@@ -288,6 +289,26 @@ def test_the_table_says_whether_the_allocators_use_growable_segments(growable):
         """
     )
     assert out["growable"] == int(growable)
+
+
+def test_a_peer_is_granted_through_the_table_and_the_device_itself_is_refused():
+    # On the host backend only the ordinals are checked (host memory is every
+    # device's); on CUDA the grant reaches cuMemSetAccess (test_torch.py's
+    # two-GPU copies).
+    out = run(
+        """
+        _shoal._torch_configure(use_environment=False)
+        _shoal._torch_table_on_host()
+        out["peer"] = api.grant_peer_access(0, 1)
+        out["again"] = api.grant_peer_access(0, 1)
+        out["itself"] = api.grant_peer_access(0, 0)
+        out["itself_error"] = api.last_error().decode()
+        out["negative"] = api.grant_peer_access(0, -1)
+        """
+    )
+    assert out["peer"] == 0 and out["again"] == 0, "granting a peer, and granting it again, succeed"
+    assert out["itself"] == 2 and out["negative"] == 2, "the device itself and no device are invalid arguments"
+    assert "names no other device" in out["itself_error"], out["itself_error"]
 
 
 def test_a_graph_pools_checkpoint_is_restored_through_the_table():

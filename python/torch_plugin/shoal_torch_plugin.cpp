@@ -347,10 +347,43 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
     const c10::DeviceIndex device = c10::cuda::current_device();
     void* ptr = allocate_block(bytes, device, c10::cuda::getCurrentCUDAStream(device).stream());
     const c10::Device where(c10::DeviceType::CUDA, device);
-    if (ptr == nullptr) return {nullptr, nullptr, nullptr, where};
+    // An empty storage carries the tensor deleter too, as under PyTorch's
+    // allocator (CUDA graph trees compare deleters with raw_deleter()).
+    if (ptr == nullptr) return {nullptr, nullptr, &free_tensor_block, where};
     const auto bits = reinterpret_cast<std::uintptr_t>(ptr);
     TORCH_INTERNAL_ASSERT((bits & (block_alignment - 1)) == 0 && static_cast<std::uintptr_t>(device) <= device_mask);
     return {ptr, reinterpret_cast<void*>(bits | static_cast<std::uintptr_t>(device)), &free_tensor_block, where};
+  }
+
+  // A tensor's context is its pointer with the device in the low bits: still
+  // a simple data pointer (torch._lazy_clone's copy-on-write checks it).
+  bool is_simple_data_ptr(const c10::DataPtr& data_ptr) const override {
+    const auto context = reinterpret_cast<std::uintptr_t>(data_ptr.get_context());
+    if (data_ptr.get_deleter() == &free_tensor_block) {
+      return reinterpret_cast<std::uintptr_t>(data_ptr.get()) == (context & ~(block_alignment - 1));
+    }
+    return data_ptr.get() == data_ptr.get_context();
+  }
+
+  // Device `dev` reads and writes `dev_to_access`'s memory: the runtime's
+  // peer access (cudaMalloc'd plain segments need no more), then access to
+  // `dev_to_access`'s growable segments, which cuMemSetAccess must grant
+  // device by device, now and for every chunk mapped later — as PyTorch's
+  // allocator does for its expandable segments.
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    CUDAPluggableAllocator::enablePeerAccess(dev, dev_to_access);
+    check(api->grant_peer_access(dev_to_access, dev), "enablePeerAccess");
+  }
+
+  // Without peer access, a copy between devices of memory that is not
+  // cudaMalloc'd (growable segments) must go through cudaMemcpyPeerAsync:
+  // cudaMemcpyAsync refuses it.
+  cudaError_t memcpyAsync(void* dst, int dstDevice, const void* src, int srcDevice, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) override {
+    if (p2p_enabled || dstDevice == srcDevice) {
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    }
+    return cudaMemcpyPeerAsync(dst, dstDevice, src, srcDevice, count, stream);
   }
 
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {

@@ -88,4 +88,11 @@ void device::map_chunks(void* address, std::span<const sized_chunk> chunks) {
   }
 }
 
+void device::grant_peer_access(int peer) {
+  if (peer < 0 || peer == ordinal()) {
+    throw invalid_argument(name() + ": grant_peer_access(" + std::to_string(peer) +
+                           ") names no other device (a peer is another device's ordinal)");
+  }
+}
+
 }  // namespace shoal::backend

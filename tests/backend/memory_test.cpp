@@ -4,10 +4,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "shoal/backend/devices.h"
 #include "shoal/backend/host_device.h"
 #include "shoal/backend/shareable_handle.h"
 #include "shoal/core/error.h"
@@ -190,6 +194,56 @@ TYPED_TEST(memory_test, map_chunks_maps_back_to_back_and_all_or_nothing) {
   dev.release_physical(one.chunk);
   dev.release_physical(two.chunk);
   dev.release_range(base);
+}
+
+TYPED_TEST(memory_test, a_peer_grant_names_another_device) {
+  auto& dev = this->device();
+  EXPECT_THROW(dev.grant_peer_access(dev.ordinal()), invalid_argument) << "the device itself";
+  EXPECT_THROW(dev.grant_peer_access(-1), invalid_argument) << "no device";
+  if (dev.kind() == backend::device_kind::cuda) {
+    EXPECT_THROW(dev.grant_peer_access(backend::cuda_device_count()), invalid_argument) << "past the last device";
+  }
+}
+
+// Growable chunks are mapped with access for their own device alone: another
+// device reaches them only once granted, those mapped before the grant and
+// after it alike (a fill from the peer's stream faults otherwise, and the
+// fault is sticky: checked by hand with the grant removed).
+TEST(cuda_peer_access, a_peer_writes_chunks_mapped_before_and_after_its_grant) {
+  if (backend::cuda_device_count() < 2) GTEST_SKIP() << "needs two CUDA devices";
+  backend::device& owner = backend::cuda_device_instance(0);
+  backend::device& peer = backend::cuda_device_instance(1);
+  if (!owner.growable().supported) GTEST_SKIP() << "no growable ranges on cuda device 0";
+  const std::size_t g = owner.granularity();
+  auto* base = static_cast<std::uint8_t*>(owner.reserve_range(2 * g));
+  const auto first = owner.create_physical(g);
+  const auto second = owner.create_physical(g);
+  owner.map(base, first);  // before the grant
+  try {
+    owner.grant_peer_access(1);
+  } catch (const backend_error& e) {  // cudaDeviceCanAccessPeer says no: nothing to show here
+    owner.unmap(base);
+    owner.release_physical(first);
+    owner.release_physical(second);
+    owner.release_range(base);
+    GTEST_SKIP() << e.what();
+  }
+  EXPECT_NO_THROW(owner.grant_peer_access(1)) << "granted again: nothing to do";
+  owner.map(base + g, second);  // after it
+  const backend::stream_ref on_peer = peer.create_stream();
+  peer.fill(on_peer, base, 0x5a, 2 * g);
+  peer.synchronize(on_peer);
+  std::vector<std::uint8_t> seen(2 * g);
+  owner.copy({}, seen.data(), base, 2 * g);
+  owner.synchronize({});
+  EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](std::uint8_t b) { return b == 0x5a; }))
+      << "the peer's fill did not reach both chunks";
+  peer.destroy_stream(on_peer);
+  owner.unmap(base + g);
+  owner.unmap(base);
+  owner.release_physical(first);
+  owner.release_physical(second);
+  owner.release_range(base);
 }
 
 // CUDA hands back memory with whatever it held; the host's new memory reads

@@ -113,6 +113,21 @@ class device {
   virtual void map_chunks(void* address, std::span<const sized_chunk> chunks);
   /// Unmaps the chunk mapped at `address`.
   virtual void unmap(void* address) = 0;
+  /// Lets device `peer` (another device of this kind) read and write this
+  /// device's growable ranges: every chunk mapped now and every chunk mapped
+  /// later. Granting a peer again does nothing. Memory in plain segments
+  /// follows the runtime's own peer access instead (CUDA:
+  /// cudaDeviceEnablePeerAccess, made current on `peer`, the caller's), and
+  /// a kernel of `peer` that reads this device's memory needs that too;
+  /// memory imported from another process stays this device's alone.
+  /// Throws invalid_argument for this device itself or a device that does
+  /// not exist, backend_error where `peer` has no path to this device's
+  /// memory (CUDA: cudaDeviceCanAccessPeer says no; copy through
+  /// cudaMemcpyPeer there).
+  ///
+  /// Optional: this default only checks that `peer` is another device,
+  /// which is all the host backend needs (host memory is every device's).
+  virtual void grant_peer_access(int peer);
 
   // ---- streams ----------------------------------------------------------
   virtual stream_ref create_stream() = 0;

@@ -72,6 +72,7 @@ class cuda_device final : public device {
   void map(void* address, physical_ref chunk) override;
   void map_chunks(void* address, std::span<const sized_chunk> chunks) override;
   void unmap(void* address) override;
+  void grant_peer_access(int peer) override;
 
   stream_ref create_stream() override;
   stream_ref adopt_external_stream(void* native) override;
@@ -119,8 +120,9 @@ class cuda_device final : public device {
   // Lock order, for every lock of the parts: streams_'s stream registry lock
   // comes before streams_'s event registry lock (record, wait) and before
   // both of sharing_'s locks (destroy_stream, export_event, wait_imported).
-  // Every other lock (memory_'s, sharing_'s two, the host-task failure
-  // record's) is taken alone: nothing else is locked while it is held.
+  // memory_'s mapping lock (access_change_) comes before memory_'s records
+  // lock. Every other lock (memory_'s records, sharing_'s two, the host-task
+  // failure record's) is taken alone: nothing else is locked while it is held.
 };
 
 /// Number of CUDA devices; 0 when there is no driver or no GPU.

@@ -27,6 +27,7 @@ void cuda_device::map_chunks(void* address, std::span<const sized_chunk> chunks)
   memory_.map_chunks(address, chunks);
 }
 void cuda_device::unmap(void* address) { memory_.unmap(address); }
+void cuda_device::grant_peer_access(int peer) { memory_.grant_peer_access(peer); }
 
 shareable_handle cuda_device::export_memory(const void* ptr) { return memory_.export_memory(ptr); }
 void* cuda_device::import_memory(std::span<const shareable_handle> chunks, memory_access access) {

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstring>
 #include <iterator>
 #include <limits>
@@ -319,8 +320,13 @@ void cuda_memory::map_chunks(void* address, std::span<const sized_chunk> chunks)
   const device_scope on_device(ordinal_);
   const auto start = reinterpret_cast<std::uintptr_t>(address);
   std::uintptr_t end = start;
+  const std::shared_lock mapping(access_change_);
+  std::vector<CUmemAccessDesc> access;  // this device's, then each peer's
   {
     std::lock_guard lock(mutex_);
+    access.reserve(1 + peers_.size());
+    access.push_back(access_for(ordinal_));
+    for (const int peer : peers_) access.push_back(access_for(peer));
     try {
       for (const sized_chunk& c : chunks) end += claim_mapping(end, c);
     } catch (...) {
@@ -341,8 +347,7 @@ void cuda_memory::map_chunks(void* address, std::span<const sized_chunk> chunks)
   }
   if (result == CUDA_SUCCESS) {
     failed = "cuMemSetAccess";
-    const CUmemAccessDesc access = access_for(ordinal_);
-    result = d.mem_set_access(start, end - start, &access, 1);
+    result = d.mem_set_access(start, end - start, access.data(), access.size());
   }
   if (result != CUDA_SUCCESS) {
     std::uintptr_t m = start;
@@ -359,6 +364,7 @@ void cuda_memory::unmap(void* address) {
   const device_scope on_device(ordinal_);
   const auto start = reinterpret_cast<std::uintptr_t>(address);
   std::size_t size = 0;
+  const std::shared_lock mapping(access_change_);
   {
     std::lock_guard lock(mutex_);
     const auto mapping = mappings_.find(start);
@@ -370,6 +376,38 @@ void cuda_memory::unmap(void* address) {
     mappings_.erase(mapping);
   }
   check(driver().mem_unmap(start, size), "cuMemUnmap");
+}
+
+void cuda_memory::grant_peer_access(int peer) {
+  int count = 0;
+  check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
+  if (peer < 0 || peer >= count || peer == ordinal_) {
+    throw invalid_argument("cuda_device::grant_peer_access: " + std::to_string(peer) + " names no other CUDA device of " +
+                           std::to_string(count) + " (" + cuda_label(ordinal_) + " is this one)");
+  }
+  int reachable = 0;
+  check(cudaDeviceCanAccessPeer(&reachable, peer, ordinal_), "cudaDeviceCanAccessPeer");
+  if (reachable == 0) {
+    throw backend_error("cuda_device::grant_peer_access",
+                        cuda_label(peer) + " cannot reach the memory of " + cuda_label(ordinal_) +
+                            " (cudaDeviceCanAccessPeer says no): copy between them with cudaMemcpyPeerAsync");
+  }
+  const device_scope on_device(ordinal_);
+  const std::unique_lock changing(access_change_);  // every mapping whole, none being made or unmade
+  std::vector<std::pair<std::uintptr_t, std::size_t>> mapped;
+  {
+    std::lock_guard lock(mutex_);
+    if (std::ranges::find(peers_, peer) != peers_.end()) return;
+    mapped.assign(mappings_.begin(), mappings_.end());
+    peers_.reserve(peers_.size() + 1);
+  }
+  // One grant per mapping (~30 us each on an H100), once per peer. A failure
+  // leaves the peer unrecorded, to be granted again over every mapping.
+  const CUmemAccessDesc access = access_for(peer);
+  const cuda_driver& d = driver();
+  for (const auto& [address, size] : mapped) check(d.mem_set_access(address, size, &access, 1), "cuMemSetAccess", size);
+  std::lock_guard lock(mutex_);
+  peers_.push_back(peer);
 }
 
 // ---- sharing with other processes ------------------------------------------------------

@@ -4,10 +4,13 @@
 // chunks exportable as POSIX fds), and imports of memory other processes
 // exported.
 //
-// Thread-safety: every member may be called from any thread at once (one
-// mutex, taken alone: no other lock is taken while it is held). Each call
-// that reaches CUDA makes the device current first. The teardown_* members
-// are the exception: they are for ~cuda_device only, when no call can run.
+// Thread-safety: every member may be called from any thread at once. One
+// mutex guards the records, taken last (no other lock is taken while it is
+// held); map_chunks and unmap hold access_change_ shared for their whole
+// call, grant_peer_access alone, so a grant meets every mapping whole:
+// mapped, with its access set, and not being unmapped. Each call that
+// reaches CUDA makes the device current first. The teardown_* members are
+// the exception: they are for ~cuda_device only, when no call can run.
 //
 // Invariants (guarded by mutex_):
 //   segments_ = live cudaMalloc segments, base -> bytes;
@@ -16,7 +19,10 @@
 //   mappings_ = chunks mapped in reservations, address -> bytes, each inside
 //     exactly one reservation and disjoint from the others;
 //   chunks_ = live chunk handles, handle -> bytes;
-//   imports_ = open imports, returned pointer -> what to close.
+//   imports_ = open imports, returned pointer -> what to close;
+//   peers_ = the other devices granted access to every mapping (each mapped
+//     with access for this device and for every peer recorded when it was
+//     claimed; a peer is recorded only once every mapping has its access).
 // A record is removed before its resource is released, so two threads never
 // release one thing; if the release then fails, the error is thrown and the
 // record stays removed.
@@ -28,6 +34,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <shared_mutex>
 #include <span>
 #include <unordered_map>
 #include <vector>
@@ -72,6 +79,8 @@ class cuda_memory {
   void map(void* address, physical_ref chunk);
   void map_chunks(void* address, std::span<const sized_chunk> chunks);
   void unmap(void* address);
+  /// See device::grant_peer_access.
+  void grant_peer_access(int peer);
 
   [[nodiscard]] shareable_handle export_memory(const void* ptr) const;
   /// Checks the handles, then imports one segment (cuda_ipc, read-write
@@ -108,6 +117,7 @@ class cuda_memory {
   const growable_support growable_;  // asked of the driver once, in the constructor
   std::size_t granularity_ = 0;
 
+  std::shared_mutex access_change_;
   mutable std::mutex mutex_;
   std::map<std::uintptr_t, std::size_t> segments_;
   std::map<std::uintptr_t, std::size_t> pinned_;
@@ -115,6 +125,7 @@ class cuda_memory {
   std::map<std::uintptr_t, std::size_t> mappings_;
   std::unordered_map<CUmemGenericAllocationHandle, std::size_t> chunks_;
   std::multimap<std::uintptr_t, import_record> imports_;
+  std::vector<int> peers_;
 };
 
 }  // namespace shoal::backend::detail
