@@ -128,6 +128,17 @@ namespace {
                            "the first shoal call, which makes the default allocator)");
 }
 
+// The calls that name one inherited block to use it further (adopt it into
+// a storage, send it): refused in a fork child as allocate is, before any
+// lock, since another of the parent's threads may have held that pool's
+// lock at the fork.
+void refuse_in_fork_child(const shoal::detail::fork_epoch& epoch, const char* op) {
+  if (!epoch.forked_since()) [[likely]] return;
+  throw device_unavailable(std::string("caching_allocator::") + op +
+                           ": this allocator was made in the parent process, and this is a fork() child; its "
+                           "blocks are the parent's (see allocate)");
+}
+
 }  // namespace
 
 // ---- allocation --------------------------------------------------------------
@@ -787,6 +798,9 @@ void allocator_core::empty_cache() {
 }
 
 void allocator_core::record_stream(void* ptr, backend::stream_ref stream) {
+  // A fork() child's storage dropping a block it inherited records its
+  // streams first: the block is the parent's, and so may be its pool's lock.
+  if (epoch_.forked_since()) [[unlikely]] return;
   const auto address = reinterpret_cast<std::uintptr_t>(ptr);
   const auto note_stream = [&](block_pool& pool, block* b) {
     // A tombstone: its owner's storage records its streams before the late
@@ -827,6 +841,7 @@ bool allocator_core::record_inside_block(std::uintptr_t address, backend::stream
 }
 
 std::size_t allocator_core::block_size(const void* ptr) const {
+  refuse_in_fork_child(epoch_, "block_size");
   std::size_t size = 0;
   with_block(reinterpret_cast<std::uintptr_t>(ptr), "block_size", [&](block_pool&, block* b) {
     require_not_invalidated(b, "block_size");
@@ -836,6 +851,7 @@ std::size_t allocator_core::block_size(const void* ptr) const {
 }
 
 void allocator_core::mark_held_outside(void* ptr) {
+  refuse_in_fork_child(epoch_, "mark_held_outside");
   with_block(reinterpret_cast<std::uintptr_t>(ptr), "mark_held_outside", [&](block_pool&, block* b) {
     require_not_invalidated(b, "mark_held_outside");
     b->held_outside = true;
@@ -843,6 +859,7 @@ void allocator_core::mark_held_outside(void* ptr) {
 }
 
 void allocator_core::claim(void* ptr) {
+  refuse_in_fork_child(epoch_, "claim");
   with_block(reinterpret_cast<std::uintptr_t>(ptr), "claim", [&](block_pool&, block* b) {
     // A forced clear may take the block back between its allocation and the
     // claim: a tombstone has no owner to claim it for, and its late free is
@@ -857,6 +874,7 @@ void allocator_core::claim(void* ptr) {
 }
 
 void allocator_core::unmark_held_outside(void* ptr) {
+  if (epoch_.forked_since()) [[unlikely]] return;  // a drop in a fork() child: the parent's block (record_stream)
   with_block(reinterpret_cast<std::uintptr_t>(ptr), "unmark_held_outside", [&](block_pool&, block* b) {
     if (b->state == block_state::allocated) b->held_outside = false;  // a tombstone has no mark
   });

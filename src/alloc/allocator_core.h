@@ -364,7 +364,9 @@ class allocator_core {
   std::uint32_t sweep_retry_interval_ = 16;  // guarded by sweep_mutex_
   std::mutex sweep_mutex_;  ///< one sweep at a time; taken with no other allocator lock held
 
-  const shoal::detail::fork_epoch epoch_;  ///< allocate refuses, deallocate ignores, in a fork() child
+  /// In a fork() child: allocate and the calls that use one block further
+  /// refuse; deallocate, record_stream and unmark_held_outside do nothing.
+  const shoal::detail::fork_epoch epoch_;
   pool_directory directory_;
   held_streams held_streams_;  ///< streams private pools' blocks remember that no pool holds
   orphaned_tombstones orphans_;  ///< tombstones of destroyed private pools

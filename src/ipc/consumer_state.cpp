@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "core/deadline.h"
+#include "core/fork_epoch.h"
 #include "shoal/backend/stream.h"
 #include "shoal/core/error.h"
 
@@ -38,6 +39,7 @@ class received_data final : public storage::storage_owner {
         received_on_(received_on) {}
 
   void storage_released(std::span<const backend::stream_ref> used_on) noexcept override {
+    if (epoch_.forked_since()) return;  // see the destructor
     std::lock_guard lock(used_on_mutex_);
     for (auto s : used_on) {
       if (s == received_on_ || std::ranges::find(also_used_on_, s) != also_used_on_.end()) continue;
@@ -50,6 +52,10 @@ class received_data final : public storage::storage_owner {
   }
 
   ~received_data() override {
+    // A fork() child's drop of a storage it inherited: the slot, the
+    // mapping's count and the streams are the parent's, and so may be the
+    // locks on the way (the sink's, the device's stream registry).
+    if (epoch_.forked_since()) return;
     auto release = [sink = sink_, m = mapping_, file = file_, slot = slot_] {
       file->release(slot);
       sink->held.fetch_sub(1, std::memory_order_relaxed);
@@ -120,6 +126,7 @@ class received_data final : public storage::storage_owner {
   const backend::stream_ref received_on_;
   std::mutex used_on_mutex_;
   std::vector<backend::stream_ref> also_used_on_;  // guarded by used_on_mutex_ until the destructor
+  const shoal::detail::fork_epoch epoch_;
 };
 
 }  // namespace

@@ -4,6 +4,7 @@
 #include <set>
 #include <string>
 
+#include "core/fork_epoch.h"
 #include "core/process_wide_id.h"
 #include "ipc/consumer_state.h"
 #include "shoal/backend/stream.h"
@@ -21,6 +22,9 @@ class sent_data final : public storage::storage_owner {
   sent_data(std::shared_ptr<producer_state> state, void* data, std::size_t size)
       : state_(std::move(state)), data_(data), size_(size) {}
   ~sent_data() override {
+    // A fork() child's drop of a storage it inherited: the block and the
+    // limbo are the parent's, and so may be the state's lock.
+    if (epoch_.forked_since()) return;
     backend::stream_ref stream;
     try {
       stream = backend::current_stream(state_->allocator.device());
@@ -37,6 +41,7 @@ class sent_data final : public storage::storage_owner {
   std::shared_ptr<producer_state> state_;
   void* data_;
   std::size_t size_;
+  const shoal::detail::fork_epoch epoch_;
 };
 
 }  // namespace

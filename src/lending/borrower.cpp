@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "core/deadline.h"
+#include "core/fork_epoch.h"
 #include "core/printable_text.h"
 #include "lending/automatic_spin.h"
 #include "lending/mapping_cache.h"
@@ -99,6 +100,7 @@ struct borrowed_region::link {
   }
 
   backend::device& device;
+  const shoal::detail::fork_epoch epoch;
   mutable std::mutex mutex;
   channel::connection conn;
   detail::mapping_cache kept;  // under mutex
@@ -140,6 +142,13 @@ struct borrowed_region::link {
   clock_type::time_point gave_up_waiting{};
 
   ~link() {
+    // A fork() child's copy: the connection, the regions and their mappings
+    // are the parent's (its threads may hold the link's locks); the child
+    // tells the lender nothing and unmaps nothing.
+    if (epoch.forked_since()) {
+      kept.abandon();
+      return;
+    }
     // The last holder of the link is going: what is still owed is read now,
     // or the lender would keep a region lent late until this process ends
     // (it cannot know it was never mapped) — unless a wait for them ran out
@@ -555,6 +564,7 @@ struct borrowed_region::link {
   // call: timeout_error says so.
   void give_back(std::uint64_t id, std::uint64_t memory, void* data, std::size_t size, bool exclusive,
                  clock_type::time_point deadline) {
+    if (epoch.forked_since()) return;  // a fork() child's drop of a region it inherited: the parent's (~link)
     std::unique_lock lock(mutex, std::defer_lock);
     if (!lock_by(lock, deadline)) {
       device.close_import(data);

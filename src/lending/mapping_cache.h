@@ -50,6 +50,12 @@ class mapping_cache {
   [[nodiscard]] bool contains(std::uint64_t memory) const { return mappings_.contains(memory); }
   /// Unmaps the kept mapping of `memory`; false when none is kept.
   bool forget(std::uint64_t memory) noexcept;
+  /// Forgets every mapping without unmapping it: in a fork() child, where
+  /// they are the parent's (and the device's calls are not the child's).
+  void abandon() noexcept {
+    mappings_.clear();
+    bytes_ = 0;
+  }
 
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
   [[nodiscard]] std::size_t count() const noexcept { return mappings_.size(); }

@@ -780,5 +780,30 @@ TYPED_TEST(waiting_borrow_processes, a_waiting_process_is_lent_the_memory_of_one
   EXPECT_EQ(l.status().lent_bytes, 4 * mib);
 }
 
+// A forked worker of a borrower whose other thread waits for memory at the
+// lender (it holds the borrower's connection): the worker drops a region it
+// inherited (its give back is deferred after drop_timeout), then the borrower.
+TEST(lending_waiting_borrow, a_forked_child_drops_an_inherited_region_and_borrower_while_a_parent_borrow_waits) {
+  waiting_fixture f(16 * mib);
+  borrower model_a(f.dev, f.l->address());
+  auto other = std::make_unique<borrower>(f.dev, f.l->address());
+  std::optional<lending::borrowed_region> a = other->borrow(4 * mib, "held");
+  auto filler = model_a.borrow(12 * mib, "filler");
+  auto waiting = f.borrow_waiting(*other, 8 * mib, "waits", 20s);  // holds other's connection
+  ASSERT_TRUE(f.waiting(1));
+
+  forked_child child([&] {
+    a.reset();      // give back: the connection is taken, deferred after 1 s
+    other.reset();  // the link's end settles what was deferred
+    return 0;
+  });
+  const std::optional<int> status = child.wait_for(8s);
+  model_a.give_back(std::move(filler));
+  a.reset();
+  (void)waiting.wait_for(10s);
+  ASSERT_TRUE(status.has_value()) << "the child hung dropping the borrower (a lock its parent's thread held)";
+  EXPECT_EQ(*status, 0);
+}
+
 }  // namespace
 }  // namespace shoal::testing

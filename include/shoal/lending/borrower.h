@@ -68,6 +68,13 @@
 // 10 ms, whatever that call is doing. A borrowed_region is a value (move-only), used
 // by one thread at a time; it may outlive its borrower object (it keeps the
 // connection alive).
+//
+// Processes: a borrower and its regions belong to the process that
+// connected. In a fork() child, dropping an inherited region (or giving it
+// back) and dropping the borrower do nothing — no message, no unmap, no
+// wait for a lock another of the parent's threads may hold — and the
+// connection is closed for the child (channel's fork rule), so its calls
+// fail with connection_closed. A child borrows through a borrower of its own.
 #pragma once
 
 #include <chrono>

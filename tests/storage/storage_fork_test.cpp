@@ -1,0 +1,71 @@
+// A fork() child dropping a storage it inherited, while another of the
+// parent's threads was inside the allocator (growing the same pool) at the
+// fork: the child's drop must free nothing and must not wait for the lock
+// that thread held (it does not exist in the child).
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <optional>
+#include <thread>
+
+#include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/host_device.h"
+#include "shoal/storage/storage.h"
+#include "support/forwarding_device.h"
+#include "support/processes.h"
+
+namespace shoal::testing {
+namespace {
+
+using namespace std::chrono_literals;
+
+// Holds the next segment allocation (made under the pool's lock) until let go.
+class holding_device : public forwarding_device {
+ public:
+  using forwarding_device::forwarding_device;
+  void* allocate_segment(std::size_t bytes) override {
+    hold();
+    return forwarding_device::allocate_segment(bytes);
+  }
+  backend::physical_ref create_physical(std::size_t bytes) override {
+    hold();
+    return forwarding_device::create_physical(bytes);
+  }
+  void hold() {
+    if (!armed.exchange(false)) return;
+    inside = true;
+    while (!released) std::this_thread::sleep_for(1ms);
+  }
+  std::atomic<bool> armed{false}, inside{false}, released{false};
+};
+
+TEST(storage_fork, a_forked_child_drops_an_inherited_storage_while_a_parent_thread_grows_its_pool) {
+  backend::host_device host;
+  holding_device dev(host);
+  alloc::caching_allocator allocator(dev, alloc::allocator_config{});
+  std::optional<storage::storage> kept = storage::storage::allocate(allocator, 2 << 20, {});
+  dev.armed = true;
+  std::thread grower([&] {
+    // Larger than what the first segment has left: the pool grows, its lock held.
+    try {
+      void* p = allocator.allocate(std::size_t{30} << 20, {});
+      allocator.deallocate(p, {});
+    } catch (...) {
+    }
+  });
+  while (!dev.inside) std::this_thread::sleep_for(1ms);
+
+  forked_child child([&] {
+    kept.reset();  // what a DataLoader worker's drop of an inherited storage does
+    return 0;
+  });
+  const std::optional<int> status = child.wait_for(5s);
+  dev.released = true;
+  grower.join();
+  ASSERT_TRUE(status.has_value()) << "the child hung dropping an inherited storage";
+  EXPECT_EQ(*status, 0);
+}
+
+}  // namespace
+}  // namespace shoal::testing
