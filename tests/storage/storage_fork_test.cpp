@@ -7,10 +7,13 @@
 #include <atomic>
 #include <chrono>
 #include <optional>
+#include <string>
 #include <thread>
 
 #include "shoal/alloc/caching_allocator.h"
+#include "shoal/backend/devices.h"
 #include "shoal/backend/host_device.h"
+#include "shoal/core/error.h"
 #include "shoal/storage/storage.h"
 #include "support/forwarding_device.h"
 #include "support/processes.h"
@@ -65,6 +68,29 @@ TEST(storage_fork, a_forked_child_drops_an_inherited_storage_while_a_parent_thre
   grower.join();
   ASSERT_TRUE(status.has_value()) << "the child hung dropping an inherited storage";
   EXPECT_EQ(*status, 0);
+}
+
+// What would use an inherited block further is refused in the child, as
+// allocate is, before any lock: a take_over there (which asks the block's
+// size and claims it) says why, whatever the parent's threads were doing.
+TEST(storage_fork, a_forked_child_is_refused_a_take_over_of_an_inherited_block) {
+  alloc::caching_allocator allocator(backend::host_device_instance(), alloc::allocator_config{});
+  void* block = allocator.allocate(4096, {});
+  forked_child child([&] {
+    try {
+      (void)storage::storage::take_over(allocator, block, 4096, {});
+    } catch (const device_unavailable& e) {
+      return std::string(e.what()).find("fork() child") != std::string::npos ? 0 : 2;
+    } catch (...) {
+      return 3;
+    }
+    return 1;
+  });
+  const std::optional<int> status = child.wait_for(10s);
+  ASSERT_TRUE(status.has_value());
+  EXPECT_EQ(*status, 0) << "1: taken over, 2: refused without saying why, 3: another error";
+  storage::storage own = storage::storage::take_over(allocator, block, 4096, {});  // the parent's still may
+  EXPECT_EQ(own.size(), 4096u);
 }
 
 }  // namespace
