@@ -7,9 +7,12 @@
 #include <sys/socket.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
+#include <system_error>
 #include <thread>
 
 #include "shoal/alloc/caching_allocator.h"
@@ -38,82 +41,81 @@ TEST(sharing_fork, a_forked_child_can_destroy_the_parents_context_and_its_collec
   EXPECT_EQ(context->collect(), 0U) << "the parent's context works on";
 }
 
-// A DataLoader-like parent: another thread reads the context's holders while
-// the main thread forks workers; each worker drops a storage it inherited
-// that the parent had sent (its last handle in the child).
+// Two peers of `context` over a socket pair: what one sends the other receives.
+struct linked_peers {
+  std::unique_ptr<ipc::peer> sender, receiver;
+};
+linked_peers link_peers(ipc::sharing_context& context) {
+  int ends[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends) != 0) throw std::system_error(errno, std::generic_category());
+  std::optional<channel::connection> theirs;
+  std::thread adopting([&] { theirs.emplace(channel::connection::adopt_pair_end(unique_fd(ends[1]), {}, 1 << 20)); });
+  auto sender = std::make_unique<ipc::peer>(context, channel::connection::adopt_pair_end(unique_fd(ends[0]), {}, 1 << 20));
+  adopting.join();
+  return {std::move(sender), std::make_unique<ipc::peer>(context, std::move(*theirs))};
+}
+
+// A DataLoader-like parent: `busy` runs over and over on another thread
+// while the main thread forks up to 200 workers, each running `drop`. The
+// number of forks when a worker hung (its drop waited for a lock the busy
+// thread held at the fork), or 0 when none did.
+int forks_until_one_hangs(const std::function<void()>& busy, const std::function<void()>& drop) {
+  std::atomic<bool> stop{false};
+  std::thread parent_thread([&] {
+    while (!stop) busy();
+  });
+  int hung_at = 0;
+  for (int tries = 1; tries <= 200 && hung_at == 0; ++tries) {
+    forked_child child([&] {
+      drop();
+      return 0;
+    });
+    if (!child.wait_for(2s).has_value()) hung_at = tries;
+  }
+  stop = true;
+  parent_thread.join();
+  return hung_at;
+}
+
+// Each worker drops a storage it inherited that the parent had sent (its
+// last handle in the child) while the parent's thread reads the context.
 TEST(sharing_fork, a_forked_child_drops_an_inherited_sent_storage_while_a_parent_thread_reads_the_context) {
   alloc::caching_allocator allocator(backend::host_device_instance(), {});
   ipc::sharing_context context(allocator, ipc::sharing_options{.collect_interval = 0ms});
-  int ends[2];
-  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends), 0);
-  std::optional<channel::connection> theirs;
-  std::thread adopting([&] { theirs.emplace(channel::connection::adopt_pair_end(unique_fd(ends[1]), {}, 1 << 20)); });
-  ipc::peer sender(context, channel::connection::adopt_pair_end(unique_fd(ends[0]), {}, 1 << 20));
-  adopting.join();
-  ipc::peer receiver(context, std::move(*theirs));
+  linked_peers peers = link_peers(context);
   std::optional<storage::storage> sent = storage::storage::allocate(allocator, 4096, {});
-  sender.send(*sent);
-  ipc::received got = receiver.receive();  // the slot is held: the drop puts the block in the limbo
+  peers.sender->send(*sent);
+  ipc::received got = peers.receiver->receive();  // the slot is held: the drop puts the block in the limbo
 
-  std::atomic<bool> stop{false};
-  std::thread reader([&] {
-    while (!stop) (void)context.holders();
-  });
-  int hung = 0, tries = 0;
-  for (; tries < 200 && hung == 0; ++tries) {
-    forked_child child([&] {
-      sent.reset();
-      return 0;
-    });
-    if (!child.wait_for(2s).has_value()) ++hung;
-  }
-  stop = true;
-  reader.join();
-  EXPECT_EQ(hung, 0) << "a child hung dropping an inherited sent storage (after " << tries << " forks)";
+  const int hung_at = forks_until_one_hangs([&] { (void)context.holders(); }, [&] { sent.reset(); });
+  EXPECT_EQ(hung_at, 0) << "a child hung dropping an inherited sent storage (fork " << hung_at << ")";
 }
 
-// The receiving side: workers forked while another thread makes and drops
-// streams (the host device's stream registry, locked alone) and collects
-// (the mappings' sink) drop a received storage they inherited, its mapping
+// The receiving side: the parent's thread makes and drops streams (the host
+// device's stream registry, locked alone) and collects (the mappings' sink)
+// while each worker drops a received storage it inherited, its mapping
 // already retired, so its release would reach both locks.
 TEST(sharing_fork, a_forked_child_drops_an_inherited_received_storage_while_a_parent_thread_works) {
   backend::device& dev = backend::host_device_instance();
   alloc::caching_allocator allocator(dev, {});
   ipc::sharing_context context(allocator, ipc::sharing_options{.collect_interval = 0ms});
-  int ends[2];
-  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends), 0);
-  std::optional<channel::connection> theirs;
-  std::thread adopting([&] { theirs.emplace(channel::connection::adopt_pair_end(unique_fd(ends[1]), {}, 1 << 20)); });
-  auto sender = std::make_unique<ipc::peer>(context, channel::connection::adopt_pair_end(unique_fd(ends[0]), {}, 1 << 20));
-  adopting.join();
-  ipc::peer receiver(context, std::move(*theirs));
+  linked_peers peers = link_peers(context);
   const backend::stream_ref used = dev.create_stream();
   {
     std::optional<storage::storage> sent = storage::storage::allocate(allocator, 4096, {});
-    sender->send(*sent);
+    peers.sender->send(*sent);
   }
-  std::optional<ipc::received> got = receiver.receive();
+  std::optional<ipc::received> got = peers.receiver->receive();
   got->storage.record_stream(used);  // used on a stream of its own: the drop looks at it
-  sender.reset();                         // the producer went: its mapping is retired
+  peers.sender.reset();              // the producer went: its mapping is retired
 
-  std::atomic<bool> stop{false};
-  std::thread worker([&] {
-    while (!stop) {
-      dev.destroy_stream(dev.create_stream());
-      (void)context.collect();
-    }
-  });
-  int hung = 0, tries = 0;
-  for (; tries < 200 && hung == 0; ++tries) {
-    forked_child child([&] {
-      got.reset();
-      return 0;
-    });
-    if (!child.wait_for(2s).has_value()) ++hung;
-  }
-  stop = true;
-  worker.join();
-  EXPECT_EQ(hung, 0) << "a child hung dropping an inherited received storage (after " << tries << " forks)";
+  const int hung_at = forks_until_one_hangs(
+      [&] {
+        dev.destroy_stream(dev.create_stream());
+        (void)context.collect();
+      },
+      [&] { got.reset(); });
+  EXPECT_EQ(hung_at, 0) << "a child hung dropping an inherited received storage (fork " << hung_at << ")";
   got.reset();
   dev.synchronize(used);
   dev.destroy_stream(used);
