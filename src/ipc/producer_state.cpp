@@ -63,6 +63,7 @@ void producer_state::attach() {
 }
 
 producer_state::~producer_state() {
+  if (epoch.forked_since()) return;  // the hooks' lock may be a parent thread's
   // Blocks still in the limbo stay allocated: another process holds them.
   try {
     if (miss_hook_ != 0) allocator.remove_hook(miss_hook_);

@@ -16,6 +16,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "core/fork_epoch.h"
 #include "ipc/context_holdings.h"
 #include "ipc/counters/counter_slots.h"
 #include "ipc/weak_list.h"
@@ -103,6 +104,7 @@ class producer_state : public std::enable_shared_from_this<producer_state> {
   [[nodiscard]] sharing_stats stats() const;
 
   alloc::caching_allocator& allocator;
+  const shoal::detail::fork_epoch epoch;  // a fork() child's teardown takes none of the parent's locks
   const sharing_options options;
   /// This context's number in the process, never reused (a context made at
   /// a freed one's address must not find that one's tables: for_producer).

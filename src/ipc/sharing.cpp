@@ -96,7 +96,7 @@ sharing_context::sharing_context(alloc::caching_allocator& allocator, sharing_op
 }
 
 sharing_context::~sharing_context() {
-  if (collector_ && collector_->forked_since()) {
+  if (state_ && state_->epoch.forked_since()) {
     // A fork() child: the collector's thread stayed with the parent, and
     // the references the context tracks are the parent's (a child's drops
     // release nothing), so there is nothing to collect here either.

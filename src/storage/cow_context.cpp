@@ -108,6 +108,10 @@ void cow_context::note_copy_done(backend::stream_ref stream) {
 }
 
 bool cow_context::release_for_drop(std::span<const backend::stream_ref> used_on) noexcept {
+  // A fork() child's drop of an inherited family member: the data, the
+  // events and the family's lock are the parent's. The context is left
+  // (never deleted there: its events are the parent's device's).
+  if (epoch_.forked_since()) return false;
   try {
     record_uses(used_on);  // while this reference keeps the data allocated
   } catch (...) {

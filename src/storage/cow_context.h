@@ -30,6 +30,7 @@
 #include <span>
 #include <vector>
 
+#include "core/fork_epoch.h"
 #include "shoal/alloc/caching_allocator.h"
 
 namespace shoal::storage::detail {
@@ -100,6 +101,7 @@ class cow_context {
   const std::size_t size_;
   const backend::stream_ref created_on_;  // also in written_on_; read without the lock
   std::atomic<std::int64_t> refcount_{1};
+  const shoal::detail::fork_epoch epoch_;  // a fork() child drops its references without the family's lock
 
   std::mutex streams_mutex_;
   std::vector<backend::stream_ref> written_on_;  // guarded by streams_mutex_

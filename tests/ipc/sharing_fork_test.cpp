@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -119,6 +120,41 @@ TEST(sharing_fork, a_forked_child_drops_an_inherited_received_storage_while_a_pa
   got.reset();
   dev.synchronize(used);
   dev.destroy_stream(used);
+}
+
+// Without a collector nothing else marked the context as the parent's: its
+// end in the child collected under the producer's lock.
+TEST(sharing_fork, a_forked_child_destroys_a_context_without_a_collector_while_a_parent_thread_reads_it) {
+  alloc::caching_allocator allocator(backend::host_device_instance(), {});
+  auto context = std::make_unique<ipc::sharing_context>(allocator, ipc::sharing_options{.collect_interval = 0ms});
+  const int hung_at = forks_until_one_hangs([&] { (void)context->holders(); }, [&] { context.reset(); });
+  EXPECT_EQ(hung_at, 0) << "a child hung destroying an inherited context (fork " << hung_at << ")";
+}
+
+// The context's end removes its hooks from the allocator, under the hooks'
+// lock, which a parent thread running any cache-miss hook holds.
+TEST(sharing_fork, a_forked_child_destroys_the_context_while_a_parent_thread_runs_a_miss_hook) {
+  alloc::caching_allocator allocator(backend::host_device_instance(), {});
+  auto context = std::make_unique<ipc::sharing_context>(allocator, ipc::sharing_options{.collect_interval = 0ms});
+  std::atomic<bool> armed{true}, inside{false}, released{false};
+  const std::uint64_t hook = allocator.add_cache_miss_hook([&] {
+    if (!armed.exchange(false)) return;
+    inside = true;
+    while (!released) std::this_thread::sleep_for(1ms);
+  });
+  std::thread allocating([&] { allocator.deallocate(allocator.allocate(1 << 20, {}), {}); });
+  while (!inside) std::this_thread::sleep_for(1ms);
+
+  forked_child child([&] {
+    context.reset();
+    return 0;
+  });
+  const std::optional<int> status = child.wait_for(5s);
+  released = true;
+  allocating.join();
+  allocator.remove_hook(hook);
+  ASSERT_TRUE(status.has_value()) << "the child hung destroying the context (the hooks' lock a parent thread held)";
+  EXPECT_EQ(*status, 0);
 }
 
 }  // namespace

@@ -23,24 +23,30 @@ namespace {
 
 using namespace std::chrono_literals;
 
-// Holds the next segment allocation (made under the pool's lock) until let go.
+// Holds the next segment allocation or event creation (whichever is armed;
+// both are made under a lock: the pool's, a copy-on-write family's) until
+// let go.
 class holding_device : public forwarding_device {
  public:
   using forwarding_device::forwarding_device;
   void* allocate_segment(std::size_t bytes) override {
-    hold();
+    hold(armed_growth);
     return forwarding_device::allocate_segment(bytes);
   }
   backend::physical_ref create_physical(std::size_t bytes) override {
-    hold();
+    hold(armed_growth);
     return forwarding_device::create_physical(bytes);
   }
-  void hold() {
+  backend::event_ref create_event() override {
+    hold(armed_event);
+    return forwarding_device::create_event();
+  }
+  void hold(std::atomic<bool>& armed) {
     if (!armed.exchange(false)) return;
     inside = true;
     while (!released) std::this_thread::sleep_for(1ms);
   }
-  std::atomic<bool> armed{false}, inside{false}, released{false};
+  std::atomic<bool> armed_growth{false}, armed_event{false}, inside{false}, released{false};
 };
 
 TEST(storage_fork, a_forked_child_drops_an_inherited_storage_while_a_parent_thread_grows_its_pool) {
@@ -48,7 +54,7 @@ TEST(storage_fork, a_forked_child_drops_an_inherited_storage_while_a_parent_thre
   holding_device dev(host);
   alloc::caching_allocator allocator(dev, alloc::allocator_config{});
   std::optional<storage::storage> kept = storage::storage::allocate(allocator, 2 << 20, {});
-  dev.armed = true;
+  dev.armed_growth = true;
   std::thread grower([&] {
     // Larger than what the first segment has left: the pool grows, its lock held.
     try {
@@ -67,6 +73,30 @@ TEST(storage_fork, a_forked_child_drops_an_inherited_storage_while_a_parent_thre
   dev.released = true;
   grower.join();
   ASSERT_TRUE(status.has_value()) << "the child hung dropping an inherited storage";
+  EXPECT_EQ(*status, 0);
+}
+
+// A lazy clone's family: a parent thread's write copies out of the shared
+// data (its event is made under the family's lock) while a worker forks and
+// drops an inherited member of that family.
+TEST(storage_fork, a_forked_child_drops_an_inherited_lazy_clone_while_a_parent_thread_materializes_its_family) {
+  backend::host_device host;
+  holding_device dev(host);
+  alloc::caching_allocator allocator(dev, alloc::allocator_config{});
+  std::optional<storage::storage> source = storage::storage::allocate(allocator, 4096, {});
+  storage::storage clone = storage::lazy_clone(*source, {});
+  dev.armed_event = true;
+  std::thread writer([&] { (void)clone.mutable_data({}); });  // a copy: the family has two members
+  while (!dev.inside) std::this_thread::sleep_for(1ms);
+
+  forked_child child([&] {
+    source.reset();  // the family's reference goes: cow_context::release_for_drop
+    return 0;
+  });
+  const std::optional<int> status = child.wait_for(5s);
+  dev.released = true;
+  writer.join();
+  ASSERT_TRUE(status.has_value()) << "the child hung dropping an inherited lazy clone (the family's lock)";
   EXPECT_EQ(*status, 0);
 }
 
