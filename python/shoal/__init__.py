@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.metadata
+import os
 import threading
 from typing import Any, Iterator, Optional
 
@@ -108,6 +109,16 @@ __all__ = [
 
 _default_allocator: Optional[Allocator] = None
 _default_allocator_lock = threading.Lock()
+
+
+def _fresh_lock_in_fork_child() -> None:
+    # Another thread of the parent may have held it at the fork (making the
+    # default allocator): the child's first use is refused, not hung.
+    global _default_allocator_lock
+    _default_allocator_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_fork_child)
 
 
 def default_allocator() -> Allocator:

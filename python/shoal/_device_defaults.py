@@ -35,6 +35,16 @@ _allocators: dict[tuple[str, int], _shoal.Allocator] = {}  # made here, by (kind
 _allocators_lock = threading.Lock()
 
 
+def _fresh_lock_in_fork_child() -> None:
+    # Another thread of the parent may have held it at the fork: the
+    # child's exit (_drop_allocators) and its first allocator must not wait for it.
+    global _allocators_lock
+    _allocators_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_fork_child)
+
+
 def torch_with_cuda() -> Any:
     """The torch module when this process imported it and initialized CUDA in it, else None."""
     torch = sys.modules.get("torch")

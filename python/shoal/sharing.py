@@ -111,6 +111,15 @@ _producer_contexts: "weakref.WeakValueDictionary[tuple, _shoal.SharingContext]" 
 _producer_contexts_lock = threading.Lock()
 
 
+def _fresh_lock_in_fork_child() -> None:
+    # Another thread of the parent may have held it at the fork (making a Producer).
+    global _producer_contexts_lock
+    _producer_contexts_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_fork_child)
+
+
 def _producer_context(allocator: _shoal.Allocator, options: dict[str, int]) -> _shoal.SharingContext:
     key = (os.getpid(), allocator, tuple(sorted(options.items())))
     try:
@@ -710,6 +719,7 @@ class Consumer:
         self._wake_writer.setblocking(False)
         self._selector.register(self._wake_reader.fileno(), selectors.EVENT_READ, _WAKE)
         self._call_lock = threading.RLock()  # held by get() and batches() while they run
+        self._pid = os.getpid()  # a fork() child's close() leaves the parent's Consumer alone
         self._call_thread: int | None = None  # the thread of the call in flight
         self._torn_down = False
         self._incoming: dict[int, _Incoming] = {}
@@ -831,7 +841,12 @@ class Consumer:
                     raise self._closed_error(caller)
                 for key, _ in ready:
                     if key.data is _WAKE:
-                        continue  # not reached while open: close() marks it closed before it writes
+                        # Not reached while open: close() marks it closed before it writes
+                        # (a fork child's close() writes nothing). Read all the same, so that
+                        # a stray byte cannot make every later select return at once.
+                        with contextlib.suppress(OSError):
+                            self._wake_reader.recv(64)
+                        continue
                     if key.data is None:
                         self._accept()
                     elif all(key.data is not turn for turn in turns):
@@ -999,10 +1014,22 @@ class Consumer:
         stay valid. A get() or batches() waiting in another thread ends with
         the closed error, and close() returns once it has; called from a
         signal handler inside this thread's get(), close() returns at once
-        and that get() ends with the closed error."""
+        and that get() ends with the closed error. In a fork() child of the
+        process that made it, close() (and the end of a ``with`` block) closes
+        only the child's copies of its sockets: the parent's Consumer goes on."""
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            # A fork() child's copy: the connections, the listening name and
+            # the wake-up socket pair are shared with the parent, whose get()
+            # may hold the call lock (its thread is not here). Only this
+            # process's descriptors go; nothing is sent.
+            self._torn_down = True
+            for closable in (self._selector, self._wake_reader, self._wake_writer, self._listener):
+                with contextlib.suppress(OSError, _shoal.ShoalError):
+                    closable.close()
+            return
         with contextlib.suppress(OSError):  # full or closed: a wake-up is there already
             self._wake_writer.send(b"\0")
         if self._call_thread == threading.get_ident():

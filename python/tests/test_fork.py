@@ -1,17 +1,23 @@
 """A fork() child of a process that used shoal (host backend): what the parent
 opened is the parent's. The child is refused its allocations and stream work
 with DeviceUnavailableError, and ends without hanging on the parent's
-threads."""
+threads, or on a lock another of the parent's threads held at the fork."""
 
+import atexit
+import contextlib
 import gc
 import os
+import signal
+import sys
 import threading
 import time
 
 import pytest
 
 import shoal
+import shoal.sharing
 import shoal.transfer
+from shoal import _device_defaults
 
 
 def run_in_child(body, timeout: float = 10.0) -> int:
@@ -188,3 +194,139 @@ def test_a_forked_child_that_lives_on_leaves_no_listening_name_bound():
         os.close(hold_write)
         os.close(ready_read)
         os.waitpid(pid, 0)
+
+
+# A parent thread busy in shoal at the fork: a lock it held then is never let
+# go in the child, which must neither wait for it nor touch the parent's objects.
+
+
+@contextlib.contextmanager
+def parent_thread_busy(step):
+    """Runs step() over and over on a parent thread, the GIL handed over often."""
+    stop = threading.Event()
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    def steps() -> None:
+        while not stop.is_set():
+            step()
+
+    thread = threading.Thread(target=steps, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.02)
+        yield
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        thread.join(10)
+
+
+def first_hung_fork(body, forks: int) -> int:
+    """Forks up to `forks` children running body() under a 3 s alarm; the number of the
+    first whose child hung (or failed), else 0."""
+    for n in range(1, forks + 1):
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(3)
+            code = 98
+            try:
+                code = body()
+            finally:
+                os._exit(code)
+        if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0:
+            return n
+    return 0
+
+
+@contextlib.contextmanager
+def held_by_a_parent_thread(lock):
+    """`lock` held by another thread for the block (a thread inside its `with` at the fork)."""
+    held, release = threading.Event(), threading.Event()
+    thread = threading.Thread(target=lambda: (lock.acquire(), held.set(), release.wait(30), lock.release()))
+    thread.start()
+    held.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        thread.join(10)
+
+
+def test_a_forked_child_is_refused_the_default_allocator_a_parent_thread_was_making():
+    # Race seen: a parent thread making the default allocator (reset in a loop) -> 1 hang in 2000 forks.
+    shoal.allocate(16)  # the default device is open before the fork
+    with held_by_a_parent_thread(shoal._default_allocator_lock):
+        assert run_in_child(lambda: 0 if refused(lambda: shoal.allocate(64)) else 1, timeout=5) == 0
+
+
+def test_a_forked_child_exits_while_a_parent_thread_was_making_a_device_allocator():
+    with held_by_a_parent_thread(_device_defaults._allocators_lock):
+        assert run_in_child(lambda: (atexit._run_exitfuncs(), 0)[1], timeout=5) == 0  # a plain child's exit
+
+
+def test_a_forked_child_makes_a_producer_while_a_parent_thread_was_making_one():
+    # Race seen: a parent thread making Producers in a loop -> 3 hangs in 2000 forks.
+    host = shoal.Allocator(shoal.host_device())
+    nobody = shoal.runtime_dir_address(f"fork-nobody-{os.getpid()}.sock")
+
+    def child() -> int:
+        try:
+            shoal.sharing.Producer(nobody, allocator=host)
+        except shoal.ShoalError:
+            return 0
+        return 1
+
+    with held_by_a_parent_thread(shoal.sharing._producer_contexts_lock):
+        assert run_in_child(child, timeout=5) == 0
+
+
+def test_a_forked_child_closes_a_consumer_a_parent_thread_waits_in():
+    consumer = shoal.sharing.Consumer(allocator=shoal.Allocator(shoal.host_device()))
+    waiting = threading.Thread(target=lambda: pytest.raises(shoal.ShoalError, consumer.get, timeout=30))
+    waiting.start()
+    time.sleep(0.1)  # the parent's thread waits inside get(), holding _call_lock
+    try:
+        assert run_in_child(lambda: (consumer.close(), 0)[1], timeout=5) == 0  # a child's `with` block ending
+    finally:
+        consumer.close()
+        waiting.join(10)
+
+
+def test_a_forked_child_closing_a_consumer_leaves_the_parents_get_waiting_not_spinning():
+    consumer = shoal.sharing.Consumer(allocator=shoal.Allocator(shoal.host_device()))
+    assert run_in_child(lambda: (consumer.close(), 0)[1]) == 0
+    cpu = time.thread_time()
+    with pytest.raises(shoal.PeerTimeoutError):
+        consumer.get(timeout=1)
+    spent = time.thread_time() - cpu
+    consumer.close()
+    assert spent < 0.3, f"the parent's get() spun: {spent:.2f} s of CPU in a 1 s wait"
+
+
+def test_a_forked_child_drops_a_stream_while_a_parent_thread_synchronizes_one():
+    side = shoal.Stream()
+    doomed = [shoal.Stream()]
+
+    def child() -> int:
+        doomed.clear()  # the drop a plain child's exit (or its gc) does: registry_mutex, exclusive
+        gc.collect()
+        return 0
+
+    with parent_thread_busy(side.synchronize):  # GIL let go, registry_mutex held shared in find()
+        assert first_hung_fork(child, 1500) == 0
+
+
+def test_a_forked_child_queries_a_stream_while_a_parent_thread_makes_and_drops_streams():
+    side = shoal.Stream()
+
+    def churn() -> None:
+        s = shoal.Stream()
+        del s  # the drop lets the GIL go, then takes registry_mutex exclusively
+
+    def child() -> int:
+        with contextlib.suppress(shoal.ShoalError):
+            side.query()
+        return 0
+
+    with parent_thread_busy(churn):
+        assert first_hung_fork(child, 1500) == 0

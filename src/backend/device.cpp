@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "core/address_text.h"
+#include "core/fork_epoch.h"
 #include "shoal/core/error.h"
 
 namespace shoal::backend {
@@ -12,7 +13,11 @@ namespace {
 std::atomic<std::uint64_t> next_device_serial{1};
 }
 
-device::device() : serial_(next_device_serial.fetch_add(1, std::memory_order_relaxed)) {}
+device::device()
+    : serial_(next_device_serial.fetch_add(1, std::memory_order_relaxed)),
+      forks_when_made_(shoal::detail::forks_so_far()) {}
+
+bool device::in_fork_child() const noexcept { return shoal::detail::forks_so_far() != forks_when_made_; }
 
 void device::synchronize_device() {
   throw backend_error("synchronize_device",
@@ -25,6 +30,7 @@ void device::synchronize_device() {
 
 void device::destroy_stream(stream_ref stream) {
   if (stream.is_default()) throw invalid_argument("destroy_stream: the default stream cannot be destroyed");
+  if (in_fork_child()) return;  // the parent's stream (release_stream's comment in device.h)
   {
     std::lock_guard lock(holds_mutex_);
     if (const auto it = holds_.find(stream.native); it != holds_.end()) {
@@ -42,6 +48,7 @@ void device::destroy_stream(stream_ref stream) {
 }
 
 void device::hold_stream(stream_ref stream) {
+  if (in_fork_child()) return;
   std::lock_guard lock(holds_mutex_);
   ++holds_[stream.native].count;
 }
@@ -53,6 +60,7 @@ bool device::stream_destroy_pending(stream_ref stream) {
 }
 
 void device::release_stream(stream_ref stream) {
+  if (in_fork_child()) return;
   {
     std::lock_guard lock(holds_mutex_);
     const auto it = holds_.find(stream.native);

@@ -82,6 +82,44 @@ TEST(host_device_fork, a_forked_child_is_refused_stream_work_and_memory_and_can_
   dev->free_segment(buffer);
 }
 
+// Another of the parent's threads makes and drops streams and events (the
+// device's registry, locked alone) while workers fork: each worker drops the
+// streams and events it inherited (a Python child's exit or gc does) and asks
+// about a stream, without waiting for that lock.
+TEST(host_device_fork, a_forked_child_drops_and_asks_about_inherited_streams_while_a_parent_thread_makes_some) {
+  backend::host_device dev;
+  const backend::stream_ref asked = dev.create_stream();
+  std::atomic<bool> stop{false};
+  std::thread churn([&] {
+    while (!stop) {
+      dev.destroy_stream(dev.create_stream());
+      dev.destroy_event(dev.create_event());
+    }
+  });
+  int hung_at = 0;
+  for (int tries = 1; tries <= 300 && hung_at == 0; ++tries) {
+    const backend::stream_ref dropped = dev.create_stream();
+    const backend::event_ref event = dev.create_event();
+    forked_child child([&] {
+      dev.destroy_event(event);
+      dev.destroy_stream(dropped);
+      return refused_as_unavailable([&] { (void)dev.query(asked); }) ? 0 : 1;
+    });
+    const std::optional<int> status = child.wait_for(2s);
+    if (!status.has_value()) {
+      hung_at = tries;
+    } else {
+      EXPECT_EQ(*status, 0) << "the child's query of an inherited stream was not refused";
+    }
+    dev.destroy_event(event);
+    dev.destroy_stream(dropped);
+  }
+  stop = true;
+  churn.join();
+  EXPECT_EQ(hung_at, 0) << "a child hung on the device's registry (fork " << hung_at << ")";
+  dev.destroy_stream(asked);
+}
+
 TEST(cuda_device_fork, a_forked_child_is_told_that_cuda_is_the_parents) {
   if (const std::string reason = backend::cuda_unavailable_reason(); !reason.empty()) GTEST_SKIP() << reason;
   backend::device& dev = backend::cuda_device_instance(0);

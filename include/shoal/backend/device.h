@@ -151,6 +151,13 @@ class device {
   /// Ends one hold_stream of `stream`. The last one destroys the stream when
   /// destroy_stream was called meanwhile, and throws what that destroy throws.
   /// A stream with no hold gives shoal::invalid_argument.
+  ///
+  /// In a fork() child of the process that made the device, destroy_stream,
+  /// hold_stream and release_stream do nothing: the streams are the
+  /// parent's, and so may be the holds' lock (another of its threads may
+  /// have held it at the fork). The host backend's own calls refuse there
+  /// with device_unavailable, or do nothing for what drops a stream, an
+  /// event or an event source.
   void release_stream(stream_ref stream);
   /// How many destroy_stream calls a hold deferred so far (only ever grows):
   /// a holder compares it with what it saw last to learn, with one load, that
@@ -303,7 +310,10 @@ class device {
     bool destroy_pending = false;  // destroy_stream was called while held
   };
 
+  [[nodiscard]] bool in_fork_child() const noexcept;
+
   std::uint64_t serial_;
+  std::uint64_t forks_when_made_;  // the process's fork depth when made (in_fork_child)
   std::mutex holds_mutex_;                          // a leaf lock: no device call runs under it
   std::unordered_map<void*, stream_holds> holds_;  // guarded by holds_mutex_; entries have count > 0
   std::atomic<std::uint64_t> deferred_destroys_{0};  // destroy_stream calls a hold deferred

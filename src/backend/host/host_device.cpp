@@ -96,8 +96,11 @@ struct host_state {
     if (epoch.forked_since()) host_executor::throw_forked(what);
   }
 
+  // The look-ups below refuse in a fork() child before the registry's lock,
+  // which another of the parent's threads may have held at the fork.
   std::shared_ptr<host_executor> find(stream_ref s) {
     if (s.is_default()) return default_stream;
+    refuse_in_fork_child("use a stream");
     std::shared_lock lock(registry_mutex);
     const auto it = streams.find(s.native);
     if (it == streams.end()) throw invalid_argument("stream " + shoal::detail::hex(s.native) + " is not a live stream of this host device");
@@ -105,6 +108,7 @@ struct host_state {
   }
 
   recorded_point point_of(event_ref e) {
+    refuse_in_fork_child("use an event");
     std::shared_lock lock(registry_mutex);
     host_event& ev = find_locked(e);
     std::lock_guard event_lock(ev.mutex);
@@ -112,6 +116,7 @@ struct host_state {
   }
 
   std::shared_ptr<host_imported_page> find(imported_event_ref source) {
+    refuse_in_fork_child("use an imported event source");
     std::shared_lock lock(registry_mutex);
     const auto it = imported_sources.find(source.native);
     if (it == imported_sources.end()) {
@@ -237,6 +242,7 @@ stream_ref host_device::create_stream() {
 }
 
 void host_device::destroy_stream_now(stream_ref s) {
+  if (state_->epoch.forked_since()) return;  // a fork() child's drop: the stream is the parent's
   std::shared_ptr<detail::host_executor> executor;
   {
     std::unique_lock lock(state_->registry_mutex);
@@ -258,6 +264,7 @@ void host_device::destroy_stream_now(stream_ref s) {
 
 stream_ref host_device::adopt_external_stream(void* native) {
   if (native == nullptr) return stream_ref{};
+  state_->refuse_in_fork_child("adopt a stream");
   std::shared_lock lock(state_->registry_mutex);
   if (!state_->streams.contains(native)) {
     throw invalid_argument("adopt_external_stream: " + shoal::detail::hex(native) +
@@ -275,6 +282,7 @@ void host_device::synchronize(stream_ref s) {
 }
 
 void host_device::synchronize_device() {
+  state_->refuse_in_fork_child("wait for the device");
   std::vector<std::shared_ptr<detail::host_executor>> executors{state_->default_stream};
   {
     std::shared_lock lock(state_->registry_mutex);
@@ -291,6 +299,7 @@ bool host_device::query(stream_ref s) {
 }
 
 event_ref host_device::create_event() {
+  state_->refuse_in_fork_child("create an event");
   auto ev = std::make_unique<detail::host_event>();
   void* key = ev.get();
   std::unique_lock lock(state_->registry_mutex);
@@ -299,6 +308,7 @@ event_ref host_device::create_event() {
 }
 
 void host_device::destroy_event(event_ref e) {
+  if (state_->epoch.forked_since()) return;  // a fork() child's drop: the event is the parent's
   std::unique_lock lock(state_->registry_mutex);
   if (state_->events.erase(e.native) == 0) {
     throw invalid_argument("destroy_event: " + shoal::detail::hex(e.native) +
@@ -307,6 +317,7 @@ void host_device::destroy_event(event_ref e) {
 }
 
 void host_device::record(event_ref e, stream_ref s) {
+  state_->refuse_in_fork_child("record an event");
   auto executor = state_->find(s);
   std::shared_lock lock(state_->registry_mutex);
   detail::host_event& ev = state_->find_locked(e);
@@ -383,6 +394,7 @@ event_source host_device::describe_event_source(std::uint64_t source_id) {
 }
 
 imported_event_ref host_device::open_event_source(const event_source& source) {
+  state_->refuse_in_fork_child("open an event source");
   auto page = std::make_shared<detail::host_imported_page>(source);
   void* key = page.get();
   std::unique_lock lock(state_->registry_mutex);
@@ -406,6 +418,7 @@ void host_device::wait_imported(stream_ref s, imported_event_ref source, const e
 }
 
 void host_device::close_event_source(imported_event_ref source) {
+  if (state_->epoch.forked_since()) return;  // a fork() child's drop: the source is the parent's
   std::unique_lock lock(state_->registry_mutex);
   if (state_->imported_sources.erase(source.native) == 0) {
     throw invalid_argument("close_event_source: " + shoal::detail::hex(source.native) +
