@@ -128,18 +128,14 @@ namespace {
                            "the first shoal call, which makes the default allocator)");
 }
 
-// The calls that name one inherited block to use it further (adopt it into
-// a storage, send it): refused in a fork child as allocate is, before any
-// lock, since another of the parent's threads may have held that pool's
-// lock at the fork.
+}  // namespace
+
 void refuse_in_fork_child(const shoal::detail::fork_epoch& epoch, const char* op) {
   if (!epoch.forked_since()) [[likely]] return;
   throw device_unavailable(std::string("caching_allocator::") + op +
                            ": this allocator was made in the parent process, and this is a fork() child; its "
-                           "blocks are the parent's (see allocate)");
+                           "blocks and pools are the parent's (see allocate)");
 }
-
-}  // namespace
 
 // ---- allocation --------------------------------------------------------------
 

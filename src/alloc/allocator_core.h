@@ -51,6 +51,11 @@
 namespace shoal::alloc::detail {
 
 [[noreturn]] void throw_not_allocated(std::uintptr_t address, const char* op);
+/// device_unavailable naming `op` in a fork() child of the process that made
+/// the allocator (`epoch`): for the calls that would use what it inherited
+/// further, before any lock, since another of the parent's threads may have
+/// held it at the fork.
+void refuse_in_fork_child(const shoal::detail::fork_epoch& epoch, const char* op);
 /// Runs the tests' late free hook, when one is set (late_free_test_hook.cpp).
 void run_late_free_hook(test_hook::late_free_step step);
 /// Throws invalid_argument when `b` is a tombstone (a forced clear took it):

@@ -139,6 +139,7 @@ std::uint64_t frees_of(block_pool& part) {
 
 private_pool_id allocator_core::create_private_pool(void* base, std::size_t bytes,
                                                     const std::vector<std::pair<std::string, std::size_t>>& parts) {
+  refuse_in_fork_child(epoch_, "create_private_pool");
   const auto start = reinterpret_cast<std::uintptr_t>(base);
   if (base == nullptr || bytes == 0) throw invalid_argument("create_private_pool: the region is empty or null");
   if (start % min_block != 0) throw invalid_argument("create_private_pool: the region must be 512-byte aligned");
@@ -274,6 +275,7 @@ std::vector<void*> allocator_core::private_pool_allocated_blocks(private_pool_id
 
 invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id, const std::string& part_name,
                                                              live_blocks live) {
+  refuse_in_fork_child(epoch_, "clear_private_pool");
   block_pool& part = private_part(id, part_name);
   require_refuse_for_growing(part, live, "clear_private_pool");
   invalidated_blocks_report taken;
@@ -308,6 +310,7 @@ invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id,
 }
 
 void allocator_core::drain_private_pool(private_pool_id id, const std::string& part_name) {
+  refuse_in_fork_child(epoch_, "drain_private_pool");
   block_pool& part = private_part(id, part_name);
   // Waited for without the lock: this may take long.
   std::vector<backend::event_ref> waits;
@@ -337,6 +340,7 @@ void allocator_core::drain_private_pool(private_pool_id id, const std::string& p
 }
 
 invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id id, live_blocks live) {
+  refuse_in_fork_child(epoch_, "destroy_private_pool");
   // The pool's tombstones outlive it as orphans (orphaned_tombstones.h):
   // room for every one it may have is made while nothing has changed yet.
   const auto make_room_for_orphans = [&](const std::vector<block_pool*>& parts) {

@@ -70,5 +70,38 @@ TEST(allocator_fork, a_forked_child_is_refused_allocations_and_gives_back_nothin
   EXPECT_GT(dev.frees.load(), 0);
 }
 
+// A private pool over memory the parent handed in (a borrowed region, say):
+// the child's calls on it refuse before the pool's lock — a parent thread
+// allocating there may hold it — and its release in the child (an
+// adopted_region's end) changes nothing of the parent's.
+TEST(allocator_fork, a_forked_child_is_refused_the_parents_private_pools) {
+  backend::host_device host;
+  alloc::caching_allocator allocator(host, alloc::allocator_config{});
+  constexpr std::size_t region_bytes = 4 << 20;
+  void* region = host.allocate_segment(region_bytes);
+  const alloc::private_pool_id pool = allocator.create_private_pool(region, region_bytes, {});
+  forked_child child([&] {
+    const auto refused = [](const auto& call) {
+      try {
+        call();
+      } catch (const device_unavailable&) {
+        return true;
+      } catch (...) {
+      }
+      return false;
+    };
+    if (!refused([&] { allocator.drain_private_pool(pool); })) return 1;
+    if (!refused([&] { (void)allocator.clear_private_pool(pool); })) return 2;
+    if (!refused([&] { (void)allocator.destroy_private_pool(pool); })) return 3;
+    if (!refused([&] { (void)allocator.create_private_pool(region, region_bytes, {}); })) return 4;
+    return 0;
+  });
+  const std::optional<int> status = child.wait_for(10s);
+  ASSERT_TRUE(status.has_value()) << "the child hung";
+  EXPECT_EQ(*status, 0) << "1: drain, 2: clear, 3: destroy, 4: a new pool over the parent's memory, not refused";
+  (void)allocator.destroy_private_pool(pool);  // the parent's pool is whole
+  host.free_segment(region);
+}
+
 }  // namespace
 }  // namespace shoal::testing
