@@ -788,6 +788,12 @@ class Consumer:
         timeout that is no wait."""
         if self._closed:
             raise _shoal.InvalidArgumentError(f"shoal.sharing.Consumer.{caller}: the consumer is closed")
+        if os.getpid() != self._pid:
+            # Its connections and listening socket are the parent's (their copies here read as
+            # closed); a parent thread may hold the call lock.
+            raise _shoal.DeviceUnavailableError(
+                f"shoal.sharing.Consumer.{caller}: this Consumer was made in the parent process, and this is "
+                "a fork() child; make a Consumer in this process")
         return _checks.timeout_seconds(f"shoal.sharing.Consumer.{caller}", timeout)
 
     def _next(

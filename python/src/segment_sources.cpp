@@ -67,6 +67,8 @@ class segment_source {
     try {
       a.drain_private_pool(pool_);  // the streams PyTorch used pass before the memory goes
       a.destroy_private_pool(pool_);
+    } catch (const device_unavailable&) {
+      // A fork() child's copy: the pool and its memory are the parent's.
     } catch (const std::exception& e) {
       // The memory may still be in use: keep it (and its allocator) for the
       // process's life rather than let it go under the work.

@@ -292,6 +292,19 @@ def test_a_forked_child_closes_a_consumer_a_parent_thread_waits_in():
         waiting.join(10)
 
 
+def test_a_forked_child_is_refused_the_parents_consumer():
+    consumer = shoal.sharing.Consumer(allocator=shoal.Allocator(shoal.host_device()))
+
+    def child() -> int:
+        # Its listener and connections are the parent's: a get() here would take their batches.
+        return 0 if refused(lambda: consumer.get(timeout=0.1)) else 1
+
+    try:
+        assert run_in_child(child, timeout=5) == 0
+    finally:
+        consumer.close()
+
+
 def test_a_forked_child_closing_a_consumer_leaves_the_parents_get_waiting_not_spinning():
     consumer = shoal.sharing.Consumer(allocator=shoal.Allocator(shoal.host_device()))
     assert run_in_child(lambda: (consumer.close(), 0)[1]) == 0

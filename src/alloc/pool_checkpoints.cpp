@@ -114,6 +114,7 @@ void poison_left_free(backend::device& device, event_pool& events,
 }  // namespace
 
 pool_checkpoint allocator_core::checkpoint_private_pool(private_pool_id id) {
+  refuse_in_fork_child(epoch_, "checkpoint_private_pool");
   block_pool& part = private_part(id, "");
   require_growing(part, id, "checkpoint_private_pool");
   pool_checkpoint out;
@@ -137,6 +138,7 @@ pool_checkpoint allocator_core::checkpoint_private_pool(private_pool_id id) {
 }
 
 pool_restore_result allocator_core::restore_private_pool(private_pool_id id, const pool_checkpoint& checkpoint) {
+  refuse_in_fork_child(epoch_, "restore_private_pool");
   constexpr const char* op = "restore_private_pool";
   if (checkpoint.pool != id) {
     throw invalid_argument(std::string(op) + ": the checkpoint is of private pool " +

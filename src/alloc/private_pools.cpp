@@ -224,6 +224,7 @@ private_pool_id allocator_core::create_private_pool(void* base, std::size_t byte
 }
 
 private_pool_id allocator_core::create_growing_private_pool() {
+  refuse_in_fork_child(epoch_, "create_growing_private_pool");
   auto pool = std::make_unique<private_pool>();
   pool->parts.reserve(1);  // a reused sub-pool is never dropped on the way in
   pool->parts.push_back(directory_.new_private_part());
@@ -243,6 +244,7 @@ private_pool_id allocator_core::create_growing_private_pool() {
 }
 
 void allocator_core::forget_last_streams(private_pool_id id) {
+  refuse_in_fork_child(epoch_, "forget_last_streams");
   block_pool& part = private_part(id, "");
   // Only streams the drain waited for may be forgotten: a free that came
   // meanwhile (another thread's) sends us round again.
@@ -261,6 +263,7 @@ void allocator_core::forget_last_streams(private_pool_id id) {
 }
 
 std::vector<void*> allocator_core::private_pool_allocated_blocks(private_pool_id id) const {
+  refuse_in_fork_child(epoch_, "private_pool_allocated_blocks");
   std::vector<void*> out;
   for (block_pool* part : directory_.private_parts(id)) {
     std::lock_guard lock(part->lock);

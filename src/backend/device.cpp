@@ -54,6 +54,7 @@ void device::hold_stream(stream_ref stream) {
 }
 
 bool device::stream_destroy_pending(stream_ref stream) {
+  if (in_fork_child()) return false;  // no holds there (hold_stream)
   std::lock_guard lock(holds_mutex_);
   const auto it = holds_.find(stream.native);
   return it != holds_.end() && it->second.destroy_pending;

@@ -35,6 +35,10 @@ adopted_region::~adopted_region() {
   if (!region_.valid()) return;
   try {
     (void)release();  // the region goes back to the lender as it is destroyed here
+  } catch (const device_unavailable&) {
+    // A fork() child (the allocator refuses its pool's calls there): the
+    // region and its pool are the parent's; the region's drop does nothing.
+    return;
   } catch (...) {
     // Blocks still allocated: they must stay valid, so the mapping does too.
     try {

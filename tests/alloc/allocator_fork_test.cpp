@@ -94,11 +94,16 @@ TEST(allocator_fork, a_forked_child_is_refused_the_parents_private_pools) {
     if (!refused([&] { (void)allocator.clear_private_pool(pool); })) return 2;
     if (!refused([&] { (void)allocator.destroy_private_pool(pool); })) return 3;
     if (!refused([&] { (void)allocator.create_private_pool(region, region_bytes, {}); })) return 4;
+    if (!refused([&] { allocator.forget_last_streams(pool); })) return 5;
+    if (!refused([&] { (void)allocator.private_pool_allocated_blocks(pool); })) return 6;
+    if (!refused([&] { (void)allocator.create_growing_private_pool(); })) return 7;
+    if (!refused([&] { (void)allocator.checkpoint_private_pool(pool); })) return 8;
     return 0;
   });
   const std::optional<int> status = child.wait_for(10s);
   ASSERT_TRUE(status.has_value()) << "the child hung";
-  EXPECT_EQ(*status, 0) << "1: drain, 2: clear, 3: destroy, 4: a new pool over the parent's memory, not refused";
+  EXPECT_EQ(*status, 0) << "not refused: 1 drain, 2 clear, 3 destroy, 4 a new pool over the parent's memory, "
+                           "5 forget_last_streams, 6 the allocated blocks, 7 a growing pool, 8 a checkpoint";
   (void)allocator.destroy_private_pool(pool);  // the parent's pool is whole
   host.free_segment(region);
 }

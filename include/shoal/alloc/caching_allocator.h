@@ -69,8 +69,8 @@
 // parent's), nor do record_stream and the other steps of a drop, so a child
 // drops what it inherited without taking a lock another of the parent's
 // threads may have held at the fork; the calls that would use an inherited
-// block or pool further (claim, block_size, sharing's marks, the private
-// pools' create, drain, clear and destroy) throw device_unavailable too. A child makes its own allocator, on a device it opened itself.
+// block or pool further (claim, block_size, sharing's marks, every private
+// pool call) throw device_unavailable too. A child makes its own allocator, on a device it opened itself.
 // The reports (stats(), take_snapshot(), ...) still read the inherited pools,
 // and, as with any lock, wait for ever for a pool that another of the
 // parent's threads was using at the fork: read them in a child only when the

@@ -153,7 +153,8 @@ class device {
   /// A stream with no hold gives shoal::invalid_argument.
   ///
   /// In a fork() child of the process that made the device, destroy_stream,
-  /// hold_stream and release_stream do nothing: the streams are the
+  /// hold_stream and release_stream do nothing (and stream_destroy_pending
+  /// says false): the streams are the
   /// parent's, and so may be the holds' lock (another of its threads may
   /// have held it at the fork). The host backend's own calls refuse there
   /// with device_unavailable, or do nothing for what drops a stream, an
