@@ -320,7 +320,7 @@ void cuda_memory::map_chunks(void* address, std::span<const sized_chunk> chunks)
   const device_scope on_device(ordinal_);
   const auto start = reinterpret_cast<std::uintptr_t>(address);
   std::uintptr_t end = start;
-  const std::shared_lock mapping(access_change_);
+  const std::shared_lock no_grant_meanwhile(access_change_);
   std::vector<CUmemAccessDesc> access;  // this device's, then each peer's
   {
     std::lock_guard lock(mutex_);
@@ -364,7 +364,7 @@ void cuda_memory::unmap(void* address) {
   const device_scope on_device(ordinal_);
   const auto start = reinterpret_cast<std::uintptr_t>(address);
   std::size_t size = 0;
-  const std::shared_lock mapping(access_change_);
+  const std::shared_lock no_grant_meanwhile(access_change_);
   {
     std::lock_guard lock(mutex_);
     const auto mapping = mappings_.find(start);
