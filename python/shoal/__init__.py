@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib.metadata
-import os
 import threading
 from typing import Any, Iterator, Optional
 
@@ -59,7 +58,7 @@ from ._shoal import (
     synchronize,
     view_dtypes,
 )
-from . import _checks, _shoal
+from . import _checks, _fork, _shoal
 
 try:
     __version__: str = importlib.metadata.version("shoal")  # pyproject.toml's, as installed
@@ -109,16 +108,8 @@ __all__ = [
 
 _default_allocator: Optional[Allocator] = None
 _default_allocator_lock = threading.Lock()
-
-
-def _fresh_lock_in_fork_child() -> None:
-    # Another thread of the parent may have held it at the fork (making the
-    # default allocator): the child's first use is refused, not hung.
-    global _default_allocator_lock
-    _default_allocator_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_fresh_lock_in_fork_child)
+# A parent thread making the default allocator at a fork: the child's first use is refused, not hung.
+_fork.renew_lock_in_fork_child(__name__, "_default_allocator_lock")
 
 
 def default_allocator() -> Allocator:

@@ -29,20 +29,12 @@ import sys
 import threading
 from typing import Any, Callable, Optional
 
-from . import _shoal
+from . import _fork, _shoal
 
 _allocators: dict[tuple[str, int], _shoal.Allocator] = {}  # made here, by (kind, ordinal)
 _allocators_lock = threading.Lock()
-
-
-def _fresh_lock_in_fork_child() -> None:
-    # Another thread of the parent may have held it at the fork: the
-    # child's exit (_drop_allocators) and its first allocator must not wait for it.
-    global _allocators_lock
-    _allocators_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_fresh_lock_in_fork_child)
+# A parent thread making an allocator at a fork: the child's exit (_drop_allocators) and first allocator go on.
+_fork.renew_lock_in_fork_child(__name__, "_allocators_lock")
 
 
 def torch_with_cuda() -> Any:

@@ -63,7 +63,7 @@ import time
 import weakref
 from typing import Any, Sequence, Union
 
-from . import _checks, _device_defaults, _shoal
+from . import _checks, _device_defaults, _fork, _shoal
 
 __all__ = ["Producer", "Consumer", "Batches", "Batch", "MAX_ARRAYS_PER_BATCH", "MAX_NESTING"]
 
@@ -109,15 +109,7 @@ _MESSAGES_PER_TURN = 256  # a producer's messages read in one turn (a batch may 
 # inherited contexts belong to its parent, from finding them.
 _producer_contexts: "weakref.WeakValueDictionary[tuple, _shoal.SharingContext]" = weakref.WeakValueDictionary()
 _producer_contexts_lock = threading.Lock()
-
-
-def _fresh_lock_in_fork_child() -> None:
-    # Another thread of the parent may have held it at the fork (making a Producer).
-    global _producer_contexts_lock
-    _producer_contexts_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_fresh_lock_in_fork_child)
+_fork.renew_lock_in_fork_child(__name__, "_producer_contexts_lock")  # a parent thread making a Producer at a fork
 
 
 def _producer_context(allocator: _shoal.Allocator, options: dict[str, int]) -> _shoal.SharingContext:
@@ -783,12 +775,17 @@ class Consumer:
         Producers beyond `producers` may have batches left at the end."""
         return Batches(self, producers, timeout, stream)
 
+    @property
+    def _inherited(self) -> bool:
+        """This is a fork() child's copy: the sockets are shared with the parent's Consumer."""
+        return os.getpid() != self._pid
+
     def _check_call(self, caller: str, timeout: float | None) -> float | None:
         """`timeout` in seconds; InvalidArgumentError for a call on a closed consumer or with a
         timeout that is no wait."""
         if self._closed:
             raise _shoal.InvalidArgumentError(f"shoal.sharing.Consumer.{caller}: the consumer is closed")
-        if os.getpid() != self._pid:
+        if self._inherited:
             # Its connections and listening socket are the parent's (their copies here read as
             # closed); a parent thread may hold the call lock.
             raise _shoal.DeviceUnavailableError(
@@ -1026,7 +1023,7 @@ class Consumer:
         if self._closed:
             return
         self._closed = True
-        if os.getpid() != self._pid:
+        if self._inherited:
             # A fork() child's copy: the connections, the listening name and
             # the wake-up socket pair are shared with the parent, whose get()
             # may hold the call lock (its thread is not here). Only this

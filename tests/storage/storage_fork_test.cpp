@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <string>
 #include <thread>
@@ -49,6 +50,22 @@ class holding_device : public forwarding_device {
   std::atomic<bool> armed_growth{false}, armed_event{false}, inside{false}, released{false};
 };
 
+// Once `parent_thread` is held inside `dev` (a lock of the parent's held),
+// forks a child that runs `drop`; then lets the thread go and joins it. The
+// child's exit status, or none when it hung.
+std::optional<int> drop_in_child_while_held(holding_device& dev, std::thread& parent_thread,
+                                            const std::function<void()>& drop) {
+  while (!dev.inside) std::this_thread::sleep_for(1ms);
+  forked_child child([&] {
+    drop();
+    return 0;
+  });
+  const std::optional<int> status = child.wait_for(5s);
+  dev.released = true;
+  parent_thread.join();
+  return status;
+}
+
 TEST(storage_fork, a_forked_child_drops_an_inherited_storage_while_a_parent_thread_grows_its_pool) {
   backend::host_device host;
   holding_device dev(host);
@@ -63,15 +80,8 @@ TEST(storage_fork, a_forked_child_drops_an_inherited_storage_while_a_parent_thre
     } catch (...) {
     }
   });
-  while (!dev.inside) std::this_thread::sleep_for(1ms);
-
-  forked_child child([&] {
-    kept.reset();  // what a DataLoader worker's drop of an inherited storage does
-    return 0;
-  });
-  const std::optional<int> status = child.wait_for(5s);
-  dev.released = true;
-  grower.join();
+  // What a DataLoader worker's drop of an inherited storage does:
+  const std::optional<int> status = drop_in_child_while_held(dev, grower, [&] { kept.reset(); });
   ASSERT_TRUE(status.has_value()) << "the child hung dropping an inherited storage";
   EXPECT_EQ(*status, 0);
 }
@@ -87,15 +97,8 @@ TEST(storage_fork, a_forked_child_drops_an_inherited_lazy_clone_while_a_parent_t
   storage::storage clone = storage::lazy_clone(*source, {});
   dev.armed_event = true;
   std::thread writer([&] { (void)clone.mutable_data({}); });  // a copy: the family has two members
-  while (!dev.inside) std::this_thread::sleep_for(1ms);
-
-  forked_child child([&] {
-    source.reset();  // the family's reference goes: cow_context::release_for_drop
-    return 0;
-  });
-  const std::optional<int> status = child.wait_for(5s);
-  dev.released = true;
-  writer.join();
+  // The family's reference goes: cow_context::release_for_drop.
+  const std::optional<int> status = drop_in_child_while_held(dev, writer, [&] { source.reset(); });
   ASSERT_TRUE(status.has_value()) << "the child hung dropping an inherited lazy clone (the family's lock)";
   EXPECT_EQ(*status, 0);
 }
