@@ -1135,12 +1135,14 @@ class lender::state {
 
   // Lends `bytes` for `m` to `b` when memory allows (the answer posted, a
   // device failure refused); otherwise answers nothing and says why there is
-  // no room.
+  // no room. A borrow `from_line` (`m` not in the line: it goes) leaves the
+  // line in the step that answers it.
   struct no_room {
     std::string why;
     bool device_refused = false;  // the device, not the capacity
   };
-  std::optional<no_room> try_lend(borrower_entry& b, const detail::borrow_message& m, std::size_t bytes) {
+  std::optional<no_room> try_lend(borrower_entry& b, const detail::borrow_message& m, std::size_t bytes,
+                                  bool from_line = false) {
     std::vector<kept_drop> drops = room_for_drops(b);
     std::optional<detail::chunk_record> chunk;
     try {
@@ -1148,6 +1150,7 @@ class lender::state {
     } catch (const out_of_memory& e) {
       return no_room{std::string("the device has not that much: ") + e.what(), true};
     } catch (const error& e) {
+      if (from_line) leave_line(b.serial);
       send_refusal(b, m.request, refusal::device_error, e.what());
       return std::nullopt;
     }
@@ -1191,6 +1194,7 @@ class lender::state {
       }
       lent_bytes_ += bytes;
       counters_.kept_mappings_used += kept ? 1 : 0;
+      if (from_line) leave_line_locked(b.serial);
     }
     b.held_bytes += bytes;
     ++b.held_regions;
@@ -1329,23 +1333,27 @@ class lender::state {
       });
     }
     while (room_changed_ && !waiting_.empty()) {
-      // Read in place, not copied (no allocation here): only this thread
-      // changes the line, and not before the pop below.
+      // Read in place: only this thread changes the line, and `head` is not
+      // read once its answer took it out (leave_line).
       const detail::waiting_borrow& head = waiting_.head();
       const std::uint64_t serial = head.serial;
       borrower_entry* b = connected(serial);
       bool served = b == nullptr;  // one gone since is skipped
       if (b != nullptr) {
         answer_waiting(*b, [&] {
-          if (auto refused = quota_refusal(*b, head.bytes)) {
+          // Copied: an answer takes `head` out of the line as it goes.
+          const detail::borrow_message request = head.request;
+          const std::size_t bytes = head.bytes;
+          if (auto refused = quota_refusal(*b, bytes)) {
             // Ended unserved at its turn, as one that ran out (else a uid could
             // have its head wait refused so, just before it runs out).
             put_behind(head, clock_type::now());
-            send_refusal(*b, head.request.request, refused->reason, refused->why);
+            leave_line(serial);
+            send_refusal(*b, request.request, refused->reason, refused->why);
             served = true;
             return;
           }
-          const auto no_room = try_lend(*b, head.request, head.bytes);
+          const auto no_room = try_lend(*b, request, bytes, true);
           served = !no_room;
           head_refused_by_device_ = no_room && no_room->device_refused;
         });
@@ -1360,10 +1368,19 @@ class lender::state {
       }
       if (b != nullptr) b->waiting = false;
       head_refused_by_device_ = false;
-      std::lock_guard lock(mutex_);
-      (void)waiting_.take(serial);  // `head` is gone from here on
-      mark_behind_locked();         // a refusal above may have put its uid behind
+      leave_line(serial);  // one gone or closed above (answered ones left already)
     }
+  }
+
+  // Takes connection `serial`'s borrow out of the line; before its answer
+  // goes, so that status never shows a borrow both answered and waiting.
+  void leave_line(std::uint64_t serial) noexcept {
+    std::lock_guard lock(mutex_);
+    leave_line_locked(serial);
+  }
+  void leave_line_locked(std::uint64_t serial) noexcept {
+    (void)waiting_.take(serial);
+    mark_behind_locked();  // a refusal may have put its uid behind
   }
 
   // Under mutex_: the head was `before`; memory may fit a new one.

@@ -68,12 +68,46 @@ TEST(lending_waiting_borrow, is_served_when_memory_is_given_back) {
   const auto region = b.get();
   EXPECT_TRUE(region.valid());
   EXPECT_LT(std::chrono::steady_clock::now() - given_back, 1s) << "served when the memory came back, not later";
-  EXPECT_EQ(f.l->status().waits, 1u);
-  EXPECT_TRUE(f.waiting(0)) << "the lent borrow stayed in line";  // taken out just after its answer goes
+  const auto after = f.l->status();
+  EXPECT_EQ(after.waits, 1u);
+  EXPECT_TRUE(after.waiting.empty()) << "the lent borrow stayed in line";
   std::lock_guard lock(*f.recorder.guard);
   EXPECT_TRUE(std::any_of(f.recorder.events->begin(), f.recorder.events->end(), [](const lending::lender_event& e) {
     return e.what == lending::lender_event::kind::waiting && e.bytes == 8 * mib;
   })) << "the wait is in the lender's log";
+}
+
+// The lender's `lent` event comes on its serving thread after the answer is
+// posted: status read there is what a borrower whose borrow just returned
+// reads. It shows the borrow lent and out of the line, never both.
+TEST(lending_waiting_borrow, status_never_shows_a_borrow_lent_and_still_waiting) {
+  std::atomic<lender*> serving{nullptr};
+  std::mutex guard;
+  std::vector<std::pair<std::size_t, std::size_t>> seen_when_lent;  // (regions, borrows waiting)
+  lender_config config{.capacity_bytes = 8 * mib};
+  config.on_event = [&](const lending::lender_event& e) {
+    lender* l = serving.load();
+    if (l == nullptr || e.what != lending::lender_event::kind::lent) return;
+    const auto status = l->status();
+    std::lock_guard lock(guard);
+    seen_when_lent.emplace_back(status.regions.size(), status.waiting.size());
+  };
+  temp_dir dir;
+  auto& dev = backend::host_device_instance();
+  lender l(dev, channel::channel_address::at_path(dir / "l.sock"), config);
+  serving = &l;
+  borrower model_a(dev, l.address()), model_b(dev, l.address());
+  auto a = model_a.borrow(8 * mib, "model A");
+  auto b = std::async(std::launch::async, [&] {
+    return model_b.borrow(8 * mib, "model B", region_mode::exclusive, answer_timeout, borrow_wait{10s, {}});
+  });
+  ASSERT_TRUE(eventually([&] { return l.status().waiting.size() == 1; }));
+  model_a.give_back(std::move(a));
+  ASSERT_EQ(b.wait_for(5s), std::future_status::ready);
+  EXPECT_TRUE(b.get().valid());
+  std::lock_guard lock(guard);
+  using seen = std::pair<std::size_t, std::size_t>;
+  EXPECT_EQ(seen_when_lent, (std::vector<seen>{{1, 0}, {1, 0}})) << "(regions, waiting) when each was lent";
 }
 
 TEST(lending_waiting_borrow, takes_turns_with_the_operators_revoke) {
