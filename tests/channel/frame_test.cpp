@@ -196,7 +196,7 @@ TEST(channel, pending_answers_while_another_thread_waits_in_receive) {
   std::this_thread::sleep_for(50ms);  // the receive is blocked by now
   const auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(b.pending(), 0U);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 20ms) << "pending() waited for the blocked receive";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "pending() waited for the blocked receive";
   a.send(5, {});
   waiting.join();
 }

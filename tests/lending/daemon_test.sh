@@ -61,7 +61,9 @@ batch += bytes(max(0, 256 - len(batch)))
 with socket.socket(socket.AF_UNIX) as s:
     s.connect(sys.argv[1])
     s.sendall(batch)
-    time.sleep(0.3)
+    s.settimeout(10)
+    while s.recv(4096):  # the lender closes it once its record is written
+        pass
 EOF
 stop
 [ ! -e "$dir/a.sock" ] || fail "the socket file was left behind"
