@@ -41,7 +41,8 @@ class SystemCallError(OSError, BackendError):
     compare `errno`."""
 
 class StreamError(ShoalError):
-    """Work enqueued on a stream failed after the call returned."""
+    """Work enqueued on a stream failed after the call returned. On CUDA a kernel
+    fault is raised by every later call of the process, which must restart."""
 
 class OrderingViolationError(ShoalError):
     """Memory was about to be handed out while a stream could still use it (debug mode)."""

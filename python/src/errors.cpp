@@ -299,7 +299,10 @@ void register_errors(nb::module_& m) {
                             "compare `errno`.",
                             {PyExc_OSError, types.backend_error});  // OSError first: its constructor
   types.stream_error =
-      new_type(m, "StreamError", "Work enqueued on a stream failed after the call returned.", {types.error});
+      new_type(m, "StreamError",
+               "Work enqueued on a stream failed after the call returned. On CUDA a kernel fault is raised by "
+               "every later call of the process, which must restart.",
+               {types.error});
   types.ordering_violation = new_type(m, "OrderingViolationError",
                                       "Memory was about to be handed out while a stream could still use it "
                                       "(the allocator's debug mode).",

@@ -106,3 +106,35 @@ def test_a_torch_tensor_stays_alive_while_shoal_uses_it():
     again = torch.empty(N, device="cuda")
     assert again.data_ptr() != ptr, "the memory went back to torch while shoal still viewed it"
     assert v.storage.read(0, 4) == bytes([0, 0, 0x80, 0x3F])
+
+
+KERNEL_FAULT_THEN_SHOAL = """
+import shoal, torch
+s = shoal.Stream()
+storage = shoal.allocate(4096, stream=s)
+s.synchronize()
+x = torch.zeros(4, device="cuda")
+x[torch.tensor([1 << 40], device="cuda")] = 1  # out of bounds: a device-side assert, which CUDA keeps
+try:
+    torch.cuda.synchronize()
+except RuntimeError:
+    pass
+for name, call in [("fill", lambda: storage.fill(1, stream=s)), ("synchronize", s.synchronize)]:
+    try:
+        call()
+        print(name, "passed")
+    except shoal.ShoalError as e:
+        print(name, type(e).__name__, "must restart" in str(e))
+"""
+
+
+def test_a_kernel_fault_is_a_stream_error_saying_to_restart_also_from_a_call_that_only_enqueues():
+    # In a process of its own: the fault ends CUDA's use there for good.
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", KERNEL_FAULT_THEN_SHOAL], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split("\n")[:2] == ["fill StreamError True", "synchronize StreamError True"], (
+        done.stdout + done.stderr
+    )

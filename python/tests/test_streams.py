@@ -111,12 +111,12 @@ def test_dropping_a_stream_with_work_queued_returns_at_once_and_the_work_still_r
     # As on CUDA, a stream's end does not wait for its work (a receiver dropping a
     # stream whose wait for another process has not passed must not block on it).
     s = shoal.Stream(shoal.host_device())
-    s.delay(0.5)
+    s.delay(2.0)  # long beside the bound below: a loaded machine stays within both
     e = shoal.Event(shoal.host_device())
     e.record(s)
     start = time.monotonic()
     del s
-    assert time.monotonic() - start < 0.25, "the stream's end waited for its work"
+    assert time.monotonic() - start < 1.0, "the stream's end waited for its work"
     assert not e.query()
     e.synchronize()
     assert e.query(), "the work queued before the end ran"

@@ -120,7 +120,7 @@ TYPED_TEST(serving_test, a_lender_that_polls_without_sleeping_serves_every_turn_
   // spinning on one of them, 200 ms held as few as 7.
   const auto [slowest, turns] = turns_for(b, this->unit(), 1000ms);
   EXPECT_GT(turns, 10) << "turns served while the lender spins";
-  EXPECT_LT(slowest, 400ms);
+  EXPECT_LT(slowest, 1000ms);
 
   auto kept = b.borrow(this->unit(), "kept past its deadline");
   l.revoke(kept.id(), 100ms);
@@ -209,8 +209,8 @@ TYPED_TEST(serving_test, a_borrower_stalled_mid_batch_holds_no_one_else_up_and_i
   const auto [slowest, turns] = turns_for(b, this->unit(), 500ms);
   // Served at once (well under 1 ms a turn here; the bound leaves room for a
   // loaded machine and sanitizers): held up behind the stalled one, a turn
-  // would wait for most of its 2 s peer timeout.
-  EXPECT_LT(slowest, 400ms) << "the slowest of " << turns << " borrow + give back turns while another borrower stalls";
+  // would wait for the rest of its 2 s peer timeout, at least 1.5 s.
+  EXPECT_LT(slowest, 1000ms) << "the slowest of " << turns << " borrow + give back turns while another borrower stalls";
   EXPECT_EQ(l.status().borrowers, 2u) << "hung up on before its peer timeout";
 
   ASSERT_TRUE(eventually([&] { return l.status().borrowers == 1; }, 5000ms)) << "the stalled borrower was kept";
@@ -296,7 +296,7 @@ TYPED_TEST(serving_test, a_borrower_that_reads_no_answers_holds_no_one_else_up_a
   const auto [slowest, turns] = turns_for(b, this->unit(), 500ms);
   // Held up behind a send to the deaf borrower, a turn would wait for most
   // of its 2 s peer timeout.
-  EXPECT_LT(slowest, 400ms) << "the slowest of " << turns << " borrow + give back turns while another borrower reads nothing";
+  EXPECT_LT(slowest, 1000ms) << "the slowest of " << turns << " borrow + give back turns while another borrower reads nothing";
   EXPECT_EQ(l.status().borrowers, 2u) << "hung up on before its peer timeout";
 
   ASSERT_TRUE(eventually([&] { return l.status().borrowers == 1; }, 5000ms)) << "the deaf borrower was kept";

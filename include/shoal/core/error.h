@@ -80,7 +80,9 @@ class os_error : public backend_error {
 };
 
 /// Work enqueued on a stream failed after the call that enqueued it returned
-/// (a host task threw, a kernel faulted). Reported by the next synchronize.
+/// (a host task threw, a kernel faulted). Reported by the next synchronize
+/// or query; on CUDA a kernel fault also by any later call, which CUDA
+/// fails with it for the rest of the process (the message says to restart).
 class stream_error : public error {
  public:
   using error::error;

@@ -109,16 +109,65 @@ std::string describe(CUresult result) {
   return std::string(text) + " (" + name + ")";
 }
 
+bool is_work_failure(cudaError_t result) noexcept {
+  switch (result) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+    case cudaErrorTensorMemoryLeak:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorContained:
+    case cudaErrorExternalDevice:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool is_work_failure(CUresult result) noexcept {
+  switch (result) {
+    case CUDA_ERROR_ILLEGAL_ADDRESS:
+    case CUDA_ERROR_LAUNCH_TIMEOUT:
+    case CUDA_ERROR_ASSERT:
+    case CUDA_ERROR_HARDWARE_STACK_ERROR:
+    case CUDA_ERROR_ILLEGAL_INSTRUCTION:
+    case CUDA_ERROR_MISALIGNED_ADDRESS:
+    case CUDA_ERROR_INVALID_ADDRESS_SPACE:
+    case CUDA_ERROR_INVALID_PC:
+    case CUDA_ERROR_LAUNCH_FAILED:
+    case CUDA_ERROR_TENSOR_MEMORY_LEAK:
+    case CUDA_ERROR_ECC_UNCORRECTABLE:
+    case CUDA_ERROR_CONTAINED:
+    case CUDA_ERROR_EXTERNAL_DEVICE:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void throw_work_failure(const char* call, const std::string& description, const std::string& where) {
+  throw stream_error(std::string(call) + ": work enqueued earlier" + (where.empty() ? "" : " on " + where) +
+                     " failed: " + description + "; CUDA keeps this error, so the process must restart to use the GPU");
+}
+
 void check(cudaError_t result, const char* call, std::size_t requested_bytes) {
   if (result == cudaSuccess) return;
   cudaGetLastError();
   if (result == cudaErrorMemoryAllocation) throw_out_of_memory(describe(result), call, requested_bytes);
+  if (is_work_failure(result)) throw_work_failure(call, describe(result), "");
   throw_failure(call, describe(result));
 }
 
 void check(CUresult result, const char* call, std::size_t requested_bytes) {
   if (result == CUDA_SUCCESS) return;
   if (result == CUDA_ERROR_OUT_OF_MEMORY) throw_out_of_memory(describe(result), call, requested_bytes);
+  if (is_work_failure(result)) throw_work_failure(call, describe(result), "");
   throw_failure(call, describe(result));
 }
 

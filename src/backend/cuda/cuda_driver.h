@@ -51,11 +51,24 @@ struct cuda_driver {
 [[nodiscard]] std::string describe(cudaError_t result);
 [[nodiscard]] std::string describe(CUresult result);
 
+/// Whether `result` is the failure of device work enqueued earlier (a kernel
+/// fault, a device-side assert): CUDA keeps it, and every later call in the
+/// process fails with it, waiting or not.
+[[nodiscard]] bool is_work_failure(cudaError_t result) noexcept;
+[[nodiscard]] bool is_work_failure(CUresult result) noexcept;
+
+/// Throws shoal::stream_error for a work failure that `call` returned,
+/// saying that the process must restart; `where` names the device ("" when
+/// unknown).
+[[noreturn]] void throw_work_failure(const char* call, const std::string& description, const std::string& where);
+
 /// Does nothing on success. Otherwise clears the runtime's non-sticky error
 /// and throws: shoal::out_of_memory for cudaErrorMemoryAllocation (saying
-/// `requested_bytes` and the current device's free/total memory), else
-/// shoal::backend_error naming `call` — device_unavailable, saying why, in a
-/// fork() child of the process that loaded the driver (CUDA fails there).
+/// `requested_bytes` and the current device's free/total memory),
+/// shoal::stream_error for a work failure (is_work_failure: a call that only
+/// enqueues reports it as a synchronize does), else shoal::backend_error
+/// naming `call` — device_unavailable, saying why, in a fork() child of the
+/// process that loaded the driver (CUDA fails there).
 void check(cudaError_t result, const char* call, std::size_t requested_bytes = 0);
 /// As above for driver results; CUDA_ERROR_OUT_OF_MEMORY gives out_of_memory.
 void check(CUresult result, const char* call, std::size_t requested_bytes = 0);

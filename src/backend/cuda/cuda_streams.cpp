@@ -16,37 +16,13 @@ namespace {
 
 using shoal::detail::hex;
 
-// Errors from device work enqueued earlier (a kernel fault) that surface at
-// the next call that waits for it. CUDA makes them sticky.
-bool is_work_failure(cudaError_t result) {
-  switch (result) {
-    case cudaErrorIllegalAddress:
-    case cudaErrorLaunchTimeout:
-    case cudaErrorAssert:
-    case cudaErrorHardwareStackError:
-    case cudaErrorIllegalInstruction:
-    case cudaErrorMisalignedAddress:
-    case cudaErrorInvalidAddressSpace:
-    case cudaErrorInvalidPc:
-    case cudaErrorLaunchFailure:
-    case cudaErrorTensorMemoryLeak:
-    case cudaErrorECCUncorrectable:
-    case cudaErrorContained:
-    case cudaErrorExternalDevice:
-      return true;
-    default:
-      return false;
-  }
-}
-
-// check() for calls that wait for or poll device work: failures of that work
-// become stream_error, anything else backend_error.
+// check() for calls that wait for or poll device work on `ordinal`: a
+// failure of that work names the device.
 void check_work(cudaError_t result, const char* call, int ordinal) {
   if (result == cudaSuccess) return;
   if (is_work_failure(result)) {
     cudaGetLastError();
-    throw stream_error(std::string(call) + ": work enqueued earlier on " + cuda_label(ordinal) + " failed: " +
-                       describe(result) + "; CUDA keeps this error, so the process must restart to use the GPU");
+    throw_work_failure(call, describe(result), cuda_label(ordinal));
   }
   check(result, call);
 }
@@ -103,6 +79,10 @@ stream_ref cuda_streams::adopt_external_stream(void* native) {
   cudaError_t queried = cudaStreamIsCapturing(s, &capture);
   const bool capturing = queried == cudaSuccess && capture != cudaStreamCaptureStatusNone;
   if (queried == cudaSuccess && !capturing) queried = cudaStreamQuery(s);
+  if (is_work_failure(queried)) {
+    (void)cudaGetLastError();
+    throw_work_failure("cudaStreamQuery", describe(queried), cuda_label(ordinal_));
+  }
   if (queried != cudaSuccess && queried != cudaErrorNotReady) {
     (void)cudaGetLastError();  // not sticky: clear it
     throw invalid_argument("cuda_device::adopt_external_stream: " + hex(native) + " is not a live CUDA stream (" +
