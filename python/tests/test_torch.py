@@ -40,6 +40,33 @@ def run_program(name: str, *args: str, timeout: float = 600) -> dict:
     return json_of([sys.executable, str(PROGRAMS / name), *args], timeout)
 
 
+def test_a_forked_child_drops_the_tensors_it_inherited_silently_and_the_parent_keeps_them():
+    # A DataLoader worker started with fork drops what it inherited at its exit: the
+    # blocks are the parent's (the child's allocator refuses them), so each drop does
+    # nothing, with no message (json_of checks stderr, which the child shares).
+    out = run(
+        """
+        import gc, json, os, shoal.torch, torch
+        shoal.torch.enable(use_environment=False)
+        kept = [torch.ones(1 << 18, device="cuda") for _ in range(4)]
+        torch.cuda.synchronize()
+        before = shoal.torch.memory_allocated()
+        pid = os.fork()
+        if pid == 0:
+            del kept
+            gc.collect()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"child": status, "before": before, "after": shoal.torch.memory_allocated(),
+                          "sum": sum(t.sum().item() for t in kept)}))
+        """,
+        timeout=120,
+    )
+    assert out["child"] == 0
+    assert out["after"] == out["before"] > 0
+    assert out["sum"] == 4 * (1 << 18), "the parent's tensors changed"
+
+
 def test_tensors_come_from_shoal_and_torch_reads_its_stats():
     out = run(
         """

@@ -32,7 +32,10 @@
 #include <cuda_runtime_api.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -69,6 +72,13 @@ shoal_torch::oom_observers* ooms = nullptr;  // made at install, never destroyed
 shoal_torch::trace_trackers* trackers = nullptr;  // made at install, never destroyed (as ooms)
 
 void check(int status, const char* what) { shoal_torch::check(*api, status, what); }
+
+// Set in a fork() child (pthread_atfork, at install): the tensors it
+// inherited are blocks of the parent's pools, which the child's allocator
+// refuses. Their drops there (a DataLoader worker's, at its exit) do nothing:
+// no lock a parent thread held at the fork, no CUDA stream lookup (CUDA
+// fails in a child), no message per tensor.
+std::atomic<bool> forked_child{false};
 
 /// A block from shoal; `pool`, when given, receives the MempoolId of the
 /// graph pool it comes from ({0, 0}: the ordinary pools).
@@ -183,7 +193,7 @@ int release_block(void* ptr, int device) {
 }
 
 void free_block(void* ptr, size_t /*bytes*/, int device, cudaStream_t /*allocation_stream*/) noexcept {
-  if (ptr == nullptr) return;
+  if (ptr == nullptr || forked_child.load(std::memory_order_relaxed)) return;
   try {
     if (release_block(ptr, device) != SHOAL_TORCH_OK) {
       std::fprintf(stderr, "shoal: freeing a PyTorch block failed: %s\n", api->last_error());
@@ -610,7 +620,7 @@ class shoal_allocator final : public pluggable::CUDAPluggableAllocator {
   // tensor's block (CUDA graph trees free those a restore allocated again
   // and no storage took), on the device its address belongs to.
   void raw_delete(void* ptr) override {
-    if (ptr == nullptr) return;
+    if (ptr == nullptr || forked_child.load(std::memory_order_relaxed)) return;
     bool raw = false;
     {
       std::lock_guard lock(allocator_mutex_);
@@ -651,6 +661,10 @@ extern "C" __attribute__((visibility("default"))) int shoal_torch_install(const 
   };
   if (table == nullptr || table->version != SHOAL_TORCH_API_VERSION || table->struct_size != sizeof(shoal_torch_api)) {
     return fail("the shoal extension and its PyTorch plugin come from different builds; reinstall shoal");
+  }
+  if (const int failed = pthread_atfork(nullptr, nullptr, [] { forked_child.store(true, std::memory_order_relaxed); });
+      failed != 0) {
+    return fail("pthread_atfork failed: " + std::string(std::strerror(failed)));
   }
   try {
     api = table;
