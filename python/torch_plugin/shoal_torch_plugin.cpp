@@ -73,16 +73,20 @@ shoal_torch::trace_trackers* trackers = nullptr;  // made at install, never dest
 
 void check(int status, const char* what) { shoal_torch::check(*api, status, what); }
 
-// Set in a fork() child (pthread_atfork, at install): the tensors it
-// inherited are blocks of the parent's pools, which the child's allocator
-// refuses. Their drops there (a DataLoader worker's, at its exit) do nothing:
-// no lock a parent thread held at the fork, no CUDA stream lookup (CUDA
-// fails in a child), no message per tensor.
+// Set in a fork() child of a process that had asked shoal for memory
+// (pthread_atfork, at install): CUDA is its parent's, the child allocates
+// nothing, and every block it frees was inherited from the parent's pools,
+// which the child's allocator refuses. Those drops (a DataLoader worker's,
+// at its exit) do nothing: no lock a parent thread held at the fork, no
+// CUDA stream lookup, no message per tensor. A child of a process that
+// never allocated uses CUDA itself: its frees go on as in any process.
+std::atomic<bool> asked_for_memory{false};
 std::atomic<bool> forked_child{false};
 
 /// A block from shoal; `pool`, when given, receives the MempoolId of the
 /// graph pool it comes from ({0, 0}: the ordinary pools).
 void* allocate_from_shoal(size_t bytes, int device, cudaStream_t stream, c10::cuda::MempoolId_t* pool) {
+  if (!asked_for_memory.load(std::memory_order_relaxed)) asked_for_memory.store(true, std::memory_order_relaxed);
   if (graphs->routing()) return graphs->allocate(bytes, device, stream, pool);
   void* ptr = nullptr;
   int status = api->allocate(bytes, device, stream, &ptr);
@@ -662,8 +666,10 @@ extern "C" __attribute__((visibility("default"))) int shoal_torch_install(const 
   if (table == nullptr || table->version != SHOAL_TORCH_API_VERSION || table->struct_size != sizeof(shoal_torch_api)) {
     return fail("the shoal extension and its PyTorch plugin come from different builds; reinstall shoal");
   }
-  if (const int failed = pthread_atfork(nullptr, nullptr, [] { forked_child.store(true, std::memory_order_relaxed); });
-      failed != 0) {
+  const auto in_child = [] {
+    forked_child.store(asked_for_memory.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  };
+  if (const int failed = pthread_atfork(nullptr, nullptr, in_child); failed != 0) {
     return fail("pthread_atfork failed: " + std::string(std::strerror(failed)));
   }
   try {

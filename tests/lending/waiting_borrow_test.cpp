@@ -105,6 +105,10 @@ TEST(lending_waiting_borrow, status_never_shows_a_borrow_lent_and_still_waiting)
   model_a.give_back(std::move(a));
   ASSERT_EQ(b.wait_for(5s), std::future_status::ready);
   EXPECT_TRUE(b.get().valid());
+  ASSERT_TRUE(eventually([&] {  // the event comes after the answer
+    std::lock_guard lock(guard);
+    return seen_when_lent.size() == 2;
+  }));
   std::lock_guard lock(guard);
   using seen = std::pair<std::size_t, std::size_t>;
   EXPECT_EQ(seen_when_lent, (std::vector<seen>{{1, 0}, {1, 0}})) << "(regions, waiting) when each was lent";

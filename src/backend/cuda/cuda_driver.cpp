@@ -160,14 +160,14 @@ void check(cudaError_t result, const char* call, std::size_t requested_bytes) {
   if (result == cudaSuccess) return;
   cudaGetLastError();
   if (result == cudaErrorMemoryAllocation) throw_out_of_memory(describe(result), call, requested_bytes);
-  if (is_work_failure(result)) throw_work_failure(call, describe(result), "");
+  if (is_work_failure(result) && !cuda_opened_at().forked_since()) throw_work_failure(call, describe(result), "");
   throw_failure(call, describe(result));
 }
 
 void check(CUresult result, const char* call, std::size_t requested_bytes) {
   if (result == CUDA_SUCCESS) return;
   if (result == CUDA_ERROR_OUT_OF_MEMORY) throw_out_of_memory(describe(result), call, requested_bytes);
-  if (is_work_failure(result)) throw_work_failure(call, describe(result), "");
+  if (is_work_failure(result) && !cuda_opened_at().forked_since()) throw_work_failure(call, describe(result), "");
   throw_failure(call, describe(result));
 }
 
