@@ -1193,7 +1193,8 @@ def test_a_dropped_borrower_closes_its_connection_though_a_watcher_watches(addre
         gc.collect()
         start = time.monotonic()
         assert eventually(lambda: lender.status()["borrowers"] == 0), "the watcher kept the connection open"
-        assert time.monotonic() - start < 0.5, "the watcher held the connection past its wait's 10 ms look"
+        # Held by the watcher it would stay open: the bound leaves a loaded machine room.
+        assert time.monotonic() - start < 3.0, "the watcher held the connection past its wait's 10 ms look"
         assert eventually(lambda: not watcher.watching)
         assert watcher.error is None
 

@@ -874,7 +874,8 @@ def test_a_peer_that_never_stops_sending_cannot_hold_get_past_its_deadline(clean
                 started = time.monotonic()
                 with pytest.raises(shoal.PeerTimeoutError):
                     consumer.get(timeout=0.2)
-                assert time.monotonic() - started < 0.7, "a turn without end held get() past its deadline"
+                # Held by a turn without end it would not return at all: the bound leaves a loaded machine room.
+                assert time.monotonic() - started < 3.0, "a turn without end held get() past its deadline"
         finally:
             stop.set()
             consumer.close()  # a send waiting for room ends at once
@@ -909,8 +910,9 @@ def test_many_producers_turns_cannot_hold_get_past_its_deadline(monkeypatch):
             with pytest.raises(shoal.PeerTimeoutError):
                 consumer.get(timeout=0.1)
             took = time.monotonic() - started
-            # Without the check between turns: all 12 turns, 0.6 s.
-            assert len(served) <= 4 and took < 0.4, f"{len(served)} turns in {took:.2f} s past a 0.1 s deadline"
+            # Without the check between turns: all 12 turns, 0.6 s (counted, not timed: a loaded machine's
+            # sleeps overshoot).
+            assert len(served) <= 4, f"{len(served)} turns in {took:.2f} s past a 0.1 s deadline"
             first_call = set(served)
             while len(set(served)) < len(producers):
                 with pytest.raises(shoal.PeerTimeoutError):
