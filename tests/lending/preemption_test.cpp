@@ -141,7 +141,7 @@ TEST(lending_preemption, revokes_the_oldest_regions_the_shortfall_needs_and_serv
   }
 
   model_a.give_back(std::move(parameters));
-  ASSERT_EQ(b.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(b.wait_for(answer_timeout), std::future_status::ready);
   EXPECT_TRUE(b.get().valid()) << "the next model's turn";
   EXPECT_TRUE(activations.valid());
 }
@@ -161,7 +161,7 @@ TEST(lending_preemption, waits_preempt_after_before_it_revokes) {
   ASSERT_EQ(model_a.revocations(2s).size(), 1u);
   EXPECT_GE(std::chrono::steady_clock::now() - start, 400ms);
   model_a.give_back(std::move(a));
-  ASSERT_EQ(b.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(b.wait_for(answer_timeout), std::future_status::ready);
   EXPECT_TRUE(b.get().valid());
 }
 
@@ -180,7 +180,7 @@ TEST(lending_preemption, models_take_turns_back_to_back) {
     auto lent = f.borrow_waiting(*next, 8 * mib, 10s);
     ASSERT_EQ(holder->revocations(2s).size(), 1u) << "turn " << i;
     holder->give_back(std::move(held));
-    ASSERT_EQ(lent.wait_for(2s), std::future_status::ready) << "turn " << i;
+    ASSERT_EQ(lent.wait_for(answer_timeout), std::future_status::ready) << "turn " << i;
     held = lent.get();
     std::swap(holder, next);
   }
@@ -210,7 +210,7 @@ TEST(lending_preemption, spares_shared_regions_and_the_heads_own) {
   ASSERT_EQ(ids_of(other.revocations(2s)), (std::vector<std::uint64_t>{others.id()}));
   EXPECT_EQ(f.revoking(), (std::vector<std::uint64_t>{others.id()})) << "an older region it may not take was revoked";
   other.give_back(std::move(others));
-  ASSERT_EQ(first.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(first.wait_for(answer_timeout), std::future_status::ready);
   EXPECT_TRUE(first.get().valid());
 }
 
@@ -225,7 +225,7 @@ TEST(lending_preemption, takes_a_region_of_a_borrower_waiting_behind_after_endin
   ASSERT_TRUE(f.waiting(1));
   auto second = f.borrow_waiting(behind, 2 * mib, 10s);
   ASSERT_TRUE(f.waiting(2));
-  ASSERT_EQ(second.wait_for(2s), std::future_status::ready) << "its wait did not end";
+  ASSERT_EQ(second.wait_for(answer_timeout), std::future_status::ready) << "its wait did not end";
   try {
     (void)second.get();
     ADD_FAILURE() << "lent while it was to give back";
@@ -236,7 +236,7 @@ TEST(lending_preemption, takes_a_region_of_a_borrower_waiting_behind_after_endin
   ASSERT_EQ(ids_of(behind.revocations(2s)), (std::vector<std::uint64_t>{behind_own.id()}));
   EXPECT_TRUE(other.revocations().empty()) << "a newer region was taken while the oldest was shielded";
   behind.give_back(std::move(behind_own));
-  ASSERT_EQ(first.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(first.wait_for(answer_timeout), std::future_status::ready);
   EXPECT_TRUE(first.get().valid());
 }
 
@@ -254,7 +254,7 @@ TEST(lending_preemption, a_revoked_region_of_a_waiting_borrower_does_not_count_a
   f.l->revoke(behind_own.id(), 5s);  // the operator's, while it waits
   ASSERT_EQ(ids_of(other.revocations(2s)), (std::vector<std::uint64_t>{others.id()}));
   other.give_back(std::move(others));
-  ASSERT_EQ(first.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(first.wait_for(answer_timeout), std::future_status::ready);
   EXPECT_TRUE(first.get().valid());
 }
 
@@ -296,7 +296,7 @@ TEST(lending_preemption, keeps_each_region_preempt_after_at_least) {
   // this thread sees the loan.
   const auto given_back = std::chrono::steady_clock::now();
   model_a.give_back(std::move(a));
-  ASSERT_EQ(b.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(b.wait_for(answer_timeout), std::future_status::ready);
   auto b_region = b.get();
   const auto quiet = std::chrono::duration_cast<std::chrono::milliseconds>(given_back + 250ms -
                                                                            std::chrono::steady_clock::now());
@@ -304,7 +304,7 @@ TEST(lending_preemption, keeps_each_region_preempt_after_at_least) {
   ASSERT_EQ(ids_of(model_b.revocations(2s)), (std::vector<std::uint64_t>{b_region.id()}));
   EXPECT_GE(std::chrono::steady_clock::now() - given_back, 300ms);
   model_b.give_back(std::move(b_region));
-  ASSERT_EQ(c.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(c.wait_for(answer_timeout), std::future_status::ready);
   EXPECT_TRUE(c.get().valid());
 }
 
@@ -349,7 +349,7 @@ TEST(lending_preemption, takes_from_another_uid_only_while_it_holds_more) {
     if (r.id == smalls) EXPECT_EQ(r.state, lending::region_state::lent) << "uid 65534, holding less, was preempted";
   }
   holder.give_back(std::move(held));
-  ASSERT_EQ(first.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(first.wait_for(answer_timeout), std::future_status::ready);
   EXPECT_TRUE(first.get().valid());
 }
 
@@ -447,7 +447,7 @@ TEST(lending_preemption, marks_all_the_regions_it_chose_or_none_when_host_memory
       EXPECT_EQ(ids, chosen) << "period " << period;
       holder.give_back(std::move(held[0]));
       holder.give_back(std::move(held[1]));
-      ASSERT_EQ(next.wait_for(2s), std::future_status::ready) << "period " << period;
+      ASSERT_EQ(next.wait_for(answer_timeout), std::future_status::ready) << "period " << period;
       EXPECT_TRUE(next.get().valid()) << "period " << period;
     } catch (const error&) {  // closed for the lender's lack of memory
       give_up = true;  // its regions stay with this live process: the head is not served
@@ -497,7 +497,7 @@ TEST(lending_preemption, revokes_others_when_a_borrower_lets_the_deadline_pass) 
   EXPECT_TRUE(eventually([&] { return f.l->status().revocations_missed == 1; }));
   EXPECT_EQ(f.l->status().preemptions, 2u);
   model_b.give_back(std::move(b));
-  ASSERT_EQ(c.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(c.wait_for(answer_timeout), std::future_status::ready);
   EXPECT_TRUE(c.get().valid());
   EXPECT_TRUE(a.valid()) << "model A keeps its region, named late";
 }

@@ -64,10 +64,10 @@ TEST(lending_waiting_borrow, is_served_when_memory_is_given_back) {
 
   const auto given_back = std::chrono::steady_clock::now();
   model_a.give_back(std::move(a));
-  ASSERT_EQ(b.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(b.wait_for(answer_timeout), std::future_status::ready);
   const auto region = b.get();
   EXPECT_TRUE(region.valid());
-  EXPECT_LT(std::chrono::steady_clock::now() - given_back, 1s) << "served when the memory came back, not later";
+  EXPECT_LT(std::chrono::steady_clock::now() - given_back, 3s) << "served when the memory came back, not later";
   const auto after = f.l->status();
   EXPECT_EQ(after.waits, 1u);
   EXPECT_TRUE(after.waiting.empty()) << "the lent borrow stayed in line";
@@ -123,7 +123,7 @@ TEST(lending_waiting_borrow, takes_turns_with_the_operators_revoke) {
   operator_.revoke(a.id(), 5s);
   ASSERT_EQ(model_a.revocations(5s).size(), 1u);
   model_a.give_back(std::move(a));  // model A's turn ends
-  ASSERT_EQ(b.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(b.wait_for(answer_timeout), std::future_status::ready);
   EXPECT_TRUE(b.get().valid()) << "model B's turn";
 }
 
@@ -168,7 +168,7 @@ TEST(lending_waiting_borrow, refusals_for_want_of_memory_say_which_shortage) {
   ASSERT_TRUE(f.waiting(1));
   EXPECT_EQ(reason(model_b, 2 * mib, 0ms), "others_waiting");
   model_a.give_back(std::move(a));
-  ASSERT_EQ(c.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(c.wait_for(answer_timeout), std::future_status::ready);
   EXPECT_TRUE(c.get().valid());
 }
 
@@ -193,8 +193,8 @@ TEST(lending_waiting_borrow, borrows_are_served_in_the_order_they_came) {
     EXPECT_NE(std::string(e.what()).find("wait for memory ahead of this one"), std::string::npos) << e.what();
   }
   holder.give_back(std::move(held));
-  ASSERT_EQ(big.wait_for(2s), std::future_status::ready);
-  ASSERT_EQ(small.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(big.wait_for(answer_timeout), std::future_status::ready);
+  ASSERT_EQ(small.wait_for(answer_timeout), std::future_status::ready);
   const auto big_region = big.get();
   const auto small_region = small.get();
   EXPECT_EQ(f.l->status().lent_bytes, 6 * mib) << "both waiting borrows were lent";
@@ -289,7 +289,7 @@ TEST(lending_waiting_borrow, a_head_that_cannot_fit_releases_no_spare) {
   std::this_thread::sleep_for(200ms);  // a few periodic checks
   EXPECT_EQ(f.l->status().spares.size(), 1u) << "a spare was released for a borrow it could not make fit";
   holder.give_back(std::move(held));
-  ASSERT_EQ(big.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(big.wait_for(answer_timeout), std::future_status::ready);
   const auto region = big.get();
   EXPECT_TRUE(f.l->status().spares.empty()) << "the spares go once releasing them makes the head fit";
 }
@@ -324,7 +324,7 @@ TEST(lending_waiting_borrow, a_head_the_device_refused_is_tried_again_at_the_per
   const auto freed = std::chrono::steady_clock::now();
   ASSERT_EQ(lent.wait_for(5s), std::future_status::ready) << "not tried again once the device had memory";
   EXPECT_TRUE(lent.get().valid());
-  EXPECT_LT(std::chrono::steady_clock::now() - freed, 1s);
+  EXPECT_LT(std::chrono::steady_clock::now() - freed, 3s) << "served at a periodic check, not at the wait's end";
 }
 
 TEST(lending_waiting_borrow, regions_given_back_while_their_borrowers_borrow_waits_go_back_at_the_next_call) {
@@ -346,7 +346,7 @@ TEST(lending_waiting_borrow, regions_given_back_while_their_borrowers_borrow_wai
   EXPECT_LT(std::chrono::steady_clock::now() - start, 2s) << "a drop waited behind the waiting borrow";
   EXPECT_EQ(f.l->status().waiting.size(), 1u) << "the give backs ended the wait";
   holder.give_back(std::move(held));
-  ASSERT_EQ(more.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(more.wait_for(answer_timeout), std::future_status::ready);
   const auto region = more.get();
   (void)b.metrics();  // the next call: the two give backs go
   EXPECT_TRUE(eventually([&] { return f.l->status().lent_bytes == 2 * mib; })) << "the regions dropped stayed lent";
@@ -510,7 +510,7 @@ TEST(lending_waiting_borrow, a_uid_whose_wait_ran_out_waits_behind_the_other_uid
   EXPECT_EQ(line[0].uid, 0u) << "the status lists the line in the order it is served";
   EXPECT_EQ(line[1].uid, two_uids::nobody);
   f.holder.give_back(std::move(f.held));  // 7 MiB free: room for one of the two 4 MiB borrows
-  ASSERT_EQ(ahead.wait_for(2s), std::future_status::ready) << "uid nobody's borrow waiting behind went first";
+  ASSERT_EQ(ahead.wait_for(answer_timeout), std::future_status::ready) << "uid nobody's borrow waiting behind went first";
   auto region = ahead.get();
   EXPECT_TRUE(eventually([&] { return f.l.status().waiting.size() == 1; }));
   other_waiting.give_back(std::move(region));
@@ -626,7 +626,7 @@ TEST(lending_waiting_borrow, a_head_refused_for_its_uids_quota_at_its_turn_puts_
   } catch (const peer_refused& e) {
     EXPECT_NE(std::string(e.what()).find("per-uid quota"), std::string::npos) << e.what();
   }
-  ASSERT_EQ(reused.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(reused.wait_for(answer_timeout), std::future_status::ready);
   auto kept = reused.get();
   auto holder_again = borrower_of("nobody", 4 * mib, 0ms);  // the capacity taken again
   ASSERT_EQ(line_from(*holder_again).rfind("lent ", 0), 0u);
@@ -659,8 +659,8 @@ TEST(lending_waiting_borrow, within_one_uid_the_line_stays_in_order_after_a_wait
   ASSERT_TRUE(f.waiting(2));
   EXPECT_EQ(c.wait_for(200ms), std::future_status::timeout) << "model C fits the free 3 MiB but went ahead of model A";
   holder.give_back(std::move(held));
-  ASSERT_EQ(a.wait_for(2s), std::future_status::ready);
-  ASSERT_EQ(c.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(a.wait_for(answer_timeout), std::future_status::ready);
+  ASSERT_EQ(c.wait_for(answer_timeout), std::future_status::ready);
   EXPECT_TRUE(a.get().valid());
   EXPECT_TRUE(c.get().valid());
 }
@@ -685,9 +685,9 @@ TEST(lending_waiting_borrow, the_borrowers_other_calls_give_up_at_their_timeout_
   const auto asked = b.revocations(5s);  // the waiting borrow read the revoke
   ASSERT_EQ(asked.size(), 1u);
   EXPECT_EQ(asked[0].region, own.id());
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the revoke waited for the borrow's wait to end";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s) << "the revoke waited for the borrow's wait to end";
   holder.give_back(std::move(held));
-  ASSERT_EQ(more.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(more.wait_for(answer_timeout), std::future_status::ready);
   EXPECT_TRUE(more.get().valid());
 }
 
@@ -727,7 +727,7 @@ TEST(lending_waiting_borrow, a_borrower_that_hangs_up_while_it_waits_leaves_the_
   EXPECT_TRUE(f.waiting(1)) << "a borrower gone keeps its place";
   EXPECT_EQ(f.l->status().waiting.at(0).purpose, "next");
   holder.give_back(std::move(held));
-  ASSERT_EQ(after->wait_for(2s), std::future_status::ready) << "the line stopped at the borrower gone";
+  ASSERT_EQ(after->wait_for(answer_timeout), std::future_status::ready) << "the line stopped at the borrower gone";
   EXPECT_TRUE(after->get().valid());
 }
 
@@ -784,16 +784,16 @@ TEST(lending_waiting_borrow, an_interrupt_check_ends_the_wait_and_the_borrower_l
                            if (++checks == 3) throw stop_waiting();
                          }};
   EXPECT_THROW((void)model_b.borrow(8 * mib, "model B", region_mode::exclusive, answer_timeout, wait), stop_waiting);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the check was not called while the borrow waited";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s) << "the check was not called while the borrow waited";
   EXPECT_EQ(checks.load(), 3);
   EXPECT_TRUE(f.waiting(0)) << "model B stopped waiting but kept its place in line";
   start = std::chrono::steady_clock::now();
   (void)model_b.metrics();  // reads the refusal its cancel brought first
-  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s) << "the next call waited behind the abandoned borrow";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s) << "the next call waited behind the abandoned borrow";
   auto c = f.borrow_waiting(model_c, 8 * mib, "model C", 10s);
   ASSERT_TRUE(f.waiting(1));
   model_a.give_back(std::move(a));
-  ASSERT_EQ(c.wait_for(2s), std::future_status::ready);
+  ASSERT_EQ(c.wait_for(answer_timeout), std::future_status::ready);
   EXPECT_TRUE(c.get().valid()) << "the memory went to the borrow that still waited";
 }
 
