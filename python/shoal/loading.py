@@ -158,8 +158,10 @@ def _host_address(source: Any) -> tuple[int, int, Any]:
         return source.data_ptr(), source.numel() * source.element_size(), source
     import numpy
 
-    if not isinstance(source, numpy.ndarray) or not source.flags.c_contiguous:
+    if not isinstance(source, numpy.ndarray):
         raise TypeError("shoal.loading: a source is a C-contiguous numpy array or a contiguous torch CPU tensor")
+    if not source.flags.c_contiguous:
+        raise _shoal.InvalidArgumentError("shoal.loading: a source numpy array must be C-contiguous")
     return source.ctypes.data, source.nbytes, source
 
 

@@ -130,10 +130,12 @@ class RegionPool:
             if slot is None:
                 return
             self.mem_pool = None  # PyTorch releases the pool once no one else holds it
-            if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
-                torch._C._cuda_clearCublasWorkspaces()
-            torch.cuda.empty_cache()
-            _shoal._segment_source_close(slot, self._binding)
+            try:
+                if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+                    torch._C._cuda_clearCublasWorkspaces()
+                torch.cuda.empty_cache()
+            finally:  # closed even when those fail (a CUDA error): no later call would close it
+                _shoal._segment_source_close(slot, self._binding)
 
     def __enter__(self) -> RegionPool:
         return self

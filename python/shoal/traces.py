@@ -43,6 +43,7 @@ import gzip
 import os
 import runpy
 import sys
+import tempfile
 import time
 from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
@@ -166,8 +167,11 @@ def write(path: PathLike, trace: ConvertedTrace, notes: Sequence[str] = ()) -> N
 
     Each note becomes a comment line (``# ...``) after the header.
     """
-    text = _trace_text(trace, notes)
-    if os.fspath(path).endswith(".gz"):
+    _write_text(path, _trace_text(trace, notes), compressed=os.fsdecode(os.fspath(path)).endswith(".gz"))
+
+
+def _write_text(path: PathLike, text: bytes, compressed: bool) -> None:
+    if compressed:
         with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
             f.write(text)
     else:
@@ -198,6 +202,8 @@ class Recording:
     seconds: float = 0.0
     #: comments written after the trace's own; the block may add more while it runs
     notes: list = dataclasses.field(default_factory=list)
+    #: where the trace is written until it replaces ``path``
+    _partial: str = dataclasses.field(default="", repr=False, compare=False)
     #: the trace is written
     done: bool = False
 
@@ -249,10 +255,12 @@ def record(path: PathLike, *, device: Optional[int] = None, max_entries: int = 1
     as comments after the trace's own (what was recorded, when, PyTorch's peaks); the
     block may add more to the yielded ``Recording.notes``.
 
-    The file is created when the block begins, so a path that cannot be written fails
-    before the program runs. When the block raises (say, out of memory), the trace up to
-    then is still written, with a note naming the error, and the error goes on; where
-    even that cannot be (the device is broken), the file is removed. Raises RuntimeError
+    The trace is written beside ``path`` (a hidden ``.partial`` file, made when the block
+    begins, so a folder that cannot be written fails before the program runs) and takes
+    ``path``'s place once whole: a file already there stays as it was until then. When
+    the block raises (say, out of memory), the trace up to then is still written, with a
+    note naming the error, and the error goes on; where even that cannot be (the device
+    is broken), nothing replaces ``path``. Raises RuntimeError
     without PyTorch, without a CUDA device, or when the process does not allocate
     through PyTorch's own caching allocator; ValueError for a bad ``free_on`` or
     ``max_entries``.
@@ -262,9 +270,15 @@ def record(path: PathLike, *, device: Optional[int] = None, max_entries: int = 1
     if not isinstance(max_entries, int) or isinstance(max_entries, bool) or max_entries <= 0:
         raise ValueError(f"max_entries must be a positive int, not {max_entries!r}")
     torch, index = _cuda_torch(device)
-    path = os.fspath(path)
-    open(path, "wb").close()  # fails now, not after the program ran
+    path = os.fsdecode(os.fspath(path))
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"shoal.traces.record: {path} is a folder; name the trace file")
+    # Made now, so what cannot be written fails before the program runs; renamed over `path` once whole.
+    fd, partial = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial",
+                                   dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
     recording = Recording(path=path, device=index, notes=list(notes))
+    recording._partial = partial
     history = torch.cuda.memory._record_memory_history
     try:
         gc.collect()
@@ -275,7 +289,7 @@ def record(path: PathLike, *, device: Optional[int] = None, max_entries: int = 1
                 clear_history=True)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.remove(path)
+            os.remove(partial)
         raise
     start = time.perf_counter()
     try:
@@ -286,14 +300,15 @@ def record(path: PathLike, *, device: Optional[int] = None, max_entries: int = 1
             _finish(torch, index, recording, start, before, max_entries, free_on)
         if not recording.done:
             with contextlib.suppress(OSError):
-                os.remove(path)
+                os.remove(partial)
         raise
     _finish(torch, index, recording, start, before, max_entries, free_on)
 
 
 def _finish(torch: Any, index: int, recording: Recording, start: float, before: int, max_entries: int,
             free_on: str) -> None:
-    """Ends the history, converts it and writes the trace (removing the file on a failure)."""
+    """Ends the history, converts it and writes the trace over ``recording.path`` (on a
+    failure, the partial file goes and the path stays as it was)."""
     try:
         try:
             gc.collect()  # what the block dropped is freed inside the recording
@@ -328,11 +343,13 @@ def _finish(torch: Any, index: int, recording: Recording, start: float, before: 
             f"{converted.live_at_end} blocks live at the end"
             + ("; the history ring filled: the start was lost" if recording.truncated else ""),
         ]
-        write(recording.path, converted, own_notes + [str(note) for note in recording.notes])
+        _write_text(recording._partial, _trace_text(converted, own_notes + [str(note) for note in recording.notes]),
+                    compressed=recording.path.endswith(".gz"))
+        os.replace(recording._partial, recording.path)
         recording.done = True
     except BaseException:
         with contextlib.suppress(OSError):
-            os.remove(recording.path)
+            os.remove(recording._partial)
         raise
 
 
@@ -389,6 +406,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     options = parser.parse_args(ours)
     if script is None:
         parser.error("no program to run (SCRIPT)")
+    if not os.path.exists(script):  # before anything is recorded over OUT
+        parser.error(f"no program at {script} (the trace goes to {options.out}: OUT comes first)")
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [script] + program_args
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT` puts it first

@@ -217,16 +217,26 @@ void register_segment_sources(nb::module_& m) {
         // wait for pending frees; and a slot's lock is held across PyTorch's allocations from it.
         released_gil release;
         auto source = std::make_unique<segment_source>(memory, stream->ref());
-        // One opening at a time from the check to the binding: no two slots ever share a binding
-        // (_segment_source_abandon would end both).
+        // One opening at a time from the checks to the binding: no two slots ever share a binding
+        // (_segment_source_abandon would end both), nor carve the same bytes (each source has its
+        // own allocator: neither would know the other's segments).
         static std::mutex opening;
         std::lock_guard one_at_a_time(opening);
+        const std::uintptr_t begin = source->base();
+        const std::uintptr_t end = begin + source->capacity();
         for (std::size_t i = 0; i < slot_count; ++i) {
           slot& s = slots()[i];
           std::lock_guard lock(s.mutex);
           if (s.binding == *binding) {
             throw invalid_argument("_segment_source_open: binding " + std::to_string(*binding) +
                                    " opened a slot already; draw a new one");
+          }
+          if (s.source && s.source->base() < end && begin < s.source->base() + s.source->capacity()) {
+            throw invalid_argument(
+                "shoal.torch.RegionPool: this memory is carved already by another RegionPool (slot " +
+                std::to_string(i) + (s.open ? ", open" : ", closed but its tensors or MemPool still live") +
+                "): two pools would hand out the same bytes; close that pool, free its tensors and drop its "
+                "MemPool first");
           }
         }
         for (std::size_t i = 0; i < slot_count; ++i) {

@@ -111,6 +111,8 @@ def test_bad_groups_are_refused_with_clear_errors():
         shoal.loading.load_groups([[(storage, numpy.zeros(100, "uint8"))]])
     with pytest.raises(TypeError, match="source"):
         shoal.loading.load_groups([[(storage, b"x" * 4096)]])
+    with pytest.raises(ValueError, match="C-contiguous"):  # the right type, the wrong layout
+        shoal.loading.load_groups([[(storage, numpy.zeros((64, 128), "uint8")[:, ::2])]])
     with pytest.raises(TypeError, match="destination"):
         shoal.loading.load_groups([[(bytearray(4096), numpy.zeros(4096, "uint8"))]])
     with pytest.raises(ValueError, match="writable"):

@@ -118,10 +118,10 @@ def test_a_closed_slot_goes_to_no_other_pool_while_its_mem_pool_lives(lent):
 
 def test_slots_are_bounded_and_reused(lent):
     lender, borrower = lent
-    region = borrower.borrow(2 * MIB, "model C")
+    regions = [borrower.borrow(2 * MIB, f"model C{i}") for i in range(17)]
     opened = []
     with pytest.raises(shoal.InvalidArgumentError, match="region pools are open"):
-        while True:
+        for region in regions:
             opened.append(_shoal._segment_source_open(region))
     assert len(opened) == 16
     addresses = {_shoal._segment_source_functions(s) for s in opened}
@@ -129,11 +129,36 @@ def test_slots_are_bounded_and_reused(lent):
     for s in opened:
         _shoal._segment_source_close(s)
         _shoal._segment_source_mem_pool_gone(s)
-    slot = _shoal._segment_source_open(region)
+    slot = _shoal._segment_source_open(regions[16])
     _shoal._segment_source_close(slot)
     _shoal._segment_source_mem_pool_gone(slot)
     with pytest.raises(shoal.InvalidArgumentError):
         _shoal._segment_source_functions(16)
+
+
+def test_memory_one_pool_carves_is_refused_to_another_until_that_pool_has_let_it_go(lent):
+    # Each pool's allocator knows only its own segments: two over the same bytes would hand
+    # out the same memory (a model rebuilt in its region while a tensor of the old one lives).
+    lender, borrower = lent
+    region = borrower.borrow(4 * MIB, "model F")
+    slot = _shoal._segment_source_open(region)
+    with pytest.raises(shoal.InvalidArgumentError, match="carved already by another RegionPool.*, open"):
+        _shoal._segment_source_open(region)
+    allocate, free = functions(slot)
+    segment = allocate(2 * MIB, 0, None)
+    _shoal._segment_source_close(slot)
+    _shoal._segment_source_mem_pool_gone(slot)  # closed, its MemPool gone: the live segment still holds it
+    with pytest.raises(shoal.InvalidArgumentError, match="closed but its tensors or MemPool still live"):
+        _shoal._segment_source_open(region)
+    free(segment, 2 * MIB, 0, None)
+    again = _shoal._segment_source_open(region)
+    allocate, free = functions(again)
+    whole = allocate(4 * MIB, 0, None)
+    assert whole is not None, "the whole region is the new pool's"
+    _shoal._segment_source_close(again)
+    _shoal._segment_source_mem_pool_gone(again)
+    free(whole, 4 * MIB, 0, None)
+    assert not _shoal._segment_source_stats(again)["bound"]
 
 
 class _StandInMemPool:
@@ -206,6 +231,27 @@ def test_a_closed_pool_reports_the_segments_it_still_holds(lent, monkeypatch):
     assert second.stats()["segments"] == 1
     assert not pool.stats()["bound"] and pool.stats()["segments"] == 0, f"another pool's figures: {pool.stats()}"
     FREE(free_address)(other, 4 * MIB, 0, None)
+
+
+def test_a_close_whose_empty_cache_fails_still_closes_the_pool(lent, monkeypatch):
+    """A CUDA error in close()'s own clean-up (a sticky one, after a kernel fault) is raised,
+    and the pool is closed all the same: no later close() would close it."""
+    if shoal.torch.is_enabled():
+        pytest.skip("shoal is PyTorch's allocator in this process")
+    torch = _stand_in_torch()
+
+    def empty_cache():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    torch.cuda.empty_cache = empty_cache
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    lender, borrower = lent
+    pool = shoal.torch.RegionPool(borrower.borrow(4 * MIB, "model G"))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        pool.close()
+    gc.collect()
+    assert not pool.stats()["open"] and not pool.stats()["bound"], pool.stats()
+    assert eventually(lambda: lender.status()["lent_bytes"] == 0), "the region stayed held"
 
 
 def test_a_segment_of_another_cuda_device_is_refused():

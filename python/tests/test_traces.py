@@ -180,6 +180,30 @@ def test_a_path_that_cannot_be_written_fails_before_the_block_runs(tmp_path, fak
     assert not ran and not fake_torch.recording
 
 
+def test_a_trace_already_at_the_path_stays_until_the_new_one_is_whole(tmp_path, fake_torch):
+    path = tmp_path / "t.trace"
+    path.write_text("an earlier trace\n")
+    with traces.record(path) as recording:
+        fake_torch.allocate(0x10, 1000)
+        assert path.read_text() == "an earlier trace\n", "replaced before the block ended"
+    assert recording.done and "a 0 1000 0" in path.read_text()
+    # A recording that cannot be converted (the device broke) leaves the path as it was.
+    path.write_text("an earlier trace\n")
+    fake_torch.memory._snapshot = lambda device=None: (_ for _ in ()).throw(RuntimeError("the device is gone"))
+    with pytest.raises(RuntimeError, match="the device is gone"):
+        with traces.record(path):
+            fake_torch.allocate(0x10, 1000)
+    assert path.read_text() == "an earlier trace\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.trace"], "a partial file was left behind"
+
+
+def test_a_path_given_as_bytes_is_written(tmp_path, fake_torch):
+    path = tmp_path / "t.trace.gz"
+    with traces.record(os.fsencode(path)):
+        fake_torch.allocate(0x10, 1000)
+    assert "a 0 1000 0" in gzip.decompress(path.read_bytes()).decode()
+
+
 @pytest.mark.parametrize("cuda, message", [(FakeCuda(available=False), "no CUDA device"),
                                            (FakeCuda(backend="shoal"), "allocates through 'shoal'")])
 def test_record_refuses_where_pytorch_cannot_record(tmp_path, monkeypatch, cuda, message):
@@ -249,6 +273,18 @@ def test_the_command_line_says_why_it_cannot_record(tmp_path):
     assert "no CUDA device" in result.stderr and "must not run" not in result.stderr
 
 
+def test_the_command_line_records_nothing_over_out_when_the_program_is_not_there(tmp_path):
+    # OUT forgotten: `python -m shoal.traces train.py data.txt` must not empty train.py.
+    env = _stand_in_torch(tmp_path)
+    program = tmp_path / "train.py"
+    program.write_text("print('training')\n")
+    result = subprocess.run([sys.executable, "-m", "shoal.traces", str(program), str(tmp_path / "data.txt")],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2 and "no program at" in result.stderr, result.stderr
+    assert program.read_text() == "print('training')\n"
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("stand-in")) == ["train.py"]
+
+
 def test_notes_of_any_text_are_written_escaped(tmp_path):
     path = tmp_path / "t.trace"
     traces.write(path, traces.convert(HISTORY[:4]), ["données/été.py"])
@@ -277,7 +313,8 @@ def test_long_notes_are_cut_into_lines_shoal_replay_reads(tmp_path):
     bound = 1 << 20
     edge = ["x" * 4094] * ((bound - 70) // 4094) + ["x" * ((bound - 70) % 4094), "y" * 10]
     traces.write(path, traces.convert(HISTORY[:4]), edge)
-    notes = [line for line in path.read_text(encoding="ascii").splitlines() if line.startswith("#")]
+    lines = path.read_text(encoding="ascii").splitlines()
+    notes = [line for line in lines if line.startswith("#")]
     assert sum(len(line) - 2 for line in notes) <= bound
     assert lines[-1] == "a 0 1000 0", "the events follow the notes"
 
