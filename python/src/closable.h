@@ -15,8 +15,12 @@
 // close() returns once the object is destroyed — except on a thread that is
 // itself using it (a signal handler or a __del__ run inside a call), where
 // waiting could never end: there it returns at once, and the call's end
-// destroys the object; and in a fork() child while uses its parent's threads
-// held at the fork remain (they never end there): the object is left.
+// destroys the object; on a library thread running Python code (python_work:
+// a finalizer run as a transfer engine's thread lets go of a source), which
+// the destruction may join: there it returns at once, and the object goes
+// with the last use or on a thread of its own; and in a fork() child while
+// uses its parent's threads held at the fork remain (they never end there):
+// the object is left.
 // Inside an out-of-memory observer it is refused: the observer may run on
 // the object's own thread (a transfer engine's), which its destruction
 // joins.
@@ -40,6 +44,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -142,6 +147,9 @@ class closable {
       destroy(lock);
       return;
     }
+    // Python code a library thread runs (python_work: a finalizer as a transfer engine's
+    // thread lets go of a source) never waits here: the uses' end could need that thread.
+    if (detail::in_python_work > 0) return;
     // The interpreter shuts down (this wrapper is collected then): what is
     // still in use by a daemon thread goes with the process. So it goes in a
     // fork() child for uses its parent's threads held at the fork: those
@@ -185,11 +193,21 @@ class closable {
     if (--uses_ == 0 && closing_.load(std::memory_order_relaxed) && object_ != nullptr) destroy(lock);
   }
   // Under the lock, with no use left and the object set: destroys it with
-  // the lock and the GIL released, then tells every close() waiting.
+  // the lock and the GIL released, then tells every close() waiting. Inside
+  // python_work the object goes on a thread of its own: this thread may be
+  // one the destruction joins (a transfer engine's, in a source's finalizer).
   void destroy(std::unique_lock<std::mutex>& lock) const {
     std::unique_ptr<T> gone = std::move(object_);
     lock.unlock();
-    detail::without_gil([&] { gone.reset(); });
+    if (detail::in_python_work > 0) {
+      T* const handed_off = gone.release();
+      try {
+        std::thread([handed_off] { delete handed_off; }).detach();  // NOLINT(cppcoreguidelines-owning-memory)
+      } catch (...) {  // NOLINT(bugprone-empty-catch): no thread to be had: the object stays for the process
+      }
+    } else {
+      detail::without_gil([&] { gone.reset(); });
+    }
     lock.lock();
     destroyed_ = true;
     destroyed_cv_.notify_all();

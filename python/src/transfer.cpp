@@ -102,11 +102,15 @@ struct py_transfer_engine {
   // (TransferredBatch, layout)). Read and written with the GIL held only,
   // never released in between; close() empties it.
   std::deque<std::pair<std::uint64_t, nb::object>> undelivered;
-  // A batch taken whose (TransferredBatch, layout) could not be made (no
-  // memory for the Python objects): the next call makes it and puts it with
-  // the undelivered ones before it takes another, so there is one at most.
-  // Kept without allocating (moved in). GIL held, as undelivered.
-  std::optional<transfer_engine::taken_batch> unmade;
+  // Batches taken whose (TransferredBatch, layout) could not be made (no
+  // memory for the Python objects): the next call makes them and puts them
+  // with the undelivered ones before it takes another. Kept without
+  // allocating: each call reserves a place before it takes anything, so the
+  // capacity covers every call inside next() (`takers`) that has not put
+  // one here yet — two threads' calls that both fail keep both batches.
+  // GIL held, as undelivered.
+  std::vector<transfer_engine::taken_batch> unmade;
+  std::size_t takers = 0;
 
   /// Keeps `item`, a (TransferredBatch, layout) of batch `sequence`, for the next next().
   void keep_undelivered(std::uint64_t sequence, nb::object item) {
@@ -290,10 +294,17 @@ void register_transfer(nb::module_& m) {
           [](py_transfer_engine& e, nb::list into, std::optional<double> timeout) {
             const auto until = until_of(timeout, "shoal.transfer.Engine (get, next)");
             const auto engine = e.engine.enter();
-            if (e.unmade) {  // an earlier call's batch first; still unmade, it stays for the next
-              const std::uint64_t unmade_sequence = e.unmade->batch->sequence();
-              e.keep_undelivered(unmade_sequence, result_of(e, *e.unmade));
-              e.unmade.reset();
+            // This call's place among the unmade, taken before any batch is (a failure here loses nothing).
+            e.unmade.reserve(e.unmade.size() + e.takers + 1);
+            ++e.takers;
+            const struct leaving {
+              std::size_t& takers;
+              ~leaving() { --takers; }  // the GIL is held wherever the call leaves
+            } left{e.takers};
+            while (!e.unmade.empty()) {  // earlier calls' batches first; one still unmade stays for the next
+              const auto& first = e.unmade.back();
+              e.keep_undelivered(first.batch->sequence(), result_of(e, first));
+              e.unmade.pop_back();
             }
             const auto put_back = [&] { return !e.undelivered.empty(); };
             // No wait when a batch was put back (one an interrupted call took); one that another
@@ -325,7 +336,7 @@ void register_transfer(nb::module_& m) {
               try {
                 item = result_of(e, *taken);
               } catch (...) {
-                e.unmade = std::move(*taken);  // delivered by the next call, first
+                e.unmade.push_back(std::move(*taken));  // delivered by the next call, first; room reserved above
                 throw;
               }
             }
@@ -382,7 +393,7 @@ void register_transfer(nb::module_& m) {
           "waiting",
           [](const py_transfer_engine& e) {
             const auto engine = e.engine.enter();
-            return stats_without_gil(engine->engine).in_flight + e.undelivered.size() + (e.unmade ? 1 : 0);
+            return stats_without_gil(engine->engine).in_flight + e.undelivered.size() + e.unmade.size();
           },
           "Batches submitted and not yet delivered: in flight in the engine, and put back (a snapshot: "
           "while another thread's next() moves a batch from one to the other it may count it twice).")
@@ -420,7 +431,7 @@ void register_transfer(nb::module_& m) {
             const auto dropped = std::move(e.undelivered);
             e.undelivered.clear();
             const auto dropped_unmade = std::move(e.unmade);
-            e.unmade.reset();
+            e.unmade.clear();
             e.engine.close();
           },
            "Ends the waits of other threads' submit() and next() (InvalidArgumentError), finishes the batches "

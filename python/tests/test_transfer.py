@@ -692,6 +692,71 @@ def test_a_batch_taken_when_python_has_no_memory_is_the_next_gets(engine, refuse
     del first, second
 
 
+def test_batches_two_threads_took_as_python_ran_out_of_memory_are_both_kept(engine):
+    # Two get()s wait in two threads; each takes a batch and fails to make its result: both
+    # batches are kept for the next calls (one place each), none overwrites the other.
+    errors = []
+
+    def waiting_get():
+        try:
+            engine.get(timeout=10)
+        except MemoryError as e:
+            errors.append(e)
+
+    shoal._shoal._refuse_transfer_results(results=2, appends=0)
+    try:
+        threads = [threading.Thread(target=waiting_get) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # both inside the native wait
+        engine.submit([numpy.full((8,), 1, "uint8")])
+        engine.submit([numpy.full((8,), 2, "uint8")])
+        for t in threads:
+            t.join(timeout=10)
+    finally:
+        shoal._shoal._refuse_transfer_results(results=0, appends=0)
+    assert len(errors) == 2, errors
+    assert engine._engine.waiting == 2, "a batch taken as the memory ran out was lost"
+    got = [host_copy(engine.get(timeout=10)[0])[0] for _ in range(2)]
+    assert got == [1, 2], "the kept batches came out of order"
+
+
+CLOSED_BY_A_FINALIZER_ON_THE_ENGINES_THREAD = """
+import gc, sys, time, numpy, shoal, shoal.transfer
+
+engine = shoal.transfer.Engine()
+gone = []
+
+class Owned(numpy.ndarray):
+    def __del__(self):  # runs on the engine's thread, which lets go of the array once read
+        if self.base is not None:  # a view of it, not the array the engine holds
+            return
+        gone.append(True)
+        engine.close()
+
+engine.submit({"busy": numpy.ones((1 << 27,), "uint8")})  # the engine's thread is still reading this
+array = Owned((1 << 16,), dtype="uint8")  # owns its bytes: the engine's view of it holds it
+array.fill(3)
+engine.submit({"x": array})
+del array  # the engine's hold is the last
+deadline = time.monotonic() + 20
+while not gone and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("released", bool(gone), "closed", engine.closed)
+sys.stdout.flush()
+"""
+
+
+def test_an_engine_closed_by_a_finalizer_its_own_thread_runs_ends_without_ending_the_process():
+    # The engine's thread drops the last reference to a source; its finalizer closes the engine,
+    # whose destruction joins that very thread: it goes on a thread of its own (it ended the
+    # process: std::terminate from the join).
+    done = subprocess.run([sys.executable, "-c", CLOSED_BY_A_FINALIZER_ON_THE_ENGINES_THREAD],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "released True closed True", done.stdout + done.stderr
+
+
 def test_a_batch_kept_as_python_ran_out_of_memory_goes_with_close():
     # The batch kept natively when its (batch, layout) could not be made is dropped by
     # close(), as batches put back are: its storages go back to the allocator.
