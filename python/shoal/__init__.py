@@ -175,12 +175,13 @@ def stream(s: Stream) -> Iterator[Stream]:
     Allocations without a stream, and every ``stream=None`` argument, use it; the memory of a
     ``Storage`` or ``ArrayView`` dropped inside the block is freed only once the work enqueued
     on ``s`` by then has passed (recorded as a use, as ``record_stream(s)`` does). Scopes nest;
-    leaving one restores the previous current stream.
+    leaving one restores the previous current stream. One left out of order (a generator's,
+    closed inside a later scope) leaves the later scopes' streams current.
     """
     _checks.instance_of("shoal.stream", "s", s, Stream, "a shoal.Stream",
                         hint=" (shoal.Stream.from_handle adopts another library's stream)")
-    _shoal._push_stream(s)
+    token = _shoal._push_stream(s)
     try:
         yield s
     finally:
-        _shoal._pop_stream()
+        _shoal._pop_stream(token)

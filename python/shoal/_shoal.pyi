@@ -210,11 +210,15 @@ def current_stream(device: Device | None = None) -> Stream:
     This thread's current stream on `device`: the innermost `with shoal.stream(s)` scope, else the default stream.
     """
 
-def _push_stream(stream: Stream) -> None:
-    """Enters a stream scope (use `with shoal.stream(s)`)."""
+def _push_stream(stream: Stream) -> int:
+    """
+    Enters a stream scope (use `with shoal.stream(s)`); returns its token for _pop_stream.
+    """
 
-def _pop_stream() -> None:
-    """Leaves the innermost stream scope."""
+def _pop_stream(token: int) -> None:
+    """
+    Leaves the stream scope `token` entered, in order or not (the scopes entered after it stay).
+    """
 
 def synchronize(stream: Stream | None = None) -> None:
     """

@@ -46,6 +46,7 @@ pickle); with ``multiprocessing`` use the spawn or forkserver start methods.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import difflib
@@ -60,7 +61,6 @@ import selectors
 import socket
 import threading
 import time
-import weakref
 from typing import Any, Sequence, Union
 
 from . import _checks, _device_defaults, _fork, _shoal
@@ -102,14 +102,23 @@ _END_NOTE = json.dumps({"v": _VERSION, "end": True}, separators=(",", ":")).enco
 _MESSAGES_PER_TURN = 256  # a producer's messages read in one turn (a batch may span turns)
 
 
-# Producers of one allocator and options in one process share a context while any
-# of them lives: a storage belongs to the first context that sends it, so one
-# sent through one Producer can then be sent through another (to a second
-# consumer, or to one that restarted). The pid keeps a forked child, whose
-# inherited contexts belong to its parent, from finding them.
-_producer_contexts: "weakref.WeakValueDictionary[tuple, _shoal.SharingContext]" = weakref.WeakValueDictionary()
+# Producers of one allocator and options in one process share a context, kept for
+# the process once made (one collector thread each; they go at exit): a storage
+# belongs to the first context that sends it, so one sent through one Producer can
+# then be sent through another (to a second consumer, or to one that restarted),
+# also after every Producer before it is gone (a reconnect loop's). The pid keeps a
+# forked child, whose inherited contexts belong to its parent, from finding them.
+_producer_contexts: "dict[tuple, _shoal.SharingContext]" = {}
 _producer_contexts_lock = threading.Lock()
 _fork.renew_lock_in_fork_child(__name__, "_producer_contexts_lock")  # a parent thread making a Producer at a fork
+
+
+@atexit.register
+def _drop_producer_contexts() -> None:
+    # As the default allocators: the Python objects go at exit, before the interpreter tears
+    # modules down in no set order; what storages still hold keeps its C++ state.
+    with _producer_contexts_lock:
+        _producer_contexts.clear()
 
 
 def _producer_context(allocator: _shoal.Allocator, options: dict[str, int]) -> _shoal.SharingContext:
@@ -401,12 +410,13 @@ class Producer:
         if self.max_ahead is not None and leaves and len(self._ends) == self.max_ahead:
             self._wait_for_room(timeout)
         note = json.dumps({"v": _VERSION, "arrays": len(leaves), "batch": structure}, separators=(",", ":"))
-        sent = 0
+        attempted = False  # a send may have gone although it raised: a Ctrl-C is raised as it returns
         waited: set[_shoal.Stream] = set()
         try:
             for leaf, header in zip(leaves, headers):
                 # A tensor's writes are on PyTorch's current stream, shoal memory's on shoal's.
                 on = stream if stream is not None else leaf.torch_stream
+                attempted = True
                 try:
                     self._peer.send(leaf.view, header, on)
                 except _shoal.InvalidArgumentError as e:
@@ -417,12 +427,11 @@ class Producer:
                     if isinstance(e, _shoal.ProtocolError) or leaf.view.storage.same_allocator(self.allocator):
                         raise
                     raise self._foreign(leaf) from None
-                sent += 1
                 self._arrays_sent += 1
                 waited.add(on if on is not None else _shoal.current_stream(self.allocator.device))
             self._peer.send_note(note.encode())
         except BaseException:
-            if sent:
+            if attempted:  # the consumer lets go of what came (nothing came: the note does nothing there)
                 self._take_back()
             raise
         self._streams |= waited or {stream if stream is not None else _shoal.current_stream(self.allocator.device)}
@@ -596,8 +605,10 @@ class Producer:
                             self._peer.check_greeting()
         finally:
             self._streams.clear()
-            pid = None if self._peer.closed else self._peer.peer_pid
-            self._peer.close()
+            link = self._link  # none when making it failed above (ProtocolError): that error goes on
+            pid = None if link is None or link.closed else link.peer_pid
+            if link is not None:
+                link.close()
         if not taken:
             raise _shoal.PeerTimeoutError(
                 f"shoal.sharing.Producer.close: the consumer (pid {pid}) had not taken every batch sent "
@@ -606,7 +617,9 @@ class Producer:
 
     @property
     def closed(self) -> bool:
-        """True once closed (by close(), the with block, or the connection's end)."""
+        """True once closed (by close(), the with block, or a first put whose connection
+        failed). A consumer that hung up is found out by the next put() or close()
+        (ConnectionClosedError, or close() returning at once)."""
         return self._gone
 
     def __repr__(self) -> str:
@@ -628,8 +641,13 @@ class Producer:
             self.close()
             return
         self._streams.clear()
-        if not self._gone:
-            self._peer.close()
+        if self._link is None:  # nothing put: the connection alone goes (no allocator, context or Peer made)
+            connection, self._connection = self._connection, None
+            if connection is not None:
+                with contextlib.suppress(OSError, _shoal.ShoalError):
+                    connection.close()
+        elif not self._link.closed:
+            self._link.close()
 
 
 class _Incoming:

@@ -409,8 +409,7 @@ class Engine:
                 return _rebuild(structure, views, empty)
             # The export orders PyTorch's stream after shoal's current stream: `stream`
             # here, the one that waited for the copies.
-            if stream is not None:
-                _shoal._push_stream(stream)
+            scope = _shoal._push_stream(stream) if stream is not None else None
             try:
                 views = [_as_torch(view) for view in views]
                 return _rebuild(structure, views, lambda node: _as_torch(empty(node)))
@@ -419,8 +418,8 @@ class Engine:
                                  "it as ArrayViews")
                 raise
             finally:
-                if stream is not None:
-                    _shoal._pop_stream()
+                if scope is not None:
+                    _shoal._pop_stream(scope)
         except BaseException:
             self._put_back(taken)
             raise

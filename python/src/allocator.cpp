@@ -24,6 +24,10 @@ namespace {
 /// "key:value" for one keyword setting, as SHOAL_ALLOC_CONF writes it. numpy's
 /// scalars are taken as the bools and numbers they are.
 std::string setting_text(const std::string& key, nb::handle value) {
+  // A name of other characters could carry settings of its own into the text ("debug:true,memory").
+  if (key.empty() || key.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_") != std::string::npos) {
+    throw invalid_argument("Allocator: '" + key + "' is no setting's name (lowercase letters, digits and '_')");
+  }
   std::string text;
   if (PyBool_Check(value.ptr()) != 0 || is_numpy_bool(value)) {
     const int truth = PyObject_IsTrue(value.ptr());
@@ -41,8 +45,10 @@ std::string setting_text(const std::string& key, nb::handle value) {
     throw invalid_argument("Allocator: setting " + key + " must be a bool, a number or a string, not " +
                            nb::cast<std::string>(nb::str(value.type().attr("__name__"))));
   }
-  if (text.find(',') != std::string::npos && text.front() != '[') {
-    throw invalid_argument("Allocator: setting " + key + "=" + text + " holds a ','");
+  // A ',' only inside one bracketed list ("[1,2]"): else it would begin another setting.
+  const bool one_list = text.starts_with('[') && text.find(']') == text.size() - 1;
+  if (text.find(',') != std::string::npos && !one_list) {
+    throw invalid_argument("Allocator: setting " + key + "=" + text + " holds a ',' outside one [list]");
   }
   return key + ":" + text;
 }
@@ -99,7 +105,7 @@ int allocator_traverse(PyObject* self, visitproc visit, void* arg) {
   if (!nb::inst_ready(self)) return 0;  // before or during __init__
   const std::shared_ptr<allocator_state>& state = nb::inst_ptr<py_allocator>(self)->state;
   if (state.use_count() != 1) return 0;
-  for (const auto& observer : state->oom_observers) Py_VISIT(observer->ptr());
+  for (const auto& observer : state->oom_observers) Py_VISIT(observer.callable->ptr());
   return 0;
 }
 
@@ -109,9 +115,12 @@ int allocator_clear(PyObject* self) {
   if (!nb::inst_ready(self)) return 0;
   const std::shared_ptr<allocator_state>& state = nb::inst_ptr<py_allocator>(self)->state;
   if (state.use_count() != 1) return 0;  // not shown by traverse: not this object's to clear
-  std::vector<std::shared_ptr<nb::object>> observers;
+  std::vector<allocator_state::oom_observer> observers;
   observers.swap(state->oom_observers);  // the callables' ends may run Python code: the list is left first
-  for (auto& observer : observers) *observer = nb::none();
+  for (auto& observer : observers) {
+    *observer.callable = nb::none();
+    (void)state->allocator().remove_oom_observer(observer.registration);
+  }
   return 0;
 }
 
@@ -289,8 +298,8 @@ void register_allocator(nb::module_& m) {
                 delete o;
               });
             });
-            a.state->oom_observers.push_back(held);
-            a.state->allocator().add_oom_observer([held](const alloc::oom_report& report) {
+            a.state->oom_observers.reserve(a.state->oom_observers.size() + 1);  // no failure once registered
+            const std::uint64_t registration = a.state->allocator().add_oom_observer([held](const alloc::oom_report& report) {
               // A thread Python made (an allocation from Python, the GIL released or not).
               const bool python_thread = PyGILState_GetThisThreadState() != nullptr;
               (void)detail::python_work([&] {  // at exit observers are not called
@@ -310,6 +319,7 @@ void register_allocator(nb::module_& m) {
                 }
               });
             });
+            a.state->oom_observers.push_back({held, registration});
           },
           nb::arg("observer"),
           "Calls observer(report: dict) before OutOfMemoryError is raised (on "
@@ -331,10 +341,12 @@ void register_allocator(nb::module_& m) {
           [](const py_allocator& a, nb::handle observer) {
             auto& held = a.state->oom_observers;
             const auto found =
-                std::find_if(held.begin(), held.end(), [&](const auto& o) { return o->is(observer); });
+                std::find_if(held.begin(), held.end(), [&](const auto& o) { return o.callable->is(observer); });
             if (found == held.end()) return false;
-            **found = nb::none();  // its registration now calls nothing, and the callable goes
+            *found->callable = nb::none();  // a call under way now calls nothing, and the callable goes
+            const std::uint64_t registration = found->registration;
             held.erase(found);
+            (void)a.state->allocator().remove_oom_observer(registration);  // and the registration
             return true;
           },
           nb::arg("observer").none(),

@@ -56,6 +56,9 @@ int_read read_int(const python_int& value) {
 
 std::uint64_t whole_number_of(const python_int& value, const char* who, const char* what, std::uint64_t most,
                               bool positive) {
+  if (PyBool_Check(value.value.ptr()) != 0) {  // an int to Python, but True as a size or a byte is a slip
+    throw nb::type_error((std::string(who) + ": " + what + " must be an int, not a bool").c_str());
+  }
   const int_read read = read_int(value);
   const std::uint64_t least = positive ? 1 : 0;
   if (read.whole && *read.whole >= least && *read.whole <= most) return *read.whole;

@@ -120,11 +120,16 @@ class allocator_state {
   std::shared_ptr<stream_state> take_copy_stream();
   void give_back_copy_stream(std::shared_ptr<stream_state> stream) noexcept;
   /// The callables given to add_oom_observer, as each registration holds
-  /// them: remove_oom_observer sets one to None (its registration then
-  /// calls nothing) and lets it go, as does the garbage collector breaking a
-  /// cycle through one (allocator.cpp: seen while one Allocator object is
+  /// them, with the registration's id: remove_oom_observer sets one to None
+  /// (a call already under way on another thread then calls nothing), ends
+  /// its registration and lets it go, as does the garbage collector breaking
+  /// a cycle through one (allocator.cpp: seen while one Allocator object is
   /// this state's only holder). Touched with the GIL held.
-  std::vector<std::shared_ptr<nb::object>> oom_observers;
+  struct oom_observer {
+    std::shared_ptr<nb::object> callable;
+    std::uint64_t registration = 0;
+  };
+  std::vector<oom_observer> oom_observers;
 
  private:
   std::mutex mutex_;

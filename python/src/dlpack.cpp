@@ -27,6 +27,7 @@
 #include <array>
 #include <bit>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -453,8 +454,11 @@ void register_dlpack(nb::module_& m) {
             const auto& v = nb::cast<const py_array_view&>(self);
             refuse_numpy_unless_readable(v.handle.get(), true);
             nb::object array = nb::module_::import_("numpy").attr("from_dlpack")(self);
-            const bool never_copy = !copy.is_none() && !nb::cast<bool>(copy);
-            const bool always_copy = !copy.is_none() && nb::cast<bool>(copy);
+            const std::optional<bool> copy_asked =
+                copy.is_none() ? std::nullopt
+                               : std::optional<bool>(argument_as<python_bool>(copy, "__array__: copy must be None, True or False").value);
+            const bool never_copy = copy_asked == false;
+            const bool always_copy = copy_asked == true;
             if (!dtype.is_none()) {
               nb::object converted = array.attr("astype")(dtype, nb::arg("copy") = always_copy);
               if (never_copy && !converted.is(array)) {

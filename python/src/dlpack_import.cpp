@@ -30,8 +30,11 @@ namespace {
 /// producer (no Python objects: it may run on any thread).
 class imported_tensor final : public storage::storage_owner {
  public:
-  imported_tensor(backend::device& device, dlpack::DLManagedTensorVersioned* versioned, dlpack::DLManagedTensor* legacy)
-      : device_(device), versioned_(versioned), legacy_(legacy) {}
+  /// `streams`: the keeper of the storages over it (their handles'), held
+  /// here too: the streams they were used on outlive the wait below.
+  imported_tensor(backend::device& device, dlpack::DLManagedTensorVersioned* versioned, dlpack::DLManagedTensor* legacy,
+                  std::shared_ptr<stream_keeper> streams)
+      : device_(device), versioned_(versioned), legacy_(legacy), keeper_(std::move(streams)) {}
   imported_tensor(const imported_tensor&) = delete;
   imported_tensor& operator=(const imported_tensor&) = delete;
   /// Waits for the current stream and every recorded stream to pass the
@@ -83,6 +86,7 @@ class imported_tensor final : public storage::storage_owner {
   backend::device& device_;
   dlpack::DLManagedTensorVersioned* versioned_;
   dlpack::DLManagedTensor* legacy_;
+  std::shared_ptr<stream_keeper> keeper_;
   std::mutex mutex_;
   std::vector<std::shared_ptr<stream_state>> streams_;
   std::vector<backend::stream_ref> used_on_;  // from released storages
@@ -202,12 +206,15 @@ py_array_view import_dlpack(const py_allocator& allocator, nb::handle capsule) {
   if (PyCapsule_SetName(capsule.ptr(), versioned ? "used_dltensor_versioned" : "used_dltensor") != 0) {
     throw nb::python_error();
   }
-  auto owner = std::make_shared<imported_tensor>(device, managed_versioned, managed_legacy);
+  // The streams it is used on go with its handles and the tensor (not kept for the allocator's
+  // life: a stream per request, each importing an array, would pile up).
+  auto streams = stream_keeper::for_handles();
+  auto owner = std::make_shared<imported_tensor>(device, managed_versioned, managed_legacy, streams);
   storage::storage adopted =
       storage::storage::adopt(allocator.state->allocator(), first, static_cast<std::size_t>(span), std::move(owner));
   const auto access = readonly ? storage_access::read_only : storage_access::read_write;
-  return make_view(py_storage{storage_handle(std::move(adopted), allocator.state, nullptr, access)}, nb::str(dtype),
-                   shape, *strides, offset, readonly);
+  return make_view(py_storage{storage_handle(std::move(adopted), allocator.state, std::move(streams), nullptr, access)},
+                   nb::str(dtype), shape, *strides, offset, readonly);
 }
 
 bool record_stream_on_import(const storage::storage& storage, const std::shared_ptr<stream_state>& stream) {

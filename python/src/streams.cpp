@@ -8,8 +8,10 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "bindings.h"
@@ -26,23 +28,47 @@ namespace {
 // microseconds far inside their integer.
 constexpr double max_delay_seconds = 86400;
 
+// This thread's stream scopes, innermost last; each guard restores the
+// stream current when it was made. A scope is left by the token it was
+// entered with.
 struct scope_entry {
+  std::uint64_t token;
   std::shared_ptr<stream_state> stream;
   std::unique_ptr<backend::stream_guard> guard;
 };
 thread_local std::vector<scope_entry> scopes;
+thread_local std::uint64_t last_scope_token = 0;
 
 backend::device& device_or_default(backend::device* device) {
   return device != nullptr ? *device : backend::default_device();
 }
 
-void push_stream(const py_stream& s) {
-  scopes.push_back({s.state, std::make_unique<backend::stream_guard>(s.state->device(), s.state->ref())});
+std::uint64_t push_stream(const py_stream& s) {
+  const std::uint64_t token = last_scope_token + 1;
+  scopes.push_back({token, s.state, std::make_unique<backend::stream_guard>(s.state->device(), s.state->ref())});
+  last_scope_token = token;
+  return token;
 }
 
-void pop_stream() {
-  if (scopes.empty()) throw invalid_argument("shoal: no stream scope is open on this thread");
-  scopes.pop_back();
+// Leaves the scope `token` entered. One left out of order (a generator's
+// scope closed inside a later scope) goes without disturbing those entered
+// after it: they are left, innermost first, and entered again, so each then
+// restores what the one left would have (its guard alone would restore the
+// stream current at its start, over the later scopes').
+void pop_stream(std::uint64_t token) {
+  const auto it = std::ranges::find(scopes, token, &scope_entry::token);
+  if (it == scopes.end()) {
+    throw invalid_argument("shoal: that stream scope is not open on this thread (entered on another thread, or "
+                           "left already)");
+  }
+  const auto at = static_cast<std::size_t>(it - scopes.begin());
+  std::vector<std::pair<std::uint64_t, std::shared_ptr<stream_state>>> later;
+  later.reserve(scopes.size() - at - 1);
+  for (std::size_t i = at + 1; i < scopes.size(); ++i) later.emplace_back(scopes[i].token, scopes[i].stream);
+  while (scopes.size() > at) scopes.pop_back();
+  for (auto& [later_token, stream] : later) {  // no reallocation: the vector held them a moment ago
+    scopes.push_back({later_token, stream, std::make_unique<backend::stream_guard>(stream->device(), stream->ref())});
+  }
 }
 
 }  // namespace
@@ -271,8 +297,10 @@ void register_streams(nb::module_& m) {
       nb::arg("device").none() = nb::none(),
       "This thread's current stream on `device`: the innermost `with "
       "shoal.stream(s)` scope, else the default stream.");
-  m.def("_push_stream", &push_stream, nb::arg("stream"), "Enters a stream scope (use `with shoal.stream(s)`).");
-  m.def("_pop_stream", &pop_stream, "Leaves the innermost stream scope.");
+  m.def("_push_stream", &push_stream, nb::arg("stream"),
+        "Enters a stream scope (use `with shoal.stream(s)`); returns its token for _pop_stream.");
+  m.def("_pop_stream", &pop_stream, nb::arg("token"),
+        "Leaves the stream scope `token` entered, in order or not (the scopes entered after it stay).");
   m.def(
       "synchronize",
       [](const py_stream* s) {

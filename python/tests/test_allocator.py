@@ -328,3 +328,37 @@ def test_dropping_an_allocator_with_a_pending_free_lets_other_python_threads_run
     took, ticks = ticks_during(allocators.clear)  # the last reference goes
     assert took >= 0.2, "the allocator's end did not wait for the pending free (the test's premise)"
     assert ticks >= 10, f"another Python thread ran {ticks} times in {took:.2f} s of the drop"
+
+
+def test_a_bool_is_no_size_and_no_byte():
+    # An int to Python, but allocate(True) meaning one byte is a slip: refused by name.
+    with pytest.raises(TypeError, match="nbytes must be an int, not a bool"):
+        shoal.allocate(True)
+    storage = shoal.allocate(16)
+    with pytest.raises(TypeError, match="must be an int, not a bool"):
+        storage.fill(True)
+
+
+def test_a_settings_name_or_list_cannot_carry_other_settings():
+    # Each keyword is one setting: a name holding ',' or ':', or a value with a ',' outside
+    # one [list], would set another one silently.
+    with pytest.raises(shoal.InvalidArgumentError, match="no setting's name"):
+        shoal.Allocator(**{"debug:true,memory": "pinned_host"})
+    with pytest.raises(shoal.InvalidArgumentError, match=r"outside one \[list\]"):
+        shoal.Allocator(roundup_power2_divisions="[1],memory:pinned_host")
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="counts references to None, immortal from Python 3.12")
+def test_an_oom_observer_removed_leaves_nothing_registered():
+    # Each registration went on holding a None (its callable dropped) and was copied and called
+    # at every out-of-memory: added and removed in a loop, they piled up.
+    allocator = shoal.Allocator()
+
+    def observer(report: dict) -> None:
+        pass
+
+    before = sys.getrefcount(None)
+    for _ in range(2000):
+        allocator.add_oom_observer(observer)
+        assert allocator.remove_oom_observer(observer)
+    assert sys.getrefcount(None) - before < 200, "each removed observer's registration stayed"

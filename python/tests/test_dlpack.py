@@ -507,3 +507,11 @@ def test_pickling_memory_is_refused_with_the_way_that_works(make):
         pickle.dumps(thing)
     with pytest.raises(TypeError, match="shoal.sharing"):
         copy.copy(thing)
+
+
+@pytest.mark.skipif(shoal.default_device().kind != "host", reason="numpy reads host memory only")
+def test_array_protocol_copy_must_be_none_or_a_bool():
+    view = shoal.allocate(16).view("uint8")
+    with pytest.raises(TypeError, match="copy must be None, True or False"):
+        view.__array__(copy=1)
+    assert view.__array__(copy=numpy.True_).shape == (16,), "numpy's own bool is a bool"

@@ -1248,6 +1248,39 @@ class RewordedPeer:
         return getattr(self._peer, name)
 
 
+class InterruptedAfterSendPeer:
+    """A Peer whose first send goes, then raises KeyboardInterrupt, as a Ctrl-C arriving during
+    the native call is raised as it returns."""
+
+    def __init__(self, peer: shoal.Peer) -> None:
+        self._peer = peer
+        self.interrupted = False
+
+    def send(self, *args, **kwargs):
+        self._peer.send(*args, **kwargs)
+        if not self.interrupted:
+            self.interrupted = True
+            raise KeyboardInterrupt
+
+    def __getattr__(self, name: str):
+        return getattr(self._peer, name)
+
+
+def test_a_put_interrupted_as_its_first_array_went_takes_it_back():
+    # Counted as not sent, the array stayed at the consumer, which counted it into the next
+    # batch and cut the producer off for a note that did not match.
+    with sharing.Consumer(allocator=HOST) as consumer, host_producer(consumer) as producer:
+        producer._link = InterruptedAfterSendPeer(producer.peer)
+        with pytest.raises(KeyboardInterrupt):
+            producer.put({"a": HOST.allocate(16)})
+        second = HOST.allocate(16)
+        second.fill(5)
+        producer.put({"b": second.view("uint8")})
+        got = consumer.get(timeout=WAIT)
+        assert list(got) == ["b"] and got["b"].storage.read() == bytes([5]) * 16
+        assert consumer.errors == []
+
+
 def test_memory_of_another_allocator_is_told_by_its_allocator_not_by_the_bindings_words():
     other = shoal.Allocator(shoal.host_device())
     with sharing.Consumer(allocator=HOST) as consumer, host_producer(consumer) as producer:
@@ -1412,6 +1445,21 @@ def test_a_contexts_stats_show_what_it_holds_for_producers_until_they_go():
     assert consumer.stats()["producer_resources"] == 0 and consumer.stats()["producers_mapped_bytes"] == 0
 
 
+def test_a_producer_left_by_an_exception_before_any_put_closes_its_connection_alone(monkeypatch):
+    # Nothing put: no allocator fixed, no context or Peer made just to close (a failure
+    # there would replace the block's own error).
+    made = []
+    real_context = sharing._producer_context
+    monkeypatch.setattr(sharing, "_producer_context", lambda *args: made.append(args) or real_context(*args))
+    with sharing.Consumer(allocator=HOST) as consumer:
+        producer = sharing.Producer(consumer.address)
+        with pytest.raises(ValueError, match="the block's own") as raised:
+            with producer:
+                raise ValueError("the block's own")
+        assert raised.value.__context__ is None
+        assert producer.closed and made == []
+
+
 def test_a_storage_one_producer_sent_another_producer_of_its_allocator_sends_too():
     # One process sending the same weights to two consumers, each through a Producer of its
     # own, and again to a consumer that restarted after the first Producer closed.
@@ -1424,6 +1472,8 @@ def test_a_storage_one_producer_sent_another_producer_of_its_allocator_sends_too
             assert to_first.context is to_second.context
             for consumer in (first, second):
                 assert consumer.get(timeout=WAIT)["w"].storage.read() == bytes([9]) * 16
+    del to_first, to_second  # every Producer before it gone, as in a reconnect loop
+    gc.collect()
     with sharing.Consumer(allocator=HOST) as restarted, host_producer(restarted) as again:
         again.put({"w": weights.view("uint8")})
         assert restarted.get(timeout=WAIT)["w"].storage.read() == bytes([9]) * 16

@@ -185,6 +185,53 @@ def test_a_stream_per_request_goes_with_its_storages(work):
     assert _threads() <= threads + 2, "the requests' streams were destroyed"
 
 
+@pytest.mark.skipif(shoal.default_device().kind != "host", reason="imports numpy arrays; counts host streams' threads")
+def test_a_stream_per_request_goes_with_the_arrays_it_imported():
+    # An imported array's streams go with its views and the array (they were kept for the
+    # allocator's life: a stream per request, each importing an array, piled up).
+    import numpy
+
+    def request() -> None:
+        stream = shoal.Stream()
+        with shoal.stream(stream):
+            view = shoal.from_dlpack(numpy.ones(16, "float32"))
+            view.storage.fill(1)
+            del view
+        stream.synchronize()
+
+    request()
+    gc.collect()
+    threads = _threads()
+    for _ in range(40):
+        request()
+    gc.collect()
+    deadline = time.monotonic() + 5  # a destroyed stream's thread ends once its work ran
+    while _threads() > threads + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _threads() <= threads + 2, "each import kept its request's stream"
+
+
+def test_a_stream_scope_left_out_of_order_leaves_the_later_scopes_stream_current():
+    # A generator's scope closed inside a later scope: the later stream stays current (the
+    # generator's guard put back the stream current before it, undoing the later scope).
+    a, b = shoal.Stream(), shoal.Stream()
+    before = shoal.current_stream()
+
+    def scoped():
+        with shoal.stream(a):
+            yield
+
+    suspended = scoped()
+    next(suspended)
+    assert shoal.current_stream() == a
+    with shoal.stream(b):
+        suspended.close()
+        assert shoal.current_stream() == b, "the later scope's stream was undone"
+        allocation = shoal.allocate(64)  # goes on the current stream
+    assert shoal.current_stream() == before
+    del allocation
+
+
 def test_a_stream_used_on_a_storage_lives_as_long_as_the_storage():
     allocator = shoal.Allocator()
     storage = allocator.allocate(1 << 16)

@@ -431,7 +431,8 @@ void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, ba
   std::vector<std::function<void(const oom_report&)>> observers;
   {
     std::lock_guard lock(observers_mutex_);
-    observers = observers_;
+    observers.reserve(observers_.size());
+    for (const auto& [id, observer] : observers_) observers.push_back(observer);
   }
   // An observer that allocates and runs out of memory itself is not called
   // again for that (it would recurse until the stack gives out).

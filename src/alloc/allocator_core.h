@@ -126,7 +126,8 @@ class allocator_core {
   [[nodiscard]] snapshot take_snapshot();
   [[nodiscard]] std::size_t largest_free_block() const;  // cache_queries.cpp
   [[nodiscard]] std::vector<trace_entry> trace() const;
-  void add_oom_observer(std::function<void(const oom_report&)> observer);
+  std::uint64_t add_oom_observer(std::function<void(const oom_report&)> observer);
+  bool remove_oom_observer(std::uint64_t id);
 
   /// Throws invariant_violation unless every invariant holds (see
   /// invariant_checker.h); holds every pool's lock meanwhile.
@@ -390,7 +391,8 @@ class allocator_core {
   std::atomic<std::int64_t> retries_{0}, ooms_{0};
 
   std::mutex observers_mutex_;
-  std::vector<std::function<void(const oom_report&)>> observers_;  // guarded by observers_mutex_
+  std::vector<std::pair<std::uint64_t, std::function<void(const oom_report&)>>> observers_;  // guarded by observers_mutex_
+  std::uint64_t last_observer_id_ = 0;                                                       // guarded by observers_mutex_
 
   // What destroyed private pools counted, by pool kind: stats() adds it, so
   // cumulative figures (allocated, freed) and peaks never go down when a

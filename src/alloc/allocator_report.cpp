@@ -156,9 +156,20 @@ snapshot allocator_core::take_snapshot() {
 
 std::vector<trace_entry> allocator_core::trace() const { return trace_.entries(); }
 
-void allocator_core::add_oom_observer(std::function<void(const oom_report&)> observer) {
+std::uint64_t allocator_core::add_oom_observer(std::function<void(const oom_report&)> observer) {
   std::lock_guard lock(observers_mutex_);
-  observers_.push_back(std::move(observer));
+  observers_.emplace_back(last_observer_id_ + 1, std::move(observer));
+  return ++last_observer_id_;
+}
+
+bool allocator_core::remove_oom_observer(std::uint64_t id) {
+  std::function<void(const oom_report&)> gone;  // destroyed outside the lock: it may hold anything
+  std::lock_guard lock(observers_mutex_);
+  const auto it = std::ranges::find(observers_, id, &decltype(observers_)::value_type::first);
+  if (it == observers_.end()) return false;
+  gone = std::move(it->second);
+  observers_.erase(it);
+  return true;
 }
 
 }  // namespace shoal::alloc::detail

@@ -50,9 +50,11 @@ snapshot caching_allocator::take_snapshot() const { return core_->take_snapshot(
 std::size_t caching_allocator::largest_free_block() const { return core_->largest_free_block(); }
 std::vector<trace_entry> caching_allocator::trace() const { return core_->trace(); }
 void caching_allocator::check_invariants() const { core_->check_invariants(); }
-void caching_allocator::add_oom_observer(std::function<void(const oom_report&)> observer) {
-  core_->add_oom_observer(std::move(observer));
+std::uint64_t caching_allocator::add_oom_observer(std::function<void(const oom_report&)> observer) {
+  return core_->add_oom_observer(std::move(observer));
 }
+
+bool caching_allocator::remove_oom_observer(std::uint64_t id) { return core_->remove_oom_observer(id); }
 
 std::uint64_t caching_allocator::add_cache_miss_hook(std::function<void()> hook) {
   return core_->hooks.add_miss_hook(std::move(hook));

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -129,6 +130,25 @@ TYPED_TEST(allocator_memory, a_memory_limit_fails_cleanly_and_frees_cache_before
   a.deallocate(big, {});
   void* after = a.allocate(8 * mib, {});  // the allocator is still fine
   a.deallocate(after, {});
+}
+
+// A removed observer is called no more and let go at once (what it holds
+// goes with it); another keeps being called; an id is removed once.
+TYPED_TEST(allocator_memory, a_removed_oom_observer_is_called_no_more_and_let_go) {
+  auto& a = this->make("memory_limit_mb:4");
+  int kept_calls = 0;
+  int removed_calls = 0;
+  const auto held = std::make_shared<int>(0);
+  (void)a.add_oom_observer([&](const alloc::oom_report&) { ++kept_calls; });
+  const std::uint64_t removed = a.add_oom_observer([&, held](const alloc::oom_report&) { ++removed_calls; });
+  EXPECT_THROW((void)a.allocate(64 * mib, {}), out_of_memory);
+  EXPECT_EQ(held.use_count(), 2);
+  EXPECT_TRUE(a.remove_oom_observer(removed));
+  EXPECT_EQ(held.use_count(), 1) << "the removed observer was kept";
+  EXPECT_FALSE(a.remove_oom_observer(removed));
+  EXPECT_THROW((void)a.allocate(64 * mib, {}), out_of_memory);
+  EXPECT_EQ(kept_calls, 2);
+  EXPECT_EQ(removed_calls, 1) << "called after its removal";
 }
 
 // An observer that allocates, and runs out of memory doing so, is not

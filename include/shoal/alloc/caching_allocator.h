@@ -248,7 +248,11 @@ class caching_allocator {
   /// Called (on the allocating thread, with no allocator lock held) before
   /// out_of_memory is thrown; not again for an out-of-memory of an
   /// allocation an observer makes (on that thread, until it returns).
-  void add_oom_observer(std::function<void(const oom_report&)> observer);
+  /// Returns the id remove_oom_observer takes.
+  std::uint64_t add_oom_observer(std::function<void(const oom_report&)> observer);
+  /// Forgets observer `id` (one already called for an out-of-memory in
+  /// progress on another thread may still run once); false when none has it.
+  bool remove_oom_observer(std::uint64_t id);
 
   /// Recomputes the allocator's bookkeeping from its blocks and throws
   /// shoal::invariant_violation (naming the invariant, the segment and the
