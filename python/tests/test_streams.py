@@ -199,16 +199,7 @@ def test_a_stream_per_request_goes_with_the_arrays_it_imported():
             del view
         stream.synchronize()
 
-    request()
-    gc.collect()
-    threads = _threads()
-    for _ in range(40):
-        request()
-    gc.collect()
-    deadline = time.monotonic() + 5  # a destroyed stream's thread ends once its work ran
-    while _threads() > threads + 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert _threads() <= threads + 2, "each import kept its request's stream"
+    _assert_requests_leave_no_thread(request)
 
 
 def test_a_stream_scope_left_out_of_order_leaves_the_later_scopes_stream_current():
