@@ -1028,6 +1028,16 @@ class Consumer:
             self._note_error(named)
             incoming.sent_something = True  # cut off: a producer's end all the same
             self._drop(incoming)
+        except BaseException as interrupted:
+            # Ctrl-C (raised as a native call returns, after it took a message) or Python out of
+            # memory: a message may be lost, so this connection's batch can no longer be counted
+            # right. It goes, said, rather than cut off a producer for a mismatch later.
+            self._note_error(_shoal.ConnectionClosedError(
+                f"shoal.sharing: pid {incoming.peer.peer_pid}'s connection was closed: a read of it was "
+                f"interrupted ({type(interrupted).__name__}), and what it had sent of a batch may be lost"))
+            incoming.sent_something = True
+            self._drop(incoming)
+            raise
         return None
 
     def close(self) -> None:
