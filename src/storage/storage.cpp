@@ -158,8 +158,11 @@ class storage_impl {
     if (stolen) {
       streams_.add(cow_->created_on());  // stolen: the family's uses there were left to the final free
     } else {
-      block.release();         // the copy is this storage's data now
-      streams_.reset(stream);  // a new block of `stream`; the old uses went with the shared data
+      block.release();  // the copy is this storage's data now
+      // A new block of `stream`. The streams before stay: the one it was
+      // allocated on needs no record, so a read queued there of the new data
+      // may precede the free (the family's uses of the old data went with it).
+      streams_.make_own(stream);
     }
     if (last) delete cow_;
     cow_ = nullptr;

@@ -49,11 +49,16 @@ class stream_set {
     spilled_.reserve(needed);  // `all` still views inline_ when inline_now
     if (inline_now) spilled_.assign(all.begin(), all.end());
   }
-  /// Only `own` remains (the storage's memory is now a block of `own`).
-  void reset(backend::stream_ref own) noexcept {
-    spilled_.clear();
-    inline_[0] = own;
-    size_ = 1;
+  /// `own` first (the storage's memory is now a block of `own`); the
+  /// streams before it stay, as others: work queued on them may still read
+  /// the storage without having recorded it (its first stream needs no
+  /// record). Needs make_room_for({own}) first: then it does not throw.
+  void make_own(backend::stream_ref own) {
+    add(own);
+    backend::stream_ref* const first = spilled_.empty() ? inline_.data() : spilled_.data();
+    const std::size_t count = spilled_.empty() ? size_ : spilled_.size();
+    backend::stream_ref* const at = std::find(first, first + count, own);
+    std::rotate(first, at, at + 1);  // `own` to the front, the others in their order after it
   }
 
  private:

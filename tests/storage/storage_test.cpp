@@ -281,6 +281,34 @@ TYPED_TEST(storage_test, a_stealer_keeps_the_streams_it_was_used_on) {
   EXPECT_TRUE(this->holds(seen, 0x44, reader));
 }
 
+// A lazy storage's write copies into a block of the writer's stream; a read
+// queued on the stream the storage was allocated on (which needs no record)
+// still holds that block's free. It was freed on the writer's stream alone:
+// whether a storage's first stream was kept depended on a clone another
+// thread had made.
+TYPED_TEST(storage_test, a_copy_for_a_write_keeps_the_streams_the_storage_was_used_on) {
+  auto& dev = this->device();
+  auto& alloc = this->make();
+  const backend::stream_ref first = this->new_stream(), writer = this->new_stream(), elsewhere = this->new_stream();
+  auto a = this->filled(0x11, first);
+  auto snapshot = lazy_clone(a, first);  // another holder: a's write copies
+  void* copied = a.mutable_data(writer);
+  dev.fill(writer, copied, 0x22, bytes);
+  dev.synchronize(writer);
+  std::atomic<bool> open{false};
+  hold(dev, first, open, 10s);
+  auto seen = this->queued_copy(a, first);  // a read of the new data on its first stream
+  {
+    backend::stream_guard on_elsewhere(dev, elsewhere);
+    a = storage_t();
+  }
+  EXPECT_EQ(pending_frees(alloc), 1u) << "freed while a read on the storage's first stream was queued";
+  open.store(true);
+  dev.synchronize(first);
+  EXPECT_EQ(pending_frees(alloc), 0u);
+  EXPECT_TRUE(this->holds(seen, 0x22, first));
+}
+
 TYPED_TEST(storage_test, the_source_outlives_a_pending_copy) {
   auto& dev = this->device();
   auto& alloc = this->make();

@@ -28,7 +28,11 @@
 //   - a storage remembers the streams its data was used on: its own stream
 //     (the one it was allocated, adopted or received on, or its clone's or
 //     copy's stream), every stream given to mutable_data, and every stream
-//     given to record_stream; the newest of them is `last_used_on()`;
+//     given to record_stream; the newest of them is `last_used_on()`. A
+//     write that copies a lazy storage's data into a block of its own keeps
+//     them all (the writer's stream becomes the own one): a read queued on
+//     the first stream without a record stays safe whether or not another
+//     thread made a clone meanwhile;
 //   - its memory is released only once each of those streams has passed the
 //     work enqueued on it until the last handle went, on whichever thread
 //     that happens (the dropping thread's current stream is not one of them
