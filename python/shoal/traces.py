@@ -277,8 +277,7 @@ def record(path: PathLike, *, device: Optional[int] = None, max_entries: int = 1
     fd, partial = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial",
                                    dir=os.path.dirname(os.path.abspath(path)))
     os.close(fd)
-    recording = Recording(path=path, device=index, notes=list(notes))
-    recording._partial = partial
+    recording = Recording(path=path, device=index, notes=list(notes), _partial=partial)
     history = torch.cuda.memory._record_memory_history
     try:
         gc.collect()

@@ -197,6 +197,14 @@ def test_a_trace_already_at_the_path_stays_until_the_new_one_is_whole(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.trace"], "a partial file was left behind"
 
 
+def test_a_folder_given_as_the_path_fails_before_the_block_runs(tmp_path, fake_torch):
+    ran = []
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        with traces.record(tmp_path):
+            ran.append(True)
+    assert not ran and not fake_torch.recording and list(tmp_path.iterdir()) == []
+
+
 def test_a_path_given_as_bytes_is_written(tmp_path, fake_torch):
     path = tmp_path / "t.trace.gz"
     with traces.record(os.fsencode(path)):
