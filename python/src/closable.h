@@ -18,7 +18,9 @@
 // destroys the object; on a library thread running Python code (python_work:
 // a finalizer run as a transfer engine's thread lets go of a source), which
 // the destruction may join: there it returns at once, and the object goes
-// with the last use or on a thread of its own; and in a fork() child while
+// with the last use or on a thread of its own (other close() calls then
+// return once it is handed to that thread, not once it is gone); and in a
+// fork() child while
 // uses its parent's threads held at the fork remain (they never end there):
 // the object is left.
 // Inside an out-of-memory observer it is refused: the observer may run on

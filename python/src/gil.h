@@ -62,7 +62,10 @@ inline std::atomic<int> python_work_in_flight{0};
 inline thread_local int gil_kept = 0;
 
 /// Above zero while this thread runs python_work: a destructor's wait
-/// there (waiting_without_gil) keeps the GIL. Let go, it could be taken back
+/// there (waiting_without_gil) keeps the GIL, and a closable's close()
+/// there neither waits nor destroys in place (closable.h: the thread may
+/// be the one its destruction joins; the main thread counts too when it
+/// lets go of a source, and its destruction then goes on a thread of its own). Let go, it could be taken back
 /// only after the exit gate's wait, and the finalizing interpreter would
 /// park the thread while the interpreter's teardown joins it (a transfer
 /// engine's thread dropping a source whose stream has work queued). Waits

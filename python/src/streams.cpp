@@ -9,6 +9,7 @@
 #include <nanobind/stl/tuple.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -30,23 +31,23 @@ constexpr double max_delay_seconds = 86400;
 
 // This thread's stream scopes, innermost last; each guard restores the
 // stream current when it was made. A scope is left by the token it was
-// entered with.
+// entered with, unique in the process: one left on another thread matches
+// none of that thread's scopes.
 struct scope_entry {
   std::uint64_t token;
   std::shared_ptr<stream_state> stream;
   std::unique_ptr<backend::stream_guard> guard;
 };
 thread_local std::vector<scope_entry> scopes;
-thread_local std::uint64_t last_scope_token = 0;
+std::atomic<std::uint64_t> last_scope_token{0};
 
 backend::device& device_or_default(backend::device* device) {
   return device != nullptr ? *device : backend::default_device();
 }
 
 std::uint64_t push_stream(const py_stream& s) {
-  const std::uint64_t token = last_scope_token + 1;
+  const std::uint64_t token = last_scope_token.fetch_add(1, std::memory_order_relaxed) + 1;
   scopes.push_back({token, s.state, std::make_unique<backend::stream_guard>(s.state->device(), s.state->ref())});
-  last_scope_token = token;
   return token;
 }
 

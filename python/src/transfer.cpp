@@ -336,7 +336,9 @@ void register_transfer(nb::module_& m) {
               try {
                 item = result_of(e, *taken);
               } catch (...) {
-                e.unmade.push_back(std::move(*taken));  // delivered by the next call, first; room reserved above
+                // Delivered by the next call, first. Room reserved above (unless close() took the
+                // vector meanwhile: then this push may allocate, and the closed engine drops it anyway).
+                e.unmade.push_back(std::move(*taken));
                 throw;
               }
             }

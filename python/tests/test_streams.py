@@ -223,6 +223,31 @@ def test_a_stream_scope_left_out_of_order_leaves_the_later_scopes_stream_current
     del allocation
 
 
+def test_a_stream_scope_left_on_another_thread_is_refused_and_that_threads_scopes_stay():
+    # Tokens are unique in the process: another thread's token matches none of this
+    # thread's scopes (per-thread counters made one thread's first scope another's).
+    a, b = shoal.Stream(), shoal.Stream()
+    tokens = []
+    entered, leave = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        with shoal.stream(b):
+            tokens.append(shoal._shoal._push_stream(b))
+            entered.set()
+            leave.wait(10)
+            shoal._shoal._pop_stream(tokens[0])
+
+    helper = threading.Thread(target=other_thread)
+    helper.start()
+    assert entered.wait(10)
+    with shoal.stream(a):
+        with pytest.raises(shoal.InvalidArgumentError, match="not open on this thread"):
+            shoal._shoal._pop_stream(tokens[0])
+        assert shoal.current_stream() == a, "another thread's token left this thread's scope"
+    leave.set()
+    helper.join(10)
+
+
 def test_a_stream_used_on_a_storage_lives_as_long_as_the_storage():
     allocator = shoal.Allocator()
     storage = allocator.allocate(1 << 16)

@@ -1368,7 +1368,7 @@ class lender::state {
       }
       if (b != nullptr) b->waiting = false;
       head_refused_by_device_ = false;
-      leave_line(serial);  // one gone or closed above (answered ones left already)
+      if (b == nullptr || b->failed) leave_line(serial);  // gone or closed above: answered ones left already
     }
   }
 

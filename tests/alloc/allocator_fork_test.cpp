@@ -80,6 +80,8 @@ TEST(allocator_fork, a_forked_child_is_refused_the_parents_private_pools) {
   constexpr std::size_t region_bytes = 4 << 20;
   void* region = host.allocate_segment(region_bytes);
   const alloc::private_pool_id pool = allocator.create_private_pool(region, region_bytes, {});
+  const alloc::private_pool_id growing = allocator.create_growing_private_pool();
+  const alloc::pool_checkpoint checkpoint = allocator.checkpoint_private_pool(growing);
   forked_child child([&] {
     const auto refused = [](const auto& call) {
       try {
@@ -98,13 +100,16 @@ TEST(allocator_fork, a_forked_child_is_refused_the_parents_private_pools) {
     if (!refused([&] { (void)allocator.private_pool_allocated_blocks(pool); })) return 6;
     if (!refused([&] { (void)allocator.create_growing_private_pool(); })) return 7;
     if (!refused([&] { (void)allocator.checkpoint_private_pool(pool); })) return 8;
+    if (!refused([&] { (void)allocator.restore_private_pool(growing, checkpoint); })) return 9;
     return 0;
   });
   const std::optional<int> status = child.wait_for(10s);
   ASSERT_TRUE(status.has_value()) << "the child hung";
   EXPECT_EQ(*status, 0) << "not refused: 1 drain, 2 clear, 3 destroy, 4 a new pool over the parent's memory, "
-                           "5 forget_last_streams, 6 the allocated blocks, 7 a growing pool, 8 a checkpoint";
-  (void)allocator.destroy_private_pool(pool);  // the parent's pool is whole
+                           "5 forget_last_streams, 6 the allocated blocks, 7 a growing pool, 8 a checkpoint, "
+                           "9 a restore";
+  (void)allocator.destroy_private_pool(pool);  // the parent's pools are whole
+  (void)allocator.destroy_private_pool(growing);
   host.free_segment(region);
 }
 

@@ -248,7 +248,8 @@ class caching_allocator {
   /// Called (on the allocating thread, with no allocator lock held) before
   /// out_of_memory is thrown; not again for an out-of-memory of an
   /// allocation an observer makes (on that thread, until it returns).
-  /// Returns the id remove_oom_observer takes.
+  /// Returns the id remove_oom_observer takes (ids of their own: not
+  /// remove_hook's, nor the other way).
   std::uint64_t add_oom_observer(std::function<void(const oom_report&)> observer);
   /// Forgets observer `id` (one already called for an out-of-memory in
   /// progress on another thread may still run once); false when none has it.

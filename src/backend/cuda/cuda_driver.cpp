@@ -130,26 +130,22 @@ bool is_work_failure(cudaError_t result) noexcept {
   }
 }
 
-bool is_work_failure(CUresult result) noexcept {
-  switch (result) {
-    case CUDA_ERROR_ILLEGAL_ADDRESS:
-    case CUDA_ERROR_LAUNCH_TIMEOUT:
-    case CUDA_ERROR_ASSERT:
-    case CUDA_ERROR_HARDWARE_STACK_ERROR:
-    case CUDA_ERROR_ILLEGAL_INSTRUCTION:
-    case CUDA_ERROR_MISALIGNED_ADDRESS:
-    case CUDA_ERROR_INVALID_ADDRESS_SPACE:
-    case CUDA_ERROR_INVALID_PC:
-    case CUDA_ERROR_LAUNCH_FAILED:
-    case CUDA_ERROR_TENSOR_MEMORY_LEAK:
-    case CUDA_ERROR_ECC_UNCORRECTABLE:
-    case CUDA_ERROR_CONTAINED:
-    case CUDA_ERROR_EXTERNAL_DEVICE:
-      return true;
-    default:
-      return false;
-  }
-}
+// The driver's codes for these failures are the runtime's numbers.
+static_assert(static_cast<int>(CUDA_ERROR_ILLEGAL_ADDRESS) == cudaErrorIllegalAddress);
+static_assert(static_cast<int>(CUDA_ERROR_LAUNCH_TIMEOUT) == cudaErrorLaunchTimeout);
+static_assert(static_cast<int>(CUDA_ERROR_ASSERT) == cudaErrorAssert);
+static_assert(static_cast<int>(CUDA_ERROR_HARDWARE_STACK_ERROR) == cudaErrorHardwareStackError);
+static_assert(static_cast<int>(CUDA_ERROR_ILLEGAL_INSTRUCTION) == cudaErrorIllegalInstruction);
+static_assert(static_cast<int>(CUDA_ERROR_MISALIGNED_ADDRESS) == cudaErrorMisalignedAddress);
+static_assert(static_cast<int>(CUDA_ERROR_INVALID_ADDRESS_SPACE) == cudaErrorInvalidAddressSpace);
+static_assert(static_cast<int>(CUDA_ERROR_INVALID_PC) == cudaErrorInvalidPc);
+static_assert(static_cast<int>(CUDA_ERROR_LAUNCH_FAILED) == cudaErrorLaunchFailure);
+static_assert(static_cast<int>(CUDA_ERROR_TENSOR_MEMORY_LEAK) == cudaErrorTensorMemoryLeak);
+static_assert(static_cast<int>(CUDA_ERROR_ECC_UNCORRECTABLE) == cudaErrorECCUncorrectable);
+static_assert(static_cast<int>(CUDA_ERROR_CONTAINED) == cudaErrorContained);
+static_assert(static_cast<int>(CUDA_ERROR_EXTERNAL_DEVICE) == cudaErrorExternalDevice);
+
+bool is_work_failure(CUresult result) noexcept { return is_work_failure(static_cast<cudaError_t>(result)); }
 
 void throw_work_failure(const char* call, const std::string& description, const std::string& where) {
   throw stream_error(std::string(call) + ": work enqueued earlier" + (where.empty() ? "" : " on " + where) +

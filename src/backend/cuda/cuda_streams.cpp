@@ -76,13 +76,14 @@ stream_ref cuda_streams::adopt_external_stream(void* native) {
   // saw its capture invalidated, and that was the one call there that is no
   // capture query (2026-11-28; this form not yet run on a GPU).
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  const char* asked = "cudaStreamIsCapturing";
   cudaError_t queried = cudaStreamIsCapturing(s, &capture);
   const bool capturing = queried == cudaSuccess && capture != cudaStreamCaptureStatusNone;
-  if (queried == cudaSuccess && !capturing) queried = cudaStreamQuery(s);
-  if (is_work_failure(queried)) {
-    (void)cudaGetLastError();
-    throw_work_failure("cudaStreamQuery", describe(queried), cuda_label(ordinal_));
+  if (queried == cudaSuccess && !capturing) {
+    asked = "cudaStreamQuery";
+    queried = cudaStreamQuery(s);
   }
+  if (is_work_failure(queried)) check_work(queried, asked, ordinal_);  // throws: the process must restart
   if (queried != cudaSuccess && queried != cudaErrorNotReady) {
     (void)cudaGetLastError();  // not sticky: clear it
     throw invalid_argument("cuda_device::adopt_external_stream: " + hex(native) + " is not a live CUDA stream (" +
