@@ -3,7 +3,12 @@
 //   - lazy_clone: ns per clone (batches of 1,000 clones of one storage,
 //     median over batches);
 //   - materialization of large storages: bytes moved (read + written) per
-//     second, against device::copy of the same size into ready buffers.
+//     second, against device::copy of the same size into ready buffers;
+//   - a 4 KiB clone written (then dropped) on the stream it was made on and
+//     on a second stream, beside a storage used on one stream and on two:
+//     ns per storage, median over batches of 1,000. A copy made on a second
+//     stream keeps the first, so its free records an event there, as any
+//     storage used on two streams does.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -80,6 +85,44 @@ bandwidth copy_bandwidth(shoal::alloc::caching_allocator& a, std::size_t bytes, 
   return {median(materialize), median(copy)};
 }
 
+struct stream_costs {
+  double clone_written_on_its_stream;
+  double clone_written_on_another;
+  double used_on_one;
+  double used_on_two;
+};
+
+stream_costs second_stream_ns(shoal::alloc::caching_allocator& a) {
+  auto& dev = a.device();
+  shoal::backend::stream first(dev);
+  shoal::backend::stream second(dev);
+  shoal::backend::stream_guard on_first(dev, first);
+  constexpr std::size_t bytes = 4096;
+  auto source = storage::allocate(a, bytes, first);
+  dev.fill(first, source.mutable_data(first), 0x5A, bytes);
+  auto time = [&](auto&& one) {
+    std::vector<double> batches;
+    for (int b = 0; b < 101; ++b) {
+      const auto start = clock_type::now();
+      for (int i = 0; i < 1000; ++i) one();
+      batches.push_back(seconds_since(start) * 1e9 / 1000);
+      dev.synchronize(first);
+      dev.synchronize(second);
+    }
+    return median(batches);
+  };
+  stream_costs costs{};
+  costs.clone_written_on_its_stream = time([&] { (void)shoal::storage::lazy_clone(source).mutable_data(first); });
+  costs.clone_written_on_another = time([&] { (void)shoal::storage::lazy_clone(source).mutable_data(second); });
+  costs.used_on_one = time([&] { (void)storage::allocate(a, bytes, first).mutable_data(first); });
+  costs.used_on_two = time([&] { (void)storage::allocate(a, bytes, first).mutable_data(second); });
+  source = storage();
+  dev.synchronize(first);
+  dev.synchronize(second);
+  a.empty_cache();  // before the streams go (see copy_bandwidth)
+  return costs;
+}
+
 }  // namespace
 
 int main() {
@@ -96,4 +139,10 @@ int main() {
     std::printf("| materialize %zu MiB (x%d), GB/s read+written | %.0f | %.0f | %.1f%% |\n", mib, count,
                 bw.materialize / 1e9, bw.copy / 1e9, 100.0 * bw.materialize / bw.copy);
   }
+  const auto costs = second_stream_ns(a);
+  std::printf("\n| 4 KiB storage made, written once, dropped: ns (median of 101 batches of 1,000) | ns |\n| --- | ---: |\n");
+  std::printf("| lazy clone written on the stream it was made on | %.1f |\n", costs.clone_written_on_its_stream);
+  std::printf("| lazy clone written on a second stream (its copy keeps both) | %.1f |\n", costs.clone_written_on_another);
+  std::printf("| anchor: storage allocated and written on one stream | %.1f |\n", costs.used_on_one);
+  std::printf("| anchor: storage allocated on one stream, written on a second | %.1f |\n", costs.used_on_two);
 }
