@@ -52,13 +52,18 @@ int_read read_int(const python_int& value) {
   return read;
 }
 
+// An int to Python, but True as a size, an offset or a byte is a slip.
+void refuse_bool(const python_int& value, const char* who, const char* what) {
+  if (PyBool_Check(value.value.ptr()) != 0) {
+    throw nb::type_error((std::string(who) + ": " + what + " must be an int, not a bool").c_str());
+  }
+}
+
 }  // namespace
 
 std::uint64_t whole_number_of(const python_int& value, const char* who, const char* what, std::uint64_t most,
                               bool positive) {
-  if (PyBool_Check(value.value.ptr()) != 0) {  // an int to Python, but True as a size or a byte is a slip
-    throw nb::type_error((std::string(who) + ": " + what + " must be an int, not a bool").c_str());
-  }
+  refuse_bool(value, who, what);
   const int_read read = read_int(value);
   const std::uint64_t least = positive ? 1 : 0;
   if (read.whole && *read.whole >= least && *read.whole <= most) return *read.whole;
@@ -90,6 +95,7 @@ char numpy_scalar_kind(nb::handle value) {
 }
 
 std::int64_t signed_number_of(const python_int& value, const char* who, const char* what) {
+  refuse_bool(value, who, what);
   const int_read read = read_int(value);
   if (read.overflow == 0) return read.number;
   throw invalid_argument(std::string(who) + ": " + what + " must lie from -2^63 to 2^63 - 1, got " + read.text());

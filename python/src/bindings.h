@@ -323,7 +323,8 @@ std::optional<python_int> index_of(nb::handle value);
 /// anything shaped like one); 0 for anything else.
 char numpy_scalar_kind(nb::handle value);
 /// `value` as a signed 64-bit number (an offset or stride the caller checks
-/// further): anything past that is invalid_argument naming `who` and `what`.
+/// further): anything past that is invalid_argument naming `who` and `what`;
+/// a bool is TypeError, as for whole_number_of.
 std::int64_t signed_number_of(const python_int& value, const char* who, const char* what);
 /// The calling user plus `allowed_uids`, each refused by name (`who`) unless
 /// a uid (0 .. 2^32 - 2).

@@ -337,6 +337,13 @@ def test_a_bool_is_no_size_and_no_byte():
     storage = shoal.allocate(16)
     with pytest.raises(TypeError, match="must be an int, not a bool"):
         storage.fill(True)
+    # Offsets and counts that may be negative are refused alike (read(nbytes=True) read one byte).
+    with pytest.raises(TypeError, match="Storage.read: nbytes must be an int, not a bool"):
+        storage.read(nbytes=True)
+    with pytest.raises(TypeError, match="Storage.write: offset must be an int, not a bool"):
+        storage.write(b"x", offset=True)
+    with pytest.raises(TypeError, match="Storage.view: offset must be an int, not a bool"):
+        storage.view("uint8", (4,), offset=True)
 
 
 def test_a_settings_name_or_list_cannot_carry_other_settings():
