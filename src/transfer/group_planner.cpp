@@ -26,15 +26,23 @@ void validate(std::span<const layer_cost> layers, copy_cost cost) {
   }
 }
 
+/// A layer as the optimum sees it: bytes as a double, so that merged layers
+/// add up without wrapping (a hostile profile's sizes near 2^64 would sum
+/// to a small number and make a layer that costs the most look free).
+struct planned_layer {
+  double bytes = 0;
+  double compute_seconds = 0;
+};
+
 /// Runs of `unit` consecutive layers merged into one, so that at most
-/// max_planned_layers remain.
-std::vector<layer_cost> coarsen(std::span<const layer_cost> layers, std::size_t unit) {
-  std::vector<layer_cost> out;
+/// max_planned_layers remain (unit 1: the layers as they are).
+std::vector<planned_layer> merged_runs(std::span<const layer_cost> layers, std::size_t unit) {
+  std::vector<planned_layer> out;
   out.reserve((layers.size() + unit - 1) / unit);
   for (std::size_t i = 0; i < layers.size(); i += unit) {
-    layer_cost merged;
+    planned_layer merged;
     for (std::size_t j = i; j < std::min(layers.size(), i + unit); ++j) {
-      merged.bytes += layers[j].bytes;
+      merged.bytes += static_cast<double>(layers[j].bytes);
       merged.compute_seconds += layers[j].compute_seconds;
     }
     out.push_back(merged);
@@ -43,11 +51,11 @@ std::vector<layer_cost> coarsen(std::span<const layer_cost> layers, std::size_t 
 }
 
 /// The exact optimum over groupings of `layers` (at most max_planned_layers).
-std::vector<std::size_t> optimal_ends(std::span<const layer_cost> layers, copy_cost cost) {
+std::vector<std::size_t> optimal_ends(std::span<const planned_layer> layers, copy_cost cost) {
   const std::size_t n = layers.size();
   std::vector<double> bytes(n + 1, 0), compute(n + 1, 0);  // prefix sums
   for (std::size_t i = 0; i < n; ++i) {
-    bytes[i + 1] = bytes[i] + static_cast<double>(layers[i].bytes);
+    bytes[i + 1] = bytes[i] + layers[i].bytes;
     compute[i + 1] = compute[i] + layers[i].compute_seconds;
   }
   constexpr double never = std::numeric_limits<double>::infinity();
@@ -132,9 +140,9 @@ group_plan evaluate_grouping(std::span<const layer_cost> layers, copy_cost cost,
 group_plan plan_groups(std::span<const layer_cost> layers, copy_cost cost) {
   validate(layers, cost);
   const std::size_t unit = (layers.size() + max_planned_layers - 1) / max_planned_layers;
-  if (unit == 1) return evaluate_grouping(layers, cost, optimal_ends(layers, cost));
+  if (unit == 1) return evaluate_grouping(layers, cost, optimal_ends(merged_runs(layers, 1), cost));
   std::vector<std::size_t> ends;
-  for (std::size_t e : optimal_ends(coarsen(layers, unit), cost)) ends.push_back(std::min(e * unit, layers.size()));
+  for (std::size_t e : optimal_ends(merged_runs(layers, unit), cost)) ends.push_back(std::min(e * unit, layers.size()));
   // Optimal at the coarse granularity only: it must not lose to the groupings
   // it is compared against.
   group_plan best = evaluate_grouping(layers, cost, std::move(ends));

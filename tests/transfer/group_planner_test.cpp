@@ -88,6 +88,20 @@ TEST(group_planner, large_models_are_planned_in_runs_of_layers) {
   EXPECT_LE(plan.last_layer_end, transfer::one_group_per_layer(layers, cost).last_layer_end);
 }
 
+TEST(group_planner, merged_layers_of_huge_sizes_keep_their_cost) {
+  // 2048 layers are planned in pairs. The last two hold 2^63 bytes each: their pair, summed in
+  // 64 bits, wrapped to 0 and looked free, so the coarse plan put small layers behind it and lost
+  // to one group per layer. Their copy takes 18,447 s here; every small layer's compute (2,046 s)
+  // fits before it, so the best plan's last group is that pair alone.
+  std::vector<layer_cost> layers(2048, layer_cost{1 << 20, 1.0});
+  layers[2046].bytes = layers[2047].bytes = std::size_t{1} << 63;
+  const copy_cost cost{0.5, 1e15};
+  const auto plan = transfer::plan_groups(layers, cost);
+  ASSERT_GE(plan.group_ends.size(), 2U);
+  EXPECT_EQ(plan.group_ends[plan.group_ends.size() - 2], 2046U);
+  EXPECT_LT(plan.last_layer_end, transfer::one_group_per_layer(layers, cost).last_layer_end - 100);
+}
+
 TEST(group_planner, bad_profiles_and_groupings_are_refused) {
   const std::vector<layer_cost> layers{{10, 0.1}, {10, 0.1}};
   EXPECT_THROW((void)transfer::plan_groups({}, copy_cost{0, 1}), invalid_argument);
