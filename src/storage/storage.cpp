@@ -374,13 +374,23 @@ std::shared_ptr<detail::storage_impl> lazy_clone_locked(detail::storage_impl& s,
   // context changes, so that a throw leaves everything as it was; no device
   // call when the source was used on `stream` alone, the common case.
   detail::order_after(s.allocator_.device(), stream, s.streams_.view());
-  if (s.cow_ == nullptr) {
-    s.cow_ = new detail::cow_context(s.allocator_, s.data_.load(), s.size_, stream);
+  // A first clone's context is the source's only once the clone exists: a
+  // throw before leaves the source owning its data, not lazy. (A note left
+  // in a context that was there only orders later copies after more work.)
+  std::unique_ptr<detail::cow_context> made;
+  detail::cow_context* cow = s.cow_;
+  if (cow == nullptr) {
+    made = std::make_unique<detail::cow_context>(s.allocator_, s.data_.load(), s.size_, stream);
+    cow = made.get();
+  }
+  cow->note_clone(stream, s.streams_.view());
+  auto clone = std::make_shared<detail::storage_impl>(s.allocator_, s.size_, s.data_.load(), cow, stream);
+  // Nothing below throws.
+  if (made) {
+    s.cow_ = made.release();
     s.lazy_.store(true, std::memory_order_release);
   }
-  s.cow_->note_clone(stream, s.streams_.view());
-  auto clone = std::make_shared<detail::storage_impl>(s.allocator_, s.size_, s.data_.load(), s.cow_, stream);
-  s.cow_->add_reference();  // only once the clone exists: a clone not made holds none
+  cow->add_reference();  // only once the clone exists: a clone not made holds none
   clone->lazy_.store(true, std::memory_order_relaxed);
   return clone;
 }

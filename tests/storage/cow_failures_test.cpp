@@ -169,7 +169,8 @@ TEST_F(cow_failures, a_last_reference_whose_steal_is_refused_stays_lazy_and_is_f
 }
 
 // Each heap allocation lazy_clone makes, refused in turn, for a first clone
-// (which makes the context) and one that joins it.
+// (which makes the context) and one that joins it: a clone not made leaves
+// its source as it was.
 TEST_F(cow_failures, a_lazy_clone_refused_host_memory_at_any_step_leaves_the_family_whole) {
   const stream_ref own = new_stream(), other = new_stream();
   bool refused = true;
@@ -187,6 +188,8 @@ TEST_F(cow_failures, a_lazy_clone_refused_host_memory_at_any_step_leaves_the_fam
       }
       refused = refuse.refused();
     }
+    // A first clone that was not made leaves no context behind: the source's next write is in place.
+    if (!first.valid()) EXPECT_FALSE(source.is_lazy()) << "the source was left lazy without a clone";
     for (const storage_t* st : {&source, &first, &second}) {
       if (st->valid()) EXPECT_TRUE(holds(*st, 0xAB, own));
     }
