@@ -578,6 +578,9 @@ bool allocator_core::free_waiting(block_pool& pool, block* b, backend::stream_re
     if ((hold || mark_hazard) && !awaits) {
       std::vector<backend::stream_ref> streams = b->used_on;
       if ((freed_elsewhere && (config.cross_stream_safety || mark_hazard)) || host_written) add_unique(streams, stream);
+      // Pinned memory freed on another stream: the CPU's next write must wait
+      // for the block's own stream's work too (record_stream skips that stream).
+      if (host_written) add_unique(streams, b->stream);
       events.reserve(streams.size());
       for (auto s : streams) {
         events.push_back(events_.take());

@@ -191,16 +191,38 @@ TYPED_TEST(pinned_host_allocator, large_frees_and_frees_on_other_streams_record_
   a.deallocate(a.allocate(mib, s), s);
   EXPECT_EQ(dev.records.load(), 1) << "1 MiB is enough to seal at once";
   a.deallocate(a.allocate(64 * kib, s), other);
-  EXPECT_EQ(dev.records.load(), 2) << "a free on another stream has its own event";
+  EXPECT_EQ(dev.records.load(), 3) << "a free on another stream: an event there and on the block's own";
   void* p = a.allocate(64 * kib, s);
   a.record_stream(p, other);
   a.deallocate(p, s);
-  EXPECT_EQ(dev.records.load(), 4) << "record_stream: an event on each stream, at once";
+  EXPECT_EQ(dev.records.load(), 5) << "record_stream: an event on each stream, at once";
   dev.synchronize(s);
   dev.synchronize(other);
   a.empty_cache();
   EXPECT_NO_THROW(a.check_invariants());
   EXPECT_EQ(a.stats().reserved_bytes.aggregate.current, 0);
+}
+
+// A pinned block freed on another stream: the next user writes it from the
+// CPU, so the free waits for the work still queued on the block's own
+// stream as well (record_stream cannot name that stream: it is the block's).
+TYPED_TEST(pinned_host_allocator, a_free_on_another_stream_waits_for_the_blocks_own_stream_too) {
+  auto& dev = this->device();
+  alloc::caching_allocator a(dev, pinned());
+  stream own(dev), other(dev);
+  void* p = a.allocate(2 * mib, own);
+  dev.delay(own, 200ms);
+  dev.fill(own, p, 0xAA, 2 * mib);  // a write still queued on the block's own stream
+  a.deallocate(p, other);           // `other` is idle: its event passes at once
+  dev.synchronize(other);
+  a.process_pending_frees();
+  void* q = a.allocate(2 * mib, own);
+  std::memset(q, 0x11, 2 * mib);  // the CPU stages the next batch
+  dev.synchronize(own);
+  EXPECT_EQ(static_cast<unsigned char*>(q)[0], 0x11) << "the old block's queued write landed on the new data";
+  a.deallocate(q, own);
+  dev.synchronize(own);
+  EXPECT_NO_THROW(a.check_invariants());
 }
 
 TYPED_TEST(pinned_host_allocator, record_stream_makes_the_free_wait_for_that_stream_too) {
