@@ -1,6 +1,7 @@
 #include "alloc/allocator_core.h"
 
 #include <algorithm>
+#include <bit>
 #include <exception>
 #include <sstream>
 
@@ -41,6 +42,14 @@ allocator_config checked(allocator_config config) {
                            " is more than the most kept, " + std::to_string(allocator_config::max_trace_entries) + " (" +
                            std::to_string(allocator_config::max_trace_entries * sizeof(trace_entry) >> 20) +
                            " MiB of host memory, taken when the allocator is made)");
+  }
+  // As parse refuses them: a count that is no power of two rounds sizes off
+  // the 512-byte grid every block keeps (a config built as a struct skips parse).
+  for (const std::uint32_t n : config.roundup_power2_divisions) {
+    if (n != 0 && (n > 64 || !std::has_single_bit(n))) {
+      throw invalid_argument("caching_allocator: roundup_power2_divisions " + std::to_string(n) +
+                             " is not a power of two from 1 to 64 (or 0)");
+    }
   }
   if (config.memory == allocator_memory::pinned_host) {
     if (config.expandable_segments) {

@@ -226,6 +226,28 @@ TYPED_TEST(allocator_memory, a_max_split_size_of_20_mib_or_less_is_refused_and_o
   for (void* v : {p, q}) a.deallocate(v, {});
 }
 
+// A config built as a struct skips parse: a division count that is no power
+// of two (3 rounded a 4097-byte request to 5460 bytes, and the next block
+// started off the 512-byte grid) is refused by the allocator as by parse.
+TYPED_TEST(allocator_memory, roundup_divisions_set_in_a_struct_are_checked_as_parse_checks_them) {
+  alloc::allocator_config config;
+  config.roundup_power2_divisions.fill(3);
+  try {
+    alloc::caching_allocator refused(this->device(), config);
+    FAIL() << "roundup_power2_divisions 3 was accepted";
+  } catch (const invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("roundup_power2_divisions 3 is not a power of two"), std::string::npos)
+        << e.what();
+  }
+  config.roundup_power2_divisions.fill(128);
+  EXPECT_THROW(alloc::caching_allocator(this->device(), config), invalid_argument);
+  config.roundup_power2_divisions.fill(4);
+  alloc::caching_allocator a(this->device(), config);
+  void* p = a.allocate(4097, {});
+  EXPECT_EQ(a.block_size(p) % 512, 0U);
+  a.deallocate(p, {});
+}
+
 // A private pool's region is all it has: its blocks of max_split_size or
 // more are split for smaller requests like any other.
 TYPED_TEST(allocator_memory, a_private_pool_past_max_split_size_serves_small_requests) {
