@@ -161,24 +161,21 @@ consumer_state::~consumer_state() {
   // and a stream may wait for a ready point of the producer. The producer is
   // not trusted to pass it: past the deadline, the mappings still in use stay
   // open, and so do the event sources those waits may use (host tasks cannot
-  // close them; the slots are still released when the streams move on).
+  // close them; the slots are still released when the streams move on), left
+  // to the context (left_open_imports.h), which closes them and gives their
+  // counts back once the releases have run.
   // The segments' descriptors go with this table (counter files give theirs
   // back as they go: storages may keep them).
   give_back(held_->resources, segments_.size());
   const auto until = shoal::detail::deadline_after(options.teardown_timeout);
-  const auto in_use = [](const std::shared_ptr<mapping>& m) { return m->state.load() >= one_view; };
+  const auto in_use = [](const std::shared_ptr<mapping>& m) { return mapping_in_use(*m); };
   for (;;) {
     bool busy = false;
     for (auto& [ids, m] : mappings_) busy = busy || in_use(m);
     for (auto& m : retired_) busy = busy || in_use(m);
     if (!busy) break;
     if (std::chrono::steady_clock::now() >= until) {
-      for (auto& [ids, m] : mappings_) {
-        if (!in_use(m)) close(*m);
-      }
-      for (auto& m : retired_) {
-        if (!in_use(m)) close(*m);
-      }
+      leave_open_what_is_in_use();
       return;
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -192,6 +189,28 @@ consumer_state::~consumer_state() {
     }
   }
   give_back(held_->resources, sources_.size());
+}
+
+void consumer_state::leave_open_what_is_in_use() noexcept {
+  left_open_imports::table_remains remains{&allocator.device(), producer, {}, {}};
+  const auto sort = [&](const std::shared_ptr<mapping>& m) {
+    if (mapping_in_use(*m)) {
+      remains.mappings.push_back(m);  // within the room reserved below
+    } else {
+      close(*m);
+    }
+  };
+  try {
+    remains.mappings.reserve(mappings_.size() + retired_.size());
+    remains.sources.reserve(sources_.size());
+    for (auto& [ids, m] : mappings_) sort(m);
+    for (auto& m : retired_) sort(m);
+    for (auto& [id, source] : sources_) remains.sources.push_back(source);
+    held_->left_open.keep(std::move(remains));
+  } catch (const std::bad_alloc&) {
+    // No host memory to remember them: they stay open and counted for the
+    // process's life, which is safe (nothing is unmapped under a read).
+  }
 }
 
 namespace {
@@ -323,8 +342,13 @@ void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
   // retires each segment once its storage is dropped would otherwise have any
   // number of them mapped in between (found in review). One the collector
   // took is counted until it erases it, a moment later.
-  std::size_t mapped = 0;
-  std::size_t mapped_bytes = 0;  // within byte_limit: every mapping counted here was made within it
+  // What this producer's earlier tables left open counts too (closed first
+  // where their releases have run): a producer that stalls its teardown and
+  // reconnects would otherwise map anew each time.
+  if (!held_->left_open.empty()) held_->left_open.close_released(*held_);
+  const auto left = held_->left_open.held_for(producer);
+  std::size_t mapped = left.segments;
+  std::size_t mapped_bytes = left.bytes;  // within byte_limit: every mapping counted here was made within it
   for (const auto& [ids, m] : mappings_) {
     mapped += ids.size();
     mapped_bytes += m->mapped_bytes;
@@ -415,6 +439,7 @@ void consumer_state::try_close_unused() {
 
 void consumer_state::close_unused_in_every_table() {
   close_unused_here();
+  held_->left_open.close_released(*held_);
   std::vector<std::shared_ptr<consumer_state>> others;
   {
     std::lock_guard lock(held_->tables_mutex);
@@ -561,15 +586,19 @@ void consumer_state::close_finished() {
   for (auto& m : finished) close(*m);
 }
 
-void consumer_state::close(mapping& m) noexcept {
+void consumer_state::close(mapping& m) noexcept { close_mapping(allocator.device(), *held_, m); }
+
+bool mapping_in_use(const mapping& m) noexcept { return m.state.load(std::memory_order_acquire) >= one_view; }
+
+void close_mapping(backend::device& device, context_holdings& held, mapping& m) noexcept {
   if (m.base == nullptr) return;
   try {
-    allocator.device().close_import(m.base);
+    device.close_import(m.base);
   } catch (const error&) {  // NOLINT(bugprone-empty-catch): the mapping is gone either way
   }
   m.base = nullptr;
-  give_back(held_->mapped_bytes, m.mapped_bytes);
-  give_back(held_->resources, m.segment_ids.size());
+  give_back(held.mapped_bytes, m.mapped_bytes);
+  give_back(held.resources, m.segment_ids.size());
 }
 
 peer_stats consumer_state::stats() const {

@@ -45,6 +45,12 @@ struct mapping {
   std::atomic<std::uint64_t> state{0};
 };
 
+/// Whether a received storage still uses `m` (its release not yet run).
+[[nodiscard]] bool mapping_in_use(const mapping& m) noexcept;
+/// Closes `m` (once: a closed mapping is skipped), which no one else refers
+/// to, and gives its counts back to `held`.
+void close_mapping(backend::device& device, context_holdings& held, mapping& m) noexcept;
+
 /// Where received storages' host tasks report: holds nothing that needs the
 /// device to go, so it may be released on any thread.
 struct release_sink {
@@ -119,6 +125,9 @@ class consumer_state : public std::enable_shared_from_this<consumer_state> {
   void try_close_unused();
   void retire(const std::shared_ptr<mapping>& m);                                  // mutex_ held
   void close(mapping& m) noexcept;  // a mapping no one else refers to; mutex_ not needed
+  /// The destructor past its deadline: closes the mappings no storage uses
+  /// and leaves the others, with the event sources, to held_->left_open.
+  void leave_open_what_is_in_use() noexcept;
 
   mutable std::mutex mutex_;
   std::map<std::uint64_t, std::shared_ptr<counter_file>> files_;

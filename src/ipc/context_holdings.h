@@ -12,6 +12,8 @@
 #include <mutex>
 #include <vector>
 
+#include "ipc/left_open_imports.h"
+
 namespace shoal::ipc::detail {
 
 class consumer_state;
@@ -27,6 +29,8 @@ struct context_holdings {
   // mappings cannot keep another producer out.
   std::mutex tables_mutex;
   std::vector<std::weak_ptr<consumer_state>> tables;  // guarded by tables_mutex
+  // What tables left open when they went, still counted above.
+  left_open_imports left_open;
 };
 
 /// Whether `more` fits under `limit` beside `used`, without overflow.

@@ -316,6 +316,7 @@ std::size_t producer_state::collect(bool reclaim) {
       receivers = receivers_.live();
     }
     for (auto& r : receivers) r->close_finished();
+    held_for_producers->left_open.close_released(*held_for_producers);
   }
   return ready.size();
 }

@@ -209,6 +209,50 @@ TEST(stalling_peer, the_destructor_does_not_wait_for_a_ready_point_the_producer_
   dev.destroy_stream(producer_stream);
 }
 
+// A teardown past its deadline leaves the mappings still in use open; once
+// the producer passes its point and the releases run, the context's collector
+// closes them and gives their counts back (they were counted for the
+// process's life: a producer stalling each teardown and reconnecting used up
+// max_mapped_bytes for every producer). While they are open, they count
+// against the same producer's next connection's own limit.
+TEST(stalling_peer, what_a_stalled_teardown_left_open_counts_for_its_producer_and_goes_once_the_stall_ends) {
+  ipc::sharing_options options{.collect_interval = 0ms};
+  options.max_peer_mapped_bytes = 3u << 20;  // room for one 2 MiB segment mapped
+  captured_exchange ex(options);
+  backend::device& dev = ex.dev;
+  const backend::stream_ref producer_stream = dev.create_stream();
+  std::atomic<bool> passes{false};
+  dev.host_task(producer_stream, [&passes] {
+    while (!passes.load()) std::this_thread::yield();
+  });
+  auto share_and_tear_down = [&] {
+    auto [from, to] = connected_pair();
+    ipc::peer sender(ex.producer, std::move(from));
+    auto receiver = std::make_unique<ipc::peer>(ex.consumer, std::move(to));
+    sender.send(storage::storage::allocate(ex.producer_allocator, 4096, {}), {}, producer_stream);
+    { const ipc::received r = receiver->receive_for(10s, {}); }
+    receiver.reset();  // past teardown_timeout: the mapping is left open, in use
+  };
+  share_and_tear_down();
+  EXPECT_EQ(ex.consumer.stats().producers_mapped_bytes, 2u << 20) << "left open while in use";
+  // The producer connects again while its first mapping is still open: its second one would hold
+  // 4 MiB of this producer's mapped, past max_peer_mapped_bytes.
+  try {
+    share_and_tear_down();
+    ADD_FAILURE() << "the mapping a stalled teardown left open did not count for its producer";
+  } catch (const protocol_error& e) {
+    EXPECT_NE(std::string(e.what()).find("max_peer_mapped_bytes"), std::string::npos) << e.what();
+  }
+  passes.store(true);
+  dev.synchronize(producer_stream);
+  dev.synchronize({});
+  dev.destroy_stream(producer_stream);
+  ex.consumer.collect();
+  const auto stats = ex.consumer.stats();
+  EXPECT_EQ(stats.producers_mapped_bytes, 0u) << "the mapping left open was not closed once released";
+  EXPECT_EQ(stats.producer_resources, 0u) << "the mapping or event source left open stayed counted";
+}
+
 // The host device, counting synchronize_device calls.
 class device_wait_counting final : public forwarding_device {
  public:

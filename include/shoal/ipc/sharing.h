@@ -148,8 +148,10 @@ class peer {
   /// sharing_options::teardown_timeout (twice, when this was the last peer
   /// of that producer): a peer that stalls mid-message is cut off, and a
   /// mapping whose release still waits for a ready point the producer has
-  /// not passed stays open, with that producer's event sources, for the
-  /// life of the process.
+  /// not passed stays open, with that producer's event sources, until the
+  /// release has run (the context's collector then closes them). Meanwhile
+  /// they count in the context's limits and, for that producer's next
+  /// connections, in its own (max_peer_segments, max_peer_mapped_bytes).
   ~peer();
   peer(const peer&) = delete;
   peer& operator=(const peer&) = delete;
