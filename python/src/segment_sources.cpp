@@ -65,8 +65,7 @@ class segment_source {
   ~segment_source() {
     auto& a = allocator_->allocator();
     try {
-      a.drain_private_pool(pool_);  // the streams PyTorch used pass before the memory goes
-      a.destroy_private_pool(pool_);
+      a.destroy_private_pool(pool_);  // drains first: the streams PyTorch used pass before the memory goes
     } catch (const device_unavailable&) {
       // A fork() child's copy: the pool and its memory are the parent's.
     } catch (const std::exception& e) {

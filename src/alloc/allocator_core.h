@@ -154,6 +154,9 @@ class allocator_core {
   [[nodiscard]] std::vector<void*> private_pool_allocated_blocks(private_pool_id id) const;
   invalidated_blocks_report clear_private_pool(private_pool_id id, const std::string& part, live_blocks live);
   void drain_private_pool(private_pool_id id, const std::string& part);
+  // Waits on the host for the pending frees of `part` and the streams that
+  // last used its free blocks (its lock taken, and let go for the waits).
+  void drain(block_pool& part);
   invalidated_blocks_report destroy_private_pool(private_pool_id id, live_blocks live);
   // Checkpoints of growing private pools (pool_checkpoints.cpp).
   [[nodiscard]] pool_checkpoint checkpoint_private_pool(private_pool_id id);

@@ -50,7 +50,8 @@ std::size_t blocks_for_reset(const block_pool& part) {
 // Makes each segment of the sub-pool free again but for its tombstones,
 // which stay where they are (forced_clear.cpp): one free block between two
 // tombstones, remembering no stream (the streams that last used the memory
-// have passed: drain_private_pool, or a forced clear's device-wide wait).
+// have passed: the drain of a clear that refuses live blocks, or a forced
+// clear's device-wide wait).
 // Every block is free (in the bins) or a tombstone; blocks_for_reset(part)
 // block objects are spare, so nothing here allocates or throws. A free
 // block's waits (debug mode's hazard events, with cross-stream safety off)
@@ -283,10 +284,18 @@ invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id,
   require_refuse_for_growing(part, live, "clear_private_pool");
   invalidated_blocks_report taken;
   if (live == live_blocks::refuse) {
-    std::lock_guard lock(part.lock);
-    require_no_live_blocks(part, "clear_private_pool");
-    part.reserve_blocks(blocks_for_reset(part));
-    reset_layout(part, events_);
+    // reset_layout forgets the streams that last used the free blocks: they
+    // are waited for first, and again when a free came during the wait
+    // (another thread's: its stream was not waited for).
+    for (std::uint64_t frees = frees_of(part);;) {
+      drain(part);
+      std::lock_guard lock(part.lock);
+      if (std::exchange(frees, part.frees) != part.frees) continue;
+      require_no_live_blocks(part, "clear_private_pool");
+      part.reserve_blocks(blocks_for_reset(part));
+      reset_layout(part, events_);
+      break;
+    }
   } else {
     hooks.run_forced_clear_hooks();  // blocks no other process holds any more lose their mark
     std::uint64_t frees = frees_of(part);
@@ -314,7 +323,10 @@ invalidated_blocks_report allocator_core::clear_private_pool(private_pool_id id,
 
 void allocator_core::drain_private_pool(private_pool_id id, const std::string& part_name) {
   refuse_in_fork_child(epoch_, "drain_private_pool");
-  block_pool& part = private_part(id, part_name);
+  drain(private_part(id, part_name));
+}
+
+void allocator_core::drain(block_pool& part) {
   // Waited for without the lock: this may take long.
   std::vector<backend::event_ref> waits;
   {
@@ -376,19 +388,20 @@ invalidated_blocks_report allocator_core::destroy_private_pool(private_pool_id i
     return frees;
   };
   if (live == live_blocks::refuse) {
-    // A growing pool's segments leave the directory with it, then go back,
-    // once the streams enqueued on its memory have run (a pending free's
-    // stream, a free block's last streams). A free that came after the
-    // drain looked (its stream's work not waited for) sends it round again.
+    // The memory leaves the allocator once the streams enqueued on it have
+    // run (a pending free's stream, a free block's last streams): a growing
+    // pool's segments go back to the device, a region handed in to its owner.
+    // A free that came after the drain looked (its stream's work not waited
+    // for) sends it round again.
     std::vector<std::pair<std::uintptr_t, std::size_t>> grown;
     for (bool removed = false; !removed;) {
       const std::uint64_t frees = frees_now();
-      if (grows) drain_private_pool(id, "");
+      for (block_pool* part : directory_.private_parts(id)) drain(*part);
       std::unique_lock retired_lock(retired_mutex_);
       removed = directory_.remove_private_pool(
           id,
           [&](const std::vector<block_pool*>& parts) {
-            if (grows && frees_in(parts) != frees) return false;
+            if (frees_in(parts) != frees) return false;
             std::size_t segments = 0;
             for (block_pool* part : parts) {
               require_no_live_blocks(*part, "destroy_private_pool");

@@ -27,8 +27,6 @@ adopted_region::adopted_region(alloc::caching_allocator& allocator, borrowed_reg
     : allocator_(allocator), region_(std::move(region)) {
   if (!region_.valid()) throw invalid_argument("adopted_region: the region is empty (moved from or given back)");
   pool_ = allocator_.create_private_pool(region_.data(), region_.size(), parts);
-  if (parts.empty()) parts_.emplace_back();
-  for (const auto& [name, bytes] : parts) parts_.push_back(name);
 }
 
 adopted_region::~adopted_region() {
@@ -50,18 +48,15 @@ adopted_region::~adopted_region() {
 
 alloc::invalidated_blocks_report adopted_region::clear(const std::string& part, alloc::live_blocks live) {
   if (!region_.valid()) throw invalid_argument("adopted_region::clear: the region was released");
-  // A forced clear waits for the whole device instead, so a stream
-  // destroyed since its last use (drain would wait for it) is no obstacle.
-  if (live == alloc::live_blocks::refuse) allocator_.drain_private_pool(pool_, part);
+  // Refusing drains the part first, and again after a free during the wait;
+  // a forced clear waits for the whole device instead.
   return allocator_.clear_private_pool(pool_, part, live);
 }
 
 borrowed_region adopted_region::release(alloc::live_blocks live, alloc::invalidated_blocks_report* invalidated) {
   if (!region_.valid()) throw invalid_argument("adopted_region::release: the region was released already");
-  if (live == alloc::live_blocks::refuse) {  // forced: the whole device is waited for instead (as in clear)
-    for (const auto& part : parts_) allocator_.drain_private_pool(pool_, part);
-  }
-  // Refusing names the live blocks and changes nothing when any is allocated.
+  // Refusing drains every part first (as clear does) and names the live
+  // blocks, changing nothing, when any is allocated.
   auto taken = allocator_.destroy_private_pool(pool_, live);
   if (invalidated != nullptr) *invalidated = std::move(taken);
   return std::move(region_);

@@ -536,6 +536,43 @@ TYPED_TEST(allocator_memory, a_private_pool_block_moving_to_another_stream_waits
   dev.free_segment(region);
 }
 
+// A clear or destroy that refuses live blocks forgets which streams last used
+// the free memory: each waits for them first. (A clear handed the memory to
+// another stream with no wait, so a write still queued on the first landed
+// in the new block; a destroy gave a region back to its owner under it.)
+TYPED_TEST(allocator_memory, a_clear_or_destroy_refusing_live_blocks_waits_for_the_streams_that_last_used_the_memory) {
+  using namespace std::chrono_literals;
+  auto& dev = this->device();
+  auto& a = this->make();
+  backend::stream first(dev), second(dev);
+  void* region = dev.allocate_segment(2 * mib);
+  const auto pool = a.create_private_pool(region, 2 * mib);
+  const auto freed_while_written = [&] {
+    alloc::private_pool_scope scope(a, pool);
+    void* p = a.allocate(mib, first);
+    dev.delay(first, 200ms);
+    dev.fill(first, p, 0x11, mib);  // the first stream's last use, still queued
+    a.deallocate(p, first);
+    return p;
+  };
+  void* p = freed_while_written();
+  a.clear_private_pool(pool);
+  {
+    alloc::private_pool_scope scope(a, pool);
+    void* q = a.allocate(mib, second);
+    EXPECT_EQ(q, p);
+    dev.fill(second, q, 0x22, mib);
+    dev.synchronize(first);
+    EXPECT_TRUE(all_equal(this->read(q, mib, second), 0x22)) << "the clear forgot a stream still writing the memory";
+    a.deallocate(q, second);
+  }
+  (void)freed_while_written();
+  a.destroy_private_pool(pool);
+  EXPECT_TRUE(dev.query(first)) << "the region went back to its owner while a stream still wrote it";
+  dev.synchronize(first);
+  dev.free_segment(region);
+}
+
 TEST(allocator_memory_host, out_of_device_memory_is_out_of_memory) {
   backend::host_device dev({.capacity_bytes = 32 * mib});
   alloc::caching_allocator a(dev, {});

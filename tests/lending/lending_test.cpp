@@ -383,27 +383,6 @@ TYPED_TEST(lending_test, an_adopted_region_serves_allocations_in_its_sub_pools_a
   EXPECT_EQ(l.status().lent_bytes, 0u);
 }
 
-TYPED_TEST(lending_test, control_clearing_without_the_drain_forgets_memory_a_stream_still_writes) {
-  if (this->in_process_only()) return;
-  auto& dev = this->device();
-  auto& l = this->start();
-  borrower b(dev, l.address());
-  alloc::caching_allocator allocator(dev, {});
-  backend::stream s(dev);
-  lending::adopted_region region(allocator, b.borrow(2 * mib, "model A"));
-  void* block = nullptr;
-  {
-    alloc::private_pool_scope scope(allocator, region.pool());
-    block = allocator.allocate(mib, s);
-  }
-  dev.delay(s, 50ms);
-  dev.fill(s, block, 0x77, mib);
-  allocator.deallocate(block, s);
-  allocator.clear_private_pool(region.pool());  // no drain: the protection off
-  EXPECT_FALSE(dev.query(s)) << "the stream had finished anyway: the drained test would prove nothing";
-  dev.synchronize(s);
-}
-
 TYPED_TEST(lending_test, an_adopted_region_destroyed_with_live_blocks_stays_mapped_under_them) {
   if (this->in_process_only()) return;
   auto& dev = this->device();

@@ -345,8 +345,10 @@ class caching_allocator {
   [[nodiscard]] std::vector<void*> private_pool_allocated_blocks(private_pool_id pool) const;
   /// Forgets every free block of the sub-pool (it becomes one free block
   /// again, split only around tombstones), freeing no device memory. With
-  /// live_blocks::refuse, throws invalid_argument naming the live blocks
-  /// when any block in it is allocated or pending. With invalidate, the
+  /// live_blocks::refuse, drains the sub-pool first (drain_private_pool;
+  /// again, as long as frees came during the wait), then throws
+  /// invalid_argument naming the live blocks when any block in it is
+  /// allocated or pending. With invalidate, the
   /// whole device is synchronized first (again, as long as frees of the
   /// sub-pool came during the wait: their streams may still use it), then
   /// its pending frees are complete and its allocated blocks are taken
@@ -358,7 +360,9 @@ class caching_allocator {
   invalidated_blocks_report clear_private_pool(private_pool_id pool, const std::string& part = "",
                                                live_blocks live = live_blocks::refuse);
   /// Removes the pool; with live_blocks::refuse it must be clear of live
-  /// blocks, with invalidate every sub-pool's are taken back first (as
+  /// blocks, and every sub-pool is drained first (drain_private_pool; again,
+  /// as long as frees came during the wait), so that the memory leaves with
+  /// no stream still using it; with invalidate every sub-pool's are taken back first (as
   /// clear_private_pool does; reported), all checked before any is taken:
   /// one block held outside refuses it and nothing is taken. In debug mode
   /// the memory's poison is written when this returns. Its tombstones
@@ -376,8 +380,9 @@ class caching_allocator {
   invalidated_blocks_report destroy_private_pool(private_pool_id pool, live_blocks live = live_blocks::refuse);
   /// Waits on the host until the sub-pool's pending frees have completed and
   /// every stream that last used one of its free blocks has passed the work
-  /// enqueued on it: after this, clearing the sub-pool or giving its memory
-  /// back forgets nothing a stream still reads or writes. Blocks still
+  /// enqueued on it: clear_private_pool and destroy_private_pool do this
+  /// themselves, so that they forget nothing a stream still reads or
+  /// writes; on its own, for memory the caller is about to reuse. Blocks still
   /// allocated stay so (clear_private_pool then names them). Nobody should
   /// allocate from the sub-pool meanwhile.
   void drain_private_pool(private_pool_id pool, const std::string& part = "");

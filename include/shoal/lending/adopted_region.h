@@ -79,7 +79,6 @@ class adopted_region {
  private:
   alloc::caching_allocator& allocator_;
   borrowed_region region_;
-  std::vector<std::string> parts_;
   alloc::private_pool_id pool_{};
 };
 
