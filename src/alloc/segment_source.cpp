@@ -208,9 +208,13 @@ void segment_source::free_plain_segment(std::uintptr_t base) {
 }
 
 bool segment_source::reserve_growable(block_pool& pool, std::size_t size) {
-  // One range as large as the device, so this pool never needs a second.
+  // One range as large as the device, so this pool never needs a second. A
+  // request past the device's memory could never be mapped: refused before
+  // a range of its size (and host memory per chunk of it) is kept for good.
+  const std::size_t total = device_.memory().total_bytes;
+  if (total > 0 && size > total) return false;
   const std::size_t g = device_.granularity();
-  const std::size_t span = round_up(std::max(device_.memory().total_bytes, size), g);
+  const std::size_t span = round_up(std::max(total, size), g);
   // The host memory it needs comes first, so that std::bad_alloc never
   // strands a range the device reserved.
   auto s = std::make_unique<segment>();

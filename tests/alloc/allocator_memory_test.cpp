@@ -573,6 +573,21 @@ TYPED_TEST(allocator_memory, a_clear_or_destroy_refusing_live_blocks_waits_for_t
   dev.free_segment(region);
 }
 
+// A request past the device's memory is out of memory before a growable
+// range is reserved for it: a range of its size (and host memory for each
+// chunk of it) was kept for the pool's life.
+TEST(allocator_memory_host, a_request_past_the_device_reserves_no_growable_range_for_itself) {
+  backend::host_device dev({.capacity_bytes = 64 * mib});
+  alloc::caching_allocator a(dev, alloc::allocator_config::parse("expandable_segments:true"));
+  EXPECT_THROW((void)a.allocate(std::size_t{1} << 40, {}), out_of_memory);
+  EXPECT_TRUE(a.take_snapshot().segments.empty()) << "a range of the request's size stayed reserved";
+  void* p = a.allocate(mib, {});
+  const auto snap = a.take_snapshot();
+  ASSERT_EQ(snap.segments.size(), 1U);
+  EXPECT_EQ(snap.segments[0].size, 64 * mib) << "the pool's one range is as large as the device";
+  a.deallocate(p, {});
+}
+
 TEST(allocator_memory_host, out_of_device_memory_is_out_of_memory) {
   backend::host_device dev({.capacity_bytes = 32 * mib});
   alloc::caching_allocator a(dev, {});
