@@ -745,7 +745,9 @@ void allocator_core::collect_pending(block_pool& pool, bool wait_on_device) {
     for (; i < list.size(); ++i) {
       block* b = list[i];
       const bool done = passed(b);
-      if (!done && !wait_on_device) {
+      // An awaiting free has no event yet for the device to wait on: kept
+      // (only pinned memory's frees await, and pinned pools never wait on the device).
+      if (!done && (!wait_on_device || b->waits.empty())) {
         list[kept++] = b;
         continue;
       }

@@ -154,11 +154,18 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
       }
       settled += settled_free(b) ? 1 : 0;
       if (b->quick != parked.contains(b)) {
-        fail("free bins", block_name(b) + where + (b->quick ? " is marked vacant but is not in the quick list"
-                                                            : " is in the quick list but not marked vacant"));
+        fail("free bins", block_name(b) + where + (b->quick ? " is marked parked but is not in the quick list"
+                                                            : " is in the quick list but not marked parked"));
       }
       if (b->quick && (b->state != block_state::free || !b->mapped)) {
         fail("free bins", block_name(b) + where + " is parked but not free and mapped");
+      }
+      // A parked block is handed out again with no wait: it has none to keep.
+      if (b->quick && (!b->waits.empty() || !b->last_streams.empty())) {
+        fail("free bins", block_name(b) + where + " is parked but carries waits or last streams");
+      }
+      if ((b->address % min_block) != 0 || (b->size % min_block) != 0) {
+        fail("neighbours", block_name(b) + where + " lies off the " + std::to_string(min_block) + "-byte grid");
       }
       parked_found += b->quick ? 1 : 0;
       // neighbours
@@ -184,6 +191,10 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
       }
       if (b->claimed && b->state != block_state::allocated) {
         fail("states", block_name(b) + where + " is claimed by an owner but is not allocated");
+      }
+      // record_stream's streams are let go (held no more) when the block is freed.
+      if (!b->used_on.empty() && b->state != block_state::allocated) {
+        fail("states", block_name(b) + where + " still holds streams recorded on it but is not allocated");
       }
       if (b->held_outside && b->state != block_state::allocated) {
         fail("states", block_name(b) + where + " is marked shared with another process but is not allocated");
@@ -228,6 +239,9 @@ void check_pool(const block_pool& pool, std::size_t granularity) {
   if (parked.size() != pool.quick_count || parked_found != pool.quick_count) {
     fail("free bins", "the " + pool_name(pool) + "'s quick list holds " + std::to_string(pool.quick_count) +
                           " entries but its segments have " + std::to_string(parked_found) + " parked blocks");
+  }
+  for (const block* b : pool.awaiting) {
+    if (!pending.contains(b)) fail("states", block_name(b) + " awaits an event in the " + pool_name(pool) + " but is not pending");
   }
   std::size_t awaiting_found = 0, shared_found = 0;
   for (const block* b : pool.pending) {

@@ -87,6 +87,10 @@ void allocator_core::unsafe_break_invariant(void* ptr, test_hook::invariant_brea
         if (b->state != block_state::invalidated) break;
         (void)pool.by_address.take(b->address);
         return;
+      case invariant_breakage::free_block_holds_a_recorded_stream:
+        if (!next_settled) break;
+        next->used_on.push_back(b->stream);
+        return;
       case invariant_breakage::vacant_unmarked:
       case invariant_breakage::vacant_block_handed_out:
         break;  // above

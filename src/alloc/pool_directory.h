@@ -46,7 +46,13 @@
 //   directory holds a stream with no lock of its own held). Leaf locks are
 //   not held together, except under segments_mutex_ by the invariant checker
 //   (the orphaned tombstones', the detached count's; nothing takes them the
-//   other way round).
+//   other way round). The hooks' lock is a leaf only for its writers (add,
+//   remove): a miss or forced-clear hook runs under it held shared and may
+//   free blocks (a pool's lock), while a pool lock's holder takes it shared to
+//   notify observers. Both are shared holds of a std::shared_mutex, which
+//   glibc's rwlock serves to readers while a writer waits (its default,
+//   reader-preferring kind), so neither waits for the other; a lock that made
+//   readers queue behind a waiting writer would deadlock here.
 // Two pool locks are never held at once, except by with_every_pool_locked
 // (the invariant checker), which takes them all in one fixed order while
 // it holds directory_mutex_ shared, by remove_private_pool, which takes

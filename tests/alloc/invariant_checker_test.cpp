@@ -169,6 +169,16 @@ TYPED_TEST(invariant_checker, a_settled_free_block_missing_from_the_bins_breaks_
   EXPECT_NE(what.find("not in the free bins"), std::string::npos) << what;
 }
 
+TYPED_TEST(invariant_checker, a_free_block_still_holding_a_recorded_stream_breaks_states) {
+  void* block = nullptr;
+  auto& a = broken(*this, invariant_breakage::free_block_holds_a_recorded_stream, block);
+  const auto e = caught(a);
+  EXPECT_EQ(e.invariant(), "states") << e.what();
+  const std::string what = e.what();
+  EXPECT_NE(what.find("block " + hex(offset(block, 512))), std::string::npos) << what;
+  EXPECT_NE(what.find("still holds streams recorded on it"), std::string::npos) << what;
+}
+
 TYPED_TEST(invariant_checker, two_neighbouring_settled_free_blocks_are_caught) {
   void* block = nullptr;
   auto& a = broken(*this, invariant_breakage::free_neighbours, block);

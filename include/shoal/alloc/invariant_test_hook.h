@@ -40,6 +40,9 @@ enum class invariant_breakage : std::uint8_t {
   /// still served a stream (`ptr` any live block; invalid_argument when no
   /// let-go stream's pool holds a parked block)
   vacant_block_handed_out,
+  /// the settled free block after it still holds a stream recorded on it
+  /// (record_stream's streams are let go when a block is freed)
+  free_block_holds_a_recorded_stream,
 };
 
 /// Breaks `what` around the allocated block (or tombstone) at `ptr`. Throws
