@@ -56,6 +56,11 @@
 //     memory are sealed memfds on the host backend), or exhaust the
 //     consumer's descriptors or address space past sharing_options::max_peer_*
 //     (each producer process apart: the access policy bounds how many).
+//     On the host backend a segment's pages are shared memory of the
+//     producer's file: a page it never wrote (a sparse file, or a hole it
+//     punched later) is allocated when the consumer first reads it, and
+//     counts in the consumer's memory cgroup for as long as the producer
+//     keeps the file, up to the storage's size (within max_peer_mapped_bytes).
 //   - Waits on a peer: receive() blocks until a message or the peer's end;
 //     receive_for() has a deadline, sends have sharing_options::send_timeout,
 //     and tearing a peer down waits at most sharing_options::teardown_timeout
