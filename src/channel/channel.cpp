@@ -419,6 +419,25 @@ connection connection::connect(const channel_address& address, const access_poli
   return identify_peer(std::move(s), policy, max_payload, "connection::connect to " + address.to_string());
 }
 
+namespace {
+
+// A socket handed in may be non-blocking (asyncio's, a SOCK_NONBLOCK pair) or
+// carry timeouts: sends then end in EAGAIN when the peer reads slowly, which
+// would break the connection. The channel waits with deadlines of its own.
+void make_blocking(int socket) {
+  const int flags = ::fcntl(socket, F_GETFL);
+  if (flags < 0) throw os_error{errno, "fcntl(F_GETFL)"};
+  if ((flags & O_NONBLOCK) != 0 && ::fcntl(socket, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    throw os_error{errno, "fcntl(F_SETFL)"};
+  }
+  const timeval none{};
+  for (const int option : {SO_SNDTIMEO, SO_RCVTIMEO}) {
+    if (::setsockopt(socket, SOL_SOCKET, option, &none, sizeof none) != 0) throw os_error{errno, "setsockopt"};
+  }
+}
+
+}  // namespace
+
 connection connection::adopt(unique_fd connected_socket, const access_policy& policy, std::size_t max_payload) {
   if (!connected_socket) throw invalid_argument("connection::adopt: no socket was given");
   int domain = 0, type = 0;
@@ -441,6 +460,7 @@ connection connection::adopt(unique_fd connected_socket, const access_policy& po
     if (errno == ENOTCONN) throw invalid_argument("connection::adopt: the socket is not connected");
     throw os_error{errno, "getpeername"};
   }
+  make_blocking(connected_socket.get());
   return identify_peer(std::move(connected_socket), policy, max_payload, "connection::adopt");
 }
 
@@ -554,7 +574,7 @@ void send_on_socket(int socket, std::span<const outgoing_frame> frames, std::vec
 // Waits until `ring` has `bytes` of room: yields a while, then sleeps on the
 // socket a millisecond at a time, so a peer that hangs up ends the wait.
 void wait_for_room(int socket, detail::ring_writer& ring, std::size_t bytes, detail::deadline until) {
-  for (int round = 0; ring.room() < bytes; ++round) {
+  for (int round = 0; ring.room() < bytes; round = std::min(round + 1, 64)) {  // counts to the sleeps, no further
     const auto now = std::chrono::steady_clock::now();
     if (until && now >= *until) throw timeout_error("the deadline passed while the peer's ring was full");
     if (round < 64) {
@@ -772,18 +792,18 @@ std::optional<std::chrono::steady_clock::time_point> connection::unsent_since() 
 }
 
 void connection::set_receive_spin(std::chrono::nanoseconds spin) {
-  usable("set_receive_spin").spin_ns.store(std::max<std::int64_t>(0, spin.count()), std::memory_order_relaxed);
+  usable("set_receive_spin").spin_ns.store(shoal::detail::channel_spin(spin).count(), std::memory_order_relaxed);
 }
 
 void connection::set_send_timeout(std::chrono::milliseconds timeout) {
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::max(timeout, std::chrono::milliseconds(0)));
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(shoal::detail::channel_timeout(timeout));
   usable("set_send_timeout").send_timeout_ns.store(ns.count(), std::memory_order_relaxed);
 }
 
 frame connection::receive() { return receive_until(std::nullopt); }
 
 frame connection::receive_for(std::chrono::milliseconds timeout) {
-  return receive_until(std::chrono::steady_clock::now() + std::max(timeout, std::chrono::milliseconds(0)));
+  return receive_until(std::chrono::steady_clock::now() + shoal::detail::channel_timeout(timeout));
 }
 
 // Reads the next batch into s.unread with `read` (which returns false when
@@ -953,7 +973,7 @@ inline void spin_pause() noexcept {
 bool spin_on_ring(detail::ring_reader& ring, std::chrono::nanoseconds spin, const detail::deadline& deadline) {
   if (spin.count() <= 0) return ring.has_entries();
   ring.set_spinning(true);
-  auto until = std::chrono::steady_clock::now() + spin;
+  auto until = std::chrono::steady_clock::now() + shoal::detail::channel_spin(spin);
   if (deadline && *deadline < until) until = *deadline;
   bool came = false;
   for (unsigned round = 0; !(came = ring.has_entries()); ++round) {
@@ -1178,7 +1198,7 @@ listener::~listener() {
 connection listener::accept() { return *accept_until(std::nullopt); }
 
 std::optional<connection> listener::accept_for(std::chrono::milliseconds timeout) {
-  return accept_until(std::chrono::steady_clock::now() + std::max(timeout, std::chrono::milliseconds(0)));
+  return accept_until(std::chrono::steady_clock::now() + shoal::detail::channel_timeout(timeout));
 }
 
 void listener::refuse_descriptors() { refuse_descriptors_in_kernel(socket_.get()); }

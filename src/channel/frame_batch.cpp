@@ -15,6 +15,7 @@
 #include <string>
 #include <thread>
 
+#include "core/deadline.h"
 #include "core/descriptor_closer.h"
 #include "core/scm_rights.h"
 #include "shoal/core/error.h"
@@ -172,7 +173,7 @@ std::size_t read_some(int socket, std::byte* into, std::size_t bytes, const read
   header.msg_iovlen = 1;
   header.msg_control = control;
   header.msg_controllen = most_descriptors == 0 ? 0 : sizeof control;
-  const auto spin_until = std::chrono::steady_clock::now() + spin;
+  const auto spin_until = std::chrono::steady_clock::now() + shoal::detail::channel_spin(spin);
   // Non-blocking calls, between polls once spinning is over: never parked in
   // recvmsg, so that the closers' hold on new batches (checked before the
   // batch began) is checked again after each wait; a read parked past it

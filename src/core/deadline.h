@@ -25,4 +25,11 @@ namespace shoal::detail {
   return std::clamp(timeout, std::chrono::milliseconds(0), longest);
 }
 
+/// A spin for the channel layer, added to its clock as it starts: from 0 to
+/// a year, like channel_timeout.
+[[nodiscard]] inline std::chrono::nanoseconds channel_spin(std::chrono::nanoseconds spin) noexcept {
+  constexpr std::chrono::nanoseconds longest = std::chrono::hours(24 * 365);
+  return std::clamp(spin, std::chrono::nanoseconds(0), longest);
+}
+
 }  // namespace shoal::detail

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "channel/channel_fixtures.h"
 #include "shoal/channel/channel.h"
@@ -114,6 +115,33 @@ TEST(channel, adopt_takes_only_a_connected_unix_stream_socket) {
       << "not connected";
   pipe_ends not_a_socket;
   EXPECT_THROW((void)connection::adopt(std::move(not_a_socket.read), {}), invalid_argument);
+}
+
+// A socket handed in non-blocking (asyncio's, a SOCK_NONBLOCK pair) or with
+// a send timeout: a send that fills the socket buffer while the peer reads
+// slowly waits, instead of failing with EAGAIN and breaking the connection.
+TEST(channel, adopt_makes_a_non_blocking_socket_wait_for_a_slow_reader) {
+  int ends[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, ends), 0);
+  unique_fd sending_end(ends[0]);
+  unique_fd reading_end(ends[1]);
+  const timeval short_wait{0, 1000};
+  ASSERT_EQ(::setsockopt(sending_end.get(), SOL_SOCKET, SO_SNDTIMEO, &short_wait, sizeof short_wait), 0);
+  connection sender = connection::adopt(std::move(sending_end), {});
+  connection reader = connection::adopt(std::move(reading_end), {});
+  const std::string payload(60 * 1024, 'x');
+  constexpr int frames = 64;  // about 4 MiB: far past the socket's buffer
+  std::thread slow([&] {
+    std::this_thread::sleep_for(200ms);
+    try {
+      for (int i = 0; i < frames; ++i) (void)reader.receive_for(10s);
+    } catch (const error&) {  // NOLINT(bugprone-empty-catch): the sender's failure is what is checked
+    }
+  });
+  EXPECT_NO_THROW(for (int i = 0; i < frames; ++i) sender.send(1, bytes_of(payload)))
+      << "a full buffer broke the connection";
+  slow.join();
+  EXPECT_FALSE(sender.broken());
 }
 
 TEST(channel, a_peer_that_is_gone_gives_connection_closed_not_sigpipe) {

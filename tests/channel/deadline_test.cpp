@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <future>
+#include <thread>
 #include <vector>
 
 #include "channel/channel_fixtures.h"
@@ -40,6 +41,29 @@ TEST(channel_deadline, receive_for_with_nothing_sent_times_out_and_the_connectio
   const channel::frame f = c.receive_for(10s);
   EXPECT_EQ(f.type, 7);
   EXPECT_EQ(text_of(f.payload), "late");
+}
+
+// The longest durations mean "wait": receive_for(milliseconds::max()) added
+// it to the clock in nanoseconds, overflowed into a deadline in the past and
+// timed out at once; spins and send timeouts that long are taken too.
+TEST(channel_deadline, the_longest_timeouts_and_spins_wait_instead_of_overflowing) {
+  socket_pair pair;
+  connection c = connection::adopt(std::move(pair.a), {});
+  c.set_send_timeout(std::chrono::milliseconds::max());
+  auto late = std::async(std::launch::async, [&] {
+    std::this_thread::sleep_for(100ms);
+    write_raw(pair.b.get(), raw_batch("SHOL", 2, {{7, bytes_of("late")}}));
+  });
+  const channel::frame f = c.receive_for(std::chrono::milliseconds::max());
+  EXPECT_EQ(f.type, 7);
+  late.get();
+  c.set_receive_spin(std::chrono::nanoseconds::max());
+  late = std::async(std::launch::async, [&] {
+    std::this_thread::sleep_for(100ms);
+    write_raw(pair.b.get(), raw_batch("SHOL", 2, {{8, bytes_of("later")}}));
+  });
+  EXPECT_EQ(c.receive_for(std::chrono::milliseconds::max()).type, 8);
+  late.get();
 }
 
 TEST(channel_deadline, receive_for_zero_takes_what_has_come_and_keeps_a_batch_that_came_in_part) {
