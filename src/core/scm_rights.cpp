@@ -1,6 +1,7 @@
 #include "core/scm_rights.h"
 
 #include <cstring>
+#include <new>
 #include <string>
 
 #include "shoal/core/error.h"
@@ -27,16 +28,25 @@ void take_descriptors(msghdr& header, std::vector<unique_fd>& into, std::uint32_
   for (cmsghdr* c = CMSG_FIRSTHDR(&header); c != nullptr; c = CMSG_NXTHDR(&header, c)) {
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) total += (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
   }
-  into.reserve(total);  // so no emplace_back below throws and leaves a descriptor unowned
-  for (cmsghdr* c = CMSG_FIRSTHDR(&header); c != nullptr; c = CMSG_NXTHDR(&header, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-    const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (std::size_t i = 0; i < count; ++i) {
-      int fd;
-      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-      into.push_back(unique_fd::from_peer(fd, peer_uid));
+  const auto each_descriptor = [&](auto&& take) {
+    for (cmsghdr* c = CMSG_FIRSTHDR(&header); c != nullptr; c = CMSG_NXTHDR(&header, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      const std::size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (std::size_t i = 0; i < count; ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+        take(fd);
+      }
     }
+  };
+  try {
+    into.reserve(total);  // so no push_back below throws and leaves a descriptor unowned
+  } catch (const std::bad_alloc&) {
+    // The kernel installed them already: each is closed as a peer's is.
+    each_descriptor([&](int fd) { (void)unique_fd::from_peer(fd, peer_uid); });
+    throw;
   }
+  each_descriptor([&](int fd) { into.push_back(unique_fd::from_peer(fd, peer_uid)); });
 }
 
 std::uint32_t peer_uid_of(int socket) noexcept {
