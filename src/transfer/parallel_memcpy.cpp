@@ -87,7 +87,7 @@ void parallel_memcpy::copy_all(std::span<const copy_job> jobs, store_kind stores
     if (sleepers_ > 0) work_.notify_all();
     if (wide_sleepers_ > 0 && parts > narrow_threads) wide_work_.notify_all();
   }
-  take_slices(generation);
+  take_slices(generation, false);
   // The last slices are helpers', each a few microseconds of copying: spin
   // for them, yielding once it takes longer than the window (a helper
   // descheduled while it holds one).
@@ -108,7 +108,7 @@ void parallel_memcpy::copy_range(std::size_t begin, std::size_t end) const noexc
   }
 }
 
-void parallel_memcpy::take_slices(std::uint32_t generation) noexcept {
+void parallel_memcpy::take_slices(std::uint32_t generation, bool by_helper) noexcept {
   for (;;) {
     std::uint64_t c = claim_.load(std::memory_order_acquire);
     do {
@@ -118,6 +118,8 @@ void parallel_memcpy::take_slices(std::uint32_t generation) noexcept {
     // stay as they were published.
     const std::size_t offset = next_of(c) * slice_;
     copy_range(offset, std::min(offset + slice_, bytes_));
+    // Counted before the slice is finished: a caller back from copy() sees it.
+    if (by_helper) helper_slices_.fetch_add(1, std::memory_order_relaxed);
     finished_.fetch_add(1, std::memory_order_release);
   }
 }
@@ -146,7 +148,7 @@ void parallel_memcpy::help(std::size_t index) noexcept {
     // Helper k takes part in copies of more than k slices: the others stay
     // off the claim word.
     const bool needed = index < slices_of(c);
-    if (needed) take_slices(seen);
+    if (needed) take_slices(seen, true);
     if (wide) watch = needed;
   }
 }

@@ -77,6 +77,11 @@ class parallel_memcpy {
   /// write only the pieces of min_slice bytes or more; a smaller piece (a
   /// small job, or a job's part at a slice's edge) goes through memcpy.
   void copy_all(std::span<const copy_job> jobs, store_kind stores, std::size_t max_threads = SIZE_MAX);
+  /// How many slices the helpers have copied so far (the caller's are not
+  /// counted): whether the helpers take part at all.
+  [[nodiscard]] std::uint64_t slices_copied_by_helpers() const noexcept {
+    return helper_slices_.load(std::memory_order_relaxed);
+  }
 
   // 64 KiB: on the H200 host, groups of 64 KiB pageable batches staged at
   // 0.70-0.76 of the pinned copy with slices of at least 256 KiB (four
@@ -100,8 +105,9 @@ class parallel_memcpy {
   // Stops the helpers started and waits for them to end.
   void stop_helpers() noexcept;
   void help(std::size_t index) noexcept;
-  // Copies slices of copy `generation` until none is left to take.
-  void take_slices(std::uint32_t generation) noexcept;
+  // Copies slices of copy `generation` until none is left to take (counted
+  // in helper_slices_ when `by_helper`).
+  void take_slices(std::uint32_t generation, bool by_helper) noexcept;
   static void copy_slice(std::byte* to, const std::byte* from, std::size_t n, store_kind stores) noexcept;
   // Copies bytes [begin, end) of the current copies laid end to end.
   void copy_range(std::size_t begin, std::size_t end) const noexcept;
@@ -125,6 +131,7 @@ class parallel_memcpy {
   std::mutex sleep_mutex_;  // guards the sleeper counts; helpers sleep under it
   std::condition_variable work_, wide_work_;  // narrow helpers sleep on work_, wide ones on wide_work_
   std::size_t sleepers_ = 0, wide_sleepers_ = 0;
+  std::atomic<std::uint64_t> helper_slices_{0};  // slices helpers copied, counted before each is finished
   std::vector<std::thread> helpers_;
 };
 

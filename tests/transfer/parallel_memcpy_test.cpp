@@ -51,18 +51,24 @@ TEST(parallel_memcpy, many_copies_back_to_back_each_complete_before_copy_returns
 }
 
 // Helpers that watched past their spin window sleep; the next copy wakes
-// them. What this shows is every byte arriving after the helpers slept (a
-// lost wake-up would leave the caller copying every slice alone, which the
-// bytes cannot show).
-TEST(parallel_memcpy, a_copy_after_the_helpers_fell_asleep_completes_with_every_byte) {
+// them. Every byte arrives after the helpers slept, and the helpers take
+// slices of those copies: a lost wake-up would leave the caller copying every
+// slice alone, which the bytes alone cannot show. (One slice is a few
+// milliseconds of copying here, far longer than a wake-up even on a loaded
+// machine; over five copies, helpers that wake take at least one.)
+TEST(parallel_memcpy, a_copy_after_the_helpers_fell_asleep_wakes_them_and_completes_with_every_byte) {
   parallel_memcpy copier(3);
-  std::vector<std::uint8_t> src(4 << 20), dst(4 << 20);
+  std::vector<std::uint8_t> src(64 << 20), dst(64 << 20);
+  std::uint64_t taken = 0;
   for (int round = 0; round < 5; ++round) {
     std::this_thread::sleep_for(parallel_memcpy::spin_window * 5);
     std::fill(src.begin(), src.end(), static_cast<std::uint8_t>(round + 1));
+    const std::uint64_t before = copier.slices_copied_by_helpers();
     copier.copy(dst.data(), src.data(), src.size(), store_kind::streaming);
+    taken += copier.slices_copied_by_helpers() - before;
     ASSERT_EQ(dst, src) << "round " << round;
   }
+  EXPECT_GT(taken, 0U) << "no helper woke for a copy made after they slept";
 }
 
 // A list of copies split by bytes as if they were one: slices begin and end
