@@ -670,13 +670,15 @@ class ModuleLoader:
         """Waits for the copies and for the device (forwards on any stream may still read the
         tensors: PyTorch's allocator would not know of those streams), takes the hooks off,
         points the module's tensors back at the host views and frees the device buffer.
-        Values computed on the device are not copied back."""
+        Values computed on the device are not copied back. When a wait raises (a kernel
+        fault), nothing has changed: the module stays loaded, its hooks on."""
         if self._loading is None:
             return
         torch = _torch()
-        loading, self._loading = self._loading, None
-        loading.remove_hooks()
+        loading = self._loading
         loading.synchronize()
         torch.cuda.synchronize(self.device)
+        self._loading = None
+        loading.remove_hooks()
         self._swap(self._host_views)
         self._device_buffer = None

@@ -208,6 +208,26 @@ def test_waiting_by_hand_defaults_to_torchs_current_stream_and_unload_frees_the_
     assert loading.groups > 1
 
 
+def test_an_unload_whose_wait_fails_changes_nothing_and_a_later_one_completes(torch, monkeypatch):
+    # A wait that raises (a kernel fault, here torch.cuda.synchronize made to fail once) left the
+    # loader thinking it had unloaded, with the module still on device views and its hooks off.
+    model = make_model(torch, seed=6)
+    loader = shoal.loading.ModuleLoader(model)
+    loader.load()
+    real_synchronize = torch.cuda.synchronize
+
+    def failing_synchronize(*args, **kwargs):
+        monkeypatch.setattr(torch.cuda, "synchronize", real_synchronize)
+        raise RuntimeError("CUDA error: device-side assert triggered (made up)")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", failing_synchronize)
+    with pytest.raises(RuntimeError, match="made up"):
+        loader.unload()
+    assert next(model.parameters()).is_cuda, "the failed unload moved the module off the device"
+    loader.unload()
+    assert not next(model.parameters()).is_cuda, "the second unload did nothing: the first had forgotten the loading"
+
+
 def test_without_a_profile_the_default_plan_still_overlaps(torch):
     loader = shoal.loading.ModuleLoader(make_model(torch))
     loading = loader.load()
