@@ -6,7 +6,13 @@
 // in_runtime_dir), or an abstract name, which has no file and no permission bits:
 // there the credential check is the only guard. Each connection reads its
 // peer's pid, uid and gid (SO_PEERCRED) when it is made, on both sides, and
-// refuses a uid that the access policy does not allow. Only AF_UNIX stream
+// refuses a uid that the access policy does not allow. The kernel records that
+// pid at the peer's connect() (or listen(), socketpair()); the process identity
+// (pid and start time) is read from /proc when the connection is made here. A
+// peer that handed its socket to another process and exited in between, its
+// pid taken by a new process meanwhile, is named as that new process (the uid
+// check is the kernel's and stays exact); one whose pid is free is refused as
+// exited. Only AF_UNIX stream
 // sockets are ever created or adopted: nothing here speaks TCP.
 //
 // Wire form, in host byte order (both ends share one machine). Frames travel
