@@ -43,19 +43,13 @@ def run_program(name: str, *args: str, timeout: float = 600) -> dict:
 def test_a_forked_child_drops_the_tensors_it_inherited_silently_and_the_parent_keeps_them():
     # A DataLoader worker started with fork drops what it inherited at its exit: the
     # blocks are the parent's (the child's allocator refuses them), so each drop does
-    # nothing, with no message (json_of checks stderr, which the child shares). A child
-    # forked before the parent asked for memory uses CUDA itself: its frees free.
+    # nothing, with no message (json_of checks stderr, which the child shares). (A child
+    # cannot use CUDA itself once the plugin is enabled: PyTorch refuses it, "Cannot
+    # re-initialize CUDA in forked subprocess", seen on the H100.)
     out = run(
         """
         import gc, json, os, shoal.torch, torch
         shoal.torch.enable(use_environment=False)
-        pid = os.fork()
-        if pid == 0:
-            x = torch.ones(1 << 20, device="cuda")
-            held = shoal.torch.memory_allocated()
-            del x
-            os._exit(0 if held > 0 and shoal.torch.memory_allocated() == 0 else 3)
-        _, first_child = os.waitpid(pid, 0)
         kept = [torch.ones(1 << 18, device="cuda") for _ in range(4)]
         torch.cuda.synchronize()
         before = shoal.torch.memory_allocated()
@@ -65,12 +59,11 @@ def test_a_forked_child_drops_the_tensors_it_inherited_silently_and_the_parent_k
             gc.collect()
             os._exit(0)
         _, status = os.waitpid(pid, 0)
-        print(json.dumps({"first_child": first_child, "child": status, "before": before,
+        print(json.dumps({"child": status, "before": before,
                           "after": shoal.torch.memory_allocated(), "sum": sum(t.sum().item() for t in kept)}))
         """,
         timeout=120,
     )
-    assert out["first_child"] == 0, "a child of a parent that had not allocated: its free did not free"
     assert out["child"] == 0
     assert out["after"] == out["before"] > 0
     assert out["sum"] == 4 * (1 << 18), "the parent's tensors changed"
