@@ -79,7 +79,9 @@ void check(int status, const char* what) { shoal_torch::check(*api, status, what
 // which the child's allocator refuses. Those drops (a DataLoader worker's,
 // at its exit) do nothing: no lock a parent thread held at the fork, no
 // CUDA stream lookup, no message per tensor. A child of a process that
-// never allocated uses CUDA itself: its frees go on as in any process.
+// never allocated has no such block; its frees go on as in any process
+// (PyTorch refuses CUDA in a child once the plugin is enabled, seen on the
+// H100: "Cannot re-initialize CUDA in forked subprocess").
 std::atomic<bool> asked_for_memory{false};
 std::atomic<bool> forked_child{false};
 
