@@ -197,8 +197,10 @@ void* allocator_core::allocate_from(block_pool& pool, const request& r) {
     b = try_allocate(pool, r, hooks_first ? growth::none : growth::standard_segment);
   }
   if (b == nullptr) b = allocate_after_miss(pool, r, hooks_first);
-  if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, r.stream);
   check_step();
+  // Traced where it was handed out, under the pool's lock: a forced clear
+  // may take the block back from here on (its tombstone keeps the address,
+  // not the size).
   return reinterpret_cast<void*>(b->address);
 }
 
@@ -236,6 +238,7 @@ block* allocator_core::try_allocate(block_pool& pool, const request& r, growth m
   // (still in the index: nothing to make room for).
   if (block* b = take_quick(pool, r.size)) [[likely]] {
     hand_out_parked(pool, b, r.requested, r.stream, r.claim);
+    if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, r.stream);
     return b;
   }
   // Host memory a hand-out may need is taken before a block leaves the
@@ -414,6 +417,7 @@ void allocator_core::hand_out(block_pool& pool, block* b, const request& r) {
   if (!was_parked) pool.by_address.insert(b);  // a parked block never left it
   refresh_split_stat(pool, b);
   count_hand_out(pool, b, r.requested);
+  if (trace_.enabled()) trace_.note(trace_action::alloc, b->address, b->size, r.stream);
 }
 
 void allocator_core::out_of_memory_error(block_pool& pool, std::size_t bytes, backend::stream_ref stream) {
