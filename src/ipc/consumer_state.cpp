@@ -345,7 +345,7 @@ void consumer_state::make_room_to_map(std::size_t chunks, std::size_t bytes) {
   // What this producer's earlier tables left open counts too (closed first
   // where their releases have run): a producer that stalls its teardown and
   // reconnects would otherwise map anew each time.
-  if (!held_->left_open.empty()) held_->left_open.close_released(*held_);
+  held_->left_open.close_released(*held_);
   const auto left = held_->left_open.held_for(producer);
   std::size_t mapped = left.segments;
   std::size_t mapped_bytes = left.bytes;  // within byte_limit: every mapping counted here was made within it

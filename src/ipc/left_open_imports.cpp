@@ -49,9 +49,4 @@ left_open_imports::amount left_open_imports::held_for(const process_identity& pr
   return a;
 }
 
-bool left_open_imports::empty() const {
-  std::lock_guard lock(mutex_);
-  return remains_.empty();
-}
-
 }  // namespace shoal::ipc::detail

@@ -45,7 +45,6 @@ class left_open_imports {
   };
   /// What `producer`'s earlier tables left mapped here.
   [[nodiscard]] amount held_for(const process_identity& producer) const;
-  [[nodiscard]] bool empty() const;
 
  private:
   mutable std::mutex mutex_;

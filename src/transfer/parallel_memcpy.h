@@ -131,7 +131,9 @@ class parallel_memcpy {
   std::mutex sleep_mutex_;  // guards the sleeper counts; helpers sleep under it
   std::condition_variable work_, wide_work_;  // narrow helpers sleep on work_, wide ones on wide_work_
   std::size_t sleepers_ = 0, wide_sleepers_ = 0;
-  std::atomic<std::uint64_t> helper_slices_{0};  // slices helpers copied, counted before each is finished
+  // Slices helpers copied, counted before each is finished; on a line of its
+  // own, away from the sleepers' counts a copy reads.
+  alignas(64) std::atomic<std::uint64_t> helper_slices_{0};
   std::vector<std::thread> helpers_;
 };
 
